@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import orjson
 
@@ -41,8 +41,8 @@ MAX_LIST_LEN = 1024
 # 2100-01-01T00:00:00Z in ms: anything later is a unit mistake (microseconds, nanoseconds).
 MAX_TS_MS = 4_102_444_800_000
 
-Id = Union[int, str]
-ContextValue = Union[str, int, float, bool, list]
+Id = int | str
+ContextValue = str | int | float | bool | list
 
 
 @dataclass(frozen=True, slots=True)

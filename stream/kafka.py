@@ -69,7 +69,7 @@ def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int |
     ]
     if not new:
         return
-    for topic, fut in admin.create_topics(new, operation_timeout=10).items():
+    for fut in admin.create_topics(new, operation_timeout=10).values():
         try:
             fut.result()
         except KafkaException as exc:
@@ -133,7 +133,8 @@ class AckedProducer:
         remaining = self._producer.flush(timeout_s)
         if remaining:
             self.report.failed += remaining
-            self.report.first_error = self.report.first_error or f"{remaining} messages unacknowledged after {timeout_s}s"
+            self.report.first_error = (self.report.first_error
+                                       or f"{remaining} messages unacknowledged after {timeout_s}s")
         if self.report.failed:
             raise DeliveryFailed(
                 f"{self.report.failed} message(s) were not acknowledged by {self._bootstrap}; "

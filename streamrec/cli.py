@@ -20,7 +20,6 @@ from typing import Any
 from streamrec.settings import (
     DelayKind,
     KafkaSettings,
-    RedisSettings,
     ReplaySettings,
     SettingsError,
     Sources,

@@ -122,7 +122,7 @@ class SyntheticSettings:
     late_click_share: float = 0.02  # share of clicks arriving after the attribution window
     duplicate_click_share: float = 0.03
     orphan_click_share: float = 0.01  # clicks for impression ids that were never shown
-    malformed_share: float = 0.0  # share of messages replaced by malformed ones
+    malformed_share: float = 0.0  # share of all messages that are extra malformed ones (valid counts stay exact)
 
 
 T = TypeVar("T")

@@ -1,0 +1,52 @@
+"""Session fixtures: a real Kafka-protocol broker and a real Redis, started by the project's own stack code
+on free ports, with a unique topic set and consumer group per test."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from streamrec.settings import KafkaSettings, StackSettings
+from streamrec.stack import LocalStack, free_port
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    st = LocalStack(StackSettings(state_dir=tmp_path_factory.mktemp("stack"), kafka_port=free_port(),
+                                  redis_port=free_port()))
+    st.up()
+    try:
+        yield st
+    finally:
+        st.down()
+
+
+@pytest.fixture
+def kafka(stack: LocalStack) -> KafkaSettings:
+    """Settings pointing at the session broker, with topic names unique to this test."""
+    tag = uuid.uuid4().hex[:10]
+    return dataclasses.replace(
+        KafkaSettings(bootstrap_servers=stack.bootstrap_servers),
+        impressions_topic=f"impressions-{tag}",
+        clicks_topic=f"clicks-{tag}",
+        samples_topic=f"samples-{tag}",
+        client_id=f"test-{tag}",
+    )
+
+
+@pytest.fixture
+def group_id() -> str:
+    return f"group-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def redis_client(stack: LocalStack) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        yield client
+    finally:
+        client.close()

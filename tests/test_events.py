@@ -1,0 +1,81 @@
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stream.errors import BadMessage, ValidationError
+from stream.events import MAX_ID, Click, Impression, decode_click, decode_impression
+
+GOOD = {"schema_version": 1, "impression_id": "i1", "ts": 1_700_000_000_000, "user_id": "u1", "item_id": 7,
+        "context": {"device": "ios", "genres": ["a", "b"], "pos": 3, "score": 0.5}, "dense": {"price": 1.5}}
+
+
+def enc(obj: object) -> bytes:
+    return json.dumps(obj).encode()  # stdlib: writes integers beyond 64 bits, as a bad producer might
+
+
+def test_valid_impression_and_click_decode() -> None:
+    imp = decode_impression(enc(GOOD))
+    assert imp.user_id == "u1" and imp.item_id == 7 and imp.context["genres"] == ["a", "b"]
+    assert decode_click(enc({"schema_version": 1, "impression_id": "i1", "ts": 5})) == Click("i1", 5)
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"ts": -1}, "ts"),
+        ({"ts": "123"}, "ts"),
+        ({"ts": 1_700_000_000_000_000}, "ts"),  # microseconds: a unit mistake
+        ({"user_id": -5}, "user_id"),
+        ({"user_id": 2**64}, "user_id"),
+        ({"user_id": ""}, "user_id"),
+        ({"user_id": True}, "user_id"),
+        ({"item_id": None}, "item_id"),
+        ({"impression_id": 12}, "impression_id"),
+        ({"schema_version": 2}, "schema_version"),
+        ({"context": {"x": {"nested": 1}}}, "context.x"),
+        ({"context": {"x": [1, None]}}, "context.x"),
+        ({"dense": {"p": "1.0"}}, "dense.p"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_invalid_impressions_name_field_value_and_expectation(patch: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        decode_impression(enc({**GOOD, **patch}))
+    assert info.value.field == field
+    assert "expected" in str(info.value) and field in str(info.value)
+
+
+def test_missing_fields_and_garbage() -> None:
+    for missing in ("impression_id", "ts", "user_id", "item_id"):
+        obj = {k: v for k, v in GOOD.items() if k != missing}
+        with pytest.raises(ValidationError, match="required") as info:
+            decode_impression(enc(obj))
+        assert info.value.field == missing
+    for raw, kind in ((b"{not json", "bad_json"), (b"[1,2]", "bad_json"), (None, "empty"),
+                      (b'{"schema_version":1,"impression_id":"i","ts":1,"user_id":1,"item_id":1,'
+                       b'"dense":{"p":NaN}}', "bad_json")):
+        with pytest.raises(BadMessage) as info:
+            decode_impression(raw)
+        assert info.value.kind == kind
+
+
+ids = st.one_of(st.integers(0, MAX_ID), st.text(min_size=1, max_size=30))
+scalars = st.one_of(st.text(max_size=20), st.integers(-(2**63), MAX_ID), st.booleans(),
+                    st.floats(allow_nan=False, allow_infinity=False))
+ctx_values = st.one_of(scalars, st.lists(st.one_of(st.text(max_size=8), st.integers(0, 2**40)), max_size=5))
+
+
+@given(
+    imp_id=st.text(min_size=1, max_size=40), ts=st.integers(0, 4_102_444_800_000), user=ids, item=ids,
+    context=st.dictionaries(st.text(min_size=1, max_size=10), ctx_values, max_size=5),
+    dense=st.dictionaries(st.text(min_size=1, max_size=10),
+                          st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=3),
+)
+def test_impression_json_round_trip(imp_id, ts, user, item, context, dense) -> None:
+    imp = Impression(imp_id, ts, user, item, context, dense)
+    back = decode_impression(imp.encode())
+    assert back == imp
+    assert all(math.isfinite(v) for v in back.dense.values())

@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from streamrec.settings import (
+    DelayKind,
+    KafkaSettings,
+    ReplaySettings,
+    SettingsError,
+    Sources,
+    StackSettings,
+    build,
+    read_config_file,
+)
+
+
+def test_defaults_are_the_local_stack() -> None:
+    k = build(KafkaSettings, "kafka", {}, {})
+    assert k.bootstrap_servers == "127.0.0.1:19092"
+    assert k.session_timeout_ms == 6000
+    assert (k.impressions_topic, k.clicks_topic, k.samples_topic) == ("impressions", "clicks", "samples")
+    assert k.dlq_topic("clicks") == "clicks.dlq"
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('[kafka]\nbootstrap_servers = "file:1"\npartitions = 8\nclicks_topic = "c-file"\n')
+    data = read_config_file(cfg)
+    env = {"STREAMREC_KAFKA_BOOTSTRAP_SERVERS": "env:2", "STREAMREC_KAFKA_PARTITIONS": "16"}
+    k = build(KafkaSettings, "kafka", data, env, {"bootstrap_servers": "flag:3", "partitions": None})
+    assert k.bootstrap_servers == "flag:3"  # flag beats env beats file
+    assert k.partitions == 16  # env beats file; an unset flag (None) changes nothing
+    assert k.clicks_topic == "c-file"  # file beats default
+
+
+def test_types_are_coerced_from_strings() -> None:
+    env = {"STREAMREC_REPLAY_LIMIT": "1_000", "STREAMREC_REPLAY_RATE": "2.5", "STREAMREC_REPLAY_PROGRESS": "no",
+           "STREAMREC_REPLAY_CLICK_DELAY_KIND": "fixed", "STREAMREC_REPLAY_SPEED": "none"}
+    r = build(ReplaySettings, "replay", {}, env)
+    assert (r.limit, r.rate, r.progress, r.click_delay_kind, r.speed) == (1000, 2.5, False, DelayKind.FIXED, None)
+    s = build(StackSettings, "stack", {"stack": {"state_dir": "/x/y"}}, {})
+    assert s.state_dir == Path("/x/y")
+
+
+def test_unknown_env_key_is_an_error_naming_the_known_ones() -> None:
+    with pytest.raises(SettingsError, match="STREAMREC_KAFKA_BOOTSTRAP_SERVER does not name.*BOOTSTRAP_SERVERS"):
+        build(KafkaSettings, "kafka", {}, {"STREAMREC_KAFKA_BOOTSTRAP_SERVER": "x"})
+
+
+def test_unknown_file_key_and_bad_values_say_where(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"unknown key 'partition' in \[kafka\]"):
+        build(KafkaSettings, "kafka", {"kafka": {"partition": 3}}, {})
+    with pytest.raises(SettingsError, match=r"STREAMREC_KAFKA_PARTITIONS: cannot use 'four'"):
+        build(KafkaSettings, "kafka", {}, {"STREAMREC_KAFKA_PARTITIONS": "four"})
+    with pytest.raises(SettingsError, match="expected one of fixed, exponential, lognormal"):
+        build(ReplaySettings, "replay", {}, {"STREAMREC_REPLAY_CLICK_DELAY_KIND": "gamma"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[kafka\n")
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        read_config_file(bad)
+    with pytest.raises(SettingsError, match="does not exist"):
+        read_config_file(tmp_path / "missing.toml")
+
+
+def test_sources_build_uses_file_and_environment() -> None:
+    src = Sources(file_data={"redis": {"url": "redis://h:1/0"}}, environ={})
+    from streamrec.settings import RedisSettings
+
+    assert src.build(RedisSettings, "redis").url == "redis://h:1/0"

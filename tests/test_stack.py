@@ -1,0 +1,83 @@
+"""The local stack against real processes: idempotent up, down stops only its own, clear port errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from streamrec.cli import main
+from streamrec.settings import StackSettings
+from streamrec.stack import LocalStack, StackError, free_port
+
+
+def _stack(tmp_path: Path) -> LocalStack:
+    return LocalStack(StackSettings(state_dir=tmp_path / "state", kafka_port=free_port(), redis_port=free_port()))
+
+
+def test_up_is_idempotent_status_reports_addresses_and_down_stops(tmp_path: Path) -> None:
+    st = _stack(tmp_path)
+    try:
+        first = {s.name: s for s in st.up()}
+        assert all(s.running for s in first.values())
+        again = {s.name: s for s in st.up()}
+        assert {n: s.pid for n, s in again.items()} == {n: s.pid for n, s in first.items()}  # nothing restarted
+        r = redis.Redis.from_url(st.redis_url)
+        r.set("k", "v")
+        assert r.get("k") == b"v"
+        r.close()
+        assert first["kafka"].address == st.bootstrap_servers
+    finally:
+        assert sorted(st.down()) == ["kafka", "redis"]
+    assert not any(s.running for s in st.status())
+    assert st.down() == []  # nothing left to stop
+
+
+def test_down_never_kills_a_process_it_did_not_start(tmp_path: Path) -> None:
+    st = _stack(tmp_path)
+    st.state_dir.mkdir(parents=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # A stale pid file whose pid now belongs to an unrelated program (pid reuse).
+        (st.state_dir / "redis.pid.json").write_text(json.dumps(
+            {"pid": bystander.pid, "port": st.s.redis_port, "command": ["/usr/bin/redis-server"]}))
+        assert st.down() == []
+        assert bystander.poll() is None  # still alive
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_port_taken_by_someone_else_is_a_clear_error(tmp_path: Path) -> None:
+    st = _stack(tmp_path)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", st.s.kafka_port))
+    squatter.listen()
+    try:
+        with pytest.raises(StackError, match=rf"port {st.s.kafka_port} .* did not start.*KAFKA_PORT"):
+            st.up()
+    finally:
+        squatter.close()
+        st.down()
+
+
+def test_cli_stack_status_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMREC_STACK_KAFKA_PORT", str(free_port()))
+    monkeypatch.setenv("STREAMREC_STACK_REDIS_PORT", str(free_port()))
+    state = str(tmp_path / "s")
+    try:
+        assert main(["stack", "up", "--state-dir", state, "--json"]) == 0
+        up = json.loads(capsys.readouterr().out)
+        assert up["running"] and up["bootstrap_servers"].startswith("127.0.0.1:")
+        assert main(["stack", "status", "--state-dir", state, "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["redis_url"] == up["redis_url"] and status["running"]
+    finally:
+        assert main(["stack", "down", "--state-dir", state, "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["stopped"]) == ["kafka", "redis"]
