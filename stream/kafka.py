@@ -94,45 +94,56 @@ class DeliveryReport:
 class AckedProducer:
     """An idempotent producer that counts acknowledgements and surfaces delivery errors.
 
-    ``send`` never drops a message on a full local queue: it serves delivery callbacks and retries.
-    ``flush`` waits for every acknowledgement and raises :class:`DeliveryFailed` if any failed.
+    librdkafka reports only failed deliveries (``delivery.report.only.error``): a Python callback per
+    successful message would cost more than building the message. After :meth:`flush` returns with
+    nothing outstanding, every message sent and not reported failed was acknowledged.
+
+    ``send`` never drops a message on a full local queue: it serves callbacks and retries.
+    ``flush`` raises :class:`DeliveryFailed` if any message failed.
     """
 
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
-        self._producer = Producer(producer_config(kafka, **extra))
+        conf = producer_config(kafka, **extra)
+        conf["delivery.report.only.error"] = True
+        conf["on_delivery"] = self._on_error
+        self._producer = Producer(conf)
         self._bootstrap = kafka.bootstrap_servers
+        self._sent: dict[str, int] = {}
+        self._failed: dict[str, int] = {}
         self.report = DeliveryReport()
 
-    def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
-        if err is not None:
-            self.report.failed += 1
-            if self.report.first_error is None:
-                self.report.first_error = f"{msg.topic()}: {err.str()}"
+    def _on_error(self, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
             return
         topic = msg.topic()
-        self.report.acked[topic] = self.report.acked.get(topic, 0) + 1
+        self._failed[topic] = self._failed.get(topic, 0) + 1
+        self.report.failed += 1
+        if self.report.first_error is None:
+            self.report.first_error = f"{topic}: {err.str()}"
 
     def send(self, topic: str, value: bytes | None, key: bytes | str | None = None,
-             headers: Headers | None = None, timestamp_ms: int | None = None) -> None:
-        kwargs: dict[str, Any] = {"on_delivery": self._on_delivery}
-        if headers:
-            kwargs["headers"] = list(headers)
-        if timestamp_ms is not None:
-            kwargs["timestamp"] = timestamp_ms
+             headers: Headers | None = None) -> None:
+        produce = self._producer.produce
         while True:
             try:
-                self._producer.produce(topic, value, key, **kwargs)
-                return
+                if headers:
+                    produce(topic, value, key, headers=list(headers))
+                else:
+                    produce(topic, value, key)
+                break
             except BufferError:
                 self._producer.poll(0.05)
+        self._sent[topic] = self._sent.get(topic, 0) + 1
 
     def poll(self) -> None:
         self._producer.poll(0)
 
     def flush(self, timeout_s: float = 60.0) -> DeliveryReport:
         remaining = self._producer.flush(timeout_s)
+        self.report.acked = {t: n - self._failed.get(t, 0) for t, n in self._sent.items()}
         if remaining:
             self.report.failed += remaining
+            self.report.acked = {}  # unknown which ones: claim none
             self.report.first_error = (self.report.first_error
                                        or f"{remaining} messages unacknowledged after {timeout_s}s")
         if self.report.failed:

@@ -84,3 +84,47 @@ def test_synthetic_malformed_share_lands_in_the_dlq_exactly(kafka: KafkaSettings
         kafka, kafka.dlq_topic(kafka.clicks_topic))
     assert len(dlq) == table.stats["malformed"]
     assert all(DeadLetter.from_headers(r.headers).reason for r in dlq)
+
+
+def test_event_log_rows_a_source_cannot_use_are_dead_lettered_with_reasons(
+        kafka: KafkaSettings, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "my_log.csv"
+    log.write_text("uid,iid,when,clk,device\n"
+                   "u1,10,1700000000,1,ios\n"
+                   ",11,1700000001,0,ios\n"          # no user: rejected
+                   "u3,-4,1700000002,0,web\n"        # negative id: rejected
+                   "u4,12,yesterday,1,web\n"         # bad time: rejected
+                   "u5,13,1700000004,0,android\n")
+    monkeypatch.setenv("STREAMREC_KAFKA_IMPRESSIONS_TOPIC", kafka.impressions_topic)
+    monkeypatch.setenv("STREAMREC_KAFKA_CLICKS_TOPIC", kafka.clicks_topic)
+    rc = main(["replay", "--dataset", str(log), "--json", "--no-progress", "--bootstrap-servers",
+               kafka.bootstrap_servers, "--user-col", "uid", "--item-col", "iid", "--time-col", "when",
+               "--time-unit", "s", "--clicked-col", "clk", "--feature-cols", "device"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["impressions"], out["clicks"], out["dead_lettered"]) == (2, 1, 3)
+    dlq = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    fields = sorted(DeadLetter.from_headers(r.headers).reason.split("'")[1] for r in dlq)
+    assert fields == ["item_id", "ts", "user_id"]
+    assert all(DeadLetter.from_headers(r.headers).source_partition == -1 for r in dlq)  # never reached the topic
+    imps = [decode_impression(r.value) for r in read_topic(kafka, kafka.impressions_topic)]
+    assert sorted(i.user_id for i in imps) == ["u1", "u5"] and imps[0].context["device"] in ("ios", "android")
+
+
+def test_a_missing_column_is_a_usage_error_naming_it(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "x.csv"
+    log.write_text("user,item,ts\n1,2,3\n")
+    assert main(["replay", "--dataset", str(log), "--no-progress", "--bootstrap-servers", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "user_id" in err and "--user-col" in err
+
+
+def test_unreachable_broker_surfaces_delivery_errors() -> None:
+    from stream.errors import DeliveryFailed
+    from stream.kafka import AckedProducer
+
+    dead = KafkaSettings(bootstrap_servers=f"127.0.0.1:{__import__('streamrec.stack').stack.free_port()}")
+    p = AckedProducer(dead, **{"message.timeout.ms": 1500})
+    p.send("t", b"v", b"k")
+    with pytest.raises(DeliveryFailed, match="not acknowledged by 127.0.0.1"):
+        p.flush(10)

@@ -112,6 +112,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     if len(ts_all):
         summary.first_ts, summary.last_ts = int(ts_all.min()), int(ts_all.max())
     pacer = Pacer(rate, speed, summary.first_ts or 0)
+    paced = pacer.active
 
     # Python lists index faster than numpy arrays in the per-event loop below.
     imp_id, imp_ts = table.impression_id.tolist(), table.ts.tolist()
@@ -161,7 +162,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             if progress is not None and n:
                 progress(n - reported)
                 reported = n
-        if pacer.active:
+        if paced:
             pacer.wait(n + 1, ts)
 
     report = producer.flush()

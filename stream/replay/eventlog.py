@@ -1,0 +1,790 @@
+"""Replay a user's own event log: one impression per row of a Parquet or CSV file.
+
+Map the file's columns with a :class:`ColumnMap` (the CLI's ``--*-col`` flags) and load it with
+:func:`load_eventlog`; the result is an :class:`~stream.replay.table.EventTable` for the publisher.
+
+Reading
+    ``.parquet``/``.pq`` with ``pyarrow.parquet``; ``.csv``/``.tsv``/``.txt`` (optionally ``.gz``,
+    ``.bz2``, ``.zst``) with ``pyarrow.csv``, delimiter tab for ``.tsv`` and comma otherwise unless
+    given. Only the mapped columns are read. A CSV file needs a header row. In CSV files the id columns
+    are read as text: a column whose values are all canonical non-negative integers (``0``, ``42``,
+    not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
+    :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there.
+    Empty CSV cells of feature columns are missing values.
+
+Context and dense
+    One context dict per row from the ``features`` columns, missing values left out (and missing
+    entries of list columns). Strings, integers, floats, booleans and lists of strings/integers pass
+    as they are; timestamp, date, decimal and binary values pass as text. ``dense`` columns become
+    float64 arrays (numbers, booleans, or numeric text).
+
+``limit``
+    The first ``limit`` rows of the file (rejected rows included), in file order; the publisher
+    sorts them into event time. It is not "the earliest N events".
+
+Time (``time_unit``)
+    ``s``/``ms``/``us``/``ns``: integer or float epoch times (floats are rounded to the nearest ms,
+    integers truncated). ``iso``: ISO-8601 strings (``2000-12-31T22:12:40Z``, offsets allowed,
+    no offset = UTC). Arrow timestamp and date columns carry their own unit and are taken as they
+    are whatever ``time_unit`` says (naive timestamps are UTC).
+
+Clicks
+    ``clicked`` accepts booleans, integers (non-zero = clicked), floats (non-zero, NaN = not
+    clicked) and the strings true/false/1/0/yes/no (any case); a missing value is not clicked.
+    A clicked row's click is at its ``click_time`` when that column is mapped and the value is not
+    missing, else at ``ts`` + a delay drawn with ``draw_click_delays_ms`` from
+    ``np.random.Generator(np.random.PCG64(seed))``. One delay is drawn per row read (row ``i`` uses
+    draw ``i``), so a row's delay does not depend on which other rows were clicked or rejected, and
+    ``limit`` keeps the delays of the rows it keeps. With ``clicked=None`` and ``click_time`` set, a
+    row is clicked when its click time is present.
+
+Rejected rows
+    A row the event schema (``stream/events.py``) would not accept is not published as an
+    impression: it becomes a :class:`~stream.replay.table.RawMessage` for the impressions topic
+    whose value is the row as JSON (mapped columns, ``null`` for missing) and whose error is a
+    :class:`~stream.errors.ValidationError`; the publisher dead-letters it with the reason. Its key
+    is the row's impression id, its ts the row's time (0 when that is unusable). The error's
+    ``field`` is the event field (``impression_id``, ``ts``, ``user_id``, ``item_id``,
+    ``context.<col>``, ``dense.<col>``) or ``clicked`` / ``click_ts``; the first failing one in that
+    order is reported, and ``expected`` ends with the column and the row (counting data rows from 0).
+    Reasons: a missing or empty id, a negative integer id, an id over 256 chars or over 2**63-1; a
+    missing/unparseable time or one outside [1970-01-01, 2100-01-01); a dense value that is missing
+    or not finite; a context value the schema rejects (non-finite float, string over 256 chars, list
+    over 1024 entries); an unparseable clicked value; a click time that is unparseable, out of range
+    or before the impression. ``impressions + rejected_rows == rows_read``.
+
+Column types that can never be valid (a bool id column, a struct feature) are configuration
+mistakes and raise :class:`EventLogError` (a ``ValueError``), as do a missing column or an unknown
+file format.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+from stream.errors import ValidationError
+from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS
+from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
+from streamrec.settings import ClickDelay, SettingsError
+
+TIME_UNITS = ("s", "ms", "us", "ns", "iso")
+_MS_PER = {"s": 1000, "ms": 1, "us": 1e-3, "ns": 1e-6}
+_DIV = {"ms": 1, "us": 1000, "ns": 1_000_000}  # integer input -> ms by floor division
+_PARQUET_EXT = (".parquet", ".pq")
+_CSV_EXT = (".csv", ".tsv", ".txt")
+_COMPRESSED_EXT = (".gz", ".bz2", ".zst")
+
+# The CLI flag that sets each ColumnMap field (named in error messages).
+FLAGS = {
+    "user": "--user-col", "item": "--item-col", "time": "--time-col", "time_unit": "--time-unit",
+    "impression_id": "--impression-id-col", "clicked": "--clicked-col", "click_time": "--click-time-col",
+    "features": "--feature-cols", "dense": "--dense-cols",
+}
+
+_INT_RE = r"^[+-]?[0-9]{1,18}$"
+_FLOAT_RE = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
+_CANONICAL_UINT_RE = r"^(0|[1-9][0-9]*)$"
+_NEG_INT_RE = r"^-[0-9]+$"
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no", "")
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_ONE_MS = timedelta(milliseconds=1)
+
+# time conversion status codes
+_OK, _MISSING, _UNPARSEABLE, _OUT_OF_RANGE = 0, 1, 2, 3
+
+
+class EventLogError(SettingsError):
+    """The event log cannot be read as mapped (missing column, unknown format, unusable type).
+
+    A ``ValueError`` (via :class:`~streamrec.settings.SettingsError`, so the CLI reports it as a
+    usage error); the message names the file, the column and the flag that fixes it.
+    """
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which column of the file holds what (defaults match the CLI flags' defaults)."""
+
+    user: str = "user_id"
+    item: str = "item_id"
+    time: str = "ts"
+    time_unit: str = "ms"  # one of s, ms, us, ns, iso (ISO-8601 strings or Arrow timestamp columns)
+    impression_id: str | None = None  # None -> generated f"{file_stem}-{row:09d}"
+    clicked: str | None = "clicked"  # truthy (1/true/yes) -> a click follows after a delay; None -> no clicks
+    click_time: str | None = None  # the click's own time (same unit), when present; overrides the delay
+    features: tuple[str, ...] = ()  # categorical/multi-valued context columns, passed as context
+    dense: tuple[str, ...] = ()  # numeric columns passed as dense features
+
+    def roles(self) -> list[tuple[str, str]]:
+        """``(ColumnMap field, column name)`` of every mapped column, in a stable order."""
+        out: list[tuple[str, str]] = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "time_unit" or v is None:
+                continue
+            for col in (v,) if isinstance(v, str) else v:
+                out.append((f.name, col))
+        return out
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def detect_format(path: Path) -> tuple[str, str]:
+    """``(format, stem)`` of ``path`` from its extension: format ``parquet`` or ``csv``."""
+    name = path.name
+    lower = name.lower()
+    compressed = next((e for e in _COMPRESSED_EXT if lower.endswith(e)), "")
+    base, base_lower = name[: len(name) - len(compressed)], lower[: len(lower) - len(compressed)]
+    for fmt, exts in (("parquet", _PARQUET_EXT), ("csv", _CSV_EXT)):
+        for ext in exts:
+            if base_lower.endswith(ext) and not (compressed and fmt == "parquet"):
+                return fmt, base[: len(base) - len(ext)] or base
+    raise EventLogError(
+        f"cannot tell the format of {path}: expected a Parquet file (.parquet, .pq) or a CSV file "
+        f"(.csv, .tsv, .txt, optionally compressed {'/'.join(_COMPRESSED_EXT)})"
+    )
+
+
+def _delimiter(path_ext: str, given: str | None) -> str:
+    if given is None:
+        return "\t" if path_ext == ".tsv" else ","
+    d = {"\\t": "\t", "tab": "\t"}.get(given, given)
+    if len(d) != 1:
+        raise EventLogError(f"--csv-delimiter must be one character (or '\\t'), got {given!r}")
+    return d
+
+
+def _missing_columns_error(path: Path, have: list[str], cols: ColumnMap, missing: list[str]) -> EventLogError:
+    role_of = {col: role for role, col in reversed(cols.roles())}
+    shown = ", ".join(repr(c) for c in have[:60])
+    if len(have) > 60:
+        shown += f", ... ({len(have) - 60} more)"
+    what = "; ".join(f"column {c!r} (set with {FLAGS[role_of[c]]})" for c in missing)
+    return EventLogError(f"{path} has no {what}; the file's columns are: {shown or '(none)'}")
+
+
+def _read_parquet(path: Path, cols: ColumnMap, wanted: list[str], limit: int | None) -> pa.Table:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise EventLogError(f"cannot read {path} as Parquet: {exc}") from None
+    have = pf.schema_arrow.names
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        raise _missing_columns_error(path, have, cols, missing)
+    if limit is None:
+        return pq.read_table(path, columns=wanted)
+    batches, rows = [], 0
+    if limit > 0:
+        for batch in pf.iter_batches(batch_size=min(limit, 65_536), columns=wanted):
+            batches.append(batch)
+            rows += batch.num_rows
+            if rows >= limit:
+                break
+    if not batches:
+        return pa.schema([pf.schema_arrow.field(c) for c in wanted]).empty_table()
+    return pa.Table.from_batches(batches).slice(0, limit)
+
+
+def _read_csv(path: Path, ext: str, cols: ColumnMap, wanted: list[str], limit: int | None,
+              delimiter: str | None) -> pa.Table:
+    parse = pcsv.ParseOptions(delimiter=_delimiter(ext, delimiter))
+    try:
+        with pcsv.open_csv(path, parse_options=parse) as header_reader:
+            have = header_reader.schema.names
+    except (pa.ArrowException, OSError) as exc:
+        raise EventLogError(f"cannot read {path} as CSV (it needs a header row): {exc}") from None
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        raise _missing_columns_error(path, have, cols, missing)
+    # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids().
+    text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id) if c is not None}
+    convert = pcsv.ConvertOptions(include_columns=wanted, column_types=text_cols)
+    if limit is not None:
+        # Streaming stops early, but it infers types from the first block only: if a later block
+        # does not fit them, read the whole file (which infers over all of it) instead.
+        try:
+            batches, rows = [], 0
+            with pcsv.open_csv(path, parse_options=parse, convert_options=convert) as reader:
+                while rows < limit:
+                    try:
+                        batch = reader.read_next_batch()
+                    except StopIteration:
+                        break
+                    batches.append(batch)
+                    rows += batch.num_rows
+                schema = reader.schema
+            return pa.Table.from_batches(batches, schema=schema).slice(0, limit)
+        except pa.ArrowInvalid:
+            pass
+    try:
+        table = pcsv.read_csv(path, parse_options=parse, convert_options=convert)
+    except pa.ArrowException as exc:
+        raise EventLogError(f"cannot read {path} as CSV: {exc}") from None
+    return table if limit is None else table.slice(0, limit)
+
+
+# -- column helpers ----------------------------------------------------------------------------
+def _plain(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """One contiguous array, dictionaries decoded."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    return arr
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view"
+
+
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+
+
+def _np_bool(arr: pa.Array, null: bool = False) -> np.ndarray:
+    return np.asarray(pc.fill_null(arr, null).to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _nulls(arr: pa.Array) -> np.ndarray:
+    return np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _matches(arr: pa.Array, pattern: str) -> np.ndarray:
+    return _np_bool(pc.match_substring_regex(arr, pattern))
+
+
+def _to_text(arr: pa.Array, what: str) -> pa.Array:
+    try:
+        return arr.cast(pa.string())
+    except pa.ArrowInvalid:
+        raise EventLogError(f"{what}: holds bytes that are not UTF-8 text") from None
+
+
+def _ints(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Integer array -> ``(int64 values, over MAX_ID)``; nulls read as 0."""
+    v = pc.fill_null(arr, 0).to_numpy(zero_copy_only=False)
+    if v.dtype == np.uint64:
+        big = v > MAX_ID
+        return np.where(big, np.uint64(0), v).astype(np.int64), big
+    return v.astype(np.int64, copy=False), np.zeros(len(v), dtype=bool)
+
+
+def _floats(arr: pa.Array) -> np.ndarray:
+    """Numeric array -> float64, nulls NaN."""
+    return np.asarray(pc.fill_null(arr.cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False),
+                      dtype=np.float64)
+
+
+def _parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Text -> ``(missing, is_int, int64 values, is_float, float64 values)``; neither = unparseable."""
+    s = pc.utf8_trim_whitespace(arr)
+    missing = _nulls(s) | _np_bool(pc.equal(s, ""))
+    is_int = _matches(s, _INT_RE)
+    is_float = _matches(s, _FLOAT_RE) & ~is_int
+    ints = pc.cast(pc.if_else(pa.array(is_int), s, "0"), pa.int64()).to_numpy(zero_copy_only=False)
+    flts = pc.cast(pc.if_else(pa.array(is_float), s, "0"), pa.float64()).to_numpy(zero_copy_only=False)
+    return missing, is_int, np.asarray(ints, np.int64), is_float, np.asarray(flts, np.float64)
+
+
+# -- ids ----------------------------------------------------------------------------------------
+@dataclass
+class _Check:
+    """Rows failing one rule: ``mask`` (N,) bool; reported as ValidationError(field, cell, expected)."""
+
+    mask: np.ndarray
+    field: str
+    column: str
+    expected: str
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+_ID_EXPECTED = f"a non-negative 64-bit integer or a non-empty string (<= {MAX_STR_ID_LEN} chars)"
+
+
+def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray, list[_Check]]:
+    """An id column -> ``(object array of int/str, checks)``; integer columns stay Python ints."""
+    t = arr.type
+    n = len(arr)
+    if pa.types.is_null(t):
+        return _object_array([None] * n), [_Check(np.ones(n, bool), field, column, _ID_EXPECTED)]
+    if _is_binary(t):
+        arr, t = _to_text(arr, f"{field} column {column!r}"), pa.string()
+    if _is_text(t):
+        missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
+        too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
+        checks = [_Check(missing, field, column, _ID_EXPECTED),
+                  _Check(too_long, field, column, f"a string id of at most {MAX_STR_ID_LEN} chars")]
+        if csv:
+            negative = _matches(arr, _NEG_INT_RE)
+            checks.append(_Check(negative, field, column, f"an integer id in [0, {MAX_ID}]"))
+            ok = ~(missing | too_long | negative)
+            if ok.any() and _matches(arr, _CANONICAL_UINT_RE)[ok].all():
+                try:
+                    ints = pc.cast(pc.if_else(pa.array(ok), arr, "0"), pa.int64())
+                    return _object_array(ints.to_pylist()), checks
+                except pa.ArrowInvalid:  # past 2**63-1: keep the text
+                    pass
+        return _object_array(arr.to_pylist()), checks
+    if pa.types.is_integer(t):
+        v, big = _ints(arr)
+        missing = _nulls(arr)
+        return _object_array(v.tolist()), [
+            _Check(missing, field, column, _ID_EXPECTED),
+            _Check((v < 0) | big, field, column, f"an integer id in [0, {MAX_ID}]"),
+        ]
+    if pa.types.is_floating(t):  # e.g. pandas int columns with gaps; whole numbers only
+        v = _floats(arr)
+        missing = np.isnan(v)
+        whole = np.isfinite(v) & (v >= 0) & (v < 2.0**63) & (np.floor(v) == v)
+        ints = np.where(whole, v, 0).astype(np.int64)
+        return _object_array(ints.tolist()), [
+            _Check(missing, field, column, _ID_EXPECTED),
+            _Check(~whole & ~missing, field, column, f"an integer id in [0, {MAX_ID}]"),
+        ]
+    raise EventLogError(f"{field} column {column!r} has type {t}; ids must be integers or strings "
+                        f"(set the column with {FLAGS['user' if field == 'user_id' else 'item']})")
+
+
+def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int
+                    ) -> tuple[list[str], list[str], list[_Check]]:
+    """``(impression ids, ids for rejected rows' keys, checks)``."""
+    generated = [f"{stem}-{i:09d}" for i in range(n)]
+    if arr is None or column is None:
+        return generated, generated, []
+    t = arr.type
+    if pa.types.is_null(t):
+        arr = pa.nulls(n, pa.string())
+    elif pa.types.is_integer(t) or _is_binary(t):
+        arr = _to_text(arr, f"impression id column {column!r}")
+    elif not _is_text(t):
+        raise EventLogError(f"impression id column {column!r} has type {t}; it must hold strings or integers "
+                            f"(set with {FLAGS['impression_id']})")
+    missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
+    too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
+    ids = arr.to_pylist()
+    bad = missing | too_long
+    keys = [g if b else v for v, g, b in zip(ids, generated, bad.tolist(), strict=True)]
+    expected = f"a non-empty string of at most {MAX_STR_ID_LEN} chars"
+    return ids, keys, [_Check(missing, "impression_id", column, expected),
+                       _Check(too_long, "impression_id", column, expected)]
+
+
+# -- time -----------------------------------------------------------------------------------------
+def _int_to_ms(v: np.ndarray, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """int64 epoch times in ``unit`` -> ``(ms, in range)``."""
+    if unit == "s":
+        ok = (v >= 0) & (v <= MAX_TS_MS // 1000)
+        return np.where(ok, v, 0) * 1000, ok
+    ms = np.floor_divide(v, _DIV[unit])
+    return ms, (ms >= 0) & (ms <= MAX_TS_MS)
+
+
+def _float_to_ms(v: np.ndarray, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = np.rint(v * _MS_PER[unit])
+        ok = np.isfinite(r) & (r >= 0) & (r <= MAX_TS_MS)
+    return np.where(ok, r, 0).astype(np.int64), ok
+
+
+def _parse_iso(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """ISO-8601 strings -> ``(ms, parsed)``, one Python parse per distinct string."""
+    enc = arr.dictionary_encode()
+    parsed_ms: list[int] = [0]
+    parsed_ok: list[bool] = [False]  # slot 0: nulls
+    for s in enc.dictionary.to_pylist():
+        text = s.strip()
+        if text[-1:] in ("Z", "z"):
+            text = text[:-1] + "+00:00"
+        try:
+            dt = datetime.fromisoformat(text)
+        except ValueError:
+            parsed_ms.append(0)
+            parsed_ok.append(False)
+            continue
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=timezone.utc)
+        parsed_ms.append((dt - _EPOCH) // _ONE_MS)
+        parsed_ok.append(True)
+    codes = np.asarray(pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False), dtype=np.int64) + 1
+    return np.asarray(parsed_ms, np.int64)[codes], np.asarray(parsed_ok, bool)[codes]
+
+
+def _iso_column(arr: pa.Array, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ISO-8601 text -> ``(ms, parsed)``: Arrow's parser when every value suits it, else Python's."""
+    s = pc.if_else(pa.array(missing), pa.scalar(None, pa.string()),
+                   pc.utf8_trim_whitespace(arr.cast(pa.string())))
+    for target in (pa.timestamp("ns"), pa.timestamp("ns", "UTC")):
+        try:
+            ns = pc.cast(s, target).cast(pa.int64())
+        except pa.ArrowInvalid:
+            continue
+        return np.floor_divide(_ints(ns)[0], 1_000_000), ~missing
+    return _parse_iso(s)  # mixed offsets, unusual forms, bad values or years outside 1677-2262
+
+
+def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray, np.ndarray]:
+    """A time column -> ``(int64 ms (N,), status (N,) int8)``, status one of _OK/_MISSING/..."""
+    t = arr.type
+    n = len(arr)
+    status = np.zeros(n, dtype=np.int8)
+    if pa.types.is_null(t):
+        return np.zeros(n, np.int64), np.full(n, _MISSING, np.int8)
+    missing = _nulls(arr)
+    if pa.types.is_timestamp(t) or pa.types.is_date(t):
+        if pa.types.is_date32(t):
+            v, vunit = _ints(arr.cast(pa.int32()))[0] * 86_400_000, "ms"
+        elif pa.types.is_date64(t):
+            v, vunit = _ints(arr.cast(pa.int64()))[0], "ms"
+        else:
+            v, vunit = _ints(arr.cast(pa.int64()))[0], t.unit
+        ms, ok = _int_to_ms(v, vunit)
+    elif pa.types.is_integer(t) or pa.types.is_floating(t):
+        if unit == "iso":
+            raise EventLogError(f"time column {column!r} holds numbers ({t}), not ISO-8601 strings: set "
+                                f"{FLAGS['time_unit']} to s, ms, us or ns")
+        if pa.types.is_integer(t):
+            v, big = _ints(arr)
+            ms, ok = _int_to_ms(v, unit)
+            ok &= ~big
+        else:
+            f = _floats(arr)
+            missing = missing | np.isnan(f)
+            ms, ok = _float_to_ms(f, unit)
+    elif _is_text(t):
+        trimmed = pc.utf8_trim_whitespace(arr)
+        missing = missing | _np_bool(pc.equal(trimmed, ""))
+        if unit == "iso":
+            ms, parsed = _iso_column(arr, missing)
+            ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
+            status[~parsed] = _UNPARSEABLE
+        else:
+            _, is_int, ints, is_float, flts = _parse_numbers(arr)
+            ms_i, ok_i = _int_to_ms(ints, unit)
+            ms_f, ok_f = _float_to_ms(flts, unit)
+            ms = np.where(is_int, ms_i, ms_f)
+            ok = np.where(is_int, ok_i, ok_f)
+            status[~(is_int | is_float)] = _UNPARSEABLE
+            ok &= is_int | is_float
+    else:
+        raise EventLogError(f"time column {column!r} has type {t}; expected numbers (unit s/ms/us/ns), "
+                            f"ISO-8601 strings or timestamps (set with {flag} and {FLAGS['time_unit']})")
+    status[(status == _OK) & ~ok] = _OUT_OF_RANGE
+    status[missing] = _MISSING
+    return np.where(status == _OK, ms, 0).astype(np.int64), status
+
+
+def _time_checks(status: np.ndarray, field: str, column: str, unit: str) -> list[_Check]:
+    if unit == "iso":
+        what = "an ISO-8601 time such as 2000-12-31T22:12:40Z"
+    else:
+        what = f"a number of {unit} since the epoch ({FLAGS['time_unit']} {unit})"
+    top = {"s": MAX_TS_MS // 1000, "ms": MAX_TS_MS, "us": MAX_TS_MS * 1000, "ns": MAX_TS_MS * 10**6}.get(unit)
+    span = "between 1970-01-01 and 2100-01-01" + ("" if unit == "iso" else f", i.e. [0, {top}] {unit}")
+    return [
+        _Check(status == _MISSING, field, column, f"{what} (the value is missing)"),
+        _Check(status == _UNPARSEABLE, field, column, what),
+        _Check(status == _OUT_OF_RANGE, field, column,
+               f"a time {span}; a wrong {FLAGS['time_unit']}?"),
+    ]
+
+
+# -- clicked, context, dense ---------------------------------------------------------------------
+def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(clicked (N,) bool, unparseable (N,) bool)``; a missing value is not clicked."""
+    t = arr.type
+    n = len(arr)
+    if pa.types.is_null(t):
+        return np.zeros(n, bool), np.zeros(n, bool)
+    if pa.types.is_boolean(t):
+        return _np_bool(arr), np.zeros(n, bool)
+    if pa.types.is_integer(t):
+        return _np_bool(pc.not_equal(arr, 0)), np.zeros(n, bool)
+    if pa.types.is_floating(t):
+        f = _floats(arr)
+        return ~np.isnan(f) & (f != 0), np.zeros(n, bool)
+    if _is_text(t):
+        s = pc.utf8_lower(pc.utf8_trim_whitespace(arr))
+        yes = _np_bool(pc.is_in(s, pa.array(_TRUE)))
+        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | _nulls(arr)
+        return yes, ~(yes | no)
+    raise EventLogError(f"clicked column {column!r} has type {t}; expected booleans, integers or "
+                        f"true/false/1/0/yes/no (set with {FLAGS['clicked']}, '' for no clicks)")
+
+
+def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, list[_Check], bool]:
+    """A context column -> ``(array for to_pylist, checks, lists may hold nulls)``."""
+    field = f"context.{column}"
+    t = arr.type
+    n = len(arr)
+    none = np.zeros(n, bool)
+    if pa.types.is_temporal(t) or pa.types.is_decimal(t):
+        arr, t = arr.cast(pa.string()), pa.string()
+    if _is_binary(t):
+        arr, t = _to_text(arr, f"feature column {column!r}"), pa.string()
+    if pa.types.is_null(t) or pa.types.is_boolean(t) or pa.types.is_integer(t):
+        big = _ints(arr)[1] if pa.types.is_integer(t) else none
+        return arr, [_Check(big, field, column, "an integer in the signed 64-bit range")], False
+    if _is_text(t):
+        if csv:  # an empty CSV cell is a missing value
+            arr = pc.if_else(pc.equal(arr, ""), pa.scalar(None, t), arr)
+        long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
+        return arr, [_Check(long, field, column, f"a string of at most {MAX_STR_ID_LEN} chars")], False
+    if pa.types.is_floating(t):
+        f = pc.fill_null(arr.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
+        return arr, [_Check(~np.isfinite(f), field, column, "a finite number")], False
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        vt = t.value_type
+        if pa.types.is_dictionary(vt):
+            vt = vt.value_type
+        if pa.types.is_null(vt) or _is_text(vt) or _is_binary(vt):
+            vt_new = pa.string()
+        elif pa.types.is_integer(vt):
+            vt_new = vt
+        else:
+            raise EventLogError(f"feature column {column!r} has type {t}; context lists must hold strings or "
+                                f"integers (set with {FLAGS['features']})")
+        try:
+            arr = arr.cast(pa.list_(vt_new))
+        except pa.ArrowInvalid:
+            raise EventLogError(f"feature column {column!r}: list values are not UTF-8 text") from None
+        too_many = _np_bool(pc.greater(pc.list_value_length(arr), MAX_LIST_LEN))
+        values = pc.list_flatten(arr)
+        parents = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False), np.int64)
+        if pa.types.is_integer(vt_new):
+            bad_value = _ints(values)[1]
+        else:
+            bad_value = _np_bool(pc.greater(pc.utf8_length(values), MAX_STR_ID_LEN))
+        bad_entry = np.zeros(n, bool)
+        bad_entry[parents[bad_value]] = True
+        checks = [_Check(too_many, field, column, f"a list of at most {MAX_LIST_LEN} strings/integers"),
+                  _Check(bad_entry, field, column, f"list entries of at most {MAX_STR_ID_LEN} chars and "
+                         f"in the signed 64-bit range")]
+        return arr, checks, values.null_count > 0
+    raise EventLogError(f"feature column {column!r} has type {t}; context values must be strings, integers, "
+                        f"floats, booleans or lists of strings/integers (set with {FLAGS['features']})")
+
+
+def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
+    field = f"dense.{column}"
+    t = arr.type
+    missing = _nulls(arr)
+    if pa.types.is_null(t):
+        v = np.full(len(arr), np.nan)
+    elif any(is_(t) for is_ in (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean,
+                                pa.types.is_decimal)):
+        v = _floats(arr)
+    elif _is_text(t):
+        missing, is_int, ints, is_float, flts = _parse_numbers(arr)
+        v = np.where(is_int, ints.astype(np.float64), np.where(is_float, flts, np.nan))
+    else:
+        raise EventLogError(f"dense column {column!r} has type {t}; dense features must be numbers "
+                            f"(set with {FLAGS['dense']})")
+    return v, [_Check(missing, field, column, "a finite number (the value is missing)"),
+               _Check(~np.isfinite(v) & ~missing, field, column, "a finite number")]
+
+
+# -- rejected rows --------------------------------------------------------------------------------
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Decimal):
+        return str(obj)
+    if isinstance(obj, bytes | bytearray):
+        return obj.decode("utf-8", "replace")
+    return str(obj)
+
+
+def _json_rows(table: pa.Table, csv: bool) -> list[dict[str, Any]]:
+    """Rows as dicts for JSON: temporal values as text (nanoseconds do not fit ``datetime``), and in
+    CSV files an empty cell as ``None``."""
+    for i, f in enumerate(table.schema):
+        col = table.column(i)
+        if pa.types.is_dictionary(f.type):
+            col = col.cast(f.type.value_type)
+        if pa.types.is_temporal(col.type):
+            col = col.cast(pa.string())
+        if csv and _is_text(col.type):
+            col = pc.if_else(pc.equal(col, ""), pa.scalar(None, col.type), col)
+        table = table.set_column(i, f.name, col)
+    return table.to_pylist()
+
+
+# -- the source -----------------------------------------------------------------------------------
+def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed: int,
+                  limit: int | None = None, csv_delimiter: str | None = None) -> EventTable:
+    """Read an event log (one impression per row) into an :class:`EventTable`.
+
+    ``limit``: read only the first ``limit`` rows of the file (file order, rejected rows included);
+    the publisher sorts them by event time. ``csv_delimiter`` overrides the one implied by the
+    extension (tab for ``.tsv``, else comma). ``stats``: ``file``, ``format``, ``rows_read``,
+    ``rejected_rows``, ``rejected_by_field`` (field -> rows), ``clicked_rows`` (clicks produced),
+    ``duplicate_impression_ids`` (accepted rows reusing an earlier row's mapped impression id).
+
+    Raises :class:`EventLogError` (a ``ValueError``) for an unknown format, a missing file or
+    column, or a column whose type cannot be used.
+    """
+    path = Path(path)
+    cols = columns
+    if cols.time_unit not in TIME_UNITS:
+        raise EventLogError(f"{FLAGS['time_unit']} must be one of {', '.join(TIME_UNITS)}, "
+                            f"got {cols.time_unit!r}")
+    if limit is not None and limit < 0:
+        raise EventLogError(f"--limit must be >= 0, got {limit}")
+    for role, col in cols.roles():
+        if not col:
+            raise EventLogError(f"{FLAGS[role]} names no column (got an empty name)")
+    fmt, stem = detect_format(path)
+    if not path.is_file():
+        raise EventLogError(f"event log {path} does not exist (or is not a file)")
+    wanted = list(dict.fromkeys(col for _, col in cols.roles()))
+    if fmt == "parquet":
+        table = _read_parquet(path, cols, wanted, limit)
+    else:
+        ext = path.name.lower()
+        ext = ext[: len(ext) - len(next((e for e in _COMPRESSED_EXT if ext.endswith(e)), ""))]
+        table = _read_csv(path, Path(ext).suffix, cols, wanted, limit, csv_delimiter)
+    return _build(table, cols, delay, seed, path, fmt, stem[:200], csv=fmt == "csv")
+
+
+def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path: Path, fmt: str,
+           stem: str, csv: bool) -> EventTable:
+    n = table.num_rows
+    col = {name: _plain(table.column(name)) for name in table.column_names}
+    checks: list[_Check] = []
+
+    imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n)
+    checks += c
+    ts, ts_status = _times(col[cols.time], cols.time_unit, cols.time, FLAGS["time"])
+    checks += _time_checks(ts_status, "ts", cols.time, cols.time_unit)
+    users, c = _ids(col[cols.user], "user_id", cols.user, csv)
+    checks += c
+    items, c = _ids(col[cols.item], "item_id", cols.item, csv)
+    checks += c
+
+    features = list(dict.fromkeys(cols.features))
+    prepared: dict[str, pa.Array] = {}
+    list_nulls: list[str] = []
+    for name in features:
+        arr, c, has_nulls = _prepare_feature(col[name], name, csv)
+        prepared[name] = arr
+        checks += c
+        if has_nulls:
+            list_nulls.append(name)
+    dense: dict[str, np.ndarray] = {}
+    for name in dict.fromkeys(cols.dense):
+        dense[name], c = _dense(col[name], name)
+        checks += c
+
+    # clicks
+    if cols.clicked is not None:
+        clicked, unparseable = _clicked(col[cols.clicked], cols.clicked)
+        checks.append(_Check(unparseable, "clicked", cols.clicked,
+                             "a boolean, an integer or one of true/false/1/0/yes/no"))
+    else:
+        clicked = np.zeros(n, bool)
+    click_ts = np.zeros(n, np.int64)
+    from_column = np.zeros(n, bool)
+    if cols.click_time is not None:
+        ct, ct_status = _times(col[cols.click_time], cols.time_unit, cols.click_time, FLAGS["click_time"])
+        if cols.clicked is None:
+            clicked = ct_status != _MISSING
+        from_column = clicked & (ct_status != _MISSING)
+        ct_checks = _time_checks(ct_status, "click_ts", cols.click_time, cols.time_unit)[1:]
+        for check in ct_checks:
+            check.mask = check.mask & clicked
+        checks += ct_checks
+        before = from_column & (ct_status == _OK) & (ts_status == _OK) & (ct < ts)
+        checks.append(_Check(before, "click_ts", cols.click_time,
+                             "a click time at or after the impression's time"))
+        click_ts[from_column] = ct[from_column]
+    drawn = clicked & ~from_column
+    if drawn.any():
+        rng = np.random.Generator(np.random.PCG64(seed))
+        delays = draw_click_delays_ms(delay, n, rng)  # one per row read: row i's delay is draw i
+        click_ts[drawn] = np.minimum(ts[drawn] + delays[drawn], MAX_TS_MS)
+
+    # which rule each row breaks first
+    first = np.full(n, -1, dtype=np.int64)
+    for k in range(len(checks) - 1, -1, -1):
+        first[checks[k].mask] = k
+    bad = first >= 0
+    good = ~bad
+    good_idx = np.flatnonzero(good)
+
+    raw: list[RawMessage] = []
+    by_field: Counter[str] = Counter()
+    bad_idx = np.flatnonzero(bad)
+    if len(bad_idx):
+        rows = _json_rows(table.take(pa.array(bad_idx)), csv)
+        for i, row in zip(bad_idx.tolist(), rows, strict=True):
+            check = checks[first[i]]
+            by_field[check.field] += 1
+            error = ValidationError(check.field, row.get(check.column),
+                                    f"{check.expected} (column {check.column!r}, row {i} counting from 0)")
+            raw.append(RawMessage(
+                topic_kind=IMPRESSION,
+                ts=int(ts[i]) if ts_status[i] == _OK else 0,
+                key=keys[i].encode(),
+                value=orjson.dumps(row, default=_json_default),
+                error=error,
+            ))
+
+    # accepted rows
+    impression_id = _object_array([imp_ids[i] for i in good_idx.tolist()])
+    context: list[ContextPart] = []
+    if features:
+        feat = pa.table(prepared).filter(pa.array(good))
+        dicts = feat.to_pylist()
+        # drop missing values (and missing list entries), touching only the rows that have them
+        for name in feat.column_names:
+            column = feat.column(name)
+            if column.null_count:
+                for i in np.flatnonzero(_nulls(_plain(column))).tolist():
+                    del dicts[i][name]
+        for name in list_nulls:
+            for d in dicts:
+                v = d.get(name)
+                if v is not None and None in v:
+                    d[name] = [x for x in v if x is not None]
+        context.append(ContextPart(np.arange(len(dicts), dtype=np.int64), dicts))
+    clicks = good & clicked
+    duplicates = 0
+    if cols.impression_id is not None and len(impression_id):
+        duplicates = len(impression_id) - len(set(impression_id.tolist()))
+
+    return EventTable(
+        impression_id=impression_id,
+        ts=ts[good].astype(np.int64),
+        user_id=users[good],
+        item_id=items[good],
+        context=context,
+        dense={name: v[good].astype(np.float64) for name, v in dense.items()},
+        click_impression_id=_object_array([imp_ids[i] for i in np.flatnonzero(clicks).tolist()]),
+        click_ts=click_ts[clicks].astype(np.int64),
+        raw=raw,
+        stats={
+            "file": str(path),
+            "format": fmt,
+            "rows_read": n,
+            "rejected_rows": len(raw),
+            "rejected_by_field": dict(sorted(by_field.items())),
+            "clicked_rows": int(clicks.sum()),
+            "duplicate_impression_ids": duplicates,
+        },
+    )
