@@ -255,7 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("replay", help="publish a data set's impressions and clicks in event-time order",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Publish impressions and clicks to Kafka in event-time order with an idempotent "
                        "producer; waits for every acknowledgement and prints the counts. Sources: ml-1m, ml-100k "
                        "(every rating an impression, rating >= 4 adds a click after a drawn delay), synthetic "
@@ -264,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "use go to <topic>.dlq with the reason.")
     p.add_argument("--dataset", help="ml-1m | ml-100k | synthetic | PATH to .parquet/.csv "
                    f"(default {ReplaySettings.dataset})")
-    p.add_argument("--limit", type=int, help="replay only the first N impressions (in event time for MovieLens)")
+    p.add_argument("--limit", type=int, help="replay only the first N impressions (MovieLens: earliest in event "
+                   "time; event logs: first N rows of the file, rejected rows included)")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--rate", type=float, help="at most this many events per wall-clock second")
     pace.add_argument("--speed", type=float, help="replay event time this many times faster than real time")
@@ -280,14 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("synthetic data set (--dataset synthetic)")
     for f in dataclasses.fields(SyntheticSettings):
         g.add_argument(f"--syn-{f.name.replace('_', '-')}", dest=SYN_FLAG_PREFIX + f.name,
-                       type=float if f.type in ("float", float) else int, help=f"default {f.default}")
+                       type=float if f.type in ("float", float) else int,
+                       help=f"(default {f.default}; [synthetic] {f.name})")
     g = p.add_argument_group("Parquet/CSV event log (--dataset PATH): one row per impression")
-    g.add_argument("--user-col", default="user_id")
-    g.add_argument("--item-col", default="item_id")
-    g.add_argument("--time-col", default="ts")
-    g.add_argument("--time-unit", default="ms", choices=["s", "ms", "us", "ns", "iso"])
+    g.add_argument("--user-col", default="user_id", help="user id column (default: %(default)s)")
+    g.add_argument("--item-col", default="item_id", help="item id column (default: %(default)s)")
+    g.add_argument("--time-col", default="ts", help="event time column (default: %(default)s)")
+    g.add_argument("--time-unit", default="ms", choices=["s", "ms", "us", "ns", "iso"],
+                   help="unit of the time columns (default: %(default)s)")
     g.add_argument("--impression-id-col", default=None, help="default: generated from the file name and row")
-    g.add_argument("--clicked-col", default="clicked", help="truthy -> a click follows; '' for no clicks")
+    g.add_argument("--clicked-col", default="clicked",
+                   help="truthy -> a click follows; '' for no clicks (default: %(default)s)")
     g.add_argument("--click-time-col", default=None, help="the click's own time (else a drawn delay)")
     g.add_argument("--feature-cols", default="", help="comma-separated categorical/list context columns")
     g.add_argument("--dense-cols", default="", help="comma-separated numeric columns")
