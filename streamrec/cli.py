@@ -42,11 +42,11 @@ def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dic
 def _kv_lines(d: dict[str, Any], indent: str = "  ") -> str:
     lines = []
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v:
             lines.append(f"{indent}{k}:")
             lines.append(_kv_lines(v, indent + "  "))
         else:
-            lines.append(f"{indent}{k}: {v}")
+            lines.append(f"{indent}{k}: {v if v != {} else 'none'}")
     return "\n".join(lines)
 
 
