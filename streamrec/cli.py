@@ -19,7 +19,9 @@ from typing import Any
 
 from streamrec.settings import (
     DelayKind,
+    JoinerSettings,
     KafkaSettings,
+    RedisSettings,
     ReplaySettings,
     SettingsError,
     Sources,
@@ -213,6 +215,87 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- join ------------------------------------------------------------------------------------
+def cmd_join(args: argparse.Namespace) -> int:
+    import logging
+
+    from stream.joiner.worker import JoinWorker
+
+    src = sources(args)
+    kafka = kafka_settings(args, src)
+    redis_settings = src.build(RedisSettings, "redis", url=args.redis_url)
+    js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
+                   allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
+                   drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if js.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(js.metrics_port, addr="0.0.0.0")
+    worker = JoinWorker(kafka, redis_settings, js)
+    print(f"joining {kafka.impressions_topic} + {kafka.clicks_topic} -> {kafka.samples_topic} on "
+          f"{kafka.bootstrap_servers} (group {js.app_id}, window {js.attribution_window_s:g}s)", file=sys.stderr)
+    code = worker.run(loglevel="warn" if args.log_level.lower() in ("warning", "warn") else args.log_level.lower())
+    summary = worker.totals.summary()
+    summary["group"] = js.app_id
+
+    def human(d: dict[str, Any]) -> str:
+        return "join summary\n" + _kv_lines(d)
+
+    emit(args, summary, human)
+    return code
+
+
+# -- counts ----------------------------------------------------------------------------------
+def cmd_counts(args: argparse.Namespace) -> int:
+    import redis
+
+    from stream.counts import DailyCounts
+
+    src = sources(args)
+    rs = src.build(RedisSettings, "redis", url=args.redis_url)
+    client = redis.Redis.from_url(rs.url, socket_timeout=10)
+    try:
+        counts = DailyCounts(client, prefix=rs.prefix, ttl_days=rs.counts_ttl_days)
+        try:
+            day = args.day
+            if day is None:
+                available = counts.days_available(args.kind, args.event)
+                day = available[-1] if available else None
+            rows = [] if day is None else counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)
+        except ValueError as exc:  # a bad --day/--days/--k: a usage error, exit 2
+            raise SettingsError(str(exc)) from None
+        except redis.RedisError as exc:
+            print(f"streamrec counts: error: Redis at {rs.url}: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    finally:
+        client.close()
+    summary = {
+        "kind": args.kind,
+        "event": args.event,
+        "day": day,
+        "days": args.days,
+        "k": args.k,
+        "redis_url": rs.url,
+        "prefix": rs.prefix,
+        "top": [{"id": member, "count": count} for member, count in rows],
+    }
+
+    def human(d: dict[str, Any]) -> str:
+        if d["day"] is None:
+            return f"no {d['kind']} {d['event']} counts under {d['prefix']}:counts: in {d['redis_url']}"
+        head = (f"top {d['k']} {d['kind']}s by {d['event']}s over {d['days']} day(s) ending {d['day']} (UTC)")
+        if not d["top"]:
+            return head + "\n  none"
+        width = max(len(r["id"]) for r in d["top"])
+        return "\n".join([head, *(f"  {i:>3}. {r['id']:<{width}}  {r['count']:>12,.0f}"
+                                  for i, r in enumerate(d["top"], 1))])
+
+    emit(args, summary, human)
+    return EXIT_OK
+
+
 # -- parser ----------------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML settings file ([kafka], [redis], [stack], [replay], "
@@ -309,6 +392,49 @@ def build_parser() -> argparse.ArgumentParser:
     _kafka_flag(p)
     _common(p)
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("join", help="join impressions and clicks into labelled samples (faust worker)",
+                       description="Run the impression-click joiner: a faust-streaming worker reading the impressions "
+                       "and clicks topics (co-partitioned by impression id), labelling each impression 1 if a click "
+                       "arrives within the attribution window (event time) and 0 when the window expires, attaching "
+                       "the user's click history as of the impression, counting items and users per day in Redis, "
+                       "and writing Arrow sample batches to the samples topic. Late and orphan clicks go to "
+                       "late_clicks, malformed events to <topic>.dlq. Runs until SIGTERM, or until idle with "
+                       "--exit-when-idle. Several workers with the same --app-id split the partitions.")
+    p.add_argument("--app-id", help=f"faust app id = consumer group (default {JoinerSettings.app_id})")
+    p.add_argument("--window-s", type=float, help="attribution window, event-time seconds "
+                   f"(default {JoinerSettings.attribution_window_s:g})")
+    p.add_argument("--lateness-s", type=float, help="allowed lateness of the watermark, seconds "
+                   f"(default {JoinerSettings.allowed_lateness_s:g})")
+    p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="exit after this long without input "
+                   "(bounded runs: tests, demo, replays)")
+    p.add_argument("--drain", action="store_true", help="with --exit-when-idle: treat the input as complete and "
+                   "expire every pending impression before exiting")
+    p.add_argument("--redis-url", help=f"Redis for counts and history (default {RedisSettings.url})")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _kafka_flag(p)
+    _common(p)
+    p.set_defaults(func=cmd_join)
+
+    p = sub.add_parser("counts", help="show the most frequent items or users of recent days (Redis)",
+                       description="Read the per-day occurrence counts the joiner writes to Redis "
+                       "({prefix}:counts:{kind}:{event}:{YYYYMMDD}, UTC days of event time) and print the top "
+                       "k ids summed over --days consecutive days ending at --day (default: the latest day "
+                       "with counts). These are the counts the nightly hot-embedding cache refresh and "
+                       "cold-start admission use.")
+    p.add_argument("action", choices=["top"])
+    p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
+    p.add_argument("--event", default="impression", choices=["impression", "click"],
+                   help="which events to count (default: %(default)s)")
+    p.add_argument("--day", metavar="YYYYMMDD", help="last UTC day of the window (default: the latest day "
+                   "with counts for --kind/--event)")
+    p.add_argument("--days", type=int, default=1, help="number of consecutive days summed (default: %(default)s)")
+    p.add_argument("--k", type=int, default=10, help="how many ids to print (default: %(default)s)")
+    p.add_argument("--redis-url", help=f"Redis with the counts (default {RedisSettings.url}, the local stack; "
+                   "env STREAMREC_REDIS_URL)")
+    _common(p)
+    p.set_defaults(func=cmd_counts)
     return parser
 
 

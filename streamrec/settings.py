@@ -57,6 +57,28 @@ class KafkaSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = "redis://127.0.0.1:16379/0"
+    prefix: str = "streamrec"  # every key streamrec writes starts with this
+    counts_ttl_days: int = 8  # per-day count keys live this long
+    history_len: int = 50  # recent clicked items kept per user
+
+
+@dataclass(frozen=True)
+class JoinerSettings:
+    """The impression-click joiner (``streamrec join``)."""
+
+    app_id: str = "streamrec-joiner"  # faust app id = consumer group; names the state topic
+    attribution_window_s: float = 1800.0  # a click within this event time of its impression labels it 1
+    allowed_lateness_s: float = 5.0  # watermark = max event time seen - allowed lateness
+    late_retention_s: float = 3600.0  # how long after expiry a click is still recognised as late
+    late_clicks_topic: str = "late_clicks"
+    # Samples are flushed once per batch: a batch closes at batch_max events or after batch_within_s,
+    # and its samples go out as messages of at most sample_flush_rows rows per partition.
+    batch_max: int = 5000
+    batch_within_s: float = 0.5
+    sample_flush_rows: int = 4096
+    exit_when_idle_s: float | None = None  # bounded runs: exit after this long without input
+    drain_at_exit: bool = False  # at exit, treat input as complete: expire every pending impression
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port
 
 
 @dataclass(frozen=True)

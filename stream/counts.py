@@ -1,0 +1,204 @@
+"""Per-day item and user occurrence counts in Redis sorted sets.
+
+The nightly hot-embedding cache refresh reads the most frequent items/users of the last days from
+here, and cold-start admission reads how often a new id has been seen.
+
+Key layout (one sorted set per kind, event and UTC day of the *event* time)::
+
+    {prefix}:counts:{kind}:{event}:{YYYYMMDD}      member = str(raw id), score = count
+
+``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click``. Members are the raw id's
+text, so ``123`` and ``"123"`` are one member, the same canonical form ``stream.ids`` hashes.
+
+Expiry: a day's key expires ``ttl_days`` after the *end of its own day* (``day_start + (ttl_days +
+1) * 86400``), so in live traffic today's key is kept for ``ttl_days`` full days after midnight
+and a key never depends on when it happened to be written. That alone would make a replay of old
+data (MovieLens is from 2000) write keys whose expiry is already in the past, which Redis deletes at
+once, so the expiry is never earlier than ``ttl_days`` from now: ``max(own-day expiry, now +
+ttl_days * 86400)``. In consequence a key of a day older than yesterday lives ``ttl_days`` after its
+*last write*; only today's and yesterday's keys (and future days) get the longer own-day expiry.
+Every write refreshes the expiry (``EXPIREAT``), so it only ever moves forward.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import redis
+
+KINDS = ("item", "user")
+EVENTS = ("impression", "click")
+DAY_S = 86_400
+DAY_MS = DAY_S * 1000
+_EPOCH = dt.date(1970, 1, 1)
+_DAY_RE = re.compile(r"\d{8}")
+_TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
+
+
+def day_of(ts_ms: int) -> str:
+    """The UTC day ``YYYYMMDD`` of an event time in ms."""
+    return _day_str(int(ts_ms) // DAY_MS)
+
+
+def _day_str(day_index: int) -> str:
+    return (_EPOCH + dt.timedelta(days=day_index)).strftime("%Y%m%d")
+
+
+def _parse_day(day: str) -> dt.date:
+    if not isinstance(day, str) or not _DAY_RE.fullmatch(day):
+        raise ValueError(f"argument 'day': got {day!r}, expected a UTC date as 'YYYYMMDD' (e.g. '20001231')")
+    try:
+        return dt.datetime.strptime(day, "%Y%m%d").date()
+    except ValueError:
+        raise ValueError(f"argument 'day': got {day!r}, which is not a calendar date (expected 'YYYYMMDD')") from None
+
+
+def _check_kind_event(kind: str, event: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"argument 'kind': got {kind!r}, expected one of {', '.join(KINDS)}")
+    if event not in EVENTS:
+        raise ValueError(f"argument 'event': got {event!r}, expected one of {', '.join(EVENTS)}")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"argument {name!r}: got {value!r}, expected an integer >= 1")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _glob_escape(text: str) -> str:
+    """Escape Redis glob metacharacters so a prefix is matched literally by SCAN MATCH."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def _member(value: object, position: int) -> str:
+    if isinstance(value, str):
+        if value:
+            return value
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0:
+        return str(int(value))
+    raise ValueError(
+        f"argument 'ids': element {position} is {value!r}, expected a non-negative integer or a non-empty string"
+    )
+
+
+class DailyCounts:
+    """Item and user occurrence counts per UTC day (see the module docstring for keys and expiry)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "streamrec", ttl_days: int = 8) -> None:
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
+        _check_positive_int("ttl_days", ttl_days)
+        self.client = client
+        self.prefix = prefix
+        self.ttl_days = int(ttl_days)
+
+    # -- keys -------------------------------------------------------------------------------------
+    def key(self, kind: str, event: str, day: str) -> str:
+        _check_kind_event(kind, event)
+        _parse_day(day)
+        return f"{self.prefix}:counts:{kind}:{event}:{day}"
+
+    def expire_at(self, day_index: int, now_s: float | None = None) -> int:
+        """Unix time (s) at which the key of day ``day_index`` (days since the epoch) expires."""
+        now = time.time() if now_s is None else now_s
+        own_day = (day_index + self.ttl_days + 1) * DAY_S
+        return max(own_day, int(now) + self.ttl_days * DAY_S)
+
+    # -- writes -----------------------------------------------------------------------------------
+    def record(self, kind: str, event: str, ids: Sequence[int | str], ts_ms: Sequence[int] | np.ndarray) -> None:
+        """Count ``ids[i]`` once on the UTC day of ``ts_ms[i]``; one Redis round trip per call.
+
+        Counts are aggregated here first, then written with one non-transactional pipeline:
+        one ZINCRBY per distinct (day, id) and one EXPIREAT per day key touched.
+        """
+        _check_kind_event(kind, event)
+        id_list = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        ts = np.asarray(ts_ms)
+        if ts.ndim != 1:
+            raise ValueError(f"argument 'ts_ms': got shape {ts.shape}, expected a sequence of times (one per id)")
+        if len(id_list) != len(ts):
+            raise ValueError(
+                f"argument 'ts_ms': has {len(ts)} elements but 'ids' has {len(id_list)}; expected one time per id"
+            )
+        if not id_list:
+            return
+        if ts.dtype.kind not in "iu":
+            if ts.dtype.kind == "f" and np.all(np.isfinite(ts)) and np.all(ts == np.floor(ts)):
+                ts = ts.astype(np.int64)
+            else:
+                raise ValueError(f"argument 'ts_ms': got dtype {ts.dtype}, expected integer milliseconds")
+        ts = ts.astype(np.int64, copy=False)
+        if ts.min() < 0:
+            bad = int(np.argmin(ts))
+            raise ValueError(f"argument 'ts_ms': element {bad} is {int(ts[bad])}, expected milliseconds >= 0")
+        members = [_member(v, i) for i, v in enumerate(id_list)]
+        day_index = (ts // DAY_MS).tolist()
+        counts = Counter(zip(day_index, members, strict=True))
+
+        now = time.time()
+        keys = {d: f"{self.prefix}:counts:{kind}:{event}:{_day_str(d)}" for d in set(day_index)}
+        pipe = self.client.pipeline(transaction=False)
+        for (d, member), n in counts.items():
+            pipe.zincrby(keys[d], n, member)
+        for d, key in keys.items():
+            pipe.expireat(key, self.expire_at(d, now))
+        pipe.execute()
+
+    # -- reads ------------------------------------------------------------------------------------
+    def days_available(self, kind: str, event: str) -> list[str]:
+        """The days (``YYYYMMDD``, ascending) that have a key for ``kind``/``event`` (found with SCAN)."""
+        _check_kind_event(kind, event)
+        base = f"{self.prefix}:counts:{kind}:{event}:"
+        pattern = _glob_escape(base) + "*"
+        days = set()
+        for raw in self.client.scan_iter(match=pattern, count=1000):
+            suffix = _text(raw)[len(base):]
+            if _DAY_RE.fullmatch(suffix):
+                days.add(suffix)
+        return sorted(days)
+
+    def top(
+        self, kind: str, event: str = "impression", day: str | None = None, days: int = 1, k: int = 10
+    ) -> list[tuple[str, float]]:
+        """The ``k`` most frequent ids over ``days`` consecutive UTC days ending at ``day`` (inclusive).
+
+        ``day`` defaults to the latest day with a key for ``kind``/``event``; with no data at all the
+        result is empty. Counts of the days are summed (missing days count as empty). Ordered by
+        count descending; equal counts in Redis's reverse order (reverse lexicographic by id text).
+        """
+        _check_kind_event(kind, event)
+        _check_positive_int("days", days)
+        _check_positive_int("k", k)
+        if day is None:
+            available = self.days_available(kind, event)
+            if not available:
+                return []
+            day = available[-1]
+        end = _parse_day(day)
+        keys = [
+            f"{self.prefix}:counts:{kind}:{event}:{(end - dt.timedelta(days=i)).strftime('%Y%m%d')}"
+            for i in range(int(days))
+        ]
+        if len(keys) == 1:
+            rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)
+        else:
+            # Merge on the server and send back only k rows; MULTI/EXEC so the temporary key never
+            # outlives the call (the short TTL is a safety net).
+            tmp = f"{self.prefix}:counts:tmp:{uuid.uuid4().hex}"
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zunionstore(tmp, keys, aggregate="SUM")
+            pipe.expire(tmp, _TMP_TTL_S)
+            pipe.zrevrange(tmp, 0, int(k) - 1, withscores=True)
+            pipe.delete(tmp)
+            rows = pipe.execute()[2]
+        return [(_text(member), float(score)) for member, score in rows]

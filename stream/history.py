@@ -1,0 +1,130 @@
+"""Each user's recently clicked items, in Redis, so serving sees the same history training saw.
+
+Key layout::
+
+    {prefix}:history:{user_hash}      a LIST of "{click_ts_ms}:{item_hash}", newest appended first
+
+``user_hash`` and ``item_hash`` are ``stream.ids.stable_hash`` values (the caller hashes). Appends
+LPUSH and LTRIM the list to ``max_len`` in the same pipeline, so a list keeps the ``max_len`` most
+recently *appended* clicks.
+
+Clicks may be appended out of click-time order (late clicks, several joiner partitions). Readers
+therefore never trust list order: they sort by click time and filter by it. :meth:`UserHistory.as_of`
+returns only clicks strictly before the given time -- the rule that keeps the future (including the
+impression's own click, whose time is after the impression) out of training features. As-of reads
+are exact as long as the list still holds the clicks before that time, i.e. when fewer than
+``max_len`` newer clicks of the user were appended since (true for a joiner reading in event order).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import numpy as np
+import redis
+
+
+def _as_ints(name: str, values: Sequence[int] | np.ndarray) -> list[int]:
+    seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    out = []
+    for i, v in enumerate(seq):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"argument {name!r}: element {i} is {v!r}, expected an integer")
+        out.append(int(v))
+    return out
+
+
+def _same_length(**named: list[int]) -> None:
+    (first, ref), *rest = named.items()
+    for name, seq in rest:
+        if len(seq) != len(ref):
+            raise ValueError(f"argument {name!r}: has {len(seq)} elements but {first!r} has {len(ref)}; "
+                             "expected one per element")
+
+
+def _parse(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
+    """Entries of one list (newest appended first) -> (click times, item hashes), oldest click first.
+
+    Sorting is stable over the oldest-appended-first order, so equal click times keep append order.
+    """
+    pairs = []
+    for raw in reversed(entries):
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        ts, _, item = text.partition(":")
+        pairs.append((int(ts), int(item)))
+    pairs.sort(key=lambda p: p[0])
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+class UserHistory:
+    """Users' recent clicks (see the module docstring for keys and the as-of rule)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "streamrec", max_len: int = 50) -> None:
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
+        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+            raise ValueError(f"argument 'max_len': got {max_len!r}, expected an integer >= 1")
+        self.client = client
+        self.prefix = prefix
+        self.max_len = int(max_len)
+
+    def key(self, user_hash: int) -> str:
+        return f"{self.prefix}:history:{int(user_hash)}"
+
+    def append_many(
+        self,
+        user_hashes: Sequence[int] | np.ndarray,
+        item_hashes: Sequence[int] | np.ndarray,
+        click_ts: Sequence[int] | np.ndarray,
+    ) -> None:
+        """Append one click per element, in the given order; one Redis round trip for the batch.
+
+        Per distinct user: one LPUSH with that user's entries in the given order (the same as one
+        LPUSH per entry), then one LTRIM to ``max_len``.
+        """
+        users = _as_ints("user_hashes", user_hashes)
+        items = _as_ints("item_hashes", item_hashes)
+        times = _as_ints("click_ts", click_ts)
+        _same_length(user_hashes=users, item_hashes=items, click_ts=times)
+        if not users:
+            return
+        by_user: dict[int, list[str]] = {}
+        for u, item, ts in zip(users, items, times, strict=True):
+            by_user.setdefault(u, []).append(f"{ts}:{item}")
+        pipe = self.client.pipeline(transaction=False)
+        for u, entries in by_user.items():
+            pipe.lpush(self.key(u), *entries)
+        for u in by_user:
+            pipe.ltrim(self.key(u), 0, self.max_len - 1)
+        pipe.execute()
+
+    def _read(self, users: list[int]) -> dict[int, tuple[list[int], list[int]]]:
+        distinct = list(dict.fromkeys(users))
+        pipe = self.client.pipeline(transaction=False)
+        for u in distinct:
+            pipe.lrange(self.key(u), 0, self.max_len - 1)
+        return {u: _parse(entries) for u, entries in zip(distinct, pipe.execute(), strict=True)}
+
+    def as_of(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray) -> list[list[int]]:
+        """For each ``(user, ts)``: item hashes of the user's clicks with click time ``< ts`` (strictly),
+        oldest first (newest last), at most ``max_len``. One pipeline, one LRANGE per distinct user."""
+        users = _as_ints("user_hashes", user_hashes)
+        times = _as_ints("ts_ms", ts_ms)
+        _same_length(user_hashes=users, ts_ms=times)
+        if not users:
+            return []
+        hist = self._read(users)
+        out = []
+        for u, ts in zip(users, times, strict=True):
+            click_times, items = hist[u]
+            n = bisect_left(click_times, ts)  # clicks with click_ts < ts
+            out.append(items[max(0, n - self.max_len):n])
+        return out
+
+    def recent(self, user_hash: int) -> list[int]:
+        """The user's stored clicks' item hashes, oldest first (newest last): what serving feeds the model."""
+        if isinstance(user_hash, bool) or not isinstance(user_hash, (int, np.integer)):
+            raise ValueError(f"argument 'user_hash': got {user_hash!r}, expected an integer")
+        u = int(user_hash)
+        return self._read([u])[u][1]

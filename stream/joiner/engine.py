@@ -1,0 +1,319 @@
+"""The join of one input partition: impressions + clicks -> exactly one labelled sample per impression.
+
+Pure logic, no I/O: the driver (``stream/joiner/worker.py``) feeds decoded events in batches and
+writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
+
+- An impression waits for its click for ``window`` ms. The first click with
+  ``0 <= click.ts - imp.ts <= window`` makes a positive sample at once (label delay = click.ts -
+  imp.ts). Further clicks on it are duplicates: counted, no second sample.
+- ``watermark = min(max impression time, max click time) seen on the partition - allowed
+  lateness``: the two topics are consumed independently, so event time is only as far as the
+  slower one (as with Flink's multi-input watermarks). A partition that has seen no click for
+  ``click_idle_impressions`` impressions counts its click input as idle and follows impressions
+  alone, so a quiet click stream cannot hold back expiry for ever. When
+  ``imp.ts + window <= watermark`` the impression expires: a negative sample if it had no click.
+- A click on an expired impression, or one more than ``window`` after it, is *late*; a click whose
+  impression never arrives (by the time the watermark passes the click) is an *orphan*. Both are
+  returned as :class:`Unjoined` records (the driver writes them to ``late_clicks``); none vanishes.
+  Clicks may arrive before their impression (two topics are consumed independently): they wait.
+- Each event is applied at most once: the state remembers the last applied offset per topic, and a
+  redelivered event (after a restart) is skipped.
+
+State durability is event-sourced (``stream/joiner/state_log.py``): every batch yields one
+:class:`StateChunk` (impressions added, clicks joined, clicks waiting, watermark, offsets), and a
+chunk is retired (tombstoned) once nothing it holds can matter any more.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+
+from stream.events import Click, Impression
+from stream.features import hash_context, hash_value
+
+IMPRESSIONS, CLICKS = 0, 1
+_NO_OFFSET = -1
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    window_ms: int = 1_800_000
+    lateness_ms: int = 5_000
+    late_retention_ms: int = 3_600_000
+    history_len: int = 50
+    click_idle_impressions: int = 20_000
+
+
+@dataclass(slots=True)
+class Pending:
+    """An impression inside its attribution window, with its features as of impression time."""
+
+    impression_id: str
+    ts: int
+    user: int  # stable_hash(user_id)
+    item: int  # stable_hash(item_id)
+    context: dict[str, int | list[int]]
+    dense: dict[str, float]
+    history: list[int]  # clicked item hashes before ts, oldest first
+    chunk: int  # the state chunk that added it
+    click_ts: int | None = None  # set once joined
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    pending: Pending
+    label: int
+    label_delay_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unjoined:
+    impression_id: str
+    click_ts: int
+    reason: str  # "late" | "orphan" | "before_impression"
+
+
+@dataclass(frozen=True, slots=True)
+class JoinedClick:
+    user: int
+    item: int
+    click_ts: int
+
+
+@dataclass
+class StateChunk:
+    """What one batch changed; folding every live chunk in order rebuilds the partition's state."""
+
+    seq: int
+    added: list[Pending]
+    joined: list[tuple[str, int]]  # (impression_id, click_ts)
+    waiting: list[tuple[str, int]]  # clicks whose impression was not seen yet
+    max_ts: int | None  # the watermark's event time after this batch (watermark = max_ts - lateness)
+    offsets: tuple[int, int]  # last applied (impressions, clicks) offset
+    max_ref_ts: int  # latest event time this chunk refers to; it retires after that + window + retention
+
+
+@dataclass
+class BatchResult:
+    samples: list[Sample] = field(default_factory=list)
+    unjoined: list[Unjoined] = field(default_factory=list)
+    joined_clicks: list[JoinedClick] = field(default_factory=list)
+    new_impressions: list[Pending] = field(default_factory=list)  # for the Redis counts
+    chunk: StateChunk | None = None  # None when the batch changed nothing
+    retired: list[int] = field(default_factory=list)  # chunk seqs no longer needed
+    stats: Counter[str] = field(default_factory=Counter)
+
+
+class PartitionJoin:
+    """Join state and logic of one partition (impressions[p] with clicks[p])."""
+
+    def __init__(self, partition: int, cfg: JoinConfig) -> None:
+        self.partition = partition
+        self.cfg = cfg
+        self.pending: dict[str, Pending] = {}
+        self._expiry: list[tuple[int, str]] = []  # heap of (imp.ts + window, impression_id)
+        self.finalized: dict[str, tuple[int, int]] = {}  # id -> (ts, label), kept late_retention
+        self._final_order: list[tuple[int, str]] = []  # heap of (ts + window + retention, id)
+        self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
+        self._waiting_heap: list[tuple[int, str]] = []
+        self.max_ts: int | None = None  # the watermark's event time (before lateness)
+        self.topic_max: list[int | None] = [None, None]  # max event time per input topic
+        self._since_click = 0  # impressions since the last click: detects an idle click input
+        self.offsets = [_NO_OFFSET, _NO_OFFSET]
+        self.next_seq = 0
+        self._chunks: list[tuple[int, int]] = []  # heap of (retire_at event time, seq)
+
+    # -- the batch step ------------------------------------------------------------------------
+    @property
+    def watermark(self) -> int | None:
+        return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms
+
+    def apply(self, impressions: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
+              history: dict[tuple[int, int], list[int]] | None = None, drain: bool = False) -> BatchResult:
+        """Apply one batch: ``(offset, event)`` pairs of this partition, offsets ascending per topic.
+
+        ``history[(user_hash, ts)]`` gives the user's clicked items before ``ts`` (from Redis);
+        clicks joined earlier in this batch are merged in. ``drain=True`` ends the input: every
+        pending impression expires.
+        """
+        out = BatchResult()
+        seq = self.next_seq
+        added: list[Pending] = []
+        joined: list[tuple[str, int]] = []
+        waiting: list[tuple[str, int]] = []
+        batch_clicks: dict[int, list[tuple[int, int]]] = {}  # user -> [(click_ts, item)] joined now
+        max_ref = -1
+
+        events: list[tuple[int, int, int, Impression | Click]] = []
+        for off, imp in impressions:
+            if off > self.offsets[IMPRESSIONS]:
+                events.append((imp.ts, IMPRESSIONS, off, imp))
+            else:
+                out.stats["redelivered"] += 1
+        for off, clk in clicks:
+            if off > self.offsets[CLICKS]:
+                events.append((clk.ts, CLICKS, off, clk))
+            else:
+                out.stats["redelivered"] += 1
+        events.sort(key=lambda e: (e[0], e[1]))  # event time; impressions first at equal ts
+
+        for ts, kind, off, ev in events:
+            self.offsets[kind] = max(self.offsets[kind], off)
+            prev = self.topic_max[kind]
+            self.topic_max[kind] = ts if prev is None else max(prev, ts)
+            self._since_click = 0 if kind == CLICKS else self._since_click + 1
+            if kind == IMPRESSIONS:
+                assert isinstance(ev, Impression)
+                out.stats["impressions"] += 1
+                if ev.impression_id in self.pending or ev.impression_id in self.finalized:
+                    out.stats["duplicate_impressions"] += 1
+                    continue
+                user = hash_value(ev.user_id)
+                hist = list((history or {}).get((user, ts), ()))
+                recent = [item for cts, item in batch_clicks.get(user, ()) if cts < ts]
+                if recent:
+                    hist = (hist + recent)[-self.cfg.history_len:]
+                p = Pending(ev.impression_id, ts, user, hash_value(ev.item_id), hash_context(ev.context),
+                            dict(ev.dense), hist, seq)
+                self.pending[p.impression_id] = p
+                heapq.heappush(self._expiry, (ts + self.cfg.window_ms, p.impression_id))
+                added.append(p)
+                out.new_impressions.append(p)
+                max_ref = max(max_ref, ts)
+                for cts in sorted(self.waiting.pop(p.impression_id, ())):
+                    self._click(p, cts, out, joined, batch_clicks)
+            else:
+                assert isinstance(ev, Click)
+                out.stats["clicks"] += 1
+                p = self.pending.get(ev.impression_id)
+                if p is not None:
+                    if self._click(p, ev.ts, out, joined, batch_clicks):
+                        max_ref = max(max_ref, p.ts)
+                elif ev.impression_id in self.finalized:
+                    _, label = self.finalized[ev.impression_id]
+                    self._unjoined(out, ev.impression_id, ev.ts, "duplicate" if label else "late")
+                else:
+                    self.waiting.setdefault(ev.impression_id, []).append(ev.ts)
+                    heapq.heappush(self._waiting_heap, (ev.ts, ev.impression_id))
+                    waiting.append((ev.impression_id, ev.ts))
+                    max_ref = max(max_ref, ev.ts)
+
+        self._advance_event_time()
+        if drain and self.max_ts is not None:
+            # End of input: move event time past every window, and record that in the chunk.
+            last = max([p.ts for p in self.pending.values()] + [ts for ts, _ in self._waiting_heap] + [self.max_ts])
+            self.max_ts = last + self.cfg.window_ms + self.cfg.lateness_ms
+        self._expire(out)
+        if events or drain:
+            retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
+            out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
+                                   max_ref)
+            heapq.heappush(self._chunks, (retire_at, seq))
+            self.next_seq = seq + 1
+        out.retired = self._retire()
+        return out
+
+    # -- internals -----------------------------------------------------------------------------
+    def _advance_event_time(self) -> None:
+        imp_max, click_max = self.topic_max
+        if imp_max is None:
+            return  # nothing can expire before the first impression
+        if click_max is None or self._since_click >= self.cfg.click_idle_impressions:
+            t = imp_max
+        else:
+            t = min(imp_max, click_max)
+        self.max_ts = t if self.max_ts is None else max(self.max_ts, t)
+
+    def _click(self, p: Pending, cts: int, out: BatchResult, joined: list[tuple[str, int]],
+               batch_clicks: dict[int, list[tuple[int, int]]]) -> bool:
+        """Apply a click to a pending impression; True if it made the positive sample."""
+        delay = cts - p.ts
+        if p.click_ts is not None:
+            self._unjoined(out, p.impression_id, cts, "duplicate")
+            return False
+        if delay < 0:
+            self._unjoined(out, p.impression_id, cts, "before_impression")
+            return False
+        if delay > self.cfg.window_ms:
+            self._unjoined(out, p.impression_id, cts, "late")
+            return False
+        p.click_ts = cts
+        out.samples.append(Sample(p, 1, delay))
+        out.joined_clicks.append(JoinedClick(p.user, p.item, cts))
+        batch_clicks.setdefault(p.user, []).append((cts, p.item))
+        joined.append((p.impression_id, cts))
+        out.stats["joined_clicks"] += 1
+        return True
+
+    def _unjoined(self, out: BatchResult, imp_id: str, cts: int, reason: str) -> None:
+        out.stats[f"{reason}_clicks"] += 1
+        if reason != "duplicate":  # duplicates are counted only: the impression already has its label
+            out.unjoined.append(Unjoined(imp_id, cts, reason))
+
+    def _expire(self, out: BatchResult) -> None:
+        wm = self.watermark
+        if wm is None:
+            return
+        while self._expiry and self._expiry[0][0] <= wm:
+            _, imp_id = heapq.heappop(self._expiry)
+            p = self.pending.pop(imp_id, None)
+            if p is None:
+                continue
+            if p.click_ts is None:
+                out.samples.append(Sample(p, 0, self.cfg.window_ms))
+            self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
+            heapq.heappush(self._final_order, (p.ts + self.cfg.window_ms + self.cfg.late_retention_ms, imp_id))
+        while self._waiting_heap and self._waiting_heap[0][0] <= wm:
+            cts, imp_id = heapq.heappop(self._waiting_heap)
+            times = self.waiting.get(imp_id)
+            if times and cts in times:
+                times.remove(cts)
+                if not times:
+                    del self.waiting[imp_id]
+                self._unjoined(out, imp_id, cts, "orphan")
+        while self._final_order and self._final_order[0][0] <= wm:
+            _, imp_id = heapq.heappop(self._final_order)
+            self.finalized.pop(imp_id, None)
+
+    def _retire(self) -> list[int]:
+        wm = self.watermark
+        retired = []
+        # The newest chunk always stays: it holds the offsets and max event time.
+        while wm is not None and self._chunks and self._chunks[0][0] <= wm and self._chunks[0][1] < self.next_seq - 1:
+            retired.append(heapq.heappop(self._chunks)[1])
+        return retired
+
+    # -- recovery ------------------------------------------------------------------------------
+    @classmethod
+    def restore(cls, partition: int, cfg: JoinConfig, chunks: list[StateChunk]) -> PartitionJoin:
+        """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
+        self = cls(partition, cfg)
+        for c in sorted(chunks, key=lambda c: c.seq):
+            for p in c.added:
+                self.pending[p.impression_id] = p
+                heapq.heappush(self._expiry, (p.ts + cfg.window_ms, p.impression_id))
+            for imp_id, cts in c.joined:
+                if imp_id in self.pending:
+                    self.pending[imp_id].click_ts = cts
+                times = self.waiting.get(imp_id)
+                if times and cts in times:
+                    times.remove(cts)
+            for imp_id, cts in c.waiting:
+                self.waiting.setdefault(imp_id, []).append(cts)
+                heapq.heappush(self._waiting_heap, (cts, imp_id))
+            if c.max_ts is not None:
+                self.max_ts = c.max_ts if self.max_ts is None else max(self.max_ts, c.max_ts)
+            self.offsets = [max(self.offsets[0], c.offsets[0]), max(self.offsets[1], c.offsets[1])]
+            retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
+            heapq.heappush(self._chunks, (retire_at, c.seq))
+            self.next_seq = max(self.next_seq, c.seq + 1)
+        for imp_id in [i for i, t in self.waiting.items() if not t]:
+            del self.waiting[imp_id]
+        # Waiting clicks whose impression was added in a later chunk were joined there or are late.
+        for imp_id in [i for i in self.waiting if i in self.pending]:
+            del self.waiting[imp_id]
+        # Everything the stored watermark already expired was emitted before the state was written.
+        self._expire(BatchResult())
+        return self

@@ -1,0 +1,40 @@
+"""Prometheus metrics of the joiner."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter as PCounter
+from prometheus_client import Gauge
+
+from stream.metrics import DLQ_MESSAGES, EVENTS
+
+if TYPE_CHECKING:
+    from stream.joiner.engine import BatchResult, PartitionJoin
+
+__all__ = ["DLQ_MESSAGES", "record"]
+
+SAMPLES = PCounter("streamrec_join_samples_total", "Samples written, by label.", ["label"])
+CLICKS = PCounter("streamrec_join_clicks_total", "Clicks by outcome (joined, late, orphan, duplicate, "
+                  "before_impression).", ["outcome"])
+COVERAGE = Gauge("streamrec_join_click_coverage", "Clicks joined / clicks seen since the worker started.")
+PENDING = Gauge("streamrec_join_pending_impressions", "Impressions waiting inside their attribution window.")
+WATERMARK = Gauge("streamrec_join_watermark_ms", "Event-time watermark per partition.", ["partition"])
+
+
+def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], totals: Counter[str]) -> None:
+    s = res.stats
+    EVENTS.labels("join", "impressions").inc(s["impressions"])
+    EVENTS.labels("join", "clicks").inc(s["clicks"])
+    SAMPLES.labels("1").inc(positives)
+    SAMPLES.labels("0").inc(len(res.samples) - positives)
+    for outcome in ("joined", "late", "orphan", "duplicate", "before_impression"):
+        if s[f"{outcome}_clicks"]:
+            CLICKS.labels(outcome).inc(s[f"{outcome}_clicks"])
+    if totals["clicks"]:
+        COVERAGE.set(totals["joined_clicks"] / totals["clicks"])
+    PENDING.set(totals["pending_impressions"])
+    for p, eng in engines.items():
+        if eng.watermark is not None:
+            WATERMARK.labels(str(p)).set(eng.watermark)

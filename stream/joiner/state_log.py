@@ -1,0 +1,111 @@
+"""The joiner's durable state: one record per processed batch and partition in a compacted topic.
+
+Key ``"{partition}:{seq}:{part}"``, value = the :class:`~stream.joiner.engine.StateChunk` as JSON,
+split into parts of at most ``MAX_RECORD_BYTES`` (Kafka's default message limit is 1 MB; part 0
+carries everything but a share of the added impressions). A retired chunk gets a tombstone per part
+(null value), so log compaction keeps the topic as small as the live state.
+The record goes to the same partition number as the input partition it describes, and is written
+after the batch's samples are acknowledged and before the batch's input offsets are acknowledged
+to faust: committed offsets never run ahead of durable state. Events between the committed offset
+and the chunk's offsets are skipped on redelivery (the chunk stores the last applied offsets).
+
+This replaces a faust Table keyed by impression id: faust sends one changelog record per Table
+write (25-35% of the join time here) and routes it by the *current* event, which batches of
+``stream.take_events`` blur; a chunk per batch costs one record per partition per batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from stream.joiner.engine import Pending, StateChunk
+from streamrec.settings import KafkaSettings
+
+
+def state_topic(app_id: str) -> str:
+    return f"{app_id}-join-state"
+
+
+MAX_RECORD_BYTES = 900_000
+
+
+def chunk_key(partition: int, seq: int, part: int = 0) -> bytes:
+    return f"{partition}:{seq}:{part}".encode()
+
+
+def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
+    return orjson.dumps({
+        "seq": c.seq,
+        "added": [[p.impression_id, p.ts, p.user, p.item, p.context, p.dense, p.history, p.click_ts]
+                  for p in added],
+        "joined": c.joined if head else [],
+        "waiting": c.waiting if head else [],
+        "max_ts": c.max_ts,
+        "offsets": c.offsets,
+        "max_ref_ts": c.max_ref_ts,
+    })
+
+
+def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
+    """The chunk as one or more records (parts), each at most ``max_bytes`` unless one impression is bigger."""
+    parts = [c.added]
+    while True:
+        encoded = [_encode(c, added, head=i == 0) for i, added in enumerate(parts)]
+        big = [i for i, e in enumerate(encoded) if len(e) > max_bytes and len(parts[i]) > 1]
+        if not big:
+            return encoded
+        i = big[0]
+        half = len(parts[i]) // 2
+        parts[i:i + 1] = [parts[i][:half], parts[i][half:]]
+
+
+def decode_chunk(raws: list[bytes]) -> StateChunk:
+    """Join the parts of one chunk (part 0 first)."""
+    ds = [orjson.loads(r) for r in raws]
+    head = ds[0]
+    seq = head["seq"]
+    added = [Pending(i, ts, u, it, ctx, dense, hist, seq, cts)
+             for d in ds for i, ts, u, it, ctx, dense, hist, cts in d["added"]]
+    return StateChunk(seq, added, [tuple(j) for j in head["joined"]], [tuple(w) for w in head["waiting"]],
+                      head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"])
+
+
+def load_chunks(kafka: KafkaSettings, topic: str, partition: int,
+                timeout_s: float = 60.0) -> tuple[list[StateChunk], dict[int, int]]:
+    """Read one partition of the state log to its end: the live chunks (tombstones applied) and the
+    number of parts of each (by seq), which the writer needs to tombstone them later."""
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{topic}-restore",
+                  "enable.auto.commit": False, "enable.partition.eof": True})
+    try:
+        md = c.list_topics(topic, timeout=10).topics.get(topic)
+        if md is None or md.error is not None or partition not in md.partitions:
+            return []
+        c.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        live: dict[bytes, bytes] = {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"state log {topic}[{partition}] did not reach its end in {timeout_s}s")
+            msgs = c.consume(10_000, 0.5)
+            eof = False
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    eof = eof or err.code() == KafkaError._PARTITION_EOF
+                    continue
+                if m.value() is None:
+                    live.pop(m.key(), None)
+                else:
+                    live[m.key()] = m.value()
+            if eof:
+                by_seq: dict[int, dict[int, bytes]] = {}
+                for key, value in live.items():
+                    _, seq, part = key.decode().split(":")
+                    by_seq.setdefault(int(seq), {})[int(part)] = value
+                chunks = [decode_chunk([parts[i] for i in sorted(parts)]) for parts in by_seq.values()]
+                return chunks, {seq: len(parts) for seq, parts in by_seq.items()}
+    finally:
+        c.close()

@@ -1,0 +1,256 @@
+"""Per-day counts and user click history against the real Redis of the session stack."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from stream.counts import DAY_S, DailyCounts, day_of
+from stream.history import UserHistory
+
+
+def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0, milli: int = 0) -> int:
+    return int(dt.datetime(y, mo, d, h, mi, s, tzinfo=dt.timezone.utc).timestamp()) * 1000 + milli
+
+
+@pytest.fixture
+def prefix(redis_client: redis.Redis) -> Iterator[str]:
+    p = f"test-{uuid.uuid4().hex[:12]}"
+    yield p
+    keys = list(redis_client.scan_iter(match=f"{p}:*", count=1000))
+    if keys:
+        redis_client.delete(*keys)
+
+
+class PipelineSpy:
+    """Wraps ``client.pipeline`` (the real one: commands still go to Redis) and records, per executed
+    pipeline, the command names it sent; direct (non-pipelined) commands are counted too."""
+
+    def __init__(self, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pipelines: list[list[str]] = []
+        self.direct: list[str] = []
+        real_pipeline, real_execute_command = client.pipeline, client.execute_command
+
+        def pipeline(*args, **kwargs):
+            pipe = real_pipeline(*args, **kwargs)
+            real_execute = pipe.execute
+
+            def execute(*a, **kw):
+                self.pipelines.append([str(cmd[0][0]).upper() for cmd in pipe.command_stack])
+                return real_execute(*a, **kw)
+
+            pipe.execute = execute
+            return pipe
+
+        def execute_command(*args, **kwargs):
+            self.direct.append(str(args[0]).upper())
+            return real_execute_command(*args, **kwargs)
+
+        monkeypatch.setattr(client, "pipeline", pipeline)
+        monkeypatch.setattr(client, "execute_command", execute_command)
+
+
+# -- counts ----------------------------------------------------------------------------------------
+def test_counts_split_on_the_utc_day_of_each_event(redis_client: redis.Redis, prefix: str) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    before, midnight = ms(2000, 12, 31, 23, 59, 59, 999), ms(2001, 1, 1)
+    assert (day_of(before), day_of(midnight)) == ("20001231", "20010101")
+    counts.record("item", "impression", [7, "7", 8, 7, "x"], [before, before, before, midnight, midnight])
+
+    assert counts.days_available("item", "impression") == ["20001231", "20010101"]
+    assert counts.days_available("item", "click") == []
+    assert counts.days_available("user", "impression") == []
+    old = counts.key("item", "impression", "20001231")
+    new = counts.key("item", "impression", "20010101")
+    assert old == f"{prefix}:counts:item:impression:20001231"
+    # 7 and "7" are the same id (the canonical text stream.ids hashes)
+    assert {m.decode(): s for m, s in redis_client.zrange(old, 0, -1, withscores=True)} == {"7": 2.0, "8": 1.0}
+    assert {m.decode(): s for m, s in redis_client.zrange(new, 0, -1, withscores=True)} == {"7": 1.0, "x": 1.0}
+
+    # a second batch adds to the same keys
+    counts.record("item", "impression", np.array([8, 8]), np.array([before, before], dtype=np.int64))
+    assert redis_client.zscore(old, "8") == 3.0
+
+
+def test_top_orders_by_count_and_honours_k(redis_client: redis.Redis, prefix: str) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    t = ms(2000, 6, 1, 12)
+    counts.record("user", "click", ["a"] * 5 + ["b"] * 3 + ["c"], [t] * 9)
+    counts.record("user", "click", ["old"] * 50, [t - DAY_S * 1000] * 50)  # an earlier day
+
+    assert counts.top("user", "click", k=2) == [("a", 5.0), ("b", 3.0)]  # day defaults to the latest day
+    assert counts.top("user", "click", day="20000601", k=10) == [("a", 5.0), ("b", 3.0), ("c", 1.0)]
+    assert counts.top("user", "click", day="20000531", k=1) == [("old", 50.0)]
+    assert counts.top("user", "click", day="19990101") == []
+    assert counts.top("user", "impression") == []  # nothing recorded at all
+    assert counts.top("item", "click") == []
+
+
+def test_top_merges_consecutive_days(redis_client: redis.Redis, prefix: str) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    d1, d2, d3, d5 = ms(2000, 2, 28, 5), ms(2000, 2, 29, 5), ms(2000, 3, 1, 5), ms(2000, 3, 3, 5)
+    counts.record("item", "impression", ["a", "b", "b", "b", "b", "b"], [d1] * 6)
+    counts.record("item", "impression", ["a", "a", "a", "c", "c"], [d2] * 5)
+    counts.record("item", "impression", ["z"] * 100, [d3] * 100)
+    counts.record("item", "impression", ["a"], [d5])
+
+    assert counts.days_available("item", "impression") == ["20000228", "20000229", "20000301", "20000303"]
+    # Feb 29 of a leap year and the day before it; Mar 1 (z) is outside the window
+    assert counts.top("item", day="20000229", days=2) == [("b", 5.0), ("a", 4.0), ("c", 2.0)]
+    assert counts.top("item", day="20000229", days=1) == [("a", 3.0), ("c", 2.0)]
+    # missing days inside the window count as empty
+    assert counts.top("item", day="20000229", days=30, k=2) == [("b", 5.0), ("a", 4.0)]
+    # default day = the latest (Mar 3); Mar 2 is missing, Mar 1 is in a 3-day window
+    assert counts.top("item", days=3) == [("z", 100.0), ("a", 1.0)]
+    assert counts.top("item", days=5) == [("z", 100.0), ("b", 5.0), ("a", 5.0), ("c", 2.0)]
+    # the temporary union keys are gone
+    assert list(redis_client.scan_iter(match=f"{prefix}:counts:tmp:*")) == []
+
+
+def test_keys_expire_relative_to_their_day_but_never_in_the_past(redis_client: redis.Redis, prefix: str) -> None:
+    ttl_days = 3
+    counts = DailyCounts(redis_client, prefix=prefix, ttl_days=ttl_days)
+    counts.record("item", "impression", [1], [ms(2000, 1, 1, 12)])  # MovieLens era: own-day expiry is long past
+    now = time.time()
+    counts.record("item", "click", [1], [int(now * 1000)])  # today: ttl_days after the end of today
+
+    old_ttl = redis_client.ttl(counts.key("item", "impression", "20000101"))
+    assert ttl_days * DAY_S - 10 <= old_ttl <= ttl_days * DAY_S
+    today = day_of(int(now * 1000))
+    new_ttl = redis_client.ttl(counts.key("item", "click", today))
+    end_of_today = (int(now) // DAY_S + 1) * DAY_S
+    expected = end_of_today + ttl_days * DAY_S - now
+    assert ttl_days * DAY_S < new_ttl <= (ttl_days + 1) * DAY_S
+    assert abs(new_ttl - expected) <= 10
+    # the rule itself, with a fixed clock: yesterday's key still ends ttl_days after yesterday ended
+    day_index = int(now) // DAY_S
+    assert counts.expire_at(day_index - 1, now_s=now) == max((day_index + ttl_days) * DAY_S,
+                                                             int(now) + ttl_days * DAY_S)
+    assert counts.expire_at(day_index + 10, now_s=now) == (day_index + 10 + ttl_days + 1) * DAY_S
+
+
+def test_record_is_one_pipeline_of_aggregated_commands(
+    redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    t = ms(2000, 5, 5, 23, 59)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 3, size=1000)  # 3 distinct ids
+    ts = np.where(rng.random(1000) < 0.5, t, t + 120_000)  # 2 days
+    before = redis_client.info("stats")["total_commands_processed"]
+    spy = PipelineSpy(redis_client, monkeypatch)
+    counts.record("item", "impression", ids, ts)
+    counts.record("item", "impression", [], [])  # empty batch: no round trip at all
+    monkeypatch.undo()
+
+    assert spy.direct == [] and len(spy.pipelines) == 1
+    assert sorted(spy.pipelines[0]) == ["EXPIREAT"] * 2 + ["ZINCRBY"] * 6
+    after = redis_client.info("stats")["total_commands_processed"]
+    assert after - before <= 8 + 2  # the 8 commands plus the INFO calls
+    total = sum(s for _, s in counts.top("item", day="20000506", days=2, k=10))
+    assert total == 1000.0
+
+
+def test_bad_arguments_name_the_argument(redis_client: redis.Redis, prefix: str) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    t = ms(2000, 1, 1)
+    cases = [
+        ("'kind'", lambda: counts.record("movie", "impression", [1], [t])),
+        ("'event'", lambda: counts.record("item", "view", [1], [t])),
+        ("'ts_ms'", lambda: counts.record("item", "click", [1, 2], [t])),
+        ("'ts_ms'", lambda: counts.record("item", "click", [1], [-5])),
+        ("'ts_ms'", lambda: counts.record("item", "click", [1], [1.5])),
+        ("'ids'", lambda: counts.record("item", "click", [1, None], [t, t])),
+        ("'ids'", lambda: counts.record("item", "click", [""], [t])),
+        ("'ids'", lambda: counts.record("item", "click", [-1], [t])),
+        ("'kind'", lambda: counts.top("items")),
+        ("'event'", lambda: counts.top("item", "clicks")),
+        ("'day'", lambda: counts.top("item", day="2000-01-01")),
+        ("'day'", lambda: counts.top("item", day="20001332")),
+        ("'days'", lambda: counts.top("item", day="20000101", days=0)),
+        ("'k'", lambda: counts.top("item", k=0)),
+        ("'k'", lambda: counts.top("item", k=2.5)),
+        ("'kind'", lambda: counts.days_available("users", "click")),
+        ("'ttl_days'", lambda: DailyCounts(redis_client, ttl_days=0)),
+        ("'prefix'", lambda: DailyCounts(redis_client, prefix="")),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert list(redis_client.scan_iter(match=f"{prefix}:*")) == []  # nothing was half-written
+
+
+# -- history ---------------------------------------------------------------------------------------
+def test_as_of_never_sees_clicks_at_or_after_the_impression(redis_client: redis.Redis, prefix: str) -> None:
+    hist = UserHistory(redis_client, prefix=prefix)
+    user, ts = 42, ms(2000, 1, 1, 12)
+    # the impression's own click (after it), a click at exactly ts, and earlier clicks
+    hist.append_many([user] * 4, [101, 102, 103, 104], [ts - 60_000, ts - 1, ts, ts + 1])
+    assert hist.as_of([user], [ts]) == [[101, 102]]
+    assert hist.as_of([user], [ts + 1]) == [[101, 102, 103]]
+    assert hist.as_of([user], [ts + 2]) == [[101, 102, 103, 104]]
+    assert hist.as_of([user], [ts - 60_000]) == [[]]
+    assert hist.as_of([999], [ts]) == [[]]  # unknown user
+    assert hist.recent(user) == [101, 102, 103, 104]
+    assert redis_client.lrange(hist.key(user), 0, -1)[0] == f"{ts + 1}:104".encode()  # newest first in Redis
+
+
+def test_history_is_bounded_and_newest_last(redis_client: redis.Redis, prefix: str) -> None:
+    hist = UserHistory(redis_client, prefix=prefix, max_len=3)
+    t = ms(2000, 1, 1)
+    hist.append_many([1] * 5, [10, 11, 12, 13, 14], [t + i for i in range(5)])
+    assert redis_client.llen(hist.key(1)) == 3
+    assert hist.recent(1) == [12, 13, 14]
+    hist.append_many([1], [15], [t + 5])
+    assert hist.recent(1) == [13, 14, 15]
+    assert hist.as_of([1, 1], [t + 100, t + 5]) == [[13, 14, 15], [13, 14]]
+
+
+def test_as_of_reads_each_distinct_user_once_in_one_pipeline(
+    redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hist = UserHistory(redis_client, prefix=prefix)
+    t = ms(2000, 1, 1)
+    users = np.array([1, 2, 1, 3, 2, 1], dtype=np.int64)
+    items = np.array([100, 200, 101, 300, 201, 102], dtype=np.int64)
+    times = np.array([t + 10, t + 20, t + 30, t + 40, t + 50, t + 60], dtype=np.int64)
+    spy = PipelineSpy(redis_client, monkeypatch)
+    hist.append_many(users, items, times)
+    got = hist.as_of([1, 2, 1, 3, 2, 4], [t + 31, t + 31, t + 1000, t + 40, t + 1000, t + 1000])
+    monkeypatch.undo()
+
+    assert got == [[100, 101], [200], [100, 101, 102], [], [200, 201], []]
+    assert spy.direct == [] and len(spy.pipelines) == 2
+    assert sorted(spy.pipelines[0]) == ["LPUSH"] * 3 + ["LTRIM"] * 3
+    assert spy.pipelines[1] == ["LRANGE"] * 4  # users 1, 2, 3, 4, once each
+    assert hist.as_of([], []) == []
+
+
+def test_out_of_order_appends_are_ordered_by_click_time(redis_client: redis.Redis, prefix: str) -> None:
+    hist = UserHistory(redis_client, prefix=prefix)
+    t = ms(2000, 1, 1)
+    hist.append_many([5, 5], [300, 100], [t + 300, t + 100])
+    hist.append_many([5], [200], [t + 200])  # a late click, appended after a newer one
+    assert hist.recent(5) == [100, 200, 300]
+    assert hist.as_of([5, 5, 5], [t + 250, t + 200, t + 301]) == [[100, 200], [100], [100, 200, 300]]
+
+
+def test_history_bad_arguments_name_the_argument(redis_client: redis.Redis, prefix: str) -> None:
+    hist = UserHistory(redis_client, prefix=prefix)
+    cases = [
+        ("'item_hashes'", lambda: hist.append_many([1, 2], [1], [1, 2])),
+        ("'click_ts'", lambda: hist.append_many([1], [1], [1, 2])),
+        ("'ts_ms'", lambda: hist.as_of([1, 2], [1])),
+        ("'user_hashes'", lambda: hist.as_of(["u"], [1])),
+        ("'user_hash'", lambda: hist.recent("u")),
+        ("'max_len'", lambda: UserHistory(redis_client, max_len=0)),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()

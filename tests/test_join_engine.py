@@ -1,0 +1,142 @@
+"""The join logic alone (no broker): labels, windows, late/orphan/duplicate clicks, recovery."""
+
+from __future__ import annotations
+
+from stream.events import Click, Impression
+from stream.features import hash_value
+from stream.joiner.engine import JoinConfig, PartitionJoin
+from stream.joiner.state_log import decode_chunk, encode_chunk
+
+W = 1000  # window ms
+CFG = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, history_len=3)
+
+
+def imp(i: str, ts: int, user: str = "u", item: str = "x") -> Impression:
+    return Impression(i, ts, user, item, {"device": "ios", "tags": [1, 2]}, {"price": 2.0})
+
+
+class Feed:
+    """Numbers offsets per topic like a partition would."""
+
+    def __init__(self) -> None:
+        self.io = self.co = -1
+
+    def imps(self, *evs: Impression) -> list[tuple[int, Impression]]:
+        out = []
+        for e in evs:
+            self.io += 1
+            out.append((self.io, e))
+        return out
+
+    def clicks(self, *evs: Click) -> list[tuple[int, Click]]:
+        out = []
+        for e in evs:
+            self.co += 1
+            out.append((self.co, e))
+        return out
+
+
+def test_click_inside_window_is_one_positive_and_duplicates_make_no_second_sample() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    r = j.apply(f.imps(imp("a", 100)), f.clicks(Click("a", 400), Click("a", 500)))
+    assert [(s.pending.impression_id, s.label, s.label_delay_ms) for s in r.samples] == [("a", 1, 300)]
+    assert r.stats["duplicate_clicks"] == 1 and not r.unjoined
+    r = j.apply(f.imps(imp("b", 5000)), [])
+    assert "a" in j.pending  # the click input is still at 500: event time is the slower input's
+    r = j.apply([], f.clicks(Click("b", 5100)))  # now both inputs passed 100 + W: "a" expires
+    assert [s.pending.impression_id for s in r.samples] == ["b"]  # b's positive; no second sample for a
+    assert "a" not in j.pending and j.finalized["a"] == (100, 1)
+
+
+def test_no_click_gives_a_negative_at_expiry_and_late_clicks_are_reported() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    j.apply(f.imps(imp("a", 100)), [])  # no click input yet: impressions alone drive event time
+    r = j.apply(f.imps(imp("b", 1099)), [])
+    assert r.samples == []  # 100 + 1000 > 1099: still inside the window
+    r = j.apply(f.imps(imp("c", 1100)), [])
+    assert [(s.pending.impression_id, s.label, s.label_delay_ms) for s in r.samples] == [("a", 0, W)]
+    r = j.apply([], f.clicks(Click("a", 1150)))  # after expiry -> late
+    assert [(u.impression_id, u.reason) for u in r.unjoined] == [("a", "late")] and r.samples == []
+    r = j.apply([], f.clicks(Click("b", 1099 + W + 1)))  # pending but beyond the window -> late
+    assert [(u.impression_id, u.reason) for u in r.unjoined] == [("b", "late")]
+
+
+def test_clicks_may_arrive_before_their_impression_and_orphans_expire() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    r = j.apply([], f.clicks(Click("a", 300), Click("ghost", 310)))
+    assert r.samples == [] and set(j.waiting) == {"a", "ghost"}
+    r = j.apply(f.imps(imp("a", 200)), [])
+    assert [(s.pending.impression_id, s.label) for s in r.samples] == [("a", 1)]
+    r = j.apply(f.imps(imp("z", 400)), [])  # watermark 400 > 310: the ghost's impression never came
+    assert [(u.impression_id, u.reason) for u in r.unjoined] == [("ghost", "orphan")]
+
+
+def test_every_impression_gets_exactly_one_sample_after_drain() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    ids = [f"i{k}" for k in range(50)]
+    samples = []
+    for k in range(0, 50, 7):
+        imps = f.imps(*(imp(i, 30 * int(i[1:])) for i in ids[k:k + 7]))
+        clicks = f.clicks(*(Click(i, 30 * int(i[1:]) + 20) for i in ids[k:k + 7] if int(i[1:]) % 3 == 0))
+        samples += j.apply(imps, clicks).samples
+    samples += j.apply([], [], drain=True).samples
+    assert sorted(s.pending.impression_id for s in samples) == sorted(ids)
+    assert {s.pending.impression_id for s in samples if s.label} == {i for i in ids if int(i[1:]) % 3 == 0}
+    assert not j.pending
+
+
+def test_history_is_as_of_impression_time_and_never_holds_the_own_click() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    u = hash_value("u")
+    # Redis said: clicks before ts=500 were items 7, 8. Clicks joined in this batch before ts also count.
+    r = j.apply(f.imps(imp("a", 100, item="x1"), imp("b", 500, item="x2")),
+                f.clicks(Click("a", 200), Click("b", 600)), history={(u, 100): [], (u, 500): [7, 8]})
+    hist = {s.pending.impression_id: s.pending.history for s in r.samples}
+    assert hist["a"] == []  # its own click at 200 is in its future
+    assert hist["b"] == [7, 8, hash_value("x1")][-CFG.history_len:]  # a's click (200 < 500), not b's own
+
+
+def test_redelivered_events_after_a_restart_are_skipped_and_state_round_trips() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    log = {}
+    batch1 = (f.imps(imp("a", 100), imp("b", 150)), f.clicks(Click("a", 300)))
+    r = j.apply(*batch1)
+    log[r.chunk.seq] = encode_chunk(r.chunk)
+    batch2 = (f.imps(imp("c", 700)), f.clicks(Click("w", 800)))  # "w" waits for its impression
+    r = j.apply(*batch2)
+    log[r.chunk.seq] = encode_chunk(r.chunk)
+
+    back = PartitionJoin.restore(0, CFG, [decode_chunk(v) for v in log.values()])
+    assert set(back.pending) == {"a", "b", "c"} and back.pending["a"].click_ts == 300
+    assert back.waiting == {"w": [800]} and back.offsets == [2, 1]
+    # The whole input again, as after a crash before the consumer commit: nothing applies twice.
+    r = back.apply(batch1[0] + batch2[0], batch1[1] + batch2[1])
+    assert r.samples == [] and r.stats["redelivered"] == 5
+    r = back.apply(f.imps(imp("d", 1200)), [])  # expires a (positive, emitted before) and b (negative)
+    assert [(s.pending.impression_id, s.label) for s in r.samples] == [("b", 0)]
+    assert back.pending["c"].context == {"device": hash_value("ios"), "tags": [hash_value(1), hash_value(2)]}
+
+
+def test_retired_chunks_leave_a_state_that_restores_the_same() -> None:
+    j, f = PartitionJoin(0, CFG), Feed()
+    log = {}
+    for k in range(40):
+        r = j.apply(f.imps(imp(f"i{k}", k * 500)), f.clicks(Click(f"i{k}", k * 500 + 10)) if k % 2 else [])
+        log[r.chunk.seq] = encode_chunk(r.chunk)
+        for seq in r.retired:
+            del log[seq]
+    assert len(log) < 40  # old chunks were retired
+    back = PartitionJoin.restore(0, CFG, [decode_chunk(v) for v in log.values()])
+    assert set(back.pending) == set(j.pending) and back.offsets == j.offsets
+    assert {i: p.click_ts for i, p in back.pending.items()} == {i: p.click_ts for i, p in j.pending.items()}
+
+
+def test_an_idle_click_input_does_not_hold_expiry_back_for_ever() -> None:
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=0, click_idle_impressions=3)
+    j, f = PartitionJoin(0, cfg), Feed()
+    j.apply(f.imps(imp("a", 0)), f.clicks(Click("a", 10)))
+    out = []
+    for k in range(1, 6):
+        out += j.apply(f.imps(imp(f"n{k}", 2000 * k)), []).samples
+    # click time stuck at 10; after 3 click-less impressions the click input counts as idle
+    assert [s.pending.impression_id for s in out][:2] == ["n1", "n2"]
