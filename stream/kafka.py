@@ -122,12 +122,17 @@ class AckedProducer:
             self.report.first_error = f"{topic}: {err.str()}"
 
     def send(self, topic: str, value: bytes | None, key: bytes | str | None = None,
-             headers: Headers | None = None) -> None:
+             headers: Headers | None = None, partition: int | None = None) -> None:
         produce = self._producer.produce
+        kwargs: dict[str, Any] = {}
+        if headers:
+            kwargs["headers"] = list(headers)
+        if partition is not None:
+            kwargs["partition"] = partition
         while True:
             try:
-                if headers:
-                    produce(topic, value, key, headers=list(headers))
+                if kwargs:
+                    produce(topic, value, key, **kwargs)
                 else:
                     produce(topic, value, key)
                 break

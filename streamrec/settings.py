@@ -67,9 +67,13 @@ class JoinerSettings:
     """The impression-click joiner (``streamrec join``)."""
 
     app_id: str = "streamrec-joiner"  # faust app id = consumer group; names the state topic
+    driver: str = "faust"  # faust | kafka (plain confluent-kafka loop, same semantics, faster)
     attribution_window_s: float = 1800.0  # a click within this event time of its impression labels it 1
     allowed_lateness_s: float = 5.0  # watermark = max event time seen - allowed lateness
     late_retention_s: float = 3600.0  # how long after expiry a click is still recognised as late
+    # A partition without clicks for this long (wall clock) lets impressions alone advance event time.
+    click_idle_s: float = 30.0
+    counts_flush_s: float = 2.0  # Redis day counts are aggregated in memory this long between writes
     late_clicks_topic: str = "late_clicks"
     # Samples are flushed once per batch: a batch closes at batch_max events or after batch_within_s,
     # and its samples go out as messages of at most sample_flush_rows rows per partition.

@@ -50,11 +50,16 @@ def test_click_inside_window_is_one_positive_and_duplicates_make_no_second_sampl
 
 def test_no_click_gives_a_negative_at_expiry_and_late_clicks_are_reported() -> None:
     j, f = PartitionJoin(0, CFG), Feed()
-    j.apply(f.imps(imp("a", 100)), [])  # no click input yet: impressions alone drive event time
-    r = j.apply(f.imps(imp("b", 1099)), [])
+    r = j.apply(f.imps(imp("a", 100)), [])
+    r = j.apply(f.imps(imp("b", 5000)), [])
+    assert r.samples == [] and j.watermark is None  # no click input yet: event time waits for it
+    j2, f2 = PartitionJoin(0, CFG), Feed()
+    j2.apply(f2.imps(imp("a", 100)), [], clicks_idle=True)  # the driver says clicks are quiet
+    r = j2.apply(f2.imps(imp("b", 1099)), [], clicks_idle=True)
     assert r.samples == []  # 100 + 1000 > 1099: still inside the window
-    r = j.apply(f.imps(imp("c", 1100)), [])
+    r = j2.apply(f2.imps(imp("c", 1100)), [], clicks_idle=True)
     assert [(s.pending.impression_id, s.label, s.label_delay_ms) for s in r.samples] == [("a", 0, W)]
+    j, f = j2, f2
     r = j.apply([], f.clicks(Click("a", 1150)))  # after expiry -> late
     assert [(u.impression_id, u.reason) for u in r.unjoined] == [("a", "late")] and r.samples == []
     r = j.apply([], f.clicks(Click("b", 1099 + W + 1)))  # pending but beyond the window -> late
@@ -112,8 +117,8 @@ def test_redelivered_events_after_a_restart_are_skipped_and_state_round_trips() 
     # The whole input again, as after a crash before the consumer commit: nothing applies twice.
     r = back.apply(batch1[0] + batch2[0], batch1[1] + batch2[1])
     assert r.samples == [] and r.stats["redelivered"] == 5
-    r = back.apply(f.imps(imp("d", 1200)), [])  # expires a (positive, emitted before) and b (negative)
-    assert [(s.pending.impression_id, s.label) for s in r.samples] == [("b", 0)]
+    r = back.apply(f.imps(imp("d", 1200)), f.clicks(Click("d", 1250)))  # expires a (emitted before) and b
+    assert sorted((s.pending.impression_id, s.label) for s in r.samples) == [("b", 0), ("d", 1)]
     assert back.pending["c"].context == {"device": hash_value("ios"), "tags": [hash_value(1), hash_value(2)]}
 
 
@@ -132,11 +137,11 @@ def test_retired_chunks_leave_a_state_that_restores_the_same() -> None:
 
 
 def test_an_idle_click_input_does_not_hold_expiry_back_for_ever() -> None:
-    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=0, click_idle_impressions=3)
-    j, f = PartitionJoin(0, cfg), Feed()
+    j, f = PartitionJoin(0, CFG), Feed()
     j.apply(f.imps(imp("a", 0)), f.clicks(Click("a", 10)))
     out = []
-    for k in range(1, 6):
+    for k in range(1, 4):
         out += j.apply(f.imps(imp(f"n{k}", 2000 * k)), []).samples
-    # click time stuck at 10; after 3 click-less impressions the click input counts as idle
-    assert [s.pending.impression_id for s in out][:2] == ["n1", "n2"]
+    assert out == []  # click time stuck at 10: nothing can expire
+    out += j.apply(f.imps(imp("n4", 8000)), [], clicks_idle=True).samples
+    assert [s.pending.impression_id for s in out] == ["n1", "n2", "n3"]

@@ -8,9 +8,10 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
   imp.ts). Further clicks on it are duplicates: counted, no second sample.
 - ``watermark = min(max impression time, max click time) seen on the partition - allowed
   lateness``: the two topics are consumed independently, so event time is only as far as the
-  slower one (as with Flink's multi-input watermarks). A partition that has seen no click for
-  ``click_idle_impressions`` impressions counts its click input as idle and follows impressions
-  alone, so a quiet click stream cannot hold back expiry for ever. When
+  slower one (as with Flink's multi-input watermarks). Until both inputs have been seen, event time
+  does not advance. When the driver reports the click input idle (no click on this partition for a
+  while of wall-clock time, ``clicks_idle=True``), event time follows impressions alone, so a quiet
+  click stream cannot hold back expiry for ever. When
   ``imp.ts + window <= watermark`` the impression expires: a negative sample if it had no click.
 - A click on an expired impression, or one more than ``window`` after it, is *late*; a click whose
   impression never arrives (by the time the watermark passes the click) is an *orphan*. Both are
@@ -43,7 +44,6 @@ class JoinConfig:
     lateness_ms: int = 5_000
     late_retention_ms: int = 3_600_000
     history_len: int = 50
-    click_idle_impressions: int = 20_000
 
 
 @dataclass(slots=True)
@@ -120,7 +120,6 @@ class PartitionJoin:
         self._waiting_heap: list[tuple[int, str]] = []
         self.max_ts: int | None = None  # the watermark's event time (before lateness)
         self.topic_max: list[int | None] = [None, None]  # max event time per input topic
-        self._since_click = 0  # impressions since the last click: detects an idle click input
         self.offsets = [_NO_OFFSET, _NO_OFFSET]
         self.next_seq = 0
         self._chunks: list[tuple[int, int]] = []  # heap of (retire_at event time, seq)
@@ -131,12 +130,14 @@ class PartitionJoin:
         return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms
 
     def apply(self, impressions: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
-              history: dict[tuple[int, int], list[int]] | None = None, drain: bool = False) -> BatchResult:
+              history: dict[tuple[int, int], list[int]] | None = None, drain: bool = False,
+              clicks_idle: bool = False) -> BatchResult:
         """Apply one batch: ``(offset, event)`` pairs of this partition, offsets ascending per topic.
 
         ``history[(user_hash, ts)]`` gives the user's clicked items before ``ts`` (from Redis);
         clicks joined earlier in this batch are merged in. ``drain=True`` ends the input: every
-        pending impression expires.
+        pending impression expires. ``clicks_idle=True``: the click input has been quiet, let
+        impressions alone drive event time.
         """
         out = BatchResult()
         seq = self.next_seq
@@ -163,7 +164,6 @@ class PartitionJoin:
             self.offsets[kind] = max(self.offsets[kind], off)
             prev = self.topic_max[kind]
             self.topic_max[kind] = ts if prev is None else max(prev, ts)
-            self._since_click = 0 if kind == CLICKS else self._since_click + 1
             if kind == IMPRESSIONS:
                 assert isinstance(ev, Impression)
                 out.stats["impressions"] += 1
@@ -200,7 +200,7 @@ class PartitionJoin:
                     waiting.append((ev.impression_id, ev.ts))
                     max_ref = max(max_ref, ev.ts)
 
-        self._advance_event_time()
+        self._advance_event_time(clicks_idle)
         if drain and self.max_ts is not None:
             # End of input: move event time past every window, and record that in the chunk.
             last = max([p.ts for p in self.pending.values()] + [ts for ts, _ in self._waiting_heap] + [self.max_ts])
@@ -216,12 +216,14 @@ class PartitionJoin:
         return out
 
     # -- internals -----------------------------------------------------------------------------
-    def _advance_event_time(self) -> None:
+    def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
         if imp_max is None:
             return  # nothing can expire before the first impression
-        if click_max is None or self._since_click >= self.cfg.click_idle_impressions:
+        if clicks_idle:
             t = imp_max
+        elif click_max is None:
+            return  # the click input has not started yet
         else:
             t = min(imp_max, click_max)
         self.max_ts = t if self.max_ts is None else max(self.max_ts, t)

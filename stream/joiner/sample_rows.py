@@ -12,33 +12,42 @@ from stream.samples import SampleBatch
 def to_batch(rows: list[Sample]) -> SampleBatch:
     """Columns from samples. Context keys are the union over rows: a missing categorical is
     :data:`MISSING`, a missing list ``[]``, a missing dense value 0.0; a key that is a list in any
-    row is a list column."""
-    ps = [s.pending for s in rows]
+    row is a list column. One pass over the rows' dicts fills every column."""
+    n = len(rows)
+    ctx: dict[str, list] = {}
+    dense: dict[str, list[float]] = {}
     list_keys: set[str] = set()
-    keys: set[str] = set()
-    dense_keys: set[str] = set()
-    for p in ps:
+    for i, s in enumerate(rows):
+        p = s.pending
         for k, v in p.context.items():
-            keys.add(k)
-            if isinstance(v, list):
+            col = ctx.get(k)
+            if col is None:
+                col = ctx[k] = [MISSING] * n
+            col[i] = v
+            if type(v) is list:
                 list_keys.add(k)
-        dense_keys.update(p.dense)
+        for k, v in p.dense.items():
+            col = dense.get(k)
+            if col is None:
+                col = dense[k] = [0.0] * n
+            col[i] = v
     context: dict[str, object] = {}
-    for k in keys:
-        if k in list_keys:
-            context[k] = [v if isinstance(v, list) else [v] for v in (p.context.get(k, []) for p in ps)]
+    for k, col in ctx.items():
+        if k in list_keys:  # a list column: scalars become one-element lists, absent ones empty
+            context[k] = [v if type(v) is list else ([] if v is MISSING else [v]) for v in col]
         else:
-            context[k] = np.fromiter((p.context.get(k, MISSING) for p in ps), np.int64, len(ps))
+            context[k] = np.array(col, np.int64)
+    ps = [s.pending for s in rows]
     return SampleBatch.from_columns(
         impression_id=[p.impression_id for p in ps],
-        ts=np.fromiter((p.ts for p in ps), np.int64, len(ps)),
-        label=np.fromiter((s.label for s in rows), np.int8, len(ps)),
-        label_delay_ms=np.fromiter((s.label_delay_ms for s in rows), np.int64, len(ps)),
-        user_id=np.fromiter((p.user for p in ps), np.int64, len(ps)),
-        item_id=np.fromiter((p.item for p in ps), np.int64, len(ps)),
+        ts=np.array([p.ts for p in ps], np.int64),
+        label=np.array([s.label for s in rows], np.int8),
+        label_delay_ms=np.array([s.label_delay_ms for s in rows], np.int64),
+        user_id=np.array([p.user for p in ps], np.int64),
+        item_id=np.array([p.item for p in ps], np.int64),
         history=[p.history for p in ps],
         context=context,  # type: ignore[arg-type]
-        dense={k: np.fromiter((p.dense.get(k, 0.0) for p in ps), np.float32, len(ps)) for k in dense_keys},
+        dense={k: np.array(v, np.float32) for k, v in dense.items()},
     )
 
 

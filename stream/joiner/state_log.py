@@ -19,9 +19,12 @@ from __future__ import annotations
 import time
 
 import orjson
+import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from stream.joiner.engine import Pending, StateChunk
+from stream.joiner.engine import Pending, Sample, StateChunk
+from stream.joiner.sample_rows import to_batch
+from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 from streamrec.settings import KafkaSettings
 
 
@@ -30,6 +33,7 @@ def state_topic(app_id: str) -> str:
 
 
 MAX_RECORD_BYTES = 900_000
+_MAGIC = b"SRJ1"
 
 
 def chunk_key(partition: int, seq: int, part: int = 0) -> bytes:
@@ -37,16 +41,18 @@ def chunk_key(partition: int, seq: int, part: int = 0) -> bytes:
 
 
 def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
-    return orjson.dumps({
+    """``SRJ1`` + header length (4 bytes) + JSON header + the added impressions as an Arrow sample batch
+    (columnar: histories and contexts cost their int64s, not their decimal text)."""
+    header = orjson.dumps({
         "seq": c.seq,
-        "added": [[p.impression_id, p.ts, p.user, p.item, p.context, p.dense, p.history, p.click_ts]
-                  for p in added],
         "joined": c.joined if head else [],
         "waiting": c.waiting if head else [],
         "max_ts": c.max_ts,
         "offsets": c.offsets,
         "max_ref_ts": c.max_ref_ts,
     })
+    body = to_batch([Sample(p, 0, 0) for p in added]).encode() if added else b""
+    return _MAGIC + len(header).to_bytes(4, "big") + header + body
 
 
 def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
@@ -62,14 +68,37 @@ def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes
         parts[i:i + 1] = [parts[i][:half], parts[i][half:]]
 
 
+def _decode_added(body: bytes, seq: int) -> list[Pending]:
+    if not body:
+        return []
+    b = SampleBatch.decode(body)
+    hist_values, hist_offsets = b.lists("history")
+    ctx = {}
+    for name in b.context_names:
+        col = b.batch.column(CTX_PREFIX + name)
+        ctx[name] = col.to_pylist() if isinstance(col, pa.ListArray) else col.to_numpy().tolist()
+    dense = {name: b.column(DENSE_PREFIX + name).tolist() for name in b.dense_names}
+    hv, ho = hist_values.tolist(), hist_offsets.tolist()
+    return [
+        Pending(imp_id, ts, user, item, {k: v[i] for k, v in ctx.items()}, {k: v[i] for k, v in dense.items()},
+                hv[ho[i]:ho[i + 1]], seq)
+        for i, (imp_id, ts, user, item) in enumerate(zip(
+            b.impression_ids, b.column("ts").tolist(), b.column("user_id").tolist(), b.column("item_id").tolist(),
+            strict=True))
+    ]
+
+
 def decode_chunk(raws: list[bytes]) -> StateChunk:
     """Join the parts of one chunk (part 0 first)."""
-    ds = [orjson.loads(r) for r in raws]
-    head = ds[0]
-    seq = head["seq"]
-    added = [Pending(i, ts, u, it, ctx, dense, hist, seq, cts)
-             for d in ds for i, ts, u, it, ctx, dense, hist, cts in d["added"]]
-    return StateChunk(seq, added, [tuple(j) for j in head["joined"]], [tuple(w) for w in head["waiting"]],
+    headers, added = [], []
+    for raw in raws:
+        if raw[:4] != _MAGIC:
+            raise ValueError(f"not a joiner state record (magic {raw[:4]!r})")
+        n = int.from_bytes(raw[4:8], "big")
+        headers.append(orjson.loads(raw[8:8 + n]))
+        added.extend(_decode_added(raw[8 + n:], headers[-1]["seq"]))
+    head = headers[0]
+    return StateChunk(head["seq"], added, [tuple(j) for j in head["joined"]], [tuple(w) for w in head["waiting"]],
                       head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"])
 
 

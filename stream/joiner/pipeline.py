@@ -1,0 +1,234 @@
+"""One joiner batch, end to end, whatever consumes the input (faust or confluent-kafka).
+
+For each batch of raw records (both input topics, any partitions):
+
+1. decode and validate; malformed messages -> ``<topic>.dlq`` with the reason;
+2. look up the users' click history as of each impression's time in Redis (one pipeline);
+3. join per partition (pure logic, ``engine.py``);
+4. write samples (Arrow IPC) to ``samples`` partition p, late/orphan clicks to ``late_clicks``, counts
+   and joined clicks to Redis; wait until the broker acknowledged every message;
+5. write the batch's state chunks (``state_log.py``) and wait for their acknowledgement.
+
+The driver acknowledges / commits the input offsets only after :meth:`JoinPipeline.process`
+returns, so committed offsets never run ahead of durable state, and the state never claims a sample
+that is not durable. A crash between 4 and 5 re-emits that batch's samples: duplicates carry the
+same impression id, and the learner drops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import orjson
+import redis
+
+from stream.counts import DailyCounts
+from stream.dlq import DeadLetters
+from stream.errors import BadMessage
+from stream.events import Click, Impression, decode_click, decode_impression
+from stream.features import hash_value
+from stream.history import UserHistory
+from stream.joiner import metrics as m
+from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin
+from stream.joiner.sample_rows import to_batches
+from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
+from stream.kafka import AckedProducer, ensure_topics
+from streamrec.settings import JoinerSettings, KafkaSettings, RedisSettings
+
+log = logging.getLogger("streamrec.join")
+
+
+class Record(NamedTuple):
+    """A raw input message, as any driver receives it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass
+class JoinTotals:
+    """Counters of one worker run, printed as the summary at exit."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # time spent in process(): the join's own throughput
+
+    def summary(self) -> dict[str, Any]:
+        c = self.counts
+        events = c["impressions"] + c["clicks"] + c["dead_lettered"]
+        return {
+            "events": events,
+            "impressions": c["impressions"],
+            "clicks": c["clicks"],
+            "samples": c["samples"],
+            "positives": c["positives"],
+            "negatives": c["samples"] - c["positives"],
+            "late_clicks": c["late_clicks"],
+            "orphan_clicks": c["orphan_clicks"],
+            "duplicate_clicks": c["duplicate_clicks"],
+            "clicks_before_impression": c["before_impression_clicks"],
+            "duplicate_impressions": c["duplicate_impressions"],
+            "redelivered_skipped": c["redelivered"],
+            "dead_lettered": c["dead_lettered"],
+            "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
+            "pending_impressions": c["pending_impressions"],
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+            "process_s": round(self.busy_s, 3),
+        }
+
+
+class JoinPipeline:
+    """The per-partition join state of one worker process and the batch step around it."""
+
+    def __init__(self, kafka: KafkaSettings, redis_settings: RedisSettings, js: JoinerSettings) -> None:
+        self.kafka, self.js = kafka, js
+        self.cfg = JoinConfig(
+            window_ms=int(js.attribution_window_s * 1000), lateness_ms=int(js.allowed_lateness_s * 1000),
+            late_retention_ms=int(js.late_retention_s * 1000), history_len=redis_settings.history_len,
+        )
+        self.redis = redis.Redis.from_url(redis_settings.url)
+        self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
+        self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=redis_settings.history_len)
+        self.producer = AckedProducer(kafka, **{"linger.ms": 5})
+        self.dead_letters = DeadLetters(kafka, self.producer)
+        self.engines: dict[int, PartitionJoin] = {}
+        self.totals = JoinTotals()
+        self.state_topic = state_topic(js.app_id)
+        self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
+        self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self._counts_flushed = time.monotonic()
+        self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
+        ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
+                              js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
+                              kafka.dlq_topic(kafka.clicks_topic), self.state_topic])
+
+    def close(self) -> None:
+        self.flush_counts()
+        self.redis.close()
+
+    # -- partitions ----------------------------------------------------------------------------
+    def engine(self, partition: int) -> PartitionJoin:
+        """The join of ``partition``, restored from the state log the first time it is needed."""
+        eng = self.engines.get(partition)
+        if eng is None:
+            chunks, parts = load_chunks(self.kafka, self.state_topic, partition)
+            self._parts.update({(partition, seq): n for seq, n in parts.items()})
+            eng = PartitionJoin.restore(partition, self.cfg, chunks)
+            self.engines[partition] = eng
+            if chunks:
+                log.info("partition %d: restored %d pending impressions from %d state chunks (offsets %s)",
+                         partition, len(eng.pending), len(chunks), eng.offsets)
+        return eng
+
+    def forget(self, partitions: set[int]) -> None:
+        """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
+        for p in partitions:
+            self.engines.pop(p, None)
+            self._last_click.pop(p, None)
+            for key in [k for k in self._parts if k[0] == p]:
+                del self._parts[key]
+
+    # -- the batch step ------------------------------------------------------------------------
+    def process(self, records: list[Record]) -> None:
+        t0 = time.monotonic()
+        imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
+        clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
+        imp_topic = self.kafka.impressions_topic
+        for r in records:
+            try:
+                if r.topic == imp_topic:
+                    imps[r.partition].append((r.offset, decode_impression(r.value)))
+                else:
+                    clicks[r.partition].append((r.offset, decode_click(r.value)))
+            except BadMessage as exc:
+                self.dead_letters.send(r.topic, r.key, r.value, exc, r.partition, r.offset)
+                self.totals.counts["dead_lettered"] += 1
+        results = {p: self._apply(p, imps.get(p, []), clicks.get(p, []))
+                   for p in sorted(set(imps) | set(clicks))}
+        self._commit_state(results)
+        self.totals.busy_s += time.monotonic() - t0
+
+    def drain(self) -> None:
+        """End of input: expire every pending impression of the partitions this worker holds."""
+        self._commit_state({p: self._apply(p, [], [], drain=True) for p in sorted(self.engines)})
+
+    def _apply(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
+               drain: bool = False) -> BatchResult:
+        eng = self.engine(partition)
+        now = time.monotonic()
+        if clicks or partition not in self._last_click:
+            self._last_click[partition] = now
+        clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
+        history: dict[tuple[int, int], list[int]] = {}
+        if imps:
+            users = [hash_value(i.user_id) for _, i in imps]
+            ts = [i.ts for _, i in imps]
+            history = dict(zip(zip(users, ts, strict=True), self.history.as_of(users, ts), strict=True))
+        res = eng.apply(imps, clicks, history, drain=drain, clicks_idle=clicks_idle)
+        self._account(res)
+        self._record_redis(res)
+        key = str(partition).encode()
+        for value in to_batches(res.samples, self.js.sample_flush_rows):
+            self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
+        for u in res.unjoined:
+            value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
+                                  "partition": partition})
+            self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
+        return res
+
+    def _commit_state(self, results: dict[int, BatchResult]) -> None:
+        # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
+        self.producer.flush()
+        for partition, res in results.items():
+            if res.chunk is not None:
+                records = encode_chunk(res.chunk)
+                self._parts[(partition, res.chunk.seq)] = len(records)
+                for part, value in enumerate(records):
+                    self.producer.send(self.state_topic, value, chunk_key(partition, res.chunk.seq, part),
+                                       partition=partition)
+            for seq in res.retired:
+                for part in range(self._parts.pop((partition, seq), 1)):
+                    self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
+        self.producer.flush()
+
+    def _account(self, res: BatchResult) -> None:
+        c = self.totals.counts
+        c.update(res.stats)
+        positives = sum(s.label for s in res.samples)
+        c["samples"] += len(res.samples)
+        c["positives"] += positives
+        c["pending_impressions"] = sum(len(e.pending) for e in self.engines.values())
+        m.record(res, positives, self.engines, c)
+
+    def _record_redis(self, res: BatchResult) -> None:
+        """History now (the next batch's impressions read it); counts aggregated for ``counts_flush_s``:
+        popular ids repeat, so one ZINCRBY covers many events (a crash loses at most that much counting)."""
+        def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
+            got = self._counts_buffer.setdefault((kind, event), ([], []))
+            got[0].extend(ids)
+            got[1].extend(ts)
+
+        if res.new_impressions:
+            ts = [p.ts for p in res.new_impressions]
+            buffer("item", "impression", [p.item for p in res.new_impressions], ts)
+            buffer("user", "impression", [p.user for p in res.new_impressions], ts)
+        if res.joined_clicks:
+            ts = [j.click_ts for j in res.joined_clicks]
+            buffer("item", "click", [j.item for j in res.joined_clicks], ts)
+            buffer("user", "click", [j.user for j in res.joined_clicks], ts)
+            self.history.append_many([j.user for j in res.joined_clicks], [j.item for j in res.joined_clicks], ts)
+        if time.monotonic() - self._counts_flushed >= self.js.counts_flush_s:
+            self.flush_counts()
+
+    def flush_counts(self) -> None:
+        for (kind, event), (ids, ts) in self._counts_buffer.items():
+            self.counts.record(kind, event, ids, ts)
+        self._counts_buffer.clear()
+        self._counts_flushed = time.monotonic()
