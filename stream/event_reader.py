@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
-from stream.kafka import new_consumer
+from stream.kafka import new_consumer, resume_offsets
 from stream.metrics import EVENTS
 from streamrec.settings import KafkaSettings
 
@@ -78,10 +78,11 @@ class EventReader:
             if meta is None or meta.error is not None or not meta.partitions:
                 raise KafkaException(f"topic {topic!r} does not exist on {self._kafka.bootstrap_servers}")
             tps.extend(TopicPartition(topic, p) for p in sorted(meta.partitions))
-        committed = self._consumer.committed(tps, timeout=10)
-        start = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
-                 for tp in committed]
         self._partitions = [(tp.topic, tp.partition) for tp in tps]
+        start = resume_offsets(self._consumer, tps)
+        # Records before the committed offsets may come again (see resume_offsets): skip them.
+        self._skip_below = {(tp.topic, tp.partition): c.offset for tp, c in
+                            zip(start, self._consumer.committed(tps, timeout=10), strict=True) if c.offset >= 0}
         self._consumer.assign(start)
 
     # -- reading -----------------------------------------------------------------------------
@@ -103,6 +104,8 @@ class EventReader:
                     raise KafkaException(err)
                 continue  # transient errors are retried by librdkafka
             offset = msg.offset()
+            if offset < self._skip_below.get((topic, partition), -1):
+                continue
             self.seen += 1
             self._at_eof.discard((topic, partition))
             self._pending[(topic, partition)] = offset + 1

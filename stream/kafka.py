@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from stream.errors import DeliveryFailed
@@ -157,6 +157,31 @@ class AckedProducer:
                 f"first error: {self.report.first_error}. Is the broker up (`streamrec stack status`)?"
             )
         return self.report
+
+
+def resume_offsets(consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition]:
+    """Start positions for ``partitions``: the group's committed offsets, made safe for brokers whose
+    high watermark lags (Tansu reports the base offset of the last record batch + 1).
+
+    Resuming at an offset inside a partition's last record batch makes such a broker return nothing
+    until more data arrives, so a consumer resuming there would stall on a bounded input. Where the
+    committed offset is beyond the reported high watermark, start from the batch's base offset
+    instead (high watermark - 1): the records in between are delivered again, and every streamrec
+    consumer skips records it has already applied (they come with offsets). On Apache Kafka the
+    committed offset never exceeds the high watermark, so this changes nothing there.
+    Partitions without a committed offset start at the beginning.
+    """
+    out = []
+    for tp in consumer.committed(partitions, timeout=10):
+        offset = tp.offset
+        if offset >= 0:
+            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+            if offset > high:
+                offset = max(high - 1, 0)
+        else:
+            offset = OFFSET_BEGINNING
+        out.append(TopicPartition(tp.topic, tp.partition, offset))
+    return out
 
 
 def new_consumer(kafka: KafkaSettings, group_id: str, **extra: Any) -> Consumer:

@@ -90,17 +90,6 @@ def test_every_impression_gets_exactly_one_sample_after_drain() -> None:
     assert not j.pending
 
 
-def test_history_is_as_of_impression_time_and_never_holds_the_own_click() -> None:
-    j, f = PartitionJoin(0, CFG), Feed()
-    u = hash_value("u")
-    # Redis said: clicks before ts=500 were items 7, 8. Clicks joined in this batch before ts also count.
-    r = j.apply(f.imps(imp("a", 100, item="x1"), imp("b", 500, item="x2")),
-                f.clicks(Click("a", 200), Click("b", 600)), history={(u, 100): [], (u, 500): [7, 8]})
-    hist = {s.pending.impression_id: s.pending.history for s in r.samples}
-    assert hist["a"] == []  # its own click at 200 is in its future
-    assert hist["b"] == [7, 8, hash_value("x1")][-CFG.history_len:]  # a's click (200 < 500), not b's own
-
-
 def test_redelivered_events_after_a_restart_are_skipped_and_state_round_trips() -> None:
     j, f = PartitionJoin(0, CFG), Feed()
     log = {}

@@ -56,9 +56,11 @@ class Pending:
     item: int  # stable_hash(item_id)
     context: dict[str, int | list[int]]
     dense: dict[str, float]
-    history: list[int]  # clicked item hashes before ts, oldest first
     chunk: int  # the state chunk that added it
     click_ts: int | None = None  # set once joined
+    # The user's clicked items before ts, oldest first: filled by the pipeline when the sample is
+    # emitted (from Redis, filtered to clicks before ts), when event time has passed ts.
+    history: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +132,10 @@ class PartitionJoin:
         return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms
 
     def apply(self, impressions: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
-              history: dict[tuple[int, int], list[int]] | None = None, drain: bool = False,
-              clicks_idle: bool = False) -> BatchResult:
+              drain: bool = False, clicks_idle: bool = False) -> BatchResult:
         """Apply one batch: ``(offset, event)`` pairs of this partition, offsets ascending per topic.
 
-        ``history[(user_hash, ts)]`` gives the user's clicked items before ``ts`` (from Redis);
-        clicks joined earlier in this batch are merged in. ``drain=True`` ends the input: every
+        ``drain=True`` ends the input: every
         pending impression expires. ``clicks_idle=True``: the click input has been quiet, let
         impressions alone drive event time.
         """
@@ -144,7 +144,6 @@ class PartitionJoin:
         added: list[Pending] = []
         joined: list[tuple[str, int]] = []
         waiting: list[tuple[str, int]] = []
-        batch_clicks: dict[int, list[tuple[int, int]]] = {}  # user -> [(click_ts, item)] joined now
         max_ref = -1
 
         events: list[tuple[int, int, int, Impression | Click]] = []
@@ -170,26 +169,21 @@ class PartitionJoin:
                 if ev.impression_id in self.pending or ev.impression_id in self.finalized:
                     out.stats["duplicate_impressions"] += 1
                     continue
-                user = hash_value(ev.user_id)
-                hist = list((history or {}).get((user, ts), ()))
-                recent = [item for cts, item in batch_clicks.get(user, ()) if cts < ts]
-                if recent:
-                    hist = (hist + recent)[-self.cfg.history_len:]
-                p = Pending(ev.impression_id, ts, user, hash_value(ev.item_id), hash_context(ev.context),
-                            dict(ev.dense), hist, seq)
+                p = Pending(ev.impression_id, ts, hash_value(ev.user_id), hash_value(ev.item_id),
+                            hash_context(ev.context), dict(ev.dense), seq)
                 self.pending[p.impression_id] = p
                 heapq.heappush(self._expiry, (ts + self.cfg.window_ms, p.impression_id))
                 added.append(p)
                 out.new_impressions.append(p)
                 max_ref = max(max_ref, ts)
                 for cts in sorted(self.waiting.pop(p.impression_id, ())):
-                    self._click(p, cts, out, joined, batch_clicks)
+                    self._click(p, cts, out, joined)
             else:
                 assert isinstance(ev, Click)
                 out.stats["clicks"] += 1
                 p = self.pending.get(ev.impression_id)
                 if p is not None:
-                    if self._click(p, ev.ts, out, joined, batch_clicks):
+                    if self._click(p, ev.ts, out, joined):
                         max_ref = max(max_ref, p.ts)
                 elif ev.impression_id in self.finalized:
                     _, label = self.finalized[ev.impression_id]
@@ -228,8 +222,7 @@ class PartitionJoin:
             t = min(imp_max, click_max)
         self.max_ts = t if self.max_ts is None else max(self.max_ts, t)
 
-    def _click(self, p: Pending, cts: int, out: BatchResult, joined: list[tuple[str, int]],
-               batch_clicks: dict[int, list[tuple[int, int]]]) -> bool:
+    def _click(self, p: Pending, cts: int, out: BatchResult, joined: list[tuple[str, int]]) -> bool:
         """Apply a click to a pending impression; True if it made the positive sample."""
         delay = cts - p.ts
         if p.click_ts is not None:
@@ -244,7 +237,6 @@ class PartitionJoin:
         p.click_ts = cts
         out.samples.append(Sample(p, 1, delay))
         out.joined_clicks.append(JoinedClick(p.user, p.item, cts))
-        batch_clicks.setdefault(p.user, []).append((cts, p.item))
         joined.append((p.impression_id, cts))
         out.stats["joined_clicks"] += 1
         return True

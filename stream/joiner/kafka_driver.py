@@ -19,7 +19,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from stream.joiner.pipeline import JoinPipeline, Record
-from stream.kafka import consumer_config
+from stream.kafka import consumer_config, resume_offsets
 from streamrec.settings import JoinerSettings, KafkaSettings
 
 log = logging.getLogger("streamrec.join")
@@ -46,6 +46,7 @@ class KafkaJoinWorker:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
+        consumer.assign(resume_offsets(consumer, partitions))
         self._idle_since = time.monotonic()
 
     def run(self) -> int:

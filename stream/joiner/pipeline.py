@@ -3,8 +3,12 @@
 For each batch of raw records (both input topics, any partitions):
 
 1. decode and validate; malformed messages -> ``<topic>.dlq`` with the reason;
-2. look up the users' click history as of each impression's time in Redis (one pipeline);
-3. join per partition (pure logic, ``engine.py``);
+2. join per partition (pure logic, ``engine.py``);
+3. append the batch's joined clicks to the users' histories in Redis, then attach to every emitted
+   sample the user's clicked items *before its impression time* (one pipeline). A sample is emitted
+   once event time has passed its impression (at its click, or at window expiry), so the clicks
+   before it have been seen even when a replay consumes the two topics far apart; the ``< ts``
+   filter keeps its own and later clicks out;
 4. write samples (Arrow IPC) to ``samples`` partition p, late/orphan clicks to ``late_clicks``, counts
    and joined clicks to Redis; wait until the broker acknowledged every message;
 5. write the batch's state chunks (``state_log.py``) and wait for their acknowledgement.
@@ -30,7 +34,6 @@ from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
 from stream.events import Click, Impression, decode_click, decode_impression
-from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner import metrics as m
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin
@@ -95,7 +98,9 @@ class JoinPipeline:
         )
         self.redis = redis.Redis.from_url(redis_settings.url)
         self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
-        self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=redis_settings.history_len)
+        # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
+        # impression still finds the clicks before it when the user clicked more in between.
+        self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
         self.producer = AckedProducer(kafka, **{"linger.ms": 5})
         self.dead_letters = DeadLetters(kafka, self.producer)
         self.engines: dict[int, PartitionJoin] = {}
@@ -166,14 +171,13 @@ class JoinPipeline:
         if clicks or partition not in self._last_click:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
-        history: dict[tuple[int, int], list[int]] = {}
-        if imps:
-            users = [hash_value(i.user_id) for _, i in imps]
-            ts = [i.ts for _, i in imps]
-            history = dict(zip(zip(users, ts, strict=True), self.history.as_of(users, ts), strict=True))
-        res = eng.apply(imps, clicks, history, drain=drain, clicks_idle=clicks_idle)
+        res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
         self._account(res)
         self._record_redis(res)
+        if res.samples:
+            ps = [s.pending for s in res.samples]
+            for p, hist in zip(ps, self.history.as_of([p.user for p in ps], [p.ts for p in ps]), strict=True):
+                p.history = hist[-self.cfg.history_len:]
         key = str(partition).encode()
         for value in to_batches(res.samples, self.js.sample_flush_rows):
             self.producer.send(self.kafka.samples_topic, value, key, partition=partition)

@@ -72,16 +72,13 @@ def _decode_added(body: bytes, seq: int) -> list[Pending]:
     if not body:
         return []
     b = SampleBatch.decode(body)
-    hist_values, hist_offsets = b.lists("history")
     ctx = {}
     for name in b.context_names:
         col = b.batch.column(CTX_PREFIX + name)
         ctx[name] = col.to_pylist() if isinstance(col, pa.ListArray) else col.to_numpy().tolist()
     dense = {name: b.column(DENSE_PREFIX + name).tolist() for name in b.dense_names}
-    hv, ho = hist_values.tolist(), hist_offsets.tolist()
     return [
-        Pending(imp_id, ts, user, item, {k: v[i] for k, v in ctx.items()}, {k: v[i] for k, v in dense.items()},
-                hv[ho[i]:ho[i + 1]], seq)
+        Pending(imp_id, ts, user, item, {k: v[i] for k, v in ctx.items()}, {k: v[i] for k, v in dense.items()}, seq)
         for i, (imp_id, ts, user, item) in enumerate(zip(
             b.impression_ids, b.column("ts").tolist(), b.column("user_id").tolist(), b.column("item_id").tolist(),
             strict=True))

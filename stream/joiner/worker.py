@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from typing import Any
 
@@ -98,8 +99,9 @@ class FaustJoinWorker:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set."""
         level = logging.getLevelName(logging.getLogger().level).lower()
+        # stdout=stderr: faust's spinner and banner must not mix into a --json summary on stdout.
         self.worker = faust.Worker(self.app, loglevel="warn" if level == "warning" else level, quiet=True,
-                                   redirect_stdouts=False)
+                                   redirect_stdouts=False, stdout=sys.stderr)
         try:
             self.worker.execute_from_commandline()
         except SystemExit as exc:
