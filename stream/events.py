@@ -138,27 +138,37 @@ def check_id(name: str, value: Any) -> Id:
 
 
 def _scalar_ok(v: Any) -> bool:
-    if isinstance(v, str):
+    t = type(v)
+    if t is str:
         return len(v) <= MAX_STR_ID_LEN
-    if isinstance(v, bool):
-        return True
-    if isinstance(v, int):
+    if t is int:
         return -(2**63) <= v <= MAX_ID
-    if isinstance(v, float):
+    if t is float:
         return math.isfinite(v)
-    return False
+    return t is bool
+
+
+def _list_ok(v: list) -> bool:
+    if len(v) > MAX_LIST_LEN:
+        return False
+    for x in v:
+        t = type(x)
+        if t is str:
+            if len(x) > MAX_STR_ID_LEN:
+                return False
+        elif t is not int or not -(2**63) <= x <= MAX_ID:
+            return False
+    return True
 
 
 def _context(value: Any) -> dict[str, ContextValue]:
     if value is None:
         return {}
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         raise ValidationError("context", value, "an object of feature name -> value")
     for k, v in value.items():
-        if isinstance(v, list):
-            if len(v) > MAX_LIST_LEN or not all(
-                isinstance(x, str | int) and not isinstance(x, bool) and _scalar_ok(x) for x in v
-            ):
+        if type(v) is list:
+            if not _list_ok(v):
                 raise ValidationError(f"context.{k}", v, f"a list of at most {MAX_LIST_LEN} strings/integers")
         elif not _scalar_ok(v):
             raise ValidationError(f"context.{k}", v, "a string, 64-bit integer, finite float, boolean or list")

@@ -62,6 +62,9 @@ class JoinTotals:
     counts: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # time spent in process(): the join's own throughput
+    first_batch: float | None = None  # when the first batch arrived ...
+    last_batch: float | None = None  # ... and the last one was done: events_per_s spans these
+    stage_s: Counter[str] = field(default_factory=Counter)  # where process() spends its time
 
     def summary(self) -> dict[str, Any]:
         c = self.counts
@@ -84,6 +87,9 @@ class JoinTotals:
             "pending_impressions": c["pending_impressions"],
             "elapsed_s": round(time.monotonic() - self.started, 3),
             "process_s": round(self.busy_s, 3),
+            "events_per_s": round(events / span) if (span := (self.last_batch or 0) - (self.first_batch or 0)) > 0
+            else None,
+            "stage_s": {k: round(v, 3) for k, v in sorted(self.stage_s.items())},
         }
 
 
@@ -119,18 +125,20 @@ class JoinPipeline:
         self.redis.close()
 
     # -- partitions ----------------------------------------------------------------------------
-    def engine(self, partition: int) -> PartitionJoin:
-        """The join of ``partition``, restored from the state log the first time it is needed."""
-        eng = self.engines.get(partition)
-        if eng is None:
-            chunks, parts = load_chunks(self.kafka, self.state_topic, partition)
+    def restore(self, partitions: set[int]) -> None:
+        """Load the joins of ``partitions`` not held yet from the state log (one read for all)."""
+        missing = sorted(p for p in partitions if p not in self.engines)
+        if not missing:
+            return
+        t0 = time.monotonic()
+        for partition, (chunks, parts) in load_chunks(self.kafka, self.state_topic, missing).items():
             self._parts.update({(partition, seq): n for seq, n in parts.items()})
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
             self.engines[partition] = eng
             if chunks:
                 log.info("partition %d: restored %d pending impressions from %d state chunks (offsets %s)",
                          partition, len(eng.pending), len(chunks), eng.offsets)
-        return eng
+        self.totals.stage_s["restore"] += time.monotonic() - t0
 
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
@@ -143,6 +151,8 @@ class JoinPipeline:
     # -- the batch step ------------------------------------------------------------------------
     def process(self, records: list[Record]) -> None:
         t0 = time.monotonic()
+        if self.totals.first_batch is None:
+            self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
         imp_topic = self.kafka.impressions_topic
@@ -155,10 +165,13 @@ class JoinPipeline:
             except BadMessage as exc:
                 self.dead_letters.send(r.topic, r.key, r.value, exc, r.partition, r.offset)
                 self.totals.counts["dead_lettered"] += 1
+        self.totals.stage_s["decode"] += time.monotonic() - t0
+        self.restore(set(imps) | set(clicks))
         results = {p: self._apply(p, imps.get(p, []), clicks.get(p, []))
                    for p in sorted(set(imps) | set(clicks))}
         self._commit_state(results)
-        self.totals.busy_s += time.monotonic() - t0
+        self.totals.last_batch = time.monotonic()
+        self.totals.busy_s += self.totals.last_batch - t0
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""
@@ -166,21 +179,27 @@ class JoinPipeline:
 
     def _apply(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
                drain: bool = False) -> BatchResult:
-        eng = self.engine(partition)
+        eng = self.engines[partition]
+        stage = self.totals.stage_s
         now = time.monotonic()
         if clicks or partition not in self._last_click:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
         res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
         self._account(res)
+        t1 = time.monotonic()
+        stage["join"] += t1 - now
         self._record_redis(res)
         if res.samples:
             ps = [s.pending for s in res.samples]
             for p, hist in zip(ps, self.history.as_of([p.user for p in ps], [p.ts for p in ps]), strict=True):
                 p.history = hist[-self.cfg.history_len:]
+        t2 = time.monotonic()
+        stage["redis"] += t2 - t1
         key = str(partition).encode()
         for value in to_batches(res.samples, self.js.sample_flush_rows):
             self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
+        stage["encode_samples"] += time.monotonic() - t2
         for u in res.unjoined:
             value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
                                   "partition": partition})
@@ -189,7 +208,10 @@ class JoinPipeline:
 
     def _commit_state(self, results: dict[int, BatchResult]) -> None:
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
+        t0 = time.monotonic()
         self.producer.flush()
+        t1 = time.monotonic()
+        self.totals.stage_s["flush"] += t1 - t0
         for partition, res in results.items():
             if res.chunk is not None:
                 records = encode_chunk(res.chunk)
@@ -200,7 +222,10 @@ class JoinPipeline:
             for seq in res.retired:
                 for part in range(self._parts.pop((partition, seq), 1)):
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
+        t2 = time.monotonic()
         self.producer.flush()
+        self.totals.stage_s["encode_state"] += t2 - t1
+        self.totals.stage_s["flush"] += time.monotonic() - t2
 
     def _account(self, res: BatchResult) -> None:
         c = self.totals.counts

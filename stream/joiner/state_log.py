@@ -99,39 +99,42 @@ def decode_chunk(raws: list[bytes]) -> StateChunk:
                       head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"])
 
 
-def load_chunks(kafka: KafkaSettings, topic: str, partition: int,
-                timeout_s: float = 60.0) -> tuple[list[StateChunk], dict[int, int]]:
-    """Read one partition of the state log to its end: the live chunks (tombstones applied) and the
-    number of parts of each (by seq), which the writer needs to tombstone them later."""
+def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
+                timeout_s: float = 60.0) -> dict[int, tuple[list[StateChunk], dict[int, int]]]:
+    """Read partitions of the state log to their end, all with one consumer. Per partition: the live
+    chunks (tombstones applied) and the number of parts of each (by seq), which the writer needs to
+    tombstone them later."""
     c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{topic}-restore",
-                  "enable.auto.commit": False, "enable.partition.eof": True})
+                  "enable.auto.commit": False, "enable.partition.eof": True, "fetch.wait.max.ms": 20})
+    live: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
     try:
         md = c.list_topics(topic, timeout=10).topics.get(topic)
-        if md is None or md.error is not None or partition not in md.partitions:
-            return []
-        c.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
-        live: dict[bytes, bytes] = {}
+        present = [p for p in partitions if md is not None and md.error is None and p in md.partitions]
+        c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in present])
+        todo = set(present)
         deadline = time.monotonic() + timeout_s
-        while True:
+        while todo:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"state log {topic}[{partition}] did not reach its end in {timeout_s}s")
-            msgs = c.consume(10_000, 0.5)
-            eof = False
-            for m in msgs:
+                raise TimeoutError(f"state log {topic} partitions {sorted(todo)} did not reach their end "
+                                   f"in {timeout_s}s")
+            for m in c.consume(10_000, 0.2):
                 err = m.error()
                 if err is not None:
-                    eof = eof or err.code() == KafkaError._PARTITION_EOF
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        todo.discard(m.partition())
                     continue
                 if m.value() is None:
-                    live.pop(m.key(), None)
+                    live[m.partition()].pop(m.key(), None)
                 else:
-                    live[m.key()] = m.value()
-            if eof:
-                by_seq: dict[int, dict[int, bytes]] = {}
-                for key, value in live.items():
-                    _, seq, part = key.decode().split(":")
-                    by_seq.setdefault(int(seq), {})[int(part)] = value
-                chunks = [decode_chunk([parts[i] for i in sorted(parts)]) for parts in by_seq.values()]
-                return chunks, {seq: len(parts) for seq, parts in by_seq.items()}
+                    live[m.partition()][m.key()] = m.value()
     finally:
         c.close()
+    out = {}
+    for p, records in live.items():
+        by_seq: dict[int, dict[int, bytes]] = {}
+        for key, value in records.items():
+            _, seq, part = key.decode().split(":")
+            by_seq.setdefault(int(seq), {})[int(part)] = value
+        chunks = [decode_chunk([parts[i] for i in sorted(parts)]) for parts in by_seq.values()]
+        out[p] = (chunks, {seq: len(parts) for seq, parts in by_seq.items()})
+    return out

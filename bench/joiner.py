@@ -1,0 +1,121 @@
+"""Joiner throughput: one ``streamrec join`` worker against raw confluent-kafka consumption of the same topics.
+
+One run, same broker, same data: a synthetic stream (Zipf users/items, clicks, duplicates, orphans)
+is replayed into fresh topics, then read by
+
+  raw     a confluent-kafka consumer: consume(5000), orjson.loads, a dict join of clicks to
+          impressions (the ceiling: no validation, no state durability, no output);
+  kafka   ``streamrec join --driver kafka`` (validated events, per-partition join, Redis counts and
+          history, Arrow samples and state chunks written and acknowledged before offsets commit);
+  faust   ``streamrec join`` (the same pipeline under a faust-streaming agent).
+
+events/s for a worker spans its first to its last batch (group join and idle exit excluded). The
+worker's own breakdown (stage_s) says what limits it.
+
+    python bench/joiner.py [--impressions 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import orjson  # noqa: E402
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition  # noqa: E402
+
+from stream.replay.publisher import publish  # noqa: E402
+from stream.replay.synthetic import build_synthetic  # noqa: E402
+from streamrec.settings import ClickDelay, KafkaSettings, StackSettings, SyntheticSettings  # noqa: E402
+from streamrec.stack import LocalStack, free_port  # noqa: E402
+
+
+def raw_join(kafka: KafkaSettings, total: int) -> float:
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"raw-{uuid.uuid4().hex}",
+                  "enable.partition.eof": True, "enable.auto.commit": False})
+    parts = [TopicPartition(t, p, OFFSET_BEGINNING) for t in (kafka.impressions_topic, kafka.clicks_topic)
+             for p in range(kafka.partitions)]
+    c.assign(parts)
+    pending: dict[str, dict] = {}
+    joined = seen = 0
+    eof: set[tuple[str, int]] = set()
+    t0 = None
+    while len(eof) < len(parts):
+        for m in c.consume(5000, 0.5):
+            if m.error():
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    eof.add((m.topic(), m.partition()))
+                continue
+            t0 = t0 or time.monotonic()
+            seen += 1
+            try:
+                ev = orjson.loads(m.value())
+            except orjson.JSONDecodeError:
+                continue
+            if m.topic() == kafka.impressions_topic:
+                pending[ev.get("impression_id")] = ev
+            elif ev.get("impression_id") in pending:
+                joined += 1
+    elapsed = time.monotonic() - (t0 or time.monotonic())
+    c.close()
+    return seen / elapsed
+
+
+def run_worker(kafka: KafkaSettings, redis_url: str, driver: str) -> dict:
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_IMPRESSIONS_TOPIC=kafka.impressions_topic,
+               STREAMREC_KAFKA_CLICKS_TOPIC=kafka.clicks_topic,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=f"bench-samples-{driver}-{uuid.uuid4().hex[:6]}",
+               STREAMREC_REDIS_URL=redis_url, STREAMREC_REDIS_PREFIX=f"bench-{uuid.uuid4().hex[:6]}")
+    cmd = [sys.executable, "-m", "streamrec.cli", "join", "--driver", driver, "--app-id",
+           f"bench-{driver}-{uuid.uuid4().hex[:6]}", "--exit-when-idle", "3", "--drain", "--json"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"{driver} worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--impressions", type=int, default=200_000)
+    ap.add_argument("--drivers", default="kafka,faust")
+    args = ap.parse_args()
+    stack = LocalStack(StackSettings(state_dir=Path(tempfile.mkdtemp()), kafka_port=free_port(),
+                                     redis_port=free_port()))
+    stack.up()
+    try:
+        tag = uuid.uuid4().hex[:6]
+        kafka = dataclasses.replace(KafkaSettings(bootstrap_servers=stack.bootstrap_servers),
+                                    impressions_topic=f"bench-imp-{tag}", clicks_topic=f"bench-clk-{tag}")
+        table = build_synthetic(SyntheticSettings(impressions=args.impressions, users=1_000_000, items=100_000,
+                                                  impressions_per_s=2000.0), ClickDelay(), seed=1)
+        s = publish(table, kafka, "synthetic")
+        total = s.impressions + s.clicks
+        raw = raw_join(kafka, total)
+        rows = [("raw confluent-kafka (ceiling)", raw, None)]
+        for driver in args.drivers.split(","):
+            r = run_worker(kafka, stack.redis_url, driver)
+            assert r["samples"] == s.impressions, r
+            rows.append((f"streamrec join --driver {driver}", r["events_per_s"], r))
+    finally:
+        stack.down()
+    print(f"{total:,} events ({s.impressions:,} impressions, {s.clicks:,} clicks), 4 partitions, one worker process")
+    print(f"{'variant':<34}{'events/s':>10}{'vs raw':>8}")
+    for name, eps, _ in rows:
+        print(f"{name:<34}{eps:>10,.0f}{eps / raw:>8.2f}")
+    for name, _, r in rows[1:]:
+        print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s)")
+    print(json.dumps({name: {"events_per_s": eps, "ratio": round(eps / raw, 3)} for name, eps, _ in rows}))
+
+
+if __name__ == "__main__":
+    main()
