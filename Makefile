@@ -25,10 +25,12 @@ setup: $(STAMP)
 data: setup
 	$(SR) data install
 
+# The demo's consumer groups and state are named per run, so running it again on a live stack starts afresh.
 demo: data
 	$(SR) stack up
 	$(SR) replay --dataset ml-1m
-	$(SR) audit --group demo-audit-$$(date +%s)
+	$(SR) join --driver kafka --app-id demo-join-$$(date +%s) --exit-when-idle 5 --drain
+	$(SR) counts top --kind item --event click --days 30 --k 5
 	@echo
 	@echo "The local stack keeps running (streamrec stack status); stop it with: make stack-down"
 

@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "({prefix}:counts:{kind}:{event}:{YYYYMMDD}, UTC days of event time) and print the top "
                        "k ids summed over --days consecutive days ending at --day (default: the latest day "
                        "with counts). These are the counts the nightly hot-embedding cache refresh and "
-                       "cold-start admission use.")
+                       "cold-start admission use. Ids are the stable hashes of the raw ids (stream/ids.py), "
+                       "the keys of the embedding rows.")
     p.add_argument("action", choices=["top"])
     p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
     p.add_argument("--event", default="impression", choices=["impression", "click"],

@@ -57,15 +57,17 @@ def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
 
 def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
     """The chunk as one or more records (parts), each at most ``max_bytes`` unless one impression is bigger."""
-    parts = [c.added]
-    while True:
-        encoded = [_encode(c, added, head=i == 0) for i, added in enumerate(parts)]
-        big = [i for i, e in enumerate(encoded) if len(e) > max_bytes and len(parts[i]) > 1]
-        if not big:
-            return encoded
-        i = big[0]
-        half = len(parts[i]) // 2
-        parts[i:i + 1] = [parts[i][:half], parts[i][half:]]
+    out: list[bytes] = []
+    todo = [c.added]  # a stack of slices still to encode, first slice on top
+    while todo:
+        added = todo.pop()
+        value = _encode(c, added, head=not out)
+        if len(value) > max_bytes and len(added) > 1:
+            half = len(added) // 2
+            todo.extend([added[half:], added[:half]])
+        else:
+            out.append(value)
+    return out
 
 
 def _decode_added(body: bytes, seq: int) -> list[Pending]:
