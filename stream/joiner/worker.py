@@ -6,6 +6,13 @@ the same worker (they are co-partitioned by impression id) and hands batches ove
 batch, i.e. after :meth:`JoinPipeline.process` made its outputs and state durable, and commits
 only acknowledged offsets: the offsets never run ahead of the state.
 
+Known limit on the local Tansu broker (not on Apache Kafka): the broker reports a partition's high
+watermark as the start of its last record batch, and a consumer resuming at a committed offset inside
+that batch gets nothing until more data arrives. A faust worker restarted on a *bounded* input that
+stopped there waits; the kafka driver starts such partitions at the batch start instead
+(``stream.kafka.resume_offsets``) and skips what it had applied. faust picks its own start offsets
+after its recovery step, and an outside rewind cannot commit into a group with a dead faust member.
+
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
 batch and partition instead (see ``state_log.py``).
