@@ -86,6 +86,36 @@ class JoinerSettings:
 
 
 @dataclass(frozen=True)
+class LearnerSettings:
+    """The continuous training daemon (``streamrec train``)."""
+
+    group_id: str = "streamrec-learner"  # offsets committed here after each durable checkpoint (for lag)
+    checkpoint_dir: Path = Path(".streamrec/checkpoints")
+    checkpoint_every_s: float = 30.0
+    checkpoint_every_samples: int = 1_000_000
+    keep_checkpoints: int = 3
+    batch_rows: int = 4096  # rows per training step (whole samples messages are never split)
+    accumulation: int = 1  # micro-batches per optimizer step
+    embedding_dim: int = 16
+    buckets: int = 200_000  # rows per id field (user, item; history shares item's)
+    ctx_buckets: int = 10_000  # rows per context field
+    mlp: str = "400,400,400"
+    dropout: float = 0.0
+    lr_sparse: float = 0.05
+    lr_dense: float = 0.001
+    sparse_optimizer: str = "rowwise_adagrad"  # or sparse_adam
+    amp: bool = True  # bf16 autocast of the dense part on CPU (fp16 + GradScaler on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
+    metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
+    num_workers: int = 0  # DataLoader workers (they split the partitions)
+    max_samples: int | None = None  # stop after training this many samples
+    exit_when_idle_s: float | None = None  # stop after this long without new samples
+    seed: int = 0
+    metrics_port: int | None = None
+
+
+@dataclass(frozen=True)
 class StackSettings:
     """The local development stack: a Tansu broker and a Redis server on loopback."""
 

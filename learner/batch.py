@@ -1,0 +1,125 @@
+"""Sample batches (Arrow) -> the tensors one training step needs, without per-row Python.
+
+Bags are laid out field-major: bag ``f * B + b`` holds field f of sample b, so the fused
+``EmbeddingBag`` output ``(F * B, D)`` views as ``(F, B, D)``. Every column is already contiguous
+per field in Arrow, so values and offsets are concatenations, not gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from learner.features import FeatureConfig
+from stream.samples import SampleBatch
+
+
+@dataclass
+class TensorBatch:
+    values: torch.Tensor  # (N,) int64: rows of the fused table, all fields, field-major
+    offsets: torch.Tensor  # (F * B + 1,) int64: bag starts, include_last_offset layout
+    dense: torch.Tensor  # (B, Dd) float32
+    labels: torch.Tensor  # (B,) float32
+    impression_ids: np.ndarray  # (B,) object
+    ts: np.ndarray  # (B,) int64, impression event time
+    # (partition, offset, rows) of every Kafka message the rows came from, in order
+    positions: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def pin_memory(self) -> TensorBatch:
+        self.values, self.offsets = self.values.pin_memory(), self.offsets.pin_memory()
+        self.dense, self.labels = self.dense.pin_memory(), self.labels.pin_memory()
+        return self
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> TensorBatch:
+        return TensorBatch(self.values.to(device, non_blocking=non_blocking),
+                           self.offsets.to(device, non_blocking=non_blocking),
+                           self.dense.to(device, non_blocking=non_blocking),
+                           self.labels.to(device, non_blocking=non_blocking),
+                           self.impression_ids, self.ts, self.positions)
+
+    def select(self, keep: np.ndarray) -> TensorBatch:
+        """Rows where ``keep`` (bool (B,)) is set, e.g. after dropping duplicates."""
+        if keep.all():
+            return self
+        b = len(self)
+        f = (len(self.offsets) - 1) // b
+        offsets = self.offsets.numpy()
+        starts, ends = offsets[:-1].reshape(f, b), offsets[1:].reshape(f, b)
+        k = np.flatnonzero(keep)
+        s, e = starts[:, k].ravel(), ends[:, k].ravel()  # (F * B',) field-major
+        lengths = e - s
+        new_offsets = np.zeros(len(s) + 1, np.int64)
+        np.cumsum(lengths, out=new_offsets[1:])
+        # Gather the kept value ranges without a Python loop: repeat each start over its length.
+        idx = np.repeat(s - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+        return TensorBatch(self.values[torch.from_numpy(idx)], torch.from_numpy(new_offsets),
+                           self.dense[torch.from_numpy(k)], self.labels[torch.from_numpy(k)],
+                           self.impression_ids[k], self.ts[k], self.positions)
+
+
+def _field_values(batch: SampleBatch, col: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values (N_f,), lengths (B,))`` of one column; a scalar column has length 1 per row."""
+    if not pa.types.is_list(batch.batch.schema.field(col).type):
+        v = batch.column(col).astype(np.int64, copy=False)
+        return v, np.ones(len(v), np.int64)
+    values, offsets = batch.lists(col)
+    return values.astype(np.int64, copy=False), np.diff(offsets).astype(np.int64)
+
+
+def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int, int, int]] | None = None,
+               ) -> TensorBatch:
+    """One Arrow sample batch -> a TensorBatch. Missing columns are empty bags (zero embeddings)."""
+    b = len(batch)
+    names = set(batch.batch.schema.names)
+    all_values, all_lengths = [], []
+    for spec, (first, rows) in zip(cfg.fields, cfg.blocks, strict=True):
+        if spec.name in names:
+            v, lengths = _field_values(batch, spec.name)
+            all_values.append(first + np.remainder(v, rows))  # hashed ids are >= 0: remainder is the bucket
+            all_lengths.append(lengths)
+        else:
+            all_lengths.append(np.zeros(b, np.int64))
+    values = np.concatenate(all_values) if all_values else np.zeros(0, np.int64)
+    lengths = np.concatenate(all_lengths)  # (F * B,)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    dense = (np.stack([batch.column(f"dense.{d}").astype(np.float32) if f"dense.{d}" in names
+                       else np.zeros(b, np.float32) for d in cfg.dense], axis=1)
+             if cfg.dense else np.zeros((b, 0), np.float32))
+    return TensorBatch(
+        values=torch.from_numpy(values), offsets=torch.from_numpy(offsets), dense=torch.from_numpy(dense),
+        labels=torch.from_numpy(batch.column("label").astype(np.float32)),
+        impression_ids=np.asarray(batch.impression_ids, dtype=object), ts=batch.column("ts"),
+        positions=positions or [],
+    )
+
+
+def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
+    """Join batches into one, keeping the field-major bag layout (all of field 0, then field 1, ...)."""
+    if len(batches) == 1:
+        return batches[0]
+    per_field_values: list[list[torch.Tensor]] = [[] for _ in range(num_fields)]
+    per_field_lengths: list[list[np.ndarray]] = [[] for _ in range(num_fields)]
+    for tb in batches:
+        b = len(tb)
+        offsets = tb.offsets.numpy()
+        for f in range(num_fields):
+            start, end = offsets[f * b], offsets[(f + 1) * b]
+            per_field_values[f].append(tb.values[start:end])
+            per_field_lengths[f].append(np.diff(offsets[f * b:(f + 1) * b + 1]))
+    lengths = np.concatenate([np.concatenate(ls) for ls in per_field_lengths])
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TensorBatch(
+        values=torch.cat([v for vs in per_field_values for v in vs]), offsets=torch.from_numpy(offsets),
+        dense=torch.cat([tb.dense for tb in batches]), labels=torch.cat([tb.labels for tb in batches]),
+        impression_ids=np.concatenate([tb.impression_ids for tb in batches]),
+        ts=np.concatenate([tb.ts for tb in batches]),
+        positions=[p for tb in batches for p in tb.positions],
+    )

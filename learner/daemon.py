@@ -1,0 +1,282 @@
+"""``streamrec train``: the continuous training daemon.
+
+    samples topic --KafkaSampleDataset--> TensorBatch --dedup--> Trainer.test_then_train
+                                                                   |
+                        checkpoint (model, optimizers, offsets) <--+ every N s / N samples, at exit
+                        then commit the group offsets (for lag monitoring only)
+
+Exactly once: the checkpoint records, per partition, the offset of the next message to train; on
+start the learner loads the newest checkpoint and reads from exactly those offsets. Whatever was
+trained after the last checkpoint is lost with the crashed process's memory and trained again, so
+every sample changes the persisted model exactly once. The group's committed offsets trail the
+checkpoint and are never read back by the learner.
+
+The feature config is inferred from the first sample batch on a fresh start (which context columns
+exist, which are lists) and then lives in the checkpoint: a restarted learner uses the checkpoint's
+config, and refuses settings that would change the model's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from confluent_kafka import Consumer, TopicPartition
+from prometheus_client import Counter as PCounter
+from prometheus_client import Gauge
+from torch.utils.data import DataLoader
+
+from learner import checkpoint
+from learner.batch import TensorBatch
+from learner.features import FeatureConfig, FieldKind, default_config
+from learner.kafka_dataset import KafkaSampleDataset
+from learner.model import DeepFM
+from learner.optim import make_optimizers
+from learner.progressive import ProgressiveMetrics
+from learner.trainer import Trainer
+from stream.kafka import ensure_topics
+from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
+from streamrec.settings import KafkaSettings, LearnerSettings
+
+log = logging.getLogger("streamrec.train")
+
+AUC = Gauge("streamrec_learner_progressive_auc", "Progressive (test-then-train) AUC since the first sample.")
+LOGLOSS = Gauge("streamrec_learner_progressive_logloss", "Progressive logloss since the first sample.")
+WINDOW_AUC = Gauge("streamrec_learner_window_auc", "Progressive AUC over the recent window.")
+SAMPLES = PCounter("streamrec_learner_samples_total", "Samples trained.")
+DUPLICATES = PCounter("streamrec_learner_duplicates_total", "Duplicate samples dropped.")
+LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
+CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
+
+
+class RecentIds:
+    """The last ``capacity`` impression ids seen: drops duplicate samples (joiner retries)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def filter(self, ids: np.ndarray) -> np.ndarray:
+        """Mask (B,) of first occurrences; remembers them."""
+        keep = np.ones(len(ids), bool)
+        seen = self._ids
+        for i, imp in enumerate(ids.tolist()):
+            if imp in seen:
+                keep[i] = False
+            else:
+                seen[imp] = None
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+        return keep
+
+    def state(self) -> list[str]:
+        return list(self._ids)
+
+    def load(self, ids: list[str]) -> None:
+        self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
+
+
+def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: float) -> FeatureConfig | None:
+    """The config of a fresh learner, from the schema of the first samples message (None: no data yet)."""
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{ls.group_id}-probe",
+                  "enable.auto.commit": False, "enable.partition.eof": True})
+    try:
+        md = c.list_topics(kafka.samples_topic, timeout=10).topics[kafka.samples_topic]
+        c.assign([TopicPartition(kafka.samples_topic, p, 0) for p in md.partitions])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in c.consume(16, 0.5):
+                if m.error() is None:
+                    try:
+                        schema = SampleBatch.decode(m.value()).batch.schema
+                    except Exception:  # noqa: BLE001 - a bad message: the dataset will dead-letter it
+                        continue
+                    ctx: dict[str, FieldKind] = {
+                        f.name[len(CTX_PREFIX):]: ("multi" if pa.types.is_list(f.type) else "single")
+                        for f in schema if f.name.startswith(CTX_PREFIX)}
+                    dense = tuple(sorted(f.name[len(DENSE_PREFIX):] for f in schema if f.name.startswith(DENSE_PREFIX)))
+                    return default_config(ctx, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
+                                          embedding_dim=ls.embedding_dim, dense=dense)
+        return None
+    finally:
+        c.close()
+
+
+class Learner:
+    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings) -> None:
+        self.kafka, self.ls = kafka, ls
+        self.device = torch.device("cuda" if ls.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if ls.device == "auto" else ls.device))
+        self._stop = False
+        self.partition_rows: Counter[int] = Counter()  # rows trained (or dropped as duplicates) per partition
+        self.duplicates = 0
+        self.offsets: dict[int, int] = {}
+        self.recent = RecentIds(ls.dedup_window)
+        self.trainer: Trainer | None = None
+        self.cfg: FeatureConfig | None = None
+        self._group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": ls.group_id,
+                                "enable.auto.commit": False})
+
+    # -- model and state ---------------------------------------------------------------------------
+    def _model_settings(self) -> dict[str, Any]:
+        ls = self.ls
+        return {"mlp": ls.mlp, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
+                "sparse_optimizer": ls.sparse_optimizer, "amp": ls.amp, "seed": ls.seed}
+
+    def _build(self, cfg: FeatureConfig, model_settings: dict[str, Any]) -> None:
+        self.cfg = cfg
+        amp_dtype = (torch.float16 if self.device.type == "cuda" else torch.bfloat16) if model_settings["amp"] else None
+        model = DeepFM(cfg, mlp=tuple(int(x) for x in str(model_settings["mlp"]).split(",") if x),
+                       dropout=model_settings["dropout"], seed=model_settings["seed"], autocast_dtype=amp_dtype)
+        model.to(self.device)
+        sparse, dense = make_optimizers(model, model_settings["lr_sparse"], model_settings["lr_dense"],
+                                        model_settings["sparse_optimizer"])
+        self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
+                               metrics=ProgressiveMetrics(window=self.ls.metrics_window))
+
+    def _restore(self) -> bool:
+        ckpt = checkpoint.load_latest(self.ls.checkpoint_dir)
+        if ckpt is None:
+            return False
+        meta = ckpt["meta"]
+        mine = self._model_settings()
+        shape_keys = ("mlp", "sparse_optimizer")
+        changed = {k: (meta["model"][k], mine[k]) for k in shape_keys if str(meta["model"][k]) != str(mine[k])}
+        if changed:
+            raise RuntimeError(f"checkpoint {ckpt['path']} was trained with {changed} (checkpoint, settings): "
+                               "a model cannot change shape in place; use a new checkpoint_dir")
+        self._build(FeatureConfig.from_dict(meta["feature_config"]), {**mine, **{k: meta["model"][k] for k in mine}})
+        assert self.trainer is not None
+        self.trainer.model.load_state_dict(ckpt["model"])
+        self.trainer.sparse_opt.load_state_dict(ckpt["sparse_opt"])
+        self.trainer.dense_opt.load_state_dict(ckpt["dense_opt"])
+        self.trainer.metrics.load_state_dict(ckpt["metrics"])
+        self.trainer.samples, self.trainer.steps = meta["samples_trained"], meta["steps"]
+        self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
+        self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
+        self.duplicates = int(meta["duplicates"])
+        self.recent.load(ckpt["recent_ids"])
+        log.info("resumed from %s: %d samples trained, offsets %s", ckpt["path"], meta["samples_trained"],
+                 self.offsets)
+        return True
+
+    def save(self) -> None:
+        assert self.trainer is not None and self.cfg is not None
+        t0 = time.monotonic()
+        self.trainer.step()  # no gradient left pending: the checkpoint is a clean step boundary
+        tr = self.trainer
+        meta = {
+            "samples_trained": tr.samples, "steps": tr.steps, "offsets": {str(p): o for p, o in self.offsets.items()},
+            "partition_rows": {str(p): n for p, n in self.partition_rows.items()}, "duplicates": self.duplicates,
+            "feature_config": self.cfg.to_dict(), "model": self._model_settings(),
+            "metrics": tr.metrics.summary(), "topic": self.kafka.samples_topic,
+        }
+        state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
+                 "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
+                 "recent_ids": self.recent.state()}
+        checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
+        # Only now, after the checkpoint is durable: the group offsets, for lag dashboards.
+        if self.offsets:
+            topic = self.kafka.samples_topic
+            self._group.commit(offsets=[TopicPartition(topic, p, o) for p, o in self.offsets.items()],
+                               asynchronous=False)
+        CHECKPOINT_S.set(time.monotonic() - t0)
+        self._update_lag()
+
+    def _update_lag(self) -> None:
+        for p, o in self.offsets.items():
+            try:
+                _, high = self._group.get_watermark_offsets(TopicPartition(self.kafka.samples_topic, p), timeout=2)
+            except Exception:  # noqa: BLE001 - lag is best effort
+                continue
+            # A broker that reports the last batch's start as its high watermark under-counts by < 1 batch.
+            LAG.labels(str(p)).set(max(0, high - o))
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _partitions(self) -> list[int]:
+        ensure_topics(self.kafka, [self.kafka.samples_topic])
+        md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
+        return sorted(md.partitions)
+
+    def run(self) -> dict[str, Any]:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        ls = self.ls
+        if not self._restore():
+            wait = ls.exit_when_idle_s if ls.exit_when_idle_s is not None else float("inf")
+            cfg = None
+            t0 = time.monotonic()
+            while cfg is None and not self._stop and time.monotonic() - t0 < wait:
+                cfg = infer_feature_config(self.kafka, ls, timeout_s=min(5.0, wait))
+            if cfg is None:
+                return self.summary(reason="no samples arrived")
+            self._build(cfg, self._model_settings())
+        for p in self._partitions():
+            self.offsets.setdefault(p, 0)
+        assert self.trainer is not None and self.cfg is not None
+        dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
+                                     pin_memory=self.device.type == "cuda")
+        loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
+                            prefetch_factor=4 if ls.num_workers else None, persistent_workers=False)
+        last_ckpt, since_ckpt = time.monotonic(), 0
+        reason = "input idle"
+        for batch in loader:
+            self._train(batch)
+            since_ckpt += len(batch)
+            if ls.max_samples is not None and self.trainer.samples >= ls.max_samples:
+                reason = "max samples"
+                break
+            if self._stop:
+                reason = "signal"
+                break
+            if since_ckpt >= ls.checkpoint_every_samples or time.monotonic() - last_ckpt >= ls.checkpoint_every_s:
+                self.save()
+                last_ckpt, since_ckpt = time.monotonic(), 0
+        self.save()
+        return self.summary(reason=reason)
+
+    def _train(self, batch: TensorBatch) -> None:
+        assert self.trainer is not None
+        keep = self.recent.filter(batch.impression_ids) if len(batch) else np.ones(0, bool)
+        dups = int((~keep).sum())
+        if dups:
+            self.duplicates += dups
+            DUPLICATES.inc(dups)
+        kept = batch.select(keep)
+        if len(kept):
+            self.trainer.test_then_train(kept)
+            SAMPLES.inc(len(kept))
+            m = self.trainer.metrics
+            AUC.set(m.auc)
+            LOGLOSS.set(m.logloss)
+        for p, off, rows in batch.positions:
+            self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
+            self.partition_rows[p] += rows
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop = True
+
+    def summary(self, reason: str) -> dict[str, Any]:
+        tr = self.trainer
+        return {
+            "reason": reason,
+            "samples_trained": tr.samples if tr else 0,
+            "steps": tr.steps if tr else 0,
+            "duplicates_dropped": self.duplicates,
+            "offsets": {str(p): o for p, o in sorted(self.offsets.items())},
+            "partition_rows": {str(p): n for p, n in sorted(self.partition_rows.items())},
+            "metrics": tr.metrics.summary() if tr else {},
+            "device": str(self.device),
+            "checkpoint_dir": str(self.ls.checkpoint_dir),
+            "settings": {k: str(v) for k, v in asdict(self.ls).items()},
+        }
+
+    def close(self) -> None:
+        self._group.close()

@@ -1,0 +1,103 @@
+"""Which columns of a sample batch the model reads, and how they land in the fused embedding table.
+
+A field is one column of ``stream/samples.py``: ``user_id``, ``item_id``, ``history`` or a context
+column ``ctx.<name>``. Its values are ``stable_hash`` int64s (``stream/features.py``). Every field owns
+a contiguous block of ``num_buckets`` rows in ONE fused table; a value goes to row
+``field_offset + value mod num_buckets``. (Dynamic id-to-row mapping with admission and eviction
+replaces the modulo in the cold-start work; the layout stays.)
+
+``single`` fields have one value per sample; ``multi`` (genres) and ``sequence`` (history) have a list
+that is pooled (mean) by ``nn.EmbeddingBag`` from ``(values, offsets)``: never a (B, L, D) tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+FieldKind = Literal["single", "multi", "sequence"]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str  # column name in the sample batch
+    kind: FieldKind = "single"
+    num_buckets: int = 100_000
+    shares: str | None = None  # use another field's rows (history shares item_id's), num_buckets ignored
+
+    def __post_init__(self) -> None:
+        if self.num_buckets < 1:
+            raise ValueError(f"field {self.name!r}: num_buckets must be >= 1, got {self.num_buckets}")
+        if self.kind not in ("single", "multi", "sequence"):
+            raise ValueError(f"field {self.name!r}: kind must be single, multi or sequence, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    fields: tuple[FieldSpec, ...]
+    dense: tuple[str, ...] = ()  # dense.<name> columns
+    embedding_dim: int = 16
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate field names in feature config: {names}")
+        if not self.fields:
+            raise ValueError("a feature config needs at least one field")
+
+    @property
+    def num_fields(self) -> int:
+        return len(self.fields)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(f.num_buckets for f in self.fields if f.shares is None)
+
+    @property
+    def blocks(self) -> list[tuple[int, int]]:
+        """``(first row, rows)`` of every field's block in the fused table, in field order."""
+        own: dict[str, tuple[int, int]] = {}
+        acc = 0
+        for f in self.fields:
+            if f.shares is None:
+                own[f.name] = (acc, f.num_buckets)
+                acc += f.num_buckets
+        out = []
+        for f in self.fields:
+            if f.shares is not None and f.shares not in own:
+                raise ValueError(f"field {f.name!r} shares {f.shares!r}, which is not a field with its own rows")
+            out.append(own[f.shares or f.name])
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FeatureConfig:
+        return cls(fields=tuple(FieldSpec(**f) for f in d["fields"]), dense=tuple(d.get("dense", ())),
+                   embedding_dim=int(d["embedding_dim"]), version=int(d.get("version", 1)))
+
+
+def default_config(context: dict[str, FieldKind], buckets: int = 200_000, ctx_buckets: int = 10_000,
+                   with_ids: bool = True, with_history: bool = True, embedding_dim: int = 16,
+                   dense: tuple[str, ...] = ()) -> FeatureConfig:
+    """user id, item id, history (sharing nothing) and the given context columns."""
+    fields: list[FieldSpec] = []
+    if with_ids:
+        fields += [FieldSpec("user_id", "single", buckets), FieldSpec("item_id", "single", buckets)]
+    if with_history:
+        fields.append(FieldSpec("history", "sequence", buckets, shares="item_id" if with_ids else None))
+    fields += [FieldSpec(f"ctx.{name}", kind, ctx_buckets) for name, kind in sorted(context.items())]
+    return FeatureConfig(tuple(fields), dense=dense, embedding_dim=embedding_dim)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    mlp: tuple[int, ...] = (400, 400, 400)
+    dropout: float = 0.0
+    lr_dense: float = 1e-3
+    lr_sparse: float = 0.05
+    weight_decay: float = 0.0
+    sparse_optimizer: Literal["rowwise_adagrad", "sparse_adam"] = "rowwise_adagrad"
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,102 @@
+"""A ``torch.utils.data.IterableDataset`` over the ``samples`` topic.
+
+Each Kafka message is one Arrow sample batch (``stream/samples.py``); messages are decoded and
+turned into tensors without per-row Python (``learner/batch.py``), then joined into training
+batches of about ``batch_rows`` rows. A message is never split: every yielded batch lists the
+``(partition, offset, rows)`` of the messages it holds, which is what checkpoints record.
+
+Partitions and start offsets are explicit (the checkpoint's), not a consumer group's: the learner
+seeks to exactly where its model state stopped. With DataLoader workers, worker ``w`` of ``n`` reads
+the partitions ``p`` with ``p % n == w``. A malformed message goes to ``samples.dlq`` and its offset
+still counts as consumed, so it is never retried in a loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from torch.utils.data import IterableDataset, get_worker_info
+
+from learner.batch import TensorBatch, concat, to_tensors
+from learner.features import FeatureConfig
+from stream.dlq import DeadLetters
+from stream.errors import BadMessage
+from stream.samples import SampleBatch
+from streamrec.settings import KafkaSettings
+
+
+class KafkaSampleDataset(IterableDataset):
+    def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
+                 exit_when_idle_s: float | None = None, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.kafka, self.cfg, self.start = kafka, cfg, dict(start)
+        self.batch_rows, self.exit_when_idle_s, self.pin = batch_rows, exit_when_idle_s, pin_memory
+
+    def _my_partitions(self) -> list[int]:
+        info = get_worker_info()
+        parts = sorted(self.start)
+        if info is None:
+            return parts
+        return [p for p in parts if p % info.num_workers == info.id]
+
+    def __iter__(self) -> Iterator[TensorBatch]:
+        parts = self._my_partitions()
+        if not parts:
+            return
+        topic = self.kafka.samples_topic
+        consumer = Consumer({
+            "bootstrap.servers": self.kafka.bootstrap_servers, "group.id": f"{self.kafka.client_id}-samples-reader",
+            "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest",
+            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
+        })
+        dlq = DeadLetters(self.kafka)
+        consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
+        pending: list[TensorBatch] = []
+        rows = 0
+        last_data = time.monotonic()
+        try:
+            while True:
+                msgs = consumer.consume(256, 0.2)
+                for m in msgs:
+                    err = m.error()
+                    if err is not None:
+                        if err.code() != KafkaError._PARTITION_EOF and err.fatal():
+                            raise KafkaException(err)
+                        continue
+                    last_data = time.monotonic()
+                    try:
+                        sb = SampleBatch.decode(m.value())
+                        tb = to_tensors(sb, self.cfg, [(m.partition(), m.offset(), len(sb))])
+                    except BadMessage as exc:
+                        dlq.send(topic, m.key(), m.value(), exc, m.partition(), m.offset())
+                        dlq.flush()
+                        tb = to_tensors_empty(self.cfg, (m.partition(), m.offset(), 0))
+                    pending.append(tb)
+                    rows += len(tb)
+                    if rows >= self.batch_rows:
+                        yield self._emit(pending)
+                        pending, rows = [], 0
+                if not msgs and pending:  # nothing more right now: train what we have
+                    yield self._emit(pending)
+                    pending, rows = [], 0
+                if (self.exit_when_idle_s is not None and not pending
+                        and time.monotonic() - last_data >= self.exit_when_idle_s):
+                    return
+        finally:
+            consumer.close()
+
+    def _emit(self, pending: list[TensorBatch]) -> TensorBatch:
+        tb = concat(pending, self.cfg.num_fields)
+        return tb.pin_memory() if self.pin else tb
+
+
+def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int]) -> TensorBatch:
+    """A zero-row batch that only carries the position of a skipped (dead-lettered) message."""
+    import numpy as np
+
+    return TensorBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                       torch.zeros((0, len(cfg.dense))), torch.zeros(0), np.zeros(0, object),
+                       np.zeros(0, np.int64), [pos])

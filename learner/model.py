@@ -1,0 +1,87 @@
+"""DeepFM (Guo et al., IJCAI 2017) assembled from small parts, torchrec-style.
+
+    SparseArch     one fused ``nn.EmbeddingBag`` (sparse=True, mean pooling) for every field; each
+                   row holds ``D`` embedding values plus 1 first-order weight, so one gather serves
+                   both the linear and the interaction terms
+    FMInteraction  0.5 * ((sum_f v_f)^2 - sum_f v_f^2), summed over D
+    DenseArch      MLP over [field embeddings, dense features]
+    DeepFM         bias + first order + FM + MLP -> one logit per sample
+
+Shapes: B samples, F fields, D embedding dim, Dd dense features.
+The dense part (FM, MLP) may run under autocast (bf16 on CPU); lookups stay fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from learner.features import FeatureConfig
+
+
+class SparseArch(nn.Module):
+    def __init__(self, num_rows: int, dim: int, num_fields: int, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.num_fields, self.dim = num_fields, dim
+        self.bag = nn.EmbeddingBag(num_rows, dim + 1, mode="mean", sparse=True, include_last_offset=True)
+        with torch.no_grad():
+            self.bag.weight.normal_(0.0, 0.01, generator=generator)
+            self.bag.weight[:, dim].zero_()  # first-order weights start at 0
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.bag(values, offsets)  # (F * B, D + 1), field-major bags
+        b = pooled.shape[0] // self.num_fields
+        pooled = pooled.view(self.num_fields, b, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+        return pooled[..., : self.dim], pooled[..., self.dim]  # (B, F, D), (B, F)
+
+
+class FMInteraction(nn.Module):
+    def forward(self, emb: torch.Tensor) -> torch.Tensor:  # (B, F, D) -> (B,)
+        square_of_sum = emb.sum(dim=1).pow(2)  # (B, D)
+        sum_of_square = emb.pow(2).sum(dim=1)  # (B, D)
+        return 0.5 * (square_of_sum - sum_of_square).sum(dim=1)
+
+
+class DenseArch(nn.Module):
+    def __init__(self, in_features: int, hidden: tuple[int, ...], dropout: float) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for h in hidden:
+            layers += [nn.Linear(in_features, h), nn.ReLU()]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            in_features = h
+        layers.append(nn.Linear(in_features, 1))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in) -> (B,)
+        return self.mlp(x).squeeze(-1)
+
+
+class DeepFM(nn.Module):
+    def __init__(self, cfg: FeatureConfig, mlp: tuple[int, ...] = (400, 400, 400), dropout: float = 0.0,
+                 seed: int = 0, autocast_dtype: torch.dtype | None = torch.bfloat16) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.cfg = cfg
+        self.sparse = SparseArch(cfg.num_rows, cfg.embedding_dim, cfg.num_fields, generator=g)
+        self.fm = FMInteraction()
+        self.dense_arch = DenseArch(cfg.num_fields * cfg.embedding_dim + len(cfg.dense), mlp, dropout)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        emb, first = self.sparse(values, offsets)  # (B, F, D), (B, F)
+        device_type = emb.device.type
+        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
+            deep = self.dense_arch(x)  # (B,)
+            fm = self.fm(emb)  # (B,)
+        return self.bias + first.sum(dim=1) + fm.float() + deep.float()  # (B,) logits
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.named_parameters() if not n.startswith("sparse.")]
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return list(self.sparse.parameters())

@@ -1,0 +1,73 @@
+"""The training step: test-then-train with gradient accumulation and mixed precision. No I/O.
+
+One forward pass serves both halves of test-then-train: its outputs are the model's predictions
+*before* it learns from the batch (the update comes after), so they are recorded as progressive
+validation, then the same graph is back-propagated. Gradients accumulate over ``accumulation``
+micro-batches with the loss divided by that number, and both optimizers step and zero on the same
+cadence, so N accumulated micro-batches make the same update as one batch N times as large.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from learner.batch import TensorBatch
+from learner.progressive import ProgressiveMetrics
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, sparse_opt: torch.optim.Optimizer, dense_opt: torch.optim.Optimizer,
+                 accumulation: int = 1, device: torch.device | str = "cpu",
+                 metrics: ProgressiveMetrics | None = None) -> None:
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+        self.model, self.sparse_opt, self.dense_opt = model, sparse_opt, dense_opt
+        self.accumulation = accumulation
+        self.device = torch.device(device)
+        self.metrics = metrics or ProgressiveMetrics()
+        self._micro = 0
+        self.steps = 0
+        self.samples = 0
+        self.last_loss = float("nan")
+        # fp16 on CUDA needs loss scaling; bf16 (the CPU default) does not.
+        amp_dtype = getattr(model, "autocast_dtype", None)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.device.type == "cuda" and amp_dtype == torch.float16)
+
+    @torch.no_grad()
+    def predict(self, batch: TensorBatch) -> np.ndarray:
+        self.model.eval()
+        b = batch.to(self.device)
+        return torch.sigmoid(self.model(b.values, b.offsets, b.dense)).float().cpu().numpy()
+
+    def test_then_train(self, batch: TensorBatch) -> np.ndarray:
+        """Predict (recorded in ``metrics``), then learn. Returns the predictions, shape (B,)."""
+        self.model.train()
+        b = batch.to(self.device)
+        logits = self.model(b.values, b.offsets, b.dense)  # (B,)
+        probs = torch.sigmoid(logits.detach()).float().cpu().numpy()
+        self.metrics.update(probs, batch.labels.numpy())
+        loss = F.binary_cross_entropy_with_logits(logits.float(), b.labels)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()} at step {self.steps}")
+        self.last_loss = float(loss.item())
+        self.scaler.scale(loss / self.accumulation).backward()
+        self._micro += 1
+        self.samples += len(batch)
+        if self._micro == self.accumulation:
+            self.step()
+        return probs
+
+    def step(self) -> None:
+        """Apply accumulated gradients (also called at a checkpoint so no gradient is left pending)."""
+        if self._micro == 0:
+            return
+        self.scaler.step(self.dense_opt)
+        self.sparse_opt.step()  # sparse grads are not scaled: sparse training runs outside autocast
+        self.scaler.update()
+        self.sparse_opt.zero_grad(set_to_none=True)
+        self.dense_opt.zero_grad(set_to_none=True)
+        self._micro = 0
+        self.steps += 1
