@@ -31,6 +31,7 @@ demo: data
 	$(SR) replay --dataset ml-1m
 	$(SR) join --driver kafka --app-id demo-join-$$(date +%s) --exit-when-idle 5 --drain
 	$(SR) counts top --kind item --event click --days 30 --k 5
+	$(SR) train --checkpoint-dir .streamrec/demo-checkpoints/$$(date +%s) --exit-when-idle 5
 	@echo
 	@echo "The local stack keeps running (streamrec stack status); stop it with: make stack-down"
 
