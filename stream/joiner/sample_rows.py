@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 
 from stream.features import MISSING
 from stream.joiner.engine import Sample
 from stream.samples import SampleBatch
+
+T = TypeVar("T")
 
 
 def to_batch(rows: list[Sample]) -> SampleBatch:
@@ -54,16 +59,26 @@ def to_batch(rows: list[Sample]) -> SampleBatch:
 MAX_MESSAGE_BYTES = 900_000  # Kafka's default message.max.bytes is 1 MB
 
 
-def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[bytes]:
-    """Encoded sample messages of at most ``max_rows`` rows and (unless one row is bigger) ``max_bytes``."""
+def encode_bounded(items: list[T], encode: Callable[[list[T], bool], bytes], max_bytes: int,
+                   max_items: int | None = None) -> list[bytes]:
+    """``items`` encoded as consecutive parts of at most ``max_items`` items and (unless one item alone is
+    bigger) ``max_bytes`` bytes: an oversized part is halved and encoded again. ``encode(part, first)``."""
+    step = max_items or max(len(items), 1)
+    todo = [items[i:i + step] for i in range(0, len(items), step)][::-1] or [items]
     out: list[bytes] = []
-    stack = [rows[i:i + max_rows] for i in range(0, len(rows), max_rows)][::-1]
-    while stack:
-        part = stack.pop()
-        value = to_batch(part).encode()
+    while todo:
+        part = todo.pop()
+        value = encode(part, not out)
         if len(value) > max_bytes and len(part) > 1:
             half = len(part) // 2
-            stack.extend([part[half:], part[:half]])
+            todo.extend([part[half:], part[:half]])
         else:
             out.append(value)
     return out
+
+
+def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[bytes]:
+    """Encoded sample messages of at most ``max_rows`` rows and (unless one row is bigger) ``max_bytes``."""
+    if not rows:
+        return []
+    return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows)

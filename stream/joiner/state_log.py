@@ -23,7 +23,7 @@ import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from stream.joiner.engine import Pending, Sample, StateChunk
-from stream.joiner.sample_rows import to_batch
+from stream.joiner.sample_rows import encode_bounded, to_batch
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 from streamrec.settings import KafkaSettings
 
@@ -57,17 +57,7 @@ def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
 
 def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
     """The chunk as one or more records (parts), each at most ``max_bytes`` unless one impression is bigger."""
-    out: list[bytes] = []
-    todo = [c.added]  # a stack of slices still to encode, first slice on top
-    while todo:
-        added = todo.pop()
-        value = _encode(c, added, head=not out)
-        if len(value) > max_bytes and len(added) > 1:
-            half = len(added) // 2
-            todo.extend([added[half:], added[:half]])
-        else:
-            out.append(value)
-    return out
+    return encode_bounded(c.added, lambda added, first: _encode(c, added, head=first), max_bytes)
 
 
 def _decode_added(body: bytes, seq: int) -> list[Pending]:
