@@ -184,3 +184,26 @@ def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSe
     status = subprocess.run([*train_cmd(ckpt)[:6], "--status", "--json"], env=env, capture_output=True, text=True)
     assert json.loads(status.stdout)["samples_trained"] == total
     assert kills == 3
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path) -> None:
+    ensure_topics(kafka, [kafka.samples_topic])
+    produced = produce_samples(kafka, 16, 100, 0.0)
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_BUCKETS="5000",
+               STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="32",
+               STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600", STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}")
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(train_cmd(ckpt), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    while "training on" not in proc.stderr.readline():  # started (the daemon runs forever without a bound)
+        assert proc.poll() is None, "the learner died at start"
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    status = json.loads(out.strip().splitlines()[-1])
+    assert status["reason"] == "signal"
+    meta = json.loads(subprocess.run([*train_cmd(ckpt)[:6], "--status", "--json"], env=env, capture_output=True,
+                                     text=True).stdout)
+    assert meta["samples_trained"] == status["samples_trained"] <= sum(produced.values())
