@@ -1,0 +1,208 @@
+"""``learner/evaluate.py``: the AutoInt split and labels, history as of time, and small end-to-end runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from learner.evaluate import (
+    EvalConfig,
+    Ratings,
+    autoint_labels,
+    build_samples,
+    evaluate,
+    feature_config,
+    history_as_of,
+    online_labels,
+    request_time,
+    resolve_config,
+    split_811,
+)
+from stream.errors import DatasetMissing
+from stream.features import hash_value
+from stream.replay.movielens import DATASETS
+
+# Small, fast model settings for the end-to-end runs (the defaults are tuned for the full data set).
+SMALL = {"mlp": (64, 64), "id_buckets": 20_000, "zip_buckets": 20_000, "ctx_buckets": 2_000, "batch_size": 1024}
+
+
+def _ml1m_installed() -> bool:
+    try:
+        DATASETS["ml-1m"].locate()
+    except DatasetMissing:
+        return False
+    return True
+
+
+needs_ml1m = pytest.mark.skipif(not _ml1m_installed(), reason="ml-1m not installed (streamrec data install ml-1m)")
+
+
+# -- split and labels -----------------------------------------------------------------------
+def test_split_is_8_1_1_and_a_partition() -> None:
+    tr, va, te = split_811(739_012, seed=42)
+    assert (len(tr), len(va), len(te)) == (591_209, 73_901, 73_902)
+    every = np.concatenate([tr, va, te])
+    assert np.array_equal(np.sort(every), np.arange(739_012))
+    for n in (0, 1, 9, 10, 11, 1001):
+        a, b, c = split_811(n, seed=0)
+        assert (len(a), len(b), len(c)) == (n * 8 // 10, n // 10, n - n * 8 // 10 - n // 10)
+
+
+def test_split_is_deterministic_by_seed() -> None:
+    a = split_811(10_000, seed=7)
+    b = split_811(10_000, seed=7)
+    c = split_811(10_000, seed=8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not np.array_equal(a[2], c[2])
+
+
+def test_split_ignores_the_global_numpy_seed() -> None:
+    np.random.seed(1)
+    a = split_811(1000, seed=3)
+    np.random.seed(2)
+    b = split_811(1000, seed=3)
+    assert np.array_equal(a[0], b[0])
+
+
+def test_autoint_labels_drop_3() -> None:
+    keep, label = autoint_labels(np.array([1.0, 2.0, 3.0, 4.0, 5.0, 3.0]))
+    assert keep.tolist() == [True, True, False, True, True, False]
+    assert label[keep].tolist() == [0, 0, 1, 1]
+
+
+def test_online_labels_click_at_4() -> None:
+    assert online_labels(np.array([1, 2, 3, 4, 5])).tolist() == [0, 0, 0, 1, 1]
+
+
+# -- history as of time ---------------------------------------------------------------------
+# user, item, ts, rating; deliberately not in time order
+FRAME = [
+    ("a", "i5", 40, 4),
+    ("a", "i1", 10, 5),
+    ("b", "i9", 15, 5),
+    ("a", "i3", 20, 5),  # same second as i2: neither sees the other
+    ("a", "i2", 20, 4),
+    ("a", "i4", 30, 2),  # a negative: never in a history
+    ("b", "i1", 50, 3),
+    ("a", "i6", 40, 1),
+    ("a", "i7", 60, 5),
+]
+
+
+def _histories(max_len: int = 50, rows: np.ndarray | None = None) -> list[list[str]]:
+    user = np.array([r[0] for r in FRAME])
+    item = np.array([r[1] for r in FRAME])
+    ts = np.array([r[2] for r in FRAME])
+    pos = np.array([r[3] for r in FRAME]) >= 4
+    flat, offsets = history_as_of(user, item, ts, pos, max_len=max_len, rows=rows)
+    return [flat[offsets[k]:offsets[k + 1]].tolist() for k in range(len(offsets) - 1)]
+
+
+def test_history_is_strictly_before_and_never_includes_the_rating_itself() -> None:
+    assert _histories() == [
+        ["i1", "i3", "i2"],  # a@40: the positives at 10 and 20, not the negative at 30, not i6 at 40
+        [],  # a@10: nothing earlier
+        [],  # b@15: a's items never leak into b
+        ["i1"],  # a@20: not itself, not i2 of the same second
+        ["i1"],
+        ["i1", "i3", "i2"],  # a@30
+        ["i9"],  # b@50
+        ["i1", "i3", "i2"],  # a@40 (negative i6): not i5 of the same second
+        ["i1", "i3", "i2", "i5"],  # a@60: i5 at 40 now counts, newest last
+    ]
+
+
+def test_history_keeps_the_newest_max_len_and_selects_rows() -> None:
+    assert _histories(max_len=2)[8] == ["i2", "i5"]
+    assert _histories(max_len=2, rows=np.array([8, 1, 0])) == [["i2", "i5"], [], ["i3", "i2"]]
+
+
+def test_history_matches_brute_force_on_random_frames() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(1, 300))
+        user = rng.integers(0, 5, n)
+        item = rng.integers(0, 1000, n)
+        ts = rng.integers(0, 40, n)
+        pos = rng.random(n) < 0.6
+        flat, offsets = history_as_of(user, item, ts, pos, max_len=7)
+        for k in range(n):
+            earlier = [j for j in np.lexsort((np.arange(n), ts)) if user[j] == user[k] and ts[j] < ts[k] and pos[j]]
+            assert flat[offsets[k]:offsets[k + 1]].tolist() == item[earlier][-7:].tolist()
+
+
+def _frame_ratings() -> Ratings:
+    users = np.array([r[0] for r in FRAME], object)
+    items = np.array([r[1] for r in FRAME], object)
+    ts_ms = np.array([r[2] for r in FRAME]) * 1000
+    rating = np.array([r[3] for r in FRAME], float)
+    user_attrs = {"a": {"gender": "F", "age": 25, "zip": "48067"}, "b": {"gender": "M", "age": 1}}
+    item_attrs = {f"i{k}": {"year": 1990 + k, "genres": ["Drama"] if k % 2 else ["Comedy", "Crime"]}
+                  for k in range(1, 10)}
+    return Ratings.from_raw(users, items, rating, ts_ms, user_attrs, item_attrs, dataset="toy")
+
+
+def test_sample_batch_carries_hashed_features_as_the_joiner_does() -> None:
+    r = _frame_ratings()
+    assert r.ts_ms.tolist() == sorted(r.ts_ms.tolist())  # event-time order
+    keep, label = autoint_labels(r.rating)
+    rows = np.flatnonzero(keep)
+    cfg = EvalConfig()
+    sb = build_samples(r, rows, label[rows], "default", cfg)
+    assert len(sb) == len(rows) == 8
+    user_ids, item_ids = sb.column("user_id"), sb.column("item_id")
+    values, offsets = sb.lists("history")
+    first_a = [k for k in range(len(sb)) if user_ids[k] == hash_value("a")]
+    # every history item is a hashed item id the same user rated >= 4 strictly earlier
+    for k in range(len(sb)):
+        hist = set(values[offsets[k]:offsets[k + 1]].tolist())
+        assert item_ids[k] not in hist
+        earlier = {item_ids[j] for j in range(len(sb)) if user_ids[j] == user_ids[k]
+                   and sb.column("ts")[j] < sb.column("ts")[k] and sb.column("label")[j] == 1}
+        assert hist <= earlier
+    last_a = first_a[-1]  # a@60: i1, i3, i2, i5
+    assert values[offsets[last_a]:offsets[last_a + 1]].tolist() == [hash_value(x) for x in ("i1", "i3", "i2", "i5")]
+    gender = sb.column("ctx.gender")
+    assert {gender[k] for k in first_a} == {hash_value("F")}
+    zips = sb.column("ctx.zip")
+    assert {zips[k] for k in range(len(sb)) if k not in first_a} == {0}  # b has no zip: MISSING
+    g_values, g_offsets = sb.lists("ctx.genres")
+    assert g_values[g_offsets[0]:g_offsets[1]].tolist() in ([hash_value("Drama")],
+                                                           [hash_value("Comedy"), hash_value("Crime")])
+    hours = request_time(sb.column("ts"), cfg.request_time)
+    assert sb.column("ctx.request_time").tolist() == [hash_value(int(h)) for h in hours]
+    assert sb.impression_ids[0].startswith("toy-")
+    paper = build_samples(r, rows, label[rows], "paper", cfg)
+    assert len(paper.lists("history")[0]) == 0
+    names = [f.name for f in feature_config("paper", cfg).fields]
+    assert names == ["ctx.gender", "ctx.age", "ctx.occupation", "ctx.zip", "ctx.request_time", "ctx.year", "ctx.genres"]
+    assert [f.name for f in feature_config("default", cfg).fields][:3] == ["user_id", "item_id", "history"]
+
+
+def test_config_overrides_are_checked() -> None:
+    cfg = resolve_config("autoint", "paper", {"embedding_dim": 8, "mlp": [32]}, epochs=2)
+    assert (cfg.embedding_dim, cfg.mlp, cfg.epochs) == (8, (32,), 2)
+    with pytest.raises(ValueError, match="unknown evaluation settings"):
+        resolve_config("autoint", "paper", {"embeding_dim": 8})
+    with pytest.raises(ValueError, match="protocol"):
+        evaluate("ml-1m", "kfold", "paper")
+
+
+# -- end to end on a subsample ----------------------------------------------------------------
+@needs_ml1m
+def test_autoint_protocol_learns_on_a_subsample() -> None:
+    d = evaluate("ml-1m", "autoint", "default", seed=0, epochs=2, limit=50_000, config=SMALL)
+    assert d["n_train"] + d["n_valid"] + d["n_test"] < 50_000
+    assert d["n_train"] == (d["n_train"] + d["n_valid"] + d["n_test"]) * 8 // 10
+    assert d["auc"] > 0.6 and d["logloss"] < 0.69
+    assert d["fields"][:3] == ["user_id", "item_id", "history"] and d["config"]["epochs"] == 2
+    again = evaluate("ml-1m", "autoint", "default", seed=0, epochs=1, limit=5_000, config=SMALL)
+    assert again["n_test"] == evaluate("ml-1m", "autoint", "paper", seed=0, epochs=1, limit=5_000,
+                                       config=SMALL)["n_test"]
+
+
+@needs_ml1m
+def test_online_protocol_learns_on_a_subsample() -> None:
+    d = evaluate("ml-1m", "online", "default", seed=0, limit=50_000, config=SMALL)
+    assert d["n_samples"] == 50_000 and d["n_last"] == 10_000
+    assert d["auc"] > 0.6 and d["last_auc"] > 0.6
