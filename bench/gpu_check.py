@@ -1,0 +1,295 @@
+"""The learner on a CUDA GPU: fp16 autocast + GradScaler, bf16, pinned host->device copies, torch.export.
+
+A prepared check for a machine with a CUDA GPU; the project's CI machines have none, and there the script
+says so and exits 0 without checking anything. A few minutes on one GPU (most of it building the data
+on the CPU). Prints one JSON line; exits 1 if a check failed.
+
+Workload: the one of bench/learner.py (26 fields x 384,615 rows = 10 M rows, dim 16 + first order, batch
+4096, Zipf(1.05) ids, labels from a hidden logistic model of two fields, so the loss can go down).
+
+  fp16          DeepFM(autocast_dtype=float16) on cuda; learner.trainer.Trainer builds a GradScaler for it.
+                Every loss finite, mean loss of the last 20 steps below the first 20, embedding table finite;
+                examples/s (median step after warm-up; each step syncs when it copies predictions to the host)
+  fp16_overflow one step with the loss scale forced to 2**40, the overflow GradScaler exists to absorb: the
+                step must be skipped (scale halves) and the embedding table must stay finite, then training
+                goes on with finite losses. (On CPU with GradScaler("cpu") the Trainer as of 2026-11-29 fails
+                this: the sparse gradients are scaled too and RowWiseAdagrad applies them, inf included.)
+  sparse_grad   (information) |sparse grad| with the loss scaled vs not: ~scale if the sparse grads are scaled
+  bf16          the same as fp16 with bfloat16 autocast (no scaler)
+  h2d           TensorBatch.pin_memory().to("cuda", non_blocking=True) vs pageable .to("cuda"): ms per batch and
+                GB/s, plus one 256 MiB tensor each way for the link's bandwidth
+  export        torch.export.export of the trained fp16 model (eval) on cuda with a dynamic batch size,
+                torch.export.save/load round trip, outputs of the loaded program vs the model (batch 4096 and 1000)
+
+    python bench/gpu_check.py                       # on a GPU machine
+    python bench/gpu_check.py --steps 300 --total-rows 10000000
+    python bench/gpu_check.py --dry-run-cpu         # only to develop this script: small, on CPU, bf16 + export
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from learner.batch import TensorBatch, to_tensors  # noqa: E402
+from learner.model import DeepFM  # noqa: E402
+from learner.optim import make_optimizers  # noqa: E402
+from learner.trainer import Trainer  # noqa: E402
+
+
+def _bench_learner():
+    """bench/learner.py by path (its module name would shadow the learner package)."""
+    spec = importlib.util.spec_from_file_location("bench_learner", Path(__file__).with_name("learner.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_batches(args) -> tuple[Any, list[TensorBatch]]:
+    bl = _bench_learner()
+    rows = args.total_rows // args.fields
+    ids, labels = bl.make_workload(args.seed, args.batches * args.batch, args.fields, rows, args.zipf)
+    cfg = bl.feature_config(args.fields, rows, args.dim)
+    b = args.batch
+    tbs = [to_tensors(bl.sample_batch(ids[i * b:(i + 1) * b], labels[i * b:(i + 1) * b], i * b), cfg)
+           for i in range(args.batches)]
+    return cfg, tbs
+
+
+def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype, steps: int, warmup: int,
+          cpu_scaler: bool = False) -> tuple[Trainer, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = DeepFM(cfg, mlp=(400, 400, 400), seed=0, autocast_dtype=dtype).to(device)
+    sparse_opt, dense_opt = make_optimizers(model, lr_sparse=0.05, lr_dense=1e-3)
+    trainer = Trainer(model, sparse_opt, dense_opt, device=device)
+    if cpu_scaler:  # dry run only: what Trainer builds on cuda for fp16
+        trainer.scaler = torch.amp.GradScaler("cpu")
+    losses, times, scales = [], [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        trainer.test_then_train(tbs[i % len(tbs)])  # copies predictions to the host: a sync per step
+        times.append(time.perf_counter() - t0)
+        losses.append(trainer.last_loss)
+        scales.append(trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None)
+    k = min(20, len(losses) // 2)
+    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    table_finite = bool(torch.isfinite(model.sparse.bag.weight).all())
+    res = {"dtype": str(dtype).removeprefix("torch."), "scaler": trainer.scaler.is_enabled(),
+           "ex_per_s": round(len(tbs[0]) / statistics.median(times[warmup:])),
+           "step_ms_median": round(statistics.median(times[warmup:]) * 1e3, 3),
+           "loss_first": round(first, 4), "loss_last": round(last, 4),
+           "all_losses_finite": bool(np.isfinite(losses).all()), "table_finite": table_finite,
+           "final_scale": scales[-1], "scale_decreases": sum(1 for a, b in zip(scales, scales[1:], strict=False)
+                                                              if a is not None and b is not None and b < a)}
+    res["ok"] = res["all_losses_finite"] and table_finite and last < first
+    return trainer, res
+
+
+def sparse_grad_scale(trainer: Trainer, tb: TensorBatch) -> dict[str, Any]:
+    m, dev = trainer.model, trainer.device
+    b = tb.to(dev)
+    out = {}
+    for name, scaled in (("scaled", True), ("unscaled", False)):
+        m.zero_grad(set_to_none=True)
+        loss = F.binary_cross_entropy_with_logits(m(b.values, b.offsets, b.dense).float(), b.labels)
+        (trainer.scaler.scale(loss) if scaled else loss).backward()
+        out[name] = float(m.sparse.bag.weight.grad.coalesce().values().abs().max())
+    m.zero_grad(set_to_none=True)
+    out["ratio"] = out["scaled"] / out["unscaled"]
+    out["loss_scale"] = trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None
+    return out
+
+
+def overflow_step(trainer: Trainer, tbs: list[TensorBatch]) -> dict[str, Any]:
+    """Force one overflowing loss scale; GradScaler must skip the step and nothing may turn non-finite."""
+    scaler = trainer.scaler
+    scaler.update(new_scale=2.0 ** 40)
+    res: dict[str, Any] = {"forced_scale": 2.0 ** 40}
+    try:
+        trainer.test_then_train(tbs[0])
+        res["scale_after"] = scaler.get_scale()
+        res["table_finite_after_overflow"] = bool(torch.isfinite(trainer.model.sparse.bag.weight).all())
+        for tb in tbs[1:6]:
+            trainer.test_then_train(tb)
+        res["losses_after"] = trainer.last_loss
+        res["ok"] = res["table_finite_after_overflow"] and res["scale_after"] < 2.0 ** 40
+    except (FloatingPointError, ValueError) as exc:  # NaN predictions reach the metrics, or a NaN loss
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["table_finite"] = bool(torch.isfinite(trainer.model.sparse.bag.weight).all())
+        res["ok"] = False
+    return res
+
+
+def h2d(tbs: list[TensorBatch], device: str, n: int = 30) -> dict[str, Any]:
+    batches = [TensorBatch(t.values.clone(), t.offsets.clone(), t.dense.clone(), t.labels.clone(), t.impression_ids,
+                           t.ts) for t in tbs[:n]]
+    nbytes = sum(x.nbytes for x in (batches[0].values, batches[0].offsets, batches[0].dense, batches[0].labels))
+    sync = torch.cuda.synchronize
+
+    def per_batch(bs: list[TensorBatch], non_blocking: bool) -> float:
+        ts = []
+        for x in bs:
+            t0 = time.perf_counter()
+            x.to(device, non_blocking=non_blocking)
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[3:])
+
+    pageable = per_batch(batches, False)
+    t0 = time.perf_counter()
+    pinned_bs = [TensorBatch(x.values, x.offsets, x.dense, x.labels, x.impression_ids, x.ts).pin_memory()
+                 for x in batches]
+    pin_ms = (time.perf_counter() - t0) / len(batches) * 1e3
+    pinned = per_batch(pinned_bs, True)
+    # All batches queued without a sync in between: what the non_blocking copies buy when they overlap.
+    t0 = time.perf_counter()
+    for x in pinned_bs:
+        x.to(device, non_blocking=True)
+    sync()
+    pinned_queued = (time.perf_counter() - t0) / len(pinned_bs)
+    big = torch.empty(256 * 2**20 // 4, dtype=torch.float32)
+    big_pinned = big.pin_memory()
+    bw = {}
+    for name, src, nb in (("pageable", big, False), ("pinned", big_pinned, True)):
+        src.to(device, non_blocking=nb)
+        sync()
+        t0 = time.perf_counter()
+        src.to(device, non_blocking=nb)
+        sync()
+        bw[name] = round(big.nbytes / (time.perf_counter() - t0) / 1e9, 2)
+    return {"batch_bytes": nbytes, "pageable_ms": round(pageable * 1e3, 3), "pinned_ms": round(pinned * 1e3, 3),
+            "pinned_queued_ms": round(pinned_queued * 1e3, 3), "pin_memory_ms": round(pin_ms, 3),
+            "pageable_gb_s": round(nbytes / pageable / 1e9, 2), "pinned_gb_s": round(nbytes / pinned / 1e9, 2),
+            "big_256mib_gb_s": bw, "ok": True}
+
+
+def export_check(trainer: Trainer, tbs: list[TensorBatch], num_fields: int) -> dict[str, Any]:
+    model, dev = trainer.model, trainer.device
+    model.eval()
+    b = tbs[0].to(dev)
+    args = (b.values, b.offsets, b.dense)
+    res: dict[str, Any] = {}
+    batch = torch.export.Dim("batch", min=2, max=1 << 16)
+    nnz = torch.export.Dim("nnz", min=2, max=1 << 24)
+    dynamic = {"values": {0: nnz}, "offsets": {0: num_fields * batch + 1}, "dense": {0: batch}}
+    t0 = time.perf_counter()
+    try:
+        ep = torch.export.export(model, args, dynamic_shapes=dynamic)
+        res["dynamic_batch"] = True
+    except Exception as exc:  # noqa: BLE001 - report, then try a static export
+        res["dynamic_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        res["dynamic_batch"] = False
+        ep = torch.export.export(model, args)
+    res["export_s"] = round(time.perf_counter() - t0, 2)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "deepfm.pt2"
+        torch.export.save(ep, str(path))
+        res["file_mib"] = round(path.stat().st_size / 2**20, 1)
+        loaded = torch.export.load(str(path)).module()
+    diffs = {}
+    cases = [tbs[1]]
+    if res["dynamic_batch"]:
+        cases.append(tbs[2].select(np.arange(len(tbs[2])) < 1000))  # another batch size
+    with torch.no_grad():
+        for tb in cases:
+            x = tb.to(dev)
+            ref = model(x.values, x.offsets, x.dense).float()
+            got = loaded(x.values, x.offsets, x.dense).float()
+            diffs[str(len(tb))] = float((ref - got).abs().max())
+    res["max_abs_diff"] = diffs
+    res["ok"] = all(v <= 1e-3 for v in diffs.values())
+    model.train()
+    return res
+
+
+def run_check(name: str, fn, results: dict[str, Any]) -> Any:
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
+        results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
+        print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
+        return None
+    res = out[1] if isinstance(out, tuple) else out
+    res["s"] = round(time.perf_counter() - t0, 1)
+    results[name] = res
+    print(f"[{name}] {'ok' if res.get('ok', True) else 'FAILED'}: {json.dumps(res)[:400]}", file=sys.stderr,
+          flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fields", type=int, default=26)
+    ap.add_argument("--total-rows", type=int, default=10_000_000)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--zipf", type=float, default=1.05)
+    ap.add_argument("--batches", type=int, default=100, help="distinct batches (cycled)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--dry-run-cpu", action="store_true", help="develop this script without a GPU (small, CPU)")
+    args = ap.parse_args()
+
+    if args.dry_run_cpu:
+        device = "cpu"
+        args.total_rows, args.batch, args.batches, args.steps, args.warmup = 260_000, 1024, 12, 30, 3
+        torch.set_num_threads(2)
+    elif not torch.cuda.is_available():
+        msg = (f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}): "
+               "bench/gpu_check.py only runs on a machine with a GPU; nothing was checked")
+        print(msg, file=sys.stderr)
+        print(json.dumps({"bench": "gpu_check", "skipped": True, "reason": msg}))
+        return 0
+    else:
+        device = "cuda"
+    summary: dict[str, Any] = {"bench": "gpu_check", "device": device, "torch": torch.__version__,
+                               "cuda": torch.version.cuda,
+                               "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
+    t0 = time.perf_counter()
+    cfg, tbs = build_batches(args)
+    summary["data_s"] = round(time.perf_counter() - t0, 1)
+    summary["workload"] = {"fields": args.fields, "rows": cfg.num_rows, "dim": args.dim, "batch": args.batch,
+                           "steps": args.steps, "distinct_batches": args.batches}
+    checks: dict[str, Any] = {}
+    fp16 = run_check("fp16", lambda: train(cfg, tbs, device, torch.float16, args.steps, args.warmup,
+                                           cpu_scaler=args.dry_run_cpu), checks)
+    if fp16 is not None:
+        fp16_trainer: Trainer = fp16[0]
+        run_check("sparse_grad", lambda: sparse_grad_scale(fp16_trainer, tbs[0]), checks)
+        if device == "cuda":
+            run_check("export", lambda: export_check(fp16_trainer, tbs, cfg.num_fields), checks)
+        run_check("fp16_overflow", lambda: overflow_step(fp16_trainer, tbs), checks)
+    fp16 = None  # free the fp16 model before the bf16 one
+    bf16 = run_check("bf16", lambda: train(cfg, tbs, device, torch.bfloat16, args.steps, args.warmup), checks)
+    if bf16 is not None and device == "cpu":  # dry run: export on CPU (bf16 model)
+        bf16_trainer: Trainer = bf16[0]
+        run_check("export", lambda: export_check(bf16_trainer, tbs, cfg.num_fields), checks)
+    bf16 = None
+    if device == "cuda":
+        run_check("h2d", lambda: h2d(tbs, device), checks)
+    summary["checks"] = {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in checks.items()}
+    summary["failed"] = sorted(k for k, v in checks.items() if not v.get("ok", True))
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(summary))
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
