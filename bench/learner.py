@@ -81,6 +81,7 @@ LABELS = {
     "floor": "floor: bf16 dense + gather/scatter",
     "streamrec-unique": "PROTOTYPE streamrec, unique-row lookup",
 }
+QUIET = 0.15  # other processes' cores busy during a round above which the round is not used (when others are)
 MAX_MESSAGE_BYTES = 900_000  # what the joiner keeps samples messages under (stream/joiner/sample_rows.py)
 LR_SPARSE, LR_DENSE, EPS = 0.05, 1e-3, 1e-8
 MLP = (400, 400, 400)
@@ -222,7 +223,20 @@ def fused_adam(params):
 
 
 # -- variants (each runs in its own process) ------------------------------------------------------------
+def mallopt_like_env() -> bool:
+    """The allocator settings applied at run time with mallopt(3), for a process that cannot be re-executed
+    (what ``streamrec train`` would need: setting MALLOC_* in os.environ after start changes nothing)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return all(libc.mallopt(k, int(ALLOC_ENV[name])) == 1 for k, name in (
+        (m_trim_threshold, "MALLOC_TRIM_THRESHOLD_"), (m_top_pad, "MALLOC_TOP_PAD_"),
+        (m_mmap_threshold, "MALLOC_MMAP_THRESHOLD_")))
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    mallopt = mallopt_like_env() if os.environ.get("BENCH_MALLOPT") == "1" else None
     import torch
 
     torch.set_num_threads(args.threads)
@@ -241,7 +255,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if v != "naive":
         assert warmup + steps <= n_batches, "every batch is used once: --batches must cover warmup + steps"
     out: dict[str, Any] = {"variant": v, "threads": torch.get_num_threads(),
-                           "alloc_env": all(os.environ.get(k) == val for k, val in ALLOC_ENV.items())}
+                           "alloc_env": all(os.environ.get(k) == val for k, val in ALLOC_ENV.items()),
+                           "mallopt": mallopt}
     if v in ("streamrec", "kafka-w0", "kafka-w1", "streamrec-unique"):
         out.update(run_streamrec(args, cfg, tbs, sbs, warmup, steps))
     elif v == "floor":
@@ -368,12 +383,14 @@ def run_kafka(args, cfg, trainer, warmup: int, steps: int) -> dict[str, Any]:
         sizes.append(len(tb))
         if i + 1 == warmup + steps:
             break
-    window = time.perf_counter() - t_start
+    window = t_prev - t_start  # the iterator is released at the break: its shutdown is not a training step
+    t_shut = time.perf_counter()
     del loader
     if len(times) < warmup + steps:
         raise SystemExit(f"only {len(times)} batches came from Kafka, expected {warmup + steps}")
     res = summarize(times[warmup:], window, losses, steps)
     res["batch_rows_seen"] = sorted(set(sizes))
+    res["loader_shutdown_s"] = round(time.perf_counter() - t_shut, 2)
     res["steps_ms"] = [round(t * 1e3, 1) for t in times]
     if workers:
         res["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -418,8 +435,9 @@ def run_floor(tbs, fields: int, rows: int, dim: int, warmup: int, steps: int) ->
         opt.zero_grad(set_to_none=True)
         t.append(time.perf_counter())
         g = torch.zeros_like(block).index_put_((inv,), x.grad.view(-1, dim + 1), accumulate=True)
+        g.mul_(-LR_SPARSE)  # index_add_'s alpha= takes a slower path on CPU (~3x)
         t.append(time.perf_counter())
-        table.index_add_(0, uniq, g, alpha=-LR_SPARSE)
+        table.index_add_(0, uniq, g)
         t.append(time.perf_counter())
         for k, a, z in zip(names, t, t[1:], strict=False):
             phase[k].append(z - a)
@@ -681,6 +699,7 @@ def run_child(args, variant: str, data: Path, profile: bool) -> dict[str, Any]:
            "--bootstrap-servers", args.bootstrap_servers or "", "--topic", args.topic or ""]
     cmd.append("--profile" if profile else "--no-profile")
     env = dict(os.environ)
+    env.update(kv.split("=", 1) for kv in args.env)
     if args.glibc_default:
         for k in ALLOC_ENV:
             env.pop(k, None)
@@ -718,7 +737,7 @@ def fmt_mb(x: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--rounds", type=int, default=2, help="run the variants this many times, alternating order")
+    ap.add_argument("--rounds", type=int, default=3, help="run the variants this many times, alternating order")
     ap.add_argument("--fields", type=int, default=26)
     ap.add_argument("--total-rows", type=int, default=10_000_000)
     ap.add_argument("--dim", type=int, default=16)
@@ -734,6 +753,8 @@ def main() -> None:
                     help="profile streamrec's step (first round)")
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--glibc-default", action="store_true", help="run the variants WITHOUT the allocator settings")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set in every variant's environment (e.g. THP_MEM_ALLOC_ENABLE=1); repeatable")
     ap.add_argument("--bootstrap-servers", help="use a running broker instead of starting one")
     ap.add_argument("--child-timeout", type=int, default=400)
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
@@ -789,15 +810,18 @@ def main() -> None:
     best: dict[str, dict[str, Any] | None] = {}
     for v, runs in results.items():
         ok = [x for x in runs if "error" not in x]
-        best[v] = max(ok, key=lambda x: x["ex_per_s"]) if ok else None
+        clean = [x for x in ok if x.get("other_cores_busy", 0.0) <= QUIET] or ok  # rounds without a co-tenant
+        best[v] = max(clean, key=lambda x: x["ex_per_s"]) if clean else None
 
     print(f"DeepFM, {args.fields} fields x {rows:,} rows = {rows * args.fields:,} rows, dim {args.dim} (+1 first "
           f"order), batch {args.batch}, Zipf({args.zipf}), MLP {'-'.join(map(str, MLP))}, bf16 dense, "
-          f"{args.threads} threads, allocator env {'OFF' if args.glibc_default else 'on'}")
+          f"{args.threads} threads, allocator env {'OFF' if args.glibc_default else 'on'}"
+          + (f", env {' '.join(args.env)}" if args.env else ""))
     print(f"unique rows per field in one batch: min {min(uniq)}, max {max(uniq)} of {args.batch}; "
           f"{args.steps} timed steps after {args.warmup} warm-up ({args.naive_steps} after {args.naive_warmup} for "
           f"naive); load average {', '.join(f'{x:.1f}' for x in load)}")
-    print("ex/s per round, with [the cores other processes kept busy meanwhile]; best = the round used below")
+    print(f"ex/s per round, with [the cores other processes kept busy meanwhile]; best = the fastest round with "
+          f"[<= {QUIET}] (any round if none)")
     hdr = (f"{'variant':<36}{'ex/s (each round)':>30}{'best':>9}{'window':>9}{'ms/step':>9}{'peak RSS MB':>13}"
            f"{'opt/param':>10}{'loss first>last':>17}")
     print(hdr)
@@ -859,7 +883,7 @@ def main() -> None:
         print(f"floor phases (median ms): {', '.join(f'{k} {v:.2f}' for k, v in fl['phase_ms'].items())}")
     summary = {"bench": "learner", "fields": args.fields, "rows": rows * args.fields, "dim": args.dim,
                "batch": args.batch, "zipf": args.zipf, "threads": args.threads,
-               "allocator_env": not args.glibc_default, "topic": topic_info, "load_avg": load,
+               "allocator_env": not args.glibc_default, "env": args.env, "topic": topic_info, "load_avg": load,
                "wall_s": round(time.monotonic() - t0, 1),
                "variants": {v: {k: (round(x, 4) if isinstance(x, float) else x) for k, x in (b_ or {}).items()
                                 if k != "profile"} for v, b_ in best.items()},

@@ -56,7 +56,7 @@ class KafkaSampleDataset(IterableDataset):
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
         pending: list[TensorBatch] = []
         rows = 0
-        last_data = time.monotonic()
+        last_data = last_yield = time.monotonic()
         try:
             while True:
                 msgs = consumer.consume(256, 0.2)
@@ -79,9 +79,16 @@ class KafkaSampleDataset(IterableDataset):
                     if rows >= self.batch_rows:
                         yield self._emit(pending)
                         pending, rows = [], 0
+                        last_yield = time.monotonic()
                 if not msgs and pending:  # nothing more right now: train what we have
                     yield self._emit(pending)
                     pending, rows = [], 0
+                    last_yield = time.monotonic()
+                elif not msgs and time.monotonic() - last_yield >= 1.0:
+                    # A heartbeat (no rows, no positions) while idle, so the consumer of this iterator can
+                    # react to a stop signal and checkpoint on time even when no data arrives.
+                    yield to_tensors_empty(self.cfg, None)
+                    last_yield = time.monotonic()
                 if (self.exit_when_idle_s is not None and not pending
                         and time.monotonic() - last_data >= self.exit_when_idle_s):
                     return
@@ -93,10 +100,10 @@ class KafkaSampleDataset(IterableDataset):
         return tb.pin_memory() if self.pin else tb
 
 
-def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int]) -> TensorBatch:
-    """A zero-row batch that only carries the position of a skipped (dead-lettered) message."""
+def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int] | None) -> TensorBatch:
+    """A zero-row batch: the position of a skipped (dead-lettered) message, or an idle heartbeat (None)."""
     import numpy as np
 
     return TensorBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                        torch.zeros((0, len(cfg.dense))), torch.zeros(0), np.zeros(0, object),
-                       np.zeros(0, np.int64), [pos])
+                       np.zeros(0, np.int64), [pos] if pos is not None else [])
