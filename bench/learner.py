@@ -21,22 +21,31 @@ autocast in every variant, lr 0.05 for row-wise Adagrad on the table, fused Adam
   streamrec-dedup  a PROPOSED change to learner/optim.py, monkeypatched in (dedup_without_coalesce()):
              RowWiseAdagrad sums duplicate rows with torch.unique + index_put_(accumulate=True) instead of
              sparse coalesce() (same sums; coalesce was 7-10 ms of a ~52 ms step)
-  floor      the dense part alone (FM + MLP fwd+bwd + fused Adam) on a (4096, 26, 17) input plus one gather
-             (index_select) and one scatter (index_add_) of the looked-up rows: what this machine needs
+  floor      what this machine needs for the model: the batch's touched rows gathered once (index_select),
+             expanded to the lookups, the dense part (FM + MLP fwd+bwd + fused Adam, bf16) on the (4096, 26,
+             17) input, the lookups' gradients summed per touched row, one scatter (index_add_) into the
+             table. The dedup (torch.unique) is precomputed and reported apart.
 
 fbgemm tables need a dim that is a multiple of 4, so torchrec/fbgemm rows are 20 floats (16 + first order
 + 3 zero pads, 18 % more table memory); their lr and eps are scaled by sqrt(17/20) so the row-wise
 Adagrad update is the same as over 17 columns. glibc is told to keep freed memory (environment.md: page
 faults otherwise cost 20-45 % of a bf16 step): the script re-executes itself with MALLOC_TRIM_THRESHOLD_,
-MALLOC_MMAP_THRESHOLD_ and MALLOC_TOP_PAD_ set, and every variant inherits them. torch uses 2 threads.
+MALLOC_MMAP_THRESHOLD_ and MALLOC_TOP_PAD_ set, and every variant inherits them (--glibc-default runs the
+variants without; --env BENCH_MALLOPT=1 with --glibc-default applies them with mallopt(3) at run time
+instead). torch uses 2 threads.
 
-examples/s = 4096 / median step time of the timed steps after warm-up; "window" = rows / wall time over
-the whole timed window (includes waiting for input, which is what a bursty source costs). The machine is
-shared and noisy: variants run in --rounds rounds (alternating order) and the ratios use each variant's
-best round.
+examples/s = 4096 / median step time of the timed steps after warm-up; "window" = rows / wall time from
+the end of warm-up to the end of the last step (includes waiting for input, which is what a bursty source
+costs). The machine is shared: every round records how many cores OTHER processes kept busy meanwhile
+([0.0] = quiet); a busy core slows a 2-thread torch step several times over (OpenMP threads wait for each
+other), so rounds with [> 0.15] are not used when quiet ones exist. Variants run in --rounds rounds
+(alternating order); the ratios use each variant's fastest quiet round. Repeated quiet runs still move by
+up to ~15 %.
 
-    python bench/learner.py                       # ~4 min on 2 cores; starts its own local stack on free ports
+    python bench/learner.py                    # ~8 min on 2 cores; starts its own local stack on free ports
+    python bench/learner.py --wait-quiet 600   # on a shared machine: wait for idle CPUs before each variant
     python bench/learner.py --rounds 1 --variants streamrec,torchrec,floor --steps 30
+    python bench/learner.py --env THP_MEM_ALLOC_ENABLE=1   # torch's CPU allocator on transparent huge pages
 
 torchrec is a bench-only dependency (not in pyproject). Install it without pulling a CUDA build:
 

@@ -146,8 +146,8 @@ DEFAULT_CONFIGS: dict[tuple[str, str], EvalConfig] = {
                                      patience=2),
     ("autoint", "default"): EvalConfig(embedding_dim=32, lr_sparse=0.1, lr_dense=2e-3, batch_size=2048, epochs=10,
                                        patience=2, lr_decay=0.6),
-    ("online", "paper"): EvalConfig(batch_size=512),
-    ("online", "default"): EvalConfig(batch_size=512),
+    ("online", "paper"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
+    ("online", "default"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
 }
 
 
@@ -459,7 +459,7 @@ def _run_autoint(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log
         "positive_rate": float(label[kept].mean()) if len(kept) else float("nan"),
         "auc": auc(p_te, y_te), "logloss": logloss(p_te, y_te),
         "valid_auc": auc(p_va, y_va), "valid_logloss": logloss(p_va, y_va),
-        "best_epoch": best_epoch, "epochs_run": len(history), "epochs": history,
+        "best_epoch": best_epoch, "epochs_run": len(history), "epoch_log": history,
         "build_s": build_s, "train_s": train_s,
     }
 

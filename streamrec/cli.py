@@ -32,6 +32,8 @@ from streamrec.settings import (
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# modules that add their own subcommands (see build_parser)
+PLUGIN_COMMANDS: tuple[str, ...] = ()
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -578,6 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _common(p)
     p.set_defaults(func=cmd_evaluate)
+
+    # Stages that own their command line: each module has add_parser(sub, common, kafka_flag) which adds
+    # its subcommand(s) with set_defaults(func=...). Imported lazily by the functions they register.
+    import importlib
+
+    for module in PLUGIN_COMMANDS:
+        importlib.import_module(module).add_parser(sub, _common, _kafka_flag)
     return parser
 
 
