@@ -63,6 +63,21 @@ class TensorBatch:
                            self.impression_ids[k], self.ts[k], self.positions)
 
 
+    def chunks(self, rows: int) -> list[TensorBatch]:
+        """Consecutive pieces of at most ``rows`` rows (all of this batch's positions stay on the last)."""
+        b = len(self)
+        if rows <= 0 or b <= rows:
+            return [self]
+        out = []
+        for start in range(0, b, rows):
+            keep = np.zeros(b, bool)
+            keep[start:start + rows] = True
+            piece = self.select(keep)
+            piece.positions = self.positions if start + rows >= b else []
+            out.append(piece)
+        return out
+
+
 def _field_values(batch: SampleBatch, col: str) -> tuple[np.ndarray, np.ndarray]:
     """``(values (N_f,), lengths (B,))`` of one column; a scalar column has length 1 per row."""
     if not pa.types.is_list(batch.batch.schema.field(col).type):

@@ -251,7 +251,8 @@ class Learner:
             DUPLICATES.inc(dups)
         kept = batch.select(keep)
         if len(kept):
-            self.trainer.test_then_train(kept)
+            for chunk in kept.chunks(self.ls.step_rows):  # each chunk predicted, then learned, in order
+                self.trainer.test_then_train(chunk)
             SAMPLES.inc(len(kept))
             m = self.trainer.metrics
             AUC.set(m.auc)

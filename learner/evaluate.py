@@ -81,6 +81,7 @@ class EvalConfig:
     epochs: int = 5  # autoint: the most epochs; online: always one pass
     patience: int = 1  # autoint: stop after this many epochs without a better valid AUC
     lr_decay: float = 1.0  # autoint: both learning rates are multiplied by this after every epoch
+    calibrate: bool = True  # autoint: Platt-scale the test probabilities with (a, b) fitted on the valid split
     id_buckets: int = 500_000  # user_id, item_id (history shares item_id's rows)
     ctx_buckets: int = 10_000  # small context fields (gender, age, occupation, request time, year, genres)
     zip_buckets: int = 200_000  # ctx.zip: 3,439 distinct zip codes
@@ -125,6 +126,7 @@ class EvalOverrides:
     zip_buckets: int | None = None
     history_len: int | None = None
     request_time: str | None = None
+    calibrate: bool | None = None
     eval_batch: int | None = None
     threads: int | None = None
 
@@ -407,6 +409,41 @@ def _log_to(log: Log | bool | None) -> Log:
     return log or (lambda msg: None)
 
 
+def fit_platt(probs: np.ndarray, labels: np.ndarray, iters: int = 50) -> tuple[float, float]:
+    """(a, b) minimising the logloss of sigmoid(a * logit(p) + b) on (probs, labels): Newton's method.
+
+    A monotone map: AUC is unchanged; an over-confident model (late epochs) gets its logloss back.
+    """
+    p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
+    z = np.log(p / (1 - p))  # (N,) logits
+    y = labels.astype(np.float64)
+    def loss(a: float, b: float) -> float:  # mean logloss of sigmoid(a z + b), computed stably
+        t = a * z + b
+        return float(np.mean(np.logaddexp(0.0, t) - y * t))
+
+    a, b, cur = 1.0, 0.0, loss(1.0, 0.0)
+    for _ in range(iters):
+        q = 1.0 / (1.0 + np.exp(-(a * z + b)))
+        r, w = q - y, q * (1 - q)
+        grad = np.array([(r * z).sum(), r.sum()])
+        hess = np.array([[(w * z * z).sum(), (w * z).sum()], [(w * z).sum(), w.sum()]]) + 1e-9 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        t = 1.0
+        while t > 1e-6 and loss(a - t * step[0], b - t * step[1]) > cur:  # damped: never increase the loss
+            t *= 0.5
+        a, b = a - t * step[0], b - t * step[1]
+        new = loss(a, b)
+        if cur - new < 1e-12:
+            break
+        cur = new
+    return float(a), float(b)
+
+
+def apply_platt(probs: np.ndarray, ab: tuple[float, float]) -> np.ndarray:
+    p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
+    return 1.0 / (1.0 + np.exp(-(ab[0] * np.log(p / (1 - p)) + ab[1])))
+
+
 def _run_autoint(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log) -> dict[str, Any]:
     keep, label = autoint_labels(r.rating)
     kept = np.flatnonzero(keep)
@@ -454,10 +491,13 @@ def _run_autoint(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log
         trainer.model.load_state_dict(best_state)
     p_va = predict(trainer, valid, fcfg, cfg.eval_batch)
     p_te = predict(trainer, test, fcfg, cfg.eval_batch)
+    # Calibration is fitted on the valid split only; the test split is touched once, here.
+    ab = fit_platt(p_va, y_va) if cfg.calibrate and len(p_va) else (1.0, 0.0)
     return {
         "n_train": n_tr, "n_valid": n_va, "n_test": len(te),
         "positive_rate": float(label[kept].mean()) if len(kept) else float("nan"),
-        "auc": auc(p_te, y_te), "logloss": logloss(p_te, y_te),
+        "auc": auc(p_te, y_te), "logloss": logloss(apply_platt(p_te, ab), y_te),
+        "logloss_uncalibrated": logloss(p_te, y_te), "calibration": {"a": ab[0], "b": ab[1]},
         "valid_auc": auc(p_va, y_va), "valid_logloss": logloss(p_va, y_va),
         "best_epoch": best_epoch, "epochs_run": len(history), "epoch_log": history,
         "build_s": build_s, "train_s": train_s,
@@ -541,8 +581,9 @@ def describe(d: dict[str, Any]) -> str:
         lines += [
             f"  samples: train {d['n_train']:,}  valid {d['n_valid']:,}  test {d['n_test']:,}  "
             f"(positives {d['positive_rate']:.1%})",
-            f"  test AUC {d['auc']:.4f}  logloss {d['logloss']:.4f}   "
-            f"(valid AUC {d['valid_auc']:.4f}; best epoch {d['best_epoch']} of {d['epochs_run']})",
+            f"  test AUC {d['auc']:.4f}  logloss {d['logloss']:.4f} (uncalibrated {d['logloss_uncalibrated']:.4f}; "
+            f"Platt a={d['calibration']['a']:.3f} b={d['calibration']['b']:.3f} fitted on valid)",
+            f"  valid AUC {d['valid_auc']:.4f}; best epoch {d['best_epoch']} of {d['epochs_run']}",
         ]
     else:
         lines += [

@@ -265,7 +265,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     src = sources(args)
     kafka = kafka_settings(args, src)
     ls = src.build(LearnerSettings, "learner", checkpoint_dir=args.checkpoint_dir, max_samples=args.max_samples,
-                   exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, device=args.device,
+                   exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
+                   device=args.device,
                    num_workers=args.num_workers, metrics_port=args.metrics_port)
     if args.status:
         from learner.checkpoint import latest_meta
@@ -509,7 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", help=f"(default {LearnerSettings.checkpoint_dir})")
     p.add_argument("--max-samples", type=int, help="stop after training this many samples")
     p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="stop after this long without samples")
-    p.add_argument("--batch-rows", type=int, help=f"rows per step (default {LearnerSettings.batch_rows})")
+    p.add_argument("--batch-rows", type=int, help="rows read from Kafka per batch; whole samples messages are never "
+                   f"split (default {LearnerSettings.batch_rows})")
+    p.add_argument("--step-rows", type=int, help="rows per optimizer step: a batch trains as consecutive chunks of "
+                   "this many rows, each predicted before it is learned; smaller is fresher and slower "
+                   f"(default {LearnerSettings.step_rows})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: CUDA when there is one")
     p.add_argument("--num-workers", type=int, help="DataLoader workers reading partitions (default 0)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")

@@ -94,7 +94,10 @@ class LearnerSettings:
     checkpoint_every_s: float = 30.0
     checkpoint_every_samples: int = 1_000_000
     keep_checkpoints: int = 3
-    batch_rows: int = 4096  # rows per training step (whole samples messages are never split)
+    batch_rows: int = 4096  # rows read per batch (whole samples messages are never split)
+    # Rows per optimizer step: a batch is trained as consecutive chunks of this many rows, each predicted
+    # before it is learned. Smaller is fresher (ML-1M online AUC: 0.75 at 4096, 0.78 at 64) and slower.
+    step_rows: int = 256
     accumulation: int = 1  # micro-batches per optimizer step
     embedding_dim: int = 16
     buckets: int = 200_000  # rows per id field (user, item; history shares item's)

@@ -210,3 +210,19 @@ def test_online_protocol_learns_on_a_subsample() -> None:
     d = evaluate("ml-1m", "online", "default", seed=0, limit=50_000, config=SMALL)
     assert d["n_samples"] == 50_000 and d["n_last"] == 10_000
     assert d["auc"] > 0.6 and d["last_auc"] > 0.6
+
+
+def test_platt_scaling_recovers_a_known_miscalibration_and_keeps_the_order() -> None:
+    from learner.evaluate import apply_platt, fit_platt
+    from learner.progressive import logloss
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 2, 200_000)
+    y = (rng.random(len(z)) < 1 / (1 + np.exp(-z))).astype(np.float64)  # true logits z
+    over = 1 / (1 + np.exp(-(2.5 * z - 0.7)))  # over-confident and shifted
+    a, b = fit_platt(over, y)
+    assert a == pytest.approx(1 / 2.5, rel=0.05) and b == pytest.approx(0.7 / 2.5, abs=0.03)
+    fixed = apply_platt(over, (a, b))
+    assert logloss(fixed, y) < logloss(over, y) - 0.05
+    inner = (over > 1e-6) & (over < 1 - 1e-6)  # away from the clipping: a strictly increasing map
+    assert np.all(np.diff(fixed[inner][np.argsort(over[inner])]) >= 0)

@@ -76,6 +76,12 @@ def test_to_tensors_concat_and_select_keep_the_field_major_layout() -> None:
     idx = np.flatnonzero(keep)
     assert bags_of(sel) == [want[k * 8 + i] for k in range(f) for i in idx]
     assert sel.impression_ids.tolist() == [both.impression_ids[i] for i in idx]
+    pieces = both.chunks(3)  # 8 rows -> 3 + 3 + 2, in order; the positions travel with the last piece
+    assert [len(p) for p in pieces] == [3, 3, 2]
+    rejoined = concat(pieces, f)
+    assert bags_of(rejoined) == want and rejoined.labels.tolist() == both.labels.tolist()
+    assert [p.positions for p in pieces] == [[], [], [(0, 7, 5), (1, 9, 3)]]
+    assert both.chunks(8) == [both]
 
 
 def test_rowwise_adagrad_matches_its_definition() -> None:
