@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
+from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
 from learner.model import DeepFM
@@ -53,6 +54,7 @@ WINDOW_AUC = Gauge("streamrec_learner_window_auc", "Progressive AUC over the rec
 SAMPLES = PCounter("streamrec_learner_samples_total", "Samples trained.")
 DUPLICATES = PCounter("streamrec_learner_duplicates_total", "Duplicate samples dropped.")
 LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
+NAN_LOSSES = PCounter("streamrec_learner_nan_losses_total", "Batches whose loss was not finite (update skipped).")
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
 
 
@@ -121,6 +123,7 @@ class Learner:
         self.recent = RecentIds(ls.dedup_window)
         self.trainer: Trainer | None = None
         self.cfg: FeatureConfig | None = None
+        self.deltas: DeltaWriter | None = None  # serving freshness, built with the model (learner/deltas.py)
         self._group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": ls.group_id,
                                 "enable.auto.commit": False})
 
@@ -140,6 +143,8 @@ class Learner:
                                         model_settings["sparse_optimizer"])
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window))
+        if self.ls.deltas_every_s > 0:
+            self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows)
 
     def _restore(self) -> bool:
         ckpt = checkpoint.load_latest(self.ls.checkpoint_dir)
@@ -251,12 +256,19 @@ class Learner:
             DUPLICATES.inc(dups)
         kept = batch.select(keep)
         if len(kept):
+            nan_before = self.trainer.nan_losses
             for chunk in kept.chunks(self.ls.step_rows):  # each chunk predicted, then learned, in order
                 self.trainer.test_then_train(chunk)
+            if self.trainer.nan_losses > nan_before:
+                NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
+                log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",
+                            self.trainer.nan_losses - nan_before, self.trainer.nan_losses)
             SAMPLES.inc(len(kept))
             m = self.trainer.metrics
             AUC.set(m.auc)
             LOGLOSS.set(m.logloss)
+        if self.deltas is not None:  # also on idle heartbeats, so the last rows trained go out
+            self.deltas.after_step(self.trainer, kept.values)
         for p, off, rows in batch.positions:
             self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
             self.partition_rows[p] += rows

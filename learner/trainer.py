@@ -32,6 +32,7 @@ class Trainer:
         self.steps = 0
         self.samples = 0
         self.last_loss = float("nan")
+        self.nan_losses = 0  # batches skipped because their loss was not finite
         # fp16 on CUDA needs loss scaling; bf16 (the CPU default) does not.
         amp_dtype = getattr(model, "autocast_dtype", None)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.device.type == "cuda" and amp_dtype == torch.float16)
@@ -48,11 +49,14 @@ class Trainer:
         b = batch.to(self.device)
         logits = self.model(b.values, b.offsets, b.dense)  # (B,)
         probs = torch.sigmoid(logits.detach()).float().cpu().numpy()
-        self.metrics.update(probs, batch.labels.numpy())
         loss = F.binary_cross_entropy_with_logits(logits.float(), b.labels)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {self.steps}")
         self.last_loss = float(loss.item())
+        if not np.isfinite(self.last_loss):
+            # One poison batch (an inf feature) must not kill the daemon or poison the weights: skip its
+            # update and count it (streamrec_learner_nan_losses_total; the monitor alerts on it).
+            self.nan_losses += 1
+            return probs
+        self.metrics.update(probs, batch.labels.numpy())
         self.scaler.scale(loss / self.accumulation).backward()
         self._micro += 1
         self.samples += len(batch)

@@ -84,6 +84,28 @@ def test_to_tensors_concat_and_select_keep_the_field_major_layout() -> None:
     assert both.chunks(8) == [both]
 
 
+def test_a_non_finite_loss_skips_the_update_and_is_counted_instead_of_raising() -> None:
+    rng = np.random.default_rng(2)
+    good = to_tensors(sample_batch(rng, 32), CFG)
+    model = DeepFM(CFG, mlp=(8,), seed=1, autocast_dtype=None)
+    s, d = make_optimizers(model, lr_sparse=0.1, lr_dense=0.01)
+    t = Trainer(model, s, d)
+    poisoned = to_tensors(sample_batch(rng, 8, start=100), CFG)
+    row = int(poisoned.values[0])
+    with torch.no_grad():
+        model.sparse.bag.weight[row] = float("nan")  # e.g. a row that blew up
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("sparse.")}
+    t.test_then_train(poisoned)
+    assert t.nan_losses == 1 and t.steps == 0 and t.metrics.count == 0
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n  # nothing learned from the poisoned batch
+    with torch.no_grad():
+        model.sparse.bag.weight[row] = 0.0
+    t.test_then_train(good)  # and training goes on
+    assert t.steps == 1 and t.nan_losses == 1 and t.metrics.count == 32
+
+
 def test_rowwise_adagrad_matches_its_definition() -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 3))
