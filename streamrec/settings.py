@@ -116,6 +116,14 @@ class LearnerSettings:
     exit_when_idle_s: float | None = None  # stop after this long without new samples
     seed: int = 0
     metrics_port: int | None = None
+    # Serving freshness (learner/deltas.py): every deltas_every_s (0 = off) write the rows touched since the
+    # last delta plus the dense weights to deltas_dir, keep the last deltas_keep, and PUBLISH the seq on
+    # deltas_channel ("<redis prefix>:model-deltas") at deltas_redis_url when set (serving also polls).
+    deltas_every_s: float = 0.0
+    deltas_dir: Path = Path(".streamrec/deltas")
+    deltas_keep: int = 100
+    deltas_redis_url: str | None = None
+    deltas_channel: str = "streamrec:model-deltas"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""The scoring service's routes, independent of the HTTP server that carries them.
+
+    POST /v1/score          {user_id, items, context?, dense?} -> {scores, model_version, delta_seq}
+    POST /v1/score:batch    {requests: [...]} -> {results: [...]}, every result from the same model
+    GET  /openapi.json      the OpenAPI 3 document (serving/request.py)
+    GET  /healthz           200 while the process runs
+    GET  /readyz            200 when a model is loaded, else 503
+    GET  /metrics           Prometheus text (serving/metrics.py)
+
+:meth:`ScoringApp.handle` takes ``(method, path, body)`` and returns ``(status, content type, body)``;
+``serving/http_server.py`` binds it to a server. Errors are JSON ``{"error": "..."}`` with a 4xx status
+that says what to fix, or 503 while no artifact has been published.
+
+The user's click history is read from Redis (``stream/history.py``, the list the joiner keeps, the
+last ``history_len`` items as the joiner attaches them). A failed or slow read (``redis_timeout_s``)
+scores the request without history and is counted, rather than failing it: a ranking degraded for
+one request beats an error page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+import redis
+import torch
+
+from serving.metrics import ServingMetrics
+from serving.request import RequestError, ScoreRequest, decode_json, openapi, parse_batch, parse_request
+from serving.settings import ServeSettings
+from serving.swap import LiveModel, ModelHolder
+from stream.features import hash_value
+from stream.history import UserHistory
+
+log = logging.getLogger("streamrec.serve")
+
+JSON = "application/json"
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+_FAR_FUTURE_MS = 2**62  # history "as of" the far future: every stored click
+Response = tuple[int, str, bytes]
+
+
+def _json(status: int, obj: Any) -> Response:
+    return status, JSON, orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(status, {"error": message})
+
+
+class ScoringApp:
+    def __init__(self, settings: ServeSettings, holder: ModelHolder, metrics: ServingMetrics,
+                 history: UserHistory | None, history_len: int = 50, version: str = "0") -> None:
+        self.s, self.holder, self.metrics, self.history = settings, holder, metrics, history
+        self.history_len = history_len
+        self.draining = False  # set at shutdown: /readyz turns 503 so balancers stop sending
+        self.in_flight = 0
+        self._count_lock = threading.Lock()
+        self._openapi = orjson.dumps(openapi(settings.max_candidates, settings.max_batch, version))
+        self._routes = {
+            ("POST", "/v1/score"): self._score,
+            ("POST", "/v1/score:batch"): self._score_batch,
+            ("GET", "/openapi.json"): lambda _b: (200, JSON, self._openapi),
+            ("GET", "/healthz"): lambda _b: _json(200, {"status": "ok"}),
+            ("GET", "/readyz"): self._ready,
+            ("GET", "/metrics"): lambda _b: (200, PROMETHEUS, self.metrics.render()),
+        }
+        self._paths = {p for _, p in self._routes}
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def handle(self, method: str, path: str, body: bytes) -> Response:
+        t0 = time.perf_counter()
+        path = path.split("?", 1)[0]
+        route = self._routes.get((method, path))
+        m = self.metrics
+        with self._count_lock:
+            self.in_flight += 1
+        m.in_flight.inc()
+        try:
+            if route is None:
+                if path in self._paths:
+                    allowed = sorted(meth for meth, p in self._routes if p == path)
+                    resp = _error(405, f"{method} {path}: method not allowed; use {', '.join(allowed)}")
+                else:
+                    resp = _error(404, f"no endpoint {path}; endpoints: " + ", ".join(sorted(self._paths)))
+            elif len(body) > self.s.max_body_bytes:
+                resp = _error(413, f"body of {len(body)} bytes exceeds {self.s.max_body_bytes}")
+            else:
+                try:
+                    resp = route(body)
+                except RequestError as exc:
+                    resp = _error(exc.status, exc.message)
+                except Exception:  # noqa: BLE001 - a bug must cost one request, not the server
+                    log.exception("%s %s failed", method, path)
+                    resp = _error(500, "internal error while scoring; see the service log")
+        finally:
+            m.in_flight.dec()
+            with self._count_lock:
+                self.in_flight -= 1
+        endpoint = path if route is not None else "other"
+        m.requests.labels(endpoint, str(resp[0])).inc()
+        m.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        return resp
+
+    # -- endpoints --------------------------------------------------------------------------------
+    def _live(self) -> LiveModel:
+        live = self.holder.live
+        if live is None:
+            raise RequestError(503, f"no model loaded yet: nothing is published under {self.s.publish_root} "
+                               "(its CURRENT file is missing or names a version that failed to load); run "
+                               "`streamrec refresh --now` and serving picks it up within poll_s")
+        return live
+
+    def _ready(self, _body: bytes) -> Response:
+        live = self.holder.live
+        if self.draining:
+            return _error(503, "shutting down")
+        if live is None:
+            return _error(503, f"no model loaded yet from {self.s.publish_root}")
+        m = live.model
+        return _json(200, {"status": "ready", "model_version": m.version, "format": m.format,
+                           "delta_seq": m.delta_seq})
+
+    def _histories(self, users: list[int]) -> list[list[int]]:
+        if self.history is None:
+            return [[] for _ in users]
+        try:
+            hists = self.history.as_of(users, [_FAR_FUTURE_MS] * len(users))
+        except redis.RedisError as exc:
+            self.metrics.history_errors.inc()
+            log.warning("history read failed (%s); scoring without history", exc)
+            return [[] for _ in users]
+        return [h[-self.history_len:] for h in hists]
+
+    def _run(self, live: LiveModel, req: ScoreRequest, history: list[int]) -> dict[str, Any]:
+        values, offsets, dense = live.encoder.encode(req, history)  # (N,), (F*B+1,), (B, Dd)
+        seq = live.model.delta_seq  # read first: the scores are at least this fresh
+        scores = live.model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+        self.metrics.candidates.inc(len(req.items))
+        return {"scores": scores.numpy().astype(np.float64, copy=False), "model_version": live.model.version,
+                "delta_seq": seq}
+
+    def _score(self, body: bytes) -> Response:
+        req = parse_request(decode_json(body), self.s.max_candidates)
+        live = self._live()  # read once: this request finishes on this model whatever swaps meanwhile
+        (hist,) = self._histories([hash_value(req.user_id)])
+        return _json(200, self._run(live, req, hist))
+
+    def _score_batch(self, body: bytes) -> Response:
+        reqs = parse_batch(decode_json(body), self.s.max_candidates, self.s.max_batch)
+        live = self._live()
+        hists = self._histories([hash_value(r.user_id) for r in reqs])
+        return _json(200, {"results": [self._run(live, r, h) for r, h in zip(reqs, hists, strict=True)]})

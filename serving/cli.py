@@ -1,0 +1,95 @@
+"""``streamrec serve``: the HTTP scoring service (a plugin subcommand of ``streamrec/cli.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from serving.settings import ServeSettings
+
+
+def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
+               kafka_flag: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser(
+        "serve", help="serve click-through-rate scores over HTTP from the published artifact",
+        description="Run the scoring service: POST /v1/score with {user_id, items: [...], context: {...}} answers "
+        "one click probability per item plus the model_version and delta_seq that answered; POST /v1/score:batch "
+        "takes several requests; GET /openapi.json describes both. Features are hashed exactly as the joiner "
+        "hashes them and the user's click history is read from Redis (the list the joiner keeps), so serving "
+        "sees what training saw. The model is the artifact named by <publish-root>/CURRENT (published by "
+        "`streamrec refresh`); a new one is loaded beside the live one and swapped atomically (requests in "
+        "flight finish on the old one; a corrupt one is rejected and the live one keeps serving), woken by "
+        "Redis pub/sub and polled every poll_s. With --deltas-dir the learner's deltas (rows touched since "
+        "the last one, plus dense weights) are applied as they appear, between nightly refreshes. Until an "
+        "artifact exists, /v1/score and /readyz answer 503. /healthz, /readyz and /metrics (Prometheus) are "
+        "for operators. SIGTERM or Ctrl-C: /readyz turns 503, requests in flight finish, then it exits 0.",
+        epilog="Example: streamrec serve --port 8080 & curl -s localhost:8080/v1/score "
+        "-d '{\"user_id\": 1, \"items\": [1193, 661], \"context\": {\"gender\": \"F\"}}'. "
+        "Settings: [serve] in --config and STREAMREC_SERVE_<KEY> (host, port, publish_root, deltas_dir, device, "
+        "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s); Redis from "
+        "[redis] / STREAMREC_REDIS_URL.")
+    p.add_argument("--host", help=f"address to bind (default {ServeSettings.host}: loopback only)")
+    p.add_argument("--port", type=int, help=f"port (default {ServeSettings.port}; 0 picks a free one)")
+    p.add_argument("--publish-root", help=f"where `streamrec refresh` publishes (default {ServeSettings.publish_root})")
+    p.add_argument("--deltas-dir", help="the learner's delta directory ([learner] deltas_dir); default: no deltas")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where hot rows and the dense part live "
+                   "(default auto: CUDA when there is one)")
+    p.add_argument("--threads", type=int, help=f"torch threads per request (default {ServeSettings.threads})")
+    p.add_argument("--server", choices=["threading", "aiohttp"], help=f"HTTP server (default {ServeSettings.server})")
+    p.add_argument("--redis-url", help="Redis with the users' click history and the update channels "
+                   "(default: [redis] url, the local stack)")
+    p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    common(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _total(counter: Any) -> int:
+    return int(sum(s.value for mf in counter.collect() for s in mf.samples if s.name.endswith("_total")))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from serving.service import ScoringService
+    from streamrec.cli import EXIT_OK, sources
+    from streamrec.settings import RedisSettings
+
+    src = sources(args)
+    ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,
+                   deltas_dir=args.deltas_dir, device=args.device, threads=args.threads, server=args.server)
+    rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, ss.threads))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pkg_version = version("streamrec")
+    except PackageNotFoundError:
+        pkg_version = "0"
+    svc = ScoringService(ss, rs, version=pkg_version).start()
+    try:
+        m = svc.holder.model()
+        print(f"serving on {svc.url} (model {m.version if m else 'none yet'} from {ss.publish_root}, "
+              f"server {ss.server}, device {svc.device})", file=sys.stderr, flush=True)
+        stop.wait()
+        print("stopping: draining requests in flight", file=sys.stderr, flush=True)
+    finally:
+        svc.stop()
+    summary = {"url": svc.url, **svc.updater.status(), "swaps": _total(svc.metrics.swaps),
+               "requests": _total(svc.metrics.requests)}
+    if args.json:
+        print(json.dumps(summary, default=str, sort_keys=True))
+    else:
+        print("serve summary\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+    return EXIT_OK

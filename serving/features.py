@@ -1,0 +1,141 @@
+"""A scoring request -> the model's input tensors, laid out exactly as training lays out a sample batch.
+
+For ``B = len(items)`` candidates of one user, the output is what ``learner.batch.to_tensors`` makes of
+the ``B`` samples the joiner would emit for the same user, items, context and history:
+
+    values   (N,) int64         global rows of the fused table, field-major (all bags of field 0, ...)
+    offsets  (F * B + 1,) int64  bag starts, include_last_offset layout: bag f * B + b is field f of item b
+    dense    (B, Dd) float32     dense features in ``FeatureConfig.dense`` order, absent ones 0
+
+Raw values are hashed by ``stream.features`` (the one definition the joiner uses too) and hashed values
+become rows through the artifact's ``map_rows`` (so id maps and hash-bucket fallback match training).
+The user, the history and the shared context are the same for every candidate: each is hashed and
+mapped once and repeated; only the item column (and per-item context, when sent) varies.
+
+Absent features follow ``stream/joiner/sample_rows.py``: a missing single-valued context feature is
+``MISSING`` (its own row, as in a training batch where other samples have the feature), a missing
+list-valued one an empty bag (a zero vector), a missing dense value 0.0.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from learner.features import FeatureConfig
+from serving.request import RequestError, ScoreRequest
+from stream.events import ContextValue
+from stream.features import MISSING, hash_context, hash_value
+from stream.samples import CTX_PREFIX
+
+
+class RowMapper(Protocol):
+    """What the encoder needs of a loaded artifact (``streamrec.artifact.ScoringModel`` provides it)."""
+
+    feature_config: FeatureConfig
+
+    def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray: ...
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+class FeatureEncoder:
+    """Built once per loaded model: the per-field plan of its feature config."""
+
+    def __init__(self, mapper: RowMapper) -> None:
+        self.mapper = mapper
+        cfg = mapper.feature_config
+        self.cfg = cfg
+        self.num_fields = cfg.num_fields
+        # (field index, source, context name): source is user | item | history | ctx | absent
+        self.plan: list[tuple[int, str, str]] = []
+        for f, spec in enumerate(cfg.fields):
+            if spec.name in ("user_id", "item_id", "history"):
+                self.plan.append((f, spec.name.removesuffix("_id"), ""))
+            elif spec.name.startswith(CTX_PREFIX):
+                self.plan.append((f, "ctx", spec.name[len(CTX_PREFIX):]))
+            else:
+                self.plan.append((f, "absent", ""))
+        self.context_names = frozenset(name for _, src, name in self.plan if src == "ctx")
+        self.multi = frozenset(spec.name[len(CTX_PREFIX):] for spec in cfg.fields if spec.kind != "single")
+        self.dense_names = tuple(cfg.dense)
+        self._dense_index = {n: i for i, n in enumerate(self.dense_names)}
+
+    # -- validation against this model's features ---------------------------------------------
+    def _check_names(self, where: str, context: dict[str, ContextValue], dense: dict[str, float]) -> None:
+        for k in context:
+            if k not in self.context_names:
+                raise RequestError(422, f"field '{where}context.{k}': this model has no such context feature; "
+                                   f"known: {', '.join(sorted(self.context_names)) or 'none'}")
+        for k in dense:
+            if k not in self._dense_index:
+                raise RequestError(422, f"field '{where}dense.{k}': this model has no such dense feature; "
+                                   f"known: {', '.join(self.dense_names) or 'none'}")
+
+    # -- encoding ---------------------------------------------------------------------------------
+    def _bag(self, name: str, hashed: int | list[int] | None) -> list[int]:
+        if hashed is None:
+            return [] if name in self.multi else [MISSING]
+        return hashed if type(hashed) is list else [hashed]  # type: ignore[list-item]
+
+    def encode(self, req: ScoreRequest, history: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(values (N,), offsets (F*B+1,), dense (B, Dd))`` for the request's ``B`` candidates.
+
+        ``history``: the user's clicked items' hashes, oldest first (``stream.history.UserHistory``)."""
+        self._check_names("", req.context, req.dense)
+        b = len(req.items)
+        m = self.mapper
+        shared = hash_context(req.context)
+        per_item = None
+        if req.item_context is not None:
+            for i, c in enumerate(req.item_context):
+                self._check_names(f"items[{i}].", c, {})
+            per_item = [hash_context(c) for c in req.item_context]
+        values: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
+        for f, src, name in self.plan:
+            if src == "item":
+                hashed = np.fromiter((hash_value(i) for i in req.items), np.int64, b)
+                values.append(m.map_rows(f, hashed))  # (B,)
+                lengths.append(np.ones(b, np.int64))
+                continue
+            if src == "ctx" and per_item is not None and any(name in c for c in per_item):
+                bags = [self._bag(name, c.get(name, shared.get(name))) for c in per_item]
+                lens = np.fromiter((len(x) for x in bags), np.int64, b)
+                flat = np.fromiter((v for x in bags for v in x), np.int64, int(lens.sum()))
+                values.append(m.map_rows(f, flat))
+                lengths.append(lens)
+                continue
+            if src == "user":
+                one = np.array([hash_value(req.user_id)], np.int64)
+            elif src == "history":
+                one = np.asarray(history, np.int64)
+            elif src == "ctx":
+                one = np.asarray(self._bag(name, shared.get(name)), np.int64)
+            else:
+                one = _EMPTY
+            rows = m.map_rows(f, one) if len(one) else _EMPTY  # (L,): the same bag for every candidate
+            values.append(np.tile(rows, b))  # (B * L,)
+            lengths.append(np.full(b, len(rows), np.int64))
+        flat_values = np.concatenate(values) if values else _EMPTY
+        offsets = np.zeros(self.num_fields * b + 1, np.int64)
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        return flat_values, offsets, self._dense(req, b)
+
+    def _dense(self, req: ScoreRequest, b: int) -> np.ndarray:
+        dd = len(self.dense_names)
+        row = np.zeros(dd, np.float32)
+        for k, v in req.dense.items():
+            row[self._dense_index[k]] = v
+        dense = np.repeat(row[None, :], b, axis=0)  # (B, Dd)
+        if req.item_dense is not None:
+            for i, d in enumerate(req.item_dense):
+                for k, v in d.items():
+                    j = self._dense_index.get(k)
+                    if j is None:
+                        raise RequestError(422, f"field 'items[{i}].dense.{k}': this model has no such dense "
+                                           f"feature; known: {', '.join(self.dense_names) or 'none'}")
+                    dense[i, j] = v
+        return dense

@@ -1,0 +1,95 @@
+"""The scoring service's Prometheus metrics, in a registry of its own (one per service instance).
+
+    streamrec_serving_requests_total{endpoint, status}      requests answered, by HTTP status
+    streamrec_serving_request_seconds{endpoint}             service time (parse -> response bytes)
+    streamrec_serving_candidates_total                      items scored
+    streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (memory-mapped) row reads
+    streamrec_serving_hot_cache_hit_rate                    hot / (hot + cold), since start
+    streamrec_serving_model_info{version, format}           1 for the model answering now
+    streamrec_serving_delta_seq                             the last learner delta applied to it
+    streamrec_serving_swaps_total                           artifacts swapped in
+    streamrec_serving_swap_rejected_total                   artifacts refused (corrupt, unloadable)
+    streamrec_serving_deltas_applied_total / _delta_gaps_total / _delta_errors_total
+    streamrec_serving_history_errors_total                  Redis history reads that failed (served without)
+    streamrec_serving_in_flight                             requests being served
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 1.0)
+
+
+class _LookupCollector:
+    """Hot/cold lookups: retired models' totals plus the live model's counters, read at scrape time."""
+
+    def __init__(self, live: Callable[[], Any]) -> None:
+        self.live = live
+        self.retired_hot = 0
+        self.retired_cold = 0
+        self._lock = threading.Lock()
+
+    def retire(self, model: Any) -> None:
+        with self._lock:
+            self.retired_hot += model.hot_lookups
+            self.retired_cold += model.cold_lookups
+
+    def totals(self) -> tuple[int, int]:
+        m = self.live()
+        with self._lock:
+            hot, cold = self.retired_hot, self.retired_cold
+        if m is not None:
+            hot, cold = hot + m.hot_lookups, cold + m.cold_lookups
+        return hot, cold
+
+    def collect(self) -> Iterator[Metric]:
+        hot, cold = self.totals()
+        c = CounterMetricFamily("streamrec_serving_embedding_lookups", "Embedding rows read, by tier: hot (the "
+                                "artifact's hot set, fast memory) or cold (memory-mapped file).", labels=["tier"])
+        c.add_metric(["hot"], hot)
+        c.add_metric(["cold"], cold)
+        yield c
+        yield GaugeMetricFamily("streamrec_serving_hot_cache_hit_rate", "Share of embedding row reads served by "
+                                "the hot set since start.", value=hot / (hot + cold) if hot + cold else 0.0)
+        m = self.live()
+        info = GaugeMetricFamily("streamrec_serving_model_info", "1 for the artifact answering requests now.",
+                                 labels=["version", "format"])
+        if m is not None:
+            info.add_metric([m.version, m.format], 1.0)
+        yield info
+        yield GaugeMetricFamily("streamrec_serving_delta_seq", "The last learner delta applied to the live model "
+                                "(0: none since its artifact).", value=m.delta_seq if m is not None else 0)
+
+
+class ServingMetrics:
+    def __init__(self, live_model: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("streamrec_serving_requests", "Requests answered, by endpoint and HTTP status.",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("streamrec_serving_request_seconds", "Service time of a request (body parsed to "
+                                 "response encoded), seconds.", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.candidates = Counter("streamrec_serving_candidates", "Candidate items scored.", registry=r)
+        self.swaps = Counter("streamrec_serving_swaps", "Artifacts swapped in (the first load counts).", registry=r)
+        self.swap_rejected = Counter("streamrec_serving_swap_rejected", "Artifacts refused (corrupt or "
+                                     "unloadable); the live model kept serving.", registry=r)
+        self.deltas_applied = Counter("streamrec_serving_deltas_applied", "Learner deltas applied.", registry=r)
+        self.delta_gaps = Counter("streamrec_serving_delta_gaps", "Learner deltas pruned before serving read them.",
+                                  registry=r)
+        self.delta_errors = Counter("streamrec_serving_delta_errors", "Learner deltas that could not be applied.",
+                                    registry=r)
+        self.history_errors = Counter("streamrec_serving_history_errors", "Redis history reads that failed; the "
+                                      "request was scored without history.", registry=r)
+        self.in_flight = Gauge("streamrec_serving_in_flight", "Requests being served.", registry=r)
+        self.lookups = _LookupCollector(live_model)
+        r.register(self.lookups)  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""The scoring request: its JSON schema, its validation, and the OpenAPI document that describes it.
+
+``POST /v1/score``::
+
+    {"user_id": "u42",                                   # an id, as in impression events
+     "items": [1193, "i7", {"item_id": 3408, "context": {"genres": ["Drama"], "year": 2000}}],
+     "context": {"device": "ios", "hour": 20},           # optional: shared by every candidate
+     "dense": {"price": 3.5}}                            # optional: dense features, shared
+
+An item is an id or an object ``{"item_id", "context"?, "dense"?}`` whose context and dense values
+(item attributes such as genres) apply to that candidate only and override the shared ones. Ids,
+context and dense values follow the impression event schema (``stream/events.py``), because they are
+hashed by the same code (``stream/features.py``) into the same features the model was trained on.
+
+``POST /v1/score:batch``: ``{"requests": [<score request>, ...]}``.
+
+Every violation raises :class:`RequestError` carrying the HTTP status and a message that names the
+field, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from stream.errors import ValidationError
+from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, check_id
+
+_REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
+_ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
+
+
+class RequestError(Exception):
+    """A request the service refuses; ``status`` is the HTTP status (4xx), ``str(exc)`` the reason."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    user_id: Id
+    items: list[Id]  # (B,) candidate ids
+    context: dict[str, ContextValue]  # shared by every candidate
+    dense: dict[str, float]
+    # Per-candidate overrides, None when no item carried any (the common, fast case).
+    item_context: list[dict[str, ContextValue]] | None = None
+    item_dense: list[dict[str, float]] | None = None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _invalid(field: str, value: Any, expected: str) -> RequestError:
+    return RequestError(422, f"field {field!r}: got {_shown(value)}, expected {expected}")
+
+
+def _id(field: str, value: Any) -> Id:
+    try:
+        return check_id(field, value)
+    except ValidationError as exc:
+        raise RequestError(422, exc.reason) from None
+
+
+def _context(field: str, value: Any) -> dict[str, ContextValue]:
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise _invalid(field, value, "an object of feature name -> value")
+    for k, v in value.items():
+        t = type(v)
+        if t is list:
+            if len(v) > MAX_LIST_LEN or not all(
+                    (type(x) is str and len(x) <= MAX_STR_ID_LEN) or (type(x) is int and -(2**63) <= x < 2**63)
+                    for x in v):
+                raise _invalid(f"{field}.{k}", v, f"a list of at most {MAX_LIST_LEN} strings/64-bit integers")
+        elif not ((t is str and len(v) <= MAX_STR_ID_LEN) or (t is int and -(2**63) <= v < 2**63)
+                  or (t is float and math.isfinite(v)) or t is bool):
+            raise _invalid(f"{field}.{k}", v, "a string, 64-bit integer, finite float, boolean or list")
+    return value
+
+
+def _dense(field: str, value: Any) -> dict[str, float]:
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise _invalid(field, value, "an object of feature name -> finite number")
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise _invalid(f"{field}.{k}", v, "a finite number")
+    return value
+
+
+def _unknown(field: str, obj: dict[str, Any], allowed: frozenset[str]) -> None:
+    extra = obj.keys() - allowed
+    if extra:
+        name = sorted(extra)[0]
+        where = f"{field}.{name}" if field else name
+        raise RequestError(422, f"unknown field {where!r}; allowed: {', '.join(sorted(allowed))}")
+
+
+def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreRequest:
+    """A decoded JSON value -> :class:`ScoreRequest`, or :class:`RequestError` (422)."""
+    if type(obj) is not dict:
+        raise RequestError(422, f"{where or 'body'}: expected a JSON object {{user_id, items, context}}, "
+                           f"got {type(obj).__name__}")
+    _unknown(where.rstrip("."), obj, _REQUEST_FIELDS)
+    for name in ("user_id", "items"):
+        if name not in obj:
+            raise RequestError(422, f"field {where + name!r} is required")
+    user = _id(where + "user_id", obj["user_id"])
+    items_raw = obj["items"]
+    if type(items_raw) is not list:
+        raise _invalid(where + "items", items_raw, "a list of item ids or {item_id, context, dense} objects")
+    if not items_raw:
+        raise RequestError(422, f"field {where + 'items'!r}: empty; send at least one candidate")
+    if len(items_raw) > max_candidates:
+        raise RequestError(422, f"field {where + 'items'!r}: {len(items_raw)} candidates, at most {max_candidates} "
+                           "per request (split them, or raise [serve] max_candidates)")
+    items: list[Id] = []
+    item_context: list[dict[str, ContextValue]] | None = None
+    item_dense: list[dict[str, float]] | None = None
+    for i, it in enumerate(items_raw):
+        t = type(it)
+        if t is str or t is int:
+            items.append(_id(f"{where}items[{i}]", it))
+            continue
+        if t is not dict:
+            raise _invalid(f"{where}items[{i}]", it, "an item id or an object {item_id, context, dense}")
+        _unknown(f"{where}items[{i}]", it, _ITEM_FIELDS)
+        if "item_id" not in it:
+            raise RequestError(422, f"field {where}items[{i}].item_id is required")
+        items.append(_id(f"{where}items[{i}].item_id", it["item_id"]))
+        if "context" in it:
+            if item_context is None:
+                item_context = [{} for _ in items_raw]
+            item_context[i] = _context(f"{where}items[{i}].context", it["context"])
+        if "dense" in it:
+            if item_dense is None:
+                item_dense = [{} for _ in items_raw]
+            item_dense[i] = _dense(f"{where}items[{i}].dense", it["dense"])
+    return ScoreRequest(user, items, _context(where + "context", obj.get("context")),
+                        _dense(where + "dense", obj.get("dense")), item_context, item_dense)
+
+
+def decode_json(body: bytes) -> Any:
+    if not body:
+        raise RequestError(400, "empty body; send a JSON object (Content-Type: application/json)")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(400, f"malformed JSON: {exc}") from None
+
+
+def parse_batch(obj: Any, max_candidates: int, max_batch: int) -> list[ScoreRequest]:
+    if type(obj) is not dict:
+        raise RequestError(422, f"body: expected a JSON object {{requests: [...]}}, got {type(obj).__name__}")
+    _unknown("", obj, frozenset({"requests"}))
+    reqs = obj.get("requests")
+    if type(reqs) is not list or not reqs:
+        raise _invalid("requests", reqs, "a non-empty list of score requests")
+    if len(reqs) > max_batch:
+        raise RequestError(422, f"field 'requests': {len(reqs)} requests, at most {max_batch} per batch call")
+    return [parse_request(r, max_candidates, where=f"requests[{i}].") for i, r in enumerate(reqs)]
+
+
+# -- OpenAPI ---------------------------------------------------------------------------------------
+def _id_schema(description: str) -> dict[str, Any]:
+    return {"description": description, "oneOf": [
+        {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+        {"type": "string", "minLength": 1, "maxLength": MAX_STR_ID_LEN}]}
+
+
+_CONTEXT = {"type": "object", "description": "categorical features: name -> string, integer, float, boolean, or a "
+            "list of strings/integers (multi-valued, e.g. genres); hashed as in impression events",
+            "additionalProperties": {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "number"},
+                                               {"type": "boolean"},
+                                               {"type": "array", "maxItems": MAX_LIST_LEN,
+                                                "items": {"oneOf": [{"type": "string"}, {"type": "integer"}]}}]}}
+_DENSE = {"type": "object", "description": "dense features: name -> finite number (absent ones are 0)",
+          "additionalProperties": {"type": "number"}}
+
+
+def openapi(max_candidates: int, max_batch: int, version: str) -> dict[str, Any]:
+    """The OpenAPI 3.0 document served at ``GET /openapi.json``."""
+    error = {"description": "the request was refused; `error` says which field, what it held and what was expected",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    unavailable = {"description": "no model is loaded yet (no artifact published under the publish root)",
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "streamrec scoring service", "version": version,
+                 "description": "Click-through-rate scores for candidate items of one user, from the latest "
+                 "published DeepFM artifact plus the learner's deltas since."},
+        "paths": {
+            "/v1/score": {"post": {
+                "summary": "score the candidates of one user",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ScoreRequest"}}}},
+                "responses": {"200": {"description": "one probability per item, in request order",
+                                      "content": {"application/json": {
+                                          "schema": {"$ref": "#/components/schemas/ScoreResponse"}}}},
+                              "400": error, "413": error, "422": error, "503": unavailable}}},
+            "/v1/score:batch": {"post": {
+                "summary": "score several requests in one call (all on the same model)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "additionalProperties": False, "required": ["requests"],
+                    "properties": {"requests": {"type": "array", "minItems": 1, "maxItems": max_batch,
+                                                "items": {"$ref": "#/components/schemas/ScoreRequest"}}}}}}},
+                "responses": {"200": {"description": "one result per request, in order",
+                                      "content": {"application/json": {"schema": {
+                                          "type": "object", "properties": {"results": {"type": "array", "items": {
+                                              "$ref": "#/components/schemas/ScoreResponse"}}}}}}},
+                              "400": error, "413": error, "422": error, "503": unavailable}}},
+            "/healthz": {"get": {"summary": "the process is up", "responses": {"200": {"description": "ok"}}}},
+            "/readyz": {"get": {"summary": "a model is loaded and requests can be served",
+                                "responses": {"200": {"description": "ready"}, "503": unavailable}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)",
+                                 "responses": {"200": {"description": "metrics"}}}},
+            "/openapi.json": {"get": {"summary": "this document", "responses": {"200": {"description": "OpenAPI"}}}},
+        },
+        "components": {"schemas": {
+            "ScoreRequest": {"type": "object", "additionalProperties": False, "required": ["user_id", "items"],
+                             "properties": {
+                                 "user_id": _id_schema("the user, as in impression events; unseen users fall back "
+                                                       "to their hash bucket"),
+                                 "items": {"type": "array", "minItems": 1, "maxItems": max_candidates,
+                                           "items": {"oneOf": [
+                                               _id_schema("a candidate item id"),
+                                               {"type": "object", "additionalProperties": False,
+                                                "required": ["item_id"],
+                                                "properties": {"item_id": _id_schema("a candidate item id"),
+                                                               "context": _CONTEXT, "dense": _DENSE}}]}},
+                                 "context": _CONTEXT, "dense": _DENSE}},
+            "ScoreResponse": {"type": "object", "properties": {
+                "scores": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}},
+                "model_version": {"type": "string", "description": "the artifact version that answered"},
+                "delta_seq": {"type": "integer", "description": "the last learner delta applied to it (0: none)"}}},
+            "Error": {"type": "object", "properties": {"error": {"type": "string"}}},
+        }},
+    }

@@ -1,0 +1,92 @@
+"""One scoring service, wired: settings -> Redis, history, model holder, updater, routes, HTTP server.
+
+    with ScoringService(ServeSettings(port=0), RedisSettings(url=...)) as svc:
+        svc.url          # http://127.0.0.1:<port>
+        svc.updater.check_now()
+
+``start`` loads the current artifact (if any) before the port answers, so the first request does not
+race the first load; without one the service starts anyway, answers 503 and picks up the first publish.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+
+import redis
+import torch
+
+from serving.app import ScoringApp
+from serving.http_server import Server, make_server
+from serving.metrics import ServingMetrics
+from serving.settings import ServeSettings
+from serving.swap import ModelHolder, ModelUpdater
+from stream.history import UserHistory
+from streamrec.settings import RedisSettings
+
+log = logging.getLogger("streamrec.serve")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"[serve] device must be auto, cpu or cuda[:N], got {device!r}")
+    return device
+
+
+class ScoringService:
+    def __init__(self, settings: ServeSettings, redis_settings: RedisSettings | None, version: str = "0") -> None:
+        self.s = settings
+        self.device = resolve_device(settings.device)
+        self.holder = ModelHolder()
+        self.metrics = ServingMetrics(self.holder.model)
+        history = None
+        self.redis: redis.Redis | None = None
+        self.pubsub_redis: redis.Redis | None = None
+        prefix = "streamrec"
+        if redis_settings is not None:
+            prefix = redis_settings.prefix
+            # Request path: a short timeout, so a slow Redis degrades (no history) instead of stalling.
+            self.redis = redis.Redis.from_url(redis_settings.url, socket_timeout=settings.redis_timeout_s,
+                                              socket_connect_timeout=settings.redis_timeout_s)
+            # The joiner keeps 4 x history_len clicks per user and attaches the last history_len.
+            history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
+            self.pubsub_redis = redis.Redis.from_url(redis_settings.url, socket_connect_timeout=2.0)
+        self.updater = ModelUpdater(self.holder, self.metrics, settings.publish_root, settings.deltas_dir,
+                                    device=self.device, poll_s=settings.poll_s, redis_client=self.pubsub_redis,
+                                    prefix=prefix)
+        self.app = ScoringApp(settings, self.holder, self.metrics, history,
+                              history_len=redis_settings.history_len if redis_settings else 50, version=version)
+        self.server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None, "not started"
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.s.host}:{self.port}"
+
+    def start(self) -> ScoringService:
+        self.updater.start()
+        self.server = make_server(self.s.server, self.app, self.s.host, self.s.port)
+        self.server.start()
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.app.draining = True
+        if self.server is not None:
+            self.server.stop(grace_s)
+        self.updater.stop()
+        for client in (self.redis, self.pubsub_redis):
+            if client is not None:
+                client.close()
+
+    def __enter__(self) -> ScoringService:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

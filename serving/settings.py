@@ -1,0 +1,26 @@
+"""Settings of the scoring service (``streamrec serve``), built once at the process edge.
+
+``[serve]`` in the ``--config`` file and ``STREAMREC_SERVE_<KEY>`` override these defaults; flags
+override both. Redis (history, pub/sub) comes from ``[redis]`` (:class:`streamrec.settings.RedisSettings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"  # loopback by default: expose deliberately (0.0.0.0) behind a proxy
+    port: int = 8080
+    publish_root: Path = Path(".streamrec/serving")  # <root>/CURRENT -> <root>/versions/<version>/
+    deltas_dir: Path | None = None  # the learner's delta files; None: no freshness between refreshes
+    device: str = "auto"  # auto | cpu | cuda: where the hot rows and the dense part live
+    threads: int = 1  # torch intra-op threads per request (requests run in parallel on their own threads)
+    server: str = "threading"  # threading (stdlib ThreadingHTTPServer) | aiohttp; see serving/http_server.py
+    max_candidates: int = 1000  # items per request
+    max_batch: int = 64  # requests per /v1/score:batch call
+    max_body_bytes: int = 4 << 20
+    poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
+    redis_timeout_s: float = 0.05  # a slow history read fails open (empty history) rather than the request
