@@ -1,0 +1,130 @@
+"""Learner deltas: what the writer puts in a file, what the reader hands serving, and the daemon's hook."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+
+from learner.daemon import Learner
+from learner.deltas import DeltaReader, DeltaWriter, list_deltas, load_delta, redis_notifier
+from learner.model import DeepFM
+from streamrec.settings import KafkaSettings, LearnerSettings
+from tests.test_serving import CFG, TinyLearner
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_delta_holds_exactly_the_touched_rows_and_the_dense_weights(tmp_path: Path) -> None:
+    learner = TinyLearner()
+    clock = FakeClock()
+    w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, clock=clock)
+    assert w.after_step(learner.trainer, torch.zeros(0, dtype=torch.int64)) is None  # not due
+    clock.t = 5
+    assert w.write(learner.model, learner.trainer.samples) is None  # nothing trained: no file
+    batches = learner.train(2)
+    for tb in batches:
+        w.mark(tb.values)
+    clock.t = 10
+    path = w.after_step(learner.trainer, torch.zeros(0, dtype=torch.int64))
+    assert path is not None and [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
+    d = load_delta(path)
+    touched = torch.unique(torch.cat([tb.values for tb in batches]))
+    assert d.seq == 1 and d.samples_trained == learner.trainer.samples
+    assert torch.equal(d.rows, touched)  # (R,) sorted unique
+    assert torch.equal(d.vectors, learner.model.sparse.bag.weight.detach()[touched])  # (R, D + 1), current values
+    assert set(d.dense_state) == {k for k in learner.model.state_dict() if not k.startswith("sparse.")}
+    assert not w.touched.any()  # the next delta starts empty
+
+
+def test_seq_continues_across_restarts_and_only_the_last_keep_stay(tmp_path: Path) -> None:
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, keep=3)
+    for _ in range(5):
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+    assert [s for s, _, _ in list_deltas(tmp_path)] == [3, 4, 5]
+    w2 = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, keep=3)  # a restarted learner
+    w2.mark(torch.tensor([1, 2]))
+    assert load_delta(w2.write(learner.model, learner.trainer.samples)).seq == 6  # type: ignore[arg-type]
+
+
+def test_reader_yields_newer_deltas_in_order_skips_old_and_corrupt_ones_and_counts_gaps(tmp_path: Path) -> None:
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, keep=100)
+    samples = []
+    for _ in range(6):
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+        samples.append(learner.trainer.samples)
+    r = DeltaReader(tmp_path)
+    assert [d.seq for d in r.newer(0, 0)] == [1, 2, 3, 4, 5, 6]
+    assert [d.seq for d in r.newer(2, 0)] == [3, 4, 5, 6]
+    assert [d.seq for d in r.newer(0, samples[3])] == [5, 6]  # 1..4 are inside an artifact trained that far
+    list_deltas(tmp_path)[4][2].write_bytes(b"not a torch file")  # seq 5 corrupt
+    assert [d.seq for d in r.newer(4, 0)] == [6] and r.bad == 1
+    assert [d.seq for d in r.newer(4, 0)] == [6] and r.bad == 1  # not retried
+    for _, _, p in list_deltas(tmp_path)[:3]:
+        p.unlink()  # 1..3 pruned before a reader at seq 1 got to them
+    assert [d.seq for d in r.newer(1, 0)] == [4, 6] and r.gaps == 2
+
+
+def test_writer_announces_each_delta_on_redis(stack, tmp_path: Path) -> None:
+    channel = f"t{uuid.uuid4().hex[:8]}:model-deltas"
+    client = redis.Redis.from_url(stack.redis_url)
+    sub = client.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(channel)
+    try:
+        learner = TinyLearner()
+        w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, notify=redis_notifier(stack.redis_url, channel))
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+        deadline = time.monotonic() + 5
+        msg = None
+        while msg is None and time.monotonic() < deadline:
+            msg = sub.get_message(timeout=0.2)
+        assert msg is not None and msg["data"] == b"1"
+        # Redis down: the delta is still written, the announcement is dropped with a warning.
+        w.notify = redis_notifier("redis://127.0.0.1:1/0", channel)
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        assert w.write(learner.model, learner.trainer.samples) is not None and w.seq == 2
+    finally:
+        sub.close()
+        client.close()
+
+
+def test_the_learner_daemon_writes_deltas_of_what_it_trains(kafka: KafkaSettings, tmp_path: Path) -> None:
+    from learner.batch import to_tensors
+    from tests.test_serving import random_samples
+
+    ls = dataclasses.replace(LearnerSettings(), deltas_every_s=1e-9, deltas_dir=tmp_path / "deltas",
+                             checkpoint_dir=tmp_path / "ckpt", mlp="8", amp=False, group_id=f"g-{uuid.uuid4().hex[:6]}")
+    cfg = CFG
+    learner = Learner(kafka, ls)
+    try:
+        learner._build(cfg, learner._model_settings())
+        assert learner.deltas is not None and learner.trainer is not None
+        tb = to_tensors(random_samples(np.random.default_rng(0), 32), cfg)
+        learner._train(tb)
+        (seq, samples, path), = list_deltas(ls.deltas_dir)
+        d = load_delta(path)
+        assert (seq, samples) == (1, 32) and torch.equal(d.rows, torch.unique(tb.values))
+        model: DeepFM = learner.trainer.model  # type: ignore[assignment]
+        assert torch.equal(d.vectors, model.sparse.bag.weight.detach()[d.rows])
+    finally:
+        learner.close()
