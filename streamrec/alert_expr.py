@@ -1,0 +1,513 @@
+"""The expression language of alert rules: a small, safe subset of PromQL over scraped metrics.
+
+Grammar (no ``eval``: a tokenizer and a recursive-descent parser build a tree of the nodes below)::
+
+    expr      := term (('+' | '-') term)*
+    term      := unary (('*' | '/') unary)*
+    unary     := '-' unary | primary
+    primary   := NUMBER | '(' expr ')' | call | aggregate | selector
+    selector  := METRIC ['{' matcher (',' matcher)* '}']          instant vector
+    matcher   := LABEL ('=' | '!=' | '=~' | '!~') "STRING"         regexes match the whole value
+    call      := ('rate' | 'increase' | 'delta') '(' selector '[' DURATION ']' ')'
+               | 'abs' '(' expr ')'
+    aggregate := ('sum' | 'max' | 'min' | 'avg' | 'count') [grouping] '(' expr ')' [grouping]
+    grouping  := ('by' | 'without') '(' LABEL (',' LABEL)* ')'
+    DURATION  := NUMBER ('ms' | 's' | 'm' | 'h' | 'd')                e.g. 60s, 5m
+
+Values are scalars or *vectors*: series keyed by their label set. Arithmetic between two vectors
+matches series with identical label sets (one-to-one, as in Prometheus); a vector with a single
+series without labels (an unlabelled gauge, an aggregate without ``by``) combines with every series
+of the other side, like a scalar. The metric name is not a label: ``a - b`` matches ``a{x="1"}`` with
+``b{x="1"}``. Division by zero gives +-Inf or NaN (IEEE), never an exception.
+
+``rate``/``increase``/``delta`` read the monitor's own history of its scrapes (it keeps as much as the
+longest range in its rules needs): ``increase`` is the sum of the rises between consecutive samples in
+the range, a drop counting as a counter reset; ``rate`` is that divided by the seconds the samples
+span; ``delta`` is last minus first (for gauges). A series with fewer than two samples in the range
+has no value yet.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: a hashable label set
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    value: float
+    sources: frozenset[str]  # the scrape sources the value was computed from
+
+
+Vector = dict[Labels, Point]
+Value = float | Vector
+Window = tuple[Sequence[tuple[float, float]], frozenset[str]]  # (time, value) samples oldest first, sources
+
+
+class ExprError(ValueError):
+    """An expression that does not parse; the message says where and what was expected."""
+
+
+class MetricStore(Protocol):
+    """What an expression reads: the latest scrape and the history of earlier ones."""
+
+    def instant(self, metric: str) -> Mapping[Labels, Point]: ...
+
+    def window(self, metric: str, range_s: float) -> Mapping[Labels, Window]:
+        """Per series: the (time, value) samples of the last ``range_s`` seconds, oldest first."""
+        ...
+
+
+def labels_of(d: Mapping[str, str]) -> Labels:
+    return tuple(sorted(d.items()))
+
+
+# -- tree -------------------------------------------------------------------------------------
+class Node:
+    text: str  # the source of this node, for messages
+
+    def eval(self, store: MetricStore) -> Value:
+        raise NotImplementedError
+
+    def ranges(self) -> Iterable[float]:
+        return ()
+
+
+@dataclass(frozen=True)
+class Number(Node):
+    value: float
+    text: str
+
+    def eval(self, store: MetricStore) -> Value:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Matcher:
+    label: str
+    op: str  # = != =~ !~
+    value: str
+
+    def matches(self, labels: Labels) -> bool:
+        got = dict(labels).get(self.label, "")
+        if self.op == "=":
+            return got == self.value
+        if self.op == "!=":
+            return got != self.value
+        hit = re.fullmatch(self.value, got) is not None
+        return hit if self.op == "=~" else not hit
+
+
+@dataclass(frozen=True)
+class Selector(Node):
+    metric: str
+    matchers: tuple[Matcher, ...]
+    text: str
+    range_s: float | None = None
+
+    def select(self, labels: Labels) -> bool:
+        return all(m.matches(labels) for m in self.matchers)
+
+    def eval(self, store: MetricStore) -> Value:
+        return {lb: p for lb, p in store.instant(self.metric).items() if self.select(lb)}
+
+
+def _increase(samples: Sequence[tuple[float, float]]) -> float:
+    total = 0.0
+    for (_, prev), (_, cur) in zip(samples, samples[1:], strict=False):
+        total += cur - prev if cur >= prev else cur  # a drop is a counter reset: it restarted from 0
+    return total
+
+
+@dataclass(frozen=True)
+class RangeCall(Node):
+    func: str  # rate | increase | delta
+    arg: Selector
+    text: str
+
+    def eval(self, store: MetricStore) -> Value:
+        assert self.arg.range_s is not None
+        out: Vector = {}
+        for lb, (samples, sources) in store.window(self.arg.metric, self.arg.range_s).items():
+            if not self.arg.select(lb):
+                continue
+            pts = [(t, v) for t, v in samples if not math.isnan(v)]
+            if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+                continue
+            if self.func == "delta":
+                value = pts[-1][1] - pts[0][1]
+            else:
+                value = _increase(pts)
+                if self.func == "rate":
+                    value /= pts[-1][0] - pts[0][0]
+            out[lb] = Point(value, sources)
+        return out
+
+    def ranges(self) -> Iterable[float]:
+        assert self.arg.range_s is not None
+        return (self.arg.range_s,)
+
+
+@dataclass(frozen=True)
+class Abs(Node):
+    arg: Node
+    text: str
+
+    def eval(self, store: MetricStore) -> Value:
+        return _map(self.arg.eval(store), abs)
+
+    def ranges(self) -> Iterable[float]:
+        return self.arg.ranges()
+
+
+def _agg_sum(xs: list[float]) -> float:
+    return float(sum(xs))  # NaN if any is NaN, like Prometheus
+
+
+def _agg_max(xs: list[float]) -> float:  # NaN is ignored unless every value is NaN (Prometheus)
+    real = [x for x in xs if not math.isnan(x)]
+    return max(real) if real else math.nan
+
+
+def _agg_min(xs: list[float]) -> float:
+    real = [x for x in xs if not math.isnan(x)]
+    return min(real) if real else math.nan
+
+
+AGGREGATES: dict[str, Callable[[list[float]], float]] = {
+    "sum": _agg_sum,
+    "max": _agg_max,
+    "min": _agg_min,
+    "avg": lambda xs: _agg_sum(xs) / len(xs),
+    "count": lambda xs: float(len(xs)),
+}
+
+
+@dataclass(frozen=True)
+class Aggregate(Node):
+    func: str
+    arg: Node
+    by: tuple[str, ...] | None  # keep these labels (None: keep none) ...
+    without: tuple[str, ...] | None  # ... or keep all but these
+    text: str
+
+    def eval(self, store: MetricStore) -> Value:
+        val = self.arg.eval(store)
+        if not isinstance(val, dict):
+            return AGGREGATES[self.func]([val])
+        groups: dict[Labels, list[Point]] = {}
+        for lb, p in val.items():
+            if self.by is not None:
+                key = tuple((k, v) for k, v in lb if k in self.by)
+            elif self.without is not None:
+                key = tuple((k, v) for k, v in lb if k not in self.without)
+            else:
+                key = ()
+            groups.setdefault(key, []).append(p)
+        return {key: Point(AGGREGATES[self.func]([p.value for p in ps]), frozenset().union(*(p.sources for p in ps)))
+                for key, ps in groups.items()}
+
+    def ranges(self) -> Iterable[float]:
+        return self.arg.ranges()
+
+
+def _apply(op: str, a: float, b: float) -> float:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if b == 0:  # IEEE: x/0 is +-Inf, 0/0 and NaN/0 are NaN
+        return math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return a / b
+
+
+def _map(val: Value, f: Callable[[float], float]) -> Value:
+    if isinstance(val, dict):
+        return {lb: Point(f(p.value), p.sources) for lb, p in val.items()}
+    return f(val)
+
+
+def _as_scalar(v: Vector) -> Point | None:
+    """A vector of one series without labels combines like a scalar."""
+    if len(v) == 1 and () in v:
+        return v[()]
+    return None
+
+
+@dataclass(frozen=True)
+class Binary(Node):
+    op: str
+    left: Node
+    right: Node
+    text: str
+
+    def eval(self, store: MetricStore) -> Value:
+        a, b = self.left.eval(store), self.right.eval(store)
+        op = self.op
+        if not isinstance(a, dict) and not isinstance(b, dict):
+            return _apply(op, a, b)
+        if isinstance(a, dict) and isinstance(b, dict):
+            sa, sb = _as_scalar(a), _as_scalar(b)
+            if sb is not None and sa is None:
+                return {lb: Point(_apply(op, p.value, sb.value), p.sources | sb.sources) for lb, p in a.items()}
+            if sa is not None and sb is None:
+                return {lb: Point(_apply(op, sa.value, p.value), p.sources | sa.sources) for lb, p in b.items()}
+            return {lb: Point(_apply(op, p.value, b[lb].value), p.sources | b[lb].sources)
+                    for lb, p in a.items() if lb in b}
+        if isinstance(a, dict):
+            bs = float(b)  # type: ignore[arg-type]
+            return {lb: Point(_apply(op, p.value, bs), p.sources) for lb, p in a.items()}
+        sa_ = float(a)
+        assert isinstance(b, dict)
+        return {lb: Point(_apply(op, sa_, p.value), p.sources) for lb, p in b.items()}
+
+    def ranges(self) -> Iterable[float]:
+        return (*self.left.ranges(), *self.right.ranges())
+
+
+@dataclass(frozen=True)
+class Negate(Node):
+    arg: Node
+    text: str
+
+    def eval(self, store: MetricStore) -> Value:
+        return _map(self.arg.eval(store), lambda x: -x)
+
+    def ranges(self) -> Iterable[float]:
+        return self.arg.ranges()
+
+
+def metrics_of(node: Node) -> set[str]:
+    """The metric names an expression reads."""
+    if isinstance(node, Selector):
+        return {node.metric}
+    if isinstance(node, RangeCall):
+        return {node.arg.metric}
+    if isinstance(node, Abs | Negate | Aggregate):
+        return metrics_of(node.arg)
+    if isinstance(node, Binary):
+        return metrics_of(node.left) | metrics_of(node.right)
+    return set()
+
+
+# -- tokens -----------------------------------------------------------------------------------
+_TOKEN = re.compile(r"""
+    (?P<ws>\s+)
+  | (?P<duration>\d+(?:\.\d+)?(?:ms|s|m|h|d)(?![A-Za-z0-9_]))
+  | (?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
+  | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
+  | (?P<string>"(?:[^"\\]|\\.)*")
+  | (?P<op>=~|!~|!=|[-+*/(){}\[\],=])
+""", re.VERBOSE)
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+RANGE_FUNCS = ("rate", "increase", "delta")
+
+
+@dataclass(frozen=True, slots=True)
+class _Tok:
+    kind: str
+    text: str
+    pos: int
+
+
+def _tokenize(src: str) -> list[_Tok]:
+    out, pos = [], 0
+    while pos < len(src):
+        m = _TOKEN.match(src, pos)
+        if m is None:
+            raise ExprError(f"unexpected character {src[pos]!r} at column {pos + 1}")
+        kind = m.lastgroup
+        assert kind is not None
+        if kind != "ws":
+            out.append(_Tok(kind, m.group(), pos))
+        pos = m.end()
+    out.append(_Tok("end", "", len(src)))
+    return out
+
+
+class _Parser:
+    def __init__(self, src: str) -> None:
+        self.src = src
+        self.toks = _tokenize(src)
+        self.i = 0
+
+    @property
+    def tok(self) -> _Tok:
+        return self.toks[self.i]
+
+    def _fail(self, expected: str) -> ExprError:
+        t = self.tok
+        got = "the end" if t.kind == "end" else repr(t.text)
+        return ExprError(f"expected {expected} at column {t.pos + 1}, got {got}")
+
+    def take(self, text: str) -> _Tok:
+        if self.tok.text != text or self.tok.kind in ("string", "end"):
+            raise self._fail(repr(text))
+        t = self.tok
+        self.i += 1
+        return t
+
+    def peek(self, text: str, ahead: int = 0) -> bool:
+        t = self.toks[min(self.i + ahead, len(self.toks) - 1)]
+        return t.text == text and t.kind not in ("string", "end")
+
+    def span(self, start: int) -> str:
+        end = self.toks[self.i - 1]
+        return self.src[start:end.pos + len(end.text)].strip()
+
+    def parse(self) -> Node:
+        node = self.expr()
+        if self.tok.kind != "end":
+            raise self._fail("an operator (+ - * /) or the end")
+        return node
+
+    def expr(self) -> Node:
+        start = self.tok.pos
+        node = self.term()
+        while self.tok.text in ("+", "-") and self.tok.kind == "op":
+            op = self.take(self.tok.text).text
+            right = self.term()
+            node = Binary(op, node, right, self.span(start))
+        return node
+
+    def term(self) -> Node:
+        start = self.tok.pos
+        node = self.unary()
+        while self.tok.text in ("*", "/") and self.tok.kind == "op":
+            op = self.take(self.tok.text).text
+            right = self.unary()
+            node = Binary(op, node, right, self.span(start))
+        return node
+
+    def unary(self) -> Node:
+        if self.peek("-"):
+            start = self.take("-").pos
+            arg = self.unary()
+            return Negate(arg, self.span(start))
+        return self.primary()
+
+    def primary(self) -> Node:
+        t = self.tok
+        if t.kind == "number":
+            self.i += 1
+            return Number(float(t.text), t.text)
+        if t.kind == "duration":
+            raise ExprError(f"a duration ({t.text}) belongs in a range selector like metric[{t.text}], "
+                            f"at column {t.pos + 1}")
+        if self.peek("("):
+            self.take("(")
+            node = self.expr()
+            self.take(")")
+            return node
+        if t.kind != "ident":
+            raise self._fail("a number, a metric name, a function or '('")
+        name = t.text
+        if name in RANGE_FUNCS and self.peek("(", 1):
+            self.i += 2
+            sel = self.selector(allow_range=True)
+            if sel.range_s is None:
+                raise ExprError(f"{name}() needs a range selector such as {sel.metric}[60s], "
+                                f"at column {self.tok.pos + 1}")
+            self.take(")")
+            return RangeCall(name, sel, self.span(t.pos))
+        if name == "abs" and self.peek("(", 1):
+            self.i += 2
+            arg = self.expr()
+            self.take(")")
+            return Abs(arg, self.span(t.pos))
+        if name in AGGREGATES and (self.peek("(", 1) or self.toks[self.i + 1].text in ("by", "without")):
+            self.i += 1
+            by, without = self.grouping()
+            self.take("(")
+            arg = self.expr()
+            self.take(")")
+            if by is None and without is None:
+                by, without = self.grouping()
+            return Aggregate(name, arg, by, without, self.span(t.pos))
+        if self.peek("(", 1):
+            known = ", ".join([*RANGE_FUNCS, "abs", *AGGREGATES])
+            raise ExprError(f"unknown function {name}() at column {t.pos + 1}; known: {known}")
+        return self.selector(allow_range=False)
+
+    def grouping(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        if self.tok.kind != "ident" or self.tok.text not in ("by", "without"):
+            return None, None
+        kw = self.tok.text
+        self.i += 1
+        self.take("(")
+        names = [self.label()]
+        while self.peek(","):
+            self.take(",")
+            names.append(self.label())
+        self.take(")")
+        return (tuple(names), None) if kw == "by" else (None, tuple(names))
+
+    def label(self) -> str:
+        if self.tok.kind != "ident":
+            raise self._fail("a label name")
+        self.i += 1
+        return self.toks[self.i - 1].text
+
+    def selector(self, allow_range: bool) -> Selector:
+        t = self.tok
+        if t.kind != "ident":
+            raise self._fail("a metric name")
+        self.i += 1
+        matchers: list[Matcher] = []
+        if self.peek("{"):
+            self.take("{")
+            while not self.peek("}"):
+                label = self.label()
+                if self.tok.text not in ("=", "!=", "=~", "!~") or self.tok.kind != "op":
+                    raise self._fail("one of = != =~ !~")
+                op = self.tok.text
+                self.i += 1
+                if self.tok.kind != "string":
+                    raise self._fail('a quoted label value such as "user_id"')
+                value = re.sub(r"\\(.)", r"\1", self.tok.text[1:-1])
+                if op in ("=~", "!~"):
+                    try:
+                        re.compile(value)
+                    except re.error as exc:
+                        raise ExprError(f"bad regular expression {value!r} at column {self.tok.pos + 1}: "
+                                        f"{exc}") from None
+                self.i += 1
+                matchers.append(Matcher(label, op, value))
+                if not self.peek("}"):
+                    self.take(",")
+            self.take("}")
+        range_s = None
+        if self.peek("["):
+            if not allow_range:
+                raise ExprError(f"a range selector [...] only goes inside {', '.join(RANGE_FUNCS)}(), "
+                                f"at column {self.tok.pos + 1}")
+            self.take("[")
+            d = self.tok
+            if d.kind != "duration":
+                raise self._fail("a duration such as 60s or 5m")
+            self.i += 1
+            unit = re.search(r"[a-z]+$", d.text)
+            assert unit is not None
+            range_s = float(d.text[:unit.start()]) * _UNITS[unit.group()]
+            if range_s <= 0:
+                raise ExprError(f"range [{d.text}] must be positive, at column {d.pos + 1}")
+            self.take("]")
+        return Selector(t.text, tuple(matchers), self.span(t.pos), range_s)
+
+
+def parse(src: str) -> Node:
+    """Parse an expression; :class:`ExprError` says where it went wrong."""
+    if not src.strip():
+        raise ExprError("empty expression")
+    return _Parser(src).parse()
+
+
+def longest_range(nodes: Iterable[Node]) -> float:
+    return max((r for n in nodes for r in n.ranges()), default=0.0)

@@ -1,0 +1,341 @@
+"""The alert monitor: scrape Prometheus endpoints, evaluate alert rules, send firing/resolved alerts.
+
+Three parts, each usable alone:
+
+* :class:`Scraper` fetches the ``[sources]`` of a rules file and parses the Prometheus text format
+  into a :class:`Snapshot` (a source that fails is counted and simply contributes no data);
+* :class:`RuleEngine` is pure logic with the clock passed in: it keeps the sample history that
+  ``rate()``/``increase()`` need and runs one state machine per rule and label set::
+
+      inactive --cond--> pending --cond held for_s--> firing --not cond--> resolved --> inactive
+          ^                 |                                                  |
+          +----not cond-----+                          (pending again if cond) +
+
+  It returns one ``firing`` alert on entering firing and one ``resolved`` alert on leaving it. A
+  ``for_s`` of 0 fires on the first evaluation where the condition holds. "No data" (the metric is
+  missing from every source, or a series disappears) is not a true condition: pending series go back
+  to inactive and firing ones resolve. A rule with ``absent_for_s`` fires a separate alert (labels
+  ``{"absent": "true"}``) once its expression has had no data for that long.
+* :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import Counter as PCounter
+from prometheus_client.parser import text_string_to_metric_families
+
+from streamrec.alert_expr import Labels, Point, Window, labels_of
+from streamrec.alert_rules import Rule, RulesConfig
+from streamrec.alerts import Alert, AlertSink, AlertState
+
+log = logging.getLogger("streamrec.monitor")
+
+ALERTS = PCounter("streamrec_monitor_alerts_total", "Alerts sent, by rule and state (firing, resolved).",
+                  ["rule", "state"])
+EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluations, by rule.", ["rule"])
+SCRAPE_ERRORS = PCounter("streamrec_monitor_scrape_errors_total", "Failed scrapes, by source.", ["source"])
+
+ABSENT_LABELS: Labels = (("absent", "true"),)
+
+
+# -- scraping -----------------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    """One scrape of every source: metric name -> label set -> value (and the source it came from)."""
+
+    metrics: dict[str, dict[Labels, Point]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # source -> why it gave no data
+
+    def add_text(self, source: str, text: str) -> None:
+        """Parse Prometheus text exposition format; where two sources export the same series, the first wins."""
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                series = self.metrics.setdefault(s.name, {})
+                series.setdefault(labels_of(s.labels), Point(float(s.value), frozenset((source,))))
+
+    @classmethod
+    def from_texts(cls, texts: Mapping[str, str]) -> Snapshot:
+        snap = cls()
+        for source, text in texts.items():
+            snap.add_text(source, text)
+        return snap
+
+
+class Scraper:
+    def __init__(self, sources: Mapping[str, str], timeout_s: float = 5.0) -> None:
+        self.sources, self.timeout_s = dict(sources), timeout_s
+
+    def fetch(self, url: str) -> str:
+        req = urllib.request.Request(url, headers={"Accept": "text/plain", "User-Agent": "streamrec-monitor"})
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 (URL from the rules file)
+            return resp.read().decode("utf-8", "replace")
+
+    def scrape(self) -> Snapshot:
+        snap = Snapshot()
+        for name, url in self.sources.items():
+            try:
+                snap.add_text(name, self.fetch(url))
+            except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
+                snap.errors[name] = f"{url}: {getattr(exc, 'reason', exc)}"
+                SCRAPE_ERRORS.labels(name).inc()
+        return snap
+
+
+# -- rule state -----------------------------------------------------------------------------------
+class State(str, enum.Enum):
+    INACTIVE = "inactive"
+    PENDING = "pending"
+    FIRING = "firing"
+    RESOLVED = "resolved"  # for one evaluation after firing ends
+
+
+@dataclass
+class SeriesState:
+    state: State = State.INACTIVE
+    since: float = 0.0  # when the current state began (pending: when the condition first held)
+    value: float | None = None
+    sources: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class SeriesStatus:
+    """One row of ``streamrec monitor --once``."""
+
+    rule: str
+    labels: dict[str, str]
+    state: State
+    value: float | None
+    since: float | None
+    severity: str
+    condition: str
+    for_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        from streamrec.alerts import encode_value
+
+        return {"rule": self.rule, "labels": self.labels, "state": self.state.value,
+                "value": encode_value(self.value), "since": self.since, "severity": self.severity,
+                "condition": self.condition, "for_s": self.for_s}
+
+
+class MetricHistory:
+    """The MetricStore of one evaluation: the latest snapshot plus the samples of earlier scrapes."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.samples: dict[str, dict[Labels, deque[tuple[float, float]]]] = {}
+        self.sources: dict[tuple[str, Labels], frozenset[str]] = {}
+        self.now = 0.0
+        self.snapshot = Snapshot()
+
+    def record(self, snap: Snapshot, now: float) -> None:
+        self.now, self.snapshot = now, snap
+        if self.keep_s <= 0:
+            return
+        for metric, series in snap.metrics.items():
+            per = self.samples.setdefault(metric, {})
+            for lb, p in series.items():
+                per.setdefault(lb, deque()).append((now, p.value))
+                self.sources[(metric, lb)] = p.sources
+        horizon = now - self.keep_s
+        for metric in list(self.samples):
+            per = self.samples[metric]
+            for lb in list(per):
+                q = per[lb]
+                while q and q[0][0] < horizon:
+                    q.popleft()
+                if not q:
+                    del per[lb]
+                    self.sources.pop((metric, lb), None)
+            if not per:
+                del self.samples[metric]
+
+    # MetricStore
+    def instant(self, metric: str) -> Mapping[Labels, Point]:
+        return self.snapshot.metrics.get(metric, {})
+
+    def window(self, metric: str, range_s: float) -> Mapping[Labels, Window]:
+        start = self.now - range_s
+        return {lb: ([s for s in q if s[0] >= start], self.sources.get((metric, lb), frozenset()))
+                for lb, q in self.samples.get(metric, {}).items()}
+
+
+def _fmt(v: float | None) -> str:
+    return "no data" if v is None else f"{v:.4g}"
+
+
+class RuleEngine:
+    """Evaluates rules against snapshots; pure logic (``now`` is passed in, nothing sleeps)."""
+
+    def __init__(self, rules: Sequence[Rule], history_s: float = 0.0) -> None:
+        self.rules = list(rules)
+        # a little more than the longest range, so a range of 60 s still sees a sample 60 s old
+        self.history = MetricHistory(history_s * 1.5 if history_s else 0.0)
+        self.states: dict[str, dict[Labels, SeriesState]] = {r.name: {} for r in self.rules}
+        self.no_data_since: dict[str, float | None] = {r.name: None for r in self.rules}
+        self.evaluations = 0
+
+    def evaluate(self, snap: Snapshot, now: float) -> list[Alert]:
+        self.history.record(snap, now)
+        self.evaluations += 1
+        alerts: list[Alert] = []
+        for rule in self.rules:
+            EVALUATIONS.labels(rule.name).inc()
+            alerts.extend(self._evaluate_rule(rule, now))
+        for a in alerts:
+            ALERTS.labels(a.rule, a.state.value).inc()
+        return alerts
+
+    def _evaluate_rule(self, rule: Rule, now: float) -> list[Alert]:
+        assert rule.tree is not None
+        try:
+            val = rule.tree.eval(self.history)
+        except (ArithmeticError, ValueError) as exc:  # overflow and the like: no data this round
+            log.warning("rule %s: %s evaluates to an error: %s", rule.name, rule.expr, exc)
+            val = {}
+        series: dict[Labels, Point] = val if isinstance(val, dict) else {(): Point(float(val), frozenset())}
+        states = self.states[rule.name]
+        out: list[Alert] = []
+        for lb in set(states) | set(series):
+            if lb == ABSENT_LABELS:
+                continue
+            st = states.setdefault(lb, SeriesState(since=now))
+            p = series.get(lb)
+            holds = p is not None and rule.op.holds(p.value, rule.threshold)
+            st.value = None if p is None else p.value
+            if p is not None:
+                st.sources = p.sources
+            alert = self._step(rule, lb, st, holds, now)
+            if alert is not None:
+                out.append(alert)
+            if st.state is State.INACTIVE and p is None:
+                del states[lb]  # the series is gone: forget it
+        out.extend(self._absence(rule, bool(series), now))
+        return out
+
+    def _step(self, rule: Rule, lb: Labels, st: SeriesState, holds: bool, now: float) -> Alert | None:
+        if st.state is State.RESOLVED:
+            st.state, st.since = State.INACTIVE, now
+        if holds:
+            if st.state is State.INACTIVE:
+                st.state, st.since = State.PENDING, now
+            if st.state is State.PENDING and now - st.since >= rule.for_s:
+                st.state, st.since = State.FIRING, now
+                return self._alert(rule, lb, st, AlertState.FIRING, now)
+            return None
+        if st.state is State.PENDING:
+            st.state, st.since = State.INACTIVE, now
+        elif st.state is State.FIRING:
+            st.state, st.since = State.RESOLVED, now
+            return self._alert(rule, lb, st, AlertState.RESOLVED, now)
+        return None
+
+    def _absence(self, rule: Rule, has_data: bool, now: float) -> list[Alert]:
+        if has_data:
+            self.no_data_since[rule.name] = None
+        elif self.no_data_since[rule.name] is None:
+            self.no_data_since[rule.name] = now
+        if rule.absent_for_s is None:
+            return []
+        states = self.states[rule.name]
+        st = states.setdefault(ABSENT_LABELS, SeriesState(since=now))
+        since = self.no_data_since[rule.name]
+        absent = since is not None and now - since >= rule.absent_for_s
+        if st.state is State.RESOLVED:
+            st.state, st.since = State.INACTIVE, now
+        if absent and st.state is not State.FIRING:
+            st.state, st.since = State.FIRING, now
+            return [self._alert(rule, ABSENT_LABELS, st, AlertState.FIRING, now)]
+        if not absent and st.state is State.FIRING:
+            st.state, st.since = State.RESOLVED, now
+            return [self._alert(rule, ABSENT_LABELS, st, AlertState.RESOLVED, now)]
+        return []
+
+    def _alert(self, rule: Rule, lb: Labels, st: SeriesState, state: AlertState, now: float) -> Alert:
+        labels = {**rule.labels, **dict(lb)}
+        what = rule.description or rule.name
+        if lb == ABSENT_LABELS:
+            since = self.no_data_since[rule.name]
+            msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s" if state is AlertState.FIRING and since
+                   is not None else f"{what}: {rule.expr} has data again")
+            value = None
+        elif state is AlertState.FIRING:
+            held = f" for {rule.for_s:g}s" if rule.for_s else ""
+            msg = f"{what}: {rule.condition} held{held} (value {_fmt(st.value)})"
+            value = st.value
+        else:
+            now_is = "no data" if st.value is None else f"value {_fmt(st.value)}"
+            msg = f"{what}: {rule.condition} no longer holds ({now_is})"
+            value = st.value
+        return Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
+                     value=value, threshold=rule.threshold, message=msg, ts=int(round(now * 1000)), labels=labels)
+
+    def status(self) -> list[SeriesStatus]:
+        rows = []
+        for rule in self.rules:
+            states = self.states[rule.name]
+            shown = {lb: st for lb, st in states.items() if not (lb == ABSENT_LABELS and st.state is State.INACTIVE)}
+            if not shown:
+                rows.append(SeriesStatus(rule.name, {}, State.INACTIVE, None, None, rule.severity.value,
+                                         rule.condition, rule.for_s))
+            for lb, st in sorted(shown.items()):
+                rows.append(SeriesStatus(rule.name, dict(lb), st.state, st.value, st.since, rule.severity.value,
+                                         rule.condition, rule.for_s))
+        return rows
+
+
+# -- loop -----------------------------------------------------------------------------------------
+class Monitor:
+    """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set."""
+
+    def __init__(self, config: RulesConfig, sink: AlertSink, scrape: Callable[[], Snapshot] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.sink = sink
+        self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
+        self.clock = clock
+        self.engine = RuleEngine(config.rules, config.history_s)
+        self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
+        self.scrape_errors: dict[str, int] = {}
+        self._last_errors: dict[str, str] = {}
+
+    def step(self) -> list[Alert]:
+        snap = self.scrape()
+        for source, err in snap.errors.items():
+            self.scrape_errors[source] = self.scrape_errors.get(source, 0) + 1
+            if self._last_errors.get(source) != err:  # log a source's failure once, not every interval
+                log.warning("scrape of source %s failed: %s", source, err)
+        for source in set(self._last_errors) - set(snap.errors):
+            log.info("source %s answers again", source)
+        self._last_errors = dict(snap.errors)
+        alerts = self.engine.evaluate(snap, self.clock())
+        for a in alerts:
+            self.sent[a.state.value] += 1
+        self.sink.send(alerts)
+        return alerts
+
+    def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
+        interval = self.config.interval_s if interval_s is None else interval_s
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - one bad round must not end monitoring
+                log.exception("monitor evaluation failed; trying again in %.3gs", interval)
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    def summary(self) -> dict[str, Any]:
+        return {"evaluations": self.engine.evaluations, "alerts": dict(self.sent),
+                "scrape_errors": dict(self.scrape_errors),
+                "firing": [s.as_dict() for s in self.engine.status() if s.state is State.FIRING]}
+
