@@ -33,7 +33,7 @@ from streamrec.settings import (
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # modules that add their own subcommands (see build_parser)
-PLUGIN_COMMANDS: tuple[str, ...] = ("serving.cli", "streamrec.monitor_cli")
+PLUGIN_COMMANDS: tuple[str, ...] = ("serving.cli", "streamrec.monitor_cli", "cache_refresh.cli")
 
 
 # -- output ----------------------------------------------------------------------------------

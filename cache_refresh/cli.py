@@ -1,0 +1,140 @@
+"""``streamrec refresh``: the nightly hot-embedding cache refresh (scheduler, --now, --rollback, --status)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from cache_refresh.settings import RefreshSettings
+from streamrec.settings import KafkaSettings, RedisSettings, SettingsError, Sources, read_config_file
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
+    from cache_refresh.scheduler import make_trigger
+    from streamrec.artifact import FORMATS
+
+    src = Sources(file_data=read_config_file(args.config))
+    kafka = src.build(KafkaSettings, "kafka", bootstrap_servers=args.bootstrap_servers)
+    rds = src.build(RedisSettings, "redis", url=args.redis_url)
+    rs = src.build(RefreshSettings, "refresh", checkpoint_dir=args.checkpoint_dir, publish_root=args.publish_root,
+                   format=args.format, schedule=args.schedule, timezone=args.timezone)
+    if rs.format not in FORMATS:
+        raise SettingsError(f"[refresh] format: got {rs.format!r}, expected one of {', '.join(FORMATS)}")
+    if rs.count_event not in ("impression", "click"):
+        raise SettingsError(f"[refresh] count_event: got {rs.count_event!r}, expected impression or click")
+    for name in ("days", "keep_versions", "redis_attempts", "probe_samples"):
+        if getattr(rs, name) < 1:
+            raise SettingsError(f"[refresh] {name}: got {getattr(rs, name)}, expected an integer >= 1")
+    try:
+        make_trigger(rs.schedule, rs.timezone)
+    except ValueError as exc:
+        raise SettingsError(f"[refresh] {exc}") from None
+    return rs, kafka, rds
+
+
+def _status(rs: RefreshSettings) -> dict[str, Any]:
+    from cache_refresh.job import read_last_success
+    from streamrec import artifact
+
+    root = Path(rs.publish_root)
+    current = artifact.read_current(root)
+    last = read_last_success(root)
+    out: dict[str, Any] = {"publish_root": str(root), "current": None, "versions": artifact.list_versions(root),
+                           "last_success": last.isoformat() if last else None}
+    if current is not None:
+        m = artifact._read_manifest(current)
+        out["current"] = current.name
+        out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
+                           "source": {k: m["source"].get(k) for k in ("checkpoint", "samples_trained", "offsets")},
+                           "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
+    return out
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from streamrec.cli import _kv_lines, emit
+
+    rs, kafka, rds = _settings(args)
+    logging.basicConfig(level=(args.log_level or rs.log_level).upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cache_refresh import job
+    from streamrec import artifact
+
+    if args.status:
+        st = _status(rs)
+        emit(args, st, lambda d: "refresh status\n" + _kv_lines(d))
+        return EXIT_OK if st["current"] else EXIT_FAILED
+    if args.rollback:
+        try:
+            version = artifact.rollback(Path(rs.publish_root))
+        except artifact.ArtifactError as exc:
+            print(f"streamrec refresh: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        path = Path(rs.publish_root) / artifact.VERSIONS / version
+        notified = job.notify(rs, rds, version, path)
+        emit(args, {"current": version, "path": str(path), "notified": notified},
+             lambda d: f"rolled back: {d['current']} is current ({d['path']})")
+        return EXIT_OK
+    if args.now:
+        try:
+            summary = job.run_once(rs, kafka, rds)
+        except job.RefreshError as exc:
+            print(f"streamrec refresh: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        emit(args, summary, lambda d: "refresh summary\n" + _kv_lines(d))
+        return EXIT_OK
+
+    from cache_refresh.scheduler import run_forever
+
+    def scheduled() -> None:
+        try:
+            job.run_once(rs, kafka, rds)
+        except job.RefreshError:
+            pass  # logged and alerted by run_once; the schedule goes on, the live artifact keeps serving
+
+    print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
+    run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s,
+                lambda: job.read_last_success(Path(rs.publish_root)))
+    return EXIT_OK
+
+
+def add_parser(sub: Any, common: Any, kafka_flag: Any) -> None:
+    p = sub.add_parser(
+        "refresh", help="the nightly hot-embedding cache refresh: build, validate and publish a serving artifact",
+        description="Refresh the serving artifact from the learner's newest checkpoint. Steps: read the Redis "
+        "per-day counts of the last [refresh] days -> hot set (top hot_items items and hot_users users, plus "
+        "every row of small context fields) -> build the artifact (a TorchScript scorer holding the MLP, FM, "
+        "bias and the hot rows; the cold rows in a memory-mapped cold_rows.npy; manifest.json with the "
+        "version, source checkpoint and offsets, config, hot-set stats and the sha256 of every file) -> "
+        "validate (probe scores equal the learner's eager fp32 scores within validate_tolerance; AUC on the "
+        "last holdout_messages samples not more than max_auc_drop below the live artifact's) -> publish "
+        "atomically under <publish_root>/versions/ and point CURRENT at it, keeping keep_versions -> "
+        "PUBLISH the version on <redis prefix>:model-updates. A failure publishes nothing, writes a firing "
+        "alert to the Kafka alerts topic and exits 1; the live artifact keeps serving. Without --now/"
+        "--rollback/--status it runs forever on the cron schedule (default '0 3 * * *' UTC); a run missed "
+        "while it was down runs on start if within misfire_grace_s.",
+        epilog="Settings: [refresh] in --config and STREAMREC_REFRESH_<KEY> (checkpoint_dir, publish_root, days, "
+        "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
+        "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic). "
+        "Exit codes: 0 ok, 1 failed, 2 usage. Examples: streamrec refresh --now --json; "
+        "streamrec refresh --rollback; streamrec refresh --status --json")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed)")
+    mode.add_argument("--rollback", action="store_true", help="make the version before the current one current "
+                      "again and notify serving")
+    mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary")
+    p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
+    p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
+    p.add_argument("--format", choices=["torchscript", "export", "eager"],
+                   help=f"scorer format (default {RefreshSettings.format})")
+    p.add_argument("--schedule", help=f"crontab expression (default '{RefreshSettings.schedule}')")
+    p.add_argument("--timezone", help=f"IANA time zone of the schedule (default {RefreshSettings.timezone})")
+    p.add_argument("--redis-url", help=f"Redis with the counts (default {RedisSettings.url})")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default [refresh] log_level")
+    kafka_flag(p)
+    common(p)
+    p.set_defaults(func=cmd_refresh)

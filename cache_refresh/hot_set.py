@@ -1,0 +1,108 @@
+"""The hot set: the most frequent items and users of the last days -> rows of the fused embedding table.
+
+Counts come from the joiner's per-day Redis sorted sets (``stream/counts.py``), whose members are the
+stable hashes of the raw ids (``stream/ids.py``), the same int64 the samples carry. An item's row is
+``item_id``'s block row of that hash (shared by ``history``, which reads item rows); a user's row is
+``user_id``'s. The mapping is the feature config's (``FeatureConfig.blocks``), the one the learner used.
+
+Redis may be briefly unavailable at 03:00: every read is retried with exponential backoff
+(``attempts``, ``backoff_s`` doubling); :class:`RedisUnavailable` after the last attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import redis
+
+from learner.features import FeatureConfig
+from stream.counts import DailyCounts
+
+log = logging.getLogger("streamrec.refresh")
+T = TypeVar("T")
+
+KIND_FIELDS = {"item": "item_id", "user": "user_id"}
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer after every retry."""
+
+
+def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """``fn()``, retried on Redis connection/timeouts errors: waits backoff_s, 2*backoff_s, ..."""
+    last: Exception | None = None
+    for i in range(max(1, attempts)):
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            last = exc
+            if i + 1 < attempts:
+                wait = backoff_s * (2 ** i)
+                log.warning("%s: Redis error (%s); attempt %d/%d, retrying in %.1fs", what, exc, i + 1, attempts, wait)
+                sleep(wait)
+    raise RedisUnavailable(f"{what}: Redis unreachable after {attempts} attempt(s): {last}")
+
+
+@dataclass
+class HotSet:
+    rows: np.ndarray  # (H,) int64 sorted unique global rows
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int,
+            ) -> tuple[list[tuple[str, float]], str | None]:
+    """Top-k (member, count) over ``days`` days ending at the latest day with counts; and that day."""
+    if k <= 0:
+        return [], None
+    available = counts.days_available(kind, event)
+    if not available:
+        return [], None
+    day = available[-1]
+    return counts.top(kind, event, day=day, days=days, k=k), day
+
+
+def hot_rows(cfg: FeatureConfig, kind: str, members: list[str]) -> np.ndarray:
+    """Global rows of ``members`` (hash texts) in the block of ``kind``'s field; [] if the model lacks it."""
+    name = KIND_FIELDS[kind]
+    names = [f.name for f in cfg.fields]
+    if name not in names or not members:
+        return np.zeros(0, np.int64)
+    first, rows = cfg.blocks[names.index(name)]
+    hashed = np.array([int(m) for m in members if m.isdigit()], dtype=np.int64)
+    return first + np.remainder(hashed, rows)
+
+
+def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig, days: int, hot_items: int,
+            hot_users: int, event: str = "impression", small_field_rows: int = 0, attempts: int = 5,
+            backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep) -> HotSet:
+    """The hot rows of ``cfg``'s table from the last ``days`` days of counts, with stats for the manifest."""
+    counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
+    parts, stats = [], {"days": days, "event": event}
+    for kind, k in (("item", hot_items), ("user", hot_users)):
+        top, day = with_retries(f"top {kind}s", lambda kind=kind, k=k: top_ids(counts, kind, event, days, k),
+                                attempts, backoff_s, sleep)
+        rows = hot_rows(cfg, kind, [m for m, _ in top])
+        parts.append(rows)
+        stats[f"{kind}s"] = len(top)
+        stats[f"{kind}_rows"] = int(len(np.unique(rows)))
+        stats[f"{kind}_last_day"] = day
+        stats[f"{kind}_count_covered"] = float(sum(c for _, c in top))
+    small = small_field_rows_of(cfg, small_field_rows)
+    stats["small_field_rows"] = int(len(small))
+    rows = np.unique(np.concatenate([*parts, small]))
+    return HotSet(rows, stats)
+
+
+def small_field_rows_of(cfg: FeatureConfig, limit: int) -> np.ndarray:
+    """Every row of the fields (with their own rows) that have at most ``limit`` buckets."""
+    own = [(first, rows) for f, (first, rows) in zip(cfg.fields, cfg.blocks, strict=True)
+           if f.shares is None and f.num_buckets <= limit]
+    if not own:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(first, first + rows, dtype=np.int64) for first, rows in own])

@@ -1,0 +1,205 @@
+"""One refresh: hot set -> latest checkpoint -> artifact -> validate -> publish -> notify serving.
+
+    Redis counts (last D days) --hot_set--> hot rows ---+
+    learner checkpoint (newest) --------------------------+--build_artifact--> staged artifact
+                                                          validate: probe == learner, holdout >= live - bound
+                                                          publish: versions/<v>, CURRENT -> <v>, keep N
+                                                          notify: Redis PUBLISH <prefix>:model-updates
+
+Failures raise :class:`RefreshError` naming the stage and the cause, after the staged artifact was
+removed (nothing is published: the live artifact keeps serving), a firing alert was written to the
+Kafka ``alerts`` topic and the log. Redis is retried with exponential backoff before it counts as
+unreachable. A failed notification does not fail the refresh: the version is published, serving
+polls ``CURRENT`` and finds it; the summary says ``notified: false``.
+
+The alert has the shape of ``streamrec/alerts.py``'s records: ``{"rule": "refresh_failed", "source":
+"refresh", "severity": "critical", "state": "firing", "value": null, "threshold": null, "message",
+"ts" (ms), "labels": {"stage"}}``, keyed by the rule name. A refresh raises no "resolved" record:
+the next successful refresh (``last_run.json``) is the resolution.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from cache_refresh import hot_set, validate
+from cache_refresh.settings import RefreshSettings
+from learner import checkpoint as ckpt_io
+from learner.features import FeatureConfig
+from streamrec import artifact
+from streamrec.settings import KafkaSettings, RedisSettings
+
+log = logging.getLogger("streamrec.refresh")
+
+LAST_RUN = "last_run.json"
+ALERT_RULE = "refresh_failed"
+
+
+class RefreshError(Exception):
+    """A refresh failed and published nothing; ``stage`` says where (hot_set, checkpoint, build, ...)."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(f"refresh failed at {stage}: {message}")
+        self.stage = stage
+
+
+def notify_channel(rs: RefreshSettings, rds: RedisSettings) -> str:
+    return rs.notify_channel or f"{rds.prefix}:model-updates"
+
+
+# -- last successful run -------------------------------------------------------------------------
+def read_last_success(root: Path) -> dt.datetime | None:
+    """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never."""
+    try:
+        data = json.loads((Path(root) / LAST_RUN).read_text())
+        return dt.datetime.fromtimestamp(float(data["last_success"]), tz=dt.timezone.utc)
+    except (FileNotFoundError, KeyError, ValueError, json.JSONDecodeError):
+        return None
+
+
+def write_last_success(root: Path, when: float, version: str) -> None:
+    artifact._write_atomic(Path(root) / LAST_RUN, json.dumps({
+        "last_success": when, "version": version,
+        "last_success_utc": dt.datetime.fromtimestamp(when, tz=dt.timezone.utc).isoformat(timespec="seconds"),
+    }).encode())
+
+
+# -- alerts --------------------------------------------------------------------------------------
+def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, timeout_s: float = 10.0) -> bool:
+    """Log a firing alert and write it to the Kafka ``topic``; returns whether Kafka acknowledged it."""
+    record = {"rule": ALERT_RULE, "source": "refresh", "severity": "critical", "state": "firing",
+              "value": None, "threshold": None, "message": message, "ts": int(time.time() * 1000),
+              "labels": {"stage": stage}}
+    log.error("FIRING critical %s{stage=%s} source=refresh: %s", ALERT_RULE, stage, message)
+    if not topic:
+        return False
+    try:
+        from stream.kafka import AckedProducer, ensure_topics
+
+        ensure_topics(kafka, [topic], partitions=1)
+        producer = AckedProducer(kafka, **{"message.timeout.ms": int(timeout_s * 1000)})
+        producer.send(topic, json.dumps(record, sort_keys=True).encode(), key=ALERT_RULE)
+        producer.flush(timeout_s)
+        return True
+    except Exception as exc:  # noqa: BLE001 - the alert is also in the log; never mask the refresh error
+        log.error("could not write the alert to Kafka topic %r at %s: %s", topic, kafka.bootstrap_servers, exc)
+        return False
+
+
+# -- the job -------------------------------------------------------------------------------------
+def _redis(rds: RedisSettings, rs: RefreshSettings) -> redis.Redis:
+    return redis.Redis.from_url(rds.url, socket_timeout=rs.redis_timeout_s, socket_connect_timeout=rs.redis_timeout_s)
+
+
+def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep) -> bool:
+    """PUBLISH the new version to serving (best effort, retried); serving also polls CURRENT."""
+    message = json.dumps({"version": version, "path": str(path), "ts": int(time.time() * 1000)})
+    client = _redis(rds, rs)
+    try:
+        hot_set.with_retries("notify serving", lambda: client.publish(notify_channel(rs, rds), message),
+                             rs.redis_attempts, rs.redis_backoff_s, sleep)
+        return True
+    except hot_set.RedisUnavailable as exc:
+        log.warning("published %s but could not notify serving (%s); serving will find it by polling", version, exc)
+        return False
+    finally:
+        client.close()
+
+
+def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep) -> dict[str, Any]:
+    """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure."""
+    stage = "start"
+    staged: Path | None = None
+    timings: dict[str, float] = {}
+    t_start = time.time()
+    root = Path(rs.publish_root)
+
+    def timed(name: str, t0: float) -> None:
+        timings[name] = round(time.monotonic() - t0, 3)
+
+    try:
+        stage = "checkpoint"
+        t0 = time.monotonic()
+        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir))
+        if ckpt is None:
+            raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
+                                      "running with the same checkpoint_dir?")
+        cfg = FeatureConfig.from_dict(ckpt["meta"]["feature_config"])
+        timed(stage, t0)
+
+        stage = "hot_set"
+        t0 = time.monotonic()
+        client = _redis(rds, rs)
+        try:
+            hs = hot_set.compute(client, rds.prefix, rds.counts_ttl_days, cfg, rs.days, rs.hot_items, rs.hot_users,
+                                 event=rs.count_event, small_field_rows=rs.small_field_rows,
+                                 attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep)
+        except hot_set.RedisUnavailable as exc:
+            raise RefreshError(stage, f"{exc} (url {rds.url}); the live artifact is untouched. Is Redis up "
+                                      "(`streamrec stack status`, STREAMREC_REDIS_URL)?") from exc
+        finally:
+            client.close()
+        timed(stage, t0)
+
+        stage = "build"
+        t0 = time.monotonic()
+        staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats)
+        timed(stage, t0)
+
+        stage = "validate"
+        t0 = time.monotonic()
+        new = artifact.ScoringModel.load(staged)
+        probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
+        live = _live_model(root)
+        batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
+        quality = validate.holdout(new, live, batches, rs.max_auc_drop)
+        timed(stage, t0)
+
+        stage = "publish"
+        t0 = time.monotonic()
+        path = artifact.publish(root, staged, rs.keep_versions)
+        staged = None
+        write_last_success(root, time.time(), path.name)
+        timed(stage, t0)
+    except Exception as exc:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        if isinstance(exc, RefreshError):
+            raise_alert(kafka, rs.alerts_topic, exc.stage, str(exc))
+            raise
+        known = isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError))
+        err = RefreshError(stage, str(exc) if known else f"{type(exc).__name__}: {exc}")
+        raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
+        raise err from exc
+
+    t0 = time.monotonic()
+    notified = notify(rs, rds, path.name, path, sleep)
+    timed("notify", t0)
+    manifest = json.loads((path / artifact.MANIFEST).read_text())
+    log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
+    return {
+        "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
+        "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest["hot_set"],
+        "probe": probe, "holdout": quality, "notified": notified, "channel": notify_channel(rs, rds),
+        "bytes": {name: f["bytes"] for name, f in manifest["files"].items()},
+        "seconds": {**timings, "total": round(time.time() - t_start, 3)},
+    }
+
+
+def _live_model(root: Path) -> artifact.ScoringModel | None:
+    current = artifact.read_current(root)
+    if current is None:
+        return None
+    try:
+        return artifact.ScoringModel.load(current)
+    except artifact.ArtifactError as exc:
+        log.warning("the live artifact %s does not load (%s); the holdout comparison is skipped", current, exc)
+        return None

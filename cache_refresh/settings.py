@@ -1,0 +1,44 @@
+"""Settings of the nightly hot-embedding cache refresh (``streamrec refresh``), section ``[refresh]``.
+
+Built once at the process edge with ``Sources.build(RefreshSettings, "refresh", ...)``: defaults <
+``--config`` TOML ``[refresh]`` < ``STREAMREC_REFRESH_<KEY>`` < flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RefreshSettings:
+    checkpoint_dir: Path = Path(".streamrec/checkpoints")  # the learner's (LearnerSettings.checkpoint_dir)
+    publish_root: Path = Path(".streamrec/serving")  # versions/, CURRENT, last_run.json
+    # hot set: top-K of the Redis per-day impression counts summed over the last `days` days
+    days: int = 7
+    hot_items: int = 100_000
+    hot_users: int = 100_000
+    count_event: str = "impression"  # impression | click: which counts rank the hot set
+    # every row of a field with at most this many buckets is hot too (context fields: few rows, every
+    # request reads them); 0 = only the counted items and users
+    small_field_rows: int = 100_000
+    # schedule (APScheduler cron); a run missed while the process was down runs on start within the grace
+    schedule: str = "0 3 * * *"
+    timezone: str = "UTC"
+    misfire_grace_s: int = 3600
+    # artifact and publishing
+    keep_versions: int = 5
+    format: str = "torchscript"  # torchscript | export | eager
+    # validation before publish
+    validate_tolerance: float = 1e-5  # max |artifact - learner fp32 eager| probability on the probe set
+    probe_samples: int = 512
+    holdout_messages: int = 50  # last N messages of the samples topic; 0 = no quality check
+    holdout_timeout_s: float = 10.0
+    max_auc_drop: float = 0.01  # fail when holdout AUC < live artifact's AUC - this
+    # Redis
+    redis_attempts: int = 5
+    redis_backoff_s: float = 0.5  # first retry waits this long, then doubles
+    redis_timeout_s: float = 5.0
+    notify_channel: str = ""  # PUBLISH the new version here; "" = "<redis prefix>:model-updates"
+    alerts_topic: str = "alerts"  # Kafka topic of firing alerts ("" = log only)
+    log_level: str = "info"

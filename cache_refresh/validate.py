@@ -1,0 +1,158 @@
+"""Validation before publish: the artifact scores what the learner scores, and not worse than the live one.
+
+1. **Probe** (exactness): random field-major bags over the whole table (hot rows and cold rows, empty
+   bags, multi-valued fields) scored by the staged artifact and by the learner's DeepFM rebuilt from
+   the same checkpoint in fp32 eager mode; the largest absolute difference of the probabilities must
+   not exceed the tolerance. A mismatch means the export is broken (wrong weights, wrong rows, wrong
+   pooling), never that the model got worse.
+2. **Holdout** (quality): the last ``holdout_messages`` messages of the samples topic scored by the
+   new artifact and by the live one; the new AUC may not fall more than ``max_auc_drop`` below the
+   live AUC. These samples are recent, not unseen: the learner trains on everything, so both models
+   may have learned from them; the check catches a broken or regressed model, not overfitting.
+   Skipped (and said so in the summary) when there is no live artifact, no samples, a single class,
+   or the live artifact has another feature config.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from learner.batch import to_tensors
+from learner.features import FeatureConfig
+from learner.progressive import auc, logloss
+from stream.samples import SampleBatch
+from streamrec.artifact import ScoringModel, eager_model
+from streamrec.settings import KafkaSettings
+
+log = logging.getLogger("streamrec.refresh")
+
+
+class ValidationFailed(Exception):
+    """The staged artifact failed a check; the message says which and by how much."""
+
+
+def probe_inputs(cfg: FeatureConfig, b: int, seed: int = 0, hot_rows: np.ndarray | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values (N,), offsets (F*B + 1,), dense (B, Dd)): random bags, a third of the values hot rows."""
+    rng = np.random.default_rng(seed)
+    hot = np.asarray(hot_rows if hot_rows is not None else [], np.int64)
+    values, lengths = [], []
+    for spec, (first, rows) in zip(cfg.fields, cfg.blocks, strict=True):
+        n = np.ones(b, np.int64) if spec.kind == "single" else rng.integers(0, 6, b)
+        v = first + rng.integers(0, rows, int(n.sum()))
+        in_block = hot[(hot >= first) & (hot < first + rows)]
+        if len(in_block) and len(v):
+            pick = rng.random(len(v)) < 1 / 3
+            v[pick] = rng.choice(in_block, int(pick.sum()))
+        lengths.append(n)
+        values.append(v)
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
+    dense = rng.normal(size=(b, len(cfg.dense))).astype(np.float32)
+    return torch.from_numpy(np.concatenate(values)), torch.from_numpy(offsets), torch.from_numpy(dense)
+
+
+def probe(model: ScoringModel, checkpoint: dict[str, Any], samples: int, tolerance: float,
+          hot_rows: np.ndarray | None = None, seed: int = 0) -> dict[str, Any]:
+    """Compare the artifact's probabilities with the learner's fp32 eager ones; raise beyond ``tolerance``."""
+    values, offsets, dense = probe_inputs(model.feature_config, samples, seed, hot_rows)
+    with torch.no_grad():
+        want = torch.sigmoid(eager_model(checkpoint)(values, offsets, dense))  # (B,)
+    got = model.score(values, offsets, dense).cpu()  # (B,)
+    diff = float((got - want).abs().max()) if samples else 0.0
+    result = {"samples": samples, "max_abs_diff": diff, "tolerance": tolerance}
+    if not diff <= tolerance:  # also catches NaN
+        raise ValidationFailed(f"probe: artifact scores differ from the learner's eager scores by {diff:.3g} "
+                               f"(tolerance {tolerance:g}) on {samples} probe samples; the artifact is not the "
+                               "checkpoint's model (export or row placement is broken)")
+    return result
+
+
+def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[SampleBatch]:
+    """The last ~``messages`` messages of the samples topic, spread over its partitions (oldest first).
+
+    The end of a partition is found from partition-EOF events, not the high watermark, which the local
+    broker under-reports by up to one record batch (environment.md); so a little more may be read.
+    """
+    if messages <= 0:
+        return []
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"streamrec-refresh-{uuid.uuid4().hex}",
+                  "enable.auto.commit": False, "enable.partition.eof": True, "client.id": kafka.client_id})
+    try:
+        md = c.list_topics(kafka.samples_topic, timeout=timeout_s).topics.get(kafka.samples_topic)
+        if md is None or md.error is not None or not md.partitions:
+            return []
+        parts = sorted(md.partitions)
+        per = max(1, math.ceil(messages / len(parts)))
+        assign = []
+        for p in parts:
+            low, high = c.get_watermark_offsets(TopicPartition(kafka.samples_topic, p), timeout=timeout_s)
+            if high > low:
+                assign.append(TopicPartition(kafka.samples_topic, p, max(low, high - per)))
+        if not assign:
+            return []
+        c.assign(assign)
+        open_parts = {tp.partition for tp in assign}
+        got: dict[int, list[SampleBatch]] = {p: [] for p in open_parts}
+        deadline = time.monotonic() + timeout_s
+        while open_parts and time.monotonic() < deadline:
+            for m in c.consume(256, 0.2):
+                if m.error() is not None:
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        open_parts.discard(m.partition())
+                    continue
+                try:
+                    got[m.partition()].append(SampleBatch.decode(m.value()))
+                except Exception:  # noqa: BLE001 - a malformed message is not a sample
+                    continue
+        return [b for p in sorted(got) for b in got[p][-per:]]
+    finally:
+        c.close()
+
+
+def quality(model: ScoringModel, batches: list[SampleBatch]) -> dict[str, Any]:
+    """AUC and logloss of ``model`` on the samples of ``batches``."""
+    probs, labels = [], []
+    for batch in batches:
+        tb = to_tensors(batch, model.feature_config)
+        if len(tb):
+            probs.append(model.score(tb.values, tb.offsets, tb.dense).cpu().numpy())
+            labels.append(tb.labels.numpy())
+    if not probs:
+        return {"samples": 0, "auc": float("nan"), "logloss": float("nan")}
+    p, y = np.concatenate(probs), np.concatenate(labels)
+    return {"samples": int(len(y)), "auc": auc(p, y), "logloss": logloss(p, y)}
+
+
+def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBatch],
+            max_auc_drop: float) -> dict[str, Any]:
+    """Quality of the new artifact vs the live one on recent samples; raise if worse beyond the bound."""
+    if not batches:
+        return {"skipped": "no samples in the topic"}
+    mine = quality(new, batches)
+    out: dict[str, Any] = {"new": mine, "max_auc_drop": max_auc_drop}
+    if live is None:
+        out["skipped"] = "no live artifact to compare with"
+        return out
+    if live.feature_config != new.feature_config:
+        out["skipped"] = f"live artifact {live.version} has another feature config"
+        return out
+    theirs = quality(live, batches)
+    out["live"] = {**theirs, "version": live.version}
+    if math.isnan(mine["auc"]) or math.isnan(theirs["auc"]):
+        out["skipped"] = "AUC undefined on the holdout (one class only)"
+        return out
+    drop = theirs["auc"] - mine["auc"]
+    out["auc_drop"] = drop
+    if drop > max_auc_drop:
+        raise ValidationFailed(f"holdout: AUC {mine['auc']:.4f} is {drop:.4f} below the live artifact "
+                               f"{live.version}'s {theirs['auc']:.4f} on {mine['samples']} recent samples "
+                               f"(bound {max_auc_drop:g}); not publishing a worse model")
+    return out

@@ -1,0 +1,309 @@
+"""The cache refresh job (cache_refresh/) against the real broker and Redis of the session stack.
+
+A small checkpoint is trained here (a tiny DeepFM, a few test-then-train steps through learner.trainer
+on sample batches with a planted signal) and saved with learner.checkpoint, as the daemon saves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import time
+import uuid
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import numpy as np
+import pytest
+import redis
+import torch
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from cache_refresh import job, validate
+from cache_refresh.scheduler import make_trigger, missed_run
+from cache_refresh.settings import RefreshSettings
+from learner import checkpoint
+from learner.batch import to_tensors
+from learner.features import default_config
+from learner.model import DeepFM
+from learner.optim import make_optimizers
+from learner.trainer import Trainer
+from stream.counts import DailyCounts
+from stream.ids import stable_hash
+from stream.kafka import AckedProducer, ensure_topics
+from stream.samples import SampleBatch
+from streamrec import artifact
+from streamrec.cli import main
+from streamrec.settings import KafkaSettings, RedisSettings
+from streamrec.stack import free_port
+
+CFG = default_config({"device": "single"}, buckets=2000, ctx_buckets=5, embedding_dim=8, dense=("age",))
+USERS = [stable_hash(f"u{i}") for i in range(40)]
+ITEMS = [stable_hash(f"i{i}") for i in range(30)]
+DAY_MS = 1_750_000_000_000  # 2025-06-15 UTC
+
+
+def sample_batch(rng: np.random.Generator, n: int = 256, clicked: int = 0) -> SampleBatch:
+    """Clicks planted on the even items (odd with ``clicked=1``): a model learns it in a few steps."""
+    item_idx = rng.integers(0, len(ITEMS), n)
+    label = ((item_idx % 2 == clicked) & (rng.random(n) < 0.9)) | (rng.random(n) < 0.05)
+    return SampleBatch.from_columns(
+        impression_id=[uuid.uuid4().hex for _ in range(n)], ts=np.full(n, DAY_MS), label=label.astype(np.int8),
+        label_delay_ms=np.zeros(n, np.int64), user_id=np.array(USERS)[rng.integers(0, len(USERS), n)],
+        item_id=np.array(ITEMS)[item_idx],
+        history=[list(np.array(ITEMS)[rng.integers(0, len(ITEMS), rng.integers(0, 4))]) for _ in range(n)],
+        context={"device": rng.integers(0, 3, n)}, dense={"age": rng.random(n).astype(np.float32)})
+
+
+def save_checkpoint(directory: Path, steps: int, seed: int = 0, clicked: int = 0) -> dict:
+    """Train a tiny DeepFM ``steps`` steps and save it the way the daemon does; returns the meta."""
+    rng = np.random.default_rng(seed)
+    model = DeepFM(CFG, mlp=(16,), seed=seed)  # bf16 autocast as in the learner
+    sparse, dense = make_optimizers(model, lr_sparse=0.2, lr_dense=0.01)
+    trainer = Trainer(model, sparse, dense)
+    for _ in range(steps):
+        trainer.test_then_train(to_tensors(sample_batch(rng, clicked=clicked), CFG))
+    meta = {"samples_trained": trainer.samples, "steps": trainer.steps, "offsets": {"0": steps},
+            "partition_rows": {}, "duplicates": 0, "feature_config": CFG.to_dict(),
+            "model": {"mlp": "16", "dropout": 0.0, "lr_sparse": 0.2, "lr_dense": 0.01,
+                      "sparse_optimizer": "rowwise_adagrad", "amp": True, "seed": seed},
+            "metrics": trainer.metrics.summary(), "topic": "samples"}
+    state = {"model": model.state_dict(), "sparse_opt": sparse.state_dict(), "dense_opt": dense.state_dict(),
+             "metrics": trainer.metrics.state_dict(), "recent_ids": []}
+    checkpoint.save(directory, state, meta)
+    time.sleep(0.002)  # checkpoint names carry ms: keep them ordered
+    return meta
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(d, steps=30)
+    return d
+
+
+@pytest.fixture
+def env(stack, kafka: KafkaSettings, tmp_path: Path, trained: Path, redis_client: redis.Redis):
+    """Settings for one test: its own Redis prefix, samples and alerts topics, publish root, checkpoints."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    for p in checkpoint.list_checkpoints(trained):
+        for suffix in (".pt", ".json"):
+            (ckpt_dir / p.with_suffix(suffix).name).write_bytes(p.with_suffix(suffix).read_bytes())
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", days=7, hot_items=10,
+                         hot_users=5, small_field_rows=0, holdout_messages=4, holdout_timeout_s=10,
+                         redis_attempts=3, redis_backoff_s=0.01, alerts_topic=f"alerts-{prefix}")
+    # counts: item i{k} seen 100 - k times, user u{k} 50 - k times, on one day
+    counts = DailyCounts(redis_client, prefix=prefix)
+    items = [ITEMS[k] for k in range(len(ITEMS)) for _ in range(100 - k)]
+    users = [USERS[k] for k in range(len(USERS)) for _ in range(50 - k)]
+    counts.record("item", "impression", items, np.full(len(items), DAY_MS))
+    counts.record("user", "impression", users, np.full(len(users), DAY_MS))
+    # recent samples for the holdout
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    producer = AckedProducer(kafka)
+    rng = np.random.default_rng(99)
+    for _ in range(4):
+        producer.send(kafka.samples_topic, sample_batch(rng, 200).encode(), partition=0)
+    producer.flush()
+    return rs, kafka, rds
+
+
+def expected_hot_rows() -> np.ndarray:
+    (_, _), (item_first, item_rows) = CFG.blocks[0], CFG.blocks[1]
+    user_first, user_rows = CFG.blocks[0]
+    items = item_first + np.array(ITEMS[:10]) % item_rows
+    users = user_first + np.array(USERS[:5]) % user_rows
+    return np.unique(np.concatenate([items, users]))
+
+
+def read_alerts(kafka: KafkaSettings, topic: str) -> list[dict]:
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": uuid.uuid4().hex,
+                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    try:
+        c.assign([TopicPartition(topic, 0, 0)])
+        out, deadline = [], time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            if m.error():
+                if m.error().code() == KafkaError._PARTITION_EOF and out:
+                    break
+                continue
+            out.append(json.loads(m.value()))
+        return out
+    finally:
+        c.close()
+
+
+def config_file(path: Path, rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings) -> Path:
+    lines = [f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\nsamples_topic = "{kafka.samples_topic}"',
+             f'[redis]\nurl = "{rds.url}"\nprefix = "{rds.prefix}"', "[refresh]"]
+    for f in dataclasses.fields(rs):
+        v = getattr(rs, f.name)
+        lines.append(f"{f.name} = {json.dumps(str(v) if isinstance(v, Path) else v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path: Path, redis_client,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rs, kafka, rds = env
+    cfg = config_file(tmp_path / "c.toml", rs, kafka, rds)
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(f"{rds.prefix}:model-updates")
+    pubsub.get_message(timeout=1)  # the subscribe confirmation
+
+    assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    root = rs.publish_root
+    assert artifact.read_current(root) == Path(first["path"])
+    manifest = json.loads((Path(first["path"]) / artifact.MANIFEST).read_text())
+    newest = checkpoint.list_checkpoints(rs.checkpoint_dir)[-1]
+    assert manifest["source"]["checkpoint"] == str(newest) == first["checkpoint"]
+    assert manifest["source"]["samples_trained"] == 30 * 256 and manifest["source"]["offsets"] == {"0": 30}
+    assert manifest["hot_set"]["items"] == 10 and manifest["hot_set"]["users"] == 5
+    assert manifest["hot_set"]["rows"] == len(expected_hot_rows())
+    model = artifact.ScoringModel.load(Path(first["path"]))
+    assert np.array_equal(model._hot_ids[:-1], expected_hot_rows())
+    assert first["probe"]["max_abs_diff"] <= rs.validate_tolerance
+    assert first["holdout"]["new"]["samples"] == 800 and first["holdout"]["new"]["auc"] > 0.8
+    assert first["holdout"]["skipped"] == "no live artifact to compare with"
+    msg = pubsub.get_message(timeout=5)
+    assert msg is not None and json.loads(msg["data"])["version"] == first["version"]
+
+    # a second refresh compares with the live one, then the CLI rolls back to the first
+    save_checkpoint(rs.checkpoint_dir, steps=35, seed=1)
+    assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["holdout"]["live"]["version"] == first["version"] and "auc_drop" in second["holdout"]
+    assert artifact.read_current(root).name == second["version"]
+    assert json.loads(pubsub.get_message(timeout=5)["data"])["version"] == second["version"]
+    assert main(["refresh", "--status", "--json", "--config", str(cfg)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["current"] == second["version"] and status["versions"] == [first["version"], second["version"]]
+    assert status["manifest"]["source"]["samples_trained"] == 35 * 256
+
+    assert main(["refresh", "--rollback", "--json", "--config", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["current"] == first["version"]
+    assert artifact.read_current(root).name == first["version"]
+    msg = pubsub.get_message(timeout=5)
+    assert msg is not None and json.loads(msg["data"])["version"] == first["version"]
+    assert main(["refresh", "--rollback", "--config", str(cfg)]) == 1  # nothing older
+    assert "no version older" in capsys.readouterr().err
+    pubsub.close()
+
+
+def _assert_nothing_published(rs: RefreshSettings, before: Path | None, versions: list[str]) -> None:
+    assert artifact.read_current(rs.publish_root) == before
+    assert artifact.list_versions(rs.publish_root) == versions
+    staging = rs.publish_root / artifact.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
+
+
+def test_probe_mismatch_publishes_nothing_and_alerts(env, monkeypatch: pytest.MonkeyPatch) -> None:
+    rs, kafka, rds = env
+    real = validate.eager_model
+
+    def drifted(ckpt):  # as if the export had dropped a term: the artifact no longer equals the learner
+        model = real(ckpt)
+        with torch.no_grad():
+            model.bias.add_(0.01)
+        return model
+
+    monkeypatch.setattr(validate, "eager_model", drifted)
+    with pytest.raises(job.RefreshError, match="at validate: probe: artifact scores differ"):
+        job.run_once(rs, kafka, rds)
+    _assert_nothing_published(rs, None, [])
+    alerts = read_alerts(kafka, rs.alerts_topic)
+    assert len(alerts) == 1
+    a = alerts[0]
+    assert a["source"] == "refresh" and a["state"] == "firing" and a["severity"] == "critical"
+    assert a["labels"] == {"stage": "validate"} and "probe" in a["message"] and a["ts"] > 0
+
+
+def test_holdout_worse_than_the_live_artifact_publishes_nothing(env) -> None:
+    rs, kafka, rds = env
+    live = job.run_once(rs, kafka, rds)
+    # the newest checkpoint learned the opposite of what the recent samples show
+    save_checkpoint(rs.checkpoint_dir, steps=40, seed=3, clicked=1)
+    with pytest.raises(job.RefreshError, match="holdout: AUC .* below the live artifact"):
+        job.run_once(rs, kafka, rds)
+    _assert_nothing_published(rs, Path(live["path"]), [live["version"]])
+    alerts = read_alerts(kafka, rs.alerts_topic)
+    assert [a["labels"]["stage"] for a in alerts] == ["validate"] and "holdout" in alerts[0]["message"]
+
+
+def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) -> None:
+    rs, kafka, rds = env
+    live = job.run_once(rs, kafka, rds)
+    dead = dataclasses.replace(rds, url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    waits: list[float] = []
+    with pytest.raises(job.RefreshError, match="at hot_set: .*unreachable after 3 attempt"):
+        job.run_once(rs, kafka, dead, sleep=waits.append)
+    assert waits == [0.01, 0.02]  # exponential backoff between the 3 attempts
+    _assert_nothing_published(rs, Path(live["path"]), [live["version"]])
+    assert [a["labels"]["stage"] for a in read_alerts(kafka, rs.alerts_topic)] == ["hot_set"]
+    # the CLI says so and exits 1
+    cfg = config_file(tmp_path / "dead.toml", rs, kafka, dead)
+    assert main(["refresh", "--now", "--config", str(cfg)]) == 1
+
+
+def test_no_checkpoint_is_a_clear_failure(env, tmp_path: Path) -> None:
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, checkpoint_dir=tmp_path / "empty", alerts_topic="")
+    with pytest.raises(job.RefreshError, match="at checkpoint: no checkpoint in"):
+        job.run_once(rs, kafka, rds)
+
+
+# -- schedule ------------------------------------------------------------------------------------
+UTC = dt.timezone.utc
+
+
+def at(*args: int, tz: dt.tzinfo = UTC) -> dt.datetime:
+    return dt.datetime(*args, tzinfo=tz)
+
+
+def test_missed_run_within_grace_runs_on_start() -> None:
+    trig = make_trigger("0 3 * * *", "UTC")
+    grace = 3600
+    # down from 02:00 to 03:30: the 03:00 run was missed, 30 min ago
+    assert missed_run(trig, at(2026, 1, 10, 3, 30), at(2026, 1, 9, 3, 5), grace) == at(2026, 1, 10, 3)
+    # never ran at all: same
+    assert missed_run(trig, at(2026, 1, 10, 3, 30), None, grace) == at(2026, 1, 10, 3)
+    # it ran (succeeded at 03:02) before going down: nothing to catch up
+    assert missed_run(trig, at(2026, 1, 10, 3, 30), at(2026, 1, 10, 3, 2), grace) is None
+    # started beyond the grace period: wait for tomorrow's run
+    assert missed_run(trig, at(2026, 1, 10, 4, 30), at(2026, 1, 9, 3, 5), grace) is None
+    # before today's fire time: nothing due
+    assert missed_run(trig, at(2026, 1, 10, 2, 59), at(2026, 1, 9, 3, 5), grace) is None
+    # exactly at the fire time
+    assert missed_run(trig, at(2026, 1, 10, 3), at(2026, 1, 9, 3, 5), grace) == at(2026, 1, 10, 3)
+
+
+def test_missed_run_respects_the_time_zone_and_frequent_schedules() -> None:
+    berlin = ZoneInfo("Europe/Berlin")
+    trig = make_trigger("0 3 * * *", "Europe/Berlin")  # 03:00 Berlin = 02:00 UTC in winter
+    assert missed_run(trig, at(2026, 1, 10, 2, 30), None, 3600) == at(2026, 1, 10, 3, tz=berlin)
+    assert missed_run(trig, at(2026, 1, 10, 3, 30), None, 3600) is None  # 04:30 Berlin: beyond grace
+    every_10 = make_trigger("*/10 * * * *", "UTC")
+    assert missed_run(every_10, at(2026, 1, 10, 12, 25), at(2026, 1, 10, 12, 11), 3600) == at(2026, 1, 10, 12, 20)
+
+
+def test_bad_schedule_or_time_zone_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["refresh", "--status", "--schedule", "0 3 * *", "--publish-root", str(tmp_path)]) == 2
+    assert "crontab" in capsys.readouterr().err
+    assert main(["refresh", "--status", "--timezone", "Mars/Olympus", "--publish-root", str(tmp_path)]) == 2
+    assert "Mars/Olympus" in capsys.readouterr().err
+    assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 1  # nothing published
+    assert json.loads(capsys.readouterr().out)["current"] is None
+
+
+def test_last_success_round_trip(tmp_path: Path) -> None:
+    assert job.read_last_success(tmp_path) is None
+    job.write_last_success(tmp_path, 1_750_000_000.5, "v1")
+    assert job.read_last_success(tmp_path) == dt.datetime.fromtimestamp(1_750_000_000.5, tz=UTC)
