@@ -8,6 +8,13 @@ row: the running sum of the row's mean squared gradient. Per step, for every tou
     w[r]     -= lr * g_r / (sqrt(state[r]) + eps)
 
 so optimizer memory is 1/D of the table (SparseAdam keeps two table-sized tensors).
+
+Fast fine-tuning of young rows (cold start, ``boost > 0``): the optimizer also counts each row's updates
+(``state["updates"]``, int32 per row) and multiplies a touched row's step by
+``1 + boost * 2 ** (-updates / boost_half_life)`` (updates before this step), so a freshly admitted row
+learns up to ``1 + boost`` times faster and the boost halves every ``boost_half_life`` updates.
+``reset_rows`` (rows handed to new ids) zeroes the counts too. ``boost == 0`` (the default) is exactly
+the plain update, with no extra state.
 """
 
 from __future__ import annotations
@@ -21,8 +28,13 @@ from torch import nn
 class RowWiseAdagrad(torch.optim.Optimizer):
     """For parameters whose ``.grad`` is sparse (``nn.EmbeddingBag(sparse=True)``)."""
 
-    def __init__(self, params: Any, lr: float = 0.05, eps: float = 1e-8, initial_accumulator: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator": initial_accumulator})
+    def __init__(self, params: Any, lr: float = 0.05, eps: float = 1e-8, initial_accumulator: float = 0.0,
+                 boost: float = 0.0, boost_half_life: float = 0.0) -> None:
+        if boost < 0 or (boost > 0 and boost_half_life <= 0):
+            raise ValueError(f"RowWiseAdagrad needs boost >= 0 and, when boost > 0, boost_half_life > 0 "
+                             f"(updates); got boost={boost}, boost_half_life={boost_half_life}")
+        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator": initial_accumulator,
+                                  "boost": boost, "boost_half_life": boost_half_life})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # noqa: D102
@@ -45,12 +57,22 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 acc = state["sum"]
                 acc.index_add_(0, rows, g.pow(2).mean(dim=1))
                 scale = lr / (acc[rows].sqrt() + eps)  # (U,)
+                boost = group.get("boost", 0.0)  # .get: optimizer states saved before the boost existed
+                if boost > 0:
+                    if "updates" not in state:
+                        state["updates"] = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
+                    updates = state["updates"]
+                    young = updates[rows].float() / -group["boost_half_life"]  # (U,) rows are unique here
+                    scale = scale * (1 + boost * torch.exp2(young))
+                    updates[rows] += 1
                 p.index_add_(0, rows, -g * scale.unsqueeze(1))
 
     def reset_rows(self, p: nn.Parameter, rows: torch.Tensor) -> None:
         """Forget the state of ``rows`` (rows handed to new ids)."""
         if "sum" in self.state[p]:
             self.state[p]["sum"][rows] = self.param_groups[0]["initial_accumulator"]
+        if "updates" in self.state[p]:
+            self.state[p]["updates"][rows] = 0
 
 
 def make_optimizers(model: nn.Module, lr_sparse: float, lr_dense: float, sparse_optimizer: str = "rowwise_adagrad",

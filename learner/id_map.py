@@ -1,0 +1,484 @@
+"""Dynamic id-to-row map for one categorical field: hash-bucket fallback, admission, eviction.
+
+Local row layout of a field's block in the fused embedding table::
+
+    [0, num_buckets)                          shared fallback buckets: key mod num_buckets
+    [num_buckets, num_buckets + capacity)     own rows of admitted ids (handed out from a free list)
+
+A key is a hashed id (non-negative int64, ``stream.ids.stable_hash``; ``hash_ids`` hashes raw ints and
+strings). A key not yet admitted maps to its bucket. It is admitted once it has been seen ``admit_after``
+times (0 or 1: on first sight) and gets its own row, which it keeps until it is evicted: unseen for
+``ttl_s`` seconds (a vectorized sweep), or least recently seen when the table is full and new keys need
+rows (evicted in chunks of ``capacity // 32`` or more). An evicted key falls back to its bucket and has to
+be seen ``admit_after`` times again. Admission happens in the ``lookup`` call in which the key's count
+reaches the threshold, and every occurrence of the key in that call already gets the new row (a call with
+more than ``candidates // 4`` occurrences of unadmitted keys counts them in chunks, in order, and then
+only the occurrences from the admitting chunk on do).
+
+Design (chosen by measurement, see bench/id_map.py): open-addressing hash tables with linear probing kept
+in numpy arrays, every operation vectorized over the whole batch (probing runs in rounds; each round
+handles all keys still unresolved, at load <= 1/2 almost all resolve in the first round). Sorted keys with
+``searchsorted`` were the alternative: lookups are O(log n) gathers instead of ~1.5 and inserting or
+evicting needs a merge, so every admission batch costs O(capacity).
+
+* Own rows: table ``key -> row`` (2 * capacity slots; evicted keys leave tombstones that are purged by
+  rebuilding in place when live + tombstones exceed 3/4 of the slots) and per-row arrays ``row_key``,
+  ``row_seen`` (last time seen, seconds), ``row_slot`` (so an eviction needs no probing).
+* Admission counts: two generations of a candidate table ``key -> count`` with ``candidates`` keys each
+  (default: capacity). When the current generation holds ``candidates`` keys it becomes the previous one
+  and a cleared table takes its place; a key first seen in the new generation carries its count over from
+  the previous one. So a key is admitted once seen ``admit_after`` times within the last 1-2 generations
+  of distinct not-yet-admitted keys, and memory is bounded whatever the churn.
+
+Memory: about 2 * 12 B per own row + 4 * 12 B per candidate + 20 B per row, e.g. ~90 MB for
+capacity = candidates = 1 M. Not thread-safe: one learner thread owns a map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stream.ids import stable_hash_many
+
+EMPTY = -1
+TOMBSTONE = -2
+MAX_LOAD = 0.4  # live keys per slot at most (tables are powers of two, so often less): short probes
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
+_STATE_VERSION = 1
+
+
+def hash_ids(values: Iterable[int | str] | np.ndarray) -> np.ndarray:
+    """Raw ids (ints or strings, ``123`` == ``"123"``) -> stable non-negative int64 keys, shape ``(N,)``."""
+    return stable_hash_many(np.asarray(values).tolist() if isinstance(values, np.ndarray) else values)
+
+
+def to_global(field_first_row: int, local_rows: np.ndarray) -> torch.Tensor:
+    """Local rows of a field -> rows of the fused table (an int64 tensor of the same shape)."""
+    return torch.from_numpy(local_rows) + field_first_row
+
+
+class _Table:
+    """Open-addressing hash table (linear probing) of int64 keys >= 0 -> int64 values; batch operations.
+
+    Key and value of a slot sit side by side (``kv`` (S, 2)), so a probe is one gather, one cache line.
+    """
+
+    WINDOW = 8  # slots gathered at once per key for the few keys not resolved at their home slot
+
+    def __init__(self, min_slots: int) -> None:
+        self.bits = max(4, int(np.ceil(np.log2(max(min_slots, 2)))))
+        self.size = 1 << self.bits
+        self.mask = self.size - 1
+        self.kv = np.zeros((self.size, 2), dtype=np.int64)  # (S, 2): key, value
+        self.kv[:, 0] = EMPTY
+        self.flat = self.kv.reshape(-1)  # a view: key of slot s at 2s, its value at 2s + 1
+        self.live = 0
+        self.dead = 0  # tombstones
+        self._shift = np.uint64(64 - self.bits)
+        self._window = np.arange(self.WINDOW, dtype=np.int64)
+
+    def clear(self) -> None:
+        self.kv[:, 0] = EMPTY
+        self.kv[:, 1] = 0
+        self.live = self.dead = 0
+
+    def keys_at(self, slots: np.ndarray) -> np.ndarray:
+        return self.flat.take(2 * slots)
+
+    def vals_at(self, slots: np.ndarray) -> np.ndarray:
+        return self.flat.take(2 * slots + 1)
+
+    def set_keys(self, slots: np.ndarray, keys: np.ndarray | int) -> None:
+        self.flat[2 * slots] = keys
+
+    def set_vals(self, slots: np.ndarray, vals: np.ndarray | int) -> None:
+        self.flat[2 * slots + 1] = vals
+
+    def add_one(self, slots: np.ndarray) -> None:
+        """Values of ``slots`` += 1, duplicates counted (an int64 scalar keeps numpy's fast path: 40x)."""
+        np.add.at(self.flat, 2 * slots + 1, np.int64(1))
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.kv[:, 0] >= 0)
+
+    def home(self, keys: np.ndarray) -> np.ndarray:
+        """Home slot of each key (Fibonacci hashing: top bits of key * golden ratio), int64 (N,)."""
+        h = keys.view(np.uint64) * _GOLDEN
+        h >>= self._shift
+        return h.view(np.int64)
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot, value) of each key (N,), both -1 where absent."""
+        pos = self.home(keys)
+        w = self.kv.take(pos, axis=0)  # (N, 2)
+        seen = w[:, 0]
+        hit = seen == keys
+        slot = np.where(hit, pos, -1)
+        val = np.where(hit, w[:, 1], -1)
+        rest = np.flatnonzero(~hit & (seen != EMPTY))  # probe on: windows of WINDOW slots
+        start = pos[rest] + 1
+        while rest.size:
+            win = (start[:, None] + self._window) & self.mask  # (M, W)
+            w = self.kv.take(win, axis=0)  # (M, W, 2)
+            k = keys[rest]
+            stop = (w[:, :, 0] == k[:, None]) | (w[:, :, 0] == EMPTY)
+            j = stop.argmax(axis=1)  # first match or empty slot in the window
+            m = np.arange(rest.size)
+            done = stop[m, j]
+            found = done & (w[m, j, 0] == k)
+            slot[rest[found]] = win[m[found], j[found]]
+            val[rest[found]] = w[m[found], j[found], 1]
+            rest, start = rest[~done], start[~done] + self.WINDOW
+        return slot, val
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Insert distinct absent keys; returns their slots (N,). The caller sets the values."""
+        out, _ = self._claim(keys, tombstones=True)
+        self.live += keys.size
+        return out
+
+    def find_or_insert(self, keys: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slots of keys (duplicates allowed; no tombstones in this table), inserting absent ones.
+
+        Returns ``(slots (N,), new_slots (U,))``: the distinct slots claimed by keys new to the table.
+        """
+        slots, _ = self.find(keys)
+        absent = np.flatnonzero(slots < 0)
+        if not absent.size:
+            return slots, absent
+        slots[absent], new = self._claim(keys[absent], tombstones=False)
+        new = new[_first_of_each(scratch, new)]
+        self.live += new.size
+        return slots, new
+
+    def _claim(self, keys: np.ndarray, tombstones: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Probe from the home slots, claiming free slots (EMPTY, or TOMBSTONE too); racing keys of the
+        batch each keep one write per slot and the losers probe on. Duplicates of a key end in one slot.
+
+        Returns (slot of each key (N,), claimed slots (with repeats where keys repeat)).
+        """
+        out = np.empty(keys.size, dtype=np.int64)
+        claimed = []
+        idx = np.arange(keys.size)
+        pos, k = self.home(keys), keys
+        while idx.size:
+            seen = self.flat.take(2 * pos)
+            free = seen < 0 if tombstones else seen == EMPTY
+            if free.any():
+                fp, before = pos[free], seen[free]
+                self.flat[2 * fp] = k[free]
+                after = self.flat.take(2 * fp)
+                seen[free] = after
+                got = after == k[free]
+                claimed.append(fp[got])
+                if tombstones:
+                    self.dead -= int(np.count_nonzero(before[got] == TOMBSTONE))
+            hit = seen == k
+            out[idx[hit]] = pos[hit]
+            miss = ~hit
+            idx, pos, k = idx[miss], (pos[miss] + 1) & self.mask, k[miss]
+        return out, (np.concatenate(claimed) if claimed else np.empty(0, dtype=np.int64))
+
+
+def _first_of_each(scratch: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Mask with exactly one True per distinct value (values index ``scratch``); O(N), no sort."""
+    order = np.arange(values.size, dtype=np.int32)
+    scratch[values] = order  # one of the duplicates' writes survives, whichever
+    return scratch.take(values) == order
+
+
+@dataclass
+class LookupResult:
+    """What one ``IdMap.lookup`` did. All rows are LOCAL rows of the field (buckets first)."""
+
+    rows: np.ndarray  # int64, shape of keys
+    admitted_rows: np.ndarray  # (A,) own rows handed out in this call
+    admitted_from_bucket: np.ndarray  # (A,) each admitted key's bucket row (init="bucket" copies it)
+    evicted_rows: np.ndarray  # (E,) own rows freed in this call (reset their optimizer state first;
+    #                            a row may be evicted and handed out again in the same call)
+    bucket_lookups: int = 0
+    own_lookups: int = 0
+
+
+@dataclass
+class _Counters:
+    lookups: int = 0
+    bucket_lookups: int = 0
+    admissions: int = 0
+    evictions_ttl: int = 0
+    evictions_lru: int = 0
+    rotations: int = 0
+    rebuilds: int = 0
+
+
+class IdMap:
+    """Hashed ids of one field -> local rows (bucket fallback + admitted own rows), vectorized."""
+
+    def __init__(self, capacity: int, num_buckets: int, admit_after: int = 1, ttl_s: float | None = None,
+                 init: str = "bucket", candidates: int | None = None) -> None:
+        if capacity < 1 or num_buckets < 1:
+            raise ValueError(f"IdMap needs capacity >= 1 and num_buckets >= 1, got {capacity}, {num_buckets}")
+        if init not in ("bucket", "zero"):
+            raise ValueError(f"IdMap init must be 'bucket' or 'zero', got {init!r}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"IdMap ttl_s must be > 0 or None, got {ttl_s}")
+        self.capacity, self.num_buckets = int(capacity), int(num_buckets)
+        self.admit_after = max(1, int(admit_after))
+        self.ttl_s, self.init = ttl_s, init
+        self.candidates = int(candidates) if candidates is not None else max(1, self.capacity // 2)
+        if self.candidates < 1:
+            raise ValueError(f"IdMap candidates must be >= 1, got {self.candidates}")
+        self.sweep_interval_s = ttl_s / 8 if ttl_s is not None else float("inf")
+        self.evict_chunk = max(1, self.capacity // 32)
+        self._main = _Table(int(self.capacity / MAX_LOAD))
+        self._row_key = np.full(self.capacity, EMPTY, dtype=np.int64)
+        self._row_seen = np.zeros(self.capacity, dtype=np.float64)
+        self._row_slot = np.zeros(self.capacity, dtype=np.int64)
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack; pops row 0 first
+        self._free_top = self.capacity
+        self._chunk = max(1, self.candidates // 4)  # keys per counting step: bounds the candidate load
+        slots = int((self.candidates + self._chunk) / MAX_LOAD)
+        self._cur, self._prev = _Table(slots), _Table(slots)
+        self._scratch = np.empty(max(self._main.size, self._cur.size), dtype=np.int32)
+        self._last_sweep = -float("inf")
+        self.counters = _Counters()
+
+    # ---- lookups -------------------------------------------------------------------------------------
+    def lookup(self, keys: np.ndarray, now: float, train: bool = True) -> LookupResult:
+        """Rows for ``keys`` (int64 >= 0, any shape). ``train=False`` (serving) only reads the map."""
+        keys = np.asarray(keys)
+        shape = keys.shape
+        flat = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)  # (N,)
+        if flat.size and flat.min() < 0:
+            raise ValueError("IdMap keys must be hashed ids >= 0 (stream.ids.stable_hash / hash_ids); "
+                             f"got {int(flat.min())}")
+        evicted: list[np.ndarray] = []
+        if train and now - self._last_sweep >= self.sweep_interval_s:
+            evicted.append(self._evict_expired(now))
+            self._last_sweep = now
+        _, row = self._main.find(flat)  # (N,) own row, -1 where not admitted
+        admitted = np.empty(0, dtype=np.int64)
+        admitted_keys = np.empty(0, dtype=np.int64)
+        if train:
+            self._row_seen[row[row >= 0]] = now
+            miss = np.flatnonzero(row < 0)
+            parts = []
+            for start in range(0, miss.size, self._chunk):  # chunks bound the candidate table's load
+                m = miss[start:start + self._chunk]
+                if start:  # keys admitted by an earlier chunk of this call
+                    _, r = self._main.find(flat[m])
+                    got = r >= 0
+                    row[m[got]] = r[got]
+                    m = m[~got]
+                inst_rows, a, ak = self._count_and_admit(flat[m], now, evicted)
+                row[m] = inst_rows
+                parts.append((a, ak))
+            if parts:
+                admitted, admitted_keys = (np.concatenate(p) for p in zip(*parts, strict=True))
+        own = row >= 0
+        out = row + self.num_buckets
+        bucket = np.flatnonzero(~own)
+        out[bucket] = flat[bucket] % self.num_buckets
+        n_bucket = int(bucket.size)
+        if train:
+            self.counters.lookups += flat.size
+            self.counters.bucket_lookups += n_bucket
+        ev = np.concatenate(evicted) if evicted else np.empty(0, dtype=np.int64)
+        return LookupResult(rows=out.reshape(shape), admitted_rows=admitted + self.num_buckets,
+                            admitted_from_bucket=admitted_keys % self.num_buckets,
+                            evicted_rows=ev + self.num_buckets, bucket_lookups=n_bucket,
+                            own_lookups=flat.size - n_bucket)
+
+    def _count_and_admit(self, keys: np.ndarray, now: float,
+                         evicted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Count not-yet-admitted keys (N,); admit those reaching the threshold.
+
+        Returns (own row per key or -1 (N,), admitted rows (A,), admitted keys (A,)).
+        """
+        if self._cur.live >= self.candidates:  # generation full: live stays < candidates + chunk
+            self._rotate()
+        table = self._cur
+        slots, new = table.find_or_insert(keys, self._scratch)
+        if new.size and self._prev.live:  # first sight in this generation: carry the previous count
+            _, prev_count = self._prev.find(table.keys_at(new))
+            hit = prev_count > 0
+            table.set_vals(new[hit], prev_count[hit])
+        table.add_one(slots)
+        inst_rows = np.full(keys.size, -1, dtype=np.int64)
+        ready = np.flatnonzero(table.vals_at(slots) >= self.admit_after)
+        if not ready.size:
+            return inst_rows, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        ready_slots = slots[ready]
+        uniq = ready_slots[_first_of_each(self._scratch, ready_slots)]  # (U,) one slot per key
+        rows = self._allocate(uniq.size, now, evicted)  # may be fewer when every row was seen now
+        uniq = uniq[:rows.size]
+        ukeys = table.keys_at(uniq)
+        if self._main.live + self._main.dead + ukeys.size > self._main.size // 2:
+            self._rebuild_main()
+        mslots = self._main.insert(ukeys)
+        self._main.set_vals(mslots, rows)
+        self._row_key[rows], self._row_slot[rows], self._row_seen[rows] = ukeys, mslots, now
+        table.set_vals(uniq, 0)  # an evicted key starts counting again
+        self.counters.admissions += rows.size
+        scratch = self._scratch
+        scratch[ready_slots] = -1
+        scratch[uniq] = rows
+        inst_rows[ready] = scratch.take(ready_slots)
+        return inst_rows, rows, ukeys
+
+    def _rotate(self) -> None:
+        self._cur, self._prev = self._prev, self._cur
+        self._cur.clear()
+        self.counters.rotations += 1
+
+    # ---- rows and eviction ---------------------------------------------------------------------------
+    def _allocate(self, n: int, now: float, evicted: list[np.ndarray]) -> np.ndarray:
+        """Pop up to n free rows, evicting least recently seen rows (not seen at ``now``) if short."""
+        if self._free_top < n:
+            self._evict_lru(max(n - self._free_top, self.evict_chunk), now, evicted)
+        take = min(n, self._free_top)
+        rows = self._free[self._free_top - take:self._free_top][::-1].copy()
+        self._free_top -= take
+        return rows
+
+    def _evict_lru(self, k: int, now: float, evicted: list[np.ndarray]) -> None:
+        seen = np.where(self._row_key >= 0, self._row_seen, np.inf)
+        seen[seen >= now] = np.inf  # rows used in this call stay
+        k = min(k, int(np.count_nonzero(seen < np.inf)))
+        if k <= 0:
+            return
+        victims = np.argpartition(seen, k - 1)[:k] if k < seen.size else np.arange(seen.size)
+        self._release(victims)
+        self.counters.evictions_lru += k
+        evicted.append(victims)
+
+    def _evict_expired(self, now: float) -> np.ndarray:
+        if self.ttl_s is None:
+            return np.empty(0, dtype=np.int64)
+        victims = np.flatnonzero((self._row_key >= 0) & (self._row_seen < now - self.ttl_s))
+        self._release(victims)
+        self.counters.evictions_ttl += victims.size
+        return victims
+
+    def evict_expired(self, now: float) -> np.ndarray:
+        """Free own rows unseen for ``ttl_s``; returns them (local rows). ``lookup`` also sweeps by itself."""
+        self._last_sweep = now
+        return self._evict_expired(now) + self.num_buckets
+
+    def _release(self, rows: np.ndarray) -> None:
+        self._main.set_keys(self._row_slot[rows], TOMBSTONE)
+        self._main.live -= rows.size
+        self._main.dead += rows.size
+        self._row_key[rows] = EMPTY
+        self._free[self._free_top:self._free_top + rows.size] = rows
+        self._free_top += rows.size
+
+    def _rebuild_main(self) -> None:
+        """Purge tombstones: re-insert the live keys into a cleared table."""
+        live = np.flatnonzero(self._row_key >= 0)
+        self._main.clear()
+        slots = self._main.insert(self._row_key[live])
+        self._main.set_vals(slots, live)
+        self._row_slot[live] = slots
+        self.counters.rebuilds += 1
+
+    # ---- embedding rows --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_admitted(self, weight: torch.Tensor, result: LookupResult, first_row: int = 0) -> None:
+        """Initialise the rows admitted in ``result`` in ``weight`` (the fused table; the field starts at
+        ``first_row``): the bucket's vector (init="bucket") or zeros. Reset their optimizer state apart."""
+        if not result.admitted_rows.size:
+            return
+        dst = to_global(first_row, result.admitted_rows).to(weight.device)
+        if self.init == "bucket":
+            weight[dst] = weight[to_global(first_row, result.admitted_from_bucket).to(weight.device)]
+        else:
+            weight[dst] = 0
+
+    # ---- metrics and persistence -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Local rows of the field: buckets + own rows."""
+        return self.num_buckets + self.capacity
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        live = self.capacity - self._free_top
+        return {"occupancy": live / self.capacity, "live_rows": float(live),
+                "candidates": float(self._cur.live + self._prev.live), "lookups": float(c.lookups),
+                "bucket_share": c.bucket_lookups / c.lookups if c.lookups else 0.0,
+                "admissions": float(c.admissions), "evictions": float(c.evictions_ttl + c.evictions_lru),
+                "evictions_ttl": float(c.evictions_ttl), "evictions_lru": float(c.evictions_lru)}
+
+    def config(self) -> dict[str, Any]:
+        return {"capacity": self.capacity, "num_buckets": self.num_buckets, "admit_after": self.admit_after,
+                "ttl_s": self.ttl_s, "init": self.init, "candidates": self.candidates}
+
+    def nbytes(self) -> int:
+        """Bytes held by the map's arrays (constant after construction)."""
+        arrays = (self._main.kv, self._row_key, self._row_seen, self._row_slot, self._free, self._cur.kv,
+                  self._prev.kv, self._scratch)
+        return sum(a.nbytes for a in arrays)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Config, own rows, free list and live candidates as CPU tensors (torch.save, weights_only ok)."""
+        def live(t: _Table) -> tuple[torch.Tensor, torch.Tensor]:
+            s = t.live_slots()
+            return torch.from_numpy(t.keys_at(s)), torch.from_numpy(t.vals_at(s))
+
+        cur_keys, cur_counts = live(self._cur)
+        prev_keys, prev_counts = live(self._prev)
+        return {"version": _STATE_VERSION, "config": self.config(),
+                "row_key": torch.from_numpy(self._row_key.copy()),
+                "row_seen": torch.from_numpy(self._row_seen.copy()),
+                "free": torch.from_numpy(self._free[:self._free_top].copy()),
+                "cur_keys": cur_keys, "cur_counts": cur_counts, "prev_keys": prev_keys, "prev_counts": prev_counts,
+                "last_sweep": self._last_sweep, "counters": dict(vars(self.counters))}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"IdMap state version {state.get('version')!r}, this code reads {_STATE_VERSION}")
+        if dict(state["config"]) != self.config():
+            raise ValueError(f"IdMap state was written with config {dict(state['config'])}, this map has "
+                             f"{self.config()}: build the map from the checkpoint's config")
+        self._row_key[:] = state["row_key"].numpy()
+        self._row_seen[:] = state["row_seen"].numpy()
+        free = state["free"].numpy()
+        self._free_top = free.size
+        self._free[:free.size] = free
+        self._rebuild_main()
+        for table, k, c in ((self._cur, "cur_keys", "cur_counts"), (self._prev, "prev_keys", "prev_counts")):
+            table.clear()
+            keys = state[k].numpy().astype(np.int64)
+            if keys.size:
+                table.set_vals(table.insert(keys), state[c].numpy())
+        self._last_sweep = float(state["last_sweep"])
+        self.counters = _Counters(**state["counters"])
+
+
+@dataclass
+class FieldIdMaps:
+    """The id maps of several fields, by field name."""
+
+    maps: dict[str, IdMap] = field(default_factory=dict)
+
+    def lookup(self, keys: Mapping[str, np.ndarray], now: float, train: bool = True) -> dict[str, LookupResult]:
+        return {name: self.maps[name].lookup(k, now, train) for name, k in keys.items()}
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {name: m.stats() for name, m in self.maps.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: m.state_dict() for name, m in self.maps.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = set(self.maps) ^ set(state)
+        if missing:
+            raise ValueError(f"id map state has fields {sorted(state)}, expected {sorted(self.maps)}")
+        for name, m in self.maps.items():
+            m.load_state_dict(state[name])

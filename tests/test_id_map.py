@@ -1,0 +1,273 @@
+"""learner.id_map: the vectorized id -> row map against a plain Python model (pure logic, no Kafka)."""
+
+from __future__ import annotations
+
+import io
+from hashlib import blake2b
+
+import numpy as np
+import pytest
+import torch
+
+from learner.id_map import FieldIdMaps, IdMap, hash_ids, to_global
+
+
+def zipf_stream(seed: int, n: int, universe: int, a: float = 1.2) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ranks = (rng.zipf(a, n) - 1) % universe
+    return rng.integers(0, 2**63 - 1, universe, dtype=np.int64)[ranks]  # rank -> random 63-bit key
+
+
+class RefMap:
+    """The IdMap semantics, one key at a time, in dicts: admission counts in two generations of at most
+    ``candidates`` keys, own rows from a free stack, exact LRU and TTL eviction."""
+
+    def __init__(self, m: IdMap) -> None:
+        self.c, self.b, self.admit = m.capacity, m.num_buckets, m.admit_after
+        self.ttl, self.cand, self.sweep = m.ttl_s, m.candidates, m.sweep_interval_s
+        self.rows: dict[int, int] = {}
+        self.seen: dict[int, float] = {}  # row -> last seen
+        self.key_of: dict[int, int] = {}  # row -> key
+        self.free = list(range(self.c - 1, -1, -1))
+        self.cur: dict[int, int] = {}
+        self.prev: dict[int, int] = {}
+        self.last_sweep = -float("inf")
+
+    def _release(self, rows: list[int]) -> None:
+        for r in rows:
+            del self.rows[self.key_of.pop(r)]
+            del self.seen[r]
+            self.free.append(r)
+
+    def lookup(self, key: int, now: float) -> int:
+        if self.ttl is not None and now - self.last_sweep >= self.sweep:
+            self._release(sorted(r for r, t in self.seen.items() if t < now - self.ttl))
+            self.last_sweep = now
+        if key in self.rows:
+            self.seen[self.rows[key]] = now
+            return self.b + self.rows[key]
+        if len(self.cur) >= self.cand:
+            self.prev, self.cur = self.cur, {}
+        if key not in self.cur:
+            self.cur[key] = self.prev.get(key, 0)
+        self.cur[key] += 1
+        if self.cur[key] >= self.admit:
+            if not self.free:
+                old = [r for r, t in self.seen.items() if t < now]
+                if old:
+                    self._release([min(old, key=self.seen.__getitem__)])
+            if self.free:
+                r = self.free.pop()
+                self.rows[key], self.key_of[r], self.seen[r] = r, key, now
+                self.cur[key] = 0
+                return self.b + r
+        return key % self.b
+
+
+@pytest.mark.parametrize(("admit_after", "ttl_s"), [(1, None), (3, None), (2, 40.0)])
+def test_matches_the_reference_model_one_key_at_a_time(admit_after: int, ttl_s: float | None) -> None:
+    """Exact rows, admissions, LRU and TTL evictions, free-list reuse and candidate rotation."""
+    m = IdMap(capacity=16, num_buckets=7, admit_after=admit_after, ttl_s=ttl_s, candidates=12)
+    ref = RefMap(m)
+    keys = zipf_stream(1, 3000, 60)
+    own = 0
+    for t, k in enumerate(keys.tolist()):
+        res = m.lookup(np.array([k]), now=float(t))
+        expected = ref.lookup(k, float(t))
+        assert int(res.rows[0]) == expected, f"step {t}, key {k}"
+        own += expected >= 7
+    st = m.stats()
+    assert st["live_rows"] == len(ref.rows) and st["admissions"] > 16 and st["evictions"] > 0
+    assert 0 < own and (own < len(keys)) == (admit_after > 1)  # admit_after=1: every key gets a row
+    if ttl_s is not None:
+        assert st["evictions_ttl"] > 0
+
+
+def _check_batch(m: IdMap, keys: np.ndarray, res, owner: dict[int, int]) -> None:  # noqa: ANN001
+    """Invariants of one batch: buckets for unadmitted keys, one live key per own row."""
+    b = m.num_buckets
+    rows = res.rows
+    assert rows.shape == keys.shape and rows.dtype == np.int64
+    bucket = rows < b
+    np.testing.assert_array_equal(rows[bucket], keys[bucket] % b)
+    assert (rows[~bucket] < b + m.capacity).all()
+    row_key = m.state_dict()["row_key"].numpy()
+    np.testing.assert_array_equal(row_key[rows[~bucket] - b], keys[~bucket])  # the row is this key's
+    for r in res.evicted_rows.tolist():
+        owner.pop(r, None)
+    for k, r in zip(keys[~bucket].tolist(), rows[~bucket].tolist(), strict=True):
+        assert owner.setdefault(r, k) == k, "two live keys share an own row"
+
+
+def test_batched_zipf_stream_admits_exactly_like_the_reference() -> None:
+    """No eviction, no rotation: every occurrence of a key in the batch where its count reaches the
+    threshold gets the new row; stable rows afterwards; unadmitted keys on their bucket."""
+    m = IdMap(capacity=5000, num_buckets=101, admit_after=3, candidates=50_000)
+    keys = zipf_stream(2, 40 * 997, 20_000).reshape(40, 997)
+    counts: dict[int, int] = {}
+    row_of: dict[int, int] = {}
+    owner: dict[int, int] = {}
+    for t, batch in enumerate(keys):
+        res = m.lookup(batch, now=float(t))
+        _check_batch(m, batch, res, owner)
+        before = set(row_of)
+        for k in batch.tolist():
+            counts[k] = counts.get(k, 0) + 1
+        admitted_now = {k for k in set(batch.tolist()) if counts[k] >= 3} - before
+        own = res.rows >= 101
+        for k, r, o in zip(batch.tolist(), res.rows.tolist(), own.tolist(), strict=True):
+            assert o == (counts[k] >= 3), f"batch {t}: key {k} seen {counts[k]} times"
+            if o:
+                assert row_of.setdefault(k, r) == r, "an admitted key changed rows without eviction"
+        assert set(res.admitted_rows.tolist()) == {row_of[k] for k in admitted_now}
+        assert sorted(res.admitted_from_bucket.tolist()) == sorted(k % 101 for k in admitted_now)
+        assert res.own_lookups == int(own.sum()) and res.bucket_lookups == batch.size - int(own.sum())
+        assert res.evicted_rows.size == 0
+    assert 0 < m.stats()["occupancy"] < 1
+
+
+def test_lru_eviction_when_full_frees_the_least_recently_seen_rows() -> None:
+    m = IdMap(capacity=64, num_buckets=5, admit_after=1)
+    first = np.arange(1000, 1064, dtype=np.int64)
+    m.lookup(first[:32], now=1.0)
+    m.lookup(first[32:], now=2.0)  # full
+    m.lookup(first[40:], now=3.0)  # refresh 24 of the later ones
+    res = m.lookup(np.arange(5000, 5010, dtype=np.int64), now=4.0)  # 10 new keys need rows
+    assert res.admitted_rows.size == 10 and (res.rows >= 5).all()
+    # evicted in a chunk of max(need, capacity // 32) = 10, all from the 32 rows last seen at t=1
+    assert res.evicted_rows.size == 10
+    assert set(res.evicted_rows.tolist()) == set(res.admitted_rows.tolist())  # free-list reuse
+    again = m.lookup(first, now=5.0, train=False).rows
+    old_bucket = again < 5
+    assert old_bucket.sum() == 10 and (first[old_bucket] < 1032).all()  # evicted keys back on buckets
+    np.testing.assert_array_equal(again[old_bucket], first[old_bucket] % 5)
+
+
+def test_rows_seen_in_the_same_call_are_never_evicted() -> None:
+    m = IdMap(capacity=8, num_buckets=3, admit_after=1)
+    m.lookup(np.arange(8, dtype=np.int64), now=1.0)
+    res = m.lookup(np.arange(16, dtype=np.int64), now=2.0)  # 8 live rows all seen now, 8 new keys
+    np.testing.assert_array_equal(res.rows[:8] - 3, np.arange(8))  # the old keys keep their rows
+    np.testing.assert_array_equal(res.rows[8:], np.arange(8, 16) % 3)  # the new ones wait on buckets
+    assert res.evicted_rows.size == 0
+    res = m.lookup(np.arange(8, 16, dtype=np.int64), now=3.0)  # now the old rows are evictable
+    assert (res.rows >= 3).all() and res.evicted_rows.size == 8
+
+
+def test_admission_threshold_and_serving_lookups_change_nothing() -> None:
+    m = IdMap(capacity=10, num_buckets=4, admit_after=3)
+    k = np.array([77], dtype=np.int64)
+    for t in range(3):
+        assert int(m.lookup(k, now=0.5, train=False).rows[0]) == 77 % 4  # serving: no counting
+        res = m.lookup(k, now=float(t))
+        assert (int(res.rows[0]) >= 4) == (t == 2), t
+    assert res.admitted_rows.tolist() == [4] and res.admitted_from_bucket.tolist() == [77 % 4]
+    state = m.state_dict()
+    assert int(m.lookup(np.array([77, 78, 78, 78]), now=9.0, train=False).rows[0]) == 4
+    after = m.state_dict()
+    assert all(torch.equal(state[k], after[k]) for k in state if isinstance(state[k], torch.Tensor))
+    assert after["counters"] == state["counters"]
+    m0 = IdMap(capacity=10, num_buckets=4, admit_after=0)
+    assert int(m0.lookup(k, now=0.0).rows[0]) == 4  # 0 means admit on first sight
+
+
+def test_ttl_eviction_and_refresh() -> None:
+    m = IdMap(capacity=100, num_buckets=10, admit_after=1, ttl_s=10.0)
+    m.lookup(np.arange(20, dtype=np.int64), now=0.0)
+    m.lookup(np.arange(10, dtype=np.int64), now=8.0)  # keys 0..9 seen again
+    assert m.evict_expired(now=9.0).size == 0
+    ev = m.evict_expired(now=10.5)
+    assert sorted(ev.tolist()) == list(range(20, 30))  # rows of keys 10..19 (local rows = 10 + row)
+    rows = m.lookup(np.arange(20, dtype=np.int64), now=10.6, train=False).rows
+    assert (rows[:10] >= 10).all() and (rows[10:] == np.arange(10, 20) % 10).all()
+    res = m.lookup(np.array([10**12], dtype=np.int64), now=30.0)  # the sweep runs inside lookup too
+    assert sorted(res.evicted_rows.tolist()) == list(range(10, 20))
+    assert m.stats()["evictions_ttl"] == 20 and m.stats()["live_rows"] == 1
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    keys = zipf_stream(3, 30 * 500, 3000).reshape(30, 500)
+    a = IdMap(capacity=400, num_buckets=31, admit_after=2, ttl_s=12.0, candidates=600)
+    for t in range(15):
+        a.lookup(keys[t], now=float(t))
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = IdMap(capacity=400, num_buckets=31, admit_after=2, ttl_s=12.0, candidates=600)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert b.stats() == a.stats()
+    for t in range(15, 30):
+        ra, rb = a.lookup(keys[t], now=float(t)), b.lookup(keys[t], now=float(t))
+        np.testing.assert_array_equal(ra.rows, rb.rows)
+        np.testing.assert_array_equal(np.sort(ra.evicted_rows), np.sort(rb.evicted_rows))
+    assert a.stats() == b.stats() and a.stats()["evictions"] > 0
+    with pytest.raises(ValueError, match="config"):
+        IdMap(capacity=401, num_buckets=31, admit_after=2, ttl_s=12.0, candidates=600).load_state_dict(
+            a.state_dict())
+
+
+def test_memory_is_bounded_whatever_the_churn() -> None:
+    m = IdMap(capacity=1000, num_buckets=50, admit_after=2)
+    nbytes = m.nbytes()
+    rng = np.random.default_rng(4)
+    for t in range(100):  # 400 k ids, 380 k of them distinct, plus a hot set
+        new = rng.integers(0, 2**62, 3800, dtype=np.int64)
+        hot = rng.integers(0, 200, 200).astype(np.int64)
+        m.lookup(np.concatenate([new, hot]), now=float(t))
+    assert m.nbytes() == nbytes
+    st = m.stats()
+    assert st["live_rows"] <= 1000 and st["candidates"] <= 2 * (m.candidates + m.candidates // 4)
+    assert m.lookup(np.arange(200, dtype=np.int64), now=100.0, train=False).rows.min() >= 50  # hot ids stay
+    sd = m.state_dict()
+    assert sd["cur_keys"].numel() + sd["prev_keys"].numel() <= 2 * (m.candidates + m.candidates // 4)
+
+
+def test_string_and_int_ids_hash_stably() -> None:
+    h = hash_ids([123, "123", "user-42"])
+    assert h.dtype == np.int64 and h[0] == h[1] and (h >= 0).all()
+    want = int.from_bytes(blake2b(b"user-42", digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    assert int(h[2]) == want
+    np.testing.assert_array_equal(hash_ids(np.array(["123", "user-42"])), h[1:])
+    m = IdMap(capacity=4, num_buckets=3)
+    assert int(m.lookup(h[:1], now=0.0, train=False).rows[0]) == want_bucket(h[0], 3)
+    with pytest.raises(ValueError, match=">= 0"):
+        m.lookup(np.array([-5]), now=0.0)
+
+
+def want_bucket(key: np.int64, b: int) -> int:
+    return int(key) % b
+
+
+def test_init_admitted_copies_the_bucket_or_zeroes() -> None:
+    w = torch.arange(40, dtype=torch.float32).reshape(10, 4)  # field block at rows 2..9: 3 buckets + 5 own
+    for init, want in (("bucket", w[2 + 11 % 3]), ("zero", torch.zeros(4))):
+        m = IdMap(capacity=5, num_buckets=3, init=init)
+        ww = w.clone()
+        res = m.lookup(np.array([11]), now=0.0)
+        m.init_admitted(ww, res, first_row=2)
+        assert torch.equal(ww[2 + int(res.rows[0])], want)
+        assert torch.equal(to_global(2, res.rows), torch.tensor([2 + 3]))
+
+
+def test_field_id_maps() -> None:
+    maps = FieldIdMaps({"user_id": IdMap(10, 3), "item_id": IdMap(20, 5, admit_after=2)})
+    out = maps.lookup({"user_id": np.array([[1, 2]]), "item_id": np.array([7, 7])}, now=0.0)
+    assert out["user_id"].rows.tolist() == [[3, 4]] and out["item_id"].rows.tolist() == [5, 5]
+    state = maps.state_dict()
+    other = FieldIdMaps({"user_id": IdMap(10, 3), "item_id": IdMap(20, 5, admit_after=2)})
+    other.load_state_dict(state)
+    assert other.stats() == maps.stats()
+    with pytest.raises(ValueError, match="fields"):
+        FieldIdMaps({"user_id": IdMap(10, 3)}).load_state_dict(state)
+
+
+def test_a_batch_larger_than_the_candidate_chunk_admits_each_key_once() -> None:
+    """Misses are counted in chunks of candidates // 4; a key admitted in an early chunk keeps its row."""
+    m = IdMap(capacity=50, num_buckets=3, admit_after=1, candidates=8)  # chunks of 2 keys
+    keys = np.random.default_rng(5).permutation(np.repeat(np.arange(100, 110, dtype=np.int64), 3))
+    res = m.lookup(keys, now=0.0)
+    assert (res.rows >= 3).all() and res.admitted_rows.size == 10
+    row_of = {}
+    for k, r in zip(keys.tolist(), res.rows.tolist(), strict=True):
+        assert row_of.setdefault(k, r) == r
+    assert len(set(row_of.values())) == 10 and m.stats()["live_rows"] == 10
