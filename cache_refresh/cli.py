@@ -97,8 +97,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             pass  # logged and alerted by run_once; the schedule goes on, the live artifact keeps serving
 
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
-    run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s,
-                lambda: job.read_last_success(Path(rs.publish_root)))
+    run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, job.read_last_success(Path(rs.publish_root)))
     return EXIT_OK
 
 

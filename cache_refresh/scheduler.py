@@ -65,12 +65,12 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
     return latest
 
 
-def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
-                last_success: Callable[[], dt.datetime | None]) -> None:
-    """Run ``job`` on the schedule until SIGTERM/SIGINT; catch up a missed run first.
+def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
+                    last_success: dt.datetime | None, now: dt.datetime | None = None) -> BlockingScheduler:
+    """The scheduler (not started): ``job`` on the cron schedule, plus a one-off run now if one was missed.
 
-    ``job`` handles its own failures (logs and alerts); an exception escaping it is logged by
-    APScheduler and the schedule continues. Runs never overlap.
+    Runs never overlap (a run still going makes the next one skip, with a warning); late runs within
+    ``grace_s`` still run and several late runs coalesce into one.
     """
     trigger = make_trigger(schedule, timezone)
     tz = ZoneInfo(timezone)
@@ -88,17 +88,28 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
 
     sched.add_job(guarded, trigger, id="refresh", name="cache refresh", misfire_grace_time=grace_s, coalesce=True,
                   max_instances=1)
-    now = dt.datetime.now(tz)
-    missed = missed_run(trigger, now, last_success(), grace_s)
+    now = now or dt.datetime.now(tz)
+    missed = missed_run(trigger, now, last_success, grace_s)
     if missed is not None:
         log.warning("the run due at %s was missed (no success since); running it now", missed.isoformat())
         sched.add_job(guarded, "date", run_date=now, id="refresh-missed", name="missed cache refresh",
                       misfire_grace_time=grace_s)
+    log.info("refresh scheduled '%s' (%s); next run %s", schedule, timezone, trigger.get_next_fire_time(None, now))
+    return sched
+
+
+def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
+                last_success: dt.datetime | None) -> None:
+    """Run the scheduler of :func:`build_scheduler` in this (main) thread until SIGTERM/SIGINT.
+
+    ``job`` handles its own failures (logs and alerts); an exception escaping it is logged by
+    APScheduler and the schedule continues.
+    """
+    sched = build_scheduler(job, schedule, timezone, grace_s, last_success)
 
     def stop(signum: int, frame: Any) -> None:
         sched.shutdown(wait=False)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("refresh scheduled '%s' (%s); next run %s", schedule, timezone, trigger.get_next_fire_time(None, now))
     sched.start()

@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +25,7 @@ import torch
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from cache_refresh import job, validate
-from cache_refresh.scheduler import make_trigger, missed_run
+from cache_refresh.scheduler import build_scheduler, make_trigger, missed_run
 from cache_refresh.settings import RefreshSettings
 from learner import checkpoint
 from learner.batch import to_tensors
@@ -292,6 +296,49 @@ def test_missed_run_respects_the_time_zone_and_frequent_schedules() -> None:
     assert missed_run(trig, at(2026, 1, 10, 3, 30), None, 3600) is None  # 04:30 Berlin: beyond grace
     every_10 = make_trigger("*/10 * * * *", "UTC")
     assert missed_run(every_10, at(2026, 1, 10, 12, 25), at(2026, 1, 10, 12, 11), 3600) == at(2026, 1, 10, 12, 20)
+
+
+def test_scheduler_runs_a_missed_run_on_start_and_not_otherwise() -> None:
+    ran = threading.Event()
+
+    def job_fn() -> None:
+        ran.set()
+
+    # every minute, 2 min grace, never succeeded: the run of the current minute is due at once
+    sched = build_scheduler(job_fn, "* * * * *", "UTC", 120, None)
+    assert {j.id for j in sched.get_jobs()} == {"refresh", "refresh-missed"}
+    t = threading.Thread(target=sched.start)
+    t.start()
+    try:
+        assert ran.wait(10)
+    finally:
+        sched.shutdown(wait=False)
+        t.join(10)
+    # succeeded just now: only the schedule
+    just_now = dt.datetime.now(UTC)
+    assert {j.id for j in build_scheduler(job_fn, "* * * * *", "UTC", 120, just_now).get_jobs()} == {"refresh"}
+    job_opts = build_scheduler(job_fn, "0 3 * * *", "Europe/Berlin", 900, just_now).get_jobs()[0]
+    assert job_opts.misfire_grace_time == 900 and job_opts.coalesce and job_opts.max_instances == 1
+
+
+def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_path: Path) -> None:
+    rs, kafka, rds = env
+    cfg = config_file(tmp_path / "c.toml", dataclasses.replace(rs, schedule="* * * * *", misfire_grace_s=120),
+                      kafka, rds)
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "refresh", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 45
+        while artifact.read_current(rs.publish_root) is None and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert artifact.read_current(rs.publish_root) is not None
+        assert job.read_last_success(rs.publish_root) is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "was missed" in err and "published" in err
 
 
 def test_bad_schedule_or_time_zone_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
