@@ -1,0 +1,381 @@
+"""Serving benchmark: latency of ``streamrec serve`` over loopback, per artifact format, and freshness.
+
+What it measures, in one run, against a local stack it starts (Tansu + Redis on free ports, temp dir):
+
+* p50/p99 latency of ``POST /v1/score`` for 1 user x 100 candidates, measured by the client (request
+  written -> response read, keep-alive HTTP/1.1 over loopback) at 1 and 8 concurrent clients, for the
+  eager, TorchScript and torch.export artifacts of one synthetic DeepFM checkpoint with a fused table of
+  ``--rows`` rows (default 10 M x (16 + 1) floats = 680 MB), MLP 400-400-400, the user's 20-click
+  history read from Redis on every request. Users and items are drawn Zipf(1.1); the hot set is the
+  most frequent ``--hot-share`` of rows as the nightly refresh would pick them from counts, the rest
+  is read from the memory-mapped cold file; the hot-cache hit rate is read from ``/metrics``.
+* the two HTTP servers (stdlib ThreadingHTTPServer, aiohttp) on the TorchScript artifact.
+* freshness (``--freshness``): a click event produced to Kafka -> the served score for that user and
+  item changes, through the real joiner, learner (deltas every second) and server; p50/p95.
+
+The server runs in its own process (``streamrec serve``), the clients in this one; on a 2-core machine
+they share the cores, as a sidecar client would.
+
+Reproduce::
+
+    .venv/bin/python bench/serving.py                 # 10 M rows, all formats, servers, freshness (~10 min)
+    .venv/bin/python bench/serving.py --quick         # 1 M rows, fewer requests (~2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from learner.features import FeatureConfig, FieldSpec  # noqa: E402
+from learner.model import DeepFM  # noqa: E402
+from stream.features import hash_value  # noqa: E402
+from stream.history import UserHistory  # noqa: E402
+from streamrec.artifact import build_artifact, publish  # noqa: E402
+from streamrec.settings import StackSettings  # noqa: E402
+from streamrec.stack import LocalStack, free_port  # noqa: E402
+
+CANDIDATES = 100
+HISTORY = 20
+
+
+# -- the synthetic model and traffic -------------------------------------------------------------------
+def feature_config(rows: int) -> FeatureConfig:
+    ctx = [FieldSpec("ctx.device", "single", 16), FieldSpec("ctx.hour", "single", 24),
+           FieldSpec("ctx.genres", "multi", 64)]
+    rest = rows - sum(f.num_buckets for f in ctx)
+    users = rest // 2
+    return FeatureConfig((FieldSpec("user_id", "single", users), FieldSpec("item_id", "single", rest - users),
+                          FieldSpec("history", "sequence", 1, shares="item_id"), *ctx), embedding_dim=16)
+
+
+def checkpoint(cfg: FeatureConfig) -> dict[str, Any]:
+    model = DeepFM(cfg, mlp=(400, 400, 400), seed=0, autocast_dtype=None)  # fused table (rows, 17), N(0, 0.01)
+    with torch.no_grad():
+        model.sparse.bag.weight[:, -1].normal_(0, 0.01)
+    return {"meta": {"feature_config": cfg.to_dict(), "model": {"mlp": "400,400,400", "dropout": 0.0},
+                     "samples_trained": 0, "offsets": {}}, "model": model.state_dict(), "path": "synthetic"}
+
+
+class Traffic:
+    """Zipf(1.1) users and items over id spaces as large as their blocks."""
+
+    def __init__(self, cfg: FeatureConfig, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.users_n = cfg.fields[0].num_buckets
+        self.items_n = cfg.fields[1].num_buckets
+
+    def draw(self, n: int, space: int) -> np.ndarray:
+        return (self.rng.zipf(1.1, n) - 1) % space
+
+    def hot_rows(self, cfg: FeatureConfig, share: float, sample: int = 2_000_000) -> np.ndarray:
+        """The most frequent rows of a traffic sample, as the refresh job ranks them from Redis counts."""
+        k = int(cfg.num_rows * share) // 2
+
+        def top(field: int, space: int) -> np.ndarray:
+            ids, counts = np.unique(self.draw(sample, space), return_counts=True)
+            head = ids[np.argsort(-counts, kind="stable")[:k]]
+            first, n = cfg.blocks[field]
+            return first + np.remainder(np.array([hash_value(int(x)) for x in head], np.int64), n)
+
+        ctx = np.concatenate([np.arange(f, f + n) for f, n in cfg.blocks[3:]])
+        return np.concatenate([top(0, self.users_n), top(1, self.items_n), ctx])
+
+    def requests(self, n: int) -> list[bytes]:
+        out = []
+        for _ in range(n):
+            user = int(self.draw(1, self.users_n)[0])
+            items = self.draw(CANDIDATES, self.items_n).tolist()
+            out.append(json.dumps({"user_id": user, "items": items,
+                                   "context": {"device": "ios", "hour": 20, "genres": ["Drama"]}}).encode())
+        return out
+
+
+# -- server and clients --------------------------------------------------------------------------------
+class Server:
+    def __init__(self, root: Path, redis_url: str, prefix: str, server: str = "threading", threads: int = 1,
+                 deltas_dir: Path | None = None) -> None:
+        env = dict(os.environ, STREAMREC_REDIS_URL=redis_url, STREAMREC_REDIS_PREFIX=prefix)
+        cmd = [sys.executable, "-m", "streamrec.cli", "serve", "--port", "0", "--publish-root", str(root),
+               "--server", server, "--threads", str(threads), "--log-level", "warning"]
+        if deltas_dir is not None:
+            cmd += ["--deltas-dir", str(deltas_dir)]
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     cwd=ROOT)
+        assert self.proc.stderr is not None
+        line = ""
+        while "serving on" not in line:
+            line = self.proc.stderr.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError("streamrec serve exited at start")
+        self.port = int(line.split("serving on http://127.0.0.1:")[1].split()[0])
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain
+
+    def conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        c = self.conn()
+        c.request("GET", "/metrics")
+        out = {}
+        for line in c.getresponse().read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def score(conn: http.client.HTTPConnection, body: bytes) -> dict[str, Any]:
+    conn.request("POST", "/v1/score", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+    return json.loads(data)
+
+
+def load(server: Server, bodies: list[bytes], clients: int, per_client: int, warmup: int = 50) -> dict[str, float]:
+    lat: list[list[float]] = [[] for _ in range(clients)]
+    errors: list[str] = []
+    barrier = threading.Barrier(clients)
+
+    def run_timed(k: int) -> None:
+        conn = server.conn()
+        for i in range(warmup):
+            score(conn, bodies[(k * 7919 + i) % len(bodies)])
+        barrier.wait()
+        mine = lat[k]
+        for i in range(per_client):
+            body = bodies[(k * 7919 + warmup + i) % len(bodies)]
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/score", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            mine.append(time.perf_counter() - t0)
+            if r.status != 200:
+                errors.append(str(r.status))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run_timed, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    all_lat = np.array([x for xs in lat for x in xs]) * 1000
+    return {"p50_ms": float(np.percentile(all_lat, 50)), "p99_ms": float(np.percentile(all_lat, 99)),
+            "rps": len(all_lat) / wall, "errors": len(errors)}
+
+
+# -- freshness -----------------------------------------------------------------------------------------
+def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
+    """click event -> served score change, through joiner, learner deltas and serving."""
+    from confluent_kafka import Producer
+
+    from stream.events import Click, Impression
+    from streamrec.settings import KafkaSettings
+
+    tag = f"fr{int(time.time())}"
+    kafka = dataclasses.replace(KafkaSettings(bootstrap_servers=stack.bootstrap_servers),
+                                impressions_topic=f"imp-{tag}", clicks_topic=f"clk-{tag}", samples_topic=f"smp-{tag}")
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_IMPRESSIONS_TOPIC=kafka.impressions_topic,
+               STREAMREC_KAFKA_CLICKS_TOPIC=kafka.clicks_topic,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_REDIS_URL=stack.redis_url,
+               STREAMREC_REDIS_PREFIX=tag, STREAMREC_LEARNER_BUCKETS="20000", STREAMREC_LEARNER_CTX_BUCKETS="100",
+               STREAMREC_LEARNER_MLP="64,64", STREAMREC_LEARNER_DELTAS_EVERY_S="1",
+               STREAMREC_LEARNER_DELTAS_DIR=str(work / "deltas"), STREAMREC_LEARNER_DELTAS_REDIS_URL=stack.redis_url,
+               STREAMREC_LEARNER_DELTAS_CHANNEL=f"{tag}:model-deltas", STREAMREC_LEARNER_BATCH_ROWS="64",
+               STREAMREC_LEARNER_CHECKPOINT_EVERY_S="2", STREAMREC_LEARNER_GROUP_ID=f"l-{tag}",
+               STREAMREC_JOINER_BATCH_WITHIN_S="0.05", STREAMREC_JOINER_ATTRIBUTION_WINDOW_S="600")
+    prod = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 0})
+    rng = np.random.default_rng(1)
+    now = int(time.time() * 1000)
+    seq = [0]
+
+    def impression(user: str, item: int, ts: int, click: bool) -> None:
+        seq[0] += 1
+        imp_id = f"{tag}-{seq[0]}"
+        prod.produce(kafka.impressions_topic, Impression(imp_id, ts, user, item, {"device": "ios"}).encode(),
+                     imp_id.encode())
+        if click:
+            prod.produce(kafka.clicks_topic, Click(imp_id, ts + 500).encode(), imp_id.encode())
+
+    for k in range(3000):  # background traffic so the learner has a feature config and something to train
+        impression(f"u{rng.integers(0, 500)}", int(rng.integers(0, 2000)), now - 60_000 + k * 10, rng.random() < 0.2)
+    prod.flush()
+    root = work / "fresh-serving"
+    procs = [subprocess.Popen([sys.executable, "-m", "streamrec.cli", "join", "--driver", "kafka", "--app-id",
+                               f"j-{tag}"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir",
+                               str(work / "fresh-ckpt")], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)]
+    server = None
+    try:
+        from learner.checkpoint import load_latest
+
+        deadline = time.monotonic() + 120
+        ckpt = None
+        while ckpt is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the learner wrote no checkpoint within 120 s")
+            time.sleep(1)
+            ckpt = load_latest(work / "fresh-ckpt")
+        publish(root, build_artifact(ckpt, root, np.zeros(0, np.int64), format="torchscript"), keep=2)
+        server = Server(root, stack.redis_url, tag, deltas_dir=work / "deltas")
+        conn = server.conn()
+        first: list[float] = []  # any change of the score (the click enters the user's history in Redis)
+        model: list[float] = []  # a response from a model that trained the click (delta_seq moved past it)
+        for p in range(probes):
+            user, item = f"probe{p}", 5000 + p
+            body = json.dumps({"user_id": user, "items": [item], "context": {"device": "ios"}}).encode()
+            time.sleep(1.5)  # let the previous probe's delta go out: background traffic is over, so the next
+            out0 = score(conn, body)  # delta is the one that trains this probe's click
+            ts = int(time.time() * 1000)
+            impression(user, item, ts, click=True)
+            prod.flush()
+            t0 = time.perf_counter()
+            seen_change = seen_delta = None
+            while (seen_change is None or seen_delta is None) and time.perf_counter() - t0 < 30:
+                out = score(conn, body)
+                now_s = time.perf_counter() - t0
+                if seen_change is None and out["scores"][0] != out0["scores"][0]:
+                    seen_change = now_s
+                if seen_delta is None and out["delta_seq"] > out0["delta_seq"]:
+                    seen_delta = now_s
+                time.sleep(0.01)
+            first.append(seen_change if seen_change is not None else float("inf"))
+            model.append(seen_delta if seen_delta is not None else float("inf"))
+        a, b = np.array(first), np.array(model)
+        return {"p50_s": float(np.percentile(a, 50)), "p95_s": float(np.percentile(a, 95)),
+                "model_p50_s": float(np.percentile(b, 50)), "model_p95_s": float(np.percentile(b, 95)),
+                "probes": probes, "timeouts": int(np.isinf(a).sum() + np.isinf(b).sum())}
+    finally:
+        if server is not None:
+            server.stop()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# -- main ----------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 M rows, fewer requests")
+    ap.add_argument("--rows", type=int, help="rows of the fused table (default 10 M; --quick 1 M)")
+    ap.add_argument("--requests", type=int, help="measured requests per client (default 2000; --quick 300)")
+    ap.add_argument("--formats", default="eager,torchscript,export")
+    ap.add_argument("--hot-share", type=float, default=0.1, help="share of rows in the hot set (default 0.1)")
+    ap.add_argument("--no-servers", action="store_true", help="skip the threading vs aiohttp comparison")
+    ap.add_argument("--freshness", action="store_true", help="also measure click -> served score change")
+    ap.add_argument("--probes", type=int, default=20, help="freshness probes (default 20)")
+    args = ap.parse_args()
+    rows = args.rows or (1_000_000 if args.quick else 10_000_000)
+    per_client = args.requests or (300 if args.quick else 2000)
+    work = Path(tempfile.mkdtemp(prefix="streamrec-bench-serving-"))
+    stack = LocalStack(StackSettings(state_dir=work / "stack", kafka_port=free_port(), redis_port=free_port()))
+    stack.up()
+    results: list[tuple[str, str, int, dict[str, float]]] = []
+    hit_rates: dict[str, float] = {}
+    try:
+        t0 = time.monotonic()
+        cfg = feature_config(rows)
+        ckpt = checkpoint(cfg)
+        traffic = Traffic(cfg)
+        hot = traffic.hot_rows(cfg, args.hot_share)
+        bodies = traffic.requests(500)
+        import redis
+
+        prefix = "bench"
+        hist = UserHistory(redis.Redis.from_url(stack.redis_url), prefix=prefix, max_len=200)
+        users = {json.loads(b)["user_id"] for b in bodies}
+        for u in users:
+            items = traffic.draw(HISTORY, traffic.items_n)
+            hist.append_many([hash_value(u)] * HISTORY, [hash_value(int(i)) for i in items], list(range(HISTORY)))
+        mb = rows * (cfg.embedding_dim + 1) * 4 / 1e6
+        print(f"setup: {rows:,} rows x {cfg.embedding_dim + 1} floats ({mb:.0f} MB),"
+              f" hot set {len(hot):,} rows, {len(users)} users with {HISTORY}-click histories "
+              f"({time.monotonic() - t0:.1f}s)", file=sys.stderr)
+        formats = [f for f in args.formats.split(",") if f]
+        for fmt in formats:
+            root = work / f"serving-{fmt}"
+            t1 = time.monotonic()
+            publish(root, build_artifact(ckpt, root, hot, format=fmt), keep=1)
+            print(f"{fmt}: artifact built in {time.monotonic() - t1:.1f}s", file=sys.stderr)
+            servers = ["threading", "aiohttp"] if fmt == "torchscript" and not args.no_servers else ["threading"]
+            for srv in servers:
+                server = Server(root, stack.redis_url, prefix, server=srv)
+                try:
+                    for clients in (1, 8):
+                        n = per_client if clients == 1 else max(50, per_client // 4)
+                        r = load(server, bodies, clients, n)
+                        results.append((fmt, srv, clients, r))
+                        print(f"{fmt:<12} {srv:<10} {clients} client(s): p50 {r['p50_ms']:.2f} ms  "
+                              f"p99 {r['p99_ms']:.2f} ms  {r['rps']:.0f} req/s  errors {r['errors']}", file=sys.stderr)
+                    m = server.metrics()
+                    hot_n = m.get('streamrec_serving_embedding_lookups_total{tier="hot"}', 0.0)
+                    cold_n = m.get('streamrec_serving_embedding_lookups_total{tier="cold"}', 0.0)
+                    hit_rates[f"{fmt}/{srv}"] = hot_n / max(1.0, hot_n + cold_n)
+                finally:
+                    server.stop()
+            shutil.rmtree(root, ignore_errors=True)
+        fresh = freshness(stack, work, args.probes) if args.freshness else None
+    finally:
+        stack.down()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\nserving: 1 user x {CANDIDATES} candidates, {rows:,} rows x 17 floats, MLP 400-400-400, "
+          f"{HISTORY}-click history from Redis, torch threads 1 per request, loopback, {os.cpu_count()} cores")
+    print(f"{'format':<12} {'server':<10} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'errors':>6}")
+    for fmt, srv, clients, r in results:
+        print(f"{fmt:<12} {srv:<10} {clients:>7} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['rps']:>8.0f} "
+              f"{r['errors']:>6}")
+    print("hot-cache hit rate (hot set = " + f"{args.hot_share:.0%} of rows): " +
+          ", ".join(f"{k} {v:.1%}" for k, v in hit_rates.items()))
+    target = [r for f, s, c, r in results if c == 1 and s == "threading"]
+    if target:
+        print(f"target p99 < 2 ms at 1 client: {'met' if max(r['p99_ms'] for r in target) < 2 else 'NOT met'} "
+              f"(worst format {max(r['p99_ms'] for r in target):.2f} ms)")
+    if fresh is not None:
+        print(f"freshness, {fresh['probes']} probes (click event produced -> served score changes; target p95 < 5 s):\n"
+              f"  first change (click in the user's Redis history via the joiner): p50 {fresh['p50_s']:.2f} s, "
+              f"p95 {fresh['p95_s']:.2f} s\n"
+              f"  model change (learner trained the click, delta applied by serving): "
+              f"p50 {fresh['model_p50_s']:.2f} s, "
+              f"p95 {fresh['model_p95_s']:.2f} s; timeouts {fresh['timeouts']}")
+    print(f"load average during the run (other processes share these cores): {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
