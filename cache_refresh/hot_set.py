@@ -5,6 +5,9 @@ stable hashes of the raw ids (``stream/ids.py``), the same int64 the samples car
 ``item_id``'s block row of that hash (shared by ``history``, which reads item rows); a user's row is
 ``user_id``'s. The mapping is the feature config's (``FeatureConfig.blocks``), the one the learner used.
 
+The window of ``days`` days ends at the latest day that has counts, not at today: counts are kept by
+event time, so a replayed data set (MovieLens is from 2000) gets the same hot set as live traffic.
+
 Redis may be briefly unavailable at 03:00: every read is retried with exponential backoff
 (``attempts``, ``backoff_s`` doubling); :class:`RedisUnavailable` after the last attempt.
 """

@@ -63,11 +63,16 @@ def probe(model: ScoringModel, checkpoint: dict[str, Any], samples: int, toleran
           hot_rows: np.ndarray | None = None, seed: int = 0) -> dict[str, Any]:
     """Compare the artifact's probabilities with the learner's fp32 eager ones; raise beyond ``tolerance``."""
     values, offsets, dense = probe_inputs(model.feature_config, samples, seed, hot_rows)
+    reference = eager_model(checkpoint)
     with torch.no_grad():
-        want = torch.sigmoid(eager_model(checkpoint)(values, offsets, dense))  # (B,)
+        want = torch.sigmoid(reference(values, offsets, dense))  # (B,)
+        # For the record: how far the learner's own bf16-autocast forward is from fp32 serving.
+        reference.autocast_dtype = torch.bfloat16
+        bf16 = torch.sigmoid(reference(values, offsets, dense).float())  # (B,)
     got = model.score(values, offsets, dense).cpu()  # (B,)
     diff = float((got - want).abs().max()) if samples else 0.0
-    result = {"samples": samples, "max_abs_diff": diff, "tolerance": tolerance}
+    result = {"samples": samples, "max_abs_diff": diff, "tolerance": tolerance,
+              "learner_bf16_max_abs_diff": float((bf16 - want).abs().max()) if samples else 0.0}
     if not diff <= tolerance:  # also catches NaN
         raise ValidationFailed(f"probe: artifact scores differ from the learner's eager scores by {diff:.3g} "
                                f"(tolerance {tolerance:g}) on {samples} probe samples; the artifact is not the "
