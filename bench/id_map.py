@@ -18,12 +18,14 @@ whole stream (warm-up included: admissions are front-loaded).
 
 Then the churn run: --churn-ids ids, a --churn-new share of them brand new (endless user churn: every
 new id is distinct from all before), the rest Zipf over a 1 M-id warm pool, streamed through an IdMap of
---capacity rows; RSS (VmRSS) is sampled every --churn-every ids, written as CSV (--csv) and drawn as an
+--capacity rows admitting on first sight (--churn-admit-after 1: every new id takes a row, so a full table
+evicts in every batch); RSS (VmRSS) is sampled every --churn-every ids, written as CSV (--csv) and drawn as an
 ASCII plot. Memory must stay flat: the map's arrays are allocated once (IdMap.nbytes()).
 
 Reproduce (2 shared cores; the ratios matter, the absolute figures move with other load):
 
     python bench/id_map.py                      # 10 M lookups + 100 M churn ids, ~2-3 min
+    python bench/id_map.py --rounds 3           # best of 3 per variant (a busy machine)
     python bench/id_map.py --quick              # a smoke run, ~10 s
     python bench/id_map.py --churn-ids 0        # throughput only
 """
@@ -116,7 +118,8 @@ def churn(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
     """Stream ``--churn-ids`` ids (mostly brand new) through one IdMap; (ids seen, RSS MB, occupancy, bucket share)."""
     rng = np.random.default_rng(args.seed + 1)
     warm = zipf_keys(args.seed + 2, 5_000_000, 1_000_000, args.zipf)  # recycled for the returning users
-    m = IdMap(args.capacity, args.buckets, admit_after=args.admit_after, ttl_s=args.churn_ttl)
+    rss0 = rss_mb()
+    m = IdMap(args.capacity, args.buckets, admit_after=args.churn_admit_after, ttl_s=args.churn_ttl)
     n_new = int(round(args.batch * args.churn_new))
     next_new = 0
     samples: list[tuple[int, float, float, float]] = []
@@ -138,7 +141,8 @@ def churn(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
     st = m.stats()
     samples.append((seen, rss_mb(), st["occupancy"], st["bucket_share"]))
     print(f"churn: {seen:,} ids ({next_new:,} distinct new) in {dt:.1f} s = {seen / dt / 1e6:.1f} M ids/s; "
-          f"map arrays {m.nbytes() / 2**20:.0f} MiB; admissions {st['admissions']:,.0f}, evictions "
+          f"admit after {m.admit_after}; RSS before the map {rss0:.0f} MB, map arrays {m.nbytes() / 2**20:.0f} MiB; "
+          f"admissions {st['admissions']:,.0f}, evictions "
           f"{st['evictions']:,.0f} (ttl {st['evictions_ttl']:,.0f}), candidates {st['candidates']:,.0f}")
     return samples
 
@@ -146,8 +150,7 @@ def churn(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
 def ascii_plot(samples: list[tuple[int, float, float, float]], width: int = 60, height: int = 10) -> str:
     xs = np.array([s[0] for s in samples], dtype=np.float64)
     ys = np.array([s[1] for s in samples])
-    lo, hi = float(ys.min()), float(ys.max())
-    hi = max(hi, lo + 1.0)
+    lo, hi = 0.0, max(float(ys.max()) * 1.1, 1.0)  # from 0: flat is flat, noise is not magnified
     grid = [[" "] * width for _ in range(height)]
     for x, y in zip(xs, ys, strict=True):
         c = min(width - 1, int(x / xs.max() * (width - 1)))
@@ -170,16 +173,19 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=100_000)
     ap.add_argument("--admit-after", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the throughput variants; each keeps its best")
     ap.add_argument("--churn-ids", type=int, default=100_000_000)
     ap.add_argument("--churn-new", type=float, default=0.9, help="share of brand-new ids in each churn batch")
     ap.add_argument("--churn-every", type=int, default=5_000_000, help="RSS sample interval (ids)")
+    ap.add_argument("--churn-admit-after", type=int, default=1,
+                    help="1: every new id gets a row, so the full table evicts all the time (the hard case)")
     ap.add_argument("--churn-ttl", type=float, default=None, help="ttl_s in batches for the churn map")
     ap.add_argument("--csv", type=Path, default=Path(tempfile.gettempdir()) / "id_map_rss.csv")
-    ap.add_argument("--quick", action="store_true", help="1 M lookups over 1 M ids, capacity 100 k, 10 M churn")
+    ap.add_argument("--quick", action="store_true", help="1 M lookups over 1 M ids, capacity 100 k, 2 M churn")
     args = ap.parse_args()
     if args.quick:
         args.lookups, args.universe, args.capacity, args.buckets = 1_000_000, 1_000_000, 100_000, 10_000
-        args.churn_ids, args.churn_every = min(args.churn_ids, 10_000_000), 1_000_000
+        args.churn_ids, args.churn_every = min(args.churn_ids, 2_000_000), 200_000
     torch.set_num_threads(1)
 
     keys = zipf_keys(args.seed, args.lookups, args.universe, args.zipf)
@@ -188,15 +194,17 @@ def main() -> None:
           f"{args.buckets:,} buckets, admit after {args.admit_after}; torch threads 1; "
           f"load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     gc.collect()
-    t_dict = run_dict(keys, args.batch, args.capacity, args.buckets, args.admit_after)
-    m = IdMap(args.capacity, args.buckets, admit_after=args.admit_after)
-    t_map = run_id_map(keys, args.batch, m)
-    st = m.stats()
-    admitted = m.state_dict()["row_key"].numpy()
-    t_ss = run_searchsorted(keys, args.batch, admitted[admitted >= 0], args.buckets)
-    m1 = IdMap(args.capacity, args.buckets, admit_after=1)
-    t_map1 = run_id_map(keys, args.batch, m1)
-    st1 = m1.stats()
+    t_dict = t_map = t_ss = t_map1 = float("inf")
+    for _ in range(args.rounds):  # fresh maps every round; the machine is shared, so keep each one's best
+        t_dict = min(t_dict, run_dict(keys, args.batch, args.capacity, args.buckets, args.admit_after))
+        m = IdMap(args.capacity, args.buckets, admit_after=args.admit_after)
+        t_map = min(t_map, run_id_map(keys, args.batch, m))
+        st = m.stats()
+        admitted = m.state_dict()["row_key"].numpy()
+        t_ss = min(t_ss, run_searchsorted(keys, args.batch, admitted[admitted >= 0], args.buckets))
+        m1 = IdMap(args.capacity, args.buckets, admit_after=1)
+        t_map1 = min(t_map1, run_id_map(keys, args.batch, m1))
+        st1 = m1.stats()
 
     def row(name: str, t: float, note: str) -> str:
         return f"  {name:<22} {args.lookups / t / 1e6:8.1f} M ids/s   {t_dict / t:6.2f}x dict   {note}"

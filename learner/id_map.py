@@ -15,23 +15,30 @@ reaches the threshold, and every occurrence of the key in that call already gets
 more than ``candidates // 4`` occurrences of unadmitted keys counts them in chunks, in order, and then
 only the occurrences from the admitting chunk on do).
 
-Design (chosen by measurement, see bench/id_map.py): open-addressing hash tables with linear probing kept
-in numpy arrays, every operation vectorized over the whole batch (probing runs in rounds; each round
-handles all keys still unresolved, at load <= 1/2 almost all resolve in the first round). Sorted keys with
-``searchsorted`` were the alternative: lookups are O(log n) gathers instead of ~1.5 and inserting or
-evicting needs a merge, so every admission batch costs O(capacity).
+Design (chosen by measurement, see bench/id_map.py): open-addressing hash tables with linear probing
+(Fibonacci hashing of the key) kept in numpy arrays, every operation vectorized over the whole batch: a
+probe round handles all keys still unresolved at once; at load <= 0.4 most keys resolve at their home
+slot, the rest in one or two more rounds that gather 8 slots per key. Key and value of a slot sit side by
+side, so a probe is one gather. Inserting keys of one batch that race for a slot: every racer writes, the
+surviving write wins, the losers probe on. Sorted keys + ``searchsorted`` were the alternative: every
+lookup is ~log2(n) dependent gathers instead of ~1.3, and each admission or eviction batch needs an
+O(capacity) merge. No per-id Python anywhere; Python loops run over probe rounds and chunks only.
 
-* Own rows: table ``key -> row`` (2 * capacity slots; evicted keys leave tombstones that are purged by
-  rebuilding in place when live + tombstones exceed 3/4 of the slots) and per-row arrays ``row_key``,
-  ``row_seen`` (last time seen, seconds), ``row_slot`` (so an eviction needs no probing).
-* Admission counts: two generations of a candidate table ``key -> count`` with ``candidates`` keys each
-  (default: capacity). When the current generation holds ``candidates`` keys it becomes the previous one
-  and a cleared table takes its place; a key first seen in the new generation carries its count over from
-  the previous one. So a key is admitted once seen ``admit_after`` times within the last 1-2 generations
-  of distinct not-yet-admitted keys, and memory is bounded whatever the churn.
+* Own rows: table ``key -> row`` (slots >= capacity / 0.4, a power of two; evicted keys leave tombstones,
+  purged by rebuilding the table when live + tombstones exceed half the slots) and per-row arrays
+  ``row_key``, ``row_seen`` (last lookup time, seconds), ``row_slot`` (an eviction needs no probing), and
+  the free list (a stack: freed rows are handed out again first).
+* LRU eviction, exact without sorting the table: a threshold from 8192 sampled last-seen times selects a
+  few more than k rows in one pass, and the k oldest of those are the k oldest of all.
+* Admission counts: two generations of a candidate table ``key -> count`` of ``candidates`` keys each
+  (default capacity // 2). When the current generation holds ``candidates`` keys it becomes the previous
+  one and a cleared table takes its place; a key first seen in the new generation carries its count over.
+  So a key is admitted once seen ``admit_after`` times within the last 1-2 generations of distinct
+  not-yet-admitted keys, and memory is bounded whatever the churn. An admitted key's count drops to 0.
 
-Memory: about 2 * 12 B per own row + 4 * 12 B per candidate + 20 B per row, e.g. ~90 MB for
-capacity = candidates = 1 M. Not thread-safe: one learner thread owns a map.
+Memory (``nbytes()``, allocated once): 16 B per main slot, 2 x 16 B per candidate slot, 32 B per own row,
+4 B of scratch per slot: 175 MiB for capacity 1 M (4 M main slots, 2 x 2 M candidate slots). Not
+thread-safe: one learner thread owns a map.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from stream.ids import stable_hash_many
 
 EMPTY = -1
 TOMBSTONE = -2
+_LRU_SAMPLE = 8192  # last-seen times sampled to find the LRU threshold
 MAX_LOAD = 0.4  # live keys per slot at most (tables are powers of two, so often less): short probes
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
 _STATE_VERSION = 1
@@ -119,8 +127,11 @@ class _Table:
         seen = w[:, 0]
         hit = seen == keys
         slot = np.where(hit, pos, -1)
-        val = np.where(hit, w[:, 1], -1)
-        rest = np.flatnonzero(~hit & (seen != EMPTY))  # probe on: windows of WINDOW slots
+        val = w[:, 1].copy()
+        hit = ~hit
+        val[hit] = -1
+        hit &= seen != EMPTY
+        rest = np.flatnonzero(hit)  # neither found nor absent: probe on, WINDOW slots at a time
         start = pos[rest] + 1
         while rest.size:
             win = (start[:, None] + self._window) & self.mask  # (M, W)
@@ -166,22 +177,37 @@ class _Table:
         claimed = []
         idx = np.arange(keys.size)
         pos, k = self.home(keys), keys
+        width = 1  # the home slot first, then WINDOW slots at a time
         while idx.size:
-            seen = self.flat.take(2 * pos)
-            free = seen < 0 if tombstones else seen == EMPTY
-            if free.any():
-                fp, before = pos[free], seen[free]
-                self.flat[2 * fp] = k[free]
-                after = self.flat.take(2 * fp)
-                seen[free] = after
-                got = after == k[free]
+            if width == 1:
+                p = pos
+                s = self.flat.take(2 * p)
+                stopped = s == k
+                stopped |= (s < 0) if tombstones else (s == EMPTY)
+            else:
+                win = (pos[:, None] + self._window) & self.mask  # (M, W)
+                seen = self.flat.take(2 * win)  # (M, W) keys
+                stop = seen == k[:, None]
+                stop |= (seen < 0) if tombstones else (seen == EMPTY)
+                j = stop.argmax(axis=1)  # first match or free slot in the window
+                m = np.arange(idx.size)
+                stopped = stop[m, j]
+                p, s = win[m, j], seen[m, j]  # (M,)
+            done = stopped & (s == k)  # a duplicate of the key claimed it in an earlier round
+            free = np.flatnonzero(stopped & ~done)
+            if free.size:
+                fp = p[free]
+                self.flat[2 * fp] = k[free]  # racing keys: one write per slot survives
+                got = self.flat.take(2 * fp) == k[free]
                 claimed.append(fp[got])
+                done[free[got]] = True
                 if tombstones:
-                    self.dead -= int(np.count_nonzero(before[got] == TOMBSTONE))
-            hit = seen == k
-            out[idx[hit]] = pos[hit]
-            miss = ~hit
-            idx, pos, k = idx[miss], (pos[miss] + 1) & self.mask, k[miss]
+                    self.dead -= int(np.count_nonzero(s[free[got]] == TOMBSTONE))
+            out[idx[done]] = p[done]
+            nxt = np.where(stopped, p + 1, pos + width) & self.mask  # lost a race: on past it
+            keep = ~done
+            idx, pos, k = idx[keep], nxt[keep], k[keep]
+            width = self.WINDOW
         return out, (np.concatenate(claimed) if claimed else np.empty(0, dtype=np.int64))
 
 
@@ -237,7 +263,8 @@ class IdMap:
         self.evict_chunk = max(1, self.capacity // 32)
         self._main = _Table(int(self.capacity / MAX_LOAD))
         self._row_key = np.full(self.capacity, EMPTY, dtype=np.int64)
-        self._row_seen = np.zeros(self.capacity, dtype=np.float64)
+        self._seen_ext = np.zeros(self.capacity + 1, dtype=np.float64)  # + a sink at [-1] for row -1
+        self._row_seen = self._seen_ext[:self.capacity]  # last time each own row was looked up
         self._row_slot = np.zeros(self.capacity, dtype=np.int64)
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack; pops row 0 first
         self._free_top = self.capacity
@@ -247,6 +274,7 @@ class IdMap:
         self._scratch = np.empty(max(self._main.size, self._cur.size), dtype=np.int32)
         self._last_sweep = -float("inf")
         self.counters = _Counters()
+        self._rng = np.random.default_rng(0)  # LRU threshold samples only: rows evicted do not depend on it
 
     # ---- lookups -------------------------------------------------------------------------------------
     def lookup(self, keys: np.ndarray, now: float, train: bool = True) -> LookupResult:
@@ -265,7 +293,7 @@ class IdMap:
         admitted = np.empty(0, dtype=np.int64)
         admitted_keys = np.empty(0, dtype=np.int64)
         if train:
-            self._row_seen[row[row >= 0]] = now
+            self._seen_ext[row] = now  # keys without a row write the sink
             miss = np.flatnonzero(row < 0)
             parts = []
             for start in range(0, miss.size, self._chunk):  # chunks bound the candidate table's load
@@ -347,12 +375,30 @@ class IdMap:
         return rows
 
     def _evict_lru(self, k: int, now: float, evicted: list[np.ndarray]) -> None:
-        seen = np.where(self._row_key >= 0, self._row_seen, np.inf)
-        seen[seen >= now] = np.inf  # rows used in this call stay
-        k = min(k, int(np.count_nonzero(seen < np.inf)))
+        """Free the k least recently seen rows (rows seen at ``now``, i.e. in this call, stay).
+
+        Exact, without sorting the table: a threshold from a sample of last-seen times selects a little
+        more than k candidates in one pass; the k oldest of those are the k oldest of all (else: full sort).
+        """
+        eligible = self._row_key >= 0
+        eligible &= self._row_seen < now
+        n = int(np.count_nonzero(eligible))
+        k = min(k, n)
         if k <= 0:
             return
-        victims = np.argpartition(seen, k - 1)[:k] if k < seen.size else np.arange(seen.size)
+        pool = None
+        if k < n // 4 and self.capacity > 4 * _LRU_SAMPLE:
+            probe = self._rng.integers(0, self.capacity, _LRU_SAMPLE)
+            s = self._row_seen[probe][eligible[probe]]
+            q = int(np.ceil(1.25 * k / n * s.size)) + 8  # aim a little over k
+            if s.size and q < s.size:
+                threshold = np.partition(s, q)[q]
+                pool = np.flatnonzero(eligible & (self._row_seen <= threshold))
+                if pool.size < k:
+                    pool = None  # the sample was unlucky: sort everything
+        if pool is None:
+            pool = np.flatnonzero(eligible)
+        victims = pool[np.argpartition(self._row_seen[pool], k - 1)[:k]] if k < pool.size else pool
         self._release(victims)
         self.counters.evictions_lru += k
         evicted.append(victims)
@@ -421,7 +467,7 @@ class IdMap:
 
     def nbytes(self) -> int:
         """Bytes held by the map's arrays (constant after construction)."""
-        arrays = (self._main.kv, self._row_key, self._row_seen, self._row_slot, self._free, self._cur.kv,
+        arrays = (self._main.kv, self._row_key, self._seen_ext, self._row_slot, self._free, self._cur.kv,
                   self._prev.kv, self._scratch)
         return sum(a.nbytes for a in arrays)
 

@@ -271,3 +271,15 @@ def test_a_batch_larger_than_the_candidate_chunk_admits_each_key_once() -> None:
     for k, r in zip(keys.tolist(), res.rows.tolist(), strict=True):
         assert row_of.setdefault(k, r) == r
     assert len(set(row_of.values())) == 10 and m.stats()["live_rows"] == 10
+
+
+def test_lru_on_a_large_table_evicts_exactly_the_oldest() -> None:
+    """capacity > 4 x the LRU sample: the sampled-threshold path must still pick the k oldest rows."""
+    m = IdMap(capacity=40_000, num_buckets=11, admit_after=1)
+    old = np.arange(40_000, dtype=np.int64)
+    for t in range(40):  # 1000 keys per time step
+        m.lookup(old[t * 1000:(t + 1) * 1000], now=float(t))
+    res = m.lookup(np.arange(10**9, 10**9 + 1500, dtype=np.int64), now=100.0)  # chunk = max(1500, 1250)
+    assert res.evicted_rows.size == 1500 and (res.rows >= 11).all()
+    back = m.lookup(old, now=101.0, train=False).rows < 11
+    assert back.sum() == 1500 and back[:1000].all() and back[2000:].sum() == 0
