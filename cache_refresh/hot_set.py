@@ -24,6 +24,7 @@ import numpy as np
 import redis
 
 from learner.features import FeatureConfig
+from learner.row_mapper import RowMapper
 from stream.counts import DailyCounts
 
 log = logging.getLogger("streamrec.refresh")
@@ -70,27 +71,28 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int,
     return counts.top(kind, event, day=day, days=days, k=k), day
 
 
-def hot_rows(cfg: FeatureConfig, kind: str, members: list[str]) -> np.ndarray:
-    """Global rows of ``members`` (hash texts) in the block of ``kind``'s field; [] if the model lacks it."""
+def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMapper | None = None) -> np.ndarray:
+    """Global rows of ``members`` (hash texts) in the block of ``kind``'s field; [] if the model lacks it.
+    ``mapper`` (the checkpoint's id maps) maps admitted ids to their own rows; without it, the buckets."""
     name = KIND_FIELDS[kind]
     names = [f.name for f in cfg.fields]
     if name not in names or not members:
         return np.zeros(0, np.int64)
-    first, rows = cfg.blocks[names.index(name)]
     hashed = np.array([int(m) for m in members if m.isdigit()], dtype=np.int64)
-    return first + np.remainder(hashed, rows)
+    return (mapper or RowMapper(cfg)).rows(names.index(name), hashed)
 
 
 def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig, days: int, hot_items: int,
             hot_users: int, event: str = "impression", small_field_rows: int = 0, attempts: int = 5,
-            backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep) -> HotSet:
+            backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
+            mapper: RowMapper | None = None) -> HotSet:
     """The hot rows of ``cfg``'s table from the last ``days`` days of counts, with stats for the manifest."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event}
     for kind, k in (("item", hot_items), ("user", hot_users)):
         top, day = with_retries(f"top {kind}s", lambda kind=kind, k=k: top_ids(counts, kind, event, days, k),
                                 attempts, backoff_s, sleep)
-        rows = hot_rows(cfg, kind, [m for m, _ in top])
+        rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)
         parts.append(rows)
         stats[f"{kind}s"] = len(top)
         stats[f"{kind}_rows"] = int(len(np.unique(rows)))

@@ -34,6 +34,7 @@ from cache_refresh import hot_set, validate
 from cache_refresh.settings import RefreshSettings
 from learner import checkpoint as ckpt_io
 from learner.features import FeatureConfig
+from learner.row_mapper import RowMapper
 from streamrec import artifact
 from streamrec.settings import KafkaSettings, RedisSettings
 
@@ -141,7 +142,8 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         try:
             hs = hot_set.compute(client, rds.prefix, rds.counts_ttl_days, cfg, rs.days, rs.hot_items, rs.hot_users,
                                  event=rs.count_event, small_field_rows=rs.small_field_rows,
-                                 attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep)
+                                 attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep,
+                                 mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")))
         except hot_set.RedisUnavailable as exc:
             raise RefreshError(stage, f"{exc} (url {rds.url}); the live artifact is untouched. Is Redis up "
                                       "(`streamrec stack status`, STREAMREC_REDIS_URL)?") from exc

@@ -127,6 +127,7 @@ def quality(model: ScoringModel, batches: list[SampleBatch]) -> dict[str, Any]:
     probs, labels = [], []
     for batch in batches:
         tb = to_tensors(batch, model.feature_config)
+        model.map_batch(tb)  # dynamic ids: the rows the artifact's id maps give them
         if len(tb):
             probs.append(model.score(tb.values, tb.offsets, tb.dense).cpu().numpy())
             labels.append(tb.labels.numpy())

@@ -27,6 +27,9 @@ class TensorBatch:
     ts: np.ndarray  # (B,) int64, impression event time
     # (partition, offset, rows) of every Kafka message the rows came from, in order
     positions: list[tuple[int, int, int]] = field(default_factory=list)
+    # (N,) int64 hashed values behind ``values``, kept only when the config has dynamic fields: the
+    # RowMapper (learner/row_mapper.py) turns them into rows; until then ``values`` holds the buckets
+    keys: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -41,7 +44,7 @@ class TensorBatch:
                            self.offsets.to(device, non_blocking=non_blocking),
                            self.dense.to(device, non_blocking=non_blocking),
                            self.labels.to(device, non_blocking=non_blocking),
-                           self.impression_ids, self.ts, self.positions)
+                           self.impression_ids, self.ts, self.positions, self.keys)
 
     def select(self, keep: np.ndarray) -> TensorBatch:
         """Rows where ``keep`` (bool (B,)) is set, e.g. after dropping duplicates."""
@@ -60,7 +63,8 @@ class TensorBatch:
         idx = np.repeat(s - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
         return TensorBatch(self.values[torch.from_numpy(idx)], torch.from_numpy(new_offsets),
                            self.dense[torch.from_numpy(k)], self.labels[torch.from_numpy(k)],
-                           self.impression_ids[k], self.ts[k], self.positions)
+                           self.impression_ids[k], self.ts[k], self.positions,
+                           None if self.keys is None else self.keys[idx])
 
 
     def chunks(self, rows: int) -> list[TensorBatch]:
@@ -92,15 +96,17 @@ def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int
     """One Arrow sample batch -> a TensorBatch. Missing columns are empty bags (zero embeddings)."""
     b = len(batch)
     names = set(batch.batch.schema.names)
-    all_values, all_lengths = [], []
+    all_values, all_keys, all_lengths = [], [], []
     for spec, (first, rows) in zip(cfg.fields, cfg.blocks, strict=True):
         if spec.name in names:
             v, lengths = _field_values(batch, spec.name)
             all_values.append(first + np.remainder(v, rows))  # hashed ids are >= 0: remainder is the bucket
+            all_keys.append(v)
             all_lengths.append(lengths)
         else:
             all_lengths.append(np.zeros(b, np.int64))
     values = np.concatenate(all_values) if all_values else np.zeros(0, np.int64)
+    keys = (np.concatenate(all_keys) if all_keys else np.zeros(0, np.int64)) if cfg.dynamic else None
     lengths = np.concatenate(all_lengths)  # (F * B,)
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -111,7 +117,7 @@ def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int
         values=torch.from_numpy(values), offsets=torch.from_numpy(offsets), dense=torch.from_numpy(dense),
         labels=torch.from_numpy(batch.column("label").astype(np.float32)),
         impression_ids=np.asarray(batch.impression_ids, dtype=object), ts=batch.column("ts"),
-        positions=positions or [],
+        positions=positions or [], keys=keys,
     )
 
 
@@ -120,13 +126,17 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
     if len(batches) == 1:
         return batches[0]
     per_field_values: list[list[torch.Tensor]] = [[] for _ in range(num_fields)]
+    per_field_keys: list[list[np.ndarray]] = [[] for _ in range(num_fields)]
     per_field_lengths: list[list[np.ndarray]] = [[] for _ in range(num_fields)]
+    with_keys = all(tb.keys is not None for tb in batches)
     for tb in batches:
         b = len(tb)
         offsets = tb.offsets.numpy()
         for f in range(num_fields):
             start, end = offsets[f * b], offsets[(f + 1) * b]
             per_field_values[f].append(tb.values[start:end])
+            if with_keys:
+                per_field_keys[f].append(tb.keys[start:end])  # type: ignore[index]
             per_field_lengths[f].append(np.diff(offsets[f * b:(f + 1) * b + 1]))
     lengths = np.concatenate([np.concatenate(ls) for ls in per_field_lengths])
     offsets = np.zeros(len(lengths) + 1, np.int64)
@@ -137,4 +147,5 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
         impression_ids=np.concatenate([tb.impression_ids for tb in batches]),
         ts=np.concatenate([tb.ts for tb in batches]),
         positions=[p for tb in batches for p in tb.positions],
+        keys=np.concatenate([k for ks in per_field_keys for k in ks]) if with_keys else None,
     )

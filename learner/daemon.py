@@ -41,6 +41,7 @@ from learner.kafka_dataset import KafkaSampleDataset
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
+from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
 from learner.trainer import Trainer
 from stream.kafka import ensure_topics
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
@@ -54,6 +55,15 @@ WINDOW_AUC = Gauge("streamrec_learner_window_auc", "Progressive AUC over the rec
 SAMPLES = PCounter("streamrec_learner_samples_total", "Samples trained.")
 DUPLICATES = PCounter("streamrec_learner_duplicates_total", "Duplicate samples dropped.")
 LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
+BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id lookups served by a hash bucket "
+                     "(ids not admitted yet), per field.", ["field"])
+ID_OCCUPANCY = Gauge("streamrec_learner_id_occupancy", "Share of a field's own rows in use.", ["field"])
+ADMISSIONS = PCounter("streamrec_learner_id_admissions_total", "Ids given their own row.", ["field"])
+EVICTIONS = PCounter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
+COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samples (their first cold_k).")
+WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
+COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
+WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
 NAN_LOSSES = PCounter("streamrec_learner_nan_losses_total", "Batches whose loss was not finite (update skipped).")
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
 
@@ -105,7 +115,8 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
                         for f in schema if f.name.startswith(CTX_PREFIX)}
                     dense = tuple(sorted(f.name[len(DENSE_PREFIX):] for f in schema if f.name.startswith(DENSE_PREFIX)))
                     return default_config(ctx, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
-                                          embedding_dim=ls.embedding_dim, dense=dense)
+                                          embedding_dim=ls.embedding_dim, dense=dense, id_capacity=ls.id_capacity,
+                                          admit_after=ls.admit_after, id_ttl_s=ls.id_ttl_s, id_init=ls.id_init)
         return None
     finally:
         c.close()
@@ -124,6 +135,12 @@ class Learner:
         self.trainer: Trainer | None = None
         self.cfg: FeatureConfig | None = None
         self.deltas: DeltaWriter | None = None  # serving freshness, built with the model (learner/deltas.py)
+        self.mapper: RowMapper | None = None  # dynamic ids -> rows (built with the model)
+        self.cold = ColdTracker(ls.cold_k)
+        self.cold_metrics = ProgressiveMetrics(window=ls.metrics_window // 10 or 1)
+        self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
+        self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
+        self._cold_published = 0.0
         self._group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": ls.group_id,
                                 "enable.auto.commit": False})
 
@@ -131,7 +148,8 @@ class Learner:
     def _model_settings(self) -> dict[str, Any]:
         ls = self.ls
         return {"mlp": ls.mlp, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
-                "sparse_optimizer": ls.sparse_optimizer, "amp": ls.amp, "seed": ls.seed}
+                "sparse_optimizer": ls.sparse_optimizer, "amp": ls.amp, "seed": ls.seed, "boost": ls.boost,
+                "boost_half_life": ls.boost_half_life}
 
     def _build(self, cfg: FeatureConfig, model_settings: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -140,7 +158,9 @@ class Learner:
                        dropout=model_settings["dropout"], seed=model_settings["seed"], autocast_dtype=amp_dtype)
         model.to(self.device)
         sparse, dense = make_optimizers(model, model_settings["lr_sparse"], model_settings["lr_dense"],
-                                        model_settings["sparse_optimizer"])
+                                        model_settings["sparse_optimizer"], boost=model_settings.get("boost", 0.0),
+                                        boost_half_life=model_settings.get("boost_half_life", 0.0))
+        self.mapper = RowMapper(cfg)
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window))
         if self.ls.deltas_every_s > 0:
@@ -168,6 +188,12 @@ class Learner:
         self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
         self.duplicates = int(meta["duplicates"])
         self.recent.load(ckpt["recent_ids"])
+        assert self.mapper is not None
+        self.mapper.load_state_dict(ckpt.get("id_maps", {}))
+        self.cold.load_state_dict(ckpt.get("cold_users", {}))
+        for name, m in (("cold_metrics", self.cold_metrics), ("warm_metrics", self.warm_metrics)):
+            if name in ckpt:
+                m.load_state_dict(ckpt[name])
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt["path"], meta["samples_trained"],
                  self.offsets)
         return True
@@ -185,7 +211,9 @@ class Learner:
         }
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
-                 "recent_ids": self.recent.state()}
+                 "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
+                 "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
+                 "warm_metrics": self.warm_metrics.state_dict()}
         checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
         # Only now, after the checkpoint is durable: the group offsets, for lag dashboards.
         if self.offsets:
@@ -256,9 +284,17 @@ class Learner:
             DUPLICATES.inc(dups)
         kept = batch.select(keep)
         if len(kept):
+            now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
+            users = user_keys(kept, self.cfg) if self.cfg is not None else None
+            cold = self.cold.cold(users, now) if users is not None else None
+            if self.mapper is not None and self.mapper.active:
+                self._observe_ids(self.mapper.apply(kept, now, model=self.trainer.model,
+                                                    sparse_opt=self.trainer.sparse_opt))
             nan_before = self.trainer.nan_losses
-            for chunk in kept.chunks(self.ls.step_rows):  # each chunk predicted, then learned, in order
-                self.trainer.test_then_train(chunk)
+            probs = [self.trainer.test_then_train(chunk)  # each chunk predicted, then learned, in order
+                     for chunk in kept.chunks(self.ls.step_rows)]
+            if cold is not None:
+                self._observe_cold(np.concatenate(probs), kept.labels.numpy(), cold)
             if self.trainer.nan_losses > nan_before:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
                 log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",
@@ -273,6 +309,34 @@ class Learner:
             self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
             self.partition_rows[p] += rows
 
+    def _observe_ids(self, st: MapStats) -> None:
+        for name, n in st.lookups.items():
+            share = st.bucket_lookups.get(name, 0) / n if n else 0.0
+            w = min(1.0, n / 10_000)  # about the last 10 k lookups
+            self._bucket_share[name] = (1 - w) * self._bucket_share.get(name, share) + w * share
+            BUCKET_SHARE.labels(name).set(self._bucket_share[name])
+        for name, n in st.admitted.items():
+            ADMISSIONS.labels(name).inc(n)
+        for name, n in st.evicted.items():
+            EVICTIONS.labels(name).inc(n)
+        assert self.mapper is not None
+        for name, s in self.mapper.stats().items():
+            ID_OCCUPANCY.labels(name).set(s["occupancy"])
+
+    def _observe_cold(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray) -> None:
+        ok = np.isfinite(probs)
+        publish = time.monotonic() - self._cold_published >= 1.0  # window AUCs sort the window: at most 1/s
+        for m, sel, g_auc, g_loss in ((self.cold_metrics, cold & ok, COLD_AUC, COLD_LOGLOSS),
+                                      (self.warm_metrics, ~cold & ok, WARM_AUC, WARM_LOGLOSS)):
+            if sel.any():
+                m.update(probs[sel], labels[sel])
+            if publish and m.count:
+                w_auc, w_loss = m.window_metrics()
+                g_auc.set(w_auc)
+                g_loss.set(w_loss)
+        if publish:
+            self._cold_published = time.monotonic()
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
 
@@ -286,6 +350,9 @@ class Learner:
             "offsets": {str(p): o for p, o in sorted(self.offsets.items())},
             "partition_rows": {str(p): n for p, n in sorted(self.partition_rows.items())},
             "metrics": tr.metrics.summary() if tr else {},
+            "cold_users": {"k": self.ls.cold_k, "cold": self.cold_metrics.summary(),
+                           "warm": self.warm_metrics.summary()},
+            "id_maps": self.mapper.stats() if self.mapper else {},
             "device": str(self.device),
             "checkpoint_dir": str(self.ls.checkpoint_dir),
             "settings": {k: str(v) for k, v in asdict(self.ls).items()},

@@ -3,8 +3,12 @@
 A field is one column of ``stream/samples.py``: ``user_id``, ``item_id``, ``history`` or a context
 column ``ctx.<name>``. Its values are ``stable_hash`` int64s (``stream/features.py``). Every field owns
 a contiguous block of ``num_buckets`` rows in ONE fused table; a value goes to row
-``field_offset + value mod num_buckets``. (Dynamic id-to-row mapping with admission and eviction
-replaces the modulo in the cold-start work; the layout stays.)
+``field_offset + value mod num_buckets``.
+
+A field with ``capacity > 0`` is *dynamic* (``learner/row_mapper.py``, ``learner/id_map.py``): its block is
+``num_buckets`` shared fallback rows followed by ``capacity`` own rows that admitted ids get; an id not
+(yet) admitted uses its bucket ``value mod num_buckets``, exactly the static row. ``blocks`` gives the
+bucket area of every field (the modulo), ``own_rows`` where the admitted rows start.
 
 ``single`` fields have one value per sample; ``multi`` (genres) and ``sequence`` (history) have a list
 that is pooled (mean) by ``nn.EmbeddingBag`` from ``(values, offsets)``: never a (B, L, D) tensor.
@@ -24,10 +28,19 @@ class FieldSpec:
     kind: FieldKind = "single"
     num_buckets: int = 100_000
     shares: str | None = None  # use another field's rows (history shares item_id's), num_buckets ignored
+    # dynamic ids (cold start): own rows for admitted ids; 0 = static hashing
+    capacity: int = 0
+    admit_after: int = 1  # sightings before an id gets its own row
+    ttl_s: float | None = None  # own rows unseen this long (event time) are evicted
+    init: str = "bucket"  # an admitted row starts as its bucket's vector, or "zero"
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:
             raise ValueError(f"field {self.name!r}: num_buckets must be >= 1, got {self.num_buckets}")
+        if self.capacity < 0 or self.admit_after < 0:
+            raise ValueError(f"field {self.name!r}: capacity and admit_after must be >= 0")
+        if self.init not in ("bucket", "zero"):
+            raise ValueError(f"field {self.name!r}: init must be bucket or zero, got {self.init!r}")
         if self.kind not in ("single", "multi", "sequence"):
             raise ValueError(f"field {self.name!r}: kind must be single, multi or sequence, got {self.kind!r}")
 
@@ -52,17 +65,28 @@ class FeatureConfig:
 
     @property
     def num_rows(self) -> int:
-        return sum(f.num_buckets for f in self.fields if f.shares is None)
+        return sum(f.num_buckets + f.capacity for f in self.fields if f.shares is None)
+
+    def owner(self, f: FieldSpec) -> FieldSpec:
+        """The field whose rows ``f`` uses (itself, or the one it shares)."""
+        if f.shares is None:
+            return f
+        return next(o for o in self.fields if o.name == f.shares)
+
+    @property
+    def dynamic(self) -> bool:
+        return any(f.capacity > 0 for f in self.fields)
 
     @property
     def blocks(self) -> list[tuple[int, int]]:
-        """``(first row, rows)`` of every field's block in the fused table, in field order."""
+        """``(first row, bucket rows)`` of every field's block in the fused table, in field order: a hashed
+        value goes to ``first + value mod bucket rows`` (for a dynamic field: while it is not admitted)."""
         own: dict[str, tuple[int, int]] = {}
         acc = 0
         for f in self.fields:
             if f.shares is None:
                 own[f.name] = (acc, f.num_buckets)
-                acc += f.num_buckets
+                acc += f.num_buckets + f.capacity
         out = []
         for f in self.fields:
             if f.shares is not None and f.shares not in own:
@@ -81,11 +105,14 @@ class FeatureConfig:
 
 def default_config(context: dict[str, FieldKind], buckets: int = 200_000, ctx_buckets: int = 10_000,
                    with_ids: bool = True, with_history: bool = True, embedding_dim: int = 16,
-                   dense: tuple[str, ...] = ()) -> FeatureConfig:
-    """user id, item id, history (sharing nothing) and the given context columns."""
+                   dense: tuple[str, ...] = (), id_capacity: int = 0, admit_after: int = 1,
+                   id_ttl_s: float | None = None, id_init: str = "bucket") -> FeatureConfig:
+    """user id, item id, history (sharing item id's rows) and the given context columns. ``id_capacity > 0``
+    makes user and item ids dynamic (``buckets`` fallback rows + ``id_capacity`` own rows each)."""
     fields: list[FieldSpec] = []
     if with_ids:
-        fields += [FieldSpec("user_id", "single", buckets), FieldSpec("item_id", "single", buckets)]
+        dyn = {"capacity": id_capacity, "admit_after": admit_after, "ttl_s": id_ttl_s, "init": id_init}
+        fields += [FieldSpec("user_id", "single", buckets, **dyn), FieldSpec("item_id", "single", buckets, **dyn)]
     if with_history:
         fields.append(FieldSpec("history", "sequence", buckets, shares="item_id" if with_ids else None))
     fields += [FieldSpec(f"ctx.{name}", kind, ctx_buckets) for name, kind in sorted(context.items())]

@@ -67,11 +67,13 @@ from torch import nn
 
 from learner.features import FeatureConfig
 from learner.model import DeepFM, DenseArch, FMInteraction
+from learner.row_mapper import RowMapper
 
 ARTIFACT_FORMAT_VERSION = 1
 FORMATS = ("torchscript", "export", "eager")
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt"}
 COLD_FILE = "cold_rows.npy"
+ID_MAPS_FILE = "id_maps.pt"  # dynamic ids only: the learner's id maps (learner/row_mapper.py)
 MANIFEST = "manifest.json"
 CURRENT = "CURRENT"
 VERSIONS = "versions"
@@ -304,8 +306,12 @@ def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarr
         scorer_file = SCORER_FILES[format]
         _save_scorer(scorer, format, staged / scorer_file, spec, cfg)
         _write_file(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
+        names = [scorer_file, COLD_FILE]
+        if checkpoint.get("id_maps"):  # dynamic ids: serving maps raw ids to the rows the learner used
+            _write_file(staged / ID_MAPS_FILE, lambda fh: torch.save(checkpoint["id_maps"], fh))
+            names.append(ID_MAPS_FILE)
         files = {}
-        for name in (scorer_file, COLD_FILE):
+        for name in names:
             p = staged / name
             files[name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
         h = len(hot_ids) - 1
@@ -472,6 +478,14 @@ class ScoringModel:
             hot_ids = _export_hot_ids(scorer)
         self._hot_ids = hot_ids.cpu().numpy()  # (H + 1,) sorted, last = sentinel
         self._blocks = self.feature_config.blocks
+        if ID_MAPS_FILE in manifest.get("files", {}):
+            try:
+                id_maps = torch.load(self.version_dir / ID_MAPS_FILE, map_location="cpu", weights_only=True)
+                self._mapper = RowMapper.from_state(self.feature_config, id_maps)
+            except Exception as exc:  # noqa: BLE001 - an unreadable id map is a bad artifact
+                raise ArtifactError(f"{self.version_dir / ID_MAPS_FILE}: cannot load the id maps ({exc})") from exc
+        else:
+            self._mapper = RowMapper.from_state(self.feature_config, None)
         self._live = _Live(scorer, np.zeros(0, np.int64), np.zeros((0, self.spec.dim + 1), np.float32), 0)
         self._count_lock = threading.Lock()
         self.hot_lookups = 0
@@ -505,11 +519,14 @@ class ScoringModel:
     def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
         """Global rows of field ``field_index``'s hashed values (int64 (N,) -> int64 (N,)).
 
-        Today ``first + v mod buckets`` (learner/features.py); the dynamic id map replaces this, so
-        every caller maps rows through here.
+        Static fields: ``first + v mod buckets`` (learner/features.py); dynamic fields: the learner's id
+        map as of the source checkpoint (admitted ids their own rows, the others their hash buckets).
         """
-        first, rows = self._blocks[field_index]
-        return first + np.remainder(np.asarray(hashed, dtype=np.int64), rows)
+        return self._mapper.rows(field_index, hashed)
+
+    def map_batch(self, tb: Any) -> None:
+        """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
+        self._mapper.apply(tb, 0.0, train=False)
 
     @property
     def delta_seq(self) -> int:

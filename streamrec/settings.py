@@ -100,7 +100,19 @@ class LearnerSettings:
     step_rows: int = 256
     accumulation: int = 1  # micro-batches per optimizer step
     embedding_dim: int = 16
-    buckets: int = 200_000  # rows per id field (user, item; history shares item's)
+    buckets: int = 200_000  # hash-bucket rows per id field (user, item; history shares item's)
+    # Dynamic ids (cold start, learner/row_mapper.py): own rows per id field for admitted ids (0 = ids
+    # only ever use their hash bucket); an id seen admit_after times gets one, starting as its bucket's
+    # vector (id_init = bucket) or zero; rows unseen for id_ttl_s of event time are evicted, and the least
+    # recently seen ones when the table is full.
+    id_capacity: int = 500_000
+    admit_after: int = 2
+    id_ttl_s: float | None = None
+    id_init: str = "bucket"
+    # Young rows learn up to 1 + boost times faster; the boost halves every boost_half_life updates.
+    boost: float = 0.0
+    boost_half_life: float = 8.0
+    cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
     ctx_buckets: int = 10_000  # rows per context field
     mlp: str = "400,400,400"
     dropout: float = 0.0

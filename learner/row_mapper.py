@@ -1,0 +1,154 @@
+"""Hashed ids -> rows of the fused table for dynamic fields (cold start), batch by batch.
+
+The feature config marks a field dynamic with ``capacity > 0``; :class:`RowMapper` keeps one
+:class:`~learner.id_map.IdMap` per such field and rewrites the field's slice of ``TensorBatch.values``
+(bags are field-major, so a field's values are one contiguous slice) from the batch's ``keys``:
+
+* an id not yet admitted keeps its bucket row (``to_tensors`` already put it there), so a brand-new
+  user gets a learned, shared vector from its first request;
+* an id seen ``admit_after`` times gets its own row, initialised to its bucket's vector (or zero) with
+  its optimizer state reset; young rows learn faster (``RowWiseAdagrad(boost=...)``);
+* rows evicted (TTL in event time, or least recently seen when full) get their optimizer state reset and
+  their ids fall back to the buckets.
+
+A field that shares another's rows (history shares item_id) is looked up read-only: the items in a
+user's history neither count towards admission nor refresh their rows' age.
+
+:class:`ColdTracker` says which samples come from a cold user (fewer than ``k`` earlier impressions),
+with the same bounded structure (an IdMap whose "admission" is the (k+1)-th sighting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner.batch import TensorBatch
+from learner.features import FeatureConfig
+from learner.id_map import IdMap, LookupResult
+
+
+@dataclass
+class MapStats:
+    """What one :meth:`RowMapper.apply` did, per owning field name."""
+
+    lookups: dict[str, int] = field(default_factory=dict)
+    bucket_lookups: dict[str, int] = field(default_factory=dict)
+    admitted: dict[str, int] = field(default_factory=dict)
+    evicted: dict[str, int] = field(default_factory=dict)
+
+
+class RowMapper:
+    def __init__(self, cfg: FeatureConfig) -> None:
+        self.cfg = cfg
+        self.maps: dict[str, IdMap] = {
+            f.name: IdMap(f.capacity, f.num_buckets, admit_after=f.admit_after, ttl_s=f.ttl_s, init=f.init)
+            for f in cfg.fields if f.shares is None and f.capacity > 0}
+        blocks = cfg.blocks
+        # (field index, owner name, first row of the owner's block, train?) for every field that maps
+        self._slots = [(i, cfg.owner(f).name, blocks[i][0], f.shares is None)
+                       for i, f in enumerate(cfg.fields) if cfg.owner(f).name in self.maps]
+
+    @property
+    def active(self) -> bool:
+        return bool(self.maps)
+
+    def apply(self, tb: TensorBatch, now: float, train: bool = True,
+              model: torch.nn.Module | None = None, sparse_opt: torch.optim.Optimizer | None = None) -> MapStats:
+        """Rewrite ``tb.values`` in place for the dynamic fields. With ``train``, ids are counted and admitted,
+        rows evicted; ``model``/``sparse_opt`` then get the new rows initialised and their state reset."""
+        stats = MapStats()
+        if not self.maps or tb.keys is None or len(tb) == 0:
+            return stats
+        b = len(tb)
+        offsets = tb.offsets.numpy()
+        values = tb.values.numpy()  # shares memory with the tensor: written in place
+        for i, owner, first, own_field in self._slots:
+            start, end = int(offsets[i * b]), int(offsets[(i + 1) * b])
+            if start == end:
+                continue
+            res = self.maps[owner].lookup(tb.keys[start:end], now, train=train and own_field)
+            values[start:end] = first + res.rows
+            stats.lookups[owner] = stats.lookups.get(owner, 0) + (end - start)
+            stats.bucket_lookups[owner] = stats.bucket_lookups.get(owner, 0) + res.bucket_lookups
+            if train and own_field:
+                stats.admitted[owner] = len(res.admitted_rows)
+                stats.evicted[owner] = len(res.evicted_rows)
+                if model is not None:
+                    self._init_rows(owner, first, res, model, sparse_opt)
+        return stats
+
+    @torch.no_grad()
+    def _init_rows(self, owner: str, first: int, res: LookupResult, model: torch.nn.Module,
+                   sparse_opt: torch.optim.Optimizer | None) -> None:
+        weight = model.sparse.bag.weight  # type: ignore[union-attr]
+        reset = np.concatenate([res.evicted_rows, res.admitted_rows])
+        if reset.size and sparse_opt is not None and hasattr(sparse_opt, "reset_rows"):
+            sparse_opt.reset_rows(weight, torch.from_numpy(first + reset).to(weight.device))
+        self.maps[owner].init_admitted(weight, res, first_row=first)
+
+    def rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
+        """Global rows of field ``field_index``'s hashed values, read-only (serving, refresh): admitted ids
+        their own rows, the others their buckets. Static fields: ``first + value mod buckets``."""
+        spec = self.cfg.fields[field_index]
+        first, buckets = self.cfg.blocks[field_index]
+        hashed = np.asarray(hashed, dtype=np.int64)
+        owner = self.cfg.owner(spec).name
+        if owner not in self.maps:
+            return first + np.remainder(hashed, buckets)
+        return first + self.maps[owner].lookup(hashed, 0.0, train=False).rows
+
+    @classmethod
+    def from_state(cls, cfg: FeatureConfig, state: dict[str, Any] | None) -> RowMapper:
+        """The mapper of a checkpoint (``ckpt["id_maps"]``; None or {} for a static config)."""
+        mapper = cls(cfg)
+        if mapper.maps or state:
+            mapper.load_state_dict(state or {})
+        return mapper
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {name: m.stats() for name, m in self.maps.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: m.state_dict() for name, m in self.maps.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(self.maps):
+            raise ValueError(f"id maps in the checkpoint are for {sorted(state)}, this config has {sorted(self.maps)}")
+        for name, m in self.maps.items():
+            m.load_state_dict(state[name])
+
+
+class ColdTracker:
+    """Which samples come from a user with fewer than ``k`` earlier impressions (bounded memory)."""
+
+    def __init__(self, k: int, capacity: int = 1_000_000) -> None:
+        self.k = k
+        self._seen = IdMap(capacity, 1, admit_after=k + 1) if k > 0 else None
+
+    def cold(self, user_keys: np.ndarray, now: float) -> np.ndarray:
+        """(B,) bool for the users of a batch, in order; counts them as seen."""
+        if self._seen is None:
+            return np.zeros(len(user_keys), bool)
+        return self._seen.lookup(user_keys, now).rows < 1  # still on the single "bucket": not yet warm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self._seen is None else self._seen.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._seen is not None and state:
+            self._seen.load_state_dict(state)
+
+
+def user_keys(tb: TensorBatch, cfg: FeatureConfig, field_name: str = "user_id") -> np.ndarray | None:
+    """(B,) hashed user ids of a batch (one value per sample), or None without keys or the field."""
+    names = [f.name for f in cfg.fields]
+    if tb.keys is None or field_name not in names:
+        return None
+    i, b = names.index(field_name), len(tb)
+    offsets = tb.offsets.numpy()
+    start, end = int(offsets[i * b]), int(offsets[(i + 1) * b])
+    return tb.keys[start:end] if end - start == b else None

@@ -1,0 +1,117 @@
+"""Dynamic ids in the learner (learner/row_mapper.py) and through the serving artifact; cold-start pieces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from learner.batch import to_tensors
+from learner.cold_start import cold_mask
+from learner.features import FeatureConfig, FieldSpec
+from learner.model import DeepFM
+from learner.optim import make_optimizers
+from learner.row_mapper import ColdTracker, RowMapper, user_keys
+from learner.trainer import Trainer
+from stream.samples import SampleBatch
+from streamrec.artifact import ScoringModel, build_artifact
+
+B = 8  # buckets per id field
+CFG = FeatureConfig((FieldSpec("user_id", "single", B, capacity=50, admit_after=2),
+                     FieldSpec("item_id", "single", B, capacity=50, admit_after=1, init="zero"),
+                     FieldSpec("history", "sequence", 1, shares="item_id"),
+                     FieldSpec("ctx.device", "single", 5)), embedding_dim=4)
+
+
+def batch(users: list[int], items: list[int], history: list[list[int]], start: int = 0) -> SampleBatch:
+    n = len(users)
+    return SampleBatch.from_columns(
+        impression_id=[f"i{start + k}" for k in range(n)], ts=np.arange(start, start + n) * 1000,
+        label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=np.array(users), item_id=np.array(items),
+        history=history, context={"device": np.array([3] * n)})
+
+
+def test_layout_puts_own_rows_after_the_buckets_and_history_uses_item_rows() -> None:
+    assert CFG.blocks[0] == (0, B) and CFG.blocks[1] == (B + 50, B) and CFG.blocks[2] == CFG.blocks[1]
+    assert CFG.num_rows == 2 * (B + 50) + 5 and CFG.dynamic
+
+
+def test_admission_own_rows_bucket_init_and_read_only_history() -> None:
+    model = DeepFM(CFG, mlp=(4,), seed=0, autocast_dtype=None)
+    sparse, dense = make_optimizers(model, 0.1, 0.01)
+    mapper = RowMapper(CFG)
+    w = model.sparse.bag.weight
+    # user 1001 twice (admit_after=2): the first batch keeps the bucket, the second admits it
+    tb = to_tensors(batch([1001], [77], [[500, 501]]), CFG)
+    st = mapper.apply(tb, now=1.0, model=model, sparse_opt=sparse)
+    assert int(tb.values[0]) == 1001 % B  # user still on its bucket
+    item_first = CFG.blocks[1][0]
+    assert int(tb.values[1]) >= item_first + B  # item admitted at first sight (admit_after=1)
+    assert torch.all(w[int(tb.values[1])] == 0)  # init="zero"
+    assert st.admitted == {"user_id": 0, "item_id": 1} and st.bucket_lookups["user_id"] == 1
+    hist = tb.values[2:4].tolist()
+    assert hist == [item_first + 500 % B, item_first + 501 % B]  # history items never seen as items: buckets
+    assert mapper.maps["item_id"].stats()["admissions"] == 1  # ... and history did not admit them
+    Trainer(model, sparse, dense).test_then_train(tb)
+    bucket_vec = w[1001 % B].detach().clone()
+    tb2 = to_tensors(batch([1001], [77], [[77]], start=1), CFG)
+    mapper.apply(tb2, now=2.0, model=model, sparse_opt=sparse)
+    own = int(tb2.values[0])
+    assert own >= B and torch.equal(w[own].detach(), bucket_vec)  # admitted, starting as its bucket
+    assert int(tb2.values[1]) == int(tb.values[1]) == int(tb2.values[2])  # item keeps its row; history finds it
+    assert float(sparse.state[w]["sum"][own]) == 0.0  # optimizer state of the new row reset
+
+
+def test_eviction_when_full_returns_ids_to_their_buckets() -> None:
+    cfg = FeatureConfig((FieldSpec("user_id", "single", 4, capacity=64, admit_after=1),), embedding_dim=2)
+    mapper = RowMapper(cfg)
+    for step in range(4):  # 4 x 48 distinct users through 64 own rows
+        users = list(range(step * 48, (step + 1) * 48))
+        tb = to_tensors(batch(users, [0] * 48, [[]] * 48), cfg)
+        st = mapper.apply(tb, now=float(step))
+        assert st.bucket_lookups["user_id"] == 0  # admitted on first sight, evicting the oldest when full
+    s = mapper.stats()["user_id"]
+    assert s["evictions"] > 0 and s["live_rows"] <= 64
+    old = to_tensors(batch([0], [0], [[]]), cfg)
+    mapper.apply(old, now=10.0, train=False)
+    assert int(old.values[0]) == 0 % 4  # user 0 was evicted long ago: its bucket again
+
+
+def test_serving_artifact_maps_ids_like_the_learner(tmp_path: Path) -> None:
+    model = DeepFM(CFG, mlp=(8,), seed=1, autocast_dtype=None)
+    sparse, dense = make_optimizers(model, 0.1, 0.01)
+    mapper, trainer = RowMapper(CFG), Trainer(model, sparse, dense)
+    rng = np.random.default_rng(0)
+    for k in range(20):
+        users, items = rng.integers(0, 40, 16).tolist(), rng.integers(0, 30, 16).tolist()
+        tb = to_tensors(batch(users, items, [rng.integers(0, 30, 3).tolist() for _ in range(16)], start=16 * k), CFG)
+        mapper.apply(tb, now=float(k), model=model, sparse_opt=sparse)
+        trainer.test_then_train(tb)
+    ckpt = {"meta": {"feature_config": CFG.to_dict(), "samples_trained": 320, "offsets": {},
+                     "model": {"mlp": "8", "dropout": 0.0, "amp": False, "seed": 1}},
+            "model": model.state_dict(), "id_maps": mapper.state_dict(), "path": "/ckpt/x.pt"}
+    served = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(10), format="torchscript"))
+    probe_users = np.array([3, 17, 39, 12345])  # seen ones and a brand-new one
+    assert served.map_rows(0, probe_users).tolist() == mapper.rows(0, probe_users).tolist()
+    assert served.map_rows(0, np.array([12345]))[0] == 12345 % B  # brand-new user: its bucket
+    tb = to_tensors(batch(probe_users.tolist(), [1, 2, 3, 4], [[1, 2], [], [5], [29]], start=9999), CFG)
+    mapper.apply(tb, now=99.0, train=False)
+    served_tb = to_tensors(batch(probe_users.tolist(), [1, 2, 3, 4], [[1, 2], [], [5], [29]], start=9999), CFG)
+    served.map_batch(served_tb)
+    assert torch.equal(served_tb.values, tb.values)
+    with torch.no_grad():
+        model.eval()
+        want = torch.sigmoid(model(tb.values, tb.offsets, tb.dense))
+    got = served.score(served_tb.values, served_tb.offsets, served_tb.dense)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_cold_tracker_and_cold_mask_count_earlier_impressions() -> None:
+    users = np.array([5, 5, 7, 5, 7, 5, 9])
+    assert cold_mask(users, 2).tolist() == [True, True, True, False, True, False, True]
+    tr = ColdTracker(k=2, capacity=100)
+    got = [bool(tr.cold(np.array([u]), float(i))[0]) for i, u in enumerate(users)]
+    assert got == cold_mask(users, 2).tolist()
+    tb = to_tensors(batch([1, 2], [3, 4], [[], []]), CFG)
+    assert user_keys(tb, CFG).tolist() == [1, 2]
