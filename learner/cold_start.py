@@ -4,12 +4,13 @@ Every rating (or synthetic impression) goes once through test-then-train in even
 ``online`` protocol; a sample is *cold* when its user had fewer than ``cold_k`` earlier impressions. The
 same model and settings run with three treatments of ids the model has not learned yet:
 
-``zero``       each new user/item id gets its own row on first sight, starting at zero: a brand-new id
-               is served one shared zero vector (TorchRec's managed collisions, a default vector);
+``zero``       an id seen ``admit_after`` times gets its own row (starting at zero); until then it is
+               served one shared, fixed zero vector (a default vector, as TorchRec's managed-collision
+               modules and HugeCTR give unknown ids);
 ``buckets``    hash buckets only: ``id mod rows`` with as many rows as the other two variants' own rows
                plus buckets, so every variant has the same table size;
-``admission``  ids not yet admitted share ``buckets`` hash-bucket rows (a learned vector from the first
-               request), an id seen ``admit_after`` times gets its own row initialised to its bucket's
+``admission``  the same admission, but ids not yet admitted share ``buckets`` learned hash-bucket rows
+               (a learned vector from the first request), an admitted id's row starts as its bucket's
                vector, and young rows learn faster (row-wise Adagrad with ``boost``).
 
 Reported per variant: progressive AUC and logloss over cold samples, warm samples and all samples.
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from learner.batch import to_tensors
 from learner.evaluate import EvalConfig, Log, Ratings, _log_to, build_samples, load_ratings, online_labels
@@ -88,8 +90,8 @@ def cold_mask(user: np.ndarray, k: int) -> np.ndarray:
 
 
 def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, variant: str) -> FeatureConfig:
-    if variant == "zero":
-        ids = {"num_buckets": 1, "capacity": cs.capacity, "admit_after": 1, "init": "zero"}
+    if variant == "zero":  # the single "bucket" row is the shared zero vector (kept at zero)
+        ids = {"num_buckets": 1, "capacity": cs.capacity, "admit_after": cs.admit_after, "init": "zero"}
     elif variant == "buckets":
         ids = {"num_buckets": cs.capacity + cs.buckets}
     else:
@@ -112,6 +114,10 @@ def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdSta
                                 boost_half_life=cs.boost_half_life)
     trainer = Trainer(model, sparse, dense)
     mapper = RowMapper(fcfg)
+    zero_rows = torch.tensor([fcfg.blocks[i][0] for i in (0, 1)]) if variant == "zero" else None
+    if zero_rows is not None:
+        with torch.no_grad():
+            model.sparse.bag.weight[zero_rows] = 0.0
     n = len(sb)
     probs = np.empty(n, np.float64)
     ts = sb.column("ts")
@@ -120,6 +126,9 @@ def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdSta
         tb = to_tensors(SampleBatch(sb.batch.slice(start, cs.batch_size)), fcfg)
         mapper.apply(tb, now=float(ts[start]) / 1000.0, model=model, sparse_opt=sparse)
         probs[start:start + len(tb)] = trainer.test_then_train(tb)
+        if zero_rows is not None:  # the default vector stays zero
+            with torch.no_grad():
+                model.sparse.bag.weight[zero_rows] = 0.0
     y = sb.column("label").astype(np.float64)
     out: dict[str, Any] = {"seconds": time.perf_counter() - t0}
     for name, m in (("cold", cold), ("warm", ~cold), ("all", np.ones(n, bool))):
@@ -147,8 +156,6 @@ def evaluate_cold_start(dataset: str = "synthetic", seed: int = 42, *, config: d
     cold_rows = cold_mask(r.user, cs.cold_k)
     out_log(f"{dataset}: {len(r):,} samples, {int(cold_rows.sum()):,} cold (a user's first {cs.cold_k}), "
             f"{len(np.unique(r.user)):,} users")
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:

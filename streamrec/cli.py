@@ -359,6 +359,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from learner.evaluate import EvalOverrides, describe, evaluate
     from stream.replay.movielens import DATASETS
 
+    if args.cold_start:
+        return _evaluate_cold_start(args)
+    if args.protocol is None:
+        raise SettingsError("--protocol autoint|online is required (or --cold-start)")
     if args.dataset not in DATASETS:
         raise SettingsError(f"--dataset {args.dataset!r}: evaluate knows the packaged MovieLens data sets "
                             f"({', '.join(sorted(DATASETS))})")
@@ -371,6 +375,29 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                            config=over.to_config(), limit=args.limit, log=not args.quiet)
     except ValueError as exc:  # a bad override (--mlp 4x4, [evaluate] request_time = "day"): usage error, exit 2
         raise SettingsError(str(exc)) from None
+    emit(args, summary, describe)
+    return EXIT_OK
+
+
+def _evaluate_cold_start(args: argparse.Namespace) -> int:
+    from learner.cold_start import VARIANTS, ColdStartConfig, describe, evaluate_cold_start
+    from stream.replay.movielens import DATASETS
+
+    if args.dataset != "synthetic" and args.dataset not in DATASETS:
+        raise SettingsError(f"--dataset {args.dataset!r}: --cold-start runs on synthetic or a packaged MovieLens "
+                            f"data set ({', '.join(sorted(DATASETS))})")
+    overrides = {k: v for k, v in (("embedding_dim", args.embedding_dim), ("dropout", args.dropout),
+                                   ("lr_dense", args.lr_dense), ("lr_sparse", args.lr_sparse),
+                                   ("threads", args.threads)) if v is not None}
+    if args.mlp:
+        overrides["mlp"] = tuple(int(x) for x in args.mlp.split(",") if x)
+    cs = ColdStartConfig(**({"batch_size": args.batch_size} if args.batch_size else {}))
+    variants = tuple(args.variants.split(",")) if args.variants else VARIANTS
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SettingsError(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    summary = evaluate_cold_start(args.dataset, args.seed, config=overrides, cold=cs, limit=args.limit,
+                                  variants=variants, log=not args.quiet)
     emit(args, summary, describe)
     return EXIT_OK
 
@@ -561,7 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "streamrec evaluate --protocol online --json. A full run takes a few minutes on 2 cores; "
                        "progress goes to stderr.")
     p.add_argument("--dataset", default="ml-1m", help="packaged data set (default: %(default)s)")
-    p.add_argument("--protocol", required=True, choices=["autoint", "online"],
+    p.add_argument("--cold-start", action="store_true",
+                   help="compare cold-user progressive AUC/logloss of three treatments of new ids (shared zero "
+                   "vector, hash buckets only, buckets + admission) on one time-ordered stream; --dataset "
+                   "synthetic (steady arrival of new users) or ml-1m")
+    p.add_argument("--variants", help="--cold-start: comma-separated subset of zero,buckets,admission")
+    p.add_argument("--protocol", choices=["autoint", "online"],
                    help="autoint: offline 8:1:1 split, test AUC/logloss; online: one test-then-train pass in "
                    "event time, progressive AUC/logloss")
     p.add_argument("--features", default="default", choices=["paper", "default"],

@@ -115,3 +115,18 @@ def test_cold_tracker_and_cold_mask_count_earlier_impressions() -> None:
     assert got == cold_mask(users, 2).tolist()
     tb = to_tensors(batch([1, 2], [3, 4], [[], []]), CFG)
     assert user_keys(tb, CFG).tolist() == [1, 2]
+
+
+def test_cold_start_evaluation_runs_every_variant_on_one_stream() -> None:
+    from learner.cold_start import ColdStartConfig, describe, evaluate_cold_start
+
+    d = evaluate_cold_start("synthetic", seed=1, limit=4000, cold=ColdStartConfig(capacity=5000, buckets=32),
+                            config={"mlp": (16,)})
+    assert set(d["variants"]) == {"zero", "buckets", "admission"} and d["samples"] == 4000
+    for r in d["variants"].values():
+        assert r["cold"]["samples"] == d["cold_samples"] and r["cold"]["samples"] + r["warm"]["samples"] == 4000
+        assert 0.3 < r["all"]["auc"] < 1.0 and np.isfinite(r["cold"]["logloss"])
+    assert d["variants"]["buckets"]["id_maps"] == {}  # static hashing: no id maps
+    assert d["variants"]["admission"]["id_maps"]["user_id"]["admissions"] > 0
+    assert d["variants"]["admission"]["id_maps"]["user_id"]["bucket_share"] > 0
+    assert "admission vs zero" in describe(d)
