@@ -312,7 +312,7 @@ class Learner:
     def _observe_ids(self, st: MapStats) -> None:
         for name, n in st.lookups.items():
             share = st.bucket_lookups.get(name, 0) / n if n else 0.0
-            w = min(1.0, n / 10_000)  # about the last 10 k lookups
+            w = min(1.0, n / max(1, self.ls.metrics_window // 10))  # ~ the last metrics_window/10 lookups
             self._bucket_share[name] = (1 - w) * self._bucket_share.get(name, share) + w * share
             BUCKET_SHARE.labels(name).set(self._bucket_share[name])
         for name, n in st.admitted.items():
