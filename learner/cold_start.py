@@ -45,10 +45,10 @@ VARIANTS = ("zero", "buckets", "admission")
 class ColdStartConfig:
     cold_k: int = 10  # a user's first K impressions are cold
     capacity: int = 200_000  # own rows per id field (zero, admission); buckets uses capacity + buckets rows
-    buckets: int = 64  # shared fallback rows per id field (admission)
-    admit_after: int = 3  # sightings before an id gets its own row (admission)
-    boost: float = 4.0  # young rows learn up to 1 + boost times faster (admission)
-    boost_half_life: float = 4.0  # updates
+    buckets: int = 1024  # shared fallback rows per id field (admission)
+    admit_after: int = 3  # sightings before an id gets its own row (zero, admission)
+    boost: float = 1.0  # young rows learn up to 1 + boost times faster (admission)
+    boost_half_life: float = 8.0  # updates
     batch_size: int = 64
     synthetic_impressions: int = 300_000
     synthetic_new_user_share: float = 0.1
