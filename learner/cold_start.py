@@ -32,7 +32,7 @@ from learner.batch import to_tensors
 from learner.evaluate import EvalConfig, Log, Ratings, _log_to, build_samples, load_ratings, online_labels
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
-from learner.optim import RowWiseAdagrad, make_optimizers
+from learner.optim import make_optimizers
 from learner.progressive import auc, logloss
 from learner.row_mapper import RowMapper
 from learner.trainer import Trainer
@@ -108,10 +108,9 @@ def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdSta
                  seed: int, log: Log) -> dict[str, Any]:
     fcfg = _feature_config(sb, cfg, cs, variant)
     model = DeepFM(fcfg, mlp=cfg.mlp, dropout=cfg.dropout, seed=seed, autocast_dtype=None)
-    sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer)
-    if variant == "admission" and cs.boost > 0:
-        sparse = RowWiseAdagrad(model.sparse_parameters(), lr=cfg.lr_sparse, boost=cs.boost,
-                                boost_half_life=cs.boost_half_life)
+    boost = (cs.boost, cs.boost_half_life) if variant == "admission" and cs.boost > 0 else (0.0, 0.0)
+    sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer, boost=boost[0],
+                                    boost_half_life=boost[1], initial_accumulator=cfg.initial_accumulator)
     trainer = Trainer(model, sparse, dense)
     mapper = RowMapper(fcfg)
     zero_rows = torch.tensor([fcfg.blocks[i][0] for i in (0, 1)]) if variant == "zero" else None

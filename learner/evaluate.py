@@ -76,6 +76,9 @@ class EvalConfig:
     lr_dense: float = 1e-3
     lr_sparse: float = 0.05
     sparse_optimizer: str = "rowwise_adagrad"
+    initial_accumulator: float = 0.0  # row-wise Adagrad: pseudo squared gradient every row starts with
+    boost: float = 0.0  # row-wise Adagrad: young rows learn up to 1 + boost times faster
+    boost_half_life: float = 8.0  # updates
     weight_decay: float = 0.0
     batch_size: int = 4096
     epochs: int = 5  # autoint: the most epochs; online: always one pass
@@ -117,6 +120,9 @@ class EvalOverrides:
     lr_sparse: float | None = None
     lr_decay: float | None = None
     sparse_optimizer: str | None = None
+    initial_accumulator: float | None = None
+    boost: float | None = None
+    boost_half_life: float | None = None
     weight_decay: float | None = None
     batch_size: int | None = None
     epochs: int | None = None
@@ -383,7 +389,9 @@ def feature_config(features: str, cfg: EvalConfig) -> FeatureConfig:
 def _make_trainer(fcfg: FeatureConfig, cfg: EvalConfig, seed: int) -> Trainer:
     model = DeepFM(fcfg, mlp=cfg.mlp, dropout=cfg.dropout, seed=seed,
                    autocast_dtype=torch.bfloat16 if cfg.autocast == "bf16" else None)
-    sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer, cfg.weight_decay)
+    sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer, cfg.weight_decay,
+                                    initial_accumulator=cfg.initial_accumulator, boost=cfg.boost,
+                                    boost_half_life=cfg.boost_half_life)
     return Trainer(model, sparse, dense)
 
 

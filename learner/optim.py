@@ -77,12 +77,13 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
 def make_optimizers(model: nn.Module, lr_sparse: float, lr_dense: float, sparse_optimizer: str = "rowwise_adagrad",
                     weight_decay: float = 0.0, boost: float = 0.0, boost_half_life: float = 0.0,
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+                    initial_accumulator: float = 0.0) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     """(sparse optimizer over model.sparse_parameters(), fused Adam over model.dense_parameters())."""
     sparse_params = model.sparse_parameters()  # type: ignore[operator]
     if sparse_optimizer == "rowwise_adagrad":
         sparse: torch.optim.Optimizer = RowWiseAdagrad(sparse_params, lr=lr_sparse, boost=boost,
-                                                       boost_half_life=boost_half_life)
+                                                       boost_half_life=boost_half_life,
+                                                       initial_accumulator=initial_accumulator)
     elif sparse_optimizer == "sparse_adam":
         sparse = torch.optim.SparseAdam(sparse_params, lr=lr_sparse)
     else:
