@@ -391,7 +391,10 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
                                    ("threads", args.threads)) if v is not None}
     if args.mlp:
         overrides["mlp"] = tuple(int(x) for x in args.mlp.split(",") if x)
-    cs = ColdStartConfig(**({"batch_size": args.batch_size} if args.batch_size else {}))
+    cs_over = {k: v for k, v in (("batch_size", args.batch_size), ("capacity", args.capacity),
+                                 ("buckets", args.buckets), ("admit_after", args.admit_after),
+                                 ("boost", args.boost), ("cold_k", args.cold_k)) if v is not None}
+    cs = ColdStartConfig(**cs_over)
     variants = tuple(args.variants.split(",")) if args.variants else VARIANTS
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -593,6 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "vector, hash buckets only, buckets + admission) on one time-ordered stream; --dataset "
                    "synthetic (steady arrival of new users) or ml-1m")
     p.add_argument("--variants", help="--cold-start: comma-separated subset of zero,buckets,admission")
+    g = p.add_argument_group("--cold-start settings")
+    g.add_argument("--capacity", type=int, help="own rows per id field (default 1000: fewer than the ids)")
+    g.add_argument("--buckets", type=int, help="hash-bucket rows per id field for admission (default 2000)")
+    g.add_argument("--admit-after", type=int, help="sightings before an id gets its own row (default 5)")
+    g.add_argument("--boost", type=float, help="young-row learning-rate boost for admission (default 0)")
+    g.add_argument("--cold-k", type=int, help="a user's first K impressions count as cold (default 10)")
     p.add_argument("--protocol", choices=["autoint", "online"],
                    help="autoint: offline 8:1:1 split, test AUC/logloss; online: one test-then-train pass in "
                    "event time, progressive AUC/logloss")
