@@ -92,6 +92,7 @@ def cold_mask(user: np.ndarray, k: int) -> np.ndarray:
 
 
 def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, variant: str) -> FeatureConfig:
+    ids: dict[str, Any]
     if variant == "zero":  # the single "bucket" row is the shared zero vector (kept at zero)
         ids = {"num_buckets": 1, "capacity": cs.capacity, "admit_after": cs.admit_after, "init": "zero"}
     elif variant == "buckets":

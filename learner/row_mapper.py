@@ -84,7 +84,7 @@ class RowMapper:
     @torch.no_grad()
     def _init_rows(self, owner: str, first: int, res: LookupResult, model: torch.nn.Module,
                    sparse_opt: torch.optim.Optimizer | None) -> None:
-        weight = model.sparse.bag.weight  # type: ignore[union-attr]
+        weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]
         reset = np.concatenate([res.evicted_rows, res.admitted_rows])
         if reset.size and sparse_opt is not None and hasattr(sparse_opt, "reset_rows"):
             sparse_opt.reset_rows(weight, torch.from_numpy(first + reset).to(weight.device))
