@@ -23,7 +23,8 @@ FORMAT_VERSION = 1
 _PREFIX = "ckpt-"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,12 +32,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
+def write_synced(path: Path, write: Any) -> None:
+    """``write(fh)`` into ``path``, then flush and fsync the file."""
+    with open(path, "wb") as fh:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_synced(tmp, write)
     os.replace(tmp, path)
 
 
@@ -48,7 +54,7 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     path = directory / f"{name}.pt"
     _write_atomic(path, lambda fh: torch.save({"meta": meta, **state}, fh))
     _write_atomic(directory / f"{name}.json", lambda fh: fh.write(json.dumps(meta, default=str).encode()))
-    _fsync_dir(directory)
+    fsync_dir(directory)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)

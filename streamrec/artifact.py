@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from learner.checkpoint import fsync_dir, write_synced
 from learner.features import FeatureConfig
 from learner.model import DeepFM, DenseArch, FMInteraction
 from learner.row_mapper import RowMapper
@@ -184,14 +185,6 @@ def _dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # -- files ---------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -200,18 +193,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_file(path: Path, write: Any) -> None:
-    with open(path, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    _write_file(tmp, lambda fh: fh.write(data))
+    write_synced(tmp, lambda fh: fh.write(data))
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def new_version_name(now: float | None = None) -> str:
@@ -234,14 +220,14 @@ def _save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fe
     if fmt == "torchscript":
         with _quiet_torchscript():
             scripted = torch.jit.script(scorer)
-            _write_file(path, lambda fh: torch.jit.save(scripted, fh))
+            write_synced(path, lambda fh: torch.jit.save(scripted, fh))
     elif fmt == "export":
         n, b = torch.export.Dim("n", min=1), torch.export.Dim("b", min=1)
         dynamic = ({0: n}, {0: spec.num_fields * b + 1}, {0: b}, {0: n}, {0: n})
         ep = torch.export.export(scorer, _export_inputs(spec, cfg), dynamic_shapes=dynamic)
-        _write_file(path, lambda fh: torch.export.save(ep, fh))
+        write_synced(path, lambda fh: torch.export.save(ep, fh))
     elif fmt == "eager":
-        _write_file(path, lambda fh: torch.save(scorer.state_dict(), fh))
+        write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))
     else:
         raise ArtifactError(f"unknown artifact format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
@@ -305,10 +291,10 @@ def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarr
     try:
         scorer_file = SCORER_FILES[format]
         _save_scorer(scorer, format, staged / scorer_file, spec, cfg)
-        _write_file(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
+        write_synced(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
         names = [scorer_file, COLD_FILE]
         if checkpoint.get("id_maps"):  # dynamic ids: serving maps raw ids to the rows the learner used
-            _write_file(staged / ID_MAPS_FILE, lambda fh: torch.save(checkpoint["id_maps"], fh))
+            write_synced(staged / ID_MAPS_FILE, lambda fh: torch.save(checkpoint["id_maps"], fh))
             names.append(ID_MAPS_FILE)
         files = {}
         for name in names:
@@ -332,8 +318,8 @@ def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarr
             "files": files,
             "build_seconds": round(time.monotonic() - t0, 3),
         }
-        _write_file(staged / MANIFEST, lambda fh: fh.write(json.dumps(manifest, indent=2, sort_keys=True).encode()))
-        _fsync_dir(staged)
+        write_synced(staged / MANIFEST, lambda fh: fh.write(json.dumps(manifest, indent=2, sort_keys=True).encode()))
+        fsync_dir(staged)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
@@ -394,7 +380,7 @@ def publish(root: Path, staged_dir: Path, keep: int) -> Path:
     if target.exists():
         raise ArtifactError(f"version {version} already exists in {versions}; refusing to overwrite it")
     os.rename(staged_dir, target)  # atomic: same file system (staging lives inside root)
-    _fsync_dir(versions)
+    fsync_dir(versions)
     _set_current(root, version)
     _prune(root, keep)
     return target
