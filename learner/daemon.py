@@ -165,6 +165,8 @@ class Learner:
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window))
         if self.ls.deltas_every_s > 0:
             self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows)
+            if self.mapper.active:  # serving learns of ids admitted after its artifact
+                self.deltas.id_maps_source = self.mapper.state_dict
 
     def _restore(self) -> bool:
         ckpt = checkpoint.load_latest(self.ls.checkpoint_dir)

@@ -14,6 +14,8 @@ One delta file (``torch.save`` of a dict, format 1)::
     rows             (R,) int64       every row of the fused table touched since the previous delta
     vectors          (R, D + 1) f32   their current values (embedding + first-order weight), absolute
     dense_state      {name: tensor}   every non-embedding weight of the model (MLP, bias), absolute
+    id_maps          (optional)       the learner's id maps (learner/row_mapper.py), at most every
+                                      id_maps_every_s: ids admitted after the artifact get their own rows
 
 Values are absolute, not increments: applying deltas in ``seq`` order over any model that is at least as
 old as the first one gives the learner's current rows, and a delta written before an artifact's source
@@ -51,6 +53,7 @@ class Delta:
     vectors: torch.Tensor  # (R, D + 1) float32
     dense_state: dict[str, torch.Tensor]
     path: Path
+    id_maps: dict[str, Any] | None = None  # RowMapper.state_dict() when this delta carries one
 
 
 def delta_path(directory: Path, seq: int, samples_trained: int) -> Path:
@@ -77,14 +80,15 @@ def load_delta(path: Path) -> Delta:
     if d.get("format") != FORMAT:
         raise ValueError(f"delta {path} has format {d.get('format')!r}; this streamrec reads {FORMAT}")
     return Delta(int(d["seq"]), int(d["samples_trained"]), float(d["created"]), d["rows"], d["vectors"],
-                 d["dense_state"], path)
+                 d["dense_state"], path, d.get("id_maps"))
 
 
 class DeltaWriter:
     """Marks the rows each trained batch touched; writes them (and the dense weights) every ``every_s``."""
 
     def __init__(self, directory: Path, num_rows: int, every_s: float, keep: int = 100,
-                 notify: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 notify: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 id_maps_every_s: float = 60.0) -> None:
         if every_s <= 0:
             raise ValueError(f"deltas every_s must be > 0 (0 turns deltas off upstream), got {every_s}")
         if keep < 1:
@@ -97,12 +101,17 @@ class DeltaWriter:
         self.seq = existing[-1][0] if existing else 0
         self._last = clock()
         self.written = 0
+        # the learner's id maps (RowMapper.state_dict), sent with a delta at most every id_maps_every_s
+        self.id_maps_source: Callable[[], dict[str, Any]] | None = None
+        self.id_maps_every_s = id_maps_every_s
+        self._last_maps = -float("inf")
 
     @classmethod
     def from_settings(cls, ls: Any, num_rows: int) -> DeltaWriter:
         """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing on Redis when configured."""
         notify = redis_notifier(ls.deltas_redis_url, ls.deltas_channel) if ls.deltas_redis_url else None
-        return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify)
+        return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify,
+                   id_maps_every_s=ls.deltas_id_maps_every_s)
 
     def mark(self, values: torch.Tensor) -> None:
         """Rows of one trained batch (``TensorBatch.values``, (N,) int64; duplicates are fine)."""
@@ -134,6 +143,9 @@ class DeltaWriter:
         self.seq += 1
         payload = {"format": FORMAT, "seq": self.seq, "samples_trained": int(samples_trained), "created": time.time(),
                    "rows": rows.cpu(), "vectors": vectors, "dense_state": dense_state}
+        if self.id_maps_source is not None and self._last - self._last_maps >= self.id_maps_every_s:
+            payload["id_maps"] = self.id_maps_source()
+            self._last_maps = self._last
         path = delta_path(self.directory, self.seq, int(samples_trained))
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with open(tmp, "wb") as fh:

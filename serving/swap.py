@@ -178,6 +178,8 @@ class ModelUpdater:
         for d in self.deltas.newer(live.model.delta_seq, live.source_samples):
             try:
                 live.model.apply_delta(d.rows, d.vectors, d.dense_state, d.seq)
+                if d.id_maps:  # ids admitted since the artifact: rows first, then the map that points at them
+                    live.model.replace_id_maps(d.id_maps)
             except (ValueError, RuntimeError) as exc:
                 self.metrics.delta_errors.inc()
                 self.deltas.mark_bad(d.path)

@@ -510,6 +510,14 @@ class ScoringModel:
         """
         return self._mapper.rows(field_index, hashed)
 
+    def replace_id_maps(self, state: dict[str, Any]) -> None:
+        """Map ids with newer id maps (a learner delta's): built aside, then swapped in one assignment."""
+        try:
+            mapper = RowMapper.from_state(self.feature_config, state)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"id maps do not fit model {self.version}: {exc}") from exc
+        self._mapper = mapper
+
     def map_batch(self, tb: Any) -> None:
         """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
         self._mapper.apply(tb, 0.0, train=False)

@@ -136,6 +136,7 @@ class LearnerSettings:
     deltas_keep: int = 100
     deltas_redis_url: str | None = None
     deltas_channel: str = "streamrec:model-deltas"
+    deltas_id_maps_every_s: float = 60.0  # dynamic ids: a delta carries the id maps at most this often
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,52 @@ def test_cold_start_evaluation_runs_every_variant_on_one_stream() -> None:
     assert d["variants"]["admission"]["id_maps"]["user_id"]["admissions"] > 0
     assert d["variants"]["admission"]["id_maps"]["user_id"]["bucket_share"] > 0
     assert "admission vs zero" in describe(d)
+
+
+def test_a_user_admitted_after_the_artifact_reaches_serving_through_a_delta(tmp_path: Path) -> None:
+    from learner.deltas import DeltaWriter
+    from serving.metrics import ServingMetrics
+    from serving.swap import ModelHolder, ModelUpdater
+    from streamrec.artifact import publish
+
+    model = DeepFM(CFG, mlp=(8,), seed=2, autocast_dtype=None)
+    sparse, dense = make_optimizers(model, 0.1, 0.01)
+    mapper, trainer = RowMapper(CFG), Trainer(model, sparse, dense)
+    rng = np.random.default_rng(3)
+
+    def train(users: list[int], start: int) -> torch.Tensor:
+        tb = to_tensors(batch(users, rng.integers(0, 30, len(users)).tolist(), [[] for _ in users], start), CFG)
+        mapper.apply(tb, now=float(start), model=model, sparse_opt=sparse)
+        trainer.test_then_train(tb)
+        return tb.values
+
+    for k in range(5):
+        train(rng.integers(0, 40, 16).tolist(), 16 * k)
+    ckpt = {"meta": {"feature_config": CFG.to_dict(), "samples_trained": trainer.samples, "offsets": {},
+                     "model": {"mlp": "8", "dropout": 0.0, "amp": False, "seed": 2}},
+            "model": model.state_dict(), "id_maps": mapper.state_dict(), "path": "/ckpt/y.pt"}
+    root = tmp_path / "serving"
+    publish(root, build_artifact(ckpt, root, np.arange(20)), keep=3)
+    writer = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1e-9)
+    writer.id_maps_source = mapper.state_dict
+    new_user = 777_777
+    for k in range(3):  # seen 3 times after the artifact: admitted (admit_after=2) and trained
+        writer.mark(train([new_user] * 4, 1000 + 4 * k))
+    assert mapper.rows(0, np.array([new_user]))[0] >= B  # the learner gave it its own row
+    writer.write(model, trainer.samples)
+
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, tmp_path / "deltas")
+    updater.check_now()  # loads the artifact, then applies the delta (rows, dense weights, id maps)
+    served = holder.model()
+    assert served is not None and served.delta_seq == 1
+    assert served.map_rows(0, np.array([new_user])).tolist() == mapper.rows(0, np.array([new_user])).tolist()
+    probe = to_tensors(batch([new_user, 3], [5, 6], [[], []], start=5000), CFG)
+    mapper.apply(probe, now=9999.0, train=False)
+    served_probe = to_tensors(batch([new_user, 3], [5, 6], [[], []], start=5000), CFG)
+    served.map_batch(served_probe)
+    with torch.no_grad():
+        model.eval()
+        want = torch.sigmoid(model(probe.values, probe.offsets, probe.dense))
+    assert torch.allclose(served.score(served_probe.values, served_probe.offsets, served_probe.dense), want,
+                          atol=1e-6)
