@@ -20,14 +20,13 @@ field, the value and what was expected.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from stream.errors import ValidationError
-from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, check_id
+from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, check_context, check_dense, check_id
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
 _ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
@@ -53,13 +52,8 @@ class ScoreRequest:
     item_dense: list[dict[str, float]] | None = None
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _invalid(field: str, value: Any, expected: str) -> RequestError:
-    return RequestError(422, f"field {field!r}: got {_shown(value)}, expected {expected}")
+    return RequestError(422, ValidationError(field, value, expected).reason)  # the events' message format
 
 
 def _id(field: str, value: Any) -> Id:
@@ -70,32 +64,17 @@ def _id(field: str, value: Any) -> Id:
 
 
 def _context(field: str, value: Any) -> dict[str, ContextValue]:
-    if value is None:
-        return {}
-    if type(value) is not dict:
-        raise _invalid(field, value, "an object of feature name -> value")
-    for k, v in value.items():
-        t = type(v)
-        if t is list:
-            if len(v) > MAX_LIST_LEN or not all(
-                    (type(x) is str and len(x) <= MAX_STR_ID_LEN) or (type(x) is int and -(2**63) <= x < 2**63)
-                    for x in v):
-                raise _invalid(f"{field}.{k}", v, f"a list of at most {MAX_LIST_LEN} strings/64-bit integers")
-        elif not ((t is str and len(v) <= MAX_STR_ID_LEN) or (t is int and -(2**63) <= v < 2**63)
-                  or (t is float and math.isfinite(v)) or t is bool):
-            raise _invalid(f"{field}.{k}", v, "a string, 64-bit integer, finite float, boolean or list")
-    return value
+    try:
+        return check_context(value, field)  # the events' own rules: serving accepts what the joiner accepts
+    except ValidationError as exc:
+        raise RequestError(422, exc.reason) from None
 
 
 def _dense(field: str, value: Any) -> dict[str, float]:
-    if value is None:
-        return {}
-    if type(value) is not dict:
-        raise _invalid(field, value, "an object of feature name -> finite number")
-    for k, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise _invalid(f"{field}.{k}", v, "a finite number")
-    return value
+    try:
+        return check_dense(value, field)
+    except ValidationError as exc:
+        raise RequestError(422, exc.reason) from None
 
 
 def _unknown(field: str, obj: dict[str, Any], allowed: frozenset[str]) -> None:

@@ -161,28 +161,30 @@ def _list_ok(v: list) -> bool:
     return True
 
 
-def _context(value: Any) -> dict[str, ContextValue]:
+def check_context(value: Any, field: str = "context") -> dict[str, ContextValue]:
+    """A context object (events, and serving requests: ``field`` names it in the error)."""
     if value is None:
         return {}
     if type(value) is not dict:
-        raise ValidationError("context", value, "an object of feature name -> value")
+        raise ValidationError(field, value, "an object of feature name -> value")
     for k, v in value.items():
         if type(v) is list:
             if not _list_ok(v):
-                raise ValidationError(f"context.{k}", v, f"a list of at most {MAX_LIST_LEN} strings/integers")
+                raise ValidationError(f"{field}.{k}", v, f"a list of at most {MAX_LIST_LEN} strings/integers")
         elif not _scalar_ok(v):
-            raise ValidationError(f"context.{k}", v, "a string, 64-bit integer, finite float, boolean or list")
+            raise ValidationError(f"{field}.{k}", v, "a string, 64-bit integer, finite float, boolean or list")
     return value
 
 
-def _dense(value: Any) -> dict[str, float]:
+def check_dense(value: Any, field: str = "dense") -> dict[str, float]:
+    """A dense-features object: name -> finite number."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ValidationError("dense", value, "an object of feature name -> finite number")
+        raise ValidationError(field, value, "an object of feature name -> finite number")
     for k, v in value.items():
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise ValidationError(f"dense.{k}", v, "a finite number")
+            raise ValidationError(f"{field}.{k}", v, "a finite number")
     return value
 
 
@@ -194,8 +196,8 @@ def decode_impression(raw: bytes | None) -> Impression:
         ts=_ts(obj["ts"]),
         user_id=check_id("user_id", obj["user_id"]),
         item_id=check_id("item_id", obj["item_id"]),
-        context=_context(obj.get("context")),
-        dense=_dense(obj.get("dense")),
+        context=check_context(obj.get("context")),
+        dense=check_dense(obj.get("dense")),
     )
 
 
