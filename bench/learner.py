@@ -309,37 +309,23 @@ def run_streamrec(args, cfg, tbs, sbs, warmup: int, steps: int) -> dict[str, Any
 
 
 def dedup_without_coalesce() -> None:
-    """PROTOTYPE of a change to learner/optim.py, monkeypatched here: RowWiseAdagrad.step sums the sparse
+    """PROTOTYPE of a change to learner/optim.py, monkeypatched here: RowWiseAdagrad.touched_rows sums the sparse
     gradient's duplicate rows with torch.unique + index_put_(accumulate=True) instead of
     ``grad.coalesce()`` (same rows, same sums: max |diff| 0.0 on this workload's gradient)."""
     import torch
 
     from learner.optim import RowWiseAdagrad
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            lr, eps = group["lr"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "sum" not in state:
-                    state["sum"] = torch.full((p.shape[0],), group["initial_accumulator"], dtype=torch.float32,
-                                              device=p.device)
-                grad = p.grad
-                if grad.is_coalesced():
-                    rows, g = grad._indices()[0], grad._values()
-                else:  # the change: unique + accumulate instead of coalesce
-                    rows, inv = torch.unique(grad._indices()[0], sorted=True, return_inverse=True)
-                    g = grad._values().new_zeros((len(rows), grad.shape[1])).index_put_(
-                        (inv,), grad._values(), accumulate=True)
-                acc = state["sum"]
-                acc.index_add_(0, rows, g.pow(2).mean(dim=1))
-                scale = lr / (acc[rows].sqrt() + eps)
-                p.index_add_(0, rows, -g * scale.unsqueeze(1))
+    def touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if grad.is_sparse and not grad.is_coalesced():  # the change: unique + accumulate instead of coalesce
+            rows, inv = torch.unique(grad._indices()[0], sorted=True, return_inverse=True)
+            g = grad._values().new_zeros((len(rows), grad.shape[1])).index_put_(
+                (inv,), grad._values(), accumulate=True)
+            return rows, g
+        return original(grad)
 
-    RowWiseAdagrad.step = step  # type: ignore[method-assign]
+    original = RowWiseAdagrad.touched_rows
+    RowWiseAdagrad.touched_rows = staticmethod(touched_rows)  # type: ignore[method-assign,assignment]
 
 
 def run_kafka(args, cfg, trainer, warmup: int, steps: int) -> dict[str, Any]:

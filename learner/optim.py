@@ -47,13 +47,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 if "sum" not in state:
                     state["sum"] = torch.full((p.shape[0],), group["initial_accumulator"], dtype=torch.float32,
                                               device=p.device)
-                grad = p.grad
-                if grad.is_sparse:
-                    grad = grad.coalesce()  # sum duplicate rows
-                    rows, g = grad.indices()[0], grad.values()  # (U,), (U, D)
-                else:  # a dense gradient: every row with a nonzero gradient
-                    rows = grad.abs().sum(dim=1).nonzero().squeeze(1)
-                    g = grad[rows]
+                rows, g = self.touched_rows(p.grad)  # (U,), (U, D)
                 acc = state["sum"]
                 acc.index_add_(0, rows, g.pow(2).mean(dim=1))
                 scale = lr / (acc[rows].sqrt() + eps)  # (U,)
@@ -66,6 +60,15 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     scale = scale * (1 + boost * torch.exp2(young))
                     updates[rows] += 1
                 p.index_add_(0, rows, -g * scale.unsqueeze(1))
+
+    @staticmethod
+    def touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unique rows (U,), their summed gradients (U, D)) of a sparse or dense gradient."""
+        if grad.is_sparse:
+            grad = grad.coalesce()  # sum duplicate rows
+            return grad.indices()[0], grad.values()
+        rows = grad.abs().sum(dim=1).nonzero().squeeze(1)  # a dense gradient: rows with a nonzero gradient
+        return rows, grad[rows]
 
     def reset_rows(self, p: nn.Parameter, rows: torch.Tensor) -> None:
         """Forget the state of ``rows`` (rows handed to new ids)."""
