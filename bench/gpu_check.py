@@ -12,10 +12,11 @@ Workload: the one of bench/learner.py (26 fields x 384,615 rows = 10 M rows, dim
                 examples/s (median step after warm-up; each step syncs when it copies predictions to the host)
   fp16_overflow one step with the loss scale forced to 2**40, the overflow GradScaler exists to absorb: the
                 step must be skipped (scale halves) and the embedding table must stay finite, then training
-                goes on with finite losses. (On CPU with GradScaler("cpu") the Trainer as of 2026-11-29 fails
-                this: the sparse gradients are scaled too and RowWiseAdagrad applies them, inf included.)
+                goes on with finite losses. (Until 2026-11-29 the Trainer stepped the sparse optimizer outside
+                the scaler, so scaled, possibly inf, sparse gradients reached RowWiseAdagrad; the dry run caught it.)
   sparse_grad   (information) |sparse grad| with the loss scaled vs not: ~scale if the sparse grads are scaled
   bf16          the same as fp16 with bfloat16 autocast (no scaler)
+  fp32          the same in float32 (no autocast): the baseline the two mixed precisions are compared with
   h2d           TensorBatch.pin_memory().to("cuda", non_blocking=True) vs pageable .to("cuda"): ms per batch and
                 GB/s, plus one 256 MiB tensor each way for the link's bandwidth
   export        torch.export.export of the trained fp16 model (eval) on cuda with a dynamic batch size,
@@ -71,7 +72,7 @@ def build_batches(args) -> tuple[Any, list[TensorBatch]]:
     return cfg, tbs
 
 
-def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype, steps: int, warmup: int,
+def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int, warmup: int,
           cpu_scaler: bool = False) -> tuple[Trainer, dict[str, Any]]:
     torch.manual_seed(0)
     model = DeepFM(cfg, mlp=(400, 400, 400), seed=0, autocast_dtype=dtype).to(device)
@@ -89,7 +90,7 @@ def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype, steps: i
     k = min(20, len(losses) // 2)
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     table_finite = bool(torch.isfinite(model.sparse.bag.weight).all())
-    res = {"dtype": str(dtype).removeprefix("torch."), "scaler": trainer.scaler.is_enabled(),
+    res = {"dtype": str(dtype or torch.float32).removeprefix("torch."), "scaler": trainer.scaler.is_enabled(),
            "ex_per_s": round(len(tbs[0]) / statistics.median(times[warmup:])),
            "step_ms_median": round(statistics.median(times[warmup:]) * 1e3, 3),
            "loss_first": round(first, 4), "loss_last": round(last, 4),
@@ -98,6 +99,22 @@ def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype, steps: i
                                                               if a is not None and b is not None and b < a)}
     res["ok"] = res["all_losses_finite"] and table_finite and last < first
     return trainer, res
+
+
+def profile_steps(trainer: Trainer, tbs: list[TensorBatch], steps: int = 10, top: int = 12) -> dict[str, Any]:
+    """Where a training step's time goes: the ops with the most self time (device time on cuda)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for tb in tbs[:steps]:
+            trainer.test_then_train(tb)
+    key = "self_device_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
+    ev = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in ev) or 1.0
+    return {"per_step_ms": round(total / steps / 1e3, 3), "by": key,
+            "top": [[e.key[:60], round(getattr(e, key) / steps / 1e3, 3), round(100 * getattr(e, key) / total, 1)]
+                    for e in ev[:top]], "ok": True}
 
 
 def sparse_grad_scale(trainer: Trainer, tb: TensorBatch) -> dict[str, Any]:
@@ -244,6 +261,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="also profile 10 steps of each dtype (top ops)")
     ap.add_argument("--dry-run-cpu", action="store_true", help="develop this script without a GPU (small, CPU)")
     args = ap.parse_args()
 
@@ -272,6 +290,8 @@ def main() -> int:
                                            cpu_scaler=args.dry_run_cpu), checks)
     if fp16 is not None:
         fp16_trainer: Trainer = fp16[0]
+        if args.profile:
+            run_check("profile_fp16", lambda: profile_steps(fp16_trainer, tbs), checks)
         run_check("sparse_grad", lambda: sparse_grad_scale(fp16_trainer, tbs[0]), checks)
         if device == "cuda":
             run_check("export", lambda: export_check(fp16_trainer, tbs, cfg.num_fields), checks)
@@ -282,6 +302,13 @@ def main() -> int:
         bf16_trainer: Trainer = bf16[0]
         run_check("export", lambda: export_check(bf16_trainer, tbs, cfg.num_fields), checks)
     bf16 = None
+    fp32 = run_check("fp32", lambda: train(cfg, tbs, device, None, args.steps, args.warmup), checks)
+    if fp32 is not None and args.profile:
+        run_check("profile_fp32", lambda: profile_steps(fp32[0], tbs), checks)
+    fp32 = None
+    speed = {k: checks[k]["ex_per_s"] for k in ("fp16", "bf16", "fp32") if "ex_per_s" in checks.get(k, {})}
+    if "fp32" in speed:
+        summary["speedup_vs_fp32"] = {k: round(v / speed["fp32"], 2) for k, v in speed.items() if k != "fp32"}
     if device == "cuda":
         run_check("h2d", lambda: h2d(tbs, device), checks)
     summary["checks"] = {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in checks.items()}

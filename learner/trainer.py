@@ -68,8 +68,10 @@ class Trainer:
         """Apply accumulated gradients (also called at a checkpoint so no gradient is left pending)."""
         if self._micro == 0:
             return
+        # The loss scale multiplies every gradient, the sparse embedding ones too: both optimizers step
+        # through the scaler, which unscales them and skips the step when any gradient overflowed.
         self.scaler.step(self.dense_opt)
-        self.sparse_opt.step()  # sparse grads are not scaled: sparse training runs outside autocast
+        self.scaler.step(self.sparse_opt)
         self.scaler.update()
         self.sparse_opt.zero_grad(set_to_none=True)
         self.dense_opt.zero_grad(set_to_none=True)

@@ -106,6 +106,33 @@ def test_a_non_finite_loss_skips_the_update_and_is_counted_instead_of_raising() 
     assert t.steps == 1 and t.nan_losses == 1 and t.metrics.count == 32
 
 
+def test_loss_scaled_sparse_gradients_are_unscaled_and_an_overflow_skips_the_sparse_step() -> None:
+    """fp16 on CUDA scales the loss; the scale reaches the sparse embedding gradients too. A CPU GradScaler
+    stands in for the CUDA one (same code path): a scaled step must equal an unscaled one, and an overflowing
+    scale must leave the table untouched rather than write inf into it."""
+    rng = np.random.default_rng(4)
+    batch = to_tensors(sample_batch(rng, 32), CFG)
+    base = DeepFM(CFG, mlp=(8,), seed=2, autocast_dtype=None)
+    tables = []
+    for scale in (None, 2.0 ** 12):
+        m = copy.deepcopy(base)
+        s, d = make_optimizers(m, lr_sparse=0.1, lr_dense=0.01)
+        t = Trainer(m, s, d)
+        if scale is not None:
+            t.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        t.test_then_train(batch)
+        tables.append(m.sparse.bag.weight.detach().clone())
+    assert torch.allclose(tables[0], tables[1], atol=1e-6)  # the scale was taken back out of the sparse grads
+    m = copy.deepcopy(base)
+    m.autocast_dtype = torch.float16  # what CUDA trains in
+    s, d = make_optimizers(m, lr_sparse=0.1, lr_dense=0.01)
+    t = Trainer(m, s, d)
+    t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # fp16 gradients overflow to inf
+    t.test_then_train(batch)
+    assert torch.equal(m.sparse.bag.weight, base.sparse.bag.weight)  # step skipped, table still finite
+    assert t.scaler.get_scale() < 2.0 ** 40 and t.steps == 1
+
+
 def test_rowwise_adagrad_matches_its_definition() -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 3))
