@@ -49,19 +49,26 @@ class ColdStartConfig:
     capacity: int = 1000  # own rows per id field (zero, admission); buckets uses capacity + buckets rows
     buckets: int = 2000  # shared fallback rows per id field (admission)
     admit_after: int = 5  # sightings before an id gets its own row (zero, admission)
+    init: str = "zero"  # an admitted row starts at zero, or as its bucket's vector ("bucket") (admission)
+    # idle user buckets shrink halfway to zero per this many seconds of event time (admission); None = never
+    user_bucket_half_life_s: float | None = 60.0
     boost: float = 0.0  # young rows learn up to 1 + boost times faster (admission; measured: it hurts)
     boost_half_life: float = 8.0  # updates
     batch_size: int = 64
     synthetic_impressions: int = 300_000
     synthetic_new_user_share: float = 0.1
+    synthetic_new_user_impressions: int = 5  # 1..N impressions per brand-new user
+    synthetic_new_user_session_s: float = 0.0  # 0: each new user's impressions in one burst; > 0: a session
 
 
-def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit: int | None = None) -> Ratings:
+def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit: int | None = None,
+                      new_user_impressions: int = 5, new_user_session_s: float = 0.0) -> Ratings:
     """The synthetic feed as ratings: clicked impressions rate 5, the others 1 (so rating >= 4 is a click)."""
     from stream.replay.synthetic import build_synthetic
     from streamrec.settings import ReplaySettings, SyntheticSettings
 
-    s = SyntheticSettings(impressions=impressions, new_user_share=new_user_share, malformed_share=0.0)
+    s = SyntheticSettings(impressions=impressions, new_user_share=new_user_share, malformed_share=0.0,
+                          new_user_impressions=new_user_impressions, new_user_session_s=new_user_session_s)
     t = build_synthetic(s, ReplaySettings().click_delay, seed, limit=limit)
     clicked = np.isin(t.impression_id, t.click_impression_id)
     user_attrs: dict[Any, dict[str, Any]] = {}
@@ -98,8 +105,9 @@ def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, varia
     elif variant == "buckets":
         ids = {"num_buckets": cs.capacity + cs.buckets}
     else:
-        ids = {"num_buckets": cs.buckets, "capacity": cs.capacity, "admit_after": cs.admit_after, "init": "bucket"}
-    specs = [FieldSpec("user_id", "single", **ids), FieldSpec("item_id", "single", **ids),
+        ids = {"num_buckets": cs.buckets, "capacity": cs.capacity, "admit_after": cs.admit_after, "init": cs.init}
+    decay = cs.user_bucket_half_life_s if variant == "admission" else None
+    specs = [FieldSpec("user_id", "single", **ids, bucket_half_life_s=decay), FieldSpec("item_id", "single", **ids),
              FieldSpec("history", "sequence", 1, shares="item_id")]
     for f in sb.batch.schema:
         if f.name.startswith("ctx."):
@@ -150,7 +158,8 @@ def evaluate_cold_start(dataset: str = "synthetic", seed: int = 42, *, config: d
     out_log = _log_to(log)
     t0 = time.perf_counter()
     if dataset == "synthetic":
-        r = synthetic_ratings(cs.synthetic_impressions, cs.synthetic_new_user_share, seed, limit)
+        r = synthetic_ratings(cs.synthetic_impressions, cs.synthetic_new_user_share, seed, limit,
+                              cs.synthetic_new_user_impressions, cs.synthetic_new_user_session_s)
     else:
         r = load_ratings(dataset, limit)
     label = online_labels(r.rating)

@@ -116,7 +116,8 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
                     dense = tuple(sorted(f.name[len(DENSE_PREFIX):] for f in schema if f.name.startswith(DENSE_PREFIX)))
                     return default_config(ctx, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
                                           embedding_dim=ls.embedding_dim, dense=dense, id_capacity=ls.id_capacity,
-                                          admit_after=ls.admit_after, id_ttl_s=ls.id_ttl_s, id_init=ls.id_init)
+                                          admit_after=ls.admit_after, id_ttl_s=ls.id_ttl_s, id_init=ls.id_init,
+                                          user_bucket_half_life_s=ls.user_bucket_half_life_s)
         return None
     finally:
         c.close()

@@ -33,12 +33,17 @@ class FieldSpec:
     admit_after: int = 1  # sightings before an id gets its own row
     ttl_s: float | None = None  # own rows unseen this long (event time) are evicted
     init: str = "bucket"  # an admitted row starts as its bucket's vector, or "zero"
+    # bucket rows idle this long (event time) have shrunk halfway to zero when next used; None = never
+    bucket_half_life_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:
             raise ValueError(f"field {self.name!r}: num_buckets must be >= 1, got {self.num_buckets}")
         if self.capacity < 0 or self.admit_after < 0:
             raise ValueError(f"field {self.name!r}: capacity and admit_after must be >= 0")
+        if self.bucket_half_life_s is not None and self.bucket_half_life_s <= 0:
+            raise ValueError(f"field {self.name!r}: bucket_half_life_s must be > 0 or None, "
+                             f"got {self.bucket_half_life_s}")
         if self.init not in ("bucket", "zero"):
             raise ValueError(f"field {self.name!r}: init must be bucket or zero, got {self.init!r}")
         if self.kind not in ("single", "multi", "sequence"):
@@ -106,13 +111,17 @@ class FeatureConfig:
 def default_config(context: dict[str, FieldKind], buckets: int = 200_000, ctx_buckets: int = 10_000,
                    with_ids: bool = True, with_history: bool = True, embedding_dim: int = 16,
                    dense: tuple[str, ...] = (), id_capacity: int = 0, admit_after: int = 1,
-                   id_ttl_s: float | None = None, id_init: str = "bucket") -> FeatureConfig:
+                   id_ttl_s: float | None = None, id_init: str = "bucket",
+                   user_bucket_half_life_s: float | None = None) -> FeatureConfig:
     """user id, item id, history (sharing item id's rows) and the given context columns. ``id_capacity > 0``
-    makes user and item ids dynamic (``buckets`` fallback rows + ``id_capacity`` own rows each)."""
+    makes user and item ids dynamic (``buckets`` fallback rows + ``id_capacity`` own rows each);
+    ``user_bucket_half_life_s`` lets idle user buckets forget their earlier occupants."""
     fields: list[FieldSpec] = []
     if with_ids:
         dyn = {"capacity": id_capacity, "admit_after": admit_after, "ttl_s": id_ttl_s, "init": id_init}
-        fields += [FieldSpec("user_id", "single", buckets, **dyn), FieldSpec("item_id", "single", buckets, **dyn)]
+        user_decay = user_bucket_half_life_s if id_capacity > 0 else None
+        fields += [FieldSpec("user_id", "single", buckets, **dyn, bucket_half_life_s=user_decay),
+                   FieldSpec("item_id", "single", buckets, **dyn)]
     if with_history:
         fields.append(FieldSpec("history", "sequence", buckets, shares="item_id" if with_ids else None))
     fields += [FieldSpec(f"ctx.{name}", kind, ctx_buckets) for name, kind in sorted(context.items())]

@@ -229,6 +229,9 @@ class LookupResult:
     #                            a row may be evicted and handed out again in the same call)
     bucket_lookups: int = 0
     own_lookups: int = 0
+    # bucket_half_life_s: bucket rows touched in this call (D,) and the factor to scale each by (D,)
+    decayed_buckets: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    decay: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
 
 
 @dataclass
@@ -246,16 +249,24 @@ class IdMap:
     """Hashed ids of one field -> local rows (bucket fallback + admitted own rows), vectorized."""
 
     def __init__(self, capacity: int, num_buckets: int, admit_after: int = 1, ttl_s: float | None = None,
-                 init: str = "bucket", candidates: int | None = None) -> None:
+                 init: str = "bucket", candidates: int | None = None,
+                 bucket_half_life_s: float | None = None) -> None:
         if capacity < 1 or num_buckets < 1:
             raise ValueError(f"IdMap needs capacity >= 1 and num_buckets >= 1, got {capacity}, {num_buckets}")
         if init not in ("bucket", "zero"):
             raise ValueError(f"IdMap init must be 'bucket' or 'zero', got {init!r}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"IdMap ttl_s must be > 0 or None, got {ttl_s}")
+        if bucket_half_life_s is not None and bucket_half_life_s <= 0:
+            raise ValueError(f"IdMap bucket_half_life_s must be > 0 or None, got {bucket_half_life_s}")
         self.capacity, self.num_buckets = int(capacity), int(num_buckets)
         self.admit_after = max(1, int(admit_after))
         self.ttl_s, self.init = ttl_s, init
+        # A bucket row untouched for a while still holds what its last occupants taught it, which says
+        # nothing about the next id to land there: with a half-life, it shrinks towards zero by
+        # 0.5 ** (idle time / half-life) when next touched (event time).
+        self.bucket_half_life_s = bucket_half_life_s
+        self._bucket_seen = np.full(self.num_buckets, -np.inf)  # last touch per bucket row; -inf: never
         self.candidates = int(candidates) if candidates is not None else max(1, self.capacity // 2)
         if self.candidates < 1:
             raise ValueError(f"IdMap candidates must be >= 1, got {self.candidates}")
@@ -317,10 +328,23 @@ class IdMap:
             self.counters.lookups += flat.size
             self.counters.bucket_lookups += n_bucket
         ev = np.concatenate(evicted) if evicted else np.empty(0, dtype=np.int64)
-        return LookupResult(rows=out.reshape(shape), admitted_rows=admitted + self.num_buckets,
-                            admitted_from_bucket=admitted_keys % self.num_buckets,
-                            evicted_rows=ev + self.num_buckets, bucket_lookups=n_bucket,
-                            own_lookups=flat.size - n_bucket)
+        res = LookupResult(rows=out.reshape(shape), admitted_rows=admitted + self.num_buckets,
+                           admitted_from_bucket=admitted_keys % self.num_buckets,
+                           evicted_rows=ev + self.num_buckets, bucket_lookups=n_bucket,
+                           own_lookups=flat.size - n_bucket)
+        if train and self.bucket_half_life_s is not None:
+            self._touch_buckets(np.concatenate([out[bucket], res.admitted_from_bucket]), now, res)
+        return res
+
+    def _touch_buckets(self, buckets: np.ndarray, now: float, res: LookupResult) -> None:
+        """Record the decay of the bucket rows used in this call (res.decayed_buckets / res.decay)."""
+        touched = np.unique(buckets)  # (D,)
+        seen = self._bucket_seen[touched]
+        idle = np.maximum(now - np.where(np.isfinite(seen), seen, now), 0.0)
+        factor = np.exp2(-idle / self.bucket_half_life_s)  # type: ignore[operator]
+        self._bucket_seen[touched] = now
+        shrink = factor < 1.0
+        res.decayed_buckets, res.decay = touched[shrink], factor[shrink].astype(np.float32)
 
     def _count_and_admit(self, keys: np.ndarray, now: float,
                          evicted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -435,6 +459,14 @@ class IdMap:
 
     # ---- embedding rows --------------------------------------------------------------------------------
     @torch.no_grad()
+    def decay_buckets(self, weight: torch.Tensor, result: LookupResult, first_row: int = 0) -> None:
+        """Scale the bucket rows ``result`` says went idle (bucket_half_life_s) towards zero. Call before
+        ``init_admitted``, so an admitted row starts from the vector its bucket serves now."""
+        if result.decayed_buckets.size:
+            rows = to_global(first_row, result.decayed_buckets).to(weight.device)
+            weight[rows] *= torch.from_numpy(result.decay).to(weight.device, weight.dtype).unsqueeze(1)
+
+    @torch.no_grad()
     def init_admitted(self, weight: torch.Tensor, result: LookupResult, first_row: int = 0) -> None:
         """Initialise the rows admitted in ``result`` in ``weight`` (the fused table; the field starts at
         ``first_row``): the bucket's vector (init="bucket") or zeros. Reset their optimizer state apart."""
@@ -463,12 +495,13 @@ class IdMap:
 
     def config(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "num_buckets": self.num_buckets, "admit_after": self.admit_after,
-                "ttl_s": self.ttl_s, "init": self.init, "candidates": self.candidates}
+                "ttl_s": self.ttl_s, "init": self.init, "candidates": self.candidates,
+                "bucket_half_life_s": self.bucket_half_life_s}
 
     def nbytes(self) -> int:
         """Bytes held by the map's arrays (constant after construction)."""
         arrays = (self._main.kv, self._row_key, self._seen_ext, self._row_slot, self._free, self._cur.kv,
-                  self._prev.kv, self._scratch)
+                  self._prev.kv, self._scratch, self._bucket_seen)
         return sum(a.nbytes for a in arrays)
 
     def state_dict(self) -> dict[str, Any]:
@@ -484,16 +517,19 @@ class IdMap:
                 "row_seen": torch.from_numpy(self._row_seen.copy()),
                 "free": torch.from_numpy(self._free[:self._free_top].copy()),
                 "cur_keys": cur_keys, "cur_counts": cur_counts, "prev_keys": prev_keys, "prev_counts": prev_counts,
+                "bucket_seen": torch.from_numpy(self._bucket_seen.copy()),
                 "last_sweep": self._last_sweep, "counters": dict(vars(self.counters))}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"IdMap state version {state.get('version')!r}, this code reads {_STATE_VERSION}")
-        if dict(state["config"]) != self.config():
+        # states written before bucket_half_life_s existed had none
+        if {"bucket_half_life_s": None, **dict(state["config"])} != self.config():
             raise ValueError(f"IdMap state was written with config {dict(state['config'])}, this map has "
                              f"{self.config()}: build the map from the checkpoint's config")
         self._row_key[:] = state["row_key"].numpy()
         self._row_seen[:] = state["row_seen"].numpy()
+        self._bucket_seen[:] = state["bucket_seen"].numpy() if "bucket_seen" in state else -np.inf
         free = state["free"].numpy()
         self._free_top = free.size
         self._free[:free.size] = free

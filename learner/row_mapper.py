@@ -5,7 +5,8 @@ The feature config marks a field dynamic with ``capacity > 0``; :class:`RowMappe
 (bags are field-major, so a field's values are one contiguous slice) from the batch's ``keys``:
 
 * an id not yet admitted keeps its bucket row (``to_tensors`` already put it there), so a brand-new
-  user gets a learned, shared vector from its first request;
+  user gets a learned, shared vector from its first request; with ``bucket_half_life_s`` a bucket idle
+  for a while shrinks towards zero first (its last occupants say nothing about the next one);
 * an id seen ``admit_after`` times gets its own row, initialised to its bucket's vector (or zero) with
   its optimizer state reset; young rows learn faster (``RowWiseAdagrad(boost=...)``);
 * rows evicted (TTL in event time, or least recently seen when full) get their optimizer state reset and
@@ -45,7 +46,8 @@ class RowMapper:
     def __init__(self, cfg: FeatureConfig) -> None:
         self.cfg = cfg
         self.maps: dict[str, IdMap] = {
-            f.name: IdMap(f.capacity, f.num_buckets, admit_after=f.admit_after, ttl_s=f.ttl_s, init=f.init)
+            f.name: IdMap(f.capacity, f.num_buckets, admit_after=f.admit_after, ttl_s=f.ttl_s, init=f.init,
+                          bucket_half_life_s=f.bucket_half_life_s)
             for f in cfg.fields if f.shares is None and f.capacity > 0}
         blocks = cfg.blocks
         # (field index, owner name, first row of the owner's block, train?) for every field that maps
@@ -88,6 +90,7 @@ class RowMapper:
         reset = np.concatenate([res.evicted_rows, res.admitted_rows])
         if reset.size and sparse_opt is not None and hasattr(sparse_opt, "reset_rows"):
             sparse_opt.reset_rows(weight, torch.from_numpy(first + reset).to(weight.device))
+        self.maps[owner].decay_buckets(weight, res, first_row=first)
         self.maps[owner].init_admitted(weight, res, first_row=first)
 
     def rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:

@@ -393,7 +393,9 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
         overrides["mlp"] = tuple(int(x) for x in args.mlp.split(",") if x)
     cs_over = {k: v for k, v in (("batch_size", args.batch_size), ("capacity", args.capacity),
                                  ("buckets", args.buckets), ("admit_after", args.admit_after),
-                                 ("boost", args.boost), ("cold_k", args.cold_k)) if v is not None}
+                                 ("boost", args.boost), ("cold_k", args.cold_k), ("init", args.init),
+                                 ("synthetic_new_user_impressions", args.new_user_impressions),
+                                 ("synthetic_new_user_session_s", args.new_user_session_s)) if v is not None}
     cs = ColdStartConfig(**cs_over)
     variants = tuple(args.variants.split(",")) if args.variants else VARIANTS
     unknown = set(variants) - set(VARIANTS)
@@ -602,6 +604,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admit-after", type=int, help="sightings before an id gets its own row (default 5)")
     g.add_argument("--boost", type=float, help="young-row learning-rate boost for admission (default 0)")
     g.add_argument("--cold-k", type=int, help="a user's first K impressions count as cold (default 10)")
+    g.add_argument("--init", choices=["bucket", "zero"],
+                   help="an admitted id's row starts as its bucket's vector or zero (admission; default bucket)")
+    g.add_argument("--new-user-impressions", type=int,
+                   help="synthetic: 1..N impressions per brand-new user (default 5)")
+    g.add_argument("--new-user-session-s", type=float,
+                   help="synthetic: spread a new user's impressions over a session of S seconds of event time, "
+                   "interleaved with other users' (default 0: one consecutive burst)")
     p.add_argument("--protocol", choices=["autoint", "online"],
                    help="autoint: offline 8:1:1 split, test AUC/logloss; online: one test-then-train pass in "
                    "event time, progressive AUC/logloss")

@@ -109,6 +109,9 @@ class LearnerSettings:
     admit_after: int = 2
     id_ttl_s: float | None = None
     id_init: str = "bucket"
+    # A user bucket idle this long (event time) has shrunk halfway to zero when the next not-yet-admitted
+    # user lands in it: what earlier occupants taught it says nothing about a new user (README, cold start).
+    user_bucket_half_life_s: float | None = 60.0
     # Young rows learn up to 1 + boost times faster; the boost halves every boost_half_life updates.
     boost: float = 0.0
     boost_half_life: float = 8.0
@@ -193,6 +196,10 @@ class SyntheticSettings:
     items: int = 100_000
     zipf_exponent: float = 1.1
     new_user_share: float = 0.02  # share of impressions from brand-new users
+    new_user_impressions: int = 5  # a brand-new user has 1..this many impressions (uniform)
+    # 0: a new user's impressions are consecutive rows (a burst); > 0: spread uniformly over this many
+    # seconds of event time from the user's first, interleaved with everyone else's (a session)
+    new_user_session_s: float = 0.0
     impressions_per_s: float = 200.0  # event-time arrival rate
     start_ts_ms: int = 1_700_000_000_000
     base_ctr: float = 0.1

@@ -283,3 +283,43 @@ def test_lru_on_a_large_table_evicts_exactly_the_oldest() -> None:
     assert res.evicted_rows.size == 1500 and (res.rows >= 11).all()
     back = m.lookup(old, now=101.0, train=False).rows < 11
     assert back.sum() == 1500 and back[:1000].all() and back[2000:].sum() == 0
+
+
+def test_idle_buckets_shrink_towards_zero_by_their_half_life() -> None:
+    first = 2  # the field's block starts at row 2 of the fused table
+    m = IdMap(capacity=4, num_buckets=3, admit_after=3, bucket_half_life_s=10.0)
+    w = torch.ones(first + 3 + 4, 2)
+    def touch(keys: list[int], now: float):
+        res = m.lookup(np.array(keys), now=now)
+        m.decay_buckets(w, res, first_row=first)
+        m.init_admitted(w, res, first_row=first)
+        return res
+    touch([3], 0.0)  # bucket 0: first use, nothing to forget
+    assert torch.equal(w, torch.ones_like(w))
+    touch([6], 10.0)  # bucket 0 again after one half-life (another id, still below admission)
+    assert torch.allclose(w[first + 0], torch.full((2,), 0.5)) and torch.equal(w[first + 1], torch.ones(2))
+    touch([6, 4], 10.0)  # no time passed: no decay; bucket 1 (key 4) first use
+    assert torch.allclose(w[first + 0], torch.full((2,), 0.5)) and torch.equal(w[first + 1], torch.ones(2))
+    res = touch([6], 40.0)  # third sighting of key 6: admitted after bucket 0 idled 3 half-lives
+    own = int(res.rows[0])
+    assert own >= 3 and torch.allclose(w[first + own], torch.full((2,), 0.5 / 8))  # starts as the decayed bucket
+    assert torch.allclose(w[first + 0], torch.full((2,), 0.5 / 8))
+    w[first + own] = 7.0
+    touch([6], 1000.0)  # own rows never decay
+    assert torch.equal(w[first + own], torch.full((2,), 7.0))
+    assert m.lookup(np.array([9]), now=5000.0, train=False).decayed_buckets.size == 0  # serving reads only
+
+
+def test_bucket_clock_survives_a_checkpoint_and_old_states_still_load() -> None:
+    a = IdMap(capacity=4, num_buckets=3, admit_after=5, bucket_half_life_s=10.0)
+    a.lookup(np.array([3]), now=0.0)
+    b = IdMap(capacity=4, num_buckets=3, admit_after=5, bucket_half_life_s=10.0)
+    b.load_state_dict(a.state_dict())
+    res = b.lookup(np.array([6]), now=20.0)  # bucket 0 last touched at 0 in a: two half-lives
+    assert res.decayed_buckets.tolist() == [0] and np.allclose(res.decay, [0.25])
+    old = IdMap(capacity=4, num_buckets=3, admit_after=5).state_dict()
+    del old["bucket_seen"]
+    old["config"].pop("bucket_half_life_s")  # written before the setting existed
+    IdMap(capacity=4, num_buckets=3, admit_after=5).load_state_dict(old)
+    with pytest.raises(ValueError, match="bucket_half_life_s"):
+        IdMap(capacity=4, num_buckets=3, bucket_half_life_s=0.0)

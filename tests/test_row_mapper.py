@@ -179,3 +179,20 @@ def test_a_user_admitted_after_the_artifact_reaches_serving_through_a_delta(tmp_
         want = torch.sigmoid(model(probe.values, probe.offsets, probe.dense))
     assert torch.allclose(served.score(served_probe.values, served_probe.offsets, served_probe.dense), want,
                           atol=1e-6)
+
+
+def test_the_learner_shrinks_idle_user_buckets_when_a_new_user_lands_in_them() -> None:
+    cfg = FeatureConfig((FieldSpec("user_id", "single", B, capacity=50, admit_after=5, bucket_half_life_s=60.0),
+                         FieldSpec("item_id", "single", B, capacity=50, admit_after=5),
+                         FieldSpec("history", "sequence", 1, shares="item_id"), FieldSpec("ctx.device", "single", 5)),
+                        embedding_dim=4)
+    model = DeepFM(cfg, mlp=(4,), seed=0, autocast_dtype=None)
+    sparse, _ = make_optimizers(model, 0.1, 0.01)
+    mapper, w = RowMapper(cfg), model.sparse.bag.weight
+    mapper.apply(to_tensors(batch([1001], [77], [[]]), cfg), now=0.0, model=model, sparse_opt=sparse)
+    user_bucket, item_bucket = 1001 % B, cfg.blocks[1][0] + 77 % B
+    before = w.detach().clone()
+    other = 1001 + B  # another new user, same bucket, two half-lives later
+    mapper.apply(to_tensors(batch([other], [77], [[]]), cfg), now=120.0, model=model, sparse_opt=sparse)
+    assert torch.allclose(w[user_bucket], before[user_bucket] / 4)
+    assert torch.equal(w[item_bucket], before[item_bucket])  # item buckets keep their memory (no half-life)

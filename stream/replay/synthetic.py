@@ -7,8 +7,11 @@ known exactly, so the rest of the system (joiner, learner, serving) can be check
   ``s.zipf_exponent``, inverse CDF of the continuous approximation), and each rank is mapped to a
   62-bit id by a seeded bijective mixer, so popular ids are not small numbers and ``s.users`` may be
   100 M without any array of that size being allocated: memory is O(impressions).
-* **Brand-new users** (``s.new_user_share`` of impressions) come in bursts of 1-5 consecutive
-  impressions per user, with ids ``2**62 + k`` that can never collide with a returning user.
+* **Brand-new users** (``s.new_user_share`` of impressions) have 1..``s.new_user_impressions`` (5)
+  impressions each, with ids ``2**62 + k`` that can never collide with a returning user. By default they
+  come in bursts of consecutive impressions; with ``s.new_user_session_s > 0`` a user's impressions are
+  spread over a session of that many seconds, interleaved with everyone else's (what a new user of a
+  feed does, and what cold-start learning needs: feedback from early impressions before later ones).
 * **Event time** is a Poisson process at ``s.impressions_per_s`` from ``s.start_ts_ms``.
 * **Click model**: every id has a latent vector (and every item a bias) derived from a hash of the
   id, so nothing is stored per id and anyone can recompute it (:func:`oracle_probability`)::
@@ -58,7 +61,6 @@ _ITEM_BIAS_SCALE = 0.5
 _N_TAGS = 10  # tag values 0..9; an item has 1-3 of them
 _TAG_SIZE_CUM_SHARE = np.array([0.4, 0.75])  # 1 tag 40 %, 2 tags 35 %, 3 tags 25 %
 _DUPLICATE_GAP_MS = (1_000, 10_000)  # a duplicate click follows its original by 1-10 s
-_MAX_BURST = 5  # a brand-new user has 1.._MAX_BURST consecutive impressions
 
 #: defect kinds of malformed messages, in round-robin order: (kind, topic)
 MALFORMED_KINDS: tuple[tuple[str, int], ...] = (
@@ -237,6 +239,10 @@ def _check(s: SyntheticSettings, n: int) -> None:
         raise ValueError(f"synthetic base_ctr must be in (0, 1), got {s.base_ctr}")
     if s.latent_dim < 1:
         raise ValueError(f"synthetic latent_dim must be >= 1, got {s.latent_dim}")
+    if s.new_user_impressions < 1:
+        raise ValueError(f"synthetic new_user_impressions must be >= 1, got {s.new_user_impressions}")
+    if s.new_user_session_s < 0:
+        raise ValueError(f"synthetic new_user_session_s must be >= 0, got {s.new_user_session_s}")
     if not s.attribution_window_s > 0:
         raise ValueError(f"synthetic attribution_window_s must be > 0, got {s.attribution_window_s}")
     if not math.isfinite(s.zipf_exponent) or s.zipf_exponent < 0:
@@ -248,18 +254,29 @@ def _check(s: SyntheticSettings, n: int) -> None:
     share("malformed_share", s.malformed_share, upper_open=True)
 
 
-def _new_user_slots(rng: np.random.Generator, n: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
-    """Place ``n_new`` new-user impressions among ``n`` in bursts of 1.._MAX_BURST consecutive rows.
+def _new_user_slots(rng: np.random.Generator, n: int, n_new: int, max_size: int = 5,
+                    session_rows: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Place ``n_new`` new-user impressions among ``n``, 1..``max_size`` per user: in bursts of consecutive
+    rows, or with ``session_rows > 0`` spread uniformly over that many rows after the user's first.
 
     Returns (row positions, new-user number 0..G-1 per position).
     """
     if n_new == 0:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    sizes = rng.integers(1, _MAX_BURST + 1, size=n_new)
+    sizes = rng.integers(1, max_size + 1, size=n_new)
     ends = np.cumsum(sizes)
     n_groups = int(np.searchsorted(ends, n_new)) + 1  # first group whose end reaches n_new
     sizes = sizes[:n_groups].copy()
     sizes[-1] -= int(ends[n_groups - 1]) - n_new
+    group = np.repeat(np.arange(n_groups, dtype=np.int64), sizes)
+    if session_rows > 0:
+        # Sessions: every row gets a sort key on one row axis. Returning rows sit evenly; a new user's
+        # rows at its session start plus uniform offsets within the session; rows are placed by key.
+        key_new = rng.uniform(0, n, n_groups)[group] + rng.uniform(0, session_rows, n_new)
+        key_ret = (np.arange(n - n_new) + 0.5) * (n / max(n - n_new, 1))
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.argsort(np.concatenate([key_new, key_ret]), kind="stable")] = np.arange(n)
+        return rank[:n_new], group
     # Arrange the G bursts and the n - n_new returning rows as tokens in a random order.
     n_tokens = n_groups + (n - n_new)
     is_burst = np.zeros(n_tokens, dtype=bool)
@@ -267,7 +284,6 @@ def _new_user_slots(rng: np.random.Generator, n: int, n_new: int) -> tuple[np.nd
     lengths = np.ones(n_tokens, dtype=np.int64)
     lengths[is_burst] = sizes
     starts = (np.cumsum(lengths) - lengths)[is_burst]
-    group = np.repeat(np.arange(n_groups, dtype=np.int64), sizes)
     offset = np.arange(n_new, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     return starts[group] + offset, group
 
@@ -384,7 +400,8 @@ def build_synthetic(
 
     # --- users: returning (Zipf) and brand-new (bursts) ------------------------------------------
     n_new = int(round(s.new_user_share * n))
-    new_pos, new_group = _new_user_slots(rng, n, n_new)
+    new_pos, new_group = _new_user_slots(rng, n, n_new, s.new_user_impressions,
+                                         s.new_user_session_s * s.impressions_per_s)
     is_new = np.zeros(n, dtype=bool)
     is_new[new_pos] = True
     user_id = np.empty(n, dtype=np.int64)
