@@ -137,6 +137,7 @@ class Learner:
         self.cfg: FeatureConfig | None = None
         self.deltas: DeltaWriter | None = None  # serving freshness, built with the model (learner/deltas.py)
         self.mapper: RowMapper | None = None  # dynamic ids -> rows (built with the model)
+        self._event_now: float | None = None  # event time of the newest trained sample (s)
         self.cold = ColdTracker(ls.cold_k)
         self.cold_metrics = ProgressiveMetrics(window=ls.metrics_window // 10 or 1)
         self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
@@ -206,6 +207,8 @@ class Learner:
         t0 = time.monotonic()
         self.trainer.step()  # no gradient left pending: the checkpoint is a clean step boundary
         tr = self.trainer
+        if self.mapper is not None and self.mapper.active and self._event_now is not None:
+            self.mapper.decay_idle_buckets(tr.model, self._event_now)  # the artifact gets today's buckets
         meta = {
             "samples_trained": tr.samples, "steps": tr.steps, "offsets": {str(p): o for p, o in self.offsets.items()},
             "partition_rows": {str(p): n for p, n in self.partition_rows.items()}, "duplicates": self.duplicates,
@@ -288,6 +291,7 @@ class Learner:
         kept = batch.select(keep)
         if len(kept):
             now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
+            self._event_now = now
             users = user_keys(kept, self.cfg) if self.cfg is not None else None
             cold = self.cold.cold(users, now) if users is not None else None
             if self.mapper is not None and self.mapper.active:

@@ -336,6 +336,15 @@ class IdMap:
             self._touch_buckets(np.concatenate([out[bucket], res.admitted_from_bucket]), now, res)
         return res
 
+    def decay_idle_buckets(self, now: float) -> LookupResult:
+        """Bring every bucket's decay up to ``now`` (before a checkpoint, so the serving artifact built from
+        it holds what the learner would serve). Exact: the decay is memoryless. Apply with ``decay_buckets``."""
+        res = LookupResult(rows=np.empty(0, dtype=np.int64), admitted_rows=np.empty(0, dtype=np.int64),
+                           admitted_from_bucket=np.empty(0, dtype=np.int64), evicted_rows=np.empty(0, dtype=np.int64))
+        if self.bucket_half_life_s is not None:
+            self._touch_buckets(np.flatnonzero(np.isfinite(self._bucket_seen)), now, res)
+        return res
+
     def _touch_buckets(self, buckets: np.ndarray, now: float, res: LookupResult) -> None:
         """Record the decay of the bucket rows used in this call (res.decayed_buckets / res.decay)."""
         touched = np.unique(buckets)  # (D,)

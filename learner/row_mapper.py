@@ -93,6 +93,14 @@ class RowMapper:
         self.maps[owner].decay_buckets(weight, res, first_row=first)
         self.maps[owner].init_admitted(weight, res, first_row=first)
 
+    @torch.no_grad()
+    def decay_idle_buckets(self, model: torch.nn.Module, now: float) -> None:
+        """Apply every field's bucket decay up to ``now`` to the table (fields with ``bucket_half_life_s``)."""
+        weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]
+        firsts = {owner: first for _, owner, first, own in self._slots if own}
+        for name, m in self.maps.items():
+            m.decay_buckets(weight, m.decay_idle_buckets(now), first_row=firsts[name])
+
     def rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
         """Global rows of field ``field_index``'s hashed values, read-only (serving, refresh): admitted ids
         their own rows, the others their buckets. Static fields: ``first + value mod buckets``."""

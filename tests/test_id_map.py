@@ -323,3 +323,16 @@ def test_bucket_clock_survives_a_checkpoint_and_old_states_still_load() -> None:
     IdMap(capacity=4, num_buckets=3, admit_after=5).load_state_dict(old)
     with pytest.raises(ValueError, match="bucket_half_life_s"):
         IdMap(capacity=4, num_buckets=3, bucket_half_life_s=0.0)
+
+
+def test_decaying_every_idle_bucket_at_once_equals_decaying_each_when_next_used() -> None:
+    lazy = IdMap(capacity=4, num_buckets=3, admit_after=9, bucket_half_life_s=10.0)
+    eager = IdMap(capacity=4, num_buckets=3, admit_after=9, bucket_half_life_s=10.0)
+    w_lazy, w_eager = torch.ones(3, 2), torch.ones(3, 2)
+    for m, w in ((lazy, w_lazy), (eager, w_eager)):
+        m.decay_buckets(w, m.lookup(np.array([3, 4]), now=0.0))  # buckets 0 and 1 in use; 2 never
+    eager.decay_buckets(w_eager, eager.decay_idle_buckets(now=15.0))  # e.g. at a checkpoint
+    assert torch.allclose(w_eager[:2], torch.full((2, 2), 0.5 ** 1.5)) and torch.equal(w_eager[2], torch.ones(2))
+    for m, w in ((lazy, w_lazy), (eager, w_eager)):
+        m.decay_buckets(w, m.lookup(np.array([6]), now=30.0))  # bucket 0 used again
+    assert torch.allclose(w_lazy[0], w_eager[0]) and torch.allclose(w_lazy[0], torch.full((2,), 0.125))
