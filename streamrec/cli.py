@@ -396,6 +396,8 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
                                  ("boost", args.boost), ("cold_k", args.cold_k), ("init", args.init),
                                  ("synthetic_new_user_impressions", args.new_user_impressions),
                                  ("synthetic_new_user_session_s", args.new_user_session_s)) if v is not None}
+    if args.user_bucket_half_life_s is not None:
+        cs_over["user_bucket_half_life_s"] = args.user_bucket_half_life_s if args.user_bucket_half_life_s > 0 else None
     cs = ColdStartConfig(**cs_over)
     variants = tuple(args.variants.split(",")) if args.variants else VARIANTS
     unknown = set(variants) - set(VARIANTS)
@@ -606,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cold-k", type=int, help="a user's first K impressions count as cold (default 10)")
     g.add_argument("--init", choices=["bucket", "zero"],
                    help="an admitted id's row starts as its bucket's vector or zero (admission; default bucket)")
+    g.add_argument("--user-bucket-half-life-s", type=float,
+                   help="idle user buckets shrink halfway to zero per S seconds of event time (admission; "
+                   "default 60; 0 = never)")
     g.add_argument("--new-user-impressions", type=int,
                    help="synthetic: 1..N impressions per brand-new user (default 5)")
     g.add_argument("--new-user-session-s", type=float,

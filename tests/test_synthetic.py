@@ -320,3 +320,25 @@ def test_valid_events_round_trip(table: EventTable) -> None:
     for j in range(0, table.n_clicks, max(1, table.n_clicks // 300)):
         click = Click(impression_id=table.click_impression_id[j], ts=int(table.click_ts[j]))
         assert decode_click(click.encode()) == click
+
+
+def test_new_users_in_sessions_are_spread_over_their_session_and_still_counted_exactly() -> None:
+    from dataclasses import replace
+
+    s = replace(SETTINGS, new_user_impressions=40, new_user_session_s=30.0, malformed_share=0.0)
+    t = build_synthetic(s, DELAY, SEED)
+    is_new = t.user_id >= NEW_USER_BASE
+    assert int(is_new.sum()) == t.stats["new_user_impressions"] == round(s.new_user_share * N)
+    assert set(np.unique(t.user_id[is_new]).tolist()) == {NEW_USER_BASE + k for k in range(t.stats["new_users"])}
+    spans, interleaved = [], 0
+    for uid in np.unique(t.user_id[is_new]):
+        rows = np.flatnonzero(t.user_id == uid)
+        assert 1 <= len(rows) <= 40
+        if len(rows) > 1:
+            spans.append((t.ts[rows[-1]] - t.ts[rows[0]]) / 1000.0)
+            interleaved += bool((np.diff(rows) > 1).any())
+    # a session: within its 30 s (plus the arrival noise of the other users' rows in between)
+    assert max(spans) < 45.0 and np.median(spans) > 5.0
+    assert interleaved >= 0.9 * len(spans)  # other users' impressions come in between
+    with pytest.raises(ValueError, match="new_user_session_s"):
+        build_synthetic(replace(s, new_user_session_s=-1.0), DELAY, SEED)
