@@ -10,8 +10,9 @@ same model and settings run with three treatments of ids the model has not learn
 ``buckets``    hash buckets only: ``id mod rows`` with as many rows as the other two variants' own rows
                plus buckets, so every variant has the same table size;
 ``admission``  the same admission, but ids not yet admitted share ``buckets`` learned hash-bucket rows
-               (a learned vector from the first request), an admitted id's row starts as its bucket's
-               vector, and young rows learn faster (row-wise Adagrad with ``boost``).
+               (a learned vector from the first request) and idle user buckets forget their earlier
+               occupants (``user_bucket_half_life_s``); an admitted id's row starts as its bucket's
+               vector (``init``), and young rows can learn faster (row-wise Adagrad with ``boost``).
 
 Reported per variant: progressive AUC and logloss over cold samples, warm samples and all samples.
 ``--dataset synthetic`` uses the planted-click-model feed (``stream/replay/synthetic.py``) with a steady
@@ -49,7 +50,7 @@ class ColdStartConfig:
     capacity: int = 1000  # own rows per id field (zero, admission); buckets uses capacity + buckets rows
     buckets: int = 2000  # shared fallback rows per id field (admission)
     admit_after: int = 5  # sightings before an id gets its own row (zero, admission)
-    init: str = "zero"  # an admitted row starts at zero, or as its bucket's vector ("bucket") (admission)
+    init: str = "bucket"  # an admitted row starts as its bucket's vector, or "zero" (admission)
     # idle user buckets shrink halfway to zero per this many seconds of event time (admission); None = never
     user_bucket_half_life_s: float | None = 60.0
     boost: float = 0.0  # young rows learn up to 1 + boost times faster (admission; measured: it hurts)
