@@ -257,7 +257,7 @@ def _check(s: SyntheticSettings, n: int) -> None:
 def _new_user_slots(rng: np.random.Generator, n: int, n_new: int, max_size: int = 5,
                     session_rows: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Place ``n_new`` new-user impressions among ``n``, 1..``max_size`` per user: in bursts of consecutive
-    rows, or with ``session_rows > 0`` spread uniformly over that many rows after the user's first.
+    rows, or with ``session_rows > 0`` spread uniformly over a window of that many rows (a session).
 
     Returns (row positions, new-user number 0..G-1 per position).
     """
@@ -398,7 +398,7 @@ def build_synthetic(
     ts = s.start_ts_ms + np.rint(np.cumsum(gaps) * 1000.0).astype(np.int64)
     del gaps
 
-    # --- users: returning (Zipf) and brand-new (bursts) ------------------------------------------
+    # --- users: returning (Zipf) and brand-new (bursts or sessions) --------------------------------
     n_new = int(round(s.new_user_share * n))
     new_pos, new_group = _new_user_slots(rng, n, n_new, s.new_user_impressions,
                                          s.new_user_session_s * s.impressions_per_s)
