@@ -267,6 +267,7 @@ class IdMap:
         # 0.5 ** (idle time / half-life) when next touched (event time).
         self.bucket_half_life_s = bucket_half_life_s
         self._bucket_seen = np.full(self.num_buckets, -np.inf)  # last touch per bucket row; -inf: never
+        self._bucket_mark = np.zeros(self.num_buckets if bucket_half_life_s is not None else 0, dtype=bool)
         self.candidates = int(candidates) if candidates is not None else max(1, self.capacity // 2)
         if self.candidates < 1:
             raise ValueError(f"IdMap candidates must be >= 1, got {self.candidates}")
@@ -347,7 +348,9 @@ class IdMap:
 
     def _touch_buckets(self, buckets: np.ndarray, now: float, res: LookupResult) -> None:
         """Record the decay of the bucket rows used in this call (res.decayed_buckets / res.decay)."""
-        touched = np.unique(buckets)  # (D,)
+        self._bucket_mark[buckets] = True  # dedupe in O(n + touched) with a reused mask, not a sort
+        touched = np.flatnonzero(self._bucket_mark)  # (D,)
+        self._bucket_mark[touched] = False
         seen = self._bucket_seen[touched]
         idle = np.maximum(now - np.where(np.isfinite(seen), seen, now), 0.0)
         factor = np.exp2(-idle / self.bucket_half_life_s)  # type: ignore[operator]
@@ -510,7 +513,7 @@ class IdMap:
     def nbytes(self) -> int:
         """Bytes held by the map's arrays (constant after construction)."""
         arrays = (self._main.kv, self._row_key, self._seen_ext, self._row_slot, self._free, self._cur.kv,
-                  self._prev.kv, self._scratch, self._bucket_seen)
+                  self._prev.kv, self._scratch, self._bucket_seen, self._bucket_mark)
         return sum(a.nbytes for a in arrays)
 
     def state_dict(self) -> dict[str, Any]:
