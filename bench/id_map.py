@@ -240,7 +240,8 @@ def main() -> None:
         print(ascii_plot(samples))
     print({"lookups": args.lookups, "dict_ids_s": round(args.lookups / t_dict),
            "searchsorted_ids_s": round(args.lookups / t_ss), "id_map_ids_s": round(args.lookups / t_map),
-           "id_map_admit1_ids_s": round(args.lookups / t_map1), "id_map_decay_ids_s": round(args.lookups / t_decay), "id_map_vs_dict": round(t_dict / t_map, 2),
+           "id_map_admit1_ids_s": round(args.lookups / t_map1),
+           "id_map_decay_ids_s": round(args.lookups / t_decay), "id_map_vs_dict": round(t_dict / t_map, 2),
            "churn_rss_mb": [round(s[1]) for s in samples]})
 
 
