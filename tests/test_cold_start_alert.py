@@ -126,6 +126,7 @@ severity = "warning"
             assert burst_batches < 200, "no alert during the burst"
             time.sleep(0.2)
         peak = share()
+        burst_end = sent  # samples sent up to the end of the burst
         while len(alerts_so_far(kafka, alerts)) < 2:
             send(rng.choice(returning, ROWS))  # returning users again
             time.sleep(0.2)
@@ -145,3 +146,17 @@ severity = "warning"
                                                      ("cold_start_share", AlertState.RESOLVED)]
     assert records[0].value > 0.5 and records[1].value <= 0.5 and peak is not None and peak > 0.5
     assert json.loads(out)["alerts"] == {"firing": 1, "resolved": 1}
+    # The learner's user buckets forget (user_bucket_half_life_s, 60 s by default), and its checkpoint brings
+    # every bucket's decay up to the newest event time, so an artifact built from it holds today's buckets.
+    from learner.checkpoint import load_latest
+
+    ckpt = load_latest(tmp_path / "ckpt")
+    assert ckpt is not None
+    users = next(f for f in ckpt["meta"]["feature_config"]["fields"] if f["name"] == "user_id")
+    assert users["bucket_half_life_s"] == 60.0
+    seen = ckpt["id_maps"]["user_id"]["bucket_seen"].numpy()
+    used = seen[np.isfinite(seen)]
+    assert used.size > 1 and np.all(used == used.max())  # all brought to one clock at the checkpoint
+    # ... the newest trained sample's: after the burst (returning users, admitted, touch no bucket after it)
+    assert (1_700_000_000_000 + (burst_end - 1) * 10) / 1000.0 < used.max()
+    assert used.max() <= (1_700_000_000_000 + (sent - 1) * 10) / 1000.0
