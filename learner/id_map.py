@@ -218,19 +218,24 @@ def _first_of_each(scratch: np.ndarray, values: np.ndarray) -> np.ndarray:
     return scratch.take(values) == order
 
 
+def _no_rows() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
+
+
 @dataclass
 class LookupResult:
-    """What one ``IdMap.lookup`` did. All rows are LOCAL rows of the field (buckets first)."""
+    """What one ``IdMap.lookup`` did (or, from ``decay_idle_buckets``, only the decay part). All rows are
+    LOCAL rows of the field (buckets first)."""
 
-    rows: np.ndarray  # int64, shape of keys
-    admitted_rows: np.ndarray  # (A,) own rows handed out in this call
-    admitted_from_bucket: np.ndarray  # (A,) each admitted key's bucket row (init="bucket" copies it)
-    evicted_rows: np.ndarray  # (E,) own rows freed in this call (reset their optimizer state first;
-    #                            a row may be evicted and handed out again in the same call)
+    rows: np.ndarray = field(default_factory=_no_rows)  # int64, shape of keys
+    admitted_rows: np.ndarray = field(default_factory=_no_rows)  # (A,) own rows handed out in this call
+    admitted_from_bucket: np.ndarray = field(default_factory=_no_rows)  # (A,) each admitted key's bucket row
+    evicted_rows: np.ndarray = field(default_factory=_no_rows)  # (E,) own rows freed in this call (reset
+    #               their optimizer state first; a row may be evicted and handed out again in the same call)
     bucket_lookups: int = 0
     own_lookups: int = 0
     # bucket_half_life_s: bucket rows touched in this call (D,) and the factor to scale each by (D,)
-    decayed_buckets: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    decayed_buckets: np.ndarray = field(default_factory=_no_rows)
     decay: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
 
 
@@ -340,8 +345,7 @@ class IdMap:
     def decay_idle_buckets(self, now: float) -> LookupResult:
         """Bring every bucket's decay up to ``now`` (before a checkpoint, so the serving artifact built from
         it holds what the learner would serve). Exact: the decay is memoryless. Apply with ``decay_buckets``."""
-        res = LookupResult(rows=np.empty(0, dtype=np.int64), admitted_rows=np.empty(0, dtype=np.int64),
-                           admitted_from_bucket=np.empty(0, dtype=np.int64), evicted_rows=np.empty(0, dtype=np.int64))
+        res = LookupResult()
         if self.bucket_half_life_s is not None:
             self._touch_buckets(np.flatnonzero(np.isfinite(self._bucket_seen)), now, res)
         return res
