@@ -14,7 +14,28 @@ message and dead-letters it, and lets every other exception propagate.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel = 2  # nested containers beyond two levels show as "..."
+_SHOW.maxstring = 60
+_SHOW.maxother = 60
+_SHOW.maxlist = _SHOW.maxdict = _SHOW.maxtuple = _SHOW.maxset = 4
+_SHOW.maxlong = 40
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A short, bounded rendering of ``value`` for an error message; never raises.
+
+    ``repr()`` of hostile input can raise (``RecursionError`` on deep nesting, ``ValueError`` on a huge
+    int) or be megabytes long; ``reprlib`` stops at a depth and a width, so the cost is bounded too.
+    """
+    try:
+        text = _SHOW.repr(value)
+    except Exception:  # noqa: BLE001 - an error message must never become a second error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class StreamError(Exception):
@@ -48,10 +69,7 @@ class ValidationError(BadMessage):
     kind = "invalid_field"
 
     def __init__(self, field: str, value: Any, expected: str) -> None:
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        super().__init__(f"field {field!r}: got {shown}, expected {expected}")
+        super().__init__(f"field {shown(field, 120)}: got {shown(value)}, expected {expected}")
         self.field = field
         self.value = value
         self.expected = expected

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException, TopicPartition
 
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
@@ -24,7 +24,8 @@ from stream.kafka import new_consumer, resume_offsets
 from stream.metrics import EVENTS
 from streamrec.settings import KafkaSettings
 
-Decoder = Callable[[bytes | None], Any]
+# decoder(value, broker_ts_ms=message timestamp or None); raises BadMessage for a bad message
+Decoder = Callable[..., Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +109,16 @@ class EventReader:
                 continue
             self.seen += 1
             self._at_eof.discard((topic, partition))
-            self._pending[(topic, partition)] = offset + 1
+            kind, ts = msg.timestamp()
             try:
-                event = self._decoders[topic](msg.value())
+                event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else None)
             except BadMessage as exc:
                 self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset)
+                self._pending[(topic, partition)] = offset + 1
                 continue
+            # Another exception propagates: this message is not marked read, so no commit can skip it.
             out.append(Decoded(topic, partition, offset, event))
+            self._pending[(topic, partition)] = offset + 1
             self.valid[topic] += 1
             self.valid_by_partition[(topic, partition)] += 1
         for topic, n in Tally(d.topic for d in out).items():

@@ -15,8 +15,10 @@ Click, schema version 1::
 
 ``ts`` is event time in milliseconds since the epoch. Ids are non-negative 64-bit integers or
 non-empty strings. Context values are strings, integers, finite floats, booleans, or lists of
-strings/integers (multi-valued fields such as genres). Dense values are finite numbers.
-Unknown fields are rejected: add them in a new schema version.
+strings/integers (multi-valued fields such as genres). Dense values are numbers finite as float32.
+Unknown fields and duplicate keys are rejected: add fields in a new schema version. Sizes, key counts,
+string and list lengths and how far ``ts`` may lead the message's broker timestamp are bounded by
+:class:`~stream.limits.EventLimits`.
 
 :func:`decode_impression` / :func:`decode_click` raise :class:`~stream.errors.ValidationError`
 (field, value, expected) or :class:`~stream.errors.BadMessage` (not JSON); callers dead-letter those.
@@ -24,20 +26,23 @@ Unknown fields are rejected: add them in a new schema version.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from stream.errors import BadMessage, ValidationError
+from stream.errors import BadMessage, ValidationError, shown
+from stream.limits import DEFAULT_LIMITS, FLOAT32_MAX, FLOAT32_OVERFLOW, EventLimits
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 
 MAX_ID = 2**63 - 1
-MAX_STR_ID_LEN = 256
-MAX_LIST_LEN = 1024
+MAX_STR_ID_LEN = DEFAULT_LIMITS.max_str_len
+MAX_LIST_LEN = DEFAULT_LIMITS.max_list_len
 # 2100-01-01T00:00:00Z in ms: anything later is a unit mistake (microseconds, nanoseconds).
 MAX_TS_MS = 4_102_444_800_000
 
@@ -86,21 +91,49 @@ class Click:
 
 _IMPRESSION_FIELDS = frozenset({"schema_version", "impression_id", "ts", "user_id", "item_id", "context", "dense"})
 _CLICK_FIELDS = frozenset({"schema_version", "impression_id", "ts"})
+# A real closing quote (an even number of backslashes before it) followed by a colon ends a JSON key.
+_KEY_END = re.compile(rb'(?<!\\)(?:\\\\)*"\s*:')
 
 
-def _load(raw: bytes | None) -> dict[str, Any]:
+def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
     if raw is None:
         raise BadMessage("message has no value (tombstone)", kind="empty")
+    if len(raw) > limits.max_message_bytes:
+        raise BadMessage(f"message is {len(raw)} bytes, over the limit of {limits.max_message_bytes} "
+                         "([limits] max_message_bytes)", kind="too_large")
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadMessage(f"not valid JSON: {exc}", kind="bad_json") from None
+        raise BadMessage(f"not valid JSON: {shown(str(exc), 160)}", kind="bad_json") from None
     if not isinstance(obj, dict):
         raise BadMessage(f"expected a JSON object, got {type(obj).__name__}", kind="bad_json")
     version = obj.get("schema_version")
     if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
         raise ValidationError("schema_version", version, f"one of {sorted(SUPPORTED_VERSIONS)}")
     return obj
+
+
+def _reject_duplicate_keys(raw: bytes, obj: dict[str, Any]) -> None:
+    """JSON parsers keep the last of duplicate keys silently; an event with two values for one field is
+    ambiguous, so it is rejected. Fast path: each key ends in ``":``, so when the raw text holds no more
+    key ends than the parsed objects hold keys, no key repeats. Otherwise (a string value that starts
+    with a colon, or a real duplicate) the event is parsed once more, pair by pair."""
+    keys = len(obj) + sum(len(v) for name in ("context", "dense") if type(v := obj.get(name)) is dict)
+    if len(_KEY_END.findall(raw)) <= keys:
+        return
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for k, v in items:
+            if k in seen:
+                raise BadMessage(f"duplicate key {shown(k)} in a JSON object", kind="duplicate_key")
+            seen[k] = v
+        return seen
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):  # orjson accepted it; a stricter parser's quibbles are not ours
+        return
 
 
 def _check_fields(obj: dict[str, Any], allowed: frozenset[str], required: tuple[str, ...]) -> None:
@@ -113,34 +146,39 @@ def _check_fields(obj: dict[str, Any], allowed: frozenset[str], required: tuple[
         raise ValidationError(name, obj[name], f"no such field in schema v{SCHEMA_VERSION}")
 
 
-def _impression_id(value: Any) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_STR_ID_LEN:
-        raise ValidationError("impression_id", value, f"a non-empty string of at most {MAX_STR_ID_LEN} chars")
+def _impression_id(value: Any, limits: EventLimits = DEFAULT_LIMITS) -> str:
+    if not isinstance(value, str) or not value or len(value) > limits.max_str_len:
+        raise ValidationError("impression_id", value, f"a non-empty string of at most {limits.max_str_len} chars")
     return value
 
 
-def _ts(value: Any) -> int:
+def _ts(value: Any, broker_ts_ms: int | None, limits: EventLimits) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TS_MS:
         raise ValidationError("ts", value, f"an integer of milliseconds since the epoch in [0, {MAX_TS_MS}]")
+    if broker_ts_ms is not None and broker_ts_ms > 0 and value > broker_ts_ms + limits.future_ts_ms:
+        raise BadMessage(
+            f"field 'ts': {value} is {(value - broker_ts_ms) / 1000:.0f} s ahead of the message's broker timestamp "
+            f"{broker_ts_ms}; at most {limits.future_ts_s:g} s is allowed ([limits] future_ts_s): the producer's "
+            "clock or time unit is wrong", kind="future_ts")
     return value
 
 
-def check_id(name: str, value: Any) -> Id:
+def check_id(name: str, value: Any, limits: EventLimits = DEFAULT_LIMITS) -> Id:
     if isinstance(value, bool):
         raise ValidationError(name, value, "a non-negative 64-bit integer or a non-empty string")
     if isinstance(value, int):
         if not 0 <= value <= MAX_ID:
             raise ValidationError(name, value, f"an integer in [0, {MAX_ID}]")
         return value
-    if isinstance(value, str) and value and len(value) <= MAX_STR_ID_LEN:
+    if isinstance(value, str) and value and len(value) <= limits.max_str_len:
         return value
-    raise ValidationError(name, value, f"a non-negative 64-bit integer or a non-empty string (<= {MAX_STR_ID_LEN})")
+    raise ValidationError(name, value, f"a non-negative 64-bit integer or a non-empty string (<= {limits.max_str_len})")
 
 
-def _scalar_ok(v: Any) -> bool:
+def _scalar_ok(v: Any, max_str: int) -> bool:
     t = type(v)
     if t is str:
-        return len(v) <= MAX_STR_ID_LEN
+        return len(v) <= max_str
     if t is int:
         return -(2**63) <= v <= MAX_ID
     if t is float:
@@ -148,60 +186,81 @@ def _scalar_ok(v: Any) -> bool:
     return t is bool
 
 
-def _list_ok(v: list) -> bool:
-    if len(v) > MAX_LIST_LEN:
+def _list_ok(v: list, limits: EventLimits) -> bool:
+    if len(v) > limits.max_list_len:
         return False
+    max_str = limits.max_str_len
     for x in v:
         t = type(x)
         if t is str:
-            if len(x) > MAX_STR_ID_LEN:
+            if len(x) > max_str:
                 return False
         elif t is not int or not -(2**63) <= x <= MAX_ID:
             return False
     return True
 
 
-def check_context(value: Any, field: str = "context") -> dict[str, ContextValue]:
+def _check_keys(value: dict, field: str, max_keys: int, limits: EventLimits) -> None:
+    if len(value) > max_keys:
+        raise BadMessage(f"field {field!r} has {len(value)} keys, over the limit of {max_keys} ([limits])",
+                         kind="too_many_keys")
+    for k in value:
+        if not k or len(k) > limits.max_key_len:
+            raise ValidationError(f"{field} key", k, f"a non-empty name of at most {limits.max_key_len} chars")
+
+
+def check_context(value: Any, field: str = "context", limits: EventLimits = DEFAULT_LIMITS) -> dict[str, ContextValue]:
     """A context object (events, and serving requests: ``field`` names it in the error)."""
     if value is None:
         return {}
     if type(value) is not dict:
         raise ValidationError(field, value, "an object of feature name -> value")
+    _check_keys(value, field, limits.max_context_keys, limits)
     for k, v in value.items():
         if type(v) is list:
-            if not _list_ok(v):
-                raise ValidationError(f"{field}.{k}", v, f"a list of at most {MAX_LIST_LEN} strings/integers")
-        elif not _scalar_ok(v):
-            raise ValidationError(f"{field}.{k}", v, "a string, 64-bit integer, finite float, boolean or list")
+            if not _list_ok(v, limits):
+                raise ValidationError(f"{field}.{k}", v, f"a list of at most {limits.max_list_len} strings/integers "
+                                      f"(strings of at most {limits.max_str_len} chars)")
+        elif not _scalar_ok(v, limits.max_str_len):
+            raise ValidationError(f"{field}.{k}", v, f"a string (<= {limits.max_str_len} chars), 64-bit integer, "
+                                  "finite float, boolean or list")
     return value
 
 
-def check_dense(value: Any, field: str = "dense") -> dict[str, float]:
-    """A dense-features object: name -> finite number."""
+def check_dense(value: Any, field: str = "dense", limits: EventLimits = DEFAULT_LIMITS) -> dict[str, float]:
+    """A dense-features object: name -> number, finite as float32 (the dtype the model computes in)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ValidationError(field, value, "an object of feature name -> finite number")
+    _check_keys(value, field, limits.max_dense_keys, limits)
     for k, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise ValidationError(f"{field}.{k}", v, "a finite number")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) < FLOAT32_OVERFLOW:
+            raise ValidationError(f"{field}.{k}", v, f"a number finite as float32 (|x| <= {FLOAT32_MAX:.7g})")
     return value
 
 
-def decode_impression(raw: bytes | None) -> Impression:
-    obj = _load(raw)
+def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
+                      broker_ts_ms: int | None = None) -> Impression:
+    """One ``impressions`` message. ``broker_ts_ms``: the message's timestamp, which bounds how far in the
+    future ``ts`` may be (``limits.future_ts_s``); ``None`` skips that check."""
+    obj = _load(raw, limits)
     _check_fields(obj, _IMPRESSION_FIELDS, ("impression_id", "ts", "user_id", "item_id"))
-    return Impression(
-        impression_id=_impression_id(obj["impression_id"]),
-        ts=_ts(obj["ts"]),
-        user_id=check_id("user_id", obj["user_id"]),
-        item_id=check_id("item_id", obj["item_id"]),
-        context=check_context(obj.get("context")),
-        dense=check_dense(obj.get("dense")),
+    imp = Impression(
+        impression_id=_impression_id(obj["impression_id"], limits),
+        ts=_ts(obj["ts"], broker_ts_ms, limits),
+        user_id=check_id("user_id", obj["user_id"], limits),
+        item_id=check_id("item_id", obj["item_id"], limits),
+        context=check_context(obj.get("context"), limits=limits),
+        dense=check_dense(obj.get("dense"), limits=limits),
     )
+    _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
+    return imp
 
 
-def decode_click(raw: bytes | None) -> Click:
-    obj = _load(raw)
+def decode_click(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS, broker_ts_ms: int | None = None) -> Click:
+    obj = _load(raw, limits)
     _check_fields(obj, _CLICK_FIELDS, ("impression_id", "ts"))
-    return Click(impression_id=_impression_id(obj["impression_id"]), ts=_ts(obj["ts"]))
+    click = Click(impression_id=_impression_id(obj["impression_id"], limits), ts=_ts(obj["ts"], broker_ts_ms, limits))
+    _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
+    return click

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import redis
 
+from stream.metrics import HISTORY_MALFORMED
+
 
 def _as_ints(name: str, values: Sequence[int] | np.ndarray) -> list[int]:
     seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
@@ -44,16 +46,36 @@ def _same_length(**named: list[int]) -> None:
                              "expected one per element")
 
 
+_INT64 = 2**63
+
+
+def _entry(raw: bytes | str) -> tuple[int, int] | None:
+    """``"{ts}:{item}"`` -> ``(ts, item)``; None for anything else (written by someone else, or damaged)."""
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        ts_text, sep, item_text = text.partition(":")
+        ts, item = int(ts_text), int(item_text)
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    if not sep or not 0 <= ts < _INT64 or not -_INT64 <= item < _INT64:
+        return None
+    return ts, item
+
+
 def _parse(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
     """Entries of one list (newest appended first) -> (click times, item hashes), oldest click first.
 
     Sorting is stable over the oldest-appended-first order, so equal click times keep append order.
+    A malformed entry is skipped and counted (``streamrec_history_malformed_total``): one damaged
+    entry must not fail a joiner batch or a serving request.
     """
     pairs = []
-    for raw in reversed(entries):
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        ts, _, item = text.partition(":")
-        pairs.append((int(ts), int(item)))
+    for raw in reversed(entries if isinstance(entries, list) else []):
+        entry = _entry(raw)
+        if entry is None:
+            HISTORY_MALFORMED.inc()
+            continue
+        pairs.append(entry)
     pairs.sort(key=lambda p: p[0])
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -103,8 +125,12 @@ class UserHistory:
 
     # One command for a whole batch: redis-py spends ~5 us packing each pipelined command, so thousands of
     # LRANGEs cost more client time than the server's work. A server-side loop over KEYS does the same reads.
+    # A key of the wrong type (damaged or written by someone else) reads as one malformed entry, not as an
+    # error that fails the whole batch.
     _LRANGE_MANY = (
-        "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('LRANGE', k, 0, ARGV[1]) end return out"
+        "local out = {} for i, k in ipairs(KEYS) do "
+        "local r = redis.pcall('LRANGE', k, 0, ARGV[1]) "
+        "if r['err'] then r = {'!wrongtype'} end out[i] = r end return out"
     )
 
     def _read(self, users: list[int]) -> dict[int, tuple[list[int], list[int]]]:

@@ -6,18 +6,20 @@ comes from idempotent producing, waiting for acknowledgements, and offsets store
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from stream.errors import DeliveryFailed
+from stream.errors import DeliveryFailed, StreamError
 from streamrec.settings import KafkaSettings
 
 Headers = Sequence[tuple[str, bytes]]
+log = logging.getLogger("streamrec.kafka")
 
 
 def producer_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
@@ -82,6 +84,38 @@ def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int |
         if all(t in md and md[t].partitions for t in wanted):
             return
         time.sleep(0.05)
+
+
+def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:
+    """Create ``topic`` with ``cleanup.policy=compact``; on an existing topic, check the policy and set it
+    if it is not compact (a state log that is never compacted grows for ever and a restore reads its
+    whole retention). Raises :class:`StreamError` when the broker refuses the change."""
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    if topic not in admin.list_topics(timeout=10).topics:
+        new = NewTopic(topic, num_partitions=partitions or kafka.partitions, replication_factor=kafka.replication_factor,
+                       config={"cleanup.policy": "compact"})
+        for fut in admin.create_topics([new], operation_timeout=10).values():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+        ensure_topics(kafka, [topic], partitions)  # waits until its partitions show in metadata
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    configs = next(iter(admin.describe_configs([resource]).values())).result()
+    entry = configs.get("cleanup.policy")
+    if entry is not None and "compact" in str(entry.value).split(","):
+        return
+    log.warning("topic %s has cleanup.policy=%s; setting it to compact (it holds keyed state)", topic,
+                entry.value if entry is not None else "(default delete)")
+    try:
+        change = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+            ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)])
+        next(iter(admin.incremental_alter_configs([change]).values())).result()
+    except KafkaException as exc:
+        raise StreamError(f"topic {topic} must be compacted (cleanup.policy=compact) and the broker refused to "
+                          f"change it: {exc}. Set it with kafka-configs.sh --alter --entity-type topics "
+                          f"--entity-name {topic} --add-config cleanup.policy=compact") from None
 
 
 @dataclass

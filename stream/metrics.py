@@ -14,3 +14,5 @@ DLQ_MESSAGES = Counter(
     "Malformed messages sent to <topic>.dlq, by source topic and reason kind.",
     ["topic", "kind"],
 )
+HISTORY_MALFORMED = Counter("streamrec_history_malformed_total",
+                            "Malformed entries in users' Redis click histories, skipped when read.")

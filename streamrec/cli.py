@@ -196,12 +196,17 @@ def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
 
 # -- audit -----------------------------------------------------------------------------------
 def cmd_audit(args: argparse.Namespace) -> int:
+    import functools
+
     from stream.event_reader import EventReader
     from stream.events import decode_click, decode_impression
+    from stream.limits import EventLimits
 
     src = sources(args)
     kafka = kafka_settings(args, src)
-    decoders = {kafka.impressions_topic: decode_impression, kafka.clicks_topic: decode_click}
+    limits = src.build(EventLimits, "limits")
+    decoders = {kafka.impressions_topic: functools.partial(decode_impression, limits=limits),
+                kafka.clicks_topic: functools.partial(decode_click, limits=limits)}
     with EventReader(kafka, args.group, decoders, stage="audit") as reader:
         reader.read_to_end(idle_timeout_s=args.idle_timeout)
         dlq = reader.dead_letters.counts
@@ -223,6 +228,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     import logging
 
     from stream.joiner.pipeline import JoinPipeline
+    from stream.limits import EventLimits
 
     src = sources(args)
     kafka = kafka_settings(args, src)
@@ -236,7 +242,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(js.metrics_port, addr="0.0.0.0")
-    pipeline = JoinPipeline(kafka, redis_settings, js)
+    pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
     if js.driver == "kafka":
         from stream.joiner.kafka_driver import KafkaJoinWorker
 

@@ -83,6 +83,14 @@ class JoinerSettings:
     exit_when_idle_s: float | None = None  # bounded runs: exit after this long without input
     drain_at_exit: bool = False  # at exit, treat input as complete: expire every pending impression
     metrics_port: int | None = None  # serve Prometheus /metrics on this port
+    # Hostile input (stream/joiner/engine.py, stream/strikes.py): event time per input is its
+    # watermark_quorum-th largest event time, so no single event steers it; memory caps per partition;
+    # a message in poison_after failed batches in a row (processed alone after the first) is dead-lettered.
+    watermark_quorum: int = 16
+    max_pending_per_partition: int = 500_000
+    max_waiting_per_partition: int = 100_000
+    poison_after: int = 3
+    max_sample_bytes: int = 900_000  # a samples message; Kafka's default message.max.bytes is 1 MB
 
 
 @dataclass(frozen=True)

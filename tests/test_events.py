@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from stream.errors import BadMessage, ValidationError
 from stream.events import MAX_ID, Click, Impression, decode_click, decode_impression
+from stream.limits import FLOAT32_MAX
 
 GOOD = {"schema_version": 1, "impression_id": "i1", "ts": 1_700_000_000_000, "user_id": "u1", "item_id": 7,
         "context": {"device": "ios", "genres": ["a", "b"], "pos": 3, "score": 0.5}, "dense": {"price": 1.5}}
@@ -71,8 +72,8 @@ ctx_values = st.one_of(scalars, st.lists(st.one_of(st.text(max_size=8), st.integ
 @given(
     imp_id=st.text(min_size=1, max_size=40), ts=st.integers(0, 4_102_444_800_000), user=ids, item=ids,
     context=st.dictionaries(st.text(min_size=1, max_size=10), ctx_values, max_size=5),
-    dense=st.dictionaries(st.text(min_size=1, max_size=10),
-                          st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=3),
+    dense=st.dictionaries(st.text(min_size=1, max_size=10),  # finite as float32: the learner's dtype
+                          st.floats(-FLOAT32_MAX, FLOAT32_MAX, allow_nan=False), max_size=3),
 )
 def test_impression_json_round_trip(imp_id, ts, user, item, context, dense) -> None:
     imp = Impression(imp_id, ts, user, item, context, dense)

@@ -8,7 +8,8 @@ from stream.joiner.engine import JoinConfig, PartitionJoin
 from stream.joiner.state_log import decode_chunk, encode_chunk
 
 W = 1000  # window ms
-CFG = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, history_len=3)
+# These tests step event time one event at a time (quorum 1); the quorum and the caps have tests of their own.
+CFG = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, history_len=3, watermark_quorum=1)
 
 
 def imp(i: str, ts: int, user: str = "u", item: str = "x") -> Impression:
@@ -134,3 +135,42 @@ def test_an_idle_click_input_does_not_hold_expiry_back_for_ever() -> None:
     assert out == []  # click time stuck at 10: nothing can expire
     out += j.apply(f.imps(imp("n4", 8000)), [], clicks_idle=True).samples
     assert [s.pending.impression_id for s in out] == ["n1", "n2", "n3"]
+
+
+def test_one_far_future_event_does_not_move_event_time() -> None:
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, watermark_quorum=3)
+    j, f = PartitionJoin(0, cfg), Feed()
+    j.apply(f.imps(*(imp(f"a{k}", 100 + k) for k in range(5))), f.clicks(*(Click(f"a{k}", 150 + k) for k in range(5))))
+    before = j.watermark
+    # One impression and one click from clients whose clocks are years ahead.
+    r = j.apply(f.imps(imp("future", 10**12)), f.clicks(Click("ghost", 10**12)))
+    assert before <= j.watermark <= 104 and not r.samples and not r.unjoined  # the bulk's time, not 10**12
+    r = j.apply(f.imps(*(imp(f"b{k}", 200 + k) for k in range(5))), [])
+    assert not [s for s in r.samples if s.label == 0], "an ordinary impression expired at once"
+    # Time moves on with the bulk: the quorum-th largest time on each input.
+    r = j.apply(f.imps(*(imp(f"c{k}", 5000 + k) for k in range(3))), f.clicks(*(Click(f"x{k}", 5000 + k) for k in range(3))))
+    expired = {s.pending.impression_id for s in r.samples if s.label == 0}
+    assert {f"b{k}" for k in range(5)} <= expired and "future" not in expired
+
+
+def test_pending_and_waiting_caps_evict_with_a_record_and_state_restores_the_eviction() -> None:
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, watermark_quorum=1, max_pending=3,
+                     max_waiting=10)
+    j, f = PartitionJoin(0, cfg), Feed()
+    chunks = []
+    r = j.apply(f.imps(*(imp(f"i{k}", 100 + k) for k in range(5))), [])
+    chunks.append(r.chunk)
+    assert len(j.pending) == 3 and r.stats["evicted_impressions"] == 2
+    assert sorted(s.pending.impression_id for s in r.samples) == ["i0", "i1"]  # the oldest, as negatives
+    r = j.apply([], f.clicks(Click("i0", 150)))
+    chunks.append(r.chunk)
+    assert [u.reason for u in r.unjoined] == ["late"]  # a click on an evicted impression is reported
+    r = j.apply([], f.clicks(*(Click(f"g{k}", 1000 + k * 10**6) for k in range(12))))
+    chunks.append(r.chunk)
+    over = [u for u in r.unjoined if u.reason == "overflow"]
+    assert len(j.waiting) <= 10 and len(over) == 12 - len(j.waiting) and over
+    assert {u.impression_id for u in over} == {f"g{k}" for k in range(12 - len(over), 12)}  # furthest future first
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks])
+    assert set(back.pending) == set(j.pending) and set(back.waiting) == set(j.waiting)
+    r = back.apply([], [], drain=True)
+    assert sorted(s.pending.impression_id for s in r.samples) == ["i2", "i3", "i4"]  # no second sample for i0/i1

@@ -6,9 +6,11 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
 - An impression waits for its click for ``window`` ms. The first click with
   ``0 <= click.ts - imp.ts <= window`` makes a positive sample at once (label delay = click.ts -
   imp.ts). Further clicks on it are duplicates: counted, no second sample.
-- ``watermark = min(max impression time, max click time) seen on the partition - allowed
-  lateness``: the two topics are consumed independently, so event time is only as far as the
-  slower one (as with Flink's multi-input watermarks). Until both inputs have been seen, event time
+- ``watermark = min(impression time, click time) seen on the partition - allowed lateness``: the
+  two topics are consumed independently, so event time is only as far as the slower one (as with
+  Flink's multi-input watermarks). An input's time is the ``watermark_quorum``-th largest event
+  time seen on it, not the largest: event time is steered by the bulk of the partition, never by
+  one event (a client with a wrong clock would otherwise expire every pending impression at once). Until both inputs have been seen, event time
   does not advance. When the driver reports the click input idle (no click on this partition for a
   while of wall-clock time, ``clicks_idle=True``), event time follows impressions alone, so a quiet
   click stream cannot hold back expiry for ever. When
@@ -19,6 +21,12 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
   Clicks may arrive before their impression (two topics are consumed independently): they wait.
 - Each event is applied at most once: the state remembers the last applied offset per topic, and a
   redelivered event (after a restart) is skipped.
+- Memory is bounded per partition: beyond ``max_pending`` impressions the oldest expire early (a
+  negative sample now; a click on it later is reported late) and beyond ``max_waiting`` impression
+  ids with waiting clicks the furthest-future clicks are given up as ``overflow``. Both are counted
+  (``evicted_impressions``, ``overflow_clicks``); nothing leaves silently.
+- Events far in the past (older than the watermark by more than the window) are applied like any
+  other: an impression expires at once as a negative, a click on it is late.
 
 State durability is event-sourced (``stream/joiner/state_log.py``): every batch yields one
 :class:`StateChunk` (impressions added, clicks joined, clicks waiting, watermark, offsets), and a
@@ -44,6 +52,9 @@ class JoinConfig:
     lateness_ms: int = 5_000
     late_retention_ms: int = 3_600_000
     history_len: int = 50
+    watermark_quorum: int = 16  # an input's event time = its k-th largest event time seen
+    max_pending: int = 500_000  # impressions held per partition
+    max_waiting: int = 100_000  # impression ids with clicks waiting for their impression, per partition
 
 
 @dataclass(slots=True)
@@ -74,7 +85,7 @@ class Sample:
 class Unjoined:
     impression_id: str
     click_ts: int
-    reason: str  # "late" | "orphan" | "before_impression"
+    reason: str  # "late" | "orphan" | "before_impression" | "overflow"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +106,8 @@ class StateChunk:
     max_ts: int | None  # the watermark's event time after this batch (watermark = max_ts - lateness)
     offsets: tuple[int, int]  # last applied (impressions, clicks) offset
     max_ref_ts: int  # latest event time this chunk refers to; it retires after that + window + retention
+    evicted: list[str] = field(default_factory=list)  # impressions expired early by the max_pending cap
+    unwaited: list[tuple[str, int]] = field(default_factory=list)  # waiting clicks given up (max_waiting cap)
 
 
 @dataclass
@@ -121,7 +134,8 @@ class PartitionJoin:
         self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
         self._waiting_heap: list[tuple[int, str]] = []
         self.max_ts: int | None = None  # the watermark's event time (before lateness)
-        self.topic_max: list[int | None] = [None, None]  # max event time per input topic
+        self.topic_max: list[int | None] = [None, None]  # event time per input topic (k-th largest seen)
+        self._top: list[list[int]] = [[], []]  # per input: min-heap of the k largest event times
         self.offsets = [_NO_OFFSET, _NO_OFFSET]
         self.next_seq = 0
         self._chunks: list[tuple[int, int]] = []  # heap of (retire_at event time, seq)
@@ -159,10 +173,17 @@ class PartitionJoin:
                 out.stats["redelivered"] += 1
         events.sort(key=lambda e: (e[0], e[1]))  # event time; impressions first at equal ts
 
+        quorum = max(1, self.cfg.watermark_quorum)
         for ts, kind, off, ev in events:
             self.offsets[kind] = max(self.offsets[kind], off)
-            prev = self.topic_max[kind]
-            self.topic_max[kind] = ts if prev is None else max(prev, ts)
+            top = self._top[kind]
+            if len(top) < quorum:
+                heapq.heappush(top, ts)
+            elif ts > top[0]:
+                heapq.heapreplace(top, ts)
+            if len(top) == quorum:
+                prev = self.topic_max[kind]
+                self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
             if kind == IMPRESSIONS:
                 assert isinstance(ev, Impression)
                 out.stats["impressions"] += 1
@@ -194,6 +215,9 @@ class PartitionJoin:
                     waiting.append((ev.impression_id, ev.ts))
                     max_ref = max(max_ref, ev.ts)
 
+        evicted, unwaited = self._enforce_caps(out)
+        # The chunk that records an eviction must outlive the chunk that added the impression / click.
+        max_ref = max([max_ref, *(self.finalized[i][0] for i in evicted), *(t for _, t in unwaited)])
         self._advance_event_time(clicks_idle)
         if drain and self.max_ts is not None:
             # End of input: move event time past every window, and record that in the chunk.
@@ -203,13 +227,43 @@ class PartitionJoin:
         if events or drain:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
             out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
-                                   max_ref)
+                                   max_ref, evicted, unwaited)
             heapq.heappush(self._chunks, (retire_at, seq))
             self.next_seq = seq + 1
         out.retired = self._retire()
         return out
 
     # -- internals -----------------------------------------------------------------------------
+    def _enforce_caps(self, out: BatchResult) -> tuple[list[str], list[tuple[str, int]]]:
+        """The memory bounds (module docstring): returns what was evicted, for the state chunk."""
+        evicted: list[str] = []
+        while len(self.pending) > self.cfg.max_pending and self._expiry:
+            _, imp_id = heapq.heappop(self._expiry)
+            p = self.pending.get(imp_id)
+            if p is None:
+                continue
+            self._finalize(p, out)
+            evicted.append(imp_id)
+            out.stats["evicted_impressions"] += 1
+        unwaited: list[tuple[str, int]] = []
+        if len(self.waiting) > self.cfg.max_waiting:
+            # Give up the clicks furthest in the future first (a wrong clock's), down to 90% of the cap.
+            keep = int(self.cfg.max_waiting * 0.9)
+            latest = sorted(((max(t), i) for i, t in self.waiting.items()), reverse=True)
+            for _, imp_id in latest[: len(self.waiting) - keep]:
+                for cts in self.waiting.pop(imp_id):
+                    unwaited.append((imp_id, cts))
+                    self._unjoined(out, imp_id, cts, "overflow")
+        return evicted, unwaited
+
+    def _finalize(self, p: Pending, out: BatchResult) -> None:
+        """Take ``p`` out of the window: its negative sample if it had no click; remembered for late clicks."""
+        del self.pending[p.impression_id]
+        if p.click_ts is None:
+            out.samples.append(Sample(p, 0, self.cfg.window_ms))
+        self.finalized[p.impression_id] = (p.ts, int(p.click_ts is not None))
+        heapq.heappush(self._final_order, (p.ts + self.cfg.window_ms + self.cfg.late_retention_ms, p.impression_id))
+
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
         if imp_max is None:
@@ -252,13 +306,9 @@ class PartitionJoin:
             return
         while self._expiry and self._expiry[0][0] <= wm:
             _, imp_id = heapq.heappop(self._expiry)
-            p = self.pending.pop(imp_id, None)
-            if p is None:
-                continue
-            if p.click_ts is None:
-                out.samples.append(Sample(p, 0, self.cfg.window_ms))
-            self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
-            heapq.heappush(self._final_order, (p.ts + self.cfg.window_ms + self.cfg.late_retention_ms, imp_id))
+            p = self.pending.get(imp_id)
+            if p is not None:
+                self._finalize(p, out)
         while self._waiting_heap and self._waiting_heap[0][0] <= wm:
             cts, imp_id = heapq.heappop(self._waiting_heap)
             times = self.waiting.get(imp_id)
@@ -297,6 +347,15 @@ class PartitionJoin:
             for imp_id, cts in c.waiting:
                 self.waiting.setdefault(imp_id, []).append(cts)
                 heapq.heappush(self._waiting_heap, (cts, imp_id))
+            for imp_id in c.evicted:  # expired early: its sample was emitted with that chunk
+                p = self.pending.pop(imp_id, None)
+                if p is not None:
+                    self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
+                    heapq.heappush(self._final_order, (p.ts + cfg.window_ms + cfg.late_retention_ms, imp_id))
+            for imp_id, cts in c.unwaited:
+                times = self.waiting.get(imp_id)
+                if times and cts in times:
+                    times.remove(cts)
             if c.max_ts is not None:
                 self.max_ts = c.max_ts if self.max_ts is None else max(self.max_ts, c.max_ts)
             self.offsets = [max(self.offsets[0], c.offsets[0]), max(self.offsets[1], c.offsets[1])]

@@ -6,7 +6,10 @@ Same semantics as the faust driver: a consumer group over ``impressions`` and ``
 range assignor (partition p of both topics goes to the same member, the topics being
 co-partitioned), batches of ``batch_max`` messages, and offsets committed only after
 :meth:`JoinPipeline.process` made the batch's outputs and state durable. Revoked partitions are
-forgotten after a final commit; assigned ones are restored from the state log on first use.
+forgotten after a final commit of what was processed; assigned ones are restored from the state log
+on first use. An exception in a batch stops the worker: its offsets are never committed, not even
+by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
+see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import signal
 import time
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, resume_offsets
@@ -29,7 +32,7 @@ class KafkaJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self._stop = False
-        self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit
+        self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -68,10 +71,13 @@ class KafkaJoinWorker:
                         if err.code() != KafkaError._PARTITION_EOF:
                             log.warning("consumer: %s", err)
                         continue
-                    records.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value()))
-                    self._offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
+                    kind, ts = msg.timestamp()
+                    records.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(),
+                                          ts if kind != TIMESTAMP_NOT_AVAILABLE else None))
                 if records:
-                    self.pipeline.process(records)
+                    self.pipeline.process(records)  # raises: nothing of this batch is ever committed
+                    for r in records:
+                        self._offsets[(r.topic, r.partition)] = r.offset + 1
                     self._commit()
                     self._idle_since = time.monotonic()
                 elif limit is not None and time.monotonic() - self._idle_since >= limit and self.consumer.assignment():

@@ -17,6 +17,13 @@ The driver acknowledges / commits the input offsets only after :meth:`JoinPipeli
 returns, so committed offsets never run ahead of durable state, and the state never claims a sample
 that is not durable. A crash between 4 and 5 re-emits that batch's samples: duplicates carry the
 same impression id, and the learner drops them.
+
+Failures (``stream/strikes.py``): an unexpected exception in a batch gives each of its messages a
+strike and propagates (the driver stops without committing); a message with strikes is processed
+alone, and after ``poison_after`` failures in a row it is dead-lettered (kind ``poison``). A sample
+too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``) instead of failing the
+producer. Redis degraded: the batch fails and is retried from the last commit (history and counts
+are part of what a batch makes durable); no strikes are given for it.
 """
 
 from __future__ import annotations
@@ -32,14 +39,16 @@ import redis
 
 from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage
+from stream.errors import BadMessage, shown
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.history import UserHistory
 from stream.joiner import metrics as m
-from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin
+from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.sample_rows import to_batches
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
+from stream.limits import DEFAULT_LIMITS, EventLimits
+from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 from streamrec.settings import JoinerSettings, KafkaSettings, RedisSettings
 
 log = logging.getLogger("streamrec.join")
@@ -53,6 +62,7 @@ class Record(NamedTuple):
     offset: int
     key: bytes | None
     value: bytes | None
+    timestamp: int | None = None  # the message's broker timestamp (ms), which bounds how far ahead ts may be
 
 
 @dataclass
@@ -83,6 +93,9 @@ class JoinTotals:
             "duplicate_impressions": c["duplicate_impressions"],
             "redelivered_skipped": c["redelivered"],
             "dead_lettered": c["dead_lettered"],
+            "samples_too_large": c["samples_too_large"],
+            "evicted_impressions": c["evicted_impressions"],
+            "overflow_clicks": c["overflow_clicks"],
             "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
             "pending_impressions": c["pending_impressions"],
             "elapsed_s": round(time.monotonic() - self.started, 3),
@@ -96,18 +109,24 @@ class JoinTotals:
 class JoinPipeline:
     """The per-partition join state of one worker process and the batch step around it."""
 
-    def __init__(self, kafka: KafkaSettings, redis_settings: RedisSettings, js: JoinerSettings) -> None:
-        self.kafka, self.js = kafka, js
+    def __init__(self, kafka: KafkaSettings, redis_settings: RedisSettings, js: JoinerSettings,
+                 limits: EventLimits = DEFAULT_LIMITS) -> None:
+        self.kafka, self.js, self.limits = kafka, js, limits
         self.cfg = JoinConfig(
             window_ms=int(js.attribution_window_s * 1000), lateness_ms=int(js.allowed_lateness_s * 1000),
             late_retention_ms=int(js.late_retention_s * 1000), history_len=redis_settings.history_len,
+            watermark_quorum=js.watermark_quorum, max_pending=js.max_pending_per_partition,
+            max_waiting=js.max_waiting_per_partition,
         )
         self.redis = redis.Redis.from_url(redis_settings.url)
+        self.strikes = Strikes(RedisStrikes(self.redis, f"{redis_settings.prefix}:strikes:{js.app_id}"),
+                               js.poison_after)
         self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
         # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
         # impression still finds the clicks before it when the user clicked more in between.
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
-        self.producer = AckedProducer(kafka, **{"linger.ms": 5})
+        self.producer = AckedProducer(kafka, **{"linger.ms": 5, "message.max.bytes": max(js.max_sample_bytes + 65_536,
+                                                                                      1_000_000)})
         self.dead_letters = DeadLetters(kafka, self.producer)
         self.engines: dict[int, PartitionJoin] = {}
         self.totals = JoinTotals()
@@ -118,7 +137,8 @@ class JoinPipeline:
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
                               js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
-                              kafka.dlq_topic(kafka.clicks_topic), self.state_topic])
+                              kafka.dlq_topic(kafka.clicks_topic), kafka.dlq_topic(kafka.samples_topic)])
+        ensure_compacted(kafka, self.state_topic)
 
     def close(self) -> None:
         self.flush_counts()
@@ -150,21 +170,63 @@ class JoinPipeline:
 
     # -- the batch step ------------------------------------------------------------------------
     def process(self, records: list[Record]) -> None:
+        """Join one batch and make its outputs and state durable; see the module docstring for failures."""
+        if not self.strikes.counts:
+            return self._process_run(records)
+        # Suspects (messages of a batch that failed before) go alone, in order: the one that fails again
+        # is then known exactly, and its neighbours are not blamed.
+        run: list[Record] = []
+        for r in records:
+            if self.strikes.suspect((r.topic, r.partition, r.offset)):
+                if run:
+                    self._process_run(run)
+                    run = []
+                self._process_run([r])
+            else:
+                run.append(r)
+        if run:
+            self._process_run(run)
+
+    def _process_run(self, records: list[Record]) -> None:
+        try:
+            self._join(records)
+        except Exception as exc:
+            if not is_infrastructure(exc):
+                log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
+                          "committing", len(records), type(exc).__name__, shown(str(exc), 200))
+                try:
+                    self.strikes.failed([(r.topic, r.partition, r.offset) for r in records], exc)
+                except Exception:  # noqa: BLE001 - the original failure is the one to report
+                    log.exception("could not record the strikes")
+            raise
+        if self.strikes.counts:
+            self.strikes.succeeded((r.topic, r.partition, r.offset) for r in records)
+
+    def _decode(self, r: Record) -> Impression | Click:
+        reason = self.strikes.poisoned((r.topic, r.partition, r.offset)) if self.strikes.counts else None
+        if reason is not None:
+            raise BadMessage(reason, kind="poison")
+        if r.topic == self.kafka.impressions_topic:
+            return decode_impression(r.value, self.limits, r.timestamp)
+        return decode_click(r.value, self.limits, r.timestamp)
+
+    def _join(self, records: list[Record]) -> None:
         t0 = time.monotonic()
         if self.totals.first_batch is None:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
-        imp_topic = self.kafka.impressions_topic
         for r in records:
             try:
-                if r.topic == imp_topic:
-                    imps[r.partition].append((r.offset, decode_impression(r.value)))
-                else:
-                    clicks[r.partition].append((r.offset, decode_click(r.value)))
+                event = self._decode(r)
             except BadMessage as exc:
                 self.dead_letters.send(r.topic, r.key, r.value, exc, r.partition, r.offset)
                 self.totals.counts["dead_lettered"] += 1
+                continue
+            if type(event) is Impression:
+                imps[r.partition].append((r.offset, event))
+            else:
+                clicks[r.partition].append((r.offset, event))  # type: ignore[arg-type]
         self.totals.stage_s["decode"] += time.monotonic() - t0
         self.restore(set(imps) | set(clicks))
         results = {p: self._apply(p, imps.get(p, []), clicks.get(p, []))
@@ -197,7 +259,8 @@ class JoinPipeline:
         t2 = time.monotonic()
         stage["redis"] += t2 - t1
         key = str(partition).encode()
-        for value in to_batches(res.samples, self.js.sample_flush_rows):
+        for value in to_batches(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
+                                oversized=lambda row, value: self._too_large(row, value, partition)):
             self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
         stage["encode_samples"] += time.monotonic() - t2
         for u in res.unjoined:
@@ -205,6 +268,14 @@ class JoinPipeline:
                                   "partition": partition})
             self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
         return res
+
+    def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
+        """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""
+        err = BadMessage(f"the sample of impression {shown(rows[0].pending.impression_id)} is {len(value)} bytes "
+                         f"encoded, over max_sample_bytes={self.js.max_sample_bytes} ([joiner]); lower the [limits] "
+                         "on context size or raise both limits together", kind="too_large")
+        self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
+        self.totals.counts["samples_too_large"] += 1
 
     def _commit_state(self, results: dict[int, BatchResult]) -> None:
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.

@@ -60,9 +60,11 @@ MAX_MESSAGE_BYTES = 900_000  # Kafka's default message.max.bytes is 1 MB
 
 
 def encode_bounded(items: list[T], encode: Callable[[list[T], bool], bytes], max_bytes: int,
-                   max_items: int | None = None) -> list[bytes]:
+                   max_items: int | None = None,
+                   oversized: Callable[[list[T], bytes], None] | None = None) -> list[bytes]:
     """``items`` encoded as consecutive parts of at most ``max_items`` items and (unless one item alone is
-    bigger) ``max_bytes`` bytes: an oversized part is halved and encoded again. ``encode(part, first)``."""
+    bigger) ``max_bytes`` bytes: an oversized part is halved and encoded again. ``encode(part, first)``.
+    One item alone over ``max_bytes`` goes to ``oversized(part, value)`` when given (else it is kept)."""
     step = max_items or max(len(items), 1)
     todo = [items[i:i + step] for i in range(0, len(items), step)][::-1] or [items]
     out: list[bytes] = []
@@ -72,13 +74,17 @@ def encode_bounded(items: list[T], encode: Callable[[list[T], bool], bytes], max
         if len(value) > max_bytes and len(part) > 1:
             half = len(part) // 2
             todo.extend([part[half:], part[:half]])
+        elif len(value) > max_bytes and oversized is not None:
+            oversized(part, value)
         else:
             out.append(value)
     return out
 
 
-def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[bytes]:
-    """Encoded sample messages of at most ``max_rows`` rows and (unless one row is bigger) ``max_bytes``."""
+def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_BYTES,
+               oversized: Callable[[list[Sample], bytes], None] | None = None) -> list[bytes]:
+    """Encoded sample messages of at most ``max_rows`` rows and ``max_bytes``; a row bigger than that alone
+    goes to ``oversized(rows, value)`` (the joiner dead-letters it)."""
     if not rows:
         return []
-    return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows)
+    return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows, oversized)

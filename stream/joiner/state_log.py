@@ -50,6 +50,8 @@ def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
         "max_ts": c.max_ts,
         "offsets": c.offsets,
         "max_ref_ts": c.max_ref_ts,
+        "evicted": c.evicted if head else [],
+        "unwaited": c.unwaited if head else [],
     })
     body = to_batch([Sample(p, 0, 0) for p in added]).encode() if added else b""
     return _MAGIC + len(header).to_bytes(4, "big") + header + body
@@ -88,7 +90,8 @@ def decode_chunk(raws: list[bytes]) -> StateChunk:
         added.extend(_decode_added(raw[8 + n:], headers[-1]["seq"]))
     head = headers[0]
     return StateChunk(head["seq"], added, [tuple(j) for j in head["joined"]], [tuple(w) for w in head["waiting"]],
-                      head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"])
+                      head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"], list(head.get("evicted", [])),
+                      [tuple(w) for w in head.get("unwaited", [])])
 
 
 def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],

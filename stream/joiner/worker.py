@@ -13,6 +13,12 @@ stopped there waits; the kafka driver starts such partitions at the batch start 
 (``stream.kafka.resume_offsets``) and skips what it had applied. faust picks its own start offsets
 after its recovery step, and an outside rewind cannot commit into a group with a dead faust member.
 
+An exception in a batch must not let faust acknowledge it: ``take_events`` acknowledges a batch in
+a ``finally`` when the agent leaves it, even by an exception, and faust then commits it (and restarts
+the crashed agent). So the agent never leaves a failed batch: the pipeline has given its messages
+their strikes (``stream/strikes.py``), and the process exits at once with status 1
+(``os._exit``), committing nothing more, for its supervisor to restart it.
+
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
 batch and partition instead (see ``state_log.py``).
@@ -21,6 +27,7 @@ batch and partition instead (see ``state_log.py``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -68,9 +75,12 @@ class FaustJoinWorker:
                 self._busy = True
                 try:
                     self.pipeline.process([
-                        Record(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value)
+                        Record(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
+                               int(e.message.timestamp * 1000) if e.message.timestamp else None)
                         for e in events
                     ])
+                except BaseException:
+                    self._die("a batch failed")
                 finally:
                     self._busy = False
                     self._idle_since = time.monotonic()
@@ -80,6 +90,15 @@ class FaustJoinWorker:
         app.on_partitions_revoked.connect(self._on_revoked)
         app.on_partitions_assigned.connect(self._on_assigned)
         return app
+
+    @staticmethod
+    def _die(what: str) -> None:
+        """Stop the process now, before faust can acknowledge the batch in hand (module docstring)."""
+        log.exception("%s; exiting without acknowledging it (status 1)", what)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     async def _on_assigned(self, sender: Any, assigned: set, **kwargs: Any) -> None:
         self._idle_since = time.monotonic()  # idleness counts from when there is something to read

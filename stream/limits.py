@@ -1,0 +1,59 @@
+"""Limits on outside input, checked when an event is decoded (``stream/events.py``).
+
+Every bound is a setting (``[limits]`` in the config file, ``STREAMREC_LIMITS_*``) with a default that
+no legitimate event comes near and that keeps one event's cost bounded: a message over a limit is
+dead-lettered with the limit in its reason, never truncated or let through.
+
+============================  =======  ===========================================================
+setting                       default  bounds
+============================  =======  ===========================================================
+``max_message_bytes``         65536    the raw message (checked before parsing)
+``max_context_keys``          64       keys of ``context``
+``max_dense_keys``            64       keys of ``dense``
+``max_key_len``               64       characters of a context or dense key
+``max_str_len``               256      characters of a string id or context value
+``max_list_len``              1024     elements of a context list
+``future_ts_s``               3600     how far ``ts`` may be ahead of the message's broker
+                                       timestamp (the wall clock where there is none)
+============================  =======  ===========================================================
+
+Dense values must be finite *as float32* (the learner's dtype): ``1e39`` is finite in JSON and inf in
+training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOAT32_MAX = 3.4028234663852886e38
+# Numbers at or beyond this round to inf as float32 (below it they round to at most FLOAT32_MAX).
+FLOAT32_OVERFLOW = float(2**128 - 2**103)
+
+
+@dataclass(frozen=True)
+class EventLimits:
+    max_message_bytes: int = 65_536
+    max_context_keys: int = 64
+    max_dense_keys: int = 64
+    max_key_len: int = 64
+    max_str_len: int = 256
+    max_list_len: int = 1024
+    # An event more than this far ahead of its message's broker timestamp is dead-lettered (future_ts):
+    # one client with a wrong clock must not move event time (and with it every window) for everyone.
+    future_ts_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_context_keys", "max_dense_keys", "max_key_len", "max_str_len",
+                     "max_list_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"[limits] {name}: got {value!r}, expected an integer >= 1")
+        if not self.future_ts_s >= 0:
+            raise ValueError(f"[limits] future_ts_s: got {self.future_ts_s!r}, expected seconds >= 0")
+
+    @property
+    def future_ts_ms(self) -> int:
+        return int(self.future_ts_s * 1000)
+
+
+DEFAULT_LIMITS = EventLimits()

@@ -1,0 +1,141 @@
+"""Poison messages: how often each input message was in a batch that made its process fail.
+
+The rule every consumer follows (joiner, learner): an *unexpected* exception while processing a batch
+stops the worker without committing anything of it, and every message of the failed batch gets a
+strike, durably (the worker restarts as a fresh process). A message with strikes is processed alone
+on the next attempts, so the one that keeps failing is isolated from its innocent neighbours: after
+``limit`` failures in a row it is dead-lettered with kind ``poison`` and the last error as its
+reason, and processing moves on. A message processed successfully loses its strikes.
+
+Failures of the infrastructure (the broker, Redis, the disk) are not the message's fault and give no
+strikes (:func:`is_infrastructure`): a Redis outage must never dead-letter good data.
+
+Stores: :class:`RedisStrikes` (the joiner, whose state lives off-host anyway) and
+:class:`FileStrikes` (the learner, next to its checkpoints). Both keep only messages that failed,
+so they stay tiny; a key is ``"{topic}:{partition}:{offset}"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import redis
+from confluent_kafka import KafkaException
+
+from stream.errors import DeliveryFailed, shown
+
+Key = tuple[str, int, int]  # (topic, partition, offset)
+
+
+def is_infrastructure(exc: BaseException) -> bool:
+    """True for failures of what a message travels through, not of the message itself."""
+    return isinstance(exc, KafkaException | DeliveryFailed | redis.RedisError | OSError | TimeoutError | MemoryError)
+
+
+def _text(key: Key) -> str:
+    return f"{key[0]}:{key[1]}:{key[2]}"
+
+
+def _key(text: str) -> Key:
+    topic, partition, offset = text.rsplit(":", 2)
+    return topic, int(partition), int(offset)
+
+
+class StrikeStore(Protocol):
+    def load(self) -> dict[Key, tuple[int, str]]: ...
+
+    def save(self, changed: dict[Key, tuple[int, str]], cleared: list[Key]) -> None: ...
+
+
+class Strikes:
+    """Strike counts of one consumer (see the module docstring). ``limit`` failures make a poison message."""
+
+    def __init__(self, store: StrikeStore, limit: int = 3) -> None:
+        if limit < 1:
+            raise ValueError(f"poison_after: got {limit!r}, expected an integer >= 1")
+        self.store, self.limit = store, limit
+        self.counts: dict[Key, tuple[int, str]] = store.load()  # key -> (failures in a row, last error)
+
+    def suspect(self, key: Key) -> bool:
+        return key in self.counts
+
+    def poisoned(self, key: Key) -> str | None:
+        """The dead-letter reason if ``key`` has failed ``limit`` times, else None."""
+        n, error = self.counts.get(key, (0, ""))
+        if n < self.limit:
+            return None
+        return f"made the consumer fail {n} times in a row; last error: {error}"
+
+    def failed(self, keys: Iterable[Key], exc: BaseException) -> None:
+        """Record one failure of every message in a failed batch (durably, before the process stops)."""
+        error = shown(f"{type(exc).__name__}: {exc}", 300)
+        changed = {k: (self.counts.get(k, (0, ""))[0] + 1, error) for k in keys}
+        self.counts.update(changed)
+        self.store.save(changed, [])
+
+    def succeeded(self, keys: Iterable[Key]) -> None:
+        """Messages processed (or dead-lettered) after all: they are no suspects any more."""
+        cleared = [k for k in keys if k in self.counts]
+        for k in cleared:
+            del self.counts[k]
+        if cleared:
+            self.store.save({}, cleared)
+
+
+class RedisStrikes:
+    """Strikes in one Redis hash per consumer group: field = message key, value = ``"{count} {error}"``."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self.client, self.key = client, key
+
+    def load(self) -> dict[Key, tuple[int, str]]:
+        out = {}
+        for field, value in self.client.hgetall(self.key).items():
+            try:
+                n, _, error = value.decode().partition(" ")
+                out[_key(field.decode())] = (int(n), error)
+            except (ValueError, UnicodeDecodeError):
+                continue  # a damaged entry is no strike
+        return out
+
+    def save(self, changed: dict[Key, tuple[int, str]], cleared: list[Key]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        if changed:
+            pipe.hset(self.key, mapping={_text(k): f"{n} {e}" for k, (n, e) in changed.items()})
+        if cleared:
+            pipe.hdel(self.key, *(_text(k) for k in cleared))
+        pipe.execute()
+
+
+class FileStrikes:
+    """Strikes in a JSON file, replaced atomically (write, fsync, rename)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._all: dict[Key, tuple[int, str]] = {}
+
+    def load(self) -> dict[Key, tuple[int, str]]:
+        try:
+            raw = json.loads(self.path.read_text())
+            self._all = {_key(k): (int(v[0]), str(v[1])) for k, v in raw.items()}
+        except FileNotFoundError:
+            self._all = {}
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            self._all = {}  # damaged: start without strikes (the worst case is N more failures)
+        return dict(self._all)
+
+    def save(self, changed: dict[Key, tuple[int, str]], cleared: list[Key]) -> None:
+        self._all.update(changed)
+        for k in cleared:
+            self._all.pop(k, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as fh:
+            json.dump({_text(k): list(v) for k, v in self._all.items()}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
