@@ -11,9 +11,15 @@ trained after the last checkpoint is lost with the crashed process's memory and 
 every sample changes the persisted model exactly once. The group's committed offsets trail the
 checkpoint and are never read back by the learner.
 
-The feature config is inferred from the first sample batch on a fresh start (which context columns
-exist, which are lists) and then lives in the checkpoint: a restarted learner uses the checkpoint's
-config, and refuses settings that would change the model's shape.
+The feature config is inferred from the first ``probe_rows`` samples on a fresh start (which context
+columns are present in enough of them, which are lists) and then lives in the checkpoint: a
+restarted learner uses the checkpoint's config, and refuses settings that would change the model's
+shape. Columns outside the config are ignored.
+
+Failures: a training batch that raises an unexpected exception gives each of its messages a strike
+(``stream/strikes.py``, stored in ``<checkpoint_dir>/strikes.json``) and stops the daemon without a
+checkpoint; on restart those messages are trained one per batch, and one that fails
+``poison_after`` times in a row goes to ``samples.dlq``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import signal
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,8 +50,10 @@ from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
 from learner.trainer import Trainer
+from stream.features import MISSING
 from stream.kafka import ensure_topics
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
+from stream.strikes import FileStrikes, Strikes, is_infrastructure
 from streamrec.settings import KafkaSettings, LearnerSettings
 
 log = logging.getLogger("streamrec.train")
@@ -95,32 +104,63 @@ class RecentIds:
         self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
 
 
+def _present(batch: SampleBatch, column: str) -> int:
+    """Rows of ``batch`` that carry ``column`` (a missing categorical is MISSING, a list empty, a dense 0)."""
+    col = batch.batch.column(column)
+    if pa.types.is_list(col.type):
+        return int((np.diff(col.offsets.to_numpy()) > 0).sum())
+    return int((col.to_numpy(zero_copy_only=False) != (0.0 if column.startswith(DENSE_PREFIX) else MISSING)).sum())
+
+
+def infer_fields(batches: list[SampleBatch], min_share: float, max_fields: int,
+                 ) -> tuple[dict[str, FieldKind], tuple[str, ...]]:
+    """Context fields (name -> single/multi) and dense names present in at least ``min_share`` of the rows of
+    ``batches``, at most ``max_fields`` of each (the most present first)."""
+    rows = sum(len(b) for b in batches)
+    present: Counter[str] = Counter()
+    multi: set[str] = set()
+    for b in batches:
+        for f in b.batch.schema:
+            if f.name.startswith((CTX_PREFIX, DENSE_PREFIX)):
+                present[f.name] += _present(b, f.name)
+                if pa.types.is_list(f.type):
+                    multi.add(f.name)
+    keep = [name for name, n in present.most_common() if rows and n / rows >= min_share and n > 0]
+    ctx = [n for n in keep if n.startswith(CTX_PREFIX)][:max_fields]
+    dense = [n for n in keep if n.startswith(DENSE_PREFIX)][:max_fields]
+    return ({n[len(CTX_PREFIX):]: ("multi" if n in multi else "single") for n in sorted(ctx)},
+            tuple(sorted(n[len(DENSE_PREFIX):] for n in dense)))
+
+
 def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: float) -> FeatureConfig | None:
-    """The config of a fresh learner, from the schema of the first samples message (None: no data yet)."""
+    """The config of a fresh learner, from the first ``probe_rows`` samples (None: no data yet).
+
+    Waits for up to ``timeout_s`` for that many rows, then decides on what arrived (at least one message)."""
     c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{ls.group_id}-probe",
                   "enable.auto.commit": False, "enable.partition.eof": True})
+    batches: list[SampleBatch] = []
     try:
         md = c.list_topics(kafka.samples_topic, timeout=10).topics[kafka.samples_topic]
         c.assign([TopicPartition(kafka.samples_topic, p, 0) for p in md.partitions])
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for m in c.consume(16, 0.5):
+        while time.monotonic() < deadline and sum(len(b) for b in batches) < ls.probe_rows:
+            msgs = c.consume(16, 0.5)
+            for m in msgs:
                 if m.error() is None:
                     try:
-                        schema = SampleBatch.decode(m.value()).batch.schema
+                        batches.append(SampleBatch.decode(m.value()))
                     except Exception:  # noqa: BLE001 - a bad message: the dataset will dead-letter it
                         continue
-                    ctx: dict[str, FieldKind] = {
-                        f.name[len(CTX_PREFIX):]: ("multi" if pa.types.is_list(f.type) else "single")
-                        for f in schema if f.name.startswith(CTX_PREFIX)}
-                    dense = tuple(sorted(f.name[len(DENSE_PREFIX):] for f in schema if f.name.startswith(DENSE_PREFIX)))
-                    return default_config(ctx, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
-                                          embedding_dim=ls.embedding_dim, dense=dense, id_capacity=ls.id_capacity,
-                                          admit_after=ls.admit_after, id_ttl_s=ls.id_ttl_s, id_init=ls.id_init,
-                                          user_bucket_half_life_s=ls.user_bucket_half_life_s)
-        return None
+            if batches and not msgs:
+                break  # nothing more for now: decide on what is there
     finally:
         c.close()
+    if not batches:
+        return None
+    ctx, dense = infer_fields(batches, ls.min_field_share, ls.max_fields)
+    return default_config(ctx, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets, embedding_dim=ls.embedding_dim,
+                          dense=dense, id_capacity=ls.id_capacity, admit_after=ls.admit_after, id_ttl_s=ls.id_ttl_s,
+                          id_init=ls.id_init, user_bucket_half_life_s=ls.user_bucket_half_life_s)
 
 
 class Learner:
@@ -145,6 +185,7 @@ class Learner:
         self._cold_published = 0.0
         self._group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": ls.group_id,
                                 "enable.auto.commit": False})
+        self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
 
     # -- model and state ---------------------------------------------------------------------------
     def _model_settings(self) -> dict[str, Any]:
@@ -260,14 +301,27 @@ class Learner:
         for p in self._partitions():
             self.offsets.setdefault(p, 0)
         assert self.trainer is not None and self.cfg is not None
+        topic = self.kafka.samples_topic
+        suspects = {(p, o): self.strikes.poisoned(key) for key in self.strikes.counts
+                    for t, p, o in [key] if t == topic}
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
-                                     pin_memory=self.device.type == "cuda")
+                                     pin_memory=self.device.type == "cuda", suspects=suspects)
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                             prefetch_factor=4 if ls.num_workers else None, persistent_workers=False)
         last_ckpt, since_ckpt = time.monotonic(), 0
         reason = "input idle"
         for batch in loader:
-            self._train(batch)
+            keys = [(topic, p, o) for p, o, _ in batch.positions]
+            try:
+                self._train(batch)
+            except Exception as exc:
+                if keys and not is_infrastructure(exc):
+                    log.error("training a batch of %d message(s) failed (%s); each gets a strike, stopping without "
+                              "a checkpoint", len(keys), type(exc).__name__)
+                    self.strikes.failed(keys, exc)
+                raise
+            if self.strikes.counts:
+                self.strikes.succeeded(keys)
             since_ckpt += len(batch)
             if ls.max_samples is not None and self.trainer.samples >= ls.max_samples:
                 reason = "max samples"

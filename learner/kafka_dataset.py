@@ -7,8 +7,11 @@ batches of about ``batch_rows`` rows. A message is never split: every yielded ba
 
 Partitions and start offsets are explicit (the checkpoint's), not a consumer group's: the learner
 seeks to exactly where its model state stopped. With DataLoader workers, worker ``w`` of ``n`` reads
-the partitions ``p`` with ``p % n == w``. A malformed message goes to ``samples.dlq`` and its offset
-still counts as consumed, so it is never retried in a loop.
+the partitions ``p`` with ``p % n == w``. A message that cannot be decoded or turned into tensors
+(whatever the exception) goes to ``samples.dlq`` with the reason, and its offset still counts as
+consumed, so it is never retried in a loop. ``suspects`` are messages that were in a batch whose
+training failed (``stream/strikes.py``): each is yielded as a batch of its own, and one with a
+poison reason is dead-lettered instead.
 """
 
 from __future__ import annotations
@@ -23,17 +26,19 @@ from torch.utils.data import IterableDataset, get_worker_info
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.features import FeatureConfig
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage
+from stream.errors import BadMessage, clip
 from stream.samples import SampleBatch
 from streamrec.settings import KafkaSettings
 
 
 class KafkaSampleDataset(IterableDataset):
     def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
-                 exit_when_idle_s: float | None = None, pin_memory: bool = False) -> None:
+                 exit_when_idle_s: float | None = None, pin_memory: bool = False,
+                 suspects: dict[tuple[int, int], str | None] | None = None) -> None:
         super().__init__()
         self.kafka, self.cfg, self.start = kafka, cfg, dict(start)
         self.batch_rows, self.exit_when_idle_s, self.pin = batch_rows, exit_when_idle_s, pin_memory
+        self.suspects = dict(suspects or {})  # (partition, offset) -> poison reason, or None: train it alone
 
     def _my_partitions(self) -> list[int]:
         info = get_worker_info()
@@ -67,13 +72,28 @@ class KafkaSampleDataset(IterableDataset):
                             raise KafkaException(err)
                         continue
                     last_data = time.monotonic()
+                    pos = (m.partition(), m.offset())
+                    suspect = pos in self.suspects
                     try:
+                        if suspect and self.suspects[pos] is not None:
+                            raise BadMessage(str(self.suspects[pos]), kind="poison")
                         sb = SampleBatch.decode(m.value())
-                        tb = to_tensors(sb, self.cfg, [(m.partition(), m.offset(), len(sb))])
-                    except BadMessage as exc:
-                        dlq.send(topic, m.key(), m.value(), exc, m.partition(), m.offset())
+                        tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
+                    except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
+                        bad = exc if isinstance(exc, BadMessage) else BadMessage(
+                            f"cannot be turned into tensors: {type(exc).__name__}: {clip(str(exc))}",
+                            kind="undecodable")
+                        dlq.send(topic, m.key(), m.value(), bad, *pos)
                         dlq.flush()
-                        tb = to_tensors_empty(self.cfg, (m.partition(), m.offset(), 0))
+                        tb = to_tensors_empty(self.cfg, (*pos, 0))
+                        suspect = False
+                    if suspect:  # alone: if training it fails again, only it is blamed
+                        if pending:
+                            yield self._emit(pending)
+                            pending, rows = [], 0
+                        yield self._emit([tb])
+                        last_yield = time.monotonic()
+                        continue
                     pending.append(tb)
                     rows += len(tb)
                     if rows >= self.batch_rows:

@@ -19,14 +19,13 @@ from typing import Any
 
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel = 2  # nested containers beyond two levels show as "..."
-_SHOW.maxstring = 60
-_SHOW.maxother = 60
+_SHOW.maxstring = _SHOW.maxother = 60
 _SHOW.maxlist = _SHOW.maxdict = _SHOW.maxtuple = _SHOW.maxset = 4
 _SHOW.maxlong = 40
 
 
 def shown(value: Any, limit: int = 80) -> str:
-    """A short, bounded rendering of ``value`` for an error message; never raises.
+    """A short, bounded ``repr`` of ``value`` for an error message; never raises.
 
     ``repr()`` of hostile input can raise (``RecursionError`` on deep nesting, ``ValueError`` on a huge
     int) or be megabytes long; ``reprlib`` stops at a depth and a width, so the cost is bounded too.
@@ -35,6 +34,11 @@ def shown(value: Any, limit: int = 80) -> str:
         text = _SHOW.repr(value)
     except Exception:  # noqa: BLE001 - an error message must never become a second error
         text = f"<{type(value).__name__}>"
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to at most ``limit`` characters (a message from a library may quote the input)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from stream.errors import BadMessage, ValidationError, shown
+from stream.errors import BadMessage, ValidationError, clip, shown
 from stream.limits import DEFAULT_LIMITS, FLOAT32_MAX, FLOAT32_OVERFLOW, EventLimits
 
 SCHEMA_VERSION = 1
@@ -104,7 +104,7 @@ def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadMessage(f"not valid JSON: {shown(str(exc), 160)}", kind="bad_json") from None
+        raise BadMessage(f"not valid JSON: {clip(str(exc), 160)}", kind="bad_json") from None
     if not isinstance(obj, dict):
         raise BadMessage(f"expected a JSON object, got {type(obj).__name__}", kind="bad_json")
     version = obj.get("schema_version")

@@ -92,8 +92,8 @@ def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = 
     whole retention). Raises :class:`StreamError` when the broker refuses the change."""
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
     if topic not in admin.list_topics(timeout=10).topics:
-        new = NewTopic(topic, num_partitions=partitions or kafka.partitions, replication_factor=kafka.replication_factor,
-                       config={"cleanup.policy": "compact"})
+        new = NewTopic(topic, num_partitions=partitions or kafka.partitions,
+                       replication_factor=kafka.replication_factor, config={"cleanup.policy": "compact"})
         for fut in admin.create_topics([new], operation_timeout=10).values():
             try:
                 fut.result()

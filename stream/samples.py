@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from stream.errors import BadMessage
+from stream.errors import BadMessage, clip
 
 SCHEMA_NAME = b"samples"
 SCHEMA_VERSION = 1
@@ -105,14 +105,19 @@ class SampleBatch:
 
     @classmethod
     def decode(cls, raw: bytes | None) -> SampleBatch:
-        """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a v1 sample batch."""
+        """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a valid v1 sample batch.
+
+        Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
+        their values, UTF-8), labels 0 or 1, times >= 0, finite dense values. Whatever passes can be
+        turned into tensors without an exception.
+        """
         if not raw:
             raise BadMessage("empty samples message", kind="empty")
         try:
             reader = pa.ipc.open_stream(pa.py_buffer(raw))
             batches = list(reader)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise BadMessage(f"not an Arrow IPC stream: {exc}", kind="bad_arrow") from None
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise BadMessage(f"not an Arrow IPC stream: {clip(str(exc))}", kind="bad_arrow") from None
         meta = reader.schema.metadata or {}
         if meta.get(b"streamrec.schema") != SCHEMA_NAME:
             raise BadMessage("Arrow stream is not a streamrec samples batch (schema metadata missing)",
@@ -136,7 +141,20 @@ class SampleBatch:
                 raise BadMessage(f"column {f.name!r}: got {f.type}, expected float32", kind="bad_schema")
             if batch.column(f.name).null_count:
                 raise BadMessage(f"column {f.name!r} has nulls", kind="bad_schema")
-        return cls(batch)
+        try:
+            batch.validate(full=True)
+        except (pa.ArrowException, ValueError) as exc:
+            raise BadMessage(f"invalid Arrow data: {clip(str(exc))}", kind="bad_arrow") from None
+        out = cls(batch)
+        label, ts = out.column("label"), out.column("ts")
+        if len(label) and not np.isin(label, (0, 1)).all():
+            raise BadMessage("column 'label': values other than 0 and 1", kind="bad_value")
+        if len(ts) and ts.min() < 0:
+            raise BadMessage("column 'ts': negative event times", kind="bad_value")
+        for name in out.dense_names:
+            if not np.isfinite(out.column(DENSE_PREFIX + name)).all():
+                raise BadMessage(f"column {DENSE_PREFIX + name!r}: values that are not finite", kind="bad_value")
+        return out
 
     # -- zero-copy access --------------------------------------------------------------------
     def __len__(self) -> int:

@@ -26,7 +26,7 @@ from typing import Protocol
 import redis
 from confluent_kafka import KafkaException
 
-from stream.errors import DeliveryFailed, shown
+from stream.errors import DeliveryFailed, clip
 
 Key = tuple[str, int, int]  # (topic, partition, offset)
 
@@ -72,7 +72,7 @@ class Strikes:
 
     def failed(self, keys: Iterable[Key], exc: BaseException) -> None:
         """Record one failure of every message in a failed batch (durably, before the process stops)."""
-        error = shown(f"{type(exc).__name__}: {exc}", 300)
+        error = clip(f"{type(exc).__name__}: {exc}", 300)
         changed = {k: (self.counts.get(k, (0, ""))[0] + 1, error) for k in keys}
         self.counts.update(changed)
         self.store.save(changed, [])

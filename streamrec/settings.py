@@ -148,6 +148,14 @@ class LearnerSettings:
     deltas_redis_url: str | None = None
     deltas_channel: str = "streamrec:model-deltas"
     deltas_id_maps_every_s: float = 60.0  # dynamic ids: a delta carries the id maps at most this often
+    # A fresh learner infers its fields from the first probe_rows rows: a context or dense column becomes a
+    # field only if it is present in at least min_field_share of them, at most max_fields of each kind (one
+    # hostile message with thousands of keys must not fix the model's shape for good).
+    probe_rows: int = 4096
+    min_field_share: float = 0.01
+    max_fields: int = 64
+    # A samples message in poison_after failed training batches in a row is dead-lettered (stream/strikes.py).
+    poison_after: int = 3
 
 
 @dataclass(frozen=True)

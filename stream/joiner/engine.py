@@ -10,7 +10,8 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
   two topics are consumed independently, so event time is only as far as the slower one (as with
   Flink's multi-input watermarks). An input's time is the ``watermark_quorum``-th largest event
   time seen on it, not the largest: event time is steered by the bulk of the partition, never by
-  one event (a client with a wrong clock would otherwise expire every pending impression at once). Until both inputs have been seen, event time
+  one event (a client with a wrong clock would otherwise expire every pending impression at once).
+  Until both inputs have been seen, event time
   does not advance. When the driver reports the click input idle (no click on this partition for a
   while of wall-clock time, ``clicks_idle=True``), event time follows impressions alone, so a quiet
   click stream cannot hold back expiry for ever. When

@@ -39,7 +39,7 @@ import redis
 
 from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, shown
+from stream.errors import BadMessage, clip, shown
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.history import UserHistory
 from stream.joiner import metrics as m
@@ -193,7 +193,7 @@ class JoinPipeline:
         except Exception as exc:
             if not is_infrastructure(exc):
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
-                          "committing", len(records), type(exc).__name__, shown(str(exc), 200))
+                          "committing", len(records), type(exc).__name__, clip(str(exc)))
                 try:
                     self.strikes.failed([(r.topic, r.partition, r.offset) for r in records], exc)
                 except Exception:  # noqa: BLE001 - the original failure is the one to report
