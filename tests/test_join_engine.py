@@ -174,3 +174,15 @@ def test_pending_and_waiting_caps_evict_with_a_record_and_state_restores_the_evi
     assert set(back.pending) == set(j.pending) and set(back.waiting) == set(j.waiting)
     r = back.apply([], [], drain=True)
     assert sorted(s.pending.impression_id for s in r.samples) == ["i2", "i3", "i4"]  # no second sample for i0/i1
+
+
+def test_a_restored_partition_keeps_its_event_time_and_drains_when_its_clicks_came_before_the_restart() -> None:
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, watermark_quorum=2)
+    j, f = PartitionJoin(0, cfg), Feed()
+    r1 = j.apply([], f.clicks(Click("a", 150), Click("b", 160), Click("c", 170)))  # clicks first, then a restart
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(r1.chunk))])
+    assert back.topic_max == j.topic_max and back.topic_max[1] is not None
+    r2 = back.apply(f.imps(imp("a", 100), imp("b", 120), imp("z", 130)), [])
+    assert sorted(s.pending.impression_id for s in r2.samples) == ["a", "b"]  # joined with the waiting clicks
+    r3 = back.apply([], [], drain=True)  # no click arrives after the restart: the drain still ends every window
+    assert [s.pending.impression_id for s in r3.samples] == ["z"] and not back.pending

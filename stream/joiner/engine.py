@@ -109,6 +109,9 @@ class StateChunk:
     max_ref_ts: int  # latest event time this chunk refers to; it retires after that + window + retention
     evicted: list[str] = field(default_factory=list)  # impressions expired early by the max_pending cap
     unwaited: list[tuple[str, int]] = field(default_factory=list)  # waiting clicks given up (max_waiting cap)
+    # Each input's event time after this batch: a restored partition continues from it instead of waiting
+    # for both inputs again (the clicks before the restart are not delivered again).
+    topic_max: tuple[int | None, int | None] = (None, None)
 
 
 @dataclass
@@ -220,15 +223,17 @@ class PartitionJoin:
         # The chunk that records an eviction must outlive the chunk that added the impression / click.
         max_ref = max([max_ref, *(self.finalized[i][0] for i in evicted), *(t for _, t in unwaited)])
         self._advance_event_time(clicks_idle)
-        if drain and self.max_ts is not None:
-            # End of input: move event time past every window, and record that in the chunk.
-            last = max([p.ts for p in self.pending.values()] + [ts for ts, _ in self._waiting_heap] + [self.max_ts])
+        held = [p.ts for p in self.pending.values()] + [ts for ts, _ in self._waiting_heap]
+        if drain and (self.max_ts is not None or held):
+            # End of input: move event time past every window, and record that in the chunk. (Also when
+            # event time never started: a partition restored with impressions but no click seen since.)
+            last = max(held + ([] if self.max_ts is None else [self.max_ts]))
             self.max_ts = last + self.cfg.window_ms + self.cfg.lateness_ms
         self._expire(out)
         if events or drain:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
             out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
-                                   max_ref, evicted, unwaited)
+                                   max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]))
             heapq.heappush(self._chunks, (retire_at, seq))
             self.next_seq = seq + 1
         out.retired = self._retire()
@@ -359,10 +364,17 @@ class PartitionJoin:
                     times.remove(cts)
             if c.max_ts is not None:
                 self.max_ts = c.max_ts if self.max_ts is None else max(self.max_ts, c.max_ts)
+            for kind, t in enumerate(c.topic_max):
+                if t is not None:
+                    prev = self.topic_max[kind]
+                    self.topic_max[kind] = t if prev is None else max(prev, t)
             self.offsets = [max(self.offsets[0], c.offsets[0]), max(self.offsets[1], c.offsets[1])]
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
+        for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
+            if t is not None:
+                self._top[kind] = [t] * max(1, cfg.watermark_quorum)
         for imp_id in [i for i, t in self.waiting.items() if not t]:
             del self.waiting[imp_id]
         # Waiting clicks whose impression was added in a later chunk were joined there or are late.

@@ -52,6 +52,7 @@ def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
         "max_ref_ts": c.max_ref_ts,
         "evicted": c.evicted if head else [],
         "unwaited": c.unwaited if head else [],
+        "topic_max": c.topic_max,
     })
     body = to_batch([Sample(p, 0, 0) for p in added]).encode() if added else b""
     return _MAGIC + len(header).to_bytes(4, "big") + header + body
@@ -91,7 +92,7 @@ def decode_chunk(raws: list[bytes]) -> StateChunk:
     head = headers[0]
     return StateChunk(head["seq"], added, [tuple(j) for j in head["joined"]], [tuple(w) for w in head["waiting"]],
                       head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"], list(head.get("evicted", [])),
-                      [tuple(w) for w in head.get("unwaited", [])])
+                      [tuple(w) for w in head.get("unwaited", [])], tuple(head.get("topic_max", (None, None))))
 
 
 def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
