@@ -140,7 +140,8 @@ def test_an_idle_click_input_does_not_hold_expiry_back_for_ever() -> None:
 def test_one_far_future_event_does_not_move_event_time() -> None:
     cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, watermark_quorum=3)
     j, f = PartitionJoin(0, cfg), Feed()
-    j.apply(f.imps(*(imp(f"a{k}", 100 + k) for k in range(5))), f.clicks(*(Click(f"a{k}", 150 + k) for k in range(5))))
+    j.apply(f.imps(*(imp(f"a{k}", 100 + k) for k in range(5))),
+            f.clicks(*(Click(f"a{k}", 150 + k) for k in range(5))))
     before = j.watermark
     # One impression and one click from clients whose clocks are years ahead.
     r = j.apply(f.imps(imp("future", 10**12)), f.clicks(Click("ghost", 10**12)))
@@ -148,7 +149,8 @@ def test_one_far_future_event_does_not_move_event_time() -> None:
     r = j.apply(f.imps(*(imp(f"b{k}", 200 + k) for k in range(5))), [])
     assert not [s for s in r.samples if s.label == 0], "an ordinary impression expired at once"
     # Time moves on with the bulk: the quorum-th largest time on each input.
-    r = j.apply(f.imps(*(imp(f"c{k}", 5000 + k) for k in range(3))), f.clicks(*(Click(f"x{k}", 5000 + k) for k in range(3))))
+    r = j.apply(f.imps(*(imp(f"c{k}", 5000 + k) for k in range(3))),
+                f.clicks(*(Click(f"x{k}", 5000 + k) for k in range(3))))
     expired = {s.pending.impression_id for s in r.samples if s.label == 0}
     assert {f"b{k}" for k in range(5)} <= expired and "future" not in expired
 
