@@ -18,6 +18,11 @@ once, so the expiry is never earlier than ``ttl_days`` from now: ``max(own-day e
 ttl_days * 86400)``. In consequence a key of a day older than yesterday lives ``ttl_days`` after its
 *last write*; only today's and yesterday's keys (and future days) get the longer own-day expiry.
 Every write refreshes the expiry (``EXPIREAT``), so it only ever moves forward.
+
+Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_ts_s``) ahead of
+the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
+start beyond that are never "the latest day" (:meth:`days_available`): one client with a wrong
+clock cannot make tomorrow's near-empty key the hot set's source.
 """
 
 from __future__ import annotations
@@ -103,13 +108,16 @@ return 0
 class DailyCounts:
     """Item and user occurrence counts per UTC day (see the module docstring for keys and expiry)."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "streamrec", ttl_days: int = 8) -> None:
+    def __init__(self, client: redis.Redis, prefix: str = "streamrec", ttl_days: int = 8,
+                 future_s: float = 3600.0) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
         _check_positive_int("ttl_days", ttl_days)
         self.client = client
         self.prefix = prefix
         self.ttl_days = int(ttl_days)
+        self.future_s = float(future_s)
+        self.future_dropped = 0  # events not counted: their time was too far ahead of the wall clock
         self._zincr_many: Any = None  # registered on first use
 
     # -- keys -------------------------------------------------------------------------------------
@@ -154,10 +162,17 @@ class DailyCounts:
             bad = int(np.argmin(ts))
             raise ValueError(f"argument 'ts_ms': element {bad} is {int(ts[bad])}, expected milliseconds >= 0")
         members = [_member(v, i) for i, v in enumerate(id_list)]
+        now = time.time()
+        ahead = ts > int((now + self.future_s) * 1000)
+        if ahead.any():
+            self.future_dropped += int(ahead.sum())
+            keep = np.flatnonzero(~ahead)
+            members, ts = [members[i] for i in keep.tolist()], ts[keep]
+            if not members:
+                return
         day_index = (ts // DAY_MS).tolist()
         counts = Counter(zip(day_index, members, strict=True))
 
-        now = time.time()
         args: dict[int, list[int | str]] = {}
         for (d, member), n in counts.items():
             args.setdefault(d, []).extend((n, member))
@@ -171,7 +186,8 @@ class DailyCounts:
 
     # -- reads ------------------------------------------------------------------------------------
     def days_available(self, kind: str, event: str) -> list[str]:
-        """The days (``YYYYMMDD``, ascending) that have a key for ``kind``/``event`` (found with SCAN)."""
+        """The days (``YYYYMMDD``, ascending) that have a key for ``kind``/``event`` (found with SCAN), up to
+        the day of now + ``future_s``: a key of a later day was written by a wrong clock."""
         _check_kind_event(kind, event)
         base = f"{self.prefix}:counts:{kind}:{event}:"
         pattern = _glob_escape(base) + "*"
@@ -180,7 +196,8 @@ class DailyCounts:
             suffix = _text(raw)[len(base):]
             if _DAY_RE.fullmatch(suffix):
                 days.add(suffix)
-        return sorted(days)
+        last = day_of(int((time.time() + self.future_s) * 1000))
+        return sorted(d for d in days if d <= last)
 
     def top(
         self, kind: str, event: str = "impression", day: str | None = None, days: int = 1, k: int = 10

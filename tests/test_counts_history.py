@@ -255,3 +255,23 @@ def test_history_bad_arguments_name_the_argument(redis_client: redis.Redis, pref
     for name, call in cases:
         with pytest.raises(ValueError, match=name):
             call()
+
+
+def test_a_wrong_clock_neither_counts_nor_becomes_the_latest_day(redis_client: redis.Redis, prefix: str) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix, future_s=3600)
+    now_ms = int(time.time() * 1000)
+    counts.record("item", "impression", [1, 2, 3], [now_ms - DAY_S * 1000, now_ms, now_ms + 30 * DAY_S * 1000])
+    assert counts.future_dropped == 1
+    # A key of a future day written by someone else's wrong clock is not the hot set's latest day either.
+    redis_client.zincrby(f"{prefix}:counts:item:impression:{day_of(now_ms + 400 * DAY_S * 1000)}", 1, "9")
+    assert counts.days_available("item", "impression")[-1] in (day_of(now_ms), day_of(now_ms + 3_600_000))
+    assert counts.top("item", "impression", k=3) == [("2", 1.0)]  # today: id 2 only, never the future 3 or 9
+
+
+def test_a_malformed_history_entry_is_skipped_not_an_error(redis_client: redis.Redis, prefix: str) -> None:
+    h = UserHistory(redis_client, prefix=prefix, max_len=10)
+    h.append_many([5, 5], [100, 200], [1000, 2000])
+    redis_client.lpush(h.key(5), "garbage", "12:notanint", b"\xff\xfe", "1500")
+    redis_client.set(h.key(6), "not a list")  # a key of the wrong type
+    assert h.as_of([5, 6], [3000, 3000]) == [[100, 200], []]
+    assert h.recent(5) == [100, 200]

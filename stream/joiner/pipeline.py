@@ -121,7 +121,8 @@ class JoinPipeline:
         self.redis = redis.Redis.from_url(redis_settings.url)
         self.strikes = Strikes(RedisStrikes(self.redis, f"{redis_settings.prefix}:strikes:{js.app_id}"),
                                js.poison_after)
-        self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
+        self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
+                                  future_s=limits.future_ts_s)
         # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
         # impression still finds the clicks before it when the user clicked more in between.
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
