@@ -1,0 +1,106 @@
+"""The learner on a hostile samples topic: malformed messages are dead-lettered, one message cannot fix the
+model's fields, and a message that keeps failing training is isolated and dead-lettered after poison_after
+failed runs, with every other sample trained exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from learner.checkpoint import latest_meta
+from stream.kafka import AckedProducer, ensure_topics
+from stream.samples import SampleBatch
+from streamrec.settings import KafkaSettings
+from tests.kafka_io import read_topic
+from tests.test_learner import sample_batch
+
+
+def with_column(sb: SampleBatch, name: str, arr: pa.Array) -> bytes:
+    """``sb`` with column ``name`` replaced by ``arr`` (no validation), as a samples message."""
+    cols = [arr if n == name else sb.batch.column(i) for i, n in enumerate(sb.batch.schema.names)]
+    rb = pa.RecordBatch.from_arrays(cols, schema=sb.batch.schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rb.schema) as w:
+        w.write_batch(rb)
+    return sink.getvalue().to_pybytes()
+
+
+def hostile_samples(rng: np.random.Generator) -> dict[str, bytes]:
+    base = sample_batch(rng, 3, start=10**6, prefix="bad")
+    hist = base.batch.column("history")
+    wide = SampleBatch.from_columns(  # one row with thousands of context columns
+        impression_id=["wide0"], ts=np.array([1]), label=np.array([1]), label_delay_ms=np.zeros(1),
+        user_id=np.array([1]), item_id=np.array([2]), history=[[1]],
+        context={f"k{i}": np.array([i + 1]) for i in range(3000)})
+    return {
+        "offsets_decrease": with_column(base, "history", pa.ListArray.from_arrays(
+            pa.array(np.array([0, 3, 1, 2], np.int32)), hist.values)),
+        "label_5": with_column(base, "label", pa.array(np.array([0, 5, 1], np.int8))),
+        "not_arrow": b"\x00\x01garbage" * 10,
+        "truncated": base.encode()[:-40],
+        "wide": wide.encode(),
+    }
+
+
+def env_for(kafka: KafkaSettings) -> dict[str, str]:
+    return dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+                STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="1",
+                STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
+                STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}", STREAMREC_LEARNER_POISON_AFTER="2")
+
+
+def train(ckpt: Path, env: dict[str, str], module: str = "streamrec.cli") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, "train", "--checkpoint-dir", str(ckpt), "--batch-rows",
+                           "256", "--exit-when-idle", "3", "--json"], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_hostile_and_poison_samples_are_dead_lettered_and_every_good_sample_is_trained_once(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    ensure_topics(kafka, [kafka.samples_topic], partitions=2)
+    rng = np.random.default_rng(3)
+    producer = AckedProducer(kafka)
+    bad = hostile_samples(rng)
+    producer.send(kafka.samples_topic, bad.pop("wide"), b"wide", partition=0)  # the first message a fresh learner reads
+    good = {0: 0, 1: 0}
+    for k in range(24):
+        part = k % 2
+        producer.send(kafka.samples_topic, sample_batch(rng, 100, start=k * 100).encode(), str(k).encode(),
+                      partition=part)
+        good[part] += 100
+        if k == 10:
+            for name, value in bad.items():
+                producer.send(kafka.samples_topic, value, name.encode(), partition=part)
+            producer.send(kafka.samples_topic, sample_batch(rng, 20, start=0, prefix="poison").encode(), b"poison",
+                          partition=part)
+    producer.flush()
+    env, ckpt = env_for(kafka), tmp_path / "ckpt"
+
+    failures = 0
+    for _ in range(4):
+        out = train(ckpt, env, module="tests.fault_hooks")
+        if out.returncode == 0:
+            break
+        failures += 1
+        assert "injected fault" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 0 and failures == 2, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+
+    dlq = {r.key: {k: v.decode() for k, v in r.headers}
+           for r in read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))}
+    assert {k.decode(): v["dlq.kind"] for k, v in dlq.items()} == {
+        "offsets_decrease": "bad_arrow", "label_5": "bad_value", "not_arrow": "bad_arrow", "truncated": "bad_arrow",
+        "poison": "poison"}
+    assert "injected fault" in dlq[b"poison"]["dlq.reason"]
+    rows = {int(p): n for p, n in summary["partition_rows"].items()}
+    assert rows == {0: good[0] + 1, 1: good[1]}  # every good row once (+ the wide row), nothing dead-lettered twice
+    assert summary["samples_trained"] == sum(good.values()) + 1
+    fields = [f["name"] for f in latest_meta(ckpt)["feature_config"]["fields"]]
+    assert fields == ["user_id", "item_id", "history", "ctx.genres"]  # not the wide message's 3000 columns
+    assert not json.loads((ckpt / "strikes.json").read_text())  # cleared once the poison was dead-lettered
