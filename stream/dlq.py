@@ -3,13 +3,15 @@
 The DLQ record keeps the original key and value bytes untouched, so an operator can fix and replay
 it. Headers:
 
-==========================  ===============================================================
-``dlq.reason``              human-readable reason (``field 'ts': got -5, expected ...``)
-``dlq.kind``                machine-readable class (``bad_json``, ``invalid_field``, ...)
-``dlq.source.topic``        topic the message came from (or was meant for)
-``dlq.source.partition``    its partition, ``-1`` when it never reached the broker
-``dlq.source.offset``       its offset, ``-1`` when it never reached the broker
-==========================  ===============================================================
+============================  ==============================================================
+``dlq.reason``                human-readable reason (``field 'ts': got -5, expected ...``)
+``dlq.kind``                  machine-readable class (``bad_json``, ``invalid_field``, ...)
+``dlq.source.topic``          topic the message came from (or was meant for)
+``dlq.source.partition``      its partition, ``-1`` when it never reached the broker
+``dlq.source.offset``         its offset, ``-1`` when it never reached the broker
+``dlq.value_truncated_from``  only where the value was too large to send whole: its size
+                              (the record then holds its first ``TRUNCATED_BYTES``)
+============================  ==============================================================
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from __future__ import annotations
 from collections import Counter as Tally
 from dataclasses import dataclass
 
-from stream.errors import BadMessage
+from stream.errors import BadMessage, MessageTooLarge
 from stream.kafka import AckedProducer
 from stream.metrics import DLQ_MESSAGES
 from streamrec.settings import KafkaSettings
+
+TRUNCATED_BYTES = 65_536
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,12 @@ class DeadLetters:
             ("dlq.source.partition", str(partition).encode()),
             ("dlq.source.offset", str(offset).encode()),
         ]
-        self._producer.send(self._kafka.dlq_topic(topic), value, key, headers=headers)
+        try:
+            self._producer.send(self._kafka.dlq_topic(topic), value, key, headers=headers)
+        except MessageTooLarge:
+            # Keep what fits and say how much there was: the reason and the source offset still point to it.
+            headers.append(("dlq.value_truncated_from", str(len(value or b"")).encode()))
+            self._producer.send(self._kafka.dlq_topic(topic), (value or b"")[:TRUNCATED_BYTES], key, headers=headers)
         self.counts[(topic, error.kind)] += 1
         DLQ_MESSAGES.labels(topic, error.kind).inc()
 

@@ -5,6 +5,7 @@
     StreamError                  a real failure: the process should stop or retry
     ├── DatasetMissing           a packaged data set is not installed (the message says how)
     ├── DeliveryFailed           the broker did not acknowledge produced messages
+    ├── MessageTooLarge          a message over the producer's message.max.bytes (never sent)
     └── BadMessage               *skip this message*: it goes to ``<topic>.dlq``, processing continues
         └── ValidationError      a decoded event breaks its schema (field, value, expected)
 
@@ -52,6 +53,10 @@ class DatasetMissing(StreamError):
 
 class DeliveryFailed(StreamError):
     """Messages were not acknowledged by the broker."""
+
+
+class MessageTooLarge(StreamError):
+    """A message larger than the producer may send; the caller splits, truncates or dead-letters it."""
 
 
 class BadMessage(StreamError):

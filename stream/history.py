@@ -67,15 +67,18 @@ def _parse(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
 
     Sorting is stable over the oldest-appended-first order, so equal click times keep append order.
     A malformed entry is skipped and counted (``streamrec_history_malformed_total``): one damaged
-    entry must not fail a joiner batch or a serving request.
+    entry must not fail a joiner batch or a serving request. A repeated entry (same click time and
+    item) is one click: appends are not idempotent, and a batch redone after a crash appends again.
     """
-    pairs = []
+    pairs, seen = [], set()
     for raw in reversed(entries if isinstance(entries, list) else []):
         entry = _entry(raw)
         if entry is None:
             HISTORY_MALFORMED.inc()
             continue
-        pairs.append(entry)
+        if entry not in seen:  # the same click appended twice (a batch done again after a crash)
+            seen.add(entry)
+            pairs.append(entry)
     pairs.sort(key=lambda p: p[0])
     return [p[0] for p in pairs], [p[1] for p in pairs]
 

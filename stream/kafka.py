@@ -15,7 +15,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from stream.errors import DeliveryFailed, StreamError
+from stream.errors import DeliveryFailed, MessageTooLarge, StreamError
 from streamrec.settings import KafkaSettings
 
 Headers = Sequence[tuple[str, bytes]]
@@ -133,7 +133,7 @@ class AckedProducer:
     nothing outstanding, every message sent and not reported failed was acknowledged.
 
     ``send`` never drops a message on a full local queue: it serves callbacks and retries.
-    ``flush`` raises :class:`DeliveryFailed` if any message failed.
+    ``flush`` raises :class:`DeliveryFailed` if any message failed since the previous ``flush``.
     """
 
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
@@ -172,6 +172,12 @@ class AckedProducer:
                 break
             except BufferError:
                 self._producer.poll(0.05)
+            except KafkaException as exc:
+                if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise MessageTooLarge(
+                        f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over the producer's "
+                        "message.max.bytes") from None
+                raise
         self._sent[topic] = self._sent.get(topic, 0) + 1
 
     def poll(self) -> None:
@@ -186,9 +192,14 @@ class AckedProducer:
             self.report.first_error = (self.report.first_error
                                        or f"{remaining} messages unacknowledged after {timeout_s}s")
         if self.report.failed:
+            failed, first = self.report.failed, self.report.first_error
+            # Told once: a caller that recovers (and sends again) starts with a clean report.
+            self.report = DeliveryReport(acked=self.report.acked)
+            self._failed.clear()
+            self._sent.clear()
             raise DeliveryFailed(
-                f"{self.report.failed} message(s) were not acknowledged by {self._bootstrap}; "
-                f"first error: {self.report.first_error}. Is the broker up (`streamrec stack status`)?"
+                f"{failed} message(s) were not acknowledged by {self._bootstrap}; "
+                f"first error: {first}. Is the broker up (`streamrec stack status`)?"
             )
         return self.report
 

@@ -128,3 +128,19 @@ def test_unreachable_broker_surfaces_delivery_errors() -> None:
     p.send("t", b"v", b"k")
     with pytest.raises(DeliveryFailed, match="not acknowledged by 127.0.0.1"):
         p.flush(10)
+
+
+def test_a_dead_letter_too_large_to_send_whole_is_truncated_with_its_size_not_a_producer_error(
+        kafka: KafkaSettings) -> None:
+    from stream.dlq import TRUNCATED_BYTES, DeadLetters
+    from stream.errors import BadMessage
+
+    ensure_topics(kafka, [kafka.dlq_topic(kafka.impressions_topic)])
+    dlq = DeadLetters(kafka, AckedProducer(kafka, **{"message.max.bytes": 200_000}))
+    huge = b"x" * 1_000_000
+    dlq.send(kafka.impressions_topic, b"k", huge, BadMessage("too big", kind="too_large"), 2, 77)
+    dlq.flush()
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    headers = dict(rec.headers)
+    assert headers["dlq.value_truncated_from"] == b"1000000" and rec.value == huge[:TRUNCATED_BYTES]
+    assert DeadLetter.from_headers(rec.headers).source_offset == 77

@@ -10,6 +10,12 @@ forgotten after a final commit of what was processed; assigned ones are restored
 on first use. An exception in a batch stops the worker: its offsets are never committed, not even
 by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
 see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
+
+A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
+not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
+every assigned partition back to its committed offset, waits (1 s, doubling up to 30 s) and goes
+on; the state log restores what was durable, and what was not is done again. So a Redis or broker
+restart needs no human.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from typing import Any
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
+from stream.errors import clip
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, resume_offsets
+from stream.strikes import is_infrastructure
 from streamrec.settings import JoinerSettings, KafkaSettings
 
 log = logging.getLogger("streamrec.join")
@@ -33,6 +41,8 @@ class KafkaJoinWorker:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self._stop = False
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
+        self._backoff_s = 1.0
+        self.recoveries = 0
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -75,11 +85,18 @@ class KafkaJoinWorker:
                     records.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(),
                                           ts if kind != TIMESTAMP_NOT_AVAILABLE else None))
                 if records:
-                    self.pipeline.process(records)  # raises: nothing of this batch is ever committed
+                    try:
+                        self.pipeline.process(records)  # raises: nothing of this batch is ever committed
+                    except Exception as exc:
+                        if not is_infrastructure(exc):
+                            raise
+                        self._recover(exc)
+                        continue
                     for r in records:
                         self._offsets[(r.topic, r.partition)] = r.offset + 1
                     self._commit()
                     self._idle_since = time.monotonic()
+                    self._backoff_s = 1.0
                 elif limit is not None and time.monotonic() - self._idle_since >= limit and self.consumer.assignment():
                     break
             if self.js.drain_at_exit and not self._stop:  # input complete, not a signal
@@ -88,6 +105,24 @@ class KafkaJoinWorker:
         finally:
             self.consumer.close()
         return 0
+
+    def _recover(self, exc: BaseException) -> None:
+        """Back to the last durable point after an infrastructure failure (module docstring)."""
+        log.warning("infrastructure failure (%s: %s); rewinding to the committed offsets and retrying in %.0f s",
+                    type(exc).__name__, clip(str(exc)), self._backoff_s)
+        self.recoveries += 1
+        self._offsets.clear()
+        self.pipeline.forget(set(self.pipeline.engines))
+        deadline = time.monotonic() + self._backoff_s
+        while time.monotonic() < deadline and not self._stop:
+            time.sleep(0.1)
+        self._backoff_s = min(30.0, self._backoff_s * 2)
+        try:
+            assigned = self.consumer.assignment()
+            for tp in resume_offsets(self.consumer, assigned):
+                self.consumer.seek(tp)
+        except KafkaException as err:  # the broker is still away: the next batch fails again and comes back here
+            log.warning("could not rewind yet: %s", err)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
