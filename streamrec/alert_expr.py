@@ -25,6 +25,11 @@ longest range in its rules needs): ``increase`` is the sum of the rises between 
 the range, a drop counting as a counter reset; ``rate`` is that divided by the seconds the samples
 span; ``delta`` is last minus first (for gauges). A series with fewer than two samples in the range
 has no value yet.
+
+:func:`parse` promises: any string gives either a tree or an :class:`ExprError` with a message, never
+another exception. Expressions deeper than :data:`MAX_DEPTH` (operators, functions, parentheses) are
+refused, so neither parsing nor evaluating one can exhaust the stack (fuzzed in
+tests/test_fuzz_rules.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: a hashable label set
+MAX_DEPTH = 64  # levels of nesting an expression may have; alert rules need a handful
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,11 +338,32 @@ def _tokenize(src: str) -> list[_Tok]:
     return out
 
 
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class _Parser:
+    """Recursive descent over the tokens; every node it builds is at most :data:`MAX_DEPTH` deep, and
+    its own recursion (one ``expr()`` per parenthesis or function argument) stops at that depth too."""
+
     def __init__(self, src: str) -> None:
         self.src = src
         self.toks = _tokenize(src)
         self.i = 0
+        self.nesting = 0  # expr() calls in progress
+        self.depths: dict[int, int] = {}  # id(node) -> depth of the subtree it roots (leaves: 1)
+
+    def _deep(self, at: int) -> ExprError:
+        return ExprError(f"expression nested more than {MAX_DEPTH} levels deep (operators, functions, "
+                         f"parentheses) at column {at + 1}; split it into simpler rules")
+
+    def made(self, node: Node, *children: Node) -> Node:
+        """Record ``node``'s depth; :class:`ExprError` beyond :data:`MAX_DEPTH`."""
+        depth = 1 + max((self.depths.get(id(c), 1) for c in children), default=0)
+        if depth > MAX_DEPTH:
+            raise self._deep(self.toks[max(0, self.i - 1)].pos)
+        self.depths[id(node)] = depth
+        return node
 
     @property
     def tok(self) -> _Tok:
@@ -370,12 +397,18 @@ class _Parser:
 
     def expr(self) -> Node:
         start = self.tok.pos
-        node = self.term()
-        while self.tok.text in ("+", "-") and self.tok.kind == "op":
-            op = self.take(self.tok.text).text
-            right = self.term()
-            node = Binary(op, node, right, self.span(start))
-        return node
+        self.nesting += 1
+        if self.nesting > MAX_DEPTH:
+            raise self._deep(start)
+        try:
+            node = self.term()
+            while self.tok.text in ("+", "-") and self.tok.kind == "op":
+                op = self.take(self.tok.text).text
+                right = self.term()
+                node = self.made(Binary(op, node, right, self.span(start)), node, right)
+            return node
+        finally:
+            self.nesting -= 1
 
     def term(self) -> Node:
         start = self.tok.pos
@@ -383,15 +416,19 @@ class _Parser:
         while self.tok.text in ("*", "/") and self.tok.kind == "op":
             op = self.take(self.tok.text).text
             right = self.unary()
-            node = Binary(op, node, right, self.span(start))
+            node = self.made(Binary(op, node, right, self.span(start)), node, right)
         return node
 
     def unary(self) -> Node:
-        if self.peek("-"):
-            start = self.take("-").pos
-            arg = self.unary()
-            return Negate(arg, self.span(start))
-        return self.primary()
+        starts = []  # a loop, not recursion: "- - - ... x" must not exhaust the stack
+        while self.peek("-"):
+            starts.append(self.take("-").pos)
+            if len(starts) > MAX_DEPTH:
+                raise self._deep(starts[-1])
+        node = self.primary()
+        for start in reversed(starts):
+            node = self.made(Negate(node, self.span(start)), node)
+        return node
 
     def primary(self) -> Node:
         t = self.tok
@@ -416,12 +453,12 @@ class _Parser:
                 raise ExprError(f"{name}() needs a range selector such as {sel.metric}[60s], "
                                 f"at column {self.tok.pos + 1}")
             self.take(")")
-            return RangeCall(name, sel, self.span(t.pos))
+            return self.made(RangeCall(name, sel, self.span(t.pos)), sel)
         if name == "abs" and self.peek("(", 1):
             self.i += 2
             arg = self.expr()
             self.take(")")
-            return Abs(arg, self.span(t.pos))
+            return self.made(Abs(arg, self.span(t.pos)), arg)
         if name in AGGREGATES and (self.peek("(", 1) or self.toks[self.i + 1].text in ("by", "without")):
             self.i += 1
             by, without = self.grouping()
@@ -430,7 +467,7 @@ class _Parser:
             self.take(")")
             if by is None and without is None:
                 by, without = self.grouping()
-            return Aggregate(name, arg, by, without, self.span(t.pos))
+            return self.made(Aggregate(name, arg, by, without, self.span(t.pos)), arg)
         if self.peek("(", 1):
             known = ", ".join([*RANGE_FUNCS, "abs", *AGGREGATES])
             raise ExprError(f"unknown function {name}() at column {t.pos + 1}; known: {known}")
@@ -475,9 +512,9 @@ class _Parser:
                 if op in ("=~", "!~"):
                     try:
                         re.compile(value)
-                    except re.error as exc:
-                        raise ExprError(f"bad regular expression {value!r} at column {self.tok.pos + 1}: "
-                                        f"{exc}") from None
+                    except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}, (((...)))
+                        raise ExprError(f"bad regular expression {_clip(value)!r} at column {self.tok.pos + 1}: "
+                                        f"{exc or type(exc).__name__}") from None
                 self.i += 1
                 matchers.append(Matcher(label, op, value))
                 if not self.peek("}"):
@@ -498,6 +535,9 @@ class _Parser:
             range_s = float(d.text[:unit.start()]) * _UNITS[unit.group()]
             if range_s <= 0:
                 raise ExprError(f"range [{d.text}] must be positive, at column {d.pos + 1}")
+            if not math.isfinite(range_s):
+                raise ExprError(f"range [{_clip(d.text)}] is too long, at column {d.pos + 1}; use at most days, "
+                                "e.g. [1d]")
             self.take("]")
         return Selector(t.text, tuple(matchers), self.span(t.pos), range_s)
 

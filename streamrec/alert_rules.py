@@ -14,6 +14,12 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     log = true                          # one log line per alert (default true)
     kafka_topic = "alerts"              # optional: alerts to this topic, key = rule name
     webhook_url = "http://hooks.example/streamrec"   # optional: POST each alert as JSON
+    kafka_timeout_s = 10                # one delivery attempt, in total (default 10)
+    webhook_timeout_s = 5               # one POST, connect to answer, in total (default 5)
+    queue_size = 1000                   # alerts waiting per sink; the oldest beyond it are dropped
+    retry_backoff_s = 0.5               # wait after a failed attempt, doubling per failure in a row,
+    retry_backoff_max_s = 30            # up to this (undelivered alerts stay queued)
+    close_timeout_s = 10                # at shutdown, keep delivering this long, then report the rest
 
     [[rule]]
     name = "cold_start_share"           # unique; the alert's key
@@ -31,6 +37,9 @@ value (an AUC without both classes yet is NaN and must not page anyone). To aler
 ``op = "isnan"``, which holds exactly when the value is NaN (``streamrec_learner_progressive_logloss``
 turns NaN when the model diverges), or count NaN losses with a counter and alert on
 ``increase(streamrec_learner_nan_losses_total[5m]) > 0``.
+
+:func:`loads_rules` promises: any text gives either a :class:`RulesConfig` or a :class:`RulesError`
+with a message, never another exception (fuzzed in tests/test_fuzz_rules.py).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import enum
 import json
 import math
 import re
+import reprlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -47,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrec.alert_expr import ExprError, Node, longest_range, parse
-from streamrec.alerts import Severity, SinkSettings
+from streamrec.alerts import Severity, SinkSettings, check_http_url
 from streamrec.settings import SettingsError
 
 if sys.version_info >= (3, 11):
@@ -128,13 +138,29 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
 _TOP_KEYS = ("interval_s", "scrape_timeout_s", "sources", "sinks", "rule")
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
+# [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
+_REMOVED_SINK_KEYS = {
+    "webhook_retries": "undelivered alerts now stay queued and are retried until delivered; remove it "
+                       "(queue_size bounds how many wait)",
+    "webhook_backoff_s": "the backoff is now the same for every sink; rename it retry_backoff_s",
+}
+_KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
 
 
-def _shown(v: Any) -> str:
+def _shown(v: Any, limit: int = 120) -> str:
+    """``v`` for a message: JSON where it can, bounded in depth and length, and never an exception."""
     try:
-        return json.dumps(v)
-    except (TypeError, ValueError):
-        return repr(v)
+        if isinstance(v, float):
+            text = repr(v)  # inf, nan, 0.5: as TOML writes them
+        elif isinstance(v, str | bool | int) or v is None:
+            text = json.dumps(v)
+        else:
+            text = _SHOW.repr(v)
+    except (TypeError, ValueError, RecursionError):  # an int too long to print, say
+        text = _SHOW.repr(v) if not isinstance(v, int) else f"an integer of {v.bit_length()} bits"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class _Where:
@@ -146,14 +172,21 @@ class _Where:
 
 
 def _number(where: _Where, ctx: str, key: str, v: Any, *, minimum: float | None = None,
-            positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
+            positive: bool = False, finite: bool = True) -> float:
+    """``v`` as a float; ``finite``: also reject +-inf (every duration, count and timeout)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise where.error(ctx, f'field "{key}": expected a number, got {_shown(v)}')
-    if positive and v <= 0:
+    try:
+        x = float(v)
+    except OverflowError:
+        raise where.error(ctx, f'field "{key}": {_shown(v)} is too large for a number') from None
+    if math.isnan(x) or (finite and math.isinf(x)):
+        raise where.error(ctx, f'field "{key}": expected a finite number, got {_shown(v)}')
+    if positive and x <= 0:
         raise where.error(ctx, f'field "{key}": expected a number > 0, got {_shown(v)}')
-    if minimum is not None and v < minimum:
+    if minimum is not None and x < minimum:
         raise where.error(ctx, f'field "{key}": expected a number >= {minimum:g}, got {_shown(v)}')
-    return float(v)
+    return x
 
 
 def _string(where: _Where, ctx: str, key: str, v: Any) -> str:
@@ -197,7 +230,7 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
     elif "threshold" not in raw:
         raise where.error(ctx, f'field "threshold": missing (required with op "{op.value}")')
     else:
-        threshold = _number(where, ctx, "threshold", raw["threshold"])
+        threshold = _number(where, ctx, "threshold", raw["threshold"], finite=False)
     for_s = _number(where, ctx, "for_s", raw.get("for_s", 0), minimum=0)
     absent = raw.get("absent_for_s")
     absent_for_s = None if absent is None else _number(where, ctx, "absent_for_s", absent, minimum=0)
@@ -209,7 +242,7 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
                           f"got {_shown(sev)}") from None
     description = _string(where, ctx, "description", raw.get("description", ""))
     labels = raw.get("labels", {})
-    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
         raise where.error(ctx, f'field "labels": expected a table of strings, e.g. {{ team = "ranking" }}, '
                           f"got {_shown(labels)}")
     return Rule(name=name, expr=expr, op=op, threshold=threshold, for_s=for_s, severity=severity,
@@ -219,10 +252,13 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
 def _sinks(where: _Where, raw: Any) -> SinkSettings:
     if not isinstance(raw, dict):
         raise where.error("", f"[sinks]: expected a table, got {_shown(raw)}")
-    unknown = sorted(set(raw) - set(_SINK_KEYS))
-    if unknown:
-        raise where.error("[sinks]: ", f'unknown field "{unknown[0]}"; known fields: {", ".join(_SINK_KEYS)}')
     ctx = "[sinks]: "
+    unknown = sorted(set(raw) - set(_SINK_KEYS))
+    for key in unknown:
+        if key in _REMOVED_SINK_KEYS:
+            raise where.error(ctx, f'field "{key}" is no longer used: {_REMOVED_SINK_KEYS[key]}')
+    if unknown:
+        raise where.error(ctx, f'unknown field "{unknown[0]}"; known fields: {", ".join(_SINK_KEYS)}')
     kw: dict[str, Any] = {}
     if "log" in raw:
         if not isinstance(raw["log"], bool):
@@ -231,18 +267,28 @@ def _sinks(where: _Where, raw: Any) -> SinkSettings:
     for key in ("kafka_topic", "webhook_url"):
         if key in raw:
             kw[key] = _string(where, ctx, key, raw[key]) or None
-    if kw.get("webhook_url") and not re.match(r"https?://", kw["webhook_url"]):
-        raise where.error(ctx, f'field "webhook_url": expected an http:// or https:// URL, got '
-                          f"{_shown(kw['webhook_url'])}")
-    for key in ("kafka_timeout_s", "webhook_timeout_s", "webhook_backoff_s"):
+    if kw.get("webhook_url") and (problem := check_http_url(kw["webhook_url"])):
+        raise where.error(ctx, f'field "webhook_url": {problem}, got {_shown(kw["webhook_url"])}; e.g. '
+                          '"http://alertmanager:9093/hook"')
+    if kw.get("kafka_topic") and not _KAFKA_TOPIC.fullmatch(kw["kafka_topic"]):
+        raise where.error(ctx, 'field "kafka_topic": expected a Kafka topic name (1 to 249 of letters, digits, '
+                          f'. _ -), got {_shown(kw["kafka_topic"])}')
+    for key in ("kafka_timeout_s", "webhook_timeout_s", "retry_backoff_s", "retry_backoff_max_s"):
         if key in raw:
             kw[key] = _number(where, ctx, key, raw[key], positive=True)
-    if "webhook_retries" in raw:
-        v = raw["webhook_retries"]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise where.error(ctx, f'field "webhook_retries": expected an integer >= 0, got {_shown(v)}')
-        kw["webhook_retries"] = v
-    return SinkSettings(**kw)
+    if "close_timeout_s" in raw:
+        kw["close_timeout_s"] = _number(where, ctx, "close_timeout_s", raw["close_timeout_s"], minimum=0)
+    if "queue_size" in raw:
+        v = raw["queue_size"]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10_000_000:
+            raise where.error(ctx, f'field "queue_size": expected an integer from 1 to 10000000 (alerts waiting '
+                              f"per sink), got {_shown(v)}")
+        kw["queue_size"] = v
+    settings = SinkSettings(**kw)
+    if settings.retry_backoff_max_s < settings.retry_backoff_s:
+        raise where.error(ctx, f'field "retry_backoff_max_s": {settings.retry_backoff_max_s:g} is below '
+                          f"retry_backoff_s = {settings.retry_backoff_s:g}; raise it or lower retry_backoff_s")
+    return settings
 
 
 def _sources(where: _Where, raw: Any) -> dict[str, str]:
@@ -252,6 +298,9 @@ def _sources(where: _Where, raw: Any) -> dict[str, str]:
         if not isinstance(v, str) or not re.match(r"https?://", v):
             raise where.error("[sources]: ", f'field "{k}": expected an http:// or https:// URL of a Prometheus '
                               f"/metrics endpoint, got {_shown(v)}")
+        if problem := check_http_url(v):
+            raise where.error("[sources]: ", f'field "{k}": {problem}, got {_shown(v)}; e.g. '
+                              '"http://127.0.0.1:9102/metrics"')
     return dict(raw)
 
 
@@ -261,6 +310,19 @@ def loads_rules(text: str, origin: str = "<string>") -> RulesConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise where.error("", f"not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays / inline tables
+        raise where.error("", "not usable TOML: arrays or inline tables nested too deeply") from None
+    except ValueError as exc:  # int() of an integer with more than sys.get_int_max_str_digits() digits
+        raise where.error("", f"not usable TOML: a number too long to read ({str(exc).split(';')[0]})") from None
+    return rules_from_dict(data, origin)
+
+
+def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesConfig:
+    """The rules of an already parsed rules file (TOML types: tables are dicts with string keys);
+    :class:`RulesError` for anything else, as :func:`loads_rules`."""
+    where = _Where(origin)
+    if not isinstance(data, Mapping):
+        raise where.error("", f"expected a table at the top level, got {_shown(data)}")
     unknown = sorted(set(data) - set(_TOP_KEYS))
     if unknown:
         hint = " (a rule is written [[rule]], not [[rules]])" if "rules" in unknown else ""

@@ -1,4 +1,5 @@
-"""Alerts and where they go: the :class:`Alert` record and its sinks (log, Kafka topic, webhook).
+"""Alerts and where they go: the :class:`Alert` record, its sinks (log, Kafka topic, webhook) and the
+queues that deliver to them.
 
 An alert is one JSON object, the same on every sink (the Kafka message value, the webhook body)::
 
@@ -15,33 +16,59 @@ null when there is no value (a resolved alert whose series disappeared, an absen
 the value came from (comma-separated), or the job that raised it. On Kafka the message key is the
 rule name, so the alerts of one rule stay in order.
 
-A sink that fails raises :class:`SinkError` (or lets a client error through); :class:`FanOut` catches,
-logs and counts it per sink and carries on with the other sinks, so a dead webhook never stops alerts
-reaching Kafka or the log, and never stops the monitor.
+Delivery. A sink (:class:`LogSink`, :class:`KafkaSink`, :class:`WebhookSink`) makes one delivery
+*attempt* per :meth:`~AlertSink.send` call, and every attempt ends by a total deadline (the sink's
+``timeout_s``, not a per-read timeout: a receiver that trickles its answer is cut off too). It raises
+:class:`SinkError` naming the alerts it did not deliver. The monitor never calls a sink itself:
+:class:`QueuedSink` puts each sink behind a bounded queue drained by a worker thread of its own, so a
+slow or dead sink never delays rule evaluation nor the other sinks; alerts an attempt did not deliver
+stay queued (in order) and are retried with exponential backoff. An alert leaves a queue only when
+delivered, or dropped for one of three reasons, each counted (``streamrec_monitor_sink_dropped_total``)
+and logged: ``overflow`` (more than ``queue_size`` waiting: the oldest go), ``rejected`` (the sink
+refused the alert itself, e.g. HTTP 400: retrying cannot help) and ``closed`` (still queued when
+:meth:`QueuedSink.close` ran out of time). Delivery is at least once: an attempt cut off at its
+deadline may have reached the receiver, and the alert is sent again. :class:`FanOut` hands every
+batch to several queued sinks.
 """
 
 from __future__ import annotations
 
 import enum
+import http.client
+import io
 import json
 import logging
 import math
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+import urllib.parse
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from prometheus_client import Counter as PCounter
+from prometheus_client import Gauge
 
 from streamrec.settings import KafkaSettings
 
 log = logging.getLogger("streamrec.alerts")
 
+SINK_DELIVERED = PCounter("streamrec_monitor_sink_delivered_total", "Alerts a sink delivered, by sink.", ["sink"])
 SINK_FAILURES = PCounter("streamrec_monitor_sink_failures_total",
-                         "Alert batches a sink failed to deliver (after its retries), by sink.", ["sink"])
+                         "Delivery attempts that failed, by sink (undelivered alerts stay queued and are retried).",
+                         ["sink"])
+SINK_RETRIES = PCounter("streamrec_monitor_sink_retries_total",
+                        "Delivery attempts that retried alerts an earlier attempt failed to deliver, by sink.",
+                        ["sink"])
+SINK_DROPPED = PCounter("streamrec_monitor_sink_dropped_total",
+                        "Alerts given up on, by sink and reason: overflow (queue full, the oldest are dropped), "
+                        "rejected (the sink refused the alert itself), closed (undelivered at shutdown).",
+                        ["sink", "reason"])
+SINK_QUEUE = Gauge("streamrec_monitor_sink_queue_depth",
+                   "Alerts waiting for delivery (queued or being sent), by sink.", ["sink"])
 
 
 class Severity(str, enum.Enum):
@@ -122,25 +149,50 @@ class Alert:
 
 @dataclass(frozen=True)
 class SinkSettings:
-    """The ``[sinks]`` table of an alert rules file."""
+    """The ``[sinks]`` table of an alert rules file: where alerts go, and how they are delivered.
+
+    Each enabled sink has its own queue and worker thread (see the module docstring). Timeouts are
+    *total* deadlines of one delivery attempt; a failed attempt is retried after ``retry_backoff_s``,
+    doubling with every failure in a row up to ``retry_backoff_max_s``, for as long as the alerts stay
+    queued. The defaults suit one monitor sending a few alerts an hour.
+    """
 
     log: bool = True  # one log line per alert (logger streamrec.alerts)
     kafka_topic: str | None = None  # e.g. "alerts"; created with one partition if missing
-    kafka_timeout_s: float = 10.0  # wait this long for the broker to acknowledge a batch
+    kafka_timeout_s: float = 10.0  # one attempt (topic check, produce, acknowledgement) ends within this, in total
     webhook_url: str | None = None  # POST one JSON alert per request
-    webhook_timeout_s: float = 5.0
-    webhook_retries: int = 3  # attempts after the first one, with exponential backoff
-    webhook_backoff_s: float = 0.5  # first retry waits this long, then doubles
+    webhook_timeout_s: float = 5.0  # one POST (connect, send, the answer's status and headers), in total
+    queue_size: int = 1000  # alerts waiting per sink; beyond it the oldest are dropped (counted and logged)
+    retry_backoff_s: float = 0.5  # wait after a failed attempt; doubles with each failure in a row ...
+    retry_backoff_max_s: float = 30.0  # ... up to this
+    close_timeout_s: float = 10.0  # at shutdown, keep delivering queued alerts this long, then report the rest
 
 
 class SinkError(Exception):
-    """A sink could not deliver some alerts (after its own retries)."""
+    """One delivery attempt did not deliver every alert of its batch.
+
+    ``undelivered``: the alerts to try again (None: every alert of the batch not in ``rejected``);
+    ``rejected``: alerts the sink refused for good (retrying cannot help; they are dropped and logged).
+    """
+
+    def __init__(self, message: str, undelivered: Sequence[Alert] | None = None,
+                 rejected: Sequence[Alert] = ()) -> None:
+        super().__init__(message)
+        self.undelivered = None if undelivered is None else list(undelivered)
+        self.rejected = list(rejected)
 
 
 class AlertSink(Protocol):
-    name: str
+    """A destination for alerts. :meth:`send` makes one delivery attempt and returns (every alert
+    delivered) or raises (:class:`SinkError` says which were not) by ``deadline`` (``time.monotonic()``
+    seconds; None: ``timeout_s`` from now). :class:`QueuedSink` calls it with at most ``batch_max``
+    alerts, from one thread at a time."""
 
-    def send(self, alerts: Sequence[Alert]) -> None: ...
+    name: str
+    timeout_s: float
+    batch_max: int
+
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -149,11 +201,13 @@ class LogSink:
     """One line per alert: firing at WARNING (ERROR when critical), resolved at INFO."""
 
     name = "log"
+    timeout_s = 5.0  # not enforced: a log record is written by the logging handlers
+    batch_max = 100
 
     def __init__(self, logger: logging.Logger = log) -> None:
         self.logger = logger
 
-    def send(self, alerts: Sequence[Alert]) -> None:
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
         for a in alerts:
             if a.state is AlertState.RESOLVED:
                 level = logging.INFO
@@ -165,125 +219,546 @@ class LogSink:
         pass
 
 
+def _left(deadline: float, what: str) -> float:
+    """Seconds until ``deadline``; :class:`TimeoutError` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"deadline passed {what}")
+    return left
+
+
 class KafkaSink:
-    """Alerts to a Kafka topic: key = rule name, value = the alert's JSON; waits for acknowledgement."""
+    """Alerts to a Kafka topic: key = rule name, value = the alert's JSON; an attempt succeeds when the
+    broker acknowledged every alert of the batch.
+
+    Everything an attempt does is bounded by its deadline: the topic check (and creation, with one
+    partition, if missing), producing and waiting for acknowledgements. Alerts not acknowledged by the
+    deadline are purged from the producer and reported undelivered, and the next attempt starts with a
+    fresh producer (an alert purged while in flight may still land: at least once).
+    """
 
     name = "kafka"
+    batch_max = 100
 
     def __init__(self, kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> None:
         self.kafka, self.topic, self.timeout_s = kafka, topic, timeout_s
         self._producer: Any = None
+        self._topic_ready = False
 
-    def send(self, alerts: Sequence[Alert]) -> None:
+    def _ensure_topic(self, deadline: float) -> None:
+        from confluent_kafka import KafkaError, KafkaException
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": self.kafka.bootstrap_servers})
+        try:
+            if self.topic not in admin.list_topics(timeout=_left(deadline, "listing topics")).topics:
+                left = _left(deadline, "creating the topic")
+                # one partition: alerts are few, and one partition keeps them in order across rules
+                new = NewTopic(self.topic, num_partitions=1, replication_factor=self.kafka.replication_factor)
+                fut = admin.create_topics([new], operation_timeout=left, request_timeout=left)[self.topic]
+                try:
+                    fut.result(timeout=_left(deadline, "creating the topic"))
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise
+            while True:  # creation is asynchronous on some brokers: wait until its metadata shows a partition
+                md = admin.list_topics(timeout=_left(deadline, "waiting for the topic's metadata")).topics
+                if self.topic in md and md[self.topic].partitions:
+                    break
+                time.sleep(min(0.05, _left(deadline, "waiting for the topic's metadata")))
+        except (KafkaException, TimeoutError) as exc:
+            raise SinkError(f"Kafka topic {self.topic!r} at {self.kafka.bootstrap_servers}: not ready within "
+                            f"kafka_timeout_s={self.timeout_s:g}s: {exc}. Is the broker up (`streamrec stack "
+                            "status`)?") from None
+        self._topic_ready = True
+
+    def _new_producer(self) -> Any:
+        from confluent_kafka import Producer
+
+        from stream.kafka import producer_config
+
+        return Producer(producer_config(self.kafka, **{"message.timeout.ms": max(1, int(self.timeout_s * 1000)),
+                                                       "linger.ms": 0}))
+
+    def _discard_producer(self) -> None:
+        if self._producer is not None:
+            self._producer.purge(in_queue=True, in_flight=True, blocking=False)
+            self._producer.poll(0)
+            self._producer = None
+
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
         if not alerts:
             return
-        from stream.errors import DeliveryFailed
-        from stream.kafka import AckedProducer, ensure_topics
-
+        end = time.monotonic() + self.timeout_s if deadline is None else deadline
+        if not self._topic_ready:
+            self._ensure_topic(end)
         if self._producer is None:
-            # one partition: alerts are few, and one partition keeps them in order across rules
-            ensure_topics(self.kafka, [self.topic], partitions=1)
-            self._producer = AckedProducer(self.kafka, **{"message.timeout.ms": int(self.timeout_s * 1000),
-                                                          "linger.ms": 0})
+            self._producer = self._new_producer()
+        errors: dict[int, str | None] = {}  # index -> None (acknowledged) or the error
+
+        def report(i: int, err: Any, _msg: Any) -> None:
+            errors[i] = None if err is None else err.str()
+
         try:
-            for a in alerts:
-                self._producer.send(self.topic, a.to_json(), key=a.key)
-            self._producer.flush(self.timeout_s)
-        except DeliveryFailed as exc:
-            # AckedProducer's report keeps the failure: start over with a fresh producer next time
-            self._producer = None
-            raise SinkError(f"Kafka topic {self.topic!r} at {self.kafka.bootstrap_servers}: {exc}") from None
+            for i, a in enumerate(alerts):
+                self._producer.produce(self.topic, a.to_json(), a.key, on_delivery=partial(report, i))
+            self._producer.flush(max(0.0, end - time.monotonic()))
+        except BufferError:
+            pass  # the producer's local queue is full: whatever was not acknowledged is retried below
+        undelivered = [a for i, a in enumerate(alerts) if errors.get(i, "not acknowledged") is not None]
+        if undelivered:
+            self._discard_producer()
+            errs = [e for _, e in sorted(errors.items()) if e is not None]
+            first = errs[0] if errs else f"no acknowledgement by the attempt's deadline ({self.timeout_s:g}s)"
+            raise SinkError(f"Kafka topic {self.topic!r} at {self.kafka.bootstrap_servers}: {len(undelivered)} of "
+                            f"{len(alerts)} alert(s) not acknowledged ({first}). Is the broker up (`streamrec "
+                            "stack status`)?", undelivered=undelivered)
 
     def close(self) -> None:
-        if self._producer is not None:
+        self._discard_producer()  # every attempt waited for its acknowledgements: nothing is outstanding
+
+
+# -- HTTP with a total deadline ---------------------------------------------------------------------
+class _DeadlineReader(io.RawIOBase):
+    """Reads a socket, each read given only the time left until ``deadline``: a peer that trickles
+    bytes is cut off at the deadline, not once per read."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        self._sock.settimeout(_left(self._deadline, "reading the answer"))
+        return self._sock.recv_into(buf)
+
+
+class _DeadlineSocket:
+    """What :class:`http.client.HTTPResponse` needs of a socket (``makefile``), reading by a deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+def _deadline_response(sock: socket.socket, *args: Any, deadline: float, **kw: Any) -> http.client.HTTPResponse:
+    return http.client.HTTPResponse(_DeadlineSocket(sock, deadline), *args, **kw)  # type: ignore[arg-type]
+
+
+def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
+    """Like :func:`socket.create_connection`, but every address tried gets only the time left."""
+    host, port = address
+    error: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(_left(deadline, "connecting"))
+            sock.connect(addr)
+            sock.settimeout(_left(deadline, "connecting"))  # the TLS handshake, if any, gets what is left
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+            if isinstance(exc, TimeoutError):
+                break
+    raise error or OSError(f"{host} resolves to no address")
+
+
+def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
+    """``POST`` ``body`` to ``url``; returns (status, reason, the first bytes of an error answer's body).
+
+    Promise: returns or raises by ``deadline`` (``time.monotonic()`` seconds), whatever the peer does:
+    connecting, sending and every read of the answer get only the time left, so a server that accepts
+    and never answers, or trickles its answer, raises :class:`TimeoutError` at the deadline. (Name
+    resolution is the one step the operating system's resolver bounds instead.) A 2xx answer's body
+    is not read: the status says the alert arrived. Redirects are not followed.
+    """
+    parts = urllib.parse.urlsplit(url)
+    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    conn = conn_class(parts.hostname or "", port, timeout=_left(deadline, "connecting"))
+    conn._create_connection = lambda address, *_: _connect(address, deadline)  # type: ignore[attr-defined]
+    conn.response_class = partial(_deadline_response, deadline=deadline)  # type: ignore[assignment]
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(_left(deadline, "sending"))  # sendall: a total limit since Python 3.5
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
+                                                       "User-Agent": "streamrec-monitor"})
+        resp = conn.getresponse()
+        detail = b""
+        if not 200 <= resp.status < 300:
             try:
-                self._producer.flush(self.timeout_s)
-            finally:
-                self._producer = None
+                detail = resp.read(300)
+            except (OSError, http.client.HTTPException):
+                pass
+        return resp.status, resp.reason, detail
+    finally:
+        conn.close()
+
+
+def check_http_url(url: str) -> str | None:
+    """None when ``url`` is a usable http(s) URL (a webhook, a scrape source), else what is wrong with it."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "expected an http:// or https:// URL"
+    if not parts.hostname:
+        return "the URL names no host"
+    return None
 
 
 class WebhookSink:
-    """``POST`` each alert as a JSON body to ``url``; retries timeouts, connection errors, 429 and 5xx
-    with exponential backoff. Other 4xx answers are not retried (the request itself is wrong)."""
+    """``POST`` each alert as a JSON body to ``url``, one request per alert, every request ended by the
+    attempt's deadline (:func:`post_json`). 2xx: delivered. Timeouts, connection errors, 408, 429 and
+    5xx: undelivered (retried by the queue). Any other answer (4xx, 3xx): the request itself is
+    refused, so the alert is *rejected* (retrying the same request cannot help)."""
 
     name = "webhook"
+    batch_max = 1
 
-    def __init__(self, url: str, timeout_s: float = 5.0, retries: int = 3, backoff_s: float = 0.5,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
-        self._sleep = sleep
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        problem = check_http_url(url)
+        if problem:
+            raise ValueError(f"webhook URL {url!r}: {problem}; e.g. http://alertmanager:9093/hook")
+        self.url, self.timeout_s = url, timeout_s
         self.delivered = 0
 
-    def _post(self, body: bytes) -> None:
-        req = urllib.request.Request(self.url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "User-Agent": "streamrec-monitor"})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 (URL from the rules file)
-            resp.read()
-
-    def _deliver(self, alert: Alert) -> str | None:
-        """None when delivered, else the last error."""
-        body = alert.to_json()
-        delay = self.backoff_s
-        error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self._sleep(delay)
-                delay *= 2
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+        end = time.monotonic() + self.timeout_s if deadline is None else deadline
+        rejected: list[Alert] = []
+        why: list[str] = []
+        for i, a in enumerate(alerts):
             try:
-                self._post(body)
-                return None
-            except urllib.error.HTTPError as exc:
-                error = f"HTTP {exc.code} {exc.reason}"
-                if 400 <= exc.code < 500 and exc.code != 429:
-                    break
-            except (urllib.error.URLError, OSError) as exc:
-                error = str(getattr(exc, "reason", exc))
-        return error
-
-    def send(self, alerts: Sequence[Alert]) -> None:
-        failed = []
-        for a in alerts:
-            err = self._deliver(a)
-            if err is None:
-                self.delivered += 1
+                status, reason, detail = post_json(self.url, a.to_json(), end)
+            except TimeoutError:
+                error = (f"no answer within the attempt's deadline (webhook_timeout_s={self.timeout_s:g}s, "
+                         "connect + send + answer)")
+            except (OSError, http.client.HTTPException) as exc:
+                error = f"{type(exc).__name__}: {exc}".rstrip(": ")
             else:
-                failed.append(f"{a.rule} ({a.state.value}): {err}")
-        if failed:
-            raise SinkError(f"webhook {self.url}: {len(failed)} of {len(alerts)} alert(s) not delivered after "
-                            f"{self.retries + 1} attempt(s): {'; '.join(failed)}")
+                if 200 <= status < 300:
+                    self.delivered += 1
+                    continue
+                error = f"HTTP {status} {reason}" + (f": {detail[:200].decode('utf-8', 'replace')}" if detail else "")
+                if not (status in (408, 429) or status >= 500):
+                    rejected.append(a)
+                    why.append(f"{a.rule} ({a.state.value}): {error}")
+                    continue
+            # the receiver is down or overloaded: stop here, the rest stay queued in order
+            raise SinkError(f"webhook {self.url}: {len(alerts) - i} of {len(alerts)} alert(s) not delivered: "
+                            f"{error}", undelivered=alerts[i:], rejected=rejected)
+        if rejected:
+            raise SinkError(f"webhook {self.url} refused {len(rejected)} alert(s), which are dropped (the "
+                            f"receiver rejects the request itself; check webhook_url): {'; '.join(why)}",
+                            undelivered=[], rejected=rejected)
 
     def close(self) -> None:
         pass
 
 
+# -- queues -------------------------------------------------------------------------------------------
+class Backoff:
+    """The wait before the next attempt after ``failures`` failed attempts in a row: ``first_s``,
+    doubled per further failure, never more than ``max_s``."""
+
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self.first_s, self.max_s = first_s, max(max_s, first_s)
+
+    def delay(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        return min(self.max_s, self.first_s * 2.0 ** min(failures - 1, 60))
+
+
+@dataclass
+class DeliveryStats:
+    """What one sink's queue has done (also in the streamrec_monitor_sink_* metrics)."""
+
+    delivered: int = 0  # alerts
+    failed: int = 0  # attempts that failed
+    retried: int = 0  # attempts that retried alerts an earlier attempt failed to deliver
+    dropped: Counter[str] = field(default_factory=Counter)  # alerts, by reason: overflow, rejected, closed
+    queued: int = 0  # alerts waiting now (queued or being sent)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"delivered": self.delivered, "failed": self.failed, "retried": self.retried,
+                "dropped": dict(self.dropped), "queued": self.queued}
+
+
+def _which(alerts: Sequence[Alert], limit: int = 5) -> str:
+    shown = ", ".join(f"{a.rule}({a.state.value}, ts={a.ts})" for a in alerts[:limit])
+    return shown + (f" and {len(alerts) - limit} more" if len(alerts) > limit else "")
+
+
+class QueuedSink:
+    """Delivers alerts to ``sink`` from a bounded queue, on a worker thread of its own.
+
+    Promises:
+
+    * :meth:`send` only queues and returns at once: however slow or dead the sink, the caller (rule
+      evaluation) is never delayed, and neither are other sinks (each has its own queue and thread).
+    * Every attempt (``sink.send`` of up to ``sink.batch_max`` alerts) has a total deadline of
+      ``sink.timeout_s``; one that starts while :meth:`close` drains ends by close's deadline.
+    * Alerts an attempt did not deliver go back to the head of the queue, in order, and are retried
+      after :class:`Backoff` (``retry_backoff_s`` doubling to ``retry_backoff_max_s``), until delivered.
+      Alerts are delivered in the order they were queued, at least once.
+    * At most ``queue_size`` alerts wait (plus the batch being sent); beyond that the oldest are dropped.
+      Every alert dropped (overflow, rejected by the sink, closed) is counted and logged.
+    * :meth:`close` keeps delivering until the queue is empty or its deadline, then reports (log and
+      return value) how many alerts were left undelivered.
+    """
+
+    JOIN_GRACE_S = 0.5  # close() waits this much beyond its deadline for an attempt cut off at it to return
+
+    def __init__(self, sink: AlertSink, settings: SinkSettings = SinkSettings()) -> None:
+        self.sink, self.name = sink, sink.name
+        self.queue_size = max(1, settings.queue_size)
+        self.close_timeout_s = settings.close_timeout_s
+        self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
+        self.stats = DeliveryStats()
+        self._queue: deque[Alert] = deque()
+        self._in_flight: list[Alert] = []
+        self._cond = threading.Condition()
+        self._failures_in_row = 0
+        self._retry_at = 0.0
+        self._close_deadline: float | None = None
+        self._closed = False  # close() is done: the worker stops after its current attempt
+        self._undelivered_at_close = 0
+        SINK_QUEUE.labels(self.name).set(0)
+        self._thread = threading.Thread(target=self._run, name=f"alert-sink-{self.name}", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+        """Queue ``alerts`` for delivery; returns at once (``deadline`` is not needed: nothing waits)."""
+        if not alerts:
+            return
+        with self._cond:
+            if self._closed:
+                late, overflow = list(alerts), []
+            else:
+                late = []
+                self._queue.extend(alerts)
+                overflow = self._trim()
+                self._cond.notify_all()
+        if late:
+            self._drop(late, "closed", "the sink is closed")
+        if overflow:
+            self._drop(overflow, "overflow", f"more than queue_size={self.queue_size} alerts wait for delivery")
+
+    @property
+    def depth(self) -> int:
+        """Alerts waiting: queued or being sent."""
+        with self._cond:
+            return len(self._queue) + len(self._in_flight)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing waits for delivery; False if that takes longer than ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Deliver what is queued for at most ``timeout_s`` (default ``close_timeout_s``), stop the
+        worker and close the sink; returns (and logs) how many alerts were left undelivered. An attempt
+        still running at the deadline (it began before close, with a longer deadline of its own) is not
+        waited for beyond :attr:`JOIN_GRACE_S`: its alerts count as undelivered and it finishes in the
+        background. A second call returns 0."""
+        self.begin_close(time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s))
+        return self.finish_close()
+
+    def begin_close(self, deadline: float) -> None:
+        """Start draining: the worker delivers what is queued until ``deadline`` (``time.monotonic()``)."""
+        with self._cond:
+            if self._close_deadline is None:
+                self._close_deadline = deadline
+            self._cond.notify_all()
+
+    def finish_close(self) -> int:
+        """Wait for the drain that :meth:`begin_close` started; the count of alerts left undelivered."""
+        with self._cond:
+            if self._closed:
+                return 0
+            assert self._close_deadline is not None, "begin_close() first"
+            deadline = self._close_deadline
+        self._thread.join(max(0.0, deadline - time.monotonic()) + self.JOIN_GRACE_S)
+        with self._cond:
+            self._closed = True
+            left = list(self._queue)
+            if self._thread.is_alive():  # an attempt overran its deadline: count its alerts undelivered too
+                left = self._in_flight + left
+            self._queue.clear()
+            self._set_depth()
+            self._cond.notify_all()
+        if left:
+            self._drop(left, "closed", "the close deadline passed before they were delivered")
+            log.error("alert sink %s closed with %d alert(s) undelivered (%s)", self.name, len(left),
+                      "raise close_timeout_s in [sinks] to wait longer" if self.stats.failed == 0 else
+                      "the sink kept failing; see the errors above")
+        return len(left)
+
+    # -- the worker's side
+    def _run(self) -> None:
+        try:
+            while (batch := self._take()) is not None:
+                self._attempt(batch)
+        finally:
+            try:
+                self.sink.close()
+            except Exception as exc:  # noqa: BLE001 - closing one sink must not stop the others
+                log.error("closing alert sink %s: %s", self.name, exc)
+
+    def _take(self) -> list[Alert] | None:
+        """The next batch to send, once the backoff allows; None when the worker should stop."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                now = time.monotonic()
+                closing = self._close_deadline
+                if closing is not None and (not self._queue or now >= closing):
+                    return None
+                if not self._queue:
+                    self._cond.wait()
+                    continue
+                wake = self._retry_at if closing is None else min(self._retry_at, closing)
+                if now < wake:
+                    self._cond.wait(wake - now)
+                    continue
+                n = min(max(1, self.sink.batch_max), len(self._queue))
+                self._in_flight = [self._queue.popleft() for _ in range(n)]
+                return list(self._in_flight)
+
+    def _attempt(self, batch: list[Alert]) -> None:
+        retry = self._failures_in_row > 0
+        deadline = time.monotonic() + self.sink.timeout_s
+        if self._close_deadline is not None:
+            deadline = min(deadline, self._close_deadline)
+        if retry:
+            SINK_RETRIES.labels(self.name).inc()
+        try:
+            self.sink.send(batch, deadline)
+        except Exception as exc:  # noqa: BLE001 - a sink's failure must never end its worker
+            self._settle(batch, exc, retry)
+        else:
+            self._settle(batch, None, retry)
+
+    def _settle(self, batch: list[Alert], exc: Exception | None, retry: bool) -> None:
+        if exc is None:
+            undelivered: list[Alert] = []
+            rejected: list[Alert] = []
+        elif isinstance(exc, SinkError):
+            rejected = exc.rejected
+            gone = {id(a) for a in rejected}
+            undelivered = [a for a in batch if id(a) not in gone] if exc.undelivered is None else exc.undelivered
+        else:  # a client error let through: nothing of the batch is known delivered
+            undelivered, rejected = list(batch), []
+        kept = {id(a) for a in undelivered} | {id(a) for a in rejected}
+        delivered = [a for a in batch if id(a) not in kept]
+        with self._cond:
+            self._in_flight = []
+            overflow: list[Alert] = []
+            if not self._closed:
+                self._queue.extendleft(reversed(undelivered))
+                overflow = self._trim()
+            recovered, wait = 0, 0.0
+            if undelivered:
+                self._failures_in_row += 1
+                wait = self.backoff.delay(self._failures_in_row)
+                self._retry_at = time.monotonic() + wait
+            else:  # everything delivered (or refused for good): the sink answers again
+                recovered, self._failures_in_row = self._failures_in_row, 0
+            self.stats.delivered += len(delivered)
+            self.stats.retried += int(retry)
+            self.stats.failed += int(exc is not None)
+            self._set_depth()
+            self._cond.notify_all()
+        if delivered:
+            SINK_DELIVERED.labels(self.name).inc(len(delivered))
+        if exc is not None:
+            SINK_FAILURES.labels(self.name).inc()
+            if undelivered:
+                log.warning("alert sink %s: attempt failed, %d alert(s) stay queued, retry #%d in %.3gs: %s",
+                            self.name, len(undelivered), self._failures_in_row, wait, exc)
+        if rejected:
+            self._drop(rejected, "rejected", str(exc))
+        if overflow:
+            self._drop(overflow, "overflow", f"more than queue_size={self.queue_size} alerts wait for delivery")
+        if recovered:
+            log.info("alert sink %s delivers again after %d failed attempt(s)", self.name, recovered)
+
+    # -- both
+    def _trim(self) -> list[Alert]:
+        """Drop the oldest queued alerts beyond ``queue_size`` (hold the lock); returns them."""
+        dropped = [self._queue.popleft() for _ in range(max(0, len(self._queue) - self.queue_size))]
+        self._set_depth()
+        return dropped
+
+    def _set_depth(self) -> None:
+        self.stats.queued = len(self._queue) + len(self._in_flight)
+        SINK_QUEUE.labels(self.name).set(self.stats.queued)
+
+    def _drop(self, alerts: list[Alert], reason: str, why: str) -> None:
+        with self._cond:
+            self.stats.dropped[reason] += len(alerts)
+        SINK_DROPPED.labels(self.name, reason).inc(len(alerts))
+        log.error("alert sink %s dropped %d alert(s) (%s: %s): %s", self.name, len(alerts), reason, why,
+                  _which(alerts))
+
+
 class FanOut:
-    """Sends every alert batch to each sink in turn; a sink's failure is logged and counted, and the
-    other sinks still get the batch."""
+    """Hands every alert batch to each sink's own :class:`QueuedSink` (sinks given unqueued are queued
+    with ``settings``) and returns at once; one sink failing or hanging never affects the others."""
 
     name = "fanout"
 
-    def __init__(self, sinks: Sequence[AlertSink]) -> None:
-        self.sinks = list(sinks)
-        self.failures: Counter[str] = Counter()
+    def __init__(self, sinks: Sequence[AlertSink | QueuedSink], settings: SinkSettings = SinkSettings()) -> None:
+        self.settings = settings
+        self.sinks = [s if isinstance(s, QueuedSink) else QueuedSink(s, settings) for s in sinks]
 
-    def send(self, alerts: Sequence[Alert]) -> None:
-        if not alerts:
-            return
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
         for sink in self.sinks:
-            try:
-                sink.send(alerts)
-            except Exception as exc:  # noqa: BLE001 - a sink must never stop the others or the monitor
-                self.failures[sink.name] += 1
-                SINK_FAILURES.labels(sink.name).inc()
-                log.error("alert sink %s failed (%d alert(s) not delivered there): %s", sink.name, len(alerts), exc)
+            sink.send(alerts)
 
-    def close(self) -> None:
+    @property
+    def failures(self) -> Counter[str]:
+        """Failed delivery attempts, by sink name."""
+        out: Counter[str] = Counter()
+        for s in self.sinks:
+            out[s.name] += s.stats.failed
+        return +out
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """:class:`DeliveryStats` by sink name (a second sink of the same name as ``name#2``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for s in self.sinks:
+            key, n = s.name, 1
+            while key in out:
+                n += 1
+                key = f"{s.name}#{n}"
+            out[key] = s.stats.as_dict()
+        return out
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no sink has alerts waiting; False if that takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        return all(s.wait_idle(max(0.0, deadline - time.monotonic())) for s in self.sinks)
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Drain every sink in parallel for at most ``timeout_s`` (default ``close_timeout_s``); the
+        count of alerts left undelivered, over all sinks (each sink logs its own)."""
+        deadline = time.monotonic() + (self.settings.close_timeout_s if timeout_s is None else timeout_s)
         for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception as exc:  # noqa: BLE001
-                log.error("closing alert sink %s: %s", sink.name, exc)
+            sink.begin_close(deadline)
+        return sum(sink.finish_close() for sink in self.sinks)
 
 
 def build_sinks(settings: SinkSettings, kafka: KafkaSettings | None) -> FanOut:
@@ -295,6 +770,5 @@ def build_sinks(settings: SinkSettings, kafka: KafkaSettings | None) -> FanOut:
             raise ValueError("the kafka sink needs Kafka settings")
         sinks.append(KafkaSink(kafka, settings.kafka_topic, settings.kafka_timeout_s))
     if settings.webhook_url:
-        sinks.append(WebhookSink(settings.webhook_url, settings.webhook_timeout_s, settings.webhook_retries,
-                                 settings.webhook_backoff_s))
-    return FanOut(sinks)
+        sinks.append(WebhookSink(settings.webhook_url, settings.webhook_timeout_s))
+    return FanOut(sinks, settings)

@@ -16,7 +16,9 @@ Three parts, each usable alone:
   missing from every source, or a series disappears) is not a true condition: pending series go back
   to inactive and firing ones resolve. A rule with ``absent_for_s`` fires a separate alert (labels
   ``{"absent": "true"}``) once its expression has had no data for that long.
-* :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set.
+* :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set. Sending
+  only queues the alerts (:class:`~streamrec.alerts.QueuedSink`: one queue and worker thread per
+  sink), so a slow or dead sink never delays an evaluation; :meth:`Monitor.close` drains the queues.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from streamrec.alert_expr import Labels, Point, Window, labels_of
 from streamrec.alert_rules import Rule, RulesConfig
-from streamrec.alerts import Alert, AlertSink, AlertState
+from streamrec.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -296,12 +298,18 @@ class RuleEngine:
 
 # -- loop -----------------------------------------------------------------------------------------
 class Monitor:
-    """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set."""
+    """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set.
 
-    def __init__(self, config: RulesConfig, sink: AlertSink, scrape: Callable[[], Snapshot] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    ``sink`` is a :class:`FanOut` or :class:`QueuedSink`; any other sink is put behind a
+    :class:`QueuedSink` (with the ``[sinks]`` settings of ``config``), so :meth:`step` never waits for
+    a delivery. :meth:`close` drains and closes the sink.
+    """
+
+    def __init__(self, config: RulesConfig, sink: AlertSink | FanOut | QueuedSink,
+                 scrape: Callable[[], Snapshot] | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        self.sink = sink
+        self.sink: FanOut | QueuedSink = (sink if isinstance(sink, FanOut | QueuedSink)
+                                          else QueuedSink(sink, config.sinks))
         self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
         self.clock = clock
         self.engine = RuleEngine(config.rules, config.history_s)
@@ -321,7 +329,7 @@ class Monitor:
         alerts = self.engine.evaluate(snap, self.clock())
         for a in alerts:
             self.sent[a.state.value] += 1
-        self.sink.send(alerts)
+        self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
         return alerts
 
     def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
@@ -334,8 +342,14 @@ class Monitor:
                 log.exception("monitor evaluation failed; trying again in %.3gs", interval)
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
+    def close(self, timeout_s: float | None = None) -> int:
+        """Deliver the queued alerts for at most ``timeout_s`` (default ``close_timeout_s`` of
+        ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own)."""
+        return self.sink.close(timeout_s)
+
     def summary(self) -> dict[str, Any]:
+        sinks = self.sink.stats() if isinstance(self.sink, FanOut) else {self.sink.name: self.sink.stats.as_dict()}
         return {"evaluations": self.engine.evaluations, "alerts": dict(self.sent),
-                "scrape_errors": dict(self.scrape_errors),
+                "scrape_errors": dict(self.scrape_errors), "sinks": sinks,
                 "firing": [s.as_dict() for s in self.engine.status() if s.state is State.FIRING]}
 

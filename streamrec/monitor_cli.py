@@ -19,7 +19,12 @@ rules file (TOML):
   [sinks]
   log = true                            # one log line per alert on stderr
   kafka_topic = "alerts"                # optional; key = rule name, value = alert JSON
-  webhook_url = "http://host/hook"      # optional; POST each alert as JSON (retried)
+  webhook_url = "http://host/hook"      # optional; POST each alert as JSON
+  webhook_timeout_s = 5                 # one POST, connect to answer, in total (kafka_timeout_s = 10)
+  queue_size = 1000                     # alerts waiting per sink; beyond it the oldest are dropped
+  retry_backoff_s = 0.5                 # after a failed attempt; doubles per failure in a row ...
+  retry_backoff_max_s = 30              # ... up to this; undelivered alerts stay queued until delivered
+  close_timeout_s = 10                  # at shutdown, keep delivering this long, then report the rest
 
   [[rule]]
   name = "cold_start_share"             # unique
@@ -42,7 +47,8 @@ expressions: metric names, label selectors {l="v", l!="v", l=~"re", l!~"re"}, nu
 
 alerts (JSON, same on every sink): {"rule", "source", "severity", "state": "firing"|"resolved",
   "value", "threshold", "message", "ts" (ms), "labels"}. One "firing" when a condition has held for
-  for_s, one "resolved" when it stops holding.
+  for_s, one "resolved" when it stops holding. Each sink has its own queue and thread: a dead or slow
+  sink never delays evaluation or the other sinks; failed deliveries are retried with backoff.
 
 examples:
   streamrec monitor --once                      # default rules, evaluate once, print rule states
@@ -73,7 +79,8 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
                    help="scrape URL as source NAME, replacing the file's source of that name (repeatable)")
     p.add_argument("--metrics-port", type=int, help="serve the monitor's own Prometheus /metrics on this port "
                    "(streamrec_monitor_alerts_total, _rule_evaluations_total, _scrape_errors_total, "
-                   "_sink_failures_total)")
+                   "and per sink _sink_delivered_total, _sink_failures_total, _sink_retries_total, "
+                   "_sink_dropped_total{reason}, _sink_queue_depth)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s; the log sink writes firing alerts at warning/error, "
                    "resolved at info)")
@@ -161,10 +168,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        sink.close()
+        undelivered = monitor.close()  # drains the sink queues for at most close_timeout_s
     summary = monitor.summary()
     summary["sink_failures"] = dict(sink.failures)
+    summary["undelivered"] = undelivered
     emit(args, summary, lambda d: (f"monitor stopped after {d['evaluations']} evaluation(s): "
                                    f"{d['alerts']['firing']} firing, {d['alerts']['resolved']} resolved alert(s) "
-                                   f"sent; still firing: {len(d['firing'])}"))
+                                   f"sent; still firing: {len(d['firing'])}; undelivered: {d['undelivered']}"))
     return EXIT_OK

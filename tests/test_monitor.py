@@ -21,7 +21,18 @@ import pytest
 
 from streamrec.alert_expr import ExprError, parse
 from streamrec.alert_rules import DEFAULT_RULES, Op, Rule, RulesError, load_rules, loads_rules
-from streamrec.alerts import Alert, AlertState, FanOut, LogSink, Severity, SinkError, WebhookSink
+from streamrec.alerts import (
+    Alert,
+    AlertState,
+    Backoff,
+    FanOut,
+    LogSink,
+    QueuedSink,
+    Severity,
+    SinkError,
+    SinkSettings,
+    WebhookSink,
+)
 from streamrec.cli import main
 from streamrec.monitor import MetricHistory, Monitor, RuleEngine, Snapshot
 from streamrec.settings import KafkaSettings
@@ -354,36 +365,50 @@ def an_alert(state: AlertState = AlertState.FIRING) -> Alert:
                  threshold=0.5, message="m", ts=int(time.time() * 1000), labels={"field": "user_id"})
 
 
-def test_webhook_retries_with_backoff_then_delivers(recorder: Recorder) -> None:
+FAST_RETRIES = SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=0.05)
+
+
+def test_webhook_failures_stay_queued_and_are_retried_with_backoff(recorder: Recorder) -> None:
+    assert [Backoff(0.5, 4).delay(n) for n in range(6)] == [0, 0.5, 1.0, 2.0, 4.0, 4.0]
     recorder.fail_first = 2
-    waits: list[float] = []
-    sink = WebhookSink(recorder.url + "/hook", timeout_s=2, retries=3, backoff_s=0.5, sleep=waits.append)
+    sink = QueuedSink(WebhookSink(recorder.url + "/hook", timeout_s=2), FAST_RETRIES)
     sink.send([an_alert()])
-    assert waits == [0.5, 1.0] and len(recorder.posts) == 1
+    assert sink.wait_idle(10)
+    assert len(recorder.posts) == 1 and (sink.stats.failed, sink.stats.retried, sink.stats.delivered) == (2, 2, 1)
     assert recorder.posts[0]["rule"] == "cold_start_share" and recorder.posts[0]["state"] == "firing"
+    assert sink.close(1) == 0
+
+
+class ListSink:
+    name, timeout_s, batch_max = "list", 1.0, 100
+
+    def __init__(self) -> None:
+        self.got: list[Alert] = []
+
+    def send(self, alerts, deadline=None) -> None:
+        self.got.extend(alerts)
+
+    def close(self) -> None:
+        pass
 
 
 def test_a_failing_sink_never_stops_the_others(recorder: Recorder, caplog: pytest.LogCaptureFixture) -> None:
     recorder.fail_first = 100
-    dead = WebhookSink(recorder.url + "/hook", timeout_s=1, retries=1, sleep=lambda s: None)
-    refused = WebhookSink("http://127.0.0.1:9/hook", timeout_s=1, retries=0)
-    got: list[Alert] = []
-
-    class ListSink:
-        name = "list"
-
-        def send(self, alerts):
-            got.extend(alerts)
-
-        def close(self):
-            pass
-
-    fan = FanOut([dead, refused, LogSink(), ListSink()])
+    dead = WebhookSink(recorder.url + "/hook", timeout_s=1)
+    refused = WebhookSink("http://127.0.0.1:9/hook", timeout_s=1)
+    listed = ListSink()
+    fan = FanOut([dead, refused, LogSink(), listed], FAST_RETRIES)
     with caplog.at_level("INFO", logger="streamrec.alerts"):
         fan.send([an_alert(), an_alert(AlertState.RESOLVED)])
-    assert len(got) == 2 and dict(fan.failures) == {"webhook": 2}
+        assert fan.sinks[3].wait_idle(5) and fan.sinks[2].wait_idle(5)
+        deadline = time.monotonic() + 5
+        while fan.failures["webhook"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fan.close(timeout_s=0.3) == 4  # both alerts are still queued for each dead webhook
+    assert len(listed.got) == 2 and fan.failures["webhook"] >= 4
     text = caplog.text
     assert "HTTP 503" in text and "FIRING warning cold_start_share" in text and "RESOLVED" in text
+    assert "closed with 2 alert(s) undelivered" in text
     with pytest.raises(SinkError, match="1 of 1 alert"):
         refused.send([an_alert()])
 
@@ -416,6 +441,7 @@ webhook_url = "{recorder.url}/hook"
     assert not t.is_alive()
     assert [(p["state"], p["value"]) for p in recorder.posts] == [("firing", 0.7), ("resolved", 0.1)]
     assert monitor.scrape_errors["dead"] >= 2 and "learner" not in monitor.scrape_errors
+    assert monitor.close(1) == 0 and monitor.summary()["sinks"]["webhook"]["delivered"] == 2
 
 
 # -- the whole command against the real broker -------------------------------------------------
