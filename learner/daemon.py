@@ -16,6 +16,10 @@ columns are present in enough of them, which are lists) and then lives in the ch
 restarted learner uses the checkpoint's config, and refuses settings that would change the model's
 shape. Columns outside the config are ignored.
 
+A periodic checkpoint that cannot be written (disk full, read-only) is retried at the next interval;
+the one at exit is not optional: if it fails the daemon exits non-zero (what was trained since the
+last durable checkpoint is trained again on restart, nothing is lost).
+
 Failures: a training batch that raises an unexpected exception gives each of its messages a strike
 (``stream/strikes.py``, stored in ``<checkpoint_dir>/strikes.json``) and stops the daemon without a
 checkpoint; on restart those messages are trained one per batch, and one that fails
@@ -75,6 +79,8 @@ COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold
 WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
 NAN_LOSSES = PCounter("streamrec_learner_nan_losses_total", "Batches whose loss was not finite (update skipped).")
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
+CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
+                               "Checkpoints that could not be written (disk full, read-only); retried.")
 
 
 class RecentIds:
@@ -270,6 +276,18 @@ class Learner:
         CHECKPOINT_S.set(time.monotonic() - t0)
         self._update_lag()
 
+    def _try_save(self) -> bool:
+        """A periodic checkpoint; a full or read-only disk is survived: training goes on, the group offsets
+        stay where the last durable checkpoint put them, and the next interval tries again."""
+        try:
+            self.save()
+            return True
+        except OSError as exc:
+            CHECKPOINT_FAILURES.inc()
+            log.error("checkpoint to %s failed (%s); training goes on from memory, next try in %.0f s",
+                      self.ls.checkpoint_dir, exc, self.ls.checkpoint_every_s)
+            return False
+
     def _update_lag(self) -> None:
         for p, o in self.offsets.items():
             try:
@@ -330,8 +348,9 @@ class Learner:
                 reason = "signal"
                 break
             if since_ckpt >= ls.checkpoint_every_samples or time.monotonic() - last_ckpt >= ls.checkpoint_every_s:
-                self.save()
-                last_ckpt, since_ckpt = time.monotonic(), 0
+                if self._try_save():
+                    since_ckpt = 0
+                last_ckpt = time.monotonic()
         self.save()
         return self.summary(reason=reason)
 

@@ -14,6 +14,16 @@ from streamrec.settings import KafkaSettings, StackSettings
 from streamrec.stack import LocalStack, free_port
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fault-rounds", type=int, default=1,
+                     help="rounds of each fault-injection test (tests/test_faults.py); CI runs 1, `make faults` 10")
+
+
+@pytest.fixture
+def fault_rounds(request: pytest.FixtureRequest) -> int:
+    return max(1, int(request.config.getoption("--fault-rounds")))
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     st = LocalStack(StackSettings(state_dir=tmp_path_factory.mktemp("stack"), kafka_port=free_port(),

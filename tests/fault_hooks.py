@@ -2,13 +2,19 @@
 
 ``python -m tests.fault_hooks join ...`` is ``streamrec join ...`` except that the join, and the
 learner's training step, raise an unexpected exception whenever an impression id starting with
-``poison`` is in the batch: the stand-in for a bug that one message triggers. Test code only.
+``poison`` is in the batch: the stand-in for a bug that one message triggers. And while the file named
+by ``STREAMREC_TEST_DISK_FULL`` exists, writing a checkpoint fails with ENOSPC (a full disk).
+Test code only.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
+from pathlib import Path
 
+from learner import checkpoint
 from learner.trainer import Trainer
 from stream.joiner import engine
 
@@ -29,6 +35,17 @@ def _failing_step(self, batch):  # noqa: ANN001, ANN202 - a patch
     return _test_then_train(self, batch)
 
 
+_save = checkpoint.save
+_DISK_FULL = os.environ.get("STREAMREC_TEST_DISK_FULL")
+
+
+def _save_unless_full(directory, state, meta, keep=3):  # noqa: ANN001, ANN202 - a patch
+    if _DISK_FULL and Path(_DISK_FULL).exists():
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
+    return _save(directory, state, meta, keep=keep)
+
+
+checkpoint.save = _save_unless_full
 engine.PartitionJoin.apply = _failing_apply  # type: ignore[method-assign]
 Trainer.test_then_train = _failing_step  # type: ignore[method-assign]
 

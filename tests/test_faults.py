@@ -1,0 +1,280 @@
+"""Fault injection (``pytest -m faults``): processes killed at random points, Redis and the broker restarted
+mid-stream, a full checkpoint disk. After each: no acknowledged event lost, exactly one label per impression
+(duplicates only from redone batches, counted), learner state exactly once, everything healthy again
+without a human.
+
+CI runs one round of each (``make test``); ``make faults`` runs ``--fault-rounds 10``. Each test owns its
+Redis / broker where it restarts them, so the session's stack is never disturbed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stream.replay.publisher import publish
+from stream.replay.synthetic import build_synthetic
+from streamrec.settings import ClickDelay, KafkaSettings, SyntheticSettings
+from streamrec.stack import free_port, redis_binary, tansu_binary
+from tests.kafka_io import read_topic
+from tests.test_joiner import expected_join, join_env, read_samples
+from tests.test_learner import produce_samples
+
+pytestmark = pytest.mark.faults
+
+WINDOW_S = 120.0
+
+
+def wait_port(port: int, timeout_s: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open")
+
+
+class Service:
+    """A child process that can be stopped and started again on the same port."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.cmd, self.port, self.env = cmd, port, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[Service]:
+    port = free_port()
+    svc = Service([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                   "--appendonly", "yes", "--appendfsync", "always", "--dir", "/tmp"], port)
+    svc.start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture
+def s3_broker(tmp_path: Path) -> Iterator[Service]:
+    """A Tansu broker on ``s3://`` storage (a local moto server): topics, messages and committed offsets
+    survive its restart, as on a real cluster."""
+    import boto3
+
+    s3_port, kafka_port = free_port(), free_port()
+    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(s3_port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_port(s3_port)
+        endpoint = f"http://127.0.0.1:{s3_port}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                     region_name="us-east-1").create_bucket(Bucket="tansu")
+        env = dict(os.environ, AWS_ENDPOINT=endpoint, AWS_ALLOW_HTTP="true", AWS_ACCESS_KEY_ID="test",
+                   AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
+        url = f"tcp://127.0.0.1:{kafka_port}"
+        broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                          "--storage-engine", "s3://tansu/"], kafka_port, env)
+        broker.start()
+        try:
+            yield broker
+        finally:
+            broker.stop()
+    finally:
+        moto.terminate()
+        moto.wait(timeout=20)
+
+
+def paced_replay(table, kafka: KafkaSettings, seconds: float) -> threading.Thread:
+    """Publish ``table`` over about ``seconds`` in a thread, so faults land mid-stream; a producer that
+    loses its broker for a moment retries (librdkafka), so every event still arrives."""
+    rate = (table.n_impressions + table.n_clicks) / seconds
+    t = threading.Thread(target=publish, args=(table, kafka, "synthetic"), kwargs={"rate": rate}, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    return t
+
+
+def join_cmd(app_id: str, driver: str, idle_s: float = 5.0) -> list[str]:
+    return [sys.executable, "-m", "streamrec.cli", "join", "--app-id", app_id, "--driver", driver, "--window-s",
+            str(WINDOW_S), "--lateness-s", "0", "--exit-when-idle", str(idle_s), "--drain", "--json"]
+
+
+def assert_joined_exactly(kafka: KafkaSettings, table, label: str) -> int:
+    """Every impression has a sample, every sample the true label; returns the number of duplicate samples."""
+    rows = read_samples(kafka)
+    want = expected_join(table, int(WINDOW_S * 1000)).labels
+    labels: dict[str, set[int]] = defaultdict(set)
+    for imp_id, lab, *_ in rows:
+        labels[imp_id].add(lab)
+    assert set(labels) == set(want), f"{label}: {len(set(want) - set(labels))} impressions lost"
+    wrong = [i for i in want if labels[i] != {want[i]}]
+    assert not wrong, f"{label}: {len(wrong)} wrong labels, e.g. {wrong[:3]}"
+    return len(rows) - len(labels)
+
+
+def run_until_done(cmd: list[str], env: dict[str, str], attempts: int = 6, timeout_s: float = 300) -> tuple[dict, int]:
+    """Run ``cmd`` as a supervisor would: restart it after a failure. Returns the summary and the restarts."""
+    for restarts in range(attempts):
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if out.returncode == 0:
+            return json.loads(out.stdout.strip().splitlines()[-1]), restarts
+    raise AssertionError(f"still failing after {attempts} runs: {out.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+def test_redis_restart_during_joining_loses_nothing(driver: str, kafka: KafkaSettings, own_redis: Service,
+                                                    group_id: str) -> None:
+    s = SyntheticSettings(impressions=20_000, users=5000, items=1000, impressions_per_s=50.0,
+                          attribution_window_s=WINDOW_S, malformed_share=0.0)
+    table = build_synthetic(s, ClickDelay(median_s=20.0), seed=21)
+    replay = paced_replay(table, kafka, seconds=15.0)
+    env = join_env(kafka, f"redis://127.0.0.1:{own_redis.port}/0", group_id)
+    env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
+    proc = subprocess.Popen(join_cmd(group_id, driver), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
+        time.sleep(0.2)
+    own_redis.stop()  # mid-stream
+    time.sleep(3.0)
+    own_redis.start()
+    replay.join()
+    out, err = proc.communicate(timeout=300)
+    restarts = 0
+    if proc.returncode != 0:  # faust exits on a failed batch; its supervisor starts it again
+        assert driver == "faust", err[-3000:]
+        _, restarts = run_until_done(join_cmd(group_id, driver), env)
+        restarts += 1
+    else:
+        assert "infrastructure failure" in err or driver == "faust"
+    dups = assert_joined_exactly(kafka, table, f"redis restart ({driver})")
+    print(f"\nredis restart, {driver}: process restarts {restarts}, duplicate samples {dups}")
+
+
+def test_broker_restart_mid_stream_with_durable_storage_loses_nothing(s3_broker: Service, group_id: str,
+                                                                      tmp_path: Path, stack) -> None:
+    kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{s3_broker.port}", client_id=group_id)
+    s = SyntheticSettings(impressions=8000, users=3000, items=600, impressions_per_s=40.0,
+                          attribution_window_s=WINDOW_S, malformed_share=0.0)
+    table = build_synthetic(s, ClickDelay(median_s=20.0), seed=22)
+    replay = paced_replay(table, kafka, seconds=15.0)
+    env = join_env(kafka, stack.redis_url, group_id)
+    env["STREAMREC_JOINER_BATCH_MAX"] = "500"
+    proc = subprocess.Popen(join_cmd(group_id, "kafka", idle_s=8.0), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
+        time.sleep(0.2)
+    s3_broker.stop()
+    time.sleep(2.0)
+    s3_broker.start()
+    replay.join()
+    out, err = proc.communicate(timeout=300)
+    restarts = 0
+    if proc.returncode != 0:
+        _, restarts = run_until_done(join_cmd(group_id, "kafka", idle_s=8.0), env)
+        restarts += 1
+    dups = assert_joined_exactly(kafka, table, "broker restart")
+    print(f"\nbroker restart: process restarts {restarts}, duplicate samples {dups}")
+
+
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+def test_sigkill_of_the_joiner_at_random_points_loses_nothing(driver: str, kafka: KafkaSettings, stack,
+                                                              group_id: str, fault_rounds: int) -> None:
+    s = SyntheticSettings(impressions=15_000 * fault_rounds, users=10_000, items=2000, impressions_per_s=50.0,
+                          attribution_window_s=WINDOW_S, malformed_share=0.0)
+    table = build_synthetic(s, ClickDelay(median_s=20.0), seed=23)
+    publish(table, kafka, "synthetic")
+    env = join_env(kafka, stack.redis_url, group_id)
+    env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
+    rnd = random.Random(fault_rounds)
+    kills = 0
+    for _ in range(fault_rounds * 2):
+        proc = subprocess.Popen(join_cmd(group_id, driver), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(rnd.uniform(4.0, 9.0))  # faust needs a few seconds to join the group
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    summary, _ = run_until_done(join_cmd(group_id, driver), env)
+    dups = assert_joined_exactly(kafka, table, f"SIGKILL x{kills} ({driver})")
+    print(f"\nSIGKILL x{kills}, {driver}: {dups} duplicate samples of {s.impressions}")
+    assert kills >= 1
+
+
+def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka: KafkaSettings,
+                                                                          tmp_path: Path) -> None:
+    from stream.kafka import ensure_topics
+
+    ensure_topics(kafka, [kafka.samples_topic])
+    full = tmp_path / "disk-full"
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
+               STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
+               STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}", STREAMREC_TEST_DISK_FULL=str(full))
+    produced = produce_samples(kafka, 40, 200, 0.0)
+    full.touch()  # the disk is full from the start ...
+    cmd = [sys.executable, "-m", "tests.fault_hooks", "train", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--batch-rows", "256", "--exit-when-idle", "6", "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # until a checkpoint has really failed
+        seen.append(line)
+        if "checkpoint to" in line and "failed" in line:
+            break
+    full.unlink()  # ... and space comes back while the learner runs
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, "".join(seen)[-3000:] + err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert {int(p): n for p, n in summary["partition_rows"].items()} == produced
+    assert summary["samples_trained"] == sum(produced.values())
+
+
+def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(kafka: KafkaSettings,
+                                                                                tmp_path: Path) -> None:
+    from stream.kafka import ensure_topics
+
+    ensure_topics(kafka, [kafka.samples_topic])
+    full = tmp_path / "disk-full"
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
+               STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
+               STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}", STREAMREC_TEST_DISK_FULL=str(full))
+    produced = produce_samples(kafka, 40, 200, 0.0)
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "tests.fault_hooks", "train", "--checkpoint-dir", str(ckpt), "--batch-rows", "256",
+           "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(5.0)
+    full.touch()  # checkpoints start failing: the learner trains on, from memory
+    time.sleep(2.0)
+    os.kill(proc.pid, signal.SIGKILL)  # and dies before any of it is durable
+    proc.wait()
+    full.unlink()
+    summary, _ = run_until_done([*cmd, "--exit-when-idle", "4"], env)
+    rows = Counter({int(p): n for p, n in summary["partition_rows"].items()})
+    assert rows == Counter(produced) and summary["samples_trained"] == sum(produced.values())
