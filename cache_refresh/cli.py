@@ -42,16 +42,24 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
     from streamrec import artifact
 
     root = Path(rs.publish_root)
-    current = artifact.read_current(root)
     last = read_last_success(root)
+    pin = artifact.read_pin(root)
     out: dict[str, Any] = {"publish_root": str(root), "current": None, "versions": artifact.list_versions(root),
-                           "last_success": last.isoformat() if last else None}
-    if current is not None:
-        m = artifact._read_manifest(current)
-        out["current"] = current.name
-        out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
-                           "source": {k: m["source"].get(k) for k in ("checkpoint", "samples_trained", "offsets")},
-                           "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
+                           "last_success": last.isoformat() if last else None, "pinned": None, "error": None}
+    try:
+        current = artifact.read_current(root)
+        if current is not None:
+            m = artifact._read_manifest(current)
+            out["current"] = current.name
+            out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
+                               "source": {k: m["source"].get(k)
+                                          for k in ("checkpoint", "samples_trained", "offsets", "lineage")},
+                               "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
+    except artifact.ArtifactError as exc:  # the status of a broken publish root is that error
+        out["current"], out["error"] = None, str(exc)
+    if pin is not None and (pin.problem is not None or (out["current"] is not None and pin.holds(out["current"]))):
+        out["pinned"] = {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
+                         "deltas": "paused until the next publish"}
     return out
 
 
@@ -76,8 +84,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         path = Path(rs.publish_root) / artifact.VERSIONS / version
         notified = job.notify(rs, rds, version, path)
-        emit(args, {"current": version, "path": str(path), "notified": notified},
-             lambda d: f"rolled back: {d['current']} is current ({d['path']})")
+        emit(args, {"current": version, "path": str(path), "notified": notified, "pinned": True},
+             lambda d: f"rolled back: {d['current']} is current ({d['path']}); serving applies no learner deltas "
+             "to it until the next publish")
         return EXIT_OK
     if args.now:
         try:
@@ -124,7 +133,8 @@ def add_parser(sub: Any, common: Any, kafka_flag: Any) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed)")
     mode.add_argument("--rollback", action="store_true", help="make the version before the current one current "
-                      "again and notify serving")
+                      "again (after verifying it), pin it so serving applies no learner deltas to it until the next "
+                      "publish, and notify serving")
     mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary")
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
     p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")

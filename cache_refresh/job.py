@@ -8,7 +8,15 @@
 
 Failures raise :class:`RefreshError` naming the stage and the cause, after the staged artifact was
 removed (nothing is published: the live artifact keeps serving), a firing alert was written to the
-Kafka ``alerts`` topic and the log. Redis is retried with exponential backoff before it counts as
+Kafka ``alerts`` topic and the log. Failing closed: the checkpoint is loaded without unpickling code
+(``load_latest(safe=True)``) and checked before anything is built (``artifact.check_checkpoint``: meta,
+feature config, table shape, finite weights); an unreadable newest checkpoint falls back to the previous
+one (logged, and named in the summary), none loadable is a failure naming each file's reason. Only a
+staged artifact that validated is published, and ``publish`` verifies every file again before the
+rename; a failed run is not retried by the job itself (the schedule's next run, or ``--now``, is the
+retry), so a bad checkpoint costs one failed run and one alert, never a loop.
+
+Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
 polls ``CURRENT`` and finds it; the summary says ``notified: false``.
 
@@ -33,7 +41,6 @@ import redis
 from cache_refresh import hot_set, validate
 from cache_refresh.settings import RefreshSettings
 from learner import checkpoint as ckpt_io
-from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from streamrec import artifact
 from streamrec.settings import KafkaSettings, RedisSettings
@@ -129,11 +136,16 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     try:
         stage = "checkpoint"
         t0 = time.monotonic()
-        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir))
+        problems: list[tuple[Path, str]] = []
+        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir), safe=True, problems=problems)
+        if ckpt is None and problems:
+            raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir} loads: "
+                               + "; ".join(f"{p.name}: {why}" for p, why in problems)
+                               + "; the live artifact is untouched. Let the learner write a new one")
         if ckpt is None:
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
                                       "running with the same checkpoint_dir?")
-        cfg = FeatureConfig.from_dict(ckpt["meta"]["feature_config"])
+        cfg = artifact.check_checkpoint(ckpt)
         timed(stage, t0)
 
         stage = "hot_set"
@@ -185,11 +197,12 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
     timed("notify", t0)
-    manifest = json.loads((path / artifact.MANIFEST).read_text())
+    manifest = artifact._read_manifest(path)
     log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
     return {
         "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
         "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest["hot_set"],
+        "skipped_checkpoints": [{"path": str(p), "reason": why} for p, why in problems],
         "probe": probe, "holdout": quality, "notified": notified, "channel": notify_channel(rs, rds),
         "bytes": {name: f["bytes"] for name, f in manifest["files"].items()},
         "seconds": {**timings, "total": round(time.time() - t_start, 3)},
@@ -197,11 +210,10 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
 
 
 def _live_model(root: Path) -> artifact.ScoringModel | None:
-    current = artifact.read_current(root)
-    if current is None:
-        return None
+    """The live artifact to compare with; None (comparison skipped, logged) when there is none or it is bad."""
     try:
-        return artifact.ScoringModel.load(current)
+        current = artifact.read_current(root)
+        return artifact.ScoringModel.load(current) if current is not None else None
     except artifact.ArtifactError as exc:
-        log.warning("the live artifact %s does not load (%s); the holdout comparison is skipped", current, exc)
+        log.warning("the live artifact does not load (%s); the holdout comparison is skipped", exc)
         return None

@@ -2,14 +2,17 @@
 
     learner                                            serving
     trained batch --mark(values)--> touched (num_rows,) bool
-    every deltas_every_s: delta-<seq>.pt  ----------->  DeltaReader.newer(seq, samples) -> apply_delta
+    every deltas_every_s: delta-<seq>-<samples>.delta --->  DeltaReader.newer(seq, samples, lineage) -> apply
                           + PUBLISH <prefix>:model-deltas <seq>   (wakes serving; it also polls the directory)
 
-One delta file (``torch.save`` of a dict, format 1)::
+One delta file (format 2) is a :mod:`learner.tensorpack`: a sha256 over the whole content, a JSON header
+and raw tensor bytes, loaded without unpickling anything. Its tree::
 
-    format           1
+    kind             "streamrec-delta"
+    format           2
     seq              int, 1, 2, ... (continues after the largest file in the directory across restarts)
     samples_trained  the learner's sample count when it was written
+    lineage          the learner's checkpoint lineage (``learner/checkpoint.py``), or null when unknown
     created          unix time, seconds
     rows             (R,) int64       every row of the fused table touched since the previous delta
     vectors          (R, D + 1) f32   their current values (embedding + first-order weight), absolute
@@ -19,16 +22,32 @@ One delta file (``torch.save`` of a dict, format 1)::
 
 Values are absolute, not increments: applying deltas in ``seq`` order over any model that is at least as
 old as the first one gives the learner's current rows, and a delta written before an artifact's source
-checkpoint (``samples_trained`` not greater) is already in that artifact and is skipped. Files are
-written to a temporary name, fsynced and renamed, so a reader never sees half of one; the last
-``keep`` are kept (a reader that falls further behind than that waits for the next artifact for the
-rows it missed, and counts the gap).
+checkpoint (``samples_trained`` not greater) is already in that artifact and is skipped by name. A delta
+of another lineage (a learner restarted from scratch, another learner's directory) never applies to an
+artifact whose manifest names a different lineage; when either side has none (files written before
+lineages existed, a writer built without one), ``samples_trained`` alone decides.
+
+Writing: the file goes to a temporary name, is fsynced, renamed into place, and the directory fsynced,
+so a reader never sees half of one; the last ``keep`` are kept (a reader that falls further behind than
+that waits for the next artifact for the rows it missed, and counts the gap). Format-1 files (plain
+``torch.save``, ``delta-*.pt``, no checksum) are no longer read; a writer continues their numbering.
+
+Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
+checksum, structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
+vectors (R, D + 1) float32, dense weights floating and every value finite. A file that fails is a
+:class:`DeltaError`, rejected once (remembered by path, size and mtime), reported through ``on_reject``
+and skipped: the deltas after it still apply. What a skipped delta carried is lost until a later delta
+touches the same rows again (dense weights: the very next delta, since each carries them whole) or the
+next full artifact arrives. Whether a delta fits a particular model (row range, dimensions, dense names
+and shapes) is checked by ``ScoringModel.apply_delta`` before it changes anything.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,10 +57,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from learner import checkpoint as ckpt_io
+from learner.tensorpack import PackError, pack, unpack
+
 log = logging.getLogger("streamrec.deltas")
 
-FORMAT = 1
+FORMAT = 2
+KIND = "streamrec-delta"
 _PREFIX = "delta-"
+SUFFIX = ".delta"
+_LEGACY_SUFFIX = ".pt"  # format 1
+_NAME = re.compile(r"delta-(\d{1,18})-(\d{1,18})")
+MAX_BYTES = 4 << 30  # a delta file larger than this is refused unread
+
+
+class DeltaError(ValueError):
+    """A delta file that cannot be used: damaged, malformed, mistyped or not finite. Names file and cause."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +85,19 @@ class Delta:
     dense_state: dict[str, torch.Tensor]
     path: Path
     id_maps: dict[str, Any] | None = None  # RowMapper.state_dict() when this delta carries one
+    lineage: str | None = None  # the learner's checkpoint lineage (learner/checkpoint.py)
 
 
 def delta_path(directory: Path, seq: int, samples_trained: int) -> Path:
-    """``delta-<seq>-<samples_trained>.pt``: readers skip deltas by name, without loading them."""
-    return directory / f"{_PREFIX}{seq:012d}-{samples_trained:015d}.pt"
+    """``delta-<seq>-<samples_trained>.delta``: readers skip deltas by name, without loading them."""
+    return directory / f"{_PREFIX}{seq:012d}-{samples_trained:015d}{SUFFIX}"
+
+
+def _parse_name(p: Path, suffix: str) -> tuple[int, int] | None:
+    if not p.name.endswith(suffix) or p.name.startswith("."):
+        return None
+    m = _NAME.fullmatch(p.name[: -len(suffix)])
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def list_deltas(directory: Path) -> list[tuple[int, int, Path]]:
@@ -66,29 +105,111 @@ def list_deltas(directory: Path) -> list[tuple[int, int, Path]]:
     if not directory.is_dir():
         return []
     out = []
-    for p in directory.glob(f"{_PREFIX}*.pt"):
-        try:
-            seq, samples = p.stem[len(_PREFIX):].split("-")
-            out.append((int(seq), int(samples), p))
-        except ValueError:
-            continue
+    for p in directory.glob(f"{_PREFIX}*{SUFFIX}"):
+        parsed = _parse_name(p, SUFFIX)
+        if parsed is not None:
+            out.append((*parsed, p))
     return sorted(out)
 
 
+def _max_seq(directory: Path) -> int:
+    """The largest seq among current and format-1 files (a restarted or upgraded writer continues after it)."""
+    seqs = [s for s, _, _ in list_deltas(directory)]
+    seqs += [parsed[0] for p in directory.glob(f"{_PREFIX}*{_LEGACY_SUFFIX}")
+             if (parsed := _parse_name(p, _LEGACY_SUFFIX)) is not None]
+    return max(seqs, default=0)
+
+
+# -- encoding and decoding ---------------------------------------------------------------------------
+def encode_delta(payload: dict[str, Any]) -> bytes:
+    """The file bytes of one delta (``payload``: the tree of the module docstring, without kind/format)."""
+    return pack({"kind": KIND, "format": FORMAT, **payload})
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(name: str, t: torch.Tensor, where: str) -> None:
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise DeltaError(f"{where}: {name} holds {bad} non-finite values (NaN or inf): the learner diverged or the "
+                         "file was altered; the delta is skipped, the live model is unchanged")
+
+
+def decode_delta(raw: bytes, path: Path) -> Delta:
+    """A checked :class:`Delta` from a file's bytes; :class:`DeltaError` for anything else (never another error)."""
+    where = f"delta {path}"
+    try:
+        tree = unpack(raw)
+    except PackError as exc:
+        raise DeltaError(f"{where}: {exc}") from None
+    if not isinstance(tree, dict):
+        raise DeltaError(f"{where}: holds a {type(tree).__name__}, expected an object")
+    if tree.get("kind") != KIND or tree.get("format") != FORMAT:
+        raise DeltaError(f"{where}: kind {str(tree.get('kind'))[:40]!r} format {str(tree.get('format'))[:20]}, "
+                         f"this streamrec reads kind {KIND!r} format {FORMAT}")
+    missing = {"seq", "samples_trained", "created", "rows", "vectors", "dense_state"} - set(tree)
+    if missing:
+        raise DeltaError(f"{where}: missing {', '.join(sorted(missing))}; the writer is not this streamrec's")
+    seq, samples, created = tree["seq"], tree["samples_trained"], tree["created"]
+    if not (_int(seq) and seq >= 1):
+        raise DeltaError(f"{where}: seq {str(seq)[:40]!r}, expected an integer >= 1")
+    if not (_int(samples) and samples >= 0):
+        raise DeltaError(f"{where}: samples_trained {str(samples)[:40]!r}, expected an integer >= 0")
+    if not (isinstance(created, (int, float)) and not isinstance(created, bool) and math.isfinite(created)):
+        raise DeltaError(f"{where}: created {str(created)[:40]!r}, expected a finite unix time")
+    named = _parse_name(path, SUFFIX)
+    if named is not None and named != (seq, samples):
+        raise DeltaError(f"{where}: holds seq {seq} and samples_trained {samples} but is named for {named}: the "
+                         "file was renamed or copied; skipped")
+    lineage = tree.get("lineage")
+    if lineage is not None and not (isinstance(lineage, str) and 0 < len(lineage) <= 128):
+        raise DeltaError(f"{where}: lineage {str(lineage)[:40]!r}, expected a string id or null")
+    rows, vectors, dense = tree["rows"], tree["vectors"], tree["dense_state"]
+    if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.int64 and rows.dim() == 1):
+        raise DeltaError(f"{where}: rows must be a 1-D int64 tensor, got {_describe(rows)}")
+    if not (isinstance(vectors, torch.Tensor) and vectors.dtype == torch.float32 and vectors.dim() == 2
+            and vectors.shape[0] == rows.shape[0] and vectors.shape[1] >= 1):
+        raise DeltaError(f"{where}: vectors must be a ({len(rows)}, D + 1) float32 tensor, got {_describe(vectors)}")
+    if len(rows) and int(rows.min()) < 0:
+        raise DeltaError(f"{where}: rows hold negative row numbers (min {int(rows.min())})")
+    _finite("vectors", vectors, where)
+    if not (isinstance(dense, dict) and dense and all(isinstance(v, torch.Tensor) for v in dense.values())):
+        raise DeltaError(f"{where}: dense_state must be a non-empty object of tensors, got {_describe(dense)}")
+    for k, v in dense.items():
+        if not v.is_floating_point():
+            raise DeltaError(f"{where}: dense_state[{k!r}] is {v.dtype}, expected a floating tensor")
+        _finite(f"dense_state[{k!r}]", v, where)
+    id_maps = tree.get("id_maps")
+    if id_maps is not None and not isinstance(id_maps, dict):
+        raise DeltaError(f"{where}: id_maps must be an object or absent, got {_describe(id_maps)}")
+    return Delta(seq, samples, float(created), rows, vectors, dense, path, id_maps, lineage)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype} tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}"
+
+
 def load_delta(path: Path) -> Delta:
-    d = torch.load(path, map_location="cpu", weights_only=True)
-    if d.get("format") != FORMAT:
-        raise ValueError(f"delta {path} has format {d.get('format')!r}; this streamrec reads {FORMAT}")
-    return Delta(int(d["seq"]), int(d["samples_trained"]), float(d["created"]), d["rows"], d["vectors"],
-                 d["dense_state"], path, d.get("id_maps"))
+    """Read and check one delta file (see the module docstring); :class:`DeltaError` if it cannot be used.
+    A file that vanished (pruned) raises ``FileNotFoundError``."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        raise DeltaError(f"delta {path}: {size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
+    return decode_delta(path.read_bytes(), path)
 
 
+# -- writing ---------------------------------------------------------------------------------------
 class DeltaWriter:
     """Marks the rows each trained batch touched; writes them (and the dense weights) every ``every_s``."""
 
     def __init__(self, directory: Path, num_rows: int, every_s: float, keep: int = 100,
                  notify: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 id_maps_every_s: float = 60.0) -> None:
+                 id_maps_every_s: float = 60.0, lineage: str | None = None) -> None:
         if every_s <= 0:
             raise ValueError(f"deltas every_s must be > 0 (0 turns deltas off upstream), got {every_s}")
         if keep < 1:
@@ -96,9 +217,9 @@ class DeltaWriter:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.every_s, self.keep, self.notify, self.clock = every_s, keep, notify, clock
+        self.lineage = lineage
         self.touched = torch.zeros(num_rows, dtype=torch.bool)  # (num_rows,)
-        existing = list_deltas(self.directory)
-        self.seq = existing[-1][0] if existing else 0
+        self.seq = _max_seq(self.directory)
         self._last = clock()
         self.written = 0
         # the learner's id maps (RowMapper.state_dict), sent with a delta at most every id_maps_every_s
@@ -108,10 +229,11 @@ class DeltaWriter:
 
     @classmethod
     def from_settings(cls, ls: Any, num_rows: int) -> DeltaWriter:
-        """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing on Redis when configured."""
+        """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing on Redis when configured;
+        the lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet)."""
         notify = redis_notifier(ls.deltas_redis_url, ls.deltas_channel) if ls.deltas_redis_url else None
         return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify,
-                   id_maps_every_s=ls.deltas_id_maps_every_s)
+                   id_maps_every_s=ls.deltas_id_maps_every_s, lineage=ckpt_io.lineage(Path(ls.checkpoint_dir)))
 
     def mark(self, values: torch.Tensor) -> None:
         """Rows of one trained batch (``TensorBatch.values``, (N,) int64; duplicates are fine)."""
@@ -141,18 +263,18 @@ class DeltaWriter:
         dense_state = {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
                        for k, v in model.state_dict().items() if not k.startswith("sparse.")}
         self.seq += 1
-        payload = {"format": FORMAT, "seq": self.seq, "samples_trained": int(samples_trained), "created": time.time(),
-                   "rows": rows.cpu(), "vectors": vectors, "dense_state": dense_state}
+        payload: dict[str, Any] = {"seq": self.seq, "samples_trained": int(samples_trained), "created": time.time(),
+                                   "lineage": self.lineage, "rows": rows.cpu(), "vectors": vectors,
+                                   "dense_state": dense_state}
         if self.id_maps_source is not None and self._last - self._last_maps >= self.id_maps_every_s:
             payload["id_maps"] = self.id_maps_source()
             self._last_maps = self._last
+        data = encode_delta(payload)
         path = delta_path(self.directory, self.seq, int(samples_trained))
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        ckpt_io.write_synced(tmp, lambda fh: fh.write(data))
         os.replace(tmp, path)
+        ckpt_io.fsync_dir(self.directory)
         self.touched.zero_()
         self.written += 1
         for _, _, old in list_deltas(self.directory)[:-self.keep]:
@@ -177,29 +299,67 @@ def redis_notifier(url: str, channel: str) -> Callable[[int], None]:
     return notify
 
 
-class DeltaReader:
-    """Serving's side: the deltas a model has not seen yet, in order."""
+# -- reading ---------------------------------------------------------------------------------------
+def _fingerprint(path: Path) -> tuple[str, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (str(path), st.st_size, st.st_mtime_ns)
 
-    def __init__(self, directory: Path) -> None:
+
+class DeltaReader:
+    """Serving's side: the deltas a model has not seen yet, in order, each checked before it is yielded.
+
+    ``on_reject(path, reason)`` hears of every file rejected (once per file version), ``on_skip(path,
+    reason)`` of every delta passed over on purpose (another lineage). Rejections of unreadable files are
+    remembered for good; :meth:`mark_unfit` remembers a delta that did not fit the live model only until
+    :meth:`forget_unfit` (called when another artifact is swapped in: it may fit that one).
+    """
+
+    def __init__(self, directory: Path, on_reject: Callable[[Path, str], None] | None = None,
+                 on_skip: Callable[[Path, str], None] | None = None) -> None:
         self.directory = Path(directory)
         self.gaps = 0  # deltas pruned before this reader got to them
         self.bad = 0  # unreadable files skipped
-        self._bad: set[Path] = set()
+        self.on_reject, self.on_skip = on_reject, on_skip
+        self._bad: set[tuple[str, int, int]] = set()
+        self._unfit: set[tuple[str, int, int]] = set()
 
-    def mark_bad(self, path: Path) -> None:
-        """Never yield ``path`` again (it could not be applied)."""
+    def mark_bad(self, path: Path, reason: str = "could not be applied") -> None:
+        """Never yield this version of ``path`` again."""
+        fp = _fingerprint(path)
+        if fp is None or fp in self._bad:
+            return
         self.bad += 1
-        self._bad.add(path)
+        self._bad.add(fp)
+        if self.on_reject is not None:
+            self.on_reject(path, reason)
+        else:
+            log.error("delta %s rejected, skipped (the deltas after it still apply): %s", path.name, reason)
+
+    def mark_unfit(self, path: Path) -> None:
+        """Do not yield this version of ``path`` again until :meth:`forget_unfit`."""
+        fp = _fingerprint(path)
+        if fp is not None:
+            self._unfit.add(fp)
+
+    def forget_unfit(self) -> None:
+        self._unfit.clear()
 
     def latest_seq(self) -> int:
         found = list_deltas(self.directory)
         return found[-1][0] if found else 0
 
-    def newer(self, after_seq: int, after_samples: int) -> Iterator[Delta]:
-        """Deltas with ``seq > after_seq`` and ``samples_trained > after_samples``, oldest first. The ones
-        at or below ``after_samples`` are already in the model's source checkpoint: skipped by name."""
+    def newer(self, after_seq: int, after_samples: int, lineage: str | None = None) -> Iterator[Delta]:
+        """Checked deltas with ``seq > after_seq`` and ``samples_trained > after_samples``, oldest first, of
+        ``lineage`` (when both it and the delta have one). The ones at or below ``after_samples`` are
+        already in the model's source checkpoint: skipped by name, never read."""
         expected = after_seq + 1
-        for seq, samples, path in list_deltas(self.directory):
+        found = list_deltas(self.directory)
+        live = {str(p) for _, _, p in found}
+        self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
+        for seq, samples, path in found:
             if seq <= after_seq:
                 continue
             if seq > expected and after_seq > 0:
@@ -207,14 +367,21 @@ class DeltaReader:
                 log.warning("deltas %d..%d were pruned before serving read them; their rows wait for the next "
                             "artifact", expected, seq - 1)
             expected = seq + 1
-            if samples <= after_samples or path in self._bad:
+            if samples <= after_samples:
+                continue
+            fp = _fingerprint(path)
+            if fp is None or fp in self._bad or fp in self._unfit:
                 continue
             try:
                 d = load_delta(path)
             except FileNotFoundError:
                 continue  # pruned between listing and reading
-            except Exception as exc:  # noqa: BLE001 - a corrupt file must not stop the ones after it
-                self.mark_bad(path)
-                log.error("delta %s is unreadable (%s); skipped", path, exc)
+            except (DeltaError, OSError) as exc:  # damaged, malformed, or unreadable (permissions, I/O)
+                self.mark_bad(path, str(exc))
+                continue
+            if lineage is not None and d.lineage is not None and d.lineage != lineage:
+                self._unfit.add(fp)
+                if self.on_skip is not None:
+                    self.on_skip(path, f"lineage {d.lineage} is not the live artifact's {lineage}")
                 continue
             yield d

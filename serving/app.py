@@ -12,9 +12,14 @@
 that says what to fix, or 503 while no artifact has been published.
 
 The user's click history is read from Redis (``stream/history.py``, the list the joiner keeps, the
-last ``history_len`` items as the joiner attaches them). A failed or slow read (``redis_timeout_s``)
-scores the request without history and is counted, rather than failing it: a ranking degraded for
-one request beats an error page.
+last ``history_len`` items as the joiner attaches them) through ``serving/history.py``. A malformed
+entry, a failed or a slow read (``redis_timeout_s``) scores the request without that history and is
+counted (``streamrec_serving_history_malformed_total``, ``..._history_unavailable_total``), rather than
+failing it: a ranking degraded for one request beats an error page. Those are never a 500.
+
+Readiness: ``/readyz`` is 503 while no model is loaded (nothing published yet, or every version tried
+was rejected: the body says why), 200 once one answers; it stays 200 while a newer artifact is
+rejected and the previous one keeps serving (the body's ``problem`` says so).
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from typing import Any
 
 import numpy as np
 import orjson
-import redis
 import torch
 
+from serving.history import HistoryReader
 from serving.metrics import ServingMetrics
 from serving.request import RequestError, ScoreRequest, decode_json, openapi, parse_batch, parse_request
 from serving.settings import ServeSettings
@@ -40,7 +45,6 @@ log = logging.getLogger("streamrec.serve")
 
 JSON = "application/json"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
-_FAR_FUTURE_MS = 2**62  # history "as of" the far future: every stored click
 Response = tuple[int, str, bytes]
 
 
@@ -57,6 +61,8 @@ class ScoringApp:
                  history: UserHistory | None, history_len: int = 50, version: str = "0") -> None:
         self.s, self.holder, self.metrics, self.history = settings, holder, metrics, history
         self.history_len = history_len
+        self.history_reader = HistoryReader(history, history_len, metrics,
+                                            retry_after_s=settings.history_retry_after_s)
         self.draining = False  # set at shutdown: /readyz turns 503 so balancers stop sending
         self.in_flight = 0
         self._count_lock = threading.Lock()
@@ -110,31 +116,28 @@ class ScoringApp:
     def _live(self) -> LiveModel:
         live = self.holder.live
         if live is None:
-            raise RequestError(503, f"no model loaded yet: nothing is published under {self.s.publish_root} "
-                               "(its CURRENT file is missing or names a version that failed to load); run "
-                               "`streamrec refresh --now` and serving picks it up within poll_s")
+            problem = self.holder.problem
+            raise RequestError(503, f"no model loaded yet from {self.s.publish_root}: "
+                               + (f"the published artifact was rejected ({problem}); " if problem else
+                                  "nothing is published (no CURRENT file); ")
+                               + "run `streamrec refresh --now` and serving picks it up within poll_s")
         return live
 
     def _ready(self, _body: bytes) -> Response:
         live = self.holder.live
         if self.draining:
             return _error(503, "shutting down")
+        problem = self.holder.problem
         if live is None:
-            return _error(503, f"no model loaded yet from {self.s.publish_root}")
+            return _error(503, f"no model loaded yet from {self.s.publish_root}"
+                          + (f": the published artifact was rejected ({problem})" if problem else ""))
         m = live.model
         return _json(200, {"status": "ready", "model_version": m.version, "format": m.format,
-                           "delta_seq": m.delta_seq})
+                           "delta_seq": m.delta_seq, "problem": problem})
 
     def _histories(self, users: list[int]) -> list[list[int]]:
-        if self.history is None:
-            return [[] for _ in users]
-        try:
-            hists = self.history.as_of(users, [_FAR_FUTURE_MS] * len(users))
-        except redis.RedisError as exc:
-            self.metrics.history_errors.inc()
-            log.warning("history read failed (%s); scoring without history", exc)
-            return [[] for _ in users]
-        return [h[-self.history_len:] for h in hists]
+        """One history per user; empty (and counted) when Redis is down or the entry is malformed."""
+        return self.history_reader.read(users)
 
     def _run(self, live: LiveModel, req: ScoreRequest, history: list[int]) -> dict[str, Any]:
         values, offsets, dense = live.encoder.encode(req, history)  # (N,), (F*B+1,), (B, Dd)

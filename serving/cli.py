@@ -24,15 +24,18 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
         "hashes them and the user's click history is read from Redis (the list the joiner keeps), so serving "
         "sees what training saw. The model is the artifact named by <publish-root>/CURRENT (published by "
         "`streamrec refresh`); a new one is loaded beside the live one and swapped atomically (requests in "
-        "flight finish on the old one; a corrupt one is rejected and the live one keeps serving), woken by "
+        "flight finish on the old one; a corrupt or malformed one is rejected once, counted in "
+        "streamrec_serving_rejected_total, and the live one keeps serving), woken by "
         "Redis pub/sub and polled every poll_s. With --deltas-dir the learner's deltas (rows touched since "
-        "the last one, plus dense weights) are applied as they appear, between nightly refreshes. Until an "
+        "the last one, plus dense weights) are applied as they appear, between nightly refreshes (a damaged one "
+        "is rejected once and skipped; none are applied to a rolled-back artifact). Until an "
         "artifact exists, /v1/score and /readyz answer 503. /healthz, /readyz and /metrics (Prometheus) are "
         "for operators. SIGTERM or Ctrl-C: /readyz turns 503, requests in flight finish, then it exits 0.",
         epilog="Example: streamrec serve --port 8080 & curl -s localhost:8080/v1/score "
         "-d '{\"user_id\": 1, \"items\": [1193, 661], \"context\": {\"gender\": \"F\"}}'. "
         "Settings: [serve] in --config and STREAMREC_SERVE_<KEY> (host, port, publish_root, deltas_dir, device, "
-        "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s); Redis from "
+        "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s, history_retry_after_s); "
+        "Redis from "
         "[redis] / STREAMREC_REDIS_URL.")
     p.add_argument("--host", help=f"address to bind (default {ServeSettings.host}: loopback only)")
     p.add_argument("--port", type=int, help=f"port (default {ServeSettings.port}; 0 picks a free one)")

@@ -9,8 +9,22 @@
     streamrec_serving_delta_seq                             the last learner delta applied to it
     streamrec_serving_swaps_total                           artifacts swapped in
     streamrec_serving_swap_rejected_total                   artifacts refused (corrupt, unloadable)
+    streamrec_serving_rejected_total{kind}                  artifact | delta versions rejected, each ONCE
+                                                            (remembered until its files change)
     streamrec_serving_deltas_applied_total / _delta_gaps_total / _delta_errors_total
+    streamrec_serving_deltas_skipped_total{reason}          deltas passed over on purpose (lineage: another
+                                                            learner's training than the live artifact's)
+    streamrec_serving_deltas_paused                         1 while the live artifact is a pinned rollback
+                                                            (no deltas applied), else 0
     streamrec_serving_history_errors_total                  Redis history reads that failed (served without)
+    streamrec_serving_history_unavailable_total             requests scored without history: Redis down,
+                                                            refusing or slower than redis_timeout_s
+    streamrec_serving_history_malformed_total               users whose history read failed on its data
+                                                            (reader error, not Redis down): no history
+    streamrec_history_malformed_total                       malformed history entries skipped by the shared
+                                                            parser (stream/history.py) since this service
+                                                            started (a process-wide count: serving processes
+                                                            read history on the request path only)
     streamrec_serving_in_flight                             requests being served
 """
 
@@ -22,6 +36,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from stream.metrics import HISTORY_MALFORMED
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
                    0.1, 0.25, 1.0)
@@ -68,6 +84,21 @@ class _LookupCollector:
                                 "(0: none since its artifact).", value=m.delta_seq if m is not None else 0)
 
 
+def _counter_total(counter: Counter) -> float:
+    return sum(s.value for mf in counter.collect() for s in mf.samples if s.name.endswith("_total"))
+
+
+class _SinceStart:
+    """A process-wide counter of another package, exposed from this registry as counted since start."""
+
+    def __init__(self, name: str, doc: str, counter: Counter) -> None:
+        self.name, self.doc, self.counter = name, doc, counter
+        self.baseline = _counter_total(counter)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, value=_counter_total(self.counter) - self.baseline)
+
+
 class ServingMetrics:
     def __init__(self, live_model: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -87,6 +118,23 @@ class ServingMetrics:
                                     registry=r)
         self.history_errors = Counter("streamrec_serving_history_errors", "Redis history reads that failed; the "
                                       "request was scored without history.", registry=r)
+        self.rejected = Counter("streamrec_serving_rejected", "Artifact or delta versions rejected (each once, until "
+                                "its files change): corrupt, malformed, not finite or not fitting the model.",
+                                ["kind"], registry=r)
+        for kind in ("artifact", "delta"):
+            self.rejected.labels(kind)
+        self.deltas_skipped = Counter("streamrec_serving_deltas_skipped", "Learner deltas passed over on purpose, "
+                                      "by reason.", ["reason"], registry=r)
+        self.deltas_skipped.labels("lineage")
+        self.deltas_paused = Gauge("streamrec_serving_deltas_paused", "1 while no learner deltas are applied because "
+                                   "the live artifact is a pinned rollback (streamrec refresh --rollback).", registry=r)
+        self.history_unavailable = Counter("streamrec_serving_history_unavailable", "Requests scored without "
+                                           "history because Redis was down, refused or timed out.", registry=r)
+        self.history_malformed = Counter("streamrec_serving_history_malformed", "Users whose Redis history read failed "
+                                         "on its data (not Redis being down); scored without history.", registry=r)
+        r.register(_SinceStart("streamrec_history_malformed", "Malformed entries in users' Redis click histories, "
+                               "skipped when read (as the joiner skips them), since this service started.",
+                               HISTORY_MALFORMED))  # type: ignore[arg-type]
         self.in_flight = Gauge("streamrec_serving_in_flight", "Requests being served.", registry=r)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]

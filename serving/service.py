@@ -15,6 +15,8 @@ from types import TracebackType
 
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from serving.app import ScoringApp
 from serving.http_server import Server, make_server
@@ -47,9 +49,11 @@ class ScoringService:
         prefix = "streamrec"
         if redis_settings is not None:
             prefix = redis_settings.prefix
-            # Request path: a short timeout, so a slow Redis degrades (no history) instead of stalling.
+            # Request path: a short timeout and NO retries (redis-py retries timeouts 3 times with backoff by
+            # default), so a slow or dead Redis costs one timeout and the request is scored without history.
             self.redis = redis.Redis.from_url(redis_settings.url, socket_timeout=settings.redis_timeout_s,
-                                              socket_connect_timeout=settings.redis_timeout_s)
+                                              socket_connect_timeout=settings.redis_timeout_s,
+                                              retry=Retry(NoBackoff(), 0), retry_on_error=[])
             # The joiner keeps 4 x history_len clicks per user and attaches the last history_len.
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
             self.pubsub_redis = redis.Redis.from_url(redis_settings.url, socket_connect_timeout=2.0)

@@ -24,3 +24,4 @@ class ServeSettings:
     max_body_bytes: int = 4 << 20
     poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
     redis_timeout_s: float = 0.05  # a slow history read fails open (empty history) rather than the request
+    history_retry_after_s: float = 1.0  # after a failed history read, requests skip Redis this long (no retries)

@@ -8,9 +8,30 @@
 
 One thread does every change, so a swap and a delta never race. A request reads ``holder.live`` once
 and scores on that :class:`LiveModel` to the end: requests in flight finish on the model they started
-with, and the old model is freed when the last of them drops its reference. A new artifact that fails
-to load or verify (``ArtifactError``) is logged, counted and not retried for ``retry_rejected_s``; the
-live model keeps serving. Pub/sub only wakes the thread early: a missed message costs one poll.
+with, and the old model is freed when the last of them drops its reference. Pub/sub only wakes the
+thread early: a missed message costs one poll.
+
+Failing closed, once:
+
+* **Artifacts.** A ``CURRENT`` that names no valid version, or a version that fails to load for any
+  reason (malformed manifest, checksum, scorer, ...), is rejected ONCE: logged as an error, counted in
+  ``streamrec_serving_rejected_total{kind="artifact"}`` (and ``..._swap_rejected_total``), and remembered by
+  its path and the size, mtime and inode of its files, so it is not read or hashed again at every poll;
+  it is tried again only when those change (a republish, a repaired file). The live model keeps serving;
+  with none yet, ``/readyz`` and ``/v1/score`` answer 503 with the reason, and the process stays up.
+* **Deltas.** A damaged or malformed delta (``learner.deltas.DeltaError``) or one that does not fit the
+  live model is rejected once (``streamrec_serving_rejected_total{kind="delta"}``) and skipped; the later
+  ones still apply. "Later" is in ``seq`` order: deltas are absolute, so rows only the skipped delta
+  carried keep their older value until a later delta touches them again or the next artifact arrives,
+  and the dense weights are restored by the very next delta (each carries them whole).
+* **Lineage.** A delta applies only if it is newer than the live artifact's source checkpoint
+  (``samples_trained``) and of its lineage (when both carry one); others are skipped and counted
+  (``streamrec_serving_deltas_skipped_total{reason="lineage"}``).
+* **Rollback.** While ``<root>/PINNED`` names the live version (``streamrec refresh --rollback``; see
+  ``streamrec/artifact.py``), no deltas are applied: they were all written by the learner that trained
+  past the newer artifact, so applying them would bring the rolled-back model back.
+  ``streamrec_serving_deltas_paused`` is 1 meanwhile; the next publish clears the pin and deltas newer
+  than that artifact apply again.
 """
 
 from __future__ import annotations
@@ -28,7 +49,7 @@ import redis
 from learner.deltas import DeltaReader
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
-from streamrec.artifact import ArtifactError, ScoringModel, read_current
+from streamrec.artifact import CURRENT, PIN, VERSIONS, ArtifactError, ScoringModel, current_version, read_pin
 
 log = logging.getLogger("streamrec.serve")
 
@@ -41,11 +62,15 @@ def delta_channel(prefix: str) -> str:
     return f"{prefix}:model-deltas"
 
 
+_REMEMBER = 256  # rejected versions remembered (oldest forgotten first)
+
+
 @dataclass(frozen=True)
 class LiveModel:
     model: ScoringModel
     encoder: FeatureEncoder
     source_samples: int  # samples_trained of the artifact's source checkpoint: older deltas are in it
+    lineage: str | None = None  # the source checkpoint's lineage: deltas of another one never apply
 
 
 class ModelHolder:
@@ -53,15 +78,32 @@ class ModelHolder:
 
     def __init__(self) -> None:
         self.live: LiveModel | None = None
+        self.problem: str | None = None  # why the current artifact is not the one answering (for /readyz)
 
     def model(self) -> ScoringModel | None:
         live = self.live
         return live.model if live is not None else None
 
 
-def _source_samples(model: ScoringModel) -> int:
-    value = (model.manifest.get("source") or {}).get("samples_trained")
-    return int(value) if value is not None else 0
+def _live_model(model: ScoringModel) -> LiveModel:
+    return LiveModel(model, FeatureEncoder(model), model.source_samples or 0, model.lineage)
+
+
+def _stat_key(path: Path) -> tuple[Any, ...]:
+    try:
+        st = path.stat()
+    except OSError:
+        return ("missing",)
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _dir_fingerprint(path: Path) -> tuple[Any, ...]:
+    """What changes when a version directory or any file in it is rewritten (cheap: stat calls only)."""
+    try:
+        entries = sorted(path.iterdir())
+    except OSError:
+        return ("missing",)
+    return (_stat_key(path), *((p.name, *_stat_key(p)) for p in entries))
 
 
 class ModelUpdater:
@@ -69,15 +111,18 @@ class ModelUpdater:
 
     def __init__(self, holder: ModelHolder, metrics: ServingMetrics, publish_root: Path, deltas_dir: Path | None,
                  device: str = "cpu", poll_s: float = 0.5, redis_client: redis.Redis | None = None,
-                 prefix: str = "streamrec", retry_rejected_s: float = 60.0,
+                 prefix: str = "streamrec",
                  load: Callable[[Path, str], ScoringModel] = lambda p, d: ScoringModel.load(p, device=d)) -> None:
         self.holder, self.metrics = holder, metrics
         self.root = Path(publish_root)
-        self.deltas = DeltaReader(deltas_dir) if deltas_dir is not None else None
-        self.device, self.poll_s, self.retry_rejected_s = device, poll_s, retry_rejected_s
+        self.deltas = (DeltaReader(deltas_dir, on_reject=self._delta_rejected, on_skip=self._delta_skipped)
+                       if deltas_dir is not None else None)
+        self.device, self.poll_s = device, poll_s
         self.redis, self.prefix = redis_client, prefix
         self._load = load
-        self._rejected: dict[Path, float] = {}
+        self._rejected: dict[tuple[Any, ...], str] = {}  # fingerprint -> reason, insertion-ordered
+        self._rejected_deltas: dict[tuple[Any, ...], None] = {}  # delta file versions counted, insertion-ordered
+        self._pause_reason: str | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # check_now may be called from tests while the thread runs
@@ -86,7 +131,10 @@ class ModelUpdater:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        self.check_now()  # load what is there before the first request, when there is something
+        try:
+            self.check_now()  # load what is there before the first request, when there is something
+        except Exception:  # noqa: BLE001 - serving starts (not ready) whatever the publish root holds
+            log.exception("first model check failed; serving starts without a model and keeps polling")
         t = threading.Thread(target=self._loop, name="serve-updater", daemon=True)
         t.start()
         self._threads.append(t)
@@ -143,47 +191,112 @@ class ModelUpdater:
             if live is not None:
                 self._apply_deltas(live)
 
-    def _maybe_swap(self) -> None:
-        path = read_current(self.root)
-        live = self.holder.live
-        if path is None or (live is not None and live.model.version_dir.resolve() == path.resolve()):
+    # -- rejections ------------------------------------------------------------------------------------
+    def _reject(self, key: tuple[Any, ...], reason: str) -> None:
+        """Count and log an artifact rejection once per ``key`` (a path and its files' fingerprint)."""
+        if key in self._rejected:
             return
-        rejected_at = self._rejected.get(path)
-        if rejected_at is not None and time.monotonic() - rejected_at < self.retry_rejected_s:
+        self._rejected[key] = reason
+        while len(self._rejected) > _REMEMBER:
+            self._rejected.pop(next(iter(self._rejected)))
+        self.metrics.rejected.labels("artifact").inc()
+        self.metrics.swap_rejected.inc()
+        self.last_error = reason
+        live = self.holder.live
+        self.holder.problem = reason
+        log.error("artifact rejected, %s keeps serving (not retried until its files change): %s",
+                  live.model.version if live else "no model (/readyz 503)", reason)
+
+    def _delta_rejected(self, path: Path, reason: str) -> None:
+        """Count and log a delta rejection once per file version (a misfit is retried after a swap, since it
+        may fit the new artifact; failing again there is not counted twice)."""
+        key = (str(path), *_stat_key(path))
+        if key in self._rejected_deltas:
+            log.info("delta %s does not fit this model either: %s", path.name, reason)
+            return
+        self._rejected_deltas[key] = None
+        while len(self._rejected_deltas) > 16 * _REMEMBER:
+            self._rejected_deltas.pop(next(iter(self._rejected_deltas)))
+        self.metrics.rejected.labels("delta").inc()
+        self.metrics.delta_errors.inc()
+        self.last_error = reason
+        log.error("delta %s rejected and skipped (the deltas after it still apply): %s", path.name, reason)
+
+    def _delta_skipped(self, path: Path, reason: str) -> None:
+        self.metrics.deltas_skipped.labels("lineage").inc()
+        log.warning("delta %s skipped: %s", path.name, reason)
+
+    # -- artifacts ---------------------------------------------------------------------------------------
+    def _maybe_swap(self) -> None:
+        try:
+            name = current_version(self.root)
+        except ArtifactError as exc:
+            self._reject(("CURRENT", *_stat_key(self.root / CURRENT)), str(exc))
+            return
+        if name is None:
+            return
+        path = self.root / VERSIONS / name
+        live = self.holder.live
+        if live is not None and live.model.version_dir.resolve() == path.resolve():
+            return
+        key = (str(path), _dir_fingerprint(path))
+        if key in self._rejected:
+            return
+        if not path.is_dir():
+            self._reject(key, f"{self.root / CURRENT} names {name}, which is not in {self.root / VERSIONS}: "
+                         "publish again with `streamrec refresh --now`")
             return
         t0 = time.monotonic()
         try:
             model = self._load(path, self.device)
-        except ArtifactError as exc:
-            self._rejected[path] = time.monotonic()
-            self.metrics.swap_rejected.inc()
-            self.last_error = str(exc)
-            log.error("artifact %s rejected, %s keeps serving: %s", path.name,
-                      live.model.version if live else "no model", exc)
+        except Exception as exc:  # noqa: BLE001 - ArtifactError, or anything a custom loader raises: rejected once
+            self._reject(key, f"{path}: {exc}" if not isinstance(exc, ArtifactError) else str(exc))
             return
-        new = LiveModel(model, FeatureEncoder(model), _source_samples(model))
+        new = _live_model(model)
+        if self.deltas is not None:
+            self.deltas.forget_unfit()  # a delta that did not fit the old model may fit this one
         self._apply_deltas(new)  # before it answers: a swap never makes scores staler than the deltas
         self.holder.live = new
-        self._rejected.pop(path, None)
+        self.holder.problem = None
         self.metrics.swaps.inc()
         if live is not None:
             self.metrics.lookups.retire(live.model)
         log.info("serving artifact %s (%s, delta %d) after %.2fs; was %s", model.version, model.format,
                  model.delta_seq, time.monotonic() - t0, live.model.version if live else "nothing")
 
+    # -- deltas ------------------------------------------------------------------------------------------
+    def _paused(self, live: LiveModel) -> str | None:
+        """Why no deltas may be applied to ``live`` now (a rollback pin, no source sample count), or None."""
+        m = live.model
+        reason = None
+        if m.source_samples is None:
+            reason = f"artifact {m.version} does not say how far its source was trained (source.samples_trained)"
+        else:
+            pin = read_pin(self.root)
+            if pin is not None and pin.holds(m.version):
+                reason = pin.problem or (f"{m.version} is a rollback from {pin.rolled_back_from} "
+                                         f"({self.root / PIN}); the learner's deltas belong to the newer "
+                                         "model; they apply again after the next publish")
+        if reason != self._pause_reason:
+            if reason is not None:
+                log.warning("learner deltas paused: %s", reason)
+            elif self._pause_reason is not None:
+                log.info("learner deltas resume on %s", m.version)
+            self._pause_reason = reason
+        self.metrics.deltas_paused.set(1.0 if reason else 0.0)
+        return reason
+
     def _apply_deltas(self, live: LiveModel) -> None:
-        if self.deltas is None:
+        if self.deltas is None or self._paused(live) is not None:
             return
         gaps = self.deltas.gaps
-        for d in self.deltas.newer(live.model.delta_seq, live.source_samples):
+        m = live.model
+        for d in self.deltas.newer(m.delta_seq, live.source_samples, live.lineage):
             try:
-                live.model.apply_delta(d.rows, d.vectors, d.dense_state, d.seq)
-                if d.id_maps:  # ids admitted since the artifact: rows first, then the map that points at them
-                    live.model.replace_id_maps(d.id_maps)
-            except (ValueError, RuntimeError) as exc:
-                self.metrics.delta_errors.inc()
-                self.deltas.mark_bad(d.path)
-                log.error("delta %s does not fit model %s (%s); skipped", d.path.name, live.model.version, exc)
+                m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps)
+            except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
+                self.deltas.mark_unfit(d.path)
+                self._delta_rejected(d.path, f"does not fit model {m.version}: {exc}")
                 continue
             self.metrics.deltas_applied.inc()
         if self.deltas.gaps > gaps:
@@ -192,4 +305,4 @@ class ModelUpdater:
     def status(self) -> dict[str, Any]:
         m = self.holder.model()
         return {"model_version": m.version if m else None, "delta_seq": m.delta_seq if m else None,
-                "publish_root": str(self.root), "last_error": self.last_error}
+                "publish_root": str(self.root), "last_error": self.last_error, "deltas_paused": self._pause_reason}

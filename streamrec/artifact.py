@@ -33,13 +33,24 @@ Scoring runs in fp32. The learner's forward may run its dense part under bf16 au
 the artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
 matches to ~1e-7 on probabilities (tests/test_artifact.py).
 
-Publishing: an artifact is staged in ``<root>/.staging/``, fsynced, renamed into ``versions/`` (same
-file system, so the rename is atomic) and only then named in ``CURRENT`` (temp file, fsync,
-``os.replace``, fsync of the directory). A crash at any point leaves ``CURRENT`` naming a complete
-version. The last ``keep`` versions (and always the current one) are kept.
+Publishing: an artifact is staged in ``<root>/.staging/``, fsynced, verified (every file against the
+manifest), renamed into ``versions/`` (same file system, so the rename is atomic) and only then named in
+``CURRENT`` (temp file, fsync, ``os.replace``, fsync of the directory). A crash at any point leaves
+``CURRENT`` naming a complete version. The last ``keep`` versions (and always the current one) are kept.
+
+Rollback and the pin: :func:`rollback` verifies the older version, writes ``<root>/PINNED`` (JSON
+``{"version", "rolled_back_from", "at"}``) and then points ``CURRENT`` at it. While ``PINNED`` names the
+live version, serving applies no learner deltas to it: the learner kept training past the newer
+artifact, so every delta it writes belongs to the model the operator just rolled away from (its dense
+weights would bring that model back). The next :func:`publish` removes the pin. A pin naming another
+version than ``CURRENT`` (a crash between the two writes) is stale and ignored; an unreadable pin is
+treated as a pin (fail closed: the model is staler, never the wrong one).
 
 Errors: :class:`ArtifactError` for every artifact that cannot be used (missing, truncated or altered
-files, a manifest this code cannot read); the message names the file and what was wrong.
+files; a manifest that is not UTF-8, not JSON, not an object, lacks a key or has a key of the wrong type
+or value; a ``CURRENT`` that names no valid version; a scorer that does not load or score); the message
+names the file, what was wrong and what to do. No other exception escapes :func:`decode_manifest`,
+:func:`read_current`, :func:`read_pin` or :meth:`ScoringModel.load` for a damaged artifact.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import copy
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -66,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from learner.checkpoint import fsync_dir, write_synced
-from learner.features import FeatureConfig
+from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM, DenseArch, FMInteraction
 from learner.row_mapper import RowMapper
 
@@ -77,8 +89,13 @@ COLD_FILE = "cold_rows.npy"
 ID_MAPS_FILE = "id_maps.pt"  # dynamic ids only: the learner's id maps (learner/row_mapper.py)
 MANIFEST = "manifest.json"
 CURRENT = "CURRENT"
+PIN = "PINNED"
 VERSIONS = "versions"
 STAGING = ".staging"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # version and file names: no path separators
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_MAX_MANIFEST = 16 << 20
+_MAX_POINTER = 4096
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 _STALE_STAGING_S = 3600.0
 _HASH_CHUNK = 8 << 20
@@ -184,6 +201,195 @@ def _dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in state.items() if not k.startswith("sparse.")}
 
 
+# -- manifest and checkpoint checks ----------------------------------------------------------------
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_FIELD_TYPES: dict[str, tuple[Any, bool]] = {  # FieldSpec attribute: (check, may be None)
+    "name": (lambda v: isinstance(v, str) and v != "", False),
+    "kind": (lambda v: v in ("single", "multi", "sequence"), False),
+    "num_buckets": (lambda v: _int(v) and v >= 1, False),
+    "shares": (lambda v: isinstance(v, str), True),
+    "capacity": (lambda v: _int(v) and v >= 0, False),
+    "admit_after": (lambda v: _int(v) and v >= 0, False),
+    "ttl_s": (lambda v: _num(v) and v >= 0, True),
+    "init": (lambda v: v in ("bucket", "zero"), False),
+    "bucket_half_life_s": (lambda v: _num(v) and v > 0, True),
+}
+
+
+def feature_config_from(d: Any, where: str) -> FeatureConfig:
+    """A :class:`FeatureConfig` from its ``to_dict()`` form, every field type-checked: ArtifactError otherwise."""
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{where}: feature_config {what}; the file was not written by this streamrec's "
+                             "learner or refresh (rebuild it with `streamrec refresh --now`)")
+
+    if not isinstance(d, dict):
+        raise bad(f"is {_show(d)}, expected an object")
+    fields = d.get("fields")
+    if not isinstance(fields, (list, tuple)) or not fields:  # a list in JSON, a tuple in a checkpoint
+        raise bad(f"fields is {_show(fields)}, expected a non-empty list")
+    specs = []
+    for i, f in enumerate(fields):
+        if not isinstance(f, dict) or "name" not in f or set(f) - set(_FIELD_TYPES):
+            raise bad(f"fields[{i}] is {_show(f)}, expected an object with name and only {sorted(_FIELD_TYPES)}")
+        for key, value in f.items():
+            check, nullable = _FIELD_TYPES[key]
+            if not ((value is None and nullable) or (value is not None and check(value))):
+                raise bad(f"fields[{i}].{key} is {_show(value)}")
+        specs.append(f)
+    dense, dim, version = d.get("dense", []), d.get("embedding_dim"), d.get("version", 1)
+    if not (isinstance(dense, (list, tuple)) and all(isinstance(x, str) for x in dense)):
+        raise bad(f"dense is {_show(dense)}, expected a list of names")
+    if not (isinstance(dim, int) and not isinstance(dim, bool) and 1 <= dim <= 65536):
+        raise bad(f"embedding_dim is {_show(dim)}, expected an integer in [1, 65536]")
+    if not _int(version):
+        raise bad(f"version is {_show(version)}, expected an integer")
+    try:
+        cfg = FeatureConfig(tuple(FieldSpec(**f) for f in specs), dense=tuple(dense), embedding_dim=dim,
+                            version=version)
+        cfg.blocks  # noqa: B018 - validates `shares`
+    except (ValueError, TypeError, StopIteration) as exc:
+        raise bad(f"is inconsistent ({exc})") from None
+    return cfg
+
+
+def _check_source(src: Any, bad: Any) -> None:
+    if not isinstance(src, dict):
+        raise bad(f"source is {_show(src)}, expected an object")
+    samples = src.get("samples_trained")
+    if samples is not None and not (_int(samples) and samples >= 0):
+        raise bad(f"source.samples_trained is {_show(samples)}, expected an integer >= 0 or null")
+    for key in ("checkpoint", "lineage", "topic"):
+        if src.get(key) is not None and not isinstance(src[key], str):
+            raise bad(f"source.{key} is {_show(src[key])}, expected a string or null")
+    if not isinstance(src.get("offsets", {}), dict):
+        raise bad(f"source.offsets is {_show(src.get('offsets'))}, expected an object")
+
+
+def _check_files(files: Any, fmt: str, bad: Any) -> None:
+    if not isinstance(files, dict) or not files:
+        raise bad(f"files is {_show(files)}, expected an object of {{name: {{sha256, bytes}}}}")
+    for name, want in files.items():
+        if not _NAME_RE.fullmatch(name):
+            raise bad(f"files names {_show(name)}, not a plain file name of this directory")
+        if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and _SHA_RE.fullmatch(want["sha256"])
+                and _int(want.get("bytes")) and want["bytes"] >= 0):
+            raise bad(f"files[{name!r}] is {_show(want)}, expected {{sha256: 64 hex digits, bytes: integer >= 0}}")
+    for needed in (SCORER_FILES[fmt], COLD_FILE):
+        if needed not in files:
+            raise bad(f"files does not list {needed}, which a {fmt} artifact reads")
+
+
+def decode_manifest(raw: bytes, where: str | Path = MANIFEST) -> dict[str, Any]:
+    """The manifest in ``raw`` (the bytes of ``manifest.json``), every key this code reads checked.
+
+    Raises :class:`ArtifactError` naming the problem for any other bytes: not UTF-8, not JSON, not an
+    object, another ``artifact_format_version``, a missing key, a key of the wrong type or value, a file
+    name with a path in it, a feature config or scorer spec that does not hold together. Extra keys are
+    allowed (newer writers may add some).
+    """
+    where = str(where)
+
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{where}: {what}: the artifact is corrupt or not this streamrec's; republish with "
+                             "`streamrec refresh --now` or roll back with `streamrec refresh --rollback`")
+
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"not UTF-8 ({exc})") from None
+    try:
+        m = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(m, dict):
+        raise bad(f"holds {_show(m)}, expected a JSON object")
+    afv = m.get("artifact_format_version")
+    if not _int(afv) or afv != ARTIFACT_FORMAT_VERSION:
+        raise ArtifactError(f"{where}: artifact format {_show(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
+                            "rebuild it with `streamrec refresh --now`")
+    missing = [k for k in ("version", "created", "created_utc", "format", "source", "feature_config", "model",
+                           "scorer", "hot_set", "files") if k not in m]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    if not (isinstance(m["version"], str) and _NAME_RE.fullmatch(m["version"])):
+        raise bad(f"version is {_show(m['version'])}, expected a plain name (letters, digits, . _ -)")
+    if not _num(m["created"]) or not isinstance(m["created_utc"], str):
+        raise bad(f"created {_show(m['created'])} / created_utc {_show(m['created_utc'])}: expected a unix time "
+                  "and a string")
+    fmt = m["format"]
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise bad(f"format is {_show(fmt)}, expected one of {', '.join(FORMATS)}")
+    for key in ("model", "hot_set"):
+        if not isinstance(m[key], dict):
+            raise bad(f"{key} is {_show(m[key])}, expected an object")
+    _check_source(m["source"], bad)
+    _check_files(m["files"], fmt, bad)
+    cfg = feature_config_from(m["feature_config"], where)
+    sc = m["scorer"]
+    ok = (isinstance(sc, dict) and _int(sc.get("num_fields")) and _int(sc.get("dim")) and _int(sc.get("num_dense"))
+          and isinstance(sc.get("mlp"), list) and all(_int(x) and 1 <= x <= 1 << 20 for x in sc["mlp"])
+          and _num(sc.get("dropout")) and 0 <= sc["dropout"] < 1)
+    if not ok:
+        raise bad(f"scorer is {_show(sc)}, expected {{num_fields, dim, num_dense, mlp: [sizes], dropout}}")
+    if (sc["num_fields"], sc["dim"], sc["num_dense"]) != (cfg.num_fields, cfg.embedding_dim, len(cfg.dense)):
+        raise bad(f"scorer (fields {sc['num_fields']}, dim {sc['dim']}, dense {sc['num_dense']}) does not match the "
+                  f"feature config ({cfg.num_fields}, {cfg.embedding_dim}, {len(cfg.dense)})")
+    return m
+
+
+def check_checkpoint(checkpoint: Any) -> FeatureConfig:
+    """That ``checkpoint`` (``learner.checkpoint.load_latest``) can become an artifact; returns its config.
+
+    ArtifactError naming the problem otherwise: no meta, a malformed feature config or model settings, no
+    embedding table, a table of the wrong shape, or non-finite weights (a diverged learner must not be
+    published; the previous artifact keeps serving).
+    """
+    where = f"checkpoint {checkpoint.get('path') if isinstance(checkpoint, dict) else None}"
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("meta"), dict):
+        raise ArtifactError(f"{where}: has no meta object; it is not a streamrec learner checkpoint")
+    meta = checkpoint["meta"]
+    cfg = feature_config_from(meta.get("feature_config"), where)
+    ms = meta.get("model")
+    if not isinstance(ms, dict) or "mlp" not in ms:
+        raise ArtifactError(f"{where}: meta.model is {_show(ms)}, expected the model settings with mlp")
+    try:
+        layers_ok = all(x >= 1 for x in parse_mlp(ms["mlp"]))
+    except (ValueError, TypeError):
+        layers_ok = False
+    if not layers_ok or not _num(ms.get("dropout", 0.0)):
+        raise ArtifactError(f"{where}: meta.model mlp {_show(ms['mlp'])} / dropout {_show(ms.get('dropout'))} "
+                            "are not layer sizes and a rate")
+    samples = meta.get("samples_trained")
+    if not (_int(samples) and samples >= 0):
+        raise ArtifactError(f"{where}: meta.samples_trained is {_show(samples)}, expected an integer >= 0")
+    state = checkpoint.get("model")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ArtifactError(f"{where}: model is not a state dict of tensors")
+    table = state.get("sparse.bag.weight")
+    want = (cfg.num_rows, cfg.embedding_dim + 1)
+    if table is None or tuple(table.shape) != want:
+        raise ArtifactError(f"{where}: table shape {None if table is None else tuple(table.shape)} does not match "
+                            f"its feature config {want}")
+    for k, v in state.items():
+        if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+            raise ArtifactError(f"{where}: weight {k!r} holds {int((~torch.isfinite(v)).sum())} non-finite values: "
+                                "the learner diverged; this checkpoint is not published (the live artifact keeps "
+                                "serving); fix the learner or refresh from an earlier checkpoint")
+    return cfg
+
+
 # -- files ---------------------------------------------------------------------------------------
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -270,8 +476,8 @@ def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarr
     t0 = time.monotonic()
     root = Path(out_dir)
     _clean_stale_staging(root)
+    cfg = check_checkpoint(checkpoint)
     meta = checkpoint["meta"]
-    cfg = FeatureConfig.from_dict(meta["feature_config"])
     ms = meta["model"]
     spec = ScorerSpec(cfg.num_fields, cfg.embedding_dim, len(cfg.dense), parse_mlp(ms["mlp"]),
                       float(ms.get("dropout", 0.0)))
@@ -308,7 +514,7 @@ def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarr
             "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "format": format,
             "source": {"checkpoint": checkpoint.get("path"), "samples_trained": meta.get("samples_trained"),
-                       "offsets": meta.get("offsets", {}), "topic": meta.get("topic"),
+                       "lineage": meta.get("lineage"), "offsets": meta.get("offsets", {}), "topic": meta.get("topic"),
                        "metrics": meta.get("metrics", {})},
             "feature_config": cfg.to_dict(),
             "model": {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in ms.items()},
@@ -339,15 +545,31 @@ def list_versions(root: Path) -> list[str]:
 
 
 def current_version(root: Path) -> str | None:
+    """The name in ``CURRENT``; None when nothing was published. ArtifactError when it names no valid version."""
+    path = Path(root) / CURRENT
     try:
-        name = (Path(root) / CURRENT).read_text().strip()
+        raw = path.read_bytes()[: _MAX_POINTER + 1]
     except FileNotFoundError:
         return None
-    return name or None
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name == "":
+        return None
+    if name is None or len(raw) > _MAX_POINTER or not _NAME_RE.fullmatch(name):
+        raise ArtifactError(f"{path} holds {_show(raw[:60])}, not a version name: it was not written by "
+                            "`streamrec refresh`; publish again with `streamrec refresh --now` or write a version "
+                            f"from {_versions_dir(root)} into it")
+    return name
 
 
 def read_current(root: Path) -> Path | None:
-    """The current version's directory, or None when nothing was published (or it is gone)."""
+    """The current version's directory, or None when nothing was published (or it is gone).
+
+    ArtifactError when ``CURRENT`` holds something that is not a version name."""
     name = current_version(root)
     if name is None:
         return None
@@ -357,6 +579,48 @@ def read_current(root: Path) -> Path | None:
 
 def _set_current(root: Path, version: str) -> None:
     _write_atomic(Path(root) / CURRENT, (version + "\n").encode())
+
+
+@dataclass(frozen=True)
+class Pin:
+    """``<root>/PINNED``: the version a rollback returned to; serving applies no deltas to it (see above)."""
+
+    version: str | None  # None: the pin file is unreadable; it then pins whatever is live (fail closed)
+    rolled_back_from: str | None
+    at: float | None
+    problem: str | None = None
+
+    def holds(self, version: str) -> bool:
+        return self.version is None or self.version == version
+
+
+def read_pin(root: Path) -> Pin | None:
+    """The rollback pin, None when there is none. An unreadable pin is a Pin with ``problem`` set."""
+    path = Path(root) / PIN
+    try:
+        raw = path.read_bytes()[:_MAX_POINTER + 1]
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Pin(None, None, None, f"{path} cannot be read ({exc})")
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        d = None
+    ok = (isinstance(d, dict) and isinstance(d.get("version"), str) and _NAME_RE.fullmatch(d["version"])
+          and (d.get("rolled_back_from") is None or isinstance(d["rolled_back_from"], str))
+          and (d.get("at") is None or _num(d["at"])))
+    if not ok or len(raw) > _MAX_POINTER:
+        return Pin(None, None, None, f"{path} holds {_show(raw[:60])}, not a rollback pin; deltas stay paused "
+                   "until the next publish (`streamrec refresh --now`) replaces it")
+    return Pin(d["version"], d.get("rolled_back_from"), d.get("at"))
+
+
+def _clear_pin(root: Path) -> None:
+    path = Path(root) / PIN
+    if path.exists():
+        path.unlink(missing_ok=True)
+        fsync_dir(Path(root))
 
 
 def _prune(root: Path, keep: int) -> list[str]:
@@ -370,9 +634,10 @@ def _prune(root: Path, keep: int) -> list[str]:
 
 
 def publish(root: Path, staged_dir: Path, keep: int) -> Path:
-    """Move a staged artifact into ``versions/`` and make it current; keep the last ``keep`` versions."""
+    """Verify a staged artifact, move it into ``versions/`` and make it current (clearing a rollback pin);
+    keep the last ``keep`` versions. ArtifactError (nothing changes) when the staged files do not verify."""
     root, staged_dir = Path(root), Path(staged_dir)
-    manifest = _read_manifest(staged_dir)
+    manifest = verify(staged_dir)
     version = manifest["version"]
     versions = _versions_dir(root)
     versions.mkdir(parents=True, exist_ok=True)
@@ -381,35 +646,54 @@ def publish(root: Path, staged_dir: Path, keep: int) -> Path:
         raise ArtifactError(f"version {version} already exists in {versions}; refusing to overwrite it")
     os.rename(staged_dir, target)  # atomic: same file system (staging lives inside root)
     fsync_dir(versions)
+    fsync_dir(staged_dir.parent)
     _set_current(root, version)
+    _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
     _prune(root, keep)
     return target
 
 
 def rollback(root: Path) -> str:
-    """Make the version before the current one current again; returns its name."""
-    versions = list_versions(root)
+    """Make the version before the current one current again and pin it; returns its name.
+
+    The older version is verified first (size and sha256 of every file): a damaged one is an ArtifactError
+    and ``CURRENT`` stays as it was. The pin (``PINNED``) stops serving from applying learner deltas to the
+    rolled-back version until the next publish (see the module docstring)."""
+    root = Path(root)
+    versions = [v for v in list_versions(root) if _NAME_RE.fullmatch(v)]
     current = current_version(root)
     older = [v for v in versions if current is None or v < current]
     if not older:
         raise ArtifactError(f"no version older than {current!r} in {_versions_dir(root)} to roll back to "
                             f"(published: {versions or 'none'})")
-    _set_current(root, older[-1])
-    return older[-1]
+    target = older[-1]
+    try:
+        verify(_versions_dir(root) / target)
+    except ArtifactError as exc:
+        raise ArtifactError(f"cannot roll back to {target}: {exc}; CURRENT still names {current}") from None
+    now = time.time()
+    _write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,
+                                          "at_utc": dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
+                                          .isoformat(timespec="seconds")}).encode())
+    _set_current(root, target)
+    return target
 
 
 def _read_manifest(version_dir: Path) -> dict[str, Any]:
+    """The checked manifest of ``version_dir`` (:func:`decode_manifest`); ArtifactError if missing or bad."""
     path = Path(version_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        if path.stat().st_size > _MAX_MANIFEST:
+            raise ArtifactError(f"{path} has {path.stat().st_size} bytes, more than a manifest's {_MAX_MANIFEST}: "
+                                "the artifact is corrupt")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ArtifactError(f"{path} is missing: {version_dir} is not a complete artifact") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}): the artifact is corrupt") from None
-    if manifest.get("artifact_format_version") != ARTIFACT_FORMAT_VERSION:
-        raise ArtifactError(f"{path}: artifact format {manifest.get('artifact_format_version')!r}, this streamrec "
-                            f"reads {ARTIFACT_FORMAT_VERSION}; rebuild it with `streamrec refresh --now`")
-    return manifest
+    except IsADirectoryError:
+        raise ArtifactError(f"{path} is a directory, not a manifest: the artifact is corrupt") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
+    return decode_manifest(raw, path)
 
 
 def verify(version_dir: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -420,11 +704,17 @@ def verify(version_dir: Path, manifest: dict[str, Any] | None = None) -> dict[st
         p = version_dir / name
         if not p.is_file():
             raise ArtifactError(f"{p} is missing (listed in the manifest): the artifact is incomplete")
-        size = p.stat().st_size
+        try:
+            size = p.stat().st_size
+        except OSError as exc:
+            raise ArtifactError(f"{p} cannot be read ({exc})") from None
         if size != want["bytes"]:
             raise ArtifactError(f"{p} has {size} bytes, the manifest says {want['bytes']}: the file is truncated "
                                 "or was replaced; republish with `streamrec refresh --now` or roll back")
-        digest = _sha256(p)
+        try:
+            digest = _sha256(p)
+        except OSError as exc:
+            raise ArtifactError(f"{p} cannot be read ({exc}); check the publish root's permissions") from None
         if digest != want["sha256"]:
             raise ArtifactError(f"{p}: sha256 {digest[:16]}... does not match the manifest's {want['sha256'][:16]}...: "
                                 "the file is corrupt; republish with `streamrec refresh --now` or roll back")
@@ -478,28 +768,56 @@ class ScoringModel:
         self.cold_lookups = 0
 
     @classmethod
-    def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True) -> ScoringModel:
-        """Load (and by default verify, size and sha256 of every file) one artifact version."""
+    def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
+             smoke: bool = True) -> ScoringModel:
+        """Load (and by default verify, size and sha256 of every file) one artifact version.
+
+        Every reason it cannot be used is an :class:`ArtifactError`: the manifest (:func:`decode_manifest`),
+        a manifest naming another version than its directory under ``versions/``, the files, the cold rows'
+        dtype and shape, the scorer, the id maps, and (``smoke``) one probe scored to a finite probability.
+        """
         version_dir = Path(version_dir)
-        manifest = _read_manifest(version_dir)
-        if verify_files:
-            verify(version_dir, manifest)
-        fmt = manifest.get("format")
-        if fmt not in FORMATS:
-            raise ArtifactError(f"{version_dir}: unknown format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")
+        manifest = verify(version_dir) if verify_files else _read_manifest(version_dir)  # verify reads it first
+        if version_dir.parent.name == VERSIONS and manifest["version"] != version_dir.name:
+            raise ArtifactError(f"{version_dir / MANIFEST}: names version {manifest['version']!r} but lies in "
+                                f"{version_dir.name!r}: the directory was renamed or copied; publish it with "
+                                "`streamrec refresh --now` instead")
+        fmt = manifest["format"]
+        cfg = FeatureConfig.from_dict(manifest["feature_config"])
         spec = ScorerSpec.from_dict(manifest["scorer"])
         try:
-            cold = np.load(version_dir / COLD_FILE, mmap_mode="r")
+            cold = np.load(version_dir / COLD_FILE, mmap_mode="r", allow_pickle=False)
+            if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
+                raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
+                                    f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
             scorer = _load_scorer(fmt, version_dir / SCORER_FILES[fmt], spec, device)
+            model = cls(version_dir, manifest, scorer, cold, device)
         except ArtifactError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad artifact
             raise ArtifactError(f"{version_dir}: cannot load the artifact ({type(exc).__name__}: {exc})") from exc
-        cfg = FeatureConfig.from_dict(manifest["feature_config"])
-        if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
-            raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
-                                f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
-        return cls(version_dir, manifest, scorer, cold, device)
+        if smoke:
+            model._smoke_test()
+        return model
+
+    def _smoke_test(self) -> None:
+        """Score two probe samples (each field's first row): a scorer that does not fit its manifest fails here,
+        at load, instead of on every request."""
+        cfg = self.feature_config
+        b = 2
+        values = torch.tensor([first for first, _ in cfg.blocks for _ in range(b)], dtype=torch.int64)
+        offsets = torch.arange(cfg.num_fields * b + 1, dtype=torch.int64)
+        try:
+            p = self.score(values, offsets, torch.zeros(b, len(cfg.dense)))
+            ok = tuple(p.shape) == (b,) and bool(torch.isfinite(p).all()) and bool(((p >= 0) & (p <= 1)).all())
+        except Exception as exc:  # noqa: BLE001 - whatever the scorer raises, the artifact is unusable
+            raise ArtifactError(f"{self.version_dir}: the scorer does not score a probe ({type(exc).__name__}: "
+                                f"{str(exc)[:300]}); republish with `streamrec refresh --now`") from exc
+        finally:
+            self.hot_lookups = self.cold_lookups = 0
+        if not ok:
+            raise ArtifactError(f"{self.version_dir}: the scorer answered {p.tolist()} for a probe of {b} samples, "
+                                "expected finite probabilities; republish with `streamrec refresh --now`")
 
     # -- rows --------------------------------------------------------------------------------------
     def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
@@ -510,13 +828,15 @@ class ScoringModel:
         """
         return self._mapper.rows(field_index, hashed)
 
+    def _mapper_from(self, state: Any) -> RowMapper:
+        try:
+            return RowMapper.from_state(self.feature_config, state)
+        except Exception as exc:  # noqa: BLE001 - any malformed id map state is a misfit
+            raise ValueError(f"id maps do not fit model {self.version}: {type(exc).__name__}: {exc}") from exc
+
     def replace_id_maps(self, state: dict[str, Any]) -> None:
         """Map ids with newer id maps (a learner delta's): built aside, then swapped in one assignment."""
-        try:
-            mapper = RowMapper.from_state(self.feature_config, state)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ValueError(f"id maps do not fit model {self.version}: {exc}") from exc
-        self._mapper = mapper
+        self._mapper = self._mapper_from(state)
 
     def map_batch(self, tb: Any) -> None:
         """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
@@ -525,6 +845,16 @@ class ScoringModel:
     @property
     def delta_seq(self) -> int:
         return self._live.delta_seq
+
+    @property
+    def source_samples(self) -> int | None:
+        """``samples_trained`` of the source checkpoint (deltas at or below it are inside); None: unknown."""
+        return self.manifest["source"].get("samples_trained")
+
+    @property
+    def lineage(self) -> str | None:
+        """The source checkpoint's lineage (``learner/checkpoint.py``); None for artifacts built without one."""
+        return self.manifest["source"].get("lineage")
 
     @property
     def hot_rows(self) -> int:
@@ -566,33 +896,53 @@ class ScoringModel:
 
     # -- deltas ------------------------------------------------------------------------------------
     def apply_delta(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor] | None,
-                    seq: int) -> None:
-        """Override rows (R,) with vectors (R, D + 1); replace the dense weights when ``dense_state`` is given.
+                    seq: int, id_maps: dict[str, Any] | None = None) -> None:
+        """Override rows (R,) with vectors (R, D + 1); replace the dense weights when ``dense_state`` is given,
+        and the id maps when ``id_maps`` is.
 
-        Overrides win over hot and cold rows and accumulate until the next full artifact. A new snapshot
-        is built off to the side and swapped in with one assignment, so concurrent ``score`` calls see
-        either the old or the new state. ``dense_state`` uses DeepFM's names (``dense_arch.*``, ``bias``;
-        ``sparse.*`` keys are ignored).
+        All or nothing: every part is checked against this model first (integer rows inside the table,
+        vectors of the model's width, finite values, dense names, shapes and floating dtypes, id maps of this
+        feature config) and a misfit is a ``ValueError`` that leaves the model as it was. Overrides win over
+        hot and cold rows and accumulate until the next full artifact. A new snapshot is built off to the side
+        and swapped in with one assignment, so concurrent ``score`` calls see either the old or the new state
+        (the id maps are swapped right after the rows they point at). ``dense_state`` uses DeepFM's names
+        (``dense_arch.*``, ``bias``; ``sparse.*`` keys are ignored).
         """
         live = self._live
+        if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
+            raise ValueError(f"apply_delta: rows must be a 1-D integer tensor, got {_describe(rows)}")
+        if not isinstance(vectors, torch.Tensor) or not vectors.is_floating_point():
+            raise ValueError(f"apply_delta: vectors must be a floating tensor, got {_describe(vectors)}")
         r = rows.detach().cpu().numpy().astype(np.int64, copy=False)
         vec = vectors.detach().cpu().float().numpy()
         if vec.shape != (len(r), self.spec.dim + 1):
             raise ValueError(f"apply_delta: vectors have shape {vec.shape}, expected ({len(r)}, {self.spec.dim + 1})")
         if len(r) and (r.min() < 0 or r.max() >= self._cold.shape[0]):
             raise ValueError(f"apply_delta: rows must lie in [0, {self._cold.shape[0]}), got [{r.min()}, {r.max()}]")
+        if not np.isfinite(vec).all():
+            raise ValueError(f"apply_delta: vectors hold {int((~np.isfinite(vec)).sum())} non-finite values")
+        scorer = live.scorer
+        if dense_state is not None:
+            scorer = self._with_dense(scorer, dense_state)
+        mapper = self._mapper_from(id_maps) if id_maps is not None else None
         ids = np.concatenate([live.override_ids, r])
         vecs = np.concatenate([live.override_vectors, vec])
         # Keep the LAST occurrence of every row (the newest vector): unique over the reversed order.
         rev_ids = ids[::-1]
         uniq, first_in_rev = np.unique(rev_ids, return_index=True)
         keep = len(ids) - 1 - first_in_rev
-        scorer = live.scorer
-        if dense_state is not None:
-            scorer = self._with_dense(scorer, dense_state)
         self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq))
+        if mapper is not None:  # rows first, then the map that points at them
+            self._mapper = mapper
 
     def _with_dense(self, scorer: nn.Module, dense_state: dict[str, torch.Tensor]) -> nn.Module:
+        if not isinstance(dense_state, dict):
+            raise ValueError(f"apply_delta: dense_state must be a dict of tensors, got {_describe(dense_state)}")
+        for k, v in dense_state.items():
+            if not isinstance(k, str) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ValueError(f"apply_delta: dense_state[{k!r}] must be a floating tensor, got {_describe(v)}")
+            if v.numel() and not bool(torch.isfinite(v).all()):
+                raise ValueError(f"apply_delta: dense_state[{k!r}] holds non-finite values")
         new = {k: v.detach().to(self.device, torch.float32) for k, v in dense_state.items()
                if not k.startswith("sparse.")}
         current = {k: v for k, v in scorer.state_dict().items() if k not in ("hot_ids", "hot_vectors")}
@@ -612,6 +962,12 @@ class ScoringModel:
             for k, v in new.items():
                 (params.get(k) if k in params else buffers[k]).copy_(v)
         return clone
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype} tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}"
 
 
 def _clone_sharing_hot(scorer: nn.Module) -> nn.Module:

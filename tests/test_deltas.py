@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 import torch
 
@@ -128,3 +129,49 @@ def test_the_learner_daemon_writes_deltas_of_what_it_trains(kafka: KafkaSettings
         assert torch.equal(d.vectors, model.sparse.bag.weight.detach()[d.rows])
     finally:
         learner.close()
+
+
+def test_a_delta_file_is_checksummed_and_any_truncation_or_flipped_bit_is_a_delta_error(tmp_path: Path) -> None:
+    import hashlib
+
+    from learner import tensorpack
+    from learner.deltas import DeltaError
+
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0)
+    for tb in learner.train(1):
+        w.mark(tb.values)
+    path = w.write(learner.model, learner.trainer.samples)
+    assert path is not None and path.suffix == ".delta"
+    raw = path.read_bytes()
+    assert raw[:8] == tensorpack.MAGIC and raw[8:40] == hashlib.sha256(raw[40:]).digest()
+    assert load_delta(path).seq == 1
+    for cut in (0, 10, 47, len(raw) // 2, len(raw) - 1):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(DeltaError):
+            load_delta(path)
+    for pos in (8, 45, 60, len(raw) // 2, len(raw) - 1):
+        flipped = bytearray(raw)
+        flipped[pos] ^= 0x01
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(DeltaError):
+            load_delta(path)
+
+
+def test_deltas_and_checkpoints_of_one_directory_share_a_lineage_and_a_fresh_directory_starts_another(
+        tmp_path: Path) -> None:
+    from learner import checkpoint
+
+    ls = dataclasses.replace(LearnerSettings(), deltas_every_s=1.0, deltas_dir=tmp_path / "d",
+                             checkpoint_dir=tmp_path / "c")
+    learner = TinyLearner()
+    w = DeltaWriter.from_settings(ls, CFG.num_rows)  # before the first checkpoint: creates the lineage
+    for tb in learner.train(1):
+        w.mark(tb.values)
+    d = load_delta(w.write(learner.model, learner.trainer.samples))  # type: ignore[arg-type]
+    meta = learner.checkpoint()["meta"]
+    checkpoint.save(tmp_path / "c", {"model": learner.model.state_dict()}, meta)
+    saved = checkpoint.latest_meta(tmp_path / "c")
+    assert saved is not None and d.lineage == saved["lineage"] == checkpoint.lineage(tmp_path / "c")
+    assert len(d.lineage) == 32
+    assert checkpoint.lineage(tmp_path / "other") != d.lineage  # a learner started from scratch

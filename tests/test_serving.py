@@ -262,17 +262,18 @@ def test_a_corrupt_artifact_is_rejected_and_the_live_one_keeps_serving(stack, ro
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), redis_settings(stack, prefix)) as svc:
         conn = connect(svc)
         before = post(conn, "/v1/score", REQUEST)[1]
-        # truncated cold rows, then a scorer file with one byte flipped (same size): both fail the manifest
+        # truncated cold rows, then a scorer file with one byte flipped (same size): both fail the manifest.
+        # (publish verifies what it renames, so the damage is done after publishing: a disk going bad.)
         for version, name, damage in (("v002", "cold_rows.npy", "truncate"), ("v003", "scorer.pt", "flip")):
-            staged = build_artifact(learner.checkpoint(), root, np.arange(10), version=version)
-            path = staged / name
+            published = publish(root, build_artifact(learner.checkpoint(), root, np.arange(10), version=version),
+                                keep=30)
+            path = published / name
             data = bytearray(path.read_bytes())
             if damage == "truncate":
                 del data[len(data) // 2:]
             else:
                 data[len(data) // 2] ^= 0xFF
             path.write_bytes(bytes(data))
-            publish(root, staged, keep=30)
             svc.updater.check_now()
             status, out = post(conn, "/v1/score", REQUEST)
             assert status == 200 and out == before  # same model, same scores

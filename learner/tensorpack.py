@@ -1,0 +1,185 @@
+"""A checksummed container of tensors and JSON metadata that loads without unpickling anything.
+
+Used for the learner's serving deltas (``learner/deltas.py``): a delta crosses from the learner to
+serving through a directory, so serving must be able to tell a damaged or foreign file from a good one
+before a single value of it reaches the live model. ``torch.save`` files are pickles (and carry no
+checksum); this format is plain bytes, in the spirit of safetensors (not a dependency here)::
+
+    offset  size  field
+    0       8     magic  b"SRPACK\\x00\\x01" (container format 1)
+    8       32    sha256 of every byte after this field (header length, header, data)
+    40      8     header length H, unsigned little-endian
+    48      H     header, UTF-8 JSON: {"tree": <value>, "tensors": [[dtype, shape, offset, nbytes], ...]}
+    48 + H  ...   data: the tensors' raw little-endian bytes, at ``offset`` from the start of the data
+
+A ``<value>`` is JSON (objects with string keys, lists, strings, finite numbers, booleans, null), where
+``{"$tensor": i}`` stands for tensor ``i`` of the table and ``{"$float": "inf" | "-inf" | "nan"}`` for a
+non-finite float (JSON has none). Keys starting with ``$`` are reserved; tuples come back as lists.
+Dtypes: bool, uint8, int8, int16, int32, int64, float16, float32, float64.
+
+:func:`unpack` checks, in this order, and raises :class:`PackError` (a ``ValueError``) naming the first
+problem: length, magic, checksum, header size, UTF-8, JSON, header shape, every tensor's dtype, shape,
+offset and size against the data, bool bytes in {0, 1}, and every ``$`` reference. It never raises
+anything else for any input bytes (``tests/test_serving_faults.py`` fuzzes it). Values are not checked
+for finiteness here: that is the caller's rule (a delta must be finite, an id map may hold ``-inf``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+MAGIC = b"SRPACK\x00\x01"
+_PREFIX = 48  # magic + sha256 + header length
+_MAX_HEADER = 64 << 20
+_MAX_DEPTH = 32
+_MAX_DIMS = 8
+_DTYPES: dict[str, np.dtype] = {name: np.dtype(name).newbyteorder("<") for name in
+                                ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")}
+_TORCH = {torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
+          torch.int64: "int64", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+class PackError(ValueError):
+    """Bytes that are not a complete, intact tensor pack; the message says what was wrong."""
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def pack(tree: Any) -> bytes:
+    """The bytes of ``tree`` (dicts with str keys, lists/tuples, str, int, float, bool, None, CPU tensors,
+    numpy arrays). Raises ``TypeError``/``ValueError`` for anything else (a bug in the writer)."""
+    specs: list[list[Any]] = []
+    chunks: list[bytes] = []
+    size = 0
+
+    def enc(v: Any, depth: int) -> Any:
+        nonlocal size
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"pack: nested deeper than {_MAX_DEPTH}")
+        if isinstance(v, torch.Tensor):
+            if v.dtype not in _TORCH:
+                raise TypeError(f"pack: tensor dtype {v.dtype} is not supported; use one of {sorted(_DTYPES)}")
+            v = v.detach().cpu().contiguous().numpy()
+        if isinstance(v, np.ndarray):
+            name = v.dtype.name
+            if name not in _DTYPES:
+                raise TypeError(f"pack: array dtype {v.dtype} is not supported; use one of {sorted(_DTYPES)}")
+            raw = np.ascontiguousarray(v, dtype=_DTYPES[name]).tobytes()
+            specs.append([name, list(v.shape), size, len(raw)])
+            chunks.append(raw)
+            size += len(raw)
+            return {"$tensor": len(specs) - 1}
+        if isinstance(v, dict):
+            out = {}
+            for k, x in v.items():
+                if not isinstance(k, str) or k.startswith("$"):
+                    raise ValueError(f"pack: key {k!r}: keys must be strings not starting with '$'")
+                out[k] = enc(x, depth + 1)
+            return out
+        if isinstance(v, (list, tuple)):
+            return [enc(x, depth + 1) for x in v]
+        if isinstance(v, float) and not math.isfinite(v):
+            return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if isinstance(v, (np.integer, np.floating, np.bool_)):
+            return enc(v.item(), depth)
+        if v is None or isinstance(v, (str, bool, int, float)):
+            return v
+        raise TypeError(f"pack: cannot store a {type(v).__name__}")
+
+    header = json.dumps({"tree": enc(tree, 0), "tensors": specs}, allow_nan=False,
+                        separators=(",", ":")).encode()
+    body = struct.pack("<Q", len(header)) + header + b"".join(chunks)
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor(i: int, spec: Any, data: memoryview) -> torch.Tensor:
+    if not (isinstance(spec, list) and len(spec) == 4):
+        raise PackError(f"tensor {i}: spec {str(spec)[:80]} is not [dtype, shape, offset, nbytes]")
+    name, shape, offset, nbytes = spec
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise PackError(f"tensor {i}: dtype {str(name)[:40]!r} is not one of {', '.join(_DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_int(d) and d >= 0 for d in shape)):
+        raise PackError(f"tensor {i}: shape {str(shape)[:80]} is not a list of at most {_MAX_DIMS} sizes >= 0")
+    if not (_int(offset) and _int(nbytes) and offset >= 0 and nbytes >= 0):
+        raise PackError(f"tensor {i}: offset {offset!r} and nbytes {nbytes!r} must be integers >= 0")
+    dt = _DTYPES[name]
+    count = math.prod(shape)
+    if count * dt.itemsize != nbytes:
+        raise PackError(f"tensor {i}: shape {shape} of {name} needs {count * dt.itemsize} bytes, the header says "
+                        f"{nbytes}")
+    if offset + nbytes > len(data):
+        raise PackError(f"tensor {i}: bytes [{offset}, {offset + nbytes}) lie beyond the data ({len(data)} bytes): "
+                        "the file is truncated")
+    try:
+        arr = np.frombuffer(data, dtype=dt, count=count, offset=offset).reshape(shape)
+    except ValueError as exc:  # guarded above; kept so that no input escapes as another error
+        raise PackError(f"tensor {i}: {exc}") from None
+    if name == "bool" and arr.view(np.uint8).max(initial=0) > 1:
+        raise PackError(f"tensor {i}: bool bytes other than 0 and 1")
+    return torch.from_numpy(arr.astype(dt.newbyteorder("="), copy=True))
+
+
+def _tree(v: Any, tensors: list[torch.Tensor | None], specs: list[Any], data: memoryview, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise PackError(f"tree nested deeper than {_MAX_DEPTH}")
+    if isinstance(v, dict):
+        if any(k.startswith("$") for k in v):
+            if set(v) == {"$tensor"}:
+                i = v["$tensor"]
+                if not _int(i) or not 0 <= i < len(specs):
+                    raise PackError(f"tensor reference {str(i)[:40]} is not an index into {len(specs)} tensors")
+                t = tensors[i]
+                if t is None:
+                    t = tensors[i] = _tensor(i, specs[i], data)
+                return t
+            if set(v) == {"$float"} and v["$float"] in _NONFINITE:
+                return _NONFINITE[v["$float"]]
+            raise PackError(f"reserved key in {str(v)[:80]}: only {{'$tensor': i}} and {{'$float': ...}} are known")
+        return {k: _tree(x, tensors, specs, data, depth + 1) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_tree(x, tensors, specs, data, depth + 1) for x in v]
+    return v
+
+
+def unpack(raw: bytes) -> Any:
+    """The tree stored in ``raw``; :class:`PackError` for any bytes that are not an intact pack."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise PackError(f"expected bytes, got {type(raw).__name__}")
+    raw = bytes(raw)
+    if len(raw) < _PREFIX:
+        raise PackError(f"{len(raw)} bytes: shorter than the {_PREFIX}-byte prefix (truncated or empty)")
+    if raw[:8] != MAGIC:
+        hint = " (a torch.save zip file: an older, unchecked format)" if raw[:4] == b"PK\x03\x04" else ""
+        raise PackError(f"magic {raw[:8]!r} is not {MAGIC!r}: not a streamrec tensor pack{hint}")
+    body = memoryview(raw)[40:]
+    digest = hashlib.sha256(body).hexdigest()
+    if digest != raw[8:40].hex():
+        raise PackError(f"sha256 {digest[:16]}... does not match the stored {raw[8:40].hex()[:16]}...: "
+                        "the file is corrupt (a flipped byte, a torn or foreign write)")
+    (hlen,) = struct.unpack("<Q", raw[40:48])
+    if hlen > min(_MAX_HEADER, len(raw) - _PREFIX):
+        raise PackError(f"header length {hlen} exceeds the {len(raw) - _PREFIX} bytes after the prefix "
+                        f"(or the {_MAX_HEADER}-byte limit)")
+    try:
+        header = json.loads(raw[_PREFIX:_PREFIX + hlen].decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PackError(f"header is not UTF-8 ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise PackError(f"header is not JSON ({str(exc)[:120]})") from None
+    if not isinstance(header, dict) or set(header) != {"tree", "tensors"} or not isinstance(header["tensors"], list):
+        raise PackError("header is not an object {tree, tensors: [...]}")
+    data = memoryview(raw)[_PREFIX + hlen:]
+    specs = header["tensors"]
+    return _tree(header["tree"], [None] * len(specs), specs, data, 0)

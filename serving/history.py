@@ -1,0 +1,122 @@
+"""The user's click history on the request path: whatever Redis holds or fails at, the request is scored.
+
+Serving reads the list the joiner keeps (``stream/history.py``: ``UserHistory.as_of``, the joiner's own
+parser, so serving sees exactly the clicks training saw). Degraded modes, each counted
+(``serving/metrics.py``) and each scoring the request with less history instead of failing it:
+
+* **Malformed entry** (not ``"<ts>:<item>"`` int64 integers, not UTF-8, or a key that is not a list):
+  skipped by the shared parser, as the joiner skips it when it attaches history to a training sample,
+  so the two stay equal; the user keeps the rest of the list (none, for a key of the wrong type).
+  Counted in ``streamrec_history_malformed_total`` (the stream package's counter of skipped entries,
+  which serving's ``/metrics`` includes). This deliberately follows the joiner rather than dropping the
+  user's whole history: dropping it only at serving time would be training/serving skew.
+* **Unreadable read** (should the reader still raise on data: a Redis ``ResponseError``, a parse error,
+  a value beyond int64): that user has no history for this request; the other users of a batch keep
+  theirs (the batch read is repeated per user to find which one).
+  ``streamrec_serving_history_malformed_total`` counts the users.
+* **Redis unavailable** (down, refusing, or slower than ``redis_timeout_s``): every user of the request
+  has no history; ``streamrec_serving_history_unavailable_total`` counts the requests. The request path
+  never retries (the client is built with retries off, ``serving/service.py``), and after a failure
+  requests skip Redis for ``retry_after_s`` (a breaker), so an outage costs one timeout per
+  ``retry_after_s``, not one per request; the first request after that tries again.
+* Any other Redis error is counted as unavailable too. ``streamrec_serving_history_errors_total`` counts
+  every failed read of either of the last two kinds.
+
+Logs are rate-limited (one line per kind every ``log_every_s``): a bad list of a busy user must not
+flood the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from serving.metrics import ServingMetrics
+from stream.history import UserHistory
+
+log = logging.getLogger("streamrec.serve")
+
+_FAR_FUTURE_MS = 2**62  # history "as of" the far future: every stored click
+_INT64 = (-(2**63), 2**63 - 1)
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+_MALFORMED = (redis.ResponseError, ValueError, TypeError, OverflowError)
+
+
+def _valid(items: list[int]) -> bool:
+    lo, hi = _INT64
+    return all(type(v) is int and lo <= v <= hi for v in items)
+
+
+class HistoryReader:
+    """The last ``history_len`` clicked items of each user, oldest first; never raises for Redis or its data."""
+
+    def __init__(self, history: UserHistory | None, history_len: int, metrics: ServingMetrics,
+                 retry_after_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 log_every_s: float = 10.0) -> None:
+        self.history, self.history_len, self.metrics = history, history_len, metrics
+        self.retry_after_s, self.clock, self.log_every_s = retry_after_s, clock, log_every_s
+        self._skip_until = -float("inf")
+        self._logged: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def _log(self, kind: str, msg: str, *args: object) -> None:
+        now = self.clock()
+        with self._lock:
+            if now - self._logged.get(kind, -float("inf")) < self.log_every_s:
+                return
+            self._logged[kind] = now
+        log.warning(msg, *args)
+
+    def _unavailable(self, n: int, exc: BaseException) -> list[list[int]]:
+        self._skip_until = self.clock() + self.retry_after_s
+        self.metrics.history_unavailable.inc()
+        self.metrics.history_errors.inc()
+        self._log("unavailable", "history unavailable (%s: %s); scoring without history, Redis skipped for %.1fs",
+                  type(exc).__name__, exc, self.retry_after_s)
+        return [[] for _ in range(n)]
+
+    def read(self, users: list[int]) -> list[list[int]]:
+        """One history per user (in order). See the module docstring for what happens when Redis fails."""
+        if self.history is None or not users:
+            return [[] for _ in users]
+        if self.clock() < self._skip_until:
+            self.metrics.history_unavailable.inc()
+            return [[] for _ in users]
+        try:
+            hists = self.history.as_of(users, [_FAR_FUTURE_MS] * len(users))
+        except _UNAVAILABLE as exc:
+            return self._unavailable(len(users), exc)
+        except _MALFORMED:
+            return self._per_user(users)
+        except redis.RedisError as exc:
+            return self._unavailable(len(users), exc)
+        if not all(_valid(h) for h in hists):
+            return self._per_user(users)
+        return [h[-self.history_len:] for h in hists]
+
+    def _per_user(self, users: list[int]) -> list[list[int]]:
+        """The batch read failed on malformed data: read each distinct user alone, empty for the bad ones."""
+        assert self.history is not None
+        got: dict[int, list[int]] = {}
+        for u in dict.fromkeys(users):
+            try:
+                (h,) = self.history.as_of([u], [_FAR_FUTURE_MS])
+            except _UNAVAILABLE as exc:
+                return self._unavailable(len(users), exc)
+            except (*_MALFORMED, redis.RedisError) as exc:
+                h = None
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                reason = "an item beyond int64"
+            if h is None or not _valid(h):
+                self.metrics.history_malformed.inc()
+                self.metrics.history_errors.inc()
+                self._log("malformed", "user %d: malformed history in Redis (%s); scored without history",
+                          u, str(reason)[:200])
+                h = []
+            got[u] = h[-self.history_len:]
+        return [got[u] for u in users]
