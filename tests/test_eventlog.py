@@ -291,6 +291,7 @@ def test_float_id_column_holds_whole_numbers(tmp_path: Path) -> None:
     ([1, 10, -5, 0, 1.0], "ts"),
     ([1, 10, MAX_TS_MS + 1, 0, 1.0], "ts"),
     ([1, 10, 5000, "maybe", 1.0], "clicked"),
+    ([1, 10, 5000, 0, 1e39], "dense.price"),  # finite, but inf as float32
 ])
 def test_bad_csv_rows_are_dead_lettered(tmp_path: Path, row: list, field: str) -> None:
     good = [[1, 10, 1000, 1, 0.5], [2, 20, 2000, 0, 1.5]]
@@ -421,3 +422,14 @@ def test_rejected_value_is_json_even_for_odd_types(tmp_path: Path) -> None:
     value = orjson.loads(raw.value)
     assert value["user_id"] is None and value["ts"].startswith("1970-01-01")
     assert raw.ts == 1000 and not math.isnan(raw.ts)
+
+
+def test_a_row_too_far_ahead_of_the_wall_clock_is_dead_lettered_as_future_ts(tmp_path: Path) -> None:
+    import time
+
+    now = int(time.time() * 1000)
+    rows = [[1, 10, 1000, 0], [2, 20, now + 7_200_000, 0], [3, 30, now + 60_000, 0]]  # 2 h ahead; 1 min is fine
+    path = write_csv(tmp_path / "future.csv", ["uid", "iid", "t", "c"], rows)
+    t = load_eventlog(path, ColumnMap(user="uid", item="iid", time="t", clicked="c"), FIXED, seed=0)
+    assert t.n_impressions == 2 and [r.error.kind for r in t.raw] == ["future_ts"]
+    assert "ahead of the wall clock" in t.raw[0].error.reason

@@ -60,6 +60,7 @@ file format.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
@@ -76,6 +77,7 @@ import pyarrow.parquet as pq
 
 from stream.errors import ValidationError
 from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS
+from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
 from streamrec.settings import ClickDelay, SettingsError
 
@@ -308,6 +310,7 @@ class _Check:
     field: str
     column: str
     expected: str
+    kind: str = "invalid_field"  # the DLQ kind
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
@@ -597,8 +600,9 @@ def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
     else:
         raise EventLogError(f"dense column {column!r} has type {t}; dense features must be numbers "
                             f"(set with {FLAGS['dense']})")
+    over = ~np.isfinite(v) | (np.abs(np.nan_to_num(v)) >= FLOAT32_OVERFLOW)
     return v, [_Check(missing, field, column, "a finite number (the value is missing)"),
-               _Check(~np.isfinite(v) & ~missing, field, column, "a finite number")]
+               _Check(over & ~missing, field, column, "a number finite as float32")]
 
 
 # -- rejected rows --------------------------------------------------------------------------------
@@ -672,6 +676,11 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     checks += c
     ts, ts_status = _times(col[cols.time], cols.time_unit, cols.time, FLAGS["time"])
     checks += _time_checks(ts_status, "ts", cols.time, cols.time_unit)
+    # The producer stamps messages with the wall clock: a row further ahead than the joiner would accept
+    # is dead-lettered here already (same bound, same kind).
+    ahead = (ts_status == _OK) & (ts > int(time.time() * 1000) + DEFAULT_LIMITS.future_ts_ms)
+    checks.append(_Check(ahead, "ts", cols.time, f"an event time at most {DEFAULT_LIMITS.future_ts_s:g} s ahead of "
+                         "the wall clock at import (is --time-unit right?)", kind="future_ts"))
     users, c = _ids(col[cols.user], "user_id", cols.user, csv)
     checks += c
     items, c = _ids(col[cols.item], "item_id", cols.item, csv)
@@ -737,6 +746,7 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
             by_field[check.field] += 1
             error = ValidationError(check.field, row.get(check.column),
                                     f"{check.expected} (column {check.column!r}, row {i} counting from 0)")
+            error.kind = check.kind
             raw.append(RawMessage(
                 topic_kind=IMPRESSION,
                 ts=int(ts[i]) if ts_status[i] == _OK else 0,
