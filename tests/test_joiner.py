@@ -216,3 +216,28 @@ def test_two_workers_split_the_partitions_and_match_one(kafka: KafkaSettings, st
     assert all(s["events"] > 0 for s in summaries), "both workers must have had partitions"
     two = {r[0]: r[1] for r in read_samples(kafka)}
     assert len(two) == SYN.impressions and two == expected_join(stream_table, int(WINDOW_S * 1000)).labels
+
+
+def test_the_join_state_topic_is_created_compacted_and_an_existing_one_is_made_compacted(
+        kafka: KafkaSettings, stack, group_id: str) -> None:
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+    from stream.joiner.pipeline import JoinPipeline
+    from stream.joiner.state_log import state_topic
+    from stream.kafka import ensure_topics
+    from streamrec.settings import JoinerSettings, RedisSettings
+
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+
+    def policy(topic: str) -> str | None:
+        configs = next(iter(admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)]).values())).result()
+        return configs["cleanup.policy"].value if "cleanup.policy" in configs else None
+
+    rs = RedisSettings(url=stack.redis_url, prefix=group_id)
+    JoinPipeline(kafka, rs, JoinerSettings(app_id=group_id)).close()
+    assert policy(state_topic(group_id)) == "compact"
+    old = f"{group_id}-old"
+    ensure_topics(kafka, [state_topic(old)])  # as an earlier version created it: delete policy
+    assert policy(state_topic(old)) != "compact"
+    JoinPipeline(kafka, rs, JoinerSettings(app_id=old)).close()
+    assert policy(state_topic(old)) == "compact"
