@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 from torch.utils.data import DataLoader
@@ -268,11 +268,15 @@ class Learner:
                  "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
                  "warm_metrics": self.warm_metrics.state_dict()}
         checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
-        # Only now, after the checkpoint is durable: the group offsets, for lag dashboards.
+        # Only now, after the checkpoint is durable: the group offsets, for lag dashboards only (the learner
+        # never reads them back), so a broker that is away just delays them to the next checkpoint.
         if self.offsets:
             topic = self.kafka.samples_topic
-            self._group.commit(offsets=[TopicPartition(topic, p, o) for p, o in self.offsets.items()],
-                               asynchronous=False)
+            try:
+                self._group.commit(offsets=[TopicPartition(topic, p, o) for p, o in self.offsets.items()],
+                                   asynchronous=False)
+            except KafkaException as exc:
+                log.warning("could not commit the group offsets (lag dashboards lag): %s", exc)
         CHECKPOINT_S.set(time.monotonic() - t0)
         self._update_lag()
 
