@@ -225,16 +225,22 @@ def test_sigkill_of_the_joiner_at_random_points_loses_nothing(driver: str, kafka
     assert kills >= 1
 
 
+def learner_env(kafka: KafkaSettings, disk_full_flag: Path) -> dict[str, str]:
+    """A small learner whose checkpoint writes fail with ENOSPC while ``disk_full_flag`` exists."""
+    return dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+                STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
+                STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
+                STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}",
+                STREAMREC_TEST_DISK_FULL=str(disk_full_flag))
+
+
 def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka: KafkaSettings,
                                                                           tmp_path: Path) -> None:
     from stream.kafka import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic])
     full = tmp_path / "disk-full"
-    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
-               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
-               STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
-               STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}", STREAMREC_TEST_DISK_FULL=str(full))
+    env = learner_env(kafka, full)
     produced = produce_samples(kafka, 40, 200, 0.0)
     full.touch()  # the disk is full from the start ...
     cmd = [sys.executable, "-m", "tests.fault_hooks", "train", "--checkpoint-dir", str(tmp_path / "ckpt"),
@@ -260,10 +266,7 @@ def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(
 
     ensure_topics(kafka, [kafka.samples_topic])
     full = tmp_path / "disk-full"
-    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
-               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
-               STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
-               STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}", STREAMREC_TEST_DISK_FULL=str(full))
+    env = learner_env(kafka, full)
     produced = produce_samples(kafka, 40, 200, 0.0)
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "tests.fault_hooks", "train", "--checkpoint-dir", str(ckpt), "--batch-rows", "256",
