@@ -116,9 +116,9 @@ def _rows_human(d: dict[str, Any]) -> str:
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
-    from streamrec.alert_rules import load_rules
+    from monitor.engine import Monitor, RuleEngine, Scraper
+    from monitor.rules import load_rules
     from streamrec.cli import EXIT_OK, emit, kafka_settings, sources
-    from streamrec.monitor import Monitor, RuleEngine, Scraper
 
     config = _with_sources(load_rules(args.rules), args.source)
     if args.interval is not None:
@@ -148,7 +148,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         emit(args, summary, _rows_human)
         return EXIT_OK
 
-    from streamrec.alerts import build_sinks
+    from monitor.alerts import build_sinks
 
     kafka = kafka_settings(args, sources(args)) if config.sinks.kafka_topic else None
     sink = build_sinks(config.sinks, kafka)

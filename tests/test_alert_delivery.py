@@ -1,4 +1,4 @@
-"""Alert delivery: every sink behind its own queue and worker thread (streamrec.alerts.QueuedSink).
+"""Alert delivery: every sink behind its own queue and worker thread (monitor.alerts.QueuedSink).
 
 Against real local HTTP servers that are dead (a closed port), hang (hold the request until the test
 releases an Event), trickle their answer one byte per 0.5 s, fail the first requests with 500, or
@@ -25,8 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import REGISTRY
 
-from streamrec.alert_rules import RulesError, loads_rules
-from streamrec.alerts import (
+from monitor.alerts import (
     Alert,
     AlertState,
     FanOut,
@@ -38,7 +37,8 @@ from streamrec.alerts import (
     WebhookSink,
     build_sinks,
 )
-from streamrec.monitor import Monitor, Snapshot
+from monitor.engine import Monitor, Snapshot
+from monitor.rules import RulesError, loads_rules
 from streamrec.settings import KafkaSettings
 from tests.kafka_io import read_topic
 

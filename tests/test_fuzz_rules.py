@@ -1,5 +1,5 @@
-"""Fuzzing the alert rules file parser (streamrec.alert_rules) and the expression parser
-(streamrec.alert_expr) with Hypothesis.
+"""Fuzzing the alert rules file parser (monitor.rules) and the expression parser
+(monitor.expr) with Hypothesis.
 
 The promise under test: any text, and any TOML-shaped structure, gives either rules or the module's
 own error (:class:`RulesError`, :class:`ExprError`) with a message; never another exception
@@ -16,9 +16,9 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamrec.alert_expr import MAX_DEPTH, ExprError, Node, longest_range, metrics_of, parse
-from streamrec.alert_rules import _SINK_KEYS, RulesConfig, RulesError, loads_rules, rules_from_dict
-from streamrec.monitor import MetricHistory, RuleEngine, Snapshot
+from monitor.engine import MetricHistory, RuleEngine, Snapshot
+from monitor.expr import MAX_DEPTH, ExprError, Node, longest_range, metrics_of, parse
+from monitor.rules import _SINK_KEYS, RulesConfig, RulesError, loads_rules, rules_from_dict
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

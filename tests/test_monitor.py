@@ -19,9 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrec.alert_expr import ExprError, parse
-from streamrec.alert_rules import DEFAULT_RULES, Op, Rule, RulesError, load_rules, loads_rules
-from streamrec.alerts import (
+from monitor.alerts import (
     Alert,
     AlertState,
     Backoff,
@@ -33,8 +31,10 @@ from streamrec.alerts import (
     SinkSettings,
     WebhookSink,
 )
+from monitor.engine import MetricHistory, Monitor, RuleEngine, Snapshot
+from monitor.expr import ExprError, parse
+from monitor.rules import DEFAULT_RULES, Op, Rule, RulesError, load_rules, loads_rules
 from streamrec.cli import main
-from streamrec.monitor import MetricHistory, Monitor, RuleEngine, Snapshot
 from streamrec.settings import KafkaSettings
 from tests.kafka_io import read_topic
 
@@ -108,7 +108,7 @@ def test_cli_exits_2_with_the_rule_and_field(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_default_rules_load_and_compose_ships_the_same_file(capsys: pytest.CaptureFixture[str]) -> None:
-    packaged = (REPO / "streamrec" / DEFAULT_RULES).read_text()
+    packaged = (REPO / "monitor" / DEFAULT_RULES).read_text()
     assert (REPO / "compose" / "alert-rules.toml").read_text() == packaged
     config = load_rules(None)
     names = {r.name for r in config.rules}
@@ -423,7 +423,7 @@ dead = "http://127.0.0.1:9/metrics"
 log = false
 webhook_url = "{recorder.url}/hook"
 """ + GOOD_RULE.replace("for_s = 300", "for_s = 0"))
-    from streamrec.alerts import build_sinks
+    from monitor.alerts import build_sinks
 
     sink = build_sinks(config.sinks, None)
     monitor = Monitor(config, sink)

@@ -17,7 +17,7 @@ Three parts, each usable alone:
   to inactive and firing ones resolve. A rule with ``absent_for_s`` fires a separate alert (labels
   ``{"absent": "true"}``) once its expression has had no data for that long.
 * :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set. Sending
-  only queues the alerts (:class:`~streamrec.alerts.QueuedSink`: one queue and worker thread per
+  only queues the alerts (:class:`~monitor.alerts.QueuedSink`: one queue and worker thread per
   sink), so a slow or dead sink never delays an evaluation; :meth:`Monitor.close` drains the queues.
 """
 
@@ -36,9 +36,9 @@ from typing import Any
 from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamrec.alert_expr import Labels, Point, Window, labels_of
-from streamrec.alert_rules import Rule, RulesConfig
-from streamrec.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink
+from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink
+from monitor.expr import Labels, Point, Window, labels_of
+from monitor.rules import Rule, RulesConfig
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -123,7 +123,7 @@ class SeriesStatus:
     for_s: float
 
     def as_dict(self) -> dict[str, Any]:
-        from streamrec.alerts import encode_value
+        from monitor.alerts import encode_value
 
         return {"rule": self.rule, "labels": self.labels, "state": self.state.value,
                 "value": encode_value(self.value), "since": self.since, "severity": self.severity,

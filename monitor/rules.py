@@ -56,8 +56,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from streamrec.alert_expr import ExprError, Node, longest_range, parse
-from streamrec.alerts import Severity, SinkSettings, check_http_url
+from monitor.alerts import Severity, SinkSettings, check_http_url
+from monitor.expr import ExprError, Node, longest_range, parse
 from streamrec.settings import SettingsError
 
 if sys.version_info >= (3, 11):
@@ -65,7 +65,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_RULES = "default_alert_rules.toml"  # packaged in streamrec/, the same file as compose/alert-rules.toml
+DEFAULT_RULES = "default_rules.toml"  # packaged in monitor/, the same file as compose/alert-rules.toml
 
 
 class RulesError(SettingsError):
@@ -343,13 +343,13 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
 
 
 def default_rules_text() -> str:
-    return resources.files("streamrec").joinpath(DEFAULT_RULES).read_text(encoding="utf-8")
+    return resources.files("monitor").joinpath(DEFAULT_RULES).read_text(encoding="utf-8")
 
 
 def load_rules(path: str | Path | None = None) -> RulesConfig:
     """The rules in ``path``, or the packaged default rules when ``path`` is None."""
     if path is None:
-        return loads_rules(default_rules_text(), f"(packaged default) streamrec/{DEFAULT_RULES}")
+        return loads_rules(default_rules_text(), f"(packaged default) monitor/{DEFAULT_RULES}")
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

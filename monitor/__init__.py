@@ -1,0 +1,9 @@
+"""The monitoring stage: alert rules over Prometheus metrics, and the sinks alerts go to.
+
+Owns: the alert type and the sinks with their delivery queues (``alerts.py``), the rules file format
+(``rules.py``, default rules in ``default_rules.toml``), the small safe expression language
+(``expr.py``) and the engine that scrapes, evaluates and sends (``engine.py``).
+
+May import: ``stream/`` (Kafka client configs) and the standard library; no other stage. Entry point:
+``monitor.engine.Monitor`` (``streamrec monitor`` builds it at the edge).
+"""
