@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 from torch.utils.data import DataLoader
@@ -55,7 +55,7 @@ from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
 from learner.trainer import Trainer
 from stream.features import MISSING
-from stream.kafka import ensure_topics
+from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, is_infrastructure
 from streamrec.settings import KafkaSettings, LearnerSettings
@@ -142,8 +142,7 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
     """The config of a fresh learner, from the first ``probe_rows`` samples (None: no data yet).
 
     Waits for up to ``timeout_s`` for that many rows, then decides on what arrived (at least one message)."""
-    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{ls.group_id}-probe",
-                  "enable.auto.commit": False, "enable.partition.eof": True})
+    c = new_consumer(kafka, f"{ls.group_id}-probe")
     batches: list[SampleBatch] = []
     try:
         md = c.list_topics(kafka.samples_topic, timeout=10).topics[kafka.samples_topic]
@@ -189,8 +188,7 @@ class Learner:
         self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
         self._cold_published = 0.0
-        self._group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": ls.group_id,
-                                "enable.auto.commit": False})
+        self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
 
     # -- model and state ---------------------------------------------------------------------------

@@ -20,13 +20,14 @@ import time
 from collections.abc import Iterator
 
 import torch
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from torch.utils.data import IterableDataset, get_worker_info
 
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.features import FeatureConfig
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
+from stream.kafka import new_consumer
 from stream.samples import SampleBatch
 from streamrec.settings import KafkaSettings
 
@@ -52,11 +53,8 @@ class KafkaSampleDataset(IterableDataset):
         if not parts:
             return
         topic = self.kafka.samples_topic
-        consumer = Consumer({
-            "bootstrap.servers": self.kafka.bootstrap_servers, "group.id": f"{self.kafka.client_id}-samples-reader",
-            "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest",
-            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
-        })
+        consumer = new_consumer(self.kafka, f"{self.kafka.client_id}-samples-reader", **{
+            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
         dlq = DeadLetters(self.kafka)
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
         pending: list[TensorBatch] = []

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
+from stream.kafka import admin_config
 from streamrec.settings import KafkaSettings
 
 log = logging.getLogger("streamrec.alerts")
@@ -249,7 +250,7 @@ class KafkaSink:
         from confluent_kafka import KafkaError, KafkaException
         from confluent_kafka.admin import AdminClient, NewTopic
 
-        admin = AdminClient({"bootstrap.servers": self.kafka.bootstrap_servers})
+        admin = AdminClient(admin_config(self.kafka))
         try:
             if self.topic not in admin.list_topics(timeout=_left(deadline, "listing topics")).topics:
                 left = _left(deadline, "creating the topic")

@@ -59,9 +59,14 @@ def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[s
     return conf
 
 
+def admin_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
+    """The one place an admin client's config is built (security settings will join it here)."""
+    return {"bootstrap.servers": kafka.bootstrap_servers, "client.id": kafka.client_id, **extra}
+
+
 def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int | None = None) -> None:
     """Create ``topics`` with ``partitions`` partitions if they do not exist (idempotent)."""
-    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    admin = AdminClient(admin_config(kafka))
     wanted = sorted(set(topics))
     existing = admin.list_topics(timeout=10).topics
     new = [
@@ -90,7 +95,7 @@ def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = 
     """Create ``topic`` with ``cleanup.policy=compact``; on an existing topic, check the policy and set it
     if it is not compact (a state log that is never compacted grows for ever and a restore reads its
     whole retention). Raises :class:`StreamError` when the broker refuses the change."""
-    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    admin = AdminClient(admin_config(kafka))
     if topic not in admin.list_topics(timeout=10).topics:
         new = NewTopic(topic, num_partitions=partitions or kafka.partitions,
                        replication_factor=kafka.replication_factor, config={"cleanup.policy": "compact"})

@@ -20,10 +20,11 @@ import time
 
 import orjson
 import pyarrow as pa
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
 from stream.joiner.engine import Pending, Sample, StateChunk
 from stream.joiner.sample_rows import encode_bounded, to_batch
+from stream.kafka import new_consumer
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 from streamrec.settings import KafkaSettings
 
@@ -100,8 +101,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
     """Read partitions of the state log to their end, all with one consumer. Per partition: the live
     chunks (tombstones applied) and the number of parts of each (by seq), which the writer needs to
     tombstone them later."""
-    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{topic}-restore",
-                  "enable.auto.commit": False, "enable.partition.eof": True, "fetch.wait.max.ms": 20})
+    c = new_consumer(kafka, f"{topic}-restore", **{"fetch.wait.max.ms": 20})
     live: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
     try:
         md = c.list_topics(topic, timeout=10).topics.get(topic)
