@@ -108,7 +108,8 @@ def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise BadMessage(f"expected a JSON object, got {type(obj).__name__}", kind="bad_json")
     version = obj.get("schema_version")
-    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+    # type first: a list or an object is unhashable, so ``in`` a frozenset would raise TypeError
+    if isinstance(version, bool) or not isinstance(version, int | float) or version not in SUPPORTED_VERSIONS:
         raise ValidationError("schema_version", version, f"one of {sorted(SUPPORTED_VERSIONS)}")
     return obj
 

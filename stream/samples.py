@@ -128,6 +128,13 @@ class SampleBatch:
         if len(batches) != 1:
             raise BadMessage(f"expected one record batch per message, got {len(batches)}", kind="bad_schema")
         batch = batches[0]
+        try:
+            names = batch.schema.names
+        except UnicodeDecodeError:
+            raise BadMessage("a column name is not UTF-8", kind="bad_schema") from None
+        if len(set(names)) != len(names):  # schema.field() / column() by name would raise KeyError
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise BadMessage(f"column {clip(twice[0], 80)!r} appears more than once", kind="bad_schema")
         for f in BASE_FIELDS:
             got = batch.schema.field(f.name) if f.name in batch.schema.names else None
             if got is None or got.type != f.type:
@@ -145,6 +152,9 @@ class SampleBatch:
             batch.validate(full=True)
         except (pa.ArrowException, ValueError) as exc:
             raise BadMessage(f"invalid Arrow data: {clip(str(exc))}", kind="bad_arrow") from None
+        for f in batch.schema:  # the child as stored: flatten() aborts the process on some offsets validation allows
+            if pa.types.is_list(f.type) and batch.column(f.name).values.null_count:
+                raise BadMessage(f"column {clip(f.name, 80)!r} has nulls inside its lists", kind="bad_schema")
         out = cls(batch)
         label, ts = out.column("label"), out.column("ts")
         if len(label) and not np.isin(label, (0, 1)).all():

@@ -124,8 +124,8 @@ class FileStrikes:
             self._all = {_key(k): (int(v[0]), str(v[1])) for k, v in raw.items()}
         except FileNotFoundError:
             self._all = {}
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            self._all = {}  # damaged: start without strikes (the worst case is N more failures)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError):
+            self._all = {}  # damaged (Infinity as a count, nesting deeper than json recurses): start without strikes
         return dict(self._all)
 
     def save(self, changed: dict[Key, tuple[int, str]], cleared: list[Key]) -> None:

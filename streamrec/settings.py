@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stream.errors import shown
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -240,8 +242,13 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise SettingsError(f"config file {p} does not exist (given with --config)") from None
-    except tomllib.TOMLDecodeError as exc:
+    except OSError as exc:  # a directory, no permission
+        raise SettingsError(f"config file {p} cannot be read: {exc.strerror or exc} (given with --config)") from None
+    # TOMLDecodeError, and the ValueErrors tomllib lets through: not UTF-8, an integer of over 4300 digits
+    except ValueError as exc:
         raise SettingsError(f"config file {p} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise SettingsError(f"config file {p} is not valid TOML: arrays or tables nested too deeply") from None
     return data
 
 
@@ -265,7 +272,7 @@ def build(
 
     table = (file_data or {}).get(section, {})
     if not isinstance(table, Mapping):
-        raise SettingsError(f"config file: [{section}] must be a table, got {table!r}")
+        raise SettingsError(f"config file: [{section}] must be a table, got {shown(table)}")
     for key, raw in table.items():
         if key not in names:
             raise SettingsError(
@@ -303,6 +310,9 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
             if type(None) in args:
                 return None
         return _coerce(inner[0], raw, where)
+    if isinstance(raw, Mapping | list):  # a table or an array where one value belongs
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: expected one value, "
+                            f"got {'a table' if isinstance(raw, Mapping) else 'an array'}")
     try:
         if tp is bool:
             if isinstance(raw, bool):
@@ -330,8 +340,9 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
                 return tp(raw)
             except ValueError:
                 raise ValueError(f"expected one of {', '.join(m.value for m in tp)}") from None
-    except ValueError as exc:
-        raise SettingsError(f"{where}: cannot use {raw!r}: {exc}") from None
+    # TypeError: a date for a number; OverflowError: an integer too large for a float
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: {exc}") from None
     raise SettingsError(f"{where}: unsupported setting type {tp!r}")
 
 
