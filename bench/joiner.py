@@ -33,10 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition  # noqa: E402
 
+from stream.config import KafkaSettings
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish  # noqa: E402
 from stream.replay.synthetic import build_synthetic  # noqa: E402
-from streamrec.settings import ClickDelay, KafkaSettings, StackSettings, SyntheticSettings  # noqa: E402
-from streamrec.stack import LocalStack, free_port  # noqa: E402
+from streamrec.stack import (  # noqa: E402
+    LocalStack,
+    StackSettings,  # noqa: E402
+    free_port,
+)
 
 
 def raw_join(kafka: KafkaSettings, total: int) -> float:

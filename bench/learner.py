@@ -334,7 +334,7 @@ def run_kafka(args, cfg, trainer, warmup: int, steps: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from learner.kafka_dataset import KafkaSampleDataset
-    from streamrec.settings import KafkaSettings
+    from stream.config import KafkaSettings
 
     workers = 1 if args.child == "kafka-w1" else 0
     kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers, samples_topic=args.topic,
@@ -610,9 +610,9 @@ def produce(args, ids: np.ndarray, labels: np.ndarray) -> tuple[Any, dict[str, A
     """Start a private stack (unless --bootstrap-servers), write every batch to a 1-partition topic."""
     import uuid
 
+    from stream.config import KafkaSettings
     from stream.kafka import AckedProducer, ensure_topics
-    from streamrec.settings import KafkaSettings, StackSettings
-    from streamrec.stack import LocalStack, free_port
+    from streamrec.stack import LocalStack, StackSettings, free_port
 
     stack = None
     if args.bootstrap_servers is None:

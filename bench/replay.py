@@ -24,11 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confluent_kafka import Producer  # noqa: E402
 
+from stream.config import KafkaSettings
 from stream.kafka import ensure_topics, producer_config  # noqa: E402
+from stream.replay.config import ClickDelay
 from stream.replay.movielens import load_movielens  # noqa: E402
 from stream.replay.publisher import publish  # noqa: E402
-from streamrec.settings import ClickDelay, KafkaSettings, StackSettings  # noqa: E402
-from streamrec.stack import LocalStack, free_port  # noqa: E402
+from streamrec.stack import (  # noqa: E402
+    LocalStack,
+    StackSettings,  # noqa: E402
+    free_port,
+)
 from tests.kafka_io import read_topic  # noqa: E402
 
 

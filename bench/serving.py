@@ -50,8 +50,11 @@ from learner.model import DeepFM  # noqa: E402
 from stream.features import hash_value  # noqa: E402
 from stream.history import UserHistory  # noqa: E402
 from streamrec.artifact import build_artifact, publish  # noqa: E402
-from streamrec.settings import StackSettings  # noqa: E402
-from streamrec.stack import LocalStack, free_port  # noqa: E402
+from streamrec.stack import (  # noqa: E402
+    LocalStack,
+    StackSettings,  # noqa: E402
+    free_port,
+)
 
 CANDIDATES = 100
 HISTORY = 20
@@ -198,8 +201,8 @@ def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
     """click event -> served score change, through joiner, learner deltas and serving."""
     from confluent_kafka import Producer
 
+    from stream.config import KafkaSettings
     from stream.events import Click, Impression
-    from streamrec.settings import KafkaSettings
 
     tag = f"fr{int(time.time())}"
     kafka = dataclasses.replace(KafkaSettings(bootstrap_servers=stack.bootstrap_servers),

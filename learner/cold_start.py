@@ -65,8 +65,8 @@ class ColdStartConfig:
 def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit: int | None = None,
                       new_user_impressions: int = 5, new_user_session_s: float = 0.0) -> Ratings:
     """The synthetic feed as ratings: clicked impressions rate 5, the others 1 (so rating >= 4 is a click)."""
+    from stream.replay.config import ReplaySettings, SyntheticSettings
     from stream.replay.synthetic import build_synthetic
-    from streamrec.settings import ReplaySettings, SyntheticSettings
 
     s = SyntheticSettings(impressions=impressions, new_user_share=new_user_share, malformed_share=0.0,
                           new_user_impressions=new_user_impressions, new_user_session_s=new_user_session_s)

@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
+from learner.config import LearnerSettings
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
@@ -54,11 +55,11 @@ from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
 from learner.trainer import Trainer
+from stream.config import KafkaSettings
 from stream.features import MISSING
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, is_infrastructure
-from streamrec.settings import KafkaSettings, LearnerSettings
 
 log = logging.getLogger("streamrec.train")
 

@@ -25,11 +25,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.features import FeatureConfig
+from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.kafka import new_consumer
 from stream.samples import SampleBatch
-from streamrec.settings import KafkaSettings
 
 
 class KafkaSampleDataset(IterableDataset):

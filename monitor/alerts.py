@@ -52,8 +52,8 @@ from typing import Any, Protocol
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
+from stream.config import KafkaSettings
 from stream.kafka import admin_config
-from streamrec.settings import KafkaSettings
 
 log = logging.getLogger("streamrec.alerts")
 

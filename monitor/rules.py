@@ -58,7 +58,7 @@ from typing import Any
 
 from monitor.alerts import Severity, SinkSettings, check_http_url
 from monitor.expr import ExprError, Node, longest_range, parse
-from streamrec.settings import SettingsError
+from stream.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,7 +68,7 @@ else:  # pragma: no cover
 DEFAULT_RULES = "default_rules.toml"  # packaged in monitor/, the same file as compose/alert-rules.toml
 
 
-class RulesError(SettingsError):
+class RulesError(ConfigError):
     """An alert rules file that cannot be used; the message names the file, rule and field."""
 
 

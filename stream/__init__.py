@@ -7,7 +7,7 @@ strikes (``strikes.py``), the validating reader (``event_reader.py``), Redis day
 histories (``counts.py``, ``history.py``), replay sources (``replay/``) and the impression-click joiner
 (``joiner/``). The exception tree of every stage starts in ``errors.py``.
 
-May import: third-party libraries only (and, until its configs move here, ``streamrec.settings``);
+May import: third-party libraries only;
 never ``learner/``, ``cache_refresh/``, ``serving/`` or ``monitor/``. Entry points:
 ``stream.joiner.pipeline.JoinPipeline`` with its drivers, ``stream.replay.publisher.publish``.
 """

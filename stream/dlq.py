@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import Counter as Tally
 from dataclasses import dataclass
 
+from stream.config import KafkaSettings
 from stream.errors import BadMessage, MessageTooLarge
 from stream.kafka import AckedProducer
 from stream.metrics import DLQ_MESSAGES
-from streamrec.settings import KafkaSettings
 
 TRUNCATED_BYTES = 65_536
 

@@ -2,6 +2,10 @@
 
 ::
 
+    ConfigError (ValueError)     a configuration that cannot be used: the message names the source and the fix
+    ├── streamrec.settings.SettingsError    settings files, environment, flags
+    ├── stream.replay.eventlog.EventLogError  an event log mapped wrongly
+    └── monitor.rules.RulesError             an alert rules file
     StreamError                  a real failure: the process should stop or retry
     ├── DatasetMissing           a packaged data set is not installed (the message says how)
     ├── DeliveryFailed           the broker did not acknowledge produced messages
@@ -41,6 +45,10 @@ def shown(value: Any, limit: int = 80) -> str:
 def clip(text: str, limit: int = 200) -> str:
     """``text`` cut to at most ``limit`` characters (a message from a library may quote the input)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ConfigError(ValueError):
+    """A configuration mistake (a setting, a file mapping, a rules file): nothing ran yet; exit status 2."""
 
 
 class StreamError(Exception):

@@ -18,11 +18,11 @@ from typing import Any
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException, TopicPartition
 
+from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
 from stream.kafka import new_consumer, resume_offsets
 from stream.metrics import EVENTS
-from streamrec.settings import KafkaSettings
 
 # decoder(value, broker_ts_ms=message timestamp or None); raises BadMessage for a bad message
 Decoder = Callable[..., Any]

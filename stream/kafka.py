@@ -15,8 +15,8 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
+from stream.config import KafkaSettings
 from stream.errors import DeliveryFailed, MessageTooLarge, StreamError
-from streamrec.settings import KafkaSettings
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger("streamrec.kafka")

@@ -17,19 +17,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from streamrec.settings import (
-    DelayKind,
-    JoinerSettings,
-    KafkaSettings,
-    LearnerSettings,
-    RedisSettings,
-    ReplaySettings,
-    SettingsError,
-    Sources,
-    StackSettings,
-    SyntheticSettings,
-    read_config_file,
-)
+from learner.config import LearnerSettings
+from stream.config import KafkaSettings, RedisSettings
+from stream.joiner.config import JoinerSettings
+from stream.replay.config import DelayKind, ReplaySettings, SyntheticSettings
+from streamrec.settings import SettingsError, Sources, read_config_file
+from streamrec.stack import StackSettings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # modules that add their own subcommands (see build_parser)
@@ -661,14 +654,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from confluent_kafka import KafkaException
 
-    from stream.errors import StreamError
+    from stream.errors import ConfigError, StreamError
     from streamrec.stack import StackError
 
     try:
         return int(args.func(args))
-    except (SettingsError, StackError, StreamError, KafkaException, TimeoutError) as exc:
+    except (ConfigError, StackError, StreamError, KafkaException, TimeoutError) as exc:
         print(f"streamrec {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, SettingsError) else EXIT_FAILED
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 

@@ -25,7 +25,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from streamrec.settings import StackSettings
+
+@dataclass(frozen=True)
+class StackSettings:
+    """The local development stack: a Tansu broker and a Redis server on loopback."""
+
+    state_dir: Path = Path(".streamrec/stack")
+    host: str = "127.0.0.1"
+    kafka_port: int = 19092
+    redis_port: int = 16379
+    start_timeout_s: float = 20.0
 
 
 class StackError(RuntimeError):

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from streamrec.settings import KafkaSettings, StackSettings
-from streamrec.stack import LocalStack, free_port
+from stream.config import KafkaSettings
+from streamrec.stack import LocalStack, StackSettings, free_port
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from streamrec.settings import KafkaSettings
+from stream.config import KafkaSettings
 
 
 @dataclass(frozen=True)

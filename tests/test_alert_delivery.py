@@ -39,7 +39,7 @@ from monitor.alerts import (
 )
 from monitor.engine import Monitor, Snapshot
 from monitor.rules import RulesError, loads_rules
-from streamrec.settings import KafkaSettings
+from stream.config import KafkaSettings
 from tests.kafka_io import read_topic
 
 FAST = SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=0.05)

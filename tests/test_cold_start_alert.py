@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from monitor.alerts import Alert, AlertState
+from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
-from streamrec.settings import KafkaSettings
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
 

@@ -6,14 +6,15 @@ import json
 
 import pytest
 
+from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
 from stream.event_reader import EventReader
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.kafka import AckedProducer, ensure_topics
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.cli import main
-from streamrec.settings import ClickDelay, KafkaSettings, SyntheticSettings
 from tests.kafka_io import read_topic
 
 POISON = [

@@ -12,10 +12,11 @@ import pytest
 import redis
 import torch
 
+from learner.config import LearnerSettings
 from learner.daemon import Learner
 from learner.deltas import DeltaReader, DeltaWriter, list_deltas, load_delta, redis_notifier
 from learner.model import DeepFM
-from streamrec.settings import KafkaSettings, LearnerSettings
+from stream.config import KafkaSettings
 from tests.test_serving import CFG, TinyLearner
 
 

@@ -14,9 +14,9 @@ import pytest
 
 from stream.errors import ValidationError
 from stream.events import MAX_TS_MS, Click, Impression, decode_click, decode_impression
+from stream.replay.config import ClickDelay, DelayKind
 from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
 from stream.replay.table import IMPRESSION, EventTable, draw_click_delays_ms
-from streamrec.settings import ClickDelay, DelayKind
 
 FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)
 LOGNORMAL = ClickDelay(DelayKind.LOGNORMAL, median_s=30.0, sigma=1.0)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from stream.config import KafkaSettings
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
-from streamrec.settings import ClickDelay, KafkaSettings, SyntheticSettings
 from streamrec.stack import free_port, redis_binary, tansu_binary
 from tests.kafka_io import read_topic
 from tests.test_joiner import expected_join, join_env, read_samples

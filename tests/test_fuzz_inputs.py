@@ -58,14 +58,17 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from learner.batch import to_tensors
+from learner.config import LearnerSettings
 from learner.features import FeatureConfig, FieldSpec
+from stream.config import KafkaSettings
 from stream.errors import BadMessage
 from stream.events import MAX_ID, MAX_TS_MS, Click, Impression, decode_click, decode_impression
 from stream.history import _entry, _parse
+from stream.joiner.config import JoinerSettings
 from stream.limits import DEFAULT_LIMITS, FLOAT32_MAX, FLOAT32_OVERFLOW, EventLimits
 from stream.samples import SampleBatch
 from stream.strikes import FileStrikes, RedisStrikes
-from streamrec.settings import JoinerSettings, KafkaSettings, LearnerSettings, SettingsError, build, read_config_file
+from streamrec.settings import SettingsError, build, read_config_file
 
 
 def fuzz(n: int) -> settings:

@@ -19,11 +19,12 @@ import pytest
 import redis
 from confluent_kafka import Consumer, TopicPartition
 
+from stream.config import KafkaSettings
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 from stream.samples import SampleBatch
-from streamrec.settings import ClickDelay, KafkaSettings, SyntheticSettings
 from tests.kafka_io import read_topic
 from tests.test_joiner import expected_join, join_env
 

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from stream.config import KafkaSettings
 from stream.counts import DailyCounts
 from stream.features import hash_value
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
 from stream.samples import SampleBatch
-from streamrec.settings import ClickDelay, KafkaSettings, SyntheticSettings
 from tests.kafka_io import read_topic
 
 WINDOW_S = 600.0
@@ -222,10 +223,11 @@ def test_the_join_state_topic_is_created_compacted_and_an_existing_one_is_made_c
         kafka: KafkaSettings, stack, group_id: str) -> None:
     from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
+    from stream.config import RedisSettings
+    from stream.joiner.config import JoinerSettings
     from stream.joiner.pipeline import JoinPipeline
     from stream.joiner.state_log import state_topic
     from stream.kafka import ensure_topics
-    from streamrec.settings import JoinerSettings, RedisSettings
 
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
 

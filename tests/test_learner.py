@@ -23,9 +23,9 @@ from learner.model import DeepFM
 from learner.optim import RowWiseAdagrad, make_optimizers
 from learner.progressive import ProgressiveMetrics, auc
 from learner.trainer import Trainer
+from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
-from streamrec.settings import KafkaSettings
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),
                      FieldSpec("history", "sequence", 40, shares="item_id"), FieldSpec("ctx.genres", "multi", 10)),

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 
 from learner.checkpoint import latest_meta
+from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
-from streamrec.settings import KafkaSettings
 from tests.kafka_io import read_topic
 from tests.test_learner import sample_batch
 

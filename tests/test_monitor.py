@@ -34,8 +34,8 @@ from monitor.alerts import (
 from monitor.engine import MetricHistory, Monitor, RuleEngine, Snapshot
 from monitor.expr import ExprError, parse
 from monitor.rules import DEFAULT_RULES, Op, Rule, RulesError, load_rules, loads_rules
+from stream.config import KafkaSettings
 from streamrec.cli import main
-from streamrec.settings import KafkaSettings
 from tests.kafka_io import read_topic
 
 REPO = Path(__file__).resolve().parents[1]

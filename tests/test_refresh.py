@@ -33,13 +33,13 @@ from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.trainer import Trainer
+from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.ids import stable_hash
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec import artifact
 from streamrec.cli import main
-from streamrec.settings import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
 
 CFG = default_config({"device": "single"}, buckets=2000, ctx_buckets=5, embedding_dim=8, dense=("age",))

@@ -9,13 +9,14 @@ from collections import defaultdict
 import orjson
 import pytest
 
+from stream.config import KafkaSettings
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.movielens import load_movielens
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.cli import main
-from streamrec.settings import ClickDelay, KafkaSettings, SyntheticSettings
 from tests.kafka_io import read_topic
 
 

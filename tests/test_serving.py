@@ -34,13 +34,13 @@ from serving.request import parse_request
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from serving.swap import artifact_channel
+from stream.config import RedisSettings
 from stream.features import hash_context, hash_value
 from stream.history import UserHistory
 from stream.joiner.engine import Pending, Sample
 from stream.joiner.sample_rows import to_batch
 from stream.samples import SampleBatch
 from streamrec.artifact import build_artifact, eager_model, publish
-from streamrec.settings import RedisSettings
 
 TOL = 1e-5
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),

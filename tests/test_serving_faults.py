@@ -36,11 +36,11 @@ from learner.batch import to_tensors
 from learner.deltas import DeltaError, DeltaWriter, decode_delta, delta_path, load_delta
 from serving.service import ScoringService
 from serving.settings import ServeSettings
+from stream.config import RedisSettings
 from stream.features import hash_value
 from stream.history import UserHistory
 from streamrec import artifact as A
 from streamrec.artifact import ArtifactError, ScoringModel, build_artifact, publish
-from streamrec.settings import RedisSettings
 from streamrec.stack import free_port
 from tests.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
 
@@ -493,7 +493,7 @@ def test_publish_refuses_a_damaged_staged_artifact_and_current_stays(tmp_path: P
 def _refresh(tmp_path: Path) -> Any:
     from cache_refresh import job
     from cache_refresh.settings import RefreshSettings
-    from streamrec.settings import KafkaSettings
+    from stream.config import KafkaSettings
 
     rs = RefreshSettings(checkpoint_dir=tmp_path / "ckpt", publish_root=tmp_path / "serving", alerts_topic="")
     return lambda: job.run_once(rs, KafkaSettings(), RedisSettings(url="redis://127.0.0.1:1/0"))

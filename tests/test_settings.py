@@ -2,16 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from streamrec.settings import (
-    DelayKind,
-    KafkaSettings,
-    ReplaySettings,
-    SettingsError,
-    Sources,
-    StackSettings,
-    build,
-    read_config_file,
-)
+from stream.config import KafkaSettings
+from stream.replay.config import DelayKind, ReplaySettings
+from streamrec.settings import SettingsError, Sources, build, read_config_file
+from streamrec.stack import StackSettings
 
 
 def test_defaults_are_the_local_stack() -> None:
@@ -64,6 +58,6 @@ def test_unknown_file_key_and_bad_values_say_where(tmp_path: Path) -> None:
 
 def test_sources_build_uses_file_and_environment() -> None:
     src = Sources(file_data={"redis": {"url": "redis://h:1/0"}}, environ={})
-    from streamrec.settings import RedisSettings
+    from stream.config import RedisSettings
 
     assert src.build(RedisSettings, "redis").url == "redis://h:1/0"

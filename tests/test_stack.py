@@ -12,8 +12,7 @@ import pytest
 import redis
 
 from streamrec.cli import main
-from streamrec.settings import StackSettings
-from streamrec.stack import LocalStack, StackError, free_port
+from streamrec.stack import LocalStack, StackError, StackSettings, free_port
 
 
 def _stack(tmp_path: Path) -> LocalStack:

@@ -11,6 +11,7 @@ import pytest
 
 from stream.errors import BadMessage
 from stream.events import Click, Impression, decode_click, decode_impression
+from stream.replay.config import ClickDelay, DelayKind, SyntheticSettings
 from stream.replay.synthetic import (
     MALFORMED_KINDS,
     NEW_USER_BASE,
@@ -20,7 +21,6 @@ from stream.replay.synthetic import (
     rank_auc,
 )
 from stream.replay.table import CLICK, IMPRESSION, EventTable
-from streamrec.settings import ClickDelay, DelayKind, SyntheticSettings
 
 N = 20_000
 SEED = 11

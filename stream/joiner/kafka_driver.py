@@ -27,11 +27,12 @@ from typing import Any
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
+from stream.config import KafkaSettings
 from stream.errors import clip
+from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, resume_offsets
 from stream.strikes import is_infrastructure
-from streamrec.settings import JoinerSettings, KafkaSettings
 
 log = logging.getLogger("streamrec.join")
 

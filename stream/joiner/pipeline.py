@@ -37,19 +37,20 @@ from typing import Any, NamedTuple
 import orjson
 import redis
 
+from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip, shown
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.history import UserHistory
 from stream.joiner import metrics as m
+from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.sample_rows import to_batches
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
 from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
-from streamrec.settings import JoinerSettings, KafkaSettings, RedisSettings
 
 log = logging.getLogger("streamrec.join")
 

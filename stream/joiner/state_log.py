@@ -22,11 +22,11 @@ import orjson
 import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
+from stream.config import KafkaSettings
 from stream.joiner.engine import Pending, Sample, StateChunk
 from stream.joiner.sample_rows import encode_bounded, to_batch
 from stream.kafka import new_consumer
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
-from streamrec.settings import KafkaSettings
 
 
 def state_topic(app_id: str) -> str:

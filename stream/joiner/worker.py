@@ -35,8 +35,9 @@ from typing import Any
 
 import faust
 
+from stream.config import KafkaSettings
+from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
-from streamrec.settings import JoinerSettings, KafkaSettings
 
 log = logging.getLogger("streamrec.join")
 

@@ -75,11 +75,11 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from stream.errors import ValidationError
+from stream.errors import ConfigError, ValidationError
 from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS
 from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
+from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
-from streamrec.settings import ClickDelay, SettingsError
 
 TIME_UNITS = ("s", "ms", "us", "ns", "iso")
 _MS_PER = {"s": 1000, "ms": 1, "us": 1e-3, "ns": 1e-6}
@@ -108,10 +108,10 @@ _ONE_MS = timedelta(milliseconds=1)
 _OK, _MISSING, _UNPARSEABLE, _OUT_OF_RANGE = 0, 1, 2, 3
 
 
-class EventLogError(SettingsError):
+class EventLogError(ConfigError):
     """The event log cannot be read as mapped (missing column, unknown format, unusable type).
 
-    A ``ValueError`` (via :class:`~streamrec.settings.SettingsError`, so the CLI reports it as a
+    A ``ValueError`` (via :class:`~stream.errors.ConfigError`, so the CLI reports it as a
     usage error); the message names the file, the column and the flag that fixes it.
     """
 

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from stream.errors import DatasetMissing
+from stream.replay.config import ClickDelay
 from stream.replay.table import ContextPart, EventTable, draw_click_delays_ms
-from streamrec.settings import ClickDelay
 
 CLICK_MIN_RATING = 4
 

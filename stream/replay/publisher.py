@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import orjson
 
+from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.events import SCHEMA_VERSION
 from stream.kafka import AckedProducer, ensure_topics
 from stream.metrics import EVENTS
 from stream.replay.table import CLICK, IMPRESSION, EventTable
-from streamrec.settings import KafkaSettings
 
 _RAW = 2  # kind code of raw messages in the merged order
 

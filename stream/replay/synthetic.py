@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.table import CLICK, IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
-from streamrec.settings import ClickDelay, SyntheticSettings
 
 __all__ = [
     "DEVICES",

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from stream.errors import BadMessage
-from streamrec.settings import ClickDelay, DelayKind
+from stream.replay.config import ClickDelay, DelayKind
 
 IMPRESSION = 0
 CLICK = 1

@@ -1,0 +1,71 @@
+"""The training daemon's settings (``[learner]``, ``STREAMREC_LEARNER_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """The continuous training daemon (``streamrec train``)."""
+
+    group_id: str = "streamrec-learner"  # offsets committed here after each durable checkpoint (for lag)
+    checkpoint_dir: Path = Path(".streamrec/checkpoints")
+    checkpoint_every_s: float = 30.0
+    checkpoint_every_samples: int = 1_000_000
+    keep_checkpoints: int = 3
+    batch_rows: int = 4096  # rows read per batch (whole samples messages are never split)
+    # Rows per optimizer step: a batch is trained as consecutive chunks of this many rows, each predicted
+    # before it is learned. Smaller is fresher (ML-1M online AUC: 0.75 at 4096, 0.78 at 64) and slower.
+    step_rows: int = 256
+    accumulation: int = 1  # micro-batches per optimizer step
+    embedding_dim: int = 16
+    buckets: int = 200_000  # hash-bucket rows per id field (user, item; history shares item's)
+    # Dynamic ids (cold start, learner/row_mapper.py): own rows per id field for admitted ids (0 = ids
+    # only ever use their hash bucket); an id seen admit_after times gets one, starting as its bucket's
+    # vector (id_init = bucket) or zero; rows unseen for id_ttl_s of event time are evicted, and the least
+    # recently seen ones when the table is full.
+    id_capacity: int = 500_000
+    admit_after: int = 2
+    id_ttl_s: float | None = None
+    id_init: str = "bucket"
+    # A user bucket idle this long (event time) has shrunk halfway to zero when the next not-yet-admitted
+    # user lands in it: what earlier occupants taught it says nothing about a new user (README, cold start).
+    user_bucket_half_life_s: float | None = 60.0
+    # Young rows learn up to 1 + boost times faster; the boost halves every boost_half_life updates.
+    boost: float = 0.0
+    boost_half_life: float = 8.0
+    cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
+    ctx_buckets: int = 10_000  # rows per context field
+    mlp: str = "400,400,400"
+    dropout: float = 0.0
+    lr_sparse: float = 0.05
+    lr_dense: float = 0.001
+    sparse_optimizer: str = "rowwise_adagrad"  # or sparse_adam
+    amp: bool = True  # bf16 autocast of the dense part on CPU (fp16 + GradScaler on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
+    metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
+    num_workers: int = 0  # DataLoader workers (they split the partitions)
+    max_samples: int | None = None  # stop after training this many samples
+    exit_when_idle_s: float | None = None  # stop after this long without new samples
+    seed: int = 0
+    metrics_port: int | None = None
+    # Serving freshness (learner/deltas.py): every deltas_every_s (0 = off) write the rows touched since the
+    # last delta plus the dense weights to deltas_dir, keep the last deltas_keep, and PUBLISH the seq on
+    # deltas_channel ("<redis prefix>:model-deltas") at deltas_redis_url when set (serving also polls).
+    deltas_every_s: float = 0.0
+    deltas_dir: Path = Path(".streamrec/deltas")
+    deltas_keep: int = 100
+    deltas_redis_url: str | None = None
+    deltas_channel: str = "streamrec:model-deltas"
+    deltas_id_maps_every_s: float = 60.0  # dynamic ids: a delta carries the id maps at most this often
+    # A fresh learner infers its fields from the first probe_rows rows: a context or dense column becomes a
+    # field only if it is present in at least min_field_share of them, at most max_fields of each kind (one
+    # hostile message with thousands of keys must not fix the model's shape for good).
+    probe_rows: int = 4096
+    min_field_share: float = 0.01
+    max_fields: int = 64
+    # A samples message in poison_after failed training batches in a row is dead-lettered (stream/strikes.py).
+    poison_after: int = 3

@@ -1,0 +1,37 @@
+"""How every stage talks to Kafka and Redis: the two configs shared across the pipeline.
+
+Frozen dataclasses with the embedded defaults (a local stack on loopback); ``streamrec/settings.py``
+fills them from a file, the environment and flags at the process edge, and nothing below reads
+``os.environ``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """How every streamrec process talks to Kafka (or the local Kafka-protocol broker)."""
+
+    bootstrap_servers: str = "127.0.0.1:19092"
+    # The local Tansu broker takes about half the session timeout to complete a group join, so the
+    # local default is short. Real Kafka deployments may raise it (compose/ uses 10000).
+    session_timeout_ms: int = 6000
+    impressions_topic: str = "impressions"
+    clicks_topic: str = "clicks"
+    samples_topic: str = "samples"
+    dlq_suffix: str = ".dlq"
+    partitions: int = 4
+    replication_factor: int = 1
+    client_id: str = "streamrec"
+
+    def dlq_topic(self, topic: str) -> str:
+        return topic + self.dlq_suffix
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:16379/0"
+    prefix: str = "streamrec"  # every key streamrec writes starts with this
+    counts_ttl_days: int = 8  # per-day count keys live this long
+    history_len: int = 50  # recent clicked items kept per user

@@ -1,0 +1,36 @@
+"""The joiner's settings (``[joiner]``, ``STREAMREC_JOINER_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JoinerSettings:
+    """The impression-click joiner (``streamrec join``)."""
+
+    app_id: str = "streamrec-joiner"  # faust app id = consumer group; names the state topic
+    driver: str = "faust"  # faust | kafka (plain confluent-kafka loop, same semantics, faster)
+    attribution_window_s: float = 1800.0  # a click within this event time of its impression labels it 1
+    allowed_lateness_s: float = 5.0  # watermark = max event time seen - allowed lateness
+    late_retention_s: float = 3600.0  # how long after expiry a click is still recognised as late
+    # A partition without clicks for this long (wall clock) lets impressions alone advance event time.
+    click_idle_s: float = 30.0
+    counts_flush_s: float = 2.0  # Redis day counts are aggregated in memory this long between writes
+    late_clicks_topic: str = "late_clicks"
+    # Samples are flushed once per batch: a batch closes at batch_max events or after batch_within_s,
+    # and its samples go out as messages of at most sample_flush_rows rows per partition.
+    batch_max: int = 5000
+    batch_within_s: float = 0.5
+    sample_flush_rows: int = 4096
+    exit_when_idle_s: float | None = None  # bounded runs: exit after this long without input
+    drain_at_exit: bool = False  # at exit, treat input as complete: expire every pending impression
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port
+    # Hostile input (stream/joiner/engine.py, stream/strikes.py): event time per input is its
+    # watermark_quorum-th largest event time, so no single event steers it; memory caps per partition;
+    # a message in poison_after failed batches in a row (processed alone after the first) is dead-lettered.
+    watermark_quorum: int = 16
+    max_pending_per_partition: int = 500_000
+    max_waiting_per_partition: int = 100_000
+    poison_after: int = 3
+    max_sample_bytes: int = 900_000  # a samples message; Kafka's default message.max.bytes is 1 MB

@@ -1,0 +1,65 @@
+"""Replay settings (``[replay]``, ``[synthetic]``) and the click-delay distribution replays draw from."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DelayKind(str, enum.Enum):
+    FIXED = "fixed"
+    EXPONENTIAL = "exponential"
+    LOGNORMAL = "lognormal"
+
+
+@dataclass(frozen=True)
+class ClickDelay:
+    """Distribution of the time from an impression to its click (event time)."""
+
+    kind: DelayKind = DelayKind.LOGNORMAL
+    median_s: float = 30.0
+    # lognormal: sigma of log(delay); exponential and fixed ignore it.
+    sigma: float = 1.0
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    dataset: str = "ml-1m"
+    limit: int | None = None
+    rate: float | None = None  # events per second (wall clock); None = as fast as possible
+    speed: float | None = None  # event-time speed-up factor; None = as fast as possible
+    seed: int = 7
+    click_delay_kind: DelayKind = DelayKind.LOGNORMAL
+    click_delay_median_s: float = 30.0
+    click_delay_sigma: float = 1.0
+    linger_ms: int = 20
+    progress: bool = True
+
+    @property
+    def click_delay(self) -> ClickDelay:
+        return ClickDelay(self.click_delay_kind, self.click_delay_median_s, self.click_delay_sigma)
+
+
+@dataclass(frozen=True)
+class SyntheticSettings:
+    """A deterministic synthetic feed with a planted click model (``--dataset synthetic``)."""
+
+    impressions: int = 200_000
+    users: int = 1_000_000  # distinct-id cardinality of returning users (up to 100 M)
+    items: int = 100_000
+    zipf_exponent: float = 1.1
+    new_user_share: float = 0.02  # share of impressions from brand-new users
+    new_user_impressions: int = 5  # a brand-new user has 1..this many impressions (uniform)
+    # 0: a new user's impressions are consecutive rows (a burst); > 0: spread uniformly over this many
+    # seconds of event time from the user's first, interleaved with everyone else's (a session)
+    new_user_session_s: float = 0.0
+    impressions_per_s: float = 200.0  # event-time arrival rate
+    start_ts_ms: int = 1_700_000_000_000
+    base_ctr: float = 0.1
+    latent_dim: int = 8
+    signal: float = 1.5  # strength of the planted user x item interaction
+    attribution_window_s: float = 1800.0
+    late_click_share: float = 0.02  # share of clicks arriving after the attribution window
+    duplicate_click_share: float = 0.03
+    orphan_click_share: float = 0.01  # clicks for impression ids that were never shown
+    malformed_share: float = 0.0  # share of all messages that are extra malformed ones (valid counts stay exact)
