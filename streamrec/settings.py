@@ -30,6 +30,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, shown
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
+from streamrec.stack import StackSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,7 +39,8 @@ else:  # pragma: no cover
 
 # The stages' own config types, re-exported for the commands that build them.
 __all__ = ["ClickDelay", "DelayKind", "JoinerSettings", "KafkaSettings", "LearnerSettings", "RedisSettings",
-           "ReplaySettings", "SettingsError", "Sources", "SyntheticSettings", "build", "read_config_file"]
+           "ReplaySettings", "SettingsError", "Sources", "StackSettings", "SyntheticSettings", "build",
+           "read_config_file"]
 
 ENV_PREFIX = "STREAMREC_"
 
