@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from stream.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,29 @@ class LearnerSettings:
     max_fields: int = 64
     # A samples message in poison_after failed training batches in a row is dead-lettered (stream/strikes.py).
     poison_after: int = 3
+
+
+# Settings that shape the model a checkpoint holds: a learner restored from a checkpoint must have the same
+# ones, or it would silently train another model (or fail to load). Everything else may change across a
+# restart and is taken from the settings: learning rates, amp, dropout, the boost, step and batch sizes,
+# cadences, deltas, device and workers.
+SHAPE_SETTINGS = ("mlp", "sparse_optimizer", "embedding_dim", "buckets", "ctx_buckets", "id_capacity",
+                  "admit_after", "id_ttl_s", "id_init", "user_bucket_half_life_s")
+
+
+class CheckpointMismatch(ConfigError):
+    """The settings would change the shape of the model a checkpoint holds. ``fields``: name ->
+    (checkpoint's value, settings' value)."""
+
+    def __init__(self, path: object, fields: dict[str, tuple[Any, Any]]) -> None:
+        self.fields = fields
+        listed = ", ".join(f"{k}: checkpoint {a!r}, settings {b!r}" for k, (a, b) in sorted(fields.items()))
+        super().__init__(f"checkpoint {path} was trained with other model-shaping settings ({listed}); a model "
+                         "cannot change shape in place: set them back, or train into a new checkpoint_dir")
+
+
+def shape_of(ls: LearnerSettings) -> dict[str, Any]:
+    """The model-shaping settings of ``ls`` as plain values (what a checkpoint records)."""
+    out = {k: getattr(ls, k) for k in SHAPE_SETTINGS}
+    out["mlp"] = ",".join(str(int(x)) for x in str(ls.mlp).split(",") if x.strip())
+    return out

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
-from learner.config import LearnerSettings
+from learner.config import CheckpointMismatch, LearnerSettings, shape_of
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
@@ -190,6 +190,7 @@ class Learner:
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
         self._cold_published = 0.0
         self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
+        self._shape = shape_of(ls)  # what a checkpoint records and a restore compares
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
 
     # -- model and state ---------------------------------------------------------------------------
@@ -217,21 +218,25 @@ class Learner:
                 self.deltas.id_maps_source = self.mapper.state_dict
 
     def _restore(self) -> bool:
+        """Resume from the newest checkpoint. Its model-shaping settings (``learner.config.SHAPE_SETTINGS``)
+        must equal ours (else :class:`CheckpointMismatch`, exit 2); the rest come from the settings."""
         ckpt = checkpoint.load_latest(self.ls.checkpoint_dir)
         if ckpt is None:
             return False
         meta = ckpt["meta"]
-        mine = self._model_settings()
-        shape_keys = ("mlp", "sparse_optimizer")
-        changed = {k: (meta["model"][k], mine[k]) for k in shape_keys if str(meta["model"][k]) != str(mine[k])}
+        recorded = meta.get("shape") or self._shape_of_old(meta)
+        mine = shape_of(self.ls)
+        changed = {k: (recorded.get(k), v) for k, v in mine.items() if k in recorded and recorded[k] != v}
         if changed:
-            raise RuntimeError(f"checkpoint {ckpt['path']} was trained with {changed} (checkpoint, settings): "
-                               "a model cannot change shape in place; use a new checkpoint_dir")
-        self._build(FeatureConfig.from_dict(meta["feature_config"]), {**mine, **{k: meta["model"][k] for k in mine}})
+            raise CheckpointMismatch(ckpt["path"], changed)
+        self._build(FeatureConfig.from_dict(meta["feature_config"]), self._model_settings())
         assert self.trainer is not None
         self.trainer.model.load_state_dict(ckpt["model"])
         self.trainer.sparse_opt.load_state_dict(ckpt["sparse_opt"])
         self.trainer.dense_opt.load_state_dict(ckpt["dense_opt"])
+        for opt, lr in ((self.trainer.sparse_opt, self.ls.lr_sparse), (self.trainer.dense_opt, self.ls.lr_dense)):
+            for group in opt.param_groups:  # a restored optimizer keeps its state but takes today's rate
+                group["lr"] = lr
         self.trainer.metrics.load_state_dict(ckpt["metrics"])
         self.trainer.samples, self.trainer.steps = meta["samples_trained"], meta["steps"]
         self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
@@ -248,6 +253,22 @@ class Learner:
                  self.offsets)
         return True
 
+    @staticmethod
+    def _shape_of_old(meta: dict[str, Any]) -> dict[str, Any]:
+        """The shaping settings a checkpoint written before they were recorded implies (upgrade step)."""
+        out = {k: str(meta["model"][k]) if k == "mlp" else meta["model"][k] for k in ("mlp", "sparse_optimizer")}
+        out["mlp"] = ",".join(x.strip() for x in out["mlp"].split(",") if x.strip())
+        fields = {f["name"]: f for f in meta["feature_config"]["fields"]}
+        out["embedding_dim"] = meta["feature_config"]["embedding_dim"]
+        if "user_id" in fields:
+            u = fields["user_id"]
+            out.update(buckets=u["num_buckets"], id_capacity=u["capacity"], admit_after=u["admit_after"],
+                       id_ttl_s=u["ttl_s"], id_init=u["init"])
+        ctx = [f for n, f in fields.items() if n.startswith("ctx.")]
+        if ctx:
+            out["ctx_buckets"] = ctx[0]["num_buckets"]
+        return out
+
     def save(self) -> None:
         assert self.trainer is not None and self.cfg is not None
         t0 = time.monotonic()
@@ -258,7 +279,7 @@ class Learner:
         meta = {
             "samples_trained": tr.samples, "steps": tr.steps, "offsets": {str(p): o for p, o in self.offsets.items()},
             "partition_rows": {str(p): n for p, n in self.partition_rows.items()}, "duplicates": self.duplicates,
-            "feature_config": self.cfg.to_dict(), "model": self._model_settings(),
+            "feature_config": self.cfg.to_dict(), "model": self._model_settings(), "shape": self._shape,
             "metrics": tr.metrics.summary(), "topic": self.kafka.samples_topic,
         }
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),

@@ -16,7 +16,7 @@ that is pooled (mean) by ``nn.EmbeddingBag`` from ``(values, offsets)``: never a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 FieldKind = Literal["single", "multi", "sequence"]
@@ -126,14 +126,3 @@ def default_config(context: dict[str, FieldKind], buckets: int = 200_000, ctx_bu
         fields.append(FieldSpec("history", "sequence", buckets, shares="item_id" if with_ids else None))
     fields += [FieldSpec(f"ctx.{name}", kind, ctx_buckets) for name, kind in sorted(context.items())]
     return FeatureConfig(tuple(fields), dense=dense, embedding_dim=embedding_dim)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    mlp: tuple[int, ...] = (400, 400, 400)
-    dropout: float = 0.0
-    lr_dense: float = 1e-3
-    lr_sparse: float = 0.05
-    weight_decay: float = 0.0
-    sparse_optimizer: Literal["rowwise_adagrad", "sparse_adam"] = "rowwise_adagrad"
-    extra: dict[str, Any] = field(default_factory=dict)

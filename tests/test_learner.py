@@ -262,3 +262,31 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
     meta = json.loads(subprocess.run([*train_cmd(ckpt)[:6], "--status", "--json"], env=env, capture_output=True,
                                      text=True).stdout)
     assert meta["samples_trained"] == status["samples_trained"] <= sum(produced.values())
+
+
+def test_a_restore_with_other_model_shaping_settings_names_each_field_and_rates_come_from_the_settings(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    import dataclasses
+
+    from learner.config import CheckpointMismatch, LearnerSettings
+    from learner.daemon import Learner
+    from learner.features import default_config
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
+                         embedding_dim=4, group_id=f"g-{kafka.samples_topic}")
+    first = Learner(kafka, ls)
+    first._build(default_config({"genres": "multi"}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
+                                embedding_dim=ls.embedding_dim, id_capacity=ls.id_capacity, admit_after=ls.admit_after,
+                                id_init=ls.id_init, user_bucket_half_life_s=ls.user_bucket_half_life_s),
+                 first._model_settings())
+    first.save()
+    first.close()
+    other = Learner(kafka, dataclasses.replace(ls, embedding_dim=8, buckets=60, lr_dense=0.5))
+    with pytest.raises(CheckpointMismatch) as info:
+        other._restore()
+    assert set(info.value.fields) == {"embedding_dim", "buckets"}  # the rate may change; the shape may not
+    assert info.value.fields["embedding_dim"] == (4, 8) and "new checkpoint_dir" in str(info.value)
+    faster = Learner(kafka, dataclasses.replace(ls, lr_dense=0.5, lr_sparse=0.2))
+    assert faster._restore()
+    assert [g["lr"] for g in faster.trainer.dense_opt.param_groups] == [0.5]
+    assert [g["lr"] for g in faster.trainer.sparse_opt.param_groups] == [0.2]
