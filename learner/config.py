@@ -57,12 +57,13 @@ class LearnerSettings:
     metrics_port: int | None = None
     # Serving freshness (learner/deltas.py): every deltas_every_s (0 = off) write the rows touched since the
     # last delta plus the dense weights to deltas_dir, keep the last deltas_keep, and PUBLISH the seq on
-    # deltas_channel ("<redis prefix>:model-deltas") at deltas_redis_url when set (serving also polls).
+    # deltas_channel ("" = the [redis] prefix's channel, RedisSettings.deltas_channel) at deltas_redis_url
+    # when set (serving also polls).
     deltas_every_s: float = 0.0
     deltas_dir: Path = Path(".streamrec/deltas")
     deltas_keep: int = 100
     deltas_redis_url: str | None = None
-    deltas_channel: str = "streamrec:model-deltas"
+    deltas_channel: str = ""
     deltas_id_maps_every_s: float = 60.0  # dynamic ids: a delta carries the id maps at most this often
     # A fresh learner infers its fields from the first probe_rows rows: a context or dense column becomes a
     # field only if it is present in at least min_field_share of them, at most max_fields of each kind (one

@@ -59,6 +59,7 @@ from torch import nn
 
 from learner import checkpoint as ckpt_io
 from learner.tensorpack import PackError, pack, unpack
+from stream.config import RedisSettings
 
 log = logging.getLogger("streamrec.deltas")
 
@@ -231,7 +232,8 @@ class DeltaWriter:
     def from_settings(cls, ls: Any, num_rows: int) -> DeltaWriter:
         """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing on Redis when configured;
         the lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet)."""
-        notify = redis_notifier(ls.deltas_redis_url, ls.deltas_channel) if ls.deltas_redis_url else None
+        channel = ls.deltas_channel or RedisSettings().deltas_channel  # "" = the default prefix's channel
+        notify = redis_notifier(ls.deltas_redis_url, channel) if ls.deltas_redis_url else None
         return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify,
                    id_maps_every_s=ls.deltas_id_maps_every_s, lineage=ckpt_io.lineage(Path(ls.checkpoint_dir)))
 

@@ -35,3 +35,15 @@ class RedisSettings:
     prefix: str = "streamrec"  # every key streamrec writes starts with this
     counts_ttl_days: int = 8  # per-day count keys live this long
     history_len: int = 50  # recent clicked items kept per user
+
+    # The pub/sub channels, named from the prefix here only: the writer and the reader of a channel must
+    # agree, whatever prefix a deployment uses.
+    @property
+    def artifact_channel(self) -> str:
+        """The refresh PUBLISHes each new artifact version here; serving subscribes."""
+        return f"{self.prefix}:model-updates"
+
+    @property
+    def deltas_channel(self) -> str:
+        """The learner PUBLISHes each new delta's seq here; serving subscribes."""
+        return f"{self.prefix}:model-deltas"

@@ -267,6 +267,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                    exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
                    device=args.device,
                    num_workers=args.num_workers, metrics_port=args.metrics_port)
+    if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
+        ls = dataclasses.replace(ls, deltas_channel=src.build(RedisSettings, "redis").deltas_channel)
     if args.status:
         from learner.checkpoint import latest_meta
 

@@ -61,3 +61,14 @@ def test_sources_build_uses_file_and_environment() -> None:
     from stream.config import RedisSettings
 
     assert src.build(RedisSettings, "redis").url == "redis://h:1/0"
+
+
+def test_the_writers_and_readers_of_each_redis_channel_agree_for_any_prefix() -> None:
+    from cache_refresh.job import notify_channel
+    from cache_refresh.settings import RefreshSettings
+    from serving.swap import artifact_channel, delta_channel
+    from stream.config import RedisSettings as Redis
+
+    rs = Redis(prefix="team-a")
+    assert delta_channel(rs.prefix) == rs.deltas_channel == "team-a:model-deltas"
+    assert artifact_channel(rs.prefix) == rs.artifact_channel == notify_channel(RefreshSettings(), rs)
