@@ -14,7 +14,7 @@ import pyarrow as pa
 import torch
 
 from learner.features import FeatureConfig
-from stream.samples import SampleBatch
+from stream.samples import DENSE_PREFIX, SampleBatch
 
 
 @dataclass
@@ -110,7 +110,7 @@ def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int
     lengths = np.concatenate(all_lengths)  # (F * B,)
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    dense = (np.stack([batch.column(f"dense.{d}").astype(np.float32) if f"dense.{d}" in names
+    dense = (np.stack([batch.column(DENSE_PREFIX + d).astype(np.float32) if DENSE_PREFIX + d in names
                        else np.zeros(b, np.float32) for d in cfg.dense], axis=1)
              if cfg.dense else np.zeros((b, 0), np.float32))
     return TensorBatch(

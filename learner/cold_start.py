@@ -37,7 +37,7 @@ from learner.optim import make_optimizers
 from learner.progressive import auc, logloss
 from learner.row_mapper import RowMapper
 from learner.trainer import Trainer
-from stream.samples import SampleBatch
+from stream.samples import CTX_PREFIX, SampleBatch
 
 VARIANTS = ("zero", "buckets", "admission")
 
@@ -111,7 +111,7 @@ def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, varia
     specs = [FieldSpec("user_id", "single", **ids, bucket_half_life_s=decay), FieldSpec("item_id", "single", **ids),
              FieldSpec("history", "sequence", 1, shares="item_id")]
     for f in sb.batch.schema:
-        if f.name.startswith("ctx."):
+        if f.name.startswith(CTX_PREFIX):
             specs.append(FieldSpec(f.name, "multi" if pa.types.is_list(f.type) else "single", cfg.ctx_buckets))
     return FeatureConfig(tuple(specs), embedding_dim=cfg.embedding_dim)
 

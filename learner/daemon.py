@@ -264,7 +264,7 @@ class Learner:
             u = fields["user_id"]
             out.update(buckets=u["num_buckets"], id_capacity=u["capacity"], admit_after=u["admit_after"],
                        id_ttl_s=u["ttl_s"], id_init=u["init"])
-        ctx = [f for n, f in fields.items() if n.startswith("ctx.")]
+        ctx = [f for n, f in fields.items() if n.startswith(CTX_PREFIX)]
         if ctx:
             out["ctx_buckets"] = ctx[0]["num_buckets"]
         return out

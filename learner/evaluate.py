@@ -51,7 +51,7 @@ from learner.progressive import auc, logloss
 from learner.trainer import Trainer
 from stream.features import MISSING, hash_context, hash_value
 from stream.replay.movielens import CLICK_MIN_RATING, DATASETS, _attribute_dicts, _read_tsv
-from stream.samples import SampleBatch
+from stream.samples import CTX_PREFIX, SampleBatch
 
 PROTOCOLS = ("autoint", "online")
 FEATURE_SETS = ("paper", "default")
@@ -380,7 +380,7 @@ def feature_config(features: str, cfg: EvalConfig) -> FeatureConfig:
         specs += [FieldSpec("user_id", "single", cfg.id_buckets), FieldSpec("item_id", "single", cfg.id_buckets),
                   FieldSpec("history", "sequence", cfg.id_buckets, shares="item_id")]
     for name in PAPER_FIELDS:
-        specs.append(FieldSpec(f"ctx.{name}", "multi" if name in MULTI_VALUED else "single",
+        specs.append(FieldSpec(CTX_PREFIX + name, "multi" if name in MULTI_VALUED else "single",
                                cfg.zip_buckets if name == "zip" else cfg.ctx_buckets))
     return FeatureConfig(tuple(specs), embedding_dim=cfg.embedding_dim)
 

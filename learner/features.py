@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from stream.samples import CTX_PREFIX
+
 FieldKind = Literal["single", "multi", "sequence"]
 
 
@@ -124,5 +126,5 @@ def default_config(context: dict[str, FieldKind], buckets: int = 200_000, ctx_bu
                    FieldSpec("item_id", "single", buckets, **dyn)]
     if with_history:
         fields.append(FieldSpec("history", "sequence", buckets, shares="item_id" if with_ids else None))
-    fields += [FieldSpec(f"ctx.{name}", kind, ctx_buckets) for name, kind in sorted(context.items())]
+    fields += [FieldSpec(CTX_PREFIX + name, kind, ctx_buckets) for name, kind in sorted(context.items())]
     return FeatureConfig(tuple(fields), dense=dense, embedding_dim=embedding_dim)

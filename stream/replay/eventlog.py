@@ -80,6 +80,7 @@ from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS
 from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
+from stream.samples import DENSE_PREFIX
 
 TIME_UNITS = ("s", "ms", "us", "ns", "iso")
 _MS_PER = {"s": 1000, "ms": 1, "us": 1e-3, "ns": 1e-6}
@@ -586,7 +587,7 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
 
 
 def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
-    field = f"dense.{column}"
+    field = f"{DENSE_PREFIX}{column}"
     t = arr.type
     missing = _nulls(arr)
     if pa.types.is_null(t):
