@@ -1,4 +1,11 @@
-"""``streamrec refresh``: the nightly hot-embedding cache refresh (scheduler, --now, --rollback, --status)."""
+"""``streamrec refresh``: the nightly hot-embedding cache refresh (scheduler, --now, --rollback, --status).
+
+Who may end a rollback: ``--rollback`` pins the older version (``<publish_root>/PINNED``). The scheduled
+runs (no mode flag) respect the pin: while it holds the live version they build and validate, publish
+nothing, log an error and write a ``refresh_pinned`` alert; ``--status`` shows the pin and the last run
+it held back. ``--now`` is the operator's explicit action: it publishes over the pin and removes it
+(the rollback ends; serving applies learner deltas again).
+"""
 
 from __future__ import annotations
 
@@ -38,14 +45,16 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
 
 
 def _status(rs: RefreshSettings) -> dict[str, Any]:
-    from cache_refresh.job import read_last_success
+    from cache_refresh.job import read_last_run, read_last_success
     from streamrec import artifact
 
     root = Path(rs.publish_root)
     last = read_last_success(root)
     pin = artifact.read_pin(root)
+    held = read_last_run(root).get("pin_held")
     out: dict[str, Any] = {"publish_root": str(root), "current": None, "versions": artifact.list_versions(root),
-                           "last_success": last.isoformat() if last else None, "pinned": None, "error": None}
+                           "last_success": last.isoformat() if last else None, "pinned": None,
+                           "last_pin_held": held if isinstance(held, dict) else None, "error": None}
     try:
         current = artifact.read_current(root)
         if current is not None:
@@ -59,7 +68,8 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
         out["current"], out["error"] = None, str(exc)
     if pin is not None and (pin.problem is not None or (out["current"] is not None and pin.holds(out["current"]))):
         out["pinned"] = {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
-                         "deltas": "paused until the next publish"}
+                         "deltas": "paused until an operator publishes (`streamrec refresh --now`)",
+                         "scheduled_runs": "build and validate but do not publish while the pin holds"}
     return out
 
 
@@ -85,12 +95,13 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         path = Path(rs.publish_root) / artifact.VERSIONS / version
         notified = job.notify(rs, rds, version, path)
         emit(args, {"current": version, "path": str(path), "notified": notified, "pinned": True},
-             lambda d: f"rolled back: {d['current']} is current ({d['path']}); serving applies no learner deltas "
-             "to it until the next publish")
+             lambda d: f"rolled back: {d['current']} is current ({d['path']}) and pinned: serving applies no "
+             "learner deltas to it and scheduled refreshes do not publish over it until an operator runs "
+             "`streamrec refresh --now`")
         return EXIT_OK
     if args.now:
         try:
-            summary = job.run_once(rs, kafka, rds)
+            summary = job.run_once(rs, kafka, rds, respect_pin=False)  # the operator's run ends a rollback pin
         except job.RefreshError as exc:
             print(f"streamrec refresh: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
@@ -100,10 +111,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from cache_refresh.scheduler import run_forever
 
     def scheduled() -> None:
-        try:
-            job.run_once(rs, kafka, rds)
-        except job.RefreshError:
-            pass  # logged and alerted by run_once; the schedule goes on, the live artifact keeps serving
+        job.scheduled_run(rs, kafka, rds)  # respects a rollback pin; failures are logged and alerted
 
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, job.read_last_success(Path(rs.publish_root)))
@@ -124,18 +132,24 @@ def add_parser(sub: Any, common: Any, kafka_flag: Any) -> None:
         "PUBLISH the version on <redis prefix>:model-updates. A failure publishes nothing, writes a firing "
         "alert to the Kafka alerts topic and exits 1; the live artifact keeps serving. Without --now/"
         "--rollback/--status it runs forever on the cron schedule (default '0 3 * * *' UTC); a run missed "
-        "while it was down runs on start if within misfire_grace_s.",
+        "while it was down runs on start if within misfire_grace_s. Rollback pins: while a --rollback pin "
+        "holds, scheduled runs build and validate but do not publish (they log an error and write a "
+        "refresh_pinned alert); only --now, an operator's run, publishes over the pin and ends the rollback. "
+        "One refresh per publish root runs at a time (a lock); each run first removes what killed runs "
+        "left (staged directories, temp files).",
         epilog="Settings: [refresh] in --config and STREAMREC_REFRESH_<KEY> (checkpoint_dir, publish_root, days, "
         "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
         "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic). "
         "Exit codes: 0 ok, 1 failed, 2 usage. Examples: streamrec refresh --now --json; "
         "streamrec refresh --rollback; streamrec refresh --status --json")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed)")
+    mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed); "
+                      "an operator's run: it publishes over a rollback pin and removes it")
     mode.add_argument("--rollback", action="store_true", help="make the version before the current one current "
-                      "again (after verifying it), pin it so serving applies no learner deltas to it until the next "
-                      "publish, and notify serving")
-    mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary")
+                      "again (after verifying it) and pin it: serving applies no learner deltas to it and scheduled "
+                      "runs do not publish over it until the next --now; notify serving")
+    mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary, "
+                      "the rollback pin and the last scheduled run it held back")
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
     p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
     p.add_argument("--format", choices=["torchscript", "export", "eager"],

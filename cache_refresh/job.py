@@ -20,6 +20,24 @@ Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
 polls ``CURRENT`` and finds it; the summary says ``notified: false``.
 
+One run at a time per publish root: a run holds ``artifact.refresh_lock`` (stage ``lock``; a second run
+fails at once, naming the pid of the first) and starts by removing what killed runs left
+(``artifact.clean_leftovers``: staged directories of dead processes, a half-pruned version, temp files;
+the summary lists them under ``cleaned``). A full or read-only publish root fails the stage that hit it
+with a message saying so (``artifact.describe_os_error``); nothing half-written is made current. Once
+``CURRENT`` names the new version the run has published: recording ``last_run.json`` afterwards is best
+effort (``last_run_recorded: false`` in the summary), never a failure.
+
+**Rollback pins.** An operator's ``streamrec refresh --rollback`` pins the older version
+(``<publish_root>/PINNED``). A *scheduled* run (``respect_pin=True``, :func:`scheduled_run`) while the
+pin holds the live version builds and validates as usual (so the operator learns whether the newest
+checkpoint would pass) but publishes nothing: it removes its staged artifact, logs an error, writes a
+``refresh_pinned`` alert (severity ``warning``, labels ``{"stage": "publish", "pinned": <version>}``),
+records ``pin_held`` in ``last_run.json`` (shown by ``--status``) and returns a summary with
+``published: false`` and ``pin_held``. Only an operator ends the pin: ``streamrec refresh --now``
+(``respect_pin=False``) publishes over it and removes it (logged as a warning; ``unpinned`` in the
+summary names the pin it ended).
+
 The alert has the shape of ``streamrec/alerts.py``'s records: ``{"rule": "refresh_failed", "source":
 "refresh", "severity": "critical", "state": "firing", "value": null, "threshold": null, "message",
 "ts" (ms), "labels": {"stage"}}``, keyed by the rule name. A refresh raises no "resolved" record:
@@ -28,6 +46,7 @@ the next successful refresh (``last_run.json``) is the resolution.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -49,6 +68,7 @@ log = logging.getLogger("streamrec.refresh")
 
 LAST_RUN = "last_run.json"
 ALERT_RULE = "refresh_failed"
+PIN_RULE = "refresh_pinned"
 
 
 class RefreshError(Exception):
@@ -73,20 +93,42 @@ def read_last_success(root: Path) -> dt.datetime | None:
         return None
 
 
+def read_last_run(root: Path) -> dict[str, Any]:
+    """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable)."""
+    try:
+        data = json.loads((Path(root) / LAST_RUN).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _utc(when: float) -> str:
+    return dt.datetime.fromtimestamp(when, tz=dt.timezone.utc).isoformat(timespec="seconds")
+
+
 def write_last_success(root: Path, when: float, version: str) -> None:
+    """A publish: replaces the whole record (a ``pin_held`` of earlier runs ends with the publish)."""
     artifact._write_atomic(Path(root) / LAST_RUN, json.dumps({
-        "last_success": when, "version": version,
-        "last_success_utc": dt.datetime.fromtimestamp(when, tz=dt.timezone.utc).isoformat(timespec="seconds"),
-    }).encode())
+        "last_success": when, "version": version, "last_success_utc": _utc(when)}).encode())
+
+
+def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> None:
+    """A scheduled run that did not publish because of a rollback pin: added to the record, which keeps
+    the last success (the catch-up at start counts publishes only)."""
+    data = read_last_run(root)
+    data["pin_held"] = {"at": when, "at_utc": _utc(when), "built": built, "pinned": pin.version,
+                        "rolled_back_from": pin.rolled_back_from, "problem": pin.problem}
+    artifact._write_atomic(Path(root) / LAST_RUN, json.dumps(data).encode())
 
 
 # -- alerts --------------------------------------------------------------------------------------
-def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, timeout_s: float = 10.0) -> bool:
+def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, timeout_s: float = 10.0,
+                rule: str = ALERT_RULE, severity: str = "critical", labels: dict[str, str] | None = None) -> bool:
     """Log a firing alert and write it to the Kafka ``topic``; returns whether Kafka acknowledged it."""
-    record = {"rule": ALERT_RULE, "source": "refresh", "severity": "critical", "state": "firing",
+    record = {"rule": rule, "source": "refresh", "severity": severity, "state": "firing",
               "value": None, "threshold": None, "message": message, "ts": int(time.time() * 1000),
-              "labels": {"stage": stage}}
-    log.error("FIRING critical %s{stage=%s} source=refresh: %s", ALERT_RULE, stage, message)
+              "labels": {"stage": stage, **(labels or {})}}
+    log.error("FIRING %s %s{stage=%s} source=refresh: %s", severity, rule, stage, message)
     if not topic:
         return False
     try:
@@ -94,7 +136,7 @@ def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, time
 
         ensure_topics(kafka, [topic], partitions=1)
         producer = AckedProducer(kafka, **{"message.timeout.ms": int(timeout_s * 1000)})
-        producer.send(topic, json.dumps(record, sort_keys=True).encode(), key=ALERT_RULE)
+        producer.send(topic, json.dumps(record, sort_keys=True).encode(), key=rule)
         producer.flush(timeout_s)
         return True
     except Exception as exc:  # noqa: BLE001 - the alert is also in the log; never mask the refresh error
@@ -122,18 +164,52 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
         client.close()
 
 
-def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep) -> dict[str, Any]:
-    """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure."""
+def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
+             respect_pin: bool = False) -> dict[str, Any]:
+    """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure.
+
+    ``respect_pin=False`` (``streamrec refresh --now``, an operator) publishes over a rollback pin and
+    removes it; ``respect_pin=True`` (the schedule) builds and validates but does not publish while a pin
+    holds the live version: the summary then says ``published: false`` and ``pin_held`` (see the module
+    docstring). Either way the run holds the publish root's lock and cleans what killed runs left first.
+    """
+    root = Path(rs.publish_root)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(artifact.refresh_lock(root))
+        except artifact.ArtifactError as exc:  # another run holds it, or the root cannot be opened
+            err = RefreshError("lock", str(exc))
+            raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
+            raise err from exc
+        return _run_locked(rs, kafka, rds, sleep, respect_pin)
+
+
+def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings) -> dict[str, Any] | None:
+    """One run of the schedule: respects a rollback pin; failures are logged and alerted, never raised (the
+    schedule goes on, the live artifact keeps serving). Returns the summary, None after a failure."""
+    try:
+        return run_once(rs, kafka, rds, respect_pin=True)
+    except RefreshError:
+        return None  # logged and alerted by run_once
+
+
+def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
+                respect_pin: bool) -> dict[str, Any]:
     stage = "start"
     staged: Path | None = None
     timings: dict[str, float] = {}
     t_start = time.time()
     root = Path(rs.publish_root)
+    unpinned: artifact.Pin | None = None
 
     def timed(name: str, t0: float) -> None:
         timings[name] = round(time.monotonic() - t0, 3)
 
     try:
+        cleaned = artifact.clean_leftovers(root)
+        if cleaned:
+            log.info("removed what killed refreshes left in %s: %s", root, ", ".join(cleaned))
+
         stage = "checkpoint"
         t0 = time.monotonic()
         problems: list[tuple[Path, str]] = []
@@ -147,6 +223,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
                                       "running with the same checkpoint_dir?")
         cfg = artifact.check_checkpoint(ckpt)
         timed(stage, t0)
+        log.info("refresh: checkpoint %s (%s samples trained)", ckpt["path"], ckpt["meta"].get("samples_trained"))
 
         stage = "hot_set"
         t0 = time.monotonic()
@@ -162,11 +239,13 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         finally:
             client.close()
         timed(stage, t0)
+        log.info("refresh: hot set of %d rows", len(hs.rows))
 
         stage = "build"
         t0 = time.monotonic()
         staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats)
         timed(stage, t0)
+        log.info("refresh: built %s", staged)
 
         stage = "validate"
         t0 = time.monotonic()
@@ -176,12 +255,22 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
         quality = validate.holdout(new, live, batches, rs.max_auc_drop)
         timed(stage, t0)
+        log.info("refresh: %s validated", new.version)
 
         stage = "publish"
         t0 = time.monotonic()
-        path = artifact.publish(root, staged, rs.keep_versions)
+        pin = artifact.pin_holding(root)
+        try:
+            path = artifact.publish(root, staged, rs.keep_versions, over_pin=not respect_pin)
+        except artifact.PinHeld as held:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged = None
+            return _pin_held(rs, kafka, root, new.version, held, {
+                "checkpoint": ckpt["path"], "samples_trained": ckpt["meta"].get("samples_trained"),
+                "probe": probe, "holdout": quality, "cleaned": cleaned,
+                "seconds": {**timings, "total": round(time.time() - t_start, 3)}})
         staged = None
-        write_last_success(root, time.time(), path.name)
+        unpinned = pin
         timed(stage, t0)
     except Exception as exc:
         if staged is not None:
@@ -189,24 +278,71 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         if isinstance(exc, RefreshError):
             raise_alert(kafka, rs.alerts_topic, exc.stage, str(exc))
             raise
-        known = isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError))
-        err = RefreshError(stage, str(exc) if known else f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, OSError):
+            msg = (f"{artifact.describe_os_error(exc)} (publish root {root}); nothing was published, the live "
+                   "artifact keeps serving; fix the file system and run `streamrec refresh --now`")
+        elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError)):
+            msg = str(exc)
+        else:
+            msg = f"{type(exc).__name__}: {exc}"
+        err = RefreshError(stage, msg)
         raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
         raise err from exc
 
+    # Published: CURRENT names the new version. Nothing below may turn that into a failure.
+    if unpinned is not None:
+        log.warning("published %s over the rollback pin of %s (rolled back from %s): an operator's run ends the "
+                    "rollback; serving applies learner deltas again", path.name, unpinned.version,
+                    unpinned.rolled_back_from)
+    try:
+        write_last_success(root, time.time(), path.name)
+        recorded = True
+    except OSError as exc:
+        recorded = False
+        log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
+                    "at its next start", path.name, root / LAST_RUN, artifact.describe_os_error(exc))
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
     timed("notify", t0)
     manifest = artifact._read_manifest(path)
     log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
     return {
-        "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
+        "published": True, "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
         "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest["hot_set"],
         "skipped_checkpoints": [{"path": str(p), "reason": why} for p, why in problems],
         "probe": probe, "holdout": quality, "notified": notified, "channel": notify_channel(rs, rds),
         "bytes": {name: f["bytes"] for name, f in manifest["files"].items()},
+        "unpinned": ({"version": unpinned.version, "rolled_back_from": unpinned.rolled_back_from}
+                     if unpinned is not None else None),
+        "last_run_recorded": recorded, "cleaned": cleaned,
         "seconds": {**timings, "total": round(time.time() - t_start, 3)},
     }
+
+
+def _pin_held(rs: RefreshSettings, kafka: KafkaSettings, root: Path, built: str, held: artifact.PinHeld,
+              summary: dict[str, Any]) -> dict[str, Any]:
+    """A scheduled run that validated but did not publish over a rollback pin: say so everywhere."""
+    pin = held.pin
+    message = (f"scheduled refresh did not publish: {held}. The rollback stays in force; the artifact {built} "
+               "built and validated from the newest checkpoint was discarded")
+    log.error("%s", message)
+    raise_alert(kafka, rs.alerts_topic, "publish", message, rule=PIN_RULE, severity="warning",
+                labels={"pinned": pin.version or "unreadable"})
+    try:
+        write_pin_held(root, time.time(), built, pin)
+    except OSError as exc:
+        log.warning("could not record the held pin in %s (%s)", root / LAST_RUN, artifact.describe_os_error(exc))
+    return {"published": False, "version": None, "built": built,
+            "pin_held": {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
+                         "message": message},
+            "current": _current_name(root), **summary}
+
+
+def _current_name(root: Path) -> str | None:
+    try:
+        return artifact.current_version(root)
+    except artifact.ArtifactError:
+        return None
 
 
 def _live_model(root: Path) -> artifact.ScoringModel | None:

@@ -2,7 +2,7 @@
 
     POST /v1/score          {user_id, items, context?, dense?} -> {scores, model_version, delta_seq}
     POST /v1/score:batch    {requests: [...]} -> {results: [...]}, every result from the same model
-    GET  /openapi.json      the OpenAPI 3 document (serving/request.py)
+    GET  /openapi.json      the OpenAPI 3 document (serving/request.py), naming the live model's features
     GET  /healthz           200 while the process runs
     GET  /readyz            200 when a model is loaded, else 503
     GET  /metrics           Prometheus text (serving/metrics.py)
@@ -66,11 +66,12 @@ class ScoringApp:
         self.draining = False  # set at shutdown: /readyz turns 503 so balancers stop sending
         self.in_flight = 0
         self._count_lock = threading.Lock()
-        self._openapi = orjson.dumps(openapi(settings.max_candidates, settings.max_batch, version))
+        self._version = version
+        self._openapi: tuple[Any, bytes] = (None, b"")  # (the encoder it describes, the document)
         self._routes = {
             ("POST", "/v1/score"): self._score,
             ("POST", "/v1/score:batch"): self._score_batch,
-            ("GET", "/openapi.json"): lambda _b: (200, JSON, self._openapi),
+            ("GET", "/openapi.json"): lambda _b: (200, JSON, self.openapi_document()),
             ("GET", "/healthz"): lambda _b: _json(200, {"status": "ok"}),
             ("GET", "/readyz"): self._ready,
             ("GET", "/metrics"): lambda _b: (200, PROMETHEUS, self.metrics.render()),
@@ -78,6 +79,14 @@ class ScoringApp:
         self._paths = {p for _, p in self._routes}
 
     # -- dispatch ---------------------------------------------------------------------------------
+    def allowed_methods(self, path: str) -> list[str]:
+        """The methods ``path`` answers (for a 405's ``Allow`` header); HEAD goes with GET."""
+        path = path.split("?", 1)[0]
+        methods = {m for m, p in self._routes if p == path}
+        if "GET" in methods:
+            methods.add("HEAD")
+        return sorted(methods)
+
     def handle(self, method: str, path: str, body: bytes) -> Response:
         t0 = time.perf_counter()
         path = path.split("?", 1)[0]
@@ -113,6 +122,19 @@ class ScoringApp:
         return resp
 
     # -- endpoints --------------------------------------------------------------------------------
+    def openapi_document(self) -> bytes:
+        """``/openapi.json``: the live model's feature names in the request schema (any name without a model);
+        rebuilt only when the live model's encoder changes (a swap)."""
+        live = self.holder.live
+        encoder = live.encoder if live is not None else None
+        cached_for, doc = self._openapi
+        if doc and cached_for is encoder:
+            return doc
+        names = (encoder.context_names, encoder.dense_names) if encoder is not None else (None, None)
+        doc = orjson.dumps(openapi(self.s.max_candidates, self.s.max_batch, self._version, *names))
+        self._openapi = (encoder, doc)
+        return doc
+
     def _live(self) -> LiveModel:
         live = self.holder.live
         if live is None:

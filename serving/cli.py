@@ -20,7 +20,9 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
         "serve", help="serve click-through-rate scores over HTTP from the published artifact",
         description="Run the scoring service: POST /v1/score with {user_id, items: [...], context: {...}} answers "
         "one click probability per item plus the model_version and delta_seq that answered; POST /v1/score:batch "
-        "takes several requests; GET /openapi.json describes both. Features are hashed exactly as the joiner "
+        "takes several requests; GET /openapi.json describes both, naming the live model's context and dense "
+        "features (a request valid under it is scored; any other is a 4xx with a JSON {\"error\": ...}). "
+        "Features are hashed exactly as the joiner "
         "hashes them and the user's click history is read from Redis (the list the joiner keeps), so serving "
         "sees what training saw. The model is the artifact named by <publish-root>/CURRENT (published by "
         "`streamrec refresh`); a new one is loaded beside the live one and swapped atomically (requests in "

@@ -14,12 +14,15 @@ Shutdown is graceful in both: stop accepting, let requests in flight finish (up 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
+
+import orjson
 
 from serving.app import ScoringApp
 
@@ -41,36 +44,111 @@ def _wait_idle(app: ScoringApp, grace_s: float) -> None:
 
 
 # -- stdlib ---------------------------------------------------------------------------------------
+class _BadFraming(Exception):
+    """A request whose body cannot be delimited (bad Content-Length or chunk size): answered, then closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 class _Handler(BaseHTTPRequestHandler):
+    """Every method and every framing error answers JSON (``{"error": ...}``), never the stdlib's HTML.
+
+    Any request method reaches :meth:`ScoringApp.handle` (a method the path does not take is its 405 with
+    ``Allow``; the stdlib alone would answer 501 HTML for TRACE, PATCH, ...). ``HEAD`` is ``GET`` without
+    the body. A body is read by ``Content-Length`` or ``Transfer-Encoding: chunked``, bounded by
+    ``max_body_bytes``; a length that is not a non-negative integer is a 400 and the connection is closed
+    (the next request's start is unknown).
+    """
+
     protocol_version = "HTTP/1.1"  # keep-alive
     server_version = "streamrec-serve"
     timeout = 30  # an idle keep-alive connection is closed after this long
     app: ScoringApp
 
-    def _answer(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > self.app.s.max_body_bytes:
-            status, ctype, body = 413, "application/json", b'{"error":"request body too large"}'
+    def handle_one_request(self) -> None:
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(414, "request line longer than 65536 bytes")
+                return
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():  # it answered (through send_error below)
+                return
+            self._answer(self.command)
+            self.wfile.flush()
+        except TimeoutError:
             self.close_connection = True
-        else:
-            status, ctype, body = self.app.handle(method, self.path, self.rfile.read(length) if length else b"")
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's own errors (malformed request line or headers, ...) as JSON."""
+        if self.request_version == "HTTP/0.9":  # an unparsable request line: answer with a status line anyway
+            self.request_version = "HTTP/1.0"
+        short, long = self.responses.get(code, ("error", ""))
+        text = message or short
+        if explain and explain != long:
+            text = f"{text}: {explain}"
+        self._send(code, "application/json", json.dumps({"error": text}).encode(), close=True)
+
+    def _send(self, status: int, ctype: str, body: bytes, close: bool = False) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
+        if status == 405:
+            self.send_header("Allow", ", ".join(self.app.allowed_methods(self.path)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
-    def do_GET(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's naming
-        self._answer("GET")
+    def _read_body(self) -> bytes:
+        limit = self.app.s.max_body_bytes
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            return self._read_chunked(limit)
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        digits = raw.strip()
+        if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
+            raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
+        length = int(digits)
+        if length > limit:
+            raise _BadFraming(413, f"body of {length} bytes exceeds {limit}")
+        return self.rfile.read(length) if length else b""
 
-    def do_POST(self) -> None:  # noqa: N802
-        self._answer("POST")
+    def _read_chunked(self, limit: int) -> bytes:
+        body = bytearray()
+        while True:
+            line = self.rfile.readline(1026)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number") from None
+            if size < 0:
+                raise _BadFraming(400, f"chunk size {line[:40]!r} is negative")
+            if size == 0:
+                while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return bytes(body)
+            if len(body) + size > limit:
+                raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
+            body += self.rfile.read(size)
+            self.rfile.readline(3)  # the CRLF after the chunk
 
-    def do_PUT(self) -> None:  # noqa: N802
-        self._answer("PUT")
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._answer("DELETE")
+    def _answer(self, method: str) -> None:
+        try:
+            body = self._read_body()
+        except _BadFraming as exc:
+            self._send(exc.status, "application/json", json.dumps({"error": exc.message}).encode(), close=True)
+            return
+        status, ctype, out = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+        self._send(status, ctype, out)
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - access logs off (use /metrics)
         pass
@@ -125,10 +203,21 @@ class AiohttpServer:
     async def _handle(self, request):  # type: ignore[no-untyped-def]
         from aiohttp import web
 
-        body = await request.read()
-        status, ctype, out = self.app.handle(request.method, request.path_qs, body)
+        limit = self.app.s.max_body_bytes
+        too_large = orjson.dumps({"error": f"request body exceeds {limit} bytes"})
+        if request.content_length is not None and request.content_length > limit:  # say so before reading it
+            return web.Response(status=413, body=too_large, content_type="application/json",
+                                headers={"Connection": "close"})
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit
+            return web.Response(status=413, body=too_large, content_type="application/json",
+                                headers={"Connection": "close"})
+        method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
+        status, ctype, out = self.app.handle(method, request.path_qs, body)
+        headers = {"Allow": ", ".join(self.app.allowed_methods(request.path))} if status == 405 else None
         return web.Response(status=status, body=out, content_type=ctype.split(";")[0],
-                            charset="utf-8" if "charset" in ctype else None)
+                            charset="utf-8" if "charset" in ctype else None, headers=headers)
 
     async def _start(self) -> None:
         from aiohttp import web
@@ -152,9 +241,18 @@ class AiohttpServer:
         self._thread.start()
         ready.wait(10)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    async def _shutdown(self) -> None:
         if self._runner is not None:
-            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            await self._runner.cleanup()
+        # Handlers of connections the client left open would otherwise die with the loop ("Task was destroyed").
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
             fut.result(timeout=grace_s + 5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:

@@ -25,8 +25,9 @@ from typing import Any
 
 import orjson
 
-from stream.errors import ValidationError
+from stream.errors import BadMessage, ValidationError
 from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, check_context, check_dense, check_id
+from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
 _ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
@@ -59,21 +60,21 @@ def _invalid(field: str, value: Any, expected: str) -> RequestError:
 def _id(field: str, value: Any) -> Id:
     try:
         return check_id(field, value)
-    except ValidationError as exc:
+    except BadMessage as exc:  # ValidationError, or a limit the events enforce (stream/limits.py)
         raise RequestError(422, exc.reason) from None
 
 
 def _context(field: str, value: Any) -> dict[str, ContextValue]:
     try:
         return check_context(value, field)  # the events' own rules: serving accepts what the joiner accepts
-    except ValidationError as exc:
+    except BadMessage as exc:  # ValidationError, or too many keys (a BadMessage of its own kind)
         raise RequestError(422, exc.reason) from None
 
 
 def _dense(field: str, value: Any) -> dict[str, float]:
     try:
         return check_dense(value, field)
-    except ValidationError as exc:
+    except BadMessage as exc:
         raise RequestError(422, exc.reason) from None
 
 
@@ -157,18 +158,53 @@ def _id_schema(description: str) -> dict[str, Any]:
         {"type": "string", "minLength": 1, "maxLength": MAX_STR_ID_LEN}]}
 
 
-_CONTEXT = {"type": "object", "description": "categorical features: name -> string, integer, float, boolean, or a "
-            "list of strings/integers (multi-valued, e.g. genres); hashed as in impression events",
-            "additionalProperties": {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "number"},
-                                               {"type": "boolean"},
-                                               {"type": "array", "maxItems": MAX_LIST_LEN,
-                                                "items": {"oneOf": [{"type": "string"}, {"type": "integer"}]}}]}}
-_DENSE = {"type": "object", "description": "dense features: name -> finite number (absent ones are 0)",
-          "additionalProperties": {"type": "number"}}
+_LIMITS = DEFAULT_LIMITS
+_INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+_STR = {"type": "string", "maxLength": _LIMITS.max_str_len}
+# anyOf, not oneOf: an integer is a number too, and oneOf would then forbid it. The JSON decoder (orjson)
+# reads integers up to 2**64 - 1 as integers and larger ones as floats; an integer context value must fit
+# int64 (stream/events.py), so exactly the integers in [2**63, 2**64 - 1] are refused: the `not` says so.
+_NUMBER = {"type": "number", "not": {"type": "integer", "minimum": 2**63, "maximum": 2**64 - 1}}
+_CONTEXT_VALUE = {"anyOf": [_STR, _INT64, _NUMBER, {"type": "boolean"},
+                            {"type": "array", "maxItems": MAX_LIST_LEN, "items": {"anyOf": [_STR, _INT64]}}]}
+_DENSE_VALUE = {"type": "number", "minimum": -FLOAT32_OVERFLOW, "exclusiveMinimum": True,
+                "maximum": FLOAT32_OVERFLOW, "exclusiveMaximum": True}
 
 
-def openapi(max_candidates: int, max_batch: int, version: str) -> dict[str, Any]:
-    """The OpenAPI 3.0 document served at ``GET /openapi.json``."""
+def _features(kind: str, value: dict[str, Any], names: Any, max_keys: int, description: str) -> dict[str, Any]:
+    """An object of features: the live model's names when known (others are a 422), else any name.
+
+    Without a model the key rules (1 to ``max_key_len`` characters) cannot be said in OpenAPI 3.0; the
+    server answers 422 for a bad key, as it does for a feature the model does not have."""
+    out: dict[str, Any] = {"type": "object", "nullable": True, "description": description}
+    if names is None:
+        out.update(maxProperties=max_keys, additionalProperties=value)
+    else:
+        names = sorted(names)
+        out.update(properties={n: value for n in names}, additionalProperties=False)
+        out["description"] += f"; this model's {kind} features: {', '.join(names) or 'none'}"
+    return out
+
+
+def _context_schema(names: Any) -> dict[str, Any]:
+    return _features("context", _CONTEXT_VALUE, names, _LIMITS.max_context_keys,
+                     "categorical features: name -> string, integer, float, boolean, or a list of strings/integers "
+                     "(multi-valued, e.g. genres); hashed as in impression events; null or absent: none")
+
+
+def _dense_schema(names: Any) -> dict[str, Any]:
+    return _features("dense", _DENSE_VALUE, names, _LIMITS.max_dense_keys,
+                     "dense features: name -> number finite as float32 (absent ones are 0); null or absent: none")
+
+
+def openapi(max_candidates: int, max_batch: int, version: str, context_names: Any = None,
+            dense_names: Any = None) -> dict[str, Any]:
+    """The OpenAPI 3.0 document served at ``GET /openapi.json``.
+
+    With the live model's feature names (``context_names``, ``dense_names``) the request schema lists
+    exactly those (any other name is a 422), so every request valid under the document is scored; without
+    a model any name is allowed by the document."""
+    ctx, dense = _context_schema(context_names), _dense_schema(dense_names)
     error = {"description": "the request was refused; `error` says which field, what it held and what was expected",
              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     unavailable = {"description": "no model is loaded yet (no artifact published under the publish root)",
@@ -216,12 +252,14 @@ def openapi(max_candidates: int, max_batch: int, version: str) -> dict[str, Any]
                                                {"type": "object", "additionalProperties": False,
                                                 "required": ["item_id"],
                                                 "properties": {"item_id": _id_schema("a candidate item id"),
-                                                               "context": _CONTEXT, "dense": _DENSE}}]}},
-                                 "context": _CONTEXT, "dense": _DENSE}},
+                                                               "context": ctx, "dense": dense}}]}},
+                                 "context": ctx, "dense": dense}},
             "ScoreResponse": {"type": "object", "properties": {
                 "scores": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}},
                 "model_version": {"type": "string", "description": "the artifact version that answered"},
                 "delta_seq": {"type": "integer", "description": "the last learner delta applied to it (0: none)"}}},
-            "Error": {"type": "object", "properties": {"error": {"type": "string"}}},
+            "Error": {"type": "object", "required": ["error"],
+                      "properties": {"error": {"type": "string", "minLength": 1,
+                                               "description": "what was wrong and what to do"}}},
         }},
     }

@@ -30,8 +30,9 @@ Failing closed, once:
 * **Rollback.** While ``<root>/PINNED`` names the live version (``streamrec refresh --rollback``; see
   ``streamrec/artifact.py``), no deltas are applied: they were all written by the learner that trained
   past the newer artifact, so applying them would bring the rolled-back model back.
-  ``streamrec_serving_deltas_paused`` is 1 meanwhile; the next publish clears the pin and deltas newer
-  than that artifact apply again.
+  ``streamrec_serving_deltas_paused`` is 1 meanwhile; the next publish (an operator's ``streamrec refresh
+  --now``: scheduled refreshes do not publish over a pin) clears the pin and deltas newer than that
+  artifact apply again.
 """
 
 from __future__ import annotations
@@ -275,8 +276,8 @@ class ModelUpdater:
             pin = read_pin(self.root)
             if pin is not None and pin.holds(m.version):
                 reason = pin.problem or (f"{m.version} is a rollback from {pin.rolled_back_from} "
-                                         f"({self.root / PIN}); the learner's deltas belong to the newer "
-                                         "model; they apply again after the next publish")
+                                         f"({self.root / PIN}); the learner's deltas belong to the newer model; "
+                                         "they apply again after the next publish (`streamrec refresh --now`)")
         if reason != self._pause_reason:
             if reason is not None:
                 log.warning("learner deltas paused: %s", reason)

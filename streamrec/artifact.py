@@ -36,15 +36,23 @@ matches to ~1e-7 on probabilities (tests/test_artifact.py).
 Publishing: an artifact is staged in ``<root>/.staging/``, fsynced, verified (every file against the
 manifest), renamed into ``versions/`` (same file system, so the rename is atomic) and only then named in
 ``CURRENT`` (temp file, fsync, ``os.replace``, fsync of the directory). A crash at any point leaves
-``CURRENT`` naming a complete version. The last ``keep`` versions (and always the current one) are kept.
+``CURRENT`` naming a complete version (tested with SIGKILLs at every step, ``tests/test_faults_serving.py``).
+A ``CURRENT`` that cannot be written (full or read-only file system) takes the new version back out of
+``versions/``: nothing half-published stays. The last ``keep`` versions (and always the current one)
+are kept; a pruned version is renamed to a hidden ``versions/.trash-*`` before it is deleted, so a
+killed prune never leaves a half-deleted version behind. A refresh holds :func:`refresh_lock` for its
+run (one refresh per root at a time) and first removes what killed runs left (:func:`clean_leftovers`:
+staged directories of dead processes, trash, temp files); serving never reads any of them.
 
 Rollback and the pin: :func:`rollback` verifies the older version, writes ``<root>/PINNED`` (JSON
 ``{"version", "rolled_back_from", "at"}``) and then points ``CURRENT`` at it. While ``PINNED`` names the
 live version, serving applies no learner deltas to it: the learner kept training past the newer
 artifact, so every delta it writes belongs to the model the operator just rolled away from (its dense
-weights would bring that model back). The next :func:`publish` removes the pin. A pin naming another
-version than ``CURRENT`` (a crash between the two writes) is stale and ignored; an unreadable pin is
-treated as a pin (fail closed: the model is staler, never the wrong one).
+weights would bring that model back). The pin is the operator's decision, so only an operator ends it:
+``publish(over_pin=True)`` (``streamrec refresh --now``) removes it; ``publish(over_pin=False)`` (the
+scheduled refresh) raises :class:`PinHeld` and changes nothing. A pin naming another version than
+``CURRENT`` (a crash between the two writes) is stale and ignored; an unreadable pin is treated as a pin
+(fail closed: the model is staler, never the wrong one).
 
 Errors: :class:`ArtifactError` for every artifact that cannot be used (missing, truncated or altered
 files; a manifest that is not UTF-8, not JSON, not an object, lacks a key or has a key of the wrong type
@@ -58,8 +66,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime as dt
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -92,6 +103,8 @@ CURRENT = "CURRENT"
 PIN = "PINNED"
 VERSIONS = "versions"
 STAGING = ".staging"
+LOCK = ".refresh.lock"
+_TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # version and file names: no path separators
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_MANIFEST = 16 << 20
@@ -101,8 +114,19 @@ _STALE_STAGING_S = 3600.0
 _HASH_CHUNK = 8 << 20
 
 
+log = logging.getLogger("streamrec.artifact")
+
+
 class ArtifactError(Exception):
     """An artifact that cannot be used: missing, truncated or altered files, or an unreadable manifest."""
+
+
+class PinHeld(ArtifactError):
+    """``publish(..., over_pin=False)`` found a rollback pin holding the live version; nothing changed."""
+
+    def __init__(self, message: str, pin: Pin) -> None:
+        super().__init__(message)
+        self.pin = pin
 
 
 # -- TorchScript deprecation warnings ------------------------------------------------------------
@@ -400,9 +424,16 @@ def _sha256(path: Path) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Temp file, fsync, ``os.replace``, fsync of the directory. On failure ``path`` is as it was and the
+    temp file is removed (best effort: a process killed in between leaves it for :func:`clean_leftovers`)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    write_synced(tmp, lambda fh: fh.write(data))
-    os.replace(tmp, path)
+    try:
+        write_synced(tmp, lambda fh: fh.write(data))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
 
 
@@ -461,6 +492,118 @@ def _clean_stale_staging(root: Path) -> None:
         with contextlib.suppress(OSError):
             if time.time() - d.stat().st_mtime > _STALE_STAGING_S:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+_PID_RE = re.compile(r"-(\d+)(?:-\d+)?$")  # <version>-<pid> (staging), .<name>.tmp-<pid>-<thread> (temp files)
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether the process named at the end of ``name`` is gone from this host (False when unsure)."""
+    m = _PID_RE.search(name)
+    if m is None:
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
+def clean_leftovers(root: Path) -> list[str]:
+    """Remove what killed refreshes left under ``root``; returns the paths removed (relative to ``root``).
+
+    That is: staged artifacts (``.staging/<version>-<pid>``) whose process is gone or that are older than an
+    hour, versions a killed prune had begun to remove (``versions/.trash-*``), and temp files of
+    :func:`_write_atomic` whose process is gone. Call it holding :func:`refresh_lock`, so that no other
+    refresh is building: a staged directory of a live process is never touched. None of these is ever
+    read by serving or named by ``CURRENT``; removing them only frees the space (a staged artifact holds
+    a whole copy of the cold rows).
+    """
+    root = Path(root)
+    removed: list[str] = []
+
+    def rm(path: Path) -> None:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(str(path.relative_to(root)))
+        except OSError as exc:
+            log.warning("could not remove the leftover %s (%s)", path, exc)
+
+    staging = root / STAGING
+    if staging.is_dir():
+        for d in sorted(staging.iterdir()):
+            try:
+                old = time.time() - d.stat().st_mtime > _STALE_STAGING_S
+            except OSError:
+                continue
+            if old or _owner_gone(d.name):
+                rm(d)
+    versions = _versions_dir(root)
+    if versions.is_dir():
+        for d in sorted(versions.iterdir()):
+            if d.name.startswith(_TRASH):
+                rm(d)
+    if root.is_dir():
+        for f in sorted(root.iterdir()):
+            if f.name.startswith(".") and ".tmp-" in f.name and f.is_file() and _owner_gone(f.name):
+                rm(f)
+    return removed
+
+
+@contextlib.contextmanager
+def refresh_lock(root: Path) -> Iterator[None]:
+    """Hold ``<root>/.refresh.lock`` (``flock``, exclusive, not waiting) for one refresh run.
+
+    One refresh at a time per publish root (a manual ``--now`` while the scheduled run builds fails at
+    once instead of racing it), and a refresh holding it knows that every staged artifact of a dead
+    process is garbage (:func:`clean_leftovers`). The kernel releases the lock when the process dies,
+    SIGKILL included, so a killed run never blocks the next one. :func:`rollback` does not take it (an
+    operator's rollback must not wait for a build); a run that would publish over a rollback pin made
+    meanwhile checks for it again right before publishing (``publish(over_pin=False)``).
+    ArtifactError when the lock is held (naming the pid written in it) or the root cannot be opened.
+    """
+    root = Path(root)
+    path = root / LOCK
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)  # a read-only root: the lock still works, publishing fails later
+    except OSError as exc:
+        raise ArtifactError(f"cannot open the publish root's lock {path}: {describe_os_error(exc)}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            raise ArtifactError(f"another refresh (pid {holder}) is running on {root}: it holds {path}; this run "
+                                "does nothing (the live artifact is untouched)") from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError in words an operator acts on (a full or read-only publish root says so)."""
+    what = {errno.ENOSPC: "the file system is full (no space left on device)",
+            errno.EDQUOT: "the disk quota is exceeded",
+            errno.EROFS: "the file system is read-only",
+            errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted"}.get(exc.errno or -1)
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{what}{where}: {exc.strerror or exc}" if what else f"{type(exc).__name__}: {exc}"
 
 
 def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
@@ -612,7 +755,7 @@ def read_pin(root: Path) -> Pin | None:
           and (d.get("at") is None or _num(d["at"])))
     if not ok or len(raw) > _MAX_POINTER:
         return Pin(None, None, None, f"{path} holds {_show(raw[:60])}, not a rollback pin; deltas stay paused "
-                   "until the next publish (`streamrec refresh --now`) replaces it")
+                   "and scheduled refreshes do not publish until an operator publishes (`streamrec refresh --now`)")
     return Pin(d["version"], d.get("rolled_back_from"), d.get("at"))
 
 
@@ -624,32 +767,102 @@ def _clear_pin(root: Path) -> None:
 
 
 def _prune(root: Path, keep: int) -> list[str]:
+    """Remove all but the last ``keep`` versions (never the current one). Each is first renamed to a hidden
+    ``versions/.trash-*`` name (atomic), then deleted: a prune killed half-way leaves a hidden directory
+    that :func:`clean_leftovers` removes, never a half-deleted version that :func:`rollback` could pick."""
     current = current_version(root)
     removed = []
     for name in list_versions(root)[: -max(1, keep)]:
         if name != current:
-            shutil.rmtree(_versions_dir(root) / name, ignore_errors=True)
+            trash = _versions_dir(root) / f"{_TRASH}{name}-{os.getpid()}"
+            try:
+                os.rename(_versions_dir(root) / name, trash)
+            except OSError as exc:
+                log.warning("could not prune version %s (%s); it stays", name, exc)
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
             removed.append(name)
     return removed
 
 
-def publish(root: Path, staged_dir: Path, keep: int) -> Path:
+def pin_holding(root: Path) -> Pin | None:
+    """The rollback pin that holds the live version now (or an unreadable pin, which holds whatever is
+    live), else None (no pin, or a stale one naming another version than ``CURRENT``)."""
+    pin = read_pin(root)
+    if pin is None:
+        return None
+    if pin.problem is not None:
+        return pin
+    try:
+        current = current_version(root)
+    except ArtifactError:
+        return pin  # CURRENT unreadable: fail closed, as serving does with an unreadable pin
+    return pin if current is not None and pin.holds(current) else None
+
+
+def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True) -> Path:
     """Verify a staged artifact, move it into ``versions/`` and make it current (clearing a rollback pin);
-    keep the last ``keep`` versions. ArtifactError (nothing changes) when the staged files do not verify."""
+    keep the last ``keep`` versions.
+
+    ArtifactError, with nothing changed, when the staged files do not verify, or when ``CURRENT`` cannot be
+    written (a full or read-only file system: the version moved into ``versions/`` is removed again, so
+    nothing half-published stays). With ``over_pin=False`` (the scheduled refresh) a rollback pin holding
+    the live version is respected: :class:`PinHeld`, nothing changed. After ``CURRENT`` names the new
+    version the publish has happened; clearing the pin and pruning are then best effort (logged): a pin
+    left behind names an older version and is stale, a version left behind is pruned next time.
+    """
     root, staged_dir = Path(root), Path(staged_dir)
     manifest = verify(staged_dir)
     version = manifest["version"]
+    if not over_pin:
+        pin = pin_holding(root)
+        if pin is not None:
+            raise PinHeld(f"{root / PIN} pins {pin.version or 'the live version'}"
+                          + (f" (rolled back from {pin.rolled_back_from})" if pin.rolled_back_from else "")
+                          + (f" [{pin.problem}]" if pin.problem else "")
+                          + f": {version} was not published; an operator ends the pin with `streamrec refresh "
+                          "--now`", pin)
     versions = _versions_dir(root)
-    versions.mkdir(parents=True, exist_ok=True)
     target = versions / version
-    if target.exists():
-        raise ArtifactError(f"version {version} already exists in {versions}; refusing to overwrite it")
-    os.rename(staged_dir, target)  # atomic: same file system (staging lives inside root)
-    fsync_dir(versions)
-    fsync_dir(staged_dir.parent)
-    _set_current(root, version)
-    _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
-    _prune(root, keep)
+    try:
+        previous = current_version(root)
+    except ArtifactError:
+        previous = None
+    try:
+        versions.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            raise ArtifactError(f"version {version} already exists in {versions}; refusing to overwrite it")
+        os.rename(staged_dir, target)  # atomic: same file system (staging lives inside root)
+    except OSError as exc:
+        raise ArtifactError(f"could not move {staged_dir.name} into {versions}: {describe_os_error(exc)}; nothing "
+                            f"was published, CURRENT still names {previous or 'nothing'}") from exc
+    try:
+        fsync_dir(versions)
+        fsync_dir(staged_dir.parent)
+        _set_current(root, version)
+    except OSError as exc:
+        try:
+            now = current_version(root)
+        except ArtifactError:
+            now = None
+        if now != version:  # CURRENT still names the previous version: take the new one back out
+            with contextlib.suppress(OSError):
+                os.rename(target, staged_dir)  # the caller removes its staged directory
+            if target.exists():
+                shutil.rmtree(target, ignore_errors=True)
+            raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
+                                f"was published, CURRENT still names {previous or 'nothing'}") from exc
+        log.warning("%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
+    try:
+        _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
+    except OSError as exc:
+        log.warning("%s is current; removing the stale rollback pin failed (%s): it names an older version and "
+                    "is ignored", version, describe_os_error(exc))
+    try:
+        _prune(root, keep)
+    except OSError as exc:
+        log.warning("%s is current; pruning old versions failed (%s): they are pruned next time", version,
+                    describe_os_error(exc))
     return target
 
 
@@ -658,7 +871,8 @@ def rollback(root: Path) -> str:
 
     The older version is verified first (size and sha256 of every file): a damaged one is an ArtifactError
     and ``CURRENT`` stays as it was. The pin (``PINNED``) stops serving from applying learner deltas to the
-    rolled-back version until the next publish (see the module docstring)."""
+    rolled-back version, and scheduled refreshes from publishing over it, until an operator publishes
+    (``streamrec refresh --now``; see the module docstring)."""
     root = Path(root)
     versions = [v for v in list_versions(root) if _NAME_RE.fullmatch(v)]
     current = current_version(root)

@@ -1,0 +1,205 @@
+"""Run ``streamrec refresh`` or ``streamrec serve`` with a fault injected, for tests/test_faults_serving.py.
+
+``python -m tests.fault_hooks_publish refresh --now ...`` is ``streamrec refresh --now ...`` except that:
+
+* ``STREAMREC_TEST_KILL_AT=<point>``: the process SIGKILLs itself at that point (a real ``kill -9`` of
+  the real command, at a moment a timer could hardly hit). Refresh points, in run order:
+  ``build:cold_half`` (half of ``cold_rows.npy`` written into the staging directory), ``build:staged``
+  (staged and complete, not validated), ``publish:before_rename``, ``publish:renamed`` (in ``versions/``,
+  not current), ``publish:current_tmp`` (the new ``CURRENT`` written to its temp file, not renamed),
+  ``publish:current`` (``CURRENT`` replaced, pin and prune not done), ``publish:pruning`` (a pruned
+  version half deleted), ``last_run`` (before ``last_run.json`` is replaced). Serve points:
+  ``swap:<version>`` (that version loaded beside the live one, not swapped in), ``delta:<seq>`` (that
+  delta read, not applied).
+* ``STREAMREC_TEST_PUBLISH_FAULT=<file>``: while the file exists, the publish root (``--publish-root``)
+  fails as its content says: ``ENOSPC:build`` (the disk fills while the cold rows are written: half
+  written, then ENOSPC), ``ENOSPC:publish`` (the staged artifact fits, then no byte more: writing
+  ``CURRENT`` fails), ``EROFS`` (mounted read-only: every create, write, rename and unlink under it
+  fails).
+
+Test code only; ``tests/fault_hooks.py`` is the same idea for the joiner and the learner.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from streamrec import artifact
+
+KILL_AT = os.environ.get("STREAMREC_TEST_KILL_AT", "")
+FAULT_FILE = os.environ.get("STREAMREC_TEST_PUBLISH_FAULT")
+_state = {"current_replaced": False}
+
+
+def _root() -> Path | None:
+    argv = sys.argv[1:]
+    for i, a in enumerate(argv):
+        if a == "--publish-root" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+        if a.startswith("--publish-root="):
+            return Path(a.split("=", 1)[1]).resolve()
+    return None
+
+
+ROOT = _root()
+
+
+def _die(point: str) -> None:
+    if KILL_AT == point:
+        sys.stderr.write(f"fault hook: SIGKILL at {point}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _under_root(path: object) -> bool:
+    if ROOT is None or isinstance(path, int):
+        return False
+    try:
+        p = Path(os.fsdecode(path)).resolve()  # type: ignore[arg-type]
+    except (TypeError, ValueError, OSError):
+        return False
+    return p == ROOT or ROOT in p.parents
+
+
+def _fault() -> str | None:
+    if FAULT_FILE and Path(FAULT_FILE).exists():
+        return Path(FAULT_FILE).read_text().strip()
+    return None
+
+
+def _erofs(path: object) -> None:
+    if _fault() == "EROFS" and _under_root(path):
+        raise OSError(errno.EROFS, "Read-only file system (injected)", os.fsdecode(path))  # type: ignore[arg-type]
+
+
+# -- writes of the artifact module ----------------------------------------------------------------
+_write_synced = artifact.write_synced
+
+
+def _hooked_write_synced(path, write):  # noqa: ANN001, ANN202 - a patch
+    p = Path(path)
+    fault = _fault()
+    _erofs(p)
+    half = (KILL_AT == "build:cold_half" and p.name == artifact.COLD_FILE) or (
+        fault == "ENOSPC:build" and p.name == artifact.COLD_FILE and _under_root(p))
+    if half:
+        buf = io.BytesIO()
+        write(buf)
+        data = buf.getvalue()
+        with open(p, "wb") as fh:
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            os.fsync(fh.fileno())
+        _die("build:cold_half")
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(p))
+    if fault == "ENOSPC:publish" and _under_root(p) and p.parent.resolve() == ROOT:
+        with open(p, "wb"):
+            pass  # the inode fits, the data does not
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(p))
+    return _write_synced(p, write)
+
+
+artifact.write_synced = _hooked_write_synced
+
+_build = artifact.build_artifact
+
+
+def _hooked_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a patch
+    staged = _build(*args, **kwargs)
+    _die("build:staged")
+    return staged
+
+
+artifact.build_artifact = _hooked_build
+
+# -- file system calls (os.* is what pathlib and shutil call too) ---------------------------------
+_rename, _replace, _mkdir, _unlink, _open, _rmtree = os.rename, os.replace, os.mkdir, os.unlink, os.open, shutil.rmtree
+
+
+def _hooked_rename(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    _erofs(src)
+    _erofs(dst)
+    staged = artifact.STAGING in Path(os.fsdecode(src)).parts and artifact.VERSIONS in Path(os.fsdecode(dst)).parts
+    if staged:
+        _die("publish:before_rename")
+    out = _rename(src, dst, *args, **kwargs)
+    if staged:
+        _die("publish:renamed")
+    return out
+
+
+def _hooked_replace(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    _erofs(dst)
+    name = Path(os.fsdecode(dst)).name
+    if name == artifact.CURRENT:
+        _die("publish:current_tmp")
+    elif name == "last_run.json":
+        _die("last_run")
+    out = _replace(src, dst, *args, **kwargs)
+    if name == artifact.CURRENT:
+        _state["current_replaced"] = True
+        _die("publish:current")
+    return out
+
+
+def _hooked_mkdir(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    if not os.path.lexists(path):  # an existing directory is EEXIST on a read-only mount too
+        _erofs(path)
+    return _mkdir(path, *args, **kwargs)
+
+
+def _hooked_unlink(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    if kwargs.get("dir_fd") is None:
+        _erofs(path)
+    return _unlink(path, *args, **kwargs)
+
+
+def _hooked_open(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and kwargs.get("dir_fd") is None:
+        _erofs(path)
+    return _open(path, flags, *args, **kwargs)
+
+
+def _hooked_rmtree(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    p = Path(os.fsdecode(path))
+    if KILL_AT == "publish:pruning" and _state["current_replaced"] and p.name.startswith(".trash-"):
+        files = sorted(f for f in p.iterdir() if f.is_file())
+        if files:
+            files[0].unlink()  # half deleted
+        _die("publish:pruning")
+    return _rmtree(path, *args, **kwargs)
+
+
+os.rename, os.replace, os.mkdir, os.unlink, os.open = (_hooked_rename, _hooked_replace, _hooked_mkdir,
+                                                       _hooked_unlink, _hooked_open)
+shutil.rmtree = _hooked_rmtree
+
+# -- serving --------------------------------------------------------------------------------------
+_load = artifact.ScoringModel.load.__func__  # type: ignore[attr-defined]
+_apply_delta = artifact.ScoringModel.apply_delta
+
+
+def _hooked_load(cls, version_dir, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
+    model = _load(cls, version_dir, *args, **kwargs)
+    _die(f"swap:{Path(version_dir).name}")  # loaded beside the live model, not swapped in
+    return model
+
+
+def _hooked_apply_delta(self, rows, vectors, dense_state, seq, id_maps=None):  # noqa: ANN001, ANN202 - a patch
+    _die(f"delta:{seq}")
+    return _apply_delta(self, rows, vectors, dense_state, seq, id_maps=id_maps)
+
+
+artifact.ScoringModel.load = classmethod(_hooked_load)  # type: ignore[method-assign, assignment]
+artifact.ScoringModel.apply_delta = _hooked_apply_delta  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    from streamrec.cli import main
+
+    sys.exit(main(sys.argv[1:]))
