@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from cache_refresh.settings import RefreshSettings
-from streamrec.settings import KafkaSettings, RedisSettings, SettingsError, Sources, read_config_file
+from stream.config import KafkaSettings, RedisSettings
+from streamrec.settings import SettingsError, Sources, read_config_file
 
 EXIT_OK, EXIT_FAILED = 0, 1
 

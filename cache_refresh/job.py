@@ -61,8 +61,8 @@ from cache_refresh import hot_set, validate
 from cache_refresh.settings import RefreshSettings
 from learner import checkpoint as ckpt_io
 from learner.row_mapper import RowMapper
+from stream.config import KafkaSettings, RedisSettings
 from streamrec import artifact
-from streamrec.settings import KafkaSettings, RedisSettings
 
 log = logging.getLogger("streamrec.refresh")
 

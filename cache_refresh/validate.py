@@ -28,9 +28,9 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from learner.batch import to_tensors
 from learner.features import FeatureConfig
 from learner.progressive import auc, logloss
+from stream.config import KafkaSettings
 from stream.samples import SampleBatch
 from streamrec.artifact import ScoringModel, eager_model
-from streamrec.settings import KafkaSettings
 
 log = logging.getLogger("streamrec.refresh")
 

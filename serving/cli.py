@@ -63,8 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from serving.service import ScoringService
+    from stream.config import RedisSettings
     from streamrec.cli import EXIT_OK, sources
-    from streamrec.settings import RedisSettings
 
     src = sources(args)
     ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,

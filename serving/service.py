@@ -23,8 +23,8 @@ from serving.http_server import Server, make_server
 from serving.metrics import ServingMetrics
 from serving.settings import ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
+from stream.config import RedisSettings
 from stream.history import UserHistory
-from streamrec.settings import RedisSettings
 
 log = logging.getLogger("streamrec.serve")
 

@@ -51,11 +51,11 @@ from learner.batch import to_tensors
 from learner.deltas import DeltaWriter
 from serving.service import ScoringService
 from serving.settings import ServeSettings
+from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.features import hash_value
 from stream.history import UserHistory
 from streamrec import artifact
-from streamrec.settings import KafkaSettings, RedisSettings
 from streamrec.stack import free_port, redis_binary
 from tests.test_faults import Service, wait_port
 from tests.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
