@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 SR := $(VENV)/bin/streamrec
 STAMP := $(VENV)/.streamrec-installed
 
-.PHONY: setup data demo test test-all lint bench stack-down clean
+.PHONY: setup data demo test test-all faults lint bench soak stack-down clean
 
 # torch==2.13.0 first: a CPU build from the local wheel. Anything else that asks for torch later is then
 # satisfied; installing the project first would pull a multi-GB CUDA build.
@@ -50,11 +50,20 @@ test: data
 test-all: data
 	$(VENV)/bin/pytest -q
 
+# The long form of the fault-injection suite: every fault test ten rounds (make test runs one).
+faults: data
+	$(VENV)/bin/pytest -q -m faults --fault-rounds 10
+
 lint: setup
-	$(VENV)/bin/ruff check stream learner cache_refresh serving streamrec tests bench
+	$(VENV)/bin/ruff check stream learner cache_refresh serving monitor streamrec tests bench
 
 bench: data
 	$(PY) bench/replay.py
+
+# 30 minutes of paced churning input with injected faults on its own stack; outputs in .streamrec/soak/<time>/
+# (bench/README.md, "Soak"). The quick version: $(PY) bench/soak.py --minutes 3
+soak: setup
+	$(PY) bench/soak.py --minutes 30
 
 stack-down:
 	$(SR) stack down
