@@ -17,9 +17,8 @@ from typing import Any
 
 from cache_refresh.settings import RefreshSettings
 from stream.config import KafkaSettings, RedisSettings
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag
 from streamrec.settings import SettingsError, Sources, read_config_file
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
@@ -75,7 +74,7 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    from streamrec.cli import _kv_lines, emit
+    from streamrec.commands.common import emit, kv_lines
 
     rs, kafka, rds = _settings(args)
     logging.basicConfig(level=(args.log_level or rs.log_level).upper(), stream=sys.stderr,
@@ -85,7 +84,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     if args.status:
         st = _status(rs)
-        emit(args, st, lambda d: "refresh status\n" + _kv_lines(d))
+        emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:
         try:
@@ -106,7 +105,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         except job.RefreshError as exc:
             print(f"streamrec refresh: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
-        emit(args, summary, lambda d: "refresh summary\n" + _kv_lines(d))
+        emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
         return EXIT_OK
 
     from cache_refresh.scheduler import run_forever
@@ -119,7 +118,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any, common: Any, kafka_flag: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "refresh", help="the nightly hot-embedding cache refresh: build, validate and publish a serving artifact",
         description="Refresh the serving artifact from the learner's newest checkpoint. Steps: read the Redis "
@@ -159,6 +158,6 @@ def add_parser(sub: Any, common: Any, kafka_flag: Any) -> None:
     p.add_argument("--timezone", help=f"IANA time zone of the schedule (default {RefreshSettings.timezone})")
     p.add_argument("--redis-url", help=f"Redis with the counts (default {RedisSettings.url})")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default [refresh] log_level")
-    kafka_flag(p)
-    common(p)
+    add_kafka_flag(p)
+    add_common(p)
     p.set_defaults(func=cmd_refresh)

@@ -8,8 +8,9 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
+
+from streamrec.commands.common import add_common, add_kafka_flag
 
 RULES_HELP = """\
 rules file (TOML):
@@ -57,8 +58,7 @@ examples:
 """
 
 
-def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
-               kafka_flag: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "monitor", help="evaluate alert rules on Prometheus metrics; send alerts to log, Kafka, webhook",
         description="Scrape the Prometheus endpoints named in an alert rules file every interval, evaluate "
@@ -84,8 +84,8 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s; the log sink writes firing alerts at warning/error, "
                    "resolved at info)")
-    kafka_flag(p)
-    common(p)
+    add_kafka_flag(p)
+    add_common(p)
     p.set_defaults(func=cmd_monitor)
 
 
@@ -118,7 +118,7 @@ def _rows_human(d: dict[str, Any]) -> str:
 def cmd_monitor(args: argparse.Namespace) -> int:
     from monitor.engine import Monitor, RuleEngine, Scraper
     from monitor.rules import load_rules
-    from streamrec.cli import EXIT_OK, emit, kafka_settings, sources
+    from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
 
     config = _with_sources(load_rules(args.rules), args.source)
     if args.interval is not None:

@@ -1,4 +1,4 @@
-"""``streamrec serve``: the HTTP scoring service (a plugin subcommand of ``streamrec/cli.py``)."""
+"""``streamrec serve``: the HTTP scoring service ."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from serving.settings import ServeSettings
+from streamrec.commands.common import add_common
 
 
-def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
-               kafka_flag: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve", help="serve click-through-rate scores over HTTP from the published artifact",
         description="Run the scoring service: POST /v1/score with {user_id, items: [...], context: {...}} answers "
@@ -51,7 +50,7 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None],
                    "(default: [redis] url, the local stack)")
     p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    common(p)
+    add_common(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -64,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from serving.service import ScoringService
     from stream.config import RedisSettings
-    from streamrec.cli import EXIT_OK, sources
+    from streamrec.commands.common import EXIT_OK, sources
 
     src = sources(args)
     ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,

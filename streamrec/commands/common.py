@@ -1,0 +1,51 @@
+"""What every subcommand shares: exit codes, the common flags, settings sources and summary output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from stream.config import KafkaSettings
+from streamrec.settings import Sources, read_config_file
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
+    if args.json:
+        print(json.dumps(summary, default=str, sort_keys=True))
+    else:
+        print(human(summary))
+
+
+def kv_lines(d: dict[str, Any], indent: str = "  ") -> str:
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            lines.append(f"{indent}{k}:")
+            lines.append(kv_lines(v, indent + "  "))
+        else:
+            lines.append(f"{indent}{k}: {v if v != {} else 'none'}")
+    return "\n".join(lines)
+
+
+def sources(args: argparse.Namespace) -> Sources:
+    return Sources(file_data=read_config_file(args.config))
+
+
+def kafka_settings(args: argparse.Namespace, src: Sources) -> KafkaSettings:
+    return src.build(KafkaSettings, "kafka", bootstrap_servers=getattr(args, "bootstrap_servers", None))
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML settings file ([kafka], [redis], [stack], [replay], "
+                   "[synthetic] tables); STREAMREC_<SECTION>_<KEY> environment variables override it")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def add_kafka_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap-servers", help=f"Kafka bootstrap servers (default {KafkaSettings.bootstrap_servers}, "
+                   "the local stack; env STREAMREC_KAFKA_BOOTSTRAP_SERVERS)")
+

@@ -1,0 +1,87 @@
+"""``streamrec counts``: the Redis day counts (`streamrec counts top`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from stream.config import RedisSettings
+from streamrec.commands.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_common,
+    emit,
+    sources,
+)
+from streamrec.settings import SettingsError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("counts", help="show the most frequent items or users of recent days (Redis)",
+                       description="Read the per-day occurrence counts the joiner writes to Redis "
+                       "({prefix}:counts:{kind}:{event}:{YYYYMMDD}, UTC days of event time) and print the top "
+                       "k ids summed over --days consecutive days ending at --day (default: the latest day "
+                       "with counts). These are the counts the nightly hot-embedding cache refresh and "
+                       "cold-start admission use. Ids are the stable hashes of the raw ids (stream/ids.py), "
+                       "the keys of the embedding rows.")
+    p.add_argument("action", choices=["top"])
+    p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
+    p.add_argument("--event", default="impression", choices=["impression", "click"],
+                   help="which events to count (default: %(default)s)")
+    p.add_argument("--day", metavar="YYYYMMDD", help="last UTC day of the window (default: the latest day "
+                   "with counts for --kind/--event)")
+    p.add_argument("--days", type=int, default=1, help="number of consecutive days summed (default: %(default)s)")
+    p.add_argument("--k", type=int, default=10, help="how many ids to print (default: %(default)s)")
+    p.add_argument("--redis-url", help=f"Redis with the counts (default {RedisSettings.url}, the local stack; "
+                   "env STREAMREC_REDIS_URL)")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import redis
+
+    from stream.counts import DailyCounts
+
+    src = sources(args)
+    rs = src.build(RedisSettings, "redis", url=args.redis_url)
+    client = redis.Redis.from_url(rs.url, socket_timeout=10)
+    try:
+        counts = DailyCounts(client, prefix=rs.prefix, ttl_days=rs.counts_ttl_days)
+        try:
+            day = args.day
+            if day is None:
+                available = counts.days_available(args.kind, args.event)
+                day = available[-1] if available else None
+            rows = [] if day is None else counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)
+        except ValueError as exc:  # a bad --day/--days/--k: a usage error, exit 2
+            raise SettingsError(str(exc)) from None
+        except redis.RedisError as exc:
+            print(f"streamrec counts: error: Redis at {rs.url}: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    finally:
+        client.close()
+    summary = {
+        "kind": args.kind,
+        "event": args.event,
+        "day": day,
+        "days": args.days,
+        "k": args.k,
+        "redis_url": rs.url,
+        "prefix": rs.prefix,
+        "top": [{"id": member, "count": count} for member, count in rows],
+    }
+
+    def human(d: dict[str, Any]) -> str:
+        if d["day"] is None:
+            return f"no {d['kind']} {d['event']} counts under {d['prefix']}:counts: in {d['redis_url']}"
+        head = (f"top {d['k']} {d['kind']}s by {d['event']}s over {d['days']} day(s) ending {d['day']} (UTC)")
+        if not d["top"]:
+            return head + "\n  none"
+        width = max(len(r["id"]) for r in d["top"])
+        return "\n".join([head, *(f"  {i:>3}. {r['id']:<{width}}  {r['count']:>12,.0f}"
+                                  for i, r in enumerate(d["top"], 1))])
+
+    emit(args, summary, human)
+    return EXIT_OK

@@ -1,0 +1,86 @@
+"""``streamrec join``: the impression-click joiner (`streamrec join`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from stream.config import RedisSettings
+from stream.joiner.config import JoinerSettings
+from streamrec.commands.common import (
+    add_common,
+    add_kafka_flag,
+    emit,
+    kafka_settings,
+    kv_lines,
+    sources,
+)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("join", help="join impressions and clicks into labelled samples (faust worker)",
+                       description="Run the impression-click joiner: a faust-streaming worker reading the impressions "
+                       "and clicks topics (co-partitioned by impression id), labelling each impression 1 if a click "
+                       "arrives within the attribution window (event time) and 0 when the window expires, attaching "
+                       "the user's click history as of the impression, counting items and users per day in Redis, "
+                       "and writing Arrow sample batches to the samples topic. Late and orphan clicks go to "
+                       "late_clicks, malformed events to <topic>.dlq. Runs until SIGTERM, or until idle with "
+                       "--exit-when-idle. Several workers with the same --app-id split the partitions.")
+    p.add_argument("--app-id", help=f"faust app id = consumer group (default {JoinerSettings.app_id})")
+    p.add_argument("--window-s", type=float, help="attribution window, event-time seconds "
+                   f"(default {JoinerSettings.attribution_window_s:g})")
+    p.add_argument("--lateness-s", type=float, help="allowed lateness of the watermark, seconds "
+                   f"(default {JoinerSettings.allowed_lateness_s:g})")
+    p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="exit after this long without input "
+                   "(bounded runs: tests, demo, replays)")
+    p.add_argument("--drain", action="store_true", help="with --exit-when-idle: treat the input as complete and "
+                   "expire every pending impression before exiting")
+    p.add_argument("--redis-url", help=f"Redis for counts and history (default {RedisSettings.url})")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--driver", choices=["faust", "kafka"], help="faust-streaming worker (default) or a plain "
+                   "confluent-kafka consumer loop with the same semantics and several times the throughput")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_kafka_flag(p)
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from stream.joiner.pipeline import JoinPipeline
+    from stream.limits import EventLimits
+
+    src = sources(args)
+    kafka = kafka_settings(args, src)
+    redis_settings = src.build(RedisSettings, "redis", url=args.redis_url)
+    js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
+                   allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
+                   drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if js.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(js.metrics_port, addr="0.0.0.0")
+    pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
+    if js.driver == "kafka":
+        from stream.joiner.kafka_driver import KafkaJoinWorker
+
+        worker: Any = KafkaJoinWorker(pipeline, kafka, js)
+    else:
+        from stream.joiner.worker import FaustJoinWorker
+
+        worker = FaustJoinWorker(pipeline, kafka, js)
+    print(f"joining {kafka.impressions_topic} + {kafka.clicks_topic} -> {kafka.samples_topic} on "
+          f"{kafka.bootstrap_servers} (group {js.app_id}, driver {js.driver}, window {js.attribution_window_s:g}s)",
+          file=sys.stderr)
+    try:
+        code = worker.run()
+    finally:
+        pipeline.close()
+    summary = pipeline.totals.summary()
+    summary.update(group=js.app_id, driver=js.driver)
+    emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
+    return code

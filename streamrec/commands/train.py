@@ -1,0 +1,96 @@
+"""``streamrec train``: the continuous training daemon (`streamrec train`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from learner.config import LearnerSettings
+from stream.config import RedisSettings
+from streamrec.commands.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_common,
+    add_kafka_flag,
+    emit,
+    kafka_settings,
+    kv_lines,
+    sources,
+)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("train", help="the continuous training daemon (DeepFM on the samples topic)",
+                       description="Train DeepFM continuously on the samples topic: for every batch predict first "
+                       "(progressive AUC/logloss), then learn; sparse embedding updates (row-wise Adagrad), bf16 "
+                       "autocast for the dense part on CPU. Checkpoints (model, optimizers, offsets) are written "
+                       "atomically every --checkpoint-every-s / samples and at exit; on start the learner resumes "
+                       "from the newest one at exactly its offsets, so each sample changes the model once however "
+                       "often it crashes. Runs until SIGTERM (which checkpoints), or --max-samples, or "
+                       "--exit-when-idle. --status prints the newest checkpoint's offsets and metrics.")
+    p.add_argument("--status", action="store_true", help="print the latest checkpoint's state and exit")
+    p.add_argument("--checkpoint-dir", help=f"(default {LearnerSettings.checkpoint_dir})")
+    p.add_argument("--max-samples", type=int, help="stop after training this many samples")
+    p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="stop after this long without samples")
+    p.add_argument("--batch-rows", type=int, help="rows read from Kafka per batch; whole samples messages are never "
+                   f"split (default {LearnerSettings.batch_rows})")
+    p.add_argument("--step-rows", type=int, help="rows per optimizer step: a batch trains as consecutive chunks of "
+                   "this many rows, each predicted before it is learned; smaller is fresher and slower "
+                   f"(default {LearnerSettings.step_rows})")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: CUDA when there is one")
+    p.add_argument("--num-workers", type=int, help="DataLoader workers reading partitions (default 0)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_kafka_flag(p)
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    src = sources(args)
+    kafka = kafka_settings(args, src)
+    ls = src.build(LearnerSettings, "learner", checkpoint_dir=args.checkpoint_dir, max_samples=args.max_samples,
+                   exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
+                   device=args.device,
+                   num_workers=args.num_workers, metrics_port=args.metrics_port)
+    if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
+        ls = dataclasses.replace(ls, deltas_channel=src.build(RedisSettings, "redis").deltas_channel)
+    if args.status:
+        from learner.checkpoint import latest_meta
+
+        meta = latest_meta(ls.checkpoint_dir)
+        if meta is None:
+            emit(args, {"checkpoint": None, "checkpoint_dir": str(ls.checkpoint_dir)},
+                 lambda d: f"no checkpoint in {d['checkpoint_dir']}")
+            return EXIT_FAILED
+        status = {k: meta[k] for k in ("path", "created", "samples_trained", "steps", "offsets", "partition_rows",
+                                       "duplicates", "metrics", "topic")}
+        emit(args, status, lambda d: "latest checkpoint\n" + kv_lines(d))
+        return EXIT_OK
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ls.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(ls.metrics_port, addr="0.0.0.0")
+    import os
+
+    # Keep freed memory instead of returning it to the OS between steps (page faults cost 20-45% of a
+    # bf16 step here, environment.md); only takes effect for this process's children, so set it early.
+    for k, v in (("MALLOC_TRIM_THRESHOLD_", "68719476736"), ("MALLOC_MMAP_THRESHOLD_", "33554432")):
+        os.environ.setdefault(k, v)
+    from learner.daemon import Learner
+
+    learner = Learner(kafka, ls)
+    print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers}, checkpoints in {ls.checkpoint_dir}",
+          file=sys.stderr)
+    try:
+        summary = learner.run()
+    finally:
+        learner.close()
+    emit(args, summary, lambda d: "train summary\n" + kv_lines({k: v for k, v in d.items() if k != "settings"}))
+    return EXIT_OK
