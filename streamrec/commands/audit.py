@@ -1,4 +1,4 @@
-"""``streamrec audit``: validating the event topics to their end (`streamrec audit`)."""
+"""``streamrec audit``: validating the event topics to their end."""
 
 from __future__ import annotations
 

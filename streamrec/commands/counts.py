@@ -1,4 +1,4 @@
-"""``streamrec counts``: the Redis day counts (`streamrec counts top`)."""
+"""``streamrec counts``: the Redis day counts."""
 
 from __future__ import annotations
 

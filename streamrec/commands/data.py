@@ -1,4 +1,4 @@
-"""``streamrec data``: the packaged MovieLens data sets (`streamrec data install|status`)."""
+"""``streamrec data``: the packaged MovieLens data sets."""
 
 from __future__ import annotations
 

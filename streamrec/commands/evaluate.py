@@ -1,4 +1,4 @@
-"""``streamrec evaluate``: offline and online evaluation on MovieLens (`streamrec evaluate`)."""
+"""``streamrec evaluate``: offline and online evaluation on MovieLens."""
 
 from __future__ import annotations
 

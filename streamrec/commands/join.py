@@ -1,4 +1,4 @@
-"""``streamrec join``: the impression-click joiner (`streamrec join`)."""
+"""``streamrec join``: the impression-click joiner."""
 
 from __future__ import annotations
 

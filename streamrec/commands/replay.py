@@ -1,4 +1,4 @@
-"""``streamrec replay``: publishing a data set into the event topics (`streamrec replay`)."""
+"""``streamrec replay``: publishing a data set into the event topics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``streamrec stack``: the local broker and Redis for development (`streamrec stack up|down|status`)."""
+"""``streamrec stack``: the local broker and Redis for development."""
 
 from __future__ import annotations
 

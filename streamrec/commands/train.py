@@ -1,4 +1,4 @@
-"""``streamrec train``: the continuous training daemon (`streamrec train`)."""
+"""``streamrec train``: the continuous training daemon."""
 
 from __future__ import annotations
 
