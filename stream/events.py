@@ -120,7 +120,7 @@ def _reject_duplicate_keys(raw: bytes, obj: dict[str, Any]) -> None:
     key ends than the parsed objects hold keys, no key repeats. Otherwise (a string value that starts
     with a colon, or a real duplicate) the event is parsed once more, pair by pair."""
     keys = len(obj) + sum(len(v) for name in ("context", "dense") if type(v := obj.get(name)) is dict)
-    if len(_KEY_END.findall(raw)) <= keys:
+    if raw.count(b":") <= keys or len(_KEY_END.findall(raw)) <= keys:  # colons bound key ends: ~0.1 us vs ~15
         return
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
