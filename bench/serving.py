@@ -45,11 +45,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cache_refresh.publish import publish  # noqa: E402
+from learner.artifact import build_artifact  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
 from stream.features import hash_value  # noqa: E402
 from stream.history import UserHistory  # noqa: E402
-from streamrec.artifact import build_artifact, publish  # noqa: E402
 from streamrec.stack import (  # noqa: E402
     LocalStack,
     StackSettings,  # noqa: E402

@@ -26,6 +26,7 @@ import redis
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from stream.counts import DailyCounts
+from stream.errors import StreamrecError
 
 log = logging.getLogger("streamrec.refresh")
 T = TypeVar("T")
@@ -33,7 +34,7 @@ T = TypeVar("T")
 KIND_FIELDS = {"item": "item_id", "user": "user_id"}
 
 
-class RedisUnavailable(Exception):
+class RedisUnavailable(StreamrecError):
     """Redis did not answer after every retry."""
 
 

@@ -20,11 +20,11 @@ Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
 polls ``CURRENT`` and finds it; the summary says ``notified: false``.
 
-One run at a time per publish root: a run holds ``artifact.refresh_lock`` (stage ``lock``; a second run
+One run at a time per publish root: a run holds ``refresh_lock`` (stage ``lock``; a second run
 fails at once, naming the pid of the first) and starts by removing what killed runs left
-(``artifact.clean_leftovers``: staged directories of dead processes, a half-pruned version, temp files;
+(``clean_leftovers``: staged directories of dead processes, a half-pruned version, temp files;
 the summary lists them under ``cleaned``). A full or read-only publish root fails the stage that hit it
-with a message saying so (``artifact.describe_os_error``); nothing half-written is made current. Once
+with a message saying so (``describe_os_error``); nothing half-written is made current. Once
 ``CURRENT`` names the new version the run has published: recording ``last_run.json`` afterwards is best
 effort (``last_run_recorded: false`` in the summary), never a failure.
 
@@ -38,9 +38,10 @@ records ``pin_held`` in ``last_run.json`` (shown by ``--status``) and returns a 
 (``respect_pin=False``) publishes over it and removes it (logged as a warning; ``unpinned`` in the
 summary names the pin it ended).
 
-The alert has the shape of ``streamrec/alerts.py``'s records: ``{"rule": "refresh_failed", "source":
-"refresh", "severity": "critical", "state": "firing", "value": null, "threshold": null, "message",
-"ts" (ms), "labels": {"stage"}}``, keyed by the rule name. A refresh raises no "resolved" record:
+The alert is a ``monitor.alerts.Alert``, sent through the monitor's own sinks (the log, and Kafka with
+the monitor's record shape): ``{"rule": "refresh_failed", "source": "refresh", "severity": "critical",
+"state": "firing", "value": null, "threshold": null, "message", "ts" (ms), "labels": {"stage"}}``, keyed
+by the rule name. A refresh raises no "resolved" record:
 the next successful refresh (``last_run.json``) is the resolution.
 """
 
@@ -58,11 +59,16 @@ from typing import Any
 import redis
 
 from cache_refresh import hot_set, validate
+from cache_refresh.publish import PinHeld, clean_leftovers, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
+from learner import artifact
 from learner import checkpoint as ckpt_io
 from learner.row_mapper import RowMapper
+from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, Severity
+from serving.model import ScoringModel
 from stream.config import KafkaSettings, RedisSettings
-from streamrec import artifact
+from stream.errors import StreamrecError
+from stream.files import describe_os_error, write_atomic
 
 log = logging.getLogger("streamrec.refresh")
 
@@ -71,7 +77,7 @@ ALERT_RULE = "refresh_failed"
 PIN_RULE = "refresh_pinned"
 
 
-class RefreshError(Exception):
+class RefreshError(StreamrecError):
     """A refresh failed and published nothing; ``stage`` says where (hot_set, checkpoint, build, ...)."""
 
     def __init__(self, stage: str, message: str) -> None:
@@ -108,7 +114,7 @@ def _utc(when: float) -> str:
 
 def write_last_success(root: Path, when: float, version: str) -> None:
     """A publish: replaces the whole record (a ``pin_held`` of earlier runs ends with the publish)."""
-    artifact._write_atomic(Path(root) / LAST_RUN, json.dumps({
+    write_atomic(Path(root) / LAST_RUN, json.dumps({
         "last_success": when, "version": version, "last_success_utc": _utc(when)}).encode())
 
 
@@ -118,30 +124,30 @@ def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> No
     data = read_last_run(root)
     data["pin_held"] = {"at": when, "at_utc": _utc(when), "built": built, "pinned": pin.version,
                         "rolled_back_from": pin.rolled_back_from, "problem": pin.problem}
-    artifact._write_atomic(Path(root) / LAST_RUN, json.dumps(data).encode())
+    write_atomic(Path(root) / LAST_RUN, json.dumps(data).encode())
 
 
 # -- alerts --------------------------------------------------------------------------------------
 def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, timeout_s: float = 10.0,
                 rule: str = ALERT_RULE, severity: str = "critical", labels: dict[str, str] | None = None) -> bool:
-    """Log a firing alert and write it to the Kafka ``topic``; returns whether Kafka acknowledged it."""
-    record = {"rule": rule, "source": "refresh", "severity": severity, "state": "firing",
-              "value": None, "threshold": None, "message": message, "ts": int(time.time() * 1000),
-              "labels": {"stage": stage, **(labels or {})}}
-    log.error("FIRING %s %s{stage=%s} source=refresh: %s", severity, rule, stage, message)
+    """Log a firing alert (``monitor.alerts.LogSink``) and write it to the Kafka ``topic``
+    (``monitor.alerts.KafkaSink``, one attempt bounded by ``timeout_s``); returns whether Kafka
+    acknowledged it. Never raises: the refresh's own error is what the caller reports."""
+    alert = Alert(rule=rule, source="refresh", severity=Severity(severity), state=AlertState.FIRING, value=None,
+                  threshold=None, message=message, ts=int(time.time() * 1000),
+                  labels={"stage": stage, **(labels or {})})
+    LogSink(log).send([alert])
     if not topic:
         return False
+    sink = KafkaSink(kafka, topic, timeout_s=timeout_s)
     try:
-        from stream.kafka import AckedProducer, ensure_topics
-
-        ensure_topics(kafka, [topic], partitions=1)
-        producer = AckedProducer(kafka, **{"message.timeout.ms": int(timeout_s * 1000)})
-        producer.send(topic, json.dumps(record, sort_keys=True).encode(), key=rule)
-        producer.flush(timeout_s)
+        sink.send([alert])
         return True
     except Exception as exc:  # noqa: BLE001 - the alert is also in the log; never mask the refresh error
         log.error("could not write the alert to Kafka topic %r at %s: %s", topic, kafka.bootstrap_servers, exc)
         return False
+    finally:
+        sink.close()
 
 
 # -- the job -------------------------------------------------------------------------------------
@@ -176,7 +182,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     root = Path(rs.publish_root)
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(artifact.refresh_lock(root))
+            held.enter_context(refresh_lock(root))
         except artifact.ArtifactError as exc:  # another run holds it, or the root cannot be opened
             err = RefreshError("lock", str(exc))
             raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
@@ -206,7 +212,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timings[name] = round(time.monotonic() - t0, 3)
 
     try:
-        cleaned = artifact.clean_leftovers(root)
+        cleaned = clean_leftovers(root)
         if cleaned:
             log.info("removed what killed refreshes left in %s: %s", root, ", ".join(cleaned))
 
@@ -249,7 +255,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
         stage = "validate"
         t0 = time.monotonic()
-        new = artifact.ScoringModel.load(staged)
+        new = ScoringModel.load(staged)
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
         live = _live_model(root)
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
@@ -261,8 +267,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         try:
-            path = artifact.publish(root, staged, rs.keep_versions, over_pin=not respect_pin)
-        except artifact.PinHeld as held:
+            path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin)
+        except PinHeld as held:
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
             return _pin_held(rs, kafka, root, new.version, held, {
@@ -279,7 +285,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             raise_alert(kafka, rs.alerts_topic, exc.stage, str(exc))
             raise
         if isinstance(exc, OSError):
-            msg = (f"{artifact.describe_os_error(exc)} (publish root {root}); nothing was published, the live "
+            msg = (f"{describe_os_error(exc)} (publish root {root}); nothing was published, the live "
                    "artifact keeps serving; fix the file system and run `streamrec refresh --now`")
         elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError)):
             msg = str(exc)
@@ -300,11 +306,11 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     except OSError as exc:
         recorded = False
         log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
-                    "at its next start", path.name, root / LAST_RUN, artifact.describe_os_error(exc))
+                    "at its next start", path.name, root / LAST_RUN, describe_os_error(exc))
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
     timed("notify", t0)
-    manifest = artifact._read_manifest(path)
+    manifest = artifact.read_manifest(path)
     log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
     return {
         "published": True, "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
@@ -319,7 +325,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     }
 
 
-def _pin_held(rs: RefreshSettings, kafka: KafkaSettings, root: Path, built: str, held: artifact.PinHeld,
+def _pin_held(rs: RefreshSettings, kafka: KafkaSettings, root: Path, built: str, held: PinHeld,
               summary: dict[str, Any]) -> dict[str, Any]:
     """A scheduled run that validated but did not publish over a rollback pin: say so everywhere."""
     pin = held.pin
@@ -331,7 +337,7 @@ def _pin_held(rs: RefreshSettings, kafka: KafkaSettings, root: Path, built: str,
     try:
         write_pin_held(root, time.time(), built, pin)
     except OSError as exc:
-        log.warning("could not record the held pin in %s (%s)", root / LAST_RUN, artifact.describe_os_error(exc))
+        log.warning("could not record the held pin in %s (%s)", root / LAST_RUN, describe_os_error(exc))
     return {"published": False, "version": None, "built": built,
             "pin_held": {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
                          "message": message},
@@ -345,11 +351,11 @@ def _current_name(root: Path) -> str | None:
         return None
 
 
-def _live_model(root: Path) -> artifact.ScoringModel | None:
+def _live_model(root: Path) -> ScoringModel | None:
     """The live artifact to compare with; None (comparison skipped, logged) when there is none or it is bad."""
     try:
         current = artifact.read_current(root)
-        return artifact.ScoringModel.load(current) if current is not None else None
+        return ScoringModel.load(current) if current is not None else None
     except artifact.ArtifactError as exc:
         log.warning("the live artifact does not load (%s); the holdout comparison is skipped", exc)
         return None

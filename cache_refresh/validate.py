@@ -17,25 +17,26 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-import uuid
 from typing import Any
 
 import numpy as np
 import torch
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Message
 
+from learner.artifact import eager_model
 from learner.batch import to_tensors
 from learner.features import FeatureConfig
 from learner.progressive import auc, logloss
+from serving.model import ScoringModel
 from stream.config import KafkaSettings
+from stream.errors import StreamrecError
+from stream.kafka import read_to_end, watermarks
 from stream.samples import SampleBatch
-from streamrec.artifact import ScoringModel, eager_model
 
 log = logging.getLogger("streamrec.refresh")
 
 
-class ValidationFailed(Exception):
+class ValidationFailed(StreamrecError):
     """The staged artifact failed a check; the message says which and by how much."""
 
 
@@ -88,38 +89,24 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[
     """
     if messages <= 0:
         return []
-    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"streamrec-refresh-{uuid.uuid4().hex}",
-                  "enable.auto.commit": False, "enable.partition.eof": True, "client.id": kafka.client_id})
+    marks = watermarks(kafka, kafka.samples_topic, timeout_s)
+    if not marks:
+        return []
+    per = max(1, math.ceil(messages / len(marks)))
+    start = {p: max(low, high - per) for p, (low, high) in marks.items() if high > low}
+    got: dict[int, list[SampleBatch]] = {p: [] for p in start}
+
+    def keep(m: Message) -> None:
+        try:
+            got[m.partition()].append(SampleBatch.decode(m.value()))
+        except Exception:  # noqa: BLE001 - a malformed message is not a sample
+            pass
+
     try:
-        md = c.list_topics(kafka.samples_topic, timeout=timeout_s).topics.get(kafka.samples_topic)
-        if md is None or md.error is not None or not md.partitions:
-            return []
-        parts = sorted(md.partitions)
-        per = max(1, math.ceil(messages / len(parts)))
-        assign = []
-        for p in parts:
-            low, high = c.get_watermark_offsets(TopicPartition(kafka.samples_topic, p), timeout=timeout_s)
-            if high > low:
-                assign.append(TopicPartition(kafka.samples_topic, p, max(low, high - per)))
-        if not assign:
-            return []
-        c.assign(assign)
-        open_parts = {tp.partition for tp in assign}
-        got: dict[int, list[SampleBatch]] = {p: [] for p in open_parts}
-        deadline = time.monotonic() + timeout_s
-        while open_parts and time.monotonic() < deadline:
-            for m in c.consume(256, 0.2):
-                if m.error() is not None:
-                    if m.error().code() == KafkaError._PARTITION_EOF:
-                        open_parts.discard(m.partition())
-                    continue
-                try:
-                    got[m.partition()].append(SampleBatch.decode(m.value()))
-                except Exception:  # noqa: BLE001 - a malformed message is not a sample
-                    continue
-        return [b for p in sorted(got) for b in got[p][-per:]]
-    finally:
-        c.close()
+        read_to_end(kafka, kafka.samples_topic, keep, start=start, timeout_s=timeout_s)
+    except TimeoutError as exc:  # a holdout is a sample: validate on what arrived in time
+        log.warning("holdout: %s; validating on the %d messages read", exc, sum(map(len, got.values())))
+    return [b for p in sorted(got) for b in got[p][-per:]]
 
 
 def quality(model: ScoringModel, batches: list[SampleBatch]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -33,35 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from stream.files import write_atomic
+
 log = logging.getLogger("streamrec.checkpoint")
 
 FORMAT_VERSION = 1
 _PREFIX = "ckpt-"
 LINEAGE = "LINEAGE"
 _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: Path, write: Any) -> None:
-    """``write(fh)`` into ``path``, then flush and fsync the file."""
-    with open(path, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_synced(tmp, write)
-    os.replace(tmp, path)
 
 
 def lineage(directory: Path) -> str:
@@ -79,8 +57,7 @@ def lineage(directory: Path) -> str:
                   "only to artifacts refreshed from now on)", path, text[:40])
     directory.mkdir(parents=True, exist_ok=True)
     new = uuid.uuid4().hex
-    _write_atomic(path, lambda fh: fh.write(new.encode()))
-    fsync_dir(directory)
+    write_atomic(path, new.encode())
     return new
 
 
@@ -91,9 +68,8 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
             "lineage": meta.get("lineage") or lineage(directory)}
     name = f"{_PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}"
     path = directory / f"{name}.pt"
-    _write_atomic(path, lambda fh: torch.save({"meta": meta, **state}, fh))
-    _write_atomic(directory / f"{name}.json", lambda fh: fh.write(json.dumps(meta, default=str).encode()))
-    fsync_dir(directory)
+    write_atomic(path, lambda fh: torch.save({"meta": meta, **state}, fh))
+    write_atomic(directory / f"{name}.json", json.dumps(meta, default=str).encode())
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)

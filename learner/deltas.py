@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +59,8 @@ from torch import nn
 from learner import checkpoint as ckpt_io
 from learner.tensorpack import PackError, pack, unpack
 from stream.config import RedisSettings
+from stream.errors import StreamrecError
+from stream.files import write_atomic
 
 log = logging.getLogger("streamrec.deltas")
 
@@ -72,7 +73,7 @@ _NAME = re.compile(r"delta-(\d{1,18})-(\d{1,18})")
 MAX_BYTES = 4 << 30  # a delta file larger than this is refused unread
 
 
-class DeltaError(ValueError):
+class DeltaError(StreamrecError, ValueError):
     """A delta file that cannot be used: damaged, malformed, mistyped or not finite. Names file and cause."""
 
 
@@ -273,10 +274,7 @@ class DeltaWriter:
             self._last_maps = self._last
         data = encode_delta(payload)
         path = delta_path(self.directory, self.seq, int(samples_trained))
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        ckpt_io.write_synced(tmp, lambda fh: fh.write(data))
-        os.replace(tmp, path)
-        ckpt_io.fsync_dir(self.directory)
+        write_atomic(path, data)
         self.touched.zero_()
         self.written += 1
         for _, _, old in list_deltas(self.directory)[:-self.keep]:

@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stream.errors import StreamrecError
+
 MAGIC = b"SRPACK\x00\x01"
 _PREFIX = 48  # magic + sha256 + header length
 _MAX_HEADER = 64 << 20
@@ -47,7 +49,7 @@ _TORCH = {torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.in
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-class PackError(ValueError):
+class PackError(StreamrecError, ValueError):
     """Bytes that are not a complete, intact tensor pack; the message says what was wrong."""
 
 

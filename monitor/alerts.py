@@ -53,6 +53,7 @@ from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
 from stream.config import KafkaSettings
+from stream.errors import StreamrecError
 from stream.kafka import admin_config
 
 log = logging.getLogger("streamrec.alerts")
@@ -169,7 +170,7 @@ class SinkSettings:
     close_timeout_s: float = 10.0  # at shutdown, keep delivering queued alerts this long, then report the rest
 
 
-class SinkError(Exception):
+class SinkError(StreamrecError):
     """One delivery attempt did not deliver every alert of its batch.
 
     ``undelivered``: the alerts to try again (None: every alert of the batch not in ``rejected``);

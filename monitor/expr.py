@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from stream.errors import StreamrecError
+
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: a hashable label set
 MAX_DEPTH = 64  # levels of nesting an expression may have; alert rules need a handful
 
@@ -55,7 +57,7 @@ Value = float | Vector
 Window = tuple[Sequence[tuple[float, float]], frozenset[str]]  # (time, value) samples oldest first, sources
 
 
-class ExprError(ValueError):
+class ExprError(StreamrecError, ValueError):
     """An expression that does not parse; the message says where and what was expected."""
 
 

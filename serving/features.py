@@ -31,7 +31,7 @@ from stream.samples import CTX_PREFIX
 
 
 class RowMapper(Protocol):
-    """What the encoder needs of a loaded artifact (``streamrec.artifact.ScoringModel`` provides it)."""
+    """What the encoder needs of a loaded artifact (``serving.model.ScoringModel`` provides it)."""
 
     feature_config: FeatureConfig
 

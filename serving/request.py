@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from stream.errors import BadMessage, ValidationError
+from stream.errors import BadMessage, StreamrecError, ValidationError
 from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, check_context, check_dense, check_id
 from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 
@@ -33,7 +33,7 @@ _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
 _ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
 
 
-class RequestError(Exception):
+class RequestError(StreamrecError):
     """A request the service refuses; ``status`` is the HTTP status (4xx), ``str(exc)`` the reason."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -28,7 +28,7 @@ Failing closed, once:
   (``samples_trained``) and of its lineage (when both carry one); others are skipped and counted
   (``streamrec_serving_deltas_skipped_total{reason="lineage"}``).
 * **Rollback.** While ``<root>/PINNED`` names the live version (``streamrec refresh --rollback``; see
-  ``streamrec/artifact.py``), no deltas are applied: they were all written by the learner that trained
+  ``learner/artifact.py``), no deltas are applied: they were all written by the learner that trained
   past the newer artifact, so applying them would bring the rolled-back model back.
   ``streamrec_serving_deltas_paused`` is 1 meanwhile; the next publish (an operator's ``streamrec refresh
   --now``: scheduled refreshes do not publish over a pin) clears the pin and deltas newer than that
@@ -47,10 +47,11 @@ from typing import Any
 
 import redis
 
+from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin
 from learner.deltas import DeltaReader
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
-from streamrec.artifact import CURRENT, PIN, VERSIONS, ArtifactError, ScoringModel, current_version, read_pin
+from serving.model import ScoringModel
 
 log = logging.getLogger("streamrec.serve")
 

@@ -1,20 +1,37 @@
-"""The exceptions of ``stream/``.
+"""The exception tree of streamrec: rooted here, one subtree per package.
 
 ::
 
-    ConfigError (ValueError)     a configuration that cannot be used: the message names the source and the fix
-    ├── streamrec.settings.SettingsError    settings files, environment, flags
-    ├── stream.replay.eventlog.EventLogError  an event log mapped wrongly
-    └── monitor.rules.RulesError             an alert rules file
-    StreamError                  a real failure: the process should stop or retry
-    ├── DatasetMissing           a packaged data set is not installed (the message says how)
-    ├── DeliveryFailed           the broker did not acknowledge produced messages
-    ├── MessageTooLarge          a message over the producer's message.max.bytes (never sent)
-    └── BadMessage               *skip this message*: it goes to ``<topic>.dlq``, processing continues
-        └── ValidationError      a decoded event breaks its schema (field, value, expected)
+    StreamrecError                   every error streamrec raises on purpose; `streamrec` prints one line
+    ├── ConfigError (ValueError)     a configuration that cannot be used: names the source and the fix; exit 2
+    │   ├── streamrec.settings.SettingsError       settings files, environment, flags
+    │   ├── stream.replay.eventlog.EventLogError   an event log mapped wrongly
+    │   ├── learner.config.CheckpointMismatch      settings that would change a checkpoint's model shape
+    │   └── monitor.rules.RulesError               an alert rules file
+    ├── StreamError                  stream/: a real failure, the process should stop or retry
+    │   ├── DatasetMissing           a packaged data set is not installed (the message says how)
+    │   ├── DeliveryFailed           the broker did not acknowledge produced messages
+    │   ├── MessageTooLarge          a message over the producer's message.max.bytes (never sent)
+    │   └── BadMessage               *skip this message*: it goes to ``<topic>.dlq``, processing continues
+    │       └── ValidationError      a decoded event breaks its schema (field, value, expected)
+    ├── learner/
+    │   ├── artifact.ArtifactError   an artifact or publish root that cannot be used
+    │   │   └── cache_refresh.publish.PinHeld   a scheduled publish held back by a rollback pin
+    │   ├── deltas.DeltaError (ValueError)       a delta file that cannot be used
+    │   └── tensorpack.PackError (ValueError)    bytes that are not an intact tensor pack
+    ├── cache_refresh/
+    │   ├── job.RefreshError         a refresh failed and published nothing (``stage`` says where)
+    │   ├── validate.ValidationFailed            a staged artifact failed a check
+    │   └── hot_set.RedisUnavailable             Redis did not answer after every retry
+    ├── serving.request.RequestError             a request the service refuses (4xx)
+    ├── monitor/
+    │   ├── alerts.SinkError         an alert delivery attempt failed
+    │   └── expr.ExprError (ValueError)          an expression that does not parse
+    └── streamrec.stack.StackError (RuntimeError)   the local stack could not start or stop
 
 ``BadMessage`` is kept apart from real failures on purpose: a consumer catches ``BadMessage`` per
-message and dead-letters it, and lets every other exception propagate.
+message and dead-letters it, and lets every other exception propagate. Libraries' own errors
+(``KafkaException``, ``redis.RedisError``, ``OSError``) are not wrapped where the caller can act on them.
 """
 
 from __future__ import annotations
@@ -47,11 +64,15 @@ def clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class ConfigError(ValueError):
+class StreamrecError(Exception):
+    """The root of every error streamrec raises on purpose (the tree is drawn above)."""
+
+
+class ConfigError(StreamrecError, ValueError):
     """A configuration mistake (a setting, a file mapping, a rules file): nothing ran yet; exit status 2."""
 
 
-class StreamError(Exception):
+class StreamError(StreamrecError):
     """Base of every error raised by ``stream/``."""
 
 

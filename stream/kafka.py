@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from stream.config import KafkaSettings
@@ -236,3 +237,57 @@ def resume_offsets(consumer: Consumer, partitions: list[TopicPartition]) -> list
 
 def new_consumer(kafka: KafkaSettings, group_id: str, **extra: Any) -> Consumer:
     return Consumer(consumer_config(kafka, group_id, **extra))
+
+
+def watermarks(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> dict[int, tuple[int, int]]:
+    """``{partition: (low, high)}`` of ``topic``; empty when the topic does not exist. The local broker's
+    high watermark may lag by one record batch (:func:`resume_offsets`): read to the end with
+    :func:`read_to_end`, not to ``high``."""
+    c = new_consumer(kafka, f"{kafka.client_id}-watermarks-{uuid.uuid4().hex[:8]}")
+    try:
+        md = c.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if md is None or md.error is not None:
+            return {}
+        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s) for p in sorted(md.partitions)}
+    finally:
+        c.close()
+
+
+def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], None], *,
+                start: Mapping[int, int] | None = None, timeout_s: float = 60.0, batch: int = 10_000) -> list[int]:
+    """Read partitions of ``topic`` to their end, handing every record to ``handle``; returns the partitions read.
+
+    The one read-to-the-end loop (state restore, the refresh's holdout, test and bench readers). ``start``
+    maps partition -> first offset (``OFFSET_BEGINNING`` allowed); None reads every partition from the
+    beginning. Partitions the topic does not have, or a topic that does not exist, are skipped. A
+    partition's end is its partition-EOF event after its last record, not the high watermark (which the
+    local broker under-reports, environment.md). Records come in offset order per partition. Assigned
+    without joining a group: nothing is committed. ``TimeoutError`` naming the partitions that did not
+    reach their end within ``timeout_s``; an exception from ``handle`` propagates (the consumer is closed).
+    """
+    c = new_consumer(kafka, f"{kafka.client_id}-reader-{uuid.uuid4().hex[:8]}", **{"fetch.wait.max.ms": 20})
+    try:
+        md = c.list_topics(topic, timeout=min(10.0, timeout_s)).topics.get(topic)
+        if md is None or md.error is not None:
+            return []
+        wanted = {p: OFFSET_BEGINNING for p in md.partitions} if start is None else dict(start)
+        present = sorted(p for p in wanted if p in md.partitions)
+        if not present:
+            return []
+        c.assign([TopicPartition(topic, p, wanted[p]) for p in present])
+        todo = set(present)
+        deadline = time.monotonic() + timeout_s
+        while todo:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topic {topic} partitions {sorted(todo)} did not reach their end in {timeout_s:g}s")
+            for m in c.consume(batch, 0.2):
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        todo.discard(m.partition())
+                    continue
+                todo.add(m.partition())  # a record after an end: its partition ends at the next EOF
+                handle(m)
+        return present
+    finally:
+        c.close()

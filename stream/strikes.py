@@ -18,7 +18,6 @@ so they stay tiny; a key is ``"{topic}:{partition}:{offset}"``.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +26,7 @@ import redis
 from confluent_kafka import KafkaException
 
 from stream.errors import DeliveryFailed, clip
+from stream.files import write_atomic
 
 Key = tuple[str, int, int]  # (topic, partition, offset)
 
@@ -133,9 +133,4 @@ class FileStrikes:
         for k in cleared:
             self._all.pop(k, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump({_text(k): list(v) for k, v in self._all.items()}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({_text(k): list(v) for k, v in self._all.items()}).encode())

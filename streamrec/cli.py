@@ -36,12 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from confluent_kafka import KafkaException
 
-    from stream.errors import ConfigError, StreamError
-    from streamrec.stack import StackError
+    from stream.errors import ConfigError, StreamrecError
 
     try:
         return int(args.func(args))
-    except (ConfigError, StackError, StreamError, KafkaException, TimeoutError) as exc:
+    except (StreamrecError, KafkaException, TimeoutError) as exc:
         print(f"streamrec {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
     except KeyboardInterrupt:

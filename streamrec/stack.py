@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stream.errors import StreamrecError
+
 
 @dataclass(frozen=True)
 class StackSettings:
@@ -37,7 +39,7 @@ class StackSettings:
     start_timeout_s: float = 20.0
 
 
-class StackError(RuntimeError):
+class StackError(StreamrecError, RuntimeError):
     """A local service could not be started or stopped; the message says why and what to do."""
 
 

@@ -30,7 +30,10 @@ import signal
 import sys
 from pathlib import Path
 
-from streamrec import artifact
+from learner import artifact, scorer
+from serving.model import ScoringModel
+from stream import files
+from stream.files import write_synced
 
 KILL_AT = os.environ.get("STREAMREC_TEST_KILL_AT", "")
 FAULT_FILE = os.environ.get("STREAMREC_TEST_PUBLISH_FAULT")
@@ -78,8 +81,8 @@ def _erofs(path: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system (injected)", os.fsdecode(path))  # type: ignore[arg-type]
 
 
-# -- writes of the artifact module ----------------------------------------------------------------
-_write_synced = artifact.write_synced
+# -- writes of the artifact and publish modules ----------------------------------------------------------------
+_write_synced = write_synced
 
 
 def _hooked_write_synced(path, write):  # noqa: ANN001, ANN202 - a patch
@@ -105,7 +108,9 @@ def _hooked_write_synced(path, write):  # noqa: ANN001, ANN202 - a patch
     return _write_synced(p, write)
 
 
-artifact.write_synced = _hooked_write_synced
+# every module that writes artifact or publish-root files looks write_synced up in its own globals
+for _module in (artifact, scorer, files):
+    _module.write_synced = _hooked_write_synced  # type: ignore[attr-defined]
 
 _build = artifact.build_artifact
 
@@ -181,8 +186,8 @@ os.rename, os.replace, os.mkdir, os.unlink, os.open = (_hooked_rename, _hooked_r
 shutil.rmtree = _hooked_rmtree
 
 # -- serving --------------------------------------------------------------------------------------
-_load = artifact.ScoringModel.load.__func__  # type: ignore[attr-defined]
-_apply_delta = artifact.ScoringModel.apply_delta
+_load = ScoringModel.load.__func__  # type: ignore[attr-defined]
+_apply_delta = ScoringModel.apply_delta
 
 
 def _hooked_load(cls, version_dir, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
@@ -196,8 +201,8 @@ def _hooked_apply_delta(self, rows, vectors, dense_state, seq, id_maps=None):  #
     return _apply_delta(self, rows, vectors, dense_state, seq, id_maps=id_maps)
 
 
-artifact.ScoringModel.load = classmethod(_hooked_load)  # type: ignore[method-assign, assignment]
-artifact.ScoringModel.apply_delta = _hooked_apply_delta  # type: ignore[method-assign]
+ScoringModel.load = classmethod(_hooked_load)  # type: ignore[method-assign, assignment]
+ScoringModel.apply_delta = _hooked_apply_delta  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     from streamrec.cli import main

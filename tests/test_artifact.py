@@ -1,4 +1,4 @@
-"""The serving artifact (streamrec/artifact.py): scores equal the learner's, deltas, checksums, publishing.
+"""The serving artifact (learner/artifact.py): scores equal the learner's, deltas, checksums, publishing.
 
 Tolerance: the artifact computes exactly the learner's fp32 eager DeepFM (same pooling, same order of
 operations), so probabilities agree to 1e-6 absolute (observed: bit-identical on CPU).
@@ -7,6 +7,7 @@ operations), so probabilities agree to 1e-6 absolute (observed: bit-identical on
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -14,10 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from cache_refresh import publish as publishing
+from cache_refresh.publish import publish, rollback
+from learner import artifact as A
+from learner.artifact import ArtifactError, build_artifact, read_current
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
-from streamrec import artifact as A
-from streamrec.artifact import ArtifactError, ScoringModel, build_artifact, publish, read_current, rollback
+from serving.model import ScoringModel
 
 TOL = 1e-6
 
@@ -246,7 +250,7 @@ def test_crash_mid_publish_leaves_the_old_version_current(tmp_path: Path, ckpt: 
     def crash(*_a, **_k):
         raise OSError("simulated crash before CURRENT is replaced")
 
-    monkeypatch.setattr(A, "_set_current", crash)
+    monkeypatch.setattr(publishing, "_set_current", crash)
     with pytest.raises(A.ArtifactError, match="simulated.*nothing was published"):  # the OSError, explained
         publish(tmp_path, staged, keep=3)
     assert read_current(tmp_path) == old
@@ -255,7 +259,7 @@ def test_crash_mid_publish_leaves_the_old_version_current(tmp_path: Path, ckpt: 
     # a crash while writing the CURRENT temp file (before os.replace) also leaves the old pointer
     monkeypatch.undo()
     staged = build_artifact(make_checkpoint(seed=6), tmp_path, np.zeros(0), version="20260103T000000000Z")
-    monkeypatch.setattr(A.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises((OSError, A.ArtifactError)):
         publish(tmp_path, staged, keep=3)
     monkeypatch.undo()
@@ -266,7 +270,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path: Path, ckpt: dict, monkeypa
     def boom(*_a, **_k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(A, "_sha256", boom)
+    monkeypatch.setattr(A, "sha256_file", boom)
     with pytest.raises(RuntimeError):
         build_artifact(ckpt, tmp_path, np.zeros(0))
     assert not any((tmp_path / A.STAGING).iterdir()) and read_current(tmp_path) is None

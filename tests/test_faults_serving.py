@@ -45,17 +45,19 @@ import redis
 import torch
 
 from cache_refresh import job
+from cache_refresh.publish import refresh_lock, rollback
 from cache_refresh.settings import RefreshSettings
+from learner import artifact
 from learner import checkpoint as ckpt_io
 from learner.batch import to_tensors
 from learner.deltas import DeltaWriter
+from serving.model import ScoringModel
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.features import hash_value
 from stream.history import UserHistory
-from streamrec import artifact
 from streamrec.stack import free_port, redis_binary
 from tests.test_faults import Service, wait_port
 from tests.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
@@ -181,7 +183,7 @@ def assert_current_sound(root: Path) -> str | None:
     path = root / artifact.VERSIONS / name
     assert path.is_dir(), f"CURRENT names {name}, which is not in versions/"
     artifact.verify(path)
-    artifact.ScoringModel.load(path)  # loads and scores a probe
+    ScoringModel.load(path)  # loads and scores a probe
     return name
 
 
@@ -636,8 +638,8 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     rs, kafka, rds = rf.settings()
     v1 = job.run_once(rs, kafka, rds)["version"]
     v2 = job.run_once(rs, kafka, rds)["version"]
-    assert artifact.rollback(rf.root) == v1  # the operator rolls back: v1 pinned
-    caplog.set_level(logging.ERROR, logger="streamrec.refresh")
+    assert rollback(rf.root) == v1  # the operator rolls back: v1 pinned
+    caplog.set_level(logging.WARNING, logger="streamrec.refresh")  # a warning alert logs at WARNING (monitor's LogSink)
 
     # the 03:00 run: builds and validates, publishes nothing, says so
     summary = job.scheduled_run(rs, kafka, rds)
@@ -646,7 +648,8 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     assert summary["probe"]["max_abs_diff"] <= rs.validate_tolerance  # it did validate
     assert artifact.current_version(rf.root) == v1 and artifact.pin_holding(rf.root) is not None
     assert artifact.list_versions(rf.root) == [v1, v2] and leftovers(rf.root) == []
-    assert any("FIRING warning refresh_pinned" in r.getMessage() for r in caplog.records)
+    assert any("FIRING warning refresh_pinned" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
     assert any("did not publish" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
     held = job.read_last_run(rf.root)["pin_held"]
     assert held["built"] == summary["built"] and held["pinned"] == v1
@@ -694,9 +697,9 @@ def _config(path: Path, rf: Refresh) -> Path:
 
 def test_two_refreshes_at_once_the_second_fails_at_once_naming_the_first(tmp_path: Path) -> None:
     root = tmp_path / "serving"
-    with artifact.refresh_lock(root):
+    with refresh_lock(root):
         with pytest.raises(artifact.ArtifactError, match=rf"another refresh \(pid {os.getpid()}\) is running"):
-            with artifact.refresh_lock(root):
+            with refresh_lock(root):
                 pass
-    with artifact.refresh_lock(root):  # released
+    with refresh_lock(root):  # released
         pass

@@ -22,25 +22,25 @@ import numpy as np
 import pytest
 import redis
 import torch
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from cache_refresh import job, validate
 from cache_refresh.scheduler import build_scheduler, make_trigger, missed_run
 from cache_refresh.settings import RefreshSettings
-from learner import checkpoint
+from learner import artifact, checkpoint
 from learner.batch import to_tensors
 from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.trainer import Trainer
+from serving.model import ScoringModel
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.ids import stable_hash
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
-from streamrec import artifact
 from streamrec.cli import main
 from streamrec.stack import free_port
+from tests.kafka_io import read_topic
 
 CFG = default_config({"device": "single"}, buckets=2000, ctx_buckets=5, embedding_dim=8, dense=("age",))
 USERS = [stable_hash(f"u{i}") for i in range(40)]
@@ -125,23 +125,7 @@ def expected_hot_rows() -> np.ndarray:
 
 
 def read_alerts(kafka: KafkaSettings, topic: str) -> list[dict]:
-    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": uuid.uuid4().hex,
-                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-    try:
-        c.assign([TopicPartition(topic, 0, 0)])
-        out, deadline = [], time.monotonic() + 10
-        while time.monotonic() < deadline:
-            m = c.poll(0.5)
-            if m is None:
-                continue
-            if m.error():
-                if m.error().code() == KafkaError._PARTITION_EOF and out:
-                    break
-                continue
-            out.append(json.loads(m.value()))
-        return out
-    finally:
-        c.close()
+    return [json.loads(r.value) for r in read_topic(kafka, topic)]
 
 
 def config_file(path: Path, rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings) -> Path:
@@ -172,7 +156,7 @@ def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path
     assert manifest["source"]["samples_trained"] == 30 * 256 and manifest["source"]["offsets"] == {"0": 30}
     assert manifest["hot_set"]["items"] == 10 and manifest["hot_set"]["users"] == 5
     assert manifest["hot_set"]["rows"] == len(expected_hot_rows())
-    model = artifact.ScoringModel.load(Path(first["path"]))
+    model = ScoringModel.load(Path(first["path"]))
     assert np.array_equal(model._hot_ids[:-1], expected_hot_rows())
     assert first["probe"]["max_abs_diff"] <= rs.validate_tolerance
     assert first["holdout"]["new"]["samples"] == 800 and first["holdout"]["new"]["auc"] > 0.8

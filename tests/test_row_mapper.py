@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from learner.artifact import build_artifact
 from learner.batch import to_tensors
 from learner.cold_start import cold_mask
 from learner.features import FeatureConfig, FieldSpec
@@ -14,8 +15,8 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.row_mapper import ColdTracker, RowMapper, user_keys
 from learner.trainer import Trainer
+from serving.model import ScoringModel
 from stream.samples import SampleBatch
-from streamrec.artifact import ScoringModel, build_artifact
 
 B = 8  # buckets per id field
 CFG = FeatureConfig((FieldSpec("user_id", "single", B, capacity=50, admit_after=2),
@@ -133,10 +134,10 @@ def test_cold_start_evaluation_runs_every_variant_on_one_stream() -> None:
 
 
 def test_a_user_admitted_after_the_artifact_reaches_serving_through_a_delta(tmp_path: Path) -> None:
+    from cache_refresh.publish import publish
     from learner.deltas import DeltaWriter
     from serving.metrics import ServingMetrics
     from serving.swap import ModelHolder, ModelUpdater
-    from streamrec.artifact import publish
 
     model = DeepFM(CFG, mlp=(8,), seed=2, autocast_dtype=None)
     sparse, dense = make_optimizers(model, 0.1, 0.01)

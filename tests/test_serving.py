@@ -1,4 +1,4 @@
-"""The scoring service against real artifacts (streamrec/artifact.py) and the real Redis of the session stack.
+"""The scoring service against real artifacts (learner/artifact.py) and the real Redis of the session stack.
 
 Tolerance: served probabilities equal the learner's eager fp32 DeepFM on the same inputs within 1e-5
 absolute (the artifact docstring measures ~1e-7; scores are float32 on the wire).
@@ -23,6 +23,8 @@ import pytest
 import redis
 import torch
 
+from cache_refresh.publish import publish
+from learner.artifact import build_artifact, eager_model
 from learner.batch import TensorBatch, to_tensors
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldSpec
@@ -40,7 +42,6 @@ from stream.history import UserHistory
 from stream.joiner.engine import Pending, Sample
 from stream.joiner.sample_rows import to_batch
 from stream.samples import SampleBatch
-from streamrec.artifact import build_artifact, eager_model, publish
 
 TOL = 1e-5
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),

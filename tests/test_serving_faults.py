@@ -30,17 +30,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cache_refresh.publish import publish, rollback
+from learner import artifact as A
 from learner import checkpoint as ckpt_io
 from learner import tensorpack
+from learner.artifact import ArtifactError, build_artifact
 from learner.batch import to_tensors
 from learner.deltas import DeltaError, DeltaWriter, decode_delta, delta_path, load_delta
+from serving import model as serving_model
+from serving.model import ScoringModel
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
 from stream.features import hash_value
+from stream.files import sha256_file
 from stream.history import UserHistory
-from streamrec import artifact as A
-from streamrec.artifact import ArtifactError, ScoringModel, build_artifact, publish
 from streamrec.stack import free_port
 from tests.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
 
@@ -159,9 +163,9 @@ def test_a_malformed_manifest_is_rejected_once_and_serving_starts_not_ready(root
     damage_manifest(publish_version(TinyLearner(), root, "v001"), MANIFEST_DAMAGE[case])
     reads: list[Path] = []
     verifies: list[Path] = []
-    real_read, real_verify = A._read_manifest, A.verify
-    monkeypatch.setattr(A, "_read_manifest", lambda d: reads.append(Path(d)) or real_read(d))
-    monkeypatch.setattr(A, "verify", lambda d, m=None: verifies.append(Path(d)) or real_verify(d, m))
+    real_read, real_verify = A.read_manifest, A.verify
+    monkeypatch.setattr(A, "read_manifest", lambda d: reads.append(Path(d)) or real_read(d))
+    monkeypatch.setattr(serving_model, "verify", lambda d, m=None: verifies.append(Path(d)) or real_verify(d, m))
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), None) as svc:
         for _ in range(25):  # 25 polls
             svc.updater.check_now()
@@ -184,8 +188,8 @@ def test_a_malformed_newer_manifest_keeps_the_previous_model_serving_and_is_hash
         before = score(svc)[1]
         damage_manifest(publish_version(learner, root, "v002"), MANIFEST_DAMAGE["bytes_a_string"])
         hashed: list[Path] = []
-        real = A._sha256
-        monkeypatch.setattr(A, "_sha256", lambda p: hashed.append(p) or real(p))
+        real = sha256_file
+        monkeypatch.setattr(A, "sha256_file", lambda p: hashed.append(p) or real(p))
         for _ in range(25):
             svc.updater.check_now()
         assert score(svc)[1] == before and readyz(svc) == 200
@@ -432,7 +436,7 @@ def test_after_a_rollback_the_newer_deltas_are_not_reapplied_until_the_next_publ
         write_all_rows(writer, learner)  # written after v002's source: applies to v002
         svc.updater.check_now()
         assert score(svc)[1]["delta_seq"] == 1
-        assert A.rollback(root) == "v001"
+        assert rollback(root) == "v001"
         assert A.read_pin(root) is not None and A.read_pin(root).holds("v001")  # type: ignore[union-attr]
         for _ in range(3):
             svc.updater.check_now()
@@ -462,7 +466,7 @@ def test_rollback_to_a_damaged_version_changes_nothing(tmp_path: Path) -> None:
     publish_version(learner, tmp_path, "v002")
     (v1 / A.COLD_FILE).write_bytes(b"\x00" * 10)
     with pytest.raises(ArtifactError, match="cannot roll back to v001"):
-        A.rollback(tmp_path)
+        rollback(tmp_path)
     assert A.current_version(tmp_path) == "v002" and A.read_pin(tmp_path) is None
 
 
@@ -834,7 +838,7 @@ def test_refresh_status_reports_a_broken_publish_root_and_the_rollback_pin(tmp_p
     learner = TinyLearner()
     publish_version(learner, tmp_path, "v001")
     v2 = publish_version(learner, tmp_path, "v002")
-    assert A.rollback(tmp_path) == "v001"
+    assert rollback(tmp_path) == "v001"
     assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["current"] == "v001" and st["pinned"]["rolled_back_from"] == "v002"

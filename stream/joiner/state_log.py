@@ -16,16 +16,14 @@ write (25-35% of the join time here) and routes it by the *current* event, which
 
 from __future__ import annotations
 
-import time
-
 import orjson
 import pyarrow as pa
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Message
 
 from stream.config import KafkaSettings
 from stream.joiner.engine import Pending, Sample, StateChunk
 from stream.joiner.sample_rows import encode_bounded, to_batch
-from stream.kafka import new_consumer
+from stream.kafka import read_to_end
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 
 
@@ -101,30 +99,15 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
     """Read partitions of the state log to their end, all with one consumer. Per partition: the live
     chunks (tombstones applied) and the number of parts of each (by seq), which the writer needs to
     tombstone them later."""
-    c = new_consumer(kafka, f"{topic}-restore", **{"fetch.wait.max.ms": 20})
     live: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
-    try:
-        md = c.list_topics(topic, timeout=10).topics.get(topic)
-        present = [p for p in partitions if md is not None and md.error is None and p in md.partitions]
-        c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in present])
-        todo = set(present)
-        deadline = time.monotonic() + timeout_s
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"state log {topic} partitions {sorted(todo)} did not reach their end "
-                                   f"in {timeout_s}s")
-            for m in c.consume(10_000, 0.2):
-                err = m.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        todo.discard(m.partition())
-                    continue
-                if m.value() is None:
-                    live[m.partition()].pop(m.key(), None)
-                else:
-                    live[m.partition()][m.key()] = m.value()
-    finally:
-        c.close()
+
+    def apply(m: Message) -> None:
+        if m.value() is None:
+            live[m.partition()].pop(m.key(), None)
+        else:
+            live[m.partition()][m.key()] = m.value()
+
+    read_to_end(kafka, topic, apply, start={p: OFFSET_BEGINNING for p in partitions}, timeout_s=timeout_s)
     out = {}
     for p, records in live.items():
         by_seq: dict[int, dict[int, bytes]] = {}

@@ -23,7 +23,7 @@ from streamrec.settings import SettingsError, Sources, read_config_file
 
 def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
     from cache_refresh.scheduler import make_trigger
-    from streamrec.artifact import FORMATS
+    from learner.artifact import FORMATS
 
     src = Sources(file_data=read_config_file(args.config))
     kafka = src.build(KafkaSettings, "kafka", bootstrap_servers=args.bootstrap_servers)
@@ -46,8 +46,7 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
 
 def _status(rs: RefreshSettings) -> dict[str, Any]:
     from cache_refresh.job import read_last_run, read_last_success
-    from streamrec import artifact
-
+    from learner import artifact
     root = Path(rs.publish_root)
     last = read_last_success(root)
     pin = artifact.read_pin(root)
@@ -58,7 +57,7 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
     try:
         current = artifact.read_current(root)
         if current is not None:
-            m = artifact._read_manifest(current)
+            m = artifact.read_manifest(current)
             out["current"] = current.name
             out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
                                "source": {k: m["source"].get(k)
@@ -80,15 +79,15 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     logging.basicConfig(level=(args.log_level or rs.log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cache_refresh import job
-    from streamrec import artifact
-
+    from cache_refresh.publish import rollback
+    from learner import artifact
     if args.status:
         st = _status(rs)
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:
         try:
-            version = artifact.rollback(Path(rs.publish_root))
+            version = rollback(Path(rs.publish_root))
         except artifact.ArtifactError as exc:
             print(f"streamrec refresh: error: {exc}", file=sys.stderr)
             return EXIT_FAILED

@@ -1,0 +1,295 @@
+"""Writing a publish root: publish, rollback and the pin, pruning, the refresh lock, cleanup of killed runs.
+
+The layout and every reader of a root are ``learner/artifact.py``; this module is the only writer.
+
+Publishing: an artifact is staged in ``<root>/.staging/`` (``learner.artifact.build_artifact``), fsynced,
+verified (every file against the manifest), renamed into ``versions/`` (same file system, so the rename
+is atomic) and only then named in ``CURRENT`` (``stream.files.write_atomic``: temp file, fsync,
+``os.replace``, fsync of the directory). A crash at any point leaves ``CURRENT`` naming a complete
+version (tested with SIGKILLs at every step, ``tests/test_faults_serving.py``). A ``CURRENT`` that cannot
+be written (full or read-only file system) takes the new version back out of ``versions/``: nothing
+half-published stays. The last ``keep`` versions (and always the current one) are kept; a pruned version
+is renamed to a hidden ``versions/.trash-*`` before it is deleted, so a killed prune never leaves a
+half-deleted version behind. A refresh holds :func:`refresh_lock` for its run (one refresh per root at a
+time) and first removes what killed runs left (:func:`clean_leftovers`: staged directories of dead
+processes, trash, temp files); serving never reads any of them.
+
+Rollback and the pin: :func:`rollback` verifies the older version, writes ``<root>/PINNED`` (JSON
+``{"version", "rolled_back_from", "at"}``) and then points ``CURRENT`` at it. While ``PINNED`` names the
+live version, serving applies no learner deltas to it: the learner kept training past the newer
+artifact, so every delta it writes belongs to the model the operator just rolled away from (its dense
+weights would bring that model back). The pin is the operator's decision, so only an operator ends it:
+``publish(over_pin=True)`` (``streamrec refresh --now``) removes it; ``publish(over_pin=False)`` (the
+scheduled refresh) raises :class:`PinHeld` and changes nothing. A pin naming another version than
+``CURRENT`` (a crash between the two writes) is stale and ignored; an unreadable pin is treated as a pin
+(fail closed: the model is staler, never the wrong one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from learner.artifact import (
+    CURRENT,
+    PIN,
+    STAGING,
+    ArtifactError,
+    Pin,
+    current_version,
+    is_version_name,
+    list_versions,
+    pin_holding,
+    verify,
+    versions_dir,
+)
+from stream.files import TMP_MARK, describe_os_error, fsync_dir, write_atomic
+
+log = logging.getLogger("streamrec.publish")
+
+LOCK = ".refresh.lock"
+_TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
+_STALE_STAGING_S = 3600.0
+
+
+class PinHeld(ArtifactError):
+    """``publish(..., over_pin=False)`` found a rollback pin holding the live version; nothing changed."""
+
+    def __init__(self, message: str, pin: Pin) -> None:
+        super().__init__(message)
+        self.pin = pin
+
+
+# -- leftovers and the lock ------------------------------------------------------------------------
+_PID_RE = re.compile(r"-(\d+)(?:-\d+)?$")  # <version>-<pid> (staging), .<name>.tmp-<pid>-<thread> (temp files)
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether the process named at the end of ``name`` is gone from this host (False when unsure)."""
+    m = _PID_RE.search(name)
+    if m is None:
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
+def clean_leftovers(root: Path) -> list[str]:
+    """Remove what killed refreshes left under ``root``; returns the paths removed (relative to ``root``).
+
+    That is: staged artifacts (``.staging/<version>-<pid>``) whose process is gone or that are older than an
+    hour, versions a killed prune had begun to remove (``versions/.trash-*``), and temp files of
+    ``stream.files.write_atomic`` whose process is gone. Call it holding :func:`refresh_lock`, so that no other
+    refresh is building: a staged directory of a live process is never touched. None of these is ever
+    read by serving or named by ``CURRENT``; removing them only frees the space (a staged artifact holds
+    a whole copy of the cold rows).
+    """
+    root = Path(root)
+    removed: list[str] = []
+
+    def rm(path: Path) -> None:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(str(path.relative_to(root)))
+        except OSError as exc:
+            log.warning("could not remove the leftover %s (%s)", path, exc)
+
+    staging = root / STAGING
+    if staging.is_dir():
+        for d in sorted(staging.iterdir()):
+            try:
+                old = time.time() - d.stat().st_mtime > _STALE_STAGING_S
+            except OSError:
+                continue
+            if old or _owner_gone(d.name):
+                rm(d)
+    versions = versions_dir(root)
+    if versions.is_dir():
+        for d in sorted(versions.iterdir()):
+            if d.name.startswith(_TRASH):
+                rm(d)
+    if root.is_dir():
+        for f in sorted(root.iterdir()):
+            if f.name.startswith(".") and TMP_MARK in f.name and f.is_file() and _owner_gone(f.name):
+                rm(f)
+    return removed
+
+
+@contextlib.contextmanager
+def refresh_lock(root: Path) -> Iterator[None]:
+    """Hold ``<root>/.refresh.lock`` (``flock``, exclusive, not waiting) for one refresh run.
+
+    One refresh at a time per publish root (a manual ``--now`` while the scheduled run builds fails at
+    once instead of racing it), and a refresh holding it knows that every staged artifact of a dead
+    process is garbage (:func:`clean_leftovers`). The kernel releases the lock when the process dies,
+    SIGKILL included, so a killed run never blocks the next one. :func:`rollback` does not take it (an
+    operator's rollback must not wait for a build); a run that would publish over a rollback pin made
+    meanwhile checks for it again right before publishing (``publish(over_pin=False)``).
+    ArtifactError when the lock is held (naming the pid written in it) or the root cannot be opened.
+    """
+    root = Path(root)
+    path = root / LOCK
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)  # a read-only root: the lock still works, publishing fails later
+    except OSError as exc:
+        raise ArtifactError(f"cannot open the publish root's lock {path}: {describe_os_error(exc)}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            raise ArtifactError(f"another refresh (pid {holder}) is running on {root}: it holds {path}; this run "
+                                "does nothing (the live artifact is untouched)") from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+# -- publish and roll back ---------------------------------------------------------------------
+def _set_current(root: Path, version: str) -> None:
+    write_atomic(Path(root) / CURRENT, (version + "\n").encode())
+
+
+def _clear_pin(root: Path) -> None:
+    path = Path(root) / PIN
+    if path.exists():
+        path.unlink(missing_ok=True)
+        fsync_dir(Path(root))
+
+
+def _prune(root: Path, keep: int) -> list[str]:
+    """Remove all but the last ``keep`` versions (never the current one). Each is first renamed to a hidden
+    ``versions/.trash-*`` name (atomic), then deleted: a prune killed half-way leaves a hidden directory
+    that :func:`clean_leftovers` removes, never a half-deleted version that :func:`rollback` could pick."""
+    current = current_version(root)
+    removed = []
+    for name in list_versions(root)[: -max(1, keep)]:
+        if name != current:
+            trash = versions_dir(root) / f"{_TRASH}{name}-{os.getpid()}"
+            try:
+                os.rename(versions_dir(root) / name, trash)
+            except OSError as exc:
+                log.warning("could not prune version %s (%s); it stays", name, exc)
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True) -> Path:
+    """Verify a staged artifact, move it into ``versions/`` and make it current (clearing a rollback pin);
+    keep the last ``keep`` versions.
+
+    ArtifactError, with nothing changed, when the staged files do not verify, or when ``CURRENT`` cannot be
+    written (a full or read-only file system: the version moved into ``versions/`` is removed again, so
+    nothing half-published stays). With ``over_pin=False`` (the scheduled refresh) a rollback pin holding
+    the live version is respected: :class:`PinHeld`, nothing changed. After ``CURRENT`` names the new
+    version the publish has happened; clearing the pin and pruning are then best effort (logged): a pin
+    left behind names an older version and is stale, a version left behind is pruned next time.
+    """
+    root, staged_dir = Path(root), Path(staged_dir)
+    manifest = verify(staged_dir)
+    version = manifest["version"]
+    if not over_pin:
+        pin = pin_holding(root)
+        if pin is not None:
+            raise PinHeld(f"{root / PIN} pins {pin.version or 'the live version'}"
+                          + (f" (rolled back from {pin.rolled_back_from})" if pin.rolled_back_from else "")
+                          + (f" [{pin.problem}]" if pin.problem else "")
+                          + f": {version} was not published; an operator ends the pin with `streamrec refresh "
+                          "--now`", pin)
+    versions = versions_dir(root)
+    target = versions / version
+    try:
+        previous = current_version(root)
+    except ArtifactError:
+        previous = None
+    try:
+        versions.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            raise ArtifactError(f"version {version} already exists in {versions}; refusing to overwrite it")
+        os.rename(staged_dir, target)  # atomic: same file system (staging lives inside root)
+    except OSError as exc:
+        raise ArtifactError(f"could not move {staged_dir.name} into {versions}: {describe_os_error(exc)}; nothing "
+                            f"was published, CURRENT still names {previous or 'nothing'}") from exc
+    try:
+        fsync_dir(versions)
+        fsync_dir(staged_dir.parent)
+        _set_current(root, version)
+    except OSError as exc:
+        try:
+            now = current_version(root)
+        except ArtifactError:
+            now = None
+        if now != version:  # CURRENT still names the previous version: take the new one back out
+            with contextlib.suppress(OSError):
+                os.rename(target, staged_dir)  # the caller removes its staged directory
+            if target.exists():
+                shutil.rmtree(target, ignore_errors=True)
+            raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
+                                f"was published, CURRENT still names {previous or 'nothing'}") from exc
+        log.warning("%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
+    try:
+        _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
+    except OSError as exc:
+        log.warning("%s is current; removing the stale rollback pin failed (%s): it names an older version and "
+                    "is ignored", version, describe_os_error(exc))
+    try:
+        _prune(root, keep)
+    except OSError as exc:
+        log.warning("%s is current; pruning old versions failed (%s): they are pruned next time", version,
+                    describe_os_error(exc))
+    return target
+
+
+def rollback(root: Path) -> str:
+    """Make the version before the current one current again and pin it; returns its name.
+
+    The older version is verified first (size and sha256 of every file): a damaged one is an ArtifactError
+    and ``CURRENT`` stays as it was. The pin (``PINNED``) stops serving from applying learner deltas to the
+    rolled-back version, and scheduled refreshes from publishing over it, until an operator publishes
+    (``streamrec refresh --now``; see the module docstring)."""
+    root = Path(root)
+    versions = [v for v in list_versions(root) if is_version_name(v)]
+    current = current_version(root)
+    older = [v for v in versions if current is None or v < current]
+    if not older:
+        raise ArtifactError(f"no version older than {current!r} in {versions_dir(root)} to roll back to "
+                            f"(published: {versions or 'none'})")
+    target = older[-1]
+    try:
+        verify(versions_dir(root) / target)
+    except ArtifactError as exc:
+        raise ArtifactError(f"cannot roll back to {target}: {exc}; CURRENT still names {current}") from None
+    now = time.time()
+    write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,
+                                          "at_utc": dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
+                                          .isoformat(timespec="seconds")}).encode())
+    _set_current(root, target)
+    return target

@@ -1,0 +1,510 @@
+"""The serving artifact: what the learner's checkpoint becomes, ``cache_refresh`` publishes and ``serving`` loads.
+
+The one file format those stages share, so it lives here beside the checkpoints and deltas it is
+built from: the layout of a publish root, the manifest and its checks, :func:`build_artifact` and
+:func:`verify`, and the READERS of a publish root (``CURRENT``, the versions, the rollback pin). Writing
+a root (publish, rollback, pruning, the refresh lock, cleanup) is ``cache_refresh/publish.py``; the
+scorer module is ``learner/scorer.py``; the loaded, scoring runtime is ``serving/model.py``.
+
+Layout under a publish root::
+
+    <root>/CURRENT                       the current version's name (replaced atomically)
+    <root>/PINNED                        a rollback pin (JSON; cache_refresh/publish.py)
+    <root>/versions/<version>/
+        manifest.json                    version, created, source checkpoint (path, samples_trained,
+                                         offsets), feature_config, model settings, hot-set stats,
+                                         format, scorer settings, files {name: {sha256, bytes}}
+        scorer.pt | scorer.pt2 | scorer_state.pt   the scorer (torchscript | export | eager)
+        cold_rows.npy                    float32 (num_rows, D + 1): the whole fused table, memory-mapped
+        id_maps.pt                       dynamic ids only: the learner's id maps (learner/row_mapper.py)
+    <root>/.staging/<version>-<pid>/     an artifact being built; never read by serving
+
+Errors: :class:`ArtifactError` for every artifact that cannot be used (missing, truncated or altered
+files; a manifest that is not UTF-8, not JSON, not an object, lacks a key or has a key of the wrong type
+or value; a ``CURRENT`` that names no valid version; a scorer that does not load or score); the message
+names the file, what was wrong and what to do. No other exception escapes :func:`decode_manifest`,
+:func:`read_current`, :func:`read_pin` or ``serving.model.ScoringModel.load`` for a damaged artifact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner.features import FeatureConfig, FieldSpec
+from learner.model import DeepFM
+from learner.scorer import FORMATS, SCORER_FILES, Scorer, ScorerSpec, hot_buffers, save_scorer
+from stream.errors import StreamrecError
+from stream.files import fsync_dir, sha256_file, write_synced
+
+__all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "MANIFEST", "PIN",
+           "SCORER_FILES", "STAGING", "VERSIONS", "ArtifactError", "Pin", "build_artifact", "check_checkpoint",
+           "current_version", "decode_manifest", "eager_model", "feature_config_from", "is_version_name",
+           "list_versions", "new_version_name", "parse_mlp", "pin_holding", "read_current", "read_manifest",
+           "read_pin", "verify", "versions_dir"]
+
+ARTIFACT_FORMAT_VERSION = 1
+COLD_FILE = "cold_rows.npy"
+ID_MAPS_FILE = "id_maps.pt"  # dynamic ids only: the learner's id maps (learner/row_mapper.py)
+MANIFEST = "manifest.json"
+CURRENT = "CURRENT"
+PIN = "PINNED"
+VERSIONS = "versions"
+STAGING = ".staging"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # version and file names: no path separators
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_MAX_MANIFEST = 16 << 20
+_MAX_POINTER = 4096
+
+
+class ArtifactError(StreamrecError):
+    """An artifact that cannot be used: missing, truncated or altered files, or an unreadable manifest."""
+
+
+def is_version_name(name: str) -> bool:
+    """Whether ``name`` is a plain version (or file) name: letters, digits, ``. _ -``; no path in it."""
+    return _NAME_RE.fullmatch(name) is not None
+
+
+# -- eager reference and model settings -----------------------------------------------------------
+def parse_mlp(mlp: Any) -> tuple[int, ...]:
+    """The learner stores ``mlp`` as ``"400,400,400"``; a list or tuple is accepted as well."""
+    if isinstance(mlp, (list, tuple)):
+        return tuple(int(x) for x in mlp)
+    return tuple(int(x) for x in re.findall(r"\d+", str(mlp)))
+
+
+def eager_model(checkpoint: dict[str, Any]) -> DeepFM:
+    """The learner's DeepFM in fp32 eval mode, rebuilt from a checkpoint (``learner.checkpoint.load_latest``).
+
+    Built the way ``learner/daemon.py`` builds it (feature config and model settings from the meta),
+    with autocast off: this is the reference an artifact's scores must equal.
+    """
+    meta = checkpoint["meta"]
+    cfg = FeatureConfig.from_dict(meta["feature_config"])
+    ms = meta["model"]
+    model = DeepFM(cfg, mlp=parse_mlp(ms["mlp"]), dropout=float(ms.get("dropout", 0.0)), autocast_dtype=None)
+    model.load_state_dict(checkpoint["model"])
+    return model.eval()
+
+
+def _dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in state.items() if not k.startswith("sparse.")}
+
+
+# -- manifest and checkpoint checks ----------------------------------------------------------------
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_FIELD_TYPES: dict[str, tuple[Any, bool]] = {  # FieldSpec attribute: (check, may be None)
+    "name": (lambda v: isinstance(v, str) and v != "", False),
+    "kind": (lambda v: v in ("single", "multi", "sequence"), False),
+    "num_buckets": (lambda v: _int(v) and v >= 1, False),
+    "shares": (lambda v: isinstance(v, str), True),
+    "capacity": (lambda v: _int(v) and v >= 0, False),
+    "admit_after": (lambda v: _int(v) and v >= 0, False),
+    "ttl_s": (lambda v: _num(v) and v >= 0, True),
+    "init": (lambda v: v in ("bucket", "zero"), False),
+    "bucket_half_life_s": (lambda v: _num(v) and v > 0, True),
+}
+
+
+def feature_config_from(d: Any, where: str) -> FeatureConfig:
+    """A :class:`FeatureConfig` from its ``to_dict()`` form, every field type-checked: ArtifactError otherwise."""
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{where}: feature_config {what}; the file was not written by this streamrec's "
+                             "learner or refresh (rebuild it with `streamrec refresh --now`)")
+
+    if not isinstance(d, dict):
+        raise bad(f"is {_show(d)}, expected an object")
+    fields = d.get("fields")
+    if not isinstance(fields, (list, tuple)) or not fields:  # a list in JSON, a tuple in a checkpoint
+        raise bad(f"fields is {_show(fields)}, expected a non-empty list")
+    specs = []
+    for i, f in enumerate(fields):
+        if not isinstance(f, dict) or "name" not in f or set(f) - set(_FIELD_TYPES):
+            raise bad(f"fields[{i}] is {_show(f)}, expected an object with name and only {sorted(_FIELD_TYPES)}")
+        for key, value in f.items():
+            check, nullable = _FIELD_TYPES[key]
+            if not ((value is None and nullable) or (value is not None and check(value))):
+                raise bad(f"fields[{i}].{key} is {_show(value)}")
+        specs.append(f)
+    dense, dim, version = d.get("dense", []), d.get("embedding_dim"), d.get("version", 1)
+    if not (isinstance(dense, (list, tuple)) and all(isinstance(x, str) for x in dense)):
+        raise bad(f"dense is {_show(dense)}, expected a list of names")
+    if not (isinstance(dim, int) and not isinstance(dim, bool) and 1 <= dim <= 65536):
+        raise bad(f"embedding_dim is {_show(dim)}, expected an integer in [1, 65536]")
+    if not _int(version):
+        raise bad(f"version is {_show(version)}, expected an integer")
+    try:
+        cfg = FeatureConfig(tuple(FieldSpec(**f) for f in specs), dense=tuple(dense), embedding_dim=dim,
+                            version=version)
+        cfg.blocks  # noqa: B018 - validates `shares`
+    except (ValueError, TypeError, StopIteration) as exc:
+        raise bad(f"is inconsistent ({exc})") from None
+    return cfg
+
+
+def _check_source(src: Any, bad: Any) -> None:
+    if not isinstance(src, dict):
+        raise bad(f"source is {_show(src)}, expected an object")
+    samples = src.get("samples_trained")
+    if samples is not None and not (_int(samples) and samples >= 0):
+        raise bad(f"source.samples_trained is {_show(samples)}, expected an integer >= 0 or null")
+    for key in ("checkpoint", "lineage", "topic"):
+        if src.get(key) is not None and not isinstance(src[key], str):
+            raise bad(f"source.{key} is {_show(src[key])}, expected a string or null")
+    if not isinstance(src.get("offsets", {}), dict):
+        raise bad(f"source.offsets is {_show(src.get('offsets'))}, expected an object")
+
+
+def _check_files(files: Any, fmt: str, bad: Any) -> None:
+    if not isinstance(files, dict) or not files:
+        raise bad(f"files is {_show(files)}, expected an object of {{name: {{sha256, bytes}}}}")
+    for name, want in files.items():
+        if not _NAME_RE.fullmatch(name):
+            raise bad(f"files names {_show(name)}, not a plain file name of this directory")
+        if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and _SHA_RE.fullmatch(want["sha256"])
+                and _int(want.get("bytes")) and want["bytes"] >= 0):
+            raise bad(f"files[{name!r}] is {_show(want)}, expected {{sha256: 64 hex digits, bytes: integer >= 0}}")
+    for needed in (SCORER_FILES[fmt], COLD_FILE):
+        if needed not in files:
+            raise bad(f"files does not list {needed}, which a {fmt} artifact reads")
+
+
+def decode_manifest(raw: bytes, where: str | Path = MANIFEST) -> dict[str, Any]:
+    """The manifest in ``raw`` (the bytes of ``manifest.json``), every key this code reads checked.
+
+    Raises :class:`ArtifactError` naming the problem for any other bytes: not UTF-8, not JSON, not an
+    object, another ``artifact_format_version``, a missing key, a key of the wrong type or value, a file
+    name with a path in it, a feature config or scorer spec that does not hold together. Extra keys are
+    allowed (newer writers may add some).
+    """
+    where = str(where)
+
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{where}: {what}: the artifact is corrupt or not this streamrec's; republish with "
+                             "`streamrec refresh --now` or roll back with `streamrec refresh --rollback`")
+
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"not UTF-8 ({exc})") from None
+    try:
+        m = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(m, dict):
+        raise bad(f"holds {_show(m)}, expected a JSON object")
+    afv = m.get("artifact_format_version")
+    if not _int(afv) or afv != ARTIFACT_FORMAT_VERSION:
+        raise ArtifactError(f"{where}: artifact format {_show(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
+                            "rebuild it with `streamrec refresh --now`")
+    missing = [k for k in ("version", "created", "created_utc", "format", "source", "feature_config", "model",
+                           "scorer", "hot_set", "files") if k not in m]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    if not (isinstance(m["version"], str) and _NAME_RE.fullmatch(m["version"])):
+        raise bad(f"version is {_show(m['version'])}, expected a plain name (letters, digits, . _ -)")
+    if not _num(m["created"]) or not isinstance(m["created_utc"], str):
+        raise bad(f"created {_show(m['created'])} / created_utc {_show(m['created_utc'])}: expected a unix time "
+                  "and a string")
+    fmt = m["format"]
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise bad(f"format is {_show(fmt)}, expected one of {', '.join(FORMATS)}")
+    for key in ("model", "hot_set"):
+        if not isinstance(m[key], dict):
+            raise bad(f"{key} is {_show(m[key])}, expected an object")
+    _check_source(m["source"], bad)
+    _check_files(m["files"], fmt, bad)
+    cfg = feature_config_from(m["feature_config"], where)
+    sc = m["scorer"]
+    ok = (isinstance(sc, dict) and _int(sc.get("num_fields")) and _int(sc.get("dim")) and _int(sc.get("num_dense"))
+          and isinstance(sc.get("mlp"), list) and all(_int(x) and 1 <= x <= 1 << 20 for x in sc["mlp"])
+          and _num(sc.get("dropout")) and 0 <= sc["dropout"] < 1)
+    if not ok:
+        raise bad(f"scorer is {_show(sc)}, expected {{num_fields, dim, num_dense, mlp: [sizes], dropout}}")
+    if (sc["num_fields"], sc["dim"], sc["num_dense"]) != (cfg.num_fields, cfg.embedding_dim, len(cfg.dense)):
+        raise bad(f"scorer (fields {sc['num_fields']}, dim {sc['dim']}, dense {sc['num_dense']}) does not match the "
+                  f"feature config ({cfg.num_fields}, {cfg.embedding_dim}, {len(cfg.dense)})")
+    return m
+
+
+def check_checkpoint(checkpoint: Any) -> FeatureConfig:
+    """That ``checkpoint`` (``learner.checkpoint.load_latest``) can become an artifact; returns its config.
+
+    ArtifactError naming the problem otherwise: no meta, a malformed feature config or model settings, no
+    embedding table, a table of the wrong shape, or non-finite weights (a diverged learner must not be
+    published; the previous artifact keeps serving).
+    """
+    where = f"checkpoint {checkpoint.get('path') if isinstance(checkpoint, dict) else None}"
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("meta"), dict):
+        raise ArtifactError(f"{where}: has no meta object; it is not a streamrec learner checkpoint")
+    meta = checkpoint["meta"]
+    cfg = feature_config_from(meta.get("feature_config"), where)
+    ms = meta.get("model")
+    if not isinstance(ms, dict) or "mlp" not in ms:
+        raise ArtifactError(f"{where}: meta.model is {_show(ms)}, expected the model settings with mlp")
+    try:
+        layers_ok = all(x >= 1 for x in parse_mlp(ms["mlp"]))
+    except (ValueError, TypeError):
+        layers_ok = False
+    if not layers_ok or not _num(ms.get("dropout", 0.0)):
+        raise ArtifactError(f"{where}: meta.model mlp {_show(ms['mlp'])} / dropout {_show(ms.get('dropout'))} "
+                            "are not layer sizes and a rate")
+    samples = meta.get("samples_trained")
+    if not (_int(samples) and samples >= 0):
+        raise ArtifactError(f"{where}: meta.samples_trained is {_show(samples)}, expected an integer >= 0")
+    state = checkpoint.get("model")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ArtifactError(f"{where}: model is not a state dict of tensors")
+    table = state.get("sparse.bag.weight")
+    want = (cfg.num_rows, cfg.embedding_dim + 1)
+    if table is None or tuple(table.shape) != want:
+        raise ArtifactError(f"{where}: table shape {None if table is None else tuple(table.shape)} does not match "
+                            f"its feature config {want}")
+    for k, v in state.items():
+        if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+            raise ArtifactError(f"{where}: weight {k!r} holds {int((~torch.isfinite(v)).sum())} non-finite values: "
+                                "the learner diverged; this checkpoint is not published (the live artifact keeps "
+                                "serving); fix the learner or refresh from an earlier checkpoint")
+    return cfg
+
+
+# -- build -------------------------------------------------------------------------------------
+def new_version_name(now: float | None = None) -> str:
+    """``YYYYMMDDTHHMMSSmmmZ``: UTC, sorts in time order."""
+    t = dt.datetime.fromtimestamp(time.time() if now is None else now, tz=dt.timezone.utc)
+    return t.strftime("%Y%m%dT%H%M%S") + f"{t.microsecond // 1000:03d}Z"
+
+
+def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
+                   hot_stats: dict[str, Any] | None = None, version: str | None = None) -> Path:
+    """Stage a complete artifact for ``checkpoint`` under the publish root ``out_dir``; returns the staged dir.
+
+    ``hot_rows`` (int64, any order, duplicates allowed) are global rows of the fused table placed in the
+    scorer. The staged directory (``out_dir/.staging/<version>-<pid>``) is complete and fsynced when this
+    returns; ``cache_refresh.publish.publish`` makes it a version. On error nothing is left behind.
+    """
+    if format not in FORMATS:
+        raise ArtifactError(f"unknown artifact format {format!r}; expected one of {', '.join(FORMATS)}")
+    t0 = time.monotonic()
+    root = Path(out_dir)
+    cfg = check_checkpoint(checkpoint)
+    meta = checkpoint["meta"]
+    ms = meta["model"]
+    spec = ScorerSpec(cfg.num_fields, cfg.embedding_dim, len(cfg.dense), parse_mlp(ms["mlp"]),
+                      float(ms.get("dropout", 0.0)))
+    state = checkpoint["model"]
+    table = state["sparse.bag.weight"].detach().float().cpu().contiguous()  # (num_rows, D + 1)
+    if tuple(table.shape) != (cfg.num_rows, cfg.embedding_dim + 1):
+        raise ArtifactError(f"checkpoint {checkpoint.get('path')}: table shape {tuple(table.shape)} does not match "
+                            f"its feature config ({cfg.num_rows}, {cfg.embedding_dim + 1})")
+    try:
+        hot_ids, hot_vectors = hot_buffers(table, hot_rows)
+    except ValueError as exc:
+        raise ArtifactError(str(exc)) from None
+    scorer = Scorer(spec, hot_ids, hot_vectors)
+    scorer.load_state_dict({**_dense_state(state), "hot_ids": hot_ids, "hot_vectors": hot_vectors})
+    scorer.eval()
+
+    version = version or new_version_name()
+    staged = root / STAGING / f"{version}-{os.getpid()}"
+    staged.mkdir(parents=True, exist_ok=False)
+    try:
+        scorer_file = SCORER_FILES[format]
+        save_scorer(scorer, format, staged / scorer_file, spec, cfg)
+        write_synced(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
+        names = [scorer_file, COLD_FILE]
+        if checkpoint.get("id_maps"):  # dynamic ids: serving maps raw ids to the rows the learner used
+            write_synced(staged / ID_MAPS_FILE, lambda fh: torch.save(checkpoint["id_maps"], fh))
+            names.append(ID_MAPS_FILE)
+        files = {}
+        for name in names:
+            p = staged / name
+            files[name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        h = len(hot_ids) - 1
+        manifest = {
+            "artifact_format_version": ARTIFACT_FORMAT_VERSION,
+            "version": version,
+            "created": time.time(),
+            "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "format": format,
+            "source": {"checkpoint": checkpoint.get("path"), "samples_trained": meta.get("samples_trained"),
+                       "lineage": meta.get("lineage"), "offsets": meta.get("offsets", {}), "topic": meta.get("topic"),
+                       "metrics": meta.get("metrics", {})},
+            "feature_config": cfg.to_dict(),
+            "model": {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in ms.items()},
+            "scorer": spec.to_dict(),
+            "hot_set": {**(hot_stats or {}), "rows": h, "share_of_table": h / max(1, cfg.num_rows),
+                        "bytes": int(hot_vectors.numel() * 4)},
+            "files": files,
+            "build_seconds": round(time.monotonic() - t0, 3),
+        }
+        write_synced(staged / MANIFEST, lambda fh: fh.write(json.dumps(manifest, indent=2, sort_keys=True).encode()))
+        fsync_dir(staged)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return staged
+
+
+# -- reading a publish root -----------------------------------------------------------------------
+def versions_dir(root: Path) -> Path:
+    """``<root>/versions``."""
+    return Path(root) / VERSIONS
+
+
+def list_versions(root: Path) -> list[str]:
+    """Published versions, oldest first."""
+    d = versions_dir(root)
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def current_version(root: Path) -> str | None:
+    """The name in ``CURRENT``; None when nothing was published. ArtifactError when it names no valid version."""
+    path = Path(root) / CURRENT
+    try:
+        raw = path.read_bytes()[: _MAX_POINTER + 1]
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name == "":
+        return None
+    if name is None or len(raw) > _MAX_POINTER or not _NAME_RE.fullmatch(name):
+        raise ArtifactError(f"{path} holds {_show(raw[:60])}, not a version name: it was not written by "
+                            "`streamrec refresh`; publish again with `streamrec refresh --now` or write a version "
+                            f"from {versions_dir(root)} into it")
+    return name
+
+
+def read_current(root: Path) -> Path | None:
+    """The current version's directory, or None when nothing was published (or it is gone).
+
+    ArtifactError when ``CURRENT`` holds something that is not a version name."""
+    name = current_version(root)
+    if name is None:
+        return None
+    path = versions_dir(root) / name
+    return path if path.is_dir() else None
+
+
+@dataclass(frozen=True)
+class Pin:
+    """``<root>/PINNED``: the version a rollback returned to; serving applies no deltas to it
+    (``cache_refresh/publish.py`` explains the pin)."""
+
+    version: str | None  # None: the pin file is unreadable; it then pins whatever is live (fail closed)
+    rolled_back_from: str | None
+    at: float | None
+    problem: str | None = None
+
+    def holds(self, version: str) -> bool:
+        return self.version is None or self.version == version
+
+
+def read_pin(root: Path) -> Pin | None:
+    """The rollback pin, None when there is none. An unreadable pin is a Pin with ``problem`` set."""
+    path = Path(root) / PIN
+    try:
+        raw = path.read_bytes()[:_MAX_POINTER + 1]
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Pin(None, None, None, f"{path} cannot be read ({exc})")
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        d = None
+    ok = (isinstance(d, dict) and isinstance(d.get("version"), str) and _NAME_RE.fullmatch(d["version"])
+          and (d.get("rolled_back_from") is None or isinstance(d["rolled_back_from"], str))
+          and (d.get("at") is None or _num(d["at"])))
+    if not ok or len(raw) > _MAX_POINTER:
+        return Pin(None, None, None, f"{path} holds {_show(raw[:60])}, not a rollback pin; deltas stay paused "
+                   "and scheduled refreshes do not publish until an operator publishes (`streamrec refresh --now`)")
+    return Pin(d["version"], d.get("rolled_back_from"), d.get("at"))
+
+
+def pin_holding(root: Path) -> Pin | None:
+    """The rollback pin that holds the live version now (or an unreadable pin, which holds whatever is
+    live), else None (no pin, or a stale one naming another version than ``CURRENT``)."""
+    pin = read_pin(root)
+    if pin is None:
+        return None
+    if pin.problem is not None:
+        return pin
+    try:
+        current = current_version(root)
+    except ArtifactError:
+        return pin  # CURRENT unreadable: fail closed, as serving does with an unreadable pin
+    return pin if current is not None and pin.holds(current) else None
+
+
+def read_manifest(version_dir: Path) -> dict[str, Any]:
+    """The checked manifest of ``version_dir`` (:func:`decode_manifest`); ArtifactError if missing or bad."""
+    path = Path(version_dir) / MANIFEST
+    try:
+        if path.stat().st_size > _MAX_MANIFEST:
+            raise ArtifactError(f"{path} has {path.stat().st_size} bytes, more than a manifest's {_MAX_MANIFEST}: "
+                                "the artifact is corrupt")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing: {version_dir} is not a complete artifact") from None
+    except IsADirectoryError:
+        raise ArtifactError(f"{path} is a directory, not a manifest: the artifact is corrupt") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
+    return decode_manifest(raw, path)
+
+
+def verify(version_dir: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every file's size and sha256 against the manifest; returns the manifest."""
+    version_dir = Path(version_dir)
+    manifest = manifest or read_manifest(version_dir)
+    for name, want in manifest["files"].items():
+        p = version_dir / name
+        if not p.is_file():
+            raise ArtifactError(f"{p} is missing (listed in the manifest): the artifact is incomplete")
+        try:
+            size = p.stat().st_size
+        except OSError as exc:
+            raise ArtifactError(f"{p} cannot be read ({exc})") from None
+        if size != want["bytes"]:
+            raise ArtifactError(f"{p} has {size} bytes, the manifest says {want['bytes']}: the file is truncated "
+                                "or was replaced; republish with `streamrec refresh --now` or roll back")
+        try:
+            digest = sha256_file(p)
+        except OSError as exc:
+            raise ArtifactError(f"{p} cannot be read ({exc}); check the publish root's permissions") from None
+        if digest != want["sha256"]:
+            raise ArtifactError(f"{p}: sha256 {digest[:16]}... does not match the manifest's {want['sha256'][:16]}...: "
+                                "the file is corrupt; republish with `streamrec refresh --now` or roll back")
+    return manifest

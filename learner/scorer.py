@@ -1,0 +1,161 @@
+"""The scorer: DeepFM's dense half plus the hot rows of the fused table, as one ``nn.Module`` that serving runs.
+
+The scorer is DeepFM's dense half (bias + first order + FM + MLP, ``learner/model.py``'s parts) plus the
+HOT rows of the fused embedding table as buffers (``hot_ids`` sorted (H + 1,) with a sentinel,
+``hot_vectors`` (H + 1, D + 1)), placed on the scoring device (the GPU when there is one). Rows that are
+not hot are gathered by the caller (``serving.model.ScoringModel``, from the artifact's memory-mapped cold
+rows) and handed in::
+
+    Scorer.forward(values (N,) int64 global rows, offsets (F*B + 1,) int64 field-major bags,
+                   dense (B, Dd) float32, given_rows (N, D + 1) float32, given_mask (N,) bool) -> (B,) probs
+
+``given_mask[i]`` says "use ``given_rows[i]``" (a cold row or a delta override); otherwise the row is
+looked up among the hot rows with a vectorized ``searchsorted``. Pooling is ``F.embedding_bag`` (mean)
+over the gathered vectors, so bags are pooled exactly as the learner's fused ``nn.EmbeddingBag`` pools
+them. The same ``Scorer`` class is stored three ways behind one interface (:func:`save_scorer`,
+:func:`load_scorer`):
+
+* ``torchscript`` (default) - ``torch.jit.script`` + ``torch.jit.save``;
+* ``export`` - ``torch.export.export`` with dynamic N and B, ``torch.export.save`` (the forward-looking
+  format: TorchScript is deprecated in torch 2.13);
+* ``eager`` - a state dict, rebuilt into a plain ``nn.Module`` (the baseline ``bench/serving.py`` compares).
+
+Scoring runs in fp32. The learner's forward may run its dense part under bf16 autocast; the reference
+an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
+matches to ~1e-7 on probabilities (tests/test_artifact.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from learner.features import FeatureConfig
+from learner.model import DenseArch, FMInteraction
+from stream.files import write_synced
+
+FORMATS = ("torchscript", "export", "eager")
+SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt"}
+_SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
+
+
+# -- TorchScript deprecation warnings ------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_torchscript() -> Iterator[None]:
+    """Silence exactly torch 2.13's "`torch.jit.<fn>` is deprecated" warnings around our own calls.
+
+    They repeat on every script/save/load and carry no news for an operator (the export format is the
+    migration path, documented above); every other warning still shows. Only used around build/load,
+    never around scoring (``warnings.catch_warnings`` is process-wide while it is active).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        yield
+
+
+# -- the scorer ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScorerSpec:
+    """What it takes to rebuild a Scorer (stored in the manifest)."""
+
+    num_fields: int
+    dim: int
+    num_dense: int
+    mlp: tuple[int, ...]
+    dropout: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_fields": self.num_fields, "dim": self.dim, "num_dense": self.num_dense,
+                "mlp": list(self.mlp), "dropout": self.dropout}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ScorerSpec:
+        return cls(int(d["num_fields"]), int(d["dim"]), int(d["num_dense"]), tuple(int(x) for x in d["mlp"]),
+                   float(d["dropout"]))
+
+
+class Scorer(nn.Module):
+    """DeepFM's dense half + the hot rows. Parameter names match DeepFM's (``dense_arch.*``, ``bias``)."""
+
+    def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor) -> None:
+        super().__init__()
+        self.num_fields, self.dim = spec.num_fields, spec.dim
+        self.fm = FMInteraction()
+        self.dense_arch = DenseArch(spec.num_fields * spec.dim + spec.num_dense, spec.mlp, spec.dropout)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.register_buffer("hot_ids", hot_ids)  # (H + 1,) int64 sorted, last = sentinel
+        self.register_buffer("hot_vectors", hot_vectors)  # (H + 1, D + 1) float32, last = zeros
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
+                given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
+        pos = torch.searchsorted(self.hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
+        hot = self.hot_vectors[pos]  # (N, D + 1)
+        vectors = torch.where(given_mask.unsqueeze(1), given_rows, hot)  # (N, D + 1)
+        index = torch.ones_like(values).cumsum(0) - 1  # arange(N) on values' device (no device constant)
+        pooled = F.embedding_bag(index, vectors, offsets, mode="mean", include_last_offset=True)  # (F*B, D+1)
+        pooled = pooled.view(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+        emb, first = pooled[:, :, : self.dim], pooled[:, :, self.dim]  # (B, F, D), (B, F)
+        x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
+        logits = self.bias + first.sum(dim=1) + self.fm(emb) + self.dense_arch(x)  # (B,)
+        return torch.sigmoid(logits)
+
+
+def hot_buffers(table: torch.Tensor, hot_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scorer's hot buffers for global rows ``hot_rows`` of ``table`` (num_rows, D + 1): sorted ids (H + 1,)
+    ending in the sentinel, and their vectors (H + 1, D + 1) ending in zeros. ValueError for rows outside it."""
+    rows = np.unique(np.asarray(hot_rows, dtype=np.int64))  # sorted, unique
+    if len(rows) and (rows[0] < 0 or rows[-1] >= table.shape[0]):
+        raise ValueError(f"hot rows must lie in [0, {table.shape[0]}), got [{rows[0]}, {rows[-1]}]")
+    ids = torch.from_numpy(np.append(rows, _SENTINEL))  # (H + 1,)
+    vectors = torch.cat([table[torch.from_numpy(rows)], torch.zeros(1, table.shape[1])])  # (H + 1, D + 1)
+    return ids, vectors.contiguous()
+
+
+# -- storage -------------------------------------------------------------------------------------
+def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, ...]:
+    b, n = 3, 3 * spec.num_fields + 2
+    lengths = torch.ones(spec.num_fields * b, dtype=torch.int64)
+    lengths[0] = 3
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.randint(0, cfg.num_rows, (n,), dtype=torch.int64)
+    return (values, offsets, torch.zeros(b, spec.num_dense), torch.zeros(n, spec.dim + 1),
+            torch.zeros(n, dtype=torch.bool))
+
+
+def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig) -> None:
+    if fmt == "torchscript":
+        with _quiet_torchscript():
+            scripted = torch.jit.script(scorer)
+            write_synced(path, lambda fh: torch.jit.save(scripted, fh))
+    elif fmt == "export":
+        n, b = torch.export.Dim("n", min=1), torch.export.Dim("b", min=1)
+        dynamic = ({0: n}, {0: spec.num_fields * b + 1}, {0: b}, {0: n}, {0: n})
+        ep = torch.export.export(scorer, _export_inputs(spec, cfg), dynamic_shapes=dynamic)
+        write_synced(path, lambda fh: torch.export.save(ep, fh))
+    elif fmt == "eager":
+        write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))
+    else:
+        raise ValueError(f"unknown artifact format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Module:
+    if fmt == "torchscript":
+        with _quiet_torchscript():
+            return torch.jit.load(str(path), map_location=device).eval()
+    if fmt == "export":
+        return torch.export.load(str(path)).module().to(device)
+    if fmt == "eager":
+        state = torch.load(path, map_location=device, weights_only=True)
+        scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
+        scorer.load_state_dict(state)
+        return scorer.to(device).eval()
+    raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")

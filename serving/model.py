@@ -1,0 +1,306 @@
+"""The serving runtime of one artifact: hot rows on the device, cold rows memory-mapped, delta overrides on top.
+
+:class:`ScoringModel` loads a version of a publish root (``learner/artifact.py``: verified, smoke-tested,
+every failure an ``ArtifactError``), maps raw hashed ids to the learner's rows, gathers the rows the
+scorer does not hold (``learner/scorer.py``'s ``given_rows``) and applies learner deltas as all-or-nothing
+snapshots. ``serving/swap.py`` holds the live one and swaps in the next.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from learner.artifact import (
+    COLD_FILE,
+    ID_MAPS_FILE,
+    MANIFEST,
+    SCORER_FILES,
+    VERSIONS,
+    ArtifactError,
+    read_manifest,
+    verify,
+)
+from learner.features import FeatureConfig
+from learner.row_mapper import RowMapper
+from learner.scorer import ScorerSpec, load_scorer
+
+
+@dataclass(frozen=True)
+class _Live:
+    """Everything one score call reads, swapped as a whole by apply_delta (so readers never see half)."""
+
+    scorer: nn.Module
+    override_ids: np.ndarray  # (R,) int64 sorted
+    override_vectors: np.ndarray  # (R, D + 1) float32
+    delta_seq: int
+
+
+class ScoringModel:
+    """A loaded artifact: hot rows on ``device``, cold rows memory-mapped, delta overrides on top.
+
+    Thread-safety: ``score`` may run in several threads while one thread calls ``apply_delta``; each
+    call of ``score`` reads one consistent snapshot (scorer, overrides, sequence number).
+    """
+
+    def __init__(self, version_dir: Path, manifest: dict[str, Any], scorer: nn.Module, cold: np.ndarray,
+                 device: str) -> None:
+        self.version_dir = Path(version_dir)
+        self.manifest = manifest
+        self.version: str = manifest["version"]
+        self.format: str = manifest["format"]
+        self.feature_config = FeatureConfig.from_dict(manifest["feature_config"])
+        self.spec = ScorerSpec.from_dict(manifest["scorer"])
+        self.device = torch.device(device)
+        self._cold = cold  # (num_rows, D + 1) float32 memmap
+        hot_ids = dict(scorer.named_buffers())["hot_ids"] if self.format != "export" else None
+        if hot_ids is None:
+            hot_ids = _export_hot_ids(scorer)
+        self._hot_ids = hot_ids.cpu().numpy()  # (H + 1,) sorted, last = sentinel
+        self._blocks = self.feature_config.blocks
+        if ID_MAPS_FILE in manifest.get("files", {}):
+            try:
+                id_maps = torch.load(self.version_dir / ID_MAPS_FILE, map_location="cpu", weights_only=True)
+                self._mapper = RowMapper.from_state(self.feature_config, id_maps)
+            except Exception as exc:  # noqa: BLE001 - an unreadable id map is a bad artifact
+                raise ArtifactError(f"{self.version_dir / ID_MAPS_FILE}: cannot load the id maps ({exc})") from exc
+        else:
+            self._mapper = RowMapper.from_state(self.feature_config, None)
+        self._live = _Live(scorer, np.zeros(0, np.int64), np.zeros((0, self.spec.dim + 1), np.float32), 0)
+        self._count_lock = threading.Lock()
+        self.hot_lookups = 0
+        self.cold_lookups = 0
+
+    @classmethod
+    def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
+             smoke: bool = True) -> ScoringModel:
+        """Load (and by default verify, size and sha256 of every file) one artifact version.
+
+        Every reason it cannot be used is an :class:`ArtifactError`: the manifest (:func:`decode_manifest`),
+        a manifest naming another version than its directory under ``versions/``, the files, the cold rows'
+        dtype and shape, the scorer, the id maps, and (``smoke``) one probe scored to a finite probability.
+        """
+        version_dir = Path(version_dir)
+        manifest = verify(version_dir) if verify_files else read_manifest(version_dir)  # verify reads it first
+        if version_dir.parent.name == VERSIONS and manifest["version"] != version_dir.name:
+            raise ArtifactError(f"{version_dir / MANIFEST}: names version {manifest['version']!r} but lies in "
+                                f"{version_dir.name!r}: the directory was renamed or copied; publish it with "
+                                "`streamrec refresh --now` instead")
+        fmt = manifest["format"]
+        cfg = FeatureConfig.from_dict(manifest["feature_config"])
+        spec = ScorerSpec.from_dict(manifest["scorer"])
+        try:
+            cold = np.load(version_dir / COLD_FILE, mmap_mode="r", allow_pickle=False)
+            if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
+                raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
+                                    f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
+            scorer = load_scorer(fmt, version_dir / SCORER_FILES[fmt], spec, device)
+            model = cls(version_dir, manifest, scorer, cold, device)
+        except ArtifactError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad artifact
+            raise ArtifactError(f"{version_dir}: cannot load the artifact ({type(exc).__name__}: {exc})") from exc
+        if smoke:
+            model._smoke_test()
+        return model
+
+    def _smoke_test(self) -> None:
+        """Score two probe samples (each field's first row): a scorer that does not fit its manifest fails here,
+        at load, instead of on every request."""
+        cfg = self.feature_config
+        b = 2
+        values = torch.tensor([first for first, _ in cfg.blocks for _ in range(b)], dtype=torch.int64)
+        offsets = torch.arange(cfg.num_fields * b + 1, dtype=torch.int64)
+        try:
+            p = self.score(values, offsets, torch.zeros(b, len(cfg.dense)))
+            ok = tuple(p.shape) == (b,) and bool(torch.isfinite(p).all()) and bool(((p >= 0) & (p <= 1)).all())
+        except Exception as exc:  # noqa: BLE001 - whatever the scorer raises, the artifact is unusable
+            raise ArtifactError(f"{self.version_dir}: the scorer does not score a probe ({type(exc).__name__}: "
+                                f"{str(exc)[:300]}); republish with `streamrec refresh --now`") from exc
+        finally:
+            self.hot_lookups = self.cold_lookups = 0
+        if not ok:
+            raise ArtifactError(f"{self.version_dir}: the scorer answered {p.tolist()} for a probe of {b} samples, "
+                                "expected finite probabilities; republish with `streamrec refresh --now`")
+
+    # -- rows --------------------------------------------------------------------------------------
+    def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
+        """Global rows of field ``field_index``'s hashed values (int64 (N,) -> int64 (N,)).
+
+        Static fields: ``first + v mod buckets`` (learner/features.py); dynamic fields: the learner's id
+        map as of the source checkpoint (admitted ids their own rows, the others their hash buckets).
+        """
+        return self._mapper.rows(field_index, hashed)
+
+    def _mapper_from(self, state: Any) -> RowMapper:
+        try:
+            return RowMapper.from_state(self.feature_config, state)
+        except Exception as exc:  # noqa: BLE001 - any malformed id map state is a misfit
+            raise ValueError(f"id maps do not fit model {self.version}: {type(exc).__name__}: {exc}") from exc
+
+    def replace_id_maps(self, state: dict[str, Any]) -> None:
+        """Map ids with newer id maps (a learner delta's): built aside, then swapped in one assignment."""
+        self._mapper = self._mapper_from(state)
+
+    def map_batch(self, tb: Any) -> None:
+        """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
+        self._mapper.apply(tb, 0.0, train=False)
+
+    @property
+    def delta_seq(self) -> int:
+        return self._live.delta_seq
+
+    @property
+    def source_samples(self) -> int | None:
+        """``samples_trained`` of the source checkpoint (deltas at or below it are inside); None: unknown."""
+        return self.manifest["source"].get("samples_trained")
+
+    @property
+    def lineage(self) -> str | None:
+        """The source checkpoint's lineage (``learner/checkpoint.py``); None for artifacts built without one."""
+        return self.manifest["source"].get("lineage")
+
+    @property
+    def hot_rows(self) -> int:
+        return len(self._hot_ids) - 1
+
+    def _given(self, live: _Live, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(given_rows (N, D + 1), given_mask (N,)): cold rows from the mmap, delta overrides on top."""
+        n = len(values)
+        pos = np.searchsorted(self._hot_ids, values)
+        hot = self._hot_ids[pos] == values  # pos <= H: the sentinel is last
+        given = np.zeros((n, self.spec.dim + 1), np.float32)
+        mask = ~hot
+        if len(live.override_ids):
+            opos = np.minimum(np.searchsorted(live.override_ids, values), len(live.override_ids) - 1)
+            over = live.override_ids[opos] == values
+            cold = mask & ~over
+            given[over] = live.override_vectors[opos[over]]
+            mask |= over
+        else:
+            cold = mask
+        cold_idx = np.flatnonzero(cold)
+        if len(cold_idx):
+            given[cold_idx] = self._cold[values[cold_idx]]
+        n_cold = len(cold_idx)
+        with self._count_lock:
+            self.cold_lookups += n_cold
+            self.hot_lookups += n - n_cold
+        return given, mask
+
+    @torch.inference_mode()
+    def score(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Click probabilities (B,) for field-major bags of global rows (learner.batch.TensorBatch layout)."""
+        live = self._live
+        v = values.cpu().numpy() if values.device.type != "cpu" else values.numpy()
+        given, mask = self._given(live, v)
+        dev = self.device
+        return live.scorer(values.to(dev), offsets.to(dev), dense.to(dev, torch.float32),
+                           torch.from_numpy(given).to(dev), torch.from_numpy(mask).to(dev))
+
+    # -- deltas ------------------------------------------------------------------------------------
+    def apply_delta(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor] | None,
+                    seq: int, id_maps: dict[str, Any] | None = None) -> None:
+        """Override rows (R,) with vectors (R, D + 1); replace the dense weights when ``dense_state`` is given,
+        and the id maps when ``id_maps`` is.
+
+        All or nothing: every part is checked against this model first (integer rows inside the table,
+        vectors of the model's width, finite values, dense names, shapes and floating dtypes, id maps of this
+        feature config) and a misfit is a ``ValueError`` that leaves the model as it was. Overrides win over
+        hot and cold rows and accumulate until the next full artifact. A new snapshot is built off to the side
+        and swapped in with one assignment, so concurrent ``score`` calls see either the old or the new state
+        (the id maps are swapped right after the rows they point at). ``dense_state`` uses DeepFM's names
+        (``dense_arch.*``, ``bias``; ``sparse.*`` keys are ignored).
+        """
+        live = self._live
+        if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
+            raise ValueError(f"apply_delta: rows must be a 1-D integer tensor, got {_describe(rows)}")
+        if not isinstance(vectors, torch.Tensor) or not vectors.is_floating_point():
+            raise ValueError(f"apply_delta: vectors must be a floating tensor, got {_describe(vectors)}")
+        r = rows.detach().cpu().numpy().astype(np.int64, copy=False)
+        vec = vectors.detach().cpu().float().numpy()
+        if vec.shape != (len(r), self.spec.dim + 1):
+            raise ValueError(f"apply_delta: vectors have shape {vec.shape}, expected ({len(r)}, {self.spec.dim + 1})")
+        if len(r) and (r.min() < 0 or r.max() >= self._cold.shape[0]):
+            raise ValueError(f"apply_delta: rows must lie in [0, {self._cold.shape[0]}), got [{r.min()}, {r.max()}]")
+        if not np.isfinite(vec).all():
+            raise ValueError(f"apply_delta: vectors hold {int((~np.isfinite(vec)).sum())} non-finite values")
+        scorer = live.scorer
+        if dense_state is not None:
+            scorer = self._with_dense(scorer, dense_state)
+        mapper = self._mapper_from(id_maps) if id_maps is not None else None
+        ids = np.concatenate([live.override_ids, r])
+        vecs = np.concatenate([live.override_vectors, vec])
+        # Keep the LAST occurrence of every row (the newest vector): unique over the reversed order.
+        rev_ids = ids[::-1]
+        uniq, first_in_rev = np.unique(rev_ids, return_index=True)
+        keep = len(ids) - 1 - first_in_rev
+        self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq))
+        if mapper is not None:  # rows first, then the map that points at them
+            self._mapper = mapper
+
+    def _with_dense(self, scorer: nn.Module, dense_state: dict[str, torch.Tensor]) -> nn.Module:
+        if not isinstance(dense_state, dict):
+            raise ValueError(f"apply_delta: dense_state must be a dict of tensors, got {_describe(dense_state)}")
+        for k, v in dense_state.items():
+            if not isinstance(k, str) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ValueError(f"apply_delta: dense_state[{k!r}] must be a floating tensor, got {_describe(v)}")
+            if v.numel() and not bool(torch.isfinite(v).all()):
+                raise ValueError(f"apply_delta: dense_state[{k!r}] holds non-finite values")
+        new = {k: v.detach().to(self.device, torch.float32) for k, v in dense_state.items()
+               if not k.startswith("sparse.")}
+        current = {k: v for k, v in scorer.state_dict().items() if k not in ("hot_ids", "hot_vectors")}
+        missing, unknown = set(current) - set(new), set(new) - set(current)
+        if missing or unknown:
+            raise ValueError(f"apply_delta: dense_state does not match the scorer (missing {sorted(missing)}, "
+                             f"unknown {sorted(unknown)})")
+        for k, v in new.items():
+            if tuple(v.shape) != tuple(current[k].shape):
+                raise ValueError(f"apply_delta: dense_state[{k!r}] has shape {tuple(v.shape)}, "
+                                 f"expected {tuple(current[k].shape)}")
+        # Share the (large) hot buffers between old and new scorer; copy only the dense weights.
+        clone = _clone_sharing_hot(scorer)
+        with torch.no_grad():
+            params = dict(clone.named_parameters())
+            buffers = dict(clone.named_buffers())
+            for k, v in new.items():
+                (params.get(k) if k in params else buffers[k]).copy_(v)
+        return clone
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype} tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}"
+
+
+def _clone_sharing_hot(scorer: nn.Module) -> nn.Module:
+    """A copy of ``scorer`` whose parameters are its own and whose hot buffers are shared (not copied)."""
+    shared: dict[int, Any] = {id(b): b for name, b in scorer.named_buffers()
+                              if name.endswith(("hot_ids", "hot_vectors"))}
+    with warnings.catch_warnings():
+        # Copying an exported module's pytree specs trips a deprecation inside torch.fx (not our call).
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        clone = copy.deepcopy(scorer, memo=dict(shared))
+    # TorchScript's C++ deepcopy ignores the memo: point the clone back at the original hot buffers.
+    for name, b in list(clone.named_buffers()):
+        original = next((t for n, t in scorer.named_buffers() if n == name), None)
+        if id(b) not in shared and original is not None and id(original) in shared and "." not in name:
+            setattr(clone, name, original)
+    return clone
+
+
+def _export_hot_ids(module: nn.Module) -> torch.Tensor:
+    for name, b in module.named_buffers():
+        if name.endswith("hot_ids"):
+            return b
+    raise ArtifactError("the exported scorer has no hot_ids buffer")

@@ -1,0 +1,82 @@
+"""Durable local files: the one home of fsync and atomic replacement.
+
+Every stage that leaves state on disk (checkpoints and deltas in ``learner/``, artifacts and the
+publish root in ``cache_refresh/``, poison strikes in ``stream/strikes.py``) writes through these
+helpers, so "a crash leaves the old file or the new one, never half of one" is implemented once:
+
+* :func:`write_synced` writes a file and fsyncs it (its name becomes durable with the directory);
+* :func:`fsync_dir` makes a directory's entries (a rename, a new file, a removal) durable;
+* :func:`write_atomic` replaces a file: temp file beside it, fsync, ``os.replace``, fsync of the
+  directory. The temp file is named ``.<name>.tmp-<pid>-<thread>``, so a cleanup can tell whether its
+  writer is still alive (``cache_refresh.publish.clean_leftovers``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+TMP_MARK = ".tmp-"  # in the name of every temp file write_atomic leaves when its process is killed
+_HASH_CHUNK = 8 << 20
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (a rename, a new file, a removal) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(fh)`` into ``path`` (created or truncated), then flush and fsync the file."""
+    with open(path, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` with ``data`` (bytes, or a function writing to the open file) atomically and durably.
+
+    On failure ``path`` is as it was and the temp file is removed (a process killed in between leaves
+    it, named with its pid, for a cleanup).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+    write = (lambda fh: fh.write(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        write_synced(tmp, write)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file, read in chunks (artifacts hold tables of gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError in words an operator acts on (a full or read-only file system says so)."""
+    what = {errno.ENOSPC: "the file system is full (no space left on device)",
+            errno.EDQUOT: "the disk quota is exceeded",
+            errno.EROFS: "the file system is read-only",
+            errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted"}.get(exc.errno or -1)
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{what}{where}: {exc.strerror or exc}" if what else f"{type(exc).__name__}: {exc}"
