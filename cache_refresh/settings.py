@@ -9,6 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from learner.config import ArtifactFormat
+from stream.config import Choice
+
+
+class CountEvent(Choice):
+    """Which Redis day counts rank the hot set."""
+
+    IMPRESSION = "impression"
+    CLICK = "click"
+
 
 @dataclass(frozen=True)
 class RefreshSettings:
@@ -18,7 +28,7 @@ class RefreshSettings:
     days: int = 7
     hot_items: int = 100_000
     hot_users: int = 100_000
-    count_event: str = "impression"  # impression | click: which counts rank the hot set
+    count_event: CountEvent = CountEvent.IMPRESSION  # impression | click: which counts rank the hot set
     # every row of a field with at most this many buckets is hot too (context fields: few rows, every
     # request reads them); 0 = only the counted items and users
     small_field_rows: int = 100_000
@@ -28,7 +38,7 @@ class RefreshSettings:
     misfire_grace_s: int = 3600
     # artifact and publishing
     keep_versions: int = 5
-    format: str = "torchscript"  # torchscript | export | eager
+    format: ArtifactFormat = ArtifactFormat.TORCHSCRIPT  # torchscript | export | eager (learner/scorer.py)
     # validation before publish
     validate_tolerance: float = 1e-5  # max |artifact - learner fp32 eager| probability on the probe set
     probe_samples: int = 512
@@ -42,3 +52,7 @@ class RefreshSettings:
     notify_channel: str = ""  # PUBLISH the new version here; "" = "<redis prefix>:model-updates"
     alerts_topic: str = "alerts"  # Kafka topic of firing alerts ("" = log only)
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", ArtifactFormat.of(self.format, "[refresh] format"))
+        object.__setattr__(self, "count_event", CountEvent.of(self.count_event, "[refresh] count_event"))

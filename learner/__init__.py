@@ -1,10 +1,12 @@
 """The learner stage: samples in, a continuously trained DeepFM out (checkpoints and serving deltas).
 
-Owns: the feature config (``features.py``), Arrow batches -> tensors (``batch.py``), the model from
+Owns: its settings, the model config and the choices among them (``config.py``), the feature config
+(``features.py``), Arrow batches -> tensors (``batch.py``), the model from
 small parts (``model.py``), the sparse optimizers (``optim.py``), dynamic ids and cold start
 (``id_map.py``, ``row_mapper.py``, ``cold_start.py``), test-then-train and progressive metrics
 (``trainer.py``, ``progressive.py``), the Kafka dataset (``kafka_dataset.py``), checkpoints and deltas
-(``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the daemon (``daemon.py``) and the offline and
+(``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the serving artifact's format, build and
+readers (``artifact.py``) with its scorer module (``scorer.py``), the daemon (``daemon.py``) and the offline and
 online evaluation (``evaluate.py``).
 
 May import: ``stream/`` and third-party libraries; never ``cache_refresh/``, ``serving/`` or

@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.scorer import FORMATS, SCORER_FILES, Scorer, ScorerSpec, hot_buffers, save_scorer
@@ -51,7 +53,7 @@ from stream.files import fsync_dir, sha256_file, write_synced
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "MANIFEST", "PIN",
            "SCORER_FILES", "STAGING", "VERSIONS", "ArtifactError", "Pin", "build_artifact", "check_checkpoint",
            "current_version", "decode_manifest", "eager_model", "feature_config_from", "is_version_name",
-           "list_versions", "new_version_name", "parse_mlp", "pin_holding", "read_current", "read_manifest",
+           "list_versions", "new_version_name", "pin_holding", "read_current", "read_manifest",
            "read_pin", "verify", "versions_dir"]
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -78,14 +80,7 @@ def is_version_name(name: str) -> bool:
 
 
 # -- eager reference and model settings -----------------------------------------------------------
-def parse_mlp(mlp: Any) -> tuple[int, ...]:
-    """The learner stores ``mlp`` as ``"400,400,400"``; a list or tuple is accepted as well."""
-    if isinstance(mlp, (list, tuple)):
-        return tuple(int(x) for x in mlp)
-    return tuple(int(x) for x in re.findall(r"\d+", str(mlp)))
-
-
-def eager_model(checkpoint: dict[str, Any]) -> DeepFM:
+def eager_model(checkpoint: Mapping[str, Any]) -> DeepFM:
     """The learner's DeepFM in fp32 eval mode, rebuilt from a checkpoint (``learner.checkpoint.load_latest``).
 
     Built the way ``learner/daemon.py`` builds it (feature config and model settings from the meta),
@@ -258,8 +253,8 @@ def check_checkpoint(checkpoint: Any) -> FeatureConfig:
     embedding table, a table of the wrong shape, or non-finite weights (a diverged learner must not be
     published; the previous artifact keeps serving).
     """
-    where = f"checkpoint {checkpoint.get('path') if isinstance(checkpoint, dict) else None}"
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("meta"), dict):
+    where = f"checkpoint {checkpoint.get('path') if isinstance(checkpoint, Mapping) else None}"
+    if not isinstance(checkpoint, Mapping) or not isinstance(checkpoint.get("meta"), Mapping):
         raise ArtifactError(f"{where}: has no meta object; it is not a streamrec learner checkpoint")
     meta = checkpoint["meta"]
     cfg = feature_config_from(meta.get("feature_config"), where)
@@ -299,7 +294,7 @@ def new_version_name(now: float | None = None) -> str:
     return t.strftime("%Y%m%dT%H%M%S") + f"{t.microsecond // 1000:03d}Z"
 
 
-def build_artifact(checkpoint: dict[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
+def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
                    hot_stats: dict[str, Any] | None = None, version: str | None = None) -> Path:
     """Stage a complete artifact for ``checkpoint`` under the publish root ``out_dir``; returns the staged dir.
 

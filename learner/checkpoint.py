@@ -17,6 +17,19 @@ artifact of the delta's own lineage: rows and dense weights of two different tra
 Loading: ``load_latest(..., safe=True)`` (what ``cache_refresh`` uses) unpickles nothing but tensors,
 numpy arrays and plain containers (``torch.load(weights_only=True)`` with numpy's array types allowed),
 so a foreign file cannot run code in the refresh job.
+
+Types and versions: a loaded checkpoint is a :class:`Checkpoint` (its path, format version, meta and
+state, with the typed feature and model config and the model-shaping settings it was trained with).
+``FORMAT_VERSION`` counts layout changes; :func:`upgrade` brings every older version up to date, one
+explicit step per version, so readers only ever see the current layout. Version history:
+
+1. the first layout (meta: samples_trained, steps, offsets, partition_rows, duplicates, feature_config,
+   model, metrics, topic, lineage; state: model, sparse_opt, dense_opt, metrics, recent_ids, id_maps,
+   cold_users, cold_metrics, warm_metrics);
+2. ``meta["shape"]``: the model-shaping settings (``learner.config.SHAPE_SETTINGS``) a restore
+   compares; upgraded from 1 by deriving them from the feature config and model settings.
+
+A file of a newer version than this streamrec reads is a :class:`CheckpointError` (exit 1 at the CLI).
 """
 
 from __future__ import annotations
@@ -26,20 +39,123 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from learner.config import ModelConfig, parse_mlp
+from learner.features import FeatureConfig
+from stream.errors import StreamrecError
 from stream.files import write_atomic
+from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREFIX = "ckpt-"
 LINEAGE = "LINEAGE"
 _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
+
+
+class CheckpointError(StreamrecError):
+    """A checkpoint file this streamrec cannot use (a newer format, not a checkpoint); names file and fix."""
+
+
+@dataclass(frozen=True)
+class Checkpoint(Mapping[str, Any]):
+    """One loaded checkpoint in the current layout (:func:`upgrade` ran): typed fields over the raw file.
+
+    ``ckpt["meta"]``, ``ckpt["model"]``, ``ckpt["path"]`` ... still read the stored layout (the artifact
+    checks validate exactly that, since a file may be damaged); the typed views are parsed on access.
+    """
+
+    path: Path
+    meta: Mapping[str, Any]
+    state: Mapping[str, Any]
+
+    @property
+    def format_version(self) -> int:
+        return int(self.meta["format_version"])
+
+    @property
+    def feature_config(self) -> FeatureConfig:
+        return FeatureConfig.from_dict(self.meta["feature_config"])
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_meta(self.meta["model"])
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        """The model-shaping settings it was trained with (``learner.config.shape_of``)."""
+        return dict(self.meta["shape"])
+
+    @property
+    def samples_trained(self) -> int:
+        return int(self.meta["samples_trained"])
+
+    @property
+    def offsets(self) -> dict[int, int]:
+        """Samples partition -> offset of the next message to train."""
+        return {int(p): int(o) for p, o in self.meta.get("offsets", {}).items()}
+
+    # -- the stored layout, as a read-only mapping ------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        if key == "meta":
+            return self.meta
+        if key == "path":
+            return str(self.path)
+        return self.state[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from ("meta", "path", *self.state)
+
+    def __len__(self) -> int:
+        return 2 + len(self.state)
+
+
+def _shape_of_v1(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The shaping settings a version-1 checkpoint implies, from its feature config and model settings."""
+    out: dict[str, Any] = {"mlp": ModelConfig(parse_mlp(meta["model"]["mlp"])).mlp_text,
+                           "sparse_optimizer": meta["model"]["sparse_optimizer"]}
+    fields = {f["name"]: f for f in meta["feature_config"]["fields"]}
+    out["embedding_dim"] = meta["feature_config"]["embedding_dim"]
+    if "user_id" in fields:
+        u = fields["user_id"]
+        out.update(buckets=u["num_buckets"], id_capacity=u["capacity"], admit_after=u["admit_after"],
+                   id_ttl_s=u["ttl_s"], id_init=u["init"])
+    ctx = [f for n, f in fields.items() if n.startswith(CTX_PREFIX)]
+    if ctx:
+        out["ctx_buckets"] = ctx[0]["num_buckets"]
+    return out
+
+
+def upgrade(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``raw`` (a loaded file: ``{"meta": ..., **state}``) in the current layout; one step per version.
+
+    CheckpointError for a file without a meta or of a newer version than this streamrec reads."""
+    meta = raw.get("meta")
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"checkpoint {path} has no valid format_version ({version!r}): it is not a streamrec "
+                              "learner checkpoint")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {version}, this streamrec reads up to {FORMAT_VERSION}: "
+                              "upgrade streamrec, or train into a new checkpoint_dir")
+    meta = dict(meta)
+    if version == 1:  # 1 -> 2: record the shaping settings
+        if "shape" not in meta:
+            try:
+                meta["shape"] = _shape_of_v1(meta)
+            except (KeyError, TypeError, ValueError):
+                pass  # a damaged meta: the artifact checks and the restore name what is wrong
+        version = 2
+    meta["format_version"] = version
+    return {**raw, "meta": meta}
 
 
 def lineage(directory: Path) -> str:
@@ -109,7 +225,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def load_latest(directory: Path, safe: bool = False,
-                problems: list[tuple[Path, str]] | None = None) -> dict[str, Any] | None:
+                problems: list[tuple[Path, str]] | None = None) -> Checkpoint | None:
     """The newest checkpoint that loads; a corrupt newest one is reported and the previous one used.
 
     ``problems`` (when given) receives ``(path, reason)`` of every file skipped on the way."""
@@ -122,12 +238,8 @@ def load_latest(directory: Path, safe: bool = False,
             if problems is not None:
                 problems.append((path, reason))
             continue
-        meta = ckpt.get("meta")
-        version = meta.get("format_version") if isinstance(meta, dict) else None
-        if version != FORMAT_VERSION:
-            raise RuntimeError(f"checkpoint {path} has format {version!r}, this streamrec reads {FORMAT_VERSION}")
-        ckpt["path"] = str(path)
-        return ckpt
+        ckpt = upgrade(ckpt, path)
+        return Checkpoint(path, ckpt["meta"], {k: v for k, v in ckpt.items() if k not in ("meta", "path")})
     return None
 
 

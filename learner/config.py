@@ -1,12 +1,90 @@
-"""The training daemon's settings (``[learner]``, ``STREAMREC_LEARNER_*``)."""
+"""The training daemon's settings (``[learner]``, ``STREAMREC_LEARNER_*``), the model's own config, and
+the choices among them (devices, sparse optimizers, id initialisation), each parsed once, here."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stream.config import Choice
 from stream.errors import ConfigError
+
+
+class Device(Choice):
+    """Where tensors live: ``auto`` is CUDA when there is one, else the CPU."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    def resolve(self, cuda_available: bool) -> str:
+        """The torch device name this choice means on this machine."""
+        if self is Device.AUTO:
+            return "cuda" if cuda_available else "cpu"
+        return self.value
+
+
+class SparseOptimizer(Choice):
+    """The embedding table's optimizer (``learner/optim.py``)."""
+
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    SPARSE_ADAM = "sparse_adam"
+
+
+class ArtifactFormat(Choice):
+    """How a serving artifact stores its scorer (``learner/scorer.py``)."""
+
+    TORCHSCRIPT = "torchscript"
+    EXPORT = "export"
+    EAGER = "eager"
+
+
+class IdInit(Choice):
+    """The first vector of an admitted id's own row: its hash bucket's vector, or zeros."""
+
+    BUCKET = "bucket"
+    ZERO = "zero"
+
+
+def parse_mlp(value: Any) -> tuple[int, ...]:
+    """The MLP's hidden layer sizes from ``"400,400,400"`` (a setting, an older checkpoint's meta), a
+    list or a tuple: the one parser of the ``mlp`` setting. ValueError for anything but sizes >= 1."""
+    if isinstance(value, (list, tuple)):
+        sizes = tuple(int(x) for x in value)
+    elif isinstance(value, str):
+        parts = [x.strip() for x in re.split(r"[,\s()\[\]]+", value) if x.strip()]
+        sizes = tuple(int(x) for x in parts)
+    else:
+        raise ValueError(f"mlp: expected layer sizes like '400,400,400', got {value!r}")
+    if any(x < 1 for x in sizes):
+        raise ValueError(f"mlp: layer sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's own settings, typed: what DeepFM is built from and a checkpoint's ``meta["model"]`` records
+    (with plain values: ``mlp`` as ``"400,400,400"``, choices as strings, so a safe load reads it)."""
+
+    mlp: tuple[int, ...] = (400, 400, 400)
+    dropout: float = 0.0
+    sparse_optimizer: SparseOptimizer = SparseOptimizer.ROWWISE_ADAGRAD
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mlp", parse_mlp(self.mlp))
+        object.__setattr__(self, "sparse_optimizer", SparseOptimizer.of(self.sparse_optimizer, "sparse_optimizer"))
+
+    @property
+    def mlp_text(self) -> str:
+        return ",".join(str(x) for x in self.mlp)
+
+    @classmethod
+    def from_meta(cls, d: dict[str, Any]) -> ModelConfig:
+        """From a checkpoint's ``meta["model"]`` (any streamrec version's: ``mlp`` a string or a list)."""
+        return cls(parse_mlp(d["mlp"]), float(d.get("dropout", 0.0)),
+                   SparseOptimizer.of(d.get("sparse_optimizer", "rowwise_adagrad"), "sparse_optimizer"))
 
 
 @dataclass(frozen=True)
@@ -32,7 +110,7 @@ class LearnerSettings:
     id_capacity: int = 500_000
     admit_after: int = 2
     id_ttl_s: float | None = None
-    id_init: str = "bucket"
+    id_init: IdInit = IdInit.BUCKET
     # A user bucket idle this long (event time) has shrunk halfway to zero when the next not-yet-admitted
     # user lands in it: what earlier occupants taught it says nothing about a new user (README, cold start).
     user_bucket_half_life_s: float | None = 60.0
@@ -41,13 +119,13 @@ class LearnerSettings:
     boost_half_life: float = 8.0
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
     ctx_buckets: int = 10_000  # rows per context field
-    mlp: str = "400,400,400"
+    mlp: tuple[int, ...] = (400, 400, 400)  # hidden layer sizes; "400,400,400" in a file or the environment
     dropout: float = 0.0
     lr_sparse: float = 0.05
     lr_dense: float = 0.001
-    sparse_optimizer: str = "rowwise_adagrad"  # or sparse_adam
+    sparse_optimizer: SparseOptimizer = SparseOptimizer.ROWWISE_ADAGRAD  # or sparse_adam
     amp: bool = True  # bf16 autocast of the dense part on CPU (fp16 + GradScaler on CUDA)
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.AUTO  # auto | cpu | cuda
     dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
     metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
     num_workers: int = 0  # DataLoader workers (they split the partitions)
@@ -74,6 +152,18 @@ class LearnerSettings:
     # A samples message in poison_after failed training batches in a row is dead-lettered (stream/strikes.py).
     poison_after: int = 3
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mlp", parse_mlp(self.mlp))
+        except ValueError as exc:
+            raise ConfigError(f"[learner] {exc}") from None
+        for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device)):
+            object.__setattr__(self, name, kind.of(getattr(self, name), f"[learner] {name}"))
+
+    @property
+    def model(self) -> ModelConfig:
+        return ModelConfig(self.mlp, self.dropout, self.sparse_optimizer)
+
 
 # Settings that shape the model a checkpoint holds: a learner restored from a checkpoint must have the same
 # ones, or it would silently train another model (or fail to load). Everything else may change across a
@@ -97,5 +187,6 @@ class CheckpointMismatch(ConfigError):
 def shape_of(ls: LearnerSettings) -> dict[str, Any]:
     """The model-shaping settings of ``ls`` as plain values (what a checkpoint records)."""
     out = {k: getattr(ls, k) for k in SHAPE_SETTINGS}
-    out["mlp"] = ",".join(str(int(x)) for x in str(ls.mlp).split(",") if x.strip())
+    out = {k: v.value if isinstance(v, Choice) else v for k, v in out.items()}
+    out["mlp"] = ls.model.mlp_text
     return out

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
-from learner.config import CheckpointMismatch, LearnerSettings, shape_of
+from learner.config import CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
@@ -166,14 +166,13 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
     ctx, dense = infer_fields(batches, ls.min_field_share, ls.max_fields)
     return default_config(ctx, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets, embedding_dim=ls.embedding_dim,
                           dense=dense, id_capacity=ls.id_capacity, admit_after=ls.admit_after, id_ttl_s=ls.id_ttl_s,
-                          id_init=ls.id_init, user_bucket_half_life_s=ls.user_bucket_half_life_s)
+                          id_init=ls.id_init.value, user_bucket_half_life_s=ls.user_bucket_half_life_s)
 
 
 class Learner:
     def __init__(self, kafka: KafkaSettings, ls: LearnerSettings) -> None:
         self.kafka, self.ls = kafka, ls
-        self.device = torch.device("cuda" if ls.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if ls.device == "auto" else ls.device))
+        self.device = torch.device(ls.device.resolve(torch.cuda.is_available()))
         self._stop = False
         self.partition_rows: Counter[int] = Counter()  # rows trained (or dropped as duplicates) per partition
         self.duplicates = 0
@@ -196,14 +195,14 @@ class Learner:
     # -- model and state ---------------------------------------------------------------------------
     def _model_settings(self) -> dict[str, Any]:
         ls = self.ls
-        return {"mlp": ls.mlp, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
-                "sparse_optimizer": ls.sparse_optimizer, "amp": ls.amp, "seed": ls.seed, "boost": ls.boost,
+        return {"mlp": ls.model.mlp_text, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
+                "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp, "seed": ls.seed, "boost": ls.boost,
                 "boost_half_life": ls.boost_half_life}
 
     def _build(self, cfg: FeatureConfig, model_settings: dict[str, Any]) -> None:
         self.cfg = cfg
         amp_dtype = (torch.float16 if self.device.type == "cuda" else torch.bfloat16) if model_settings["amp"] else None
-        model = DeepFM(cfg, mlp=tuple(int(x) for x in str(model_settings["mlp"]).split(",") if x),
+        model = DeepFM(cfg, mlp=parse_mlp(model_settings["mlp"]),
                        dropout=model_settings["dropout"], seed=model_settings["seed"], autocast_dtype=amp_dtype)
         model.to(self.device)
         sparse, dense = make_optimizers(model, model_settings["lr_sparse"], model_settings["lr_dense"],
@@ -223,13 +222,12 @@ class Learner:
         ckpt = checkpoint.load_latest(self.ls.checkpoint_dir)
         if ckpt is None:
             return False
-        meta = ckpt["meta"]
-        recorded = meta.get("shape") or self._shape_of_old(meta)
+        meta, recorded = ckpt.meta, ckpt.shape
         mine = shape_of(self.ls)
         changed = {k: (recorded.get(k), v) for k, v in mine.items() if k in recorded and recorded[k] != v}
         if changed:
-            raise CheckpointMismatch(ckpt["path"], changed)
-        self._build(FeatureConfig.from_dict(meta["feature_config"]), self._model_settings())
+            raise CheckpointMismatch(ckpt.path, changed)
+        self._build(ckpt.feature_config, self._model_settings())
         assert self.trainer is not None
         self.trainer.model.load_state_dict(ckpt["model"])
         self.trainer.sparse_opt.load_state_dict(ckpt["sparse_opt"])
@@ -239,7 +237,7 @@ class Learner:
                 group["lr"] = lr
         self.trainer.metrics.load_state_dict(ckpt["metrics"])
         self.trainer.samples, self.trainer.steps = meta["samples_trained"], meta["steps"]
-        self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
+        self.offsets = ckpt.offsets
         self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
         self.duplicates = int(meta["duplicates"])
         self.recent.load(ckpt["recent_ids"])
@@ -249,25 +247,9 @@ class Learner:
         for name, m in (("cold_metrics", self.cold_metrics), ("warm_metrics", self.warm_metrics)):
             if name in ckpt:
                 m.load_state_dict(ckpt[name])
-        log.info("resumed from %s: %d samples trained, offsets %s", ckpt["path"], meta["samples_trained"],
+        log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
                  self.offsets)
         return True
-
-    @staticmethod
-    def _shape_of_old(meta: dict[str, Any]) -> dict[str, Any]:
-        """The shaping settings a checkpoint written before they were recorded implies (upgrade step)."""
-        out = {k: str(meta["model"][k]) if k == "mlp" else meta["model"][k] for k in ("mlp", "sparse_optimizer")}
-        out["mlp"] = ",".join(x.strip() for x in out["mlp"].split(",") if x.strip())
-        fields = {f["name"]: f for f in meta["feature_config"]["fields"]}
-        out["embedding_dim"] = meta["feature_config"]["embedding_dim"]
-        if "user_id" in fields:
-            u = fields["user_id"]
-            out.update(buckets=u["num_buckets"], id_capacity=u["capacity"], admit_after=u["admit_after"],
-                       id_ttl_s=u["ttl_s"], id_init=u["init"])
-        ctx = [f for n, f in fields.items() if n.startswith(CTX_PREFIX)]
-        if ctx:
-            out["ctx_buckets"] = ctx[0]["num_buckets"]
-        return out
 
     def save(self) -> None:
         assert self.trainer is not None and self.cfg is not None

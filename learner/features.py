@@ -48,6 +48,7 @@ class FieldSpec:
                              f"got {self.bucket_half_life_s}")
         if self.init not in ("bucket", "zero"):
             raise ValueError(f"field {self.name!r}: init must be bucket or zero, got {self.init!r}")
+        object.__setattr__(self, "init", str(self.init))  # a plain str (not learner.config.IdInit): stored in files
         if self.kind not in ("single", "multi", "sequence"):
             raise ValueError(f"field {self.name!r}: kind must be single, multi or sequence, got {self.kind!r}")
 

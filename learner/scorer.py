@@ -39,11 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from learner.config import ArtifactFormat
 from learner.features import FeatureConfig
 from learner.model import DenseArch, FMInteraction
 from stream.files import write_synced
 
-FORMATS = ("torchscript", "export", "eager")
+FORMATS = tuple(f.value for f in ArtifactFormat)
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt"}
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 

@@ -9,6 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from learner.config import Device
+from stream.config import Choice
+
+
+class ServerKind(Choice):
+    """The HTTP server under the scoring app (serving/http_server.py)."""
+
+    THREADING = "threading"
+    AIOHTTP = "aiohttp"
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -16,12 +26,16 @@ class ServeSettings:
     port: int = 8080
     publish_root: Path = Path(".streamrec/serving")  # <root>/CURRENT -> <root>/versions/<version>/
     deltas_dir: Path | None = None  # the learner's delta files; None: no freshness between refreshes
-    device: str = "auto"  # auto | cpu | cuda: where the hot rows and the dense part live
+    device: Device = Device.AUTO  # auto | cpu | cuda: where the hot rows and the dense part live
     threads: int = 1  # torch intra-op threads per request (requests run in parallel on their own threads)
-    server: str = "threading"  # threading (stdlib ThreadingHTTPServer) | aiohttp; see serving/http_server.py
+    server: ServerKind = ServerKind.THREADING  # threading (stdlib ThreadingHTTPServer) | aiohttp
     max_candidates: int = 1000  # items per request
     max_batch: int = 64  # requests per /v1/score:batch call
     max_body_bytes: int = 4 << 20
     poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
     redis_timeout_s: float = 0.05  # a slow history read fails open (empty history) rather than the request
     history_retry_after_s: float = 1.0  # after a failed history read, requests skip Redis this long (no retries)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))
+        object.__setattr__(self, "server", ServerKind.of(self.server, "[serve] server"))

@@ -6,7 +6,35 @@ fills them from a file, the environment and flags at the process edge, and nothi
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from stream.errors import ConfigError
+
+C = TypeVar("C", bound="Choice")
+
+
+class Choice(str, enum.Enum):
+    """A setting with a fixed set of values (a driver, a device, a format): a ``str`` that prints as its value.
+
+    Settings dataclasses call :meth:`of` in ``__post_init__``, so a wrong value is a :class:`ConfigError`
+    where the dataclass is built (file, environment, flag or code) and everything below compares members.
+    Stored state (checkpoints, manifests) keeps the plain ``.value``.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def of(cls: type[C], value: Any, setting: str) -> C:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{setting}: got {value!r}, expected one of {', '.join(m.value for m in cls)}") from None
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import sys
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -123,12 +125,18 @@ def build(
 def _coerce(tp: Any, raw: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
         inner = [a for a in args if a is not type(None)]
         if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
             if type(None) in args:
                 return None
         return _coerce(inner[0], raw, where)
+    if origin is tuple and args[-1:] == (Ellipsis,):  # tuple[int, ...]: a TOML array, or "a,b,c"
+        if isinstance(raw, str):
+            raw = [x for x in raw.replace(" ", "").split(",") if x]
+        if not isinstance(raw, (list, tuple)):
+            raise SettingsError(f"{where}: cannot use {shown(raw)}: expected a list like 400,400,400")
+        return tuple(_coerce(args[0], x, where) for x in raw)
     if isinstance(raw, Mapping | list):  # a table or an array where one value belongs
         raise SettingsError(f"{where}: cannot use {shown(raw)}: expected one value, "
                             f"got {'a table' if isinstance(raw, Mapping) else 'an array'}")
@@ -149,7 +157,10 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
         if tp is float:
             if isinstance(raw, bool):
                 raise ValueError("expected a number")
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):  # nan compares false with every bound check; inf is no duration
+                raise ValueError("expected a finite number")
+            return value
         if tp is str:
             return str(raw)
         if tp is Path:

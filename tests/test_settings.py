@@ -72,3 +72,54 @@ def test_the_writers_and_readers_of_each_redis_channel_agree_for_any_prefix() ->
     rs = Redis(prefix="team-a")
     assert delta_channel(rs.prefix) == rs.deltas_channel == "team-a:model-deltas"
     assert artifact_channel(rs.prefix) == rs.artifact_channel == notify_channel(RefreshSettings(), rs)
+
+
+def test_every_choice_is_an_enum_checked_where_its_dataclass_is_built() -> None:
+    from cache_refresh.settings import CountEvent, RefreshSettings
+    from learner.config import ArtifactFormat, Device, LearnerSettings, SparseOptimizer
+    from serving.settings import ServeSettings, ServerKind
+    from stream.errors import ConfigError
+    from stream.joiner.config import Driver, JoinerSettings
+
+    env = {"STREAMREC_JOINER_DRIVER": "kafka", "STREAMREC_LEARNER_DEVICE": "cpu",
+           "STREAMREC_LEARNER_SPARSE_OPTIMIZER": "sparse_adam", "STREAMREC_REFRESH_FORMAT": "export",
+           "STREAMREC_REFRESH_COUNT_EVENT": "click", "STREAMREC_SERVE_SERVER": "aiohttp"}
+    assert build(JoinerSettings, "joiner", {}, env).driver is Driver.KAFKA
+    ls = build(LearnerSettings, "learner", {}, env)
+    assert (ls.device, ls.sparse_optimizer) == (Device.CPU, SparseOptimizer.SPARSE_ADAM)
+    rs = build(RefreshSettings, "refresh", {}, env)
+    assert (rs.format, rs.count_event) == (ArtifactFormat.EXPORT, CountEvent.CLICK)
+    assert build(ServeSettings, "serve", {}, env).server is ServerKind.AIOHTTP
+    # built in code with a plain string: converted; a wrong one is a ConfigError naming the setting
+    assert JoinerSettings(driver="kafka").driver is Driver.KAFKA and f"{Device.CUDA}" == "cuda"
+    for make, name in ((lambda: JoinerSettings(driver="spark"), "driver"),
+                       (lambda: LearnerSettings(device="tpu"), "device"),
+                       (lambda: LearnerSettings(sparse_optimizer="sgd"), "sparse_optimizer"),
+                       (lambda: LearnerSettings(id_init="random"), "id_init"),
+                       (lambda: RefreshSettings(format="onnx"), "format"),
+                       (lambda: ServeSettings(server="gunicorn"), "server")):
+        with pytest.raises(ConfigError, match=rf"\] {name}: got .*expected one of"):
+            make()
+
+
+def test_the_mlp_is_parsed_once_into_layer_sizes_from_a_file_an_array_or_the_environment() -> None:
+    from learner.config import LearnerSettings, shape_of
+
+    assert build(LearnerSettings, "learner", {}, {"STREAMREC_LEARNER_MLP": "64, 32"}).mlp == (64, 32)
+    assert build(LearnerSettings, "learner", {"learner": {"mlp": [8, 4]}}, {}).mlp == (8, 4)
+    assert build(LearnerSettings, "learner", {"learner": {"mlp": "16"}}, {}).mlp == (16,)
+    assert LearnerSettings(mlp="400,400").mlp == (400, 400)
+    assert shape_of(LearnerSettings(mlp=(8, 4)))["mlp"] == "8,4"  # what checkpoints record
+    with pytest.raises(SettingsError, match="STREAMREC_LEARNER_MLP: cannot use 'x'"):
+        build(LearnerSettings, "learner", {}, {"STREAMREC_LEARNER_MLP": "8,x"})
+    with pytest.raises(ValueError, match="layer sizes must be >= 1"):
+        LearnerSettings(mlp=(8, 0))
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", float("nan"), float("inf")])
+def test_a_float_setting_must_be_finite(raw: object) -> None:
+    from learner.config import LearnerSettings
+
+    with pytest.raises(SettingsError, match="expected a finite number"):
+        build(LearnerSettings, "learner", {"learner": {"lr_dense": raw}} if not isinstance(raw, str) else {},
+              {"STREAMREC_LEARNER_LR_DENSE": raw} if isinstance(raw, str) else {})

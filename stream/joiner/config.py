@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stream.config import Choice
+
+
+class Driver(Choice):
+    """How the joiner consumes: a faust-streaming agent, or a plain confluent-kafka loop (same semantics)."""
+
+    FAUST = "faust"
+    KAFKA = "kafka"
+
 
 @dataclass(frozen=True)
 class JoinerSettings:
     """The impression-click joiner (``streamrec join``)."""
 
     app_id: str = "streamrec-joiner"  # faust app id = consumer group; names the state topic
-    driver: str = "faust"  # faust | kafka (plain confluent-kafka loop, same semantics, faster)
+    driver: Driver = Driver.FAUST  # faust | kafka (plain confluent-kafka loop, same semantics, faster)
     attribution_window_s: float = 1800.0  # a click within this event time of its impression labels it 1
     allowed_lateness_s: float = 5.0  # watermark = max event time seen - allowed lateness
     late_retention_s: float = 3600.0  # how long after expiry a click is still recognised as late
@@ -34,3 +43,6 @@ class JoinerSettings:
     max_waiting_per_partition: int = 100_000
     poison_after: int = 3
     max_sample_bytes: int = 900_000  # a samples message; Kafka's default message.max.bytes is 1 MB
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "driver", Driver.of(self.driver, "[joiner] driver"))

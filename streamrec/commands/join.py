@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from stream.config import RedisSettings
-from stream.joiner.config import JoinerSettings
+from stream.joiner.config import Driver, JoinerSettings
 from streamrec.commands.common import (
     add_common,
     add_kafka_flag,
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
         start_http_server(js.metrics_port, addr="0.0.0.0")
     pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
-    if js.driver == "kafka":
+    if js.driver is Driver.KAFKA:
         from stream.joiner.kafka_driver import KafkaJoinWorker
 
         worker: Any = KafkaJoinWorker(pipeline, kafka, js)

@@ -23,17 +23,12 @@ from streamrec.settings import SettingsError, Sources, read_config_file
 
 def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
     from cache_refresh.scheduler import make_trigger
-    from learner.artifact import FORMATS
 
     src = Sources(file_data=read_config_file(args.config))
     kafka = src.build(KafkaSettings, "kafka", bootstrap_servers=args.bootstrap_servers)
     rds = src.build(RedisSettings, "redis", url=args.redis_url)
     rs = src.build(RefreshSettings, "refresh", checkpoint_dir=args.checkpoint_dir, publish_root=args.publish_root,
                    format=args.format, schedule=args.schedule, timezone=args.timezone)
-    if rs.format not in FORMATS:
-        raise SettingsError(f"[refresh] format: got {rs.format!r}, expected one of {', '.join(FORMATS)}")
-    if rs.count_event not in ("impression", "click"):
-        raise SettingsError(f"[refresh] count_event: got {rs.count_event!r}, expected impression or click")
     for name in ("days", "keep_versions", "redis_attempts", "probe_samples"):
         if getattr(rs, name) < 1:
             raise SettingsError(f"[refresh] {name}: got {getattr(rs, name)}, expected an integer >= 1")

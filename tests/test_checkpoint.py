@@ -1,0 +1,91 @@
+"""Checkpoints (learner/checkpoint.py): atomic files with a sidecar, typed on load, older layouts upgraded,
+newer ones refused, damaged newest files skipped, and a safe load that runs no code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner import checkpoint as ck
+from learner.config import LearnerSettings, ModelConfig, SparseOptimizer, shape_of
+from learner.features import default_config
+from stream.errors import StreamrecError
+
+LS = LearnerSettings(mlp="8,4", buckets=50, ctx_buckets=20, id_capacity=10, embedding_dim=4)
+CFG = default_config({"genres": "multi"}, buckets=LS.buckets, ctx_buckets=LS.ctx_buckets, embedding_dim=4,
+                     id_capacity=LS.id_capacity, admit_after=LS.admit_after, id_init=LS.id_init,
+                     user_bucket_half_life_s=LS.user_bucket_half_life_s)
+
+
+def meta(samples: int = 100, **extra: object) -> dict:
+    return {"samples_trained": samples, "steps": 3, "offsets": {"0": 7, "1": 9}, "partition_rows": {},
+            "duplicates": 0, "feature_config": CFG.to_dict(), "shape": shape_of(LS),
+            "model": {"mlp": "8,4", "dropout": 0.0, "sparse_optimizer": "rowwise_adagrad"}, **extra}
+
+
+def state() -> dict:
+    return {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "recent_ids": []}
+
+
+def test_a_saved_checkpoint_loads_typed_and_keeps_the_stored_layout(tmp_path: Path) -> None:
+    path = ck.save(tmp_path, state(), meta())
+    got = ck.load_latest(tmp_path, safe=True)
+    assert isinstance(got, ck.Checkpoint) and got.path == path and got.format_version == ck.FORMAT_VERSION
+    assert got.feature_config == CFG and got.samples_trained == 100 and got.offsets == {0: 7, 1: 9}
+    assert got.model_config == ModelConfig((8, 4), 0.0, SparseOptimizer.ROWWISE_ADAGRAD)
+    assert got.shape == shape_of(LS) and got.meta["lineage"] == ck.lineage(tmp_path)
+    assert torch.equal(got["model"]["w"], state()["model"]["w"]) and got["path"] == str(path)
+    assert set(got) == {"meta", "path", "model", "recent_ids"} and got.get("id_maps") is None
+    assert json.loads(path.with_suffix(".json").read_text())["samples_trained"] == 100  # the sidecar
+    assert ck.latest_meta(tmp_path)["path"] == str(path)
+
+
+def test_a_version_1_checkpoint_is_upgraded_with_the_shaping_settings_it_implies(tmp_path: Path) -> None:
+    old = meta()
+    del old["shape"]
+    old["format_version"] = 1
+    path = tmp_path / "ckpt-000000000000100-1.pt"
+    torch.save({"meta": old, **state()}, path)
+    got = ck.load_latest(tmp_path, safe=True)
+    assert got is not None and got.format_version == ck.FORMAT_VERSION
+    assert got.shape == {k: v for k, v in shape_of(LS).items() if k in got.shape}
+    assert {"mlp", "embedding_dim", "buckets", "id_capacity", "ctx_buckets", "sparse_optimizer"} <= set(got.shape)
+
+
+def test_a_newer_or_unversioned_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    torch.save({"meta": {**meta(), "format_version": ck.FORMAT_VERSION + 1}, **state()}, tmp_path / "ckpt-1-1.pt")
+    with pytest.raises(ck.CheckpointError, match="reads up to") as info:
+        ck.load_latest(tmp_path)
+    assert isinstance(info.value, StreamrecError)  # the CLI prints it as one line
+    with pytest.raises(ck.CheckpointError, match="no valid format_version"):
+        ck.upgrade({"meta": {"samples_trained": 1}}, tmp_path / "x.pt")
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_is_reported(tmp_path: Path) -> None:
+    first = ck.save(tmp_path, state(), meta(100))
+    second = ck.save(tmp_path, state(), meta(200))
+    second.write_bytes(second.read_bytes()[:100])  # torn
+    problems: list[tuple[Path, str]] = []
+    got = ck.load_latest(tmp_path, safe=True, problems=problems)
+    assert got is not None and got.path == first and [p for p, _ in problems] == [second]
+
+
+class _Payload:
+    def __reduce__(self):  # noqa: ANN204 - what a hostile pickle does
+        return (print, ("code ran",))
+
+
+def test_a_safe_load_runs_no_code_and_keep_prunes_old_files_with_their_sidecars(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "ckpt-000000000000001-1.pt"
+    torch.save({"meta": {**meta(), "format_version": ck.FORMAT_VERSION}, "model": _Payload()}, bad)
+    problems: list[tuple[Path, str]] = []
+    assert ck.load_latest(tmp_path, safe=True, problems=problems) is None
+    assert problems and problems[0][1].startswith("UnpicklingError") and "code ran" not in capsys.readouterr().out
+    bad.unlink()
+    paths = [ck.save(tmp_path, state(), meta(i), keep=2) for i in (1, 2, 3)]
+    assert ck.list_checkpoints(tmp_path) == paths[1:]
+    assert not paths[0].with_suffix(".json").exists()
