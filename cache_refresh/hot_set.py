@@ -14,6 +14,7 @@ Redis may be briefly unavailable at 03:00: every read is retried with exponentia
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -91,7 +92,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event}
     for kind, k in (("item", hot_items), ("user", hot_users)):
-        top, day = with_retries(f"top {kind}s", lambda kind=kind, k=k: top_ids(counts, kind, event, days, k),
+        top, day = with_retries(f"top {kind}s", functools.partial(top_ids, counts, kind, event, days, k),
                                 attempts, backoff_s, sleep)
         rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)
         parts.append(rows)

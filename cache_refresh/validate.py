@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -60,7 +61,7 @@ def probe_inputs(cfg: FeatureConfig, b: int, seed: int = 0, hot_rows: np.ndarray
     return torch.from_numpy(np.concatenate(values)), torch.from_numpy(offsets), torch.from_numpy(dense)
 
 
-def probe(model: ScoringModel, checkpoint: dict[str, Any], samples: int, tolerance: float,
+def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tolerance: float,
           hot_rows: np.ndarray | None = None, seed: int = 0) -> dict[str, Any]:
     """Compare the artifact's probabilities with the learner's fp32 eager ones; raise beyond ``tolerance``."""
     values, offsets, dense = probe_inputs(model.feature_config, samples, seed, hot_rows)
@@ -98,7 +99,7 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[
 
     def keep(m: Message) -> None:
         try:
-            got[m.partition()].append(SampleBatch.decode(m.value()))
+            got[int(m.partition() or 0)].append(SampleBatch.decode(m.value() or b""))
         except Exception:  # noqa: BLE001 - a malformed message is not a sample
             pass
 

@@ -146,7 +146,7 @@ def upgrade(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {version}, this streamrec reads up to {FORMAT_VERSION}: "
                               "upgrade streamrec, or train into a new checkpoint_dir")
-    meta = dict(meta)
+    meta = dict(raw["meta"])
     if version == 1:  # 1 -> 2: record the shaping settings
         if "shape" not in meta:
             try:

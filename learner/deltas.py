@@ -261,7 +261,7 @@ class DeltaWriter:
         rows = self.touched.nonzero().squeeze(1)  # (R,)
         if len(rows) == 0:
             return None
-        weight = model.sparse.bag.weight  # type: ignore[union-attr]  # (num_rows, D + 1)
+        weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]  # (num_rows, D + 1)
         vectors = weight[rows.to(weight.device)].float().cpu()  # (R, D + 1)
         dense_state = {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
                        for k, v in model.state_dict().items() if not k.startswith("sparse.")}

@@ -121,10 +121,10 @@ def default_config(context: dict[str, FieldKind], buckets: int = 200_000, ctx_bu
     ``user_bucket_half_life_s`` lets idle user buckets forget their earlier occupants."""
     fields: list[FieldSpec] = []
     if with_ids:
-        dyn = {"capacity": id_capacity, "admit_after": admit_after, "ttl_s": id_ttl_s, "init": id_init}
         user_decay = user_bucket_half_life_s if id_capacity > 0 else None
-        fields += [FieldSpec("user_id", "single", buckets, **dyn, bucket_half_life_s=user_decay),
-                   FieldSpec("item_id", "single", buckets, **dyn)]
+        fields += [FieldSpec(name, "single", buckets, capacity=id_capacity, admit_after=admit_after, ttl_s=id_ttl_s,
+                             init=id_init, bucket_half_life_s=decay)
+                   for name, decay in (("user_id", user_decay), ("item_id", None))]
     if with_history:
         fields.append(FieldSpec("history", "sequence", buckets, shares="item_id" if with_ids else None))
     fields += [FieldSpec(CTX_PREFIX + name, kind, ctx_buckets) for name, kind in sorted(context.items())]

@@ -37,7 +37,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                                   "boost": boost, "boost_half_life": boost_half_life})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # noqa: D102
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # noqa: D102 - no closure form
         for group in self.param_groups:
             lr, eps = group["lr"], group["eps"]
             for p in group["params"]:

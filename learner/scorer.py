@@ -98,8 +98,10 @@ class Scorer(nn.Module):
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
-        pos = torch.searchsorted(self.hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
-        hot = self.hot_vectors[pos]  # (N, D + 1)
+        hot_ids, hot_vectors = self.hot_ids, self.hot_vectors
+        assert isinstance(hot_ids, torch.Tensor) and isinstance(hot_vectors, torch.Tensor)  # buffers (for mypy)
+        pos = torch.searchsorted(hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
+        hot = hot_vectors[pos]  # (N, D + 1)
         vectors = torch.where(given_mask.unsqueeze(1), given_rows, hot)  # (N, D + 1)
         index = torch.ones_like(values).cumsum(0) - 1  # arange(N) on values' device (no device constant)
         pooled = F.embedding_bag(index, vectors, offsets, mode="mean", include_last_offset=True)  # (F*B, D+1)

@@ -272,7 +272,7 @@ class ScoringModel:
             params = dict(clone.named_parameters())
             buffers = dict(clone.named_buffers())
             for k, v in new.items():
-                (params.get(k) if k in params else buffers[k]).copy_(v)
+                (params[k] if k in params else buffers[k]).copy_(v)
         return clone
 
 

@@ -221,8 +221,9 @@ class DailyCounts:
             f"{self.prefix}:counts:{kind}:{event}:{(end - dt.timedelta(days=i)).strftime('%Y%m%d')}"
             for i in range(int(days))
         ]
+        rows: list[tuple[bytes, float]]  # (member, score), highest first
         if len(keys) == 1:
-            rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)
+            rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)  # type: ignore[assignment]
         else:
             # Merge on the server and send back only k rows; MULTI/EXEC so the temporary key never
             # outlives the call (the short TTL is a safety net).

@@ -40,6 +40,10 @@ def _text(key: Key) -> str:
     return f"{key[0]}:{key[1]}:{key[2]}"
 
 
+def _str(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def _key(text: str) -> Key:
     topic, partition, offset = text.rsplit(":", 2)
     return topic, int(partition), int(offset)
@@ -94,10 +98,10 @@ class RedisStrikes:
 
     def load(self) -> dict[Key, tuple[int, str]]:
         out = {}
-        for field, value in self.client.hgetall(self.key).items():
+        for field, value in self.client.hgetall(self.key).items():  # bytes: the client does not decode
             try:
-                n, _, error = value.decode().partition(" ")
-                out[_key(field.decode())] = (int(n), error)
+                n, _, error = _str(value).partition(" ")
+                out[_key(_str(field))] = (int(n), error)
             except (ValueError, UnicodeDecodeError):
                 continue  # a damaged entry is no strike
         return out

@@ -206,8 +206,9 @@ class PartitionJoin:
             else:
                 assert isinstance(ev, Click)
                 out.stats["clicks"] += 1
-                p = self.pending.get(ev.impression_id)
-                if p is not None:
+                found = self.pending.get(ev.impression_id)
+                if found is not None:
+                    p = found
                     if self._click(p, ev.ts, out, joined):
                         max_ref = max(max_ref, p.ts)
                 elif ev.impression_id in self.finalized:
@@ -354,8 +355,9 @@ class PartitionJoin:
                 self.waiting.setdefault(imp_id, []).append(cts)
                 heapq.heappush(self._waiting_heap, (cts, imp_id))
             for imp_id in c.evicted:  # expired early: its sample was emitted with that chunk
-                p = self.pending.pop(imp_id, None)
-                if p is not None:
+                gone = self.pending.pop(imp_id, None)
+                if gone is not None:
+                    p = gone
                     self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
                     heapq.heappush(self._final_order, (p.ts + cfg.window_ms + cfg.late_retention_ms, imp_id))
             for imp_id, cts in c.unwaited:

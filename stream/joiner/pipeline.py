@@ -75,7 +75,7 @@ class JoinTotals:
     busy_s: float = 0.0  # time spent in process(): the join's own throughput
     first_batch: float | None = None  # when the first batch arrived ...
     last_batch: float | None = None  # ... and the last one was done: events_per_s spans these
-    stage_s: Counter[str] = field(default_factory=Counter)  # where process() spends its time
+    stage_s: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per stage
 
     def summary(self) -> dict[str, Any]:
         c = self.counts

@@ -31,11 +31,11 @@ def to_batch(rows: list[Sample]) -> SampleBatch:
             col[i] = v
             if type(v) is list:
                 list_keys.add(k)
-        for k, v in p.dense.items():
-            col = dense.get(k)
-            if col is None:
-                col = dense[k] = [0.0] * n
-            col[i] = v
+        for k, x in p.dense.items():
+            dcol = dense.get(k)
+            if dcol is None:
+                dcol = dense[k] = [0.0] * n
+            dcol[i] = x
     context: dict[str, object] = {}
     for k, col in ctx.items():
         if k in list_keys:  # a list column: scalars become one-element lists, absent ones empty

@@ -102,10 +102,11 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
     live: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
 
     def apply(m: Message) -> None:
-        if m.value() is None:
-            live[m.partition()].pop(m.key(), None)
+        part, key, value = int(m.partition() or 0), m.key() or b"", m.value()
+        if value is None:
+            live[part].pop(key, None)  # a tombstone
         else:
-            live[m.partition()][m.key()] = m.value()
+            live[part][key] = value
 
     read_to_end(kafka, topic, apply, start={p: OFFSET_BEGINNING for p in partitions}, timeout_s=timeout_s)
     out = {}

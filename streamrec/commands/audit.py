@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from streamrec.commands.common import (
@@ -40,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     src = sources(args)
     kafka = kafka_settings(args, src)
     limits = src.build(EventLimits, "limits")
-    decoders = {kafka.impressions_topic: functools.partial(decode_impression, limits=limits),
-                kafka.clicks_topic: functools.partial(decode_click, limits=limits)}
+    decoders: dict[str, Callable[..., Any]] = {
+        kafka.impressions_topic: functools.partial(decode_impression, limits=limits),
+        kafka.clicks_topic: functools.partial(decode_click, limits=limits)}
     with EventReader(kafka, args.group, decoders, stage="audit") as reader:
         reader.read_to_end(idle_timeout_s=args.idle_timeout)
         dlq = reader.dead_letters.counts
