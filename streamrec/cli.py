@@ -37,11 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from confluent_kafka import KafkaException
 
     from stream.errors import ConfigError, StreamrecError
+    from stream.secrets import redact
 
     try:
         return int(args.func(args))
     except (StreamrecError, KafkaException, TimeoutError) as exc:
-        print(f"streamrec {args.command}: error: {exc}", file=sys.stderr)
+        print(f"streamrec {args.command}: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130

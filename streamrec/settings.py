@@ -32,6 +32,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, shown
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
+from stream.secrets import Secret
 from streamrec.stack import StackSettings
 
 if sys.version_info >= (3, 11):
@@ -119,7 +120,31 @@ def build(
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
         values[key] = _coerce(hints[key], raw, f"--{key.replace('_', '-')}")
+    _resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
     return cls(**values)
+
+
+def _resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
+                     environ: Mapping[str, str]) -> None:
+    """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``
+    (the name of an environment variable), when the dataclass has those fields and one is set."""
+    for name, tp in hints.items():
+        if tp is not Secret:
+            continue
+        path, var = values.get(f"{name}_file"), values.get(f"{name}_env")
+        if path and var:
+            raise SettingsError(f"[{section}] {name}_file and {name}_env are both set: give the secret one way")
+        if path:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SettingsError(f"[{section}] {name}_file: cannot read {path}: "
+                                    f"{getattr(exc, 'strerror', None) or exc}") from None
+            values[name] = Secret(text.rstrip("\r\n"))
+        elif var:
+            if var not in environ:
+                raise SettingsError(f"[{section}] {name}_env names {var}, which is not set in the environment")
+            values[name] = Secret(environ[var])
 
 
 def _coerce(tp: Any, raw: Any, where: str) -> Any:
@@ -161,6 +186,8 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
             if not math.isfinite(value):  # nan compares false with every bound check; inf is no duration
                 raise ValueError("expected a finite number")
             return value
+        if tp is Secret:
+            return Secret(str(raw))
         if tp is str:
             return str(raw)
         if tp is Path:

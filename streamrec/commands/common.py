@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from stream.config import KafkaSettings
+from stream.secrets import install_log_redaction, redact_obj
 from streamrec.settings import Sources, read_config_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
+    """Print a command's summary, human-readable or as one JSON object; credentials scrubbed either way."""
+    summary = redact_obj(summary)
     if args.json:
         print(json.dumps(summary, default=str, sort_keys=True))
     else:
         print(human(summary))
+
+
+def setup_logging(level: str) -> None:
+    """Log lines to stderr (stdout stays for the summary), every one scrubbed of credentials."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
 
 
 def kv_lines(d: dict[str, Any], indent: str = "  ") -> str:

@@ -14,6 +14,7 @@ from streamrec.commands.common import (
     emit,
     kafka_settings,
     kv_lines,
+    setup_logging,
     sources,
 )
 
@@ -47,7 +48,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
 
     from stream.joiner.pipeline import JoinPipeline
     from stream.limits import EventLimits
@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
                    allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
                    drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if js.metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import signal
 import sys
 import threading
 from typing import Any
 
-from streamrec.commands.common import add_common, add_kafka_flag
+from streamrec.commands.common import add_common, add_kafka_flag, setup_logging
 
 RULES_HELP = """\
 rules file (TOML):
@@ -127,8 +126,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
             raise SettingsError(f"--interval {args.interval:g}: expected a number of seconds > 0")
         config = dataclasses.replace(config, interval_s=args.interval)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if args.check:
         summary = {"rules_file": config.origin, "sources": dict(config.sources),
                    "sinks": dataclasses.asdict(config.sinks), "interval_s": config.interval_s,

@@ -10,14 +10,13 @@ it held back. ``--now`` is the operator's explicit action: it publishes over the
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from cache_refresh.settings import RefreshSettings
 from stream.config import KafkaSettings, RedisSettings
-from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, setup_logging
 from streamrec.settings import SettingsError, Sources, read_config_file
 
 
@@ -71,8 +70,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from streamrec.commands.common import emit, kv_lines
 
     rs, kafka, rds = _settings(args)
-    logging.basicConfig(level=(args.log_level or rs.log_level).upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level or rs.log_level)
     from cache_refresh import job
     from cache_refresh.publish import rollback
     from learner import artifact

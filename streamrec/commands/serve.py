@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 import threading
 from typing import Any
 
 from serving.settings import ServeSettings
-from streamrec.commands.common import add_common
+from streamrec.commands.common import add_common, setup_logging
 
 
 def add_parser(sub: Any) -> None:
@@ -69,8 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,
                    deltas_dir=args.deltas_dir, device=args.device, threads=args.threads, server=args.server)
     rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     torch.set_num_threads(max(1, ss.threads))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

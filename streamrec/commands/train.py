@@ -17,6 +17,7 @@ from streamrec.commands.common import (
     emit,
     kafka_settings,
     kv_lines,
+    setup_logging,
     sources,
 )
 
@@ -49,7 +50,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
 
     src = sources(args)
     kafka = kafka_settings(args, src)
@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
                                        "duplicates", "metrics", "topic")}
         emit(args, status, lambda d: "latest checkpoint\n" + kv_lines(d))
         return EXIT_OK
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if ls.metrics_port is not None:
         from prometheus_client import start_http_server
 

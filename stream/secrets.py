@@ -1,0 +1,133 @@
+"""Credentials and their redaction: one home for "a secret is never printed".
+
+A credential setting (a SASL password, a Redis password, an HMAC signing key) is a :class:`Secret`: its
+``str``/``repr`` is ``***``, it compares by value, and the code that connects calls :meth:`Secret.reveal`.
+Every Secret ever built registers its value, so :func:`redact` can scrub it from any text, even text a
+library produced (an exception message quoting a URL, a log line). :func:`redact` also scrubs the
+password of every URL (``redis://user:PASSWORD@host`` -> ``redis://user:***@host``) and ``password=``,
+``token=``, ``secret=`` style query or key-value pairs; :func:`redact_obj` does it through nested
+summaries (``--json`` output, alerts) and masks values under keys that name a credential. The CLI
+installs :class:`RedactingFilter` on every log handler, so log lines are scrubbed at the source.
+
+Secrets in settings come from one of three places (the loader, ``streamrec/settings.py``, resolves the
+last two at the process edge): the value itself (``password = "..."``, discouraged in a shared file),
+a file named by ``<name>_file`` (a mounted secret; a trailing newline is dropped), or an environment
+variable named by ``<name>_env``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+MASK = "***"
+_MIN_REGISTERED = 4  # shorter values are not scrubbed as free text (they would mask ordinary words)
+_known: set[str] = set()
+_known_lock = threading.Lock()
+_pattern: re.Pattern[str] | None = None
+
+_URL_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
+_KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|secret|token|api[_-]?key|signing[_-]?key|"
+                        r"sasl[._]password)[\w.-]*)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
+_SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token|api[_-]?key|signing[_-]?key|credential")
+
+
+class Secret(str):
+    """A credential. A ``str`` (so clients accept it after :meth:`reveal`) whose ``str``/``repr``/format is ``***``.
+
+    Building one registers its value for :func:`redact`. ``Secret("")`` is "no secret" and is falsy.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, value: str = "") -> Secret:
+        obj = super().__new__(cls, value)
+        if len(value) >= _MIN_REGISTERED:
+            register(value)
+        return obj
+
+    def reveal(self) -> str:
+        """The plain value, for the one call that connects (never for output)."""
+        return str.__str__(self)
+
+    def __str__(self) -> str:
+        return MASK if self.reveal() else ""
+
+    def __repr__(self) -> str:
+        return f"Secret({MASK!r})" if self.reveal() else "Secret('')"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickling a secret (into a checkpoint, say) keeps it masked
+        return (Secret, ("",))
+
+
+def register(value: str) -> None:
+    """Scrub ``value`` from everything :func:`redact` sees from now on (a secret read outside settings)."""
+    global _pattern
+    if len(value) < _MIN_REGISTERED:
+        return
+    with _known_lock:
+        if value in _known:
+            return
+        _known.add(value)
+        _pattern = re.compile("|".join(re.escape(v) for v in sorted(_known, key=len, reverse=True)))
+
+
+def redact(text: str) -> str:
+    """``text`` with every registered secret, URL password and ``password=...`` value replaced by ``***``."""
+    if not text:
+        return text
+    pattern = _pattern
+    if pattern is not None:
+        text = pattern.sub(MASK, text)
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    return _KV_SECRET.sub(lambda m: f"{m['key']}{m['kq']}{m['sep']}{m['q']}{MASK}", text)
+
+
+def redact_obj(obj: Any) -> Any:
+    """A copy of a summary (dicts, lists, strings, numbers) safe to print: strings through :func:`redact`,
+    values under credential-named keys masked, :class:`Secret` values masked."""
+    if isinstance(obj, Secret):
+        return str(obj)
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, Mapping):
+        return {k: (MASK if isinstance(k, str) and _SECRET_KEY.search(k) and v not in (None, "", {}, [])
+                    and not isinstance(v, (bool, int, float)) and not str(k).endswith(("_file", "_env"))
+                    else redact_obj(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_obj(v) for v in obj]
+    if isinstance(obj, BaseException):
+        return redact(str(obj))
+    return obj
+
+
+class RedactingFilter(logging.Filter):
+    """Scrubs each record's message (and exception text) with :func:`redact` before any handler writes it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken format string: leave the record as it is
+            return True
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        elif record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
+
+
+def install_log_redaction(logger: logging.Logger | None = None) -> None:
+    """Add :class:`RedactingFilter` to every handler of ``logger`` (the root logger by default), once."""
+    target = logger or logging.getLogger()
+    for handler in target.handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

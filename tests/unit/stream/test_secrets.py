@@ -1,0 +1,88 @@
+"""Credentials are never printed (stream/secrets.py) and the loader reads them from a file or a named
+environment variable (streamrec/settings.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stream.secrets import MASK, RedactingFilter, Secret, redact, redact_obj, register
+from streamrec.settings import SettingsError, build
+
+
+def test_a_secret_prints_masked_everywhere_but_reveals_for_the_client() -> None:
+    s = Secret("s3cr3t-value")
+    assert (str(s), f"{s}", f"{s:>5}") == (MASK, MASK, "  ***") and "s3cr3t" not in repr(s)
+    assert s.reveal() == "s3cr3t-value" and s == "s3cr3t-value" and not Secret("")
+    assert pickle.loads(pickle.dumps(s)) == ""  # pickled (into a checkpoint, say): the value stays behind
+
+
+@pytest.mark.parametrize("text, leaked", [
+    ("Error 111 connecting to redis://alice:pa55word@10.0.0.1:6379/0", "pa55word"),
+    ("rediss://:onlypass@host:6380", "onlypass"),
+    ("kafka: sasl.password=hunter22 sasl.username=bob", "hunter22"),
+    ('{"password": "quoted-pw", "user": "x"}', "quoted-pw"),
+    ("webhook https://hooks.example/x?token=tok123&a=1", "tok123"),
+])
+def test_redact_scrubs_url_passwords_and_credential_pairs(text: str, leaked: str) -> None:
+    out = redact(text)
+    assert leaked not in out and MASK in out
+
+
+def test_a_registered_secret_is_scrubbed_from_free_text_and_nested_summaries() -> None:
+    register("free-floating-key-42")
+    assert redact("failed with free-floating-key-42 in the message") == f"failed with {MASK} in the message"
+    summary = {"redis": {"url": "redis://u:pw1234@h/0"}, "settings": {"sasl_password": "abcdef",
+               "sasl_password_file": "/run/secrets/kafka", "note": ["free-floating-key-42"]}, "samples": 12}
+    out = redact_obj(summary)
+    text = json.dumps(out)
+    assert "pw1234" not in text and "abcdef" not in text and "free-floating-key-42" not in text
+    assert out["settings"]["sasl_password_file"] == "/run/secrets/kafka" and out["samples"] == 12
+
+
+def test_log_records_are_scrubbed_before_a_handler_writes_them() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RedactingFilter())
+    log = logging.getLogger("test.secrets")
+    log.addHandler(handler)
+    try:
+        log.warning("cannot reach %s", "redis://u:logpw99@h:1/0")
+        try:
+            raise ConnectionError("auth failed for password=logpw77")
+        except ConnectionError:
+            log.exception("history read failed")
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    assert "logpw99" not in text and "logpw77" not in text and text.count(MASK) >= 2
+
+
+@dataclass(frozen=True)
+class _Creds:
+    user: str = "app"
+    password: Secret = Secret("")
+    password_file: Path | None = None
+    password_env: str | None = None
+
+
+def test_the_loader_reads_a_secret_from_a_file_or_a_named_variable_and_never_both(tmp_path: Path) -> None:
+    f = tmp_path / "pw"
+    f.write_text("from-file-pw\n")
+    got = build(_Creds, "creds", {"creds": {"password_file": str(f)}}, {})
+    assert got.password.reveal() == "from-file-pw" and str(got.password) == MASK  # newline dropped
+    got = build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD_ENV": "MY_PW", "MY_PW": "from-env-pw"})
+    assert got.password.reveal() == "from-env-pw"
+    assert build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD": "direct-pw"}).password.reveal() == "direct-pw"
+    with pytest.raises(SettingsError, match="both set"):
+        build(_Creds, "creds", {"creds": {"password_file": str(f), "password_env": "MY_PW"}}, {"MY_PW": "x"})
+    with pytest.raises(SettingsError, match="MISSING_VAR, which is not set"):
+        build(_Creds, "creds", {"creds": {"password_env": "MISSING_VAR"}}, {})
+    with pytest.raises(SettingsError, match="cannot read"):
+        build(_Creds, "creds", {"creds": {"password_file": str(tmp_path / "absent")}}, {})
