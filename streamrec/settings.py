@@ -156,6 +156,16 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
             if type(None) in args:
                 return None
         return _coerce(inner[0], raw, where)
+    if origin in (dict, Mapping) or tp in (dict, Mapping):  # a table: [kafka.extra] in TOML, or "k=v,k2=v2"
+        if isinstance(raw, str):
+            pairs = [x.split("=", 1) for x in raw.split(",") if x.strip()]
+            if any(len(kv) != 2 or not kv[0].strip() for kv in pairs):
+                raise SettingsError(f"{where}: cannot use {shown(raw)}: expected key=value pairs separated by commas")
+            raw = {k.strip(): v.strip() for k, v in pairs}
+        if not isinstance(raw, Mapping):
+            raise SettingsError(f"{where}: cannot use {shown(raw)}: expected a table of key = value")
+        key_t, value_t = args if len(args) == 2 else (str, str)
+        return {_coerce(key_t, k, f"{where}.{k}"): _coerce(value_t, v, f"{where}.{k}") for k, v in raw.items()}
     if origin is tuple and args[-1:] == (Ellipsis,):  # tuple[int, ...]: a TOML array, or "a,b,c"
         if isinstance(raw, str):
             raw = [x for x in raw.replace(" ", "").split(",") if x]
@@ -189,7 +199,7 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
         if tp is Secret:
             return Secret(str(raw))
         if tp is str:
-            return str(raw)
+            return ("true" if raw else "false") if isinstance(raw, bool) else str(raw)  # TOML true: librdkafka's "true"
         if tp is Path:
             return Path(str(raw))
         if isinstance(tp, type) and issubclass(tp, enum.Enum):

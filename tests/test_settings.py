@@ -77,7 +77,7 @@ def test_the_writers_and_readers_of_each_redis_channel_agree_for_any_prefix() ->
 def test_every_choice_is_an_enum_checked_where_its_dataclass_is_built() -> None:
     from cache_refresh.settings import CountEvent, RefreshSettings
     from learner.config import ArtifactFormat, Device, LearnerSettings, SparseOptimizer
-    from serving.settings import ServeSettings, ServerKind
+    from serving.settings import ServerKind, ServeSettings
     from stream.errors import ConfigError
     from stream.joiner.config import Driver, JoinerSettings
 
@@ -123,3 +123,17 @@ def test_a_float_setting_must_be_finite(raw: object) -> None:
     with pytest.raises(SettingsError, match="expected a finite number"):
         build(LearnerSettings, "learner", {"learner": {"lr_dense": raw}} if not isinstance(raw, str) else {},
               {"STREAMREC_LEARNER_LR_DENSE": raw} if isinstance(raw, str) else {})
+
+
+def test_a_table_setting_comes_from_a_toml_table_or_key_value_pairs() -> None:
+    from dataclasses import dataclass, field
+
+    @dataclass(frozen=True)
+    class WithTable:
+        extra: dict[str, str] = field(default_factory=dict)
+
+    got = build(WithTable, "t", {"t": {"extra": {"socket.keepalive.enable": True, "fetch.min.bytes": 1}}}, {})
+    assert got.extra == {"socket.keepalive.enable": "true", "fetch.min.bytes": "1"}
+    assert build(WithTable, "t", {}, {"STREAMREC_T_EXTRA": "a=1, b = x=y"}).extra == {"a": "1", "b": "x=y"}
+    with pytest.raises(SettingsError, match="key=value pairs"):
+        build(WithTable, "t", {}, {"STREAMREC_T_EXTRA": "novalue"})
