@@ -4,11 +4,15 @@ What it measures, in one run, against a local stack it starts (Tansu + Redis on 
 
 * p50/p99 latency of ``POST /v1/score`` for 1 user x 100 candidates, measured by the client (request
   written -> response read, keep-alive HTTP/1.1 over loopback) at 1 and 8 concurrent clients, for the
-  eager, TorchScript and torch.export artifacts of one synthetic DeepFM checkpoint with a fused table of
-  ``--rows`` rows (default 10 M x (16 + 1) floats = 680 MB), MLP 400-400-400, the user's 20-click
-  history read from Redis on every request. Users and items are drawn Zipf(1.1); the hot set is the
+  eager, TorchScript, torch.export and safetensors artifacts of one synthetic DeepFM checkpoint with a
+  fused table of ``--rows`` rows (default 10 M x (16 + 1) floats = 680 MB), MLP 400-400-400, the user's
+  20-click history read from Redis on every request. Users and items are drawn Zipf(1.1); the hot set is the
   most frequent ``--hot-share`` of rows as the nightly refresh would pick them from counts, the rest
   is read from the memory-mapped cold file; the hot-cache hit rate is read from ``/metrics``.
+* load time of each format, in this process (best of 3, files in the page cache): ``ScoringModel.load``
+  with the sha256 check of every file, without it (``verify_files=False``), and the scorer file alone
+  (``learner.scorer.load_scorer``: TorchScript/export deserialize code, eager unpickles weights-only,
+  safetensors reads a JSON header and raw bytes).
 * the two HTTP servers (stdlib ThreadingHTTPServer, aiohttp) on the TorchScript artifact.
 * freshness (``--freshness``): a click event produced to Kafka -> the served score for that user and
   item changes, through the real joiner, learner (deltas every second) and server; p50/p95.
@@ -46,9 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cache_refresh.publish import publish  # noqa: E402
-from learner.artifact import build_artifact  # noqa: E402
+from learner.artifact import SCORER_FILES, build_artifact, read_current  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
+from learner.scorer import ScorerSpec, load_scorer  # noqa: E402
+from serving.model import ScoringModel  # noqa: E402
 from stream.features import hash_value  # noqa: E402
 from stream.history import UserHistory  # noqa: E402
 from streamrec.stack import (  # noqa: E402
@@ -197,6 +203,27 @@ def load(server: Server, bodies: list[bytes], clients: int, per_client: int, war
             "rps": len(all_lat) / wall, "errors": len(errors)}
 
 
+# -- load time -----------------------------------------------------------------------------------------
+def load_times(version_dir: Path, repeats: int = 3) -> dict[str, float]:
+    """Seconds to load one artifact version in this process (best of ``repeats``, after one run that warms the
+    page cache): verified (size + sha256 of every file), unverified, and the scorer file alone."""
+    manifest = json.loads((version_dir / "manifest.json").read_text())
+    fmt, spec = manifest["format"], ScorerSpec.from_dict(manifest["scorer"])
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    return {"verified_s": best(lambda: ScoringModel.load(version_dir)),
+            "unverified_s": best(lambda: ScoringModel.load(version_dir, verify_files=False)),
+            "scorer_s": best(lambda: load_scorer(fmt, version_dir / SCORER_FILES[fmt], spec, "cpu")),
+            "scorer_bytes": float((version_dir / SCORER_FILES[fmt]).stat().st_size)}
+
+
 # -- freshness -----------------------------------------------------------------------------------------
 def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
     """click event -> served score change, through joiner, learner deltas and serving."""
@@ -283,13 +310,13 @@ def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
     finally:
         if server is not None:
             server.stop()
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
             try:
-                p.wait(timeout=30)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.kill()
+                proc.kill()
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -298,7 +325,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1 M rows, fewer requests")
     ap.add_argument("--rows", type=int, help="rows of the fused table (default 10 M; --quick 1 M)")
     ap.add_argument("--requests", type=int, help="measured requests per client (default 2000; --quick 300)")
-    ap.add_argument("--formats", default="eager,torchscript,export")
+    ap.add_argument("--formats", default="eager,torchscript,export,safetensors")
     ap.add_argument("--hot-share", type=float, default=0.1, help="share of rows in the hot set (default 0.1)")
     ap.add_argument("--no-servers", action="store_true", help="skip the threading vs aiohttp comparison")
     ap.add_argument("--freshness", action="store_true", help="also measure click -> served score change")
@@ -311,6 +338,7 @@ def main() -> int:
     stack.up()
     results: list[tuple[str, str, int, dict[str, float]]] = []
     hit_rates: dict[str, float] = {}
+    loads: dict[str, dict[str, float]] = {}
     try:
         t0 = time.monotonic()
         cfg = feature_config(rows)
@@ -336,6 +364,11 @@ def main() -> int:
             t1 = time.monotonic()
             publish(root, build_artifact(ckpt, root, hot, format=fmt), keep=1)
             print(f"{fmt}: artifact built in {time.monotonic() - t1:.1f}s", file=sys.stderr)
+            current = read_current(root)
+            assert current is not None
+            loads[fmt] = load_times(current)
+            print(f"{fmt}: load {loads[fmt]['verified_s']:.3f}s verified, {loads[fmt]['unverified_s']:.3f}s "
+                  f"without sha256, scorer {loads[fmt]['scorer_s'] * 1000:.1f} ms", file=sys.stderr)
             servers = ["threading", "aiohttp"] if fmt == "torchscript" and not args.no_servers else ["threading"]
             for srv in servers:
                 server = Server(root, stack.redis_url, prefix, server=srv)
@@ -364,6 +397,12 @@ def main() -> int:
     for fmt, srv, clients, r in results:
         print(f"{fmt:<12} {srv:<10} {clients:>7} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['rps']:>8.0f} "
               f"{r['errors']:>6}")
+    if loads:
+        print(f"\nartifact load, in-process, best of 3 (cold rows {rows:,} x 17 floats memory-mapped):")
+        print(f"{'format':<12} {'verified s':>11} {'no sha256 s':>12} {'scorer ms':>10} {'scorer MB':>10}")
+        for fmt, lt in loads.items():
+            print(f"{fmt:<12} {lt['verified_s']:>11.3f} {lt['unverified_s']:>12.3f} {lt['scorer_s'] * 1000:>10.1f} "
+                  f"{lt['scorer_bytes'] / 1e6:>10.2f}")
     print("hot-cache hit rate (hot set = " + f"{args.hot_share:.0%} of rows): " +
           ", ".join(f"{k} {v:.1%}" for k, v in hit_rates.items()))
     target = [r for f, s, c, r in results if c == 1 and s == "threading"]

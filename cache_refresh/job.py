@@ -11,7 +11,10 @@ removed (nothing is published: the live artifact keeps serving), a firing alert 
 Kafka ``alerts`` topic and the log. Failing closed: the checkpoint is loaded without unpickling code
 (``load_latest(safe=True)``) and checked before anything is built (``artifact.check_checkpoint``: meta,
 feature config, table shape, finite weights); an unreadable newest checkpoint falls back to the previous
-one (logged, and named in the summary), none loadable is a failure naming each file's reason. Only a
+one (logged, and named in the summary), none loadable is a failure naming each file's reason. With
+``signing_key_file`` (read at the start of each run, stage ``signing_key``) the manifest of the artifact
+built is signed (``learner/artifact.py``), the staged artifact is loaded and published only if its
+signature checks, and the live artifact compared against is loaded only if signed with the same key. Only a
 staged artifact that validated is published, and ``publish`` verifies every file again before the
 rename; a failed run is not retried by the job itself (the schedule's next run, or ``--now``, is the
 retry), so a bad checkpoint costs one failed run and one alert, never a loop.
@@ -64,10 +67,11 @@ from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
 from learner.row_mapper import RowMapper
+from learner.tensorpack import SigningKey, load_signing_key
 from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, Severity
 from serving.model import ScoringModel
 from stream.config import KafkaSettings, RedisSettings
-from stream.errors import StreamrecError
+from stream.errors import ConfigError, StreamrecError
 from stream.files import describe_os_error, write_atomic
 
 log = logging.getLogger("streamrec.refresh")
@@ -212,6 +216,12 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timings[name] = round(time.monotonic() - t0, 3)
 
     try:
+        stage = "signing_key"
+        try:
+            key = load_signing_key(rs.signing_key_file)
+        except ConfigError as exc:
+            raise RefreshError(stage, f"[refresh] {exc}; nothing was built or published") from exc
+
         cleaned = clean_leftovers(root)
         if cleaned:
             log.info("removed what killed refreshes left in %s: %s", root, ", ".join(cleaned))
@@ -249,15 +259,15 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
         stage = "build"
         t0 = time.monotonic()
-        staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats)
+        staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats, signing_key=key)
         timed(stage, t0)
         log.info("refresh: built %s", staged)
 
         stage = "validate"
         t0 = time.monotonic()
-        new = ScoringModel.load(staged)
+        new = ScoringModel.load(staged, signing_key=key)
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
-        live = _live_model(root)
+        live = _live_model(root, key)
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
         quality = validate.holdout(new, live, batches, rs.max_auc_drop)
         timed(stage, t0)
@@ -267,7 +277,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         try:
-            path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin)
+            path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
         except PinHeld as held:
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
@@ -314,6 +324,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
     return {
         "published": True, "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
+        "signed": key is not None,
         "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest["hot_set"],
         "skipped_checkpoints": [{"path": str(p), "reason": why} for p, why in problems],
         "probe": probe, "holdout": quality, "notified": notified, "channel": notify_channel(rs, rds),
@@ -351,11 +362,12 @@ def _current_name(root: Path) -> str | None:
         return None
 
 
-def _live_model(root: Path) -> ScoringModel | None:
-    """The live artifact to compare with; None (comparison skipped, logged) when there is none or it is bad."""
+def _live_model(root: Path, key: SigningKey | None = None) -> ScoringModel | None:
+    """The live artifact to compare with; None (comparison skipped, logged) when there is none or it is bad
+    (with ``key``: also when it is not signed with it)."""
     try:
         current = artifact.read_current(root)
-        return ScoringModel.load(current) if current is not None else None
+        return ScoringModel.load(current, signing_key=key) if current is not None else None
     except artifact.ArtifactError as exc:
         log.warning("the live artifact does not load (%s); the holdout comparison is skipped", exc)
         return None

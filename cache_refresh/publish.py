@@ -52,6 +52,7 @@ from learner.artifact import (
     verify,
     versions_dir,
 )
+from learner.tensorpack import SigningKey
 from stream.files import TMP_MARK, describe_os_error, fsync_dir, write_atomic
 
 log = logging.getLogger("streamrec.publish")
@@ -202,7 +203,8 @@ def _prune(root: Path, keep: int) -> list[str]:
     return removed
 
 
-def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True) -> Path:
+def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
+            signing_key: SigningKey | None = None) -> Path:
     """Verify a staged artifact, move it into ``versions/`` and make it current (clearing a rollback pin);
     keep the last ``keep`` versions.
 
@@ -211,10 +213,11 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True) -> P
     nothing half-published stays). With ``over_pin=False`` (the scheduled refresh) a rollback pin holding
     the live version is respected: :class:`PinHeld`, nothing changed. After ``CURRENT`` names the new
     version the publish has happened; clearing the pin and pruning are then best effort (logged): a pin
-    left behind names an older version and is stale, a version left behind is pruned next time.
+    left behind names an older version and is stale, a version left behind is pruned next time. With
+    ``signing_key`` the staged manifest must carry its signature (what serving with the key will check).
     """
     root, staged_dir = Path(root), Path(staged_dir)
-    manifest = verify(staged_dir)
+    manifest = verify(staged_dir, signing_key=signing_key)
     version = manifest["version"]
     if not over_pin:
         pin = pin_holding(root)
@@ -268,13 +271,14 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True) -> P
     return target
 
 
-def rollback(root: Path) -> str:
+def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
     """Make the version before the current one current again and pin it; returns its name.
 
-    The older version is verified first (size and sha256 of every file): a damaged one is an ArtifactError
-    and ``CURRENT`` stays as it was. The pin (``PINNED``) stops serving from applying learner deltas to the
-    rolled-back version, and scheduled refreshes from publishing over it, until an operator publishes
-    (``streamrec refresh --now``; see the module docstring)."""
+    The older version is verified first (size and sha256 of every file, and with ``signing_key`` its
+    manifest's signature: serving with the key would refuse an unsigned one): a damaged one is an
+    ArtifactError and ``CURRENT`` stays as it was. The pin (``PINNED``) stops serving from applying learner
+    deltas to the rolled-back version, and scheduled refreshes from publishing over it, until an operator
+    publishes (``streamrec refresh --now``; see the module docstring)."""
     root = Path(root)
     versions = [v for v in list_versions(root) if is_version_name(v)]
     current = current_version(root)
@@ -284,7 +288,7 @@ def rollback(root: Path) -> str:
                             f"(published: {versions or 'none'})")
     target = older[-1]
     try:
-        verify(versions_dir(root) / target)
+        verify(versions_dir(root) / target, signing_key=signing_key)
     except ArtifactError as exc:
         raise ArtifactError(f"cannot roll back to {target}: {exc}; CURRENT still names {current}") from None
     now = time.time()

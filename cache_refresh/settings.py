@@ -51,6 +51,10 @@ class RefreshSettings:
     redis_timeout_s: float = 5.0
     notify_channel: str = ""  # PUBLISH the new version here; "" = "<redis prefix>:model-updates"
     alerts_topic: str = "alerts"  # Kafka topic of firing alerts ("" = log only)
+    # HMAC-SHA256 key file (>= 16 bytes; the same file as serving's): the manifest of every artifact built is
+    # signed with it (``signature``), and a rollback or the live artifact read for comparison must verify. None:
+    # artifacts are unsigned.
+    signing_key_file: Path | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -13,11 +13,33 @@ Layout under a publish root::
     <root>/versions/<version>/
         manifest.json                    version, created, source checkpoint (path, samples_trained,
                                          offsets), feature_config, model settings, hot-set stats,
-                                         format, scorer settings, files {name: {sha256, bytes}}
-        scorer.pt | scorer.pt2 | scorer_state.pt   the scorer (torchscript | export | eager)
+                                         format, scorer settings, files {name: {sha256, bytes}},
+                                         signature (when the refresh has a signing key)
+        scorer.pt | scorer.pt2 | scorer_state.pt | scorer.safetensors
+                                         the scorer (torchscript | export | eager | safetensors)
         cold_rows.npy                    float32 (num_rows, D + 1): the whole fused table, memory-mapped
-        id_maps.pt                       dynamic ids only: the learner's id maps (learner/row_mapper.py)
+        id_maps.pt | id_maps.pack        dynamic ids only: the learner's id maps (learner/row_mapper.py), a
+                                         weights-only torch.save, or (safetensors artifacts) a
+                                         learner.tensorpack: a safetensors artifact unpickles nothing
     <root>/.staging/<version>-<pid>/     an artifact being built; never read by serving
+
+Every file serving reads is listed in the manifest's ``files`` and checked (size, sha256) before any of
+them is opened to load (:func:`verify`, ``serving.model.ScoringModel.load``).
+
+Signatures: with a signing key (``signing_key_file``: :func:`learner.tensorpack.load_signing_key`) the
+manifest carries ``signature``, the hex HMAC-SHA256 of :func:`canonical_manifest` (the manifest without
+``signature``, as JSON with sorted keys and no spaces). A reader with a key (:func:`decode_manifest`,
+:func:`read_manifest`, :func:`verify` given ``signing_key``) refuses an unsigned manifest or one whose
+signature does not match right after parsing it, before any other file of the version is opened; since
+the manifest lists every file's sha256, a signed manifest authenticates the whole artifact. A reader
+without a key ignores the signature.
+
+Paths: names read from the root (``CURRENT``, ``PINNED``, the entries of ``versions/``) must be plain
+version names (:func:`is_version_name`: letters, digits, ``. _ -``, no path separator, not starting with
+a dot, so never ``..``); manifest file names likewise. A version directory must resolve (symlinks
+followed) to a directory inside ``<root>/versions``, and every artifact file (the manifest included) to a
+file inside its version directory: a symlink leaving them is an ArtifactError (:func:`version_path`,
+:func:`read_current`, :func:`verify`), and :func:`list_versions` leaves such entries out.
 
 Errors: :class:`ArtifactError` for every artifact that cannot be used (missing, truncated or altered
 files; a manifest that is not UTF-8, not JSON, not an object, lacks a key or has a key of the wrong type
@@ -47,18 +69,22 @@ from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.scorer import FORMATS, SCORER_FILES, Scorer, ScorerSpec, hot_buffers, save_scorer
+from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.errors import StreamrecError
 from stream.files import fsync_dir, sha256_file, write_synced
 
-__all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "MANIFEST", "PIN",
-           "SCORER_FILES", "STAGING", "VERSIONS", "ArtifactError", "Pin", "build_artifact", "check_checkpoint",
-           "current_version", "decode_manifest", "eager_model", "feature_config_from", "is_version_name",
-           "list_versions", "new_version_name", "pin_holding", "read_current", "read_manifest",
-           "read_pin", "verify", "versions_dir"]
+__all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST",
+           "PIN", "SCORER_FILES", "SIGNATURE", "STAGING", "VERSIONS", "ArtifactError", "Pin", "build_artifact",
+           "canonical_manifest", "check_checkpoint", "check_paths", "check_signature", "current_version",
+           "decode_manifest", "eager_model", "feature_config_from", "is_version_name", "list_versions",
+           "new_version_name", "pin_holding", "read_current", "read_id_maps", "read_manifest", "read_pin", "verify",
+           "version_path", "versions_dir"]
 
 ARTIFACT_FORMAT_VERSION = 1
 COLD_FILE = "cold_rows.npy"
-ID_MAPS_FILE = "id_maps.pt"  # dynamic ids only: the learner's id maps (learner/row_mapper.py)
+ID_MAPS_FILE = "id_maps.pt"  # dynamic ids only: the learner's id maps (learner/row_mapper.py), torch.save
+ID_MAPS_PACK = "id_maps.pack"  # the same as a learner.tensorpack (safetensors artifacts: nothing unpickled)
+SIGNATURE = "signature"  # the manifest key of its HMAC-SHA256 (with a signing key)
 MANIFEST = "manifest.json"
 CURRENT = "CURRENT"
 PIN = "PINNED"
@@ -186,15 +212,48 @@ def _check_files(files: Any, fmt: str, bad: Any) -> None:
     for needed in (SCORER_FILES[fmt], COLD_FILE):
         if needed not in files:
             raise bad(f"files does not list {needed}, which a {fmt} artifact reads")
+    if ID_MAPS_FILE in files and ID_MAPS_PACK in files:
+        raise bad(f"files lists both {ID_MAPS_FILE} and {ID_MAPS_PACK}; an artifact has one id maps file")
+    if fmt == "safetensors" and ID_MAPS_FILE in files:
+        raise bad(f"files lists {ID_MAPS_FILE}, a pickle, in a safetensors artifact (which unpickles nothing; its id "
+                  f"maps are {ID_MAPS_PACK})")
 
 
-def decode_manifest(raw: bytes, where: str | Path = MANIFEST) -> dict[str, Any]:
+def canonical_manifest(manifest: Mapping[str, Any]) -> bytes:
+    """The bytes a manifest's signature covers: the manifest without ``signature``, as JSON with sorted keys,
+    no spaces and ASCII escapes (independent of how the file itself is indented)."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def check_signature(manifest: Mapping[str, Any], key: SigningKey, where: str | Path = MANIFEST) -> None:
+    """ArtifactError unless ``manifest`` carries ``key``'s signature of :func:`canonical_manifest`."""
+    sig = manifest.get(SIGNATURE)
+    fix = ("publish it again with a refresh that has the same signing_key_file (`streamrec refresh --now`), or "
+           "roll back to a signed version")
+    if sig is None:
+        raise ArtifactError(f"{where}: the manifest is unsigned, and this reader has a signing key (signing_key_file "
+                            f"{key.source or 'set'}): refused before any other file was opened; {fix}")
+    if not (isinstance(sig, str) and _SHA_RE.fullmatch(sig)):
+        raise ArtifactError(f"{where}: signature is {_show(sig)}, not 64 hex digits: refused; {fix}")
+    try:
+        body = canonical_manifest(manifest)
+    except (TypeError, ValueError) as exc:  # JSON from a file always re-encodes; kept so nothing else escapes
+        raise ArtifactError(f"{where}: the manifest cannot be re-encoded to check its signature ({exc})") from None
+    if not key.verify(body, sig):
+        raise ArtifactError(f"{where}: signature does not match this reader's signing key: the manifest was altered "
+                            f"or signed with another key; refused before any other file was opened; {fix}")
+
+
+def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
+                    signing_key: SigningKey | None = None) -> dict[str, Any]:
     """The manifest in ``raw`` (the bytes of ``manifest.json``), every key this code reads checked.
 
     Raises :class:`ArtifactError` naming the problem for any other bytes: not UTF-8, not JSON, not an
-    object, another ``artifact_format_version``, a missing key, a key of the wrong type or value, a file
-    name with a path in it, a feature config or scorer spec that does not hold together. Extra keys are
-    allowed (newer writers may add some).
+    object, (with ``signing_key``) unsigned or a signature that does not match, checked first, another
+    ``artifact_format_version``, a missing key, a key of the wrong type or value, a file name with a path in
+    it, a feature config or scorer spec that does not hold together. Extra keys are allowed (newer writers
+    may add some).
     """
     where = str(where)
 
@@ -212,6 +271,8 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST) -> dict[str, Any]:
         raise bad(f"not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(m, dict):
         raise bad(f"holds {_show(m)}, expected a JSON object")
+    if signing_key is not None:
+        check_signature(m, signing_key, where)
     afv = m.get("artifact_format_version")
     if not _int(afv) or afv != ARTIFACT_FORMAT_VERSION:
         raise ArtifactError(f"{where}: artifact format {_show(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
@@ -295,12 +356,14 @@ def new_version_name(now: float | None = None) -> str:
 
 
 def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
-                   hot_stats: dict[str, Any] | None = None, version: str | None = None) -> Path:
+                   hot_stats: dict[str, Any] | None = None, version: str | None = None,
+                   signing_key: SigningKey | None = None) -> Path:
     """Stage a complete artifact for ``checkpoint`` under the publish root ``out_dir``; returns the staged dir.
 
     ``hot_rows`` (int64, any order, duplicates allowed) are global rows of the fused table placed in the
     scorer. The staged directory (``out_dir/.staging/<version>-<pid>``) is complete and fsynced when this
-    returns; ``cache_refresh.publish.publish`` makes it a version. On error nothing is left behind.
+    returns; ``cache_refresh.publish.publish`` makes it a version. On error nothing is left behind. With
+    ``signing_key`` the manifest carries its ``signature`` (module docstring).
     """
     if format not in FORMATS:
         raise ArtifactError(f"unknown artifact format {format!r}; expected one of {', '.join(FORMATS)}")
@@ -325,6 +388,8 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     scorer.eval()
 
     version = version or new_version_name()
+    if not is_version_name(version):
+        raise ArtifactError(f"version {version!r} is not a plain version name (letters, digits, . _ -)")
     staged = root / STAGING / f"{version}-{os.getpid()}"
     staged.mkdir(parents=True, exist_ok=False)
     try:
@@ -333,8 +398,13 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
         write_synced(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
         names = [scorer_file, COLD_FILE]
         if checkpoint.get("id_maps"):  # dynamic ids: serving maps raw ids to the rows the learner used
-            write_synced(staged / ID_MAPS_FILE, lambda fh: torch.save(checkpoint["id_maps"], fh))
-            names.append(ID_MAPS_FILE)
+            if format == "safetensors":  # nothing of a safetensors artifact is a pickle
+                data = pack(checkpoint["id_maps"])
+                write_synced(staged / ID_MAPS_PACK, lambda fh: fh.write(data))
+                names.append(ID_MAPS_PACK)
+            else:
+                write_synced(staged / ID_MAPS_FILE, lambda fh: torch.save(checkpoint["id_maps"], fh))
+                names.append(ID_MAPS_FILE)
         files = {}
         for name in names:
             p = staged / name
@@ -357,7 +427,12 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
             "files": files,
             "build_seconds": round(time.monotonic() - t0, 3),
         }
-        write_synced(staged / MANIFEST, lambda fh: fh.write(json.dumps(manifest, indent=2, sort_keys=True).encode()))
+        text = json.dumps(manifest, indent=2, sort_keys=True)
+        if signing_key is not None:  # sign what a reader parses back (JSON turns int keys into strings, ...)
+            manifest = json.loads(text)
+            manifest[SIGNATURE] = signing_key.sign(canonical_manifest(manifest))
+            text = json.dumps(manifest, indent=2, sort_keys=True)
+        write_synced(staged / MANIFEST, lambda fh: fh.write(text.encode()))
         fsync_dir(staged)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
@@ -371,12 +446,53 @@ def versions_dir(root: Path) -> Path:
     return Path(root) / VERSIONS
 
 
+def _resolve_inside(path: Path, parent: Path, what: str) -> Path:
+    """``path`` with every symlink resolved; ArtifactError unless that is an entry directly inside ``parent``
+    (resolved too: a publish root that is itself a symlink is fine)."""
+    try:
+        target, home = Path(path).resolve(), Path(parent).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise ArtifactError(f"{path} cannot be resolved ({exc}): {what}; refused") from None
+    if target.parent != home:
+        raise ArtifactError(f"{path} resolves to {target}, outside {home} (a symlink or a path leaving it): {what}; "
+                            "refused. Publish with `streamrec refresh --now`, which writes plain directories and files")
+    return target
+
+
+def _check_version_dir(version_dir: Path) -> Path:
+    """``version_dir`` as an absolute path; ArtifactError when it resolves outside the directory holding it."""
+    version_dir = Path(os.path.abspath(version_dir))
+    _resolve_inside(version_dir, version_dir.parent, f"a version directory must lie in {version_dir.parent}")
+    return version_dir
+
+
 def list_versions(root: Path) -> list[str]:
-    """Published versions, oldest first."""
+    """Published versions, oldest first: the entries of ``versions/`` with a version name that are directories
+    inside it (hidden entries, other names and symlinks resolving elsewhere are left out)."""
     d = versions_dir(root)
     if not d.is_dir():
         return []
-    return sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+    home = d.resolve()
+    out = []
+    for p in d.iterdir():
+        if p.name.startswith(".") or not is_version_name(p.name):
+            continue
+        try:
+            if p.is_dir() and p.resolve().parent == home:
+                out.append(p.name)
+        except (OSError, RuntimeError):  # a symlink loop, or gone meanwhile
+            continue
+    return sorted(out)
+
+
+def version_path(root: Path, name: str) -> Path:
+    """``<root>/versions/<name>``, checked: ArtifactError when ``name`` is not a version name or the entry
+    resolves outside ``<root>/versions`` (a symlink). It need not exist."""
+    if not (isinstance(name, str) and is_version_name(name)):
+        raise ArtifactError(f"{_show(name)} is not a version name (letters, digits, . _ -): refused")
+    path = versions_dir(root) / name
+    _resolve_inside(path, versions_dir(root), f"a version must be a directory in {versions_dir(root)}")
+    return path
 
 
 def current_version(root: Path) -> str | None:
@@ -404,12 +520,13 @@ def current_version(root: Path) -> str | None:
 def read_current(root: Path) -> Path | None:
     """The current version's directory, or None when nothing was published (or it is gone).
 
-    ArtifactError when ``CURRENT`` holds something that is not a version name."""
+    ArtifactError when ``CURRENT`` holds something that is not a version name, or names an entry that
+    resolves outside ``<root>/versions`` (:func:`version_path`)."""
     name = current_version(root)
     if name is None:
         return None
     path = versions_dir(root) / name
-    return path if path.is_dir() else None
+    return version_path(root, name) if path.is_dir() else None
 
 
 @dataclass(frozen=True)
@@ -440,7 +557,8 @@ def read_pin(root: Path) -> Pin | None:
     except (UnicodeDecodeError, ValueError, RecursionError):
         d = None
     ok = (isinstance(d, dict) and isinstance(d.get("version"), str) and _NAME_RE.fullmatch(d["version"])
-          and (d.get("rolled_back_from") is None or isinstance(d["rolled_back_from"], str))
+          and (d.get("rolled_back_from") is None
+               or (isinstance(d["rolled_back_from"], str) and _NAME_RE.fullmatch(d["rolled_back_from"])))
           and (d.get("at") is None or _num(d["at"])))
     if not ok or len(raw) > _MAX_POINTER:
         return Pin(None, None, None, f"{path} holds {_show(raw[:60])}, not a rollback pin; deltas stay paused "
@@ -463,9 +581,13 @@ def pin_holding(root: Path) -> Pin | None:
     return pin if current is not None and pin.holds(current) else None
 
 
-def read_manifest(version_dir: Path) -> dict[str, Any]:
-    """The checked manifest of ``version_dir`` (:func:`decode_manifest`); ArtifactError if missing or bad."""
-    path = Path(version_dir) / MANIFEST
+def read_manifest(version_dir: Path, signing_key: SigningKey | None = None) -> dict[str, Any]:
+    """The checked manifest of ``version_dir`` (:func:`decode_manifest`, with ``signing_key`` its signature
+    first); ArtifactError if missing or bad, or when the directory or the manifest is a symlink leaving the
+    directory that holds it."""
+    version_dir = _check_version_dir(version_dir)
+    path = version_dir / MANIFEST
+    _resolve_inside(path, version_dir, "the manifest must be a file of its version directory")
     try:
         if path.stat().st_size > _MAX_MANIFEST:
             raise ArtifactError(f"{path} has {path.stat().st_size} bytes, more than a manifest's {_MAX_MANIFEST}: "
@@ -477,15 +599,31 @@ def read_manifest(version_dir: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} is a directory, not a manifest: the artifact is corrupt") from None
     except OSError as exc:
         raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
-    return decode_manifest(raw, path)
+    return decode_manifest(raw, path, signing_key)
 
 
-def verify(version_dir: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Check every file's size and sha256 against the manifest; returns the manifest."""
-    version_dir = Path(version_dir)
-    manifest = manifest or read_manifest(version_dir)
+def check_paths(version_dir: Path, manifest: Mapping[str, Any]) -> None:
+    """ArtifactError when the version directory or a file the manifest lists is a symlink (or a path) resolving
+    outside where it belongs (module docstring). :func:`verify` does this too; this is the check alone, for a
+    load that skips the digests."""
+    version_dir = _check_version_dir(version_dir)
+    for name in manifest["files"]:
+        _resolve_inside(version_dir / name, version_dir, "artifact files must be files of their version directory")
+
+
+def verify(version_dir: Path, manifest: dict[str, Any] | None = None,
+           signing_key: SigningKey | None = None) -> dict[str, Any]:
+    """Check every file's size and sha256 against the manifest (read and, with ``signing_key``, its signature
+    checked first when not given); returns the manifest. ArtifactError for a file that is missing, of another
+    size or digest, or a symlink resolving outside the version directory."""
+    version_dir = _check_version_dir(version_dir)
+    if manifest is None:  # (the one-argument call without a key: tests wrap read_manifest)
+        manifest = read_manifest(version_dir) if signing_key is None else read_manifest(version_dir, signing_key)
+    elif signing_key is not None:
+        check_signature(manifest, signing_key, version_dir / MANIFEST)
     for name, want in manifest["files"].items():
         p = version_dir / name
+        _resolve_inside(p, version_dir, "artifact files must be files of their version directory")
         if not p.is_file():
             raise ArtifactError(f"{p} is missing (listed in the manifest): the artifact is incomplete")
         try:
@@ -503,3 +641,28 @@ def verify(version_dir: Path, manifest: dict[str, Any] | None = None) -> dict[st
             raise ArtifactError(f"{p}: sha256 {digest[:16]}... does not match the manifest's {want['sha256'][:16]}...: "
                                 "the file is corrupt; republish with `streamrec refresh --now` or roll back")
     return manifest
+
+
+def read_id_maps(version_dir: Path, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The id maps the manifest lists (``id_maps.pack``: a tensorpack, nothing unpickled; ``id_maps.pt``: a
+    weights-only ``torch.load``), or None when it lists none. Call it after :func:`verify`. ArtifactError
+    when the file does not load or holds no object."""
+    version_dir = Path(version_dir)
+    files = manifest["files"]
+    if ID_MAPS_PACK in files:
+        path = version_dir / ID_MAPS_PACK
+        try:
+            state = unpack(path.read_bytes())
+        except (PackError, OSError) as exc:
+            raise ArtifactError(f"{path}: cannot load the id maps ({exc})") from None
+    elif ID_MAPS_FILE in files:
+        path = version_dir / ID_MAPS_FILE
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - unpickling errors, torn zips, I/O: a bad artifact
+            raise ArtifactError(f"{path}: cannot load the id maps ({type(exc).__name__}: {str(exc)[:300]})") from None
+    else:
+        return None
+    if not isinstance(state, dict):
+        raise ArtifactError(f"{path}: holds a {type(state).__name__}, expected the id maps object")
+    return state

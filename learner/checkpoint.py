@@ -14,9 +14,14 @@ learner that resumes from the directory continues its lineage; one started in an
 a new one. The refresh copies it into the artifact's manifest and serving applies a delta only to an
 artifact of the delta's own lineage: rows and dense weights of two different trainings never mix.
 
-Loading: ``load_latest(..., safe=True)`` (what ``cache_refresh`` uses) unpickles nothing but tensors,
-numpy arrays and plain containers (``torch.load(weights_only=True)`` with numpy's array types allowed),
-so a foreign file cannot run code in the refresh job.
+Loading: every load (the learner's resume, :func:`restore_latest`, as much as the refresh's
+:func:`load_latest`) unpickles nothing but tensors, numpy arrays and plain containers
+(``torch.load(weights_only=True)`` with numpy's array types allowed, :func:`load`), so a foreign file
+cannot run code in the learner or the refresh job: a file holding anything else (a pickled callable, a
+class) is refused unread, named with the global it wanted. Everything :func:`save` writes loads that way
+(the learner's state is tensors, numpy arrays and plain values: ``tests/contracts/test_state_round_trip.py``
+and ``tests/unit/learner/test_safe_loads.py`` check it), so the layout did not change for it. There is no
+unrestricted load any more; ``safe=False`` is accepted and means the same.
 
 Types and versions: a loaded checkpoint is a :class:`Checkpoint` (its path, format version, meta and
 state, with the typed feature and model config and the model-shaping settings it was trained with).
@@ -206,10 +211,10 @@ def _numpy_globals() -> list[Any]:
     return [np.ndarray, np.dtype, core.multiarray._reconstruct, *dtypes]
 
 
-def load(path: Path, safe: bool = False) -> dict[str, Any]:
-    """One checkpoint file. ``safe``: tensors, numpy arrays and plain containers only (no code runs)."""
-    if not safe:
-        return torch.load(path, map_location="cpu", weights_only=False)
+def load(path: Path, safe: bool = True) -> dict[str, Any]:
+    """One checkpoint file: tensors, numpy arrays and plain containers only (no code runs; anything else is an
+    ``UnpicklingError`` naming the global). ``safe`` is kept for older callers: every load is safe."""
+    del safe  # every load is weights-only (module docstring)
     with torch.serialization.safe_globals(_numpy_globals()):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(ckpt, dict):
@@ -224,9 +229,10 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line[:300]}"
 
 
-def load_latest(directory: Path, safe: bool = False,
+def load_latest(directory: Path, safe: bool = True,
                 problems: list[tuple[Path, str]] | None = None) -> Checkpoint | None:
-    """The newest checkpoint that loads; a corrupt newest one is reported and the previous one used.
+    """The newest checkpoint that loads (safely: :func:`load`); a corrupt or foreign newest one is reported and
+    the previous one used.
 
     ``problems`` (when given) receives ``(path, reason)`` of every file skipped on the way."""
     for path in reversed(list_checkpoints(directory)):
@@ -241,6 +247,20 @@ def load_latest(directory: Path, safe: bool = False,
         ckpt = upgrade(ckpt, path)
         return Checkpoint(path, ckpt["meta"], {k: v for k, v in ckpt.items() if k not in ("meta", "path")})
     return None
+
+
+def restore_latest(directory: Path) -> Checkpoint | None:
+    """What the learner resumes from: :func:`load_latest`, None in a directory without checkpoints, and a
+    :class:`CheckpointError` naming every file and why when there are checkpoints but none loads (a learner
+    must not silently start a new model over a directory of unreadable or foreign files)."""
+    problems: list[tuple[Path, str]] = []
+    ckpt = load_latest(directory, safe=True, problems=problems)
+    if ckpt is None and problems:
+        raise CheckpointError(f"no checkpoint in {directory} loads: "
+                              + "; ".join(f"{p}: {why}" for p, why in problems)
+                              + ". They were refused without running anything in them; move them away to train "
+                              "a new model there, or restore good ones")
+    return ckpt
 
 
 def latest_meta(directory: Path) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ class ArtifactFormat(Choice):
     TORCHSCRIPT = "torchscript"
     EXPORT = "export"
     EAGER = "eager"
+    SAFETENSORS = "safetensors"  # tensors only, rebuilt from the manifest's ScorerSpec: nothing is unpickled
 
 
 class IdInit(Choice):
@@ -132,7 +133,8 @@ class LearnerSettings:
     max_samples: int | None = None  # stop after training this many samples
     exit_when_idle_s: float | None = None  # stop after this long without new samples
     seed: int = 0
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port
+    metrics_host: str = "127.0.0.1"  # ... bound to this address (loopback; 0.0.0.0 exposes it to the network)
     # Serving freshness (learner/deltas.py): every deltas_every_s (0 = off) write the rows touched since the
     # last delta plus the dense weights to deltas_dir, keep the last deltas_keep, and PUBLISH the seq on
     # deltas_channel ("" = the [redis] prefix's channel, RedisSettings.deltas_channel) at deltas_redis_url
@@ -143,6 +145,9 @@ class LearnerSettings:
     deltas_redis_url: str | None = None
     deltas_channel: str = ""
     deltas_id_maps_every_s: float = 60.0  # dynamic ids: a delta carries the id maps at most this often
+    # HMAC-SHA256 key file (>= 16 bytes, read once at start): every delta is signed with it; serving with the
+    # same file refuses deltas that are not. None: deltas are unsigned.
+    signing_key_file: Path | None = None
     # A fresh learner infers its fields from the first probe_rows rows: a context or dense column becomes a
     # field only if it is present in at least min_field_share of them, at most max_fields of each kind (one
     # hostile message with thousands of keys must not fix the model's shape for good).

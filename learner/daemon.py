@@ -54,6 +54,7 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
+from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from stream.config import KafkaSettings
 from stream.features import MISSING
@@ -172,6 +173,7 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
 class Learner:
     def __init__(self, kafka: KafkaSettings, ls: LearnerSettings) -> None:
         self.kafka, self.ls = kafka, ls
+        self._signing_key = load_signing_key(ls.signing_key_file)  # read once; signs the deltas (never printed)
         self.device = torch.device(ls.device.resolve(torch.cuda.is_available()))
         self._stop = False
         self.partition_rows: Counter[int] = Counter()  # rows trained (or dropped as duplicates) per partition
@@ -212,14 +214,14 @@ class Learner:
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window))
         if self.ls.deltas_every_s > 0:
-            self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows)
+            self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows, key=self._signing_key)
             if self.mapper.active:  # serving learns of ids admitted after its artifact
                 self.deltas.id_maps_source = self.mapper.state_dict
 
     def _restore(self) -> bool:
         """Resume from the newest checkpoint. Its model-shaping settings (``learner.config.SHAPE_SETTINGS``)
         must equal ours (else :class:`CheckpointMismatch`, exit 2); the rest come from the settings."""
-        ckpt = checkpoint.load_latest(self.ls.checkpoint_dir)
+        ckpt = checkpoint.restore_latest(self.ls.checkpoint_dir)  # weights-only: a foreign file runs nothing
         if ckpt is None:
             return False
         meta, recorded = ckpt.meta, ckpt.shape

@@ -6,7 +6,11 @@
                           + PUBLISH <prefix>:model-deltas <seq>   (wakes serving; it also polls the directory)
 
 One delta file (format 2) is a :mod:`learner.tensorpack`: a sha256 over the whole content, a JSON header
-and raw tensor bytes, loaded without unpickling anything. Its tree::
+and raw tensor bytes, loaded without unpickling anything. Signed deltas: a learner with a signing key
+(``signing_key_file``, :func:`learner.tensorpack.load_signing_key`) writes signed packs (container format
+2: an HMAC-SHA256 over the file's bytes); a reader with a key (serving with ``signing_key_file``) refuses
+every delta that is unsigned or whose HMAC does not match, before decoding any of it (a :class:`DeltaError`,
+rejected like every bad delta). A reader without a key reads signed and unsigned deltas alike. Its tree::
 
     kind             "streamrec-delta"
     format           2
@@ -33,7 +37,8 @@ that waits for the next artifact for the rows it missed, and counts the gap). Fo
 ``torch.save``, ``delta-*.pt``, no checksum) are no longer read; a writer continues their numbering.
 
 Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
-checksum, structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
+where it lies (a file that is a symlink resolving outside its directory is refused unread), checksum,
+signature (with a key), structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
 vectors (R, D + 1) float32, dense weights floating and every value finite. A file that fails is a
 :class:`DeltaError`, rejected once (remembered by path, size and mtime), reported through ``on_reject``
 and skipped: the deltas after it still apply. What a skipped delta carried is lost until a later delta
@@ -57,7 +62,7 @@ import torch
 from torch import nn
 
 from learner import checkpoint as ckpt_io
-from learner.tensorpack import PackError, pack, unpack
+from learner.tensorpack import PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
 from stream.files import write_atomic
@@ -88,6 +93,7 @@ class Delta:
     path: Path
     id_maps: dict[str, Any] | None = None  # RowMapper.state_dict() when this delta carries one
     lineage: str | None = None  # the learner's checkpoint lineage (learner/checkpoint.py)
+    signed: bool = False  # the file is a signed pack (checked against the key when the reader has one)
 
 
 def delta_path(directory: Path, seq: int, samples_trained: int) -> Path:
@@ -123,9 +129,10 @@ def _max_seq(directory: Path) -> int:
 
 
 # -- encoding and decoding ---------------------------------------------------------------------------
-def encode_delta(payload: dict[str, Any]) -> bytes:
-    """The file bytes of one delta (``payload``: the tree of the module docstring, without kind/format)."""
-    return pack({"kind": KIND, "format": FORMAT, **payload})
+def encode_delta(payload: dict[str, Any], key: SigningKey | None = None) -> bytes:
+    """The file bytes of one delta (``payload``: the tree of the module docstring, without kind/format),
+    signed with ``key`` when given."""
+    return pack({"kind": KIND, "format": FORMAT, **payload}, key)
 
 
 def _int(v: Any) -> bool:
@@ -139,11 +146,14 @@ def _finite(name: str, t: torch.Tensor, where: str) -> None:
                          "file was altered; the delta is skipped, the live model is unchanged")
 
 
-def decode_delta(raw: bytes, path: Path) -> Delta:
-    """A checked :class:`Delta` from a file's bytes; :class:`DeltaError` for anything else (never another error)."""
+def decode_delta(raw: bytes, path: Path, key: SigningKey | None = None) -> Delta:
+    """A checked :class:`Delta` from a file's bytes; :class:`DeltaError` for anything else (never another error).
+    With ``key``: only a delta signed with it (an unsigned or mis-signed one is refused before it is decoded)."""
     where = f"delta {path}"
     try:
-        tree = unpack(raw)
+        tree = unpack(raw, key)
+    except SignatureError as exc:
+        raise DeltaError(f"{where}: refused: {exc}; the delta is skipped, the live model is unchanged") from None
     except PackError as exc:
         raise DeltaError(f"{where}: {exc}") from None
     if not isinstance(tree, dict):
@@ -186,7 +196,7 @@ def decode_delta(raw: bytes, path: Path) -> Delta:
     id_maps = tree.get("id_maps")
     if id_maps is not None and not isinstance(id_maps, dict):
         raise DeltaError(f"{where}: id_maps must be an object or absent, got {_describe(id_maps)}")
-    return Delta(seq, samples, float(created), rows, vectors, dense, path, id_maps, lineage)
+    return Delta(seq, samples, float(created), rows, vectors, dense, path, id_maps, lineage, is_signed(raw))
 
 
 def _describe(v: Any) -> str:
@@ -195,14 +205,25 @@ def _describe(v: Any) -> str:
     return f"a {type(v).__name__}"
 
 
-def load_delta(path: Path) -> Delta:
-    """Read and check one delta file (see the module docstring); :class:`DeltaError` if it cannot be used.
-    A file that vanished (pruned) raises ``FileNotFoundError``."""
+def _check_inside(path: Path) -> None:
+    """DeltaError when ``path`` is a symlink (or lies under one) resolving outside its own directory."""
+    directory = path.parent.resolve()
+    target = path.resolve()
+    if target.parent != directory:
+        raise DeltaError(f"delta {path}: resolves to {target}, outside the deltas directory {directory} (a symlink): "
+                         "refused unread; deltas are plain files written there by the learner")
+
+
+def load_delta(path: Path, key: SigningKey | None = None) -> Delta:
+    """Read and check one delta file (see the module docstring); :class:`DeltaError` if it cannot be used
+    (with ``key``: also when it is not signed with it). A file that vanished (pruned) raises
+    ``FileNotFoundError``."""
     path = Path(path)
+    _check_inside(path)
     size = path.stat().st_size
     if size > MAX_BYTES:
         raise DeltaError(f"delta {path}: {size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
-    return decode_delta(path.read_bytes(), path)
+    return decode_delta(path.read_bytes(), path, key)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -211,7 +232,7 @@ class DeltaWriter:
 
     def __init__(self, directory: Path, num_rows: int, every_s: float, keep: int = 100,
                  notify: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 id_maps_every_s: float = 60.0, lineage: str | None = None) -> None:
+                 id_maps_every_s: float = 60.0, lineage: str | None = None, key: SigningKey | None = None) -> None:
         if every_s <= 0:
             raise ValueError(f"deltas every_s must be > 0 (0 turns deltas off upstream), got {every_s}")
         if keep < 1:
@@ -220,6 +241,7 @@ class DeltaWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.every_s, self.keep, self.notify, self.clock = every_s, keep, notify, clock
         self.lineage = lineage
+        self.key = key  # signs every delta written (learner.tensorpack container format 2) when given
         self.touched = torch.zeros(num_rows, dtype=torch.bool)  # (num_rows,)
         self.seq = _max_seq(self.directory)
         self._last = clock()
@@ -230,13 +252,17 @@ class DeltaWriter:
         self._last_maps = -float("inf")
 
     @classmethod
-    def from_settings(cls, ls: Any, num_rows: int) -> DeltaWriter:
+    def from_settings(cls, ls: Any, num_rows: int, key: SigningKey | None = None) -> DeltaWriter:
         """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing on Redis when configured;
-        the lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet)."""
+        the lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet).
+        Deltas are signed with ``key``, or (when not given) the key in ``ls.signing_key_file`` if one is set."""
         channel = ls.deltas_channel or RedisSettings().deltas_channel  # "" = the default prefix's channel
         notify = redis_notifier(ls.deltas_redis_url, channel) if ls.deltas_redis_url else None
+        if key is None:
+            key = load_signing_key(getattr(ls, "signing_key_file", None))
         return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify,
-                   id_maps_every_s=ls.deltas_id_maps_every_s, lineage=ckpt_io.lineage(Path(ls.checkpoint_dir)))
+                   id_maps_every_s=ls.deltas_id_maps_every_s, lineage=ckpt_io.lineage(Path(ls.checkpoint_dir)),
+                   key=key)
 
     def mark(self, values: torch.Tensor) -> None:
         """Rows of one trained batch (``TensorBatch.values``, (N,) int64; duplicates are fine)."""
@@ -272,7 +298,7 @@ class DeltaWriter:
         if self.id_maps_source is not None and self._last - self._last_maps >= self.id_maps_every_s:
             payload["id_maps"] = self.id_maps_source()
             self._last_maps = self._last
-        data = encode_delta(payload)
+        data = encode_delta(payload, self.key)
         path = delta_path(self.directory, self.seq, int(samples_trained))
         write_atomic(path, data)
         self.touched.zero_()
@@ -314,12 +340,14 @@ class DeltaReader:
     ``on_reject(path, reason)`` hears of every file rejected (once per file version), ``on_skip(path,
     reason)`` of every delta passed over on purpose (another lineage). Rejections of unreadable files are
     remembered for good; :meth:`mark_unfit` remembers a delta that did not fit the live model only until
-    :meth:`forget_unfit` (called when another artifact is swapped in: it may fit that one).
+    :meth:`forget_unfit` (called when another artifact is swapped in: it may fit that one). With ``key``
+    (serving's signing key) only deltas signed with it are yielded; the others are rejected.
     """
 
     def __init__(self, directory: Path, on_reject: Callable[[Path, str], None] | None = None,
-                 on_skip: Callable[[Path, str], None] | None = None) -> None:
+                 on_skip: Callable[[Path, str], None] | None = None, key: SigningKey | None = None) -> None:
         self.directory = Path(directory)
+        self.key = key
         self.gaps = 0  # deltas pruned before this reader got to them
         self.bad = 0  # unreadable files skipped
         self.on_reject, self.on_skip = on_reject, on_skip
@@ -373,7 +401,7 @@ class DeltaReader:
             if fp is None or fp in self._bad or fp in self._unfit:
                 continue
             try:
-                d = load_delta(path)
+                d = load_delta(path, self.key)
             except FileNotFoundError:
                 continue  # pruned between listing and reading
             except (DeltaError, OSError) as exc:  # damaged, malformed, or unreadable (permissions, I/O)

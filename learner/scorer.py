@@ -12,13 +12,17 @@ rows) and handed in::
 ``given_mask[i]`` says "use ``given_rows[i]``" (a cold row or a delta override); otherwise the row is
 looked up among the hot rows with a vectorized ``searchsorted``. Pooling is ``F.embedding_bag`` (mean)
 over the gathered vectors, so bags are pooled exactly as the learner's fused ``nn.EmbeddingBag`` pools
-them. The same ``Scorer`` class is stored three ways behind one interface (:func:`save_scorer`,
+them. The same ``Scorer`` class is stored four ways behind one interface (:func:`save_scorer`,
 :func:`load_scorer`):
 
 * ``torchscript`` (default) - ``torch.jit.script`` + ``torch.jit.save``;
 * ``export`` - ``torch.export.export`` with dynamic N and B, ``torch.export.save`` (the forward-looking
   format: TorchScript is deprecated in torch 2.13);
-* ``eager`` - a state dict, rebuilt into a plain ``nn.Module`` (the baseline ``bench/serving.py`` compares).
+* ``eager`` - a state dict, rebuilt into a plain ``nn.Module`` (the baseline ``bench/serving.py`` compares);
+* ``safetensors`` - the same state dict as a safetensors file (a JSON header and raw tensor bytes), rebuilt
+  into a plain ``nn.Module`` from the manifest's typed :class:`ScorerSpec`: loading it unpickles nothing
+  and runs no stored code (TorchScript and export load code the artifact carries; ``eager`` is a
+  weights-only pickle). The format of a deployment that trusts nothing but the bytes of tensors.
 
 Scoring runs in fp32. The learner's forward may run its dense part under bf16 autocast; the reference
 an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
@@ -45,7 +49,8 @@ from learner.model import DenseArch, FMInteraction
 from stream.files import write_synced
 
 FORMATS = tuple(f.value for f in ArtifactFormat)
-SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt"}
+SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt",
+                "safetensors": "scorer.safetensors"}
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 
 
@@ -146,6 +151,12 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
         write_synced(path, lambda fh: torch.export.save(ep, fh))
     elif fmt == "eager":
         write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))
+    elif fmt == "safetensors":
+        import safetensors.torch  # only this format needs it
+
+        state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
+        data = safetensors.torch.save(state, metadata={"streamrec": "scorer"})
+        write_synced(path, lambda fh: fh.write(data))
     else:
         raise ValueError(f"unknown artifact format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
@@ -156,9 +167,14 @@ def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Modul
             return torch.jit.load(str(path), map_location=device).eval()
     if fmt == "export":
         return torch.export.load(str(path)).module().to(device)
-    if fmt == "eager":
-        state = torch.load(path, map_location=device, weights_only=True)
+    if fmt in ("eager", "safetensors"):
+        if fmt == "eager":
+            state = torch.load(path, map_location=device, weights_only=True)
+        else:  # a JSON header and raw bytes: nothing is unpickled
+            import safetensors.torch  # only this format needs it
+
+            state = safetensors.torch.load_file(str(path), device="cpu")
         scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
-        scorer.load_state_dict(state)
+        scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
         return scorer.to(device).eval()
     raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")

@@ -3,7 +3,8 @@
 Used for the learner's serving deltas (``learner/deltas.py``): a delta crosses from the learner to
 serving through a directory, so serving must be able to tell a damaged or foreign file from a good one
 before a single value of it reaches the live model. ``torch.save`` files are pickles (and carry no
-checksum); this format is plain bytes, in the spirit of safetensors (not a dependency here)::
+checksum); this format is plain bytes, in the spirit of safetensors (which holds flat tensors only; a
+delta is a tree of them with metadata)::
 
     offset  size  field
     0       8     magic  b"SRPACK\\x00\\x01" (container format 1)
@@ -12,33 +13,55 @@ checksum); this format is plain bytes, in the spirit of safetensors (not a depen
     48      H     header, UTF-8 JSON: {"tree": <value>, "tensors": [[dtype, shape, offset, nbytes], ...]}
     48 + H  ...   data: the tensors' raw little-endian bytes, at ``offset`` from the start of the data
 
+Container format 2 (``b"SRPACK\\x00\\x02"``) is format 1 signed: the same fields with an HMAC-SHA256 under
+the deployment's signing key (:class:`SigningKey`, ``signing_key_file`` in the settings) between the
+checksum and the header length::
+
+    0       8     magic  b"SRPACK\\x00\\x02"
+    8       32    sha256 of every byte after this field (HMAC, header length, header, data)
+    40      32    HMAC-SHA256(key, every byte after this field: header length, header, data)
+    72      8     header length H
+    80      H     header, then data, as in format 1
+
+:func:`pack` writes format 1 without a key and format 2 with one. :func:`unpack` without a key reads
+both (a signature it cannot check is not checked; the checksum still is); with a key it reads only a
+format-2 pack whose HMAC matches (:class:`SignatureError` otherwise: an unsigned pack, or one signed
+with another key or altered and re-checksummed), so a reader with a key accepts nothing its writer's
+key did not sign.
+
 A ``<value>`` is JSON (objects with string keys, lists, strings, finite numbers, booleans, null), where
 ``{"$tensor": i}`` stands for tensor ``i`` of the table and ``{"$float": "inf" | "-inf" | "nan"}`` for a
 non-finite float (JSON has none). Keys starting with ``$`` are reserved; tuples come back as lists.
 Dtypes: bool, uint8, int8, int16, int32, int64, float16, float32, float64.
 
 :func:`unpack` checks, in this order, and raises :class:`PackError` (a ``ValueError``) naming the first
-problem: length, magic, checksum, header size, UTF-8, JSON, header shape, every tensor's dtype, shape,
-offset and size against the data, bool bytes in {0, 1}, and every ``$`` reference. It never raises
-anything else for any input bytes (``tests/test_serving_faults.py`` fuzzes it). Values are not checked
-for finiteness here: that is the caller's rule (a delta must be finite, an id map may hold ``-inf``).
+problem: length, magic, checksum, signature (with a key), header size, UTF-8, JSON, header shape, every
+tensor's dtype, shape, offset and size against the data, bool bytes in {0, 1}, and every ``$`` reference.
+It never raises anything else for any input bytes (``tests/test_serving_faults.py`` fuzzes it). Values
+are not checked for finiteness here: that is the caller's rule (a delta must be finite, an id map may hold ``-inf``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import struct
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from stream.errors import StreamrecError
+from stream.errors import ConfigError, StreamrecError
+from stream.secrets import register
 
-MAGIC = b"SRPACK\x00\x01"
+MAGIC = b"SRPACK\x00\x01"  # container format 1: unsigned
+MAGIC_SIGNED = b"SRPACK\x00\x02"  # container format 2: signed with an HMAC-SHA256
 _PREFIX = 48  # magic + sha256 + header length
+_PREFIX_SIGNED = 80  # magic + sha256 + HMAC + header length
+MIN_KEY_BYTES = 16
 _MAX_HEADER = 64 << 20
 _MAX_DEPTH = 32
 _MAX_DIMS = 8
@@ -53,10 +76,81 @@ class PackError(StreamrecError, ValueError):
     """Bytes that are not a complete, intact tensor pack; the message says what was wrong."""
 
 
+class SignatureError(PackError):
+    """A pack a reader with a signing key refuses: unsigned, or its HMAC does not match that key."""
+
+
+# -- the signing key -------------------------------------------------------------------------------
+class SigningKey:
+    """An HMAC-SHA256 key: the bytes of ``signing_key_file``, read once at startup (:func:`load_signing_key`).
+
+    Never printed: ``str``/``repr`` are masked, it refuses to be pickled, and its text (when it is text) is
+    registered with ``stream.secrets`` so :func:`stream.secrets.redact` scrubs it from logs."""
+
+    __slots__ = ("_key", "source")
+
+    def __init__(self, key: bytes, source: str = "") -> None:
+        key = bytes(key)
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"a signing key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+        self._key = key
+        self.source = source  # where it was read from (a path), for messages
+        try:
+            register(key.decode("utf-8"))
+        except UnicodeDecodeError:
+            pass  # binary keys never appear in text
+
+    def digest(self, data: bytes | bytearray | memoryview) -> bytes:
+        """HMAC-SHA256 of ``data`` (32 bytes)."""
+        return hmac.new(self._key, data, hashlib.sha256).digest()
+
+    def sign(self, data: bytes | bytearray | memoryview) -> str:
+        """HMAC-SHA256 of ``data``, hex (64 digits)."""
+        return self.digest(data).hex()
+
+    def verify(self, data: bytes | bytearray | memoryview, signature: str | bytes) -> bool:
+        """Whether ``signature`` (hex, or the 32 raw bytes) is this key's HMAC of ``data`` (constant time)."""
+        want = self.digest(data)
+        if isinstance(signature, str):
+            try:
+                signature = bytes.fromhex(signature)
+            except ValueError:
+                return False
+        return hmac.compare_digest(want, bytes(signature))
+
+    def __repr__(self) -> str:
+        return "SigningKey(***)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a SigningKey is not pickled (it would write the key into the file)")
+
+
+def load_signing_key(path: Path | str | None) -> SigningKey | None:
+    """The key in ``path`` (``signing_key_file``; None: no key). A trailing newline is dropped, as for every
+    secret file. ConfigError naming the file when it cannot be read or is shorter than 16 bytes."""
+    if path is None or str(path) == "":
+        return None
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"signing_key_file {p}: cannot read it ({exc.strerror or exc}); mount the key file or "
+                          "unset signing_key_file") from None
+    raw = raw.rstrip(b"\r\n")
+    if len(raw) < MIN_KEY_BYTES:
+        raise ConfigError(f"signing_key_file {p}: {len(raw)} bytes, a signing key needs at least {MIN_KEY_BYTES} "
+                          "(make one with `openssl rand -hex 32 > FILE`, the same file for the learner, the "
+                          "refresh and serving)")
+    return SigningKey(raw, str(p))
+
+
 # -- writing ---------------------------------------------------------------------------------------
-def pack(tree: Any) -> bytes:
+def pack(tree: Any, key: SigningKey | None = None) -> bytes:
     """The bytes of ``tree`` (dicts with str keys, lists/tuples, str, int, float, bool, None, CPU tensors,
-    numpy arrays). Raises ``TypeError``/``ValueError`` for anything else (a bug in the writer)."""
+    numpy arrays); signed (format 2) with ``key``. Raises ``TypeError``/``ValueError`` for anything else (a
+    bug in the writer)."""
     specs: list[list[Any]] = []
     chunks: list[bytes] = []
     size = 0
@@ -98,6 +192,9 @@ def pack(tree: Any) -> bytes:
     header = json.dumps({"tree": enc(tree, 0), "tensors": specs}, allow_nan=False,
                         separators=(",", ":")).encode()
     body = struct.pack("<Q", len(header)) + header + b"".join(chunks)
+    if key is not None:
+        body = key.digest(body) + body
+        return MAGIC_SIGNED + hashlib.sha256(body).digest() + body
     return MAGIC + hashlib.sha256(body).digest() + body
 
 
@@ -155,33 +252,49 @@ def _tree(v: Any, tensors: list[torch.Tensor | None], specs: list[Any], data: me
     return v
 
 
-def unpack(raw: bytes) -> Any:
-    """The tree stored in ``raw``; :class:`PackError` for any bytes that are not an intact pack."""
+def is_signed(raw: bytes | bytearray | memoryview) -> bool:
+    """Whether ``raw`` starts like a signed (format 2) pack; says nothing about whether it is intact."""
+    return bytes(raw[:8]) == MAGIC_SIGNED
+
+
+def unpack(raw: bytes, key: SigningKey | None = None) -> Any:
+    """The tree stored in ``raw``; :class:`PackError` for any bytes that are not an intact pack, and with
+    ``key`` :class:`SignatureError` for a pack that is unsigned or not signed with ``key``."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise PackError(f"expected bytes, got {type(raw).__name__}")
     raw = bytes(raw)
     if len(raw) < _PREFIX:
         raise PackError(f"{len(raw)} bytes: shorter than the {_PREFIX}-byte prefix (truncated or empty)")
-    if raw[:8] != MAGIC:
+    signed = raw[:8] == MAGIC_SIGNED
+    if raw[:8] != MAGIC and not signed:
         hint = " (a torch.save zip file: an older, unchecked format)" if raw[:4] == b"PK\x03\x04" else ""
-        raise PackError(f"magic {raw[:8]!r} is not {MAGIC!r}: not a streamrec tensor pack{hint}")
+        raise PackError(f"magic {raw[:8]!r} is not {MAGIC!r} or {MAGIC_SIGNED!r}: not a streamrec tensor pack{hint}")
+    if key is not None and not signed:
+        raise SignatureError("unsigned (container format 1), and this reader has a signing key: it reads only "
+                             "packs signed with that key; give the writer the same signing_key_file")
+    prefix = _PREFIX_SIGNED if signed else _PREFIX
+    if len(raw) < prefix:
+        raise PackError(f"{len(raw)} bytes: shorter than the {prefix}-byte prefix of a signed pack (truncated)")
     body = memoryview(raw)[40:]
     digest = hashlib.sha256(body).hexdigest()
     if digest != raw[8:40].hex():
         raise PackError(f"sha256 {digest[:16]}... does not match the stored {raw[8:40].hex()[:16]}...: "
                         "the file is corrupt (a flipped byte, a torn or foreign write)")
-    (hlen,) = struct.unpack("<Q", raw[40:48])
-    if hlen > min(_MAX_HEADER, len(raw) - _PREFIX):
-        raise PackError(f"header length {hlen} exceeds the {len(raw) - _PREFIX} bytes after the prefix "
+    if key is not None and not key.verify(memoryview(raw)[72:], raw[40:72]):
+        raise SignatureError("its HMAC-SHA256 does not match this reader's signing key: the file was altered, or "
+                             "signed with another key (the writer's signing_key_file must be the reader's)")
+    (hlen,) = struct.unpack("<Q", raw[prefix - 8:prefix])
+    if hlen > min(_MAX_HEADER, len(raw) - prefix):
+        raise PackError(f"header length {hlen} exceeds the {len(raw) - prefix} bytes after the prefix "
                         f"(or the {_MAX_HEADER}-byte limit)")
     try:
-        header = json.loads(raw[_PREFIX:_PREFIX + hlen].decode("utf-8"))
+        header = json.loads(raw[prefix:prefix + hlen].decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise PackError(f"header is not UTF-8 ({exc})") from None
     except (ValueError, RecursionError) as exc:
         raise PackError(f"header is not JSON ({str(exc)[:120]})") from None
     if not isinstance(header, dict) or set(header) != {"tree", "tensors"} or not isinstance(header["tensors"], list):
         raise PackError("header is not an object {tree, tensors: [...]}")
-    data = memoryview(raw)[_PREFIX + hlen:]
+    data = memoryview(raw)[prefix + hlen:]
     specs = header["tensors"]
     return _tree(header["tree"], [None] * len(specs), specs, data, 0)

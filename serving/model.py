@@ -21,17 +21,19 @@ from torch import nn
 
 from learner.artifact import (
     COLD_FILE,
-    ID_MAPS_FILE,
     MANIFEST,
     SCORER_FILES,
     VERSIONS,
     ArtifactError,
+    check_paths,
+    read_id_maps,
     read_manifest,
     verify,
 )
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from learner.scorer import ScorerSpec, load_scorer
+from learner.tensorpack import SigningKey
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,12 @@ class ScoringModel:
             hot_ids = _export_hot_ids(scorer)
         self._hot_ids = hot_ids.cpu().numpy()  # (H + 1,) sorted, last = sentinel
         self._blocks = self.feature_config.blocks
-        if ID_MAPS_FILE in manifest.get("files", {}):
-            try:
-                id_maps = torch.load(self.version_dir / ID_MAPS_FILE, map_location="cpu", weights_only=True)
-                self._mapper = RowMapper.from_state(self.feature_config, id_maps)
-            except Exception as exc:  # noqa: BLE001 - an unreadable id map is a bad artifact
-                raise ArtifactError(f"{self.version_dir / ID_MAPS_FILE}: cannot load the id maps ({exc})") from exc
-        else:
-            self._mapper = RowMapper.from_state(self.feature_config, None)
+        id_maps = read_id_maps(self.version_dir, manifest)  # a file the manifest lists (and verify checked)
+        try:
+            self._mapper = RowMapper.from_state(self.feature_config, id_maps)
+        except Exception as exc:  # noqa: BLE001 - id maps that do not fit the feature config: a bad artifact
+            raise ArtifactError(f"{self.version_dir}: the id maps do not fit the feature config "
+                                f"({type(exc).__name__}: {exc})") from exc
         self._live = _Live(scorer, np.zeros(0, np.int64), np.zeros((0, self.spec.dim + 1), np.float32), 0)
         self._count_lock = threading.Lock()
         self.hot_lookups = 0
@@ -81,15 +81,25 @@ class ScoringModel:
 
     @classmethod
     def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
-             smoke: bool = True) -> ScoringModel:
+             smoke: bool = True, signing_key: SigningKey | None = None) -> ScoringModel:
         """Load (and by default verify, size and sha256 of every file) one artifact version.
 
         Every reason it cannot be used is an :class:`ArtifactError`: the manifest (:func:`decode_manifest`),
-        a manifest naming another version than its directory under ``versions/``, the files, the cold rows'
-        dtype and shape, the scorer, the id maps, and (``smoke``) one probe scored to a finite probability.
+        with ``signing_key`` a manifest that is unsigned or whose signature does not match (checked right after
+        the manifest is parsed, before any other file is opened; a key also forces ``verify_files``), a
+        manifest naming another version than its directory under ``versions/``, the files (missing, altered,
+        or symlinks leaving the version directory), the cold rows' dtype and shape, the scorer, the id maps,
+        and (``smoke``) one probe scored to a finite probability. Order: manifest, signature, every listed
+        file's size and sha256, and only then are files opened to load, and only files the manifest lists.
         """
         version_dir = Path(version_dir)
-        manifest = verify(version_dir) if verify_files else read_manifest(version_dir)  # verify reads it first
+        if signing_key is not None:  # a key: always every file, after the manifest's signature
+            manifest = verify(version_dir, signing_key=signing_key)
+        elif verify_files:
+            manifest = verify(version_dir)  # reads (and checks) the manifest first
+        else:
+            manifest = read_manifest(version_dir)
+            check_paths(version_dir, manifest)  # no digests, but no file from outside the version either
         if version_dir.parent.name == VERSIONS and manifest["version"] != version_dir.name:
             raise ArtifactError(f"{version_dir / MANIFEST}: names version {manifest['version']!r} but lies in "
                                 f"{version_dir.name!r}: the directory was renamed or copied; publish it with "

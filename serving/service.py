@@ -18,6 +18,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
 from serving.http_server import Server, make_server
 from serving.metrics import ServingMetrics
@@ -59,7 +60,7 @@ class ScoringService:
             self.pubsub_redis = redis.Redis.from_url(redis_settings.url, socket_connect_timeout=2.0)
         self.updater = ModelUpdater(self.holder, self.metrics, settings.publish_root, settings.deltas_dir,
                                     device=self.device, poll_s=settings.poll_s, redis_client=self.pubsub_redis,
-                                    prefix=prefix)
+                                    prefix=prefix, signing_key=load_signing_key(settings.signing_key_file))
         self.app = ScoringApp(settings, self.holder, self.metrics, history,
                               history_len=redis_settings.history_len if redis_settings else 50, version=version)
         self.server: Server | None = None

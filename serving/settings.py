@@ -35,6 +35,9 @@ class ServeSettings:
     poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
     redis_timeout_s: float = 0.05  # a slow history read fails open (empty history) rather than the request
     history_retry_after_s: float = 1.0  # after a failed history read, requests skip Redis this long (no retries)
+    # HMAC-SHA256 key file (>= 16 bytes, read once at start; the refresh's and the learner's file): artifacts whose
+    # manifest is unsigned or mis-signed and deltas that are not signed with it are refused. None: no signatures.
+    signing_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))

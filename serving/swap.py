@@ -3,7 +3,7 @@
     <root>/CURRENT (polled every poll_s)  --+
     PUBLISH <prefix>:model-updates <ver>  --+--> ModelUpdater thread --> load beside the live model
     PUBLISH <prefix>:model-deltas <seq>   --+        |                   apply the deltas it lacks
-    <deltas_dir>/delta-*.pt (polled)      --+        |                   holder.live = new  (one assignment)
+    <deltas_dir>/delta-*.delta (polled)   --+        |                   holder.live = new  (one assignment)
                                                      +--> apply newer deltas to the live model
 
 One thread does every change, so a swap and a delta never race. A request reads ``holder.live`` once
@@ -24,6 +24,13 @@ Failing closed, once:
   ones still apply. "Later" is in ``seq`` order: deltas are absolute, so rows only the skipped delta
   carried keep their older value until a later delta touches them again or the next artifact arrives,
   and the dense weights are restored by the very next delta (each carries them whole).
+* **Signatures** (``[serve] signing_key_file``, read once at start, passed here as ``signing_key``). An
+  artifact whose manifest is unsigned or whose signature does not match, and a delta that is not signed
+  with the key, are rejected like every bad artifact or delta (counted, remembered, the live model keeps
+  serving); the artifact is refused before any file but its manifest is opened.
+* **Paths.** ``CURRENT`` must hold a version name, and the version it names must resolve to a directory
+  inside ``<root>/versions``; artifact files and delta files that are symlinks leaving their directory are
+  refused (``learner/artifact.py``, ``learner/deltas.py``).
 * **Lineage.** A delta applies only if it is newer than the live artifact's source checkpoint
   (``samples_trained``) and of its lineage (when both carry one); others are skipped and counted
   (``streamrec_serving_deltas_skipped_total{reason="lineage"}``).
@@ -47,8 +54,9 @@ from typing import Any
 
 import redis
 
-from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin
+from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
 from learner.deltas import DeltaReader
+from learner.tensorpack import SigningKey
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
@@ -109,19 +117,26 @@ def _dir_fingerprint(path: Path) -> tuple[Any, ...]:
 
 
 class ModelUpdater:
-    """Keeps ``holder.live`` on the current artifact plus the learner's newest deltas."""
+    """Keeps ``holder.live`` on the current artifact plus the learner's newest deltas.
+
+    ``signing_key`` (serving's ``signing_key_file``, loaded once): only artifacts and deltas signed with it
+    are used. ``load`` replaces the artifact loader (tests); the default is ``ScoringModel.load`` with the key.
+    """
 
     def __init__(self, holder: ModelHolder, metrics: ServingMetrics, publish_root: Path, deltas_dir: Path | None,
                  device: str = "cpu", poll_s: float = 0.5, redis_client: redis.Redis | None = None,
-                 prefix: str = "streamrec",
-                 load: Callable[[Path, str], ScoringModel] = lambda p, d: ScoringModel.load(p, device=d)) -> None:
+                 prefix: str = "streamrec", load: Callable[[Path, str], ScoringModel] | None = None,
+                 signing_key: SigningKey | None = None) -> None:
         self.holder, self.metrics = holder, metrics
         self.root = Path(publish_root)
-        self.deltas = (DeltaReader(deltas_dir, on_reject=self._delta_rejected, on_skip=self._delta_skipped)
+        self.signing_key = signing_key
+        self.deltas = (DeltaReader(deltas_dir, on_reject=self._delta_rejected, on_skip=self._delta_skipped,
+                                   key=signing_key)
                        if deltas_dir is not None else None)
         self.device, self.poll_s = device, poll_s
         self.redis, self.prefix = redis_client, prefix
-        self._load = load
+        self._load = load if load is not None else (
+            lambda p, d: ScoringModel.load(p, device=d, signing_key=signing_key))
         self._rejected: dict[tuple[Any, ...], str] = {}  # fingerprint -> reason, insertion-ordered
         self._rejected_deltas: dict[tuple[Any, ...], None] = {}  # delta file versions counted, insertion-ordered
         self._pause_reason: str | None = None
@@ -237,7 +252,12 @@ class ModelUpdater:
             return
         if name is None:
             return
-        path = self.root / VERSIONS / name
+        try:
+            path = version_path(self.root, name)  # a version name, and no symlink out of <root>/versions
+        except ArtifactError as exc:
+            self._reject((str(self.root / VERSIONS / name), "outside", _dir_fingerprint(self.root / VERSIONS / name)),
+                         str(exc))
+            return
         live = self.holder.live
         if live is not None and live.model.version_dir.resolve() == path.resolve():
             return

@@ -133,6 +133,8 @@ def config_file(path: Path, rs: RefreshSettings, kafka: KafkaSettings, rds: Redi
              f'[redis]\nurl = "{rds.url}"\nprefix = "{rds.prefix}"', "[refresh]"]
     for f in dataclasses.fields(rs):
         v = getattr(rs, f.name)
+        if v is None:  # TOML has no null: an unset optional setting is left out
+            continue
         lines.append(f"{f.name} = {json.dumps(str(v) if isinstance(v, Path) else v)}")
     path.write_text("\n".join(lines) + "\n")
     return path

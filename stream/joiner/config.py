@@ -35,6 +35,7 @@ class JoinerSettings:
     exit_when_idle_s: float | None = None  # bounded runs: exit after this long without input
     drain_at_exit: bool = False  # at exit, treat input as complete: expire every pending impression
     metrics_port: int | None = None  # serve Prometheus /metrics on this port
+    metrics_host: str = "127.0.0.1"  # ... bound to this address (loopback; 0.0.0.0 exposes it to the network)
     # Hostile input (stream/joiner/engine.py, stream/strikes.py): event time per input is its
     # watermark_quorum-th largest event time, so no single event steers it; memory caps per partition;
     # a message in poison_after failed batches in a row (processed alone after the first) is dead-lettered.

@@ -39,6 +39,8 @@ def add_parser(sub: Any) -> None:
                    "expire every pending impression before exiting")
     p.add_argument("--redis-url", help=f"Redis for counts and history (default {RedisSettings.url})")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", help="address the metrics listener binds "
+                   f"(default {JoinerSettings.metrics_host}: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--driver", choices=["faust", "kafka"], help="faust-streaming worker (default) or a plain "
                    "confluent-kafka consumer loop with the same semantics and several times the throughput")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -57,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
     redis_settings = src.build(RedisSettings, "redis", url=args.redis_url)
     js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
                    allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
-                   drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver)
+                   drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver,
+                   metrics_host=args.metrics_host)
     setup_logging(args.log_level)
     if js.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(js.metrics_port, addr="0.0.0.0")
+        start_http_server(js.metrics_port, addr=js.metrics_host)
     pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
     if js.driver is Driver.KAFKA:
         from stream.joiner.kafka_driver import KafkaJoinWorker

@@ -80,6 +80,8 @@ def add_parser(sub: Any) -> None:
                    "(streamrec_monitor_alerts_total, _rule_evaluations_total, _scrape_errors_total, "
                    "and per sink _sink_delivered_total, _sink_failures_total, _sink_retries_total, "
                    "_sink_dropped_total{reason}, _sink_queue_depth)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the --metrics-port listener binds "
+                   "(default %(default)s: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s; the log sink writes firing alerts at warning/error, "
                    "resolved at info)")
@@ -153,7 +155,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr="0.0.0.0")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
     monitor = Monitor(config, sink)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_refresh.settings import RefreshSettings
+from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, setup_logging
 from streamrec.settings import SettingsError, Sources, read_config_file
@@ -74,13 +75,14 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from cache_refresh import job
     from cache_refresh.publish import rollback
     from learner import artifact
+    from learner.tensorpack import load_signing_key
     if args.status:
         st = _status(rs)
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:
         try:
-            version = rollback(Path(rs.publish_root))
+            version = rollback(Path(rs.publish_root), signing_key=load_signing_key(rs.signing_key_file))
         except artifact.ArtifactError as exc:
             print(f"streamrec refresh: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
@@ -144,7 +146,7 @@ def add_parser(sub: Any) -> None:
                       "the rollback pin and the last scheduled run it held back")
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
     p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
-    p.add_argument("--format", choices=["torchscript", "export", "eager"],
+    p.add_argument("--format", choices=[f.value for f in ArtifactFormat],
                    help=f"scorer format (default {RefreshSettings.format})")
     p.add_argument("--schedule", help=f"crontab expression (default '{RefreshSettings.schedule}')")
     p.add_argument("--timezone", help=f"IANA time zone of the schedule (default {RefreshSettings.timezone})")

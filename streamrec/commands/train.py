@@ -43,6 +43,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: CUDA when there is one")
     p.add_argument("--num-workers", type=int, help="DataLoader workers reading partitions (default 0)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", help="address the metrics listener binds "
+                   f"(default {LearnerSettings.metrics_host}: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_kafka_flag(p)
     add_common(p)
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     ls = src.build(LearnerSettings, "learner", checkpoint_dir=args.checkpoint_dir, max_samples=args.max_samples,
                    exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
                    device=args.device,
-                   num_workers=args.num_workers, metrics_port=args.metrics_port)
+                   num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
         ls = dataclasses.replace(ls, deltas_channel=src.build(RedisSettings, "redis").deltas_channel)
     if args.status:
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if ls.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(ls.metrics_port, addr="0.0.0.0")
+        start_http_server(ls.metrics_port, addr=ls.metrics_host)
     import os
 
     # Keep freed memory instead of returning it to the OS between steps (page faults cost 20-45% of a
