@@ -1,0 +1,270 @@
+"""``serving/http_server.py``: both servers (``make_server("threading" | "aiohttp", ...)``) on a loopback port,
+spoken to over raw sockets and ``http.client``.
+
+HTTP/1.1 keep-alive, ``Content-Length`` framing (a pipelined request right behind a body is the next
+request), chunked bodies, a body over ``max_body_bytes`` refused with 413 before it is sent, malformed
+framing answered with a 4xx, the ``Allow`` header of a 405, HEAD, and a graceful ``stop(grace_s)``: the
+request in flight finishes, then new connections are refused. The app has no model (scores are 503,
+``/healthz`` 200): what is tested is the server, not the scoring. Two defects of the threading server are
+pinned as strict xfails (a fix turns them into failures: drop the marker then).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+
+from serving.app import ScoringApp
+from serving.http_server import AiohttpServer, Server, ThreadedServer, make_server
+from serving.metrics import ServingMetrics
+from serving.settings import ServeSettings
+from serving.swap import ModelHolder
+
+MAX_BODY = 1000
+KINDS = ["threading", "aiohttp"]
+EMPTY_ITEMS = b'{"user_id": 1, "items": []}'  # a 422 whose message proves the whole body arrived
+EMPTY_ITEMS_ERROR = "field 'items': empty; send at least one candidate"
+
+
+def new_app(tmp_path: Path) -> ScoringApp:
+    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device="cpu", max_body_bytes=MAX_BODY)
+    holder = ModelHolder()
+    return ScoringApp(ss, holder, ServingMetrics(holder.model), None)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> ScoringApp:
+    return new_app(tmp_path)
+
+
+@pytest.fixture
+def server(kind: str, app: ScoringApp) -> Iterator[Server]:
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop(2.0)
+
+
+def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
+    h = {"Host": "x", **({"Content-Length": str(len(body))} if body else {}), **(headers or {})}
+    return (f"{method} {path} HTTP/1.1\r\n".encode() + b"".join(f"{k}: {v}\r\n".encode() for k, v in h.items())
+            + b"\r\n" + body)
+
+
+def read_response(f: BinaryIO, head: bool = False) -> tuple[int, dict[str, str], bytes]:
+    """One response from a buffered socket file (several responses can follow each other on it)."""
+    status_line = f.readline()
+    assert status_line, "the server closed the connection without answering"
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := f.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = b"" if head else f.read(int(headers.get("content-length", "0")))
+    return status, headers, body
+
+
+def closed_by_server(sock: socket.socket, f: BinaryIO, within_s: float = 5.0) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return f.read(1) == b""
+    except (TimeoutError, ConnectionResetError):
+        return False
+
+
+def connect(srv: Server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+
+
+# -- tests --------------------------------------------------------------------------------------------------
+def test_make_server_builds_each_kind_on_a_free_port_and_refuses_others(app: ScoringApp) -> None:
+    for kind, cls in (("threading", ThreadedServer), ("aiohttp", AiohttpServer)):
+        srv = make_server(kind, app, "127.0.0.1", 0)
+        srv.start()  # (a ThreadedServer never started would hang in stop(): see the report)
+        try:
+            assert isinstance(srv, cls) and srv.port > 0
+            with connect(srv) as s, s.makefile("rb") as f:
+                s.sendall(request("GET", "/healthz"))
+                assert read_response(f)[0] == 200
+        finally:
+            srv.stop(0.5)
+    with pytest.raises(ValueError, match="server must be threading or aiohttp, got 'tornado'"):
+        make_server("tornado", app, "127.0.0.1", 0)
+
+
+def test_two_requests_share_one_keep_alive_connection(server: Server) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/healthz")
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read()), r.version) == (200, {"status": "ok"}, 11)
+        sock = conn.sock
+        conn.request("POST", "/v1/score", EMPTY_ITEMS, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 422 and json.loads(r.read())["error"] == EMPTY_ITEMS_ERROR
+        assert conn.sock is sock and sock is not None  # the same connection: not closed in between
+        conn.request("HEAD", "/healthz")
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("Content-Length") == "15" and r.read() == b""  # no body to HEAD
+    finally:
+        conn.close()
+
+
+def test_content_length_frames_the_body_so_the_next_pipelined_request_is_read_after_it(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", EMPTY_ITEMS) + request("GET", "/healthz")
+                  + request("GET", "/readyz"))
+        status, headers, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        assert headers["content-type"].startswith("application/json") and int(headers["content-length"]) == len(body)
+        assert read_response(f)[:1] == (200,)  # the bytes right after the body were the next request
+        assert read_response(f)[0] == 503  # no model
+
+
+def test_a_chunked_body_is_reassembled_and_bounded_by_max_body_bytes(server: Server) -> None:
+    chunks = [EMPTY_ITEMS[:5], EMPTY_ITEMS[5:]]
+    data = b"".join(f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in chunks) + b"0\r\n\r\n"
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + data)
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        s.sendall(request("GET", "/healthz"))
+        assert read_response(f)[0] == 200  # the connection goes on after the last chunk
+    big = f"{MAX_BODY + 1:x}\r\n".encode() + b"x" * (MAX_BODY + 1) + b"\r\n0\r\n\r\n"
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + big)
+        status, headers, body = read_response(f)
+        assert status == 413 and "exceeds" in json.loads(body)["error"] and headers["connection"] == "close"
+
+
+def test_a_body_over_max_body_bytes_is_refused_with_413_before_it_is_sent(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        t0 = time.monotonic()
+        s.sendall(request("POST", "/v1/score", headers={"Content-Length": "50000000"}) + b'{"user_id"')
+        status, headers, body = read_response(f)  # answered with 50 MB still unsent: it is not waited for
+        assert time.monotonic() - t0 < 5
+        assert status == 413 and "exceeds" in json.loads(body)["error"] and str(MAX_BODY) in json.loads(body)["error"]
+        assert headers["connection"] == "close"  # the rest of the body is not read as a next request
+    with connect(server) as s, s.makefile("rb") as f:  # and the server goes on serving
+        s.sendall(request("GET", "/healthz"))
+        assert read_response(f)[0] == 200
+
+
+@pytest.mark.parametrize("length", ["abc", "-1", "+5", "1_0", " 5x"])
+def test_a_malformed_content_length_is_a_400_and_the_connection_is_closed(server: Server, kind: str,
+                                                                           length: str) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Content-Length": length}) + b"{}{}{}{}{}")
+        status, headers, body = read_response(f)
+        assert status == 400, body
+        if kind == "threading":  # our JSON; aiohttp's own parser answers in text/plain before the app runs
+            assert headers["content-type"] == "application/json"
+            assert json.loads(body)["error"] == f"Content-Length {length.strip()!r} is not a non-negative integer"
+        assert closed_by_server(s, f)  # where the next request starts is unknown: nothing more is read
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", "/healthz"))
+        assert read_response(f)[0] == 200
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("threading", marks=pytest.mark.xfail(strict=True, reason=(
+        "defect: ThreadedServer takes the first of two conflicting Content-Length headers (request smuggling "
+        "behind a proxy that takes the last); RFC 9112 6.3 says reject"))),
+    "aiohttp",
+])
+def test_conflicting_content_length_headers_are_a_400(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        # the first length frames "{}" (a 422 from the app), the second "{}" and a smuggled request after it
+        smuggled = request("GET", "/healthz")
+        s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                  + f"Content-Length: {2 + len(smuggled)}\r\n\r\n".encode() + b"{}" + smuggled)
+        status, _, body = read_response(f)
+        assert status == 400, (status, body)  # which framing was meant is unknown: refused, not guessed
+
+
+def test_a_405_names_the_allowed_methods_in_the_allow_header(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("PUT", "/healthz", b"{}") + request("GET", "/v1/score:batch"))
+        status, headers, body = read_response(f)
+        assert (status, headers["allow"]) == (405, "GET, HEAD") and "use GET" in json.loads(body)["error"]
+        status, headers, _ = read_response(f)
+        assert (status, headers["allow"]) == (405, "POST")
+
+
+def test_stop_lets_the_request_in_flight_finish_then_refuses_new_connections(kind: str, app: ScoringApp) -> None:
+    started, release_s = threading.Event(), 0.8
+
+    def slow(_body: bytes) -> tuple[int, str, bytes]:
+        started.set()
+        time.sleep(release_s)
+        return 200, "application/json", b'{"slow": true}'
+
+    app._routes[("GET", "/slow")] = slow  # a route that takes a while, inside ScoringApp.handle (in_flight counts)
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    got: dict[str, object] = {}
+
+    def client() -> None:
+        try:
+            with connect(srv) as s, s.makefile("rb") as f:
+                s.sendall(request("GET", "/slow", headers={"Connection": "close"}))
+                got["response"] = read_response(f)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            got["error"] = exc
+
+    t = threading.Thread(target=client, name="slow-client")
+    t.start()
+    try:
+        assert started.wait(10), "the slow request never reached the app"
+        t0 = time.monotonic()
+        srv.stop(grace_s=5.0)
+        took = time.monotonic() - t0
+    finally:
+        t.join(15)
+    assert "error" not in got, got
+    status, _, body = got["response"]  # type: ignore[misc]
+    assert (status, json.loads(body)) == (200, {"slow": True})  # finished, not cut off
+    assert took < 5.0  # and stop did not wait out the whole grace once it was done
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+    assert app.in_flight == 0
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("threading", marks=pytest.mark.xfail(strict=True, reason=(
+        "defect: ThreadedServer.stop closes only the listening socket; an open keep-alive connection is still "
+        "served after stop() returned (its daemon handler thread lives until the client leaves or 30 s idle)"))),
+    "aiohttp",
+])
+def test_after_stop_an_open_keep_alive_connection_is_not_served(kind: str, app: ScoringApp) -> None:
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    s = connect(srv)
+    f = s.makefile("rb")
+    try:
+        s.sendall(request("GET", "/healthz"))
+        assert read_response(f)[0] == 200
+        srv.stop(1.0)
+        try:
+            s.sendall(request("GET", "/healthz"))
+        except OSError:
+            return  # refused: as documented ("stop accepting, let requests in flight finish, close")
+        assert closed_by_server(s, f, within_s=2.0), "a request was answered after stop()"
+    finally:
+        f.close()
+        s.close()

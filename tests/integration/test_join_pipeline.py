@@ -1,0 +1,282 @@
+"""``stream/joiner/pipeline.py`` (JoinPipeline) against the real broker and Redis of the session stack.
+
+The pipeline's own contract, without a driver (no faust, no consumer loop): a batch of raw records in,
+labelled samples (with the user's history before the impression) to ``samples`` partition p, late and
+orphan clicks to ``late_clicks``, malformed records to ``<topic>.dlq`` with their reason, histories and
+day counts to Redis, state chunks to the compacted state log; ``restore``/``forget`` of partitions,
+``drain`` at the end of input, strikes and ``poison`` for a record that keeps failing, no strikes for an
+infrastructure failure, ``totals.summary()`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import orjson
+import pytest
+import redis
+
+import stream.joiner.engine as engine
+from stream.config import KafkaSettings, RedisSettings
+from stream.counts import DailyCounts
+from stream.dlq import DeadLetter
+from stream.events import Click, Impression
+from stream.features import hash_value
+from stream.history import UserHistory
+from stream.joiner.config import JoinerSettings
+from stream.joiner.pipeline import JoinPipeline, Record
+from stream.samples import SampleBatch
+from tests.kafka_io import read_topic
+
+T0 = 1_700_000_000_000  # event time base (2023-11-14), ms
+WINDOW_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Row:
+    partition: int
+    impression_id: str
+    label: int
+    label_delay_ms: int
+    user: int
+    history: list[int]
+
+
+def sample_rows(kafka: KafkaSettings) -> list[Row]:
+    out = []
+    for rec in read_topic(kafka, kafka.samples_topic):
+        b = SampleBatch.decode(rec.value)
+        values, offsets = b.lists("history")
+        for i, imp in enumerate(b.impression_ids):
+            out.append(Row(rec.partition, imp, int(b.column("label")[i]), int(b.column("label_delay_ms")[i]),
+                           int(b.column("user_id")[i]), values[offsets[i]:offsets[i + 1]].tolist()))
+    return out
+
+
+def imp(kafka: KafkaSettings, partition: int, offset: int, imp_id: str, ts: int, user: str = "u", item: str = "i",
+        **context: object) -> Record:
+    value = Impression(imp_id, ts, user, item, context=dict(context)).encode()  # type: ignore[arg-type]
+    return Record(kafka.impressions_topic, partition, offset, imp_id.encode(), value)
+
+
+def click(kafka: KafkaSettings, partition: int, offset: int, imp_id: str, ts: int) -> Record:
+    return Record(kafka.clicks_topic, partition, offset, imp_id.encode(), Click(imp_id, ts).encode())
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"jp{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def settings(group_id: str, kafka: KafkaSettings) -> JoinerSettings:
+    # One event is a quorum and no lateness: event time follows the events exactly, so expiry is predictable.
+    return JoinerSettings(app_id=group_id, attribution_window_s=WINDOW_MS / 1000, allowed_lateness_s=0.0,
+                          watermark_quorum=1, counts_flush_s=3600.0, late_clicks_topic=f"late-{kafka.samples_topic}",
+                          poison_after=2)
+
+
+@pytest.fixture
+def make(kafka: KafkaSettings, stack, prefix: str, settings: JoinerSettings,
+         ) -> Iterator[Callable[..., JoinPipeline]]:
+    """New pipelines on the test's topics (a new one = a restarted worker); all closed at teardown."""
+    made: list[JoinPipeline] = []
+
+    def new(**changes: object) -> JoinPipeline:
+        js = JoinerSettings(**{**settings.__dict__, **changes})
+        p = JoinPipeline(kafka, RedisSettings(url=stack.redis_url, prefix=prefix), js)
+        made.append(p)
+        return p
+
+    yield new
+    for p in made:
+        p.close()
+
+
+# -- tests ----------------------------------------------------------------------------------------------
+def test_a_batch_of_impressions_and_clicks_gives_one_labelled_sample_per_impression_with_history(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str) -> None:
+    p = make()
+    p.process([
+        imp(kafka, 0, 0, "a", T0, user="u1", item="i1"),
+        imp(kafka, 0, 1, "b", T0 + 1000, user="u2", item="i2"),
+        imp(kafka, 0, 2, "c", T0 + 2000, user="u3", item="i3"),
+        imp(kafka, 0, 3, "d", T0 + 5000, user="u1", item="i4"),
+        click(kafka, 0, 0, "a", T0 + 500),
+        click(kafka, 0, 1, "a", T0 + 600),  # a second click on a: a duplicate, no second sample
+    ])
+    rows = sample_rows(kafka)
+    # the positive goes out at its click; the others wait for their window (event time has not passed it)
+    assert rows == [Row(0, "a", 1, 500, hash_value("u1"), [])]  # its own click is not its history
+    assert UserHistory(redis_client, prefix=prefix, max_len=200).recent(hash_value("u1")) == [hash_value("i1")]
+    assert p.totals.summary()["pending_impressions"] == 4  # a too, labelled but inside its window (late clicks)
+
+    p.drain()  # end of input: every pending impression expires, a negative
+    rows = sample_rows(kafka)
+    by_id = {r.impression_id: r for r in rows}
+    assert len(rows) == 4 and set(by_id) == {"a", "b", "c", "d"}  # exactly one sample per impression
+    assert {i: (r.label, r.label_delay_ms) for i, r in by_id.items()} == {
+        "a": (1, 500), "b": (0, WINDOW_MS), "c": (0, WINDOW_MS), "d": (0, WINDOW_MS)}
+    assert by_id["d"].history == [hash_value("i1")]  # u1's click at T0+500, before d's impression at T0+5000
+    assert by_id["b"].history == [] and {r.partition for r in rows} == {0}  # samples[p] for input partition p
+    s = p.totals.summary()
+    assert {k: s[k] for k in ("events", "impressions", "clicks", "samples", "positives", "negatives",
+                              "duplicate_clicks", "late_clicks", "orphan_clicks", "dead_lettered",
+                              "pending_impressions", "click_coverage")} == {
+        "events": 6, "impressions": 4, "clicks": 2, "samples": 4, "positives": 1, "negatives": 3,
+        "duplicate_clicks": 1, "late_clicks": 0, "orphan_clicks": 0, "dead_lettered": 0,
+        "pending_impressions": 0, "click_coverage": 0.5}
+    assert s["process_s"] > 0 and {"decode", "join", "redis", "flush"} <= set(s["stage_s"])
+
+
+def test_late_and_orphan_clicks_are_written_to_late_clicks_with_their_reason(kafka: KafkaSettings, make,
+                                                                             settings: JoinerSettings) -> None:
+    p = make()
+    p.process([imp(kafka, 2, 0, "x", T0), click(kafka, 2, 0, "ghost", T0 + 200)])  # ghost's impression never comes
+    p.drain()
+    p.process([click(kafka, 2, 1, "x", T0 + 300)])  # x has expired (a negative): its click is late
+    late = read_topic(kafka, settings.late_clicks_topic)
+    assert sorted((r.partition, r.key, orjson.loads(r.value)["reason"]) for r in late) == [
+        (2, b"ghost", "orphan"), (2, b"x", "late")]
+    assert {orjson.loads(r.value)["impression_id"]: orjson.loads(r.value)["click_ts"] for r in late} == {
+        "ghost": T0 + 200, "x": T0 + 300}
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("x", 0)]  # a late click changes no label
+    s = p.totals.summary()
+    assert (s["late_clicks"], s["orphan_clicks"], s["clicks"], s["click_coverage"]) == (1, 1, 2, 0.0)
+
+
+def test_malformed_records_are_dead_lettered_with_reasons_and_the_rest_of_the_batch_is_joined(
+        kafka: KafkaSettings, make) -> None:
+    p = make()
+    negative_ts = orjson.dumps({"schema_version": 1, "impression_id": "neg", "ts": -5, "user_id": 1, "item_id": 2})
+    future = Impression("future", T0 + 7_200_000, 1, 2).encode()
+    p.process([
+        Record(kafka.impressions_topic, 1, 0, b"k0", b"{not json"),
+        imp(kafka, 1, 1, "ok", T0),
+        Record(kafka.impressions_topic, 1, 2, b"k2", negative_ts),
+        Record(kafka.clicks_topic, 1, 0, b"k3", None),
+        Record(kafka.impressions_topic, 1, 3, b"k4", future, timestamp=T0),  # 2 h ahead of its broker time
+        click(kafka, 1, 1, "ok", T0 + 10),
+    ])
+    letters = {r.key: (r.value, DeadLetter.from_headers(r.headers))
+               for t in (kafka.impressions_topic, kafka.clicks_topic) for r in read_topic(kafka, kafka.dlq_topic(t))}
+    assert set(letters) == {b"k0", b"k2", b"k3", b"k4"}
+    value, dl = letters[b"k0"]
+    assert (value, dl.kind, dl.source_topic, dl.source_partition, dl.source_offset) == (
+        b"{not json", "bad_json", kafka.impressions_topic, 1, 0)
+    assert dl.reason.startswith("not valid JSON")
+    value, dl = letters[b"k2"]
+    assert (value, dl.kind, dl.source_offset) == (negative_ts, "invalid_field", 2)
+    assert dl.reason.startswith("field 'ts': got -5, expected an integer of milliseconds")
+    value, dl = letters[b"k3"]
+    assert (value, dl.kind, dl.source_topic, dl.reason) == (
+        None, "empty", kafka.clicks_topic, "message has no value (tombstone)")
+    dl = letters[b"k4"][1]
+    assert dl.kind == "future_ts" and "ahead of the message's broker timestamp" in dl.reason
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("ok", 1)]  # the good ones still joined
+    s = p.totals.summary()
+    assert (s["dead_lettered"], s["impressions"], s["clicks"], s["events"]) == (4, 1, 1, 6)
+
+
+def test_forget_drops_a_partition_and_the_next_batch_restores_it_from_the_state_log(
+        kafka: KafkaSettings, make, settings: JoinerSettings) -> None:
+    from stream.joiner.state_log import state_topic
+
+    p = make()
+    p.process([imp(kafka, 3, 0, "y", T0, user="u9")])
+    assert set(p.engines) == {3} and "y" in p.engines[3].pending
+    assert [r.key for r in read_topic(kafka, state_topic(settings.app_id))] == [b"3:0:0"]  # the batch's chunk, on p3
+    p.forget({3})  # revoked: the in-memory state goes, the state log keeps it
+    assert p.engines == {}
+    # redelivered from the last commit: y again (skipped, its offset is in the restored state) and its click
+    p.process([imp(kafka, 3, 0, "y", T0, user="u9"), click(kafka, 3, 0, "y", T0 + 100)])
+    assert [(r.impression_id, r.label, r.label_delay_ms) for r in sample_rows(kafka)] == [("y", 1, 100)]
+    s = p.totals.summary()
+    assert (s["redelivered_skipped"], s["duplicate_impressions"]) == (1, 0)
+
+    q = make()  # a restarted worker: everything it knows comes from the state log
+    q.restore({3, 0})
+    eng = q.engines[3]
+    assert eng.pending["y"].click_ts == T0 + 100 and eng.offsets == [0, 0] and q.engines[0].pending == {}
+    q.restore({3})
+    assert q.engines[3] is eng  # a partition held already is not read again
+    q.drain()
+    assert len(sample_rows(kafka)) == 1  # y was labelled before the restart: no second sample for it
+
+
+def test_a_sample_too_large_for_one_message_is_dead_lettered_not_a_producer_error(kafka: KafkaSettings,
+                                                                                  make) -> None:
+    p = make(max_sample_bytes=4_000)
+    tags = [f"tag{i}" for i in range(1000)]  # 1000 hashed int64s: over 8 kB encoded
+    p.process([imp(kafka, 0, 0, "big", T0, tags=tags), imp(kafka, 0, 1, "small", T0 + 1, tags=["t"])])
+    p.drain()
+    assert [r.impression_id for r in sample_rows(kafka)] == ["small"]
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.source_topic, dl.source_partition) == (b"big", "too_large", kafka.samples_topic, 0)
+    assert "over max_sample_bytes=4000" in dl.reason
+    assert SampleBatch.decode(rec.value).impression_ids == ["big"]  # the sample itself, to replay with larger limits
+    assert p.totals.summary()["samples_too_large"] == 1
+
+
+def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lettered_as_poison(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = engine.hash_context
+
+    def hash_context(context: dict) -> dict:
+        if "boom" in context:
+            raise ValueError("cannot hash this context")
+        return real(context)
+
+    monkeypatch.setattr(engine, "hash_context", hash_context)
+    batch = [imp(kafka, 0, 0, "ok0", T0), imp(kafka, 0, 1, "bad", T0 + 1, boom=1), imp(kafka, 0, 2, "ok2", T0 + 2)]
+    strikes_key = f"{prefix}:strikes:{settings.app_id}"
+    with pytest.raises(ValueError, match="cannot hash"):
+        make().process(batch)
+    assert redis_client.hlen(strikes_key) == 3  # every record of the failed batch, durably
+    with pytest.raises(ValueError, match="cannot hash"):
+        make().process(batch)  # a restarted worker: suspects go alone; ok0 passes, bad fails again
+    assert {k.decode().rsplit(":", 1)[1]: int(v.split()[0]) for k, v in redis_client.hgetall(strikes_key).items()} == {
+        "1": 2, "2": 1}
+    p = make()
+    p.process(batch)  # bad has failed poison_after=2 times: dead-lettered; ok2 goes on
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.source_offset) == (b"bad", "poison", 1)
+    assert dl.reason == "made the consumer fail 2 times in a row; last error: ValueError: cannot hash this context"
+    assert redis_client.hlen(strikes_key) == 0 and p.strikes.counts == {}
+    p.drain()
+    assert sorted(r.impression_id for r in sample_rows(kafka)) == ["ok0", "ok2"]  # each once, across restarts
+
+
+def test_an_infrastructure_failure_propagates_without_strikes(kafka: KafkaSettings, make,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make()
+
+    def down(*_a: object) -> None:
+        raise redis.ConnectionError("Redis is down")
+
+    monkeypatch.setattr(p.history, "append_many", down)
+    with pytest.raises(redis.ConnectionError):
+        p.process([imp(kafka, 0, 0, "a", T0), click(kafka, 0, 0, "a", T0 + 1)])
+    assert p.strikes.counts == {}  # a Redis outage must never make good records poison
+
+
+def test_close_flushes_the_buffered_day_counts_and_may_be_called_twice(kafka: KafkaSettings, make,
+                                                                     redis_client: redis.Redis, prefix: str) -> None:
+    p = make()  # counts_flush_s=3600: the counts stay buffered until close
+    p.process([imp(kafka, 0, 0, "a", T0, user="u1", item="i1"), imp(kafka, 0, 1, "b", T0 + 1, user="u2", item="i1"),
+               click(kafka, 0, 0, "a", T0 + 5)])
+    counts = DailyCounts(redis_client, prefix=prefix)
+    assert counts.top("item", "impression") == []
+    p.close()
+    # members are the ids' stable hashes (what the samples and the hot set use)
+    assert counts.top("item", "impression") == [(str(hash_value("i1")), 2.0)]
+    assert counts.top("item", "click") == [(str(hash_value("i1")), 1.0)]
+    assert sorted(counts.top("user", "impression")) == sorted([(str(hash_value("u1")), 1.0),
+                                                               (str(hash_value("u2")), 1.0)])
+    p.close()  # again (the fixture closes it a third time): nothing more is written, no error
+    assert counts.top("item", "impression") == [(str(hash_value("i1")), 2.0)]

@@ -1,0 +1,247 @@
+"""``learner/kafka_dataset.py`` (KafkaSampleDataset) against the real broker of the session stack.
+
+What its docstring promises, message by message: every samples message is yielded once, with its
+``(partition, offset, rows)``, in offset order per partition, never split, joined into batches of about
+``batch_rows`` rows; the explicit start offsets are where reading begins (a resume) and only their
+partitions are read; DataLoader workers split the partitions; a message that cannot be decoded or turned
+into tensors goes to ``<samples>.dlq`` with its reason while its offset still counts as consumed; suspects
+are yielded alone, or dead-lettered as ``poison`` when they carry a reason; an idle input yields zero-row
+heartbeats and, with ``exit_when_idle_s``, ends the iteration.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+import learner.kafka_dataset as kd
+from learner.batch import TensorBatch
+from learner.kafka_dataset import KafkaSampleDataset
+from stream.config import KafkaSettings
+from stream.dlq import DeadLetter
+from stream.kafka import AckedProducer, ensure_topics
+from stream.samples import SampleBatch
+from tests.kafka_io import read_topic
+from tests.test_learner import CFG, sample_batch
+
+PARTITIONS = 3
+IDLE_S = 1.0  # exit_when_idle_s of the bounded reads below
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+def produce(kafka: KafkaSettings, messages: list[tuple[int, bytes | None, bytes]]) -> dict[tuple[int, int], bytes]:
+    """Send ``(partition, value, key)`` in order; returns ``{(partition, offset): key}`` (offsets count from 0)."""
+    producer = AckedProducer(kafka)
+    next_offset: dict[int, int] = defaultdict(int)
+    where: dict[tuple[int, int], bytes] = {}
+    for part, value, key in messages:
+        producer.send(kafka.samples_topic, value, key, partition=part)
+        where[(part, next_offset[part])] = key
+        next_offset[part] += 1
+    producer.flush()
+    return where
+
+
+def good(rng: np.random.Generator, n: int, tag: str) -> bytes:
+    return sample_batch(rng, n, prefix=f"{tag}-").encode()
+
+
+def read_all(ds: KafkaSampleDataset) -> list[TensorBatch]:
+    """Iterate to the end (``exit_when_idle_s`` must be set); every batch, heartbeats included."""
+    assert ds.exit_when_idle_s is not None
+    return list(ds)
+
+
+def data_batches(batches: list[TensorBatch]) -> list[TensorBatch]:
+    """Without idle heartbeats (zero rows and no positions)."""
+    return [b for b in batches if b.positions or len(b)]
+
+
+def rows_by_position(batches: list[TensorBatch]) -> dict[tuple[int, int], list[str]]:
+    """``{(partition, offset): impression ids}``: each batch's rows split by its positions, in order."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for b in batches:
+        assert len(b) == sum(rows for _, _, rows in b.positions), b.positions
+        ids = b.impression_ids.tolist()
+        at = 0
+        for part, off, rows in b.positions:
+            assert (part, off) not in out, f"{(part, off)} yielded twice"
+            out[(part, off)] = ids[at:at + rows]
+            at += rows
+    return out
+
+
+def positions(batches: list[TensorBatch]) -> list[tuple[int, int, int]]:
+    return [p for b in batches for p in b.positions]
+
+
+@pytest.fixture
+def topic(kafka: KafkaSettings) -> KafkaSettings:
+    ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
+    return kafka
+
+
+# -- tests ---------------------------------------------------------------------------------------------------
+def test_every_message_is_yielded_once_whole_with_its_position_in_offset_order(topic: KafkaSettings) -> None:
+    rng = np.random.default_rng(1)
+    sizes = {0: [30, 5, 40, 12], 1: [7, 60], 2: [25, 25, 25, 1, 9]}
+    sent = [(p, good(rng, n, f"p{p}o{k}"), f"p{p}o{k}".encode()) for p, ns in sizes.items() for k, n in enumerate(ns)]
+    produce(topic, sent)
+    batch_rows = 50
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {p: 0 for p in sizes}, batch_rows=batch_rows,
+                                                   exit_when_idle_s=IDLE_S)))
+
+    got = rows_by_position(out)
+    want = {(p, k): [f"p{p}o{k}-{i}" for i in range(n)] for p, ns in sizes.items() for k, n in enumerate(ns)}
+    assert got == want  # every message, exactly once, whole, with its own partition and offset
+    for p in sizes:
+        offs = [o for part, o, _ in positions(out) if part == p]
+        assert offs == sorted(offs) == list(range(len(sizes[p])))  # offset order within a partition
+    biggest = max(n for ns in sizes.values() for n in ns)
+    # about batch_rows: a batch closes once it reaches batch_rows, and a message is never split across two
+    assert all(len(b) < batch_rows + biggest for b in out)
+    assert any(len(b.positions) > 1 for b in out)  # small messages are joined into one training batch
+    assert all(b.offsets.shape[0] == CFG.num_fields * len(b) + 1 for b in out)  # field-major bags, every row
+
+
+def test_start_offsets_are_where_reading_resumes_and_only_their_partitions_are_read(topic: KafkaSettings) -> None:
+    rng = np.random.default_rng(2)
+    produce(topic, [(p, good(rng, 4, f"p{p}o{k}"), b"k") for p in range(PARTITIONS) for k in range(4)])
+    start = {0: 2, 2: 3}  # partition 1 is not ours: not read at all
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, start, batch_rows=8, exit_when_idle_s=IDLE_S)))
+    assert sorted((p, o) for p, o, _ in positions(out)) == [(0, 2), (0, 3), (2, 3)]
+    assert rows_by_position(out)[(0, 2)] == [f"p0o2-{i}" for i in range(4)]
+    # a resume at the end reads nothing, and still ends when idle
+    assert data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 4}, exit_when_idle_s=IDLE_S))) == []
+
+
+def test_dataloader_workers_split_the_partitions_so_each_message_comes_once(topic: KafkaSettings) -> None:
+    rng = np.random.default_rng(3)
+    produce(topic, [(p, good(rng, 3, f"p{p}o{k}"), b"k") for p in range(PARTITIONS) for k in range(3)])
+    ds = KafkaSampleDataset(topic, CFG, {p: 0 for p in range(PARTITIONS)}, batch_rows=4, exit_when_idle_s=IDLE_S)
+    # An AckedProducer is a reference cycle (on_delivery=self._on_error): the ones dropped above (and by earlier
+    # tests' datasets) wait for the cyclic GC. Collected in a forked worker, librdkafka's destroy joins a thread
+    # the fork did not copy and the worker hangs or segfaults; collect them here, before the workers fork.
+    gc.collect()
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=False, timeout=60)
+    out = data_batches(list(loader))  # iterated to its end: the worker processes exit
+    # without the p % n == w split each of the two workers would read every partition: every message twice
+    assert sorted((p, o) for p, o, _ in positions(out)) == [(p, o) for p in range(PARTITIONS) for o in range(3)]
+    assert sorted(i for b in out for i in b.impression_ids.tolist()) == sorted(
+        f"p{p}o{k}-{i}" for p in range(PARTITIONS) for k in range(3) for i in range(3))
+
+
+def test_a_worker_without_partitions_yields_nothing(topic: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Info:  # worker 1 of 4 with partitions {0, 2}: none is ours (0 % 4 == 0, 2 % 4 == 2)
+        id, num_workers = 1, 4
+
+    monkeypatch.setattr(kd, "get_worker_info", lambda: Info)
+    ds = KafkaSampleDataset(topic, CFG, {0: 0, 2: 0}, exit_when_idle_s=IDLE_S)
+    t0 = time.monotonic()
+    assert list(ds) == [] and time.monotonic() - t0 < IDLE_S  # returns at once, no consumer, no idle wait
+    Info.id = 2  # worker 2 of 4 owns partition 2 only
+    assert ds._my_partitions() == [2]
+
+
+def test_malformed_messages_are_dead_lettered_with_reasons_and_the_next_ones_still_come(
+        topic: KafkaSettings) -> None:
+    rng = np.random.default_rng(4)
+    truncated = good(rng, 5, "cut")[:-40]
+    sent = [
+        (0, good(rng, 4, "a"), b"a"),                 # offset 0
+        (0, b"\x00\x01garbage" * 10, b"garbage"),     # offset 1: not Arrow
+        (0, None, b"tombstone"),                      # offset 2: no value
+        (0, good(rng, 4, "b"), b"b"),                 # offset 3
+        (1, truncated, b"truncated"),                 # partition 1, offset 0
+        (1, good(rng, 4, "c"), b"c"),                 # partition 1, offset 1
+    ]
+    produce(topic, sent)
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0, 1: 0}, batch_rows=100,
+                                                   exit_when_idle_s=IDLE_S)))
+
+    # the bad ones count as consumed (a zero-row position the checkpoint records), the good ones all come
+    assert sorted(positions(out)) == [(0, 0, 4), (0, 1, 0), (0, 2, 0), (0, 3, 4), (1, 0, 0), (1, 1, 4)]
+    assert sorted(i for b in out for i in b.impression_ids.tolist()) == sorted(
+        f"{t}-{i}" for t in "abc" for i in range(4))
+    dlq = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    letters = {r.key: (r.value, DeadLetter.from_headers(r.headers)) for r in dlq}
+    assert len(dlq) == 3 and set(letters) == {b"garbage", b"tombstone", b"truncated"}  # each once
+    value, dl = letters[b"garbage"]
+    assert value == b"\x00\x01garbage" * 10  # the original bytes, untouched: fix and replay
+    assert (dl.kind, dl.source_topic, dl.source_partition, dl.source_offset) == (
+        "bad_arrow", topic.samples_topic, 0, 1)
+    assert "not an Arrow IPC stream" in dl.reason
+    value, dl = letters[b"tombstone"]
+    assert (value, dl.kind, dl.reason, dl.source_offset) == (None, "empty", "empty samples message", 2)
+    value, dl = letters[b"truncated"]
+    assert (value, dl.kind, dl.source_partition, dl.source_offset) == (truncated, "bad_arrow", 1, 0)
+
+
+def test_any_exception_turning_a_message_into_tensors_dead_letters_it_as_undecodable(
+        topic: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    real = kd.to_tensors
+
+    def to_tensors(sb: SampleBatch, cfg, positions):  # noqa: ANN001 - the module's own signature
+        if sb.impression_ids[0].startswith("boom"):
+            raise RuntimeError("index 99 is out of bounds")
+        return real(sb, cfg, positions)
+
+    monkeypatch.setattr(kd, "to_tensors", to_tensors)
+    produce(topic, [(0, good(rng, 2, "ok1"), b"1"), (0, good(rng, 2, "boom"), b"boom"), (0, good(rng, 2, "ok2"), b"2")])
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0}, exit_when_idle_s=IDLE_S)))
+    assert sorted(positions(out)) == [(0, 0, 2), (0, 1, 0), (0, 2, 2)]
+    [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.source_offset) == (b"boom", "undecodable", 1)
+    assert dl.reason == "cannot be turned into tensors: RuntimeError: index 99 is out of bounds"
+
+
+def test_suspects_are_yielded_alone_and_a_poisoned_one_is_dead_lettered(topic: KafkaSettings) -> None:
+    rng = np.random.default_rng(6)
+    produce(topic, [(0, good(rng, 3, f"o{k}"), f"o{k}".encode()) for k in range(6)])
+    suspects = {(0, 2): None, (0, 4): "injected fault: training failed twice"}
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0}, batch_rows=1000, exit_when_idle_s=IDLE_S,
+                                                   suspects=suspects)))
+    alone = [b for b in out if (0, 2, 3) in b.positions]
+    assert len(alone) == 1 and alone[0].positions == [(0, 2, 3)]  # its own batch: only it is blamed next time
+    assert alone[0].impression_ids.tolist() == ["o2-0", "o2-1", "o2-2"]
+    # the poisoned one is never trained: a zero-row position, and its bytes in the DLQ with the strike's reason
+    assert sorted(positions(out)) == [(0, 0, 3), (0, 1, 3), (0, 2, 3), (0, 3, 3), (0, 4, 0), (0, 5, 3)]
+    assert not any(i.startswith("o4-") for b in out for i in b.impression_ids.tolist())
+    [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.reason, dl.source_offset) == (b"o4", "poison", suspects[(0, 4)], 4)
+    assert SampleBatch.decode(rec.value).impression_ids == ["o4-0", "o4-1", "o4-2"]  # untouched, replayable
+
+
+def test_an_idle_input_yields_empty_heartbeats_and_ends_after_exit_when_idle_s(topic: KafkaSettings) -> None:
+    idle_s = 2.6
+    t0 = time.monotonic()
+    out = list(KafkaSampleDataset(topic, CFG, {0: 0, 1: 0}, exit_when_idle_s=idle_s))
+    took = time.monotonic() - t0
+    # about one heartbeat a second (at ~1 s and ~2 s), so a stop signal is seen on time even without data
+    assert 1 <= len(out) <= 3, len(out)
+    assert all(len(b) == 0 and b.positions == [] for b in out)
+    assert idle_s <= took < idle_s + 10
+
+
+def test_the_last_rows_are_yielded_at_once_when_the_input_pauses_then_the_iteration_ends(
+        topic: KafkaSettings) -> None:
+    rng = np.random.default_rng(7)
+    produce(topic, [(0, good(rng, 5, "only"), b"k")])
+    it = iter(KafkaSampleDataset(topic, CFG, {0: 0}, batch_rows=10_000, exit_when_idle_s=IDLE_S))
+    try:
+        t0 = time.monotonic()
+        first = next(it)
+        # far below batch_rows, yet not held back until more data comes: nothing more right now, train it
+        assert first.positions == [(0, 0, 5)] and time.monotonic() - t0 < IDLE_S + 10
+        rest = data_batches(list(it))
+        assert rest == []  # and with nothing more, the iteration ends (exit_when_idle_s)
+    finally:
+        it.close()  # type: ignore[attr-defined]

@@ -1,0 +1,240 @@
+"""``serving/app.py`` (ScoringApp.handle(method, path, body) -> (status, content type, body)), no HTTP server.
+
+Routes and statuses (404 naming the endpoints, 405 naming the methods, 413, 503 before a model and while
+draining), the bodies of ``/healthz`` and ``/readyz``, ``/openapi.json`` naming the live model's features,
+``/metrics`` text, scores of a real published artifact (equal to the learner's eager model on the same
+tensors, with the user's history), JSON errors that say what to fix, the batch route, a bug costing one
+request (500), and a Redis that is unavailable: scored without history and counted, never an error.
+The model is wired as ``serving/service.py`` wires it: ModelHolder + ModelUpdater.check_now + ServingMetrics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from serving.app import JSON, PROMETHEUS, ScoringApp
+from serving.metrics import ServingMetrics
+from serving.settings import ServeSettings
+from serving.swap import ModelHolder, ModelUpdater
+from stream.features import hash_value
+from stream.history import UserHistory
+from streamrec.stack import free_port
+from tests.test_serving import REQUEST, TOL, TinyLearner, publish_version
+from tests.test_serving_faults import eager
+
+MAX_CANDIDATES, MAX_BATCH, MAX_BODY = 5, 2, 10_000
+SIMPLE = {"user_id": "alice", "items": [1, 2, 3]}
+
+
+class FakeHistory:
+    """``UserHistory.as_of`` over a dict (user hash -> clicked item hashes, oldest first)."""
+
+    def __init__(self, clicks: dict[int, list[int]] | None = None) -> None:
+        self.clicks = clicks or {}
+        self.calls = 0
+
+    def as_of(self, users: list[int], _ts: list[int]) -> list[list[int]]:
+        self.calls += 1
+        return [list(self.clicks.get(u, [])) for u in users]
+
+
+def make_app(root: Path, history: Any = None, history_len: int = 50, **settings: Any) -> ScoringApp:
+    ss = ServeSettings(port=0, publish_root=root, device="cpu", max_candidates=MAX_CANDIDATES, max_batch=MAX_BATCH,
+                       max_body_bytes=MAX_BODY, **settings)
+    holder = ModelHolder()
+    metrics = ServingMetrics(holder.model)
+    ModelUpdater(holder, metrics, root, None, device="cpu").check_now()  # what ScoringService.start does first
+    return ScoringApp(ss, holder, metrics, history, history_len=history_len, version="9.9.9")
+
+
+def call(app: ScoringApp, method: str, path: str, body: Any = b"") -> tuple[int, str, Any]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, ctype, out = app.handle(method, path, raw)
+    return status, ctype, (json.loads(out) if ctype == JSON else out.decode())
+
+
+def sample(app: ScoringApp, name: str, labels: dict[str, str] | None = None) -> float:
+    return app.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def learner() -> TinyLearner:
+    return TinyLearner(seed=31)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory, learner: TinyLearner) -> Path:
+    root = tmp_path_factory.mktemp("app") / "serving"
+    publish_version(learner, root, "v001")
+    return root
+
+
+# -- without a model ---------------------------------------------------------------------------------------------
+def test_before_a_model_healthz_is_200_readyz_and_score_are_503_saying_why(tmp_path: Path) -> None:
+    app = make_app(tmp_path / "empty")
+    assert call(app, "GET", "/healthz") == (200, JSON, {"status": "ok"})
+    status, ctype, out = call(app, "GET", "/readyz")
+    assert (status, ctype) == (503, JSON) and out["error"] == f"no model loaded yet from {tmp_path / 'empty'}"
+    status, _, out = call(app, "POST", "/v1/score", SIMPLE)
+    assert status == 503 and "nothing is published (no CURRENT file)" in out["error"]
+    assert "streamrec refresh --now" in out["error"]
+    assert call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE]})[0] == 503
+    app.holder.problem = "checksum mismatch in dense.pt"  # what ModelUpdater sets when it rejects an artifact
+    assert call(app, "GET", "/readyz")[2]["error"].endswith(": the published artifact was rejected "
+                                                            "(checksum mismatch in dense.pt)")
+    assert "the published artifact was rejected (checksum mismatch" in call(app, "POST", "/v1/score", SIMPLE)[2][
+        "error"]
+
+
+def test_unknown_paths_are_404_naming_the_endpoints_and_wrong_methods_405_naming_the_allowed(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    status, _, out = call(app, "GET", "/v2/score")
+    assert status == 404 and out["error"] == ("no endpoint /v2/score; endpoints: /healthz, /metrics, /openapi.json, "
+                                              "/readyz, /v1/score, /v1/score:batch")
+    status, _, out = call(app, "GET", "/v1/score")
+    assert status == 405 and out["error"] == "GET /v1/score: method not allowed; use POST"
+    status, _, out = call(app, "DELETE", "/readyz?probe=1")  # the query string is not part of the path
+    assert status == 405 and out["error"] == "DELETE /readyz: method not allowed; use GET"
+    assert app.allowed_methods("/v1/score") == ["POST"]
+    assert app.allowed_methods("/readyz?x=1") == ["GET", "HEAD"]  # HEAD goes with GET (the Allow header)
+    assert app.allowed_methods("/nowhere") == []
+    assert call(app, "GET", "/healthz?verbose=1")[0] == 200
+
+
+def test_a_body_over_max_body_bytes_is_413_before_it_is_parsed(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    status, _, out = app.handle("POST", "/v1/score", b"{" * (MAX_BODY + 1))
+    assert status == 413 and json.loads(out)["error"] == f"body of {MAX_BODY + 1} bytes exceeds {MAX_BODY}"
+    assert call(app, "POST", "/v1/score", b"{" * MAX_BODY)[0] == 400  # at the limit: parsed (and malformed)
+
+
+def test_metrics_is_prometheus_text_counting_requests_by_endpoint_and_status(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    call(app, "GET", "/healthz")
+    call(app, "GET", "/nope")
+    call(app, "POST", "/v1/score", SIMPLE)
+    status, ctype, text = call(app, "GET", "/metrics")
+    assert (status, ctype) == (200, PROMETHEUS)
+    assert 'streamrec_serving_requests_total{endpoint="/healthz",status="200"} 1.0' in text
+    assert 'streamrec_serving_requests_total{endpoint="other",status="404"} 1.0' in text  # unknown paths: one label
+    assert 'streamrec_serving_requests_total{endpoint="/v1/score",status="503"} 1.0' in text
+    assert "streamrec_serving_request_seconds_bucket" in text
+    assert app.in_flight == 0 and sample(app, "streamrec_serving_in_flight") == 0
+
+
+def test_readyz_is_503_while_draining(published: Path) -> None:
+    app = make_app(published)
+    assert call(app, "GET", "/readyz")[0] == 200
+    app.draining = True  # ScoringService.stop sets it: balancers stop sending
+    assert call(app, "GET", "/readyz") == (503, JSON, {"error": "shutting down"})
+    assert call(app, "GET", "/healthz")[0] == 200
+
+
+# -- with a published artifact ------------------------------------------------------------------------------------
+def test_readyz_and_openapi_describe_the_live_model(published: Path) -> None:
+    app = make_app(published)
+    assert call(app, "GET", "/readyz") == (200, JSON, {"status": "ready", "model_version": "v001",
+                                                       "format": "torchscript", "delta_seq": 0, "problem": None})
+    status, ctype, doc = call(app, "GET", "/openapi.json")
+    assert (status, ctype) == (200, JSON) and doc["openapi"].startswith("3.") and doc["info"]["version"] == "9.9.9"
+    props = doc["components"]["schemas"]["ScoreRequest"]["properties"]
+    assert set(props["context"]["properties"]) == {"device", "genres", "year"}  # the artifact's features
+    assert props["context"]["additionalProperties"] is False and set(props["dense"]["properties"]) == {"price"}
+    assert props["items"]["maxItems"] == MAX_CANDIDATES
+    assert set(doc["paths"]) == {"/v1/score", "/v1/score:batch", "/healthz", "/readyz", "/metrics", "/openapi.json"}
+    assert app.openapi_document() is app.openapi_document()  # built once per live model, not per request
+
+
+def test_openapi_without_a_model_allows_any_feature_name(tmp_path: Path) -> None:
+    doc = json.loads(make_app(tmp_path).openapi_document())
+    ctx = doc["components"]["schemas"]["ScoreRequest"]["properties"]["context"]
+    assert "properties" not in ctx or not ctx["properties"]
+    assert ctx.get("additionalProperties", True) is not False
+
+
+def test_scores_equal_the_learners_eager_model_with_the_users_history(published: Path, learner: TinyLearner) -> None:
+    clicks = [hash_value(i) for i in (5, 6, 7)]
+    history = FakeHistory({hash_value(REQUEST["user_id"]): clicks})
+    app = make_app(published, history, history_len=2)  # the last history_len clicks, as the joiner attaches
+    status, ctype, out = call(app, "POST", "/v1/score", REQUEST)
+    assert (status, ctype) == (200, JSON), out
+    assert out["model_version"] == "v001" and out["delta_seq"] == 0 and len(out["scores"]) == len(REQUEST["items"])
+    assert np.allclose(out["scores"], eager(learner, REQUEST, clicks[-2:]), atol=TOL, rtol=0)
+    assert not np.allclose(out["scores"], eager(learner, REQUEST, []), atol=TOL, rtol=0)  # the history mattered
+    assert sample(app, "streamrec_serving_candidates_total") == len(REQUEST["items"])
+    assert sample(app, "streamrec_serving_requests_total", {"endpoint": "/v1/score", "status": "200"}) == 1
+
+
+def test_the_batch_route_answers_each_request_as_the_single_route_does(published: Path) -> None:
+    history = FakeHistory({hash_value("bob"): [hash_value(9)]})
+    app = make_app(published, history)
+    reqs = [REQUEST, {"user_id": "bob", "items": [1, "x"], "context": {"device": "android"}}]
+    status, _, out = call(app, "POST", "/v1/score:batch", {"requests": reqs})
+    assert status == 200 and len(out["results"]) == 2
+    for req, res in zip(reqs, out["results"], strict=True):
+        single = call(app, "POST", "/v1/score", req)[2]
+        assert res["model_version"] == "v001" and np.allclose(res["scores"], single["scores"], atol=1e-7, rtol=0)
+    status, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE] * (MAX_BATCH + 1)})
+    assert status == 422 and f"at most {MAX_BATCH} per batch call" in out["error"]
+    status, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, {"user_id": 1}]})
+    assert status == 422 and "'requests[1].items' is required" in out["error"]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    (b"{not json", 400, "malformed JSON"),
+    (b"", 400, "empty body"),
+    (b"[1, 2]", 422, "expected a JSON object"),
+    ({"items": [1]}, 422, "field 'user_id' is required"),
+    ({"user_id": 1, "items": []}, 422, "empty; send at least one candidate"),
+    ({"user_id": 1, "items": list(range(MAX_CANDIDATES + 1))}, 422, f"at most {MAX_CANDIDATES}"),
+    ({"user_id": 1, "items": [1], "context": {"devise": "ios"}}, 422, "no such context feature; known: device"),
+    ({"user_id": 1, "items": [1], "dense": {"price": "high"}}, 422, "dense.price"),
+])
+def test_a_malformed_request_is_a_json_4xx_naming_what_to_fix(published: Path, body: Any, status: int,
+                                                              words: str) -> None:
+    app = make_app(published)
+    got, ctype, out = call(app, "POST", "/v1/score", body)
+    assert (got, ctype) == (status, JSON) and set(out) == {"error"} and words in out["error"], out
+
+
+def test_a_bug_while_scoring_costs_that_request_a_500_not_the_app(published: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(published)
+    monkeypatch.setattr(app, "_run", lambda *_a: 1 / 0)
+    assert call(app, "POST", "/v1/score", SIMPLE) == (
+        500, JSON, {"error": "internal error while scoring; see the service log"})
+    assert app.in_flight == 0  # counted out whatever happened
+    monkeypatch.undo()
+    assert call(app, "POST", "/v1/score", SIMPLE)[0] == 200
+
+
+def test_an_unavailable_redis_scores_without_history_and_counts_it(published: Path, learner: TinyLearner) -> None:
+    # A real UserHistory on a port nothing listens on, built like ScoringService builds it (no retries).
+    client = redis.Redis(port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2,
+                         retry=Retry(NoBackoff(), 0), retry_on_error=[])
+    try:
+        app = make_app(published, UserHistory(client, prefix="nobody"), history_retry_after_s=3600)
+        for _ in range(2):
+            status, _, out = call(app, "POST", "/v1/score", REQUEST)
+            assert status == 200 and np.allclose(out["scores"], eager(learner, REQUEST, []), atol=TOL, rtol=0)
+        status, _, out = call(app, "POST", "/v1/score:batch", {"requests": [REQUEST, SIMPLE]})
+        assert status == 200 and len(out["results"]) == 2
+    finally:
+        client.close()
+    assert sample(app, "streamrec_serving_history_unavailable_total") == 3  # every request scored without it
+    assert sample(app, "streamrec_serving_history_errors_total") == 1  # Redis tried once, then skipped (breaker)
+
+
+def test_no_history_reader_means_no_history_and_nothing_counted(published: Path, learner: TinyLearner) -> None:
+    app = make_app(published, None)
+    status, _, out = call(app, "POST", "/v1/score", REQUEST)
+    assert status == 200 and np.allclose(out["scores"], eager(learner, REQUEST, []), atol=TOL, rtol=0)
+    assert sample(app, "streamrec_serving_history_unavailable_total") == 0
