@@ -5,10 +5,12 @@ here, and cold-start admission reads how often a new id has been seen.
 
 Key layout (one sorted set per kind, event and UTC day of the *event* time)::
 
-    {prefix}:counts:{kind}:{event}:{YYYYMMDD}      member = str(raw id), score = count
+    {prefix}:counts:{kind}:{event}:{YYYYMMDD}      member = id, score = count
 
-``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click``. Members are the raw id's
-text, so ``123`` and ``"123"`` are one member, the same canonical form ``stream.ids`` hashes.
+``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click``. Members are the ids as the
+caller gives them, as text; the joiner records the ids' stable 64-bit hashes (``stream.ids.stable_hash``
+of the raw id, so ``123`` and ``"123"`` are one member), which is what ``cache_refresh/hot_set.py``
+maps to rows.
 
 Expiry: a day's key expires ``ttl_days`` after the *end of its own day* (``day_start + (ttl_days +
 1) * 86400``), so in live traffic today's key is kept for ``ttl_days`` full days after midnight
