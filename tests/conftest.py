@@ -4,6 +4,8 @@ on free ports, with a unique topic set and consumer group per test."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -60,3 +62,80 @@ def redis_client(stack: LocalStack) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+# -- thread-leak guard ----------------------------------------------------------------------------
+# Every test must stop the threads it starts (servers, consumers, workers, pools): a thread left running
+# keeps sockets, files and brokers' group memberships open, and makes later tests flaky. The guard below
+# snapshots ``threading.enumerate()`` before each test and, after every function-scoped fixture has been
+# torn down (it is autouse, so it is set up first and torn down last), gives the new threads a short grace
+# period to end and fails the test naming those still alive. Threads of session- and module-scoped fixtures
+# are set up before the snapshot, so they are never blamed on a test; a second guard does the same around
+# each module, so a module-scoped fixture that does not stop its threads fails the module's last test.
+# (The session's stack runs its broker and Redis as subprocesses: no Python threads.)
+
+THREAD_LEAK_GRACE_S = 2.0  # total time the new threads of one test get to finish after its teardown
+
+
+# Threads that may outlive the test that started them: thread-name prefix -> why. Keep it minimal, justify every
+# entry. It is empty: with the fixes made when the guard came in, the whole suite (-m "not slow") runs without an
+# exception. librdkafka's threads (confluent-kafka producers, consumers, admin clients) are C threads and never
+# appear in threading.enumerate(); torch's and pyarrow's pools are native too; the session's stack is subprocesses.
+THREAD_LEAK_ALLOWED: dict[str, str] = {}
+
+
+def _allowed_thread(t: threading.Thread) -> str | None:
+    """Why ``t`` may outlive the test that started it (None: it may not)."""
+    return next((why for prefix, why in THREAD_LEAK_ALLOWED.items() if t.name.startswith(prefix)), None)
+
+
+def _describe_thread(t: threading.Thread) -> str:
+    target = getattr(t, "_target", None)
+    where = getattr(target, "__qualname__", None) or (repr(target) if target is not None else type(t).__qualname__)
+    module = getattr(target, "__module__", None) or type(t).__module__
+    return f"{t.name!r} (target {module}.{where}, {'daemon' if t.daemon else 'non-daemon'})"
+
+
+def leaked_threads(before: set[threading.Thread], grace_s: float = THREAD_LEAK_GRACE_S) -> list[threading.Thread]:
+    """Threads alive now that were not in ``before`` and are not allowed, after waiting up to ``grace_s`` in
+    total for them to end."""
+    deadline = time.monotonic() + grace_s
+    new = [t for t in threading.enumerate() if t not in before and _allowed_thread(t) is None]
+    for t in new:
+        # a _DummyThread stands for a thread started outside Python (a C library calling back): it cannot be
+        # joined and never ends, so it is reported at once
+        if t is not threading.current_thread() and not isinstance(t, threading._DummyThread):
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in new if t.is_alive()]
+
+
+def thread_leak_report(leaked: list[threading.Thread]) -> str:
+    return (f"{len(leaked)} thread(s) started during the test still run after its teardown: "
+            + "; ".join(_describe_thread(t) for t in leaked)
+            + ". Stop and join them (close()/stop()/shutdown()) in the test or the code it drives, or mark the "
+            "test @pytest.mark.allow_thread_leak(\"why\") if the leak is in code this test cannot fix.")
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("allow_thread_leak") is not None:  # the marker names the reason
+        yield
+        return
+    before = set(threading.enumerate())
+    yield
+    leaked = leaked_threads(before)
+    if leaked:
+        pytest.fail(thread_leak_report(leaked), pytrace=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_thread_leaks_in_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    items = [i for i in request.session.items if i.getparent(pytest.Module) is request.node]
+    if any(i.get_closest_marker("allow_thread_leak") is not None for i in items):
+        yield  # a test of this module may leave a thread running, with its reason
+        return
+    before = set(threading.enumerate())
+    yield
+    leaked = leaked_threads(before)
+    if leaked:
+        pytest.fail("module-scoped fixtures: " + thread_leak_report(leaked), pytrace=False)

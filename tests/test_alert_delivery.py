@@ -87,7 +87,8 @@ class HookServer:
                     srv.release.wait(60)
                 if srv.mode == "trickle":
                     self.trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                    return
+                    self.close_connection = True  # cut short by close(): hang up, so neither side waits on
+                    return  # a keep-alive connection (the client until its deadline, this thread for a request)
                 if (srv.mode == "flaky" and n <= srv.fail_first) or srv.mode == "reject":
                     self.answer(500 if srv.mode == "flaky" else 400)
                     return
@@ -379,6 +380,11 @@ def test_a_dead_broker_never_blocks_evaluation_and_close_reports_it() -> None:
     started = time.monotonic()
     assert monitor.close(0.5) == 3
     assert time.monotonic() - started < 2.0
+    # close() left the attempt in progress to end by its own deadline (kafka_timeout_s), in the background, as
+    # documented; wait for that here so the worker does not outlive the test
+    for sink in fan.sinks:
+        sink._thread.join(10)
+        assert not sink._thread.is_alive()
 
 
 def test_alerts_reach_the_kafka_topic_through_the_queue(stack, kafka: KafkaSettings) -> None:
