@@ -6,9 +6,10 @@ small parts (``model.py``), the sparse optimizers (``optim.py``), dynamic ids an
 (``id_map.py``, ``row_mapper.py``, ``cold_start.py``), test-then-train and progressive metrics
 (``trainer.py``, ``progressive.py``), the Kafka dataset (``kafka_dataset.py``), checkpoints and deltas
 (``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the serving artifact's format, build and
-readers (``artifact.py``) with its scorer module (``scorer.py``), the daemon (``daemon.py``) and the offline and
-online evaluation (``evaluate.py``).
+readers (``artifact.py``) with its scorer module (``scorer.py``), the daemon (``daemon.py``) and the
+offline and online evaluation (``evaluation/``).
 
 May import: ``stream/`` and third-party libraries; never ``cache_refresh/``, ``serving/`` or
-``monitor/``. Entry points: ``learner.daemon.Learner`` (``streamrec train``), ``learner.evaluate``.
+``monitor/``. Entry points: ``learner.daemon.Learner`` (``streamrec train``),
+``learner.evaluation.protocols.evaluate`` (``streamrec evaluate``).
 """

@@ -30,7 +30,10 @@ import pyarrow as pa
 import torch
 
 from learner.batch import to_tensors
-from learner.evaluate import EvalConfig, Log, Ratings, _log_to, build_samples, load_ratings, online_labels
+from learner.evaluation.config import EvalConfig
+from learner.evaluation.protocols import Log, log_to
+from learner.evaluation.ratings import Ratings, load_ratings, online_labels
+from learner.evaluation.samples import build_samples
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.optim import make_optimizers
@@ -156,7 +159,7 @@ def evaluate_cold_start(dataset: str = "synthetic", seed: int = 42, *, config: d
                         variants: tuple[str, ...] = VARIANTS, log: Log | bool | None = None) -> dict[str, Any]:
     cs = cold or ColdStartConfig()
     cfg = replace(EvalConfig(mlp=(200, 200)), **(config or {}))
-    out_log = _log_to(log)
+    out_log = log_to(log)
     t0 = time.perf_counter()
     if dataset == "synthetic":
         r = synthetic_ratings(cs.synthetic_impressions, cs.synthetic_new_user_share, seed, limit,

@@ -20,17 +20,14 @@ from typing import Any
 
 
 def build_request(dataset: str, user: str, k: int) -> dict[str, Any]:
-    from stream.replay.movielens import DATASETS, _attribute_dicts, _read_tsv
+    from stream.replay.movielens import read_movielens
 
-    ds = DATASETS[dataset]
-    folder = ds.locate()
-    users = _attribute_dicts(_read_tsv(folder / f"{dataset}.user"), "user_id:token", ds.user_fields, ds.multi_valued)
-    items = _attribute_dicts(_read_tsv(folder / f"{dataset}.item"), "item_id:token", ds.item_fields, ds.multi_valued)
+    tables = read_movielens(dataset)
+    users, items = tables.user_attrs, tables.item_attrs
     if user not in users:
         raise SystemExit(f"user {user!r} is not in {dataset} (ids look like {next(iter(users))!r})")
-    inter = _read_tsv(folder / f"{dataset}.inter")
-    rated = [i for u, i in zip(inter.column("user_id:token").to_pylist(), inter.column("item_id:token").to_pylist(),
-                               strict=True) if u == user][: max(1, k // 2)]
+    rated = [i for u, i in zip(tables.user_ids.to_pylist(), tables.item_ids.to_pylist(), strict=True)
+             if u == user][: max(1, k // 2)]
     popular = [i for i in ("American Beauty (1999)", "Star Wars: Episode IV - A New Hope (1977)",
                            "Jurassic Park (1993)", "Fargo (1996)", "Toy Story (1995)", "Heat (1995)") if i in items]
     candidates = list(dict.fromkeys(rated + popular))[:k]

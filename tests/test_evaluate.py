@@ -1,23 +1,17 @@
-"""``learner/evaluate.py``: the AutoInt split and labels, history as of time, and small end-to-end runs."""
+"""``learner/evaluation/``: the AutoInt split and labels, history as of time (and after a delay), calibration,
+and small end-to-end runs through ``learner.evaluation.protocols.evaluate`` (what ``streamrec evaluate`` calls)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from learner.evaluate import (
-    EvalConfig,
-    Ratings,
-    autoint_labels,
-    build_samples,
-    evaluate,
-    feature_config,
-    history_as_of,
-    online_labels,
-    request_time,
-    resolve_config,
-    split_811,
-)
+from learner.evaluation.calibration import apply_platt, fit_platt
+from learner.evaluation.config import EvalConfig, resolve_config
+from learner.evaluation.protocols import evaluate
+from learner.evaluation.ratings import Ratings, autoint_labels, online_labels, split_811
+from learner.evaluation.samples import build_samples, feature_config, history_as_of, request_time
+from learner.progressive import logloss
 from stream.errors import DatasetMissing
 from stream.features import hash_value
 from stream.replay.movielens import DATASETS
@@ -129,10 +123,29 @@ def test_history_matches_brute_force_on_random_frames() -> None:
         item = rng.integers(0, 1000, n)
         ts = rng.integers(0, 40, n)
         pos = rng.random(n) < 0.6
-        flat, offsets = history_as_of(user, item, ts, pos, max_len=7)
+        delay = int(rng.choice([0, 0, 1, 7]))
+        flat, offsets = history_as_of(user, item, ts, pos, max_len=7, delay_ms=delay)
         for k in range(n):
-            earlier = [j for j in np.lexsort((np.arange(n), ts)) if user[j] == user[k] and ts[j] < ts[k] and pos[j]]
+            earlier = [j for j in np.lexsort((np.arange(n), ts))
+                       if user[j] == user[k] and ts[j] + delay < ts[k] and pos[j]]
             assert flat[offsets[k]:offsets[k + 1]].tolist() == item[earlier][-7:].tolist()
+
+
+def test_history_delay_lets_an_item_in_only_after_the_delay() -> None:
+    """A positive rated at t is absent from the history of a rating at t + d/2 and present at t + 2d (and
+    with no delay it is present at both): the history of a joiner whose click arrives d after the rating."""
+    t, d = 1_000_000, 30_000  # ms
+    user = np.array(["a", "a", "a", "b"])
+    item = np.array(["i1", "i2", "i3", "i1"])
+    ts = np.array([t, t + d // 2, t + 2 * d, t + 2 * d])
+    pos = np.array([True, False, False, True])
+    flat, offsets = history_as_of(user, item, ts, pos, delay_ms=d)
+    got = [flat[offsets[k]:offsets[k + 1]].tolist() for k in range(len(user))]
+    assert got == [[], [], ["i1"], []]  # b's own i1 never leaks into a, a's never into b
+    flat, offsets = history_as_of(user, item, ts, pos)
+    assert [flat[offsets[k]:offsets[k + 1]].tolist() for k in range(len(user))] == [[], ["i1"], ["i1"], []]
+    flat, offsets = history_as_of(user, item, np.array([t, t + d, t + d + 1, t]), pos, delay_ms=d)
+    assert flat[offsets[1]:offsets[2]].tolist() == [] and flat[offsets[2]:offsets[3]].tolist() == ["i1"]  # strict
 
 
 def _frame_ratings() -> Ratings:
@@ -183,9 +196,22 @@ def test_sample_batch_carries_hashed_features_as_the_joiner_does() -> None:
     assert [f.name for f in feature_config("default", cfg).fields][:3] == ["user_id", "item_id", "history"]
 
 
+def test_build_samples_applies_the_configured_history_delay() -> None:
+    r = _frame_ratings()  # FRAME: user a rates positives at 10, 20, 20, 40, 60 s
+    rows = np.arange(len(r))
+    label = online_labels(r.rating)
+    values, offsets = build_samples(r, rows, label, "default", EvalConfig(history_delay_s=25.0)).lists("history")
+    a60 = int(np.flatnonzero(r.ts_ms == 60_000)[0])
+    # i1 (10 s) and i3, i2 (20 s) entered by 45 s; i5 (40 s) only at 65 s, after the rating at 60 s
+    assert values[offsets[a60]:offsets[a60 + 1]].tolist() == [hash_value(x) for x in ("i1", "i3", "i2")]
+    with pytest.raises(ValueError, match="history_delay_s"):
+        EvalConfig(history_delay_s=-1.0)
+
+
 def test_config_overrides_are_checked() -> None:
     cfg = resolve_config("autoint", "paper", {"embedding_dim": 8, "mlp": [32]}, epochs=2)
     assert (cfg.embedding_dim, cfg.mlp, cfg.epochs) == (8, (32,), 2)
+    assert resolve_config("online", "default").history_delay_s == 0.0  # the README's figures: no delay
     with pytest.raises(ValueError, match="unknown evaluation settings"):
         resolve_config("autoint", "paper", {"embeding_dim": 8})
     with pytest.raises(ValueError, match="protocol"):
@@ -213,9 +239,6 @@ def test_online_protocol_learns_on_a_subsample() -> None:
 
 
 def test_platt_scaling_recovers_a_known_miscalibration_and_keeps_the_order() -> None:
-    from learner.evaluate import apply_platt, fit_platt
-    from learner.progressive import logloss
-
     rng = np.random.default_rng(0)
     z = rng.normal(0, 2, 200_000)
     y = (rng.random(len(z)) < 1 / (1 + np.exp(-z))).astype(np.float64)  # true logits z

@@ -8,6 +8,10 @@ redistribution: the files are read where pip put them and never copied.
 Replay semantics: every rating is an impression at its timestamp; a rating >= 4 adds a click after
 a delay drawn from the configured distribution. User attributes (gender, age, occupation, zip) and
 item attributes (year, genres) travel as context fields.
+
+Readers other than replay (the offline evaluation, the serving demo) use :func:`read_movielens`, which
+returns the files as :class:`MovieLensTables` with the attributes parsed exactly as replay publishes
+them, so every consumer sees the same raw values.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def _number(text: str) -> int | str:
 
 def _attribute_dicts(table: pa.Table, key: str, fields: dict[str, str],
                      multi_valued: tuple[str, ...]) -> dict[str, dict[str, object]]:
+    """Rows of a ``.user``/``.item`` table -> ``{raw id: {context name: value}}``; empty cells are left out,
+    multi-valued ones split on spaces, numeric ones (``NUMERIC_CONTEXT``) parsed to int."""
     present = [c for c in fields if c in table.column_names]
     cols = {fields[c]: table.column(c).to_pylist() for c in present}
     keys = table.column(key).to_pylist()
@@ -127,15 +133,62 @@ def _attribute_dicts(table: pa.Table, key: str, fields: dict[str, str],
     return out
 
 
-def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = None) -> EventTable:
-    """Ratings of ``name`` in event-time order as impressions (+ clicks for ratings >= 4)."""
+@dataclass(frozen=True)
+class MovieLensTables:
+    """One packaged data set as its files hold it: the ratings in file order and every user's and item's
+    attributes, parsed exactly as replay publishes them as context (so a consumer that hashes them gets
+    the values the joiner puts on the samples topic)."""
+
+    name: str
+    folder: Path  # where the files were read, in place
+    inter: pa.Table  # the ``.inter`` file, (N,) rows in file order, every column a string
+    user_attrs: dict[str, dict[str, object]]  # raw user id -> {context name: value}
+    item_attrs: dict[str, dict[str, object]]  # raw item id -> {context name: value}
+
+    @property
+    def user_ids(self) -> pa.ChunkedArray:
+        """(N,) raw user ids as replay publishes them (``"1m_1"``), file order."""
+        return self.inter.column("user_id:token")
+
+    @property
+    def item_ids(self) -> pa.ChunkedArray:
+        """(N,) raw item ids (ml-1m: the movie's title), file order."""
+        return self.inter.column("item_id:token")
+
+    def ratings(self) -> np.ndarray:
+        """(N,) float64 star ratings, file order."""
+        return np.asarray(self.inter.column("rating:float").cast(pa.float64()).to_numpy(), dtype=np.float64)
+
+    def ts_ms(self) -> np.ndarray:
+        """(N,) int64 rating times in epoch milliseconds (the files hold seconds), file order."""
+        return np.rint(self.inter.column("timestamp:float").cast(pa.float64()).to_numpy() * 1000).astype(np.int64)
+
+
+def read_movielens(name: str) -> MovieLensTables:
+    """Locate the packaged data set ``name`` (a key of :data:`DATASETS`) and read its ``.inter``, ``.user``
+    and ``.item`` files. Raises ValueError for an unknown name and :class:`DatasetMissing` (with the fix)
+    when its package is not installed."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}")
     ds = DATASETS[name]
     folder = ds.locate()
-    inter = _read_tsv(folder / f"{name}.inter")
-    users_raw = inter.column("user_id:token").to_numpy(zero_copy_only=False)  # (N,) object
-    items_raw = inter.column("item_id:token").to_numpy(zero_copy_only=False)
-    rating = np.asarray(inter.column("rating:float").cast(pa.float64()).to_numpy(), dtype=np.float64)
-    ts_ms = np.rint(inter.column("timestamp:float").cast(pa.float64()).to_numpy() * 1000).astype(np.int64)
+    return MovieLensTables(
+        name=name,
+        folder=folder,
+        inter=_read_tsv(folder / f"{name}.inter"),
+        user_attrs=_attribute_dicts(_read_tsv(folder / f"{name}.user"), "user_id:token", ds.user_fields,
+                                    ds.multi_valued),
+        item_attrs=_attribute_dicts(_read_tsv(folder / f"{name}.item"), "item_id:token", ds.item_fields,
+                                    ds.multi_valued),
+    )
+
+
+def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = None) -> EventTable:
+    """Ratings of ``name`` in event-time order as impressions (+ clicks for ratings >= 4)."""
+    tables = read_movielens(name)
+    users_raw = tables.user_ids.to_numpy(zero_copy_only=False)  # (N,) object
+    items_raw = tables.item_ids.to_numpy(zero_copy_only=False)
+    rating, ts_ms = tables.ratings(), tables.ts_ms()
 
     order = np.argsort(ts_ms, kind="stable")  # event-time order; ties keep file order
     if limit is not None:
@@ -143,15 +196,11 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
     users_raw, items_raw, rating, ts_ms = users_raw[order], items_raw[order], rating[order], ts_ms[order]
     n = len(order)
 
-    user_attrs = _attribute_dicts(_read_tsv(folder / f"{name}.user"), "user_id:token", ds.user_fields,
-                                  ds.multi_valued)
-    item_attrs = _attribute_dicts(_read_tsv(folder / f"{name}.item"), "item_id:token", ds.item_fields,
-                                  ds.multi_valued)
     # Per-row context = user's dict merged with item's dict; both looked up by dense codes.
     user_keys, user_code = np.unique(users_raw, return_inverse=True)
     item_keys, item_code = np.unique(items_raw, return_inverse=True)
-    user_dicts = [user_attrs.get(k, {}) for k in user_keys]
-    item_dicts = [item_attrs.get(k, {}) for k in item_keys]
+    user_dicts = [tables.user_attrs.get(k, {}) for k in user_keys]
+    item_dicts = [tables.item_attrs.get(k, {}) for k in item_keys]
 
     clicked = rating >= CLICK_MIN_RATING
     rng = np.random.Generator(np.random.PCG64(seed))
@@ -168,7 +217,7 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
         click_impression_id=imp_ids[clicked],
         click_ts=click_ts,
         stats={
-            "source": str(folder),
+            "source": str(tables.folder),
             "users": len(user_keys),
             "items": len(item_keys),
             "ratings": n,

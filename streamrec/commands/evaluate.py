@@ -27,8 +27,8 @@ def add_parser(sub: Any) -> None:
                        "stream and over its last 20 percent. Model settings default to the tuned ones; "
                        "[evaluate] in --config and STREAMREC_EVALUATE_<KEY> override them (embedding_dim, mlp, "
                        "dropout, lr_dense, lr_sparse, sparse_optimizer, weight_decay, batch_size, epochs, "
-                       "patience, id_buckets, ctx_buckets, zip_buckets, history_len, request_time, eval_batch, "
-                       "threads), and flags override those.",
+                       "patience, id_buckets, ctx_buckets, zip_buckets, history_len, history_delay_s, request_time, "
+                       "eval_batch, threads), and flags override those.",
                        epilog="Examples: streamrec evaluate --protocol autoint --features paper; "
                        "streamrec evaluate --protocol online --json. A full run takes a few minutes on 2 cores; "
                        "progress goes to stderr.")
@@ -61,6 +61,10 @@ def add_parser(sub: Any) -> None:
                    help="paper: AutoInt's 7 fields, no ids (gender, age, occupation, zip, request time, release "
                    "year, genres); default: those plus user id, item id and the user's items rated >= 4 "
                    "strictly before the rating, last 50 (default: %(default)s)")
+    p.add_argument("--history-delay-s", type=float,
+                   help="default features: a rating >= 4 enters its user's history only S seconds after it, as a "
+                   "click delay makes it enter the joiner's history later (default 0: at once; measures how "
+                   "much the offline history's head start is worth)")
     p.add_argument("--seed", type=int, default=42,
                    help="seed of the split, the epoch shuffles and the initial weights (default: %(default)s)")
     p.add_argument("--epochs", type=int, help="autoint: at most this many epochs (early stopping on valid AUC may "
@@ -81,7 +85,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from learner.evaluate import EvalOverrides, describe, evaluate
+    from learner.evaluation.config import EvalOverrides
+    from learner.evaluation.protocols import describe, evaluate
     from stream.replay.movielens import DATASETS
 
     if args.cold_start:
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     src = sources(args)
     over = src.build(EvalOverrides, "evaluate", embedding_dim=args.embedding_dim, mlp=args.mlp,
                      dropout=args.dropout, lr_dense=args.lr_dense, lr_sparse=args.lr_sparse,
-                     batch_size=args.batch_size, threads=args.threads)
+                     batch_size=args.batch_size, threads=args.threads, history_delay_s=args.history_delay_s)
     try:
         summary = evaluate(args.dataset, args.protocol, args.features, args.seed, epochs=args.epochs,
                            config=over.to_config(), limit=args.limit, log=not args.quiet)

@@ -1,0 +1,141 @@
+"""What one evaluation is: its protocol, its feature set and the model, optimizer and hashing knobs.
+
+:class:`EvalConfig` is the full configuration, :data:`DEFAULT_CONFIGS` the tuned one per (protocol,
+feature set), :class:`EvalOverrides` the subset a user may set from the command line, ``[evaluate]`` in
+``--config`` or ``STREAMREC_EVALUATE_*``, and :func:`resolve_config` the merge of the two. The names of
+the feature sets' fields live here too, so the sample builder and the ratings loader agree on them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+PROTOCOLS = ("autoint", "online")
+FEATURE_SETS = ("paper", "default")
+REQUEST_TIME = "request_time"  # the context name of the request-time field
+PAPER_FIELDS = ("gender", "age", "occupation", "zip", REQUEST_TIME, "year", "genres")  # AutoInt's 7 fields
+MULTI_VALUED = frozenset({"genres"})
+# request-time granularity: (ms per unit, units per period)
+TIME_UNITS = {"hour": (3_600_000, 24), "weekday": (86_400_000, 7), "hour_of_week": (3_600_000, 168)}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Model, optimizer and feature-hashing knobs of one evaluation (tuned on valid AUC, never on test)."""
+
+    embedding_dim: int = 16
+    mlp: tuple[int, ...] = (400, 400, 400)
+    dropout: float = 0.0
+    lr_dense: float = 1e-3
+    lr_sparse: float = 0.05
+    sparse_optimizer: str = "rowwise_adagrad"
+    initial_accumulator: float = 0.0  # row-wise Adagrad: pseudo squared gradient every row starts with
+    boost: float = 0.0  # row-wise Adagrad: young rows learn up to 1 + boost times faster
+    boost_half_life: float = 8.0  # updates
+    weight_decay: float = 0.0
+    batch_size: int = 4096
+    epochs: int = 5  # autoint: the most epochs; online: always one pass
+    patience: int = 1  # autoint: stop after this many epochs without a better valid AUC
+    lr_decay: float = 1.0  # autoint: both learning rates are multiplied by this after every epoch
+    calibrate: bool = True  # autoint: Platt-scale the test probabilities with (a, b) fitted on the valid split
+    id_buckets: int = 500_000  # user_id, item_id (history shares item_id's rows)
+    ctx_buckets: int = 10_000  # small context fields (gender, age, occupation, request time, year, genres)
+    zip_buckets: int = 200_000  # ctx.zip: 3,439 distinct zip codes
+    history_len: int = 50
+    # A positive enters its user's history this long after its rating (0: at once). The joiner adds an
+    # item when its click arrives, a click delay after the impression; see learner/evaluation/samples.py.
+    history_delay_s: float = 0.0
+    request_time: str = "hour_of_week"  # the request-time field from the rating time: hour | weekday | hour_of_week
+    autocast: str | None = None  # None: fp32; "bf16": the dense part under bfloat16 autocast
+    eval_batch: int = 65_536
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.request_time not in TIME_UNITS:
+            raise ValueError(f"request_time must be one of {sorted(TIME_UNITS)}, got {self.request_time!r}")
+        if self.autocast not in (None, "bf16"):
+            raise ValueError(f"autocast must be None or 'bf16', got {self.autocast!r}")
+        if self.batch_size < 1 or self.epochs < 1 or self.patience < 1:
+            raise ValueError("batch_size, epochs and patience must be >= 1")
+        if not (math.isfinite(self.history_delay_s) and self.history_delay_s >= 0):
+            raise ValueError(f"history_delay_s must be a finite number >= 0, got {self.history_delay_s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mlp"] = list(self.mlp)
+        return d
+
+
+@dataclass(frozen=True)
+class EvalOverrides:
+    """Settings a user may override from the command line, ``[evaluate]`` in ``--config`` or
+    ``STREAMREC_EVALUATE_*`` (``streamrec.settings.build`` fills it); ``None`` keeps the tuned default."""
+
+    embedding_dim: int | None = None
+    mlp: str | None = None  # "400,400,400"
+    dropout: float | None = None
+    lr_dense: float | None = None
+    lr_sparse: float | None = None
+    lr_decay: float | None = None
+    sparse_optimizer: str | None = None
+    initial_accumulator: float | None = None
+    boost: float | None = None
+    boost_half_life: float | None = None
+    weight_decay: float | None = None
+    batch_size: int | None = None
+    epochs: int | None = None
+    patience: int | None = None
+    id_buckets: int | None = None
+    ctx_buckets: int | None = None
+    zip_buckets: int | None = None
+    history_len: int | None = None
+    history_delay_s: float | None = None
+    request_time: str | None = None
+    calibrate: bool | None = None
+    eval_batch: int | None = None
+    threads: int | None = None
+
+    def to_config(self) -> dict[str, Any]:
+        """The set fields as :func:`resolve_config` overrides; raises ValueError on a malformed ``mlp``."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if "mlp" in out:
+            try:
+                out["mlp"] = tuple(int(x) for x in str(out["mlp"]).replace(" ", "").split(",") if x)
+            except ValueError:
+                raise ValueError(f"mlp: expected comma-separated layer widths like 400,400,400, "
+                                 f"got {self.mlp!r}") from None
+        return out
+
+
+# Chosen by valid AUC (autoint) / by the progressive AUC of the first 80% of the stream (online).
+DEFAULT_CONFIGS: dict[tuple[str, str], EvalConfig] = {
+    ("autoint", "paper"): EvalConfig(embedding_dim=32, lr_sparse=0.1, lr_dense=2e-3, batch_size=2048, epochs=10,
+                                     patience=2),
+    ("autoint", "default"): EvalConfig(embedding_dim=32, lr_sparse=0.1, lr_dense=2e-3, batch_size=2048, epochs=10,
+                                       patience=2, lr_decay=0.6),
+    ("online", "paper"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
+    ("online", "default"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
+}
+
+
+def resolve_config(protocol: str, features: str, config: EvalConfig | Mapping[str, Any] | None = None,
+                   epochs: int | None = None) -> EvalConfig:
+    """The protocol's default configuration, overridden by ``config`` (an EvalConfig or a dict of fields)."""
+    base = DEFAULT_CONFIGS[(protocol, features)]
+    if isinstance(config, EvalConfig):
+        base = config
+    elif config:
+        known = {f.name for f in fields(EvalConfig)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown evaluation settings {unknown}; known: {sorted(known)}")
+        over = dict(config)
+        if "mlp" in over:
+            over["mlp"] = tuple(over["mlp"])
+        base = replace(base, **over)
+    if epochs is not None:
+        base = replace(base, epochs=epochs)
+    return base
