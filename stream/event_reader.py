@@ -14,7 +14,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException, TopicPartition
 
@@ -95,7 +95,8 @@ class EventReader:
     def poll_batch(self, max_messages: int = 5000, timeout_s: float = 0.5) -> list[Decoded]:
         out: list[Decoded] = []
         for msg in self._consumer.consume(max_messages, timeout_s):
-            topic, partition = msg.topic(), msg.partition()
+            # a consumed message always names its topic and partition (the stubs say Optional)
+            topic, partition = cast(str, msg.topic()), cast(int, msg.partition())
             err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
@@ -104,7 +105,7 @@ class EventReader:
                 if not err.retriable() and err.fatal():
                     raise KafkaException(err)
                 continue  # transient errors are retried by librdkafka
-            offset = msg.offset()
+            offset = cast(int, msg.offset())
             if offset < self._skip_below.get((topic, partition), -1):
                 continue
             self.seen += 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -83,8 +83,9 @@ class KafkaJoinWorker:
                             log.warning("consumer: %s", err)
                         continue
                     kind, ts = msg.timestamp()
-                    records.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(),
-                                          ts if kind != TIMESTAMP_NOT_AVAILABLE else None))
+                    # a consumed record always has its topic, partition and offset (the stubs say Optional)
+                    records.append(Record(cast(str, msg.topic()), cast(int, msg.partition()), cast(int, msg.offset()),
+                                          msg.key(), msg.value(), ts if kind != TIMESTAMP_NOT_AVAILABLE else None))
                 if records:
                     try:
                         self.pipeline.process(records)  # raises: nothing of this batch is ever committed
