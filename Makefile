@@ -54,8 +54,10 @@ test-all: data
 faults: data
 	$(VENV)/bin/pytest -q -m faults --fault-rounds 10
 
+# ruff over everything; mypy over the packages (configured in pyproject.toml). .ci/run runs this too.
 lint: setup
 	$(VENV)/bin/ruff check stream learner cache_refresh serving monitor streamrec tests bench
+	$(VENV)/bin/mypy stream learner cache_refresh serving monitor streamrec
 
 bench: data
 	$(PY) bench/replay.py

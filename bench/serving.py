@@ -346,10 +346,11 @@ def main() -> int:
         traffic = Traffic(cfg)
         hot = traffic.hot_rows(cfg, args.hot_share)
         bodies = traffic.requests(500)
-        import redis
+        from stream.config import RedisSettings
+        from stream.redis_client import connect
 
         prefix = "bench"
-        hist = UserHistory(redis.Redis.from_url(stack.redis_url), prefix=prefix, max_len=200)
+        hist = UserHistory(connect(RedisSettings(url=stack.redis_url)), prefix=prefix, max_len=200)
         users = {json.loads(b)["user_id"] for b in bodies}
         for u in users:
             items = traffic.draw(HISTORY, traffic.items_n)

@@ -73,6 +73,8 @@ from serving.model import ScoringModel
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, StreamrecError
 from stream.files import describe_os_error, write_atomic
+from stream.redis_client import RedisAuthError, connect, describe, verify
+from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
 
@@ -156,19 +158,26 @@ def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, time
 
 # -- the job -------------------------------------------------------------------------------------
 def _redis(rds: RedisSettings, rs: RefreshSettings) -> redis.Redis:
-    return redis.Redis.from_url(rds.url, socket_timeout=rs.redis_timeout_s, socket_connect_timeout=rs.redis_timeout_s)
+    """A client with the [redis] credentials and TLS; each command bounded by ``redis_timeout_s`` (the job's own
+    ``hot_set.with_retries`` retries outages; refused credentials are never retried)."""
+    return connect(rds, timeout_s=rs.redis_timeout_s)
 
 
 def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep) -> bool:
     """PUBLISH the new version to serving (best effort, retried); serving also polls CURRENT."""
     message = json.dumps({"version": version, "path": str(path), "ts": int(time.time() * 1000)})
-    client = _redis(rds, rs)
+    try:
+        client = _redis(rds, rs)
+    except ConfigError as exc:  # a password or TLS file gone since the hot set was read: published all the same
+        log.warning("published %s but could not notify serving (%s); serving will find it by polling", version, exc)
+        return False
     try:
         hot_set.with_retries("notify serving", lambda: client.publish(notify_channel(rs, rds), message),
                              rs.redis_attempts, rs.redis_backoff_s, sleep)
         return True
-    except hot_set.RedisUnavailable as exc:
-        log.warning("published %s but could not notify serving (%s); serving will find it by polling", version, exc)
+    except (hot_set.RedisUnavailable, redis.RedisError) as exc:  # NOPERM on the channel is a ResponseError
+        log.warning("published %s but could not notify serving (%s); serving will find it by polling", version,
+                    describe(exc, rds) if isinstance(exc, redis.RedisError) else exc)
         return False
     finally:
         client.close()
@@ -245,12 +254,21 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         client = _redis(rds, rs)
         try:
+            # One PING first (no retries): refused credentials fail the run now, with the fix, not after every
+            # retry of the hot set's reads; an outage is left to those retries.
+            pinger = connect(rds, timeout_s=rs.redis_timeout_s, retries=0)
+            try:
+                verify(pinger, rds, reachable=False)
+            finally:
+                pinger.close()
             hs = hot_set.compute(client, rds.prefix, rds.counts_ttl_days, cfg, rs.days, rs.hot_items, rs.hot_users,
                                  event=rs.count_event, small_field_rows=rs.small_field_rows,
                                  attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep,
                                  mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")))
+        except RedisAuthError as exc:
+            raise RefreshError(stage, f"{exc}; the live artifact is untouched") from exc
         except hot_set.RedisUnavailable as exc:
-            raise RefreshError(stage, f"{exc} (url {rds.url}); the live artifact is untouched. Is Redis up "
+            raise RefreshError(stage, f"{exc} (url {redact(rds.url)}); the live artifact is untouched. Is Redis up "
                                       "(`streamrec stack status`, STREAMREC_REDIS_URL)?") from exc
         finally:
             client.close()

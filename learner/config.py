@@ -137,11 +137,13 @@ class LearnerSettings:
     metrics_host: str = "127.0.0.1"  # ... bound to this address (loopback; 0.0.0.0 exposes it to the network)
     # Serving freshness (learner/deltas.py): every deltas_every_s (0 = off) write the rows touched since the
     # last delta plus the dense weights to deltas_dir, keep the last deltas_keep, and PUBLISH the seq on
-    # deltas_channel ("" = the [redis] prefix's channel, RedisSettings.deltas_channel) at deltas_redis_url
-    # when set (serving also polls).
+    # deltas_channel ("" = the [redis] prefix's channel, RedisSettings.deltas_channel) on the [redis] Redis, with
+    # its credentials and TLS (`streamrec train` hands the learner its [redis] settings; serving also polls).
     deltas_every_s: float = 0.0
     deltas_dir: Path = Path(".streamrec/deltas")
     deltas_keep: int = 100
+    # Deprecated: announce on this url instead of the [redis] url (credentials in it replace [redis]'s). Remove
+    # it and set [redis] url / username / password_file instead; a warning says so while it is set.
     deltas_redis_url: str | None = None
     deltas_channel: str = ""
     deltas_id_maps_every_s: float = 60.0  # dynamic ids: a delta carries the id maps at most this often

@@ -56,7 +56,7 @@ from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
-from stream.config import KafkaSettings
+from stream.config import KafkaSettings, RedisSettings
 from stream.features import MISSING
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
@@ -171,8 +171,9 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
 
 
 class Learner:
-    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings) -> None:
+    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, redis: RedisSettings | None = None) -> None:
         self.kafka, self.ls = kafka, ls
+        self.redis_settings = redis  # where the deltas are announced ([redis]); None: not announced, serving polls
         self._signing_key = load_signing_key(ls.signing_key_file)  # read once; signs the deltas (never printed)
         self.device = torch.device(ls.device.resolve(torch.cuda.is_available()))
         self._stop = False
@@ -214,7 +215,8 @@ class Learner:
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window))
         if self.ls.deltas_every_s > 0:
-            self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows, key=self._signing_key)
+            self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows, key=self._signing_key,
+                                                    redis_settings=self.redis_settings)
             if self.mapper.active:  # serving learns of ids admitted after its artifact
                 self.deltas.id_maps_source = self.mapper.state_dict
 
@@ -271,6 +273,8 @@ class Learner:
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
                  "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
                  "warm_metrics": self.warm_metrics.state_dict()}
+        if self.deltas is not None:  # rows trained before this checkpoint and in no delta yet: durably listed
+            self.deltas.sync()  # (learner/deltas.py "Pending rows"); what is trained after it is trained again
         checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
         # Only now, after the checkpoint is durable: the group offsets, for lag dashboards only (the learner
         # never reads them back), so a broker that is away just delays them to the next checkpoint.
@@ -360,6 +364,11 @@ class Learner:
                     since_ckpt = 0
                 last_ckpt = time.monotonic()
         self.save()
+        if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now
+            try:  # same samples_trained as the checkpoint just saved, whose artifacts skip it by name
+                self.deltas.write(self.trainer.model, self.trainer.samples)
+            except OSError as exc:  # the pending list keeps the rows: the first delta after a restart sends them
+                log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
         return self.summary(reason=reason)
 
     def _train(self, batch: TensorBatch) -> None:

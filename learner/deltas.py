@@ -36,6 +36,19 @@ so a reader never sees half of one; the last ``keep`` are kept (a reader that fa
 that waits for the next artifact for the rows it missed, and counts the gap). Format-1 files (plain
 ``torch.save``, ``delta-*.pt``, no checksum) are no longer read; a writer continues their numbering.
 
+Pending rows survive a restart: every row marked since the last delta is also appended (once, as int64)
+to ``pending-rows.i64`` in the deltas directory, which is removed once the next delta is durable. A writer
+started on the directory marks the rows it lists again, so the first delta after a restart carries them,
+with the restarted model's values; without it, rows trained between the last delta and a checkpoint
+would reach serving only with the next full artifact (the restarted learner never trains them again).
+Sending a row again is always harmless (values are absolute), so the list is read whatever the
+restarted learner's checkpoint, lineage or seq: nothing about ``seq`` (it continues after the largest
+file), ``samples_trained`` (the learner's count when the delta is written) or ``lineage`` changes. The
+daemon fsyncs the list with every checkpoint (:meth:`DeltaWriter.sync`), so each row trained before a
+durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart.
+At a clean exit the daemon writes one last delta after its final checkpoint (same ``samples_trained``:
+an artifact of that checkpoint already holds it and skips it by name).
+
 Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
 where it lies (a file that is a symlink resolving outside its directory is refused unread), checksum,
 signature (with a key), structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
@@ -49,8 +62,10 @@ and shapes) is checked by ``ScoringModel.apply_delta`` before it changes anythin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -65,7 +81,8 @@ from learner import checkpoint as ckpt_io
 from learner.tensorpack import PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
-from stream.files import write_atomic
+from stream.files import fsync_dir, write_atomic
+from stream.secrets import Secret
 
 log = logging.getLogger("streamrec.deltas")
 
@@ -75,6 +92,7 @@ _PREFIX = "delta-"
 SUFFIX = ".delta"
 _LEGACY_SUFFIX = ".pt"  # format 1
 _NAME = re.compile(r"delta-(\d{1,18})-(\d{1,18})")
+PENDING = "pending-rows.i64"  # rows marked since the last delta, int64 little-endian (a restarted writer's)
 MAX_BYTES = 4 << 30  # a delta file larger than this is refused unread
 
 
@@ -243,6 +261,9 @@ class DeltaWriter:
         self.lineage = lineage
         self.key = key  # signs every delta written (learner.tensorpack container format 2) when given
         self.touched = torch.zeros(num_rows, dtype=torch.bool)  # (num_rows,)
+        self.pending_path = self.directory / PENDING
+        self._pending_ok = True  # False after a failed append, until the next delta starts a new list
+        self._restore_pending()
         self.seq = _max_seq(self.directory)
         self._last = clock()
         self.written = 0
@@ -252,12 +273,21 @@ class DeltaWriter:
         self._last_maps = -float("inf")
 
     @classmethod
-    def from_settings(cls, ls: Any, num_rows: int, key: SigningKey | None = None) -> DeltaWriter:
-        """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing on Redis when configured;
-        the lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet).
+    def from_settings(cls, ls: Any, num_rows: int, key: SigningKey | None = None,
+                      redis_settings: RedisSettings | None = None) -> DeltaWriter:
+        """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing each delta on the Redis of
+        ``redis_settings`` (the [redis] settings: url, credentials, TLS) when given; the deprecated
+        ``ls.deltas_redis_url``, when set, replaces only their url. Neither: no announcement (serving polls).
+        The lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet).
         Deltas are signed with ``key``, or (when not given) the key in ``ls.signing_key_file`` if one is set."""
-        channel = ls.deltas_channel or RedisSettings().deltas_channel  # "" = the default prefix's channel
-        notify = redis_notifier(ls.deltas_redis_url, channel) if ls.deltas_redis_url else None
+        channel = ls.deltas_channel or (redis_settings or RedisSettings()).deltas_channel  # "" = the prefix's channel
+        target = redis_settings
+        deprecated_url = getattr(ls, "deltas_redis_url", None)
+        if deprecated_url:
+            log.warning("[learner] deltas_redis_url is deprecated: the learner announces deltas on the [redis] url "
+                        "with its credentials; remove deltas_redis_url (STREAMREC_LEARNER_DELTAS_REDIS_URL)")
+            target = _with_url(target or RedisSettings(), deprecated_url)
+        notify = redis_notifier(target, channel) if target is not None else None
         if key is None:
             key = load_signing_key(getattr(ls, "signing_key_file", None))
         return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify,
@@ -265,8 +295,48 @@ class DeltaWriter:
                    key=key)
 
     def mark(self, values: torch.Tensor) -> None:
-        """Rows of one trained batch (``TensorBatch.values``, (N,) int64; duplicates are fine)."""
-        self.touched[values.to(self.touched.device)] = True
+        """Rows of one trained batch (``TensorBatch.values``, (N,) int64; duplicates are fine). The rows not
+        marked yet are appended to the pending list (``PENDING``), so they survive a restart."""
+        values = values.to(self.touched.device)
+        fresh = values[~self.touched[values]]
+        if len(fresh) == 0:
+            return
+        fresh = torch.unique(fresh)
+        self.touched[fresh] = True
+        if not self._pending_ok:
+            return
+        try:
+            with open(self.pending_path, "ab") as fh:
+                fh.write(fresh.cpu().numpy().astype("<i8", copy=False).tobytes())
+        except OSError as exc:
+            self._pending_ok = False
+            log.warning("cannot append to %s (%s): rows marked until the next delta are sent only if this process "
+                        "lives to write it", self.pending_path, exc)
+
+    def _restore_pending(self) -> None:
+        """Mark the rows a previous writer on this directory marked and never wrote (rows outside this table,
+        from another config, and a torn last entry are left out)."""
+        try:
+            raw = self.pending_path.read_bytes()
+        except FileNotFoundError:
+            return
+        rows = np.frombuffer(raw, dtype="<i8", count=len(raw) // 8).astype(np.int64)
+        rows = rows[(rows >= 0) & (rows < len(self.touched))]
+        self.touched[torch.from_numpy(rows).to(self.touched.device)] = True
+        if len(rows):
+            log.info("%d row(s) marked before a restart and not in any delta yet go out with the next one", len(rows))
+
+    def sync(self) -> None:
+        """Make the pending list durable (the daemon calls it with each checkpoint)."""
+        try:
+            fd = os.open(self.pending_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.directory)
 
     def due(self) -> bool:
         return self.clock() - self._last >= self.every_s
@@ -302,6 +372,11 @@ class DeltaWriter:
         path = delta_path(self.directory, self.seq, int(samples_trained))
         write_atomic(path, data)
         self.touched.zero_()
+        try:  # everything it listed is in the durable delta now
+            self.pending_path.unlink(missing_ok=True)
+            self._pending_ok = True
+        except OSError as exc:  # the old rows go out once more after a restart: harmless
+            log.warning("cannot remove %s (%s)", self.pending_path, exc)
         self.written += 1
         for _, _, old in list_deltas(self.directory)[:-self.keep]:
             old.unlink(missing_ok=True)
@@ -313,14 +388,38 @@ class DeltaWriter:
         return path
 
 
-def redis_notifier(url: str, channel: str) -> Callable[[int], None]:
-    """``PUBLISH channel seq`` on a Redis at ``url`` (the client connects lazily and reconnects)."""
+def _with_url(rs: RedisSettings, url: str) -> RedisSettings:
+    """``rs`` at ``url`` (the deprecated ``deltas_redis_url``): credentials in the url replace those of ``rs``,
+    and the TLS files stay only for a rediss:// url."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    changes: dict[str, Any] = {"url": url}
+    if parts.password:
+        changes.update(password=Secret(""), password_file=None, password_env=None)
+    if parts.username:
+        changes["username"] = ""
+    if parts.scheme != "rediss":
+        changes.update(ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None)
+    return dataclasses.replace(rs, **changes)
+
+
+def redis_notifier(target: RedisSettings | str, channel: str) -> Callable[[int], None]:
+    """``PUBLISH channel seq`` on the Redis of ``target`` (the [redis] settings with their credentials and TLS,
+    or a bare url); the client connects lazily and reconnects. A failed PUBLISH raises a
+    :class:`~stream.redis_client.RedisFailure` whose one line names the Redis (url redacted) and the cause."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    from stream.redis_client import connect, failure
+
+    settings = target if isinstance(target, RedisSettings) else RedisSettings(url=target)
+    client = connect(settings, timeout_s=1.0, retries=1)
 
     def notify(seq: int) -> None:
-        client.publish(channel, str(seq))
+        try:
+            client.publish(channel, str(seq))
+        except (redis.RedisError, OSError) as exc:
+            raise failure(exc, settings) from exc
 
     return notify
 

@@ -12,6 +12,12 @@ the partitions ``p`` with ``p % n == w``. A message that cannot be decoded or tu
 consumed, so it is never retried in a loop. ``suspects`` are messages that were in a batch whose
 training failed (``stream/strikes.py``): each is yielded as a batch of its own, and one with a
 poison reason is dead-lettered instead.
+
+The dead-letter producer is made on the first message an iteration dead-letters (most iterations make
+none, so they leave no Kafka client behind) and dropped when the iteration ends. A producer left to the
+cyclic garbage collector may be collected in a forked DataLoader worker, where destroying the parent's
+librdkafka client hangs or crashes; an ``AckedProducer`` that is no reference cycle is destroyed at once,
+in the process that made it, when this drops it.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ class KafkaSampleDataset(IterableDataset):
         topic = self.kafka.samples_topic
         consumer = new_consumer(self.kafka, f"{self.kafka.client_id}-samples-reader", **{
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
-        dlq = DeadLetters(self.kafka)
+        dlq: DeadLetters | None = None  # made on the first dead letter
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
         pending: list[TensorBatch] = []
         rows = 0
@@ -70,7 +76,9 @@ class KafkaSampleDataset(IterableDataset):
                             raise KafkaException(err)
                         continue
                     last_data = time.monotonic()
-                    pos = (m.partition(), m.offset())
+                    part, offset = m.partition(), m.offset()
+                    assert part is not None and offset is not None  # set on every consumed message
+                    pos = (part, offset)
                     suspect = pos in self.suspects
                     try:
                         if suspect and self.suspects[pos] is not None:
@@ -81,6 +89,8 @@ class KafkaSampleDataset(IterableDataset):
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
                             f"cannot be turned into tensors: {type(exc).__name__}: {clip(str(exc))}",
                             kind="undecodable")
+                        if dlq is None:
+                            dlq = DeadLetters(self.kafka)
                         dlq.send(topic, m.key(), m.value(), bad, *pos)
                         dlq.flush()
                         tb = to_tensors_empty(self.cfg, (*pos, 0))
@@ -112,6 +122,7 @@ class KafkaSampleDataset(IterableDataset):
                     return
         finally:
             consumer.close()
+            dlq = None  # every dead letter was flushed when sent; the producer goes with this iteration
 
     def _emit(self, pending: list[TensorBatch]) -> TensorBatch:
         tb = concat(pending, self.cfg.num_fields)

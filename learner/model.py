@@ -9,6 +9,13 @@
 
 Shapes: B samples, F fields, D embedding dim, Dd dense features.
 The dense part (FM, MLP) may run under autocast (bf16 on CPU); lookups stay fp32.
+
+Initialisation is deterministic from ``seed`` alone: the table is drawn N(0, 0.01) (first-order weights 0)
+from a generator seeded with it, and the MLP takes torch's default ``nn.Linear`` init from torch's global
+generator seeded with it, inside ``torch.random.fork_rng`` (the caller's global generator is left as it
+was; building a model on another thread meanwhile may see the seeded state). The values are those the
+model had when its caller ran ``torch.manual_seed(seed)`` right before building it (``streamrec evaluate``
+does), so figures measured that way still hold.
 """
 
 from __future__ import annotations
@@ -62,11 +69,13 @@ class DeepFM(nn.Module):
     def __init__(self, cfg: FeatureConfig, mlp: tuple[int, ...] = (400, 400, 400), dropout: float = 0.0,
                  seed: int = 0, autocast_dtype: torch.dtype | None = torch.bfloat16) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
         self.cfg = cfg
-        self.sparse = SparseArch(cfg.num_rows, cfg.embedding_dim, cfg.num_fields, generator=g)
-        self.fm = FMInteraction()
-        self.dense_arch = DenseArch(cfg.num_fields * cfg.embedding_dim + len(cfg.dense), mlp, dropout)
+        with torch.random.fork_rng(devices=[]):  # every draw below from ``seed``; the global generator untouched
+            torch.manual_seed(seed)  # the MLP (nn.Linear's own init) and EmbeddingBag's default init draw from it
+            g = torch.Generator().manual_seed(seed)
+            self.sparse = SparseArch(cfg.num_rows, cfg.embedding_dim, cfg.num_fields, generator=g)
+            self.fm = FMInteraction()
+            self.dense_arch = DenseArch(cfg.num_fields * cfg.embedding_dim + len(cfg.dense), mlp, dropout)
         self.bias = nn.Parameter(torch.zeros(1))
         self.autocast_dtype = autocast_dtype
 

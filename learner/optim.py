@@ -14,7 +14,19 @@ Fast fine-tuning of young rows (cold start, ``boost > 0``): the optimizer also c
 ``1 + boost * 2 ** (-updates / boost_half_life)`` (updates before this step), so a freshly admitted row
 learns up to ``1 + boost`` times faster and the boost halves every ``boost_half_life`` updates.
 ``reset_rows`` (rows handed to new ids) zeroes the counts too. ``boost == 0`` (the default) is exactly
-the plain update, with no extra state.
+the plain update, with no extra state. The counts stay int32 through ``load_state_dict`` (torch's casts
+every floating-point-parameter state tensor but ``step`` to the parameter's dtype; float32 counts would
+stop counting at 2**24).
+
+:class:`SparseAdam` is ``torch.optim.SparseAdam`` (lazy: only touched rows' moments move) with
+``reset_rows``, which zeroes the given rows' ``exp_avg``/``exp_avg_sq``. Its step count is one per
+parameter (global, as in torch), not per row, so bias correction uses the table's step count: a reset row
+learns exactly like a row this optimizer has never touched (a new row of a long-running table), not like
+a row of a freshly built optimizer. Its first update is ``(1 - beta1) / (1 - beta1**t) *
+sqrt((1 - beta2**t) / (1 - beta2))`` times a fresh optimizer's first (``lr``-sized) one at table step ``t``:
+about 0.5 to 1 for t <= 100 at the default betas, 2.5 at t = 1000, and ``(1 - beta1) / sqrt(1 - beta2)``
+(3.16) in a long-running table, the same as for any row the table meets late; it settles as the row's own
+moments build up (about 1/(1 - beta2) of its updates).
 """
 
 from __future__ import annotations
@@ -56,6 +68,8 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     if "updates" not in state:
                         state["updates"] = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
                     updates = state["updates"]
+                    if updates.dtype != torch.int32:  # a state set by hand (load_state_dict keeps int32)
+                        state["updates"] = updates = updates.round().to(torch.int32)
                     young = updates[rows].float() / -group["boost_half_life"]  # (U,) rows are unique here
                     scale = scale * (1 + boost * torch.exp2(young))
                     updates[rows] += 1
@@ -77,6 +91,31 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         if "updates" in self.state[p]:
             self.state[p]["updates"][rows] = 0
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, with the int32 ``updates`` counts kept exact: torch casts them to the (float32) parameter's
+        dtype, so the saved counts are put back as they were (a state saved float32 by an older version is
+        turned back into int32 counts)."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        counts = {i: state_dict["state"][i]["updates"] for i in saved_ids
+                  if isinstance(state_dict["state"].get(i), dict) and "updates" in state_dict["state"][i]}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, c in counts.items():
+            p = params[saved_ids.index(i)]
+            self.state[p]["updates"] = torch.as_tensor(c).to(device=p.device, dtype=torch.int32, copy=True)
+
+
+class SparseAdam(torch.optim.SparseAdam):
+    """``torch.optim.SparseAdam`` with :meth:`reset_rows` (see the module docstring for its global step)."""
+
+    @torch.no_grad()
+    def reset_rows(self, p: nn.Parameter, rows: torch.Tensor) -> None:
+        """Zero the moments of ``rows`` (rows handed to new ids); the step count is the table's, untouched."""
+        state = self.state[p]
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name in state:
+                state[name][rows] = 0
+
 
 def make_optimizers(model: nn.Module, lr_sparse: float, lr_dense: float, sparse_optimizer: str = "rowwise_adagrad",
                     weight_decay: float = 0.0, boost: float = 0.0, boost_half_life: float = 0.0,
@@ -88,7 +127,7 @@ def make_optimizers(model: nn.Module, lr_sparse: float, lr_dense: float, sparse_
                                                        boost_half_life=boost_half_life,
                                                        initial_accumulator=initial_accumulator)
     elif sparse_optimizer == "sparse_adam":
-        sparse = torch.optim.SparseAdam(sparse_params, lr=lr_sparse)
+        sparse = SparseAdam(sparse_params, lr=lr_sparse)
     else:
         raise ValueError(f"sparse_optimizer must be rowwise_adagrad or sparse_adam, got {sparse_optimizer!r}")
     dense_params = model.dense_parameters()  # type: ignore[operator]

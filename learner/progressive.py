@@ -4,6 +4,12 @@ Every prediction is recorded *before* the model learns from its sample (river's
 ``progressive_val_score``). Cumulative AUC uses a fixed histogram of predicted probabilities
 (``bins`` buckets; error well below 1e-3 at 10 k bins) so memory stays constant over an endless
 stream; the sliding-window AUC over the last ``window`` samples is exact.
+
+The state (:meth:`ProgressiveMetrics.state_dict`, in every checkpoint) holds the histogram, the loss sum
+and the window's last ``window`` samples (two float64 arrays, ``window_probs``/``window_labels``, left out
+while the window is empty), so a resumed learner's window metrics cover the samples before the restart too.
+A state without them (also one saved before they were kept) loads with an empty window, which then fills
+from the resume on.
 """
 
 from __future__ import annotations
@@ -82,8 +88,7 @@ class ProgressiveMetrics:
     def window_metrics(self) -> tuple[float, float]:
         if not self._recent:
             return float("nan"), float("nan")
-        probs = np.concatenate([p for p, _ in self._recent])[-self.window:]
-        labels = np.concatenate([lab for _, lab in self._recent])[-self.window:]
+        probs, labels = self._window_arrays()
         return auc(probs, labels), logloss(probs, labels)
 
     def summary(self) -> dict[str, Any]:
@@ -91,9 +96,33 @@ class ProgressiveMetrics:
         return {"samples": self.count, "auc": self.auc, "logloss": self.logloss,
                 "window": self.window, "window_auc": w_auc, "window_logloss": w_loss}
 
+    def _window_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(probs, labels) of the last ``window`` samples, oldest first (float64, copies)."""
+        if not self._recent:
+            return np.zeros(0, np.float64), np.zeros(0, np.float64)
+        probs = np.concatenate([p for p, _ in self._recent])[-self.window:]
+        labels = np.concatenate([lab for _, lab in self._recent])[-self.window:]
+        return probs, labels
+
     def state_dict(self) -> dict[str, Any]:
-        return {"pos": self.pos.copy(), "neg": self.neg.copy(), "loss_sum": self.loss_sum, "count": self.count}
+        state: dict[str, Any] = {"pos": self.pos.copy(), "neg": self.neg.copy(), "loss_sum": self.loss_sum,
+                                 "count": self.count}
+        probs, labels = self._window_arrays()
+        if len(probs):  # an empty window is left out: an empty array pickles as bytes(), which safe loads refuse
+            state["window_probs"], state["window_labels"] = probs, labels
+        return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.pos, self.neg = np.asarray(d["pos"]).copy(), np.asarray(d["neg"]).copy()
         self.loss_sum, self.count = float(d["loss_sum"]), int(d["count"])
+        self._recent, self._recent_n = deque(), 0
+        if "window_probs" in d:  # older states have no window: it starts empty
+            probs = np.array(d["window_probs"], np.float64).reshape(-1)
+            labels = np.array(d["window_labels"], np.float64).reshape(-1)
+            if len(probs) != len(labels):
+                raise ValueError(f"progressive metrics state: window_probs has {len(probs)} samples, "
+                                 f"window_labels {len(labels)}")
+            probs, labels = probs[-self.window:], labels[-self.window:]  # a smaller window now: its last samples
+            if len(probs):
+                self._recent.append((probs, labels))
+                self._recent_n = len(probs)

@@ -88,8 +88,15 @@ class RowMapper:
                    sparse_opt: torch.optim.Optimizer | None) -> None:
         weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]
         reset = np.concatenate([res.evicted_rows, res.admitted_rows])
-        if reset.size and sparse_opt is not None and hasattr(sparse_opt, "reset_rows"):
-            sparse_opt.reset_rows(weight, torch.from_numpy(first + reset).to(weight.device))
+        if reset.size and sparse_opt is not None:
+            # Both sparse optimizers of learner.optim have it; one without would silently hand the evicted id's
+            # optimizer state to the new one, so it is refused instead.
+            reset_rows = getattr(sparse_opt, "reset_rows", None)
+            if reset_rows is None:
+                raise TypeError(f"{type(sparse_opt).__name__} has no reset_rows(weight, rows): rows handed to new ids "
+                                "would keep the previous id's optimizer state; build it with "
+                                "learner.optim.make_optimizers")
+            reset_rows(weight, torch.from_numpy(first + reset).to(weight.device))
         self.maps[owner].decay_buckets(weight, res, first_row=first)
         self.maps[owner].init_admitted(weight, res, first_row=first)
 

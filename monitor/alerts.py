@@ -54,7 +54,7 @@ from prometheus_client import Gauge
 
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
-from stream.kafka import admin_config
+from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
 
 log = logging.getLogger("streamrec.alerts")
 
@@ -292,6 +292,11 @@ class KafkaSink:
         if not alerts:
             return
         end = time.monotonic() + self.timeout_s if deadline is None else deadline
+        # the builders' one-time access check, bounded by this attempt's deadline (a refusal raises here)
+        try:
+            check_access(self.kafka, timeout_s=max(0.1, min(ACCESS_CHECK_S, end - time.monotonic())))
+        except KafkaAccessError as exc:
+            raise SinkError(str(exc), undelivered=list(alerts)) from None
         if not self._topic_ready:
             self._ensure_topic(end)
         if self._producer is None:

@@ -17,6 +17,13 @@ entry, a failed or a slow read (``redis_timeout_s``) scores the request without 
 counted (``streamrec_serving_history_malformed_total``, ``..._history_unavailable_total``), rather than
 failing it: a ranking degraded for one request beats an error page. Those are never a 500.
 
+HTTP semantics both servers share: ``OPTIONS <path>`` is a 204 whose ``Allow`` names the path's methods
+(``OPTIONS *``: every method); ``HEAD`` is ``GET`` without the body (the server drops it); a method the path
+does not take is a 405 with ``Allow`` (:meth:`ScoringApp.headers`); every 503 carries ``Retry-After: 1``.
+:meth:`ScoringApp.admission` bounds the requests in flight (``max_in_flight``): the server holds a slot from a
+request's headers to its answer, and one more request is a 503 at once, except the probes (``/healthz``,
+``/readyz``, ``/metrics``), which are never refused.
+
 Readiness: ``/readyz`` is 503 while no model is loaded (nothing published yet, or every version tried
 was rejected: the body says why), 200 once one answers; it stays 200 while a newer artifact is
 rejected and the previous one keeps serving (the body's ``problem`` says so).
@@ -27,6 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -46,6 +55,7 @@ log = logging.getLogger("streamrec.serve")
 JSON = "application/json"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 Response = tuple[int, str, bytes]
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # never refused by the in-flight limit
 
 
 def _json(status: int, obj: Any) -> Response:
@@ -65,6 +75,7 @@ class ScoringApp:
                                             retry_after_s=settings.history_retry_after_s)
         self.draining = False  # set at shutdown: /readyz turns 503 so balancers stop sending
         self.in_flight = 0
+        self.admitted = 0  # requests holding an admission slot (see admission)
         self._count_lock = threading.Lock()
         self._version = version
         self._openapi: tuple[Any, bytes] = (None, b"")  # (the encoder it describes, the document)
@@ -87,6 +98,47 @@ class ScoringApp:
             methods.add("HEAD")
         return sorted(methods)
 
+    def allow(self, path: str) -> str:
+        """The ``Allow`` header of ``path`` (a 405, an ``OPTIONS``): its methods and OPTIONS; every method for ``*``."""
+        path = path.split("?", 1)[0]
+        methods = (set(self.allowed_methods(path)) if path != "*"
+                   else {m for m, _ in self._routes} | {"HEAD"}) | {"OPTIONS"}
+        return ", ".join(sorted(methods))
+
+    def headers(self, method: str, path: str, status: int) -> dict[str, str]:
+        """Headers the server adds to the answer ``status`` of ``method path``: ``Allow`` on a 405 and on the 204
+        of an OPTIONS, ``Retry-After`` on a 503 (overloaded, no model yet, shutting down: all worth a retry)."""
+        if status == 405 or (method == "OPTIONS" and status == 204):
+            return {"Allow": self.allow(path)}
+        if status == 503:
+            return {"Retry-After": "1"}
+        return {}
+
+    @contextmanager
+    def admission(self, path: str) -> Iterator[Response | None]:
+        """``with app.admission(path) as refused:`` around reading, scoring and answering one request, entered as
+        soon as its headers are in: ``refused`` is None and a slot of ``max_in_flight`` is held until the block
+        ends, or it is the 503 to answer instead (every slot is taken). The probes never take a slot."""
+        path = path.split("?", 1)[0]
+        if path in PROBES:
+            yield None
+            return
+        with self._count_lock:
+            full = self.admitted >= self.s.max_in_flight
+            if not full:
+                self.admitted += 1
+        if full:
+            endpoint = path if path in self._paths else "other"
+            self.metrics.requests.labels(endpoint, "503").inc()
+            yield _error(503, f"overloaded: {self.s.max_in_flight} requests in flight (max_in_flight); "
+                              "retry shortly")
+            return
+        try:
+            yield None
+        finally:
+            with self._count_lock:
+                self.admitted -= 1
+
     def handle(self, method: str, path: str, body: bytes) -> Response:
         t0 = time.perf_counter()
         path = path.split("?", 1)[0]
@@ -96,7 +148,9 @@ class ScoringApp:
             self.in_flight += 1
         m.in_flight.inc()
         try:
-            if route is None:
+            if route is None and method == "OPTIONS" and (path in self._paths or path == "*"):
+                resp = (204, JSON, b"")  # the Allow header says it (headers())
+            elif route is None:
                 if path in self._paths:
                     allowed = sorted(meth for meth, p in self._routes if p == path)
                     resp = _error(405, f"{method} {path}: method not allowed; use {', '.join(allowed)}")

@@ -14,7 +14,8 @@ parser, so serving sees exactly the clicks training saw). Degraded modes, each c
   a value beyond int64): that user has no history for this request; the other users of a batch keep
   theirs (the batch read is repeated per user to find which one).
   ``streamrec_serving_history_malformed_total`` counts the users.
-* **Redis unavailable** (down, refusing, or slower than ``redis_timeout_s``): every user of the request
+* **Redis unavailable** (down, refusing, slower than ``redis_timeout_s``, or refusing this service's
+  credentials or an ACL permission: a ``NOPERM`` answer is not malformed data): every user of the request
   has no history; ``streamrec_serving_history_unavailable_total`` counts the requests. The request path
   never retries (the client is built with retries off, ``serving/service.py``), and after a failure
   requests skip Redis for ``retry_after_s`` (a breaker), so an outage costs one timeout per
@@ -42,7 +43,11 @@ log = logging.getLogger("streamrec.serve")
 
 _FAR_FUTURE_MS = 2**62  # history "as of" the far future: every stored click
 _INT64 = (-(2**63), 2**63 - 1)
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+# Refused credentials (AuthenticationError, a ConnectionError) and a missing ACL permission (NoPermissionError,
+# a ResponseError: not malformed data) are Redis unavailable to this service, said as such in the log.
+_REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError,
+            redis.exceptions.AuthenticationWrongNumberOfArgsError)
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, OSError, *_REFUSED)
 _MALFORMED = (redis.ResponseError, ValueError, TypeError, OverflowError)
 
 
@@ -75,8 +80,13 @@ class HistoryReader:
         self._skip_until = self.clock() + self.retry_after_s
         self.metrics.history_unavailable.inc()
         self.metrics.history_errors.inc()
-        self._log("unavailable", "history unavailable (%s: %s); scoring without history, Redis skipped for %.1fs",
-                  type(exc).__name__, exc, self.retry_after_s)
+        if isinstance(exc, _REFUSED):
+            self._log("refused", "history unavailable: Redis refused this service's login or ACL permission (%s: %s); "
+                      "check [redis] username and password_file; scoring without history, Redis skipped for %.1fs",
+                      type(exc).__name__, exc, self.retry_after_s)
+        else:
+            self._log("unavailable", "history unavailable (%s: %s); scoring without history, Redis skipped for %.1fs",
+                      type(exc).__name__, exc, self.retry_after_s)
         return [[] for _ in range(n)]
 
     def read(self, users: list[int]) -> list[list[int]]:

@@ -8,23 +8,53 @@ connection runs on its own thread, so torch (which releases the GIL) scores seve
 and there is no event-loop hop; aiohttp runs the scoring inline on its single event loop. Both speak
 HTTP/1.1 keep-alive; ``[serve] server`` picks one.
 
-Shutdown is graceful in both: stop accepting, let requests in flight finish (up to ``grace_s``), close.
+Both enforce the same limits (``ServeSettings``, read from ``app.s``):
+
+* ``max_connections``: open connections at once; one more is answered ``503`` (``Retry-After: 1``) and closed
+  at once. The threading server runs one thread per connection, so this also caps its threads.
+* ``max_in_flight``: requests between their headers and their answer (:meth:`ScoringApp.admission`); one more
+  is a ``503`` with ``Retry-After: 1`` (the probes ``/healthz``, ``/readyz``, ``/metrics`` are never refused).
+* ``request_timeout_s``: a request's headers and body must arrive within it from its first byte, however the
+  bytes trickle in (a per-``recv`` timeout would let one byte a second keep it alive); past it: ``408`` and
+  close. ``keepalive_timeout_s``: an idle keep-alive connection (no request started) is closed after it.
+* framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
+  ``400``; over ``max_body_bytes``: ``413`` before the body is read), chunked sizes hexadecimal and each chunk
+  followed by CRLF, not both ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's
+  colon; any such error is answered JSON and the connection closed (the next request's start is unknown).
+  aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
+  ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. Where the two differ:
+  a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
+  ``Transfer-Encoding`` other than ``chunked`` is a ``501`` on the threading server (RFC 9112 6.1), a ``400``
+  on aiohttp, which takes ``gzip, chunked`` as chunked; an HTTP/1.1 request without ``Host`` is a ``400`` on
+  aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line.
+
+``stop(grace_s)``: stop accepting (new connections are refused), close idle keep-alive connections at once,
+let requests in flight finish (up to ``grace_s``; their answer says ``Connection: close``), then close every
+connection left and join the server's threads. A server never started stops at once; a second stop is a no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
+import io
 import logging
+import math
+import re
 import socket
+import sys
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from serving.app import ScoringApp
+from serving.app import Response, ScoringApp
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger("streamrec.serve")
 
@@ -37,13 +67,32 @@ class Server(Protocol):
     def stop(self, grace_s: float = 10.0) -> None: ...
 
 
-def _wait_idle(app: ScoringApp, grace_s: float) -> None:
-    deadline = time.monotonic() + grace_s
-    while app.in_flight > 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+def _error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+def _raw_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
+    """A whole JSON error answer that closes the connection, written where no HTTP handler runs (a connection
+    over ``max_connections``, a request whose headers did not arrive in time)."""
+    body = _error_body(message)
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
+             f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _too_many_connections(limit: int) -> bytes:
+    return _raw_response(503, f"too many connections ({limit}, max_connections); retry shortly", {"Retry-After": "1"})
+
+
+def _late(timeout_s: float) -> str:
+    return f"request not received within request_timeout_s ({timeout_s:g} s)"
 
 
 # -- stdlib ---------------------------------------------------------------------------------------
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2): no whitespace, no colon
+
+
 class _BadFraming(Exception):
     """A request whose body cannot be delimited (bad Content-Length or chunk size): answered, then closed."""
 
@@ -52,37 +101,118 @@ class _BadFraming(Exception):
         self.status, self.message = status, message
 
 
+class _Deadline(Exception):
+    """The client did not send in time: the request's ``request_timeout_s`` or the idle ``keepalive_timeout_s``."""
+
+
+class _ConnReader(io.RawIOBase):
+    """The reading side of one connection: every ``recv`` waits at most until ``deadline`` (``time.monotonic``),
+    so a client trickling bytes cannot stretch a request past it the way a per-``recv`` socket timeout allows."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.deadline = math.inf
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _Deadline
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buf)
+        except TimeoutError:
+            raise _Deadline from None
+
+
 class _Handler(BaseHTTPRequestHandler):
     """Every method and every framing error answers JSON (``{"error": ...}``), never the stdlib's HTML.
 
     Any request method reaches :meth:`ScoringApp.handle` (a method the path does not take is its 405 with
     ``Allow``; the stdlib alone would answer 501 HTML for TRACE, PATCH, ...). ``HEAD`` is ``GET`` without
-    the body. A body is read by ``Content-Length`` or ``Transfer-Encoding: chunked``, bounded by
-    ``max_body_bytes``; a length that is not a non-negative integer is a 400 and the connection is closed
-    (the next request's start is unknown).
+    the body, ``OPTIONS`` a 204 with ``Allow``. A body is read by ``Content-Length`` or
+    ``Transfer-Encoding: chunked``, bounded by ``max_body_bytes``; framing that is ambiguous or malformed is a
+    400 and the connection is closed (the next request's start is unknown). The wait for a request's first
+    byte is bounded by ``keepalive_timeout_s``, its headers and body together by ``request_timeout_s``.
     """
 
     protocol_version = "HTTP/1.1"  # keep-alive
     server_version = "streamrec-serve"
-    timeout = 30  # an idle keep-alive connection is closed after this long
+    disable_nagle_algorithm = True
     app: ScoringApp
+    server: _TCPServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the stdlib's reader (a per-recv timeout at most): replaced by one with a deadline
+        self._reader = _ConnReader(self.connection)
+        self._buffered = io.BufferedReader(self._reader)
+        self.rfile = self._buffered
+        self._expect_100 = False
 
     def handle_one_request(self) -> None:
+        s = self.app.s
+        self.close_connection = True
+        self.command, self.requestline, self.request_version, self._expect_100 = "", "", "HTTP/1.1", False
+        if self.server.draining:
+            return
+        self._reader.deadline = time.monotonic() + s.keepalive_timeout_s  # idle: wait for the next request
         try:
-            self.raw_requestline = self.rfile.readline(65537)
-            if len(self.raw_requestline) > 65536:
-                self.requestline = self.request_version = self.command = ""
-                self.send_error(414, "request line longer than 65536 bytes")
-                return
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            if not self.parse_request():  # it answered (through send_error below)
-                return
-            self._answer(self.command)
-            self.wfile.flush()
-        except TimeoutError:
+            if not self._buffered.peek(1):
+                return  # the client closed
+        except (_Deadline, OSError):
+            return  # idle too long, or stop() shut the connection
+        self._reader.deadline = time.monotonic() + s.request_timeout_s  # its headers and body, from its first byte
+        try:
+            self._one_request()
+        except _Deadline:
+            try:
+                self._send(408, "application/json", _error_body(_late(s.request_timeout_s)), close=True)
+            except OSError:
+                pass
+        except OSError:  # the client left (or stop() cut the connection off after its grace)
             self.close_connection = True
+        finally:
+            if not self.server.mark(self.connection, busy=False):
+                self.close_connection = True  # stop() began: no next request on this connection
+
+    def _one_request(self) -> None:
+        self.raw_requestline = self.rfile.readline(65537)
+        if len(self.raw_requestline) > 65536:
+            self.send_error(414, "request line longer than 65536 bytes")
+            return
+        if not self.raw_requestline:
+            return
+        if not self.parse_request():  # it answered (through send_error below)
+            return
+        if not self.server.mark(self.connection, busy=True):  # it arrived as stop() began
+            self._send(503, "application/json", _error_body("shutting down"), close=True)
+            return
+        try:
+            length = self._framing()
+        except _BadFraming as exc:
+            self._send(exc.status, "application/json", _error_body(exc.message), close=True)
+            return
+        with self.app.admission(self.path) as refused:
+            if refused is not None:  # its body (if any) is not read: the connection cannot go on
+                self._send(*refused, close=length != 0)
+                return
+            try:
+                body = self._read_body(length)
+            except _BadFraming as exc:
+                self._send(exc.status, "application/json", _error_body(exc.message), close=True)
+                return
+            method = self.command
+            self._send(*self.app.handle("GET" if method == "HEAD" else method, self.path, body))
+
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue``: the ``100 Continue`` goes out when the body is about to be read, so a request
+        refused from its headers (413, 503, bad framing) is answered without the client sending the body."""
+        self._expect_100 = True
+        return True
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The stdlib's own errors (malformed request line or headers, ...) as JSON."""
@@ -92,84 +222,206 @@ class _Handler(BaseHTTPRequestHandler):
         text = message or short
         if explain and explain != long:
             text = f"{text}: {explain}"
-        self._send(code, "application/json", json.dumps({"error": text}).encode(), close=True)
+        self._send(code, "application/json", _error_body(text), close=True)
 
     def _send(self, status: int, ctype: str, body: bytes, close: bool = False) -> None:
+        self.connection.settimeout(self.app.s.request_timeout_s)  # bounds a client that does not read its answer
+        close = close or self.server.draining
         self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        if status == 405:
-            self.send_header("Allow", ", ".join(self.app.allowed_methods(self.path)))
+        if status != 204:  # a 204 has no body, hence no Content-Length (RFC 9110 8.6)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+        for name, value in self.app.headers(self.command, getattr(self, "path", ""), status).items():
+            self.send_header(name, value)
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
-        if self.command != "HEAD":
+        if self.command != "HEAD" and status != 204:
             self.wfile.write(body)
 
-    def _read_body(self) -> bytes:
-        limit = self.app.s.max_body_bytes
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            return self._read_chunked(limit)
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            return b""
-        digits = raw.strip()
+    def _framing(self) -> int | None:
+        """The body's length from the headers (0: none; None: chunked), or :class:`_BadFraming` where they leave
+        it ambiguous: any doubt about where this request ends is where a smuggled one would start."""
+        if self.headers.defects or any(not _TOKEN.fullmatch(name) for name in self.headers.keys()):
+            raise _BadFraming(400, "malformed header line (a field name with whitespace, or a line without a colon)")
+        te, cl = self.headers.get_all("Transfer-Encoding") or [], self.headers.get_all("Content-Length") or []
+        if te:
+            if cl:
+                raise _BadFraming(400, "both Transfer-Encoding and Content-Length: the body's framing is ambiguous")
+            if [c.strip().lower() for v in te for c in v.split(",")] != ["chunked"]:
+                raise _BadFraming(501, f"Transfer-Encoding {', '.join(te)[:60]!r} is not supported: "
+                                       "send chunked or a Content-Length")
+            if self.request_version == "HTTP/1.0":
+                self.close_connection = True  # RFC 9112 6.1
+            return None
+        if not cl:
+            return 0
+        if len(cl) > 1:
+            values = ", ".join(v[:20] for v in cl)[:80]
+            raise _BadFraming(400, f"{len(cl)} Content-Length headers ({values}): the body's framing is ambiguous")
+        raw = cl[0]
+        digits = raw.strip(" \t")
         if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
             raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
-        length = int(digits)
+        length, limit = int(digits), self.app.s.max_body_bytes
         if length > limit:
             raise _BadFraming(413, f"body of {length} bytes exceeds {limit}")
-        return self.rfile.read(length) if length else b""
+        return length
+
+    def _read_body(self, length: int | None) -> bytes:
+        if length == 0:
+            return b""
+        if self._expect_100:
+            self.send_response_only(100)
+            self.end_headers()
+        if length is None:
+            return self._read_chunked(self.app.s.max_body_bytes)
+        body = self.rfile.read(length)
+        if len(body) < length:
+            raise _BadFraming(400, f"incomplete body: {len(body)} of {length} bytes before the connection closed")
+        return body
 
     def _read_chunked(self, limit: int) -> bytes:
         body = bytearray()
         while True:
             line = self.rfile.readline(1026)
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number") from None
-            if size < 0:
-                raise _BadFraming(400, f"chunk size {line[:40]!r} is negative")
+            size_field = line.split(b";", 1)[0].strip(b" \t\r\n")
+            if not line.endswith(b"\n") or not _HEX.fullmatch(size_field):
+                raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number")
+            size = int(size_field, 16)
             if size == 0:
-                while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):  # trailers
-                    pass
-                return bytes(body)
+                for _ in range(100):  # trailers, up to the blank line
+                    trailer = self.rfile.readline(65537)
+                    if trailer in (b"\r\n", b"\n"):
+                        return bytes(body)
+                    if not trailer.endswith(b"\n"):
+                        break
+                raise _BadFraming(400, "malformed or incomplete chunked trailer")
             if len(body) + size > limit:
                 raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
-            body += self.rfile.read(size)
-            self.rfile.readline(3)  # the CRLF after the chunk
-
-    def _answer(self, method: str) -> None:
-        try:
-            body = self._read_body()
-        except _BadFraming as exc:
-            self._send(exc.status, "application/json", json.dumps({"error": exc.message}).encode(), close=True)
-            return
-        status, ctype, out = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
-        self._send(status, ctype, out)
+            data = self.rfile.read(size)
+            if len(data) < size:
+                raise _BadFraming(400, "incomplete chunk before the connection closed")
+            body += data
+            if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise _BadFraming(400, "chunk data not followed by CRLF")
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - access logs off (use /metrics)
         pass
 
 
+def _shut(sock: socket.socket) -> None:
+    """Wake the thread blocked reading ``sock`` (it reads EOF) and stop the client sending more."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _TCPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a cap on connections (one thread each) and a registry of them for ``stop``."""
+
     daemon_threads = True
+    block_on_close = False  # ThreadedServer.stop closes and joins the connection threads itself, bounded
     request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler], app: ScoringApp) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+        self.conns: dict[socket.socket, bool] = {}  # open connection -> a request is in flight on it
+        self.threads: set[threading.Thread] = set()
+        self.draining = False
+        super().__init__(address, handler)
 
     def server_bind(self) -> None:
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().server_bind()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        limit = self.app.s.max_connections
+        with self.lock:
+            draining = self.draining
+            admitted = not draining and len(self.conns) < limit
+            if admitted:
+                self.conns[request] = False
+        if admitted:
+            t = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                 name="serve-http-conn", daemon=True)
+            with self.lock:
+                self.threads.add(t)
+            try:
+                t.start()
+                return
+            except RuntimeError:  # no thread to be had: refused like one over the limit
+                with self.lock:
+                    self.conns.pop(request, None)
+                    self.threads.discard(t)
+        try:  # over the limit: a quick 503 from the accepting thread (a small write, never blocking), closed
+            request.setblocking(False)
+            request.send(_raw_response(503, "shutting down", {"Retry-After": "1"}) if draining
+                         else _too_many_connections(limit))
+        except OSError:
+            pass
+        finally:
+            request.close()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.conns.pop(request, None)
+                self.threads.discard(threading.current_thread())
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # a client that left: not worth a traceback
+            log.debug("connection from %s: %s", client_address, exc)
+        else:
+            log.exception("connection from %s failed", client_address)
+
+    def mark(self, sock: socket.socket, busy: bool) -> bool:
+        """Record whether a request is in flight on ``sock``; False once ``stop`` began (close after it)."""
+        with self.lock:
+            if sock in self.conns:
+                self.conns[sock] = busy
+            return not self.draining
+
+    def close_connections(self, grace_s: float) -> None:
+        """Close idle connections now, the others once their request is answered or ``grace_s`` is up; join."""
+        shut: set[socket.socket] = set()
+        deadline = time.monotonic() + max(0.0, grace_s)
+        with self.lock:
+            self.draining = True
+        while True:
+            with self.lock:
+                left = bool(self.conns)
+                idle = [c for c, busy in self.conns.items() if not busy and c not in shut]
+            for c in idle:
+                _shut(c)
+                shut.add(c)
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        with self.lock:
+            rest, threads = list(self.conns), list(self.threads)
+        for c in rest:  # past the grace: cut off
+            _shut(c)
+        end = time.monotonic() + 2.0
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
 
 
 class ThreadedServer:
     def __init__(self, app: ScoringApp, host: str, port: int) -> None:
         handler = type("Handler", (_Handler,), {"app": app})
         self.app = app
-        self.httpd = _TCPServer((host, port), handler)
+        self.httpd = _TCPServer((host, port), handler, app)
         self.port = int(self.httpd.server_address[1])
         self._thread: threading.Thread | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
@@ -177,56 +429,206 @@ class ThreadedServer:
         self._thread.start()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        self.httpd.shutdown()  # no new connections
-        _wait_idle(self.app, grace_s)
-        self.httpd.server_close()
-        if self._thread is not None:
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        with self.httpd.lock:
+            self.httpd.draining = True  # from now on every answer says Connection: close
+        if self._thread is not None:  # (shutdown() waits for serve_forever: it would hang on a server never started)
+            self.httpd.shutdown()  # the accept loop ends (within its poll interval)
             self._thread.join(timeout=5)
+        self.httpd.server_close()  # new connections are refused
+        self.httpd.close_connections(grace_s)
 
 
 # -- aiohttp --------------------------------------------------------------------------------------
+class _TooLarge(Exception):
+    pass
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over ``max_connections``: the 503 is written and the connection closed, nothing read."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(self.payload)
+        transport.close()
+
+
+@functools.cache
+def _aiohttp_protocol() -> type:
+    """aiohttp's connection handler (``RequestHandler``, one per connection) with the request deadline and JSON
+    errors; built on first use so the threading server never imports aiohttp. It reads a few of aiohttp's
+    private attributes (``_loop``, ``_messages``, ``_waiter``, ``_request_in_progress``: tested with 3.14)."""
+    from aiohttp import web
+    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.web_protocol import RequestHandler
+
+    class _Protocol(RequestHandler):  # type: ignore[misc]
+        request_timeout_s = 10.0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.deadline: float | None = None  # of the request being received (loop time), from its first byte
+            self.watchdog: asyncio.TimerHandle | None = None
+            self.reading_body = False
+
+        def data_received(self, data: bytes) -> None:
+            if data and self.deadline is None:
+                self.deadline = self._loop.time() + self.request_timeout_s
+                self.watchdog = self._loop.call_at(self.deadline, self._on_deadline)
+            super().data_received(data)
+
+        def body_read(self) -> None:
+            """The request's body is in: its deadline no longer applies (the next request's starts with its bytes)."""
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+            self.watchdog = self.deadline = None
+
+        def _on_deadline(self) -> None:
+            self.watchdog = None
+            if self.transport is None or self.reading_body:
+                return  # closed; or its handler runs and bounds the body read itself
+            waiter = getattr(self, "_waiter", None)  # pending while aiohttp waits for a request's headers
+            if waiter is None or waiter.done() or self._messages:  # a request is handled (or queued): not this one
+                self.watchdog = self._loop.call_later(0.05, self._on_deadline)  # look again once it is answered
+                return
+            log.debug("request headers not received within %s s: closing", self.request_timeout_s)
+            self.transport.write(_raw_response(408, _late(self.request_timeout_s)))
+            self.force_close()
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+                self.watchdog = None
+            super().connection_lost(exc)
+
+        def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                         message: str | None = None) -> web.StreamResponse:
+            """aiohttp's answer to a request it could not parse (or a handler that raised), as our JSON, and logged
+            without a traceback for a bad request (a bug, a 500, keeps it)."""
+            if status >= 500:
+                log.error("%s answering %s", status, getattr(request, "remote", "?"), exc_info=exc)
+                text = "internal error; see the service log"
+            else:
+                first = (str(message or "").strip().splitlines() or [HTTPStatus(status).phrase])[0].rstrip(": ")
+                text = f"malformed request: {first}"
+                log.debug("bad request from %s: %s", getattr(request, "remote", "?"),
+                          exc if isinstance(exc, HttpProcessingError) else text)
+            if request.writer.output_size > 0:
+                raise ConnectionError("answer already under way: cannot send the error one")
+            resp = web.Response(status=status, body=_error_body(text), content_type="application/json")
+            resp.force_close()
+            return resp
+
+    return _Protocol
+
+
 class AiohttpServer:
-    """aiohttp on its own event-loop thread; scoring runs inline on the loop (no executor hop)."""
+    """aiohttp's low-level server (``web.Server``, no router: every path reaches the app) on its own event-loop
+    thread; scoring runs inline on the loop (no executor hop)."""
 
     def __init__(self, app: ScoringApp, host: str, port: int) -> None:
         self.app, self.host = app, host
         self.port = port
         self._loop = asyncio.new_event_loop()
-        self._runner = None
+        self._web: Any = None  # aiohttp.web.Server: the connections' manager
+        self._aserver: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
+        self._draining = False
+        self._stop_lock = threading.Lock()
+        self._stopped = False
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = int(sock.getsockname()[1])
         self._sock = sock
 
-    async def _handle(self, request):  # type: ignore[no-untyped-def]
+    async def _reply(self, request: web.BaseRequest, resp: Response, close: bool = False) -> web.StreamResponse:
         from aiohttp import web
 
-        limit = self.app.s.max_body_bytes
-        too_large = orjson.dumps({"error": f"request body exceeds {limit} bytes"})
-        if request.content_length is not None and request.content_length > limit:  # say so before reading it
-            return web.Response(status=413, body=too_large, content_type="application/json",
-                                headers={"Connection": "close"})
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit
-            return web.Response(status=413, body=too_large, content_type="application/json",
-                                headers={"Connection": "close"})
-        method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
-        status, ctype, out = self.app.handle(method, request.path_qs, body)
-        headers = {"Allow": ", ".join(self.app.allowed_methods(request.path))} if status == 405 else None
-        return web.Response(status=status, body=out, content_type=ctype.split(";")[0],
-                            charset="utf-8" if "charset" in ctype else None, headers=headers)
+        status, ctype, out = resp
+        headers = self.app.headers(request.method, request.path, status)
+        if status == 204:
+            r = web.Response(status=204, headers=headers)
+        else:
+            r = web.Response(status=status, body=out, content_type=ctype.split(";")[0],
+                             charset="utf-8" if "charset" in ctype else None, headers=headers)
+        if close or self._draining:
+            r.force_close()  # "Connection: close"
+        if close:  # the body is not read: answer now and close, rather than read (linger over) the rest of it
+            try:
+                await r.prepare(request)
+                await r.write_eof()
+            except ConnectionError:
+                pass
+            request.protocol.force_close()
+        return r
+
+    async def _read_body(self, request: web.BaseRequest, limit: int) -> bytes:
+        if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = bytearray()
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > limit:
+                raise _TooLarge
+        return bytes(body)
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        from aiohttp.web_protocol import RequestPayloadError
+
+        s = self.app.s
+        proto: Any = request.protocol  # a _Protocol (_aiohttp_protocol)
+        limit = s.max_body_bytes
+        with self.app.admission(request.path) as refused:
+            if refused is not None:
+                return await self._reply(request, refused, close=request.body_exists)
+            if request.content_length is not None and request.content_length > limit:  # say so before reading it
+                return await self._reply(request, (413, "application/json", _error_body(
+                    f"body of {request.content_length} bytes exceeds {limit}")), close=True)
+            body = b""
+            if request.body_exists:
+                deadline = proto.deadline or self._loop.time() + s.request_timeout_s
+                proto.reading_body = True
+                try:
+                    body = await asyncio.wait_for(self._read_body(request, limit), deadline - self._loop.time())
+                except asyncio.TimeoutError:
+                    return await self._reply(request, (408, "application/json", _error_body(
+                        _late(s.request_timeout_s))), close=True)
+                except _TooLarge:  # a chunked body past the limit
+                    return await self._reply(request, (413, "application/json", _error_body(
+                        f"request body exceeds {limit} bytes")), close=True)
+                except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
+                    return await self._reply(request, (400, "application/json", _error_body(
+                        f"malformed request body: {exc}")), close=True)
+                finally:
+                    proto.reading_body = False
+            proto.body_read()
+            method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
+            return await self._reply(request, self.app.handle(method, request.path_qs, body))
 
     async def _start(self) -> None:
         from aiohttp import web
 
-        web_app = web.Application(client_max_size=self.app.s.max_body_bytes)
-        web_app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(web_app, access_log=None)
-        await self._runner.setup()
-        await web.SockSite(self._runner, self._sock).start()
+        loop = asyncio.get_running_loop()
+        s = self.app.s
+        kwargs: dict[str, Any] = {"keepalive_timeout": s.keepalive_timeout_s, "access_log": None}
+        self._web = manager = web.Server(self._handle, loop=loop, **kwargs)
+        protocol = _aiohttp_protocol()
+
+        def connection() -> asyncio.Protocol:
+            if self._draining or len(manager.connections) >= s.max_connections:
+                return _Refuse(_too_many_connections(s.max_connections))
+            p = protocol(manager, loop=loop, **kwargs)
+            p.request_timeout_s = s.request_timeout_s
+            return p  # type: ignore[no-any-return]
+
+        self._aserver = await loop.create_server(connection, sock=self._sock, backlog=128)
 
     def start(self) -> None:
         ready = threading.Event()
@@ -241,23 +643,47 @@ class AiohttpServer:
         self._thread.start()
         ready.wait(10)
 
-    async def _shutdown(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+    async def _shutdown(self, grace_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._draining = True
+        if self._aserver is not None:
+            self._aserver.close()  # new connections are refused
+        conns = list(self._web.connections) if self._web is not None else []
+        for c in conns:
+            c.close()  # an idle one ends now; a busy one after its answer
+        deadline = loop.time() + max(0.0, grace_s)
+        while loop.time() < deadline and any(getattr(c, "_request_in_progress", False) for c in conns):
+            await asyncio.sleep(0.01)
+        for c in conns:
+            c.force_close()  # past the grace (or done): closed
         # Handlers of connections the client left open would otherwise die with the loop ("Task was destroyed").
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in rest:
             t.cancel()
         await asyncio.gather(*rest, return_exceptions=True)
+        if self._aserver is not None:
+            try:
+                await asyncio.wait_for(self._aserver.wait_closed(), 1.0)
+            except asyncio.TimeoutError:
+                pass
 
     def stop(self, grace_s: float = 10.0) -> None:
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._draining = True  # now, not when the loop gets to _shutdown: an answer being scored says close
         if self._thread is not None and self._thread.is_alive():
-            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-            fut.result(timeout=grace_s + 5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(grace_s), self._loop)
+            try:
+                fut.result(timeout=grace_s + 5)
+            except Exception:  # noqa: BLE001 - stop must go on to stop the loop
+                log.exception("aiohttp shutdown failed")
+            self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
-        self._loop.close()
+        self._sock.close()
+        if not self._loop.is_running():
+            self._loop.close()
 
 
 def make_server(kind: str, app: ScoringApp, host: str, port: int) -> Server:

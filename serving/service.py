@@ -15,8 +15,6 @@ from types import TracebackType
 
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
@@ -26,6 +24,7 @@ from serving.settings import ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
 from stream.config import RedisSettings
 from stream.history import UserHistory
+from stream.redis_client import RedisAuthError, connect, verify
 
 log = logging.getLogger("streamrec.serve")
 
@@ -48,16 +47,17 @@ class ScoringService:
         self.redis: redis.Redis | None = None
         self.pubsub_redis: redis.Redis | None = None
         prefix = "streamrec"
+        self._redis_settings = redis_settings
         if redis_settings is not None:
             prefix = redis_settings.prefix
             # Request path: a short timeout and NO retries (redis-py retries timeouts 3 times with backoff by
             # default), so a slow or dead Redis costs one timeout and the request is scored without history.
-            self.redis = redis.Redis.from_url(redis_settings.url, socket_timeout=settings.redis_timeout_s,
-                                              socket_connect_timeout=settings.redis_timeout_s,
-                                              retry=Retry(NoBackoff(), 0), retry_on_error=[])
+            # Credentials and TLS come from [redis] (stream/redis_client.py), for both clients.
+            self.redis = connect(redis_settings, timeout_s=settings.redis_timeout_s, retries=0)
             # The joiner keeps 4 x history_len clicks per user and attaches the last history_len.
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
-            self.pubsub_redis = redis.Redis.from_url(redis_settings.url, socket_connect_timeout=2.0)
+            # The update channels: blocking reads (no socket timeout), a bounded connect, redis-py's retries.
+            self.pubsub_redis = connect(redis_settings, connect_timeout_s=2.0)
         self.updater = ModelUpdater(self.holder, self.metrics, settings.publish_root, settings.deltas_dir,
                                     device=self.device, poll_s=settings.poll_s, redis_client=self.pubsub_redis,
                                     prefix=prefix, signing_key=load_signing_key(settings.signing_key_file))
@@ -75,10 +75,24 @@ class ScoringService:
         return f"http://{self.s.host}:{self.port}"
 
     def start(self) -> ScoringService:
+        self._check_redis()
         self.updater.start()
         self.server = make_server(self.s.server, self.app, self.s.host, self.s.port)
         self.server.start()
         return self
+
+    def _check_redis(self) -> None:
+        """Say at start, in one line, when Redis refuses this service's credentials: serving starts anyway and
+        scores without history (Redis problems never fail a request), but a wrong password is no outage to wait
+        out. An unreachable Redis is not logged here: the history reads say so."""
+        if self.redis is None or self._redis_settings is None:
+            return
+        try:
+            verify(self.redis, self._redis_settings, reachable=False)
+        except RedisAuthError as exc:
+            log.error("%s; serving scores without history and polls for models until this is fixed", exc)
+        except Exception as exc:  # noqa: BLE001 - a start-time probe never stops serving from starting
+            log.debug("Redis probe at start failed: %s", exc)
 
     def stop(self, grace_s: float = 10.0) -> None:
         self.app.draining = True

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from learner.config import Device
 from stream.config import Choice
+from stream.errors import ConfigError
 
 
 class ServerKind(Choice):
@@ -38,7 +39,21 @@ class ServeSettings:
     # HMAC-SHA256 key file (>= 16 bytes, read once at start; the refresh's and the learner's file): artifacts whose
     # manifest is unsigned or mis-signed and deltas that are not signed with it are refused. None: no signatures.
     signing_key_file: Path | None = None
+    # -- HTTP limits (both servers, serving/http_server.py) --
+    # Open client connections at once; one more is answered 503 (Retry-After: 1, Connection: close) and closed.
+    max_connections: int = 256
+    # Requests in flight at once (headers in, body being read or scored, not yet answered); one more is answered 503
+    # with Retry-After: 1. /healthz, /readyz and /metrics are never refused, so probes answer under load.
+    max_in_flight: int = 64
+    # A request's headers and body must all arrive within this many seconds of its first byte (slowloris); past it
+    # the request is answered 408 and the connection closed. Scoring time is not counted.
+    request_timeout_s: float = 10.0
+    # A keep-alive connection with no request started is closed after this many idle seconds.
+    keepalive_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))
         object.__setattr__(self, "server", ServerKind.of(self.server, "[serve] server"))
+        for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"[serve] {name} must be > 0, got {getattr(self, name)!r}")

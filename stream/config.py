@@ -7,10 +7,13 @@ fills them from a file, the environment and flags at the process edge, and nothi
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 from stream.errors import ConfigError
+from stream.secrets import Secret, redact
 
 C = TypeVar("C", bound="Choice")
 
@@ -37,9 +40,46 @@ class Choice(str, enum.Enum):
             raise ConfigError(f"{setting}: got {value!r}, expected one of {', '.join(m.value for m in cls)}") from None
 
 
+class SecurityProtocol(Choice):
+    """``[kafka] security_protocol``: librdkafka's ``security.protocol`` (faust: ``broker_credentials``)."""
+
+    PLAINTEXT = "PLAINTEXT"
+    SSL = "SSL"
+    SASL_PLAINTEXT = "SASL_PLAINTEXT"
+    SASL_SSL = "SASL_SSL"
+
+    @property
+    def sasl(self) -> bool:
+        return self in (SecurityProtocol.SASL_PLAINTEXT, SecurityProtocol.SASL_SSL)
+
+    @property
+    def tls(self) -> bool:
+        return self in (SecurityProtocol.SSL, SecurityProtocol.SASL_SSL)
+
+
+class SaslMechanism(Choice):
+    """``[kafka] sasl_mechanism`` (used only with ``SASL_*``). OAUTHBEARER takes its configuration from
+    ``[kafka.extra]`` (``sasl.oauthbearer.*``) and works with the confluent-kafka clients only."""
+
+    PLAIN = "PLAIN"
+    SCRAM_SHA_256 = "SCRAM-SHA-256"
+    SCRAM_SHA_512 = "SCRAM-SHA-512"
+    OAUTHBEARER = "OAUTHBEARER"
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
-    """How every streamrec process talks to Kafka (or the local Kafka-protocol broker)."""
+    """How every streamrec process talks to Kafka (or the local Kafka-protocol broker).
+
+    Security (``stream.kafka`` applies it to every producer, consumer and admin client, and
+    ``stream/joiner/worker.py`` maps it to faust): ``security_protocol`` with, for ``SASL_*``,
+    ``sasl_mechanism`` / ``sasl_username`` / ``sasl_password`` (a :class:`~stream.secrets.Secret`, best given
+    as ``sasl_password_file`` or ``sasl_password_env``), and for ``SSL`` / ``SASL_SSL`` the CA to trust
+    (``ssl_ca_location``; the system store when unset) and an optional client certificate and key (mutual
+    TLS; ``ssl_key_password`` if the key is encrypted). ``extra`` holds any other librdkafka properties
+    (``[kafka.extra]`` in TOML, ``STREAMREC_KAFKA_EXTRA="k=v,k2=v2"``), applied last. Whether the named
+    files exist is checked when a client is built, not here.
+    """
 
     bootstrap_servers: str = "127.0.0.1:19092"
     # The local Tansu broker takes about half the session timeout to complete a group join, so the
@@ -52,6 +92,79 @@ class KafkaSettings:
     partitions: int = 4
     replication_factor: int = 1
     client_id: str = "streamrec"
+    security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
+    sasl_mechanism: SaslMechanism = SaslMechanism.PLAIN
+    sasl_username: str = ""
+    sasl_password: Secret = Secret("")
+    sasl_password_file: Path | None = None
+    sasl_password_env: str | None = None
+    ssl_ca_location: Path | None = None
+    ssl_certificate_location: Path | None = None
+    ssl_key_location: Path | None = None
+    ssl_key_password: Secret = Secret("")
+    ssl_key_password_file: Path | None = None
+    ssl_key_password_env: str | None = None
+    # Not part of the hash (a dict is unhashable): settings that differ only here compare unequal but
+    # may hash alike, which a frozen dataclass allows.
+    extra: dict[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        protocol = SecurityProtocol.of(self.security_protocol, "[kafka] security_protocol")
+        mechanism = SaslMechanism.of(self.sasl_mechanism, "[kafka] sasl_mechanism")
+        set_(self, "security_protocol", protocol)
+        set_(self, "sasl_mechanism", mechanism)
+        for name in ("sasl_password", "ssl_key_password"):
+            value = getattr(self, name)
+            if not isinstance(value, Secret):  # a plain str given in code: keep it masked all the same
+                set_(self, name, Secret(str(value)))
+        for name in ("sasl_password_file", "ssl_ca_location", "ssl_certificate_location", "ssl_key_location",
+                     "ssl_key_password_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                set_(self, name, Path(value))
+        if not isinstance(self.extra, dict) or not all(isinstance(k, str) and k for k in self.extra):
+            raise ConfigError(f"[kafka] extra: expected a table of librdkafka properties (key = value), "
+                              f"got {type(self.extra).__name__}")
+        set_(self, "extra", {k: str(v) for k, v in self.extra.items()})  # a copy: the caller's dict may change
+        from stream.secrets import register
+
+        for k, v in self.extra.items():  # sasl.oauthbearer.client.secret and the like: scrubbed from all output
+            if any(w in k.lower() for w in ("password", "secret", "token")):
+                register(v)
+
+        if protocol.sasl:
+            if mechanism is SaslMechanism.OAUTHBEARER:
+                if not any(k.startswith(("sasl.oauthbearer.", "enable.sasl.oauthbearer.")) for k in self.extra):
+                    raise ConfigError(
+                        "[kafka] sasl_mechanism = OAUTHBEARER needs its configuration in [kafka.extra], e.g. "
+                        "sasl.oauthbearer.method = \"oidc\" with sasl.oauthbearer.client.id, "
+                        "sasl.oauthbearer.client.secret and sasl.oauthbearer.token.endpoint.url")
+            else:
+                if not self.sasl_username:
+                    raise ConfigError(f"[kafka] sasl_username is empty: security_protocol = {protocol} with "
+                                      f"sasl_mechanism = {mechanism} needs a user name")
+                if not self.sasl_password.reveal():
+                    raise ConfigError(f"[kafka] sasl_password is empty: security_protocol = {protocol} with "
+                                      f"sasl_mechanism = {mechanism} needs a password (give it as "
+                                      "sasl_password_file, a mounted secret, or sasl_password_env, the name of "
+                                      "an environment variable)")
+        elif self.sasl_username or self.sasl_password.reveal():
+            raise ConfigError(f"[kafka] sasl_username / sasl_password are set but security_protocol = {protocol}: "
+                              "they are used only with SASL_PLAINTEXT or SASL_SSL")
+        if (self.ssl_certificate_location is None) != (self.ssl_key_location is None):
+            given, missing = (("ssl_certificate_location", "ssl_key_location")
+                              if self.ssl_key_location is None else ("ssl_key_location", "ssl_certificate_location"))
+            raise ConfigError(f"[kafka] {given} is set without {missing}: a client certificate and its key "
+                              "go together")
+        if self.ssl_key_password.reveal() and self.ssl_key_location is None:
+            raise ConfigError("[kafka] ssl_key_password is set without ssl_key_location")
+        if not protocol.tls:
+            tls = [n for n in ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location")
+                   if getattr(self, n) is not None]
+            if tls:
+                raise ConfigError(f"[kafka] {', '.join(tls)} set but security_protocol = {protocol}: TLS settings "
+                                  "are used only with SSL or SASL_SSL")
 
     def dlq_topic(self, topic: str) -> str:
         return topic + self.dlq_suffix
@@ -59,10 +172,67 @@ class KafkaSettings:
 
 @dataclass(frozen=True)
 class RedisSettings:
+    """How every streamrec process talks to Redis; every client is built by ``stream.redis_client.connect``.
+
+    Security (a secured deployment): ``username`` is the ACL user ("" = the default user), ``password`` its
+    password, best given as ``password_file`` (a mounted secret, read once by the settings loader; a trailing
+    newline is dropped) or ``password_env`` (the name of an environment variable) rather than in a shared file.
+    A ``redis://user:password@host`` URL keeps working, but the password is then part of a value that gets
+    printed (redacted) and passed around: prefer ``password_file``. Give each credential one way: a password
+    both in the URL and in ``password``/``password_file`` is a configuration error, as is a username in both.
+    TLS: a ``rediss://`` URL, ``ssl_ca_certs`` the CA bundle (PEM) that signed the server's certificate
+    (default: the system's CAs), and ``ssl_certfile``/``ssl_keyfile`` a client certificate when Redis asks
+    for one (``tls-auth-clients``).
+    """
+
     url: str = "redis://127.0.0.1:16379/0"
     prefix: str = "streamrec"  # every key streamrec writes starts with this
     counts_ttl_days: int = 8  # per-day count keys live this long
     history_len: int = 50  # recent clicked items kept per user
+    username: str = ""  # ACL user ("" = the default user)
+    password: Secret = Secret("")  # prefer password_file; the value itself is discouraged in a shared file
+    password_file: Path | None = None
+    password_env: str | None = None
+    ssl_ca_certs: Path | None = None  # with a rediss:// url: the CA bundle (PEM) that checks the server's certificate
+    ssl_certfile: Path | None = None  # with a rediss:// url: a client certificate (PEM) ...
+    ssl_keyfile: Path | None = None  # ... and its private key (PEM; default: inside ssl_certfile)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.password, Secret):  # a plain str from code: masked like every credential
+            object.__setattr__(self, "password", Secret(str(self.password)))
+        try:
+            parts = urlsplit(self.url)
+            _ = parts.port  # raises ValueError on a port that is not a number
+        except ValueError as exc:
+            raise ConfigError(f"[redis] url: cannot parse {redact(self.url)!r}: {redact(str(exc))}") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"[redis] url: got {redact(self.url)!r}, expected redis://host:port/db, "
+                              "rediss://host:port/db (TLS) or unix:///path/to/socket")
+        if (self.password or self.password_file is not None) and parts.password:
+            raise ConfigError("[redis] password (or password_file / password_env) is set and url carries a password "
+                              "too: give it one way (prefer password_file and a url without credentials)")
+        if self.username and parts.username and unquote(parts.username) != self.username:
+            raise ConfigError(f"[redis] username is {self.username!r} but url names user "
+                              f"{unquote(parts.username)!r}: give the user one way")
+        tls = [name for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile") if getattr(self, name) is not None]
+        if tls and parts.scheme != "rediss":
+            raise ConfigError(f"[redis] {', '.join(tls)} set but url is {parts.scheme}://: TLS needs a rediss:// url")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ConfigError("[redis] ssl_keyfile is set without ssl_certfile: a client key needs its certificate")
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    @property
+    def user(self) -> str:
+        """The ACL user the clients authenticate as (from ``username`` or the url); "" = the default user."""
+        return self.username or unquote(urlsplit(self.url).username or "")
+
+    @property
+    def has_password(self) -> bool:
+        """Whether the clients send a password (``password``/``password_file``, or one in the url)."""
+        return bool(self.password) or self.password_file is not None or bool(urlsplit(self.url).password)
 
     # The pub/sub channels, named from the prefix here only: the writer and the reader of a channel must
     # agree, whatever prefix a deployment uses.

@@ -7,8 +7,11 @@ comes from idempotent producing, waiting for acknowledgements, and offsets store
 from __future__ import annotations
 
 import logging
+import re
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +19,194 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from stream.config import KafkaSettings
-from stream.errors import DeliveryFailed, MessageTooLarge, StreamError
+from stream.config import KafkaSettings, SaslMechanism
+from stream.errors import ConfigError, DeliveryFailed, MessageTooLarge, StreamError
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger("streamrec.kafka")
+
+
+def _security(kafka: KafkaSettings) -> dict[str, Any]:
+    """The security properties of every client (producer, consumer, admin): ``security.protocol``, SASL
+    credentials, TLS files, then ``[kafka.extra]`` (applied last, so it can set or override anything).
+
+    The files named must exist (checked here, when a client is built): a :class:`ConfigError` naming the
+    setting, instead of librdkafka's ``ssl.ca.location failed`` at the first connection attempt.
+    """
+    protocol = kafka.security_protocol
+    conf: dict[str, Any] = {"security.protocol": protocol.value}
+    if protocol.sasl:
+        conf["sasl.mechanism"] = kafka.sasl_mechanism.value
+        if kafka.sasl_mechanism is not SaslMechanism.OAUTHBEARER:
+            conf["sasl.username"] = kafka.sasl_username
+            conf["sasl.password"] = kafka.sasl_password.reveal()
+    if protocol.tls:
+        for setting, prop in (("ssl_ca_location", "ssl.ca.location"),
+                              ("ssl_certificate_location", "ssl.certificate.location"),
+                              ("ssl_key_location", "ssl.key.location")):
+            path = getattr(kafka, setting)
+            if path is None:
+                continue
+            if not path.is_file():
+                raise ConfigError(f"[kafka] {setting}: {path} "
+                                  f"{'is not a file' if path.exists() else 'does not exist'}")
+            conf[prop] = str(path)
+        if kafka.ssl_key_password.reveal():
+            conf["ssl.key.password"] = kafka.ssl_key_password.reveal()
+    conf.update(kafka.extra)
+    return conf
+
+
+class KafkaAccessError(StreamError):
+    """The broker refused this client: credentials it rejects, a certificate that does not verify, or a
+    security protocol the listener does not speak. Not retried: retrying cannot fix a configuration."""
+
+
+# -- the access check -------------------------------------------------------------------------------
+# librdkafka retries a refused login or a failed TLS handshake for ever, logging a line every reconnect, and
+# the call waiting on it fails only at its timeout with "Broker transport failure". So before the first
+# client of a process is built with given settings, one silent admin client connects with them (bounded) and
+# a refusal becomes one KafkaAccessError naming the cause and the settings to fix. A broker that is down
+# (connection refused) or slow is not judged here: the caller's own timeouts and retries report it as before.
+ACCESS_CHECK_S = 3.0
+UNDECIDED_FOR_S = 60.0  # a check that could not decide (a silent or slow broker) is not repeated this long
+_access_ok: set[tuple[Any, ...]] = set()
+_access_undecided: dict[tuple[Any, ...], float] = {}  # key -> monotonic time of the undecided check
+_access_lock = threading.Lock()
+_AFTER = re.compile(r"\s*\(after \d+ms in state \w+\)$")
+_PREFIX = re.compile(r"^[a-z_]+://[^ ]+/(?:bootstrap|\d+): ")
+
+
+def _access_key(kafka: KafkaSettings) -> tuple[Any, ...]:
+    return (kafka.bootstrap_servers, kafka.security_protocol, kafka.sasl_mechanism, kafka.sasl_username,
+            kafka.sasl_password.reveal(), kafka.ssl_ca_location, kafka.ssl_certificate_location,
+            kafka.ssl_key_location, kafka.ssl_key_password.reveal(), tuple(sorted(kafka.extra.items())))
+
+
+def _who(kafka: KafkaSettings) -> str:
+    p = kafka.security_protocol
+    how = str(p)
+    if p.sasl:
+        how += f", {kafka.sasl_mechanism}"
+        if kafka.sasl_mechanism is not SaslMechanism.OAUTHBEARER:
+            how += f" as {kafka.sasl_username!r}"
+    return f"Kafka at {kafka.bootstrap_servers} ({how})"
+
+
+def _probe(conf: dict[str, Any], timeout_s: float) -> tuple[bool, list[KafkaError]]:
+    """Connect with ``conf`` (silently) until metadata comes, a refusal is reported, or ``timeout_s``."""
+    errors: list[KafkaError] = []
+    silent: dict[str, Any] = {**conf, "log_level": 0, "error_cb": errors.append}
+    try:
+        admin = AdminClient(silent)
+    except KafkaException as exc:  # a property librdkafka rejects: a CA file that holds no certificate, say
+        err = exc.args[0]
+        if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
+            raise ConfigError(f"[kafka] a security setting cannot be used: {err.str()}") from None
+        raise
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            admin.list_topics(timeout=0.25)
+            return True, errors
+        except KafkaException:
+            pass
+        admin.poll(0)
+        if _refusal(errors) or _unreachable(errors) or _dropped(errors) or time.monotonic() > deadline:
+            return False, errors
+
+
+def _text(err: KafkaError) -> str:
+    return _PREFIX.sub("", _AFTER.sub("", err.str()))
+
+
+def _refusal(errors: list[KafkaError]) -> KafkaError | None:
+    return next((e for e in errors if e.code() in (KafkaError._AUTHENTICATION, KafkaError._SSL)
+                 or "SSL handshake failed" in e.str()), None)
+
+
+def _unreachable(errors: list[KafkaError]) -> bool:
+    """No connection at all: refused, timed out or not resolved (the broker is down or elsewhere)."""
+    return any(e.code() == KafkaError._RESOLVE or (e.code() == KafkaError._TRANSPORT and "Connect to " in e.str())
+               for e in errors)
+
+
+def _dropped(errors: list[KafkaError]) -> bool:
+    """The broker took the connection and closed it (all brokers down, or disconnected, yet no connect error)."""
+    return (any(e.code() == KafkaError._ALL_BROKERS_DOWN
+                or (e.code() == KafkaError._TRANSPORT and "Disconnected" in e.str()) for e in errors)
+            and not _unreachable(errors))
+
+
+def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> None:
+    """Raise :class:`KafkaAccessError` when the broker refuses ``kafka``'s security settings; once per process
+    and settings, when they work (see the comment above). Called by every client config builder."""
+    key = _access_key(kafka)
+    if key in _access_ok or time.monotonic() - _access_undecided.get(key, -UNDECIDED_FOR_S) < UNDECIDED_FOR_S:
+        return
+    with _access_lock:
+        if key in _access_ok or time.monotonic() - _access_undecided.get(key, -UNDECIDED_FOR_S) < UNDECIDED_FOR_S:
+            return
+        base = {"bootstrap.servers": kafka.bootstrap_servers, "client.id": f"{kafka.client_id}-access-check"}
+        ok, errors = _probe({**base, **_security(kafka)}, timeout_s)
+        if ok:
+            _access_ok.add(key)
+            return
+        refused = _refusal(errors)
+        p = kafka.security_protocol
+        if refused is not None:
+            if refused.code() == KafkaError._AUTHENTICATION:
+                fix = ("check [kafka] sasl_username and sasl_password (or sasl_password_file / sasl_password_env) "
+                       "and sasl_mechanism")
+            elif "PLAINTEXT broker listener" in refused.str():
+                fix = "the listener does not speak TLS: set [kafka] security_protocol = PLAINTEXT or SASL_PLAINTEXT"
+            else:
+                fix = ("check [kafka] ssl_ca_location (the CA that signed the broker's certificate) and "
+                       "ssl_certificate_location / ssl_key_location if the broker wants a client certificate")
+            raise KafkaAccessError(f"{_who(kafka)} refused the connection: {_text(refused)}; {fix}")
+        if not _dropped(errors):
+            _access_undecided[key] = time.monotonic()  # down, unreachable or slow: not ours to judge
+            return
+        # The broker accepted the connection and dropped it: find out whether it wants TLS or SASL. A diagnosis
+        # is reported only if the settings still fail after it (a broker shutting down drops connections too).
+        diagnosis: str | None = None
+        if not p.tls:
+            tls_ok, tls_errors = _probe({**base, "security.protocol": "SSL",
+                                         "enable.ssl.certificate.verification": False}, 1.0)
+            if tls_ok or (_refusal(tls_errors) is None and _dropped(tls_errors)):
+                diagnosis = (f"the listener speaks TLS and closed the {p} connection; set [kafka] security_protocol "
+                             "= SSL or SASL_SSL (with ssl_ca_location, and sasl_* for SASL_SSL)")
+        if diagnosis is None and not p.sasl:
+            sasl_conf = {**base, **_security(kafka), "security.protocol": "SASL_SSL" if p.tls else "SASL_PLAINTEXT",
+                         "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "streamrec-access-check",
+                         "sasl.password": uuid.uuid4().hex}
+            _, sasl_errors = _probe(sasl_conf, 1.0)
+            if any(e.code() == KafkaError._AUTHENTICATION for e in sasl_errors):
+                diagnosis = ("the listener requires SASL authentication and closed the unauthenticated connection; "
+                             f"set [kafka] security_protocol = {'SASL_SSL' if p.tls else 'SASL_PLAINTEXT'}, "
+                             "sasl_mechanism, sasl_username and sasl_password (or sasl_password_file / "
+                             "sasl_password_env)")
+        if diagnosis is None and p.tls and kafka.ssl_certificate_location is None:
+            # TLS 1.3: a listener that wants a client certificate rejects its absence after the handshake
+            diagnosis = ("the listener completed the TLS handshake and closed the connection at once: does it "
+                         "require a client certificate? set [kafka] ssl_certificate_location and ssl_key_location")
+        if diagnosis is None:
+            return
+        ok, errors = _probe({**base, **_security(kafka)}, 1.0)
+        if ok:
+            _access_ok.add(key)
+        elif _dropped(errors) and _refusal(errors) is None:
+            raise KafkaAccessError(f"{_who(kafka)}: {diagnosis}")
+
+
+def _client(kafka: KafkaSettings, conf: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``conf``, then the caller's ``extra`` properties, then the security ones (see :func:`_security`),
+    after :func:`check_access` found that the broker takes them."""
+    security = _security(kafka)
+    check_access(kafka)
+    conf.update(extra)
+    conf.update(security)
+    return conf
 
 
 def producer_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
@@ -38,8 +224,7 @@ def producer_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
         "queue.buffering.max.kbytes": 1_048_576,
         "compression.type": "lz4",
     }
-    conf.update(extra)
-    return conf
+    return _client(kafka, conf, extra)
 
 
 def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[str, Any]:
@@ -56,13 +241,12 @@ def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[s
         # partition-EOF events instead (see environment.md).
         "enable.partition.eof": True,
     }
-    conf.update(extra)
-    return conf
+    return _client(kafka, conf, extra)
 
 
 def admin_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
-    """The one place an admin client's config is built (security settings will join it here)."""
-    return {"bootstrap.servers": kafka.bootstrap_servers, "client.id": kafka.client_id, **extra}
+    """The one place an admin client's config is built."""
+    return _client(kafka, {"bootstrap.servers": kafka.bootstrap_servers, "client.id": kafka.client_id}, extra)
 
 
 def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int | None = None) -> None:
@@ -145,7 +329,9 @@ class AckedProducer:
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
         conf = producer_config(kafka, **extra)
         conf["delivery.report.only.error"] = True
-        conf["on_delivery"] = self._on_error
+        # Weakly: client -> callback -> self -> client would be a cycle only the cyclic GC frees, and a GC pass
+        # in a forked DataLoader worker destroys the parent's librdkafka client there (it hangs or crashes).
+        conf["on_delivery"] = _weak_on_error(weakref.ref(self))
         self._producer = Producer(conf)
         self._bootstrap = kafka.bootstrap_servers
         self._sent: dict[str, int] = {}
@@ -208,6 +394,16 @@ class AckedProducer:
                 f"first error: {first}. Is the broker up (`streamrec stack status`)?"
             )
         return self.report
+
+
+def _weak_on_error(ref: weakref.ReferenceType[AckedProducer]) -> Callable[[KafkaError | None, Any], None]:
+    """``AckedProducer._on_error`` of the producer ``ref`` points to, while it lives (see its ``__init__``)."""
+    def on_delivery(err: KafkaError | None, msg: Any) -> None:
+        producer = ref()
+        if producer is not None:
+            producer._on_error(err, msg)
+
+    return on_delivery
 
 
 def resume_offsets(consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition]:

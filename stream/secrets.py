@@ -31,7 +31,7 @@ _pattern: re.Pattern[str] | None = None
 
 _URL_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
 _KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|secret|token|api[_-]?key|signing[_-]?key|"
-                        r"sasl[._]password)[\w.-]*)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
+                        r"sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
 _SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token|api[_-]?key|signing[_-]?key|credential")
 
 

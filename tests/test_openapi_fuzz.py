@@ -129,7 +129,7 @@ def _chunked(body: bytes) -> bytes:
 FRAMING = [
     ("TRACE /v1/score", _request("TRACE", "/v1/score"), 405, "method not allowed"),
     ("PATCH /readyz", _request("PATCH", "/readyz", b"{}"), 405, "method not allowed"),
-    ("OPTIONS /openapi.json", _request("OPTIONS", "/openapi.json"), 405, "method not allowed"),
+    ("PUT /openapi.json", _request("PUT", "/openapi.json", b"{}"), 405, "method not allowed"),
     ("BREW /v1/score", _request("BREW", "/v1/score", SCORE), 405, "method not allowed"),
     ("DELETE /nowhere", _request("DELETE", "/nowhere"), 404, "no endpoint"),
     ("Content-Length abc", _request("POST", "/v1/score", b"", {"Content-Length": "abc"}), 400, "Content-Length"),

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import orjson
-import redis
 
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
@@ -50,6 +49,7 @@ from stream.joiner.sample_rows import to_batches
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
 from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
 from stream.limits import DEFAULT_LIMITS, EventLimits
+from stream.redis_client import connect
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.join")
@@ -119,7 +119,9 @@ class JoinPipeline:
             watermark_quorum=js.watermark_quorum, max_pending=js.max_pending_per_partition,
             max_waiting=js.max_waiting_per_partition,
         )
-        self.redis = redis.Redis.from_url(redis_settings.url)
+        # Credentials and TLS from [redis]; one PING first, so refused credentials end the worker at start with
+        # one line (RedisAuthError) instead of failing every batch.
+        self.redis = connect(redis_settings, check=True)
         self.strikes = Strikes(RedisStrikes(self.redis, f"{redis_settings.prefix}:strikes:{js.app_id}"),
                                js.poison_after)
         self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,

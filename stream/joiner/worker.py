@@ -22,6 +22,19 @@ their strikes (``stream/strikes.py``), and the process exits at once with status
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
 batch and partition instead (see ``state_log.py``).
+
+Security: the ``[kafka]`` security settings reach faust (aiokafka underneath) as ``broker_credentials``
+(:func:`broker_credentials`): ``SASL_PLAINTEXT`` / ``SASL_SSL`` with PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 as
+``faust.SASLCredentials``, ``SSL`` as ``faust.SSLCredentials``, the TLS part as an ``ssl.SSLContext`` that trusts
+``ssl_ca_location`` (the system store when unset) and presents ``ssl_certificate_location`` /
+``ssl_key_location`` (``ssl_key_password``) when set. What faust cannot take:
+
+* OAUTHBEARER: faust wants a token-provider object, not librdkafka's ``sasl.oauthbearer.*`` properties, so
+  the faust driver refuses it (a ConfigError naming ``--driver kafka``, which supports it).
+* ``[kafka.extra]``: those are librdkafka properties. Two are mapped onto the TLS context
+  (``ssl.endpoint.identification.algorithm = none``: no host-name check; ``enable.ssl.certificate.verification
+  = false``: no verification at all); every other key is ignored by faust, with a warning naming it.
+* GSSAPI (Kerberos) is not offered by streamrec's settings at all.
 """
 
 from __future__ import annotations
@@ -29,17 +42,63 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
 from typing import Any
 
 import faust
 
-from stream.config import KafkaSettings
+from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
+from stream.errors import ConfigError
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 
 log = logging.getLogger("streamrec.join")
+
+# librdkafka properties of [kafka.extra] that broker_credentials maps onto the TLS context.
+_FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification")
+
+
+def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
+    for setting in ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location"):
+        path = getattr(kafka, setting)
+        if path is not None and not path.is_file():
+            raise ConfigError(f"[kafka] {setting}: {path} {'is not a file' if path.exists() else 'does not exist'}")
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
+                                     cafile=str(kafka.ssl_ca_location) if kafka.ssl_ca_location else None)
+    if kafka.ssl_certificate_location is not None and kafka.ssl_key_location is not None:
+        try:
+            ctx.load_cert_chain(str(kafka.ssl_certificate_location), str(kafka.ssl_key_location),
+                                password=kafka.ssl_key_password.reveal() or None)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"[kafka] ssl_certificate_location / ssl_key_location: cannot load the client "
+                              f"certificate and key ({exc.reason or exc}); is ssl_key_password right?") from None
+    if kafka.extra.get("ssl.endpoint.identification.algorithm", "https").lower() == "none":
+        ctx.check_hostname = False
+    if kafka.extra.get("enable.ssl.certificate.verification", "true").lower() in ("false", "0"):
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def broker_credentials(kafka: KafkaSettings) -> faust.SASLCredentials | faust.SSLCredentials | None:
+    """``[kafka]``'s security settings as faust's ``broker_credentials`` (module docstring: what faust cannot do)."""
+    protocol = kafka.security_protocol
+    ignored = sorted(k for k in kafka.extra if k not in _FAUST_MAPPED_EXTRA)
+    if ignored:
+        log.warning("[kafka.extra] %s: librdkafka properties, not applied to the faust driver", ", ".join(ignored))
+    if protocol is SecurityProtocol.PLAINTEXT:
+        return None
+    ctx = _ssl_context(kafka) if protocol.tls else None
+    if protocol.sasl:
+        if kafka.sasl_mechanism is SaslMechanism.OAUTHBEARER:
+            raise ConfigError("[kafka] sasl_mechanism = OAUTHBEARER is not supported by the faust join driver (faust "
+                              "needs a token-provider object, not sasl.oauthbearer.* properties): run "
+                              "`streamrec join --driver kafka`")
+        return faust.SASLCredentials(username=kafka.sasl_username, password=kafka.sasl_password.reveal(),
+                                     mechanism=kafka.sasl_mechanism.value, ssl_context=ctx)
+    return faust.SSLCredentials(ctx)
 
 
 class FaustJoinWorker:
@@ -57,6 +116,7 @@ class FaustJoinWorker:
         app = faust.App(
             self.js.app_id,
             broker=[f"kafka://{b.strip()}" for b in k.bootstrap_servers.split(",")],
+            broker_credentials=broker_credentials(k),
             store="memory://",
             topic_partitions=k.partitions,
             topic_replication_factor=k.replication_factor,
@@ -72,7 +132,8 @@ class FaustJoinWorker:
         source = app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw")
 
         async def join_agent(stream: faust.StreamT) -> None:
-            async for events in stream.take_events(self.js.batch_max, within=self.js.batch_within_s):
+            # take_events exists on faust's Stream, not on the StreamT protocol its stubs declare
+            async for events in stream.take_events(self.js.batch_max, within=self.js.batch_within_s):  # type: ignore[attr-defined]
                 self._busy = True
                 try:
                     self.pipeline.process([
@@ -88,8 +149,9 @@ class FaustJoinWorker:
 
         app.agent(source, name="join")(join_agent)
         app.timer(0.25)(self._idle_check)
-        app.on_partitions_revoked.connect(self._on_revoked)
-        app.on_partitions_assigned.connect(self._on_assigned)
+        # faust calls these with (sender, partitions); its signal stubs declare another signature
+        app.on_partitions_revoked.connect(self._on_revoked)  # type: ignore[arg-type]
+        app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]
         return app
 
     @staticmethod

@@ -51,11 +51,16 @@ Rejected rows
     missing/unparseable time or one outside [1970-01-01, 2100-01-01); a dense value that is missing
     or not finite; a context value the schema rejects (non-finite float, string over 256 chars, list
     over 1024 entries); an unparseable clicked value; a click time that is unparseable, out of range
-    or before the impression. ``impressions + rejected_rows == rows_read``.
+    or before the impression. A row whose every value passes but whose event, as the publisher encodes
+    it, is over ``[limits] max_message_bytes`` (long context lists, say) is rejected last, with field
+    ``message``, kind ``too_large`` and its size in bytes as the value (no column is named).
+    ``impressions + rejected_rows == rows_read``.
 
 Column types that can never be valid (a bool id column, a struct feature) are configuration
-mistakes and raise :class:`EventLogError` (a ``ValueError``), as do a missing column or an unknown
-file format.
+mistakes and raise :class:`EventLogError` (a ``ValueError``), as do a missing column, an unknown
+file format, and a mapping that breaks the limits on every event: more ``features`` columns than
+``max_context_keys`` or ``dense`` columns than ``max_dense_keys``, or one whose name (the event's
+key) is over ``max_key_len`` chars. The limits checked are the defaults (``DEFAULT_LIMITS``).
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from stream.errors import ConfigError, ValidationError
-from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS
+from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS, SCHEMA_VERSION
 from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
@@ -312,6 +317,7 @@ class _Check:
     column: str
     expected: str
     kind: str = "invalid_field"  # the DLQ kind
+    values: np.ndarray | None = None  # (N,) the value to report per row; None: the row's cell of ``column``
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
@@ -630,6 +636,63 @@ def _json_rows(table: pa.Table, csv: bool) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
+# -- limits on the event as a whole ----------------------------------------------------------------
+def _check_event_keys(cols: ColumnMap) -> None:
+    """The feature and dense column names become the event's context and dense keys: a mapping with more
+    of them than ``[limits]`` allows, or a name over ``max_key_len``, makes every row an event the decoder
+    rejects, so it is refused as a configuration mistake."""
+    limits = DEFAULT_LIMITS
+    for role, field, max_keys in (("features", "context", limits.max_context_keys),
+                                  ("dense", "dense", limits.max_dense_keys)):
+        names = list(dict.fromkeys(getattr(cols, role)))
+        if len(names) > max_keys:
+            raise EventLogError(f"{FLAGS[role]} maps {len(names)} columns; an event's {field!r} holds at most "
+                                f"{max_keys} keys ([limits] max_{field}_keys)")
+        for name in names:
+            if len(name) > limits.max_key_len:
+                shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}..."
+                raise EventLogError(f"{FLAGS[role]}: column name {shown} is {len(name)} chars; an event's "
+                                    f"{field!r} keys (the column names) are at most {limits.max_key_len} chars "
+                                    "([limits] max_key_len): rename the column")
+
+
+# JSON of an impression without its context (``ids`` strings at most MAX_STR_ID_LEN chars, each escaped
+# to at most 6 bytes) and with one dense value (float64, at most 24 chars as orjson writes it) per key:
+_EVENT_BASE_BYTES = len(b'{"schema_version":1,"impression_id":"","ts":,"user_id":"","item_id":""'
+                        b',"context":,"dense":{}}')
+_ID_BYTES = 6 * MAX_STR_ID_LEN
+_TS_BYTES = len(str(MAX_TS_MS))
+_DENSE_VALUE_BYTES = 24
+
+
+def _oversized(imp_ids: np.ndarray, users: np.ndarray, items: np.ndarray, ts: np.ndarray,
+               dicts: list[dict[str, Any]] | None, dense: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(over (N,) bool, size (N,) int64)`` of the accepted rows (columns of N rows each, ``dicts`` their
+    context or None without feature columns): which events, encoded as the publisher
+    encodes them (``stream/replay/publisher.py``), are over ``max_message_bytes``; ``size`` is exact where
+    ``over``. A bound (the context's exact JSON + the most the other fields can take) clears most rows
+    with one ``orjson.dumps`` of the context dict; only rows the bound does not clear are encoded whole."""
+    n = len(imp_ids)
+    limit = DEFAULT_LIMITS.max_message_bytes
+    rest = (_EVENT_BASE_BYTES + 3 * _ID_BYTES + _TS_BYTES
+            + sum(len(orjson.dumps(name)) + 2 + _DENSE_VALUE_BYTES for name in dense))
+    size = np.full(n, rest, np.int64)
+    if dicts is not None:
+        dumps = orjson.dumps
+        size += np.fromiter((len(dumps(d)) for d in dicts), dtype=np.int64, count=n)
+    over = np.zeros(n, bool)
+    for i in np.flatnonzero(size > limit).tolist():
+        event: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "impression_id": imp_ids[i],
+                                 "ts": ts[i].item(), "user_id": users[i], "item_id": items[i]}
+        if dicts is not None and dicts[i]:
+            event["context"] = dicts[i]
+        if dense:
+            event["dense"] = {name: col[i].item() for name, col in dense.items()}
+        size[i] = len(orjson.dumps(event))
+        over[i] = size[i] > limit
+    return over, size
+
+
 # -- the source -----------------------------------------------------------------------------------
 def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed: int,
                   limit: int | None = None, csv_delimiter: str | None = None) -> EventTable:
@@ -654,6 +717,7 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
     for role, col in cols.roles():
         if not col:
             raise EventLogError(f"{FLAGS[role]} names no column (got an empty name)")
+    _check_event_keys(cols)
     fmt, stem = detect_format(path)
     if not path.is_file():
         raise EventLogError(f"event log {path} does not exist (or is not a file)")
@@ -733,32 +797,10 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     first = np.full(n, -1, dtype=np.int64)
     for k in range(len(checks) - 1, -1, -1):
         first[checks[k].mask] = k
-    bad = first >= 0
-    good = ~bad
-    good_idx = np.flatnonzero(good)
+    good = first < 0
 
-    raw: list[RawMessage] = []
-    by_field: Counter[str] = Counter()
-    bad_idx = np.flatnonzero(bad)
-    if len(bad_idx):
-        rows = _json_rows(table.take(pa.array(bad_idx)), csv)
-        for i, row in zip(bad_idx.tolist(), rows, strict=True):
-            check = checks[first[i]]
-            by_field[check.field] += 1
-            error = ValidationError(check.field, row.get(check.column),
-                                    f"{check.expected} (column {check.column!r}, row {i} counting from 0)")
-            error.kind = check.kind
-            raw.append(RawMessage(
-                topic_kind=IMPRESSION,
-                ts=int(ts[i]) if ts_status[i] == _OK else 0,
-                key=keys[i].encode(),
-                value=orjson.dumps(row, default=_json_default),
-                error=error,
-            ))
-
-    # accepted rows
-    impression_id = _object_array([imp_ids[i] for i in good_idx.tolist()])
-    context: list[ContextPart] = []
+    # the context of the rows every value check accepts, one dict per row
+    dicts: list[dict[str, Any]] | None = None
     if features:
         feat = pa.table(prepared).filter(pa.array(good))
         dicts = feat.to_pylist()
@@ -773,6 +815,47 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
                 v = d.get(name)
                 if v is not None and None in v:
                     d[name] = [x for x in v if x is not None]
+    # the limit on the event as a whole, checked last: only an event whose every field is valid has a size
+    good_idx = np.flatnonzero(good)
+    over, size = _oversized(_object_array(imp_ids)[good], users[good], items[good], ts[good], dicts,
+                            {name: v[good] for name, v in dense.items()})
+    if over.any():
+        limit = DEFAULT_LIMITS.max_message_bytes
+        sizes = np.zeros(n, np.int64)
+        sizes[good_idx[over]] = size[over]
+        checks.append(_Check(sizes > 0, "message", "", f"an impression event of at most {limit} bytes as JSON "
+                             "(the value is its size; [limits] max_message_bytes)", kind="too_large", values=sizes))
+        first[good_idx[over]] = len(checks) - 1
+        good = first < 0
+        good_idx = np.flatnonzero(good)
+        if dicts is not None:
+            dicts = [d for d, o in zip(dicts, over.tolist(), strict=True) if not o]
+    bad = ~good
+
+    raw: list[RawMessage] = []
+    by_field: Counter[str] = Counter()
+    bad_idx = np.flatnonzero(bad)
+    if len(bad_idx):
+        rows = _json_rows(table.take(pa.array(bad_idx)), csv)
+        for i, row in zip(bad_idx.tolist(), rows, strict=True):
+            check = checks[first[i]]
+            by_field[check.field] += 1
+            value = row.get(check.column) if check.values is None else check.values[i].item()
+            where = f"column {check.column!r}, " if check.column else ""
+            error = ValidationError(check.field, value, f"{check.expected} ({where}row {i} counting from 0)")
+            error.kind = check.kind
+            raw.append(RawMessage(
+                topic_kind=IMPRESSION,
+                ts=int(ts[i]) if ts_status[i] == _OK else 0,
+                key=keys[i].encode(),
+                value=orjson.dumps(row, default=_json_default),
+                error=error,
+            ))
+
+    # accepted rows
+    impression_id = _object_array([imp_ids[i] for i in good_idx.tolist()])
+    context: list[ContextPart] = []
+    if dicts is not None:
         context.append(ContextPart(np.arange(len(dicts), dtype=np.int64), dicts))
     clicks = good & clicked
     duplicates = 0

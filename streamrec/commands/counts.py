@@ -43,10 +43,12 @@ def run(args: argparse.Namespace) -> int:
     import redis
 
     from stream.counts import DailyCounts
+    from stream.redis_client import connect, describe
+    from stream.secrets import redact
 
     src = sources(args)
     rs = src.build(RedisSettings, "redis", url=args.redis_url)
-    client = redis.Redis.from_url(rs.url, socket_timeout=10)
+    client = connect(rs, timeout_s=10, retries=1)  # credentials and TLS from [redis]; a wrong password fails at once
     try:
         counts = DailyCounts(client, prefix=rs.prefix, ttl_days=rs.counts_ttl_days)
         try:
@@ -57,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
             rows = [] if day is None else counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)
         except ValueError as exc:  # a bad --day/--days/--k: a usage error, exit 2
             raise SettingsError(str(exc)) from None
-        except redis.RedisError as exc:
-            print(f"streamrec counts: error: Redis at {rs.url}: {exc}", file=sys.stderr)
+        except (redis.RedisError, OSError) as exc:
+            print(f"streamrec counts: error: {describe(exc, rs)}", file=sys.stderr)
             return EXIT_FAILED
     finally:
         client.close()
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         "day": day,
         "days": args.days,
         "k": args.k,
-        "redis_url": rs.url,
+        "redis_url": redact(rs.url),
         "prefix": rs.prefix,
         "top": [{"id": member, "count": count} for member, count in rows],
     }

@@ -17,6 +17,7 @@ from typing import Any
 from cache_refresh.settings import RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
+from stream.secrets import redact
 from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, setup_logging
 from streamrec.settings import SettingsError, Sources, read_config_file
 
@@ -84,7 +85,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         try:
             version = rollback(Path(rs.publish_root), signing_key=load_signing_key(rs.signing_key_file))
         except artifact.ArtifactError as exc:
-            print(f"streamrec refresh: error: {exc}", file=sys.stderr)
+            print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
         path = Path(rs.publish_root) / artifact.VERSIONS / version
         notified = job.notify(rs, rds, version, path)
@@ -97,7 +98,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         try:
             summary = job.run_once(rs, kafka, rds, respect_pin=False)  # the operator's run ends a rollback pin
         except job.RefreshError as exc:
-            print(f"streamrec refresh: error: {exc}", file=sys.stderr)
+            print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
         emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
         return EXIT_OK

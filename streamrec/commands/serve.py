@@ -34,7 +34,8 @@ def add_parser(sub: Any) -> None:
         epilog="Example: streamrec serve --port 8080 & curl -s localhost:8080/v1/score "
         "-d '{\"user_id\": 1, \"items\": [1193, 661], \"context\": {\"gender\": \"F\"}}'. "
         "Settings: [serve] in --config and STREAMREC_SERVE_<KEY> (host, port, publish_root, deltas_dir, device, "
-        "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s, history_retry_after_s); "
+        "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s, history_retry_after_s, "
+        "max_connections, max_in_flight, request_timeout_s, keepalive_timeout_s); "
         "Redis from "
         "[redis] / STREAMREC_REDIS_URL.")
     p.add_argument("--host", help=f"address to bind (default {ServeSettings.host}: loopback only)")
@@ -45,6 +46,16 @@ def add_parser(sub: Any) -> None:
                    "(default auto: CUDA when there is one)")
     p.add_argument("--threads", type=int, help=f"torch threads per request (default {ServeSettings.threads})")
     p.add_argument("--server", choices=["threading", "aiohttp"], help=f"HTTP server (default {ServeSettings.server})")
+    p.add_argument("--max-connections", type=int, help="open connections at once; one more is answered 503 "
+                   f"(default {ServeSettings.max_connections})")
+    p.add_argument("--max-in-flight", type=int, help="requests being read or scored at once; one more is answered "
+                   f"503 with Retry-After: 1, probes excepted (default {ServeSettings.max_in_flight})")
+    p.add_argument("--request-timeout", type=float, dest="request_timeout_s", metavar="SECONDS",
+                   help="seconds a request's headers and body may take to arrive from its first byte, else 408 "
+                   f"(default {ServeSettings.request_timeout_s:g})")
+    p.add_argument("--keepalive-timeout", type=float, dest="keepalive_timeout_s", metavar="SECONDS",
+                   help="seconds an idle keep-alive connection stays open "
+                   f"(default {ServeSettings.keepalive_timeout_s:g})")
     p.add_argument("--redis-url", help="Redis with the users' click history and the update channels "
                    "(default: [redis] url, the local stack)")
     p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")
@@ -66,7 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     src = sources(args)
     ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,
-                   deltas_dir=args.deltas_dir, device=args.device, threads=args.threads, server=args.server)
+                   deltas_dir=args.deltas_dir, device=args.device, threads=args.threads, server=args.server,
+                   max_connections=args.max_connections, max_in_flight=args.max_in_flight,
+                   request_timeout_s=args.request_timeout_s, keepalive_timeout_s=args.keepalive_timeout_s)
     rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
     setup_logging(args.log_level)
     torch.set_num_threads(max(1, ss.threads))

@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
                    exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
                    device=args.device,
                    num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+    rs = src.build(RedisSettings, "redis")  # where deltas are announced: url, credentials, TLS, the channel's prefix
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
-        ls = dataclasses.replace(ls, deltas_channel=src.build(RedisSettings, "redis").deltas_channel)
+        ls = dataclasses.replace(ls, deltas_channel=rs.deltas_channel)
     if args.status:
         from learner.checkpoint import latest_meta
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault(k, v)
     from learner.daemon import Learner
 
-    learner = Learner(kafka, ls)
+    learner = Learner(kafka, ls, redis=rs)
     print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers}, checkpoints in {ls.checkpoint_dir}",
           file=sys.stderr)
     try:

@@ -444,9 +444,6 @@ LIMIT_BREAKERS: dict[str, tuple[dict[str, Any], ColumnMap]] = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="bug in stream/replay/eventlog.py (not fixed here): the loader publishes "
-                   "rows whose event breaks the [limits] on the whole event (message size, context/dense key count "
-                   "and key length); every consumer then dead-letters them")
 @pytest.mark.parametrize("name", sorted(LIMIT_BREAKERS))
 def test_the_eventlog_never_publishes_a_row_whose_event_breaks_the_limits(tmp_path: Path, name: str) -> None:
     extra, cols = LIMIT_BREAKERS[name]

@@ -284,12 +284,7 @@ PARTS: dict[str, Part] = {
     "recent_ids": Part(_recent, lambda r, s: r.filter(impression_ids_at(s)), RecentIds.state, _load_recent),
 }
 # Parts that break the contract today (bugs found by it; the owners of those files have the reproduction).
-KNOWN_BREAKS = {
-    "model+rowwise_adagrad_boost": "bug in learner/optim.py (not fixed here): torch's Optimizer.load_state_dict casts "
-    "every non-'step' state tensor to the parameter's dtype, so RowWiseAdagrad's int32 'updates' counts come back "
-    "float32 from a checkpoint (weights and predictions still match; the state's type does not, and float32 counts "
-    "stop counting at 2**24)",
-}
+KNOWN_BREAKS: dict[str, str] = {}
 
 
 def _names() -> list[Any]:
@@ -366,9 +361,6 @@ def test_a_saved_state_is_a_snapshot_not_a_view_of_the_live_part(name: str, tmp_
     assert_same([part.step(twin, s) for s in nxt], [part.step(restored, s) for s in nxt], name)  # ... the state not
 
 
-@pytest.mark.xfail(strict=True, reason="gap in learner/progressive.py (not fixed here): ProgressiveMetrics."
-                   "state_dict() leaves out the sliding window, so after a resume window_auc/window_logloss (and the "
-                   "learner's cold/warm window gauges) are computed over the post-restart samples only")
 @pytest.mark.parametrize("via", VIAS)
 def test_progressive_window_metrics_continue_after_a_restore(via: str, tmp_path: Path) -> None:
     a, b = run_round_trip(WINDOW, via, tmp_path)
@@ -430,10 +422,6 @@ def test_a_restarted_delta_writer_continues_the_sequence_with_the_same_deltas(tm
     assert_same(a, b, "deltas")
 
 
-@pytest.mark.xfail(strict=True, reason="gap in learner/deltas.py + learner/daemon.py (not fixed here): the rows a "
-                   "DeltaWriter marked since its last delta are not in the checkpoint (nor written at a checkpoint or "
-                   "at shutdown), so after a restart no delta ever carries them: serving keeps their old vectors "
-                   "until the next full artifact")
 def test_a_restarted_delta_writer_still_sends_the_rows_marked_before_the_restart(tmp_path: Path) -> None:
     a, b = _delta_round_trip(tmp_path, pending=True)
     assert_same(a, b, "deltas")

@@ -2,26 +2,31 @@
 spoken to over raw sockets and ``http.client``.
 
 HTTP/1.1 keep-alive, ``Content-Length`` framing (a pipelined request right behind a body is the next
-request), chunked bodies, a body over ``max_body_bytes`` refused with 413 before it is sent, malformed
-framing answered with a 4xx, the ``Allow`` header of a 405, HEAD, and a graceful ``stop(grace_s)``: the
-request in flight finishes, then new connections are refused. The app has no model (scores are 503,
-``/healthz`` 200): what is tested is the server, not the scoring. Two defects of the threading server are
-pinned as strict xfails (a fix turns them into failures: drop the marker then).
+request), chunked bodies, a body over ``max_body_bytes`` refused with 413 before it is sent (and the connection
+closed at once), malformed or ambiguous framing (a bad or a second ``Content-Length``, ``Content-Length`` with
+``Transfer-Encoding``, a bad chunk) answered with a JSON 4xx and the connection closed, with no traceback
+logged, the ``Allow`` header of a 405, HEAD, OPTIONS, ``Expect: 100-continue``, and a graceful
+``stop(grace_s)``: the request in flight finishes, idle keep-alive connections are closed, then new connections
+are refused; a server never started stops at once. The app has no model (scores are 503, ``/healthz`` 200):
+what is tested is the server, not the scoring. Limits (connections, requests in flight, deadlines) are in
+test_http_limits.py.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import pytest
 
+from learner.config import Device
 from serving.app import ScoringApp
 from serving.http_server import AiohttpServer, Server, ThreadedServer, make_server
 from serving.metrics import ServingMetrics
@@ -35,7 +40,7 @@ EMPTY_ITEMS_ERROR = "field 'items': empty; send at least one candidate"
 
 
 def new_app(tmp_path: Path) -> ScoringApp:
-    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device="cpu", max_body_bytes=MAX_BODY)
+    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=MAX_BODY)
     holder = ModelHolder()
     return ScoringApp(ss, holder, ServingMetrics(holder.model), None)
 
@@ -83,7 +88,9 @@ def closed_by_server(sock: socket.socket, f: BinaryIO, within_s: float = 5.0) ->
     sock.settimeout(within_s)
     try:
         return f.read(1) == b""
-    except (TimeoutError, ConnectionResetError):
+    except ConnectionResetError:
+        return True  # closed with the client's bytes unread: a reset, as good as a close here
+    except TimeoutError:
         return False
 
 
@@ -95,7 +102,7 @@ def connect(srv: Server) -> socket.socket:
 def test_make_server_builds_each_kind_on_a_free_port_and_refuses_others(app: ScoringApp) -> None:
     for kind, cls in (("threading", ThreadedServer), ("aiohttp", AiohttpServer)):
         srv = make_server(kind, app, "127.0.0.1", 0)
-        srv.start()  # (a ThreadedServer never started would hang in stop(): see the report)
+        srv.start()
         try:
             assert isinstance(srv, cls) and srv.port > 0
             with connect(srv) as s, s.makefile("rb") as f:
@@ -160,6 +167,7 @@ def test_a_body_over_max_body_bytes_is_refused_with_413_before_it_is_sent(server
         assert time.monotonic() - t0 < 5
         assert status == 413 and "exceeds" in json.loads(body)["error"] and str(MAX_BODY) in json.loads(body)["error"]
         assert headers["connection"] == "close"  # the rest of the body is not read as a next request
+        assert closed_by_server(s, f, within_s=2.0)  # and closed at once, not after lingering over the rest
     with connect(server) as s, s.makefile("rb") as f:  # and the server goes on serving
         s.sendall(request("GET", "/healthz"))
         assert read_response(f)[0] == 200
@@ -172,38 +180,36 @@ def test_a_malformed_content_length_is_a_400_and_the_connection_is_closed(server
         s.sendall(request("POST", "/v1/score", headers={"Content-Length": length}) + b"{}{}{}{}{}")
         status, headers, body = read_response(f)
         assert status == 400, body
-        if kind == "threading":  # our JSON; aiohttp's own parser answers in text/plain before the app runs
-            assert headers["content-type"] == "application/json"
+        assert headers["content-type"] == "application/json"
+        if kind == "threading":
             assert json.loads(body)["error"] == f"Content-Length {length.strip()!r} is not a non-negative integer"
+        else:  # aiohttp's own parser refuses it before our code runs: its reason, in our JSON
+            assert json.loads(body)["error"].startswith("malformed request: ")
         assert closed_by_server(s, f)  # where the next request starts is unknown: nothing more is read
     with connect(server) as s, s.makefile("rb") as f:
         s.sendall(request("GET", "/healthz"))
         assert read_response(f)[0] == 200
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param("threading", marks=pytest.mark.xfail(strict=True, reason=(
-        "defect: ThreadedServer takes the first of two conflicting Content-Length headers (request smuggling "
-        "behind a proxy that takes the last); RFC 9112 6.3 says reject"))),
-    "aiohttp",
-])
 def test_conflicting_content_length_headers_are_a_400(server: Server) -> None:
     with connect(server) as s, s.makefile("rb") as f:
         # the first length frames "{}" (a 422 from the app), the second "{}" and a smuggled request after it
         smuggled = request("GET", "/healthz")
         s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
                   + f"Content-Length: {2 + len(smuggled)}\r\n\r\n".encode() + b"{}" + smuggled)
-        status, _, body = read_response(f)
+        status, headers, body = read_response(f)
         assert status == 400, (status, body)  # which framing was meant is unknown: refused, not guessed
+        assert headers["content-type"] == "application/json" and json.loads(body)["error"]
+        assert closed_by_server(s, f)  # and the smuggled request is never answered
 
 
 def test_a_405_names_the_allowed_methods_in_the_allow_header(server: Server) -> None:
     with connect(server) as s, s.makefile("rb") as f:
         s.sendall(request("PUT", "/healthz", b"{}") + request("GET", "/v1/score:batch"))
         status, headers, body = read_response(f)
-        assert (status, headers["allow"]) == (405, "GET, HEAD") and "use GET" in json.loads(body)["error"]
+        assert (status, headers["allow"]) == (405, "GET, HEAD, OPTIONS") and "use GET" in json.loads(body)["error"]
         status, headers, _ = read_response(f)
-        assert (status, headers["allow"]) == (405, "POST")
+        assert (status, headers["allow"]) == (405, "OPTIONS, POST")
 
 
 def test_stop_lets_the_request_in_flight_finish_then_refuses_new_connections(kind: str, app: ScoringApp) -> None:
@@ -237,7 +243,7 @@ def test_stop_lets_the_request_in_flight_finish_then_refuses_new_connections(kin
     finally:
         t.join(15)
     assert "error" not in got, got
-    status, _, body = got["response"]  # type: ignore[misc]
+    status, _, body = cast(tuple[int, dict[str, str], bytes], got["response"])
     assert (status, json.loads(body)) == (200, {"slow": True})  # finished, not cut off
     assert took < 5.0  # and stop did not wait out the whole grace once it was done
     with pytest.raises(ConnectionRefusedError):
@@ -245,12 +251,6 @@ def test_stop_lets_the_request_in_flight_finish_then_refuses_new_connections(kin
     assert app.in_flight == 0
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param("threading", marks=pytest.mark.xfail(strict=True, reason=(
-        "defect: ThreadedServer.stop closes only the listening socket; an open keep-alive connection is still "
-        "served after stop() returned (its daemon handler thread lives until the client leaves or 30 s idle)"))),
-    "aiohttp",
-])
 def test_after_stop_an_open_keep_alive_connection_is_not_served(kind: str, app: ScoringApp) -> None:
     srv = make_server(kind, app, "127.0.0.1", 0)
     srv.start()
@@ -268,3 +268,127 @@ def test_after_stop_an_open_keep_alive_connection_is_not_served(kind: str, app: 
     finally:
         f.close()
         s.close()
+
+
+SMUGGLED = request("GET", "/healthz")
+AMBIGUOUS = {  # name -> (the request, followed by a request that must not be answered; the status per kind)
+    "two equal Content-Length": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                                 b"Content-Length: 2\r\n\r\n{}", (400, 400)),
+    "a Content-Length list": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2, 2\r\n\r\n{}", (400, 400)),
+    "Content-Length and chunked": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\n"
+                                   b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "Transfer-Encoding xchunked": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n"
+                                   b"2\r\n{}\r\n0\r\n\r\n", (501, 400)),
+    "Transfer-Encoding gzip": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n{}", (501, 400)),
+    "chunk size 0x2": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       b"0x2\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "chunk data without CRLF": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                b"2\r\n{}XX0\r\n\r\n", (400, 400)),
+    "space before the colon": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length : 2\r\n\r\n{}", (400, 400)),
+}
+
+
+@pytest.mark.parametrize("name", list(AMBIGUOUS))
+def test_ambiguous_framing_is_refused_as_json_the_connection_closed_and_nothing_logged_loudly(
+        server: Server, kind: str, name: str, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    data, statuses = AMBIGUOUS[name]
+    with caplog.at_level(logging.DEBUG), connect(server) as s, s.makefile("rb") as f:
+        s.sendall(data + SMUGGLED)
+        status, headers, body = read_response(f)
+        assert status == statuses[KINDS.index(kind)], (status, body)
+        assert headers["content-type"] == "application/json" and json.loads(body)["error"]
+        assert closed_by_server(s, f)  # the request behind it is not answered
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]  # a bad request is no traceback in the service log
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_options_is_a_204_naming_the_methods_and_head_is_get_without_a_body(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("OPTIONS", "/v1/score") + request("OPTIONS", "*") + request("OPTIONS", "/nowhere")
+                  + request("HEAD", "/readyz") + request("GET", "/healthz"))
+        status, headers, body = read_response(f)
+        assert (status, headers["allow"], body) == (204, "OPTIONS, POST", b"") and "content-length" not in headers
+        status, headers, _ = read_response(f)
+        assert (status, headers["allow"]) == (204, "GET, HEAD, OPTIONS, POST")
+        status, _, body = read_response(f)
+        assert status == 404 and "no endpoint" in json.loads(body)["error"]
+        status, headers, body = read_response(f, head=True)  # no model: 503, a retry is worth it
+        assert (status, headers["retry-after"]) == (503, "1") and int(headers["content-length"]) > 0
+        assert read_response(f)[:1] == (200,)  # HEAD sent no body: the next answer starts right after its headers
+
+
+def test_expect_100_continue_is_answered_only_when_the_body_is_wanted(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Content-Length": str(len(EMPTY_ITEMS)),
+                                                         "Expect": "100-continue"}))
+        assert read_response(f)[0] == 100  # go on
+        s.sendall(EMPTY_ITEMS)
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Content-Length": str(MAX_BODY + 1),
+                                                         "Expect": "100-continue"}))
+        assert read_response(f)[0] == 413  # refused from the headers: no 100, the body is never sent
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_on_a_server_never_started_returns_at_once_and_frees_the_port(kind: str, app: ScoringApp) -> None:
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    t0 = time.monotonic()
+    srv.stop(5.0)
+    srv.stop(5.0)  # a second stop is a no-op
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+
+
+def test_stop_closes_idle_keep_alive_connections_at_once_whatever_the_grace(kind: str, app: ScoringApp) -> None:
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    conns = [connect(srv) for _ in range(3)]
+    files = [c.makefile("rb") for c in conns]
+    try:
+        for c, f in zip(conns, files, strict=True):
+            c.sendall(request("GET", "/healthz"))
+            assert read_response(f)[0] == 200
+        t0 = time.monotonic()
+        srv.stop(grace_s=30.0)  # nothing in flight: no reason to wait
+        assert time.monotonic() - t0 < 2.0
+        assert all(closed_by_server(c, f, within_s=1.0) for c, f in zip(conns, files, strict=True))
+    finally:
+        for c, f in zip(conns, files, strict=True):
+            f.close()
+            c.close()
+        srv.stop(0)
+
+
+def test_the_answer_to_a_request_in_flight_at_stop_says_connection_close(kind: str, app: ScoringApp) -> None:
+    started = threading.Event()
+
+    def slow(_body: bytes) -> tuple[int, str, bytes]:
+        started.set()
+        time.sleep(0.5)
+        return 200, "application/json", b'{"slow": true}'
+
+    app._routes[("GET", "/slow")] = slow
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    got: dict[str, object] = {}
+
+    def client() -> None:
+        with connect(srv) as s, s.makefile("rb") as f:
+            s.sendall(request("GET", "/slow"))  # keep-alive
+            got["response"] = read_response(f)
+            got["closed"] = closed_by_server(s, f, within_s=2.0)
+
+    t = threading.Thread(target=client, name="slow-client")
+    t.start()
+    try:
+        assert started.wait(10)
+        srv.stop(grace_s=5.0)
+    finally:
+        t.join(10)
+    status, headers, _ = cast(tuple[int, dict[str, str], bytes], got["response"])
+    assert (status, headers.get("connection")) == (200, "close") and got["closed"] is True

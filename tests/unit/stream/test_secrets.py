@@ -86,3 +86,9 @@ def test_the_loader_reads_a_secret_from_a_file_or_a_named_variable_and_never_bot
         build(_Creds, "creds", {"creds": {"password_env": "MISSING_VAR"}}, {})
     with pytest.raises(SettingsError, match="cannot read"):
         build(_Creds, "creds", {"creds": {"password_file": str(tmp_path / "absent")}}, {})
+
+
+def test_the_names_of_secret_files_and_variables_are_not_masked() -> None:
+    text = "[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password=abc123"
+    want = f"[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password={MASK}"
+    assert redact(text) == want

@@ -1,0 +1,178 @@
+"""Every Redis client streamrec builds comes from :func:`connect`: credentials and TLS are applied in one place.
+
+    client = connect(settings, timeout_s=1.0, retries=0)    # serving's request path
+    client = connect(settings, check=True)                  # the joiner: fails at start on a refused login
+
+:func:`connect` takes a :class:`~stream.config.RedisSettings` and applies its ACL ``username``, its
+``password`` (or ``password_file``, read here when the settings loader has not read it already) and its
+TLS settings (``rediss://`` url, ``ssl_ca_certs``, ``ssl_certfile``/``ssl_keyfile``); a password or user in
+the url also works (redis-py parses it). Callers choose only timeouts and the retry policy: ``retries=None``
+is redis-py's own policy (10 retries with short, jittered exponential backoff), ``0`` none. Under any
+policy refused credentials are never retried (redis-py counts ``AuthenticationError`` as a connection
+error and would retry it with backoff): a wrong password fails at once, it does not look like a slow Redis.
+
+Errors: :func:`describe` turns any Redis failure into one line that names the Redis by its url through
+:func:`~stream.secrets.redact` and says what to fix; :func:`failure` wraps it as a :class:`RedisFailure`
+(:class:`RedisAuthError` for refused credentials or a missing ACL permission). Nothing here ever prints a
+password: messages show ``settings.url`` redacted only, and the one :meth:`~stream.secrets.Secret.reveal` is
+the keyword argument handed to redis-py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError
+from redis.retry import Retry
+
+from stream.config import RedisSettings
+from stream.errors import ConfigError, StreamError, clip
+from stream.secrets import Secret, redact
+
+__all__ = ["RedisAuthError", "RedisFailure", "connect", "describe", "failure", "verify"]
+
+_AUTH_ERRORS = (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
+
+
+class RedisFailure(StreamError):
+    """A Redis operation failed; the message is :func:`describe`'s line (url redacted, no password)."""
+
+
+class RedisAuthError(RedisFailure):
+    """Redis refused the credentials (wrong or missing password, unknown or disabled user) or the ACL user
+    lacks a permission: a configuration to fix, never retried."""
+
+
+class _Retry(Retry):
+    """redis-py's :class:`~redis.retry.Retry`, except that refused credentials are raised at once.
+
+    (``AuthenticationError`` is a ``ConnectionError`` to redis-py, so a plain ``Retry`` retries a wrong
+    password with backoff: seconds per command before the real error shows.) redis-py disconnects a
+    connection whose login failed before raising, so nothing half-authenticated goes back to the pool."""
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
+        def retryable(error: Exception) -> bool:
+            return not isinstance(error, AuthenticationError) and (is_retryable is None or bool(is_retryable(error)))
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def _retry(retries: int | None) -> _Retry:
+    if retries == 0:
+        return _Retry(NoBackoff(), 0)
+    # redis-py's default policy (redis._defaults): 10 retries, jittered backoff from 10 ms, at most 1 s each
+    return _Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10 if retries is None else retries)
+
+
+def _password(settings: RedisSettings) -> str:
+    """The password to send ("" = none). ``password_file`` is read here when the settings were built in code
+    (the settings loader reads it, and ``password_env``, at the process edge)."""
+    if settings.password:
+        return settings.password.reveal()
+    if settings.password_file is not None:
+        path = Path(settings.password_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            # not "password_file: ..." - stream.secrets.redact masks the word after a "password...:" key
+            raise ConfigError(f"[redis] cannot read the password_file {path}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
+        return Secret(text.rstrip("\r\n")).reveal()  # registered for redact() on the way
+    if settings.password_env:
+        raise ConfigError(f"[redis] password_env names {settings.password_env}, which gave no password (it is empty, "
+                          "or these settings were not built by streamrec.settings, which reads the variable)")
+    return ""
+
+
+def _tls_options(settings: RedisSettings) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = getattr(settings, name)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ConfigError(f"[redis] {name}: {path} is not a readable file")
+        options[name] = str(path)
+    return options
+
+
+def connect(settings: RedisSettings, *, timeout_s: float | None = None, connect_timeout_s: float | None = None,
+            retries: int | None = None, check: bool = False) -> redis.Redis:
+    """A client of the Redis ``settings`` names, with its credentials and TLS applied.
+
+    ``timeout_s`` bounds each command (``socket_timeout``; None: no bound), ``connect_timeout_s`` each
+    connection attempt (default ``timeout_s``); ``retries`` is the retry policy (module docstring). The client
+    connects lazily; ``check=True`` sends one PING first (:func:`verify`) and raises a :class:`RedisFailure`
+    (:class:`RedisAuthError` for refused credentials) instead of returning a client that cannot work.
+    Raises :class:`~stream.errors.ConfigError` for an unreadable ``password_file`` or TLS file."""
+    options: dict[str, Any] = {"retry": _retry(retries)}
+    if retries == 0:
+        options["retry_on_error"] = []
+    if timeout_s is not None:
+        options["socket_timeout"] = timeout_s
+    if connect_timeout_s is None:
+        connect_timeout_s = timeout_s
+    if connect_timeout_s is not None:
+        options["socket_connect_timeout"] = connect_timeout_s
+    if settings.username:  # a user in the url wins in redis-py; RedisSettings refuses two different ones
+        options["username"] = settings.username
+    password = _password(settings)
+    if password:
+        options["password"] = password
+    if settings.tls:
+        options.update(_tls_options(settings))
+    client = redis.Redis.from_url(settings.url, **options)
+    if check:
+        try:
+            verify(client, settings)
+        except BaseException:
+            client.close()
+            raise
+    return client
+
+
+def verify(client: redis.Redis, settings: RedisSettings, *, reachable: bool = True) -> bool:
+    """PING once: whether the login works. Refused credentials raise :class:`RedisAuthError`; any other failure
+    raises a :class:`RedisFailure` with ``reachable=True``, else returns False (the caller's retries deal with
+    an outage). A NOPERM answer to PING counts as logged in (the commands that matter say more)."""
+    try:
+        client.ping()
+    except NoPermissionError:  # logged in; an ACL without PING says nothing about the commands that matter
+        return True
+    except (redis.RedisError, OSError) as exc:
+        err = failure(exc, settings)
+        if isinstance(err, RedisAuthError) or reachable:
+            raise err from exc
+        return False
+    return True
+
+
+def failure(exc: BaseException, settings: RedisSettings) -> RedisFailure:
+    """``exc`` (a Redis or socket error) as a :class:`RedisFailure` carrying :func:`describe`'s line."""
+    cls = RedisAuthError if isinstance(exc, _AUTH_ERRORS) else RedisFailure
+    return cls(describe(exc, settings))
+
+
+def describe(exc: BaseException, settings: RedisSettings) -> str:
+    """One line for a failed Redis operation: which Redis (url redacted), what happened, what to check."""
+    where = f"Redis at {redact(settings.url)}"
+    what = clip(redact(f"{type(exc).__name__}: {exc}"), 240)
+    who = f"ACL user {settings.user!r}" if settings.user else "the default user"
+    if isinstance(exc, NoPermissionError):
+        return (f"{where}: {who} lacks a permission this needs ({what}); grant it in the Redis ACL "
+                f"(keys ~{settings.prefix}:*, channels &{settings.prefix}:*)")
+    if isinstance(exc, _AUTH_ERRORS):
+        if not settings.has_password:
+            return (f"{where} requires authentication and no password is configured ({what}); set [redis] "
+                    "password_file (or password_env), and username for an ACL user")
+        return (f"{where} refused the credentials of {who} ({what}); check [redis] username and "
+                "password_file / password_env (or the password in the url)")
+    if isinstance(exc, redis.TimeoutError):
+        return f"{where} did not answer in time ({what})"
+    if isinstance(exc, (redis.ConnectionError, OSError)):
+        tls = " (TLS: check ssl_ca_certs and that the server speaks TLS on that port)" if settings.tls else ""
+        return f"{where} cannot be reached ({what}){tls}"
+    return f"{where}: {what}"

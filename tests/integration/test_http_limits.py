@@ -1,0 +1,345 @@
+"""HTTP limits of ``serving/http_server.py``, on both servers: ``max_connections``, ``max_in_flight``,
+``request_timeout_s`` (a whole-request deadline, slowloris) and ``keepalive_timeout_s``.
+
+Each test builds its server with small limits and short timeouts, so the whole module runs in seconds; every
+wait is bounded (socket timeouts, ``join`` timeouts) and every server is stopped (the conftest's thread-leak
+guard fails a test that leaves a server or client thread running). The app has no model: ``/v1/score`` with a
+well-formed body answers 422 (``EMPTY_ITEMS``) or 503, ``/healthz`` 200.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from learner.config import Device
+from serving.app import ScoringApp
+from serving.http_server import Server, make_server
+from serving.metrics import ServingMetrics
+from serving.settings import ServeSettings
+from serving.swap import ModelHolder
+from tests.integration.test_http_server import EMPTY_ITEMS, EMPTY_ITEMS_ERROR, KINDS, read_response, request
+
+Make = Callable[..., tuple[Server, ScoringApp]]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make(kind: str, tmp_path: Path) -> Iterator[Make]:
+    """``make(**settings)``: a started server of this kind on a loopback port; every one is stopped after the test."""
+    servers: list[Server] = []
+
+    def build(**settings: Any) -> tuple[Server, ScoringApp]:
+        ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=1000,
+                           **settings)
+        holder = ModelHolder()
+        app = ScoringApp(ss, holder, ServingMetrics(holder.model), None)
+        srv = make_server(kind, app, "127.0.0.1", 0)
+        srv.start()
+        servers.append(srv)
+        return srv, app
+
+    try:
+        yield build
+    finally:
+        for srv in servers:
+            srv.stop(0.5)
+
+
+class Client:
+    """A raw connection with a buffered reader; closed by the test's ``clients`` fixture."""
+
+    def __init__(self, srv: Server, timeout_s: float = 5.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout_s)
+        self.f = self.sock.makefile("rb")
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def response(self, timeout_s: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+        self.sock.settimeout(timeout_s)
+        return read_response(self.f)
+
+    def closed(self, within_s: float) -> bool:
+        """The server closed (or reset) the connection within ``within_s``, reading whatever it answered first."""
+        self.sock.settimeout(within_s)
+        try:
+            while self.f.read(1):
+                pass
+            return True
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.f.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Client]]:
+    opened: list[Client] = []
+
+    def connect(srv: Server, timeout_s: float = 5.0) -> Client:
+        c = Client(srv, timeout_s)
+        opened.append(c)
+        return c
+
+    try:
+        yield connect
+    finally:
+        for c in opened:
+            c.close()
+
+
+def healthz(srv: Server, connect: Callable[..., Client], timeout_s: float = 2.0) -> tuple[int, float]:
+    """A normal request on a fresh connection: its status and how long it took."""
+    t0 = time.monotonic()
+    c = connect(srv)
+    c.send(request("GET", "/healthz", headers={"Connection": "close"}))
+    status = c.response(timeout_s)[0]
+    return status, time.monotonic() - t0
+
+
+# -- max_connections ------------------------------------------------------------------------------------------------
+def test_connections_over_max_connections_get_a_quick_503_and_the_open_ones_are_still_served(
+        make: Make, clients: Callable[..., Client]) -> None:
+    srv, _ = make(max_connections=4, request_timeout_s=5, keepalive_timeout_s=10)
+    keep = clients(srv)  # a client that was connected before the flood
+    keep.send(request("GET", "/healthz"))
+    assert keep.response()[0] == 200
+    slow = [clients(srv) for _ in range(2)]  # a slow client: a request started, never finished
+    for c in slow:
+        c.send(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Le")
+    idle = clients(srv)  # and one that sends nothing
+    time.sleep(0.2)  # all four accepted
+    t0 = time.monotonic()
+    for _ in range(6):  # the flood beyond the limit
+        c = clients(srv)
+        status, headers, body = c.response(timeout_s=2.0)
+        assert (status, headers["retry-after"], headers["connection"]) == (503, "1", "close")
+        assert "max_connections" in json.loads(body)["error"]
+        assert c.closed(within_s=2.0)
+    assert time.monotonic() - t0 < 3.0  # quick: refused at accept, nothing waited for
+    keep.send(request("GET", "/healthz"))  # the server is not stuck: an open connection is served at once
+    t0 = time.monotonic()
+    assert keep.response(timeout_s=2.0)[0] == 200 and time.monotonic() - t0 < 1.0
+    idle.close()  # a slot frees up: a new client gets in
+    deadline = time.monotonic() + 3.0
+    while (status := healthz(srv, clients)[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status == 200
+
+
+def test_slow_clients_hold_their_connections_only_until_request_timeout(
+        make: Make, clients: Callable[..., Client]) -> None:
+    srv, _ = make(max_connections=3, request_timeout_s=1.0)
+    stop = threading.Event()
+    slow = [clients(srv) for _ in range(3)]
+
+    def trickle() -> None:  # slowloris: a byte of a never-ending header every 0.1 s on each connection
+        data = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        for i in range(len(data)):
+            if stop.wait(0.1):
+                return
+            for c in slow:
+                try:
+                    c.send(data[i:i + 1])
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=trickle, name="slowloris")
+    t.start()
+    try:
+        time.sleep(0.3)
+        assert healthz(srv, clients)[0] == 503  # the three slow ones hold every connection
+        t0 = time.monotonic()
+        assert all(c.closed(within_s=3.0) for c in slow)  # cut off at their deadline, not kept alive by bytes
+        assert time.monotonic() - t0 < 2.0
+        status, took = healthz(srv, clients)
+        assert status == 200 and took < 1.0
+    finally:
+        stop.set()
+        t.join(5)
+
+
+# -- max_in_flight --------------------------------------------------------------------------------------------------
+def test_requests_over_max_in_flight_get_503_with_retry_after_and_probes_still_answer(
+        make: Make, clients: Callable[..., Client]) -> None:
+    srv, app = make(max_in_flight=2, request_timeout_s=5)
+    half = len(EMPTY_ITEMS) // 2
+    busy = [clients(srv) for _ in range(2)]  # two requests in flight: headers in, body on its way
+    for c in busy:
+        c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])
+    deadline = time.monotonic() + 3.0
+    while app.admitted < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert app.admitted == 2
+    over = clients(srv)
+    t0 = time.monotonic()
+    over.send(request("POST", "/v1/score", EMPTY_ITEMS) + request("GET", "/openapi.json"))
+    status, headers, body = over.response(timeout_s=2.0)
+    assert (status, headers["retry-after"]) == (503, "1") and time.monotonic() - t0 < 1.0
+    assert "max_in_flight" in json.loads(body)["error"]
+    assert over.closed(within_s=2.0)  # its body was not read: the connection cannot go on
+    assert b'streamrec_serving_requests_total{endpoint="/v1/score",status="503"} 1.0' in app.metrics.render()
+    probe = clients(srv)  # the probes are never refused
+    probe.send(request("GET", "/healthz") + request("GET", "/metrics") + request("GET", "/readyz"))
+    assert [probe.response(timeout_s=2.0)[0] for _ in range(3)] == [200, 200, 503]  # (readyz: no model)
+    nobody = clients(srv)  # a refused request without a body keeps its connection
+    nobody.send(request("GET", "/openapi.json"))
+    assert nobody.response(timeout_s=2.0)[0] == 503
+    for c in busy:  # the requests in flight finish normally
+        c.send(EMPTY_ITEMS[-half:])
+        status, _, body = c.response(timeout_s=2.0)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+    deadline = time.monotonic() + 2.0  # (a slot is given back just after its answer is written)
+    while app.admitted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert app.admitted == 0
+    nobody.send(request("GET", "/openapi.json"))  # and within the limit again, the same connection is served
+    assert nobody.response(timeout_s=2.0)[0] == 200
+
+
+def test_slow_scoring_over_max_in_flight_is_refused_while_probes_answer(tmp_path: Path,
+                                                                        clients: Callable[..., Client]) -> None:
+    """The threading server scores requests in parallel (a thread each): the limit bounds them. (aiohttp scores
+    inline on its one event loop, one at a time: the test above covers its limit.)"""
+    ss = ServeSettings(port=0, publish_root=tmp_path, device=Device.CPU, max_in_flight=2)
+    holder = ModelHolder()
+    app = ScoringApp(ss, holder, ServingMetrics(holder.model), None)
+    release, entered = threading.Event(), threading.Semaphore(0)
+
+    def slow(_body: bytes) -> tuple[int, str, bytes]:
+        entered.release()
+        release.wait(5)
+        return 200, "application/json", b'{"slow": true}'
+
+    app._routes[("GET", "/slow")] = slow
+    srv = make_server("threading", app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        busy = [clients(srv) for _ in range(2)]
+        for c in busy:
+            c.send(request("GET", "/slow"))
+        assert entered.acquire(timeout=3) and entered.acquire(timeout=3)
+        over = clients(srv)
+        over.send(request("GET", "/slow"))
+        status, headers, _ = over.response(timeout_s=2.0)
+        assert (status, headers["retry-after"]) == (503, "1")
+        assert healthz(srv, clients)[0] == 200
+        release.set()
+        assert [c.response(timeout_s=3.0)[0] for c in busy] == [200, 200]
+        deadline = time.monotonic() + 2.0  # (a slot is given back just after its answer is written)
+        while app.admitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        over.send(request("GET", "/slow"))
+        assert over.response(timeout_s=3.0)[0] == 200
+    finally:
+        release.set()
+        srv.stop(1.0)
+
+
+# -- request_timeout_s, keepalive_timeout_s -------------------------------------------------------------------------
+def test_a_request_trickled_byte_by_byte_is_answered_408_at_its_deadline(make: Make,
+                                                                         clients: Callable[..., Client]) -> None:
+    srv, _ = make(request_timeout_s=1.0)
+    c = clients(srv)
+    data = request("POST", "/v1/score", EMPTY_ITEMS)
+    t0 = time.monotonic()
+    answered: list[tuple[int, dict[str, str], bytes]] = []
+    for i in range(len(data)):  # one byte every 0.1 s: each recv is quick, the request is not
+        try:
+            c.send(data[i:i + 1])
+        except OSError:
+            break
+        if select.select([c.sock], [], [], 0.1)[0]:  # the server spoke (or closed)
+            try:
+                answered.append(c.response())
+            except (AssertionError, ConnectionResetError):  # closed without an answer: allowed too
+                pass
+            break
+    took = time.monotonic() - t0
+    assert 0.8 < took < 2.5, took  # cut off at the deadline, long before the request was complete
+    if answered:
+        status, headers, body = answered[0]
+        assert (status, headers["connection"]) == (408, "close") and "request_timeout_s" in json.loads(body)["error"]
+    assert c.closed(within_s=2.0)
+
+
+def test_a_body_trickled_after_its_headers_is_cut_off_at_the_same_deadline(make: Make,
+                                                                          clients: Callable[..., Client]) -> None:
+    srv, _ = make(request_timeout_s=1.0)
+    c = clients(srv)
+    t0 = time.monotonic()
+    c.send(request("POST", "/v1/score", headers={"Content-Length": "100"}))
+    for _ in range(5):
+        time.sleep(0.1)
+        c.send(b"x")
+    status, headers, body = c.response(timeout_s=3.0)
+    assert (status, headers["connection"]) == (408, "close") and 0.8 < time.monotonic() - t0 < 2.5
+    assert "request_timeout_s" in json.loads(body)["error"]
+    assert c.closed(within_s=2.0)
+    assert healthz(srv, clients)[0] == 200
+
+
+def test_the_deadline_starts_at_the_requests_first_byte_not_at_connect(make: Make,
+                                                                      clients: Callable[..., Client]) -> None:
+    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=3.0)
+    c = clients(srv)
+    time.sleep(0.8)  # idle longer than a request may take: the idle wait is keepalive_timeout_s's
+    c.send(request("GET", "/healthz"))
+    assert c.response(timeout_s=2.0)[0] == 200
+    time.sleep(0.8)  # and between requests on a keep-alive connection too
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS))
+    assert c.response(timeout_s=2.0)[0] == 422
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_keepalive_timeout(make: Make,
+                                                                        clients: Callable[..., Client]) -> None:
+    srv, _ = make(keepalive_timeout_s=0.5)
+    c = clients(srv)
+    c.send(request("GET", "/healthz"))
+    assert c.response()[0] == 200
+    t0 = time.monotonic()
+    assert c.closed(within_s=3.0)
+    assert 0.3 < time.monotonic() - t0 < 2.5
+    silent = clients(srv)  # one that never sends a byte is closed as well
+    assert silent.closed(within_s=3.0)
+
+
+# -- stop under load ------------------------------------------------------------------------------------------------
+def test_stop_during_a_flood_closes_every_connection_within_its_grace(kind: str, tmp_path: Path,
+                                                                    clients: Callable[..., Client]) -> None:
+    ss = ServeSettings(port=0, publish_root=tmp_path, device=Device.CPU, max_connections=8, max_body_bytes=1000)
+    holder = ModelHolder()
+    app = ScoringApp(ss, holder, ServingMetrics(holder.model), None)
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        flood = [clients(srv) for _ in range(12)]  # 8 held (idle, mid-headers, mid-body), 4 refused
+        for i, c in enumerate(flood[:8]):
+            c.send([b"", b"GET /healthz HTTP/1.1\r\nHo", request("POST", "/v1/score", headers={"Content-Length": "50"})
+                    + b"{"][i % 3])
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        srv.stop(grace_s=0.5)
+        assert time.monotonic() - t0 < 3.0
+        assert all(c.closed(within_s=2.0) for c in flood)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+    finally:
+        srv.stop(0)
