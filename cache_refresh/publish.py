@@ -6,7 +6,7 @@ Publishing: an artifact is staged in ``<root>/.staging/`` (``learner.artifact.bu
 verified (every file against the manifest), renamed into ``versions/`` (same file system, so the rename
 is atomic) and only then named in ``CURRENT`` (``stream.files.write_atomic``: temp file, fsync,
 ``os.replace``, fsync of the directory). A crash at any point leaves ``CURRENT`` naming a complete
-version (tested with SIGKILLs at every step, ``tests/test_faults_serving.py``). A ``CURRENT`` that cannot
+version (tested with SIGKILLs at every step, ``tests/integration/test_faults_serving.py``). A ``CURRENT`` that cannot
 be written (full or read-only file system) takes the new version back out of ``versions/``: nothing
 half-published stays. The last ``keep`` versions (and always the current one) are kept; a pruned version
 is renamed to a hidden ``versions/.trash-*`` before it is deleted, so a killed prune never leaves a

@@ -26,7 +26,7 @@ them. The same ``Scorer`` class is stored four ways behind one interface (:func:
 
 Scoring runs in fp32. The learner's forward may run its dense part under bf16 autocast; the reference
 an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
-matches to ~1e-7 on probabilities (tests/test_artifact.py).
+matches to ~1e-7 on probabilities (tests/unit/learner/test_artifact.py).
 """
 
 from __future__ import annotations

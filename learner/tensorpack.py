@@ -37,7 +37,7 @@ Dtypes: bool, uint8, int8, int16, int32, int64, float16, float32, float64.
 :func:`unpack` checks, in this order, and raises :class:`PackError` (a ``ValueError``) naming the first
 problem: length, magic, checksum, signature (with a key), header size, UTF-8, JSON, header shape, every
 tensor's dtype, shape, offset and size against the data, bool bytes in {0, 1}, and every ``$`` reference.
-It never raises anything else for any input bytes (``tests/test_serving_faults.py`` fuzzes it). Values
+It never raises anything else for any input bytes (``tests/integration/test_serving_faults.py`` fuzzes it). Values
 are not checked for finiteness here: that is the caller's rule (a delta must be finite, an id map may hold ``-inf``).
 """
 

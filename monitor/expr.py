@@ -29,7 +29,7 @@ has no value yet.
 :func:`parse` promises: any string gives either a tree or an :class:`ExprError` with a message, never
 another exception. Expressions deeper than :data:`MAX_DEPTH` (operators, functions, parentheses) are
 refused, so neither parsing nor evaluating one can exhaust the stack (fuzzed in
-tests/test_fuzz_rules.py).
+tests/unit/monitor/test_fuzz_rules.py).
 """
 
 from __future__ import annotations

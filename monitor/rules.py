@@ -39,7 +39,7 @@ turns NaN when the model diverges), or count NaN losses with a counter and alert
 ``increase(streamrec_learner_nan_losses_total[5m]) > 0``.
 
 :func:`loads_rules` promises: any text gives either a :class:`RulesConfig` or a :class:`RulesError`
-with a message, never another exception (fuzzed in tests/test_fuzz_rules.py).
+with a message, never another exception (fuzzed in tests/unit/monitor/test_fuzz_rules.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from streamrec.stack import LocalStack, StackSettings, free_port
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fault-rounds", type=int, default=1,
-                     help="rounds of each fault-injection test (tests/test_faults.py); CI runs 1, `make faults` 10")
+                     help="rounds of each fault-injection test (tests/integration/test_faults*.py); CI runs 1, "
+                     "`make faults` 10")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Run ``streamrec refresh`` or ``streamrec serve`` with a fault injected, for tests/test_faults_serving.py.
+"""Run ``streamrec refresh`` or ``streamrec serve`` with a fault injected, for tests/integration/test_faults_serving.py.
 
 ``python -m tests.fault_hooks_publish refresh --now ...`` is ``streamrec refresh --now ...`` except that:
 

@@ -1,5 +1,5 @@
 """Contract: every replay source builds an :class:`~stream.replay.table.EventTable` that keeps the load
-invariants (the generic form of ``check_table`` in tests/test_eventlog.py), and the event-log loader's row
+invariants (the generic form of ``check_table`` in tests/unit/stream/test_eventlog.py), and the event-log loader's row
 validation agrees with the event decoder (``stream/events.py``) on what is an invalid event.
 
 Sources: MovieLens ml-100k and ml-1m (the packaged data sets, first rows only), the synthetic feed (with

@@ -26,8 +26,8 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
+from tests.integration.test_learner import CFG, sample_batch
 from tests.kafka_io import read_topic
-from tests.test_learner import CFG, sample_batch
 
 PARTITIONS = 3
 IDLE_S = 1.0  # exit_when_idle_s of the bounded reads below

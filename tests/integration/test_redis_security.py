@@ -209,7 +209,7 @@ def test_the_learner_announces_each_delta_on_the_redis_settings(
         srv: SecureRedis, secrets_dir: Path, prefix: str, kind: str, kafka: KafkaSettings, group_id: str,
         admin: redis.Redis, tmp_path: Path) -> None:
     from learner.batch import to_tensors
-    from tests.test_serving import CFG, random_samples
+    from tests.integration.test_serving import CFG, random_samples
 
     rs = settings_of(redis_table(srv, secrets_dir, kind, prefix))
     sub = admin.pubsub(ignore_subscribe_messages=True)
@@ -260,7 +260,7 @@ def test_the_deprecated_deltas_redis_url_keeps_working(srv: SecureRedis, secrets
 def test_the_refresh_reads_the_hot_set_and_notifies_serving(
         srv: SecureRedis, secrets_dir: Path, prefix: str, kind: str, kafka: KafkaSettings, admin: redis.Redis,
         tmp_path: Path, trained: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
-    from tests.test_refresh import DAY_MS, ITEMS, USERS, sample_batch
+    from tests.integration.test_refresh import DAY_MS, ITEMS, USERS, sample_batch
 
     rs = refresh_settings(tmp_path, trained, prefix)
     counts = DailyCounts(admin, prefix=prefix)
@@ -297,8 +297,8 @@ def test_the_refresh_reads_the_hot_set_and_notifies_serving(
 def test_serving_reads_history_and_wakes_on_pubsub(srv: SecureRedis, secrets_dir: Path, prefix: str, kind: str,
                                                    admin: redis.Redis, tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    from tests.test_serving import REQUEST, TinyLearner, post, publish_version
-    from tests.test_serving import connect as http_connect
+    from tests.integration.test_serving import REQUEST, TinyLearner, post, publish_version
+    from tests.integration.test_serving import connect as http_connect
 
     root = tmp_path / "serving"
     learner = TinyLearner()
@@ -331,7 +331,7 @@ def test_without_the_password_or_with_a_wrong_one_each_fails_at_once_with_one_cl
         srv: SecureRedis, secrets_dir: Path, prefix: str, kind: str, kafka: KafkaSettings, group_id: str,
         tmp_path: Path, trained: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tests.test_serving import TinyLearner, publish_version
+    from tests.integration.test_serving import TinyLearner, publish_version
 
     table = redis_table(srv, secrets_dir, kind, prefix)
     rs = settings_of(table)
@@ -482,7 +482,7 @@ def test_tls_ca_certs_reach_the_connection_and_decide_the_handshake(tls_files: t
 # -- helpers for the refresh -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_refresh import save_checkpoint
+    from tests.integration.test_refresh import save_checkpoint
 
     d = tmp_path_factory.mktemp("ckpt")
     save_checkpoint(d, steps=30)

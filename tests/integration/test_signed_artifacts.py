@@ -33,7 +33,7 @@ from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
 from stream.config import KafkaSettings, RedisSettings
-from tests.test_serving import CFG, TinyLearner
+from tests.integration.test_serving import CFG, TinyLearner
 
 KEY = SigningKey(b"signing-key-of-this-deployment-0001")
 OTHER = SigningKey(b"signing-key-of-another-deployment-2")
@@ -286,7 +286,7 @@ def test_a_delta_symlinked_outside_the_deltas_directory_is_rejected_by_serving(t
 
 # -- the refresh job -------------------------------------------------------------------------------------
 def test_the_refresh_signs_what_it_publishes_and_fails_on_an_unreadable_key(stack, tmp_path: Path) -> None:
-    from tests.test_refresh import save_checkpoint
+    from tests.integration.test_refresh import save_checkpoint
 
     save_checkpoint(tmp_path / "ckpt", steps=3)
     key_file = tmp_path / "key"

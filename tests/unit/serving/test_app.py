@@ -27,8 +27,8 @@ from serving.swap import ModelHolder, ModelUpdater
 from stream.features import hash_value
 from stream.history import UserHistory
 from streamrec.stack import free_port
-from tests.test_serving import REQUEST, TOL, TinyLearner, publish_version
-from tests.test_serving_faults import eager
+from tests.integration.test_serving import REQUEST, TOL, TinyLearner, publish_version
+from tests.integration.test_serving_faults import eager
 
 MAX_CANDIDATES, MAX_BATCH, MAX_BODY = 5, 2, 10_000
 SIMPLE = {"user_id": "alice", "items": [1, 2, 3]}

@@ -59,8 +59,8 @@ from stream.counts import DailyCounts
 from stream.features import hash_value
 from stream.history import UserHistory
 from streamrec.stack import free_port, redis_binary
-from tests.test_faults import Service, wait_port
-from tests.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
+from tests.integration.test_faults import Service, wait_port
+from tests.integration.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
 
 pytestmark = pytest.mark.faults
 

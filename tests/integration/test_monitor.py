@@ -38,7 +38,7 @@ from stream.config import KafkaSettings
 from streamrec.cli import main
 from tests.kafka_io import read_topic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 GOOD_RULE = """
 [[rule]]

@@ -17,7 +17,7 @@ from learner.daemon import Learner
 from learner.deltas import DeltaReader, DeltaWriter, list_deltas, load_delta, redis_notifier
 from learner.model import DeepFM
 from stream.config import KafkaSettings
-from tests.test_serving import CFG, TinyLearner
+from tests.integration.test_serving import CFG, TinyLearner
 
 
 class FakeClock:
@@ -112,7 +112,7 @@ def test_writer_announces_each_delta_on_redis(stack, tmp_path: Path) -> None:
 
 def test_the_learner_daemon_writes_deltas_of_what_it_trains(kafka: KafkaSettings, tmp_path: Path) -> None:
     from learner.batch import to_tensors
-    from tests.test_serving import random_samples
+    from tests.integration.test_serving import random_samples
 
     ls = dataclasses.replace(LearnerSettings(), deltas_every_s=1e-9, deltas_dir=tmp_path / "deltas",
                              checkpoint_dir=tmp_path / "ckpt", mlp="8", amp=False, group_id=f"g-{uuid.uuid4().hex[:6]}")

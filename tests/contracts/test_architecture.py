@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("stream", "learner", "serving", "monitor", "cache_refresh", "streamrec")
 # What each stage may import (besides itself and third-party libraries): dependencies point down.
 MAY_IMPORT = {

@@ -25,8 +25,8 @@ from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 from stream.samples import SampleBatch
+from tests.integration.test_joiner import expected_join, join_env
 from tests.kafka_io import read_topic
-from tests.test_joiner import expected_join, join_env
 
 WINDOW_S = 60.0
 PARTITIONS = 4

@@ -28,9 +28,9 @@ from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.stack import free_port, redis_binary, tansu_binary
+from tests.integration.test_joiner import expected_join, join_env, read_samples
+from tests.integration.test_learner import produce_samples
 from tests.kafka_io import read_topic
-from tests.test_joiner import expected_join, join_env, read_samples
-from tests.test_learner import produce_samples
 
 pytestmark = pytest.mark.faults
 

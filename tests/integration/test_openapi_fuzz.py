@@ -38,7 +38,7 @@ from serving.features import FeatureEncoder
 from serving.request import openapi
 from serving.service import ScoringService
 from serving.settings import ServeSettings
-from tests.test_serving import CFG, TinyLearner, publish_version
+from tests.integration.test_serving import CFG, TinyLearner, publish_version
 
 MAX_CANDIDATES, MAX_BATCH, MAX_BODY = 20, 4, 4 << 20  # the default body limit
 # per operation and phase: the module runs in ~40 s on 2 busy cores (STREAMREC_FUZZ_EXAMPLES=1000 for a long run)

@@ -17,8 +17,8 @@ from learner.checkpoint import latest_meta
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
+from tests.integration.test_learner import sample_batch
 from tests.kafka_io import read_topic
-from tests.test_learner import sample_batch
 
 
 def with_column(sb: SampleBatch, name: str, arr: pa.Array) -> bytes:

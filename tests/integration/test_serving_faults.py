@@ -46,7 +46,7 @@ from stream.features import hash_value
 from stream.files import sha256_file
 from stream.history import UserHistory
 from streamrec.stack import free_port
-from tests.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
+from tests.integration.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
 
 FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -25,7 +25,7 @@ from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROWS = 100
 
 
