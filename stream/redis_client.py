@@ -7,7 +7,8 @@
 ``password`` (or ``password_file``, read here when the settings loader has not read it already) and its
 TLS settings (``rediss://`` url, ``ssl_ca_certs``, ``ssl_certfile``/``ssl_keyfile``); a password or user in
 the url also works (redis-py parses it). Callers choose only timeouts and the retry policy: ``retries=None``
-is redis-py's own policy (10 retries with short, jittered exponential backoff), ``0`` none. Under any
+is what ``redis.Redis.from_url`` gives a connection (no retries: the callers' own recovery sees a failure at
+once), ``n`` that many with short, jittered exponential backoff, ``0`` none. Under any
 policy refused credentials are never retried (redis-py counts ``AuthenticationError`` as a connection
 error and would retry it with backoff): a wrong password fails at once, it does not look like a slow Redis.
 
@@ -61,10 +62,9 @@ class _Retry(Retry):
 
 
 def _retry(retries: int | None) -> _Retry:
-    if retries == 0:
+    if not retries:  # None: what redis.Redis.from_url(url) gives a connection (redis-py 8.1): no retries
         return _Retry(NoBackoff(), 0)
-    # redis-py's default policy (redis._defaults): 10 retries, jittered backoff from 10 ms, at most 1 s each
-    return _Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10 if retries is None else retries)
+    return _Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), retries)
 
 
 def _password(settings: RedisSettings) -> str:
