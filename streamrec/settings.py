@@ -121,7 +121,12 @@ def build(
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
         values[key] = _coerce(hints[key], raw, f"--{key.replace('_', '-')}")
     _resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except SettingsError:
+        raise
+    except ConfigError as exc:  # the dataclass's own checks (a choice, a combination): one error type from here
+        raise SettingsError(str(exc)) from None
 
 
 def _resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
