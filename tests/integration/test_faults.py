@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -139,9 +139,9 @@ def assert_joined_exactly(kafka: KafkaSettings, table, label: str, tail=None) ->
     samples. ``tail`` (:func:`publish_tail`) only pushes the stream past a stalled last record batch: its own
     impressions may sit in the tail's last batch the same way, so they must be right where they were joined,
     not all present."""
-    rows = read_samples(kafka)
     want = expected_join(table, int(WINDOW_S * 1000)).labels
     extra = expected_join(tail, int(WINDOW_S * 1000)).labels if tail is not None else {}
+    rows = read_samples(kafka)
     labels: dict[str, set[int]] = defaultdict(set)
     for imp_id, lab, *_ in rows:
         labels[imp_id].add(lab)
@@ -193,29 +193,75 @@ def test_redis_restart_during_joining_loses_nothing(driver: str, kafka: KafkaSet
     print(f"\nredis restart, {driver}: process restarts {restarts}, duplicate samples {dups}")
 
 
-def test_broker_restart_mid_stream_with_durable_storage_loses_nothing(s3_broker: Service, group_id: str,
-                                                                      tmp_path: Path, stack) -> None:
-    kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{s3_broker.port}", client_id=group_id)
+def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault: Callable[[], None]):
+    """Replay a paced synthetic stream and join it with the kafka driver while ``fault()`` hits the broker
+    (once the first samples are out); a joiner that fails is restarted as a supervisor would. Returns the
+    table and the number of restarts."""
     s = SyntheticSettings(impressions=8000, users=3000, items=600, impressions_per_s=40.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=20.0), seed=22)
     replay = paced_replay(table, kafka, seconds=15.0)
     env = join_env(kafka, stack.redis_url, group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "500"
-    proc = subprocess.Popen(join_cmd(group_id, "kafka", idle_s=8.0), env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(join_cmd(group_id, "kafka", idle_s=8.0), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
-    s3_broker.stop()
-    time.sleep(2.0)
-    s3_broker.start()
+    fault()
     replay.join()
-    out, err = proc.communicate(timeout=300)
+    proc.communicate(timeout=300)
     restarts = 0
     if proc.returncode != 0:
         _, restarts = run_until_done(join_cmd(group_id, "kafka", idle_s=8.0), env)
         restarts += 1
+    return table, restarts
+
+
+def test_a_frozen_broker_mid_stream_loses_nothing(group_id: str, stack) -> None:
+    """The broker stops answering for longer than the consumer's session (SIGSTOP for 9 s: a stalled
+    machine, a long GC pause, a network partition) while the replay and the joiner are writing: librdkafka's
+    requests time out, the group's session expires and the member rejoins, produces are retried; every
+    impression still gets exactly its label."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                      "--storage-engine", "memory://tansu/"], port)
+    broker.start()
+    try:
+        kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}", client_id=group_id)
+
+        def freeze() -> None:
+            assert broker.proc is not None
+            broker.proc.send_signal(signal.SIGSTOP)
+            time.sleep(9.0)
+            broker.proc.send_signal(signal.SIGCONT)
+
+        table, restarts = _join_through_broker_fault(kafka, stack, group_id, freeze)
+        dups = assert_joined_exactly(kafka, table, "frozen broker")
+        print(f"\nfrozen broker: process restarts {restarts}, duplicate samples {dups}")
+    finally:
+        if broker.proc is not None:
+            broker.proc.send_signal(signal.SIGCONT)
+        broker.stop()
+
+
+@pytest.mark.slow
+def test_broker_restart_mid_stream_with_durable_storage_loses_nothing(s3_broker: Service, group_id: str,
+                                                                      stack) -> None:
+    """A broker restart with durable (``s3://``) storage mid-stream. Out of CI (``-m slow``): Tansu 0.6.0 on
+    ``s3://`` itself loses acknowledged record batches across its restart in about half of the runs here, on
+    any topic (the joiner's idempotent producer had all 36 sample records acknowledged and the topic kept 35;
+    an input topic written across the restart never reaches its end for a reader afterwards), so a failure
+    here must first be told apart from the broker's own loss. CI runs the frozen-broker test above instead."""
+    kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{s3_broker.port}", client_id=group_id)
+
+    def restart() -> None:
+        s3_broker.stop()
+        time.sleep(2.0)
+        s3_broker.start()
+
+    table, restarts = _join_through_broker_fault(kafka, stack, group_id, restart)
     dups = assert_joined_exactly(kafka, table, "broker restart")
     print(f"\nbroker restart: process restarts {restarts}, duplicate samples {dups}")
 
