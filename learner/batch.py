@@ -30,6 +30,8 @@ class TensorBatch:
     # (N,) int64 hashed values behind ``values``, kept only when the config has dynamic fields: the
     # RowMapper (learner/row_mapper.py) turns them into rows; until then ``values`` holds the buckets
     keys: np.ndarray | None = None
+    # (B,) int8 stream.samples kind of each row (FINAL / OBSERVED / DELAYED_POSITIVE); None: all FINAL
+    kinds: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -44,7 +46,7 @@ class TensorBatch:
                            self.offsets.to(device, non_blocking=non_blocking),
                            self.dense.to(device, non_blocking=non_blocking),
                            self.labels.to(device, non_blocking=non_blocking),
-                           self.impression_ids, self.ts, self.positions, self.keys)
+                           self.impression_ids, self.ts, self.positions, self.keys, self.kinds)
 
     def select(self, keep: np.ndarray) -> TensorBatch:
         """Rows where ``keep`` (bool (B,)) is set, e.g. after dropping duplicates."""
@@ -64,7 +66,8 @@ class TensorBatch:
         return TensorBatch(self.values[torch.from_numpy(idx)], torch.from_numpy(new_offsets),
                            self.dense[torch.from_numpy(k)], self.labels[torch.from_numpy(k)],
                            self.impression_ids[k], self.ts[k], self.positions,
-                           None if self.keys is None else self.keys[idx])
+                           None if self.keys is None else self.keys[idx],
+                           None if self.kinds is None else self.kinds[k])
 
 
     def chunks(self, rows: int) -> list[TensorBatch]:
@@ -117,7 +120,7 @@ def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int
         values=torch.from_numpy(values), offsets=torch.from_numpy(offsets), dense=torch.from_numpy(dense),
         labels=torch.from_numpy(batch.column("label").astype(np.float32)),
         impression_ids=np.asarray(batch.impression_ids, dtype=object), ts=batch.column("ts"),
-        positions=positions or [], keys=keys,
+        positions=positions or [], keys=keys, kinds=kinds if (kinds := batch.kinds).any() else None,
     )
 
 
@@ -148,4 +151,6 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
         ts=np.concatenate([tb.ts for tb in batches]),
         positions=[p for tb in batches for p in tb.positions],
         keys=np.concatenate([k for ks in per_field_keys for k in ks]) if with_keys else None,
+        kinds=(None if all(tb.kinds is None for tb in batches) else
+               np.concatenate([np.zeros(len(tb), np.int8) if tb.kinds is None else tb.kinds for tb in batches])),
     )

@@ -32,7 +32,7 @@ import torch
 from learner.batch import to_tensors
 from learner.evaluation.config import EvalConfig
 from learner.evaluation.protocols import Log, log_to
-from learner.evaluation.ratings import Ratings, load_ratings, online_labels
+from learner.evaluation.ratings import Ratings, cold_mask, load_ratings, online_labels, synthetic_ratings
 from learner.evaluation.samples import build_samples
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
@@ -63,43 +63,6 @@ class ColdStartConfig:
     synthetic_new_user_share: float = 0.1
     synthetic_new_user_impressions: int = 5  # 1..N impressions per brand-new user
     synthetic_new_user_session_s: float = 0.0  # 0: each new user's impressions in one burst; > 0: a session
-
-
-def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit: int | None = None,
-                      new_user_impressions: int = 5, new_user_session_s: float = 0.0) -> Ratings:
-    """The synthetic feed as ratings: clicked impressions rate 5, the others 1 (so rating >= 4 is a click)."""
-    from stream.replay.config import ReplaySettings, SyntheticSettings
-    from stream.replay.synthetic import build_synthetic
-
-    s = SyntheticSettings(impressions=impressions, new_user_share=new_user_share, malformed_share=0.0,
-                          new_user_impressions=new_user_impressions, new_user_session_s=new_user_session_s)
-    t = build_synthetic(s, ReplaySettings().click_delay, seed, limit=limit)
-    clicked = np.isin(t.impression_id, t.click_impression_id)
-    user_attrs: dict[Any, dict[str, Any]] = {}
-    item_attrs: dict[Any, dict[str, Any]] = {}
-    for part in t.context:  # device + hour (per impression), tags (per item): keep the per-entity ones
-        for i in range(len(t.impression_id)):
-            d = part.dicts[part.index[i]]
-            if "device" in d:
-                user_attrs.setdefault(int(t.user_id[i]), {"device": d["device"]})
-            if "tags" in d:
-                item_attrs.setdefault(int(t.item_id[i]), {"tags": d["tags"]})
-    return Ratings.from_raw(t.user_id, t.item_id, np.where(clicked, 5.0, 1.0), t.ts, user_attrs, item_attrs,
-                            dataset="synthetic")
-
-
-def cold_mask(user: np.ndarray, k: int) -> np.ndarray:
-    """(N,) True where the user had fewer than ``k`` earlier rows (rows in event-time order)."""
-    n = len(user)
-    order = np.argsort(user, kind="stable")  # by user, time order kept within a user
-    u = user[order]
-    first = np.ones(n, bool)
-    first[1:] = u[1:] != u[:-1]
-    idx = np.arange(n)
-    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))  # earlier rows of the same user
-    out = np.empty(n, bool)
-    out[order] = rank < k
-    return out
 
 
 def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, variant: str) -> FeatureConfig:

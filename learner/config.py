@@ -119,6 +119,11 @@ class LearnerSettings:
     boost: float = 0.0
     boost_half_life: float = 8.0
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
+    # Delayed feedback (learner/delayed.py, learner/served.py): the joiner's attribution window (served quality
+    # waits this long of event time for an observed negative's delayed positive), and a fresh model's bias
+    # starting at the logit of its first batch's click rate.
+    attribution_window_s: float = 1800.0
+    init_bias: bool = True
     ctx_buckets: int = 10_000  # rows per context field
     mlp: tuple[int, ...] = (400, 400, 400)  # hidden layer sizes; "400,400,400" in a file or the environment
     dropout: float = 0.0

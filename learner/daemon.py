@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader
 from learner import checkpoint
 from learner.batch import TensorBatch
 from learner.config import CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
+from learner.delayed import init_bias
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
@@ -54,12 +55,13 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
+from learner.served import ServedQuality, ne
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.features import MISSING
 from stream.kafka import ensure_topics, new_consumer
-from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
+from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.train")
@@ -75,6 +77,11 @@ BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id looku
 ID_OCCUPANCY = Gauge("streamrec_learner_id_occupancy", "Share of a field's own rows in use.", ["field"])
 ADMISSIONS = PCounter("streamrec_learner_id_admissions_total", "Ids given their own row.", ["field"])
 EVICTIONS = PCounter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
+SERVED_AUC = Gauge("streamrec_learner_served_auc", "Window AUC of each impression's first prediction against "
+                   "its final label (learner/served.py).")
+SERVED_NE = Gauge("streamrec_learner_served_ne", "Cumulative normalized entropy of the served predictions "
+                  "(logloss over the base rate's entropy; >= 1 is no better than the base rate).")
+SERVED_COLD_AUC = Gauge("streamrec_learner_served_cold_auc", "Window served AUC over cold users' impressions.")
 COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samples (their first cold_k).")
 WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
 COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
@@ -86,17 +93,23 @@ CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
 
 
 class RecentIds:
-    """The last ``capacity`` impression ids seen: drops duplicate samples (joiner retries)."""
+    """The last ``capacity`` samples seen: drops duplicate samples (joiner retries). A sample is its impression
+    id and whether it is a delayed positive (``stream/samples.py``: an impression may have an ``OBSERVED`` 0
+    and then a ``DELAYED_POSITIVE``, two samples)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[str, None] = OrderedDict()
 
-    def filter(self, ids: np.ndarray) -> np.ndarray:
+    def filter(self, ids: np.ndarray, kinds: np.ndarray | None = None) -> np.ndarray:
         """Mask (B,) of first occurrences; remembers them."""
         keep = np.ones(len(ids), bool)
         seen = self._ids
-        for i, imp in enumerate(ids.tolist()):
+        keys = ids.tolist()
+        if kinds is not None:
+            for j in np.flatnonzero(kinds == DELAYED_POSITIVE).tolist():
+                keys[j] = keys[j] + DELAYED_SUFFIX
+        for i, imp in enumerate(keys):
             if imp in seen:
                 keep[i] = False
             else:
@@ -110,6 +123,9 @@ class RecentIds:
 
     def load(self, ids: list[str]) -> None:
         self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
+
+
+DELAYED_SUFFIX = "\x00delayed"  # a delayed positive's dedup key: its impression id + this (no id holds NUL)
 
 
 def _present(batch: SampleBatch, column: str) -> int:
@@ -189,6 +205,9 @@ class Learner:
         self.cold = ColdTracker(ls.cold_k)
         self.cold_metrics = ProgressiveMetrics(window=ls.metrics_window // 10 or 1)
         self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
+        self.served = ServedQuality(int(ls.attribution_window_s * 1000), metrics_window=ls.metrics_window)
+        self._fresh_model = False  # built without a checkpoint: its bias starts from the first batch's click rate
+        self._served_published = 0.0
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
         self._cold_published = 0.0
         self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
@@ -251,6 +270,10 @@ class Learner:
         for name, m in (("cold_metrics", self.cold_metrics), ("warm_metrics", self.warm_metrics)):
             if name in ckpt:
                 m.load_state_dict(ckpt[name])
+        if "served" in ckpt:
+            self.served.load_state_dict(ckpt["served"])
+        if "delayed_weights" in ckpt:
+            self.trainer.delayed.load_state_dict(ckpt["delayed_weights"])
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
                  self.offsets)
         return True
@@ -272,7 +295,8 @@ class Learner:
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
                  "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
-                 "warm_metrics": self.warm_metrics.state_dict()}
+                 "warm_metrics": self.warm_metrics.state_dict(), "served": self.served.state_dict(),
+                 "delayed_weights": tr.delayed.state_dict()}
         if self.deltas is not None:  # rows trained before this checkpoint and in no delta yet: durably listed
             self.deltas.sync()  # (learner/deltas.py "Pending rows"); what is trained after it is trained again
         checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
@@ -328,6 +352,7 @@ class Learner:
             if cfg is None:
                 return self.summary(reason="no samples arrived")
             self._build(cfg, self._model_settings())
+            self._fresh_model = ls.init_bias
         for p in self._partitions():
             self.offsets.setdefault(p, 0)
         assert self.trainer is not None and self.cfg is not None
@@ -373,7 +398,7 @@ class Learner:
 
     def _train(self, batch: TensorBatch) -> None:
         assert self.trainer is not None
-        keep = self.recent.filter(batch.impression_ids) if len(batch) else np.ones(0, bool)
+        keep = self.recent.filter(batch.impression_ids, batch.kinds) if len(batch) else np.ones(0, bool)
         dups = int((~keep).sum())
         if dups:
             self.duplicates += dups
@@ -388,10 +413,21 @@ class Learner:
                 self._observe_ids(self.mapper.apply(kept, now, model=self.trainer.model,
                                                     sparse_opt=self.trainer.sparse_opt))
             nan_before = self.trainer.nan_losses
-            probs = [self.trainer.test_then_train(chunk)  # each chunk predicted, then learned, in order
-                     for chunk in kept.chunks(self.ls.step_rows)]
+            labels = kept.labels.numpy()
+            kinds = kept.kinds if kept.kinds is not None else np.zeros(len(kept), np.int8)
+            if self._fresh_model:  # the first batch of a new model: start at its click rate (NE < 1 at once)
+                init_bias(self.trainer.model, labels, kinds)
+                self._fresh_model = False
+            probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned
+                                    for chunk in kept.chunks(self.ls.step_rows)])
             if cold is not None:
-                self._observe_cold(np.concatenate(probs), kept.labels.numpy(), cold)
+                self._observe_cold(probs, labels, cold)
+            self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold)
+            if time.monotonic() - self._served_published >= 1.0:  # window AUCs sort the window: at most 1/s
+                SERVED_AUC.set(self.served.all.window_metrics()[0])
+                SERVED_COLD_AUC.set(self.served.cold.window_metrics()[0])
+                SERVED_NE.set(ne(self.served.all))
+                self._served_published = time.monotonic()
             if self.trainer.nan_losses > nan_before:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
                 log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",
@@ -449,6 +485,7 @@ class Learner:
             "metrics": tr.metrics.summary() if tr else {},
             "cold_users": {"k": self.ls.cold_k, "cold": self.cold_metrics.summary(),
                            "warm": self.warm_metrics.summary()},
+            "served": self.served.summary(),
             "id_maps": self.mapper.stats() if self.mapper else {},
             "device": str(self.device),
             "checkpoint_dir": str(self.ls.checkpoint_dir),

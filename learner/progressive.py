@@ -46,6 +46,16 @@ def logloss(probs: np.ndarray, labels: np.ndarray) -> float:
     return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
 
 
+def normalized_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Logloss over the entropy of the labels' base rate (He et al., ADKDD 2014): below 1 beats predicting the
+    base rate; nan without both classes."""
+    labels = np.asarray(labels, np.float64)
+    rate = float(labels.mean()) if len(labels) else float("nan")
+    if not 0 < rate < 1:
+        return float("nan")
+    return logloss(probs, labels) / float(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))
+
+
 class ProgressiveMetrics:
     def __init__(self, window: int = 100_000, bins: int = 10_000) -> None:
         self.bins = bins

@@ -5,6 +5,9 @@ One forward pass serves both halves of test-then-train: its outputs are the mode
 validation, then the same graph is back-propagated. Gradients accumulate over ``accumulation``
 micro-batches with the loss divided by that number, and both optimizers step and zero on the same
 cadence, so N accumulated micro-batches make the same update as one batch N times as large.
+
+Rows that are not ``FINAL`` (the joiner's ``fake_negative`` and ``es_dfm`` policies) are weighted by
+``learner/delayed.py``'s importance weights; a batch of ``FINAL`` rows keeps the plain mean loss.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from learner.batch import TensorBatch
+from learner.delayed import DelayedFeedbackWeights
 from learner.progressive import ProgressiveMetrics
 
 
@@ -28,6 +32,7 @@ class Trainer:
         self.accumulation = accumulation
         self.device = torch.device(device)
         self.metrics = metrics or ProgressiveMetrics()
+        self.delayed = DelayedFeedbackWeights()
         self._micro = 0
         self.steps = 0
         self.samples = 0
@@ -48,8 +53,16 @@ class Trainer:
         self.model.train()
         b = batch.to(self.device)
         logits = self.model(b.values, b.offsets, b.dense)  # (B,)
-        probs = torch.sigmoid(logits.detach()).float().cpu().numpy()
-        loss = F.binary_cross_entropy_with_logits(logits.float(), b.labels)
+        p_t = torch.sigmoid(logits.detach()).float()
+        probs = p_t.cpu().numpy()
+        weight = None
+        if batch.kinds is not None:
+            self.delayed.observe(batch.kinds, batch.labels.numpy())
+            weight = self.delayed.weights(batch.kinds, b.labels, p_t)
+        if weight is None:
+            loss = F.binary_cross_entropy_with_logits(logits.float(), b.labels)
+        else:  # importance-weighted (learner/delayed.py); normalised by rows, not by weights, as in both papers
+            loss = (F.binary_cross_entropy_with_logits(logits.float(), b.labels, reduction="none") * weight).mean()
         self.last_loss = float(loss.item())
         if not np.isfinite(self.last_loss):
             # One poison batch (an inf feature) must not kill the daemon or poison the weights: skip its

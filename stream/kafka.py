@@ -336,6 +336,7 @@ class AckedProducer:
         self._bootstrap = kafka.bootstrap_servers
         self._sent: dict[str, int] = {}
         self._failed: dict[str, int] = {}
+        self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
         self.report = DeliveryReport()
 
     def _on_error(self, err: KafkaError | None, msg: Any) -> None:
@@ -385,8 +386,12 @@ class AckedProducer:
                                        or f"{remaining} messages unacknowledged after {timeout_s}s")
         if self.report.failed:
             failed, first = self.report.failed, self.report.first_error
-            # Told once: a caller that recovers (and sends again) starts with a clean report.
-            self.report = DeliveryReport(acked=self.report.acked)
+            # Told once: a caller that recovers (and sends again) starts with a clean report. The epoch's
+            # acknowledgements still count towards acked_total: exactly when every message was answered,
+            # else as a lower bound (each unanswered one counted against every topic).
+            for t, n in self._sent.items():
+                self._acked_before[t] = self._acked_before.get(t, 0) + max(0, n - self._failed.get(t, 0) - remaining)
+            self.report = DeliveryReport()
             self._failed.clear()
             self._sent.clear()
             raise DeliveryFailed(
@@ -394,6 +399,16 @@ class AckedProducer:
                 f"first error: {first}. Is the broker up (`streamrec stack status`)?"
             )
         return self.report
+
+
+    @property
+    def acked_total(self) -> dict[str, int]:
+        """Messages acknowledged per topic over this producer's life, as of the last :meth:`flush`; a lower
+        bound when a flush timed out with messages unanswered, never more than the broker confirmed."""
+        out = dict(self._acked_before)
+        for t, n in self.report.acked.items():
+            out[t] = out.get(t, 0) + n
+        return out
 
 
 def _weak_on_error(ref: weakref.ReferenceType[AckedProducer]) -> Callable[[KafkaError | None, Any], None]:

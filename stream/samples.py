@@ -1,11 +1,12 @@
 """The ``samples`` topic: labelled samples as Arrow IPC record batches, many rows per message.
 
-Schema version 1 (one row per impression)::
+Schema version 2::
 
-    impression_id   utf8              the impression this sample labels (dedup key)
+    impression_id   utf8              the impression this sample labels
+    kind            int8              how final the label is (below); (impression_id, kind) is the dedup key
     ts              int64             impression event time, ms
-    label           int8              1 clicked inside the attribution window, else 0
-    label_delay_ms  int64             click ts - impression ts (positives) / window length (negatives)
+    label           int8              1 clicked inside the attribution window, else 0 (for kind 1: so far)
+    label_delay_ms  int64             click ts - impression ts (positives) / time waited (negatives)
     user_id         int64             stable_hash(raw user id)            see stream/ids.py
     item_id         int64             stable_hash(raw item id)
     history         list<int64>       the user's recently clicked items as of ``ts``, newest last
@@ -16,6 +17,18 @@ Schema version 1 (one row per impression)::
 The schema carries ``streamrec.schema=samples`` and ``streamrec.schema_version`` metadata. The
 learner turns columns into tensors without per-row Python: ``history`` gives EmbeddingBag
 ``(values, offsets)`` straight from the Arrow list layout.
+
+``kind`` is the joiner's emission policy speaking (``stream.config.EmissionPolicy``,
+``learner/delayed.py`` for the learner's side):
+
+- :data:`FINAL` (0): the label is final: the click came inside the window, or the window closed without
+  one (policies ``wait`` and ``window``). One such sample per impression.
+- :data:`OBSERVED` (1): the label as observed after waiting ``elapsed`` (``fake_negative``: 0, at once;
+  ``es_dfm``: a few minutes). A 0 may turn out a fake negative: then a :data:`DELAYED_POSITIVE` follows.
+- :data:`DELAYED_POSITIVE` (2): the click that came after an :data:`OBSERVED` 0, inside the window: the
+  same impression again, label 1. An impression thus has one sample, or two with different kinds.
+
+Version 1 (no ``kind`` column) still decodes, every row :data:`FINAL`.
 """
 
 from __future__ import annotations
@@ -29,7 +42,11 @@ import pyarrow as pa
 from stream.errors import BadMessage, clip
 
 SCHEMA_NAME = b"samples"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (b"1", b"2")  # version 1 has no ``kind`` column: every row is FINAL
+FINAL, OBSERVED, DELAYED_POSITIVE = 0, 1, 2
+KINDS = (FINAL, OBSERVED, DELAYED_POSITIVE)
+KIND_NAMES = {FINAL: "final", OBSERVED: "observed", DELAYED_POSITIVE: "delayed_positive"}
 CTX_PREFIX = "ctx."
 DENSE_PREFIX = "dense."
 
@@ -42,6 +59,7 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("item_id", pa.int64(), nullable=False),
     pa.field("history", pa.list_(pa.int64()), nullable=False),
 )
+KIND_FIELD = pa.field("kind", pa.int8(), nullable=False)
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
 
 
@@ -72,7 +90,9 @@ class SampleBatch:
         history: Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray],
         context: Mapping[str, np.ndarray | Sequence[Sequence[int]]] | None = None,
         dense: Mapping[str, np.ndarray] | None = None,
+        kind: np.ndarray | None = None,
     ) -> SampleBatch:
+        """``kind`` None: every row :data:`FINAL`."""
         arrays: list[pa.Array] = [
             pa.array(impression_id, pa.utf8()),
             pa.array(np.asarray(ts, np.int64)),
@@ -81,8 +101,9 @@ class SampleBatch:
             pa.array(np.asarray(user_id, np.int64)),
             pa.array(np.asarray(item_id, np.int64)),
             _lists(history),
+            pa.array(np.zeros(len(ts), np.int8) if kind is None else np.asarray(kind, np.int8)),
         ]
-        fields = list(BASE_FIELDS)
+        fields = [*BASE_FIELDS, KIND_FIELD]
         for name, col in sorted((context or {}).items()):
             if isinstance(col, np.ndarray) and col.ndim == 1 and col.dtype != object:
                 arr = pa.array(col.astype(np.int64, copy=False))
@@ -105,7 +126,7 @@ class SampleBatch:
 
     @classmethod
     def decode(cls, raw: bytes | None) -> SampleBatch:
-        """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a valid v1 sample batch.
+        """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a valid v1/v2 sample batch.
 
         Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
         their values, UTF-8), labels 0 or 1, times >= 0, finite dense values. Whatever passes can be
@@ -122,9 +143,10 @@ class SampleBatch:
         if meta.get(b"streamrec.schema") != SCHEMA_NAME:
             raise BadMessage("Arrow stream is not a streamrec samples batch (schema metadata missing)",
                              kind="bad_schema")
-        if meta.get(b"streamrec.schema_version") != str(SCHEMA_VERSION).encode():
-            raise BadMessage(f"unsupported samples schema_version {meta.get(b'streamrec.schema_version')!r}, "
-                             f"expected {SCHEMA_VERSION}", kind="bad_schema")
+        version = meta.get(b"streamrec.schema_version")
+        if version not in READABLE_VERSIONS:
+            raise BadMessage(f"unsupported samples schema_version {version!r}, expected one of "
+                             f"{', '.join(v.decode() for v in READABLE_VERSIONS)}", kind="bad_schema")
         if len(batches) != 1:
             raise BadMessage(f"expected one record batch per message, got {len(batches)}", kind="bad_schema")
         batch = batches[0]
@@ -135,7 +157,7 @@ class SampleBatch:
         if len(set(names)) != len(names):  # schema.field() / column() by name would raise KeyError
             twice = sorted({n for n in names if names.count(n) > 1})
             raise BadMessage(f"column {clip(twice[0], 80)!r} appears more than once", kind="bad_schema")
-        for f in BASE_FIELDS:
+        for f in (*BASE_FIELDS, KIND_FIELD) if version != b"1" else BASE_FIELDS:
             got = batch.schema.field(f.name) if f.name in batch.schema.names else None
             if got is None or got.type != f.type:
                 raise BadMessage(f"column {f.name!r}: got {got.type if got else 'nothing'}, expected {f.type}",
@@ -161,6 +183,12 @@ class SampleBatch:
             raise BadMessage("column 'label': values other than 0 and 1", kind="bad_value")
         if len(ts) and ts.min() < 0:
             raise BadMessage("column 'ts': negative event times", kind="bad_value")
+        if version != b"1":
+            kinds = out.column("kind")
+            if len(kinds) and not np.isin(kinds, KINDS).all():
+                raise BadMessage(f"column 'kind': values other than {KINDS}", kind="bad_value")
+            if len(kinds) and (label[kinds == DELAYED_POSITIVE] != 1).any():
+                raise BadMessage("column 'kind': a delayed_positive row with label 0", kind="bad_value")
         for name in out.dense_names:
             if not np.isfinite(out.column(DENSE_PREFIX + name)).all():
                 raise BadMessage(f"column {DENSE_PREFIX + name!r}: values that are not finite", kind="bad_value")
@@ -180,6 +208,13 @@ class SampleBatch:
         offsets = col.offsets.to_numpy()
         values = col.values.to_numpy()
         return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+    @property
+    def kinds(self) -> np.ndarray:
+        """``kind`` per row, shape ``(N,)`` int8 (all :data:`FINAL` for a version 1 batch)."""
+        if "kind" not in self.batch.schema.names:
+            return np.zeros(len(self), np.int8)
+        return self.column("kind").astype(np.int8, copy=False)
 
     @property
     def impression_ids(self) -> list[str]:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-PROTOCOLS = ("autoint", "online")
+PROTOCOLS = ("autoint", "online", "delayed")
+EMISSIONS = ("wait", "window", "fake_negative", "es_dfm")  # stream.joiner.config.EmissionPolicy's values
 FEATURE_SETS = ("paper", "default")
 REQUEST_TIME = "request_time"  # the context name of the request-time field
 PAPER_FIELDS = ("gender", "age", "occupation", "zip", REQUEST_TIME, "year", "genres")  # AutoInt's 7 fields
@@ -52,6 +53,22 @@ class EvalConfig:
     autocast: str | None = None  # None: fp32; "bf16": the dense part under bfloat16 autocast
     eval_batch: int = 65_536
     threads: int = 2
+    # delayed protocol (learner/evaluation/delayed.py): the joiner's policy and window, the replay's delays
+    emission: str = "wait"
+    elapsed_s: float = 60.0  # es_dfm
+    window_s: float = 1800.0
+    lateness_s: float = 5.0
+    click_delay_median_s: float = 30.0
+    click_delay_sigma: float = 1.0
+    delay_seed: int = 7  # the replay's default seed: the same click times as `streamrec replay`
+    init_bias: bool = False  # the model's bias starts at the logit of the first step's click rate
+    feed_events: int = 256  # events per joiner batch
+    cold_k: int = 10  # a user's first cold_k impressions are cold
+    # --dataset synthetic (stream/replay/synthetic.py): how many impressions, their click rate (None: the
+    # feed's default) and the share of brand-new users
+    syn_impressions: int = 300_000
+    syn_base_ctr: float | None = None
+    syn_new_user_share: float = 0.02
 
     def __post_init__(self) -> None:
         if self.request_time not in TIME_UNITS:
@@ -60,6 +77,10 @@ class EvalConfig:
             raise ValueError(f"autocast must be None or 'bf16', got {self.autocast!r}")
         if self.batch_size < 1 or self.epochs < 1 or self.patience < 1:
             raise ValueError("batch_size, epochs and patience must be >= 1")
+        if self.emission not in EMISSIONS:
+            raise ValueError(f"emission must be one of {EMISSIONS}, got {self.emission!r}")
+        if not 0 <= self.elapsed_s <= self.window_s:
+            raise ValueError(f"elapsed_s must be between 0 and window_s ({self.window_s:g}), got {self.elapsed_s!r}")
         if not (math.isfinite(self.history_delay_s) and self.history_delay_s >= 0):
             raise ValueError(f"history_delay_s must be a finite number >= 0, got {self.history_delay_s!r}")
 
@@ -97,6 +118,12 @@ class EvalOverrides:
     calibrate: bool | None = None
     eval_batch: int | None = None
     threads: int | None = None
+    emission: str | None = None
+    elapsed_s: float | None = None
+    window_s: float | None = None
+    init_bias: bool | None = None
+    syn_impressions: int | None = None
+    syn_base_ctr: float | None = None
 
     def to_config(self) -> dict[str, Any]:
         """The set fields as :func:`resolve_config` overrides; raises ValueError on a malformed ``mlp``."""
@@ -118,6 +145,9 @@ DEFAULT_CONFIGS: dict[tuple[str, str], EvalConfig] = {
                                        patience=2, lr_decay=0.6),
     ("online", "paper"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
     ("online", "default"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
+    # the daemon's step (LearnerSettings.step_rows) and model
+    ("delayed", "paper"): EvalConfig(batch_size=256, mlp=(400, 400, 400), lr_sparse=0.05, lr_dense=1e-3),
+    ("delayed", "default"): EvalConfig(batch_size=256, mlp=(400, 400, 400), lr_sparse=0.05, lr_dense=1e-3),
 }
 
 

@@ -31,7 +31,9 @@ import torch
 from learner.batch import to_tensors
 from learner.evaluation.calibration import apply_platt, fit_platt
 from learner.evaluation.config import FEATURE_SETS, PROTOCOLS, EvalConfig, resolve_config
-from learner.evaluation.ratings import Ratings, autoint_labels, load_ratings, online_labels, split_811
+from learner.evaluation.delayed import run_delayed
+from learner.evaluation.ratings import (Ratings, autoint_labels, load_ratings, online_labels, split_811,
+                                        synthetic_ratings)
 from learner.evaluation.samples import build_samples, feature_config
 from learner.features import FeatureConfig
 from learner.model import DeepFM
@@ -192,16 +194,24 @@ def evaluate(dataset: str = "ml-1m", protocol: str = "autoint", features: str = 
     torch.set_num_threads(cfg.threads)
     try:
         torch.manual_seed(seed)
-        r = load_ratings(dataset, limit)
+        if dataset == "synthetic":
+            if protocol != "delayed":
+                raise ValueError("--dataset synthetic runs with --protocol delayed (and --cold-start)")
+            r = synthetic_ratings(cfg.syn_impressions, cfg.syn_new_user_share, seed, limit, base_ctr=cfg.syn_base_ctr)
+        else:
+            r = load_ratings(dataset, limit)
         load_s = time.perf_counter() - t0
         out_log(f"{dataset}: {len(r):,} ratings loaded in {load_s:.1f}s; protocol {protocol}, features {features}")
-        run = _run_autoint if protocol == "autoint" else _run_online
-        result = run(r, features, seed, cfg, out_log)
+        if protocol == "delayed":
+            result = run_delayed(r, features, seed, cfg, out_log, _make_trainer)
+        else:
+            run = _run_autoint if protocol == "autoint" else _run_online
+            result = run(r, features, seed, cfg, out_log)
     finally:
         torch.set_num_threads(threads)
-    fcfg = feature_config(features, cfg)
+    fields = result.pop("fields", None) or [f.name for f in feature_config(features, cfg).fields]
     summary: dict[str, Any] = {"dataset": dataset, "protocol": protocol, "features": features, "seed": seed,
-                               "limit": limit, "fields": [f.name for f in fcfg.fields]}
+                               "limit": limit, "fields": fields}
     summary.update(result)
     summary["config"] = cfg.to_dict()
     summary["load_s"] = load_s
@@ -223,6 +233,22 @@ def describe(d: dict[str, Any]) -> str:
             f"  test AUC {d['auc']:.4f}  logloss {d['logloss']:.4f} (uncalibrated {d['logloss_uncalibrated']:.4f}; "
             f"Platt a={d['calibration']['a']:.3f} b={d['calibration']['b']:.3f} fitted on valid)",
             f"  valid AUC {d['valid_auc']:.4f}; best epoch {d['best_epoch']} of {d['epochs_run']}",
+        ]
+    elif d["protocol"] == "delayed":
+        sv, sl, sc = d["served"], d["served_last"], d["served_cold"]
+        fr = d["click_to_model_s"]
+        lines += [
+            f"  {d['n_samples']:,} impressions (joined positives {d['positive_rate']:.1%}), emission {d['emission']}"
+            + (f" (elapsed {d['es_dfm_elapsed_s']:g}s)" if d.get("es_dfm_elapsed_s") is not None else "")
+            + f", window {d['window_s']:g}s; {d['emitted_samples']:,} samples trained "
+            f"({d['delayed_positives']:,} delayed positives)",
+            f"  served AUC {sv['auc']:.4f}  logloss {sv['logloss']:.4f}  NE {sv['ne']:.4f}",
+            f"  served, last {LAST_SHARE:.0%}: AUC {sl['auc']:.4f}  NE {sl['ne']:.4f};  cold users "
+            f"({sc['n']:,} impressions): AUC {sc['auc']:.4f}  NE {sc['ne']:.4f}",
+            f"  progressive AUC on the emitted order (what the daemon's own metric sees): "
+            f"{d['emitted_order_auc']:.4f}",
+            f"  click to model: median {fr['p50']:.0f}s, p90 {fr['p90']:.0f}s event time; "
+            f"{d['samples_per_s']:,.0f} samples/s",
         ]
     else:
         lines += [

@@ -126,3 +126,43 @@ def split_811(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     perm = np.random.Generator(np.random.PCG64(seed)).permutation(n)
     n_train, n_valid = n * 8 // 10, n // 10
     return perm[:n_train], perm[n_train:n_train + n_valid], perm[n_train + n_valid:]
+
+
+def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit: int | None = None,
+                      new_user_impressions: int = 5, new_user_session_s: float = 0.0,
+                      base_ctr: float | None = None) -> Ratings:
+    """The synthetic feed (``stream.replay.synthetic``) as ratings: clicked impressions rate 5, the others 1
+    (so rating >= 4 is a click). ``base_ctr`` None: the feed's default."""
+    from stream.replay.config import ReplaySettings, SyntheticSettings
+    from stream.replay.synthetic import build_synthetic
+
+    s = SyntheticSettings(impressions=impressions, new_user_share=new_user_share, malformed_share=0.0,
+                          new_user_impressions=new_user_impressions, new_user_session_s=new_user_session_s,
+                          **({} if base_ctr is None else {"base_ctr": base_ctr}))
+    t = build_synthetic(s, ReplaySettings().click_delay, seed, limit=limit)
+    clicked = np.isin(t.impression_id, t.click_impression_id)
+    user_attrs: dict[Any, dict[str, Any]] = {}
+    item_attrs: dict[Any, dict[str, Any]] = {}
+    for part in t.context:  # device + hour (per impression), tags (per item): keep the per-entity ones
+        for i in range(len(t.impression_id)):
+            d = part.dicts[part.index[i]]
+            if "device" in d:
+                user_attrs.setdefault(int(t.user_id[i]), {"device": d["device"]})
+            if "tags" in d:
+                item_attrs.setdefault(int(t.item_id[i]), {"tags": d["tags"]})
+    return Ratings.from_raw(t.user_id, t.item_id, np.where(clicked, 5.0, 1.0), t.ts, user_attrs, item_attrs,
+                            dataset="synthetic")
+
+
+def cold_mask(user: np.ndarray, k: int) -> np.ndarray:
+    """(N,) True where the user had fewer than ``k`` earlier rows (rows in event-time order)."""
+    n = len(user)
+    order = np.argsort(user, kind="stable")  # by user, time order kept within a user
+    u = user[order]
+    first = np.ones(n, bool)
+    first[1:] = u[1:] != u[:-1]
+    idx = np.arange(n)
+    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))  # earlier rows of the same user
+    out = np.empty(n, bool)
+    out[order] = rank < k
+    return out

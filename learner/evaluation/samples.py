@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from learner.evaluation.config import FEATURE_SETS, MULTI_VALUED, PAPER_FIELDS, REQUEST_TIME, TIME_UNITS, EvalConfig
 from learner.evaluation.ratings import Ratings, online_labels
@@ -145,4 +146,15 @@ def feature_config(features: str, cfg: EvalConfig) -> FeatureConfig:
     for name in PAPER_FIELDS:
         specs.append(FieldSpec(CTX_PREFIX + name, "multi" if name in MULTI_VALUED else "single",
                                cfg.zip_buckets if name == "zip" else cfg.ctx_buckets))
+    return FeatureConfig(tuple(specs), embedding_dim=cfg.embedding_dim)
+
+
+def columns_feature_config(sb: SampleBatch, cfg: EvalConfig) -> FeatureConfig:
+    """For a data set without MovieLens' fields (the synthetic feed): ids, history and every ``ctx.`` column
+    ``sb`` has, in name order (single or multi-valued as stored)."""
+    specs = [FieldSpec("user_id", "single", cfg.id_buckets), FieldSpec("item_id", "single", cfg.id_buckets),
+             FieldSpec("history", "sequence", cfg.id_buckets, shares="item_id")]
+    for f in sorted(sb.batch.schema, key=lambda f: f.name):
+        if f.name.startswith(CTX_PREFIX):
+            specs.append(FieldSpec(f.name, "multi" if pa.types.is_list(f.type) else "single", cfg.ctx_buckets))
     return FeatureConfig(tuple(specs), embedding_dim=cfg.embedding_dim)

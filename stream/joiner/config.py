@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stream.config import Choice
+from stream.errors import ConfigError
 
 
 class Driver(Choice):
@@ -14,6 +15,17 @@ class Driver(Choice):
     KAFKA = "kafka"
 
 
+class EmissionPolicy(Choice):
+    """When the joiner emits samples (``stream/joiner/engine.py``; the learner's correction in
+    ``learner/delayed.py``). Changing it under an existing app id's state is not supported: use a new
+    ``app_id`` (the restored impressions would be taken as emitted under the new policy)."""
+
+    WAIT = "wait"  # a positive at its click, a negative at window close
+    WINDOW = "window"  # everything at window close
+    FAKE_NEGATIVE = "fake_negative"  # a negative at once, a positive again at the click (Ktena et al. 2019)
+    ES_DFM = "es_dfm"  # the label observed after elapsed_s, a positive again at a later click (Yang et al. 2021)
+
+
 @dataclass(frozen=True)
 class JoinerSettings:
     """The impression-click joiner (``streamrec join``)."""
@@ -21,6 +33,8 @@ class JoinerSettings:
     app_id: str = "streamrec-joiner"  # faust app id = consumer group; names the state topic
     driver: Driver = Driver.FAUST  # faust | kafka (plain confluent-kafka loop, same semantics, faster)
     attribution_window_s: float = 1800.0  # a click within this event time of its impression labels it 1
+    emission: EmissionPolicy = EmissionPolicy.WAIT  # when samples go out (EmissionPolicy)
+    elapsed_s: float = 60.0  # es_dfm: event time an impression waits for its click before its observed sample
     allowed_lateness_s: float = 5.0  # watermark = max event time seen - allowed lateness
     late_retention_s: float = 3600.0  # how long after expiry a click is still recognised as late
     # A partition without clicks for this long (wall clock) lets impressions alone advance event time.
@@ -47,3 +61,7 @@ class JoinerSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "driver", Driver.of(self.driver, "[joiner] driver"))
+        object.__setattr__(self, "emission", EmissionPolicy.of(self.emission, "[joiner] emission"))
+        if not 0 <= self.elapsed_s <= self.attribution_window_s:
+            raise ConfigError(f"[joiner] elapsed_s must be between 0 and attribution_window_s "
+                              f"({self.attribution_window_s:g}), got {self.elapsed_s!r}")

@@ -29,6 +29,24 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
 - Events far in the past (older than the watermark by more than the window) are applied like any
   other: an impression expires at once as a negative, a click on it is late.
 
+When a sample goes out is the emission policy (``JoinConfig.policy``; ``stream/samples.py`` for the kinds,
+``learner/delayed.py`` for how the learner corrects for each):
+
+- ``wait``: a positive when the click arrives, a negative when the window closes (all :data:`FINAL`).
+- ``window``: every sample when its window closes, with its final label: no label-dependent order, but
+  every sample is a window old.
+- ``fake_negative`` (Ktena et al., RecSys 2019): every impression at once as an :data:`OBSERVED` 0, and
+  again as a :data:`DELAYED_POSITIVE` 1 when its click arrives inside the window.
+- ``es_dfm`` (elapsed-time sampling, Yang et al., AAAI 2021): an impression waits ``elapsed_ms`` of event
+  time; a click by then makes an :data:`OBSERVED` 1 at once, else an :data:`OBSERVED` 0 goes out when the
+  watermark passes ``ts + elapsed_ms``, and a click after that (inside the window) a :data:`DELAYED_POSITIVE`.
+  Decided by the click's delay, not by when the batch checks the timers: a click more than ``elapsed_ms``
+  after its impression always comes after an :data:`OBSERVED` 0, even when both are seen in one batch.
+
+Under every policy an impression has exactly one sample with its final label in view: a :data:`FINAL` one,
+or an :data:`OBSERVED` one followed by a :data:`DELAYED_POSITIVE` when it was clicked late. ``(impression_id,
+kind)`` is each sample's identity.
+
 State durability is event-sourced (``stream/joiner/state_log.py``): every batch yields one
 :class:`StateChunk` (impressions added, clicks joined, clicks waiting, watermark, offsets), and a
 chunk is retired (tombstoned) once nothing it holds can matter any more.
@@ -42,6 +60,7 @@ from dataclasses import dataclass, field
 
 from stream.events import Click, Impression
 from stream.features import hash_context, hash_value
+from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
 _NO_OFFSET = -1
@@ -56,6 +75,17 @@ class JoinConfig:
     watermark_quorum: int = 16  # an input's event time = its k-th largest event time seen
     max_pending: int = 500_000  # impressions held per partition
     max_waiting: int = 100_000  # impression ids with clicks waiting for their impression, per partition
+    policy: str = "wait"  # emission policy: wait | window | fake_negative | es_dfm (module docstring)
+    elapsed_ms: int = 0  # es_dfm: how long an impression waits for its click before its OBSERVED sample
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.elapsed_ms <= self.window_ms:
+            raise ValueError(f"elapsed_ms must be in [0, window_ms], got {self.elapsed_ms}")
+
+
+POLICIES = ("wait", "window", "fake_negative", "es_dfm")
 
 
 @dataclass(slots=True)
@@ -70,6 +100,7 @@ class Pending:
     dense: dict[str, float]
     chunk: int  # the state chunk that added it
     click_ts: int | None = None  # set once joined
+    observed: bool = False  # fake_negative / es_dfm: its OBSERVED sample is out
     # The user's clicked items before ts, oldest first: filled by the pipeline when the sample is
     # emitted (from Redis, filtered to clicks before ts), when event time has passed ts.
     history: list[int] = field(default_factory=list)
@@ -80,6 +111,7 @@ class Sample:
     pending: Pending
     label: int
     label_delay_ms: int
+    kind: int = FINAL  # stream/samples.py: FINAL | OBSERVED | DELAYED_POSITIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +165,7 @@ class PartitionJoin:
         self.cfg = cfg
         self.pending: dict[str, Pending] = {}
         self._expiry: list[tuple[int, str]] = []  # heap of (imp.ts + window, impression_id)
+        self._elapsed: list[tuple[int, str]] = []  # es_dfm: heap of (imp.ts + elapsed, impression_id)
         self.finalized: dict[str, tuple[int, int]] = {}  # id -> (ts, label), kept late_retention
         self._final_order: list[tuple[int, str]] = []  # heap of (ts + window + retention, id)
         self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
@@ -198,6 +231,11 @@ class PartitionJoin:
                             hash_context(ev.context), dict(ev.dense), seq)
                 self.pending[p.impression_id] = p
                 heapq.heappush(self._expiry, (ts + self.cfg.window_ms, p.impression_id))
+                if self.cfg.policy == "fake_negative":
+                    p.observed = True
+                    out.samples.append(Sample(p, 0, 0, OBSERVED))
+                elif self.cfg.policy == "es_dfm":
+                    heapq.heappush(self._elapsed, (ts + self.cfg.elapsed_ms, p.impression_id))
                 added.append(p)
                 out.new_impressions.append(p)
                 max_ref = max(max_ref, ts)
@@ -266,7 +304,11 @@ class PartitionJoin:
     def _finalize(self, p: Pending, out: BatchResult) -> None:
         """Take ``p`` out of the window: its negative sample if it had no click; remembered for late clicks."""
         del self.pending[p.impression_id]
-        if p.click_ts is None:
+        if self.cfg.policy == "window":
+            clicked = p.click_ts is not None
+            out.samples.append(Sample(p, int(clicked), p.click_ts - p.ts if p.click_ts is not None
+                                      else self.cfg.window_ms))
+        elif p.click_ts is None and not p.observed:
             out.samples.append(Sample(p, 0, self.cfg.window_ms))
         self.finalized[p.impression_id] = (p.ts, int(p.click_ts is not None))
         heapq.heappush(self._final_order, (p.ts + self.cfg.window_ms + self.cfg.late_retention_ms, p.impression_id))
@@ -296,7 +338,16 @@ class PartitionJoin:
             self._unjoined(out, p.impression_id, cts, "late")
             return False
         p.click_ts = cts
-        out.samples.append(Sample(p, 1, delay))
+        policy = self.cfg.policy
+        if policy == "wait":
+            out.samples.append(Sample(p, 1, delay))
+        elif policy != "window":  # fake_negative, es_dfm: after its OBSERVED 0 a click is a delayed positive
+            if not p.observed and delay > self.cfg.elapsed_ms:
+                # es_dfm in event time, whatever the batching: by then its elapsed time had passed unclicked
+                out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
+                p.observed = True
+            out.samples.append(Sample(p, 1, delay, DELAYED_POSITIVE if p.observed else OBSERVED))
+            p.observed = True
         out.joined_clicks.append(JoinedClick(p.user, p.item, cts))
         joined.append((p.impression_id, cts))
         out.stats["joined_clicks"] += 1
@@ -311,6 +362,12 @@ class PartitionJoin:
         wm = self.watermark
         if wm is None:
             return
+        while self._elapsed and self._elapsed[0][0] <= wm:  # es_dfm: waited long enough for a click
+            _, imp_id = heapq.heappop(self._elapsed)
+            p = self.pending.get(imp_id)
+            if p is not None and not p.observed:
+                p.observed = True
+                out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
         while self._expiry and self._expiry[0][0] <= wm:
             _, imp_id = heapq.heappop(self._expiry)
             p = self.pending.get(imp_id)
@@ -345,9 +402,14 @@ class PartitionJoin:
             for p in c.added:
                 self.pending[p.impression_id] = p
                 heapq.heappush(self._expiry, (p.ts + cfg.window_ms, p.impression_id))
+                # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
+                p.observed = cfg.policy == "fake_negative"
+                if cfg.policy == "es_dfm":
+                    heapq.heappush(self._elapsed, (p.ts + cfg.elapsed_ms, p.impression_id))
             for imp_id, cts in c.joined:
                 if imp_id in self.pending:
                     self.pending[imp_id].click_ts = cts
+                    self.pending[imp_id].observed = cfg.policy in ("fake_negative", "es_dfm")
                 times = self.waiting.get(imp_id)
                 if times and cts in times:
                     times.remove(cts)

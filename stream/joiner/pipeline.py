@@ -50,6 +50,7 @@ from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_
 from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import connect
+from stream.samples import DELAYED_POSITIVE
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.join")
@@ -87,6 +88,7 @@ class JoinTotals:
             "samples": c["samples"],
             "positives": c["positives"],
             "negatives": c["samples"] - c["positives"],
+            "delayed_positives": c["delayed_positives"],  # fake_negative / es_dfm: clicks after an observed 0
             "late_clicks": c["late_clicks"],
             "orphan_clicks": c["orphan_clicks"],
             "duplicate_clicks": c["duplicate_clicks"],
@@ -117,7 +119,7 @@ class JoinPipeline:
             window_ms=int(js.attribution_window_s * 1000), lateness_ms=int(js.allowed_lateness_s * 1000),
             late_retention_ms=int(js.late_retention_s * 1000), history_len=redis_settings.history_len,
             watermark_quorum=js.watermark_quorum, max_pending=js.max_pending_per_partition,
-            max_waiting=js.max_waiting_per_partition,
+            max_waiting=js.max_waiting_per_partition, policy=js.emission.value, elapsed_ms=int(js.elapsed_s * 1000),
         )
         # Credentials and TLS from [redis]; one PING first, so refused credentials end the worker at start with
         # one line (RedisAuthError) instead of failing every batch.
@@ -308,6 +310,7 @@ class JoinPipeline:
         positives = sum(s.label for s in res.samples)
         c["samples"] += len(res.samples)
         c["positives"] += positives
+        c["delayed_positives"] += sum(1 for s in res.samples if s.kind == DELAYED_POSITIVE)
         c["pending_impressions"] = sum(len(e.pending) for e in self.engines.values())
         m.record(res, positives, self.engines, c)
 

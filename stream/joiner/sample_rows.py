@@ -53,6 +53,7 @@ def to_batch(rows: list[Sample]) -> SampleBatch:
         history=[p.history for p in ps],
         context=context,  # type: ignore[arg-type]
         dense={k: np.array(v, np.float32) for k, v in dense.items()},
+        kind=np.array([s.kind for s in rows], np.int8),
     )
 
 

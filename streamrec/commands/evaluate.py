@@ -54,7 +54,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--new-user-session-s", type=float,
                    help="synthetic: spread a new user's impressions over a session of S seconds of event time, "
                    "interleaved with other users' (default 0: one consecutive burst)")
-    p.add_argument("--protocol", choices=["autoint", "online"],
+    p.add_argument("--protocol", choices=["autoint", "online", "delayed"],
                    help="autoint: offline 8:1:1 split, test AUC/logloss; online: one test-then-train pass in "
                    "event time, progressive AUC/logloss")
     p.add_argument("--features", default="default", choices=["paper", "default"],
@@ -71,6 +71,16 @@ def add_parser(sub: Any) -> None:
                    "stop sooner); online always makes one pass")
     p.add_argument("--limit", type=int, help="use only the earliest N ratings in event time (quick looks; not "
                    "comparable with full runs)")
+    g = p.add_argument_group("--protocol delayed: the joiner and the replay it simulates")
+    g.add_argument("--emission", choices=["wait", "window", "fake_negative", "es_dfm"],
+                   help="the joiner's emission policy (default wait; `streamrec join --help`)")
+    g.add_argument("--elapsed-s", type=float, help="es_dfm: event time an impression waits for its click (default 60)")
+    g.add_argument("--window-s", type=float, help="attribution window, event-time seconds (default 1800)")
+    g.add_argument("--init-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="start the model's bias at the logit of the first step's click rate")
+    g.add_argument("--syn-impressions", type=int, help="--dataset synthetic: impressions (default 300000)")
+    g.add_argument("--syn-base-ctr", type=float, help="--dataset synthetic: the planted base click rate "
+                   "(default 0.1; 0.004 for a low-CTR stream)")
     g = p.add_argument_group("model overrides (default: the tuned configuration of the protocol)")
     g.add_argument("--embedding-dim", type=int, help="embedding width")
     g.add_argument("--mlp", help="hidden layer widths, comma-separated, e.g. 400,400,400")
@@ -92,14 +102,17 @@ def run(args: argparse.Namespace) -> int:
     if args.cold_start:
         return _evaluate_cold_start(args)
     if args.protocol is None:
-        raise SettingsError("--protocol autoint|online is required (or --cold-start)")
-    if args.dataset not in DATASETS:
+        raise SettingsError("--protocol autoint|online|delayed is required (or --cold-start)")
+    if args.dataset not in DATASETS and not (args.dataset == "synthetic" and args.protocol == "delayed"):
         raise SettingsError(f"--dataset {args.dataset!r}: evaluate knows the packaged MovieLens data sets "
                             f"({', '.join(sorted(DATASETS))})")
     src = sources(args)
     over = src.build(EvalOverrides, "evaluate", embedding_dim=args.embedding_dim, mlp=args.mlp,
                      dropout=args.dropout, lr_dense=args.lr_dense, lr_sparse=args.lr_sparse,
-                     batch_size=args.batch_size, threads=args.threads, history_delay_s=args.history_delay_s)
+                     batch_size=args.batch_size, threads=args.threads, history_delay_s=args.history_delay_s,
+                     emission=args.emission, elapsed_s=args.elapsed_s, window_s=args.window_s,
+                     init_bias=args.init_bias, syn_impressions=args.syn_impressions,
+                     syn_base_ctr=args.syn_base_ctr)
     try:
         summary = evaluate(args.dataset, args.protocol, args.features, args.seed, epochs=args.epochs,
                            config=over.to_config(), limit=args.limit, log=not args.quiet)

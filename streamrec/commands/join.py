@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from stream.config import RedisSettings
-from stream.joiner.config import Driver, JoinerSettings
+from stream.joiner.config import Driver, EmissionPolicy, JoinerSettings
 from streamrec.commands.common import (
     add_common,
     add_kafka_flag,
@@ -33,6 +33,13 @@ def add_parser(sub: Any) -> None:
                    f"(default {JoinerSettings.attribution_window_s:g})")
     p.add_argument("--lateness-s", type=float, help="allowed lateness of the watermark, seconds "
                    f"(default {JoinerSettings.allowed_lateness_s:g})")
+    p.add_argument("--emission", choices=[e.value for e in EmissionPolicy],
+                   help="when samples go out: wait (a positive at its click, a negative when the window closes), "
+                   "window (all at window close), fake_negative (a negative at once and the positive again at its "
+                   "click), es_dfm (the label seen after --elapsed-s, the positive again at a later click); "
+                   f"default {JoinerSettings.emission}. The learner corrects for each (README, delayed feedback)")
+    p.add_argument("--elapsed-s", type=float, help="es_dfm: event time an impression waits for its click "
+                   f"(default {JoinerSettings.elapsed_s:g})")
     p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="exit after this long without input "
                    "(bounded runs: tests, demo, replays)")
     p.add_argument("--drain", action="store_true", help="with --exit-when-idle: treat the input as complete and "
@@ -60,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
                    allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
                    drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver,
-                   metrics_host=args.metrics_host)
+                   metrics_host=args.metrics_host, emission=args.emission, elapsed_s=args.elapsed_s)
     setup_logging(args.log_level)
     if js.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -83,6 +90,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         pipeline.close()
     summary = pipeline.totals.summary()
-    summary.update(group=js.app_id, driver=js.driver)
+    summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total)
     emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
     return code

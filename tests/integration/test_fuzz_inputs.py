@@ -610,7 +610,7 @@ def hostile_samples(draw: st.DrawFn) -> bytes:
     good_metadata = {b"streamrec.schema": b"samples", b"streamrec.schema_version": b"1"}
     metadata = draw(st.sampled_from([good_metadata] * 6 + [
         None, {b"streamrec.schema": b"samples"},
-        {b"streamrec.schema": b"samples", b"streamrec.schema_version": b"2"}, {b"streamrec.schema": b"x"}]))
+        {b"streamrec.schema": b"samples", b"streamrec.schema_version": b"3"}, {b"streamrec.schema": b"x"}]))
     nullable = draw(st.booleans())
     schema = pa.schema([pa.field(nm, a.type, nullable=nullable or a.type == pa.null())
                         for nm, a in zip(names, arrays, strict=True)], metadata=metadata)

@@ -9,7 +9,7 @@ import torch
 
 from learner.artifact import build_artifact
 from learner.batch import to_tensors
-from learner.cold_start import cold_mask
+from learner.evaluation.ratings import cold_mask
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.optim import make_optimizers

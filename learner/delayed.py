@@ -1,0 +1,100 @@
+"""The learner's side of delayed feedback: importance weights for the joiner's emission policies.
+
+The joiner (``stream/joiner/engine.py``) says with each sample's ``kind`` (``stream/samples.py``) how final its
+label is. ``FINAL`` samples (policies ``wait`` and ``window``) are trained as they are. ``OBSERVED`` samples and
+their ``DELAYED_POSITIVE`` duplicates (policies ``fake_negative`` and ``es_dfm``) come from a biased
+distribution ``q``: every clicked impression that was not clicked by the time it was observed is in it twice,
+once as a 0 and once as a 1. Training with per-sample weights ``p(y|x) / q(y|x)`` makes the loss an unbiased
+estimate of the loss on the true distribution ``p`` (importance sampling).
+
+Elapsed-time sampling (ES-DFM: Yang, Li, Han, Zhang, Wu, Zhuang, Zhou, "Capturing Delayed Feedback in
+Conversion Rate Prediction via Elapsed-Time Sampling", AAAI 2021, eqs. 6-9): with ``p_dp(x)`` the probability
+that ``x`` is a delayed positive (clicked, but after the elapsed time),
+
+    q(y=1 | x) = p(y=1 | x) / (1 + p_dp(x))
+    q(y=0 | x) = (p(y=0 | x) + p_dp(x)) / (1 + p_dp(x))
+
+    w+ = p(y=1|x) / q(y=1|x) = 1 + p_dp(x)
+    w- = p(y=0|x) / q(y=0|x) = (1 + p_dp(x)) * p(y=0|x) / (p(y=0|x) + p_dp(x))
+
+With no wait at all (``fake_negative``) every positive is a delayed one, ``p_dp = p(y=1|x)``, and the weights
+become the fake-negative weighting of Ktena, Tejani, Theis, Myana, Dilipkumar, Huszar, Yoo, Shi, "Addressing
+Delayed Feedback for Continuous Training with Neural Networks in CTR prediction", RecSys 2019 (FNW, eq. 9):
+``w+ = 1 + p``, ``w- = (1 - p)(1 + p)``.
+
+``p(y=1|x)`` is the model's own prediction, taken as a constant (no gradient through the weights), as in both
+papers. ``p_dp(x)`` is where this differs from the ES-DFM paper, which learns it with an auxiliary classifier:
+here ``p_dp(x) = p(y=1|x) * S``, where ``S`` is the share of clicks that come after the elapsed time, counted on
+the stream itself (delayed positives over all positives, with a prior of ``prior_late_share`` worth
+``prior_weight`` positives). That assumes the click delay does not depend on ``x``, which holds for the replay's
+delay model and is the approximation to revisit if real delays depend on the item. ``S = 1`` is exactly FNW;
+``S = 0`` (no click ever comes late) gives weights of 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from stream.samples import DELAYED_POSITIVE, FINAL
+
+
+class DelayedFeedbackWeights:
+    """Per-sample loss weights for a batch of kinds, labels and the model's (detached) click probabilities."""
+
+    def __init__(self, prior_late_share: float = 0.5, prior_weight: float = 20.0) -> None:
+        self.prior_late_share, self.prior_weight = prior_late_share, prior_weight
+        self.positives = 0  # positives seen among OBSERVED and DELAYED_POSITIVE rows ...
+        self.delayed = 0  # ... and how many of them came as DELAYED_POSITIVE
+
+    @property
+    def late_share(self) -> float:
+        """S: the estimated share of clicks that arrive after the elapsed time."""
+        return ((self.delayed + self.prior_late_share * self.prior_weight)
+                / (self.positives + self.prior_weight))
+
+    def observe(self, kinds: np.ndarray, labels: np.ndarray) -> None:
+        """Count the positives of a batch (before its weights are computed: the estimate is causal)."""
+        corrected = kinds != FINAL
+        self.positives += int((labels[corrected] > 0.5).sum())
+        self.delayed += int((kinds == DELAYED_POSITIVE).sum())
+
+    def weights(self, kinds: np.ndarray, labels: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
+        """``(B,)`` float32 weights, or None when every row is FINAL (no correction: plain mean loss)."""
+        if not (kinds != FINAL).any():
+            return None
+        kind_t = torch.from_numpy(np.asarray(kinds, np.int64)).to(labels.device)
+        p = probs.detach().float().clamp(1e-6, 1 - 1e-6)
+        dp = p * self.late_share  # p_dp(x)
+        w_pos = 1.0 + dp
+        w_neg = (1.0 + dp) * (1.0 - p) / (1.0 - p + dp)
+        w = torch.where(labels > 0.5, w_pos, w_neg)
+        return torch.where(kind_t == FINAL, torch.ones_like(w), w)  # (B,)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"positives": self.positives, "delayed": self.delayed}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.positives, self.delayed = int(d.get("positives", 0)), int(d.get("delayed", 0))
+
+
+def init_bias(model: torch.nn.Module, labels: np.ndarray, kinds: np.ndarray) -> float:
+    """Start a fresh model's ``bias`` at :func:`base_rate_logit` of its first batch (so its first predictions
+    are the base rate, NE about 1, instead of 0.5); returns the logit."""
+    logit = base_rate_logit(labels, kinds)
+    with torch.no_grad():
+        model.get_parameter("bias").fill_(logit)
+    return logit
+
+
+def base_rate_logit(labels: np.ndarray, kinds: np.ndarray, floor: float = 1e-3) -> float:
+    """The logit of the click rate a first batch shows, for a fresh model's bias: positives over impressions
+    (a DELAYED_POSITIVE is an impression already counted by its OBSERVED row), clipped to [floor, 1 - floor]."""
+    impressions = int((kinds != DELAYED_POSITIVE).sum())
+    if impressions == 0:
+        return 0.0
+    positives = int((labels > 0.5).sum())  # an impression has at most one positive row, of any kind
+    rate = min(max(positives / impressions, floor), 1 - floor)
+    return float(np.log(rate / (1 - rate)))

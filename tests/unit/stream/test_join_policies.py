@@ -1,0 +1,170 @@
+"""The joiner's emission policies (stream/joiner/engine.py): when each sample goes out and with which kind,
+that every impression ends with exactly its wait-policy label in view, and that a restore mid-stream emits
+what an uninterrupted run does."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from stream.events import Click, Impression
+from stream.joiner.engine import POLICIES, JoinConfig, PartitionJoin, Sample
+from stream.joiner.state_log import decode_chunk, encode_chunk
+from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
+
+W, E = 1000, 200  # window, es_dfm's elapsed (ms)
+BASE = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=5000, watermark_quorum=1, elapsed_ms=E)
+
+
+def cfg(policy: str) -> JoinConfig:
+    return dataclasses.replace(BASE, policy=policy)
+
+
+def imp(i: str, ts: int) -> Impression:
+    return Impression(i, ts, "u", "x", {"device": "ios"}, {})
+
+
+def out(samples: list[Sample]) -> list[tuple[str, int, int]]:
+    return [(s.pending.impression_id, s.label, s.kind) for s in samples]
+
+
+def step(j: PartitionJoin, offs: list[int], imps=(), clicks=(), drain: bool = False) -> list[tuple[str, int, int]]:
+    """Apply impressions and clicks with offsets numbered per topic (``offs`` = [imp, click] last offsets)."""
+    ii = []
+    for e in imps:
+        offs[0] += 1
+        ii.append((offs[0], e))
+    cc = []
+    for e in clicks:
+        offs[1] += 1
+        cc.append((offs[1], e))
+    return out(j.apply(ii, cc, drain=drain).samples)
+
+
+def test_window_emits_every_sample_at_window_close_with_its_final_label() -> None:
+    j, o = PartitionJoin(0, cfg("window")), [-1, -1]
+    assert step(j, o, [imp("a", 100), imp("b", 100)], [Click("a", 300)]) == []  # the click makes no sample yet
+    assert sorted(step(j, o, [imp("c", 1200)], [Click("z", 1200)])) == [("a", 1, FINAL), ("b", 0, FINAL)]
+
+
+def test_fake_negative_emits_a_negative_at_once_and_the_positive_again_at_its_click() -> None:
+    j, o = PartitionJoin(0, cfg("fake_negative")), [-1, -1]
+    assert step(j, o, [imp("a", 100), imp("b", 100)]) == [("a", 0, OBSERVED), ("b", 0, OBSERVED)]
+    assert step(j, o, [], [Click("a", 900)]) == [("a", 1, DELAYED_POSITIVE)]
+    assert step(j, o, [imp("c", 1200)], [Click("z", 1200)]) == [("c", 0, OBSERVED)]  # a, b expire: nothing more
+    assert step(j, o, [], [Click("b", 1300)]) == []  # late: reported, no sample
+    assert "b" not in j.pending and j.finalized["b"] == (100, 0)
+
+
+def test_fake_negative_with_a_click_before_its_impression_still_emits_the_negative_first() -> None:
+    j, o = PartitionJoin(0, cfg("fake_negative")), [-1, -1]
+    assert step(j, o, [], [Click("a", 150)]) == []
+    assert step(j, o, [imp("a", 100)]) == [("a", 0, OBSERVED), ("a", 1, DELAYED_POSITIVE)]
+
+
+def test_es_dfm_waits_elapsed_then_emits_what_it_saw_and_a_later_click_as_a_delayed_positive() -> None:
+    j, o = PartitionJoin(0, cfg("es_dfm")), [-1, -1]
+    assert step(j, o, [imp("a", 100), imp("b", 100), imp("c", 100)], [Click("a", 150)]) == [("a", 1, OBSERVED)]
+    assert step(j, o, [imp("d", 350)], [Click("z", 350)]) == [("b", 0, OBSERVED), ("c", 0, OBSERVED)]
+    assert step(j, o, [], [Click("b", 800)]) == [("b", 1, DELAYED_POSITIVE)]
+    assert sorted(step(j, o, [imp("e", 1500)], [Click("y", 1500)])) == [("d", 0, OBSERVED)]  # a, b, c expire
+
+
+def test_es_dfm_decides_by_the_click_delay_not_by_the_batch_that_sees_it() -> None:
+    j, o = PartitionJoin(0, cfg("es_dfm")), [-1, -1]
+    # one batch holds the impressions and their clicks: "a" clicked within the elapsed time, "b" after it
+    assert step(j, o, [imp("a", 100), imp("b", 100)], [Click("a", 250), Click("b", 450)]) == [
+        ("a", 1, OBSERVED), ("b", 0, OBSERVED), ("b", 1, DELAYED_POSITIVE)]
+
+
+def test_es_dfm_an_impression_evicted_before_its_elapsed_time_gets_a_final_negative() -> None:
+    c = dataclasses.replace(cfg("es_dfm"), max_pending=1)
+    j, o = PartitionJoin(0, c), [-1, -1]
+    assert step(j, o, [imp("a", 100), imp("b", 110)]) == [("a", 0, FINAL)]  # "a" evicted by the cap
+
+
+def test_es_dfm_needs_an_elapsed_time_inside_the_window() -> None:
+    with pytest.raises(ValueError, match="elapsed_ms"):
+        dataclasses.replace(BASE, policy="es_dfm", elapsed_ms=W + 1)
+    with pytest.raises(ValueError, match="policy"):
+        dataclasses.replace(BASE, policy="sometimes")
+
+
+def random_stream(seed: int, n: int = 300) -> list[tuple[list[Impression], list[Click]]]:
+    """Batches of impressions and clicks in roughly event-time order: clicks up to 1.5 windows late, some before
+    their impression arrives, some duplicated."""
+    rnd = random.Random(seed)
+    events: list[tuple[int, int, object]] = []
+    for k in range(n):
+        ts = k * 7
+        events.append((ts, 0, imp(f"i{k}", ts)))
+        if rnd.random() < 0.4:
+            cts = ts + int(rnd.expovariate(1 / 250))
+            for _ in range(1 + (rnd.random() < 0.1)):
+                events.append((cts + rnd.randint(-30, 30), 1, Click(f"i{k}", cts)))
+    events.sort(key=lambda e: (e[0], e[1]))
+    batches, cur = [], ([], [])
+    for _, kind, ev in events:
+        cur[kind].append(ev)
+        if rnd.random() < 0.08:
+            batches.append(cur)
+            cur = ([], [])
+    batches.append(cur)
+    return batches
+
+
+def run(policy: str, batches, restore_at: int | None = None) -> list[tuple[str, int, int]]:
+    """Every sample of ``batches`` then a drain; with ``restore_at``, the partition is rebuilt from its state log
+    (encoded and decoded, retired chunks dropped) before that batch."""
+    c = cfg(policy)
+    j, o, emitted, log = PartitionJoin(0, c), [-1, -1], [], {}
+    for k, (imps, clicks) in enumerate(batches):
+        if k == restore_at:
+            j = PartitionJoin.restore(0, c, [decode_chunk(encode_chunk(ch)) for ch in log.values()])
+        ii = [(o[0] + 1 + n, e) for n, e in enumerate(imps)]
+        cc = [(o[1] + 1 + n, e) for n, e in enumerate(clicks)]
+        o[0] += len(imps)
+        o[1] += len(clicks)
+        r = j.apply(ii, cc, drain=k == len(batches) - 1)
+        emitted += out(r.samples)
+        if r.chunk is not None:
+            log[r.chunk.seq] = r.chunk
+        for seq in r.retired:
+            log.pop(seq, None)
+    return emitted
+
+
+def final_view(emitted: list[tuple[str, int, int]]) -> dict[str, int]:
+    """The label each impression ends with: a delayed positive overrides its observed 0."""
+    labels: dict[str, int] = {}
+    for imp_id, label, kind in emitted:
+        labels[imp_id] = max(labels.get(imp_id, 0), label) if kind == DELAYED_POSITIVE else label
+    return labels
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_ends_each_impression_with_the_wait_label_and_one_sample_per_kind(policy: str,
+                                                                                   seed: int) -> None:
+    batches = random_stream(seed)
+    emitted = run(policy, batches)
+    assert final_view(emitted) == final_view(run("wait", batches))
+    assert len(set((i, k) for i, _, k in emitted)) == len(emitted)  # (impression_id, kind) is unique
+    kinds = {k for _, _, k in emitted}
+    assert kinds <= ({FINAL} if policy in ("wait", "window") else {FINAL, OBSERVED, DELAYED_POSITIVE})
+    per_imp: dict[str, list[int]] = {}
+    for i, _, k in emitted:
+        per_imp.setdefault(i, []).append(k)
+    # one sample, or an observed one then its delayed positive
+    assert all(ks in ([FINAL], [OBSERVED], [OBSERVED, DELAYED_POSITIVE]) for ks in per_imp.values()), per_imp
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_partition_restored_mid_stream_emits_what_an_uninterrupted_one_does(policy: str, seed: int) -> None:
+    batches = random_stream(seed)
+    whole = run(policy, batches)
+    for at in (len(batches) // 3, len(batches) // 2, 2 * len(batches) // 3):
+        assert sorted(run(policy, batches, restore_at=at)) == sorted(whole), at
