@@ -79,7 +79,7 @@ class EvalConfig:
             raise ValueError("batch_size, epochs and patience must be >= 1")
         if self.emission not in EMISSIONS:
             raise ValueError(f"emission must be one of {EMISSIONS}, got {self.emission!r}")
-        if not 0 <= self.elapsed_s <= self.window_s:
+        if self.emission == "es_dfm" and not 0 <= self.elapsed_s <= self.window_s:
             raise ValueError(f"elapsed_s must be between 0 and window_s ({self.window_s:g}), got {self.elapsed_s!r}")
         if not (math.isfinite(self.history_delay_s) and self.history_delay_s >= 0):
             raise ValueError(f"history_delay_s must be a finite number >= 0, got {self.history_delay_s!r}")

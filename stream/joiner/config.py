@@ -62,6 +62,6 @@ class JoinerSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "driver", Driver.of(self.driver, "[joiner] driver"))
         object.__setattr__(self, "emission", EmissionPolicy.of(self.emission, "[joiner] emission"))
-        if not 0 <= self.elapsed_s <= self.attribution_window_s:
+        if self.emission is EmissionPolicy.ES_DFM and not 0 <= self.elapsed_s <= self.attribution_window_s:
             raise ConfigError(f"[joiner] elapsed_s must be between 0 and attribution_window_s "
                               f"({self.attribution_window_s:g}), got {self.elapsed_s!r}")

@@ -81,7 +81,7 @@ class JoinConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not 0 <= self.elapsed_ms <= self.window_ms:
+        if self.policy == "es_dfm" and not 0 <= self.elapsed_ms <= self.window_ms:
             raise ValueError(f"elapsed_ms must be in [0, window_ms], got {self.elapsed_ms}")
 
 
