@@ -29,8 +29,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from learner.batch import to_tensors
+from learner.batch import TensorBatch, to_tensors
 from learner.evaluation.config import EvalConfig
+from learner.evaluation.delayed import run_delayed
 from learner.evaluation.protocols import Log, log_to
 from learner.evaluation.ratings import Ratings, cold_mask, load_ratings, online_labels, synthetic_ratings
 from learner.evaluation.samples import build_samples
@@ -82,19 +83,55 @@ def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, varia
     return FeatureConfig(tuple(specs), embedding_dim=cfg.embedding_dim)
 
 
-def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdStartConfig, variant: str,
-                 seed: int, log: Log) -> dict[str, Any]:
-    fcfg = _feature_config(sb, cfg, cs, variant)
+def _trainer(fcfg: FeatureConfig, cfg: EvalConfig, cs: ColdStartConfig, variant: str, seed: int) -> Trainer:
     model = DeepFM(fcfg, mlp=cfg.mlp, dropout=cfg.dropout, seed=seed, autocast_dtype=None)
     boost = (cs.boost, cs.boost_half_life) if variant == "admission" and cs.boost > 0 else (0.0, 0.0)
     sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer, boost=boost[0],
                                     boost_half_life=boost[1], initial_accumulator=cfg.initial_accumulator)
-    trainer = Trainer(model, sparse, dense)
+    return Trainer(model, sparse, dense)
+
+
+class VariantIds:
+    """One variant's ids for ``learner.evaluation.delayed.run_delayed`` (its ``Ids``): the feature config, the
+    RowMapper on every batch (serving's lookups do not count towards admission) and the zero default vector."""
+
+    def __init__(self, cfg: EvalConfig, cs: ColdStartConfig, variant: str, seed: int) -> None:
+        self.cfg, self.cs, self.variant, self.seed = cfg, cs, variant, seed
+        self.mapper: RowMapper | None = None
+        self._trainer: Trainer | None = None
+        self._zero_rows: torch.Tensor | None = None
+
+    def feature_config(self, sb: SampleBatch) -> FeatureConfig:
+        return _feature_config(sb, self.cfg, self.cs, self.variant)
+
+    def trainer(self, fcfg: FeatureConfig) -> Trainer:
+        self.mapper = RowMapper(fcfg)
+        self._trainer = _trainer(fcfg, self.cfg, self.cs, self.variant, self.seed)
+        if self.variant == "zero":
+            self._zero_rows = torch.tensor([fcfg.blocks[i][0] for i in (0, 1)])
+            self.after_step()
+        return self._trainer
+
+    def prepare(self, tb: TensorBatch, now_s: float, train: bool) -> None:
+        assert self.mapper is not None and self._trainer is not None
+        self.mapper.apply(tb, now=now_s, train=train, model=self._trainer.model, sparse_opt=self._trainer.sparse_opt)
+
+    def after_step(self) -> None:
+        if self._zero_rows is not None and self._trainer is not None:  # the default vector stays zero
+            with torch.no_grad():
+                self._trainer.model.get_parameter("sparse.bag.weight")[self._zero_rows] = 0.0
+
+
+def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdStartConfig, variant: str,
+                 seed: int, log: Log) -> dict[str, Any]:
+    fcfg = _feature_config(sb, cfg, cs, variant)
+    trainer = _trainer(fcfg, cfg, cs, variant, seed)
+    model, sparse = trainer.model, trainer.sparse_opt
     mapper = RowMapper(fcfg)
     zero_rows = torch.tensor([fcfg.blocks[i][0] for i in (0, 1)]) if variant == "zero" else None
     if zero_rows is not None:
         with torch.no_grad():
-            model.sparse.bag.weight[zero_rows] = 0.0
+            model.get_parameter("sparse.bag.weight")[zero_rows] = 0.0
     n = len(sb)
     probs = np.empty(n, np.float64)
     ts = sb.column("ts")
@@ -105,7 +142,7 @@ def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdSta
         probs[start:start + len(tb)] = trainer.test_then_train(tb)
         if zero_rows is not None:  # the default vector stays zero
             with torch.no_grad():
-                model.sparse.bag.weight[zero_rows] = 0.0
+                model.get_parameter("sparse.bag.weight")[zero_rows] = 0.0
     y = sb.column("label").astype(np.float64)
     out: dict[str, Any] = {"seconds": time.perf_counter() - t0}
     for name, m in (("cold", cold), ("warm", ~cold), ("all", np.ones(n, bool))):
@@ -117,9 +154,29 @@ def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdSta
     return out
 
 
+def _served_variant(r: Ratings, cfg: EvalConfig, cs: ColdStartConfig, variant: str, seed: int,
+                    log: Log) -> dict[str, Any]:
+    """One variant through the delayed protocol, reported like :func:`_run_variant` (cold / warm / all)."""
+    ids = VariantIds(replace(cfg, batch_size=cs.batch_size), cs, variant, seed)
+    d = run_delayed(r, "default", seed, replace(cfg, batch_size=cs.batch_size, cold_k=cs.cold_k), log,
+                    lambda f, c, s: _trainer(f, c, cs, variant, s), ids=ids)
+    out: dict[str, Any] = {"seconds": d["train_s"]}
+    for name, key in (("cold", "served_cold"), ("warm", "served_warm"), ("all", "served")):
+        out[name] = {"samples": d[key]["n"], "auc": d[key]["auc"], "logloss": d[key]["logloss"], "ne": d[key]["ne"]}
+    assert ids.mapper is not None
+    out["id_maps"] = {k: {s: v[s] for s in ("occupancy", "bucket_share", "admissions", "evictions")}
+                      for k, v in ids.mapper.stats().items()}
+    log(f"{variant} (served, {cfg.emission}): cold auc {out['cold']['auc']:.4f}  warm auc {out['warm']['auc']:.4f}")
+    return out
+
+
 def evaluate_cold_start(dataset: str = "synthetic", seed: int = 42, *, config: dict[str, Any] | None = None,
                         cold: ColdStartConfig | None = None, limit: int | None = None,
-                        variants: tuple[str, ...] = VARIANTS, log: Log | bool | None = None) -> dict[str, Any]:
+                        variants: tuple[str, ...] = VARIANTS, log: Log | bool | None = None,
+                        protocol: str = "online") -> dict[str, Any]:
+    """The variants on one stream. ``protocol`` "online": test-then-train in event-time order with immediate
+    labels (the module docstring); "delayed": served quality through the joiner's emission policy
+    (``learner/evaluation/delayed.py``, ``config["emission"]``), with the variant's ids."""
     cs = cold or ColdStartConfig()
     cfg = replace(EvalConfig(mlp=(200, 200)), **(config or {}))
     out_log = log_to(log)
@@ -137,11 +194,15 @@ def evaluate_cold_start(dataset: str = "synthetic", seed: int = 42, *, config: d
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        results = {v: _run_variant(sb, cold_rows, cfg, cs, v, seed, out_log) for v in variants}
+        if protocol == "delayed":
+            results = {v: _served_variant(r, cfg, cs, v, seed, out_log) for v in variants}
+        else:
+            results = {v: _run_variant(sb, cold_rows, cfg, cs, v, seed, out_log) for v in variants}
     finally:
         torch.set_num_threads(threads)
     summary: dict[str, Any] = {
-        "dataset": dataset, "protocol": "cold-start", "seed": seed, "limit": limit, "samples": len(r),
+        "dataset": dataset, "protocol": "cold-start" if protocol == "online" else "cold-start/delayed",
+        "emission": cfg.emission if protocol == "delayed" else None, "seed": seed, "limit": limit, "samples": len(r),
         "cold_samples": int(cold_rows.sum()), "users": int(len(np.unique(r.user))),
         "variants": results, "cold_start": vars(cs), "config": cfg.to_dict(),
         "elapsed_s": time.perf_counter() - t0,
@@ -156,7 +217,8 @@ def evaluate_cold_start(dataset: str = "synthetic", seed: int = 42, *, config: d
 
 
 def describe(d: dict[str, Any]) -> str:
-    lines = [f"{d['dataset']} cold start: {d['samples']:,} samples in event-time order, {d['cold_samples']:,} "
+    how = f" (served through the joiner's {d['emission']} policy)" if d.get("emission") else ""
+    lines = [f"{d['dataset']} cold start{how}: {d['samples']:,} samples in event-time order, {d['cold_samples']:,} "
              f"cold (a user's first {d['cold_start']['cold_k']} impressions), {d['users']:,} users",
              f"  {'variant':<10} {'cold AUC':>9} {'cold logloss':>13} {'warm AUC':>9} {'all AUC':>8} {'seconds':>8}"]
     for v, r in d["variants"].items():

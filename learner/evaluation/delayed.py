@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from learner.batch import to_tensors
+from learner.batch import TensorBatch, to_tensors
 from learner.delayed import init_bias
 from learner.evaluation.config import EvalConfig
 from learner.evaluation.ratings import Ratings, cold_mask, online_labels
 from learner.evaluation.samples import build_samples, columns_feature_config, feature_config
+from learner.features import FeatureConfig
 from learner.progressive import auc, logloss, normalized_entropy
 from learner.trainer import Trainer
 from stream.events import Click, Impression
@@ -61,9 +62,23 @@ def _relabel(sb: SampleBatch, rows: np.ndarray, labels: np.ndarray, kinds: np.nd
     return SampleBatch(b.set_column(b.schema.get_field_index("kind"), "kind", pa.array(kinds.astype(np.int8))))
 
 
+class Ids(Protocol):
+    """How a run treats ids (``learner/cold_start.py``'s variants): its feature config, and what it does to
+    every batch before the model sees it (``train``: a training step, else serving's lookup) and after each
+    training step."""
+
+    def feature_config(self, sb: SampleBatch) -> FeatureConfig: ...
+
+    def trainer(self, fcfg: FeatureConfig) -> Trainer: ...
+
+    def prepare(self, tb: TensorBatch, now_s: float, train: bool) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
 def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
-                make_trainer: Callable[[Any, EvalConfig, int], Trainer]) -> dict[str, Any]:
-    """The ``delayed`` protocol on ``r`` (module docstring)."""
+                make_trainer: Callable[[Any, EvalConfig, int], Trainer], ids: Ids | None = None) -> dict[str, Any]:
+    """The ``delayed`` protocol on ``r`` (module docstring); ``ids`` None: hashed ids (the feature set's)."""
     n = len(r)
     clicked_rows = np.flatnonzero(online_labels(r.rating))
     rng = np.random.Generator(np.random.PCG64(cfg.delay_seed))
@@ -78,8 +93,12 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
     t0 = time.perf_counter()
     sb = build_samples(r, np.arange(n), y.astype(np.int8), features, cfg)
     build_s = time.perf_counter() - t0
-    fcfg = columns_feature_config(sb, cfg) if r.dataset == "synthetic" else feature_config(features, cfg)
-    trainer = make_trainer(fcfg, cfg, seed)
+    if ids is not None:
+        fcfg = ids.feature_config(sb)
+        trainer = ids.trainer(fcfg)
+    else:
+        fcfg = columns_feature_config(sb, cfg) if r.dataset == "synthetic" else feature_config(features, cfg)
+        trainer = make_trainer(fcfg, cfg, seed)
 
     jcfg = JoinConfig(window_ms=window_ms, lateness_ms=int(cfg.lateness_s * 1000), policy=cfg.emission,
                       elapsed_ms=int(cfg.elapsed_s * 1000), max_pending=10 * n + 1, max_waiting=10 * n + 1)
@@ -106,8 +125,12 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
         if to_score:
             rows = np.concatenate(to_score)
             to_score.clear()
-            probs = [trainer.predict(to_tensors(SampleBatch(sb.batch.take(pa.array(rows[i:i + cfg.eval_batch]))),
-                                                fcfg)) for i in range(0, len(rows), cfg.eval_batch)]
+            probs = []
+            for i in range(0, len(rows), cfg.eval_batch):
+                tb = to_tensors(SampleBatch(sb.batch.take(pa.array(rows[i:i + cfg.eval_batch]))), fcfg)
+                if ids is not None:
+                    ids.prepare(tb, float(r.ts_ms[rows[i]]) / 1000.0, False)
+                probs.append(trainer.predict(tb))
             served[rows] = np.concatenate(probs)
 
     def train(now_ms: int, final: bool = False) -> None:
@@ -120,7 +143,12 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
             if not bias_set:
                 init_bias(trainer.model, labels, kinds)
                 bias_set = True
-            trainer.test_then_train(to_tensors(_relabel(sb, rows, labels, kinds), fcfg))
+            tb = to_tensors(_relabel(sb, rows, labels, kinds), fcfg)
+            if ids is not None:
+                ids.prepare(tb, now_ms / 1000.0, True)
+            trainer.test_then_train(tb)
+            if ids is not None:
+                ids.after_step()
             pos = rows[labels == 1]
             freshness_ms.append(now_ms - click_at[pos])
 
@@ -163,7 +191,7 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
         "es_dfm_elapsed_s": cfg.elapsed_s if cfg.emission == "es_dfm" else None,
         "window_s": cfg.window_s, "positive_rate": float(y.mean()),
         "served": served_metrics(served, y), "served_last": served_metrics(served[cut:], y[cut:]),
-        "served_cold": served_metrics(served[cold], y[cold]),
+        "served_cold": served_metrics(served[cold], y[cold]), "served_warm": served_metrics(served[~cold], y[~cold]),
         "emitted_samples": trainer.samples, "delayed_positives": n_delayed,
         "emitted_order_auc": trainer.metrics.auc, "emitted_order_logloss": trainer.metrics.logloss,
         "click_to_model_s": {"p50": float(np.median(fresh)) if len(fresh) else None,

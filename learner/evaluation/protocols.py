@@ -32,8 +32,14 @@ from learner.batch import to_tensors
 from learner.evaluation.calibration import apply_platt, fit_platt
 from learner.evaluation.config import FEATURE_SETS, PROTOCOLS, EvalConfig, resolve_config
 from learner.evaluation.delayed import run_delayed
-from learner.evaluation.ratings import (Ratings, autoint_labels, load_ratings, online_labels, split_811,
-                                        synthetic_ratings)
+from learner.evaluation.ratings import (
+    Ratings,
+    autoint_labels,
+    load_ratings,
+    online_labels,
+    split_811,
+    synthetic_ratings,
+)
 from learner.evaluation.samples import build_samples, feature_config
 from learner.features import FeatureConfig
 from learner.model import DeepFM

@@ -12,6 +12,7 @@ AutoInt paper's (> 3 positive, < 3 negative, = 3 dropped); :func:`split_811` is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -137,8 +138,9 @@ def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit:
     from stream.replay.synthetic import build_synthetic
 
     s = SyntheticSettings(impressions=impressions, new_user_share=new_user_share, malformed_share=0.0,
-                          new_user_impressions=new_user_impressions, new_user_session_s=new_user_session_s,
-                          **({} if base_ctr is None else {"base_ctr": base_ctr}))
+                          new_user_impressions=new_user_impressions, new_user_session_s=new_user_session_s)
+    if base_ctr is not None:
+        s = dataclasses.replace(s, base_ctr=base_ctr)
     t = build_synthetic(s, ReplaySettings().click_delay, seed, limit=limit)
     clicked = np.isin(t.impression_id, t.click_impression_id)
     user_attrs: dict[Any, dict[str, Any]] = {}

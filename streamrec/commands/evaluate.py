@@ -131,7 +131,9 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
                             f"data set ({', '.join(sorted(DATASETS))})")
     overrides = {k: v for k, v in (("embedding_dim", args.embedding_dim), ("dropout", args.dropout),
                                    ("lr_dense", args.lr_dense), ("lr_sparse", args.lr_sparse),
-                                   ("threads", args.threads)) if v is not None}
+                                   ("threads", args.threads), ("emission", args.emission),
+                                   ("elapsed_s", args.elapsed_s), ("window_s", args.window_s),
+                                   ("init_bias", args.init_bias)) if v is not None}
     if args.mlp:
         overrides["mlp"] = tuple(int(x) for x in args.mlp.split(",") if x)
     cs_over = {k: v for k, v in (("batch_size", args.batch_size), ("capacity", args.capacity),
@@ -146,7 +148,10 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SettingsError(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    if args.protocol not in (None, "online", "delayed"):
+        raise SettingsError("--cold-start runs with --protocol online (immediate labels, the default) or delayed "
+                            "(served quality through the joiner's --emission policy)")
     summary = evaluate_cold_start(args.dataset, args.seed, config=overrides, cold=cs, limit=args.limit,
-                                  variants=variants, log=not args.quiet)
+                                  variants=variants, log=not args.quiet, protocol=args.protocol or "online")
     emit(args, summary, describe)
     return EXIT_OK

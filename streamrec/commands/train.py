@@ -94,5 +94,16 @@ def run(args: argparse.Namespace) -> int:
         summary = learner.run()
     finally:
         learner.close()
-    emit(args, summary, lambda d: "train summary\n" + kv_lines({k: v for k, v in d.items() if k != "settings"}))
+    emit(args, summary, _describe)
     return EXIT_OK
+
+
+def _describe(d: dict[str, Any]) -> str:
+    """The summary, led by served quality (learner/served.py): what users got, not what the learner was fed."""
+    head = "train summary"
+    sv = d.get("served", {}).get("all")
+    if sv and sv.get("impressions"):
+        cold = d["served"]["cold"]
+        head += (f"\n  served quality ({sv['impressions']:,} impressions): AUC {sv['auc']:.4f}  logloss "
+                 f"{sv['logloss']:.4f}  NE {sv['ne']:.4f}; cold users AUC {cold['auc']:.4f}  NE {cold['ne']:.4f}")
+    return head + "\n" + kv_lines({k: v for k, v in d.items() if k != "settings"})

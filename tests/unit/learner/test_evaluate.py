@@ -3,6 +3,8 @@ and small end-to-end runs through ``learner.evaluation.protocols.evaluate`` (wha
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -249,3 +251,42 @@ def test_platt_scaling_recovers_a_known_miscalibration_and_keeps_the_order() -> 
     assert logloss(fixed, y) < logloss(over, y) - 0.05
     inner = (over > 1e-6) & (over < 1 - 1e-6)  # away from the clipping: a strictly increasing map
     assert np.all(np.diff(fixed[inner][np.argsort(over[inner])]) >= 0)
+
+
+# -- the delayed protocol (learner/evaluation/delayed.py) --------------------------------------------------
+DELAYED_SMALL = {"mlp": (32,), "id_buckets": 20_000, "zip_buckets": 20_000, "ctx_buckets": 2_000, "batch_size": 256}
+
+
+@pytest.mark.parametrize("emission", ["wait", "window", "fake_negative", "es_dfm"])
+def test_delayed_protocol_serves_every_impression_once_and_trains_what_the_policy_emits(emission: str) -> None:
+    n = 10_000
+    d = evaluate("ml-1m", "delayed", "default", seed=0, limit=n, config={**DELAYED_SMALL, "emission": emission})
+    assert d["served"]["n"] == n and d["served_last"]["n"] == n // 5
+    assert d["served_cold"]["n"] + d["served_warm"]["n"] == n
+    positives = round(d["positive_rate"] * n)
+    if emission in ("wait", "window"):
+        assert d["emitted_samples"] == n and d["delayed_positives"] == 0
+    else:  # every clicked impression that was not clicked by its observation comes again as a delayed positive
+        assert d["emitted_samples"] == n + d["delayed_positives"]
+        assert 0 < d["delayed_positives"] <= positives
+        if emission == "fake_negative":
+            assert d["delayed_positives"] == positives
+    assert d["served"]["auc"] > 0.55 and math.isfinite(d["served"]["ne"])  # learns something (0.5: nothing)
+
+
+def test_delayed_protocol_is_deterministic_and_the_window_policy_trains_a_window_late() -> None:
+    a = evaluate("ml-1m", "delayed", "default", seed=0, limit=8_000, config={**DELAYED_SMALL, "emission": "window"})
+    b = evaluate("ml-1m", "delayed", "default", seed=0, limit=8_000, config={**DELAYED_SMALL, "emission": "window"})
+    assert a["served"] == b["served"]
+    w = evaluate("ml-1m", "delayed", "default", seed=0, limit=8_000, config={**DELAYED_SMALL, "emission": "wait"})
+    assert a["click_to_model_s"]["p50"] > w["click_to_model_s"]["p50"]  # window: a click waits for its window
+
+
+def test_cold_start_variants_run_through_the_delayed_protocol() -> None:
+    from learner.cold_start import evaluate_cold_start
+
+    d = evaluate_cold_start("ml-1m", 0, config={"mlp": (16,), "emission": "fake_negative", "ctx_buckets": 2_000},
+                            limit=6_000, protocol="delayed")
+    assert d["protocol"] == "cold-start/delayed" and set(d["variants"]) == {"zero", "buckets", "admission"}
+    for v in d["variants"].values():
+        assert v["all"]["samples"] == 6_000 and v["cold"]["samples"] == d["cold_samples"]
