@@ -32,7 +32,7 @@ from serving.model import ScoringModel
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
 from stream.kafka import read_to_end, watermarks
-from stream.samples import SampleBatch
+from stream.samples import SampleBatch, final_view
 
 log = logging.getLogger("streamrec.refresh")
 
@@ -112,16 +112,20 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[
 
 def quality(model: ScoringModel, batches: list[SampleBatch]) -> dict[str, Any]:
     """AUC and logloss of ``model`` on the samples of ``batches``."""
-    probs, labels = [], []
+    probs, labels, ids, kinds = [], [], [], []
     for batch in batches:
         tb = to_tensors(batch, model.feature_config)
         model.map_batch(tb)  # dynamic ids: the rows the artifact's id maps give them
         if len(tb):
             probs.append(model.score(tb.values, tb.offsets, tb.dense).cpu().numpy())
             labels.append(tb.labels.numpy())
+            ids.append(tb.impression_ids)
+            kinds.append(batch.kinds)
     if not probs:
         return {"samples": 0, "auc": float("nan"), "logloss": float("nan")}
-    p, y = np.concatenate(probs), np.concatenate(labels)
+    # one row per impression with the label it ends with (fake_negative / es_dfm emit a clicked one twice)
+    keep, final = final_view(np.concatenate(ids), np.concatenate(labels), np.concatenate(kinds))
+    p, y = np.concatenate(probs)[keep], final[keep].astype(np.float64)
     return {"samples": int(len(y)), "auc": auc(p, y), "logloss": logloss(p, y)}
 
 

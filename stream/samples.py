@@ -63,6 +63,18 @@ KIND_FIELD = pa.field("kind", pa.int8(), nullable=False)
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
 
 
+def final_view(impression_ids: np.ndarray, labels: np.ndarray, kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(keep, final)``: each impression's first sample (``FINAL`` or ``OBSERVED``) and the label it ends with
+    among these rows (1 if its ``DELAYED_POSITIVE`` is among them), for evaluating on a stretch of the topic.
+    An ``OBSERVED`` 0 whose delayed positive comes after the stretch keeps its 0. Shapes ``(N,)``."""
+    keep = kinds != DELAYED_POSITIVE
+    final = np.asarray(labels).astype(np.int8, copy=True)
+    late = kinds == DELAYED_POSITIVE
+    if late.any():
+        final[keep & np.isin(impression_ids, impression_ids[late])] = 1
+    return keep, final
+
+
 def _lists(values: Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray]) -> pa.ListArray:
     """A list<int64> from Python lists or from ``(flat_values, offsets)`` with offsets of length N+1."""
     if isinstance(values, tuple):

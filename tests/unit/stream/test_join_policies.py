@@ -168,3 +168,16 @@ def test_a_partition_restored_mid_stream_emits_what_an_uninterrupted_one_does(po
     whole = run(policy, batches)
     for at in (len(batches) // 3, len(batches) // 2, 2 * len(batches) // 3):
         assert sorted(run(policy, batches, restore_at=at)) == sorted(whole), at
+
+
+def test_final_view_keeps_each_impressions_first_sample_with_the_label_it_ends_with() -> None:
+    import numpy as np
+
+    from stream.samples import final_view
+
+    ids = np.array(["a", "b", "c", "a", "d"], object)
+    labels = np.array([0, 0, 1, 1, 0])
+    kinds = np.array([OBSERVED, OBSERVED, OBSERVED, DELAYED_POSITIVE, FINAL], np.int8)
+    keep, final = final_view(ids, labels, kinds)
+    assert keep.tolist() == [True, True, True, False, True]
+    assert final[keep].tolist() == [1, 0, 1, 0]
