@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader
 from learner import checkpoint
 from learner.batch import TensorBatch
 from learner.config import CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
-from learner.delayed import init_bias
+from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
@@ -206,7 +206,7 @@ class Learner:
         self.cold_metrics = ProgressiveMetrics(window=ls.metrics_window // 10 or 1)
         self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
         self.served = ServedQuality(int(ls.attribution_window_s * 1000), metrics_window=ls.metrics_window)
-        self._fresh_model = False  # built without a checkpoint: its bias starts from the first batch's click rate
+        self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
         self._served_published = 0.0
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
         self._cold_published = 0.0
@@ -272,6 +272,9 @@ class Learner:
                 m.load_state_dict(ckpt[name])
         if "served" in ckpt:
             self.served.load_state_dict(ckpt["served"])
+        if ckpt.get("base_rate_bias"):  # restored while its bias still followed the click rate
+            self.bias = BaseRateBias()
+            self.bias.load_state_dict(ckpt["base_rate_bias"])
         if "delayed_weights" in ckpt:
             self.trainer.delayed.load_state_dict(ckpt["delayed_weights"])
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
@@ -296,7 +299,8 @@ class Learner:
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
                  "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
                  "warm_metrics": self.warm_metrics.state_dict(), "served": self.served.state_dict(),
-                 "delayed_weights": tr.delayed.state_dict()}
+                 "delayed_weights": tr.delayed.state_dict(),
+                 "base_rate_bias": self.bias.state_dict() if self.bias is not None and not self.bias.done else {}}
         if self.deltas is not None:  # rows trained before this checkpoint and in no delta yet: durably listed
             self.deltas.sync()  # (learner/deltas.py "Pending rows"); what is trained after it is trained again
         checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
@@ -352,7 +356,10 @@ class Learner:
             if cfg is None:
                 return self.summary(reason="no samples arrived")
             self._build(cfg, self._model_settings())
-            self._fresh_model = ls.init_bias
+            self.bias = BaseRateBias() if ls.init_bias else None
+            if self.bias is not None:
+                assert self.trainer is not None
+                self.bias.start(self.trainer.model)
         for p in self._partitions():
             self.offsets.setdefault(p, 0)
         assert self.trainer is not None and self.cfg is not None
@@ -415,11 +422,10 @@ class Learner:
             nan_before = self.trainer.nan_losses
             labels = kept.labels.numpy()
             kinds = kept.kinds if kept.kinds is not None else np.zeros(len(kept), np.int8)
-            if self._fresh_model:  # the first batch of a new model: start at its click rate (NE < 1 at once)
-                init_bias(self.trainer.model, labels, kinds)
-                self._fresh_model = False
             probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned
                                     for chunk in kept.chunks(self.ls.step_rows)])
+            if self.bias is not None:  # a new model: its bias follows the click rate until that is known
+                self.bias.update(self.trainer.model, labels, kinds)
             if cold is not None:
                 self._observe_cold(probs, labels, cold)
             self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold)

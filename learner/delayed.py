@@ -80,21 +80,48 @@ class DelayedFeedbackWeights:
         self.positives, self.delayed = int(d.get("positives", 0)), int(d.get("delayed", 0))
 
 
-def init_bias(model: torch.nn.Module, labels: np.ndarray, kinds: np.ndarray) -> float:
-    """Start a fresh model's ``bias`` at :func:`base_rate_logit` of its first batch (so its first predictions
-    are the base rate, NE about 1, instead of 0.5); returns the logit."""
-    logit = base_rate_logit(labels, kinds)
-    with torch.no_grad():
-        model.get_parameter("bias").fill_(logit)
-    return logit
+class BaseRateBias:
+    """A fresh model's ``bias`` starts at ``prior_rate`` and is then held, after each batch, at the logit of the
+    click rate seen so far, until ``min_positives`` clicks
+    make that rate a good estimate; training owns it after that.
 
+    One batch is too few at a low click rate: at 0.4% a first batch of 256 impressions holds one click or
+    none, and a bias set from it alone (floored at 0.1%) costs NE 1.09 by itself. The running rate is
+    ``(clicks + 0.5) / (impressions + 1)`` over the batches so far (a ``DELAYED_POSITIVE`` is an impression
+    already counted by its ``OBSERVED`` row).
+    """
 
-def base_rate_logit(labels: np.ndarray, kinds: np.ndarray, floor: float = 1e-3) -> float:
-    """The logit of the click rate a first batch shows, for a fresh model's bias: positives over impressions
-    (a DELAYED_POSITIVE is an impression already counted by its OBSERVED row), clipped to [floor, 1 - floor]."""
-    impressions = int((kinds != DELAYED_POSITIVE).sum())
-    if impressions == 0:
-        return 0.0
-    positives = int((labels > 0.5).sum())  # an impression has at most one positive row, of any kind
-    rate = min(max(positives / impressions, floor), 1 - floor)
-    return float(np.log(rate / (1 - rate)))
+    def __init__(self, min_positives: int = 50, prior_rate: float = 0.05) -> None:
+        self.min_positives, self.prior_rate = min_positives, prior_rate
+        self.impressions = 0
+        self.positives = 0
+
+    def start(self, model: torch.nn.Module) -> None:
+        """Before any label: the bias at the logit of ``prior_rate`` (a model at 0.5 would cost the first
+        batch's predictions ln 2 each: NE +9% on a 100 k-impression stream at 0.4%)."""
+        with torch.no_grad():
+            model.get_parameter("bias").fill_(float(np.log(self.prior_rate / (1 - self.prior_rate))))
+
+    @property
+    def done(self) -> bool:
+        return self.positives >= self.min_positives
+
+    def update(self, model: torch.nn.Module, labels: np.ndarray, kinds: np.ndarray | None) -> float | None:
+        """Count a batch just trained (its predictions were made before) and set the bias from the running
+        rate; None once done."""
+        if self.done:
+            return None
+        kinds = np.zeros(len(labels), np.int8) if kinds is None else kinds
+        self.impressions += int((kinds != DELAYED_POSITIVE).sum())
+        self.positives += int((labels > 0.5).sum())
+        rate = (self.positives + 0.5) / (self.impressions + 1)
+        logit = float(np.log(rate / (1 - rate)))
+        with torch.no_grad():
+            model.get_parameter("bias").fill_(logit)
+        return logit
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"impressions": self.impressions, "positives": self.positives}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))

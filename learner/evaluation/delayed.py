@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from learner.batch import TensorBatch, to_tensors
-from learner.delayed import init_bias
+from learner.delayed import BaseRateBias
 from learner.evaluation.config import EvalConfig
 from learner.evaluation.ratings import Ratings, cold_mask, online_labels
 from learner.evaluation.samples import build_samples, columns_feature_config, feature_config
@@ -52,7 +52,8 @@ Log = Callable[[str], None]
 
 def served_metrics(probs: np.ndarray, y: np.ndarray) -> dict[str, float]:
     return {"auc": auc(probs, y), "logloss": logloss(probs, y), "ne": normalized_entropy(probs, y),
-            "n": int(len(y)), "positive_rate": float(y.mean()) if len(y) else float("nan")}
+            "n": int(len(y)), "positive_rate": float(y.mean()) if len(y) else float("nan"),
+            "mean_prediction": float(probs.mean()) if len(y) else float("nan")}  # calibration: vs positive_rate
 
 
 def _relabel(sb: SampleBatch, rows: np.ndarray, labels: np.ndarray, kinds: np.ndarray) -> SampleBatch:
@@ -117,7 +118,9 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
     offsets = [-1, -1]
     n_delayed = 0
     step = cfg.batch_size
-    bias_set = not cfg.init_bias
+    bias = BaseRateBias() if cfg.init_bias else None
+    if bias is not None:
+        bias.start(trainer.model)
     t_train = time.perf_counter()
     next_log = n // 10
 
@@ -134,21 +137,20 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
             served[rows] = np.concatenate(probs)
 
     def train(now_ms: int, final: bool = False) -> None:
-        nonlocal bias_set, buf_rows, buf_labels, buf_kinds
+        nonlocal buf_rows, buf_labels, buf_kinds
         while len(buf_rows) >= step or (final and buf_rows):
             score()  # the impressions so far are scored by the model before this step
             rows, labels = np.array(buf_rows[:step]), np.array(buf_labels[:step])
             kinds = np.array(buf_kinds[:step], np.int8)
             buf_rows, buf_labels, buf_kinds = buf_rows[step:], buf_labels[step:], buf_kinds[step:]
-            if not bias_set:
-                init_bias(trainer.model, labels, kinds)
-                bias_set = True
             tb = to_tensors(_relabel(sb, rows, labels, kinds), fcfg)
             if ids is not None:
                 ids.prepare(tb, now_ms / 1000.0, True)
             trainer.test_then_train(tb)
             if ids is not None:
                 ids.after_step()
+            if bias is not None:
+                bias.update(trainer.model, labels, kinds)
             pos = rows[labels == 1]
             freshness_ms.append(now_ms - click_at[pos])
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.delayed import DelayedFeedbackWeights, base_rate_logit
+from learner.delayed import DelayedFeedbackWeights
 from learner.served import ServedQuality, ne
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -66,11 +66,21 @@ def test_the_late_share_is_counted_from_the_stream() -> None:
     assert w.late_share == pytest.approx((2 + 1) / (3 + 2))  # FINAL rows are not counted
 
 
-def test_base_rate_logit_counts_each_impression_once() -> None:
+def test_the_bias_follows_the_running_click_rate_until_enough_clicks_then_training_owns_it() -> None:
+    from learner.delayed import BaseRateBias
+
+    model = torch.nn.Module()
+    model.bias = torch.nn.Parameter(torch.zeros(1))
+    b = BaseRateBias(min_positives=3)
     kinds = np.array([OBSERVED, OBSERVED, OBSERVED, OBSERVED, DELAYED_POSITIVE], np.int8)
-    labels = np.array([0, 0, 0, 1, 1], np.float32)
-    assert base_rate_logit(labels, kinds) == pytest.approx(math.log(0.5 / 0.5))  # 2 clicks / 4 impressions
-    assert base_rate_logit(np.zeros(4), np.zeros(4, np.int8)) == pytest.approx(math.log(1e-3 / (1 - 1e-3)))
+    b.update(model, np.array([0, 0, 0, 1, 1], np.float32), kinds)  # 2 clicks / 4 impressions
+    assert model.bias.item() == pytest.approx(math.log(2.5 / 5 / (1 - 2.5 / 5)))
+    b.update(model, np.zeros(400, np.float32), np.zeros(400, np.int8))  # a batch without clicks moves it down
+    assert model.bias.item() == pytest.approx(math.log(2.5 / 405 / (1 - 2.5 / 405)))
+    b.update(model, np.ones(1, np.float32), np.zeros(1, np.int8))  # the third click: the estimate is final
+    assert b.done
+    model.bias.data.fill_(7.0)
+    assert b.update(model, np.ones(10, np.float32), np.zeros(10, np.int8)) is None and model.bias.item() == 7.0
 
 
 def test_served_quality_pairs_the_first_prediction_with_the_final_label() -> None:
