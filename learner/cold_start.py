@@ -124,31 +124,25 @@ class VariantIds:
 
 def _run_variant(sb: SampleBatch, cold: np.ndarray, cfg: EvalConfig, cs: ColdStartConfig, variant: str,
                  seed: int, log: Log) -> dict[str, Any]:
-    fcfg = _feature_config(sb, cfg, cs, variant)
-    trainer = _trainer(fcfg, cfg, cs, variant, seed)
-    model, sparse = trainer.model, trainer.sparse_opt
-    mapper = RowMapper(fcfg)
-    zero_rows = torch.tensor([fcfg.blocks[i][0] for i in (0, 1)]) if variant == "zero" else None
-    if zero_rows is not None:
-        with torch.no_grad():
-            model.get_parameter("sparse.bag.weight")[zero_rows] = 0.0
+    ids = VariantIds(cfg, cs, variant, seed)
+    fcfg = ids.feature_config(sb)
+    trainer = ids.trainer(fcfg)
     n = len(sb)
     probs = np.empty(n, np.float64)
     ts = sb.column("ts")
     t0 = time.perf_counter()
     for start in range(0, n, cs.batch_size):
         tb = to_tensors(SampleBatch(sb.batch.slice(start, cs.batch_size)), fcfg)
-        mapper.apply(tb, now=float(ts[start]) / 1000.0, model=model, sparse_opt=sparse)
+        ids.prepare(tb, float(ts[start]) / 1000.0, True)
         probs[start:start + len(tb)] = trainer.test_then_train(tb)
-        if zero_rows is not None:  # the default vector stays zero
-            with torch.no_grad():
-                model.get_parameter("sparse.bag.weight")[zero_rows] = 0.0
+        ids.after_step()
     y = sb.column("label").astype(np.float64)
     out: dict[str, Any] = {"seconds": time.perf_counter() - t0}
     for name, m in (("cold", cold), ("warm", ~cold), ("all", np.ones(n, bool))):
         out[name] = {"samples": int(m.sum()), "auc": auc(probs[m], y[m]), "logloss": logloss(probs[m], y[m])}
+    assert ids.mapper is not None
     out["id_maps"] = {k: {s: v[s] for s in ("occupancy", "bucket_share", "admissions", "evictions")}
-                      for k, v in mapper.stats().items()}
+                      for k, v in ids.mapper.stats().items()}
     log(f"{variant}: cold auc {out['cold']['auc']:.4f} logloss {out['cold']['logloss']:.4f}  "
         f"warm auc {out['warm']['auc']:.4f}  ({out['seconds']:.0f}s)")
     return out

@@ -55,7 +55,7 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
-from learner.served import ServedQuality, ne
+from learner.served import ServedQuality
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from stream.config import KafkaSettings, RedisSettings
@@ -421,18 +421,17 @@ class Learner:
                                                     sparse_opt=self.trainer.sparse_opt))
             nan_before = self.trainer.nan_losses
             labels = kept.labels.numpy()
-            kinds = kept.kinds if kept.kinds is not None else np.zeros(len(kept), np.int8)
             probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned
                                     for chunk in kept.chunks(self.ls.step_rows)])
             if self.bias is not None:  # a new model: its bias follows the click rate until that is known
-                self.bias.update(self.trainer.model, labels, kinds)
+                self.bias.update(self.trainer.model, labels, kept.kinds)
             if cold is not None:
                 self._observe_cold(probs, labels, cold)
             self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold)
             if time.monotonic() - self._served_published >= 1.0:  # window AUCs sort the window: at most 1/s
                 SERVED_AUC.set(self.served.all.window_metrics()[0])
                 SERVED_COLD_AUC.set(self.served.cold.window_metrics()[0])
-                SERVED_NE.set(ne(self.served.all))
+                SERVED_NE.set(self.served.all.ne)
                 self._served_published = time.monotonic()
             if self.trainer.nan_losses > nan_before:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)

@@ -46,14 +46,18 @@ def logloss(probs: np.ndarray, labels: np.ndarray) -> float:
     return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
 
 
+def entropy(rate: float) -> float:
+    """Logloss of always predicting ``rate`` on labels whose base rate it is; nan outside (0, 1)."""
+    if not 0 < rate < 1:
+        return float("nan")
+    return float(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))
+
+
 def normalized_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
     """Logloss over the entropy of the labels' base rate (He et al., ADKDD 2014): below 1 beats predicting the
     base rate; nan without both classes."""
     labels = np.asarray(labels, np.float64)
-    rate = float(labels.mean()) if len(labels) else float("nan")
-    if not 0 < rate < 1:
-        return float("nan")
-    return logloss(probs, labels) / float(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))
+    return logloss(probs, labels) / entropy(float(labels.mean())) if len(labels) else float("nan")
 
 
 class ProgressiveMetrics:
@@ -94,6 +98,11 @@ class ProgressiveMetrics:
     @property
     def logloss(self) -> float:
         return self.loss_sum / self.count if self.count else float("nan")
+
+    @property
+    def ne(self) -> float:
+        """Normalized entropy of everything recorded (:func:`normalized_entropy`)."""
+        return self.logloss / entropy(float(self.pos.sum()) / self.count) if self.count else float("nan")
 
     def window_metrics(self) -> tuple[float, float]:
         if not self._recent:

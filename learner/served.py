@@ -29,18 +29,6 @@ from learner.progressive import ProgressiveMetrics
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
-def _entropy(rate: float) -> float:
-    if not 0 < rate < 1:
-        return float("nan")
-    return float(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))
-
-
-def ne(m: ProgressiveMetrics) -> float:
-    """Normalized entropy of what ``m`` has recorded: its logloss over the entropy of its base rate."""
-    n = m.count
-    return m.logloss / _entropy(float(m.pos.sum()) / n) if n else float("nan")
-
-
 class ServedQuality:
     def __init__(self, window_ms: int, max_pending: int = 1_000_000, metrics_window: int = 100_000) -> None:
         self.window_ms, self.max_pending = window_ms, max_pending
@@ -60,9 +48,11 @@ class ServedQuality:
         now = int(ts.max()) if b else None
         final = ok & ((kinds == FINAL) | ((kinds == OBSERVED) & (labels > 0.5)))
         self._resolve(probs[final], labels[final], cold[final])
-        for i in np.flatnonzero(ok & (kinds == OBSERVED) & (labels <= 0.5)):
-            self._pending[str(impression_ids[i])] = (int(ts[i]), float(probs[i]), bool(cold[i]))
-        late = [self._pending.pop(str(impression_ids[i]), None) for i in np.flatnonzero(kinds == DELAYED_POSITIVE)]
+        wait = ok & (kinds == OBSERVED) & (labels <= 0.5)
+        values = zip(ts[wait].tolist(), probs[wait].tolist(), cold[wait].tolist(), strict=True)
+        self._pending.update(zip(impression_ids[wait].tolist(), values, strict=True))
+        pop = self._pending.pop
+        late = [pop(i, None) for i in impression_ids[kinds == DELAYED_POSITIVE].tolist()]
         self.unmatched += sum(1 for x in late if x is None)
         hit = [x for x in late if x is not None]
         if hit:
@@ -98,7 +88,7 @@ class ServedQuality:
         out: dict[str, Any] = {}
         for name, m in (("all", self.all), ("cold", self.cold)):
             w_auc, w_loss = m.window_metrics()
-            out[name] = {"impressions": m.count, "auc": m.auc, "logloss": m.logloss, "ne": ne(m),
+            out[name] = {"impressions": m.count, "auc": m.auc, "logloss": m.logloss, "ne": m.ne,
                          "window_auc": w_auc, "window_logloss": w_loss}
         out.update(pending=self.pending, forced=self.forced, unmatched=self.unmatched)
         return out

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from stream.joiner.engine import POLICIES
+
 PROTOCOLS = ("autoint", "online", "delayed")
-EMISSIONS = ("wait", "window", "fake_negative", "es_dfm")  # stream.joiner.config.EmissionPolicy's values
+EMISSIONS = POLICIES  # the joiner's emission policies (stream.joiner.config.EmissionPolicy)
 FEATURE_SETS = ("paper", "default")
 REQUEST_TIME = "request_time"  # the context name of the request-time field
 PAPER_FIELDS = ("gender", "age", "occupation", "zip", REQUEST_TIME, "year", "genres")  # AutoInt's 7 fields

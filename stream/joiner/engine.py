@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 from stream.events import Click, Impression
 from stream.features import hash_context, hash_value
+from stream.joiner.config import EmissionPolicy
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
@@ -85,7 +86,7 @@ class JoinConfig:
             raise ValueError(f"elapsed_ms must be in [0, window_ms], got {self.elapsed_ms}")
 
 
-POLICIES = ("wait", "window", "fake_negative", "es_dfm")
+POLICIES = tuple(p.value for p in EmissionPolicy)
 
 
 @dataclass(slots=True)
@@ -305,9 +306,10 @@ class PartitionJoin:
         """Take ``p`` out of the window: its negative sample if it had no click; remembered for late clicks."""
         del self.pending[p.impression_id]
         if self.cfg.policy == "window":
-            clicked = p.click_ts is not None
-            out.samples.append(Sample(p, int(clicked), p.click_ts - p.ts if p.click_ts is not None
-                                      else self.cfg.window_ms))
+            if p.click_ts is None:
+                out.samples.append(Sample(p, 0, self.cfg.window_ms))
+            else:
+                out.samples.append(Sample(p, 1, p.click_ts - p.ts))
         elif p.click_ts is None and not p.observed:
             out.samples.append(Sample(p, 0, self.cfg.window_ms))
         self.finalized[p.impression_id] = (p.ts, int(p.click_ts is not None))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from learner.delayed import DelayedFeedbackWeights
-from learner.served import ServedQuality, ne
+from learner.served import ServedQuality
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
@@ -96,7 +96,7 @@ def test_served_quality_pairs_the_first_prediction_with_the_final_label() -> Non
     assert s.pending == 0 and s.all.count == 4
     # served: a 0.9 -> 1, b 0.2 -> 0, c 0.8 -> 1, d 0.1 -> 0: perfectly ranked
     assert s.all.auc == pytest.approx(1.0)
-    assert 0 < ne(s.all) < 1
+    assert 0 < s.all.ne < 1
 
 
 def test_served_quality_bounds_its_pending_impressions_and_counts_the_unmatched() -> None:
