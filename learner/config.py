@@ -26,6 +26,36 @@ class Device(Choice):
         return self.value
 
 
+class Amp(Choice):
+    """Mixed precision of the dense part (FM, MLP; lookups stay fp32). ``auto``: fp16 with loss scaling on
+    CUDA; on a CPU, bf16 only where the CPU computes it natively (AVX512-BF16 or AMX, which oneDNN reports),
+    else fp32. An AVX2-only CPU emulates bf16 matmuls: 256x400 @ 400x400 took 38 ms in bf16 against 1.3 ms in
+    fp32 on this project's 2-core AMD EPYC (bench/README.md, "Precision"), so ``on`` there is 5x slower per step.
+    ``on`` forces autocast (bf16 on CPU, fp16 on CUDA), ``off`` forces fp32. TOML ``true``/``false`` (the
+    setting's earlier form) mean ``on``/``off``."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Amp | None:
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes"):
+            return cls.ON
+        if text in ("false", "0", "no"):
+            return cls.OFF
+        return None
+
+    def dtype_name(self, device_type: str, native_cpu_bf16: bool) -> str | None:
+        """The autocast dtype this choice means (``"float16"``, ``"bfloat16"``), None for fp32."""
+        if self is Amp.OFF:
+            return None
+        if device_type == "cuda":
+            return "float16"
+        return "bfloat16" if self is Amp.ON or native_cpu_bf16 else None
+
+
 class SparseOptimizer(Choice):
     """The embedding table's optimizer (``learner/optim.py``)."""
 
@@ -130,7 +160,7 @@ class LearnerSettings:
     lr_sparse: float = 0.05
     lr_dense: float = 0.001
     sparse_optimizer: SparseOptimizer = SparseOptimizer.ROWWISE_ADAGRAD  # or sparse_adam
-    amp: bool = True  # bf16 autocast of the dense part on CPU (fp16 + GradScaler on CUDA)
+    amp: Amp = Amp.AUTO  # auto | on | off: the dense part's autocast (Amp: bf16 only on a CPU that has it natively)
     device: Device = Device.AUTO  # auto | cpu | cuda
     dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
     metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
@@ -169,7 +199,8 @@ class LearnerSettings:
             object.__setattr__(self, "mlp", parse_mlp(self.mlp))
         except ValueError as exc:
             raise ConfigError(f"[learner] {exc}") from None
-        for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device)):
+        for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device),
+                           ("amp", Amp)):
             object.__setattr__(self, name, kind.of(getattr(self, name), f"[learner] {name}"))
 
     @property

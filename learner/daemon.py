@@ -46,12 +46,12 @@ from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
-from learner.config import CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
+from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.kafka_dataset import KafkaSampleDataset
-from learner.model import DeepFM
+from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
@@ -218,12 +218,12 @@ class Learner:
     def _model_settings(self) -> dict[str, Any]:
         ls = self.ls
         return {"mlp": ls.model.mlp_text, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
-                "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp, "seed": ls.seed, "boost": ls.boost,
+                "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp.value, "seed": ls.seed, "boost": ls.boost,
                 "boost_half_life": ls.boost_half_life}
 
     def _build(self, cfg: FeatureConfig, model_settings: dict[str, Any]) -> None:
         self.cfg = cfg
-        amp_dtype = (torch.float16 if self.device.type == "cuda" else torch.bfloat16) if model_settings["amp"] else None
+        amp_dtype = autocast_dtype(Amp.of(model_settings["amp"], "amp"), self.device)
         model = DeepFM(cfg, mlp=parse_mlp(model_settings["mlp"]),
                        dropout=model_settings["dropout"], seed=model_settings["seed"], autocast_dtype=amp_dtype)
         model.to(self.device)
@@ -493,6 +493,8 @@ class Learner:
             "served": self.served.summary(),
             "id_maps": self.mapper.stats() if self.mapper else {},
             "device": str(self.device),
+            "precision": str(getattr(tr.model, "autocast_dtype", None) or torch.float32).removeprefix("torch.")
+            if tr else None,
             "checkpoint_dir": str(self.ls.checkpoint_dir),
             "settings": {k: str(v) for k, v in asdict(self.ls).items()},
         }

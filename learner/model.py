@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from learner.config import Amp
 from learner.features import FeatureConfig
 
 
@@ -63,6 +64,20 @@ class DenseArch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in) -> (B,)
         return self.mlp(x).squeeze(-1)
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX, as oneDNN reports it)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
+def autocast_dtype(amp: Amp, device: torch.device) -> torch.dtype | None:
+    """The dense part's autocast dtype that ``amp`` means on ``device`` (None: fp32); see :class:`Amp`."""
+    name = Amp.of(amp, "amp").dtype_name(device.type, native_cpu_bf16() if device.type == "cpu" else False)
+    return None if name is None else getattr(torch, name)
 
 
 class DeepFM(nn.Module):

@@ -25,8 +25,9 @@ from streamrec.commands.common import (
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("train", help="the continuous training daemon (DeepFM on the samples topic)",
                        description="Train DeepFM continuously on the samples topic: for every batch predict first "
-                       "(progressive AUC/logloss), then learn; sparse embedding updates (row-wise Adagrad), bf16 "
-                       "autocast for the dense part on CPU. Checkpoints (model, optimizers, offsets) are written "
+                       "(progressive AUC/logloss), then learn; sparse embedding updates (row-wise Adagrad), the dense "
+                       "part under fp16 autocast on CUDA and bf16 on a CPU that has it natively (--amp). "
+                       "Checkpoints (model, optimizers, offsets) are written "
                        "atomically every --checkpoint-every-s / samples and at exit; on start the learner resumes "
                        "from the newest one at exactly its offsets, so each sample changes the model once however "
                        "often it crashes. Runs until SIGTERM (which checkpoints), or --max-samples, or "
@@ -41,6 +42,9 @@ def add_parser(sub: Any) -> None:
                    "this many rows, each predicted before it is learned; smaller is fresher and slower "
                    f"(default {LearnerSettings.step_rows})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: CUDA when there is one")
+    p.add_argument("--amp", choices=["auto", "on", "off"], help="mixed precision of the dense part: auto (default) "
+                   "is fp16 on CUDA, bf16 on a CPU with native bf16 (AVX512-BF16/AMX), fp32 otherwise (an AVX2 CPU "
+                   "emulates bf16 several times slower than fp32)")
     p.add_argument("--num-workers", type=int, help="DataLoader workers reading partitions (default 0)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address the metrics listener binds "
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     kafka = kafka_settings(args, src)
     ls = src.build(LearnerSettings, "learner", checkpoint_dir=args.checkpoint_dir, max_samples=args.max_samples,
                    exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
-                   device=args.device,
+                   device=args.device, amp=args.amp,
                    num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     rs = src.build(RedisSettings, "redis")  # where deltas are announced: url, credentials, TLS, the channel's prefix
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
