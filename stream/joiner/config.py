@@ -56,6 +56,9 @@ class JoinerSettings:
     watermark_quorum: int = 16
     max_pending_per_partition: int = 500_000
     max_waiting_per_partition: int = 100_000
+    # Pause a partition's click input at 80% of max_waiting while its impressions lag, resume at 50% or when
+    # they are read to the end (stream/joiner/backpressure.py); off: clicks past the cap are given up (overflow).
+    click_backpressure: bool = True
     poison_after: int = 3
     max_sample_bytes: int = 900_000  # a samples message; Kafka's default message.max.bytes is 1 MB
 

@@ -11,6 +11,10 @@ on first use. An exception in a batch stops the worker: its offsets are never co
 by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
 see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
 
+Clicks that run ahead of their impressions by close to ``max_waiting_per_partition`` pause that partition's
+click input until its impressions catch up (``backpressure.py``); the gate is asked after every batch and
+before an idle exit, so a paused partition never ends a run early.
+
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
 every assigned partition back to its committed offset, waits (1 s, doubling up to 30 s) and goes
@@ -29,6 +33,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 
 from stream.config import KafkaSettings
 from stream.errors import clip
+from stream.joiner.backpressure import ClickGate
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, resume_offsets
@@ -44,6 +49,7 @@ class KafkaJoinWorker:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self._backoff_s = 1.0
         self.recoveries = 0
+        self.gate = ClickGate(js.max_waiting_per_partition, enabled=js.click_backpressure, headroom=js.batch_max)
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -56,6 +62,7 @@ class KafkaJoinWorker:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
+        self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.clicks_topic})
         self.pipeline.forget({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -99,14 +106,46 @@ class KafkaJoinWorker:
                     self._commit()
                     self._idle_since = time.monotonic()
                     self._backoff_s = 1.0
-                elif limit is not None and time.monotonic() - self._idle_since >= limit and self.consumer.assignment():
-                    break
+                if self._apply_gate() and not records:
+                    self._idle_since = time.monotonic()  # clicks resumed: not idle while they are read
+                elif not records and limit is not None and time.monotonic() - self._idle_since >= limit:
+                    if self.gate.paused:  # never end a run with clicks held back: read them first
+                        self._resume(self.gate.release())
+                        self._idle_since = time.monotonic()
+                    elif self.consumer.assignment():
+                        break
             if self.js.drain_at_exit and not self._stop:  # input complete, not a signal
                 self.pipeline.drain()
             self._commit()
         finally:
             self.consumer.close()
         return 0
+
+    def _impressions_behind(self, partition: int) -> bool:
+        """Whether ``partition``'s impressions have more to read (the fetcher's cached high watermark)."""
+        tp = TopicPartition(self.kafka.impressions_topic, partition)
+        try:
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            position = self.consumer.position([tp])[0].offset
+        except KafkaException:
+            return False  # unknown: never hold clicks back on a guess (the cap's overflow still bounds memory)
+        if high < 0:
+            return False
+        return high > 0 if position < 0 else position < high
+
+    def _apply_gate(self) -> set[int]:
+        """Pause and resume click partitions as the gate says; returns the ones resumed."""
+        pause, resume = self.gate.update(self.pipeline.waiting(), self._impressions_behind)
+        if pause:
+            log.info("clicks of partition(s) %s paused: their waiting clicks reached %d while impressions lag",
+                     sorted(pause), self.gate.high)
+            self.consumer.pause([TopicPartition(self.kafka.clicks_topic, p) for p in sorted(pause)])
+        self._resume(resume)
+        return resume
+
+    def _resume(self, partitions: set[int]) -> None:
+        if partitions:
+            self.consumer.resume([TopicPartition(self.kafka.clicks_topic, p) for p in sorted(partitions)])
 
     def _recover(self, exc: BaseException) -> None:
         """Back to the last durable point after an infrastructure failure (module docstring)."""
@@ -115,6 +154,7 @@ class KafkaJoinWorker:
         self.recoveries += 1
         self._offsets.clear()
         self.pipeline.forget(set(self.pipeline.engines))
+        self._resume(self.gate.release())  # the rewind starts both inputs afresh
         deadline = time.monotonic() + self._backoff_s
         while time.monotonic() < deadline and not self._stop:
             time.sleep(0.1)

@@ -174,6 +174,10 @@ class JoinPipeline:
             for key in [k for k in self._parts if k[0] == p]:
                 del self._parts[key]
 
+    def waiting(self) -> dict[int, int]:
+        """Per held partition, the impression ids whose clicks wait for their impression (backpressure.py)."""
+        return {p: len(e.waiting) for p, e in self.engines.items()}
+
     # -- the batch step ------------------------------------------------------------------------
     def process(self, records: list[Record]) -> None:
         """Join one batch and make its outputs and state durable; see the module docstring for failures."""

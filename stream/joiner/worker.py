@@ -19,6 +19,11 @@ the crashed agent). So the agent never leaves a failed batch: the pipeline has g
 their strikes (``stream/strikes.py``), and the process exits at once with status 1
 (``os._exit``), committing nothing more, for its supervisor to restart it.
 
+Backpressure (``backpressure.py``): after each batch the agent pauses a partition's click input while its
+waiting clicks are near ``max_waiting_per_partition`` and its impressions lag (faust's
+``pause_partitions``; events already in the stream buffer still arrive), and resumes it when they catch up
+or before an idle exit.
+
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
 batch and partition instead (see ``state_log.py``).
@@ -51,6 +56,7 @@ import faust
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
+from stream.joiner.backpressure import ClickGate
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 
@@ -108,6 +114,7 @@ class FaustJoinWorker:
         self._idle_since = time.monotonic()
         self._busy = False
         self._stopping = False
+        self.gate = ClickGate(js.max_waiting_per_partition, enabled=js.click_backpressure, headroom=js.batch_max)
         self.worker: faust.Worker | None = None
         self.app = self._build_app()
 
@@ -146,6 +153,7 @@ class FaustJoinWorker:
                 finally:
                     self._busy = False
                     self._idle_since = time.monotonic()
+                self._apply_gate()
 
         app.agent(source, name="join")(join_agent)
         app.timer(0.25)(self._idle_check)
@@ -168,10 +176,45 @@ class FaustJoinWorker:
 
     async def _on_revoked(self, sender: Any, revoked: set, **kwargs: Any) -> None:
         self.pipeline.forget({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
+        self.gate.release({tp.partition for tp in revoked if tp.topic == self.kafka.clicks_topic})
+
+    def _impressions_behind(self, partition: int) -> bool:
+        """Whether ``partition``'s impressions have more to read (faust's tracked high water and read offset)."""
+        tp = faust.types.TP(self.kafka.impressions_topic, partition)
+        consumer = self.app.consumer
+        try:
+            high = consumer.highwater(tp)
+        except Exception:  # unknown: never hold clicks back on a guess (the cap's overflow still bounds memory)
+            return False
+        if high is None or high <= 0:
+            return False
+        # faust's own record of the last offset its fetcher handed to the stream (faust.transport.consumer)
+        read = getattr(consumer, "_read_offset", {}).get(tp)
+        return read is None or read + 1 < high
+
+    def _apply_gate(self) -> None:
+        pause, resume = self.gate.update(self.pipeline.waiting(), self._impressions_behind)
+        self._set_paused(pause, True)
+        self._set_paused(resume, False)
+
+    def _set_paused(self, partitions: set[int], paused: bool) -> None:
+        if not partitions:
+            return
+        tps = {faust.types.TP(self.kafka.clicks_topic, p) for p in partitions}
+        if paused:
+            log.info("clicks of partition(s) %s paused: their waiting clicks reached %d while impressions lag",
+                     sorted(partitions), self.gate.high)
+            self.app.consumer.pause_partitions(tps)
+        else:
+            self.app.consumer.resume_partitions(tps)
 
     async def _idle_check(self) -> None:
         limit = self.js.exit_when_idle_s
         if limit is None or self._stopping or self._busy or time.monotonic() - self._idle_since < limit:
+            return
+        if self.gate.paused:  # never end a run with clicks held back: read them first
+            self._set_paused(self.gate.release(), False)
+            self._idle_since = time.monotonic()
             return
         self._stopping = True
         try:

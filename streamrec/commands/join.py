@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         pipeline.close()
     summary = pipeline.totals.summary()
-    summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total)
+    summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total,
+                   click_pauses=worker.gate.pauses)
     emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
     return code
