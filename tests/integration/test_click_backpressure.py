@@ -4,9 +4,10 @@ than ``max_waiting_per_partition`` are held back instead of given up (``stream/j
 The stream: a synthetic log at a 50% click rate, produced in small record batches and read by a consumer that
 fetches at most 64 KB per partition per request. A click is about a third of an impression's size, and the
 clicks of three of the four partitions are all handed over while thousands of their impressions are still
-in the topic (up to ~250 clicks wait for their impressions per partition). Without the gate (``click_backpressure = false``) the waiting clicks pass
-the cap and the furthest are given up as ``overflow`` (their impressions become negatives): the first test
-shows the stream is hostile enough. With it, every impression has exactly its label.
+in the topic (up to ~250 clicks wait for their impressions per partition). Without the gate
+(``click_backpressure = false``) the waiting clicks pass the cap and the furthest are given up as
+``overflow`` (their impressions become negatives): the first test shows the stream is hostile enough.
+With it, every impression has exactly its label.
 """
 
 from __future__ import annotations

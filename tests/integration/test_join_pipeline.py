@@ -75,7 +75,7 @@ def settings(group_id: str, kafka: KafkaSettings) -> JoinerSettings:
     # One event is a quorum and no lateness: event time follows the events exactly, so expiry is predictable.
     return JoinerSettings(app_id=group_id, attribution_window_s=WINDOW_MS / 1000, allowed_lateness_s=0.0,
                           watermark_quorum=1, counts_flush_s=3600.0, late_clicks_topic=f"late-{kafka.samples_topic}",
-                          poison_after=2)
+                          poison_after=2, emission="wait")  # one sample per impression; test_join_policies: all
 
 
 @pytest.fixture

@@ -67,6 +67,9 @@ def join_env(kafka: KafkaSettings, redis_url: str, prefix: str) -> dict[str, str
         "STREAMREC_JOINER_LATE_CLICKS_TOPIC": f"late-{kafka.samples_topic}",
         "STREAMREC_REDIS_URL": redis_url,
         "STREAMREC_REDIS_PREFIX": prefix,
+        # These tests check the wait policy's output: one sample per impression with its final label.
+        # tests/integration/test_join_policies.py covers every policy, the default included.
+        "STREAMREC_JOINER_EMISSION": "wait",
     })
     return env
 
