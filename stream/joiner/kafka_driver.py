@@ -136,6 +136,7 @@ class KafkaJoinWorker:
     def _apply_gate(self) -> set[int]:
         """Pause and resume click partitions as the gate says; returns the ones resumed."""
         pause, resume = self.gate.update(self.pipeline.waiting(), self._impressions_behind)
+        self.pipeline.clicks_held = set(self.gate.paused)
         if pause:
             log.info("clicks of partition(s) %s paused: their waiting clicks reached %d while impressions lag",
                      sorted(pause), self.gate.high)
@@ -144,6 +145,7 @@ class KafkaJoinWorker:
         return resume
 
     def _resume(self, partitions: set[int]) -> None:
+        self.pipeline.clicks_held = set(self.gate.paused)
         if partitions:
             self.consumer.resume([TopicPartition(self.kafka.clicks_topic, p) for p in sorted(partitions)])
 

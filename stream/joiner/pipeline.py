@@ -141,6 +141,9 @@ class JoinPipeline:
         self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
         self._counts_flushed = time.monotonic()
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
+        # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
+        # alone would advance event time past clicks that are merely unread.
+        self.clicks_held: set[int] = set()
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
                               js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
                               kafka.dlq_topic(kafka.clicks_topic), kafka.dlq_topic(kafka.samples_topic)])
@@ -254,7 +257,7 @@ class JoinPipeline:
         eng = self.engines[partition]
         stage = self.totals.stage_s
         now = time.monotonic()
-        if clicks or partition not in self._last_click:
+        if clicks or partition not in self._last_click or partition in self.clicks_held:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
         res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)

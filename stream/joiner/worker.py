@@ -53,6 +53,7 @@ import time
 from typing import Any
 
 import faust
+from faust.types import TP
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
@@ -180,7 +181,7 @@ class FaustJoinWorker:
 
     def _impressions_behind(self, partition: int) -> bool:
         """Whether ``partition``'s impressions have more to read (faust's tracked high water and read offset)."""
-        tp = faust.types.TP(self.kafka.impressions_topic, partition)
+        tp = TP(self.kafka.impressions_topic, partition)
         consumer = self.app.consumer
         try:
             high = consumer.highwater(tp)
@@ -198,9 +199,10 @@ class FaustJoinWorker:
         self._set_paused(resume, False)
 
     def _set_paused(self, partitions: set[int], paused: bool) -> None:
+        self.pipeline.clicks_held = set(self.gate.paused)
         if not partitions:
             return
-        tps = {faust.types.TP(self.kafka.clicks_topic, p) for p in partitions}
+        tps = {TP(self.kafka.clicks_topic, p) for p in partitions}
         if paused:
             log.info("clicks of partition(s) %s paused: their waiting clicks reached %d while impressions lag",
                      sorted(partitions), self.gate.high)

@@ -10,6 +10,7 @@ infrastructure failure, ``totals.summary()`` and ``close()``.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -280,3 +281,21 @@ def test_close_flushes_the_buffered_day_counts_and_may_be_called_twice(kafka: Ka
                                                                (str(hash_value("u2")), 1.0)])
     p.close()  # again (the fixture closes it a third time): nothing more is written, no error
     assert counts.top("item", "impression") == [(str(hash_value("i1")), 2.0)]
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_held_click_input_is_not_idle_so_impressions_alone_cannot_expire_what_its_unread_clicks_label(
+        held: bool, kafka: KafkaSettings, make) -> None:
+    # After click_idle_s without a click, event time follows impressions alone. The backpressure gate holds a
+    # partition's clicks (stream/joiner/backpressure.py): they are unread, not absent, however long the hold.
+    p = make(click_idle_s=0.3)
+    p.process([click(kafka, 0, 0, "z", T0 + 100)])  # the click input has started
+    p.clicks_held = {0} if held else set()
+    time.sleep(0.4)  # longer than click_idle_s
+    p.process([imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + 3 * WINDOW_MS)])  # past a's window
+    p.clicks_held = set()
+    p.process([click(kafka, 0, 1, "a", T0 + 50)])  # a's click, read after the hold
+    p.drain()
+    labels = {r.impression_id: r.label for r in sample_rows(kafka)}
+    assert labels["a"] == (1 if held else 0)
+    assert p.totals.summary()["late_clicks"] == (0 if held else 1)
