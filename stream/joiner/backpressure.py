@@ -1,21 +1,29 @@
-"""Backpressure on the click input: pause a partition's clicks while they run too far ahead of its impressions.
+"""Backpressure between the two inputs of a partition: neither runs far ahead of the other.
 
-A click waits in the join (``PartitionJoin.waiting``) until its impression arrives. The two topics are
-fetched independently, and a reader that starts behind (a replayed log, a restart after downtime, a slow
-impressions producer) can get clicks far ahead of their impressions: a click is smaller than an impression,
-so a fetch of the same bytes holds more of them. Past ``max_waiting`` the engine gives the furthest clicks
-up as ``overflow`` (counted, in ``late_clicks``), so their impressions become negatives. On a full ML-1M
-replay 147,948 of 575,281 clicks went that way (click coverage 0.74).
+The two topics are fetched independently. A reader that starts behind (a replayed log, a restart after
+downtime, a slow producer) can get one input far ahead of the other, and both directions cost:
 
-This gate keeps it from happening where it need not: once a partition holds ``high`` of the cap in waiting
-clicks *and its impressions have more to read*, its click input is paused (the consumer stops fetching it;
-nothing is skipped, the position stays where processing stopped); it resumes at ``low`` of the cap, or as
-soon as its impressions are read to the end (then the waiting clicks have no impression coming and the
-cap's overflow is the right answer). It is the same idea as Flink's watermark alignment
-(FLIP-182: pause a source split that runs ahead), keyed on the state the lag costs instead of on event time.
+* **Clicks ahead of impressions** wait in the join (``PartitionJoin.waiting``) until their impression
+  arrives; past ``max_waiting`` the engine gives the furthest up as ``overflow`` (their impressions become
+  negatives). A click is a third of an impression's size, so a fetch of the same bytes holds more of them:
+  on a full ML-1M replay 147,948 of 575,281 clicks went that way (click coverage 0.74).
+* **Impressions ahead of clicks** go out (``fake_negative``: each impression at once as an observed 0)
+  long before the clicks that label them, so the samples topic holds long runs of zeros followed by runs of
+  delayed ones, and the learner swings between them. In event time, as in production, each delayed positive
+  follows its impression by its click delay.
+
+So the gate aligns the inputs in event time, as Flink's watermark alignment does for the splits of a source
+(FLIP-182: pause a split whose watermark runs ahead of the group's by more than a drift), with the waiting-click
+count as a second trigger. For each partition, the input whose event time (the engine's per-input time, the
+``watermark_quorum``-th largest seen) leads the other's by more than ``max_drift_ms`` is paused while the
+other has more to read; clicks are also paused while their waiting count reaches ``high`` (80% of the cap, or
+one batch below it). A paused input resumes when the lead is back under half the drift (and, for clicks, the
+waiting count at ``low``, 50% of the cap), or as soon as the other input is read to the end (then nothing
+more is coming to catch up with). Pausing never skips: the consumer's position stays where processing
+stopped. In a live stream both inputs sit at the present and nothing is paused.
 
 Pure logic: the drivers (``kafka_driver.py`` pauses librdkafka partitions, ``worker.py`` faust's) ask it
-what to pause and resume after each batch and before an idle exit.
+what to pause and resume after each batch, and resume everything before an idle exit.
 """
 
 from __future__ import annotations
@@ -26,23 +34,28 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
-PAUSED = Gauge("streamrec_join_clicks_paused", "1 while a partition's click input is paused for backpressure.",
-               ["partition"])
-PAUSES = PCounter("streamrec_join_click_pauses_total", "Times a partition's click input was paused: its waiting "
-                  "clicks reached the high mark while its impressions had more to read.")
+IMPRESSIONS, CLICKS = "impressions", "clicks"
+
+PAUSED = Gauge("streamrec_join_input_paused", "1 while a partition's input is paused for backpressure.",
+               ["input", "partition"])
+PAUSES = PCounter("streamrec_join_input_pauses_total", "Times a partition's input was paused: it ran ahead of the "
+                  "other input in event time, or (clicks) its waiting clicks reached the high mark.", ["input"])
+
+Key = tuple[str, int]  # (IMPRESSIONS | CLICKS, partition)
 
 
 @dataclass
-class ClickGate:
-    """Which partitions' clicks to pause and resume (module docstring). ``cap``: ``max_waiting_per_partition``."""
+class InputGate:
+    """Which partitions' inputs to pause and resume (module docstring). ``cap``: ``max_waiting_per_partition``."""
 
     cap: int
-    enabled: bool = True  # ``[joiner] click_backpressure``; off: never pauses
+    max_drift_ms: int | None = 60_000  # None: no event-time rule (the waiting cap only)
+    enabled: bool = True  # ``[joiner] backpressure``; off: never pauses
     headroom: int = 0  # events one more batch may add (``batch_max``): the high mark stays this far below the cap
     high_share: float = 0.8
     low_share: float = 0.5
-    paused: set[int] = field(default_factory=set)
-    pauses: int = 0  # times a partition was paused, for the summary
+    paused: set[Key] = field(default_factory=set)
+    pauses: dict[str, int] = field(default_factory=lambda: {IMPRESSIONS: 0, CLICKS: 0})
 
     @property
     def high(self) -> int:
@@ -52,33 +65,58 @@ class ClickGate:
     def low(self) -> int:
         return int(self.cap * self.low_share)
 
-    def update(self, waiting: Mapping[int, int],
-               impressions_behind: Callable[[int], bool]) -> tuple[set[int], set[int]]:
-        """(partitions to pause now, partitions to resume now), given each held partition's waiting clicks
-        and whether its impressions have more to read. A partition no longer held is resumed (forgotten)."""
-        pause: set[int] = set()
-        resume: set[int] = set()
-        for p in sorted(self.paused):
-            n = waiting.get(p)
-            if n is None or n <= self.low or not impressions_behind(p):
-                resume.add(p)
+    def held(self, kind: str) -> set[int]:
+        """The partitions whose ``kind`` input is paused now."""
+        return {p for k, p in self.paused if k == kind}
+
+    def _lead(self, times: tuple[int | None, int | None] | None, kind: str) -> int | None:
+        """How far ``kind``'s event time leads the other input's (ms; None: unknown)."""
+        imp, clk = times if times is not None else (None, None)
+        if imp is None or clk is None:
+            return None
+        return clk - imp if kind == CLICKS else imp - clk
+
+    def _ahead(self, kind: str, lead: int | None, waiting: int, resuming: bool) -> bool:
+        drift = self.max_drift_ms
+        by_time = drift is not None and lead is not None and lead > (drift // 2 if resuming else drift)
+        if kind == IMPRESSIONS:
+            return by_time
+        if resuming:
+            return by_time or waiting > self.low
+        return by_time or waiting >= self.high
+
+    def update(self, waiting: Mapping[int, int], times: Mapping[int, tuple[int | None, int | None]],
+               behind: Callable[[str, int], bool]) -> tuple[set[Key], set[Key]]:
+        """(inputs to pause now, inputs to resume now), given each held partition's waiting clicks, its
+        (impressions, clicks) event times and whether an input has more to read. A partition no longer held
+        is resumed (forgotten)."""
+        pause: set[Key] = set()
+        resume: set[Key] = set()
+        for kind, p in sorted(self.paused):
+            other = CLICKS if kind == IMPRESSIONS else IMPRESSIONS
+            if p not in waiting or not behind(other, p) or not self._ahead(
+                    kind, self._lead(times.get(p), kind), waiting[p], resuming=True):
+                resume.add((kind, p))
+        still = self.paused - resume
         for p, n in waiting.items() if self.enabled else ():
-            if p not in self.paused and n >= self.high and impressions_behind(p):
-                pause.add(p)
-        self.paused = (self.paused - resume) | pause
-        self.pauses += len(pause)
-        if pause:
-            PAUSES.inc(len(pause))
-        for p in pause:
-            PAUSED.labels(str(p)).set(1)
-        for p in resume:
-            PAUSED.labels(str(p)).set(0)
+            for kind, other in ((CLICKS, IMPRESSIONS), (IMPRESSIONS, CLICKS)):
+                if (kind, p) in still or (other, p) in still or (other, p) in pause:
+                    continue  # never both inputs of a partition
+                if self._ahead(kind, self._lead(times.get(p), kind), n, resuming=False) and behind(other, p):
+                    pause.add((kind, p))
+        self.paused = still | pause
+        for kind, p in pause:
+            self.pauses[kind] += 1
+            PAUSES.labels(kind).inc()
+            PAUSED.labels(kind, str(p)).set(1)
+        for kind, p in resume:
+            PAUSED.labels(kind, str(p)).set(0)
         return pause, resume
 
-    def release(self, partitions: set[int] | None = None) -> set[int]:
-        """Forget the pause of ``partitions`` (all when None): revoked, or the worker rewinds. Returns them."""
-        gone = set(self.paused) if partitions is None else self.paused & partitions
+    def release(self, partitions: set[int] | None = None) -> set[Key]:
+        """Forget the pauses of ``partitions`` (all when None): revoked, or the worker rewinds. Returns them."""
+        gone = {key for key in self.paused if partitions is None or key[1] in partitions}
         self.paused -= gone
-        for p in gone:
-            PAUSED.labels(str(p)).set(0)
+        for kind, p in gone:
+            PAUSED.labels(kind, str(p)).set(0)
         return gone

@@ -59,9 +59,12 @@ class JoinerSettings:
     watermark_quorum: int = 16
     max_pending_per_partition: int = 500_000
     max_waiting_per_partition: int = 100_000
-    # Pause a partition's click input at 80% of max_waiting while its impressions lag, resume at 50% or when
-    # they are read to the end (stream/joiner/backpressure.py); off: clicks past the cap are given up (overflow).
-    click_backpressure: bool = True
+    # Backpressure (stream/joiner/backpressure.py): pause a partition's input while its event time leads the
+    # other input's by more than max_input_drift_s (None: no time rule), and its clicks while their waiting count
+    # is at 80% of max_waiting, as long as the other input has more to read. Off: clicks past the cap are given
+    # up (overflow), and a backlog's samples go out in the order the inputs happen to be fetched.
+    backpressure: bool = True
+    max_input_drift_s: float | None = 60.0
     poison_after: int = 3
     max_sample_bytes: int = 900_000  # a samples message; Kafka's default message.max.bytes is 1 MB
 

@@ -11,9 +11,9 @@ on first use. An exception in a batch stops the worker: its offsets are never co
 by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
 see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
 
-Clicks that run ahead of their impressions by close to ``max_waiting_per_partition`` pause that partition's
-click input until its impressions catch up (``backpressure.py``); the gate is asked after every batch and
-before an idle exit, so a paused partition never ends a run early.
+An input that runs ahead of the other in event time (or clicks near ``max_waiting_per_partition``) is paused
+until the other catches up (``backpressure.py``); the gate is asked after every batch, and a run never
+ends idle with an input paused.
 
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
@@ -33,7 +33,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 
 from stream.config import KafkaSettings
 from stream.errors import clip
-from stream.joiner.backpressure import ClickGate
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, InputGate, Key
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, resume_offsets
@@ -49,7 +49,8 @@ class KafkaJoinWorker:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self._backoff_s = 1.0
         self.recoveries = 0
-        self.gate = ClickGate(js.max_waiting_per_partition, enabled=js.click_backpressure, headroom=js.batch_max)
+        self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
+                              max_drift_ms=None if js.max_input_drift_s is None else int(js.max_input_drift_s * 1000))
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -62,7 +63,7 @@ class KafkaJoinWorker:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
-        self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.clicks_topic})
+        self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
         self.pipeline.forget({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -109,7 +110,7 @@ class KafkaJoinWorker:
                 if self._apply_gate() and not records:
                     self._idle_since = time.monotonic()  # clicks resumed: not idle while they are read
                 elif not records and limit is not None and time.monotonic() - self._idle_since >= limit:
-                    if self.gate.paused:  # never end a run with clicks held back: read them first
+                    if self.gate.paused:  # never end a run with an input held back: read it first
                         self._resume(self.gate.release())
                         self._idle_since = time.monotonic()
                     elif self.consumer.assignment():
@@ -121,33 +122,35 @@ class KafkaJoinWorker:
             self.consumer.close()
         return 0
 
-    def _impressions_behind(self, partition: int) -> bool:
-        """Whether ``partition``'s impressions have more to read (the fetcher's cached high watermark)."""
-        tp = TopicPartition(self.kafka.impressions_topic, partition)
+    def _topic(self, kind: str) -> str:
+        return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
+
+    def _behind(self, kind: str, partition: int) -> bool:
+        """Whether ``kind``'s input of ``partition`` has more to read (the fetcher's cached high watermark)."""
+        tp = TopicPartition(self._topic(kind), partition)
         try:
             _, high = self.consumer.get_watermark_offsets(tp, cached=True)
             position = self.consumer.position([tp])[0].offset
         except KafkaException:
-            return False  # unknown: never hold clicks back on a guess (the cap's overflow still bounds memory)
+            return False  # unknown: never hold an input back on a guess (the cap's overflow still bounds memory)
         if high < 0:
             return False
         return high > 0 if position < 0 else position < high
 
-    def _apply_gate(self) -> set[int]:
-        """Pause and resume click partitions as the gate says; returns the ones resumed."""
-        pause, resume = self.gate.update(self.pipeline.waiting(), self._impressions_behind)
-        self.pipeline.clicks_held = set(self.gate.paused)
+    def _apply_gate(self) -> set[Key]:
+        """Pause and resume inputs as the gate says; returns the ones resumed."""
+        pause, resume = self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)
+        self.pipeline.clicks_held = self.gate.held(CLICKS)
         if pause:
-            log.info("clicks of partition(s) %s paused: their waiting clicks reached %d while impressions lag",
-                     sorted(pause), self.gate.high)
-            self.consumer.pause([TopicPartition(self.kafka.clicks_topic, p) for p in sorted(pause)])
+            log.info("paused for backpressure: %s", sorted(pause))
+            self.consumer.pause([TopicPartition(self._topic(k), p) for k, p in sorted(pause)])
         self._resume(resume)
         return resume
 
-    def _resume(self, partitions: set[int]) -> None:
-        self.pipeline.clicks_held = set(self.gate.paused)
-        if partitions:
-            self.consumer.resume([TopicPartition(self.kafka.clicks_topic, p) for p in sorted(partitions)])
+    def _resume(self, keys: set[Key]) -> None:
+        self.pipeline.clicks_held = self.gate.held(CLICKS)
+        if keys:
+            self.consumer.resume([TopicPartition(self._topic(k), p) for k, p in sorted(keys)])
 
     def _recover(self, exc: BaseException) -> None:
         """Back to the last durable point after an infrastructure failure (module docstring)."""

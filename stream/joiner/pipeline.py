@@ -181,6 +181,10 @@ class JoinPipeline:
         """Per held partition, the impression ids whose clicks wait for their impression (backpressure.py)."""
         return {p: len(e.waiting) for p, e in self.engines.items()}
 
+    def input_times(self) -> dict[int, tuple[int | None, int | None]]:
+        """Per held partition, the (impressions, clicks) event time the engine has seen (backpressure.py)."""
+        return {p: (e.topic_max[0], e.topic_max[1]) for p, e in self.engines.items()}
+
     # -- the batch step ------------------------------------------------------------------------
     def process(self, records: list[Record]) -> None:
         """Join one batch and make its outputs and state durable; see the module docstring for failures."""

@@ -19,10 +19,10 @@ the crashed agent). So the agent never leaves a failed batch: the pipeline has g
 their strikes (``stream/strikes.py``), and the process exits at once with status 1
 (``os._exit``), committing nothing more, for its supervisor to restart it.
 
-Backpressure (``backpressure.py``): after each batch the agent pauses a partition's click input while its
-waiting clicks are near ``max_waiting_per_partition`` and its impressions lag (faust's
-``pause_partitions``; events already in the stream buffer still arrive), and resumes it when they catch up
-or before an idle exit.
+Backpressure (``backpressure.py``): after each batch the agent pauses a partition's input while it runs ahead
+of the other in event time (or clicks near ``max_waiting_per_partition``) and the other has more to read
+(faust's ``pause_partitions``; events already in the stream buffer still arrive), and resumes it when the
+other catches up or before an idle exit.
 
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
@@ -57,7 +57,7 @@ from faust.types import TP
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
-from stream.joiner.backpressure import ClickGate
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, InputGate, Key
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 
@@ -115,7 +115,8 @@ class FaustJoinWorker:
         self._idle_since = time.monotonic()
         self._busy = False
         self._stopping = False
-        self.gate = ClickGate(js.max_waiting_per_partition, enabled=js.click_backpressure, headroom=js.batch_max)
+        self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
+                              max_drift_ms=None if js.max_input_drift_s is None else int(js.max_input_drift_s * 1000))
         self.worker: faust.Worker | None = None
         self.app = self._build_app()
 
@@ -177,15 +178,18 @@ class FaustJoinWorker:
 
     async def _on_revoked(self, sender: Any, revoked: set, **kwargs: Any) -> None:
         self.pipeline.forget({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
-        self.gate.release({tp.partition for tp in revoked if tp.topic == self.kafka.clicks_topic})
+        self.gate.release({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
 
-    def _impressions_behind(self, partition: int) -> bool:
-        """Whether ``partition``'s impressions have more to read (faust's tracked high water and read offset)."""
-        tp = TP(self.kafka.impressions_topic, partition)
+    def _topic(self, kind: str) -> str:
+        return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
+
+    def _behind(self, kind: str, partition: int) -> bool:
+        """Whether ``kind``'s input of ``partition`` has more to read (faust's tracked high water and read offset)."""
+        tp = TP(self._topic(kind), partition)
         consumer = self.app.consumer
         try:
             high = consumer.highwater(tp)
-        except Exception:  # unknown: never hold clicks back on a guess (the cap's overflow still bounds memory)
+        except Exception:  # unknown: never hold an input back on a guess (the cap's overflow still bounds memory)
             return False
         if high is None or high <= 0:
             return False
@@ -194,18 +198,17 @@ class FaustJoinWorker:
         return read is None or read + 1 < high
 
     def _apply_gate(self) -> None:
-        pause, resume = self.gate.update(self.pipeline.waiting(), self._impressions_behind)
+        pause, resume = self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)
         self._set_paused(pause, True)
         self._set_paused(resume, False)
 
-    def _set_paused(self, partitions: set[int], paused: bool) -> None:
-        self.pipeline.clicks_held = set(self.gate.paused)
-        if not partitions:
+    def _set_paused(self, keys: set[Key], paused: bool) -> None:
+        self.pipeline.clicks_held = self.gate.held(CLICKS)
+        if not keys:
             return
-        tps = {TP(self.kafka.clicks_topic, p) for p in partitions}
+        tps = {TP(self._topic(k), p) for k, p in keys}
         if paused:
-            log.info("clicks of partition(s) %s paused: their waiting clicks reached %d while impressions lag",
-                     sorted(partitions), self.gate.high)
+            log.info("paused for backpressure: %s", sorted(keys))
             self.app.consumer.pause_partitions(tps)
         else:
             self.app.consumer.resume_partitions(tps)
@@ -214,7 +217,7 @@ class FaustJoinWorker:
         limit = self.js.exit_when_idle_s
         if limit is None or self._stopping or self._busy or time.monotonic() - self._idle_since < limit:
             return
-        if self.gate.paused:  # never end a run with clicks held back: read them first
+        if self.gate.paused:  # never end a run with an input held back: read it first
             self._set_paused(self.gate.release(), False)
             self._idle_since = time.monotonic()
             return

@@ -91,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
         pipeline.close()
     summary = pipeline.totals.summary()
     summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total,
-                   click_pauses=worker.gate.pauses)
+                   input_pauses=dict(worker.gate.pauses))
     emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
     return code
