@@ -165,6 +165,9 @@ class LearnerSettings:
     dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
     metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
     num_workers: int = 0  # DataLoader workers (they split the partitions)
+    # Hand the samples partitions on in event-time order (learner/kafka_dataset.py, EventTimeMerge): a backlog is
+    # otherwise read a partition chunk at a time. False: as fetched.
+    merge_partitions: bool = True
     max_samples: int | None = None  # stop after training this many samples
     exit_when_idle_s: float | None = None  # stop after this long without new samples
     seed: int = 0

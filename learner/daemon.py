@@ -367,7 +367,8 @@ class Learner:
         suspects = {(p, o): self.strikes.poisoned(key) for key in self.strikes.counts
                     for t, p, o in [key] if t == topic}
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
-                                     pin_memory=self.device.type == "cuda", suspects=suspects)
+                                     pin_memory=self.device.type == "cuda", suspects=suspects,
+                                     merge=ls.merge_partitions)
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                             prefetch_factor=4 if ls.num_workers else None, persistent_workers=False)
         last_ckpt, since_ckpt = time.monotonic(), 0

@@ -29,6 +29,12 @@ the stream itself (delayed positives over all positives, with a prior of ``prior
 ``prior_weight`` positives). That assumes the click delay does not depend on ``x``, which holds for the replay's
 delay model and is the approximation to revisit if real delays depend on the item. ``S = 1`` is exactly FNW;
 ``S = 0`` (no click ever comes late) gives weights of 1.
+
+The prediction in the weights is capped at ``max_p`` (0.95). FNW's ``w-`` vanishes as ``p -> 1``: once a model
+predicts 1 everywhere (one step of 256 delayed positives on the demo's ML-1M stream did it), its observed zeros
+weigh ~1e-6 and nothing pulls it back (the demo's daemon served 1.000 to every impression for 15 k samples, and
+its whole-run NE went above 1). Capped, an observed 0 weighs at least ``(1 - 0.95)(1 + 0.95) ~ 0.1``; the
+correction is off only where the true click rate is above 0.95.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ from stream.samples import DELAYED_POSITIVE, FINAL
 class DelayedFeedbackWeights:
     """Per-sample loss weights for a batch of kinds, labels and the model's (detached) click probabilities."""
 
-    def __init__(self, prior_late_share: float = 0.5, prior_weight: float = 20.0) -> None:
+    def __init__(self, prior_late_share: float = 0.5, prior_weight: float = 20.0, max_p: float = 0.95) -> None:
         self.prior_late_share, self.prior_weight = prior_late_share, prior_weight
+        self.max_p = max_p  # the prediction in the weights is capped here (module docstring)
         self.positives = 0  # positives seen among OBSERVED and DELAYED_POSITIVE rows ...
         self.delayed = 0  # ... and how many of them came as DELAYED_POSITIVE
 
@@ -66,7 +73,7 @@ class DelayedFeedbackWeights:
         if not (kinds != FINAL).any():
             return None
         kind_t = torch.from_numpy(np.asarray(kinds, np.int64)).to(labels.device)
-        p = probs.detach().float().clamp(1e-6, 1 - 1e-6)
+        p = probs.detach().float().clamp(1e-6, self.max_p)  # capped: see the module docstring
         dp = p * self.late_share  # p_dp(x)
         w_pos = 1.0 + dp
         w_neg = (1.0 + dp) * (1.0 - p) / (1.0 - p + dp)

@@ -13,6 +13,16 @@ consumed, so it is never retried in a loop. ``suspects`` are messages that were 
 training failed (``stream/strikes.py``): each is yielded as a batch of its own, and one with a
 poison reason is dead-lettered instead.
 
+Partitions are merged in event time (:class:`EventTimeMerge`): decoded messages wait in a small buffer per
+partition, and the one with the oldest first sample goes next, as long as every partition with more to read has
+one buffered (a partition whose buffer is full is paused; the consumer refetches it from where the buffer ends).
+Read from a backlog, librdkafka hands over each partition's messages in chunks of up to
+``max.partition.fetch.bytes``, and test-then-train would otherwise train on one partition's next months before it
+predicts another's past (on the demo's ML-1M topic the learner's event time jumped back by months, and the
+served metrics' windows held one partition's burst at a time). A live stream passes straight through: nothing
+waits longer than one ``consume`` timeout (then whatever is buffered goes, oldest first). With DataLoader
+workers each worker merges the partitions it reads.
+
 The dead-letter producer is made on the first message an iteration dead-letters (most iterations make
 none, so they leave no Kafka client behind) and dropped when the iteration ends. A producer left to the
 cyclic garbage collector may be collected in a forked DataLoader worker, where destroying the parent's
@@ -22,11 +32,13 @@ in the process that made it, when this drops it.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import torch
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from torch.utils.data import IterableDataset, get_worker_info
 
 from learner.batch import TensorBatch, concat, to_tensors
@@ -41,8 +53,9 @@ from stream.samples import SampleBatch
 class KafkaSampleDataset(IterableDataset):
     def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
                  exit_when_idle_s: float | None = None, pin_memory: bool = False,
-                 suspects: dict[tuple[int, int], str | None] | None = None) -> None:
+                 suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True) -> None:
         super().__init__()
+        self.merge = merge  # merge the partitions in event time (module docstring); False: as fetched
         self.kafka, self.cfg, self.start = kafka, cfg, dict(start)
         self.batch_rows, self.exit_when_idle_s, self.pin = batch_rows, exit_when_idle_s, pin_memory
         self.suspects = dict(suspects or {})  # (partition, offset) -> poison reason, or None: train it alone
@@ -66,10 +79,36 @@ class KafkaSampleDataset(IterableDataset):
         pending: list[TensorBatch] = []
         rows = 0
         last_data = last_yield = time.monotonic()
+        merge = EventTimeMerge(parts) if self.merge and len(parts) > 1 else None
+
+        def behind(p: int) -> bool:
+            tp = TopicPartition(topic, p)
+            try:
+                _, high = consumer.get_watermark_offsets(tp, cached=True)
+                position = consumer.position([tp])[0].offset
+            except KafkaException:
+                return False  # unknown: never wait for a partition on a guess
+            return high > 0 and (position < 0 or position < high)
+
+        def ordered(msgs: list) -> list:
+            """``msgs`` through the merge as (message, its SampleBatch if decoded already); everything buffered
+            goes when nothing came."""
+            if merge is None:
+                return [(m, None) for m in msgs]
+            for m in msgs:
+                merge.add(m)
+            out = merge.take(behind)
+            pause, resume = merge.flow()
+            if pause:
+                consumer.pause([TopicPartition(topic, p) for p in sorted(pause)])
+            if resume:
+                consumer.resume([TopicPartition(topic, p) for p in sorted(resume)])
+            return out
+
         try:
             while True:
-                msgs = consumer.consume(256, 0.2)
-                for m in msgs:
+                msgs = ordered(consumer.consume(256, 0.2))
+                for m, decoded in msgs:
                     err = m.error()
                     if err is not None:
                         if err.code() != KafkaError._PARTITION_EOF and err.fatal():
@@ -83,7 +122,7 @@ class KafkaSampleDataset(IterableDataset):
                     try:
                         if suspect and self.suspects[pos] is not None:
                             raise BadMessage(str(self.suspects[pos]), kind="poison")
-                        sb = SampleBatch.decode(m.value())
+                        sb = decoded if decoded is not None else SampleBatch.decode(m.value())
                         tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
@@ -117,7 +156,7 @@ class KafkaSampleDataset(IterableDataset):
                     # react to a stop signal and checkpoint on time even when no data arrives.
                     yield to_tensors_empty(self.cfg, None)
                     last_yield = time.monotonic()
-                if (self.exit_when_idle_s is not None and not pending
+                if (self.exit_when_idle_s is not None and not pending and (merge is None or merge.empty())
                         and time.monotonic() - last_data >= self.exit_when_idle_s):
                     return
         finally:
@@ -127,6 +166,67 @@ class KafkaSampleDataset(IterableDataset):
     def _emit(self, pending: list[TensorBatch]) -> TensorBatch:
         tb = concat(pending, self.cfg.num_fields)
         return tb.pin_memory() if self.pin else tb
+
+
+class EventTimeMerge:
+    """Consumed messages of several partitions, handed on oldest first (module docstring). A message whose
+    samples cannot be read for their time (an error, a message that will be dead-lettered) goes on at once."""
+
+    def __init__(self, partitions: list[int], capacity: int = 8, idle_s: float = 2.0) -> None:
+        self.capacity = capacity  # messages buffered per partition before it is paused
+        # A partition that sent nothing for this long (wall clock) holds nobody back, whatever its lag says
+        # (Flink's idleness timeout): a quiet partition of a live stream, or one whose lag the broker misreports.
+        self.idle_s = idle_s
+        self.last_seen = {p: time.monotonic() for p in partitions}
+        self.buffers: dict[int, deque] = {p: deque() for p in partitions}
+        self.paused: set[int] = set()
+        self._ready: list = []  # messages that need no ordering
+        self._seq = 0
+
+    def add(self, m: Message) -> None:
+        part = m.partition()
+        if part in self.last_seen:
+            self.last_seen[part] = time.monotonic()
+        sb = _decode(m) if m.error() is None else None
+        if sb is None or not len(sb) or part not in self.buffers:
+            self._ready.append((m, sb))
+        else:
+            self.buffers[part].append((int(sb.batch.column("ts")[0].as_py()), (m, sb)))
+
+    def empty(self) -> bool:
+        return not self._ready and not any(self.buffers.values())
+
+    def take(self, behind: Callable[[int], bool]) -> list:
+        """The messages that may go now, oldest first: while every partition with more to read (``behind``)
+        that is not idle has one buffered."""
+        out, self._ready = self._ready, []
+        heads = [(buf[0][0], p) for p, buf in self.buffers.items() if buf]
+        heapq.heapify(heads)
+        now = time.monotonic()
+        while heads:
+            if any(not buf and now - self.last_seen[p] < self.idle_s and behind(p)
+                   for p, buf in self.buffers.items()):
+                break  # a partition with more to read has nothing buffered: its next message may be older
+            _, p = heapq.heappop(heads)
+            out.append(self.buffers[p].popleft()[1])
+            if self.buffers[p]:
+                heapq.heappush(heads, (self.buffers[p][0][0], p))
+        return out
+
+    def flow(self) -> tuple[set[int], set[int]]:
+        """(partitions to pause: buffer full, partitions to resume: buffer at half or less)."""
+        pause = {p for p, buf in self.buffers.items() if len(buf) >= self.capacity and p not in self.paused}
+        resume = {p for p in self.paused if len(self.buffers[p]) <= self.capacity // 2}
+        self.paused = (self.paused - resume) | pause
+        return pause, resume
+
+
+def _decode(m: Message) -> SampleBatch | None:
+    """The message's samples (None: undecodable; the reader decodes it again and dead-letters it)."""
+    try:
+        return SampleBatch.decode(m.value())
+    except Exception:  # noqa: BLE001 - whatever is wrong with it, the reader says so in its dead letter
+        return None
 
 
 def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int] | None) -> TensorBatch:

@@ -12,14 +12,13 @@ downtime, a slow producer) can get one input far ahead of the other, and both di
   delayed ones, and the learner swings between them. In event time, as in production, each delayed positive
   follows its impression by its click delay.
 
-So the gate aligns the inputs in event time, as Flink's watermark alignment does for the splits of a source
-(FLIP-182: pause a split whose watermark runs ahead of the group's by more than a drift), with the waiting-click
-count as a second trigger. For each partition, the input whose event time (the engine's per-input time, the
-``watermark_quorum``-th largest seen) leads the other's by more than ``max_drift_ms`` is paused while the
-other has more to read; clicks are also paused while their waiting count reaches ``high`` (80% of the cap, or
-one batch below it). A paused input resumes when the lead is back under half the drift (and, for clicks, the
-waiting count at ``low``, 50% of the cap), or as soon as the other input is read to the end (then nothing
-more is coming to catch up with). Pausing never skips: the consumer's position stays where processing
+So the gate aligns the inputs in event time (``stream/alignment.py``: Flink's watermark alignment, FLIP-182),
+with the waiting-click count as a second trigger. For each partition, the input whose event time (the engine's
+per-input time, the ``watermark_quorum``-th largest seen) leads the other's by more than ``max_drift_ms`` is
+paused while the other has more to read; clicks are also paused while their waiting count reaches ``high`` (80%
+of the cap, or one batch below it). A paused input resumes when the lead is back under half the drift (and, for
+clicks, the waiting count at ``low``, 50% of the cap), or as soon as the other input is read to the end (then
+nothing more is coming to catch up with). Pausing never skips: the consumer's position stays where processing
 stopped. In a live stream both inputs sit at the present and nothing is paused.
 
 Pure logic: the drivers (``kafka_driver.py`` pauses librdkafka partitions, ``worker.py`` faust's) ask it
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
+
+from stream.alignment import lead
 
 IMPRESSIONS, CLICKS = "impressions", "clicks"
 
@@ -69,12 +70,11 @@ class InputGate:
         """The partitions whose ``kind`` input is paused now."""
         return {p for k, p in self.paused if k == kind}
 
-    def _lead(self, times: tuple[int | None, int | None] | None, kind: str) -> int | None:
-        """How far ``kind``'s event time leads the other input's (ms; None: unknown)."""
+    @staticmethod
+    def _lead(times: tuple[int | None, int | None] | None, kind: str, behind: Callable[[str], bool]) -> int | None:
+        """How far ``kind``'s event time leads the other input's, if that has more to read (stream/alignment.py)."""
         imp, clk = times if times is not None else (None, None)
-        if imp is None or clk is None:
-            return None
-        return clk - imp if kind == CLICKS else imp - clk
+        return lead(kind, {IMPRESSIONS: imp, CLICKS: clk}, behind)
 
     def _ahead(self, kind: str, lead: int | None, waiting: int, resuming: bool) -> bool:
         drift = self.max_drift_ms
@@ -92,17 +92,22 @@ class InputGate:
         is resumed (forgotten)."""
         pause: set[Key] = set()
         resume: set[Key] = set()
+
+        def of(p: int) -> Callable[[str], bool]:
+            return lambda kind: behind(kind, p)
+
         for kind, p in sorted(self.paused):
             other = CLICKS if kind == IMPRESSIONS else IMPRESSIONS
             if p not in waiting or not behind(other, p) or not self._ahead(
-                    kind, self._lead(times.get(p), kind), waiting[p], resuming=True):
+                    kind, self._lead(times.get(p), kind, of(p)), waiting[p], resuming=True):
                 resume.add((kind, p))
         still = self.paused - resume
         for p, n in waiting.items() if self.enabled else ():
             for kind, other in ((CLICKS, IMPRESSIONS), (IMPRESSIONS, CLICKS)):
                 if (kind, p) in still or (other, p) in still or (other, p) in pause:
                     continue  # never both inputs of a partition
-                if self._ahead(kind, self._lead(times.get(p), kind), n, resuming=False) and behind(other, p):
+                d = self._lead(times.get(p), kind, of(p))
+                if self._ahead(kind, d, n, resuming=False) and behind(other, p):
                     pause.add((kind, p))
         self.paused = still | pause
         for kind, p in pause:

@@ -245,3 +245,19 @@ def test_the_last_rows_are_yielded_at_once_when_the_input_pauses_then_the_iterat
         assert rest == []  # and with nothing more, the iteration ends (exit_when_idle_s)
     finally:
         it.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_backlog_of_several_partitions_is_handed_on_in_event_time_order(topic: KafkaSettings, merge: bool) -> None:
+    # Each partition holds every third block of event time, produced a partition at a time (a backlog):
+    # fetched, they come a partition's chunk at a time; merged, oldest first across partitions.
+    rng = np.random.default_rng(7)
+    blocks = 30
+    sent = [(b % PARTITIONS, sample_batch(rng, 10, start=1000 * b, prefix=f"b{b}-").encode(), f"b{b}".encode())
+            for p in range(PARTITIONS) for b in range(blocks) if b % PARTITIONS == p]
+    produce(topic, sent)
+    ds = KafkaSampleDataset(topic, CFG, {p: 0 for p in range(PARTITIONS)}, batch_rows=1, exit_when_idle_s=IDLE_S,
+                            merge=merge)
+    firsts = [int(b.ts[0]) for b in data_batches(read_all(ds)) if len(b)]
+    assert sorted(firsts) == [1000 * b for b in range(blocks)]  # every message once, merged or not
+    assert (firsts == sorted(firsts)) is merge

@@ -29,6 +29,16 @@ def test_with_every_click_late_the_weights_are_ktena_fake_negative_weighting() -
     np.testing.assert_allclose(w[3:], (1 - p[3:]) * (1 + p[3:]), rtol=1e-5)
 
 
+def test_a_saturated_model_still_feels_its_observed_zeros() -> None:
+    # uncapped, FNW weighs an observed 0 at (1 - p)(1 + p) -> 0 as p -> 1, and a model that predicts 1
+    # everywhere stays there (the demo's daemon did, for 15 k samples)
+    p = np.array([0.999999, 0.99, 0.95], np.float32)
+    w = weights_at(1.0, [OBSERVED] * 3, [0, 0, 0], p)
+    np.testing.assert_allclose(w, (1 - 0.95) * (1 + 0.95), rtol=1e-5)
+    w_pos = weights_at(1.0, [DELAYED_POSITIVE] * 3, [1, 1, 1], p)
+    np.testing.assert_allclose(w_pos, 1 + 0.95, rtol=1e-5)
+
+
 def test_final_rows_keep_weight_one_and_a_final_batch_needs_no_weights() -> None:
     w = weights_at(0.7, [FINAL, OBSERVED, FINAL], [1, 0, 0], [0.3, 0.3, 0.3])
     assert w[0] == 1 and w[2] == 1 and w[1] != 1

@@ -1,0 +1,79 @@
+"""EventTimeMerge: the learner hands the samples partitions on in event-time order, whatever the fetch order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from learner.kafka_dataset import EventTimeMerge
+from stream.samples import SampleBatch
+
+
+@dataclass
+class Msg:  # the three calls the merge makes on a confluent_kafka.Message
+    part: int
+    payload: bytes | None
+    err: object = None
+
+    def partition(self) -> int:
+        return self.part
+
+    def error(self) -> object:
+        return self.err
+
+    def value(self) -> bytes | None:
+        return self.payload
+
+
+def msg(part: int, *ts: int) -> Msg:
+    n = len(ts)
+    sb = SampleBatch.from_columns(impression_id=[f"{part}-{t}" for t in ts], ts=np.array(ts), label=np.zeros(n),
+                                  label_delay_ms=np.zeros(n), user_id=np.zeros(n), item_id=np.zeros(n),
+                                  history=[[] for _ in range(n)])
+    return Msg(part, sb.encode())
+
+
+def first_ts(out: list) -> list[int]:
+    return [int(sb.batch.column("ts")[0].as_py()) for _, sb in out]
+
+
+def all_behind(p: int) -> bool:
+    return True
+
+
+def test_a_partitions_chunk_waits_for_the_others_and_goes_out_interleaved_oldest_first() -> None:
+    merge = EventTimeMerge([0, 1])
+    for t in (10, 20, 30, 40):  # partition 0's backlog arrives first, in one chunk
+        merge.add(msg(0, t))
+    assert merge.take(all_behind) == []  # partition 1 has more to read and nothing buffered: it may be older
+    merge.add(msg(1, 5))
+    merge.add(msg(1, 25))
+    assert first_ts(merge.take(all_behind)) == [5, 10, 20, 25]  # then 1 is empty again: wait
+    assert first_ts(merge.take(lambda p: p == 0)) == [30, 40]  # 1 is read to the end: holds nobody back
+
+
+def test_a_full_buffer_pauses_its_partition_and_half_empty_resumes_it() -> None:
+    merge = EventTimeMerge([0, 1], capacity=4)
+    for t in range(4):
+        merge.add(msg(0, t))
+    assert merge.flow() == ({0}, set())
+    merge.add(msg(1, 100))
+    assert first_ts(merge.take(all_behind)) == [0, 1, 2, 3]
+    assert merge.flow() == (set(), {0})
+
+
+def test_an_idle_partition_holds_nobody_back_after_the_idle_timeout() -> None:
+    merge = EventTimeMerge([0, 1], idle_s=0.0)
+    merge.add(msg(0, 10))
+    assert first_ts(merge.take(all_behind)) == [10]  # 1 sent nothing within idle_s: its lag is not believed
+
+
+def test_an_undecodable_message_and_an_error_go_on_at_once() -> None:
+    merge = EventTimeMerge([0, 1])
+    bad, eof = Msg(0, b"not arrow"), Msg(1, None, err="partition eof")
+    merge.add(bad)
+    merge.add(eof)
+    out = merge.take(all_behind)
+    assert [m for m, _ in out] == [bad, eof] and all(sb is None for _, sb in out)
+    assert merge.empty()
