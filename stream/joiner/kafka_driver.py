@@ -63,7 +63,11 @@ class KafkaJoinWorker:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
-        self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
+        released = self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
+        try:  # a pause must not outlive the assignment it was made in
+            self._resume(released)
+        except KafkaException as exc:
+            log.debug("resume of revoked partitions: %s", exc)
         self.pipeline.forget({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:

@@ -19,10 +19,13 @@ the crashed agent). So the agent never leaves a failed batch: the pipeline has g
 their strikes (``stream/strikes.py``), and the process exits at once with status 1
 (``os._exit``), committing nothing more, for its supervisor to restart it.
 
-Backpressure (``backpressure.py``): after each batch the agent pauses a partition's input while it runs ahead
-of the other in event time (or clicks near ``max_waiting_per_partition``) and the other has more to read
-(faust's ``pause_partitions``; events already in the stream buffer still arrive), and resumes it when the
-other catches up or before an idle exit.
+Backpressure (``backpressure.py``): after each batch the agent pauses a partition's clicks while their waiting
+count is near ``max_waiting_per_partition`` and its impressions have more to read (faust's
+``pause_partitions``; events already in the stream buffer still arrive), and resumes them when the
+impressions catch up or before an idle exit. The event-time rule (``max_input_drift_s``) is the kafka
+driver's only: faust counts what it has read into its stream buffer as read, and with the rule on, a
+``fake_negative`` run on the test stream exited with a third of its impressions unread and its waiting
+clicks drained as orphans. Not understood yet; for a backlog, ``--driver kafka``.
 
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
@@ -115,8 +118,10 @@ class FaustJoinWorker:
         self._idle_since = time.monotonic()
         self._busy = False
         self._stopping = False
+        # The waiting-click cap only, no event-time rule (module docstring): with it, a fake_negative run on the
+        # test stream exited with impressions unread (not understood yet; the kafka driver has the rule).
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
-                              max_drift_ms=None if js.max_input_drift_s is None else int(js.max_input_drift_s * 1000))
+                              max_drift_ms=None)
         self.worker: faust.Worker | None = None
         self.app = self._build_app()
 
@@ -178,7 +183,9 @@ class FaustJoinWorker:
 
     async def _on_revoked(self, sender: Any, revoked: set, **kwargs: Any) -> None:
         self.pipeline.forget({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
-        self.gate.release({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
+        # faust keeps its paused set across a rebalance (a re-assigned partition stays paused): resume them
+        gone = {tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic}
+        self._set_paused(self.gate.release(gone), False)
 
     def _topic(self, kind: str) -> str:
         return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
