@@ -174,6 +174,9 @@ class KafkaJoinWorker:
                 self.consumer.seek(tp)
         except KafkaException as err:  # the broker is still away: the next batch fails again and comes back here
             log.warning("could not rewind yet: %s", err)
+        # A rewind is not idleness: what follows must be read again before an idle exit may drain (which needs
+        # Redis, and would fail, or finish the join on a partial read).
+        self._idle_since = time.monotonic()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True

@@ -67,10 +67,12 @@ class Service:
 
 
 @pytest.fixture
-def own_redis() -> Iterator[Service]:
+def own_redis(tmp_path: Path) -> Iterator[Service]:
+    # Its own directory: an append-only file in a shared one (it was /tmp) grows with every run, and a
+    # Redis still loading it at start answers BUSY LOADING to the joiner's first PING.
     port = free_port()
     svc = Service([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                   "--appendonly", "yes", "--appendfsync", "always", "--dir", "/tmp"], port)
+                   "--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path)], port)
     svc.start()
     try:
         yield svc
