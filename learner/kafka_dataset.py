@@ -19,9 +19,9 @@ one buffered (a partition whose buffer is full is paused; the consumer refetches
 Read from a backlog, librdkafka hands over each partition's messages in chunks of up to
 ``max.partition.fetch.bytes``, and test-then-train would otherwise train on one partition's next months before it
 predicts another's past (on the demo's ML-1M topic the learner's event time jumped back by months, and the
-served metrics' windows held one partition's burst at a time). A live stream passes straight through: nothing
-waits longer than one ``consume`` timeout (then whatever is buffered goes, oldest first). With DataLoader
-workers each worker merges the partitions it reads.
+served metrics' windows held one partition's burst at a time). In a live stream every partition has its next
+message in hand or is caught up, so nothing waits; a partition that sent nothing for ``idle_s`` (2 s) holds
+nobody back, whatever its lag says. With DataLoader workers each worker merges the partitions it reads.
 
 The dead-letter producer is made on the first message an iteration dead-letters (most iterations make
 none, so they leave no Kafka client behind) and dropped when the iteration ends. A producer left to the
@@ -46,7 +46,7 @@ from learner.features import FeatureConfig
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
-from stream.kafka import new_consumer
+from stream.kafka import has_more, new_consumer
 from stream.samples import SampleBatch
 
 
@@ -82,17 +82,10 @@ class KafkaSampleDataset(IterableDataset):
         merge = EventTimeMerge(parts) if self.merge and len(parts) > 1 else None
 
         def behind(p: int) -> bool:
-            tp = TopicPartition(topic, p)
-            try:
-                _, high = consumer.get_watermark_offsets(tp, cached=True)
-                position = consumer.position([tp])[0].offset
-            except KafkaException:
-                return False  # unknown: never wait for a partition on a guess
-            return high > 0 and (position < 0 or position < high)
+            return has_more(consumer, topic, p)
 
         def ordered(msgs: list) -> list:
-            """``msgs`` through the merge as (message, its SampleBatch if decoded already); everything buffered
-            goes when nothing came."""
+            """``msgs`` through the merge, as (message, its SampleBatch if decoded already), and the pauses it asks."""
             if merge is None:
                 return [(m, None) for m in msgs]
             for m in msgs:
@@ -181,7 +174,6 @@ class EventTimeMerge:
         self.buffers: dict[int, deque] = {p: deque() for p in partitions}
         self.paused: set[int] = set()
         self._ready: list = []  # messages that need no ordering
-        self._seq = 0
 
     def add(self, m: Message) -> None:
         part = m.partition()

@@ -36,7 +36,7 @@ from stream.errors import clip
 from stream.joiner.backpressure import CLICKS, IMPRESSIONS, InputGate, Key
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
-from stream.kafka import consumer_config, resume_offsets
+from stream.kafka import consumer_config, has_more, resume_offsets
 from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.join")
@@ -130,16 +130,7 @@ class KafkaJoinWorker:
         return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
 
     def _behind(self, kind: str, partition: int) -> bool:
-        """Whether ``kind``'s input of ``partition`` has more to read (the fetcher's cached high watermark)."""
-        tp = TopicPartition(self._topic(kind), partition)
-        try:
-            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
-            position = self.consumer.position([tp])[0].offset
-        except KafkaException:
-            return False  # unknown: never hold an input back on a guess (the cap's overflow still bounds memory)
-        if high < 0:
-            return False
-        return high > 0 if position < 0 else position < high
+        return has_more(self.consumer, self._topic(kind), partition)
 
     def _apply_gate(self) -> set[Key]:
         """Pause and resume inputs as the gate says; returns the ones resumed."""
