@@ -13,16 +13,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from learner.config import LearnerSettings
+from stream.features import REQUEST_TIME, TIME_UNITS
+from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import POLICIES
 
 PROTOCOLS = ("autoint", "online", "delayed")
 EMISSIONS = POLICIES  # the joiner's emission policies (stream.joiner.config.EmissionPolicy)
 FEATURE_SETS = ("paper", "default")
-REQUEST_TIME = "request_time"  # the context name of the request-time field
 PAPER_FIELDS = ("gender", "age", "occupation", "zip", REQUEST_TIME, "year", "genres")  # AutoInt's 7 fields
 MULTI_VALUED = frozenset({"genres"})
-# request-time granularity: (ms per unit, units per period)
-TIME_UNITS = {"hour": (3_600_000, 24), "weekday": (86_400_000, 7), "hour_of_week": (3_600_000, 168)}
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,15 @@ class EvalConfig:
     eval_batch: int = 65_536
     threads: int = 2
     # delayed protocol (learner/evaluation/delayed.py): the joiner's policy and window, the replay's delays
-    emission: str = "wait"
+    # the delayed protocol simulates the daemon at its defaults: the joiner's emission, the learner's bias rule
+    emission: str = JoinerSettings().emission.value
     elapsed_s: float = 60.0  # es_dfm
     window_s: float = 1800.0
     lateness_s: float = 5.0
     click_delay_median_s: float = 30.0
     click_delay_sigma: float = 1.0
     delay_seed: int = 7  # the replay's default seed: the same click times as `streamrec replay`
-    init_bias: bool = False  # the model's bias starts at the logit of the first step's click rate
+    init_bias: bool = LearnerSettings().init_bias  # learner.delayed.BaseRateBias
     feed_events: int = 256  # events per joiner batch
     cold_k: int = 10  # a user's first cold_k impressions are cold
     # --dataset synthetic (stream/replay/synthetic.py): how many impressions, their click rate (None: the

@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from learner.evaluation.config import FEATURE_SETS, MULTI_VALUED, PAPER_FIELDS, REQUEST_TIME, TIME_UNITS, EvalConfig
+from learner.evaluation.config import FEATURE_SETS, MULTI_VALUED, PAPER_FIELDS, EvalConfig
 from learner.evaluation.ratings import Ratings, online_labels
 from learner.features import FeatureConfig, FieldSpec
-from stream.features import hash_value
+from stream.features import REQUEST_TIME, hash_value, request_time
 from stream.samples import CTX_PREFIX, SampleBatch
 
 
@@ -96,13 +96,6 @@ def history_as_of(user: np.ndarray, item: np.ndarray, ts: np.ndarray, positive: 
     np.cumsum(lengths, out=offsets[1:])
     take = np.repeat(begin - offsets[:-1], lengths) + np.arange(offsets[-1])
     return pos_items[take], offsets
-
-
-def request_time(ts_ms: np.ndarray, kind: str = "hour_of_week") -> np.ndarray:
-    """The raw request-time value of each rating (UTC): hour of day, weekday (0 = Thursday, the epoch's
-    weekday) or hour of the week."""
-    unit, period = TIME_UNITS[kind]
-    return (np.asarray(ts_ms, np.int64) // unit) % period
 
 
 def _hash_many(values: np.ndarray) -> np.ndarray:

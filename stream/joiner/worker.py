@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import ssl
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -123,6 +125,10 @@ class FaustJoinWorker:
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
         self.worker: faust.Worker | None = None
+        # faust writes its table and app-id files under datadir (default: "<app-id>-data" in the working
+        # directory, one per test run). The memory store keeps no state there, so a private temporary directory,
+        # removed when the worker stops, is enough.
+        self._datadir = tempfile.mkdtemp(prefix=f"streamrec-faust-{js.app_id}-")
         self.app = self._build_app()
 
     def _build_app(self) -> faust.App:
@@ -132,6 +138,7 @@ class FaustJoinWorker:
             broker=[f"kafka://{b.strip()}" for b in k.bootstrap_servers.split(",")],
             broker_credentials=broker_credentials(k),
             store="memory://",
+            datadir=self._datadir,
             topic_partitions=k.partitions,
             topic_replication_factor=k.replication_factor,
             broker_session_timeout=k.session_timeout_ms / 1000,
@@ -250,4 +257,6 @@ class FaustJoinWorker:
             self.worker.execute_from_commandline()
         except SystemExit as exc:
             return self.exit_code or (exc.code if isinstance(exc.code, int) else 0)
+        finally:
+            shutil.rmtree(self._datadir, ignore_errors=True)
         return self.exit_code

@@ -7,7 +7,8 @@ redistribution: the files are read where pip put them and never copied.
 
 Replay semantics: every rating is an impression at its timestamp; a rating >= 4 adds a click after
 a delay drawn from the configured distribution. User attributes (gender, age, occupation, zip) and
-item attributes (year, genres) travel as context fields.
+item attributes (year, genres) travel as context fields, and so does the request time (``request_time``: the hour
+of the week of the rating, UTC, as an app knows it when it serves the impression; the evaluation reads the same field).
 
 Readers other than replay (the offline evaluation, the serving demo) use :func:`read_movielens`, which
 returns the files as :class:`MovieLensTables` with the attributes parsed exactly as replay publishes
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from stream.errors import DatasetMissing
+from stream.features import REQUEST_TIME, request_time
 from stream.replay.config import ClickDelay
 from stream.replay.table import ContextPart, EventTable, draw_click_delays_ms
 
@@ -196,7 +198,7 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
     users_raw, items_raw, rating, ts_ms = users_raw[order], items_raw[order], rating[order], ts_ms[order]
     n = len(order)
 
-    # Per-row context = user's dict merged with item's dict; both looked up by dense codes.
+    # Per-row context = user's dict merged with item's dict (looked up by dense codes) and the request time.
     user_keys, user_code = np.unique(users_raw, return_inverse=True)
     item_keys, item_code = np.unique(items_raw, return_inverse=True)
     user_dicts = [tables.user_attrs.get(k, {}) for k in user_keys]
@@ -212,8 +214,10 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
         ts=ts_ms,
         user_id=users_raw,
         item_id=items_raw,
+        # the user's and the item's attributes, and the request time the app knows when it serves the impression
         context=[ContextPart(user_code.astype(np.int64), user_dicts),
-                 ContextPart(item_code.astype(np.int64), item_dicts)],
+                 ContextPart(item_code.astype(np.int64), item_dicts),
+                 ContextPart(request_time(ts_ms, "hour_of_week"), [{REQUEST_TIME: h} for h in range(168)])],
         click_impression_id=imp_ids[clicked],
         click_ts=click_ts,
         stats={

@@ -73,11 +73,12 @@ def add_parser(sub: Any) -> None:
                    "comparable with full runs)")
     g = p.add_argument_group("--protocol delayed: the joiner and the replay it simulates")
     g.add_argument("--emission", choices=["wait", "window", "fake_negative", "es_dfm"],
-                   help="the joiner's emission policy (default wait; `streamrec join --help`)")
+                   help="the joiner's emission policy (default fake_negative, the joiner's; `streamrec join --help`)")
     g.add_argument("--elapsed-s", type=float, help="es_dfm: event time an impression waits for its click (default 60)")
     g.add_argument("--window-s", type=float, help="attribution window, event-time seconds (default 1800)")
     g.add_argument("--init-bias", action=argparse.BooleanOptionalAction, default=None,
-                   help="start the model's bias at the logit of the first step's click rate")
+                   help="start the model's bias at the logit of the observed click rate until 50 clicks "
+                        "(learner.delayed.BaseRateBias; default on, the daemon's)")
     g.add_argument("--syn-impressions", type=int, help="--dataset synthetic: impressions (default 300000)")
     g.add_argument("--syn-base-ctr", type=float, help="--dataset synthetic: the planted base click rate "
                    "(default 0.1; 0.004 for a low-CTR stream)")

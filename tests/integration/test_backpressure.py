@@ -4,13 +4,13 @@ back instead of given up past ``max_waiting_per_partition`` (``stream/joiner/bac
 The stream: a synthetic log at a 50% click rate whose impressions carry ~1.5 KB of context each (a click is
 ~150 bytes), copied into the test's topics in small record batches and read by a consumer that fetches at
 most 64 KB per partition per request: every fetch brings the clicks of ~25x as many impressions as it brings
-impressions, so clicks run ahead whatever the interleaving of fetches. It spans ten attribution windows, so
+impressions, so clicks run ahead whatever the interleaving of fetches. It spans sixteen attribution windows, so
 an impression expires while the run goes on. Without the gate (``backpressure = false``) the waiting
 clicks pass the cap and the furthest are given up as ``overflow`` (their impressions become negatives): the
 first test shows the stream is hostile enough. With it, every impression has exactly its label. faust
-reads ahead into its stream buffer (4096 events) and counts what is there as read, so each partition holds
-more impressions than that. ``tests/integration/test_join_pipeline.py`` shows a held click input is not
-taken for an idle one.
+reads ahead into its stream buffer (4096 events) and counts what is there as read, so its stream is twice as
+long (each partition holds more impressions than the buffer). ``tests/integration/test_join_pipeline.py``
+shows a held click input is not taken for an idle one.
 """
 
 from __future__ import annotations
@@ -32,17 +32,21 @@ from stream.replay.table import EventTable
 from tests.integration.test_joiner import expected_join, join_cmd, join_env, read_samples
 from tests.kafka_io import read_topic
 
-WINDOW = 30.0  # attribution window (s); the stream spans 1,000 s of event time
-SYN = SyntheticSettings(impressions=20_000, users=10_000, items=500, impressions_per_s=20.0, base_ctr=0.5,
+WINDOW = 30.0  # attribution window (s); the stream spans 500 s of event time
+SYN = SyntheticSettings(impressions=10_000, users=5_000, items=500, impressions_per_s=20.0, base_ctr=0.5,
                         attribution_window_s=WINDOW, malformed_share=0.0)
 CAP = 100  # max_waiting_per_partition
 BATCH = 20  # batch_max: the gate pauses at min(80% of the cap, cap - one batch)
 PAD = list(range(300))  # ~1.5 KB of context on every impression
 
 
-@pytest.fixture
-def hostile_stream(kafka: KafkaSettings) -> EventTable:
-    table = build_synthetic(SYN, ClickDelay(median_s=5.0), seed=11)
+# faust reads ahead into its stream buffer (4096 events) and counts it as read: each partition needs more
+# impressions than that before its clicks can run ahead, so faust's stream is twice the size
+SYN_FAUST = dataclasses.replace(SYN, impressions=20_000, users=10_000)
+
+
+def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings) -> EventTable:
+    table = build_synthetic(syn, ClickDelay(median_s=5.0), seed=11)
     staging = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}-staging",
                                   clicks_topic=f"{kafka.clicks_topic}-staging")
     publish(table, staging, "synthetic")
@@ -60,6 +64,11 @@ def hostile_stream(kafka: KafkaSettings) -> EventTable:
             producer.poll(0)
     assert producer.flush(60) == 0
     return table
+
+
+@pytest.fixture
+def hostile_stream(kafka: KafkaSettings) -> EventTable:
+    return _publish_hostile(kafka, SYN)
 
 
 def _join(kafka: KafkaSettings, redis_url: str, app_id: str, driver: str, backpressure: bool) -> dict:
@@ -84,12 +93,14 @@ def test_without_backpressure_clicks_ahead_of_their_impressions_overflow(kafka: 
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_with_backpressure_every_impression_has_exactly_its_label(driver: str, kafka: KafkaSettings, stack,
-                                                                   hostile_stream: EventTable, group_id: str) -> None:
-    want = expected_join(hostile_stream, int(WINDOW * 1000))
+                                                                   group_id: str) -> None:
+    syn = SYN if driver == "kafka" else SYN_FAUST
+    stream = _publish_hostile(kafka, syn)
+    want = expected_join(stream, int(WINDOW * 1000))
     summary = _join(kafka, stack.redis_url, group_id, driver, backpressure=True)
     assert summary["input_pauses"]["clicks"] > 0  # the gate did the work, not luck
     assert summary["overflow_clicks"] == 0 and summary["orphan_clicks"] == want.orphan
     rows = read_samples(kafka)
-    assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == SYN.impressions
+    assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == syn.impressions
     assert {r[0]: r[1] for r in rows} == want.labels
-    assert summary["click_coverage"] == pytest.approx(sum(want.labels.values()) / hostile_stream.n_clicks, abs=1e-6)
+    assert summary["click_coverage"] == pytest.approx(sum(want.labels.values()) / stream.n_clicks, abs=1e-6)

@@ -12,10 +12,10 @@ from learner.evaluation.calibration import apply_platt, fit_platt
 from learner.evaluation.config import EvalConfig, resolve_config
 from learner.evaluation.protocols import evaluate
 from learner.evaluation.ratings import Ratings, autoint_labels, online_labels, split_811
-from learner.evaluation.samples import build_samples, feature_config, history_as_of, request_time
+from learner.evaluation.samples import build_samples, feature_config, history_as_of
 from learner.progressive import logloss
 from stream.errors import DatasetMissing
-from stream.features import hash_value
+from stream.features import hash_value, request_time
 from stream.replay.movielens import DATASETS
 
 # Small, fast model settings for the end-to-end runs (the defaults are tuned for the full data set).
