@@ -32,6 +32,8 @@ class TensorBatch:
     keys: np.ndarray | None = None
     # (B,) int8 stream.samples kind of each row (FINAL / OBSERVED / DELAYED_POSITIVE); None: all FINAL
     kinds: np.ndarray | None = None
+    # (B,) int64 the samples' label_delay_ms (a positive's click ts - impression ts); None: not read
+    label_delay_ms: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -46,7 +48,7 @@ class TensorBatch:
                            self.offsets.to(device, non_blocking=non_blocking),
                            self.dense.to(device, non_blocking=non_blocking),
                            self.labels.to(device, non_blocking=non_blocking),
-                           self.impression_ids, self.ts, self.positions, self.keys, self.kinds)
+                           self.impression_ids, self.ts, self.positions, self.keys, self.kinds, self.label_delay_ms)
 
     def select(self, keep: np.ndarray) -> TensorBatch:
         """Rows where ``keep`` (bool (B,)) is set, e.g. after dropping duplicates."""
@@ -67,7 +69,8 @@ class TensorBatch:
                            self.dense[torch.from_numpy(k)], self.labels[torch.from_numpy(k)],
                            self.impression_ids[k], self.ts[k], self.positions,
                            None if self.keys is None else self.keys[idx],
-                           None if self.kinds is None else self.kinds[k])
+                           None if self.kinds is None else self.kinds[k],
+                           None if self.label_delay_ms is None else self.label_delay_ms[k])
 
 
     def chunks(self, rows: int) -> list[TensorBatch]:
@@ -121,6 +124,7 @@ def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int
         labels=torch.from_numpy(batch.column("label").astype(np.float32)),
         impression_ids=np.asarray(batch.impression_ids, dtype=object), ts=batch.column("ts"),
         positions=positions or [], keys=keys, kinds=kinds if (kinds := batch.kinds).any() else None,
+        label_delay_ms=batch.column("label_delay_ms"),
     )
 
 
@@ -153,4 +157,6 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
         keys=np.concatenate([k for ks in per_field_keys for k in ks]) if with_keys else None,
         kinds=(None if all(tb.kinds is None for tb in batches) else
                np.concatenate([np.zeros(len(tb), np.int8) if tb.kinds is None else tb.kinds for tb in batches])),
+        label_delay_ms=(None if any(tb.label_delay_ms is None for tb in batches) else
+                        np.concatenate([tb.label_delay_ms for tb in batches])),  # type: ignore[misc]
     )

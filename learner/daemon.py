@@ -412,11 +412,15 @@ class Learner:
             self.duplicates += dups
             DUPLICATES.inc(dups)
         kept = batch.select(keep)
+        rows_per_message = [rows for _, _, rows in batch.positions]
+        partitions = (np.repeat([p for p, _, _ in batch.positions], rows_per_message)[keep]
+                      if sum(rows_per_message) == len(batch) else None)  # (B',) samples partition of each row
         if len(kept):
             now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
             self._event_now = now
             users = user_keys(kept, self.cfg) if self.cfg is not None else None
-            cold = self.cold.cold(users, now) if users is not None else None
+            impressions = None if kept.kinds is None else kept.kinds != DELAYED_POSITIVE  # a click is no sighting
+            cold = self.cold.cold(users, now, impressions) if users is not None else None
             if self.mapper is not None and self.mapper.active:
                 self._observe_ids(self.mapper.apply(kept, now, model=self.trainer.model,
                                                     sparse_opt=self.trainer.sparse_opt))
@@ -428,7 +432,8 @@ class Learner:
                 self.bias.update(self.trainer.model, labels, kept.kinds)
             if cold is not None:
                 self._observe_cold(probs, labels, cold)
-            self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold)
+            self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
+                               kept.label_delay_ms)
             if time.monotonic() - self._served_published >= 1.0:  # window AUCs sort the window: at most 1/s
                 SERVED_AUC.set(self.served.all.window_metrics()[0])
                 SERVED_COLD_AUC.set(self.served.cold.window_metrics()[0])

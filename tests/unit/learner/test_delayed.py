@@ -117,3 +117,26 @@ def test_served_quality_bounds_its_pending_impressions_and_counts_the_unmatched(
     s.record(np.array(["zz"], object), np.array([3]), np.array([DELAYED_POSITIVE], np.int8),
              np.ones(1, np.float32), np.array([0.5]), None)
     assert s.unmatched == 1
+
+
+def test_served_quality_waits_for_the_partitions_clicks_not_for_newer_impressions() -> None:
+    """A backlog: the joiner puts out a batch of impressions a day ahead before the clicks of the ones before
+    them. The newest impression time is not the clock; the partition's newest click time is."""
+    day = 86_400_000
+    s = ServedQuality(window_ms=1000)
+    s.record(np.array(["a", "b"], object), np.array([0, 10]), np.full(2, OBSERVED, np.int8), np.zeros(2, np.float32),
+             np.array([0.9, 0.1]), None, partitions=np.array([0, 0]))
+    s.record(np.array(["x", "c"], object), np.array([day, day]), np.full(2, OBSERVED, np.int8),
+             np.zeros(2, np.float32), np.array([0.5, 0.5]), None, partitions=np.array([0, 1]))
+    assert s.pending == 4  # a day of impressions closed nothing
+    s.record(np.array(["a"], object), np.array([0]), np.array([DELAYED_POSITIVE], np.int8), np.ones(1, np.float32),
+             np.array([0.3]), None, partitions=np.array([0]), label_delay_ms=np.array([30]))
+    assert s.unmatched == 0 and s.all.count == 1 and s.pending == 3  # a's click found a's served prediction
+    s.record(np.array(["c"], object), np.array([day]), np.array([DELAYED_POSITIVE], np.int8), np.ones(1, np.float32),
+             np.array([0.3]), None, partitions=np.array([1]), label_delay_ms=np.array([2000]))
+    assert s.pending == 2  # partition 1's click clock (day + 2 s) says nothing about partition 0's impressions
+    s.record(np.array(["y", "y"], object), np.array([1500, 1500]), np.array([OBSERVED, DELAYED_POSITIVE], np.int8),
+             np.array([0, 1], np.float32), np.array([0.2, 0.2]), None, partitions=np.array([0, 0]),
+             label_delay_ms=np.array([0, 500]))
+    assert s.pending == 1  # partition 0's clicks reached 2000 ms: b (10 ms) closed as a negative, x (a day) waits
+    assert s.all.count == 4 and s.all.auc == pytest.approx(1.0)  # a 0.9 -> 1, c 0.5 -> 1, y 0.2 -> 1, b 0.1 -> 0

@@ -118,6 +118,18 @@ def test_cold_tracker_and_cold_mask_count_earlier_impressions() -> None:
     assert user_keys(tb, CFG).tolist() == [1, 2]
 
 
+def test_cold_tracker_counts_a_users_impressions_within_one_batch_and_not_its_clicks() -> None:
+    users = np.array([5, 5, 7, 5, 7, 5, 9, 5, 7])
+    whole = ColdTracker(k=2, capacity=100).cold(users, 0.0)
+    assert whole.tolist() == cold_mask(users, 2).tolist()  # a burst in one batch: its first k rows are cold
+    tr = ColdTracker(k=2, capacity=100)
+    clicks = np.array([True, False] * 4 + [True])  # every other row is a later sample, not an impression
+    got = tr.cold(users, 0.0, counted=~clicks)
+    imps = users[~clicks]
+    assert got[~clicks].tolist() == cold_mask(imps, 2).tolist()
+    assert tr.cold(np.array([5, 7]), 1.0).tolist() == [False, True]  # 5 had 2 impressions, 7 had 1
+
+
 def test_cold_start_evaluation_runs_every_variant_on_one_stream() -> None:
     from learner.cold_start import ColdStartConfig, describe, evaluate_cold_start
 
