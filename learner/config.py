@@ -159,6 +159,10 @@ class LearnerSettings:
     dropout: float = 0.0
     lr_sparse: float = 0.05
     lr_dense: float = 0.001
+    # Row-wise Adagrad's starting sum of squares: with 0 a row's first step is lr in size whatever its gradient
+    # (a negative at p = 0.1 moves an id as far as a click), the noise behind served NE > 1 on a stream of rare ids
+    # (README "Delayed feedback"). Gradients are of a mean loss, so the value belongs with step_rows (256).
+    initial_accumulator: float = 1e-5
     sparse_optimizer: SparseOptimizer = SparseOptimizer.ROWWISE_ADAGRAD  # or sparse_adam
     amp: Amp = Amp.AUTO  # auto | on | off: the dense part's autocast (Amp: bf16 only on a CPU that has it natively)
     device: Device = Device.AUTO  # auto | cpu | cuda

@@ -219,7 +219,7 @@ class Learner:
         ls = self.ls
         return {"mlp": ls.model.mlp_text, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
                 "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp.value, "seed": ls.seed, "boost": ls.boost,
-                "boost_half_life": ls.boost_half_life}
+                "boost_half_life": ls.boost_half_life, "initial_accumulator": ls.initial_accumulator}
 
     def _build(self, cfg: FeatureConfig, model_settings: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -229,7 +229,8 @@ class Learner:
         model.to(self.device)
         sparse, dense = make_optimizers(model, model_settings["lr_sparse"], model_settings["lr_dense"],
                                         model_settings["sparse_optimizer"], boost=model_settings.get("boost", 0.0),
-                                        boost_half_life=model_settings.get("boost_half_life", 0.0))
+                                        boost_half_life=model_settings.get("boost_half_life", 0.0),
+                                        initial_accumulator=model_settings.get("initial_accumulator", 0.0))
         self.mapper = RowMapper(cfg)
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window))

@@ -149,8 +149,10 @@ DEFAULT_CONFIGS: dict[tuple[str, str], EvalConfig] = {
     ("online", "paper"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
     ("online", "default"): EvalConfig(batch_size=8, mlp=(200, 200), lr_sparse=0.07, lr_dense=3e-4),
     # the daemon's step (LearnerSettings.step_rows) and model
-    ("delayed", "paper"): EvalConfig(batch_size=256, mlp=(400, 400, 400), lr_sparse=0.05, lr_dense=1e-3),
-    ("delayed", "default"): EvalConfig(batch_size=256, mlp=(400, 400, 400), lr_sparse=0.05, lr_dense=1e-3),
+    ("delayed", "paper"): EvalConfig(batch_size=256, mlp=(400, 400, 400), lr_sparse=0.05, lr_dense=1e-3,
+                                     initial_accumulator=LearnerSettings().initial_accumulator),
+    ("delayed", "default"): EvalConfig(batch_size=256, mlp=(400, 400, 400), lr_sparse=0.05, lr_dense=1e-3,
+                                       initial_accumulator=LearnerSettings().initial_accumulator),
 }
 
 
