@@ -184,6 +184,7 @@ class ColdTracker:
         if self._seen is not None and state:
             self._seen.load_state_dict(state)
 
+
 def user_keys(tb: TensorBatch, cfg: FeatureConfig, field_name: str = "user_id") -> np.ndarray | None:
     """(B,) hashed user ids of a batch (one value per sample), or None without keys or the field."""
     names = [f.name for f in cfg.fields]

@@ -16,10 +16,10 @@ delivered, and the joiner joins a partition's clicks in offset order, so once a 
 passes ``ts + window`` no click of an impression at ``ts`` can still come. The rows' own event time is not
 that clock: reading a backlog, the joiner can put out a whole fetched batch of impressions (days of
 MovieLens' sparse years) before the clicks of the impressions just before it, and a clock of the newest
-impression time took 56,578 of the demo's delayed positives for negatives before they arrived (``unmatched``;
-served AUC 0.714 where the protocol reported 0.753). At most ``max_pending`` wait; beyond that the oldest
-are taken as 0 (counted in ``forced``). The pending ones are not in a checkpoint: after a restart their
-delayed positives find nothing (counted in ``unmatched``).
+impression time took 56,578 of the demo's delayed positives for negatives before they arrived
+(``unmatched``). At most ``max_pending`` wait; beyond that the oldest are taken as 0 (counted in ``forced``).
+The pending ones are not in a checkpoint: after a restart their delayed positives find nothing (counted in
+``unmatched``).
 
 AUC, logloss and NE (logloss over the entropy of the base rate) over everything served and over cold users'
 impressions, cumulative, with a sliding window (``learner.progressive.ProgressiveMetrics``).
