@@ -140,6 +140,19 @@ class RowMapper:
             m.load_state_dict(state[name])
 
 
+def earlier_rows(keys: np.ndarray) -> np.ndarray:
+    """(N,) int64: how many earlier rows (in input order) have the same key as each row."""
+    keys = np.asarray(keys).reshape(-1)
+    order = np.argsort(keys, kind="stable")  # by key, input order kept within a key
+    sk = keys[order]
+    first = np.ones(len(sk), bool)
+    first[1:] = sk[1:] != sk[:-1]
+    pos = np.arange(len(sk))
+    out = np.empty(len(sk), np.int64)
+    out[order] = pos - np.maximum.accumulate(np.where(first, pos, 0))
+    return out
+
+
 class ColdTracker:
     """Which samples come from a user with fewer than ``k`` earlier impressions (bounded memory).
 
@@ -162,13 +175,7 @@ class ColdTracker:
         out = self._seen.lookup(user_keys[~counted], now, train=False).rows < 1 if (~counted).any() else None
         idx = np.flatnonzero(counted)
         keys = user_keys[idx]
-        order = np.argsort(keys, kind="stable")  # by user, row order kept within a user
-        sk = keys[order]
-        first = np.ones(len(sk), bool)
-        first[1:] = sk[1:] != sk[:-1]
-        pos = np.arange(len(sk))
-        rank = np.empty(len(sk), np.int64)
-        rank[order] = pos - np.maximum.accumulate(np.where(first, pos, 0))  # earlier rows of the user here
+        rank = earlier_rows(keys)  # earlier rows of the user in this batch
         cold = np.zeros(b, bool)
         if out is not None:
             cold[~counted] = out

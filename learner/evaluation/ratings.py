@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from learner.evaluation.config import MULTI_VALUED
+from learner.row_mapper import earlier_rows
 from stream.features import MISSING, hash_context, hash_value
 from stream.replay.movielens import CLICK_MIN_RATING, read_movielens
 
@@ -158,13 +159,4 @@ def synthetic_ratings(impressions: int, new_user_share: float, seed: int, limit:
 
 def cold_mask(user: np.ndarray, k: int) -> np.ndarray:
     """(N,) True where the user had fewer than ``k`` earlier rows (rows in event-time order)."""
-    n = len(user)
-    order = np.argsort(user, kind="stable")  # by user, time order kept within a user
-    u = user[order]
-    first = np.ones(n, bool)
-    first[1:] = u[1:] != u[:-1]
-    idx = np.arange(n)
-    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))  # earlier rows of the same user
-    out = np.empty(n, bool)
-    out[order] = rank < k
-    return out
+    return earlier_rows(user) < k
