@@ -27,6 +27,7 @@ what to pause and resume after each batch, and resume everything before an idle 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -43,6 +44,33 @@ PAUSES = PCounter("streamrec_join_input_pauses_total", "Times a partition's inpu
                   "other input in event time, or (clicks) its waiting clicks reached the high mark.", ["input"])
 
 Key = tuple[str, int]  # (IMPRESSIONS | CLICKS, partition)
+Behind = Callable[[str, int], bool]  # whether (input, partition) has more to read
+HOLD_ALL = -sys.maxsize  # the limit of an input whose other input has more to read but has not been read yet
+
+
+def hold_limits(reached: Mapping[Key, int | None], behind: Behind, drift_ms: int) -> dict[Key, int]:
+    """Per input of the partitions in a batch, the event time it may be joined up to now (absent: no limit).
+
+    The pause rule below works between batches; inside one, a fetch can bring one input days ahead of the
+    other (on a replayed ML-1M's sparse later years, a batch of 5,000 impressions spans months and its clicks
+    come in the next fetch): joined whole, every impression of it goes out as an observed 0 before the clicks
+    that label the oldest of them. So a partition is joined only up to its frontier: the oldest of the event
+    times its inputs that have more to read have reached (``reached``: the engine's measure of an input's time,
+    ``PartitionJoin.reached``, over what it joined and this batch), plus ``drift_ms``. The rest waits (the driver
+    keeps it and pauses that input) until the other input has caught up, or has nothing more to read. Below the
+    frontier both inputs are in hand, and the engine merges them in event time. An input with more to read whose
+    time is not known yet (None: fewer events than the quorum) is not held and holds the other back entirely
+    (:data:`HOLD_ALL`), as in ``stream/alignment.py``: it is read until its time is known."""
+    limits: dict[Key, int] = {}
+    for p in sorted({p for _, p in reached}):
+        ahead = {kind: reached.get((kind, p)) for kind in (IMPRESSIONS, CLICKS) if behind(kind, p)}
+        unknown = {kind for kind, t in ahead.items() if t is None}
+        if unknown:
+            limits.update({(kind, p): HOLD_ALL for kind in (IMPRESSIONS, CLICKS) if kind not in unknown})
+        elif ahead:
+            frontier = min(t for t in ahead.values() if t is not None) + drift_ms
+            limits.update({(IMPRESSIONS, p): frontier, (CLICKS, p): frontier})
+    return limits
 
 
 @dataclass

@@ -183,6 +183,29 @@ class PartitionJoin:
     def watermark(self) -> int | None:
         return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms
 
+    def reached(self, kind: int, ts: list[int]) -> int | None:
+        """The event time input ``kind`` is at once ``ts`` are read too (its ``watermark_quorum``-th largest; None:
+        fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""
+        k = max(1, self.cfg.watermark_quorum)
+        top = heapq.nlargest(k, [*self._top[kind], *ts])
+        return top[-1] if len(top) == k else None
+
+    def within(self, kind: int, ts: list[int], limit: int) -> int:
+        """How many of ``ts`` (one input's events, in offset order) can be joined before that input's time
+        would pass ``limit``. A lone event past it does not move the time (the quorum), so it does not stop
+        the rest."""
+        k = max(1, self.cfg.watermark_quorum)
+        top = list(self._top[kind])
+        heapq.heapify(top)
+        for i, t in enumerate(ts):
+            if len(top) < k:
+                heapq.heappush(top, t)
+            elif t > top[0]:
+                heapq.heapreplace(top, t)
+            if len(top) == k and top[0] > limit:
+                return i
+        return len(ts)
+
     def apply(self, impressions: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
               drain: bool = False, clicks_idle: bool = False) -> BatchResult:
         """Apply one batch: ``(offset, event)`` pairs of this partition, offsets ascending per topic.

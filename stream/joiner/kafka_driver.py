@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
@@ -49,6 +50,9 @@ class KafkaJoinWorker:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self._backoff_s = 1.0
         self.recoveries = 0
+        self._held: list[Record] = []  # fetched past the event-time frontier, not processed yet (held_inputs)
+        self._paused: set[Key] = set()  # what the consumer has paused now: the gate's and the held inputs
+        self._hold = js.backpressure and js.max_input_drift_s is not None
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None if js.max_input_drift_s is None else int(js.max_input_drift_s * 1000))
         self.consumer = Consumer(consumer_config(
@@ -63,9 +67,11 @@ class KafkaJoinWorker:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
-        released = self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._held = [r for r in self._held if (r.topic, r.partition) not in revoked]  # the next owner reads them
+        self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
         try:  # a pause must not outlive the assignment it was made in
-            self._resume(released)
+            self._sync_pauses()
         except KafkaException as exc:
             log.debug("resume of revoked partitions: %s", exc)
         self.pipeline.forget({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
@@ -98,24 +104,20 @@ class KafkaJoinWorker:
                     # a consumed record always has its topic, partition and offset (the stubs say Optional)
                     records.append(Record(cast(str, msg.topic()), cast(int, msg.partition()), cast(int, msg.offset()),
                                           msg.key(), msg.value(), ts if kind != TIMESTAMP_NOT_AVAILABLE else None))
-                if records:
-                    try:
-                        self.pipeline.process(records)  # raises: nothing of this batch is ever committed
-                    except Exception as exc:
-                        if not is_infrastructure(exc):
-                            raise
-                        self._recover(exc)
+                idle = not records
+                if records or self._held:
+                    if not self._process(self._held + records, self._holds_back if self._hold else None):
                         continue
-                    for r in records:
-                        self._offsets[(r.topic, r.partition)] = r.offset + 1
-                    self._commit()
-                    self._idle_since = time.monotonic()
-                    self._backoff_s = 1.0
-                if self._apply_gate() and not records:
+                if self._apply_gate() and idle:
                     self._idle_since = time.monotonic()  # clicks resumed: not idle while they are read
-                elif not records and limit is not None and time.monotonic() - self._idle_since >= limit:
-                    if self.gate.paused:  # never end a run with an input held back: read it first
-                        self._resume(self.gate.release())
+                elif idle and limit is not None and time.monotonic() - self._idle_since >= limit:
+                    if self._held:  # never end a run with records held back: join them first
+                        if not self._process(self._held, None):
+                            continue
+                        self._idle_since = time.monotonic()
+                    elif self.gate.paused:  # nor with an input held back: read it first
+                        self.gate.release()
+                        self._sync_pauses()
                         self._idle_since = time.monotonic()
                     elif self.consumer.assignment():
                         break
@@ -126,6 +128,41 @@ class KafkaJoinWorker:
             self.consumer.close()
         return 0
 
+    def _process(self, records: list[Record], behind: Callable[[str, int], bool] | None) -> bool:
+        """Join ``records`` (all, or up to their event-time frontier with ``behind``) and commit what was joined;
+        False when an infrastructure failure rewound the worker instead (``_recover``)."""
+        try:
+            held = self.pipeline.process(records, behind)  # raises: nothing of this batch is ever committed
+        except Exception as exc:
+            if not is_infrastructure(exc):
+                raise
+            self._recover(exc)
+            return False
+        left = {(r.topic, r.partition, r.offset) for r in held}
+        done = [r for r in records if (r.topic, r.partition, r.offset) not in left]
+        for r in done:
+            self._offsets[(r.topic, r.partition)] = r.offset + 1
+        self._commit()
+        if done or len(held) != len(self._held):
+            self._idle_since = time.monotonic()
+        self._held = held
+        self._backoff_s = 1.0
+        return True
+
+    def _holds_back(self, kind: str, partition: int) -> bool:
+        """Whether ``kind`` of ``partition`` bounds what is joined of the partition (pipeline.process): it has more
+        to read, and it is not clicks the gate holds for their waiting count (which stay paused until impressions
+        come: waiting on them would stop both). An input the gate paused for its event time is resumed once it
+        lags, so it still bounds."""
+        if kind == CLICKS and (kind, partition) in self.gate.paused and \
+                self.pipeline.waiting().get(partition, 0) > self.gate.low:
+            return False
+        return self._behind(kind, partition)
+
+    def held_inputs(self) -> set[Key]:
+        """The inputs with records held past the frontier: paused until those are joined (the fetch is ahead)."""
+        return {(IMPRESSIONS if r.topic == self.kafka.impressions_topic else CLICKS, r.partition) for r in self._held}
+
     def _topic(self, kind: str) -> str:
         return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
 
@@ -135,17 +172,21 @@ class KafkaJoinWorker:
     def _apply_gate(self) -> set[Key]:
         """Pause and resume inputs as the gate says; returns the ones resumed."""
         pause, resume = self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)
-        self.pipeline.clicks_held = self.gate.held(CLICKS)
         if pause:
             log.info("paused for backpressure: %s", sorted(pause))
-            self.consumer.pause([TopicPartition(self._topic(k), p) for k, p in sorted(pause)])
-        self._resume(resume)
-        return resume
+        return self._sync_pauses() & resume
 
-    def _resume(self, keys: set[Key]) -> None:
-        self.pipeline.clicks_held = self.gate.held(CLICKS)
-        if keys:
-            self.consumer.resume([TopicPartition(self._topic(k), p) for k, p in sorted(keys)])
+    def _sync_pauses(self) -> set[Key]:
+        """Pause what the gate or a hold wants paused and resume the rest; returns the inputs resumed."""
+        want = self.gate.paused | self.held_inputs()
+        self.pipeline.clicks_held = {p for k, p in want if k == CLICKS}
+        pause, resume = want - self._paused, self._paused - want
+        self._paused = want  # first: a revoked partition's resume may raise, and it is not paused any more
+        if pause:
+            self.consumer.pause([TopicPartition(self._topic(k), p) for k, p in sorted(pause)])
+        if resume:
+            self.consumer.resume([TopicPartition(self._topic(k), p) for k, p in sorted(resume)])
+        return resume
 
     def _recover(self, exc: BaseException) -> None:
         """Back to the last durable point after an infrastructure failure (module docstring)."""
@@ -153,8 +194,10 @@ class KafkaJoinWorker:
                     type(exc).__name__, clip(str(exc)), self._backoff_s)
         self.recoveries += 1
         self._offsets.clear()
+        self._held = []  # never committed: the rewind reads them again
         self.pipeline.forget(set(self.pipeline.engines))
-        self._resume(self.gate.release())  # the rewind starts both inputs afresh
+        self.gate.release()  # the rewind starts both inputs afresh
+        self._sync_pauses()
         deadline = time.monotonic() + self._backoff_s
         while time.monotonic() < deadline and not self._stop:
             time.sleep(0.1)

@@ -43,7 +43,10 @@ from stream.errors import BadMessage, clip, shown
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.history import UserHistory
 from stream.joiner import metrics as m
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, hold_limits
 from stream.joiner.config import JoinerSettings
+from stream.joiner.engine import CLICKS as CLICK_INPUT
+from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.sample_rows import to_batches
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
@@ -54,6 +57,8 @@ from stream.samples import DELAYED_POSITIVE
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.join")
+
+_ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
 
 
 class Record(NamedTuple):
@@ -99,6 +104,7 @@ class JoinTotals:
             "samples_too_large": c["samples_too_large"],
             "evicted_impressions": c["evicted_impressions"],
             "overflow_clicks": c["overflow_clicks"],
+            "held_back": c["held_back"],  # records set aside past the event-time frontier, once per batch held
             "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
             "pending_impressions": c["pending_impressions"],
             "elapsed_s": round(time.monotonic() - self.started, 3),
@@ -144,6 +150,10 @@ class JoinPipeline:
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
         # alone would advance event time past clicks that are merely unread.
         self.clicks_held: set[int] = set()
+        # The events of the records process() last held back, by (topic, partition, offset): not decoded twice.
+        self._held_events: dict[tuple[str, int, int], Impression | Click] = {}
+        self._held_before: dict[tuple[str, int, int], Impression | Click] = {}
+        self._reached: dict[Key, int | None] = {}  # each input's time over what was joined and held (_hold)
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
                               js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
                               kafka.dlq_topic(kafka.clicks_topic), kafka.dlq_topic(kafka.samples_topic)])
@@ -171,6 +181,8 @@ class JoinPipeline:
 
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
+        self._held_events = {k: e for k, e in self._held_events.items() if k[1] not in partitions}
+        self._reached = {k: t for k, t in self._reached.items() if k[1] not in partitions}
         for p in partitions:
             self.engines.pop(p, None)
             self._last_click.pop(p, None)
@@ -182,31 +194,52 @@ class JoinPipeline:
         return {p: len(e.waiting) for p, e in self.engines.items()}
 
     def input_times(self) -> dict[int, tuple[int | None, int | None]]:
-        """Per held partition, the (impressions, clicks) event time the engine has seen (backpressure.py)."""
-        return {p: (e.topic_max[0], e.topic_max[1]) for p, e in self.engines.items()}
+        """Per held partition, the (impressions, clicks) event time the engine has seen, or read when records
+        were held back since (backpressure.py)."""
+        def newest(*ts: int | None) -> int | None:
+            known = [t for t in ts if t is not None]
+            return max(known) if known else None
+
+        return {p: (newest(e.topic_max[0], self._reached.get((IMPRESSIONS, p))),
+                    newest(e.topic_max[1], self._reached.get((CLICKS, p)))) for p, e in self.engines.items()}
 
     # -- the batch step ------------------------------------------------------------------------
-    def process(self, records: list[Record]) -> None:
-        """Join one batch and make its outputs and state durable; see the module docstring for failures."""
+    def process(self, records: list[Record], behind: Behind | None = None) -> list[Record]:
+        """Join one batch and make its outputs and state durable; see the module docstring for failures.
+
+        With ``behind`` (whether an input of a partition has more to read, ``stream.kafka.has_more``), the
+        batch is joined only up to its event-time frontier (:func:`~stream.joiner.backpressure.hold_limits`):
+        the records past it are returned unprocessed, a suffix of each topic-partition's records, for the
+        driver to pass again with its next batch. Without it every record is processed and none returned."""
+        held: list[Record] = []
+        self._held_before, self._held_events = self._held_events, {}
         if not self.strikes.counts:
-            return self._process_run(records)
+            self._process_run(records, behind, held)
+            return held
         # Suspects (messages of a batch that failed before) go alone, in order: the one that fails again
         # is then known exactly, and its neighbours are not blamed.
         run: list[Record] = []
         for r in records:
             if self.strikes.suspect((r.topic, r.partition, r.offset)):
                 if run:
-                    self._process_run(run)
+                    self._process_run(run, behind, held)
                     run = []
-                self._process_run([r])
+                self._process_run([r], behind, held)
             else:
                 run.append(r)
         if run:
-            self._process_run(run)
+            self._process_run(run, behind, held)
+        return held
 
-    def _process_run(self, records: list[Record]) -> None:
+    def _process_run(self, records: list[Record], behind: Behind | None, held: list[Record]) -> None:
+        if held:  # a topic-partition held once in this batch stays held: what is processed stays a prefix
+            holding = {(r.topic, r.partition) for r in held}
+            held.extend(r for r in records if (r.topic, r.partition) in holding)
+            records = [r for r in records if (r.topic, r.partition) not in holding]
+            if not records:
+                return
         try:
-            self._join(records)
+            held.extend(self._join(records, behind))
         except Exception as exc:
             if not is_infrastructure(exc):
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
@@ -227,17 +260,25 @@ class JoinPipeline:
             return decode_impression(r.value, self.limits, r.timestamp)
         return decode_click(r.value, self.limits, r.timestamp)
 
-    def _join(self, records: list[Record]) -> None:
+    def _join(self, records: list[Record], behind: Behind | None = None) -> list[Record]:
         t0 = time.monotonic()
         if self.totals.first_batch is None:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
+        decoded: list[tuple[Record, Impression | Click | BadMessage]] = []
         for r in records:
+            before = self._held_before.pop((r.topic, r.partition, r.offset), None)
             try:
-                event = self._decode(r)
+                decoded.append((r, before if before is not None else self._decode(r)))
             except BadMessage as exc:
-                self.dead_letters.send(r.topic, r.key, r.value, exc, r.partition, r.offset)
+                decoded.append((r, exc))
+        held: list[Record] = []
+        if behind is not None:
+            decoded, held = self._hold(decoded, behind)
+        for r, event in decoded:
+            if isinstance(event, BadMessage):
+                self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset)
                 self.totals.counts["dead_lettered"] += 1
                 continue
             if type(event) is Impression:
@@ -251,6 +292,44 @@ class JoinPipeline:
         self._commit_state(results)
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
+        return held
+
+    def _hold(self, decoded: list[tuple[Record, Impression | Click | BadMessage]], behind: Behind
+              ) -> tuple[list[tuple[Record, Impression | Click | BadMessage]], list[Record]]:
+        """(what to process now, the records held past the event-time frontier), see :meth:`process`. A bad
+        record is held with its neighbours when it comes after a held one, so it is dead-lettered once."""
+        partitions = {r.partition for r, _ in decoded}
+        self.restore(partitions)
+        ts_of: dict[Key, list[int]] = defaultdict(list)  # (input, partition) -> event times in offset order
+        for r, event in decoded:
+            if not isinstance(event, BadMessage):
+                ts_of[(self._kind(r.topic), r.partition)].append(event.ts)
+        reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), []))
+                   for p in partitions for kind in (IMPRESSIONS, CLICKS)}
+        self._reached.update(reached)
+        limits = hold_limits(reached, behind, int((self.js.max_input_drift_s or 0) * 1000))
+        room = {key: len(ts) if (limit := limits.get(key)) is None else
+                self.engines[key[1]].within(_ENGINE_INPUT[key[0]], ts, limit) for key, ts in ts_of.items()}
+        keep: list[tuple[Record, Impression | Click | BadMessage]] = []
+        held: list[Record] = []
+        holding: set[Key] = set()
+        for r, event in decoded:
+            key = (self._kind(r.topic), r.partition)
+            if key not in holding and not isinstance(event, BadMessage):
+                if room[key] == 0:
+                    holding.add(key)
+                room[key] -= 1
+            if key in holding:
+                held.append(r)
+                if not isinstance(event, BadMessage):  # decoded once: it comes back with the next batch
+                    self._held_events[(r.topic, r.partition, r.offset)] = event
+            else:
+                keep.append((r, event))
+        self.totals.counts["held_back"] += len(held)
+        return keep, held
+
+    def _kind(self, topic: str) -> str:
+        return IMPRESSIONS if topic == self.kafka.impressions_topic else CLICKS
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""

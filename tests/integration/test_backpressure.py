@@ -29,6 +29,7 @@ from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
+from stream.samples import DELAYED_POSITIVE, SampleBatch
 from tests.integration.test_joiner import expected_join, join_cmd, join_env, read_samples
 from tests.kafka_io import read_topic
 
@@ -45,7 +46,10 @@ PAD = list(range(300))  # ~1.5 KB of context on every impression
 SYN_FAUST = dataclasses.replace(SYN, impressions=20_000, users=10_000)
 
 
-def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings) -> EventTable:
+def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings, heavy: str = "impressions") -> EventTable:
+    """``syn`` on the test's topics with every event of the ``heavy`` input ~1.5 KB: a fetch of the same bytes
+    then brings ~25x more event time of the other input. Impressions are padded in their context, clicks
+    (whose schema has no room) in a header."""
     table = build_synthetic(syn, ClickDelay(median_s=5.0), seed=11)
     staging = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}-staging",
                                   clicks_topic=f"{kafka.clicks_topic}-staging")
@@ -55,12 +59,14 @@ def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings) -> EventTable
     for source, target in ((staging.clicks_topic, kafka.clicks_topic),
                            (staging.impressions_topic, kafka.impressions_topic)):
         for rec in read_topic(kafka, source):
-            value = rec.value
-            if target == kafka.impressions_topic and value is not None:
+            value, headers = rec.value, None
+            if target == kafka.impressions_topic and heavy == "impressions" and value is not None:
                 event = json.loads(value)  # SYN has no malformed messages: every value is an event
                 event.setdefault("context", {})["pad"] = PAD
                 value = json.dumps(event).encode()
-            producer.produce(target, value=value, key=rec.key, partition=rec.partition)
+            elif target == kafka.clicks_topic and heavy == "clicks":
+                headers = [("pad", json.dumps(PAD).encode())]
+            producer.produce(target, value=value, key=rec.key, partition=rec.partition, headers=headers)
             producer.poll(0)
     assert producer.flush(60) == 0
     return table
@@ -71,8 +77,9 @@ def hostile_stream(kafka: KafkaSettings) -> EventTable:
     return _publish_hostile(kafka, SYN)
 
 
-def _join(kafka: KafkaSettings, redis_url: str, app_id: str, driver: str, backpressure: bool) -> dict:
-    env = join_env(kafka, redis_url, app_id)
+def _join(kafka: KafkaSettings, redis_url: str, app_id: str, driver: str, backpressure: bool,
+          **env_extra: str) -> dict:
+    env = join_env(kafka, redis_url, app_id) | env_extra
     env.update({"STREAMREC_JOINER_MAX_WAITING_PER_PARTITION": str(CAP), "STREAMREC_JOINER_BATCH_MAX": str(BATCH),
                 "STREAMREC_JOINER_BACKPRESSURE": str(backpressure).lower(),
                 "STREAMREC_KAFKA_EXTRA": "max.partition.fetch.bytes=65536"})
@@ -111,3 +118,34 @@ def test_with_backpressure_every_impression_has_exactly_its_label(driver: str, k
     assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == syn.impressions
     assert {r[0]: r[1] for r in rows} == want.labels
     assert summary["click_coverage"] == pytest.approx(sum(want.labels.values()) / stream.n_clicks, abs=1e-6)
+
+
+def test_impressions_a_fetch_brings_ahead_of_their_clicks_are_held_so_samples_keep_event_time(
+        kafka: KafkaSettings, stack, group_id: str) -> None:
+    # Heavy clicks: every fetch brings ~25x more event time of impressions than of clicks, so a batch holds
+    # impressions minutes ahead of the clicks read so far. Joined whole (the pause rule alone acts between
+    # batches), they would go out as observed 0s before the delayed positives of older impressions. Held back
+    # (hold_limits), the samples of each partition keep event time to within the drift, and every impression
+    # still has exactly one observed 0 and, when clicked in its window, one delayed positive.
+    stream = _publish_hostile(kafka, SYN, heavy="clicks")
+    want = expected_join(stream, int(WINDOW * 1000))
+    drift_s = 3.0
+    # A quorum of 1: an input's time is its newest event, so the bound is the drift alone (with the default, a
+    # partition's time may pass the frontier by up to quorum - 1 events: no lone event holds the rest back).
+    summary = _join(kafka, stack.redis_url, group_id, "kafka", backpressure=True,
+                    STREAMREC_JOINER_EMISSION="fake_negative", STREAMREC_JOINER_MAX_INPUT_DRIFT_S=str(drift_s),
+                    STREAMREC_JOINER_WATERMARK_QUORUM="1")
+    assert summary["held_back"] > 0  # the hold did the work
+    late_ms, newest = [], {}
+    for rec in read_topic(kafka, kafka.samples_topic):  # each partition in offset order
+        b = SampleBatch.decode(rec.value)
+        for ts, delay, kind in zip(b.column("ts").tolist(), b.column("label_delay_ms").tolist(),
+                                   b.column("kind").tolist(), strict=True):
+            at = ts + delay if kind == DELAYED_POSITIVE else ts  # the event time it was emitted at
+            newest[rec.partition] = max(newest.get(rec.partition, at), at)
+            late_ms.append(newest[rec.partition] - at)
+    assert max(late_ms) <= 2 * drift_s * 1000, sorted(late_ms)[-5:]
+    rows = [(r[0], r[1]) for r in read_samples(kafka)]
+    assert Counter(i for i, label in rows if label == 0) == Counter(list(want.labels))  # one observed 0 each
+    assert {i for i, label in rows if label == 1} == {i for i, y in want.labels.items() if y}
+    assert len(rows) == len(want.labels) + sum(want.labels.values())

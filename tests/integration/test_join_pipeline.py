@@ -299,3 +299,33 @@ def test_a_held_click_input_is_not_idle_so_impressions_alone_cannot_expire_what_
     labels = {r.impression_id: r.label for r in sample_rows(kafka)}
     assert labels["a"] == (1 if held else 0)
     assert p.totals.summary()["late_clicks"] == (0 if held else 1)
+
+
+def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_up_dead_letters_sent_once(
+        kafka: KafkaSettings, make) -> None:
+    # A fetch can bring one input of a partition days ahead of the other: joined whole, every impression would go
+    # out before the clicks that label the oldest (backpressure.hold_limits). Held, the samples topic keeps event
+    # time: a's click goes out before b, c and d.
+    p = make(emission="fake_negative", max_input_drift_s=60.0)
+    day = 86_400_000
+    more = {("clicks", 0)}  # clicks have more to read; impressions are read to the end
+
+    def behind(kind: str, partition: int) -> bool:
+        return (kind, partition) in more
+
+    batch = [imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + day),
+             Record(kafka.impressions_topic, 0, 2, b"bad", b"{not json"),  # after a held one: held with it
+             imp(kafka, 0, 3, "c", T0 + 2 * day), click(kafka, 0, 0, "z", T0 - 1000)]
+    held = p.process(batch, behind)
+    assert [(r.topic, r.offset) for r in held] == [(kafka.impressions_topic, o) for o in (1, 2, 3)]
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 0)]
+    assert p.totals.counts["dead_lettered"] == 0
+    held = p.process(held + [click(kafka, 0, 1, "a", T0 + 3_000), click(kafka, 0, 2, "zz", T0 + day + 1)], behind)
+    assert [r.offset for r in held] == [3]  # b and the bad record now; c is still past the clicks' day + 60 s
+    more.clear()  # clicks read to the end: nothing holds c back
+    assert p.process(held + [imp(kafka, 0, 4, "d", T0 + 3 * day)], behind) == []
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 0), ("a", 1), ("b", 0), ("c", 0),
+                                                                         ("d", 0)]
+    assert p.totals.counts["dead_lettered"] == 1
+    assert len(read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))) == 1
+    assert p.process(batch[:1]) == []  # without ``behind`` nothing is held (here: a redelivery)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, InputGate
+from stream.joiner.backpressure import CLICKS, HOLD_ALL, IMPRESSIONS, InputGate, hold_limits
 
 S = 1000  # ms
+DAY = 86_400 * S
 
 
 def behind(*keys: tuple[str, int]):
@@ -90,3 +91,24 @@ def test_the_high_mark_leaves_room_for_one_more_batch() -> None:
     assert InputGate(cap=100, headroom=20).high == 80
     assert InputGate(cap=100, headroom=40).high == 60
     assert InputGate(cap=1).high == 1
+
+
+# -- hold_limits: inside one batch ----------------------------------------------------------------------------
+def test_a_partition_is_joined_up_to_the_oldest_time_its_inputs_with_more_to_read_reached_plus_the_drift() -> None:
+    reached = {(IMPRESSIONS, 0): 90 * DAY, (CLICKS, 0): 1 * DAY}  # a fetch brought impressions months ahead
+    limits = hold_limits(reached, lambda kind, p: True, drift_ms=60_000)
+    assert limits == {(IMPRESSIONS, 0): 1 * DAY + 60_000, (CLICKS, 0): 1 * DAY + 60_000}
+
+
+def test_an_input_with_nothing_more_to_read_bounds_nobody() -> None:
+    reached = {(IMPRESSIONS, 0): 90 * DAY, (CLICKS, 0): 1 * DAY, (IMPRESSIONS, 1): 5 * DAY, (CLICKS, 1): DAY}
+    limits = hold_limits(reached, lambda kind, p: kind == IMPRESSIONS, drift_ms=0)
+    assert limits == {(IMPRESSIONS, 0): 90 * DAY, (CLICKS, 0): 90 * DAY, (IMPRESSIONS, 1): 5 * DAY,
+                      (CLICKS, 1): 5 * DAY}  # clicks are read to the end: the impressions bound both
+    assert hold_limits(reached, lambda kind, p: False, drift_ms=0) == {}
+
+
+def test_an_input_with_more_to_read_whose_time_is_unknown_is_read_and_holds_the_other_entirely() -> None:
+    limits = hold_limits({(IMPRESSIONS, 3): DAY, (CLICKS, 3): None}, lambda kind, p: True, drift_ms=60_000)
+    assert limits == {(IMPRESSIONS, 3): HOLD_ALL}
+    assert hold_limits({(IMPRESSIONS, 3): None, (CLICKS, 3): None}, lambda kind, p: True, drift_ms=0) == {}

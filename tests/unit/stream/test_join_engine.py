@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from stream.events import Click, Impression
 from stream.features import hash_value
 from stream.joiner.engine import JoinConfig, PartitionJoin
@@ -188,3 +190,18 @@ def test_a_restored_partition_keeps_its_event_time_and_drains_when_its_clicks_ca
     assert sorted(s.pending.impression_id for s in r2.samples) == ["a", "b"]  # joined with the waiting clicks
     r3 = back.apply([], [], drain=True)  # no click arrives after the restart: the drain still ends every window
     assert [s.pending.impression_id for s in r3.samples] == ["z"] and not back.pending
+
+
+def test_within_counts_the_events_before_an_inputs_time_would_pass_a_limit_and_a_lone_outlier_does_not_stop_it(
+) -> None:
+    exact = PartitionJoin(0, CFG)  # quorum 1: the time is the newest event
+    assert exact.within(0, [10, 20, 30, 25], limit=20) == 2
+    assert exact.reached(0, [10, 20, 30]) == 30 and exact.reached(1, []) is None
+    three = PartitionJoin(0, dataclasses.replace(CFG, watermark_quorum=3))
+    # the event far ahead does not stop the rest (it is one of three): the time passes 20 at 22, the second past it
+    assert three.within(0, [10, 11, 12, 10**12, 13, 21, 22, 23, 24], limit=20) == 6
+    assert three.reached(0, [10, 10**12]) is None  # fewer events than the quorum: not known
+    assert three.reached(0, [10, 11, 12, 10**12]) == 11
+    three.apply([(o, imp(f"i{o}", ts)) for o, ts in enumerate([100, 200, 300])], [])
+    assert three.reached(0, []) == 100 and three.within(0, [400], limit=250) == 1  # joined events count too
+    assert three.within(0, [400, 500], limit=250) == 1
