@@ -13,7 +13,10 @@ see ``stream/strikes.py``; the process exits non-zero for its supervisor to rest
 
 An input that runs ahead of the other in event time (or clicks near ``max_waiting_per_partition``) is paused
 until the other catches up (``backpressure.py``); the gate is asked after every batch, and a run never
-ends idle with an input paused.
+ends idle with an input paused. Inside a batch, the records of a partition past its event-time frontier
+(``backpressure.hold_limits``: one fetch can bring an input months ahead of the other) are held back: kept in
+memory, their input paused, joined with a later batch, and their offsets committed only then (a crash or a
+revocation reads them again). A run never ends idle with records held.
 
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks

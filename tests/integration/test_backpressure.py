@@ -100,9 +100,10 @@ def test_without_backpressure_clicks_ahead_of_their_impressions_overflow(kafka: 
 
 # faust's gate is the waiting-click cap only (stream/joiner/worker.py): nothing keeps its impressions from running
 # ahead of the clicks, and on 2026-12-01 two of three runs failed here (once no pause at all, once 3 of 20 000
-# impressions closed as negatives before their clicks were read). A known defect of the faust driver, not fixed.
-FAUST_DEFECT = pytest.mark.xfail(reason="faust driver: impressions can outrun their clicks past the window (no "
-                                        "event-time rule); see the comment above", strict=False)
+# impressions closed as negatives before their clicks were read). A known defect of the faust driver, not fixed;
+# an xfail that may pass proves nothing in CI, so it runs with -m slow only (the 20 k stream is a minute).
+FAUST_DEFECT = [pytest.mark.xfail(reason="faust driver: impressions can outrun their clicks past the window (no "
+                                         "event-time rule); see the comment above", strict=False), pytest.mark.slow]
 
 
 @pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=FAUST_DEFECT)])
@@ -127,7 +128,7 @@ def test_impressions_a_fetch_brings_ahead_of_their_clicks_are_held_so_samples_ke
     # batches), they would go out as observed 0s before the delayed positives of older impressions. Held back
     # (hold_limits), the samples of each partition keep event time to within the drift, and every impression
     # still has exactly one observed 0 and, when clicked in its window, one delayed positive.
-    stream = _publish_hostile(kafka, SYN, heavy="clicks")
+    stream = _publish_hostile(kafka, dataclasses.replace(SYN, impressions=5_000, users=2_500), heavy="clicks")
     want = expected_join(stream, int(WINDOW * 1000))
     drift_s = 3.0
     # A quorum of 1: an input's time is its newest event, so the bound is the drift alone (with the default, a
