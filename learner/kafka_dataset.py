@@ -14,8 +14,9 @@ training failed (``stream/strikes.py``): each is yielded as a batch of its own, 
 poison reason is dead-lettered instead.
 
 Partitions are merged in event time (:class:`EventTimeMerge`): decoded messages wait in a small buffer per
-partition, and the one with the oldest first sample goes next, as long as every partition with more to read has
-one buffered (a partition whose buffer is full is paused; the consumer refetches it from where the buffer ends).
+partition, and the one whose first sample went out the earliest in event time (``emitted_at``) goes next, as long
+as every partition with more to read has one buffered (a partition whose buffer is full is paused; the consumer
+refetches it from where the buffer ends).
 Read from a backlog, librdkafka hands over each partition's messages in chunks of up to
 ``max.partition.fetch.bytes``, and test-then-train would otherwise train on one partition's next months before it
 predicts another's past (on the demo's ML-1M topic the learner's event time jumped back by months, and the
@@ -183,7 +184,7 @@ class EventTimeMerge:
         if sb is None or not len(sb) or part not in self.buffers:
             self._ready.append((m, sb))
         else:
-            self.buffers[part].append((int(sb.batch.column("ts")[0].as_py()), (m, sb)))
+            self.buffers[part].append((emitted_at(sb), (m, sb)))
 
     def empty(self) -> bool:
         return not self._ready and not any(self.buffers.values())
@@ -211,6 +212,14 @@ class EventTimeMerge:
         resume = {p for p in self.paused if len(self.buffers[p]) <= self.capacity // 2}
         self.paused = (self.paused - resume) | pause
         return pause, resume
+
+
+def emitted_at(sb: SampleBatch) -> int:
+    """The event time the joiner put out ``sb``'s first row at: its impression time plus the label delay (a
+    delayed positive goes out at its click; an observed 0 at its impression, es_dfm's after its elapsed time).
+    Keying a message by its impression time alone would hand a message that starts with a delayed positive
+    up to a window early, and train it before other partitions' impressions of the minutes in between."""
+    return int(sb.batch.column("ts")[0].as_py()) + int(sb.batch.column("label_delay_ms")[0].as_py())
 
 
 def _decode(m: Message) -> SampleBatch | None:

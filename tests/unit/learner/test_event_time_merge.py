@@ -77,3 +77,16 @@ def test_an_undecodable_message_and_an_error_go_on_at_once() -> None:
     out = merge.take(all_behind)
     assert [m for m, _ in out] == [bad, eof] and all(sb is None for _, sb in out)
     assert merge.empty()
+
+
+def test_a_message_that_starts_with_a_delayed_positive_goes_at_its_click_not_at_its_impression() -> None:
+    # p0's message went out at 1_000 + 900 (a click 900 ms after its impression); p1's at 1_500. Keyed by the
+    # impression time, p0's would go first and be trained before p1's impression at 1_500 is predicted.
+    n = 1
+    late = SampleBatch.from_columns(impression_id=["0-a"], ts=np.array([1_000]), label=np.ones(n),
+                                    label_delay_ms=np.array([900]), user_id=np.zeros(n), item_id=np.zeros(n),
+                                    history=[[]], kind=np.array([2]))
+    merge = EventTimeMerge([0, 1])
+    merge.add(Msg(0, late.encode()))
+    merge.add(msg(1, 1_500))
+    assert [m.partition() for m, _ in merge.take(lambda p: False)] == [1, 0]
