@@ -83,7 +83,9 @@ class KafkaSampleDataset(IterableDataset):
         merge = EventTimeMerge(parts) if self.merge and len(parts) > 1 else None
 
         def behind(p: int) -> bool:
-            return has_more(consumer, topic, p)
+            # not fetched yet counts as more to read: it may hold the oldest rows, and the merge's idle clock
+            # bounds the wait (at the start of a backlog the first partition fetched ran days ahead alone)
+            return has_more(consumer, topic, p, unknown=True)
 
         def ordered(msgs: list) -> list:
             """``msgs`` through the merge, as (message, its SampleBatch if decoded already), and the pauses it asks."""
@@ -170,16 +172,23 @@ class EventTimeMerge:
         self.capacity = capacity  # messages buffered per partition before it is paused
         # A partition that sent nothing for this long (wall clock) holds nobody back, whatever its lag says
         # (Flink's idleness timeout): a quiet partition of a live stream, or one whose lag the broker misreports.
+        # The idle clock of a partition runs only while it has nothing buffered and is not paused by the merge
+        # itself (a partition held back for a full buffer, or whose buffer is draining, is not quiet), and not
+        # before the first message of any partition (the consumer's start is nobody's silence).
         self.idle_s = idle_s
-        self.last_seen = {p: time.monotonic() for p in partitions}
+        self.last_seen: dict[int, float | None] = {p: None for p in partitions}
+        self._started: float | None = None
         self.buffers: dict[int, deque] = {p: deque() for p in partitions}
         self.paused: set[int] = set()
         self._ready: list = []  # messages that need no ordering
 
     def add(self, m: Message) -> None:
         part = m.partition()
+        now = time.monotonic()
+        if self._started is None:
+            self._started = now
         if part in self.last_seen:
-            self.last_seen[part] = time.monotonic()
+            self.last_seen[part] = now
         sb = _decode(m) if m.error() is None else None
         if sb is None or not len(sb) or part not in self.buffers:
             self._ready.append((m, sb))
@@ -196,9 +205,17 @@ class EventTimeMerge:
         heads = [(buf[0][0], p) for p, buf in self.buffers.items() if buf]
         heapq.heapify(heads)
         now = time.monotonic()
+        for p, buf in self.buffers.items():
+            if buf or p in self.paused:
+                self.last_seen[p] = now
+
+        def quiet(p: int) -> bool:
+            seen = self.last_seen[p]
+            since = seen if seen is not None else self._started
+            return since is not None and now - since >= self.idle_s
+
         while heads:
-            if any(not buf and now - self.last_seen[p] < self.idle_s and behind(p)
-                   for p, buf in self.buffers.items()):
+            if any(not buf and not quiet(p) and behind(p) for p, buf in self.buffers.items()):
                 break  # a partition with more to read has nothing buffered: its next message may be older
             _, p = heapq.heappop(heads)
             out.append(self.buffers[p].popleft()[1])

@@ -421,18 +421,22 @@ def _weak_on_error(ref: weakref.ReferenceType[AckedProducer]) -> Callable[[Kafka
     return on_delivery
 
 
-def has_more(consumer: Consumer, topic: str, partition: int) -> bool:
+def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = False) -> bool:
     """Whether ``partition`` of ``topic`` has records past what ``consumer`` has handed out, by the high watermark
-    its fetcher last saw (no broker round trip). Unknown (no fetch yet, an error) counts as no: callers use it to
-    hold other inputs back (``stream/alignment.py``), and a guess must not stall them. The local broker reports
-    the start of its last record batch as the high watermark, so its last batch may read as nothing more."""
+    its fetcher last saw (no broker round trip). Unknown (no fetch yet, an error) counts as ``unknown``: no by
+    default, since callers use it to hold other inputs back (``stream/alignment.py``) and a guess must not stall
+    them; a caller with its own timeout for an input that sends nothing (the learner's merge, ``idle_s``) may
+    count it as yes. The local broker reports the start of its last record batch as the high watermark, so its
+    last batch may read as nothing more."""
     tp = TopicPartition(topic, partition)
     try:
         _, high = consumer.get_watermark_offsets(tp, cached=True)
         position = consumer.position([tp])[0].offset
     except KafkaException:
-        return False
-    if high <= 0:
+        return unknown
+    if high < 0:  # not fetched yet
+        return unknown
+    if high == 0:  # empty
         return False
     return position < 0 or position < high
 

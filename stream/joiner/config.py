@@ -48,7 +48,12 @@ class JoinerSettings:
     # and its samples go out as messages of at most sample_flush_rows rows per partition.
     batch_max: int = 5000
     batch_within_s: float = 0.5
-    sample_flush_rows: int = 4096
+    # The learner merges the samples partitions a whole message at a time (learner/kafka_dataset.py), so a
+    # message's span of event time is how far one partition's rows can run ahead of another's, and a model that
+    # trained on them serves the others' older impressions with hindsight. 64 rows (a quarter of a learner step
+    # over four partitions): on 300 k ML-1M ratings the daemon's served AUC read 0.7475 with up to 4,096 (median
+    # look-ahead 58 min) and 0.7362 with 64 (p99 12 min), against 0.7288 read from one partition.
+    sample_flush_rows: int = 64
     exit_when_idle_s: float | None = None  # bounded runs: exit after this long without input
     drain_at_exit: bool = False  # at exit, treat input as complete: expire every pending impression
     metrics_port: int | None = None  # serve Prometheus /metrics on this port

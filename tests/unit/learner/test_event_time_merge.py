@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,3 +91,27 @@ def test_a_message_that_starts_with_a_delayed_positive_goes_at_its_click_not_at_
     merge.add(Msg(0, late.encode()))
     merge.add(msg(1, 1_500))
     assert [m.partition() for m, _ in merge.take(lambda p: False)] == [1, 0]
+
+
+def test_a_partition_paused_or_draining_longer_than_the_idle_timeout_is_not_idle_when_its_buffer_runs_out() -> None:
+    # Partition 1 was held for a full buffer (or sat on buffered messages) for longer than idle_s; when its
+    # buffer runs out it is refetching, not quiet: partition 0 must not run ahead of it meanwhile.
+    merge = EventTimeMerge([0, 1], capacity=2, idle_s=0.2)
+    merge.add(msg(1, 1))
+    merge.add(msg(1, 2))
+    merge.flow()  # 1 paused
+    time.sleep(0.3)  # longer than idle_s, all of it paused with messages buffered
+    merge.add(msg(0, 10))
+    merge.add(msg(0, 20))
+    assert first_ts(merge.take(all_behind)) == [1, 2]  # then 1's buffer is empty: 0 waits for it
+    assert merge.flow() == ({0}, {1})  # the reader resumes 1 (it refetches) and pauses 0 (full)
+    assert first_ts(merge.take(all_behind)) == []
+    time.sleep(0.3)  # now 1 has really sent nothing for idle_s
+    assert first_ts(merge.take(all_behind)) == [10, 20]
+
+
+def test_the_idle_clock_starts_with_the_first_message_not_with_the_merge() -> None:
+    merge = EventTimeMerge([0, 1], idle_s=0.2)
+    time.sleep(0.3)  # the consumer's start: nobody has sent anything yet
+    merge.add(msg(0, 10))
+    assert merge.take(all_behind) == []  # 1 has not been quiet for idle_s since data began to flow
