@@ -35,6 +35,7 @@ from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
 from stream.alignment import lead
+from stream.config import KafkaSettings
 
 IMPRESSIONS, CLICKS = "impressions", "clicks"
 
@@ -44,6 +45,17 @@ PAUSES = PCounter("streamrec_join_input_pauses_total", "Times a partition's inpu
                   "other input in event time, or (clicks) its waiting clicks reached the high mark.", ["input"])
 
 Key = tuple[str, int]  # (IMPRESSIONS | CLICKS, partition)
+
+
+def topic_of(kafka: KafkaSettings, kind: str) -> str:
+    """The topic an input is read from."""
+    return kafka.impressions_topic if kind == IMPRESSIONS else kafka.clicks_topic
+
+
+def input_of(kafka: KafkaSettings, topic: str) -> str:
+    """The input a topic feeds (IMPRESSIONS or CLICKS)."""
+    return IMPRESSIONS if topic == kafka.impressions_topic else CLICKS
+
 Behind = Callable[[str, int], bool]  # whether (input, partition) has more to read
 HOLD_ALL = -sys.maxsize  # the limit of an input whose other input has more to read but has not been read yet
 

@@ -37,7 +37,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 
 from stream.config import KafkaSettings
 from stream.errors import clip
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, InputGate, Key
+from stream.joiner.backpressure import CLICKS, InputGate, Key, input_of, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, has_more, resume_offsets
@@ -164,10 +164,10 @@ class KafkaJoinWorker:
 
     def held_inputs(self) -> set[Key]:
         """The inputs with records held past the frontier: paused until those are joined (the fetch is ahead)."""
-        return {(IMPRESSIONS if r.topic == self.kafka.impressions_topic else CLICKS, r.partition) for r in self._held}
+        return {(input_of(self.kafka, r.topic), r.partition) for r in self._held}
 
     def _topic(self, kind: str) -> str:
-        return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
+        return topic_of(self.kafka, kind)
 
     def _behind(self, kind: str, partition: int) -> bool:
         return has_more(self.consumer, self._topic(kind), partition)

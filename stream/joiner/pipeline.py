@@ -43,7 +43,7 @@ from stream.errors import BadMessage, clip, shown
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.history import UserHistory
 from stream.joiner import metrics as m
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, hold_limits
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, hold_limits, input_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
@@ -303,7 +303,7 @@ class JoinPipeline:
         ts_of: dict[Key, list[int]] = defaultdict(list)  # (input, partition) -> event times in offset order
         for r, event in decoded:
             if not isinstance(event, BadMessage):
-                ts_of[(self._kind(r.topic), r.partition)].append(event.ts)
+                ts_of[(input_of(self.kafka, r.topic), r.partition)].append(event.ts)
         reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), []))
                    for p in partitions for kind in (IMPRESSIONS, CLICKS)}
         self._reached.update(reached)
@@ -314,7 +314,7 @@ class JoinPipeline:
         held: list[Record] = []
         holding: set[Key] = set()
         for r, event in decoded:
-            key = (self._kind(r.topic), r.partition)
+            key = (input_of(self.kafka, r.topic), r.partition)
             if key not in holding and not isinstance(event, BadMessage):
                 if room[key] == 0:
                     holding.add(key)
@@ -328,8 +328,6 @@ class JoinPipeline:
         self.totals.counts["held_back"] += len(held)
         return keep, held
 
-    def _kind(self, topic: str) -> str:
-        return IMPRESSIONS if topic == self.kafka.impressions_topic else CLICKS
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""

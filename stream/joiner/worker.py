@@ -62,7 +62,7 @@ from faust.types import TP
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, InputGate, Key
+from stream.joiner.backpressure import CLICKS, InputGate, Key, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 
@@ -195,7 +195,7 @@ class FaustJoinWorker:
         self._set_paused(self.gate.release(gone), False)
 
     def _topic(self, kind: str) -> str:
-        return self.kafka.impressions_topic if kind == IMPRESSIONS else self.kafka.clicks_topic
+        return topic_of(self.kafka, kind)
 
     def _behind(self, kind: str, partition: int) -> bool:
         """Whether ``kind``'s input of ``partition`` has more to read (faust's tracked high water and read offset)."""
