@@ -166,7 +166,13 @@ class KafkaSampleDataset(IterableDataset):
 
 class EventTimeMerge:
     """Consumed messages of several partitions, handed on oldest first (module docstring). A message whose
-    samples cannot be read for their time (an error, a message that will be dead-lettered) goes on at once."""
+    samples cannot be read for their time (an error, a message that will be dead-lettered, an empty one) goes
+    on at once, unless earlier messages of its partition are still buffered: then it waits behind them.
+
+    A partition's messages always go on in offset order: the daemon counts a partition as read up to its
+    newest message trained (``offset + 1``), so one handed on ahead of its partition's buffered messages
+    would have the next checkpoint skip them (a dead-lettered message at offset 7 going on before offsets
+    3-6 lost those four messages to a restart)."""
 
     def __init__(self, partitions: list[int], capacity: int = 8, idle_s: float = 2.0) -> None:
         self.capacity = capacity  # messages buffered per partition before it is paused
@@ -190,10 +196,13 @@ class EventTimeMerge:
         if part in self.last_seen:
             self.last_seen[part] = now
         sb = _decode(m) if m.error() is None else None
-        if sb is None or not len(sb) or part not in self.buffers:
-            self._ready.append((m, sb))
+        buf = self.buffers.get(part)
+        if sb is not None and len(sb) and buf is not None:
+            buf.append((emitted_at(sb), (m, sb)))
+        elif buf:  # no time of its own: right behind its partition's buffered messages, with the last one's time
+            buf.append((buf[-1][0], (m, sb)))
         else:
-            self.buffers[part].append((emitted_at(sb), (m, sb)))
+            self._ready.append((m, sb))
 
     def empty(self) -> bool:
         return not self._ready and not any(self.buffers.values())

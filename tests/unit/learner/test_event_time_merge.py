@@ -115,3 +115,29 @@ def test_the_idle_clock_starts_with_the_first_message_not_with_the_merge() -> No
     time.sleep(0.3)  # the consumer's start: nobody has sent anything yet
     merge.add(msg(0, 10))
     assert merge.take(all_behind) == []  # 1 has not been quiet for idle_s since data began to flow
+
+
+def test_a_message_without_a_time_waits_behind_its_partitions_buffered_messages() -> None:
+    """A message to be dead-lettered (undecodable) used to go on at once, ahead of its partition's buffered
+    messages: the daemon then counted the partition as read past them, and a restart skipped them."""
+    merge = EventTimeMerge([0, 1])
+    merge.add(msg(0, 10))
+    merge.add(msg(0, 20))
+    bad = Msg(0, b"not arrow")
+    merge.add(bad)
+    merge.add(msg(0, 30))
+    assert merge.take(all_behind) == []  # partition 1 may be older: nothing of partition 0 goes, not even `bad`
+    merge.add(msg(1, 25))
+    out = merge.take(lambda p: p == 0)
+    assert [m.partition() for m, _ in out] == [0, 0, 0, 1, 0]
+    assert out[2][0] is bad and out[2][1] is None  # right behind 0's 10 and 20, with 20's time
+    assert first_ts([o for o in out if o[1] is not None]) == [10, 20, 25, 30]
+
+
+def test_a_message_without_a_time_goes_at_once_when_its_partition_has_nothing_buffered() -> None:
+    merge = EventTimeMerge([0, 1])
+    merge.add(msg(1, 5))
+    bad = Msg(0, b"not arrow")
+    merge.add(bad)
+    out = merge.take(all_behind)
+    assert [m for m, _ in out] == [bad]  # nothing of partition 0 is ahead of it; partition 1's 5 waits for 0
