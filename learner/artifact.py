@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from learner.calibration import identity
 from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
@@ -121,7 +122,11 @@ def eager_model(checkpoint: Mapping[str, Any]) -> DeepFM:
 
 
 def _dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in state.items() if not k.startswith("sparse.")}
+    """The scorer's weights from a model state: everything but the table, with the identity calibration for a
+    checkpoint written before calibration existed (it served raw logits)."""
+    out = {k: v.detach().float().clone() for k, v in state.items() if not k.startswith("sparse.")}
+    out.setdefault("calibration", identity())
+    return out
 
 
 # -- manifest and checkpoint checks ----------------------------------------------------------------

@@ -30,6 +30,7 @@ import pyarrow as pa
 import torch
 
 from learner.batch import TensorBatch, to_tensors
+from learner.calibration import OnlineCalibration
 from learner.evaluation.config import EvalConfig
 from learner.evaluation.delayed import run_delayed
 from learner.evaluation.protocols import Log, log_to
@@ -88,7 +89,7 @@ def _trainer(fcfg: FeatureConfig, cfg: EvalConfig, cs: ColdStartConfig, variant:
     boost = (cs.boost, cs.boost_half_life) if variant == "admission" and cs.boost > 0 else (0.0, 0.0)
     sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer, boost=boost[0],
                                     boost_half_life=boost[1], initial_accumulator=cfg.initial_accumulator)
-    return Trainer(model, sparse, dense)
+    return Trainer(model, sparse, dense, calibration=OnlineCalibration() if cfg.online_calibration else None)
 
 
 class VariantIds:

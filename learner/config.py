@@ -151,9 +151,12 @@ class LearnerSettings:
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
     # Delayed feedback (learner/delayed.py, learner/served.py): the joiner's attribution window (served quality
     # waits this long of event time for an observed negative's delayed positive), and a fresh model's bias
-    # starting at the logit of its first batch's click rate.
+    # following the click rate until it is known, from prior_click_rate before any label (BaseRateBias).
     attribution_window_s: float = 1800.0
     init_bias: bool = True
+    prior_click_rate: float = 0.05  # your stream's click rate, roughly: what a fresh model serves first
+    # Platt scaling of the served logit, fitted online on the held-out predictions (learner/calibration.py)
+    online_calibration: bool = True
     ctx_buckets: int = 10_000  # rows per context field
     mlp: tuple[int, ...] = (400, 400, 400)  # hidden layer sizes; "400,400,400" in a file or the environment
     dropout: float = 0.0
@@ -209,6 +212,10 @@ class LearnerSettings:
         for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device),
                            ("amp", Amp)):
             object.__setattr__(self, name, kind.of(getattr(self, name), f"[learner] {name}"))
+        if not 0 < self.prior_click_rate < 1:
+            raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "
+                              f"{self.prior_click_rate!r}: set it to your stream's click rate, roughly (0.05 "
+                              f"when unknown)")
 
     @property
     def model(self) -> ModelConfig:

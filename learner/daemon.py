@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
+from learner.calibration import OnlineCalibration, identity
 from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
@@ -86,6 +87,9 @@ COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samp
 WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
 COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
 WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
+CALIBRATION_SCALE = Gauge("streamrec_learner_calibration_scale", "Platt scale a of the served logit a * z + b "
+                          "(learner/calibration.py; 1 = served as the model says, below 1 = shrunk).")
+CALIBRATION_SHIFT = Gauge("streamrec_learner_calibration_shift", "Platt shift b of the served logit a * z + b.")
 NAN_LOSSES = PCounter("streamrec_learner_nan_losses_total", "Batches whose loss was not finite (update skipped).")
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
 CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
@@ -233,7 +237,8 @@ class Learner:
                                         initial_accumulator=model_settings.get("initial_accumulator", 0.0))
         self.mapper = RowMapper(cfg)
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
-                               metrics=ProgressiveMetrics(window=self.ls.metrics_window))
+                               metrics=ProgressiveMetrics(window=self.ls.metrics_window),
+                               calibration=OnlineCalibration() if self.ls.online_calibration else None)
         if self.ls.deltas_every_s > 0:
             self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows, key=self._signing_key,
                                                     redis_settings=self.redis_settings)
@@ -274,10 +279,14 @@ class Learner:
         if "served" in ckpt:
             self.served.load_state_dict(ckpt["served"])
         if ckpt.get("base_rate_bias"):  # restored while its bias still followed the click rate
-            self.bias = BaseRateBias()
+            self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(ckpt["base_rate_bias"])
         if "delayed_weights" in ckpt:
             self.trainer.delayed.load_state_dict(ckpt["delayed_weights"])
+        if self.trainer.calibration is not None and ckpt.get("calibration"):
+            self.trainer.calibration.load_state_dict(ckpt["calibration"])
+        elif self.trainer.calibration is None:  # calibration turned off: serve the raw logits again
+            self.trainer.model.get_buffer("calibration").copy_(identity())
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
                  self.offsets)
         return True
@@ -301,6 +310,7 @@ class Learner:
                  "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
                  "warm_metrics": self.warm_metrics.state_dict(), "served": self.served.state_dict(),
                  "delayed_weights": tr.delayed.state_dict(),
+                 "calibration": tr.calibration.state_dict() if tr.calibration is not None else {},
                  "base_rate_bias": self.bias.state_dict() if self.bias is not None and not self.bias.done else {}}
         if self.deltas is not None:  # rows trained before this checkpoint and in no delta yet: durably listed
             self.deltas.sync()  # (learner/deltas.py "Pending rows"); what is trained after it is trained again
@@ -357,7 +367,7 @@ class Learner:
             if cfg is None:
                 return self.summary(reason="no samples arrived")
             self._build(cfg, self._model_settings())
-            self.bias = BaseRateBias() if ls.init_bias else None
+            self.bias = BaseRateBias(prior_rate=ls.prior_click_rate) if ls.init_bias else None
             if self.bias is not None:
                 assert self.trainer is not None
                 self.bias.start(self.trainer.model)
@@ -430,7 +440,7 @@ class Learner:
             probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned
                                     for chunk in kept.chunks(self.ls.step_rows)])
             if self.bias is not None:  # a new model: its bias follows the click rate until that is known
-                self.bias.update(self.trainer.model, labels, kept.kinds)
+                self.bias.update(self.trainer.model, labels, kept.kinds, kept.ts, kept.label_delay_ms)
             if cold is not None:
                 self._observe_cold(probs, labels, cold)
             self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
@@ -444,6 +454,9 @@ class Learner:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
                 log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",
                             self.trainer.nan_losses - nan_before, self.trainer.nan_losses)
+            if self.trainer.calibration is not None:
+                CALIBRATION_SCALE.set(self.trainer.calibration.a)
+                CALIBRATION_SHIFT.set(self.trainer.calibration.b)
             SAMPLES.inc(len(kept))
             m = self.trainer.metrics
             AUC.set(m.auc)
@@ -498,6 +511,8 @@ class Learner:
             "cold_users": {"k": self.ls.cold_k, "cold": self.cold_metrics.summary(),
                            "warm": self.warm_metrics.summary()},
             "served": self.served.summary(),
+            "calibration": ({"a": tr.calibration.a, "b": tr.calibration.b, "pairs_fitted": tr.calibration.rows,
+                             "pending": len(tr.calibration.pending)} if tr and tr.calibration else None),
             "id_maps": self.mapper.stats() if self.mapper else {},
             "device": str(self.device),
             "precision": str(getattr(tr.model, "autocast_dtype", None) or torch.float32).removeprefix("torch.")

@@ -196,7 +196,7 @@ class EventTimeMerge:
         if part in self.last_seen:
             self.last_seen[part] = now
         sb = _decode(m) if m.error() is None else None
-        buf = self.buffers.get(part)
+        buf = self.buffers.get(part) if part is not None else None
         if sb is not None and len(sb) and buf is not None:
             buf.append((emitted_at(sb), (m, sb)))
         elif buf:  # no time of its own: right behind its partition's buffered messages, with the last one's time

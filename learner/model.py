@@ -5,7 +5,9 @@
                    both the linear and the interaction terms
     FMInteraction  0.5 * ((sum_f v_f)^2 - sum_f v_f^2), summed over D
     DenseArch      MLP over [field embeddings, dense features]
-    DeepFM         bias + first order + FM + MLP -> one logit per sample
+    DeepFM         bias + first order + FM + MLP -> one logit per sample; in eval mode the logit is calibrated
+                   by the ``calibration`` buffer ``(a, b)``: ``a * logit + b`` (``learner/calibration.py``;
+                   the identity ``(1, 0)`` until a learner fits it)
 
 Shapes: B samples, F fields, D embedding dim, Dd dense features.
 The dense part (FM, MLP) may run under autocast (bf16 on CPU); lookups stay fp32.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from learner.calibration import calibrated, identity
 from learner.config import Amp
 from learner.features import FeatureConfig
 
@@ -92,9 +95,11 @@ class DeepFM(nn.Module):
             self.fm = FMInteraction()
             self.dense_arch = DenseArch(cfg.num_fields * cfg.embedding_dim + len(cfg.dense), mlp, dropout)
         self.bias = nn.Parameter(torch.zeros(1))
+        self.register_buffer("calibration", identity())  # (2,) Platt's (a, b), served in eval mode
         self.autocast_dtype = autocast_dtype
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """(B,) logits: raw in train mode (what the loss sees), calibrated in eval mode (what is served)."""
         emb, first = self.sparse(values, offsets)  # (B, F, D), (B, F)
         device_type = emb.device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
@@ -102,7 +107,21 @@ class DeepFM(nn.Module):
             x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
             deep = self.dense_arch(x)  # (B,)
             fm = self.fm(emb)  # (B,)
-        return self.bias + first.sum(dim=1) + fm.float() + deep.float()  # (B,) logits
+        logits = self.bias + first.sum(dim=1) + fm.float() + deep.float()  # (B,)
+        return logits if self.training else self.calibrate(logits)
+
+    def calibrate(self, logits: torch.Tensor) -> torch.Tensor:
+        """Raw logits (B,) -> served logits (B,): ``a * logits + b``."""
+        cal = self.calibration
+        assert isinstance(cal, torch.Tensor)  # a buffer (for mypy)
+        return calibrated(logits, cal)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+                              unexpected_keys, error_msgs) -> None:
+        # A checkpoint written before calibration existed served its raw logits: the identity.
+        state_dict.setdefault(prefix + "calibration", identity())
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith("sparse.")]

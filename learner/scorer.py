@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from learner.calibration import calibrated, identity
 from learner.config import ArtifactFormat
 from learner.features import FeatureConfig
 from learner.model import DenseArch, FMInteraction
@@ -98,13 +99,15 @@ class Scorer(nn.Module):
         self.fm = FMInteraction()
         self.dense_arch = DenseArch(spec.num_fields * spec.dim + spec.num_dense, spec.mlp, spec.dropout)
         self.bias = nn.Parameter(torch.zeros(1))
+        self.register_buffer("calibration", identity())  # (2,) DeepFM's (a, b): a * logit + b
         self.register_buffer("hot_ids", hot_ids)  # (H + 1,) int64 sorted, last = sentinel
         self.register_buffer("hot_vectors", hot_vectors)  # (H + 1, D + 1) float32, last = zeros
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
-        hot_ids, hot_vectors = self.hot_ids, self.hot_vectors
+        hot_ids, hot_vectors, cal = self.hot_ids, self.hot_vectors, self.calibration
         assert isinstance(hot_ids, torch.Tensor) and isinstance(hot_vectors, torch.Tensor)  # buffers (for mypy)
+        assert isinstance(cal, torch.Tensor)
         pos = torch.searchsorted(hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
         hot = hot_vectors[pos]  # (N, D + 1)
         vectors = torch.where(given_mask.unsqueeze(1), given_rows, hot)  # (N, D + 1)
@@ -114,7 +117,7 @@ class Scorer(nn.Module):
         emb, first = pooled[:, :, : self.dim], pooled[:, :, self.dim]  # (B, F, D), (B, F)
         x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
         logits = self.bias + first.sum(dim=1) + self.fm(emb) + self.dense_arch(x)  # (B,)
-        return torch.sigmoid(logits)
+        return torch.sigmoid(calibrated(logits, cal))  # as DeepFM serves in eval mode
 
 
 def hot_buffers(table: torch.Tensor, hot_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +178,7 @@ def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Modul
 
             state = safetensors.torch.load_file(str(path), device="cpu")
         scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
+        state.setdefault("calibration", identity())  # an artifact from before calibration: raw
         scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
         return scorer.to(device).eval()
     raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")

@@ -8,6 +8,10 @@ cadence, so N accumulated micro-batches make the same update as one batch N time
 
 Rows that are not ``FINAL`` (the joiner's ``fake_negative`` and ``es_dfm`` policies) are weighted by
 ``learner/delayed.py``'s importance weights; a batch of ``FINAL`` rows keeps the plain mean loss.
+
+With a ``calibration`` (``learner/calibration.py``), the predictions recorded and returned are the calibrated
+ones (what is served), and each batch's raw logits go to the calibration, which fits them as their labels
+become final; the loss and the weights use the raw logits.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from learner.batch import TensorBatch
+from learner.calibration import OnlineCalibration, calibrated
 from learner.delayed import DelayedFeedbackWeights
 from learner.progressive import ProgressiveMetrics
 
@@ -25,7 +30,7 @@ from learner.progressive import ProgressiveMetrics
 class Trainer:
     def __init__(self, model: nn.Module, sparse_opt: torch.optim.Optimizer, dense_opt: torch.optim.Optimizer,
                  accumulation: int = 1, device: torch.device | str = "cpu",
-                 metrics: ProgressiveMetrics | None = None) -> None:
+                 metrics: ProgressiveMetrics | None = None, calibration: OnlineCalibration | None = None) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         self.model, self.sparse_opt, self.dense_opt = model, sparse_opt, dense_opt
@@ -33,6 +38,7 @@ class Trainer:
         self.device = torch.device(device)
         self.metrics = metrics or ProgressiveMetrics()
         self.delayed = DelayedFeedbackWeights()
+        self.calibration = calibration
         self._micro = 0
         self.steps = 0
         self.samples = 0
@@ -52,9 +58,11 @@ class Trainer:
         """Predict (recorded in ``metrics``), then learn. Returns the predictions, shape (B,)."""
         self.model.train()
         b = batch.to(self.device)
-        logits = self.model(b.values, b.offsets, b.dense)  # (B,)
+        logits = self.model(b.values, b.offsets, b.dense)  # (B,) raw
         p_t = torch.sigmoid(logits.detach()).float()
-        probs = p_t.cpu().numpy()
+        served = (p_t if self.calibration is None else
+                  torch.sigmoid(calibrated(logits.detach(), self.model.get_buffer("calibration"))).float())
+        probs = served.cpu().numpy()
         weight = None
         if batch.kinds is not None:
             self.delayed.observe(batch.kinds, batch.labels.numpy())
@@ -70,6 +78,11 @@ class Trainer:
             self.nan_losses += 1
             return probs
         self.metrics.update(probs, batch.labels.numpy())
+        if self.calibration is not None:  # fitted on held-out predictions as their labels become final
+            self.calibration.observe(batch.impression_ids, batch.kinds, batch.labels.numpy(),
+                                     logits.detach().float().cpu().numpy(), batch.ts, batch.label_delay_ms)
+            cal = self.model.get_buffer("calibration")
+            cal.copy_(self.calibration.params.to(cal.device))
         self.scaler.scale(loss / self.accumulation).backward()
         self._micro += 1
         self.samples += len(batch)

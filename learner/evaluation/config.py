@@ -65,6 +65,8 @@ class EvalConfig:
     click_delay_sigma: float = 1.0
     delay_seed: int = 7  # the replay's default seed: the same click times as `streamrec replay`
     init_bias: bool = LearnerSettings().init_bias  # learner.delayed.BaseRateBias
+    prior_click_rate: float = LearnerSettings().prior_click_rate  # what BaseRateBias starts from
+    online_calibration: bool = LearnerSettings().online_calibration  # online and delayed: learner/calibration.py
     feed_events: int = 256  # events per joiner batch
     cold_k: int = 10  # a user's first cold_k impressions are cold
     # --dataset synthetic (stream/replay/synthetic.py): how many impressions, their click rate (None: the
@@ -84,6 +86,8 @@ class EvalConfig:
             raise ValueError(f"emission must be one of {EMISSIONS}, got {self.emission!r}")
         if self.emission == "es_dfm" and not 0 <= self.elapsed_s <= self.window_s:
             raise ValueError(f"elapsed_s must be between 0 and window_s ({self.window_s:g}), got {self.elapsed_s!r}")
+        if not 0 < self.prior_click_rate < 1:
+            raise ValueError(f"prior_click_rate must be between 0 and 1 (exclusive), got {self.prior_click_rate!r}")
         if not (math.isfinite(self.history_delay_s) and self.history_delay_s >= 0):
             raise ValueError(f"history_delay_s must be a finite number >= 0, got {self.history_delay_s!r}")
 
@@ -125,6 +129,8 @@ class EvalOverrides:
     elapsed_s: float | None = None
     window_s: float | None = None
     init_bias: bool | None = None
+    prior_click_rate: float | None = None
+    online_calibration: bool | None = None
     syn_impressions: int | None = None
     syn_base_ctr: float | None = None
 

@@ -56,11 +56,14 @@ def served_metrics(probs: np.ndarray, y: np.ndarray) -> dict[str, float]:
             "mean_prediction": float(probs.mean()) if len(y) else float("nan")}  # calibration: vs positive_rate
 
 
-def _relabel(sb: SampleBatch, rows: np.ndarray, labels: np.ndarray, kinds: np.ndarray) -> SampleBatch:
-    """``sb``'s ``rows`` with the emitted labels and kinds."""
+def _relabel(sb: SampleBatch, rows: np.ndarray, labels: np.ndarray, kinds: np.ndarray,
+             label_delay_ms: np.ndarray) -> SampleBatch:
+    """``sb``'s ``rows`` with the emitted labels, kinds and label delays."""
     b = sb.batch.take(pa.array(rows, pa.int64()))
-    b = b.set_column(b.schema.get_field_index("label"), "label", pa.array(labels.astype(np.int8)))
-    return SampleBatch(b.set_column(b.schema.get_field_index("kind"), "kind", pa.array(kinds.astype(np.int8))))
+    for name, values in (("label", labels.astype(np.int8)), ("kind", kinds.astype(np.int8)),
+                         ("label_delay_ms", label_delay_ms.astype(np.int64))):
+        b = b.set_column(b.schema.get_field_index(name), name, pa.array(values))
+    return SampleBatch(b)
 
 
 class Ids(Protocol):
@@ -114,11 +117,12 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
     buf_rows: list[int] = []
     buf_labels: list[int] = []
     buf_kinds: list[int] = []
+    buf_delays: list[int] = []
     freshness_ms: list[np.ndarray] = []
     offsets = [-1, -1]
     n_delayed = 0
     step = cfg.batch_size
-    bias = BaseRateBias() if cfg.init_bias else None
+    bias = BaseRateBias(prior_rate=cfg.prior_click_rate) if cfg.init_bias else None
     if bias is not None:
         bias.start(trainer.model)
     t_train = time.perf_counter()
@@ -137,20 +141,21 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
             served[rows] = np.concatenate(probs)
 
     def train(now_ms: int, final: bool = False) -> None:
-        nonlocal buf_rows, buf_labels, buf_kinds
+        nonlocal buf_rows, buf_labels, buf_kinds, buf_delays
         while len(buf_rows) >= step or (final and buf_rows):
             score()  # the impressions so far are scored by the model before this step
             rows, labels = np.array(buf_rows[:step]), np.array(buf_labels[:step])
-            kinds = np.array(buf_kinds[:step], np.int8)
+            kinds, delays = np.array(buf_kinds[:step], np.int8), np.array(buf_delays[:step], np.int64)
             buf_rows, buf_labels, buf_kinds = buf_rows[step:], buf_labels[step:], buf_kinds[step:]
-            tb = to_tensors(_relabel(sb, rows, labels, kinds), fcfg)
+            buf_delays = buf_delays[step:]
+            tb = to_tensors(_relabel(sb, rows, labels, kinds, delays), fcfg)
             if ids is not None:
                 ids.prepare(tb, now_ms / 1000.0, True)
             trainer.test_then_train(tb)
             if ids is not None:
                 ids.after_step()
             if bias is not None:
-                bias.update(trainer.model, labels, kinds)
+                bias.update(trainer.model, labels, kinds, tb.ts, tb.label_delay_ms)
             pos = rows[labels == 1]
             freshness_ms.append(now_ms - click_at[pos])
 
@@ -177,6 +182,7 @@ def run_delayed(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log,
             buf_rows.append(int(s.pending.impression_id))
             buf_labels.append(s.label)
             buf_kinds.append(s.kind)
+            buf_delays.append(s.label_delay_ms)
         train(now, final=last)
         if start >= next_log:
             log(f"{min(start + feed, len(order)):,} / {len(order):,} events  emitted-order progressive auc "

@@ -29,6 +29,7 @@ import pyarrow as pa
 import torch
 
 from learner.batch import to_tensors
+from learner.calibration import OnlineCalibration
 from learner.evaluation.calibration import apply_platt, fit_platt
 from learner.evaluation.config import FEATURE_SETS, PROTOCOLS, EvalConfig, resolve_config
 from learner.evaluation.delayed import run_delayed
@@ -59,7 +60,7 @@ def _make_trainer(fcfg: FeatureConfig, cfg: EvalConfig, seed: int) -> Trainer:
     sparse, dense = make_optimizers(model, cfg.lr_sparse, cfg.lr_dense, cfg.sparse_optimizer, cfg.weight_decay,
                                     initial_accumulator=cfg.initial_accumulator, boost=cfg.boost,
                                     boost_half_life=cfg.boost_half_life)
-    return Trainer(model, sparse, dense)
+    return Trainer(model, sparse, dense, calibration=OnlineCalibration() if cfg.online_calibration else None)
 
 
 def _slices(sb: SampleBatch, size: int):

@@ -28,7 +28,8 @@ def add_parser(sub: Any) -> None:
                        "[evaluate] in --config and STREAMREC_EVALUATE_<KEY> override them (embedding_dim, mlp, "
                        "dropout, lr_dense, lr_sparse, sparse_optimizer, weight_decay, batch_size, epochs, "
                        "patience, id_buckets, ctx_buckets, zip_buckets, history_len, history_delay_s, request_time, "
-                       "eval_batch, threads), and flags override those.",
+                       "eval_batch, threads, initial_accumulator, prior_click_rate, online_calibration), and flags "
+                       "override those.",
                        epilog="Examples: streamrec evaluate --protocol autoint --features paper; "
                        "streamrec evaluate --protocol online --json. A full run takes a few minutes on 2 cores; "
                        "progress goes to stderr.")

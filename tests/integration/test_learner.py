@@ -290,3 +290,55 @@ def test_a_restore_with_other_model_shaping_settings_names_each_field_and_rates_
     assert faster._restore()
     assert [g["lr"] for g in faster.trainer.dense_opt.param_groups] == [0.5]
     assert [g["lr"] for g in faster.trainer.sparse_opt.param_groups] == [0.2]
+
+
+def fake_negative_stream(rng: np.random.Generator, n: int, start: int, seconds: float) -> SampleBatch:
+    """``n`` impressions over ``seconds`` of event time from ``start`` (ms) as the joiner's fake_negative policy
+    emits them: each an OBSERVED 0 at its time, each click (a learnable rule) a DELAYED_POSITIVE 20 s later."""
+    from stream.samples import DELAYED_POSITIVE, OBSERVED
+
+    base = sample_batch(rng, n, start=start)
+    ts = start + np.sort(rng.uniform(0, seconds * 1000, n)).astype(np.int64)
+    clicked = np.flatnonzero(base.column("label") > 0)
+    rows = np.concatenate([np.arange(n), clicked])
+    delay = np.concatenate([np.zeros(n, np.int64), np.full(len(clicked), 20_000)])
+    order = np.argsort(ts[rows] + delay, kind="stable")
+    rows, delay = rows[order], delay[order]
+    kind = np.where(delay > 0, DELAYED_POSITIVE, OBSERVED).astype(np.int8)
+    return SampleBatch.from_columns(
+        impression_id=[f"i{start + r}" for r in rows], ts=ts[rows], label=(delay > 0).astype(np.int8),
+        label_delay_ms=delay, user_id=base.column("user_id")[rows], item_id=base.column("item_id")[rows],
+        history=[base.batch.column("history")[int(r)].as_py() for r in rows],
+        context={"genres": [base.batch.column("ctx.genres")[int(r)].as_py() for r in rows]}, kind=kind)
+
+
+def test_the_daemon_calibrates_what_it_serves_from_matured_impressions_and_keeps_it_across_a_restart(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    from learner import checkpoint
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_BUCKETS="5000",
+               STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="16",
+               STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}")
+    rng = np.random.default_rng(5)
+    producer = AckedProducer(kafka)
+    ckpt = tmp_path / "ckpt"
+    summaries = []
+    for part in range(2):  # 2 x 12 k impressions, 900 s of event time each: the second run restores the first
+        sb = fake_negative_stream(rng, 12_000, start=part * 900_000, seconds=900)
+        for i in range(0, len(sb), 200):
+            producer.send(kafka.samples_topic, SampleBatch(sb.batch.slice(i, 200)).encode(), b"k", partition=0)
+        producer.flush()
+        out = subprocess.run(train_cmd(ckpt, idle=3), env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        summaries.append(json.loads(out.stdout.strip().splitlines()[-1])["calibration"])
+    first, second = summaries
+    # the first run fits the impressions between its 300 s warm-up and 300 s before its end; the rest wait ...
+    assert 0 < first["pairs_fitted"] < 12_000 and first["pending"] > 0
+    # ... in the checkpoint, and the second run pairs them with their clicks
+    assert second["pairs_fitted"] > first["pairs_fitted"] + 12_000 * 0.5
+    assert (second["a"], second["b"]) != (1.0, 0.0)
+    saved = checkpoint.load_latest(ckpt)
+    assert saved is not None
+    np.testing.assert_allclose(saved["model"]["calibration"].numpy(), [second["a"], second["b"]], rtol=1e-6)

@@ -38,6 +38,7 @@ def make_checkpoint(seed: int = 0, dropout: float = 0.0) -> dict:
     with torch.no_grad():  # weights large enough that every term moves the score
         model.sparse.bag.weight.copy_(torch.randn(model.sparse.bag.weight.shape, generator=g) * 0.3)
         model.bias.fill_(-0.5)
+        model.calibration.copy_(torch.tensor([0.7, 0.2]))  # served logits a * z + b: every format must apply it
     meta = {"feature_config": CFG.to_dict(), "samples_trained": 1234, "offsets": {"0": 7, "1": 9},
             "model": {"mlp": "32,16", "dropout": dropout, "amp": True, "seed": seed}, "topic": "samples-x"}
     return {"meta": meta, "model": model.state_dict(), "path": f"/ckpt/ckpt-{seed}.pt"}
@@ -89,6 +90,21 @@ def test_scores_equal_the_learners_eager_scores(tmp_path: Path, ckpt: dict, fmt:
     assert model.hot_lookups + model.cold_lookups == n
     assert (model.cold_lookups == n) if hot == "empty" else True
     assert (model.hot_lookups == n) if hot == "full" else True
+
+
+def test_the_served_logit_is_calibrated_and_a_checkpoint_from_before_calibration_serves_raw(tmp_path: Path,
+                                                                                            ckpt: dict) -> None:
+    values, offsets, dense = probe(CFG, seed=4)
+    model = A.eager_model(ckpt)
+    with torch.no_grad():
+        served = model(values, offsets, dense)  # eval mode: calibrated
+        model.train()
+        raw = model(values, offsets, dense)  # train mode: what the loss sees
+    assert torch.allclose(served, 0.7 * raw + 0.2, atol=1e-5)
+    old = {**ckpt, "model": {k: v for k, v in ckpt["model"].items() if k != "calibration"}}
+    staged = build_artifact(old, tmp_path, np.arange(50), format="safetensors")
+    got = ScoringModel.load(staged).score(values, offsets, dense)
+    assert torch.allclose(got, torch.sigmoid(raw), atol=TOL)  # the identity: exactly what it served before
 
 
 def test_dropout_model_scores_in_eval_mode(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""learner/delayed.py's importance weights and learner/served.py's served quality."""
+"""learner/delayed.py's importance weights and base-rate bias, and learner/served.py's served quality."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.delayed import DelayedFeedbackWeights
+from learner.delayed import BaseRateBias, DelayedFeedbackWeights, fit_delayed_rate
 from learner.served import ServedQuality
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -76,23 +76,6 @@ def test_the_late_share_is_counted_from_the_stream() -> None:
     assert w.late_share == pytest.approx((2 + 1) / (3 + 2))  # FINAL rows are not counted
 
 
-def test_the_bias_follows_the_running_click_rate_until_enough_clicks_then_training_owns_it() -> None:
-    from learner.delayed import BaseRateBias
-
-    model = torch.nn.Module()
-    model.bias = torch.nn.Parameter(torch.zeros(1))
-    b = BaseRateBias(min_positives=3)
-    kinds = np.array([OBSERVED, OBSERVED, OBSERVED, OBSERVED, DELAYED_POSITIVE], np.int8)
-    b.update(model, np.array([0, 0, 0, 1, 1], np.float32), kinds)  # 2 clicks / 4 impressions
-    assert model.bias.item() == pytest.approx(math.log(2.5 / 5 / (1 - 2.5 / 5)))
-    b.update(model, np.zeros(400, np.float32), np.zeros(400, np.int8))  # a batch without clicks moves it down
-    assert model.bias.item() == pytest.approx(math.log(2.5 / 405 / (1 - 2.5 / 405)))
-    b.update(model, np.ones(1, np.float32), np.zeros(1, np.int8))  # the third click: the estimate is final
-    assert b.done
-    model.bias.data.fill_(7.0)
-    assert b.update(model, np.ones(10, np.float32), np.zeros(10, np.int8)) is None and model.bias.item() == 7.0
-
-
 def test_served_quality_pairs_the_first_prediction_with_the_final_label() -> None:
     s = ServedQuality(window_ms=1000)
     ids = np.array(["a", "b", "c", "d"], object)
@@ -140,3 +123,121 @@ def test_served_quality_waits_for_the_partitions_clicks_not_for_newer_impression
              label_delay_ms=np.array([0, 500]))
     assert s.pending == 1  # partition 0's clicks reached 2000 ms: b (10 ms) closed as a negative, x (a day) waits
     assert s.all.count == 4 and s.all.auc == pytest.approx(1.0)  # a 0.9 -> 1, c 0.5 -> 1, y 0.2 -> 1, b 0.1 -> 0
+
+
+# -- the base-rate bias (learner.delayed.BaseRateBias, fit_delayed_rate) ---------------------------------------
+
+
+def _bias_model() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.bias = torch.nn.Parameter(torch.zeros(1))
+    return model
+
+
+def _young_stream(rate: float, mean_delay_s: float, seconds: int, per_s: int, seed: int = 0,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What a learner has seen ``seconds`` into a fresh fake_negative stream: every impression as an OBSERVED 0
+    at its time, and the clicks whose exponential delay has passed as DELAYED_POSITIVE rows, all in emission
+    order. Returns (labels, kinds, ts_ms, label_delay_ms), shapes (B,)."""
+    rng = np.random.default_rng(seed)
+    ts = np.sort(rng.uniform(0, seconds * 1000, seconds * per_s)).astype(np.int64)
+    delay = rng.exponential(mean_delay_s * 1000, len(ts)).astype(np.int64)
+    arrived = (rng.random(len(ts)) < rate) & (ts + delay <= seconds * 1000)
+    labels = np.concatenate([np.zeros(len(ts)), np.ones(int(arrived.sum()))]).astype(np.float32)
+    kinds = np.concatenate([np.full(len(ts), OBSERVED), np.full(int(arrived.sum()), DELAYED_POSITIVE)]).astype(np.int8)
+    all_ts = np.concatenate([ts, ts[arrived]])
+    delays = np.concatenate([np.zeros(len(ts), np.int64), delay[arrived]])
+    order = np.argsort(all_ts + delays, kind="stable")
+    return labels[order], kinds[order], all_ts[order], delays[order]
+
+
+def test_the_delayed_feedback_model_finds_the_click_rate_that_the_running_rate_misses_on_a_young_stream() -> None:
+    """Two mean delays into a stream at CTR 0.1, most clicks of the last minute have not come: the running rate
+    reads far too low; Chapelle's model, fitted to the same counts, finds the rate and the delay."""
+    labels, kinds, ts, delays = _young_stream(rate=0.1, mean_delay_s=30, seconds=60, per_s=2000)
+    naive = labels.sum() / (kinds != DELAYED_POSITIVE).sum()
+    assert naive < 0.07
+    b = BaseRateBias()
+    b.observe(labels, kinds, ts, delays)
+    assert b.rate == pytest.approx(0.1, rel=0.08)
+    assert 1 / b.delay_rate == pytest.approx(30, rel=0.15)
+
+
+def test_fit_delayed_rate_is_the_plain_rate_when_every_click_has_come() -> None:
+    r, lam = fit_delayed_rate(np.array([1000.0, 1000.0]), np.array([100.0, 80.0]), np.array([1e6, 1e6]),
+                              click_delay_s=180 * 10.0, prior_rate=0.05, prior_delay_s=60)
+    assert r == pytest.approx(181 / 2020, rel=1e-4)  # with the prior's click in 20 impressions
+    assert lam == pytest.approx(181 / (1800 + 60), rel=1e-3)
+
+
+def test_without_a_click_the_rate_leaves_the_prior_only_as_the_impressions_age() -> None:
+    rates = [fit_delayed_rate(np.array([500.0]), np.array([0.0]), np.array([age]), 0.0, prior_rate=0.05)[0]
+             for age in (0.0, 5.0, 60.0, 600.0)]
+    assert rates[0] == pytest.approx(0.05, rel=1e-3)  # nothing could have been clicked yet: the prior
+    assert rates[0] > rates[1] > rates[2] > rates[3]
+    assert rates[3] == pytest.approx(1 / 520, rel=0.05)  # long past the prior's delay: no clicks means none
+
+
+def test_the_bias_follows_the_rate_until_its_early_clicks_have_come_then_training_owns_it() -> None:
+    model = _bias_model()
+    b = BaseRateBias(min_positives=50)
+    b.start(model)
+    assert model.bias.item() == pytest.approx(math.log(0.05 / 0.95))
+    labels, kinds, ts, delays = _young_stream(rate=0.1, mean_delay_s=30, seconds=300, per_s=100, seed=1)
+    chunks = np.array_split(np.arange(len(labels)), 300)
+    done_at = None
+    for i, idx in enumerate(chunks):
+        logit = b.update(model, labels[idx], kinds[idx], ts[idx], delays[idx])
+        if logit is None:
+            done_at = i
+            break
+        assert model.bias.item() == pytest.approx(logit)
+        if b.positives == 0:  # no click has come: the prior stands (the running rate would read 0)
+            assert b.rate == 0.05
+    # not done at the 50th click (a few seconds in) but after five mean delays of event time
+    assert done_at is not None and b.positives > 500
+    assert (b.now_ms - b.first_ms) / 1000 >= 5 / b.delay_rate
+    assert 1 / (1 + math.exp(-model.bias.item())) == pytest.approx(0.1, rel=0.1)
+    model.bias.data.fill_(7.0)
+    assert b.update(model, np.ones(10, np.float32), np.zeros(10, np.int8)) is None and model.bias.item() == 7.0
+
+
+def test_the_bias_of_final_rows_follows_the_running_rate_with_the_prior_worth_one_click() -> None:
+    model = _bias_model()
+    b = BaseRateBias(min_positives=3)
+    b.update(model, np.array([0, 0, 1, 1], np.float32), np.zeros(4, np.int8))  # FINAL rows: no delays to model
+    assert model.bias.item() == pytest.approx(math.log(3 / 24 / (1 - 3 / 24)))
+    assert b.update(model, np.ones(1, np.float32), None) is not None and b.done  # the third click
+    assert b.update(model, np.ones(1, np.float32), None) is None
+
+
+def test_the_bias_rule_resumes_from_its_state_as_if_never_stopped() -> None:
+    labels, kinds, ts, delays = _young_stream(rate=0.05, mean_delay_s=20, seconds=40, per_s=200, seed=2)
+    half = len(labels) // 2
+    a, m1 = BaseRateBias(), _bias_model()
+    a.update(m1, labels[:half], kinds[:half], ts[:half], delays[:half])
+    b = BaseRateBias()
+    b.load_state_dict(a.state_dict())
+    m2 = _bias_model()
+    assert a.update(m1, labels[half:], kinds[half:], ts[half:], delays[half:]) == pytest.approx(
+        b.update(m2, labels[half:], kinds[half:], ts[half:], delays[half:]))
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])
+def test_a_prior_click_rate_outside_0_1_is_refused_with_the_setting_named(bad: float) -> None:
+    from learner.config import LearnerSettings
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[learner\] prior_click_rate"):
+        LearnerSettings(prior_click_rate=bad)
+
+
+def test_the_protocol_starts_a_fresh_bias_from_the_prior_click_rate() -> None:
+    """On a stream too short for any click to have come by the first step, the first batch is served at the prior:
+    a low prior serves a low-CTR stream's first impressions better than the default."""
+    from learner.evaluation.protocols import evaluate
+
+    small = {"mlp": (16,), "batch_size": 256, "syn_base_ctr": 0.004, "syn_impressions": 3_000}
+    default = evaluate("synthetic", "delayed", config=small, seed=0)
+    low = evaluate("synthetic", "delayed", config={**small, "prior_click_rate": 0.004}, seed=0)
+    assert low["served"]["logloss"] < default["served"]["logloss"]

@@ -1,0 +1,102 @@
+"""learner/calibration.py: Platt scaling fitted online on served predictions paired with their final labels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from learner.calibration import OnlineCalibration
+from learner.progressive import normalized_entropy
+from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
+
+SECOND = 1000
+
+
+def stream(n: int, scale: float, shift: float = 0.0, seconds: int = 2000, seed: int = 0, delay_s: float = 30.0):
+    """A fake_negative stream of ``n`` impressions over ``seconds``, in batches of 256 rows in emission order:
+    each impression's OBSERVED row at its time, its click (true logit t: Bernoulli(sigmoid(t))) as a
+    DELAYED_POSITIVE an exponential delay later. The model's raw logit is ``scale * t + shift``. Yields
+    (ids, kinds, labels, logits, ts, label_delay_ms) and returns the (true logits, labels, model logits)."""
+    rng = np.random.default_rng(seed)
+    t = rng.normal(-2.0, 1.0, n)
+    y = (rng.random(n) < 1 / (1 + np.exp(-t))).astype(np.float32)
+    ts = np.sort(rng.uniform(0, seconds * SECOND, n)).astype(np.int64)
+    delay = np.where(y > 0, rng.exponential(delay_s * SECOND, n), 0).astype(np.int64)
+    z = scale * t + shift
+    ids = np.array([f"i{k}" for k in range(n)], object)
+    clicked = np.flatnonzero(y > 0)
+    rows_ids = np.concatenate([ids, ids[clicked]])
+    rows_kind = np.concatenate([np.full(n, OBSERVED), np.full(len(clicked), DELAYED_POSITIVE)]).astype(np.int8)
+    rows_y = np.concatenate([np.zeros(n), np.ones(len(clicked))]).astype(np.float32)
+    rows_z = np.concatenate([z, z[clicked]])
+    rows_ts = np.concatenate([ts, ts[clicked]])
+    rows_delay = np.concatenate([np.zeros(n, np.int64), delay[clicked]])
+    order = np.argsort(rows_ts + rows_delay, kind="stable")
+    batches = [tuple(col[order][i:i + 256] for col in (rows_ids, rows_kind, rows_y, rows_z, rows_ts, rows_delay))
+               for i in range(0, len(order), 256)]
+    return batches, (t, y, z, ts)
+
+
+def run(cal: OnlineCalibration, batches) -> None:
+    for ids, kinds, labels, logits, ts, delays in batches:
+        cal.observe(ids, kinds, labels, logits, ts, delays)
+
+
+def test_an_overconfident_model_is_shrunk_to_the_true_probabilities() -> None:
+    batches, (t, y, z, _) = stream(60_000, scale=3.0, shift=4.0)  # logits 3x too spread, centred wrong
+    cal = OnlineCalibration()
+    run(cal, batches)
+    assert cal.a == pytest.approx(1 / 3, rel=0.15) and cal.b == pytest.approx(-4 / 3, abs=0.3)
+    late = slice(40_000, None)
+    raw_ne = normalized_entropy(1 / (1 + np.exp(-z[late])), y[late])
+    cal_ne = normalized_entropy(1 / (1 + np.exp(-(cal.a * z[late] + cal.b))), y[late])
+    assert raw_ne > 1.2 and cal_ne < 0.97
+
+
+def test_an_observed_zero_is_paired_with_its_click_when_it_matures_not_before() -> None:
+    """A calibrated model stays calibrated: every click (30 s delays, well inside the 300 s maturity) counts.
+    Fitting an observed 0 as it arrives would take the clicks for misses and pull b down."""
+    batches, _ = stream(60_000, scale=1.0)
+    cal = OnlineCalibration()
+    run(cal, batches)
+    assert cal.rows > 40_000  # all but the first and the last 300 s
+    assert cal.a == pytest.approx(1.0, abs=0.1) and cal.b == pytest.approx(0.0, abs=0.15)
+    eager = OnlineCalibration(maturity_s=1.0)  # pairs fitted before most clicks came: biased low
+    run(eager, batches)
+    assert eager.b < cal.b - 0.3
+
+
+def test_final_rows_and_a_streams_warm_up_are_not_fitted() -> None:
+    cal = OnlineCalibration()
+    rng = np.random.default_rng(1)
+    z = rng.normal(0, 3, 1000)
+    cal.observe(np.arange(1000).astype(str).astype(object), np.full(1000, FINAL, np.int8), np.ones(1000), z,
+                np.arange(1000) * SECOND, np.zeros(1000, np.int64))
+    cal.observe(np.arange(1000).astype(str).astype(object), None, np.ones(1000), z, np.arange(1000) * SECOND, None)
+    assert (cal.a, cal.b, cal.rows, len(cal.pending)) == (1.0, 0.0, 0, 0)
+    warm = OnlineCalibration(maturity_s=300)
+    batches, _ = stream(3_000, scale=3.0, seconds=290)  # the whole stream is its own warm-up
+    run(warm, batches)
+    assert warm.rows == 0 and not warm.pending and (warm.a, warm.b) == (1.0, 0.0)
+
+
+def test_a_model_that_knows_nothing_keeps_its_ranking() -> None:
+    batches, _ = stream(30_000, scale=0.0)  # logits carry no information: Platt would take a to 0
+    rng = np.random.default_rng(2)
+    noisy = [(i, k, y, z + rng.normal(0, 1, len(z)), ts, d) for i, k, y, z, ts, d in batches]
+    cal = OnlineCalibration()
+    run(cal, noisy)
+    assert cal.a == pytest.approx(cal.min_scale)  # shrunk as far as it goes, the ranking kept
+
+
+def test_pending_impressions_are_bounded_and_the_state_round_trips() -> None:
+    batches, _ = stream(20_000, scale=2.0)
+    cal = OnlineCalibration(max_pending=500)
+    half = len(batches) // 2
+    run(cal, batches[:half])
+    assert len(cal.pending) <= 500
+    copy = OnlineCalibration(max_pending=500)
+    copy.load_state_dict(cal.state_dict())
+    run(cal, batches[half:])
+    run(copy, batches[half:])
+    assert (copy.a, copy.b, copy.rows) == (cal.a, cal.b, cal.rows)
