@@ -228,7 +228,8 @@ class ScoringModel:
         hot and cold rows and accumulate until the next full artifact. A new snapshot is built off to the side
         and swapped in with one assignment, so concurrent ``score`` calls see either the old or the new state
         (the id maps are swapped right after the rows they point at). ``dense_state`` uses DeepFM's names
-        (``dense_arch.*``, ``bias``; ``sparse.*`` keys are ignored).
+        (``dense_arch.*``, ``bias``, ``calibration``; ``sparse.*`` keys are ignored, and so is ``calibration`` by a
+        scorer from before calibration).
         """
         live = self._live
         if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
@@ -268,6 +269,10 @@ class ScoringModel:
         new = {k: v.detach().to(self.device, torch.float32) for k, v in dense_state.items()
                if not k.startswith("sparse.")}
         current = {k: v for k, v in scorer.state_dict().items() if k not in ("hot_ids", "hot_vectors")}
+        if "calibration" in new and "calibration" not in current:
+            # An artifact from before calibration (learner/calibration.py) serves raw logits: the learner's new
+            # weights apply, its (a, b) waits for the next artifact (a rolling upgrade keeps its deltas).
+            del new["calibration"]
         missing, unknown = set(current) - set(new), set(new) - set(current)
         if missing or unknown:
             raise ValueError(f"apply_delta: dense_state does not match the scorer (missing {sorted(missing)}, "

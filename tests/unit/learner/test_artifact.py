@@ -180,6 +180,20 @@ def test_apply_delta_rejects_bad_shapes(tmp_path: Path, ckpt: dict) -> None:
     assert model.delta_seq == 0
 
 
+def test_a_scorer_from_before_calibration_takes_a_calibrated_learners_dense_weights(tmp_path: Path,
+                                                                                    ckpt: dict) -> None:
+    """A rolling upgrade: the learner now sends ``calibration`` with its dense weights; a live artifact built
+    before calibration existed has no such buffer, takes the rest and keeps serving raw logits."""
+    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.zeros(0), format="eager"))
+    del model._live.scorer._buffers["calibration"]  # what an artifact from before calibration holds
+    dense = {k: v.clone() for k, v in ckpt["model"].items() if not k.startswith("sparse.")}
+    dense["bias"] = torch.full((1,), 1.5)
+    model.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, CFG.embedding_dim + 1), dense, seq=1)
+    assert model.delta_seq == 1
+    state = model._live.scorer.state_dict()
+    assert float(state["bias"]) == 1.5 and "calibration" not in state
+
+
 def test_apply_delta_while_scoring_in_another_thread(tmp_path: Path, ckpt: dict) -> None:
     model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 3)))
     values, offsets, dense = probe(CFG, b=32, seed=8)
