@@ -1,4 +1,4 @@
-"""Online calibration: Platt scaling of the model's logit, fitted on the model's progressive predictions.
+"""Online calibration: Platt scaling of the model's logit, fitted on served predictions and their final labels.
 
 A model trained online on a stream of mostly rare ids is often right in its ranking and overconfident in its
 probabilities: its logits spread wider than its knowledge. Measured on the synthetic feed (300 k impressions,
@@ -8,20 +8,29 @@ The remedy is the calibration step of He et al. ("Practical Lessons from Predict
 ADKDD 2014) in Platt's form (Platt, "Probabilistic Outputs for Support Vector Machines", 1999): the served
 probability is ``sigmoid(a * z + b)`` for the model's logit ``z``.
 
-``(a, b)`` are fitted on pairs of a served prediction and its final label. Under ``fake_negative`` and
-``es_dfm`` an impression's ``OBSERVED`` row is predicted when it arrives, before it is learned (as served), and
-its label may still change: so the prediction waits until the impression is ``maturity_s`` old (event time;
-300 s, ten times the replay's median click delay) and is then paired with a 1 if its ``DELAYED_POSITIVE``
-came, else a 0. ``FINAL`` rows (``wait``, ``window``) are not fitted: they are predicted when they go out, up
-to a window after their impression and in an order that depends on their label (``wait``'s positives first: a
-fit to them on 10 k ML-1M ratings took ``a`` to 0 and served AUC to 0.49), so under those policies the
-model is served as it is. Fitting on the training
-rows with the delayed-feedback weights instead does not work: the weights come from the model's own
-prediction, so an overconfident model's weights confirm it (on the stream above the fit kept ``a`` at 0.97
-while 0.6 was right). The fit is recursive Newton with forgetting (the Laplace approximation of online
-Bayesian logistic regression, as in Chapelle and Li, "An Empirical Evaluation of Thompson Sampling", NIPS
-2011, Algorithm 3, here over two parameters with a forgetting factor): per group of matured pairs, with
-``s_i = sigmoid(a z_i + b)`` and ``x_i = (z_i, 1)``,
+**What is fitted.** Pairs of a served prediction and its final label. Under ``fake_negative`` and ``es_dfm`` an
+impression's ``OBSERVED`` row is predicted when it arrives, before it is learned (as served), and its label may
+still change: the prediction waits until the impression is ``maturity_s`` old (event time; 300 s, ten times
+the replay's median click delay) and is then paired with a 1 if its ``DELAYED_POSITIVE`` came, else a 0.
+Not fitted:
+
+* ``FINAL`` rows (``wait``, ``window``): they are predicted when they go out, up to a window after their
+  impression and in an order that depends on their label (``wait``'s positives first: a fit to them on 10 k
+  ML-1M ratings took ``a`` to 0 and served AUC to 0.49); under those policies the model is served as it is;
+* a fresh stream's first ``maturity_s``: on a young stream the fake negatives come before their clicks and
+  the model of then runs low (the synthetic feed's first tenth: 0.07 for a rate of 0.10), so a calibration
+  fitted to it, a maturity later, pushed a model that had since recovered to 0.15;
+* the training rows with their delayed-feedback weights: the weights come from the model's own prediction,
+  so an overconfident model's weights confirm it (on the stream above such a fit kept ``a`` at 0.97 where 0.6
+  was right).
+
+At most ``max_pending`` observed impressions wait; while that many do, newer ones are not taken (a sample of
+the stream, never a pair fitted before it matured).
+
+**The fit.** Recursive Newton with forgetting (the Laplace approximation of online Bayesian logistic
+regression, as in Chapelle and Li, "An Empirical Evaluation of Thompson Sampling", NIPS 2011, Algorithm 3, here
+over two parameters with a forgetting factor): per group of matured pairs, with ``s_i = sigmoid(a z_i + b)``
+and ``x_i = (z_i, 1)``,
 
     H <- gamma^n H + sum_i s_i (1 - s_i) x_i x_i^T        gamma = 2 ** (-1 / half_life_rows)
     (a, b) <- (a, b) - H^-1 sum_i (s_i - y_i) x_i
@@ -30,16 +39,11 @@ Bayesian logistic regression, as in Chapelle and Li, "An Empirical Evaluation of
 served as it is until evidence builds up, and ``H``'s forgetting lets ``(a, b)`` follow a model that changes.
 ``a`` stays in ``[min_scale, max_scale]`` (0.05 to 4): calibration may shrink or stretch the logits, never
 invert or erase the ranking.
-At most ``max_pending`` observed impressions wait; while that many do, newer ones are not taken (a sample of
-the stream, never a pair fitted before it matured). The
-impressions of a fresh stream's first ``maturity_s`` are not fitted: on a young stream the fake negatives come
-before their clicks and the model of then runs low (the synthetic feed's first tenth: 0.07 for a rate of 0.10),
-so a calibration fitted to it, a maturity later, pushed a model that had since recovered to 0.15.
 
-Calibration changes what is served, never what the model learns: the loss, its gradients and the
-delayed-feedback weights all use the raw logit. ``DeepFM`` keeps ``(a, b)`` in its ``calibration`` buffer and
-applies it in eval mode, and the scorer (``learner/scorer.py``) applies the same buffer, so the artifact and
-serving's deltas carry it with the dense weights.
+**Where it applies.** Calibration changes what is served, never what the model learns: the loss, its
+gradients and the delayed-feedback weights all use the raw logit. ``DeepFM`` keeps ``(a, b)`` in its
+``calibration`` buffer and applies it in eval mode, and the scorer (``learner/scorer.py``) applies the same
+buffer, so the artifact and serving's deltas carry it with the dense weights.
 """
 
 from __future__ import annotations
