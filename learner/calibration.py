@@ -24,8 +24,9 @@ Not fitted:
   so an overconfident model's weights confirm it (on the stream above such a fit kept ``a`` at 0.97 where 0.6
   was right).
 
-At most ``max_pending`` observed impressions wait; while that many do, newer ones are not taken (a sample of
-the stream, never a pair fitted before it matured).
+Impressions wait in the batches they came in (a batch matures when its newest impression does: no per-row
+Python on the learner's path but a set insert). At most ``max_pending`` wait; while that many do, newer ones
+are not taken (a sample of the stream, never a pair fitted before it matured).
 
 **The fit.** Recursive Newton with forgetting (the Laplace approximation of online Bayesian logistic
 regression, as in Chapelle and Li, "An Empirical Evaluation of Thompson Sampling", NIPS 2011, Algorithm 3, here
@@ -48,7 +49,7 @@ buffer, so the artifact and serving's deltas carry it with the dense weights.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -84,10 +85,18 @@ class OnlineCalibration:
         # a prior of prior_rows rows at p = 0.1 (curvature 0.09 each), logits of unit spread
         self.h = np.eye(2) * prior_rows * 0.09
         self.rows = 0  # pairs fitted
-        # observed impressions waiting to mature: id -> [raw logit, impression ts (ms), label so far]
-        self.pending: OrderedDict[str, list[float]] = OrderedDict()
+        # observed impressions waiting to mature, one chunk per batch: (ids (n,) object, raw logits (n,) float64,
+        # impression ts (n,) int64 ms, label when observed (n,) float64); their ids, and those clicked since
+        self.chunks: deque[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = deque()
+        self.waiting: set[str] = set()
+        self.clicked: set[str] = set()
         self.now_ms: int | None = None
         self.first_ms: int | None = None  # the first impression time seen: the stream's warm-up is not fitted
+
+    @property
+    def pending(self) -> int:
+        """Observed impressions waiting to mature."""
+        return len(self.waiting)
 
     def observe(self, ids: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray, logits: np.ndarray,
                 ts_ms: np.ndarray, label_delay_ms: np.ndarray | None) -> None:
@@ -95,35 +104,36 @@ class OnlineCalibration:
         all FINAL, not fitted): observed impressions are fitted when mature."""
         if kinds is None or not (kinds != FINAL).any():
             return
-        z = np.asarray(logits, np.float64)
-        y = np.asarray(labels, np.float64)
         ts = np.asarray(ts_ms, np.int64)
         emitted = ts if label_delay_ms is None else ts + np.asarray(label_delay_ms, np.int64)
         if len(emitted):
             self.now_ms = int(emitted.max()) if self.now_ms is None else max(self.now_ms, int(emitted.max()))
             self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
         warm_up_end = (self.first_ms or 0) + self.maturity_ms
-        for i in np.flatnonzero((kinds == OBSERVED) & (ts >= warm_up_end)).tolist():
-            if len(self.pending) >= self.max_pending:
-                break
-            self.pending[str(ids[i])] = [float(z[i]), float(ts[i]), float(y[i])]
-        for i in np.flatnonzero(kinds == DELAYED_POSITIVE).tolist():
-            entry = self.pending.get(str(ids[i]))
-            if entry is not None:  # (its observation already matured: the click came after maturity_s)
-                entry[2] = 1.0
+        take = np.flatnonzero((kinds == OBSERVED) & (ts >= warm_up_end))[:max(self.max_pending - self.pending, 0)]
+        if len(take):
+            chunk_ids = np.asarray(ids, object)[take].astype(str).astype(object)
+            self.chunks.append((chunk_ids, np.asarray(logits, np.float64)[take], ts[take],
+                                np.asarray(labels, np.float64)[take]))
+            self.waiting.update(chunk_ids.tolist())
+        clicks = np.asarray(ids, object)[kinds == DELAYED_POSITIVE]
+        if len(clicks):  # a click whose observation matured already (or was not taken) is not kept
+            self.clicked.update(i for i in map(str, clicks.tolist()) if i in self.waiting)
         self._mature()
 
     def _mature(self) -> None:
         cutoff = -np.inf if self.now_ms is None else self.now_ms - self.maturity_ms
-        out: list[list[float]] = []
-        while self.pending:
-            first = next(iter(self.pending.values()))
-            if first[1] > cutoff:
-                break
-            out.append(self.pending.popitem(last=False)[1])
-        if out:
-            arr = np.asarray(out, np.float64)  # (n, 3): logit, ts, label
-            self.fit(arr[:, 0], arr[:, 2])
+        zs, ys = [], []
+        while self.chunks and self.chunks[0][2].max() <= cutoff:
+            chunk_ids, z, _, y = self.chunks.popleft()
+            names = chunk_ids.tolist()
+            came = np.fromiter((i in self.clicked for i in names), bool, len(names))
+            zs.append(z)
+            ys.append(np.maximum(y, came))
+            self.waiting.difference_update(names)
+            self.clicked.difference_update(names)
+        if zs:
+            self.fit(np.concatenate(zs), np.concatenate(ys))
 
     def fit(self, logits: np.ndarray, labels: np.ndarray) -> None:
         """One recursive Newton step on held-out raw logits and their final labels, shapes ``(n,)``."""
@@ -150,9 +160,15 @@ class OnlineCalibration:
         return torch.tensor([self.a, self.b], dtype=torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
+        cols = list(zip(*self.chunks, strict=True)) or [[np.zeros(0, object)], [np.zeros(0)], [np.zeros(0, np.int64)],
+                                                         [np.zeros(0)]]
         return {"a": self.a, "b": self.b, "h": self.h.tolist(), "rows": self.rows, "now_ms": self.now_ms,
-                "first_ms": self.first_ms, "pending_ids": list(self.pending),
-                "pending": torch.tensor(list(self.pending.values()), dtype=torch.float64).reshape(-1, 3)}
+                "first_ms": self.first_ms, "pending_ids": np.concatenate(cols[0]).tolist(),
+                "pending_logits": torch.from_numpy(np.concatenate(cols[1]).astype(np.float64)),
+                "pending_ts": torch.from_numpy(np.concatenate(cols[2]).astype(np.int64)),
+                "pending_labels": torch.from_numpy(np.concatenate(cols[3]).astype(np.float64)),
+                "pending_chunks": [len(c[0]) for c in self.chunks],
+                "clicked": sorted(self.clicked)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.a, self.b = float(d.get("a", 1.0)), float(d.get("b", 0.0))
@@ -161,5 +177,14 @@ class OnlineCalibration:
         self.rows = int(d.get("rows", 0))
         self.now_ms = None if d.get("now_ms") is None else int(d["now_ms"])
         self.first_ms = None if d.get("first_ms") is None else int(d["first_ms"])
-        values = torch.as_tensor(d.get("pending", torch.zeros(0, 3)), dtype=torch.float64).reshape(-1, 3).tolist()
-        self.pending = OrderedDict((str(k), v) for k, v in zip(d.get("pending_ids", []), values, strict=True))
+        ids = np.asarray([str(i) for i in d.get("pending_ids", [])], object)
+        self.chunks = deque()
+        if len(ids):
+            cols = (ids, torch.as_tensor(d["pending_logits"]).numpy().astype(np.float64),
+                    torch.as_tensor(d["pending_ts"]).numpy().astype(np.int64),
+                    torch.as_tensor(d["pending_labels"]).numpy().astype(np.float64))
+            bounds = np.cumsum([0, *d.get("pending_chunks", [len(ids)])])
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # the batches they came in: each matures whole
+                self.chunks.append(tuple(c[lo:hi] for c in cols))  # type: ignore[arg-type]
+        self.waiting = set(ids.tolist())
+        self.clicked = {str(i) for i in d.get("clicked", [])} & self.waiting

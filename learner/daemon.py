@@ -512,7 +512,7 @@ class Learner:
                            "warm": self.warm_metrics.summary()},
             "served": self.served.summary(),
             "calibration": ({"a": tr.calibration.a, "b": tr.calibration.b, "pairs_fitted": tr.calibration.rows,
-                             "pending": len(tr.calibration.pending)} if tr and tr.calibration else None),
+                             "pending": tr.calibration.pending} if tr and tr.calibration else None),
             "id_maps": self.mapper.stats() if self.mapper else {},
             "device": str(self.device),
             "precision": str(getattr(tr.model, "autocast_dtype", None) or torch.float32).removeprefix("torch.")
