@@ -35,7 +35,9 @@ import torch
 
 from learner import checkpoint
 from learner.batch import to_tensors
+from learner.calibration import OnlineCalibration
 from learner.daemon import RecentIds
+from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter, load_delta
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import FieldIdMaps, IdMap
@@ -263,6 +265,48 @@ def _load_recent(state: Any) -> RecentIds:
     return r
 
 
+def _delayed_rows(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Step ``s`` of a fake_negative stream: 64 impressions in second ``s`` as OBSERVED 0s, and the clicks of 1 in 5
+    of second ``s - 1``'s as DELAYED_POSITIVEs (delay 1-2 s). (ids, kinds, labels, ts ms, label_delay_ms)."""
+    from stream.samples import DELAYED_POSITIVE, OBSERVED
+
+    rng = np.random.default_rng(s)
+    ts = s * 1000 + np.arange(64) * 15
+    clicked = np.flatnonzero(np.random.default_rng(s - 1).random(64) < 0.2) if s > 0 else np.zeros(0, np.int64)
+    ids = np.array([f"i{s}_{j}" for j in range(64)] + [f"i{s - 1}_{j}" for j in clicked], object)
+    kinds = np.array([OBSERVED] * 64 + [DELAYED_POSITIVE] * len(clicked), np.int8)
+    labels = np.array([0.0] * 64 + [1.0] * len(clicked), np.float32)
+    shown = (s - 1) * 1000 + clicked * 15  # the clicked impressions' own times: a delayed positive's ts
+    delay = s * 1000 + 500 + rng.integers(0, 500, len(clicked)) - shown
+    return (ids, kinds, labels, np.concatenate([ts, shown]).astype(np.int64),
+            np.concatenate([np.zeros(64), delay]).astype(np.int64))
+
+
+def _bias_step(b: BaseRateBias, s: int) -> tuple[float, float, bool]:
+    _, kinds, labels, ts, delays = _delayed_rows(s)
+    b.observe(labels, kinds, ts, delays)
+    return b.rate, b.delay_rate, b.done
+
+
+def _load_bias(state: Any) -> BaseRateBias:
+    b = BaseRateBias(min_positives=5, mature_delays=2.0)
+    b.load_state_dict(state)
+    return b
+
+
+def _calibration_step(c: OnlineCalibration, s: int) -> tuple[float, float, int, int]:
+    ids, kinds, labels, ts, delays = _delayed_rows(s)
+    logits = np.random.default_rng(100 + s).normal(-1.0, 2.0, len(ids))
+    c.observe(ids, kinds, labels, logits, ts, delays)
+    return c.a, c.b, c.rows, c.pending
+
+
+def _load_calibration(state: Any) -> OnlineCalibration:
+    c = OnlineCalibration(maturity_s=2.0, prior_rows=10.0)
+    c.load_state_dict(state)
+    return c
+
+
 def _training_part(name: str, boost: float = 0.0) -> Part:
     make = _training(name, boost)
     return Part(make, _training_step, _training_save, _training_load(make))
@@ -282,6 +326,10 @@ PARTS: dict[str, Part] = {
     "model+rowwise_adagrad_boost": _training_part("rowwise_adagrad", boost=2.0),
     "model+sparse_adam": _training_part("sparse_adam"),
     "recent_ids": Part(_recent, lambda r, s: r.filter(impression_ids_at(s)), RecentIds.state, _load_recent),
+    "base_rate_bias": Part(lambda: BaseRateBias(min_positives=5, mature_delays=2.0), _bias_step,
+                           BaseRateBias.state_dict, _load_bias),
+    "online_calibration": Part(lambda: OnlineCalibration(maturity_s=2.0, prior_rows=10.0), _calibration_step,
+                               OnlineCalibration.state_dict, _load_calibration),
 }
 # Parts that break the contract today (bugs found by it; the owners of those files have the reproduction).
 KNOWN_BREAKS: dict[str, str] = {}
