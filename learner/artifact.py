@@ -65,7 +65,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.calibration import identity
 from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
@@ -122,11 +121,7 @@ def eager_model(checkpoint: Mapping[str, Any]) -> DeepFM:
 
 
 def _dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The scorer's weights from a model state: everything but the table, with the identity calibration for a
-    checkpoint written before calibration existed (it served raw logits)."""
-    out = {k: v.detach().float().clone() for k, v in state.items() if not k.startswith("sparse.")}
-    out.setdefault("calibration", identity())
-    return out
+    return {k: v.detach().float().clone() for k, v in state.items() if not k.startswith("sparse.")}
 
 
 # -- manifest and checkpoint checks ----------------------------------------------------------------

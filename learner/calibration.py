@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -62,6 +63,17 @@ def identity() -> torch.Tensor:
     """``(a, b) = (1, 0)``, shape ``(2,)``: the raw logit served as it is (a model or artifact from before
     calibration, or with it turned off)."""
     return torch.tensor([1.0, 0.0])
+
+
+def add_calibration(module: nn.Module) -> None:
+    """Give ``module`` (``DeepFM``, the scorer) its ``calibration`` buffer, shape ``(2,)``, at the identity; a
+    state written before calibration existed (it served raw logits) loads as the identity."""
+    module.register_buffer("calibration", identity())
+    module.register_load_state_dict_pre_hook(_identity_if_missing)
+
+
+def _identity_if_missing(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    state_dict.setdefault(prefix + "calibration", identity())
 
 
 def calibrated(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

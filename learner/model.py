@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from learner.calibration import calibrated, identity
+from learner.calibration import add_calibration, calibrated
 from learner.config import Amp
 from learner.features import FeatureConfig
 
@@ -95,7 +95,7 @@ class DeepFM(nn.Module):
             self.fm = FMInteraction()
             self.dense_arch = DenseArch(cfg.num_fields * cfg.embedding_dim + len(cfg.dense), mlp, dropout)
         self.bias = nn.Parameter(torch.zeros(1))
-        self.register_buffer("calibration", identity())  # (2,) Platt's (a, b), served in eval mode
+        add_calibration(self)  # the (2,) buffer of Platt's (a, b), served in eval mode
         self.autocast_dtype = autocast_dtype
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -115,13 +115,6 @@ class DeepFM(nn.Module):
         cal = self.calibration
         assert isinstance(cal, torch.Tensor)  # a buffer (for mypy)
         return calibrated(logits, cal)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
-                              unexpected_keys, error_msgs) -> None:
-        # A checkpoint written before calibration existed served its raw logits: the identity.
-        state_dict.setdefault(prefix + "calibration", identity())
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith("sparse.")]

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from learner.calibration import calibrated, identity
+from learner.calibration import add_calibration, calibrated
 from learner.config import ArtifactFormat
 from learner.features import FeatureConfig
 from learner.model import DenseArch, FMInteraction
@@ -99,7 +99,7 @@ class Scorer(nn.Module):
         self.fm = FMInteraction()
         self.dense_arch = DenseArch(spec.num_fields * spec.dim + spec.num_dense, spec.mlp, spec.dropout)
         self.bias = nn.Parameter(torch.zeros(1))
-        self.register_buffer("calibration", identity())  # (2,) DeepFM's (a, b): a * logit + b
+        add_calibration(self)  # the (2,) buffer of DeepFM's (a, b): a * logit + b
         self.register_buffer("hot_ids", hot_ids)  # (H + 1,) int64 sorted, last = sentinel
         self.register_buffer("hot_vectors", hot_vectors)  # (H + 1, D + 1) float32, last = zeros
 
@@ -178,7 +178,6 @@ def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Modul
 
             state = safetensors.torch.load_file(str(path), device="cpu")
         scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
-        state.setdefault("calibration", identity())  # an artifact from before calibration: raw
         scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
         return scorer.to(device).eval()
     raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")

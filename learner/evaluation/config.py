@@ -66,7 +66,7 @@ class EvalConfig:
     delay_seed: int = 7  # the replay's default seed: the same click times as `streamrec replay`
     init_bias: bool = LearnerSettings().init_bias  # learner.delayed.BaseRateBias
     prior_click_rate: float = LearnerSettings().prior_click_rate  # what BaseRateBias starts from
-    online_calibration: bool = LearnerSettings().online_calibration  # online and delayed: learner/calibration.py
+    online_calibration: bool = LearnerSettings().online_calibration  # learner/calibration.py (fits delayed rows only)
     feed_events: int = 256  # events per joiner batch
     cold_k: int = 10  # a user's first cold_k impressions are cold
     # --dataset synthetic (stream/replay/synthetic.py): how many impressions, their click rate (None: the
