@@ -75,13 +75,14 @@ def raw_join(kafka: KafkaSettings, total: int) -> float:
     return seen / elapsed
 
 
-def run_worker(kafka: KafkaSettings, redis_url: str, driver: str) -> dict:
+def run_worker(kafka: KafkaSettings, redis_url: str, driver: str, profile: Path | None = None) -> dict:
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
                STREAMREC_KAFKA_IMPRESSIONS_TOPIC=kafka.impressions_topic,
                STREAMREC_KAFKA_CLICKS_TOPIC=kafka.clicks_topic,
                STREAMREC_KAFKA_SAMPLES_TOPIC=f"bench-samples-{driver}-{uuid.uuid4().hex[:6]}",
                STREAMREC_REDIS_URL=redis_url, STREAMREC_REDIS_PREFIX=f"bench-{uuid.uuid4().hex[:6]}")
-    cmd = [sys.executable, "-m", "streamrec.cli", "join", "--driver", driver, "--app-id",
+    prof = [] if profile is None else ["-m", "cProfile", "-o", str(profile / f"join-{driver}.prof")]
+    cmd = [sys.executable, *prof, "-m", "streamrec.cli", "join", "--driver", driver, "--app-id",
            f"bench-{driver}-{uuid.uuid4().hex[:6]}", "--exit-when-idle", "3", "--drain", "--json"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -93,6 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impressions", type=int, default=200_000)
     ap.add_argument("--drivers", default="kafka,faust")
+    ap.add_argument("--profile", type=Path, help="write each worker's cProfile stats to DIR/join-<driver>.prof "
+                    "(slows the worker; for where the time goes, not for its figures)")
     args = ap.parse_args()
     stack = LocalStack(StackSettings(state_dir=Path(tempfile.mkdtemp()), kafka_port=free_port(),
                                      redis_port=free_port()))
@@ -108,7 +111,7 @@ def main() -> None:
         raw = raw_join(kafka, total)
         rows = [("raw confluent-kafka (ceiling)", raw, None)]
         for driver in args.drivers.split(","):
-            r = run_worker(kafka, stack.redis_url, driver)
+            r = run_worker(kafka, stack.redis_url, driver, args.profile)
             assert r["samples"] == s.impressions + r["delayed_positives"], r  # fake_negative: a 0 each, then clicks
             rows.append((f"streamrec join --driver {driver}", r["events_per_s"], r))
     finally:
@@ -118,7 +121,8 @@ def main() -> None:
     for name, eps, _ in rows:
         print(f"{name:<34}{eps:>10,.0f}{eps / raw:>8.2f}")
     for name, _, r in rows[1:]:
-        print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s)")
+        print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s); held back {r['held_back']}, "
+              f"input pauses {r.get('input_pauses')}")
     print(json.dumps({name: {"events_per_s": eps, "ratio": round(eps / raw, 3)} for name, eps, _ in rows}))
 
 

@@ -93,7 +93,9 @@ class KafkaJoinWorker:
         limit = self.js.exit_when_idle_s
         try:
             while not self._stop:
+                t0 = time.monotonic()
                 msgs = self.consumer.consume(self.js.batch_max, self.js.batch_within_s)
+                self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
                 records = []
                 for msg in msgs:
                     err = msg.error()

@@ -48,6 +48,7 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
+from stream.joiner.gc_pacing import GcPacing
 from stream.joiner.sample_rows import to_batches
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
 from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
@@ -142,6 +143,7 @@ class JoinPipeline:
         self.dead_letters = DeadLetters(kafka, self.producer)
         self.engines: dict[int, PartitionJoin] = {}
         self.totals = JoinTotals()
+        self.gc = GcPacing(js.gc_every_s)
         self.state_topic = state_topic(js.app_id)
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
         self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
@@ -160,8 +162,11 @@ class JoinPipeline:
         ensure_compacted(kafka, self.state_topic)
 
     def close(self) -> None:
-        self.flush_counts()
-        self.redis.close()
+        try:
+            self.flush_counts()
+            self.redis.close()
+        finally:
+            self.gc.close()
 
     # -- partitions ----------------------------------------------------------------------------
     def restore(self, partitions: set[int]) -> None:
@@ -211,6 +216,7 @@ class JoinPipeline:
         batch is joined only up to its event-time frontier (:func:`~stream.joiner.backpressure.hold_limits`):
         the records past it are returned unprocessed, a suffix of each topic-partition's records, for the
         driver to pass again with its next batch. Without it every record is processed and none returned."""
+        self.totals.stage_s["gc"] += self.gc.between_batches()
         held: list[Record] = []
         self._held_before, self._held_events = self._held_events, {}
         if not self.strikes.counts:
