@@ -56,6 +56,27 @@ class Amp(Choice):
         return "bfloat16" if self is Amp.ON or native_cpu_bf16 else None
 
 
+class FusedSparseUpdate(Choice):
+    """Where the table's row-wise Adagrad runs (``learner/fused_update.py``). ``auto``: inside the backward of the
+    lookup (fbgemm's fused ``EXACT_ROWWISE_ADAGRAD``: no sparse gradient, no ``coalesce``) wherever that is the
+    same update, i.e. ``sparse_optimizer = rowwise_adagrad``, ``accumulation = 1`` and no fp16 loss scaling (fp16
+    autocast on CUDA); elsewhere the optimizer's own step. ``on`` requires the fused update (a setting that rules it
+    out is a :class:`ConfigError`), ``off`` never uses it. TOML ``true``/``false`` mean ``on``/``off``."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def _missing_(cls, value: object) -> FusedSparseUpdate | None:
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes"):
+            return cls.ON
+        if text in ("false", "0", "no"):
+            return cls.OFF
+        return None
+
+
 class SparseOptimizer(Choice):
     """The embedding table's optimizer (``learner/optim.py``)."""
 
@@ -167,6 +188,9 @@ class LearnerSettings:
     # (README "Delayed feedback"). Gradients are of a mean loss, so the value belongs with step_rows (256).
     initial_accumulator: float = 1e-5
     sparse_optimizer: SparseOptimizer = SparseOptimizer.ROWWISE_ADAGRAD  # or sparse_adam
+    # auto | on | off: row-wise Adagrad applied inside the lookup's backward where it is the same update
+    # (learner/fused_update.py; FusedSparseUpdate says where that is)
+    fused_sparse_update: FusedSparseUpdate = FusedSparseUpdate.AUTO
     amp: Amp = Amp.AUTO  # auto | on | off: the dense part's autocast (Amp: bf16 only on a CPU that has it natively)
     device: Device = Device.AUTO  # auto | cpu | cuda
     dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
@@ -210,7 +234,7 @@ class LearnerSettings:
         except ValueError as exc:
             raise ConfigError(f"[learner] {exc}") from None
         for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device),
-                           ("amp", Amp)):
+                           ("amp", Amp), ("fused_sparse_update", FusedSparseUpdate)):
             object.__setattr__(self, name, kind.of(getattr(self, name), f"[learner] {name}"))
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "

@@ -238,7 +238,8 @@ class Learner:
         self.mapper = RowMapper(cfg)
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window),
-                               calibration=OnlineCalibration() if self.ls.online_calibration else None)
+                               calibration=OnlineCalibration() if self.ls.online_calibration else None,
+                               fused_sparse_update=self.ls.fused_sparse_update)
         if self.ls.deltas_every_s > 0:
             self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows, key=self._signing_key,
                                                     redis_settings=self.redis_settings)
@@ -517,6 +518,7 @@ class Learner:
             "device": str(self.device),
             "precision": str(getattr(tr.model, "autocast_dtype", None) or torch.float32).removeprefix("torch.")
             if tr else None,
+            "sparse_update": tr.sparse_update if tr else None,  # fused (learner/fused_update.py) or unfused
             "checkpoint_dir": str(self.ls.checkpoint_dir),
             "settings": {k: str(v) for k, v in asdict(self.ls).items()},
         }

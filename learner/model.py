@@ -2,7 +2,9 @@
 
     SparseArch     one fused ``nn.EmbeddingBag`` (sparse=True, mean pooling) for every field; each
                    row holds ``D`` embedding values plus 1 first-order weight, so one gather serves
-                   both the linear and the interaction terms
+                   both the linear and the interaction terms; while a trainer sets ``fused_optimizer``
+                   (``learner/fused_update.py``) its training lookups apply row-wise Adagrad in their
+                   backward instead of leaving a sparse gradient
     FMInteraction  0.5 * ((sum_f v_f)^2 - sum_f v_f^2), summed over D
     DenseArch      MLP over [field embeddings, dense features]
     DeepFM         bias + first order + FM + MLP -> one logit per sample; in eval mode the logit is calibrated
@@ -28,6 +30,8 @@ from torch import nn
 from learner.calibration import add_calibration, calibrated
 from learner.config import Amp
 from learner.features import FeatureConfig
+from learner.fused_update import fused_lookup
+from learner.optim import RowWiseAdagrad
 
 
 class SparseArch(nn.Module):
@@ -38,9 +42,13 @@ class SparseArch(nn.Module):
         with torch.no_grad():
             self.bag.weight.normal_(0.0, 0.01, generator=generator)
             self.bag.weight[:, dim].zero_()  # first-order weights start at 0
+        self.fused_optimizer: RowWiseAdagrad | None = None  # set only inside learner.fused_update.fused_lookups
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.bag(values, offsets)  # (F * B, D + 1), field-major bags
+        if self.fused_optimizer is not None and self.training and torch.is_grad_enabled():
+            pooled = fused_lookup(self.bag.weight, values, offsets, self.fused_optimizer)  # (F * B, D + 1)
+        else:
+            pooled = self.bag(values, offsets)  # (F * B, D + 1), field-major bags
         b = pooled.shape[0] // self.num_fields
         pooled = pooled.view(self.num_fields, b, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
         return pooled[..., : self.dim], pooled[..., self.dim]  # (B, F, D), (B, F)

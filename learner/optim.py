@@ -7,7 +7,10 @@ row: the running sum of the row's mean squared gradient. Per step, for every tou
     state[r] += mean(g_r ** 2)
     w[r]     -= lr * g_r / (sqrt(state[r]) + eps)
 
-so optimizer memory is 1/D of the table (SparseAdam keeps two table-sized tensors).
+so optimizer memory is 1/D of the table (SparseAdam keeps two table-sized tensors). :meth:`RowWiseAdagrad.step`
+gets (rows, g) from the table's sparse gradient (``coalesce``); ``learner/fused_update.py`` computes them in the
+lookup's backward and calls :meth:`RowWiseAdagrad.update_rows` (fbgemm's fused ``EXACT_ROWWISE_ADAGRAD``), the
+same update on the same state, leaving no gradient for ``step``.
 
 Fast fine-tuning of young rows (cold start, ``boost > 0``): the optimizer also counts each row's updates
 (``state["updates"]``, int32 per row) and multiplies a touched row's step by
@@ -51,29 +54,44 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # noqa: D102 - no closure form
         for group in self.param_groups:
-            lr, eps = group["lr"], group["eps"]
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None:  # no gradient, or one the fused lookup already applied (learner/fused_update.py)
                     continue
-                state = self.state[p]
-                if "sum" not in state:
-                    state["sum"] = torch.full((p.shape[0],), group["initial_accumulator"], dtype=torch.float32,
-                                              device=p.device)
                 rows, g = self.touched_rows(p.grad)  # (U,), (U, D)
-                acc = state["sum"]
-                acc.index_add_(0, rows, g.pow(2).mean(dim=1))
-                scale = lr / (acc[rows].sqrt() + eps)  # (U,)
-                boost = group.get("boost", 0.0)  # .get: optimizer states saved before the boost existed
-                if boost > 0:
-                    if "updates" not in state:
-                        state["updates"] = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
-                    updates = state["updates"]
-                    if updates.dtype != torch.int32:  # a state set by hand (load_state_dict keeps int32)
-                        state["updates"] = updates = updates.round().to(torch.int32)
-                    young = updates[rows].float() / -group["boost_half_life"]  # (U,) rows are unique here
-                    scale = scale * (1 + boost * torch.exp2(young))
-                    updates[rows] += 1
-                p.index_add_(0, rows, -g * scale.unsqueeze(1))
+                self._update(p, group, rows, g)
+
+    @torch.no_grad()
+    def update_rows(self, p: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> None:
+        """The step for ``p``'s unique ``rows`` (U,) with their summed gradients ``g`` (U, D): what :meth:`step`
+        does with a gradient that touched those rows, and what the fused lookup (``learner/fused_update.py``)
+        calls from its backward instead of building the gradient. ``p`` must be one of this optimizer's."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                self._update(p, group, rows, g)
+                return
+        raise ValueError("update_rows: the tensor is not one of this optimizer's parameters")
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any], rows: torch.Tensor, g: torch.Tensor) -> None:
+        """The module docstring's update of ``rows`` (U,), unique, with summed gradients ``g`` (U, D)."""
+        lr, eps = group["lr"], group["eps"]
+        state = self.state[p]
+        if "sum" not in state:
+            state["sum"] = torch.full((p.shape[0],), group["initial_accumulator"], dtype=torch.float32,
+                                      device=p.device)
+        acc = state["sum"]
+        acc.index_add_(0, rows, g.pow(2).mean(dim=1))
+        scale = lr / (acc[rows].sqrt() + eps)  # (U,)
+        boost = group.get("boost", 0.0)  # .get: optimizer states saved before the boost existed
+        if boost > 0:
+            if "updates" not in state:
+                state["updates"] = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
+            updates = state["updates"]
+            if updates.dtype != torch.int32:  # a state set by hand (load_state_dict keeps int32)
+                state["updates"] = updates = updates.round().to(torch.int32)
+            young = updates[rows].float() / -group["boost_half_life"]  # (U,) rows are unique here
+            scale = scale * (1 + boost * torch.exp2(young))
+            updates[rows] += 1
+        p.index_add_(0, rows, -g * scale.unsqueeze(1))
 
     @staticmethod
     def touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,11 @@ cadence, so N accumulated micro-batches make the same update as one batch N time
 Rows that are not ``FINAL`` (the joiner's ``fake_negative`` and ``es_dfm`` policies) are weighted by
 ``learner/delayed.py``'s importance weights; a batch of ``FINAL`` rows keeps the plain mean loss.
 
+The table's row-wise Adagrad runs inside the backward of the lookup (``learner/fused_update.py``, fbgemm's fused
+``EXACT_ROWWISE_ADAGRAD``) when ``fused_sparse_update`` allows it and it is the same update: one micro-batch per
+step and no fp16 loss scaling (checked at every batch, so a scaler set later turns it off); :meth:`step` then
+finds no gradient on the table. ``sparse_update`` names the path the last batch took (``fused``/``unfused``).
+
 With a ``calibration`` (``learner/calibration.py``), the predictions recorded and returned are the calibrated
 ones (what is served), and each batch's raw logits go to the calibration, which fits them as their labels
 become final; the loss and the weights use the raw logits.
@@ -23,16 +28,23 @@ from torch import nn
 
 from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, calibrated
+from learner.config import FusedSparseUpdate
 from learner.delayed import DelayedFeedbackWeights
+from learner.fused_update import fused_applies, fused_lookups
+from learner.model import SparseArch
+from learner.optim import RowWiseAdagrad
 from learner.progressive import ProgressiveMetrics
+from stream.errors import ConfigError
 
 
 class Trainer:
     def __init__(self, model: nn.Module, sparse_opt: torch.optim.Optimizer, dense_opt: torch.optim.Optimizer,
                  accumulation: int = 1, device: torch.device | str = "cpu",
-                 metrics: ProgressiveMetrics | None = None, calibration: OnlineCalibration | None = None) -> None:
+                 metrics: ProgressiveMetrics | None = None, calibration: OnlineCalibration | None = None,
+                 fused_sparse_update: FusedSparseUpdate | str = FusedSparseUpdate.AUTO) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+        self.fused_sparse_update = FusedSparseUpdate.of(fused_sparse_update, "fused_sparse_update")
         self.model, self.sparse_opt, self.dense_opt = model, sparse_opt, dense_opt
         self.accumulation = accumulation
         self.device = torch.device(device)
@@ -47,6 +59,19 @@ class Trainer:
         # fp16 on CUDA needs loss scaling; bf16 (the CPU default) does not.
         amp_dtype = getattr(model, "autocast_dtype", None)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.device.type == "cuda" and amp_dtype == torch.float16)
+        why = self._not_fused()
+        self.sparse_update = "unfused" if why else "fused"  # the path the last trained batch's table update took
+        if self.fused_sparse_update is FusedSparseUpdate.ON and why is not None:
+            raise ConfigError(f"fused_sparse_update = on, but the fused row-wise Adagrad would not be the same "
+                              f"update here: {why}; set it to auto or off")
+
+    def _not_fused(self) -> str | None:
+        """None when this batch's table update runs fused into the backward, else why not."""
+        if self.fused_sparse_update is FusedSparseUpdate.OFF:
+            return "fused_sparse_update = off"
+        if not isinstance(getattr(self.model, "sparse", None), SparseArch):
+            return "the model has no SparseArch lookup"
+        return fused_applies(self.sparse_opt, self.accumulation, self.scaler.is_enabled())
 
     @torch.no_grad()
     def predict(self, batch: TensorBatch) -> np.ndarray:
@@ -58,7 +83,14 @@ class Trainer:
         """Predict (recorded in ``metrics``), then learn. Returns the predictions, shape (B,)."""
         self.model.train()
         b = batch.to(self.device)
-        logits = self.model(b.values, b.offsets, b.dense)  # (B,) raw
+        if self._not_fused() is None:
+            assert isinstance(self.sparse_opt, RowWiseAdagrad)
+            with fused_lookups(self.model, self.sparse_opt):  # the backward below updates the table
+                logits = self.model(b.values, b.offsets, b.dense)  # (B,) raw
+            self.sparse_update = "fused"
+        else:
+            logits = self.model(b.values, b.offsets, b.dense)  # (B,) raw
+            self.sparse_update = "unfused"
         p_t = torch.sigmoid(logits.detach()).float()
         served = (p_t if self.calibration is None else
                   torch.sigmoid(calibrated(logits.detach(), self.model.get_buffer("calibration"))).float())
