@@ -143,10 +143,16 @@ class KafkaJoinWorker:
                 raise
             self._recover(exc)
             return False
-        left = {(r.topic, r.partition, r.offset) for r in held}
-        done = [r for r in records if (r.topic, r.partition, r.offset) not in left]
-        for r in done:
-            self._offsets[(r.topic, r.partition)] = r.offset + 1
+        held_from: dict[tuple[str, int], int] = {}  # held records are a suffix of each topic-partition's
+        for r in held:
+            held_from.setdefault((r.topic, r.partition), r.offset)
+        done = 0
+        for r in records:
+            tp = (r.topic, r.partition)
+            first_held = held_from.get(tp)
+            if first_held is None or r.offset < first_held:
+                self._offsets[tp] = r.offset + 1
+                done += 1
         self._commit()
         if done or len(held) != len(self._held):
             self._idle_since = time.monotonic()

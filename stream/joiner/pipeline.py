@@ -62,6 +62,16 @@ log = logging.getLogger("streamrec.join")
 _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
 
 
+def _nth_good(pairs: list[tuple[Record, Impression | Click | BadMessage]], n: int) -> int:
+    """The index of the ``n``-th (from 0) good event in ``pairs``: the bad records before it stay with the good."""
+    for i, (_, event) in enumerate(pairs):
+        if not isinstance(event, BadMessage):
+            if n == 0:
+                return i
+            n -= 1
+    return len(pairs)
+
+
 class Record(NamedTuple):
     """A raw input message, as any driver receives it."""
 
@@ -272,68 +282,81 @@ class JoinPipeline:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
-        decoded: list[tuple[Record, Impression | Click | BadMessage]] = []
+        # (topic, partition) -> its records in offset order, each with its event or why it is bad
+        groups: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] = {}
+        held_before = self._held_before
         for r in records:
-            before = self._held_before.pop((r.topic, r.partition, r.offset), None)
-            try:
-                decoded.append((r, before if before is not None else self._decode(r)))
-            except BadMessage as exc:
-                decoded.append((r, exc))
+            tp = (r.topic, r.partition)
+            before = held_before.pop((r.topic, r.partition, r.offset), None) if held_before else None
+            event: Impression | Click | BadMessage
+            if before is not None:
+                event = before
+            else:
+                try:
+                    event = self._decode(r)
+                except BadMessage as exc:
+                    event = exc
+            pairs = groups.get(tp)
+            if pairs is None:
+                groups[tp] = [(r, event)]
+            else:
+                pairs.append((r, event))
         held: list[Record] = []
         if behind is not None:
-            decoded, held = self._hold(decoded, behind)
-        for r, event in decoded:
-            if isinstance(event, BadMessage):
-                self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset)
-                self.totals.counts["dead_lettered"] += 1
-                continue
-            if type(event) is Impression:
-                imps[r.partition].append((r.offset, event))
-            else:
-                clicks[r.partition].append((r.offset, event))  # type: ignore[arg-type]
+            held = self._hold(groups, behind)
+        for (topic, partition), pairs in groups.items():
+            is_impression = topic == self.kafka.impressions_topic
+            into = imps[partition] if is_impression else clicks[partition]
+            for r, event in pairs:
+                if isinstance(event, BadMessage):
+                    self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset)
+                    self.totals.counts["dead_lettered"] += 1
+                else:
+                    into.append((r.offset, event))  # type: ignore[arg-type]
         self.totals.stage_s["decode"] += time.monotonic() - t0
-        self.restore(set(imps) | set(clicks))
-        results = {p: self._apply(p, imps.get(p, []), clicks.get(p, []))
-                   for p in sorted(set(imps) | set(clicks))}
+        partitions = {p for p, got in imps.items() if got} | {p for p, got in clicks.items() if got}
+        self.restore(partitions)
+        results = {p: self._apply(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)}
         self._commit_state(results)
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
         return held
 
-    def _hold(self, decoded: list[tuple[Record, Impression | Click | BadMessage]], behind: Behind
-              ) -> tuple[list[tuple[Record, Impression | Click | BadMessage]], list[Record]]:
-        """(what to process now, the records held past the event-time frontier), see :meth:`process`. A bad
-        record is held with its neighbours when it comes after a held one, so it is dead-lettered once."""
-        partitions = {r.partition for r, _ in decoded}
+    def _hold(self, groups: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]],
+              behind: Behind) -> list[Record]:
+        """Cut each topic-partition's records in ``groups`` down to what is processed now; returns the records held
+        past the event-time frontier (see :meth:`process`). A bad record is held with its neighbours when it comes
+        after a held one, so it is dead-lettered once. Per topic-partition the records stay in offset order, so the
+        held ones are a suffix: cut with one slice (a held record is walked again with each batch it waits in, so
+        the walk is kept to a list comprehension)."""
+        partitions = {p for _, p in groups}
         self.restore(partitions)
-        ts_of: dict[Key, list[int]] = defaultdict(list)  # (input, partition) -> event times in offset order
-        for r, event in decoded:
-            if not isinstance(event, BadMessage):
-                ts_of[(input_of(self.kafka, r.topic), r.partition)].append(event.ts)
+        ts_of: dict[Key, list[int]] = {}  # (input, partition) -> good events' times in offset order
+        clean: dict[tuple[str, int], bool] = {}  # whether a topic-partition's records are all good
+        for tp, pairs in groups.items():
+            ts = [e.ts for _, e in pairs if not isinstance(e, BadMessage)]  # type: ignore[union-attr]
+            ts_of[(input_of(self.kafka, tp[0]), tp[1])] = ts
+            clean[tp] = len(ts) == len(pairs)
         reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), []))
                    for p in partitions for kind in (IMPRESSIONS, CLICKS)}
         self._reached.update(reached)
         limits = hold_limits(reached, behind, int((self.js.max_input_drift_s or 0) * 1000))
-        room = {key: len(ts) if (limit := limits.get(key)) is None else
-                self.engines[key[1]].within(_ENGINE_INPUT[key[0]], ts, limit) for key, ts in ts_of.items()}
-        keep: list[tuple[Record, Impression | Click | BadMessage]] = []
         held: list[Record] = []
-        holding: set[Key] = set()
-        for r, event in decoded:
-            key = (input_of(self.kafka, r.topic), r.partition)
-            if key not in holding and not isinstance(event, BadMessage):
-                if room[key] == 0:
-                    holding.add(key)
-                room[key] -= 1
-            if key in holding:
+        for tp, pairs in groups.items():
+            key = (input_of(self.kafka, tp[0]), tp[1])
+            ts = ts_of[key]
+            limit = limits.get(key)
+            room = len(ts) if limit is None else self.engines[tp[1]].within(_ENGINE_INPUT[key[0]], ts, limit)
+            if room >= len(ts):
+                continue
+            cut = room if clean[tp] else _nth_good(pairs, room)  # the first held record
+            for r, event in pairs[cut:]:
                 held.append(r)
                 if not isinstance(event, BadMessage):  # decoded once: it comes back with the next batch
                     self._held_events[(r.topic, r.partition, r.offset)] = event
-            else:
-                keep.append((r, event))
+            del pairs[cut:]
         self.totals.counts["held_back"] += len(held)
-        return keep, held
-
+        return held
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""
