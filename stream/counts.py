@@ -35,7 +35,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -97,6 +97,11 @@ def _member(value: object, position: int) -> str:
     raise ValueError(
         f"argument 'ids': element {position} is {value!r}, expected a non-negative integer or a non-empty string"
     )
+
+
+def _nonnegative_ints(values: Sequence[object]) -> bool:
+    """Whether every element is a plain non-negative int (what ``_member`` accepts as an integer id)."""
+    return set(map(type, values)) <= {int} and min(cast("Sequence[int]", values), default=0) >= 0
 
 
 # KEYS[1] = the day key; ARGV = expire-at (unix s), then count, member, count, member, ...
@@ -163,7 +168,10 @@ class DailyCounts:
         if ts.min() < 0:
             bad = int(np.argmin(ts))
             raise ValueError(f"argument 'ts_ms': element {bad} is {int(ts[bad])}, expected milliseconds >= 0")
-        members = [_member(v, i) for i, v in enumerate(id_list)]
+        # Validated once per element; the joiner's ids (non-negative ints) in one C-level pass, and turned into text
+        # only once per distinct id after counting (popular ids repeat).
+        text = not _nonnegative_ints(id_list)
+        members: list[int | str] = [_member(v, i) for i, v in enumerate(id_list)] if text else id_list
         now = time.time()
         ahead = ts > int((now + self.future_s) * 1000)
         if ahead.any():
@@ -177,7 +185,7 @@ class DailyCounts:
 
         args: dict[int, list[int | str]] = {}
         for (d, member), n in counts.items():
-            args.setdefault(d, []).extend((n, member))
+            args.setdefault(d, []).extend((n, member if text else str(member)))
         if self._zincr_many is None:
             self._zincr_many = self.client.register_script(_ZINCR_MANY)
         pipe = self.client.pipeline(transaction=False)

@@ -30,6 +30,8 @@ from stream.metrics import HISTORY_MALFORMED
 
 def _as_ints(name: str, values: Sequence[int] | np.ndarray) -> list[int]:
     seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    if set(map(type, seq)) <= {int}:  # the common case (the joiner's own ints), checked in one C-level pass
+        return seq
     out = []
     for i, v in enumerate(seq):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):

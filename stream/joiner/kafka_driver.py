@@ -56,6 +56,7 @@ class KafkaJoinWorker:
         self._held: list[Record] = []  # fetched past the event-time frontier, not processed yet (held_inputs)
         self._paused: set[Key] = set()  # what the consumer has paused now: the gate's and the held inputs
         self._hold = js.backpressure and js.max_input_drift_s is not None
+        self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None if js.max_input_drift_s is None else int(js.max_input_drift_s * 1000))
         self.consumer = Consumer(consumer_config(
@@ -64,13 +65,16 @@ class KafkaJoinWorker:
 
     def _commit(self) -> None:
         if self._offsets:
+            t0 = time.monotonic()
             self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
                                  asynchronous=False)
             self._offsets.clear()
+            self.pipeline.totals.stage_s["commit"] += time.monotonic() - t0
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
         revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._assigned -= {tp.partition for tp in partitions}
         self._held = [r for r in self._held if (r.topic, r.partition) not in revoked]  # the next owner reads them
         self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
         try:  # a pause must not outlive the assignment it was made in
@@ -82,6 +86,7 @@ class KafkaJoinWorker:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
         consumer.assign(resume_offsets(consumer, partitions))
+        self._assigned |= {tp.partition for tp in partitions}
         self._idle_since = time.monotonic()
 
     def run(self) -> int:
@@ -137,6 +142,10 @@ class KafkaJoinWorker:
         """Join ``records`` (all, or up to their event-time frontier with ``behind``) and commit what was joined;
         False when an infrastructure failure rewound the worker instead (``_recover``)."""
         try:
+            # Every assigned partition's state in one read of the state log (each read costs a consumer's start-up
+            # and an end-of-partition wait), not one read per partition as each first appears in a batch.
+            if missing := self._assigned - set(self.pipeline.engines):
+                self.pipeline.restore(missing)
             held = self.pipeline.process(records, behind)  # raises: nothing of this batch is ever committed
         except Exception as exc:
             if not is_infrastructure(exc):
