@@ -212,8 +212,9 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
     return EventTable(
         impression_id=imp_ids,
         ts=ts_ms,
-        user_id=users_raw,
-        item_id=items_raw,
+        # the same values, one str object per distinct id: memory, and the publisher reads them in cache
+        user_id=user_keys[user_code],
+        item_id=item_keys[item_code],
         # the user's and the item's attributes, and the request time the app knows when it serves the impression
         context=[ContextPart(user_code.astype(np.int64), user_dicts),
                  ContextPart(item_code.astype(np.int64), item_dicts),

@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
+from confluent_kafka import KafkaError, KafkaException
 
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.events import SCHEMA_VERSION
+from stream.errors import MessageTooLarge
 from stream.kafka import AckedProducer, ensure_topics
 from stream.metrics import EVENTS
-from stream.replay.table import CLICK, IMPRESSION, EventTable
+from stream.replay.encoding import EventEncoder, to_bytes
+from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 
 _RAW = 2  # kind code of raw messages in the merged order
 
@@ -93,6 +94,51 @@ class Pacer:
             time.sleep(ahead)
 
 
+CHUNK = 8192  # events encoded, sent and counted at a time
+
+
+class _ChunkProducer(AckedProducer):
+    """:class:`AckedProducer` with a send loop for a run of events that calls ``produce`` and nothing else per
+    message (the caller adds the run's sent counts); a full local queue and a refused message are handled
+    as :meth:`AckedProducer.send` handles them (poll and retry; :class:`MessageTooLarge`)."""
+
+    def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any]) -> None:
+        produce = self._producer.produce
+        for topic, value, key in zip(topics, values, keys):  # noqa: B905 (equal lengths; strict= costs per message)
+            try:
+                produce(topic, value, key)
+            except BufferError:
+                self._producer.poll(0.05)
+                self._send_one(topic, value, key)
+            except KafkaException:
+                self._send_one(topic, value, key)  # it fails again, and says how
+
+    def _send_one(self, topic: str, value: bytes | None, key: Any) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value, key)
+                return
+            except BufferError:
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise MessageTooLarge(
+                        f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over the producer's "
+                        "message.max.bytes") from None
+                raise
+
+    def count_sent(self, topic: str, n: int) -> None:
+        if n:
+            self._sent[topic] = self._sent.get(topic, 0) + n
+
+
+def _objects(items: list[Any]) -> np.ndarray:
+    """A 1-D object array of ``items`` (``np.array`` would make bytes of one length a 2-D or 'S' array)."""
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
 def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: float | None = None,
             speed: float | None = None, linger_ms: int = 20,
             progress: Callable[[int], None] | None = None) -> ReplaySummary:
@@ -100,10 +146,14 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
 
     ``progress(n)`` is called every few thousand events with the number sent since the last call.
     Raises ``DeliveryFailed`` if any message was not acknowledged.
+
+    Events are encoded column-wise (:class:`~stream.replay.encoding.EventEncoder`) a chunk of the replay
+    order at a time; unpaced, a chunk goes out in a loop that only calls ``produce``, and the counts,
+    the poll and the progress are per chunk. Paced, every event waits for its turn as before.
     """
     topics = {IMPRESSION: kafka.impressions_topic, CLICK: kafka.clicks_topic}
     ensure_topics(kafka, [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())])
-    producer = AckedProducer(kafka, **{"linger.ms": linger_ms})
+    producer = _ChunkProducer(kafka, **{"linger.ms": linger_ms})
     dead_letters = DeadLetters(kafka, producer)
     summary = ReplaySummary(dataset=dataset, source=dict(table.stats))
 
@@ -111,59 +161,73 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     ts_all = np.concatenate([table.ts, table.click_ts])
     if len(ts_all):
         summary.first_ts, summary.last_ts = int(ts_all.min()), int(ts_all.max())
-    pacer = Pacer(rate, speed, summary.first_ts or 0)
-    paced = pacer.active
-
-    # Python lists index faster than numpy arrays in the per-event loop below.
-    imp_id, imp_ts = table.impression_id.tolist(), table.ts.tolist()
-    users, items = table.user_id.tolist(), table.item_id.tolist()
-    parts = [(p.index.tolist(), p.dicts) for p in table.context]
-    dense = [(name, col.tolist()) for name, col in table.dense.items()]
-    click_id, click_ts = table.click_impression_id.tolist(), table.click_ts.tolist()
+    Pacer(rate, speed, 0)  # bad settings fail before anything is sent
+    paced = rate is not None or speed is not None
     imp_topic, click_topic = topics[IMPRESSION], topics[CLICK]
-    send, dumps = producer.send, orjson.dumps
 
     t0 = time.monotonic()
-    step, reported = 5000, 0
-    for n, (kind, i) in enumerate(zip(kinds.tolist(), indexes.tolist(), strict=True)):
-        if kind == IMPRESSION:
-            event: dict[str, Any] = {
-                "schema_version": SCHEMA_VERSION, "impression_id": imp_id[i], "ts": imp_ts[i],
-                "user_id": users[i], "item_id": items[i],
-            }
-            if parts:
-                ctx: dict[str, Any] = {}
-                for index, dicts in parts:
-                    ctx.update(dicts[index[i]])
-                if ctx:
-                    event["context"] = ctx
-            if dense:
-                event["dense"] = {name: col[i] for name, col in dense}
-            send(imp_topic, dumps(event), imp_id[i])
-            summary.impressions += 1
-            ts = imp_ts[i]
-        elif kind == CLICK:
-            send(click_topic, dumps({"schema_version": SCHEMA_VERSION, "impression_id": click_id[i],
-                                     "ts": click_ts[i]}), click_id[i])
-            summary.clicks += 1
-            ts = click_ts[i]
-        else:
-            raw = table.raw[i]
-            topic = topics[raw.topic_kind]
-            if raw.error is not None:
-                dead_letters.send(topic, raw.key, raw.value, raw.error)
-                summary.dead_lettered += 1
-            else:
-                send(topic, raw.value, raw.key)
-                summary.malformed_published += 1
-            ts = raw.ts
-        if n % step == 0:
-            producer.poll()
-            if progress is not None and n:
-                progress(n - reported)
-                reported = n
+    encoder = EventEncoder(table)
+    # Per event of the order: its topic (a raw message names its own), its key, and for a raw message the
+    # message itself (the encoder builds the others' values chunk by chunk).
+    raw = table.raw
+    raw_kind = np.fromiter((m.topic_kind for m in raw), dtype=np.int8, count=len(raw))
+    is_raw = kinds == _RAW
+    topic_kind = kinds.copy()
+    topic_kind[is_raw] = raw_kind[indexes[is_raw]]
+    topic_of = np.array([imp_topic, click_topic], dtype=object)[topic_kind]
+    key_pool = np.concatenate([table.impression_id.astype(object), table.click_impression_id.astype(object),
+                                  _objects([m.key for m in raw])])
+    key_of = key_pool[indexes + np.array([0, table.n_impressions, table.n_impressions + table.n_clicks])[kinds]]
+    dead = np.zeros(len(kinds), bool)
+    dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
+
+    pacer = Pacer(rate, speed, summary.first_ts or 0)  # its clock starts with the first event
+    reported = 0
+    for start in range(0, len(kinds), CHUNK):
+        stop = min(start + CHUNK, len(kinds))
+        k, i = kinds[start:stop], indexes[start:stop]
+        is_imp, is_click, is_raw_c = k == IMPRESSION, k == CLICK, k == _RAW
+        values_l = _chunk_values(encoder, raw, k, i)
+        topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
+        dead_c = dead[start:stop]
         if paced:
-            pacer.wait(n + 1, ts)
+            ts_l = [table.ts[j] if kind == IMPRESSION else table.click_ts[j] if kind == CLICK else raw[j].ts
+                    for kind, j in zip(k.tolist(), i.tolist(), strict=True)]
+            dead_l, kinds_l = dead_c.tolist(), k.tolist()
+            for j in range(stop - start):
+                n = start + j
+                if dead_l[j]:
+                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
+                else:
+                    producer.send(topics_l[j], values_l[j], keys_l[j])
+                _count(summary, kinds_l[j], dead_l[j])
+                if n % 5000 == 0:
+                    producer.poll()
+                    if progress is not None and n:
+                        progress(n - reported)
+                        reported = n
+                pacer.wait(n + 1, ts_l[j])
+            continue
+        # Unpaced: runs between dead-lettered raw messages go out in the produce-only loop.
+        cut = 0
+        for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
+            if j > cut:
+                producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
+                sent_kind = topic_kind[start + cut:start + j]
+                producer.count_sent(imp_topic, int(np.count_nonzero(sent_kind == IMPRESSION)))
+                producer.count_sent(click_topic, int(np.count_nonzero(sent_kind == CLICK)))
+            if j < stop - start:
+                dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
+            cut = j + 1
+        summary.impressions += int(np.count_nonzero(is_imp))
+        summary.clicks += int(np.count_nonzero(is_click))
+        n_dead = int(np.count_nonzero(dead_c))
+        summary.dead_lettered += n_dead
+        summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
+        producer.poll()
+        if progress is not None:
+            progress(stop - reported)
+            reported = stop
 
     report = producer.flush()
     summary.elapsed_s = time.monotonic() - t0
@@ -175,6 +239,30 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     EVENTS.labels("replay", imp_topic).inc(summary.impressions)
     EVENTS.labels("replay", click_topic).inc(summary.clicks)
     return summary
+
+
+def _chunk_values(encoder: EventEncoder, raw: list[RawMessage], kinds: np.ndarray, indexes: np.ndarray
+                  ) -> list[bytes | None]:
+    """The message values of a chunk of the replay order (``kinds``, ``indexes``), in that order."""
+    out = np.empty(len(kinds), dtype=object)
+    for kind, encode in ((IMPRESSION, encoder.impressions), (CLICK, encoder.clicks)):
+        mask = kinds == kind
+        out[mask] = _objects(to_bytes(encode(indexes[mask])))
+    is_raw = kinds == _RAW
+    if is_raw.any():
+        out[is_raw] = _objects([raw[j].value for j in indexes[is_raw].tolist()])
+    return out.tolist()  # type: ignore[no-any-return]
+
+
+def _count(summary: ReplaySummary, kind: int, dead: bool) -> None:
+    if kind == IMPRESSION:
+        summary.impressions += 1
+    elif kind == CLICK:
+        summary.clicks += 1
+    elif dead:
+        summary.dead_lettered += 1
+    else:
+        summary.malformed_published += 1
 
 
 def progress_bar(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
