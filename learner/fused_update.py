@@ -13,6 +13,11 @@ sum of the L lookups) and only then updates; here the backward works on the batc
                               offset2bag[permutation] and cut at the segments (no (L, D + 1) tensor is built)
     RowWiseAdagrad.update_rows(table, rows, sums): the optimizer's own update (learner/optim.py)
 
+``SparseArch`` (``learner/model.py``) hands the fused lookup its bags batch-major (:func:`batch_major`, an index
+gather of the (L,) values), so the pooled (B * F, D + 1) is already (B, F, D + 1) and its gradient arrives without
+the transposing copy the field-major bag needs; with the split of the pooled rows into embedding and first-order
+weight (one ``cat`` in the backward) the step makes no full-size zero fill of the (B, F, D + 1) gradient.
+
 The update is the optimizer's (same code, same state: ``sum`` and the boost's ``updates`` stay in the
 ``RowWiseAdagrad``'s ``state``, so checkpoints, ``reset_rows`` and ``state_dict`` see no difference); only the
 order in which a row's lookups are summed may differ (float rounding). ``step`` then finds no gradient on the
@@ -37,12 +42,32 @@ from torch import nn
 from learner.optim import RowWiseAdagrad
 
 
+def batch_major(values: torch.Tensor, offsets: torch.Tensor, num_fields: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Field-major bags (bag f * B + b; values (L,), offsets (F * B + 1,), last offset included) reordered
+    batch-major (bag b * F + f), each bag's lookups in their order: the pooled lookup is then already (B, F, D + 1)
+    and its gradient needs no transposing copy (a (B, F, D + 1) float copy against an (L,) index gather)."""
+    n_bags = offsets.numel() - 1
+    b = n_bags // num_fields
+    lengths = offsets[1:] - offsets[:-1]  # (F * B,)
+    if values.numel() == n_bags and bool(lengths.eq(1).all()):  # one lookup per bag: a transpose of the values
+        return values.view(num_fields, b).t().reshape(-1), offsets
+    lengths_bm = lengths.view(num_fields, b).t().reshape(-1)  # (B * F,)
+    starts = offsets[:-1].view(num_fields, b).t().reshape(-1)  # (B * F,) where each bag's lookups start in values
+    offsets_bm = torch.zeros_like(offsets)  # (B * F + 1,)
+    torch.cumsum(lengths_bm, 0, out=offsets_bm[1:])
+    shift = torch.repeat_interleave(starts - offsets_bm[:-1], lengths_bm, output_size=values.numel())  # (L,)
+    return values[torch.arange(values.numel(), device=values.device) + shift], offsets_bm
+
+
 def row_gradients(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.Tensor | None, bag_size: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique rows (U,) ascending, their summed gradients (U, D + 1)) of a mean-pooled lookup, from the pooled
     gradient ``grad`` (N, D + 1), the lookups ``values`` (L,), each lookup's bag ``offset2bag`` (L,; None when
     lookup i is bag i) and each bag's length ``bag_size`` (N,). A row's lookups are summed in lookup order."""
-    share = grad / bag_size.clamp(min=1).unsqueeze(1).to(grad.dtype)  # (N, D + 1) what each lookup of a bag gets
+    if offset2bag is None:  # every bag one lookup: its gradient is the lookup's
+        share = grad  # (N, D + 1)
+    else:  # mean pooling: each lookup of a bag gets the bag's gradient over the bag's length
+        share = grad / bag_size.clamp(min=1).unsqueeze(1).to(grad.dtype)  # (N, D + 1)
     sorted_rows, order = torch.sort(values, stable=True)  # (L,), (L,)
     n = sorted_rows.numel()
     first = torch.ones(n, dtype=torch.bool, device=values.device)  # (L,) first lookup of each row in sorted order

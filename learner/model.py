@@ -30,7 +30,7 @@ from torch import nn
 from learner.calibration import add_calibration, calibrated
 from learner.config import Amp
 from learner.features import FeatureConfig
-from learner.fused_update import fused_lookup
+from learner.fused_update import batch_major, fused_lookup
 from learner.optim import RowWiseAdagrad
 
 
@@ -45,13 +45,17 @@ class SparseArch(nn.Module):
         self.fused_optimizer: RowWiseAdagrad | None = None  # set only inside learner.fused_update.fused_lookups
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = (offsets.numel() - 1) // self.num_fields
         if self.fused_optimizer is not None and self.training and torch.is_grad_enabled():
-            pooled = fused_lookup(self.bag.weight, values, offsets, self.fused_optimizer)  # (F * B, D + 1)
+            bm_values, bm_offsets = batch_major(values, offsets, self.num_fields)  # the same bags, batch-major
+            pooled = fused_lookup(self.bag.weight, bm_values, bm_offsets, self.fused_optimizer)  # (B * F, D + 1)
+            pooled = pooled.view(b, self.num_fields, self.dim + 1)  # (B, F, D + 1)
         else:
             pooled = self.bag(values, offsets)  # (F * B, D + 1), field-major bags
-        b = pooled.shape[0] // self.num_fields
-        pooled = pooled.view(self.num_fields, b, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
-        return pooled[..., : self.dim], pooled[..., self.dim]  # (B, F, D), (B, F)
+            pooled = pooled.view(self.num_fields, b, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+        # split, not two slices: its backward is one cat, not two zero-filled (B, F, D + 1) tensors and a sum
+        emb, first = pooled.split([self.dim, 1], dim=2)  # (B, F, D), (B, F, 1)
+        return emb, first.squeeze(2)  # (B, F, D), (B, F)
 
 
 class FMInteraction(nn.Module):
@@ -112,7 +116,8 @@ class DeepFM(nn.Module):
         device_type = emb.device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None):
-            x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
+            # (B, F*D + Dd); without dense features the flattened copy alone (a cat would copy it once more)
+            x = torch.cat([emb.flatten(1), dense], dim=1) if dense.shape[1] else emb.flatten(1)
             deep = self.dense_arch(x)  # (B,)
             fm = self.fm(emb)  # (B,)
         logits = self.bias + first.sum(dim=1) + fm.float() + deep.float()  # (B,)

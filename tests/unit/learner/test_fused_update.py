@@ -193,3 +193,18 @@ def small_batch(seed: int, b: int = 24) -> TensorBatch:
                        dense=torch.randn(b, 1, generator=g), labels=(torch.rand(b, generator=g) < 0.4).float(),
                        impression_ids=np.array([f"i{seed}-{k}" for k in range(b)], dtype=object),
                        ts=np.arange(b, dtype=np.int64))
+
+
+@pytest.mark.parametrize("multi", [True, False])
+def test_the_fused_lookup_pools_exactly_what_the_bag_pools(multi: bool) -> None:
+    """Batch-major bags (learner.fused_update.batch_major) pool to the same (B, F, D), (B, F) as the field-major bag,
+    with several lookups per bag (the general reorder) and with one per bag (the transpose)."""
+    (arch, opt), _ = pair(0.0, 0.0)
+    values, offsets = bags(4)
+    if not multi:  # only the user and item fields: one lookup per bag
+        values, offsets = values[-2 * B:], torch.arange(2 * B + 1)
+        arch.num_fields = 2
+    want = arch(values, offsets)
+    with fused_lookups(nn.ModuleDict({"sparse": arch}), opt):
+        got = arch(values, offsets)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
