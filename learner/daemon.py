@@ -214,6 +214,7 @@ class Learner:
         self._served_published = 0.0
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
         self._cold_published = 0.0
+        self._window_published = 0.0
         self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
         self._shape = shape_of(ls)  # what a checkpoint records and a restore compares
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
@@ -462,6 +463,9 @@ class Learner:
             m = self.trainer.metrics
             AUC.set(m.auc)
             LOGLOSS.set(m.logloss)
+            if time.monotonic() - self._window_published >= 1.0:  # the window AUC sorts the window: at most 1/s
+                WINDOW_AUC.set(m.window_metrics()[0])
+                self._window_published = time.monotonic()
         if self.deltas is not None:  # also on idle heartbeats, so the last rows trained go out
             self.deltas.after_step(self.trainer, kept.values)
         for p, off, rows in batch.positions:

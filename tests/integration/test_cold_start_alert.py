@@ -38,15 +38,20 @@ def samples(users: np.ndarray, start: int, rng: np.random.Generator) -> bytes:
         history=[[] for _ in range(n)], context={"device": rng.integers(0, 3, n)}).encode()
 
 
-def bucket_share(url: str) -> float | None:
+def scraped(url: str, series: str) -> float | None:
+    """The value of ``series`` (name and labels, as exposed) on the /metrics page at ``url``."""
     try:
         text = urllib.request.urlopen(url, timeout=2).read().decode()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith('streamrec_learner_bucket_share{field="user_id"}'):
+        if line.startswith(series + " "):
             return float(line.split()[-1])
     return None
+
+
+def bucket_share(url: str) -> float | None:
+    return scraped(url, 'streamrec_learner_bucket_share{field="user_id"}')
 
 
 def alerts_so_far(kafka: KafkaSettings, topic: str) -> list:
@@ -118,6 +123,9 @@ severity = "warning"
     try:
         share = lambda: bucket_share(url)  # noqa: E731
         wait_for(lambda: (s := share()) is not None and s < 0.5, "the learner's steady bucket share", procs)
+        # the window AUC is published beside the progressive one (it read 0, never set, before)
+        wait_for(lambda: (scraped(url, "streamrec_learner_window_auc") or 0.0) > 0.0, "the window AUC", procs)
+        assert 0.0 < scraped(url, "streamrec_learner_window_auc") < 1.0  # type: ignore[operator]
         new_user, burst_batches = 10_000_000, 0
         while burst_batches < 5 or not alerts_so_far(kafka, alerts):
             send(np.arange(new_user, new_user + ROWS))  # a burst: every user brand new
