@@ -7,29 +7,34 @@ Workload: 26 categorical fields of 384,615 rows each (10 M embedding rows), embe
 first-order weight per row, batch 4096, Zipf(1.05) ids per field (rank -> row through a seeded random
 permutation, so hot rows are spread over the table), labels from a hidden logistic model of two
 fields (learnable, ~30 % positives). Generated once with a seeded generator and reused by every variant
-in the same order. Model: DeepFM (bias + first order + FM + MLP 400-400-400), the dense part under bf16
-autocast in every variant, lr 0.05 for row-wise Adagrad on the table, fused Adam lr 1e-3 on the dense part.
+in the same order. Model: DeepFM (bias + first order + FM + MLP 400-400-400), the dense part in --dtype in every
+variant (default: what ``[learner] amp = auto`` picks on this CPU, bf16 where oneDNN computes it natively, else
+fp32: an emulated bf16 dense part is ~10x slower and hides everything else), lr 0.05 for row-wise Adagrad on the
+table, fused Adam lr 1e-3 on the dense part.
 
   naive      26 nn.Embedding (dense gradients) + torch.optim.Adam over everything (table included)
   torchrec   torchrec FusedEmbeddingBagCollection (fbgemm TBE on CPU, EXACT_ROWWISE_ADAGRAD applied in
              the backward), fed KeyedJaggedTensors; fbgemm bounds checks off (FBGEMM_TBE_BOUNDS_CHECK_MODE=3)
   fbgemm     the same fbgemm TBE kernel called directly with int32 indices (no KJT), bounds checks off
   streamrec  learner.model.DeepFM + learner.optim.make_optimizers + learner.trainer.Trainer.test_then_train,
-             fed prebuilt TensorBatch objects (learner.batch.to_tensors of the same Arrow sample batches)
+             fed prebuilt TensorBatch objects (learner.batch.to_tensors of the same Arrow sample batches); the
+             default fused_sparse_update = auto: row-wise Adagrad applied in the lookup's backward
+             (learner/fused_update.py)
+  streamrec-unfused  the same with fused_sparse_update = off: a sparse gradient, coalesce, then the step
   kafka-w0   the same learner fed by learner.kafka_dataset.KafkaSampleDataset from a private Tansu broker
   kafka-w1   the same through a DataLoader with 1 worker process (reading overlaps compute)
-  streamrec-dedup  a PROPOSED change to learner/optim.py, monkeypatched in (dedup_without_coalesce()):
+  streamrec-dedup  (unfused) a PROPOSED change to learner/optim.py, monkeypatched in (dedup_without_coalesce()):
              RowWiseAdagrad sums duplicate rows with torch.unique + index_put_(accumulate=True) instead of
              sparse coalesce() (same sums; coalesce was 7-10 ms of a ~52 ms step)
   floor      what this machine needs for the model: the batch's touched rows gathered once (index_select),
-             expanded to the lookups, the dense part (FM + MLP fwd+bwd + fused Adam, bf16) on the (4096, 26,
+             expanded to the lookups, the dense part (FM + MLP fwd+bwd + fused Adam, --dtype) on the (4096, 26,
              17) input, the lookups' gradients summed per touched row, one scatter (index_add_) into the
              table. The dedup (torch.unique) is precomputed and reported apart.
 
 fbgemm tables need a dim that is a multiple of 4, so torchrec/fbgemm rows are 20 floats (16 + first order
 + 3 zero pads, 18 % more table memory); their lr and eps are scaled by sqrt(17/20) so the row-wise
 Adagrad update is the same as over 17 columns. glibc is told to keep freed memory (environment.md: page
-faults otherwise cost 20-45 % of a bf16 step): the script re-executes itself with MALLOC_TRIM_THRESHOLD_,
+faults otherwise cost 20-45 % of a step): the script re-executes itself with MALLOC_TRIM_THRESHOLD_,
 MALLOC_MMAP_THRESHOLD_ and MALLOC_TOP_PAD_ set, and every variant inherits them (--glibc-default runs the
 variants without; --env BENCH_MALLOPT=1 with --glibc-default applies them with mallopt(3) at run time
 instead). torch uses 2 threads.
@@ -78,21 +83,39 @@ ALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": "68719476736", "MALLOC_MMAP_THRESHOLD_": 
              "MALLOC_TOP_PAD_": "268435456"}
 TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.8.0 && pip install --no-deps torchrec==1.8.0 && "
                     "pip install tensordict==0.15.3 torchmetrics==1.9.0 pyre-extensions==0.0.32")
-VARIANTS = ("floor", "streamrec", "torchrec", "fbgemm", "kafka-w0", "kafka-w1", "streamrec-dedup", "naive")
+VARIANTS = ("floor", "streamrec", "streamrec-unfused", "torchrec", "fbgemm", "kafka-w0", "kafka-w1",
+            "streamrec-dedup", "naive")
+STREAMREC_VARIANTS = ("streamrec", "streamrec-unfused", "kafka-w0", "kafka-w1", "streamrec-dedup")
+PROFILED = ("streamrec", "streamrec-unfused")  # profiled in the first round
 LABELS = {
     "naive": "naive: 26 nn.Embedding + Adam",
     "torchrec": "torchrec FusedEBC rowwise Adagrad",
     "fbgemm": "fbgemm TBE direct rowwise Adagrad",
-    "streamrec": "streamrec, fed from memory",
+    "streamrec": "streamrec, from memory (fused)",
+    "streamrec-unfused": "streamrec, from memory, unfused",
     "kafka-w0": "streamrec, Kafka, 0 workers",
     "kafka-w1": "streamrec, Kafka, 1 worker",
-    "floor": "floor: bf16 dense + gather/scatter",
+    "floor": "floor: dense + gather/scatter",
     "streamrec-dedup": "PROTOTYPE streamrec, no coalesce",
 }
 QUIET = 0.15  # other processes' cores busy during a round above which the round is not used (when others are)
 MAX_MESSAGE_BYTES = 900_000  # what the joiner keeps samples messages under (stream/joiner/sample_rows.py)
 LR_SPARSE, LR_DENSE, EPS = 0.05, 1e-3, 1e-8
 MLP = (400, 400, 400)
+DTYPES = ("auto", "fp32", "bf16")
+DENSE_DTYPE: Any = None  # the child's autocast dtype of the dense part (None: fp32), set from --dtype
+
+
+def resolve_dtype(name: str) -> str:
+    """``fp32``/``bf16``; ``auto`` is what the learner's ``amp = auto`` picks on this machine's CPU."""
+    if name != "auto":
+        return name
+    import torch
+
+    from learner.config import Amp
+    from learner.model import autocast_dtype
+
+    return "bf16" if autocast_dtype(Amp.AUTO, torch.device("cpu")) is torch.bfloat16 else "fp32"
 
 
 def ensure_allocator_env() -> None:
@@ -206,7 +229,7 @@ def make_head(fields: int, dim: int):
     from learner.model import DenseArch, FMInteraction
 
     class Head(nn.Module):
-        """bias + first order + FM + MLP, the dense part under bf16 autocast: DeepFM.forward's math."""
+        """bias + first order + FM + MLP, the dense part under the bench's autocast: DeepFM.forward's math."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -215,7 +238,7 @@ def make_head(fields: int, dim: int):
             self.bias = nn.Parameter(torch.zeros(1))
 
         def forward(self, emb: torch.Tensor, first: torch.Tensor) -> torch.Tensor:  # (B, F, D), (B, F) -> (B,)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=DENSE_DTYPE or torch.float32, enabled=DENSE_DTYPE is not None):
                 deep = self.dense_arch(emb.flatten(1))
                 fm = self.fm(emb)
             return self.bias + first.sum(dim=1) + fm.float() + deep.float()
@@ -247,6 +270,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     mallopt = mallopt_like_env() if os.environ.get("BENCH_MALLOPT") == "1" else None
     import torch
 
+    global DENSE_DTYPE
+    DENSE_DTYPE = torch.bfloat16 if args.dtype == "bf16" else None
     torch.set_num_threads(args.threads)
     d = np.load(Path(args.data) / "workload.npz")
     ids, labels = d["ids"], d["labels"]
@@ -265,7 +290,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"variant": v, "threads": torch.get_num_threads(),
                            "alloc_env": all(os.environ.get(k) == val for k, val in ALLOC_ENV.items()),
                            "mallopt": mallopt}
-    if v in ("streamrec", "kafka-w0", "kafka-w1", "streamrec-dedup"):
+    if v in STREAMREC_VARIANTS:
         out.update(run_streamrec(args, cfg, tbs, sbs, warmup, steps))
     elif v == "floor":
         out.update(run_floor(tbs, fields, rows, dim, warmup, steps))
@@ -279,31 +304,32 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_streamrec(args, cfg, tbs, sbs, warmup: int, steps: int) -> dict[str, Any]:
-    import torch
 
     from learner.model import DeepFM
     from learner.optim import make_optimizers
     from learner.trainer import Trainer
 
-    model = DeepFM(cfg, mlp=MLP, seed=0, autocast_dtype=torch.bfloat16)
+    model = DeepFM(cfg, mlp=MLP, seed=0, autocast_dtype=DENSE_DTYPE)
     sparse_opt, dense_opt = make_optimizers(model, lr_sparse=LR_SPARSE, lr_dense=LR_DENSE)
     if args.child == "streamrec-dedup":
         dedup_without_coalesce()
-    trainer = Trainer(model, sparse_opt, dense_opt)
+    unfused = args.child in ("streamrec-unfused", "streamrec-dedup")
+    trainer = Trainer(model, sparse_opt, dense_opt, fused_sparse_update="off" if unfused else "auto")
     params = tensor_bytes(model.parameters())
 
     def step(tb) -> float:
         trainer.test_then_train(tb)
         return trainer.last_loss
 
-    if args.child in ("streamrec", "streamrec-dedup"):
+    if args.child in ("streamrec", "streamrec-unfused", "streamrec-dedup"):
         res = timed(step, tbs, warmup, steps)
     else:
         res = run_kafka(args, cfg, trainer, warmup, steps)
     res.update(peak_rss_mb=peak_rss_mb(), param_bytes=params,
                opt_state_bytes=state_bytes(sparse_opt) + state_bytes(dense_opt),
-               sparse_state_bytes=state_bytes(sparse_opt), dense_opt_state_bytes=state_bytes(dense_opt))
-    if args.child == "streamrec" and args.profile:
+               sparse_state_bytes=state_bytes(sparse_opt), dense_opt_state_bytes=state_bytes(dense_opt),
+               sparse_update=trainer.sparse_update)
+    if args.child in PROFILED and args.profile:
         res["profile"] = profile_streamrec(trainer, tbs, sbs, cfg, args.profile_steps)
     return res
 
@@ -542,18 +568,24 @@ def profile_streamrec(trainer, tbs, sbs, cfg, steps: int) -> dict[str, Any]:
 
     from learner.batch import concat, to_tensors
     from learner.daemon import RecentIds
+    from learner.fused_update import fused_lookups
     from stream.samples import SampleBatch
 
     m = trainer.model
+    fused = trainer.sparse_update == "fused"
     names = ("lookup_fwd", "dense_fwd", "predict_metrics", "backward", "dense_adam", "sparse_adagrad", "zero_grad")
     phases: dict[str, list[float]] = {k: [] for k in names}
     for i in range(steps):
         tb = tbs[i % len(tbs)]
         m.train()
         t = [time.perf_counter()]
-        emb, first = m.sparse(tb.values, tb.offsets)
+        if fused:  # the backward below applies the row-wise Adagrad (then sparse_adagrad is ~0)
+            with fused_lookups(m, trainer.sparse_opt):
+                emb, first = m.sparse(tb.values, tb.offsets)
+        else:
+            emb, first = m.sparse(tb.values, tb.offsets)
         t.append(time.perf_counter())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=DENSE_DTYPE or torch.float32, enabled=DENSE_DTYPE is not None):
             x = torch.cat([emb.flatten(1), tb.dense], dim=1)
             deep = m.dense_arch(x)
             fm = m.fm(emb)
@@ -586,6 +618,12 @@ def profile_streamrec(trainer, tbs, sbs, cfg, steps: int) -> dict[str, Any]:
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:16]
     out["top_ops_self_ms_per_step"] = [(e.key, round(e.self_cpu_time_total / 1e3 / n_prof, 2), e.count // n_prof)
                                        for e in rows]
+    # The table's whole update, inclusive: the fused backward, or the sparse backward + coalesce + step.
+    keys = ("FusedRowWiseAdagradLookupBackward", "EmbeddingBagBackward", "Optimizer.step#RowWiseAdagrad.step",
+            "aten::embedding_bag", "aten::_embedding_bag", "aten::fill_", "aten::zero_", "aten::zeros")
+    out["sparse_ops_total_ms_per_step"] = {e.key: (round(e.cpu_time_total / 1e3 / n_prof, 2), e.count // n_prof)
+                                           for e in prof.key_averages() if any(k in e.key for k in keys)}
+    out["step_total_self_ms"] = round(sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / n_prof, 2)
 
     # Kafka path per 4096-row batch: decode the messages, to_tensors each, concat; the daemon's dedup.
     raw = [messages(sb) for sb in sbs[:10]]
@@ -666,7 +704,7 @@ def run_child(args, variant: str, data: Path, profile: bool) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--data", str(data),
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--naive-steps", str(args.naive_steps), "--naive-warmup", str(args.naive_warmup),
-           "--threads", str(args.threads), "--profile-steps", str(args.profile_steps),
+           "--threads", str(args.threads), "--profile-steps", str(args.profile_steps), "--dtype", args.dtype,
            "--bootstrap-servers", args.bootstrap_servers or "", "--topic", args.topic or ""]
     cmd.append("--profile" if profile else "--no-profile")
     env = dict(os.environ)
@@ -719,6 +757,8 @@ def main() -> None:
     ap.add_argument("--naive-warmup", type=int, default=2)
     ap.add_argument("--naive-steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto",
+                    help="the dense part's precision in every variant; auto: what [learner] amp = auto picks here")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="profile streamrec's step (first round)")
@@ -736,6 +776,7 @@ def main() -> None:
     args = ap.parse_args()
     args.broker_pid = None
     ensure_allocator_env()
+    args.dtype = resolve_dtype(args.dtype)
     if args.child:
         res = child(args)
         print(json.dumps(res))
@@ -762,7 +803,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = variants if r % 2 == 0 else variants[::-1]
             for v in order:
-                res = run_child(args, v, data, profile=args.profile and r == 0 and v == "streamrec")
+                res = run_child(args, v, data, profile=args.profile and r == 0 and v in PROFILED)
                 results[v].append(res)
                 msg = res.get("error") or f"{res['ex_per_s']:,.0f} ex/s"
                 print(f"[round {r + 1}] {v}: {msg}", file=sys.stderr, flush=True)
@@ -785,7 +826,7 @@ def main() -> None:
         best[v] = max(clean, key=lambda x: x["ex_per_s"]) if clean else None
 
     print(f"DeepFM, {args.fields} fields x {rows:,} rows = {rows * args.fields:,} rows, dim {args.dim} (+1 first "
-          f"order), batch {args.batch}, Zipf({args.zipf}), MLP {'-'.join(map(str, MLP))}, bf16 dense, "
+          f"order), batch {args.batch}, Zipf({args.zipf}), MLP {'-'.join(map(str, MLP))}, {args.dtype} dense, "
           f"{args.threads} threads, allocator env {'OFF' if args.glibc_default else 'on'}"
           + (f", env {' '.join(args.env)}" if args.env else ""))
     print(f"unique rows per field in one batch: min {min(uniq)}, max {max(uniq)} of {args.batch}; "
@@ -816,7 +857,11 @@ def main() -> None:
     trec = [x for x in (eps("torchrec"), eps("fbgemm")) if x]
     checks = [("streamrec / torchrec (best of FusedEBC, TBE direct)", eps("streamrec"), max(trec) if trec else None,
                1.1, ">="),
-              ("streamrec / floor", eps("streamrec"), eps("floor"), 0.9, ">="),
+              ("streamrec / floor", eps("streamrec"), eps("floor"), 0.95, ">="),
+              ("streamrec unfused / torchrec (best of FusedEBC, TBE direct)", eps("streamrec-unfused"),
+               max(trec) if trec else None, 1.1, ">="),
+              ("streamrec unfused / floor", eps("streamrec-unfused"), eps("floor"), 0.95, ">="),
+              ("streamrec fused / unfused", eps("streamrec"), eps("streamrec-unfused"), None, ""),
               ("Kafka-fed / memory-fed, 0 workers (median)", eps("kafka-w0"), eps("streamrec"), 0.9, ">="),
               ("Kafka-fed / memory-fed, 1 worker (median)", eps("kafka-w1"), eps("streamrec"), 0.9, ">="),
               ("Kafka-fed / memory-fed, 0 workers (window)", eps("kafka-w0", "ex_per_s_window"),
@@ -840,15 +885,20 @@ def main() -> None:
         print(f"  {'streamrec optimizer state / parameter bytes':<52} {x:6.3f}  (<= 0.2)"
               f"{'  met' if x <= 0.2 else '  MISSED'}  ({s['opt_state_bytes'] / 2**20:,.0f} MiB / "
               f"{s['param_bytes'] / 2**20:,.0f} MiB)")
-        prof = results["streamrec"][0].get("profile")
-        if prof:
-            print(f"streamrec step, phases (median ms): {prof['phase_ms']} sum {prof['phase_sum_ms']} "
-                  f"vs step {s['step_ms_median']:.1f}")
-            print("  top ops (self ms/step, calls/step): " + "; ".join(f"{k} {ms} x{c}" for k, ms, c in
-                                                                        prof["top_ops_self_ms_per_step"][:10]))
-            print(f"  Kafka path per batch ({prof['messages_per_batch']} messages): decode + to_tensors + concat "
-                  f"{prof['kafka_decode_to_tensors_ms']} ms; the daemon's dedup + select "
-                  f"{prof['daemon_dedup_ms']} ms")
+    for pv in PROFILED:
+        prof = (results.get(pv) or [{}])[0].get("profile")
+        bp = best.get(pv)
+        if not prof or not bp:
+            continue
+        print(f"{pv} step, phases (median ms): {prof['phase_ms']} sum {prof['phase_sum_ms']} "
+              f"vs step {bp['step_ms_median']:.1f}")
+        print(f"  profiled: {prof['step_total_self_ms']} ms/step of ops; top ops (self ms/step, calls/step): "
+              + "; ".join(f"{k} {ms} x{c}" for k, ms, c in prof["top_ops_self_ms_per_step"][:12]))
+        print("  the table's update and lookups (inclusive ms/step, calls/step): "
+              + "; ".join(f"{k} {ms} x{c}" for k, (ms, c) in prof["sparse_ops_total_ms_per_step"].items()))
+        print(f"  Kafka path per batch ({prof['messages_per_batch']} messages): decode + to_tensors + concat "
+              f"{prof['kafka_decode_to_tensors_ms']} ms; the daemon's dedup + select "
+              f"{prof['daemon_dedup_ms']} ms")
     fl = best.get("floor")
     if fl:
         print(f"floor phases (median ms): {', '.join(f'{k} {v:.2f}' for k, v in fl['phase_ms'].items())}")
@@ -862,7 +912,8 @@ def main() -> None:
                "errors": {v: [x["error"] for x in runs if "error" in x] for v, runs in results.items()
                           if any("error" in x for x in runs)},
                "ratios": ratios,
-               "streamrec_profile": (results.get("streamrec") or [{}])[0].get("profile")}
+               "dtype": args.dtype,
+               "profiles": {pv: (results.get(pv) or [{}])[0].get("profile") for pv in PROFILED}}
     print(json.dumps(summary))
 
 
