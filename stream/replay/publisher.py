@@ -9,6 +9,9 @@
   (synthetic ``malformed_share``) go to the real topic for consumers to dead-letter.
 - Pacing: ``rate`` (events per wall-clock second) or ``speed`` (event time / wall time), else as
   fast as the producer takes them. Every message is acknowledged before the summary is printed.
+- The message values are built column-wise, a chunk of the order at a time (``stream/replay/encoding.py``:
+  byte for byte what ``stream/events.py`` encodes); unpaced, a chunk goes out in a loop that calls only
+  ``produce``, and counts, polls and progress are per chunk.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class Pacer:
             time.sleep(ahead)
 
 
-CHUNK = 8192  # events encoded, sent and counted at a time
+CHUNK = 4096  # events encoded, sent and counted at a time
 
 
 class _ChunkProducer(AckedProducer):
