@@ -152,16 +152,8 @@ class KafkaJoinWorker:
                 raise
             self._recover(exc)
             return False
-        held_from: dict[tuple[str, int], int] = {}  # held records are a suffix of each topic-partition's
-        for r in held:
-            held_from.setdefault((r.topic, r.partition), r.offset)
-        done = 0
-        for r in records:
-            tp = (r.topic, r.partition)
-            first_held = held_from.get(tp)
-            if first_held is None or r.offset < first_held:
-                self._offsets[tp] = r.offset + 1
-                done += 1
+        done = self.pipeline.processed  # per topic-partition, the offset after the last record processed
+        self._offsets.update(done)
         self._commit()
         if done or len(held) != len(self._held):
             self._idle_since = time.monotonic()

@@ -32,6 +32,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from operator import is_, itemgetter
 from typing import Any, NamedTuple
 
 import orjson
@@ -60,6 +61,9 @@ from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 log = logging.getLogger("streamrec.join")
 
 _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
+
+
+_RECORD = itemgetter(0)  # of a (record, event) pair
 
 
 def _nth_good(pairs: list[tuple[Record, Impression | Click | BadMessage]], n: int) -> int:
@@ -162,9 +166,14 @@ class JoinPipeline:
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
         # alone would advance event time past clicks that are merely unread.
         self.clicks_held: set[int] = set()
-        # The events of the records process() last held back, by (topic, partition, offset): not decoded twice.
-        self._held_events: dict[tuple[str, int, int], Impression | Click] = {}
-        self._held_before: dict[tuple[str, int, int], Impression | Click] = {}
+        # The records process() last held back (the list it returned) and, per topic-partition, each with its event:
+        # passed again ahead of the next batch, they are neither decoded nor walked again (_join).
+        self._held_list: list[Record] = []
+        self._held_groups: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] = {}
+        self._held_before: dict[tuple[str, int, int], Impression | Click | BadMessage] = {}
+        # Per topic-partition, the offset after the last record process() processed (joined or dead-lettered): what
+        # the driver may commit once process() returned.
+        self.processed: dict[tuple[str, int], int] = {}
         self._reached: dict[Key, int | None] = {}  # each input's time over what was joined and held (_hold)
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
                               js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
@@ -196,7 +205,8 @@ class JoinPipeline:
 
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
-        self._held_events = {k: e for k, e in self._held_events.items() if k[1] not in partitions}
+        self._held_groups = {tp: pairs for tp, pairs in self._held_groups.items() if tp[1] not in partitions}
+        self._held_list = []  # what the driver passes again is not that list any more
         self._reached = {k: t for k, t in self._reached.items() if k[1] not in partitions}
         for p in partitions:
             self.engines.pop(p, None)
@@ -228,9 +238,21 @@ class JoinPipeline:
         driver to pass again with its next batch. Without it every record is processed and none returned."""
         self.totals.stage_s["gc"] += self.gc.between_batches()
         held: list[Record] = []
-        self._held_before, self._held_events = self._held_events, {}
+        self.processed = {}
+        prior, prior_list = self._held_groups, self._held_list
+        self._held_groups, self._held_list = {}, []
+        n = len(prior_list)
+        if not self.strikes.counts and n <= len(records) and sum(map(len, prior.values())) == n and \
+                all(map(is_, records[:n], prior_list)):  # what was held, passed again ahead of new records
+            self._held_before = {}
+            self._process_run(records[n:], behind, held, prior)
+            self._held_list = held
+            return held
+        # Otherwise held records come back mixed with others (or not at all): found by their offsets.
+        self._held_before = {(r.topic, r.partition, r.offset): e for pairs in prior.values() for r, e in pairs}
         if not self.strikes.counts:
             self._process_run(records, behind, held)
+            self._held_list = held
             return held
         # Suspects (messages of a batch that failed before) go alone, in order: the one that fails again
         # is then known exactly, and its neighbours are not blamed.
@@ -245,9 +267,14 @@ class JoinPipeline:
                 run.append(r)
         if run:
             self._process_run(run, behind, held)
+        self._held_list = held
         return held
 
-    def _process_run(self, records: list[Record], behind: Behind | None, held: list[Record]) -> None:
+    def _process_run(self, records: list[Record], behind: Behind | None, held: list[Record],
+                     prior: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] | None = None
+                     ) -> None:
+        """``records`` joined, or each given a strike. ``prior``: the records held last time with their events, which
+        come before ``records`` (``process``'s path when nothing has strikes, so ``held`` is empty then)."""
         if held:  # a topic-partition held once in this batch stays held: what is processed stays a prefix
             holding = {(r.topic, r.partition) for r in held}
             held.extend(r for r in records if (r.topic, r.partition) in holding)
@@ -255,13 +282,14 @@ class JoinPipeline:
             if not records:
                 return
         try:
-            held.extend(self._join(records, behind))
+            held.extend(self._join(records, behind, prior))
         except Exception as exc:
             if not is_infrastructure(exc):
+                failed = [r for pairs in (prior or {}).values() for r, _ in pairs] + records
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
-                          "committing", len(records), type(exc).__name__, clip(str(exc)))
+                          "committing", len(failed), type(exc).__name__, clip(str(exc)))
                 try:
-                    self.strikes.failed([(r.topic, r.partition, r.offset) for r in records], exc)
+                    self.strikes.failed([(r.topic, r.partition, r.offset) for r in failed], exc)
                 except Exception:  # noqa: BLE001 - the original failure is the one to report
                     log.exception("could not record the strikes")
             raise
@@ -276,20 +304,24 @@ class JoinPipeline:
             return decode_impression(r.value, self.limits, r.timestamp)
         return decode_click(r.value, self.limits, r.timestamp)
 
-    def _join(self, records: list[Record], behind: Behind | None = None) -> list[Record]:
+    def _join(self, records: list[Record], behind: Behind | None = None,
+              prior: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] | None = None
+              ) -> list[Record]:
+        """Decode, hold back past the frontier (with ``behind``), join and make durable. ``prior``: the records held
+        last time, grouped with their events, which come before ``records`` (``process``'s fast path)."""
         t0 = time.monotonic()
         if self.totals.first_batch is None:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
         # (topic, partition) -> its records in offset order, each with its event or why it is bad
-        groups: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] = {}
+        groups = {tp: list(pairs) for tp, pairs in prior.items()} if prior else {}
         held_before = self._held_before
         for r in records:
             tp = (r.topic, r.partition)
             before = held_before.pop((r.topic, r.partition, r.offset), None) if held_before else None
             event: Impression | Click | BadMessage
-            if before is not None:
+            if before is not None:  # held last time: decoded then (a bad one dead-lettered only now)
                 event = before
             else:
                 try:
@@ -305,6 +337,9 @@ class JoinPipeline:
         if behind is not None:
             held = self._hold(groups, behind)
         for (topic, partition), pairs in groups.items():
+            if not pairs:
+                continue
+            self.processed[(topic, partition)] = pairs[-1][0].offset + 1
             is_impression = topic == self.kafka.impressions_topic
             into = imps[partition] if is_impression else clicks[partition]
             for r, event in pairs:
@@ -350,10 +385,8 @@ class JoinPipeline:
             if room >= len(ts):
                 continue
             cut = room if clean[tp] else _nth_good(pairs, room)  # the first held record
-            for r, event in pairs[cut:]:
-                held.append(r)
-                if not isinstance(event, BadMessage):  # decoded once: it comes back with the next batch
-                    self._held_events[(r.topic, r.partition, r.offset)] = event
+            self._held_groups[tp] = stay = pairs[cut:]  # decoded once: it comes back with the next batch
+            held.extend(map(_RECORD, stay))
             del pairs[cut:]
         self.totals.counts["held_back"] += len(held)
         return held
