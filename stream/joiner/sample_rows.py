@@ -14,10 +14,11 @@ from stream.samples import SampleBatch
 T = TypeVar("T")
 
 
-def to_batch(rows: list[Sample]) -> SampleBatch:
+def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
     """Columns from samples. Context keys are the union over rows: a missing categorical is
     :data:`MISSING`, a missing list ``[]``, a missing dense value 0.0; a key that is a list in any
-    row is a list column. One pass over the rows' dicts fills every column."""
+    row is a list column. One pass over the rows' dicts fills every column. ``history=False``: every
+    row's history column is empty (the join state: a history is read from Redis when its sample goes out)."""
     n = len(rows)
     ctx: dict[str, list] = {}
     dense: dict[str, list[float]] = {}
@@ -50,7 +51,7 @@ def to_batch(rows: list[Sample]) -> SampleBatch:
         label_delay_ms=np.array([s.label_delay_ms for s in rows], np.int64),
         user_id=np.array([p.user for p in ps], np.int64),
         item_id=np.array([p.item for p in ps], np.int64),
-        history=[p.history for p in ps],
+        history=[p.history for p in ps] if history else (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
         context=context,  # type: ignore[arg-type]
         dense={k: np.array(v, np.float32) for k, v in dense.items()},
         kind=np.array([s.kind for s in rows], np.int8),
