@@ -18,6 +18,7 @@ are exact as long as the list still holds the clicks before that time, i.e. when
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +65,33 @@ def _entry(raw: bytes | str) -> tuple[int, int] | None:
     return ts, item
 
 
+_WELL_FORMED = re.compile(rb"\d{1,19}:-?\d{1,19}(?:\n\d{1,19}:-?\d{1,19})*")
+_CLAMPED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)  # where np.fromstring saturates an out-of-range number
+
+
+def _parse_well_formed(entries: list[bytes | str]) -> tuple[list[int], list[int]] | None:
+    """:func:`_parse` for the common case, in a few C-level passes over the whole list (one regex check, one numeric
+    parse, one stable argsort), about half the time of the entry-by-entry path for a full list: every entry bytes,
+    ``digits:digits``, in range and distinct. None otherwise, for :func:`_parse`'s entry-by-entry path (which skips,
+    counts and deduplicates)."""
+    if not entries or not all(map(bytes.__instancecheck__, entries)):
+        return None
+    joined = b"\n".join(reversed(entries))  # type: ignore[arg-type]  # oldest appended first
+    if _WELL_FORMED.fullmatch(joined) is None:
+        return None
+    # The regex allows exactly two numbers per entry, so the text parse pairs them up; it saturates numbers out of
+    # int64's range, so a value at either end goes the careful way.
+    numbers = np.fromstring(joined.replace(b":", b" ").replace(b"\n", b" "), dtype=np.int64, sep=" ")
+    if len(numbers) != 2 * len(entries) or numbers.min() == _CLAMPED[0] or numbers.max() == _CLAMPED[1]:
+        return None
+    ts, items = numbers[0::2], numbers[1::2]
+    order = np.argsort(ts, kind="stable")  # equal click times keep append order
+    ts_sorted, items_sorted = ts[order].tolist(), items[order].tolist()
+    if len(set(zip(ts_sorted, items_sorted, strict=True))) != len(ts_sorted):  # a click appended twice
+        return None
+    return ts_sorted, items_sorted
+
+
 def _parse(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
     """Entries of one list (newest appended first) -> (click times, item hashes), oldest click first.
 
@@ -72,6 +100,13 @@ def _parse(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
     entry must not fail a joiner batch or a serving request. A repeated entry (same click time and
     item) is one click: appends are not idempotent, and a batch redone after a crash appends again.
     """
+    # Long lists (a returning user's) the whole-list way; below ~16 entries its fixed cost is more than it saves.
+    fast = _parse_well_formed(entries) if isinstance(entries, list) and len(entries) >= 16 else None
+    return fast if fast is not None else _parse_each(entries)
+
+
+def _parse_each(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
+    """:func:`_parse` entry by entry: the definition, and the path for anything but a clean long list."""
     pairs, seen = [], set()
     for raw in reversed(entries if isinstance(entries, list) else []):
         entry = _entry(raw)
