@@ -45,6 +45,8 @@ from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.join")
 
+_POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the consumer to bring more
+
 
 class KafkaJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
@@ -99,7 +101,7 @@ class KafkaJoinWorker:
         try:
             while not self._stop:
                 t0 = time.monotonic()
-                msgs = self.consumer.consume(self.js.batch_max, self.js.batch_within_s)
+                msgs = self._fetch()
                 self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
                 records = []
                 for msg in msgs:
@@ -137,6 +139,22 @@ class KafkaJoinWorker:
         finally:
             self.consumer.close()
         return 0
+
+    def _fetch(self) -> list[Any]:
+        """The next batch: up to ``batch_max`` messages within ``batch_within_s``, but no longer than it takes the
+        consumer to run dry once something is in hand. One ``consume(batch_max, batch_within_s)`` waits out the whole
+        window whenever fewer than ``batch_max`` messages can come, which in a backlog means an input paused by the
+        gate or a hold while the rest runs dry. So while an input is paused, short polls: the batch grows while
+        messages keep arriving and goes as soon as a poll brings none. Otherwise (a live stream) the whole window, as
+        one consume: a trickle of events still makes one batch per window, not one per poll."""
+        got: list[Any] = []
+        deadline = time.monotonic() + self.js.batch_within_s
+        while len(got) < self.js.batch_max and (left := deadline - time.monotonic()) > 0:
+            msgs = self.consumer.consume(self.js.batch_max - len(got), min(left, _POLL_S) if self._paused else left)
+            if not msgs and got and self._paused:
+                break
+            got.extend(msgs)
+        return got
 
     def _process(self, records: list[Record], behind: Callable[[str, int], bool] | None) -> bool:
         """Join ``records`` (all, or up to their event-time frontier with ``behind``) and commit what was joined;
