@@ -28,7 +28,9 @@ checkpoint; on restart those messages are trained one per batch, and one that fa
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 import signal
 import time
 from collections import Counter, OrderedDict
@@ -41,7 +43,7 @@ import pyarrow as pa
 import torch
 from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client import Counter as PCounter
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 from torch.utils.data import DataLoader
 
 from learner import checkpoint
@@ -51,6 +53,7 @@ from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, 
 from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldKind, default_config
+from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
 from learner.kafka_dataset import KafkaSampleDataset
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
@@ -94,6 +97,28 @@ NAN_LOSSES = PCounter("streamrec_learner_nan_losses_total", "Batches whose loss 
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
 CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
                                "Checkpoints that could not be written (disk full, read-only); retried.")
+# Health (learner/health.py): memory, gradients, feature coverage, label balance; published at most once a second.
+ID_LOOKUPS = PCounter("streamrec_learner_id_lookups_total", "Id lookups of a dynamic field, per field (with "
+                      "..._id_admissions_total: the share of lookups that admitted an id).", ["field"])
+RSS = Gauge("streamrec_learner_rss_bytes", "Resident set size of the learner process (bytes).")
+CUDA_MEMORY = Gauge("streamrec_learner_cuda_memory_bytes", "Device memory of the learner's CUDA device (bytes): "
+                    "kind=allocated (tensors) or reserved (held by the caching allocator); only on CUDA.", ["kind"])
+MEMORY_GROWTH = Gauge("streamrec_learner_memory_growth_bytes_per_hour", "Growth of the learner's memory (bytes per "
+                      "hour; least-squares slope over the last 10 minutes, NaN for the first 5): memory=rss, or "
+                      "cuda_allocated on CUDA.", ["memory"])
+_NORM_BUCKETS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0, float("inf"))
+GRAD_NORM = Histogram("streamrec_learner_grad_norm", "L2 norm of each optimizer step's gradient: part=dense (MLP "
+                      "and bias) or embedding (the table's rows the step touched).", ["part"], buckets=_NORM_BUCKETS)
+FIELD_GRAD_NORM = Histogram("streamrec_learner_field_grad_norm", "L2 norm of a step's embedding gradient in one "
+                            "field's rows (history counts under item_id, whose rows it shares); one step a second.",
+                            ["field"], buckets=_NORM_BUCKETS)
+UPDATE_NORM = Gauge("streamrec_learner_update_norm", "L2 norm of what one optimizer step changed, part=dense or "
+                    "embedding; a step sampled once a second (0: nothing changes: zero learning rate, frozen table).",
+                    ["part"])
+COVERAGE = Gauge("streamrec_learner_field_coverage", "Share of recent samples (about metrics_window / 10) carrying "
+                 "the field (not MISSING, a non-empty list, a non-zero dense value), per field.", ["field"])
+POSITIVE_RATE = Gauge("streamrec_learner_window_positive_rate", "Share of positive labels among the last "
+                      "metrics_window samples trained (NaN until 1000 arrived); compare streamrec_join_samples_total.")
 
 
 class RecentIds:
@@ -215,6 +240,10 @@ class Learner:
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
         self._cold_published = 0.0
         self._window_published = 0.0
+        self._health_published = 0.0
+        self.memory = MemoryMonitor(self.device)
+        self.coverage: FieldCoverage | None = None  # built with the model (it needs the feature config)
+        self.positive_rate = PositiveRate(ls.metrics_window)
         self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
         self._shape = shape_of(ls)  # what a checkpoint records and a restore compares
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
@@ -379,11 +408,15 @@ class Learner:
         topic = self.kafka.samples_topic
         suspects = {(p, o): self.strikes.poisoned(key) for key in self.strikes.counts
                     for t, p, o in [key] if t == topic}
+        # Pinned by the DataLoader (in the main process: memory a worker pins does not survive the hand-over).
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
-                                     pin_memory=self.device.type == "cuda", suspects=suspects,
-                                     merge=ls.merge_partitions)
+                                     suspects=suspects, merge=ls.merge_partitions)
+        if ls.num_workers:
+            gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
-                            prefetch_factor=4 if ls.num_workers else None, persistent_workers=False)
+                            prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
+                            persistent_workers=ls.persistent_workers and ls.num_workers > 0,
+                            pin_memory=ls.pin_memory.resolve(self.device.type))
         last_ckpt, since_ckpt = time.monotonic(), 0
         reason = "input idle"
         for batch in loader:
@@ -429,6 +462,10 @@ class Learner:
         partitions = (np.repeat([p for p, _, _ in batch.positions], rows_per_message)[keep]
                       if sum(rows_per_message) == len(batch) else None)  # (B',) samples partition of each row
         if len(kept):
+            if self.coverage is None and self.cfg is not None:
+                self.coverage = FieldCoverage(self.cfg, max(1, self.ls.metrics_window // 10))
+            if self.coverage is not None:
+                self.coverage.observe(kept)  # before the ids are mapped to rows (it reads MISSING)
             now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
             self._event_now = now
             users = user_keys(kept, self.cfg) if self.cfg is not None else None
@@ -460,20 +497,53 @@ class Learner:
                 CALIBRATION_SCALE.set(self.trainer.calibration.a)
                 CALIBRATION_SHIFT.set(self.trainer.calibration.b)
             SAMPLES.inc(len(kept))
+            self.positive_rate.observe(labels)
             m = self.trainer.metrics
             AUC.set(m.auc)
             LOGLOSS.set(m.logloss)
             if time.monotonic() - self._window_published >= 1.0:  # the window AUC sorts the window: at most 1/s
                 WINDOW_AUC.set(m.window_metrics()[0])
                 self._window_published = time.monotonic()
+        if time.monotonic() - self._health_published >= 1.0:  # also on idle heartbeats (memory)
+            self._publish_health()
+            self._health_published = time.monotonic()
         if self.deltas is not None:  # also on idle heartbeats, so the last rows trained go out
             self.deltas.after_step(self.trainer, kept.values)
         for p, off, rows in batch.positions:
             self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
             self.partition_rows[p] += rows
 
+    def _publish_health(self) -> None:
+        """Memory, gradient and update norms, coverage and the positive rate (learner/health.py); at most 1/s."""
+        mem = self.memory.sample()
+        RSS.set(mem["rss"])
+        for kind in ("allocated", "reserved"):
+            if f"cuda_{kind}" in mem:
+                CUDA_MEMORY.labels(kind).set(mem[f"cuda_{kind}"])
+        for name, rate in self.memory.growth_per_hour().items():
+            MEMORY_GROWTH.labels(name).set(rate)
+        if self.trainer is not None:
+            steps, blocks = self.trainer.grad_norms.drain()
+            dense, table = GRAD_NORM.labels("dense"), GRAD_NORM.labels("embedding")
+            for d, e in steps:
+                if math.isfinite(d):  # a step the scaler skipped (inf) or a NaN would poison the sums
+                    dense.observe(d)
+                if math.isfinite(e):
+                    table.observe(e)
+            for per_field in blocks:
+                for name, v in per_field.items():
+                    if math.isfinite(v):
+                        FIELD_GRAD_NORM.labels(name).observe(v)
+            for part, v in self.trainer.update_norms.drain().items():
+                UPDATE_NORM.labels(part).set(v)
+        if self.coverage is not None:
+            for name, share in self.coverage.shares().items():
+                COVERAGE.labels(name).set(share)
+        POSITIVE_RATE.set(self.positive_rate.rate)
+
     def _observe_ids(self, st: MapStats) -> None:
         for name, n in st.lookups.items():
+            ID_LOOKUPS.labels(name).inc(n)
             share = st.bucket_lookups.get(name, 0) / n if n else 0.0
             w = min(1.0, n / max(1, self.ls.metrics_window // 10))  # ~ the last metrics_window/10 lookups
             self._bucket_share[name] = (1 - w) * self._bucket_share.get(name, share) + w * share

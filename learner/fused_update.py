@@ -27,11 +27,15 @@ It is the same update only where the step applies each backward's gradient at on
 per step (``accumulation = 1``) and no fp16 loss scaling (a GradScaler unscales and may skip a step after the
 backward). :func:`fused_applies` says whether it does; ``learner.trainer.Trainer`` uses it through the setting
 ``[learner] fused_sparse_update`` (``learner.config.FusedSparseUpdate``) and :func:`fused_lookups`.
+
+An ``observe`` callable given to :func:`fused_lookups` sees each backward's ``(table, unique rows (U,), summed
+gradients (U, D + 1))`` just before the update (``learner/health.py`` takes the embedding gradient norm from
+them: the sums exist anyway, so the norm costs a reduction of (U, D + 1), not a gradient).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,6 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from learner.optim import RowWiseAdagrad
+
+RowGradientObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (table, rows (U,), sums (U, D+1))
+_observers: dict[int, RowGradientObserver] = {}  # id(optimizer) -> observer, while inside fused_lookups
 
 
 def batch_major(values: torch.Tensor, offsets: torch.Tensor, num_fields: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +103,7 @@ class FusedRowWiseAdagradLookup(torch.autograd.Function):
         ctx.save_for_backward(values, offset2bag, bag_size)
         # The table itself is not saved (its version moves when the backward updates it) but held.
         ctx.weight, ctx.optimizer = weight, optimizer
+        ctx.observe = _observers.get(id(optimizer))  # the backward runs after fused_lookups has been left
         return pooled
 
     @staticmethod
@@ -103,6 +111,8 @@ class FusedRowWiseAdagradLookup(torch.autograd.Function):
         values, offset2bag, bag_size = ctx.saved_tensors
         if values.numel():
             rows, sums = row_gradients(grad, values, offset2bag, bag_size)  # (U,), (U, D + 1)
+            if ctx.observe is not None:
+                ctx.observe(ctx.weight, rows, sums)
             ctx.optimizer.update_rows(ctx.weight, rows, sums)
         return None, None, None, None  # the table's gradient was applied, not returned
 
@@ -128,12 +138,18 @@ def fused_applies(sparse_opt: torch.optim.Optimizer, accumulation: int, scaler_e
 
 
 @contextmanager
-def fused_lookups(model: nn.Module, optimizer: RowWiseAdagrad) -> Iterator[None]:
+def fused_lookups(model: nn.Module, optimizer: RowWiseAdagrad,
+                  observe: RowGradientObserver | None = None) -> Iterator[None]:
     """While inside, ``model.sparse`` (a ``learner.model.SparseArch``) looks up through :func:`fused_lookup` with
-    ``optimizer`` when it trains with gradients on; the model holds the optimizer only meanwhile."""
+    ``optimizer`` when it trains with gradients on; the model holds the optimizer only meanwhile. The backward
+    of a lookup made inside calls ``observe(table, rows, summed gradients)`` before it updates those rows."""
     sparse = model.get_submodule("sparse")
     setattr(sparse, "fused_optimizer", optimizer)  # noqa: B010 - SparseArch's attribute (model.py imports this module)
+    if observe is not None:
+        _observers[id(optimizer)] = observe
     try:
         yield
     finally:
         setattr(sparse, "fused_optimizer", None)  # noqa: B010
+        if observe is not None:
+            _observers.pop(id(optimizer), None)

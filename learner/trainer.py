@@ -17,6 +17,12 @@ finds no gradient on the table. ``sparse_update`` names the path the last batch 
 With a ``calibration`` (``learner/calibration.py``), the predictions recorded and returned are the calibrated
 ones (what is served), and each batch's raw logits go to the calibration, which fits them as their labels
 become final; the loss and the weights use the raw logits.
+
+Health (``learner/health.py``): every step's gradient L2 norms, dense and embedding, go to ``grad_norms`` as device
+tensors (the embedding's from the per-row sums the fused backward already has, or from the coalesced sparse
+gradient the optimizer would coalesce anyway); ``update_norms`` samples, at most once a second, how much a step
+changed the weights, and that step's embedding norm is also split per field block. The daemon drains both when it
+publishes its metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from learner.calibration import OnlineCalibration, calibrated
 from learner.config import FusedSparseUpdate
 from learner.delayed import DelayedFeedbackWeights
 from learner.fused_update import fused_applies, fused_lookups
+from learner.health import GradNorms, UpdateNorms
 from learner.model import SparseArch
 from learner.optim import RowWiseAdagrad
 from learner.progressive import ProgressiveMetrics
@@ -56,6 +63,8 @@ class Trainer:
         self.samples = 0
         self.last_loss = float("nan")
         self.nan_losses = 0  # batches skipped because their loss was not finite
+        self.grad_norms = GradNorms.of(model)  # per step, drained by the daemon (learner/health.py)
+        self.update_norms = UpdateNorms()  # sampled at most once a second
         # fp16 on CUDA needs loss scaling; bf16 (the CPU default) does not.
         amp_dtype = getattr(model, "autocast_dtype", None)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.device.type == "cuda" and amp_dtype == torch.float16)
@@ -83,9 +92,10 @@ class Trainer:
         """Predict (recorded in ``metrics``), then learn. Returns the predictions, shape (B,)."""
         self.model.train()
         b = batch.to(self.device)
-        if self._not_fused() is None:
+        fused = self._not_fused() is None
+        if fused:
             assert isinstance(self.sparse_opt, RowWiseAdagrad)
-            with fused_lookups(self.model, self.sparse_opt):  # the backward below updates the table
+            with fused_lookups(self.model, self.sparse_opt, self._observe_rows):  # the backward updates the table
                 logits = self.model(b.values, b.offsets, b.dense)  # (B,) raw
             self.sparse_update = "fused"
         else:
@@ -115,12 +125,25 @@ class Trainer:
                                      logits.detach().float().cpu().numpy(), batch.ts, batch.label_delay_ms)
             cal = self.model.get_buffer("calibration")
             cal.copy_(self.calibration.params.to(cal.device))
+        sampled = self._micro == 0 and self.update_norms.start()  # this step's changes are measured
+        if self._micro == 0:
+            self.grad_norms.sample_blocks = sampled  # and its table gradient split per field
         self.scaler.scale(loss / self.accumulation).backward()
+        if sampled and fused:
+            self.update_norms.rows_after(self._table())
         self._micro += 1
         self.samples += len(batch)
         if self._micro == self.accumulation:
             self.step()
         return probs
+
+    def _observe_rows(self, weight: torch.Tensor, rows: torch.Tensor, sums: torch.Tensor) -> None:
+        """The table's unique ``rows`` (U,) and their summed gradients (U, D + 1), before the update."""
+        self.grad_norms.embedding(rows, sums)
+        self.update_norms.rows_before(weight, rows)
+
+    def _table(self) -> torch.Tensor:
+        return next(p for g in self.sparse_opt.param_groups for p in g["params"])
 
     def step(self) -> None:
         """Apply accumulated gradients (also called at a checkpoint so no gradient is left pending)."""
@@ -128,9 +151,31 @@ class Trainer:
             return
         # The loss scale multiplies every gradient, the sparse embedding ones too: both optimizers step
         # through the scaler, which unscales them and skips the step when any gradient overflowed.
+        if self.scaler.is_enabled():  # the norms below are of the true gradients (step() does not unscale twice)
+            self.scaler.unscale_(self.dense_opt)
+            self.scaler.unscale_(self.sparse_opt)
+        dense_params = [p for g in self.dense_opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in dense_params if p.grad is not None]
+        dense_norms = torch._foreach_norm(grads) if grads else []  # one per tensor; combined when drained
+        sampled = self.update_norms.sampling
+        for p in (p for g in self.sparse_opt.param_groups for p in g["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                p.grad = p.grad.coalesce()  # what the optimizer does first; coalesced, it is not done twice
+                rows, sums = p.grad.indices()[0], p.grad.values()
+            else:
+                rows, sums = RowWiseAdagrad.touched_rows(p.grad)
+            self._observe_rows(p, rows, sums)
+        if sampled:
+            self.update_norms.dense_before(dense_params)
         self.scaler.step(self.dense_opt)
         self.scaler.step(self.sparse_opt)
         self.scaler.update()
+        if sampled:
+            self.update_norms.dense_after(dense_params)
+            self.update_norms.finish(self._table())
+        self.grad_norms.end_step(dense_norms)
         self.sparse_opt.zero_grad(set_to_none=True)
         self.dense_opt.zero_grad(set_to_none=True)
         self._micro = 0
