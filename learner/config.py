@@ -56,6 +56,28 @@ class Amp(Choice):
         return "bfloat16" if self is Amp.ON or native_cpu_bf16 else None
 
 
+class PinMemory(Choice):
+    """Whether the DataLoader copies batches into page-locked memory (faster host-to-GPU copies). ``auto``: on CUDA
+    only; ``on`` needs CUDA (a :class:`ConfigError` at start without it), ``off`` never. TOML ``true``/``false`` mean
+    ``on``/``off``."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def _missing_(cls, value: object) -> PinMemory | None:
+        text = str(value).strip().lower()
+        return {"true": cls.ON, "1": cls.ON, "yes": cls.ON, "false": cls.OFF, "0": cls.OFF, "no": cls.OFF}.get(text)
+
+    def resolve(self, device_type: str) -> bool:
+        """Whether to pin on ``device_type`` (``cpu`` / ``cuda``)."""
+        if self is PinMemory.ON and device_type != "cuda":
+            raise ConfigError(f"[learner] pin_memory = on needs CUDA, and this learner trains on {device_type}: use "
+                              "auto (pins on CUDA only) or off")
+        return self is PinMemory.ON or (self is PinMemory.AUTO and device_type == "cuda")
+
+
 class FusedSparseUpdate(Choice):
     """Where the table's row-wise Adagrad runs (``learner/fused_update.py``). ``auto``: inside the backward of the
     lookup (fbgemm's fused ``EXACT_ROWWISE_ADAGRAD``: no sparse gradient, no ``coalesce``) wherever that is the
@@ -195,7 +217,14 @@ class LearnerSettings:
     device: Device = Device.AUTO  # auto | cpu | cuda
     dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
     metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
-    num_workers: int = 0  # DataLoader workers (they split the partitions)
+    # DataLoader workers: worker w of n reads the samples partitions p with p % n == w (learner/kafka_dataset.py) and
+    # merges them in event time, the main process trains. 0 (the default) reads in the training process: on 2 cores
+    # a worker competes with the 2 torch threads (bench/README.md, learner: Kafka-fed at 1 worker, 0.32x); workers
+    # pay off with cores to spare. The merge across workers is the DataLoader's round-robin, not event time.
+    num_workers: int = 0
+    prefetch_factor: int = 4  # batches each worker prepares ahead (only with num_workers > 0)
+    persistent_workers: bool = False  # keep workers between iterations (the daemon iterates once per run)
+    pin_memory: PinMemory = PinMemory.AUTO  # auto | on | off: page-locked batches for the copy to the GPU
     # Hand the samples partitions on in event-time order (learner/kafka_dataset.py, EventTimeMerge): a backlog is
     # otherwise read a partition chunk at a time. False: as fetched.
     merge_partitions: bool = True
@@ -234,8 +263,11 @@ class LearnerSettings:
         except ValueError as exc:
             raise ConfigError(f"[learner] {exc}") from None
         for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device),
-                           ("amp", Amp), ("fused_sparse_update", FusedSparseUpdate)):
+                           ("amp", Amp), ("fused_sparse_update", FusedSparseUpdate), ("pin_memory", PinMemory)):
             object.__setattr__(self, name, kind.of(getattr(self, name), f"[learner] {name}"))
+        if self.num_workers < 0 or self.prefetch_factor < 1:
+            raise ConfigError(f"[learner] num_workers must be >= 0 and prefetch_factor >= 1, got num_workers="
+                              f"{self.num_workers!r}, prefetch_factor={self.prefetch_factor!r}")
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "
                               f"{self.prior_click_rate!r}: set it to your stream's click rate, roughly (0.05 "

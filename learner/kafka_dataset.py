@@ -34,6 +34,7 @@ in the process that made it, when this drops it.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -49,6 +50,8 @@ from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.kafka import has_more, new_consumer
 from stream.samples import SampleBatch
+
+log = logging.getLogger("streamrec.train")
 
 
 class KafkaSampleDataset(IterableDataset):
@@ -66,7 +69,9 @@ class KafkaSampleDataset(IterableDataset):
         parts = sorted(self.start)
         if info is None:
             return parts
-        return [p for p in parts if p % info.num_workers == info.id]
+        mine = [p for p in parts if p % info.num_workers == info.id]
+        log.info("DataLoader worker %d of %d reads samples partitions %s", info.id, info.num_workers, mine)
+        return mine
 
     def __iter__(self) -> Iterator[TensorBatch]:
         parts = self._my_partitions()

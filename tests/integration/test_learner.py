@@ -241,6 +241,39 @@ def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSe
     assert kills == 3
 
 
+def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exactly_once_across_a_kill(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    ensure_topics(kafka, [kafka.samples_topic])
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
+               STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="32",
+               STREAMREC_LEARNER_NUM_WORKERS="2", STREAMREC_LEARNER_PREFETCH_FACTOR="2",
+               STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}")
+    produced: dict[int, int] = {}
+    producer = threading.Thread(target=lambda: produced.update(produce_samples(kafka, 160, 200, 0.25)))
+    producer.start()
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(4.0)
+    os.kill(proc.pid, signal.SIGKILL)  # the workers notice their parent is gone and exit
+    first_err = proc.communicate(timeout=60)[1]
+    producer.join()
+    out = subprocess.run([*train_cmd(ckpt, idle=3), "--log-level", "info"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    total = sum(produced.values())
+    assert {int(p): n for p, n in summary["partition_rows"].items()} == produced  # nothing lost, nothing twice
+    assert summary["samples_trained"] == total and summary["duplicates_dropped"] == 0
+    assert summary["metrics"]["samples"] == total
+    split = {"DataLoader worker 0 of 2 reads samples partitions [0, 2]",
+             "DataLoader worker 1 of 2 reads samples partitions [1, 3]"}  # worker w of 2 reads p with p % 2 == w
+    assert all(line in out.stderr for line in split)
+    # the killed run too, if its workers had started by then (the model is built from the first samples first)
+    assert {line.split(": ", 1)[1] for line in first_err.splitlines() if "DataLoader worker" in line} <= split
+
+
 def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path) -> None:
     ensure_topics(kafka, [kafka.samples_topic])
     produced = produce_samples(kafka, 16, 100, 0.0)
