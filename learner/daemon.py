@@ -116,7 +116,8 @@ UPDATE_NORM = Gauge("streamrec_learner_update_norm", "L2 norm of what one optimi
                     "embedding; a step sampled once a second (0: nothing changes: zero learning rate, frozen table).",
                     ["part"])
 COVERAGE = Gauge("streamrec_learner_field_coverage", "Share of recent samples (about metrics_window / 10) carrying "
-                 "the field (not MISSING, a non-empty list, a non-zero dense value), per field.", ["field"])
+                 "the field (not MISSING, a non-empty list, a non-zero dense value), per field that some sample "
+                 "carried since the learner started.", ["field"])
 POSITIVE_RATE = Gauge("streamrec_learner_window_positive_rate", "Share of positive labels among the last "
                       "metrics_window samples trained (NaN until 1000 arrived); compare streamrec_join_samples_total.")
 

@@ -267,7 +267,11 @@ class FieldCoverage:
     """Per field, the share of the last ``window`` samples that carry it (``observe`` each batch before its ids
     are mapped to rows). A single-valued categorical carries ``MISSING`` when absent: read from the batch's
     hashed ``keys`` when it has them (a dynamic config), else from its row, ``first + MISSING mod buckets``
-    (a present value hashing to that bucket counts as missing: 1 in ``buckets``)."""
+    (a present value hashing to that bucket counts as missing: 1 in ``buckets``).
+
+    :meth:`shares` lists only the fields some sample has carried since this process started: a field that never
+    arrived (``history`` is in every model, and a stream without histories has none) has not *stopped* arriving.
+    A field that stopped before a restart is therefore not listed after it."""
 
     def __init__(self, cfg: FeatureConfig, window: int) -> None:
         self.cfg, self.window = cfg, max(1, window)
@@ -277,6 +281,7 @@ class FieldCoverage:
         self._parts: deque[tuple[int, np.ndarray]] = deque()
         self._n = 0
         self._present = np.zeros(len(self.names), np.int64)
+        self._ever = np.zeros(len(self.names), bool)  # carried by some sample since the start
 
     def counts(self, tb: TensorBatch) -> np.ndarray:
         """(fields + dense,) samples of ``tb`` carrying each field."""
@@ -306,6 +311,7 @@ class FieldCoverage:
         self._parts.append((n, c))
         self._n += n
         self._present += c
+        self._ever |= c > 0
         while self._parts and self._n - self._parts[0][0] >= self.window:
             n0, c0 = self._parts.popleft()
             self._n -= n0
@@ -314,7 +320,8 @@ class FieldCoverage:
     def shares(self) -> dict[str, float]:
         if self._n == 0:
             return {}
-        return {name: float(p) / self._n for name, p in zip(self.names, self._present.tolist(), strict=True)}
+        return {name: float(p) / self._n
+                for name, p, ever in zip(self.names, self._present.tolist(), self._ever.tolist(), strict=True) if ever}
 
 
 class PositiveRate:

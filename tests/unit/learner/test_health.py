@@ -233,6 +233,14 @@ def test_coverage_is_the_share_of_samples_carrying_each_field(keys: bool) -> Non
     assert cov.shares() == {"user_id": 1.0, "history": 1.0, "ctx.device": 0.0, "dense.age": 0.5}
 
 
+def test_a_field_that_never_arrived_is_not_listed() -> None:
+    cfg = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("history", "sequence", 100),
+                         FieldSpec("ctx.device", "single", 10)), embedding_dim=4)
+    cov = FieldCoverage(cfg, window=8)
+    cov.observe(coverage_batch(cfg, [5, 6, 7, 9], None, [0, 0, 0, 0], keys=True))
+    assert cov.shares() == {"user_id": 1.0}
+
+
 def test_positive_rate_over_the_window_and_nan_until_enough_samples() -> None:
     pr = PositiveRate(window=1000, min_samples=300)
     pr.observe(np.zeros(200))
