@@ -19,18 +19,25 @@ Three parts, each usable alone:
 * :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set. Sending
   only queues the alerts (:class:`~monitor.alerts.QueuedSink`: one queue and worker thread per
   sink), so a slow or dead sink never delays an evaluation; :meth:`Monitor.close` drains the queues.
+* :class:`RunLog` (``[run_log]`` of the rules file) records what the monitor saw, for ``streamrec report``
+  (``monitor/report.py``): one JSON line per source and scrape with its ``streamrec_*`` samples, one per
+  evaluation with each rule's state, one per alert sent; bounded by rotation.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
+import math
+import os
 import threading
 import time
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import Counter as PCounter
@@ -38,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink
 from monitor.expr import Labels, Point, Window, labels_of
-from monitor.rules import Rule, RulesConfig
+from monitor.rules import Rule, RulesConfig, RunLogSettings
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -57,11 +64,16 @@ class Snapshot:
 
     metrics: dict[str, dict[Labels, Point]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # source -> why it gave no data
+    # source -> its streamrec_* samples as scraped (name, labels, value), before "first wins": what RunLog records
+    raw: dict[str, list[tuple[str, dict[str, str], float]]] = field(default_factory=dict)
 
     def add_text(self, source: str, text: str) -> None:
         """Parse Prometheus text exposition format; where two sources export the same series, the first wins."""
+        raw = self.raw.setdefault(source, [])
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
+                if s.name.startswith("streamrec_") and not s.name.endswith("_created"):
+                    raw.append((s.name, dict(s.labels), float(s.value)))
                 series = self.metrics.setdefault(s.name, {})
                 series.setdefault(labels_of(s.labels), Point(float(s.value), frozenset((source,))))
 
@@ -296,6 +308,100 @@ class RuleEngine:
         return rows
 
 
+# -- run log ----------------------------------------------------------------------------------------
+def _json_value(v: float | None) -> float | str | None:
+    """A sample value for JSON: non-finite values as Prometheus writes them ("NaN", "+Inf", "-Inf")."""
+    if v is None or math.isfinite(v):
+        return v
+    return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
+
+
+_STATE_RANK = {State.INACTIVE: 0, State.RESOLVED: 1, State.PENDING: 2, State.FIRING: 3}
+
+
+class RunLog:
+    """What the monitor saw, appended as JSON lines (``monitor/report.py`` reads them back)::
+
+        {"kind": "start", "t": <unix s>, "sources": {name: url}, "interval_s", "rules": [name, ...]}
+        {"kind": "scrape", "t", "source", "samples": [[name, {label: value}, value], ...]}   # streamrec_* only
+        {"kind": "scrape_error", "t", "source", "error"}
+        {"kind": "rules", "t", "states": {rule: "inactive" | "pending" | "firing" | "resolved"}}  # worst series
+        {"kind": "alert", "t", "alert": <the alert's JSON, as the sinks send it>}
+
+    Values that are not finite are the strings "NaN", "+Inf", "-Inf". Each record is flushed as written (a
+    reader may follow the file). Past ``max_bytes`` the file is rotated (``path`` -> ``path.1`` -> ... up to
+    ``keep``) and a new one starts with a fresh ``start`` line. A write that fails (disk full) is logged once
+    and the record dropped: recording never stops monitoring.
+    """
+
+    def __init__(self, settings: RunLogSettings, clock: Callable[[], float] = time.time) -> None:
+        if settings.path is None:
+            raise ValueError("RunLog needs [run_log] path")
+        self.path, self.max_bytes, self.keep = Path(settings.path), settings.max_bytes, settings.keep
+        self.clock = clock
+        self.records = self.failures = self.rotations = 0
+        self._start: dict[str, Any] = {}
+        self._failing = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def start(self, sources: Mapping[str, str], interval_s: float, rules: Sequence[Rule]) -> None:
+        self._start = {"kind": "start", "sources": dict(sources), "interval_s": interval_s,
+                       "rules": [r.name for r in rules]}
+        self.write({**self._start, "t": self.clock()})
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
+        try:
+            if self._file.tell() and self._file.tell() + len(line) > self.max_bytes:
+                self._rotate()
+            self._file.write(line)
+            self._file.flush()
+            self.records += 1
+            self._failing = False
+        except OSError as exc:
+            self.failures += 1
+            if not self._failing:
+                log.warning("run log %s: cannot write (%s); records are dropped until it can", self.path, exc)
+            self._failing = True
+
+    def _rotate(self) -> None:
+        self._file.close()
+        if self.keep <= 0:
+            self.path.unlink(missing_ok=True)
+        else:
+            for i in range(self.keep - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{i}")
+                if older.exists():
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self.rotations += 1
+        if self._start:
+            self._file.write(json.dumps({**self._start, "t": self.clock()}, separators=(",", ":")) + "\n")
+
+    def scrape(self, now: float, snap: Snapshot) -> None:
+        for source, samples in snap.raw.items():
+            if source not in snap.errors:
+                self.write({"kind": "scrape", "t": now, "source": source,
+                            "samples": [[n, lb, _json_value(v)] for n, lb, v in samples]})
+        for source, err in snap.errors.items():
+            self.write({"kind": "scrape_error", "t": now, "source": source, "error": err})
+
+    def evaluation(self, now: float, engine: RuleEngine, alerts: Sequence[Alert]) -> None:
+        states: dict[str, str] = {}
+        for rule in engine.rules:
+            worst = max((st.state for st in engine.states[rule.name].values()), key=_STATE_RANK.__getitem__,
+                        default=State.INACTIVE)
+            states[rule.name] = worst.value
+        self.write({"kind": "rules", "t": now, "states": states})
+        for a in alerts:
+            self.write({"kind": "alert", "t": now, "alert": a.as_dict()})
+
+    def close(self) -> None:
+        self._file.close()
+
+
 # -- loop -----------------------------------------------------------------------------------------
 class Monitor:
     """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set.
@@ -316,6 +422,10 @@ class Monitor:
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
+        self.run_log: RunLog | None = None
+        if config.run_log.path is not None:
+            self.run_log = RunLog(config.run_log, clock)
+            self.run_log.start(config.sources, config.interval_s, config.rules)
 
     def step(self) -> list[Alert]:
         snap = self.scrape()
@@ -326,9 +436,13 @@ class Monitor:
         for source in set(self._last_errors) - set(snap.errors):
             log.info("source %s answers again", source)
         self._last_errors = dict(snap.errors)
-        alerts = self.engine.evaluate(snap, self.clock())
+        now = self.clock()
+        alerts = self.engine.evaluate(snap, now)
         for a in alerts:
             self.sent[a.state.value] += 1
+        if self.run_log is not None:
+            self.run_log.scrape(now, snap)
+            self.run_log.evaluation(now, self.engine, alerts)
         self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
         return alerts
 
@@ -345,11 +459,16 @@ class Monitor:
     def close(self, timeout_s: float | None = None) -> int:
         """Deliver the queued alerts for at most ``timeout_s`` (default ``close_timeout_s`` of
         ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own)."""
+        if self.run_log is not None:
+            self.run_log.close()
         return self.sink.close(timeout_s)
 
     def summary(self) -> dict[str, Any]:
         sinks = self.sink.stats() if isinstance(self.sink, FanOut) else {self.sink.name: self.sink.stats.as_dict()}
         return {"evaluations": self.engine.evaluations, "alerts": dict(self.sent),
                 "scrape_errors": dict(self.scrape_errors), "sinks": sinks,
-                "firing": [s.as_dict() for s in self.engine.status() if s.state is State.FIRING]}
+                "firing": [s.as_dict() for s in self.engine.status() if s.state is State.FIRING],
+                **({"run_log": {"path": str(self.run_log.path), "records": self.run_log.records,
+                                "rotations": self.run_log.rotations, "failures": self.run_log.failures}}
+                   if self.run_log is not None else {})}
 

@@ -21,6 +21,12 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     retry_backoff_max_s = 30            # up to this (undelivered alerts stay queued)
     close_timeout_s = 10                # at shutdown, keep delivering this long, then report the rest
 
+    [run_log]                           # optional: record what the monitor saw (``streamrec report`` reads it)
+    path = "run-log.jsonl"              # JSON lines: each scrape's streamrec_* samples per source, the rules'
+                                        # states per evaluation, every alert sent
+    max_bytes = 67108864                # rotate past this size (default 64 MiB) ...
+    keep = 1                            # ... keeping this many older files, path.1 .. path.<keep> (default 1)
+
     [[rule]]
     name = "cold_start_share"           # unique; the alert's key
     expr = 'streamrec_learner_bucket_share{field="user_id"}'
@@ -120,6 +126,17 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class RunLogSettings:
+    """``[run_log]``: where the monitor appends what it saw (``monitor.engine.RunLog``); no path, no log.
+    At most ``max_bytes * (keep + 1)`` on disk: past ``max_bytes`` the file becomes ``path.1`` (``path.1``
+    becomes ``path.2``, ... up to ``keep``; 0 keeps none) and a new one starts."""
+
+    path: Path | None = None
+    max_bytes: int = 64 * 1024 * 1024
+    keep: int = 1
+
+
+@dataclass(frozen=True)
 class RulesConfig:
     origin: str  # the file, for messages
     rules: tuple[Rule, ...]
@@ -127,6 +144,7 @@ class RulesConfig:
     sinks: SinkSettings = SinkSettings()
     interval_s: float = 15.0
     scrape_timeout_s: float = 5.0
+    run_log: RunLogSettings = RunLogSettings()
 
     @property
     def history_s(self) -> float:
@@ -136,7 +154,8 @@ class RulesConfig:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
-_TOP_KEYS = ("interval_s", "scrape_timeout_s", "sources", "sinks", "rule")
+_TOP_KEYS = ("interval_s", "scrape_timeout_s", "sources", "sinks", "run_log", "rule")
+_RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
 _REMOVED_SINK_KEYS = {
@@ -304,6 +323,27 @@ def _sources(where: _Where, raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
+def _run_log(where: _Where, raw: Any) -> RunLogSettings:
+    if not isinstance(raw, dict):
+        raise where.error("", f"[run_log]: expected a table (path, max_bytes, keep), got {_shown(raw)}")
+    ctx = "[run_log]: "
+    unknown = sorted(set(raw) - set(_RUN_LOG_KEYS))
+    if unknown:
+        raise where.error(ctx, f'unknown field "{unknown[0]}"; known fields: {", ".join(_RUN_LOG_KEYS)}')
+    path = _string(where, ctx, "path", raw.get("path", ""))
+    if "\0" in path:
+        raise where.error(ctx, 'field "path": a file name cannot hold a NUL character')
+    limits = {"max_bytes": (4096, 2**40), "keep": (0, 100)}
+    kw: dict[str, Any] = {}
+    for key, (lo, hi) in limits.items():
+        if key in raw:
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise where.error(ctx, f'field "{key}": expected an integer from {lo} to {hi}, got {_shown(v)}')
+            kw[key] = v
+    return RunLogSettings(path=Path(path) if path else None, **kw)
+
+
 def loads_rules(text: str, origin: str = "<string>") -> RulesConfig:
     where = _Where(origin)
     try:
@@ -339,6 +379,7 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         sinks=_sinks(where, data.get("sinks", {})),
         interval_s=_number(where, "", "interval_s", data.get("interval_s", 15.0), positive=True),
         scrape_timeout_s=_number(where, "", "scrape_timeout_s", data.get("scrape_timeout_s", 5.0), positive=True),
+        run_log=_run_log(where, data.get("run_log", {})),
     )
 
 

@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from streamrec.commands import COMMANDS
+from streamrec.commands import COMMANDS, report
 from streamrec.commands.common import EXIT_FAILED, EXIT_USAGE
 
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every subcommand has --help. Start with: streamrec stack up && streamrec replay --dataset ml-1m",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
+    for command in (*COMMANDS, report):
         command.add_parser(sub)
     return parser
 

@@ -9,7 +9,8 @@ import pytest
 
 from streamrec.cli import build_parser, main
 
-SUBCOMMANDS = ["stack", "data", "replay", "audit", "join", "counts", "train", "evaluate", "serve", "monitor", "refresh"]
+SUBCOMMANDS = ["stack", "data", "replay", "audit", "join", "counts", "train", "evaluate", "serve", "monitor", "refresh",
+               "report"]
 
 
 def test_every_subcommand_is_listed_and_has_help(capsys: pytest.CaptureFixture[str]) -> None:

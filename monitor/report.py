@@ -1,0 +1,967 @@
+"""The operator report: one HTML file with plots of what the running system recorded (``streamrec report``).
+
+Nothing in it is recomputed from the data: every curve is a metric the stages exported and the monitor
+scraped into its run log (``[run_log]`` of the rules file, :class:`monitor.engine.RunLog`), and every number
+beside it comes from what the batch stages wrote themselves: the ``--json`` summaries of ``streamrec replay``,
+``join``, ``train`` and ``refresh``, the publish root's ``last_run.json`` and the names and times of the
+learner's delta files. Rates are the increase of a counter between two scrapes over the time between them,
+and a gradient-norm quantile is read from the increase of the histogram's buckets between two scrapes (what
+Prometheus' ``rate`` and ``histogram_quantile`` do); nothing else is derived.
+
+Sections (:data:`SECTIONS`): served quality, cold vs warm users, throughput, lag, gradient norms, feature
+coverage, memory, hot set and hit rate, freshness, dead letters, alerts. A section whose metrics are not in the
+run log says so ("not recorded", naming the metrics and who exports them) instead of drawing an empty plot.
+
+The time axis of every plot is **wall-clock time** since the run log began: the learner exports no event time,
+so "over event time" is only as good as the order the samples arrived in (event-time order in a replay).
+
+Also :func:`follow`: a progress line per scrape of one source while a stage runs (``make demo``).
+
+Pure parts (reading, series, rates, quantiles, the HTML) need the standard library and numpy; the plots need
+matplotlib (``pip install 'streamrec[dev]'``), imported only when a report is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import io
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+Sample = tuple[str, dict[str, str], float]
+Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
+
+
+class ReportError(ValueError):
+    """A run log or summary that cannot be read, or matplotlib missing; the message says which and why."""
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+def _value(v: Any) -> float:
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    return {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}.get(v, math.nan) if isinstance(v, str) \
+        else math.nan
+
+
+@dataclass
+class Recording:
+    """A run log read back: per source its scrapes in time order, the rules' states, the alerts."""
+
+    scrapes: dict[str, list[tuple[float, list[Sample]]]] = field(default_factory=dict)
+    errors: list[tuple[float, str, str]] = field(default_factory=list)
+    rule_states: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+    alerts: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    bad_lines: int = 0
+
+    @property
+    def t0(self) -> float | None:
+        ts = [s["t"] for s in self.starts] + [t for sc in self.scrapes.values() for t, _ in sc[:1]]
+        return min(ts) if ts else None
+
+    @property
+    def t_end(self) -> float | None:
+        ts = [sc[-1][0] for sc in self.scrapes.values() if sc] + [t for t, _ in self.rule_states[-1:]]
+        return max(ts) if ts else None
+
+    def add(self, rec: Mapping[str, Any]) -> None:
+        kind, t = rec.get("kind"), rec.get("t")
+        if not isinstance(t, int | float):
+            self.bad_lines += 1
+            return
+        if kind == "scrape" and isinstance(rec.get("samples"), list):
+            samples = [(str(s[0]), dict(s[1]), _value(s[2])) for s in rec["samples"]
+                       if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)]
+            self.scrapes.setdefault(str(rec.get("source")), []).append((float(t), samples))
+        elif kind == "scrape_error":
+            self.errors.append((float(t), str(rec.get("source")), str(rec.get("error"))))
+        elif kind == "rules" and isinstance(rec.get("states"), dict):
+            self.rule_states.append((float(t), {str(k): str(v) for k, v in rec["states"].items()}))
+        elif kind == "alert" and isinstance(rec.get("alert"), dict):
+            self.alerts.append((float(t), rec["alert"]))
+        elif kind == "start":
+            self.starts.append(dict(rec))
+        else:
+            self.bad_lines += 1
+
+
+def run_log_files(path: Path) -> list[Path]:
+    """``path`` and its rotated predecessors, oldest first (``path.3``, ``path.2``, ``path.1``, ``path``)."""
+    rotated = sorted((p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
+                     key=lambda p: -int(p.suffix[1:]))
+    return [*rotated, *([path] if path.exists() else [])]
+
+
+def read_run_log(path: str | Path) -> Recording:
+    path = Path(path)
+    files = run_log_files(path)
+    if not files:
+        raise ReportError(f"run log {path}: no such file (the monitor writes it with [run_log] path = ... in its "
+                          "rules file)")
+    rec = Recording(files=[str(p) for p in files])
+    for p in files:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    obj = json.loads(line)
+                except ValueError:  # a line cut by a crash, say
+                    rec.bad_lines += 1
+                    continue
+                if isinstance(obj, dict):
+                    rec.add(obj)
+                else:
+                    rec.bad_lines += 1
+    for sc in rec.scrapes.values():
+        sc.sort(key=lambda x: x[0])
+    return rec
+
+
+STAGE_KEYS = {"replay": ("dataset", "acked"), "join": ("group", "driver"), "train": ("samples_trained", "served"),
+              "refresh": ("published",), "monitor": ("evaluations",)}
+
+
+def stage_of(summary: Mapping[str, Any], name: str = "") -> str | None:
+    """Which stage wrote a ``--json`` summary: its file name when that names a stage, else its keys."""
+    stem = Path(name).stem.split("-")[0].split(".")[0]
+    if stem in STAGE_KEYS:
+        return stem
+    return next((s for s, keys in STAGE_KEYS.items() if all(k in summary for k in keys)), None)
+
+
+def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
+    """Stage -> its summary (the last JSON object in each file, as ``--json`` prints one)."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        text = Path(p).read_text(encoding="utf-8", errors="replace").strip()
+        obj = None
+        for line in reversed(text.splitlines()):
+            try:
+                obj = json.loads(line)
+                break
+            except ValueError:
+                continue
+        if not isinstance(obj, dict):
+            raise ReportError(f"summary {p}: no JSON object in it (write it with the stage's --json)")
+        stage = stage_of(obj, str(p))
+        if stage is None:
+            raise ReportError(f"summary {p}: not the --json summary of replay, join, train, refresh or monitor")
+        out[stage] = obj
+    return out
+
+
+def read_last_run(root: str | Path) -> dict[str, Any]:
+    """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/job.py); ``{}`` when absent."""
+    try:
+        data = json.loads((Path(root) / "last_run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_deltas(directory: str | Path | None) -> list[tuple[float, int, int]]:
+    """The learner's delta files (``delta-<seq>-<samples>.delta``, learner/deltas.py): (written, seq, samples
+    trained), by the file's modification time; nothing is opened."""
+    if directory is None or not Path(directory).is_dir():
+        return []
+    out = []
+    for p in Path(directory).glob("delta-*.delta"):
+        m = re.fullmatch(r"delta-(\d+)-(\d+)\.delta", p.name)
+        if m:
+            try:
+                out.append((p.stat().st_mtime, int(m.group(1)), int(m.group(2))))
+            except OSError:
+                continue
+    return sorted(out)
+
+
+# -- series -------------------------------------------------------------------------------------------------
+def _key(labels: Mapping[str, str], by: Sequence[str]) -> str:
+    return "/".join(labels.get(k, "") for k in by)
+
+
+def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
+           agg: str = "sum", source: str | None = None) -> dict[str, Series]:
+    """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
+    labels); ``where`` keeps the samples whose labels equal those given. Every source unless ``source``."""
+    out: dict[str, dict[float, float]] = {}
+    for src, scrapes in rec.scrapes.items():
+        if source is not None and src != source:
+            continue
+        for t, samples in scrapes:
+            acc: dict[str, float] = {}
+            for n, lb, v in samples:
+                if n != name or (where and any(lb.get(k) != val for k, val in where.items())):
+                    continue
+                k = _key(lb, by)
+                if k not in acc:
+                    acc[k] = v
+                else:
+                    acc[k] = max(acc[k], v) if agg == "max" else acc[k] + v
+            for k, v in acc.items():
+                out.setdefault(k, {})[t] = v
+    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(out.items())}
+
+
+def rate(s: Series) -> Series:
+    """Per second increase of a counter between consecutive scrapes; a decrease (a restarted process) and a
+    repeated timestamp give no point."""
+    ts, vs = s
+    out_t, out_v = [], []
+    for i in range(1, len(ts)):
+        dt_s, dv = ts[i] - ts[i - 1], vs[i] - vs[i - 1]
+        if dt_s > 0 and dv >= 0 and math.isfinite(dv):
+            out_t.append(ts[i])
+            out_v.append(dv / dt_s)
+    return out_t, out_v
+
+
+def average_rate(s: Series) -> float | None:
+    """The counter's increase from its first to its last nonzero-increase scrape, per second."""
+    ts, vs = s
+    if len(ts) < 2:
+        return None
+    moving = [i for i in range(1, len(ts)) if vs[i] > vs[i - 1]]
+    if not moving:
+        return 0.0
+    a, b = moving[0] - 1, moving[-1]
+    return (vs[b] - vs[a]) / (ts[b] - ts[a]) if ts[b] > ts[a] else None
+
+
+def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """``histogram_quantile``: the ``q`` quantile of cumulative bucket counts ``(le, count)`` sorted by ``le``,
+    linear within a bucket; NaN without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 1.0)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[str, Series]]:
+    """Per value of label ``by``: the mean (increase of _sum over increase of _count), p50 and p90 of the
+    observations made between consecutive scrapes."""
+    sums = series(rec, f"{name}_sum", by=(by,))
+    counts = series(rec, f"{name}_count", by=(by,))
+    out: dict[str, dict[str, Series]] = {}
+    for k, cnt in counts.items():
+        s = sums.get(k)
+        if s is None:
+            continue
+        sd, cd = dict(zip(*s, strict=True)), dict(zip(*cnt, strict=True))
+        ts = sorted(set(sd) & set(cd))
+        mean: Series = ([], [])
+        for a, b in zip(ts, ts[1:], strict=False):
+            dc = cd[b] - cd[a]
+            if dc > 0:
+                mean[0].append(b)
+                mean[1].append((sd[b] - sd[a]) / dc)
+        out[k] = {"mean": mean}
+    # buckets: per scrape, per label value, le -> cumulative count
+    per: dict[str, dict[float, dict[float, float]]] = {}
+    for scrapes in rec.scrapes.values():
+        for t, samples in scrapes:
+            for n, lb, v in samples:
+                if n == f"{name}_bucket" and "le" in lb:
+                    per.setdefault(_key(lb, (by,)), {}).setdefault(t, {})[_value(_le(lb["le"]))] = v
+    for k, by_t in per.items():
+        ts = sorted(by_t)
+        qs: dict[str, Series] = {"p50": ([], []), "p90": ([], [])}
+        for a, b in zip(ts, ts[1:], strict=False):
+            les = sorted(set(by_t[a]) & set(by_t[b]))
+            delta = [(le, by_t[b][le] - by_t[a][le]) for le in les]
+            if delta and delta[-1][1] > 0:
+                for label, q in (("p50", 0.5), ("p90", 0.9)):
+                    qs[label][0].append(b)
+                    qs[label][1].append(quantile(delta, q))
+        out.setdefault(k, {}).update(qs)
+    return out
+
+
+def _le(le: str) -> float | str:
+    try:
+        return float(le)
+    except ValueError:
+        return le
+
+
+def has_points(s: Mapping[str, Series]) -> int:
+    return sum(len(ts) for ts, _ in s.values())
+
+
+# -- plots --------------------------------------------------------------------------------------------------
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("the report's plots need matplotlib: pip install 'streamrec[dev]' (or pip install "
+                          "matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@dataclass
+class Section:
+    id: str
+    title: str
+    what: str  # what is plotted and where each curve comes from
+    png: bytes | None = None
+    points: int = 0  # recorded points drawn
+    missing: list[str] = field(default_factory=list)  # "not recorded" notes
+    facts: list[str] = field(default_factory=list)  # numbers from the summaries, shown under the plot
+
+
+class Plotter:
+    """The figures of one report, on one time axis: wall-clock time since ``t0``, in s or min."""
+
+    def __init__(self, t0: float, span_s: float, phases: Mapping[str, tuple[float, float]] | None = None) -> None:
+        self.plt = _pyplot()
+        self.t0, self.span_s = t0, max(span_s, 1.0)
+        self.scale, self.unit = (60.0, "min") if span_s > 900 else (1.0, "s")
+        self.phases = dict(phases or {})  # source -> (first, last) scrape that answered: when the stage ran
+
+    @property
+    def xlabel(self) -> str:
+        return f"wall-clock time since the run log began ({self.unit})"
+
+    def x(self, ts: Sequence[float]) -> list[float]:
+        return [(t - self.t0) / self.scale for t in ts]
+
+    def figure(self, rows: int = 1, cols: int = 1, height: float = 3.2) -> tuple[Any, list[Any]]:
+        fig, axes = self.plt.subplots(rows, cols, figsize=(10, height * rows), squeeze=False)
+        return fig, [a for row in axes for a in row]
+
+    def timeline(self, ax: Any) -> None:
+        """Every time plot on the same axis (the whole run), with each stage's running time shaded and named."""
+        ax.set_xlim(0, self.span_s / self.scale)
+        ax.set_xlabel(self.xlabel)
+        for i, (source, (a, b)) in enumerate(sorted(self.phases.items(), key=lambda x: x[1])):
+            x0, x1 = self.x([a, b])
+            ax.axvspan(x0, x1, color=f"C{i % 10}", alpha=0.07, linewidth=0)
+            ax.text(x0, 1.0, f" {source}", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="gray")
+
+    def lines(self, ax: Any, curves: Mapping[str, Series], ylabel: str, title: str, *, logy: bool = False,
+              scale: float = 1.0, step: bool = False, marker: str = ".",
+              ylim: tuple[float, float] | None = None) -> int:
+        n = 0
+        self.timeline(ax)
+        for label, (ts, vs) in curves.items():
+            if not ts:
+                continue
+            ys = [v / scale for v in vs]
+            if step:
+                ax.step(self.x(ts), ys, where="post", label=label)
+            else:
+                ax.plot(self.x(ts), ys, marker=marker, markersize=3, linewidth=1.2, label=label)
+            n += len(ts)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if logy and n:
+            ax.set_yscale("log")
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        if n == 0:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+        elif len(curves) > 1 or any(curves):
+            ax.legend(fontsize=8, loc="best")
+        return n
+
+    def bars(self, ax: Any, values: Mapping[str, float], ylabel: str, title: str, fmt: str = "{:,.0f}") -> int:
+        names, vals = list(values), [values[k] for k in values]
+        ax.bar(names, vals, color="tab:blue")
+        for i, v in enumerate(vals):
+            ax.text(i, v, fmt.format(v), ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        return len(vals)
+
+    def png(self, fig: Any) -> bytes:
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90)
+        self.plt.close(fig)
+        return buf.getvalue()
+
+
+# -- sections -----------------------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    rec: Recording
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_run: dict[str, Any] = field(default_factory=dict)  # <publish_root>/last_run.json
+    deltas: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+def _missing(names: Iterable[str], who: str) -> str:
+    return f"not recorded: {', '.join(names)} (exported by {who}) is not in the run log"
+
+
+def _set(curves: Mapping[str, Series]) -> dict[str, Series]:
+    """A gauge reads 0 until its process first sets it (an AUC before any sample): points before the first
+    nonzero value are left out."""
+    out = {}
+    for k, (ts, vs) in curves.items():
+        first = next((i for i, v in enumerate(vs) if v != 0), len(vs))
+        if first < len(vs):
+            out[k] = (ts[first:], vs[first:])
+    return out
+
+
+def _rates(curves: Mapping[str, Series]) -> dict[str, Series]:
+    return {k: rate(s) for k, s in curves.items()}
+
+
+def _named(curves: Mapping[str, Series], name: str) -> dict[str, Series]:
+    return {(f"{name} {k}" if k else name): s for k, s in curves.items()}
+
+
+def s_quality(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("served-quality", "Served quality: AUC and normalized entropy",
+                  "Each impression's first prediction (made before the learner trained on it) against the label it "
+                  "ended with: streamrec_learner_served_auc (window) and streamrec_learner_served_ne (cumulative; "
+                  ">= 1 is no better than predicting the click rate), with the learner's test-then-train "
+                  "streamrec_learner_window_auc for reference. Wall-clock x axis: the learner exports no event "
+                  "time; a replay feeds it in event-time order.")
+    rec = inp.rec
+    auc = _set({**_named(series(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
+                **_named(series(rec, "streamrec_learner_window_auc"), "progressive AUC (window, trained samples)")})
+    ne = _set(_named(series(rec, "streamrec_learner_served_ne"), "served NE (cumulative)"))
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, auc, "AUC", "Served AUC over time (learner)") + p.lines(
+        a2, ne, "NE (logloss / base-rate entropy)", "Served normalized entropy over time (learner)")
+    if ne:
+        a2.axhline(1.0, color="red", linestyle=":", linewidth=1, label="1 = no better than the base rate")
+        a2.legend(fontsize=8, loc="best")
+    sec.png = p.png(fig)
+    if not auc and not ne:
+        sec.missing.append(_missing(["streamrec_learner_served_auc", "streamrec_learner_served_ne"],
+                                    "streamrec train --metrics-port"))
+    sv = inp.summaries.get("train", {}).get("served", {}).get("all")
+    if sv and sv.get("impressions"):
+        sec.facts.append(f"Final served quality (train summary, {sv['impressions']:,} impressions): AUC "
+                         f"{fmt_num(sv.get('auc'))}, logloss {fmt_num(sv.get('logloss'))}, NE {fmt_num(sv.get('ne'))}")
+    return sec
+
+
+def s_cold(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("cold-warm", "Cold vs warm users",
+                  "Window AUC of cold users' samples (their first cold_k impressions) and of warm users' "
+                  "(streamrec_learner_cold_auc, _warm_auc, test-then-train), and the served AUC of cold users' "
+                  "impressions (streamrec_learner_served_cold_auc); below, the share of id lookups answered by a "
+                  "shared hash bucket (ids not admitted yet), per field (streamrec_learner_bucket_share).")
+    rec = inp.rec
+    auc = _set({**_named(series(rec, "streamrec_learner_cold_auc"), "cold users"),
+                **_named(series(rec, "streamrec_learner_warm_auc"), "warm users"),
+                **_named(series(rec, "streamrec_learner_served_cold_auc"), "cold users, served")})
+    share = series(rec, "streamrec_learner_bucket_share", by=("field",))
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, auc, "AUC", "Window AUC, cold vs warm users (learner)")
+    p.lines(a2, share, "share of lookups (0-1)", "Lookups served by hash buckets, per field (learner)")
+    sec.png = p.png(fig)
+    if not auc:
+        sec.missing.append(_missing(["streamrec_learner_cold_auc", "streamrec_learner_warm_auc"], "the learner"))
+    cu = inp.summaries.get("train", {}).get("cold_users")
+    if cu:
+        sec.facts.append(f"Train summary: cold users AUC {fmt_num(cu.get('cold', {}).get('auc'))} over "
+                         f"{cu.get('cold', {}).get('samples', 0):,} samples, warm users AUC "
+                         f"{fmt_num(cu.get('warm', {}).get('auc'))} over {cu.get('warm', {}).get('samples', 0):,}")
+    return sec
+
+
+def s_throughput(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("throughput", "Throughput of each stage",
+                  "Per second between consecutive scrapes: samples written by the joiner "
+                  "(streamrec_join_samples_total), events it read (streamrec_events_total{stage=\"join\"}), "
+                  "samples the learner trained (streamrec_learner_samples_total), requests serving answered "
+                  "(streamrec_serving_requests_total). Below: each stage's average, from the replay and join "
+                  "summaries (events/s over their run) and the learner's counter (first to last increase).")
+    rec = inp.rec
+    join_samples = series(rec, "streamrec_join_samples_total")
+    learner = series(rec, "streamrec_learner_samples_total")
+    joiner = {**_named(_rates(series(rec, "streamrec_events_total", where={"stage": "join"})), "events read/s"),
+              **_named(_rates(join_samples), "samples written/s")}
+    trained = _named(_rates(learner), "samples trained/s")
+    served = {**_named(_rates(series(rec, "streamrec_serving_requests_total")), "requests/s"),
+              **_named(_rates(series(rec, "streamrec_serving_candidates_total")), "candidates scored/s")}
+    avg: dict[str, float] = {}
+    for stage in ("replay", "join"):
+        v = inp.summaries.get(stage, {}).get("events_per_s")
+        if isinstance(v, int | float):
+            avg[f"{stage}\n(events/s, summary)"] = float(v)
+    if (r := average_rate(learner.get("", ([], [])))) is not None:
+        avg["train\n(samples/s, counter)"] = r
+    fig, (a1, a2, a3, a4) = p.figure(4, 1, height=2.6)
+    sec.points = p.lines(a1, joiner, "per second", "Joiner: events read and samples written per second")
+    sec.points += p.lines(a2, trained, "per second", "Learner: samples trained per second")
+    sec.points += p.lines(a3, served, "per second", "Serving: requests and candidates scored per second")
+    if avg:
+        sec.points += p.bars(a4, avg, "per second", "Average throughput per stage (over its own run)")
+    else:
+        a4.set_axis_off()
+    sec.png = p.png(fig)
+    if not join_samples:
+        sec.missing.append(_missing(["streamrec_join_samples_total"], "streamrec join --metrics-port"))
+    if not learner:
+        sec.missing.append(_missing(["streamrec_learner_samples_total"], "streamrec train --metrics-port"))
+    for stage in ("replay", "join"):
+        d = inp.summaries.get(stage)
+        if d:
+            sec.facts.append(f"{stage} summary: {d.get('impressions', 0):,} impressions, {d.get('clicks', 0):,} "
+                             f"clicks in {fmt_num(d.get('elapsed_s'), '.1f')} s")
+    return sec
+
+
+def s_lag(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("lag", "Lag",
+                  "The learner's lag: messages of the samples topic not yet trained, summed over partitions "
+                  "(streamrec_learner_lag_samples; a message holds up to batch_max samples). The joiner's "
+                  "impressions waiting for their attribution window to close (streamrec_join_pending_impressions) "
+                  "and its input partitions paused for backpressure (streamrec_join_input_paused).")
+    rec = inp.rec
+    lag = _named(series(rec, "streamrec_learner_lag_samples"), "learner: messages behind")
+    pending = _named(series(rec, "streamrec_join_pending_impressions"), "joiner: pending impressions")
+    paused = _named(series(rec, "streamrec_join_input_paused"), "joiner: partitions paused")
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, lag, "messages", "Learner lag behind the samples topic")
+    sec.points += p.lines(a2, {**pending, **paused}, "impressions / partitions", "Joiner backlog")
+    sec.png = p.png(fig)
+    if not lag:
+        sec.missing.append(_missing(["streamrec_learner_lag_samples"], "the learner"))
+    if not pending:
+        sec.missing.append(_missing(["streamrec_join_pending_impressions"], "streamrec join --metrics-port"))
+    return sec
+
+
+def s_grad(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("gradient-norms", "Gradient and update norms",
+                  "L2 norm of each optimizer step's gradient, dense part (MLP, bias) and embedding rows apart: the "
+                  "mean, p50 and p90 of the steps between two scrapes, from the histogram "
+                  "streamrec_learner_grad_norm (quantiles interpolated within its buckets, as Prometheus' "
+                  "histogram_quantile). Below: the L2 norm of what one sampled step changed "
+                  "(streamrec_learner_update_norm; 0 = the model no longer changes).")
+    rec = inp.rec
+    hist = histogram_over_time(rec, "streamrec_learner_grad_norm", "part")
+    curves = {f"{k} {stat}": s for k, stats in hist.items() for stat, s in stats.items()}
+    upd = series(rec, "streamrec_learner_update_norm", by=("part",))
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, curves, "L2 norm (log)", "Gradient L2 norm per step (learner)", logy=True)
+    sec.points += p.lines(a2, {k: s for k, s in upd.items()}, "L2 norm (log)",
+                          "Update L2 norm of a sampled step (learner)", logy=True)
+    sec.png = p.png(fig)
+    if not has_points(curves):
+        sec.missing.append(_missing(["streamrec_learner_grad_norm"], "the learner (learner/health.py)"))
+    if not upd:
+        sec.missing.append(_missing(["streamrec_learner_update_norm"], "the learner (learner/health.py)"))
+    return sec
+
+
+def s_coverage(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("coverage", "Feature coverage",
+                  "Per field, the share of recent samples carrying it (streamrec_learner_field_coverage; a field "
+                  "whose upstream broke drops to 0). Below: per dynamic-id field, the share of its own rows in use "
+                  "(streamrec_learner_id_occupancy).")
+    rec = inp.rec
+    cov = {k: s for k, s in series(rec, "streamrec_learner_field_coverage", by=("field",)).items()}
+    occ = {k: s for k, s in series(rec, "streamrec_learner_id_occupancy", by=("field",)).items()}
+    fig, (a1, a2) = p.figure(2, 1, height=3.6)
+    sec.points = p.lines(a1, cov, "share of samples (0-1)", "Samples carrying each field (learner)",
+                         ylim=(0, 1.05))
+    p.lines(a2, occ, "share of own rows (0-1)", "Id rows in use, per field (learner)")
+    sec.png = p.png(fig)
+    if not cov:
+        sec.missing.append(_missing(["streamrec_learner_field_coverage"], "the learner (learner/health.py)"))
+    return sec
+
+
+def s_memory(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("memory", "Memory",
+                  "The learner's resident set (streamrec_learner_rss_bytes) and, on CUDA, device memory allocated "
+                  "and reserved (streamrec_learner_cuda_memory_bytes), in MiB. Below: its growth rate "
+                  "(streamrec_learner_memory_growth_bytes_per_hour, least-squares slope over 10 minutes; NaN, "
+                  "so not drawn, for the first 5).")
+    rec = inp.rec
+    mem = {**_named(series(rec, "streamrec_learner_rss_bytes"), "learner RSS"),
+           **_named(series(rec, "streamrec_learner_cuda_memory_bytes", by=("kind",)), "CUDA")}
+    growth = {k: _finite(s) for k, s in
+              series(rec, "streamrec_learner_memory_growth_bytes_per_hour", by=("memory",)).items()}
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, mem, "MiB", "Learner memory", scale=2**20)
+    p.lines(a2, growth, "MiB per hour", "Learner memory growth rate", scale=2**20)
+    sec.png = p.png(fig)
+    if not mem:
+        sec.missing.append(_missing(["streamrec_learner_rss_bytes"], "the learner (learner/health.py)"))
+    if not has_points(growth):
+        sec.missing.append("memory growth: no finite value recorded (the learner reports NaN until its samples "
+                           "span 5 minutes)")
+    return sec
+
+
+def s_hot(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("hot-set", "Hot set and hit rate",
+                  "Share of serving's embedding row reads answered by the artifact's hot set since serving started "
+                  "(streamrec_serving_hot_cache_hit_rate), and the reads per second by tier "
+                  "(streamrec_serving_embedding_lookups_total). The hot set's size is the refresh summary's.")
+    rec = inp.rec
+    hit = _named(series(rec, "streamrec_serving_hot_cache_hit_rate"), "hit rate")
+    tiers = {k + " rows/s": s
+             for k, s in _rates(series(rec, "streamrec_serving_embedding_lookups_total", by=("tier",))).items()}
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, hit, "share of row reads (0-1)", "Hot-set hit rate since serving started (serving)",
+                         ylim=(0, 1.05))
+    p.lines(a2, tiers, "rows per second", "Embedding rows read, by tier (serving)")
+    sec.png = p.png(fig)
+    if not hit:
+        sec.missing.append(_missing(["streamrec_serving_hot_cache_hit_rate"], "streamrec serve (/metrics)"))
+    hs = inp.summaries.get("refresh", {}).get("hot_set")
+    if isinstance(hs, dict):
+        shown = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in hs.items()
+                          if not isinstance(v, dict | list))
+        sec.facts.append(f"Hot set of the published artifact (refresh summary): {shown}")
+    return sec
+
+
+def s_fresh(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("freshness", "Freshness",
+                  "How far behind the newest training the served model is. Top: samples trained at each delta the "
+                  "learner wrote (file names and times of delta-<seq>-<samples>.delta) beside the learner's own "
+                  "count (streamrec_learner_samples_total); the refresh's publish (last_run.json) as a vertical "
+                  "line. Middle: the last delta serving applied (streamrec_serving_delta_seq; 0 = none newer than "
+                  "its artifact). Bottom: the joiner's event-time watermark (streamrec_join_watermark_ms, oldest "
+                  "partition) against wall time.")
+    rec = inp.rec
+    learner = _named(series(rec, "streamrec_learner_samples_total"), "learner: samples trained")
+    deltas: dict[str, Series] = {}
+    if inp.deltas:
+        deltas["deltas written: samples trained"] = ([d[0] for d in inp.deltas], [float(d[2]) for d in inp.deltas])
+    seq = _named(series(rec, "streamrec_serving_delta_seq"), "serving: delta seq applied")
+    wm = series(rec, "streamrec_join_watermark_ms")
+    wm_min = {k: s for k, s in {"joiner watermark": _min_over(rec, "streamrec_join_watermark_ms")}.items() if s[0]}
+    fig, (a1, a2, a3) = p.figure(3, 1, height=2.8)
+    sec.points = p.lines(a1, {**learner, **deltas}, "samples", "Samples trained: learner and its deltas",
+                         step=True)
+    pub = inp.last_run.get("last_success")
+    if isinstance(pub, int | float) and p.t0 <= pub:
+        a1.axvline(p.x([pub])[0], color="green", linestyle="--", linewidth=1)
+        a1.text(p.x([pub])[0], 0.95, " refresh published", transform=a1.get_xaxis_transform(), fontsize=8,
+                va="top", color="green")
+    sec.points += p.lines(a2, seq, "delta seq", "Last delta applied by serving", step=True)
+    if wm_min:
+        ts, vs = wm_min["joiner watermark"]
+        p.timeline(a3)
+        a3.plot(p.x(ts), [dt.datetime.fromtimestamp(v / 1000, tz=dt.timezone.utc) for v in vs], marker=".",
+                markersize=3, label="joiner watermark (oldest partition)")
+        a3.set_title("Event time reached by the joiner (UTC) vs wall time", fontsize=10)
+        a3.set_ylabel("event time (UTC)")
+        a3.grid(True, alpha=0.3)
+        a3.legend(fontsize=8)
+        sec.points += len(ts)
+    else:
+        p.lines(a3, {}, "event time", "Event time reached by the joiner")
+    sec.png = p.png(fig)
+    if not deltas:
+        sec.missing.append("no delta files found (the learner writes them with deltas_every_s > 0; pass "
+                           "--deltas-dir)")
+    if not seq:
+        sec.missing.append(_missing(["streamrec_serving_delta_seq"], "streamrec serve (/metrics)"))
+    if not wm:
+        sec.missing.append(_missing(["streamrec_join_watermark_ms"], "streamrec join --metrics-port"))
+    if inp.last_run:
+        sec.facts.append(f"last_run.json: version {inp.last_run.get('version')} published "
+                         f"{inp.last_run.get('last_success_utc')}")
+    return sec
+
+
+def _finite(s: Series) -> Series:
+    keep = [i for i, v in enumerate(s[1]) if math.isfinite(v)]
+    return [s[0][i] for i in keep], [s[1][i] for i in keep]
+
+
+def _min_over(rec: Recording, name: str) -> Series:
+    """The smallest value over every label set at each scrape (a watermark: the slowest partition), ignoring
+    zeros (a partition not seen yet)."""
+    out: dict[float, float] = {}
+    for scrapes in rec.scrapes.values():
+        for t, samples in scrapes:
+            vals = [v for n, _, v in samples if n == name and v > 0 and math.isfinite(v)]
+            if vals:
+                out[t] = min(vals)
+    return sorted(out), [out[t] for t in sorted(out)]
+
+
+def s_dlq(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("dead-letters", "Dead letters",
+                  "Malformed messages sent to <topic>.dlq, by source topic and reason, as the stages counted them "
+                  "(streamrec_dlq_messages_total over time, where a scraped stage dead-lettered any), and the "
+                  "totals of the batch stages' summaries (replay: dead-lettered at the source and malformed "
+                  "published; join: dead-lettered).")
+    rec = inp.rec
+    dlq = series(rec, "streamrec_dlq_messages_total", by=("topic", "kind"))
+    totals: dict[str, float] = {}
+    rp, jn = inp.summaries.get("replay", {}), inp.summaries.get("join", {})
+    if rp:
+        totals["replay: dead-lettered\nat source"] = float(rp.get("dead_lettered", 0) or 0)
+        totals["replay: malformed\npublished"] = float(rp.get("malformed_published", 0) or 0)
+    if jn:
+        totals["join: dead-lettered"] = float(jn.get("dead_lettered", 0) or 0)
+    fig, (a1, a2) = p.figure(2, 1)
+    sec.points = p.lines(a1, dlq, "messages (cumulative)", "Dead-lettered messages over time", step=True)
+    if totals:
+        sec.points += p.bars(a2, totals, "messages", "Dead letters per stage (summaries)")
+    else:
+        a2.set_axis_off()
+    sec.png = p.png(fig)
+    if not dlq:
+        sec.missing.append("no streamrec_dlq_messages_total series in the run log: no scraped stage dead-lettered "
+                           "a message (the counter appears with its first dead letter)")
+    if not totals:
+        sec.missing.append("no replay or join summary given (--summary FILE)")
+    return sec
+
+
+_STATE_COLOR = {"pending": "tab:orange", "firing": "tab:red", "resolved": "tab:green"}
+
+
+def s_alerts(p: Plotter, inp: Inputs) -> Section:
+    sec = Section("alerts", "Alerts",
+                  "Each rule's state at every evaluation the monitor recorded (worst over its label sets: "
+                  "inactive, pending, firing), and each alert it sent (firing x, resolved o). Alerts written to "
+                  "the alerts topic by other processes (a failed refresh) are not in the run log.")
+    rec = inp.rec
+    rules = sorted({r for _, st in rec.rule_states for r in st} | {str(a.get("rule")) for _, a in rec.alerts})
+    fig, (ax,) = p.figure(1, 1, height=max(2.5, 0.32 * len(rules) + 1.2))
+    ys = {r: i for i, r in enumerate(rules)}
+    ts_all = [t for t, _ in rec.rule_states]
+    for i, (t, st) in enumerate(rec.rule_states):
+        t_next = ts_all[i + 1] if i + 1 < len(ts_all) else t
+        for r, state in st.items():
+            color = _STATE_COLOR.get(state, "lightgray")
+            x0, x1 = p.x([t, t_next])
+            ax.broken_barh([(x0, max(x1 - x0, 1e-9))], (ys[r] - 0.3, 0.6), color=color, linewidth=0)
+    for t, a in rec.alerts:
+        r = str(a.get("rule"))
+        ax.plot(p.x([t]), [ys[r]], marker="x" if a.get("state") == "firing" else "o", color="black")
+    ax.set_yticks(range(len(rules)), rules, fontsize=8)
+    p.timeline(ax)
+    ax.set_title("Rule states per evaluation (grey inactive, orange pending, red firing) and alerts sent",
+                 fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    sec.points = len(rec.rule_states) + len(rec.alerts)
+    if not rules:
+        ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+        sec.missing.append("no rule evaluations in the run log")
+    sec.png = p.png(fig)
+    fired = [a for _, a in rec.alerts if a.get("state") == "firing"]
+    sec.facts.append(f"{len(fired)} alert(s) fired, {len(rec.alerts) - len(fired)} resolved, over "
+                     f"{len(rec.rule_states)} evaluation(s) of {len(rules)} rule(s)")
+    for t, a in rec.alerts:
+        sec.facts.append(f"{_utc(t)} {a.get('state')} {a.get('severity')} {a.get('rule')}: {a.get('message')}")
+    return sec
+
+
+SECTIONS: tuple[Callable[[Plotter, Inputs], Section], ...] = (
+    s_quality, s_cold, s_throughput, s_lag, s_grad, s_coverage, s_memory, s_hot, s_fresh, s_dlq, s_alerts)
+
+
+# -- the page -----------------------------------------------------------------------------------------------
+def fmt_num(v: Any, fmt: str = ".4f") -> str:
+    return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else "n/a"
+
+
+def _utc(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def served_quality(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The train summary's served quality over every impression (learner/served.py), or None."""
+    sv = summaries.get("train", {}).get("served", {})
+    return dict(sv["all"]) if isinstance(sv, dict) and isinstance(sv.get("all"), dict) else None
+
+
+def build_sections(inp: Inputs) -> list[Section]:
+    t0 = inp.rec.t0 if inp.rec.t0 is not None else time.time()
+    span = (inp.rec.t_end or t0) - t0
+    phases = {src: (sc[0][0], sc[-1][0]) for src, sc in inp.rec.scrapes.items() if sc}
+    p = Plotter(t0, span, phases)
+    return [f(p, inp) for f in SECTIONS]
+
+
+def render_html(inp: Inputs, sections: Sequence[Section], title: str = "streamrec run report") -> str:
+    rec, esc = inp.rec, html.escape
+    t0, t1 = rec.t0, rec.t_end
+    head = [f"<h1>{esc(title)}</h1>"]
+    if t0 is not None and t1 is not None:
+        head.append(f"<p>Recorded by the monitor from {_utc(t0)} to {_utc(t1)} ({t1 - t0:,.0f} s of wall-clock "
+                    f"time), sources: {esc(', '.join(sorted(rec.scrapes)) or 'none')}; "
+                    f"{sum(len(s) for s in rec.scrapes.values()):,} scrapes, {len(rec.errors):,} failed "
+                    f"(a stage not running yet or any more). Every x axis is wall-clock time since "
+                    f"{_utc(t0)}.</p>")
+    sq = served_quality(inp.summaries)
+    if sq and sq.get("impressions"):
+        head.append(f"<p class=big>Served quality ({sq['impressions']:,} impressions, train summary): "
+                    f"AUC <b>{fmt_num(sq.get('auc'))}</b>, NE <b>{fmt_num(sq.get('ne'))}</b>, logloss "
+                    f"{fmt_num(sq.get('logloss'))}</p>")
+    rows = "".join(f"<tr><td>{esc(s)}</td><td>{esc(summary_line(s, d))}</td></tr>" for s, d in inp.summaries.items())
+    if rows:
+        head.append(f"<h2>Stage summaries</h2><table>{rows}</table>")
+    toc = "".join(f"<li><a href='#{s.id}'>{esc(s.title)}</a>{'' if s.points else ' (not recorded)'}</li>"
+                  for s in sections)
+    body = []
+    for s in sections:
+        img = (f"<img alt='{esc(s.title)}' src='data:image/png;base64,{base64.b64encode(s.png).decode()}'>"
+               if s.png else "")
+        notes = "".join(f"<p class=missing>{esc(m)}</p>" for m in s.missing)
+        facts = "".join(f"<li>{esc(f)}</li>" for f in s.facts)
+        body.append(f"<section id='{s.id}' data-points='{s.points}' data-png='{1 if s.png else 0}'>"
+                    f"<h2>{esc(s.title)}</h2><p class=what>{esc(s.what)}</p>{img}{notes}"
+                    f"{f'<ul>{facts}</ul>' if facts else ''}</section>")
+    foot = (f"<footer>Run log: {esc(', '.join(rec.files))}"
+            f"{f'; {rec.bad_lines} unreadable line(s) skipped' if rec.bad_lines else ''}. "
+            f"Written {_utc(time.time())} by streamrec report.</footer>")
+    style = ("body{font-family:sans-serif;max-width:1000px;margin:auto;padding:1em;color:#222}"
+             "img{max-width:100%;border:1px solid #ddd}.what{color:#444;font-size:90%}.missing{color:#a60}"
+             ".big{font-size:120%}table{border-collapse:collapse;font-size:85%}td{border:1px solid #ddd;"
+             "padding:2px 6px;vertical-align:top}section{margin-top:2em}footer{margin-top:2em;color:#666;"
+             "font-size:80%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>{style}</style>"
+            f"</head><body>{''.join(head)}<h2>Sections</h2><ol>{toc}</ol>{''.join(body)}{foot}</body></html>\n")
+
+
+def summary_line(stage: str, d: Mapping[str, Any]) -> str:
+    keys = {"replay": ("dataset", "impressions", "clicks", "dead_lettered", "elapsed_s", "events_per_s"),
+            "join": ("group", "events", "samples", "positives", "late_clicks", "dead_lettered", "elapsed_s",
+                     "events_per_s"),
+            "train": ("samples_trained", "steps", "reason", "device", "precision"),
+            "refresh": ("published", "version", "samples_trained", "format"),
+            "monitor": ("evaluations", "alerts", "undelivered")}.get(stage, ())
+    return ", ".join(f"{k} {_plain(d[k])}" for k in keys if k in d)
+
+
+def _plain(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    return f"{v:,}" if isinstance(v, int) else (f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3g}")
+
+
+def write_report(inp: Inputs, out: str | Path) -> list[Section]:
+    """Build every section and write the HTML (PNGs embedded as base64: one self-contained file)."""
+    sections = build_sections(inp)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(render_html(inp, sections), encoding="utf-8")
+    tmp.replace(out)
+    return sections
+
+
+# -- progress while a stage runs ----------------------------------------------------------------------------
+def _total(samples: Sequence[Sample], name: str, where: Mapping[str, str] | None = None) -> float | None:
+    vals = [v for n, lb, v in samples if n == name and not (where and any(lb.get(k) != x for k, x in where.items()))]
+    return sum(vals) if vals else None
+
+
+def progress_line(samples: Sequence[Sample], prev: tuple[float, Sequence[Sample]] | None, t: float) -> str:
+    """One line saying where a stage is, from one scrape of it (and the one before, for rates)."""
+
+    def per_s(name: str) -> str:
+        now = _total(samples, name)
+        if prev is None or now is None or t <= prev[0]:
+            return ""
+        before = _total(prev[1], name) or 0.0
+        return f" ({max(0.0, now - before) / (t - prev[0]):,.0f}/s)"
+
+    parts = []
+    if (v := _total(samples, "streamrec_join_samples_total")) is not None:
+        parts.append(f"{v:,.0f} samples written{per_s('streamrec_join_samples_total')}")
+        if (pend := _total(samples, "streamrec_join_pending_impressions")) is not None:
+            parts.append(f"{pend:,.0f} impressions pending")
+        wms = [v for n, _, v in samples if n == "streamrec_join_watermark_ms" and v > 0]
+        if wms:
+            parts.append("event time " + dt.datetime.fromtimestamp(min(wms) / 1000, tz=dt.timezone.utc)
+                         .strftime("%Y-%m-%d"))
+    if (v := _total(samples, "streamrec_learner_samples_total")) is not None:
+        parts.append(f"{v:,.0f} samples trained{per_s('streamrec_learner_samples_total')}")
+        if (lag := _total(samples, "streamrec_learner_lag_samples")) is not None:
+            parts.append(f"{lag:,.0f} messages behind")
+        for name, label in (("streamrec_learner_served_auc", "served AUC"),
+                            ("streamrec_learner_served_ne", "NE")):
+            if (x := _total(samples, name)) is not None and math.isfinite(x) and x:
+                parts.append(f"{label} {x:.4f}")
+    if (v := _total(samples, "streamrec_serving_requests_total")) is not None:
+        parts.append(f"{v:,.0f} requests")
+        if (hr := _total(samples, "streamrec_serving_hot_cache_hit_rate")) is not None:
+            parts.append(f"hot-set hit rate {hr:.3f}")
+    return ", ".join(parts) or "started, nothing counted yet"
+
+
+def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str], every_s: float = 0.5,
+           print_every_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+    """Print a progress line for each scrape of ``source`` appended to the run log while ``alive()``: over
+    itself (carriage return) on a terminal, else at most one line per ``print_every_s`` (default 10 s).
+    Returns the scrapes seen."""
+    path, tty = Path(path), out.isatty()
+    gap = 0.0 if tty else (10.0 if print_every_s is None else print_every_s)
+    pos, seen, prev, last_print, last, printed = 0, 0, None, -math.inf, "", ""
+    tail = ""
+    while True:
+        running = alive()
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                f.seek(0, 2)
+                if f.tell() < pos:  # rotated
+                    pos = 0
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+        except OSError:
+            chunk = ""
+        tail += chunk
+        *lines, tail = tail.split("\n")
+        for line in _scrapes_of(lines, source):
+            t, samples = line
+            last = f"{source}: {progress_line(samples, prev, t)}"
+            prev = (t, samples)
+            seen += 1
+            if clock() - last_print >= gap:
+                out.write(("\r\033[K" if tty else "") + last + ("" if tty else "\n"))
+                out.flush()
+                last_print, printed = clock(), last
+        if not running:
+            break
+        time.sleep(every_s)
+    if last and (tty or last != printed):
+        out.write(("\r\033[K" if tty else "") + last + "\n")
+        out.flush()
+    return seen
+
+
+def _scrapes_of(lines: Iterable[str], source: str) -> Iterator[tuple[float, list[Sample]]]:
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "scrape" and rec.get("source") == source:
+            r = Recording()
+            r.add(rec)
+            for scrapes in r.scrapes.values():
+                yield from scrapes

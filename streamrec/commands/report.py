@@ -1,0 +1,90 @@
+"""``streamrec report``: an HTML report with plots of what a run recorded (``monitor/report.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from streamrec.commands.common import EXIT_OK, add_common, emit
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("report", help="an HTML report with plots of what a run recorded (monitor run log, summaries)",
+                       description="Write one self-contained HTML file (PNG plots embedded) of what the running "
+                       "system recorded: the monitor's run log ([run_log] path in its rules file: every scrape of "
+                       "the stages' /metrics, rule states, alerts) plus the --json summaries of replay, join, train "
+                       "and refresh, the publish root's last_run.json and the learner's delta files. Sections: served "
+                       "quality, cold vs warm users, throughput, lag, gradient norms, feature coverage, memory, hot "
+                       "set and hit rate, freshness, dead letters, alerts; one not recorded says so. --follow prints "
+                       "a progress line per scrape of one source instead (make demo uses it).")
+    p.add_argument("--run-dir", metavar="DIR", help="a make demo run: DIR/run-log.jsonl, DIR/*.json summaries, "
+                   "DIR/serving (publish root), DIR/deltas; the report goes to DIR/report.html")
+    p.add_argument("--run-log", metavar="FILE", help="the monitor's run log (its rotated FILE.1 ... are read too)")
+    p.add_argument("--summary", action="append", default=[], metavar="FILE",
+                   help="a stage's --json summary (replay, join, train, refresh, monitor; repeatable)")
+    p.add_argument("--publish-root", metavar="DIR", help="refresh's publish root (for last_run.json)")
+    p.add_argument("--deltas-dir", metavar="DIR", help="the learner's deltas directory")
+    p.add_argument("--out", metavar="FILE", help="the HTML file to write (default report.html, or in --run-dir)")
+    p.add_argument("--follow", metavar="SOURCE", help="print progress of SOURCE from the run log while --pid lives")
+    p.add_argument("--pid", type=int, help="with --follow: stop when this process has ended")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from monitor import report
+    from streamrec.settings import SettingsError
+
+    d = Path(args.run_dir) if args.run_dir else None
+    log = args.run_log or (str(d / "run-log.jsonl") if d else None)
+    if log is None:
+        raise SettingsError("streamrec report: give --run-log FILE or --run-dir DIR")
+    if args.follow:
+        pid = args.pid
+
+        def alive() -> bool:
+            if pid is None:
+                return True
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return _not_zombie(pid)
+
+        report.follow(log, args.follow, alive, sys.stderr)
+        return EXIT_OK
+    summaries = args.summary or ([str(p) for p in sorted(d.glob("*.json"))] if d else [])
+    root = args.publish_root or (str(d / "serving") if d else None)
+    try:
+        inp = report.Inputs(report.read_run_log(log), report.read_summaries(summaries),
+                            report.read_last_run(root) if root else {},
+                            report.read_deltas(args.deltas_dir or (d / "deltas" if d else None)))
+        out = Path(args.out or (d / "report.html" if d else "report.html"))
+        sections = report.write_report(inp, out)
+    except (report.ReportError, OSError) as exc:
+        raise SettingsError(str(exc)) from None
+    emit(args, {"report": str(out), "served": report.served_quality(inp.summaries),
+                "sections": {s.id: {"points": s.points, "missing": s.missing} for s in sections}},
+         lambda r: f"report: {r['report']}\n" + _served(r["served"]) + "\n".join(
+             f"  {k}: {v['points']:,} points" + (f" ({'; '.join(v['missing'])})" if v["missing"] else "")
+             for k, v in r["sections"].items()))
+    return EXIT_OK
+
+
+def _served(sv: dict[str, Any] | None) -> str:
+    if not sv or not sv.get("impressions"):
+        return "served quality: not in the train summary\n"
+    from monitor.report import fmt_num as f
+
+    return (f"served quality ({sv['impressions']:,} impressions, first predictions vs final labels): "
+            f"AUC {f(sv.get('auc'))}  NE {f(sv.get('ne'))}  logloss {f(sv.get('logloss'))}\n")
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,194 @@
+"""The run log (monitor/engine.py RunLog, [run_log] of the rules file) and the report built from it
+(monitor/report.py): what is recorded is what is read back and drawn; rates, quantiles and missing data."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from monitor import report
+from monitor.alerts import QueuedSink, SinkSettings
+from monitor.engine import Monitor, RunLog, Snapshot
+from monitor.rules import RulesError, RunLogSettings, loads_rules
+
+RULES = '''
+interval_s = 1
+[sources]
+learner = "http://127.0.0.1:1/metrics"
+[sinks]
+log = false
+[run_log]
+path = "{path}"
+max_bytes = {max_bytes}
+keep = 2
+[[rule]]
+name = "auc_low"
+expr = "streamrec_learner_served_auc"
+op = "<"
+threshold = 0.6
+'''
+
+
+def learner_text(samples: int, auc: float, grad_counts: tuple[int, int, int], grad_sum: float) -> str:
+    le_small, le_big, total = grad_counts
+    return (f"streamrec_learner_samples_total {samples}\n"
+            f"streamrec_learner_served_auc {auc}\n"
+            "streamrec_learner_served_ne NaN\n"
+            'streamrec_learner_lag_samples{partition="0"} 3\nstreamrec_learner_lag_samples{partition="1"} 4\n'
+            f'streamrec_learner_grad_norm_bucket{{part="dense",le="0.1"}} {le_small}\n'
+            f'streamrec_learner_grad_norm_bucket{{part="dense",le="1.0"}} {le_big}\n'
+            f'streamrec_learner_grad_norm_bucket{{part="dense",le="+Inf"}} {total}\n'
+            f'streamrec_learner_grad_norm_count{{part="dense"}} {total}\n'
+            f'streamrec_learner_grad_norm_sum{{part="dense"}} {grad_sum}\n'
+            "process_cpu_seconds_total 12\n")
+
+
+class Nothing:
+    name, timeout_s, batch_max = "nothing", 1.0, 100
+
+    def send(self, alerts: object, deadline: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_monitor(tmp_path: Path, texts: list[str], max_bytes: int = 1 << 20) -> Path:
+    path = tmp_path / "run-log.jsonl"
+    config = loads_rules(RULES.format(path=path, max_bytes=max_bytes))
+    it = iter(texts)
+    clock = iter(float(1000 + i) for i in range(1000))
+    mon = Monitor(config, QueuedSink(Nothing(), SinkSettings()), scrape=lambda: Snapshot.from_texts(
+        {"learner": next(it)}), clock=lambda: next(clock))
+    for _ in texts:
+        mon.step()
+    assert mon.summary()["run_log"]["records"] > 0
+    mon.close()
+    return path
+
+
+def test_the_run_log_records_each_scrape_rule_state_and_alert(tmp_path: Path) -> None:
+    texts = [learner_text(100 * i, 0.5 + 0.05 * i, (i, 2 * i, 3 * i), 0.2 * i) for i in range(4)]
+    path = run_monitor(tmp_path, texts)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["kind"] for x in lines[:1]] == ["start"]
+    scrape = next(x for x in lines if x["kind"] == "scrape")
+    names = {s[0] for s in scrape["samples"]}
+    assert "process_cpu_seconds_total" not in names and "streamrec_learner_samples_total" in names
+    assert ["streamrec_learner_served_ne", {}, "NaN"] in scrape["samples"]  # valid JSON, NaN as Prometheus writes it
+    alerts = [x["alert"] for x in lines if x["kind"] == "alert"]
+    assert [(a["rule"], a["state"]) for a in alerts] == [("auc_low", "firing"), ("auc_low", "resolved")]
+
+    rec = report.read_run_log(path)
+    assert rec.t0 == 1000.0 and len(rec.scrapes["learner"]) == 4  # the start line, then a scrape a second
+    assert report.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0, 1002.0, 1003.0, 1004.0],
+                                                                          [0.0, 100.0, 200.0, 300.0])
+    assert report.series(rec, "streamrec_learner_lag_samples")[""][1] == [7.0] * 4  # summed over partitions
+    assert set(report.series(rec, "streamrec_learner_lag_samples", by=("partition",))) == {"0", "1"}
+    assert math.isnan(report.series(rec, "streamrec_learner_served_ne")[""][1][0])
+    assert [st["auc_low"] for _, st in rec.rule_states] == ["firing", "firing", "resolved", "inactive"]
+
+
+def test_the_run_log_rotates_and_is_read_back_whole(tmp_path: Path) -> None:
+    texts = [learner_text(i, 0.7, (0, 0, 0), 0) for i in range(40)]
+    path = run_monitor(tmp_path, texts, max_bytes=4096)
+    files = report.run_log_files(path)
+    assert [p.name for p in files] == ["run-log.jsonl.2", "run-log.jsonl.1", "run-log.jsonl"]  # keep = 2
+    assert all(p.stat().st_size <= 4096 for p in files)
+    rec = report.read_run_log(path)
+    ts, vs = report.series(rec, "streamrec_learner_samples_total")[""]
+    assert vs == sorted(vs) and vs[-1] == 39 and len(vs) < 40  # the oldest rotated away, the rest in order
+    assert all(json.loads(line)["kind"] == "start" for line in path.read_text().splitlines()[:1])
+
+
+def test_run_log_settings_are_checked() -> None:
+    base = 'interval_s = 1\n[run_log]\n'
+    assert loads_rules(base + 'path = "x.jsonl"').run_log == RunLogSettings(path=Path("x.jsonl"))
+    assert loads_rules("interval_s = 1").run_log.path is None
+    for bad, says in (('path = 3', 'field "path"'), ('path = "x"\nmax_bytes = 10', 'field "max_bytes"'),
+                      ('keep = -1', 'field "keep"'), ('colour = 1', 'unknown field "colour"')):
+        with pytest.raises(RulesError, match=re.escape(says)):
+            loads_rules(base + bad)
+
+
+def test_a_run_log_that_cannot_be_written_drops_records_and_says_so_once(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    log = RunLog(RunLogSettings(path=tmp_path / "r.jsonl"))
+    log._file.close()
+    log._file = open(tmp_path / "r.jsonl", encoding="utf-8")  # noqa: SIM115 - read-only: every write fails
+    with caplog.at_level("WARNING"):
+        log.write({"kind": "x", "t": 1})
+        log.write({"kind": "x", "t": 2})
+    assert log.failures == 2 and sum("cannot write" in r.message for r in caplog.records) == 1
+    log.close()
+
+
+def test_rates_skip_counter_resets_and_quantiles_interpolate() -> None:
+    assert report.rate(([0, 1, 2, 4], [0, 10, 5, 9])) == ([1, 4], [10.0, 2.0])
+    assert report.average_rate(([0, 1, 2, 3, 4], [0, 0, 10, 30, 30])) == 15.0
+    buckets = [(0.1, 5.0), (1.0, 10.0), (math.inf, 10.0)]
+    assert report.quantile(buckets, 0.5) == pytest.approx(0.1)
+    assert report.quantile(buckets, 0.75) == pytest.approx(0.55)
+    assert math.isnan(report.quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5))
+
+
+def test_histograms_over_time_are_the_observations_between_scrapes(tmp_path: Path) -> None:
+    texts = [learner_text(0, 0.7, (0, 0, 0), 0.0), learner_text(0, 0.7, (10, 10, 10), 0.5),
+             learner_text(0, 0.7, (10, 20, 20), 6.0)]
+    rec = report.read_run_log(run_monitor(tmp_path, texts))
+    h = report.histogram_over_time(rec, "streamrec_learner_grad_norm", "part")["dense"]
+    assert h["mean"][1] == pytest.approx([0.05, 0.55])
+    assert h["p50"][1] == pytest.approx([0.05, 0.55])  # second interval: 10 observations in (0.1, 1]
+
+
+def test_the_report_has_every_section_and_says_what_was_not_recorded(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    texts = [learner_text(100 * i, 0.6 + 0.01 * i, (i, 2 * i, 2 * i), 0.1 * i) for i in range(5)]
+    path = run_monitor(tmp_path, texts)
+    train = {"samples_trained": 400, "served": {"all": {"impressions": 400, "auc": 0.71, "ne": 0.93,
+                                                        "logloss": 0.6}}}
+    (tmp_path / "train.json").write_text("progress noise\n" + json.dumps(train) + "\n")
+    inp = report.Inputs(report.read_run_log(path), report.read_summaries([tmp_path / "train.json"]))
+    out = tmp_path / "r" / "report.html"
+    sections = report.write_report(inp, out)
+    page = out.read_text()
+    assert [s.id for s in sections] == re.findall(r"<section id='([^']+)'", page)
+    assert len(sections) == len(report.SECTIONS) == 11
+    assert all(s.png and s.png.startswith(b"\x89PNG") for s in sections)
+    by_id = {s.id: s for s in sections}
+    assert by_id["served-quality"].points >= 5 and "AUC <b>0.7100</b>" in page
+    assert by_id["hot-set"].points == 0 and "not recorded: streamrec_serving_hot_cache_hit_rate" in page
+    assert by_id["alerts"].points == 5  # one rule state per evaluation
+    assert "wall-clock time" in page
+
+
+def test_summaries_are_told_apart_and_bad_ones_named(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps({"dataset": "ml-1m", "acked": {}}))
+    (tmp_path / "b.json").write_text("not json")
+    assert list(report.read_summaries([tmp_path / "a.json"])) == ["replay"]
+    with pytest.raises(report.ReportError, match="b.json"):
+        report.read_summaries([tmp_path / "b.json"])
+    with pytest.raises(report.ReportError, match="no such file"):
+        report.read_run_log(tmp_path / "missing.jsonl")
+
+
+def test_progress_lines_follow_one_source(tmp_path: Path) -> None:
+    path = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0), learner_text(500, 0.7, (0, 0, 0), 0)])
+
+    class Out(list[str]):
+        def write(self, s: str) -> None:
+            self.append(s)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    out = Out()
+    assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 2  # type: ignore[arg-type]
+    assert out[-1] == "learner: 500 samples trained (500/s), 7 messages behind, served AUC 0.7000\n"
