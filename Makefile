@@ -25,24 +25,12 @@ setup: $(STAMP)
 data: setup
 	$(SR) data install
 
-# The demo's consumer groups and state are named per run, so running it again on a live stack starts afresh.
+# The demo's steps live in streamrec/demo.sh (tests/integration/test_demo_smoke.py runs the same script on
+# ML-100k): replay, join, train, refresh, serve, with the monitor recording a run log, and at the end an HTML
+# report (streamrec report). Topics, Redis keys, consumer groups and files are named per run
+# (.streamrec/demo/<id>/), so running it again on a live stack starts afresh. DEMO_DATASET=ml-100k is quicker.
 demo: data
-	$(SR) stack up
-	$(SR) replay --dataset ml-1m
-	$(SR) join --driver kafka --app-id demo-join-$$(date +%s) --exit-when-idle 5 --drain
-	$(SR) counts top --kind item --event click --days 30 --k 5
-	@run=.streamrec/demo/$$(date +%s); set -e; \
-	echo "== train (checkpoints and deltas in $$run)"; \
-	STREAMREC_LEARNER_DELTAS_EVERY_S=2 STREAMREC_LEARNER_DELTAS_DIR=$$run/deltas \
-	  $(SR) train --checkpoint-dir $$run/checkpoints --exit-when-idle 5; \
-	echo "== refresh: hot set from Redis, artifact, validation, publish"; \
-	$(SR) refresh --now --checkpoint-dir $$run/checkpoints --publish-root $$run/serving; \
-	echo "== serve, and score a real user"; \
-	$(SR) serve --port 18080 --publish-root $$run/serving --deltas-dir $$run/deltas --log-level warning & \
-	pid=$$!; trap "kill $$pid 2>/dev/null; wait $$pid 2>/dev/null" EXIT; \
-	$(PY) -m serving.demo --url http://127.0.0.1:18080 --user 1m_1 --k 5
-	@echo
-	@echo "The local stack keeps running (streamrec stack status); stop it with: make stack-down"
+	SR=$(SR) PY=$(PY) bash streamrec/demo.sh
 
 test: data
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The demo's steps (`make demo` runs this; tests/integration/test_demo_smoke.py runs it on ML-100k):
+# replay -> join -> train -> refresh -> serve and score, with `streamrec monitor` in the background scraping
+# the joiner, the learner and serving into a run log, and `streamrec report` writing an HTML report of it.
+#
+# Everything of one run is named after it: topics demo-<id>-*, Redis keys demo-<id>:*, consumer groups, and
+# the directory .streamrec/demo/<id> (checkpoints, deltas, publish root, summaries, run log, report), so
+# running it again on a live stack starts afresh. Settings, all optional:
+#   DEMO_DATASET (ml-1m)  DEMO_LIMIT (all impressions)  DEMO_USER (1m_1 for ml-1m, 1 otherwise)
+#   DEMO_DIR (.streamrec/demo/<id>)  DEMO_STACK (1: `streamrec stack up`; 0: use the stack the STREAMREC_*
+#   settings name)  DEMO_JOIN_PORT (19201)  DEMO_LEARNER_PORT (19202)  DEMO_SERVE_PORT (18080)
+#   DEMO_INTERVAL (1: seconds between the monitor's scrapes)  SR (.venv/bin/streamrec)  PY (.venv/bin/python)
+set -euo pipefail
+
+SR=${SR:-.venv/bin/streamrec}
+PY=${PY:-.venv/bin/python}
+dataset=${DEMO_DATASET:-ml-1m}
+id=$(date +%Y%m%d-%H%M%S)-$$
+run=${DEMO_DIR:-.streamrec/demo/$id}
+join_port=${DEMO_JOIN_PORT:-19201}
+learner_port=${DEMO_LEARNER_PORT:-19202}
+serve_port=${DEMO_SERVE_PORT:-18080}
+interval=${DEMO_INTERVAL:-1}
+if [[ $dataset == ml-1m ]]; then user=${DEMO_USER:-1m_1}; else user=${DEMO_USER:-1}; fi
+limit=()
+[[ -n ${DEMO_LIMIT:-} ]] && limit=(--limit "$DEMO_LIMIT")
+
+export STREAMREC_KAFKA_IMPRESSIONS_TOPIC=demo-$id-impressions STREAMREC_KAFKA_CLICKS_TOPIC=demo-$id-clicks \
+  STREAMREC_KAFKA_SAMPLES_TOPIC=demo-$id-samples STREAMREC_REDIS_PREFIX=demo-$id \
+  STREAMREC_LEARNER_GROUP_ID=demo-$id-learner \
+  STREAMREC_LEARNER_DELTAS_EVERY_S=2 STREAMREC_LEARNER_DELTAS_DIR=$run/deltas
+mkdir -p "$run"
+step() { printf '\n== %s\n' "$*" >&2; }
+digest() { "$PY" -c 'import json, sys; from monitor.report import read_summaries, summary_line
+for stage, d in read_summaries(sys.argv[1:]).items(): print(f"  {stage}: {summary_line(stage, d)}")' "$@" >&2; }
+
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+# a stage in the background, with a progress line per scrape of it from the run log until it ends
+follow() {
+  local source=$1 out=$2; shift 2
+  "$@" --json >"$out" &
+  local pid=$!
+  pids+=("$pid")
+  "$SR" report --run-log "$run/run-log.jsonl" --follow "$source" --pid "$pid"
+  wait "$pid"
+}
+
+if [[ ${DEMO_STACK:-1} == 1 ]]; then step "local stack"; "$SR" stack up; fi
+
+step "monitor: scraping joiner :$join_port, learner :$learner_port, serving :$serve_port every ${interval}s into $run/run-log.jsonl"
+{ "$PY" -c 'from monitor.rules import default_rules_text; print(default_rules_text())'
+  printf '\n[run_log]\npath = "%s"\n' "$run/run-log.jsonl"; } >"$run/monitor-rules.toml"
+"$SR" monitor --rules "$run/monitor-rules.toml" --interval "$interval" --log-level error \
+  --source "joiner=http://127.0.0.1:$join_port/metrics" --source "learner=http://127.0.0.1:$learner_port/metrics" \
+  --source "serving=http://127.0.0.1:$serve_port/metrics" --json >"$run/monitor.out" 2>"$run/monitor.log" &
+monitor_pid=$!
+pids+=("$monitor_pid")
+
+step "replay $dataset into demo-$id-impressions / -clicks"
+"$SR" replay --dataset "$dataset" "${limit[@]}" --json >"$run/replay.json"
+digest "$run/replay.json"
+
+step "join (group demo-$id-join)"
+follow joiner "$run/join.json" "$SR" join --driver kafka --app-id "demo-$id-join" --exit-when-idle 5 --drain \
+  --metrics-port "$join_port"
+digest "$run/join.json"
+"$SR" counts top --kind item --event click --days 30 --k 5
+
+step "train (checkpoints and deltas in $run)"
+follow learner "$run/train.json" "$SR" train --checkpoint-dir "$run/checkpoints" --exit-when-idle 5 \
+  --metrics-port "$learner_port"
+digest "$run/train.json"
+
+step "refresh: hot set from Redis, artifact, validation, publish"
+"$SR" refresh --now --checkpoint-dir "$run/checkpoints" --publish-root "$run/serving" --json >"$run/refresh.json"
+digest "$run/refresh.json"
+
+step "serve on :$serve_port, and score real users"
+"$SR" serve --port "$serve_port" --publish-root "$run/serving" --deltas-dir "$run/deltas" --log-level warning &
+serve_pid=$!
+pids+=("$serve_pid")
+"$PY" -m serving.demo --url "http://127.0.0.1:$serve_port" --dataset "$dataset" --user "$user" --k 5
+for u in 2 3 4 5 6; do  # a little more traffic, so serving's metrics have a few scrapes to show
+  [[ $dataset == ml-1m ]] && u=1m_$u
+  "$PY" -m serving.demo --url "http://127.0.0.1:$serve_port" --dataset "$dataset" --user "$u" --k 20 --json >/dev/null
+done
+sleep "$(awk "BEGIN {print 2 * $interval + 0.5}")"  # the monitor's last scrapes of serving
+kill "$serve_pid"; wait "$serve_pid" 2>/dev/null || true
+kill -TERM "$monitor_pid"; wait "$monitor_pid" || true
+mv "$run/monitor.out" "$run/monitor.json"
+pids=()
+
+step "report"
+"$SR" report --run-dir "$run"
+printf '\nOpen %s/report.html in a browser. Stop the local stack with: make stack-down (or %s stack down);\n' \
+  "$run" "$SR"
+printf 'this run'"'"'s files: %s (remove them with rm -rf %s).\n' "$run" "$run"
