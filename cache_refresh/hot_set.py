@@ -8,6 +8,10 @@ stable hashes of the raw ids (``stream/ids.py``), the same int64 the samples car
 The window of ``days`` days ends at the latest day that has counts, not at today: counts are kept by
 event time, so a replayed data set (MovieLens is from 2000) gets the same hot set as live traffic.
 
+For operators the stats (the artifact's manifest, the refresh summary) list the hottest ``show`` items and
+users by raw id, from the names the joiner keeps beside the counts (``stream/counts.py``): each row is
+``{"name": raw id, "count": n}``, or ``{"name": null, "hash": member, "count": n}`` where no name is known.
+
 Redis may be briefly unavailable at 03:00: every read is retried with exponential backoff
 (``attempts``, ``backoff_s`` doubling); :class:`RedisUnavailable` after the last attempt.
 """
@@ -33,6 +37,7 @@ log = logging.getLogger("streamrec.refresh")
 T = TypeVar("T")
 
 KIND_FIELDS = {"item": "item_id", "user": "user_id"}
+SHOW = 10  # hottest ids of each kind listed by raw id in the stats
 
 
 class RedisUnavailable(StreamrecError):
@@ -73,6 +78,23 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int,
     return counts.top(kind, event, day=day, days=days, k=k), day
 
 
+def named_rows(counts: DailyCounts, kind: str, top: list[tuple[str, float]], day: str | None, days: int,
+               ) -> list[dict[str, Any]]:
+    """``top`` (member, count) as rows for operators: ``{"name": raw id, "count"}``, or ``{"name": None, "hash":
+    member, "count"}`` where no name is known (see ``DailyCounts.names``)."""
+    if not top or day is None:
+        return []
+    names = counts.names(kind, [m for m, _ in top], day=day, days=days)
+    return [{"name": names[m], "count": int(c)} if m in names else {"name": None, "hash": m, "count": int(c)}
+            for m, c in top]
+
+
+def describe_top(rows: list[dict[str, Any]]) -> str:
+    """``named_rows`` in one line for the log: ``2858 (3,428), 260 (2,991), hash 6112... (12)``."""
+    return ", ".join(f"{r['name'] if r['name'] is not None else 'hash ' + str(r.get('hash'))} ({r['count']:,})"
+                     for r in rows) or "none"
+
+
 def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMapper | None = None) -> np.ndarray:
     """Global rows of ``members`` (hash texts) in the block of ``kind``'s field; [] if the model lacks it.
     ``mapper`` (the checkpoint's id maps) maps admitted ids to their own rows; without it, the buckets."""
@@ -87,8 +109,9 @@ def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMappe
 def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig, days: int, hot_items: int,
             hot_users: int, event: str = "impression", small_field_rows: int = 0, attempts: int = 5,
             backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
-            mapper: RowMapper | None = None) -> HotSet:
-    """The hot rows of ``cfg``'s table from the last ``days`` days of counts, with stats for the manifest."""
+            mapper: RowMapper | None = None, show: int = SHOW) -> HotSet:
+    """The hot rows of ``cfg``'s table from the last ``days`` days of counts, with stats for the manifest (the
+    hottest ``show`` items and users by raw id under ``top_items``/``top_users``)."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event}
     for kind, k in (("item", hot_items), ("user", hot_users)):
@@ -100,6 +123,9 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
         stats[f"{kind}_rows"] = int(len(np.unique(rows)))
         stats[f"{kind}_last_day"] = day
         stats[f"{kind}_count_covered"] = float(sum(c for _, c in top))
+        stats[f"top_{kind}s"] = with_retries(
+            f"names of the top {kind}s", functools.partial(named_rows, counts, kind, top[:show], day, days),
+            attempts, backoff_s, sleep)
     small = small_field_rows_of(cfg, small_field_rows)
     stats["small_field_rows"] = int(len(small))
     rows = np.unique(np.concatenate([*parts, small]))

@@ -273,7 +273,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         finally:
             client.close()
         timed(stage, t0)
-        log.info("refresh: hot set of %d rows", len(hs.rows))
+        log.info("refresh: hot set of %d rows; hottest items %s; hottest users %s", len(hs.rows),
+                 hot_set.describe_top(hs.stats["top_items"]), hot_set.describe_top(hs.stats["top_users"]))
 
         stage = "build"
         t0 = time.monotonic()

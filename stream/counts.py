@@ -12,6 +12,19 @@ caller gives them, as text; the joiner records the ids' stable 64-bit hashes (``
 of the raw id, so ``123`` and ``"123"`` are one member), which is what ``cache_refresh/hot_set.py``
 maps to rows.
 
+Names (the raw ids behind the hashes, for operators: ``streamrec counts top``, the hot set's summary)::
+
+    {prefix}:names:{kind}:{YYYYMMDD}               hash field = member, value = raw id text
+
+A caller that knows the raw ids passes them to :meth:`DailyCounts.record` (``names``); the same script call
+that counts a member on a day also sets its name there (HSETNX: the first name stays) and gives the key the
+counts key's expiry. So a day's names are bounded exactly like its counts (one field per member counted
+that day, impression or click, of that kind) and no name outlives the last-written counts key of its kind
+and day. The raw id text is the text ``stable_hash`` hashes: ``123`` and ``"123"`` are both ``123``.
+Readers (:meth:`DailyCounts.names`) look a member up in the days they read and, for a click counted just
+after midnight whose impression (and so its name) came the day before, one day earlier; a member with no
+name found (counted before names were kept, or by a caller that passed none) is shown by its hash.
+
 Expiry: a day's key expires ``ttl_days`` after the *end of its own day* (``day_start + (ttl_days +
 1) * 86400``), so in live traffic today's key is kept for ``ttl_days`` full days after midnight
 and a key never depends on when it happened to be written. That alone would make a replay of old
@@ -34,7 +47,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -104,12 +117,45 @@ def _nonnegative_ints(values: Sequence[object]) -> bool:
     return set(map(type, values)) <= {int} and min(cast("Sequence[int]", values), default=0) >= 0
 
 
-# KEYS[1] = the day key; ARGV = expire-at (unix s), then count, member, count, member, ...
+def _name_text(member: int | str, value: object) -> str:
+    """The text of a raw id as ``stable_hash`` hashes it (``123`` and ``"123"`` are both ``123``)."""
+    if isinstance(value, str):
+        if value:
+            return value
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0:
+        return str(int(value))
+    raise ValueError(f"argument 'names': the name of id {member!r} is {value!r}, expected the raw id (a non-negative "
+                     "integer or a non-empty string)")
+
+
+def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
+    """``names`` (id as given -> raw id) keyed by the id's member text, valued by the raw id's text."""
+    out = {}
+    for key, value in names.items():
+        if isinstance(key, str) and key:
+            text = key
+        elif isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)) and key >= 0:
+            text = str(int(key))
+        else:
+            raise ValueError(f"argument 'names': has the key {key!r}, expected an id as given in 'ids' (a non-negative "
+                             "integer or a non-empty string)")
+        out[text] = _name_text(key, value)
+    return out
+
+
+# KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day; ARGV = expire-at (unix s), the number
+# n of (count, member) pairs, those pairs, then (member, name) pairs. The names key gets the counts key's expiry.
+# Returns whether the names key existed before the call.
 _ZINCR_MANY = """
-for i = 2, #ARGV, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+local last = 2 + 2 * tonumber(ARGV[2])
+for i = 3, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[1], ARGV[1])
-return 0
+local had = redis.call('EXISTS', KEYS[2])
+for i = last + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('EXPIREAT', KEYS[2], ARGV[1])
+return had
 """
+_NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
 
 
 class DailyCounts:
@@ -126,12 +172,23 @@ class DailyCounts:
         self.future_s = float(future_s)
         self.future_dropped = 0  # events not counted: their time was too far ahead of the wall clock
         self._zincr_many: Any = None  # registered on first use
+        # Names this object has written, per names key: not sent again (a popular id is counted in every flush).
+        # Bounded by _NAMED_MAX in all (then forgotten, so sent once more); a names key found missing (deleted,
+        # evicted) forgets its entries, so the next flush that counts them names them again.
+        self._named: dict[str, set[str]] = {}
+        self._named_total = 0
 
     # -- keys -------------------------------------------------------------------------------------
     def key(self, kind: str, event: str, day: str) -> str:
         _check_kind_event(kind, event)
         _parse_day(day)
         return f"{self.prefix}:counts:{kind}:{event}:{day}"
+
+    def names_key(self, kind: str, day: str) -> str:
+        """The key of ``kind``'s names on ``day`` (member -> raw id text; see the module docstring)."""
+        _check_kind_event(kind, EVENTS[0])
+        _parse_day(day)
+        return f"{self.prefix}:names:{kind}:{day}"
 
     def expire_at(self, day_index: int, now_s: float | None = None) -> int:
         """Unix time (s) at which the key of day ``day_index`` (days since the epoch) expires."""
@@ -140,13 +197,18 @@ class DailyCounts:
         return max(own_day, int(now) + self.ttl_days * DAY_S)
 
     # -- writes -----------------------------------------------------------------------------------
-    def record(self, kind: str, event: str, ids: Sequence[int | str], ts_ms: Sequence[int] | np.ndarray) -> None:
+    def record(self, kind: str, event: str, ids: Sequence[int | str], ts_ms: Sequence[int] | np.ndarray,
+               names: Mapping[Any, int | str] | None = None) -> None:
         """Count ``ids[i]`` once on the UTC day of ``ts_ms[i]``; one Redis round trip per call.
 
         Counts are aggregated here first, then written with one non-transactional pipeline holding one
         script call per day key touched: the script runs ZINCRBY for each (member, count) pair it is
         given and sets EXPIREAT (redis-py spends ~5 us packing each command; the joiner touches tens of
         thousands of distinct ids per flush).
+
+        ``names`` maps ids (as given in ``ids``) to their raw ids: the name of each member counted is set
+        in the same script call, on the same day (ids missing from it get no name; extra entries are
+        ignored, so a name is only ever kept beside a count).
         """
         _check_kind_event(kind, event)
         id_list = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
@@ -186,13 +248,63 @@ class DailyCounts:
         args: dict[int, list[int | str]] = {}
         for (d, member), n in counts.items():
             args.setdefault(d, []).extend((n, member if text else str(member)))
+        days = {d: _day_str(d) for d in args}
+        named, skipped = self._names_to_send(kind, days, counts, names, text) if names else ({}, set())
         if self._zincr_many is None:
             self._zincr_many = self.client.register_script(_ZINCR_MANY)
         pipe = self.client.pipeline(transaction=False)
         for d, pairs in args.items():
-            key = f"{self.prefix}:counts:{kind}:{event}:{_day_str(d)}"
-            self._zincr_many(keys=[key], args=[self.expire_at(d, now), *pairs], client=pipe)
-        pipe.execute()
+            day = days[d]
+            keys = [f"{self.prefix}:counts:{kind}:{event}:{day}", f"{self.prefix}:names:{kind}:{day}"]
+            self._zincr_many(keys=keys, args=[self.expire_at(d, now), len(pairs) // 2, *pairs, *named.get(d, ())],
+                             client=pipe)
+        try:
+            had_names = pipe.execute()
+        except BaseException:  # the names sent may not be written: not remembered as written
+            for d in named:
+                self._forget_named(f"{self.prefix}:names:{kind}:{days[d]}")
+            raise
+        for d, had in zip(args, had_names, strict=True):
+            if not had and d in skipped:  # names skipped as written, but their key was gone (deleted, evicted)
+                self._forget_named(f"{self.prefix}:names:{kind}:{days[d]}")
+
+    def _names_to_send(self, kind: str, days: dict[int, str], counts: Counter[tuple[int, int | str]],
+                       names: Mapping[Any, int | str], text: bool) -> tuple[dict[int, list[str]], set[int]]:
+        """Per day, the (member, raw id text) pairs of the members counted that have a name in ``names`` and were
+        not named by this object before (``self._named``; those sent now are marked as named); and the days on
+        which some member was skipped as named before."""
+        by_text = _names_by_text(names) if text else None
+        written = {d: self._named.setdefault(f"{self.prefix}:names:{kind}:{day}", set()) for d, day in days.items()}
+        out: dict[int, list[str]] = {}
+        skipped: set[int] = set()
+        for d, member in counts:
+            done = written[d]
+            m = str(member)
+            if m in done:
+                skipped.add(d)
+                continue
+            if by_text is not None:
+                raw = by_text.get(m)
+            else:
+                given = names.get(member)
+                try:
+                    raw = None if given is None else _name_text(member, given)
+                except ValueError:  # nothing is sent: forget what this call marked as written
+                    for marked in out:
+                        self._forget_named(f"{self.prefix}:names:{kind}:{days[marked]}")
+                    raise
+            if raw is None:
+                continue
+            out.setdefault(d, []).extend((m, raw))
+            done.add(m)
+            self._named_total += 1
+        if self._named_total > _NAMED_MAX:
+            self._named.clear()
+            self._named_total = 0
+        return out, skipped
+
+    def _forget_named(self, key: str) -> None:
+        self._named_total -= len(self._named.pop(key, ()))
 
     # -- reads ------------------------------------------------------------------------------------
     def days_available(self, kind: str, event: str) -> list[str]:
@@ -245,3 +357,26 @@ class DailyCounts:
             pipe.delete(tmp)
             rows = pipe.execute()[2]
         return [(_text(member), float(score)) for member, score in rows]
+
+    def names(self, kind: str, members: Sequence[str], day: str, days: int = 1) -> dict[str, str]:
+        """The raw ids of ``members`` (as :meth:`top` returns them) that have a name: ``{member: raw id text}``.
+
+        Looks in ``kind``'s names of the ``days`` days ending at ``day`` and of the day before them (a click
+        just after midnight was named with its impression the day before), newest first; each further day is
+        asked only for the members still without a name, and the search stops once every member has one.
+        """
+        _check_kind_event(kind, EVENTS[0])
+        _check_positive_int("days", days)
+        end = _parse_day(day)
+        missing = list(dict.fromkeys(members))
+        found: dict[str, str] = {}
+        for i in range(int(days) + 1):
+            if not missing:
+                break
+            key = f"{self.prefix}:names:{kind}:{(end - dt.timedelta(days=i)).strftime('%Y%m%d')}"
+            values = cast("list[bytes | None]", self.client.hmget(key, missing))
+            for member, value in zip(missing, values, strict=True):
+                if value is not None:
+                    found[member] = _text(value)
+            missing = [m for m in missing if m not in found]
+        return found

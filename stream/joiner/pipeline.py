@@ -42,6 +42,7 @@ from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip, shown
 from stream.events import Click, Impression, decode_click, decode_impression
+from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner import metrics as m
 from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, hold_limits, input_of
@@ -161,6 +162,7 @@ class JoinPipeline:
         self.state_topic = state_topic(js.app_id)
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
         self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
         self._counts_flushed = time.monotonic()
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
@@ -407,7 +409,7 @@ class JoinPipeline:
         self._account(res)
         t1 = time.monotonic()
         stage["join"] += t1 - now
-        self._record_redis(res)
+        self._record_redis(res, imps)
         if res.samples:
             ps = [s.pending for s in res.samples]
             for p, hist in zip(ps, self.history.as_of([p.user for p in ps], [p.ts for p in ps]), strict=True):
@@ -464,14 +466,20 @@ class JoinPipeline:
         c["pending_impressions"] = sum(len(e.pending) for e in self.engines.values())
         m.record(res, positives, self.engines, c)
 
-    def _record_redis(self, res: BatchResult) -> None:
+    def _record_redis(self, res: BatchResult, imps: list[tuple[int, Impression]]) -> None:
         """History now (the next batch's impressions read it); counts aggregated for ``counts_flush_s``:
-        popular ids repeat, so one ZINCRBY covers many events (a crash loses at most that much counting)."""
+        popular ids repeat, so one ZINCRBY covers many events (a crash loses at most that much counting).
+        The raw ids of ``imps`` are kept (distinct) until the flush, which names the counted hashes with them."""
         def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
             got = self._counts_buffer.setdefault((kind, event), ([], []))
             got[0].extend(ids)
             got[1].extend(ts)
 
+        if imps:
+            users, items = self._names_buffer["user"], self._names_buffer["item"]
+            for _, ev in imps:
+                users.add(ev.user_id)
+                items.add(ev.item_id)
         if res.new_impressions:
             ts = [p.ts for p in res.new_impressions]
             buffer("item", "impression", [p.item for p in res.new_impressions], ts)
@@ -485,7 +493,12 @@ class JoinPipeline:
             self.flush_counts()
 
     def flush_counts(self) -> None:
+        """Write the buffered counts, each counted hash with its raw id where an impression since the last flush
+        carried it (a click's hash whose impression came earlier was named then)."""
+        names = {kind: {hash_value(raw): raw for raw in raws} for kind, raws in self._names_buffer.items()}
         for (kind, event), (ids, ts) in self._counts_buffer.items():
-            self.counts.record(kind, event, ids, ts)
+            self.counts.record(kind, event, ids, ts, names=names[kind])
         self._counts_buffer.clear()
+        for raws in self._names_buffer.values():
+            raws.clear()
         self._counts_flushed = time.monotonic()

@@ -1,4 +1,4 @@
-"""``streamrec counts``: the Redis day counts."""
+"""``streamrec counts``: the Redis day counts, shown by raw id (the hash only where no name is known)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,24 @@ from streamrec.commands.common import (
 from streamrec.settings import SettingsError
 
 
+def readable_id(raw: str | None, member: str) -> str:
+    """How an operator sees a counted id: its raw id (escaped where it holds unprintable characters), or
+    ``hash <member>`` where no name is known."""
+    if raw is None:
+        return f"hash {member}"
+    return raw if raw.isprintable() else ascii(raw)
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("counts", help="show the most frequent items or users of recent days (Redis)",
                        description="Read the per-day occurrence counts the joiner writes to Redis "
                        "({prefix}:counts:{kind}:{event}:{YYYYMMDD}, UTC days of event time) and print the top "
                        "k ids summed over --days consecutive days ending at --day (default: the latest day "
                        "with counts). These are the counts the nightly hot-embedding cache refresh and "
-                       "cold-start admission use. Ids are the stable hashes of the raw ids (stream/ids.py), "
-                       "the keys of the embedding rows.")
+                       "cold-start admission use. The counts are kept by the stable hashes of the raw ids "
+                       "(stream/ids.py, the keys of the embedding rows); each is shown by its raw id, from the names "
+                       "the joiner keeps beside the counts ({prefix}:names:{kind}:{YYYYMMDD}), or as 'hash N' "
+                       "where no name is known (counted before names were kept, or by a writer that passed none).")
     p.add_argument("action", choices=["top"])
     p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
     p.add_argument("--event", default="impression", choices=["impression", "click"],
@@ -57,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 available = counts.days_available(args.kind, args.event)
                 day = available[-1] if available else None
             rows = [] if day is None else counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)
+            names = counts.names(args.kind, [m for m, _ in rows], day=day, days=args.days) if rows else {}
         except ValueError as exc:  # a bad --day/--days/--k: a usage error, exit 2
             raise SettingsError(str(exc)) from None
         except (redis.RedisError, OSError) as exc:
@@ -72,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         "k": args.k,
         "redis_url": redact(rs.url),
         "prefix": rs.prefix,
-        "top": [{"id": member, "count": count} for member, count in rows],
+        # "id": the member counted (the raw id's stable hash, as before); "name": its raw id, null where none is known
+        "top": [{"id": member, "name": names.get(member), "count": count} for member, count in rows],
     }
 
     def human(d: dict[str, Any]) -> str:
@@ -81,9 +93,15 @@ def run(args: argparse.Namespace) -> int:
         head = (f"top {d['k']} {d['kind']}s by {d['event']}s over {d['days']} day(s) ending {d['day']} (UTC)")
         if not d["top"]:
             return head + "\n  none"
-        width = max(len(r["id"]) for r in d["top"])
-        return "\n".join([head, *(f"  {i:>3}. {r['id']:<{width}}  {r['count']:>12,.0f}"
-                                  for i, r in enumerate(d["top"], 1))])
+        shown = [readable_id(r["name"], r["id"]) for r in d["top"]]
+        width = max(map(len, shown))
+        lines = [head, *(f"  {i:>3}. {name:<{width}}  {r['count']:>12,.0f}"
+                         for i, (name, r) in enumerate(zip(shown, d["top"], strict=True), 1))]
+        unnamed = sum(r["name"] is None for r in d["top"])
+        if unnamed:
+            lines.append(f"  {unnamed} of {len(d['top'])} shown by hash: no name recorded beside the counts (counted "
+                         "before names were kept, by a writer that passed none, or the names expired)")
+        return "\n".join(lines)
 
     emit(args, summary, human)
     return EXIT_OK
