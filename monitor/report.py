@@ -359,7 +359,7 @@ class Plotter:
 
     def lines(self, ax: Any, curves: Mapping[str, Series], ylabel: str, title: str, *, logy: bool = False,
               scale: float = 1.0, step: bool = False, marker: str = ".",
-              ylim: tuple[float, float] | None = None) -> int:
+              ylim: tuple[float, float] | None = None, empty: str = "not recorded") -> int:
         n = 0
         self.timeline(ax)
         for label, (ts, vs) in curves.items():
@@ -379,7 +379,7 @@ class Plotter:
         if ylim is not None:
             ax.set_ylim(*ylim)
         if n == 0:
-            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color="gray")
         elif len(curves) > 1 or any(curves):
             ax.legend(fontsize=8, loc="best")
         return n
@@ -392,6 +392,7 @@ class Plotter:
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.tick_params(axis="x", labelsize=8)
+        ax.set_ylim(0, max([1.0, *vals]) * 1.15)
         ax.grid(True, axis="y", alpha=0.3)
         return len(vals)
 
@@ -724,7 +725,8 @@ def s_dlq(p: Plotter, inp: Inputs) -> Section:
     if jn:
         totals["join: dead-lettered"] = float(jn.get("dead_lettered", 0) or 0)
     fig, (a1, a2) = p.figure(2, 1)
-    sec.points = p.lines(a1, dlq, "messages (cumulative)", "Dead-lettered messages over time", step=True)
+    sec.points = p.lines(a1, dlq, "messages (cumulative)", "Dead-lettered messages over time", step=True,
+                         empty="none: no scraped stage dead-lettered a message")
     if totals:
         sec.points += p.bars(a2, totals, "messages", "Dead letters per stage (summaries)")
     else:
@@ -920,7 +922,9 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
     Returns the scrapes seen."""
     path, tty = Path(path), out.isatty()
     gap = 0.0 if tty else (10.0 if print_every_s is None else print_every_s)
-    pos, seen, prev, last_print, last, printed = 0, 0, None, -math.inf, "", ""
+    pos, seen, last_print, last, printed = 0, 0, -math.inf, "", ""
+    recent: list[tuple[float, list[Sample]]] = []  # rates over the last ~10 s: a gauge set once a second and
+    # scraped once a second would otherwise read 0/s between two of its updates
     tail = ""
     while True:
         running = alive()
@@ -938,8 +942,9 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
         *lines, tail = tail.split("\n")
         for line in _scrapes_of(lines, source):
             t, samples = line
-            last = f"{source}: {progress_line(samples, prev, t)}"
-            prev = (t, samples)
+            recent = [r for r in recent if r[0] >= t - 10.0]
+            last = f"{source}: {progress_line(samples, recent[0] if recent else None, t)}"
+            recent.append((t, samples))
             seen += 1
             if clock() - last_print >= gap:
                 out.write(("\r\033[K" if tty else "") + last + ("" if tty else "\n"))
