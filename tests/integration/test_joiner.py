@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -220,6 +221,75 @@ def test_two_workers_split_the_partitions_and_match_one(kafka: KafkaSettings, st
     assert all(s["events"] > 0 for s in summaries), "both workers must have had partitions"
     two = {r[0]: r[1] for r in read_samples(kafka)}
     assert len(two) == SYN.impressions and two == expected_join(stream_table, int(WINDOW_S * 1000)).labels
+
+
+def wait_for_samples(kafka: KafkaSettings, at_least: int, procs: list[subprocess.Popen], timeout_s: float = 90) -> int:
+    """Wait until the samples topic holds ``at_least`` messages; fails if a worker exits meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while (n := len(read_topic(kafka, kafka.samples_topic))) < at_least:
+        assert all(p.poll() is None for p in procs), "a worker exited early"
+        assert time.monotonic() < deadline, f"only {n} samples messages after {timeout_s:g} s"
+        time.sleep(0.3)
+    return n
+
+
+FAUST_REBALANCE = pytest.mark.xfail(strict=True, reason=(
+    "faust workers given partitions in a rebalance on the local broker seek to the committed offsets and then read "
+    "nothing (the documented Tansu high-watermark limit, stream/joiner/worker.py), then exit idle with the impressions "
+    "they restored never emitted: 7,320 of 9,000 lost on 2026-12-02. Use --driver kafka"))
+
+
+@pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=[pytest.mark.slow, FAUST_REBALANCE])])
+def test_a_worker_joining_and_one_killed_mid_stream_move_the_partitions_and_each_impression_keeps_its_label(
+        driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
+    # The stream comes in three parts, contiguous in event time: two workers join the first, a third joins the group
+    # as the second arrives (a rebalance), and one of the first two is SIGKILLed as the third arrives (its partitions
+    # move to the survivors once its session times out). A kill may re-emit a batch's samples (same impression id,
+    # the learner drops them); no impression may be lost or labelled otherwise than the truth. The survivors' idle
+    # exit (which drains what they hold) must come after the group has given them the killed worker's partitions:
+    # at 12 s it once did not (3,697 impressions of the killed worker's partitions never emitted), so 25 s.
+    parts = [build_synthetic(dataclasses.replace(SYN, impressions=3000, malformed_share=0.0,
+                                                 start_ts_ms=SYN.start_ts_ms + k * 150_000),
+                             ClickDelay(median_s=60.0), seed=20 + k) for k in range(3)]
+    env = join_env(kafka, stack.redis_url, group_id)
+    env["STREAMREC_JOINER_BATCH_MAX"] = "500"
+    publish(parts[0], kafka, "synthetic")
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([*join_cmd(group_id, driver, idle_s=25.0), "--log-level", "info"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first, second = start(), start()
+    procs = [first, second]
+    try:
+        n = wait_for_samples(kafka, 3, procs)
+        third = start()
+        procs.append(third)
+        publish(parts[1], kafka, "synthetic")
+        n = wait_for_samples(kafka, n + 3, procs)
+        os.kill(first.pid, signal.SIGKILL)
+        first.communicate()
+        publish(parts[2], kafka, "synthetic")
+        outs = [p.communicate(timeout=240) for p in (second, third)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert second.returncode == 0 and third.returncode == 0, [o[1][-2000:] for o in outs]
+    summaries = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert all(s["events"] > 0 for s in summaries), "the worker that joined mid-stream must have had partitions"
+    if driver == "kafka":  # after the kill, the survivors' last assignments cover all four partitions between them
+        last = [[line for line in o[1].splitlines() if "INFO streamrec.join: assigned" in line][-1] for o in outs]
+        assert all(any(f"('{kafka.impressions_topic}', {p})" in line for line in last) for p in range(4)), last
+    want: dict[str, int] = {}
+    for table in parts:
+        want.update(expected_join(table, int(WINDOW_S * 1000)).labels)
+    labels: dict[str, set[int]] = defaultdict(set)
+    for imp_id, label, *_ in read_samples(kafka):
+        labels[imp_id].add(label)
+    assert set(labels) == set(want), f"{len(set(want) - set(labels))} impressions lost"
+    assert {i: ls for i, ls in labels.items() if ls != {want[i]}} == {}  # duplicates (after the kill) agree
 
 
 def test_the_join_state_topic_is_created_compacted_and_an_existing_one_is_made_compacted(
