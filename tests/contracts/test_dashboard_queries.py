@@ -53,6 +53,8 @@ SHARES = {
     "streamrec_learner_cold_auc": "AUC",
     "streamrec_learner_warm_auc": "AUC",
     "streamrec_serving_hot_cache_hit_rate": "hot / (hot + cold) embedding row reads",
+    "streamrec_learner_field_coverage": "share of recent samples carrying the field",
+    "streamrec_learner_window_positive_rate": "share of positive labels among the recent samples trained",
 }
 # Gauges whose name looks like a share (SHARE_NAME) but whose value is not one, with the reason.
 NOT_SHARES: dict[str, str] = {}
