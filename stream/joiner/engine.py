@@ -185,6 +185,12 @@ class PartitionJoin:
     def watermark(self) -> int | None:
         return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms
 
+    def oldest_pending_ts(self) -> int | None:
+        """Event time of the oldest impression still inside its window (None: none is)."""
+        while self._expiry and self._expiry[0][1] not in self.pending:
+            heapq.heappop(self._expiry)  # left before its window closed (evicted in a restored chunk)
+        return self._expiry[0][0] - self.cfg.window_ms if self._expiry else None
+
     def reached(self, kind: int, ts: list[int]) -> int | None:
         """The event time input ``kind`` is at once ``ts`` are read too (its ``watermark_quorum``-th largest; None:
         fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""

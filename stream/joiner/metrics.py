@@ -21,6 +21,11 @@ CLICKS = PCounter("streamrec_join_clicks_total", "Clicks by outcome (joined, lat
 COVERAGE = Gauge("streamrec_join_click_coverage", "Clicks joined / clicks seen since the worker started.")
 PENDING = Gauge("streamrec_join_pending_impressions", "Impressions waiting inside their attribution window.")
 WATERMARK = Gauge("streamrec_join_watermark_ms", "Event-time watermark per partition.", ["partition"])
+OLDEST_PENDING = Gauge("streamrec_join_oldest_pending_age_seconds", "Event time from the oldest impression still "
+                       "inside its attribution window to the partition's impression input time, per partition (0: none "
+                       "waits). "
+                       "Above the window, expiry is stuck: the watermark is held back (a click input that stalled).",
+                       ["partition"])
 
 
 def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], totals: Counter[str]) -> None:
@@ -38,3 +43,5 @@ def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], 
     for p, eng in engines.items():
         if eng.watermark is not None:
             WATERMARK.labels(str(p)).set(eng.watermark)
+        oldest, newest = eng.oldest_pending_ts(), eng.topic_max[0]
+        OLDEST_PENDING.labels(str(p)).set(0.0 if oldest is None or newest is None else max(0, newest - oldest) / 1000)
