@@ -601,13 +601,14 @@ def s_memory(p: Plotter, inp: Inputs) -> Section:
                   "(streamrec_learner_memory_growth_bytes_per_hour, least-squares slope over 10 minutes; NaN, "
                   "so not drawn, for the first 5).")
     rec = inp.rec
-    mem = {**_named(series(rec, "streamrec_learner_rss_bytes"), "learner RSS"),
-           **_named(series(rec, "streamrec_learner_cuda_memory_bytes", by=("kind",)), "CUDA")}
+    mem = _set({**_named(series(rec, "streamrec_learner_rss_bytes"), "learner RSS"),
+                **_named(series(rec, "streamrec_learner_cuda_memory_bytes", by=("kind",)), "CUDA")})
     growth = {k: _finite(s) for k, s in
               series(rec, "streamrec_learner_memory_growth_bytes_per_hour", by=("memory",)).items()}
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, mem, "MiB", "Learner memory", scale=2**20)
-    p.lines(a2, growth, "MiB per hour", "Learner memory growth rate", scale=2**20)
+    p.lines(a2, growth, "MiB per hour", "Learner memory growth rate", scale=2**20,
+            empty="no finite value: NaN until the learner's memory samples span 5 minutes")
     sec.png = p.png(fig)
     if not mem:
         sec.missing.append(_missing(["streamrec_learner_rss_bytes"], "the learner (learner/health.py)"))
