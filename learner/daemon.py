@@ -73,6 +73,9 @@ log = logging.getLogger("streamrec.train")
 AUC = Gauge("streamrec_learner_progressive_auc", "Progressive (test-then-train) AUC since the first sample.")
 LOGLOSS = Gauge("streamrec_learner_progressive_logloss", "Progressive logloss since the first sample.")
 WINDOW_AUC = Gauge("streamrec_learner_window_auc", "Progressive AUC over the recent window.")
+EVENT_TIME = Gauge("streamrec_learner_event_time_seconds", "Event time (Unix seconds) of the newest sample trained: "
+                   "the time axis of what the learner saw (a replay's is years ago; live, wall time minus this is "
+                   "how far training trails the stream).")
 SAMPLES = PCounter("streamrec_learner_samples_total", "Samples trained.")
 DUPLICATES = PCounter("streamrec_learner_duplicates_total", "Duplicate samples dropped.")
 LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
@@ -232,6 +235,7 @@ class Learner:
         self.deltas: DeltaWriter | None = None  # serving freshness, built with the model (learner/deltas.py)
         self.mapper: RowMapper | None = None  # dynamic ids -> rows (built with the model)
         self._event_now: float | None = None  # event time of the newest trained sample (s)
+        self._event_newest = 0.0  # event time of the newest sample trained (s)
         self.cold = ColdTracker(ls.cold_k)
         self.cold_metrics = ProgressiveMetrics(window=ls.metrics_window // 10 or 1)
         self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
@@ -469,6 +473,8 @@ class Learner:
                 self.coverage.observe(kept)  # before the ids are mapped to rows (it reads MISSING)
             now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
             self._event_now = now
+            self._event_newest = max(self._event_newest, now)  # merged partitions interleave a little
+            EVENT_TIME.set(self._event_newest)
             users = user_keys(kept, self.cfg) if self.cfg is not None else None
             impressions = None if kept.kinds is None else kept.kinds != DELAYED_POSITIVE  # a click is no sighting
             cold = self.cold.cold(users, now, impressions) if users is not None else None

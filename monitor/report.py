@@ -441,18 +441,20 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
                   "Each impression's first prediction (made before the learner trained on it) against the label it "
                   "ended with: streamrec_learner_served_auc (window) and streamrec_learner_served_ne (cumulative; "
                   ">= 1 is no better than predicting the click rate), with the learner's test-then-train "
-                  "streamrec_learner_window_auc for reference. Wall-clock x axis: the learner exports no event "
-                  "time; a replay feeds it in event-time order.")
+                  "streamrec_learner_window_auc for reference, first over wall-clock time, then (bottom) over event "
+                  "time: each scrape's values against streamrec_learner_event_time_seconds, the event time of the "
+                  "newest sample trained at that scrape.")
     rec = inp.rec
     auc = _set({**_named(series(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
                 **_named(series(rec, "streamrec_learner_window_auc"), "progressive AUC (window, trained samples)")})
     ne = _set(_named(series(rec, "streamrec_learner_served_ne"), "served NE (cumulative)"))
-    fig, (a1, a2) = p.figure(2, 1)
+    fig, (a1, a2, a3) = p.figure(3, 1)
     sec.points = p.lines(a1, auc, "AUC", "Served AUC over time (learner)") + p.lines(
         a2, ne, "NE (logloss / base-rate entropy)", "Served normalized entropy over time (learner)")
     if ne:
         a2.axhline(1.0, color="red", linestyle=":", linewidth=1, label="1 = no better than the base rate")
         a2.legend(fontsize=8, loc="best")
+    sec.points += event_time_plot(a3, rec, {**auc, **ne})
     sec.png = p.png(fig)
     if not auc and not ne:
         sec.missing.append(_missing(["streamrec_learner_served_auc", "streamrec_learner_served_ne"],
@@ -462,6 +464,37 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
         sec.facts.append(f"Final served quality (train summary, {sv['impressions']:,} impressions): AUC "
                          f"{fmt_num(sv.get('auc'))}, logloss {fmt_num(sv.get('logloss'))}, NE {fmt_num(sv.get('ne'))}")
     return sec
+
+
+def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> int:
+    """``curves`` (values at scrape times) against the learner's event time at the same scrapes; NE on a second
+    axis. Returns the points drawn."""
+    clock = dict(zip(*next(iter(series(rec, "streamrec_learner_event_time_seconds").values()), ([], [])),
+                     strict=True))
+    n = 0
+    right = ax.twinx()
+    for i, (label, (ts, vs)) in enumerate(curves.items()):
+        pts = [(dt.datetime.fromtimestamp(clock[t], dt.timezone.utc), v) for t, v in zip(ts, vs, strict=True)
+               if clock.get(t, 0) > 0]
+        if not pts:
+            continue
+        on = right if "NE" in label else ax
+        on.plot([x for x, _ in pts], [y for _, y in pts], marker=".", markersize=3, linewidth=1.2, label=label,
+                color=f"C{i}")
+        n += len(pts)
+    ax.set_title("Served AUC (left) and NE (right) over event time (learner)", fontsize=10)
+    ax.set_xlabel("event time of the newest sample trained (UTC)")
+    ax.set_ylabel("AUC")
+    right.set_ylabel("NE")
+    ax.grid(True, alpha=0.3)
+    if n == 0:
+        ax.text(0.5, 0.5, "not recorded: streamrec_learner_event_time_seconds", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+    else:
+        handles = [h for a in (ax, right) for h in a.get_legend_handles_labels()[0]]
+        ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="best")
+        ax.tick_params(axis="x", labelrotation=15)
+    return n
 
 
 def s_cold(p: Plotter, inp: Inputs) -> Section:

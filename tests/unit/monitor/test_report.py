@@ -192,3 +192,22 @@ def test_progress_lines_follow_one_source(tmp_path: Path) -> None:
     out = Out()
     assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 2  # type: ignore[arg-type]
     assert out[-1] == "learner: 500 samples trained (500/s), 7 messages behind, served AUC 0.7000\n"
+
+
+def test_served_quality_is_drawn_over_the_learners_event_time_at_the_same_scrapes(tmp_path: Path) -> None:
+    event_s = 978_300_760  # a replay's event time: December 2000
+    texts = [learner_text(100 * i, 0.6 + 0.02 * i, (0, 0, 0), 0.0)
+             + ("" if i == 0 else f"streamrec_learner_event_time_seconds {event_s + 3600 * i}\n") for i in range(5)]
+    rec = report.read_run_log(run_monitor(tmp_path, texts))
+    plotter = report.Plotter(rec.t0, 10.0)
+    fig, (ax,) = plotter.figure(1, 1)
+    auc = report.series(rec, "streamrec_learner_served_auc")
+    assert report.event_time_plot(ax, rec, auc) == 4  # every scrape with an event time: the first had none
+    (line,) = ax.get_lines()
+    import matplotlib.dates as mdates
+
+    xs = [mdates.num2date(x).timestamp() for x in line.get_xdata(orig=False)]
+    assert xs == [float(event_s + 3600 * i) for i in range(1, 5)]  # x is event time, not the scrape's wall time
+    assert list(line.get_ydata()) == pytest.approx([0.62, 0.64, 0.66, 0.68])
+    fig2, (ax2,) = plotter.figure(1, 1)
+    assert report.event_time_plot(ax2, report.read_run_log(run_monitor(tmp_path / "none", texts[:1])), auc) == 0
