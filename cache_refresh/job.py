@@ -61,7 +61,7 @@ from typing import Any
 
 import redis
 
-from cache_refresh import hot_set, validate
+from cache_refresh import hot_set, metrics, validate
 from cache_refresh.publish import PinHeld, clean_leftovers, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
@@ -193,14 +193,21 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     docstring). Either way the run holds the publish root's lock and cleans what killed runs left first.
     """
     root = Path(rs.publish_root)
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(refresh_lock(root))
-        except artifact.ArtifactError as exc:  # another run holds it, or the root cannot be opened
-            err = RefreshError("lock", str(exc))
-            raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
-            raise err from exc
-        return _run_locked(rs, kafka, rds, sleep, respect_pin)
+    t0 = time.monotonic()
+    try:
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(refresh_lock(root))
+            except artifact.ArtifactError as exc:  # another run holds it, or the root cannot be opened
+                err = RefreshError("lock", str(exc))
+                raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
+                raise err from exc
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin)
+    except RefreshError as exc:
+        metrics.observe(None, time.monotonic() - t0, exc.stage)
+        raise
+    metrics.observe(summary, time.monotonic() - t0)
+    return summary
 
 
 def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings) -> dict[str, Any] | None:

@@ -56,6 +56,10 @@ class RefreshSettings:
     # artifacts are unsigned.
     signing_key_file: Path | None = None
     log_level: str = "info"
+    # The scheduler serves Prometheus /metrics (cache_refresh/metrics.py: runs by outcome, last success, duration,
+    # hot set) on this port while it runs; None: none. A one-shot --now reports through its summary and exit code.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # loopback; 0.0.0.0 exposes it to the network
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", ArtifactFormat.of(self.format, "[refresh] format"))

@@ -108,6 +108,10 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     def scheduled() -> None:
         job.scheduled_run(rs, kafka, rds)  # respects a rollback pin; failures are logged and alerted
 
+    if rs.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(rs.metrics_port, addr=rs.metrics_host)
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, job.read_last_success(Path(rs.publish_root)))
     return EXIT_OK
@@ -134,7 +138,7 @@ def add_parser(sub: Any) -> None:
         "left (staged directories, temp files).",
         epilog="Settings: [refresh] in --config and STREAMREC_REFRESH_<KEY> (checkpoint_dir, publish_root, days, "
         "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
-        "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic). "
+        "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic, metrics_port). "
         "Exit codes: 0 ok, 1 failed, 2 usage. Examples: streamrec refresh --now --json; "
         "streamrec refresh --rollback; streamrec refresh --status --json")
     mode = p.add_mutually_exclusive_group()

@@ -55,6 +55,7 @@ SHARES = {
     "streamrec_serving_hot_cache_hit_rate": "hot / (hot + cold) embedding row reads",
     "streamrec_learner_field_coverage": "share of recent samples carrying the field",
     "streamrec_learner_window_positive_rate": "share of positive labels among the recent samples trained",
+    "streamrec_refresh_hot_share_of_table": "share of the table's rows held hot",
 }
 # Gauges whose name looks like a share (SHARE_NAME) but whose value is not one, with the reason.
 NOT_SHARES: dict[str, str] = {}
@@ -332,12 +333,14 @@ def _metrics_endpoints() -> dict[str, str]:
         "joiner": f"joiner:{svc['joiner']['environment']['STREAMREC_JOINER_METRICS_PORT']}",
         "learner": f"learner:{svc['learner']['environment']['STREAMREC_LEARNER_METRICS_PORT']}",
         "serving": f"serving:{_flag(svc['serving']['command'], '--port')}",
+        "refresh": f"refresh:{svc['refresh']['environment']['STREAMREC_REFRESH_METRICS_PORT']}",
     }
     assert _flag(monitor, "--metrics-port"), "the compose monitor serves no metrics (--metrics-port)"
     assert _flag(monitor, "--metrics-host") == "0.0.0.0", "the monitor's metrics bind loopback: Prometheus can't"
     endpoints["monitor"] = f"monitor:{_flag(monitor, '--metrics-port')}"
     assert svc["joiner"]["environment"]["STREAMREC_JOINER_METRICS_HOST"] == "0.0.0.0"
     assert svc["learner"]["environment"]["STREAMREC_LEARNER_METRICS_HOST"] == "0.0.0.0"
+    assert svc["refresh"]["environment"]["STREAMREC_REFRESH_METRICS_HOST"] == "0.0.0.0"
     assert _flag(svc["serving"]["command"], "--host") == "0.0.0.0"
     return endpoints
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+from prometheus_client import REGISTRY
 
 from cache_refresh import job, validate
 from cache_refresh.scheduler import build_scheduler, make_trigger, missed_run
@@ -233,9 +236,12 @@ def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) 
     live = job.run_once(rs, kafka, rds)
     dead = dataclasses.replace(rds, url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     waits: list[float] = []
+    failed = REGISTRY.get_sample_value("streamrec_refresh_runs_total", {"outcome": "failed", "stage": "hot_set"}) or 0
     with pytest.raises(job.RefreshError, match="at hot_set: .*unreachable after 3 attempt"):
         job.run_once(rs, kafka, dead, sleep=waits.append)
     assert waits == [0.01, 0.02]  # exponential backoff between the 3 attempts
+    assert REGISTRY.get_sample_value("streamrec_refresh_runs_total", {"outcome": "failed", "stage": "hot_set"}) \
+        == failed + 1  # counted by stage (cache_refresh/metrics.py)
     _assert_nothing_published(rs, Path(live["path"]), [live["version"]])
     assert [a["labels"]["stage"] for a in read_alerts(kafka, rs.alerts_topic)] == ["hot_set"]
     # the CLI says so and exits 1
@@ -314,8 +320,10 @@ def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_pat
     rs, kafka, rds = env
     cfg = config_file(tmp_path / "c.toml", dataclasses.replace(rs, schedule="* * * * *", misfire_grace_s=120),
                       kafka, rds)
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "refresh", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, STREAMREC_REFRESH_METRICS_PORT=str(port)))
     try:
         deadline = time.monotonic() + 45
         while artifact.read_current(rs.publish_root) is None and time.monotonic() < deadline:
@@ -323,6 +331,13 @@ def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_pat
             time.sleep(0.2)
         assert artifact.read_current(rs.publish_root) is not None
         assert job.read_last_success(rs.publish_root) is not None
+        # the scheduler serves its metrics while it runs: the published run is counted, with its time and hot set
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+                  if line.startswith("streamrec_refresh_")}
+        assert values['streamrec_refresh_runs_total{outcome="published",stage=""}'] >= 1
+        assert values["streamrec_refresh_last_success_timestamp_seconds"] > time.time() - 120
+        assert values["streamrec_refresh_hot_rows"] > 0 and values["streamrec_refresh_duration_seconds"] > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)

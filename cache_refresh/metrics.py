@@ -1,0 +1,46 @@
+"""Prometheus metrics of the refresh job: each run's outcome, duration and hot set, and the last success.
+
+Set by :func:`cache_refresh.job.run_once` (every run: the schedule's and ``--now``'s); served while the scheduler
+runs with ``[refresh] metrics_port`` (``cache_refresh.scheduler.run_forever``). A one-shot ``--now`` exits with its
+summary and exit code instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+RUNS = Counter("streamrec_refresh_runs_total", "Refresh runs by outcome: published, held (validated, not published "
+               "over a rollback pin) or failed (by stage; published nothing, the live artifact kept serving).",
+               ["outcome", "stage"])
+LAST_SUCCESS = Gauge("streamrec_refresh_last_success_timestamp_seconds", "Unix time the last refresh published an "
+                     "artifact (0: none since this process started). Its age is how stale the serving model is.")
+LAST_RUN = Gauge("streamrec_refresh_last_run_timestamp_seconds", "Unix time the last refresh run ended, whatever its "
+                 "outcome.")
+DURATION = Gauge("streamrec_refresh_duration_seconds", "How long the last refresh run took (s).")
+HOT_ROWS = Gauge("streamrec_refresh_hot_rows", "Rows of the last published artifact's hot set (in the scorer's "
+                 "memory; the rest is read from the memory-mapped cold rows).")
+HOT_SHARE = Gauge("streamrec_refresh_hot_share_of_table", "Share of the embedding table's rows that the last "
+                  "published artifact holds hot.")
+
+
+def observe(summary: dict[str, Any] | None, seconds: float, failed_stage: str | None = None) -> None:
+    """Record one run: its summary (None when it failed at ``failed_stage``) and how long it took."""
+    now = time.time()
+    LAST_RUN.set(now)
+    DURATION.set(seconds)
+    if summary is None:
+        RUNS.labels("failed", failed_stage or "unknown").inc()
+        return
+    if not summary.get("published"):
+        RUNS.labels("held", "publish").inc()
+        return
+    RUNS.labels("published", "").inc()
+    LAST_SUCCESS.set(now)
+    hot = summary.get("hot_set") or {}
+    if isinstance(hot.get("rows"), (int, float)):
+        HOT_ROWS.set(hot["rows"])
+    if isinstance(hot.get("share_of_table"), (int, float)):
+        HOT_SHARE.set(hot["share_of_table"])
