@@ -34,6 +34,10 @@ class ReplaySettings:
     click_delay_sigma: float = 1.0
     linger_ms: int = 20
     progress: bool = True
+    # Serve Prometheus /metrics (streamrec_events_total{stage="replay"}, counted as each chunk goes out) on this port
+    # while the replay runs; None: none. A paced replay (rate, speed) may run for hours.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # loopback; 0.0.0.0 exposes it to the network
 
     @property
     def click_delay(self) -> ClickDelay:

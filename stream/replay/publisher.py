@@ -185,6 +185,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
 
     pacer = Pacer(rate, speed, summary.first_ts or 0)  # its clock starts with the first event
+    counters = {IMPRESSION: EVENTS.labels("replay", imp_topic), CLICK: EVENTS.labels("replay", click_topic)}
     reported = 0
     for start in range(0, len(kinds), CHUNK):
         stop = min(start + CHUNK, len(kinds))
@@ -204,6 +205,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                 else:
                     producer.send(topics_l[j], values_l[j], keys_l[j])
                 _count(summary, kinds_l[j], dead_l[j])
+                if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
+                    counters[kinds_l[j]].inc()
                 if n % 5000 == 0:
                     producer.poll()
                     if progress is not None and n:
@@ -224,6 +227,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             cut = j + 1
         summary.impressions += int(np.count_nonzero(is_imp))
         summary.clicks += int(np.count_nonzero(is_click))
+        _count_events(imp_topic, click_topic, is_imp, is_click)
         n_dead = int(np.count_nonzero(dead_c))
         summary.dead_lettered += n_dead
         summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
@@ -239,9 +243,13 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         progress(total - reported)
     summary.events_per_s = total / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
     summary.acked = dict(sorted(report.acked.items()))
-    EVENTS.labels("replay", imp_topic).inc(summary.impressions)
-    EVENTS.labels("replay", click_topic).inc(summary.clicks)
     return summary
+
+
+def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click: np.ndarray) -> None:
+    """``streamrec_events_total{stage="replay"}`` as each unpaced chunk goes out."""
+    EVENTS.labels("replay", imp_topic).inc(int(np.count_nonzero(is_imp)))
+    EVENTS.labels("replay", click_topic).inc(int(np.count_nonzero(is_click)))
 
 
 def _chunk_values(encoder: EventEncoder, raw: list[RawMessage], kinds: np.ndarray, indexes: np.ndarray

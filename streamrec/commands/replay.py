@@ -43,6 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--click-delay-sigma", type=float, help="lognormal sigma of log(delay) "
                    f"(default {ReplaySettings.click_delay_sigma})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics (events replayed) on this port")
     add_kafka_flag(p)
     g = p.add_argument_group("synthetic data set (--dataset synthetic)")
     for f in dataclasses.fields(SyntheticSettings):
@@ -77,7 +78,11 @@ def run(args: argparse.Namespace) -> int:
     rs = src.build(ReplaySettings, "replay", dataset=args.dataset, limit=args.limit, rate=args.rate,
                    speed=args.speed, seed=args.seed, click_delay_kind=args.click_delay,
                    click_delay_median_s=args.click_delay_median_s, click_delay_sigma=args.click_delay_sigma,
-                   progress=False if args.no_progress else None)
+                   progress=False if args.no_progress else None, metrics_port=args.metrics_port)
+    if rs.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(rs.metrics_port, addr=rs.metrics_host)
     table = load_source(rs, args, src)
     update, close = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
     try:

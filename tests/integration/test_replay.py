@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import urllib.request
 from collections import defaultdict
 
 import numpy as np
@@ -18,6 +22,7 @@ from stream.replay.movielens import CLICK_MIN_RATING, load_movielens, read_movie
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.cli import main
+from streamrec.stack import free_port
 from tests.kafka_io import read_topic
 
 
@@ -95,3 +100,30 @@ def test_synthetic_replay_is_deterministic_by_seed(kafka: KafkaSettings) -> None
     again = build_synthetic(s, ClickDelay(), seed=11)
     assert [orjson.loads(v)["impression_id"] for v in first][:3] == sorted(again.impression_id.tolist())[:3]
     assert len(first) == 2000
+
+
+def test_a_paced_replay_serves_its_event_counts_while_it_runs(kafka: KafkaSettings) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--dataset", "ml-100k", "--limit", "400",
+                             "--rate", "100", "--no-progress", "--metrics-port", str(port),
+                             "--bootstrap-servers", kafka.bootstrap_servers],
+                            env={**os.environ, "STREAMREC_KAFKA_IMPRESSIONS_TOPIC": kafka.impressions_topic,
+                                 "STREAMREC_KAFKA_CLICKS_TOPIC": kafka.clicks_topic},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    series = f'streamrec_events_total{{stage="replay",topic="{kafka.impressions_topic}"}}'
+    seen: list[float] = []
+    try:
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:  # ~600 events at 100/s: ~6 s
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                seen += [float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")]
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # counted as the events go out, not once at the end: several distinct values were scraped mid-run
+    assert len(set(seen)) >= 3 and seen == sorted(seen) and 0 < seen[-1] <= 400
