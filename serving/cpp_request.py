@@ -1,0 +1,94 @@
+"""A scoring request as the C++ loader's input files (serving/cpp/score.cpp): the scorer's row tensors as .npy.
+
+The C++ program (``streamrec_score score VERSION_DIR REQUEST_DIR``) does what ``serving.model.ScoringModel.score``
+does from the row tensors on; everything before them (request parsing, BLAKE2b feature hashing, the
+artifact's id maps) stays here, in the Python that serving runs. :func:`encode_request` turns a request
+into exactly what ``serving/app.py`` hands the model, :func:`write_inputs` writes it::
+
+    REQUEST_DIR/values.npy   (N,) int64           global rows of the fused table, field-major bags
+    REQUEST_DIR/offsets.npy  (F * B + 1,) int64   bag starts (include_last_offset layout)
+    REQUEST_DIR/dense.npy    (B, Dd) float32      dense features in the feature config's order
+
+Plain little-endian, C-order .npy (format 1.0): the C++ side maps them with a ~60-line reader, the same one
+that maps the artifact's ``cold_rows.npy``.
+
+    python -m serving.cpp_request VERSION_DIR REQUEST_JSON OUT_DIR [--history ITEM ...] [--scores]
+
+writes the files for a JSON request (a file, or ``-`` for stdin) with the user's clicked items (raw ids,
+oldest first: what the joiner keeps in Redis, hashed here); ``--scores`` also prints the Python scores, one
+per line in the C++ program's format, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from serving.features import FeatureEncoder
+from serving.model import ScoringModel
+from serving.request import decode_json, parse_request
+from stream.features import hash_value
+
+FILES = ("values.npy", "offsets.npy", "dense.npy")
+
+
+def encode_request(model: ScoringModel, body: bytes | dict[str, Any], history: Sequence[int],
+                   max_candidates: int = 1000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(values, offsets, dense)`` for one request, as ``ScoringApp._run`` computes them.
+
+    ``history``: the user's clicked items' hashes, oldest first (what ``stream.history.UserHistory`` reads)."""
+    obj = decode_json(body) if isinstance(body, bytes) else body
+    req = parse_request(obj, max_candidates)
+    return FeatureEncoder(model).encode(req, list(history))
+
+
+def write_inputs(out_dir: Path, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> Path:
+    """Write the scorer's inputs as the C++ loader reads them; returns ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arrays = (np.ascontiguousarray(values, dtype="<i8"), np.ascontiguousarray(offsets, dtype="<i8"),
+              np.ascontiguousarray(dense, dtype="<f4"))
+    for name, arr in zip(FILES, arrays, strict=True):
+        np.save(out_dir / name, arr, allow_pickle=False)
+    return out_dir
+
+
+def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    values, offsets, dense = (np.load(Path(in_dir) / name, allow_pickle=False) for name in FILES)
+    return values, offsets, dense
+
+
+def python_scores(model: ScoringModel, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> np.ndarray:
+    """(B,) float32: what serving answers for these inputs (``ScoringModel.score``)."""
+    return model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense)).numpy()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serving.cpp_request",
+                                 description="Write a scoring request's row tensors for serving/cpp's streamrec_score.")
+    ap.add_argument("version_dir", type=Path, help="an artifact version directory (contains manifest.json)")
+    ap.add_argument("request", help="the JSON request body (POST /v1/score), a file or - for stdin")
+    ap.add_argument("out_dir", type=Path, help="where values.npy, offsets.npy and dense.npy go")
+    ap.add_argument("--history", nargs="*", default=[], metavar="ITEM",
+                    help="the user's clicked item ids, oldest first (raw ids, hashed like the joiner's)")
+    ap.add_argument("--scores", action="store_true", help="also print the Python scores (%%.9g, one per line)")
+    args = ap.parse_args(argv)
+    body = sys.stdin.buffer.read() if args.request == "-" else Path(args.request).read_bytes()
+    model = ScoringModel.load(args.version_dir)
+    history = [hash_value(item) for item in args.history]
+    values, offsets, dense = encode_request(model, body, history)
+    write_inputs(args.out_dir, values, offsets, dense)
+    if args.scores:
+        for p in python_scores(model, values, offsets, dense):
+            print(f"{float(p):.9g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
