@@ -15,12 +15,13 @@ Layout under a publish root::
                                          offsets), feature_config, model settings, hot-set stats,
                                          format, scorer settings, files {name: {sha256, bytes}},
                                          signature (when the refresh has a signing key)
-        scorer.pt | scorer.pt2 | scorer_state.pt | scorer.safetensors
-                                         the scorer (torchscript | export | eager | safetensors)
+        scorer.pt | scorer.pt2 | scorer_state.pt | scorer.safetensors | scorer.onnx + scorer.safetensors
+                                         the scorer (torchscript | export | eager | safetensors | onnx: the
+                                         dense graph and the tensors beside it, learner/onnx_scorer.py)
         cold_rows.npy                    float32 (num_rows, D + 1): the whole fused table, memory-mapped
         id_maps.pt | id_maps.pack        dynamic ids only: the learner's id maps (learner/row_mapper.py), a
-                                         weights-only torch.save, or (safetensors artifacts) a
-                                         learner.tensorpack: a safetensors artifact unpickles nothing
+                                         weights-only torch.save, or (safetensors and onnx artifacts) a
+                                         learner.tensorpack: such an artifact unpickles nothing
     <root>/.staging/<version>-<pid>/     an artifact being built; never read by serving
 
 Every file serving reads is listed in the manifest's ``files`` and checked (size, sha256) before any of
@@ -68,7 +69,16 @@ import torch
 from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
-from learner.scorer import FORMATS, SCORER_FILES, Scorer, ScorerSpec, hot_buffers, save_scorer
+from learner.scorer import (
+    FORMATS,
+    PICKLE_FREE_FORMATS,
+    SCORER_EXTRA_FILES,
+    SCORER_FILES,
+    Scorer,
+    ScorerSpec,
+    hot_buffers,
+    save_scorer,
+)
 from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.errors import StreamrecError
 from stream.files import fsync_dir, sha256_file, write_synced
@@ -209,13 +219,13 @@ def _check_files(files: Any, fmt: str, bad: Any) -> None:
         if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and _SHA_RE.fullmatch(want["sha256"])
                 and _int(want.get("bytes")) and want["bytes"] >= 0):
             raise bad(f"files[{name!r}] is {_show(want)}, expected {{sha256: 64 hex digits, bytes: integer >= 0}}")
-    for needed in (SCORER_FILES[fmt], COLD_FILE):
+    for needed in (SCORER_FILES[fmt], *SCORER_EXTRA_FILES.get(fmt, ()), COLD_FILE):
         if needed not in files:
             raise bad(f"files does not list {needed}, which a {fmt} artifact reads")
     if ID_MAPS_FILE in files and ID_MAPS_PACK in files:
         raise bad(f"files lists both {ID_MAPS_FILE} and {ID_MAPS_PACK}; an artifact has one id maps file")
-    if fmt == "safetensors" and ID_MAPS_FILE in files:
-        raise bad(f"files lists {ID_MAPS_FILE}, a pickle, in a safetensors artifact (which unpickles nothing; its id "
+    if fmt in PICKLE_FREE_FORMATS and ID_MAPS_FILE in files:
+        raise bad(f"files lists {ID_MAPS_FILE}, a pickle, in a {fmt} artifact (which unpickles nothing; its id "
                   f"maps are {ID_MAPS_PACK})")
 
 
@@ -396,9 +406,9 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
         scorer_file = SCORER_FILES[format]
         save_scorer(scorer, format, staged / scorer_file, spec, cfg)
         write_synced(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
-        names = [scorer_file, COLD_FILE]
+        names = [scorer_file, *SCORER_EXTRA_FILES.get(format, ()), COLD_FILE]
         if checkpoint.get("id_maps"):  # dynamic ids: serving maps raw ids to the rows the learner used
-            if format == "safetensors":  # nothing of a safetensors artifact is a pickle
+            if format in PICKLE_FREE_FORMATS:  # nothing of a safetensors (or onnx) artifact is a pickle
                 data = pack(checkpoint["id_maps"])
                 write_synced(staged / ID_MAPS_PACK, lambda fh: fh.write(data))
                 names.append(ID_MAPS_PACK)

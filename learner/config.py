@@ -113,6 +113,7 @@ class ArtifactFormat(Choice):
     EXPORT = "export"
     EAGER = "eager"
     SAFETENSORS = "safetensors"  # tensors only, rebuilt from the manifest's ScorerSpec: nothing is unpickled
+    ONNX = "onnx"  # the dense part (FM + MLP) run by ONNX Runtime, tensors as safetensors (learner/onnx_scorer.py)
 
 
 class IdInit(Choice):

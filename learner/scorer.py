@@ -12,7 +12,7 @@ rows) and handed in::
 ``given_mask[i]`` says "use ``given_rows[i]``" (a cold row or a delta override); otherwise the row is
 looked up among the hot rows with a vectorized ``searchsorted``. Pooling is ``F.embedding_bag`` (mean)
 over the gathered vectors, so bags are pooled exactly as the learner's fused ``nn.EmbeddingBag`` pools
-them. The same ``Scorer`` class is stored four ways behind one interface (:func:`save_scorer`,
+them. The same ``Scorer`` class is stored five ways behind one interface (:func:`save_scorer`,
 :func:`load_scorer`):
 
 * ``torchscript`` (default) - ``torch.jit.script`` + ``torch.jit.save``;
@@ -22,7 +22,9 @@ them. The same ``Scorer`` class is stored four ways behind one interface (:func:
 * ``safetensors`` - the same state dict as a safetensors file (a JSON header and raw tensor bytes), rebuilt
   into a plain ``nn.Module`` from the manifest's typed :class:`ScorerSpec`: loading it unpickles nothing
   and runs no stored code (TorchScript and export load code the artifact carries; ``eager`` is a
-  weights-only pickle). The format of a deployment that trusts nothing but the bytes of tensors.
+  weights-only pickle). The format of a deployment that trusts nothing but the bytes of tensors;
+* ``onnx`` - the pooling in torch, the dense part (FM + MLP) as an ONNX graph run by ONNX Runtime on the
+  CPU, the tensors as safetensors beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``).
 
 Scoring runs in fp32. The learner's forward may run its dense part under bf16 autocast; the reference
 an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
@@ -51,7 +53,11 @@ from stream.files import write_synced
 
 FORMATS = tuple(f.value for f in ArtifactFormat)
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt",
-                "safetensors": "scorer.safetensors"}
+                "safetensors": "scorer.safetensors", "onnx": "scorer.onnx"}
+# Files a format reads beside SCORER_FILES[fmt] (listed and checked in the manifest like it): ``onnx`` keeps the
+# scorer's tensors (hot rows, dense weights) as safetensors next to the dense graph (learner/onnx_scorer.py).
+SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",)}
+PICKLE_FREE_FORMATS = ("safetensors", "onnx")  # formats whose every file loads without unpickling
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 
 
@@ -103,17 +109,23 @@ class Scorer(nn.Module):
         self.register_buffer("hot_ids", hot_ids)  # (H + 1,) int64 sorted, last = sentinel
         self.register_buffer("hot_vectors", hot_vectors)  # (H + 1, D + 1) float32, last = zeros
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
-                given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
-        hot_ids, hot_vectors, cal = self.hot_ids, self.hot_vectors, self.calibration
+    def pool(self, values: torch.Tensor, offsets: torch.Tensor, given_rows: torch.Tensor,
+             given_mask: torch.Tensor) -> torch.Tensor:
+        """The mean-pooled bags (B, F, D + 1): hot rows looked up, ``given_rows`` where ``given_mask``."""
+        hot_ids, hot_vectors = self.hot_ids, self.hot_vectors
         assert isinstance(hot_ids, torch.Tensor) and isinstance(hot_vectors, torch.Tensor)  # buffers (for mypy)
-        assert isinstance(cal, torch.Tensor)
         pos = torch.searchsorted(hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
         hot = hot_vectors[pos]  # (N, D + 1)
         vectors = torch.where(given_mask.unsqueeze(1), given_rows, hot)  # (N, D + 1)
         index = torch.ones_like(values).cumsum(0) - 1  # arange(N) on values' device (no device constant)
         pooled = F.embedding_bag(index, vectors, offsets, mode="mean", include_last_offset=True)  # (F*B, D+1)
-        pooled = pooled.view(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+        return pooled.view(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
+                given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
+        cal = self.calibration
+        assert isinstance(cal, torch.Tensor)
+        pooled = self.pool(values, offsets, given_rows, given_mask)  # (B, F, D + 1)
         emb, first = pooled[:, :, : self.dim], pooled[:, :, self.dim]  # (B, F, D), (B, F)
         x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
         logits = self.bias + first.sum(dim=1) + self.fm(emb) + self.dense_arch(x)  # (B,)
@@ -143,7 +155,12 @@ def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, 
 
 
 def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig) -> None:
-    if fmt == "torchscript":
+    """Write ``path`` (``SCORER_FILES[fmt]``) and, in its directory, the format's ``SCORER_EXTRA_FILES``."""
+    if fmt == "onnx":
+        from learner import onnx_scorer  # only this format needs torch.onnx and onnxruntime
+
+        onnx_scorer.save(scorer, path)
+    elif fmt == "torchscript":
         with _quiet_torchscript():
             scripted = torch.jit.script(scorer)
             write_synced(path, lambda fh: torch.jit.save(scripted, fh))
@@ -165,6 +182,10 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
 
 
 def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Module:
+    if fmt == "onnx":
+        from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
+
+        return onnx_scorer.load(path, spec, device)
     if fmt == "torchscript":
         with _quiet_torchscript():
             return torch.jit.load(str(path), map_location=device).eval()

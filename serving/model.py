@@ -288,6 +288,9 @@ class ScoringModel:
             buffers = dict(clone.named_buffers())
             for k, v in new.items():
                 (params[k] if k in params else buffers[k]).copy_(v)
+        rebuild = getattr(clone, "rebuild_session", None)
+        if callable(rebuild):  # an onnx scorer (learner/onnx_scorer.py): its graph holds the dense weights
+            rebuild()
         return clone
 
 

@@ -308,6 +308,6 @@ def test_failed_build_leaves_nothing_behind(tmp_path: Path, ckpt: dict, monkeypa
 
 def test_unknown_format_and_bad_hot_rows(tmp_path: Path, ckpt: dict) -> None:
     with pytest.raises(ArtifactError, match="unknown artifact format"):
-        build_artifact(ckpt, tmp_path, np.zeros(0), format="onnx")
+        build_artifact(ckpt, tmp_path, np.zeros(0), format="tflite")
     with pytest.raises(ArtifactError, match="hot rows must lie"):
         build_artifact(ckpt, tmp_path, np.array([CFG.num_rows]))

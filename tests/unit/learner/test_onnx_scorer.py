@@ -1,0 +1,146 @@
+"""The ``onnx`` artifact format (learner/onnx_scorer.py): the dense part run by ONNX Runtime.
+
+Tolerance: ONNX Runtime computes the same fp32 graph with fused Gemm + bias and its own summation order;
+observed max |onnx - eager| ~1e-7 on probabilities; bounded here by 1e-6 (the refresh's probe default is 1e-5).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache_refresh import validate
+from cache_refresh.publish import publish
+from learner import artifact as A
+from learner import onnx_scorer
+from learner.artifact import ArtifactError, build_artifact, read_current
+from learner.features import default_config
+from learner.model import DeepFM
+from serving.model import ScoringModel
+from stream.samples import SampleBatch
+from tests.unit.learner.test_artifact import CFG, make_checkpoint, probe, reference
+
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> dict:
+    return make_checkpoint(seed=3)
+
+
+@pytest.fixture(scope="module")
+def onnx_model(ckpt: dict, tmp_path_factory: pytest.TempPathFactory) -> ScoringModel:
+    root = tmp_path_factory.mktemp("onnx")
+    return ScoringModel.load(build_artifact(ckpt, root, np.arange(0, CFG.num_rows, 4), format="onnx"))
+
+
+@pytest.mark.parametrize("b", [1, 2, 7, 100, 513])
+def test_onnx_scores_equal_the_eager_models_at_every_batch_size(onnx_model: ScoringModel, ckpt: dict, b: int) -> None:
+    values, offsets, dense = probe(CFG, b=b, seed=b)
+    got = onnx_model.score(values, offsets, dense)
+    want = reference(ckpt, values, offsets, dense)
+    assert got.shape == want.shape == (b,) and got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
+    assert isinstance(onnx_model._live.scorer, onnx_scorer.OnnxScorer)  # ONNX Runtime scored it, not torch
+
+
+def test_the_artifact_lists_the_graph_and_the_tensors_and_unpickles_nothing(tmp_path: Path, ckpt: dict) -> None:
+    with_maps = {**ckpt, "id_maps": {"user_id": {"ids": torch.arange(3), "rows": torch.arange(3)}}}
+    staged = build_artifact(with_maps, tmp_path, np.arange(10), format="onnx")
+    m = json.loads((staged / A.MANIFEST).read_text())
+    assert m["format"] == "onnx"
+    assert set(m["files"]) == {"scorer.onnx", "scorer.safetensors", "cold_rows.npy", A.ID_MAPS_PACK}
+    assert (staged / "scorer.onnx").read_bytes()[:64].find(b"pytorch") >= 0  # an ONNX protobuf from torch.onnx
+
+
+def test_onnx_goes_through_validate_and_publish_and_serves(tmp_path: Path) -> None:
+    """The refresh's flow (cache_refresh/job.py): build, load the staged artifact, probe against the learner's
+    eager fp32 scores, holdout AUC against the live artifact, publish; serving loads CURRENT and scores."""
+    cfg = default_config({"device": "single"}, buckets=500, ctx_buckets=5, embedding_dim=8, dense=("age",))
+    model = DeepFM(cfg, mlp=(16, 8), seed=1, autocast_dtype=None)
+    with torch.no_grad():
+        model.sparse.bag.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    ck = {"meta": {"feature_config": cfg.to_dict(), "samples_trained": 10, "model": {"mlp": "16,8", "dropout": 0.0}},
+          "model": model.state_dict(), "path": "/ckpt/x.pt"}
+    hot = np.arange(0, cfg.num_rows, 3)
+    live = ScoringModel.load(publish(tmp_path, build_artifact(ck, tmp_path, hot, format="eager"), keep=3))
+    staged = build_artifact(ck, tmp_path, hot, format="onnx")
+    new = ScoringModel.load(staged)
+    result = validate.probe(new, ck, 512, 1e-5, hot_rows=hot)
+    assert result["max_abs_diff"] <= TOL
+    rng = np.random.default_rng(0)
+    n = 300
+    batch = SampleBatch.from_columns(
+        impression_id=[uuid.uuid4().hex for _ in range(n)], ts=np.full(n, 1_750_000_000_000),
+        label=(rng.random(n) < 0.3).astype(np.int8), label_delay_ms=np.zeros(n, np.int64),
+        user_id=rng.integers(0, 1 << 40, n), item_id=rng.integers(0, 1 << 40, n),
+        history=[rng.integers(0, 1 << 40, rng.integers(0, 4)).tolist() for _ in range(n)],
+        context={"device": rng.integers(0, 3, n)}, dense={"age": rng.random(n).astype(np.float32)})
+    quality = validate.holdout(new, live, [batch], max_auc_drop=0.01)
+    assert quality["new"]["samples"] == n and abs(quality["auc_drop"]) < 1e-6  # the same model: the same AUC
+    assert abs(quality["new"]["logloss"] - quality["live"]["logloss"]) < 1e-6
+    path = publish(tmp_path, staged, keep=3)
+    assert read_current(tmp_path) == path
+    served = ScoringModel.load(read_current(tmp_path))
+    assert served.format == "onnx"
+    values, offsets, dense = validate.probe_inputs(cfg, 50, seed=5, hot_rows=hot)
+    assert torch.allclose(served.score(values, offsets, dense), live.score(values, offsets, dense), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["scorer.onnx", "scorer.safetensors"])
+def test_a_tampered_onnx_artifact_file_is_refused(tmp_path: Path, ckpt: dict, name: str) -> None:
+    published = publish(tmp_path, build_artifact(ckpt, tmp_path, np.arange(10), format="onnx"), keep=3)
+    path = published / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256.*does not match"):
+        ScoringModel.load(published)
+    path.unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        ScoringModel.load(published)
+
+
+def test_a_manifest_without_the_tensors_file_is_refused(tmp_path: Path, ckpt: dict) -> None:
+    staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
+    m = json.loads((staged / A.MANIFEST).read_text())
+    del m["files"]["scorer.safetensors"]
+    (staged / A.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="does not list scorer.safetensors"):
+        ScoringModel.load(staged)
+
+
+def test_without_onnxruntime_loading_says_what_to_install(tmp_path: Path, ckpt: dict,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
+    real_import = builtins.__import__
+
+    def no_ort(name: str, *args, **kwargs):
+        if name == "onnxruntime" or name.startswith("onnxruntime."):
+            raise ImportError("No module named 'onnxruntime'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ort)
+    with pytest.raises(ArtifactError, match=r"onnxruntime.*pip install 'streamrec\[onnx\]'"):
+        ScoringModel.load(staged)
+
+
+def test_int8_dense_graph_is_close_but_not_equal(onnx_model: ScoringModel, ckpt: dict) -> None:
+    """INT8 (bench/onnx_int8.py measures its AUC cost): weights quantized, scores near fp32, not equal to it."""
+    scorer = onnx_model._live.scorer
+    assert isinstance(scorer, onnx_scorer.OnnxScorer)
+    fp32, int8 = onnx_scorer.export_dense(scorer), onnx_scorer.export_dense(scorer, int8=True)
+    assert b"MatMulInteger" in int8 and b"MatMulInteger" not in fp32
+    values, offsets, dense = probe(CFG, b=200, seed=11)
+    given, mask = onnx_model._given(onnx_model._live, values.numpy())
+    pooled = scorer.pool(values, offsets, torch.from_numpy(given), torch.from_numpy(mask)).numpy()
+    p = onnx_scorer.session(int8).run(None, {"pooled": pooled, "dense": dense.numpy()})[0]
+    want = reference(ckpt, values, offsets, dense).numpy()
+    diff = np.abs(p - want).max()
+    assert 0 < diff < 0.05, diff
