@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -106,8 +107,15 @@ class KafkaSampleDataset(IterableDataset):
                 consumer.resume([TopicPartition(topic, p) for p in sorted(resume)])
             return out
 
+        # In a DataLoader worker: the training process that forked it. A worker whose parent was SIGKILLed would
+        # otherwise wait for new samples for ever (torch's own liveness check runs only between batches), an orphan
+        # holding its partitions' consumer.
+        parent = os.getppid() if get_worker_info() is not None else None
         try:
             while True:
+                if parent is not None and os.getppid() != parent:
+                    log.warning("the training process is gone: DataLoader worker for partitions %s stops", parts)
+                    return
                 msgs = ordered(consumer.consume(256, 0.2))
                 for m, decoded in msgs:
                     err = m.error()

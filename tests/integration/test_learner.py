@@ -255,10 +255,12 @@ def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exac
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(4.0)
-    os.kill(proc.pid, signal.SIGKILL)  # the workers notice their parent is gone and exit
-    first_err = proc.communicate(timeout=60)[1]
     producer.join()
+    time.sleep(1.5)  # the stream has stopped: the workers wait for new samples
+    os.kill(proc.pid, signal.SIGKILL)
+    # The workers notice their parent is gone and exit (they hold the stderr pipe: communicate waits for them). A
+    # worker waiting for new samples stayed an orphan for good: learner/kafka_dataset.py checks its parent.
+    first_err = proc.communicate(timeout=30)[1]
     out = subprocess.run([*train_cmd(ckpt, idle=3), "--log-level", "info"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
