@@ -11,6 +11,12 @@
    may have learned from them; the check catches a broken or regressed model, not overfitting.
    Skipped (and said so in the summary) when there is no live artifact, no samples, a single class,
    or the live artifact has another feature config.
+
+An INT8 artifact (``onnx_int8``, learner/onnx_scorer.py) is not exact: the probe checks its fp32 path (the same
+stored tensors scored in torch) against the learner within the tolerance and only records the INT8 scores'
+difference (bounded by :data:`INT8_PROBE_BOUND`, which catches a graph of other weights); the holdout then refuses
+it when its AUC falls more than ``max_int8_auc_drop`` below its own fp32 path's on the same samples (a cost
+measured on every refresh instead of a tolerance), whether or not there is a live artifact.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import numpy as np
 import torch
 from confluent_kafka import Message
 
+from cache_refresh.settings import RefreshSettings
 from learner.artifact import eager_model
 from learner.batch import to_tensors
 from learner.features import FeatureConfig
 from learner.progressive import auc, logloss
+from learner.scorer import INT8_FORMATS
 from serving.model import ScoringModel
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
@@ -35,6 +43,11 @@ from stream.kafka import read_to_end, watermarks
 from stream.samples import SampleBatch, final_view
 
 log = logging.getLogger("streamrec.refresh")
+
+# max |INT8 - fp32| probability on the (random, off-distribution) probe: bench/onnx_int8.py's trained 400-400-400 model
+# measured 0.024; a graph of other weights than the artifact's tensors is off by more
+INT8_PROBE_BOUND = 0.1
+DEFAULT_MAX_INT8_AUC_DROP = RefreshSettings.max_int8_auc_drop
 
 
 class ValidationFailed(StreamrecError):
@@ -71,10 +84,18 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
         # For the record: how far the learner's own bf16-autocast forward is from fp32 serving.
         reference.autocast_dtype = torch.bfloat16
         bf16 = torch.sigmoid(reference(values, offsets, dense).float())  # (B,)
-    got = model.score(values, offsets, dense).cpu()  # (B,)
+    int8 = model.format in INT8_FORMATS
+    got = model.score(values, offsets, dense, fp32=int8).cpu()  # (B,); INT8: its fp32 path must be exact
     diff = float((got - want).abs().max()) if samples else 0.0
     result = {"samples": samples, "max_abs_diff": diff, "tolerance": tolerance,
               "learner_bf16_max_abs_diff": float((bf16 - want).abs().max()) if samples else 0.0}
+    if int8:
+        q = model.score(values, offsets, dense).cpu()
+        result["int8_max_abs_diff"] = q_diff = float((q - want).abs().max()) if samples else 0.0
+        if not q_diff <= INT8_PROBE_BOUND:
+            raise ValidationFailed(f"probe: the INT8 graph's scores differ from the learner's eager scores by "
+                                   f"{q_diff:.3g} (INT8 rounding stays below {INT8_PROBE_BOUND:g}) on {samples} probe "
+                                   "samples; the INT8 graph is not the checkpoint's model")
     if not diff <= tolerance:  # also catches NaN
         raise ValidationFailed(f"probe: artifact scores differ from the learner's eager scores by {diff:.3g} "
                                f"(tolerance {tolerance:g}) on {samples} probe samples; the artifact is not the "
@@ -110,14 +131,14 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[
     return [b for p in sorted(got) for b in got[p][-per:]]
 
 
-def quality(model: ScoringModel, batches: list[SampleBatch]) -> dict[str, Any]:
-    """AUC and logloss of ``model`` on the samples of ``batches``."""
+def quality(model: ScoringModel, batches: list[SampleBatch], fp32: bool = False) -> dict[str, Any]:
+    """AUC and logloss of ``model`` on the samples of ``batches`` (``fp32``: an INT8 artifact's fp32 path)."""
     probs, labels, ids, kinds = [], [], [], []
     for batch in batches:
         tb = to_tensors(batch, model.feature_config)
         model.map_batch(tb)  # dynamic ids: the rows the artifact's id maps give them
         if len(tb):
-            probs.append(model.score(tb.values, tb.offsets, tb.dense).cpu().numpy())
+            probs.append(model.score(tb.values, tb.offsets, tb.dense, fp32=fp32).cpu().numpy())
             labels.append(tb.labels.numpy())
             ids.append(tb.impression_ids)
             kinds.append(batch.kinds)
@@ -130,12 +151,23 @@ def quality(model: ScoringModel, batches: list[SampleBatch]) -> dict[str, Any]:
 
 
 def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBatch],
-            max_auc_drop: float) -> dict[str, Any]:
-    """Quality of the new artifact vs the live one on recent samples; raise if worse beyond the bound."""
+            max_auc_drop: float, max_int8_auc_drop: float = DEFAULT_MAX_INT8_AUC_DROP) -> dict[str, Any]:
+    """Quality of the new artifact vs the live one on recent samples; raise if worse beyond the bound. An INT8
+    artifact also against its own fp32 path: raise when INT8 costs more than ``max_int8_auc_drop`` of AUC."""
     if not batches:
         return {"skipped": "no samples in the topic"}
     mine = quality(new, batches)
     out: dict[str, Any] = {"new": mine, "max_auc_drop": max_auc_drop}
+    if new.format in INT8_FORMATS:
+        ref = quality(new, batches, fp32=True)
+        cost = ref["auc"] - mine["auc"]
+        out["int8"] = {"fp32": ref, "auc_cost": cost, "logloss_cost": mine["logloss"] - ref["logloss"],
+                       "max_int8_auc_drop": max_int8_auc_drop}
+        if cost > max_int8_auc_drop:  # NaN (one class): not comparable, not refused
+            raise ValidationFailed(f"holdout: INT8 AUC {mine['auc']:.4f} is {cost:.4f} below the same artifact's fp32 "
+                                   f"AUC {ref['auc']:.4f} on {mine['samples']} recent samples (bound "
+                                   f"max_int8_auc_drop {max_int8_auc_drop:g}); not publishing it: publish "
+                                   "--format onnx, or raise the bound")
     if live is None:
         out["skipped"] = "no live artifact to compare with"
         return out

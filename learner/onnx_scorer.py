@@ -18,10 +18,12 @@ swapped in.
 The scores equal the eager fp32 model's to ~1e-7 on probabilities (ONNX Runtime fuses Gemm + bias and sums in
 another order; tests/unit/learner/test_onnx_scorer.py bounds it by 1e-6 on several batch sizes).
 
-INT8 (``int8=True`` in :func:`export_dense`): ONNX Runtime's ``quantize_dynamic`` of the exported graph (int8
-weights of every Gemm, activations quantized per batch); its accuracy cost on a holdout is measured by
-``bench/onnx_int8.py``. It is not an artifact format: its scores differ from fp32 by far more than the refresh's
-probe tolerance.
+INT8 (the ``onnx_int8`` format, ``scorer_int8.onnx``): ONNX Runtime's ``quantize_dynamic`` of the exported graph
+(int8 weights of every Gemm, activations quantized per batch); its accuracy cost on a holdout is measured by
+``bench/onnx_int8.py``. Its scores differ from fp32 by far more than the refresh's probe tolerance, so the refresh
+probes its fp32 path (:meth:`OnnxScorer.torch_forward`: the same tensors in torch) against the learner, and
+refuses it when its holdout AUC falls more than ``[refresh] max_int8_auc_drop`` below that fp32 path's
+(``cache_refresh/validate.py``).
 
 onnxruntime (and ``onnx``, for quantization) are imported lazily, only when an ONNX artifact is built or
 loaded: ``pip install 'streamrec[onnx]'``.
@@ -138,6 +140,9 @@ def session(model: bytes, threads: int | None = None) -> Any:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or torch.get_num_threads()
     opts.inter_op_num_threads = 1
+    # No spin-waiting: torch (the pooling) and ORT alternate on the same cores on every request; a spinning ORT
+    # pool starves torch's threads (measured, 2 cores, B=100: p99 32 ms spinning vs 1.2 ms not).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return ort.InferenceSession(model, sess_options=opts, providers=["CPUExecutionProvider"])
 
@@ -161,6 +166,11 @@ class OnnxScorer(Scorer):
         self.int8 = int8
         self._box = _Box(session(model))
 
+    def torch_forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
+                      given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
+        """The same scores in torch fp32 from the stored tensors (an INT8 artifact's reference)."""
+        return Scorer.forward(self, values, offsets, dense, given_rows, given_mask)
+
     def rebuild_session(self) -> None:
         """Re-export the dense graph from this module's (updated) weights: a learner delta's dense weights."""
         self._box = _Box(session(export_dense(self, self.int8)))
@@ -174,11 +184,11 @@ class OnnxScorer(Scorer):
         return torch.from_numpy(prob).to(pooled.device)
 
 
-def save(scorer: Scorer, path: Path) -> list[str]:
-    """Write ``path`` (the dense graph) and its sibling :data:`STATE_FILE`; returns both names."""
+def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
+    """Write ``path`` (the dense graph, INT8 with ``int8``) and its sibling :data:`STATE_FILE`; returns both names."""
     import safetensors.torch
 
-    model = export_dense(scorer)
+    model = export_dense(scorer, int8)
     write_synced(path, lambda fh: fh.write(model))
     state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
     data = safetensors.torch.save(state, metadata={"streamrec": "scorer", "format": "onnx"})
@@ -186,13 +196,13 @@ def save(scorer: Scorer, path: Path) -> list[str]:
     return [path.name, STATE_FILE]
 
 
-def load(path: Path, spec: ScorerSpec, device: str) -> OnnxScorer:
+def load(path: Path, spec: ScorerSpec, device: str, int8: bool = False) -> OnnxScorer:
     """The scorer of an ``onnx`` artifact: ``path`` (the graph) and its sibling :data:`STATE_FILE` (nothing is
     unpickled). OnnxUnavailable without onnxruntime."""
     import safetensors.torch
 
     _ort()  # the clear error first, before anything is read
     state = safetensors.torch.load_file(str(path.parent / STATE_FILE), device="cpu")
-    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes())
+    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes(), int8=int8)
     scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
     return scorer.to(device).eval()

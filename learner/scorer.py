@@ -24,7 +24,9 @@ them. The same ``Scorer`` class is stored five ways behind one interface (:func:
   and runs no stored code (TorchScript and export load code the artifact carries; ``eager`` is a
   weights-only pickle). The format of a deployment that trusts nothing but the bytes of tensors;
 * ``onnx`` - the pooling in torch, the dense part (FM + MLP) as an ONNX graph run by ONNX Runtime on the
-  CPU, the tensors as safetensors beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``).
+  CPU, the tensors as safetensors beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``);
+  ``onnx_int8`` the same with the dense graph dynamically quantized to INT8: not exact, so the refresh checks its
+  fp32 weights against the learner and its holdout AUC against its own fp32 scores (``max_int8_auc_drop``).
 
 Scoring runs in fp32. The learner's forward may run its dense part under bf16 autocast; the reference
 an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
@@ -53,11 +55,12 @@ from stream.files import write_synced
 
 FORMATS = tuple(f.value for f in ArtifactFormat)
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt",
-                "safetensors": "scorer.safetensors", "onnx": "scorer.onnx"}
+                "safetensors": "scorer.safetensors", "onnx": "scorer.onnx", "onnx_int8": "scorer_int8.onnx"}
 # Files a format reads beside SCORER_FILES[fmt] (listed and checked in the manifest like it): ``onnx`` keeps the
 # scorer's tensors (hot rows, dense weights) as safetensors next to the dense graph (learner/onnx_scorer.py).
-SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",)}
-PICKLE_FREE_FORMATS = ("safetensors", "onnx")  # formats whose every file loads without unpickling
+SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",), "onnx_int8": ("scorer.safetensors",)}
+PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8")  # formats whose every file loads without unpickling
+INT8_FORMATS = ("onnx_int8",)  # not exact: validated by their holdout AUC cost (cache_refresh/validate.py)
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 
 
@@ -156,10 +159,10 @@ def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, 
 
 def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig) -> None:
     """Write ``path`` (``SCORER_FILES[fmt]``) and, in its directory, the format's ``SCORER_EXTRA_FILES``."""
-    if fmt == "onnx":
-        from learner import onnx_scorer  # only this format needs torch.onnx and onnxruntime
+    if fmt in ("onnx", "onnx_int8"):
+        from learner import onnx_scorer  # only these formats need torch.onnx and onnxruntime
 
-        onnx_scorer.save(scorer, path)
+        onnx_scorer.save(scorer, path, int8=fmt == "onnx_int8")
     elif fmt == "torchscript":
         with _quiet_torchscript():
             scripted = torch.jit.script(scorer)
@@ -182,10 +185,10 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
 
 
 def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Module:
-    if fmt == "onnx":
+    if fmt in ("onnx", "onnx_int8"):
         from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
 
-        return onnx_scorer.load(path, spec, device)
+        return onnx_scorer.load(path, spec, device, int8=fmt == "onnx_int8")
     if fmt == "torchscript":
         with _quiet_torchscript():
             return torch.jit.load(str(path), map_location=device).eval()

@@ -207,13 +207,18 @@ class ScoringModel:
         return given, mask
 
     @torch.inference_mode()
-    def score(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """Click probabilities (B,) for field-major bags of global rows (learner.batch.TensorBatch layout)."""
+    def score(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
+              fp32: bool = False) -> torch.Tensor:
+        """Click probabilities (B,) for field-major bags of global rows (learner.batch.TensorBatch layout).
+
+        ``fp32``: an INT8 artifact's scores from its fp32 tensors in torch (the refresh's reference for it); the
+        same as without for every other format."""
         live = self._live
         v = values.cpu().numpy() if values.device.type != "cpu" else values.numpy()
         given, mask = self._given(live, v)
         dev = self.device
-        return live.scorer(values.to(dev), offsets.to(dev), dense.to(dev, torch.float32),
+        run = getattr(live.scorer, "torch_forward", live.scorer) if fp32 else live.scorer
+        return run(values.to(dev), offsets.to(dev), dense.to(dev, torch.float32),
                            torch.from_numpy(given).to(dev), torch.from_numpy(mask).to(dev))
 
     # -- deltas ------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The ``onnx`` artifact format (learner/onnx_scorer.py): the dense part run by ONNX Runtime.
+"""The ``onnx`` and ``onnx_int8`` artifact formats (learner/onnx_scorer.py): the dense part run by ONNX Runtime.
 
 Tolerance: ONNX Runtime computes the same fp32 graph with fused Gemm + bias and its own summation order;
 observed max |onnx - eager| ~1e-7 on probabilities; bounded here by 1e-6 (the refresh's probe default is 1e-5).
+INT8 has no tolerance but a measured AUC cost (bench/onnx_int8.py; the refresh's ``max_int8_auc_drop``); its
+scores are only checked to stay within 0.05 of fp32 here (observed up to ~8e-3).
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ def test_onnx_goes_through_validate_and_publish_and_serves(tmp_path: Path) -> No
     assert torch.allclose(served.score(values, offsets, dense), live.score(values, offsets, dense), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["scorer.onnx", "scorer.safetensors"])
-def test_a_tampered_onnx_artifact_file_is_refused(tmp_path: Path, ckpt: dict, name: str) -> None:
-    published = publish(tmp_path, build_artifact(ckpt, tmp_path, np.arange(10), format="onnx"), keep=3)
+@pytest.mark.parametrize(("fmt", "name"), [("onnx", "scorer.onnx"), ("onnx", "scorer.safetensors"),
+                                           ("onnx_int8", "scorer_int8.onnx")])
+def test_a_tampered_onnx_artifact_file_is_refused(tmp_path: Path, ckpt: dict, fmt: str, name: str) -> None:
+    published = publish(tmp_path, build_artifact(ckpt, tmp_path, np.arange(10), format=fmt), keep=3)
     path = published / name
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -144,3 +147,85 @@ def test_int8_dense_graph_is_close_but_not_equal(onnx_model: ScoringModel, ckpt:
     want = reference(ckpt, values, offsets, dense).numpy()
     diff = np.abs(p - want).max()
     assert 0 < diff < 0.05, diff
+
+
+# -- onnx_int8 ------------------------------------------------------------------------------------
+INT8_BOUND = 0.05  # |INT8 - fp32| on this small model (observed 1e-3 .. 8e-3); INT8 is judged by its AUC cost
+
+
+@pytest.fixture(scope="module")
+def int8_model(ckpt: dict, tmp_path_factory: pytest.TempPathFactory) -> ScoringModel:
+    root = tmp_path_factory.mktemp("int8")
+    return ScoringModel.load(build_artifact(ckpt, root, np.arange(0, CFG.num_rows, 4), format="onnx_int8"))
+
+
+@pytest.mark.parametrize("b", [1, 7, 100])
+def test_int8_scores_are_near_fp32_and_its_fp32_path_is_exact(int8_model: ScoringModel, ckpt: dict, b: int) -> None:
+    values, offsets, dense = probe(CFG, b=b, seed=20 + b)
+    want = reference(ckpt, values, offsets, dense)
+    assert torch.allclose(int8_model.score(values, offsets, dense, fp32=True), want, atol=TOL, rtol=0)
+    got = int8_model.score(values, offsets, dense)
+    assert got.shape == (b,) and float((got - want).abs().max()) < INT8_BOUND
+    assert int8_model.format == "onnx_int8"
+    assert set(int8_model.manifest["files"]) == {"scorer_int8.onnx", "scorer.safetensors", "cold_rows.npy"}
+
+
+def test_int8_dense_delta_requantizes(tmp_path: Path, ckpt: dict) -> None:
+    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(10), format="onnx_int8"))
+    values, offsets, dense = probe(CFG, b=64, seed=30)
+    other = make_checkpoint(seed=8)
+    model.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, CFG.embedding_dim + 1),
+                      {k: v for k, v in other["model"].items() if not k.startswith("sparse.")}, seq=1)
+    patched = {**other, "model": {**other["model"], "sparse.bag.weight": ckpt["model"]["sparse.bag.weight"]}}
+    want = reference(patched, values, offsets, dense)
+    assert torch.allclose(model.score(values, offsets, dense, fp32=True), want, atol=TOL, rtol=0)
+    assert float((model.score(values, offsets, dense) - want).abs().max()) < INT8_BOUND  # the new INT8 graph
+    assert b"MatMulInteger" in onnx_scorer.export_dense(model._live.scorer, int8=True)
+
+
+def _holdout_batch(n: int = 400, seed: int = 0) -> SampleBatch:
+    rng = np.random.default_rng(seed)
+    return SampleBatch.from_columns(
+        impression_id=[uuid.uuid4().hex for _ in range(n)], ts=np.full(n, 1_750_000_000_000),
+        label=(rng.random(n) < 0.3).astype(np.int8), label_delay_ms=np.zeros(n, np.int64),
+        user_id=rng.integers(0, 1 << 40, n), item_id=rng.integers(0, 1 << 40, n),
+        history=[rng.integers(0, 1 << 40, rng.integers(0, 4)).tolist() for _ in range(n)],
+        context={"device": rng.integers(0, 3, n)}, dense={"age": rng.random(n).astype(np.float32)})
+
+
+def test_int8_is_validated_by_its_auc_cost_and_refused_beyond_the_bound(tmp_path: Path) -> None:
+    cfg = default_config({"device": "single"}, buckets=500, ctx_buckets=5, embedding_dim=8, dense=("age",))
+    model = DeepFM(cfg, mlp=(32, 16), seed=2, autocast_dtype=None)
+    with torch.no_grad():
+        model.sparse.bag.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    ck = {"meta": {"feature_config": cfg.to_dict(), "samples_trained": 10, "model": {"mlp": "32,16", "dropout": 0.0}},
+          "model": model.state_dict(), "path": "/ckpt/y.pt"}
+    hot = np.arange(0, cfg.num_rows, 3)
+    staged = build_artifact(ck, tmp_path, hot, format="onnx_int8")
+    new = ScoringModel.load(staged)
+    result = validate.probe(new, ck, 512, 1e-5, hot_rows=hot)  # the fp32 path within the probe tolerance
+    assert result["max_abs_diff"] <= TOL and 0 < result["int8_max_abs_diff"] < INT8_BOUND
+    batch = _holdout_batch()
+    out = validate.holdout(new, None, [batch], max_auc_drop=0.01, max_int8_auc_drop=0.01)  # no live: still checked
+    assert abs(out["int8"]["auc_cost"]) < 0.01 and out["int8"]["fp32"]["samples"] == 400
+    assert out["skipped"] == "no live artifact to compare with"
+    with pytest.raises(validate.ValidationFailed, match="INT8 AUC.*max_int8_auc_drop"):
+        validate.holdout(new, None, [batch], max_auc_drop=0.01, max_int8_auc_drop=-1.0)
+    # a graph of other weights than the tensors (and the checkpoint) is caught by the probe
+    scorer = new._live.scorer
+    assert isinstance(scorer, onnx_scorer.OnnxScorer)
+    with torch.no_grad():
+        scorer.dense_arch.mlp[-1].bias.add_(3.0)
+        scorer.rebuild_session()
+        scorer.dense_arch.mlp[-1].bias.sub_(3.0)
+    with pytest.raises(validate.ValidationFailed, match="INT8 graph is not the checkpoint's"):
+        validate.probe(new, ck, 512, 1e-5, hot_rows=hot)
+    assert publish(tmp_path, staged, keep=3).name == new.version  # what passes is published like any format
+    assert ScoringModel.load(read_current(tmp_path)).format == "onnx_int8"
+
+
+def test_the_int8_bound_is_a_refresh_setting() -> None:
+    from cache_refresh.settings import RefreshSettings
+
+    assert RefreshSettings().max_int8_auc_drop == validate.DEFAULT_MAX_INT8_AUC_DROP > 0
+    assert RefreshSettings(format="onnx_int8").format == "onnx_int8"
