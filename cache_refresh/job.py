@@ -295,7 +295,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
         live = _live_model(root, key)
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
-        quality = validate.holdout(new, live, batches, rs.max_auc_drop)
+        quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop)
         timed(stage, t0)
         log.info("refresh: %s validated", new.version)
 

@@ -231,6 +231,16 @@ def test_holdout_worse_than_the_live_artifact_publishes_nothing(env) -> None:
     assert [a["labels"]["stage"] for a in alerts] == ["validate"] and "holdout" in alerts[0]["message"]
 
 
+def test_the_int8_bound_comes_from_the_settings_and_refuses_an_int8_artifact_past_it(env) -> None:
+    rs, kafka, rds = env
+    published = job.run_once(dataclasses.replace(rs, format="onnx_int8"), kafka, rds)  # default bound 0.002
+    assert published["holdout"]["int8"]["max_int8_auc_drop"] == 0.002
+    strict = dataclasses.replace(rs, format="onnx_int8", max_int8_auc_drop=-1.0)  # INT8 would have to gain 1 AUC
+    with pytest.raises(job.RefreshError, match="at validate: holdout: INT8 AUC .* max_int8_auc_drop -1"):
+        job.run_once(strict, kafka, rds)
+    _assert_nothing_published(rs, Path(published["path"]), [published["version"]])
+
+
 def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) -> None:
     rs, kafka, rds = env
     live = job.run_once(rs, kafka, rds)

@@ -96,7 +96,7 @@ def test_every_choice_is_an_enum_checked_where_its_dataclass_is_built() -> None:
                        (lambda: LearnerSettings(device="tpu"), "device"),
                        (lambda: LearnerSettings(sparse_optimizer="sgd"), "sparse_optimizer"),
                        (lambda: LearnerSettings(id_init="random"), "id_init"),
-                       (lambda: RefreshSettings(format="onnx"), "format"),
+                       (lambda: RefreshSettings(format="tflite"), "format"),
                        (lambda: ServeSettings(server="gunicorn"), "server")):
         with pytest.raises(ConfigError, match=rf"\] {name}: got .*expected one of"):
             make()
