@@ -11,7 +11,7 @@ What it measures, in one run, against a local stack it starts (Tansu + Redis on 
   is read from the memory-mapped cold file; the hot-cache hit rate is read from ``/metrics``.
 * load time of each format, in this process (best of 3, files in the page cache): ``ScoringModel.load``
   with the sha256 check of every file, without it (``verify_files=False``), and the scorer file alone
-  (``learner.scorer.load_scorer``: TorchScript/export deserialize code, eager unpickles weights-only,
+  (``learner.scorer_files.load_scorer``: TorchScript/export deserialize code, eager unpickles weights-only,
   safetensors reads a JSON header and raw bytes).
 * the two HTTP servers (stdlib ThreadingHTTPServer, aiohttp) on the TorchScript artifact.
 * freshness (``--freshness``): a click event produced to Kafka -> the served score for that user and
@@ -53,7 +53,8 @@ from cache_refresh.publish import publish  # noqa: E402
 from learner.artifact import SCORER_FILES, build_artifact, read_current  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
-from learner.scorer import ScorerSpec, load_scorer  # noqa: E402
+from learner.scorer import ScorerSpec  # noqa: E402
+from learner.scorer_files import load_scorer  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
 from stream.features import hash_value  # noqa: E402
 from stream.history import UserHistory  # noqa: E402

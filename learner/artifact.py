@@ -77,8 +77,8 @@ from learner.scorer import (
     Scorer,
     ScorerSpec,
     hot_buffers,
-    save_scorer,
 )
+from learner.scorer_files import save_scorer
 from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.errors import StreamrecError
 from stream.files import fsync_dir, sha256_file, write_synced

@@ -35,11 +35,7 @@ matches to ~1e-7 on probabilities (tests/unit/learner/test_artifact.py).
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,9 +45,7 @@ from torch import nn
 
 from learner.calibration import add_calibration, calibrated
 from learner.config import ArtifactFormat
-from learner.features import FeatureConfig
 from learner.model import DenseArch, FMInteraction
-from stream.files import write_synced
 
 FORMATS = tuple(f.value for f in ArtifactFormat)
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt",
@@ -62,20 +56,6 @@ SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",
 PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8")  # formats whose every file loads without unpickling
 INT8_FORMATS = ("onnx_int8",)  # not exact: validated by their holdout AUC cost (cache_refresh/validate.py)
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
-
-
-# -- TorchScript deprecation warnings ------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet_torchscript() -> Iterator[None]:
-    """Silence exactly torch 2.13's "`torch.jit.<fn>` is deprecated" warnings around our own calls.
-
-    They repeat on every script/save/load and carry no news for an operator (the export format is the
-    migration path, documented above); every other warning still shows. Only used around build/load,
-    never around scoring (``warnings.catch_warnings`` is process-wide while it is active).
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
-        yield
 
 
 # -- the scorer ----------------------------------------------------------------------------------
@@ -144,64 +124,3 @@ def hot_buffers(table: torch.Tensor, hot_rows: np.ndarray) -> tuple[torch.Tensor
     ids = torch.from_numpy(np.append(rows, _SENTINEL))  # (H + 1,)
     vectors = torch.cat([table[torch.from_numpy(rows)], torch.zeros(1, table.shape[1])])  # (H + 1, D + 1)
     return ids, vectors.contiguous()
-
-
-# -- storage -------------------------------------------------------------------------------------
-def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, ...]:
-    b, n = 3, 3 * spec.num_fields + 2
-    lengths = torch.ones(spec.num_fields * b, dtype=torch.int64)
-    lengths[0] = 3
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    values = torch.randint(0, cfg.num_rows, (n,), dtype=torch.int64)
-    return (values, offsets, torch.zeros(b, spec.num_dense), torch.zeros(n, spec.dim + 1),
-            torch.zeros(n, dtype=torch.bool))
-
-
-def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig) -> None:
-    """Write ``path`` (``SCORER_FILES[fmt]``) and, in its directory, the format's ``SCORER_EXTRA_FILES``."""
-    if fmt in ("onnx", "onnx_int8"):
-        from learner import onnx_scorer  # only these formats need torch.onnx and onnxruntime
-
-        onnx_scorer.save(scorer, path, int8=fmt == "onnx_int8")
-    elif fmt == "torchscript":
-        with _quiet_torchscript():
-            scripted = torch.jit.script(scorer)
-            write_synced(path, lambda fh: torch.jit.save(scripted, fh))
-    elif fmt == "export":
-        n, b = torch.export.Dim("n", min=1), torch.export.Dim("b", min=1)
-        dynamic = ({0: n}, {0: spec.num_fields * b + 1}, {0: b}, {0: n}, {0: n})
-        ep = torch.export.export(scorer, _export_inputs(spec, cfg), dynamic_shapes=dynamic)
-        write_synced(path, lambda fh: torch.export.save(ep, fh))
-    elif fmt == "eager":
-        write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))
-    elif fmt == "safetensors":
-        import safetensors.torch  # only this format needs it
-
-        state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
-        data = safetensors.torch.save(state, metadata={"streamrec": "scorer"})
-        write_synced(path, lambda fh: fh.write(data))
-    else:
-        raise ValueError(f"unknown artifact format {fmt!r}; expected one of {', '.join(FORMATS)}")
-
-
-def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Module:
-    if fmt in ("onnx", "onnx_int8"):
-        from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
-
-        return onnx_scorer.load(path, spec, device, int8=fmt == "onnx_int8")
-    if fmt == "torchscript":
-        with _quiet_torchscript():
-            return torch.jit.load(str(path), map_location=device).eval()
-    if fmt == "export":
-        return torch.export.load(str(path)).module().to(device)
-    if fmt in ("eager", "safetensors"):
-        if fmt == "eager":
-            state = torch.load(path, map_location=device, weights_only=True)
-        else:  # a JSON header and raw bytes: nothing is unpickled
-            import safetensors.torch  # only this format needs it
-
-            state = safetensors.torch.load_file(str(path), device="cpu")
-        scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
-        scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
-        return scorer.to(device).eval()
-    raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")

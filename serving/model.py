@@ -32,7 +32,8 @@ from learner.artifact import (
 )
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
-from learner.scorer import ScorerSpec, load_scorer
+from learner.scorer import ScorerSpec
+from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
 
 

@@ -1,0 +1,96 @@
+"""The scorer's files: one scorer written and read back in each artifact format (``SCORER_FILES``).
+
+``save_scorer`` / ``load_scorer`` dispatch on the format: TorchScript (``torch.jit``; its deprecation warnings
+silenced around these calls only), ``torch.export``, a weights-only state dict (``eager``), safetensors, and the
+ONNX Runtime formats (``learner/onnx_scorer.py``, imported only for them). Apart from ``learner/scorer.py`` (what a
+scorer is) so that the ONNX scorer, a kind of scorer, and the dispatch over every kind import in one direction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from learner.features import FeatureConfig
+from learner.scorer import FORMATS, Scorer, ScorerSpec
+from stream.files import write_synced
+
+
+# -- TorchScript deprecation warnings ------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_torchscript() -> Iterator[None]:
+    """Silence exactly torch 2.13's "`torch.jit.<fn>` is deprecated" warnings around our own calls.
+
+    They repeat on every script/save/load and carry no news for an operator (the export format is the
+    migration path, documented above); every other warning still shows. Only used around build/load,
+    never around scoring (``warnings.catch_warnings`` is process-wide while it is active).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        yield
+
+
+# -- storage -------------------------------------------------------------------------------------
+def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, ...]:
+    b, n = 3, 3 * spec.num_fields + 2
+    lengths = torch.ones(spec.num_fields * b, dtype=torch.int64)
+    lengths[0] = 3
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.randint(0, cfg.num_rows, (n,), dtype=torch.int64)
+    return (values, offsets, torch.zeros(b, spec.num_dense), torch.zeros(n, spec.dim + 1),
+            torch.zeros(n, dtype=torch.bool))
+
+
+def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig) -> None:
+    """Write ``path`` (``SCORER_FILES[fmt]``) and, in its directory, the format's ``SCORER_EXTRA_FILES``."""
+    if fmt in ("onnx", "onnx_int8"):
+        from learner import onnx_scorer  # only these formats need torch.onnx and onnxruntime
+
+        onnx_scorer.save(scorer, path, int8=fmt == "onnx_int8")
+    elif fmt == "torchscript":
+        with _quiet_torchscript():
+            scripted = torch.jit.script(scorer)
+            write_synced(path, lambda fh: torch.jit.save(scripted, fh))
+    elif fmt == "export":
+        n, b = torch.export.Dim("n", min=1), torch.export.Dim("b", min=1)
+        dynamic = ({0: n}, {0: spec.num_fields * b + 1}, {0: b}, {0: n}, {0: n})
+        ep = torch.export.export(scorer, _export_inputs(spec, cfg), dynamic_shapes=dynamic)
+        write_synced(path, lambda fh: torch.export.save(ep, fh))
+    elif fmt == "eager":
+        write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))
+    elif fmt == "safetensors":
+        import safetensors.torch  # only this format needs it
+
+        state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
+        data = safetensors.torch.save(state, metadata={"streamrec": "scorer"})
+        write_synced(path, lambda fh: fh.write(data))
+    else:
+        raise ValueError(f"unknown artifact format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Module:
+    if fmt in ("onnx", "onnx_int8"):
+        from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
+
+        return onnx_scorer.load(path, spec, device, int8=fmt == "onnx_int8")
+    if fmt == "torchscript":
+        with _quiet_torchscript():
+            return torch.jit.load(str(path), map_location=device).eval()
+    if fmt == "export":
+        return torch.export.load(str(path)).module().to(device)
+    if fmt in ("eager", "safetensors"):
+        if fmt == "eager":
+            state = torch.load(path, map_location=device, weights_only=True)
+        else:  # a JSON header and raw bytes: nothing is unpickled
+            import safetensors.torch  # only this format needs it
+
+            state = safetensors.torch.load_file(str(path), device="cpu")
+        scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
+        scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
+        return scorer.to(device).eval()
+    raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")
