@@ -26,7 +26,18 @@ class Device(Choice):
         return self.value
 
 
-class Amp(Choice):
+class AutoOnOff(Choice):
+    """A choice of ``auto`` / ``on`` / ``off`` (the subclass defines the members); TOML ``true``/``false`` (and
+    ``1``/``0``, ``yes``/``no``) mean ``on``/``off``."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        word = {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"}.get(
+            str(value).strip().lower())
+        return None if word is None else cls(word)
+
+
+class Amp(AutoOnOff):
     """Mixed precision of the dense part (FM, MLP; lookups stay fp32). ``auto``: fp16 with loss scaling on
     CUDA; on a CPU, bf16 only where the CPU computes it natively (AVX512-BF16 or AMX, which oneDNN reports),
     else fp32. An AVX2-only CPU emulates bf16 matmuls: 256x400 @ 400x400 took 38 ms in bf16 against 1.3 ms in
@@ -38,15 +49,6 @@ class Amp(Choice):
     ON = "on"
     OFF = "off"
 
-    @classmethod
-    def _missing_(cls, value: object) -> Amp | None:
-        text = str(value).strip().lower()
-        if text in ("true", "1", "yes"):
-            return cls.ON
-        if text in ("false", "0", "no"):
-            return cls.OFF
-        return None
-
     def dtype_name(self, device_type: str, native_cpu_bf16: bool) -> str | None:
         """The autocast dtype this choice means (``"float16"``, ``"bfloat16"``), None for fp32."""
         if self is Amp.OFF:
@@ -56,7 +58,7 @@ class Amp(Choice):
         return "bfloat16" if self is Amp.ON or native_cpu_bf16 else None
 
 
-class PinMemory(Choice):
+class PinMemory(AutoOnOff):
     """Whether the DataLoader copies batches into page-locked memory (faster host-to-GPU copies). ``auto``: on CUDA
     only; ``on`` needs CUDA (a :class:`ConfigError` at start without it), ``off`` never. TOML ``true``/``false`` mean
     ``on``/``off``."""
@@ -64,11 +66,6 @@ class PinMemory(Choice):
     AUTO = "auto"
     ON = "on"
     OFF = "off"
-
-    @classmethod
-    def _missing_(cls, value: object) -> PinMemory | None:
-        text = str(value).strip().lower()
-        return {"true": cls.ON, "1": cls.ON, "yes": cls.ON, "false": cls.OFF, "0": cls.OFF, "no": cls.OFF}.get(text)
 
     def resolve(self, device_type: str) -> bool:
         """Whether to pin on ``device_type`` (``cpu`` / ``cuda``)."""
@@ -78,7 +75,7 @@ class PinMemory(Choice):
         return self is PinMemory.ON or (self is PinMemory.AUTO and device_type == "cuda")
 
 
-class FusedSparseUpdate(Choice):
+class FusedSparseUpdate(AutoOnOff):
     """Where the table's row-wise Adagrad runs (``learner/fused_update.py``). ``auto``: inside the backward of the
     lookup (fbgemm's fused ``EXACT_ROWWISE_ADAGRAD``: no sparse gradient, no ``coalesce``) wherever that is the
     same update, i.e. ``sparse_optimizer = rowwise_adagrad``, ``accumulation = 1`` and no fp16 loss scaling (fp16
@@ -88,15 +85,6 @@ class FusedSparseUpdate(Choice):
     AUTO = "auto"
     ON = "on"
     OFF = "off"
-
-    @classmethod
-    def _missing_(cls, value: object) -> FusedSparseUpdate | None:
-        text = str(value).strip().lower()
-        if text in ("true", "1", "yes"):
-            return cls.ON
-        if text in ("false", "0", "no"):
-            return cls.OFF
-        return None
 
 
 class SparseOptimizer(Choice):

@@ -23,11 +23,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-from confluent_kafka import KafkaError, KafkaException
 
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.errors import MessageTooLarge
 from stream.kafka import AckedProducer, ensure_topics
 from stream.metrics import EVENTS
 from stream.replay.encoding import EventEncoder, to_bytes
@@ -100,41 +98,6 @@ class Pacer:
 CHUNK = 4096  # events encoded, sent and counted at a time
 
 
-class _ChunkProducer(AckedProducer):
-    """:class:`AckedProducer` with a send loop for a run of events that calls ``produce`` and nothing else per
-    message (the caller adds the run's sent counts); a full local queue and a refused message are handled
-    as :meth:`AckedProducer.send` handles them (poll and retry; :class:`MessageTooLarge`)."""
-
-    def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any]) -> None:
-        produce = self._producer.produce
-        for topic, value, key in zip(topics, values, keys):  # noqa: B905 (equal lengths; strict= costs per message)
-            try:
-                produce(topic, value, key)
-            except BufferError:
-                self._producer.poll(0.05)
-                self._send_one(topic, value, key)
-            except KafkaException:
-                self._send_one(topic, value, key)  # it fails again, and says how
-
-    def _send_one(self, topic: str, value: bytes | None, key: Any) -> None:
-        while True:
-            try:
-                self._producer.produce(topic, value, key)
-                return
-            except BufferError:
-                self._producer.poll(0.05)
-            except KafkaException as exc:
-                if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise MessageTooLarge(
-                        f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over the producer's "
-                        "message.max.bytes") from None
-                raise
-
-    def count_sent(self, topic: str, n: int) -> None:
-        if n:
-            self._sent[topic] = self._sent.get(topic, 0) + n
-
-
 def _objects(items: list[Any]) -> np.ndarray:
     """A 1-D object array of ``items`` (``np.array`` would make bytes of one length a 2-D or 'S' array)."""
     out = np.empty(len(items), dtype=object)
@@ -156,7 +119,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     """
     topics = {IMPRESSION: kafka.impressions_topic, CLICK: kafka.clicks_topic}
     ensure_topics(kafka, [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())])
-    producer = _ChunkProducer(kafka, **{"linger.ms": linger_ms})
+    producer = AckedProducer(kafka, **{"linger.ms": linger_ms})
     dead_letters = DeadLetters(kafka, producer)
     summary = ReplaySummary(dataset=dataset, source=dict(table.stats))
 
@@ -219,9 +182,6 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
             if j > cut:
                 producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
-                sent_kind = topic_kind[start + cut:start + j]
-                producer.count_sent(imp_topic, int(np.count_nonzero(sent_kind == IMPRESSION)))
-                producer.count_sent(click_topic, int(np.count_nonzero(sent_kind == CLICK)))
             if j < stop - start:
                 dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
             cut = j + 1
