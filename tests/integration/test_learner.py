@@ -273,7 +273,7 @@ def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exac
              "DataLoader worker 1 of 2 reads samples partitions [1, 3]"}  # worker w of 2 reads p with p % 2 == w
     assert all(line in out.stderr for line in split)
     # the killed run too, if its workers had started by then (the model is built from the first samples first)
-    assert {line.split(": ", 1)[1] for line in first_err.splitlines() if "DataLoader worker" in line} <= split
+    assert {line.split(": ", 1)[1] for line in first_err.splitlines() if "reads samples partitions" in line} <= split
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path) -> None:
