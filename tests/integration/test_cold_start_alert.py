@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
+from tests.monitoring_io import alerts_so_far, metric, scrape
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 100
@@ -39,26 +39,11 @@ def samples(users: np.ndarray, start: int, rng: np.random.Generator) -> bytes:
 
 
 def scraped(url: str, series: str) -> float | None:
-    """The value of ``series`` (name and labels, as exposed) on the /metrics page at ``url``."""
-    try:
-        text = urllib.request.urlopen(url, timeout=2).read().decode()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return None
+    return metric(scrape(url), series)
 
 
 def bucket_share(url: str) -> float | None:
     return scraped(url, 'streamrec_learner_bucket_share{field="user_id"}')
-
-
-def alerts_so_far(kafka: KafkaSettings, topic: str) -> list:
-    try:
-        return read_topic(kafka, topic, timeout_s=3.0)
-    except TimeoutError:  # the topic exists but the reader saw no end yet: nothing new to count
-        return []
 
 
 def wait_for(cond, what: str, procs: list[subprocess.Popen], timeout_s: float = 60.0) -> None:

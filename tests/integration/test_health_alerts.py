@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
+from tests.monitoring_io import alerts_so_far, metric, scrape
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 100
@@ -57,27 +57,6 @@ def shipped_rule(name: str, for_s: float = 1.0) -> str:
     threshold = f"threshold = {r.threshold!r}\n" if r.threshold is not None else ""
     return (f'[[rule]]\nname = "{name}"\nexpr = \'{r.expr}\'\nop = "{r.op.value}"\n{threshold}'
             f'for_s = {for_s}\nseverity = "{r.severity.value}"\n')
-
-
-def metric(text: str, series: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return None
-
-
-def scrape(url: str) -> str:
-    try:
-        return urllib.request.urlopen(url, timeout=2).read().decode()
-    except OSError:
-        return ""
-
-
-def alerts_so_far(kafka: KafkaSettings, topic: str) -> list[Alert]:
-    try:
-        return [Alert.from_json(r.value) for r in read_topic(kafka, topic, timeout_s=3.0)]
-    except TimeoutError:
-        return []
 
 
 def run_until_alert(kafka: KafkaSettings, tmp_path: Path, rule: str, send: Callable[[AckedProducer, int], None],

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import defaultdict
 
 import numpy as np
@@ -24,6 +23,7 @@ from stream.replay.synthetic import build_synthetic
 from streamrec.cli import main
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
+from tests.monitoring_io import metric, scrape
 
 
 def test_ml100k_counts_order_and_copartitioning(kafka: KafkaSettings) -> None:
@@ -115,11 +115,9 @@ def test_a_paced_replay_serves_its_event_counts_while_it_runs(kafka: KafkaSettin
     try:
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:  # ~600 events at 100/s: ~6 s
-            try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-                seen += [float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")]
-            except OSError:
-                pass  # not listening yet
+            value = metric(scrape(f"http://127.0.0.1:{port}/metrics"), series)  # None while not listening yet
+            if value is not None:
+                seen.append(value)
             time.sleep(0.5)
         assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
     finally:
