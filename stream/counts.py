@@ -7,10 +7,12 @@ Key layout (one sorted set per kind, event and UTC day of the *event* time)::
 
     {prefix}:counts:{kind}:{event}:{YYYYMMDD}      member = id, score = count
 
-``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click``. Members are the ids as the
-caller gives them, as text; the joiner records the ids' stable 64-bit hashes (``stream.ids.stable_hash``
-of the raw id, so ``123`` and ``"123"`` are one member), which is what ``cache_refresh/hot_set.py``
-maps to rows.
+``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click`` (the joiner's, by event time) or
+``lookup`` (serving's own row reads, by the wall-clock day of the flush: ``serving/lookup_counts.py`` writes
+them with :meth:`DailyCounts.add_counts`, a request scoring 100 candidates counts 100 item lookups where the joiner
+later counts one impression). Members are the ids as the caller gives them, as text; the joiner and serving
+record the ids' stable 64-bit hashes (``stream.ids.stable_hash`` of the raw id, so ``123`` and ``"123"`` are one
+member), which is what ``cache_refresh/hot_set.py`` maps to rows.
 
 Names (the raw ids behind the hashes, for operators: ``streamrec counts top``, the hot set's summary)::
 
@@ -54,7 +56,7 @@ import numpy as np
 import redis
 
 KINDS = ("item", "user")
-EVENTS = ("impression", "click")
+EVENTS = ("impression", "click", "lookup")
 DAY_S = 86_400
 DAY_MS = DAY_S * 1000
 _EPOCH = dt.date(1970, 1, 1)
@@ -267,6 +269,28 @@ class DailyCounts:
         for d, had in zip(args, had_names, strict=True):
             if not had and d in skipped:  # names skipped as written, but their key was gone (deleted, evicted)
                 self._forget_named(f"{self.prefix}:names:{kind}:{days[d]}")
+
+    def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
+                   chunk: int = 10_000) -> None:
+        """Add pre-aggregated ``counts[i]`` to ``members[i]`` (int64 hashes, (M,) each) on day ``day_index`` (days
+        since the epoch): one non-transactional pipeline of the same script :meth:`record` uses, ``chunk`` members
+        per call (no names). One round trip; the caller bounds ``M``."""
+        _check_kind_event(kind, event)
+        if len(members) != len(counts):
+            raise ValueError(f"argument 'counts': has {len(counts)} elements but 'members' has {len(members)}")
+        if not len(members):
+            return
+        if self._zincr_many is None:
+            self._zincr_many = self.client.register_script(_ZINCR_MANY)
+        day = _day_str(int(day_index))
+        keys = [f"{self.prefix}:counts:{kind}:{event}:{day}", f"{self.prefix}:names:{kind}:{day}"]
+        expire = self.expire_at(int(day_index))
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(0, len(members), chunk):
+            m, c = members[i:i + chunk].tolist(), counts[i:i + chunk].tolist()
+            pairs = [x for pair in zip(c, map(str, m), strict=True) for x in pair]
+            self._zincr_many(keys=keys, args=[expire, len(m), *pairs], client=pipe)
+        pipe.execute()
 
     def _names_to_send(self, kind: str, days: dict[int, str], counts: Counter[tuple[int, int | str]],
                        names: Mapping[Any, int | str], text: bool) -> tuple[dict[int, list[str]], set[int]]:
