@@ -21,6 +21,13 @@ Workload: the one of bench/learner.py (26 fields x 384,615 rows = 10 M rows, dim
                 GB/s, plus one 256 MiB tensor each way for the link's bandwidth
   export        torch.export.export of the trained fp16 model (eval) on cuda with a dynamic batch size,
                 torch.export.save/load round trip, outputs of the loaded program vs the model (batch 4096 and 1000)
+  tensorrt      serving's ``onnx`` artifact (learner/onnx_scorer.py) of the trained fp32 model loaded on cuda: where
+                onnxruntime-gpu has the TensorRT execution provider, ONNX Runtime builds a TensorRT engine (fp16
+                allowed) from the dense graph; the check reports the providers it runs on, the engine's first-use
+                build time, scores against the same artifact on the CPU (max |diff| <= 2e-3 for fp16 kernels), and
+                p50/p99 of ScoringModel.score for 1 user x 100 candidates and for a 4096 batch, against the
+                TorchScript artifact on the same GPU. Without TensorRT (a CPU machine, or the CPU onnxruntime
+                wheel) it says so and why, and checks nothing (not a failure: the path is optional).
 
     python bench/gpu_check.py                       # on a GPU machine
     python bench/gpu_check.py --steps 300 --total-rows 10000000
@@ -234,6 +241,62 @@ def export_check(trainer: Trainer, tbs: list[TensorBatch], num_fields: int) -> d
     return res
 
 
+def _latency(model: Any, tb: TensorBatch, n: int) -> dict[str, float]:
+    times = []
+    for i in range(n + 5):
+        t0 = time.perf_counter()
+        model.score(tb.values, tb.offsets, tb.dense)
+        if i >= 5:  # score() returns host-visible scores: each call is synchronised
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"p50_ms": round(times[len(times) // 2], 3), "p99_ms": round(times[int(len(times) * 0.99) - 1], 3)}
+
+
+def tensorrt_check(trainer: Trainer, cfg: Any, tbs: list[TensorBatch], device: str) -> dict[str, Any]:
+    """The ``onnx`` artifact of the trained model on ``device`` through ONNX Runtime's TensorRT provider."""
+    from learner import onnx_scorer
+    from learner.artifact import build_artifact
+    from serving.model import ScoringModel
+
+    try:
+        have = onnx_scorer._ort().get_available_providers()
+    except onnx_scorer.OnnxUnavailable as exc:
+        return {"ok": True, "checked": False, "reason": f"TensorRT not checked: {exc}"}
+    note = None
+    if device == "cuda" and "TensorrtExecutionProvider" not in have:
+        return {"ok": True, "checked": False,
+                "reason": f"TensorRT not checked: onnxruntime {onnx_scorer._ort().__version__} has no TensorRT "
+                          f"execution provider ({have}); pip install onnxruntime-gpu tensorrt"}
+    if device != "cuda":
+        note = "no CUDA device: the dry run scored the onnx artifact on the CPU provider instead of TensorRT"
+    model = trainer.model.float().eval()
+    meta = {"feature_config": cfg.to_dict(), "samples_trained": 0, "offsets": {"0": 0}, "topic": "gpu-check",
+            "model": {"mlp": "400,400,400", "dropout": 0.0, "amp": False, "seed": 0}}
+    ckpt = {"meta": meta, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "path": "gpu-check"}
+    hot = np.arange(0, cfg.num_rows, 10)  # a tenth of the rows hot, the rest from the cold file
+    res: dict[str, Any] = {"note": note} if note else {}
+    one = tbs[0].select(np.arange(len(tbs[0])) < 100)  # 100 candidates
+    big = tbs[1]
+    with tempfile.TemporaryDirectory() as d:
+        onnx_dir = build_artifact(ckpt, Path(d) / "onnx", hot, format="onnx")
+        ts_dir = build_artifact(ckpt, Path(d) / "ts", hot, format="torchscript")
+        t0 = time.perf_counter()
+        on_dev = ScoringModel.load(onnx_dir, device=device)
+        on_dev.score(big.values, big.offsets, big.dense)  # the TensorRT engine is built on first use
+        res["load_and_engine_build_s"] = round(time.perf_counter() - t0, 2)
+        res["providers"] = on_dev._live.scorer.execution_providers
+        on_cpu = ScoringModel.load(onnx_dir, device="cpu")
+        ts = ScoringModel.load(ts_dir, device=device)
+        diff = float((on_dev.score(big.values, big.offsets, big.dense).cpu()
+                      - on_cpu.score(big.values, big.offsets, big.dense)).abs().max())
+        res["max_abs_diff_vs_cpu"] = diff
+        for name, m in (("onnx", on_dev), ("torchscript", ts)):
+            res[name] = {"100": _latency(m, one, 300), str(len(big)): _latency(m, big, 50)}
+    res["ok"] = diff <= 2e-3 and (device != "cuda" or "TensorrtExecutionProvider" in res["providers"])
+    return res
+
+
 def run_check(name: str, fn, results: dict[str, Any]) -> Any:
     t0 = time.perf_counter()
     try:
@@ -272,6 +335,7 @@ def main() -> int:
     elif not torch.cuda.is_available():
         msg = (f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}): "
                "bench/gpu_check.py only runs on a machine with a GPU; nothing was checked")
+        msg += " (TensorRT included: it needs a CUDA device and onnxruntime-gpu with TensorRT)"
         print(msg, file=sys.stderr)
         print(json.dumps({"bench": "gpu_check", "skipped": True, "reason": msg}))
         return 0
@@ -305,10 +369,12 @@ def main() -> int:
     fp32 = run_check("fp32", lambda: train(cfg, tbs, device, None, args.steps, args.warmup), checks)
     if fp32 is not None and args.profile:
         run_check("profile_fp32", lambda: profile_steps(fp32[0], tbs), checks)
-    fp32 = None
     speed = {k: checks[k]["ex_per_s"] for k in ("fp16", "bf16", "fp32") if "ex_per_s" in checks.get(k, {})}
     if "fp32" in speed:
         summary["speedup_vs_fp32"] = {k: round(v / speed["fp32"], 2) for k, v in speed.items() if k != "fp32"}
+    if fp32 is not None:
+        run_check("tensorrt", lambda: tensorrt_check(fp32[0], cfg, tbs, device), checks)
+    fp32 = None
     if device == "cuda":
         run_check("h2d", lambda: h2d(tbs, device), checks)
     summary["checks"] = {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in checks.items()}

@@ -25,6 +25,11 @@ probes its fp32 path (:meth:`OnnxScorer.torch_forward`: the same tensors in torc
 refuses it when its holdout AUC falls more than ``[refresh] max_int8_auc_drop`` below that fp32 path's
 (``cache_refresh/validate.py``).
 
+TensorRT (issue 17): where ``onnxruntime-gpu`` with its TensorRT execution provider is installed and the scorer is
+loaded on a CUDA device, the same graph runs as a TensorRT engine (fp16 allowed), built by ONNX Runtime on first use
+and cached (:func:`providers`); nothing else changes (file, validation, publish flow). ``bench/gpu_check.py`` builds
+and times it on a GPU; on a CPU machine it says that TensorRT was not checked and why.
+
 onnxruntime (and ``onnx``, for quantization) are imported lazily, only when an ONNX artifact is built or
 loaded: ``pip install 'streamrec[onnx]'``.
 """
@@ -32,6 +37,7 @@ loaded: ``pip install 'streamrec[onnx]'``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import tempfile
 import warnings
@@ -134,8 +140,33 @@ def quantize_int8(model: bytes) -> bytes:
         return dst.read_bytes()
 
 
-def session(model: bytes, threads: int | None = None) -> Any:
-    """An ONNX Runtime CPU session for ``model``; ``threads`` intra-op threads (default torch's)."""
+def providers(device: str, available: list[str] | None = None,
+              cache_dir: str | None = None) -> list[Any]:
+    """ONNX Runtime's execution providers for a scorer on ``device``, best first.
+
+    On a CUDA device: TensorRT (an engine built from the graph on first use, fp16 kernels allowed, the engine
+    cached under ``cache_dir`` so a restart does not rebuild it), then CUDA, then the CPU, as far as the
+    installed onnxruntime has them (``onnxruntime-gpu`` with TensorRT for the first; the CPU wheel has neither).
+    Everywhere else the CPU provider. ONNX Runtime itself falls back along the list for nodes a provider cannot
+    run. The INT8 graph (``quantize_dynamic``: integer matmuls with per-batch activation scales) is not one
+    TensorRT builds; on TensorRT it runs in its CUDA/CPU fallbacks."""
+    have = available if available is not None else _ort().get_available_providers()
+    if not str(device).startswith("cuda"):
+        return ["CPUExecutionProvider"]
+    out: list[Any] = []
+    if "TensorrtExecutionProvider" in have:
+        trt: dict[str, Any] = {"trt_fp16_enable": True}
+        if cache_dir:
+            trt.update(trt_engine_cache_enable=True, trt_engine_cache_path=cache_dir)
+        out.append(("TensorrtExecutionProvider", trt))
+    if "CUDAExecutionProvider" in have:
+        out.append("CUDAExecutionProvider")
+    return [*out, "CPUExecutionProvider"]
+
+
+def session(model: bytes, threads: int | None = None, device: str = "cpu") -> Any:
+    """An ONNX Runtime session for ``model`` on :func:`providers` for ``device``; ``threads`` intra-op threads
+    (default torch's)."""
     ort = _ort()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or torch.get_num_threads()
@@ -144,7 +175,11 @@ def session(model: bytes, threads: int | None = None) -> Any:
     # pool starves torch's threads (measured, 2 cores, B=100: p99 32 ms spinning vs 1.2 ms not).
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
-    return ort.InferenceSession(model, sess_options=opts, providers=["CPUExecutionProvider"])
+    # One engine cache per graph (weights included): ORT's own cache key may not cover the weights, and a dense
+    # delta re-exports the same graph with new weights.
+    cache = (str(Path(tempfile.gettempdir()) / "streamrec-trt-engines" / hashlib.sha256(model).hexdigest()[:20])
+             if str(device).startswith("cuda") else None)
+    return ort.InferenceSession(model, sess_options=opts, providers=providers(device, cache_dir=cache))
 
 
 class _Box:
@@ -158,13 +193,20 @@ class _Box:
 
 
 class OnnxScorer(Scorer):
-    """A :class:`Scorer` whose dense part runs in ONNX Runtime (CPU); the pooling runs in torch on its device."""
+    """A :class:`Scorer` whose dense part runs in ONNX Runtime (on :func:`providers` for ``device``: the CPU, or
+    TensorRT/CUDA where installed); the pooling runs in torch on its device."""
 
     def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor, model: bytes,
-                 int8: bool = False) -> None:
+                 int8: bool = False, device: str = "cpu") -> None:
         super().__init__(spec, hot_ids, hot_vectors)
         self.int8 = int8
-        self._box = _Box(session(model))
+        self.ort_device = str(device)
+        self._box = _Box(session(model, device=self.ort_device))
+
+    @property
+    def execution_providers(self) -> list[str]:
+        """The providers ONNX Runtime actually runs this graph on, best first (e.g. for ``/v1/model``)."""
+        return list(self._box.session.get_providers())
 
     def torch_forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                       given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
@@ -173,7 +215,7 @@ class OnnxScorer(Scorer):
 
     def rebuild_session(self) -> None:
         """Re-export the dense graph from this module's (updated) weights: a learner delta's dense weights."""
-        self._box = _Box(session(export_dense(self, self.int8)))
+        self._box = _Box(session(export_dense(self, self.int8), device=self.ort_device))
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
@@ -203,6 +245,7 @@ def load(path: Path, spec: ScorerSpec, device: str, int8: bool = False) -> OnnxS
 
     _ort()  # the clear error first, before anything is read
     state = safetensors.torch.load_file(str(path.parent / STATE_FILE), device="cpu")
-    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes(), int8=int8)
+    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes(), int8=int8,
+                         device=device)
     scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
     return scorer.to(device).eval()

@@ -229,3 +229,20 @@ def test_the_int8_bound_is_a_refresh_setting() -> None:
 
     assert RefreshSettings().max_int8_auc_drop == validate.DEFAULT_MAX_INT8_AUC_DROP > 0
     assert RefreshSettings(format="onnx_int8").format == "onnx_int8"
+
+
+def test_execution_providers_put_tensorrt_then_cuda_first_on_a_cuda_device_and_only_the_cpu_elsewhere():
+    gpu_build = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    on_cuda = onnx_scorer.providers("cuda:0", available=gpu_build, cache_dir="/tmp/x")
+    assert [p[0] if isinstance(p, tuple) else p for p in on_cuda] == gpu_build
+    assert on_cuda[0][1] == {"trt_fp16_enable": True, "trt_engine_cache_enable": True,
+                             "trt_engine_cache_path": "/tmp/x"}
+    # onnxruntime-gpu without TensorRT: CUDA, then the CPU; the CPU wheel on a CUDA device: the CPU alone
+    assert onnx_scorer.providers("cuda", available=gpu_build[1:]) == gpu_build[1:]
+    assert onnx_scorer.providers("cuda", available=["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert onnx_scorer.providers("cpu", available=gpu_build) == ["CPUExecutionProvider"]
+
+
+def test_a_loaded_onnx_scorer_on_the_cpu_reports_that_onnx_runtime_runs_it_on_the_cpu_provider(
+        onnx_model: ScoringModel) -> None:
+    assert onnx_model._live.scorer.execution_providers == ["CPUExecutionProvider"]
