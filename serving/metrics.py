@@ -26,6 +26,11 @@
                                                             started (a process-wide count: serving processes
                                                             read history on the request path only)
     streamrec_serving_in_flight                             requests being served
+    streamrec_serving_lookup_count_flushes_total{outcome}   flushes of per-id row lookup counts to Redis
+                                                            (serving/lookup_counts.py): ok | error
+    streamrec_serving_lookup_counts_flushed_total           row lookups written to Redis day counts
+    streamrec_serving_lookup_counts_dropped_total{reason}   row lookups not counted: full (too many waiting) |
+                                                            redis (the flush holding them failed)
 """
 
 from __future__ import annotations
@@ -136,6 +141,17 @@ class ServingMetrics:
                                "skipped when read (as the joiner skips them), since this service started.",
                                HISTORY_MALFORMED))  # type: ignore[arg-type]
         self.in_flight = Gauge("streamrec_serving_in_flight", "Requests being served.", registry=r)
+        self.lookup_count_flushes = Counter("streamrec_serving_lookup_count_flushes", "Flushes of per-id row lookup "
+                                            "counts to Redis (for the hot set), by outcome.", ["outcome"], registry=r)
+        for outcome in ("ok", "error"):
+            self.lookup_count_flushes.labels(outcome)
+        self.lookup_counts_flushed = Counter("streamrec_serving_lookup_counts_flushed", "Row lookups written to the "
+                                             "Redis day counts the hot set ranks by.", registry=r)
+        self.lookup_counts_dropped = Counter("streamrec_serving_lookup_counts_dropped", "Row lookups not counted: "
+                                             "full (too many waiting) or redis (their flush failed).", ["reason"],
+                                             registry=r)
+        for reason in ("full", "redis"):
+            self.lookup_counts_dropped.labels(reason)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]
 
