@@ -43,6 +43,7 @@ import orjson
 import torch
 
 from serving.history import HistoryReader
+from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
 from serving.request import RequestError, ScoreRequest, decode_json, openapi, parse_batch, parse_request
 from serving.settings import ServeSettings
@@ -68,8 +69,11 @@ def _error(status: int, message: str) -> Response:
 
 class ScoringApp:
     def __init__(self, settings: ServeSettings, holder: ModelHolder, metrics: ServingMetrics,
-                 history: UserHistory | None, history_len: int = 50, version: str = "0") -> None:
+                 history: UserHistory | None, history_len: int = 50, version: str = "0",
+                 lookups: LookupCounts | None = None) -> None:
         self.s, self.holder, self.metrics, self.history = settings, holder, metrics, history
+        # Per-id row lookups, counted for the nightly hot set (serving/lookup_counts.py); None: not counted.
+        self._observe = lookups.add if lookups is not None else None
         self.history_len = history_len
         self.history_reader = HistoryReader(history, history_len, metrics,
                                             retry_after_s=settings.history_retry_after_s)
@@ -216,7 +220,7 @@ class ScoringApp:
         return self.history_reader.read(users)
 
     def _run(self, live: LiveModel, req: ScoreRequest, history: list[int]) -> dict[str, Any]:
-        values, offsets, dense = live.encoder.encode(req, history)  # (N,), (F*B+1,), (B, Dd)
+        values, offsets, dense = live.encoder.encode(req, history, self._observe)  # (N,), (F*B+1,), (B, Dd)
         seq = live.model.delta_seq  # read first: the scores are at least this fresh
         scores = live.model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
         self.metrics.candidates.inc(len(req.items))

@@ -19,6 +19,7 @@ list-valued one an empty bag (a zero vector), a missing dense value 0.0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -80,10 +81,13 @@ class FeatureEncoder:
             return [] if name in self.multi else [MISSING]
         return hashed if type(hashed) is list else [hashed]  # type: ignore[list-item]
 
-    def encode(self, req: ScoreRequest, history: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def encode(self, req: ScoreRequest, history: list[int],
+               observe: Callable[[str, np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values (N,), offsets (F*B+1,), dense (B, Dd))`` for the request's ``B`` candidates.
 
-        ``history``: the user's clicked items' hashes, oldest first (``stream.history.UserHistory``)."""
+        ``history``: the user's clicked items' hashes, oldest first (``stream.history.UserHistory``).
+        ``observe(kind, hashed)``: told the hashed ids whose rows are read, by kind (``user``; ``item`` for the
+        candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them)."""
         self._check_names("", req.context, req.dense)
         b = len(req.items)
         m = self.mapper
@@ -98,6 +102,8 @@ class FeatureEncoder:
         for f, src, name in self.plan:
             if src == "item":
                 hashed = np.fromiter((hash_value(i) for i in req.items), np.int64, b)
+                if observe is not None:
+                    observe("item", hashed)
                 values.append(m.map_rows(f, hashed))  # (B,)
                 lengths.append(np.ones(b, np.int64))
                 continue
@@ -116,6 +122,8 @@ class FeatureEncoder:
                 one = np.asarray(self._bag(name, shared.get(name)), np.int64)
             else:
                 one = _EMPTY
+            if observe is not None and src in ("user", "history"):
+                observe("item" if src == "history" else "user", one)
             rows = m.map_rows(f, one) if len(one) else _EMPTY  # (L,): the same bag for every candidate
             values.append(np.tile(rows, b))  # (B * L,)
             lengths.append(np.full(b, len(rows), np.int64))

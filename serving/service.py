@@ -19,10 +19,12 @@ import torch
 from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
 from serving.http_server import Server, make_server
+from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
 from serving.settings import ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
 from stream.config import RedisSettings
+from stream.counts import DailyCounts
 from stream.history import UserHistory
 from stream.redis_client import RedisAuthError, connect, verify
 
@@ -61,8 +63,18 @@ class ScoringService:
         self.updater = ModelUpdater(self.holder, self.metrics, settings.publish_root, settings.deltas_dir,
                                     device=self.device, poll_s=settings.poll_s, redis_client=self.pubsub_redis,
                                     prefix=prefix, signing_key=load_signing_key(settings.signing_key_file))
+        self.lookups: LookupCounts | None = None
+        if redis_settings is not None and settings.lookup_counts:
+            # Its own client: a flush of many ids may take longer than the request path's timeout; no retries
+            # (a failed flush is dropped and counted, the next one comes flush_s later).
+            counts = DailyCounts(connect(redis_settings, timeout_s=2.0, retries=0), prefix=redis_settings.prefix,
+                                 ttl_days=redis_settings.counts_ttl_days)
+            self.lookups = LookupCounts(counts, self.metrics, flush_s=settings.lookup_counts_flush_s,
+                                        flush_ids=settings.lookup_counts_flush_ids,
+                                        max_pending=settings.lookup_counts_max_pending)
         self.app = ScoringApp(settings, self.holder, self.metrics, history,
-                              history_len=redis_settings.history_len if redis_settings else 50, version=version)
+                              history_len=redis_settings.history_len if redis_settings else 50, version=version,
+                              lookups=self.lookups)
         self.server: Server | None = None
 
     @property
@@ -77,6 +89,8 @@ class ScoringService:
     def start(self) -> ScoringService:
         self._check_redis()
         self.updater.start()
+        if self.lookups is not None:
+            self.lookups.start()
         self.server = make_server(self.s.server, self.app, self.s.host, self.s.port)
         self.server.start()
         return self
@@ -99,6 +113,9 @@ class ScoringService:
         if self.server is not None:
             self.server.stop(grace_s)
         self.updater.stop()
+        if self.lookups is not None:
+            self.lookups.stop()  # flushes what the last requests counted
+            self.lookups.counts.client.close()
         for client in (self.redis, self.pubsub_redis):
             if client is not None:
                 client.close()

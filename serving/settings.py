@@ -51,9 +51,19 @@ class ServeSettings:
     # A keep-alive connection with no request started is closed after this many idle seconds.
     keepalive_timeout_s: float = 30.0
 
+    # -- row lookup counts for the nightly hot set (serving/lookup_counts.py) --
+    # Count this process's row lookups per user and item id and add them to Redis day counts ("lookup", beside the
+    # joiner's impressions) in the background: every lookup_counts_flush_s seconds or lookup_counts_flush_ids
+    # lookups; beyond lookup_counts_max_pending waiting lookups (Redis slow or down) new ones are dropped, counted.
+    lookup_counts: bool = True
+    lookup_counts_flush_s: float = 5.0
+    lookup_counts_flush_ids: int = 200_000
+    lookup_counts_max_pending: int = 2_000_000  # int64 each: 16 MB at most
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))
         object.__setattr__(self, "server", ServerKind.of(self.server, "[serve] server"))
-        for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s"):
+        for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s",
+                     "lookup_counts_flush_s", "lookup_counts_flush_ids", "lookup_counts_max_pending"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"[serve] {name} must be > 0, got {getattr(self, name)!r}")
