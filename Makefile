@@ -33,7 +33,7 @@ demo: data
 	SR=$(SR) PY=$(PY) bash streamrec/demo.sh
 
 test: data
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow" --durations=30
 
 test-all: data
 	$(VENV)/bin/pytest -q
