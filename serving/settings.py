@@ -14,6 +14,20 @@ from stream.config import Choice
 from stream.errors import ConfigError
 
 
+class EmbeddingStore(Choice):
+    """Where the rows outside the artifact's hot set come from (serving/model.py, serving/embedding_store.py)."""
+
+    IN_PROCESS = "in_process"  # the artifact's memory-mapped cold file (all in one process; the default)
+    LAYERED = "layered"  # Redis (written by the refresh with [refresh] embedding_store = "layered"), via a bounded LRU
+
+
+class RowDtype(Choice):
+    """How the refresh stores a row's D + 1 values in the embedding store (serving reads the version's choice)."""
+
+    FLOAT32 = "float32"  # exact: layered scores equal in-process scores
+    FLOAT16 = "float16"  # half the Redis memory; rows rounded to float16 (tests bound the scores' change)
+
+
 class ServerKind(Choice):
     """The HTTP server under the scoring app (serving/http_server.py)."""
 
@@ -60,9 +74,26 @@ class ServeSettings:
     lookup_counts_flush_ids: int = 200_000
     lookup_counts_max_pending: int = 2_000_000  # int64 each: 16 MB at most
 
+    # -- the layered deployment (serving/embedding_store.py) --
+    # in_process: cold rows from the artifact's memory-mapped file; layered: from Redis ([redis] url, the rows the
+    # refresh wrote under <prefix>:emb:<version>:), one round trip per request for the rows neither hot nor cached.
+    embedding_store: EmbeddingStore = EmbeddingStore.IN_PROCESS
+    embedding_cache_rows: int = 200_000  # layered: rows fetched from Redis kept in an LRU (per loaded artifact)
+    embedding_store_timeout_s: float = 0.05  # layered: a slower round trip fails; the request uses fallback rows
+    embedding_store_retry_after_s: float = 1.0  # layered: after a failed round trip, misses skip Redis this long
+    embedding_store_cluster: bool = False  # layered: [redis] url is a Redis Cluster node (redis-py RedisCluster)
+    # layered: write each applied delta's non-hot rows to Redis (serving/embedding_store.py says why serving does)
+    embedding_store_write_deltas: bool = True
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))
         object.__setattr__(self, "server", ServerKind.of(self.server, "[serve] server"))
+        object.__setattr__(self, "embedding_store", EmbeddingStore.of(self.embedding_store, "[serve] embedding_store"))
+        if self.embedding_cache_rows < 0:
+            raise ConfigError(f"[serve] embedding_cache_rows must be >= 0, got {self.embedding_cache_rows!r}")
+        for name in ("embedding_store_timeout_s", "embedding_store_retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"[serve] {name} must be > 0, got {getattr(self, name)!r}")
         for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s",
                      "lookup_counts_flush_s", "lookup_counts_flush_ids", "lookup_counts_max_pending"):
             if not getattr(self, name) > 0:
