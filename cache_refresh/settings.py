@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from learner.config import ArtifactFormat
+from serving.settings import EmbeddingStore, RowDtype
 from stream.config import Choice
 
 
@@ -58,6 +59,12 @@ class RefreshSettings:
     # signed with it (``signature``), and a rollback or the live artifact read for comparison must verify. None:
     # artifacts are unsigned.
     signing_key_file: Path | None = None
+    # The layered deployment (serving/embedding_store.py): "layered" also writes every row outside the hot set to
+    # Redis ([redis] url) under <prefix>:emb:<version>: before publishing, as embedding_store_dtype values, and
+    # deletes the rows of versions pruned from the publish root; in_process writes nothing there.
+    embedding_store: EmbeddingStore = EmbeddingStore.IN_PROCESS
+    embedding_store_dtype: RowDtype = RowDtype.FLOAT32
+    embedding_store_cluster: bool = False  # [redis] url is a Redis Cluster node
     log_level: str = "info"
     # The scheduler serves Prometheus /metrics (cache_refresh/metrics.py: runs by outcome, last success, duration,
     # hot set) on this port while it runs; None: none. A one-shot --now reports through its summary and exit code.
@@ -67,3 +74,7 @@ class RefreshSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", ArtifactFormat.of(self.format, "[refresh] format"))
         object.__setattr__(self, "count_event", CountEvent.of(self.count_event, "[refresh] count_event"))
+        object.__setattr__(self, "embedding_store",
+                           EmbeddingStore.of(self.embedding_store, "[refresh] embedding_store"))
+        object.__setattr__(self, "embedding_store_dtype",
+                           RowDtype.of(self.embedding_store_dtype, "[refresh] embedding_store_dtype"))
