@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError
 from redis.retry import Retry
 
@@ -33,7 +34,7 @@ from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.secrets import Secret, redact
 
-__all__ = ["RedisAuthError", "RedisFailure", "connect", "describe", "failure", "verify"]
+__all__ = ["RedisAuthError", "RedisFailure", "connect", "connect_cluster", "describe", "failure", "verify"]
 
 _AUTH_ERRORS = (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
 
@@ -132,6 +133,29 @@ def connect(settings: RedisSettings, *, timeout_s: float | None = None, connect_
             client.close()
             raise
     return client
+
+
+def connect_cluster(settings: RedisSettings, *, timeout_s: float | None = None,
+                    connect_timeout_s: float | None = None) -> RedisCluster:
+    """A Redis Cluster client (redis-py's :class:`~redis.cluster.RedisCluster`) whose ``settings.url`` names one
+    node (it discovers the others), with the same credentials and TLS as :func:`connect` and no retries of a
+    failed command (the caller's own fallback sees the failure at once). Used where a setting asks for a cluster
+    (``[serve] embedding_store_cluster``); counts, history and pub/sub use :func:`connect`."""
+    options: dict[str, Any] = {}
+    if timeout_s is not None:
+        options["socket_timeout"] = timeout_s
+    if connect_timeout_s is None:
+        connect_timeout_s = timeout_s
+    if connect_timeout_s is not None:
+        options["socket_connect_timeout"] = connect_timeout_s
+    if settings.username:
+        options["username"] = settings.username
+    password = _password(settings)
+    if password:
+        options["password"] = password
+    if settings.tls:
+        options.update(_tls_options(settings))
+    return RedisCluster.from_url(settings.url, retry=_retry(0), **options)
 
 
 def verify(client: redis.Redis, settings: RedisSettings, *, reachable: bool = True) -> bool:
