@@ -41,6 +41,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip, shown
+from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
 from stream.history import UserHistory
@@ -306,6 +307,36 @@ class JoinPipeline:
             return decode_impression(r.value, self.limits, r.timestamp)
         return decode_click(r.value, self.limits, r.timestamp)
 
+    def _decode_all(self, records: list[Record]) -> list[Impression | Click | BadMessage]:
+        """Each record's event or why it is bad: a record held last time keeps what it was decoded to then (a bad one
+        is dead-lettered only now); the rest are decoded per topic as columns (``stream/event_batch.py``), or one by
+        one while messages have strikes (a poisoned one is dead-lettered without decoding)."""
+        events: list[Impression | Click | BadMessage | None] = [None] * len(records)
+        held_before = self._held_before
+        if held_before:
+            for i, r in enumerate(records):
+                events[i] = held_before.pop((r.topic, r.partition, r.offset), None)
+        if self.strikes.counts:
+            for i, r in enumerate(records):
+                if events[i] is None:
+                    try:
+                        events[i] = self._decode(r)
+                    except BadMessage as exc:
+                        events[i] = exc
+            return events  # type: ignore[return-value]
+        todo: dict[bool, list[int]] = {True: [], False: []}  # clicks? -> indices still to decode
+        impressions = self.kafka.impressions_topic
+        for i, r in enumerate(records):
+            if events[i] is None:
+                todo[r.topic != impressions].append(i)
+        for clicks, idx in todo.items():
+            if idx:
+                decoded = decode_events([records[i].value for i in idx], [records[i].timestamp for i in idx],
+                                        clicks, self.limits)
+                for i, event in zip(idx, decoded, strict=True):
+                    events[i] = event
+        return events  # type: ignore[return-value]
+
     def _join(self, records: list[Record], behind: Behind | None = None,
               prior: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] | None = None
               ) -> list[Record]:
@@ -318,18 +349,8 @@ class JoinPipeline:
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
         # (topic, partition) -> its records in offset order, each with its event or why it is bad
         groups = {tp: list(pairs) for tp, pairs in prior.items()} if prior else {}
-        held_before = self._held_before
-        for r in records:
+        for r, event in zip(records, self._decode_all(records), strict=True):
             tp = (r.topic, r.partition)
-            before = held_before.pop((r.topic, r.partition, r.offset), None) if held_before else None
-            event: Impression | Click | BadMessage
-            if before is not None:  # held last time: decoded then (a bad one dead-lettered only now)
-                event = before
-            else:
-                try:
-                    event = self._decode(r)
-                except BadMessage as exc:
-                    event = exc
             pairs = groups.get(tp)
             if pairs is None:
                 groups[tp] = [(r, event)]

@@ -1,0 +1,201 @@
+"""Many event messages decoded and validated at once, as columns: the joiner's decode step.
+
+The rules are :mod:`stream.events`' and nothing else: :func:`decode_events` gives, for each message, exactly
+what :func:`~stream.events.decode_impression` / :func:`~stream.events.decode_click` would return for it, or the
+:class:`~stream.errors.BadMessage` it would raise (same reason, same ``kind``). How:
+
+1. each message is parsed (``orjson.loads``, one C call each);
+2. a block of rows is checked column by column, each check one C-level pass over a column (``set(map(type,
+   col))``, ``min``/``max`` of lengths and integers, ``math.isfinite`` over floats, one NumPy comparison for the
+   broker-timestamp bound) that accepts only what the per-event rules accept;
+3. a block that fails a check is halved until the rows that fail are alone; those rows (and only those) go
+   through the per-event decoder, which raises their exact reason (or accepts a row the fast checks were merely
+   too strict for: a ``schema_version`` of ``1.0``, say). Good rows never pay for a bad neighbour beyond
+   a few halvings.
+
+Duplicate keys: as in :mod:`stream.events`, a row whose text holds no more ``":`` than its parsed objects hold
+keys cannot repeat a key; the rest (a string value holding a colon) take the per-event duplicate-key check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import chain, repeat
+from operator import itemgetter
+
+import numpy as np
+import orjson
+
+from stream.errors import BadMessage
+from stream.events import (
+    MAX_ID,
+    MAX_TS_MS,
+    SUPPORTED_VERSIONS,
+    Click,
+    Impression,
+    _reject_duplicate_keys,
+    decode_click,
+    decode_impression,
+)
+from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW, EventLimits
+
+Decoded = Impression | Click | BadMessage
+
+_IMPRESSION_KEYS = frozenset({"schema_version", "impression_id", "ts", "user_id", "item_id", "context", "dense"})
+_IMPRESSION_REQUIRED = frozenset({"schema_version", "impression_id", "ts", "user_id", "item_id"})
+_CLICK_KEYS = frozenset({"schema_version", "impression_id", "ts"})
+_MIN_BLOCK = 4  # a failing block this small goes row by row
+_INT64_MIN = -(2**63)
+_NONE = type(None)
+_SV, _ID, _TS = itemgetter("schema_version"), itemgetter("impression_id"), itemgetter("ts")
+_USER, _ITEM = itemgetter("user_id"), itemgetter("item_id")
+
+
+class _Reject(Exception):
+    """A block failed a fast check: halve it (never leaves this module)."""
+
+
+def decode_events(values: Sequence[bytes | None], broker_ts: Sequence[int | None], clicks: bool,
+                  limits: EventLimits = DEFAULT_LIMITS) -> list[Decoded]:
+    """One topic's messages -> per message its event or why it is bad (see the module docstring).
+    ``broker_ts[i]``: message i's broker timestamp (ms) or None, as the per-event decoders take it."""
+    out: list[Decoded] = [None] * len(values)  # type: ignore[list-item]
+    _block(values, broker_ts, 0, len(values), clicks, limits, out)
+    return out
+
+
+def _block(values: Sequence[bytes | None], broker_ts: Sequence[int | None], lo: int, hi: int, clicks: bool,
+           limits: EventLimits, out: list[Decoded]) -> None:
+    if lo >= hi:
+        return
+    if hi - lo > _MIN_BLOCK or hi - lo == len(values):
+        try:
+            out[lo:hi] = _fast(values[lo:hi], broker_ts[lo:hi], clicks, limits)
+            return
+        except (_Reject, TypeError, ValueError, OverflowError, AttributeError, KeyError):
+            pass  # a row breaks a fast check (or its assumptions): find it
+        if hi - lo > _MIN_BLOCK:
+            mid = (lo + hi) // 2
+            _block(values, broker_ts, lo, mid, clicks, limits, out)
+            _block(values, broker_ts, mid, hi, clicks, limits, out)
+            return
+    decode = decode_click if clicks else decode_impression
+    for i in range(lo, hi):
+        try:
+            out[i] = decode(values[i], limits, broker_ts[i])
+        except BadMessage as exc:
+            out[i] = exc
+
+
+def _check(ok: bool) -> None:
+    if not ok:
+        raise _Reject
+
+
+def _ints_in(col: list, lo: int, hi: int) -> None:
+    """Every element of ``col`` (all exactly ``int``) in ``[lo, hi]``."""
+    _check(not col or (min(col) >= lo and max(col) <= hi))
+
+
+def _lengths_in(col: list, lo: int, hi: int) -> None:
+    _check(not col or (min(map(len, col)) >= lo and max(map(len, col)) <= hi))
+
+
+def _ids(col: list, limits: EventLimits) -> None:
+    """``stream.events.check_id`` over a column: ints in [0, MAX_ID] or non-empty strings of at most max_str_len."""
+    types = set(map(type, col))
+    if types == {int}:
+        _ints_in(col, 0, MAX_ID)
+        return
+    _check(types <= {int, str})
+    _ints_in([v for v in col if type(v) is int], 0, MAX_ID)
+    _lengths_in([v for v in col if type(v) is str], 1, limits.max_str_len)
+
+
+def _named_objects(col: list, max_keys: int, limits: EventLimits) -> list[dict]:
+    """The dicts of an optional object field (None: absent), with their key counts and key lengths checked."""
+    types = set(map(type, col))
+    _check(types <= {dict, _NONE})
+    objs = [o for o in col if o]  # the non-empty ones
+    if objs:
+        _check(max(map(len, objs)) <= max_keys)
+        _lengths_in(list(chain.from_iterable(objs)), 1, limits.max_key_len)
+    return objs
+
+
+def _context_values(objs: list[dict], limits: EventLimits) -> None:
+    """``stream.events.check_context``'s value rules over every value of every context at once."""
+    values = list(chain.from_iterable(map(dict.values, objs)))
+    types = set(map(type, values))
+    _check(types <= {str, int, float, bool, list})
+    by_type = {t: values for t in types} if len(types) == 1 else {t: [v for v in values if type(v) is t] for t in types}
+    _lengths_in(by_type.get(str, []), 0, limits.max_str_len)
+    _ints_in(by_type.get(int, []), _INT64_MIN, MAX_ID)
+    _check(all(map(math.isfinite, by_type.get(float, []))))
+    lists = by_type.get(list, [])
+    if lists:
+        _check(max(map(len, lists)) <= limits.max_list_len)
+        elements = list(chain.from_iterable(lists))
+        types = set(map(type, elements))
+        _check(types <= {str, int})
+        if str in types:
+            _lengths_in([x for x in elements if type(x) is str], 0, limits.max_str_len)
+        _ints_in([x for x in elements if type(x) is int] if str in types else elements, _INT64_MIN, MAX_ID)
+
+
+def _dense_values(objs: list[dict]) -> None:
+    """``stream.events.check_dense``'s rule: numbers (not booleans) finite as float32."""
+    values = list(chain.from_iterable(map(dict.values, objs)))
+    _check(set(map(type, values)) <= {int, float})
+    if values:
+        _check(bool(np.all(np.abs(np.array(values, dtype=np.float64)) < FLOAT32_OVERFLOW)))
+
+
+def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], clicks: bool,
+          limits: EventLimits) -> list[Decoded]:
+    """A block decoded with the column checks, or :class:`_Reject` / a parse error when any row fails one."""
+    _check(max(map(len, values)) <= limits.max_message_bytes)  # len(None): TypeError, as a reject
+    objs = list(map(orjson.loads, values))  # a bad row raises orjson.JSONDecodeError, a ValueError
+    _check(set(map(type, objs)) == {dict})
+    allowed, required = (_CLICK_KEYS, _CLICK_KEYS) if clicks else (_IMPRESSION_KEYS, _IMPRESSION_REQUIRED)
+    for shape in set(map(tuple, objs)):  # the distinct key lists (a few per block)
+        _check(required <= set(shape) <= allowed)
+    versions = list(map(_SV, objs))
+    _check(set(map(type, versions)) == {int} and set(versions) <= SUPPORTED_VERSIONS)
+    ids = list(map(_ID, objs))
+    _check(set(map(type, ids)) == {str})
+    _lengths_in(ids, 1, limits.max_str_len)
+    ts = list(map(_TS, objs))
+    _check(set(map(type, ts)) == {int})
+    _ints_in(ts, 0, MAX_TS_MS)
+    known = [b if b is not None and b > 0 else MAX_TS_MS for b in broker_ts]  # None / <= 0: no bound
+    _check(bool(np.all(np.array(ts, np.int64) <= np.array(known, np.int64) + limits.future_ts_ms)))
+    keys = list(map(len, objs))
+    if clicks:
+        events: list[Decoded] = list(map(Click, ids, ts))
+    else:
+        users, items = list(map(_USER, objs)), list(map(_ITEM, objs))
+        _ids(users, limits)
+        _ids(items, limits)
+        contexts = list(map(dict.get, objs, repeat("context")))
+        denses = list(map(dict.get, objs, repeat("dense")))
+        ctx = _named_objects(contexts, limits.max_context_keys, limits)
+        if ctx:
+            _context_values(ctx, limits)
+        dense = _named_objects(denses, limits.max_dense_keys, limits)
+        if dense:
+            _dense_values(dense)
+        # the per-event decoder keeps the parsed object itself, and {} for an absent one
+        contexts = [c if c is not None else {} for c in contexts]
+        denses = [d if d is not None else {} for d in denses]
+        keys = [n + len(c) + len(d) for n, c, d in zip(keys, contexts, denses, strict=True)]
+        events = list(map(Impression, ids, ts, users, items, contexts, denses))
+    colons = list(map(bytes.count, values, repeat(b":")))  # type: ignore[arg-type]
+    for i, (n, k) in enumerate(zip(colons, keys, strict=True)):
+        if n > k:  # a colon inside a string, or a real duplicate key: the per-event check decides
+            try:
+                _reject_duplicate_keys(values[i], objs[i])  # type: ignore[arg-type]
+            except BadMessage as exc:
+                events[i] = exc
+    return events
