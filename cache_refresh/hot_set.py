@@ -1,9 +1,21 @@
 """The hot set: the most frequent items and users of the last days -> rows of the fused embedding table.
 
-Counts come from the joiner's per-day Redis sorted sets (``stream/counts.py``), whose members are the
-stable hashes of the raw ids (``stream/ids.py``), the same int64 the samples carry. An item's row is
-``item_id``'s block row of that hash (shared by ``history``, which reads item rows); a user's row is
-``user_id``'s. The mapping is the feature config's (``FeatureConfig.blocks``), the one the learner used.
+Counts come from per-day Redis sorted sets (``stream/counts.py``), whose members are the stable hashes of the raw
+ids (``stream/ids.py``), the same int64 the samples carry. Which counts rank it (``[refresh] count_event``):
+
+* ``lookup`` (default): serving's own row reads (``serving/lookup_counts.py``): the rows the hot cache is for. A
+  request scores ~100 candidates per impression it leads to, and the ranker shows what it scores highest, so the
+  ids looked up most are not the ids impressed most; ranked by lookups the hot set holds what serving reads.
+* ``impression`` / ``click``: the joiner's counts by event time.
+
+``fallback_event`` (default ``impression``) fills what the first ranking leaves empty: when fewer than
+``hot_items`` (``hot_users``) ids have ``count_event`` counts in the window (serving does not count yet, Redis lost
+them, a replay whose serving never ran), the most frequent ids by ``fallback_event`` that are not already in take
+the rest of the budget. So with no lookup counts at all the hot set is exactly the impression-ranked one of before,
+and lookups rank the head as soon as serving has counted for a day. ``fallback_event == count_event``: no fill.
+
+An item's row is ``item_id``'s block row of that hash (shared by ``history``, which reads item rows); a user's row
+is ``user_id``'s. The mapping is the feature config's (``FeatureConfig.blocks``), the one the learner used.
 
 The window of ``days`` days ends at the latest day that has counts, not at today: counts are kept by
 event time, so a replayed data set (MovieLens is from 2000) gets the same hot set as live traffic.
@@ -106,17 +118,33 @@ def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMappe
     return (mapper or RowMapper(cfg)).rows(names.index(name), hashed)
 
 
+def ranked_ids(counts: DailyCounts, kind: str, event: str, fallback: str, days: int, k: int,
+               ) -> tuple[list[tuple[str, float]], str | None, int]:
+    """Top-k (member, count) by ``event``, filled up to k by ``fallback``'s top ids not already in (their counts are
+    ``fallback``'s); the day the window ends (``event``'s, else ``fallback``'s) and how many came from ``fallback``."""
+    top, day = top_ids(counts, kind, event, days, k)
+    if len(top) >= k or fallback == event:
+        return top, day, 0
+    seen = {m for m, _ in top}
+    more, fb_day = top_ids(counts, kind, fallback, days, k)
+    fill = [(m, c) for m, c in more if m not in seen][: k - len(top)]
+    return top + fill, day if day is not None else fb_day, len(fill)
+
+
 def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig, days: int, hot_items: int,
-            hot_users: int, event: str = "impression", small_field_rows: int = 0, attempts: int = 5,
+            hot_users: int, event: str = "lookup", small_field_rows: int = 0, attempts: int = 5,
             backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
-            mapper: RowMapper | None = None, show: int = SHOW) -> HotSet:
-    """The hot rows of ``cfg``'s table from the last ``days`` days of counts, with stats for the manifest (the
-    hottest ``show`` items and users by raw id under ``top_items``/``top_users``)."""
+            mapper: RowMapper | None = None, show: int = SHOW, fallback: str = "impression") -> HotSet:
+    """The hot rows of ``cfg``'s table from the last ``days`` days of ``event`` counts, filled by ``fallback``'s (see
+    the module docstring), with stats for the manifest (the hottest ``show`` items and users by raw id under
+    ``top_items``/``top_users``; ``{kind}s_from_fallback``: how many ids the fallback ranking added)."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
-    parts, stats = [], {"days": days, "event": event}
+    parts, stats = [], {"days": days, "event": event, "fallback_event": fallback}
     for kind, k in (("item", hot_items), ("user", hot_users)):
-        top, day = with_retries(f"top {kind}s", functools.partial(top_ids, counts, kind, event, days, k),
-                                attempts, backoff_s, sleep)
+        top, day, filled = with_retries(
+            f"top {kind}s", functools.partial(ranked_ids, counts, kind, event, fallback, days, k),
+            attempts, backoff_s, sleep)
+        stats[f"{kind}s_from_fallback"] = filled
         rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)
         parts.append(rows)
         stats[f"{kind}s"] = len(top)

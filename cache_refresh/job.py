@@ -269,7 +269,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             finally:
                 pinger.close()
             hs = hot_set.compute(client, rds.prefix, rds.counts_ttl_days, cfg, rs.days, rs.hot_items, rs.hot_users,
-                                 event=rs.count_event, small_field_rows=rs.small_field_rows,
+                                 event=rs.count_event, fallback=rs.fallback_event,
+                                 small_field_rows=rs.small_field_rows,
                                  attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep,
                                  mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")))
         except RedisAuthError as exc:

@@ -15,21 +15,26 @@ from stream.config import Choice
 
 
 class CountEvent(Choice):
-    """Which Redis day counts rank the hot set."""
+    """Which Redis day counts rank the hot set (``cache_refresh/hot_set.py``)."""
 
-    IMPRESSION = "impression"
-    CLICK = "click"
+    LOOKUP = "lookup"  # serving's own row reads (serving/lookup_counts.py)
+    IMPRESSION = "impression"  # the joiner's
+    CLICK = "click"  # the joiner's
 
 
 @dataclass(frozen=True)
 class RefreshSettings:
     checkpoint_dir: Path = Path(".streamrec/checkpoints")  # the learner's (LearnerSettings.checkpoint_dir)
     publish_root: Path = Path(".streamrec/serving")  # versions/, CURRENT, last_run.json
-    # hot set: top-K of the Redis per-day impression counts summed over the last `days` days
+    # hot set: top-K of the Redis per-day counts summed over the last `days` days
     days: int = 7
     hot_items: int = 100_000
     hot_users: int = 100_000
-    count_event: CountEvent = CountEvent.IMPRESSION  # impression | click: which counts rank the hot set
+    # lookup | impression | click: which counts rank the hot set. lookup (default): serving's own row reads, what
+    # the hot cache serves (a request reads ~100 candidates per impression); fallback_event's top ids fill the budget
+    # that count_event leaves empty (no lookup counts yet: the impression-ranked hot set). fallback = count: no fill.
+    count_event: CountEvent = CountEvent.LOOKUP
+    fallback_event: CountEvent = CountEvent.IMPRESSION
     # every row of a field with at most this many buckets is hot too (context fields: few rows, every
     # request reads them); 0 = only the counted items and users
     small_field_rows: int = 100_000
@@ -74,6 +79,7 @@ class RefreshSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", ArtifactFormat.of(self.format, "[refresh] format"))
         object.__setattr__(self, "count_event", CountEvent.of(self.count_event, "[refresh] count_event"))
+        object.__setattr__(self, "fallback_event", CountEvent.of(self.fallback_event, "[refresh] fallback_event"))
         object.__setattr__(self, "embedding_store",
                            EmbeddingStore.of(self.embedding_store, "[refresh] embedding_store"))
         object.__setattr__(self, "embedding_store_dtype",

@@ -1,0 +1,113 @@
+"""Serving counts its own row lookups per id into Redis day counts, and the nightly hot set ranks by them (issue 17,
+item 5), against the real Redis of the session stack.
+
+* A scored request counts its user (``user``), its candidates and its user's history items (``item``) in today's
+  ``{prefix}:counts:{kind}:lookup:{day}`` (stream/counts.py), written by the background flush.
+* Redis down: every request is still answered 200, and the lookups are dropped and counted.
+* The hot set ranks by lookups; the joiner's impression counts fill what lookups leave empty, and without any lookup
+  counts it is the impression-ranked hot set.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from cache_refresh import hot_set
+from serving.service import ScoringService
+from serving.settings import ServeSettings
+from stream.config import RedisSettings
+from stream.counts import DAY_MS, DailyCounts, day_of
+from stream.features import hash_value
+from stream.history import UserHistory
+from streamrec.stack import free_port
+from tests.integration.test_serving import CFG, TinyLearner, connect, post, publish_version
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"lc{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def learner() -> TinyLearner:
+    return TinyLearner()
+
+
+def lookups(client: redis.Redis, prefix: str, kind: str) -> dict[int, int]:
+    key = f"{prefix}:counts:{kind}:lookup:{day_of(int(time.time() * 1000))}"
+    return {int(m): int(c) for m, c in client.zrange(key, 0, -1, withscores=True)}
+
+
+def test_scored_requests_count_their_user_candidates_and_history_in_todays_lookup_keys(
+        stack, redis_client: redis.Redis, learner: TinyLearner, tmp_path: Path, prefix: str) -> None:
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v1")
+    UserHistory(redis_client, prefix=prefix, max_len=200).append_many(
+        [hash_value("alice")] * 2, [hash_value(100), hash_value(101)], [1, 2])
+    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600)
+    with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
+        conn = connect(svc)
+        for body in ({"user_id": "alice", "items": [3, "x", 3]}, {"user_id": "alice", "items": [3]},
+                     {"user_id": "bob", "items": [100]}):
+            assert post(conn, "/v1/score", body)[0] == 200
+        conn.close()
+        assert svc.lookups is not None
+        assert lookups(redis_client, prefix, "item") == {}  # nothing on the request path: only the flush writes
+        assert svc.lookups.flush() == 12  # 3 users + 5 candidates + 2 x 2 history items of alice (bob has none)
+    assert lookups(redis_client, prefix, "user") == {hash_value("alice"): 2, hash_value("bob"): 1}
+    assert lookups(redis_client, prefix, "item") == {hash_value(3): 3, hash_value("x"): 1, hash_value(100): 3,
+                                                     hash_value(101): 2}
+
+
+def test_redis_down_answers_every_request_and_counts_the_dropped_lookups(
+        learner: TinyLearner, tmp_path: Path, prefix: str) -> None:
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v1")
+    nobody = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600)
+    with ScoringService(settings, RedisSettings(url=nobody, prefix=prefix)) as svc:
+        conn = connect(svc)
+        statuses = [post(conn, "/v1/score", {"user_id": f"u{k}", "items": [1, 2]})[0] for k in range(5)]
+        conn.close()
+        assert svc.lookups is not None
+        assert svc.lookups.flush() == 0
+        reg = svc.metrics.registry
+        assert statuses == [200] * 5
+        assert reg.get_sample_value("streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 15
+        assert reg.get_sample_value("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 1
+
+
+def _members(ids: list[object]) -> list[int]:
+    return [hash_value(x) for x in ids]
+
+
+def test_the_hot_set_ranks_by_lookups_and_fills_from_impressions(redis_client: redis.Redis, prefix: str) -> None:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    imp = _members(["a"] * 10 + ["b"] * 5 + ["c"])
+    counts.record("item", "impression", imp, [now_ms - DAY_MS] * len(imp))  # the joiner's, event time yesterday
+    impression_ranked = hot_set.compute(redis_client, prefix, 8, CFG, days=7, hot_items=3, hot_users=0,
+                                        event="lookup")  # no lookup counts yet: the fallback is the whole ranking
+    assert impression_ranked.stats["items_from_fallback"] == 3
+    assert set(impression_ranked.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members("abc")]))
+
+    looked_up = np.array(_members(["d", "e", "b"]), np.int64)
+    counts.add_counts("item", "lookup", looked_up, np.array([100, 50, 1]), now_ms // DAY_MS)  # serving's, today
+    hs = hot_set.compute(redis_client, prefix, 8, CFG, days=7, hot_items=4, hot_users=0, event="lookup")
+    # by lookups d, e, b; then the top impression not already in: a
+    assert hs.stats["items_from_fallback"] == 1
+    assert set(hs.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members(["d", "e", "b", "a"])]))
+    top, _, filled = hot_set.ranked_ids(counts, "item", "lookup", "impression", 7, 4)
+    assert [int(m) for m, _ in top] == _members(["d", "e", "b", "a"]) and filled == 1
+    # no fallback (fallback == event): only what serving looked up
+    top, _, filled = hot_set.ranked_ids(counts, "item", "lookup", "lookup", 7, 4)
+    assert [int(m) for m, _ in top] == _members(["d", "e", "b"]) and filled == 0
+    # ranked by impressions, as before the lookups existed
+    top, _, _ = hot_set.ranked_ids(counts, "item", "impression", "impression", 7, 3)
+    assert [int(m) for m, _ in top] == _members(["a", "b", "c"])

@@ -1,0 +1,96 @@
+"""serving/lookup_counts.py's accounting, with a fake in place of the Redis day counts (the real Redis path is in
+tests/integration/test_serving_lookup_counts.py): aggregation per id and kind, the bound on what waits, a failed
+flush dropped and counted (never raised), the size trigger and the last flush at stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from serving.lookup_counts import LookupCounts
+from serving.metrics import ServingMetrics
+from stream.counts import DAY_S
+
+
+class FakeCounts:
+    """Records add_counts calls; raises while ``down``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[int, int], int]] = []
+        self.down = False
+        self.written = threading.Event()
+
+    def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int) -> None:
+        if self.down:
+            raise redis.ConnectionError("Redis is down")
+        self.calls.append((kind, event, dict(zip(members.tolist(), counts.tolist(), strict=True)), day_index))
+        self.written.set()
+
+
+def metric(metrics: ServingMetrics, name: str, labels: dict[str, str] | None = None) -> float:
+    value = metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def test_a_flush_writes_one_count_per_id_and_kind_on_the_wall_clock_day() -> None:
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, clock=lambda: 3 * DAY_S + 5.0)  # type: ignore[arg-type]
+    lc.add("item", np.array([7, 8, 7], np.int64))
+    lc.add("item", np.array([7], np.int64))
+    lc.add("user", np.array([42], np.int64))
+    lc.add("user", np.array([42], np.int64))
+    lc.add("item", np.zeros(0, np.int64))  # nothing read: nothing counted
+    assert lc.flush() == 6
+    assert sorted(fake.calls) == [("item", "lookup", {7: 3, 8: 1}, 3), ("user", "lookup", {42: 2}, 3)]
+    assert lc.flush() == 0 and len(fake.calls) == 2  # nothing waits: no write
+    assert metric(metrics, "streamrec_serving_lookup_counts_flushed_total") == 6
+    assert metric(metrics, "streamrec_serving_lookup_count_flushes_total", {"outcome": "ok"}) == 1
+
+
+def test_a_failed_flush_drops_its_lookups_counts_them_and_does_not_raise() -> None:
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics)  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(5, dtype=np.int64))
+    assert lc.flush() == 0
+    assert lc.dropped == 5
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 5
+    assert metric(metrics, "streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 1
+    fake.down = False  # back: only what came after is written (the failed batch is not kept: memory stays bounded)
+    lc.add("item", np.array([9], np.int64))
+    assert lc.flush() == 1
+    assert fake.calls[0][2] == {9: 1}
+
+
+def test_lookups_beyond_max_pending_are_dropped_not_buffered() -> None:
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, max_pending=10)  # type: ignore[arg-type]
+    lc.add("item", np.arange(8, dtype=np.int64))
+    lc.add("item", np.arange(3, dtype=np.int64))  # 11 > 10: this request is not counted
+    lc.add("user", np.array([1, 2], np.int64))  # 10: fits
+    assert lc.dropped == 3
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "full"}) == 3
+    assert lc.flush() == 10
+
+
+def test_the_thread_flushes_once_flush_ids_wait_and_stop_flushes_the_rest() -> None:
+    fake = FakeCounts()
+    lc = LookupCounts(fake, flush_s=3600, flush_ids=4).start()  # type: ignore[arg-type]  # only the size trigger
+    try:
+        lc.add("item", np.arange(4, dtype=np.int64))
+        assert fake.written.wait(10), "4 lookups waiting (flush_ids) did not wake the flush thread"
+        lc.add("user", np.array([5], np.int64))  # below flush_ids: waits for stop
+        time.sleep(0.05)
+        assert [c[0] for c in fake.calls] == ["item"]
+    finally:
+        lc.stop()
+    assert [c[0] for c in fake.calls] == ["item", "user"]
+
+
+def test_bad_limits_are_refused() -> None:
+    with pytest.raises(ValueError, match="flush_s"):
+        LookupCounts(FakeCounts(), flush_s=0)  # type: ignore[arg-type]
