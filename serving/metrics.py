@@ -26,6 +26,13 @@
                                                             started (a process-wide count: serving processes
                                                             read history on the request path only)
     streamrec_serving_in_flight                             requests being served
+    streamrec_serving_embedding_cache_rows_total{result}    layered mode: rows looked up in the LRU of rows
+                                                            fetched from Redis, hit | miss
+    streamrec_serving_embedding_store_fetch_seconds         layered mode: one Redis round trip (MGET) per request
+    streamrec_serving_embedding_store_errors_total          layered mode: failed Redis round trips (down, timed
+                                                            out, rows missing) and failed delta writes
+    streamrec_serving_embedding_store_fallback_rows_total{kind}  layered mode: rows served without Redis: bucket
+                                                            (an admitted id's bucket row) | zero (no fallback row)
     streamrec_serving_lookup_count_flushes_total{outcome}   flushes of per-id row lookup counts to Redis
                                                             (serving/lookup_counts.py): ok | error
     streamrec_serving_lookup_counts_flushed_total           row lookups written to Redis day counts
@@ -141,6 +148,24 @@ class ServingMetrics:
                                "skipped when read (as the joiner skips them), since this service started.",
                                HISTORY_MALFORMED))  # type: ignore[arg-type]
         self.in_flight = Gauge("streamrec_serving_in_flight", "Requests being served.", registry=r)
+        # the layered mode (serving/embedding_store.py); 0 in the in_process mode
+        self.embedding_cache_rows = Counter("streamrec_serving_embedding_cache_rows", "Layered mode: non-hot rows "
+                                            "looked up in the LRU of rows fetched from Redis, by result (hit, miss).",
+                                            ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.embedding_cache_rows.labels(result)
+        self.embedding_store_fetch_seconds = Histogram("streamrec_serving_embedding_store_fetch_seconds", "Layered "
+                                                       "mode: one Redis round trip for a request's missing rows, "
+                                                       "seconds.", buckets=LATENCY_BUCKETS, registry=r)
+        self.embedding_store_errors = Counter("streamrec_serving_embedding_store_errors", "Layered mode: failed "
+                                              "embedding store operations (Redis down, timed out, rows missing, delta "
+                                              "writes); the rows fell back to bucket rows or zeros.", registry=r)
+        self.embedding_store_fallback_rows = Counter("streamrec_serving_embedding_store_fallback_rows", "Layered "
+                                                     "mode: rows served without the embedding store, by kind: bucket "
+                                                     "(an admitted id's hash-bucket row), zero (none).", ["kind"],
+                                                     registry=r)
+        for kind in ("bucket", "zero"):
+            self.embedding_store_fallback_rows.labels(kind)
         self.lookup_count_flushes = Counter("streamrec_serving_lookup_count_flushes", "Flushes of per-id row lookup "
                                             "counts to Redis (for the hot set), by outcome.", ["outcome"], registry=r)
         for outcome in ("ok", "error"):
