@@ -59,6 +59,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from operator import itemgetter
 
+import numpy as np
+
 from stream.events import Click, Impression
 from stream.features import hash_context, hash_value
 from stream.joiner.config import EmissionPolicy
@@ -202,17 +204,12 @@ class PartitionJoin:
         """How many of ``ts`` (one input's events, in offset order) can be joined before that input's time
         would pass ``limit``. A lone event past it does not move the time (the quorum), so it does not stop
         the rest."""
+        # The k-th largest of the times so far passes ``limit`` exactly when k of them are past it: the first index
+        # where the running count of times past ``limit`` (the held top-k's, then ts's) reaches k.
         k = max(1, self.cfg.watermark_quorum)
-        top = list(self._top[kind])
-        heapq.heapify(top)
-        for i, t in enumerate(ts):
-            if len(top) < k:
-                heapq.heappush(top, t)
-            elif t > top[0]:
-                heapq.heapreplace(top, t)
-            if len(top) == k and top[0] > limit:
-                return i
-        return len(ts)
+        past = np.cumsum(np.asarray(ts, np.int64) > limit) + sum(t > limit for t in self._top[kind])
+        first = int(np.searchsorted(past, k))  # ``past`` never decreases
+        return min(first, len(ts))
 
     def apply(self, impressions: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
               drain: bool = False, clicks_idle: bool = False) -> BatchResult:
@@ -242,53 +239,64 @@ class PartitionJoin:
                 out.stats["redelivered"] += 1
         events.sort(key=_TIME_THEN_KIND)  # event time; impressions first at equal ts (stable: offset order after)
 
+        # Each input's time: the k-th largest of its times, over the batch at once (it never decreases as times are
+        # added, and nothing in the loop below reads it, so its value after the batch is all that counts).
         quorum = max(1, self.cfg.watermark_quorum)
-        for ts, kind, off, ev in events:
-            self.offsets[kind] = max(self.offsets[kind], off)
-            top = self._top[kind]
-            if len(top) < quorum:
-                heapq.heappush(top, ts)
-            elif ts > top[0]:
-                heapq.heapreplace(top, ts)
-            if len(top) == quorum:
-                prev = self.topic_max[kind]
-                self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
+        for kind, got in ((IMPRESSIONS, impressions), (CLICKS, clicks)):
+            fresh = [ev.ts for off, ev in got if off > self.offsets[kind]]
+            if fresh:
+                self._top[kind] = top = heapq.nlargest(quorum, [*self._top[kind], *fresh])[::-1]  # ascending: a heap
+                if len(top) == quorum:
+                    prev = self.topic_max[kind]
+                    self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
+                self.offsets[kind] = max(self.offsets[kind], max(off for off, _ in got))
+        # The per-event loop, kept lean (locals, counts added once): it runs once per input event.
+        pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
+        expiry, window, push = self._expiry, self.cfg.window_ms, heapq.heappush
+        fake, es_dfm, elapsed = self.cfg.policy == "fake_negative", self.cfg.policy == "es_dfm", self.cfg.elapsed_ms
+        emit = out.samples.append
+        n_impressions = n_clicks = n_duplicates = 0
+        for ts, kind, _off, ev in events:
             if kind == IMPRESSIONS:
-                assert isinstance(ev, Impression)
-                out.stats["impressions"] += 1
-                if ev.impression_id in self.pending or ev.impression_id in self.finalized:
-                    out.stats["duplicate_impressions"] += 1
+                n_impressions += 1
+                imp_id = ev.impression_id
+                if imp_id in pending or imp_id in finalized:
+                    n_duplicates += 1
                     continue
-                p = Pending(ev.impression_id, ts, hash_value(ev.user_id), hash_value(ev.item_id),
-                            hash_context(ev.context), dict(ev.dense), seq)
-                self.pending[p.impression_id] = p
-                heapq.heappush(self._expiry, (ts + self.cfg.window_ms, p.impression_id))
-                if self.cfg.policy == "fake_negative":
+                p = Pending(imp_id, ts, hash_value(ev.user_id), hash_value(ev.item_id),  # type: ignore[union-attr]
+                            hash_context(ev.context), dict(ev.dense) if ev.dense else {}, seq)  # type: ignore[union-attr]
+                pending[imp_id] = p
+                push(expiry, (ts + window, imp_id))
+                if fake:
                     p.observed = True
-                    out.samples.append(Sample(p, 0, 0, OBSERVED))
-                elif self.cfg.policy == "es_dfm":
-                    heapq.heappush(self._elapsed, (ts + self.cfg.elapsed_ms, p.impression_id))
+                    emit(Sample(p, 0, 0, OBSERVED))
+                elif es_dfm:
+                    push(self._elapsed, (ts + elapsed, imp_id))
                 added.append(p)
-                out.new_impressions.append(p)
-                max_ref = max(max_ref, ts)
-                for cts in sorted(self.waiting.pop(p.impression_id, ())):
-                    self._click(p, cts, out, joined)
+                if ts > max_ref:
+                    max_ref = ts
+                if imp_id in waiting_clicks:
+                    for cts in sorted(waiting_clicks.pop(imp_id)):
+                        self._click(p, cts, out, joined)
             else:
-                assert isinstance(ev, Click)
-                out.stats["clicks"] += 1
-                found = self.pending.get(ev.impression_id)
+                n_clicks += 1
+                imp_id, cts = ev.impression_id, ev.ts
+                found = pending.get(imp_id)
                 if found is not None:
-                    p = found
-                    if self._click(p, ev.ts, out, joined):
-                        max_ref = max(max_ref, p.ts)
-                elif ev.impression_id in self.finalized:
-                    _, label = self.finalized[ev.impression_id]
-                    self._unjoined(out, ev.impression_id, ev.ts, "duplicate" if label else "late")
+                    if self._click(found, cts, out, joined) and found.ts > max_ref:
+                        max_ref = found.ts
+                elif imp_id in finalized:
+                    self._unjoined(out, imp_id, cts, "duplicate" if finalized[imp_id][1] else "late")
                 else:
-                    self.waiting.setdefault(ev.impression_id, []).append(ev.ts)
-                    heapq.heappush(self._waiting_heap, (ev.ts, ev.impression_id))
-                    waiting.append((ev.impression_id, ev.ts))
-                    max_ref = max(max_ref, ev.ts)
+                    waiting_clicks.setdefault(imp_id, []).append(cts)
+                    push(self._waiting_heap, (cts, imp_id))
+                    waiting.append((imp_id, cts))
+                    if cts > max_ref:
+                        max_ref = cts
+        out.new_impressions.extend(added)
+        for name, n in (("impressions", n_impressions), ("clicks", n_clicks), ("duplicate_impressions", n_duplicates)):
+            if n:
+                out.stats[name] += n
 
         evicted, unwaited = self._enforce_caps(out)
         # The chunk that records an eviction must outlive the chunk that added the impression / click.
