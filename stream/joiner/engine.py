@@ -197,8 +197,8 @@ class PartitionJoin:
         """The event time input ``kind`` is at once ``ts`` are read too (its ``watermark_quorum``-th largest; None:
         fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""
         k = max(1, self.cfg.watermark_quorum)
-        top = heapq.nlargest(k, [*self._top[kind], *ts])
-        return top[-1] if len(top) == k else None
+        times = np.asarray([*self._top[kind], *ts], np.int64)
+        return int(np.partition(times, len(times) - k)[len(times) - k]) if len(times) >= k else None
 
     def within(self, kind: int, ts: list[int], limit: int) -> int:
         """How many of ``ts`` (one input's events, in offset order) can be joined before that input's time

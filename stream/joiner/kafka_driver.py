@@ -31,9 +31,9 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from stream.config import KafkaSettings
 from stream.errors import clip
@@ -46,6 +46,22 @@ from stream.strikes import is_infrastructure
 log = logging.getLogger("streamrec.join")
 
 _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the consumer to bring more
+
+
+def _records(msgs: list[Message]) -> list[Record]:
+    """The fetched messages as records, column by column (each column one C-level pass); errors logged or raised."""
+    errors = list(map(Message.error, msgs))
+    if any(e is not None for e in errors):
+        for err in errors:
+            if err is not None and err.fatal():
+                raise KafkaException(err)
+            if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer: %s", err)
+        msgs = [m for m, e in zip(msgs, errors, strict=True) if e is None]
+    stamps = [ts if kind != TIMESTAMP_NOT_AVAILABLE else None for kind, ts in map(Message.timestamp, msgs)]
+    # a consumed record always has its topic, partition and offset (the stubs say Optional)
+    return list(map(Record, map(Message.topic, msgs), map(Message.partition, msgs),  # type: ignore[arg-type]
+                    map(Message.offset, msgs), map(Message.key, msgs), map(Message.value, msgs), stamps))
 
 
 class KafkaJoinWorker:
@@ -103,19 +119,7 @@ class KafkaJoinWorker:
                 t0 = time.monotonic()
                 msgs = self._fetch()
                 self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
-                records = []
-                for msg in msgs:
-                    err = msg.error()
-                    if err is not None:
-                        if err.fatal():
-                            raise KafkaException(err)
-                        if err.code() != KafkaError._PARTITION_EOF:
-                            log.warning("consumer: %s", err)
-                        continue
-                    kind, ts = msg.timestamp()
-                    # a consumed record always has its topic, partition and offset (the stubs say Optional)
-                    records.append(Record(cast(str, msg.topic()), cast(int, msg.partition()), cast(int, msg.offset()),
-                                          msg.key(), msg.value(), ts if kind != TIMESTAMP_NOT_AVAILABLE else None))
+                records = _records(msgs)
                 idle = not records
                 if records or self._held:
                     if not self._process(self._held + records, self._holds_back if self._hold else None):
