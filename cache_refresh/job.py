@@ -3,6 +3,8 @@
     Redis counts (last D days) --hot_set--> hot rows ---+
     learner checkpoint (newest) --------------------------+--build_artifact--> staged artifact
                                                           validate: probe == learner, holdout >= live - bound
+                                                          embedding_store ([refresh] embedding_store = layered):
+                                                            non-hot rows -> Redis <prefix>:emb:<v>:, meta last
                                                           publish: versions/<v>, CURRENT -> <v>, keep N
                                                           notify: Redis PUBLISH <prefix>:model-updates
 
@@ -18,6 +20,11 @@ signature checks, and the live artifact compared against is loaded only if signe
 staged artifact that validated is published, and ``publish`` verifies every file again before the
 rename; a failed run is not retried by the job itself (the schedule's next run, or ``--now``, is the
 retry), so a bad checkpoint costs one failed run and one alert, never a loop.
+
+The layered deployment (``serving/embedding_store.py``): with ``embedding_store = "layered"`` the validated
+artifact's rows outside the hot set are written to Redis before the version is published (a failure fails stage
+``embedding_store``: nothing is published), and after publishing the rows of versions no longer in the publish
+root (pruned) are deleted, best effort.
 
 Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
@@ -69,11 +76,13 @@ from learner import checkpoint as ckpt_io
 from learner.row_mapper import RowMapper
 from learner.tensorpack import SigningKey, load_signing_key
 from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, Severity
+from serving import embedding_store
 from serving.model import ScoringModel
+from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, StreamrecError
 from stream.files import describe_os_error, write_atomic
-from stream.redis_client import RedisAuthError, connect, describe, verify
+from stream.redis_client import RedisAuthError, connect, connect_cluster, describe, verify
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
@@ -300,6 +309,14 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timed(stage, t0)
         log.info("refresh: %s validated", new.version)
 
+        if rs.embedding_store is EmbeddingStore.LAYERED:
+            stage = "embedding_store"
+            t0 = time.monotonic()
+            stored = _store_rows(rs, rds, new)
+            timed(stage, t0)
+            log.info("refresh: %d rows of %s written to the embedding store (%s)", stored["stored"], new.version,
+                     stored["dtype"])
+
         stage = "publish"
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
@@ -344,6 +361,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         recorded = False
         log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
                     "at its next start", path.name, root / LAST_RUN, describe_os_error(exc))
+    if rs.embedding_store is EmbeddingStore.LAYERED:
+        _prune_stored(rs, rds, root)
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
     timed("notify", t0)
@@ -380,6 +399,42 @@ def _pin_held(rs: RefreshSettings, kafka: KafkaSettings, root: Path, built: str,
             "pin_held": {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
                          "message": message},
             "current": _current_name(root), **summary}
+
+
+def _store_client(rs: RefreshSettings, rds: RedisSettings) -> Any:
+    if rs.embedding_store_cluster:
+        return connect_cluster(rds, timeout_s=rs.redis_timeout_s)
+    return connect(rds, timeout_s=rs.redis_timeout_s)
+
+
+def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) -> dict[str, Any]:
+    """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
+    (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published."""
+    client = _store_client(rs, rds)
+    try:
+        return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
+                                             rs.embedding_store_dtype)
+    except redis.RedisError as exc:
+        raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
+                           "keeps serving") from exc
+    finally:
+        client.close()
+
+
+def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path) -> None:
+    """Delete the embedding store's rows of versions no longer in the publish root (best effort: logged)."""
+    try:
+        client = _store_client(rs, rds)
+        try:
+            keep = set(artifact.list_versions(root))
+            for version in sorted(embedding_store.stored_versions(client, rds.prefix) - keep):
+                n = embedding_store.delete_version(client, rds.prefix, version)
+                log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:
+        log.warning("refresh: could not delete pruned versions' rows from the embedding store (%s); the next "
+                    "refresh tries again", exc)
 
 
 def _current_name(root: Path) -> str | None:

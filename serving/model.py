@@ -1,5 +1,9 @@
 """The serving runtime of one artifact: hot rows on the device, cold rows memory-mapped, delta overrides on top.
 
+The cold rows come from the artifact's memory-mapped file (``[serve] embedding_store = "in_process"``) or, in the
+layered mode, from Redis through a bounded LRU (``serving/embedding_store.py``: pass ``store`` to :meth:`load`);
+hot rows, delta overrides and the scorer are the same in both, so both give the same scores for the same rows.
+
 :class:`ScoringModel` loads a version of a publish root (``learner/artifact.py``: verified, smoke-tested,
 every failure an ``ArtifactError``), maps raw hashed ids to the learner's rows, gathers the rows the
 scorer does not hold (``learner/scorer.py``'s ``given_rows``) and applies learner deltas as all-or-nothing
@@ -35,6 +39,7 @@ from learner.row_mapper import RowMapper
 from learner.scorer import ScorerSpec
 from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
+from serving.embedding_store import LayeredRows, RedisEmbeddingStore
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class ScoringModel:
     """
 
     def __init__(self, version_dir: Path, manifest: dict[str, Any], scorer: nn.Module, cold: np.ndarray,
-                 device: str) -> None:
+                 device: str, store: RedisEmbeddingStore | None = None) -> None:
         self.version_dir = Path(version_dir)
         self.manifest = manifest
         self.version: str = manifest["version"]
@@ -76,14 +81,29 @@ class ScoringModel:
             raise ArtifactError(f"{self.version_dir}: the id maps do not fit the feature config "
                                 f"({type(exc).__name__}: {exc})") from exc
         self._live = _Live(scorer, np.zeros(0, np.int64), np.zeros((0, self.spec.dim + 1), np.float32), 0)
+        self._layered: LayeredRows | None = None
+        if store is not None:
+            cfg = self.feature_config
+            dynamic = [(first, f.num_buckets, f.capacity, f.name) for f, (first, _) in zip(cfg.fields, self._blocks,
+                                                                                           strict=True)
+                       if f.shares is None and f.capacity > 0]
+            try:
+                self._layered = LayeredRows(store, self.version, cold, dynamic, id_maps)
+            except ValueError as exc:  # Redis answered: this version's rows are not there, or do not fit
+                raise ArtifactError(f"{self.version_dir}: {exc}") from exc
         self._count_lock = threading.Lock()
         self.hot_lookups = 0
         self.cold_lookups = 0
 
     @classmethod
     def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
-             smoke: bool = True, signing_key: SigningKey | None = None) -> ScoringModel:
+             smoke: bool = True, signing_key: SigningKey | None = None,
+             store: RedisEmbeddingStore | None = None) -> ScoringModel:
         """Load (and by default verify, size and sha256 of every file) one artifact version.
+
+        ``store``: the layered mode; cold rows come from it (and the version must be in it: a Redis that answers
+        without the version's rows is an :class:`ArtifactError`; a Redis that does not answer is not, the model
+        serves fallback rows until it does) instead of the memory-mapped file.
 
         Every reason it cannot be used is an :class:`ArtifactError`: the manifest (:func:`decode_manifest`),
         with ``signing_key`` a manifest that is unsigned or whose signature does not match (checked right after
@@ -114,7 +134,7 @@ class ScoringModel:
                 raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
                                     f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
             scorer = load_scorer(fmt, version_dir / SCORER_FILES[fmt], spec, device)
-            model = cls(version_dir, manifest, scorer, cold, device)
+            model = cls(version_dir, manifest, scorer, cold, device, store=store)
         except ArtifactError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad artifact
@@ -160,6 +180,8 @@ class ScoringModel:
     def replace_id_maps(self, state: dict[str, Any]) -> None:
         """Map ids with newer id maps (a learner delta's): built aside, then swapped in one assignment."""
         self._mapper = self._mapper_from(state)
+        if self._layered is not None:
+            self._layered.set_id_maps(state)
 
     def map_batch(self, tb: Any) -> None:
         """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
@@ -183,6 +205,22 @@ class ScoringModel:
     def hot_rows(self) -> int:
         return len(self._hot_ids) - 1
 
+    @property
+    def table(self) -> np.ndarray:
+        """The artifact's whole fused table (num_rows, D + 1) float32, memory-mapped (read-only)."""
+        return self._cold
+
+    def non_hot_rows(self) -> np.ndarray:
+        """(num_rows - H,) int64: the rows outside the hot set, those the layered mode reads from Redis."""
+        keep = np.ones(self._cold.shape[0], dtype=bool)
+        keep[self._hot_ids[:-1]] = False
+        return np.flatnonzero(keep)
+
+    @property
+    def layered(self) -> LayeredRows | None:
+        """The layered mode's rows (its LRU: ``.cache``), None in the in_process mode."""
+        return self._layered
+
     def _given(self, live: _Live, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(given_rows (N, D + 1), given_mask (N,)): cold rows from the mmap, delta overrides on top."""
         n = len(values)
@@ -200,12 +238,48 @@ class ScoringModel:
             cold = mask
         cold_idx = np.flatnonzero(cold)
         if len(cold_idx):
-            given[cold_idx] = self._cold[values[cold_idx]]
+            if self._layered is None:
+                given[cold_idx] = self._cold[values[cold_idx]]
+            else:
+                given[cold_idx] = self._layered_given(live, self._layered, values[cold_idx])
         n_cold = len(cold_idx)
         with self._count_lock:
             self.cold_lookups += n_cold
             self.hot_lookups += n - n_cold
         return given, mask
+
+    @staticmethod
+    def _overrides(live: _Live, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask (M,), vectors (M, D + 1)): the delta overrides of ``rows``."""
+        vec = np.zeros((len(rows), live.override_vectors.shape[1]), np.float32)
+        if not len(live.override_ids) or not len(rows):
+            return np.zeros(len(rows), dtype=bool), vec
+        pos = np.minimum(np.searchsorted(live.override_ids, rows), len(live.override_ids) - 1)
+        over = live.override_ids[pos] == rows
+        vec[over] = live.override_vectors[pos[over]]
+        return over, vec
+
+    def _layered_given(self, live: _Live, layered: LayeredRows, rows: np.ndarray) -> np.ndarray:
+        """(M, D + 1) vectors of non-hot, non-overridden ``rows`` (M,) in the layered mode: each distinct row once
+        (local bucket rows, the LRU, one round trip to Redis); rows the store could not give get their fallback
+        row (an admitted id's bucket row, with its delta override if any) or zeros."""
+        uniq, inverse = np.unique(rows, return_inverse=True)  # (U,), (M,)
+        vec, failed = layered.gather(uniq)  # (U, D + 1), (U,)
+        if failed.any():
+            fb = layered.fallback_rows(uniq[failed])  # (F,) bucket row or -1
+            has = fb >= 0
+            over, over_vec = self._overrides(live, fb[has])
+            local, local_vec = layered.local(fb[has])
+            sub = np.where(over[:, None], over_vec, local_vec)
+            sub[~(over | local)] = 0.0
+            fill = np.zeros((len(fb), vec.shape[1]), np.float32)
+            fill[has] = sub
+            vec[np.flatnonzero(failed)] = fill
+            m = layered.store.metrics
+            if m is not None:
+                m.embedding_store_fallback_rows.labels("bucket").inc(int(has.sum()))
+                m.embedding_store_fallback_rows.labels("zero").inc(int((~has).sum()))
+        return vec[inverse]
 
     @torch.inference_mode()
     def score(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
@@ -263,6 +337,10 @@ class ScoringModel:
         self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq))
         if mapper is not None:  # rows first, then the map that points at them
             self._mapper = mapper
+        if self._layered is not None:  # the LRU forgets the delta's rows; Redis gets the non-hot ones
+            if id_maps is not None:
+                self._layered.set_id_maps(id_maps)
+            self._layered.on_delta(r, vec, self._hot_ids[np.searchsorted(self._hot_ids, r)] == r)
 
     def _with_dense(self, scorer: nn.Module, dense_state: dict[str, torch.Tensor]) -> nn.Module:
         if not isinstance(dense_state, dict):

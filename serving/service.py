@@ -18,15 +18,18 @@ import torch
 
 from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
+from serving.embedding_store import RedisEmbeddingStore
 from serving.http_server import Server, make_server
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
-from serving.settings import ServeSettings
+from serving.model import ScoringModel
+from serving.settings import EmbeddingStore, ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
+from stream.errors import ConfigError
 from stream.history import UserHistory
-from stream.redis_client import RedisAuthError, connect, verify
+from stream.redis_client import RedisAuthError, connect, connect_cluster, verify
 
 log = logging.getLogger("streamrec.serve")
 
@@ -37,6 +40,23 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"[serve] device must be auto, cpu or cuda[:N], got {device!r}")
     return device
+
+
+def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | None,
+                     metrics: ServingMetrics) -> RedisEmbeddingStore | None:
+    """The layered mode's store ([serve] embedding_store = "layered"), on its own client: a short timeout, no
+    retries (a failed round trip falls back at once), a Redis Cluster with ``embedding_store_cluster``."""
+    if settings.embedding_store is not EmbeddingStore.LAYERED:
+        return None
+    if redis_settings is None:
+        raise ConfigError('[serve] embedding_store = "layered" reads rows from Redis: configure [redis] '
+                          '(not --no-redis)')
+    t = settings.embedding_store_timeout_s
+    client = (connect_cluster(redis_settings, timeout_s=t) if settings.embedding_store_cluster
+              else connect(redis_settings, timeout_s=t, retries=0))
+    return RedisEmbeddingStore(client, redis_settings.prefix, cache_rows=settings.embedding_cache_rows,
+                               retry_after_s=settings.embedding_store_retry_after_s,
+                               write_deltas=settings.embedding_store_write_deltas, metrics=metrics)
 
 
 class ScoringService:
@@ -60,9 +80,15 @@ class ScoringService:
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
             # The update channels: blocking reads (no socket timeout), a bounded connect, redis-py's retries.
             self.pubsub_redis = connect(redis_settings, connect_timeout_s=2.0)
+        signing_key = load_signing_key(settings.signing_key_file)
+        self.embedding_store = _embedding_store(settings, redis_settings, self.metrics)
+        load = None
+        if self.embedding_store is not None:  # the layered mode: cold rows from Redis (serving/embedding_store.py)
+            store = self.embedding_store
+            load = lambda p, d: ScoringModel.load(p, device=d, signing_key=signing_key, store=store)  # noqa: E731
         self.updater = ModelUpdater(self.holder, self.metrics, settings.publish_root, settings.deltas_dir,
                                     device=self.device, poll_s=settings.poll_s, redis_client=self.pubsub_redis,
-                                    prefix=prefix, signing_key=load_signing_key(settings.signing_key_file))
+                                    prefix=prefix, signing_key=signing_key, load=load)
         self.lookups: LookupCounts | None = None
         if redis_settings is not None and settings.lookup_counts:
             # Its own client: a flush of many ids may take longer than the request path's timeout; no retries
@@ -116,7 +142,8 @@ class ScoringService:
         if self.lookups is not None:
             self.lookups.stop()  # flushes what the last requests counted
             self.lookups.counts.client.close()
-        for client in (self.redis, self.pubsub_redis):
+        store_client = self.embedding_store.client if self.embedding_store is not None else None
+        for client in (self.redis, self.pubsub_redis, store_client):
             if client is not None:
                 client.close()
 

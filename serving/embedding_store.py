@@ -1,0 +1,417 @@
+"""The layered deployment's embedding store: cold rows in Redis, fetched per request, cached in a bounded LRU.
+
+``[serve] embedding_store = "layered"`` splits the table the in-process mode keeps in one process::
+
+    ranker (serving/model.py)                            embedding store (Redis, or Redis Cluster)
+      hot rows + MLP      (the scorer, on the device)      <prefix>:emb:<version>:meta    JSON, written LAST
+      delta overrides     (learner deltas, as today)       <prefix>:emb:<version>:r:<row> D + 1 values, raw
+      bucket rows         (dynamic fields' fallback rows,                                  float32 | float16 LE
+                           copied from the artifact)
+      RowCache            (bounded LRU of fetched rows) <-- one MGET per request for its misses
+
+A row is read, in order, from: the scorer's hot set, the delta overrides, the local bucket rows, the LRU, Redis.
+Every row a request needs from Redis is asked for in ONE round trip (``MGET``; with ``embedding_store_cluster``
+redis-py's ``mget_nonatomic``, one pipelined round trip per cluster node holding any of them), deduplicated.
+
+**Key layout: one key per row**, under a per-version prefix. ``MGET`` of N keys is one command, one round trip and
+O(N) on the server, and per-row keys hash to cluster slots independently, so a cluster spreads a version evenly
+with no hash tags. Buckets (a hash of 64-256 rows per key, ``HMGET``) would save roughly 40% of Redis memory (no
+per-key overhead: ~90 B per float16 row of D = 16 as keys against ~50 B in listpack hashes) but cost one command
+per bucket touched (~a hundred per request: the candidates' rows are scattered), and a pipeline of a hundred
+commands is slower than one MGET; memory is the cheaper resource here. The version in every key means a new
+artifact never reads an old artifact's rows (a table's rows mean nothing under another version's hot set and
+deltas): the refresh writes a version's rows before it publishes it, ``meta`` last (a version without ``meta`` is
+incomplete and never served), and deletes the keys of versions it prunes (:func:`write_version`,
+:func:`delete_version`, ``cache_refresh/job.py``).
+
+**Deltas.** Serving applies the learner's deltas as overrides exactly as in-process (``ScoringModel.apply_delta``),
+so a delta changes layered scores exactly as it changes in-process ones, with or without Redis; the LRU drops the
+rows a delta changes (:meth:`LayeredRows.on_delta`), so nothing stale is served from it either. **Who writes delta
+rows into Redis: the serving process that applies them** (``embedding_store_write_deltas``, one pipelined MSET per
+delta, best effort, non-hot rows only, under the version it applied them to). It is the only process that knows
+both the deltas (it reads the delta directory) and the versions being served; the refresh runs nightly and the
+learner knows no versions. The rows are absolute vectors, so writes are idempotent; with several rankers a lagging
+one may briefly rewrite an older vector of a row, which no ranker serves, because each ranker's own overrides win
+over Redis until its next artifact. What the writes buy: Redis holds the freshest rows of the live version for
+any reader that has not replayed the deltas (a ranker that lost deltas to pruning, tools, a future ranker that
+drops its overrides), and the next refresh rewrites everything anyway.
+
+**Redis down** (refused, timed out, or a version's row missing): the round trip counts in
+``streamrec_serving_embedding_store_errors_total`` (the default alert rule ``embedding_store_errors`` fires on
+it), requests skip Redis for ``embedding_store_retry_after_s`` (one failed round trip per period, not one per
+request), and the rows it should have given fall back: an admitted id's own row to its hash bucket's row (the row
+the id would have if it were not admitted, kept locally), any other row (a static field's hash row: it is its own
+bucket) to zeros, the "unknown" value of an embedding; ``..._fallback_rows_total{kind}`` counts them. Hot rows,
+overrides and cached rows keep serving; no request fails. Nothing is cached from a failed round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from serving.settings import RowDtype
+
+log = logging.getLogger("streamrec.serve")
+
+_WRITE_CHUNK = 20_000  # rows per MSET while a version is written (~1.4 MB of float32 rows at D = 16)
+
+
+def version_prefix(prefix: str, version: str) -> str:
+    """``<prefix>:emb:<version>:``, the start of every key of one version's rows."""
+    return f"{prefix}:emb:{version}:"
+
+
+def meta_key(prefix: str, version: str) -> str:
+    return version_prefix(prefix, version) + "meta"
+
+
+def row_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
+    """The keys of global rows ``rows`` (M,) of a version."""
+    start = version_prefix(prefix, version) + "r:"
+    return [start + str(r) for r in rows.tolist()]
+
+
+def encode_rows(vectors: np.ndarray, dtype: RowDtype) -> list[bytes]:
+    """(M, D + 1) float -> M little-endian byte strings of ``dtype``."""
+    arr = np.ascontiguousarray(vectors, dtype=np.dtype(str(dtype)).newbyteorder("<"))
+    width = arr.shape[1] * arr.itemsize
+    raw = arr.tobytes()
+    return [raw[i:i + width] for i in range(0, len(raw), width)]
+
+
+def decode_rows(values: list[bytes], dim: int, dtype: RowDtype) -> np.ndarray:
+    """M byte strings of ``dim`` ``dtype`` values each -> (M, dim) float32. A value of another length raises
+    ValueError."""
+    dt = np.dtype(str(dtype)).newbyteorder("<")
+    raw = b"".join(values)
+    if len(raw) != len(values) * dim * dt.itemsize:
+        raise ValueError(f"embedding store rows of {sorted({len(v) for v in values})} bytes, expected "
+                         f"{dim * dt.itemsize} ({dim} x {dtype})")
+    return np.frombuffer(raw, dtype=dt).reshape(len(values), dim).astype(np.float32)
+
+
+# -- writing and deleting a version (the refresh) ----------------------------------------------------------------
+def write_version(client: Any, prefix: str, version: str, table: np.ndarray, rows: np.ndarray, dtype: RowDtype,
+                  chunk: int = _WRITE_CHUNK) -> dict[str, Any]:
+    """Write ``table[rows]`` ((N, D + 1) table, rows (M,) int64) as one key per row, then ``meta`` last.
+
+    ``client`` is a ``redis.Redis`` or ``RedisCluster`` (``mset_nonatomic`` there: keys of many slots). Redis
+    errors propagate (the refresh fails its stage and publishes nothing). Returns the meta written."""
+    rows = np.asarray(rows, dtype=np.int64)
+    mset = getattr(client, "mset_nonatomic", None) or client.mset
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk]
+        mset(dict(zip(row_keys(prefix, version, part), encode_rows(table[part], dtype), strict=True)))
+    meta = {"version": version, "rows": int(table.shape[0]), "dim": int(table.shape[1]), "dtype": str(dtype),
+            "stored": int(len(rows))}
+    client.set(meta_key(prefix, version), json.dumps(meta, sort_keys=True))
+    return meta
+
+
+def read_meta(client: Any, prefix: str, version: str) -> dict[str, Any] | None:
+    """A version's meta (None: never completely written). Redis errors propagate."""
+    raw = client.get(meta_key(prefix, version))
+    return json.loads(raw) if raw is not None else None
+
+
+def stored_versions(client: Any, prefix: str) -> set[str]:
+    """Versions whose meta is in the store."""
+    start, end = f"{prefix}:emb:", ":meta"
+    out = set()
+    for key in client.scan_iter(match=f"{start}*{end}", count=1000):
+        k = key.decode() if isinstance(key, bytes) else key
+        out.add(k[len(start):-len(end)])
+    return out
+
+
+def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) -> int:
+    """Delete a version's keys, ``meta`` first (so a half-deleted version is never served); returns how many."""
+    n = int(client.delete(meta_key(prefix, version)))
+    keys: list[Any] = []
+    for key in client.scan_iter(match=version_prefix(prefix, version) + "r:*", count=1000):
+        keys.append(key)
+        if len(keys) >= batch:
+            n += _unlink(client, keys)
+            keys = []
+    if keys:
+        n += _unlink(client, keys)
+    return n
+
+
+def _unlink(client: Any, keys: list[Any]) -> int:
+    # one key per command in a cluster (keys of many slots); one UNLINK of many on a single node
+    if hasattr(client, "mget_nonatomic"):
+        pipe = client.pipeline()
+        for k in keys:
+            pipe.unlink(k)
+        return sum(int(x) for x in pipe.execute())
+    return int(client.unlink(*keys))
+
+
+# -- the LRU ------------------------------------------------------------------------------------------------------
+class RowCache:
+    """A bounded LRU of rows fetched from the store: global row -> (D + 1,) float32. Thread-safe; ``capacity`` 0
+    caches nothing."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get_many(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill ``out[i]`` for the cached ``rows[i]`` ((M,) unique); returns the (M,) bool mask of hits."""
+        hit = np.zeros(len(rows), dtype=bool)
+        if not self.capacity:
+            return hit
+        with self._lock:
+            cache = self._rows
+            for i, r in enumerate(rows.tolist()):
+                v = cache.get(r)
+                if v is not None:
+                    cache.move_to_end(r)
+                    out[i] = v
+                    hit[i] = True
+        return hit
+
+    def put_many(self, rows: np.ndarray, vectors: np.ndarray) -> None:
+        if not self.capacity:
+            return
+        with self._lock:
+            cache = self._rows
+            for r, v in zip(rows.tolist(), vectors, strict=True):
+                cache[r] = v
+                cache.move_to_end(r)
+            while len(cache) > self.capacity:
+                cache.popitem(last=False)
+
+    def discard_many(self, rows: np.ndarray) -> None:
+        with self._lock:
+            for r in rows.tolist():
+                self._rows.pop(r, None)
+
+
+# -- the store of one service, and the rows of one loaded version -----------------------------------------------
+class StoreUnavailable(Exception):
+    """The store could not be read (internal: turned into fallback rows, never raised to a request)."""
+
+
+class RedisEmbeddingStore:
+    """The Redis side of the layered mode, one per scoring service: the client, the retry-after window and the
+    metrics. :meth:`open` gives the rows of one artifact version (:class:`LayeredRows`)."""
+
+    def __init__(self, client: Any, prefix: str, *, cache_rows: int = 200_000, retry_after_s: float = 1.0,
+                 write_deltas: bool = True, metrics: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.prefix = client, prefix
+        self.cache_rows, self.retry_after_s, self.write_deltas = int(cache_rows), float(retry_after_s), write_deltas
+        self.metrics = metrics  # serving.metrics.ServingMetrics (its embedding_* metrics), or None
+        self.cluster = hasattr(client, "mget_nonatomic")
+        self._clock = clock
+        self._down_until = -float("inf")
+        self.last_error: str | None = None
+
+    # -- failures: counted, then Redis is skipped for retry_after_s --
+    def failed(self, what: str, exc: BaseException) -> None:
+        self._down_until = self._clock() + self.retry_after_s
+        self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
+        if self.metrics is not None:
+            self.metrics.embedding_store_errors.inc()
+        log.warning("embedding store %s failed (%s); misses use fallback rows for %.1fs", what, self.last_error,
+                    self.retry_after_s)
+
+    @property
+    def available(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def open(self, version: str, num_rows: int, dim: int) -> dict[str, Any] | None:
+        """The version's meta, checked against the artifact (``num_rows`` rows of ``dim`` values).
+
+        None when Redis cannot be read now (counted; the version loads and serves fallback rows until it can).
+        ValueError when Redis answers that the version is not there (never written, or pruned) or does not fit."""
+        try:
+            meta = read_meta(self.client, self.prefix, version)
+        except Exception as exc:  # noqa: BLE001 - any Redis or socket failure: serve on fallback rows
+            self.failed(f"reading {meta_key(self.prefix, version)}", exc)
+            return None
+        if meta is None:
+            raise ValueError(f"the embedding store has no rows of version {version} (no "
+                             f"{meta_key(self.prefix, version)}): publish it with [refresh] embedding_store = "
+                             "\"layered\" (and the same [redis] url and "
+                             "prefix as serving), or serve with [serve] embedding_store = \"in_process\"")
+        dtypes = {d.value for d in RowDtype}
+        if meta.get("rows") != num_rows or meta.get("dim") != dim or meta.get("dtype") not in dtypes:
+            raise ValueError(f"the embedding store's rows of version {version} ({meta}) do not fit the artifact "
+                             f"({num_rows} rows of {dim} values); republish with `streamrec refresh --now`")
+        return meta
+
+    def fetch(self, version: str, rows: np.ndarray, dim: int, dtype: RowDtype) -> np.ndarray:
+        """(M, dim) float32 of ``rows`` (M,) in ONE round trip; :class:`StoreUnavailable` when Redis is failing
+        (or inside the retry-after window, without trying)."""
+        if not self.available:
+            raise StoreUnavailable(self.last_error or "embedding store unavailable")
+        keys = row_keys(self.prefix, version, rows)
+        t0 = time.perf_counter()
+        try:
+            values = self.client.mget_nonatomic(keys) if self.cluster else self.client.mget(keys)
+            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+            if missing:
+                raise LookupError(f"{len(missing)} of {len(keys)} rows are not in the store (e.g. {missing[0]}): "
+                                  "the version's keys were deleted or evicted (maxmemory?)")
+            out = decode_rows(values, dim, dtype)
+        except Exception as exc:  # noqa: BLE001 - refused, timed out, evicted, malformed: fallback rows
+            self.failed(f"MGET of {len(keys)} rows", exc)
+            raise StoreUnavailable(self.last_error or "") from exc
+        finally:
+            if self.metrics is not None:
+                self.metrics.embedding_store_fetch_seconds.observe(time.perf_counter() - t0)
+        return out
+
+    def write(self, version: str, rows: np.ndarray, vectors: np.ndarray, dtype: RowDtype) -> bool:
+        """Best effort: write rows (a delta's) under ``version``; False (counted) when Redis fails."""
+        if not len(rows) or not self.write_deltas:
+            return True
+        try:
+            mset = self.client.mset_nonatomic if self.cluster else self.client.mset
+            mset(dict(zip(row_keys(self.prefix, version, rows), encode_rows(vectors, dtype), strict=True)))
+        except Exception as exc:  # noqa: BLE001 - the override serves the delta; Redis catches up at the next refresh
+            self.failed(f"writing {len(rows)} delta rows", exc)
+            return False
+        return True
+
+
+class LayeredRows:
+    """The non-hot rows of one loaded version: local bucket rows, an LRU, then the store (module docstring).
+
+    ``table`` is the artifact's (N, D + 1) cold file (memory-mapped): only the bucket areas of dynamic fields
+    (``buckets``: (first row, bucket rows, own rows) per field with an id map) are copied from it, once.
+    """
+
+    def __init__(self, store: RedisEmbeddingStore, version: str, table: np.ndarray,
+                 buckets: list[tuple[int, int, int, str]], id_maps: dict[str, Any] | None) -> None:
+        self.store, self.version = store, version
+        self.num_rows, self.dim = int(table.shape[0]), int(table.shape[1])
+        meta = store.open(version, self.num_rows, self.dim)
+        self.dtype = RowDtype.of(meta["dtype"] if meta else RowDtype.FLOAT32, "embedding store dtype")
+        self._checked = meta is not None  # meta not read yet (Redis down at load): read it before the first fetch
+        self.cache = RowCache(store.cache_rows)
+        # Dynamic fields: (first, bucket rows, own rows, field name); their bucket areas are local.
+        self._blocks = sorted(buckets)
+        self._local_first = np.array([b[0] for b in self._blocks], dtype=np.int64)
+        self._local_end = np.array([b[0] + b[1] for b in self._blocks], dtype=np.int64)
+        self._own_end = np.array([b[0] + b[1] + b[2] for b in self._blocks], dtype=np.int64)
+        sizes = [b[1] for b in self._blocks]
+        self._local_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # into self._local
+        self._local = (np.concatenate([np.asarray(table[f:f + n], dtype=np.float32) for f, n, _, _ in self._blocks])
+                       if self._blocks else np.zeros((0, self.dim), np.float32))  # (sum of bucket rows, D + 1)
+        self._row_keys: list[np.ndarray] = []
+        self.set_id_maps(id_maps)
+
+    def set_id_maps(self, id_maps: dict[str, Any] | None) -> None:
+        """Own row -> hashed id of every dynamic field (the id maps' ``row_key``), for the bucket fallback."""
+        keys = []
+        for _, _, own, name in self._blocks:
+            state = (id_maps or {}).get(name)
+            rk: Any = state["row_key"] if state is not None else np.full(own, -1)
+            keys.append(np.asarray(rk.numpy() if hasattr(rk, "numpy") else rk, dtype=np.int64))
+        self._row_keys = keys  # one assignment: readers see the old or the new list
+
+    def _block_of(self, rows: np.ndarray) -> np.ndarray:
+        """Index of the dynamic block holding each row, -1 for rows outside every dynamic block."""
+        if not self._blocks:
+            return np.full(len(rows), -1, dtype=np.int64)
+        b = np.searchsorted(self._local_first, rows, side="right") - 1
+        inside = (b >= 0) & (rows < self._own_end[np.maximum(b, 0)])
+        return np.where(inside, b, -1)
+
+    def _local_rows(self, rows: np.ndarray, block: np.ndarray) -> np.ndarray:
+        """Index into ``self._local`` of each row in a dynamic bucket area, -1 for the others."""
+        bs = np.maximum(block, 0)
+        local = (block >= 0) & (rows < self._local_end[bs])
+        return np.where(local, self._local_start[bs] + rows - self._local_first[bs], -1)
+
+    def fallback_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The row to serve instead of each of ``rows`` (M,) when the store cannot give it: an admitted id's own
+        row -> its bucket row; -1 for every other row (zeros)."""
+        block = self._block_of(rows)
+        out = np.full(len(rows), -1, dtype=np.int64)
+        keys_of = self._row_keys
+        for b in np.unique(block[block >= 0]).tolist():
+            first, nb, _, _ = self._blocks[b]
+            sel = np.flatnonzero(block == b)
+            local = rows[sel] - first - nb  # own row index (< 0: a bucket row itself)
+            own = local >= 0
+            key = np.full(len(sel), -1, dtype=np.int64)
+            key[own] = keys_of[b][local[own]]
+            out[sel[own & (key >= 0)]] = first + key[own & (key >= 0)] % nb
+            out[sel[~own]] = rows[sel[~own]]
+        return out
+
+    def local(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask (M,), vectors (M, D + 1)): the rows held locally (dynamic fields' bucket rows)."""
+        idx = self._local_rows(rows, self._block_of(rows))
+        have = idx >= 0
+        vec = np.zeros((len(rows), self.dim), np.float32)
+        vec[have] = self._local[idx[have]]
+        return have, vec
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(vectors (M, D + 1) float32, failed (M,) bool) for unique non-hot, non-overridden ``rows`` (M,):
+        local bucket rows, then the LRU, then ONE round trip for the rest. ``failed`` rows (the store was not
+        available) are zeros here: the caller substitutes :meth:`fallback_rows`."""
+        m = self.store.metrics
+        have, out = self.local(rows)
+        rest = np.flatnonzero(~have)
+        failed = np.zeros(len(rows), dtype=bool)
+        if not len(rest):
+            return out, failed
+        sub = rows[rest]
+        got = np.zeros((len(sub), self.dim), np.float32)
+        hit = self.cache.get_many(sub, got)
+        miss = np.flatnonzero(~hit)
+        if m is not None:
+            m.embedding_cache_rows.labels("hit").inc(int(hit.sum()))
+            m.embedding_cache_rows.labels("miss").inc(len(miss))
+        if len(miss):
+            try:
+                self._check()
+                fetched = self.store.fetch(self.version, sub[miss], self.dim, self.dtype)
+            except StoreUnavailable:
+                failed[rest[miss]] = True
+            except ValueError as exc:  # Redis is back but never had this version: fallback, counted, never a 5xx
+                self.store.failed("checking the version's rows", exc)
+                failed[rest[miss]] = True
+            else:
+                got[miss] = fetched
+                self.cache.put_many(sub[miss], fetched)
+        out[rest] = got
+        out[failed] = 0.0
+        return out, failed
+
+    def _check(self) -> None:
+        if self._checked:
+            return
+        meta = self.store.open(self.version, self.num_rows, self.dim)  # ValueError: the version is not there
+        if meta is None:
+            raise StoreUnavailable(self.store.last_error or "")
+        self.dtype = RowDtype.of(meta["dtype"], "embedding store dtype")
+        self._checked = True
+
+    def on_delta(self, rows: np.ndarray, vectors: np.ndarray, hot: np.ndarray) -> None:
+        """A delta changed ``rows`` (R,) to ``vectors`` (R, D + 1): drop them from the LRU and, with
+        ``write_deltas``, write the non-hot ones (``hot`` (R,) bool) that are not local to Redis."""
+        self.cache.discard_many(rows)
+        block = self._block_of(rows)
+        remote = ~hot & (self._local_rows(rows, block) < 0)
+        if remote.any() and self.store.available:
+            self.store.write(self.version, rows[remote], vectors[remote], self.dtype)

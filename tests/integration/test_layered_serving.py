@@ -1,0 +1,313 @@
+"""The layered deployment (serving/embedding_store.py) against real Redis: the session stack's, and one of this
+module's own that a test stops mid-serving.
+
+Tolerances: float32 rows in Redis give layered scores EQUAL to in-process scores (bit for bit, same scorer, same
+rows); float16 rows change a probability by at most ``F16_TOL`` (rows of N(0, 0.3) rounded to float16: relative
+error <= 2^-11 per value; measured here ~1e-4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from cache_refresh.publish import publish
+from learner.artifact import build_artifact
+from learner.features import FeatureConfig, FieldSpec
+from learner.model import DeepFM
+from learner.row_mapper import RowMapper
+from monitor.engine import RuleEngine, Snapshot
+from monitor.rules import load_rules
+from serving.embedding_store import RedisEmbeddingStore, decode_rows, row_keys, write_version
+from serving.features import FeatureEncoder
+from serving.metrics import ServingMetrics
+from serving.model import ScoringModel
+from serving.request import parse_request
+from serving.service import ScoringService
+from serving.settings import EmbeddingStore, RowDtype, ServeSettings
+from stream.config import RedisSettings
+from stream.features import hash_value
+from streamrec.stack import LocalStack, free_port, redis_binary
+
+F16_TOL = 2e-3
+CFG = FeatureConfig((FieldSpec("user_id", "single", 8, capacity=40), FieldSpec("item_id", "single", 10, capacity=60),
+                     FieldSpec("history", "sequence", 1, shares="item_id"), FieldSpec("ctx.device", "single", 6)),
+                    dense=("price",), embedding_dim=4)
+ADMITTED_USERS = [f"u{k}" for k in range(30)]
+ADMITTED_ITEMS = list(range(50))
+NEW_ITEMS = [1000, 1001, 1002]  # never admitted: their hash-bucket rows (hot, and local in the layered mode)
+
+
+def checkpoint(seed: int = 0) -> dict[str, Any]:
+    """A DeepFM with a table of N(0, 0.3) (scores far from 0.5, so rows matter) and id maps that admitted 30 users
+    and 50 items (own rows), the other ids on their hash buckets."""
+    model = DeepFM(CFG, mlp=(8,), seed=seed, autocast_dtype=None)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    state["sparse.bag.weight"] = torch.randn(state["sparse.bag.weight"].shape, generator=g) * 0.3
+    mapper = RowMapper(CFG)
+    mapper.maps["user_id"].lookup(np.array([hash_value(u) for u in ADMITTED_USERS]), 0.0, train=True)
+    mapper.maps["item_id"].lookup(np.array([hash_value(i) for i in ADMITTED_ITEMS]), 0.0, train=True)
+    return {"meta": {"feature_config": CFG.to_dict(), "model": {"mlp": "8", "dropout": 0.0}, "samples_trained": 10,
+                     "offsets": {}},
+            "model": state, "id_maps": mapper.state_dict(), "path": "synthetic"}
+
+
+def own_rows(field: str, n: int) -> np.ndarray:
+    first = CFG.blocks[[f.name for f in CFG.fields].index(field)][0]
+    nb = next(f.num_buckets for f in CFG.fields if f.name == field)
+    return first + nb + np.arange(n)
+
+
+# hot: every bucket row and the device field, plus 10 admitted items; the admitted users' own rows are all cold
+HOT = np.concatenate([np.arange(0, 8), np.arange(48, 58), own_rows("item_id", 10), np.arange(CFG.num_rows - 6,
+                                                                                             CFG.num_rows)])
+
+
+def publish_version(root: Path, client: Any, prefix: str, dtype: RowDtype = RowDtype.FLOAT32,
+                    version: str = "v1") -> Path:
+    path = publish(root, build_artifact(checkpoint(), root, HOT, version=version), keep=10)
+    model = ScoringModel.load(path)
+    write_version(client, prefix, model.version, model.table, model.non_hot_rows(), dtype)
+    return path
+
+
+def request(user: Any, items: list[Any]) -> dict[str, Any]:
+    return {"user_id": user, "items": items, "context": {"device": "ios"}, "dense": {"price": 1.5}}
+
+
+def score(model: ScoringModel, req: dict[str, Any]) -> torch.Tensor:
+    values, offsets, dense = FeatureEncoder(model).encode(parse_request(req, 100), [])
+    return model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+
+
+def some_requests(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    users = ADMITTED_USERS + [f"new{k}" for k in range(10)]
+    return [request(users[int(rng.integers(len(users)))], rng.integers(0, 80, 20).tolist()) for _ in range(n)]
+
+
+def mget_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def store_of(stack: LocalStack, prefix: str, cache_rows: int = 1000, metrics: Any = None) -> RedisEmbeddingStore:
+    return RedisEmbeddingStore(redis.Redis.from_url(stack.redis_url, socket_timeout=1.0), prefix,
+                               cache_rows=cache_rows, metrics=metrics)
+
+
+# -- scores ------------------------------------------------------------------------------------------------------
+def test_layered_scores_equal_in_process_scores_for_float32_rows(stack: LocalStack, redis_client: redis.Redis,
+                                                                 prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    in_process = ScoringModel.load(path)
+    store = store_of(stack, prefix)
+    layered = ScoringModel.load(path, store=store)
+    try:
+        assert layered.layered is not None and in_process.layered is None
+        for req in some_requests(30):
+            a, b = score(in_process, req), score(layered, req)
+            assert torch.equal(a, b), (req, a, b)
+        assert layered.cold_lookups > 0 and len(layered.layered.cache) > 0  # rows did come from Redis
+    finally:
+        store.client.close()
+
+
+def test_float16_rows_move_scores_by_at_most_the_stated_tolerance(stack: LocalStack, redis_client: redis.Redis,
+                                                                   prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix, RowDtype.FLOAT16)
+    in_process = ScoringModel.load(path)
+    store = store_of(stack, prefix)
+    layered = ScoringModel.load(path, store=store)
+    try:
+        diffs = [float((score(in_process, r) - score(layered, r)).abs().max()) for r in some_requests(30)]
+        assert max(diffs) <= F16_TOL
+        assert max(diffs) > 0  # the rows really were float16
+    finally:
+        store.client.close()
+
+
+def test_a_version_missing_from_the_store_is_refused_at_load(stack: LocalStack, redis_client: redis.Redis,
+                                                             prefix: str, tmp_path: Path) -> None:
+    from learner.artifact import ArtifactError
+    path = publish(tmp_path, build_artifact(checkpoint(), tmp_path, HOT, version="v9"), keep=10)
+    store = store_of(stack, prefix)
+    try:
+        with pytest.raises(ArtifactError, match="embedding store has no rows of version v9"):
+            ScoringModel.load(path, store=store)
+    finally:
+        store.client.close()
+
+
+# -- round trips and the LRU ---------------------------------------------------------------------------------
+def test_one_redis_round_trip_per_request_and_the_lru_stays_bounded(stack: LocalStack, redis_client: redis.Redis,
+                                                                    prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    metrics = ServingMetrics(lambda: None)
+    store = store_of(stack, prefix, cache_rows=12, metrics=metrics)
+    layered = ScoringModel.load(path, store=store)
+    reqs = [request(u, list(range(50))) for u in ADMITTED_USERS[:20]]  # 50 items, 40 of them cold own rows
+    try:
+        before = mget_calls(redis_client)
+        for req in reqs:
+            score(layered, req)
+            assert len(layered.layered.cache) <= 12  # type: ignore[union-attr]
+        assert mget_calls(redis_client) - before == len(reqs)  # exactly one MGET per request with misses
+        # a request whose only non-hot row is cached costs no round trip
+        small = request(ADMITTED_USERS[25], NEW_ITEMS)  # item bucket rows are local; the user's own row is not
+        before = mget_calls(redis_client)
+        score(layered, small)
+        assert mget_calls(redis_client) == before + 1
+        score(layered, small)
+        assert mget_calls(redis_client) == before + 1  # the user's row came from the LRU
+        text = metrics.render().decode()
+        assert 'streamrec_serving_embedding_cache_rows_total{result="hit"}' in text
+        assert _sample(text, "streamrec_serving_embedding_store_fetch_seconds_count") == len(reqs) + 1
+        assert _sample(text, 'streamrec_serving_embedding_cache_rows_total{result="miss"}') >= 40
+    finally:
+        store.client.close()
+
+
+def _sample(text: str, name: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+# -- deltas ----------------------------------------------------------------------------------------------------
+def test_a_delta_changes_layered_scores_exactly_as_in_process(stack: LocalStack, redis_client: redis.Redis,
+                                                              prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    in_process = ScoringModel.load(path)
+    store = store_of(stack, prefix)
+    layered = ScoringModel.load(path, store=store)
+    try:
+        req = request(ADMITTED_USERS[3], ADMITTED_ITEMS[:40])
+        assert torch.equal(score(in_process, req), score(layered, req))  # the user's and items' rows now cached
+        user_row = int(layered.map_rows(0, np.array([hash_value(ADMITTED_USERS[3])]))[0])
+        assert user_row not in set(HOT.tolist()) and user_row in layered.layered.cache._rows  # type: ignore
+        rows = torch.tensor([user_row, int(own_rows("item_id", 30)[-1]), 2])  # cold cached, cold, hot
+        vectors = torch.randn(3, CFG.embedding_dim + 1, generator=torch.Generator().manual_seed(5))
+        dense = {k: v + 0.1 for k, v in checkpoint()["model"].items() if not k.startswith("sparse.")}
+        before = score(layered, req)
+        for m in (in_process, layered):
+            m.apply_delta(rows, vectors, dense, seq=1)
+        after_in, after_layered = score(in_process, req), score(layered, req)
+        assert torch.equal(after_in, after_layered)
+        assert not torch.equal(before, after_layered)
+        assert user_row not in layered.layered.cache._rows  # type: ignore[union-attr]
+        # the serving process wrote the delta's non-hot rows to Redis, under the version it applied them to
+        got = redis_client.mget(row_keys(prefix, "v1", np.array([user_row, 2])))
+        assert got[1] is None or 2 not in layered.non_hot_rows()  # the hot row is not the store's
+        assert np.array_equal(decode_rows([got[0]], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], vectors[0].numpy())
+    finally:
+        store.client.close()
+
+
+# -- Redis down ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    port = free_port()
+    proc = subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=0.5)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    client.close()
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def post(port: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", "/v1/score", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def scrape(port: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+def bucket_twin(user: str) -> str:
+    """A user that is not admitted and hashes to the same user bucket as ``user``."""
+    want = hash_value(user) % 8
+    return next(f"twin{k}" for k in range(10_000) if hash_value(f"twin{k}") % 8 == want)
+
+
+def test_redis_stopped_mid_serving_answers_200_from_hot_rows_and_bucket_rows_and_the_alert_fires(
+        own_redis: tuple[subprocess.Popen[bytes], str], prefix: str, tmp_path: Path) -> None:
+    proc, url = own_redis
+    writer = redis.Redis.from_url(url)
+    path = publish_version(tmp_path, writer, prefix)
+    writer.close()
+    in_process = ScoringModel.load(path)
+    settings = ServeSettings(port=0, publish_root=tmp_path, embedding_store=EmbeddingStore.LAYERED,
+                             embedding_store_retry_after_s=0.2, lookup_counts=False, poll_s=60)
+    rule = next(r for r in load_rules(None).rules if r.name == "embedding_store_errors")
+    engine = RuleEngine([dataclasses.replace(rule, for_s=0)], history_s=600)
+    user, twin = ADMITTED_USERS[7], bucket_twin(ADMITTED_USERS[7])
+    hot_only = request("nobody", NEW_ITEMS)  # a user bucket row, item bucket rows, hot device rows: all local
+    cold_user = request(user, NEW_ITEMS)  # the same, but the user's own row comes from Redis
+    with ScoringService(settings, RedisSettings(url=url, prefix=prefix)) as svc:
+        status, hot_before = post(svc.port, hot_only)
+        assert status == 200
+        assert hot_before["scores"] == pytest.approx(score(in_process, hot_only).tolist(), abs=1e-7)
+        status, cold_before = post(svc.port, cold_user)
+        assert status == 200 and cold_before["scores"] == pytest.approx(score(in_process, cold_user).tolist(),
+                                                                        abs=1e-7)
+        t0 = time.time()
+        assert not engine.evaluate(Snapshot.from_texts({"serving": scrape(svc.port)}), t0)
+        svc.holder.model().layered.cache.discard_many(np.arange(CFG.num_rows))  # type: ignore[union-attr]
+
+        proc.kill()
+        proc.wait()
+        statuses, answers = [], []
+        for req in (hot_only, cold_user, *some_requests(10)):
+            status, body = post(svc.port, req)
+            statuses.append(status)
+            answers.append(body)
+        assert statuses == [200] * len(statuses)
+        assert answers[0]["scores"] == hot_before["scores"]  # hot rows unchanged
+        # the admitted user's own row fell back to its hash bucket: the score of a user that lives in that bucket
+        assert answers[1]["scores"] == pytest.approx(score(in_process, request(twin, NEW_ITEMS)).tolist(), abs=1e-7)
+        assert answers[1]["scores"] != pytest.approx(cold_before["scores"], abs=1e-6)
+        text = scrape(svc.port)
+        assert _sample(text, "streamrec_serving_embedding_store_errors_total") >= 1
+        assert _sample(text, 'streamrec_serving_embedding_store_fallback_rows_total{kind="bucket"}') >= 1
+        alerts = engine.evaluate(Snapshot.from_texts({"serving": text}), t0 + 30)
+        assert [a.rule for a in alerts] == ["embedding_store_errors"]
