@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
 from learner.config import LearnerSettings
@@ -33,6 +34,9 @@ def add_parser(sub: Any) -> None:
                        "often it crashes. Runs until SIGTERM (which checkpoints), or --max-samples, or "
                        "--exit-when-idle. --status prints the newest checkpoint's offsets and metrics.")
     p.add_argument("--status", action="store_true", help="print the latest checkpoint's state and exit")
+    p.add_argument("--unshard", metavar="DIR", help="write the newest sharded checkpoint of --checkpoint-dir (a run "
+                   "under torchrun) as one single-process checkpoint into DIR and exit: what `streamrec refresh` and "
+                   "a one-process `streamrec train` read")
     p.add_argument("--checkpoint-dir", help=f"(default {LearnerSettings.checkpoint_dir})")
     p.add_argument("--max-samples", type=int, help="stop after training this many samples")
     p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="stop after this long without samples")
@@ -66,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
     rs = src.build(RedisSettings, "redis")  # where deltas are announced: url, credentials, TLS, the channel's prefix
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
         ls = dataclasses.replace(ls, deltas_channel=rs.deltas_channel)
+    if args.unshard:
+        from learner.sharded_checkpoint import unshard
+
+        out = unshard(ls.checkpoint_dir, Path(args.unshard))
+        emit(args, {"checkpoint": str(out)}, lambda d: f"unsharded into {d['checkpoint']}")
+        return EXIT_OK
     if args.status:
         from learner.checkpoint import latest_meta
 
@@ -79,16 +89,23 @@ def run(args: argparse.Namespace) -> int:
         emit(args, status, lambda d: "latest checkpoint\n" + kv_lines(d))
         return EXIT_OK
     setup_logging(args.log_level)
+    import os
+
+    from learner.distributed import RankContext
+
+    # torchrun's environment, read here at the edge: WORLD_SIZE > 1 is the distributed mode
+    ctx = RankContext.from_env(os.environ, ls.device.resolve(_cuda_available()))
     if ls.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(ls.metrics_port, addr=ls.metrics_host)
-    import os
+        start_http_server(ls.metrics_port + ctx.local_rank, addr=ls.metrics_host)  # one port per rank of a host
 
     # Keep freed memory instead of returning it to the OS between steps (page faults cost 20-45% of a
     # bf16 step here, environment.md); only takes effect for this process's children, so set it early.
     for k, v in (("MALLOC_TRIM_THRESHOLD_", "68719476736"), ("MALLOC_MMAP_THRESHOLD_", "33554432")):
         os.environ.setdefault(k, v)
+    if ctx.distributed:
+        return _run_ranks(args, kafka, ls, ctx)
     from learner.daemon import Learner
 
     learner = Learner(kafka, ls, redis=rs)
@@ -99,6 +116,33 @@ def run(args: argparse.Namespace) -> int:
     finally:
         learner.close()
     emit(args, summary, _describe)
+    return EXIT_OK
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_ranks(args: argparse.Namespace, kafka: Any, ls: LearnerSettings, ctx: Any) -> int:
+    """The distributed mode (learner/sharded_daemon.py): TorchRec is imported only here."""
+    from learner.sharded_daemon import ShardedLearner
+
+    ctx.init()
+    try:
+        learner = ShardedLearner(kafka, ls, ctx)
+        if ctx.rank == 0:
+            print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
+                  f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
+        try:
+            summary = learner.run()
+        finally:
+            learner.close()
+    finally:
+        ctx.close()
+    if ctx.rank == 0:
+        emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
     return EXIT_OK
 
 

@@ -1,0 +1,145 @@
+"""The distributed mode's process group, its split of the samples partitions and its lock-step collectives.
+
+``streamrec train`` under ``torchrun --nproc-per-node N`` (``WORLD_SIZE > 1``) trains one model on N ranks
+(``learner/sharded_daemon.py``); this module holds what the ranks agree on, with no TorchRec in it:
+
+- :class:`RankContext`: rank, world size and backend, read from torchrun's environment once, at the process
+  edge (``streamrec/commands/train.py``), and the process group's lifecycle (:meth:`RankContext.init`,
+  :meth:`RankContext.close`). gloo on CPU, NCCL on CUDA.
+- :func:`partitions_of`: samples partition ``p`` goes to rank ``p % world``. A fixed split, not the consumer
+  group's assignment: the offsets of every partition live in the checkpoint (``learner/sharded_checkpoint.py``),
+  written by all ranks at one step boundary, and a restart (same world size, or another one after a reshard)
+  reads each partition from exactly the offset the checkpointed model stopped at. A dynamic group rebalance moves
+  a partition between ranks at a moment of the broker's choosing; its new owner would have to start from a
+  model state that includes every sample the old owner trained, which only a checkpoint of the whole sharded
+  model taken at that instant gives, i.e. stopping the world. So the group id only names the commits that
+  lag dashboards read (made after each durable checkpoint), never who reads what.
+- :class:`LockStep`: sharded embeddings put every rank in every lookup's collectives (the row-wise lookup's
+  all-to-all and all-gather, the dense part's gradient all-reduce), so every rank runs the same number of steps,
+  each of the same batch size. Once per round each rank says how many rows it has, whether its input ended,
+  whether it wants a checkpoint or a stop, and all ranks take the same decision from everybody's answer.
+- :func:`all_gather_objects`: small Python values from every rank (offsets, counts, metrics histograms).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stream.errors import ConfigError
+
+log = logging.getLogger("streamrec.train")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this process is among the ranks of one training job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = "gloo"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], device_type: str = "cpu") -> RankContext:
+        """torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (unset: one process); gloo on CPU, NCCL on CUDA."""
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            rank, local = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
+        except ValueError as exc:
+            raise ConfigError(f"WORLD_SIZE / RANK / LOCAL_RANK must be integers (torchrun sets them): {exc}") from None
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"rank {rank} of world size {world} is not a valid place: run under torchrun, which "
+                              "sets RANK and WORLD_SIZE, or set neither for one process")
+        return cls(rank, world, local, "nccl" if device_type == "cuda" else "gloo")
+
+    def init(self, timeout_s: float = 600.0) -> None:
+        """Join the default process group (torchrun's rendezvous variables: ``MASTER_ADDR``/``MASTER_PORT``)."""
+        if self.distributed and not dist.is_initialized():
+            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def partitions_of(partitions: list[int], rank: int, world_size: int) -> list[int]:
+    """The samples partitions ``rank`` reads: ``p % world_size == rank`` (module docstring: why a fixed split)."""
+    return sorted(p for p in partitions if p % world_size == rank)
+
+
+@dataclass(frozen=True)
+class Round:
+    """What every rank decided together for one round (:meth:`LockStep.agree`)."""
+
+    steps: tuple[int, ...]  # rows of each step this round, the same on every rank (the most any rank has)
+    checkpoint: bool  # some rank wants a checkpoint now (its samples or seconds since the last one)
+    stop: str | None  # why every rank stops now (None: go on)
+
+
+class LockStep:
+    """Per round, one all-gather of ``[rows, input ended, wants checkpoint, stop signal, samples]`` per rank.
+
+    A round's steps: rank r trains its rows as chunks of ``step_rows`` (the last one shorter); step i of the
+    round has as many rows as the largest chunk i of any rank, and a rank with fewer pads its chunk with empty
+    rows (no lookups, zero loss weight). The job stops when every rank's input ended (``exit_when_idle``), when
+    any rank got SIGTERM/SIGINT, or when the samples trained by all ranks together reach ``max_samples``."""
+
+    def __init__(self, step_rows: int, max_samples: int | None = None) -> None:
+        self.step_rows = max(1, step_rows)
+        self.max_samples = max_samples
+
+    def agree(self, rows: int, ended: bool, wants_checkpoint: bool, signalled: bool, samples: int) -> Round:
+        mine = torch.tensor([rows, int(ended), int(wants_checkpoint), int(signalled), samples], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(out, mine)
+            everyone = torch.stack(out)  # (world, 5)
+        else:
+            everyone = mine.unsqueeze(0)  # (1, 5)
+        per_rank = everyone[:, 0].tolist()
+        n_steps = max((-(-r // self.step_rows) for r in per_rank), default=0)
+        steps = tuple(max(min(self.step_rows, r - i * self.step_rows) for r in per_rank) for i in range(n_steps))
+        total = int(everyone[:, 4].sum())
+        stop = None
+        if bool(everyone[:, 3].any()):
+            stop = "signal"
+        elif self.max_samples is not None and total >= self.max_samples:
+            stop = "max samples"
+        elif bool(everyone[:, 1].all()) and not any(per_rank):
+            stop = "input idle"
+        return Round(steps, bool(everyone[:, 2].any()), stop)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (one process: ``[obj]``)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

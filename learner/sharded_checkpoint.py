@@ -1,0 +1,204 @@
+"""Checkpoints of the distributed mode: sharded state with torch.distributed.checkpoint (DCP), and the reshard
+to one process that the nightly refresh and a single-process learner read.
+
+A checkpoint is a directory ``<checkpoint_dir>/dcp-<samples:015d>-<ms>/``:
+
+    .metadata, __<rank>_0.distcp   DCP: ``model`` (the row-wise sharded table, each rank writing its rows, and
+                                   the dense part, written once), ``table_state`` (fbgemm's row-wise Adagrad sums,
+                                   sharded with their rows), ``dense_opt`` (Adam's state by parameter name)
+    rank-<r>.pt                    rank r's own small state (progressive metrics, recent impression ids, delayed
+                                   feedback counts): tensors, numpy arrays and plain values, loaded weights-only
+    meta.json                      what every rank agreed on: samples trained by all ranks, the offset of EVERY
+                                   samples partition (gathered from the ranks that read them), rows per
+                                   partition, the feature and model config, the shaping settings, world size
+
+All ranks write into ``.tmp-<name>`` at one step boundary (the lock-step's checkpoint round); only after DCP's
+save returned on every rank (its metadata is written by rank 0 once every rank's shards are) and every rank's
+``rank-<r>.pt`` is durable does rank 0 write ``meta.json`` and rename the directory into place. A rank killed
+in between leaves a ``.tmp-`` directory, which no load reads: the previous checkpoint stays the newest. On a
+restart every rank reads the newest complete directory; with the same world size each rank gets its own
+``rank-<r>.pt`` back, with another one the per-rank states are merged (metrics summed into rank 0, recent ids
+given to every rank) and DCP reshards the table to the new row ranges. The directory must be one filesystem
+every rank sees (one machine, or a shared mount across hosts).
+
+:func:`unshard` is the reshard to one process: it loads the newest DCP checkpoint without a process group into
+full-size tensors, builds the single-process ``DeepFM`` and optimizers from them, and writes an ordinary
+checkpoint (``learner/checkpoint.py``) into another directory: ``streamrec refresh`` builds and validates a
+serving artifact from it, and a single-process ``streamrec train`` resumes from it at the same offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from learner import checkpoint
+from learner.distributed import all_gather_objects, barrier, broadcast_object
+from learner.features import FeatureConfig
+from learner.progressive import ProgressiveMetrics
+from stream.files import fsync_dir, write_atomic
+
+log = logging.getLogger("streamrec.checkpoint")
+
+PREFIX = "dcp-"
+META = "meta.json"
+FORMAT_VERSION = 1
+
+
+def list_complete(directory: Path) -> list[Path]:
+    """Complete sharded checkpoints, oldest first."""
+    if not Path(directory).is_dir():
+        return []
+    return sorted(p for p in Path(directory).glob(f"{PREFIX}*") if p.is_dir() and (p / META).is_file())
+
+
+def latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(path, meta) of the newest complete sharded checkpoint, None when there is none."""
+    done = list_complete(directory)
+    if not done:
+        return None
+    meta = json.loads((done[-1] / META).read_text())
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise checkpoint.CheckpointError(f"sharded checkpoint {done[-1]} has format {meta['format_version']}, this "
+                                         f"streamrec reads up to {FORMAT_VERSION}: upgrade streamrec")
+    return done[-1], meta
+
+
+def dense_opt_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam's state keyed by parameter name (``names``: id(param) -> name); parameters without state yet get
+    zeros, so every rank and every load has the same keys."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            out[names[id(p)]] = {"exp_avg": st.get("exp_avg", torch.zeros_like(p)),
+                                 "exp_avg_sq": st.get("exp_avg_sq", torch.zeros_like(p)),
+                                 "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(())}
+    return out
+
+
+def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any],
+         rank: int, keep: int = 3) -> Path:
+    """Collective: every rank calls it at the same step boundary with its ``app_state`` (DCP: tensors and
+    ShardedTensors) and ``rank_state``; ``meta`` is rank 0's (the agreed, gathered values). Returns the path."""
+    directory = Path(directory)
+    name = broadcast_object(f"{PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}" if rank == 0
+                            else None)
+    tmp, final = directory / f".tmp-{name}", directory / name
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    barrier()
+    dcp.save(app_state, checkpoint_id=str(tmp))
+    write_atomic(tmp / f"rank-{rank}.pt", lambda fh: torch.save(rank_state, fh))
+    barrier()  # every rank's shards and own state are durable
+    if rank == 0:
+        meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
+                "lineage": meta.get("lineage") or checkpoint.lineage(directory)}
+        write_atomic(tmp / META, json.dumps(meta, default=str).encode())
+        tmp.rename(final)
+        fsync_dir(directory)
+        for old in list_complete(directory)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load(path: Path, app_state: dict[str, Any]) -> None:
+    """Collective: fill ``app_state`` (the same layout :func:`save` got) in place from ``path``, resharded by DCP
+    to this world's row ranges."""
+    dcp.load(app_state, checkpoint_id=str(path))
+
+
+def rank_states(path: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``rank-<r>.pt`` of the checkpoint (weights-only loads)."""
+    return [checkpoint.load(path / f"rank-{r}.pt") for r in range(int(meta["world_size"]))]
+
+
+def merged_metrics(states: list[dict[str, Any]], window: int) -> ProgressiveMetrics:
+    """The progressive metrics of all ranks as one (histograms and sums added; windows concatenated)."""
+    out = ProgressiveMetrics(window=window)
+    parts = [s["metrics"] for s in states if s.get("metrics")]
+    if not parts:
+        return out
+    out.load_state_dict(parts[0])
+    for d in parts[1:]:
+        other = ProgressiveMetrics(window=window)
+        other.load_state_dict(d)
+        out.pos = out.pos + other.pos
+        out.neg = out.neg + other.neg
+        out.loss_sum += other.loss_sum
+        out.count += other.count
+        probs, labels = other._window_arrays()
+        if len(probs):
+            out._recent.append((probs, labels))
+            out._recent_n += len(probs)
+    return out
+
+
+def aggregate_metrics(metrics: ProgressiveMetrics) -> ProgressiveMetrics:
+    """Collective: this rank's metrics merged with every other rank's (what the summary and meta report)."""
+    return merged_metrics([{"metrics": s} for s in all_gather_objects(metrics.state_dict())], metrics.window)
+
+
+def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
+    """The newest sharded checkpoint in ``src`` as one single-process checkpoint in ``dst`` (module docstring);
+    no process group needed. Returns the written checkpoint's path."""
+    from learner.config import ModelConfig
+    from learner.model import DeepFM
+    from learner.optim import make_optimizers
+    from learner.sharded_model import TABLE_KEY, padded_width, state_scale
+
+    found = latest(src)
+    if found is None:
+        raise checkpoint.CheckpointError(f"no complete sharded checkpoint (dcp-*/meta.json) in {src}")
+    path, meta = found
+    cfg = FeatureConfig.from_dict(meta["feature_config"])
+    ms = meta["model"]
+    d, w = cfg.embedding_dim, padded_width(cfg.embedding_dim)
+    model = DeepFM(cfg, mlp=ModelConfig.from_meta(ms).mlp, dropout=float(ms.get("dropout", 0.0)),
+                   seed=int(ms.get("seed", 0)), autocast_dtype=None)
+    sparse_opt, dense_opt = make_optimizers(model, ms["lr_sparse"], ms["lr_dense"], "rowwise_adagrad",
+                                            initial_accumulator=ms.get("initial_accumulator", 0.0))
+    dense_names = {id(p): n for n, p in model.named_parameters() if not n.startswith("sparse.")}
+    key = TABLE_KEY
+    app_state: dict[str, Any] = {
+        "model": {key: torch.zeros(cfg.num_rows, w),
+                  **{n: torch.zeros_like(p) for n, p in model.named_parameters() if not n.startswith("sparse.")}},
+        "table_state": {"momentum1": torch.zeros(cfg.num_rows)},
+        "dense_opt": dense_opt_state(dense_opt, dense_names),
+    }
+    dcp.load(app_state, checkpoint_id=str(path), no_dist=True)
+    c = state_scale(d)
+    with torch.no_grad():
+        model.sparse.bag.weight.copy_(app_state["model"][key][:, :d + 1])  # (num_rows, D + 1): padding dropped
+        for n, p in model.named_parameters():
+            if not n.startswith("sparse."):
+                p.copy_(app_state["model"][n])
+    table = model.sparse.bag.weight
+    sparse_opt.state[table]["sum"] = app_state["table_state"]["momentum1"] / c  # fbgemm's sum, as learner/optim's
+    for p in (p for g in dense_opt.param_groups for p in g["params"]):
+        st = app_state["dense_opt"][dense_names[id(p)]]
+        if float(st["step"]) > 0:
+            dense_opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"].clone(),
+                                  "exp_avg_sq": st["exp_avg_sq"].clone()}
+    states = rank_states(path, meta)
+    metrics = merged_metrics(states, window=int(meta.get("metrics_window", 100_000)))
+    recent = [i for s in states for i in s.get("recent_ids", [])]
+    state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
+             "metrics": metrics.state_dict(), "recent_ids": recent, "id_maps": {}}
+    if states and states[0].get("delayed_weights"):
+        state["delayed_weights"] = states[0]["delayed_weights"]
+    plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",
+                                  "feature_config", "model", "shape", "topic", "lineage")}
+    plain["metrics"] = metrics.summary()
+    plain["resharded_from"] = {"path": str(path), "world_size": int(meta["world_size"])}
+    out = checkpoint.save(Path(dst), state, plain, keep=keep)
+    log.info("unsharded %s (%d ranks) into %s", path, meta["world_size"], out)
+    return out

@@ -1,0 +1,310 @@
+"""``streamrec train`` on N ranks (``torchrun --nproc-per-node N``, ``WORLD_SIZE > 1``): one DeepFM whose table is
+sharded row-wise over the ranks (``learner/sharded_model.py``), each rank reading its share of the samples
+partitions (``learner/distributed.py``: partition p to rank p % N), all ranks stepping in lock-step.
+
+    rank r: KafkaSampleDataset(partitions p % N == r, from the checkpoint's offsets) --dedup--> chunks
+            LockStep.agree (rows, input ended, wants checkpoint, signal, samples)    -- every rank, every round
+            ShardedTrainer.test_then_train per step (chunks padded to the step's size) -- every rank, every step
+            checkpoint round: learner/sharded_checkpoint.save (DCP + every partition's offset), then rank 0
+                              commits the group offsets (lag dashboards only)
+
+Exactly once, as in the single-process daemon: a checkpoint holds the model and, for every samples partition,
+the offset of the next message to train, written by all ranks at one step boundary; a restart (torchrun's
+elastic restart after a rank died restarts every rank) loads the newest complete checkpoint and every rank reads
+its partitions from exactly those offsets. What was trained after it is trained again; nothing is trained twice
+into a persisted model. A dead rank is noticed by the others in their next collective (gloo: the peer closed
+the connection), which raises; torchrun then stops and restarts the whole group.
+
+The feature config is inferred by rank 0 from the first ``probe_rows`` samples and sent to the others; after
+that it lives in the checkpoint, as in the single-process daemon.
+
+What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
+dynamic ids (``id_capacity > 0``: ids map to their hash bucket rows statically; TorchRec's managed-collision
+modules were not wired in), the boost of young rows, ``sparse_adam``, gradient accumulation, online
+calibration and the base-rate bias of a fresh model (both write the dense part from one rank's view), serving
+deltas (no rank holds every touched row), the cold/warm and served-quality metrics, poison-message strikes
+(a batch that fails stops every rank; the restart trains it again).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from confluent_kafka import KafkaException, TopicPartition
+from torch.utils.data import DataLoader
+
+from learner import sharded_checkpoint
+from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
+from learner.daemon import AUC, LOGLOSS, SAMPLES, RecentIds, infer_feature_config
+from learner.distributed import LockStep, RankContext, all_gather_objects, broadcast_object, partitions_of
+from learner.features import FeatureConfig
+from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
+from learner.model import autocast_dtype
+from learner.progressive import ProgressiveMetrics
+from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
+from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard
+from learner.sharded_trainer import ShardedTrainer
+from stream.config import KafkaSettings
+from stream.errors import ConfigError
+from stream.kafka import ensure_topics, new_consumer
+
+log = logging.getLogger("streamrec.train")
+
+
+def check_settings(ls: LearnerSettings) -> None:
+    """The settings the distributed mode cannot honour: a ConfigError naming each and the fix."""
+    bad = []
+    if ls.id_capacity > 0:
+        bad.append(f"id_capacity = {ls.id_capacity} (dynamic ids are not sharded yet: set id_capacity = 0, ids use "
+                   "their hash bucket rows)")
+    if ls.boost > 0:
+        bad.append(f"boost = {ls.boost} (fbgemm's row-wise Adagrad has no boost: set boost = 0)")
+    if ls.sparse_optimizer is not SparseOptimizer.ROWWISE_ADAGRAD:
+        bad.append(f"sparse_optimizer = {ls.sparse_optimizer.value} (only rowwise_adagrad is sharded)")
+    if ls.accumulation != 1:
+        bad.append(f"accumulation = {ls.accumulation} (set 1)")
+    if bad:
+        raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
+    for name, on in (("online_calibration", ls.online_calibration), ("init_bias", ls.init_bias),
+                     ("deltas_every_s", ls.deltas_every_s > 0)):
+        if on:
+            log.warning("[learner] %s is not used on several ranks (learner/sharded_daemon.py); it is off", name)
+
+
+class ShardedLearner:
+    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext) -> None:
+        check_settings(ls)
+        self.kafka, self.ls, self.ctx = kafka, ls, ctx
+        dev = ls.device.resolve(torch.cuda.is_available())
+        self.device = torch.device(dev, ctx.local_rank) if dev == "cuda" else torch.device(dev)
+        self._stop = False
+        self.offsets: dict[int, int] = {}
+        self.partition_rows: Counter[int] = Counter()
+        self.duplicates = 0
+        self.recent = RecentIds(ls.dedup_window)
+        self.cfg: FeatureConfig | None = None
+        self.trainer: ShardedTrainer | None = None
+        self.dmp: Any = None
+        self._base_samples = 0  # samples trained by all ranks before this run (rank 0 counts them)
+        self._base_steps = 0
+        self._shape = shape_of(ls)
+        self._group = new_consumer(kafka, ls.group_id) if ctx.rank == 0 else None  # commits only, for lag
+
+    # -- model and state ---------------------------------------------------------------------------
+    def _model_settings(self) -> dict[str, Any]:
+        ls = self.ls
+        return {"mlp": ls.model.mlp_text, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
+                "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp.value, "seed": ls.seed, "boost": 0.0,
+                "boost_half_life": ls.boost_half_life, "initial_accumulator": ls.initial_accumulator}
+
+    def _build(self, cfg: FeatureConfig) -> None:
+        ls = self.ls
+        self.cfg = cfg
+        model = ShardedDeepFM(cfg, parse_mlp(ls.mlp), ls.dropout, ls.seed, autocast_dtype(ls.amp, self.device),
+                              table_device=torch.device("meta"))
+        self.dmp = shard(model, self.ctx.world_size, self.device, ls.lr_sparse, 1e-8, ls.initial_accumulator, ls.seed)
+        self._dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]
+        try:
+            dense_opt: torch.optim.Optimizer = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense,
+                                                                fused=True)
+        except (RuntimeError, TypeError):
+            dense_opt = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense)
+        self.trainer = ShardedTrainer(self.dmp, dense_opt, feature_names(cfg), self.device,
+                                      ProgressiveMetrics(window=ls.metrics_window))
+
+    def _app_state(self) -> dict[str, Any]:
+        assert self.trainer is not None
+        return {"model": self.dmp.state_dict(), "table_state": {"momentum1": fused_state(self.dmp)["momentum1"]},
+                "dense_opt": dense_opt_state(self.trainer.dense_opt, {id(p): n for n, p in self._dense})}
+
+    def _restore(self) -> bool:
+        found = sharded_checkpoint.latest(self.ls.checkpoint_dir)
+        if found is None:
+            return False
+        path, meta = found
+        recorded = meta.get("shape", {})
+        changed = {k: (recorded.get(k), v) for k, v in self._shape.items() if k in recorded and recorded[k] != v}
+        if changed:
+            raise CheckpointMismatch(path, changed)
+        self._build(FeatureConfig.from_dict(meta["feature_config"]))
+        assert self.trainer is not None
+        app = self._app_state()
+        sharded_checkpoint.load(path, app)  # in place: the table's local rows, its sums, the dense part
+        self.dmp.load_state_dict(app["model"])
+        opt = self.trainer.dense_opt
+        for n, p in self._dense:
+            st = app["dense_opt"][n]
+            if float(st["step"]) > 0:
+                opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"].clone(),
+                                "exp_avg_sq": st["exp_avg_sq"].clone()}
+        states = sharded_checkpoint.rank_states(path, meta)
+        if int(meta["world_size"]) == self.ctx.world_size:
+            mine = states[self.ctx.rank]
+            self.trainer.metrics.load_state_dict(mine["metrics"])
+            self.recent.load(mine.get("recent_ids", []))
+            self.duplicates = int(mine.get("duplicates", 0))
+        else:  # resharded: rank 0 carries everybody's metrics, every rank every recent id
+            if self.ctx.rank == 0:
+                self.trainer.metrics = merged_metrics(states, self.ls.metrics_window)
+                self.duplicates = int(meta["duplicates"])
+            self.recent.load([i for s in states for i in s.get("recent_ids", [])])
+        if self.ctx.rank == 0:
+            self._base_samples = int(meta["samples_trained"])
+        self._base_steps = int(meta["steps"])
+        self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
+        self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
+        log.info("rank %d resumed from %s (%d ranks wrote it): %d samples trained, offsets %s", self.ctx.rank, path,
+                 meta["world_size"], meta["samples_trained"], self.offsets)
+        return True
+
+    def samples_trained(self) -> int:
+        """This rank's share of the job's samples (rank 0 also counts those of earlier runs)."""
+        return self._base_samples + (self.trainer.samples if self.trainer else 0)
+
+    def save(self) -> Path:
+        """Collective: a checkpoint of every rank's state at this step boundary."""
+        assert self.trainer is not None and self.cfg is not None
+        world, rank = self.ctx.world_size, self.ctx.rank
+        gathered = all_gather_objects((self.offsets, dict(self.partition_rows), self.samples_trained(),
+                                       self.duplicates))
+        offsets: dict[int, int] = dict(self.offsets)
+        rows: dict[int, int] = dict(self.partition_rows)
+        for r, (offs, prows, _, _) in enumerate(gathered):  # each partition from the rank that reads it
+            for p in partitions_of(list(offs), r, world):
+                offsets[p] = offs[p]
+            for p in partitions_of(list(prows), r, world):
+                rows[p] = prows[p]
+        metrics = aggregate_metrics(self.trainer.metrics)
+        meta = {"samples_trained": sum(g[2] for g in gathered), "steps": self._base_steps + self.trainer.steps,
+                "offsets": {str(p): o for p, o in sorted(offsets.items())},
+                "partition_rows": {str(p): n for p, n in sorted(rows.items())},
+                "duplicates": sum(g[3] for g in gathered), "world_size": world,
+                "feature_config": self.cfg.to_dict(), "model": self._model_settings(), "shape": self._shape,
+                "metrics": metrics.summary(), "metrics_window": self.ls.metrics_window,
+                "topic": self.kafka.samples_topic}
+        rank_state = {"metrics": self.trainer.metrics.state_dict(), "recent_ids": self.recent.state(),
+                      "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict()}
+        path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
+                                       keep=self.ls.keep_checkpoints)
+        if self._group is not None and offsets:  # after the checkpoint is durable; lag dashboards only
+            try:
+                self._group.commit(offsets=[TopicPartition(self.kafka.samples_topic, p, o)
+                                            for p, o in offsets.items()], asynchronous=False)
+            except KafkaException as exc:
+                log.warning("could not commit the group offsets (lag dashboards lag): %s", exc)
+        return path
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _partitions(self) -> list[int]:
+        parts = None
+        if self.ctx.rank == 0:
+            ensure_topics(self.kafka, [self.kafka.samples_topic])
+            assert self._group is not None
+            md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
+            parts = sorted(md.partitions)
+        return list(broadcast_object(parts))
+
+    def _fresh_config(self) -> FeatureConfig | None:
+        cfg = None
+        if self.ctx.rank == 0:
+            wait = self.ls.exit_when_idle_s if self.ls.exit_when_idle_s is not None else float("inf")
+            t0 = time.monotonic()
+            while cfg is None and not self._stop and time.monotonic() - t0 < wait:
+                cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(5.0, wait))
+        found = broadcast_object(None if cfg is None else cfg.to_dict())
+        return None if found is None else FeatureConfig.from_dict(found)
+
+    def run(self) -> dict[str, Any]:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        ls = self.ls
+        if not self._restore():
+            cfg = self._fresh_config()
+            if cfg is None:
+                return self.summary(reason="no samples arrived")
+            if cfg.dynamic:
+                raise ConfigError("a dynamic feature config cannot be sharded (id_capacity must be 0)")
+            self._build(cfg)
+        assert self.trainer is not None and self.cfg is not None
+        for p in self._partitions():
+            self.offsets.setdefault(p, 0)
+        mine = partitions_of(list(self.offsets), self.ctx.rank, self.ctx.world_size)
+        log.info("rank %d of %d reads samples partitions %s", self.ctx.rank, self.ctx.world_size, mine)
+        dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine}, ls.batch_rows,
+                                     ls.exit_when_idle_s, merge=ls.merge_partitions)
+        loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
+                                 prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
+                                 pin_memory=ls.pin_memory.resolve(self.device.type)))
+        lock = LockStep(ls.step_rows, ls.max_samples)
+        empty = to_tensors_empty(self.cfg, None)
+        ended = False
+        last_ckpt, since_ckpt = time.monotonic(), 0
+        while True:
+            batch = None if ended else next(loader, None)
+            ended = batch is None
+            kept = empty
+            if batch is not None and len(batch):
+                keep = self.recent.filter(batch.impression_ids, batch.kinds)
+                self.duplicates += int((~keep).sum())
+                kept = batch.select(keep)
+            chunks = kept.chunks(ls.step_rows) if len(kept) else []
+            wants = since_ckpt >= ls.checkpoint_every_samples or time.monotonic() - last_ckpt >= ls.checkpoint_every_s
+            rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained())
+            for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
+                chunk = chunks[i] if i < len(chunks) else empty
+                self.trainer.test_then_train(chunk, rows)
+            if batch is not None:
+                for p, off, n in batch.positions:
+                    self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
+                    self.partition_rows[p] += n
+                since_ckpt += len(batch)
+            if len(kept):
+                SAMPLES.inc(len(kept))
+                AUC.set(self.trainer.metrics.auc)
+                LOGLOSS.set(self.trainer.metrics.logloss)
+            if rnd.stop is not None:
+                reason = rnd.stop
+                break
+            if rnd.checkpoint:
+                self.save()
+                last_ckpt, since_ckpt = time.monotonic(), 0
+        self.save()
+        return self.summary(reason=reason)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop = True
+
+    def summary(self, reason: str) -> dict[str, Any]:
+        """Collective: the job's summary (every rank returns it; the metrics aggregated over the ranks)."""
+        tr = self.trainer
+        gathered = all_gather_objects((self.samples_trained(), dict(self.partition_rows), self.duplicates,
+                                       self.offsets))
+        metrics = aggregate_metrics(tr.metrics) if tr else ProgressiveMetrics()
+        world = self.ctx.world_size
+        offsets = {p: o for r, g in enumerate(gathered) for p, o in g[3].items()
+                   if p in partitions_of(list(g[3]), r, world)}
+        rows = {p: n for r, g in enumerate(gathered) for p, n in g[1].items()
+                if p in partitions_of(list(g[1]), r, world)}
+        return {
+            "reason": reason, "world_size": world, "rank": self.ctx.rank,
+            "samples_trained": sum(g[0] for g in gathered),
+            "samples_per_rank": [g[0] for g in gathered],
+            "steps": (self._base_steps + tr.steps) if tr else 0,
+            "duplicates_dropped": sum(g[2] for g in gathered),
+            "offsets": {str(p): o for p, o in sorted(offsets.items())},
+            "partition_rows": {str(p): n for p, n in sorted(rows.items())},
+            "metrics": metrics.summary() if tr else {},
+            "device": str(self.device), "sharding": "row-wise (TorchRec DMP), dense part DDP",
+            "checkpoint_dir": str(self.ls.checkpoint_dir),
+        }
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+

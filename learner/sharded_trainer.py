@@ -1,0 +1,74 @@
+"""The distributed mode's training step: test-then-train on a DMP-wrapped ``ShardedDeepFM``. No I/O.
+
+Every rank calls :meth:`ShardedTrainer.test_then_train` once per step of a round (``learner/distributed.py``,
+``LockStep``), with its chunk of the round's rows (maybe none) padded to the step's size: the sharded lookup
+and DDP's gradient all-reduce are collectives every rank must enter. The loss is the mean over the rank's real
+rows (padding has weight 0; a rank without rows contributes a zero loss, still through the whole graph, so its
+DDP hooks fire); DDP averages the dense gradients over the ranks, and the table's rows get the sum of every
+rank's gradient for them, applied by the fused row-wise Adagrad in the backward.
+
+As in ``learner/trainer.py``: one forward serves both halves (its outputs are recorded as progressive
+validation before the backward learns from them), a non-finite loss skips the update on every rank together
+(all ranks agree on it, since the dense all-reduce must be entered by all or none), and rows that are not
+``FINAL`` are weighted by ``learner/delayed.py``. Not here (refused or turned off by the distributed daemon):
+gradient accumulation, fp16 loss scaling, online calibration, the boost of young rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from learner.batch import TensorBatch
+from learner.delayed import DelayedFeedbackWeights
+from learner.progressive import ProgressiveMetrics
+from learner.sharded_model import padded_inputs
+
+
+class ShardedTrainer:
+    def __init__(self, model: nn.Module, dense_opt: torch.optim.Optimizer, keys: list[str],
+                 device: torch.device, metrics: ProgressiveMetrics) -> None:
+        self.model, self.dense_opt, self.keys, self.device = model, dense_opt, keys, device
+        self.metrics = metrics
+        self.delayed = DelayedFeedbackWeights()
+        self.steps = 0
+        self.samples = 0  # this rank's
+        self.nan_losses = 0
+        self.last_loss = float("nan")
+
+    def test_then_train(self, batch: TensorBatch, rows: int) -> np.ndarray:
+        """Predict ``batch``'s rows (recorded in ``metrics``), then learn; ``rows`` >= len(batch) is the step's
+        size on every rank. Returns the predictions of the real rows, shape (B,)."""
+        b = len(batch)
+        self.model.train()
+        kjt, dense, labels, mask = padded_inputs(batch, rows, self.keys, self.device)
+        logits = self.model(kjt, dense)  # (rows,) raw
+        p_t = torch.sigmoid(logits.detach()).float()  # (rows,)
+        probs = p_t[:b].cpu().numpy()
+        weight = mask
+        if batch.kinds is not None and b:
+            self.delayed.observe(batch.kinds, batch.labels.numpy())
+            w = self.delayed.weights(batch.kinds, labels[:b], p_t[:b])
+            if w is not None:
+                weight = torch.cat([w.to(mask.dtype), mask[b:]])
+        per_row = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")  # (rows,)
+        loss = (per_row * weight).sum() / max(b, 1)
+        local = float(loss.item())
+        finite = torch.tensor([1 if np.isfinite(local) else 0], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        self.last_loss = local
+        if not bool(finite.item()):  # some rank's loss is not finite: every rank skips this step's update
+            self.nan_losses += 1
+            return probs
+        if b:
+            self.metrics.update(probs, batch.labels.numpy())
+        loss.backward()  # the table's rows are updated in here (fused); the dense grads are all-reduced
+        self.dense_opt.step()
+        self.dense_opt.zero_grad(set_to_none=True)
+        self.samples += b
+        self.steps += 1
+        return probs

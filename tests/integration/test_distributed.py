@@ -1,0 +1,145 @@
+"""``streamrec train`` on 2 ranks (torchrun, gloo, CPU) against the real broker: the table sharded row-wise by
+TorchRec, a rank SIGKILLed after a checkpoint and the job restarted by torchrun's elastic agent, every sample
+trained exactly once across the ranks; then the reshard to one process and a serving artifact the refresh job
+builds and validates from it; and two ranks learning as well as one on the same stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from learner import sharded_checkpoint
+from learner.checkpoint import load_latest
+from stream.config import KafkaSettings
+from stream.kafka import AckedProducer, ensure_topics
+from streamrec.stack import LocalStack
+from tests.integration.test_learner import sample_batch
+
+
+PARTITIONS = 4
+MESSAGES = 40  # per run: 40 messages of ROWS rows over PARTITIONS partitions
+ROWS = 100
+
+
+def produce(kafka: KafkaSettings, seed: int = 5, messages: int = MESSAGES, first: int = 0) -> dict[int, int]:
+    """Samples messages ``first`` .. ``first + messages - 1``, round-robin over the partitions; rows per partition."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
+    rng = np.random.default_rng(seed + first)
+    producer = AckedProducer(kafka)
+    rows = {p: 0 for p in range(PARTITIONS)}
+    for k in range(first, first + messages):
+        p = k % PARTITIONS
+        producer.send(kafka.samples_topic, sample_batch(rng, ROWS, start=k * ROWS).encode(), str(k).encode(),
+                      partition=p)
+        rows[p] += ROWS
+    producer.flush()
+    return rows
+
+
+def env_for(kafka: KafkaSettings, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_BUCKETS="2000",
+               STREAMREC_LEARNER_CTX_BUCKETS="200", STREAMREC_LEARNER_MLP="16", STREAMREC_LEARNER_EMBEDDING_DIM="8",
+               STREAMREC_LEARNER_ID_CAPACITY="0", STREAMREC_LEARNER_ONLINE_CALIBRATION="false",
+               STREAMREC_LEARNER_INIT_BIAS="false", STREAMREC_LEARNER_AMP="off",
+               STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}", OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def torchrun(ranks: int, ckpt: Path, *flags: str, max_restarts: int = 0, idle_s: float = 4) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "--max-restarts", str(max_restarts), "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt),
+            "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", str(idle_s), "--json", *flags]
+
+
+def last_json(stdout: str) -> dict:
+    """The summary ``--json`` printed (one line)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+
+
+def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_a_served_artifact(
+        kafka: KafkaSettings, stack: LocalStack, tmp_path: Path) -> None:
+    rows = produce(kafka, messages=MESSAGES // 2)  # the first half; the second after the kill
+    ckpt = tmp_path / "ckpt"
+    env = env_for(kafka, STREAMREC_LEARNER_CHECKPOINT_EVERY_SAMPLES="600")
+    proc = subprocess.Popen(torchrun(2, ckpt, max_restarts=1, idle_s=10), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # at the first sharded checkpoint SIGKILL rank 1 (a python child of torchrun's agent): what the ranks trained
+    # after it is lost with them and must be trained again, once
+    deadline = time.monotonic() + 240
+    while not sharded_checkpoint.list_complete(ckpt) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert sharded_checkpoint.list_complete(ckpt), "no sharded checkpoint was written"
+    first = sharded_checkpoint.latest(ckpt)
+    assert first is not None and first[1]["samples_trained"] < sum(rows.values())  # killed mid-stream
+    ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "streamrec.cli"], capture_output=True, text=True)
+    children = [int(x) for x in ranks.stdout.split()]
+    workers = {}
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            workers[int(rank)] = pid
+    assert set(workers) == {0, 1}, f"rank processes not found among {children}"
+    os.kill(workers[1], signal.SIGKILL)
+    for p, n in produce(kafka, messages=MESSAGES // 2, first=MESSAGES // 2).items():
+        rows[p] += n
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    summary = last_json(out)
+    # every sample exactly once across the ranks: the final checkpoint's counts equal what was produced
+    path, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert meta["world_size"] == 2
+    assert {int(p): n for p, n in meta["partition_rows"].items()} == rows
+    assert {int(p): o for p, o in meta["offsets"].items()} == {p: MESSAGES // PARTITIONS for p in rows}
+    assert meta["samples_trained"] == sum(rows.values()) == summary["samples_trained"]
+    assert meta["metrics"]["samples"] == sum(rows.values())  # progressive metrics counted each sample once
+    assert err.count(" on 2 ranks (gloo)") == 2, err[-4000:]  # rank 0 started twice: the agent restarted the group
+    assert sorted(summary["samples_per_rank"]) != [0, 0]
+
+    # reshard 2 -> 1: a single-process checkpoint the refresh job builds and validates an artifact from
+    single = tmp_path / "single"
+    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--unshard",
+                         str(single), "--json"], env=env_for(kafka), capture_output=True, text=True, timeout=120)
+    assert un.returncode == 0, un.stderr[-3000:]
+    plain = load_latest(single)
+    assert plain is not None and plain.samples_trained == sum(rows.values())
+    assert plain.offsets == {p: MESSAGES // PARTITIONS for p in rows}
+    publish = tmp_path / "publish"
+    ref = subprocess.run([sys.executable, "-m", "streamrec.cli", "refresh", "--now", "--checkpoint-dir", str(single),
+                          "--publish-root", str(publish), "--format", "safetensors", "--redis-url", stack.redis_url,
+                          "--json"],
+                         env=env_for(kafka, STREAMREC_REDIS_PREFIX=f"dist-{kafka.samples_topic}",
+                                     STREAMREC_REFRESH_ALERTS_TOPIC="", STREAMREC_REFRESH_HOT_ITEMS="10",
+                                     STREAMREC_REFRESH_HOT_USERS="5"),
+                         capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert (publish / "CURRENT").exists() or any(publish.iterdir())
+
+
+def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafka: KafkaSettings,
+                                                                            tmp_path: Path) -> None:
+    rows = produce(kafka, seed=9, messages=40)
+    env = env_for(kafka)
+    one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
+                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run(torchrun(2, tmp_path / "two"), env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    s1, s2 = last_json(one.stdout), last_json(two.stdout)
+    assert s1["samples_trained"] == s2["samples_trained"] == sum(rows.values())
+    auc1, auc2 = s1["metrics"]["auc"], s2["metrics"]["auc"]
+    assert auc1 > 0.6  # the stream is learnable
+    assert abs(auc1 - auc2) <= 0.03, (auc1, auc2)
