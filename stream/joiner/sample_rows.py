@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter, itemgetter
 from typing import TypeVar
 
 import numpy as np
@@ -17,8 +18,13 @@ T = TypeVar("T")
 def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
     """Columns from samples. Context keys are the union over rows: a missing categorical is
     :data:`MISSING`, a missing list ``[]``, a missing dense value 0.0; a key that is a list in any
-    row is a list column. One pass over the rows' dicts fills every column. ``history=False``: every
-    row's history column is empty (the join state: a history is read from Redis when its sample goes out)."""
+    row is a list column. One pass over the rows' dicts fills every column (or, when every row has the
+    same keys, one pass per column). ``history=False``: every row's history column is empty (the join
+    state: a history is read from Redis when its sample goes out)."""
+    uniform = _columns(rows, history)
+    if uniform is not None:
+        return uniform
+    ps = [s.pending for s in rows]
     n = len(rows)
     ctx: dict[str, list] = {}
     dense: dict[str, list[float]] = {}
@@ -43,7 +49,6 @@ def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
             context[k] = [v if type(v) is list else ([] if v is MISSING else [v]) for v in col]
         else:
             context[k] = np.array(col, np.int64)
-    ps = [s.pending for s in rows]
     return SampleBatch.from_columns(
         impression_id=[p.impression_id for p in ps],
         ts=np.array([p.ts for p in ps], np.int64),
@@ -55,6 +60,39 @@ def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
         context=context,  # type: ignore[arg-type]
         dense={k: np.array(v, np.float32) for k, v in dense.items()},
         kind=np.array([s.kind for s in rows], np.int8),
+    )
+
+
+def _columns(rows: list[Sample], history: bool) -> SampleBatch | None:
+    """:func:`to_batch` when every row has the same context keys, each a list in every row or in none, and the same
+    dense keys (the usual stream): each column in one pass. None otherwise."""
+    ps = [s.pending for s in rows]
+    contexts, denses = [p.context for p in ps], [p.dense for p in ps]
+    ctx_keys, dense_keys = set(map(tuple, contexts)), set(map(tuple, denses))
+    if len(ctx_keys) != 1 or len(dense_keys) != 1:
+        return None
+    n = len(rows)
+    context: dict[str, object] = {}
+    for k in next(iter(ctx_keys)):
+        col = list(map(itemgetter(k), contexts))
+        types = set(map(type, col))
+        if list in types:
+            if len(types) > 1:
+                return None
+            context[k] = col
+        else:
+            context[k] = np.array(col, np.int64)
+    return SampleBatch.from_columns(
+        impression_id=[p.impression_id for p in ps],
+        ts=np.fromiter(map(attrgetter("ts"), ps), np.int64, n),
+        label=np.fromiter(map(attrgetter("label"), rows), np.int8, n),
+        label_delay_ms=np.fromiter(map(attrgetter("label_delay_ms"), rows), np.int64, n),
+        user_id=np.fromiter(map(attrgetter("user"), ps), np.int64, n),
+        item_id=np.fromiter(map(attrgetter("item"), ps), np.int64, n),
+        history=[p.history for p in ps] if history else (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
+        context=context,  # type: ignore[arg-type]
+        dense={k: np.array(list(map(itemgetter(k), denses)), np.float32) for k in next(iter(dense_keys))},
+        kind=np.fromiter(map(attrgetter("kind"), rows), np.int8, n),
     )
 
 
@@ -89,4 +127,12 @@ def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_B
     goes to ``oversized(rows, value)`` (the joiner dead-letters it)."""
     if not rows:
         return []
-    return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows, oversized)
+    built = _columns(rows, history=True)
+    if built is None:  # a message's columns are the union over its own rows
+        return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows, oversized)
+    # Every row has the same columns: built once, each message a slice of them (a slice's columns are its rows').
+    whole = built.batch
+    on_oversized = None if oversized is None else lambda part, value: oversized([rows[i] for i in part], value)
+    return encode_bounded(list(range(len(rows))),
+                          lambda part, _first: SampleBatch(whole.slice(part[0], len(part))).encode(),
+                          max_bytes, max_rows, on_oversized)
