@@ -311,3 +311,40 @@ def test_redis_stopped_mid_serving_answers_200_from_hot_rows_and_bucket_rows_and
         assert _sample(text, 'streamrec_serving_embedding_store_fallback_rows_total{kind="bucket"}') >= 1
         alerts = engine.evaluate(Snapshot.from_texts({"serving": text}), t0 + 30)
         assert [a.rule for a in alerts] == ["embedding_store_errors"]
+
+
+# -- the refresh writes (and prunes) a version's rows ----------------------------------------------------------
+def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes_pruned_versions(
+        stack: LocalStack, kafka: Any, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from learner import checkpoint as ckpt_io
+    from learner.artifact import read_current
+    from serving.embedding_store import read_meta, stored_versions
+
+    ck = checkpoint()
+    meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
+    state = {"model": ck["model"], "id_maps": ck["id_maps"], "recent_ids": []}
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_io.save(ckpt_dir, state, meta)
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", holdout_messages=0,
+                         small_field_rows=100, keep_versions=1, redis_attempts=1, alerts_topic="",
+                         embedding_store=EmbeddingStore.LAYERED, embedding_store_dtype=RowDtype.FLOAT16)
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    first = job.run_once(rs, kafka, rds)
+    m1 = read_meta(redis_client, prefix, first["version"])
+    model = ScoringModel.load(Path(first["path"]))
+    assert m1 is not None and m1["dtype"] == "float16" and m1["stored"] == len(model.non_hot_rows()) > 0
+    store = store_of(stack, prefix)
+    try:
+        layered = ScoringModel.load(Path(first["path"]), store=store)
+        for req in some_requests(5):
+            assert float((score(model, req) - score(layered, req)).abs().max()) <= F16_TOL
+    finally:
+        store.client.close()
+    time.sleep(0.01)
+    ckpt_io.save(ckpt_dir, state, {**meta, "samples_trained": 20})
+    second = job.run_once(rs, kafka, rds)  # keep_versions=1: the first version is pruned, and its rows with it
+    assert read_current(rs.publish_root).name == second["version"] != first["version"]
+    assert stored_versions(redis_client, prefix) == {second["version"]}
+    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))
