@@ -336,6 +336,8 @@ class LayeredRows:
 
     def _local_rows(self, rows: np.ndarray, block: np.ndarray) -> np.ndarray:
         """Index into ``self._local`` of each row in a dynamic bucket area, -1 for the others."""
+        if not self._blocks:  # a static config: nothing is local
+            return np.full(len(rows), -1, dtype=np.int64)
         bs = np.maximum(block, 0)
         local = (block >= 0) & (rows < self._local_end[bs])
         return np.where(local, self._local_start[bs] + rows - self._local_first[bs], -1)

@@ -130,6 +130,28 @@ def test_layered_scores_equal_in_process_scores_for_float32_rows(stack: LocalSta
         store.client.close()
 
 
+def test_layered_scores_equal_in_process_scores_for_a_static_config_too(stack: LocalStack, redis_client: redis.Redis,
+                                                                        prefix: str, tmp_path: Path) -> None:
+    static = FeatureConfig(tuple(dataclasses.replace(f, capacity=0) for f in CFG.fields), dense=CFG.dense,
+                           embedding_dim=CFG.embedding_dim)
+    ck = checkpoint()
+    model = DeepFM(static, mlp=(8,), seed=1, autocast_dtype=None)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["sparse.bag.weight"] = torch.randn(state["sparse.bag.weight"].shape) * 0.3
+    ck = {**ck, "meta": {**ck["meta"], "feature_config": static.to_dict()}, "model": state, "id_maps": None}
+    path = publish(tmp_path, build_artifact(ck, tmp_path, np.arange(0, static.num_rows, 4), version="s1"), keep=10)
+    in_process = ScoringModel.load(path)
+    write_version(redis_client, prefix, "s1", in_process.table, in_process.non_hot_rows(), RowDtype.FLOAT32)
+    store = store_of(stack, prefix)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        for req in some_requests(10):
+            assert torch.equal(score(in_process, req), score(layered, req))
+        assert layered.cold_lookups > 0
+    finally:
+        store.client.close()
+
+
 def test_float16_rows_move_scores_by_at_most_the_stated_tolerance(stack: LocalStack, redis_client: redis.Redis,
                                                                    prefix: str, tmp_path: Path) -> None:
     path = publish_version(tmp_path, redis_client, prefix, RowDtype.FLOAT16)

@@ -1,0 +1,120 @@
+"""The layered store's pure logic (serving/embedding_store.py): row codec, LRU, bucket fallback, retry-after window.
+
+The Redis behaviour itself (one MGET per request, scores, Redis stopped) is tested against real Redis in
+tests/integration/test_layered_serving.py; the fake client here only raises or answers, to drive the logic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from serving.embedding_store import (
+    LayeredRows,
+    RedisEmbeddingStore,
+    RowCache,
+    StoreUnavailable,
+    decode_rows,
+    encode_rows,
+    row_keys,
+)
+from serving.settings import RowDtype
+
+
+def test_rows_round_trip_exactly_as_float32_and_within_half_precision_as_float16() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.normal(0, 0.3, (7, 5)).astype(np.float32)
+    assert np.array_equal(decode_rows(encode_rows(rows, RowDtype.FLOAT32), 5, RowDtype.FLOAT32), rows)
+    half = decode_rows(encode_rows(rows, RowDtype.FLOAT16), 5, RowDtype.FLOAT16)
+    assert np.allclose(half, rows, rtol=2 ** -11, atol=1e-7) and not np.array_equal(half, rows)
+    assert len(encode_rows(rows, RowDtype.FLOAT16)[0]) == 10  # 5 values x 2 bytes, no header
+
+
+def test_a_value_of_the_wrong_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected 20"):
+        decode_rows([b"\0" * 20, b"\0" * 16], 5, RowDtype.FLOAT32)
+
+
+def test_keys_carry_the_version_so_versions_never_mix() -> None:
+    assert row_keys("p", "v1", np.array([3, 10])) == ["p:emb:v1:r:3", "p:emb:v1:r:10"]
+    assert set(row_keys("p", "v1", np.arange(5))).isdisjoint(row_keys("p", "v2", np.arange(5)))
+
+
+def test_the_lru_keeps_the_most_recently_used_rows_within_its_capacity() -> None:
+    cache = RowCache(3)
+    cache.put_many(np.array([1, 2, 3]), np.eye(3, dtype=np.float32))
+    out = np.zeros((1, 3), np.float32)
+    assert cache.get_many(np.array([1]), out).tolist() == [True]  # 1 is now the most recent
+    cache.put_many(np.array([4]), np.ones((1, 3), np.float32))  # evicts 2, the least recent
+    hit = cache.get_many(np.array([1, 2, 3, 4]), np.zeros((4, 3), np.float32))
+    assert hit.tolist() == [True, False, True, True] and len(cache) == 3
+    cache.discard_many(np.array([3]))
+    assert cache.get_many(np.array([3]), out).tolist() == [False]
+    assert len(RowCache(0).get_many(np.array([1]), out)) == 1 and not RowCache(0).get_many(np.array([1]), out).any()
+
+
+class FakeClient:
+    """Answers MGET/GET from a dict, or raises ConnectionError while ``down``; counts calls."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        self.values, self.down, self.calls = values, False, 0
+
+    def get(self, key: str) -> bytes | None:
+        self.calls += 1
+        if self.down:
+            raise redis.ConnectionError("refused")
+        return self.values.get(key)
+
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        self.calls += 1
+        if self.down:
+            raise redis.ConnectionError("refused")
+        return [self.values.get(k) for k in keys]
+
+
+def _store(table: np.ndarray, clock: Any) -> tuple[RedisEmbeddingStore, FakeClient]:
+    import json
+    values = dict(zip(row_keys("p", "v", np.arange(len(table))), encode_rows(table, RowDtype.FLOAT32), strict=True))
+    values["p:emb:v:meta"] = json.dumps({"rows": len(table), "dim": table.shape[1], "dtype": "float32"}).encode()
+    client = FakeClient(values)
+    return RedisEmbeddingStore(client, "p", cache_rows=100, retry_after_s=1.0, clock=clock), client
+
+
+def test_an_admitted_ids_own_row_falls_back_to_its_bucket_row_and_other_rows_to_nothing() -> None:
+    # one dynamic field at rows [4, 4 + 3 buckets + 5 own rows); rows 0..3 belong to a static field
+    table = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+    store, _ = _store(table, lambda: 0.0)
+    row_key = np.array([10, 11, -1, 14, 3])  # own row i holds the id with this hashed key (-1: free)
+    rows = LayeredRows(store, "v", table, [(4, 3, 5, "user_id")], {"user_id": {"row_key": row_key}})
+    got = rows.fallback_rows(np.array([7, 8, 9, 10, 11, 5, 2]))
+    # own rows 7..11 = local 0..4 -> keys 10, 11, -1, 14, 3 -> buckets 1, 2, none, 2, 0; bucket row 5 is itself
+    assert got.tolist() == [4 + 1, 4 + 2, -1, 4 + 2, 4 + 0, 5, -1]
+    have, vec = rows.local(np.array([4, 6, 7, 0]))  # the bucket rows are local, copied from the artifact
+    assert have.tolist() == [True, True, False, False] and np.array_equal(vec[:2], table[[4, 6]])
+
+
+def test_a_failed_round_trip_is_counted_once_and_redis_is_skipped_for_the_retry_after_window() -> None:
+    now = [0.0]
+    table = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    store, client = _store(table, lambda: now[0])
+    rows = LayeredRows(store, "v", table, [], None)
+    vec, failed = rows.gather(np.array([1, 2]))
+    assert np.array_equal(vec, table[[1, 2]]) and not failed.any()
+    client.down = True
+    calls = client.calls
+    vec, failed = rows.gather(np.array([3, 4]))
+    assert failed.all() and not vec.any() and client.calls == calls + 1
+    vec, failed = rows.gather(np.array([5]))  # inside the window: Redis is not asked
+    assert failed.all() and client.calls == calls + 1
+    cached, failed = rows.gather(np.array([1]))  # the LRU still serves what it holds
+    assert np.array_equal(cached, table[[1]]) and not failed.any()
+    client.down = False
+    now[0] = 1.5
+    vec, failed = rows.gather(np.array([3, 4]))
+    assert np.array_equal(vec, table[[3, 4]]) and not failed.any()
+    with pytest.raises(StoreUnavailable):
+        client.down = True
+        store.fetch("v", np.array([6]), 3, RowDtype.FLOAT32)
