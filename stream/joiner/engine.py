@@ -343,16 +343,22 @@ class PartitionJoin:
 
     def _finalize(self, p: Pending, out: BatchResult) -> None:
         """Take ``p`` out of the window: its negative sample if it had no click; remembered for late clicks."""
-        del self.pending[p.impression_id]
-        if self.cfg.policy == "window":
-            if p.click_ts is None:
-                out.samples.append(Sample(p, 0, self.cfg.window_ms))
-            else:
-                out.samples.append(Sample(p, 1, p.click_ts - p.ts))
-        elif p.click_ts is None and not p.observed:
-            out.samples.append(Sample(p, 0, self.cfg.window_ms))
-        self.finalized[p.impression_id] = (p.ts, int(p.click_ts is not None))
-        heapq.heappush(self._final_order, (p.ts + self.cfg.window_ms + self.cfg.late_retention_ms, p.impression_id))
+        self._finalize_all([p], out)
+
+    def _finalize_all(self, ps: list[Pending], out: BatchResult) -> None:
+        """:meth:`_finalize` for each of ``ps`` in order (one loop, lookups hoisted: expiry runs it per impression)."""
+        pending, finalized, final_order, emit = self.pending, self.finalized, self._final_order, out.samples.append
+        window, keep, push = self.cfg.window_ms, self.cfg.window_ms + self.cfg.late_retention_ms, heapq.heappush
+        whole_window = self.cfg.policy == "window"
+        for p in ps:
+            imp_id, click_ts = p.impression_id, p.click_ts
+            del pending[imp_id]
+            if whole_window:
+                emit(Sample(p, 0, window) if click_ts is None else Sample(p, 1, click_ts - p.ts))
+            elif click_ts is None and not p.observed:
+                emit(Sample(p, 0, window))
+            finalized[imp_id] = (p.ts, int(click_ts is not None))
+            push(final_order, (p.ts + keep, imp_id))
 
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
@@ -409,11 +415,13 @@ class PartitionJoin:
             if p is not None and not p.observed:
                 p.observed = True
                 out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
-        while self._expiry and self._expiry[0][0] <= wm:
-            _, imp_id = heapq.heappop(self._expiry)
-            p = self.pending.get(imp_id)
+        expiry, pending, pop, due = self._expiry, self.pending, heapq.heappop, {}
+        while expiry and expiry[0][0] <= wm:
+            imp_id = pop(expiry)[1]
+            p = pending.get(imp_id)
             if p is not None:
-                self._finalize(p, out)
+                due[imp_id] = p  # once, in the order they expire
+        self._finalize_all(list(due.values()), out)
         while self._waiting_heap and self._waiting_heap[0][0] <= wm:
             cts, imp_id = heapq.heappop(self._waiting_heap)
             times = self.waiting.get(imp_id)

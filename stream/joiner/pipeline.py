@@ -32,7 +32,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from operator import is_, itemgetter
+from operator import attrgetter, is_, itemgetter
 from typing import Any, NamedTuple
 
 import orjson
@@ -66,6 +66,7 @@ _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpres
 
 
 _RECORD = itemgetter(0)  # of a (record, event) pair
+_USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
 
 
 def _nth_good(pairs: list[tuple[Record, Impression | Click | BadMessage]], n: int) -> int:
@@ -497,10 +498,9 @@ class JoinPipeline:
             got[1].extend(ts)
 
         if imps:
-            users, items = self._names_buffer["user"], self._names_buffer["item"]
-            for _, ev in imps:
-                users.add(ev.user_id)
-                items.add(ev.item_id)
+            events = [ev for _, ev in imps]
+            self._names_buffer["user"].update(map(_USER_ID, events))
+            self._names_buffer["item"].update(map(_ITEM_ID, events))
         if res.new_impressions:
             ts = [p.ts for p in res.new_impressions]
             buffer("item", "impression", [p.item for p in res.new_impressions], ts)
