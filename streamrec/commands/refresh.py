@@ -138,7 +138,9 @@ def add_parser(sub: Any) -> None:
         "left (staged directories, temp files).",
         epilog="Settings: [refresh] in --config and STREAMREC_REFRESH_<KEY> (checkpoint_dir, publish_root, days, "
         "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
-        "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic, metrics_port). "
+        "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic, metrics_port, "
+        "embedding_store = in_process | layered: also write the non-hot rows to Redis for a layered serving, "
+        "embedding_store_dtype = float32 | float16, embedding_store_cluster). "
         "Exit codes: 0 ok, 1 failed, 2 usage. Examples: streamrec refresh --now --json; "
         "streamrec refresh --rollback; streamrec refresh --status --json")
     mode = p.add_mutually_exclusive_group()

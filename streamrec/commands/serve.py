@@ -35,7 +35,10 @@ def add_parser(sub: Any) -> None:
         "-d '{\"user_id\": 1, \"items\": [1193, 661], \"context\": {\"gender\": \"F\"}}'. "
         "Settings: [serve] in --config and STREAMREC_SERVE_<KEY> (host, port, publish_root, deltas_dir, device, "
         "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s, history_retry_after_s, "
-        "max_connections, max_in_flight, request_timeout_s, keepalive_timeout_s); "
+        "max_connections, max_in_flight, request_timeout_s, keepalive_timeout_s, embedding_store = in_process | "
+        "layered (cold rows from Redis, written by `streamrec refresh` with [refresh] embedding_store = layered), "
+        "embedding_cache_rows, embedding_store_timeout_s, embedding_store_retry_after_s, embedding_store_cluster, "
+        "embedding_store_write_deltas); "
         "Redis from "
         "[redis] / STREAMREC_REDIS_URL.")
     p.add_argument("--host", help=f"address to bind (default {ServeSettings.host}: loopback only)")
