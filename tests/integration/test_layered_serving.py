@@ -370,3 +370,66 @@ def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes
     assert read_current(rs.publish_root).name == second["version"] != first["version"]
     assert stored_versions(redis_client, prefix) == {second["version"]}
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))
+
+
+# -- Redis Cluster ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[str]:
+    """Three primaries (no replicas) of a real Redis Cluster on free ports; yields one node's url."""
+    ports = [free_port() for _ in range(3)]
+    procs = [subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "",
+                               "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(tmp_path),
+                               "--cluster-config-file", f"nodes-{p}.conf"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    clients = [redis.Redis(host="127.0.0.1", port=p, socket_timeout=2) for p in ports]
+    try:
+        deadline = time.monotonic() + 10
+        for c in clients:
+            while True:
+                try:
+                    c.ping()
+                    break
+                except redis.ConnectionError:
+                    assert time.monotonic() < deadline, "redis-server (cluster mode) did not start"
+                    time.sleep(0.05)
+        for k, c in enumerate(clients):  # 16384 slots split in three
+            c.execute_command("CLUSTER ADDSLOTS", *range(k * 5462, min(16384, (k + 1) * 5462)))
+        for p in ports[1:]:
+            clients[0].execute_command("CLUSTER MEET", "127.0.0.1", p)
+        deadline = time.monotonic() + 20
+        while not all(c.cluster("info")["cluster_state"] == "ok" for c in clients):
+            assert time.monotonic() < deadline, "the cluster did not form"
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for c in clients:
+            c.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster: str, prefix: str,
+                                                                   tmp_path: Path) -> None:
+    from serving.embedding_store import delete_version, stored_versions
+    from stream.redis_client import connect_cluster
+
+    rds = RedisSettings(url=redis_cluster, prefix=prefix)
+    writer = connect_cluster(rds, timeout_s=2.0)
+    reader = connect_cluster(rds, timeout_s=0.5)
+    try:
+        path = publish_version(tmp_path, writer, prefix)
+        in_process = ScoringModel.load(path)
+        store = RedisEmbeddingStore(reader, prefix, cache_rows=0)
+        layered = ScoringModel.load(path, store=store)
+        keys_per_node = [n.redis_connection.dbsize() for n in writer.get_primaries()]
+        assert len(keys_per_node) == 3 and min(keys_per_node) > 0  # the rows spread over every node
+        for req in some_requests(10):
+            assert torch.equal(score(in_process, req), score(layered, req))
+        assert store.last_error is None and layered.cold_lookups > 0
+        assert stored_versions(writer, prefix) == {"v1"}
+        delete_version(writer, prefix, "v1")
+        assert sum(n.redis_connection.dbsize() for n in writer.get_primaries()) == 0
+    finally:
+        writer.close()
+        reader.close()
