@@ -15,11 +15,12 @@ redis-py's ``mget_nonatomic``, one pipelined round trip per cluster node holding
 
 **Key layout: one key per row**, under a per-version prefix. ``MGET`` of N keys is one command, one round trip and
 O(N) on the server, and per-row keys hash to cluster slots independently, so a cluster spreads a version evenly
-with no hash tags. Buckets (a hash of 64-256 rows per key, ``HMGET``) would save roughly 40% of Redis memory (no
-per-key overhead: ~90 B per float16 row of D = 16 as keys against ~50 B in listpack hashes) but cost one command
-per bucket touched (~a hundred per request: the candidates' rows are scattered), and a pipeline of a hundred
-commands is slower than one MGET; memory is the cheaper resource here. The version in every key means a new
-artifact never reads an old artifact's rows (a table's rows mean nothing under another version's hot set and
+with no hash tags. The price is Redis's per-key overhead: ~190 B per float32 row of D = 16 (68 B of values;
+bench/layered.py measured 170 MB for 0.9 M rows). Buckets (a hash of 64-256 rows per key, ``HMGET``) would store
+the same rows in roughly half that (listpack hashes carry little per-field overhead) but cost one command per
+bucket touched (~a hundred per request: a request's rows are scattered over the table), and a pipeline of a hundred
+commands costs more client time than one MGET; memory is the cheaper resource here. The version in every key means
+a new artifact never reads an old artifact's rows (a table's rows mean nothing under another version's hot set and
 deltas): the refresh writes a version's rows before it publishes it, ``meta`` last (a version without ``meta`` is
 incomplete and never served), and deletes the keys of versions it prunes (:func:`write_version`,
 :func:`delete_version`, ``cache_refresh/job.py``).
