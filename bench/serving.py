@@ -526,19 +526,80 @@ def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
 
 
 # -- main ----------------------------------------------------------------------------------------------
-FORMATS = "eager,torchscript,export,safetensors,onnx,onnx_int8"
-LABELS = {"safetensors": "safetensors (pickle-free)", "onnx": "onnx (ORT fp32)", "onnx_int8": "onnx_int8 (ORT INT8)"}
+FORMATS = "eager,torchscript,export,safetensors,onnx,onnx_int8,safetensors_bf16"
+LABELS = {"safetensors": "safetensors (pickle-free)", "onnx": "onnx (ORT fp32)", "onnx_int8": "onnx_int8 (ORT INT8)",
+          "safetensors_bf16": "safetensors_bf16 (bf16 MLP)"}
+
+
+def _bench_module(name: str) -> Any:
+    """``bench/<name>.py`` as a module (not through sys.path: bench/ holds files named like the packages)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / f"{name}.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def layered_rows(stack: LocalStack, work: Path, args: argparse.Namespace) -> list[str]:
     """The layered-vs-in-process rows from ``bench/layered.py``'s ``measure_layered`` when it exists."""
-    try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from layered import measure_layered  # type: ignore[import-not-found]
-    except ImportError:
+    module = _bench_module("layered")
+    if module is None or not hasattr(module, "measure_layered"):
         return ["layered vs in-process: bench/layered.py (measure_layered) not present; not measured"]
-    result = measure_layered(stack=stack, work=work, quick=args.quick)
+    try:
+        result = module.measure_layered(stack=stack, work=work, quick=args.quick)
+    except TypeError as exc:  # written at the same time as this file: its signature may differ
+        return [f"layered vs in-process: bench/layered.py's measure_layered could not be called here ({exc}); run "
+                "bench/layered.py itself"]
     return [f"layered vs in-process: {result}"]
+
+
+def precision_cost(train_steps: int, holdout_rows: int) -> dict[str, dict[str, float]]:
+    """What the inexact formats cost on a trained model: bench/onnx_int8.py's planted-signal stream and DeepFM
+    (MLP 400-400-400, trained test-then-train), its holdout scored by eager fp32, ``safetensors_bf16`` and
+    ``onnx_int8`` through ``ScoringModel`` (the serving path) and ``cache_refresh.validate.quality``; and each
+    one's p50 time to score one request's batch (1 user x 100 candidates) in this process, torch on 1 thread."""
+    from cache_refresh.validate import probe_inputs, quality
+    from learner.features import default_config
+
+    int8_bench = _bench_module("onnx_int8")
+    rng = np.random.default_rng(0)
+    item_pop = rng.normal(0, 0.7, int8_bench.ITEMS)
+    cfg = default_config({"device": "single"}, buckets=20_000, ctx_buckets=5, embedding_dim=16, dense=("age",))
+    ckpt = int8_bench.train(cfg, (400, 400, 400), train_steps, rng, item_pop)
+    holdout = [int8_bench.stream_batch(rng, 1000, item_pop) for _ in range(max(1, holdout_rows // 1000))]
+    hot = np.arange(0, cfg.num_rows, 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            models = {fmt: ScoringModel.load(build_artifact(ckpt, Path(tmp), hot, format=fmt))
+                      for fmt in ("eager", "safetensors_bf16", "onnx_int8")}
+            ref = quality(models["eager"], holdout)
+            values, offsets, dense = probe_inputs(cfg, 4096, seed=1, hot_rows=hot)
+            want = models["eager"].score(values, offsets, dense)
+            v, o, d = probe_inputs(cfg, CANDIDATES, seed=2, hot_rows=hot)
+            for fmt, m in models.items():
+                q = quality(m, holdout)
+                for _ in range(30):
+                    m.score(v, o, d)
+                times = []
+                for _ in range(300):
+                    t0 = time.perf_counter()
+                    m.score(v, o, d)
+                    times.append(time.perf_counter() - t0)
+                out[fmt] = {"auc": q["auc"], "logloss": q["logloss"], "auc_cost": ref["auc"] - q["auc"],
+                            "logloss_cost": q["logloss"] - ref["logloss"],
+                            "max_abs_diff": float((m.score(values, offsets, dense) - want).abs().max()),
+                            "score_us": float(np.percentile(times, 50) * 1e6)}
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 def main() -> int:
@@ -557,6 +618,7 @@ def main() -> int:
     ap.add_argument("--hit-shares", default="0.01,0.1", help="hot-set budgets of the hit-rate run, shares of rows")
     ap.add_argument("--hit-requests", type=int, help="requests counted before the hot set (default 5000; "
                                                      "--quick 2000)")
+    ap.add_argument("--no-precision", action="store_true", help="skip the bf16/INT8 accuracy cost on a trained model")
     ap.add_argument("--freshness", action="store_true", help="also measure click -> served score change")
     ap.add_argument("--probes", type=int, default=20, help="freshness probes (default 20)")
     args = ap.parse_args()
@@ -572,6 +634,7 @@ def main() -> int:
     floor_r: dict[int, dict[str, float]] = {}
     hits: dict[str, Any] | None = None
     layered: list[str] = []
+    precision: dict[str, dict[str, float]] = {}
     try:
         t0 = time.monotonic()
         cfg = feature_config(rows)
@@ -653,6 +716,8 @@ def main() -> int:
             hits = hit_rates(stack, work, args.hit_rows, shares, args.hit_requests or (2000 if args.quick else 5000),
                              500 if args.quick else 2000)
         layered = layered_rows(stack, work, args)
+        if not args.no_precision:
+            precision = precision_cost(100 if args.quick else 200, 10_000 if args.quick else 20_000)
         fresh = freshness(stack, work, args.probes) if args.freshness else None
     finally:
         stack.down()
@@ -712,6 +777,14 @@ def main() -> int:
                   f"{(after - before) * 100:>+6.1f}pp  (items in the hot set: {b['impressions']['items']:,} vs "
                   f"{b['lookups']['items']:,}, {b['lookups']['items_from_fallback']:,} of them filled from "
                   "impressions)")
+    if precision:
+        print("\naccuracy cost of the inexact formats on a trained DeepFM (bench/onnx_int8.py's stream; holdout "
+              "through ScoringModel), and one request's batch scored in-process (p50, torch 1 thread):")
+        print(f"{'format':<18} {'AUC':>8} {'AUC cost':>9} {'logloss':>8} {'ll cost':>9} {'max |dp|':>9} "
+              f"{'score us':>9}")
+        for fmt, r in precision.items():
+            print(f"{fmt:<18} {r['auc']:>8.5f} {r['auc_cost']:>9.2e} {r['logloss']:>8.5f} {r['logloss_cost']:>9.2e} "
+                  f"{r['max_abs_diff']:>9.2e} {r['score_us']:>9.0f}")
     for line in layered:
         print(line)
     if fresh is not None:

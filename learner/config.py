@@ -103,6 +103,7 @@ class ArtifactFormat(Choice):
     SAFETENSORS = "safetensors"  # tensors only, rebuilt from the manifest's ScorerSpec: nothing is unpickled
     ONNX = "onnx"  # the dense part (FM + MLP) run by ONNX Runtime, tensors as safetensors (learner/onnx_scorer.py)
     ONNX_INT8 = "onnx_int8"  # the same with the MLP dynamically quantized to INT8 (CPU serving; not exact)
+    SAFETENSORS_BF16 = "safetensors_bf16"  # safetensors, the MLP run in bf16 (CPUs with native bf16; not exact)
 
 
 class IdInit(Choice):

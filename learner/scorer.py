@@ -26,15 +26,22 @@ them. The same ``Scorer`` class is stored five ways behind one interface (:func:
 * ``onnx`` - the pooling in torch, the dense part (FM + MLP) as an ONNX graph run by ONNX Runtime on the
   CPU, the tensors as safetensors beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``);
   ``onnx_int8`` the same with the dense graph dynamically quantized to INT8: not exact, so the refresh checks its
-  fp32 weights against the learner and its holdout AUC against its own fp32 scores (``max_int8_auc_drop``).
+  fp32 weights against the learner and its holdout AUC against its own fp32 scores (``max_int8_auc_drop``);
+* ``safetensors_bf16`` - the ``safetensors`` file (fp32 tensors, nothing unpickled), its MLP run in bf16
+  (:class:`Bf16Scorer`: a bf16 copy of the MLP's weights made at load and after each dense delta; pooling, first
+  order, FM and the output in fp32). For CPUs with native bf16 matmuls (AVX512-BF16 or AMX,
+  ``learner.model.native_cpu_bf16``): the MLP is most of a request's compute, and bf16 halves it there
+  (bench/serving.py). Not exact: validated like INT8 (its fp32 path against the learner, its holdout AUC against
+  that path's, ``max_int8_auc_drop``); bench/serving.py ``--precision`` measures the cost.
 
-Scoring runs in fp32. The learner's forward may run its dense part under bf16 autocast; the reference
-an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in fp32, which it
-matches to ~1e-7 on probabilities (tests/unit/learner/test_artifact.py).
+Scoring runs in fp32 (but for the two inexact formats above). The learner's forward may run its dense part under
+bf16 autocast; the reference an artifact must equal (``cache_refresh/validate.py``) is the learner's eager DeepFM in
+fp32, which it matches to ~1e-7 on probabilities (tests/unit/learner/test_artifact.py).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +56,15 @@ from learner.model import DenseArch, FMInteraction
 
 FORMATS = tuple(f.value for f in ArtifactFormat)
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt",
-                "safetensors": "scorer.safetensors", "onnx": "scorer.onnx", "onnx_int8": "scorer_int8.onnx"}
+                "safetensors": "scorer.safetensors", "onnx": "scorer.onnx", "onnx_int8": "scorer_int8.onnx",
+                "safetensors_bf16": "scorer.safetensors"}
 # Files a format reads beside SCORER_FILES[fmt] (listed and checked in the manifest like it): ``onnx`` keeps the
 # scorer's tensors (hot rows, dense weights) as safetensors next to the dense graph (learner/onnx_scorer.py).
 SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",), "onnx_int8": ("scorer.safetensors",)}
-PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8")  # formats whose every file loads without unpickling
-INT8_FORMATS = ("onnx_int8",)  # not exact: validated by their holdout AUC cost (cache_refresh/validate.py)
+# formats whose every file loads without unpickling
+PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8", "safetensors_bf16")
+# Not exact (reduced precision: INT8, and bf16 alike): validated by their holdout AUC cost (cache_refresh/validate.py)
+INT8_FORMATS = ("onnx_int8", "safetensors_bf16")
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 
 
@@ -98,7 +108,7 @@ class Scorer(nn.Module):
         hot_ids, hot_vectors = self.hot_ids, self.hot_vectors
         assert isinstance(hot_ids, torch.Tensor) and isinstance(hot_vectors, torch.Tensor)  # buffers (for mypy)
         pos = torch.searchsorted(hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
-        hot = hot_vectors[pos]  # (N, D + 1)
+        hot = hot_vectors.index_select(0, pos)  # (N, D + 1); index_select: ~3x faster than [pos] on CPU
         vectors = torch.where(given_mask.unsqueeze(1), given_rows, hot)  # (N, D + 1)
         index = torch.ones_like(values).cumsum(0) - 1  # arange(N) on values' device (no device constant)
         pooled = F.embedding_bag(index, vectors, offsets, mode="mean", include_last_offset=True)  # (F*B, D+1)
@@ -106,13 +116,64 @@ class Scorer(nn.Module):
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(values, offsets, given_rows, given_mask), dense)
+
+    def head(self, pooled: torch.Tensor, dense: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        """Probabilities (B,) from the pooled bags (B, F, D + 1) and the dense features (B, Dd); ``fp32``: the MLP
+        in fp32 whatever :meth:`deep` runs it in."""
         cal = self.calibration
         assert isinstance(cal, torch.Tensor)
-        pooled = self.pool(values, offsets, given_rows, given_mask)  # (B, F, D + 1)
         emb, first = pooled[:, :, : self.dim], pooled[:, :, self.dim]  # (B, F, D), (B, F)
         x = torch.cat([emb.flatten(1), dense], dim=1)  # (B, F*D + Dd)
-        logits = self.bias + first.sum(dim=1) + self.fm(emb) + self.dense_arch(x)  # (B,)
+        deep = self.dense_arch(x) if fp32 else self.deep(x)  # (B,)
+        logits = self.bias + first.sum(dim=1) + self.fm(emb) + deep  # (B,)
         return torch.sigmoid(calibrated(logits, cal))  # as DeepFM serves in eval mode
+
+    def deep(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP (B, F*D + Dd) -> (B,)."""
+        return self.dense_arch(x)
+
+
+class _Held:
+    """Holds a module outside the scorer's submodules (so outside its state dict); a deepcopy of the scorer
+    (serving's dense delta) shares it until ``rebuild_session`` makes its own."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.module = module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Held:
+        return self
+
+
+class Bf16Scorer(Scorer):
+    """A :class:`Scorer` whose MLP runs in bf16: the ``safetensors_bf16`` format.
+
+    The stored (and delta-updated) tensors stay the fp32 ones of :class:`Scorer` (same names, same state dict);
+    the MLP's bf16 copy is made by :meth:`rebuild_session` (at load, and by serving after a delta replaced the
+    dense weights, as for the ONNX scorer). :meth:`torch_forward` is the same scorer in fp32 (the refresh's
+    reference for an inexact format)."""
+
+    def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor) -> None:
+        super().__init__(spec, hot_ids, hot_vectors)
+        self._bf16 = _Held(None)
+
+    def rebuild_session(self) -> None:
+        """Re-make the MLP's bf16 copy from this module's (updated) fp32 weights."""
+        mlp = copy.deepcopy(self.dense_arch).to(torch.bfloat16).eval()
+        for p in mlp.parameters():
+            p.requires_grad_(False)
+        self._bf16 = _Held(mlp)
+
+    def deep(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self._bf16.module
+        if mlp is None:  # not rebuilt yet (a scorer just constructed): fp32
+            return self.dense_arch(x)
+        return mlp(x.to(torch.bfloat16)).float()  # (B,)
+
+    def torch_forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
+                      given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
+        """The same scores with the MLP in fp32 (an inexact format's reference)."""
+        return self.head(self.pool(values, offsets, given_rows, given_mask), dense, fp32=True)
 
 
 def hot_buffers(table: torch.Tensor, hot_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

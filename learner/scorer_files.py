@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from learner.features import FeatureConfig
-from learner.scorer import FORMATS, Scorer, ScorerSpec
+from learner.scorer import FORMATS, Bf16Scorer, Scorer, ScorerSpec
 from stream.files import write_synced
 
 
@@ -63,7 +63,7 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
         write_synced(path, lambda fh: torch.export.save(ep, fh))
     elif fmt == "eager":
         write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))
-    elif fmt == "safetensors":
+    elif fmt in ("safetensors", "safetensors_bf16"):  # the same fp32 tensors (bf16: the MLP copied at load)
         import safetensors.torch  # only this format needs it
 
         state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
@@ -83,14 +83,18 @@ def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Modul
             return torch.jit.load(str(path), map_location=device).eval()
     if fmt == "export":
         return torch.export.load(str(path)).module().to(device)
-    if fmt in ("eager", "safetensors"):
+    if fmt in ("eager", "safetensors", "safetensors_bf16"):
         if fmt == "eager":
             state = torch.load(path, map_location=device, weights_only=True)
         else:  # a JSON header and raw bytes: nothing is unpickled
-            import safetensors.torch  # only this format needs it
+            import safetensors.torch  # only these formats need it
 
             state = safetensors.torch.load_file(str(path), device="cpu")
-        scorer = Scorer(spec, state["hot_ids"], state["hot_vectors"])
+        cls = Bf16Scorer if fmt == "safetensors_bf16" else Scorer
+        scorer = cls(spec, state["hot_ids"], state["hot_vectors"])
         scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
-        return scorer.to(device).eval()
+        scorer = scorer.to(device).eval()
+        if isinstance(scorer, Bf16Scorer):
+            scorer.rebuild_session()  # the MLP's bf16 copy, on the device
+        return scorer
     raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")
