@@ -229,9 +229,12 @@ class UserHistory:
         distinct = list(dict.fromkeys(users))
         return {u: _parse(entries) for u, entries in zip(distinct, self._lrange(distinct), strict=True)}
 
-    def as_of(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray) -> list[list[int]]:
+    def as_of(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray,
+              limit: int | None = None) -> list[list[int]]:
         """For each ``(user, ts)``: item hashes of the user's clicks with click time ``< ts`` (strictly),
-        oldest first (newest last), at most ``max_len``. One pipeline, one LRANGE per distinct user."""
+        oldest first (newest last), at most ``max_len`` (or ``limit``, the newest, when smaller). One pipeline,
+        one LRANGE per distinct user."""
+        max_len = self.max_len if limit is None else max(0, min(self.max_len, int(limit)))
         users = _as_ints("user_hashes", user_hashes)
         times = _as_ints("ts_ms", ts_ms)
         _same_length(user_hashes=users, ts_ms=times)
@@ -239,7 +242,7 @@ class UserHistory:
             return []
         distinct = list(dict.fromkeys(users))
         lists = self._lrange(distinct)
-        fast = _as_of_columns(users, times, distinct, lists, self.max_len)
+        fast = _as_of_columns(users, times, distinct, lists, max_len)
         if fast is not None:
             return fast
         hist = {u: _parse(entries) for u, entries in zip(distinct, lists, strict=True)}
@@ -247,7 +250,7 @@ class UserHistory:
         for u, ts in zip(users, times, strict=True):
             click_times, items = hist[u]
             n = bisect_left(click_times, ts)  # clicks with click_ts < ts
-            out.append(items[max(0, n - self.max_len):n])
+            out.append(items[max(0, n - max_len):n])
         return out
 
     def recent(self, user_hash: int) -> list[int]:

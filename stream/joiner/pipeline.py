@@ -434,8 +434,9 @@ class JoinPipeline:
         self._record_redis(res, imps)
         if res.samples:
             ps = [s.pending for s in res.samples]
-            for p, hist in zip(ps, self.history.as_of([p.user for p in ps], [p.ts for p in ps]), strict=True):
-                p.history = hist[-self.cfg.history_len:]
+            for p, hist in zip(ps, self.history.as_of([p.user for p in ps], [p.ts for p in ps], self.cfg.history_len),
+                               strict=True):
+                p.history = hist
         t2 = time.monotonic()
         stage["redis"] += t2 - t1
         key = str(partition).encode()
