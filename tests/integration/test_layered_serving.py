@@ -373,10 +373,25 @@ def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes
 
 
 # -- Redis Cluster ---------------------------------------------------------------------------------------------
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000, Redis 6.2 has no cluster-port setting) is free too."""
+    import socket
+    while True:
+        p = free_port()
+        if p + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                continue
+        return p
+
+
 @pytest.fixture
 def redis_cluster(tmp_path: Path) -> Iterator[str]:
     """Three primaries (no replicas) of a real Redis Cluster on free ports; yields one node's url."""
-    ports = [free_port() for _ in range(3)]
+    ports = [cluster_port() for _ in range(3)]
     procs = [subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "",
                                "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(tmp_path),
                                "--cluster-config-file", f"nodes-{p}.conf"],
