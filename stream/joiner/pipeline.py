@@ -22,8 +22,10 @@ Failures (``stream/strikes.py``): an unexpected exception in a batch gives each 
 strike and propagates (the driver stops without committing); a message with strikes is processed
 alone, and after ``poison_after`` failures in a row it is dead-lettered (kind ``poison``). A sample
 too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``) instead of failing the
-producer. Redis degraded: the batch fails and is retried from the last commit (history and counts
-are part of what a batch makes durable); no strikes are given for it.
+producer. Redis degraded: the batch fails and is retried from the last commit (history is part of
+what a batch makes durable); no strikes are given for it. Day counts are not: they are aggregated for
+``counts_flush_s`` and written by a writer thread while the batches go on (a crash loses at most that
+much counting); a failed write fails the batch that finds it, and its counts stay buffered for the next.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import attrgetter, is_, itemgetter
 from typing import Any, NamedTuple
@@ -166,6 +169,10 @@ class JoinPipeline:
         self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
         self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
         self._counts_flushed = time.monotonic()
+        # Counts are written by one thread beside the batches (_start_flush); the write in flight and what it holds.
+        self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
+        self._flushing: tuple[Future[None], dict[tuple[str, str], tuple[list[int], list[int]]],
+                              dict[str, set[int | str]]] | None = None
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
         # alone would advance event time past clicks that are merely unread.
@@ -189,6 +196,7 @@ class JoinPipeline:
             self.flush_counts()
             self.redis.close()
         finally:
+            self._counts_writer.shutdown(wait=True)
             self.gc.close()
 
     # -- partitions ----------------------------------------------------------------------------
@@ -511,16 +519,47 @@ class JoinPipeline:
             buffer("item", "click", [j.item for j in res.joined_clicks], ts)
             buffer("user", "click", [j.user for j in res.joined_clicks], ts)
             self.history.append_many([j.user for j in res.joined_clicks], [j.item for j in res.joined_clicks], ts)
+        if self._flushing is not None and self._flushing[0].done():
+            self._finish_flush()  # a failed write fails this batch (the worker rewinds), as a synchronous one would
         if time.monotonic() - self._counts_flushed >= self.js.counts_flush_s:
-            self.flush_counts()
+            self._start_flush()
 
     def flush_counts(self) -> None:
-        """Write the buffered counts, each counted hash with its raw id where an impression since the last flush
-        carried it (a click's hash whose impression came earlier was named then)."""
-        names = {kind: {hash_value(raw): raw for raw in raws} for kind, raws in self._names_buffer.items()}
-        for (kind, event), (ids, ts) in self._counts_buffer.items():
-            self.counts.record(kind, event, ids, ts, names=names[kind])
-        self._counts_buffer.clear()
-        for raws in self._names_buffer.values():
-            raws.clear()
+        """Write the buffered counts now, each counted hash with its raw id where an impression since the last flush
+        carried it (a click's hash whose impression came earlier was named then); returns when they are written."""
+        self._start_flush()
+        self._finish_flush()
+
+    def _start_flush(self) -> None:
+        """Hand the buffered counts to the writer thread and buffer afresh: the batches go on while Redis counts (its
+        server time is most of a flush). One write at a time: the previous one is finished first."""
+        self._finish_flush()
+        counts, names = self._counts_buffer, self._names_buffer
+        self._counts_buffer, self._names_buffer = {}, {"item": set(), "user": set()}
         self._counts_flushed = time.monotonic()
+        if counts:
+            self._flushing = (self._counts_writer.submit(self._write_counts, counts, names), counts, names)
+
+    def _finish_flush(self) -> None:
+        """Wait for the write in flight; if it failed, its counts go back into the buffer (ahead of what came since,
+        to be written with the next flush, as when a synchronous write failed) and its error is raised."""
+        if self._flushing is None:
+            return
+        future, counts, names = self._flushing
+        self._flushing = None
+        try:
+            future.result()
+        except BaseException:
+            for key, (ids, ts) in counts.items():
+                got = self._counts_buffer.setdefault(key, ([], []))
+                got[0][:0], got[1][:0] = ids, ts
+            for kind, raws in names.items():
+                self._names_buffer[kind] |= raws
+            raise
+
+    def _write_counts(self, counts: dict[tuple[str, str], tuple[list[int], list[int]]],
+                      raw_ids: dict[str, set[int | str]]) -> None:
+        """The writer thread's part of a flush (DailyCounts.record per kind and event)."""
+        names = {kind: {hash_value(raw): raw for raw in raws} for kind, raws in raw_ids.items()}
+        for (kind, event), (ids, ts) in counts.items():
+            self.counts.record(kind, event, ids, ts, names=names[kind])
