@@ -58,6 +58,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -111,8 +112,7 @@ class Pending:
     history: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
+class Sample(NamedTuple):  # immutable like a frozen dataclass, at a third of its construction cost (one per sample)
     pending: Pending
     label: int
     label_delay_ms: int
