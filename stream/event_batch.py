@@ -189,13 +189,12 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], click
         # the per-event decoder keeps the parsed object itself, and {} for an absent one
         contexts = [c if c is not None else {} for c in contexts]
         denses = [d if d is not None else {} for d in denses]
-        keys = [n + len(c) + len(d) for n, c, d in zip(keys, contexts, denses, strict=True)]
+        keys = np.add(np.add(keys, list(map(len, contexts))), list(map(len, denses)))
         events = list(map(Impression, ids, ts, users, items, contexts, denses))
-    colons = list(map(bytes.count, values, repeat(b":")))  # type: ignore[arg-type]
-    for i, (n, k) in enumerate(zip(colons, keys, strict=True)):
-        if n > k:  # a colon inside a string, or a real duplicate key: the per-event check decides
-            try:
-                _reject_duplicate_keys(values[i], objs[i])  # type: ignore[arg-type]
-            except BadMessage as exc:
-                events[i] = exc
+    colons = np.fromiter(map(bytes.count, values, repeat(b":")), np.int64, len(values))  # type: ignore[arg-type]
+    for i in np.flatnonzero(colons > np.asarray(keys)).tolist():
+        try:  # a colon inside a string, or a real duplicate key: the per-event check decides
+            _reject_duplicate_keys(values[i], objs[i])  # type: ignore[arg-type]
+        except BadMessage as exc:
+            events[i] = exc
     return events
