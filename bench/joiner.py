@@ -12,7 +12,8 @@ is replayed into fresh topics, then read by
 events/s for a worker spans its first to its last batch (group join and idle exit excluded). The
 worker's own breakdown (stage_s) says what limits it.
 
-    python bench/joiner.py [--impressions 200000]
+    python bench/joiner.py [--impressions 200000] [--drivers kafka,faust] [--profile DIR]
+    python bench/joiner.py --dataset ml-1m --drivers kafka     # MovieLens-1M replayed (the demo's join step)
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition  # noqa: E402
 
-from stream.config import KafkaSettings
-from stream.replay.config import ClickDelay, SyntheticSettings
+from stream.config import KafkaSettings  # noqa: E402
+from stream.replay.config import ClickDelay, SyntheticSettings  # noqa: E402
+from stream.replay.movielens import load_movielens  # noqa: E402
 from stream.replay.publisher import publish  # noqa: E402
 from stream.replay.synthetic import build_synthetic  # noqa: E402
 from streamrec.stack import (  # noqa: E402
@@ -94,6 +96,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impressions", type=int, default=200_000)
     ap.add_argument("--drivers", default="kafka,faust")
+    ap.add_argument("--dataset", default="synthetic", help="synthetic (default), or a packaged MovieLens set "
+                    "(ml-1m, ml-100k: stream/replay/movielens.py; installed as environment.md says) replayed whole")
     ap.add_argument("--profile", type=Path, help="write each worker's cProfile stats to DIR/join-<driver>.prof "
                     "(slows the worker; for where the time goes, not for its figures)")
     args = ap.parse_args()
@@ -104,9 +108,12 @@ def main() -> None:
         tag = uuid.uuid4().hex[:6]
         kafka = dataclasses.replace(KafkaSettings(bootstrap_servers=stack.bootstrap_servers),
                                     impressions_topic=f"bench-imp-{tag}", clicks_topic=f"bench-clk-{tag}")
-        table = build_synthetic(SyntheticSettings(impressions=args.impressions, users=1_000_000, items=100_000,
-                                                  impressions_per_s=2000.0), ClickDelay(), seed=1)
-        s = publish(table, kafka, "synthetic")
+        if args.dataset == "synthetic":
+            table = build_synthetic(SyntheticSettings(impressions=args.impressions, users=1_000_000, items=100_000,
+                                                      impressions_per_s=2000.0), ClickDelay(), seed=1)
+        else:
+            table = load_movielens(args.dataset, ClickDelay(), 1, None)
+        s = publish(table, kafka, args.dataset)
         total = s.impressions + s.clicks
         raw = raw_join(kafka, total)
         rows = [("raw confluent-kafka (ceiling)", raw, None)]
@@ -116,13 +123,14 @@ def main() -> None:
             rows.append((f"streamrec join --driver {driver}", r["events_per_s"], r))
     finally:
         stack.down()
-    print(f"{total:,} events ({s.impressions:,} impressions, {s.clicks:,} clicks), 4 partitions, one worker process")
+    print(f"{args.dataset}: {total:,} events ({s.impressions:,} impressions, {s.clicks:,} clicks), 4 partitions, "
+          "one worker process")
     print(f"{'variant':<34}{'events/s':>10}{'vs raw':>8}")
     for name, eps, _ in rows:
         print(f"{name:<34}{eps:>10,.0f}{eps / raw:>8.2f}")
     for name, _, r in rows[1:]:
-        print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s); held back {r['held_back']}, "
-              f"input pauses {r.get('input_pauses')}")
+        print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s, worker {r['elapsed_s']}s from "
+              f"start to idle exit); held back {r['held_back']}, input pauses {r.get('input_pauses')}")
     print(json.dumps({name: {"events_per_s": eps, "ratio": round(eps / raw, 3)} for name, eps, _ in rows}))
 
 

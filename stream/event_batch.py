@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from itertools import chain, repeat
 from operator import itemgetter
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -129,7 +130,8 @@ def _context_values(objs: list[dict], limits: EventLimits) -> None:
     values = list(chain.from_iterable(map(dict.values, objs)))
     types = set(map(type, values))
     _check(types <= {str, int, float, bool, list})
-    by_type = {t: values for t in types} if len(types) == 1 else {t: [v for v in values if type(v) is t] for t in types}
+    by_type: dict[type, list[Any]] = (
+        {t: values for t in types} if len(types) == 1 else {t: [v for v in values if type(v) is t] for t in types})
     _lengths_in(by_type.get(str, []), 0, limits.max_str_len)
     _ints_in(by_type.get(int, []), _INT64_MIN, MAX_ID)
     _check(all(map(math.isfinite, by_type.get(float, []))))
@@ -155,8 +157,9 @@ def _dense_values(objs: list[dict]) -> None:
 def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], clicks: bool,
           limits: EventLimits) -> list[Decoded]:
     """A block decoded with the column checks, or :class:`_Reject` / a parse error when any row fails one."""
-    _check(max(map(len, values)) <= limits.max_message_bytes)  # len(None): TypeError, as a reject
-    objs = list(map(orjson.loads, values))  # a bad row raises orjson.JSONDecodeError, a ValueError
+    raw = cast("Sequence[bytes]", values)  # a None among them fails the first check (len(None): TypeError)
+    _check(max(map(len, raw)) <= limits.max_message_bytes)
+    objs = list(map(orjson.loads, raw))  # a bad row raises orjson.JSONDecodeError, a ValueError
     _check(set(map(type, objs)) == {dict})
     allowed, required = (_CLICK_KEYS, _CLICK_KEYS) if clicks else (_IMPRESSION_KEYS, _IMPRESSION_REQUIRED)
     for shape in set(map(tuple, objs)):  # the distinct key lists (a few per block)
@@ -171,7 +174,7 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], click
     _ints_in(ts, 0, MAX_TS_MS)
     known = [b if b is not None and b > 0 else MAX_TS_MS for b in broker_ts]  # None / <= 0: no bound
     _check(bool(np.all(np.array(ts, np.int64) <= np.array(known, np.int64) + limits.future_ts_ms)))
-    keys = list(map(len, objs))
+    keys: Any = list(map(len, objs))
     if clicks:
         events: list[Decoded] = list(map(Click, ids, ts))
     else:
@@ -187,14 +190,14 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], click
         if dense:
             _dense_values(dense)
         # the per-event decoder keeps the parsed object itself, and {} for an absent one
-        contexts = [c if c is not None else {} for c in contexts]
-        denses = [d if d is not None else {} for d in denses]
-        keys = np.add(np.add(keys, list(map(len, contexts))), list(map(len, denses)))
-        events = list(map(Impression, ids, ts, users, items, contexts, denses))
-    colons = np.fromiter(map(bytes.count, values, repeat(b":")), np.int64, len(values))  # type: ignore[arg-type]
+        context_of: list[dict] = [c if c is not None else {} for c in contexts]
+        dense_of: list[dict] = [d if d is not None else {} for d in denses]
+        keys = np.add(np.add(keys, [len(c) for c in context_of]), [len(d) for d in dense_of])
+        events = list(map(Impression, ids, ts, users, items, context_of, dense_of))
+    colons = np.fromiter(map(bytes.count, raw, repeat(b":")), np.int64, len(raw))
     for i in np.flatnonzero(colons > np.asarray(keys)).tolist():
         try:  # a colon inside a string, or a real duplicate key: the per-event check decides
-            _reject_duplicate_keys(values[i], objs[i])  # type: ignore[arg-type]
+            _reject_duplicate_keys(raw[i], objs[i])
         except BadMessage as exc:
             events[i] = exc
     return events

@@ -22,7 +22,7 @@ import re
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -124,7 +124,7 @@ def _parse_each(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
 _TS_BITS = 42  # 2**42 ms is past 2100 (events.MAX_TS_MS): a click time fits beside a user's index in one int64
 
 
-def _as_of_columns(users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes]],
+def _as_of_columns(users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes | str]],
                    max_len: int) -> list[list[int]] | None:
     """:meth:`UserHistory.as_of` over the whole batch at once, for the common case: every stored entry well formed
     (``digits:digits``, bytes, click time below 2**42), no entry stored twice for a user, fewer than 2**20 users. One
@@ -139,7 +139,7 @@ def _as_of_columns(users: list[int], times: list[int], distinct: list[int], list
     entries = list(chain.from_iterable(e[::-1] for e in lists if e))  # each user's oldest appended first
     if not all(map(bytes.__instancecheck__, entries)):
         return None
-    joined = b"\n".join(entries)
+    joined = b"\n".join(cast("list[bytes]", entries))
     if _WELL_FORMED.fullmatch(joined) is None:
         return None
     numbers = np.fromstring(joined.replace(b":", b" ").replace(b"\n", b" "), dtype=np.int64, sep=" ")
@@ -219,7 +219,7 @@ class UserHistory:
         "if r['err'] then r = {'!wrongtype'} end out[i] = r end return out"
     )
 
-    def _lrange(self, distinct: list[int]) -> list[list[bytes]]:
+    def _lrange(self, distinct: list[int]) -> list[list[bytes | str]]:
         """The stored entries of each user (newest appended first), one script call for all."""
         if self._lrange_many is None:
             self._lrange_many = self.client.register_script(self._LRANGE_MANY)
