@@ -448,3 +448,36 @@ def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_directory(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from learner.deltas import DeltaWriter
+
+    path = publish_version(tmp_path / "serving", redis_client, prefix)
+    deltas = tmp_path / "deltas"
+    writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600)
+    settings = ServeSettings(port=0, publish_root=tmp_path / "serving", deltas_dir=deltas, poll_s=3600,
+                             embedding_store=EmbeddingStore.LAYERED, lookup_counts=False)
+    req = request(ADMITTED_USERS[4], NEW_ITEMS)
+    in_process = ScoringModel.load(path)
+    with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
+        status, before = post(svc.port, req)  # the user's own row is fetched from Redis and cached
+        assert status == 200 and before["scores"] == pytest.approx(score(in_process, req).tolist(), abs=1e-7)
+        user_row = int(in_process.map_rows(0, np.array([hash_value(ADMITTED_USERS[4])]))[0])
+        learner = DeepFM(CFG, mlp=(8,), seed=0, autocast_dtype=None)
+        learner.load_state_dict(checkpoint()["model"])
+        with torch.no_grad():
+            learner.sparse.bag.weight[user_row] += 0.5  # type: ignore[index]
+        writer.mark(torch.tensor([user_row]))
+        writer.write(learner, samples_trained=20)
+        svc.updater.check_now()
+        status, after = post(svc.port, req)
+        new_vector = learner.sparse.bag.weight[user_row].detach()  # type: ignore[index]
+        in_process.apply_delta(torch.tensor([user_row]), new_vector[None], None, seq=1)
+        assert status == 200 and after["delta_seq"] == 1
+        assert after["scores"] == pytest.approx(score(in_process, req).tolist(), abs=1e-7)
+        assert after["scores"] != pytest.approx(before["scores"], abs=1e-4)
+        stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
+        assert stored is not None
+        assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], new_vector.numpy())
