@@ -407,13 +407,18 @@ def _store_client(rs: RefreshSettings, rds: RedisSettings) -> Any:
     return connect(rds, timeout_s=rs.redis_timeout_s)
 
 
+def _owner(rs: RefreshSettings) -> str:
+    """Who wrote a version's rows: this publish root (a refresh prunes only its own versions' rows)."""
+    return str(Path(rs.publish_root).resolve())
+
+
 def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
     (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published."""
     client = _store_client(rs, rds)
     try:
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
-                                             rs.embedding_store_dtype)
+                                             rs.embedding_store_dtype, owner=_owner(rs))
     except redis.RedisError as exc:
         raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
                            "keeps serving") from exc
@@ -422,12 +427,13 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) ->
 
 
 def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path) -> None:
-    """Delete the embedding store's rows of versions no longer in the publish root (best effort: logged)."""
+    """Delete the embedding store's rows of this publish root's versions that it no longer holds (pruned; best
+    effort: logged). Versions another publish root wrote under the same prefix are left alone."""
     try:
         client = _store_client(rs, rds)
         try:
             keep = set(artifact.list_versions(root))
-            for version in sorted(embedding_store.stored_versions(client, rds.prefix) - keep):
+            for version in sorted(embedding_store.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
                 n = embedding_store.delete_version(client, rds.prefix, version)
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)
         finally:

@@ -101,8 +101,11 @@ def decode_rows(values: list[bytes], dim: int, dtype: RowDtype) -> np.ndarray:
 
 # -- writing and deleting a version (the refresh) ----------------------------------------------------------------
 def write_version(client: Any, prefix: str, version: str, table: np.ndarray, rows: np.ndarray, dtype: RowDtype,
-                  chunk: int = _WRITE_CHUNK) -> dict[str, Any]:
+                  chunk: int = _WRITE_CHUNK, owner: str = "") -> dict[str, Any]:
     """Write ``table[rows]`` ((N, D + 1) table, rows (M,) int64) as one key per row, then ``meta`` last.
+
+    ``owner`` (the refresh: its publish root) is recorded in ``meta``; a refresh prunes only its own versions, so
+    two publish roots sharing a Redis prefix never delete each other's rows.
 
     ``client`` is a ``redis.Redis`` or ``RedisCluster`` (``mset_nonatomic`` there: keys of many slots). Redis
     errors propagate (the refresh fails its stage and publishes nothing). Returns the meta written."""
@@ -112,7 +115,7 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
         part = rows[start:start + chunk]
         mset(dict(zip(row_keys(prefix, version, part), encode_rows(table[part], dtype), strict=True)))
     meta = {"version": version, "rows": int(table.shape[0]), "dim": int(table.shape[1]), "dtype": str(dtype),
-            "stored": int(len(rows))}
+            "stored": int(len(rows)), "owner": owner}
     client.set(meta_key(prefix, version), json.dumps(meta, sort_keys=True))
     return meta
 
@@ -123,13 +126,18 @@ def read_meta(client: Any, prefix: str, version: str) -> dict[str, Any] | None:
     return json.loads(raw) if raw is not None else None
 
 
-def stored_versions(client: Any, prefix: str) -> set[str]:
-    """Versions whose meta is in the store."""
+def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[str]:
+    """Versions whose meta is in the store (with ``owner``: only those that owner wrote)."""
     start, end = f"{prefix}:emb:", ":meta"
     out = set()
     for key in client.scan_iter(match=f"{start}*{end}", count=1000):
         k = key.decode() if isinstance(key, bytes) else key
-        out.add(k[len(start):-len(end)])
+        version = k[len(start):-len(end)]
+        if owner is not None:
+            meta = read_meta(client, prefix, version)
+            if meta is None or meta.get("owner", "") != owner:
+                continue
+        out.add(version)
     return out
 
 

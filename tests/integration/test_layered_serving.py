@@ -353,6 +353,8 @@ def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes
                          small_field_rows=100, keep_versions=1, redis_attempts=1, alerts_topic="",
                          embedding_store=EmbeddingStore.LAYERED, embedding_store_dtype=RowDtype.FLOAT16)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    write_version(redis_client, prefix, "other", np.zeros((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32,
+                  owner="/another/publish/root")
     first = job.run_once(rs, kafka, rds)
     m1 = read_meta(redis_client, prefix, first["version"])
     model = ScoringModel.load(Path(first["path"]))
@@ -368,7 +370,7 @@ def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes
     ckpt_io.save(ckpt_dir, state, {**meta, "samples_trained": 20})
     second = job.run_once(rs, kafka, rds)  # keep_versions=1: the first version is pruned, and its rows with it
     assert read_current(rs.publish_root).name == second["version"] != first["version"]
-    assert stored_versions(redis_client, prefix) == {second["version"]}
+    assert stored_versions(redis_client, prefix) == {second["version"], "other"}  # another root's version stays
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))
 
 
