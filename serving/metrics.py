@@ -3,7 +3,8 @@
     streamrec_serving_requests_total{endpoint, status}      requests answered, by HTTP status
     streamrec_serving_request_seconds{endpoint}             service time (parse -> response bytes)
     streamrec_serving_candidates_total                      items scored
-    streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (memory-mapped) row reads
+    streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (memory-mapped, or in the
+                                                            layered mode the LRU and Redis) row reads
     streamrec_serving_hot_cache_hit_rate                    hot / (hot + cold), since start
     streamrec_serving_model_info{version, format}           1 for the model answering now
     streamrec_serving_delta_seq                             the last learner delta applied to it
@@ -80,7 +81,8 @@ class _LookupCollector:
     def collect(self) -> Iterator[Metric]:
         hot, cold = self.totals()
         c = CounterMetricFamily("streamrec_serving_embedding_lookups", "Embedding rows read, by tier: hot (the "
-                                "artifact's hot set, fast memory) or cold (memory-mapped file).", labels=["tier"])
+                                "artifact's hot set, fast memory) or cold (memory-mapped file; layered mode: LRU "
+                                "and Redis).", labels=["tier"])
         c.add_metric(["hot"], hot)
         c.add_metric(["cold"], cold)
         yield c
