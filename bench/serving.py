@@ -545,17 +545,28 @@ def _bench_module(name: str) -> Any:
     return module
 
 
-def layered_rows(stack: LocalStack, work: Path, args: argparse.Namespace) -> list[str]:
-    """The layered-vs-in-process rows from ``bench/layered.py``'s ``measure_layered`` when it exists."""
+def layered_rows(stack: LocalStack, args: argparse.Namespace) -> list[str]:
+    """Layered vs in-process from ``bench/layered.py``'s ``measure_layered`` (in-process encode + score, no HTTP,
+    interleaved; against this run's Redis), when that module exists."""
     module = _bench_module("layered")
     if module is None or not hasattr(module, "measure_layered"):
         return ["layered vs in-process: bench/layered.py (measure_layered) not present; not measured"]
     try:
-        result = module.measure_layered(stack=stack, work=work, quick=args.quick)
-    except TypeError as exc:  # written at the same time as this file: its signature may differ
-        return [f"layered vs in-process: bench/layered.py's measure_layered could not be called here ({exc}); run "
+        r = module.measure_layered(rows=1_000_000 if args.quick else 10_000_000,
+                                   requests_per_mode=500 if args.quick else 2000, redis_url=stack.redis_url)
+        lines = [f"layered vs in-process (bench/layered.py: {r['rows']:,} rows, {r['requests']} requests per mode, "
+                 f"encode + score in this process, no HTTP; scores equal: {r['scores_equal']}):"]
+        for name in ("in_process", "layered", "layered_no_lru"):
+            x = r[name]
+            extra = (f", {x['round_trips_per_request']} Redis round trips/request, Redis share "
+                     f"{x['redis_share']:.0%}, LRU hit rate {x['lru_hit_rate']:.0%}" if "redis_share" in x else "")
+            lines.append(f"  {name:<15} p50 {x['p50_ms']:.3f} ms  p99 {x['p99_ms']:.3f} ms{extra}")
+        lines.append(f"  layered p99 - in-process p99: {r['layered_p99_minus_in_process_ms']:+.3f} ms "
+                     "(target: within 1 ms)")
+        return lines
+    except (TypeError, KeyError) as exc:  # written at the same time as this file: its interface may change
+        return [f"layered vs in-process: bench/layered.py's measure_layered did not fit this caller ({exc!r}); run "
                 "bench/layered.py itself"]
-    return [f"layered vs in-process: {result}"]
 
 
 def precision_cost(train_steps: int, holdout_rows: int) -> dict[str, dict[str, float]]:
@@ -715,7 +726,7 @@ def main() -> int:
             shares = [float(x) for x in args.hit_shares.split(",") if x]
             hits = hit_rates(stack, work, args.hit_rows, shares, args.hit_requests or (2000 if args.quick else 5000),
                              500 if args.quick else 2000)
-        layered = layered_rows(stack, work, args)
+        layered = layered_rows(stack, args)
         if not args.no_precision:
             precision = precision_cost(100 if args.quick else 200, 10_000 if args.quick else 20_000)
         fresh = freshness(stack, work, args.probes) if args.freshness else None
@@ -731,7 +742,7 @@ def main() -> int:
         print(f"client floor (same client, trivial server): 1 client p50 {f1['p50_ms']:.3f} ms, p99 "
               f"{f1['p99_ms']:.3f} ms; 8 clients {f8['rps']:.0f} req/s")
     ts8 = next((r["rps"] for f, s, c, r in results if f == "torchscript" and s == "threading" and c == 8), None)
-    print(f"{'format':<26} {'server':<10} {'p50 ms':>7} {'p99 ms':>7} {'srv p50':>8} {'srv p99':>8} "
+    print(f"{'format':<28} {'server':<10} {'p50 ms':>7} {'p99 ms':>7} {'srv p50':>8} {'srv p99':>8} "
           f"{'8-cl req/s':>10} {'x TS':>5} {'errors':>6}")
     one = {(f, s): r for f, s, c, r in results if c == 1}
     eight = {(f, s): r for f, s, c, r in results if c == 8}
@@ -740,23 +751,24 @@ def main() -> int:
         sp50 = r["p50_ms"] - (f1["p50_ms"] if f1 else 0.0)
         sp99 = r["p99_ms"] - (f1["p99_ms"] if f1 else 0.0)
         ratio = r8["rps"] / ts8 if ts8 else float("nan")
-        print(f"{LABELS.get(fmt, fmt):<26} {srv:<10} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {sp50:>8.2f} "
+        print(f"{LABELS.get(fmt, fmt):<28} {srv:<10} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {sp50:>8.2f} "
               f"{sp99:>8.2f} {r8['rps']:>10.0f} {ratio:>5.2f} {int(r['errors'] + r8['errors']):>6}")
-    fastest = [(r["p99_ms"], f) for (f, s), r in one.items() if s == "threading"]
+    # The fastest format by its 1-client p50 (p99 on a shared 2-core machine is mostly other processes' noise).
+    fastest = [(r["p50_ms"], f) for (f, s), r in one.items() if s == "threading"]
     if fastest and f1 is not None:
-        p99, fmt = min(fastest)
-        srv99 = p99 - f1["p99_ms"]
+        _, fmt = min(fastest)
+        srv99 = one[(fmt, "threading")]["p99_ms"] - f1["p99_ms"]
         rps = eight.get((fmt, "threading"), {"rps": float("nan")})["rps"]
-        print(f"fastest CPU format by p99: {fmt}: server-side p99 {srv99:.2f} ms (target <= 1 ms: "
+        print(f"fastest CPU format (1-client p50): {fmt}: server-side p99 {srv99:.2f} ms (target <= 1 ms: "
               f"{'met' if srv99 <= 1.0 else 'NOT met'}); 8-client throughput {rps:.0f} req/s = "
               f"{rps / ts8 if ts8 else float('nan'):.2f}x TorchScript's (target >= 1.5x: "
               f"{'met' if ts8 and rps >= 1.5 * ts8 else 'NOT met'})")
     if profiles:
         names = list(next(iter(profiles.values())))
         print("\none request in this process, p50 us per stage (torch 1 thread):")
-        print(f"{'format':<26} " + " ".join(f"{n:>8}" for n in names))
+        print(f"{'format':<28} " + " ".join(f"{n:>8}" for n in names))
         for fmt, p in profiles.items():
-            print(f"{LABELS.get(fmt, fmt):<26} " + " ".join(f"{p[n]:>8.0f}" for n in names))
+            print(f"{LABELS.get(fmt, fmt):<28} " + " ".join(f"{p[n]:>8.0f}" for n in names))
     if loads:
         print(f"\nartifact load, in-process, best of 3 (cold rows {rows:,} x 17 floats memory-mapped):")
         print(f"{'format':<12} {'verified s':>11} {'no sha256 s':>12} {'scorer ms':>10} {'scorer MB':>10}")
