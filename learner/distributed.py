@@ -45,6 +45,11 @@ class RankContext:
     world_size: int = 1
     local_rank: int = 0
     backend: str = "gloo"
+    # torchrun's store (its agent's, on MASTER_ADDR:MASTER_PORT) and how often the agent restarted the group
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    agent_store: bool = False
+    restart_count: int = 0
 
     @property
     def distributed(self) -> bool:
@@ -61,13 +66,29 @@ class RankContext:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank {rank} of world size {world} is not a valid place: run under torchrun, which "
                               "sets RANK and WORLD_SIZE, or set neither for one process")
-        return cls(rank, world, local, "nccl" if device_type == "cuda" else "gloo")
+        return cls(rank, world, local, "nccl" if device_type == "cuda" else "gloo",
+                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "0")),
+                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def init(self, timeout_s: float = 600.0) -> None:
-        """Join the default process group (torchrun's rendezvous variables: ``MASTER_ADDR``/``MASTER_PORT``)."""
-        if self.distributed and not dist.is_initialized():
-            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+        """Join the default process group (torchrun's rendezvous variables: ``MASTER_ADDR``/``MASTER_PORT``).
+
+        Under torchrun's agent the ranks meet in the agent's store under a prefix of the restart count: after an
+        elastic restart the store may still hold the dead group's addresses, and a rank that read one before its
+        peer rewrote it tried the old address until gloo gave up (seen here: ``connectFullMesh failed ... Connection
+        refused`` in about one restart in three)."""
+        if not self.distributed or dist.is_initialized():
+            return
+        timeout = timedelta(seconds=timeout_s)
+        if self.agent_store:
+            base = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=False,
+                                 timeout=timeout)
+            store = dist.PrefixStore(f"streamrec/attempt-{self.restart_count}", base)
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size, timeout=timeout)
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
