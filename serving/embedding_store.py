@@ -168,46 +168,70 @@ def _unlink(client: Any, keys: list[Any]) -> int:
 # -- the LRU ------------------------------------------------------------------------------------------------------
 class RowCache:
     """A bounded LRU of rows fetched from the store: global row -> (D + 1,) float32. Thread-safe; ``capacity`` 0
-    caches nothing."""
+    caches nothing.
+
+    The vectors live in one preallocated (capacity, D + 1) array (allocated at the first put), the LRU order in
+    an ``OrderedDict`` of row -> slot: memory is capacity x (D + 1) x 4 bytes plus ~100 B of dict entry per row,
+    whatever the request sizes (a dict of per-row array views would keep every fetched batch alive)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
-        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._rows: OrderedDict[int, int] = OrderedDict()  # row -> slot in self._data, least recent first
+        self._data: np.ndarray | None = None  # (capacity, D + 1) float32
+        self._free: list[int] = []
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._rows)
 
+    def __contains__(self, row: int) -> bool:
+        return int(row) in self._rows
+
     def get_many(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Fill ``out[i]`` for the cached ``rows[i]`` ((M,) unique); returns the (M,) bool mask of hits."""
         hit = np.zeros(len(rows), dtype=bool)
-        if not self.capacity:
+        if not self.capacity or self._data is None:
             return hit
+        idx, slots = [], []
         with self._lock:
             cache = self._rows
             for i, r in enumerate(rows.tolist()):
-                v = cache.get(r)
-                if v is not None:
+                s = cache.get(r)
+                if s is not None:
                     cache.move_to_end(r)
-                    out[i] = v
-                    hit[i] = True
+                    idx.append(i)
+                    slots.append(s)
+            if idx:
+                out[idx] = self._data[slots]  # copied under the lock: a put cannot reuse a slot half-way
+        hit[idx] = True
         return hit
 
     def put_many(self, rows: np.ndarray, vectors: np.ndarray) -> None:
-        if not self.capacity:
+        """Cache ``vectors`` (M, D + 1) of ``rows`` (M,), evicting the least recently used rows beyond capacity."""
+        if not self.capacity or not len(rows):
             return
         with self._lock:
-            cache = self._rows
-            for r, v in zip(rows.tolist(), vectors, strict=True):
-                cache[r] = v
-                cache.move_to_end(r)
-            while len(cache) > self.capacity:
-                cache.popitem(last=False)
+            if self._data is None:
+                self._data = np.empty((self.capacity, vectors.shape[1]), np.float32)
+                self._free = list(range(self.capacity - 1, -1, -1))
+            cache, free = self._rows, self._free
+            slots = []
+            for r in rows.tolist()[-self.capacity:]:  # more rows than capacity: the last ones win
+                s = cache.get(r)
+                if s is None:
+                    s = free.pop() if free else cache.popitem(last=False)[1]
+                    cache[r] = s
+                else:
+                    cache.move_to_end(r)
+                slots.append(s)
+            self._data[slots] = vectors[-self.capacity:]
 
     def discard_many(self, rows: np.ndarray) -> None:
         with self._lock:
             for r in rows.tolist():
-                self._rows.pop(r, None)
+                s = self._rows.pop(r, None)
+                if s is not None:
+                    self._free.append(s)
 
 
 # -- the store of one service, and the rows of one loaded version -----------------------------------------------

@@ -222,7 +222,7 @@ def test_a_delta_changes_layered_scores_exactly_as_in_process(stack: LocalStack,
         req = request(ADMITTED_USERS[3], ADMITTED_ITEMS[:40])
         assert torch.equal(score(in_process, req), score(layered, req))  # the user's and items' rows now cached
         user_row = int(layered.map_rows(0, np.array([hash_value(ADMITTED_USERS[3])]))[0])
-        assert user_row not in set(HOT.tolist()) and user_row in layered.layered.cache._rows  # type: ignore
+        assert user_row not in set(HOT.tolist()) and user_row in layered.layered.cache  # type: ignore
         rows = torch.tensor([user_row, int(own_rows("item_id", 30)[-1]), 2])  # cold cached, cold, hot
         vectors = torch.randn(3, CFG.embedding_dim + 1, generator=torch.Generator().manual_seed(5))
         dense = {k: v + 0.1 for k, v in checkpoint()["model"].items() if not k.startswith("sparse.")}
@@ -232,7 +232,7 @@ def test_a_delta_changes_layered_scores_exactly_as_in_process(stack: LocalStack,
         after_in, after_layered = score(in_process, req), score(layered, req)
         assert torch.equal(after_in, after_layered)
         assert not torch.equal(before, after_layered)
-        assert user_row not in layered.layered.cache._rows  # type: ignore[union-attr]
+        assert user_row not in layered.layered.cache  # type: ignore[union-attr]
         # the serving process wrote the delta's non-hot rows to Redis, under the version it applied them to
         got = redis_client.mget(row_keys(prefix, "v1", np.array([user_row, 2])))
         assert got[1] is None or 2 not in layered.non_hot_rows()  # the hot row is not the store's

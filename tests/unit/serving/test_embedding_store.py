@@ -56,6 +56,26 @@ def test_the_lru_keeps_the_most_recently_used_rows_within_its_capacity() -> None
     assert len(RowCache(0).get_many(np.array([1]), out)) == 1 and not RowCache(0).get_many(np.array([1]), out).any()
 
 
+def test_the_lru_returns_the_vectors_it_was_given_through_evictions_and_reused_slots() -> None:
+    rng = np.random.default_rng(1)
+    cache = RowCache(50)
+    truth: dict[int, np.ndarray] = {}
+    for _ in range(200):  # random batches of unique rows: puts, gets and discards in any order
+        rows = rng.choice(400, size=int(rng.integers(1, 80)), replace=False)
+        vecs = rng.normal(size=(len(rows), 4)).astype(np.float32)
+        cache.put_many(rows, vecs)
+        truth.update(zip(rows.tolist(), vecs, strict=True))
+        cache.discard_many(rng.choice(400, size=5, replace=False))
+        probe = rng.choice(400, size=60, replace=False)
+        out = np.zeros((60, 4), np.float32)
+        hit = cache.get_many(probe, out)
+        assert len(cache) <= 50
+        for r, h, v in zip(probe.tolist(), hit, out, strict=True):
+            if h:
+                assert np.array_equal(v, truth[r])
+    assert cache._data is not None and cache._data.shape == (50, 4)  # memory: one array of the capacity
+
+
 class FakeClient:
     """Answers MGET/GET from a dict, or raises ConnectionError while ``down``; counts calls."""
 
