@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,local]'
+	$(PY) -m pip install -q --no-deps torchrec==1.8.0  # the distributed extra's TorchRec, CPU fbgemm (pyproject.toml)
 	touch $@
 
 setup: $(STAMP)
