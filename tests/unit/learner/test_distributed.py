@@ -99,3 +99,14 @@ def test_torchrec_fused_rowwise_adagrad_makes_the_single_process_update(one_rank
     assert float(moved) < 1e-6
     assert float((after[:, d + 1:]).abs().max()) == 0.0  # padding columns never move
     assert int((opt.state[plain.sparse.bag.weight]["sum"] > acc0).sum()) > 10  # rows were updated at all
+
+
+def test_the_single_process_path_imports_no_torchrec() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, streamrec.commands.train, learner.daemon, learner.distributed, learner.sharded_checkpoint; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torchrec', 'fbgemm_gpu')); "
+            "assert not bad, bad")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
