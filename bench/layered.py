@@ -47,7 +47,7 @@ from cache_refresh.publish import publish  # noqa: E402
 from learner.artifact import build_artifact  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
-from serving.embedding_store import RedisEmbeddingStore, write_version  # noqa: E402
+from serving.embedding_store import RedisEmbeddingStore, delete_version, write_version  # noqa: E402
 from serving.features import FeatureEncoder  # noqa: E402
 from serving.metrics import ServingMetrics  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
@@ -137,7 +137,7 @@ def measure_layered(rows: int = 1_000_000, requests_per_mode: int = 2000, warmup
                     seed: int = 0) -> dict[str, Any]:
     """p50/p99 (ms) of 1 user x 100 candidates for in_process, layered and layered_no_lru on one artifact, the
     Redis round-trip share of the layered latency, and setup figures. Starts (and stops) its own redis-server
-    unless ``redis_url`` is given (then keys go under a fresh prefix there)."""
+    unless ``redis_url`` is given (then the rows go under a fresh prefix there and are deleted at the end)."""
     torch.set_num_threads(threads)
     rng = np.random.default_rng(seed)
     own = _Redis() if redis_url is None else None
@@ -200,6 +200,11 @@ def measure_layered(rows: int = 1_000_000, requests_per_mode: int = 2000, warmup
                 out["layered_no_lru"]["p99_ms"] - out["in_process"]["p99_ms"], 3)
             return out
     finally:
+        if own is None and clients:  # someone else's Redis: leave it as it was
+            try:
+                delete_version(clients[0], prefix, "bench")
+            except redis.RedisError as exc:
+                print(f"bench/layered.py: could not delete {prefix}:emb:bench:* ({exc})", file=sys.stderr)
         for c in clients:
             c.close()
         if own is not None:
