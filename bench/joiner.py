@@ -77,7 +77,9 @@ def raw_join(kafka: KafkaSettings, total: int) -> float:
     return seen / elapsed
 
 
-def run_worker(kafka: KafkaSettings, redis_url: str, driver: str, profile: Path | None = None) -> dict:
+def run_worker(kafka: KafkaSettings, redis_url: str, driver: str, profile: Path | None = None,
+               root: Path | None = None) -> dict:
+    """One worker's summary; ``root``: run the worker of another checkout (its ``streamrec``), for an A/B."""
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
                STREAMREC_KAFKA_IMPRESSIONS_TOPIC=kafka.impressions_topic,
                STREAMREC_KAFKA_CLICKS_TOPIC=kafka.clicks_topic,
@@ -86,7 +88,7 @@ def run_worker(kafka: KafkaSettings, redis_url: str, driver: str, profile: Path 
     prof = [] if profile is None else ["-m", "cProfile", "-o", str(profile / f"join-{driver}.prof")]
     cmd = [sys.executable, *prof, "-m", "streamrec.cli", "join", "--driver", driver, "--app-id",
            f"bench-{driver}-{uuid.uuid4().hex[:6]}", "--exit-when-idle", "3", "--drain", "--json"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=root)
     if out.returncode != 0:
         raise SystemExit(f"{driver} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -96,6 +98,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impressions", type=int, default=200_000)
     ap.add_argument("--drivers", default="kafka,faust")
+    ap.add_argument("--compare-with", type=Path, metavar="DIR", help="also run each driver from the checkout in DIR "
+                    "(e.g. `git worktree add DIR <commit>`), alternating with this one, for a side-by-side A/B")
     ap.add_argument("--dataset", default="synthetic", help="synthetic (default), or a packaged MovieLens set "
                     "(ml-1m, ml-100k: stream/replay/movielens.py; installed as environment.md says) replayed whole")
     ap.add_argument("--profile", type=Path, help="write each worker's cProfile stats to DIR/join-<driver>.prof "
@@ -118,16 +122,18 @@ def main() -> None:
         raw = raw_join(kafka, total)
         rows = [("raw confluent-kafka (ceiling)", raw, None)]
         for driver in args.drivers.split(","):
-            r = run_worker(kafka, stack.redis_url, driver, args.profile)
-            assert r["samples"] == s.impressions + r["delayed_positives"], r  # fake_negative: a 0 each, then clicks
-            rows.append((f"streamrec join --driver {driver}", r["events_per_s"], r))
+            for root in ([None] if args.compare_with is None else [args.compare_with.resolve(), None]):
+                r = run_worker(kafka, stack.redis_url, driver, args.profile, root)
+                assert r["samples"] == s.impressions + r["delayed_positives"], r  # fake_negative: a 0 each, then clicks
+                name = f"streamrec join --driver {driver}" + ("" if root is None else f" @{root.name}")
+                rows.append((name, r["events_per_s"], r))
     finally:
         stack.down()
     print(f"{args.dataset}: {total:,} events ({s.impressions:,} impressions, {s.clicks:,} clicks), 4 partitions, "
           "one worker process")
-    print(f"{'variant':<34}{'events/s':>10}{'vs raw':>8}")
+    print(f"{'variant':<40}{'events/s':>10}{'vs raw':>8}")
     for name, eps, _ in rows:
-        print(f"{name:<34}{eps:>10,.0f}{eps / raw:>8.2f}")
+        print(f"{name:<40}{eps:>10,.0f}{eps / raw:>8.2f}")
     for name, _, r in rows[1:]:
         print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s, worker {r['elapsed_s']}s from "
               f"start to idle exit); held back {r['held_back']}, input pauses {r.get('input_pauses')}")
