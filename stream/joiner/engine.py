@@ -226,30 +226,26 @@ class PartitionJoin:
         waiting: list[tuple[str, int]] = []
         max_ref = -1
 
-        events: list[tuple[int, int, int, Impression | Click]] = []
-        for off, imp in impressions:
-            if off > self.offsets[IMPRESSIONS]:
-                events.append((imp.ts, IMPRESSIONS, off, imp))
-            else:
-                out.stats["redelivered"] += 1
-        for off, clk in clicks:
-            if off > self.offsets[CLICKS]:
-                events.append((clk.ts, CLICKS, off, clk))
-            else:
-                out.stats["redelivered"] += 1
+        imp_from, click_from = self.offsets
+        fresh: tuple[list, list] = ([(imp.ts, IMPRESSIONS, off, imp) for off, imp in impressions if off > imp_from],
+                                    [(clk.ts, CLICKS, off, clk) for off, clk in clicks if off > click_from])
+        redelivered = len(impressions) + len(clicks) - len(fresh[IMPRESSIONS]) - len(fresh[CLICKS])
+        if redelivered:
+            out.stats["redelivered"] += redelivered
+        events: list[tuple[int, int, int, Impression | Click]] = fresh[IMPRESSIONS] + fresh[CLICKS]
         events.sort(key=_TIME_THEN_KIND)  # event time; impressions first at equal ts (stable: offset order after)
 
         # Each input's time: the k-th largest of its times, over the batch at once (it never decreases as times are
         # added, and nothing in the loop below reads it, so its value after the batch is all that counts).
         quorum = max(1, self.cfg.watermark_quorum)
-        for kind, got in ((IMPRESSIONS, impressions), (CLICKS, clicks)):
-            fresh = [ev.ts for off, ev in got if off > self.offsets[kind]]
-            if fresh:
-                self._top[kind] = top = heapq.nlargest(quorum, [*self._top[kind], *fresh])[::-1]  # ascending: a heap
+        for kind in (IMPRESSIONS, CLICKS):
+            if fresh[kind]:
+                times = [e[0] for e in fresh[kind]]
+                self._top[kind] = top = heapq.nlargest(quorum, [*self._top[kind], *times])[::-1]  # ascending: a heap
                 if len(top) == quorum:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
-                self.offsets[kind] = max(self.offsets[kind], max(off for off, _ in got))
+                self.offsets[kind] = max(self.offsets[kind], max(e[2] for e in fresh[kind]))
         # The per-event loop, kept lean (locals, counts added once): it runs once per input event.
         pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
         expiry, window, push = self._expiry, self.cfg.window_ms, heapq.heappush
