@@ -14,7 +14,7 @@ The memory cap: a table "trains" under ``--cap-mib`` when every process's peak R
 after the run, no cgroup here); the largest table that trains on N ranks and not on 1 is reported.
 
     python bench/scaling.py                                   # 1 vs 2 ranks, tables of 1 M, 4 M, 12 M rows
-    python bench/scaling.py --ranks 2 --rows 1000000 4000000 --steps 20 --cap-mib 1400
+    python bench/scaling.py --rows 1000000 12000000 --steps 20 --cap-mib 1100 --rounds 3
 
 Threads: one process uses all the machine's cores (torch's default), each of N ranks cores / N (torchrun's
 OMP_NUM_THREADS=1 overridden to that), so both use the same cores; the single process is also run on 1 thread
@@ -145,6 +145,18 @@ def run(ranks: int, args: argparse.Namespace, rows: int, threads: int = 0) -> li
     return sorted(results, key=lambda r: r["rank"])
 
 
+def best_of(args: argparse.Namespace, rows: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """(1 process, N ranks, 1 process on 1 thread), run in turn ``--rounds`` times; each the round with the most
+    examples/s (other processes load the machine: the best round is the one they disturbed least)."""
+    best: list[list[dict]] = [[], [], []]
+    for _ in range(args.rounds):
+        for i, res in enumerate((run(1, args, rows), run(args.ranks, args, rows), run(1, args, rows, threads=1))):
+            if not best[i] or "failed" in best[i][0] or (
+                    "failed" not in res[0] and res[0]["examples_per_s"] > best[i][0]["examples_per_s"]):
+                best[i] = res
+    return best[0], best[1], best[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -152,6 +164,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 4_000_000, 12_000_000],
                     help="table sizes (rows) to try")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each variant, in turn; the best is rated")
     ap.add_argument("--step-rows", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -165,7 +178,7 @@ def main() -> None:
           f"{args.ranks} ranks ex/s  ratio  ratio/1 thread  per-rank table MiB  per-rank RSS MiB")
     largest = None
     for rows in args.rows:
-        one, many, single = run(1, args, rows), run(args.ranks, args, rows), run(1, args, rows, threads=1)
+        one, many, single = best_of(args, rows)
         o, o1 = one[0], single[0]
         if "failed" in o or "failed" in o1 or any("failed" in r for r in many):
             print(f"{rows:>12} failed: {(o.get('failed') or o1.get('failed') or many[0].get('failed'))!r}")
