@@ -5,7 +5,8 @@ Owns: the event schemas and their limits (``events.py``, ``limits.py``), sample 
 values (``config.py``), durable local files (``files.py``: fsync, atomic replace), stable id and
 feature hashing (``ids.py``, ``features.py``), Kafka client configs, topics, the acknowledged
 producer and the one read-to-end loop (``kafka.py``), dead letters (``dlq.py``) and poison-message
-strikes (``strikes.py``), the validating reader (``event_reader.py``), Redis day counts and user
+strikes (``strikes.py``), the validating reader (``event_reader.py``), a batch of event messages decoded
+and validated as columns with the same rules (``event_batch.py``), Redis day counts and user
 histories (``counts.py``, ``history.py``), replay sources (``replay/``) and the impression-click
 joiner (``joiner/``). The exception tree of every stage starts in ``errors.py``.
 
