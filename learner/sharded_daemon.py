@@ -211,14 +211,21 @@ class ShardedLearner:
         return list(broadcast_object(parts))
 
     def _fresh_config(self) -> FeatureConfig | None:
-        cfg = None
-        if self.ctx.rank == 0:
-            wait = self.ls.exit_when_idle_s if self.ls.exit_when_idle_s is not None else float("inf")
-            t0 = time.monotonic()
-            while cfg is None and not self._stop and time.monotonic() - t0 < wait:
+        """Rank 0 infers the config from the first samples and sends it; the others wait in rounds of about 5 s
+        (one broadcast each, so no rank waits in one collective for longer than its timeout while no data
+        arrives). None: nothing arrived within ``exit_when_idle_s``, or a stop signal."""
+        wait = self.ls.exit_when_idle_s if self.ls.exit_when_idle_s is not None else float("inf")
+        t0 = time.monotonic()
+        while True:
+            cfg, give_up = None, False
+            if self.ctx.rank == 0:
                 cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(5.0, wait))
-        found = broadcast_object(None if cfg is None else cfg.to_dict())
-        return None if found is None else FeatureConfig.from_dict(found)
+                give_up = cfg is None and (self._stop or time.monotonic() - t0 >= wait)
+            found, give_up = broadcast_object((None if cfg is None else cfg.to_dict(), give_up))
+            if found is not None:
+                return FeatureConfig.from_dict(found)
+            if give_up:
+                return None
 
     def run(self) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, self._on_signal)

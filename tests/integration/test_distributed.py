@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from learner import sharded_checkpoint
 from learner.checkpoint import load_latest
@@ -170,3 +171,21 @@ def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafk
     assert auc1 > 0.65, auc1  # the stream is learnable
     print(f"progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")
     assert abs(auc1 - auc2) <= 0.02, (auc1, auc2)
+
+
+@pytest.mark.slow  # 3 ranks on 2 cores, ~40 s; the 2 -> 1 reshard (test above) runs in CI
+def test_a_two_rank_checkpoint_resumes_on_three_ranks_and_trains_every_sample_once(kafka: KafkaSettings,
+                                                                                   tmp_path: Path) -> None:
+    rows = produce(kafka, messages=MESSAGES // 2)
+    ckpt = tmp_path / "ckpt"
+    two = subprocess.run(torchrun(2, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for p, n in produce(kafka, messages=MESSAGES // 2, first=MESSAGES // 2).items():
+        rows[p] += n
+    three = subprocess.run(torchrun(3, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
+    assert three.returncode == 0, three.stderr[-3000:]
+    _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert meta["world_size"] == 3
+    assert {int(p): n for p, n in meta["partition_rows"].items()} == rows
+    assert meta["samples_trained"] == meta["metrics"]["samples"] == sum(rows.values())
+    assert all(n > 0 for n in last_json(three.stdout)["samples_per_rank"])  # every rank of three trained
