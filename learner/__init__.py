@@ -10,7 +10,10 @@ monitors (``health.py``: memory, gradient and update norms, coverage), dynamic i
 (``kafka_dataset.py``), checkpoints and deltas (``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the serving
 artifact's format, build and readers (``artifact.py``) with its scorer module (``scorer.py``), the scorer's files
 in each format (``scorer_files.py``; the ONNX Runtime scorer in ``onnx_scorer.py``), the daemon (``daemon.py``) and
-the offline and online evaluation (``evaluation/``).
+the offline and online evaluation (``evaluation/``). The distributed mode (``torchrun``, ``WORLD_SIZE > 1``): the
+ranks' process group, partition split and lock-step collectives (``distributed.py``), the TorchRec row-wise sharded
+model (``sharded_model.py``), its training step (``sharded_trainer.py``), DCP checkpoints and the reshard to one
+process (``sharded_checkpoint.py``) and its daemon (``sharded_daemon.py``); only these import TorchRec.
 
 May import: ``stream/`` and third-party libraries; never ``cache_refresh/``, ``serving/`` or
 ``monitor/``. Entry points: ``learner.daemon.Learner`` (``streamrec train``),
