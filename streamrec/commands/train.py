@@ -80,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         from learner.checkpoint import latest_meta
 
         meta = latest_meta(ls.checkpoint_dir)
+        if meta is None:  # a directory of a run under torchrun: its newest sharded checkpoint
+            from learner.sharded_checkpoint import latest
+
+            found = latest(ls.checkpoint_dir)
+            meta = None if found is None else {**found[1], "path": str(found[0])}
         if meta is None:
             emit(args, {"checkpoint": None, "checkpoint_dir": str(ls.checkpoint_dir)},
                  lambda d: f"no checkpoint in {d['checkpoint_dir']}")

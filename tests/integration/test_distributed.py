@@ -123,6 +123,10 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
     assert err.count(" on 2 ranks (gloo)") == 2, err[-4000:]  # rank 0 started twice: the agent restarted the group
     assert sorted(summary["samples_per_rank"]) != [0, 0]
 
+    status = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--status",
+                             "--json"], env=env_for(kafka), capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and json.loads(status.stdout)["samples_trained"] == sum(rows.values())
+
     # reshard 2 -> 1: a single-process checkpoint the refresh job builds and validates an artifact from
     single = tmp_path / "single"
     un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--unshard",
