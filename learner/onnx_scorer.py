@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ ONNX_FILE = "scorer.onnx"
 STATE_FILE = "scorer.safetensors"  # the scorer's tensors (hot rows, dense weights), as the safetensors format
 OPSET = 17
 INSTALL_HINT = "pip install 'streamrec[onnx]'"
+
+log = logging.getLogger("streamrec.onnx")
 
 
 class OnnxUnavailable(RuntimeError):
@@ -248,4 +251,5 @@ def load(path: Path, spec: ScorerSpec, device: str, int8: bool = False) -> OnnxS
     scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes(), int8=int8,
                          device=device)
     scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
+    log.info("%s: ONNX Runtime runs the dense graph on %s", path, ", ".join(scorer.execution_providers))
     return scorer.to(device).eval()
