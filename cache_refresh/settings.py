@@ -51,7 +51,8 @@ class RefreshSettings:
     holdout_messages: int = 50  # last N messages of the samples topic; 0 = no quality check
     holdout_timeout_s: float = 10.0
     max_auc_drop: float = 0.01  # fail when holdout AUC < live artifact's AUC - this
-    # format onnx_int8: fail when the INT8 graph's holdout AUC < the same artifact's fp32 AUC - this
+    # reduced-precision formats (onnx_int8, safetensors_bf16): fail when the holdout AUC < the same artifact's
+    # fp32 AUC - this
     # (cache_refresh/validate.py; bench/onnx_int8.py measures the cost: ~1e-5 on its synthetic holdout)
     max_int8_auc_drop: float = 0.002
     # Redis

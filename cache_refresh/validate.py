@@ -35,7 +35,7 @@ from learner.artifact import eager_model
 from learner.batch import to_tensors
 from learner.features import FeatureConfig
 from learner.progressive import auc, logloss
-from learner.scorer import INT8_FORMATS
+from learner.scorer import REDUCED_PRECISION_FORMATS
 from serving.model import ScoringModel
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
@@ -84,7 +84,7 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
         # For the record: how far the learner's own bf16-autocast forward is from fp32 serving.
         reference.autocast_dtype = torch.bfloat16
         bf16 = torch.sigmoid(reference(values, offsets, dense).float())  # (B,)
-    int8 = model.format in INT8_FORMATS
+    int8 = model.format in REDUCED_PRECISION_FORMATS
     got = model.score(values, offsets, dense, fp32=int8).cpu()  # (B,); INT8: its fp32 path must be exact
     diff = float((got - want).abs().max()) if samples else 0.0
     result = {"samples": samples, "max_abs_diff": diff, "tolerance": tolerance,
@@ -93,9 +93,9 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
         q = model.score(values, offsets, dense).cpu()
         result["int8_max_abs_diff"] = q_diff = float((q - want).abs().max()) if samples else 0.0
         if not q_diff <= INT8_PROBE_BOUND:
-            raise ValidationFailed(f"probe: the INT8 graph's scores differ from the learner's eager scores by "
-                                   f"{q_diff:.3g} (INT8 rounding stays below {INT8_PROBE_BOUND:g}) on {samples} probe "
-                                   "samples; the INT8 graph is not the checkpoint's model")
+            raise ValidationFailed(f"probe: the {model.format} scorer's scores differ from the learner's eager "
+                                   f"scores by {q_diff:.3g} (its rounding stays below {INT8_PROBE_BOUND:g}) on "
+                                   f"{samples} probe samples; the {model.format} scorer is not the checkpoint's model")
     if not diff <= tolerance:  # also catches NaN
         raise ValidationFailed(f"probe: artifact scores differ from the learner's eager scores by {diff:.3g} "
                                f"(tolerance {tolerance:g}) on {samples} probe samples; the artifact is not the "
@@ -158,16 +158,16 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
         return {"skipped": "no samples in the topic"}
     mine = quality(new, batches)
     out: dict[str, Any] = {"new": mine, "max_auc_drop": max_auc_drop}
-    if new.format in INT8_FORMATS:
+    if new.format in REDUCED_PRECISION_FORMATS:
         ref = quality(new, batches, fp32=True)
         cost = ref["auc"] - mine["auc"]
         out["int8"] = {"fp32": ref, "auc_cost": cost, "logloss_cost": mine["logloss"] - ref["logloss"],
                        "max_int8_auc_drop": max_int8_auc_drop}
         if cost > max_int8_auc_drop:  # NaN (one class): not comparable, not refused
-            raise ValidationFailed(f"holdout: INT8 AUC {mine['auc']:.4f} is {cost:.4f} below the same artifact's fp32 "
-                                   f"AUC {ref['auc']:.4f} on {mine['samples']} recent samples (bound "
+            raise ValidationFailed(f"holdout: {new.format} AUC {mine['auc']:.4f} is {cost:.4f} below the same "
+                                   f"artifact's fp32 AUC {ref['auc']:.4f} on {mine['samples']} recent samples (bound "
                                    f"max_int8_auc_drop {max_int8_auc_drop:g}); not publishing it: publish "
-                                   "--format onnx, or raise the bound")
+                                   "an exact format (e.g. --format onnx), or raise the bound")
     if live is None:
         out["skipped"] = "no live artifact to compare with"
         return out

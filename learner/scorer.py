@@ -64,7 +64,7 @@ SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",
 # formats whose every file loads without unpickling
 PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8", "safetensors_bf16")
 # Not exact (reduced precision: INT8, and bf16 alike): validated by their holdout AUC cost (cache_refresh/validate.py)
-INT8_FORMATS = ("onnx_int8", "safetensors_bf16")
+REDUCED_PRECISION_FORMATS = ("onnx_int8", "safetensors_bf16")
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 
 

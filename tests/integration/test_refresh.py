@@ -236,7 +236,7 @@ def test_the_int8_bound_comes_from_the_settings_and_refuses_an_int8_artifact_pas
     published = job.run_once(dataclasses.replace(rs, format="onnx_int8"), kafka, rds)  # default bound 0.002
     assert published["holdout"]["int8"]["max_int8_auc_drop"] == 0.002
     strict = dataclasses.replace(rs, format="onnx_int8", max_int8_auc_drop=-1.0)  # INT8 would have to gain 1 AUC
-    with pytest.raises(job.RefreshError, match="at validate: holdout: INT8 AUC .* max_int8_auc_drop -1"):
+    with pytest.raises(job.RefreshError, match="at validate: holdout: onnx_int8 AUC .* max_int8_auc_drop -1"):
         job.run_once(strict, kafka, rds)
     _assert_nothing_published(rs, Path(published["path"]), [published["version"]])
 

@@ -21,11 +21,12 @@ from learner import artifact as A
 from learner.artifact import ArtifactError, build_artifact, read_current
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
-from learner.scorer import INT8_FORMATS
+from learner.scorer import REDUCED_PRECISION_FORMATS
 from serving.model import ScoringModel
 
 TOL = 1e-6
-EXACT_FORMATS = [f for f in A.FORMATS if f not in INT8_FORMATS]  # INT8: tests/unit/learner/test_onnx_scorer.py
+# INT8 and bf16: tests/unit/learner/test_onnx_scorer.py, test_bf16_scorer.py
+EXACT_FORMATS = [f for f in A.FORMATS if f not in REDUCED_PRECISION_FORMATS]
 
 CFG = FeatureConfig(
     fields=(FieldSpec("user_id", "single", 300), FieldSpec("item_id", "single", 200),

@@ -22,7 +22,7 @@ from learner import artifact as A
 from learner.artifact import build_artifact, read_current
 from learner.features import default_config
 from learner.model import DeepFM
-from learner.scorer import INT8_FORMATS, PICKLE_FREE_FORMATS, Bf16Scorer
+from learner.scorer import PICKLE_FREE_FORMATS, REDUCED_PRECISION_FORMATS, Bf16Scorer
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import CFG, make_checkpoint, probe, reference
 from tests.unit.learner.test_onnx_scorer import _holdout_batch
@@ -63,7 +63,7 @@ def test_the_mlp_runs_in_bf16_and_the_scores_differ_from_fp32(bf16_model: Scorin
 
 
 def test_the_artifact_is_the_safetensors_file_and_unpickles_nothing(tmp_path: Path, ckpt: dict) -> None:
-    assert "safetensors_bf16" in PICKLE_FREE_FORMATS and "safetensors_bf16" in INT8_FORMATS
+    assert "safetensors_bf16" in PICKLE_FREE_FORMATS and "safetensors_bf16" in REDUCED_PRECISION_FORMATS
     staged = build_artifact(ckpt, tmp_path, np.arange(10), format="safetensors_bf16")
     m = json.loads((staged / A.MANIFEST).read_text())
     assert m["format"] == "safetensors_bf16" and set(m["files"]) == {"scorer.safetensors", "cold_rows.npy"}

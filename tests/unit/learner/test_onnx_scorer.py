@@ -209,7 +209,7 @@ def test_int8_is_validated_by_its_auc_cost_and_refused_beyond_the_bound(tmp_path
     out = validate.holdout(new, None, [batch], max_auc_drop=0.01, max_int8_auc_drop=0.01)  # no live: still checked
     assert abs(out["int8"]["auc_cost"]) < 0.01 and out["int8"]["fp32"]["samples"] == 400
     assert out["skipped"] == "no live artifact to compare with"
-    with pytest.raises(validate.ValidationFailed, match="INT8 AUC.*max_int8_auc_drop"):
+    with pytest.raises(validate.ValidationFailed, match="onnx_int8 AUC.*max_int8_auc_drop"):
         validate.holdout(new, None, [batch], max_auc_drop=0.01, max_int8_auc_drop=-1.0)
     # a graph of other weights than the tensors (and the checkpoint) is caught by the probe
     scorer = new._live.scorer
@@ -218,7 +218,7 @@ def test_int8_is_validated_by_its_auc_cost_and_refused_beyond_the_bound(tmp_path
         scorer.dense_arch.mlp[-1].bias.add_(3.0)
         scorer.rebuild_session()
         scorer.dense_arch.mlp[-1].bias.sub_(3.0)
-    with pytest.raises(validate.ValidationFailed, match="INT8 graph is not the checkpoint's"):
+    with pytest.raises(validate.ValidationFailed, match="onnx_int8 scorer is not the checkpoint's"):
         validate.probe(new, ck, 512, 1e-5, hot_rows=hot)
     assert publish(tmp_path, staged, keep=3).name == new.version  # what passes is published like any format
     assert ScoringModel.load(read_current(tmp_path)).format == "onnx_int8"
