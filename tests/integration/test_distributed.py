@@ -87,7 +87,7 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
     env = env_for(kafka, STREAMREC_LEARNER_CHECKPOINT_EVERY_SAMPLES="600")
     out_file, err_file = tmp_path / "torchrun.out", tmp_path / "torchrun.err"  # files: a full pipe would block
     with open(out_file, "w") as so, open(err_file, "w") as se:
-        proc = subprocess.Popen(torchrun(2, ckpt, max_restarts=1, idle_s=10), env=env, stdout=so, stderr=se,
+        proc = subprocess.Popen(torchrun(2, ckpt, max_restarts=1, idle_s=6), env=env, stdout=so, stderr=se,
                                 start_new_session=True)
     # at the first sharded checkpoint SIGKILL rank 1 (a python child of torchrun's agent): what the ranks trained
     # after it is lost with them and must be trained again, once
@@ -177,9 +177,9 @@ def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafk
     assert abs(auc1 - auc2) <= 0.02, (auc1, auc2)
 
 
-@pytest.mark.slow  # 3 ranks on 2 cores, ~40 s; the 2 -> 1 reshard (test above) runs in CI
-def test_a_two_rank_checkpoint_resumes_on_three_ranks_and_trains_every_sample_once(kafka: KafkaSettings,
-                                                                                   tmp_path: Path) -> None:
+@pytest.mark.slow  # 3 ranks on 2 cores, ~50 s; the 2 -> 1 reshard (test above) runs in CI
+def test_a_two_rank_checkpoint_resumes_on_three_ranks_then_in_one_process_training_every_sample_once(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
     rows = produce(kafka, messages=MESSAGES // 2)
     ckpt = tmp_path / "ckpt"
     two = subprocess.run(torchrun(2, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
@@ -193,3 +193,17 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_and_trains_every_sample_on
     assert {int(p): n for p, n in meta["partition_rows"].items()} == rows
     assert meta["samples_trained"] == meta["metrics"]["samples"] == sum(rows.values())
     assert all(n > 0 for n in last_json(three.stdout)["samples_per_rank"])  # every rank of three trained
+    # 3 -> 1: the unsharded checkpoint resumes in a single-process learner at its offsets
+    single = tmp_path / "single"
+    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--unshard",
+                         str(single)], env=env_for(kafka), capture_output=True, text=True, timeout=120)
+    assert un.returncode == 0, un.stderr[-3000:]
+    for p, n in produce(kafka, messages=PARTITIONS * 2, first=MESSAGES).items():
+        rows[p] += n
+    one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(single),
+                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
+                         env=env_for(kafka), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    summary = last_json(one.stdout)
+    assert {int(p): n for p, n in summary["partition_rows"].items()} == rows
+    assert summary["samples_trained"] == summary["metrics"]["samples"] == sum(rows.values())
