@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from learner.calibration import calibrated
-from learner.scorer import Scorer, ScorerSpec
+from learner.scorer import Held, Scorer, ScorerSpec
 from stream.files import write_synced
 
 ONNX_FILE = "scorer.onnx"
@@ -185,16 +185,6 @@ def session(model: bytes, threads: int | None = None, device: str = "cpu") -> An
     return ort.InferenceSession(model, sess_options=opts, providers=providers(device, cache_dir=cache))
 
 
-class _Box:
-    """Holds the session; a deepcopy of the scorer (serving's dense delta) shares it until it rebuilds its own."""
-
-    def __init__(self, sess: Any) -> None:
-        self.session = sess
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Box:
-        return self
-
-
 class OnnxScorer(Scorer):
     """A :class:`Scorer` whose dense part runs in ONNX Runtime (on :func:`providers` for ``device``: the CPU, or
     TensorRT/CUDA where installed); the pooling runs in torch on its device."""
@@ -204,12 +194,12 @@ class OnnxScorer(Scorer):
         super().__init__(spec, hot_ids, hot_vectors)
         self.int8 = int8
         self.ort_device = str(device)
-        self._box = _Box(session(model, device=self.ort_device))
+        self._box = Held(session(model, device=self.ort_device))
 
     @property
     def execution_providers(self) -> list[str]:
         """The providers ONNX Runtime actually runs this graph on, best first (e.g. for ``/v1/model``)."""
-        return list(self._box.session.get_providers())
+        return list(self._box.value.get_providers())
 
     def torch_forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                       given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
@@ -218,14 +208,14 @@ class OnnxScorer(Scorer):
 
     def rebuild_session(self) -> None:
         """Re-export the dense graph from this module's (updated) weights: a learner delta's dense weights."""
-        self._box = _Box(session(export_dense(self, self.int8), device=self.ort_device))
+        self._box = Held(session(export_dense(self, self.int8), device=self.ort_device))
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
         pooled = self.pool(values, offsets, given_rows, given_mask)  # (B, F, D + 1)
         feeds = {"pooled": pooled.detach().cpu().float().contiguous().numpy(),
                  "dense": dense.detach().cpu().float().contiguous().numpy()}
-        prob = self._box.session.run(None, feeds)[0]  # (B,)
+        prob = self._box.value.run(None, feeds)[0]  # (B,)
         return torch.from_numpy(prob).to(pooled.device)
 
 

@@ -141,14 +141,15 @@ class Scorer(nn.Module):
         return self.dense_arch(x)
 
 
-class _Held:
-    """Holds a module outside the scorer's submodules (so outside its state dict); a deepcopy of the scorer
-    (serving's dense delta) shares it until ``rebuild_session`` makes its own."""
+class Held:
+    """A scorer's runtime form of its weights (the bf16 MLP copy, an ONNX Runtime session), held outside its
+    submodules and so outside its state dict; a deepcopy of the scorer (serving's dense delta) shares it until the
+    copy's ``rebuild_session`` makes its own from the updated weights."""
 
-    def __init__(self, module: nn.Module | None) -> None:
-        self.module = module
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Held:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Held:
         return self
 
 
@@ -162,17 +163,17 @@ class Bf16Scorer(Scorer):
 
     def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor) -> None:
         super().__init__(spec, hot_ids, hot_vectors)
-        self._bf16 = _Held(None)
+        self._bf16 = Held(None)
 
     def rebuild_session(self) -> None:
         """Re-make the MLP's bf16 copy from this module's (updated) fp32 weights."""
         mlp = copy.deepcopy(self.dense_arch).to(torch.bfloat16).eval()
         for p in mlp.parameters():
             p.requires_grad_(False)
-        self._bf16 = _Held(mlp)
+        self._bf16 = Held(mlp)
 
     def deep(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self._bf16.module
+        mlp = self._bf16.value
         if mlp is None:  # not rebuilt yet (a scorer just constructed): fp32
             return self.dense_arch(x)
         return mlp(x.to(torch.bfloat16)).float()  # (B,)

@@ -55,7 +55,7 @@ def test_bf16_scores_are_near_fp32_and_its_fp32_path_is_exact(bf16_model: Scorin
 def test_the_mlp_runs_in_bf16_and_the_scores_differ_from_fp32(bf16_model: ScoringModel, ckpt: dict) -> None:
     scorer = bf16_model._live.scorer
     assert isinstance(scorer, Bf16Scorer)
-    held = scorer._bf16.module
+    held = scorer._bf16.value
     assert held is not None and all(p.dtype == torch.bfloat16 for p in held.parameters())
     assert all(v.dtype != torch.bfloat16 for v in scorer.state_dict().values())  # what is stored stays fp32
     values, offsets, dense = probe(CFG, b=200, seed=9)
