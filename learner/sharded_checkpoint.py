@@ -15,7 +15,8 @@ A checkpoint is a directory ``<checkpoint_dir>/dcp-<samples:015d>-<ms>/``:
 All ranks write into ``.tmp-<name>`` at one step boundary (the lock-step's checkpoint round); only after DCP's
 save returned on every rank (its metadata is written by rank 0 once every rank's shards are) and every rank's
 ``rank-<r>.pt`` is durable does rank 0 write ``meta.json`` and rename the directory into place. A rank killed
-in between leaves a ``.tmp-`` directory, which no load reads: the previous checkpoint stays the newest. On a
+in between leaves a ``.tmp-`` directory, which no load reads (the next save removes it): the previous checkpoint
+stays the newest. On a
 restart every rank reads the newest complete directory; with the same world size each rank gets its own
 ``rank-<r>.pt`` back, with another one the per-rank states are merged (metrics summed into rank 0, recent ids
 given to every rank) and DCP reshards the table to the new row ranges. The directory must be one filesystem
@@ -93,6 +94,8 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
                             else None)
     tmp, final = directory / f".tmp-{name}", directory / name
     if rank == 0:
+        for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     barrier()
     dcp.save(app_state, checkpoint_id=str(tmp))

@@ -171,6 +171,7 @@ def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafk
     assert two.returncode == 0, two.stderr[-3000:]
     s1, s2 = last_json(one.stdout), last_json(two.stdout)
     assert s1["samples_trained"] == s2["samples_trained"] == sum(rows.values())
+    assert s2["metrics"]["samples"] == sum(rows.values())  # the progressive metrics of both ranks, aggregated
     auc1, auc2 = s1["metrics"]["auc"], s2["metrics"]["auc"]
     assert auc1 > 0.65, auc1  # the stream is learnable
     print(f"progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")

@@ -110,3 +110,23 @@ def test_the_single_process_path_imports_no_torchrec() -> None:
             "assert not bad, bad")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_ranks_progressive_metrics_merge_into_those_of_all_their_samples() -> None:
+    from learner.sharded_checkpoint import merged_metrics
+
+    rng = np.random.default_rng(4)
+    labels = (rng.random(3000) < 0.3).astype(np.float64)
+    probs = np.clip(0.3 + 0.3 * (labels - 0.3) + rng.normal(0, 0.2, 3000), 0.01, 0.99)
+    whole = ProgressiveMetrics(window=5000)
+    whole.update(probs, labels)
+    parts = []
+    for sel in (slice(0, 1000), slice(1000, 3000)):  # two ranks' samples
+        m = ProgressiveMetrics(window=5000)
+        m.update(probs[sel], labels[sel])
+        parts.append({"metrics": m.state_dict()})
+    merged = merged_metrics(parts, window=5000)
+    assert merged.count == 3000
+    assert merged.auc == pytest.approx(whole.auc, abs=1e-12)
+    assert merged.logloss == pytest.approx(whole.logloss, rel=1e-9)
+    assert merged.auc != pytest.approx(merged_metrics(parts[:1], window=5000).auc, abs=1e-6)  # not one rank's
