@@ -31,6 +31,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -45,6 +46,7 @@ from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.join")
 
+_TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
 _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the consumer to bring more
 
 
@@ -195,7 +197,7 @@ class KafkaJoinWorker:
 
     def held_inputs(self) -> set[Key]:
         """The inputs with records held past the frontier: paused until those are joined (the fetch is ahead)."""
-        return {(input_of(self.kafka, r.topic), r.partition) for r in self._held}
+        return {(input_of(self.kafka, t), p) for t, p in set(map(_TOPIC_PARTITION, self._held))}  # a C-level pass
 
     def _topic(self, kind: str) -> str:
         return topic_of(self.kafka, kind)

@@ -70,6 +70,7 @@ _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpres
 
 _RECORD = itemgetter(0)  # of a (record, event) pair
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
+_EVENT, _TS_OF = itemgetter(1), attrgetter("ts")  # of a (record, event) pair; of an event
 
 
 def _nth_good(pairs: list[tuple[Record, Impression | Click | BadMessage]], n: int) -> int:
@@ -401,7 +402,10 @@ class JoinPipeline:
         ts_of: dict[Key, list[int]] = {}  # (input, partition) -> good events' times in offset order
         clean: dict[tuple[str, int], bool] = {}  # whether a topic-partition's records are all good
         for tp, pairs in groups.items():
-            ts = [e.ts for _, e in pairs if not isinstance(e, BadMessage)]  # type: ignore[union-attr]
+            try:  # all good (the usual case): one C-level pass
+                ts = list(map(_TS_OF, map(_EVENT, pairs)))
+            except AttributeError:  # a BadMessage among them (it has no ts)
+                ts = [e.ts for _, e in pairs if not isinstance(e, BadMessage)]  # type: ignore[union-attr]
             ts_of[(input_of(self.kafka, tp[0]), tp[1])] = ts
             clean[tp] = len(ts) == len(pairs)
         reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), []))
