@@ -115,7 +115,11 @@ class KafkaSampleDataset(IterableDataset):
             while True:
                 if parent is not None and os.getppid() != parent:
                     log.warning("the training process is gone: DataLoader worker for partitions %s stops", parts)
-                    return
+                    consumer.close()  # leave the group now, not after a session timeout
+                    # Not a return: the worker's batches still queued for the dead parent sit in a pipe whose read
+                    # end only the workers hold, so multiprocessing's exit handler (joining the queue's feeder
+                    # thread, blocked on the full pipe) would hang the orphan for good. Nobody is left to read them.
+                    os._exit(0)
                 msgs = ordered(consumer.consume(256, 0.2))
                 for m, decoded in msgs:
                     err = m.error()
