@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -315,3 +316,21 @@ class ShardedLearner:
         if self._group is not None:
             self._group.close()
 
+
+
+def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext) -> dict[str, Any] | None:
+    """This rank's part of ``streamrec train`` under torchrun: join the group, train, leave. The job's summary on
+    rank 0 (None on the others)."""
+    ctx.init()
+    try:
+        learner = ShardedLearner(kafka, ls, ctx)
+        if ctx.rank == 0:
+            print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
+                  f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
+        try:
+            summary = learner.run()
+        finally:
+            learner.close()
+    finally:
+        ctx.close()
+    return summary if ctx.rank == 0 else None

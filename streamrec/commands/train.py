@@ -96,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     import os
 
+    import torch
+
     from learner.distributed import RankContext
 
     # torchrun's environment, read here at the edge: WORLD_SIZE > 1 is the distributed mode
-    ctx = RankContext.from_env(os.environ, ls.device.resolve(_cuda_available()))
+    ctx = RankContext.from_env(os.environ, ls.device.resolve(torch.cuda.is_available()))
     if ls.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -109,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
     # bf16 step here, environment.md); only takes effect for this process's children, so set it early.
     for k, v in (("MALLOC_TRIM_THRESHOLD_", "68719476736"), ("MALLOC_MMAP_THRESHOLD_", "33554432")):
         os.environ.setdefault(k, v)
-    if ctx.distributed:
-        return _run_ranks(args, kafka, ls, ctx)
+    if ctx.distributed:  # learner/sharded_daemon.py: TorchRec is imported only on this path
+        from learner.sharded_daemon import run_ranks
+
+        summary = run_ranks(kafka, ls, ctx)
+        if summary is not None:  # rank 0
+            emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
+        return EXIT_OK
     from learner.daemon import Learner
 
     learner = Learner(kafka, ls, redis=rs)
@@ -121,33 +128,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         learner.close()
     emit(args, summary, _describe)
-    return EXIT_OK
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _run_ranks(args: argparse.Namespace, kafka: Any, ls: LearnerSettings, ctx: Any) -> int:
-    """The distributed mode (learner/sharded_daemon.py): TorchRec is imported only here."""
-    from learner.sharded_daemon import ShardedLearner
-
-    ctx.init()
-    try:
-        learner = ShardedLearner(kafka, ls, ctx)
-        if ctx.rank == 0:
-            print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
-                  f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
-        try:
-            summary = learner.run()
-        finally:
-            learner.close()
-    finally:
-        ctx.close()
-    if ctx.rank == 0:
-        emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
     return EXIT_OK
 
 
