@@ -45,8 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from cache_refresh.publish import publish  # noqa: E402
 from learner.artifact import build_artifact  # noqa: E402
-from learner.features import FeatureConfig, FieldSpec  # noqa: E402
-from learner.model import DeepFM  # noqa: E402
+from learner.features import FeatureConfig  # noqa: E402
 from serving.embedding_store import RedisEmbeddingStore, delete_version, write_version  # noqa: E402
 from serving.features import FeatureEncoder  # noqa: E402
 from serving.metrics import ServingMetrics  # noqa: E402
@@ -60,36 +59,23 @@ CANDIDATES = 100
 HISTORY = 20
 
 
-def feature_config(rows: int) -> FeatureConfig:
-    ctx = [FieldSpec("ctx.device", "single", 16), FieldSpec("ctx.hour", "single", 24),
-           FieldSpec("ctx.genres", "multi", 64)]
-    rest = rows - sum(f.num_buckets for f in ctx)
-    users = rest // 2
-    return FeatureConfig((FieldSpec("user_id", "single", users), FieldSpec("item_id", "single", rest - users),
-                          FieldSpec("history", "sequence", 1, shares="item_id"), *ctx), embedding_dim=16)
+def _serving_bench() -> Any:
+    """bench/serving.py as a module: its synthetic model and traffic (one definition for both benchmarks)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", Path(__file__).resolve().parent / "serving.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def checkpoint(cfg: FeatureConfig) -> dict[str, Any]:
-    model = DeepFM(cfg, mlp=(400, 400, 400), seed=0, autocast_dtype=None)
-    return {"meta": {"feature_config": cfg.to_dict(), "model": {"mlp": "400,400,400", "dropout": 0.0},
-                     "samples_trained": 0, "offsets": {}}, "model": model.state_dict(), "path": "synthetic"}
+SERVING = _serving_bench()
+feature_config, checkpoint = SERVING.feature_config, SERVING.checkpoint
 
 
 def zipf(rng: np.random.Generator, n: int, space: int) -> np.ndarray:
     return (rng.zipf(1.1, n) - 1) % space
-
-
-def hot_rows(cfg: FeatureConfig, share: float, rng: np.random.Generator, sample: int = 2_000_000) -> np.ndarray:
-    k = int(cfg.num_rows * share) // 2
-
-    def top(field: int) -> np.ndarray:
-        first, n = cfg.blocks[field]
-        ids, counts = np.unique(zipf(rng, sample, n), return_counts=True)
-        head = ids[np.argsort(-counts, kind="stable")[:k]]
-        return first + np.remainder(np.array([hash_value(int(x)) for x in head], np.int64), n)
-
-    ctx = np.concatenate([np.arange(f, f + n) for f, n in cfg.blocks[3:]])
-    return np.concatenate([top(0), top(1), ctx])
 
 
 def requests(cfg: FeatureConfig, n: int, rng: np.random.Generator) -> list[tuple[dict[str, Any], list[int]]]:
@@ -147,7 +133,7 @@ def measure_layered(rows: int = 1_000_000, requests_per_mode: int = 2000, warmup
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = feature_config(rows)
-            hot = hot_rows(cfg, hot_share, rng)
+            hot = SERVING.Traffic(cfg, seed).hot_rows(cfg, hot_share)
             root = Path(tmp) / "serving"
             path = publish(root, build_artifact(checkpoint(cfg), root, hot, version="bench"), keep=2)
             in_process = ScoringModel.load(path, verify_files=False)

@@ -109,22 +109,10 @@ def connect(settings: RedisSettings, *, timeout_s: float | None = None, connect_
     connects lazily; ``check=True`` sends one PING first (:func:`verify`) and raises a :class:`RedisFailure`
     (:class:`RedisAuthError` for refused credentials) instead of returning a client that cannot work.
     Raises :class:`~stream.errors.ConfigError` for an unreadable ``password_file`` or TLS file."""
-    options: dict[str, Any] = {"retry": _retry(retries)}
+    options = _client_options(settings, timeout_s, connect_timeout_s)
+    options["retry"] = _retry(retries)
     if retries == 0:
         options["retry_on_error"] = []
-    if timeout_s is not None:
-        options["socket_timeout"] = timeout_s
-    if connect_timeout_s is None:
-        connect_timeout_s = timeout_s
-    if connect_timeout_s is not None:
-        options["socket_connect_timeout"] = connect_timeout_s
-    if settings.username:  # a user in the url wins in redis-py; RedisSettings refuses two different ones
-        options["username"] = settings.username
-    password = _password(settings)
-    if password:
-        options["password"] = password
-    if settings.tls:
-        options.update(_tls_options(settings))
     client = redis.Redis.from_url(settings.url, **options)
     if check:
         try:
@@ -141,6 +129,13 @@ def connect_cluster(settings: RedisSettings, *, timeout_s: float | None = None,
     node (it discovers the others), with the same credentials and TLS as :func:`connect` and no retries of a
     failed command (the caller's own fallback sees the failure at once). Used where a setting asks for a cluster
     (``[serve] embedding_store_cluster``); counts, history and pub/sub use :func:`connect`."""
+    options = _client_options(settings, timeout_s, connect_timeout_s)
+    return RedisCluster.from_url(settings.url, retry=_retry(0), **options)
+
+
+def _client_options(settings: RedisSettings, timeout_s: float | None, connect_timeout_s: float | None,
+                    ) -> dict[str, Any]:
+    """A client's timeouts (``connect_timeout_s`` defaults to ``timeout_s``; None: no bound), credentials and TLS."""
     options: dict[str, Any] = {}
     if timeout_s is not None:
         options["socket_timeout"] = timeout_s
@@ -148,14 +143,14 @@ def connect_cluster(settings: RedisSettings, *, timeout_s: float | None = None,
         connect_timeout_s = timeout_s
     if connect_timeout_s is not None:
         options["socket_connect_timeout"] = connect_timeout_s
-    if settings.username:
+    if settings.username:  # a user in the url wins in redis-py; RedisSettings refuses two different ones
         options["username"] = settings.username
     password = _password(settings)
     if password:
         options["password"] = password
     if settings.tls:
         options.update(_tls_options(settings))
-    return RedisCluster.from_url(settings.url, retry=_retry(0), **options)
+    return options
 
 
 def verify(client: redis.Redis, settings: RedisSettings, *, reachable: bool = True) -> bool:
