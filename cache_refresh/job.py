@@ -420,10 +420,25 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) ->
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs))
     except redis.RedisError as exc:
+        _delete_unfinished(client, rds, model.version)
         raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
                            "keeps serving") from exc
+    except Exception:
+        _delete_unfinished(client, rds, model.version)
+        raise
     finally:
         client.close()
+
+
+def _delete_unfinished(client: Any, rds: RedisSettings, version: str) -> None:
+    """Best effort: delete the rows a failed write left. Rows without ``meta`` are never served, and never pruned
+    either (pruning finds a version by its meta), so without this each failed run would leak a table into Redis."""
+    try:
+        n = embedding_store.delete_version(client, rds.prefix, version)
+        log.info("refresh: deleted %d embedding store keys of %s, whose write failed", n, version)
+    except Exception as exc:  # noqa: BLE001 - Redis is failing anyway: say what is left behind
+        log.warning("refresh: could not delete the rows of %s after its write failed (%s); delete the keys %s* by "
+                    "hand (they are never served)", version, exc, embedding_store.version_prefix(rds.prefix, version))
 
 
 def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path) -> None:
@@ -438,7 +453,7 @@ def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path) -> None:
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)
         finally:
             client.close()
-    except (redis.RedisError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - published already: nothing here may fail the run
         log.warning("refresh: could not delete pruned versions' rows from the embedding store (%s); the next "
                     "refresh tries again", exc)
 

@@ -134,8 +134,11 @@ def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[s
         k = key.decode() if isinstance(key, bytes) else key
         version = k[len(start):-len(end)]
         if owner is not None:
-            meta = read_meta(client, prefix, version)
-            if meta is None or meta.get("owner", "") != owner:
+            try:
+                meta = read_meta(client, prefix, version)
+            except (ValueError, UnicodeDecodeError):  # not JSON: not a meta this code wrote, so not this owner's
+                continue
+            if not isinstance(meta, dict) or meta.get("owner", "") != owner:
                 continue
         out.add(version)
     return out
@@ -283,9 +286,10 @@ class RedisEmbeddingStore:
                              "\"layered\" (and the same [redis] url and "
                              "prefix as serving), or serve with [serve] embedding_store = \"in_process\"")
         dtypes = {d.value for d in RowDtype}
-        if meta.get("rows") != num_rows or meta.get("dim") != dim or meta.get("dtype") not in dtypes:
-            raise ValueError(f"the embedding store's rows of version {version} ({meta}) do not fit the artifact "
-                             f"({num_rows} rows of {dim} values); republish with `streamrec refresh --now`")
+        if (not isinstance(meta, dict) or meta.get("rows") != num_rows or meta.get("dim") != dim
+                or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in dtypes):
+            raise ValueError(f"the embedding store's rows of version {version} do not fit the artifact ({num_rows} "
+                             f"rows of {dim} values; meta {str(meta)[:200]}); republish with `streamrec refresh --now`")
         return meta
 
     def fetch(self, version: str, rows: np.ndarray, dim: int, dtype: RowDtype) -> np.ndarray:
@@ -302,6 +306,10 @@ class RedisEmbeddingStore:
                 raise LookupError(f"{len(missing)} of {len(keys)} rows are not in the store (e.g. {missing[0]}): "
                                   "the version's keys were deleted or evicted (maxmemory?)")
             out = decode_rows(values, dim, dtype)
+            finite = np.isfinite(out).all(axis=1)  # (M,)
+            if not finite.all():
+                raise ValueError(f"{int((~finite).sum())} of {len(keys)} rows hold non-finite values (e.g. "
+                                 f"{keys[int(np.flatnonzero(~finite)[0])]}): not written by a refresh or a delta")
         except Exception as exc:  # noqa: BLE001 - refused, timed out, evicted, malformed: fallback rows
             self.failed(f"MGET of {len(keys)} rows", exc)
             raise StoreUnavailable(self.last_error or "") from exc
@@ -448,5 +456,13 @@ class LayeredRows:
         self.cache.discard_many(rows)
         block = self._block_of(rows)
         remote = ~hot & (self._local_rows(rows, block) < 0)
-        if remote.any() and self.store.available:
-            self.store.write(self.version, rows[remote], vectors[remote], self.dtype)
+        if not remote.any() or not self.store.available or not self.store.write_deltas:
+            return
+        try:
+            self._check()  # the version's dtype comes from its meta: never write rows in a guessed one
+        except StoreUnavailable:
+            return  # counted by open(); the override serves the delta, the next refresh rewrites the row
+        except ValueError as exc:  # Redis answers, without this version (or with one that does not fit)
+            self.store.failed("checking the version's rows before writing a delta", exc)
+            return
+        self.store.write(self.version, rows[remote], vectors[remote], self.dtype)

@@ -113,12 +113,19 @@ class ScoringService:
         return f"http://{self.s.host}:{self.port}"
 
     def start(self) -> ScoringService:
-        self._check_redis()
-        self.updater.start()
-        if self.lookups is not None:
-            self.lookups.start()
-        self.server = make_server(self.s.server, self.app, self.s.host, self.s.port)
-        self.server.start()
+        """Load the current artifact, start the updater and lookup-count threads, then the HTTP server. A start
+        that fails (the port taken, ...) stops what it started and closes the clients before raising: ``with``
+        never calls ``__exit__`` when ``__enter__`` raised."""
+        try:
+            self._check_redis()
+            self.updater.start()
+            if self.lookups is not None:
+                self.lookups.start()
+            self.server = make_server(self.s.server, self.app, self.s.host, self.s.port)
+            self.server.start()
+        except BaseException:
+            self.stop(grace_s=0.0)  # both servers' stop() also closes a server that never started
+            raise
         return self
 
     def _check_redis(self) -> None:

@@ -483,3 +483,168 @@ def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_d
         stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
         assert stored is not None
         assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], new_vector.numpy())
+
+
+# -- failure paths: Redis down at load, garbage in Redis, a failed write, a failed start ------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def store_down_at_load(stack: LocalStack, prefix: str, clock: Clock,
+                       metrics: Any = None) -> tuple[RedisEmbeddingStore, redis.Redis]:
+    """A store whose client refuses (a port nobody listens on) and the real client to put in its place later."""
+    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2)
+    store = RedisEmbeddingStore(dead, prefix, cache_rows=1000, retry_after_s=1.0, metrics=metrics, clock=clock)
+    return store, redis.Redis.from_url(stack.redis_url, socket_timeout=1.0)
+
+
+def test_a_delta_applied_before_the_version_meta_was_read_writes_rows_in_the_versions_dtype(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    # Redis down when the float16 version loads: its dtype is not known yet. A delta that arrives once Redis is back,
+    # before any request read the meta, must not write float32 rows into the float16 version (rows of the wrong
+    # length, which every later MGET touching them would reject as a failed round trip).
+    path = publish_version(tmp_path, redis_client, prefix, RowDtype.FLOAT16)
+    clock = Clock()
+    store, real = store_down_at_load(stack, prefix, clock)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        store.client.close()
+        store.client = real
+        clock.now = 5.0  # past the retry-after window: Redis is tried again
+        user_row = int(layered.map_rows(0, np.array([hash_value(ADMITTED_USERS[6])]))[0])
+        assert user_row not in set(HOT.tolist())
+        vector = torch.full((1, CFG.embedding_dim + 1), 0.25)
+        layered.apply_delta(torch.tensor([user_row]), vector, None, seq=1)
+        stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
+        assert stored is not None and len(stored) == (CFG.embedding_dim + 1) * 2  # float16, as the version
+        assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT16)[0], vector[0].numpy())
+        errors = store.last_error
+        vec, failed = layered.layered.gather(np.array([user_row]))  # type: ignore[union-attr]
+        assert not failed.any() and store.last_error == errors
+    finally:
+        store.client.close()
+
+
+@pytest.mark.parametrize("garbage", [b'"not a dict"', b"[1, 2]", json.dumps(
+    {"rows": CFG.num_rows, "dim": CFG.embedding_dim + 1, "dtype": ["float32"]}).encode()])
+def test_a_garbage_meta_read_after_load_falls_back_instead_of_failing_the_request(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path, garbage: bytes) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    clock = Clock()
+    store, real = store_down_at_load(stack, prefix, clock)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        store.client.close()
+        store.client = real
+        clock.now = 5.0
+        redis_client.set(f"{prefix}:emb:v1:meta", garbage)
+        scores = score(layered, request(ADMITTED_USERS[2], ADMITTED_ITEMS[:30]))  # no exception: fallback rows
+        assert bool(torch.isfinite(scores).all())
+        assert store.last_error is not None and "fit" in store.last_error
+        assert len(layered.layered.cache) == 0  # type: ignore[union-attr]
+    finally:
+        store.client.close()
+
+
+def test_a_garbage_meta_at_load_is_an_artifact_error_naming_it(stack: LocalStack, redis_client: redis.Redis,
+                                                               prefix: str, tmp_path: Path) -> None:
+    from learner.artifact import ArtifactError
+    path = publish_version(tmp_path, redis_client, prefix)
+    redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")
+    store = store_of(stack, prefix)
+    try:
+        with pytest.raises(ArtifactError, match="do not fit the artifact"):
+            ScoringModel.load(path, store=store)
+    finally:
+        store.client.close()
+
+
+def test_non_finite_rows_in_redis_are_not_served_nor_cached(stack: LocalStack, redis_client: redis.Redis,
+                                                           prefix: str, tmp_path: Path) -> None:
+    # A row of the right length whose bytes decode to NaN (a foreign writer, a corrupted value): the request scores
+    # on fallback rows, finite, and the LRU does not keep the row (it would poison every later request).
+    path = publish_version(tmp_path, redis_client, prefix)
+    metrics = ServingMetrics(lambda: None)
+    store = store_of(stack, prefix, metrics=metrics)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        user_row = int(layered.map_rows(0, np.array([hash_value(ADMITTED_USERS[7])]))[0])
+        nan = np.full((1, CFG.embedding_dim + 1), np.nan, np.float32)
+        redis_client.set(row_keys(prefix, "v1", np.array([user_row]))[0], nan.tobytes())
+        scores = score(layered, request(ADMITTED_USERS[7], NEW_ITEMS))
+        assert bool(torch.isfinite(scores).all()), scores
+        assert user_row not in layered.layered.cache  # type: ignore[union-attr]
+        assert store.last_error is not None and "non-finite" in store.last_error
+        assert _sample(metrics.render().decode(), "streamrec_serving_embedding_store_errors_total") >= 1
+    finally:
+        store.client.close()
+
+
+def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_own_pruned_versions(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    # After publishing nothing may fail the refresh; an undecodable meta under the shared prefix (another writer's,
+    # a hand-set key) must not raise out of the prune, nor stop it deleting this root's pruned versions.
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from serving.embedding_store import stored_versions
+
+    rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    write_version(redis_client, prefix, "old", np.zeros((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32,
+                  owner=job._owner(rs))
+    redis_client.set(f"{prefix}:emb:junk:meta", b"\xff\xfe not json")
+    redis_client.set(f"{prefix}:emb:list:meta", b"[1]")
+    job._prune_stored(rs, rds, tmp_path / "serving")  # no exception
+    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
+    assert stored_versions(redis_client, prefix) == {"junk", "list"}  # not ours: left alone
+
+
+def test_a_failed_write_of_a_versions_rows_leaves_no_rows_behind(stack: LocalStack, redis_client: redis.Redis,
+                                                                prefix: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows written without their meta are never served and never pruned (pruning finds versions by their meta):
+    # a write that fails before meta must delete what it wrote, or each failed refresh leaks a table into Redis.
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+
+    class MetaRefused:
+        """The real client, whose SET (the meta, written last) fails as a dropped connection would."""
+
+        def __init__(self, client: redis.Redis) -> None:
+            self._client = client
+
+        def set(self, *_a: Any, **_k: Any) -> None:
+            raise redis.ConnectionError("connection lost while writing meta")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._client, name)
+
+    path = publish(tmp_path, build_artifact(checkpoint(), tmp_path, HOT, version="w1"), keep=10)
+    model = ScoringModel.load(path)
+    rs = RefreshSettings(publish_root=tmp_path, embedding_store=EmbeddingStore.LAYERED)
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    monkeypatch.setattr(job, "_store_client", lambda rs, rds: MetaRefused(redis.Redis.from_url(stack.redis_url)))
+    with pytest.raises(job.RefreshError, match="embedding_store"):
+        job._store_rows(rs, rds, model)
+    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:w1:*"))
+
+
+def test_a_service_that_fails_to_start_leaves_no_thread_running(stack: LocalStack, prefix: str,
+                                                               tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        settings = ServeSettings(port=taken.getsockname()[1], publish_root=tmp_path / "serving", poll_s=3600,
+                                 embedding_store=EmbeddingStore.LAYERED)
+        svc = ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix))
+        with pytest.raises(OSError):
+            svc.start()
+    names = {t.name for t in threading.enumerate() if t.is_alive()}
+    assert not names & {"serve-updater", "serve-pubsub", "lookup-counts"}, names
