@@ -345,7 +345,7 @@ class LayeredRows:
         meta = store.open(version, self.num_rows, self.dim)
         self.dtype = RowDtype.of(meta["dtype"] if meta else RowDtype.FLOAT32, "embedding store dtype")
         self._checked = meta is not None  # meta not read yet (Redis down at load): read it before the first fetch
-        self.cache = RowCache(store.cache_rows)
+        self.cache = RowCache(min(store.cache_rows, self.num_rows))  # never more rows than the table has
         # Dynamic fields: (first, bucket rows, own rows, field name); their bucket areas are local.
         self._blocks = sorted(buckets)
         self._local_first = np.array([b[0] for b in self._blocks], dtype=np.int64)

@@ -9,10 +9,12 @@ scored request reports the ids whose rows it read, per kind as the hot set names
 * ``item``: its candidates and the user's history items (the history field shares the item block's rows).
 
 The request path only appends the hashed ids it already has (``stream.features.hash_value``, as the encoder hashed
-them) to an in-memory list under a lock: no Redis call, no hashing, O(1) per request. A background thread flushes
-every ``flush_s`` seconds, or sooner once ``flush_ids`` lookups are waiting: it counts them per distinct id
-(``np.unique``) and adds the counts to today's (UTC, wall clock) ``lookup`` day keys of ``stream/counts.py``
-(``{prefix}:counts:{kind}:lookup:{YYYYMMDD}``, beside the joiner's impression counts) with one pipelined round trip.
+them) to an in-memory list under a lock, filed under the UTC day (wall clock) of the request: no Redis call, no
+hashing, O(1) per request. A background thread flushes every ``flush_s`` seconds (at most a day), or sooner once
+``flush_ids`` lookups are waiting: it counts them per distinct id (``np.unique``) and adds the counts to the
+``lookup`` day keys of ``stream/counts.py`` (``{prefix}:counts:{kind}:lookup:{YYYYMMDD}``, beside the joiner's
+impression counts) of the day they were made, not of the flush (a flush just after midnight writes the last seconds
+of the day before to that day), with one pipelined round trip.
 
 Bounded: at most ``max_pending`` lookups wait in memory (int64 each); a request that would exceed it is not counted
 (``streamrec_serving_lookup_counts_dropped_total{reason="full"}``). A flush that fails (Redis down, slow, refusing)
@@ -48,14 +50,14 @@ class LookupCounts:
     def __init__(self, counts: DailyCounts, metrics: ServingMetrics | None = None, flush_s: float = 5.0,
                  flush_ids: int = 200_000, max_pending: int = 2_000_000,
                  clock: Callable[[], float] = time.time) -> None:
-        if not flush_s > 0 or flush_ids < 1 or max_pending < 1:
-            raise ValueError(f"LookupCounts: flush_s must be > 0 and flush_ids, max_pending >= 1, got {flush_s!r}, "
-                             f"{flush_ids!r}, {max_pending!r}")
+        if not 0 < flush_s <= DAY_S or flush_ids < 1 or max_pending < 1:  # (an infinite wait raises OverflowError)
+            raise ValueError(f"LookupCounts: flush_s must be in (0, {DAY_S}] and flush_ids, max_pending >= 1, got "
+                             f"{flush_s!r}, {flush_ids!r}, {max_pending!r}")
         self.counts, self.metrics = counts, metrics
         self.flush_s, self.flush_ids, self.max_pending = float(flush_s), int(flush_ids), int(max_pending)
         self.clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}  # hashed ids, (n,) int64 each
+        self._pending: dict[tuple[int, str], list[np.ndarray]] = {}  # (day, kind) -> hashed ids, (n,) int64 each
         self._n = 0  # lookups waiting
         self._flush_lock = threading.Lock()  # one flush at a time (the thread, a direct call, stop)
         self._wake = threading.Event()
@@ -71,11 +73,12 @@ class LookupCounts:
         n = len(hashed)
         if not n:
             return
+        day = int(self.clock()) // DAY_S  # the day it was served on, whenever it is flushed
         wake = False
         with self._lock:
             full = self._n + n > self.max_pending
             if not full:
-                self._pending[kind].append(hashed)
+                self._pending.setdefault((day, kind), []).append(hashed)
                 self._n += n
                 wake = self._n >= self.flush_ids
         if full:
@@ -88,16 +91,14 @@ class LookupCounts:
         """Write what is waiting (one pipelined round trip); the number of lookups written (0 on failure)."""
         with self._flush_lock:
             with self._lock:
-                pending, self._pending = self._pending, {k: [] for k in KINDS}
+                pending, self._pending = self._pending, {}
                 n, self._n = self._n, 0
             if not n:
                 return 0
-            day = int(self.clock()) // DAY_S
             try:
-                for kind, parts in pending.items():
-                    if parts:
-                        members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,)
-                        self.counts.add_counts(kind, EVENT, members, counts, day)
+                for (day, kind), parts in sorted(pending.items()):
+                    members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,)
+                    self.counts.add_counts(kind, EVENT, members, counts, day)
             except Exception as exc:  # noqa: BLE001 - Redis down or refusing: the counts are lost, serving goes on
                 self._drop("redis", n)
                 self._outcome("error")

@@ -13,6 +13,8 @@ from learner.config import Device
 from stream.config import Choice
 from stream.errors import ConfigError
 
+MAX_DURATION_S = 86_400.0  # the longest period or timeout a [serve] duration may name
+
 
 class EmbeddingStore(Choice):
     """Where the rows outside the artifact's hot set come from (serving/model.py, serving/embedding_store.py)."""
@@ -91,9 +93,12 @@ class ServeSettings:
         object.__setattr__(self, "embedding_store", EmbeddingStore.of(self.embedding_store, "[serve] embedding_store"))
         if self.embedding_cache_rows < 0:
             raise ConfigError(f"[serve] embedding_cache_rows must be >= 0, got {self.embedding_cache_rows!r}")
-        for name in ("embedding_store_timeout_s", "embedding_store_retry_after_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"[serve] {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("embedding_store_timeout_s", "embedding_store_retry_after_s", "lookup_counts_flush_s"):
+            # at most a day: an infinite flush period kills the flush thread at its first wait (OverflowError), an
+            # infinite retry-after never asks Redis again after one failure, an infinite timeout waits for ever
+            if not 0 < getattr(self, name) <= MAX_DURATION_S:
+                raise ConfigError(f"[serve] {name} must be > 0 and <= {MAX_DURATION_S} (a day), got "
+                                  f"{getattr(self, name)!r}")
         for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s",
                      "lookup_counts_flush_s", "lookup_counts_flush_ids", "lookup_counts_max_pending"):
             if not getattr(self, name) > 0:

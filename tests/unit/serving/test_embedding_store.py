@@ -138,3 +138,16 @@ def test_a_failed_round_trip_is_counted_once_and_redis_is_skipped_for_the_retry_
     with pytest.raises(StoreUnavailable):
         client.down = True
         store.fetch("v", np.array([6]), 3, RowDtype.FLOAT32)
+
+
+def test_an_lru_sized_beyond_the_table_holds_at_most_the_tables_rows() -> None:
+    # embedding_cache_rows far beyond the table (a typo, 10**13): the LRU's one array was allocated at the size asked
+    # on the first miss (MemoryError: every request with a miss failed); it never needs more rows than the table has.
+    now = [0.0]
+    table = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    store, _ = _store(table, lambda: now[0])
+    store.cache_rows = 10 ** 13
+    rows = LayeredRows(store, "v", table, [], None)
+    vec, failed = rows.gather(np.array([1, 2]))
+    assert np.array_equal(vec, table[[1, 2]]) and not failed.any()
+    assert rows.cache.capacity == len(table)

@@ -94,3 +94,26 @@ def test_the_thread_flushes_once_flush_ids_wait_and_stop_flushes_the_rest() -> N
 def test_bad_limits_are_refused() -> None:
     with pytest.raises(ValueError, match="flush_s"):
         LookupCounts(FakeCounts(), flush_s=0)  # type: ignore[arg-type]
+
+
+def test_lookups_count_on_the_utc_day_they_were_made_not_the_day_of_the_flush() -> None:
+    # A request at 23:59:59 UTC flushed at 00:00:01 belongs to the day it was served (the hot set ranks by day keys,
+    # and a day key ages out of the window by its day): the flush must not move it to the next day.
+    now = [4 * DAY_S - 1.0]
+    fake = FakeCounts()
+    lc = LookupCounts(fake, clock=lambda: now[0])  # type: ignore[arg-type]
+    lc.add("item", np.array([7, 7], np.int64))
+    now[0] = 4 * DAY_S + 1.0
+    lc.add("item", np.array([7], np.int64))
+    lc.add("user", np.array([1], np.int64))
+    assert lc.flush() == 4
+    assert sorted(fake.calls, key=lambda c: (c[3], c[0])) == [
+        ("item", "lookup", {7: 2}, 3), ("item", "lookup", {7: 1}, 4), ("user", "lookup", {1: 1}, 4)]
+
+
+@pytest.mark.parametrize("flush_s", [float("inf"), 1e10])
+def test_a_flush_period_the_thread_cannot_wait_is_refused(flush_s: float) -> None:
+    # threading.Event.wait(inf) raises OverflowError: the flush thread would die at once and nothing would be
+    # flushed until stop, every lookup beyond max_pending dropped meanwhile.
+    with pytest.raises(ValueError, match="flush_s"):
+        LookupCounts(FakeCounts(), flush_s=flush_s)  # type: ignore[arg-type]

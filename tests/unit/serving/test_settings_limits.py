@@ -1,0 +1,32 @@
+"""[serve] settings of the layered store and the lookup counts: hostile values are refused at the process edge with
+the value and the bound, instead of failing later on a thread or a request."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.settings import ServeSettings
+from stream.errors import ConfigError
+
+DURATIONS = ["lookup_counts_flush_s", "embedding_store_retry_after_s", "embedding_store_timeout_s"]
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+@pytest.mark.parametrize("value", [float("inf"), 1e10])
+def test_durations_beyond_a_day_are_refused(name: str, value: float) -> None:
+    # retry_after_s = inf: after one failed round trip Redis is never asked again; flush_s = inf: the flush thread
+    # dies at its first wait (OverflowError); a timeout of inf waits on a dead Redis for ever.
+    with pytest.raises(ConfigError, match=name):
+        ServeSettings(**{name: value})
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+def test_nan_and_zero_durations_are_refused(name: str) -> None:
+    for value in (float("nan"), 0.0, -1.0):
+        with pytest.raises(ConfigError, match=name):
+            ServeSettings(**{name: value})
+
+
+def test_sane_values_are_kept() -> None:
+    s = ServeSettings(lookup_counts_flush_s=86_400, embedding_store_retry_after_s=0.5, embedding_store_timeout_s=0.01)
+    assert s.lookup_counts_flush_s == 86_400 and s.embedding_store_timeout_s == 0.01
