@@ -18,7 +18,7 @@ import torch
 
 from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
-from serving.embedding_store import RedisEmbeddingStore
+from serving.embedding_store import LazyClient, RedisEmbeddingStore
 from serving.http_server import Server, make_server
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
@@ -45,18 +45,21 @@ def resolve_device(device: str) -> str:
 def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | None,
                      metrics: ServingMetrics) -> RedisEmbeddingStore | None:
     """The layered mode's store ([serve] embedding_store = "layered"), on its own client: a short timeout, no
-    retries (a failed round trip falls back at once), a Redis Cluster with ``embedding_store_cluster``."""
+    retries (a failed round trip falls back at once), a Redis Cluster with ``embedding_store_cluster`` (made at its
+    first use: an unreachable cluster at start costs fallback rows, as a single node that is down does)."""
     if settings.embedding_store is not EmbeddingStore.LAYERED:
         return None
     if redis_settings is None:
         raise ConfigError('[serve] embedding_store = "layered" reads rows from Redis: configure [redis] '
                           '(not --no-redis)')
     t = settings.embedding_store_timeout_s
-    client = (connect_cluster(redis_settings, timeout_s=t) if settings.embedding_store_cluster
-              else connect(redis_settings, timeout_s=t, retries=0))
+    rs = redis_settings
+    client = (LazyClient(lambda: connect_cluster(rs, timeout_s=t)) if settings.embedding_store_cluster
+              else connect(rs, timeout_s=t, retries=0))
     return RedisEmbeddingStore(client, redis_settings.prefix, cache_rows=settings.embedding_cache_rows,
                                retry_after_s=settings.embedding_store_retry_after_s,
-                               write_deltas=settings.embedding_store_write_deltas, metrics=metrics)
+                               write_deltas=settings.embedding_store_write_deltas, metrics=metrics,
+                               cluster=settings.embedding_store_cluster)
 
 
 class ScoringService:

@@ -648,3 +648,18 @@ def test_a_service_that_fails_to_start_leaves_no_thread_running(stack: LocalStac
             svc.start()
     names = {t.name for t in threading.enumerate() if t.is_alive()}
     assert not names & {"serve-updater", "serve-pubsub", "lookup-counts"}, names
+
+
+def test_a_cluster_store_unreachable_at_start_serves_on_fallback_rows_instead_of_refusing_to_start(
+        prefix: str, tmp_path: Path) -> None:
+    # redis-py's RedisCluster contacts a node when it is made: made at start, an unreachable cluster stopped the
+    # service from starting at all, while a single-node store that is down serves hot and bucket rows (200s).
+    root = tmp_path / "serving"
+    publish(root, build_artifact(checkpoint(), root, HOT, version="v1"), keep=10)
+    nobody = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    settings = ServeSettings(port=0, publish_root=root, poll_s=3600, embedding_store=EmbeddingStore.LAYERED,
+                             embedding_store_cluster=True, lookup_counts=False)
+    with ScoringService(settings, RedisSettings(url=nobody, prefix=prefix)) as svc:
+        status, body = post(svc.port, request(ADMITTED_USERS[1], ADMITTED_ITEMS[:10] + NEW_ITEMS))
+        assert status == 200 and len(body["scores"]) == 13
+        assert svc.embedding_store is not None and svc.embedding_store.last_error is not None
