@@ -29,13 +29,14 @@ incomplete and never served), and deletes the keys of versions it prunes (:func:
 so a delta changes layered scores exactly as it changes in-process ones, with or without Redis; the LRU drops the
 rows a delta changes (:meth:`LayeredRows.on_delta`), so nothing stale is served from it either. **Who writes delta
 rows into Redis: the serving process that applies them** (``embedding_store_write_deltas``, one pipelined MSET per
-delta, best effort, non-hot rows only, under the version it applied them to). It is the only process that knows
-both the deltas (it reads the delta directory) and the versions being served; the refresh runs nightly and the
-learner knows no versions. The rows are absolute vectors, so writes are idempotent; with several rankers a lagging
-one may briefly rewrite an older vector of a row, which no ranker serves, because each ranker's own overrides win
-over Redis until its next artifact. What the writes buy: Redis holds the freshest rows of the live version for
-any reader that has not replayed the deltas (a ranker that lost deltas to pruning, tools, a future ranker that
-drops its overrides), and the next refresh rewrites everything anyway.
+delta, best effort, non-hot rows only, under the version it applied them to, and only once the version's meta was
+read: its dtype; a failed write is counted in ``..._errors_total`` but does not make requests skip Redis). It is the
+only process that knows both the deltas (it reads the delta directory) and the versions being served; the refresh
+runs nightly and the learner knows no versions. The rows are absolute vectors, so writes are idempotent; with
+several rankers a lagging one may briefly rewrite an older vector of a row, which no ranker serves, because each
+ranker's own overrides win over Redis until its next artifact. What the writes buy: Redis holds the freshest rows of
+the live version for any reader that has not replayed the deltas (a ranker that lost deltas to pruning, tools, a
+future ranker that drops its overrides), and the next refresh rewrites everything anyway.
 
 **Redis down** (refused, timed out, or a version's row missing): the round trip counts in
 ``streamrec_serving_embedding_store_errors_total`` (the default alert rule ``embedding_store_errors`` fires on
@@ -289,13 +290,20 @@ class RedisEmbeddingStore:
         self.last_error: str | None = None
 
     # -- failures: counted, then Redis is skipped for retry_after_s --
-    def failed(self, what: str, exc: BaseException) -> None:
-        self._down_until = self._clock() + self.retry_after_s
+    def failed(self, what: str, exc: BaseException, skip_reads: bool = True) -> None:
+        """Count a failure; ``skip_reads``: requests skip Redis for ``retry_after_s`` (not for a failed delta write:
+        writes may stall while reads answer, and a best-effort write must not cost requests their rows)."""
+        if skip_reads:
+            self._down_until = self._clock() + self.retry_after_s
         self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
         if self.metrics is not None:
             self.metrics.embedding_store_errors.inc()
-        log.warning("embedding store %s failed (%s); misses use fallback rows for %.1fs", what, self.last_error,
-                    self.retry_after_s)
+        if skip_reads:
+            log.warning("embedding store %s failed (%s); misses use fallback rows for %.1fs", what, self.last_error,
+                        self.retry_after_s)
+        else:
+            log.warning("embedding store %s failed (%s); the delta serves from this process's overrides, Redis "
+                        "gets the rows at the next refresh", what, self.last_error)
 
     @property
     def available(self) -> bool:
@@ -357,7 +365,7 @@ class RedisEmbeddingStore:
             mset = self.client.mset_nonatomic if self.cluster else self.client.mset
             mset(dict(zip(row_keys(self.prefix, version, rows), encode_rows(vectors, dtype), strict=True)))
         except Exception as exc:  # noqa: BLE001 - the override serves the delta; Redis catches up at the next refresh
-            self.failed(f"writing {len(rows)} delta rows", exc)
+            self.failed(f"writing {len(rows)} delta rows", exc, skip_reads=False)
             return False
         return True
 

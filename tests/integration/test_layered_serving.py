@@ -663,3 +663,29 @@ def test_a_cluster_store_unreachable_at_start_serves_on_fallback_rows_instead_of
         status, body = post(svc.port, request(ADMITTED_USERS[1], ADMITTED_ITEMS[:10] + NEW_ITEMS))
         assert status == 200 and len(body["scores"]) == 13
         assert svc.embedding_store is not None and svc.embedding_store.last_error is not None
+
+
+def test_a_delta_write_that_times_out_does_not_make_requests_skip_a_redis_that_still_reads(
+        own_redis: tuple[subprocess.Popen[bytes], str], prefix: str, tmp_path: Path) -> None:
+    # The delta's rows go to Redis best effort, on the request path's short-timeout client. Writes stalled (CLIENT
+    # PAUSE WRITE: a failover, a full replica link) while reads answer: the failed write must not open the
+    # retry-after window that makes every request's misses skip Redis and serve fallback rows.
+    _, url = own_redis
+    admin = redis.Redis.from_url(url)
+    path = publish_version(tmp_path, admin, prefix)
+    store = RedisEmbeddingStore(redis.Redis.from_url(url, socket_timeout=0.1), prefix, cache_rows=1000,
+                                retry_after_s=30.0)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        user_rows = layered.map_rows(0, np.array([hash_value(u) for u in ADMITTED_USERS[10:12]]))
+        admin.execute_command("CLIENT", "PAUSE", "2000", "WRITE")
+        try:
+            layered.apply_delta(torch.tensor(user_rows[:1]), torch.full((1, CFG.embedding_dim + 1), 0.5), None, 1)
+            assert store.last_error is not None and "delta" in store.last_error  # the write failed, counted
+            vec, failed = layered.layered.gather(user_rows[1:])  # type: ignore[union-attr]
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+        assert not failed.any() and np.array_equal(vec, layered.table[user_rows[1:]])
+    finally:
+        store.client.close()
+        admin.close()
