@@ -38,7 +38,8 @@ ranker's own overrides win over Redis until its next artifact. What the writes b
 the live version for any reader that has not replayed the deltas (a ranker that lost deltas to pruning, tools, a
 future ranker that drops its overrides), and the next refresh rewrites everything anyway.
 
-**Redis down** (refused, timed out, or a version's row missing): the round trip counts in
+**Redis down** (refused, timed out, a version's row missing, or rows it answers malformed: of another length, or
+not finite): the round trip counts in
 ``streamrec_serving_embedding_store_errors_total`` (the default alert rule ``embedding_store_errors`` fires on
 it), requests skip Redis for ``embedding_store_retry_after_s`` (one failed round trip per period, not one per
 request), and the rows it should have given fall back: an admitted id's own row to its hash bucket's row (the row
@@ -82,8 +83,16 @@ def row_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
 
 
 def encode_rows(vectors: np.ndarray, dtype: RowDtype) -> list[bytes]:
-    """(M, D + 1) float -> M little-endian byte strings of ``dtype``."""
-    arr = np.ascontiguousarray(vectors, dtype=np.dtype(str(dtype)).newbyteorder("<"))
+    """(M, D + 1) float -> M little-endian byte strings of ``dtype``. ValueError for a finite value ``dtype`` cannot
+    hold (beyond float16's 65504: it would be stored as inf, a row every read then refuses)."""
+    with np.errstate(over="ignore"):
+        arr = np.ascontiguousarray(vectors, dtype=np.dtype(str(dtype)).newbyteorder("<"))
+    if dtype is not RowDtype.FLOAT32 and not np.isfinite(arr).all():
+        lost = int((np.isfinite(np.asarray(vectors, np.float64)) & ~np.isfinite(arr)).sum())
+        if lost:
+            raise ValueError(f"{lost} values are beyond {dtype}'s range (max |x| "
+                             f"{float(np.abs(np.asarray(vectors, np.float64)).max()):.6g}): store the rows as float32 "
+                             "([refresh] embedding_store_dtype = \"float32\")")
     width = arr.shape[1] * arr.itemsize
     raw = arr.tobytes()
     return [raw[i:i + width] for i in range(0, len(raw), width)]

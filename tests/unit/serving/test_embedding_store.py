@@ -151,3 +151,12 @@ def test_an_lru_sized_beyond_the_table_holds_at_most_the_tables_rows() -> None:
     vec, failed = rows.gather(np.array([1, 2]))
     assert np.array_equal(vec, table[[1, 2]]) and not failed.any()
     assert rows.cache.capacity == len(table)
+
+
+def test_values_beyond_float16_are_refused_rather_than_stored_as_inf() -> None:
+    # float16 tops out at 65504: a larger value became inf in Redis, and every MGET touching the row then failed
+    # (non-finite rows are a failed round trip), so the refresh refuses the table instead of publishing it.
+    rows = np.array([[1.0, 7e4], [0.5, -0.5]], np.float32)
+    with pytest.raises(ValueError, match="float16"):
+        encode_rows(rows, RowDtype.FLOAT16)
+    assert len(encode_rows(rows, RowDtype.FLOAT32)) == 2
