@@ -38,14 +38,14 @@ ranker's own overrides win over Redis until its next artifact. What the writes b
 the live version for any reader that has not replayed the deltas (a ranker that lost deltas to pruning, tools, a
 future ranker that drops its overrides), and the next refresh rewrites everything anyway.
 
-**Redis down** (refused, timed out, a version's row missing, or rows it answers malformed: of another length, or
-not finite): the round trip counts in
-``streamrec_serving_embedding_store_errors_total`` (the default alert rule ``embedding_store_errors`` fires on
-it), requests skip Redis for ``embedding_store_retry_after_s`` (one failed round trip per period, not one per
-request), and the rows it should have given fall back: an admitted id's own row to its hash bucket's row (the row
-the id would have if it were not admitted, kept locally), any other row (a static field's hash row: it is its own
-bucket) to zeros, the "unknown" value of an embedding; ``..._fallback_rows_total{kind}`` counts them. Hot rows,
-overrides and cached rows keep serving; no request fails. Nothing is cached from a failed round trip.
+**Redis down** (refused, timed out, a version's row missing, or rows it answers malformed: of another length, or not
+finite): the round trip counts in ``streamrec_serving_embedding_store_errors_total`` (the default alert rule
+``embedding_store_errors`` fires on it), requests skip Redis for ``embedding_store_retry_after_s`` (one failed round
+trip per period, not one per request), and the rows it should have given fall back: an admitted id's own row to its
+hash bucket's row (the row the id would have if it were not admitted, kept locally), any other row (a static field's
+hash row: it is its own bucket) to zeros, the "unknown" value of an embedding; ``..._fallback_rows_total{kind}``
+counts them. Hot rows, overrides and cached rows keep serving; no request fails. Nothing is cached from a failed
+round trip.
 """
 
 from __future__ import annotations
