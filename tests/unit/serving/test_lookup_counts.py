@@ -117,3 +117,31 @@ def test_a_flush_period_the_thread_cannot_wait_is_refused(flush_s: float) -> Non
     # flushed until stop, every lookup beyond max_pending dropped meanwhile.
     with pytest.raises(ValueError, match="flush_s"):
         LookupCounts(FakeCounts(), flush_s=flush_s)  # type: ignore[arg-type]
+
+
+def test_stop_during_a_slow_flush_waits_for_it_then_writes_the_rest_and_leaves_no_thread() -> None:
+    class SlowCounts(FakeCounts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            if not self.calls:  # the thread's first flush hangs until released (Redis slow)
+                self.entered.set()
+                assert self.release.wait(10)
+            super().add_counts(*args, **kwargs)  # type: ignore[arg-type]
+
+    fake = SlowCounts()
+    lc = LookupCounts(fake, flush_s=3600, flush_ids=2).start()  # type: ignore[arg-type]
+    lc.add("item", np.array([1, 2], np.int64))
+    assert fake.entered.wait(10)
+    lc.add("item", np.array([3], np.int64))  # counted while the slow flush runs
+    stopper = threading.Thread(target=lc.stop)
+    stopper.start()
+    time.sleep(0.05)
+    assert stopper.is_alive()  # stop waits for the flush in progress
+    fake.release.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and lc._thread is None
+    assert lc.flushed == 3 and lc.dropped == 0
+    assert [c[2] for c in fake.calls] == [{1: 1, 2: 1}, {3: 1}]
