@@ -689,3 +689,51 @@ def test_a_delta_write_that_times_out_does_not_make_requests_skip_a_redis_that_s
     finally:
         store.client.close()
         admin.close()
+
+
+def test_requests_during_a_swap_score_every_row_from_the_version_they_report(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    # Two versions with different tables under one Redis prefix, a swap while requests run: each answer must equal
+    # the in-process scores of the version it names (no row of one version's LRU or keys served under the other).
+    import threading
+
+    root = tmp_path / "serving"
+    paths = {}
+    for version, seed in (("v1", 0), ("v2", 1)):
+        path = publish(root, build_artifact(checkpoint(seed), root, HOT, version=version), keep=10)
+        model = ScoringModel.load(path)
+        write_version(redis_client, prefix, version, model.table, model.non_hot_rows(), RowDtype.FLOAT32)
+        paths[version] = path
+    (root / "CURRENT").write_text("v1")
+    expected = {v: ScoringModel.load(p) for v, p in paths.items()}
+    reqs = some_requests(40, seed=3)
+    settings = ServeSettings(port=0, publish_root=root, poll_s=3600, embedding_store=EmbeddingStore.LAYERED,
+                             lookup_counts=False, embedding_cache_rows=50)
+    answers: list[tuple[int, dict[str, Any], dict[str, Any]]] = []
+    with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
+        stop = threading.Event()
+
+        def client() -> None:
+            k = 0
+            while not stop.is_set():
+                req = reqs[k % len(reqs)]
+                status, body = post(svc.port, req)
+                answers.append((status, req, body))
+                k += 1
+
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        (root / "CURRENT").write_text("v2")
+        svc.updater.check_now()
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(10)
+    versions = {body["model_version"] for _, _, body in answers}
+    assert versions == {"v1", "v2"}, versions
+    for status, req, body in answers:
+        assert status == 200
+        want = score(expected[body["model_version"]], req).tolist()
+        assert body["scores"] == pytest.approx(want, abs=1e-7), body["model_version"]
