@@ -359,11 +359,16 @@ class DeltaWriter:
             return None
         weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]  # (num_rows, D + 1)
         vectors = weight[rows.to(weight.device)].float().cpu()  # (R, D + 1)
-        dense_state = {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
-                       for k, v in model.state_dict().items() if not k.startswith("sparse.")}
+        return self.write_rows(rows.cpu(), vectors, dense_weights(model), samples_trained)
+
+    def write_rows(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor],
+                   samples_trained: int) -> Path:
+        """Write one delta of ``rows`` (R,) int64 with their ``vectors`` (R, D + 1) float32 and the dense weights,
+        then clear the marks: :meth:`write`'s second half, called directly by the distributed mode's rank 0
+        (``learner/sharded_deltas.py``), which gathers the rows from the ranks that hold them."""
         self.seq += 1
         payload: dict[str, Any] = {"seq": self.seq, "samples_trained": int(samples_trained), "created": time.time(),
-                                   "lineage": self.lineage, "rows": rows.cpu(), "vectors": vectors,
+                                   "lineage": self.lineage, "rows": rows, "vectors": vectors,
                                    "dense_state": dense_state}
         if self.id_maps_source is not None and self._last - self._last_maps >= self.id_maps_every_s:
             payload["id_maps"] = self.id_maps_source()
@@ -386,6 +391,13 @@ class DeltaWriter:
             except Exception as exc:  # noqa: BLE001 - a lost notification only delays serving to its next poll
                 log.warning("delta %d written but not announced (%s); serving picks it up when it polls", self.seq, exc)
         return path
+
+
+def dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every non-embedding weight of ``model`` (its state dict without ``sparse.*``), on the CPU, floats as float32:
+    a delta's ``dense_state``."""
+    return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
+            for k, v in model.state_dict().items() if not k.startswith("sparse.")}
 
 
 def _with_url(rs: RedisSettings, url: str) -> RedisSettings:

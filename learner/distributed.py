@@ -18,7 +18,8 @@
   all-to-all and all-gather, the dense part's gradient all-reduce), so every rank runs the same number of steps,
   each of the same batch size. Once per round each rank says how many rows it has, whether its input ended,
   whether it wants a checkpoint or a stop, and all ranks take the same decision from everybody's answer.
-- :func:`all_gather_objects`: small Python values from every rank (offsets, counts, metrics histograms).
+- :func:`all_gather_objects`, :func:`gather_objects`: small Python values from every rank (offsets, counts, metrics
+  histograms), and a delta's rows on rank 0 (`learner/sharded_deltas.py`).
 """
 
 from __future__ import annotations
@@ -107,10 +108,12 @@ class Round:
     steps: tuple[int, ...]  # rows of each step this round, the same on every rank (the most any rank has)
     checkpoint: bool  # some rank wants a checkpoint now (its samples or seconds since the last one)
     stop: str | None  # why every rank stops now (None: go on)
+    delta: bool = False  # some rank's serving delta is due: every rank enters learner/sharded_deltas.py's round
 
 
 class LockStep:
-    """Per round, one all-gather of ``[rows, input ended, wants checkpoint, stop signal, samples]`` per rank.
+    """Per round, one all-gather of ``[rows, input ended, wants checkpoint, stop signal, samples, wants delta]``
+    per rank.
 
     A round's steps: rank r trains its rows as chunks of ``step_rows`` (the last one shorter); step i of the
     round has as many rows as the largest chunk i of any rank, and a rank with fewer pads its chunk with empty
@@ -121,14 +124,16 @@ class LockStep:
         self.step_rows = max(1, step_rows)
         self.max_samples = max_samples
 
-    def agree(self, rows: int, ended: bool, wants_checkpoint: bool, signalled: bool, samples: int) -> Round:
-        mine = torch.tensor([rows, int(ended), int(wants_checkpoint), int(signalled), samples], dtype=torch.int64)
+    def agree(self, rows: int, ended: bool, wants_checkpoint: bool, signalled: bool, samples: int,
+              wants_delta: bool = False) -> Round:
+        mine = torch.tensor([rows, int(ended), int(wants_checkpoint), int(signalled), samples, int(wants_delta)],
+                            dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(out, mine)
-            everyone = torch.stack(out)  # (world, 5)
+            everyone = torch.stack(out)  # (world, 6)
         else:
-            everyone = mine.unsqueeze(0)  # (1, 5)
+            everyone = mine.unsqueeze(0)  # (1, 6)
         per_rank = everyone[:, 0].tolist()
         n_steps = max((-(-r // self.step_rows) for r in per_rank), default=0)
         steps = tuple(max(min(self.step_rows, r - i * self.step_rows) for r in per_rank) for i in range(n_steps))
@@ -140,7 +145,7 @@ class LockStep:
             stop = "max samples"
         elif bool(everyone[:, 1].all()) and not any(per_rank):
             stop = "input idle"
-        return Round(steps, bool(everyone[:, 2].any()), stop)
+        return Round(steps, bool(everyone[:, 2].any()), stop, bool(everyone[:, 5].any()))
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -149,6 +154,15 @@ def all_gather_objects(obj: Any) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
+    """``obj`` of every rank, in rank order, on rank ``dst`` (None on the others; one process: ``[obj]``)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
     return out
 
 

@@ -5,6 +5,8 @@ partitions (``learner/distributed.py``: partition p to rank p % N), all ranks st
     rank r: KafkaSampleDataset(partitions p % N == r, from the checkpoint's offsets) --dedup--> chunks
             LockStep.agree (rows, input ended, wants checkpoint, signal, samples)    -- every rank, every round
             ShardedTrainer.test_then_train per step (chunks padded to the step's size) -- every rank, every step
+            delta round:      learner/sharded_deltas.py (every rank's touched rows from their shards, one delta
+                              written by rank 0 with learner/deltas.py's writer), when deltas_every_s > 0
             checkpoint round: learner/sharded_checkpoint.save (DCP + every partition's offset), then rank 0
                               commits the group offsets (lag dashboards only)
 
@@ -21,9 +23,10 @@ that it lives in the checkpoint, as in the single-process daemon.
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
 dynamic ids (``id_capacity > 0``: ids map to their hash bucket rows statically; TorchRec's managed-collision
 modules were not wired in), the boost of young rows, ``sparse_adam``, gradient accumulation, online
-calibration and the base-rate bias of a fresh model (both write the dense part from one rank's view), serving
-deltas (no rank holds every touched row), the cold/warm and served-quality metrics, poison-message strikes
-(a batch that fails stops every rank; the restart trains it again).
+calibration and the base-rate bias of a fresh model (both write the dense part from one rank's view), the
+cold/warm and served-quality metrics, poison-message strikes (a batch that fails stops every rank; the restart
+trains it again). Serving deltas work (``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the
+``redis`` settings :func:`run_ranks` is given.
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
+from learner.sharded_deltas import ShardedDeltas
 from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard
 from learner.sharded_trainer import ShardedTrainer
-from stream.config import KafkaSettings
+from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.kafka import ensure_topics, new_consumer
 
@@ -72,16 +76,19 @@ def check_settings(ls: LearnerSettings) -> None:
         bad.append(f"accumulation = {ls.accumulation} (set 1)")
     if bad:
         raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
-    for name, on in (("online_calibration", ls.online_calibration), ("init_bias", ls.init_bias),
-                     ("deltas_every_s", ls.deltas_every_s > 0)):
+    for name, on in (("online_calibration", ls.online_calibration), ("init_bias", ls.init_bias)):
         if on:
             log.warning("[learner] %s is not used on several ranks (learner/sharded_daemon.py); it is off", name)
 
 
 class ShardedLearner:
-    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext) -> None:
+    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
+                 redis: RedisSettings | None = None) -> None:
         check_settings(ls)
         self.kafka, self.ls, self.ctx = kafka, ls, ctx
+        self.redis_settings = redis  # where rank 0 announces deltas; None: not announced, serving polls
+        self.deltas: ShardedDeltas | None = None  # serving freshness, built with the model
+        self.model: ShardedDeepFM | None = None
         dev = ls.device.resolve(torch.cuda.is_available())
         self.device = torch.device(dev, ctx.local_rank) if dev == "cuda" else torch.device(dev)
         self._stop = False
@@ -110,6 +117,9 @@ class ShardedLearner:
         model = ShardedDeepFM(cfg, parse_mlp(ls.mlp), ls.dropout, ls.seed, autocast_dtype(ls.amp, self.device),
                               table_device=torch.device("meta"))
         self.dmp = shard(model, self.ctx.world_size, self.device, ls.lr_sparse, 1e-8, ls.initial_accumulator, ls.seed)
+        self.model = model
+        self.deltas = ShardedDeltas.from_settings(ls, cfg.num_rows, cfg.embedding_dim, self.ctx.rank,
+                                                  self.redis_settings)
         self._dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]
         try:
             dense_opt: torch.optim.Optimizer = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense,
@@ -191,6 +201,8 @@ class ShardedLearner:
                 "topic": self.kafka.samples_topic}
         rank_state = {"metrics": self.trainer.metrics.state_dict(), "recent_ids": self.recent.state(),
                       "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict()}
+        if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
+            self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
         path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
                                        keep=self.ls.keep_checkpoints)
         if self._group is not None and offsets:  # after the checkpoint is durable; lag dashboards only
@@ -263,7 +275,10 @@ class ShardedLearner:
                 kept = batch.select(keep)
             chunks = kept.chunks(ls.step_rows) if len(kept) else []
             wants = since_ckpt >= ls.checkpoint_every_samples or time.monotonic() - last_ckpt >= ls.checkpoint_every_s
-            rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained())
+            if self.deltas is not None and len(kept):
+                self.deltas.mark(kept.values)
+            rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained(),
+                             wants_delta=self.deltas is not None and self.deltas.due())
             for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
                 chunk = chunks[i] if i < len(chunks) else empty
                 self.trainer.test_then_train(chunk, rows)
@@ -279,11 +294,25 @@ class ShardedLearner:
             if rnd.stop is not None:
                 reason = rnd.stop
                 break
+            if rnd.delta:
+                self._write_delta()
             if rnd.checkpoint:
                 self.save()
                 last_ckpt, since_ckpt = time.monotonic(), 0
         self.save()
+        if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now
+            try:  # same samples_trained as the checkpoint just saved, whose artifacts skip it by name
+                self._write_delta()
+            except OSError as exc:  # rank 0's pending list keeps the rows: the first delta after a restart sends them
+                log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
         return self.summary(reason=reason)
+
+    def _write_delta(self) -> None:
+        """Collective: one serving delta of the rows every rank touched since the last one."""
+        assert self.deltas is not None and self.model is not None
+        path = self.deltas.write(self.dmp, self.model, self.samples_trained())
+        if path is not None:
+            log.debug("delta %s written", path.name)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
@@ -318,12 +347,14 @@ class ShardedLearner:
 
 
 
-def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext) -> dict[str, Any] | None:
+def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
+              redis: RedisSettings | None = None) -> dict[str, Any] | None:
     """This rank's part of ``streamrec train`` under torchrun: join the group, train, leave. The job's summary on
-    rank 0 (None on the others)."""
+    rank 0 (None on the others). ``redis``: the [redis] settings rank 0 announces deltas on (as the
+    single-process ``Learner``'s)."""
     ctx.init()
     try:
-        learner = ShardedLearner(kafka, ls, ctx)
+        learner = ShardedLearner(kafka, ls, ctx, redis=redis)
         if ctx.rank == 0:
             print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
                   f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The distributed mode's pieces in one process: the partition split, the lock-step decisions, the rank context
 from torchrun's environment, and TorchRec's fused row-wise Adagrad making the single-process optimizer's update
-(a world of one gloo rank: the whole table on it)."""
+(a world of one gloo rank: the whole table on it), and which rank sends which touched rows in a serving delta."""
 
 from __future__ import annotations
 
@@ -130,3 +130,65 @@ def test_the_ranks_progressive_metrics_merge_into_those_of_all_their_samples() -
     assert merged.auc == pytest.approx(whole.auc, abs=1e-12)
     assert merged.logloss == pytest.approx(whole.logloss, rel=1e-9)
     assert merged.auc != pytest.approx(merged_metrics(parts[:1], window=5000).auc, abs=1e-6)  # not one rank's
+
+
+def test_each_rank_sends_the_touched_rows_of_its_own_shard_and_together_they_send_each_once() -> None:
+    from learner.sharded_deltas import rows_in_shard, union_rows
+
+    # three ranks' lookups since the last delta (any rank may look up rows of any shard), row-wise shards of a
+    # 10-row table: [0, 4), [4, 8), [8, 10)
+    looked_up = [np.array([9, 1, 1, 4]), np.array([], dtype=np.int64), np.array([0, 9, 7])]
+    union = union_rows(looked_up)
+    assert union.tolist() == [0, 1, 4, 7, 9]
+    picks = [rows_in_shard(union, lo, hi) for lo, hi in ((0, 4), (4, 8), (8, 10))]
+    assert [p.tolist() for p in picks] == [[0, 1], [4, 7], [9]]
+    assert np.concatenate(picks).tolist() == union.tolist()  # every touched row once, from the rank that holds it
+    assert union_rows([]).tolist() == []
+
+
+def test_a_delta_round_is_decided_together_like_a_checkpoint() -> None:
+    assert LockStep(10).agree(5, False, False, False, 0, wants_delta=True).delta
+    assert not LockStep(10).agree(5, False, True, False, 0).delta
+
+
+def test_a_sharded_delta_carries_the_touched_rows_first_d_plus_1_columns_and_the_dense_weights(
+        one_rank_group: None, tmp_path: Path) -> None:
+    from learner.deltas import PENDING, DeltaWriter, list_deltas, load_delta
+    from learner.sharded_deltas import ShardedDeltas
+    from learner.sharded_model import ShardedDeepFM, feature_names, shard, table_weight
+    from learner.sharded_trainer import ShardedTrainer
+
+    cfg = default_config({"genres": "multi"}, buckets=300, ctx_buckets=50, embedding_dim=6)  # W = 8: 1 pad column
+    model = ShardedDeepFM(cfg, (16,), 0.0, 1, None, table_device=torch.device("meta"))
+    dmp = shard(model, 1, torch.device("cpu"), 0.05, 1e-8, 0.0, seed=1)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("sparse.")]
+    trainer = ShardedTrainer(dmp, torch.optim.Adam(dense, lr=1e-2), feature_names(cfg), torch.device("cpu"),
+                             ProgressiveMetrics())
+    (tmp_path / "deltas").mkdir()
+    # rows marked by a learner before a restart and in no delta: rank 0's writer sends them with the first delta
+    (tmp_path / "deltas" / PENDING).write_bytes(np.array([3, 5], "<i8").tobytes())
+    deltas = ShardedDeltas(cfg.num_rows, cfg.embedding_dim, 0.5,
+                           DeltaWriter(tmp_path / "deltas", cfg.num_rows, every_s=0.5, lineage="l1"))
+    batch = to_tensors(sample_batch(np.random.default_rng(0), 64), cfg)
+    trainer.test_then_train(batch, len(batch))
+    deltas.mark(batch.values)
+    deltas.sync()  # a checkpoint round: the rank's marks reach the writer's durable pending list
+    listed = np.frombuffer((tmp_path / "deltas" / PENDING).read_bytes(), "<i8")
+    assert set(listed.tolist()) == set(batch.values.tolist()) | {3, 5} and not deltas.touched.any()
+    path = deltas.write(dmp, model, 64)
+    assert path is not None and [p for _, _, p in list_deltas(tmp_path / "deltas")] == [path]
+    assert not (tmp_path / "deltas" / PENDING).exists()  # everything listed is in the durable delta
+    d = load_delta(path)
+    table = torch.cat([s.tensor for s in table_weight(dmp).local_shards()])  # (num_rows, W)
+    assert d.rows.tolist() == sorted(set(batch.values.tolist()) | {3, 5})
+    assert d.vectors.shape == (len(d.rows), cfg.embedding_dim + 1)  # D + 1: the padding is not sent
+    assert torch.equal(d.vectors, table[d.rows, :cfg.embedding_dim + 1])
+    assert d.samples_trained == 64 and d.lineage == "l1" and d.seq == 1
+    # DeepFM's names, all of which serving's apply_delta requires: calibration at the identity (off on N ranks)
+    assert set(d.dense_state) == {n for n, _ in model.named_parameters() if not n.startswith("sparse.")} | {
+        "calibration"}
+    assert d.dense_state["calibration"].tolist() == [1.0, 0.0]
+    for n, p in model.named_parameters():
+        if not n.startswith("sparse."):
+            assert torch.equal(d.dense_state[n], p.detach().float())
+    assert deltas.write(dmp, model, 64) is None  # nothing touched since
