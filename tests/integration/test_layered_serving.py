@@ -497,7 +497,11 @@ class Clock:
 def store_down_at_load(stack: LocalStack, prefix: str, clock: Clock,
                        metrics: Any = None) -> tuple[RedisEmbeddingStore, redis.Redis]:
     """A store whose client refuses (a port nobody listens on) and the real client to put in its place later."""
-    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2,
+                       retry=Retry(NoBackoff(), 0))  # refused at once (redis-py retries with backoff by default)
     store = RedisEmbeddingStore(dead, prefix, cache_rows=1000, retry_after_s=1.0, metrics=metrics, clock=clock)
     return store, redis.Redis.from_url(stack.redis_url, socket_timeout=1.0)
 
