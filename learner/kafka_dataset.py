@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -53,6 +54,33 @@ from stream.kafka import has_more, new_consumer
 from stream.samples import SampleBatch
 
 log = logging.getLogger("streamrec.train")
+
+
+_orphan_watch: threading.Thread | None = None  # one per DataLoader worker process
+
+
+def _exit_with_parent(grace_s: float = 2.0) -> None:
+    """In a DataLoader worker: end this process once the training process that forked it is gone (SIGKILLed).
+
+    A worker outlives a killed parent in two places: waiting for new samples in :meth:`KafkaSampleDataset.__iter__`
+    (which checks its parent, closes its consumer and leaves), and in torch's own worker loop, whose liveness check
+    ends the loop but then exits normally: multiprocessing's exit handler joins the data queue's feeder thread,
+    blocked for good on a pipe full of batches for the dead parent (only the workers still hold its read end). This
+    watcher ends the process from either place, ``grace_s`` after noticing, so the reading loop can close its
+    consumer first. Nobody is left to read what it would have delivered."""
+    global _orphan_watch
+    if _orphan_watch is not None:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        time.sleep(grace_s)
+        os._exit(0)
+
+    _orphan_watch = threading.Thread(target=watch, name="streamrec-orphan-watch", daemon=True)
+    _orphan_watch.start()
 
 
 class KafkaSampleDataset(IterableDataset):
@@ -75,6 +103,8 @@ class KafkaSampleDataset(IterableDataset):
         return mine
 
     def __iter__(self) -> Iterator[TensorBatch]:
+        if get_worker_info() is not None:
+            _exit_with_parent()
         parts = self._my_partitions()
         if not parts:
             return
