@@ -741,3 +741,22 @@ def test_requests_during_a_swap_score_every_row_from_the_version_they_report(
         assert status == 200
         want = score(expected[body["model_version"]], req).tolist()
         assert body["scores"] == pytest.approx(want, abs=1e-7), body["model_version"]
+
+
+def test_a_table_beyond_float16_fails_the_layered_write_and_leaves_no_rows(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+
+    ck = checkpoint()
+    weight = ck["model"]["sparse.bag.weight"].clone()
+    cold_row = int(own_rows("user_id", 1)[0])  # an admitted user's own row: not hot, so written to Redis
+    assert cold_row not in set(HOT.tolist())
+    weight[cold_row, 0] = 1e5  # finite, and beyond float16's 65504
+    ck = {**ck, "model": {**ck["model"], "sparse.bag.weight": weight}}
+    path = publish(tmp_path, build_artifact(ck, tmp_path, HOT, version="h1"), keep=10)
+    rs = RefreshSettings(publish_root=tmp_path, embedding_store=EmbeddingStore.LAYERED,
+                         embedding_store_dtype=RowDtype.FLOAT16)
+    with pytest.raises(ValueError, match="beyond float16"):
+        job._store_rows(rs, RedisSettings(url=stack.redis_url, prefix=prefix), ScoringModel.load(path))
+    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:h1:*"))
