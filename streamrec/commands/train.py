@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if ctx.distributed:  # learner/sharded_daemon.py: TorchRec is imported only on this path
         from learner.sharded_daemon import run_ranks
 
-        summary = run_ranks(kafka, ls, ctx)
+        summary = run_ranks(kafka, ls, ctx, redis=rs)
         if summary is not None:  # rank 0
             emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
         return EXIT_OK

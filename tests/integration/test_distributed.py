@@ -234,10 +234,9 @@ def test_two_ranks_write_serving_deltas_whose_rows_and_dense_weights_are_the_fin
     sub = client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(channel)
     try:
-        # rank 0 announces each delta (here through the deprecated deltas_redis_url: the CLI does not hand the
-        # [redis] settings to the ranks yet)
+        # rank 0 announces each delta on the [redis] settings' Redis, as the single-process learner does
         env = env_for(kafka, STREAMREC_LEARNER_DELTAS_EVERY_S="0.5", STREAMREC_LEARNER_DELTAS_DIR=str(deltas),
-                      STREAMREC_LEARNER_DELTAS_REDIS_URL=stack.redis_url, STREAMREC_LEARNER_DELTAS_CHANNEL=channel,
+                      STREAMREC_REDIS_URL=stack.redis_url, STREAMREC_LEARNER_DELTAS_CHANNEL=channel,
                       STREAMREC_LEARNER_CHECKPOINT_EVERY_SAMPLES="1000")  # checkpoint rounds list pending rows
         err_file = tmp_path / "torchrun.err"  # a file: a full pipe would block
         with open(tmp_path / "torchrun.out", "w") as so, open(err_file, "w") as se:
