@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
@@ -196,8 +197,12 @@ class KafkaJoinWorker:
         return self._behind(kind, partition)
 
     def held_inputs(self) -> set[Key]:
-        """The inputs with records held past the frontier: paused until those are joined (the fetch is ahead)."""
-        return {(input_of(self.kafka, t), p) for t, p in set(map(_TOPIC_PARTITION, self._held))}  # a C-level pass
+        """The inputs with ``batch_max`` or more records held past the frontier: paused until those are joined (the
+        fetch is ahead). Fewer are kept without a pause: pausing purges the consumer's prefetched messages of the
+        partition and resuming fetches them again (a round trip per resumed input per batch), while an input below
+        the bound holds at most one more fetch of records (so at most ~2 x batch_max per input in memory)."""
+        counts = Counter(map(_TOPIC_PARTITION, self._held))  # a C-level pass
+        return {(input_of(self.kafka, t), p) for (t, p), n in counts.items() if n >= self.js.batch_max}
 
     def _topic(self, kind: str) -> str:
         return topic_of(self.kafka, kind)
