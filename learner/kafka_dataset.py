@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -103,7 +104,7 @@ class KafkaSampleDataset(IterableDataset):
         return mine
 
     def __iter__(self) -> Iterator[TensorBatch]:
-        if get_worker_info() is not None:
+        if get_worker_info() is not None and multiprocessing.parent_process() is not None:  # a worker process
             _exit_with_parent()
         parts = self._my_partitions()
         if not parts:
