@@ -145,17 +145,28 @@ class ScoringService:
             log.debug("Redis probe at start failed: %s", exc)
 
     def stop(self, grace_s: float = 10.0) -> None:
+        """Drain and stop the server, the model updater and the lookup counter (which flushes what the last requests
+        counted), and close the Redis clients. Every step runs even when an earlier one fails (a server that fails to
+        stop must not leave the updater's threads and the clients behind); the first failure is raised at the end."""
         self.app.draining = True
+        steps = []
         if self.server is not None:
-            self.server.stop(grace_s)
-        self.updater.stop()
+            server = self.server
+            steps.append(lambda: server.stop(grace_s))
+        steps.append(self.updater.stop)
         if self.lookups is not None:
-            self.lookups.stop()  # flushes what the last requests counted
-            self.lookups.counts.client.close()
+            steps += [self.lookups.stop, self.lookups.counts.client.close]
         store_client = self.embedding_store.client if self.embedding_store is not None else None
-        for client in (self.redis, self.pubsub_redis, store_client):
-            if client is not None:
-                client.close()
+        steps += [client.close for client in (self.redis, self.pubsub_redis, store_client) if client is not None]
+        failed: list[BaseException] = []
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the other steps still run; the first failure is raised
+                log.warning("stopping the service: %s: %s", type(exc).__name__, exc)
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> ScoringService:
         return self.start()

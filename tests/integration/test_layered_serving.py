@@ -760,3 +760,23 @@ def test_a_table_beyond_float16_fails_the_layered_write_and_leaves_no_rows(
     with pytest.raises(ValueError, match="beyond float16"):
         job._store_rows(rs, RedisSettings(url=stack.redis_url, prefix=prefix), ScoringModel.load(path))
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:h1:*"))
+
+
+def test_a_server_that_fails_to_stop_still_stops_the_updater_and_the_lookup_counter_and_the_error_is_raised(
+        stack: LocalStack, prefix: str, tmp_path: Path) -> None:
+    import threading
+
+    settings = ServeSettings(port=0, publish_root=tmp_path / "serving", poll_s=3600)
+    svc = ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)).start()
+    assert svc.server is not None and svc.lookups is not None
+    real_stop = svc.server.stop
+
+    def failing_stop(grace_s: float) -> None:
+        real_stop(grace_s)
+        raise RuntimeError("the server would not stop")
+
+    svc.server.stop = failing_stop  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="would not stop"):
+        svc.stop(grace_s=1.0)
+    names = {t.name for t in threading.enumerate() if t.is_alive()}
+    assert not names & {"serve-updater", "serve-pubsub", "lookup-counts"}, names
