@@ -90,6 +90,7 @@ class FeatureEncoder:
         candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them)."""
         self._check_names("", req.context, req.dense)
         b = len(req.items)
+        dense = self._dense(req, b)  # first: it refuses unknown dense names (422) before any lookup is observed
         m = self.mapper
         shared = hash_context(req.context)
         per_item = None
@@ -130,7 +131,7 @@ class FeatureEncoder:
         flat_values = np.concatenate(values) if values else _EMPTY
         offsets = np.zeros(self.num_fields * b + 1, np.int64)
         np.cumsum(np.concatenate(lengths), out=offsets[1:])
-        return flat_values, offsets, self._dense(req, b)
+        return flat_values, offsets, dense
 
     def _dense(self, req: ScoreRequest, b: int) -> np.ndarray:
         dd = len(self.dense_names)

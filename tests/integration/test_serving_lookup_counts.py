@@ -111,3 +111,17 @@ def test_the_hot_set_ranks_by_lookups_and_fills_from_impressions(redis_client: r
     # ranked by impressions, as before the lookups existed
     top, _, _ = hot_set.ranked_ids(counts, "item", "impression", "impression", 7, 3)
     assert [int(m) for m, _ in top] == _members(["a", "b", "c"])
+
+
+def test_a_request_refused_for_an_unknown_dense_name_counts_no_lookups(
+        stack, learner: TinyLearner, tmp_path: Path, prefix: str) -> None:
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v1")
+    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600)
+    with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
+        conn = connect(svc)
+        bad = {"user_id": "alice", "items": [{"item_id": 3, "dense": {"no_such_feature": 1.0}}]}
+        status, _ = post(conn, "/v1/score", bad)
+        conn.close()
+        assert status == 422
+        assert svc.lookups is not None and svc.lookups.flush() == 0  # nothing was read for it
