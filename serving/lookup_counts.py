@@ -63,6 +63,7 @@ class LookupCounts:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False  # stopped: a lookup added now would never be flushed, so it is dropped and counted
         self._failing = False  # the last flush failed: the next failure is not logged again
         self.flushed = 0  # lookups written to Redis
         self.dropped = 0  # lookups not counted (buffer full, flush failed)
@@ -76,12 +77,15 @@ class LookupCounts:
         day = int(self.clock()) // DAY_S  # the day it was served on, whenever it is flushed
         wake = False
         with self._lock:
-            full = self._n + n > self.max_pending
-            if not full:
+            closed = self._closed
+            full = not closed and self._n + n > self.max_pending
+            if not (closed or full):
                 self._pending.setdefault((day, kind), []).append(hashed)
                 self._n += n
                 wake = self._n >= self.flush_ids
-        if full:
+        if closed:
+            self._drop("stopped", n)
+        elif full:
             self._drop("full", n)
         elif wake:
             self._wake.set()
@@ -130,12 +134,15 @@ class LookupCounts:
         return self
 
     def stop(self) -> None:
-        """Stop the flush thread and flush what is left (once)."""
+        """Stop the flush thread and flush what is left (once); lookups added after this are dropped ("stopped": a
+        request still running past the shutdown grace)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._lock:
+            self._closed = True  # from here on nothing is appended: the flush below takes the last of them
         self.flush()
 
     # -- accounting -------------------------------------------------------------------------------------

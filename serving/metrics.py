@@ -38,7 +38,8 @@
                                                             (serving/lookup_counts.py): ok | error
     streamrec_serving_lookup_counts_flushed_total           row lookups written to Redis day counts
     streamrec_serving_lookup_counts_dropped_total{reason}   row lookups not counted: full (too many waiting) |
-                                                            redis (the flush holding them failed)
+                                                            redis (the flush holding them failed) | stopped (after
+                                                            the counter stopped)
 """
 
 from __future__ import annotations
@@ -175,9 +176,10 @@ class ServingMetrics:
         self.lookup_counts_flushed = Counter("streamrec_serving_lookup_counts_flushed", "Row lookups written to the "
                                              "Redis day counts the hot set ranks by.", registry=r)
         self.lookup_counts_dropped = Counter("streamrec_serving_lookup_counts_dropped", "Row lookups not counted: "
-                                             "full (too many waiting) or redis (their flush failed).", ["reason"],
+                                             "full (too many waiting), redis (their flush failed) or stopped "
+                                             "(after stop()).", ["reason"],
                                              registry=r)
-        for reason in ("full", "redis"):
+        for reason in ("full", "redis", "stopped"):
             self.lookup_counts_dropped.labels(reason)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]

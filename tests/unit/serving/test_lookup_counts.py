@@ -145,3 +145,14 @@ def test_stop_during_a_slow_flush_waits_for_it_then_writes_the_rest_and_leaves_n
     assert not stopper.is_alive() and lc._thread is None
     assert lc.flushed == 3 and lc.dropped == 0
     assert [c[2] for c in fake.calls] == [{1: 1, 2: 1}, {3: 1}]
+
+
+def test_a_lookup_added_after_stop_is_dropped_and_counted_not_lost_silently() -> None:
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics).start()  # type: ignore[arg-type]
+    lc.add("item", np.array([1, 2], np.int64))
+    lc.stop()  # the last flush writes those two
+    lc.add("item", np.array([3, 4, 5], np.int64))  # a request still running past the shutdown grace
+    assert lc.flushed == 2 and lc.dropped == 3
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "stopped"}) == 3
+    assert lc.flush() == 0  # nothing was left waiting for a flush that will never come
