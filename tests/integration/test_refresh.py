@@ -335,17 +335,24 @@ def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, STREAMREC_REFRESH_METRICS_PORT=str(port)))
     try:
+        # CURRENT appears mid-run (the run then records its success, notifies and is counted), so wait for the
+        # run to be counted: the last thing a run does
+        published = 'streamrec_refresh_runs_total{outcome="published",stage=""}'
+        values: dict[str, float] = {}
         deadline = time.monotonic() + 45
-        while artifact.read_current(rs.publish_root) is None and time.monotonic() < deadline:
+        while values.get(published, 0) < 1 and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                continue  # the metrics server is not up yet
+            values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+                      if line.startswith("streamrec_refresh_")}
+        # the scheduler serves its metrics while it runs: the published run is counted, with its time and hot set
+        assert values.get(published, 0) >= 1, values
         assert artifact.read_current(rs.publish_root) is not None
         assert job.read_last_success(rs.publish_root) is not None
-        # the scheduler serves its metrics while it runs: the published run is counted, with its time and hot set
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
-                  if line.startswith("streamrec_refresh_")}
-        assert values['streamrec_refresh_runs_total{outcome="published",stage=""}'] >= 1
         assert values["streamrec_refresh_last_success_timestamp_seconds"] > time.time() - 120
         assert values["streamrec_refresh_hot_rows"] > 0 and values["streamrec_refresh_duration_seconds"] > 0
     finally:
