@@ -320,6 +320,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         stage = "publish"
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
+        previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
         try:
             path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
         except PinHeld as held:
@@ -362,7 +363,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
                     "at its next start", path.name, root / LAST_RUN, describe_os_error(exc))
     if rs.embedding_store is EmbeddingStore.LAYERED:
-        _prune_stored(rs, rds, root)
+        _prune_stored(rs, rds, root, previous)
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
     timed("notify", t0)
@@ -441,13 +442,18 @@ def _delete_unfinished(client: Any, rds: RedisSettings, version: str) -> None:
                     "hand (they are never served)", version, exc, embedding_store.version_prefix(rds.prefix, version))
 
 
-def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path) -> None:
+def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous: str | None) -> None:
     """Delete the embedding store's rows of this publish root's versions that it no longer holds (pruned; best
-    effort: logged). Versions another publish root wrote under the same prefix are left alone."""
+    effort: logged). Versions another publish root wrote under the same prefix are left alone.
+
+    ``previous`` (the version CURRENT named before this publish) keeps its rows even when ``keep_versions``
+    pruned its files: rankers serve it until they have loaded the new version, and a ranker whose rows were
+    deleted under it would serve hash-bucket fallbacks (and fire ``embedding_store_errors``) meanwhile. The
+    next refresh deletes them."""
     try:
         client = _store_client(rs, rds)
         try:
-            keep = set(artifact.list_versions(root))
+            keep = set(artifact.list_versions(root)) | ({previous} if previous else set())
             for version in sorted(embedding_store.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
                 n = embedding_store.delete_version(client, rds.prefix, version)
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)

@@ -336,7 +336,7 @@ def test_redis_stopped_mid_serving_answers_200_from_hot_rows_and_bucket_rows_and
 
 
 # -- the refresh writes (and prunes) a version's rows ----------------------------------------------------------
-def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes_pruned_versions(
+def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_versions_rows_once_it_is_not_live(
         stack: LocalStack, kafka: Any, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
     from cache_refresh import job
     from cache_refresh.settings import RefreshSettings
@@ -368,10 +368,16 @@ def test_a_layered_refresh_writes_the_non_hot_rows_before_publishing_and_deletes
         store.client.close()
     time.sleep(0.01)
     ckpt_io.save(ckpt_dir, state, {**meta, "samples_trained": 20})
-    second = job.run_once(rs, kafka, rds)  # keep_versions=1: the first version is pruned, and its rows with it
+    second = job.run_once(rs, kafka, rds)  # keep_versions=1: the first version's files are pruned ...
     assert read_current(rs.publish_root).name == second["version"] != first["version"]
-    assert stored_versions(redis_client, prefix) == {second["version"], "other"}  # another root's version stays
-    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))
+    # ... but its rows stay while rankers may still serve it (it was live until this publish)
+    assert stored_versions(redis_client, prefix) == {first["version"], second["version"], "other"}
+    time.sleep(0.01)
+    ckpt_io.save(ckpt_dir, state, {**meta, "samples_trained": 30})
+    third = job.run_once(rs, kafka, rds)  # now the first version is neither kept nor the one live before
+    assert read_current(rs.publish_root).name == third["version"]
+    assert stored_versions(redis_client, prefix) == {second["version"], third["version"], "other"}  # another
+    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))  # root's version stays
 
 
 # -- Redis Cluster ---------------------------------------------------------------------------------------------
