@@ -62,26 +62,48 @@ class RowMapper:
               model: torch.nn.Module | None = None, sparse_opt: torch.optim.Optimizer | None = None) -> MapStats:
         """Rewrite ``tb.values`` in place for the dynamic fields. With ``train``, ids are counted and admitted,
         rows evicted; ``model``/``sparse_opt`` then get the new rows initialised and their state reset."""
-        stats = MapStats()
         if not self.maps or tb.keys is None or len(tb) == 0:
-            return stats
+            return MapStats()
+        spans = self.spans(tb)
+        results, stats = self.lookup([tb.keys[start:end] for start, end in spans], now, train)
+        values = tb.values.numpy()  # shares memory with the tensor: written in place
+        for (_, owner, first, own_field), (start, end), res in zip(self._slots, spans, results, strict=True):
+            if res is None:
+                continue
+            values[start:end] = first + res.rows
+            if train and own_field and model is not None:
+                self._init_rows(owner, first, res, model, sparse_opt)
+        return stats
+
+    @property
+    def slots(self) -> list[tuple[int, str, int, bool]]:
+        """(field index, owner name, first row of the owner's block, trains the map?) per mapped field, in order."""
+        return list(self._slots)
+
+    def spans(self, tb: TensorBatch) -> list[tuple[int, int]]:
+        """(start, end) of each mapped field's values in ``tb.values`` (bags are field-major), in ``slots`` order."""
         b = len(tb)
         offsets = tb.offsets.numpy()
-        values = tb.values.numpy()  # shares memory with the tensor: written in place
-        for i, owner, first, own_field in self._slots:
-            start, end = int(offsets[i * b]), int(offsets[(i + 1) * b])
-            if start == end:
+        return [(int(offsets[i * b]), int(offsets[(i + 1) * b])) for i, _, _, _ in self._slots]
+
+    def lookup(self, keys: list[np.ndarray], now: float, train: bool = True,
+               ) -> tuple[list[LookupResult | None], MapStats]:
+        """Each mapped field's hashed keys (``slots`` order) through its owner's map, in order: a field that shares
+        another's rows only reads. Returns each field's result (None for no keys) and the counts."""
+        stats = MapStats()
+        results: list[LookupResult | None] = []
+        for (_, owner, _, own_field), k in zip(self._slots, keys, strict=True):
+            if not len(k):
+                results.append(None)
                 continue
-            res = self.maps[owner].lookup(tb.keys[start:end], now, train=train and own_field)
-            values[start:end] = first + res.rows
-            stats.lookups[owner] = stats.lookups.get(owner, 0) + (end - start)
+            res = self.maps[owner].lookup(k, now, train=train and own_field)
+            results.append(res)
+            stats.lookups[owner] = stats.lookups.get(owner, 0) + len(k)
             stats.bucket_lookups[owner] = stats.bucket_lookups.get(owner, 0) + res.bucket_lookups
             if train and own_field:
                 stats.admitted[owner] = len(res.admitted_rows)
                 stats.evicted[owner] = len(res.evicted_rows)
-                if model is not None:
-                    self._init_rows(owner, first, res, model, sparse_opt)
-        return stats
+        return results, stats
 
     @torch.no_grad()
     def _init_rows(self, owner: str, first: int, res: LookupResult, model: torch.nn.Module,

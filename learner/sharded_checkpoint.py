@@ -7,7 +7,8 @@ A checkpoint is a directory ``<checkpoint_dir>/dcp-<samples:015d>-<ms>/``:
                                    the dense part, written once), ``table_state`` (fbgemm's row-wise Adagrad sums,
                                    sharded with their rows), ``dense_opt`` (Adam's state by parameter name)
     rank-<r>.pt                    rank r's own small state (progressive metrics, recent impression ids, delayed
-                                   feedback counts): tensors, numpy arrays and plain values, loaded weights-only
+                                   feedback counts; rank 0's also the id maps, the same on every rank):
+                                   tensors, numpy arrays and plain values, loaded weights-only
     meta.json                      what every rank agreed on: samples trained by all ranks, the offset of EVERY
                                    samples partition (gathered from the ranks that read them), rows per
                                    partition, the feature and model config, the shaping settings, world size
@@ -195,7 +196,8 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
     metrics = merged_metrics(states, window=int(meta.get("metrics_window", 100_000)))
     recent = [i for s in states for i in s.get("recent_ids", [])]
     state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
-             "metrics": metrics.state_dict(), "recent_ids": recent, "id_maps": {}}
+             "metrics": metrics.state_dict(), "recent_ids": recent,
+             "id_maps": states[0].get("id_maps") or {} if states else {}}  # one replica (learner/sharded_ids.py)
     if states and states[0].get("delayed_weights"):
         state["delayed_weights"] = states[0]["delayed_weights"]
     plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",

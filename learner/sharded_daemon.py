@@ -20,9 +20,12 @@ the connection), which raises; torchrun then stops and restarts the whole group.
 The feature config is inferred by rank 0 from the first ``probe_rows`` samples and sent to the others; after
 that it lives in the checkpoint, as in the single-process daemon.
 
+Dynamic ids (``id_capacity > 0``: admission, eviction, the hash-bucket fallback) work: ``learner/sharded_ids.py``
+keeps the id maps identical on every rank and applies their row changes in the shards (the maps are replicated,
+not sharded: its docstring says what that costs).
+
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-dynamic ids (``id_capacity > 0``: ids map to their hash bucket rows statically; TorchRec's managed-collision
-modules were not wired in), the boost of young rows, ``sparse_adam``, gradient accumulation, online
+the boost of young rows, ``sparse_adam``, gradient accumulation, online
 calibration and the base-rate bias of a fresh model (both write the dense part from one rank's view), the
 cold/warm and served-quality metrics, poison-message strikes (a batch that fails stops every rank; the restart
 trains it again). Serving deltas work (``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the
@@ -45,15 +48,27 @@ from torch.utils.data import DataLoader
 
 from learner import sharded_checkpoint
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
-from learner.daemon import AUC, LOGLOSS, SAMPLES, RecentIds, infer_feature_config
+from learner.daemon import (
+    ADMISSIONS,
+    AUC,
+    EVICTIONS,
+    ID_LOOKUPS,
+    ID_OCCUPANCY,
+    LOGLOSS,
+    SAMPLES,
+    RecentIds,
+    infer_feature_config,
+)
 from learner.distributed import LockStep, RankContext, all_gather_objects, broadcast_object, partitions_of
 from learner.features import FeatureConfig
 from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
+from learner.row_mapper import MapStats, RowMapper
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
 from learner.sharded_deltas import ShardedDeltas
-from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard
+from learner.sharded_ids import ShardedRowMapper
+from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard, state_scale
 from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
@@ -65,9 +80,6 @@ log = logging.getLogger("streamrec.train")
 def check_settings(ls: LearnerSettings) -> None:
     """The settings the distributed mode cannot honour: a ConfigError naming each and the fix."""
     bad = []
-    if ls.id_capacity > 0:
-        bad.append(f"id_capacity = {ls.id_capacity} (dynamic ids are not sharded yet: set id_capacity = 0, ids use "
-                   "their hash bucket rows)")
     if ls.boost > 0:
         bad.append(f"boost = {ls.boost} (fbgemm's row-wise Adagrad has no boost: set boost = 0)")
     if ls.sparse_optimizer is not SparseOptimizer.ROWWISE_ADAGRAD:
@@ -98,6 +110,7 @@ class ShardedLearner:
         self.recent = RecentIds(ls.dedup_window)
         self.cfg: FeatureConfig | None = None
         self.trainer: ShardedTrainer | None = None
+        self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
         self.dmp: Any = None
         self._base_samples = 0  # samples trained by all ranks before this run (rank 0 counts them)
         self._base_steps = 0
@@ -118,8 +131,11 @@ class ShardedLearner:
                               table_device=torch.device("meta"))
         self.dmp = shard(model, self.ctx.world_size, self.device, ls.lr_sparse, 1e-8, ls.initial_accumulator, ls.seed)
         self.model = model
+        self.ids = ShardedRowMapper(RowMapper(cfg), ls.initial_accumulator * state_scale(cfg.embedding_dim))
         self.deltas = ShardedDeltas.from_settings(ls, cfg.num_rows, cfg.embedding_dim, self.ctx.rank,
                                                   self.redis_settings)
+        if self.deltas is not None and self.deltas.writer is not None and self.ids.active:
+            self.deltas.writer.id_maps_source = self.ids.mapper.state_dict  # serving maps ids admitted since
         self._dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]
         try:
             dense_opt: torch.optim.Optimizer = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense,
@@ -155,6 +171,9 @@ class ShardedLearner:
                 opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"].clone(),
                                 "exp_avg_sq": st["exp_avg_sq"].clone()}
         states = sharded_checkpoint.rank_states(path, meta)
+        assert self.ids is not None
+        if self.ids.active:  # the same replica on every rank, whatever the world size that wrote it
+            self.ids.load_state_dict(states[0])
         if int(meta["world_size"]) == self.ctx.world_size:
             mine = states[self.ctx.rank]
             self.trainer.metrics.load_state_dict(mine["metrics"])
@@ -201,6 +220,10 @@ class ShardedLearner:
                 "topic": self.kafka.samples_topic}
         rank_state = {"metrics": self.trainer.metrics.state_dict(), "recent_ids": self.recent.state(),
                       "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict()}
+        if self.ids is not None and self.ids.active:
+            self.ids.decay_idle(self.dmp)  # the artifact built from this checkpoint gets today's buckets
+            if rank == 0:  # the replicas are equal: one copy
+                rank_state.update(self.ids.state_dict())
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
             self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
         path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
@@ -248,8 +271,6 @@ class ShardedLearner:
             cfg = self._fresh_config()
             if cfg is None:
                 return self.summary(reason="no samples arrived")
-            if cfg.dynamic:
-                raise ConfigError("a dynamic feature config cannot be sharded (id_capacity must be 0)")
             self._build(cfg)
         assert self.trainer is not None and self.cfg is not None
         for p in self._partitions():
@@ -273,6 +294,8 @@ class ShardedLearner:
                 keep = self.recent.filter(batch.impression_ids, batch.kinds)
                 self.duplicates += int((~keep).sum())
                 kept = batch.select(keep)
+            if self.ids is not None and self.ids.active:  # collective: every rank, every round
+                self._observe_ids(self.ids.apply(kept, self.dmp))
             chunks = kept.chunks(ls.step_rows) if len(kept) else []
             wants = since_ckpt >= ls.checkpoint_every_samples or time.monotonic() - last_ckpt >= ls.checkpoint_every_s
             if self.deltas is not None and len(kept):
@@ -314,6 +337,19 @@ class ShardedLearner:
         if path is not None:
             log.debug("delta %s written", path.name)
 
+    def _observe_ids(self, st: MapStats) -> None:
+        """The id maps' counters (rank 0: every rank's map is the same replica, fed every rank's ids)."""
+        if self.ctx.rank != 0 or self.ids is None:
+            return
+        for name, n in st.lookups.items():
+            ID_LOOKUPS.labels(name).inc(n)
+        for name, n in st.admitted.items():
+            ADMISSIONS.labels(name).inc(n)
+        for name, n in st.evicted.items():
+            EVICTIONS.labels(name).inc(n)
+        for name, stats in self.ids.mapper.stats().items():
+            ID_OCCUPANCY.labels(name).set(stats["occupancy"])
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
 
@@ -337,6 +373,7 @@ class ShardedLearner:
             "offsets": {str(p): o for p, o in sorted(offsets.items())},
             "partition_rows": {str(p): n for p, n in sorted(rows.items())},
             "metrics": metrics.summary() if tr else {},
+            "id_maps": self.ids.mapper.stats() if self.ids is not None else {},
             "device": str(self.device), "sharding": "row-wise (TorchRec DMP), dense part DDP",
             "checkpoint_dir": str(self.ls.checkpoint_dir),
         }

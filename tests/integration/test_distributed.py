@@ -152,8 +152,10 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
     assert (publish / "CURRENT").exists() or any(publish.iterdir())
 
 
-def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafka: KafkaSettings,
-                                                                            tmp_path: Path) -> None:
+def test_two_ranks_with_dynamic_ids_reach_the_progressive_auc_and_id_maps_of_one_rank_on_the_same_stream(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """Ids are admitted to their own rows (50 buckets for 200 users and 200 items: the buckets collide), on one
+    process and on 2 ranks (learner/sharded_ids.py); the unsharded checkpoint carries the maps."""
     ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
     rng = np.random.default_rng(9)
     user_bias, item_bias = rng.normal(0, 1.5, 200), rng.normal(-1, 1.5, 200)
@@ -164,7 +166,7 @@ def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafk
                       str(k).encode(), partition=k % PARTITIONS)
         rows[k % PARTITIONS] += ROWS
     producer.flush()
-    env = env_for(kafka)
+    env = env_for(kafka, STREAMREC_LEARNER_ID_CAPACITY="400", STREAMREC_LEARNER_BUCKETS="50")
     one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
                           "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
                          env=env, capture_output=True, text=True, timeout=300)
@@ -181,6 +183,29 @@ def test_two_ranks_reach_the_progressive_auc_of_one_rank_on_the_same_stream(kafk
     assert auc1 > 0.65, auc1  # the stream is learnable
     print(f"progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")
     assert abs(auc1 - auc2) <= 0.02, (auc1, auc2)
+    # every user and item is seen far more than admit_after (2) times: both admit all 200 of each, none evicted
+    for field in ("user_id", "item_id"):
+        assert s1["id_maps"][field]["admissions"] == s2["id_maps"][field]["admissions"] == 200, (s1, s2)
+        assert s2["id_maps"][field]["evictions"] == 0
+    # the reshard to one process carries the maps: every user maps to its own, trained row
+    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "two"),
+                         "--unshard", str(tmp_path / "single"), "--json"], env=env, capture_output=True, text=True,
+                        timeout=120)
+    assert un.returncode == 0, un.stderr[-3000:]
+    plain = load_latest(tmp_path / "single")
+    assert plain is not None
+    from learner.row_mapper import RowMapper
+    cfg = plain.feature_config
+    mapper = RowMapper.from_state(cfg, plain["id_maps"])
+    i = [f.name for f in cfg.fields].index("user_id")
+    first, buckets = cfg.blocks[i]
+    keys = np.arange(200, dtype=np.int64)  # the samples carry the ids as keys (learnable_batch: no hashing)
+    own = mapper.rows(i, keys)  # (200,) global rows
+    assert len(set(own.tolist())) == 200 and (own >= first + buckets).all()  # own rows, not buckets
+    table = plain["model"]["sparse.bag.weight"]  # (num_rows, D + 1)
+    bucket = first + keys % buckets  # (200,) the bucket row each user used before its admission
+    moved = (table[torch.from_numpy(own)] - table[torch.from_numpy(bucket)]).abs().sum(1)  # (200,)
+    assert int((moved > 0).sum()) == 200  # each own row learned away from the bucket it started as
 
 
 @pytest.mark.slow  # 3 ranks on 2 cores, ~50 s; the 2 -> 1 reshard (test above) runs in CI

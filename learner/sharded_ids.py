@@ -1,0 +1,147 @@
+"""Dynamic ids (admission, eviction, the hash-bucket fallback) on N ranks: the id maps of ``learner/row_mapper.py``
+kept identical on every rank, the rows they hand out living in TorchRec's row-wise shards.
+
+Every round each rank sends the hashed keys of its batch's dynamic fields to all ranks (one all-gather), and every
+rank runs the SAME ``RowMapper.lookup`` over the concatenation in rank order, at the same event time (the newest of
+the round): the maps stay equal replicas by construction, and each rank cuts its own batch's rows out of the
+result. The row changes the maps decide are applied where the rows live:
+
+* optimizer state of rows evicted or handed to a new id: fbgemm's row-wise sum set back to its starting value on
+  the rank holding the row (``sharded_model.fused_state``);
+* bucket decay (``bucket_half_life_s``): the rank holding a bucket row scales it;
+* a newly admitted row starts as its bucket's vector (``init = "bucket"``): the bucket rows are gathered with one
+  all-reduce (each row lives on exactly one rank, the others add zeros), then the rank holding the new row writes
+  it; ``init = "zero"`` needs no exchange.
+
+The semantics are the single-process ones (module docstring of ``learner/id_map.py``), with the round, not the
+DataLoader batch, as the unit of one lookup call. Checkpoints store the map once (rank 0's ``rank-0.pt``);
+every rank loads it, whatever the world size, so resharding needs nothing more, and the unshard to one process
+carries it (the refresh job's artifact maps ids like the learner).
+
+Known limit: the maps are replicated, not sharded: each rank holds every field's whole map (``IdMap.nbytes``:
+about 180 bytes per own row at capacity 1 M, against the row's 4 * W bytes on its one rank). TorchRec's
+managed-collision modules shard the map with the rows, but have their own admission and eviction rules, not
+these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.batch import TensorBatch
+from learner.distributed import all_gather_objects
+from learner.id_map import LookupResult
+from learner.row_mapper import MapStats, RowMapper
+from learner.sharded_model import fused_state, table_weight
+
+
+class ShardedRowMapper:
+    """One rank's replica of the id maps (module docstring). ``initial_sum``: fbgemm's starting row-wise sum
+    (``initial_accumulator * state_scale``), what a reset row's state goes back to."""
+
+    def __init__(self, mapper: RowMapper, initial_sum: float) -> None:
+        self.mapper = mapper
+        self.initial_sum = initial_sum
+        self.now = float("-inf")  # event time (s) of the last round that had rows: the same on every rank
+
+    @property
+    def active(self) -> bool:
+        return self.mapper.active
+
+    def apply(self, tb: TensorBatch, dmp: Any) -> MapStats:
+        """Collective, every rank every round (``tb`` may be empty): rewrite ``tb.values`` of the dynamic fields
+        to rows, counting, admitting and evicting over every rank's keys; the rows' changes applied in the shards."""
+        if not self.mapper.active:
+            return MapStats()
+        slots = self.mapper.slots
+        has_keys = len(tb) > 0 and tb.keys is not None
+        spans = self.mapper.spans(tb) if has_keys else [(0, 0)] * len(slots)
+        mine = [np.asarray(tb.keys[s:e]) if has_keys else np.empty(0, np.int64)  # type: ignore[index]
+                for s, e in spans]
+        newest = float(tb.ts.max()) / 1000.0 if len(tb) else float("-inf")  # event time drives ids' ages
+        gathered = all_gather_objects((mine, newest))  # [(per-field keys (n_r,), newest)] in rank order
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.now = max([self.now] + [g[1] for g in gathered])
+        keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(slots))]  # (sum n_r,) per field
+        results, stats = self.mapper.lookup(keys, self.now, train=True)
+        values = tb.values.numpy()  # shares memory with the tensor: written in place
+        for j, ((_, owner, first, own_field), (s, e), res) in enumerate(zip(slots, spans, results, strict=True)):
+            if res is None:
+                continue
+            before = sum(len(g[0][j]) for g in gathered[:rank])  # this rank's keys start here in the field's call
+            if e > s:
+                values[s:e] = first + res.rows[before:before + e - s]
+            if own_field:
+                self._apply_rows(owner, first, res, dmp)
+        return stats
+
+    def decay_idle(self, dmp: Any) -> None:
+        """Every bucket's decay brought up to the last round's time in the shards (before a checkpoint; the same
+        call on every rank, so the replicas stay equal)."""
+        if self.now == float("-inf"):
+            return
+        for _, owner, first, own_field in self.mapper.slots:
+            if own_field:
+                self._decay(first, self.mapper.maps[owner].decay_idle_buckets(self.now), dmp)
+
+    # -- the rows, where they live ---------------------------------------------------------------------------
+    @staticmethod
+    def _local(dmp: Any) -> list[tuple[int, torch.Tensor]]:
+        """(first global row, local rows (R, W)) of each of this rank's table shards."""
+        return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in table_weight(dmp).local_shards()]
+
+    @staticmethod
+    def _state(dmp: Any) -> list[tuple[int, torch.Tensor]]:
+        """(first global row, local row-wise sums (R,)) of this rank's optimizer state shards."""
+        return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in fused_state(dmp)["momentum1"].local_shards()]
+
+    @torch.no_grad()
+    def _apply_rows(self, owner: str, first: int, res: LookupResult, dmp: Any) -> None:
+        reset = first + np.concatenate([res.evicted_rows, res.admitted_rows])  # global rows
+        if reset.size:
+            for start, sums in self._state(dmp):
+                here = reset[(reset >= start) & (reset < start + len(sums))]
+                sums[torch.from_numpy(here - start)] = self.initial_sum
+        self._decay(first, res, dmp)  # before the copy: an admitted row starts from what its bucket serves now
+        if not res.admitted_rows.size:
+            return
+        dst = first + res.admitted_rows  # (A,) global
+        local = self._local(dmp)
+        width = local[0][1].shape[1]
+        if self.mapper.maps[owner].init == "bucket":
+            src = first + res.admitted_from_bucket  # (A,) global bucket rows
+            vectors = torch.zeros(len(src), width)  # (A, W): each bucket row from the one rank holding it
+            for start, rows in local:
+                sel = (src >= start) & (src < start + len(rows))
+                vectors[torch.from_numpy(sel)] = rows[torch.from_numpy(src[sel] - start)].float().cpu()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(vectors)
+        else:
+            vectors = torch.zeros(len(dst), width)
+        for start, rows in local:
+            sel = (dst >= start) & (dst < start + len(rows))
+            if sel.any():
+                rows[torch.from_numpy(dst[sel] - start)] = vectors[torch.from_numpy(sel)].to(rows.device, rows.dtype)
+
+    def _decay(self, first: int, res: LookupResult, dmp: Any) -> None:
+        if not res.decayed_buckets.size:
+            return
+        rows_g = first + res.decayed_buckets  # (D,) global
+        for start, rows in self._local(dmp):
+            sel = (rows_g >= start) & (rows_g < start + len(rows))
+            if sel.any():
+                factor = torch.from_numpy(res.decay[sel]).to(rows.device, rows.dtype).unsqueeze(1)  # (d, 1)
+                rows[torch.from_numpy(rows_g[sel] - start)] *= factor
+
+    # -- persistence -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``id_maps`` in the single-process checkpoint's format (``RowMapper.state_dict``) and the maps' clock."""
+        return {"id_maps": self.mapper.state_dict(), "ids_now": self.now}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mapper.load_state_dict(state.get("id_maps") or {})
+        self.now = float(state.get("ids_now", float("-inf")))
