@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import NamedTuple
@@ -193,14 +194,14 @@ class PartitionJoin:
             heapq.heappop(self._expiry)  # left before its window closed (evicted in a restored chunk)
         return self._expiry[0][0] - self.cfg.window_ms if self._expiry else None
 
-    def reached(self, kind: int, ts: list[int]) -> int | None:
-        """The event time input ``kind`` is at once ``ts`` are read too (its ``watermark_quorum``-th largest; None:
-        fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""
+    def reached(self, kind: int, ts: Sequence[int] | np.ndarray) -> int | None:
+        """The event time input ``kind`` is at once ``ts`` ((N,) int64) are read too (its ``watermark_quorum``-th
+        largest; None: fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""
         k = max(1, self.cfg.watermark_quorum)
-        times = np.asarray([*self._top[kind], *ts], np.int64)
+        times = np.concatenate([np.asarray(self._top[kind], np.int64), np.asarray(ts, np.int64)])
         return int(np.partition(times, len(times) - k)[len(times) - k]) if len(times) >= k else None
 
-    def within(self, kind: int, ts: list[int], limit: int) -> int:
+    def within(self, kind: int, ts: Sequence[int] | np.ndarray, limit: int) -> int:
         """How many of ``ts`` (one input's events, in offset order) can be joined before that input's time
         would pass ``limit``. A lone event past it does not move the time (the quorum), so it does not stop
         the rest."""

@@ -11,12 +11,16 @@ on first use. An exception in a batch stops the worker: its offsets are never co
 by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
 see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
 
-An input that runs ahead of the other in event time (or clicks near ``max_waiting_per_partition``) is paused
-until the other catches up (``backpressure.py``); the gate is asked after every batch, and a run never
-ends idle with an input paused. Inside a batch, the records of a partition past its event-time frontier
-(``backpressure.hold_limits``: one fetch can bring an input months ahead of the other) are held back: kept in
-memory, their input paused, joined with a later batch, and their offsets committed only then (a crash or a
-revocation reads them again). A run never ends idle with records held.
+Event time is kept aligned by the hold: the records of a partition past its event-time frontier
+(``backpressure.hold_limits``: one fetch can bring an input months ahead of the other) are held back, kept in
+memory and joined with a later batch, their offsets committed only then (a crash or a revocation reads them
+again). An input is paused only for memory: once ``_HOLD_HIGH`` batches of its records are held, until no more than
+``_HOLD_LOW`` are (``backpressure.HoldBound``; a pause purges the consumer's prefetched messages and a resume fetches
+them again, so the two marks are set apart). The gate's event-time rule, which paused an input whose read time led
+the other's by the drift, is not used here: the hold already bounds what is joined by the same drift, and that rule
+paused and resumed inputs with nearly every batch of a replay (~25 of ~70 s of a replayed ML-1M went to re-fetching).
+Clicks near ``max_waiting_per_partition`` are still paused by the gate (``backpressure.py``) until their impressions
+catch up; the gate is asked after every batch, and a run never ends idle with an input paused or records held.
 
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
@@ -39,7 +43,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 
 from stream.config import KafkaSettings
 from stream.errors import clip
-from stream.joiner.backpressure import CLICKS, InputGate, Key, input_of, topic_of
+from stream.joiner.backpressure import CLICKS, HoldBound, InputGate, Key, input_of, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import consumer_config, has_more, resume_offsets
@@ -49,6 +53,9 @@ log = logging.getLogger("streamrec.join")
 
 _TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
 _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the consumer to bring more
+# The hold's memory bound, in batches (batch_max records) per input: paused at _HOLD_HIGH held, resumed at _HOLD_LOW.
+# Only the input ahead of its partition's frontier holds records, so at most one input per partition does.
+_HOLD_HIGH, _HOLD_LOW = 4, 1
 
 
 def _records(msgs: list[Message]) -> list[Record]:
@@ -78,8 +85,11 @@ class KafkaJoinWorker:
         self._paused: set[Key] = set()  # what the consumer has paused now: the gate's and the held inputs
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
+        # The gate's waiting-click rule only; event time is the hold's (module docstring). Without the hold (no drift
+        # configured, or backpressure off) the gate has no event-time rule either.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
-                              max_drift_ms=None if js.max_input_drift_s is None else int(js.max_input_drift_s * 1000))
+                              max_drift_ms=None)
+        self.hold_bound = HoldBound(_HOLD_HIGH * js.batch_max, _HOLD_LOW * js.batch_max)
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -197,12 +207,13 @@ class KafkaJoinWorker:
         return self._behind(kind, partition)
 
     def held_inputs(self) -> set[Key]:
-        """The inputs with ``batch_max`` or more records held past the frontier: paused until those are joined (the
-        fetch is ahead). Fewer are kept without a pause: pausing purges the consumer's prefetched messages of the
-        partition and resuming fetches them again (a round trip per resumed input per batch), while an input below
-        the bound holds at most one more fetch of records (so at most ~2 x batch_max per input in memory)."""
-        counts = Counter(map(_TOPIC_PARTITION, self._held))  # a C-level pass
-        return {(input_of(self.kafka, t), p) for (t, p), n in counts.items() if n >= self.js.batch_max}
+        """The inputs paused for the records they hold past the frontier (``HoldBound``: from ``_HOLD_HIGH`` batches
+        held until ``_HOLD_LOW`` or fewer are). Below the bound an input is read on, its records held in memory: a
+        pause purges the consumer's prefetched messages of the partition and a resume fetches them again."""
+        counts = self.pipeline.held_counts  # per topic-partition, what process() returned held
+        if sum(counts.values()) != len(self._held):  # the driver dropped some since (revoked, rewound): count them
+            counts = Counter(map(_TOPIC_PARTITION, self._held))  # a C-level pass
+        return self.hold_bound.update({(input_of(self.kafka, t), p): n for (t, p), n in counts.items()})
 
     def _topic(self, kind: str) -> str:
         return topic_of(self.kafka, kind)
@@ -222,6 +233,7 @@ class KafkaJoinWorker:
         want = self.gate.paused | self.held_inputs()
         self.pipeline.clicks_held = {p for k, p in want if k == CLICKS}
         pause, resume = want - self._paused, self._paused - want
+        self.gate.count(pause - self.gate.paused, resume)  # the hold's pauses, counted as the gate counts its own
         self._paused = want  # first: a revoked partition's resume may raise, and it is not paused any more
         if pause:
             self.consumer.pause([TopicPartition(self._topic(k), p) for k, p in sorted(pause)])

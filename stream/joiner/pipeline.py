@@ -35,9 +35,10 @@ import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter
 from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
 from stream.config import KafkaSettings, RedisSettings
@@ -68,19 +69,28 @@ log = logging.getLogger("streamrec.join")
 _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
 
 
-_RECORD = itemgetter(0)  # of a (record, event) pair
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
-_EVENT, _TS_OF = itemgetter(1), attrgetter("ts")  # of a (record, event) pair; of an event
+_TS_OF = attrgetter("ts")  # of an event
+Event = Impression | Click | BadMessage  # a record's event, or why it is bad
 
 
-def _nth_good(pairs: list[tuple[Record, Impression | Click | BadMessage]], n: int) -> int:
-    """The index of the ``n``-th (from 0) good event in ``pairs``: the bad records before it stay with the good."""
-    for i, (_, event) in enumerate(pairs):
+def _nth_good(events: list[Event], n: int) -> int:
+    """The index of the ``n``-th (from 0) good event in ``events``: the bad records before it stay with the good."""
+    for i, event in enumerate(events):
         if not isinstance(event, BadMessage):
             if n == 0:
                 return i
             n -= 1
-    return len(pairs)
+    return len(events)
+
+
+def _good_times(events: list[Event]) -> tuple[np.ndarray, bool]:
+    """((G,) int64 event times of the good events in order, whether all N events are good): one C-level pass when
+    they are (the usual case)."""
+    try:
+        return np.fromiter(map(_TS_OF, events), np.int64, len(events)), True
+    except AttributeError:  # a BadMessage among them (it has no ts)
+        return np.array([e.ts for e in events if not isinstance(e, BadMessage)], np.int64), False  # type: ignore[union-attr]
 
 
 class Record(NamedTuple):
@@ -92,6 +102,19 @@ class Record(NamedTuple):
     key: bytes | None
     value: bytes | None
     timestamp: int | None = None  # the message's broker timestamp (ms), which bounds how far ahead ts may be
+
+
+class Held(NamedTuple):
+    """One topic-partition's records held past the frontier, as columns (in offset order): the records, their events
+    (or why each is bad, dead-lettered once processed) and the good events' times. Kept as columns so a record held
+    for many batches is not walked again with each (on a replayed ML-1M ~50 k records wait per batch)."""
+
+    records: list[Record]
+    events: list[Event]
+    ts: np.ndarray  # (G,) int64, G <= N: the event times of the good events among them
+
+
+Groups = dict[tuple[str, int], tuple[list[Record], list[Event]]]  # (topic, partition) -> records, events in order
 
 
 @dataclass
@@ -181,8 +204,10 @@ class JoinPipeline:
         # The records process() last held back (the list it returned) and, per topic-partition, each with its event:
         # passed again ahead of the next batch, they are neither decoded nor walked again (_join).
         self._held_list: list[Record] = []
-        self._held_groups: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] = {}
-        self._held_before: dict[tuple[str, int, int], Impression | Click | BadMessage] = {}
+        self._held_groups: dict[tuple[str, int], Held] = {}
+        self._held_before: dict[tuple[str, int, int], Event] = {}
+        # Per topic-partition, how many records the last process() returned held (what the driver pauses on).
+        self.held_counts: dict[tuple[str, int], int] = {}
         # Per topic-partition, the offset after the last record process() processed (joined or dead-lettered): what
         # the driver may commit once process() returned.
         self.processed: dict[tuple[str, int], int] = {}
@@ -218,8 +243,9 @@ class JoinPipeline:
 
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
-        self._held_groups = {tp: pairs for tp, pairs in self._held_groups.items() if tp[1] not in partitions}
+        self._held_groups = {tp: h for tp, h in self._held_groups.items() if tp[1] not in partitions}
         self._held_list = []  # what the driver passes again is not that list any more
+        self.held_counts = {tp: n for tp, n in self.held_counts.items() if tp[1] not in partitions}
         self._reached = {k: t for k, t in self._reached.items() if k[1] not in partitions}
         for p in partitions:
             self.engines.pop(p, None)
@@ -255,18 +281,18 @@ class JoinPipeline:
         prior, prior_list = self._held_groups, self._held_list
         self._held_groups, self._held_list = {}, []
         n = len(prior_list)
-        if not self.strikes.counts and n <= len(records) and sum(map(len, prior.values())) == n and \
-                all(map(is_, records[:n], prior_list)):  # what was held, passed again ahead of new records
+        # What was held, passed again ahead of new records (a list compare: identity first, in C)?
+        if not self.strikes.counts and n <= len(records) and sum(len(h.records) for h in prior.values()) == n and \
+                records[:n] == prior_list:
             self._held_before = {}
             self._process_run(records[n:], behind, held, prior)
-            self._held_list = held
-            return held
+            return self._returned(held)
         # Otherwise held records come back mixed with others (or not at all): found by their offsets.
-        self._held_before = {(r.topic, r.partition, r.offset): e for pairs in prior.values() for r, e in pairs}
+        self._held_before = {(r.topic, r.partition, r.offset): e for h in prior.values()
+                             for r, e in zip(h.records, h.events, strict=True)}
         if not self.strikes.counts:
             self._process_run(records, behind, held)
-            self._held_list = held
-            return held
+            return self._returned(held)
         # Suspects (messages of a batch that failed before) go alone, in order: the one that fails again
         # is then known exactly, and its neighbours are not blamed.
         run: list[Record] = []
@@ -280,12 +306,20 @@ class JoinPipeline:
                 run.append(r)
         if run:
             self._process_run(run, behind, held)
+        return self._returned(held)
+
+    def _returned(self, held: list[Record]) -> list[Record]:
+        """``held`` as process() returns it: remembered (passed again, it is recognised) and counted per
+        topic-partition (from the held columns when they are all of it, else one pass)."""
         self._held_list = held
+        if sum(len(h.records) for h in self._held_groups.values()) == len(held):
+            self.held_counts = {tp: len(h.records) for tp, h in self._held_groups.items() if h.records}
+        else:
+            self.held_counts = dict(Counter((r.topic, r.partition) for r in held))
         return held
 
     def _process_run(self, records: list[Record], behind: Behind | None, held: list[Record],
-                     prior: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] | None = None
-                     ) -> None:
+                     prior: dict[tuple[str, int], Held] | None = None) -> None:
         """``records`` joined, or each given a strike. ``prior``: the records held last time with their events, which
         come before ``records`` (``process``'s path when nothing has strikes, so ``held`` is empty then)."""
         if held:  # a topic-partition held once in this batch stays held: what is processed stays a prefix
@@ -298,7 +332,7 @@ class JoinPipeline:
             held.extend(self._join(records, behind, prior))
         except Exception as exc:
             if not is_infrastructure(exc):
-                failed = [r for pairs in (prior or {}).values() for r, _ in pairs] + records
+                failed = [r for h in (prior or {}).values() for r in h.records] + records
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
                           "committing", len(failed), type(exc).__name__, clip(str(exc)))
                 try:
@@ -317,11 +351,11 @@ class JoinPipeline:
             return decode_impression(r.value, self.limits, r.timestamp)
         return decode_click(r.value, self.limits, r.timestamp)
 
-    def _decode_all(self, records: list[Record]) -> list[Impression | Click | BadMessage]:
+    def _decode_all(self, records: list[Record]) -> list[Event]:
         """Each record's event or why it is bad: a record held last time keeps what it was decoded to then (a bad one
         is dead-lettered only now); the rest are decoded per topic as columns (``stream/event_batch.py``), or one by
         one while messages have strikes (a poisoned one is dead-lettered without decoding)."""
-        events: list[Impression | Click | BadMessage | None] = [None] * len(records)
+        events: list[Event | None] = [None] * len(records)
         held_before = self._held_before
         if held_before:
             for i, r in enumerate(records):
@@ -348,34 +382,35 @@ class JoinPipeline:
         return events  # type: ignore[return-value]
 
     def _join(self, records: list[Record], behind: Behind | None = None,
-              prior: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]] | None = None
-              ) -> list[Record]:
+              prior: dict[tuple[str, int], Held] | None = None) -> list[Record]:
         """Decode, hold back past the frontier (with ``behind``), join and make durable. ``prior``: the records held
-        last time, grouped with their events, which come before ``records`` (``process``'s fast path)."""
+        last time, as columns per topic-partition, which come before ``records`` (``process``'s fast path)."""
         t0 = time.monotonic()
         if self.totals.first_batch is None:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
-        # (topic, partition) -> its records in offset order, each with its event or why it is bad
-        groups = {tp: list(pairs) for tp, pairs in prior.items()} if prior else {}
+        # (topic, partition) -> its records in offset order and each one's event or why it is bad (copies of the held
+        # columns: a failed batch leaves ``prior`` as it was, for its strikes)
+        groups: Groups = {tp: (list(h.records), list(h.events)) for tp, h in prior.items()} if prior else {}
         for r, event in zip(records, self._decode_all(records), strict=True):
             tp = (r.topic, r.partition)
-            pairs = groups.get(tp)
-            if pairs is None:
-                groups[tp] = [(r, event)]
+            got = groups.get(tp)
+            if got is None:
+                groups[tp] = ([r], [event])
             else:
-                pairs.append((r, event))
+                got[0].append(r)
+                got[1].append(event)
         held: list[Record] = []
         if behind is not None:
-            held = self._hold(groups, behind)
-        for (topic, partition), pairs in groups.items():
-            if not pairs:
+            held = self._hold(groups, behind, prior or {})
+        for (topic, partition), (recs, events) in groups.items():
+            if not recs:
                 continue
-            self.processed[(topic, partition)] = pairs[-1][0].offset + 1
+            self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
             into = imps[partition] if is_impression else clicks[partition]
-            for r, event in pairs:
+            for r, event in zip(recs, events, strict=True):
                 if isinstance(event, BadMessage):
                     self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset)
                     self.totals.counts["dead_lettered"] += 1
@@ -390,40 +425,43 @@ class JoinPipeline:
         self.totals.busy_s += self.totals.last_batch - t0
         return held
 
-    def _hold(self, groups: dict[tuple[str, int], list[tuple[Record, Impression | Click | BadMessage]]],
-              behind: Behind) -> list[Record]:
+    def _hold(self, groups: Groups, behind: Behind, prior: dict[tuple[str, int], Held]) -> list[Record]:
         """Cut each topic-partition's records in ``groups`` down to what is processed now; returns the records held
         past the event-time frontier (see :meth:`process`). A bad record is held with its neighbours when it comes
         after a held one, so it is dead-lettered once. Per topic-partition the records stay in offset order, so the
-        held ones are a suffix: cut with one slice (a held record is walked again with each batch it waits in, so
-        the walk is kept to a list comprehension)."""
+        held ones are a suffix: cut with one slice. The times of what ``prior`` held are its ``ts`` column: only the
+        new records' events are walked (a record may wait many batches)."""
         partitions = {p for _, p in groups}
         self.restore(partitions)
-        ts_of: dict[Key, list[int]] = {}  # (input, partition) -> good events' times in offset order
+        ts_of: dict[Key, np.ndarray] = {}  # (input, partition) -> (G,) int64 good events' times in offset order
         clean: dict[tuple[str, int], bool] = {}  # whether a topic-partition's records are all good
-        for tp, pairs in groups.items():
-            try:  # all good (the usual case): one C-level pass
-                ts = list(map(_TS_OF, map(_EVENT, pairs)))
-            except AttributeError:  # a BadMessage among them (it has no ts)
-                ts = [e.ts for _, e in pairs if not isinstance(e, BadMessage)]  # type: ignore[union-attr]
+        for tp, (_, events) in groups.items():
+            before = prior.get(tp)
+            if before is not None and len(before.ts) == len(before.events):  # held before, all good
+                new_ts, good = _good_times(events[len(before.events):])
+                ts = np.concatenate([before.ts, new_ts]) if len(new_ts) else before.ts
+            else:
+                ts, good = _good_times(events)
             ts_of[(input_of(self.kafka, tp[0]), tp[1])] = ts
-            clean[tp] = len(ts) == len(pairs)
-        reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), []))
+            clean[tp] = good and len(ts) == len(events)
+        empty = np.zeros(0, np.int64)
+        reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), empty))
                    for p in partitions for kind in (IMPRESSIONS, CLICKS)}
         self._reached.update(reached)
         limits = hold_limits(reached, behind, int((self.js.max_input_drift_s or 0) * 1000))
         held: list[Record] = []
-        for tp, pairs in groups.items():
+        for tp, (recs, events) in groups.items():
             key = (input_of(self.kafka, tp[0]), tp[1])
             ts = ts_of[key]
             limit = limits.get(key)
             room = len(ts) if limit is None else self.engines[tp[1]].within(_ENGINE_INPUT[key[0]], ts, limit)
             if room >= len(ts):
                 continue
-            cut = room if clean[tp] else _nth_good(pairs, room)  # the first held record
-            self._held_groups[tp] = stay = pairs[cut:]  # decoded once: it comes back with the next batch
-            held.extend(map(_RECORD, stay))
-            del pairs[cut:]
+            cut = room if clean[tp] else _nth_good(events, room)  # the first held record
+            # decoded once: it comes back with the next batch, its times with it
+            self._held_groups[tp] = Held(recs[cut:], events[cut:], ts[room:])
+            held.extend(recs[cut:])
+            del recs[cut:], events[cut:]
         self.totals.counts["held_back"] += len(held)
         return held
 

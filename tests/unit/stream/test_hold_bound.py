@@ -1,0 +1,42 @@
+"""HoldBound: the kafka driver pauses an input for the records it holds past the frontier, with hysteresis, so a
+replay's leading input is not paused and resumed (its prefetched messages purged and fetched again) every batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, HoldBound, InputGate
+
+
+def test_an_input_is_paused_at_the_high_mark_and_stays_paused_until_the_low_mark() -> None:
+    bound = HoldBound(high=400, low=100)
+    imp = (IMPRESSIONS, 0)
+    assert bound.update({imp: 399}) == set()
+    assert bound.update({imp: 400}) == {imp}
+    # the frontier passes some of the held records: still paused above the low mark (a plain threshold at 400
+    # would resume here, purging what the consumer prefetched, and pause again with the next fetch)
+    assert bound.update({imp: 399}) == {imp}
+    assert bound.update({imp: 101}) == {imp}
+    assert bound.update({imp: 100}) == set()
+    assert bound.update({imp: 399}) == set()  # resumed: read on until the high mark again
+
+
+def test_inputs_no_longer_holding_anything_are_resumed_and_others_are_independent() -> None:
+    bound = HoldBound(high=10, low=2)
+    assert bound.update({(IMPRESSIONS, 0): 12, (CLICKS, 1): 11}) == {(IMPRESSIONS, 0), (CLICKS, 1)}
+    # partition 1's held records were dropped (revoked, or the worker rewound): absent means none held
+    assert bound.update({(IMPRESSIONS, 0): 5}) == {(IMPRESSIONS, 0)}
+    assert bound.update({}) == set()
+
+
+def test_the_marks_must_be_ordered() -> None:
+    with pytest.raises(ValueError, match="low < high"):
+        HoldBound(high=5, low=5)
+
+
+def test_pauses_a_driver_makes_for_its_hold_are_counted_with_the_gates_own() -> None:
+    gate = InputGate(cap=100, max_drift_ms=None)
+    gate.count({(IMPRESSIONS, 0), (IMPRESSIONS, 1)}, set())
+    gate.count({(CLICKS, 2)}, {(IMPRESSIONS, 0)})
+    assert gate.pauses == {IMPRESSIONS: 2, CLICKS: 1}
+    assert gate.paused == set()  # counted only: what the gate itself pauses is unchanged
