@@ -5,7 +5,7 @@ fields as bench/serving.py builds them), published once; its non-hot rows writte
 (``write_version``, float32, so both modes score identically). Traffic: Zipf(1.1) users and items, 1 user x 100
 candidates + a 20-item history + 3 context fields per request; the hot set is the most frequent ``--hot-share``
 of rows of a traffic sample, as the nightly refresh ranks them. Each request is timed in this process as serving
-handles it, features to probabilities (``FeatureEncoder.encode`` + ``ScoringModel.score``), for:
+handles it, features to probabilities (``FeatureEncoder.encode`` + ``ScoringModel.score_request``), for:
 
 * ``in_process``: cold rows from the memory-mapped file (pages warm after the warm-up);
 * ``layered``: cold rows from the LRU (``--cache-rows``, warmed by the warm-up requests) and one MGET per request
@@ -162,7 +162,7 @@ def measure_layered(rows: int = 1_000_000, requests_per_mode: int = 2000, warmup
                 for name in (order if k % 2 == 0 else order[::-1]):  # alternate who goes first
                     t = time.perf_counter()
                     v, o, d = encoders[name].encode(parsed, history)
-                    p = models[name].score(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(d))
+                    p = models[name].score_request(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(d))
                     dt = time.perf_counter() - t
                     if k >= warmup:
                         times[name].append(dt)

@@ -297,12 +297,12 @@ def profile_request(version_dir: Path, bodies: list[bytes], history: list[int], 
         live = model._live
         given = [model._given(live, v) for v, _, _ in encoded]
         tens = [(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(d)) for v, o, d in encoded]
-        scores = [model.score(*t) for t in tens]
+        scores = [model.score_request(*t) for t in tens]
 
         def one(i: int) -> bytes:
             r = parse_request(decode_json(bodies[i]), 1000)
             v, o, d = enc.encode(r, history)
-            p = model.score(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(d))
+            p = model.score_request(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(d))
             return orjson.dumps({"scores": p.numpy().astype(np.float64)}, option=orjson.OPT_SERIALIZE_NUMPY)
 
         def scorer(i: int) -> torch.Tensor:

@@ -13,7 +13,10 @@ Layout under a publish root::
     <root>/versions/<version>/
         manifest.json                    version, created, source checkpoint (path, samples_trained,
                                          offsets), feature_config, model settings, hot-set stats,
-                                         format, scorer settings, files {name: {sha256, bytes}},
+                                         format, scorer settings (``input_layout``: the scorer's input
+                                         layout, learner/scorer.py; absent in artifacts from before the
+                                         user-row layout, which serving still loads), files {name:
+                                         {sha256, bytes}},
                                          signature (when the refresh has a signing key)
         scorer.pt | scorer.pt2 | scorer_state.pt | scorer.safetensors | scorer.onnx + scorer.safetensors
                                          the scorer (torchscript | export | eager | safetensors | onnx: the
@@ -70,10 +73,12 @@ from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.scorer import (
+    CANDIDATE_ROWS_LAYOUT,
     FORMATS,
     PICKLE_FREE_FORMATS,
     SCORER_EXTRA_FILES,
     SCORER_FILES,
+    SCORER_LAYOUTS,
     Scorer,
     ScorerSpec,
     hot_buffers,
@@ -311,6 +316,10 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
           and _num(sc.get("dropout")) and 0 <= sc["dropout"] < 1)
     if not ok:
         raise bad(f"scorer is {_show(sc)}, expected {{num_fields, dim, num_dense, mlp: [sizes], dropout}}")
+    layout = sc.get("input_layout", CANDIDATE_ROWS_LAYOUT)  # absent: a scorer from before the user-row layout
+    if not _int(layout) or layout not in SCORER_LAYOUTS:
+        raise ArtifactError(f"{where}: scorer input_layout {_show(layout)}, this streamrec reads "
+                            f"{', '.join(map(str, SCORER_LAYOUTS))}; rebuild it with `streamrec refresh --now`")
     if (sc["num_fields"], sc["dim"], sc["num_dense"]) != (cfg.num_fields, cfg.embedding_dim, len(cfg.dense)):
         raise bad(f"scorer (fields {sc['num_fields']}, dim {sc['dim']}, dense {sc['num_dense']}) does not match the "
                   f"feature config ({cfg.num_fields}, {cfg.embedding_dim}, {len(cfg.dense)})")

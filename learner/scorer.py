@@ -4,16 +4,30 @@ The scorer is DeepFM's dense half (bias + first order + FM + MLP, ``learner/mode
 HOT rows of the fused embedding table as buffers (``hot_ids`` sorted (H + 1,) with a sentinel,
 ``hot_vectors`` (H + 1, D + 1)), placed on the scoring device (the GPU when there is one). Rows that are
 not hot are gathered by the caller (``serving.model.ScoringModel``, from the artifact's memory-mapped cold
-rows) and handed in::
+rows) and handed in, in the REQUEST layout (``input_layout`` 2, :data:`USER_ROW_LAYOUT`)::
 
-    Scorer.forward(values (N,) int64 global rows, offsets (F*B + 1,) int64 field-major bags,
+    Scorer.forward(values (N,) int64 global rows, offsets (F + F*B + 1,) int64 bag starts,
                    dense (B, Dd) float32, given_rows (N, D + 1) float32, given_mask (N,) bool) -> (B,) probs
+
+The bags are a USER ROW first (bags ``0 .. F-1``: field ``f``'s bag shared by every candidate: the user, the
+history, the shared context) and then the candidates' bags, field-major (bag ``F + f*B + b``: field ``f`` of
+candidate ``b``: the item, per-item context). A field's bag lies on one side only: the other side's bag is empty
+(a zero vector), so the pooled bags are ``user (1, F, D + 1) + candidates (B, F, D + 1)``, broadcast: the user's
+rows are looked up and pooled ONCE per request instead of once per candidate (~96% of a request's rows were the
+user's bags repeated; bench/serving.py ``--profile``). A training batch (``learner.batch.TensorBatch``: every
+bag per sample, offsets (F*B + 1,)) is the same layout with an empty user row (:func:`with_empty_user_row`).
+Scorers written before this layout (manifest ``scorer.input_layout`` absent: :data:`CANDIDATE_ROWS_LAYOUT`)
+take the training batch's layout; ``serving.model.ScoringModel`` keeps loading them (their TorchScript or
+export program carries that layout; the other formats are rebuilt from tensors by this code, in this layout).
 
 ``given_mask[i]`` says "use ``given_rows[i]``" (a cold row or a delta override); otherwise the row is
 looked up among the hot rows with a vectorized ``searchsorted``. Pooling is ``F.embedding_bag``: each bag's sum
 over its hot rows plus its given rows, divided by its length, so bags are pooled as the learner's fused
-``nn.EmbeddingBag`` (mean) pools them, up to float rounding (~1e-7). The same ``Scorer`` class is stored seven
-ways behind one interface (``learner/scorer_files.py``: ``save_scorer``, ``load_scorer``):
+``nn.EmbeddingBag`` (mean) pools them, up to float rounding (~1e-7); a bag pooled in the user row is the same
+sum as the same bag pooled per candidate (bit for bit: tests/unit/learner/test_scorer_layout.py).
+
+The same ``Scorer`` class is stored seven ways behind one interface (``learner/scorer_files.py``: ``save_scorer``,
+``load_scorer``):
 
 * ``torchscript`` (default) - ``torch.jit.script`` + ``torch.jit.save``;
 * ``export`` - ``torch.export.export`` with dynamic N and B, ``torch.export.save`` (the forward-looking
@@ -66,6 +80,10 @@ PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8", "safetensors_bf16")
 # Not exact (reduced precision: INT8, and bf16 alike): validated by their holdout AUC cost (cache_refresh/validate.py)
 REDUCED_PRECISION_FORMATS = ("onnx_int8", "safetensors_bf16")
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
+# The scorer's input layouts (manifest ``scorer.input_layout``; module docstring):
+CANDIDATE_ROWS_LAYOUT = 1  # every bag per candidate, offsets (F*B + 1,): artifacts from before issue 17
+USER_ROW_LAYOUT = 2  # the user row's F bags, then the candidates' F*B bags: offsets (F + F*B + 1,)
+SCORER_LAYOUTS = (CANDIDATE_ROWS_LAYOUT, USER_ROW_LAYOUT)
 
 
 # -- the scorer ----------------------------------------------------------------------------------
@@ -78,15 +96,18 @@ class ScorerSpec:
     num_dense: int
     mlp: tuple[int, ...]
     dropout: float
+    # The layout of the stored scorer's inputs: what this code builds is USER_ROW_LAYOUT; a manifest without the
+    # key is from before it (CANDIDATE_ROWS_LAYOUT).
+    input_layout: int = USER_ROW_LAYOUT
 
     def to_dict(self) -> dict[str, Any]:
         return {"num_fields": self.num_fields, "dim": self.dim, "num_dense": self.num_dense,
-                "mlp": list(self.mlp), "dropout": self.dropout}
+                "mlp": list(self.mlp), "dropout": self.dropout, "input_layout": self.input_layout}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ScorerSpec:
         return cls(int(d["num_fields"]), int(d["dim"]), int(d["num_dense"]), tuple(int(x) for x in d["mlp"]),
-                   float(d["dropout"]))
+                   float(d["dropout"]), int(d.get("input_layout", CANDIDATE_ROWS_LAYOUT)))
 
 
 class Scorer(nn.Module):
@@ -104,7 +125,8 @@ class Scorer(nn.Module):
 
     def pool(self, values: torch.Tensor, offsets: torch.Tensor, given_rows: torch.Tensor,
              given_mask: torch.Tensor) -> torch.Tensor:
-        """The mean-pooled bags (B, F, D + 1): hot rows looked up, ``given_rows`` where ``given_mask``."""
+        """The mean-pooled bags (B, F, D + 1) of a request-layout input (the user row's F bags, then F*B): hot rows
+        looked up, ``given_rows`` where ``given_mask``; the user row pooled once and broadcast to the candidates."""
         hot_ids, hot_vectors = self.hot_ids, self.hot_vectors
         assert isinstance(hot_ids, torch.Tensor) and isinstance(hot_vectors, torch.Tensor)  # buffers (for mypy)
         pos = torch.searchsorted(hot_ids, values)  # (N,) in [0, H]: the sentinel keeps it in range
@@ -116,10 +138,13 @@ class Scorer(nn.Module):
         summed = (F.embedding_bag(pos, hot_vectors, offsets, mode="sum", per_sample_weights=1.0 - given,
                                   include_last_offset=True)
                   + F.embedding_bag(index, given_rows, offsets, mode="sum", per_sample_weights=given,
-                                    include_last_offset=True))  # (F*B, D + 1)
-        lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(summed.dtype).unsqueeze(1)  # (F*B, 1); empty bag: 0
-        pooled = summed / lengths  # (F*B, D + 1) means
-        return pooled.view(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+                                    include_last_offset=True))  # (F + F*B, D + 1)
+        lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(summed.dtype).unsqueeze(1)  # (F + F*B, 1); empty: 0
+        pooled = summed / lengths  # (F + F*B, D + 1) means
+        user = pooled[: self.num_fields].unsqueeze(0)  # (1, F, D + 1): the user row
+        cand = pooled[self.num_fields:].view(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+        # A field's bag is on one side, the other side's is empty (exactly 0): the sum is the bag's mean, exactly.
+        return cand + user  # (B, F, D + 1)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
@@ -182,6 +207,31 @@ class Bf16Scorer(Scorer):
                       given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
         """The same scores with the MLP in fp32 (an inexact format's reference)."""
         return self.head(self.pool(values, offsets, given_rows, given_mask), dense, fp32=True)
+
+
+def with_empty_user_row(offsets: torch.Tensor, num_fields: int) -> torch.Tensor:
+    """A training batch's offsets (F*B + 1,) (every bag per sample) as the request layout's (F + F*B + 1,): F empty
+    bags in front (the user row, pooled to zeros), the same bags after."""
+    return torch.cat([offsets.new_zeros(num_fields), offsets])  # offsets[0] == 0: F empty bags, then the batch's
+
+
+def to_candidate_rows(values: np.ndarray, offsets: np.ndarray, num_fields: int) -> tuple[np.ndarray, np.ndarray]:
+    """A request-layout input (values (N,), offsets (F + F*B + 1,)) in the layout of scorers from before it
+    (:data:`CANDIDATE_ROWS_LAYOUT`): every candidate's bag of field ``f`` is the user row's bag ``f`` followed by the
+    candidate's own (one of the two is empty), so the user's rows are repeated per candidate as they used to be.
+    Returns (values (N',), offsets (F*B + 1,))."""
+    f = num_fields
+    lengths = np.diff(offsets)  # (F + F*B,)
+    b = (len(lengths) - f) // f
+    u_len = np.repeat(lengths[:f], b)  # (F*B,): the user row's bag of the candidate's field
+    c_len = lengths[f:]  # (F*B,)
+    seg_len = np.stack([u_len, c_len], axis=1).ravel()  # (2*F*B,): user part, candidate part, per output bag
+    seg_src = np.stack([np.repeat(offsets[:f], b), offsets[f:-1]], axis=1).ravel()  # (2*F*B,) where each starts
+    seg_dst = np.cumsum(seg_len) - seg_len  # (2*F*B,) where each lands
+    idx = np.arange(int(seg_len.sum()), dtype=np.int64) + np.repeat(seg_src - seg_dst, seg_len)  # (N',)
+    out_offsets = np.zeros(f * b + 1, np.int64)
+    np.cumsum(u_len + c_len, out=out_offsets[1:])
+    return values[idx], out_offsets
 
 
 def hot_buffers(table: torch.Tensor, hot_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

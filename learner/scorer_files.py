@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 
 from learner.features import FeatureConfig
 from learner.scorer import FORMATS, Bf16Scorer, Scorer, ScorerSpec
@@ -37,10 +38,12 @@ def _quiet_torchscript() -> Iterator[None]:
 
 # -- storage -------------------------------------------------------------------------------------
 def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, ...]:
-    b, n = 3, 3 * spec.num_fields + 2
-    lengths = torch.ones(spec.num_fields * b, dtype=torch.int64)
+    """An example request-layout input (the user row's F bags, then F*B candidate bags) for ``torch.export``."""
+    b = 3
+    lengths = torch.ones(spec.num_fields * (b + 1), dtype=torch.int64)  # (F + F*B,)
     lengths[0] = 3
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])  # (F + F*B + 1,)
+    n = int(offsets[-1])
     values = torch.randint(0, cfg.num_rows, (n,), dtype=torch.int64)
     return (values, offsets, torch.zeros(b, spec.num_dense), torch.zeros(n, spec.dim + 1),
             torch.zeros(n, dtype=torch.bool))
@@ -58,8 +61,11 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
             write_synced(path, lambda fh: torch.jit.save(scripted, fh))
     elif fmt == "export":
         n, b = torch.export.Dim("n", min=1), torch.export.Dim("b", min=1)
-        dynamic = ({0: n}, {0: spec.num_fields * b + 1}, {0: b}, {0: n}, {0: n})
-        ep = torch.export.export(scorer, _export_inputs(spec, cfg), dynamic_shapes=dynamic)
+        dynamic = ({0: n}, {0: spec.num_fields * b + spec.num_fields + 1}, {0: b}, {0: n}, {0: n})  # (F + F*B + 1,)
+        # Size-oblivious shape reasoning: without it the export specializes B away from 1 (its 0/1 specialization of
+        # the views of the pooled bags), and a request with a single candidate failed a guard ("Guard failed: ...").
+        with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]  # install_config_module
+            ep = torch.export.export(scorer, _export_inputs(spec, cfg), dynamic_shapes=dynamic)
         write_synced(path, lambda fh: torch.export.save(ep, fh))
     elif fmt == "eager":
         write_synced(path, lambda fh: torch.save(scorer.state_dict(), fh))

@@ -220,9 +220,10 @@ class ScoringApp:
         return self.history_reader.read(users)
 
     def _run(self, live: LiveModel, req: ScoreRequest, history: list[int]) -> dict[str, Any]:
-        values, offsets, dense = live.encoder.encode(req, history, self._observe)  # (N,), (F*B+1,), (B, Dd)
+        values, offsets, dense = live.encoder.encode(req, history, self._observe)  # (N,), (F+F*B+1,), (B, Dd)
         seq = live.model.delta_seq  # read first: the scores are at least this fresh
-        scores = live.model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+        scores = live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
+                                          torch.from_numpy(dense))  # (B,)
         self.metrics.candidates.inc(len(req.items))
         return {"scores": scores.numpy().astype(np.float64, copy=False), "model_version": live.model.version,
                 "delta_seq": seq}

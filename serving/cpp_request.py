@@ -1,13 +1,15 @@
 """A scoring request as the C++ loader's input files (serving/cpp/score.cpp): the scorer's row tensors as .npy.
 
-The C++ program (``streamrec_score score VERSION_DIR REQUEST_DIR``) does what ``serving.model.ScoringModel.score``
-does from the row tensors on; everything before them (request parsing, BLAKE2b feature hashing, the
-artifact's id maps) stays here, in the Python that serving runs. :func:`encode_request` turns a request
-into exactly what ``serving/app.py`` hands the model, :func:`write_inputs` writes it::
+The C++ program (``streamrec_score score VERSION_DIR REQUEST_DIR``) does what
+``serving.model.ScoringModel.score_request`` does from the row tensors on; everything before them (request
+parsing, BLAKE2b feature hashing, the artifact's id maps) stays here, in the Python that serving runs.
+:func:`encode_request` turns a request into exactly what ``serving/app.py`` hands the model, :func:`write_inputs`
+writes it (the scorer's user-row layout, ``learner/scorer.py``)::
 
-    REQUEST_DIR/values.npy   (N,) int64           global rows of the fused table, field-major bags
-    REQUEST_DIR/offsets.npy  (F * B + 1,) int64   bag starts (include_last_offset layout)
-    REQUEST_DIR/dense.npy    (B, Dd) float32      dense features in the feature config's order
+    REQUEST_DIR/values.npy   (N,) int64               global rows: the user row's bags, then the candidates'
+    REQUEST_DIR/offsets.npy  (F + F * B + 1,) int64   bag starts (include_last_offset layout): bag f is field f
+                                                      of the user row, bag F + f * B + b field f of candidate b
+    REQUEST_DIR/dense.npy    (B, Dd) float32          dense features in the feature config's order
 
 Plain little-endian, C-order .npy (format 1.0): the C++ side maps them with a ~60-line reader, the same one
 that maps the artifact's ``cold_rows.npy``.
@@ -65,8 +67,8 @@ def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def python_scores(model: ScoringModel, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> np.ndarray:
-    """(B,) float32: what serving answers for these inputs (``ScoringModel.score``)."""
-    return model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense)).numpy()
+    """(B,) float32: what serving answers for these inputs (``ScoringModel.score_request``)."""
+    return model.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense)).numpy()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,15 @@ hot rows, delta overrides and the scorer are the same in both, so both give the 
 every failure an ``ArtifactError``), maps raw hashed ids to the learner's rows, gathers the rows the
 scorer does not hold (``learner/scorer.py``'s ``given_rows``) and applies learner deltas as all-or-nothing
 snapshots. ``serving/swap.py`` holds the live one and swaps in the next.
+
+Two entry points score, one per input layout (``learner/scorer.py``): :meth:`ScoringModel.score_request` takes a
+request as ``serving.features.FeatureEncoder.encode`` lays it out (the user row's bags once, then the candidates'),
+what serving runs; :meth:`ScoringModel.score` a training batch (every bag per sample: ``learner.batch.TensorBatch``),
+what the refresh validates with. Artifacts published before the user-row layout (manifest without
+``scorer.input_layout``) keep loading and scoring: their TorchScript/export program takes the per-candidate layout,
+into which :meth:`score_request` expands a request (``learner.scorer.to_candidate_rows``: as slow as before, and the
+same scores); the other formats are rebuilt from their tensors by this code, in the new layout. A ``streamrec
+refresh --now`` republishes them in the new layout.
 """
 
 from __future__ import annotations
@@ -36,7 +45,13 @@ from learner.artifact import (
 )
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
-from learner.scorer import ScorerSpec
+from learner.scorer import (
+    CANDIDATE_ROWS_LAYOUT,
+    USER_ROW_LAYOUT,
+    ScorerSpec,
+    to_candidate_rows,
+    with_empty_user_row,
+)
 from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
 from serving.embedding_store import LayeredRows, RedisEmbeddingStore
@@ -67,6 +82,9 @@ class ScoringModel:
         self.format: str = manifest["format"]
         self.feature_config = FeatureConfig.from_dict(manifest["feature_config"])
         self.spec = ScorerSpec.from_dict(manifest["scorer"])
+        # The stored program's input layout: only TorchScript and export carry their own code; every other format
+        # is rebuilt from tensors by this code (learner/scorer_files.py), which takes the user-row layout.
+        self.input_layout = self.spec.input_layout if self.format in ("torchscript", "export") else USER_ROW_LAYOUT
         self.device = torch.device(device)
         self._cold = cold  # (num_rows, D + 1) float32 memmap
         hot_ids = dict(scorer.named_buffers())["hot_ids"] if self.format != "export" else None
@@ -144,15 +162,23 @@ class ScoringModel:
         return model
 
     def _smoke_test(self) -> None:
-        """Score two probe samples (each field's first row): a scorer that does not fit its manifest fails here,
-        at load, instead of on every request."""
+        """Score two probe samples (each field's first row), as a training batch and as a request (the same rows in
+        the user row): a scorer that does not fit its manifest or its input layout fails here, at load, instead of
+        on every request."""
         cfg = self.feature_config
         b = 2
-        values = torch.tensor([first for first, _ in cfg.blocks for _ in range(b)], dtype=torch.int64)
-        offsets = torch.arange(cfg.num_fields * b + 1, dtype=torch.int64)
+        firsts = [first for first, _ in cfg.blocks]
+        values = torch.tensor([first for first in firsts for _ in range(b)], dtype=torch.int64)  # (F*B,)
+        offsets = torch.arange(cfg.num_fields * b + 1, dtype=torch.int64)  # (F*B + 1,) one row per bag
+        # the request layout: the F rows once in the user row, every candidate's bags empty
+        req_offsets = torch.cat([torch.arange(cfg.num_fields + 1, dtype=torch.int64),
+                                 torch.full((cfg.num_fields * b,), cfg.num_fields, dtype=torch.int64)])
+        dense = torch.zeros(b, len(cfg.dense))
         try:
-            p = self.score(values, offsets, torch.zeros(b, len(cfg.dense)))
+            p = self.score(values, offsets, dense)
+            q = self.score_request(torch.tensor(firsts, dtype=torch.int64), req_offsets, dense)
             ok = tuple(p.shape) == (b,) and bool(torch.isfinite(p).all()) and bool(((p >= 0) & (p <= 1)).all())
+            same = tuple(q.shape) == (b,) and bool(torch.allclose(p, q, atol=1e-5, rtol=0))
         except Exception as exc:  # noqa: BLE001 - whatever the scorer raises, the artifact is unusable
             raise ArtifactError(f"{self.version_dir}: the scorer does not score a probe ({type(exc).__name__}: "
                                 f"{str(exc)[:300]}); republish with `streamrec refresh --now`") from exc
@@ -161,6 +187,11 @@ class ScoringModel:
         if not ok:
             raise ArtifactError(f"{self.version_dir}: the scorer answered {p.tolist()} for a probe of {b} samples, "
                                 "expected finite probabilities; republish with `streamrec refresh --now`")
+        if not same:
+            raise ArtifactError(f"{self.version_dir}: the scorer answered {q.tolist()} for a probe laid out as a "
+                                f"request and {p.tolist()} for the same probe as a batch: its program does not take "
+                                f"scorer input layout {self.input_layout} (manifest scorer.input_layout); republish "
+                                "with `streamrec refresh --now`")
 
     # -- rows --------------------------------------------------------------------------------------
     def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
@@ -284,17 +315,34 @@ class ScoringModel:
     @torch.inference_mode()
     def score(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
               fp32: bool = False) -> torch.Tensor:
-        """Click probabilities (B,) for field-major bags of global rows (learner.batch.TensorBatch layout).
+        """Click probabilities (B,) for a training batch: field-major bags of global rows, every bag per sample
+        (learner.batch.TensorBatch layout: values (N,), offsets (F*B + 1,), dense (B, Dd)).
 
         ``fp32``: an INT8 artifact's scores from its fp32 tensors in torch (the refresh's reference for it); the
         same as without for every other format."""
+        if self.input_layout == USER_ROW_LAYOUT:
+            offsets = with_empty_user_row(offsets, self.spec.num_fields)  # (F + F*B + 1,)
+        return self._forward(values, offsets, dense, fp32)
+
+    @torch.inference_mode()
+    def score_request(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
+                      fp32: bool = False) -> torch.Tensor:
+        """Click probabilities (B,) for one request in the user-row layout (``serving.features.FeatureEncoder``):
+        values (N,), offsets (F + F*B + 1,) (the user row's F bags, then the candidates' F*B), dense (B, Dd)."""
+        if self.input_layout == CANDIDATE_ROWS_LAYOUT:  # an artifact from before the user-row layout
+            v, o = to_candidate_rows(values.cpu().numpy(), offsets.cpu().numpy(), self.spec.num_fields)
+            values, offsets = torch.from_numpy(v), torch.from_numpy(o)  # (N',), (F*B + 1,)
+        return self._forward(values, offsets, dense, fp32)
+
+    def _forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool) -> torch.Tensor:
+        """The live scorer on inputs in its own layout, given the rows it does not hold."""
         live = self._live
         v = values.cpu().numpy() if values.device.type != "cpu" else values.numpy()
         given, mask = self._given(live, v)
         dev = self.device
         run = getattr(live.scorer, "torch_forward", live.scorer) if fp32 else live.scorer
         return run(values.to(dev), offsets.to(dev), dense.to(dev, torch.float32),
-                           torch.from_numpy(given).to(dev), torch.from_numpy(mask).to(dev))
+                   torch.from_numpy(given).to(dev), torch.from_numpy(mask).to(dev))
 
     # -- deltas ------------------------------------------------------------------------------------
     def apply_delta(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor] | None,

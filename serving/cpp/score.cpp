@@ -2,14 +2,16 @@
 //
 //   streamrec_score score ARTIFACT_DIR REQUEST_DIR [--repeat N]
 //       ARTIFACT_DIR: a version directory of `streamrec refresh` in the torchscript format (scorer.pt,
-//       cold_rows.npy (num_rows, D + 1) float32). REQUEST_DIR: values.npy (N,) int64 global rows,
-//       offsets.npy (F*B + 1,) int64, dense.npy (B, Dd) float32, as serving/cpp_request.py writes them
+//       cold_rows.npy (num_rows, D + 1) float32, manifest.json). REQUEST_DIR: values.npy (N,) int64 global
+//       rows, offsets.npy (F + F*B + 1,) int64 (the user row's F bags, then the candidates' F*B: the scorer's
+//       input layout 2, learner/scorer.py), dense.npy (B, Dd) float32, as serving/cpp_request.py writes them
 //       (serving/features.py's FeatureEncoder.encode). Prints B click probabilities, one per line, "%.9g"
-//       (float32 round-trips exactly); with --repeat, the mean forward time goes to stderr.
+//       (float32 round-trips exactly); with --repeat, the mean forward time goes to stderr. An artifact whose
+//       manifest does not declare scorer input_layout 2 (published before it) is refused: republish it.
 //   streamrec_score hash TEXT...
 //       Prints stream.ids.stable_hash of each raw id's text, one per line.
 //
-// Scoring follows serving.model.ScoringModel.score on a fresh artifact (no learner deltas): rows found
+// Scoring follows serving.model.ScoringModel.score_request on a fresh artifact (no learner deltas): rows found
 // among the scorer's hot_ids buffer are looked up inside the scorer; the others are gathered from the
 // memory-mapped cold rows and handed in as given_rows with given_mask set.
 #include <fcntl.h>
@@ -22,7 +24,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <regex>
 #include <stdexcept>
 #include <string>
@@ -115,9 +119,35 @@ torch::Tensor view(const Npy& a, torch::ScalarType dtype) {
   return torch::from_blob(const_cast<char*>(a.data), a.shape, torch::TensorOptions().dtype(dtype));
 }
 
+// -- the manifest's scorer input layout ---------------------------------------------------------------
+// The scorer's input layout this program hands in (learner/scorer.py USER_ROW_LAYOUT); manifest.json states its
+// scorer's as "input_layout" inside "scorer" (absent: a scorer from before it, which takes another offsets layout).
+constexpr int kUserRowLayout = 2;
+
+void check_layout(const std::string& artifact) {
+  const std::string path = artifact + "/manifest.json";
+  std::ifstream in(path);
+  if (!in) fail(path + ": cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string manifest = text.str();
+  std::smatch m;
+  // "scorer": {...} holds numbers, a list of numbers and no nested object: its body ends at the first '}'.
+  if (!std::regex_search(manifest, m, std::regex("\"scorer\"\\s*:\\s*\\{([^}]*)\\}")))
+    fail(path + ": no scorer settings");
+  const std::string scorer = m[1];
+  int layout = 1;
+  if (std::regex_search(scorer, m, std::regex("\"input_layout\"\\s*:\\s*(\\d+)"))) layout = std::stoi(m[1]);
+  if (layout != kUserRowLayout)
+    fail(path + ": scorer input_layout " + std::to_string(layout) + ", this program hands in layout " +
+         std::to_string(kUserRowLayout) + " (the user row's bags once, then the candidates'); the artifact was " +
+         "published before it: republish with `streamrec refresh --now`");
+}
+
 // -- scoring -----------------------------------------------------------------------------------
 int score(const std::string& artifact, const std::string& request, int repeat) {
   torch::jit::Module scorer = torch::jit::load(artifact + "/scorer.pt", torch::kCPU);
+  check_layout(artifact);
   scorer.eval();
   auto cold_npy = open_npy(artifact + "/cold_rows.npy", "<f4", 2);
   auto values_npy = open_npy(request + "/values.npy", "<i8", 1);

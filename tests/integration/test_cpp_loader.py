@@ -136,7 +136,7 @@ def test_cpp_scores_equal_the_python_servers(streamrec_score: Path, published: t
     values, offsets, dense = encode_request(model, request, history)
     request_dir = write_inputs(tmp_path / "req", values, offsets, dense)
     # both paths of the scorer are exercised: rows among its hot buffer and rows handed in from cold_rows.npy
-    model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+    model.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
     assert model.hot_lookups > 0 and model.cold_lookups > 0
 
     got = cpp_scores(streamrec_score, version_dir, request_dir)
@@ -156,7 +156,7 @@ def test_the_cli_writes_the_files_the_cpp_program_reads_and_prints_the_same_scor
     python_out = capsys.readouterr().out
     values, offsets, dense = read_inputs(tmp_path / "req")
     assert (values.dtype, offsets.dtype, dense.dtype) == (np.int64, np.int64, np.float32)
-    assert len(offsets) == CFG.num_fields * 20 + 1 and dense.shape == (20, len(CFG.dense))
+    assert len(offsets) == CFG.num_fields * (20 + 1) + 1 and dense.shape == (20, len(CFG.dense))  # (F + F*B + 1,)
     assert cpp(streamrec_score, "score", str(version_dir), str(tmp_path / "req")).stdout == python_out
 
 
@@ -185,3 +185,21 @@ def test_cpp_refuses_inputs_it_cannot_score(streamrec_score: Path, published: tu
     assert proc.returncode == 1 and "values.npy: dtype <i4, expected <i8" in proc.stderr
     proc = cpp(streamrec_score, "score", str(tmp_path / "nowhere"), str(bad_row), check=False)
     assert proc.returncode == 1 and "scorer.pt" in proc.stderr
+
+
+def test_an_artifact_from_before_the_user_row_layout_is_refused_with_the_fix(
+        streamrec_score: Path, published: tuple[Path, Path], tmp_path: Path) -> None:
+    """The C++ program hands the scorer the user-row layout; a manifest without ``scorer.input_layout`` (a scorer
+    that takes the per-candidate layout) is refused, naming the republish, instead of scoring garbage."""
+    _, version_dir = published
+    old = tmp_path / "old"
+    shutil.copytree(version_dir, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["scorer"]["input_layout"]
+    (old / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    model = ScoringModel.load(version_dir)
+    values, offsets, dense = encode_request(model, REQUEST, [hash_value(x) for x in USER_HISTORY])
+    request_dir = write_inputs(tmp_path / "req", values, offsets, dense)
+    assert cpp(streamrec_score, "score", str(version_dir), str(request_dir)).returncode == 0
+    proc = cpp(streamrec_score, "score", str(old), str(request_dir), check=False)
+    assert proc.returncode == 1 and "input_layout 1" in proc.stderr and "streamrec refresh --now" in proc.stderr

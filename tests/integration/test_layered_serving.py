@@ -90,7 +90,7 @@ def request(user: Any, items: list[Any]) -> dict[str, Any]:
 
 def score(model: ScoringModel, req: dict[str, Any]) -> torch.Tensor:
     values, offsets, dense = FeatureEncoder(model).encode(parse_request(req, 100), [])
-    return model.score(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+    return model.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
 
 
 def some_requests(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -608,7 +608,7 @@ def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_ow
                   owner=job._owner(rs))
     redis_client.set(f"{prefix}:emb:junk:meta", b"\xff\xfe not json")
     redis_client.set(f"{prefix}:emb:list:meta", b"[1]")
-    job._prune_stored(rs, rds, tmp_path / "serving")  # no exception
+    job._prune_stored(rs, rds, tmp_path / "serving", None)  # no exception
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
     assert stored_versions(redis_client, prefix) == {"junk", "list"}  # not ours: left alone
 

@@ -30,6 +30,7 @@ from learner.deltas import DeltaWriter
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.optim import make_optimizers
+from learner.scorer import to_candidate_rows
 from learner.trainer import Trainer
 from serving.features import FeatureEncoder
 from serving.request import parse_request
@@ -173,9 +174,12 @@ def test_request_features_equal_the_joiners_training_tensors(stack, redis_client
         assert history == [hash_value(i) for i in (7, 9, "eight")]  # oldest click first, as the joiner attaches
         values, offsets, dense = FeatureEncoder(live.model).encode(parse_request(REQUEST, 100), history)
     want = to_tensors(request_as_joiner_batch(REQUEST, history), CFG)
-    assert values.tolist() == want.values.tolist()
-    assert offsets.tolist() == want.offsets.tolist()
+    # the user row (the user, the history, the shared context) repeated per candidate is the joiner's batch
+    cand_values, cand_offsets = to_candidate_rows(values, offsets, CFG.num_fields)
+    assert cand_values.tolist() == want.values.tolist()
+    assert cand_offsets.tolist() == want.offsets.tolist()
     assert np.array_equal(dense, want.dense.numpy())
+    assert len(values) < len(want.values)  # the user's bags once, not once per candidate
 
 
 @pytest.mark.parametrize("fmt", ["torchscript", "export", "eager"])

@@ -24,6 +24,7 @@ from learner import onnx_scorer
 from learner.artifact import ArtifactError, build_artifact, read_current
 from learner.features import default_config
 from learner.model import DeepFM
+from learner.scorer import with_empty_user_row
 from serving.model import ScoringModel
 from stream.samples import SampleBatch
 from tests.unit.learner.test_artifact import CFG, make_checkpoint, probe, reference
@@ -142,7 +143,8 @@ def test_int8_dense_graph_is_close_but_not_equal(onnx_model: ScoringModel, ckpt:
     assert b"MatMulInteger" in int8 and b"MatMulInteger" not in fp32
     values, offsets, dense = probe(CFG, b=200, seed=11)
     given, mask = onnx_model._given(onnx_model._live, values.numpy())
-    pooled = scorer.pool(values, offsets, torch.from_numpy(given), torch.from_numpy(mask)).numpy()
+    pooled = scorer.pool(values, with_empty_user_row(offsets, CFG.num_fields), torch.from_numpy(given),
+                         torch.from_numpy(mask)).numpy()  # (B, F, D + 1)
     p = onnx_scorer.session(int8).run(None, {"pooled": pooled, "dense": dense.numpy()})[0]
     want = reference(ckpt, values, offsets, dense).numpy()
     diff = np.abs(p - want).max()
