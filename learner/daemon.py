@@ -58,8 +58,8 @@ from learner.kafka_dataset import KafkaSampleDataset
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
-from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
-from learner.served import ServedQuality
+from learner.quality import TrainingQuality
+from learner.row_mapper import MapStats, RowMapper, user_keys
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from stream.config import KafkaSettings, RedisSettings
@@ -84,15 +84,6 @@ BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id looku
 ID_OCCUPANCY = Gauge("streamrec_learner_id_occupancy", "Share of a field's own rows in use.", ["field"])
 ADMISSIONS = PCounter("streamrec_learner_id_admissions_total", "Ids given their own row.", ["field"])
 EVICTIONS = PCounter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
-SERVED_AUC = Gauge("streamrec_learner_served_auc", "Window AUC of each impression's first prediction against "
-                   "its final label (learner/served.py).")
-SERVED_NE = Gauge("streamrec_learner_served_ne", "Cumulative normalized entropy of the served predictions "
-                  "(logloss over the base rate's entropy; >= 1 is no better than the base rate).")
-SERVED_COLD_AUC = Gauge("streamrec_learner_served_cold_auc", "Window served AUC over cold users' impressions.")
-COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samples (their first cold_k).")
-WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
-COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
-WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
 CALIBRATION_SCALE = Gauge("streamrec_learner_calibration_scale", "Platt scale a of the served logit a * z + b "
                           "(learner/calibration.py; 1 = served as the model says, below 1 = shrunk).")
 CALIBRATION_SHIFT = Gauge("streamrec_learner_calibration_shift", "Platt shift b of the served logit a * z + b.")
@@ -236,14 +227,9 @@ class Learner:
         self.mapper: RowMapper | None = None  # dynamic ids -> rows (built with the model)
         self._event_now: float | None = None  # event time of the newest trained sample (s)
         self._event_newest = 0.0  # event time of the newest sample trained (s)
-        self.cold = ColdTracker(ls.cold_k)
-        self.cold_metrics = ProgressiveMetrics(window=ls.metrics_window // 10 or 1)
-        self.warm_metrics = ProgressiveMetrics(window=ls.metrics_window)
-        self.served = ServedQuality(int(ls.attribution_window_s * 1000), metrics_window=ls.metrics_window)
+        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)
         self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
-        self._served_published = 0.0
         self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
-        self._cold_published = 0.0
         self._window_published = 0.0
         self._health_published = 0.0
         self.memory = MemoryMonitor(self.device)
@@ -308,12 +294,7 @@ class Learner:
         self.recent.load(ckpt["recent_ids"])
         assert self.mapper is not None
         self.mapper.load_state_dict(ckpt.get("id_maps", {}))
-        self.cold.load_state_dict(ckpt.get("cold_users", {}))
-        for name, m in (("cold_metrics", self.cold_metrics), ("warm_metrics", self.warm_metrics)):
-            if name in ckpt:
-                m.load_state_dict(ckpt[name])
-        if "served" in ckpt:
-            self.served.load_state_dict(ckpt["served"])
+        self.quality.load_state_dict(ckpt)
         if ckpt.get("base_rate_bias"):  # restored while its bias still followed the click rate
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(ckpt["base_rate_bias"])
@@ -343,8 +324,7 @@ class Learner:
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
-                 "cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
-                 "warm_metrics": self.warm_metrics.state_dict(), "served": self.served.state_dict(),
+                 **self.quality.state_dict(),
                  "delayed_weights": tr.delayed.state_dict(),
                  "calibration": tr.calibration.state_dict() if tr.calibration is not None else {},
                  "base_rate_bias": self.bias.state_dict() if self.bias is not None and not self.bias.done else {}}
@@ -477,7 +457,7 @@ class Learner:
             EVENT_TIME.set(self._event_newest)
             users = user_keys(kept, self.cfg) if self.cfg is not None else None
             impressions = None if kept.kinds is None else kept.kinds != DELAYED_POSITIVE  # a click is no sighting
-            cold = self.cold.cold(users, now, impressions) if users is not None else None
+            cold = self.quality.cold_of(users, now, impressions)
             if self.mapper is not None and self.mapper.active:
                 self._observe_ids(self.mapper.apply(kept, now, model=self.trainer.model,
                                                     sparse_opt=self.trainer.sparse_opt))
@@ -487,15 +467,8 @@ class Learner:
                                     for chunk in kept.chunks(self.ls.step_rows)])
             if self.bias is not None:  # a new model: its bias follows the click rate until that is known
                 self.bias.update(self.trainer.model, labels, kept.kinds, kept.ts, kept.label_delay_ms)
-            if cold is not None:
-                self._observe_cold(probs, labels, cold)
-            self.served.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
-                               kept.label_delay_ms)
-            if time.monotonic() - self._served_published >= 1.0:  # window AUCs sort the window: at most 1/s
-                SERVED_AUC.set(self.served.all.window_metrics()[0])
-                SERVED_COLD_AUC.set(self.served.cold.window_metrics()[0])
-                SERVED_NE.set(self.served.all.ne)
-                self._served_published = time.monotonic()
+            self.quality.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
+                                kept.label_delay_ms)
             if self.trainer.nan_losses > nan_before:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
                 log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",
@@ -563,20 +536,6 @@ class Learner:
         for name, s in self.mapper.stats().items():
             ID_OCCUPANCY.labels(name).set(s["occupancy"])
 
-    def _observe_cold(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray) -> None:
-        ok = np.isfinite(probs)
-        publish = time.monotonic() - self._cold_published >= 1.0  # window AUCs sort the window: at most 1/s
-        for m, sel, g_auc, g_loss in ((self.cold_metrics, cold & ok, COLD_AUC, COLD_LOGLOSS),
-                                      (self.warm_metrics, ~cold & ok, WARM_AUC, WARM_LOGLOSS)):
-            if sel.any():
-                m.update(probs[sel], labels[sel])
-            if publish and m.count:
-                w_auc, w_loss = m.window_metrics()
-                g_auc.set(w_auc)
-                g_loss.set(w_loss)
-        if publish:
-            self._cold_published = time.monotonic()
-
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
 
@@ -590,12 +549,11 @@ class Learner:
             "offsets": {str(p): o for p, o in sorted(self.offsets.items())},
             "partition_rows": {str(p): n for p, n in sorted(self.partition_rows.items())},
             "metrics": tr.metrics.summary() if tr else {},
-            "cold_users": {"k": self.ls.cold_k, "cold": self.cold_metrics.summary(),
-                           "warm": self.warm_metrics.summary()},
-            "served": self.served.summary(),
+            **self.quality.summary(),
             "calibration": ({"a": tr.calibration.a, "b": tr.calibration.b, "pairs_fitted": tr.calibration.rows,
                              "pending": tr.calibration.pending} if tr and tr.calibration else None),
             "id_maps": self.mapper.stats() if self.mapper else {},
+            "base_rate_bias": self.bias.summary() if self.bias is not None else None,
             "device": str(self.device),
             "precision": str(getattr(tr.model, "autocast_dtype", None) or torch.float32).removeprefix("torch.")
             if tr else None,

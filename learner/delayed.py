@@ -197,6 +197,11 @@ class BaseRateBias:
             model.get_parameter("bias").fill_(logit)
         return logit
 
+    def summary(self) -> dict[str, Any]:
+        """What a run's summary shows: the rate the bias follows (or followed, once done) and the counts behind it."""
+        return {"done": self.done, "rate": self.rate, "bias": _logit(self.rate), "impressions": self.impressions,
+                "positives": self.positives}
+
     def state_dict(self) -> dict[str, Any]:
         return {"impressions": self.impressions, "positives": self.positives, "corrected": self.corrected,
                 "now_ms": self.now_ms, "first_ms": self.first_ms, "stopped": self.stopped,

@@ -200,6 +200,10 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
              "id_maps": states[0].get("id_maps") or {} if states else {}}  # one replica (learner/sharded_ids.py)
     if states and states[0].get("delayed_weights"):
         state["delayed_weights"] = states[0]["delayed_weights"]
+    # rank 0's alone (learner/sharded_daemon.py): the quality metrics, and the base-rate bias (every rank's equal)
+    for key in ("cold_users", "cold_metrics", "warm_metrics", "served", "base_rate_bias"):
+        if states and states[0].get(key):
+            state[key] = states[0][key]
     plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",
                                   "feature_config", "model", "shape", "topic", "lineage")}
     plain["metrics"] = metrics.summary()

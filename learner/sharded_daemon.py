@@ -24,12 +24,19 @@ Dynamic ids (``id_capacity > 0``: admission, eviction, the hash-bucket fallback)
 keeps the id maps identical on every rank and applies their row changes in the shards (the maps are replicated,
 not sharded: its docstring says what that costs).
 
+Each round's rows of every rank are gathered once (:meth:`ShardedLearner._after_round`): rank 0 records the
+cold/warm and served-quality metrics (``learner/quality.py``) over them, as one process would over the round as one
+batch. While a fresh model's base-rate bias (``learner/delayed.py``) follows the click rate, each step's rows of
+every rank are gathered too, and every rank moves the bias with all of them, identically, so DDP's replicas stay
+equal (per step: moved once per round, it let the first round's steps train against the prior's bias, and 2 ranks
+ended 0.023 below one process's progressive AUC on the test stream).
+
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-the boost of young rows, ``sparse_adam``, gradient accumulation, online
-calibration and the base-rate bias of a fresh model (both write the dense part from one rank's view), the
-cold/warm and served-quality metrics, poison-message strikes (a batch that fails stops every rank; the restart
-trains it again). Serving deltas work (``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the
-``redis`` settings :func:`run_ranks` is given.
+the boost of young rows, ``sparse_adam``, gradient accumulation, online calibration (it writes the dense part from
+one rank's view of matured predictions, and the sharded model has no calibration buffer), poison-message strikes
+(a batch that fails stops every rank; the restart trains it again). Serving deltas work
+(``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the ``redis`` settings :func:`run_ranks` is
+given.
 """
 
 from __future__ import annotations
@@ -42,11 +49,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from confluent_kafka import KafkaException, TopicPartition
 from torch.utils.data import DataLoader
 
 from learner import sharded_checkpoint
+from learner.batch import TensorBatch
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
 from learner.daemon import (
     ADMISSIONS,
@@ -59,12 +68,14 @@ from learner.daemon import (
     RecentIds,
     infer_feature_config,
 )
+from learner.delayed import BaseRateBias
 from learner.distributed import LockStep, RankContext, all_gather_objects, broadcast_object, partitions_of
 from learner.features import FeatureConfig
 from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
-from learner.row_mapper import MapStats, RowMapper
+from learner.quality import TrainingQuality
+from learner.row_mapper import MapStats, RowMapper, user_keys
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
 from learner.sharded_deltas import ShardedDeltas
 from learner.sharded_ids import ShardedRowMapper
@@ -73,6 +84,7 @@ from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.kafka import ensure_topics, new_consumer
+from stream.samples import DELAYED_POSITIVE
 
 log = logging.getLogger("streamrec.train")
 
@@ -88,9 +100,8 @@ def check_settings(ls: LearnerSettings) -> None:
         bad.append(f"accumulation = {ls.accumulation} (set 1)")
     if bad:
         raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
-    for name, on in (("online_calibration", ls.online_calibration), ("init_bias", ls.init_bias)):
-        if on:
-            log.warning("[learner] %s is not used on several ranks (learner/sharded_daemon.py); it is off", name)
+    if ls.online_calibration:
+        log.warning("[learner] online_calibration is not used on several ranks (learner/sharded_daemon.py); it is off")
 
 
 class ShardedLearner:
@@ -111,6 +122,8 @@ class ShardedLearner:
         self.cfg: FeatureConfig | None = None
         self.trainer: ShardedTrainer | None = None
         self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
+        self.bias: BaseRateBias | None = None  # a fresh model's intercept at the click rate (learner/delayed.py)
+        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)  # rank 0's
         self.dmp: Any = None
         self._base_samples = 0  # samples trained by all ranks before this run (rank 0 counts them)
         self._base_steps = 0
@@ -174,6 +187,11 @@ class ShardedLearner:
         assert self.ids is not None
         if self.ids.active:  # the same replica on every rank, whatever the world size that wrote it
             self.ids.load_state_dict(states[0])
+        if states[0].get("base_rate_bias"):  # rank 0's copy; every rank's is the same
+            self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
+            self.bias.load_state_dict(states[0]["base_rate_bias"])
+        if self.ctx.rank == 0:  # rank 0 tracks them, whatever the world size
+            self.quality.load_state_dict(states[0])
         if int(meta["world_size"]) == self.ctx.world_size:
             mine = states[self.ctx.rank]
             self.trainer.metrics.load_state_dict(mine["metrics"])
@@ -224,6 +242,10 @@ class ShardedLearner:
             self.ids.decay_idle(self.dmp)  # the artifact built from this checkpoint gets today's buckets
             if rank == 0:  # the replicas are equal: one copy
                 rank_state.update(self.ids.state_dict())
+        if rank == 0:
+            rank_state.update(self.quality.state_dict())
+            following = self.bias is not None and not self.bias.done
+            rank_state["base_rate_bias"] = self.bias.state_dict() if following and self.bias is not None else {}
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
             self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
         path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
@@ -272,6 +294,10 @@ class ShardedLearner:
             if cfg is None:
                 return self.summary(reason="no samples arrived")
             self._build(cfg)
+            if ls.init_bias:  # every rank the same value, after DDP copied rank 0's parameters
+                self.bias = BaseRateBias(prior_rate=ls.prior_click_rate)
+                assert self.model is not None
+                self.bias.start(self.model)
         assert self.trainer is not None and self.cfg is not None
         for p in self._partitions():
             self.offsets.setdefault(p, 0)
@@ -290,10 +316,14 @@ class ShardedLearner:
             batch = None if ended else next(loader, None)
             ended = batch is None
             kept = empty
+            partitions: np.ndarray | None = np.zeros(0, np.int64)  # (B',) samples partition of each kept row
             if batch is not None and len(batch):
                 keep = self.recent.filter(batch.impression_ids, batch.kinds)
                 self.duplicates += int((~keep).sum())
                 kept = batch.select(keep)
+                per_message = [rows for _, _, rows in batch.positions]
+                partitions = (np.repeat([p for p, _, _ in batch.positions], per_message)[keep]
+                              if sum(per_message) == len(batch) else None)
             if self.ids is not None and self.ids.active:  # collective: every rank, every round
                 self._observe_ids(self.ids.apply(kept, self.dmp))
             chunks = kept.chunks(ls.step_rows) if len(kept) else []
@@ -302,9 +332,13 @@ class ShardedLearner:
                 self.deltas.mark(kept.values)
             rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained(),
                              wants_delta=self.deltas is not None and self.deltas.due())
+            probs = []
             for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
                 chunk = chunks[i] if i < len(chunks) else empty
-                self.trainer.test_then_train(chunk, rows)
+                probs.append(self.trainer.test_then_train(chunk, rows))  # (len(chunk),)
+                if self.bias is not None and not self.bias.done:  # (the same on every rank)
+                    self._follow_base_rate(chunk)
+            self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0), partitions)
             if batch is not None:
                 for p, off, n in batch.positions:
                     self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
@@ -336,6 +370,51 @@ class ShardedLearner:
         path = self.deltas.write(self.dmp, self.model, self.samples_trained())
         if path is not None:
             log.debug("delta %s written", path.name)
+
+    def _follow_base_rate(self, chunk: TensorBatch) -> None:
+        """Collective, every rank after every step while a fresh model's bias follows the click rate: the step's
+        rows of every rank (in rank order) move it the same way on every rank (``BaseRateBias.update``)."""
+        assert self.bias is not None and self.model is not None
+        n = len(chunk)
+        parts = all_gather_objects((chunk.labels.numpy(), chunk.kinds if chunk.kinds is not None
+                                    else np.zeros(n, np.int8), chunk.ts, chunk.label_delay_ms))
+        if not sum(len(p[0]) for p in parts):
+            return
+        kinds = np.concatenate([p[1] for p in parts])
+        delays = [p[3] for p in parts]
+        self.bias.update(self.model, np.concatenate([p[0] for p in parts]), kinds if kinds.any() else None,
+                         np.concatenate([p[2] for p in parts]),
+                         None if any(d is None for d in delays) else np.concatenate(delays))
+
+    def _after_round(self, kept: TensorBatch, probs: np.ndarray, partitions: np.ndarray | None) -> None:
+        """Collective, every rank every round: the round's kept rows of every rank (in rank order) go into rank
+        0's quality metrics (module docstring). ``probs`` (B',): the predictions made before learning."""
+        cfg = self.cfg
+        assert cfg is not None and self.model is not None
+        n = len(kept)
+        mine = {"ids": kept.impression_ids, "ts": kept.ts, "labels": kept.labels.numpy(), "probs": probs,
+                "kinds": kept.kinds if kept.kinds is not None else np.zeros(n, np.int8),  # None: all FINAL
+                "delay": kept.label_delay_ms, "partitions": partitions,
+                "users": user_keys(kept, cfg) if n else np.zeros(0, np.int64)}
+        parts = all_gather_objects(mine)
+        if not sum(len(p["labels"]) for p in parts):
+            return
+
+        def cat(key: str) -> np.ndarray | None:  # (sum B'_r,) in rank order; None if any rank lacks it
+            got = [p[key] for p in parts]
+            return None if any(g is None for g in got) else np.concatenate(got)
+
+        if self.ctx.rank != 0:
+            return
+        labels, kinds, ts, delay = cat("labels"), cat("kinds"), cat("ts"), cat("delay")
+        assert labels is not None and kinds is not None and ts is not None
+        kinds_or_none = kinds if kinds.any() else None  # as TensorBatch: None when every row is FINAL
+        probs_all, ids = cat("probs"), cat("ids")
+        assert probs_all is not None and ids is not None
+        users = cat("users")
+        now = float(ts.max()) / 1000.0
+        cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
+        self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay)
 
     def _observe_ids(self, st: MapStats) -> None:
         """The id maps' counters (rank 0: every rank's map is the same replica, fed every rank's ids)."""
@@ -374,6 +453,8 @@ class ShardedLearner:
             "partition_rows": {str(p): n for p, n in sorted(rows.items())},
             "metrics": metrics.summary() if tr else {},
             "id_maps": self.ids.mapper.stats() if self.ids is not None else {},
+            "base_rate_bias": self.bias.summary() if self.bias is not None else None,
+            **(self.quality.summary() if self.ctx.rank == 0 else {}),
             "device": str(self.device), "sharding": "row-wise (TorchRec DMP), dense part DDP",
             "checkpoint_dir": str(self.ls.checkpoint_dir),
         }

@@ -166,7 +166,8 @@ def test_two_ranks_with_dynamic_ids_reach_the_progressive_auc_and_id_maps_of_one
                       str(k).encode(), partition=k % PARTITIONS)
         rows[k % PARTITIONS] += ROWS
     producer.flush()
-    env = env_for(kafka, STREAMREC_LEARNER_ID_CAPACITY="400", STREAMREC_LEARNER_BUCKETS="50")
+    env = env_for(kafka, STREAMREC_LEARNER_ID_CAPACITY="400", STREAMREC_LEARNER_BUCKETS="50",
+                  STREAMREC_LEARNER_INIT_BIAS="true")
     one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
                           "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
                          env=env, capture_output=True, text=True, timeout=300)
@@ -187,6 +188,15 @@ def test_two_ranks_with_dynamic_ids_reach_the_progressive_auc_and_id_maps_of_one
     for field in ("user_id", "item_id"):
         assert s1["id_maps"][field]["admissions"] == s2["id_maps"][field]["admissions"] == 200, (s1, s2)
         assert s2["id_maps"][field]["evictions"] == 0
+    # the fresh model's bias followed the click rate of every rank's first rows until 50 clicks were counted
+    b1, b2 = s1["base_rate_bias"], s2["base_rate_bias"]
+    assert b1["done"] and b2["done"] and b2["positives"] >= 50 and abs(b1["rate"] - b2["rate"]) < 0.1, (b1, b2)
+    # rank 0's quality metrics over every rank's rows: each user's first cold_k (10) impressions are cold, whatever
+    # the order the rows came in, so the counts equal one process's; every impression is served once
+    assert s2["cold_users"]["cold"]["samples"] == s1["cold_users"]["cold"]["samples"] == 200 * 10
+    assert s2["cold_users"]["warm"]["samples"] == s1["cold_users"]["warm"]["samples"] == sum(rows.values()) - 2000
+    assert s2["served"]["all"]["impressions"] == s1["served"]["all"]["impressions"] == sum(rows.values())
+    assert abs(s2["served"]["all"]["auc"] - s1["served"]["all"]["auc"]) <= 0.02
     # the reshard to one process carries the maps: every user maps to its own, trained row
     un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "two"),
                          "--unshard", str(tmp_path / "single"), "--json"], env=env, capture_output=True, text=True,

@@ -1,0 +1,93 @@
+"""What the learner measures about the samples it trains, beyond progressive AUC: cold and warm users' metrics, the
+served quality, with their Prometheus gauges, checkpoint state and summary. One home for both daemons: the
+single-process learner feeds it each trained batch, the distributed one (rank 0) each round's rows of every rank.
+
+    cold_of(users, now, impressions)            before training: which rows come from a cold user (``cold_k``)
+    record(ids, ts, kinds, labels, probs, ...)  after: the predictions made before learning, into the metrics
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from prometheus_client import Gauge
+
+from learner.progressive import ProgressiveMetrics
+from learner.row_mapper import ColdTracker
+from learner.served import ServedQuality
+
+SERVED_AUC = Gauge("streamrec_learner_served_auc", "Window AUC of each impression's first prediction against "
+                   "its final label (learner/served.py).")
+SERVED_NE = Gauge("streamrec_learner_served_ne", "Cumulative normalized entropy of the served predictions "
+                  "(logloss over the base rate's entropy; >= 1 is no better than the base rate).")
+SERVED_COLD_AUC = Gauge("streamrec_learner_served_cold_auc", "Window served AUC over cold users' impressions.")
+COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samples (their first cold_k).")
+WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
+COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
+WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
+
+_PUBLISH_EVERY_S = 1.0  # window AUCs sort their window: gauges at most once a second
+
+
+class TrainingQuality:
+    def __init__(self, cold_k: int, metrics_window: int, attribution_window_s: float) -> None:
+        self.cold_k = cold_k
+        self.cold = ColdTracker(cold_k)
+        self.cold_metrics = ProgressiveMetrics(window=metrics_window // 10 or 1)
+        self.warm_metrics = ProgressiveMetrics(window=metrics_window)
+        self.served = ServedQuality(int(attribution_window_s * 1000), metrics_window=metrics_window)
+        self._cold_published = 0.0
+        self._served_published = 0.0
+
+    def cold_of(self, users: np.ndarray | None, now: float, impressions: np.ndarray | None) -> np.ndarray | None:
+        """(B,) bool: the rows whose user is still cold (``ColdTracker.cold``); None without user keys."""
+        return self.cold.cold(users, now, impressions) if users is not None else None
+
+    def record(self, impression_ids: np.ndarray, ts: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray,
+               probs: np.ndarray, cold: np.ndarray | None, partitions: np.ndarray | None,
+               label_delay_ms: np.ndarray | None) -> None:
+        """One trained batch's rows (all (B,)): ``probs`` predicted before they were learned."""
+        if cold is not None:
+            self._observe_cold(probs, labels, cold)
+        self.served.record(impression_ids, ts, kinds, labels, probs, cold, partitions, label_delay_ms)
+        if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:
+            SERVED_AUC.set(self.served.all.window_metrics()[0])
+            SERVED_COLD_AUC.set(self.served.cold.window_metrics()[0])
+            SERVED_NE.set(self.served.all.ne)
+            self._served_published = time.monotonic()
+
+    def _observe_cold(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray) -> None:
+        ok = np.isfinite(probs)
+        publish = time.monotonic() - self._cold_published >= _PUBLISH_EVERY_S
+        for m, sel, g_auc, g_loss in ((self.cold_metrics, cold & ok, COLD_AUC, COLD_LOGLOSS),
+                                      (self.warm_metrics, ~cold & ok, WARM_AUC, WARM_LOGLOSS)):
+            if sel.any():
+                m.update(probs[sel], labels[sel])
+            if publish and m.count:
+                w_auc, w_loss = m.window_metrics()
+                g_auc.set(w_auc)
+                g_loss.set(w_loss)
+        if publish:
+            self._cold_published = time.monotonic()
+
+    # -- checkpoint and summary (the single-process checkpoint's keys) -----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"cold_users": self.cold.state_dict(), "cold_metrics": self.cold_metrics.state_dict(),
+                "warm_metrics": self.warm_metrics.state_dict(), "served": self.served.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """From a checkpoint's state (keys of :meth:`state_dict`; absent ones keep the fresh state)."""
+        self.cold.load_state_dict(state.get("cold_users", {}))
+        for name, m in (("cold_metrics", self.cold_metrics), ("warm_metrics", self.warm_metrics)):
+            if name in state:
+                m.load_state_dict(state[name])
+        if "served" in state:
+            self.served.load_state_dict(state["served"])
+
+    def summary(self) -> dict[str, Any]:
+        return {"cold_users": {"k": self.cold_k, "cold": self.cold_metrics.summary(),
+                               "warm": self.warm_metrics.summary()},
+                "served": self.served.summary()}
