@@ -124,16 +124,35 @@ def _parse_each(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
 _TS_BITS = 42  # 2**42 ms is past 2100 (events.MAX_TS_MS): a click time fits beside a user's index in one int64
 
 
+def _empty_lists(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` empty lists as (flat (0,) int64, offsets (n + 1,) int32)."""
+    return np.zeros(0, np.int64), np.zeros(n + 1, np.int32)
+
+
+def _to_lists(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+    """A list column (flat (H,), offsets (N + 1,)) as N Python lists."""
+    items, bounds = flat.tolist(), offsets.tolist()
+    return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
 def _as_of_columns(users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes | str]],
                    max_len: int) -> list[list[int]] | None:
-    """:meth:`UserHistory.as_of` over the whole batch at once, for the common case: every stored entry well formed
-    (``digits:digits``, bytes, click time below 2**42), no entry stored twice for a user, fewer than 2**20 users. One
-    regex check and one numeric parse of every entry together, one stable sort by (user, click time), one binary
-    search for all the samples. None otherwise, for the per-user path (which skips, counts and deduplicates)."""
+    """:func:`_as_of_flat` as one Python list per sample."""
+    got = _as_of_flat(users, times, distinct, lists, max_len)
+    return None if got is None else _to_lists(*got)
+
+
+def _as_of_flat(users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes | str]],
+                max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """:meth:`UserHistory.as_of_flat` over the whole batch at once, for the common case: every stored entry well
+    formed (``digits:digits``, bytes, click time below 2**42), no entry stored twice for a user, fewer than 2**20
+    users. One regex check and one numeric parse of every entry together, one stable sort by (user, click time), one
+    binary search for all the samples, one gather of their items. None otherwise, for the per-user path (which skips,
+    counts and deduplicates)."""
     counts = np.fromiter(map(len, lists), np.int64, len(lists))
     total = int(counts.sum())
     if total == 0:
-        return [[] for _ in users]
+        return _empty_lists(len(users))
     if len(distinct) >= 1 << 20 or not all(map(list.__instancecheck__, lists)):
         return None
     entries = list(chain.from_iterable(e[::-1] for e in lists if e))  # each user's oldest appended first
@@ -161,9 +180,13 @@ def _as_of_columns(users: list[int], times: list[int], distinct: list[int], list
     index = {u: i for i, u in enumerate(distinct)}
     who = np.fromiter(map(index.__getitem__, users), np.int64, len(users))
     ends = np.searchsorted(key, (who << _TS_BITS) | sample_ts, side="left")  # clicks of the user with time < ts
-    starts = np.maximum(np.cumsum(counts)[who] - counts[who], ends - max_len)
-    flat = items.tolist()
-    return [flat[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    starts = np.maximum(np.cumsum(counts)[who] - counts[who], ends - max_len)  # (N,)
+    lengths = ends - starts  # (N,) each sample's history length
+    offsets = np.zeros(len(users) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    # (H,) the items of every sample's range, in sample order: range i is items[starts[i]:ends[i]]
+    flat = items[np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)]
+    return flat, offsets.astype(np.int32)
 
 
 class UserHistory:
@@ -234,15 +257,22 @@ class UserHistory:
         """For each ``(user, ts)``: item hashes of the user's clicks with click time ``< ts`` (strictly),
         oldest first (newest last), at most ``max_len`` (or ``limit``, the newest, when smaller). One pipeline,
         one LRANGE per distinct user."""
+        return _to_lists(*self.as_of_flat(user_hashes, ts_ms, limit))
+
+    def as_of_flat(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray,
+                   limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`as_of` as one list column: ``(flat, offsets)``, flat (H,) int64 item hashes and offsets (N + 1,)
+        int32, the i-th history being ``flat[offsets[i]:offsets[i + 1]]`` (what an Arrow list array is made of: the
+        joiner's samples take it as it is, with no Python list per sample)."""
         max_len = self.max_len if limit is None else max(0, min(self.max_len, int(limit)))
         users = _as_ints("user_hashes", user_hashes)
         times = _as_ints("ts_ms", ts_ms)
         _same_length(user_hashes=users, ts_ms=times)
         if not users:
-            return []
+            return _empty_lists(0)
         distinct = list(dict.fromkeys(users))
         lists = self._lrange(distinct)
-        fast = _as_of_columns(users, times, distinct, lists, max_len)
+        fast = _as_of_flat(users, times, distinct, lists, max_len)
         if fast is not None:
             return fast
         hist = {u: _parse(entries) for u, entries in zip(distinct, lists, strict=True)}
@@ -251,7 +281,9 @@ class UserHistory:
             click_times, items = hist[u]
             n = bisect_left(click_times, ts)  # clicks with click_ts < ts
             out.append(items[max(0, n - max_len):n])
-        return out
+        offsets = np.zeros(len(out) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, out), np.int64, len(out)), out=offsets[1:])
+        return np.fromiter(chain.from_iterable(out), np.int64, int(offsets[-1])), offsets.astype(np.int32)
 
     def recent(self, user_hash: int) -> list[int]:
         """The user's stored clicks' item hashes, oldest first (newest last): what serving feeds the model."""

@@ -70,7 +70,8 @@ _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpres
 
 
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
-_TS_OF = attrgetter("ts")  # of an event
+_TS_OF = attrgetter("ts")  # of an event or a Pending
+_PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a Pending
 Event = Impression | Click | BadMessage  # a record's event, or why it is bad
 
 
@@ -482,16 +483,16 @@ class JoinPipeline:
         t1 = time.monotonic()
         stage["join"] += t1 - now
         self._record_redis(res, imps)
-        if res.samples:
-            ps = [s.pending for s in res.samples]
-            for p, hist in zip(ps, self.history.as_of([p.user for p in ps], [p.ts for p in ps], self.cfg.history_len),
-                               strict=True):
-                p.history = hist
+        histories = None
+        if res.samples:  # each sample's history as one list column: no Python list per sample
+            ps = list(map(_PENDING, res.samples))
+            histories = self.history.as_of_flat(list(map(_USER, ps)), list(map(_TS_OF, ps)), self.cfg.history_len)
         t2 = time.monotonic()
         stage["redis"] += t2 - t1
         key = str(partition).encode()
         for value in to_batches(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
-                                oversized=lambda row, value: self._too_large(row, value, partition)):
+                                oversized=lambda row, value: self._too_large(row, value, partition),
+                                histories=histories):
             self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
         stage["encode_samples"] += time.monotonic() - t2
         for u in res.unjoined:

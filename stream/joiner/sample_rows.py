@@ -63,9 +63,13 @@ def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
     )
 
 
-def _columns(rows: list[Sample], history: bool) -> SampleBatch | None:
+History = tuple[np.ndarray, np.ndarray]  # a list column: flat (H,) int64 values, offsets (N + 1,) int32
+
+
+def _columns(rows: list[Sample], history: bool, histories: History | None = None) -> SampleBatch | None:
     """:func:`to_batch` when every row has the same context keys, each a list in every row or in none, and the same
-    dense keys (the usual stream): each column in one pass. None otherwise."""
+    dense keys (the usual stream): each column in one pass. None otherwise. ``histories``: the rows' histories as a
+    list column (``UserHistory.as_of_flat``) instead of each row's ``pending.history``."""
     ps = [s.pending for s in rows]
     contexts, denses = [p.context for p in ps], [p.dense for p in ps]
     ctx_keys, dense_keys = set(map(tuple, contexts)), set(map(tuple, denses))
@@ -89,7 +93,8 @@ def _columns(rows: list[Sample], history: bool) -> SampleBatch | None:
         label_delay_ms=np.fromiter(map(attrgetter("label_delay_ms"), rows), np.int64, n),
         user_id=np.fromiter(map(attrgetter("user"), ps), np.int64, n),
         item_id=np.fromiter(map(attrgetter("item"), ps), np.int64, n),
-        history=[p.history for p in ps] if history else (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
+        history=(histories if histories is not None else [p.history for p in ps]) if history else
+        (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
         context=context,  # type: ignore[arg-type]
         dense={k: np.array(list(map(itemgetter(k), denses)), np.float32) for k in next(iter(dense_keys))},
         kind=np.fromiter(map(attrgetter("kind"), rows), np.int8, n),
@@ -122,12 +127,18 @@ def encode_bounded(items: list[T], encode: Callable[[list[T], bool], bytes], max
 
 
 def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_BYTES,
-               oversized: Callable[[list[Sample], bytes], None] | None = None) -> list[bytes]:
+               oversized: Callable[[list[Sample], bytes], None] | None = None,
+               histories: History | None = None) -> list[bytes]:
     """Encoded sample messages of at most ``max_rows`` rows and ``max_bytes``; a row bigger than that alone
-    goes to ``oversized(rows, value)`` (the joiner dead-letters it)."""
+    goes to ``oversized(rows, value)`` (the joiner dead-letters it). ``histories``: the rows' histories as one list
+    column (flat (H,) int64, offsets (N + 1,) int32), taken as it is; None: each row's ``pending.history``."""
     if not rows:
         return []
-    built = _columns(rows, history=True)
+    built = _columns(rows, history=True, histories=histories)
+    if built is None and histories is not None:  # rows with different columns (rare): each row's own list
+        flat, offsets = histories[0].tolist(), histories[1].tolist()
+        for s, a, b in zip(rows, offsets[:-1], offsets[1:], strict=True):
+            s.pending.history = flat[a:b]
     if built is None:  # a message's columns are the union over its own rows
         return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows, oversized)
     # Every row has the same columns: built once, each message a slice of them (a slice's columns are its rows').
