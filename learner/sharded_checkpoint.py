@@ -193,6 +193,10 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
             dense_opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"].clone(),
                                   "exp_avg_sq": st["exp_avg_sq"].clone()}
     states = rank_states(path, meta)
+    calibration = states[0].get("calibration") if states else None  # rank 0's fit (learner/sharded_daemon.py)
+    if calibration:
+        with torch.no_grad():  # the served (a, b), as the single-process learner keeps it in the model
+            model.get_buffer("calibration").copy_(torch.tensor([float(calibration["a"]), float(calibration["b"])]))
     metrics = merged_metrics(states, window=int(meta.get("metrics_window", 100_000)))
     recent = [i for s in states for i in s.get("recent_ids", [])]
     state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
@@ -200,8 +204,9 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
              "id_maps": states[0].get("id_maps") or {} if states else {}}  # one replica (learner/sharded_ids.py)
     if states and states[0].get("delayed_weights"):
         state["delayed_weights"] = states[0]["delayed_weights"]
-    # rank 0's alone (learner/sharded_daemon.py): the quality metrics, and the base-rate bias (every rank's equal)
-    for key in ("cold_users", "cold_metrics", "warm_metrics", "served", "base_rate_bias"):
+    # rank 0's alone (learner/sharded_daemon.py): the quality metrics and calibration, and the base-rate bias (every
+    # rank's equal)
+    for key in ("cold_users", "cold_metrics", "warm_metrics", "served", "base_rate_bias", "calibration"):
         if states and states[0].get(key):
             state[key] = states[0][key]
     plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",

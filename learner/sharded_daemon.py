@@ -26,15 +26,17 @@ not sharded: its docstring says what that costs).
 
 Each round's rows of every rank are gathered once (:meth:`ShardedLearner._after_round`): rank 0 records the
 cold/warm and served-quality metrics (``learner/quality.py``) over them, as one process would over the round as one
-batch. While a fresh model's base-rate bias (``learner/delayed.py``) follows the click rate, each step's rows of
-every rank are gathered too, and every rank moves the bias with all of them, identically, so DDP's replicas stay
-equal (per step: moved once per round, it let the first round's steps train against the prior's bias, and 2 ranks
-ended 0.023 below one process's progressive AUC on the test stream).
+batch, and (``online_calibration``) fits the served logit's calibration (``learner/calibration.py``) on their raw
+logits; the fitted ``(a, b)`` goes to every rank in one broadcast per round, so every rank records and returns the
+served (calibrated) predictions and a delta or checkpoint carries what is served. While a fresh model's base-rate
+bias (``learner/delayed.py``) follows the click rate, each step's rows of every rank are gathered too, and every
+rank moves the bias with all of them, identically, so DDP's replicas stay equal (per step: moved once per round, it
+let the first round's steps train against the prior's bias, and 2 ranks ended 0.023 below one process's progressive
+AUC on the test stream).
 
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-the boost of young rows, ``sparse_adam``, gradient accumulation, online calibration (it writes the dense part from
-one rank's view of matured predictions, and the sharded model has no calibration buffer), poison-message strikes
-(a batch that fails stops every rank; the restart trains it again). Serving deltas work
+the boost of young rows, ``sparse_adam``, gradient accumulation, poison-message strikes (a batch that fails stops
+every rank; the restart trains it again). Serving deltas work
 (``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the ``redis`` settings :func:`run_ranks` is
 given.
 """
@@ -56,10 +58,13 @@ from torch.utils.data import DataLoader
 
 from learner import sharded_checkpoint
 from learner.batch import TensorBatch
+from learner.calibration import OnlineCalibration, identity
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
 from learner.daemon import (
     ADMISSIONS,
     AUC,
+    CALIBRATION_SCALE,
+    CALIBRATION_SHIFT,
     EVICTIONS,
     ID_LOOKUPS,
     ID_OCCUPANCY,
@@ -100,8 +105,6 @@ def check_settings(ls: LearnerSettings) -> None:
         bad.append(f"accumulation = {ls.accumulation} (set 1)")
     if bad:
         raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
-    if ls.online_calibration:
-        log.warning("[learner] online_calibration is not used on several ranks (learner/sharded_daemon.py); it is off")
 
 
 class ShardedLearner:
@@ -124,6 +127,8 @@ class ShardedLearner:
         self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
         self.bias: BaseRateBias | None = None  # a fresh model's intercept at the click rate (learner/delayed.py)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)  # rank 0's
+        # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
+        self.calibration = OnlineCalibration() if ls.online_calibration and ctx.rank == 0 else None
         self.dmp: Any = None
         self._base_samples = 0  # samples trained by all ranks before this run (rank 0 counts them)
         self._base_steps = 0
@@ -157,6 +162,8 @@ class ShardedLearner:
             dense_opt = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense)
         self.trainer = ShardedTrainer(self.dmp, dense_opt, feature_names(cfg), self.device,
                                       ProgressiveMetrics(window=ls.metrics_window))
+        if ls.online_calibration:
+            self.trainer.calibration = identity()
 
     def _app_state(self) -> dict[str, Any]:
         assert self.trainer is not None
@@ -192,6 +199,9 @@ class ShardedLearner:
             self.bias.load_state_dict(states[0]["base_rate_bias"])
         if self.ctx.rank == 0:  # rank 0 tracks them, whatever the world size
             self.quality.load_state_dict(states[0])
+            if self.calibration is not None and states[0].get("calibration"):
+                self.calibration.load_state_dict(states[0]["calibration"])
+        self._share_calibration()
         if int(meta["world_size"]) == self.ctx.world_size:
             mine = states[self.ctx.rank]
             self.trainer.metrics.load_state_dict(mine["metrics"])
@@ -244,6 +254,7 @@ class ShardedLearner:
                 rank_state.update(self.ids.state_dict())
         if rank == 0:
             rank_state.update(self.quality.state_dict())
+            rank_state["calibration"] = self.calibration.state_dict() if self.calibration is not None else {}
             following = self.bias is not None and not self.bias.done
             rank_state["base_rate_bias"] = self.bias.state_dict() if following and self.bias is not None else {}
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
@@ -332,13 +343,15 @@ class ShardedLearner:
                 self.deltas.mark(kept.values)
             rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained(),
                              wants_delta=self.deltas is not None and self.deltas.due())
-            probs = []
+            probs, logits = [], []
             for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
                 chunk = chunks[i] if i < len(chunks) else empty
-                probs.append(self.trainer.test_then_train(chunk, rows))  # (len(chunk),)
+                probs.append(self.trainer.test_then_train(chunk, rows))  # (len(chunk),) as served
+                logits.append(self.trainer.last_logits)  # (len(chunk),) raw
                 if self.bias is not None and not self.bias.done:  # (the same on every rank)
                     self._follow_base_rate(chunk)
-            self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0), partitions)
+            self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0),
+                              np.concatenate(logits) if logits else np.zeros(0), partitions)
             if batch is not None:
                 for p, off, n in batch.positions:
                     self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
@@ -367,7 +380,8 @@ class ShardedLearner:
     def _write_delta(self) -> None:
         """Collective: one serving delta of the rows every rank touched since the last one."""
         assert self.deltas is not None and self.model is not None
-        path = self.deltas.write(self.dmp, self.model, self.samples_trained())
+        path = self.deltas.write(self.dmp, self.model, self.samples_trained(),
+                                 self.trainer.calibration if self.trainer is not None else None)
         if path is not None:
             log.debug("delta %s written", path.name)
 
@@ -386,13 +400,32 @@ class ShardedLearner:
                          np.concatenate([p[2] for p in parts]),
                          None if any(d is None for d in delays) else np.concatenate(delays))
 
-    def _after_round(self, kept: TensorBatch, probs: np.ndarray, partitions: np.ndarray | None) -> None:
+    def _after_round(self, kept: TensorBatch, probs: np.ndarray, logits: np.ndarray,
+                     partitions: np.ndarray | None) -> None:
         """Collective, every rank every round: the round's kept rows of every rank (in rank order) go into rank
-        0's quality metrics (module docstring). ``probs`` (B',): the predictions made before learning."""
+        0's quality metrics and calibration, whose (a, b) then goes to every rank (module docstring). ``probs``
+        (B',): the predictions made before learning, as served; ``logits`` (B',): raw."""
+        self._record_round(kept, probs, logits, partitions)
+        self._share_calibration()
+
+    def _share_calibration(self) -> None:
+        """Collective with ``online_calibration``: rank 0's fitted (a, b) becomes every rank's served calibration."""
+        if self.trainer is None or self.trainer.calibration is None:
+            return
+        mine = self.calibration.params if self.calibration is not None else None
+        params = broadcast_object(mine)
+        self.trainer.calibration = params
+        if self.ctx.rank == 0 and self.calibration is not None:
+            CALIBRATION_SCALE.set(self.calibration.a)
+            CALIBRATION_SHIFT.set(self.calibration.b)
+
+    def _record_round(self, kept: TensorBatch, probs: np.ndarray, logits: np.ndarray,
+                           partitions: np.ndarray | None) -> None:
         cfg = self.cfg
         assert cfg is not None and self.model is not None
         n = len(kept)
         mine = {"ids": kept.impression_ids, "ts": kept.ts, "labels": kept.labels.numpy(), "probs": probs,
+                "logits": logits,
                 "kinds": kept.kinds if kept.kinds is not None else np.zeros(n, np.int8),  # None: all FINAL
                 "delay": kept.label_delay_ms, "partitions": partitions,
                 "users": user_keys(kept, cfg) if n else np.zeros(0, np.int64)}
@@ -415,6 +448,10 @@ class ShardedLearner:
         now = float(ts.max()) / 1000.0
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
         self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay)
+        if self.calibration is not None:  # fitted on held-out raw logits as their labels become final
+            raw = cat("logits")
+            assert raw is not None
+            self.calibration.observe(ids, kinds_or_none, labels, raw, ts, delay)
 
     def _observe_ids(self, st: MapStats) -> None:
         """The id maps' counters (rank 0: every rank's map is the same replica, fed every rank's ids)."""
@@ -454,6 +491,8 @@ class ShardedLearner:
             "metrics": metrics.summary() if tr else {},
             "id_maps": self.ids.mapper.stats() if self.ids is not None else {},
             "base_rate_bias": self.bias.summary() if self.bias is not None else None,
+            "calibration": ({"a": self.calibration.a, "b": self.calibration.b, "pairs_fitted": self.calibration.rows,
+                             "pending": self.calibration.pending} if self.calibration is not None else None),
             **(self.quality.summary() if self.ctx.rank == 0 else {}),
             "device": str(self.device), "sharding": "row-wise (TorchRec DMP), dense part DDP",
             "checkpoint_dir": str(self.ls.checkpoint_dir),

@@ -104,10 +104,11 @@ class ShardedDeltas:
             self.writer.sync()
 
     @torch.no_grad()
-    def write(self, dmp: Any, model: nn.Module, samples: int) -> Path | None:
+    def write(self, dmp: Any, model: nn.Module, samples: int, calibration: torch.Tensor | None = None) -> Path | None:
         """Collective: one delta of every row touched since the last one (module docstring). ``model``: the
-        ``ShardedDeepFM`` inside ``dmp`` (its dense weights); ``samples``: this rank's ``samples_trained()``.
-        Rank 0 returns the path written (None when nothing was touched); the other ranks None."""
+        ``ShardedDeepFM`` inside ``dmp`` (its dense weights); ``samples``: this rank's ``samples_trained()``;
+        ``calibration``: the served ``(a, b)`` (None: the identity). Rank 0 returns the path written (None when
+        nothing was touched); the other ranks None."""
         self._last = self.clock()
         union = self._exchange()
         rows, vectors = [], []
@@ -134,11 +135,11 @@ class ShardedDeltas:
         order = np.argsort(all_rows, kind="stable")
         return self.writer.write_rows(torch.from_numpy(all_rows[order]),
                                       torch.from_numpy(np.ascontiguousarray(all_vectors[order])),
-                                      delta_dense_state(model), sum(g[2] for g in gathered))
+                                      delta_dense_state(model, calibration), sum(g[2] for g in gathered))
 
 
-def delta_dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def delta_dense_state(model: nn.Module, calibration: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The dense weights of a ``ShardedDeepFM`` under a single-process ``DeepFM``'s names, which serving's
-    ``apply_delta`` requires all of: its own (``dense_arch.*``, ``bias``) and ``calibration`` at the identity
-    (online calibration is off on several ranks; the unsharded checkpoint carries the identity too)."""
-    return {**dense_weights(model), "calibration": identity()}
+    ``apply_delta`` requires all of: its own (``dense_arch.*``, ``bias``) and ``calibration``, the served Platt
+    ``(a, b)`` (shape (2,); the identity without online calibration)."""
+    return {**dense_weights(model), "calibration": identity() if calibration is None else calibration.clone()}

@@ -10,8 +10,10 @@ rank's gradient for them, applied by the fused row-wise Adagrad in the backward.
 As in ``learner/trainer.py``: one forward serves both halves (its outputs are recorded as progressive
 validation before the backward learns from them), a non-finite loss skips the update on every rank together
 (all ranks agree on it, since the dense all-reduce must be entered by all or none), and rows that are not
-``FINAL`` are weighted by ``learner/delayed.py``. Not here (refused or turned off by the distributed daemon):
-gradient accumulation, fp16 loss scaling, online calibration, the boost of young rows.
+``FINAL`` are weighted by ``learner/delayed.py``. With ``calibration`` (the served Platt ``(a, b)``, which the
+distributed daemon fits on rank 0 and sends to every rank each round) the predictions recorded and returned are
+the calibrated ones, what is served; ``last_logits`` keeps the raw ones for the fit. Not here (refused by the
+distributed daemon): gradient accumulation, fp16 loss scaling, the boost of young rows.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from learner.batch import TensorBatch
+from learner.calibration import calibrated
 from learner.delayed import DelayedFeedbackWeights
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_model import padded_inputs
@@ -38,6 +41,8 @@ class ShardedTrainer:
         self.samples = 0  # this rank's
         self.nan_losses = 0
         self.last_loss = float("nan")
+        self.calibration: torch.Tensor | None = None  # (2,) served (a, b); None: raw logits served
+        self.last_logits = np.zeros(0, np.float32)  # (B,) raw logits of the last call's real rows
 
     def test_then_train(self, batch: TensorBatch, rows: int) -> np.ndarray:
         """Predict ``batch``'s rows (recorded in ``metrics``), then learn; ``rows`` >= len(batch) is the step's
@@ -47,7 +52,10 @@ class ShardedTrainer:
         kjt, dense, labels, mask = padded_inputs(batch, rows, self.keys, self.device)
         logits = self.model(kjt, dense)  # (rows,) raw
         p_t = torch.sigmoid(logits.detach()).float()  # (rows,)
-        probs = p_t[:b].cpu().numpy()
+        self.last_logits = logits.detach()[:b].float().cpu().numpy()
+        served = p_t if self.calibration is None else torch.sigmoid(
+            calibrated(logits.detach().float(), self.calibration.to(logits.device)))  # (rows,)
+        probs = served[:b].cpu().numpy()
         weight = mask
         if batch.kinds is not None and b:
             self.delayed.observe(batch.kinds, batch.labels.numpy())

@@ -342,3 +342,44 @@ def test_two_ranks_write_serving_deltas_whose_rows_and_dense_weights_are_the_fin
         want = reference.score(t.values, t.offsets, t.dense)
         assert torch.allclose(served.score(t.values, t.offsets, t.dense), want, atol=1e-6)
         assert not torch.allclose(untouched.score(t.values, t.offsets, t.dense), want, atol=1e-3)
+
+
+def test_two_ranks_calibrate_what_they_serve_like_one_process_and_unshard_it(kafka: KafkaSettings,
+                                                                             tmp_path: Path) -> None:
+    """Online calibration on 2 ranks: rank 0 fits every rank's matured impressions, every rank serves its (a, b)."""
+    from tests.integration.test_learner import fake_negative_stream
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
+    sb = fake_negative_stream(np.random.default_rng(5), 8_000, start=0, seconds=1200)
+    impression = np.array([int(i[1:]) for i in sb.column("impression_id")])  # an impression's rows share it
+    producer = AckedProducer(kafka)
+    for p in range(PARTITIONS):  # an impression's observation and click in one partition, in time order
+        rows = np.flatnonzero(impression % PARTITIONS == p)
+        for i in range(0, len(rows), 200):
+            producer.send(kafka.samples_topic, SampleBatch(sb.batch.take(rows[i:i + 200])).encode(), b"k",
+                          partition=p)
+    producer.flush()
+    env = env_for(kafka, STREAMREC_LEARNER_ONLINE_CALIBRATION="true")
+    one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
+                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run(torchrun(2, tmp_path / "two", "--step-rows", "50"), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    c1, c2 = last_json(one.stdout)["calibration"], last_json(two.stdout)["calibration"]
+    print(f"calibration: 1 process {c1}, 2 ranks {c2}")
+    # the impressions between the 300 s warm-up and 300 s before the end are fitted, the rest wait: the same
+    # share on 2 ranks (rank 0 fits all ranks' rows), and a fit away from the identity near one process's
+    assert c2["pairs_fitted"] > 0.8 * c1["pairs_fitted"] > 0 and c2["pending"] > 0
+    assert (c2["a"], c2["b"]) != (1.0, 0.0)
+    assert abs(c1["a"] - c2["a"]) < 0.2 and abs(c1["b"] - c2["b"]) < 0.2, (c1, c2)
+    # the reshard to one process serves the fitted (a, b), and a single-process restart keeps fitting from it
+    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "two"),
+                         "--unshard", str(tmp_path / "single"), "--json"], env=env, capture_output=True, text=True,
+                        timeout=120)
+    assert un.returncode == 0, un.stderr[-3000:]
+    plain = load_latest(tmp_path / "single")
+    assert plain is not None
+    np.testing.assert_allclose(plain["model"]["calibration"].numpy(), [c2["a"], c2["b"]], rtol=1e-6)
+    assert plain["calibration"]["rows"] == c2["pairs_fitted"]
