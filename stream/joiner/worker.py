@@ -1,10 +1,17 @@
 """``streamrec join`` on faust-streaming: the default driver of :class:`~stream.joiner.pipeline.JoinPipeline`.
 
-One agent reads ``impressions`` and ``clicks`` together; faust assigns partition p of both topics to
-the same worker (they are co-partitioned by impression id) and hands batches over with
-``stream.take_events``. faust acknowledges a batch's events only when the loop asks for the next
-batch, i.e. after :meth:`JoinPipeline.process` made its outputs and state durable, and commits
-only acknowledged offsets: the offsets never run ahead of the state.
+faust's consumer reads ``impressions`` and ``clicks`` together (subscribed through faust's Conductor, as an agent's
+topic would be); faust assigns partition p of both topics to the same worker (they are co-partitioned by
+impression id). It delivers in batches, not through an agent (``faust_delivery.py``): faust's per-message path
+(a ``ConsumerMessage``, a Conductor callback, an ``Event`` and a stream-buffer entry per message, each acked)
+took ~28 of 34 s on bench/joiner.py, the join ~5.4. Its Fetcher hands each batch of up to ``batch_max`` records
+(gathered for at most ``batch_within_s``) to :meth:`JoinPipeline.process` in one synchronous call, then marks the
+offsets the pipeline reports processed as acknowledged in faust's own ledger; faust's commit (its timer, every
+``broker_commit_every`` acknowledgements, a revocation, shutdown) still decides when offsets go to the broker and
+commits only acknowledged ones. It is still faust's commit, over faust's consumer and group membership; only the
+acknowledging moved from an agent's stream to the end of ``process``: the offsets never run ahead of the state.
+A rebalance while records are in hand drops them unprocessed (faust stops the flow before the revocation signal
+reaches :meth:`FaustJoinWorker._on_revoked`) and seeks back to the committed offsets.
 
 Known limit on the local Tansu broker (not on Apache Kafka): the broker reports a partition's high
 watermark as the start of its last record batch, and a consumer resuming at a committed offset inside
@@ -13,17 +20,16 @@ stopped there waits; the kafka driver starts such partitions at the batch start 
 (``stream.kafka.resume_offsets``) and skips what it had applied. faust picks its own start offsets
 after its recovery step, and an outside rewind cannot commit into a group with a dead faust member.
 
-An exception in a batch must not let faust acknowledge it: ``take_events`` acknowledges a batch in
-a ``finally`` when the agent leaves it, even by an exception, and faust then commits it (and restarts
-the crashed agent). So the agent never leaves a failed batch: the pipeline has given its messages
-their strikes (``stream/strikes.py``), and the process exits at once with status 1
-(``os._exit``), committing nothing more, for its supervisor to restart it.
+An exception in a batch must not let faust acknowledge it, and no faust path may commit it afterwards (faust's
+error handling commits what was acknowledged; its agents acknowledge a crashed batch): the process exits at once
+with status 1 (``os._exit``) from inside the batch call, before the consumer acknowledges anything of it, for its
+supervisor to restart it. The pipeline has given the batch's messages their strikes (``stream/strikes.py``).
 
-Backpressure (``backpressure.py``): after each batch the agent pauses a partition's clicks while their waiting
+Backpressure (``backpressure.py``): after each batch the worker pauses a partition's clicks while their waiting
 count is near ``max_waiting_per_partition`` and its impressions have more to read (faust's
-``pause_partitions``; events already in the stream buffer still arrive), and resumes them when the
+``pause_partitions``; records already fetched still arrive), and resumes them when the
 impressions catch up or before an idle exit. The event-time rule (``max_input_drift_s``) is the kafka
-driver's only: faust counts what it has read into its stream buffer as read, and with the rule on, a
+driver's only: faust counts what it has fetched as read, and with the rule on (still under an agent), a
 ``fake_negative`` run on the test stream exited with a third of its impressions unread and its waiting
 clicks drained as orphans. Not understood yet; for a backlog, ``--driver kafka``.
 
@@ -55,7 +61,7 @@ import ssl
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import faust
 from faust.types import TP
@@ -64,6 +70,7 @@ from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
 from stream.joiner.backpressure import CLICKS, InputGate, Key, topic_of
 from stream.joiner.config import JoinerSettings
+from stream.joiner.faust_delivery import BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
 
 log = logging.getLogger("streamrec.join")
@@ -119,6 +126,7 @@ class FaustJoinWorker:
         self.exit_code = 0
         self._idle_since = time.monotonic()
         self._busy = False
+        self._records_in_hand = 0
         self._stopping = False
         self._assigned: set[int] = set()  # the partitions assigned now (both topics: co-partitioned)
         # The waiting-click cap only, no event-time rule (module docstring): with it, a fake_negative run on the
@@ -146,43 +154,48 @@ class FaustJoinWorker:
             broker_heartbeat_interval=max(0.5, k.session_timeout_ms / 6000),
             consumer_auto_offset_reset="earliest",
             broker_max_poll_records=self.js.batch_max,
-            stream_buffer_maxsize=max(4096, 2 * self.js.batch_max),
             consumer_max_fetch_size=8 * 1024 * 1024,
             web_enabled=False,
             topic_allow_declare=False,  # the pipeline creates the topics it needs
         )
-        source = app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw")
-
-        async def join_agent(stream: faust.StreamT) -> None:
-            # take_events exists on faust's Stream, not on the StreamT protocol its stubs declare
-            async for events in stream.take_events(self.js.batch_max, within=self.js.batch_within_s):  # type: ignore[attr-defined]
-                self._busy = True
-                try:
-                    # every assigned partition's state in one read of the state log, not one per partition as each
-                    # first appears in a batch (each read costs a consumer's start-up and an end-of-partition wait)
-                    if missing := self._assigned - set(self.pipeline.engines):
-                        self.pipeline.restore(missing)
-                    self.pipeline.process([
-                        Record(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
-                               int(e.message.timestamp * 1000) if e.message.timestamp else None)
-                        for e in events
-                    ])
-                except BaseException:
-                    self._die("a batch failed")
-                finally:
-                    self._busy = False
-                    self._idle_since = time.monotonic()
-                self._apply_gate()
-
-        app.agent(source, name="join")(join_agent)
+        install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
+                                   within_s=self.js.batch_within_s, short_polls=lambda: bool(self.gate.paused),
+                                   in_hand=self._in_hand))
+        # Subscribed through faust's Conductor as an agent's topic would be; delivered in batches by faust_delivery.
+        app.topics.add(app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw"))
         app.timer(0.25)(self._idle_check)
         # faust calls these with (sender, partitions); its signal stubs declare another signature
         app.on_partitions_revoked.connect(self._on_revoked)  # type: ignore[arg-type]
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]
         return app
 
+    def _process(self, records: list[Record]) -> Processed:
+        """One batch, called by faust's consumer (faust_delivery.py), which acknowledges what this returns as
+        processed once it returned; on an exception the process exits here, before anything is acknowledged."""
+        self._busy = True
+        try:
+            # every assigned partition's state in one read of the state log, not one per partition as each first
+            # appears in a batch (each read costs a consumer's start-up and an end-of-partition wait)
+            if missing := self._assigned - set(self.pipeline.engines):
+                self.pipeline.restore(missing)
+            self.pipeline.process(records)
+            processed = self.pipeline.processed
+        except BaseException:
+            self._die("a batch failed")
+        finally:
+            self._busy = False
+            self._idle_since = time.monotonic()
+        self._apply_gate()
+        return processed
+
+    def _in_hand(self, n: int) -> None:
+        """faust's consumer holds ``n`` records not processed yet: not idle."""
+        self._records_in_hand = n
+        if n:
+            self._idle_since = time.monotonic()
+
     @staticmethod
-    def _die(what: str) -> None:
+    def _die(what: str) -> NoReturn:
         """Stop the process now, before faust can acknowledge the batch in hand (module docstring)."""
         log.exception("%s; exiting without acknowledging it (status 1)", what)
         for h in logging.getLogger().handlers:
@@ -236,7 +249,8 @@ class FaustJoinWorker:
 
     async def _idle_check(self) -> None:
         limit = self.js.exit_when_idle_s
-        if limit is None or self._stopping or self._busy or time.monotonic() - self._idle_since < limit:
+        if limit is None or self._stopping or self._busy or self._records_in_hand or \
+                time.monotonic() - self._idle_since < limit:
             return
         if self.gate.paused:  # never end a run with an input held back: read it first
             self._set_paused(self.gate.release(), False)

@@ -1,0 +1,331 @@
+"""Batch delivery for the faust join driver: faust's own consumer hands what it fetched to the join whole.
+
+faust delivers one message at a time. Its Fetcher service runs ``Consumer._drain_messages``, which turns each
+record into a ``ConsumerMessage`` and awaits the Conductor's callback for it (inside ``wait_first``: two tasks
+per message); the callback decodes it into an ``Event`` and queues it on the topic's channel, where an agent's
+stream takes it, tracks it and acknowledges it. On bench/joiner.py that took ~28 of the faust driver's 34 s for
+220 k events, against 5.4 s for the join itself.
+
+:class:`BatchConsumer` is faust's aiokafka ``Consumer`` with that one loop replaced; everything else is faust's:
+the aiokafka consumer thread, group membership and rebalance callbacks, pause/resume, seeks and the commit.
+Its ``_drain_messages`` fetches as faust does (``_wait_next_records``: the active partitions, up to
+``broker_max_poll_records``), keeps faust's record of what its fetcher handed on (read offsets, the gaps of
+offsets the log does not hold), gathers fetches into a batch of up to ``max_records`` records (``_gather``),
+hands the batch to :attr:`BatchDelivery.process` as a list of :class:`~stream.joiner.pipeline.Record`, and when
+that returns, acknowledges the offsets it reports processed in the consumer's own ledger (what ``Consumer.ack``
+writes: ``_acked``, ``_acked_index``), the one faust's commit reads. So faust still commits, on its timer, every
+``broker_commit_every`` acknowledgements, at a revocation and at shutdown; it can only ever commit offsets of
+batches ``process`` returned from.
+
+* ``process`` is synchronous: from the last check of the flow (below) to the acknowledgement nothing awaits, so
+  no rebalance callback, commit or timer runs in the middle of a batch.
+* ``process`` raises: nothing of the batch is acknowledged (the worker exits before it raises, see
+  ``worker.py``).
+* A rebalance while records are in hand (faust stopped the flow, or the group generation moved on since the
+  hand's first fetch was issued): the whole hand is dropped unprocessed and the partitions seek back to their
+  committed offsets, as faust's ``getmany`` does with a fetch that returns while the flow is stopped (a partition
+  without a committed offset, which aiokafka's ``seek_to_committed`` leaves where it is, to the first record
+  dropped). A revoked partition's records are therefore never processed after its revocation (faust stops the
+  flow before it sends ``on_partitions_revoked``), and an assigned one reads again from what was committed.
+* Records the batch did not process (``process`` reports less than it was given): what was acknowledged is
+  committed and the hand is dropped the same way, so they are read again.
+* A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
+  drops such records without a seek, so they were not read again until the next rebalance.
+
+No per-message objects exist any more: no ``ConsumerMessage``, ``Event``, stream buffer or unacked-message
+set. faust's ``wait_empty`` (at a revocation and at shutdown) therefore has nothing to wait for, which is right
+because no batch can be half-processed when it runs; faust's monitor gets each partition's end offset and
+stream-inbound time once per fetch or batch instead of once per message (its per-message counters stay at zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
+from typing import Any, cast
+
+from faust.transport.consumer import CONSUMER_FETCHING
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP, AppT
+from faust.types.tuples import ack_lock
+from mode import ServiceT
+from mode.utils.futures import notify
+
+from stream.joiner.pipeline import Record
+
+# Per (topic, partition), the offset after the last record a batch processed (JoinPipeline.processed).
+Processed = Mapping[tuple[str, int], int]
+
+_TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
+_OFFSET = attrgetter("offset")
+_SHORT_POLL_S = 0.05  # one fetch in a backlog or while an input is paused: how long a batch in hand waits for more
+_IDLE_POLL_S = 1.0  # one fetch with nothing in hand (faust's own getmany timeout)
+
+
+@dataclass(frozen=True)
+class BatchDelivery:
+    """What :class:`BatchConsumer` hands its batches to, and how it cuts them."""
+
+    # Makes the batch's outputs and state durable and returns what it processed; synchronous. Raising: nothing of
+    # the batch is acknowledged.
+    process: Callable[[list[Record]], Processed]
+    max_records: int  # a batch closes at this many records ...
+    within_s: float  # ... or this long after its first record came
+    # Whether an input is paused (backpressure): then a batch in hand goes as soon as a short fetch brings nothing,
+    # instead of waiting out within_s for records that cannot come.
+    short_polls: Callable[[], bool]
+    # Told how many records are in hand after each fetch, what is left in hand after a batch, 0 when it is dropped.
+    in_hand: Callable[[int], None]
+
+
+class _Dropped(Exception):
+    """The records in hand are stale: a rebalance started or happened while they were gathered."""
+
+    def __init__(self, batch: list[Record], fetched: Mapping[Any, list[Any]] | None = None) -> None:
+        self.first = _first_offsets(batch)  # per partition, the first offset in hand
+        for tp, recs in (fetched or {}).items():  # then those of the fetch that just returned
+            if recs:
+                self.first.setdefault(TP(tp.topic, tp.partition), recs[0].offset)
+        self.records = len(batch) + sum(map(len, (fetched or {}).values()))
+        super().__init__(f"{self.records} record(s) in hand")
+
+
+def _first_offsets(records: list[Record]) -> dict[TP, int]:
+    first: dict[TP, int] = {}
+    for (topic, partition), run in groupby(records, _TOPIC_PARTITION):
+        first.setdefault(TP(topic, partition), next(run).offset)
+    return first
+
+
+class BatchConsumer(faust_aiokafka.Consumer):
+    """faust's aiokafka consumer, delivering to :attr:`BatchTransport.delivery` in batches (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._carry: list[Record] = []  # fetched past the last batch's max_records: the start of the next one
+        self._carry_generation = 0  # the group generation in which they were fetched
+
+    @property
+    def delivery(self) -> BatchDelivery:
+        return cast(BatchTransport, self.transport).delivery
+
+    async def _drain_messages(self, fetcher: ServiceT) -> None:
+        """The Fetcher's loop: batches instead of faust's per-message callback; faust's stop conditions and error
+        handling (a cancel while stopping ends the loop quietly: the Fetcher treats a cancel during a rebalance as a
+        crash otherwise)."""
+        consumer_should_stop = self._stopped.is_set
+        fetcher_should_stop = cast(Any, fetcher)._stopped.is_set
+        try:
+            while not (consumer_should_stop() or fetcher_should_stop()):
+                self.diag.set_flag(CONSUMER_FETCHING)
+                try:
+                    batch = await self._gather()
+                except _Dropped as dropped:
+                    await self._drop(dropped.first, dropped.records)
+                    continue
+                finally:
+                    self.diag.unset_flag(CONSUMER_FETCHING)
+                if batch:
+                    await self._deliver(batch)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                self.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:  # the Fetcher stopped (shutdown), perhaps in the middle of a rebalance
+                self.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            self.log.exception("Drain messages raised: %r", exc)
+            raise
+
+    async def _gather(self) -> list[Record]:
+        """One batch: fetches until ``max_records`` or ``within_s`` after the first record; [] when the consumer
+        stops. Raises :class:`_Dropped` when the flow changed under the hand. A fetch that brings more than the batch
+        has room for leaves the rest in hand for the next batch.
+
+        A live stream (every active partition read up to its high watermark) makes one batch per window, however
+        few records come in it. With a backlog, or an input paused, a batch in hand goes as soon as a short fetch
+        brings nothing: aiokafka fetches a partition again only once its buffer ran dry, so the next records are on
+        their way over the network, which they travel while ``process`` runs (waiting out the window for them cost
+        ~10% on bench/joiner.py)."""
+        d = self.delivery
+        batch, self._carry = self._carry, []
+        generation = self._carry_generation if batch else self.app.consumer_generation_id
+        if batch and (not self.flow_active or self.app.consumer_generation_id != generation):
+            raise _Dropped(batch)  # the last batch's commit awaited: a rebalance may have come since the fetch
+        deadline = time.monotonic() + d.within_s if batch else None
+        while len(batch) < d.max_records:
+            if deadline is None:
+                short, timeout = False, _IDLE_POLL_S
+            elif (timeout := deadline - time.monotonic()) <= 0:
+                break
+            elif short := d.short_polls() or self._has_backlog():
+                timeout = min(timeout, _SHORT_POLL_S)
+            records, _ = await self._wait_next_records(timeout)
+            if self.should_stop:
+                return []
+            if not self.flow_active or self.app.consumer_generation_id != generation:
+                raise _Dropped(batch, records)
+            fresh = self._records(records or {})
+            if fresh:
+                batch.extend(fresh)
+                d.in_hand(len(batch))
+                if deadline is None:
+                    deadline = time.monotonic() + d.within_s
+            elif batch and short:
+                break
+        if len(batch) > d.max_records:
+            self._carry, self._carry_generation = batch[d.max_records:], generation
+            del batch[d.max_records:]
+        return batch
+
+    def _has_backlog(self) -> bool:
+        """Whether an active partition has more to read than faust's fetcher handed on (its tracked high water)."""
+        for tp in self._get_active_partitions():
+            try:
+                high = self.highwater(tp)
+            except Exception:  # noqa: BLE001 - unknown (not fetched yet): no backlog known
+                continue
+            read = self._read_offset[tp]
+            if high is not None and high > 0 and (read is None or read + 1 < high):
+                return True
+        return False
+
+    async def _drop(self, first: dict[TP, int], records: int) -> None:
+        """Drop the ``records`` in hand, unprocessed, and seek back to the committed offsets (module docstring); a
+        partition without a committed offset (aiokafka's ``seek_to_committed`` leaves those where they are) seeks
+        back to ``first``, the first offset dropped of it, or that record would never be read again."""
+        if records:
+            self.log.info("dropping %d record(s) in hand, unprocessed (the flow stopped or the generation moved on); "
+                          "seeking back to the committed offsets", records)
+        self._carry = []
+        self.delivery.in_hand(0)
+        try:
+            await self.perform_seek()
+        except Exception as exc:  # noqa: BLE001 - faust's own handling in getmany: the next rebalance seeks again
+            self.log.warning("exception performing seek when flow not active %r", exc)
+            return  # a rebalance under way: it resets every position (committed, or auto_offset_reset)
+        assignment = self.assignment()
+        for tp, offset in first.items():
+            if tp in assignment and not self._read_offset.get(tp):  # perform_seek found no committed offset
+                try:
+                    await self.seek(tp, offset)
+                except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner starts from committed
+                    self.log.warning("could not seek %r back to %d: %r", tp, offset, exc)
+
+    def _records(self, records: Mapping[Any, list[Any]]) -> list[Record]:
+        """aiokafka's records as pipeline records, and faust's bookkeeping of what its fetcher handed on, as
+        ``getmany`` and ``_drain_messages`` keep it: records before a partition's read offset are skipped, the
+        offsets the log does not hold between them are recorded as gaps (transaction markers, compaction: faust's
+        commit passes over them), and the read offset advances (backpressure reads it: ``worker._behind``)."""
+        out: list[Record] = []
+        monitor = self.app.monitor
+        for tp, recs in records.items():
+            if not recs:
+                continue
+            read = self._read_offset[tp]
+            if read is not None and recs[0].offset < read:
+                recs = [r for r in recs if r.offset >= read]
+                if not recs:
+                    continue
+            topic, partition = tp
+            out.extend([Record(topic, partition, r.offset, r.key, r.value, r.timestamp or None) for r in recs])
+            if self.app.topics.acks_enabled_for(topic):
+                for start, end in _gaps(read, recs[0].offset, recs[-1].offset, len(recs), recs):
+                    self._add_gap_now(tp, start, end)
+            self._read_offset[tp] = recs[-1].offset
+            if monitor is not None:
+                monitor.track_tp_end_offset(tp, self.highwater(tp))
+        return out
+
+    async def _deliver(self, batch: list[Record]) -> None:
+        """``process`` the batch, then acknowledge what it processed (nothing awaits in between)."""
+        try:
+            processed = self.delivery.process(batch)
+        finally:
+            self.delivery.in_hand(len(self._carry))
+        offsets: dict[TP, list[int]] = {}
+        for (topic, partition), run in groupby(batch, _TOPIC_PARTITION):  # runs of one partition, offsets ascending
+            offsets.setdefault(TP(topic, partition), []).extend(map(_OFFSET, run))
+        left: dict[TP, int] = {}  # per partition, the first record process() did not process
+        now = time.monotonic()
+        monitor = self.app.monitor
+        for tp, offs in offsets.items():
+            upto = processed.get((tp.topic, tp.partition))
+            done = 0 if upto is None else bisect_left(offs, upto)  # offsets ascending: what process() did is a prefix
+            if done < len(offs):
+                left[tp] = offs[done]
+            if done:
+                self.ack_offsets(tp, offs if done == len(offs) else offs[:done])
+                if monitor is not None:
+                    monitor.stream_inbound_time[tp] = now
+        commit_every = self._commit_every
+        if left:  # read again from what was processed (module docstring)
+            await self.commit()
+            unprocessed = sum(len(offs) - bisect_left(offs, left[tp]) for tp, offs in offsets.items() if tp in left)
+            await self._drop({**_first_offsets(self._carry), **left}, unprocessed + len(self._carry))
+        elif commit_every is not None and self._n_acked >= commit_every:
+            self._n_acked = 0
+            await self.commit()
+
+    def ack_offsets(self, tp: TP, offsets: list[int]) -> None:
+        """``Consumer.ack`` for a partition's processed offsets at once: what faust's commit reads."""
+        with ack_lock:
+            try:
+                if self.app.topics.acks_enabled_for(tp.topic):
+                    committed = self._committed_offset[tp]
+                    index = self._acked_index[tp]
+                    new = [o for o in offsets if (committed is None or o >= committed) and o not in index]
+                    index.update(new)
+                    self._acked[tp].extend(new)
+                    self._n_acked += len(new)
+            finally:
+                notify(self._waiting_for_ack)
+
+    def _add_gap_now(self, tp: TP, offset_from: int, offset_to: int) -> None:
+        """``Consumer._add_gap`` without its ``sleep(0)`` (nothing awaits between a fetch's checks and its batch)."""
+        committed = self._committed_offset[tp]
+        if committed is not None:
+            offset_from = max(offset_from, committed + 1)
+        if offset_from <= offset_to:
+            gap = self._gap[tp]
+            gap.addi(offset_from, offset_to + 1)
+            gap.merge_overlaps()
+
+def _gaps(read: int | None, first: int, last: int, n: int, recs: list[Any]) -> list[tuple[int, int]]:
+    """The gaps ``Consumer._drain_messages`` records reading ``recs`` (offsets ``first`` .. ``last``, ``n`` of them)
+    after ``read``: (read + 1, offset) before each offset more than one past the last (none after a read offset of
+    None or 0, as there)."""
+    if last - first == n - 1:  # contiguous: the usual case, checked in O(1)
+        return [(read + 1, first)] if read and first - read > 1 else []
+    out = []
+    for r in recs:
+        if read and r.offset - read > 1:
+            out.append((read + 1, r.offset))
+        read = r.offset
+    return out
+
+
+class BatchTransport(faust_aiokafka.Transport):
+    """faust's aiokafka transport with :class:`BatchConsumer` as its consumer."""
+
+    Consumer = BatchConsumer
+
+    def __init__(self, app: AppT, delivery: BatchDelivery) -> None:
+        super().__init__(app.conf.broker_consumer, app)
+        self.delivery = delivery
+
+
+def install(app: AppT, delivery: BatchDelivery) -> None:
+    """Make ``app`` consume through :class:`BatchConsumer`; before anything created its consumer."""
+    if getattr(app, "_consumer", None) is not None:
+        raise RuntimeError("install() must come before the app's consumer is created")
+    app.transport = BatchTransport(app, delivery)

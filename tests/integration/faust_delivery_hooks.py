@@ -1,0 +1,79 @@
+"""Run ``streamrec join`` with probes on how the faust driver delivers and commits (test code only).
+
+``python -m tests.integration.faust_delivery_hooks join ...`` is ``streamrec join ...`` that writes one JSON line
+per event to the file named by ``STREAMREC_TEST_DELIVERY_LOG``:
+
+* ``{"batch": n, "size": ..., "tps": {"topic:partition": [first, last]}, "events": ...}`` as each
+  ``JoinPipeline.process`` call starts (``events``: faust ``Event`` objects created so far);
+* ``{"returned": n}`` when it returned;
+* ``{"commit": {"topic:partition": offset}, "ahead": [...]}`` for every offset commit faust sends to the
+  broker, ``ahead`` naming the partitions whose committed offset lies past the records of the batches that
+  had returned by then (offsets running ahead of the state).
+
+With ``STREAMREC_TEST_FAIL_BATCH=n`` the n-th ``process`` call raises instead (an unexpected failure in a batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from faust.events import Event
+
+from stream.joiner import faust_delivery
+from stream.joiner.pipeline import JoinPipeline, Record
+
+_LOG = open(os.environ["STREAMREC_TEST_DELIVERY_LOG"], "a", buffering=1)  # noqa: SIM115 - lives with the process
+_FAIL_AT = int(os.environ.get("STREAMREC_TEST_FAIL_BATCH", "0"))
+_process = JoinPipeline.process
+_commit = faust_delivery.BatchConsumer._commit
+_event_init = Event.__init__
+_returned: dict[str, int] = {}  # "topic:partition" -> the offset after the last record of the batches that returned
+_batches = 0
+_events = 0
+
+
+def _write(entry: dict[str, Any]) -> None:
+    _LOG.write(json.dumps(entry) + "\n")
+
+
+def _counting_event_init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003 - a patch
+    global _events
+    _events += 1
+    _event_init(self, *args, **kwargs)
+
+
+def _probed_process(self, records: list[Record], behind=None):  # noqa: ANN001, ANN202 - a patch
+    global _batches
+    _batches += 1
+    tps: dict[str, list[int]] = {}
+    for r in records:
+        span = tps.setdefault(f"{r.topic}:{r.partition}", [r.offset, r.offset])
+        span[0], span[1] = min(span[0], r.offset), max(span[1], r.offset)
+    _write({"batch": _batches, "size": len(records), "tps": tps, "events": _events})
+    if _batches == _FAIL_AT:
+        raise RuntimeError(f"injected fault in batch {_batches}")
+    held = _process(self, records, behind)
+    for tp, (_, last) in tps.items():
+        _returned[tp] = max(_returned.get(tp, 0), last + 1)
+    _write({"returned": _batches})
+    return held
+
+
+async def _probed_commit(self, offsets):  # noqa: ANN001, ANN202 - a patch
+    committed = {f"{tp.topic}:{tp.partition}": off for tp, off in offsets.items()}
+    ahead = sorted(tp for tp, off in committed.items() if off > _returned.get(tp, 0))
+    _write({"commit": committed, "ahead": ahead})
+    return await _commit(self, offsets)
+
+
+Event.__init__ = _counting_event_init  # type: ignore[method-assign]
+JoinPipeline.process = _probed_process  # type: ignore[method-assign]
+faust_delivery.BatchConsumer._commit = _probed_commit  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    from streamrec.cli import main
+
+    sys.exit(main(sys.argv[1:]))

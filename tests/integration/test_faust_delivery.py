@@ -1,0 +1,91 @@
+"""The faust join driver's batch delivery (``stream/joiner/faust_delivery.py``) against the real broker and Redis:
+faust's consumer hands whole batches to the pipeline without per-message events, commits a batch's offsets only
+after ``JoinPipeline.process`` returned, and commits nothing of a batch that failed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from confluent_kafka import Consumer, TopicPartition
+
+from stream.config import KafkaSettings
+from stream.replay.config import ClickDelay, SyntheticSettings
+from stream.replay.publisher import publish
+from stream.replay.synthetic import build_synthetic
+from tests.integration.test_joiner import join_env
+
+BATCH_MAX = 500
+SYN = SyntheticSettings(impressions=2500, users=2000, items=300, impressions_per_s=20.0, attribution_window_s=600.0,
+                        malformed_share=0.0)
+
+
+def _run(kafka: KafkaSettings, redis_url: str, group_id: str, log: Path, fail_batch: int = 0
+         ) -> subprocess.CompletedProcess:
+    env = join_env(kafka, redis_url, group_id)
+    env.update({"STREAMREC_JOINER_BATCH_MAX": str(BATCH_MAX), "STREAMREC_TEST_DELIVERY_LOG": str(log),
+                "STREAMREC_TEST_FAIL_BATCH": str(fail_batch)})
+    cmd = [sys.executable, "-m", "tests.integration.faust_delivery_hooks", "join", "--app-id", group_id, "--driver",
+           "faust", "--window-s", "600", "--lateness-s", "0", "--exit-when-idle", "4", "--drain", "--json"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _entries(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _committed(kafka: KafkaSettings, group_id: str) -> dict[str, int]:
+    """The group's committed offset per "topic:partition" (absent: none committed)."""
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group_id, "enable.auto.commit": False})
+    try:
+        tps = [TopicPartition(t, p) for t in (kafka.impressions_topic, kafka.clicks_topic)
+               for p in range(kafka.partitions)]
+        return {f"{tp.topic}:{tp.partition}": tp.offset for tp in c.committed(tps, timeout=20) if tp.offset >= 0}
+    finally:
+        c.close()
+
+
+def test_faust_delivers_whole_batches_without_per_message_events_and_commits_only_what_process_returned(
+        kafka: KafkaSettings, stack, group_id: str, tmp_path: Path) -> None:
+    table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=31)
+    publish(table, kafka, "synthetic")
+    log = tmp_path / "delivery.jsonl"
+    out = _run(kafka, stack.redis_url, group_id, log)
+    assert out.returncode == 0, out.stderr[-3000:]
+    entries = _entries(log)
+    batches = [e for e in entries if "batch" in e]
+    commits = [e for e in entries if "commit" in e]
+    total = table.n_impressions + table.n_clicks
+    assert sum(b["size"] for b in batches) == total  # every event in exactly one batch (no failure, no rebalance)
+    assert max(b["size"] for b in batches) <= BATCH_MAX
+    assert len(batches) <= 2 * -(-total // BATCH_MAX)  # batches, not single messages
+    # faust's consumer hands the batch over without making an Event (or a stream buffer entry) per message
+    assert [b["events"] for b in batches] == [0] * len(batches)
+    assert commits, "faust committed nothing"
+    assert [c["ahead"] for c in commits if c["ahead"]] == []  # never an offset past the batches that returned
+    ends: dict[str, int] = {}  # per partition, the offset after the last record processed
+    for b in batches:
+        for tp, (_, last) in b["tps"].items():
+            ends[tp] = max(ends.get(tp, 0), last + 1)
+    assert _committed(kafka, group_id) == ends  # and at its idle exit faust committed all of it
+
+
+def test_faust_commits_nothing_of_a_batch_that_failed_and_exits_with_status_1(
+        kafka: KafkaSettings, stack, group_id: str, tmp_path: Path) -> None:
+    table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=32)
+    publish(table, kafka, "synthetic")
+    log = tmp_path / "delivery.jsonl"
+    out = _run(kafka, stack.redis_url, group_id, log, fail_batch=3)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "injected fault in batch 3" in out.stderr
+    entries = _entries(log)
+    failed = next(e for e in entries if e.get("batch") == 3)
+    assert {"returned": 3} not in entries and not any(e.get("batch", 0) > 3 for e in entries)  # it stopped there
+    assert [c["ahead"] for c in entries if c.get("ahead")] == []
+    committed = _committed(kafka, group_id)
+    for tp, (first, _) in failed["tps"].items():
+        assert committed.get(tp, 0) <= first, f"{tp}: committed {committed.get(tp)} is past the failed batch's start"
+    for c in (e["commit"] for e in entries if "commit" in e):
+        assert all(off <= failed["tps"].get(tp, [off])[0] for tp, off in c.items()), c
