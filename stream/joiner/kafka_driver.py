@@ -199,8 +199,9 @@ class KafkaJoinWorker:
     def _holds_back(self, kind: str, partition: int) -> bool:
         """Whether ``kind`` of ``partition`` bounds what is joined of the partition (pipeline.process): it has more
         to read, and it is not clicks the gate holds for their waiting count (which stay paused until impressions
-        come: waiting on them would stop both). An input the gate paused for its event time is resumed once it
-        lags, so it still bounds."""
+        come: waiting on them would stop both). An input paused for its held records (``held_inputs``) is ahead of
+        the frontier, not behind it, so it still bounds; once the other input has caught up its held records are
+        joined and it is resumed."""
         if kind == CLICKS and (kind, partition) in self.gate.paused and \
                 self.pipeline.waiting().get(partition, 0) > self.gate.low:
             return False
