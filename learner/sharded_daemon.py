@@ -35,8 +35,13 @@ let the first round's steps train against the prior's bias, and 2 ranks ended 0.
 AUC on the test stream).
 
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-the boost of young rows, ``sparse_adam``, gradient accumulation, poison-message strikes (a batch that fails stops
-every rank; the restart trains it again). Serving deltas work
+the boost of young rows, ``sparse_adam``, gradient accumulation.
+
+Poison messages (``stream/strikes.py``): a rank whose own batch fails gives each of its messages a strike (one
+strikes file per partition, so a partition's strikes follow it to whichever rank reads it after a restart on any
+world size) and exits; the other ranks fail in their next collective, and give no strikes for that
+(:func:`learner.distributed.is_peer_failure`); torchrun restarts the group, the suspects are trained alone, and one
+that failed ``poison_after`` times is dead-lettered with kind ``poison``. Serving deltas work
 (``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the ``redis`` settings :func:`run_ranks` is
 given.
 """
@@ -74,7 +79,14 @@ from learner.daemon import (
     infer_feature_config,
 )
 from learner.delayed import BaseRateBias
-from learner.distributed import LockStep, RankContext, all_gather_objects, broadcast_object, partitions_of
+from learner.distributed import (
+    LockStep,
+    RankContext,
+    all_gather_objects,
+    broadcast_object,
+    is_peer_failure,
+    partitions_of,
+)
 from learner.features import FeatureConfig
 from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
@@ -90,6 +102,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import DELAYED_POSITIVE
+from stream.strikes import PartitionFileStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.train")
 
@@ -314,8 +327,12 @@ class ShardedLearner:
             self.offsets.setdefault(p, 0)
         mine = partitions_of(list(self.offsets), self.ctx.rank, self.ctx.world_size)
         log.info("rank %d of %d reads samples partitions %s", self.ctx.rank, self.ctx.world_size, mine)
+        topic = self.kafka.samples_topic
+        # poison strikes: one file per partition, written by the rank reading it (stream/strikes.py)
+        strikes = Strikes(PartitionFileStrikes(ls.checkpoint_dir, mine), ls.poison_after)
+        suspects = {(p, o): strikes.poisoned(key) for key in strikes.counts for t, p, o in [key] if t == topic}
         dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine}, ls.batch_rows,
-                                     ls.exit_when_idle_s, merge=ls.merge_partitions)
+                                     ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions)
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))
@@ -335,23 +352,34 @@ class ShardedLearner:
                 per_message = [rows for _, _, rows in batch.positions]
                 partitions = (np.repeat([p for p, _, _ in batch.positions], per_message)[keep]
                               if sum(per_message) == len(batch) else None)
-            if self.ids is not None and self.ids.active:  # collective: every rank, every round
-                self._observe_ids(self.ids.apply(kept, self.dmp))
-            chunks = kept.chunks(ls.step_rows) if len(kept) else []
-            wants = since_ckpt >= ls.checkpoint_every_samples or time.monotonic() - last_ckpt >= ls.checkpoint_every_s
-            if self.deltas is not None and len(kept):
-                self.deltas.mark(kept.values)
-            rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained(),
-                             wants_delta=self.deltas is not None and self.deltas.due())
-            probs, logits = [], []
-            for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
-                chunk = chunks[i] if i < len(chunks) else empty
-                probs.append(self.trainer.test_then_train(chunk, rows))  # (len(chunk),) as served
-                logits.append(self.trainer.last_logits)  # (len(chunk),) raw
-                if self.bias is not None and not self.bias.done:  # (the same on every rank)
-                    self._follow_base_rate(chunk)
-            self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0),
-                              np.concatenate(logits) if logits else np.zeros(0), partitions)
+            keys = [(topic, p, o) for p, o, _ in batch.positions] if batch is not None else []
+            try:
+                if self.ids is not None and self.ids.active:  # collective: every rank, every round
+                    self._observe_ids(self.ids.apply(kept, self.dmp))
+                chunks = kept.chunks(ls.step_rows) if len(kept) else []
+                wants = (since_ckpt >= ls.checkpoint_every_samples
+                         or time.monotonic() - last_ckpt >= ls.checkpoint_every_s)
+                if self.deltas is not None and len(kept):
+                    self.deltas.mark(kept.values)
+                rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained(),
+                                 wants_delta=self.deltas is not None and self.deltas.due())
+                probs, logits = [], []
+                for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
+                    chunk = chunks[i] if i < len(chunks) else empty
+                    probs.append(self.trainer.test_then_train(chunk, rows))  # (len(chunk),) as served
+                    logits.append(self.trainer.last_logits)  # (len(chunk),) raw
+                    if self.bias is not None and not self.bias.done:  # (the same on every rank)
+                        self._follow_base_rate(chunk)
+                self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0),
+                                  np.concatenate(logits) if logits else np.zeros(0), partitions)
+            except Exception as exc:
+                if keys and not is_infrastructure(exc) and not is_peer_failure(exc):
+                    log.error("rank %d: training a batch of %d message(s) failed (%s); each gets a strike, stopping "
+                              "every rank without a checkpoint", self.ctx.rank, len(keys), type(exc).__name__)
+                    strikes.failed(keys, exc)
+                raise
+            if strikes.counts and keys:
+                strikes.succeeded(keys)
             if batch is not None:
                 for p, off, n in batch.positions:
                     self.offsets[p] = max(self.offsets.get(p, 0), off + 1)

@@ -10,8 +10,9 @@ reason, and processing moves on. A message processed successfully loses its stri
 Failures of the infrastructure (the broker, Redis, the disk) are not the message's fault and give no
 strikes (:func:`is_infrastructure`): a Redis outage must never dead-letter good data.
 
-Stores: :class:`RedisStrikes` (the joiner, whose state lives off-host anyway) and
-:class:`FileStrikes` (the learner, next to its checkpoints). Both keep only messages that failed,
+Stores: :class:`RedisStrikes` (the joiner, whose state lives off-host anyway), :class:`FileStrikes` (the
+learner, next to its checkpoints) and :class:`PartitionFileStrikes` (the learner on N ranks: one file per
+partition, so that each file has one writer whatever the world size). All keep only messages that failed,
 so they stay tiny; a key is ``"{topic}:{partition}:{offset}"``.
 """
 
@@ -138,3 +139,29 @@ class FileStrikes:
             self._all.pop(k, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps({_text(k): list(v) for k, v in self._all.items()}).encode())
+
+
+class PartitionFileStrikes:
+    """Strikes of some partitions, one :class:`FileStrikes` file per partition (``<directory>/strikes-<p>.json``).
+
+    The learner's ranks read disjoint partitions, so each file has one writer; a restart on another world size
+    hands a partition, and its file, to another rank."""
+
+    def __init__(self, directory: Path, partitions: Iterable[int]) -> None:
+        self.files = {p: FileStrikes(Path(directory) / f"strikes-{p}.json") for p in partitions}
+
+    def load(self) -> dict[Key, tuple[int, str]]:
+        out: dict[Key, tuple[int, str]] = {}
+        for p, store in self.files.items():
+            out.update({k: v for k, v in store.load().items() if k[1] == p})
+        return out
+
+    def save(self, changed: dict[Key, tuple[int, str]], cleared: list[Key]) -> None:
+        for p, store in self.files.items():
+            mine_changed = {k: v for k, v in changed.items() if k[1] == p}
+            mine_cleared = [k for k in cleared if k[1] == p]
+            if mine_changed or mine_cleared:
+                store.save(mine_changed, mine_cleared)
+        unknown = sorted({k[1] for k in [*changed, *cleared]} - set(self.files))
+        if unknown:
+            raise ValueError(f"strikes for partitions {unknown}, which this store does not hold")

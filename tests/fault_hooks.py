@@ -1,9 +1,10 @@
 """Run a ``streamrec`` command with a fault injected, for the fault-injection tests.
 
 ``python -m tests.fault_hooks join ...`` is ``streamrec join ...`` except that the join, and the
-learner's training step, raise an unexpected exception whenever an impression id starting with
-``poison`` is in the batch: the stand-in for a bug that one message triggers. And while the file named
-by ``STREAMREC_TEST_DISK_FULL`` exists, writing a checkpoint fails with ENOSPC (a full disk).
+learner's training step (on every rank under torchrun too), raise an unexpected exception whenever an
+impression id starting with ``poison`` is in the batch: the stand-in for a bug that one message triggers.
+And while the file named by ``STREAMREC_TEST_DISK_FULL`` exists, writing a checkpoint fails with ENOSPC
+(a full disk).
 Test code only.
 """
 
@@ -48,6 +49,18 @@ def _save_unless_full(directory, state, meta, keep=3):  # noqa: ANN001, ANN202 -
 checkpoint.save = _save_unless_full
 engine.PartitionJoin.apply = _failing_apply  # type: ignore[method-assign]
 Trainer.test_then_train = _failing_step  # type: ignore[method-assign]
+
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of `streamrec train` under torchrun (TorchRec imported)
+    from learner.sharded_trainer import ShardedTrainer
+
+    _sharded_step = ShardedTrainer.test_then_train
+
+    def _failing_sharded_step(self, batch, rows):  # noqa: ANN001, ANN202 - a patch
+        if any(str(i).startswith(POISON) for i in batch.impression_ids):
+            raise RuntimeError("injected fault: training failed on a poison sample")
+        return _sharded_step(self, batch, rows)
+
+    ShardedTrainer.test_then_train = _failing_sharded_step  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     from streamrec.cli import main

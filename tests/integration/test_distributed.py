@@ -383,3 +383,38 @@ def test_two_ranks_calibrate_what_they_serve_like_one_process_and_unshard_it(kaf
     assert plain is not None
     np.testing.assert_allclose(plain["model"]["calibration"].numpy(), [c2["a"], c2["b"]], rtol=1e-6)
     assert plain["calibration"]["rows"] == c2["pairs_fitted"]
+
+
+def test_a_poison_message_on_one_rank_is_dead_lettered_after_poison_after_restarts_and_nothing_else_is_lost(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """The rank whose batch fails strikes its messages and exits; the other rank fails in a collective and strikes
+    nothing; torchrun restarts the group until the poison, trained alone, is dead-lettered."""
+    from tests.integration.test_learner import sample_batch as plain_batch
+    from tests.kafka_io import read_topic
+
+    rows = produce(kafka, messages=16)
+    producer = AckedProducer(kafka)  # partition 1 is rank 1's (p % 2)
+    producer.send(kafka.samples_topic, plain_batch(np.random.default_rng(1), 20, start=0, prefix="poison").encode(),
+                  b"poison", partition=1)
+    for p, n in produce(kafka, messages=16, first=16).items():  # more after it, in every partition
+        rows[p] += n
+    producer.flush()
+    ckpt = tmp_path / "ckpt"
+    cmd = torchrun(2, ckpt, max_restarts=4)
+    cmd[cmd.index("streamrec.cli")] = "tests.fault_hooks"
+    out = subprocess.run(cmd, env=env_for(kafka, STREAMREC_LEARNER_POISON_AFTER="2"), capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stderr.count("each gets a strike") == 2, out.stderr[-4000:]  # one per failed run, by rank 1 only
+    assert "rank 1: training a batch" in out.stderr and "rank 0: training a batch" not in out.stderr
+    dlq = {r.key: {k: v.decode() for k, v in r.headers}
+           for r in read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))}
+    assert set(dlq) == {b"poison"} and dlq[b"poison"]["dlq.kind"] == "poison"
+    assert "injected fault" in dlq[b"poison"]["dlq.reason"]
+    _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert meta["samples_trained"] == sum(rows.values())  # every good sample once, the poison's none
+    assert {int(p): n for p, n in meta["partition_rows"].items()} == rows  # a dead letter's rows are not counted
+    assert {int(p): o for p, o in meta["offsets"].items()} == {0: 8, 1: 9, 2: 8, 3: 8}  # ... but its offset is
+    for p in range(PARTITIONS):  # cleared once dead-lettered; no innocent message kept a strike
+        f = ckpt / f"strikes-{p}.json"
+        assert not f.exists() or not json.loads(f.read_text()), (p, f.read_text())

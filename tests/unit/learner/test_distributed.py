@@ -192,3 +192,13 @@ def test_a_sharded_delta_carries_the_touched_rows_first_d_plus_1_columns_and_the
         if not n.startswith("sparse."):
             assert torch.equal(d.dense_state[n], p.detach().float())
     assert deltas.write(dmp, model, 64) is None  # nothing touched since
+
+
+def test_a_peers_failure_seen_in_a_collective_is_told_apart_from_a_ranks_own_error() -> None:
+    from learner.distributed import is_peer_failure
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4501: "
+                        "Connection reset by peer.")
+    assert is_peer_failure(gloo) and is_peer_failure(dist.DistBackendError("NCCL error: remote process exited"))
+    assert not is_peer_failure(RuntimeError("injected fault: training failed on a poison sample"))
+    assert not is_peer_failure(IndexError("index 7 is out of bounds"))
