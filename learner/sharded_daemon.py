@@ -113,7 +113,8 @@ def check_settings(ls: LearnerSettings) -> None:
     if ls.boost > 0:
         bad.append(f"boost = {ls.boost} (fbgemm's row-wise Adagrad has no boost: set boost = 0)")
     if ls.sparse_optimizer is not SparseOptimizer.ROWWISE_ADAGRAD:
-        bad.append(f"sparse_optimizer = {ls.sparse_optimizer.value} (only rowwise_adagrad is sharded)")
+        bad.append(f"sparse_optimizer = {ls.sparse_optimizer.value} (only rowwise_adagrad is sharded: fbgemm's CPU "
+                   "kernels have no Adam, and its CUDA Adam was not tried here)")
     if ls.accumulation != 1:
         bad.append(f"accumulation = {ls.accumulation} (set 1)")
     if bad:
