@@ -16,6 +16,7 @@ that is pooled (mean) by ``nn.EmbeddingBag`` from ``(values, offsets)``: never a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -89,6 +90,11 @@ class FeatureConfig:
     def blocks(self) -> list[tuple[int, int]]:
         """``(first row, bucket rows)`` of every field's block in the fused table, in field order: a hashed
         value goes to ``first + value mod bucket rows`` (for a dynamic field: while it is not admitted)."""
+        return list(self._blocks)
+
+    @functools.cached_property
+    def _blocks(self) -> tuple[tuple[int, int], ...]:
+        """:attr:`blocks`, computed once (serving asks per request; the config is frozen)."""
         own: dict[str, tuple[int, int]] = {}
         acc = 0
         for f in self.fields:
@@ -100,7 +106,7 @@ class FeatureConfig:
             if f.shares is not None and f.shares not in own:
                 raise ValueError(f"field {f.name!r} shares {f.shares!r}, which is not a field with its own rows")
             out.append(own[f.shares or f.name])
-        return out
+        return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
