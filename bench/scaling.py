@@ -15,6 +15,12 @@ after the run, no cgroup here); the largest table that trains on N ranks and not
 
     python bench/scaling.py                                   # 1 vs 2 ranks, tables of 1 M, 4 M, 12 M rows
     python bench/scaling.py --rows 1000000 12000000 --steps 20 --cap-mib 1100 --rounds 3
+    python bench/scaling.py --rows 1000000 --id-capacity 200000   # dynamic user and item ids (the id maps' cost)
+
+``--id-capacity N``: user and item ids are dynamic (``N`` own rows each beside the buckets, admitted at first
+sight), their ids drawn Zipf(1.1) from 10 N, so ids are admitted and evicted all along; every step maps its batch
+first (one process: ``RowMapper.apply``; N ranks: ``learner/sharded_ids.py``, whose ids of every rank are
+all-gathered and mapped by every rank's replica). The id maps' bytes are printed beside the tables'.
 
 Threads: one process uses all the machine's cores (torch's default), each of N ranks cores / N (torchrun's
 OMP_NUM_THREADS=1 overridden to that), so both use the same cores; the single process is also run on 1 thread
@@ -46,18 +52,28 @@ from learner.features import FeatureConfig, default_config  # noqa: E402
 from learner.model import autocast_dtype  # noqa: E402
 
 
-def config(rows: int) -> FeatureConfig:
-    """user, item (history sharing it) and 3 context fields over about ``rows`` rows."""
-    return default_config({"genres": "multi", "device": "single", "city": "single"}, buckets=rows // 2,
-                          ctx_buckets=1000, embedding_dim=16)
+def config(rows: int, id_capacity: int = 0) -> FeatureConfig:
+    """user, item (history sharing it) and 3 context fields over about ``rows`` rows (``id_capacity`` > 0: user and
+    item ids dynamic, ``id_capacity`` of the rows each their own rows, the rest buckets)."""
+    buckets = max(1000, (rows - 2 * id_capacity) // 2)
+    return default_config({"genres": "multi", "device": "single", "city": "single"}, buckets=buckets,
+                          ctx_buckets=1000, embedding_dim=16, id_capacity=id_capacity)
 
 
-def synthetic(cfg: FeatureConfig, b: int, rng: np.random.Generator) -> TensorBatch:
-    """One batch of ``b`` samples: every field one id (history and genres 3), rows uniform over each block."""
-    values, lengths = [], []
+def synthetic(cfg: FeatureConfig, b: int, rng: np.random.Generator, step: int = 0) -> TensorBatch:
+    """One batch of ``b`` samples: every field one id (history and genres 3), rows uniform over each block; a
+    dynamic field's ids (keys) Zipf(1.1) over 10x its capacity, on their bucket rows until mapped."""
+    values, lengths, keys = [], [], []
     for spec, (first, n) in zip(cfg.fields, cfg.blocks, strict=True):
         k = 3 if spec.kind != "single" else 1
-        values.append(first + rng.integers(0, n, b * k))
+        owner = cfg.owner(spec)
+        if owner.capacity > 0:
+            ids = np.minimum(rng.zipf(1.1, b * k), 10 * owner.capacity).astype(np.int64)
+            keys.append(ids)
+            values.append(first + ids % owner.num_buckets)
+        else:
+            values.append(first + rng.integers(0, n, b * k))
+            keys.append(np.zeros(b * k, np.int64))
         lengths.append(np.full(b, k))
     lens = np.concatenate(lengths)
     offsets = np.zeros(len(lens) + 1, np.int64)
@@ -65,7 +81,7 @@ def synthetic(cfg: FeatureConfig, b: int, rng: np.random.Generator) -> TensorBat
     labels = (rng.random(b) < 0.1).astype(np.float32)
     return TensorBatch(torch.from_numpy(np.concatenate(values)), torch.from_numpy(offsets), torch.zeros((b, 0)),
                        torch.from_numpy(labels), np.array([f"i{k}" for k in range(b)], object),
-                       np.zeros(b, np.int64))
+                       np.full(b, 1000 * step, np.int64), keys=np.concatenate(keys) if cfg.dynamic else None)
 
 
 def rss_peak_mib() -> float:
@@ -73,11 +89,14 @@ def rss_peak_mib() -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    cfg = config(args.rows[0])
+    cfg = config(args.rows[0], args.id_capacity)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     rng = np.random.default_rng(rank)
-    batches = [synthetic(cfg, args.step_rows, rng) for _ in range(8)]
+    n_batches = args.steps + 3 if cfg.dynamic else 8  # mapping rewrites a batch's rows: each batch used once
+    batches = [synthetic(cfg, args.step_rows, rng, i) for i in range(n_batches)]
+    map_bytes = 0
+    map_s = [0.0]  # seconds spent mapping ids (dynamic ids only)
     amp = autocast_dtype(Amp.AUTO, torch.device("cpu"))
     if world == 1:
         from learner.model import DeepFM
@@ -89,7 +108,17 @@ def worker(args: argparse.Namespace) -> None:
         sparse, dense = make_optimizers(model, 0.05, 0.001, initial_accumulator=1e-5)
         trainer = Trainer(model, sparse, dense, metrics=ProgressiveMetrics())
         local_bytes = cfg.num_rows * ((cfg.embedding_dim + 1) * 4 + 4)  # table + row-wise Adagrad's one float
-        step = trainer.test_then_train
+        from learner.row_mapper import RowMapper
+
+        mapper = RowMapper(cfg)
+        map_bytes = sum(m.nbytes() for m in mapper.maps.values())
+
+        def step(b: TensorBatch) -> np.ndarray:
+            if mapper.active:
+                t = time.perf_counter()
+                mapper.apply(b, float(b.ts.max()) / 1000.0, model=model, sparse_opt=sparse)
+                map_s[0] += time.perf_counter() - t
+            return trainer.test_then_train(b)
     else:
         import torch.distributed as dist
 
@@ -107,15 +136,27 @@ def worker(args: argparse.Namespace) -> None:
         local_bytes = sum(s.tensor.numel() * 4 for s in table_weight(dmp).local_shards())
         local_bytes += sum(s.tensor.numel() * 4 for s in fused_state(dmp)["momentum1"].local_shards())
 
+        from learner.row_mapper import RowMapper
+        from learner.sharded_ids import ShardedRowMapper
+        from learner.sharded_model import state_scale
+
+        ids = ShardedRowMapper(RowMapper(cfg), 1e-5 * state_scale(cfg.embedding_dim))
+        map_bytes = sum(m.nbytes() for m in ids.mapper.maps.values())
+
         def step(b: TensorBatch) -> np.ndarray:
+            if ids.active:
+                t = time.perf_counter()
+                ids.apply(b, dmp)
+                map_s[0] += time.perf_counter() - t
             return st.test_then_train(b, len(b))
     for b in batches[:3]:  # warm-up
         step(b)
     if world > 1:
         dist.barrier()
     t0 = time.perf_counter()
+    map_s[0] = 0.0
     for i in range(args.steps):
-        step(batches[i % len(batches)])
+        step(batches[3 + i] if cfg.dynamic else batches[i % len(batches)])
     elapsed = time.perf_counter() - t0
     if world > 1:
         times = [None] * world
@@ -123,7 +164,8 @@ def worker(args: argparse.Namespace) -> None:
         elapsed = max(times)  # type: ignore[type-var]
     out = {"rank": rank, "world": world, "rows": cfg.num_rows, "examples_per_s": world * args.step_rows * args.steps
            / elapsed, "rss_peak_mib": rss_peak_mib(), "table_mib": local_bytes / 2**20,
-           "single_table_mib": cfg.num_rows * ((cfg.embedding_dim + 1) * 4 + 4) / 2**20}
+           "single_table_mib": cfg.num_rows * ((cfg.embedding_dim + 1) * 4 + 4) / 2**20,
+           "id_maps_mib": map_bytes / 2**20, "id_map_ms_per_step": 1000 * map_s[0] / args.steps}
     Path(args.out, f"rank-{rank}.json").write_text(json.dumps(out))  # ranks share stdout: lines would interleave
     if world > 1:
         dist.destroy_process_group()
@@ -132,7 +174,8 @@ def worker(args: argparse.Namespace) -> None:
 def run(ranks: int, args: argparse.Namespace, rows: int, threads: int = 0) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="scaling-"))
     here = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rows", str(rows), "--steps",
-            str(args.steps), "--step-rows", str(args.step_rows), "--threads", str(threads), "--out", str(out)]
+            str(args.steps), "--step-rows", str(args.step_rows), "--threads", str(threads), "--out", str(out),
+            "--id-capacity", str(args.id_capacity)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(MALLOC_TRIM_THRESHOLD_="68719476736", MALLOC_MMAP_THRESHOLD_="33554432")
     cmd = here if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -169,6 +212,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--cap-mib", type=float, default=1400.0, help="peak RSS a process may reach (MiB)")
+    ap.add_argument("--id-capacity", type=int, default=0,
+                    help="own rows per dynamic user and item field (0: static ids); see the module docstring")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -189,7 +234,9 @@ def main() -> None:
         ratio1 = many[0]["examples_per_s"] / o1["examples_per_s"]
         print(f"{o['rows']:>12} {o['single_table_mib']:>9.0f} | {o['examples_per_s']:>11.0f} "
               f"{o1['examples_per_s']:>8.0f} {o['rss_peak_mib']:>8.0f} | {many[0]['examples_per_s']:>11.0f}  "
-              f"{ratio:>5.2f}  {ratio1:>14.2f}  {tables:>18}  {rss:>16}")
+              f"{ratio:>5.2f}  {ratio1:>14.2f}  {tables:>18}  {rss:>16}"
+              + (f"  id maps {o['id_maps_mib']:.0f} MiB per process, mapping ms/step {o['id_map_ms_per_step']:.1f} "
+                 f"(1 proc) {many[0]['id_map_ms_per_step']:.1f} (rank 0)" if args.id_capacity else ""))
         if o["rss_peak_mib"] > args.cap_mib and all(r["rss_peak_mib"] <= args.cap_mib for r in many):
             largest = o["rows"]
     print(f"largest table that trains on {args.ranks} ranks but not on 1 under {args.cap_mib:.0f} MiB per process: "

@@ -9,14 +9,18 @@ result. The row changes the maps decide are applied where the rows live:
 * optimizer state of rows evicted or handed to a new id: fbgemm's row-wise sum set back to its starting value on
   the rank holding the row (``sharded_model.fused_state``);
 * bucket decay (``bucket_half_life_s``): the rank holding a bucket row scales it;
-* a newly admitted row starts as its bucket's vector (``init = "bucket"``): the bucket rows are gathered with one
-  all-reduce (each row lives on exactly one rank, the others add zeros), then the rank holding the new row writes
-  it; ``init = "zero"`` needs no exchange.
+* a newly admitted row starts as its bucket's vector (``init = "bucket"``): the bucket rows of every field are
+  gathered with one all-reduce per round (each row lives on exactly one rank, the others add zeros), then the rank
+  holding the new row writes it; ``init = "zero"`` needs no exchange.
 
 The semantics are the single-process ones (module docstring of ``learner/id_map.py``), with the round, not the
 DataLoader batch, as the unit of one lookup call. Checkpoints store the map once (rank 0's ``rank-0.pt``);
 every rank loads it, whatever the world size, so resharding needs nothing more, and the unshard to one process
 carries it (the refresh job's artifact maps ids like the learner).
+
+Cost: two collectives per round (the keys' all-gather and, when a row was admitted from its bucket, the
+all-reduce), each a few milliseconds on a loaded 2-core machine, where both ranks must be scheduled to finish one
+(``bench/scaling.py --id-capacity``; bench/README.md).
 
 Known limit: the maps are replicated, not sharded: each rank holds every field's whole map (``IdMap.nbytes``:
 about 180 bytes per own row at capacity 1 M, against the row's 4 * W bytes on its one rank). TorchRec's
@@ -69,6 +73,7 @@ class ShardedRowMapper:
         keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(slots))]  # (sum n_r,) per field
         results, stats = self.mapper.lookup(keys, self.now, train=True)
         values = tb.values.numpy()  # shares memory with the tensor: written in place
+        changed = []
         for j, ((_, owner, first, own_field), (s, e), res) in enumerate(zip(slots, spans, results, strict=True)):
             if res is None:
                 continue
@@ -76,7 +81,8 @@ class ShardedRowMapper:
             if e > s:
                 values[s:e] = first + res.rows[before:before + e - s]
             if own_field:
-                self._apply_rows(owner, first, res, dmp)
+                changed.append((owner, first, res))
+        self._apply_rows(changed, dmp)
         return stats
 
     def decay_idle(self, dmp: Any) -> None:
@@ -84,9 +90,10 @@ class ShardedRowMapper:
         call on every rank, so the replicas stay equal)."""
         if self.now == float("-inf"):
             return
+        local = self._local(dmp)
         for _, owner, first, own_field in self.mapper.slots:
             if own_field:
-                self._decay(first, self.mapper.maps[owner].decay_idle_buckets(self.now), dmp)
+                self._decay(first, self.mapper.maps[owner].decay_idle_buckets(self.now), local)
 
     # -- the rows, where they live ---------------------------------------------------------------------------
     @staticmethod
@@ -100,38 +107,46 @@ class ShardedRowMapper:
         return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in fused_state(dmp)["momentum1"].local_shards()]
 
     @torch.no_grad()
-    def _apply_rows(self, owner: str, first: int, res: LookupResult, dmp: Any) -> None:
-        reset = first + np.concatenate([res.evicted_rows, res.admitted_rows])  # global rows
-        if reset.size:
+    def _apply_rows(self, changed: list[tuple[str, int, LookupResult]], dmp: Any) -> None:
+        """The row changes of one round's lookups (``(owner, first row, result)`` per field that trains its map),
+        the same list on every rank: resets, decay, then the admitted rows' starting vectors with ONE all-reduce
+        for all fields (entered by every rank or none: whether any row is admitted is the same everywhere)."""
+        if not changed:
+            return
+        local = self._local(dmp)
+        reset = np.concatenate([first + np.concatenate([r.evicted_rows, r.admitted_rows]) for _, first, r in changed])
+        if reset.size:  # (R,) global rows handed out or freed: their row-wise sums start again
             for start, sums in self._state(dmp):
                 here = reset[(reset >= start) & (reset < start + len(sums))]
                 sums[torch.from_numpy(here - start)] = self.initial_sum
-        self._decay(first, res, dmp)  # before the copy: an admitted row starts from what its bucket serves now
-        if not res.admitted_rows.size:
+        for _, first, res in changed:  # before the copies: an admitted row starts from what its bucket serves now
+            self._decay(first, res, local)
+        admitted = [(owner, first, r) for owner, first, r in changed if r.admitted_rows.size]
+        if not admitted:
             return
-        dst = first + res.admitted_rows  # (A,) global
-        local = self._local(dmp)
+        dst = np.concatenate([first + r.admitted_rows for _, first, r in admitted])  # (A,) global
         width = local[0][1].shape[1]
-        if self.mapper.maps[owner].init == "bucket":
-            src = first + res.admitted_from_bucket  # (A,) global bucket rows
-            vectors = torch.zeros(len(src), width)  # (A, W): each bucket row from the one rank holding it
-            for start, rows in local:
-                sel = (src >= start) & (src < start + len(rows))
+        vectors = torch.zeros(len(dst), width)  # (A, W): the bucket's vector, or zeros (init = "zero")
+        from_bucket = np.concatenate([np.full(len(r.admitted_rows), self.mapper.maps[o].init == "bucket")
+                                      for o, _, r in admitted])  # (A,)
+        if from_bucket.any():
+            src = np.concatenate([first + r.admitted_from_bucket for _, first, r in admitted])  # (A,) global
+            for start, rows in local:  # each bucket row from the one rank holding it, the others add zeros
+                sel = from_bucket & (src >= start) & (src < start + len(rows))
                 vectors[torch.from_numpy(sel)] = rows[torch.from_numpy(src[sel] - start)].float().cpu()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(vectors)
-        else:
-            vectors = torch.zeros(len(dst), width)
         for start, rows in local:
             sel = (dst >= start) & (dst < start + len(rows))
             if sel.any():
                 rows[torch.from_numpy(dst[sel] - start)] = vectors[torch.from_numpy(sel)].to(rows.device, rows.dtype)
 
-    def _decay(self, first: int, res: LookupResult, dmp: Any) -> None:
+    @staticmethod
+    def _decay(first: int, res: LookupResult, local: list[tuple[int, torch.Tensor]]) -> None:
         if not res.decayed_buckets.size:
             return
         rows_g = first + res.decayed_buckets  # (D,) global
-        for start, rows in self._local(dmp):
+        for start, rows in local:
             sel = (rows_g >= start) & (rows_g < start + len(rows))
             if sel.any():
                 factor = torch.from_numpy(res.decay[sel]).to(rows.device, rows.dtype).unsqueeze(1)  # (d, 1)
