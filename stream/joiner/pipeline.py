@@ -72,6 +72,7 @@ _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpres
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
 _TS_OF = attrgetter("ts")  # of an event or a Pending
 _PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a Pending
+_LABEL, _KIND = attrgetter("label"), attrgetter("kind")  # of a Sample
 Event = Impression | Click | BadMessage  # a record's event, or why it is bad
 
 
@@ -533,10 +534,10 @@ class JoinPipeline:
     def _account(self, res: BatchResult) -> None:
         c = self.totals.counts
         c.update(res.stats)
-        positives = sum(s.label for s in res.samples)
+        positives = sum(map(_LABEL, res.samples))  # C-level passes: one per sample of the batch
         c["samples"] += len(res.samples)
         c["positives"] += positives
-        c["delayed_positives"] += sum(1 for s in res.samples if s.kind == DELAYED_POSITIVE)
+        c["delayed_positives"] += list(map(_KIND, res.samples)).count(DELAYED_POSITIVE)
         c["pending_impressions"] = sum(len(e.pending) for e in self.engines.values())
         m.record(res, positives, self.engines, c)
 
