@@ -49,6 +49,7 @@ from itertools import groupby
 from operator import attrgetter
 from typing import Any, cast
 
+from faust import __version__ as faust_version
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, AppT
@@ -65,6 +66,10 @@ _TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
 _OFFSET = attrgetter("offset")
 _SHORT_POLL_S = 0.05  # one fetch in a backlog or while an input is paused: how long a batch in hand waits for more
 _IDLE_POLL_S = 1.0  # one fetch with nothing in hand (faust's own getmany timeout)
+# What BatchConsumer uses of faust's Consumer beyond its public interface (faust-streaming 0.15.3, the version
+# pyproject.toml allows): a faust that moved any of it fails at start, not in a batch.
+_FAUST_INTERNALS = ("_drain_messages", "_wait_next_records", "_get_active_partitions", "_add_gap", "_committed_offset",
+                    "_acked", "_acked_index", "_read_offset", "_n_acked", "_waiting_for_ack")
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,11 @@ class BatchConsumer(faust_aiokafka.Consumer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        missing = [name for name in _FAUST_INTERNALS if not hasattr(self, name)]
+        if missing:
+            raise RuntimeError(f"faust-streaming {faust_version} lacks {', '.join(missing)}, which the faust join "
+                               "driver's batch delivery replaces or reads (stream/joiner/faust_delivery.py; tested "
+                               "on 0.15.3): install faust-streaming 0.15.x or run `streamrec join --driver kafka`")
         self._carry: list[Record] = []  # fetched past the last batch's max_records: the start of the next one
         self._carry_generation = 0  # the group generation in which they were fetched
 
