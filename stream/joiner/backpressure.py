@@ -180,12 +180,7 @@ class InputGate:
                 if self._ahead(kind, d, n, resuming=False) and behind(other, p):
                     pause.add((kind, p))
         self.paused = still | pause
-        for kind, p in pause:
-            self.pauses[kind] += 1
-            PAUSES.labels(kind).inc()
-            PAUSED.labels(kind, str(p)).set(1)
-        for kind, p in resume:
-            PAUSED.labels(kind, str(p)).set(0)
+        self.count(pause, resume)
         return pause, resume
 
     def count(self, pause: set[Key], resume: set[Key]) -> None:

@@ -85,6 +85,20 @@ def last_json(stdout: str) -> dict:
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
+def one_process_and_two_ranks(env: dict[str, str], tmp_path: Path) -> tuple[dict, dict]:
+    """The summaries of one process (checkpoints in tmp_path/one) and of 2 ranks (tmp_path/two) trained on the same
+    stream at the same global step: 2 ranks x 50 rows against 1 x 100 (the loss is each rank's mean, DDP averages
+    the dense gradients, row-wise Adagrad's step does not depend on the gradient's scale)."""
+    one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
+                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run(torchrun(2, tmp_path / "two", "--step-rows", "50"), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    return last_json(one.stdout), last_json(two.stdout)
+
+
 def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_a_served_artifact(
         kafka: KafkaSettings, stack: LocalStack, tmp_path: Path) -> None:
     rows = produce(kafka, messages=MESSAGES // 2)  # the first half; the second after the kill
@@ -168,16 +182,7 @@ def test_two_ranks_with_dynamic_ids_reach_the_progressive_auc_and_id_maps_of_one
     producer.flush()
     env = env_for(kafka, STREAMREC_LEARNER_ID_CAPACITY="400", STREAMREC_LEARNER_BUCKETS="50",
                   STREAMREC_LEARNER_INIT_BIAS="true")
-    one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
-                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    # the same global step: 2 ranks x 50 rows against 1 x 100 (the loss is each rank's mean, DDP averages the
-    # dense gradients, row-wise Adagrad's step does not depend on the gradient's scale)
-    two = subprocess.run(torchrun(2, tmp_path / "two", "--step-rows", "50"), env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    s1, s2 = last_json(one.stdout), last_json(two.stdout)
+    s1, s2 = one_process_and_two_ranks(env, tmp_path)
     assert s1["samples_trained"] == s2["samples_trained"] == sum(rows.values())
     assert s2["metrics"]["samples"] == sum(rows.values())  # the progressive metrics of both ranks, aggregated
     auc1, auc2 = s1["metrics"]["auc"], s2["metrics"]["auc"]
@@ -360,14 +365,8 @@ def test_two_ranks_calibrate_what_they_serve_like_one_process_and_unshard_it(kaf
                           partition=p)
     producer.flush()
     env = env_for(kafka, STREAMREC_LEARNER_ONLINE_CALIBRATION="true")
-    one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
-                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run(torchrun(2, tmp_path / "two", "--step-rows", "50"), env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    c1, c2 = last_json(one.stdout)["calibration"], last_json(two.stdout)["calibration"]
+    s1, s2 = one_process_and_two_ranks(env, tmp_path)
+    c1, c2 = s1["calibration"], s2["calibration"]
     print(f"calibration: 1 process {c1}, 2 ranks {c2}")
     # the impressions between the 300 s warm-up and 300 s before the end are fitted, the rest wait: the same
     # share on 2 ranks (rank 0 fits all ranks' rows), and a fit away from the identity near one process's
