@@ -171,6 +171,10 @@ class OnlineCalibration:
         """``(a, b)`` as the model's ``calibration`` buffer holds them, shape ``(2,)``."""
         return torch.tensor([self.a, self.b], dtype=torch.float32)
 
+    def summary(self) -> dict[str, Any]:
+        """What a run's summary shows: the served ``(a, b)``, the pairs fitted so far and those waiting to mature."""
+        return {"a": self.a, "b": self.b, "pairs_fitted": self.rows, "pending": self.pending}
+
     def state_dict(self) -> dict[str, Any]:
         cols = list(zip(*self.chunks, strict=True)) or [[np.zeros(0, object)], [np.zeros(0)], [np.zeros(0, np.int64)],
                                                          [np.zeros(0)]]

@@ -84,6 +84,7 @@ from learner.distributed import (
     RankContext,
     all_gather_objects,
     broadcast_object,
+    gather_objects,
     is_peer_failure,
     partitions_of,
 )
@@ -449,25 +450,24 @@ class ShardedLearner:
             CALIBRATION_SHIFT.set(self.calibration.b)
 
     def _record_round(self, kept: TensorBatch, probs: np.ndarray, logits: np.ndarray,
-                           partitions: np.ndarray | None) -> None:
+                      partitions: np.ndarray | None) -> None:
+        """Collective: the round's rows of every rank to rank 0, into its quality metrics and calibration."""
         cfg = self.cfg
-        assert cfg is not None and self.model is not None
+        assert cfg is not None
         n = len(kept)
         mine = {"ids": kept.impression_ids, "ts": kept.ts, "labels": kept.labels.numpy(), "probs": probs,
                 "logits": logits,
                 "kinds": kept.kinds if kept.kinds is not None else np.zeros(n, np.int8),  # None: all FINAL
                 "delay": kept.label_delay_ms, "partitions": partitions,
                 "users": user_keys(kept, cfg) if n else np.zeros(0, np.int64)}
-        parts = all_gather_objects(mine)
-        if not sum(len(p["labels"]) for p in parts):
+        parts = gather_objects(mine)  # on rank 0; None on the others
+        if parts is None or not sum(len(p["labels"]) for p in parts):
             return
 
         def cat(key: str) -> np.ndarray | None:  # (sum B'_r,) in rank order; None if any rank lacks it
             got = [p[key] for p in parts]
             return None if any(g is None for g in got) else np.concatenate(got)
 
-        if self.ctx.rank != 0:
-            return
         labels, kinds, ts, delay = cat("labels"), cat("kinds"), cat("ts"), cat("delay")
         assert labels is not None and kinds is not None and ts is not None
         kinds_or_none = kinds if kinds.any() else None  # as TensorBatch: None when every row is FINAL
@@ -520,8 +520,7 @@ class ShardedLearner:
             "metrics": metrics.summary() if tr else {},
             "id_maps": self.ids.mapper.stats() if self.ids is not None else {},
             "base_rate_bias": self.bias.summary() if self.bias is not None else None,
-            "calibration": ({"a": self.calibration.a, "b": self.calibration.b, "pairs_fitted": self.calibration.rows,
-                             "pending": self.calibration.pending} if self.calibration is not None else None),
+            "calibration": self.calibration.summary() if self.calibration is not None else None,
             **(self.quality.summary() if self.ctx.rank == 0 else {}),
             "device": str(self.device), "sharding": "row-wise (TorchRec DMP), dense part DDP",
             "checkpoint_dir": str(self.ls.checkpoint_dir),
