@@ -29,7 +29,11 @@ Dd dense features.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,6 +118,40 @@ def shard(model: ShardedDeepFM, world_size: int, device: torch.device, lr: float
     """``model`` (its table on the meta device) as a DMP: the table row-wise over ``world_size`` ranks with fused
     row-wise Adagrad (hyperparameters rescaled to the single-process update, module docstring), the dense part
     in DDP; the local rows drawn deterministically from ``seed`` (:func:`init_local_rows`)."""
+    with _torchrec_advice_quiet():
+        dmp = _plan_and_wrap(model, world_size, device, lr, eps)
+    init_local_rows(dmp, model.cfg.embedding_dim, seed)
+    c = state_scale(model.cfg.embedding_dim)
+    for t in fused_state(dmp).values():  # fbgemm starts the sums at 0; ours at initial_accumulator
+        for s in t.local_shards():
+            s.tensor.fill_(initial_accumulator * c)
+    return dmp
+
+
+# TorchRec 1.8 advises, on every rank at every start, about its own planner and DDP internals (how its Topology was
+# built, its storage estimate in dry runs, a DDP argument it passes itself): nothing a streamrec user can act on.
+_TORCHREC_ADVICE_LOGGERS = ("torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations")
+
+
+@contextlib.contextmanager
+def _torchrec_advice_quiet() -> Iterator[None]:
+    """TorchRec's FutureWarnings and its planner's advice warnings silenced while the model is planned and wrapped."""
+    loggers = [logging.getLogger(name) for name in _TORCHREC_ADVICE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+
+
+def _plan_and_wrap(model: ShardedDeepFM, world_size: int, device: torch.device, lr: float,
+                   eps: float) -> DistributedModelParallel:
+    """The planner told row-wise for the table, its plan agreed by every rank, and the model wrapped in a DMP."""
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
@@ -124,12 +162,7 @@ def shard(model: ShardedDeepFM, world_size: int, device: torch.device, lr: float
         topology=Topology(world_size=world_size, compute_device=device.type),
         constraints={TABLE: ParameterConstraints(sharding_types=[ShardingType.ROW_WISE.value])})
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
-    init_local_rows(dmp, model.cfg.embedding_dim, seed)
-    for t in fused_state(dmp).values():  # fbgemm starts the sums at 0; ours at initial_accumulator
-        for s in t.local_shards():
-            s.tensor.fill_(initial_accumulator * c)
-    return dmp
+    return DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
 
 
 def state_scale(dim: int) -> float:

@@ -202,3 +202,21 @@ def test_a_peers_failure_seen_in_a_collective_is_told_apart_from_a_ranks_own_err
     assert is_peer_failure(gloo) and is_peer_failure(dist.DistBackendError("NCCL error: remote process exited"))
     assert not is_peer_failure(RuntimeError("injected fault: training failed on a poison sample"))
     assert not is_peer_failure(IndexError("index 7 is out of bounds"))
+
+
+def test_building_the_sharded_model_prints_none_of_torchrecs_advice_about_its_own_internals(
+        one_rank_group: None, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import warnings
+
+    from learner.sharded_model import _TORCHREC_ADVICE_LOGGERS, ShardedDeepFM, shard
+
+    cfg = default_config({"genres": "multi"}, buckets=300, ctx_buckets=50, embedding_dim=8)
+    levels = [logging.getLogger(n).level for n in _TORCHREC_ADVICE_LOGGERS]
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        shard(ShardedDeepFM(cfg, (16,), 0.0, 1, None, table_device=torch.device("meta")), 1, torch.device("cpu"),
+              0.05, 1e-8, 1e-5, seed=1)
+    assert not [w for w in seen if issubclass(w.category, FutureWarning) and "torchrec" in w.filename]
+    assert not [r for r in caplog.records if r.name.startswith("torchrec")]
+    assert [logging.getLogger(n).level for n in _TORCHREC_ADVICE_LOGGERS] == levels  # put back as they were
