@@ -6,13 +6,15 @@ optimizers (``optim.py``) and their update fused into the lookup's backward (``f
 monitors (``health.py``: memory, gradient and update norms, coverage), dynamic ids and cold start (``id_map.py``,
 ``row_mapper.py``, ``cold_start.py``), test-then-train and progressive metrics (``trainer.py``,
 ``progressive.py``), delayed feedback's weights and base-rate bias (``delayed.py``), served quality
-(``served.py``), the served logit's online calibration (``calibration.py``), the Kafka dataset
+(``served.py``) and the cold/warm and served-quality metrics both daemons keep (``quality.py``), the served logit's
+online calibration (``calibration.py``), the Kafka dataset
 (``kafka_dataset.py``), checkpoints and deltas (``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the serving
 artifact's format, build and readers (``artifact.py``) with its scorer module (``scorer.py``), the scorer's files
 in each format (``scorer_files.py``; the ONNX Runtime scorer in ``onnx_scorer.py``), the daemon (``daemon.py``) and
 the offline and online evaluation (``evaluation/``). The distributed mode (``torchrun``, ``WORLD_SIZE > 1``): the
 ranks' process group, partition split and lock-step collectives (``distributed.py``), the TorchRec row-wise sharded
-model (``sharded_model.py``), its training step (``sharded_trainer.py``), DCP checkpoints and the reshard to one
+model (``sharded_model.py``), its training step (``sharded_trainer.py``), dynamic ids on N ranks
+(``sharded_ids.py``), serving deltas from N ranks (``sharded_deltas.py``), DCP checkpoints and the reshard to one
 process (``sharded_checkpoint.py``) and its daemon (``sharded_daemon.py``); only these import TorchRec.
 
 May import: ``stream/`` and third-party libraries; never ``cache_refresh/``, ``serving/`` or
