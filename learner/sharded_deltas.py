@@ -36,7 +36,7 @@ from torch import nn
 from learner.calibration import identity
 from learner.deltas import DeltaWriter, dense_weights
 from learner.distributed import all_gather_objects, gather_objects
-from learner.sharded_model import table_weight
+from learner.sharded_model import local_pieces, table_weight
 from stream.config import RedisSettings
 
 log = logging.getLogger("streamrec.deltas")
@@ -112,9 +112,7 @@ class ShardedDeltas:
         self._last = self.clock()
         union = self._exchange()
         rows, vectors = [], []
-        for shard in table_weight(dmp).local_shards():
-            start = int(shard.metadata.shard_offsets[0])
-            local = shard.tensor  # (rows on this rank, W)
+        for start, local in local_pieces(table_weight(dmp)):  # local: (rows on this rank, W)
             picked = rows_in_shard(union, start, start + local.shape[0])  # (r,)
             idx = torch.from_numpy(picked - start).to(local.device)
             rows.append(picked)

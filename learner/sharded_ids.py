@@ -40,7 +40,12 @@ from learner.batch import TensorBatch
 from learner.distributed import all_gather_objects
 from learner.id_map import LookupResult
 from learner.row_mapper import MapStats, RowMapper
-from learner.sharded_model import fused_state, table_weight
+from learner.sharded_model import fused_state, local_pieces, table_weight
+
+
+def _within(rows: np.ndarray, start: int, local: torch.Tensor) -> np.ndarray:
+    """(n,) bool: which global ``rows`` lie in the local shard that starts at ``start`` and holds ``local``."""
+    return (rows >= start) & (rows < start + len(local))
 
 
 class ShardedRowMapper:
@@ -90,22 +95,12 @@ class ShardedRowMapper:
         call on every rank, so the replicas stay equal)."""
         if self.now == float("-inf"):
             return
-        local = self._local(dmp)
+        local = local_pieces(table_weight(dmp))
         for _, owner, first, own_field in self.mapper.slots:
             if own_field:
                 self._decay(first, self.mapper.maps[owner].decay_idle_buckets(self.now), local)
 
     # -- the rows, where they live ---------------------------------------------------------------------------
-    @staticmethod
-    def _local(dmp: Any) -> list[tuple[int, torch.Tensor]]:
-        """(first global row, local rows (R, W)) of each of this rank's table shards."""
-        return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in table_weight(dmp).local_shards()]
-
-    @staticmethod
-    def _state(dmp: Any) -> list[tuple[int, torch.Tensor]]:
-        """(first global row, local row-wise sums (R,)) of this rank's optimizer state shards."""
-        return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in fused_state(dmp)["momentum1"].local_shards()]
-
     @torch.no_grad()
     def _apply_rows(self, changed: list[tuple[str, int, LookupResult]], dmp: Any) -> None:
         """The row changes of one round's lookups (``(owner, first row, result)`` per field that trains its map),
@@ -113,12 +108,11 @@ class ShardedRowMapper:
         for all fields (entered by every rank or none: whether any row is admitted is the same everywhere)."""
         if not changed:
             return
-        local = self._local(dmp)
+        local = local_pieces(table_weight(dmp))  # (first global row, rows (R, W)) per local shard
         reset = np.concatenate([first + np.concatenate([r.evicted_rows, r.admitted_rows]) for _, first, r in changed])
         if reset.size:  # (R,) global rows handed out or freed: their row-wise sums start again
-            for start, sums in self._state(dmp):
-                here = reset[(reset >= start) & (reset < start + len(sums))]
-                sums[torch.from_numpy(here - start)] = self.initial_sum
+            for start, sums in local_pieces(fused_state(dmp)["momentum1"]):
+                sums[torch.from_numpy(reset[_within(reset, start, sums)] - start)] = self.initial_sum
         for _, first, res in changed:  # before the copies: an admitted row starts from what its bucket serves now
             self._decay(first, res, local)
         admitted = [(owner, first, r) for owner, first, r in changed if r.admitted_rows.size]
@@ -132,12 +126,12 @@ class ShardedRowMapper:
         if from_bucket.any():
             src = np.concatenate([first + r.admitted_from_bucket for _, first, r in admitted])  # (A,) global
             for start, rows in local:  # each bucket row from the one rank holding it, the others add zeros
-                sel = from_bucket & (src >= start) & (src < start + len(rows))
+                sel = from_bucket & _within(src, start, rows)
                 vectors[torch.from_numpy(sel)] = rows[torch.from_numpy(src[sel] - start)].float().cpu()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(vectors)
         for start, rows in local:
-            sel = (dst >= start) & (dst < start + len(rows))
+            sel = _within(dst, start, rows)
             if sel.any():
                 rows[torch.from_numpy(dst[sel] - start)] = vectors[torch.from_numpy(sel)].to(rows.device, rows.dtype)
 
@@ -147,7 +141,7 @@ class ShardedRowMapper:
             return
         rows_g = first + res.decayed_buckets  # (D,) global
         for start, rows in local:
-            sel = (rows_g >= start) & (rows_g < start + len(rows))
+            sel = _within(rows_g, start, rows)
             if sel.any():
                 factor = torch.from_numpy(res.decay[sel]).to(rows.device, rows.dtype).unsqueeze(1)  # (d, 1)
                 rows[torch.from_numpy(rows_g[sel] - start)] *= factor

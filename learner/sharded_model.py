@@ -123,8 +123,8 @@ def shard(model: ShardedDeepFM, world_size: int, device: torch.device, lr: float
     init_local_rows(dmp, model.cfg.embedding_dim, seed)
     c = state_scale(model.cfg.embedding_dim)
     for t in fused_state(dmp).values():  # fbgemm starts the sums at 0; ours at initial_accumulator
-        for s in t.local_shards():
-            s.tensor.fill_(initial_accumulator * c)
+        for _, sums in local_pieces(t):
+            sums.fill_(initial_accumulator * c)
     return dmp
 
 
@@ -175,6 +175,12 @@ def table_weight(dmp: DistributedModelParallel) -> Any:
     return dmp.state_dict()[TABLE_KEY]
 
 
+def local_pieces(sharded: Any) -> list[tuple[int, torch.Tensor]]:
+    """(first global row, this rank's rows) of each local shard of a row-wise ``ShardedTensor`` (the table: rows
+    (R, W); a row-wise state: (R,)); the tensors are views, written in place."""
+    return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in sharded.local_shards()]
+
+
 def fused_state(dmp: DistributedModelParallel) -> dict[str, Any]:
     """The fused optimizer's state: ``{"momentum1": ShardedTensor (num_rows,)}`` (fbgemm's row-wise sums)."""
     state = dmp.fused_optimizer.state_dict()["state"][TABLE_KEY]
@@ -186,9 +192,7 @@ def init_local_rows(dmp: DistributedModelParallel, dim: int, seed: int) -> None:
     """Rows N(0, 0.01), first-order weights and padding 0, drawn per chunk of ``INIT_CHUNK_ROWS`` rows from a
     generator seeded with ``(seed, chunk)``: the same table whatever the world size, each rank drawing only the
     chunks that overlap its rows."""
-    for shard_ in table_weight(dmp).local_shards():
-        start = int(shard_.metadata.shard_offsets[0])
-        local = shard_.tensor  # (rows on this rank, W)
+    for start, local in local_pieces(table_weight(dmp)):  # local: (rows on this rank, W)
         end = start + local.shape[0]
         for chunk in range(start // INIT_CHUNK_ROWS, -(-end // INIT_CHUNK_ROWS)):
             c0 = chunk * INIT_CHUNK_ROWS

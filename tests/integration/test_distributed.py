@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from learner import sharded_checkpoint
-from learner.checkpoint import load_latest
+from learner.checkpoint import Checkpoint, load_latest
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
@@ -85,6 +85,16 @@ def last_json(stdout: str) -> dict:
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
+def unshard(src: Path, dst: Path, env: dict[str, str]) -> Checkpoint:
+    """``streamrec train --unshard``: the newest sharded checkpoint of ``src`` as a single-process one in ``dst``."""
+    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(src), "--unshard",
+                         str(dst), "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert un.returncode == 0, un.stderr[-3000:]
+    plain = load_latest(dst)
+    assert plain is not None
+    return plain
+
+
 def one_process_and_two_ranks(env: dict[str, str], tmp_path: Path) -> tuple[dict, dict]:
     """The summaries of one process (checkpoints in tmp_path/one) and of 2 ranks (tmp_path/two) trained on the same
     stream at the same global step: 2 ranks x 50 rows against 1 x 100 (the loss is each rank's mean, DDP averages
@@ -148,11 +158,8 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
 
     # reshard 2 -> 1: a single-process checkpoint the refresh job builds and validates an artifact from
     single = tmp_path / "single"
-    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--unshard",
-                         str(single), "--json"], env=env_for(kafka), capture_output=True, text=True, timeout=120)
-    assert un.returncode == 0, un.stderr[-3000:]
-    plain = load_latest(single)
-    assert plain is not None and plain.samples_trained == sum(rows.values())
+    plain = unshard(ckpt, single, env_for(kafka))
+    assert plain.samples_trained == sum(rows.values())
     assert plain.offsets == {p: MESSAGES // PARTITIONS for p in rows}
     publish = tmp_path / "publish"
     ref = subprocess.run([sys.executable, "-m", "streamrec.cli", "refresh", "--now", "--checkpoint-dir", str(single),
@@ -203,12 +210,7 @@ def test_two_ranks_with_dynamic_ids_reach_the_progressive_auc_and_id_maps_of_one
     assert s2["served"]["all"]["impressions"] == s1["served"]["all"]["impressions"] == sum(rows.values())
     assert abs(s2["served"]["all"]["auc"] - s1["served"]["all"]["auc"]) <= 0.02
     # the reshard to one process carries the maps: every user maps to its own, trained row
-    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "two"),
-                         "--unshard", str(tmp_path / "single"), "--json"], env=env, capture_output=True, text=True,
-                        timeout=120)
-    assert un.returncode == 0, un.stderr[-3000:]
-    plain = load_latest(tmp_path / "single")
-    assert plain is not None
+    plain = unshard(tmp_path / "two", tmp_path / "single", env)
     from learner.row_mapper import RowMapper
     cfg = plain.feature_config
     mapper = RowMapper.from_state(cfg, plain["id_maps"])
@@ -241,9 +243,7 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_then_in_one_process_traini
     assert all(n > 0 for n in last_json(three.stdout)["samples_per_rank"])  # every rank of three trained
     # 3 -> 1: the unsharded checkpoint resumes in a single-process learner at its offsets
     single = tmp_path / "single"
-    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--unshard",
-                         str(single)], env=env_for(kafka), capture_output=True, text=True, timeout=120)
-    assert un.returncode == 0, un.stderr[-3000:]
+    unshard(ckpt, single, env_for(kafka))
     for p, n in produce(kafka, messages=PARTITIONS * 2, first=MESSAGES).items():
         rows[p] += n
     one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(single),
@@ -374,12 +374,7 @@ def test_two_ranks_calibrate_what_they_serve_like_one_process_and_unshard_it(kaf
     assert (c2["a"], c2["b"]) != (1.0, 0.0)
     assert abs(c1["a"] - c2["a"]) < 0.2 and abs(c1["b"] - c2["b"]) < 0.2, (c1, c2)
     # the reshard to one process serves the fitted (a, b), and a single-process restart keeps fitting from it
-    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "two"),
-                         "--unshard", str(tmp_path / "single"), "--json"], env=env, capture_output=True, text=True,
-                        timeout=120)
-    assert un.returncode == 0, un.stderr[-3000:]
-    plain = load_latest(tmp_path / "single")
-    assert plain is not None
+    plain = unshard(tmp_path / "two", tmp_path / "single", env)
     np.testing.assert_allclose(plain["model"]["calibration"].numpy(), [c2["a"], c2["b"]], rtol=1e-6)
     assert plain["calibration"]["rows"] == c2["pairs_fitted"]
 

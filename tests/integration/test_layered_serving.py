@@ -113,6 +113,17 @@ def store_of(stack: LocalStack, prefix: str, cache_rows: int = 1000, metrics: An
                                cache_rows=cache_rows, metrics=metrics)
 
 
+def assert_load_refused(stack: LocalStack, prefix: str, path: Path, match: str) -> None:
+    """Loading ``path`` in layered mode raises an ArtifactError matching ``match``."""
+    from learner.artifact import ArtifactError
+    store = store_of(stack, prefix)
+    try:
+        with pytest.raises(ArtifactError, match=match):
+            ScoringModel.load(path, store=store)
+    finally:
+        store.client.close()
+
+
 # -- scores ------------------------------------------------------------------------------------------------------
 def test_layered_scores_equal_in_process_scores_for_float32_rows(stack: LocalStack, redis_client: redis.Redis,
                                                                  prefix: str, tmp_path: Path) -> None:
@@ -168,14 +179,8 @@ def test_float16_rows_move_scores_by_at_most_the_stated_tolerance(stack: LocalSt
 
 def test_a_version_missing_from_the_store_is_refused_at_load(stack: LocalStack, redis_client: redis.Redis,
                                                              prefix: str, tmp_path: Path) -> None:
-    from learner.artifact import ArtifactError
     path = publish(tmp_path, build_artifact(checkpoint(), tmp_path, HOT, version="v9"), keep=10)
-    store = store_of(stack, prefix)
-    try:
-        with pytest.raises(ArtifactError, match="embedding store has no rows of version v9"):
-            ScoringModel.load(path, store=store)
-    finally:
-        store.client.close()
+    assert_load_refused(stack, prefix, path, "embedding store has no rows of version v9")
 
 
 # -- round trips and the LRU ---------------------------------------------------------------------------------
@@ -562,15 +567,9 @@ def test_a_garbage_meta_read_after_load_falls_back_instead_of_failing_the_reques
 
 def test_a_garbage_meta_at_load_is_an_artifact_error_naming_it(stack: LocalStack, redis_client: redis.Redis,
                                                                prefix: str, tmp_path: Path) -> None:
-    from learner.artifact import ArtifactError
     path = publish_version(tmp_path, redis_client, prefix)
     redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")
-    store = store_of(stack, prefix)
-    try:
-        with pytest.raises(ArtifactError, match="do not fit the artifact"):
-            ScoringModel.load(path, store=store)
-    finally:
-        store.client.close()
+    assert_load_refused(stack, prefix, path, "do not fit the artifact")
 
 
 def test_non_finite_rows_in_redis_are_not_served_nor_cached(stack: LocalStack, redis_client: redis.Redis,
