@@ -19,8 +19,9 @@ after the run, no cgroup here); the largest table that trains on N ranks and not
 
 ``--id-capacity N``: user and item ids are dynamic (``N`` own rows each beside the buckets, admitted at first
 sight), their ids drawn Zipf(1.1) from 10 N, so ids are admitted and evicted all along; every step maps its batch
-first (one process: ``RowMapper.apply``; N ranks: ``learner/sharded_ids.py``, whose ids of every rank are
-all-gathered and mapped by every rank's replica). The id maps' bytes are printed beside the tables'.
+first (one process: ``RowMapper.apply``; N ranks: ``learner/sharded_ids.py``: every rank's ids all-gathered, each
+rank mapping those that fall in its share of the maps, the rows all-gathered back). The id maps' bytes (a rank's:
+its shares) are printed beside the tables'.
 
 Threads: one process uses all the machine's cores (torch's default), each of N ranks cores / N (torchrun's
 OMP_NUM_THREADS=1 overridden to that), so both use the same cores; the single process is also run on 1 thread
@@ -136,12 +137,11 @@ def worker(args: argparse.Namespace) -> None:
         local_bytes = sum(s.tensor.numel() * 4 for s in table_weight(dmp).local_shards())
         local_bytes += sum(s.tensor.numel() * 4 for s in fused_state(dmp)["momentum1"].local_shards())
 
-        from learner.row_mapper import RowMapper
         from learner.sharded_ids import ShardedRowMapper
         from learner.sharded_model import state_scale
 
-        ids = ShardedRowMapper(RowMapper(cfg), 1e-5 * state_scale(cfg.embedding_dim))
-        map_bytes = sum(m.nbytes() for m in ids.mapper.maps.values())
+        ids = ShardedRowMapper.of(cfg, dmp, 1e-5 * state_scale(cfg.embedding_dim))
+        map_bytes = ids.nbytes()  # this rank's shares of the maps
 
         def step(b: TensorBatch) -> np.ndarray:
             if ids.active:

@@ -361,18 +361,26 @@ class DeltaWriter:
         vectors = weight[rows.to(weight.device)].float().cpu()  # (R, D + 1)
         return self.write_rows(rows.cpu(), vectors, dense_weights(model), samples_trained)
 
+    def maps_due(self) -> bool:
+        """Whether the next delta should carry the id maps (``id_maps_every_s`` passed since the last that did)."""
+        return self.clock() - self._last_maps >= self.id_maps_every_s
+
     def write_rows(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor],
-                   samples_trained: int) -> Path:
+                   samples_trained: int, id_maps: dict[str, Any] | None = None) -> Path:
         """Write one delta of ``rows`` (R,) int64 with their ``vectors`` (R, D + 1) float32 and the dense weights,
         then clear the marks: :meth:`write`'s second half, called directly by the distributed mode's rank 0
-        (``learner/sharded_deltas.py``), which gathers the rows from the ranks that hold them."""
+        (``learner/sharded_deltas.py``), which gathers the rows from the ranks that hold them, and the id maps
+        (``id_maps``, ``RowMapper.state_dict``) from the ranks' shares when :meth:`maps_due`. Without ``id_maps``
+        the delta carries ``id_maps_source()`` when one is set and due."""
         self.seq += 1
         payload: dict[str, Any] = {"seq": self.seq, "samples_trained": int(samples_trained), "created": time.time(),
                                    "lineage": self.lineage, "rows": rows, "vectors": vectors,
                                    "dense_state": dense_state}
-        if self.id_maps_source is not None and self._last - self._last_maps >= self.id_maps_every_s:
-            payload["id_maps"] = self.id_maps_source()
-            self._last_maps = self._last
+        if id_maps is None and self.id_maps_source is not None and self.maps_due():
+            id_maps = self.id_maps_source()
+        if id_maps is not None:
+            payload["id_maps"] = id_maps
+            self._last_maps = self.clock()
         data = encode_delta(payload, self.key)
         path = delta_path(self.directory, self.seq, int(samples_trained))
         write_atomic(path, data)

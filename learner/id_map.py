@@ -222,6 +222,44 @@ def _no_rows() -> np.ndarray:
     return np.empty(0, dtype=np.int64)
 
 
+class BucketDecay:
+    """When each bucket row of one field was last touched, and by how much a touch at ``now`` shrinks it:
+    ``0.5 ** (idle time / half_life_s)`` (``IdMap``'s ``bucket_half_life_s``; None: never, and no state).
+    Its own class because the distributed mode keeps one clock per field on every rank while the field's id
+    map is split over the ranks (``learner/sharded_ids.py``)."""
+
+    def __init__(self, num_buckets: int, half_life_s: float | None) -> None:
+        self.half_life_s = half_life_s
+        self.seen = np.full(num_buckets, -np.inf)  # (num_buckets,) last touch per bucket row; -inf: never
+        self._mark = np.zeros(num_buckets if half_life_s is not None else 0, dtype=bool)
+
+    @property
+    def active(self) -> bool:
+        return self.half_life_s is not None
+
+    def touch(self, buckets: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Touch ``buckets`` (local bucket rows, repeats allowed) at ``now``: returns the distinct ones that shrink
+        (D,) and their factors (D,) float32."""
+        if self.half_life_s is None:
+            return _no_rows(), np.empty(0, dtype=np.float32)
+        self._mark[buckets] = True  # dedupe in O(n + touched) with a reused mask, not a sort
+        touched = np.flatnonzero(self._mark)  # (D,)
+        self._mark[touched] = False
+        seen = self.seen[touched]
+        idle = np.maximum(now - np.where(np.isfinite(seen), seen, now), 0.0)
+        factor = np.exp2(-idle / self.half_life_s)
+        self.seen[touched] = now
+        shrink = factor < 1.0
+        return touched[shrink], factor[shrink].astype(np.float32)
+
+    def idle(self, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Every touched bucket's decay brought up to ``now`` (exact: the decay is memoryless)."""
+        return self.touch(np.flatnonzero(np.isfinite(self.seen)), now)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.seen, self._mark
+
+
 @dataclass
 class LookupResult:
     """What one ``IdMap.lookup`` did (or, from ``decay_idle_buckets``, only the decay part). All rows are
@@ -271,8 +309,7 @@ class IdMap:
         # nothing about the next id to land there: with a half-life, it shrinks towards zero by
         # 0.5 ** (idle time / half-life) when next touched (event time).
         self.bucket_half_life_s = bucket_half_life_s
-        self._bucket_seen = np.full(self.num_buckets, -np.inf)  # last touch per bucket row; -inf: never
-        self._bucket_mark = np.zeros(self.num_buckets if bucket_half_life_s is not None else 0, dtype=bool)
+        self.buckets = BucketDecay(self.num_buckets, bucket_half_life_s)
         self.candidates = int(candidates) if candidates is not None else max(1, self.capacity // 2)
         if self.candidates < 1:
             raise ValueError(f"IdMap candidates must be >= 1, got {self.candidates}")
@@ -338,29 +375,17 @@ class IdMap:
                            admitted_from_bucket=admitted_keys % self.num_buckets,
                            evicted_rows=ev + self.num_buckets, bucket_lookups=n_bucket,
                            own_lookups=flat.size - n_bucket)
-        if train and self.bucket_half_life_s is not None:
-            self._touch_buckets(np.concatenate([out[bucket], res.admitted_from_bucket]), now, res)
+        if train and self.buckets.active:
+            res.decayed_buckets, res.decay = self.buckets.touch(
+                np.concatenate([out[bucket], res.admitted_from_bucket]), now)
         return res
 
     def decay_idle_buckets(self, now: float) -> LookupResult:
         """Bring every bucket's decay up to ``now`` (before a checkpoint, so the serving artifact built from
         it holds what the learner would serve). Exact: the decay is memoryless. Apply with ``decay_buckets``."""
         res = LookupResult()
-        if self.bucket_half_life_s is not None:
-            self._touch_buckets(np.flatnonzero(np.isfinite(self._bucket_seen)), now, res)
+        res.decayed_buckets, res.decay = self.buckets.idle(now)
         return res
-
-    def _touch_buckets(self, buckets: np.ndarray, now: float, res: LookupResult) -> None:
-        """Record the decay of the bucket rows used in this call (res.decayed_buckets / res.decay)."""
-        self._bucket_mark[buckets] = True  # dedupe in O(n + touched) with a reused mask, not a sort
-        touched = np.flatnonzero(self._bucket_mark)  # (D,)
-        self._bucket_mark[touched] = False
-        seen = self._bucket_seen[touched]
-        idle = np.maximum(now - np.where(np.isfinite(seen), seen, now), 0.0)
-        factor = np.exp2(-idle / self.bucket_half_life_s)  # type: ignore[operator]
-        self._bucket_seen[touched] = now
-        shrink = factor < 1.0
-        res.decayed_buckets, res.decay = touched[shrink], factor[shrink].astype(np.float32)
 
     def _count_and_admit(self, keys: np.ndarray, now: float,
                          evicted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -496,6 +521,12 @@ class IdMap:
 
     # ---- metrics and persistence -------------------------------------------------------------------------
     @property
+    def max_candidates(self) -> int:
+        """The most not-yet-admitted keys a generation holds (it rotates once it has ``candidates``, and a counting
+        step adds up to a chunk)."""
+        return self.candidates + self._chunk
+
+    @property
     def size(self) -> int:
         """Local rows of the field: buckets + own rows."""
         return self.num_buckets + self.capacity
@@ -517,7 +548,7 @@ class IdMap:
     def nbytes(self) -> int:
         """Bytes held by the map's arrays (constant after construction)."""
         arrays = (self._main.kv, self._row_key, self._seen_ext, self._row_slot, self._free, self._cur.kv,
-                  self._prev.kv, self._scratch, self._bucket_seen, self._bucket_mark)
+                  self._prev.kv, self._scratch, *self.buckets.arrays())
         return sum(a.nbytes for a in arrays)
 
     def state_dict(self) -> dict[str, Any]:
@@ -533,7 +564,7 @@ class IdMap:
                 "row_seen": torch.from_numpy(self._row_seen.copy()),
                 "free": torch.from_numpy(self._free[:self._free_top].copy()),
                 "cur_keys": cur_keys, "cur_counts": cur_counts, "prev_keys": prev_keys, "prev_counts": prev_counts,
-                "bucket_seen": torch.from_numpy(self._bucket_seen.copy()),
+                "bucket_seen": torch.from_numpy(self.buckets.seen.copy()),
                 "last_sweep": self._last_sweep, "counters": dict(vars(self.counters))}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -545,18 +576,49 @@ class IdMap:
                              f"{self.config()}: build the map from the checkpoint's config")
         self._row_key[:] = state["row_key"].numpy()
         self._row_seen[:] = state["row_seen"].numpy()
-        self._bucket_seen[:] = state["bucket_seen"].numpy() if "bucket_seen" in state else -np.inf
+        self.buckets.seen[:] = state["bucket_seen"].numpy() if "bucket_seen" in state else -np.inf
         free = state["free"].numpy()
         self._free_top = free.size
         self._free[:free.size] = free
         self._rebuild_main()
-        for table, k, c in ((self._cur, "cur_keys", "cur_counts"), (self._prev, "prev_keys", "prev_counts")):
-            table.clear()
-            keys = state[k].numpy().astype(np.int64)
-            if keys.size:
-                table.set_vals(table.insert(keys), state[c].numpy())
+        self._load_candidates(state)
         self._last_sweep = float(state["last_sweep"])
         self.counters = _Counters(**state["counters"])
+
+    def _load_candidates(self, state: Mapping[str, Any]) -> None:
+        for table, k, c in ((self._cur, "cur_keys", "cur_counts"), (self._prev, "prev_keys", "prev_counts")):
+            table.clear()
+            keys = np.asarray(state[k], dtype=np.int64)
+            if keys.size:
+                table.set_vals(table.insert(keys), np.asarray(state[c], dtype=np.int64))
+
+    def load_entries(self, keys: np.ndarray, rows: np.ndarray, seen: np.ndarray, candidates: Mapping[str, Any],
+                     last_sweep: float, counters: Mapping[str, int] | None = None) -> None:
+        """Fill an empty map from its parts: admitted ``keys`` (K,) on own ``rows`` (K,) (local, 0-based, distinct,
+        < capacity) last seen at ``seen`` (K,); the candidates' ``cur_keys``/``cur_counts``/``prev_keys``/
+        ``prev_counts`` (at most ``candidates`` keys each, none of them admitted). The distributed mode builds its
+        shards' maps from a checkpoint of another world size with it, and one whole map from the shards'
+        (``learner/sharded_ids.py``). The buckets' decay clock is not a part: set ``buckets.seen``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.capacity or np.unique(rows).size != rows.size):
+            raise ValueError(f"IdMap.load_entries: rows must be distinct and in [0, {self.capacity})")
+        self._row_key[:] = EMPTY
+        self._row_seen[:] = 0.0
+        self._row_key[rows] = np.asarray(keys, dtype=np.int64)
+        self._row_seen[rows] = np.asarray(seen, dtype=np.float64)
+        free = np.flatnonzero(self._row_key < 0)[::-1]  # a stack: the lowest free row is handed out first
+        self._free_top = free.size
+        self._free[:free.size] = free
+        self._rebuild_main()
+        self._load_candidates(candidates)
+        self._last_sweep = float(last_sweep)
+        self.counters = _Counters(**(counters or {}))
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys (K,), own rows (K,) local 0-based, last seen (K,)) of the admitted ids: what ``load_entries``
+        takes back."""
+        rows = np.flatnonzero(self._row_key >= 0)
+        return self._row_key[rows].copy(), rows, self._row_seen[rows].copy()
 
 
 @dataclass

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from learner.batch import TensorBatch
-from learner.features import FeatureConfig
+from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import IdMap, LookupResult
 
 
@@ -42,17 +42,20 @@ class MapStats:
     evicted: dict[str, int] = field(default_factory=dict)
 
 
+def id_map_of(spec: FieldSpec, capacity: int | None = None, decay: bool = True) -> IdMap:
+    """The id map a dynamic field's spec asks for; ``capacity``: a part of its own rows (the distributed mode's
+    shard of the map, with candidates in proportion), ``decay=False``: without the buckets' decay clock (kept
+    apart there)."""
+    cap = spec.capacity if capacity is None else capacity
+    return IdMap(cap, spec.num_buckets, admit_after=spec.admit_after, ttl_s=spec.ttl_s, init=spec.init,
+                 bucket_half_life_s=spec.bucket_half_life_s if decay else None)
+
+
 class RowMapper:
     def __init__(self, cfg: FeatureConfig) -> None:
         self.cfg = cfg
-        self.maps: dict[str, IdMap] = {
-            f.name: IdMap(f.capacity, f.num_buckets, admit_after=f.admit_after, ttl_s=f.ttl_s, init=f.init,
-                          bucket_half_life_s=f.bucket_half_life_s)
-            for f in cfg.fields if f.shares is None and f.capacity > 0}
-        blocks = cfg.blocks
-        # (field index, owner name, first row of the owner's block, train?) for every field that maps
-        self._slots = [(i, cfg.owner(f).name, blocks[i][0], f.shares is None)
-                       for i, f in enumerate(cfg.fields) if cfg.owner(f).name in self.maps]
+        self.maps: dict[str, IdMap] = {f.name: id_map_of(f) for f in dynamic_fields(cfg)}
+        self._slots = mapped_slots(cfg)
 
     @property
     def active(self) -> bool:
@@ -82,9 +85,7 @@ class RowMapper:
 
     def spans(self, tb: TensorBatch) -> list[tuple[int, int]]:
         """(start, end) of each mapped field's values in ``tb.values`` (bags are field-major), in ``slots`` order."""
-        b = len(tb)
-        offsets = tb.offsets.numpy()
-        return [(int(offsets[i * b]), int(offsets[(i + 1) * b])) for i, _, _, _ in self._slots]
+        return field_spans(tb, self._slots)
 
     def lookup(self, keys: list[np.ndarray], now: float, train: bool = True,
                ) -> tuple[list[LookupResult | None], MapStats]:
@@ -160,6 +161,27 @@ class RowMapper:
             raise ValueError(f"id maps in the checkpoint are for {sorted(state)}, this config has {sorted(self.maps)}")
         for name, m in self.maps.items():
             m.load_state_dict(state[name])
+
+
+def dynamic_fields(cfg: FeatureConfig) -> list[FieldSpec]:
+    """The fields that own an id map (``capacity > 0``, not sharing another's rows), in config order."""
+    return [f for f in cfg.fields if f.shares is None and f.capacity > 0]
+
+
+def mapped_slots(cfg: FeatureConfig) -> list[tuple[int, str, int, bool]]:
+    """(field index, owner name, first row of the owner's block, trains the map?) of every field whose rows an id
+    map hands out (its own, or the one of the field it shares), in config order."""
+    owners = {f.name for f in dynamic_fields(cfg)}
+    blocks = cfg.blocks
+    return [(i, cfg.owner(f).name, blocks[i][0], f.shares is None)
+            for i, f in enumerate(cfg.fields) if cfg.owner(f).name in owners]
+
+
+def field_spans(tb: TensorBatch, slots: list[tuple[int, str, int, bool]]) -> list[tuple[int, int]]:
+    """(start, end) of each slot's field values in ``tb.values`` (bags are field-major)."""
+    b = len(tb)
+    offsets = tb.offsets.numpy()
+    return [(int(offsets[i * b]), int(offsets[(i + 1) * b])) for i, _, _, _ in slots]
 
 
 def earlier_rows(keys: np.ndarray) -> np.ndarray:

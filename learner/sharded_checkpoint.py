@@ -7,7 +7,7 @@ A checkpoint is a directory ``<checkpoint_dir>/dcp-<samples:015d>-<ms>/``:
                                    the dense part, written once), ``table_state`` (fbgemm's row-wise Adagrad sums,
                                    sharded with their rows), ``dense_opt`` (Adam's state by parameter name)
     rank-<r>.pt                    rank r's own small state (progressive metrics, recent impression ids, delayed
-                                   feedback counts; rank 0's also the id maps, the same on every rank):
+                                   feedback counts, its shares of the id maps):
                                    tensors, numpy arrays and plain values, loaded weights-only
     meta.json                      what every rank agreed on: samples trained by all ranks, the offset of EVERY
                                    samples partition (gathered from the ranks that read them), rows per
@@ -157,6 +157,7 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
     from learner.config import ModelConfig
     from learner.model import DeepFM
     from learner.optim import make_optimizers
+    from learner.sharded_ids import whole_maps
     from learner.sharded_model import TABLE_KEY, padded_width, state_scale
 
     found = latest(src)
@@ -201,7 +202,7 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
     recent = [i for s in states for i in s.get("recent_ids", [])]
     state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
              "metrics": metrics.state_dict(), "recent_ids": recent,
-             "id_maps": states[0].get("id_maps") or {} if states else {}}  # one replica (learner/sharded_ids.py)
+             "id_maps": whole_maps(cfg, states)}  # every rank's parts as one map per field (learner/sharded_ids.py)
     if states and states[0].get("delayed_weights"):
         state["delayed_weights"] = states[0]["delayed_weights"]
     # rank 0's alone (learner/sharded_daemon.py): the quality metrics and calibration, and the base-rate bias (every

@@ -21,8 +21,8 @@ The feature config is inferred by rank 0 from the first ``probe_rows`` samples a
 that it lives in the checkpoint, as in the single-process daemon.
 
 Dynamic ids (``id_capacity > 0``: admission, eviction, the hash-bucket fallback) work: ``learner/sharded_ids.py``
-keeps the id maps identical on every rank and applies their row changes in the shards (the maps are replicated,
-not sharded: its docstring says what that costs).
+shards each field's id map with its rows (each rank maps the keys that fall in its share of the own rows) and
+applies the row changes in the shards.
 
 Each round's rows of every rank are gathered once (:meth:`ShardedLearner._after_round`): rank 0 records the
 cold/warm and served-quality metrics (``learner/quality.py``) over them, as one process would over the round as one
@@ -93,10 +93,10 @@ from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
 from learner.quality import TrainingQuality
-from learner.row_mapper import MapStats, RowMapper, user_keys
+from learner.row_mapper import MapStats, user_keys
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
 from learner.sharded_deltas import ShardedDeltas
-from learner.sharded_ids import ShardedRowMapper
+from learner.sharded_ids import ShardedRowMapper, merged_stats
 from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard, state_scale
 from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
@@ -164,11 +164,11 @@ class ShardedLearner:
                               table_device=torch.device("meta"))
         self.dmp = shard(model, self.ctx.world_size, self.device, ls.lr_sparse, 1e-8, ls.initial_accumulator, ls.seed)
         self.model = model
-        self.ids = ShardedRowMapper(RowMapper(cfg), ls.initial_accumulator * state_scale(cfg.embedding_dim))
+        self.ids = ShardedRowMapper.of(cfg, self.dmp, ls.initial_accumulator * state_scale(cfg.embedding_dim))
         self.deltas = ShardedDeltas.from_settings(ls, cfg.num_rows, cfg.embedding_dim, self.ctx.rank,
                                                   self.redis_settings)
-        if self.deltas is not None and self.deltas.writer is not None and self.ids.active:
-            self.deltas.writer.id_maps_source = self.ids.mapper.state_dict  # serving maps ids admitted since
+        if self.deltas is not None and self.ids.active:  # serving maps ids admitted since its artifact
+            self.deltas.id_maps = (cfg, self.ids.state_dict)
         self._dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]
         try:
             dense_opt: torch.optim.Optimizer = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense,
@@ -207,8 +207,8 @@ class ShardedLearner:
                                 "exp_avg_sq": st["exp_avg_sq"].clone()}
         states = sharded_checkpoint.rank_states(path, meta)
         assert self.ids is not None
-        if self.ids.active:  # the same replica on every rank, whatever the world size that wrote it
-            self.ids.load_state_dict(states[0])
+        if self.ids.active:  # every rank's parts, whatever the world size that wrote them (collective)
+            self.ids.load_state_dict(states, self.dmp)
         if states[0].get("base_rate_bias"):  # rank 0's copy; every rank's is the same
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(states[0]["base_rate_bias"])
@@ -265,8 +265,7 @@ class ShardedLearner:
                       "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict()}
         if self.ids is not None and self.ids.active:
             self.ids.decay_idle(self.dmp)  # the artifact built from this checkpoint gets today's buckets
-            if rank == 0:  # the replicas are equal: one copy
-                rank_state.update(self.ids.state_dict())
+            rank_state.update(self.ids.state_dict())  # each rank its shares of the maps
         if rank == 0:
             rank_state.update(self.quality.state_dict())
             rank_state["calibration"] = self.calibration.state_dict() if self.calibration is not None else {}
@@ -483,7 +482,7 @@ class ShardedLearner:
             self.calibration.observe(ids, kinds_or_none, labels, raw, ts, delay)
 
     def _observe_ids(self, st: MapStats) -> None:
-        """The id maps' counters (rank 0: every rank's map is the same replica, fed every rank's ids)."""
+        """The id maps' counters (rank 0: ``st`` counts every rank's keys, ``ids.occupancy`` every rank's maps)."""
         if self.ctx.rank != 0 or self.ids is None:
             return
         for name, n in st.lookups.items():
@@ -492,8 +491,8 @@ class ShardedLearner:
             ADMISSIONS.labels(name).inc(n)
         for name, n in st.evicted.items():
             EVICTIONS.labels(name).inc(n)
-        for name, stats in self.ids.mapper.stats().items():
-            ID_OCCUPANCY.labels(name).set(stats["occupancy"])
+        for name, occupancy in self.ids.occupancy.items():
+            ID_OCCUPANCY.labels(name).set(occupancy)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
@@ -502,7 +501,7 @@ class ShardedLearner:
         """Collective: the job's summary (every rank returns it; the metrics aggregated over the ranks)."""
         tr = self.trainer
         gathered = all_gather_objects((self.samples_trained(), dict(self.partition_rows), self.duplicates,
-                                       self.offsets))
+                                       self.offsets, self.ids.stats_part() if self.ids is not None else {}))
         metrics = aggregate_metrics(tr.metrics) if tr else ProgressiveMetrics()
         world = self.ctx.world_size
         offsets = {p: o for r, g in enumerate(gathered) for p, o in g[3].items()
@@ -518,7 +517,7 @@ class ShardedLearner:
             "offsets": {str(p): o for p, o in sorted(offsets.items())},
             "partition_rows": {str(p): n for p, n in sorted(rows.items())},
             "metrics": metrics.summary() if tr else {},
-            "id_maps": self.ids.mapper.stats() if self.ids is not None else {},
+            "id_maps": merged_stats([g[4] for g in gathered], self.ids.capacities()) if self.ids is not None else {},
             "base_rate_bias": self.bias.summary() if self.bias is not None else None,
             "calibration": self.calibration.summary() if self.calibration is not None else None,
             **(self.quality.summary() if self.ctx.rank == 0 else {}),

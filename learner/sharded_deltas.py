@@ -8,7 +8,9 @@ the ranks whose shards hold them, written by rank 0 as ONE delta with ``learner/
          flushed at a checkpoint, or restored from the pending list after a restart)       -> the union, on all
       2. each rank keeps the union's rows inside its shard's row range (:func:`rows_in_shard`) and reads their
          first D + 1 columns (embedding + first-order weight; the padding is dropped) from its local shard
-      3. gather (rows, vectors, samples trained) to rank 0, which writes them with the dense weights (the
+      3. gather (rows, vectors, samples trained; with dynamic ids, when rank 0's writer says the id maps are due,
+         each rank's shares of the maps, merged by rank 0 into the whole maps: ``sharded_ids.whole_maps``) to
+         rank 0, which writes them with the dense weights (the
          DDP-replicated part, the same on every rank, under DeepFM's names: :func:`delta_dense_state`) through
          ``DeltaWriter.write_rows``: the single process's file format, seq numbering, lineage, keep, signing
          and Redis announcement, unchanged
@@ -36,6 +38,8 @@ from torch import nn
 from learner.calibration import identity
 from learner.deltas import DeltaWriter, dense_weights
 from learner.distributed import all_gather_objects, gather_objects
+from learner.features import FeatureConfig
+from learner.sharded_ids import whole_maps
 from learner.sharded_model import local_pieces, table_weight
 from stream.config import RedisSettings
 
@@ -64,6 +68,9 @@ class ShardedDeltas:
         self.touched = torch.zeros(num_rows, dtype=torch.bool)  # (num_rows,) rows this rank's batches looked up
         self.dim, self.every_s, self.writer, self.clock = dim, every_s, writer, clock
         self._last = clock()
+        # dynamic ids: the feature config and this rank's shares of the id maps (ShardedRowMapper.state_dict),
+        # merged on rank 0 into the whole maps a delta carries when its writer says they are due
+        self.id_maps: tuple[FeatureConfig, Callable[[], dict[str, Any]]] | None = None
 
     @classmethod
     def from_settings(cls, ls: Any, num_rows: int, dim: int, rank: int,
@@ -84,17 +91,21 @@ class ShardedDeltas:
         """This rank's wish for a delta round (``LockStep.agree``'s ``wants_delta``)."""
         return self.clock() - self._last >= self.every_s
 
-    def _exchange(self) -> np.ndarray:
-        """Collective: the union of every rank's touched rows (and rank 0's writer's), on every rank; rank 0's
-        writer marks them all (so they reach its pending list), every rank clears its own marks."""
+    def _exchange(self) -> tuple[np.ndarray, bool]:
+        """Collective: the union of every rank's touched rows (and rank 0's writer's), on every rank, and whether
+        rank 0's writer wants the id maps with the next delta; rank 0's writer marks the rows (so they reach its
+        pending list), every rank clears its own marks."""
         mine = self.touched.nonzero().squeeze(1).numpy()  # (r,)
+        wants_maps = False
         if self.writer is not None:
             mine = np.union1d(mine, self.writer.touched.nonzero().squeeze(1).numpy())
-        union = union_rows(all_gather_objects(mine))
+            wants_maps = self.id_maps is not None and self.writer.maps_due()
+        gathered = all_gather_objects((mine, wants_maps))
+        union = union_rows([g[0] for g in gathered])
         self.touched.zero_()
         if self.writer is not None and len(union):
             self.writer.mark(torch.from_numpy(union))
-        return union
+        return union, gathered[0][1]
 
     def sync(self) -> None:
         """Collective, at every checkpoint round before the checkpoint is written: every rank's touched rows go
@@ -110,7 +121,7 @@ class ShardedDeltas:
         ``calibration``: the served ``(a, b)`` (None: the identity). Rank 0 returns the path written (None when
         nothing was touched); the other ranks None."""
         self._last = self.clock()
-        union = self._exchange()
+        union, wants_maps = self._exchange()
         rows, vectors = [], []
         for start, local in local_pieces(table_weight(dmp)):  # local: (rows on this rank, W)
             picked = rows_in_shard(union, start, start + local.shape[0])  # (r,)
@@ -119,7 +130,7 @@ class ShardedDeltas:
             vectors.append(local[idx, :self.dim + 1].float().cpu().numpy())  # (r, D + 1): padding dropped
         gathered = gather_objects((np.concatenate(rows) if rows else np.zeros(0, np.int64),
                                    np.concatenate(vectors) if vectors else np.zeros((0, self.dim + 1), np.float32),
-                                   int(samples)))
+                                   int(samples), self.id_maps[1]() if wants_maps and self.id_maps else None))
         if self.writer is None or gathered is None:
             return None
         all_rows = np.concatenate([g[0] for g in gathered])  # (R,)
@@ -131,9 +142,10 @@ class ShardedDeltas:
         if len(all_rows) == 0:
             return None
         order = np.argsort(all_rows, kind="stable")
+        maps = whole_maps(self.id_maps[0], [g[3] for g in gathered]) if wants_maps and self.id_maps else None
         return self.writer.write_rows(torch.from_numpy(all_rows[order]),
                                       torch.from_numpy(np.ascontiguousarray(all_vectors[order])),
-                                      delta_dense_state(model, calibration), sum(g[2] for g in gathered))
+                                      delta_dense_state(model, calibration), sum(g[2] for g in gathered), maps)
 
 
 def delta_dense_state(model: nn.Module, calibration: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

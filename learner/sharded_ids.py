@@ -1,35 +1,46 @@
-"""Dynamic ids (admission, eviction, the hash-bucket fallback) on N ranks: the id maps of ``learner/row_mapper.py``
-kept identical on every rank, the rows they hand out living in TorchRec's row-wise shards.
+"""Dynamic ids (admission, eviction, the hash-bucket fallback) on N ranks: each field's id map sharded with its
+rows, the way TorchRec's managed-collision modules shard theirs, with the single process's rules
+(``learner/id_map.py``).
 
-Every round each rank sends the hashed keys of its batch's dynamic fields to all ranks (one all-gather), and every
-rank runs the SAME ``RowMapper.lookup`` over the concatenation in rank order, at the same event time (the newest of
-the round): the maps stay equal replicas by construction, and each rank cuts its own batch's rows out of the
-result. The row changes the maps decide are applied where the rows live:
+A dynamic field's block is ``num_buckets`` bucket rows then ``capacity`` own rows; TorchRec's row-wise plan cuts
+the table into contiguous row ranges, so each rank holds a contiguous part of the field's own rows (its
+:class:`Share`: possibly none). A key belongs to one rank for good: the share that ``position(key)``, a hash of the
+key spread uniformly over ``[0, capacity)``, falls in (:func:`owner_index`), so every rank gets keys in proportion to
+its own rows. That rank's ``IdMap`` (capacity: its share) counts the key, admits it onto a row of its share, and
+evicts it (TTL, or least recently seen among the SHARE's rows when the share is full: LRU per shard, as in TorchRec;
+everything else is exactly the single process's rule, since a key always meets the same map).
 
-* optimizer state of rows evicted or handed to a new id: fbgemm's row-wise sum set back to its starting value on
-  the rank holding the row (``sharded_model.fused_state``);
-* bucket decay (``bucket_half_life_s``): the rank holding a bucket row scales it;
-* a newly admitted row starts as its bucket's vector (``init = "bucket"``): the bucket rows of every field are
-  gathered with one all-reduce per round (each row lives on exactly one rank, the others add zeros), then the rank
-  holding the new row writes it; ``init = "zero"`` needs no exchange.
+One round (a collective, every rank, ``tb`` may be empty)::
 
-The semantics are the single-process ones (module docstring of ``learner/id_map.py``), with the round, not the
-DataLoader batch, as the unit of one lookup call. Checkpoints store the map once (rank 0's ``rank-0.pt``);
-every rank loads it, whatever the world size, so resharding needs nothing more, and the unshard to one process
-carries it (the refresh job's artifact maps ids like the learner).
+    1. all-gather  the hashed keys of every rank's batch (per field) and its newest event time
+    2. each rank   looks up the keys it owns, in rank order, in its map: rows (own rows shifted to its share),
+                   the rows it admitted (with their buckets) and evicted
+    3. all-gather  those answers; every rank puts the rows back in key order and cuts out its own batch's
+    4. the rows' changes, where the rows live (every rank holds the same list):
+       - the row-wise sums (fbgemm's ``momentum1``) of rows evicted or handed out, reset by their owner (always
+         in its own shard);
+       - bucket decay (``bucket_half_life_s``): ONE clock per field, replicated (:class:`~learner.id_map.
+         BucketDecay`), touched with every rank's bucket rows, so every rank takes the same decision; the rank
+         holding a bucket row scales it;
+       - an admitted row starts as its bucket's vector (``init = "bucket"``): one all-reduce of the admitted rows'
+         bucket vectors (each bucket row lives on one rank, the others add zeros), written by the row's owner.
 
-Cost: two collectives per round (the keys' all-gather and, when a row was admitted from its bucket, the
-all-reduce), each a few milliseconds on a loaded 2-core machine, where both ranks must be scheduled to finish one
-(``bench/scaling.py --id-capacity``; bench/README.md).
+Memory: a rank's map holds its share only: ``IdMap.nbytes`` is ~180 bytes per own row, so 2 ranks each hold half
+(they held every row before). The maps and the bucket clocks are checkpointed per rank (``rank-<r>.pt``); a restore
+on another world size or plan (or from a checkpoint of the replicated maps written before) merges every rank's
+parts and splits them again: a key whose new owner's share does not hold its row moves to a free row of that
+share (vector and row-wise sum moved with one all-reduce), and a share with more keys than rows keeps the most
+recently seen. The unshard, and the id maps that serving's deltas carry, are the parts merged into ONE map of the
+whole capacity (:func:`whole_maps`), the single process's format.
 
-Known limit: the maps are replicated, not sharded: each rank holds every field's whole map (``IdMap.nbytes``:
-about 180 bytes per own row at capacity 1 M, against the row's 4 * W bytes on its one rank). TorchRec's
-managed-collision modules shard the map with the rows, but have their own admission and eviction rules, not
-these.
+Cost: three collectives a round (two object all-gathers, the all-reduce only when a row was admitted from its
+bucket), each a few ms on a loaded 2-core machine (``bench/scaling.py --id-capacity``; bench/README.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,9 +49,145 @@ import torch.distributed as dist
 
 from learner.batch import TensorBatch
 from learner.distributed import all_gather_objects
-from learner.id_map import LookupResult
-from learner.row_mapper import MapStats, RowMapper
-from learner.sharded_model import fused_state, local_pieces, table_weight
+from learner.features import FeatureConfig, FieldSpec
+from learner.id_map import BucketDecay, IdMap
+from learner.row_mapper import MapStats, dynamic_fields, field_spans, id_map_of, mapped_slots
+from learner.sharded_model import fused_state, local_pieces, row_ranges, table_weight
+
+_MIX = np.uint64(0xD6E8FEB86659FD93)  # odd multiplier; not IdMap's Fibonacci hashing, so a shard's keys still
+#                                       spread over its own table's slots
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rank's part of a dynamic field's own rows: ``count`` rows from own row ``start`` (0-based)."""
+
+    rank: int
+    start: int
+    count: int
+
+
+def shares_of(first_own: int, capacity: int, ranges: list[tuple[int, int, int]]) -> list[Share]:
+    """The shares of own rows ``[first_own, first_own + capacity)`` (global rows) in the table's row ranges
+    ``(rank, first row, end row)`` (:func:`~learner.sharded_model.row_ranges`), by row; ranks without any: none."""
+    out = []
+    for rank, lo, hi in ranges:
+        a, b = max(lo, first_own), min(hi, first_own + capacity)
+        if b > a:
+            out.append(Share(rank, a - first_own, b - a))
+    out.sort(key=lambda s: s.start)
+    ends = [0] + [s.start + s.count for s in out]
+    if ends[-1] != capacity or any(s.start != e for s, e in zip(out, ends, strict=False)):
+        raise ValueError(f"the table's row ranges {ranges} do not cover own rows [{first_own}, "
+                         f"{first_own + capacity}) once: not a row-wise plan")
+    return out
+
+
+def position(keys: np.ndarray, capacity: int) -> np.ndarray:
+    """(N,) int64 in ``[0, capacity)``: where each hashed key falls in a field's own rows, spread uniformly (a
+    64-bit mix of the key, so consecutive ids scatter)."""
+    h = np.asarray(keys, dtype=np.int64).view(np.uint64).copy()
+    h ^= h >> np.uint64(32)
+    h *= _MIX
+    h ^= h >> np.uint64(29)
+    return (h % np.uint64(capacity)).astype(np.int64)
+
+
+def owner_index(keys: np.ndarray, shares: list[Share]) -> np.ndarray:
+    """(N,) index into ``shares`` of the share that owns each key (:func:`position` inside it)."""
+    capacity = shares[-1].start + shares[-1].count
+    ends = np.array([s.start + s.count for s in shares], dtype=np.int64)
+    return np.searchsorted(ends, position(keys, capacity), side="right")
+
+
+@dataclass
+class _Parts:
+    """Every rank's part of one field's map, merged: admitted ``keys`` (K,) on own rows ``rows`` (K,) (0-based over
+    the whole capacity) last seen ``seen`` (K,); candidates' keys and counts per generation; the sweep clock and
+    the counters summed."""
+
+    keys: np.ndarray
+    rows: np.ndarray
+    seen: np.ndarray
+    candidates: dict[str, np.ndarray]
+    last_sweep: float
+    counters: dict[str, int]
+
+    @classmethod
+    def of(cls, parts: list[tuple[int, Mapping[str, Any]]]) -> _Parts:
+        """From ``(first own row of the part, IdMap.state_dict())`` pairs."""
+        keys, rows, seen = [], [], []
+        cand: dict[str, list[np.ndarray]] = {k: [] for k in ("cur_keys", "cur_counts", "prev_keys", "prev_counts")}
+        counters: dict[str, int] = {}
+        for start, st in parts:
+            rk = np.asarray(st["row_key"], dtype=np.int64)
+            own = np.flatnonzero(rk >= 0)
+            keys.append(rk[own])
+            rows.append(start + own)
+            seen.append(np.asarray(st["row_seen"], dtype=np.float64)[own])
+            for k in cand:
+                cand[k].append(np.asarray(st[k], dtype=np.int64))
+            for k, v in dict(st["counters"]).items():
+                counters[k] = counters.get(k, 0) + int(v)
+        return cls(np.concatenate(keys), np.concatenate(rows), np.concatenate(seen),
+                   {k: np.concatenate(v) for k, v in cand.items()},
+                   max(float(st["last_sweep"]) for _, st in parts), counters)
+
+    def candidates_of(self, keep: Callable[[np.ndarray], np.ndarray] | None, limit: int) -> dict[str, np.ndarray]:
+        """The candidates (each generation: those where ``keep(keys)``, at most ``limit``, the highest counts)."""
+        out = {}
+        for gen in ("cur", "prev"):
+            k, c = self.candidates[f"{gen}_keys"], self.candidates[f"{gen}_counts"]
+            if keep is not None:
+                sel = keep(k)
+                k, c = k[sel], c[sel]
+            if k.size > limit:
+                top = np.argsort(-c, kind="stable")[:limit]
+                k, c = k[top], c[top]
+            out[f"{gen}_keys"], out[f"{gen}_counts"] = k, c
+        return out
+
+
+def _parts_of_states(states: Sequence[Mapping[str, Any]], owner: str) -> tuple[list[tuple[int, Mapping[str, Any]]],
+                                                                           np.ndarray | None]:
+    """One field's map parts in per-rank checkpoint states (``ShardedRowMapper.state_dict``, or a checkpoint of
+    the replicated maps written before: ``id_maps`` in rank 0's, the whole capacity) and its bucket clock."""
+    parts = [(int(p["start"]), p["map"]) for s in states for p in [(s.get("id_shards") or {}).get(owner)] if p]
+    clock = next((np.asarray(s["id_buckets"][owner]) for s in states if owner in (s.get("id_buckets") or {})), None)
+    if not parts and states and (states[0].get("id_maps") or {}).get(owner):
+        whole = states[0]["id_maps"][owner]
+        parts, clock = [(0, whole)], np.asarray(whole["bucket_seen"]) if "bucket_seen" in whole else None
+    return parts, clock
+
+
+def whole_maps(cfg: FeatureConfig, states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every rank's map parts (per-rank checkpoint states) merged into ONE map per field, of the whole capacity:
+    ``RowMapper.state_dict``, what the unshard writes and a delta carries to serving."""
+    out = {}
+    for spec in dynamic_fields(cfg):
+        parts, clock = _parts_of_states(states, spec.name)
+        m = id_map_of(spec)
+        if parts:
+            p = _Parts.of(parts)
+            m.load_entries(p.keys, p.rows, p.seen, p.candidates_of(None, m.max_candidates), p.last_sweep,
+                           p.counters)
+        if clock is not None:
+            m.buckets.seen[:] = clock
+        out[spec.name] = m.state_dict()
+    return out
+
+
+def merged_stats(parts: list[Mapping[str, Mapping[str, float]]], capacities: Mapping[str, int]) -> dict[str, Any]:
+    """Every rank's ``IdMap.stats()`` per field as the stats of one map of the field's whole capacity."""
+    out: dict[str, dict[str, float]] = {}
+    for name, cap in capacities.items():
+        ps = [p[name] for p in parts if name in p]
+        tot = {k: float(sum(p[k] for p in ps)) for k in ("live_rows", "candidates", "lookups", "admissions",
+                                                         "evictions", "evictions_ttl", "evictions_lru")}
+        buckets = sum(p["bucket_share"] * p["lookups"] for p in ps)
+        out[name] = {**tot, "occupancy": tot["live_rows"] / cap,
+                     "bucket_share": buckets / tot["lookups"] if tot["lookups"] else 0.0}
+    return out
 
 
 def _within(rows: np.ndarray, start: int, local: torch.Tensor) -> np.ndarray:
@@ -48,83 +195,159 @@ def _within(rows: np.ndarray, start: int, local: torch.Tensor) -> np.ndarray:
     return (rows >= start) & (rows < start + len(local))
 
 
+@dataclass
+class _Field:
+    """One dynamic field on this rank: its spec, first global row, every rank's share, this rank's map (None:
+    no share here) and the replicated bucket clock."""
+
+    spec: FieldSpec
+    first: int
+    shares: list[Share]
+    mine: Share | None
+    map: IdMap | None
+    clock: BucketDecay
+
+    @property
+    def own0(self) -> int:
+        """Global row of the field's own row 0."""
+        return self.first + self.spec.num_buckets
+
+
 class ShardedRowMapper:
-    """One rank's replica of the id maps (module docstring). ``initial_sum``: fbgemm's starting row-wise sum
+    """One rank's shards of the id maps (module docstring). ``ranges``: the table's ``(rank, first row, end row)``
+    (:func:`~learner.sharded_model.row_ranges`); ``initial_sum``: fbgemm's starting row-wise sum
     (``initial_accumulator * state_scale``), what a reset row's state goes back to."""
 
-    def __init__(self, mapper: RowMapper, initial_sum: float) -> None:
-        self.mapper = mapper
-        self.initial_sum = initial_sum
+    def __init__(self, cfg: FeatureConfig, ranges: list[tuple[int, int, int]], rank: int, initial_sum: float) -> None:
+        self.cfg, self.rank, self.initial_sum = cfg, rank, initial_sum
+        self.slots = mapped_slots(cfg)
+        blocks = cfg.blocks
+        firsts = {cfg.fields[i].name: blocks[i][0] for i, _, _, own in self.slots if own}
+        self.fields: dict[str, _Field] = {}
+        for spec in dynamic_fields(cfg):
+            shares = shares_of(firsts[spec.name] + spec.num_buckets, spec.capacity, ranges)
+            mine = next((s for s in shares if s.rank == rank), None)
+            self.fields[spec.name] = _Field(spec, firsts[spec.name], shares, mine,
+                                            id_map_of(spec, mine.count, decay=False) if mine else None,
+                                            BucketDecay(spec.num_buckets, spec.bucket_half_life_s))
         self.now = float("-inf")  # event time (s) of the last round that had rows: the same on every rank
+        self.occupancy: dict[str, float] = {}  # per field, the whole map's, after the last round
+
+    @classmethod
+    def of(cls, cfg: FeatureConfig, dmp: Any, initial_sum: float) -> ShardedRowMapper:
+        """The mapper of the sharded model ``dmp`` (its table's row ranges), for this rank."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(cfg, row_ranges(table_weight(dmp)), rank, initial_sum)
 
     @property
     def active(self) -> bool:
-        return self.mapper.active
+        return bool(self.fields)
 
+    def nbytes(self) -> int:
+        """Bytes this rank's maps hold (its shares only)."""
+        return sum(f.map.nbytes() for f in self.fields.values() if f.map is not None)
+
+    # -- one round ---------------------------------------------------------------------------------------------
     def apply(self, tb: TensorBatch, dmp: Any) -> MapStats:
-        """Collective, every rank every round (``tb`` may be empty): rewrite ``tb.values`` of the dynamic fields
-        to rows, counting, admitting and evicting over every rank's keys; the rows' changes applied in the shards."""
-        if not self.mapper.active:
+        """Collective, every rank every round (``tb`` may be empty): rewrite ``tb.values`` of the dynamic fields to
+        rows, each key counted, admitted and evicted by the rank that owns it; the rows' changes applied where the
+        rows live. Returns the whole round's counts (every rank's keys)."""
+        if not self.fields:
             return MapStats()
-        slots = self.mapper.slots
         has_keys = len(tb) > 0 and tb.keys is not None
-        spans = self.mapper.spans(tb) if has_keys else [(0, 0)] * len(slots)
+        spans = field_spans(tb, self.slots) if has_keys else [(0, 0)] * len(self.slots)
         mine = [np.asarray(tb.keys[s:e]) if has_keys else np.empty(0, np.int64)  # type: ignore[index]
                 for s, e in spans]
         newest = float(tb.ts.max()) / 1000.0 if len(tb) else float("-inf")  # event time drives ids' ages
-        gathered = all_gather_objects((mine, newest))  # [(per-field keys (n_r,), newest)] in rank order
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        gathered = all_gather_objects((mine, newest))  # 1. [(per-field keys (n_r,), newest)] in rank order
         self.now = max([self.now] + [g[1] for g in gathered])
-        keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(slots))]  # (sum n_r,) per field
-        results, stats = self.mapper.lookup(keys, self.now, train=True)
-        values = tb.values.numpy()  # shares memory with the tensor: written in place
-        changed = []
-        for j, ((_, owner, first, own_field), (s, e), res) in enumerate(zip(slots, spans, results, strict=True)):
-            if res is None:
+        keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(self.slots))]  # (sum n_r,) per slot
+        owners: list[np.ndarray] = []
+        answers: list[tuple[np.ndarray, np.ndarray, np.ndarray, int] | None] = []
+        resets: list[np.ndarray] = []
+        for (_, name, _, own_field), k in zip(self.slots, keys, strict=True):  # 2. the keys this rank owns
+            f = self.fields[name]
+            who = np.array([s.rank for s in f.shares], dtype=np.int64)[owner_index(k, f.shares)] if len(k) else \
+                np.empty(0, np.int64)  # (n,) owning rank per key
+            owners.append(who)
+            sel = who == self.rank
+            if f.map is None or not sel.any():
+                answers.append(None)
                 continue
-            before = sum(len(g[0][j]) for g in gathered[:rank])  # this rank's keys start here in the field's call
-            if e > s:
-                values[s:e] = first + res.rows[before:before + e - s]
+            assert f.mine is not None
+            res = f.map.lookup(k[sel], self.now, train=own_field)
+            nb, shift = f.spec.num_buckets, f.mine.start  # the map's own row r -> the field's own row start + r
+            rows = np.where(res.rows >= nb, res.rows + shift, res.rows)  # field-local rows
             if own_field:
-                changed.append((owner, first, res))
-        self._apply_rows(changed, dmp)
+                resets.append(f.own0 - nb + shift + np.concatenate([res.evicted_rows, res.admitted_rows]))
+            answers.append((rows, res.admitted_rows + shift, res.admitted_from_bucket, len(res.evicted_rows)))
+        live = {n: f.map.stats()["live_rows"] for n, f in self.fields.items() if f.map is not None}
+        gathered2 = all_gather_objects((answers, live))  # 3. [(per slot: answer or None, live rows)] in rank order
+        replies = [g[0] for g in gathered2]
+        stats, changed = MapStats(), []
+        values = tb.values.numpy()  # shares memory with the tensor: written in place
+        for j, ((_, name, first, own_field), (s, e), k, who) in enumerate(zip(self.slots, spans, keys, owners,
+                                                                               strict=True)):
+            if not len(k):
+                continue
+            f = self.fields[name]
+            rows = np.empty(len(k), dtype=np.int64)  # (n,) field-local rows of every rank's keys, key order
+            for r, reply in enumerate(replies):
+                if reply[j] is not None:
+                    rows[who == r] = reply[j][0]
+            start = sum(len(g[0][j]) for g in gathered[:self.rank])  # this rank's keys in the field's call
+            if e > s:
+                values[s:e] = first + rows[start:start + e - s]
+            nb = f.spec.num_buckets
+            stats.lookups[name] = stats.lookups.get(name, 0) + len(k)
+            stats.bucket_lookups[name] = stats.bucket_lookups.get(name, 0) + int(np.count_nonzero(rows < nb))
+            if not own_field:
+                continue
+            answered = [reply[j] for reply in replies if reply[j] is not None]
+            dst = np.concatenate([a[1] for a in answered])  # (A,) field-local own rows handed out, every rank's
+            src = np.concatenate([a[2] for a in answered])  # (A,) their buckets
+            decayed, factor = f.clock.touch(np.concatenate([rows[rows < nb], src]), self.now)
+            changed.append((f, dst, src, decayed, factor))
+            stats.admitted[name] = len(dst)
+            stats.evicted[name] = sum(a[3] for a in answered)
+            self.occupancy[name] = sum(g[1].get(name, 0.0) for g in gathered2) / f.spec.capacity
+        self._apply_rows(changed, np.concatenate(resets) if resets else np.empty(0, np.int64), dmp)
         return stats
 
     def decay_idle(self, dmp: Any) -> None:
         """Every bucket's decay brought up to the last round's time in the shards (before a checkpoint; the same
-        call on every rank, so the replicas stay equal)."""
+        call on every rank, on the replicated clocks)."""
         if self.now == float("-inf"):
             return
         local = local_pieces(table_weight(dmp))
-        for _, owner, first, own_field in self.mapper.slots:
-            if own_field:
-                self._decay(first, self.mapper.maps[owner].decay_idle_buckets(self.now), local)
+        for f in self.fields.values():
+            self._decay(f.first, *f.clock.idle(self.now), local)
 
     # -- the rows, where they live ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _apply_rows(self, changed: list[tuple[str, int, LookupResult]], dmp: Any) -> None:
-        """The row changes of one round's lookups (``(owner, first row, result)`` per field that trains its map),
-        the same list on every rank: resets, decay, then the admitted rows' starting vectors with ONE all-reduce
-        for all fields (entered by every rank or none: whether any row is admitted is the same everywhere)."""
+    def _apply_rows(self, changed: list[tuple[_Field, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+                    reset: np.ndarray, dmp: Any) -> None:
+        """One round's row changes: ``reset`` (R,) global rows this rank's maps evicted or handed out (in its own
+        shard); per field (the same list on every rank) the admitted own rows and their buckets (field-local) and
+        the buckets' decay. Resets, decay, then the admitted rows' starting vectors with ONE all-reduce for all
+        fields (entered by every rank or none: whether any row is admitted is the same everywhere)."""
         if not changed:
             return
         local = local_pieces(table_weight(dmp))  # (first global row, rows (R, W)) per local shard
-        reset = np.concatenate([first + np.concatenate([r.evicted_rows, r.admitted_rows]) for _, first, r in changed])
-        if reset.size:  # (R,) global rows handed out or freed: their row-wise sums start again
+        if reset.size:  # rows handed out or freed: their row-wise sums start again
             for start, sums in local_pieces(fused_state(dmp)["momentum1"]):
                 sums[torch.from_numpy(reset[_within(reset, start, sums)] - start)] = self.initial_sum
-        for _, first, res in changed:  # before the copies: an admitted row starts from what its bucket serves now
-            self._decay(first, res, local)
-        admitted = [(owner, first, r) for owner, first, r in changed if r.admitted_rows.size]
+        for f, _, _, decayed, factor in changed:  # before the copies: an admitted row starts from its bucket's now
+            self._decay(f.first, decayed, factor, local)
+        admitted = [(f, dst, src) for f, dst, src, _, _ in changed if dst.size]
         if not admitted:
             return
-        dst = np.concatenate([first + r.admitted_rows for _, first, r in admitted])  # (A,) global
+        dst = np.concatenate([f.first + d for f, d, _ in admitted])  # (A,) global
+        from_bucket = np.concatenate([np.full(len(d), f.spec.init == "bucket") for f, d, _ in admitted])  # (A,)
+        src = np.concatenate([f.first + s for f, _, s in admitted])  # (A,) global bucket rows
         width = local[0][1].shape[1]
         vectors = torch.zeros(len(dst), width)  # (A, W): the bucket's vector, or zeros (init = "zero")
-        from_bucket = np.concatenate([np.full(len(r.admitted_rows), self.mapper.maps[o].init == "bucket")
-                                      for o, _, r in admitted])  # (A,)
         if from_bucket.any():
-            src = np.concatenate([first + r.admitted_from_bucket for _, first, r in admitted])  # (A,) global
             for start, rows in local:  # each bucket row from the one rank holding it, the others add zeros
                 sel = from_bucket & _within(src, start, rows)
                 vectors[torch.from_numpy(sel)] = rows[torch.from_numpy(src[sel] - start)].float().cpu()
@@ -136,21 +359,92 @@ class ShardedRowMapper:
                 rows[torch.from_numpy(dst[sel] - start)] = vectors[torch.from_numpy(sel)].to(rows.device, rows.dtype)
 
     @staticmethod
-    def _decay(first: int, res: LookupResult, local: list[tuple[int, torch.Tensor]]) -> None:
-        if not res.decayed_buckets.size:
+    def _decay(first: int, decayed: np.ndarray, factor: np.ndarray, local: list[tuple[int, torch.Tensor]]) -> None:
+        """Scale the field's bucket rows ``decayed`` (D,) (field-local) by ``factor`` (D,) where they live."""
+        if not decayed.size:
             return
-        rows_g = first + res.decayed_buckets  # (D,) global
+        rows_g = first + decayed  # (D,) global
         for start, rows in local:
             sel = _within(rows_g, start, rows)
             if sel.any():
-                factor = torch.from_numpy(res.decay[sel]).to(rows.device, rows.dtype).unsqueeze(1)  # (d, 1)
-                rows[torch.from_numpy(rows_g[sel] - start)] *= factor
+                f = torch.from_numpy(factor[sel]).to(rows.device, rows.dtype).unsqueeze(1)  # (d, 1)
+                rows[torch.from_numpy(rows_g[sel] - start)] *= f
+
+    @torch.no_grad()
+    def _move_rows(self, src: np.ndarray, dst: np.ndarray, dmp: Any) -> None:
+        """Collective (every rank the same lists): copy global rows ``src`` (M,) to ``dst`` (M,), their vectors and
+        row-wise sums, wherever each lives (one all-reduce; every source read before any destination written)."""
+        local = local_pieces(table_weight(dmp))
+        sums = local_pieces(fused_state(dmp)["momentum1"])
+        width = local[0][1].shape[1]
+        box = torch.zeros(len(src), width + 1)  # (M, W + 1): vector, then the row-wise sum
+        for (start, rows), (_, s) in zip(local, sums, strict=True):
+            sel = _within(src, start, rows)
+            idx = torch.from_numpy(src[sel] - start)
+            box[torch.from_numpy(sel), :width] = rows[idx].float().cpu()
+            box[torch.from_numpy(sel), width] = s[idx].float().cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(box)
+        for (start, rows), (_, s) in zip(local, sums, strict=True):
+            sel = _within(dst, start, rows)
+            if sel.any():
+                idx = torch.from_numpy(dst[sel] - start)
+                rows[idx] = box[torch.from_numpy(sel), :width].to(rows.device, rows.dtype)
+                s[idx] = box[torch.from_numpy(sel), width].to(s.device, s.dtype)
 
     # -- persistence -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``id_maps`` in the single-process checkpoint's format (``RowMapper.state_dict``) and the maps' clock."""
-        return {"id_maps": self.mapper.state_dict(), "ids_now": self.now}
+        """This rank's parts (``id_shards``: its share's first own row and map per field), the bucket clocks
+        (``id_buckets``, the same on every rank) and the maps' clock."""
+        return {"id_shards": {n: {"start": f.mine.start, "map": f.map.state_dict()}
+                              for n, f in self.fields.items() if f.map is not None and f.mine is not None},
+                "id_buckets": {n: torch.from_numpy(f.clock.seen.copy()) for n, f in self.fields.items()},
+                "ids_now": self.now}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mapper.load_state_dict(state.get("id_maps") or {})
-        self.now = float(state.get("ids_now", float("-inf")))
+    def stats_part(self) -> dict[str, dict[str, float]]:
+        """This rank's maps' ``IdMap.stats()`` (:func:`merged_stats` makes the whole maps' of every rank's)."""
+        return {n: f.map.stats() for n, f in self.fields.items() if f.map is not None}
+
+    def capacities(self) -> dict[str, int]:
+        return {n: f.spec.capacity for n, f in self.fields.items()}
+
+    def load_state_dict(self, states: Sequence[Mapping[str, Any]], dmp: Any) -> None:
+        """Collective: this rank's shares from every rank's checkpoint state (``states``, rank order), whatever the
+        world size or plan that wrote them (module docstring); the rows that must change rank move."""
+        moves_src, moves_dst = [], []
+        for name, f in self.fields.items():
+            parts, clock = _parts_of_states(states, name)
+            if clock is not None:
+                f.clock.seen[:] = clock
+            if not parts:
+                continue
+            p = _Parts.of(parts)
+            same = sorted((s, int(st["row_key"].shape[0])) for s, st in parts) == \
+                [(s.start, s.count) for s in f.shares]
+            who = owner_index(p.keys, f.shares)  # (K,) new share of every admitted key
+            for si, share in enumerate(f.shares):
+                m = np.flatnonzero(who == si)
+                if m.size > share.count:  # more keys than the share has rows: the most recently seen stay
+                    m = m[np.argsort(-p.seen[m], kind="stable")[:share.count]]
+                inside = (p.rows[m] >= share.start) & (p.rows[m] < share.start + share.count)
+                rows = p.rows[m].copy()
+                free = np.setdiff1d(np.arange(share.start, share.start + share.count), rows[inside])
+                rows[~inside] = free[:int(np.count_nonzero(~inside))]  # the lowest free rows of the share
+                moves_src.append(f.own0 + p.rows[m[~inside]])
+                moves_dst.append(f.own0 + rows[~inside])
+                if share.rank != self.rank or f.map is None:
+                    continue
+                if same:  # the same plan: this share's own counters back
+                    own = dict(next(st for s, st in parts if s == share.start)["counters"])
+                else:  # another plan: the first share carries the field's counters
+                    own = p.counters if si == 0 else {}
+
+                def keep(k: np.ndarray, si: int = si, f: _Field = f) -> np.ndarray:
+                    return owner_index(k, f.shares) == si
+
+                f.map.load_entries(p.keys[m], rows - share.start, p.seen[m],
+                                   p.candidates_of(keep, f.map.max_candidates), p.last_sweep, own)
+        self.now = max((float(s.get("ids_now", float("-inf"))) for s in states), default=float("-inf"))
+        src = np.concatenate(moves_src) if moves_src else np.empty(0, np.int64)
+        if src.size:  # the same on every rank: every rank computed every share's plan
+            self._move_rows(src, np.concatenate(moves_dst), dmp)

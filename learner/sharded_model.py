@@ -181,6 +181,15 @@ def local_pieces(sharded: Any) -> list[tuple[int, torch.Tensor]]:
     return [(int(s.metadata.shard_offsets[0]), s.tensor) for s in sharded.local_shards()]
 
 
+def row_ranges(sharded: Any) -> list[tuple[int, int, int]]:
+    """(rank, first row, end row) of every shard of a row-wise ``ShardedTensor``, on every rank, ordered by row."""
+    out = []
+    for md in sharded.metadata().shards_metadata:
+        lo = int(md.shard_offsets[0])
+        out.append((int(md.placement.rank()), lo, lo + int(md.shard_sizes[0])))
+    return sorted(out, key=lambda r: r[1])
+
+
 def fused_state(dmp: DistributedModelParallel) -> dict[str, Any]:
     """The fused optimizer's state: ``{"momentum1": ShardedTensor (num_rows,)}`` (fbgemm's row-wise sums)."""
     state = dmp.fused_optimizer.state_dict()["state"][TABLE_KEY]

@@ -1,12 +1,19 @@
-"""Dynamic ids on N ranks (``learner/sharded_ids.py``): 1 and 2 gloo ranks in processes of their own, each mapping
-its share of every round, end with the rows, row-wise sums and id maps that the single-process ``RowMapper``
-makes from the same rounds (every rank's batch concatenated in rank order): admission with the bucket's vector and
-with zeros, LRU eviction of a full map, the reset optimizer state, bucket decay, a history that only reads."""
+"""Dynamic ids on N ranks (``learner/sharded_ids.py``: each field's id map sharded with its rows), with 1 and 2 gloo
+ranks in processes of their own:
+
+* while no share is full, ranks mapping their shares end with every id on a row holding the vector and row-wise
+  sum that one process's ``RowMapper`` gives it over the same rounds (admission from a bucket that lives on the
+  other rank and with zeros, TTL eviction, reset optimizer state, bucket decay, a history that only reads), and
+  one rank is that process exactly (the same rows);
+* a full share evicts its own least recently seen ids: each rank's map is the ``IdMap`` of its share fed the
+  keys it owns, and holds only its share (the maps are not replicated);
+* a restore onto another world size moves the ids whose owner changed, with their vectors and sums."""
 
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,79 +22,94 @@ import torch.multiprocessing as mp
 
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.features import FeatureConfig, FieldSpec
+from learner.id_map import IdMap
 from learner.model import DeepFM
 from learner.optim import make_optimizers
-from learner.row_mapper import RowMapper
+from learner.row_mapper import RowMapper, field_spans, mapped_slots
 from stream.samples import SampleBatch
 
 B = 6
-# rows: item_id [0, 22), user_id [22, 40), ctx.device [40, 60); 2 ranks hold [0, 30) and [30, 60): most new user
-# rows start as a bucket vector that lives on the other rank
-CFG = FeatureConfig((FieldSpec("item_id", "single", B, capacity=16, admit_after=1, init="zero"),
-                     FieldSpec("history", "sequence", 1, shares="item_id"),
-                     FieldSpec("user_id", "single", B, capacity=12, admit_after=2, bucket_half_life_s=30.0),
-                     FieldSpec("ctx.device", "single", 20)), embedding_dim=4)
+# rows: item_id [0, 262), user_id [262, 668), ctx.device [668, 688); 2 ranks hold [0, 344) and [344, 688): the
+# user field's own rows are split over both ranks and its buckets live on rank 0
+ROOMY = FeatureConfig((FieldSpec("item_id", "single", B, capacity=256, admit_after=1, init="zero"),
+                       FieldSpec("history", "sequence", 1, shares="item_id"),
+                       FieldSpec("user_id", "single", B, capacity=400, admit_after=2, ttl_s=50.0,
+                                 bucket_half_life_s=30.0),
+                       FieldSpec("ctx.device", "single", 20)), embedding_dim=4)
+# a user map of 12 rows for 40 users: both shares fill and evict
+FULL = FeatureConfig((FieldSpec("item_id", "single", B, capacity=16, admit_after=1, init="zero"),
+                      FieldSpec("history", "sequence", 1, shares="item_id"),
+                      FieldSpec("user_id", "single", B, capacity=12, admit_after=2, bucket_half_life_s=30.0),
+                      FieldSpec("ctx.device", "single", 20)), embedding_dim=4)
+CFGS = {"roomy": ROOMY, "full": FULL}
 ROUNDS = 12
 ACC0 = 0.1
+USERS = np.arange(40, dtype=np.int64)  # the samples carry these ids as their keys
 
 
-def rank_batch(rnd: int, rank: int, world: int) -> TensorBatch:
+def rank_batch(cfg: FeatureConfig, rnd: int, rank: int, world: int) -> TensorBatch:
     """Rank ``rank``'s batch of round ``rnd`` (rank 1 of 2 has none in round 3: a rank may bring no rows)."""
     if world > 1 and rank == 1 and rnd == 3:
         return to_tensors(SampleBatch.from_columns(
             impression_id=[], ts=np.zeros(0, np.int64), label=np.zeros(0), label_delay_ms=np.zeros(0),
-            user_id=np.zeros(0, np.int64), item_id=np.zeros(0, np.int64), history=[], context={"device": []}), CFG)
+            user_id=np.zeros(0, np.int64), item_id=np.zeros(0, np.int64), history=[], context={"device": []}), cfg)
     rng = np.random.default_rng(100 * rnd + rank)
     n = 7
-    users = rng.integers(0, 40, n)  # more users than own rows: the map fills and evicts
+    users = rng.integers(0, 20 if rnd < 6 else 40, n)  # the later rounds bring new users, some go idle
     items = rng.integers(0, 30, n)
     return to_tensors(SampleBatch.from_columns(
         impression_id=[f"r{rnd}-{rank}-{k}" for k in range(n)], ts=(rnd * 20_000 + np.arange(n)) * 1,
         label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=users, item_id=items,
-        history=[list(rng.integers(0, 30, 2)) for _ in range(n)], context={"device": rng.integers(0, 3, n)}), CFG)
+        history=[list(rng.integers(0, 30, 2)) for _ in range(n)], context={"device": rng.integers(0, 3, n)}), cfg)
 
 
-def start_weights() -> tuple[torch.Tensor, torch.Tensor]:
-    """The table (num_rows, D + 1) and row-wise sums (num_rows,) both runs start from: random, so that every reset
-    and copy shows."""
+def start_weights(cfg: FeatureConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table (num_rows, D + 1) and row-wise sums (num_rows,) the runs start from: random, so that every reset,
+    copy and move shows."""
     g = torch.Generator().manual_seed(3)
-    return torch.randn(CFG.num_rows, CFG.embedding_dim + 1, generator=g), torch.rand(CFG.num_rows, generator=g) + 1
+    return torch.randn(cfg.num_rows, cfg.embedding_dim + 1, generator=g), torch.rand(cfg.num_rows, generator=g) + 1
 
 
-def reference(world: int) -> dict[str, object]:
-    """The single-process mapper over each round's batches concatenated in rank order."""
-    model = DeepFM(CFG, mlp=(4,), seed=0, autocast_dtype=None)
+def reference(cfg: FeatureConfig, world: int) -> dict[str, Any]:
+    """One process's mapper over each round's batches concatenated in rank order; buckets decayed at the end (what
+    a checkpoint does)."""
+    model = DeepFM(cfg, mlp=(4,), seed=0, autocast_dtype=None)
     sparse, _ = make_optimizers(model, 0.1, 0.01, initial_accumulator=ACC0)
-    w, s = start_weights()
+    w, s = start_weights(cfg)
     table = model.sparse.bag.weight
     with torch.no_grad():
         table.copy_(w)
     sparse.state[table]["sum"] = s.clone()
-    mapper, values = RowMapper(CFG), []
+    mapper, values = RowMapper(cfg), []
     now = float("-inf")
     for rnd in range(ROUNDS):
-        tb = concat([rank_batch(rnd, r, world) for r in range(world)], CFG.num_fields)
+        tb = concat([rank_batch(cfg, rnd, r, world) for r in range(world)], cfg.num_fields)
         now = max(now, float(tb.ts.max()) / 1000.0)
         mapper.apply(tb, now, model=model, sparse_opt=sparse)
         values.append(tb.values.clone())
+    mapper.decay_idle_buckets(model, now)
     return {"table": table.detach().clone(), "sums": sparse.state[table]["sum"].clone(), "values": values,
-            "maps": mapper.state_dict()}
+            "mapper": mapper}
 
 
-def rank_main(rank: int, world: int, store: str, out: str) -> None:
+def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds: int, load: str | None) -> None:
+    """One rank: the table from ``start_weights`` (or from ``load``'s dump, with its maps' states restored), then
+    ``rounds`` rounds of ``rank_batch``, a checkpoint's decay; dumps what it holds."""
     import torch.distributed as dist
 
     from learner.sharded_ids import ShardedRowMapper
     from learner.sharded_model import ShardedDeepFM, fused_state, shard, state_scale, table_weight
 
+    cfg = CFGS[cfg_name]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        model = ShardedDeepFM(CFG, (4,), 0.0, 0, None, table_device=torch.device("meta"))
+        model = ShardedDeepFM(cfg, (4,), 0.0, 0, None, table_device=torch.device("meta"))
         dmp = shard(model, world, torch.device("cpu"), 0.1, 1e-8, ACC0, seed=0)
-        c = state_scale(CFG.embedding_dim)
-        w, s = start_weights()
-        d = CFG.embedding_dim
+        c = state_scale(cfg.embedding_dim)
+        earlier = pickle.loads(Path(load).read_bytes()) if load else None
+        w, s = (earlier["table"], earlier["sums"]) if earlier else start_weights(cfg)
+        d = cfg.embedding_dim
         with torch.no_grad():
             for sh in table_weight(dmp).local_shards():
                 lo = int(sh.metadata.shard_offsets[0])
@@ -96,72 +118,164 @@ def rank_main(rank: int, world: int, store: str, out: str) -> None:
             for sh in fused_state(dmp)["momentum1"].local_shards():
                 lo = int(sh.metadata.shard_offsets[0])
                 sh.tensor.copy_(s[lo:lo + len(sh.tensor)] * c)
-        ids = ShardedRowMapper(RowMapper(CFG), ACC0 * c)
-        values = []
-        for rnd in range(ROUNDS):
-            tb = rank_batch(rnd, rank, world)
-            ids.apply(tb, dmp)
+        ids = ShardedRowMapper.of(cfg, dmp, ACC0 * c)
+        if earlier:
+            ids.load_state_dict(earlier["states"], dmp)
+        values, stats = [], []
+        for rnd in range(rounds):
+            tb = rank_batch(cfg, rnd, rank, world)
+            stats.append(ids.apply(tb, dmp))
             values.append(tb.values.clone())
-        ids.decay_idle(dmp)  # a checkpoint's: the same on every rank, the maps stay equal
+        ids.decay_idle(dmp)  # a checkpoint's: the same on every rank
+        if rounds:  # a serving delta: it carries the whole maps, merged on rank 0 from every rank's shares
+            from learner.deltas import DeltaWriter
+            from learner.sharded_deltas import ShardedDeltas
+
+            writer = DeltaWriter(Path(out).with_suffix(".deltas"), cfg.num_rows, 1.0, id_maps_every_s=0.0) \
+                if rank == 0 else None
+            deltas = ShardedDeltas(cfg.num_rows, d, 1.0, writer)
+            deltas.id_maps = (cfg, ids.state_dict)
+            deltas.mark(values[-1])
+            deltas.write(dmp, model, samples=rounds)
         shards = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone()) for sh in table_weight(dmp).local_shards()]
         sums = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone() / c)
                 for sh in fused_state(dmp)["momentum1"].local_shards()]
-        Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums,
-                                            "state": ids.state_dict()}))
+        shares = {n: f.shares for n, f in ids.fields.items()}
+        Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums, "stats": stats,
+                                            "state": ids.state_dict(), "shares": shares, "nbytes": ids.nbytes(),
+                                            "occupancy": dict(ids.occupancy)}))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_ranks_mapping_their_shares_end_like_one_process_mapping_the_whole_rounds(world: int, tmp_path: Path) -> None:
-    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(world)]
+def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, load: Path | None = None,
+              tag: str = "") -> dict[str, Any]:
+    """``rank_main`` on ``world`` spawned ranks; their dumps, and the whole table, sums and maps they hold."""
+    outs = [str(tmp_path / f"{tag}rank{r}.pkl") for r in range(world)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, world, str(tmp_path / "store"), outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, str(tmp_path / f"{tag}store"), outs[r], cfg_name, rounds,
+                                                 str(load) if load else None)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0] * world
     got = [pickle.loads(Path(o).read_bytes()) for o in outs]
-    ref = reference(world)
-    # the reference brought its buckets up to date too (what a checkpoint does), so the tables compare
-    model = DeepFM(CFG, mlp=(4,), seed=0, autocast_dtype=None)
-    mapper = RowMapper(CFG)
-    mapper.load_state_dict(ref["maps"])  # type: ignore[arg-type]
-    with torch.no_grad():
-        model.sparse.bag.weight.copy_(ref["table"])  # type: ignore[arg-type]
-    now = max(float(rank_batch(ROUNDS - 1, r, world).ts.max()) / 1000.0 for r in range(world))
-    mapper.decay_idle_buckets(model, now)
-    d = CFG.embedding_dim
-    table = torch.zeros(CFG.num_rows, d + 1)
-    sums = torch.zeros(CFG.num_rows)
+    from learner.sharded_ids import whole_maps
+
+    cfg = CFGS[cfg_name]
+    d = cfg.embedding_dim
+    table, sums = torch.zeros(cfg.num_rows, d + 1), torch.zeros(cfg.num_rows)
     for g in got:
         for lo, t in g["shards"]:
             table[lo:lo + len(t)] = t[:, :d + 1]
             assert not t[:, d + 1:].any()  # padding untouched
         for lo, t in g["sums"]:
             sums[lo:lo + len(t)] = t
-    for rnd in range(ROUNDS):  # each rank's rows are its slice of the whole round's
-        mine = torch.cat([g["values"][rnd] for g in got]) if world == 1 else None
-        if world == 1:
-            assert torch.equal(mine, ref["values"][rnd])  # type: ignore[arg-type,index]
-    if world == 2:  # field-major bags: compare per field via the concatenation of the ranks' batches
-        for rnd in range(ROUNDS):
-            tbs = [rank_batch(rnd, r, world) for r in range(world)]
-            for tb, g in zip(tbs, got, strict=True):
-                tb.values.copy_(g["values"][rnd])
-            assert torch.equal(concat(tbs, CFG.num_fields).values, ref["values"][rnd])  # type: ignore[index]
-    assert torch.allclose(table, model.sparse.bag.weight.detach(), atol=1e-6)
-    assert torch.allclose(sums, ref["sums"], atol=1e-6)  # type: ignore[arg-type]
-    stats = mapper.stats()
-    assert stats["user_id"]["admissions"] > 0 and stats["user_id"]["evictions"] > 0  # the cases were exercised
-    assert stats["item_id"]["admissions"] > 0
-    for g in got:  # every rank holds the same maps as the single process
-        replica = RowMapper(CFG)
-        replica.load_state_dict(g["state"]["id_maps"])
-        assert replica.stats() == stats
-        keys = np.arange(0, 40, dtype=np.int64)  # the samples carry these ids as their keys
-        for f in (0, 2):
-            assert np.array_equal(replica.rows(f, keys), mapper.rows(f, keys))
-            first, buckets = CFG.blocks[f]
-            assert (mapper.rows(f, keys) >= first + buckets).any()  # some of them on own rows
+    states = [g["state"] for g in got]
+    return {"ranks": got, "table": table, "sums": sums, "states": states,
+            "mapper": RowMapper.from_state(cfg, whole_maps(cfg, states))}
+
+
+def admitted(mapper: RowMapper, field: int, keys: np.ndarray) -> np.ndarray:
+    first, buckets = ROOMY.blocks[field]
+    return keys[mapper.rows(field, keys) >= first + buckets]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(world: int, tmp_path: Path) -> None:
+    got = run_ranks(world, tmp_path, "roomy")
+    ref = reference(ROOMY, world)
+    mapper, want = got["mapper"], ref["mapper"]
+    stats = want.stats()
+    assert stats["user_id"]["admissions"] > 0 and stats["user_id"]["evictions_ttl"] > 0  # the cases were exercised
+    assert stats["item_id"]["admissions"] > 0 and stats["user_id"]["evictions_lru"] == 0
+    for name in ("item_id", "user_id"):  # the whole maps' counts are one process's
+        for key in ("admissions", "evictions", "lookups", "bucket_share", "live_rows"):
+            assert mapper.stats()[name][key] == pytest.approx(stats[name][key]), (name, key)
+    for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
+        assert np.array_equal(admitted(mapper, f, keys), admitted(want, f, keys))  # the same ids on own rows
+        rows, ref_rows = mapper.rows(f, keys), want.rows(f, keys)
+        assert torch.allclose(got["table"][rows], ref["table"][ref_rows], atol=1e-6)  # each id's vector
+        assert torch.allclose(got["sums"][rows], ref["sums"][ref_rows], atol=1e-6)  # and its row-wise sum
+        if world == 1:  # one rank is one process, row for row
+            assert np.array_equal(rows, ref_rows)
+    first, buckets = ROOMY.blocks[2]
+    assert torch.allclose(got["table"][first:first + buckets], ref["table"][first:first + buckets], atol=1e-6)
+    own = torch.zeros(ROOMY.num_rows, dtype=torch.bool)  # (num_rows,) the dynamic fields' own rows
+    for f in (0, 2):
+        first, buckets = ROOMY.blocks[f]
+        own[first + buckets:first + buckets + ROOMY.fields[f].capacity] = True
+    for rnd in range(ROUNDS):  # each round: the same samples on buckets and on own rows, one row per id
+        tbs = [rank_batch(ROOMY, rnd, r, world) for r in range(world)]
+        for tb, g in zip(tbs, got["ranks"], strict=True):
+            tb.values.copy_(g["values"][rnd])
+        mine, theirs = concat(tbs, ROOMY.num_fields).values, ref["values"][rnd]
+        assert torch.equal(own[mine], own[theirs])
+        assert torch.equal(mine[~own[mine]], theirs[~own[theirs]])
+        pairs = torch.unique(torch.stack([mine[own[mine]], theirs[own[theirs]]]), dim=1)  # (2, P)
+        assert len(torch.unique(pairs[0])) == len(torch.unique(pairs[1])) == pairs.shape[1]  # a bijection
+    from learner.deltas import list_deltas, load_delta
+
+    (_, _, path), = list_deltas(tmp_path / "rank0.deltas")
+    served = RowMapper.from_state(ROOMY, load_delta(path).id_maps)  # what serving maps ids with
+    for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
+        assert np.array_equal(served.rows(f, keys), mapper.rows(f, keys))
+    if world == 2:  # the user map is split over both ranks, each holding its share only
+        shares = got["ranks"][0]["shares"]["user_id"]
+        assert [s.rank for s in shares] == [0, 1] and sum(s.count for s in shares) == 400
+        for g in got["ranks"]:
+            part = g["state"]["id_shards"]["user_id"]["map"]
+            assert len(part["row_key"]) < 400
+
+
+def test_a_full_share_evicts_its_own_least_recently_seen_ids(tmp_path: Path) -> None:
+    """Each rank's map is the IdMap of its share (capacity: its own rows) fed, round by round, the keys it owns."""
+    from learner.sharded_ids import owner_index
+
+    got = run_ranks(2, tmp_path, "full")
+    shares = got["ranks"][0]["shares"]["user_id"]
+    assert len(shares) == 2
+    user = [f.name for f in FULL.fields].index("user_id")
+    slot = [i for i, *_ in mapped_slots(FULL)].index(user)
+    maps = [IdMap(s.count, B, admit_after=2) for s in shares]
+    for rnd in range(ROUNDS):
+        tbs = [rank_batch(FULL, rnd, r, 2) for r in range(2)]
+        keys = np.concatenate([tb.keys[slice(*field_spans(tb, mapped_slots(FULL))[slot])] for tb in tbs if len(tb)])
+        now = max(float(tb.ts.max()) / 1000.0 for tb in tbs if len(tb))
+        who = owner_index(keys, shares)
+        for si, m in enumerate(maps):
+            if (who == si).any():
+                m.lookup(keys[who == si], now)
+    lru = 0
+    for si, (s, m) in enumerate(zip(shares, maps, strict=True)):
+        part = got["ranks"][s.rank]["state"]["id_shards"]["user_id"]
+        assert part["start"] == s.start
+        k, r, _ = m.entries()
+        st = m.state_dict()
+        assert np.array_equal(np.asarray(part["map"]["row_key"]), st["row_key"].numpy()), si
+        lru += m.stats()["evictions_lru"]
+        # the whole map puts the share's ids on the share's rows
+        first, buckets = FULL.blocks[user]
+        assert np.array_equal(got["mapper"].rows(user, k), first + buckets + s.start + r)
+    assert lru > 0  # both shares were full at some point
+    assert got["mapper"].stats()["user_id"]["evictions_lru"] == lru
+
+
+def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(tmp_path: Path) -> None:
+    """1 rank's maps restored onto 2 ranks: the ids whose new owner's share does not hold their row move there
+    with their vector and row-wise sum; the whole maps' ids are the same, and so is everything that did not move."""
+    one = run_ranks(1, tmp_path, "roomy", tag="one-")
+    dump = tmp_path / "one.pkl"
+    dump.write_bytes(pickle.dumps({"table": one["table"], "sums": one["sums"], "states": one["states"]}))
+    two = run_ranks(2, tmp_path, "roomy", rounds=0, load=dump, tag="two-")
+    moved = 0
+    for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
+        assert np.array_equal(admitted(two["mapper"], f, keys), admitted(one["mapper"], f, keys))
+        a, b = one["mapper"].rows(f, keys), two["mapper"].rows(f, keys)
+        moved += int(np.count_nonzero(a != b))
+        assert torch.equal(two["table"][b], one["table"][a])
+        assert torch.equal(two["sums"][b], one["sums"][a])
+    assert moved > 0  # some user ids changed rank
+    whole_one, whole_two = one["mapper"].stats(), two["mapper"].stats()
+    assert whole_two["user_id"]["admissions"] == whole_one["user_id"]["admissions"]
