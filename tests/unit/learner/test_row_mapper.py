@@ -209,3 +209,21 @@ def test_the_learner_shrinks_idle_user_buckets_when_a_new_user_lands_in_them() -
     mapper.apply(to_tensors(batch([other], [77], [[]]), cfg), now=120.0, model=model, sparse_opt=sparse)
     assert torch.allclose(w[user_bucket], before[user_bucket] / 4)
     assert torch.equal(w[item_bucket], before[item_bucket])  # item buckets keep their memory (no half-life)
+
+
+def test_deltas_written_row_by_row_carry_the_id_maps_again_once_id_maps_every_s_passed(tmp_path: Path) -> None:
+    """The distributed mode's rank 0 calls ``write_rows`` only (``learner/sharded_deltas.py``): the maps' cadence must
+    follow the clock there too (it sent them with the first delta only)."""
+    from learner.deltas import DeltaWriter, dense_weights, list_deltas, load_delta
+
+    dense = dense_weights(DeepFM(CFG, mlp=(8,), seed=0, autocast_dtype=None))
+    now = [0.0]
+    writer = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1.0, clock=lambda: now[0], id_maps_every_s=10.0)
+    writer.id_maps_source = RowMapper(CFG).state_dict
+    carried = []
+    for t in (0.0, 5.0, 11.0, 12.0, 25.0):
+        now[0] = t
+        carried.append(writer.maps_due())
+        writer.write_rows(torch.tensor([1]), torch.zeros(1, CFG.embedding_dim + 1), dense, 1)
+    got = [load_delta(p).id_maps is not None for _, _, p in list_deltas(tmp_path / "deltas")]
+    assert got == carried == [True, False, True, False, True]
