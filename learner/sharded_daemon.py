@@ -34,8 +34,9 @@ rank moves the bias with all of them, identically, so DDP's replicas stay equal 
 let the first round's steps train against the prior's bias, and 2 ranks ended 0.023 below one process's progressive
 AUC on the test stream).
 
+``accumulation`` micro-batches are trained as one step of their rows (:func:`rows_per_step`: the same update).
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-the boost of young rows, ``sparse_adam``, gradient accumulation.
+the boost of young rows, ``sparse_adam``.
 
 Poison messages (``stream/strikes.py``): a rank whose own batch fails gives each of its messages a strike (one
 strikes file per partition, so a partition's strikes follow it to whichever rank reads it after a restart on any
@@ -116,10 +117,18 @@ def check_settings(ls: LearnerSettings) -> None:
     if ls.sparse_optimizer is not SparseOptimizer.ROWWISE_ADAGRAD:
         bad.append(f"sparse_optimizer = {ls.sparse_optimizer.value} (only rowwise_adagrad is sharded: fbgemm's CPU "
                    "kernels have no Adam, and its CUDA Adam was not tried here)")
-    if ls.accumulation != 1:
-        bad.append(f"accumulation = {ls.accumulation} (set 1)")
     if bad:
         raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
+
+
+def rows_per_step(ls: LearnerSettings) -> int:
+    """Rows of one optimizer step on a rank: ``step_rows * accumulation``. The table's optimizer runs inside the
+    backward (fbgemm's fused row-wise Adagrad), so no gradient waits for the next micro-batch: ``accumulation``
+    micro-batches are trained as ONE step over their rows. It is the single process's update (the mean loss of k
+    equal micro-batches is the mean over their rows) and the same predictions (the weights do not change between
+    micro-batches); what it does not bound is the memory of activations, which is that of the k micro-batches at
+    once."""
+    return max(1, ls.step_rows) * max(1, ls.accumulation)
 
 
 class ShardedLearner:
@@ -332,12 +341,14 @@ class ShardedLearner:
         # poison strikes: one file per partition, written by the rank reading it (stream/strikes.py)
         strikes = Strikes(PartitionFileStrikes(ls.checkpoint_dir, mine), ls.poison_after)
         suspects = {(p, o): strikes.poisoned(key) for key in strikes.counts for t, p, o in [key] if t == topic}
-        dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine}, ls.batch_rows,
+        step_rows = rows_per_step(ls)  # accumulation included
+        dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine},
+                                     max(ls.batch_rows, step_rows),
                                      ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions)
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))
-        lock = LockStep(ls.step_rows, ls.max_samples)
+        lock = LockStep(step_rows, ls.max_samples)
         empty = to_tensors_empty(self.cfg, None)
         ended = False
         last_ckpt, since_ckpt = time.monotonic(), 0
@@ -357,7 +368,7 @@ class ShardedLearner:
             try:
                 if self.ids is not None and self.ids.active:  # collective: every rank, every round
                     self._observe_ids(self.ids.apply(kept, self.dmp))
-                chunks = kept.chunks(ls.step_rows) if len(kept) else []
+                chunks = kept.chunks(step_rows) if len(kept) else []
                 wants = (since_ckpt >= ls.checkpoint_every_samples
                          or time.monotonic() - last_ckpt >= ls.checkpoint_every_s)
                 if self.deltas is not None and len(kept):

@@ -255,6 +255,30 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_then_in_one_process_traini
     assert summary["samples_trained"] == summary["metrics"]["samples"] == sum(rows.values())
 
 
+def test_two_ranks_accumulating_micro_batches_take_one_processs_steps_and_reach_its_auc(kafka: KafkaSettings,
+                                                                                       tmp_path: Path) -> None:
+    """``accumulation = 2``: one process steps after two 100-row micro-batches, each of 2 ranks after two 50-row
+    ones (trained as one 100-row step: learner.sharded_daemon.rows_per_step), so both take 200-row steps."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
+    rng = np.random.default_rng(11)
+    user_bias, item_bias = rng.normal(0, 1.5, 100), rng.normal(-1, 1.5, 100)
+    producer = AckedProducer(kafka)
+    for k in range(MESSAGES):
+        producer.send(kafka.samples_topic, learnable_batch(rng, ROWS, k * ROWS, user_bias, item_bias).encode(),
+                      str(k).encode(), partition=k % PARTITIONS)
+    producer.flush()
+    s1, s2 = one_process_and_two_ranks(env_for(kafka, STREAMREC_LEARNER_ACCUMULATION="2"), tmp_path)
+    total = MESSAGES * ROWS
+    assert s1["samples_trained"] == s2["samples_trained"] == total
+    # a round's rows of a rank are a whole number of messages (100 rows): two 50-row micro-batches per step
+    assert s2["steps"] == total // 200, (s1["steps"], s2["steps"])
+    assert abs(s1["steps"] - s2["steps"]) <= PARTITIONS, (s1["steps"], s2["steps"])  # batch ends cut a few short
+    auc1, auc2 = s1["metrics"]["auc"], s2["metrics"]["auc"]
+    print(f"accumulation 2, progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")
+    assert auc1 > 0.65, auc1  # the stream is learnable
+    assert abs(auc1 - auc2) <= 0.02, (auc1, auc2)
+
+
 def test_two_ranks_write_serving_deltas_whose_rows_and_dense_weights_are_the_final_checkpoints(
         kafka: KafkaSettings, stack: LocalStack, tmp_path: Path) -> None:
     import redis
