@@ -235,7 +235,9 @@ def main() -> None:
         print(f"{o['rows']:>12} {o['single_table_mib']:>9.0f} | {o['examples_per_s']:>11.0f} "
               f"{o1['examples_per_s']:>8.0f} {o['rss_peak_mib']:>8.0f} | {many[0]['examples_per_s']:>11.0f}  "
               f"{ratio:>5.2f}  {ratio1:>14.2f}  {tables:>18}  {rss:>16}"
-              + (f"  id maps {o['id_maps_mib']:.0f} MiB per process, mapping ms/step {o['id_map_ms_per_step']:.1f} "
+              + (f"  id maps MiB {o['id_maps_mib']:.0f} (1 proc) "
+                 + "/".join(f"{r['id_maps_mib']:.0f}" for r in many)
+                 + f" (per rank), mapping ms/step {o['id_map_ms_per_step']:.1f} "
                  f"(1 proc) {many[0]['id_map_ms_per_step']:.1f} (rank 0)" if args.id_capacity else ""))
         if o["rss_peak_mib"] > args.cap_mib and all(r["rss_peak_mib"] <= args.cap_mib for r in many):
             largest = o["rows"]
