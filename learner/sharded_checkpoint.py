@@ -120,6 +120,11 @@ def load(path: Path, app_state: dict[str, Any]) -> None:
     dcp.load(app_state, checkpoint_id=str(path))
 
 
+def holds(path: Path, key: str) -> bool:
+    """Whether the DCP checkpoint at ``path`` has ``key`` (a flattened name, e.g. ``table_state.updates``)."""
+    return key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
 def rank_states(path: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``rank-<r>.pt`` of the checkpoint (weights-only loads)."""
     return [checkpoint.load(path / f"rank-{r}.pt") for r in range(int(meta["world_size"]))]
@@ -170,13 +175,17 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
     model = DeepFM(cfg, mlp=ModelConfig.from_meta(ms).mlp, dropout=float(ms.get("dropout", 0.0)),
                    seed=int(ms.get("seed", 0)), autocast_dtype=None)
     sparse_opt, dense_opt = make_optimizers(model, ms["lr_sparse"], ms["lr_dense"], "rowwise_adagrad",
-                                            initial_accumulator=ms.get("initial_accumulator", 0.0))
+                                            initial_accumulator=ms.get("initial_accumulator", 0.0),
+                                            boost=float(ms.get("boost", 0.0)),
+                                            boost_half_life=float(ms.get("boost_half_life", 0.0)))
     dense_names = {id(p): n for n, p in model.named_parameters() if not n.startswith("sparse.")}
     key = TABLE_KEY
     app_state: dict[str, Any] = {
         "model": {key: torch.zeros(cfg.num_rows, w),
                   **{n: torch.zeros_like(p) for n, p in model.named_parameters() if not n.startswith("sparse.")}},
-        "table_state": {"momentum1": torch.zeros(cfg.num_rows)},
+        "table_state": {"momentum1": torch.zeros(cfg.num_rows),
+                        **({"updates": torch.zeros(cfg.num_rows, dtype=torch.int32)}
+                           if holds(path, "table_state.updates") else {})},
         "dense_opt": dense_opt_state(dense_opt, dense_names),
     }
     dcp.load(app_state, checkpoint_id=str(path), no_dist=True)
@@ -188,6 +197,8 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
                 p.copy_(app_state["model"][n])
     table = model.sparse.bag.weight
     sparse_opt.state[table]["sum"] = app_state["table_state"]["momentum1"] / c  # fbgemm's sum, as learner/optim's
+    if "updates" in app_state["table_state"]:  # the boost's update counts (learner/sharded_boost.py)
+        sparse_opt.state[table]["updates"] = app_state["table_state"]["updates"].to(torch.int32)
     for p in (p for g in dense_opt.param_groups for p in g["params"]):
         st = app_state["dense_opt"][dense_names[id(p)]]
         if float(st["step"]) > 0:

@@ -36,7 +36,7 @@ AUC on the test stream).
 
 ``accumulation`` micro-batches are trained as one step of their rows (:func:`rows_per_step`: the same update).
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-the boost of young rows, ``sparse_adam``.
+``sparse_adam``. The boost of young rows is applied around fbgemm's fused update (``learner/sharded_boost.py``).
 
 Poison messages (``stream/strikes.py``): a rank whose own batch fails gives each of its messages a strike (one
 strikes file per partition, so a partition's strikes follow it to whichever rank reads it after a restart on any
@@ -95,6 +95,7 @@ from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
 from learner.quality import TrainingQuality
 from learner.row_mapper import MapStats, user_keys
+from learner.sharded_boost import ShardedBoost
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
 from learner.sharded_deltas import ShardedDeltas
 from learner.sharded_ids import ShardedRowMapper, merged_stats
@@ -112,8 +113,6 @@ log = logging.getLogger("streamrec.train")
 def check_settings(ls: LearnerSettings) -> None:
     """The settings the distributed mode cannot honour: a ConfigError naming each and the fix."""
     bad = []
-    if ls.boost > 0:
-        bad.append(f"boost = {ls.boost} (fbgemm's row-wise Adagrad has no boost: set boost = 0)")
     if ls.sparse_optimizer is not SparseOptimizer.ROWWISE_ADAGRAD:
         bad.append(f"sparse_optimizer = {ls.sparse_optimizer.value} (only rowwise_adagrad is sharded: fbgemm's CPU "
                    "kernels have no Adam, and its CUDA Adam was not tried here)")
@@ -163,7 +162,7 @@ class ShardedLearner:
     def _model_settings(self) -> dict[str, Any]:
         ls = self.ls
         return {"mlp": ls.model.mlp_text, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
-                "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp.value, "seed": ls.seed, "boost": 0.0,
+                "sparse_optimizer": ls.sparse_optimizer.value, "amp": ls.amp.value, "seed": ls.seed, "boost": ls.boost,
                 "boost_half_life": ls.boost_half_life, "initial_accumulator": ls.initial_accumulator}
 
     def _build(self, cfg: FeatureConfig) -> None:
@@ -186,12 +185,18 @@ class ShardedLearner:
             dense_opt = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense)
         self.trainer = ShardedTrainer(self.dmp, dense_opt, feature_names(cfg), self.device,
                                       ProgressiveMetrics(window=ls.metrics_window))
+        if ls.boost > 0:  # fbgemm has none: applied around its fused update (learner/sharded_boost.py)
+            self.trainer.boost = ShardedBoost(self.dmp, ls.boost, ls.boost_half_life)
+            self.ids.counts = self.trainer.boost.counts
         if ls.online_calibration:
             self.trainer.calibration = identity()
 
     def _app_state(self) -> dict[str, Any]:
         assert self.trainer is not None
-        return {"model": self.dmp.state_dict(), "table_state": {"momentum1": fused_state(self.dmp)["momentum1"]},
+        table_state = {"momentum1": fused_state(self.dmp)["momentum1"]}
+        if self.trainer.boost is not None:
+            table_state["updates"] = self.trainer.boost.counts
+        return {"model": self.dmp.state_dict(), "table_state": table_state,
                 "dense_opt": dense_opt_state(self.trainer.dense_opt, {id(p): n for n, p in self._dense})}
 
     def _restore(self) -> bool:
@@ -206,6 +211,9 @@ class ShardedLearner:
         self._build(FeatureConfig.from_dict(meta["feature_config"]))
         assert self.trainer is not None
         app = self._app_state()
+        if "updates" in app["table_state"] and not sharded_checkpoint.holds(path, "table_state.updates"):
+            log.info("%s has no update counts (written without a boost): every row starts young", path)
+            del app["table_state"]["updates"]
         sharded_checkpoint.load(path, app)  # in place: the table's local rows, its sums, the dense part
         self.dmp.load_state_dict(app["model"])
         opt = self.trainer.dense_opt

@@ -232,6 +232,9 @@ class ShardedRowMapper:
                                             BucketDecay(spec.num_buckets, spec.bucket_half_life_s))
         self.now = float("-inf")  # event time (s) of the last round that had rows: the same on every rank
         self.occupancy: dict[str, float] = {}  # per field, the whole map's, after the last round
+        # the boost's update counts per row (learner/sharded_boost.py; a ShardedTensor (num_rows,) int32, sharded
+        # like the table), zeroed for rows handed out or freed and moved with moved rows; None without a boost
+        self.counts: Any = None
 
     @classmethod
     def of(cls, cfg: FeatureConfig, dmp: Any, initial_sum: float) -> ShardedRowMapper:
@@ -334,9 +337,11 @@ class ShardedRowMapper:
         if not changed:
             return
         local = local_pieces(table_weight(dmp))  # (first global row, rows (R, W)) per local shard
-        if reset.size:  # rows handed out or freed: their row-wise sums start again
+        if reset.size:  # rows handed out or freed: their row-wise sums (and the boost's counts) start again
             for start, sums in local_pieces(fused_state(dmp)["momentum1"]):
                 sums[torch.from_numpy(reset[_within(reset, start, sums)] - start)] = self.initial_sum
+            for start, counts in local_pieces(self.counts) if self.counts is not None else []:
+                counts[torch.from_numpy(reset[_within(reset, start, counts)] - start)] = 0
         for f, _, _, decayed, factor in changed:  # before the copies: an admitted row starts from its bucket's now
             self._decay(f.first, decayed, factor, local)
         admitted = [(f, dst, src) for f, dst, src, _, _ in changed if dst.size]
@@ -372,25 +377,31 @@ class ShardedRowMapper:
 
     @torch.no_grad()
     def _move_rows(self, src: np.ndarray, dst: np.ndarray, dmp: Any) -> None:
-        """Collective (every rank the same lists): copy global rows ``src`` (M,) to ``dst`` (M,), their vectors and
-        row-wise sums, wherever each lives (one all-reduce; every source read before any destination written)."""
+        """Collective (every rank the same lists): copy global rows ``src`` (M,) to ``dst`` (M,), their vectors,
+        row-wise sums and boost counts, wherever each lives (one all-reduce; every source read before any destination
+        written)."""
         local = local_pieces(table_weight(dmp))
-        sums = local_pieces(fused_state(dmp)["momentum1"])
+        states = [local_pieces(fused_state(dmp)["momentum1"])]  # row-wise states, sharded like the table
+        if self.counts is not None:
+            states.append(local_pieces(self.counts))
         width = local[0][1].shape[1]
-        box = torch.zeros(len(src), width + 1)  # (M, W + 1): vector, then the row-wise sum
-        for (start, rows), (_, s) in zip(local, sums, strict=True):
+        box = torch.zeros(len(src), width + len(states), dtype=torch.float64)  # (M, W + S): vector, then states
+        for k, (start, rows) in enumerate(local):
             sel = _within(src, start, rows)
             idx = torch.from_numpy(src[sel] - start)
-            box[torch.from_numpy(sel), :width] = rows[idx].float().cpu()
-            box[torch.from_numpy(sel), width] = s[idx].float().cpu()
+            box[torch.from_numpy(sel), :width] = rows[idx].double().cpu()
+            for j, st in enumerate(states):
+                box[torch.from_numpy(sel), width + j] = st[k][1][idx].double().cpu()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(box)
-        for (start, rows), (_, s) in zip(local, sums, strict=True):
+        for k, (start, rows) in enumerate(local):
             sel = _within(dst, start, rows)
             if sel.any():
                 idx = torch.from_numpy(dst[sel] - start)
                 rows[idx] = box[torch.from_numpy(sel), :width].to(rows.device, rows.dtype)
-                s[idx] = box[torch.from_numpy(sel), width].to(s.device, s.dtype)
+                for j, st in enumerate(states):
+                    t = st[k][1]
+                    t[idx] = box[torch.from_numpy(sel), width + j].to(t.device, t.dtype)
 
     # -- persistence -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -12,8 +12,9 @@ validation before the backward learns from them), a non-finite loss skips the up
 (all ranks agree on it, since the dense all-reduce must be entered by all or none), and rows that are not
 ``FINAL`` are weighted by ``learner/delayed.py``. With ``calibration`` (the served Platt ``(a, b)``, which the
 distributed daemon fits on rank 0 and sends to every rank each round) the predictions recorded and returned are
-the calibrated ones, what is served; ``last_logits`` keeps the raw ones for the fit. Not here (refused by the
-distributed daemon): gradient accumulation, fp16 loss scaling, the boost of young rows.
+the calibrated ones, what is served; ``last_logits`` keeps the raw ones for the fit. With ``boost``
+(``learner/sharded_boost.py``) young rows' steps are boosted after the fused update. Not here: fp16 loss scaling
+(gradient accumulation is a larger step: ``learner.sharded_daemon.rows_per_step``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from learner.batch import TensorBatch
 from learner.calibration import calibrated
 from learner.delayed import DelayedFeedbackWeights
 from learner.progressive import ProgressiveMetrics
+from learner.sharded_boost import ShardedBoost
 from learner.sharded_model import padded_inputs
 
 
@@ -43,6 +45,7 @@ class ShardedTrainer:
         self.last_loss = float("nan")
         self.calibration: torch.Tensor | None = None  # (2,) served (a, b); None: raw logits served
         self.last_logits = np.zeros(0, np.float32)  # (B,) raw logits of the last call's real rows
+        self.boost: ShardedBoost | None = None  # the boost of young rows (learner/sharded_boost.py), if on
 
     def test_then_train(self, batch: TensorBatch, rows: int) -> np.ndarray:
         """Predict ``batch``'s rows (recorded in ``metrics``), then learn; ``rows`` >= len(batch) is the step's
@@ -74,7 +77,11 @@ class ShardedTrainer:
             return probs
         if b:
             self.metrics.update(probs, batch.labels.numpy())
+        if self.boost is not None:  # collective: every rank's step rows; a copy of the touched rows held here
+            self.boost.before(batch.values)
         loss.backward()  # the table's rows are updated in here (fused); the dense grads are all-reduced
+        if self.boost is not None:
+            self.boost.after()
         self.dense_opt.step()
         self.dense_opt.zero_grad(set_to_none=True)
         self.samples += b

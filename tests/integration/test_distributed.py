@@ -255,18 +255,24 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_then_in_one_process_traini
     assert summary["samples_trained"] == summary["metrics"]["samples"] == sum(rows.values())
 
 
-def test_two_ranks_accumulating_micro_batches_take_one_processs_steps_and_reach_its_auc(kafka: KafkaSettings,
-                                                                                       tmp_path: Path) -> None:
-    """``accumulation = 2``: one process steps after two 100-row micro-batches, each of 2 ranks after two 50-row
-    ones (trained as one 100-row step: learner.sharded_daemon.rows_per_step), so both take 200-row steps."""
+def produce_learnable(kafka: KafkaSettings, seed: int = 11, ids: int = 100) -> int:
+    """MESSAGES messages of ``learnable_batch`` rows round-robin over the partitions; the rows sent."""
     ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
-    rng = np.random.default_rng(11)
-    user_bias, item_bias = rng.normal(0, 1.5, 100), rng.normal(-1, 1.5, 100)
+    rng = np.random.default_rng(seed)
+    user_bias, item_bias = rng.normal(0, 1.5, ids), rng.normal(-1, 1.5, ids)
     producer = AckedProducer(kafka)
     for k in range(MESSAGES):
         producer.send(kafka.samples_topic, learnable_batch(rng, ROWS, k * ROWS, user_bias, item_bias).encode(),
                       str(k).encode(), partition=k % PARTITIONS)
     producer.flush()
+    return MESSAGES * ROWS
+
+
+def test_two_ranks_accumulating_micro_batches_take_one_processs_steps_and_reach_its_auc(kafka: KafkaSettings,
+                                                                                       tmp_path: Path) -> None:
+    """``accumulation = 2``: one process steps after two 100-row micro-batches, each of 2 ranks after two 50-row
+    ones (trained as one 100-row step: learner.sharded_daemon.rows_per_step), so both take 200-row steps."""
+    produce_learnable(kafka)
     s1, s2 = one_process_and_two_ranks(env_for(kafka, STREAMREC_LEARNER_ACCUMULATION="2"), tmp_path)
     total = MESSAGES * ROWS
     assert s1["samples_trained"] == s2["samples_trained"] == total
@@ -277,6 +283,28 @@ def test_two_ranks_accumulating_micro_batches_take_one_processs_steps_and_reach_
     print(f"accumulation 2, progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")
     assert auc1 > 0.65, auc1  # the stream is learnable
     assert abs(auc1 - auc2) <= 0.02, (auc1, auc2)
+
+
+def test_two_ranks_boosting_young_rows_reach_one_processs_auc_and_unshard_the_update_counts(kafka: KafkaSettings,
+                                                                                            tmp_path: Path) -> None:
+    """``boost = 4`` (learner/sharded_boost.py): 2 ranks learn like one process, the checkpoint keeps the rows'
+    update counts (DCP, ``table_state.updates``) and the unshard gives them to the single process's optimizer."""
+    total = produce_learnable(kafka, seed=12)
+    env = env_for(kafka, STREAMREC_LEARNER_BOOST="4", STREAMREC_LEARNER_BOOST_HALF_LIFE="4")
+    s1, s2 = one_process_and_two_ranks(env, tmp_path)
+    assert s1["samples_trained"] == s2["samples_trained"] == total
+    auc1, auc2 = s1["metrics"]["auc"], s2["metrics"]["auc"]
+    print(f"boost 4, progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")
+    assert auc1 > 0.65 and abs(auc1 - auc2) <= 0.02, (auc1, auc2)
+    plain = unshard(tmp_path / "two", tmp_path / "single", env)
+    assert plain.meta["model"]["boost"] == 4.0
+    state = next(iter(plain["sparse_opt"]["state"].values()))
+    updates = state["updates"]  # (num_rows,) int32: each row's boosted updates so far
+    assert updates.dtype == torch.int32 and int(updates.max()) >= s2["steps"] // 2, int(updates.max())
+    single = load_latest(tmp_path / "one")
+    assert single is not None
+    want = next(iter(single["sparse_opt"]["state"].values()))["updates"]
+    assert int((updates > 0).sum()) == int((want > 0).sum())  # the same rows were trained
 
 
 def test_two_ranks_write_serving_deltas_whose_rows_and_dense_weights_are_the_final_checkpoints(

@@ -97,8 +97,9 @@ def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds
     ``rounds`` rounds of ``rank_batch``, a checkpoint's decay; dumps what it holds."""
     import torch.distributed as dist
 
+    from learner.sharded_boost import ShardedBoost
     from learner.sharded_ids import ShardedRowMapper
-    from learner.sharded_model import ShardedDeepFM, fused_state, shard, state_scale, table_weight
+    from learner.sharded_model import ShardedDeepFM, fused_state, local_pieces, shard, state_scale, table_weight
 
     cfg = CFGS[cfg_name]
     torch.set_num_threads(1)
@@ -119,6 +120,9 @@ def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds
                 lo = int(sh.metadata.shard_offsets[0])
                 sh.tensor.copy_(s[lo:lo + len(sh.tensor)] * c)
         ids = ShardedRowMapper.of(cfg, dmp, ACC0 * c)
+        ids.counts = ShardedBoost(dmp, 1.0, 1.0).counts  # the boost's update counts: reset and moved with rows
+        for lo, t in local_pieces(ids.counts):
+            t.copy_(earlier["counts"][lo:lo + len(t)] if earlier else torch.arange(lo, lo + len(t)) % 1000 + 1)
         if earlier:
             ids.load_state_dict(earlier["states"], dmp)
         values, stats = [], []
@@ -140,10 +144,11 @@ def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds
         shards = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone()) for sh in table_weight(dmp).local_shards()]
         sums = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone() / c)
                 for sh in fused_state(dmp)["momentum1"].local_shards()]
+        counts = [(lo, t.clone()) for lo, t in local_pieces(ids.counts)]
         shares = {n: f.shares for n, f in ids.fields.items()}
-        Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums, "stats": stats,
-                                            "state": ids.state_dict(), "shares": shares, "nbytes": ids.nbytes(),
-                                            "occupancy": dict(ids.occupancy)}))
+        Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums, "counts": counts,
+                                            "stats": stats, "state": ids.state_dict(), "shares": shares,
+                                            "nbytes": ids.nbytes(), "occupancy": dict(ids.occupancy)}))
     finally:
         dist.destroy_process_group()
 
@@ -166,14 +171,17 @@ def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, l
     cfg = CFGS[cfg_name]
     d = cfg.embedding_dim
     table, sums = torch.zeros(cfg.num_rows, d + 1), torch.zeros(cfg.num_rows)
+    counts = torch.zeros(cfg.num_rows, dtype=torch.int32)
     for g in got:
+        for lo, t in g["counts"]:
+            counts[lo:lo + len(t)] = t
         for lo, t in g["shards"]:
             table[lo:lo + len(t)] = t[:, :d + 1]
             assert not t[:, d + 1:].any()  # padding untouched
         for lo, t in g["sums"]:
             sums[lo:lo + len(t)] = t
     states = [g["state"] for g in got]
-    return {"ranks": got, "table": table, "sums": sums, "states": states,
+    return {"ranks": got, "table": table, "sums": sums, "counts": counts, "states": states,
             "mapper": RowMapper.from_state(cfg, whole_maps(cfg, states))}
 
 
@@ -200,6 +208,11 @@ def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(
         assert torch.allclose(got["sums"][rows], ref["sums"][ref_rows], atol=1e-6)  # and its row-wise sum
         if world == 1:  # one rank is one process, row for row
             assert np.array_equal(rows, ref_rows)
+        first, buckets = ROOMY.blocks[f]
+        own = rows[rows >= first + buckets]
+        assert own.size and not got["counts"][own].any()  # rows handed to new ids: the boost's counts start again
+    untouched = torch.arange(ROOMY.num_rows)[ROOMY.blocks[3][0]:]  # ctx.device: no id map
+    assert torch.equal(got["counts"][untouched], untouched.to(torch.int32) % 1000 + 1)
     first, buckets = ROOMY.blocks[2]
     assert torch.allclose(got["table"][first:first + buckets], ref["table"][first:first + buckets], atol=1e-6)
     own = torch.zeros(ROOMY.num_rows, dtype=torch.bool)  # (num_rows,) the dynamic fields' own rows
@@ -267,7 +280,8 @@ def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(tmp_path
     with their vector and row-wise sum; the whole maps' ids are the same, and so is everything that did not move."""
     one = run_ranks(1, tmp_path, "roomy", tag="one-")
     dump = tmp_path / "one.pkl"
-    dump.write_bytes(pickle.dumps({"table": one["table"], "sums": one["sums"], "states": one["states"]}))
+    dump.write_bytes(pickle.dumps({"table": one["table"], "sums": one["sums"], "counts": one["counts"],
+                                   "states": one["states"]}))
     two = run_ranks(2, tmp_path, "roomy", rounds=0, load=dump, tag="two-")
     moved = 0
     for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
@@ -276,6 +290,7 @@ def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(tmp_path
         moved += int(np.count_nonzero(a != b))
         assert torch.equal(two["table"][b], one["table"][a])
         assert torch.equal(two["sums"][b], one["sums"][a])
+        assert torch.equal(two["counts"][b], one["counts"][a])  # the boost's counts move with their rows
     assert moved > 0  # some user ids changed rank
     whole_one, whole_two = one["mapper"].stats(), two["mapper"].stats()
     assert whole_two["user_id"]["admissions"] == whole_one["user_id"]["admissions"]
