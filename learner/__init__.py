@@ -13,7 +13,8 @@ artifact's format, build and readers (``artifact.py``) with its scorer module (`
 in each format (``scorer_files.py``; the ONNX Runtime scorer in ``onnx_scorer.py``), the daemon (``daemon.py``) and
 the offline and online evaluation (``evaluation/``). The distributed mode (``torchrun``, ``WORLD_SIZE > 1``): the
 ranks' process group, partition split and lock-step collectives (``distributed.py``), the TorchRec row-wise sharded
-model (``sharded_model.py``), its training step (``sharded_trainer.py``), dynamic ids on N ranks
+model (``sharded_model.py``), its training step (``sharded_trainer.py``) with the boost of young rows around
+fbgemm's fused update (``sharded_boost.py``), dynamic ids on N ranks, each field's map sharded with its rows
 (``sharded_ids.py``), serving deltas from N ranks (``sharded_deltas.py``), DCP checkpoints and the reshard to one
 process (``sharded_checkpoint.py``) and its daemon (``sharded_daemon.py``); only these import TorchRec.
 

@@ -8,7 +8,8 @@ the table into contiguous row ranges, so each rank holds a contiguous part of th
 key spread uniformly over ``[0, capacity)``, falls in (:func:`owner_index`), so every rank gets keys in proportion to
 its own rows. That rank's ``IdMap`` (capacity: its share) counts the key, admits it onto a row of its share, and
 evicts it (TTL, or least recently seen among the SHARE's rows when the share is full: LRU per shard, as in TorchRec;
-everything else is exactly the single process's rule, since a key always meets the same map).
+everything else is the single process's rule, since a key always meets the same map; a share sweeps expired ids at
+its own lookups, so in a round where it owns no key its expired ids wait for the next).
 
 One round (a collective, every rank, ``tb`` may be empty)::
 
