@@ -33,10 +33,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -116,13 +114,6 @@ class Held(NamedTuple):
     records: list[Record]
     events: list[Event]
     ts: np.ndarray  # (G,) int64, G <= N: the event times of the good events among them
-
-
-class _Applied(NamedTuple):
-    """A partition's join result and its state chunk's records, encoded (None: the batch changed nothing)."""
-
-    res: BatchResult
-    records: list[bytes] | None
 
 
 Groups = dict[tuple[str, int], tuple[list[Record], list[Event]]]  # (topic, partition) -> records, events in order
@@ -206,9 +197,6 @@ class JoinPipeline:
         self._counts_flushed = time.monotonic()
         # Counts are written by one thread beside the batches (_start_flush); the write in flight and what it holds.
         self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
-        # The users' histories (appends and reads) go through one thread, in order, while the batch goes on (_apply).
-        self._history_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-history")
-        self._history_tail: Future[Any] | None = None
         self._flushing: tuple[Future[None], dict[tuple[str, str], tuple[list[int], list[int]]],
                               dict[str, set[int | str]]] | None = None
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
@@ -237,7 +225,6 @@ class JoinPipeline:
             self.redis.close()
         finally:
             self._counts_writer.shutdown(wait=True)
-            self._history_lane.shutdown(wait=True)
             self.gc.close()
 
     # -- partitions ----------------------------------------------------------------------------
@@ -434,7 +421,8 @@ class JoinPipeline:
         self.totals.stage_s["decode"] += time.monotonic() - t0
         partitions = {p for p, got in imps.items() if got} | {p for p, got in clicks.items() if got}
         self.restore(partitions)
-        self._commit_state(self._apply({p: (imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)}))
+        results = {p: self._apply(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)}
+        self._commit_state(results)
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
         return held
@@ -481,88 +469,38 @@ class JoinPipeline:
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""
-        self._commit_state(self._apply({p: ([], []) for p in sorted(self.engines)}, drain=True))
+        self._commit_state({p: self._apply(p, [], [], drain=True) for p in sorted(self.engines)})
 
-    def _apply(self, batches: dict[int, tuple[list[tuple[int, Impression]], list[tuple[int, Click]]]],
-               drain: bool = False) -> dict[int, _Applied]:
-        """Join each partition's ``(impressions, clicks)`` (in the given order), write the samples and late clicks.
-
-        The users' histories go through one thread (:meth:`_on_history_lane`) in the order the sequential steps had
-        (partition by partition: append its joined clicks, then read its samples' histories), so every read sees
-        exactly what it saw before; the next partition is joined and the state chunks are encoded while Redis
-        answers (~half of a history read is Redis' own time, on the other core)."""
+    def _apply(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
+               drain: bool = False) -> BatchResult:
+        eng = self.engines[partition]
         stage = self.totals.stage_s
-        pending: list[tuple[int, BatchResult, Future[Any] | None]] = []
-        try:
-            for partition, (imps, clicks) in batches.items():
-                eng = self.engines[partition]
-                now = time.monotonic()
-                if clicks or partition not in self._last_click or partition in self.clicks_held:
-                    self._last_click[partition] = now
-                clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
-                res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
-                self._account(res)
-                t1 = time.monotonic()
-                stage["join"] += t1 - now
-                self._record_redis(res, imps)
-                read = None
-                if res.samples:  # each sample's history as one list column: no Python list per sample
-                    ps = list(map(_PENDING, res.samples))
-                    read = self._on_history_lane(self.history.as_of_flat, list(map(_USER, ps)),
-                                                 list(map(_TS_OF, ps)), self.cfg.history_len)
-                pending.append((partition, res, read))
-                stage["redis"] += time.monotonic() - t1
-            t2 = time.monotonic()
-            chunks = {partition: encode_chunk(res.chunk) for partition, res, _ in pending if res.chunk is not None}
-            stage["encode_state"] += time.monotonic() - t2
-            out: dict[int, _Applied] = {}
-            for partition, res, read in pending:
-                t3 = time.monotonic()
-                histories = None if read is None else read.result()
-                t4 = time.monotonic()
-                stage["redis"] += t4 - t3
-                key = str(partition).encode()
-                for value in to_batches(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
-                                        oversized=partial(self._too_large, partition=partition),
-                                        histories=histories):
-                    self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
-                stage["encode_samples"] += time.monotonic() - t4
-                for u in res.unjoined:
-                    value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts,
-                                          "reason": u.reason, "partition": partition})
-                    self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
-                out[partition] = _Applied(res, chunks.get(partition))
-            t5 = time.monotonic()
-            self._history_lane_done()  # the appends of partitions without samples
-            stage["redis"] += time.monotonic() - t5
-            return out
-        except BaseException:
-            self._history_lane_done(raise_errors=False)  # nothing of this batch runs after it failed
-            raise
-
-    def _on_history_lane(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(*args)`` on the history thread after the calls submitted before it; a call that failed stops the
-        ones after it (they raise its error), as the steps run one after another did."""
-        before = self._history_tail
-
-        def run() -> Any:
-            if before is not None:
-                before.result()
-            return fn(*args)
-
-        self._history_tail = done = self._history_lane.submit(run)
-        return done
-
-    def _history_lane_done(self, raise_errors: bool = True) -> None:
-        """Wait for every call on the history thread (re-raising the first failure unless ``raise_errors`` is
-        False): a batch returns, or fails, only once its Redis writes are over."""
-        tail, self._history_tail = self._history_tail, None
-        if tail is None:
-            return
-        if raise_errors:
-            tail.result()
-        else:
-            wait([tail])
+        now = time.monotonic()
+        if clicks or partition not in self._last_click or partition in self.clicks_held:
+            self._last_click[partition] = now
+        clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
+        res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
+        self._account(res)
+        t1 = time.monotonic()
+        stage["join"] += t1 - now
+        self._record_redis(res, imps)
+        histories = None
+        if res.samples:  # each sample's history as one list column: no Python list per sample
+            ps = list(map(_PENDING, res.samples))
+            histories = self.history.as_of_flat(list(map(_USER, ps)), list(map(_TS_OF, ps)), self.cfg.history_len)
+        t2 = time.monotonic()
+        stage["redis"] += t2 - t1
+        key = str(partition).encode()
+        for value in to_batches(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
+                                oversized=lambda row, value: self._too_large(row, value, partition),
+                                histories=histories):
+            self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
+        stage["encode_samples"] += time.monotonic() - t2
+        for u in res.unjoined:
+            value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
+                                  "partition": partition})
+            self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
+        return res
 
     def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
         """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""
@@ -572,14 +510,15 @@ class JoinPipeline:
         self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
         self.totals.counts["samples_too_large"] += 1
 
-    def _commit_state(self, results: dict[int, _Applied]) -> None:
+    def _commit_state(self, results: dict[int, BatchResult]) -> None:
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
         t0 = time.monotonic()
         self.producer.flush()
         t1 = time.monotonic()
         self.totals.stage_s["flush"] += t1 - t0
-        for partition, (res, records) in results.items():
-            if res.chunk is not None and records is not None:
+        for partition, res in results.items():
+            if res.chunk is not None:
+                records = encode_chunk(res.chunk)
                 self._parts[(partition, res.chunk.seq)] = len(records)
                 for part, value in enumerate(records):
                     self.producer.send(self.state_topic, value, chunk_key(partition, res.chunk.seq, part),
@@ -589,7 +528,7 @@ class JoinPipeline:
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
         t2 = time.monotonic()
         self.producer.flush()
-        self.totals.stage_s["encode_state"] += t2 - t1  # sending them (encoded in _apply)
+        self.totals.stage_s["encode_state"] += t2 - t1
         self.totals.stage_s["flush"] += time.monotonic() - t2
 
     def _account(self, res: BatchResult) -> None:
@@ -603,9 +542,8 @@ class JoinPipeline:
         m.record(res, positives, self.engines, c)
 
     def _record_redis(self, res: BatchResult, imps: list[tuple[int, Impression]]) -> None:
-        """History appended now (on the history thread, ahead of this partition's reads and the next batch's); counts
-        aggregated for ``counts_flush_s``: popular ids repeat, so one ZINCRBY covers many events (a crash loses at
-        most that much counting).
+        """History now (the next batch's impressions read it); counts aggregated for ``counts_flush_s``:
+        popular ids repeat, so one ZINCRBY covers many events (a crash loses at most that much counting).
         The raw ids of ``imps`` are kept (distinct) until the flush, which names the counted hashes with them."""
         def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
             got = self._counts_buffer.setdefault((kind, event), ([], []))
@@ -624,8 +562,7 @@ class JoinPipeline:
             ts = [j.click_ts for j in res.joined_clicks]
             buffer("item", "click", [j.item for j in res.joined_clicks], ts)
             buffer("user", "click", [j.user for j in res.joined_clicks], ts)
-            self._on_history_lane(self.history.append_many, [j.user for j in res.joined_clicks],
-                                  [j.item for j in res.joined_clicks], ts)
+            self.history.append_many([j.user for j in res.joined_clicks], [j.item for j in res.joined_clicks], ts)
         if self._flushing is not None and self._flushing[0].done():
             self._finish_flush()  # a failed write fails this batch (the worker rewinds), as a synchronous one would
         if time.monotonic() - self._counts_flushed >= self.js.counts_flush_s:
