@@ -13,6 +13,7 @@ from stream.joiner.engine import Pending, Sample
 from stream.samples import SampleBatch
 
 T = TypeVar("T")
+_IMPRESSION_ID, _TS, _USER, _ITEM = (attrgetter(a) for a in ("impression_id", "ts", "user", "item"))  # of a Pending
 
 
 def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
@@ -124,9 +125,6 @@ def _columns(ps: list[Pending], labels: Labels | None, history: bool,
         dense={k: np.array(list(map(itemgetter(k), denses)), np.float32) for k in next(iter(dense_keys))},
         kind=kind,
     )
-
-
-_IMPRESSION_ID, _TS, _USER, _ITEM = (attrgetter(a) for a in ("impression_id", "ts", "user", "item"))
 
 
 MAX_MESSAGE_BYTES = 900_000  # Kafka's default message.max.bytes is 1 MB
