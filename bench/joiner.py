@@ -10,9 +10,11 @@ is replayed into fresh topics, then read by
   faust   ``streamrec join`` (the same pipeline under a faust-streaming agent).
 
 events/s for a worker spans its first to its last batch (group join and idle exit excluded). The
-worker's own breakdown (stage_s) says what limits it.
+worker's own breakdown (stage_s) says what limits it. ``cpu s`` is the worker process's user + system CPU time
+(start-up and idle exit included): on a machine shared with other work, where the wall clock of a run moves by
+2x, it moves far less, so an A/B on a busy machine compares it (with ``--rounds`` for the spread).
 
-    python bench/joiner.py [--impressions 200000] [--drivers kafka,faust] [--profile DIR]
+    python bench/joiner.py [--impressions 200000] [--drivers kafka,faust] [--rounds 1] [--profile DIR]
     python bench/joiner.py --dataset ml-1m --drivers kafka     # MovieLens-1M replayed (the demo's join step)
 """
 
@@ -22,6 +24,8 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,16 +92,22 @@ def run_worker(kafka: KafkaSettings, redis_url: str, driver: str, profile: Path 
     prof = [] if profile is None else ["-m", "cProfile", "-o", str(profile / f"join-{driver}.prof")]
     cmd = [sys.executable, *prof, "-m", "streamrec.cli", "join", "--driver", driver, "--app-id",
            f"bench-{driver}-{uuid.uuid4().hex[:6]}", "--exit-when-idle", "3", "--drain", "--json"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)  # counts waited-for children only: the worker, not the stack
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=root)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode != 0:
         raise SystemExit(f"{driver} worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary["cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 3)
+    return summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impressions", type=int, default=200_000)
     ap.add_argument("--drivers", default="kafka,faust")
+    ap.add_argument("--rounds", type=int, default=1, help="run each worker this many times, interleaved (with "
+                    "--compare-with: this checkout and the other alternate); the table shows the median and range")
     ap.add_argument("--compare-with", type=Path, metavar="DIR", help="also run each driver from the checkout in DIR "
                     "(e.g. `git worktree add DIR <commit>`), alternating with this one, for a side-by-side A/B")
     ap.add_argument("--dataset", default="synthetic", help="synthetic (default), or a packaged MovieLens set "
@@ -120,24 +130,34 @@ def main() -> None:
         s = publish(table, kafka, args.dataset)
         total = s.impressions + s.clicks
         raw = raw_join(kafka, total)
-        rows = [("raw confluent-kafka (ceiling)", raw, None)]
-        for driver in args.drivers.split(","):
-            for root in ([None] if args.compare_with is None else [args.compare_with.resolve(), None]):
-                r = run_worker(kafka, stack.redis_url, driver, args.profile, root)
-                assert r["samples"] == s.impressions + r["delayed_positives"], r  # fake_negative: a 0 each, then clicks
-                name = f"streamrec join --driver {driver}" + ("" if root is None else f" @{root.name}")
-                rows.append((name, r["events_per_s"], r))
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):
+            for driver in args.drivers.split(","):
+                for root in ([None] if args.compare_with is None else [args.compare_with.resolve(), None]):
+                    r = run_worker(kafka, stack.redis_url, driver, args.profile, root)
+                    assert r["samples"] == s.impressions + r["delayed_positives"], r  # fake_negative: a 0, then clicks
+                    name = f"streamrec join --driver {driver}" + ("" if root is None else f" @{root.name}")
+                    runs.setdefault(name, []).append(r)
     finally:
         stack.down()
     print(f"{args.dataset}: {total:,} events ({s.impressions:,} impressions, {s.clicks:,} clicks), 4 partitions, "
-          "one worker process")
-    print(f"{'variant':<40}{'events/s':>10}{'vs raw':>8}")
-    for name, eps, _ in rows:
-        print(f"{name:<40}{eps:>10,.0f}{eps / raw:>8.2f}")
-    for name, _, r in rows[1:]:
-        print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s, worker {r['elapsed_s']}s from "
-              f"start to idle exit); held back {r['held_back']}, input pauses {r.get('input_pauses')}")
-    print(json.dumps({name: {"events_per_s": eps, "ratio": round(eps / raw, 3)} for name, eps, _ in rows}))
+          f"one worker process, {args.rounds} round(s); load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"{'variant':<40}{'events/s':>10}{'vs raw':>8}{'cpu s':>8}{'process s':>11}  range (events/s; cpu s)")
+    print(f"{'raw confluent-kafka (ceiling)':<40}{raw:>10,.0f}{1:>8.2f}")
+    for name, rs in runs.items():
+        eps, cpu = [r["events_per_s"] for r in rs], [r["cpu_s"] for r in rs]
+        print(f"{name:<40}{statistics.median(eps):>10,.0f}{statistics.median(eps) / raw:>8.2f}"
+              f"{statistics.median(cpu):>8.2f}{statistics.median([r['process_s'] for r in rs]):>11.2f}"
+              f"  {min(eps):,}-{max(eps):,}; {min(cpu):.2f}-{max(cpu):.2f}")
+    for name, rs in runs.items():
+        for r in rs:
+            print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s, cpu {r['cpu_s']}s, worker "
+                  f"{r['elapsed_s']}s from start to idle exit); held back {r['held_back']}, input pauses "
+                  f"{r.get('input_pauses')}")
+    print(json.dumps({"raw confluent-kafka (ceiling)": {"events_per_s": raw, "ratio": 1.0}}
+                     | {name: {"events_per_s": statistics.median(r["events_per_s"] for r in rs),
+                               "ratio": round(statistics.median(r["events_per_s"] for r in rs) / raw, 3),
+                               "cpu_s": statistics.median(r["cpu_s"] for r in rs)} for name, rs in runs.items()}))
 
 
 if __name__ == "__main__":

@@ -9,28 +9,53 @@ from typing import TypeVar
 import numpy as np
 
 from stream.features import MISSING
-from stream.joiner.engine import Sample
+from stream.joiner.engine import Pending, Sample
 from stream.samples import SampleBatch
 
 T = TypeVar("T")
+_IMPRESSION_ID, _TS, _USER, _ITEM = (attrgetter(a) for a in ("impression_id", "ts", "user", "item"))  # of a Pending
 
 
 def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
     """Columns from samples. Context keys are the union over rows: a missing categorical is
     :data:`MISSING`, a missing list ``[]``, a missing dense value 0.0; a key that is a list in any
     row is a list column. One pass over the rows' dicts fills every column (or, when every row has the
-    same keys, one pass per column). ``history=False``: every row's history column is empty (the join
-    state: a history is read from Redis when its sample goes out)."""
-    uniform = _columns(rows, history)
+    same keys, one pass per column). ``history=False``: every row's history column is empty."""
+    return _batch([s.pending for s in rows], _labels(rows), history)
+
+
+def state_batch(ps: list[Pending]) -> SampleBatch:
+    """The join state's rows (``state_log.py``): :func:`to_batch` of ``ps`` as label-0 :data:`FINAL` samples with
+    empty histories (a history is read from Redis when its sample goes out), without a ``Sample`` per row."""
+    return _batch(ps, None, history=False)
+
+
+Labels = tuple[np.ndarray, np.ndarray, np.ndarray]  # (N,) label int8, label_delay_ms int64, kind int8
+
+
+def _labels(rows: list[Sample]) -> Labels:
+    n = len(rows)
+    return (np.fromiter(map(attrgetter("label"), rows), np.int8, n),
+            np.fromiter(map(attrgetter("label_delay_ms"), rows), np.int64, n),
+            np.fromiter(map(attrgetter("kind"), rows), np.int8, n))
+
+
+def _no_labels(n: int) -> Labels:
+    """Every row label 0, no delay, :data:`FINAL` (0)."""
+    return np.zeros(n, np.int8), np.zeros(n, np.int64), np.zeros(n, np.int8)
+
+
+def _batch(ps: list[Pending], labels: Labels | None, history: bool) -> SampleBatch:
+    """:func:`to_batch` of rows given as their pendings and label columns (None: :func:`_no_labels`)."""
+    uniform = _columns(ps, labels, history)
     if uniform is not None:
         return uniform
-    ps = [s.pending for s in rows]
-    n = len(rows)
+    n = len(ps)
+    label, delay, kind = _no_labels(n) if labels is None else labels
     ctx: dict[str, list] = {}
     dense: dict[str, list[float]] = {}
     list_keys: set[str] = set()
-    for i, s in enumerate(rows):
-        p = s.pending
+    for i, p in enumerate(ps):
         for k, v in p.context.items():
             col = ctx.get(k)
             if col is None:
@@ -52,30 +77,30 @@ def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
     return SampleBatch.from_columns(
         impression_id=[p.impression_id for p in ps],
         ts=np.array([p.ts for p in ps], np.int64),
-        label=np.array([s.label for s in rows], np.int8),
-        label_delay_ms=np.array([s.label_delay_ms for s in rows], np.int64),
+        label=label,
+        label_delay_ms=delay,
         user_id=np.array([p.user for p in ps], np.int64),
         item_id=np.array([p.item for p in ps], np.int64),
         history=[p.history for p in ps] if history else (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
         context=context,  # type: ignore[arg-type]
         dense={k: np.array(v, np.float32) for k, v in dense.items()},
-        kind=np.array([s.kind for s in rows], np.int8),
+        kind=kind,
     )
 
 
 History = tuple[np.ndarray, np.ndarray]  # a list column: flat (H,) int64 values, offsets (N + 1,) int32
 
 
-def _columns(rows: list[Sample], history: bool, histories: History | None = None) -> SampleBatch | None:
-    """:func:`to_batch` when every row has the same context keys, each a list in every row or in none, and the same
+def _columns(ps: list[Pending], labels: Labels | None, history: bool,
+             histories: History | None = None) -> SampleBatch | None:
+    """:func:`_batch` when every row has the same context keys, each a list in every row or in none, and the same
     dense keys (the usual stream): each column in one pass. None otherwise. ``histories``: the rows' histories as a
     list column (``UserHistory.as_of_flat``) instead of each row's ``pending.history``."""
-    ps = [s.pending for s in rows]
     contexts, denses = [p.context for p in ps], [p.dense for p in ps]
     ctx_keys, dense_keys = set(map(tuple, contexts)), set(map(tuple, denses))
     if len(ctx_keys) != 1 or len(dense_keys) != 1:
         return None
-    n = len(rows)
+    n = len(ps)
     context: dict[str, object] = {}
     for k in next(iter(ctx_keys)):
         col = list(map(itemgetter(k), contexts))
@@ -86,18 +111,19 @@ def _columns(rows: list[Sample], history: bool, histories: History | None = None
             context[k] = col
         else:
             context[k] = np.array(col, np.int64)
+    label, delay, kind = _no_labels(n) if labels is None else labels
     return SampleBatch.from_columns(
-        impression_id=[p.impression_id for p in ps],
-        ts=np.fromiter(map(attrgetter("ts"), ps), np.int64, n),
-        label=np.fromiter(map(attrgetter("label"), rows), np.int8, n),
-        label_delay_ms=np.fromiter(map(attrgetter("label_delay_ms"), rows), np.int64, n),
-        user_id=np.fromiter(map(attrgetter("user"), ps), np.int64, n),
-        item_id=np.fromiter(map(attrgetter("item"), ps), np.int64, n),
+        impression_id=list(map(_IMPRESSION_ID, ps)),
+        ts=np.fromiter(map(_TS, ps), np.int64, n),
+        label=label,
+        label_delay_ms=delay,
+        user_id=np.fromiter(map(_USER, ps), np.int64, n),
+        item_id=np.fromiter(map(_ITEM, ps), np.int64, n),
         history=(histories if histories is not None else [p.history for p in ps]) if history else
         (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
         context=context,  # type: ignore[arg-type]
         dense={k: np.array(list(map(itemgetter(k), denses)), np.float32) for k in next(iter(dense_keys))},
-        kind=np.fromiter(map(attrgetter("kind"), rows), np.int8, n),
+        kind=kind,
     )
 
 
@@ -134,7 +160,7 @@ def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_B
     column (flat (H,) int64, offsets (N + 1,) int32), taken as it is; None: each row's ``pending.history``."""
     if not rows:
         return []
-    built = _columns(rows, history=True, histories=histories)
+    built = _columns([s.pending for s in rows], _labels(rows), history=True, histories=histories)
     if built is None and histories is not None:  # rows with different columns (rare): each row's own list
         flat, offsets = histories[0].tolist(), histories[1].tolist()
         for s, a, b in zip(rows, offsets[:-1], offsets[1:], strict=True):

@@ -21,8 +21,8 @@ import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Message
 
 from stream.config import KafkaSettings
-from stream.joiner.engine import Pending, Sample, StateChunk
-from stream.joiner.sample_rows import encode_bounded, to_batch
+from stream.joiner.engine import Pending, StateChunk
+from stream.joiner.sample_rows import encode_bounded, state_batch
 from stream.kafka import read_to_end
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 
@@ -55,7 +55,7 @@ def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
     })
     # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply), and under
     # fake_negative every added impression has had one attached already (on ML-1M, 400 of each row's ~560 bytes).
-    body = to_batch([Sample(p, 0, 0) for p in added], history=False).encode() if added else b""
+    body = state_batch(added).encode() if added else b""
     return _MAGIC + len(header).to_bytes(4, "big") + header + body
 
 
