@@ -119,6 +119,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                                "on 0.15.3): install faust-streaming 0.15.x or run `streamrec join --driver kafka`")
         self._carry: list[Record] = []  # fetched past the last batch's max_records: the start of the next one
         self._carry_generation = 0  # the group generation in which they were fetched
+        self._resumed: set[TP] = set()  # partitions whose start this generation was checked (:meth:`_resume_safely`)
+        self._resumed_generation = -1
 
     @property
     def delivery(self) -> BatchDelivery:
@@ -185,6 +187,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
             if not self.flow_active or self.app.consumer_generation_id != generation:
                 raise _Dropped(batch, records)
             fresh = self._records(records or {})
+            await self._resume_safely(generation, records or {})
             if fresh:
                 batch.extend(fresh)
                 d.in_hand(len(batch))
@@ -196,6 +199,37 @@ class BatchConsumer(faust_aiokafka.Consumer):
             self._carry, self._carry_generation = batch[d.max_records:], generation
             del batch[d.max_records:]
         return batch
+
+    async def _resume_safely(self, generation: int, fetched: Mapping[Any, list[Any]]) -> None:
+        """The local broker's high-watermark limit (Tansu reports the start of a partition's last record batch + 1;
+        ``stream.kafka.resume_offsets``): a partition that starts this generation at a committed offset inside that
+        batch gets nothing until more data arrives, so a worker given it in a rebalance read nothing and exited idle
+        with the restored impressions never emitted. Once per generation and partition, at the first fetch that
+        knows its high watermark and brought it nothing, a start offset (faust's read offset after its seek to the
+        committed one) at or past that high watermark is moved back to it - 1, the batch's start: the records in
+        between come again and the join engine skips them (``redelivered``). On Apache Kafka that only re-reads the
+        last record of a partition read to its end; a partition that brought records is not checked."""
+        if generation != self._resumed_generation:
+            self._resumed_generation, self._resumed = generation, set()
+        self._resumed.update(TP(tp.topic, tp.partition) for tp, recs in fetched.items() if recs)
+        for tp in self._get_active_partitions():
+            if tp in self._resumed:
+                continue
+            try:
+                high = self.highwater(tp)
+            except Exception:  # noqa: BLE001 - not fetched yet: checked at a later fetch
+                continue
+            if high is None or high <= 0:
+                continue
+            self._resumed.add(tp)
+            start = self._read_offset.get(tp)
+            if start is not None and start >= high:
+                self.log.info("%r starts at %d, past the broker's reported high watermark %d: reading from %d "
+                              "(records already applied are skipped)", tp, start, high, high - 1)
+                try:
+                    await self.seek(tp, high - 1)
+                except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner checks again
+                    self.log.warning("could not seek %r back to %d: %r", tp, high - 1, exc)
 
     def _has_backlog(self) -> bool:
         """Whether an active partition has more to read than faust's fetcher handed on (its tracked high water)."""

@@ -13,12 +13,11 @@ acknowledging moved from an agent's stream to the end of ``process``: the offset
 A rebalance while records are in hand drops them unprocessed (faust stops the flow before the revocation signal
 reaches :meth:`FaustJoinWorker._on_revoked`) and seeks back to the committed offsets.
 
-Known limit on the local Tansu broker (not on Apache Kafka): the broker reports a partition's high
-watermark as the start of its last record batch, and a consumer resuming at a committed offset inside
-that batch gets nothing until more data arrives. A faust worker restarted on a *bounded* input that
-stopped there waits; the kafka driver starts such partitions at the batch start instead
-(``stream.kafka.resume_offsets``) and skips what it had applied. faust picks its own start offsets
-after its recovery step, and an outside rewind cannot commit into a group with a dead faust member.
+The local Tansu broker reports a partition's high watermark as the start of its last record batch + 1, and a
+consumer resuming at a committed offset inside that batch gets nothing until more data arrives: the kafka driver
+starts such partitions at the batch start (``stream.kafka.resume_offsets``), the faust driver's consumer moves its
+start there at the first fetch of a generation (``faust_delivery.BatchConsumer._resume_safely``), and both skip what
+they had applied. A worker does not exit idle during a rebalance: partitions of a member that died come with it.
 
 An exception in a batch must not let faust acknowledge it, and no faust path may commit it afterwards (faust's
 error handling commits what was acknowledged; its agents acknowledge a crashed batch): the process exits at once
@@ -208,6 +207,10 @@ class FaustJoinWorker:
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
 
     async def _on_revoked(self, sender: Any, revoked: set, **kwargs: Any) -> None:
+        # a rebalance under way is not idleness: a member that died hands its partitions over only now (the group
+        # noticed it ~25 s after a SIGKILL on the local broker), and a survivor that exited idle meanwhile left
+        # them unread; idleness counts again from the assignment (_on_assigned)
+        self._idle_since = time.monotonic()
         self.pipeline.forget({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
         self._assigned -= {tp.partition for tp in revoked}
         # faust keeps its paused set across a rebalance (a re-assigned partition stays paused): resume them

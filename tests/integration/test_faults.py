@@ -352,20 +352,21 @@ def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(
     assert rows == Counter(produced) and summary["samples_trained"] == sum(produced.values())
 
 
-def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(kafka: KafkaSettings, stack,
-                                                                              group_id: str) -> None:
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(driver: str, kafka: KafkaSettings,
+                                                                              stack, group_id: str) -> None:
     s = SyntheticSettings(impressions=20_000, users=8000, items=1500, impressions_per_s=50.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=20.0), seed=24)
     replay = paced_replay(table, kafka, seconds=25.0)
     env = join_env(kafka, stack.redis_url, group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
-    first = subprocess.Popen(join_cmd(group_id, "kafka", idle_s=10.0), env=env, stdout=subprocess.DEVNULL,
+    first = subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
-    second = subprocess.Popen(join_cmd(group_id, "kafka", idle_s=10.0), env=env, stdout=subprocess.PIPE,
+    second = subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # a member joins: the partitions rebalance
     time.sleep(10.0)
     os.kill(first.pid, signal.SIGKILL)  # and the first dies: the survivor takes its partitions after the session

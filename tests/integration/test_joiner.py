@@ -233,16 +233,10 @@ def wait_for_samples(kafka: KafkaSettings, at_least: int, procs: list[subprocess
     return n
 
 
-FAUST_REBALANCE = pytest.mark.xfail(strict=True, reason=(
-    "faust workers given partitions in a rebalance on the local broker seek to the committed offsets and then read "
-    "nothing (the documented Tansu high-watermark limit, stream/joiner/worker.py), then exit idle with the impressions "
-    "they restored never emitted: 7,320 of 9,000 lost on 2026-12-02. Use --driver kafka"))
-
-
 # Three members over a stream in three parts: ~70 s, so under -m slow (make test-all). CI runs the two-member case
 # (tests/integration/test_faults.py::test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss).
 @pytest.mark.slow
-@pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=FAUST_REBALANCE)])
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_a_worker_joining_and_one_killed_mid_stream_move_the_partitions_and_each_impression_keeps_its_label(
         driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
     # The stream comes in three parts, contiguous in event time: two workers join the first, a third joins the group
