@@ -146,7 +146,7 @@ def _parse_headers(rfile: Any, message_class: type[http.client.HTTPMessage]) -> 
     CR, an unterminated line) goes to the stdlib's parser as a whole, so its defects and its reading of odd
     lines (which :meth:`_Handler._framing` refuses) are exactly the stdlib's. The value is what the feed parser
     makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``)."""
-    lines = http.client._read_headers(rfile)  # the stdlib's line and count limits (LineTooLong, HTTPException)
+    lines = http.client._read_headers(rfile)  # type: ignore[attr-defined]  # the stdlib's limits and errors
     msg = message_class()
     for raw in lines[:-1]:  # the last is the blank line (or EOF)
         line = raw.decode("iso-8859-1")
