@@ -176,7 +176,9 @@ def decode_delta(raw: bytes, path: Path, key: SigningKey | None = None) -> Delta
         raise DeltaError(f"{where}: {exc}") from None
     if not isinstance(tree, dict):
         raise DeltaError(f"{where}: holds a {type(tree).__name__}, expected an object")
-    if tree.get("kind") != KIND or tree.get("format") != FORMAT:
+    kind, fmt = tree.get("kind"), tree.get("format")
+    # Compared only as a string and an integer: a tensor there would answer ``!=`` with a tensor (no bool).
+    if not (isinstance(kind, str) and kind == KIND and isinstance(fmt, int) and fmt == FORMAT):
         raise DeltaError(f"{where}: kind {str(tree.get('kind'))[:40]!r} format {str(tree.get('format'))[:20]}, "
                          f"this streamrec reads kind {KIND!r} format {FORMAT}")
     missing = {"seq", "samples_trained", "created", "rows", "vectors", "dense_state"} - set(tree)

@@ -111,7 +111,7 @@ class FeatureEncoder:
         cand_lengths = np.zeros((f_count, b), np.int64)  # (F, B); a field of the user row: all 0
         for f, src, name in self.plan:
             if src == "item":
-                hashed = np.fromiter((hash_value(i) for i in req.items), np.int64, b)
+                hashed = np.fromiter(map(hash_value, req.items), np.int64, b)
                 if observe is not None:
                     observe("item", hashed)
                 cand_values.append(m.map_rows(f, hashed))  # (B,)

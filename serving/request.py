@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from stream.errors import BadMessage, StreamrecError, ValidationError
-from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, check_context, check_dense, check_id
+from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, all_ids, check_context, check_dense, check_id
 from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
@@ -86,24 +86,9 @@ def _unknown(field: str, obj: dict[str, Any], allowed: frozenset[str]) -> None:
         raise RequestError(422, f"unknown field {where!r}; allowed: {', '.join(sorted(allowed))}")
 
 
-def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreRequest:
-    """A decoded JSON value -> :class:`ScoreRequest`, or :class:`RequestError` (422)."""
-    if type(obj) is not dict:
-        raise RequestError(422, f"{where or 'body'}: expected a JSON object {{user_id, items, context}}, "
-                           f"got {type(obj).__name__}")
-    _unknown(where.rstrip("."), obj, _REQUEST_FIELDS)
-    for name in ("user_id", "items"):
-        if name not in obj:
-            raise RequestError(422, f"field {where + name!r} is required")
-    user = _id(where + "user_id", obj["user_id"])
-    items_raw = obj["items"]
-    if type(items_raw) is not list:
-        raise _invalid(where + "items", items_raw, "a list of item ids or {item_id, context, dense} objects")
-    if not items_raw:
-        raise RequestError(422, f"field {where + 'items'!r}: empty; send at least one candidate")
-    if len(items_raw) > max_candidates:
-        raise RequestError(422, f"field {where + 'items'!r}: {len(items_raw)} candidates, at most {max_candidates} "
-                           "per request (split them, or raise [serve] max_candidates)")
+def _items(where: str, items_raw: list[Any]) -> tuple[list[Id], list[dict[str, ContextValue]] | None,
+                                                      list[dict[str, float]] | None]:
+    """The candidates one by one: ids, and the per-item context and dense overrides (None where no item has any)."""
     items: list[Id] = []
     item_context: list[dict[str, ContextValue]] | None = None
     item_dense: list[dict[str, float]] | None = None
@@ -126,6 +111,31 @@ def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreReques
             if item_dense is None:
                 item_dense = [{} for _ in items_raw]
             item_dense[i] = _dense(f"{where}items[{i}].dense", it["dense"])
+    return items, item_context, item_dense
+
+
+def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreRequest:
+    """A decoded JSON value -> :class:`ScoreRequest`, or :class:`RequestError` (422)."""
+    if type(obj) is not dict:
+        raise RequestError(422, f"{where or 'body'}: expected a JSON object {{user_id, items, context}}, "
+                           f"got {type(obj).__name__}")
+    _unknown(where.rstrip("."), obj, _REQUEST_FIELDS)
+    for name in ("user_id", "items"):
+        if name not in obj:
+            raise RequestError(422, f"field {where + name!r} is required")
+    user = _id(where + "user_id", obj["user_id"])
+    items_raw = obj["items"]
+    if type(items_raw) is not list:
+        raise _invalid(where + "items", items_raw, "a list of item ids or {item_id, context, dense} objects")
+    if not items_raw:
+        raise RequestError(422, f"field {where + 'items'!r}: empty; send at least one candidate")
+    if len(items_raw) > max_candidates:
+        raise RequestError(422, f"field {where + 'items'!r}: {len(items_raw)} candidates, at most {max_candidates} "
+                           "per request (split them, or raise [serve] max_candidates)")
+    if all_ids(items_raw):  # bare ids only, each valid as it is (the common request): no call per candidate
+        items, item_context, item_dense = list(items_raw), None, None
+    else:
+        items, item_context, item_dense = _items(where, items_raw)
     return ScoreRequest(user, items, _context(where + "context", obj.get("context")),
                         _dense(where + "dense", obj.get("dense")), item_context, item_dense)
 

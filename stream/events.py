@@ -176,6 +176,21 @@ def check_id(name: str, value: Any, limits: EventLimits = DEFAULT_LIMITS) -> Id:
     raise ValidationError(name, value, f"a non-negative 64-bit integer or a non-empty string (<= {limits.max_str_len})")
 
 
+def all_ids(values: list[Any], limits: EventLimits = DEFAULT_LIMITS) -> bool:
+    """True when :func:`check_id` accepts every one of ``values`` as it is: one pass with no call per value, for a
+    list of ids on a hot path (serving's 100 candidates per request); False sends the caller to ``check_id`` for
+    each value, which says which one is wrong and why."""
+    max_str = limits.max_str_len
+    for v in values:
+        t = type(v)
+        if t is int:
+            if not 0 <= v <= MAX_ID:
+                return False
+        elif t is not str or not v or len(v) > max_str:
+            return False
+    return True
+
+
 def _scalar_ok(v: Any, max_str: int) -> bool:
     t = type(v)
     if t is str:

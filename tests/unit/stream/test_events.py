@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stream.errors import BadMessage, ValidationError
-from stream.events import MAX_ID, Click, Impression, decode_click, decode_impression
+from stream.events import MAX_ID, Click, Impression, all_ids, check_id, decode_click, decode_impression
 from stream.limits import FLOAT32_MAX
 
 GOOD = {"schema_version": 1, "impression_id": "i1", "ts": 1_700_000_000_000, "user_id": "u1", "item_id": 7,
@@ -80,3 +80,26 @@ def test_impression_json_round_trip(imp_id, ts, user, item, context, dense) -> N
     back = decode_impression(imp.encode())
     assert back == imp
     assert all(math.isfinite(v) for v in back.dense.values())
+
+
+
+def _taken_as_is(v: object) -> bool:
+    try:
+        return check_id("x", v) is v
+    except BadMessage:
+        return False
+
+
+@pytest.mark.parametrize("values", [
+    [], [0, 1, MAX_ID], ["a", "i7", "x" * 256], [1, "u", 2],
+    [-1], [MAX_ID + 1], [True], [1, False], [""], ["x" * 257], [1.0], [None], [[1]], [{"item_id": 1}],
+    [1, 2, "ok", 3.5],
+])
+def test_all_ids_is_true_exactly_when_check_id_takes_every_value_as_it_is(values: list) -> None:
+    assert all_ids(values) is all(_taken_as_is(v) for v in values)
+
+
+@given(st.lists(st.one_of(st.integers(min_value=-2, max_value=2**64), st.text(max_size=300), st.booleans(),
+                          st.floats(allow_nan=False), st.none()), max_size=20))
+def test_all_ids_agrees_with_check_id_on_any_list(values: list) -> None:
+    assert all_ids(values) is all(_taken_as_is(v) for v in values)

@@ -75,3 +75,18 @@ def test_the_flat_read_is_the_per_sample_read_as_one_list_column(stored: list, d
     flat, offsets = flat_read
     assert flat.dtype == np.int64 and offsets.dtype == np.int32 and offsets.shape == (n + 1,)
     assert [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)] == per_sample
+
+
+@given(st.lists(st.integers(0, 60), unique=True, max_size=8).map(sorted), st.lists(st.integers(0, 9), min_size=8,
+                                                                                  max_size=8),
+       st.lists(st.integers(0, 70), max_size=6), st.integers(1, 5))
+@settings(max_examples=200, deadline=None)
+def test_one_users_clicks_appended_in_time_order_read_as_the_batch_path_reads_them(
+        click_times: list[int], items: list[int], times: list[int], max_len: int) -> None:
+    lists = [[f"{t}:{i}".encode() for t, i in zip(click_times, items, strict=False)][::-1]]  # newest appended first
+    users = [100] * len(times)
+    one = _as_of_flat(users, times, [100], lists, max_len)  # one user, strictly increasing: no sort, no copy search
+    batch = _as_of_flat(users, times, [100, 101], [*lists, [b"1:1"]], max_len)  # beside another user: the batch path
+    assert one is not None and batch is not None
+    assert one[0].tolist() == batch[0].tolist() and one[1].tolist() == batch[1].tolist()
+    assert one[0].dtype == np.int64 and one[1].dtype == np.int32

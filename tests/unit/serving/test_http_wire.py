@@ -1,0 +1,123 @@
+"""The threading server's own header parsing and answer writing (serving/http_server.py): headers read as the
+stdlib reads them, each answer written in one send."""
+
+from __future__ import annotations
+
+import http.client
+import io
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from serving.http_server import _Handler, _parse_headers
+
+PLAIN = [
+    b"Host: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 42\r\n\r\n",
+    b"host: x\r\naccept-encoding: identity\r\nX-Empty:\r\nX-Spaces:   padded  \r\nX-Tab:\tv\r\n\r\n",
+    b"Content-Length: 1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",  # repeats kept, in order
+    b"X-Latin: caf\xe9\r\nExpect: 100-continue\n\n",  # bare LF line ends; a latin-1 value
+    b"\r\n",  # no headers at all
+    b"Host: x\r\n",  # EOF before the blank line
+]
+ODD = [
+    b"Host: x\r\n continued\r\n\r\n",  # obsolete line folding
+    b"Content-Length : 5\r\n\r\n",  # whitespace before the colon
+    b"no colon here\r\nHost: x\r\n\r\n",
+    b"Host: a\rb\r\n\r\n",  # a bare CR inside a value
+    b": empty name\r\n\r\n",
+    b"Host: x\r\nH\xe9st: y\r\n\r\n",  # a name outside the token characters
+    b"Host: x",  # an unterminated last line
+]
+
+
+def _stdlib(block: bytes) -> http.client.HTTPMessage:
+    return http.client.parse_headers(io.BytesIO(block))
+
+
+@pytest.mark.parametrize("block", PLAIN + ODD)
+def test_headers_parse_as_the_stdlib_parses_them(block: bytes) -> None:
+    ours, theirs = _parse_headers(io.BytesIO(block), http.client.HTTPMessage), _stdlib(block)
+    assert ours.items() == theirs.items()
+    assert list(ours.keys()) == list(theirs.keys())
+    assert [type(d) for d in ours.defects] == [type(d) for d in theirs.defects]
+    for name in {k.lower() for k in theirs.keys()} | {"content-length", "connection"}:
+        assert ours.get_all(name) == theirs.get_all(name)
+
+
+@pytest.mark.parametrize("block", PLAIN)
+def test_plain_header_lines_never_reach_the_email_parser(block: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("the email feed parser ran")
+
+    expected = _stdlib(block).items()
+    monkeypatch.setattr(http.client, "parse_headers", refuse)
+    assert _parse_headers(io.BytesIO(block), http.client.HTTPMessage).items() == expected
+
+
+def test_the_stdlibs_limits_hold() -> None:
+    with pytest.raises(http.client.LineTooLong):
+        _parse_headers(io.BytesIO(b"X: " + b"a" * 70000 + b"\r\n\r\n"), http.client.HTTPMessage)
+    with pytest.raises(http.client.HTTPException):
+        _parse_headers(io.BytesIO(b"X: y\r\n" * 101 + b"\r\n"), http.client.HTTPMessage)
+
+
+class _Wire:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+
+def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = False) -> _Handler:
+    h = _Handler.__new__(_Handler)  # no socket: only what _send reads
+    app = SimpleNamespace(s=SimpleNamespace(request_timeout_s=5.0),
+                          headers=lambda m, p, status: {"Retry-After": "1"} if status == 503 else {})
+    h.app = app  # type: ignore[assignment]
+    h.server = SimpleNamespace(draining=draining)  # type: ignore[assignment]
+    h.connection = SimpleNamespace(settimeout=lambda _t: None)  # type: ignore[assignment]
+    h.wfile = _Wire()  # type: ignore[assignment]
+    h.command, h.path, h.request_version, h.close_connection = command, "/v1/score", version, False
+    return h
+
+
+def _read(raw: bytes, method: str = "POST") -> http.client.HTTPResponse:
+    sock = SimpleNamespace(makefile=lambda *_a, **_k: io.BytesIO(raw))
+    resp = http.client.HTTPResponse(sock, method=method)  # type: ignore[arg-type]
+    resp.begin()
+    return resp
+
+
+def test_an_answer_is_one_write_with_the_stdlibs_headers_and_ours() -> None:
+    h = _handler()
+    h._send(200, "application/json", b'{"scores": [0.5]}')
+    (raw,) = h.wfile.writes  # type: ignore[attr-defined]
+    resp = _read(raw)
+    assert (resp.status, resp.reason, resp.version) == (200, "OK", 11)
+    assert resp.getheader("Content-Type") == "application/json"
+    assert resp.getheader("Content-Length") == "17"
+    assert resp.getheader("Server", "").startswith("streamrec-serve Python/")
+    assert resp.getheader("Date", "").endswith(" GMT")
+    assert resp.getheader("Connection") is None and not h.close_connection
+    assert resp.read() == b'{"scores": [0.5]}'
+
+
+def test_close_draining_head_204_and_503_answers_keep_their_framing() -> None:
+    h = _handler(draining=True)
+    h._send(503, "application/json", b'{"error": "x"}')
+    resp = _read(h.wfile.writes[-1])  # type: ignore[attr-defined]
+    assert resp.getheader("Connection") == "close" and h.close_connection
+    assert resp.getheader("Retry-After") == "1" and resp.read() == b'{"error": "x"}'
+    h = _handler(command="HEAD")
+    h._send(200, "application/json", b"12345")
+    (raw,) = h.wfile.writes  # type: ignore[attr-defined]
+    assert raw.endswith(b"\r\n\r\n") and b"Content-Length: 5\r\n" in raw  # the GET's length, no body
+    h = _handler(command="OPTIONS")
+    h._send(204, "application/json", b"")
+    (raw,) = h.wfile.writes  # type: ignore[attr-defined]
+    assert raw.startswith(b"HTTP/1.1 204 No Content\r\n")
+    assert b"Content-Length" not in raw and b"Content-Type" not in raw
+    h = _handler(command="GET", version="HTTP/0.9")
+    h._send(200, "application/json", b"{}")
+    assert h.wfile.writes == [b"{}"]  # type: ignore[attr-defined]  # HTTP/0.9: no status line, no headers
