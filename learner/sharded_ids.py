@@ -35,7 +35,9 @@ recently seen. The unshard, and the id maps that serving's deltas carry, are the
 whole capacity (:func:`whole_maps`), the single process's format.
 
 Cost: three collectives a round (two object all-gathers, the all-reduce only when a row was admitted from its
-bucket), each a few ms on a loaded 2-core machine (``bench/scaling.py --id-capacity``; bench/README.md).
+bucket), each a few ms on a loaded 2-core machine (``bench/scaling.py --id-capacity``; bench/README.md). Known
+limit: the whole maps a delta carries (every ``deltas_id_maps_every_s``) are built on rank 0 as full-capacity
+``IdMap``s, a transient of one unsharded map's size (``IdMap.nbytes``) on that rank.
 """
 
 from __future__ import annotations
