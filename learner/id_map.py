@@ -577,20 +577,22 @@ class IdMap:
         self._row_key[:] = state["row_key"].numpy()
         self._row_seen[:] = state["row_seen"].numpy()
         self.buckets.seen[:] = state["bucket_seen"].numpy() if "bucket_seen" in state else -np.inf
-        free = state["free"].numpy()
+        self._load_rest(state["free"].numpy(), state, float(state["last_sweep"]), state["counters"])
+
+    def _load_rest(self, free: np.ndarray, candidates: Mapping[str, Any], last_sweep: float,
+                   counters: Mapping[str, int]) -> None:
+        """What both loads share once the own rows are set: the free stack (top last), the main table rebuilt from
+        the rows, the candidates' two generations, the sweep clock and the counters."""
         self._free_top = free.size
         self._free[:free.size] = free
         self._rebuild_main()
-        self._load_candidates(state)
-        self._last_sweep = float(state["last_sweep"])
-        self.counters = _Counters(**state["counters"])
-
-    def _load_candidates(self, state: Mapping[str, Any]) -> None:
         for table, k, c in ((self._cur, "cur_keys", "cur_counts"), (self._prev, "prev_keys", "prev_counts")):
             table.clear()
-            keys = np.asarray(state[k], dtype=np.int64)
+            keys = np.asarray(candidates[k], dtype=np.int64)
             if keys.size:
-                table.set_vals(table.insert(keys), np.asarray(state[c], dtype=np.int64))
+                table.set_vals(table.insert(keys), np.asarray(candidates[c], dtype=np.int64))
+        self._last_sweep = last_sweep
+        self.counters = _Counters(**counters)
 
     def load_entries(self, keys: np.ndarray, rows: np.ndarray, seen: np.ndarray, candidates: Mapping[str, Any],
                      last_sweep: float, counters: Mapping[str, int] | None = None) -> None:
@@ -607,18 +609,7 @@ class IdMap:
         self._row_key[rows] = np.asarray(keys, dtype=np.int64)
         self._row_seen[rows] = np.asarray(seen, dtype=np.float64)
         free = np.flatnonzero(self._row_key < 0)[::-1]  # a stack: the lowest free row is handed out first
-        self._free_top = free.size
-        self._free[:free.size] = free
-        self._rebuild_main()
-        self._load_candidates(candidates)
-        self._last_sweep = float(last_sweep)
-        self.counters = _Counters(**(counters or {}))
-
-    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(keys (K,), own rows (K,) local 0-based, last seen (K,)) of the admitted ids: what ``load_entries``
-        takes back."""
-        rows = np.flatnonzero(self._row_key >= 0)
-        return self._row_key[rows].copy(), rows, self._row_seen[rows].copy()
+        self._load_rest(free, candidates, float(last_sweep), counters or {})
 
 
 @dataclass

@@ -11,6 +11,7 @@ ranks in processes of their own:
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,10 @@ def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds
         Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums, "counts": counts,
                                             "stats": stats, "state": ids.state_dict(), "shares": shares,
                                             "nbytes": ids.nbytes(), "occupancy": dict(ids.occupancy)}))
+        # Done: leave without the interpreter's teardown. A spawned gloo rank aborted there ("terminate called
+        # without an active exception", SIGABRT) in 2 of ~10 parallel runs, AFTER writing its complete result; the
+        # result is what this test checks, and the daemon's own exit is tested under torchrun.
+        os._exit(0)
     finally:
         dist.destroy_process_group()
 
@@ -264,8 +269,9 @@ def test_a_full_share_evicts_its_own_least_recently_seen_ids(tmp_path: Path) -> 
     for si, (s, m) in enumerate(zip(shares, maps, strict=True)):
         part = got["ranks"][s.rank]["state"]["id_shards"]["user_id"]
         assert part["start"] == s.start
-        k, r, _ = m.entries()
         st = m.state_dict()
+        r = np.flatnonzero(st["row_key"].numpy() >= 0)  # the share's own rows in use, and their keys
+        k = st["row_key"].numpy()[r]
         assert np.array_equal(np.asarray(part["map"]["row_key"]), st["row_key"].numpy()), si
         lru += m.stats()["evictions_lru"]
         # the whole map puts the share's ids on the share's rows
