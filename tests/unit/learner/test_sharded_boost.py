@@ -5,6 +5,7 @@ to new owners, their counts start again."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def rank_main(rank: int, world: int, store: str, out: str) -> None:
         Path(out).write_bytes(pickle.dumps({
             "rows": [(s, t.clone()) for s, t in local_pieces(table_weight(dmp))],
             "counts": [(s, t.clone()) for s, t in local_pieces(trainer.boost.counts)]}))
+        # Done: leave without the interpreter's teardown. A spawned gloo rank aborted there ("terminate called
+        # without an active exception", SIGABRT) in 2 of ~10 parallel runs, AFTER writing its complete result; the
+        # result is what this test checks, and the daemon's own exit is tested under torchrun.
+        os._exit(0)
     finally:
         dist.destroy_process_group()
 
