@@ -22,6 +22,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "`make faults` 10")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Two tests with one node id: pytest-xdist schedules by node id and runs one of them (schemathesis'
+    parametrize once gave six operations one id, and five went untested under `make test`)."""
+    seen: set[str] = set()
+    twice = sorted({item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)})
+    if twice:
+        raise pytest.UsageError(f"tests with the same node id (give each its own id): {twice[:5]}")
+
+
 @pytest.fixture
 def fault_rounds(request: pytest.FixtureRequest) -> int:
     return max(1, int(request.config.getoption("--fault-rounds")))
