@@ -7,7 +7,7 @@ serving would be the start of training/serving skew.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -44,3 +44,19 @@ def hash_context(context: dict[str, ContextValue], _hash: Callable[[Any], int] =
     for k, v in context.items():
         out[k] = list(map(_hash, v)) if isinstance(v, list) else _hash(v)
     return out
+
+
+# Types whose equal values always have the same text (and so the same hash): a column of one of them may be hashed
+# once per distinct value. Not float (0.0 == -0.0) and not a mix (1 == True == 1.0).
+_DEDUP_SAFE = frozenset({str, int, bool})
+
+
+def hash_column(values: Sequence[Any]) -> np.ndarray:
+    """(N,) int64: :data:`hash_value` of each value, :data:`MISSING` for None (an absent feature). The same numbers
+    as the per-value function; a column of one type (str, int or bool) is hashed once per distinct value."""
+    types = set(map(type, values))
+    if len(types) == 1 and types <= _DEDUP_SAFE:
+        distinct = dict.fromkeys(values)
+        hashed = dict(zip(distinct, map(hash_value, distinct), strict=True))
+        return np.fromiter(map(hashed.__getitem__, values), np.int64, len(values))
+    return np.fromiter((MISSING if v is None else hash_value(v) for v in values), np.int64, len(values))

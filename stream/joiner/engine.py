@@ -56,20 +56,23 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
 
 from stream.events import Click, Impression
-from stream.features import hash_context, hash_value
+from stream.features import hash_column, hash_context
 from stream.joiner.config import EmissionPolicy
+from stream.joiner.context_block import hashed_rows
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
-_TIME_THEN_KIND = itemgetter(0, 1)  # of (ts, kind, offset, event): a sort key that runs in C
+_USER_ID, _ITEM_ID, _CONTEXT = attrgetter("user_id"), attrgetter("item_id"), attrgetter("context")  # of an Impression
+_TIME_THEN_KIND = itemgetter(0, 1)  # of (ts, kind, offset or row, event): a sort key that runs in C
+_OFFSET, _EVENT = itemgetter(0), itemgetter(1)  # of an (offset, event) input pair
 _NO_OFFSET = -1
 
 
@@ -103,7 +106,8 @@ class Pending:
     ts: int
     user: int  # stable_hash(user_id)
     item: int  # stable_hash(item_id)
-    context: dict[str, int | list[int]]
+    # key -> hashed value or list: a ContextRow (its row of the batch's ContextBlock, context_block.py) or a dict
+    context: Mapping[str, int | list[int]]
     dense: dict[str, float]
     chunk: int  # the state chunk that added it
     click_ts: int | None = None  # set once joined
@@ -228,9 +232,16 @@ class PartitionJoin:
         max_ref = -1
 
         imp_from, click_from = self.offsets
-        fresh: tuple[list, list] = ([(imp.ts, IMPRESSIONS, off, imp) for off, imp in impressions if off > imp_from],
-                                    [(clk.ts, CLICKS, off, clk) for off, clk in clicks if off > click_from])
-        redelivered = len(impressions) + len(clicks) - len(fresh[IMPRESSIONS]) - len(fresh[CLICKS])
+        new_imps = [pair for pair in impressions if pair[0] > imp_from]  # (offset, Impression)
+        new_clicks = [pair for pair in clicks if pair[0] > click_from]
+        # The new impressions' features hashed as columns, once per batch: an impression is event ``row`` of these.
+        imp_events: list[Impression] = list(map(_EVENT, new_imps))
+        users = hash_column(list(map(_USER_ID, imp_events))).tolist()
+        items = hash_column(list(map(_ITEM_ID, imp_events))).tolist()
+        contexts = hashed_rows(list(map(_CONTEXT, imp_events)), hash_context)
+        fresh: tuple[list, list] = ([(imp.ts, IMPRESSIONS, row, imp) for row, imp in enumerate(imp_events)],
+                                    [(clk.ts, CLICKS, off, clk) for off, clk in new_clicks])
+        redelivered = len(impressions) + len(clicks) - len(new_imps) - len(new_clicks)
         if redelivered:
             out.stats["redelivered"] += redelivered
         events: list[tuple[int, int, int, Impression | Click]] = fresh[IMPRESSIONS] + fresh[CLICKS]
@@ -246,22 +257,22 @@ class PartitionJoin:
                 if len(top) == quorum:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
-                self.offsets[kind] = max(self.offsets[kind], max(e[2] for e in fresh[kind]))
+                self.offsets[kind] = max(self.offsets[kind], max(map(_OFFSET, (new_imps, new_clicks)[kind])))
         # The per-event loop, kept lean (locals, counts added once): it runs once per input event.
         pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
         expiry, window, push = self._expiry, self.cfg.window_ms, heapq.heappush
         fake, es_dfm, elapsed = self.cfg.policy == "fake_negative", self.cfg.policy == "es_dfm", self.cfg.elapsed_ms
         emit = out.samples.append
         n_impressions = n_clicks = n_duplicates = 0
-        for ts, kind, _off, ev in events:
+        for ts, kind, row, ev in events:  # row: an impression's index among imp_events (a click's offset: unused)
             if kind == IMPRESSIONS:
                 n_impressions += 1
                 imp_id = ev.impression_id
                 if imp_id in pending or imp_id in finalized:
                     n_duplicates += 1
                     continue
-                p = Pending(imp_id, ts, hash_value(ev.user_id), hash_value(ev.item_id),  # type: ignore[union-attr]
-                            hash_context(ev.context), dict(ev.dense) if ev.dense else {}, seq)  # type: ignore[union-attr]
+                p = Pending(imp_id, ts, users[row], items[row], contexts[row],
+                            dict(ev.dense) if ev.dense else {}, seq)  # type: ignore[union-attr]
                 pending[imp_id] = p
                 push(expiry, (ts + window, imp_id))
                 if fake:

@@ -35,7 +35,8 @@ import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import compress, groupby, repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -73,6 +74,8 @@ _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
 _TS_OF = attrgetter("ts")  # of an event or a Pending
 _PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a Pending
 _LABEL, _KIND = attrgetter("label"), attrgetter("kind")  # of a Sample
+_TOPIC, _OFFSET, _VALUE, _STAMP = itemgetter(0), itemgetter(2), itemgetter(4), itemgetter(5)  # of a Record
+_TOPIC_PARTITION = itemgetter(0, 1)  # of a Record
 Event = Impression | Click | BadMessage  # a record's event, or why it is bad
 
 
@@ -370,18 +373,18 @@ class JoinPipeline:
                     except BadMessage as exc:
                         events[i] = exc
             return events  # type: ignore[return-value]
-        todo: dict[bool, list[int]] = {True: [], False: []}  # clicks? -> indices still to decode
-        impressions = self.kafka.impressions_topic
-        for i, r in enumerate(records):
-            if events[i] is None:
-                todo[r.topic != impressions].append(i)
-        for clicks, idx in todo.items():
-            if idx:
-                decoded = decode_events([records[i].value for i in idx], [records[i].timestamp for i in idx],
-                                        clicks, self.limits)
-                for i, event in zip(idx, decoded, strict=True):
-                    events[i] = event
-        return events  # type: ignore[return-value]
+        # Per topic, the records still to decode, decoded as one column each; every column one C-level pass.
+        is_click = list(map(self.kafka.impressions_topic.__ne__, map(_TOPIC, records)))
+        fresh = events.count(None) == len(events)  # none held before (the usual case)
+        todo = is_click if fresh else [c if e is None else None for e, c in zip(events, is_click, strict=True)]
+        decoded = {}
+        for clicks in (False, True):
+            chosen = list(compress(records, map(is_, todo, repeat(clicks))))
+            decoded[clicks] = iter(decode_events(list(map(_VALUE, chosen)), list(map(_STAMP, chosen)), clicks,
+                                                 self.limits))
+        if fresh:  # each record's event from its topic's column, in record order
+            return list(map(next, map(decoded.__getitem__, is_click)))
+        return [e if e is not None else next(decoded[c]) for e, c in zip(events, is_click, strict=True)]
 
     def _join(self, records: list[Record], behind: Behind | None = None,
               prior: dict[tuple[str, int], Held] | None = None) -> list[Record]:
@@ -395,14 +398,17 @@ class JoinPipeline:
         # (topic, partition) -> its records in offset order and each one's event or why it is bad (copies of the held
         # columns: a failed batch leaves ``prior`` as it was, for its strikes)
         groups: Groups = {tp: (list(h.records), list(h.events)) for tp, h in prior.items()} if prior else {}
-        for r, event in zip(records, self._decode_all(records), strict=True):
-            tp = (r.topic, r.partition)
+        decoded = self._decode_all(records)
+        start = 0
+        for tp, run in groupby(map(_TOPIC_PARTITION, records)):  # a fetch brings runs of one topic-partition
+            end = start + sum(1 for _ in run)
             got = groups.get(tp)
             if got is None:
-                groups[tp] = ([r], [event])
+                groups[tp] = (records[start:end], decoded[start:end])
             else:
-                got[0].append(r)
-                got[1].append(event)
+                got[0].extend(records[start:end])
+                got[1].extend(decoded[start:end])
+            start = end
         held: list[Record] = []
         if behind is not None:
             held = self._hold(groups, behind, prior or {})
@@ -412,6 +418,9 @@ class JoinPipeline:
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
             into = imps[partition] if is_impression else clicks[partition]
+            if not any(map(isinstance, events, repeat(BadMessage))):  # all good: (offset, event) pairs in one pass
+                into.extend(zip(map(_OFFSET, recs), events, strict=True))  # type: ignore[arg-type]
+                continue
             for r, event in zip(recs, events, strict=True):
                 if isinstance(event, BadMessage):
                     self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset)

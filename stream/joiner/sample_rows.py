@@ -9,18 +9,21 @@ from typing import TypeVar
 import numpy as np
 
 from stream.features import MISSING
+from stream.joiner.context_block import take_rows
 from stream.joiner.engine import Pending, Sample
 from stream.samples import SampleBatch
 
 T = TypeVar("T")
-_IMPRESSION_ID, _TS, _USER, _ITEM = (attrgetter(a) for a in ("impression_id", "ts", "user", "item"))  # of a Pending
+_IMPRESSION_ID, _TS, _USER, _ITEM, _CONTEXT = (  # of a Pending
+    attrgetter(a) for a in ("impression_id", "ts", "user", "item", "context"))
 
 
 def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
     """Columns from samples. Context keys are the union over rows: a missing categorical is
     :data:`MISSING`, a missing list ``[]``, a missing dense value 0.0; a key that is a list in any
-    row is a list column. One pass over the rows' dicts fills every column (or, when every row has the
-    same keys, one pass per column). ``history=False``: every row's history column is empty."""
+    row is a list column. One pass over the rows' contexts fills every column (or, when they are rows of
+    ``ContextBlock``s of one signature, each column is gathered from the blocks). ``history=False``: every row's
+    history column is empty."""
     return _batch([s.pending for s in rows], _labels(rows), history)
 
 
@@ -93,24 +96,18 @@ History = tuple[np.ndarray, np.ndarray]  # a list column: flat (H,) int64 values
 
 def _columns(ps: list[Pending], labels: Labels | None, history: bool,
              histories: History | None = None) -> SampleBatch | None:
-    """:func:`_batch` when every row has the same context keys, each a list in every row or in none, and the same
-    dense keys (the usual stream): each column in one pass. None otherwise. ``histories``: the rows' histories as a
-    list column (``UserHistory.as_of_flat``) instead of each row's ``pending.history``."""
-    contexts, denses = [p.context for p in ps], [p.dense for p in ps]
-    ctx_keys, dense_keys = set(map(tuple, contexts)), set(map(tuple, denses))
-    if len(ctx_keys) != 1 or len(dense_keys) != 1:
+    """:func:`_batch` when the rows' contexts are rows of blocks with one signature (``context_block.py``: the same
+    keys, each a list in every row or in none) and the rows have the same dense keys (the usual stream): the context
+    columns gathered from the blocks, the others in one pass each. None otherwise. ``histories``: the rows' histories
+    as a list column (``UserHistory.as_of_flat``) instead of each row's ``pending.history``."""
+    denses = [p.dense for p in ps]
+    dense_keys = set(map(tuple, denses))
+    if len(dense_keys) != 1:
+        return None
+    context = take_rows(list(map(_CONTEXT, ps)))
+    if context is None:
         return None
     n = len(ps)
-    context: dict[str, object] = {}
-    for k in next(iter(ctx_keys)):
-        col = list(map(itemgetter(k), contexts))
-        types = set(map(type, col))
-        if list in types:
-            if len(types) > 1:
-                return None
-            context[k] = col
-        else:
-            context[k] = np.array(col, np.int64)
     label, delay, kind = _no_labels(n) if labels is None else labels
     return SampleBatch.from_columns(
         impression_id=list(map(_IMPRESSION_ID, ps)),
