@@ -275,3 +275,46 @@ def test_a_malformed_history_entry_is_skipped_not_an_error(redis_client: redis.R
     redis_client.set(h.key(6), "not a list")  # a key of the wrong type
     assert h.as_of([5, 6], [3000, 3000]) == [[100, 200], []]
     assert h.recent(5) == [100, 200]
+
+
+def test_as_of_later_sends_now_and_answers_as_as_of(redis_client: redis.Redis, prefix: str) -> None:
+    h = UserHistory(redis_client, prefix=prefix, max_len=10)
+    t = ms(2000, 1, 1)
+    h.append_many([1, 2, 1, 1], [10, 20, 11, 12], [t + 1, t + 2, t + 3, t + 4])
+    redis_client.set(h.key(6), "not a list")  # a key of the wrong type: no history, as as_of
+    pool = redis_client.connection_pool
+    for users, times in (([1], [t + 4]), ([1, 2, 6, 9, 1], [t + 100] * 4 + [t + 2]), ([1], [t + 100])):
+        collect = h.as_of_later(users, times, limit=2)
+        assert len(pool._in_use_connections) == 1  # the read is out, its answer pending on a pooled connection
+        redis_client.ping()  # the pending answer is not read by anyone else: another connection serves this
+        assert collect() == h.as_of(users, times, limit=2)
+        assert collect() == h.as_of(users, times, limit=2)  # a second call: the same lists, nothing read again
+        assert len(pool._in_use_connections) == 0
+    redis_client.script_flush()  # a Redis that forgot the script (restarted, flushed): NOSCRIPT, loaded, read again
+    assert h.as_of_later([1], [t + 100])() == [[10, 11, 12]]
+    assert len(pool._in_use_connections) == 0
+    with pytest.raises(ValueError, match="'ts_ms'"):
+        h.as_of_later([1, 2], [1])
+
+
+def test_as_of_later_timed_out_leaves_no_answer_on_the_pooled_connection(redis_client: redis.Redis,
+                                                                          prefix: str) -> None:
+    """A read that times out is disconnected, not given back with its answer still coming: the next read on the
+    same pool gets its own answer."""
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        **{**redis_client.connection_pool.connection_kwargs, "socket_timeout": 0.1}))
+    try:
+        h = UserHistory(client, prefix=prefix, max_len=10)
+        h.append_many([1, 2], [10, 20], [1000, 2000])
+        h.as_of([1], [3000])  # the script loaded
+        redis_client.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        collect = h.as_of_later([1], [3000])
+        with pytest.raises(redis.TimeoutError):
+            collect()
+        with pytest.raises(redis.TimeoutError):  # the same error again, nothing read twice
+            collect()
+        time.sleep(0.5)  # the pause is over: the first read's answer went to a closed socket
+        assert len(client.connection_pool._in_use_connections) == 0
+        assert h.as_of_later([2], [3000])() == [[20]]
+    finally:
+        client.close()
