@@ -257,7 +257,7 @@ def session(model: bytes, threads: int | None = None, device: str = "cpu") -> An
 class OnnxScorer(Scorer):
     """A :class:`Scorer` run by ONNX Runtime (on :func:`providers` for ``device``: the CPU, or TensorRT/CUDA where
     installed): a :class:`RequestHead` graph (pooling included), or an older artifact's :class:`DenseHead` graph
-    (the pooling in torch)."""
+    (the pooling in torch). ``pools`` says which (True: the pooling graph)."""
 
     def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor, model: bytes,
                  int8: bool = False, device: str = "cpu") -> None:
@@ -265,6 +265,7 @@ class OnnxScorer(Scorer):
         self.int8 = int8
         self.ort_device = str(device)
         self._box = Held(self._session(model))
+        self.pools = self._box.value.get_inputs()[0].name == REQUEST_INPUTS[0]
         self._table = Held(None)  # the hot rows as the graph is fed them, made on first use (after .to(device))
 
     def _session(self, model: bytes) -> Any:
@@ -274,11 +275,6 @@ class OnnxScorer(Scorer):
             raise ValueError(f"the ONNX graph takes {', '.join(names)}; this streamrec runs graphs taking "
                              f"{', '.join(REQUEST_INPUTS)} (input layout 3) or {', '.join(DENSE_INPUTS)} (layout 2)")
         return sess
-
-    @property
-    def pools(self) -> bool:
-        """Whether the graph pools (a :class:`RequestHead` graph) or takes pooled bags (an older artifact's)."""
-        return self._box.value.get_inputs()[0].name == REQUEST_INPUTS[0]
 
     @property
     def execution_providers(self) -> list[str]:
@@ -294,6 +290,7 @@ class OnnxScorer(Scorer):
         """Re-export the graph from this module's (updated) weights: a learner delta's dense weights. Always a
         :class:`RequestHead` graph (an older artifact's scorer too: the same scores, one call)."""
         self._box = Held(self._session(export_request(self, self.int8)))
+        self.pools = True
 
     def _hot_table(self) -> Any:
         """The hot rows as the graph is fed them: a numpy view on the CPU (read in place), an ``OrtValue`` on a
@@ -321,17 +318,24 @@ class OnnxScorer(Scorer):
             return torch.from_numpy(sess.run(None, feeds)[0]).to(pooled.device)  # (B,)
         hot_ids = self.hot_ids
         assert isinstance(hot_ids, torch.Tensor)
-        v = values.detach().cpu().numpy()
-        o = offsets.detach().cpu().numpy()
-        lengths = o[1:] - o[:-1]  # (F + F*B,)
-        feeds = {"table": self._hot_table(),
-                 "pos": np.searchsorted(hot_ids.cpu().numpy(), v),  # (N,) in [0, H]: the sentinel keeps it in range
-                 "given": given_rows.detach().cpu().float().contiguous().numpy(),
-                 "given_mask": given_mask.detach().cpu().numpy(),
-                 "seg": np.repeat(np.arange(len(lengths), dtype=np.int64), lengths),  # (N,)
-                 "inv_len": 1.0 / np.maximum(lengths, 1).astype(np.float32),
-                 "dense": dense.detach().cpu().float().contiguous().numpy()}
-        return torch.from_numpy(sess.run(None, feeds)[0]).to(values.device)  # (B,)
+        pos = np.searchsorted(hot_ids.cpu().numpy(), values.detach().cpu().numpy())  # (N,) in [0, H]: the sentinel
+        prob = self.score_rows(pos, given_rows.detach().cpu().float().numpy(), given_mask.detach().cpu().numpy(),
+                               offsets.detach().cpu().numpy(), dense.detach().cpu().float().numpy())
+        return torch.from_numpy(prob).to(values.device)  # (B,)
+
+    def score_rows(self, pos: np.ndarray, given: np.ndarray, given_mask: np.ndarray, offsets: np.ndarray,
+                   dense: np.ndarray) -> np.ndarray:
+        """The pooling graph's call in numpy (serving's request path: no torch call around it): ``pos`` (N,) each
+        value's position among the hot rows (``searchsorted`` of the sorted ``hot_ids``; any value where
+        ``given_mask``), ``given`` (N, D + 1) float32, ``given_mask`` (N,) bool, ``offsets`` (F + F*B + 1,) int64,
+        ``dense`` (B, Dd) float32 -> probabilities (B,) float32. Only for a graph that :attr:`pools`."""
+        lengths = offsets[1:] - offsets[:-1]  # (F + F*B,)
+        feeds = {"table": self._hot_table(), "pos": pos, "given": np.ascontiguousarray(given),
+                 "given_mask": given_mask,
+                 "seg": np.repeat(np.arange(len(lengths), dtype=np.int64), lengths),  # (N,) each value's bag
+                 "inv_len": 1.0 / np.maximum(lengths, 1).astype(np.float32),  # (F + F*B,)
+                 "dense": np.ascontiguousarray(dense)}
+        return self._box.value.run(None, feeds)[0]  # (B,)
 
 
 def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
