@@ -181,11 +181,14 @@ def _as_of_flat(users: list[int], times: list[int], distinct: list[int], lists: 
             return None  # the per-user path drops the copy
         key, items = key[order], items[order]
     sample_ts = np.asarray(times, np.int64)
-    if len(sample_ts) and (sample_ts.min() < 0 or sample_ts.max() >= 1 << _TS_BITS):
+    if len(sample_ts) and sample_ts.min() < 0:
         return None
+    # A time past every storable click (serving asks "as of" the far future) is 2**42: the sum below is then the next
+    # user's first key, before which the search ends (every click of the user), as it should.
+    sample_ts = np.minimum(sample_ts, 1 << _TS_BITS)
     index = {u: i for i, u in enumerate(distinct)}
     who = np.fromiter(map(index.__getitem__, users), np.int64, len(users))
-    ends = np.searchsorted(key, (who << _TS_BITS) | sample_ts, side="left")  # clicks of the user with time < ts
+    ends = np.searchsorted(key, (who << _TS_BITS) + sample_ts, side="left")  # clicks of the user with time < ts
     starts = np.maximum(np.cumsum(counts)[who] - counts[who], ends - max_len)  # (N,)
     lengths = ends - starts  # (N,) each sample's history length
     offsets = np.zeros(len(users) + 1, np.int64)
@@ -337,6 +340,11 @@ class UserHistory:
     def _flat(self, users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes | str]],
               max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`as_of_flat` from the stored entries ``lists`` of the ``distinct`` users."""
+        if len(distinct) == 1 and min(times) >= 1 << _TS_BITS and isinstance(lists[0], list):
+            # One user's every click (serving's read, "as of" the far future): the list's own parse, about half the
+            # time of the batch path's search for this one case.
+            items = np.asarray(_parse(lists[0])[1][-max_len:] if max_len else [], np.int64)  # (L,)
+            return np.tile(items, len(users)), (np.arange(len(users) + 1) * len(items)).astype(np.int32)
         fast = _as_of_flat(users, times, distinct, lists, max_len)
         if fast is not None:
             return fast

@@ -318,3 +318,21 @@ def test_as_of_later_timed_out_leaves_no_answer_on_the_pooled_connection(redis_c
         assert h.as_of_later([2], [3000])() == [[20]]
     finally:
         client.close()
+
+
+def test_as_of_the_far_future_is_every_stored_click(redis_client: redis.Redis, prefix: str) -> None:
+    """Serving reads "as of" 2**62 (every click): the one-user shortcut, the batch path and the per-user path (a
+    malformed entry: skipped) agree with reads as of a time just past the last click."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=30)
+    t = ms(2000, 1, 1)
+    clicks = {1: 20, 2: 3, 3: 0}
+    for u, n in clicks.items():
+        h.append_many([u] * n, [u * 1000 + i for i in range(n)], [t + (i * 7919) % 23 for i in range(n)])
+    far, near = 2**62, t + 100
+    for users in ([1], [2], [3], [1, 1], [1, 2, 3, 1]):
+        for limit in (None, 0, 5):
+            assert h.as_of(users, [far] * len(users), limit) == h.as_of(users, [near] * len(users), limit)
+            assert h.as_of_later(users, [far] * len(users), limit)() == h.as_of(users, [near] * len(users), limit)
+    redis_client.lpush(h.key(1), "garbage")
+    assert h.as_of([1], [far]) == h.as_of([1], [near]) and len(h.as_of([1], [far])[0]) == 20
+    assert h.as_of([1, 2], [far, far]) == h.as_of([1, 2], [near, near])
