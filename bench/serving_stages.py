@@ -11,10 +11,12 @@ threading server, as ``streamrec serve`` does) in a process of its own, drives i
   metrics are left.
 * ``fixed``: ``ScoringApp.handle`` returns a fixed answer of the real size: the HTTP server alone.
 
-Stages (nested: ``request`` holds the others but ``wait``): ``request`` (``_Handler._one_request``: request line to
-answer written), ``head`` (request line and headers), ``app`` (``ScoringApp.handle``), ``json_in`` (JSON decode +
-validation), ``history`` (the Redis read), ``encode``, ``score`` (``ScoringModel.score_request``), ``send`` (writing
-the answer: on a busy machine this includes the client being scheduled on its wake-up).
+Stages (nested: ``request`` holds the others): ``request`` (``_Handler._one_request``: request line to answer
+written), ``head`` (request line and headers), ``app`` (``ScoringApp.handle``), ``json_in`` (JSON decode +
+validation), ``hist_send`` (``HistoryReader.start``: the Redis read sent), ``encode`` (which ends by collecting the
+history), ``history`` (inside ``encode``: waiting for Redis's answer and parsing it, ``HistoryReader._finish``),
+``score`` (``ScoringModel.score_request``), ``send`` (writing the answer: on a busy machine this includes the client
+being scheduled on its wake-up). Run in a checkout from before the read was split, ``history`` is the whole read.
 
 Reproduce::
 
@@ -45,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("request", "head", "app", "json_in", "history", "encode", "score", "send")
+STAGES = ("request", "head", "app", "json_in", "hist_send", "encode", "history", "score", "send")
 
 
 def _timed(times: dict[str, list[float]], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,6 +68,7 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
     import serving.app as app_mod
     import serving.http_server as http_mod
     from serving.features import FeatureEncoder
+    from serving.history import HistoryReader
     from serving.model import ScoringModel
     from serving.service import ScoringService
     from serving.settings import ServeSettings
@@ -80,7 +83,11 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
     H.parse_request = _timed(times, "head", H.parse_request)  # type: ignore[method-assign]
     H._send = _timed(times, "send", H._send)  # type: ignore[method-assign]
     A.handle = _timed(times, "app", A.handle)  # type: ignore[method-assign]
-    A._histories = _timed(times, "history", A._histories)  # type: ignore[method-assign]
+    if hasattr(HistoryReader, "start"):  # the read sent before encoding, collected by the encoder (last)
+        HistoryReader.start = _timed(times, "hist_send", HistoryReader.start)  # type: ignore[method-assign]
+        HistoryReader._finish = _timed(times, "history", HistoryReader._finish)  # type: ignore[method-assign]
+    else:  # a checkout from before (run this script there to compare)
+        A._histories = _timed(times, "history", A._histories)  # type: ignore[method-assign]
     app_mod.parse_request = _timed(times, "json_in", app_mod.parse_request)
     FeatureEncoder.encode = _timed(times, "encode", FeatureEncoder.encode)  # type: ignore[method-assign]
     if mode == "noop":

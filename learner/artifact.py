@@ -15,12 +15,13 @@ Layout under a publish root::
                                          offsets), feature_config, model settings, hot-set stats,
                                          format, scorer settings (``input_layout``: the scorer's input
                                          layout, learner/scorer.py; absent in artifacts from before the
-                                         user-row layout, which serving still loads), files {name:
+                                         user-row layout, which serving still loads; 3 for the onnx
+                                         formats' pooling graph), files {name:
                                          {sha256, bytes}},
                                          signature (when the refresh has a signing key)
         scorer.pt | scorer.pt2 | scorer_state.pt | scorer.safetensors | scorer.onnx + scorer.safetensors
                                          the scorer (torchscript | export | eager | safetensors | onnx: the
-                                         dense graph and the tensors beside it, learner/onnx_scorer.py)
+                                         graph and the tensors beside it, learner/onnx_scorer.py)
         cold_rows.npy                    float32 (num_rows, D + 1): the whole fused table, memory-mapped
         id_maps.pt | id_maps.pack        dynamic ids only: the learner's id maps (learner/row_mapper.py), a
                                          weights-only torch.save, or (safetensors and onnx artifacts) a
@@ -75,10 +76,13 @@ from learner.model import DeepFM
 from learner.scorer import (
     CANDIDATE_ROWS_LAYOUT,
     FORMATS,
+    ONNX_FORMATS,
     PICKLE_FREE_FORMATS,
+    POOLING_GRAPH_LAYOUT,
     SCORER_EXTRA_FILES,
     SCORER_FILES,
     SCORER_LAYOUTS,
+    USER_ROW_LAYOUT,
     Scorer,
     ScorerSpec,
     hot_buffers,
@@ -320,6 +324,8 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
     if not _int(layout) or layout not in SCORER_LAYOUTS:
         raise ArtifactError(f"{where}: scorer input_layout {_show(layout)}, this streamrec reads "
                             f"{', '.join(map(str, SCORER_LAYOUTS))}; rebuild it with `streamrec refresh --now`")
+    if layout == POOLING_GRAPH_LAYOUT and fmt not in ONNX_FORMATS:
+        raise bad(f"scorer input_layout {layout} (a pooling ONNX graph) with format {fmt!r}")
     if (sc["num_fields"], sc["dim"], sc["num_dense"]) != (cfg.num_fields, cfg.embedding_dim, len(cfg.dense)):
         raise bad(f"scorer (fields {sc['num_fields']}, dim {sc['dim']}, dense {sc['num_dense']}) does not match the "
                   f"feature config ({cfg.num_fields}, {cfg.embedding_dim}, {len(cfg.dense)})")
@@ -392,7 +398,8 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     meta = checkpoint["meta"]
     ms = meta["model"]
     spec = ScorerSpec(cfg.num_fields, cfg.embedding_dim, len(cfg.dense), parse_mlp(ms["mlp"]),
-                      float(ms.get("dropout", 0.0)))
+                      float(ms.get("dropout", 0.0)),
+                      POOLING_GRAPH_LAYOUT if format in ONNX_FORMATS else USER_ROW_LAYOUT)
     state = checkpoint["model"]
     table = state["sparse.bag.weight"].detach().float().cpu().contiguous()  # (num_rows, D + 1)
     if tuple(table.shape) != (cfg.num_rows, cfg.embedding_dim + 1):

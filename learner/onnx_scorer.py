@@ -1,34 +1,53 @@
-"""The ``onnx`` artifact format: the scorer's dense part (FM + MLP) run by ONNX Runtime.
+"""The ``onnx`` artifact format: the scorer's pooling, FM and MLP run by ONNX Runtime, one call per request.
 
 Measured and chosen (torch 2.13, onnxruntime 1.32): the whole :class:`learner.scorer.Scorer` does not export
-cleanly (``searchsorted`` has no ONNX operator; ``embedding_bag`` with offsets becomes a ``Loop``), so the
-split is where the issue suggests it: the row gathering and mean pooling stay in torch (the same code as every
-other format, :meth:`Scorer.pool`), and only what runs on the pooled embeddings goes to ONNX Runtime::
+cleanly (``searchsorted`` has no ONNX operator; ``embedding_bag`` with offsets becomes a ``Loop``), so what does not
+export is done in numpy before the call and everything else is in the graph (:class:`RequestHead`, input layout 3,
+:data:`learner.scorer.POOLING_GRAPH_LAYOUT`)::
 
-    DenseHead.forward(pooled (B, F, D + 1) float32, dense (B, Dd) float32) -> (B,) probabilities
+    RequestHead.forward(table (H + 1, D + 1) float32    the scorer's hot rows: a graph INPUT, not a weight
+                        pos (N,) int64                  each value's position among the hot rows (searchsorted)
+                        given (N, D + 1) float32        the rows the caller gives (cold rows, delta overrides)
+                        given_mask (N,) bool            use ``given`` (else ``table[pos]``)
+                        seg (N,) int64                  each value's bag (the request layout's bags, user row first)
+                        inv_len (F + F*B,) float32      1 / each bag's length (1 for an empty bag)
+                        dense (B, Dd) float32) -> (B,) probabilities
 
-(bias + first order + FM + MLP + calibration + sigmoid), exported with a dynamic batch axis by the TorchScript
-based exporter (``dynamo=False``: no onnxscript needed; opset 17). The artifact holds two files, both listed in
-the manifest with their sha256: ``scorer.onnx`` (the dense graph, what scores) and ``scorer.safetensors`` (the
-scorer's tensors, as the safetensors format stores them: the hot rows the pooling reads, and the dense weights a
-learner delta replaces; nothing is unpickled). A delta with dense weights re-exports the graph from the updated
-weights (:meth:`OnnxScorer.rebuild_session`, about 0.1 s for a 400-400-400 MLP) before the new snapshot is
-swapped in.
+gather, mean pooling (a ScatterElements add per bag), the user row broadcast to the candidates, bias + first order +
+FM + MLP + calibration + sigmoid: what :meth:`Scorer.forward` computes, in one ONNX Runtime call per request instead
+of ~10 torch calls plus one ONNX Runtime call (bench/serving_threads.py measures both). The hot table is fed at every
+call (ONNX Runtime reads the numpy buffer in place: no copy, measured with a 1 M-row table), so the graph holds only
+the dense weights: a learner delta's rows need no re-export, and a delta with dense weights re-exports the graph
+from the updated weights (:meth:`OnnxScorer.rebuild_session`, about 0.1 s for a 400-400-400 MLP) before the new
+snapshot is swapped in. Exported with dynamic sizes by the TorchScript based exporter (``dynamo=False``: no
+onnxscript needed; opset 17).
+
+Versions: artifacts written before this graph (manifest ``scorer.input_layout`` 2) hold :class:`DenseHead`'s graph
+(``pooled (B, F, D + 1), dense (B, Dd) -> (B,)``, the pooling in torch); they keep loading and scoring (the graph's
+input names say which it is), and a dense delta re-exports such a scorer as a :class:`RequestHead` graph. Artifacts
+written by this code say ``input_layout`` 3, which a server from before it refuses when it reads the manifest ("scorer
+input_layout 3, this streamrec reads 1, 2"), so the old server keeps serving its loaded version: upgrade serving
+before the refresh job that writes the new graph.
+
+The artifact holds two files, both listed in the manifest with their sha256: ``scorer.onnx`` (the graph, what
+scores) and ``scorer.safetensors`` (the scorer's tensors, as the safetensors format stores them: the hot rows fed to
+the graph, and the dense weights a learner delta replaces; nothing is unpickled).
 
 The scores equal the eager fp32 model's to ~1e-7 on probabilities (ONNX Runtime fuses Gemm + bias and sums in
 another order; tests/unit/learner/test_onnx_scorer.py bounds it by 1e-6 on several batch sizes).
 
 INT8 (the ``onnx_int8`` format, ``scorer_int8.onnx``): ONNX Runtime's ``quantize_dynamic`` of the exported graph
-(int8 weights of every Gemm, activations quantized per batch); its accuracy cost on a holdout is measured by
-``bench/onnx_int8.py``. Its scores differ from fp32 by far more than the refresh's probe tolerance, so the refresh
-probes its fp32 path (:meth:`OnnxScorer.torch_forward`: the same tensors in torch) against the learner, and
-refuses it when its holdout AUC falls more than ``[refresh] max_int8_auc_drop`` below that fp32 path's
-(``cache_refresh/validate.py``).
+(int8 weights of every Gemm, activations quantized per batch; the gather and pooling stay fp32); its accuracy cost on
+a holdout is measured by ``bench/onnx_int8.py``. Its scores differ from fp32 by far more than the refresh's probe
+tolerance, so the refresh probes its fp32 path (:meth:`OnnxScorer.torch_forward`: the same tensors in torch) against
+the learner, and refuses it when its holdout AUC falls more than ``[refresh] max_int8_auc_drop`` below that fp32
+path's (``cache_refresh/validate.py``).
 
 TensorRT (issue 17): where ``onnxruntime-gpu`` with its TensorRT execution provider is installed and the scorer is
-loaded on a CUDA device, the same graph runs as a TensorRT engine (fp16 allowed), built by ONNX Runtime on first use
-and cached (:func:`providers`); nothing else changes (file, validation, publish flow). ``bench/gpu_check.py`` builds
-and times it on a GPU; on a CPU machine it says that TensorRT was not checked and why.
+loaded on a CUDA device, the same graph runs on TensorRT (fp16 allowed) as far as it takes its nodes, the rest on
+CUDA/CPU, built by ONNX Runtime on first use and cached (:func:`providers`); the hot table is then put on the device
+once (an ``OrtValue``), not fed from host memory per call. ``bench/gpu_check.py`` builds and times it on a GPU; on a
+CPU machine it says that TensorRT was not checked and why.
 
 onnxruntime (and ``onnx``, for quantization) are imported lazily, only when an ONNX artifact is built or
 loaded: ``pip install 'streamrec[onnx]'``.
@@ -46,11 +65,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from learner.calibration import calibrated
-from learner.scorer import Held, Scorer, ScorerSpec
+from learner.scorer import POOLING_GRAPH_LAYOUT, Held, Scorer, ScorerSpec
 from stream.files import write_synced
 
 ONNX_FILE = "scorer.onnx"
@@ -106,13 +126,62 @@ class DenseHead(nn.Module):
         return torch.sigmoid(calibrated(logits, cal))
 
 
-def export_dense(scorer: Scorer, int8: bool = False) -> bytes:
-    """The dense part of ``scorer`` as ONNX bytes (dynamic batch), optionally dynamically quantized to INT8."""
-    head = DenseHead(scorer).eval().cpu()
-    first_layer = head.dense_arch.mlp[0]
+class RequestHead(nn.Module):
+    """One request from the hot table, the values' positions in it, the given rows and the bags to the probabilities
+    (module docstring): :meth:`Scorer.pool` without ``searchsorted`` (done by the caller), then :class:`DenseHead`."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        super().__init__()
+        self.num_fields, self.dim = scorer.num_fields, scorer.dim
+        self.head = DenseHead(scorer)
+
+    def forward(self, table: torch.Tensor, pos: torch.Tensor, given: torch.Tensor, given_mask: torch.Tensor,
+                seg: torch.Tensor, inv_len: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        rows = torch.where(given_mask.unsqueeze(1), given, table[pos])  # (N, D + 1)
+        # Sum each bag (ScatterElements with an add: index_add would export without it), then the mean.
+        summed = torch.zeros(inv_len.shape[0], self.dim + 1).scatter_add(
+            0, seg.unsqueeze(1).expand(-1, self.dim + 1), rows)  # (F + F*B, D + 1)
+        pooled = summed * inv_len.unsqueeze(1)  # (F + F*B, D + 1); an empty bag: 0
+        user = pooled[: self.num_fields].unsqueeze(0)  # (1, F, D + 1)
+        cand = pooled[self.num_fields:].reshape(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
+        return self.head(cand + user, dense)  # (B,)
+
+
+REQUEST_INPUTS = ("table", "pos", "given", "given_mask", "seg", "inv_len", "dense")
+DENSE_INPUTS = ("pooled", "dense")  # DenseHead's graph: artifacts of input layout 2
+
+
+def export_request(scorer: Scorer, int8: bool = False) -> bytes:
+    """``scorer`` as a :class:`RequestHead` ONNX graph (dynamic sizes), optionally dynamically quantized to INT8."""
+    head = RequestHead(scorer).eval().cpu()
+    f, d = scorer.num_fields, scorer.dim
+    b, n = 3, 5
+    example = (torch.zeros(4, d + 1), torch.zeros(n, dtype=torch.int64), torch.zeros(n, d + 1),
+               torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int64), torch.ones(f + f * b),
+               torch.zeros(b, _num_dense(scorer)))
+    dynamic = {"table": {0: "hot"}, "pos": {0: "n"}, "given": {0: "n"}, "given_mask": {0: "n"}, "seg": {0: "n"},
+               "inv_len": {0: "bags"}, "dense": {0: "batch"}, "prob": {0: "batch"}}
+    buf = io.BytesIO()
+    with _quiet_export(), torch.no_grad():
+        torch.onnx.export(head, example, buf,  # type: ignore[arg-type]  # the legacy exporter writes to a file object
+                          dynamo=False, opset_version=OPSET, input_names=list(REQUEST_INPUTS),
+                          output_names=["prob"], dynamic_axes=dynamic)
+    data = buf.getvalue()
+    return quantize_int8(data) if int8 else data
+
+
+def _num_dense(scorer: Scorer) -> int:
+    first_layer = scorer.dense_arch.mlp[0]
     assert isinstance(first_layer, nn.Linear)
-    num_dense = first_layer.in_features - scorer.num_fields * scorer.dim
-    example = (torch.zeros(2, scorer.num_fields, scorer.dim + 1), torch.zeros(2, num_dense))
+    return first_layer.in_features - scorer.num_fields * scorer.dim
+
+
+def export_dense(scorer: Scorer, int8: bool = False) -> bytes:
+    """The dense part of ``scorer`` as a :class:`DenseHead` graph (dynamic batch), optionally quantized to INT8: the
+    graph of artifacts of input layout 2 (this code writes :func:`export_request`'s; tests write this one to check
+    that such artifacts keep loading)."""
+    head = DenseHead(scorer).eval().cpu()
+    example = (torch.zeros(2, scorer.num_fields, scorer.dim + 1), torch.zeros(2, _num_dense(scorer)))
     buf = io.BytesIO()
     with _quiet_export(), torch.no_grad():
         torch.onnx.export(head, example, buf,  # type: ignore[arg-type]  # the legacy exporter writes to a file object
@@ -186,15 +255,26 @@ def session(model: bytes, threads: int | None = None, device: str = "cpu") -> An
 
 
 class OnnxScorer(Scorer):
-    """A :class:`Scorer` whose dense part runs in ONNX Runtime (on :func:`providers` for ``device``: the CPU, or
-    TensorRT/CUDA where installed); the pooling runs in torch on its device."""
+    """A :class:`Scorer` run by ONNX Runtime (on :func:`providers` for ``device``: the CPU, or TensorRT/CUDA where
+    installed): a :class:`RequestHead` graph (pooling included), or an older artifact's :class:`DenseHead` graph
+    (the pooling in torch). ``pools`` says which (True: the pooling graph)."""
 
     def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor, model: bytes,
                  int8: bool = False, device: str = "cpu") -> None:
         super().__init__(spec, hot_ids, hot_vectors)
         self.int8 = int8
         self.ort_device = str(device)
-        self._box = Held(session(model, device=self.ort_device))
+        self._box = Held(self._session(model))
+        self.pools = self._box.value.get_inputs()[0].name == REQUEST_INPUTS[0]
+        self._table = Held(None)  # the hot rows as the graph is fed them, made on first use (after .to(device))
+
+    def _session(self, model: bytes) -> Any:
+        sess = session(model, device=self.ort_device)
+        names = tuple(i.name for i in sess.get_inputs())
+        if names not in (REQUEST_INPUTS, DENSE_INPUTS):
+            raise ValueError(f"the ONNX graph takes {', '.join(names)}; this streamrec runs graphs taking "
+                             f"{', '.join(REQUEST_INPUTS)} (input layout 3) or {', '.join(DENSE_INPUTS)} (layout 2)")
+        return sess
 
     @property
     def execution_providers(self) -> list[str]:
@@ -207,23 +287,63 @@ class OnnxScorer(Scorer):
         return Scorer.forward(self, values, offsets, dense, given_rows, given_mask)
 
     def rebuild_session(self) -> None:
-        """Re-export the dense graph from this module's (updated) weights: a learner delta's dense weights."""
-        self._box = Held(session(export_dense(self, self.int8), device=self.ort_device))
+        """Re-export the graph from this module's (updated) weights: a learner delta's dense weights. Always a
+        :class:`RequestHead` graph (an older artifact's scorer too: the same scores, one call)."""
+        self._box = Held(self._session(export_request(self, self.int8)))
+        self.pools = True
+
+    def _hot_table(self) -> Any:
+        """The hot rows as the graph is fed them: a numpy view on the CPU (read in place), an ``OrtValue`` on a
+        CUDA device (copied there once)."""
+        table = self._table.value
+        if table is None:
+            vectors = self.hot_vectors
+            assert isinstance(vectors, torch.Tensor)
+            host = vectors.detach().cpu().float().contiguous().numpy()
+            if self.ort_device.startswith("cuda") and self.execution_providers[0] != "CPUExecutionProvider":
+                index = torch.device(self.ort_device).index or 0
+                table = _ort().OrtValue.ortvalue_from_numpy(host, "cuda", index)
+            else:
+                table = host
+            self._table = Held(table)
+        return table
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                 given_rows: torch.Tensor, given_mask: torch.Tensor) -> torch.Tensor:
-        pooled = self.pool(values, offsets, given_rows, given_mask)  # (B, F, D + 1)
-        feeds = {"pooled": pooled.detach().cpu().float().contiguous().numpy(),
-                 "dense": dense.detach().cpu().float().contiguous().numpy()}
-        prob = self._box.value.run(None, feeds)[0]  # (B,)
-        return torch.from_numpy(prob).to(pooled.device)
+        sess = self._box.value
+        if not self.pools:  # an artifact from before the pooling graph
+            pooled = self.pool(values, offsets, given_rows, given_mask)  # (B, F, D + 1)
+            feeds = {"pooled": pooled.detach().cpu().float().contiguous().numpy(),
+                     "dense": dense.detach().cpu().float().contiguous().numpy()}
+            return torch.from_numpy(sess.run(None, feeds)[0]).to(pooled.device)  # (B,)
+        hot_ids = self.hot_ids
+        assert isinstance(hot_ids, torch.Tensor)
+        pos = np.searchsorted(hot_ids.cpu().numpy(), values.detach().cpu().numpy())  # (N,) in [0, H]: the sentinel
+        prob = self.score_rows(pos, given_rows.detach().cpu().float().numpy(), given_mask.detach().cpu().numpy(),
+                               offsets.detach().cpu().numpy(), dense.detach().cpu().float().numpy())
+        return torch.from_numpy(prob).to(values.device)  # (B,)
+
+    def score_rows(self, pos: np.ndarray, given: np.ndarray, given_mask: np.ndarray, offsets: np.ndarray,
+                   dense: np.ndarray) -> np.ndarray:
+        """The pooling graph's call in numpy (serving's request path: no torch call around it): ``pos`` (N,) each
+        value's position among the hot rows (``searchsorted`` of the sorted ``hot_ids``; any value where
+        ``given_mask``), ``given`` (N, D + 1) float32, ``given_mask`` (N,) bool, ``offsets`` (F + F*B + 1,) int64,
+        ``dense`` (B, Dd) float32 -> probabilities (B,) float32. Only for a graph that :attr:`pools`."""
+        lengths = offsets[1:] - offsets[:-1]  # (F + F*B,)
+        feeds = {"table": self._hot_table(), "pos": pos, "given": np.ascontiguousarray(given),
+                 "given_mask": given_mask,
+                 "seg": np.repeat(np.arange(len(lengths), dtype=np.int64), lengths),  # (N,) each value's bag
+                 "inv_len": 1.0 / np.maximum(lengths, 1).astype(np.float32),  # (F + F*B,)
+                 "dense": np.ascontiguousarray(dense)}
+        return self._box.value.run(None, feeds)[0]  # (B,)
 
 
 def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
-    """Write ``path`` (the dense graph, INT8 with ``int8``) and its sibling :data:`STATE_FILE`; returns both names."""
+    """Write ``path`` (the :class:`RequestHead` graph, INT8 with ``int8``) and its sibling :data:`STATE_FILE`;
+    returns both names."""
     import safetensors.torch
 
-    model = export_dense(scorer, int8)
+    model = export_request(scorer, int8)
     write_synced(path, lambda fh: fh.write(model))
     state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
     data = safetensors.torch.save(state, metadata={"streamrec": "scorer", "format": "onnx"})
@@ -233,13 +353,18 @@ def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
 
 def load(path: Path, spec: ScorerSpec, device: str, int8: bool = False) -> OnnxScorer:
     """The scorer of an ``onnx`` artifact: ``path`` (the graph) and its sibling :data:`STATE_FILE` (nothing is
-    unpickled). OnnxUnavailable without onnxruntime."""
+    unpickled). OnnxUnavailable without onnxruntime; ValueError for a graph that does not take the inputs of the
+    manifest's input layout (3: :class:`RequestHead`'s; 2: :class:`DenseHead`'s)."""
     import safetensors.torch
 
     _ort()  # the clear error first, before anything is read
     state = safetensors.torch.load_file(str(path.parent / STATE_FILE), device="cpu")
     scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes(), int8=int8,
                          device=device)
+    if scorer.pools != (spec.input_layout == POOLING_GRAPH_LAYOUT):
+        raise ValueError(f"{path}: the manifest says scorer input layout {spec.input_layout} but the graph takes "
+                         f"{', '.join(i.name for i in scorer._box.value.get_inputs())}")
     scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
-    log.info("%s: ONNX Runtime runs the dense graph on %s", path, ", ".join(scorer.execution_providers))
+    log.info("%s: ONNX Runtime runs the %s graph on %s", path, "pooling" if scorer.pools else "dense",
+             ", ".join(scorer.execution_providers))
     return scorer.to(device).eval()

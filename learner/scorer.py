@@ -83,7 +83,12 @@ _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps sea
 # The scorer's input layouts (manifest ``scorer.input_layout``; module docstring):
 CANDIDATE_ROWS_LAYOUT = 1  # every bag per candidate, offsets (F*B + 1,): artifacts from before issue 17
 USER_ROW_LAYOUT = 2  # the user row's F bags, then the candidates' F*B bags: offsets (F + F*B + 1,)
-SCORER_LAYOUTS = (CANDIDATE_ROWS_LAYOUT, USER_ROW_LAYOUT)
+# The user-row layout, with the pooling inside the stored ONNX graph (learner/onnx_scorer.py's RequestHead): what the
+# onnx formats write since issue 17's lean request path. A server from before it refuses the manifest (the number is
+# new to it) instead of failing on the graph's inputs.
+POOLING_GRAPH_LAYOUT = 3
+SCORER_LAYOUTS = (CANDIDATE_ROWS_LAYOUT, USER_ROW_LAYOUT, POOLING_GRAPH_LAYOUT)
+ONNX_FORMATS = ("onnx", "onnx_int8")
 
 
 # -- the scorer ----------------------------------------------------------------------------------

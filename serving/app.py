@@ -12,7 +12,9 @@
 that says what to fix, or 503 while no artifact has been published.
 
 The user's click history is read from Redis (``stream/history.py``, the list the joiner keeps, the
-last ``history_len`` items as the joiner attaches them) through ``serving/history.py``. A malformed
+last ``history_len`` items as the joiner attaches them) through ``serving/history.py``: the read is sent as soon
+as the request is parsed and collected when the encoder reaches the history field, so the round trip overlaps the
+candidates' encoding (and is collected on every path, errors included). A malformed
 entry, a failed or a slow read (``redis_timeout_s``) scores the request without that history and is
 counted (``streamrec_serving_history_malformed_total``, ``..._history_unavailable_total``), rather than
 failing it: a ranking degraded for one request beats an error page. Those are never a 500.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -219,7 +221,7 @@ class ScoringApp:
         """One history per user; empty (and counted) when Redis is down or the entry is malformed."""
         return self.history_reader.read(users)
 
-    def _run(self, live: LiveModel, req: ScoreRequest, history: list[int]) -> dict[str, Any]:
+    def _run(self, live: LiveModel, req: ScoreRequest, history: list[int] | Callable[[], list[int]]) -> dict[str, Any]:
         values, offsets, dense = live.encoder.encode(req, history, self._observe)  # (N,), (F+F*B+1,), (B, Dd)
         seq = live.model.delta_seq  # read first: the scores are at least this fresh
         scores = live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
@@ -231,11 +233,21 @@ class ScoringApp:
     def _score(self, body: bytes) -> Response:
         req = parse_request(decode_json(body), self.s.max_candidates)
         live = self._live()  # read once: this request finishes on this model whatever swaps meanwhile
-        (hist,) = self._histories([hash_value(req.user_id)])
-        return _json(200, self._run(live, req, hist))
+        # The history read goes out now and is collected when the encoder reaches it, last (serving/history.py):
+        # Redis answers while the candidates are encoded. Collected in every case, so no answer stays unread on a
+        # pooled connection (a 422 from the encoder, a bug).
+        collect = self.history_reader.start([hash_value(req.user_id)])
+        try:
+            return _json(200, self._run(live, req, lambda: collect()[0]))
+        finally:
+            collect()
 
     def _score_batch(self, body: bytes) -> Response:
         reqs = parse_batch(decode_json(body), self.s.max_candidates, self.s.max_batch)
         live = self._live()
-        hists = self._histories([hash_value(r.user_id) for r in reqs])
-        return _json(200, {"results": [self._run(live, r, h) for r, h in zip(reqs, hists, strict=True)]})
+        collect = self.history_reader.start([hash_value(r.user_id) for r in reqs])  # one read for all, as _score
+        try:
+            return _json(200, {"results": [self._run(live, r, lambda i=i: collect()[i])  # type: ignore[misc]
+                                           for i, r in enumerate(reqs)]})
+        finally:
+            collect()

@@ -86,12 +86,14 @@ class FeatureEncoder:
             return [] if name in self.multi else [MISSING]
         return hashed if type(hashed) is list else [hashed]  # type: ignore[list-item]
 
-    def encode(self, req: ScoreRequest, history: list[int],
+    def encode(self, req: ScoreRequest, history: list[int] | Callable[[], list[int]],
                observe: Callable[[str, np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values (N,), offsets (F + F*B + 1,), dense (B, Dd))`` for the request's ``B`` candidates, in the user-row
         layout (module docstring): the user's bags once, the candidates' after them.
 
-        ``history``: the user's clicked items' hashes, oldest first (``stream.history.UserHistory``).
+        ``history``: the user's clicked items' hashes, oldest first (``stream.history.UserHistory``), or a callable
+        that returns them: called once, after every other field is encoded (serving's Redis read is in flight
+        meanwhile: ``serving/history.py``), and not at all when the request is refused first (a 422).
         ``observe(kind, hashed)``: told the hashed ids whose rows are read, by kind (``user``; ``item`` for the
         candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them)."""
         self._check_names("", req.context, req.dense)
@@ -105,11 +107,15 @@ class FeatureEncoder:
                 self._check_names(f"items[{i}].", c, {})
             per_item = [hash_context(c) for c in req.item_context]
         f_count = self.num_fields
-        user_values: list[np.ndarray] = []  # the user row's bags, field by field
+        user_values: dict[int, np.ndarray] = {}  # the user row's bags by field
         user_lengths = np.zeros(f_count, np.int64)  # (F,)
         cand_values: list[np.ndarray] = []  # the candidates' bags, field-major
         cand_lengths = np.zeros((f_count, b), np.int64)  # (F, B); a field of the user row: all 0
+        history_field = -1
         for f, src, name in self.plan:
+            if src == "history":  # last: see the docstring
+                history_field = f
+                continue
             if src == "item":
                 hashed = np.fromiter(map(hash_value, req.items), np.int64, b)
                 if observe is not None:
@@ -126,18 +132,24 @@ class FeatureEncoder:
                 continue
             if src == "user":
                 one = np.array([hash_value(req.user_id)], np.int64)
-            elif src == "history":
-                one = np.asarray(history, np.int64)
+                if observe is not None:
+                    observe("user", one)
             elif src == "ctx":
                 one = np.asarray(self._bag(name, shared.get(name)), np.int64)
             else:
                 one = _EMPTY
-            if observe is not None and src in ("user", "history"):
-                observe("item" if src == "history" else "user", one)
             if len(one):  # (L,): the same bag for every candidate, once in the user row
-                user_values.append(m.map_rows(f, one))
+                user_values[f] = m.map_rows(f, one)
                 user_lengths[f] = len(one)
-        flat_values = np.concatenate(user_values + cand_values) if user_values or cand_values else _EMPTY
+        if history_field >= 0:
+            one = np.asarray(history() if callable(history) else history, np.int64)
+            if observe is not None:
+                observe("item", one)
+            if len(one):
+                user_values[history_field] = m.map_rows(history_field, one)
+                user_lengths[history_field] = len(one)
+        parts = [user_values[f] for f in sorted(user_values)] + cand_values
+        flat_values = np.concatenate(parts) if parts else _EMPTY
         offsets = np.zeros(f_count * (b + 1) + 1, np.int64)  # (F + F*B + 1,)
         np.cumsum(user_lengths, out=offsets[1:f_count + 1])
         np.cumsum(cand_lengths.ravel(), out=offsets[f_count + 1:])

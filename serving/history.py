@@ -23,6 +23,11 @@ parser, so serving sees exactly the clicks training saw). Degraded modes, each c
 * Any other Redis error is counted as unavailable too. ``streamrec_serving_history_errors_total`` counts
   every failed read of either of the last two kinds.
 
+The read is sent early and collected late (:meth:`HistoryReader.start`, over ``UserHistory.as_of_later``): the app
+sends it as soon as it knows the user, encodes the candidates while Redis answers, and collects the answer when the
+encoder reaches the history, last. It always collects it, also when the request failed in between (a 422 from the
+encoder), so no answer is left unread on a pooled connection.
+
 Logs are rate-limited (one line per kind every ``log_every_s``): a bad list of a busy user must not
 flood the log.
 """
@@ -49,6 +54,29 @@ _REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError,
             redis.exceptions.AuthenticationWrongNumberOfArgsError)
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, OSError, *_REFUSED)
 _MALFORMED = (redis.ResponseError, ValueError, TypeError, OverflowError)
+
+
+def _constant(value: list[list[int]]) -> Callable[[], list[list[int]]]:
+    return lambda: value
+
+
+def _once(fn: Callable[[], list[list[int]]]) -> Callable[[], list[list[int]]]:
+    """``fn`` called on the first call only; every call returns its result."""
+    got: list[list[list[int]]] = []
+
+    def call() -> list[list[int]]:
+        if not got:
+            got.append(fn())
+        return got[0]
+
+    return call
+
+
+def _raiser(exc: Exception) -> Callable[[], list[list[int]]]:
+    def fail() -> list[list[int]]:
+        raise exc
+
+    return fail
 
 
 def _valid(items: list[int]) -> bool:
@@ -91,13 +119,32 @@ class HistoryReader:
 
     def read(self, users: list[int]) -> list[list[int]]:
         """One history per user (in order). See the module docstring for what happens when Redis fails."""
+        return self.start(users)()
+
+    def start(self, users: list[int]) -> Callable[[], list[list[int]]]:
+        """:meth:`read` in two halves: the read is sent now and the returned callable collects it (what :meth:`read`
+        returns). Neither half raises for Redis or its data. Call the callable once the request's own work is done,
+        and on every path (also when that work failed): until then the answer waits on a pooled connection
+        (``UserHistory.as_of_later``); calling it again returns the same lists."""
         if self.history is None or not users:
-            return [[] for _ in users]
+            return _constant([[] for _ in users])
         if self.clock() < self._skip_until:
             self.metrics.history_unavailable.inc()
-            return [[] for _ in users]
+            return _constant([[] for _ in users])
+        far = [_FAR_FUTURE_MS] * len(users)
+        later = getattr(self.history, "as_of_later", None)
+        if later is None:  # a reader with as_of only: it reads when collected
+            history = self.history
+            return _once(lambda: self._finish(users, lambda: history.as_of(users, far)))
         try:
-            hists = self.history.as_of(users, [_FAR_FUTURE_MS] * len(users))
+            pending = later(users, far)
+        except Exception as exc:  # noqa: BLE001 - sorted out by _finish exactly as a failed answer is
+            return _constant(self._finish(users, _raiser(exc)))
+        return _once(lambda: self._finish(users, pending))
+
+    def _finish(self, users: list[int], fetch: Callable[[], list[list[int]]]) -> list[list[int]]:
+        try:
+            hists = fetch()
         except _UNAVAILABLE as exc:
             return self._unavailable(len(users), exc)
         except _MALFORMED:

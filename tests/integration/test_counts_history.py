@@ -275,3 +275,64 @@ def test_a_malformed_history_entry_is_skipped_not_an_error(redis_client: redis.R
     redis_client.set(h.key(6), "not a list")  # a key of the wrong type
     assert h.as_of([5, 6], [3000, 3000]) == [[100, 200], []]
     assert h.recent(5) == [100, 200]
+
+
+def test_as_of_later_sends_now_and_answers_as_as_of(redis_client: redis.Redis, prefix: str) -> None:
+    h = UserHistory(redis_client, prefix=prefix, max_len=10)
+    t = ms(2000, 1, 1)
+    h.append_many([1, 2, 1, 1], [10, 20, 11, 12], [t + 1, t + 2, t + 3, t + 4])
+    redis_client.set(h.key(6), "not a list")  # a key of the wrong type: no history, as as_of
+    pool = redis_client.connection_pool
+    for users, times in (([1], [t + 4]), ([1, 2, 6, 9, 1], [t + 100] * 4 + [t + 2]), ([1], [t + 100])):
+        collect = h.as_of_later(users, times, limit=2)
+        assert len(pool._in_use_connections) == 1  # the read is out, its answer pending on a pooled connection
+        redis_client.ping()  # the pending answer is not read by anyone else: another connection serves this
+        assert collect() == h.as_of(users, times, limit=2)
+        assert collect() == h.as_of(users, times, limit=2)  # a second call: the same lists, nothing read again
+        assert len(pool._in_use_connections) == 0
+    redis_client.script_flush()  # a Redis that forgot the script (restarted, flushed): NOSCRIPT, loaded, read again
+    assert h.as_of_later([1], [t + 100])() == [[10, 11, 12]]
+    assert len(pool._in_use_connections) == 0
+    with pytest.raises(ValueError, match="'ts_ms'"):
+        h.as_of_later([1, 2], [1])
+
+
+def test_as_of_later_timed_out_leaves_no_answer_on_the_pooled_connection(redis_client: redis.Redis,
+                                                                          prefix: str) -> None:
+    """A read that times out is disconnected, not given back with its answer still coming: the next read on the
+    same pool gets its own answer."""
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        **{**redis_client.connection_pool.connection_kwargs, "socket_timeout": 0.1}))
+    try:
+        h = UserHistory(client, prefix=prefix, max_len=10)
+        h.append_many([1, 2], [10, 20], [1000, 2000])
+        h.as_of([1], [3000])  # the script loaded
+        redis_client.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        collect = h.as_of_later([1], [3000])
+        with pytest.raises(redis.TimeoutError):
+            collect()
+        with pytest.raises(redis.TimeoutError):  # the same error again, nothing read twice
+            collect()
+        time.sleep(0.5)  # the pause is over: the first read's answer went to a closed socket
+        assert len(client.connection_pool._in_use_connections) == 0
+        assert h.as_of_later([2], [3000])() == [[20]]
+    finally:
+        client.close()
+
+
+def test_as_of_the_far_future_is_every_stored_click(redis_client: redis.Redis, prefix: str) -> None:
+    """Serving reads "as of" 2**62 (every click): the one-user shortcut, the batch path and the per-user path (a
+    malformed entry: skipped) agree with reads as of a time just past the last click."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=30)
+    t = ms(2000, 1, 1)
+    clicks = {1: 20, 2: 3, 3: 0}
+    for u, n in clicks.items():
+        h.append_many([u] * n, [u * 1000 + i for i in range(n)], [t + (i * 7919) % 23 for i in range(n)])
+    far, near = 2**62, t + 100
+    for users in ([1], [2], [3], [1, 1], [1, 2, 3, 1]):
+        for limit in (None, 0, 5):
+            assert h.as_of(users, [far] * len(users), limit) == h.as_of(users, [near] * len(users), limit)
+            assert h.as_of_later(users, [far] * len(users), limit)() == h.as_of(users, [near] * len(users), limit)
+    redis_client.lpush(h.key(1), "garbage")
+    assert h.as_of([1], [far]) == h.as_of([1], [near]) and len(h.as_of([1], [far])[0]) == 20
+    assert h.as_of([1, 2], [far, far]) == h.as_of([1, 2], [near, near])

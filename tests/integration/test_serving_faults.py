@@ -563,6 +563,37 @@ def test_a_malformed_history_entry_is_skipped_as_the_joiner_skips_it_not_a_500(
         assert svc.app._histories([hash_value("bob"), hash_value("alice")]) == [[hash_value(7)], [hash_value(9)]]
 
 
+def test_the_history_read_is_collected_on_every_path_so_no_answer_waits_on_a_pooled_connection(
+        stack, redis_client: redis.Redis, root: Path, prefix: str) -> None:
+    """The read goes out before the candidates are encoded (``HistoryReader.start``); a request the encoder refuses
+    (422) still collects it: the pooled connection goes back with nothing pending, and the next request on it gets
+    its own user's history, not the refused request's answer."""
+    learner = TinyLearner(seed=8)
+    publish_version(learner, root, "v001")
+    hist = UserHistory(redis_client, prefix=prefix, max_len=200)
+    hist.append_many([hash_value("bob"), hash_value("alice")], [hash_value(7), hash_value(9)], [100, 200])
+    rs = RedisSettings(url=stack.redis_url, prefix=prefix)
+    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), rs) as svc:
+        assert svc.redis is not None
+        pool = svc.redis.connection_pool
+        sent: list[int] = []
+        real = svc.app.history_reader.history.as_of_later  # type: ignore[union-attr]
+        svc.app.history_reader.history.as_of_later = (  # type: ignore[union-attr]
+            lambda *a: sent.append(1) or real(*a))
+        for _ in range(3):
+            status, out = score(svc, {**REQ, "context": {"no_such_feature": 1}})  # refused by the encoder
+            assert status == 422 and "no_such_feature" in out["error"]
+            assert not pool._in_use_connections
+        assert sent == [1, 1, 1]  # the read was out each time
+        assert len(pool._available_connections) == 1  # one connection, reused, nothing left on it
+        for user, item in (("alice", 9), ("bob", 7)):
+            status, out = score(svc, {**REQ, "user_id": user})
+            assert status == 200
+            assert np.allclose(out["scores"], eager(learner, {**REQ, "user_id": user}, history=[hash_value(item)]),
+                               atol=TOL, rtol=0)
+        assert not pool._in_use_connections
+
+
 def test_a_history_key_of_the_wrong_type_is_scored_as_no_history(stack, redis_client: redis.Redis, root: Path,
                                                                  prefix: str) -> None:
     learner = TinyLearner(seed=8)
@@ -614,8 +645,9 @@ def test_a_stalled_redis_costs_one_short_timeout_not_retries(stack, redis_client
     with ScoringService(ss, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
         assert score(svc)[0] == 200  # connected and warm
         calls: list[int] = []
-        real = svc.app.history_reader.history.as_of  # type: ignore[union-attr]
-        svc.app.history_reader.history.as_of = lambda *a: calls.append(1) or real(*a)  # type: ignore[union-attr]
+        real = svc.app.history_reader.history.as_of_later  # type: ignore[union-attr]
+        svc.app.history_reader.history.as_of_later = (  # type: ignore[union-attr]
+            lambda *a: calls.append(1) or real(*a))
         redis_client.execute_command("CLIENT", "PAUSE", "2000", "ALL")
         try:
             t0 = time.monotonic()

@@ -24,8 +24,9 @@ from learner import onnx_scorer
 from learner.artifact import ArtifactError, build_artifact, read_current
 from learner.features import default_config
 from learner.model import DeepFM
-from learner.scorer import with_empty_user_row
+from learner.scorer import POOLING_GRAPH_LAYOUT, to_candidate_rows, with_empty_user_row
 from serving.model import ScoringModel
+from stream.files import sha256_file
 from stream.samples import SampleBatch
 from tests.unit.learner.test_artifact import CFG, make_checkpoint, probe, reference
 
@@ -248,3 +249,108 @@ def test_execution_providers_put_tensorrt_then_cuda_first_on_a_cuda_device_and_o
 def test_a_loaded_onnx_scorer_on_the_cpu_reports_that_onnx_runtime_runs_it_on_the_cpu_provider(
         onnx_model: ScoringModel) -> None:
     assert onnx_model._live.scorer.execution_providers == ["CPUExecutionProvider"]
+
+
+# -- the pooling graph (input layout 3) and the graphs written before it ------------------------------------------
+def request_probe(cfg, b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A request in the user-row layout: user, history (0..5 rows) and device in the user row; item and genres
+    (0..5 rows, empty bags included) per candidate."""
+    rng = np.random.default_rng(seed)
+    user_side = {0: 1, 2: int(rng.integers(0, 6)), 3: 1}
+    user_lengths = [user_side.get(f, 0) for f in range(cfg.num_fields)]
+    cand_lengths = [np.ones(b, np.int64) if f == 1 else rng.integers(0, 6, b) if f == 4 else np.zeros(b, np.int64)
+                    for f in range(cfg.num_fields)]
+    lengths = np.concatenate([user_lengths, *cand_lengths])
+    field_of = np.concatenate([np.arange(cfg.num_fields), np.repeat(np.arange(cfg.num_fields), b)])
+    values = np.concatenate([cfg.blocks[f][0] + rng.integers(0, cfg.blocks[f][1], n)
+                             for f, n in zip(field_of, lengths, strict=True)]).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    dense = rng.normal(size=(b, len(cfg.dense))).astype(np.float32)
+    return torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense)
+
+
+@pytest.mark.parametrize("b", [1, 3, 100])
+def test_the_pooling_graph_scores_a_request_as_the_eager_model_with_cold_rows_and_overrides(
+        onnx_model: ScoringModel, ckpt: dict, b: int) -> None:
+    """One ONNX Runtime call per request (gather, pooling, FM, MLP): the same scores as the learner's eager model for
+    the same request laid out per candidate, with hot rows, cold rows and (after a delta) overridden rows mixed."""
+    scorer = onnx_model._live.scorer
+    assert isinstance(scorer, onnx_scorer.OnnxScorer) and scorer.pools
+    assert onnx_model.manifest["scorer"]["input_layout"] == POOLING_GRAPH_LAYOUT
+    values, offsets, dense = request_probe(CFG, b, seed=40 + b)
+    v, o = to_candidate_rows(values.numpy(), offsets.numpy(), CFG.num_fields)
+    got = onnx_model.score_request(values, offsets, dense)
+    want = reference(ckpt, torch.from_numpy(v), torch.from_numpy(o), dense)
+    assert got.shape == (b,) and torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
+    fresh = ScoringModel.load(onnx_model.version_dir)  # a copy to change: the module fixture stays as built
+    rows = torch.unique(values[::2])  # hot and cold rows alike
+    vectors = torch.randn(len(rows), CFG.embedding_dim + 1, generator=torch.Generator().manual_seed(b)) * 0.3
+    fresh.apply_delta(rows, vectors, None, seq=1)
+    patched = ckpt["model"]["sparse.bag.weight"].clone()
+    patched[rows] = vectors
+    want = reference({**ckpt, "model": {**ckpt["model"], "sparse.bag.weight": patched}}, torch.from_numpy(v),
+                     torch.from_numpy(o), dense)
+    got = fresh.score_request(values, offsets, dense)
+    assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
+
+
+def _as_layout_2(staged: Path, scorer: onnx_scorer.OnnxScorer, name: str, int8: bool) -> None:
+    """Rewrite a staged artifact as the code before the pooling graph wrote it: the dense graph, input layout 2."""
+    (staged / name).write_bytes(onnx_scorer.export_dense(scorer, int8))
+    m = json.loads((staged / A.MANIFEST).read_text())
+    m["scorer"]["input_layout"] = 2
+    m["files"][name] = {"sha256": sha256_file(staged / name), "bytes": (staged / name).stat().st_size}
+    (staged / A.MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(("fmt", "name"), [("onnx", "scorer.onnx"), ("onnx_int8", "scorer_int8.onnx")])
+def test_an_artifact_with_the_dense_graph_written_before_the_pooling_graph_still_loads_and_scores(
+        tmp_path: Path, ckpt: dict, onnx_model: ScoringModel, fmt: str, name: str) -> None:
+    staged = build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 4), format=fmt)
+    new = ScoringModel.load(staged)
+    new_scorer = new._live.scorer
+    assert isinstance(new_scorer, onnx_scorer.OnnxScorer)
+    _as_layout_2(staged, new_scorer, name, int8=fmt == "onnx_int8")
+    old = ScoringModel.load(staged)
+    scorer = old._live.scorer
+    assert isinstance(scorer, onnx_scorer.OnnxScorer) and not scorer.pools  # the torch pooling + the dense graph
+    values, offsets, dense = request_probe(CFG, 50, seed=7)
+    v, o = to_candidate_rows(values.numpy(), offsets.numpy(), CFG.num_fields)
+    want = reference(ckpt, torch.from_numpy(v), torch.from_numpy(o), dense)
+    got = old.score_request(values, offsets, dense)
+    bound = INT8_BOUND if fmt == "onnx_int8" else TOL
+    assert torch.allclose(got, want, atol=bound, rtol=0), (got - want).abs().max()
+    if fmt == "onnx_int8":  # the same quantized weights in either graph: the same INT8 scores but for rounding
+        assert torch.allclose(got, new.score_request(values, offsets, dense), atol=1e-5, rtol=0)
+    # a dense delta re-exports it as the pooling graph: one call, the same scores
+    other = make_checkpoint(seed=8)
+    old.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, CFG.embedding_dim + 1),
+                    {k: w for k, w in other["model"].items() if not k.startswith("sparse.")}, seq=1)
+    rebuilt = old._live.scorer
+    assert isinstance(rebuilt, onnx_scorer.OnnxScorer) and rebuilt.pools
+    patched = {**other, "model": {**other["model"], "sparse.bag.weight": ckpt["model"]["sparse.bag.weight"]}}
+    want = reference(patched, torch.from_numpy(v), torch.from_numpy(o), dense)
+    assert torch.allclose(old.score_request(values, offsets, dense), want, atol=bound, rtol=0)
+
+
+def test_a_graph_that_is_not_the_one_its_manifest_says_is_refused(tmp_path: Path, ckpt: dict) -> None:
+    staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
+    m = json.loads((staged / A.MANIFEST).read_text())
+    m["scorer"]["input_layout"] = 2  # but the graph pools (layout 3)
+    (staged / A.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="input layout 2 but the graph takes table, pos"):
+        ScoringModel.load(staged)
+    m["scorer"]["input_layout"] = 3
+    m["format"] = "safetensors"  # layout 3 is an ONNX graph's only
+    with pytest.raises(ArtifactError, match="input_layout 3 .* with format 'safetensors'"):
+        A.decode_manifest(json.dumps(m).encode(), "x")
+
+
+def test_a_server_from_before_the_pooling_graph_refuses_its_manifest_with_a_clear_error(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an older server (reading layouts 1 and 2) says of a new onnx artifact: refused when the manifest is
+    read, before any file is opened; it keeps serving the version it has (README: upgrade serving first)."""
+    staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
+    monkeypatch.setattr(A, "SCORER_LAYOUTS", (1, 2))
+    with pytest.raises(ArtifactError, match=r"scorer input_layout 3, this streamrec reads 1, 2"):
+        ScoringModel.load(staged)

@@ -22,6 +22,7 @@ from learner.artifact import ArtifactError, build_artifact, decode_manifest
 from learner.features import FeatureConfig
 from learner.scorer import (
     CANDIDATE_ROWS_LAYOUT,
+    POOLING_GRAPH_LAYOUT,
     REDUCED_PRECISION_FORMATS,
     USER_ROW_LAYOUT,
     Scorer,
@@ -89,7 +90,9 @@ def test_with_empty_user_row_puts_f_empty_bags_in_front_of_a_batch() -> None:
 def test_every_format_scores_a_request_as_the_per_candidate_path_and_the_learner(tmp_path: Path, ckpt: dict,
                                                                                  fmt: str) -> None:
     model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 3), format=fmt))
-    assert model.input_layout == USER_ROW_LAYOUT and model.spec.input_layout == USER_ROW_LAYOUT
+    # the onnx formats' stored graph pools (input layout 3); every format takes requests in the user-row layout
+    assert model.input_layout == USER_ROW_LAYOUT
+    assert model.spec.input_layout == (POOLING_GRAPH_LAYOUT if fmt.startswith("onnx") else USER_ROW_LAYOUT)
     for b, seed in ((1, 1), (7, 2), (100, 3)):
         values, offsets, dense = request_probe(CFG, b, seed)
         bv, bo = as_batch(values, offsets)
