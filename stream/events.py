@@ -50,7 +50,10 @@ Id = int | str
 ContextValue = str | int | float | bool | list
 
 
-@dataclass(frozen=True, slots=True)
+# An event is a value: nothing changes one once decoded. Not a ``frozen`` dataclass all the same (unlike Click): a
+# frozen dataclass's __init__ sets each field through object.__setattr__ (~0.8 us for an Impression against ~0.15 us),
+# the joiner's decoder builds one per message, and its dict fields made it unhashable anyway.
+@dataclass(slots=True)
 class Impression:
     impression_id: str
     ts: int
