@@ -139,23 +139,33 @@ class Server:
 
     def __init__(self, root: Path | None, redis_url: str, prefix: str, server: str = "threading", threads: int = 1,
                  deltas_dir: Path | None = None, env: dict[str, str] | None = None,
-                 cmd: list[str] | None = None) -> None:
+                 cmd: list[str] | None = None, processes: int = 1) -> None:
+        """``processes`` > 1: that many ``streamrec serve`` processes on one port (``--reuse-port``)."""
         env = dict(os.environ, STREAMREC_REDIS_URL=redis_url, STREAMREC_REDIS_PREFIX=prefix, **(env or {}))
-        if cmd is None:
-            cmd = [sys.executable, "-m", "streamrec.cli", "serve", "--port", "0", "--publish-root", str(root),
-                   "--server", server, "--threads", str(threads), "--log-level", "warning"]
-            if deltas_dir is not None:
-                cmd += ["--deltas-dir", str(deltas_dir)]
-        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     cwd=ROOT)
-        assert self.proc.stderr is not None
-        line = ""
-        while "serving on" not in line:
-            line = self.proc.stderr.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError("streamrec serve exited at start")
-        self.port = int(line.split("serving on http://127.0.0.1:")[1].split()[0])
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain
+        self.procs: list[subprocess.Popen[str]] = []
+        port = 0
+        for _ in range(processes):
+            args = cmd
+            if args is None:
+                args = [sys.executable, "-m", "streamrec.cli", "serve", "--port", str(port), "--publish-root",
+                        str(root), "--server", server, "--threads", str(threads), "--log-level", "warning"]
+                if deltas_dir is not None:
+                    args += ["--deltas-dir", str(deltas_dir)]
+                if processes > 1:
+                    args.append("--reuse-port")
+            proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                    cwd=ROOT)
+            self.procs.append(proc)
+            assert proc.stderr is not None
+            line = ""
+            while "serving on" not in line:
+                line = proc.stderr.readline()
+                if not line and proc.poll() is not None:
+                    raise RuntimeError("streamrec serve exited at start")
+            port = int(line.split("serving on http://127.0.0.1:")[1].split()[0])
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # drain
+        self.proc = self.procs[0]
+        self.port = port
 
     def conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -171,12 +181,14 @@ class Server:
         return out
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        for proc in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # -- the client's floor: a trivial server --------------------------------------------------------------
@@ -624,6 +636,10 @@ def main() -> int:
     ap.add_argument("--hot-share", type=float, default=0.1, help="share of rows in the hot set (default 0.1)")
     ap.add_argument("--no-servers", action="store_true", help="skip the threading vs aiohttp comparison")
     ap.add_argument("--profile", action="store_true", help="also time each stage of one request in this process")
+    ap.add_argument("--max-active", type=int, default=0, help="also run every format's threading server with "
+                    "[serve] max_active = N (a row of its own)")
+    ap.add_argument("--processes", type=int, default=1, help="also run every format as N serve processes on one "
+                    "port (reuse_port; a row of its own)")
     ap.add_argument("--no-hit-rate", action="store_true", help="skip the hot set hit rate (impressions vs lookups)")
     ap.add_argument("--hit-rows", type=int, default=1_000_000, help="table rows of the hit-rate run (default 1 M)")
     ap.add_argument("--hit-shares", default="0.01,0.1", help="hot-set budgets of the hit-rate run, shares of rows")
@@ -692,10 +708,17 @@ def main() -> int:
                 print(f"{fmt}: profile " + ", ".join(f"{k} {v:.0f} us" for k, v in profiles[fmt].items()),
                       file=sys.stderr)
             servers = ["threading", "aiohttp"] if fmt == "torchscript" and not args.no_servers else ["threading"]
+            if args.max_active:  # the same threading server with [serve] max_active
+                servers.append(f"active={args.max_active}")
+            if args.processes > 1:  # that many threading servers on one port (reuse_port)
+                servers.append(f"{args.processes} procs")
             for srv in servers:
                 # lookup counting off here: the formats are compared on the scoring path alone
-                server = Server(root, stack.redis_url, prefix, server=srv,
-                                env={"STREAMREC_SERVE_LOOKUP_COUNTS": "false"})
+                env = {"STREAMREC_SERVE_LOOKUP_COUNTS": "false"}
+                if srv.startswith("active="):
+                    env["STREAMREC_SERVE_MAX_ACTIVE"] = str(args.max_active)
+                server = Server(root, stack.redis_url, prefix, server=srv if srv == "aiohttp" else "threading",
+                                env=env, processes=args.processes if srv.endswith("procs") else 1)
                 try:
                     for clients in (1, 8):
                         n = per_client if clients == 1 else max(50, per_client // 4)
@@ -763,6 +786,14 @@ def main() -> int:
               f"{'met' if srv99 <= 1.0 else 'NOT met'}); 8-client throughput {rps:.0f} req/s = "
               f"{rps / ts8 if ts8 else float('nan'):.2f}x TorchScript's (target >= 1.5x: "
               f"{'met' if ts8 and rps >= 1.5 * ts8 else 'NOT met'})")
+    if len({s for _, s in eight}) > 1 and ts8:  # server variants: each format's best 8-client row
+        best = {}
+        for (f, s), r in eight.items():
+            if s != "counting" and r["rps"] > best.get(f, ("", 0.0))[1]:
+                best[f] = (s, r["rps"])
+        ts_best = best.get("torchscript", ("", float("nan")))
+        print("best 8-client row per format (any server variant): " + ", ".join(
+            f"{f} {rps:.0f} req/s ({s}, {rps / ts_best[1]:.2f}x TorchScript's best)" for f, (s, rps) in best.items()))
     if profiles:
         names = list(next(iter(profiles.values())))
         print("\none request in this process, p50 us per stage (torch 1 thread):")

@@ -14,6 +14,16 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   at once. The threading server runs one thread per connection, so this also caps its threads.
 * ``max_in_flight``: requests between their headers and their answer (:meth:`ScoringApp.admission`); one more
   is a ``503`` with ``Retry-After: 1`` (the probes ``/healthz``, ``/readyz``, ``/metrics`` are never refused).
+* ``max_active`` (threading server; 0: no bound): requests inside :meth:`ScoringApp.handle` at once; the others
+  wait for a turn, asleep. Measured (bench/README.md, 2 cores, 8 clients): with 8 connection threads contending for
+  the GIL a request cost the server ~1.5 ms of CPU with the ONNX INT8 artifact, ~1.1 ms at ``max_active = 1``, and
+  throughput rose ~10%; TorchScript, whose ops run outside the GIL in parallel, lost ~8% with it. The aiohttp
+  server scores on its one event loop: one at a time already.
+* ``reuse_port``: bind with ``SO_REUSEPORT``, so several ``streamrec serve`` processes (same settings) share one
+  port and the kernel spreads connections over them: past one process's GIL. Each process loads its own copy of the
+  model (the cold rows are one memory-mapped file, shared through the page cache), applies deltas itself and
+  answers ``/metrics`` for itself alone: scrape each process (its own metrics port is not built), and expect
+  ``/readyz`` from whichever process the connection lands on.
 * ``request_timeout_s``: a request's headers and body must arrive within it from its first byte, however the
   bytes trickle in (a per-``recv`` timeout would let one byte a second keep it alive); past it: ``408`` and
   close. ``keepalive_timeout_s``: an idle keep-alive connection (no request started) is closed after it.
@@ -236,7 +246,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(exc.status, "application/json", _error_body(exc.message), close=True)
                 return
             method = self.command
-            self._send(*self.app.handle("GET" if method == "HEAD" else method, self.path, body))
+            active = self.server.active
+            if active is None:
+                resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+            else:
+                with active:
+                    resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+            self._send(*resp)
 
     def handle_expect_100(self) -> bool:
         """``Expect: 100-continue``: the ``100 Continue`` goes out when the body is about to be read, so a request
@@ -428,9 +444,13 @@ class _TCPServer(ThreadingHTTPServer):
         self.conns: dict[socket.socket, bool] = {}  # open connection -> a request is in flight on it
         self.threads: set[threading.Thread] = set()
         self.draining = False
+        # [serve] max_active: requests scored at once (the others wait, sleeping, for a turn); None: no bound
+        self.active = threading.BoundedSemaphore(app.s.max_active) if app.s.max_active else None
         super().__init__(address, handler)
 
     def server_bind(self) -> None:
+        if self.app.s.reuse_port:  # several processes on one port, the kernel spreading connections over them
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().server_bind()
 
@@ -640,6 +660,8 @@ class AiohttpServer:
         self._stopped = False
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if app.s.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         self.port = int(sock.getsockname()[1])
         self._sock = sock

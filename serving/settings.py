@@ -66,6 +66,11 @@ class ServeSettings:
     request_timeout_s: float = 10.0
     # A keep-alive connection with no request started is closed after this many idle seconds.
     keepalive_timeout_s: float = 30.0
+    # Requests scored at once by the threading server (the others wait for a turn); 0: no bound. 1 suits the ONNX
+    # formats on a few cores (less GIL contention); TorchScript does better unbounded (serving/http_server.py).
+    max_active: int = 0
+    # SO_REUSEPORT: several serve processes on one port (each its own model, deltas and /metrics; http_server.py).
+    reuse_port: bool = False
 
     # -- row lookup counts for the nightly hot set (serving/lookup_counts.py) --
     # Count this process's row lookups per user and item id and add them to Redis day counts ("lookup", beside the
@@ -99,6 +104,8 @@ class ServeSettings:
             if not 0 < getattr(self, name) <= MAX_DURATION_S:
                 raise ConfigError(f"[serve] {name} must be > 0 and <= {MAX_DURATION_S} (a day), got "
                                   f"{getattr(self, name)!r}")
+        if isinstance(self.max_active, bool) or not isinstance(self.max_active, int) or self.max_active < 0:
+            raise ConfigError(f"[serve] max_active must be an integer >= 0 (0: no bound), got {self.max_active!r}")
         for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s",
                      "lookup_counts_flush_s", "lookup_counts_flush_ids", "lookup_counts_max_pending"):
             if not getattr(self, name) > 0:

@@ -343,8 +343,8 @@ class UserHistory:
         if len(distinct) == 1 and min(times) >= 1 << _TS_BITS and isinstance(lists[0], list):
             # One user's every click (serving's read, "as of" the far future): the list's own parse, about half the
             # time of the batch path's search for this one case.
-            items = np.asarray(_parse(lists[0])[1][-max_len:] if max_len else [], np.int64)  # (L,)
-            return np.tile(items, len(users)), (np.arange(len(users) + 1) * len(items)).astype(np.int32)
+            got = np.asarray(_parse(lists[0])[1][-max_len:] if max_len else [], np.int64)  # (L,)
+            return np.tile(got, len(users)), (np.arange(len(users) + 1) * len(got)).astype(np.int32)
         fast = _as_of_flat(users, times, distinct, lists, max_len)
         if fast is not None:
             return fast

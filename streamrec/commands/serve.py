@@ -35,7 +35,8 @@ def add_parser(sub: Any) -> None:
         "-d '{\"user_id\": 1, \"items\": [1193, 661], \"context\": {\"gender\": \"F\"}}'. "
         "Settings: [serve] in --config and STREAMREC_SERVE_<KEY> (host, port, publish_root, deltas_dir, device, "
         "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s, history_retry_after_s, "
-        "max_connections, max_in_flight, request_timeout_s, keepalive_timeout_s, embedding_store = in_process | "
+        "max_connections, max_in_flight, request_timeout_s, keepalive_timeout_s, max_active, reuse_port, "
+        "embedding_store = in_process | "
         "layered (cold rows from Redis, written by `streamrec refresh` with [refresh] embedding_store = layered), "
         "embedding_cache_rows, embedding_store_timeout_s, embedding_store_retry_after_s, embedding_store_cluster, "
         "embedding_store_write_deltas); "
@@ -59,6 +60,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--keepalive-timeout", type=float, dest="keepalive_timeout_s", metavar="SECONDS",
                    help="seconds an idle keep-alive connection stays open "
                    f"(default {ServeSettings.keepalive_timeout_s:g})")
+    p.add_argument("--max-active", type=int, help="requests scored at once by the threading server, the others "
+                   "wait their turn; 0: no bound (default 0; 1 suits the ONNX formats on few cores)")
+    p.add_argument("--reuse-port", action="store_true", default=None, help="bind with SO_REUSEPORT: run several "
+                   "serve processes on one port (each loads the model and answers /metrics for itself)")
     p.add_argument("--redis-url", help="Redis with the users' click history and the update channels "
                    "(default: [redis] url, the local stack)")
     p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")
@@ -82,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,
                    deltas_dir=args.deltas_dir, device=args.device, threads=args.threads, server=args.server,
                    max_connections=args.max_connections, max_in_flight=args.max_in_flight,
-                   request_timeout_s=args.request_timeout_s, keepalive_timeout_s=args.keepalive_timeout_s)
+                   request_timeout_s=args.request_timeout_s, keepalive_timeout_s=args.keepalive_timeout_s,
+                   max_active=args.max_active, reuse_port=args.reuse_port)
     rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
     setup_logging(args.log_level)
     torch.set_num_threads(max(1, ss.threads))

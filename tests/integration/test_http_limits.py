@@ -9,6 +9,7 @@ well-formed body answers 422 (``EMPTY_ITEMS``) or 503, ``/healthz`` 200.
 
 from __future__ import annotations
 
+import http.client
 import json
 import select
 import socket
@@ -343,3 +344,81 @@ def test_stop_during_a_flood_closes_every_connection_within_its_grace(kind: str,
             socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
     finally:
         srv.stop(0)
+
+
+# -- max_active and reuse_port ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("bound", "most"), [(1, 1), (2, 2), (0, None)])
+def test_max_active_lets_that_many_requests_into_the_app_at_once(tmp_path: Path, bound: int, most: int | None) -> None:
+    """The threading server's ``max_active``: 6 concurrent requests, each held 50 ms inside ``handle``, never more
+    than ``max_active`` of them inside at once (and several at once without the bound); every one answered."""
+    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_active=bound)
+    holder = ModelHolder()
+    app = ScoringApp(ss, holder, ServingMetrics(holder.model), None)
+    inside, peak, lock = [0], [0], threading.Lock()
+    real = app.handle
+
+    def held(method: str, path: str, body: bytes) -> Any:
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return real(method, path, body)
+
+    app.handle = held  # type: ignore[method-assign]
+    srv = make_server("threading", app, "127.0.0.1", 0)
+    srv.start()
+    statuses: list[int] = []
+
+    def one() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        conn.request("GET", "/healthz")
+        statuses.append(conn.getresponse().status)
+        conn.close()
+
+    try:
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        srv.stop(0.5)
+    assert statuses == [200] * 6
+    assert peak[0] == most if most is not None else peak[0] > 1, peak[0]
+
+
+def test_a_negative_max_active_is_refused() -> None:
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_active must be an integer >= 0"):
+        ServeSettings(max_active=-1)
+
+
+def test_reuse_port_lets_a_second_server_share_the_port_and_both_answer(kind: str, tmp_path: Path) -> None:
+    """``reuse_port``: two servers (two serve processes, in production) bind one port; without it the second
+    cannot. Each answers the connections the kernel gives it."""
+    def app(**settings: Any) -> ScoringApp:
+        ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, **settings)
+        holder = ModelHolder()
+        return ScoringApp(ss, holder, ServingMetrics(holder.model), None)
+
+    first = make_server(kind, app(reuse_port=True), "127.0.0.1", 0)
+    first.start()
+    try:
+        with pytest.raises(OSError):
+            make_server(kind, app(), "127.0.0.1", first.port)
+        second = make_server(kind, app(reuse_port=True), "127.0.0.1", first.port)
+        second.start()
+        try:
+            assert second.port == first.port
+            first.stop(0.5)  # the second one alone now answers on the shared port
+            conn = http.client.HTTPConnection("127.0.0.1", second.port, timeout=5)
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().status == 200
+            conn.close()
+        finally:
+            second.stop(0.5)
+    finally:
+        first.stop(0.5)
