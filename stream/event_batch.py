@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import chain, repeat
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import is_, itemgetter
 from typing import Any, cast
 
 import numpy as np
@@ -110,8 +110,14 @@ def _ids(col: list, limits: EventLimits) -> None:
         _ints_in(col, 0, MAX_ID)
         return
     _check(types <= {int, str})
-    _ints_in([v for v in col if type(v) is int], 0, MAX_ID)
-    _lengths_in([v for v in col if type(v) is str], 1, limits.max_str_len)
+    kinds = list(map(type, col))
+    _ints_in(_of_type(col, kinds, int), 0, MAX_ID)
+    _lengths_in(_of_type(col, kinds, str), 1, limits.max_str_len)
+
+
+def _of_type(values: list, kinds: list[type], t: type) -> list:
+    """The elements of ``values`` whose type (``kinds[i]``, exactly) is ``t``, in one C-level pass."""
+    return list(compress(values, map(is_, kinds, repeat(t))))
 
 
 def _named_objects(col: list, max_keys: int, limits: EventLimits) -> list[dict]:
@@ -128,10 +134,11 @@ def _named_objects(col: list, max_keys: int, limits: EventLimits) -> list[dict]:
 def _context_values(objs: list[dict], limits: EventLimits) -> None:
     """``stream.events.check_context``'s value rules over every value of every context at once."""
     values = list(chain.from_iterable(map(dict.values, objs)))
-    types = set(map(type, values))
+    kinds = list(map(type, values))
+    types = set(kinds)
     _check(types <= {str, int, float, bool, list})
-    by_type: dict[type, list[Any]] = (
-        {t: values for t in types} if len(types) == 1 else {t: [v for v in values if type(v) is t] for t in types})
+    by_type: dict[type, list[Any]] = {t: values for t in types} if len(types) == 1 else {t: _of_type(values, kinds, t)
+                                                                                        for t in types}
     _lengths_in(by_type.get(str, []), 0, limits.max_str_len)
     _ints_in(by_type.get(int, []), _INT64_MIN, MAX_ID)
     _check(all(map(math.isfinite, by_type.get(float, []))))
@@ -139,11 +146,12 @@ def _context_values(objs: list[dict], limits: EventLimits) -> None:
     if lists:
         _check(max(map(len, lists)) <= limits.max_list_len)
         elements = list(chain.from_iterable(lists))
-        types = set(map(type, elements))
+        kinds = list(map(type, elements))
+        types = set(kinds)
         _check(types <= {str, int})
         if str in types:
-            _lengths_in([x for x in elements if type(x) is str], 0, limits.max_str_len)
-        _ints_in([x for x in elements if type(x) is int] if str in types else elements, _INT64_MIN, MAX_ID)
+            _lengths_in(_of_type(elements, kinds, str), 0, limits.max_str_len)
+        _ints_in(_of_type(elements, kinds, int) if str in types else elements, _INT64_MIN, MAX_ID)
 
 
 def _dense_values(objs: list[dict]) -> None:

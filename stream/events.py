@@ -117,13 +117,21 @@ def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
     return obj
 
 
+def _no_space_after_quote(raw: bytes) -> bool:
+    """No JSON whitespace right after any ``"``: then every key ends in ``":`` exactly, so ``raw.count(b'":')`` bounds
+    the key ends (a string value holding a colon, a title such as ``"Alien: Resurrection"``, adds none), ~0.3 us
+    against ~9 us for the regex."""
+    return b'" ' not in raw and b'"\n' not in raw and b'"\t' not in raw and b'"\r' not in raw
+
+
 def _reject_duplicate_keys(raw: bytes, obj: dict[str, Any]) -> None:
     """JSON parsers keep the last of duplicate keys silently; an event with two values for one field is
     ambiguous, so it is rejected. Fast path: each key ends in ``":``, so when the raw text holds no more
     key ends than the parsed objects hold keys, no key repeats. Otherwise (a string value that starts
     with a colon, or a real duplicate) the event is parsed once more, pair by pair."""
     keys = len(obj) + sum(len(v) for name in ("context", "dense") if type(v := obj.get(name)) is dict)
-    if raw.count(b":") <= keys or len(_KEY_END.findall(raw)) <= keys:  # colons bound key ends: ~0.1 us vs ~15
+    if raw.count(b":") <= keys or (_no_space_after_quote(raw) and raw.count(b'":') <= keys) or \
+            len(_KEY_END.findall(raw)) <= keys:  # colons bound key ends: ~0.1 us vs ~15
         return
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:

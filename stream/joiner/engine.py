@@ -131,8 +131,7 @@ class Unjoined:
     reason: str  # "late" | "orphan" | "before_impression" | "overflow"
 
 
-@dataclass(frozen=True, slots=True)
-class JoinedClick:
+class JoinedClick(NamedTuple):  # immutable, one per joined click: a NamedTuple builds in a third of a frozen dataclass
     user: int
     item: int
     click_ts: int
@@ -302,7 +301,8 @@ class PartitionJoin:
                     if cts > max_ref:
                         max_ref = cts
         out.new_impressions.extend(added)
-        for name, n in (("impressions", n_impressions), ("clicks", n_clicks), ("duplicate_impressions", n_duplicates)):
+        for name, n in (("impressions", n_impressions), ("clicks", n_clicks), ("duplicate_impressions", n_duplicates),
+                        ("joined_clicks", len(out.joined_clicks))):
             if n:
                 out.stats[name] += n
 
@@ -403,9 +403,8 @@ class PartitionJoin:
                 p.observed = True
             out.samples.append(Sample(p, 1, delay, DELAYED_POSITIVE if p.observed else OBSERVED))
             p.observed = True
-        out.joined_clicks.append(JoinedClick(p.user, p.item, cts))
+        out.joined_clicks.append(JoinedClick(p.user, p.item, cts))  # counted once per batch (apply)
         joined.append((p.impression_id, cts))
-        out.stats["joined_clicks"] += 1
         return True
 
     def _unjoined(self, out: BatchResult, imp_id: str, cts: int, reason: str) -> None:

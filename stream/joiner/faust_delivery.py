@@ -45,7 +45,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import groupby, repeat
 from operator import attrgetter
 from typing import Any, cast
 
@@ -57,13 +57,14 @@ from faust.types.tuples import ack_lock
 from mode import ServiceT
 from mode.utils.futures import notify
 
-from stream.joiner.pipeline import Record
+from stream.joiner.pipeline import Record, records_of
 
 # Per (topic, partition), the offset after the last record a batch processed (JoinPipeline.processed).
 Processed = Mapping[tuple[str, int], int]
 
 _TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
-_OFFSET = attrgetter("offset")
+_OFFSET = attrgetter("offset")  # of a Record or a fetched aiokafka record
+_KEY, _VALUE = attrgetter("key"), attrgetter("value")  # of a fetched aiokafka record
 _SHORT_POLL_S = 0.05  # one fetch in a backlog or while an input is paused: how long a batch in hand waits for more
 _IDLE_POLL_S = 1.0  # one fetch with nothing in hand (faust's own getmany timeout)
 # What BatchConsumer uses of faust's Consumer beyond its public interface (faust-streaming 0.15.3, the version
@@ -281,7 +282,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 if not recs:
                     continue
             topic, partition = tp
-            out.extend([Record(topic, partition, r.offset, r.key, r.value, r.timestamp or None) for r in recs])
+            out.extend(records_of(repeat(topic, len(recs)), repeat(partition, len(recs)), map(_OFFSET, recs),
+                                  map(_KEY, recs), map(_VALUE, recs), [r.timestamp or None for r in recs]))
             if self.app.topics.acks_enabled_for(topic):
                 for start, end in _gaps(read, recs[0].offset, recs[-1].offset, len(recs), recs):
                     self._add_gap_now(tp, start, end)

@@ -45,7 +45,7 @@ from stream.config import KafkaSettings
 from stream.errors import clip
 from stream.joiner.backpressure import CLICKS, HoldBound, InputGate, Key, input_of, topic_of
 from stream.joiner.config import JoinerSettings
-from stream.joiner.pipeline import JoinPipeline, Record
+from stream.joiner.pipeline import JoinPipeline, Record, records_of
 from stream.kafka import consumer_config, has_more, resume_offsets
 from stream.strikes import is_infrastructure
 
@@ -70,8 +70,8 @@ def _records(msgs: list[Message]) -> list[Record]:
         msgs = [m for m, e in zip(msgs, errors, strict=True) if e is None]
     stamps = [ts if kind != TIMESTAMP_NOT_AVAILABLE else None for kind, ts in map(Message.timestamp, msgs)]
     # a consumed record always has its topic, partition and offset (the stubs say Optional)
-    return list(map(Record, map(Message.topic, msgs), map(Message.partition, msgs),  # type: ignore[arg-type]
-                    map(Message.offset, msgs), map(Message.key, msgs), map(Message.value, msgs), stamps))
+    return records_of(map(Message.topic, msgs), map(Message.partition, msgs), map(Message.offset, msgs),
+                      map(Message.key, msgs), map(Message.value, msgs), stamps)
 
 
 class KafkaJoinWorker:
