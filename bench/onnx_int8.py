@@ -43,6 +43,7 @@ from learner.features import FeatureConfig, default_config  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
 from learner.onnx_scorer import OnnxScorer, export_dense, session  # noqa: E402
 from learner.optim import make_optimizers  # noqa: E402
+from learner.scorer import with_empty_user_row  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
 from stream.samples import SampleBatch  # noqa: E402
@@ -154,7 +155,9 @@ def main() -> int:
         assert isinstance(scorer, OnnxScorer)
         given, mask = models["onnx_fp32"]._given(models["onnx_fp32"]._live, v.numpy())
         with torch.inference_mode():
-            pooled = scorer.pool(v, o, torch.from_numpy(given), torch.from_numpy(mask))
+            # the scorer pools the request layout: the training batch's bags after an empty user row
+            pooled = scorer.pool(v, with_empty_user_row(o, cfg.num_fields), torch.from_numpy(given),
+                                 torch.from_numpy(mask))
             head_in = {"pooled": pooled.contiguous().numpy(), "dense": d.numpy()}
             from learner.onnx_scorer import DenseHead
 

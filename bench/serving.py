@@ -37,6 +37,8 @@ Reproduce::
     .venv/bin/python bench/serving.py                 # 10 M rows, all formats, floor, hit rate (~15 min)
     .venv/bin/python bench/serving.py --quick         # 1 M rows, fewer requests (~4 min)
     .venv/bin/python bench/serving.py --quick --formats torchscript,onnx_int8 --no-hit-rate --profile
+    .venv/bin/python bench/serving.py --quick --formats onnx_int8,torchscript --no-hit-rate --no-precision \
+        --no-servers --max-active 1 --processes 2    # rows with [serve] max_active = 1 and 2 processes on one port
 """
 
 from __future__ import annotations

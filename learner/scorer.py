@@ -37,8 +37,9 @@ The same ``Scorer`` class is stored seven ways behind one interface (``learner/s
   into a plain ``nn.Module`` from the manifest's typed :class:`ScorerSpec`: loading it unpickles nothing
   and runs no stored code (TorchScript and export load code the artifact carries; ``eager`` is a
   weights-only pickle). The format of a deployment that trusts nothing but the bytes of tensors;
-* ``onnx`` - the pooling in torch, the dense part (FM + MLP) as an ONNX graph run by ONNX Runtime on the
-  CPU, the tensors as safetensors beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``);
+* ``onnx`` - the gather, the pooling and the dense part (FM + MLP) as one ONNX graph run by ONNX Runtime, one call
+  per request (input layout 3, :data:`POOLING_GRAPH_LAYOUT`; the hot rows a graph input), the tensors as safetensors
+  beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``);
   ``onnx_int8`` the same with the dense graph dynamically quantized to INT8: not exact, so the refresh checks its
   fp32 weights against the learner and its holdout AUC against its own fp32 scores (``max_int8_auc_drop``);
 * ``safetensors_bf16`` - the ``safetensors`` file (fp32 tensors, nothing unpickled), its MLP run in bf16

@@ -5,7 +5,8 @@ delta overrides), the layered mode's embedding store (``embedding_store.py``: co
 per request, a bounded LRU, bucket-row fallback when Redis is down), the live model and its swaps (``swap.py``:
 ``CURRENT`` polled and announced, deltas applied, the rollback pin respected), request parsing and limits
 (``request.py``), features as the joiner built them, laid out with the user's bags once per request and the
-candidates' per candidate (``features.py``, ``history.py``; the scorer adds the user row to every candidate), the
+candidates' per candidate (``features.py``, ``history.py``: the user's Redis read sent before the candidates are
+encoded and collected last; the scorer adds the user row to every candidate), the
 app and its HTTP servers (``app.py``, ``http_server.py``, ``service.py``), metrics (``metrics.py``), settings
 (``settings.py``) and a demo client (``demo.py``).
 
