@@ -40,10 +40,6 @@ from serving.service import ScoringService
 from serving.settings import ServeSettings
 from tests.integration.test_serving import CFG, TinyLearner, publish_version
 
-# The last test tallies every request the module's tests sent to their (module-scoped) service: under xdist they
-# must all run in one process (`make test` passes --dist loadgroup), or the tally sees only a share of them.
-pytestmark = pytest.mark.xdist_group("openapi_fuzz")
-
 MAX_CANDIDATES, MAX_BATCH, MAX_BODY = 20, 4, 4 << 20  # the default body limit
 # per operation (valid and invalid requests together; STREAMREC_FUZZ_EXAMPLES=2000 for a long run)
 EXAMPLES = int(os.environ.get("STREAMREC_FUZZ_EXAMPLES", "250"))
@@ -54,7 +50,9 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 # One test per operation, each with its own node id: `schema.parametrize()` (schemathesis 4.32) gave every operation
 # the same node id, and pytest-xdist then ran one of the six (~150 fuzzed requests instead of ~1000).
 OPERATIONS = [result.ok() for result in schema.get_all_operations()]
-SENT = {"fuzzed": 0}  # requests the generated tests below sent to `service` (in this process)
+# Requests the generated tests below sent to `service` in this process: under pytest-xdist the module's tests may be
+# spread over processes, each with its own module-scoped service, so the tally at the end checks this process's share.
+SENT = {"fuzzed": 0}
 
 
 def _settings(kind: str) -> ServeSettings:
@@ -109,6 +107,8 @@ def _cases(operation: APIOperation) -> st.SearchStrategy[Case]:
 @pytest.mark.parametrize("operation", OPERATIONS, ids=[op.label for op in OPERATIONS])
 def test_generated_requests_get_no_5xx_and_conforming_answers(operation: APIOperation,
                                                                service: ScoringService) -> None:
+    sent = SENT["fuzzed"]
+
     @given(case=_cases(operation))
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def one(case: Case) -> None:
@@ -118,6 +118,9 @@ def test_generated_requests_get_no_5xx_and_conforming_answers(operation: APIOper
         _check_error_body(response.status_code, response.content)
 
     one()
+    # An operation that takes a body is fuzzed with many requests (hypothesis ends early only on an exhausted
+    # strategy: a GET without parameters has one request).
+    assert SENT["fuzzed"] - sent >= (min(EXAMPLES, 100) if list(operation.body) else 1), SENT["fuzzed"] - sent
 
 
 # -- framing that schemathesis does not generate -----------------------------------------------------------
@@ -233,5 +236,5 @@ def test_no_request_of_this_module_was_a_5xx(service: ScoringService) -> None:
             if sample.name == "streamrec_serving_requests_total":
                 by_status[sample.labels["status"]] = by_status.get(sample.labels["status"], 0) + sample.value
     print(f"\nfuzzed requests by status: {dict(sorted(by_status.items()))}; sent by the generated tests: {SENT}")
-    assert SENT["fuzzed"] > 300 and sum(by_status.values()) >= SENT["fuzzed"], (SENT, by_status)
+    assert sum(by_status.values()) >= SENT["fuzzed"], (SENT, by_status)  # every request sent here was counted
     assert not any(s.startswith("5") for s in by_status), by_status
