@@ -332,13 +332,28 @@ class UserHistory:
         (or raises its error again). Errors of the send (Redis down, refused login) are raised here, those of the
         answer (a timeout) by the callable. A client that does not pool connections (one bound to a single
         connection) reads at once and the callable returns that result."""
+        flat_later = self.as_of_flat_later(user_hashes, ts_ms, limit)
+        lists: list[list[list[int]]] = []
+
+        def collect() -> list[list[int]]:
+            if not lists:
+                lists.append(_to_lists(*flat_later()))
+            return lists[0]
+
+        return collect
+
+    def as_of_flat_later(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray,
+                         limit: int | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """:meth:`as_of_later` for :meth:`as_of_flat`: the callable returns the ``(flat, offsets)`` list column. The
+        joiner sends a partition's read and joins the next partition while Redis answers (``stream/joiner/
+        pipeline.py``); the same rules: call the callable exactly once, also when the caller's own work failed."""
         max_len = self.max_len if limit is None else max(0, min(self.max_len, int(limit)))
         users = _as_ints("user_hashes", user_hashes)
         times = _as_ints("ts_ms", ts_ms)
         _same_length(user_hashes=users, ts_ms=times)
         pool = getattr(self.client, "connection_pool", None)
         if not users or pool is None or getattr(self.client, "connection", None) is not None:
-            done = self.as_of(users, times, limit)
+            done = self.as_of_flat(users, times, limit)
             return lambda: done
         distinct = list(dict.fromkeys(users))
         script = self._script()
@@ -351,7 +366,7 @@ class UserHistory:
             raise
         outcome: list[Any] = []  # [result] or [None, exc]: what the first call gave
 
-        def collect() -> list[list[int]]:
+        def collect() -> tuple[np.ndarray, np.ndarray]:
             if not outcome:
                 try:
                     try:
@@ -362,12 +377,12 @@ class UserHistory:
                         pool.release(conn)
                     if lists is None:
                         lists = self._lrange(distinct)
-                    outcome.append(_to_lists(*self._flat(users, times, distinct, lists, max_len)))
+                    outcome.append(self._flat(users, times, distinct, lists, max_len))
                 except BaseException as exc:
                     outcome[:] = [None, exc]
             if len(outcome) == 2:
                 raise outcome[1]
-            return cast("list[list[int]]", outcome[0])
+            return cast("tuple[np.ndarray, np.ndarray]", outcome[0])
 
         return collect
 
