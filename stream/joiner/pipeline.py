@@ -59,7 +59,7 @@ from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.gc_pacing import GcPacing
-from stream.joiner.sample_rows import to_batches
+from stream.joiner.sample_rows import batches_later
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
 from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -136,12 +136,13 @@ Groups = dict[tuple[str, int], tuple[list[Record], list[Event]]]  # (topic, part
 class _Step:
     """One partition's part of a batch between its join and its samples (``JoinPipeline._apply_all``)."""
 
-    __slots__ = ("partition", "res", "histories", "_read")
+    __slots__ = ("batches", "histories", "partition", "res", "_read")
 
     def __init__(self, partition: int, res: BatchResult,
                  read: Callable[[], tuple[np.ndarray, np.ndarray]] | None) -> None:
         self.partition, self.res, self._read = partition, res, read
         self.histories: tuple[np.ndarray, np.ndarray] | None = None
+        self.batches: Callable[[tuple[np.ndarray, np.ndarray] | None], list[bytes]] = lambda _histories: []
 
     def collect(self, quiet: bool = False) -> None:
         """The samples' histories from the read in flight (once); ``quiet``: a failure is dropped (the batch is
@@ -464,8 +465,7 @@ class JoinPipeline:
         self.totals.stage_s["decode"] += time.monotonic() - t0
         partitions = {p for p, got in imps.items() if got} | {p for p, got in clicks.items() if got}
         self.restore(partitions)
-        results = self._apply_all([(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)])
-        self._commit_state(results)
+        self._commit_state(self._apply_all([(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)]))
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
         return held
@@ -515,13 +515,17 @@ class JoinPipeline:
         self._commit_state(self._apply_all([(p, [], []) for p in sorted(self.engines)], drain=True))
 
     def _apply_all(self, batches: list[tuple[int, list[tuple[int, Impression]], list[tuple[int, Click]]]],
-                   drain: bool = False) -> dict[int, BatchResult]:
-        """Each partition's ``(partition, impressions, clicks)`` joined and its samples sent, in order. Redis sees
-        what it saw when one partition was done after the other: partition p's history appends, then p's read, then
-        p + 1's appends, ... But p's read is collected only after p + 1 is joined, and p's samples are encoded while
-        p + 1's read is answered, so the join and the encoding run while Redis answers (its script's time is most of
-        a read): p's read is answered before p + 1's appends are sent, so no read sees a later partition's clicks."""
+                   drain: bool = False) -> tuple[dict[int, BatchResult], dict[int, list[bytes]]]:
+        """Each partition's ``(partition, impressions, clicks)`` joined and its samples sent, in order; returns the
+        results and their state chunks encoded (for :meth:`_commit_state`). Redis sees what it saw when one partition
+        was done after the other: partition p's history appends, then p's read, then p + 1's appends, ... But the
+        read is collected as late as that allows, so the CPU work between runs while Redis answers (its script's
+        time is most of a read): p's sample columns but the histories, then p - 1's samples encoded, then p + 1's
+        join; after the last partition's read, the state chunks encoded. p's read is answered before p + 1's appends
+        are sent, so no read sees a later partition's clicks."""
         results: dict[int, BatchResult] = {}
+        encoded: dict[int, list[bytes]] = {}
+        stage = self.totals.stage_s
         prev: _Step | None = None
         try:
             for partition, imps, clicks in batches:
@@ -531,20 +535,27 @@ class JoinPipeline:
                     prev.collect()  # answered before this partition's appends are sent
                 self._record_redis(res, imps)
                 last, prev = prev, _Step(partition, res, self._read_histories(res))
-                self.totals.stage_s["redis"] += time.monotonic() - t1
+                t2 = time.monotonic()
+                stage["redis"] += t2 - t1
                 results[partition] = res
+                prev.batches = batches_later(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
+                                             oversized=partial(self._too_large, partition=partition))
+                stage["encode_samples"] += time.monotonic() - t2
                 if last is not None:
                     self._emit(last)
             if prev is not None:
                 t1 = time.monotonic()
+                encoded = {p: encode_chunk(res.chunk) for p, res in results.items() if res.chunk is not None}
+                t2 = time.monotonic()
+                stage["encode_state"] += t2 - t1
                 prev.collect()
-                self.totals.stage_s["redis"] += time.monotonic() - t1
+                stage["redis"] += time.monotonic() - t2
                 self._emit(prev)
                 prev = None
         finally:
             if prev is not None:  # failed with a read in flight: its answer is read (and dropped) off the connection
                 prev.collect(quiet=True)
-        return results
+        return results, encoded
 
     def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
                         drain: bool) -> BatchResult:
@@ -570,9 +581,7 @@ class JoinPipeline:
         t0 = time.monotonic()
         partition, res = step.partition, step.res
         key = str(partition).encode()
-        for value in to_batches(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
-                                oversized=lambda row, value: self._too_large(row, value, partition),
-                                histories=step.histories):
+        for value in step.batches(step.histories):
             self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
         self.totals.stage_s["encode_samples"] += time.monotonic() - t0
         for u in res.unjoined:
@@ -588,15 +597,17 @@ class JoinPipeline:
         self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
         self.totals.counts["samples_too_large"] += 1
 
-    def _commit_state(self, results: dict[int, BatchResult]) -> None:
+    def _commit_state(self, done: tuple[dict[int, BatchResult], dict[int, list[bytes]]]) -> None:
+        """``done``: :meth:`_apply_all`'s results and their state chunks, encoded."""
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
+        results, encoded = done
         t0 = time.monotonic()
         self.producer.flush()
         t1 = time.monotonic()
         self.totals.stage_s["flush"] += t1 - t0
         for partition, res in results.items():
             if res.chunk is not None:
-                records = encode_chunk(res.chunk)
+                records = encoded[partition]
                 self._parts[(partition, res.chunk.seq)] = len(records)
                 for part, value in enumerate(records):
                     self.producer.send(self.state_topic, value, chunk_key(partition, res.chunk.seq, part),
