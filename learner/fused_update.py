@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +67,39 @@ def batch_major(values: torch.Tensor, offsets: torch.Tensor, num_fields: int) ->
     return values[torch.arange(values.numel(), device=values.device) + shift], offsets_bm
 
 
+def stable_sort(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(values, stable=True)`` of non-negative row indices (L,): (sorted (L,), permutation (L,)).
+
+    On the CPU, when a row index and a position fit one int64 together, each lookup becomes one key
+    ``row << bits | position`` (all keys distinct, so any sort is stable) and numpy sorts the keys in place: numpy's
+    SIMD sort of plain int64 keys (x86-simd-sort, AVX-512/AVX2) is ~2x faster than torch's stable sort with its
+    permutation (bench/README.md, learner, fourteenth session: 106 k lookups, 1.49 -> 0.65 ms). The result is
+    identical to torch's; anything else (CUDA, negative or huge indices, an empty batch) takes torch's sort."""
+    n = values.numel()
+    bits = max(1, (n - 1).bit_length())
+    if values.device.type != "cpu" or values.dtype != torch.int64 or n < 2:
+        return torch.sort(values, stable=True)
+    lo, hi = torch.aminmax(values)
+    if int(lo) < 0 or int(hi) >> (63 - bits):
+        return torch.sort(values, stable=True)
+    keys = np.left_shift(values.numpy(), bits)  # (L,) a fresh array: row << bits
+    np.bitwise_or(keys, _positions(n), out=keys)  # | position
+    keys.sort()
+    packed = torch.from_numpy(keys)
+    return packed >> bits, packed & ((1 << bits) - 1)
+
+
+def _positions(n: int) -> np.ndarray:
+    """0 .. n - 1 as int64, kept across steps (batches repeat their size)."""
+    global _arange
+    if len(_arange) < n:
+        _arange = np.arange(max(n, 2 * len(_arange)), dtype=np.int64)
+    return _arange[:n]
+
+
+_arange = np.arange(0, dtype=np.int64)
+
+
 def row_gradients(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.Tensor | None, bag_size: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique rows (U,) ascending, their summed gradients (U, D + 1)) of a mean-pooled lookup, from the pooled
@@ -75,7 +109,7 @@ def row_gradients(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.Te
         share = grad  # (N, D + 1)
     else:  # mean pooling: each lookup of a bag gets the bag's gradient over the bag's length
         share = grad / bag_size.clamp(min=1).unsqueeze(1).to(grad.dtype)  # (N, D + 1)
-    sorted_rows, order = torch.sort(values, stable=True)  # (L,), (L,)
+    sorted_rows, order = stable_sort(values)  # (L,), (L,)
     n = sorted_rows.numel()
     first = torch.ones(n, dtype=torch.bool, device=values.device)  # (L,) first lookup of each row in sorted order
     torch.ne(sorted_rows[1:], sorted_rows[:-1], out=first[1:])

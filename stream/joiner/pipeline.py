@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -59,7 +59,7 @@ from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.gc_pacing import GcPacing
-from stream.joiner.sample_rows import to_batches
+from stream.joiner.sample_rows import batches_later
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
 from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -131,6 +131,30 @@ class Held(NamedTuple):
 
 
 Groups = dict[tuple[str, int], tuple[list[Record], list[Event]]]  # (topic, partition) -> records, events in order
+
+
+class _Step:
+    """One partition's part of a batch between its join and its samples (``JoinPipeline._apply_all``)."""
+
+    __slots__ = ("batches", "histories", "partition", "res", "_read")
+
+    def __init__(self, partition: int, res: BatchResult,
+                 read: Callable[[], tuple[np.ndarray, np.ndarray]] | None) -> None:
+        self.partition, self.res, self._read = partition, res, read
+        self.histories: tuple[np.ndarray, np.ndarray] | None = None
+        self.batches: Callable[[tuple[np.ndarray, np.ndarray] | None], list[bytes]] = lambda _histories: []
+
+    def collect(self, quiet: bool = False) -> None:
+        """The samples' histories from the read in flight (once); ``quiet``: a failure is dropped (the batch is
+        failing already, for another reason)."""
+        read, self._read = self._read, None
+        if read is None:
+            return
+        try:
+            self.histories = read()
+        except Exception:
+            if not quiet:
+                raise
 
 
 @dataclass
@@ -441,8 +465,7 @@ class JoinPipeline:
         self.totals.stage_s["decode"] += time.monotonic() - t0
         partitions = {p for p, got in imps.items() if got} | {p for p, got in clicks.items() if got}
         self.restore(partitions)
-        results = {p: self._apply(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)}
-        self._commit_state(results)
+        self._commit_state(self._apply_all([(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)]))
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
         return held
@@ -489,38 +512,82 @@ class JoinPipeline:
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""
-        self._commit_state({p: self._apply(p, [], [], drain=True) for p in sorted(self.engines)})
+        self._commit_state(self._apply_all([(p, [], []) for p in sorted(self.engines)], drain=True))
 
-    def _apply(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
-               drain: bool = False) -> BatchResult:
-        eng = self.engines[partition]
+    def _apply_all(self, batches: list[tuple[int, list[tuple[int, Impression]], list[tuple[int, Click]]]],
+                   drain: bool = False) -> tuple[dict[int, BatchResult], dict[int, list[bytes]]]:
+        """Each partition's ``(partition, impressions, clicks)`` joined and its samples sent, in order; returns the
+        results and their state chunks encoded (for :meth:`_commit_state`). Redis sees what it saw when one partition
+        was done after the other: partition p's history appends, then p's read, then p + 1's appends, ... But the
+        read is collected as late as that allows, so the CPU work between runs while Redis answers (its script's
+        time is most of a read): p's sample columns but the histories, then p - 1's samples encoded, then p + 1's
+        join; after the last partition's read, the state chunks encoded. p's read is answered before p + 1's appends
+        are sent, so no read sees a later partition's clicks."""
+        results: dict[int, BatchResult] = {}
+        encoded: dict[int, list[bytes]] = {}
         stage = self.totals.stage_s
+        prev: _Step | None = None
+        try:
+            for partition, imps, clicks in batches:
+                res = self._join_partition(partition, imps, clicks, drain)
+                t1 = time.monotonic()
+                if prev is not None:
+                    prev.collect()  # answered before this partition's appends are sent
+                self._record_redis(res, imps)
+                last, prev = prev, _Step(partition, res, self._read_histories(res))
+                t2 = time.monotonic()
+                stage["redis"] += t2 - t1
+                results[partition] = res
+                prev.batches = batches_later(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
+                                             oversized=partial(self._too_large, partition=partition))
+                stage["encode_samples"] += time.monotonic() - t2
+                if last is not None:
+                    self._emit(last)
+            if prev is not None:
+                t1 = time.monotonic()
+                encoded = {p: encode_chunk(res.chunk) for p, res in results.items() if res.chunk is not None}
+                t2 = time.monotonic()
+                stage["encode_state"] += t2 - t1
+                prev.collect()
+                stage["redis"] += time.monotonic() - t2
+                self._emit(prev)
+                prev = None
+        finally:
+            if prev is not None:  # failed with a read in flight: its answer is read (and dropped) off the connection
+                prev.collect(quiet=True)
+        return results, encoded
+
+    def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
+                        drain: bool) -> BatchResult:
+        eng = self.engines[partition]
         now = time.monotonic()
         if clicks or partition not in self._last_click or partition in self.clicks_held:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
         res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
         self._account(res)
-        t1 = time.monotonic()
-        stage["join"] += t1 - now
-        self._record_redis(res, imps)
-        histories = None
-        if res.samples:  # each sample's history as one list column: no Python list per sample
-            ps = list(map(_PENDING, res.samples))
-            histories = self.history.as_of_flat(list(map(_USER, ps)), list(map(_TS_OF, ps)), self.cfg.history_len)
-        t2 = time.monotonic()
-        stage["redis"] += t2 - t1
+        self.totals.stage_s["join"] += time.monotonic() - now
+        return res
+
+    def _read_histories(self, res: BatchResult) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None:
+        """Each sample's history, sent now (one script call) and read by the returned callable (None: no samples)."""
+        if not res.samples:
+            return None
+        ps = list(map(_PENDING, res.samples))
+        return self.history.as_of_flat_later(list(map(_USER, ps)), list(map(_TS_OF, ps)), self.cfg.history_len)
+
+    def _emit(self, step: _Step) -> None:
+        """A partition's samples (with the histories its read gave) and unjoined clicks to the producer."""
+        t0 = time.monotonic()
+        partition, res = step.partition, step.res
         key = str(partition).encode()
-        for value in to_batches(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
-                                oversized=lambda row, value: self._too_large(row, value, partition),
-                                histories=histories):
+        for value in step.batches(step.histories):
             self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
-        stage["encode_samples"] += time.monotonic() - t2
+        self.totals.stage_s["encode_samples"] += time.monotonic() - t0
         for u in res.unjoined:
             value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
                                   "partition": partition})
             self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
-        return res
 
     def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
         """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""
@@ -530,15 +597,17 @@ class JoinPipeline:
         self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
         self.totals.counts["samples_too_large"] += 1
 
-    def _commit_state(self, results: dict[int, BatchResult]) -> None:
+    def _commit_state(self, done: tuple[dict[int, BatchResult], dict[int, list[bytes]]]) -> None:
+        """``done``: :meth:`_apply_all`'s results and their state chunks, encoded."""
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
+        results, encoded = done
         t0 = time.monotonic()
         self.producer.flush()
         t1 = time.monotonic()
         self.totals.stage_s["flush"] += t1 - t0
         for partition, res in results.items():
             if res.chunk is not None:
-                records = encode_chunk(res.chunk)
+                records = encoded[partition]
                 self._parts[(partition, res.chunk.seq)] = len(records)
                 for part, value in enumerate(records):
                     self.producer.send(self.state_topic, value, chunk_key(partition, res.chunk.seq, part),

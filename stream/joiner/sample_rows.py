@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter, itemgetter
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -100,6 +100,17 @@ def _columns(ps: list[Pending], labels: Labels | None, history: bool,
     keys, each a list in every row or in none) and the rows have the same dense keys (the usual stream): the context
     columns gathered from the blocks, the others in one pass each. None otherwise. ``histories``: the rows' histories
     as a list column (``UserHistory.as_of_flat``) instead of each row's ``pending.history``."""
+    columns = _column_args(ps, labels)
+    if columns is None:
+        return None
+    n = len(ps)
+    return SampleBatch.from_columns(
+        history=(histories if histories is not None else [p.history for p in ps]) if history else
+        (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)), **columns)
+
+
+def _column_args(ps: list[Pending], labels: Labels | None) -> dict[str, Any] | None:
+    """:func:`_columns`' arguments of ``SampleBatch.from_columns`` but the history, or None."""
     denses = [p.dense for p in ps]
     dense_keys = set(map(tuple, denses))
     if len(dense_keys) != 1:
@@ -109,19 +120,17 @@ def _columns(ps: list[Pending], labels: Labels | None, history: bool,
         return None
     n = len(ps)
     label, delay, kind = _no_labels(n) if labels is None else labels
-    return SampleBatch.from_columns(
-        impression_id=list(map(_IMPRESSION_ID, ps)),
-        ts=np.fromiter(map(_TS, ps), np.int64, n),
-        label=label,
-        label_delay_ms=delay,
-        user_id=np.fromiter(map(_USER, ps), np.int64, n),
-        item_id=np.fromiter(map(_ITEM, ps), np.int64, n),
-        history=(histories if histories is not None else [p.history for p in ps]) if history else
-        (np.zeros(0, np.int64), np.zeros(n + 1, np.int32)),
-        context=context,  # type: ignore[arg-type]
-        dense={k: np.array(list(map(itemgetter(k), denses)), np.float32) for k in next(iter(dense_keys))},
-        kind=kind,
-    )
+    return {
+        "impression_id": list(map(_IMPRESSION_ID, ps)),
+        "ts": np.fromiter(map(_TS, ps), np.int64, n),
+        "label": label,
+        "label_delay_ms": delay,
+        "user_id": np.fromiter(map(_USER, ps), np.int64, n),
+        "item_id": np.fromiter(map(_ITEM, ps), np.int64, n),
+        "context": context,
+        "dense": {k: np.array(list(map(itemgetter(k), denses)), np.float32) for k in next(iter(dense_keys))},
+        "kind": kind,
+    }
 
 
 MAX_MESSAGE_BYTES = 900_000  # Kafka's default message.max.bytes is 1 MB
@@ -155,18 +164,31 @@ def to_batches(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_B
     """Encoded sample messages of at most ``max_rows`` rows and ``max_bytes``; a row bigger than that alone
     goes to ``oversized(rows, value)`` (the joiner dead-letters it). ``histories``: the rows' histories as one list
     column (flat (H,) int64, offsets (N + 1,) int32), taken as it is; None: each row's ``pending.history``."""
+    return batches_later(rows, max_rows, max_bytes, oversized)(histories)
+
+
+def batches_later(rows: list[Sample], max_rows: int, max_bytes: int = MAX_MESSAGE_BYTES,
+                  oversized: Callable[[list[Sample], bytes], None] | None = None,
+                  ) -> Callable[[History | None], list[bytes]]:
+    """:func:`to_batches` in two halves: every column but the histories built now, the messages when the returned
+    callable is given the histories (the joiner builds the columns while Redis reads the histories)."""
     if not rows:
-        return []
-    built = _columns([s.pending for s in rows], _labels(rows), history=True, histories=histories)
-    if built is None and histories is not None:  # rows with different columns (rare): each row's own list
-        flat, offsets = histories[0].tolist(), histories[1].tolist()
-        for s, a, b in zip(rows, offsets[:-1], offsets[1:], strict=True):
-            s.pending.history = flat[a:b]
-    if built is None:  # a message's columns are the union over its own rows
-        return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows, oversized)
-    # Every row has the same columns: built once, each message a slice of them (a slice's columns are its rows').
-    whole = built.batch
-    on_oversized = None if oversized is None else lambda part, value: oversized([rows[i] for i in part], value)
-    return encode_bounded(list(range(len(rows))),
-                          lambda part, _first: SampleBatch(whole.slice(part[0], len(part))).encode(),
-                          max_bytes, max_rows, on_oversized)
+        return lambda _histories: []
+    columns = _column_args([s.pending for s in rows], _labels(rows))
+
+    def finish(histories: History | None) -> list[bytes]:
+        if columns is None and histories is not None:  # rows with different columns (rare): each row's own list
+            flat, offsets = histories[0].tolist(), histories[1].tolist()
+            for s, a, b in zip(rows, offsets[:-1], offsets[1:], strict=True):
+                s.pending.history = flat[a:b]
+        if columns is None:  # a message's columns are the union over its own rows
+            return encode_bounded(rows, lambda part, _first: to_batch(part).encode(), max_bytes, max_rows, oversized)
+        # Every row has the same columns: built once, each message a slice of them (a slice's columns are its rows').
+        whole = SampleBatch.from_columns(
+            history=histories if histories is not None else [s.pending.history for s in rows], **columns).batch
+        on_oversized = None if oversized is None else lambda part, value: oversized([rows[i] for i in part], value)
+        return encode_bounded(list(range(len(rows))),
+                              lambda part, _first: SampleBatch(whole.slice(part[0], len(part))).encode(),
+                              max_bytes, max_rows, on_oversized)
+
+    return finish

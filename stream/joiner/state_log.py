@@ -55,7 +55,7 @@ def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
         "unwaited": c.unwaited if head else [],
         "topic_max": c.topic_max,
     })
-    # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply), and under
+    # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply_all), and under
     # fake_negative every added impression has had one attached already (on ML-1M, 400 of each row's ~560 bytes).
     body = state_batch(added).encode() if added else b""
     return _MAGIC + len(header).to_bytes(4, "big") + header + body

@@ -336,3 +336,38 @@ def test_as_of_the_far_future_is_every_stored_click(redis_client: redis.Redis, p
     redis_client.lpush(h.key(1), "garbage")
     assert h.as_of([1], [far]) == h.as_of([1], [near]) and len(h.as_of([1], [far])[0]) == 20
     assert h.as_of([1, 2], [far, far]) == h.as_of([1, 2], [near, near])
+
+
+def test_as_of_flat_later_sends_now_and_answers_as_as_of_flat(redis_client: redis.Redis, prefix: str) -> None:
+    """The joiner's read (``as_of_flat_later``) gives what ``as_of_flat`` gives: on clean lists, after a NOSCRIPT, and
+    where a list holds a malformed entry, an entry with a newline, a click stored twice, or a key is not a list."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=10)
+    t = ms(2000, 1, 1)
+    rng = np.random.default_rng(7)
+    users = [int(u) for u in rng.integers(0, 6, 60)]
+    items = [int(i) for i in rng.integers(-(2**62), 2**62, 60)]
+    h.append_many(users, items, [t + int(d) for d in rng.integers(0, 50, 60)])
+    pool = redis_client.connection_pool
+
+    def same(who: list[int], times: list[int], limit: int | None = None) -> None:
+        collect = h.as_of_flat_later(who, times, limit)
+        assert len(pool._in_use_connections) == 1  # sent; the answer pending on a pooled connection
+        flat, offsets = collect()
+        want_flat, want_offsets = h.as_of_flat(who, times, limit)
+        assert flat.tolist() == want_flat.tolist() and offsets.tolist() == want_offsets.tolist()
+        assert flat.dtype == np.int64 and offsets.dtype == np.int32
+        assert len(pool._in_use_connections) == 0
+
+    everyone = list(range(8))  # 6 and 7 have no history
+    same(everyone * 3, [t + int(x) for x in rng.integers(0, 60, 24)])
+    same(everyone, [t + 60] * 8, limit=3)
+    same([1], [2**62])
+    redis_client.script_flush()  # NOSCRIPT: loaded, read again
+    same(everyone, [t + 30] * 8)
+    for damage in (lambda: redis_client.lpush(h.key(2), "garbage"),
+                   lambda: redis_client.lpush(h.key(3), f"{t + 1}:5\n{t + 2}:6"),  # one entry, two lines
+                   lambda: redis_client.lpush(h.key(4), redis_client.lindex(h.key(4), 0)),  # a click stored twice
+                   lambda: redis_client.set(h.key(8), "not a list")):
+        damage()
+        same([*everyone, 8], [t + 60] * 9)
+        same([*everyone, 8], [t + 25] * 9, limit=2)

@@ -253,6 +253,19 @@ def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lette
     assert sorted(r.impression_id for r in sample_rows(kafka)) == ["ok0", "ok2"]  # each once, across restarts
 
 
+def test_partitions_of_a_batch_read_histories_in_partition_order(kafka: KafkaSettings, make) -> None:
+    # A batch's partitions are joined in order, and Redis sees partition 0's history appends and read before partition
+    # 1's appends (pipeline._apply_all overlaps the read with other work, never with the next partition's appends): a's
+    # history, read as of T0+5000, lacks b's click at T0+100, which partition 1 appends after it.
+    p = make()
+    p.process([imp(kafka, 0, 0, "a", T0 + 5000, user="u", item="i1"), click(kafka, 0, 0, "a", T0 + 5100),
+               imp(kafka, 1, 0, "b", T0, user="u", item="i2"), click(kafka, 1, 0, "b", T0 + 100)])
+    p.process([imp(kafka, 0, 1, "c", T0 + 6000, user="u", item="i3"), click(kafka, 0, 1, "c", T0 + 6100)])
+    by_id = {r.impression_id: r for r in sample_rows(kafka)}
+    assert {i: (r.partition, r.label, r.history) for i, r in by_id.items()} == {
+        "a": (0, 1, []), "b": (1, 1, []), "c": (0, 1, [hash_value("i2"), hash_value("i1")])}
+
+
 def test_an_infrastructure_failure_propagates_without_strikes(kafka: KafkaSettings, make,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     p = make()

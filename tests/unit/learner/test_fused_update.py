@@ -13,7 +13,7 @@ from torch import nn
 from learner.batch import TensorBatch
 from learner.config import FusedSparseUpdate, LearnerSettings
 from learner.features import FeatureConfig, FieldSpec
-from learner.fused_update import fused_lookups, row_gradients
+from learner.fused_update import fused_lookups, row_gradients, stable_sort
 from learner.model import DeepFM, SparseArch
 from learner.optim import RowWiseAdagrad, make_optimizers
 from learner.trainer import Trainer
@@ -208,3 +208,24 @@ def test_the_fused_lookup_pools_exactly_what_the_bag_pools(multi: bool) -> None:
     with fused_lookups(nn.ModuleDict({"sparse": arch}), opt):
         got = arch(values, offsets)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("case", ["zipf", "all_equal", "one", "empty", "huge", "negative", "strided", "int32"])
+def test_stable_sort_is_torchs_stable_sort(case: str) -> None:
+    """The packed-key numpy sort gives torch's stable sort exactly: sorted rows and, among equal rows, lookup order
+    (the order a row's gradients are summed in); indices it cannot pack take torch's sort."""
+    g = torch.Generator().manual_seed(3)
+    values = {
+        "zipf": torch.randint(0, 50, (5000,), generator=g) ** 3,  # many repeats, uneven
+        "all_equal": torch.full((1000,), 7, dtype=torch.int64),
+        "one": torch.tensor([5]),
+        "empty": torch.zeros(0, dtype=torch.int64),
+        "huge": torch.tensor([1 << 61, 3, 1 << 61, 0]),  # no room for the position bits
+        "negative": torch.tensor([-1, 4, -1, 2]),
+        "strided": torch.randint(0, 9, (40, 3), generator=g).t()[1],  # a non-contiguous view
+        "int32": torch.randint(0, 9, (100,), generator=g, dtype=torch.int32),
+    }[case]
+    got_rows, got_order = stable_sort(values)
+    want_rows, want_order = torch.sort(values, stable=True)
+    assert torch.equal(got_rows, want_rows) and torch.equal(got_order, want_order)
+    assert got_rows.dtype == values.dtype and got_order.dtype == torch.int64

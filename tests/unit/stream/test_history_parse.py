@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from stream.history import _parse, _parse_each, _parse_well_formed
+from stream.history import _WELL_FORMED, _parse, _parse_each, _parse_well_formed, _well_formed
 
 INT64 = 2**63
 
@@ -53,3 +55,21 @@ def test_a_click_appended_twice_and_str_entries_go_entry_by_entry() -> None:
     assert _parse(twice) == _parse_each(twice) and len(_parse(twice)[0]) == len(entries)
     as_text: list[bytes | str] = [e.decode() for e in entries]
     assert _parse_well_formed(as_text) is None and _parse(as_text) == _parse_each(entries)
+
+
+# The batch read's check of a batch's joined entries (numpy passes) against the regex it stands for.
+_piece = st.one_of(st.integers(0, 10**25).map(lambda n: str(n).encode()), st.sampled_from([b":", b"\n", b"-", b":-",
+                                                                                           b"", b"a", b" ", b"+"]))
+
+
+@given(st.lists(_piece, max_size=12).map(b"".join))
+@settings(max_examples=2000, deadline=None)
+def test_the_numpy_check_of_joined_entries_is_the_regex(joined: bytes) -> None:
+    assert _well_formed(joined) == (_WELL_FORMED.fullmatch(joined) is not None)
+
+
+@given(st.lists(st.tuples(st.integers(0, 10**20), st.integers(-(10**20), 10**20)), min_size=1, max_size=6))
+@settings(max_examples=500, deadline=None)
+def test_the_numpy_check_takes_what_the_regex_takes(pairs: list[tuple[int, int]]) -> None:
+    joined = b"\n".join(f"{t}:{i}".encode() for t, i in pairs)
+    assert _well_formed(joined) == (_WELL_FORMED.fullmatch(joined) is not None)
