@@ -15,8 +15,15 @@ Stages (nested: ``request`` holds the others): ``request`` (``_Handler._one_requ
 written), ``head`` (request line and headers), ``app`` (``ScoringApp.handle``), ``json_in`` (JSON decode +
 validation), ``hist_send`` (``HistoryReader.start``: the Redis read sent), ``encode`` (which ends by collecting the
 history), ``history`` (inside ``encode``: waiting for Redis's answer and parsing it, ``HistoryReader._finish``),
-``score`` (``ScoringModel.score_request``), ``send`` (writing the answer: on a busy machine this includes the client
-being scheduled on its wake-up). Run in a checkout from before the read was split, ``history`` is the whole read.
+``score`` (``ScoringModel.score_request``), inside it ``rows`` (``ScoringModel._given_at``: the hot/cold/override
+lookup) and ``ort`` (``OnnxScorer.score_rows``: the ONNX formats' one ONNX Runtime call), ``send`` (writing the
+answer: on a busy machine this includes the client being scheduled on its wake-up). Run in a checkout from before
+the read was split, ``history`` is the whole read.
+
+The tail: after the table, the slowest 1% of requests (by ``request``) with the mean of each stage over them beside
+its median over all requests, and the garbage collections (how many, the longest, in how many of the slowest
+requests): which stage a p99 comes from. ``--pin`` (a diagnostic) puts the server process on the last CPU and the
+client and Redis on the others.
 
 Reproduce::
 
@@ -47,16 +54,31 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("request", "head", "app", "json_in", "hist_send", "encode", "history", "score", "send")
+STAGES = ("request", "head", "app", "json_in", "hist_send", "encode", "history", "score", "rows", "ort", "send")
+TAIL = 0.01  # the slowest share of requests whose stages are logged (--tail)
 
 
-def _timed(times: dict[str, list[float]], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+class _Record(threading.local):
+    """The stages of the request the current thread serves (one dict per request, started by ``request``)."""
+
+    current: dict[str, float] | None = None
+
+
+def _timed(times: dict[str, list[float]], key: str, fn: Callable[..., Any], record: _Record | None = None,
+           per_request: list[dict[str, float]] | None = None) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if key == "request" and record is not None and per_request is not None:
+            record.current = {}
+            per_request.append(record.current)
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            times[key].append(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            times[key].append(dt)
+            cur = record.current if record is not None else None
+            if cur is not None:
+                cur[key] = cur.get(key, 0.0) + dt
 
     return wrapper
 
@@ -78,25 +100,49 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
     rs = RedisSettings(url=redis_url, prefix="bench") if redis_url else None
     svc = ScoringService(ServeSettings(port=0, publish_root=Path(publish_root), lookup_counts=False), rs).start()
     times: dict[str, list[float]] = {k: [] for k in STAGES}
+    record, per_request = _Record(), []  # per_request: each request's stages (the tail's breakdown)
+    gcs: list[float] = []  # each garbage collection's wall time (its share of the tail)
+
+    def on_gc(phase: str, info: dict[str, Any], _t: list[float] = [0.0]) -> None:  # noqa: B006
+        if phase == "start":
+            _t[0] = time.perf_counter()
+        else:
+            dt = time.perf_counter() - _t[0]
+            gcs.append(dt)
+            cur = record.current
+            if cur is not None:
+                cur["gc"] = cur.get("gc", 0.0) + dt
+
+    import gc
+
+    gc.callbacks.append(on_gc)
     H, A = http_mod._Handler, app_mod.ScoringApp
-    H._one_request = _timed(times, "request", H._one_request)  # type: ignore[method-assign]
-    H.parse_request = _timed(times, "head", H.parse_request)  # type: ignore[method-assign]
-    H._send = _timed(times, "send", H._send)  # type: ignore[method-assign]
-    A.handle = _timed(times, "app", A.handle)  # type: ignore[method-assign]
+    H._one_request = _timed(times, "request", H._one_request, record, per_request)  # type: ignore[method-assign]
+    H.parse_request = _timed(times, "head", H.parse_request, record)  # type: ignore[method-assign]
+    H._send = _timed(times, "send", H._send, record)  # type: ignore[method-assign]
+    A.handle = _timed(times, "app", A.handle, record)  # type: ignore[method-assign]
     if hasattr(HistoryReader, "start"):  # the read sent before encoding, collected by the encoder (last)
-        HistoryReader.start = _timed(times, "hist_send", HistoryReader.start)  # type: ignore[method-assign]
-        HistoryReader._finish = _timed(times, "history", HistoryReader._finish)  # type: ignore[method-assign]
+        HistoryReader.start = _timed(times, "hist_send", HistoryReader.start, record)  # type: ignore[method-assign]
+        HistoryReader._finish = _timed(times, "history", HistoryReader._finish, record)  # type: ignore[method-assign]
     else:  # a checkout from before (run this script there to compare)
-        A._histories = _timed(times, "history", A._histories)  # type: ignore[method-assign]
-    app_mod.parse_request = _timed(times, "json_in", app_mod.parse_request)
-    FeatureEncoder.encode = _timed(times, "encode", FeatureEncoder.encode)  # type: ignore[method-assign]
+        A._histories = _timed(times, "history", A._histories, record)  # type: ignore[method-assign]
+    app_mod.parse_request = _timed(times, "json_in", app_mod.parse_request, record)
+    FeatureEncoder.encode = _timed(times, "encode", FeatureEncoder.encode, record)  # type: ignore[method-assign]
     if mode == "noop":
         ScoringModel.score_request = lambda self, v, o, dense, fp32=False: torch.zeros(dense.shape[0])  # type: ignore
-    ScoringModel.score_request = _timed(times, "score", ScoringModel.score_request)  # type: ignore[method-assign]
+    ScoringModel.score_request = _timed(times, "score", ScoringModel.score_request, record)  # type: ignore[method-assign]
+    ScoringModel._given_at = _timed(times, "rows", ScoringModel._given_at, record)  # type: ignore[method-assign]
+    try:
+        from learner.onnx_scorer import OnnxScorer
+    except ImportError:
+        pass
+    else:
+        if hasattr(OnnxScorer, "score_rows"):
+            OnnxScorer.score_rows = _timed(times, "ort", OnnxScorer.score_rows, record)  # type: ignore[method-assign]
     if mode == "fixed":
         answer = (200, app_mod.JSON, json.dumps({"scores": [0.5] * 100, "model_version": "x" * 22,
                                                  "delta_seq": 0}).encode())
-        A.handle = _timed(times, "app", lambda self, method, path, body: answer)  # type: ignore[method-assign]
+        A.handle = _timed(times, "app", lambda self, method, path, body: answer, record)  # type: ignore[method-assign]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"serving on http://127.0.0.1:{svc.port} ({mode})", file=sys.stderr, flush=True)
@@ -104,6 +150,13 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
     svc.stop(0.5)
     skip = 100  # the client's warm-up requests
     out = {k: [float(np.percentile(v[skip:], q) * 1e6) for q in (50, 99)] for k, v in times.items() if len(v) > skip}
+    reqs = [r for r in per_request[skip:] if "request" in r]
+    reqs.sort(key=lambda r: r["request"])
+    tail = reqs[-max(1, int(len(reqs) * TAIL)):]  # the slowest requests: the mean of each stage over them
+    keys = sorted({k for r in reqs for k in r}, key=lambda k: (STAGES + ("gc",)).index(k))
+    out["tail"] = {k: float(np.mean([r.get(k, 0.0) for r in tail]) * 1e6) for k in keys}
+    out["median_request"] = {k: float(np.median([r.get(k, 0.0) for r in reqs]) * 1e6) for k in keys}
+    out["gc"] = [len(gcs), float(np.max(gcs) * 1e6) if gcs else 0.0, sum(1 for r in tail if "gc" in r), len(tail)]
     print(json.dumps(out), flush=True)
     return 0
 
@@ -135,6 +188,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per mode (default 2000)")
     ap.add_argument("--modes", default="real,noop,fixed")
     ap.add_argument("--no-redis", action="store_true", help="no history read (no Redis started)")
+    ap.add_argument("--pin", action="store_true",
+                    help="a diagnostic: the server process on the last CPU, this client (and Redis) on the others")
     args = ap.parse_args()
 
     import importlib.util
@@ -170,9 +225,18 @@ def main() -> int:
               f", {args.requests} requests per mode, load average {os.getloadavg()[0]:.1f}")
         print(f"{'mode':<6} {'client p50/p90/p99 ms':>22}  " + "  ".join(f"{s:>12}" for s in STAGES)
               + "   (server stages: p50/p99 us)")
+        cpus = sorted(os.sched_getaffinity(0))
+        pinned = args.pin and len(cpus) > 1
+        server_cpus, other_cpus = set(cpus[-1:]), set(cpus[:-1])
         for mode in args.modes.split(","):
             proc = subprocess.Popen([sys.executable, __file__, "--serve", str(root), mode, redis_url],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if pinned else None)
+            if pinned:
+                os.sched_setaffinity(0, other_cpus)
+                info = stack._read_pid("redis") if stack is not None else None
+                if info:
+                    os.sched_setaffinity(int(info["pid"]), other_cpus)
             assert proc.stderr is not None and proc.stdout is not None
             line = ""
             while "serving on" not in line:
@@ -188,6 +252,11 @@ def main() -> int:
             stages = json.loads(out.strip().splitlines()[-1])
             cells = [f"{stages[s][0]:>5.0f}/{stages[s][1]:<6.0f}" if s in stages else f"{'-':>12}" for s in STAGES]
             print(f"{mode:<6} {'/'.join(f'{x:.3f}' for x in client):>22}  " + "  ".join(cells))
+            if "tail" in stages:  # the slowest 1% of requests inside the server: where their time went
+                n_gc, gc_max, tail_gc, n_tail = stages["gc"]
+                print(f"       slowest {n_tail} requests, mean us: " + ", ".join(
+                    f"{k} {v:.0f} (p50 {stages['median_request'].get(k, 0.0):.0f})" for k, v in stages["tail"].items())
+                    + f"; collections: {n_gc} (longest {gc_max:.0f} us), in {tail_gc} of the slowest")
     finally:
         if stack is not None:
             stack.down()

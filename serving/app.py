@@ -94,6 +94,8 @@ class ScoringApp:
             ("GET", "/metrics"): lambda _b: (200, PROMETHEUS, self.metrics.render()),
         }
         self._paths = {p for _, p in self._routes}
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}  # handle's metrics, by (endpoint, status)
+        self._children_of = metrics
 
     # -- dispatch ---------------------------------------------------------------------------------
     def allowed_methods(self, path: str) -> list[str]:
@@ -177,8 +179,14 @@ class ScoringApp:
             with self._count_lock:
                 self.in_flight -= 1
         endpoint = path if route is not None else "other"
-        m.requests.labels(endpoint, str(resp[0])).inc()
-        m.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        key = (endpoint, resp[0])
+        if self._children_of is not m:  # the metrics object was replaced (tests do): its own children
+            self._children, self._children_of = {}, m
+        children = self._children.get(key)
+        if children is None:  # the metrics' labelled children, looked up once per (endpoint, status)
+            children = self._children[key] = (m.requests.labels(endpoint, str(resp[0])), m.latency.labels(endpoint))
+        children[0].inc()
+        children[1].observe(time.perf_counter() - t0)
         return resp
 
     # -- endpoints --------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 from learner.features import FeatureConfig
 from serving.request import RequestError, ScoreRequest
 from stream.events import ContextValue
-from stream.features import MISSING, hash_context, hash_value
+from stream.features import MISSING, hash_context, hash_ids, hash_value
 from stream.samples import CTX_PREFIX
 
 
@@ -117,7 +117,7 @@ class FeatureEncoder:
                 history_field = f
                 continue
             if src == "item":
-                hashed = np.fromiter(map(hash_value, req.items), np.int64, b)
+                hashed = hash_ids(req.items)  # (B,) ids as check_id accepts them (serving/request.py)
                 if observe is not None:
                     observe("item", hashed)
                 cand_values.append(m.map_rows(f, hashed))  # (B,)

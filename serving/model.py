@@ -331,19 +331,27 @@ class ScoringModel:
             offsets = with_empty_user_row(offsets, self.spec.num_fields)  # (F + F*B + 1,)
         return self._forward(values, offsets, dense, fp32)
 
-    @torch.inference_mode()
     def score_request(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
                       fp32: bool = False) -> torch.Tensor:
         """Click probabilities (B,) for one request in the user-row layout (``serving.features.FeatureEncoder``):
         values (N,), offsets (F + F*B + 1,) (the user row's F bags, then the candidates' F*B), dense (B, Dd)."""
-        if self.input_layout == CANDIDATE_ROWS_LAYOUT:  # an artifact from before the user-row layout
-            v, o = to_candidate_rows(values.cpu().numpy(), offsets.cpu().numpy(), self.spec.num_fields)
-            values, offsets = torch.from_numpy(v), torch.from_numpy(o)  # (N',), (F*B + 1,)
-        return self._forward(values, offsets, dense, fp32)
-
-    def _forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool) -> torch.Tensor:
-        """The live scorer on inputs in its own layout, given the rows it does not hold."""
         live = self._live
+        if not fp32 and self.input_layout != CANDIDATE_ROWS_LAYOUT and values.device.type == "cpu":
+            lean = getattr(live.scorer, "score_rows", None)
+            if lean is not None and live.scorer.pools:  # an ONNX pooling graph: numpy in, one call, no torch op
+                pos, given, mask = self._given_at(live, values.numpy())
+                return torch.from_numpy(lean(pos, given, mask, offsets.cpu().numpy(), dense.cpu().float().numpy()))
+        with torch.inference_mode():
+            if self.input_layout == CANDIDATE_ROWS_LAYOUT:  # an artifact from before the user-row layout
+                v, o = to_candidate_rows(values.cpu().numpy(), offsets.cpu().numpy(), self.spec.num_fields)
+                values, offsets = torch.from_numpy(v), torch.from_numpy(o)  # (N',), (F*B + 1,)
+            return self._forward(values, offsets, dense, fp32, live)
+
+    def _forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool,
+                 live: _Live | None = None) -> torch.Tensor:
+        """The live scorer (``live``: that snapshot, default the current one) on inputs in its own layout, given the
+        rows it does not hold."""
+        live = self._live if live is None else live
         v = values.cpu().numpy() if values.device.type != "cpu" else values.numpy()
         pos, given, mask = self._given_at(live, v)
         dev = self.device

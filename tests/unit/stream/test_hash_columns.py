@@ -40,3 +40,17 @@ def test_edge_cases() -> None:
         assert hash_column(single_typed).tolist() == _each(single_typed)
     assert hash_column([]).dtype == np.int64 and hash_column([]).shape == (0,)
     assert hash_column([None, None]).tolist() == [MISSING, MISSING]
+
+
+def test_hash_ids_equals_hash_value_cold_warm_and_after_the_cache_empties(monkeypatch) -> None:
+    import stream.features as sf
+
+    ids = [0, 1, 7, 2**63 - 1, "1", "i7", "u42", 7, "i7"]  # ints and strings, 1 beside "1", repeats
+    want = np.array([sf.hash_value(v) for v in ids], np.int64)
+    monkeypatch.setattr(sf, "_ID_CACHE", {})
+    assert np.array_equal(sf.hash_ids(ids), want)  # every id a miss
+    assert np.array_equal(sf.hash_ids(ids), want)  # every id a hit
+    assert np.array_equal(sf.hash_ids(ids[:3] + ["new"]), np.array([*want[:3], sf.hash_value("new")], np.int64))
+    monkeypatch.setattr(sf, "_ID_CACHE_MAX", 2)  # full: emptied, then filled again
+    assert np.array_equal(sf.hash_ids(ids + ["other"]), np.array([*want, sf.hash_value("other")], np.int64))
+    assert sf.hash_ids([]).shape == (0,)
