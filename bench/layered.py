@@ -17,10 +17,16 @@ share is the sum of the round trips' seconds (``streamrec_serving_embedding_stor
 the layered requests' seconds. HTTP parsing and the response are the same for both modes and are left out
 (bench/serving.py measures them). Target (issue 17): layered p99 within 1 ms of in-process.
 
+The Redis this script starts runs as the local stack's (``streamrec.stack.redis_server_args``: ``activerehashing
+no``). The rows are written just before the requests, and a keyspace that has just grown past a power of two is
+being moved into a bigger table for minutes after: with Redis's default ``activerehashing yes`` that move takes 1 ms
+of every 100 ms in the server's cron, and ~1% of the MGETs wait behind it (``--active-rehashing both`` shows both).
+
 Reproduce::
 
     .venv/bin/python bench/layered.py                    # 1 M rows, 2000 requests per mode
     .venv/bin/python bench/layered.py --rows 10000000    # 10 M rows (~4 GB of memory while the rows are written)
+    .venv/bin/python bench/layered.py --rows 10000000 --active-rehashing both  # the stack's Redis, Redis's default
 
 ``measure_layered(rows=..., requests=..., ...)`` returns the figures as a dict (for bench/serving.py).
 """
@@ -53,7 +59,7 @@ from serving.model import ScoringModel  # noqa: E402
 from serving.request import parse_request  # noqa: E402
 from serving.settings import RowDtype  # noqa: E402
 from stream.features import hash_value  # noqa: E402
-from streamrec.stack import free_port, redis_binary  # noqa: E402
+from streamrec.stack import free_port, redis_binary, redis_server_args  # noqa: E402
 
 CANDIDATES = 100
 HISTORY = 20
@@ -92,10 +98,10 @@ def requests(cfg: FeatureConfig, n: int, rng: np.random.Generator) -> list[tuple
 class _Redis:
     """A redis-server of this benchmark's own, on a free port."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(self.port), "--save",
-                                      "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([str(redis_binary()), *redis_server_args("127.0.0.1", self.port), *extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 10
@@ -120,13 +126,15 @@ def _pct(xs: list[float], q: float) -> float:
 
 def measure_layered(rows: int = 1_000_000, requests_per_mode: int = 2000, warmup: int = 500, hot_share: float = 0.1,
                     cache_rows: int = 200_000, redis_url: str | None = None, threads: int = 1,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, active_rehashing: bool = False) -> dict[str, Any]:
     """p50/p99 (ms) of 1 user x 100 candidates for in_process, layered and layered_no_lru on one artifact, the
     Redis round-trip share of the layered latency, and setup figures. Starts (and stops) its own redis-server
-    unless ``redis_url`` is given (then the rows go under a fresh prefix there and are deleted at the end)."""
+    unless ``redis_url`` is given (then the rows go under a fresh prefix there and are deleted at the end); its own
+    runs as the local stack's (``streamrec.stack.redis_server_args``), or with Redis's default ``activerehashing
+    yes`` when ``active_rehashing``."""
     torch.set_num_threads(threads)
     rng = np.random.default_rng(seed)
-    own = _Redis() if redis_url is None else None
+    own = _Redis(("--activerehashing", "yes") if active_rehashing else ()) if redis_url is None else None
     url = own.url if own is not None else str(redis_url)
     prefix = f"bench{int(time.time() * 1000)}"
     clients: list[redis.Redis] = []
@@ -171,6 +179,7 @@ def measure_layered(rows: int = 1_000_000, requests_per_mode: int = 2000, warmup
                 if k == warmup - 1:  # the round trips of the measured requests only
                     fetch_before = {n: _hist(stores[n]) for n in stores}
             out: dict[str, Any] = {
+                "active_rehashing": active_rehashing if own is not None else None,
                 "rows": rows, "hot_rows": in_process.hot_rows, "cache_rows": cache_rows, "requests": requests_per_mode,
                 "redis_rows_written": meta["stored"], "redis_write_s": round(write_s, 2),
                 "redis_used_memory_mb": round(used / 1e6, 1), "scores_equal": bool(scores_equal)}
@@ -219,16 +228,28 @@ def main() -> None:
     ap.add_argument("--hot-share", type=float, default=0.1, help="share of rows in the hot set (default 0.1)")
     ap.add_argument("--cache-rows", type=int, default=200_000, help="the layered LRU's rows (default 200000)")
     ap.add_argument("--redis-url", help="an existing Redis (default: start one)")
-    ap.add_argument("--json", action="store_true", help="print the dict as JSON")
+    ap.add_argument("--active-rehashing", choices=("no", "yes", "both"), default="no",
+                    help="the started Redis's activerehashing: no (the local stack's setting, default), yes (Redis's "
+                         "default: 1 ms of every 100 ms spent rehashing a growing keyspace), or both, one after the "
+                         "other in this run")
+    ap.add_argument("--json", action="store_true", help="print the dict (a list with --active-rehashing both) as JSON")
     args = ap.parse_args()
-    r = measure_layered(args.rows, args.requests, args.warmup, args.hot_share, args.cache_rows, args.redis_url)
+    settings = {"no": [False], "yes": [True], "both": [False, True]}[args.active_rehashing]
+    runs = [measure_layered(args.rows, args.requests, args.warmup, args.hot_share, args.cache_rows, args.redis_url,
+                            active_rehashing=a) for a in settings]
     if args.json:
-        print(json.dumps(r, indent=2))
+        print(json.dumps(runs if len(runs) > 1 else runs[0], indent=2))
         return
+    for r in runs:
+        _print(r)
+
+
+def _print(r: dict[str, Any]) -> None:
+    rehash = {None: "", False: ", activerehashing no", True: ", activerehashing yes"}[r["active_rehashing"]]
     print(f"layered vs in-process: {r['rows']:,} rows x 17 floats, hot set {r['hot_rows']:,} rows, "
           f"MLP 400-400-400, 1 user x {CANDIDATES} candidates + {HISTORY}-item history, {r['requests']} requests "
           f"per mode, interleaved (encode + score, no HTTP)")
-    print(f"Redis: {r['redis_rows_written']:,} rows written in {r['redis_write_s']} s, used_memory "
+    print(f"Redis{rehash}: {r['redis_rows_written']:,} rows written in {r['redis_write_s']} s, used_memory "
           f"{r['redis_used_memory_mb']} MB; scores equal in every mode: {r['scores_equal']}")
     print(f"{'mode':<16}{'p50 ms':>9}{'p99 ms':>9}{'MGET/req':>10}{'Redis share':>13}{'LRU hits':>10}")
     for name in ("in_process", "layered", "layered_no_lru"):

@@ -29,7 +29,7 @@ from stream.config import RedisSettings
 from stream.counts import DailyCounts
 from stream.errors import ConfigError
 from stream.history import UserHistory
-from stream.redis_client import RedisAuthError, connect, connect_cluster, verify
+from stream.redis_client import RedisAuthError, connect, connect_cluster, latency_advice, verify
 
 log = logging.getLogger("streamrec.serve")
 
@@ -134,15 +134,23 @@ class ScoringService:
     def _check_redis(self) -> None:
         """Say at start, in one line, when Redis refuses this service's credentials: serving starts anyway and
         scores without history (Redis problems never fail a request), but a wrong password is no outage to wait
-        out. An unreachable Redis is not logged here: the history reads say so."""
+        out. An unreachable Redis is not logged here: the history reads say so. Then a warning when the server's
+        settings cost the request path latency (``stream.redis_client.latency_advice``: active rehashing; the
+        layered mode's store is the same ``[redis]``)."""
         if self.redis is None or self._redis_settings is None:
             return
         try:
-            verify(self.redis, self._redis_settings, reachable=False)
+            if not verify(self.redis, self._redis_settings, reachable=False):
+                return  # unreachable: the history reads say so
         except RedisAuthError as exc:
             log.error("%s; serving scores without history and polls for models until this is fixed", exc)
+            return
         except Exception as exc:  # noqa: BLE001 - a start-time probe never stops serving from starting
             log.debug("Redis probe at start failed: %s", exc)
+            return
+        advice = latency_advice(self.redis, self._redis_settings)
+        if advice:
+            log.warning("%s", advice)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain and stop the server, the model updater and the lookup counter (which flushes what the last requests
