@@ -13,10 +13,11 @@ see ``stream/strikes.py``; the process exits non-zero for its supervisor to rest
 
 Event time is kept aligned by the hold: the records of a partition past its event-time frontier
 (``backpressure.hold_limits``: one fetch can bring an input months ahead of the other) are held back, kept in
-memory and joined with a later batch, their offsets committed only then (a crash or a revocation reads them
-again). An input is paused only for memory: once ``_HOLD_HIGH`` batches of its records are held, until no more than
-``_HOLD_LOW`` are (``backpressure.HoldBound``; a pause purges the consumer's prefetched messages and a resume fetches
-them again, so the two marks are set apart). The gate's event-time rule, which paused an input whose read time led
+memory (by the pipeline: ``JoinPipeline.process_new``, a held record costs nothing per batch it waits) and joined
+with a later batch, their offsets committed only then (a crash or a revocation reads them again). An input is paused
+only for memory: once ``_HOLD_HIGH`` batches of its records are held, until no more than ``_HOLD_LOW`` are
+(``backpressure.HoldBound``; a pause purges the consumer's prefetched messages and a resume fetches them again, so
+the two marks are set apart). The gate's event-time rule, which paused an input whose read time led
 the other's by the drift, is not used here: the hold already bounds what is joined by the same drift, and that rule
 paused and resumed inputs with nearly every batch of a replay (~25 of ~70 s of a replayed ML-1M went to re-fetching).
 Clicks near ``max_waiting_per_partition`` are still paused by the gate (``backpressure.py``) until their impressions
@@ -34,7 +35,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections import Counter
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
@@ -81,7 +81,7 @@ class KafkaJoinWorker:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self._backoff_s = 1.0
         self.recoveries = 0
-        self._held: list[Record] = []  # fetched past the event-time frontier, not processed yet (held_inputs)
+        self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
         self._paused: set[Key] = set()  # what the consumer has paused now: the gate's and the held inputs
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
@@ -106,7 +106,8 @@ class KafkaJoinWorker:
         self._commit()
         revoked = {(tp.topic, tp.partition) for tp in partitions}
         self._assigned -= {tp.partition for tp in partitions}
-        self._held = [r for r in self._held if (r.topic, r.partition) not in revoked]  # the next owner reads them
+        self.pipeline.drop_held(revoked)  # the next owner reads them
+        self._held = sum(self.pipeline.held_counts.values())
         self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
         try:  # a pause must not outlive the assignment it was made in
             self._sync_pauses()
@@ -135,13 +136,13 @@ class KafkaJoinWorker:
                 records = _records(msgs)
                 idle = not records
                 if records or self._held:
-                    if not self._process(self._held + records, self._holds_back if self._hold else None):
+                    if not self._process(records, self._holds_back if self._hold else None):
                         continue
                 if self._apply_gate() and idle:
                     self._idle_since = time.monotonic()  # clicks resumed: not idle while they are read
                 elif idle and limit is not None and time.monotonic() - self._idle_since >= limit:
                     if self._held:  # never end a run with records held back: join them first
-                        if not self._process(self._held, None):
+                        if not self._process([], None):
                             continue
                         self._idle_since = time.monotonic()
                     elif self.gate.paused:  # nor with an input held back: read it first
@@ -181,7 +182,7 @@ class KafkaJoinWorker:
             # and an end-of-partition wait), not one read per partition as each first appears in a batch.
             if missing := self._assigned - set(self.pipeline.engines):
                 self.pipeline.restore(missing)
-            held = self.pipeline.process(records, behind)  # raises: nothing of this batch is ever committed
+            self.pipeline.process_new(records, behind)  # raises: nothing of this batch is ever committed
         except Exception as exc:
             if not is_infrastructure(exc):
                 raise
@@ -190,7 +191,8 @@ class KafkaJoinWorker:
         done = self.pipeline.processed  # per topic-partition, the offset after the last record processed
         self._offsets.update(done)
         self._commit()
-        if done or len(held) != len(self._held):
+        held = sum(self.pipeline.held_counts.values())
+        if done or held != self._held:
             self._idle_since = time.monotonic()
         self._held = held
         self._backoff_s = 1.0
@@ -211,9 +213,7 @@ class KafkaJoinWorker:
         """The inputs paused for the records they hold past the frontier (``HoldBound``: from ``_HOLD_HIGH`` batches
         held until ``_HOLD_LOW`` or fewer are). Below the bound an input is read on, its records held in memory: a
         pause purges the consumer's prefetched messages of the partition and a resume fetches them again."""
-        counts = self.pipeline.held_counts  # per topic-partition, what process() returned held
-        if sum(counts.values()) != len(self._held):  # the driver dropped some since (revoked, rewound): count them
-            counts = Counter(map(_TOPIC_PARTITION, self._held))  # a C-level pass
+        counts = self.pipeline.held_counts  # per topic-partition, what the pipeline holds
         return self.hold_bound.update({(input_of(self.kafka, t), p): n for (t, p), n in counts.items()})
 
     def _topic(self, kind: str) -> str:
@@ -248,7 +248,8 @@ class KafkaJoinWorker:
                     type(exc).__name__, clip(str(exc)), self._backoff_s)
         self.recoveries += 1
         self._offsets.clear()
-        self._held = []  # never committed: the rewind reads them again
+        self.pipeline.drop_held(set(self.pipeline.held_counts))  # never committed: the rewind reads them again
+        self._held = 0
         self.pipeline.forget(set(self.pipeline.engines))
         self.gate.release()  # the rewind starts both inputs afresh
         self._sync_pauses()

@@ -120,14 +120,64 @@ def records_of(*columns: Iterable[Any]) -> list[Record]:
 _NEW_RECORD = partial(tuple.__new__, Record)
 
 
-class Held(NamedTuple):
-    """One topic-partition's records held past the frontier, as columns (in offset order): the records, their events
-    (or why each is bad, dead-lettered once processed) and the good events' times. Kept as columns so a record held
-    for many batches is not walked again with each (on a replayed ML-1M ~50 k records wait per batch)."""
+class Held:
+    """One topic-partition's records not joined yet, in offset order, as columns: the records, their events (or why
+    each is bad, dead-lettered once processed) and the good events' times. New records are appended and the joined
+    ones taken from the front (``lo`` moves; the lists are compacted between batches), so a record held for many
+    batches is neither walked nor copied with each: on a replayed ML-1M ~75 k records wait per batch, and copying the
+    held records' lists (each copy touches every record) cost ~110 ns per record and batch, ~1.8 s of the run."""
 
-    records: list[Record]
-    events: list[Event]
-    ts: np.ndarray  # (G,) int64, G <= N: the event times of the good events among them
+    __slots__ = ("events", "lo", "records", "ts")
+    _COMPACT = 4096  # taken records kept at the front until there are this many (and they are half the lists)
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.events: list[Event] = []
+        self.ts = np.zeros(0, np.int64)  # (G,) int64, G <= len(self): the good events' times among records[lo:]
+        self.lo = 0  # records[:lo] are taken
+
+    def __len__(self) -> int:
+        return len(self.records) - self.lo
+
+    @property
+    def clean(self) -> bool:
+        """Whether every record not taken is good."""
+        return len(self.ts) == len(self)
+
+    def add(self, records: list[Record], events: list[Event]) -> None:
+        """Append records (after every one held) with their events; only their events' times are read."""
+        ts, _ = _good_times(events)
+        self.records.extend(records)
+        self.events.extend(events)
+        self.ts = np.concatenate([self.ts, ts]) if len(self.ts) else ts
+
+    def take(self, n: int) -> tuple[list[Record], list[Event]]:
+        """The first ``n`` records not taken yet, with their events; the rest stay held."""
+        lo, hi = self.lo, self.lo + n
+        events = self.events[lo:hi]
+        good = n if len(self.ts) == len(self) else sum(not isinstance(e, BadMessage) for e in events)
+        self.lo, self.ts = hi, self.ts[good:]
+        return self.records[lo:hi], events
+
+    def compact(self) -> None:
+        """Drop the taken records from the lists (between batches, so a failed batch can be undone: ``snapshot``)."""
+        if self.lo == len(self.records):
+            self.records, self.events, self.lo = [], [], 0
+        elif self.lo >= self._COMPACT and 2 * self.lo >= len(self.records):
+            del self.records[:self.lo], self.events[:self.lo]
+            self.lo = 0
+
+    def held(self) -> tuple[list[Record], list[Event]]:
+        """The records not taken, with their events (copies)."""
+        return self.records[self.lo:], self.events[self.lo:]
+
+    def snapshot(self) -> tuple[int, int, np.ndarray]:
+        return len(self.records), self.lo, self.ts
+
+    def restore(self, snapshot: tuple[int, int, np.ndarray]) -> None:
+        """Back to ``snapshot`` (taken after the last ``compact``): what a failed batch added and took is undone."""
+        n, self.lo, self.ts = snapshot
+        del self.records[n:], self.events[n:]
 
 
 Groups = dict[tuple[str, int], tuple[list[Record], list[Event]]]  # (topic, partition) -> records, events in order
@@ -314,65 +364,96 @@ class JoinPipeline:
         With ``behind`` (whether an input of a partition has more to read, ``stream.kafka.has_more``), the
         batch is joined only up to its event-time frontier (:func:`~stream.joiner.backpressure.hold_limits`):
         the records past it are returned unprocessed, a suffix of each topic-partition's records, for the
-        driver to pass again with its next batch. Without it every record is processed and none returned."""
+        caller to pass again with its next batch (what is not passed again is dropped). Without it every record is
+        processed and none returned. :meth:`process_new` is the same step for a caller that does not pass them again.
+        """
         self.totals.stage_s["gc"] += self.gc.between_batches()
-        held: list[Record] = []
         self.processed = {}
-        prior, prior_list = self._held_groups, self._held_list
-        self._held_groups, self._held_list = {}, []
-        n = len(prior_list)
+        held = self._held_groups
+        n = sum(map(len, held.values()))
         # What was held, passed again ahead of new records (a list compare: identity first, in C)?
-        if not self.strikes.counts and n <= len(records) and sum(len(h.records) for h in prior.values()) == n and \
-                records[:n] == prior_list:
+        if not self.strikes.counts and n <= len(records) and records[:n] == self._held_list:
             self._held_before = {}
-            self._process_run(records[n:], behind, held, prior)
-            return self._returned(held)
-        # Otherwise held records come back mixed with others (or not at all): found by their offsets.
-        self._held_before = {(r.topic, r.partition, r.offset): e for h in prior.values()
-                             for r, e in zip(h.records, h.events, strict=True)}
+            self._process_run(records[n:], behind)
+        else:
+            # Otherwise held records come back mixed with others (or not at all): found by their offsets.
+            self._held_before = {(r.topic, r.partition, r.offset): e for h in held.values()
+                                 for r, e in zip(*h.held(), strict=True)}
+            self._held_groups = {}
+            self._process_runs(records, behind)
+        self._count_held()
+        self._held_list = [r for h in self._held_groups.values() for r in h.records[h.lo:]]
+        return self._held_list
+
+    def process_new(self, records: list[Record], behind: Behind | None = None) -> None:
+        """:meth:`process` for a caller that keeps nothing: the records held back last time come first without being
+        passed again (each costs nothing per batch it waits), then ``records``, all new. What stays held is counted
+        in ``held_counts``; :meth:`drop_held` and :meth:`forget` drop it (revoked, rewound)."""
+        if self.strikes.counts:  # suspects go alone: the general path, with what was held passed first
+            self.process([r for h in self._held_groups.values() for r in h.records[h.lo:]] + records, behind)
+            return
+        self.totals.stage_s["gc"] += self.gc.between_batches()
+        self.processed = {}
+        self._held_before = {}
+        self._process_run(records, behind)
+        self._count_held()
+
+    def drop_held(self, topic_partitions: set[tuple[str, int]]) -> None:
+        """Forget the records held of ``topic_partitions`` (revoked: the next owner reads them)."""
+        self._held_groups = {tp: h for tp, h in self._held_groups.items() if tp not in topic_partitions}
+        self._held_list = []
+        self._count_held()
+
+    def _count_held(self) -> None:
+        for h in self._held_groups.values():
+            h.compact()
+        self._held_groups = {tp: h for tp, h in self._held_groups.items() if len(h)}
+        self.held_counts = {tp: len(h) for tp, h in self._held_groups.items()}
+
+    def _process_runs(self, records: list[Record], behind: Behind | None) -> None:
+        """``records`` joined in runs: suspects (messages of a batch that failed before) go alone, in order, so the one
+        that fails again is known exactly and its neighbours are not blamed."""
         if not self.strikes.counts:
-            self._process_run(records, behind, held)
-            return self._returned(held)
-        # Suspects (messages of a batch that failed before) go alone, in order: the one that fails again
-        # is then known exactly, and its neighbours are not blamed.
+            self._process_run(records, behind)
+            return
         run: list[Record] = []
         for r in records:
             if self.strikes.suspect((r.topic, r.partition, r.offset)):
                 if run:
-                    self._process_run(run, behind, held)
+                    self._process_run(run, behind)
                     run = []
-                self._process_run([r], behind, held)
+                self._process_run([r], behind)
             else:
                 run.append(r)
         if run:
-            self._process_run(run, behind, held)
-        return self._returned(held)
+            self._process_run(run, behind)
 
-    def _returned(self, held: list[Record]) -> list[Record]:
-        """``held`` as process() returns it: remembered (passed again, it is recognised) and counted per
-        topic-partition (from the held columns when they are all of it, else one pass)."""
-        self._held_list = held
-        if sum(len(h.records) for h in self._held_groups.values()) == len(held):
-            self.held_counts = {tp: len(h.records) for tp, h in self._held_groups.items() if h.records}
-        else:
-            self.held_counts = dict(Counter((r.topic, r.partition) for r in held))
-        return held
-
-    def _process_run(self, records: list[Record], behind: Behind | None, held: list[Record],
-                     prior: dict[tuple[str, int], Held] | None = None) -> None:
-        """``records`` joined, or each given a strike. ``prior``: the records held last time with their events, which
-        come before ``records`` (``process``'s path when nothing has strikes, so ``held`` is empty then)."""
-        if held:  # a topic-partition held once in this batch stays held: what is processed stays a prefix
-            holding = {(r.topic, r.partition) for r in held}
-            held.extend(r for r in records if (r.topic, r.partition) in holding)
-            records = [r for r in records if (r.topic, r.partition) not in holding]
-            if not records:
-                return
+    def _process_run(self, records: list[Record], behind: Behind | None) -> None:
+        """``records`` joined after what is held, or each given a strike (with the held records it would have been
+        joined with). What is held stays a prefix's complement: a topic-partition with records held in this batch keeps
+        the run's records of it held too while messages have strikes (a suspect is never joined behind a held one)."""
+        if self.strikes.counts and (holding := {tp for tp, h in self._held_groups.items() if len(h)}):
+            keep = [r for r in records if (r.topic, r.partition) in holding]
+            if keep:
+                self._held_groups_add(keep, self._decode_all(keep))
+                records = [r for r in records if (r.topic, r.partition) not in holding]
+                if not records:
+                    return
+        # While messages have strikes a run joins only its own topic-partitions' records: a suspect alone fails alone.
+        only = {(r.topic, r.partition) for r in records} if self.strikes.counts else None
+        before = {tp: h.snapshot() for tp, h in self._held_groups.items()}
         try:
-            held.extend(self._join(records, behind, prior))
+            self._join(records, behind, only)
         except Exception as exc:
+            held = [r for tp, h in self._held_groups.items() if tp in before and (only is None or tp in only)
+                    for r in h.records[before[tp][1]:before[tp][0]]]  # held before this run, joined with it
+            for tp in list(self._held_groups):  # undone: the held records are as they were before this run
+                if tp in before:
+                    self._held_groups[tp].restore(before[tp])
+                else:
+                    del self._held_groups[tp]
             if not is_infrastructure(exc):
-                failed = [r for h in (prior or {}).values() for r in h.records] + records
+                failed = held + records
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
                           "committing", len(failed), type(exc).__name__, clip(str(exc)))
                 try:
@@ -421,35 +502,29 @@ class JoinPipeline:
             return list(map(next, map(decoded.__getitem__, is_click)))
         return [e if e is not None else next(decoded[c]) for e, c in zip(events, is_click, strict=True)]
 
+    def _held_groups_add(self, records: list[Record], events: list[Event]) -> None:
+        """``records`` (with their events) appended to their topic-partitions' held records (a fetch brings runs of
+        one topic-partition)."""
+        held, start = self._held_groups, 0
+        for tp, run in groupby(map(_TOPIC_PARTITION, records)):
+            end = start + sum(1 for _ in run)
+            h = held.get(tp)
+            if h is None:
+                h = held[tp] = Held()
+            h.add(records[start:end], events[start:end])
+            start = end
+
     def _join(self, records: list[Record], behind: Behind | None = None,
-              prior: dict[tuple[str, int], Held] | None = None) -> list[Record]:
-        """Decode, hold back past the frontier (with ``behind``), join and make durable. ``prior``: the records held
-        last time, as columns per topic-partition, which come before ``records`` (``process``'s fast path)."""
+              only: set[tuple[str, int]] | None = None) -> None:
+        """Decode ``records`` and append them to what is held, take what is joined now (all, or up to the event-time
+        frontier with ``behind``; of the topic-partitions ``only`` when given), join it and make it durable."""
         t0 = time.monotonic()
         if self.totals.first_batch is None:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
-        # (topic, partition) -> its records in offset order and each one's event or why it is bad (copies of the held
-        # columns: a failed batch leaves ``prior`` as it was, for its strikes)
-        groups: Groups = {tp: (list(h.records), list(h.events)) for tp, h in prior.items()} if prior else {}
-        decoded = self._decode_all(records)
-        start = 0
-        for tp, run in groupby(map(_TOPIC_PARTITION, records)):  # a fetch brings runs of one topic-partition
-            end = start + sum(1 for _ in run)
-            got = groups.get(tp)
-            if got is None:
-                groups[tp] = (records[start:end], decoded[start:end])
-            else:
-                got[0].extend(records[start:end])
-                got[1].extend(decoded[start:end])
-            start = end
-        held: list[Record] = []
-        if behind is not None:
-            held = self._hold(groups, behind, prior or {})
-        for (topic, partition), (recs, events) in groups.items():
-            if not recs:
-                continue
+        self._held_groups_add(records, self._decode_all(records))
+        for (topic, partition), (recs, events) in self._take(behind, only).items():
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
             into = imps[partition] if is_impression else clicks[partition]
@@ -468,47 +543,38 @@ class JoinPipeline:
         self._commit_state(self._apply_all([(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)]))
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
-        return held
 
-    def _hold(self, groups: Groups, behind: Behind, prior: dict[tuple[str, int], Held]) -> list[Record]:
-        """Cut each topic-partition's records in ``groups`` down to what is processed now; returns the records held
-        past the event-time frontier (see :meth:`process`). A bad record is held with its neighbours when it comes
-        after a held one, so it is dead-lettered once. Per topic-partition the records stay in offset order, so the
-        held ones are a suffix: cut with one slice. The times of what ``prior`` held are its ``ts`` column: only the
-        new records' events are walked (a record may wait many batches)."""
-        partitions = {p for _, p in groups}
+    def _take(self, behind: Behind | None, only: set[tuple[str, int]] | None = None) -> Groups:
+        """Per topic-partition (of ``only`` when given), the held records joined now, taken from the front of
+        ``_held_groups`` (see :meth:`process`): all of them without ``behind``, else those up to their partition's
+        frontier. A bad record is held with its neighbours when it comes after a held one, so it is dead-lettered
+        once. Only the event times are read (the held records' time column): a record may wait many batches."""
+        held = self._held_groups if only is None else {tp: h for tp, h in self._held_groups.items() if tp in only}
+        if behind is None:
+            return {tp: h.take(len(h)) for tp, h in held.items() if len(h)}
+        partitions = {p for (_, p), h in held.items() if len(h)}
         self.restore(partitions)
-        ts_of: dict[Key, np.ndarray] = {}  # (input, partition) -> (G,) int64 good events' times in offset order
-        clean: dict[tuple[str, int], bool] = {}  # whether a topic-partition's records are all good
-        for tp, (_, events) in groups.items():
-            before = prior.get(tp)
-            if before is not None and len(before.ts) == len(before.events):  # held before, all good
-                new_ts, good = _good_times(events[len(before.events):])
-                ts = np.concatenate([before.ts, new_ts]) if len(new_ts) else before.ts
-            else:
-                ts, good = _good_times(events)
-            ts_of[(input_of(self.kafka, tp[0]), tp[1])] = ts
-            clean[tp] = good and len(ts) == len(events)
+        ts_of = {(input_of(self.kafka, tp[0]), tp[1]): h.ts for tp, h in held.items() if len(h)}  # (G,) int64 each
         empty = np.zeros(0, np.int64)
         reached = {(kind, p): self.engines[p].reached(_ENGINE_INPUT[kind], ts_of.get((kind, p), empty))
                    for p in partitions for kind in (IMPRESSIONS, CLICKS)}
         self._reached.update(reached)
         limits = hold_limits(reached, behind, int((self.js.max_input_drift_s or 0) * 1000))
-        held: list[Record] = []
-        for tp, (recs, events) in groups.items():
-            key = (input_of(self.kafka, tp[0]), tp[1])
-            ts = ts_of[key]
-            limit = limits.get(key)
-            room = len(ts) if limit is None else self.engines[tp[1]].within(_ENGINE_INPUT[key[0]], ts, limit)
-            if room >= len(ts):
+        groups: Groups = {}
+        for tp, h in held.items():
+            if not len(h):
                 continue
-            cut = room if clean[tp] else _nth_good(events, room)  # the first held record
-            # decoded once: it comes back with the next batch, its times with it
-            self._held_groups[tp] = Held(recs[cut:], events[cut:], ts[room:])
-            held.extend(recs[cut:])
-            del recs[cut:], events[cut:]
-        self.totals.counts["held_back"] += len(held)
-        return held
+            key = (input_of(self.kafka, tp[0]), tp[1])
+            limit = limits.get(key)
+            room = len(h.ts) if limit is None else self.engines[tp[1]].within(_ENGINE_INPUT[key[0]], h.ts, limit)
+            if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too
+                cut = len(h)
+            else:  # up to the first held good record
+                cut = room if h.clean else _nth_good(h.events[h.lo:], room)
+            if cut:
+                groups[tp] = h.take(cut)
+            self.totals.counts["held_back"] += len(h)
+        return groups
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""

@@ -314,11 +314,13 @@ def test_a_held_click_input_is_not_idle_so_impressions_alone_cannot_expire_what_
     assert p.totals.summary()["late_clicks"] == (0 if held else 1)
 
 
+@pytest.mark.parametrize("passed_again", [True, False], ids=["process", "process_new"])
 def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_up_dead_letters_sent_once(
-        kafka: KafkaSettings, make) -> None:
+        passed_again: bool, kafka: KafkaSettings, make) -> None:
     # A fetch can bring one input of a partition days ahead of the other: joined whole, every impression would go
     # out before the clicks that label the oldest (backpressure.hold_limits). Held, the samples topic keeps event
-    # time: a's click goes out before b, c and d.
+    # time: a's click goes out before b, c and d. ``process`` returns what it held for the caller to pass again;
+    # ``process_new`` keeps it (the kafka driver's way): the same records are joined in the same batches.
     p = make(emission="fake_negative", max_input_drift_s=60.0)
     day = 86_400_000
     more = {("clicks", 0)}  # clicks have more to read; impressions are read to the end
@@ -326,17 +328,27 @@ def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_
     def behind(kind: str, partition: int) -> bool:
         return (kind, partition) in more
 
+    def step(held: list[Record], records: list[Record]) -> list[Record]:
+        """One batch; returns the records held after it."""
+        if passed_again:
+            return p.process(held + records, behind)
+        p.process_new(records, behind)
+        return [r for h in p._held_groups.values() for r in h.records[h.lo:]]
+
     batch = [imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + day),
              Record(kafka.impressions_topic, 0, 2, b"bad", b"{not json"),  # after a held one: held with it
              imp(kafka, 0, 3, "c", T0 + 2 * day), click(kafka, 0, 0, "z", T0 - 1000)]
-    held = p.process(batch, behind)
+    held = step([], batch)
     assert [(r.topic, r.offset) for r in held] == [(kafka.impressions_topic, o) for o in (1, 2, 3)]
+    assert p.held_counts == {(kafka.impressions_topic, 0): 3}
+    assert p.processed == {(kafka.impressions_topic, 0): 1, (kafka.clicks_topic, 0): 1}  # what may be committed
     assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 0)]
     assert p.totals.counts["dead_lettered"] == 0
-    held = p.process(held + [click(kafka, 0, 1, "a", T0 + 3_000), click(kafka, 0, 2, "zz", T0 + day + 1)], behind)
+    held = step(held, [click(kafka, 0, 1, "a", T0 + 3_000), click(kafka, 0, 2, "zz", T0 + day + 1)])
     assert [r.offset for r in held] == [3]  # b and the bad record now; c is still past the clicks' day + 60 s
+    assert p.processed[(kafka.impressions_topic, 0)] == 3
     more.clear()  # clicks read to the end: nothing holds c back
-    assert p.process(held + [imp(kafka, 0, 4, "d", T0 + 3 * day)], behind) == []
+    assert step(held, [imp(kafka, 0, 4, "d", T0 + 3 * day)]) == [] and p.held_counts == {}
     assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 0), ("a", 1), ("b", 0), ("c", 0),
                                                                          ("d", 0)]
     assert p.totals.counts["dead_lettered"] == 1
