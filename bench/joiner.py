@@ -153,7 +153,7 @@ def main() -> None:
         for r in rs:
             print(f"{name}: stage seconds {r['stage_s']} (process {r['process_s']}s, cpu {r['cpu_s']}s, worker "
                   f"{r['elapsed_s']}s from start to idle exit); held back {r['held_back']}, input pauses "
-                  f"{r.get('input_pauses')}")
+                  f"{r.get('input_pauses')}, peak RSS {r.get('max_rss_mb')} MB")
     print(json.dumps({"raw confluent-kafka (ceiling)": {"events_per_s": raw, "ratio": 1.0}}
                      | {name: {"events_per_s": statistics.median(r["events_per_s"] for r in rs),
                                "ratio": round(statistics.median(r["events_per_s"] for r in rs) / raw, 3),

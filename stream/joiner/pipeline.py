@@ -100,6 +100,19 @@ def _good_times(events: list[Event]) -> tuple[np.ndarray, bool]:
         return np.array([e.ts for e in events if not isinstance(e, BadMessage)], np.int64), False  # type: ignore[union-attr]
 
 
+def _peak_rss_mb() -> float | None:
+    """This process's peak resident memory (MB) since it started, from ``VmHWM`` (Linux; None elsewhere). Not
+    ``getrusage``'s ``ru_maxrss``: that carries the peak of the process it was forked from across ``exec``."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)  # kB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 class Record(NamedTuple):
     """A raw input message, as any driver receives it."""
 
@@ -243,6 +256,7 @@ class JoinTotals:
             "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
             "pending_impressions": c["pending_impressions"],
             "elapsed_s": round(time.monotonic() - self.started, 3),
+            "max_rss_mb": _peak_rss_mb(),
             "process_s": round(self.busy_s, 3),
             "events_per_s": round(events / span) if (span := (self.last_batch or 0) - (self.first_batch or 0)) > 0
             else None,
