@@ -444,8 +444,9 @@ class JoinPipeline:
 
     def _process_run(self, records: list[Record], behind: Behind | None) -> None:
         """``records`` joined after what is held, or each given a strike (with the held records it would have been
-        joined with). What is held stays a prefix's complement: a topic-partition with records held in this batch keeps
-        the run's records of it held too while messages have strikes (a suspect is never joined behind a held one)."""
+        joined with). What is joined of a topic-partition stays a prefix of its records: while messages have strikes,
+        a topic-partition with records held in this batch keeps the run's records of it held too (a suspect is never
+        joined behind a held one), and a run joins only its own topic-partitions."""
         if self.strikes.counts and (holding := {tp for tp, h in self._held_groups.items() if len(h)}):
             keep = [r for r in records if (r.topic, r.partition) in holding]
             if keep:
