@@ -253,6 +253,42 @@ def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lette
     assert sorted(r.impression_id for r in sample_rows(kafka)) == ["ok0", "ok2"]  # each once, across restarts
 
 
+def test_a_failed_batch_gives_strikes_to_the_records_held_before_it_and_leaves_them_held(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # process_new keeps the held records in the pipeline: a batch that fails after taking some of them must give them
+    # their strikes (they were joined with it) and leave them held as before, so the retry joins each exactly once.
+    p = make(max_input_drift_s=60.0)
+    day = 86_400_000
+    more = {("clicks", 0)}
+
+    def behind(kind: str, partition: int) -> bool:
+        return (kind, partition) in more
+
+    p.process_new([imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + day), click(kafka, 0, 0, "z", T0)], behind)
+    assert p.held_counts == {(kafka.impressions_topic, 0): 1}  # b, a day past the clicks' time
+    real = JoinPipeline._apply_all
+    calls = []
+
+    def failing(self: JoinPipeline, batches, drain: bool = False):  # noqa: ANN001, ANN202 - the real signature
+        calls.append([(partition, [ev.impression_id for _, ev in imps]) for partition, imps, _ in batches])
+        raise ValueError("injected")
+
+    monkeypatch.setattr(JoinPipeline, "_apply_all", failing)
+    more.clear()  # clicks read to the end: b is taken now, with the new impression
+    with pytest.raises(ValueError, match="injected"):
+        p.process_new([imp(kafka, 0, 2, "c", T0 + day + 5)], behind)
+    assert calls == [[(0, ["b", "c"])]]
+    strikes = {k.decode().rsplit(":", 1)[1] for k in redis_client.hgetall(f"{prefix}:strikes:{settings.app_id}")}
+    assert strikes == {"1", "2"}  # b (held before the batch) and c
+    assert p.held_counts == {(kafka.impressions_topic, 0): 1}  # b held again; c never got in
+    monkeypatch.setattr(JoinPipeline, "_apply_all", real)
+    p.process_new([imp(kafka, 0, 2, "c", T0 + day + 5)], behind)  # the retry (suspects alone): b then c, once each
+    assert p.held_counts == {} and p.strikes.counts == {}
+    p.drain()
+    assert sorted(r.impression_id for r in sample_rows(kafka)) == ["a", "b", "c"]
+
+
 def test_partitions_of_a_batch_read_histories_in_partition_order(kafka: KafkaSettings, make) -> None:
     # A batch's partitions are joined in order, and Redis sees partition 0's history appends and read before partition
     # 1's appends (pipeline._apply_all overlaps the read with other work, never with the next partition's appends): a's
