@@ -67,12 +67,14 @@ from stream.events import Click, Impression
 from stream.features import hash_column, hash_context
 from stream.joiner.config import EmissionPolicy
 from stream.joiner.context_block import hashed_rows
+from stream.joiner.timers import TimerRuns
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
 _USER_ID, _ITEM_ID, _CONTEXT = attrgetter("user_id"), attrgetter("item_id"), attrgetter("context")  # of an Impression
 _TIME_THEN_KIND = itemgetter(0, 1)  # of (ts, kind, offset or row, event): a sort key that runs in C
 _OFFSET, _EVENT = itemgetter(0), itemgetter(1)  # of an (offset, event) input pair
+_SECOND = itemgetter(1)  # of a (due time, impression_id) timer
 _NO_OFFSET = -1
 
 
@@ -173,10 +175,10 @@ class PartitionJoin:
         self.partition = partition
         self.cfg = cfg
         self.pending: dict[str, Pending] = {}
-        self._expiry: list[tuple[int, str]] = []  # heap of (imp.ts + window, impression_id)
-        self._elapsed: list[tuple[int, str]] = []  # es_dfm: heap of (imp.ts + elapsed, impression_id)
+        self._expiry = TimerRuns()  # (imp.ts + window, impression_id)
+        self._elapsed = TimerRuns()  # es_dfm: (imp.ts + elapsed, impression_id)
         self.finalized: dict[str, tuple[int, int]] = {}  # id -> (ts, label), kept late_retention
-        self._final_order: list[tuple[int, str]] = []  # heap of (ts + window + retention, id)
+        self._final_order = TimerRuns()  # (ts + window + retention, id)
         self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
         self._waiting_heap: list[tuple[int, str]] = []
         self.max_ts: int | None = None  # the watermark's event time (before lateness)
@@ -193,9 +195,9 @@ class PartitionJoin:
 
     def oldest_pending_ts(self) -> int | None:
         """Event time of the oldest impression still inside its window (None: none is)."""
-        while self._expiry and self._expiry[0][1] not in self.pending:
-            heapq.heappop(self._expiry)  # left before its window closed (evicted in a restored chunk)
-        return self._expiry[0][0] - self.cfg.window_ms if self._expiry else None
+        while (first := self._expiry.peek()) is not None and first[1] not in self.pending:
+            self._expiry.pop()  # left before its window closed (evicted in a restored chunk)
+        return None if first is None else first[0] - self.cfg.window_ms
 
     def reached(self, kind: int, ts: Sequence[int] | np.ndarray) -> int | None:
         """The event time input ``kind`` is at once ``ts`` ((N,) int64) are read too (its ``watermark_quorum``-th
@@ -259,7 +261,7 @@ class PartitionJoin:
                 self.offsets[kind] = max(self.offsets[kind], max(map(_OFFSET, (new_imps, new_clicks)[kind])))
         # The per-event loop, kept lean (locals, counts added once): it runs once per input event.
         pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
-        expiry, window, push = self._expiry, self.cfg.window_ms, heapq.heappush
+        window, push = self.cfg.window_ms, heapq.heappush
         fake, es_dfm, elapsed = self.cfg.policy == "fake_negative", self.cfg.policy == "es_dfm", self.cfg.elapsed_ms
         emit = out.samples.append
         n_impressions = n_clicks = n_duplicates = 0
@@ -273,12 +275,9 @@ class PartitionJoin:
                 p = Pending(imp_id, ts, users[row], items[row], contexts[row],
                             dict(ev.dense) if ev.dense else {}, seq)  # type: ignore[union-attr]
                 pending[imp_id] = p
-                push(expiry, (ts + window, imp_id))
                 if fake:
                     p.observed = True
                     emit(Sample(p, 0, 0, OBSERVED))
-                elif es_dfm:
-                    push(self._elapsed, (ts + elapsed, imp_id))
                 added.append(p)
                 if ts > max_ref:
                     max_ref = ts
@@ -301,6 +300,9 @@ class PartitionJoin:
                     if cts > max_ref:
                         max_ref = cts
         out.new_impressions.extend(added)
+        self._expiry.add([(p.ts + window, p.impression_id) for p in added])  # nothing above reads the timers
+        if es_dfm:
+            self._elapsed.add([(p.ts + elapsed, p.impression_id) for p in added])
         for name, n in (("impressions", n_impressions), ("clicks", n_clicks), ("duplicate_impressions", n_duplicates),
                         ("joined_clicks", len(out.joined_clicks))):
             if n:
@@ -329,15 +331,18 @@ class PartitionJoin:
     # -- internals -----------------------------------------------------------------------------
     def _enforce_caps(self, out: BatchResult) -> tuple[list[str], list[tuple[str, int]]]:
         """The memory bounds (module docstring): returns what was evicted, for the state chunk."""
-        evicted: list[str] = []
-        while len(self.pending) > self.cfg.max_pending and self._expiry:
-            _, imp_id = heapq.heappop(self._expiry)
+        gone: dict[str, Pending] = {}  # the oldest, in the order they expire
+        excess = len(self.pending) - self.cfg.max_pending
+        while excess > 0 and self._expiry:
+            _, imp_id = self._expiry.pop()
             p = self.pending.get(imp_id)
-            if p is None:
-                continue
-            self._finalize(p, out)
-            evicted.append(imp_id)
-            out.stats["evicted_impressions"] += 1
+            if p is not None and imp_id not in gone:
+                gone[imp_id] = p
+                excess -= 1
+        self._finalize_all(list(gone.values()), out)
+        evicted = list(gone)
+        if evicted:
+            out.stats["evicted_impressions"] += len(evicted)
         unwaited: list[tuple[str, int]] = []
         if len(self.waiting) > self.cfg.max_waiting:
             # Give up the clicks furthest in the future first (a wrong clock's), down to 90% of the cap.
@@ -349,14 +354,11 @@ class PartitionJoin:
                     self._unjoined(out, imp_id, cts, "overflow")
         return evicted, unwaited
 
-    def _finalize(self, p: Pending, out: BatchResult) -> None:
-        """Take ``p`` out of the window: its negative sample if it had no click; remembered for late clicks."""
-        self._finalize_all([p], out)
-
     def _finalize_all(self, ps: list[Pending], out: BatchResult) -> None:
-        """:meth:`_finalize` for each of ``ps`` in order (one loop, lookups hoisted: expiry runs it per impression)."""
-        pending, finalized, final_order, emit = self.pending, self.finalized, self._final_order, out.samples.append
-        window, keep, push = self.cfg.window_ms, self.cfg.window_ms + self.cfg.late_retention_ms, heapq.heappush
+        """Take each of ``ps`` out of the window, in order: its negative sample if it had no click; remembered for
+        late clicks (one loop, lookups hoisted: expiry runs it per impression)."""
+        pending, finalized, emit = self.pending, self.finalized, out.samples.append
+        window, keep = self.cfg.window_ms, self.cfg.window_ms + self.cfg.late_retention_ms
         whole_window = self.cfg.policy == "window"
         for p in ps:
             imp_id, click_ts = p.impression_id, p.click_ts
@@ -366,7 +368,7 @@ class PartitionJoin:
             elif click_ts is None and not p.observed:
                 emit(Sample(p, 0, window))
             finalized[imp_id] = (p.ts, int(click_ts is not None))
-            push(final_order, (p.ts + keep, imp_id))
+        self._final_order.add([(p.ts + keep, p.impression_id) for p in ps])
 
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
@@ -416,18 +418,13 @@ class PartitionJoin:
         wm = self.watermark
         if wm is None:
             return
-        while self._elapsed and self._elapsed[0][0] <= wm:  # es_dfm: waited long enough for a click
-            _, imp_id = heapq.heappop(self._elapsed)
+        for _, imp_id in self._elapsed.pop_through(wm):  # es_dfm: waited long enough for a click
             p = self.pending.get(imp_id)
             if p is not None and not p.observed:
                 p.observed = True
                 out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
-        expiry, pending, pop, due = self._expiry, self.pending, heapq.heappop, {}
-        while expiry and expiry[0][0] <= wm:
-            imp_id = pop(expiry)[1]
-            p = pending.get(imp_id)
-            if p is not None:
-                due[imp_id] = p  # once, in the order they expire
+        ids = list(map(_SECOND, self._expiry.pop_through(wm)))  # in the order they expire
+        due = {i: p for i, p in zip(ids, map(self.pending.get, ids), strict=True) if p is not None}  # each once
         self._finalize_all(list(due.values()), out)
         while self._waiting_heap and self._waiting_heap[0][0] <= wm:
             cts, imp_id = heapq.heappop(self._waiting_heap)
@@ -437,9 +434,9 @@ class PartitionJoin:
                 if not times:
                     del self.waiting[imp_id]
                 self._unjoined(out, imp_id, cts, "orphan")
-        while self._final_order and self._final_order[0][0] <= wm:
-            _, imp_id = heapq.heappop(self._final_order)
-            self.finalized.pop(imp_id, None)
+        finalized = self.finalized
+        for _, imp_id in self._final_order.pop_through(wm):
+            finalized.pop(imp_id, None)
 
     def _retire(self) -> list[int]:
         wm = self.watermark
@@ -454,14 +451,16 @@ class PartitionJoin:
     def restore(cls, partition: int, cfg: JoinConfig, chunks: list[StateChunk]) -> PartitionJoin:
         """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
         self = cls(partition, cfg)
+        keep = cfg.window_ms + cfg.late_retention_ms
+        final_order: list[tuple[int, str]] = []  # of the evicted impressions, as _finalize_all keeps them
         for c in sorted(chunks, key=lambda c: c.seq):
             for p in c.added:
                 self.pending[p.impression_id] = p
-                heapq.heappush(self._expiry, (p.ts + cfg.window_ms, p.impression_id))
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
                 p.observed = cfg.policy == "fake_negative"
-                if cfg.policy == "es_dfm":
-                    heapq.heappush(self._elapsed, (p.ts + cfg.elapsed_ms, p.impression_id))
+            self._expiry.add([(p.ts + cfg.window_ms, p.impression_id) for p in c.added])
+            if cfg.policy == "es_dfm":
+                self._elapsed.add([(p.ts + cfg.elapsed_ms, p.impression_id) for p in c.added])
             for imp_id, cts in c.joined:
                 if imp_id in self.pending:
                     self.pending[imp_id].click_ts = cts
@@ -477,7 +476,7 @@ class PartitionJoin:
                 if gone is not None:
                     p = gone
                     self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
-                    heapq.heappush(self._final_order, (p.ts + cfg.window_ms + cfg.late_retention_ms, imp_id))
+                    final_order.append((p.ts + keep, imp_id))
             for imp_id, cts in c.unwaited:
                 times = self.waiting.get(imp_id)
                 if times and cts in times:
@@ -492,6 +491,7 @@ class PartitionJoin:
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
+        self._final_order.add(final_order)
         for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
             if t is not None:
                 self._top[kind] = [t] * max(1, cfg.watermark_quorum)
