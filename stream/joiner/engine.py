@@ -58,6 +58,7 @@ import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -72,8 +73,9 @@ from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
 _USER_ID, _ITEM_ID, _CONTEXT = attrgetter("user_id"), attrgetter("item_id"), attrgetter("context")  # of an Impression
-_TIME_THEN_KIND = itemgetter(0, 1)  # of (ts, kind, offset or row, event): a sort key that runs in C
+_TIME_THEN_KIND, _TS_OF_EVENT = itemgetter(0, 1), itemgetter(0)  # of (ts, kind, Pending or Click): run in C
 _OFFSET, _EVENT = itemgetter(0), itemgetter(1)  # of an (offset, event) input pair
+_ID, _TS, _DENSE = attrgetter("impression_id"), attrgetter("ts"), attrgetter("dense")  # of an Impression or Pending
 _SECOND = itemgetter(1)  # of a (due time, impression_id) timer
 _NO_OFFSET = -1
 
@@ -168,6 +170,11 @@ class BatchResult:
     stats: Counter[str] = field(default_factory=Counter)
 
 
+def _timers(ps: list[Pending], after: int) -> list[tuple[int, str]]:
+    """``(p.ts + after, p.impression_id)`` of each of ``ps``, built in C."""
+    return list(zip(map(after.__add__, map(_TS, ps)), map(_ID, ps)))
+
+
 class PartitionJoin:
     """Join state and logic of one partition (impressions[p] with clicks[p])."""
 
@@ -240,12 +247,16 @@ class PartitionJoin:
         users = hash_column(list(map(_USER_ID, imp_events))).tolist()
         items = hash_column(list(map(_ITEM_ID, imp_events))).tolist()
         contexts = hashed_rows(list(map(_CONTEXT, imp_events)), hash_context)
-        fresh: tuple[list, list] = ([(imp.ts, IMPRESSIONS, row, imp) for row, imp in enumerate(imp_events)],
-                                    [(clk.ts, CLICKS, off, clk) for off, clk in new_clicks])
+        # Each new impression's Pending, built in C (a duplicate's is dropped unused).
+        imp_times = list(map(_TS, imp_events))
+        fresh: tuple[list, list] = (
+            list(zip(imp_times, repeat(IMPRESSIONS), map(Pending, map(_ID, imp_events), imp_times, users, items,
+                                                           contexts, map(dict, map(_DENSE, imp_events)), repeat(seq)))),
+            list(zip(map(_TS, click_events := list(map(_EVENT, new_clicks))), repeat(CLICKS), click_events)))
         redelivered = len(impressions) + len(clicks) - len(new_imps) - len(new_clicks)
         if redelivered:
             out.stats["redelivered"] += redelivered
-        events: list[tuple[int, int, int, Impression | Click]] = fresh[IMPRESSIONS] + fresh[CLICKS]
+        events: list[tuple[int, int, Pending | Click]] = fresh[IMPRESSIONS] + fresh[CLICKS]
         events.sort(key=_TIME_THEN_KIND)  # event time; impressions first at equal ts (stable: offset order after)
 
         # Each input's time: the k-th largest of its times, over the batch at once (it never decreases as times are
@@ -253,8 +264,10 @@ class PartitionJoin:
         quorum = max(1, self.cfg.watermark_quorum)
         for kind in (IMPRESSIONS, CLICKS):
             if fresh[kind]:
-                times = [e[0] for e in fresh[kind]]
-                self._top[kind] = top = heapq.nlargest(quorum, [*self._top[kind], *times])[::-1]  # ascending: a heap
+                times = np.fromiter(chain(self._top[kind], map(_TS_OF_EVENT, fresh[kind])), np.int64)  # (N,)
+                if len(times) > quorum:
+                    times = np.partition(times, len(times) - quorum)[len(times) - quorum:]  # (quorum,) the largest
+                self._top[kind] = top = np.sort(times).tolist()  # ascending
                 if len(top) == quorum:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
@@ -264,29 +277,23 @@ class PartitionJoin:
         window, push = self.cfg.window_ms, heapq.heappush
         fake, es_dfm, elapsed = self.cfg.policy == "fake_negative", self.cfg.policy == "es_dfm", self.cfg.elapsed_ms
         emit = out.samples.append
-        n_impressions = n_clicks = n_duplicates = 0
-        for ts, kind, row, ev in events:  # row: an impression's index among imp_events (a click's offset: unused)
+        n_duplicates = 0
+        for ts, kind, ev in events:  # ev: a new impression's Pending, or a Click
             if kind == IMPRESSIONS:
-                n_impressions += 1
                 imp_id = ev.impression_id
                 if imp_id in pending or imp_id in finalized:
                     n_duplicates += 1
                     continue
-                p = Pending(imp_id, ts, users[row], items[row], contexts[row],
-                            dict(ev.dense) if ev.dense else {}, seq)  # type: ignore[union-attr]
-                pending[imp_id] = p
+                pending[imp_id] = ev  # type: ignore[assignment]
                 if fake:
-                    p.observed = True
-                    emit(Sample(p, 0, 0, OBSERVED))
-                added.append(p)
-                if ts > max_ref:
-                    max_ref = ts
+                    ev.observed = True  # type: ignore[union-attr]
+                    emit(Sample(ev, 0, 0, OBSERVED))  # type: ignore[arg-type]
+                added.append(ev)  # type: ignore[arg-type]
                 if imp_id in waiting_clicks:
                     for cts in sorted(waiting_clicks.pop(imp_id)):
-                        self._click(p, cts, out, joined)
+                        self._click(ev, cts, out, joined)  # type: ignore[arg-type]
             else:
-                n_clicks += 1
-                imp_id, cts = ev.impression_id, ev.ts
+                imp_id, cts = ev.impression_id, ts
                 found = pending.get(imp_id)
                 if found is not None:
                     if self._click(found, cts, out, joined) and found.ts > max_ref:
@@ -300,10 +307,13 @@ class PartitionJoin:
                     if cts > max_ref:
                         max_ref = cts
         out.new_impressions.extend(added)
-        self._expiry.add([(p.ts + window, p.impression_id) for p in added])  # nothing above reads the timers
+        if added:
+            max_ref = max(max_ref, max(map(_TS, added)))
+        self._expiry.add(_timers(added, window))  # nothing above reads the timers
         if es_dfm:
-            self._elapsed.add([(p.ts + elapsed, p.impression_id) for p in added])
-        for name, n in (("impressions", n_impressions), ("clicks", n_clicks), ("duplicate_impressions", n_duplicates),
+            self._elapsed.add(_timers(added, elapsed))
+        for name, n in (("impressions", len(fresh[IMPRESSIONS])), ("clicks", len(fresh[CLICKS])),
+                        ("duplicate_impressions", n_duplicates),
                         ("joined_clicks", len(out.joined_clicks))):
             if n:
                 out.stats[name] += n
@@ -368,7 +378,7 @@ class PartitionJoin:
             elif click_ts is None and not p.observed:
                 emit(Sample(p, 0, window))
             finalized[imp_id] = (p.ts, int(click_ts is not None))
-        self._final_order.add([(p.ts + keep, p.impression_id) for p in ps])
+        self._final_order.add(_timers(ps, keep))
 
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
@@ -458,9 +468,9 @@ class PartitionJoin:
                 self.pending[p.impression_id] = p
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
                 p.observed = cfg.policy == "fake_negative"
-            self._expiry.add([(p.ts + cfg.window_ms, p.impression_id) for p in c.added])
+            self._expiry.add(_timers(c.added, cfg.window_ms))
             if cfg.policy == "es_dfm":
-                self._elapsed.add([(p.ts + cfg.elapsed_ms, p.impression_id) for p in c.added])
+                self._elapsed.add(_timers(c.added, cfg.elapsed_ms))
             for imp_id, cts in c.joined:
                 if imp_id in self.pending:
                     self.pending[imp_id].click_ts = cts
