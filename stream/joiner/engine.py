@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter
@@ -76,6 +76,7 @@ _USER_ID, _ITEM_ID, _CONTEXT = attrgetter("user_id"), attrgetter("item_id"), att
 _TIME_THEN_KIND, _TS_OF_EVENT = itemgetter(0, 1), itemgetter(0)  # of (ts, kind, Pending or Click): run in C
 _OFFSET, _EVENT = itemgetter(0), itemgetter(1)  # of an (offset, event) input pair
 _ID, _TS, _DENSE = attrgetter("impression_id"), attrgetter("ts"), attrgetter("dense")  # of an Impression or Pending
+_CLICK_TS = attrgetter("click_ts")  # of a Pending
 _SECOND = itemgetter(1)  # of a (due time, impression_id) timer
 _NO_OFFSET = -1
 
@@ -172,7 +173,7 @@ class BatchResult:
 
 def _timers(ps: list[Pending], after: int) -> list[tuple[int, str]]:
     """``(p.ts + after, p.impression_id)`` of each of ``ps``, built in C."""
-    return list(zip(map(after.__add__, map(_TS, ps)), map(_ID, ps)))
+    return list(zip(map(after.__add__, map(_TS, ps)), map(_ID, ps), strict=True))
 
 
 class PartitionJoin:
@@ -276,7 +277,7 @@ class PartitionJoin:
         pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
         window, push = self.cfg.window_ms, heapq.heappush
         fake, es_dfm, elapsed = self.cfg.policy == "fake_negative", self.cfg.policy == "es_dfm", self.cfg.elapsed_ms
-        emit = out.samples.append
+        emit, click = out.samples.append, self._clicker(out, joined)
         n_duplicates = 0
         for ts, kind, ev in events:  # ev: a new impression's Pending, or a Click
             if kind == IMPRESSIONS:
@@ -291,12 +292,12 @@ class PartitionJoin:
                 added.append(ev)  # type: ignore[arg-type]
                 if imp_id in waiting_clicks:
                     for cts in sorted(waiting_clicks.pop(imp_id)):
-                        self._click(ev, cts, out, joined)  # type: ignore[arg-type]
+                        click(ev, cts)  # type: ignore[arg-type]
             else:
                 imp_id, cts = ev.impression_id, ts
                 found = pending.get(imp_id)
                 if found is not None:
-                    if self._click(found, cts, out, joined) and found.ts > max_ref:
+                    if click(found, cts) and found.ts > max_ref:
                         max_ref = found.ts
                 elif imp_id in finalized:
                     self._unjoined(out, imp_id, cts, "duplicate" if finalized[imp_id][1] else "late")
@@ -365,20 +366,21 @@ class PartitionJoin:
         return evicted, unwaited
 
     def _finalize_all(self, ps: list[Pending], out: BatchResult) -> None:
-        """Take each of ``ps`` out of the window, in order: its negative sample if it had no click; remembered for
-        late clicks (one loop, lookups hoisted: expiry runs it per impression)."""
-        pending, finalized, emit = self.pending, self.finalized, out.samples.append
-        window, keep = self.cfg.window_ms, self.cfg.window_ms + self.cfg.late_retention_ms
-        whole_window = self.cfg.policy == "window"
-        for p in ps:
-            imp_id, click_ts = p.impression_id, p.click_ts
+        """Take each of ``ps`` (distinct impressions) out of the window, in order: its negative sample if it had no
+        click; remembered for late clicks. Expiry runs it once per batch over every impression due."""
+        window, pending = self.cfg.window_ms, self.pending
+        ids, times, clicked = list(map(_ID, ps)), list(map(_TS, ps)), list(map(_CLICK_TS, ps))  # (N,) each
+        for imp_id in ids:
             del pending[imp_id]
-            if whole_window:
-                emit(Sample(p, 0, window) if click_ts is None else Sample(p, 1, click_ts - p.ts))
-            elif click_ts is None and not p.observed:
-                emit(Sample(p, 0, window))
-            finalized[imp_id] = (p.ts, int(click_ts is not None))
-        self._final_order.add(_timers(ps, keep))
+        if self.cfg.policy == "window":
+            out.samples.extend(Sample(p, 0, window) if c is None else Sample(p, 1, c - t)
+                               for p, t, c in zip(ps, times, clicked, strict=True))
+        else:
+            out.samples.extend(Sample(p, 0, window) for p, c in zip(ps, clicked, strict=True)
+                               if c is None and not p.observed)
+        labels = [0 if c is None else 1 for c in clicked]
+        self.finalized.update(zip(ids, zip(times, labels, strict=True), strict=True))  # id -> (ts, label)
+        self._final_order.add(_timers(ps, window + self.cfg.late_retention_ms))
 
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
@@ -392,32 +394,39 @@ class PartitionJoin:
             t = min(imp_max, click_max)
         self.max_ts = t if self.max_ts is None else max(self.max_ts, t)
 
-    def _click(self, p: Pending, cts: int, out: BatchResult, joined: list[tuple[str, int]]) -> bool:
-        """Apply a click to a pending impression; True if it made the positive sample."""
-        delay = cts - p.ts
-        if p.click_ts is not None:
-            self._unjoined(out, p.impression_id, cts, "duplicate")
-            return False
-        if delay < 0:
-            self._unjoined(out, p.impression_id, cts, "before_impression")
-            return False
-        if delay > self.cfg.window_ms:
-            self._unjoined(out, p.impression_id, cts, "late")
-            return False
-        p.click_ts = cts
-        policy = self.cfg.policy
-        if policy == "wait":
-            out.samples.append(Sample(p, 1, delay))
-        elif policy != "window":  # fake_negative, es_dfm: after its OBSERVED 0 a click is a delayed positive
-            if not p.observed and delay > self.cfg.elapsed_ms:
-                # es_dfm in event time, whatever the batching: by then its elapsed time had passed unclicked
-                out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
+    def _clicker(self, out: BatchResult, joined: list[tuple[str, int]]) -> Callable[[Pending, int], bool]:
+        """The click step of one batch, its lookups bound once (it runs once per click): ``click(p, cts)`` applies a
+        click to the pending impression ``p``; True if it made the positive sample."""
+        window, elapsed, policy, unjoined = self.cfg.window_ms, self.cfg.elapsed_ms, self.cfg.policy, self._unjoined
+        emit, joined_click, join = out.samples.append, out.joined_clicks.append, joined.append
+        wait, delayed = policy == "wait", policy in ("fake_negative", "es_dfm")
+
+        def click(p: Pending, cts: int) -> bool:
+            delay = cts - p.ts
+            if p.click_ts is not None:
+                unjoined(out, p.impression_id, cts, "duplicate")
+                return False
+            if delay < 0:
+                unjoined(out, p.impression_id, cts, "before_impression")
+                return False
+            if delay > window:
+                unjoined(out, p.impression_id, cts, "late")
+                return False
+            p.click_ts = cts
+            if wait:
+                emit(Sample(p, 1, delay))
+            elif delayed:  # after its OBSERVED 0 a click is a delayed positive
+                if not p.observed and delay > elapsed:
+                    # es_dfm in event time, whatever the batching: by then its elapsed time had passed unclicked
+                    emit(Sample(p, 0, elapsed, OBSERVED))
+                    p.observed = True
+                emit(Sample(p, 1, delay, DELAYED_POSITIVE if p.observed else OBSERVED))
                 p.observed = True
-            out.samples.append(Sample(p, 1, delay, DELAYED_POSITIVE if p.observed else OBSERVED))
-            p.observed = True
-        out.joined_clicks.append(JoinedClick(p.user, p.item, cts))  # counted once per batch (apply)
-        joined.append((p.impression_id, cts))
-        return True
+            joined_click(JoinedClick(p.user, p.item, cts))  # counted once per batch (apply)
+            join((p.impression_id, cts))
+            return True
+
+        return click
 
     def _unjoined(self, out: BatchResult, imp_id: str, cts: int, reason: str) -> None:
         out.stats[f"{reason}_clicks"] += 1
