@@ -68,7 +68,7 @@ from stream.events import Click, Impression
 from stream.features import hash_column, hash_context
 from stream.joiner.config import EmissionPolicy
 from stream.joiner.context_block import hashed_rows
-from stream.joiner.timers import TimerRuns
+from stream.joiner.timers import ForgetRuns, TimerRuns
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
@@ -186,7 +186,7 @@ class PartitionJoin:
         self._expiry = TimerRuns()  # (imp.ts + window, impression_id)
         self._elapsed = TimerRuns()  # es_dfm: (imp.ts + elapsed, impression_id)
         self.finalized: dict[str, tuple[int, int]] = {}  # id -> (ts, label), kept late_retention
-        self._final_order = TimerRuns()  # (ts + window + retention, id)
+        self._final_order = ForgetRuns(cfg.window_ms + cfg.late_retention_ms)  # finalized ids, by ts
         self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
         self._waiting_heap: list[tuple[int, str]] = []
         self.max_ts: int | None = None  # the watermark's event time (before lateness)
@@ -380,7 +380,7 @@ class PartitionJoin:
                                if c is None and not p.observed)
         labels = [0 if c is None else 1 for c in clicked]
         self.finalized.update(zip(ids, zip(times, labels, strict=True), strict=True))  # id -> (ts, label)
-        self._final_order.add(_timers(ps, window + self.cfg.late_retention_ms))
+        self._final_order.add(times, ids)
 
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
@@ -454,7 +454,7 @@ class PartitionJoin:
                     del self.waiting[imp_id]
                 self._unjoined(out, imp_id, cts, "orphan")
         finalized = self.finalized
-        for _, imp_id in self._final_order.pop_through(wm):
+        for imp_id in self._final_order.pop_through(wm):
             finalized.pop(imp_id, None)
 
     def _retire(self) -> list[int]:
@@ -470,8 +470,7 @@ class PartitionJoin:
     def restore(cls, partition: int, cfg: JoinConfig, chunks: list[StateChunk]) -> PartitionJoin:
         """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
         self = cls(partition, cfg)
-        keep = cfg.window_ms + cfg.late_retention_ms
-        final_order: list[tuple[int, str]] = []  # of the evicted impressions, as _finalize_all keeps them
+        final_order: list[tuple[int, str]] = []  # (ts, id) of the evicted impressions, as _finalize_all keeps them
         for c in sorted(chunks, key=lambda c: c.seq):
             for p in c.added:
                 self.pending[p.impression_id] = p
@@ -495,7 +494,7 @@ class PartitionJoin:
                 if gone is not None:
                     p = gone
                     self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
-                    final_order.append((p.ts + keep, imp_id))
+                    final_order.append((p.ts, imp_id))
             for imp_id, cts in c.unwaited:
                 times = self.waiting.get(imp_id)
                 if times and cts in times:
@@ -510,7 +509,7 @@ class PartitionJoin:
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
-        self._final_order.add(final_order)
+        self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
         for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
             if t is not None:
                 self._top[kind] = [t] * max(1, cfg.watermark_quorum)

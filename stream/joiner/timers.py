@@ -9,8 +9,8 @@ is the heap's: ascending ``(time, impression_id)`` tuples (equal tuples are alik
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, islice
+from operator import itemgetter, le
 
 Timer = tuple[int, str]  # (due event time, impression_id)
 _TIME = itemgetter(0)
@@ -57,3 +57,36 @@ class TimerRuns:
         if not run:
             self._runs.remove(run)
         return first
+
+
+class ForgetRuns:
+    """Impression ids to forget once event time passes ``ts + after``, added a batch at a time as runs (the order
+    impressions expire in is ascending ``ts`` but for a rare stale timer); taken in no particular order. No tuple per
+    id, and no sort of a run already in order."""
+
+    __slots__ = ("_after", "_runs")
+
+    def __init__(self, after: int) -> None:
+        self._after = after
+        self._runs: list[tuple[list[int], list[str]]] = []  # (ts (N,) ascending, ids (N,)), non-empty
+
+    def add(self, times: list[int], ids: list[str]) -> None:
+        """Add ``ids`` with their event times ``times`` (the lists become a run: the caller hands them over)."""
+        if not times:
+            return
+        if not all(map(le, times, islice(times, 1, None))):
+            pairs = sorted(zip(times, ids, strict=True))
+            times, ids = [t for t, _ in pairs], [i for _, i in pairs]
+        self._runs.append((times, ids))
+
+    def pop_through(self, t: int) -> list[str]:
+        """Remove and return every id due by ``t`` (ts + after <= t)."""
+        limit, out = t - self._after, []
+        for times, ids in self._runs:
+            if times[0] <= limit:
+                k = bisect_right(times, limit)
+                out += ids[:k]
+                del times[:k], ids[:k]
+        if out:
+            self._runs = [run for run in self._runs if run[0]]
+        return out
