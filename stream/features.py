@@ -35,8 +35,9 @@ def request_time(ts_ms: np.ndarray, kind: str = "hour_of_week") -> np.ndarray:
 # Feature values repeat a lot (gender, genres, devices); typed=True keeps True and 1 apart.
 hash_value = lru_cache(maxsize=1 << 20, typed=True)(stable_hash)
 
-# hash_ids' cache: ids (int or str, never bool or float, so equal keys always hash alike) -> hash_value; emptied when
-# it passes _ID_CACHE_MAX entries.
+# hash_ids' cache, also of the joiner's single-type str or int columns (hash_column, hash_context's long lists): ids
+# (int or str, never bool or float, so equal keys always hash alike) -> hash_value; emptied when it passes
+# _ID_CACHE_MAX entries.
 _ID_CACHE: dict[int | str, int] = {}
 _ID_CACHE_MAX = 1 << 20
 
@@ -102,7 +103,8 @@ def _hash_list(values: list, _hash: Callable[[Any], int]) -> list[int]:
 
 def hash_column(values: Sequence[Any]) -> np.ndarray:
     """(N,) int64: :data:`hash_value` of each value, :data:`MISSING` for None (an absent feature). The same numbers
-    as the per-value function; a column of one type (str, int or bool) is hashed once per distinct value."""
+    as the per-value function; a column of str or of int goes through :func:`hash_ids`' cache, one of bool is hashed
+    once per distinct value."""
     types = set(map(type, values))
     if len(types) == 1 and types <= _ID_TYPES:
         return hash_ids(values)
