@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -67,12 +68,16 @@ from stream.events import Click, Impression
 from stream.features import hash_column, hash_context
 from stream.joiner.config import EmissionPolicy
 from stream.joiner.context_block import hashed_rows
+from stream.joiner.timers import ForgetRuns, TimerRuns
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 IMPRESSIONS, CLICKS = 0, 1
 _USER_ID, _ITEM_ID, _CONTEXT = attrgetter("user_id"), attrgetter("item_id"), attrgetter("context")  # of an Impression
-_TIME_THEN_KIND = itemgetter(0, 1)  # of (ts, kind, offset or row, event): a sort key that runs in C
+_TIME_THEN_KIND, _TS_OF_EVENT = itemgetter(0, 1), itemgetter(0)  # of (ts, kind, Pending or Click): run in C
 _OFFSET, _EVENT = itemgetter(0), itemgetter(1)  # of an (offset, event) input pair
+_ID, _TS, _DENSE = attrgetter("impression_id"), attrgetter("ts"), attrgetter("dense")  # of an Impression or Pending
+_CLICK_TS = attrgetter("click_ts")  # of a Pending
+_SECOND = itemgetter(1)  # of a (due time, impression_id) timer
 _NO_OFFSET = -1
 
 
@@ -166,6 +171,11 @@ class BatchResult:
     stats: Counter[str] = field(default_factory=Counter)
 
 
+def _timers(ps: list[Pending], after: int) -> list[tuple[int, str]]:
+    """``(p.ts + after, p.impression_id)`` of each of ``ps``, built in C."""
+    return list(zip(map(after.__add__, map(_TS, ps)), map(_ID, ps), strict=True))
+
+
 class PartitionJoin:
     """Join state and logic of one partition (impressions[p] with clicks[p])."""
 
@@ -173,10 +183,10 @@ class PartitionJoin:
         self.partition = partition
         self.cfg = cfg
         self.pending: dict[str, Pending] = {}
-        self._expiry: list[tuple[int, str]] = []  # heap of (imp.ts + window, impression_id)
-        self._elapsed: list[tuple[int, str]] = []  # es_dfm: heap of (imp.ts + elapsed, impression_id)
+        self._expiry = TimerRuns()  # (imp.ts + window, impression_id)
+        self._elapsed = TimerRuns()  # es_dfm: (imp.ts + elapsed, impression_id)
         self.finalized: dict[str, tuple[int, int]] = {}  # id -> (ts, label), kept late_retention
-        self._final_order: list[tuple[int, str]] = []  # heap of (ts + window + retention, id)
+        self._final_order = ForgetRuns(cfg.window_ms + cfg.late_retention_ms)  # finalized ids, by ts
         self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
         self._waiting_heap: list[tuple[int, str]] = []
         self.max_ts: int | None = None  # the watermark's event time (before lateness)
@@ -193,9 +203,9 @@ class PartitionJoin:
 
     def oldest_pending_ts(self) -> int | None:
         """Event time of the oldest impression still inside its window (None: none is)."""
-        while self._expiry and self._expiry[0][1] not in self.pending:
-            heapq.heappop(self._expiry)  # left before its window closed (evicted in a restored chunk)
-        return self._expiry[0][0] - self.cfg.window_ms if self._expiry else None
+        while (first := self._expiry.peek()) is not None and first[1] not in self.pending:
+            self._expiry.pop()  # left before its window closed (evicted in a restored chunk)
+        return None if first is None else first[0] - self.cfg.window_ms
 
     def reached(self, kind: int, ts: Sequence[int] | np.ndarray) -> int | None:
         """The event time input ``kind`` is at once ``ts`` ((N,) int64) are read too (its ``watermark_quorum``-th
@@ -238,12 +248,16 @@ class PartitionJoin:
         users = hash_column(list(map(_USER_ID, imp_events))).tolist()
         items = hash_column(list(map(_ITEM_ID, imp_events))).tolist()
         contexts = hashed_rows(list(map(_CONTEXT, imp_events)), hash_context)
-        fresh: tuple[list, list] = ([(imp.ts, IMPRESSIONS, row, imp) for row, imp in enumerate(imp_events)],
-                                    [(clk.ts, CLICKS, off, clk) for off, clk in new_clicks])
+        # Each new impression's Pending, built in C (a duplicate's is dropped unused).
+        imp_times = list(map(_TS, imp_events))
+        fresh: tuple[list, list] = (
+            list(zip(imp_times, repeat(IMPRESSIONS), map(Pending, map(_ID, imp_events), imp_times, users, items,
+                                                           contexts, map(dict, map(_DENSE, imp_events)), repeat(seq)))),
+            list(zip(map(_TS, click_events := list(map(_EVENT, new_clicks))), repeat(CLICKS), click_events)))
         redelivered = len(impressions) + len(clicks) - len(new_imps) - len(new_clicks)
         if redelivered:
             out.stats["redelivered"] += redelivered
-        events: list[tuple[int, int, int, Impression | Click]] = fresh[IMPRESSIONS] + fresh[CLICKS]
+        events: list[tuple[int, int, Pending | Click]] = fresh[IMPRESSIONS] + fresh[CLICKS]
         events.sort(key=_TIME_THEN_KIND)  # event time; impressions first at equal ts (stable: offset order after)
 
         # Each input's time: the k-th largest of its times, over the batch at once (it never decreases as times are
@@ -251,46 +265,39 @@ class PartitionJoin:
         quorum = max(1, self.cfg.watermark_quorum)
         for kind in (IMPRESSIONS, CLICKS):
             if fresh[kind]:
-                times = [e[0] for e in fresh[kind]]
-                self._top[kind] = top = heapq.nlargest(quorum, [*self._top[kind], *times])[::-1]  # ascending: a heap
+                times = np.fromiter(chain(self._top[kind], map(_TS_OF_EVENT, fresh[kind])), np.int64)  # (N,)
+                if len(times) > quorum:
+                    times = np.partition(times, len(times) - quorum)[len(times) - quorum:]  # (quorum,) the largest
+                self._top[kind] = top = np.sort(times).tolist()  # ascending
                 if len(top) == quorum:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
                 self.offsets[kind] = max(self.offsets[kind], max(map(_OFFSET, (new_imps, new_clicks)[kind])))
         # The per-event loop, kept lean (locals, counts added once): it runs once per input event.
         pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
-        expiry, window, push = self._expiry, self.cfg.window_ms, heapq.heappush
+        window, push = self.cfg.window_ms, heapq.heappush
         fake, es_dfm, elapsed = self.cfg.policy == "fake_negative", self.cfg.policy == "es_dfm", self.cfg.elapsed_ms
-        emit = out.samples.append
-        n_impressions = n_clicks = n_duplicates = 0
-        for ts, kind, row, ev in events:  # row: an impression's index among imp_events (a click's offset: unused)
+        emit, click = out.samples.append, self._clicker(out, joined)
+        n_duplicates = 0
+        for ts, kind, ev in events:  # ev: a new impression's Pending, or a Click
             if kind == IMPRESSIONS:
-                n_impressions += 1
                 imp_id = ev.impression_id
                 if imp_id in pending or imp_id in finalized:
                     n_duplicates += 1
                     continue
-                p = Pending(imp_id, ts, users[row], items[row], contexts[row],
-                            dict(ev.dense) if ev.dense else {}, seq)  # type: ignore[union-attr]
-                pending[imp_id] = p
-                push(expiry, (ts + window, imp_id))
+                pending[imp_id] = ev  # type: ignore[assignment]
                 if fake:
-                    p.observed = True
-                    emit(Sample(p, 0, 0, OBSERVED))
-                elif es_dfm:
-                    push(self._elapsed, (ts + elapsed, imp_id))
-                added.append(p)
-                if ts > max_ref:
-                    max_ref = ts
+                    ev.observed = True  # type: ignore[union-attr]
+                    emit(Sample(ev, 0, 0, OBSERVED))  # type: ignore[arg-type]
+                added.append(ev)  # type: ignore[arg-type]
                 if imp_id in waiting_clicks:
                     for cts in sorted(waiting_clicks.pop(imp_id)):
-                        self._click(p, cts, out, joined)
+                        click(ev, cts)  # type: ignore[arg-type]
             else:
-                n_clicks += 1
-                imp_id, cts = ev.impression_id, ev.ts
+                imp_id, cts = ev.impression_id, ts
                 found = pending.get(imp_id)
                 if found is not None:
-                    if self._click(found, cts, out, joined) and found.ts > max_ref:
+                    if click(found, cts) and found.ts > max_ref:
                         max_ref = found.ts
                 elif imp_id in finalized:
                     self._unjoined(out, imp_id, cts, "duplicate" if finalized[imp_id][1] else "late")
@@ -301,7 +308,13 @@ class PartitionJoin:
                     if cts > max_ref:
                         max_ref = cts
         out.new_impressions.extend(added)
-        for name, n in (("impressions", n_impressions), ("clicks", n_clicks), ("duplicate_impressions", n_duplicates),
+        if added:
+            max_ref = max(max_ref, max(map(_TS, added)))
+        self._expiry.add(_timers(added, window))  # nothing above reads the timers
+        if es_dfm:
+            self._elapsed.add(_timers(added, elapsed))
+        for name, n in (("impressions", len(fresh[IMPRESSIONS])), ("clicks", len(fresh[CLICKS])),
+                        ("duplicate_impressions", n_duplicates),
                         ("joined_clicks", len(out.joined_clicks))):
             if n:
                 out.stats[name] += n
@@ -329,15 +342,18 @@ class PartitionJoin:
     # -- internals -----------------------------------------------------------------------------
     def _enforce_caps(self, out: BatchResult) -> tuple[list[str], list[tuple[str, int]]]:
         """The memory bounds (module docstring): returns what was evicted, for the state chunk."""
-        evicted: list[str] = []
-        while len(self.pending) > self.cfg.max_pending and self._expiry:
-            _, imp_id = heapq.heappop(self._expiry)
+        gone: dict[str, Pending] = {}  # the oldest, in the order they expire
+        excess = len(self.pending) - self.cfg.max_pending
+        while excess > 0 and self._expiry:
+            _, imp_id = self._expiry.pop()
             p = self.pending.get(imp_id)
-            if p is None:
-                continue
-            self._finalize(p, out)
-            evicted.append(imp_id)
-            out.stats["evicted_impressions"] += 1
+            if p is not None and imp_id not in gone:
+                gone[imp_id] = p
+                excess -= 1
+        self._finalize_all(list(gone.values()), out)
+        evicted = list(gone)
+        if evicted:
+            out.stats["evicted_impressions"] += len(evicted)
         unwaited: list[tuple[str, int]] = []
         if len(self.waiting) > self.cfg.max_waiting:
             # Give up the clicks furthest in the future first (a wrong clock's), down to 90% of the cap.
@@ -349,24 +365,22 @@ class PartitionJoin:
                     self._unjoined(out, imp_id, cts, "overflow")
         return evicted, unwaited
 
-    def _finalize(self, p: Pending, out: BatchResult) -> None:
-        """Take ``p`` out of the window: its negative sample if it had no click; remembered for late clicks."""
-        self._finalize_all([p], out)
-
     def _finalize_all(self, ps: list[Pending], out: BatchResult) -> None:
-        """:meth:`_finalize` for each of ``ps`` in order (one loop, lookups hoisted: expiry runs it per impression)."""
-        pending, finalized, final_order, emit = self.pending, self.finalized, self._final_order, out.samples.append
-        window, keep, push = self.cfg.window_ms, self.cfg.window_ms + self.cfg.late_retention_ms, heapq.heappush
-        whole_window = self.cfg.policy == "window"
-        for p in ps:
-            imp_id, click_ts = p.impression_id, p.click_ts
+        """Take each of ``ps`` (distinct impressions) out of the window, in order: its negative sample if it had no
+        click; remembered for late clicks. Expiry runs it once per batch over every impression due."""
+        window, pending = self.cfg.window_ms, self.pending
+        ids, times, clicked = list(map(_ID, ps)), list(map(_TS, ps)), list(map(_CLICK_TS, ps))  # (N,) each
+        for imp_id in ids:
             del pending[imp_id]
-            if whole_window:
-                emit(Sample(p, 0, window) if click_ts is None else Sample(p, 1, click_ts - p.ts))
-            elif click_ts is None and not p.observed:
-                emit(Sample(p, 0, window))
-            finalized[imp_id] = (p.ts, int(click_ts is not None))
-            push(final_order, (p.ts + keep, imp_id))
+        if self.cfg.policy == "window":
+            out.samples.extend(Sample(p, 0, window) if c is None else Sample(p, 1, c - t)
+                               for p, t, c in zip(ps, times, clicked, strict=True))
+        else:
+            out.samples.extend(Sample(p, 0, window) for p, c in zip(ps, clicked, strict=True)
+                               if c is None and not p.observed)
+        labels = [0 if c is None else 1 for c in clicked]
+        self.finalized.update(zip(ids, zip(times, labels, strict=True), strict=True))  # id -> (ts, label)
+        self._final_order.add(times, ids)
 
     def _advance_event_time(self, clicks_idle: bool) -> None:
         imp_max, click_max = self.topic_max
@@ -380,32 +394,39 @@ class PartitionJoin:
             t = min(imp_max, click_max)
         self.max_ts = t if self.max_ts is None else max(self.max_ts, t)
 
-    def _click(self, p: Pending, cts: int, out: BatchResult, joined: list[tuple[str, int]]) -> bool:
-        """Apply a click to a pending impression; True if it made the positive sample."""
-        delay = cts - p.ts
-        if p.click_ts is not None:
-            self._unjoined(out, p.impression_id, cts, "duplicate")
-            return False
-        if delay < 0:
-            self._unjoined(out, p.impression_id, cts, "before_impression")
-            return False
-        if delay > self.cfg.window_ms:
-            self._unjoined(out, p.impression_id, cts, "late")
-            return False
-        p.click_ts = cts
-        policy = self.cfg.policy
-        if policy == "wait":
-            out.samples.append(Sample(p, 1, delay))
-        elif policy != "window":  # fake_negative, es_dfm: after its OBSERVED 0 a click is a delayed positive
-            if not p.observed and delay > self.cfg.elapsed_ms:
-                # es_dfm in event time, whatever the batching: by then its elapsed time had passed unclicked
-                out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
+    def _clicker(self, out: BatchResult, joined: list[tuple[str, int]]) -> Callable[[Pending, int], bool]:
+        """The click step of one batch, its lookups bound once (it runs once per click): ``click(p, cts)`` applies a
+        click to the pending impression ``p``; True if it made the positive sample."""
+        window, elapsed, policy, unjoined = self.cfg.window_ms, self.cfg.elapsed_ms, self.cfg.policy, self._unjoined
+        emit, joined_click, join = out.samples.append, out.joined_clicks.append, joined.append
+        wait, delayed = policy == "wait", policy in ("fake_negative", "es_dfm")
+
+        def click(p: Pending, cts: int) -> bool:
+            delay = cts - p.ts
+            if p.click_ts is not None:
+                unjoined(out, p.impression_id, cts, "duplicate")
+                return False
+            if delay < 0:
+                unjoined(out, p.impression_id, cts, "before_impression")
+                return False
+            if delay > window:
+                unjoined(out, p.impression_id, cts, "late")
+                return False
+            p.click_ts = cts
+            if wait:
+                emit(Sample(p, 1, delay))
+            elif delayed:  # after its OBSERVED 0 a click is a delayed positive
+                if not p.observed and delay > elapsed:
+                    # es_dfm in event time, whatever the batching: by then its elapsed time had passed unclicked
+                    emit(Sample(p, 0, elapsed, OBSERVED))
+                    p.observed = True
+                emit(Sample(p, 1, delay, DELAYED_POSITIVE if p.observed else OBSERVED))
                 p.observed = True
-            out.samples.append(Sample(p, 1, delay, DELAYED_POSITIVE if p.observed else OBSERVED))
-            p.observed = True
-        out.joined_clicks.append(JoinedClick(p.user, p.item, cts))  # counted once per batch (apply)
-        joined.append((p.impression_id, cts))
-        return True
+            joined_click(JoinedClick(p.user, p.item, cts))  # counted once per batch (apply)
+            join((p.impression_id, cts))
+            return True
+
+        return click
 
     def _unjoined(self, out: BatchResult, imp_id: str, cts: int, reason: str) -> None:
         out.stats[f"{reason}_clicks"] += 1
@@ -416,18 +437,13 @@ class PartitionJoin:
         wm = self.watermark
         if wm is None:
             return
-        while self._elapsed and self._elapsed[0][0] <= wm:  # es_dfm: waited long enough for a click
-            _, imp_id = heapq.heappop(self._elapsed)
+        for _, imp_id in self._elapsed.pop_through(wm):  # es_dfm: waited long enough for a click
             p = self.pending.get(imp_id)
             if p is not None and not p.observed:
                 p.observed = True
                 out.samples.append(Sample(p, 0, self.cfg.elapsed_ms, OBSERVED))
-        expiry, pending, pop, due = self._expiry, self.pending, heapq.heappop, {}
-        while expiry and expiry[0][0] <= wm:
-            imp_id = pop(expiry)[1]
-            p = pending.get(imp_id)
-            if p is not None:
-                due[imp_id] = p  # once, in the order they expire
+        ids = list(map(_SECOND, self._expiry.pop_through(wm)))  # in the order they expire
+        due = {i: p for i, p in zip(ids, map(self.pending.get, ids), strict=True) if p is not None}  # each once
         self._finalize_all(list(due.values()), out)
         while self._waiting_heap and self._waiting_heap[0][0] <= wm:
             cts, imp_id = heapq.heappop(self._waiting_heap)
@@ -437,9 +453,9 @@ class PartitionJoin:
                 if not times:
                     del self.waiting[imp_id]
                 self._unjoined(out, imp_id, cts, "orphan")
-        while self._final_order and self._final_order[0][0] <= wm:
-            _, imp_id = heapq.heappop(self._final_order)
-            self.finalized.pop(imp_id, None)
+        finalized = self.finalized
+        for imp_id in self._final_order.pop_through(wm):
+            finalized.pop(imp_id, None)
 
     def _retire(self) -> list[int]:
         wm = self.watermark
@@ -454,14 +470,15 @@ class PartitionJoin:
     def restore(cls, partition: int, cfg: JoinConfig, chunks: list[StateChunk]) -> PartitionJoin:
         """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
         self = cls(partition, cfg)
+        final_order: list[tuple[int, str]] = []  # (ts, id) of the evicted impressions, as _finalize_all keeps them
         for c in sorted(chunks, key=lambda c: c.seq):
             for p in c.added:
                 self.pending[p.impression_id] = p
-                heapq.heappush(self._expiry, (p.ts + cfg.window_ms, p.impression_id))
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
                 p.observed = cfg.policy == "fake_negative"
-                if cfg.policy == "es_dfm":
-                    heapq.heappush(self._elapsed, (p.ts + cfg.elapsed_ms, p.impression_id))
+            self._expiry.add(_timers(c.added, cfg.window_ms))
+            if cfg.policy == "es_dfm":
+                self._elapsed.add(_timers(c.added, cfg.elapsed_ms))
             for imp_id, cts in c.joined:
                 if imp_id in self.pending:
                     self.pending[imp_id].click_ts = cts
@@ -477,7 +494,7 @@ class PartitionJoin:
                 if gone is not None:
                     p = gone
                     self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
-                    heapq.heappush(self._final_order, (p.ts + cfg.window_ms + cfg.late_retention_ms, imp_id))
+                    final_order.append((p.ts, imp_id))
             for imp_id, cts in c.unwaited:
                 times = self.waiting.get(imp_id)
                 if times and cts in times:
@@ -492,6 +509,7 @@ class PartitionJoin:
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
+        self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
         for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
             if t is not None:
                 self._top[kind] = [t] * max(1, cfg.watermark_quorum)
