@@ -55,10 +55,11 @@ _TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
 _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the consumer to bring more
 # The hold's memory bound, in batches (batch_max records) per input: paused at _HOLD_HIGH held, resumed at _HOLD_LOW.
 # Only the input ahead of its partition's frontier holds records, so at most one input per partition does. Held records
-# cost nothing per batch they wait (JoinPipeline.process_new), so the bound is memory against re-fetches: on a
-# replayed ML-1M (bench/joiner.py) 4, 1 paused 26-32 times, 8, 2 15 times, 16, 4 5-6 times and joined 8-12% faster
-# than either (the fetch stage 9.4-11.1 -> 7.8-8.1 s); the worker's peak RSS was 450-565 MB under each.
-_HOLD_HIGH, _HOLD_LOW = 16, 4
+# cost nothing per batch they wait (JoinPipeline.process_new), and 16, 4 joined a replayed ML-1M 8-12% faster (5-6
+# pauses instead of 26-32), but held clicks join into the waiting clicks once the frontier passes them, past the gate's
+# pause: with 16 batches of them held, test_backpressure's hostile stream overflowed max_waiting (115 clicks). Kept at
+# 4, 1 until the bound of a clicks input accounts for the waiting cap.
+_HOLD_HIGH, _HOLD_LOW = 4, 1
 
 
 def _records(msgs: list[Message]) -> list[Record]:

@@ -113,9 +113,7 @@ def test_with_backpressure_every_impression_has_exactly_its_label(driver: str, k
     stream = _publish_hostile(kafka, syn)
     want = expected_join(stream, int(WINDOW * 1000))
     summary = _join(kafka, stack.redis_url, group_id, driver, backpressure=True)
-    # Backpressure did the work, not luck: the gate paused clicks, or (the kafka driver) the hold kept records past
-    # the frontier in memory, which pauses an input only once 16 batches of it are held (kafka_driver._HOLD_HIGH).
-    assert summary["input_pauses"]["clicks"] > 0 or (driver == "kafka" and summary["held_back"] > 0)
+    assert summary["input_pauses"]["clicks"] > 0  # the gate did the work, not luck
     assert summary["overflow_clicks"] == 0 and summary["orphan_clicks"] == want.orphan
     rows = read_samples(kafka)
     assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == syn.impressions
