@@ -115,6 +115,16 @@ class HoldBound:
         return self.paused
 
 
+def hold_bounds(high: int, low: int, gate: InputGate) -> dict[str, HoldBound]:
+    """The hold's bound per input: ``high``/``low`` held records for impressions; for clicks no more than the waiting
+    cap's margin above the gate's pause (``cap - gate.high``), since held clicks are joined into the waiting ones once
+    the frontier passes them, and a pause of the clicks' consumer does not stop that. With more held, a hostile
+    stream's waiting clicks overflowed the cap (115 clicks in test_backpressure with 320 held against a cap of 100).
+    The clicks' low mark keeps the same share of their high mark."""
+    c_high = max(2, min(high, gate.cap - gate.high))
+    return {IMPRESSIONS: HoldBound(high, low), CLICKS: HoldBound(c_high, max(1, min(low, c_high * low // high)))}
+
+
 @dataclass
 class InputGate:
     """Which partitions' inputs to pause and resume (module docstring). ``cap``: ``max_waiting_per_partition``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, HoldBound, InputGate
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, HoldBound, InputGate, hold_bounds
 
 
 def test_an_input_is_paused_at_the_high_mark_and_stays_paused_until_the_low_mark() -> None:
@@ -40,3 +40,20 @@ def test_pauses_a_driver_makes_for_its_hold_are_counted_with_the_gates_own() -> 
     gate.count({(CLICKS, 2)}, {(IMPRESSIONS, 0)})
     assert gate.pauses == {IMPRESSIONS: 2, CLICKS: 1}
     assert gate.paused == set()  # counted only: what the gate itself pauses is unchanged
+
+
+@pytest.mark.parametrize(("cap", "batch"), [(100, 20), (100_000, 5000), (1000, 7), (10, 5)])
+def test_held_clicks_stay_within_the_waiting_caps_margin_while_impressions_get_the_full_bound(cap: int,
+                                                                                              batch: int) -> None:
+    # Held clicks join into the waiting ones once the frontier passes them, past the gate's pause: the waiting count
+    # at the gate's high mark plus every held click must stay within the cap.
+    gate = InputGate(cap=cap, max_drift_ms=None, headroom=batch)
+    bounds = hold_bounds(16 * batch, 4 * batch, gate)
+    assert (bounds[IMPRESSIONS].high, bounds[IMPRESSIONS].low) == (16 * batch, 4 * batch)
+    clicks = bounds[CLICKS]
+    assert gate.high + clicks.high <= cap or clicks.high == 2
+    assert 0 < clicks.low < clicks.high
+    # the clicks' bound pauses at its own high mark, not the impressions'
+    key = (CLICKS, 0)
+    assert clicks.update({key: clicks.high - 1}) == set()
+    assert clicks.update({key: clicks.high}) == {key}
