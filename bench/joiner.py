@@ -89,7 +89,10 @@ def run_worker(kafka: KafkaSettings, redis_url: str, driver: str, profile: Path 
                STREAMREC_KAFKA_CLICKS_TOPIC=kafka.clicks_topic,
                STREAMREC_KAFKA_SAMPLES_TOPIC=f"bench-samples-{driver}-{uuid.uuid4().hex[:6]}",
                STREAMREC_REDIS_URL=redis_url, STREAMREC_REDIS_PREFIX=f"bench-{uuid.uuid4().hex[:6]}")
-    prof = [] if profile is None else ["-m", "cProfile", "-o", str(profile / f"join-{driver}.prof")]
+    prof = []
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        prof = ["-m", "cProfile", "-o", str(profile / f"join-{driver}.prof")]
     cmd = [sys.executable, *prof, "-m", "streamrec.cli", "join", "--driver", driver, "--app-id",
            f"bench-{driver}-{uuid.uuid4().hex[:6]}", "--exit-when-idle", "3", "--drain", "--json"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)  # counts waited-for children only: the worker, not the stack

@@ -59,6 +59,7 @@ from serving.model import ScoringModel  # noqa: E402
 from serving.request import parse_request  # noqa: E402
 from serving.settings import RowDtype  # noqa: E402
 from stream.features import hash_value  # noqa: E402
+from stream.redis_client import wait_until_up  # noqa: E402
 from streamrec.stack import free_port, redis_binary, redis_server_args  # noqa: E402
 
 CANDIDATES = 100
@@ -104,16 +105,10 @@ class _Redis:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+        up = wait_until_up(client, 10)
         client.close()
+        if not up:
+            raise RuntimeError("redis-server did not start")
 
     def stop(self) -> None:
         self.proc.kill()

@@ -21,6 +21,7 @@ the keyword argument handed to redis-py.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from stream.errors import ConfigError, StreamError, clip
 from stream.secrets import Secret, redact
 
 __all__ = ["RedisAuthError", "RedisFailure", "connect", "connect_cluster", "describe", "failure", "latency_advice",
-           "verify"]
+           "verify", "wait_until_up"]
 
 _AUTH_ERRORS = (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
 
@@ -168,6 +169,21 @@ def verify(client: redis.Redis, settings: RedisSettings, *, reachable: bool = Tr
             raise err from exc
         return False
     return True
+
+
+def wait_until_up(client: Any, timeout_s: float) -> bool:
+    """Whether ``client``'s Redis answers PING within ``timeout_s``: a redis-server just started (by the local stack,
+    a test, a benchmark) is polled every 50 ms until it listens."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.ping():
+                return True
+        except redis.RedisError:  # not listening yet
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def latency_advice(client: Any, settings: RedisSettings) -> str | None:

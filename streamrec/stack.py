@@ -248,17 +248,11 @@ class LocalStack:
     def _redis_ready(self, timeout_s: float) -> bool:
         import redis
 
-        deadline = time.monotonic() + timeout_s
+        from stream.redis_client import wait_until_up
+
         client = redis.Redis.from_url(self.redis_url, socket_timeout=0.5)
         try:
-            while time.monotonic() < deadline:
-                try:
-                    if client.ping():
-                        return True
-                except redis.RedisError:
-                    pass
-                time.sleep(0.05)
-            return False
+            return wait_until_up(client, timeout_s)
         finally:
             client.close()
 

@@ -396,7 +396,7 @@ class JoinPipeline:
             self._held_groups = {}
             self._process_runs(records, behind)
         self._count_held()
-        self._held_list = [r for h in self._held_groups.values() for r in h.records[h.lo:]]
+        self._held_list = self._held_records()
         return self._held_list
 
     def process_new(self, records: list[Record], behind: Behind | None = None) -> None:
@@ -404,13 +404,17 @@ class JoinPipeline:
         passed again (each costs nothing per batch it waits), then ``records``, all new. What stays held is counted
         in ``held_counts``; :meth:`drop_held` and :meth:`forget` drop it (revoked, rewound)."""
         if self.strikes.counts:  # suspects go alone: the general path, with what was held passed first
-            self.process([r for h in self._held_groups.values() for r in h.records[h.lo:]] + records, behind)
+            self.process(self._held_records() + records, behind)
             return
         self.totals.stage_s["gc"] += self.gc.between_batches()
         self.processed = {}
         self._held_before = {}
         self._process_run(records, behind)
         self._count_held()
+
+    def _held_records(self) -> list[Record]:
+        """Every record held now, per topic-partition in offset order."""
+        return [r for h in self._held_groups.values() for r in h.records[h.lo:]]
 
     def drop_held(self, topic_partitions: set[tuple[str, int]]) -> None:
         """Forget the records held of ``topic_partitions`` (revoked: the next owner reads them)."""

@@ -39,6 +39,7 @@ from serving.service import ScoringService
 from serving.settings import EmbeddingStore, RowDtype, ServeSettings
 from stream.config import RedisSettings
 from stream.features import hash_value
+from stream.redis_client import wait_until_up
 from streamrec.stack import LocalStack, free_port, redis_binary
 
 F16_TOL = 2e-3
@@ -254,14 +255,7 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url, socket_timeout=0.5)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
+    assert wait_until_up(client, 10), "redis-server did not start"
     client.close()
     try:
         yield proc, url
@@ -411,15 +405,8 @@ def redis_cluster(tmp_path: Path) -> Iterator[str]:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
     clients = [redis.Redis(host="127.0.0.1", port=p, socket_timeout=2) for p in ports]
     try:
-        deadline = time.monotonic() + 10
         for c in clients:
-            while True:
-                try:
-                    c.ping()
-                    break
-                except redis.ConnectionError:
-                    assert time.monotonic() < deadline, "redis-server (cluster mode) did not start"
-                    time.sleep(0.05)
+            assert wait_until_up(c, 10), "redis-server (cluster mode) did not start"
         for k, c in enumerate(clients):  # 16384 slots split in three
             c.execute_command("CLUSTER ADDSLOTS", *range(k * 5462, min(16384, (k + 1) * 5462)))
         for p in ports[1:]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +16,7 @@ import redis
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
-from stream.redis_client import connect, latency_advice
+from stream.redis_client import connect, latency_advice, wait_until_up
 from streamrec.stack import LocalStack, free_port, redis_binary
 
 PASSWORD = "latency-s3cret"
@@ -33,14 +32,7 @@ def redis_server(*args: str) -> Iterator[str]:
     password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
     client = redis.Redis(port=port, password=password)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+        assert wait_until_up(client, 10), "redis-server did not start"
         yield f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
     finally:
         client.close()
@@ -98,3 +90,10 @@ def test_serving_warns_at_start_only_when_its_redis_rehashes_actively(tmp_path: 
         assert len(warned) == (1 if rehashing == "yes" else 0)
         if warned:
             assert warned[0].levelno == logging.WARNING
+
+
+def test_waiting_for_a_redis_gives_up_where_nothing_listens_and_sees_one_that_does() -> None:
+    nobody = redis.Redis(port=free_port(), socket_timeout=0.2)
+    assert wait_until_up(nobody, 0.3) is False
+    with redis_server() as url:  # started and waited for by the same helper
+        assert wait_until_up(redis.Redis.from_url(url), 0.0) is True
