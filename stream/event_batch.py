@@ -120,25 +120,35 @@ def _of_type(values: list, kinds: list[type], t: type) -> list:
     return list(compress(values, map(is_, kinds, repeat(t))))
 
 
-def _named_objects(col: list, max_keys: int, limits: EventLimits) -> list[dict]:
-    """The dicts of an optional object field (None: absent), with their key counts and key lengths checked."""
+def _named_objects(col: list, max_keys: int, limits: EventLimits) -> tuple[list[dict], set[tuple[str, ...]]]:
+    """The non-empty dicts of an optional object field (None: absent) and their distinct key lists, the key counts
+    and key lengths checked once per distinct key list."""
     types = set(map(type, col))
     _check(types <= {dict, _NONE})
-    objs = [o for o in col if o]  # the non-empty ones
-    if objs:
-        _check(max(map(len, objs)) <= max_keys)
-        _lengths_in(list(chain.from_iterable(objs)), 1, limits.max_key_len)
-    return objs
+    objs = list(filter(None, col))  # the non-empty ones
+    shapes = set(map(tuple, objs))
+    if shapes:
+        _check(max(map(len, shapes)) <= max_keys)
+        _lengths_in(list(chain.from_iterable(shapes)), 1, limits.max_key_len)
+    return objs, shapes
 
 
-def _context_values(objs: list[dict], limits: EventLimits) -> None:
-    """``stream.events.check_context``'s value rules over every value of every context at once."""
-    values = list(chain.from_iterable(map(dict.values, objs)))
-    kinds = list(map(type, values))
-    types = set(kinds)
+def _context_values(objs: list[dict], shapes: set[tuple[str, ...]], limits: EventLimits) -> None:
+    """``stream.events.check_context``'s value rules over every value of every context (``objs``, whose distinct key
+    lists are ``shapes``) at once. Where every context has the same keys (the usual stream), column by column: a
+    column is mostly of one type, checked in one pass."""
+    if len(shapes) == 1 and len(next(iter(shapes))) > 1:  # dict order is key order: the values zip into columns
+        for column in zip(*map(dict.values, objs), strict=True):
+            _values(list(column), limits)
+    else:
+        _values(list(chain.from_iterable(map(dict.values, objs))), limits)
+
+
+def _values(values: list, limits: EventLimits) -> None:
+    """Context values (of any keys) checked by type, each type's check one C-level pass."""
+    types = set(map(type, values))
     _check(types <= {str, int, float, bool, list})
-    by_type: dict[type, list[Any]] = {t: values for t in types} if len(types) == 1 else {t: _of_type(values, kinds, t)
-                                                                                        for t in types}
+    by_type = {t: values for t in types} if len(types) == 1 else _by_type(values, types)
     _lengths_in(by_type.get(str, []), 0, limits.max_str_len)
     _ints_in(by_type.get(int, []), _INT64_MIN, MAX_ID)
     _check(all(map(math.isfinite, by_type.get(float, []))))
@@ -146,12 +156,17 @@ def _context_values(objs: list[dict], limits: EventLimits) -> None:
     if lists:
         _check(max(map(len, lists)) <= limits.max_list_len)
         elements = list(chain.from_iterable(lists))
-        kinds = list(map(type, elements))
-        types = set(kinds)
+        types = set(map(type, elements))
         _check(types <= {str, int})
-        if str in types:
-            _lengths_in(_of_type(elements, kinds, str), 0, limits.max_str_len)
-        _ints_in(_of_type(elements, kinds, int) if str in types else elements, _INT64_MIN, MAX_ID)
+        of = {t: elements for t in types} if len(types) == 1 else _by_type(elements, types)
+        _lengths_in(of.get(str, []), 0, limits.max_str_len)
+        _ints_in(of.get(int, []), _INT64_MIN, MAX_ID)
+
+
+def _by_type(values: list, types: set[type]) -> dict[type, list[Any]]:
+    """``values`` split by their exact type (``types``: the types among them)."""
+    kinds = list(map(type, values))
+    return {t: _of_type(values, kinds, t) for t in types}
 
 
 def _dense_values(objs: list[dict]) -> None:
@@ -160,6 +175,11 @@ def _dense_values(objs: list[dict]) -> None:
     _check(set(map(type, values)) <= {int, float})
     if values:
         _check(bool(np.all(np.abs(np.array(values, dtype=np.float64)) < FLOAT32_OVERFLOW)))
+
+
+def _or_empty(col: list[dict | None]) -> list[dict]:
+    """Each dict of ``col``, and ``{}`` for each None (a new dict each)."""
+    return cast("list[dict]", col) if None not in col else [c if c is not None else {} for c in col]
 
 
 def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], clicks: bool,
@@ -191,16 +211,15 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], click
         _ids(items, limits)
         contexts = list(map(dict.get, objs, repeat("context")))
         denses = list(map(dict.get, objs, repeat("dense")))
-        ctx = _named_objects(contexts, limits.max_context_keys, limits)
+        ctx, shapes = _named_objects(contexts, limits.max_context_keys, limits)
         if ctx:
-            _context_values(ctx, limits)
-        dense = _named_objects(denses, limits.max_dense_keys, limits)
+            _context_values(ctx, shapes, limits)
+        dense, _ = _named_objects(denses, limits.max_dense_keys, limits)
         if dense:
             _dense_values(dense)
         # the per-event decoder keeps the parsed object itself, and {} for an absent one
-        context_of: list[dict] = [c if c is not None else {} for c in contexts]
-        dense_of: list[dict] = [d if d is not None else {} for d in denses]
-        keys = np.add(np.add(keys, [len(c) for c in context_of]), [len(d) for d in dense_of])
+        context_of, dense_of = _or_empty(contexts), _or_empty(denses)
+        keys = np.add(np.add(keys, list(map(len, context_of))), list(map(len, dense_of)))
         events = list(map(Impression, ids, ts, users, items, context_of, dense_of))
     colons = np.fromiter(map(bytes.count, raw, repeat(b":")), np.int64, len(raw))
     for i in np.flatnonzero(colons > np.asarray(keys)).tolist():

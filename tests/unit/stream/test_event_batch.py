@@ -59,6 +59,8 @@ def test_a_block_of_any_messages_decodes_like_each_message_alone(rows: list, lim
     b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":2,"context":{"a":{"b":1}}}',
     b'{"schema_version":1.0,"impression_id":"x","ts":5,"user_id":1,"item_id":2}',  # accepted by the rules
     b'{"schema_version":1,"impression_id":"x:y","ts":5,"user_id":"a:b","item_id":2}',  # colons, no duplicate
+    b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":2,"context":{"":1}}',
+    b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":2,"dense":{"' + b"k" * 65 + b'":1}}',
 ])
 def test_one_bad_row_among_many_good_ones_gets_its_own_verdict_and_the_rest_decode(bad: bytes | None) -> None:
     values = [imp(i) for i in range(300)]
@@ -66,6 +68,24 @@ def test_one_bad_row_among_many_good_ones_gets_its_own_verdict_and_the_rest_deco
     brokers = [None] * 300
     got = decode_events(values, brokers, False, DEFAULT_LIMITS)
     same(got, one_by_one(values, brokers, False, DEFAULT_LIMITS))
+    assert sum(isinstance(g, Impression) for g in got) >= 299
+
+
+@pytest.mark.parametrize("context", [
+    {"device": "x" * 257, "hour": 1, "tags": [1]}, {"device": "ios", "hour": 2**63, "tags": [1]},
+    {"device": "ios", "hour": None, "tags": [1]}, {"device": "ios", "hour": 1, "tags": list(range(1025))},
+    {"device": "ios", "hour": 1, "tags": ["t" * 257]}, {"device": "ios", "hour": 1, "tags": [1.5]},
+    {"device": "ios", "hour": 1, "tags": [[1]]}, {"device": ["x" * 257], "hour": 1, "tags": [1]},
+    # accepted by the rules, of another type than the rest of their column
+    {"device": 7, "hour": 1.5, "tags": "a"}, {"device": True, "hour": "h", "tags": [1, "b"]},
+    {"device": "", "hour": -(2**63), "tags": []},
+])
+def test_a_context_value_of_the_same_keys_as_every_other_row_gets_its_own_verdict(context: dict) -> None:
+    # every row's context has the same keys, so the block's contexts are checked column by column
+    values = [imp(i) for i in range(300)]
+    values[137] = imp(137, context=context)
+    got = decode_events(values, [None] * 300, False, DEFAULT_LIMITS)
+    same(got, one_by_one(values, [None] * 300, False, DEFAULT_LIMITS))
     assert sum(isinstance(g, Impression) for g in got) >= 299
 
 
