@@ -50,6 +50,23 @@ def test_arrow_ipc_round_trip(cols) -> None:
         np.testing.assert_array_equal(back.column("dense." + name), want)
 
 
+def _written_by_a_stream_writer(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(cols=sample_columns(), cut=st.tuples(st.integers(0, 39), st.integers(0, 40)))
+def test_encode_writes_what_an_arrow_stream_writer_writes_for_a_batch_and_a_slice(cols, cut) -> None:
+    batch = SampleBatch.from_columns(**cols).batch
+    start = min(cut[0], batch.num_rows - 1)
+    for part in (batch, batch.slice(start, cut[1])):  # the joiner sends slices of one batch
+        assert SampleBatch(part).encode() == _written_by_a_stream_writer(part)
+        assert SampleBatch.decode(SampleBatch(part).encode()).batch.equals(part)
+
+
 def test_lists_of_a_slice_start_at_zero() -> None:
     b = SampleBatch.from_columns(impression_id=["a", "b", "c"], ts=np.arange(3), label=np.zeros(3),
                                  label_delay_ms=np.zeros(3), user_id=np.arange(3), item_id=np.arange(3),
