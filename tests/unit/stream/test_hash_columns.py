@@ -54,3 +54,16 @@ def test_hash_ids_equals_hash_value_cold_warm_and_after_the_cache_empties(monkey
     monkeypatch.setattr(sf, "_ID_CACHE_MAX", 2)  # full: emptied, then filled again
     assert np.array_equal(sf.hash_ids(ids + ["other"]), np.array([*want, sf.hash_value("other")], np.int64))
     assert sf.hash_ids([]).shape == (0,)
+
+
+def test_ids_hashed_into_hash_ids_cache_do_not_also_fill_hash_values_lru_cache(monkeypatch) -> None:
+    # one cache per id: a million distinct ids in both took 3.2x the memory (stream/features.py: _fill_id_cache)
+    import stream.features as sf
+
+    monkeypatch.setattr(sf, "_ID_CACHE", {})
+    ids = [f"never-seen-{i}" for i in range(50)] + list(range(10**15, 10**15 + 50))
+    before = sf.hash_value.cache_info().currsize
+    got = sf.hash_ids(ids)
+    assert sf.hash_value.cache_info().currsize == before
+    assert len(sf._ID_CACHE) == len(ids)
+    assert got.tolist() == [sf.stable_hash(v) for v in ids]
