@@ -15,12 +15,12 @@ Event time is kept aligned by the hold: the records of a partition past its even
 (``backpressure.hold_limits``: one fetch can bring an input months ahead of the other) are held back, kept in
 memory (by the pipeline: ``JoinPipeline.process_new``, a held record costs nothing per batch it waits) and joined
 with a later batch, their offsets committed only then (a crash or a revocation reads them again). An input is paused
-only for memory: once ``_HOLD_HIGH`` batches of its records are held, until no more than ``_HOLD_LOW`` are (clicks
-sooner, ``backpressure.hold_bounds``: held clicks join into the waiting ones, within their cap). A pause purges the
-consumer's prefetched messages and a resume fetches them again, so the two marks are set apart. The gate's
-event-time rule, which paused an input whose read time led the other's by the drift, is not used here: the hold
-already bounds what is joined by the same drift, and that rule paused and resumed inputs with nearly every batch of a
-replay (~25 of ~70 s of a replayed ML-1M went to re-fetching).
+only for memory (``backpressure.hold_bounds``): once 16 batches of its records are held (fewer where a worker has
+more than 4 partitions: 64 batches in all), until no more than a quarter of that are; clicks sooner, since held clicks
+join into the waiting ones, within their cap. A pause purges the consumer's prefetched messages and a resume fetches
+them again, so the two marks are set apart. The gate's event-time rule, which paused an input whose read time led
+the other's by the drift, is not used here: the hold already bounds what is joined by the same drift, and that rule
+paused and resumed inputs with nearly every batch of a replay (~25 of ~70 s of a replayed ML-1M went to re-fetching).
 Clicks near ``max_waiting_per_partition`` are still paused by the gate (``backpressure.py``) until their impressions
 catch up; the gate is asked after every batch, and a run never ends idle with an input paused or records held.
 
@@ -54,11 +54,6 @@ log = logging.getLogger("streamrec.join")
 
 _TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
 _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the consumer to bring more
-# The hold's memory bound, in batches (batch_max records) per input: paused at _HOLD_HIGH held, resumed at _HOLD_LOW.
-# Only the input ahead of its partition's frontier holds records, so at most one input per partition does. Held records
-# cost nothing per batch they wait (JoinPipeline.process_new); 16, 4 instead of 4, 1 joined a replayed ML-1M 8-12%
-# faster (5-6 pauses instead of 26-32). Clicks are bounded lower: by the waiting cap's margin (hold_bounds).
-_HOLD_HIGH, _HOLD_LOW = 16, 4
 
 
 def _records(msgs: list[Message]) -> list[Record]:
@@ -92,7 +87,7 @@ class KafkaJoinWorker:
         # configured, or backpressure off) the gate has no event-time rule either.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
-        self.hold_bounds = hold_bounds(_HOLD_HIGH * js.batch_max, _HOLD_LOW * js.batch_max, self.gate)
+        self.hold_bounds = hold_bounds(js.batch_max, 1, self.gate)  # sized again for each assignment
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -122,6 +117,7 @@ class KafkaJoinWorker:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
         consumer.assign(resume_offsets(consumer, partitions))
         self._assigned |= {tp.partition for tp in partitions}
+        self.hold_bounds = hold_bounds(self.js.batch_max, len(self._assigned), self.gate)
         self._idle_since = time.monotonic()
 
     def run(self) -> int:
@@ -213,10 +209,10 @@ class KafkaJoinWorker:
         return self._behind(kind, partition)
 
     def held_inputs(self) -> set[Key]:
-        """The inputs paused for the records they hold past the frontier (``hold_bounds``: impressions from
-        ``_HOLD_HIGH`` batches held until ``_HOLD_LOW`` or fewer are, clicks within the waiting cap's margin). Below
-        the bound an input is read on, its records held in memory: a pause purges the consumer's prefetched messages
-        of the partition and a resume fetches them again."""
+        """The inputs paused for the records they hold past the frontier (``hold_bounds``: impressions from 16
+        batches held until a quarter of that is, fewer with many partitions; clicks within the waiting cap's margin).
+        Below the bound an input is read on, its records held in memory: a pause purges the consumer's prefetched
+        messages of the partition and a resume fetches them again."""
         held = {(input_of(self.kafka, t), p): n for (t, p), n in self.pipeline.held_counts.items()}
         return set().union(*(bound.update({k: n for k, n in held.items() if k[0] == kind})
                              for kind, bound in self.hold_bounds.items()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, HoldBound, InputGate, hold_bounds
+from stream.joiner.backpressure import CLICKS, HOLD_BATCHES, HOLD_BUDGET, IMPRESSIONS, HoldBound, InputGate, hold_bounds
 
 
 def test_an_input_is_paused_at_the_high_mark_and_stays_paused_until_the_low_mark() -> None:
@@ -48,8 +48,8 @@ def test_held_clicks_stay_within_the_waiting_caps_margin_while_impressions_get_t
     # Held clicks join into the waiting ones once the frontier passes them, past the gate's pause: the waiting count
     # at the gate's high mark plus every held click must stay within the cap.
     gate = InputGate(cap=cap, max_drift_ms=None, headroom=batch)
-    bounds = hold_bounds(16 * batch, 4 * batch, gate)
-    assert (bounds[IMPRESSIONS].high, bounds[IMPRESSIONS].low) == (16 * batch, 4 * batch)
+    bounds = hold_bounds(batch, 1, gate)
+    assert (bounds[IMPRESSIONS].high, bounds[IMPRESSIONS].low) == (HOLD_BATCHES * batch, HOLD_BATCHES * batch // 4)
     clicks = bounds[CLICKS]
     assert gate.high + clicks.high <= cap or clicks.high == 2
     assert 0 < clicks.low < clicks.high
@@ -57,3 +57,44 @@ def test_held_clicks_stay_within_the_waiting_caps_margin_while_impressions_get_t
     key = (CLICKS, 0)
     assert clicks.update({key: clicks.high - 1}) == set()
     assert clicks.update({key: clicks.high}) == {key}
+
+
+@pytest.mark.parametrize("partitions", [1, 4, 5, 16, 64, 65, 1000])
+def test_a_worker_with_more_partitions_holds_fewer_batches_each_within_its_budget(partitions: int) -> None:
+    batch = 5000
+    high = hold_bounds(batch, partitions, InputGate(cap=100_000, max_drift_ms=None, headroom=batch))[IMPRESSIONS].high
+    assert high % batch == 0 and batch <= high <= HOLD_BATCHES * batch
+    # within the worker's budget, except that a partition may always hold one batch
+    assert partitions * high <= max(HOLD_BUDGET, partitions) * batch
+    if partitions <= HOLD_BUDGET // HOLD_BATCHES:
+        assert high == HOLD_BATCHES * batch  # a few partitions: the full bound each
+
+
+def test_the_kafka_worker_sizes_its_hold_for_each_assignment() -> None:
+    from confluent_kafka import OFFSET_INVALID, TopicPartition
+
+    from stream.config import KafkaSettings
+    from stream.joiner.config import JoinerSettings
+    from stream.joiner.kafka_driver import KafkaJoinWorker
+
+    class Consumer:  # what _on_assign asks of the consumer: the committed offsets (none here), then the assignment
+        def committed(self, partitions: list, timeout: float) -> list:
+            return [TopicPartition(tp.topic, tp.partition, OFFSET_INVALID) for tp in partitions]
+
+        def assign(self, partitions: list) -> None:
+            self.assigned = partitions
+
+    kafka, js = KafkaSettings(bootstrap_servers="127.0.0.1:1"), JoinerSettings()
+    worker = KafkaJoinWorker(None, kafka, js)  # type: ignore[arg-type]  # the pipeline is not used here
+    try:
+        def assign(n: int) -> int:
+            worker._assigned.clear()  # as a revocation leaves it
+            worker._on_assign(Consumer(), [TopicPartition(t, p) for p in range(n)  # type: ignore[arg-type]
+                                           for t in (kafka.impressions_topic, kafka.clicks_topic)])
+            return worker.hold_bounds[IMPRESSIONS].high // js.batch_max
+
+        assert assign(4) == HOLD_BATCHES
+        assert assign(32) == HOLD_BUDGET // 32
+        assert assign(1000) == 1
+    finally:
+        worker.consumer.close()
