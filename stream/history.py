@@ -244,6 +244,7 @@ class UserHistory:
         self.prefix = prefix
         self.max_len = int(max_len)
         self._lrange_many: Any = None  # registered on first use
+        self._append_many: Any = None
 
     def key(self, user_hash: int) -> str:
         return f"{self.prefix}:history:{int(user_hash)}"
@@ -257,7 +258,8 @@ class UserHistory:
         """Append one click per element, in the given order; one Redis round trip for the batch.
 
         Per distinct user: one LPUSH with that user's entries in the given order (the same as one
-        LPUSH per entry), then one LTRIM to ``max_len``.
+        LPUSH per entry), then one LTRIM to ``max_len``; all in one script call (``_APPEND_MANY``). A key that
+        is not a list fails its own append only: the others are made, then ``redis.ResponseError`` is raised.
         """
         users = _as_ints("user_hashes", user_hashes)
         items = _as_ints("item_hashes", item_hashes)
@@ -268,12 +270,31 @@ class UserHistory:
         by_user: dict[int, list[str]] = {}
         for u, item, ts in zip(users, items, times, strict=True):
             by_user.setdefault(u, []).append(f"{ts}:{item}")
-        pipe = self.client.pipeline(transaction=False)
-        for u, entries in by_user.items():
-            pipe.lpush(self.key(u), *entries)
-        for u in by_user:
-            pipe.ltrim(self.key(u), 0, self.max_len - 1)
-        pipe.execute()
+        args: list[int | str] = [self.max_len]
+        for entries in by_user.values():
+            args.append(len(entries))
+            args.extend(entries)
+        if self._append_many is None:
+            self._append_many = self.client.register_script(self._APPEND_MANY)
+        errors = self._append_many(keys=[self.key(u) for u in by_user], args=args)
+        if errors:
+            first = errors[0]
+            raise redis.ResponseError(first.decode() if isinstance(first, bytes) else str(first))
+
+    # A batch's appends as one script: per key (KEYS) its count of entries and the entries (ARGV, after max_len), one
+    # LPUSH of them (in slices: Lua's unpack has a stack limit) and one LTRIM. A redis-py pipeline spent ~5 us packing
+    # each of its two commands per user: for 3,400 clicks of ~2,800 users 28.9 ms a batch against 10.4 ms (the same
+    # lists). pcall: an error on one key (not a list) leaves the others' appends made, as a pipeline did.
+    _APPEND_MANY = (
+        "local max_len, at, errors = tonumber(ARGV[1]), 2, {} "
+        "for _, k in ipairs(KEYS) do "
+        "local n = tonumber(ARGV[at]) "
+        "for j = at + 1, at + n, 4000 do "
+        "local r = redis.pcall('LPUSH', k, unpack(ARGV, j, math.min(j + 3999, at + n))) "
+        "if type(r) == 'table' and r['err'] then errors[#errors + 1] = r['err'] break end end "
+        "redis.pcall('LTRIM', k, 0, max_len - 1) at = at + n + 1 end "
+        "return errors"
+    )
 
     # One command for a whole batch: redis-py spends ~5 us packing each pipelined command, so thousands of
     # LRANGEs cost more client time than the server's work. A server-side loop over KEYS does the same reads.

@@ -213,7 +213,7 @@ def test_history_is_bounded_and_newest_last(redis_client: redis.Redis, prefix: s
     assert hist.as_of([1, 1], [t + 100, t + 5]) == [[13, 14, 15], [13, 14]]
 
 
-def test_as_of_reads_each_distinct_user_once_in_one_command(
+def test_appends_and_reads_are_one_command_each_for_every_user(
     redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hist = UserHistory(redis_client, prefix=prefix)
@@ -227,9 +227,9 @@ def test_as_of_reads_each_distinct_user_once_in_one_command(
     monkeypatch.undo()
 
     assert got == [[100, 101], [200], [100, 101, 102], [], [200, 201], []]
-    assert len(spy.pipelines) == 1 and sorted(spy.pipelines[0]) == ["LPUSH"] * 3 + ["LTRIM"] * 3
-    # the reads: one script call (EVALSHA, or SCRIPT LOAD + EVALSHA the first time) for the four users
-    assert [c for c in spy.direct if c not in ("SCRIPT LOAD", "SCRIPT")] == ["EVALSHA"]
+    # the appends and then the reads: one script call each (EVALSHA, or SCRIPT LOAD + EVALSHA the first time), for
+    # the three users appended to and the four read
+    assert spy.pipelines == [] and [c for c in spy.direct if c not in ("SCRIPT LOAD", "SCRIPT")] == ["EVALSHA"] * 2
     assert hist.as_of([], []) == []
 
 
@@ -371,3 +371,34 @@ def test_as_of_flat_later_sends_now_and_answers_as_as_of_flat(redis_client: redi
         damage()
         same([*everyone, 8], [t + 60] * 9)
         same([*everyone, 8], [t + 25] * 9, limit=2)
+
+
+def test_appending_more_entries_than_one_lua_unpack_takes_keeps_every_entry_in_order(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    h = UserHistory(redis_client, prefix=prefix, max_len=20_000)
+    n = 9_001  # three slices of the script's LPUSH
+    h.append_many([7] * n + [8], list(range(n)) + [5], list(range(n)) + [3])
+    stored = redis_client.lrange(h.key(7), 0, -1)
+    assert stored == [f"{i}:{i}".encode() for i in reversed(range(n))]  # newest first, as one LPUSH per entry
+    assert redis_client.lrange(h.key(8), 0, -1) == [b"3:5"]
+
+
+def test_a_key_that_is_not_a_list_fails_the_append_after_every_other_user_is_appended(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    h = UserHistory(redis_client, prefix=prefix, max_len=2)
+    redis_client.set(h.key(2), "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        h.append_many([1, 2, 3, 1, 1], [10, 20, 30, 11, 12], [1, 2, 3, 4, 5])
+    assert redis_client.lrange(h.key(1), 0, -1) == [b"5:12", b"4:11"]  # trimmed to max_len
+    assert redis_client.lrange(h.key(3), 0, -1) == [b"3:30"]
+    assert redis_client.get(h.key(2)) == b"not a list"
+
+
+def test_appends_go_on_after_redis_forgets_its_scripts(redis_client: redis.Redis, prefix: str) -> None:
+    h = UserHistory(redis_client, prefix=prefix)
+    h.append_many([1], [10], [1])
+    redis_client.script_flush()  # a restarted or failed-over Redis: NOSCRIPT, loaded again
+    h.append_many([1], [11], [2])
+    assert redis_client.lrange(h.key(1), 0, -1) == [b"2:11", b"1:10"]
