@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
+from stream.joiner.backpressure import CLICKS as CLICKS_INPUT
+from stream.joiner.backpressure import IMPRESSIONS
 from stream.metrics import DLQ_MESSAGES, EVENTS
 
 if TYPE_CHECKING:
     from stream.joiner.engine import BatchResult, PartitionJoin
 
-__all__ = ["DLQ_MESSAGES", "record"]
+__all__ = ["DLQ_MESSAGES", "held", "record"]
 
 SAMPLES = PCounter("streamrec_join_samples_total", "Samples written, by label.", ["label"])
 CLICKS = PCounter("streamrec_join_clicks_total", "Clicks by outcome (joined, late, orphan, duplicate, "
@@ -26,6 +28,15 @@ OLDEST_PENDING = Gauge("streamrec_join_oldest_pending_age_seconds", "Event time 
                        "waits). "
                        "Above the window, expiry is stuck: the watermark is held back (a click input that stalled).",
                        ["partition"])
+HELD = Gauge("streamrec_join_held_records", "Records read but held back past their partition's event-time frontier "
+             "(the kafka driver's hold, stream/joiner/backpressure.py), by input, over the worker's partitions: memory "
+             "the worker holds until the other input catches up.", ["input"])
+
+
+def held(counts: dict[str, int]) -> None:
+    """The held records per input (absent: none)."""
+    for kind in (IMPRESSIONS, CLICKS_INPUT):
+        HELD.labels(kind).set(counts.get(kind, 0))
 
 
 def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], totals: Counter[str]) -> None:

@@ -427,6 +427,10 @@ class JoinPipeline:
             h.compact()
         self._held_groups = {tp: h for tp, h in self._held_groups.items() if len(h)}
         self.held_counts = {tp: len(h) for tp, h in self._held_groups.items()}
+        by_input: Counter[str] = Counter()
+        for (topic, _), n in self.held_counts.items():
+            by_input[input_of(self.kafka, topic)] += n
+        m.held(by_input)
 
     def _process_runs(self, records: list[Record], behind: Behind | None) -> None:
         """``records`` joined in runs: suspects (messages of a batch that failed before) go alone, in order, so the one

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import orjson
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
 import stream.joiner.engine as engine
 from stream.config import KafkaSettings, RedisSettings
@@ -350,6 +351,10 @@ def test_a_held_click_input_is_not_idle_so_impressions_alone_cannot_expire_what_
     assert p.totals.summary()["late_clicks"] == (0 if held else 1)
 
 
+def held_gauge(kind: str) -> float | None:
+    return REGISTRY.get_sample_value("streamrec_join_held_records", {"input": kind})
+
+
 @pytest.mark.parametrize("passed_again", [True, False], ids=["process", "process_new"])
 def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_up_dead_letters_sent_once(
         passed_again: bool, kafka: KafkaSettings, make) -> None:
@@ -369,7 +374,7 @@ def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_
         if passed_again:
             return p.process(held + records, behind)
         p.process_new(records, behind)
-        return [r for h in p._held_groups.values() for r in h.records[h.lo:]]
+        return p._held_records()
 
     batch = [imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + day),
              Record(kafka.impressions_topic, 0, 2, b"bad", b"{not json"),  # after a held one: held with it
@@ -377,6 +382,7 @@ def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_
     held = step([], batch)
     assert [(r.topic, r.offset) for r in held] == [(kafka.impressions_topic, o) for o in (1, 2, 3)]
     assert p.held_counts == {(kafka.impressions_topic, 0): 3}
+    assert held_gauge("impressions") == 3 and held_gauge("clicks") == 0  # what an operator sees of the hold
     assert p.processed == {(kafka.impressions_topic, 0): 1, (kafka.clicks_topic, 0): 1}  # what may be committed
     assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 0)]
     assert p.totals.counts["dead_lettered"] == 0
@@ -385,6 +391,7 @@ def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_
     assert p.processed[(kafka.impressions_topic, 0)] == 3
     more.clear()  # clicks read to the end: nothing holds c back
     assert step(held, [imp(kafka, 0, 4, "d", T0 + 3 * day)]) == [] and p.held_counts == {}
+    assert held_gauge("impressions") == 0
     assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 0), ("a", 1), ("b", 0), ("c", 0),
                                                                          ("d", 0)]
     assert p.totals.counts["dead_lettered"] == 1
