@@ -136,6 +136,48 @@ def hold_bounds(batch_max: int, partitions: int, gate: InputGate) -> dict[str, H
     return {IMPRESSIONS: HoldBound(high, low), CLICKS: HoldBound(c_high, max(1, c_high * low // high))}
 
 
+class InputPauses:
+    """What a driver keeps paused, for both of its reasons: the gate's waiting-click rule, and the records each input
+    holds past its partition's frontier (``hold_bounds``). Pure logic, shared by the kafka and faust drivers: they ask
+    it after each batch, and pause and resume their consumer's partitions as :meth:`sync` says."""
+
+    def __init__(self, gate: InputGate, batch_max: int) -> None:
+        self.gate, self.batch_max = gate, batch_max
+        self.bounds = hold_bounds(batch_max, 1, gate)  # sized again for each assignment (:meth:`resize`)
+        self.paused: set[Key] = set()  # what the driver's consumer has paused now
+
+    def resize(self, partitions: int) -> None:
+        """The hold's bounds for a worker assigned ``partitions`` partitions."""
+        self.bounds = hold_bounds(self.batch_max, partitions, self.gate)
+
+    def held_inputs(self, held: Mapping[Key, int]) -> set[Key]:
+        """The inputs paused for the records they hold past the frontier, given how many each holds (absent: none):
+        impressions from 16 batches held until a quarter of that is, fewer with many partitions; clicks within the
+        waiting cap's margin. Below the bound an input is read on, its records held in memory: a pause purges the
+        consumer's prefetched messages of the partition and a resume fetches them again."""
+        return set().union(*(bound.update({k: n for k, n in held.items() if k[0] == kind})
+                             for kind, bound in self.bounds.items()))
+
+    def holds_back(self, kind: str, partition: int, waiting: int, behind: Behind) -> bool:
+        """Whether ``kind`` of ``partition`` bounds what is joined of the partition (``hold_limits``' ``behind``): it
+        has more to read, and it is not clicks the gate holds for their ``waiting`` count (which stay paused until
+        impressions come: waiting on them would stop both). An input paused for its held records is ahead of the
+        frontier, not behind it, so it still bounds; once the other input has caught up its held records are joined
+        and it is resumed."""
+        if kind == CLICKS and (kind, partition) in self.gate.paused and waiting > self.gate.low:
+            return False
+        return behind(kind, partition)
+
+    def sync(self, held: Mapping[Key, int]) -> tuple[set[Key], set[Key]]:
+        """(inputs to pause now, inputs to resume now): what the gate or a hold wants paused, against what is. The
+        hold's pauses are counted as the gate counts its own."""
+        want = self.gate.paused | self.held_inputs(held)
+        pause, resume = want - self.paused, self.paused - want
+        self.gate.count(pause - self.gate.paused, resume)
+        self.paused = want  # first: a revoked partition's resume may raise, and it is not paused any more
+        return pause, resume
+
+
 @dataclass
 class InputGate:
     """Which partitions' inputs to pause and resume (module docstring). ``cap``: ``max_waiting_per_partition``."""

@@ -27,8 +27,14 @@ batches ``process`` returned from.
   without a committed offset, which aiokafka's ``seek_to_committed`` leaves where it is, to the first record
   dropped). A revoked partition's records are therefore never processed after its revocation (faust stops the
   flow before it sends ``on_partitions_revoked``), and an assigned one reads again from what was committed.
-* Records the batch did not process (``process`` reports less than it was given): what was acknowledged is
-  committed and the hand is dropped the same way, so they are read again.
+* Records the batch did not process (``process`` reports less than it was given): those ``process`` keeps
+  (:attr:`BatchDelivery.held`: the join's hold, records past their partition's event-time frontier) stay
+  unacknowledged, in memory, and are acknowledged once a later batch processes them; their offsets are never
+  committed before that, so a crash or a rebalance reads them again. When nothing new comes while it keeps records,
+  an empty batch is delivered after a short fetch, for it to join what the other input has caught up with. Records
+  it did not keep: what was acknowledged is committed and the hand is dropped the same way, so they are read again.
+  Whenever the hand is dropped and the partitions sought back, what it keeps is dropped too
+  (:attr:`BatchDelivery.dropped`): the seek reads it again.
 * A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
   drops such records without a seek, so they were not read again until the next rebalance.
 
@@ -87,6 +93,12 @@ class BatchDelivery:
     short_polls: Callable[[], bool]
     # Told how many records are in hand after each fetch, what is left in hand after a batch, 0 when it is dropped.
     in_hand: Callable[[int], None]
+    # Per (topic, partition), how many records ``process`` keeps unprocessed (the last of those it was given, in
+    # memory, to process with a later batch): acknowledged when processed, not read again. None: it keeps none.
+    held: Callable[[], Mapping[tuple[str, int], int]] | None = None
+    # Told that what ``process`` keeps of these (topic, partition)s (None: of all) must be dropped: the hand was dropped
+    # and the partitions sought back to their committed offsets, or they were revoked; either way it is read again.
+    dropped: Callable[[set[tuple[str, int]] | None], None] = lambda _partitions: None
 
 
 class _Dropped(Exception):
@@ -122,6 +134,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
         self._carry_generation = 0  # the group generation in which they were fetched
         self._resumed: set[TP] = set()  # partitions whose start this generation was checked (:meth:`_resume_safely`)
         self._resumed_generation = -1
+        # Per partition, the offsets delivered that ``process`` keeps unprocessed (BatchDelivery.held), ascending: not
+        # acknowledged until a later batch processes them.
+        self._kept: dict[TP, list[int]] = {}
 
     @property
     def delivery(self) -> BatchDelivery:
@@ -143,7 +158,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     continue
                 finally:
                     self.diag.unset_flag(CONSUMER_FETCHING)
-                if batch:
+                if batch or self._kept:  # nothing new: what is kept is offered again (the other input may have come)
                     await self._deliver(batch)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
@@ -177,7 +192,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
         deadline = time.monotonic() + d.within_s if batch else None
         while len(batch) < d.max_records:
             if deadline is None:
-                short, timeout = False, _IDLE_POLL_S
+                short, timeout = False, min(_IDLE_POLL_S, d.within_s) if self._kept else _IDLE_POLL_S
             elif (timeout := deadline - time.monotonic()) <= 0:
                 break
             elif short := d.short_polls() or self._has_backlog():
@@ -194,7 +209,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 d.in_hand(len(batch))
                 if deadline is None:
                     deadline = time.monotonic() + d.within_s
-            elif batch and short:
+            elif (batch and short) or (not batch and self._kept):
                 break
         if len(batch) > d.max_records:
             self._carry, self._carry_generation = batch[d.max_records:], generation
@@ -248,10 +263,15 @@ class BatchConsumer(faust_aiokafka.Consumer):
         """Drop the ``records`` in hand, unprocessed, and seek back to the committed offsets (module docstring); a
         partition without a committed offset (aiokafka's ``seek_to_committed`` leaves those where they are) seeks
         back to ``first``, the first offset dropped of it, or that record would never be read again."""
-        if records:
-            self.log.info("dropping %d record(s) in hand, unprocessed (the flow stopped or the generation moved on); "
-                          "seeking back to the committed offsets", records)
+        for tp, kept in self._kept.items():  # kept before the hand: the first of them is the first to read again
+            first[tp] = min(first.get(tp, kept[0]), kept[0])
+        if records or self._kept:
+            self.log.info("dropping %d record(s) in hand and %d kept, unprocessed (the flow stopped or the generation "
+                          "moved on); seeking back to the committed offsets", records,
+                          sum(map(len, self._kept.values())))
         self._carry = []
+        self._kept = {}
+        self.delivery.dropped(None)
         self.delivery.in_hand(0)
         try:
             await self.perform_seek()
@@ -298,17 +318,21 @@ class BatchConsumer(faust_aiokafka.Consumer):
             processed = self.delivery.process(batch)
         finally:
             self.delivery.in_hand(len(self._carry))
-        offsets: dict[TP, list[int]] = {}
+        offsets, self._kept = self._kept, {}  # what process() kept from earlier batches comes first
         for (topic, partition), run in groupby(batch, _TOPIC_PARTITION):  # runs of one partition, offsets ascending
             offsets.setdefault(TP(topic, partition), []).extend(map(_OFFSET, run))
-        left: dict[TP, int] = {}  # per partition, the first record process() did not process
+        left: dict[TP, int] = {}  # per partition, the first record process() did not process (nor keep)
+        held = self.delivery.held() if self.delivery.held is not None else {}
         now = time.monotonic()
         monitor = self.app.monitor
         for tp, offs in offsets.items():
             upto = processed.get((tp.topic, tp.partition))
             done = 0 if upto is None else bisect_left(offs, upto)  # offsets ascending: what process() did is a prefix
             if done < len(offs):
-                left[tp] = offs[done]
+                if held.get((tp.topic, tp.partition)) == len(offs) - done:
+                    self._kept[tp] = offs[done:]  # kept by process(): acknowledged once a later batch processes them
+                else:
+                    left[tp] = offs[done]
             if done:
                 self.ack_offsets(tp, offs if done == len(offs) else offs[:done])
                 if monitor is not None:
@@ -321,6 +345,11 @@ class BatchConsumer(faust_aiokafka.Consumer):
         elif commit_every is not None and self._n_acked >= commit_every:
             self._n_acked = 0
             await self.commit()
+
+    def forget_kept(self, partitions: set[TP]) -> None:
+        """What ``process`` kept of ``partitions`` is dropped (revoked: their next owner reads it); it is told so."""
+        self._kept = {tp: kept for tp, kept in self._kept.items() if tp not in partitions}
+        self.delivery.dropped({(tp.topic, tp.partition) for tp in partitions})
 
     def ack_offsets(self, tp: TP, offsets: list[int]) -> None:
         """``Consumer.ack`` for a partition's processed offsets at once: what faust's commit reads."""

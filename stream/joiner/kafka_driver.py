@@ -44,7 +44,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 
 from stream.config import KafkaSettings
 from stream.errors import clip
-from stream.joiner.backpressure import CLICKS, InputGate, Key, hold_bounds, input_of, topic_of
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
 from stream.kafka import consumer_config, has_more, resume_offsets
@@ -80,14 +80,13 @@ class KafkaJoinWorker:
         self._backoff_s = 1.0
         self.recoveries = 0
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
-        self._paused: set[Key] = set()  # what the consumer has paused now: the gate's and the held inputs
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
         # The gate's waiting-click rule only; event time is the hold's (module docstring). Without the hold (no drift
         # configured, or backpressure off) the gate has no event-time rule either.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
-        self.hold_bounds = hold_bounds(js.batch_max, 1, self.gate)  # sized again for each assignment
+        self.pauses = InputPauses(self.gate, js.batch_max)  # what the consumer has paused: the gate's and the hold's
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024}))
@@ -117,7 +116,7 @@ class KafkaJoinWorker:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
         consumer.assign(resume_offsets(consumer, partitions))
         self._assigned |= {tp.partition for tp in partitions}
-        self.hold_bounds = hold_bounds(self.js.batch_max, len(self._assigned), self.gate)
+        self.pauses.resize(len(self._assigned))
         self._idle_since = time.monotonic()
 
     def run(self) -> int:
@@ -167,8 +166,9 @@ class KafkaJoinWorker:
         got: list[Any] = []
         deadline = time.monotonic() + self.js.batch_within_s
         while len(got) < self.js.batch_max and (left := deadline - time.monotonic()) > 0:
-            msgs = self.consumer.consume(self.js.batch_max - len(got), min(left, _POLL_S) if self._paused else left)
-            if not msgs and got and self._paused:
+            paused = self.pauses.paused
+            msgs = self.consumer.consume(self.js.batch_max - len(got), min(left, _POLL_S) if paused else left)
+            if not msgs and got and paused:
                 break
             got.extend(msgs)
         return got
@@ -198,24 +198,9 @@ class KafkaJoinWorker:
         return True
 
     def _holds_back(self, kind: str, partition: int) -> bool:
-        """Whether ``kind`` of ``partition`` bounds what is joined of the partition (pipeline.process): it has more
-        to read, and it is not clicks the gate holds for their waiting count (which stay paused until impressions
-        come: waiting on them would stop both). An input paused for its held records (``held_inputs``) is ahead of
-        the frontier, not behind it, so it still bounds; once the other input has caught up its held records are
-        joined and it is resumed."""
-        if kind == CLICKS and (kind, partition) in self.gate.paused and \
-                self.pipeline.waiting().get(partition, 0) > self.gate.low:
-            return False
-        return self._behind(kind, partition)
-
-    def held_inputs(self) -> set[Key]:
-        """The inputs paused for the records they hold past the frontier (``hold_bounds``: impressions from 16
-        batches held until a quarter of that is, fewer with many partitions; clicks within the waiting cap's margin).
-        Below the bound an input is read on, its records held in memory: a pause purges the consumer's prefetched
-        messages of the partition and a resume fetches them again."""
-        held = {(input_of(self.kafka, t), p): n for (t, p), n in self.pipeline.held_counts.items()}
-        return set().union(*(bound.update({k: n for k, n in held.items() if k[0] == kind})
-                             for kind, bound in self.hold_bounds.items()))
+        """``InputPauses.holds_back`` over this consumer: whether ``kind`` of ``partition`` bounds what is joined."""
+        waiting = self.pipeline.waiting().get(partition, 0) if kind == CLICKS else 0
+        return self.pauses.holds_back(kind, partition, waiting, self._behind)
 
     def _topic(self, kind: str) -> str:
         return topic_of(self.kafka, kind)
@@ -232,11 +217,8 @@ class KafkaJoinWorker:
 
     def _sync_pauses(self) -> set[Key]:
         """Pause what the gate or a hold wants paused and resume the rest; returns the inputs resumed."""
-        want = self.gate.paused | self.held_inputs()
-        self.pipeline.clicks_held = {p for k, p in want if k == CLICKS}
-        pause, resume = want - self._paused, self._paused - want
-        self.gate.count(pause - self.gate.paused, resume)  # the hold's pauses, counted as the gate counts its own
-        self._paused = want  # first: a revoked partition's resume may raise, and it is not paused any more
+        pause, resume = self.pauses.sync(self.pipeline.held_per_input())
+        self.pipeline.clicks_held = {p for k, p in self.pauses.paused if k == CLICKS}
         if pause:
             self.consumer.pause([TopicPartition(self._topic(k), p) for k, p in sorted(pause)])
         if resume:

@@ -428,9 +428,13 @@ class JoinPipeline:
         self._held_groups = {tp: h for tp, h in self._held_groups.items() if len(h)}
         self.held_counts = {tp: len(h) for tp, h in self._held_groups.items()}
         by_input: Counter[str] = Counter()
-        for (topic, _), n in self.held_counts.items():
-            by_input[input_of(self.kafka, topic)] += n
+        for (kind, _), n in self.held_per_input().items():
+            by_input[kind] += n
         m.held(by_input)
+
+    def held_per_input(self) -> dict[Key, int]:
+        """``held_counts`` per (input, partition) (``backpressure.py``'s keys): what a driver's hold bounds pause on."""
+        return {(input_of(self.kafka, topic), p): n for (topic, p), n in self.held_counts.items()}
 
     def _process_runs(self, records: list[Record], behind: Behind | None) -> None:
         """``records`` joined in runs: suspects (messages of a batch that failed before) go alone, in order, so the one

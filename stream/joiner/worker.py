@@ -24,13 +24,16 @@ error handling commits what was acknowledged; its agents acknowledge a crashed b
 with status 1 (``os._exit``) from inside the batch call, before the consumer acknowledges anything of it, for its
 supervisor to restart it. The pipeline has given the batch's messages their strikes (``stream/strikes.py``).
 
-Backpressure (``backpressure.py``): after each batch the worker pauses a partition's clicks while their waiting
-count is near ``max_waiting_per_partition`` and its impressions have more to read (faust's
-``pause_partitions``; records already fetched still arrive), and resumes them when the
-impressions catch up or before an idle exit. The event-time rule (``max_input_drift_s``) is the kafka
-driver's only: faust counts what it has fetched as read, and with the rule on (still under an agent), a
-``fake_negative`` run on the test stream exited with a third of its impressions unread and its waiting
-clicks drained as orphans. Not understood yet; for a backlog, ``--driver kafka``.
+Backpressure (``backpressure.py``), as in the kafka driver: event time is kept aligned by the hold. The records of a
+partition past its event-time frontier (``backpressure.hold_limits``, with ``max_input_drift_s``: one fetch can bring
+an input minutes ahead of the other) are kept by the pipeline (``JoinPipeline.process_new``) and joined with a later
+batch; faust's consumer acknowledges them only then (``faust_delivery``: kept records), so a crash or a rebalance reads
+them again. Without it, impressions a fetch brought ahead of their clicks went out as observed 0s minutes before the
+delayed positives of older impressions, and the waiting-click cap alone let impressions outrun their clicks past the
+window. An input is paused (faust's ``pause_partitions``; records already fetched still arrive) for the memory its
+held records take (``backpressure.InputPauses``), and a partition's clicks while their waiting count is near
+``max_waiting_per_partition`` and its impressions have more to read; everything is resumed, and what is held joined,
+before an idle exit. The gate's own event-time rule is not used, as in the kafka driver.
 
 faust's Tables are not used for the join state: a Table sends one changelog record per write and
 routes it by the current event, which a batch blurs; the pipeline's state log writes one record per
@@ -60,16 +63,16 @@ import ssl
 import sys
 import tempfile
 import time
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import faust
 from faust.types import TP
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
-from stream.joiner.backpressure import CLICKS, InputGate, Key, topic_of
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, topic_of
 from stream.joiner.config import JoinerSettings
-from stream.joiner.faust_delivery import BatchDelivery, Processed, install
+from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
 
 log = logging.getLogger("streamrec.join")
@@ -128,10 +131,12 @@ class FaustJoinWorker:
         self._records_in_hand = 0
         self._stopping = False
         self._assigned: set[int] = set()  # the partitions assigned now (both topics: co-partitioned)
-        # The waiting-click cap only, no event-time rule (module docstring): with it, a fake_negative run on the
-        # test stream exited with impressions unread (not understood yet; the kafka driver has the rule).
+        # The gate's waiting-click rule only; event time is the hold's (module docstring), as in the kafka driver.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
+        self.pauses = InputPauses(self.gate, js.batch_max)  # what the consumer has paused: the gate's and the hold's
+        self._hold = js.backpressure and js.max_input_drift_s is not None
+        self._join_held = False  # set by the idle check: the next batch joins what is held, whatever the frontier
         self.worker: faust.Worker | None = None
         # faust writes its table and app-id files under datadir (default: "<app-id>-data" in the working
         # directory, one per test run). The memory store keeps no state there, so a private temporary directory,
@@ -158,8 +163,9 @@ class FaustJoinWorker:
             topic_allow_declare=False,  # the pipeline creates the topics it needs
         )
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
-                                   within_s=self.js.batch_within_s, short_polls=lambda: bool(self.gate.paused),
-                                   in_hand=self._in_hand))
+                                   within_s=self.js.batch_within_s, short_polls=lambda: bool(self.pauses.paused),
+                                   in_hand=self._in_hand, held=lambda: self.pipeline.held_counts,
+                                   dropped=self._drop_held))
         # Subscribed through faust's Conductor as an agent's topic would be; delivered in batches by faust_delivery.
         app.topics.add(app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw"))
         app.timer(0.25)(self._idle_check)
@@ -172,20 +178,29 @@ class FaustJoinWorker:
         """One batch, called by faust's consumer (faust_delivery.py), which acknowledges what this returns as
         processed once it returned; on an exception the process exits here, before anything is acknowledged."""
         self._busy = True
+        held_before = self.pipeline.held_counts
+        behind = self._holds_back if self._hold and not self._join_held else None
+        self._join_held = False
         try:
             # every assigned partition's state in one read of the state log, not one per partition as each first
             # appears in a batch (each read costs a consumer's start-up and an end-of-partition wait)
             if missing := self._assigned - set(self.pipeline.engines):
                 self.pipeline.restore(missing)
-            self.pipeline.process(records)
+            self.pipeline.process_new(records, behind)  # what it holds back it keeps, and faust does not acknowledge
             processed = self.pipeline.processed
         except BaseException:
             self._die("a batch failed")
         finally:
             self._busy = False
+        if records or processed or self.pipeline.held_counts != held_before:  # not an offer of what is held alone
             self._idle_since = time.monotonic()
         self._apply_gate()
         return processed
+
+    def _drop_held(self, partitions: set[tuple[str, int]] | None) -> None:
+        """faust's consumer dropped what the pipeline holds of ``partitions`` (None: all): it is read again."""
+        self.pipeline.drop_held(set(self.pipeline.held_counts) if partitions is None else partitions)
+        self._sync_pauses()
 
     def _in_hand(self, n: int) -> None:
         """faust's consumer holds ``n`` records not processed yet: not idle."""
@@ -205,20 +220,28 @@ class FaustJoinWorker:
     async def _on_assigned(self, sender: Any, assigned: set, **kwargs: Any) -> None:
         self._idle_since = time.monotonic()  # idleness counts from when there is something to read
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
+        self.pauses.resize(len(self._assigned))
 
     async def _on_revoked(self, sender: Any, revoked: set, **kwargs: Any) -> None:
         # a rebalance under way is not idleness: a member that died hands its partitions over only now (the group
         # noticed it ~25 s after a SIGKILL on the local broker), and a survivor that exited idle meanwhile left
         # them unread; idleness counts again from the assignment (_on_assigned)
         self._idle_since = time.monotonic()
-        self.pipeline.forget({tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic})
+        gone = {tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic}
+        self.pipeline.forget(gone)  # their held records too: unacknowledged, the next owner reads them
+        cast(BatchConsumer, self.app.consumer).forget_kept({TP(tp.topic, tp.partition) for tp in revoked})
         self._assigned -= {tp.partition for tp in revoked}
         # faust keeps its paused set across a rebalance (a re-assigned partition stays paused): resume them
-        gone = {tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic}
-        self._set_paused(self.gate.release(gone), False)
+        self.gate.release(gone)
+        self._sync_pauses()
 
     def _topic(self, kind: str) -> str:
         return topic_of(self.kafka, kind)
+
+    def _holds_back(self, kind: str, partition: int) -> bool:
+        """``InputPauses.holds_back`` over faust's consumer: whether ``kind`` of ``partition`` bounds what is joined."""
+        waiting = self.pipeline.waiting().get(partition, 0) if kind == CLICKS else 0
+        return self.pauses.holds_back(kind, partition, waiting, self._behind)
 
     def _behind(self, kind: str, partition: int) -> bool:
         """Whether ``kind``'s input of ``partition`` has more to read (faust's tracked high water and read offset)."""
@@ -235,28 +258,31 @@ class FaustJoinWorker:
         return read is None or read + 1 < high
 
     def _apply_gate(self) -> None:
-        pause, resume = self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)
-        self._set_paused(pause, True)
-        self._set_paused(resume, False)
+        self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)
+        self._sync_pauses()
 
-    def _set_paused(self, keys: set[Key], paused: bool) -> None:
-        self.pipeline.clicks_held = self.gate.held(CLICKS)
-        if not keys:
-            return
-        tps = {TP(self._topic(k), p) for k, p in keys}
-        if paused:
-            log.info("paused for backpressure: %s", sorted(keys))
-            self.app.consumer.pause_partitions(tps)
-        else:
-            self.app.consumer.resume_partitions(tps)
+    def _sync_pauses(self) -> None:
+        """Pause what the gate or a hold wants paused and resume the rest."""
+        pause, resume = self.pauses.sync(self.pipeline.held_per_input())
+        self.pipeline.clicks_held = {p for k, p in self.pauses.paused if k == CLICKS}
+        if pause:
+            log.info("paused for backpressure: %s", sorted(pause))
+            self.app.consumer.pause_partitions({TP(self._topic(k), p) for k, p in pause})
+        if resume:
+            self.app.consumer.resume_partitions({TP(self._topic(k), p) for k, p in resume})
 
     async def _idle_check(self) -> None:
         limit = self.js.exit_when_idle_s
         if limit is None or self._stopping or self._busy or self._records_in_hand or \
                 time.monotonic() - self._idle_since < limit:
             return
-        if self.gate.paused:  # never end a run with an input held back: read it first
-            self._set_paused(self.gate.release(), False)
+        if self.pipeline.held_counts:  # never end a run with records held: the next batch joins them all
+            self._join_held = True
+            self._idle_since = time.monotonic()
+            return
+        if self.pauses.paused:  # nor with an input held back: read it first
+            self.gate.release()
+            self._sync_pauses()
             self._idle_since = time.monotonic()
             return
         self._stopping = True

@@ -78,3 +78,101 @@ def test_a_partition_starting_past_the_brokers_reported_high_watermark_moves_bac
     assert len(seeks) == 2
     asyncio.run(resume(fake, 2, {}))  # type: ignore[arg-type]  # a rebalance: every partition's start again
     assert seeks[2:] == [(stuck, 9), (unknown, 39), (fed, 2)]
+
+
+def _delivering(process, held):  # noqa: ANN001, ANN202 - a fake BatchConsumer for _deliver / _drop
+    """What ``BatchConsumer._deliver`` and ``_drop`` use of the consumer; records acknowledgements, drops, seeks."""
+    import logging
+
+    from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery
+
+    done: dict[str, list] = {"acked": [], "dropped": [], "seeks": [], "drops": []}
+
+    async def commit() -> None:
+        return None
+
+    async def perform_seek() -> None:
+        return None
+
+    async def seek(tp, offset: int) -> None:  # noqa: ANN001
+        done["seeks"].append((tp, offset))
+
+    fake = SimpleNamespace(
+        delivery=BatchDelivery(process=process, max_records=100, within_s=0.1, short_polls=lambda: False,
+                               in_hand=lambda n: None, held=held, dropped=done["dropped"].append),
+        _kept={}, _carry=[], _commit_every=None, _n_acked=0, commit=commit, perform_seek=perform_seek, seek=seek,
+        app=SimpleNamespace(monitor=None), assignment=lambda: set(), _read_offset={}, log=logging.getLogger("test"),
+        ack_offsets=lambda tp, offsets: done["acked"].append((tp, list(offsets))))
+
+    async def drop(first: dict, records: int) -> None:
+        done["drops"].append((dict(first), records))
+        await BatchConsumer._drop(fake, first, records)  # type: ignore[arg-type]
+
+    fake._drop = drop
+    return fake, done
+
+
+def test_records_the_join_keeps_are_acknowledged_only_once_a_later_batch_processes_them() -> None:
+    import asyncio
+
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+    from stream.joiner.pipeline import Record
+
+    tp = TP("impressions", 0)
+    turns = iter([({("impressions", 0): 2}, {("impressions", 0): 3}),  # 0, 1 joined; 2-4 held past the frontier
+                  ({("impressions", 0): 6}, {("impressions", 0): 1}),  # the held ones and 5 joined; 6 held
+                  ({("impressions", 0): 7}, {})])  # nothing new: 6 joined
+    held_now: dict = {}
+
+    def process(records: list) -> dict:
+        processed, held = next(turns)
+        held_now.clear()
+        held_now.update(held)
+        return processed
+
+    fake, done = _delivering(process, lambda: held_now)
+
+    def deliver(offsets: range) -> None:
+        asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, o, None, b"") for o in offsets]))  # type: ignore[arg-type]
+
+    deliver(range(5))
+    assert done["acked"] == [(tp, [0, 1])] and fake._kept == {tp: [2, 3, 4]}
+    deliver(range(5, 7))
+    assert done["acked"][1:] == [(tp, [2, 3, 4, 5])] and fake._kept == {tp: [6]}
+    deliver(range(0))  # what _drain_messages offers while records are kept and nothing new came
+    assert done["acked"][2:] == [(tp, [6])] and fake._kept == {}
+    assert done["drops"] == [] and done["dropped"] == []  # nothing read again
+
+
+def test_unprocessed_records_the_join_does_not_keep_are_read_again_from_the_first_kept_one() -> None:
+    import asyncio
+
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+    from stream.joiner.pipeline import Record
+
+    tp = TP("impressions", 0)
+    # 3, 4 kept from before; this batch (5-7) processes nothing and the join says it holds only 2 (not the 5 left)
+    fake, done = _delivering(lambda records: {}, lambda: {("impressions", 0): 2})
+    fake._kept = {tp: [3, 4]}
+    fake.assignment = lambda: {tp}
+    fake._read_offset = {tp: None}  # no committed offset: perform_seek leaves it, so the drop seeks it itself
+    asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, o, None, b"") for o in (5, 6, 7)]))  # type: ignore[arg-type]
+    assert done["acked"] == []
+    assert done["seeks"] == [(tp, 3)]  # the first record not acknowledged, the kept ones first
+    assert done["dropped"] == [None] and fake._kept == {}  # the join drops what it holds: it is read again
+
+
+def test_a_revocation_drops_what_the_join_keeps_of_the_revoked_partitions_only() -> None:
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    a, b = TP("impressions", 0), TP("clicks", 1)
+    fake, done = _delivering(lambda records: {}, lambda: {})
+    fake._kept = {a: [1, 2], b: [7]}
+    BatchConsumer.forget_kept(fake, {b})  # type: ignore[arg-type]
+    assert fake._kept == {a: [1, 2]} and done["dropped"] == [{("clicks", 1)}]

@@ -91,7 +91,7 @@ def test_the_kafka_worker_sizes_its_hold_for_each_assignment() -> None:
             worker._assigned.clear()  # as a revocation leaves it
             worker._on_assign(Consumer(), [TopicPartition(t, p) for p in range(n)  # type: ignore[arg-type]
                                            for t in (kafka.impressions_topic, kafka.clicks_topic)])
-            return worker.hold_bounds[IMPRESSIONS].high // js.batch_max
+            return worker.pauses.bounds[IMPRESSIONS].high // js.batch_max
 
         assert assign(4) == HOLD_BATCHES
         assert assign(32) == HOLD_BUDGET // 32
