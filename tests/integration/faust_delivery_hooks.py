@@ -4,13 +4,14 @@
 per event to the file named by ``STREAMREC_TEST_DELIVERY_LOG``:
 
 * ``{"batch": n, "size": ..., "tps": {"topic:partition": [first, last]}, "events": ...}`` as each
-  ``JoinPipeline.process`` call starts (``events``: faust ``Event`` objects created so far);
+  ``JoinPipeline.process_new`` call starts (``events``: faust ``Event`` objects created so far; size 0: the driver
+  offers what the pipeline holds again);
 * ``{"returned": n}`` when it returned;
 * ``{"commit": {"topic:partition": offset}, "ahead": [...]}`` for every offset commit faust sends to the
-  broker, ``ahead`` naming the partitions whose committed offset lies past the records of the batches that
-  had returned by then (offsets running ahead of the state).
+  broker, ``ahead`` naming the partitions whose committed offset lies past the records the returned batches
+  processed (``JoinPipeline.processed``: offsets running ahead of the state; records held back are not processed).
 
-With ``STREAMREC_TEST_FAIL_BATCH=n`` the n-th ``process`` call raises instead (an unexpected failure in a batch).
+With ``STREAMREC_TEST_FAIL_BATCH=n`` the n-th ``process_new`` call raises instead (an unexpected failure in a batch).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from stream.joiner.pipeline import JoinPipeline, Record
 
 _LOG = open(os.environ["STREAMREC_TEST_DELIVERY_LOG"], "a", buffering=1)  # noqa: SIM115 - lives with the process
 _FAIL_AT = int(os.environ.get("STREAMREC_TEST_FAIL_BATCH", "0"))
-_process = JoinPipeline.process
+_process_new = JoinPipeline.process_new
 _commit = faust_delivery.BatchConsumer._commit
 _event_init = Event.__init__
-_returned: dict[str, int] = {}  # "topic:partition" -> the offset after the last record of the batches that returned
+_returned: dict[str, int] = {}  # "topic:partition" -> the offset after the last record the returned batches processed
 _batches = 0
 _events = 0
 
@@ -45,7 +46,7 @@ def _counting_event_init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002
     _event_init(self, *args, **kwargs)
 
 
-def _probed_process(self, records: list[Record], behind=None):  # noqa: ANN001, ANN202 - a patch
+def _probed_process_new(self, records: list[Record], behind=None):  # noqa: ANN001, ANN202 - a patch
     global _batches
     _batches += 1
     tps: dict[str, list[int]] = {}
@@ -55,11 +56,11 @@ def _probed_process(self, records: list[Record], behind=None):  # noqa: ANN001, 
     _write({"batch": _batches, "size": len(records), "tps": tps, "events": _events})
     if _batches == _FAIL_AT:
         raise RuntimeError(f"injected fault in batch {_batches}")
-    held = _process(self, records, behind)
-    for tp, (_, last) in tps.items():
-        _returned[tp] = max(_returned.get(tp, 0), last + 1)
+    _process_new(self, records, behind)
+    for (topic, partition), end in self.processed.items():
+        tp = f"{topic}:{partition}"
+        _returned[tp] = max(_returned.get(tp, 0), end)
     _write({"returned": _batches})
-    return held
 
 
 async def _probed_commit(self, offsets):  # noqa: ANN001, ANN202 - a patch
@@ -70,7 +71,7 @@ async def _probed_commit(self, offsets):  # noqa: ANN001, ANN202 - a patch
 
 
 Event.__init__ = _counting_event_init  # type: ignore[method-assign]
-JoinPipeline.process = _probed_process  # type: ignore[method-assign]
+JoinPipeline.process_new = _probed_process_new  # type: ignore[method-assign]
 faust_delivery.BatchConsumer._commit = _probed_commit  # type: ignore[method-assign]
 
 if __name__ == "__main__":
