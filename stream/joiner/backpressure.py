@@ -22,10 +22,10 @@ nothing more is coming to catch up with). Pausing never skips: the consumer's po
 stopped. In a live stream both inputs sit at the present and nothing is paused.
 
 Pure logic: the drivers (``kafka_driver.py`` pauses librdkafka partitions, ``worker.py`` faust's) ask it
-what to pause and resume after each batch, and resume everything before an idle exit. The kafka driver uses the
-gate's waiting-click rule only: it keeps event time aligned with :func:`hold_limits` (what one batch joins) and pauses
-an input only for the memory its held records take (:class:`HoldBound`), since each pause purges what the consumer
-prefetched (the event-time rule paused and resumed a replay's inputs nearly every batch).
+what to pause and resume after each batch (:class:`InputPauses`), and resume everything before an idle exit. Both
+drivers use the gate's waiting-click rule only: they keep event time aligned with :func:`hold_limits` (what one batch
+joins) and pause an input only for the memory its held records take (:class:`HoldBound`), since each pause purges what
+the consumer prefetched (the event-time rule paused and resumed a replay's inputs nearly every batch).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class InputGate:
         return pause, resume
 
     def count(self, pause: set[Key], resume: set[Key]) -> None:
-        """Count and show pauses a driver made for its own reasons (the kafka driver's :class:`HoldBound`) as the
+        """Count and show pauses a driver made for its own reasons (a :class:`HoldBound`'s) as the
         gate's are: ``pauses`` and the metrics cover every input paused for backpressure."""
         for kind, p in pause:
             self.pauses[kind] += 1
