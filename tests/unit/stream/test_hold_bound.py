@@ -1,11 +1,21 @@
-"""HoldBound: the kafka driver pauses an input for the records it holds past the frontier, with hysteresis, so a
-replay's leading input is not paused and resumed (its prefetched messages purged and fetched again) every batch."""
+"""HoldBound: a join driver pauses an input for the records it holds past the frontier, with hysteresis, so a
+replay's leading input is not paused and resumed (its prefetched messages purged and fetched again) every batch; and
+InputPauses, what both drivers keep paused for the gate and for the hold."""
 
 from __future__ import annotations
 
 import pytest
 
-from stream.joiner.backpressure import CLICKS, HOLD_BATCHES, HOLD_BUDGET, IMPRESSIONS, HoldBound, InputGate, hold_bounds
+from stream.joiner.backpressure import (
+    CLICKS,
+    HOLD_BATCHES,
+    HOLD_BUDGET,
+    IMPRESSIONS,
+    HoldBound,
+    InputGate,
+    InputPauses,
+    hold_bounds,
+)
 
 
 def test_an_input_is_paused_at_the_high_mark_and_stays_paused_until_the_low_mark() -> None:
@@ -98,3 +108,37 @@ def test_the_kafka_worker_sizes_its_hold_for_each_assignment() -> None:
         assert assign(1000) == 1
     finally:
         worker.consumer.close()
+
+
+def test_a_driver_pauses_what_the_gate_or_the_hold_wants_and_resumes_the_rest_counting_only_the_holds_pauses() -> None:
+    gate = InputGate(cap=100, max_drift_ms=None, headroom=10)
+    pauses = InputPauses(gate, batch_max=10)
+    high = pauses.bounds[IMPRESSIONS].high  # 16 batches of 10 held: one partition assigned
+    imp0, clk1 = (IMPRESSIONS, 0), (CLICKS, 1)
+    gate.paused = {clk1}  # the gate's own pause (it counts those itself)
+    assert pauses.sync({imp0: high}) == ({imp0, clk1}, set())
+    assert gate.pauses == {IMPRESSIONS: 1, CLICKS: 0}  # the hold's pause counted; the gate's not twice
+    assert pauses.sync({imp0: high}) == (set(), set())  # nothing changed: nothing to do
+    gate.paused = set()
+    assert pauses.sync({imp0: high // 4}) == (set(), {imp0, clk1})  # at the low mark, and the gate let go
+    assert pauses.paused == set()
+
+
+def test_clicks_the_gate_holds_for_their_waiting_count_do_not_hold_the_impressions_back() -> None:
+    gate = InputGate(cap=100, max_drift_ms=None)
+    pauses = InputPauses(gate, batch_max=10)
+    gate.paused = {(CLICKS, 0)}
+
+    def behind(kind: str, partition: int) -> bool:
+        return True  # both inputs have more to read
+
+    assert not pauses.holds_back(CLICKS, 0, waiting=gate.low + 1, behind=behind)  # waiting on them would stop both
+    assert pauses.holds_back(CLICKS, 0, waiting=gate.low, behind=behind)  # the waiting ones are down: they bound again
+    assert pauses.holds_back(IMPRESSIONS, 0, waiting=gate.low + 1, behind=behind)
+    assert not pauses.holds_back(IMPRESSIONS, 0, waiting=0, behind=lambda kind, p: False)  # read to the end
+
+
+def test_the_holds_bound_is_sized_again_for_each_assignment() -> None:
+    pauses = InputPauses(InputGate(cap=100_000, max_drift_ms=None), batch_max=5000)
+    pauses.resize(32)
+    assert pauses.bounds[IMPRESSIONS].high == HOLD_BUDGET // 32 * 5000
