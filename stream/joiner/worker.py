@@ -49,7 +49,9 @@ Security: the ``[kafka]`` security settings reach faust (aiokafka underneath) as
   the faust driver refuses it (a ConfigError naming ``--driver kafka``, which supports it).
 * ``[kafka.extra]``: those are librdkafka properties. Two are mapped onto the TLS context
   (``ssl.endpoint.identification.algorithm = none``: no host-name check; ``enable.ssl.certificate.verification
-  = false``: no verification at all); every other key is ignored by faust, with a warning naming it.
+  = false``: no verification at all), and ``max.partition.fetch.bytes`` onto faust's ``consumer_max_fetch_size``
+  (the same limit: what one fetch brings of a partition; 8 MB when unset); every other key is ignored by faust, with
+  a warning naming it.
 * GSSAPI (Kerberos) is not offered by streamrec's settings at all.
 """
 
@@ -77,8 +79,26 @@ from stream.joiner.pipeline import JoinPipeline, Record
 
 log = logging.getLogger("streamrec.join")
 
-# librdkafka properties of [kafka.extra] that broker_credentials maps onto the TLS context.
-_FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification")
+# librdkafka properties of [kafka.extra] that the faust driver maps: onto the TLS context (broker_credentials), and
+# onto faust's per-partition fetch size (_fetch_bytes).
+_FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification",
+                       "max.partition.fetch.bytes")
+_FETCH_BYTES = 8 * 1024 * 1024  # faust's consumer_max_fetch_size (aiokafka's max_partition_fetch_bytes) when unset
+
+
+def _fetch_bytes(kafka: KafkaSettings) -> int:
+    """``[kafka.extra] max.partition.fetch.bytes`` as faust's ``consumer_max_fetch_size``: the most one fetch brings of
+    a partition (librdkafka's property of the same meaning, which the kafka driver gets as it is)."""
+    raw = kafka.extra.get("max.partition.fetch.bytes")
+    if raw is None:
+        return _FETCH_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"[kafka.extra] max.partition.fetch.bytes: {raw!r} is not a positive number of bytes")
+    return value
 
 
 def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
@@ -158,7 +178,7 @@ class FaustJoinWorker:
             broker_heartbeat_interval=max(0.5, k.session_timeout_ms / 6000),
             consumer_auto_offset_reset="earliest",
             broker_max_poll_records=self.js.batch_max,
-            consumer_max_fetch_size=8 * 1024 * 1024,
+            consumer_max_fetch_size=_fetch_bytes(k),
             web_enabled=False,
             topic_allow_declare=False,  # the pipeline creates the topics it needs
         )

@@ -176,3 +176,29 @@ def test_a_revocation_drops_what_the_join_keeps_of_the_revoked_partitions_only()
     fake._kept = {a: [1, 2], b: [7]}
     BatchConsumer.forget_kept(fake, {b})  # type: ignore[arg-type]
     assert fake._kept == {a: [1, 2]} and done["dropped"] == [{("clicks", 1)}]
+
+
+def test_the_faust_driver_takes_librdkafkas_fetch_limit_as_faust_s_own_and_refuses_a_bad_one() -> None:
+    import logging
+
+    import pytest
+
+    from stream.config import KafkaSettings
+    from stream.errors import ConfigError
+    from stream.joiner.worker import _FETCH_BYTES, _fetch_bytes, broker_credentials
+
+    assert _fetch_bytes(KafkaSettings()) == _FETCH_BYTES  # unset: faust's fetch size as before
+    assert _fetch_bytes(KafkaSettings(extra={"max.partition.fetch.bytes": "65536"})) == 65536
+    for bad in ("64k", "0", "-1"):
+        with pytest.raises(ConfigError, match="max.partition.fetch.bytes"):
+            _fetch_bytes(KafkaSettings(extra={"max.partition.fetch.bytes": bad}))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("streamrec.join").addHandler(handler)
+    try:  # mapped, so not named among the properties faust ignores
+        broker_credentials(KafkaSettings(extra={"max.partition.fetch.bytes": "65536", "fetch.wait.max.ms": "5"}))
+    finally:
+        logging.getLogger("streamrec.join").removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "[kafka.extra] fetch.wait.max.ms: librdkafka properties, not applied to the faust driver"]
