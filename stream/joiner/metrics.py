@@ -29,7 +29,7 @@ OLDEST_PENDING = Gauge("streamrec_join_oldest_pending_age_seconds", "Event time 
                        "Above the window, expiry is stuck: the watermark is held back (a click input that stalled).",
                        ["partition"])
 HELD = Gauge("streamrec_join_held_records", "Records read but held back past their partition's event-time frontier "
-             "(the kafka driver's hold, stream/joiner/backpressure.py), by input, over the worker's partitions: memory "
+             "(either driver's hold, stream/joiner/backpressure.py), by input, over the worker's partitions: memory "
              "the worker holds until the other input catches up.", ["input"])
 
 
