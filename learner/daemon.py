@@ -295,7 +295,7 @@ class Learner:
         assert self.mapper is not None
         self.mapper.load_state_dict(ckpt.get("id_maps", {}))
         self.quality.load_state_dict(ckpt)
-        if ckpt.get("base_rate_bias"):  # restored while its bias still followed the click rate
+        if ckpt.get("base_rate_bias"):  # the model's bias followed the click rate (and may still: unless done)
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(ckpt["base_rate_bias"])
         if "delayed_weights" in ckpt:
@@ -327,7 +327,7 @@ class Learner:
                  **self.quality.state_dict(),
                  "delayed_weights": tr.delayed.state_dict(),
                  "calibration": tr.calibration.state_dict() if tr.calibration is not None else {},
-                 "base_rate_bias": self.bias.state_dict() if self.bias is not None and not self.bias.done else {}}
+                 "base_rate_bias": self.bias.state_dict() if self.bias is not None else {}}
         if self.deltas is not None:  # rows trained before this checkpoint and in no delta yet: durably listed
             self.deltas.sync()  # (learner/deltas.py "Pending rows"); what is trained after it is trained again
         checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)

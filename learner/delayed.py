@@ -203,10 +203,13 @@ class BaseRateBias:
                 "positives": self.positives}
 
     def state_dict(self) -> dict[str, Any]:
+        """Kept in every checkpoint of a model it started, done or not: restored done, it stays done (a restart does
+        not set the bias again) and the summary still shows the rate it followed. Once done, without the bins (only
+        the fit reads them)."""
         return {"impressions": self.impressions, "positives": self.positives, "corrected": self.corrected,
                 "now_ms": self.now_ms, "first_ms": self.first_ms, "stopped": self.stopped,
                 "click_delay_s": self.click_delay_s, "rate": self.rate, "delay_rate": self.delay_rate,
-                "bins": [[s, c[0], c[1]] for s, c in self.bins.items()]}
+                "bins": [] if self.done else [[s, c[0], c[1]] for s, c in self.bins.items()]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))

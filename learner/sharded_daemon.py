@@ -286,8 +286,7 @@ class ShardedLearner:
         if rank == 0:
             rank_state.update(self.quality.state_dict())
             rank_state["calibration"] = self.calibration.state_dict() if self.calibration is not None else {}
-            following = self.bias is not None and not self.bias.done
-            rank_state["base_rate_bias"] = self.bias.state_dict() if following and self.bias is not None else {}
+            rank_state["base_rate_bias"] = self.bias.state_dict() if self.bias is not None else {}
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
             self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
         path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,

@@ -367,8 +367,11 @@ def test_the_daemon_calibrates_what_it_serves_from_matured_impressions_and_keeps
         producer.flush()
         out = subprocess.run(train_cmd(ckpt, idle=3), env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        summaries.append(json.loads(out.stdout.strip().splitlines()[-1])["calibration"])
-    first, second = summaries
+        summaries.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    # the fresh model's bias followed the click rate and was done in the first run; restored, it stays done with the
+    # rate it followed (the checkpoint kept it: it used to read None after a restart)
+    assert summaries[0]["base_rate_bias"]["done"] and summaries[1]["base_rate_bias"] == summaries[0]["base_rate_bias"]
+    first, second = (s["calibration"] for s in summaries)
     # the first run fits the impressions between its 300 s warm-up and 300 s before its end; the rest wait ...
     assert 0 < first["pairs_fitted"] < 12_000 and first["pending"] > 0
     # ... in the checkpoint, and the second run pairs them with their clicks

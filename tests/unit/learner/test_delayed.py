@@ -223,6 +223,25 @@ def test_the_bias_rule_resumes_from_its_state_as_if_never_stopped() -> None:
         b.update(m2, labels[half:], kinds[half:], ts[half:], delays[half:]))
 
 
+def test_a_bias_restored_done_stays_done_and_its_summary_survives_a_restart() -> None:
+    """Checkpoints keep a done bias too (learner/daemon.py, sharded_daemon.py): a worker restarted after it finished
+    (an elastic restart of a rank, a crash) neither sets the bias again nor loses the rate it followed from its
+    summary (it read ``base_rate_bias: None`` when a rank was restarted, once in ten 2-rank runs)."""
+    labels, kinds, ts, delays = _young_stream(rate=0.1, mean_delay_s=30, seconds=300, per_s=100, seed=1)
+    a, model = BaseRateBias(min_positives=50), _bias_model()
+    for idx in np.array_split(np.arange(len(labels)), 300):
+        if a.update(model, labels[idx], kinds[idx], ts[idx], delays[idx]) is None:
+            break
+    assert a.done and a.bins
+    state = a.state_dict()
+    assert state["bins"] == []  # only the fit reads them, and it is over
+    b = BaseRateBias(min_positives=50)
+    b.load_state_dict(state)
+    assert b.done and b.summary() == a.summary()
+    model.bias.data.fill_(7.0)  # training owns it now
+    assert b.update(model, np.ones(10, np.float32), np.zeros(10, np.int8)) is None and model.bias.item() == 7.0
+
+
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])
 def test_a_prior_click_rate_outside_0_1_is_refused_with_the_setting_named(bad: float) -> None:
     from learner.config import LearnerSettings
