@@ -53,7 +53,7 @@ from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner import metrics as m
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, hold_limits, input_of
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, click_room, hold_limits, input_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
@@ -253,6 +253,7 @@ class JoinTotals:
             "evicted_impressions": c["evicted_impressions"],
             "overflow_clicks": c["overflow_clicks"],
             "held_back": c["held_back"],  # records set aside past the event-time frontier, once per batch held
+            "clicks_held_at_cap": c["clicks_held_at_cap"],  # of them, clicks the waiting cap had no room for
             "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
             "pending_impressions": c["pending_impressions"],
             "elapsed_s": round(time.monotonic() - self.started, 3),
@@ -574,8 +575,10 @@ class JoinPipeline:
     def _take(self, behind: Behind | None, only: set[tuple[str, int]] | None = None) -> Groups:
         """Per topic-partition (of ``only`` when given), the held records joined now, taken from the front of
         ``_held_groups`` (see :meth:`process`): all of them without ``behind``, else those up to their partition's
-        frontier. A bad record is held with its neighbours when it comes after a held one, so it is dead-lettered
-        once. Only the event times are read (the held records' time column): a record may wait many batches."""
+        frontier, and a partition's clicks no more than its waiting cap has room for while its impressions have more to
+        read (``backpressure.click_room``). A bad record is held with its neighbours when it comes after a held one, so
+        it is dead-lettered once. Only the event times are read (the held records' time column): a record may wait
+        many batches."""
         held = self._held_groups if only is None else {tp: h for tp, h in self._held_groups.items() if tp in only}
         if behind is None:
             return {tp: h.take(len(h)) for tp, h in held.items() if len(h)}
@@ -593,7 +596,12 @@ class JoinPipeline:
                 continue
             key = (input_of(self.kafka, tp[0]), tp[1])
             limit = limits.get(key)
-            room = len(h.ts) if limit is None else self.engines[tp[1]].within(_ENGINE_INPUT[key[0]], h.ts, limit)
+            engine = self.engines[tp[1]]
+            room = len(h.ts) if limit is None else engine.within(_ENGINE_INPUT[key[0]], h.ts, limit)
+            if key[0] == CLICKS and behind(IMPRESSIONS, tp[1]):  # never past the waiting cap while impressions come
+                if (capped := click_room(engine.cfg.max_waiting, len(engine.waiting))) < room:
+                    self.totals.counts["clicks_held_at_cap"] += len(h.ts) - capped
+                    room = capped
             if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too
                 cut = len(h)
             else:  # up to the first held good record

@@ -1,0 +1,80 @@
+"""While a partition's impressions have more to read, its clicks are joined only as far as the waiting cap has room
+(``backpressure.click_room``): what a driver already has in hand when the gate pauses the clicks (the rest of a fetch,
+clicks a hold kept) is held, not given up as ``overflow``. Pure logic: the pipeline's ``_take`` over one partition's
+engine, no broker."""
+
+from __future__ import annotations
+
+from stream.config import KafkaSettings
+from stream.events import Click, Impression
+from stream.joiner.backpressure import IMPRESSIONS, click_room
+from stream.joiner.config import JoinerSettings
+from stream.joiner.engine import JoinConfig, PartitionJoin
+from stream.joiner.pipeline import JoinPipeline, JoinTotals, Record
+
+KAFKA = KafkaSettings()
+CAP = 10
+S = 1000  # ms
+
+
+def _pipeline(waiting: int) -> JoinPipeline:
+    """A JoinPipeline with only what the hold reads, its partition 0 engine already holding ``waiting`` impression ids
+    whose clicks wait for them."""
+    p = JoinPipeline.__new__(JoinPipeline)
+    p.kafka, p.js = KAFKA, JoinerSettings(max_input_drift_s=3600.0, max_waiting_per_partition=CAP)
+    # (an hour's lateness: nothing expires in the test)
+    engine = PartitionJoin(0, JoinConfig(watermark_quorum=1, max_waiting=CAP, lateness_ms=3600 * S))
+    # an impression read well ahead (its input's time is known: the frontier does not hold the clicks back), then
+    # clicks whose impressions have not come
+    ahead = [(0, Impression("ahead", 500 * S, "u", "i"))]
+    engine.apply(ahead, [(o, Click(f"early-{o}", o * S)) for o in range(waiting)])
+    assert len(engine.waiting) == waiting
+    p.engines = {0: engine}
+    p.totals, p._held_groups, p._reached = JoinTotals(), {}, {}
+    return p
+
+
+def _hold_clicks(p: JoinPipeline, first: int, n: int) -> None:
+    recs = [Record(KAFKA.clicks_topic, 0, o, None, None) for o in range(first, first + n)]
+    p._held_groups_add(recs, [Click(f"late-{r.offset}", r.offset * S) for r in recs])
+
+
+def _taken_clicks(p: JoinPipeline, impressions_behind: bool) -> list[int]:
+    def behind(kind: str, partition: int) -> bool:
+        return impressions_behind if kind == IMPRESSIONS else False
+
+    groups = p._take(behind)
+    return [r.offset for r in groups.get((KAFKA.clicks_topic, 0), ([], []))[0]]
+
+
+def test_click_room_is_what_the_cap_has_left_and_never_negative() -> None:
+    assert click_room(10, 7) == 3 and click_room(10, 10) == 0 and click_room(10, 14) == 0
+
+
+def test_clicks_past_the_caps_room_are_held_while_impressions_have_more_to_read() -> None:
+    p = _pipeline(waiting=7)
+    _hold_clicks(p, first=100, n=8)
+    taken = _taken_clicks(p, impressions_behind=True)
+    assert taken == [100, 101, 102]  # room for 3: each click may add one waiting id
+    assert p.totals.counts["clicks_held_at_cap"] == 5  # shown in the summary
+    assert [r.offset for r in p._held_groups[(KAFKA.clicks_topic, 0)].held()[0]] == list(range(103, 108))
+    # Joined, the engine stays within its cap: nothing is given up as overflow.
+    res = p.engines[0].apply([], [(o, Click(f"late-{o}", o * S)) for o in taken])
+    assert len(p.engines[0].waiting) == CAP and res.stats["overflow_clicks"] == 0
+    # At the cap nothing more is taken, whatever the event time allows.
+    assert _taken_clicks(p, impressions_behind=True) == []
+
+
+def test_with_impressions_read_to_the_end_every_click_is_joined_and_the_cap_gives_up_the_rest() -> None:
+    # Nothing more is coming to take the waiting clicks: holding would stop the partition, so all of them are joined.
+    p = _pipeline(waiting=7)
+    _hold_clicks(p, first=100, n=8)
+    assert _taken_clicks(p, impressions_behind=False) == list(range(100, 108))
+
+
+def test_without_a_hold_every_click_is_joined() -> None:
+    # behind=None: backpressure off, or an idle exit joining what is held (the cap's overflow is then the bound).
+    p = _pipeline(waiting=9)
+    _hold_clicks(p, first=100, n=4)
+    groups = p._take(None)
+    assert len(groups[(KAFKA.clicks_topic, 0)][0]) == 4
