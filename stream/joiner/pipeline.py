@@ -252,8 +252,11 @@ class JoinTotals:
             "samples_too_large": c["samples_too_large"],
             "evicted_impressions": c["evicted_impressions"],
             "overflow_clicks": c["overflow_clicks"],
-            "held_back": c["held_back"],  # records set aside past the event-time frontier, once per batch held
-            "clicks_held_at_cap": c["clicks_held_at_cap"],  # of them, clicks the waiting cap had no room for
+            # records set aside past the event-time frontier, counted once per batch they wait (how much waiting
+            # happened); of them, clicks the waiting cap had no room for; the most held at once (the hold's memory)
+            "held_back": c["held_back"],
+            "clicks_held_at_cap": c["clicks_held_at_cap"],
+            "held_peak": c["held_peak"],
             "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
             "pending_impressions": c["pending_impressions"],
             "elapsed_s": round(time.monotonic() - self.started, 3),
@@ -428,6 +431,8 @@ class JoinPipeline:
             h.compact()
         self._held_groups = {tp: h for tp, h in self._held_groups.items() if len(h)}
         self.held_counts = {tp: len(h) for tp, h in self._held_groups.items()}
+        if (now := sum(self.held_counts.values())) > self.totals.counts["held_peak"]:
+            self.totals.counts["held_peak"] = now
         by_input: Counter[str] = Counter()
         for (kind, _), n in self.held_per_input().items():
             by_input[kind] += n

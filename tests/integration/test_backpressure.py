@@ -128,6 +128,7 @@ def test_impressions_a_fetch_brings_ahead_of_their_clicks_are_held_so_samples_ke
                     STREAMREC_JOINER_EMISSION="fake_negative", STREAMREC_JOINER_MAX_INPUT_DRIFT_S=str(drift_s),
                     STREAMREC_JOINER_WATERMARK_QUORUM="1")
     assert summary["held_back"] > 0  # the hold did the work
+    assert 0 < summary["held_peak"] <= summary["held_back"]  # the most records held at once: the hold's memory
     late_ms, newest = [], {}
     for rec in read_topic(kafka, kafka.samples_topic):  # each partition in offset order
         b = SampleBatch.decode(rec.value)
