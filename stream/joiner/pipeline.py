@@ -605,7 +605,7 @@ class JoinPipeline:
             room = len(h.ts) if limit is None else engine.within(_ENGINE_INPUT[key[0]], h.ts, limit)
             if key[0] == CLICKS and behind(IMPRESSIONS, tp[1]):  # never past the waiting cap while impressions come
                 if (capped := click_room(engine.cfg.max_waiting, len(engine.waiting))) < room:
-                    self.totals.counts["clicks_held_at_cap"] += len(h.ts) - capped
+                    self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
                     room = capped
             if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too
                 cut = len(h)
