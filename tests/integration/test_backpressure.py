@@ -41,10 +41,12 @@ BATCH = 20  # batch_max: the gate pauses at min(80% of the cap, cap - one batch)
 PAD = list(range(300))  # ~1.5 KB of context on every impression
 
 
-def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings, heavy: str = "impressions") -> EventTable:
+def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings, heavy: str = "impressions",
+                     orphan_burst: int = 0) -> EventTable:
     """``syn`` on the test's topics with every event of the ``heavy`` input ~1.5 KB: a fetch of the same bytes
     then brings ~25x more event time of the other input. Impressions are padded in their context, clicks
-    (whose schema has no room) in a header."""
+    (whose schema has no room) in a header. ``orphan_burst``: that many clicks on impressions that never come, at
+    one event time, in the middle of each click partition (the table does not hold them)."""
     table = build_synthetic(syn, ClickDelay(median_s=5.0), seed=11)
     staging = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}-staging",
                                   clicks_topic=f"{kafka.clicks_topic}-staging")
@@ -53,7 +55,18 @@ def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings, heavy: str = 
     producer = Producer(producer_config(kafka, **{"batch.num.messages": 20, "linger.ms": 0}))
     for source, target in ((staging.clicks_topic, kafka.clicks_topic),
                            (staging.impressions_topic, kafka.impressions_topic)):
-        for rec in read_topic(kafka, source):
+        recs = read_topic(kafka, source)
+        middle = {p: n // 2 for p, n in Counter(r.partition for r in recs).items()}
+        seen: Counter[int] = Counter()
+        for rec in recs:
+            seen[rec.partition] += 1
+            if target == kafka.clicks_topic and orphan_burst and seen[rec.partition] == middle[rec.partition]:
+                ts = json.loads(rec.value)["ts"]
+                for k in range(orphan_burst):
+                    orphan = {"schema_version": 1, "impression_id": f"orphan-{rec.partition}-{k}", "ts": ts}
+                    producer.produce(target, value=json.dumps(orphan).encode(), key=orphan["impression_id"].encode(),
+                                     partition=rec.partition)
+                    producer.poll(0)
             value, headers = rec.value, None
             if target == kafka.impressions_topic and heavy == "impressions" and value is not None:
                 event = json.loads(value)  # SYN has no malformed messages: every value is an event
@@ -68,13 +81,15 @@ def _publish_hostile(kafka: KafkaSettings, syn: SyntheticSettings, heavy: str = 
 
 
 def _join(kafka: KafkaSettings, redis_url: str, app_id: str, driver: str, backpressure: bool,
-          **env_extra: str) -> dict:
-    env = join_env(kafka, redis_url, app_id) | env_extra
+          lateness_s: float = 0.0, **env_extra: str) -> dict:
+    env = join_env(kafka, redis_url, app_id)
     env.update({"STREAMREC_JOINER_MAX_WAITING_PER_PARTITION": str(CAP), "STREAMREC_JOINER_BATCH_MAX": str(BATCH),
                 "STREAMREC_JOINER_BACKPRESSURE": str(backpressure).lower(),
                 "STREAMREC_KAFKA_EXTRA": "max.partition.fetch.bytes=65536"})
+    env.update(env_extra)
     cmd = join_cmd(app_id, driver)
     cmd[cmd.index("--window-s") + 1] = str(WINDOW)
+    cmd[cmd.index("--lateness-s") + 1] = str(lateness_s)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -94,8 +109,8 @@ def test_without_backpressure_clicks_ahead_of_their_impressions_overflow(driver:
 # driver has in hand when the gate pauses the clicks (the rest of a fetch, clicks held past their frontier) joined in
 # full. Now a partition's clicks join only as far as the cap has room while its impressions have more to read
 # (backpressure.click_room), for either driver. In five local runs of both drivers after the change the rule never had
-# to act here (``clicks_held_at_cap`` 0): it is the bound that holds when the pauses' margins do not;
-# tests/unit/stream/test_click_room.py shows it acting.
+# to act here (``clicks_held_at_cap`` 0): it is the bound that holds when the pauses' margins do not; the orphan-burst
+# test below makes it act (and fails without it).
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_with_backpressure_every_impression_has_exactly_its_label(driver: str, kafka: KafkaSettings, stack,
                                                                    group_id: str) -> None:
@@ -109,6 +124,31 @@ def test_with_backpressure_every_impression_has_exactly_its_label(driver: str, k
     assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == SYN.impressions
     assert {r[0]: r[1] for r in rows} == want.labels
     assert summary["click_coverage"] == pytest.approx(sum(want.labels.values()) / stream.n_clicks, abs=1e-6)
+
+
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+def test_a_burst_of_orphan_clicks_past_the_cap_neither_stops_the_join_nor_costs_a_real_click(
+        driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
+    # Three caps' worth of clicks on impressions that never come, at one event time, halfway through each click
+    # partition, with 10 s of allowed lateness, and batches of 1.5 caps: one batch brings more of them than the cap
+    # holds, whatever the gate paused after the batch before, so the clicks past the cap's room are held
+    # (backpressure.click_room) and the orphans cannot expire while the click input's time stands still. The join must
+    # still finish: the impressions are read on (the gate pauses the clicks, so they do not hold the impressions
+    # back), and once they are read to the end the held clicks join, the cap gives up orphans, and every impression
+    # has exactly its label. Giving the furthest clicks up as overflow at the burst instead (the cap alone) gives up
+    # real clicks whose impressions had not been read yet.
+    syn = dataclasses.replace(SYN, impressions=5_000, users=2_500)
+    burst = 3 * CAP
+    stream = _publish_hostile(kafka, syn, orphan_burst=burst)
+    want = expected_join(stream, int(WINDOW * 1000))
+    summary = _join(kafka, stack.redis_url, group_id, driver, backpressure=True, lateness_s=10.0,
+                    STREAMREC_JOINER_BATCH_MAX=str(CAP * 3 // 2))
+    rows = read_samples(kafka)
+    assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == syn.impressions
+    assert {r[0]: r[1] for r in rows} == want.labels
+    injected = burst * kafka.partitions
+    assert summary["overflow_clicks"] + summary["orphan_clicks"] == want.orphan + injected
+    assert summary["clicks_held_at_cap"] > 0, summary  # the cap's room held clicks back
 
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
