@@ -25,7 +25,10 @@ Pure logic: the drivers (``kafka_driver.py`` pauses librdkafka partitions, ``wor
 what to pause and resume after each batch (:class:`InputPauses`), and resume everything before an idle exit. Both
 drivers use the gate's waiting-click rule only: they keep event time aligned with :func:`hold_limits` (what one batch
 joins) and pause an input only for the memory its held records take (:class:`HoldBound`), since each pause purges what
-the consumer prefetched (the event-time rule paused and resumed a replay's inputs nearly every batch).
+the consumer prefetched (the event-time rule paused and resumed a replay's inputs nearly every batch). What a driver has
+in hand when it pauses the clicks still comes, so the pipeline joins a partition's clicks only as far as the waiting
+cap has room while its impressions have more to read (:func:`click_room`): with backpressure on, the cap gives up
+clicks only once nothing more is coming to take them.
 """
 
 from __future__ import annotations
