@@ -49,10 +49,12 @@ given.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -157,6 +159,7 @@ class ShardedLearner:
         self._base_steps = 0
         self._shape = shape_of(ls)
         self._group = new_consumer(kafka, ls.group_id) if ctx.rank == 0 else None  # commits only, for lag
+        self._handlers: dict[int, Any] = {}  # the signal handlers run() replaced, put back by close()
 
     # -- model and state ---------------------------------------------------------------------------
     def _model_settings(self) -> dict[str, Any]:
@@ -327,8 +330,8 @@ class ShardedLearner:
                 return None
 
     def run(self) -> dict[str, Any]:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._handlers.setdefault(sig, signal.signal(sig, self._on_signal))
         ls = self.ls
         if not self._restore():
             cfg = self._fresh_config()
@@ -544,6 +547,11 @@ class ShardedLearner:
         }
 
     def close(self) -> None:
+        # the handlers are bound methods: left installed they would keep this learner, its model and so the
+        # process group alive past destroy_process_group (run_ranks)
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers.clear()
         if self._group is not None:
             self._group.close()
 
@@ -553,17 +561,35 @@ def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
               redis: RedisSettings | None = None) -> dict[str, Any] | None:
     """This rank's part of ``streamrec train`` under torchrun: join the group, train, leave. The job's summary on
     rank 0 (None on the others). ``redis``: the [redis] settings rank 0 announces deltas on (as the
-    single-process ``Learner``'s)."""
+    single-process ``Learner``'s).
+
+    Leaving: the learner (its DMP, DDP, sharded tensors, each holding the gloo process group) is dropped and
+    collected BEFORE ``destroy_process_group``, so the group's last reference goes there and its C++ destructor
+    joins gloo's worker threads while the interpreter is alive. Left to the interpreter's exit (as before), those
+    threads outlived ``destroy_process_group``; one still releasing a finished collective's tensors needs the GIL
+    to free their Python objects, and a thread that asks for the GIL once the interpreter is finalizing is ended
+    with pthread_exit, whose unwinding through the (noexcept) tensor destructor calls std::terminate: SIGABRT,
+    "terminate called without an active exception", now and then at the exit of a rank that had finished."""
     ctx.init()
     try:
-        learner = ShardedLearner(kafka, ls, ctx, redis=redis)
-        if ctx.rank == 0:
-            print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
-                  f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
-        try:
-            summary = learner.run()
-        finally:
-            learner.close()
+        summary = _train(kafka, ls, ctx, redis)
+    except BaseException as exc:  # its traceback's frames hold the learner: clear them before the group goes
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
+        gc.collect()  # the model's reference cycles (modules, hooks) hold the group too
         ctx.close()
     return summary if ctx.rank == 0 else None
+
+
+def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
+           redis: RedisSettings | None) -> dict[str, Any]:
+    """The learner's run; nothing of the learner outlives this call (run_ranks)."""
+    learner = ShardedLearner(kafka, ls, ctx, redis=redis)
+    if ctx.rank == 0:
+        print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
+              f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
+    try:
+        return learner.run()
+    finally:
+        learner.close()
