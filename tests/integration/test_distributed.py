@@ -72,9 +72,11 @@ def env_for(kafka: KafkaSettings, **extra: str) -> dict[str, str]:
 
 
 def torchrun(ranks: int, ckpt: Path, *flags: str, max_restarts: int = 2, idle_s: float = 4) -> list[str]:
-    """``streamrec train`` on ``ranks`` ranks. ``max_restarts``: a rank aborts mid-training about once in ten runs
-    here ("terminate called without an active exception", SIGABRT, cause not found yet); the elastic restart
-    resumes from the last checkpoint, as after any crash, and the counts below still hold."""
+    """``streamrec train`` on ``ranks`` ranks. ``max_restarts``: a rank aborted about once in ten runs here
+    ("terminate called without an active exception", SIGABRT): at its exit, gloo's threads outliving
+    ``destroy_process_group`` (fixed 2026-12-03 in ``sharded_daemon.run_ranks``, shown with a timing amplifier, not
+    at natural timing); kept so that any crash is recovered by the elastic restart from the last checkpoint, after
+    which the counts below still hold."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
             "--max-restarts", str(max_restarts), "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt),
             "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", str(idle_s), "--json", *flags]
