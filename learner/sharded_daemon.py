@@ -550,7 +550,7 @@ class ShardedLearner:
         # the handlers are bound methods: left installed they would keep this learner, its model and so the
         # process group alive past destroy_process_group (run_ranks)
         for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
         self._handlers.clear()
         if self._group is not None:
             self._group.close()

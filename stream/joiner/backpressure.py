@@ -27,8 +27,8 @@ drivers use the gate's waiting-click rule only: they keep event time aligned wit
 joins) and pause an input only for the memory its held records take (:class:`HoldBound`), since each pause purges what
 the consumer prefetched (the event-time rule paused and resumed a replay's inputs nearly every batch). What a driver has
 in hand when it pauses the clicks still comes, so the pipeline joins a partition's clicks only as far as the waiting
-cap has room while its impressions have more to read (:func:`click_room`): with backpressure on, the cap gives up
-clicks only once nothing more is coming to take them.
+cap has room while its impressions have more to read (:func:`click_room`): with the hold on, the cap gives up clicks
+only once nothing more can come to take them.
 """
 
 from __future__ import annotations
@@ -94,8 +94,11 @@ def hold_limits(reached: Mapping[Key, int | None], behind: Behind, drift_ms: int
 def click_room(cap: int, waiting: int) -> int:
     """How many more clicks of a partition may be joined now, while its impressions have more to read: no more than its
     waiting cap (``max_waiting_per_partition``) has room for, given the impression ids ``waiting`` for theirs. The rest
-    are held (``JoinPipeline._take``) until the impressions read meanwhile take waiting clicks out, or the impressions
-    are read to the end (then the cap gives up the furthest, as without backpressure: nothing more is coming).
+    are held (``JoinPipeline._take``) until the impressions read meanwhile take waiting clicks out, the impressions are
+    read to the end, or every waiting click is past hope (``PartitionJoin.waiting_hopeless``: the impressions' time
+    less the allowed lateness has passed the newest of them); then the cap gives up the furthest, as without
+    backpressure, and no click that could still join is among them. Applied while the hold is on (``[joiner]
+    backpressure`` and ``max_input_drift_s``).
 
     The gate's pause acts between batches and only on what the consumer has not fetched yet; what is in hand already
     (the rest of a fetch a batch had no room for, the clicks a hold kept past their frontier) still came after the pause
@@ -103,7 +106,10 @@ def click_room(cap: int, waiting: int) -> int:
     gave up 24 clicks as overflow in one CI run of three. Counted in clicks, each of which adds at most one waiting id,
     this holds the cap exactly. It cannot stop the join: while a partition's waiting count is at the cap its clicks are
     paused by the gate and do not hold its impressions back (:meth:`InputPauses.holds_back`), so the impressions are
-    read and joined, and each either takes its waiting clicks or moves the watermark that expires them."""
+    read and joined. The watermark that expires orphans does not move meanwhile (it is the slower input's time, and the
+    clicks' stands still), so a cap full of orphans (clicks on impressions that never come) is released by the
+    impressions' own time instead: once it passes them all by the lateness, the cap gives them up and the clicks go on
+    (without that, a live stream whose impressions always had more to read held the clicks for good)."""
     return max(0, cap - waiting)
 
 
@@ -145,10 +151,12 @@ HOLD_BATCHES, HOLD_BUDGET = 16, 64
 def hold_bounds(batch_max: int, partitions: int, gate: InputGate) -> dict[str, HoldBound]:
     """The hold's bound per input of each of a worker's ``partitions`` (how many it is assigned): impressions paused at
     ``HOLD_BATCHES`` batches held, fewer where the worker's ``HOLD_BUDGET`` is shared by more partitions, and resumed at
-    a quarter of that. Clicks no more than the waiting cap's margin above the gate's pause (``cap - gate.high``), since
-    held clicks are joined into the waiting ones once the frontier passes them, and a pause of the clicks' consumer
-    does not stop that: with 16 batches of them held, a hostile stream's waiting clicks overflowed the cap (115 clicks
-    in test_backpressure, 320 held against a cap of 100). The clicks' low mark keeps the same share of their high."""
+    a quarter of that. Clicks no more than the waiting cap's margin above the gate's pause (``cap - gate.high``): held
+    clicks are joined into the waiting ones once the frontier passes them, and a pause of the clicks' consumer does not
+    stop that (with 16 batches of them held, a hostile stream's waiting clicks overflowed the cap: 115 clicks in
+    test_backpressure, 320 held against a cap of 100, before :func:`click_room` held them at the cap); with the margin
+    the clicks stay paused whenever the cap's room holds some back below the gate's mark. The clicks' low mark keeps the
+    same share of their high."""
     high = max(1, min(HOLD_BATCHES, HOLD_BUDGET // max(1, partitions))) * batch_max
     low = high // 4
     c_high = max(2, min(high, gate.cap - gate.high))

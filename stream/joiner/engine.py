@@ -207,6 +207,17 @@ class PartitionJoin:
             self._expiry.pop()  # left before its window closed (evicted in a restored chunk)
         return None if first is None else first[0] - self.cfg.window_ms
 
+    def waiting_hopeless(self) -> bool:
+        """Whether no waiting click can meet its impression any more: the impression input's time, less the allowed
+        lateness, has passed the newest of them (an impression at or before a click's time would come later than the
+        lateness allows). The waiting cap may then give them up without losing a click that could still join
+        (``backpressure.click_room``); they would expire as orphans once the click input's time moved on too. Scans the
+        waiting clicks: asked only while the cap is full."""
+        imp_time = self.topic_max[IMPRESSIONS]
+        if imp_time is None or not self.waiting:
+            return False
+        return imp_time - self.cfg.lateness_ms > max(map(max, self.waiting.values()))
+
     def reached(self, kind: int, ts: Sequence[int] | np.ndarray) -> int | None:
         """The event time input ``kind`` is at once ``ts`` ((N,) int64) are read too (its ``watermark_quorum``-th
         largest; None: fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""

@@ -380,8 +380,9 @@ class JoinPipeline:
         """Join one batch and make its outputs and state durable; see the module docstring for failures.
 
         With ``behind`` (whether an input of a partition has more to read, ``stream.kafka.has_more``), the
-        batch is joined only up to its event-time frontier (:func:`~stream.joiner.backpressure.hold_limits`):
-        the records past it are returned unprocessed, a suffix of each topic-partition's records, for the
+        batch is joined only up to its event-time frontier (:func:`~stream.joiner.backpressure.hold_limits`), and a
+        partition's clicks only as far as its waiting cap has room (:func:`~stream.joiner.backpressure.click_room`):
+        the records past them are returned unprocessed, a suffix of each topic-partition's records, for the
         caller to pass again with its next batch (what is not passed again is dropped). Without it every record is
         processed and none returned. :meth:`process_new` is the same step for a caller that does not pass them again.
         """
@@ -494,8 +495,10 @@ class JoinPipeline:
                 except Exception:  # noqa: BLE001 - the original failure is the one to report
                     log.exception("could not record the strikes")
             raise
-        if self.strikes.counts:
-            self.strikes.succeeded((r.topic, r.partition, r.offset) for r in records)
+        if self.strikes.counts:  # what was joined: a record held (past the frontier, or the cap's room) is not cleared
+            done = self.processed
+            self.strikes.succeeded((r.topic, r.partition, r.offset) for r in records
+                                   if r.offset < done.get((r.topic, r.partition), 0))
 
     def _decode(self, r: Record) -> Impression | Click:
         reason = self.strikes.poisoned((r.topic, r.partition, r.offset)) if self.strikes.counts else None
@@ -604,7 +607,8 @@ class JoinPipeline:
             engine = self.engines[tp[1]]
             room = len(h.ts) if limit is None else engine.within(_ENGINE_INPUT[key[0]], h.ts, limit)
             if key[0] == CLICKS and behind(IMPRESSIONS, tp[1]):  # never past the waiting cap while impressions come
-                if (capped := click_room(engine.cfg.max_waiting, len(engine.waiting))) < room:
+                capped = click_room(engine.cfg.max_waiting, len(engine.waiting))
+                if capped < room and not engine.waiting_hopeless():
                     self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
                     room = capped
             if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too

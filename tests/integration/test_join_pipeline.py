@@ -254,6 +254,39 @@ def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lette
     assert sorted(r.impression_id for r in sample_rows(kafka)) == ["ok0", "ok2"]  # each once, across restarts
 
 
+def test_a_suspect_held_past_the_frontier_keeps_its_strikes_until_it_is_joined(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A suspect that a restarted worker holds (past the frontier, or the waiting cap's room) was not joined: clearing
+    # its strikes then would let a poison record crash the worker again and again without ever reaching poison_after.
+    real = engine.hash_context
+
+    def hash_context(context: dict) -> dict:
+        if "boom" in context:
+            raise ValueError("cannot hash this context")
+        return real(context)
+
+    monkeypatch.setattr(engine, "hash_context", hash_context)
+    day = 86_400_000
+    batch = [click(kafka, 0, 0, "z", T0), imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + day, boom=1)]
+    strikes_key = f"{prefix}:strikes:{settings.app_id}"
+    with pytest.raises(ValueError, match="cannot hash"):
+        make().process(batch)
+    assert redis_client.hlen(strikes_key) == 3
+
+    def clicks_behind(kind: str, partition: int) -> bool:
+        return kind == "clicks"
+
+    q = make(max_input_drift_s=60.0)  # restarted: b is a day past the clicks' time, so it is held, not joined
+    q.process_new(batch, clicks_behind)
+    assert q.held_counts == {(kafka.impressions_topic, 0): 1}
+    assert [k.decode().rsplit(":", 2)[1:] for k in redis_client.hkeys(strikes_key)] == [["0", "1"]]  # b's, kept
+    with pytest.raises(ValueError, match="cannot hash"):
+        q.process_new([], None)  # joined at last (the idle exit's join of what is held): it fails again
+    assert {k.decode().rsplit(":", 2)[2]: int(v.split()[0]) for k, v in redis_client.hgetall(strikes_key).items()} == {
+        "1": 2}
+
+
 def test_a_failed_batch_gives_strikes_to_the_records_held_before_it_and_leaves_them_held(
         kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,3 +78,19 @@ def test_without_a_hold_every_click_is_joined() -> None:
     _hold_clicks(p, first=100, n=4)
     groups = p._take(None)
     assert len(groups[(KAFKA.clicks_topic, 0)][0]) == 4
+
+
+def test_a_cap_full_of_clicks_past_hope_is_released_so_the_clicks_go_on() -> None:
+    # The waiting clicks' newest is at 6 s. Impressions at 500 s, less the hour's lateness, have not passed it: an
+    # impression for them may still come, so the cap holds the new clicks. Once the impressions' time less the lateness
+    # is past every waiting click (none can meet its impression), the cap's room no longer holds: the cap gives the
+    # hopeless ones up and the clicks go on (a live stream whose impressions always have more to read would otherwise
+    # hold its clicks for good: the watermark that expires orphans is the slower input's time, and the clicks' stands).
+    p = _pipeline(waiting=7)
+    engine = p.engines[0]
+    assert not engine.waiting_hopeless()
+    engine.apply([(1, Impression("later", 3600 * S + 7 * S, "u", "i"))], [])  # 1 ms past the newest + the lateness
+    assert engine.waiting_hopeless()
+    _hold_clicks(p, first=100, n=8)
+    assert _taken_clicks(p, impressions_behind=True) == list(range(100, 108))
+    assert p.totals.counts["clicks_held_at_cap"] == 0
