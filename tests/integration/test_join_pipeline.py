@@ -223,9 +223,9 @@ def test_a_sample_too_large_for_one_message_is_dead_lettered_not_a_producer_erro
     assert p.totals.summary()["samples_too_large"] == 1
 
 
-def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lettered_as_poison(
-        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def boom_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The join fails on an impression whose context has ``boom``: a poison record."""
     real = engine.hash_context
 
     def hash_context(context: dict) -> dict:
@@ -234,6 +234,11 @@ def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lette
         return real(context)
 
     monkeypatch.setattr(engine, "hash_context", hash_context)
+
+
+def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lettered_as_poison(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
+        boom_fails: None) -> None:
     batch = [imp(kafka, 0, 0, "ok0", T0), imp(kafka, 0, 1, "bad", T0 + 1, boom=1), imp(kafka, 0, 2, "ok2", T0 + 2)]
     strikes_key = f"{prefix}:strikes:{settings.app_id}"
     with pytest.raises(ValueError, match="cannot hash"):
@@ -256,17 +261,9 @@ def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lette
 
 def test_a_suspect_held_past_the_frontier_keeps_its_strikes_until_it_is_joined(
         kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        boom_fails: None) -> None:
     # A suspect that a restarted worker holds (past the frontier, or the waiting cap's room) was not joined: clearing
     # its strikes then would let a poison record crash the worker again and again without ever reaching poison_after.
-    real = engine.hash_context
-
-    def hash_context(context: dict) -> dict:
-        if "boom" in context:
-            raise ValueError("cannot hash this context")
-        return real(context)
-
-    monkeypatch.setattr(engine, "hash_context", hash_context)
     day = 86_400_000
     batch = [click(kafka, 0, 0, "z", T0), imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + day, boom=1)]
     strikes_key = f"{prefix}:strikes:{settings.app_id}"
