@@ -34,7 +34,7 @@ demo: data
 	SR=$(SR) PY=$(PY) bash streamrec/demo.sh
 
 test: data
-	$(VENV)/bin/pytest -q -m "not slow" -n 2 --durations=30
+	$(VENV)/bin/pytest -q -m "not slow" -n 2 --dist worksteal --durations=30
 
 test-all: data
 	$(VENV)/bin/pytest -q

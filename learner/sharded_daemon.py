@@ -574,12 +574,26 @@ def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
     try:
         summary = _train(kafka, ls, ctx, redis)
     except BaseException as exc:  # its traceback's frames hold the learner: clear them before the group goes
-        traceback.clear_frames(exc.__traceback__)
+        clear_chained_frames(exc)
         raise
     finally:
         gc.collect()  # the model's reference cycles (modules, hooks) hold the group too
         ctx.close()
     return summary if ctx.rank == 0 else None
+
+
+def clear_chained_frames(exc: BaseException) -> None:
+    """Clear the frames of ``exc``'s traceback and of every exception chained to it (``__context__``,
+    ``__cause__``): when ``learner.run()`` raises and ``close()`` raises too, the learner's frames sit in the
+    first exception, reached only through the second's ``__context__``. Each exception once (a chain may loop)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo.extend(c for c in (e.__context__, e.__cause__) if c is not None)
 
 
 def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
