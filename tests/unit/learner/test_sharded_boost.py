@@ -5,7 +5,7 @@ to new owners, their counts start again."""
 
 from __future__ import annotations
 
-import os
+import gc
 import pickle
 from pathlib import Path
 
@@ -35,46 +35,51 @@ def plain_model() -> DeepFM:
 
 
 def rank_main(rank: int, world: int, store: str, out: str) -> None:
+    """One rank's training, its result written to ``out``. Leaves as ``learner.sharded_daemon.run_ranks`` does:
+    everything holding the gloo group lives in ``_rank_work``'s frame and is collected before
+    ``destroy_process_group``, so gloo's threads are joined while the interpreter lives (left to the interpreter's
+    exit, one of them aborted the rank now and then: SIGABRT, "terminate called without an active exception")."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        _rank_work(rank, world, out)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _rank_work(rank: int, world: int, out: str) -> None:
     from learner.progressive import ProgressiveMetrics
     from learner.sharded_boost import ShardedBoost
     from learner.sharded_model import ShardedDeepFM, feature_names, local_pieces, shard, table_weight
     from learner.sharded_trainer import ShardedTrainer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        plain = plain_model()
-        sharded = ShardedDeepFM(CFG, (16,), 0.0, 1, None, table_device=torch.device("meta"))
-        # initial_accumulator 0: row-wise Adagrad's step is then independent of the gradient's scale, and the
-        # ranks' summed per-rank means are twice one process's mean over both halves
-        dmp = shard(sharded, world, torch.device("cpu"), LR, 1e-8, 0.0, seed=1)
-        d = CFG.embedding_dim
-        with torch.no_grad():
-            for start, rows in local_pieces(table_weight(dmp)):
-                rows.zero_()
-                rows[:, :d + 1] = plain.sparse.bag.weight[start:start + rows.shape[0]]
-            for name, p in sharded.named_parameters():
-                if not name.startswith("sparse."):
-                    p.copy_(plain.get_parameter(name))
-        trainer = ShardedTrainer(dmp, torch.optim.SGD([p for n, p in sharded.named_parameters()
-                                                       if not n.startswith("sparse.")], lr=0.0),
-                                 feature_names(CFG), torch.device("cpu"), ProgressiveMetrics())
-        trainer.boost = ShardedBoost(dmp, BOOST, HALF_LIFE)
-        for step in range(STEPS):
-            b = batch(step)
-            half = np.arange(len(b)) % world == rank  # rank r trains rows r, r + world, ...
-            trainer.test_then_train(b.select(half), int(half.sum()))
-        Path(out).write_bytes(pickle.dumps({
-            "rows": [(s, t.clone()) for s, t in local_pieces(table_weight(dmp))],
-            "counts": [(s, t.clone()) for s, t in local_pieces(trainer.boost.counts)]}))
-        # Done: leave without the interpreter's teardown. A spawned gloo rank aborted there ("terminate called
-        # without an active exception", SIGABRT) in 2 of ~10 parallel runs, AFTER writing its complete result; the
-        # result is what this test checks, and the daemon's own exit is tested under torchrun.
-        os._exit(0)
-    finally:
-        dist.destroy_process_group()
+    plain = plain_model()
+    sharded = ShardedDeepFM(CFG, (16,), 0.0, 1, None, table_device=torch.device("meta"))
+    # initial_accumulator 0: row-wise Adagrad's step is then independent of the gradient's scale, and the
+    # ranks' summed per-rank means are twice one process's mean over both halves
+    dmp = shard(sharded, world, torch.device("cpu"), LR, 1e-8, 0.0, seed=1)
+    d = CFG.embedding_dim
+    with torch.no_grad():
+        for start, rows in local_pieces(table_weight(dmp)):
+            rows.zero_()
+            rows[:, :d + 1] = plain.sparse.bag.weight[start:start + rows.shape[0]]
+        for name, p in sharded.named_parameters():
+            if not name.startswith("sparse."):
+                p.copy_(plain.get_parameter(name))
+    trainer = ShardedTrainer(dmp, torch.optim.SGD([p for n, p in sharded.named_parameters()
+                                                   if not n.startswith("sparse.")], lr=0.0),
+                             feature_names(CFG), torch.device("cpu"), ProgressiveMetrics())
+    trainer.boost = ShardedBoost(dmp, BOOST, HALF_LIFE)
+    for step in range(STEPS):
+        b = batch(step)
+        half = np.arange(len(b)) % world == rank  # rank r trains rows r, r + world, ...
+        trainer.test_then_train(b.select(half), int(half.sum()))
+    Path(out).write_bytes(pickle.dumps({
+        "rows": [(s, t.clone()) for s, t in local_pieces(table_weight(dmp))],
+        "counts": [(s, t.clone()) for s, t in local_pieces(trainer.boost.counts)]}))
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -11,7 +11,7 @@ ranks in processes of their own:
 
 from __future__ import annotations
 
-import os
+import gc
 import pickle
 from pathlib import Path
 from typing import Any
@@ -95,67 +95,71 @@ def reference(cfg: FeatureConfig, world: int) -> dict[str, Any]:
 
 def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds: int, load: str | None) -> None:
     """One rank: the table from ``start_weights`` (or from ``load``'s dump, with its maps' states restored), then
-    ``rounds`` rounds of ``rank_batch``, a checkpoint's decay; dumps what it holds."""
+    ``rounds`` rounds of ``rank_batch``, a checkpoint's decay; dumps what it holds. Leaves as
+    ``learner.sharded_daemon.run_ranks`` does: everything holding the gloo group lives in ``_rank_work``'s frame and
+    is collected before ``destroy_process_group``, so gloo's threads are joined while the interpreter lives (left to
+    the interpreter's exit, one of them aborted the rank now and then: SIGABRT, "terminate called without an active
+    exception")."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        _rank_work(rank, world, out, CFGS[cfg_name], rounds, load)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _rank_work(rank: int, world: int, out: str, cfg: FeatureConfig, rounds: int, load: str | None) -> None:
     from learner.sharded_boost import ShardedBoost
     from learner.sharded_ids import ShardedRowMapper
     from learner.sharded_model import ShardedDeepFM, fused_state, local_pieces, shard, state_scale, table_weight
 
-    cfg = CFGS[cfg_name]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        model = ShardedDeepFM(cfg, (4,), 0.0, 0, None, table_device=torch.device("meta"))
-        dmp = shard(model, world, torch.device("cpu"), 0.1, 1e-8, ACC0, seed=0)
-        c = state_scale(cfg.embedding_dim)
-        earlier = pickle.loads(Path(load).read_bytes()) if load else None
-        w, s = (earlier["table"], earlier["sums"]) if earlier else start_weights(cfg)
-        d = cfg.embedding_dim
-        with torch.no_grad():
-            for sh in table_weight(dmp).local_shards():
-                lo = int(sh.metadata.shard_offsets[0])
-                sh.tensor.zero_()
-                sh.tensor[:, :d + 1] = w[lo:lo + len(sh.tensor)]
-            for sh in fused_state(dmp)["momentum1"].local_shards():
-                lo = int(sh.metadata.shard_offsets[0])
-                sh.tensor.copy_(s[lo:lo + len(sh.tensor)] * c)
-        ids = ShardedRowMapper.of(cfg, dmp, ACC0 * c)
-        ids.counts = ShardedBoost(dmp, 1.0, 1.0).counts  # the boost's update counts: reset and moved with rows
-        for lo, t in local_pieces(ids.counts):
-            t.copy_(earlier["counts"][lo:lo + len(t)] if earlier else torch.arange(lo, lo + len(t)) % 1000 + 1)
-        if earlier:
-            ids.load_state_dict(earlier["states"], dmp)
-        values, stats = [], []
-        for rnd in range(rounds):
-            tb = rank_batch(cfg, rnd, rank, world)
-            stats.append(ids.apply(tb, dmp))
-            values.append(tb.values.clone())
-        ids.decay_idle(dmp)  # a checkpoint's: the same on every rank
-        if rounds:  # a serving delta: it carries the whole maps, merged on rank 0 from every rank's shares
-            from learner.deltas import DeltaWriter
-            from learner.sharded_deltas import ShardedDeltas
+    model = ShardedDeepFM(cfg, (4,), 0.0, 0, None, table_device=torch.device("meta"))
+    dmp = shard(model, world, torch.device("cpu"), 0.1, 1e-8, ACC0, seed=0)
+    c = state_scale(cfg.embedding_dim)
+    earlier = pickle.loads(Path(load).read_bytes()) if load else None
+    w, s = (earlier["table"], earlier["sums"]) if earlier else start_weights(cfg)
+    d = cfg.embedding_dim
+    with torch.no_grad():
+        for sh in table_weight(dmp).local_shards():
+            lo = int(sh.metadata.shard_offsets[0])
+            sh.tensor.zero_()
+            sh.tensor[:, :d + 1] = w[lo:lo + len(sh.tensor)]
+        for sh in fused_state(dmp)["momentum1"].local_shards():
+            lo = int(sh.metadata.shard_offsets[0])
+            sh.tensor.copy_(s[lo:lo + len(sh.tensor)] * c)
+    ids = ShardedRowMapper.of(cfg, dmp, ACC0 * c)
+    ids.counts = ShardedBoost(dmp, 1.0, 1.0).counts  # the boost's update counts: reset and moved with rows
+    for lo, t in local_pieces(ids.counts):
+        t.copy_(earlier["counts"][lo:lo + len(t)] if earlier else torch.arange(lo, lo + len(t)) % 1000 + 1)
+    if earlier:
+        ids.load_state_dict(earlier["states"], dmp)
+    values, stats = [], []
+    for rnd in range(rounds):
+        tb = rank_batch(cfg, rnd, rank, world)
+        stats.append(ids.apply(tb, dmp))
+        values.append(tb.values.clone())
+    ids.decay_idle(dmp)  # a checkpoint's: the same on every rank
+    if rounds:  # a serving delta: it carries the whole maps, merged on rank 0 from every rank's shares
+        from learner.deltas import DeltaWriter
+        from learner.sharded_deltas import ShardedDeltas
 
-            writer = DeltaWriter(Path(out).with_suffix(".deltas"), cfg.num_rows, 1.0, id_maps_every_s=0.0) \
-                if rank == 0 else None
-            deltas = ShardedDeltas(cfg.num_rows, d, 1.0, writer)
-            deltas.id_maps = (cfg, ids.state_dict)
-            deltas.mark(values[-1])
-            deltas.write(dmp, model, samples=rounds)
-        shards = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone()) for sh in table_weight(dmp).local_shards()]
-        sums = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone() / c)
-                for sh in fused_state(dmp)["momentum1"].local_shards()]
-        counts = [(lo, t.clone()) for lo, t in local_pieces(ids.counts)]
-        shares = {n: f.shares for n, f in ids.fields.items()}
-        Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums, "counts": counts,
-                                            "stats": stats, "state": ids.state_dict(), "shares": shares,
-                                            "nbytes": ids.nbytes(), "occupancy": dict(ids.occupancy)}))
-        # Done: leave without the interpreter's teardown. A spawned gloo rank aborted there ("terminate called
-        # without an active exception", SIGABRT) in 2 of ~10 parallel runs, AFTER writing its complete result; the
-        # result is what this test checks, and the daemon's own exit is tested under torchrun.
-        os._exit(0)
-    finally:
-        dist.destroy_process_group()
+        writer = DeltaWriter(Path(out).with_suffix(".deltas"), cfg.num_rows, 1.0, id_maps_every_s=0.0) \
+            if rank == 0 else None
+        deltas = ShardedDeltas(cfg.num_rows, d, 1.0, writer)
+        deltas.id_maps = (cfg, ids.state_dict)
+        deltas.mark(values[-1])
+        deltas.write(dmp, model, samples=rounds)
+    shards = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone()) for sh in table_weight(dmp).local_shards()]
+    sums = [(int(sh.metadata.shard_offsets[0]), sh.tensor.clone() / c)
+            for sh in fused_state(dmp)["momentum1"].local_shards()]
+    counts = [(lo, t.clone()) for lo, t in local_pieces(ids.counts)]
+    shares = {n: f.shares for n, f in ids.fields.items()}
+    Path(out).write_bytes(pickle.dumps({"values": values, "shards": shards, "sums": sums, "counts": counts,
+                                        "stats": stats, "state": ids.state_dict(), "shares": shares,
+                                        "nbytes": ids.nbytes(), "occupancy": dict(ids.occupancy)}))
 
 
 def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, load: Path | None = None,
