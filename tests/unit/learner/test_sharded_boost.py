@@ -5,7 +5,6 @@ to new owners, their counts start again."""
 
 from __future__ import annotations
 
-import gc
 import pickle
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import RowWiseAdagrad
 from tests.integration.test_learner import sample_batch
+from tests.unit.learner.gloo_ranks import gloo_rank
 
 CFG = default_config({"genres": "multi"}, buckets=300, ctx_buckets=50, embedding_dim=8)
 LR, BOOST, HALF_LIFE = 0.05, 3.0, 1.0  # a short half-life: the counts change the factor step by step
@@ -34,23 +34,8 @@ def plain_model() -> DeepFM:
     return DeepFM(CFG, mlp=(16,), seed=1, autocast_dtype=None)
 
 
-def rank_main(rank: int, world: int, store: str, out: str) -> None:
-    """One rank's training, its result written to ``out``. Leaves as ``learner.sharded_daemon.run_ranks`` does:
-    everything holding the gloo group lives in ``_rank_work``'s frame and is collected before
-    ``destroy_process_group``, so gloo's threads are joined while the interpreter lives (left to the interpreter's
-    exit, one of them aborted the rank now and then: SIGABRT, "terminate called without an active exception")."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        _rank_work(rank, world, out)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _rank_work(rank: int, world: int, out: str) -> None:
+def rank_work(rank: int, world: int, out: str) -> None:
+    """One rank's training (run by ``gloo_rank``), its result written to ``out``."""
     from learner.progressive import ProgressiveMetrics
     from learner.sharded_boost import ShardedBoost
     from learner.sharded_model import ShardedDeepFM, feature_names, local_pieces, shard, table_weight
@@ -86,7 +71,8 @@ def _rank_work(rank: int, world: int, out: str) -> None:
 def test_ranks_boost_young_rows_like_one_process(world: int, tmp_path: Path) -> None:
     outs = [str(tmp_path / f"rank{r}.pkl") for r in range(world)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, world, str(tmp_path / "store"), outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=gloo_rank, args=(r, world, str(tmp_path / "store"), rank_work, outs[r]))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

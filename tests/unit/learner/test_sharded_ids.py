@@ -11,7 +11,6 @@ ranks in processes of their own:
 
 from __future__ import annotations
 
-import gc
 import pickle
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.row_mapper import RowMapper, field_spans, mapped_slots
 from stream.samples import SampleBatch
+from tests.unit.learner.gloo_ranks import gloo_rank
 
 B = 6
 # rows: item_id [0, 262), user_id [262, 668), ctx.device [668, 688); 2 ranks hold [0, 344) and [344, 688): the
@@ -93,29 +93,14 @@ def reference(cfg: FeatureConfig, world: int) -> dict[str, Any]:
             "mapper": mapper}
 
 
-def rank_main(rank: int, world: int, store: str, out: str, cfg_name: str, rounds: int, load: str | None) -> None:
-    """One rank: the table from ``start_weights`` (or from ``load``'s dump, with its maps' states restored), then
-    ``rounds`` rounds of ``rank_batch``, a checkpoint's decay; dumps what it holds. Leaves as
-    ``learner.sharded_daemon.run_ranks`` does: everything holding the gloo group lives in ``_rank_work``'s frame and
-    is collected before ``destroy_process_group``, so gloo's threads are joined while the interpreter lives (left to
-    the interpreter's exit, one of them aborted the rank now and then: SIGABRT, "terminate called without an active
-    exception")."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        _rank_work(rank, world, out, CFGS[cfg_name], rounds, load)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _rank_work(rank: int, world: int, out: str, cfg: FeatureConfig, rounds: int, load: str | None) -> None:
+def rank_work(rank: int, world: int, out: str, cfg_name: str, rounds: int, load: str | None) -> None:
+    """One rank (run by ``gloo_rank``): the table from ``start_weights`` (or from ``load``'s dump, with its maps'
+    states restored), then ``rounds`` rounds of ``rank_batch``, a checkpoint's decay; dumps what it holds."""
     from learner.sharded_boost import ShardedBoost
     from learner.sharded_ids import ShardedRowMapper
     from learner.sharded_model import ShardedDeepFM, fused_state, local_pieces, shard, state_scale, table_weight
 
+    cfg = CFGS[cfg_name]
     model = ShardedDeepFM(cfg, (4,), 0.0, 0, None, table_device=torch.device("meta"))
     dmp = shard(model, world, torch.device("cpu"), 0.1, 1e-8, ACC0, seed=0)
     c = state_scale(cfg.embedding_dim)
@@ -164,11 +149,11 @@ def _rank_work(rank: int, world: int, out: str, cfg: FeatureConfig, rounds: int,
 
 def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, load: Path | None = None,
               tag: str = "") -> dict[str, Any]:
-    """``rank_main`` on ``world`` spawned ranks; their dumps, and the whole table, sums and maps they hold."""
+    """``rank_work`` on ``world`` spawned ranks; their dumps, and the whole table, sums and maps they hold."""
     outs = [str(tmp_path / f"{tag}rank{r}.pkl") for r in range(world)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, world, str(tmp_path / f"{tag}store"), outs[r], cfg_name, rounds,
-                                                 str(load) if load else None)) for r in range(world)]
+    procs = [ctx.Process(target=gloo_rank, args=(r, world, str(tmp_path / f"{tag}store"), rank_work, outs[r], cfg_name,
+                                                 rounds, str(load) if load else None)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
