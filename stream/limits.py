@@ -23,6 +23,7 @@ training.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -48,8 +49,9 @@ class EventLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"[limits] {name}: got {value!r}, expected an integer >= 1")
-        if not self.future_ts_s >= 0:
-            raise ValueError(f"[limits] future_ts_s: got {self.future_ts_s!r}, expected seconds >= 0")
+        ahead = self.future_ts_s  # finite: an infinite bound overflows future_ts_ms on every event with a broker time
+        if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not (math.isfinite(ahead) and ahead >= 0):
+            raise ValueError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0")
 
     @property
     def future_ts_ms(self) -> int:
