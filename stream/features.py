@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from sys import getsizeof
 from typing import Any
 
 import numpy as np
@@ -32,14 +33,21 @@ def request_time(ts_ms: np.ndarray, kind: str = "hour_of_week") -> np.ndarray:
     return (np.asarray(ts_ms, np.int64) // unit) % period
 
 
-# Feature values repeat a lot (gender, genres, devices); typed=True keeps True and 1 apart.
-hash_value = lru_cache(maxsize=1 << 20, typed=True)(stable_hash)
+# Feature values repeat a lot (gender, genres, devices); typed=True keeps True and 1 apart. Its values come from
+# outside (events, serving requests), so it is kept small: 65,536 entries of up to max_str_len (256) characters are at
+# most ~50 MB (a 256-character string costs ~720 B here); at 2**20 entries a client sending distinct long strings
+# could hold ~0.7 GB of a serving process.
+hash_value = lru_cache(maxsize=1 << 16, typed=True)(stable_hash)
 
 # hash_ids' cache, also of the joiner's single-type str or int columns (hash_column, hash_context's long lists): ids
 # (int or str, never bool or float, so equal keys always hash alike) -> hash_value; emptied when it passes
-# _ID_CACHE_MAX entries.
+# _ID_CACHE_MAX entries or about _ID_CACHE_MAX_BYTES (each key's own size plus _ENTRY_BYTES for its slot and hash):
+# ids are client-chosen in serving, and a million distinct 256-character ids took ~430 MB.
 _ID_CACHE: dict[int | str, int] = {}
 _ID_CACHE_MAX = 1 << 20
+_ID_CACHE_MAX_BYTES = 64 << 20
+_ENTRY_BYTES = 100  # a dict entry with its share of the table, and the hashed int
+_id_cache_bytes = 0  # the estimate for _ID_CACHE since it was last emptied
 
 
 def hash_ids(ids: Sequence[int | str]) -> np.ndarray:
@@ -63,12 +71,17 @@ def _fill_id_cache(ids: Sequence[int | str]) -> None:
     """The ids missing from the cache hashed into it. With ``stable_hash`` itself, not through :data:`hash_value`'s
     ``lru_cache``: an id in both caches took 3.2x the memory (a million distinct ids: 237 MB against 74 MB, and
     filling took 1.7 s against 1.0 s)."""
+    global _id_cache_bytes
     cache = _ID_CACHE
-    if len(cache) > _ID_CACHE_MAX:
+    if len(cache) > _ID_CACHE_MAX or _id_cache_bytes > _ID_CACHE_MAX_BYTES:
         cache.clear()
+        _id_cache_bytes = 0
+    added = 0
     for v in ids:
         if v not in cache:
             cache[v] = stable_hash(v)
+            added += getsizeof(v) + _ENTRY_BYTES
+    _id_cache_bytes += added  # threads may race here: an estimate, as the bound is
 
 
 # Types whose equal values always have the same text (and so the same hash): a column of one of them may be hashed

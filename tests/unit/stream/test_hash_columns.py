@@ -67,3 +67,33 @@ def test_ids_hashed_into_hash_ids_cache_do_not_also_fill_hash_values_lru_cache(m
     assert sf.hash_value.cache_info().currsize == before
     assert len(sf._ID_CACHE) == len(ids)
     assert got.tolist() == [sf.stable_hash(v) for v in ids]
+
+
+def test_hash_ids_cache_is_bounded_by_bytes_when_clients_send_long_distinct_ids(monkeypatch) -> None:
+    # serving hashes client-chosen ids: distinct 256-character ones filled the 2**20-entry cache to ~430 MB
+    import sys
+
+    import stream.features as sf
+
+    monkeypatch.setattr(sf, "_ID_CACHE", {})
+    monkeypatch.setattr(sf, "_id_cache_bytes", 0)
+    monkeypatch.setattr(sf, "_ID_CACHE_MAX_BYTES", 1 << 20)
+    largest = 0
+    for r in range(40):  # 40 requests of 500 distinct 256-character ids: ~8 MB of keys in all
+        ids = [f"{r:04d}-{i:05d}-" + "x" * 244 for i in range(500)]
+        assert sf.hash_ids(ids).tolist() == [sf.stable_hash(v) for v in ids]
+        held = sys.getsizeof(sf._ID_CACHE) + sum(map(sys.getsizeof, sf._ID_CACHE))
+        largest = max(largest, held)
+    one_call = 500 * (sys.getsizeof("x" * 256) + sf._ENTRY_BYTES)
+    assert largest <= (1 << 20) + one_call  # emptied once past the bound: at most one call's ids beyond it
+    assert 0 < len(sf._ID_CACHE) < 40 * 500
+
+
+def test_hash_values_lru_cache_holds_at_most_65536_distinct_client_values() -> None:
+    from stream.features import hash_value, stable_hash
+
+    values = [f"ctx-{i}-" + "y" * 240 for i in range(70_000)]  # long distinct strings: ~720 B each while cached
+    assert [hash_value(v) for v in values[-3:]] == [stable_hash(v) for v in values[-3:]]
+    for v in values:
+        hash_value(v)
+    assert hash_value.cache_info().currsize <= 1 << 16
