@@ -230,7 +230,8 @@ class ScoringApp:
         return self.history_reader.read(users)
 
     def _run(self, live: LiveModel, req: ScoreRequest, history: list[int] | Callable[[], list[int]]) -> dict[str, Any]:
-        values, offsets, dense = live.encoder.encode(req, history, self._observe)  # (N,), (F+F*B+1,), (B, Dd)
+        values, offsets, dense = live.encoder.encode(req, history, self._observe,  # (N,), (F+F*B+1,), (B, Dd)
+                                                     self.s.max_request_values)
         seq = live.model.delta_seq  # read first: the scores are at least this fresh
         scores = live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
                                           torch.from_numpy(dense))  # (B,)

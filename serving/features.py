@@ -25,12 +25,14 @@ list-valued one an empty bag (a zero vector), a missing dense value 0.0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
 
 from learner.features import FeatureConfig
 from serving.request import RequestError, ScoreRequest
+from serving.settings import ServeSettings
 from stream.events import ContextValue
 from stream.features import MISSING, hash_context, hash_ids, hash_value
 from stream.samples import CTX_PREFIX
@@ -45,6 +47,7 @@ class RowMapper(Protocol):
 
 
 _EMPTY = np.zeros(0, np.int64)
+MAX_REQUEST_VALUES = ServeSettings.max_request_values  # the default bound of encode()
 
 
 class FeatureEncoder:
@@ -87,7 +90,8 @@ class FeatureEncoder:
         return hashed if type(hashed) is list else [hashed]  # type: ignore[list-item]
 
     def encode(self, req: ScoreRequest, history: list[int] | Callable[[], list[int]],
-               observe: Callable[[str, np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               observe: Callable[[str, np.ndarray], None] | None = None,
+               max_values: int = MAX_REQUEST_VALUES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values (N,), offsets (F + F*B + 1,), dense (B, Dd))`` for the request's ``B`` candidates, in the user-row
         layout (module docstring): the user's bags once, the candidates' after them.
 
@@ -95,8 +99,12 @@ class FeatureEncoder:
         that returns them: called once, after every other field is encoded (serving's Redis read is in flight
         meanwhile: ``serving/history.py``), and not at all when the request is refused first (a 422).
         ``observe(kind, hashed)``: told the hashed ids whose rows are read, by kind (``user``; ``item`` for the
-        candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them)."""
-        self._check_names("", req.context, req.dense)
+        candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them).
+        ``max_values``: the most rows a request may look up (``[serve] max_request_values``; a 422 past it). A context
+        field that some item overrides is carried by every candidate, the request's shared bag repeated for each one
+        without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB body."""
+        where = req.where
+        self._check_names(where, req.context, req.dense)
         b = len(req.items)
         dense = self._dense(req, b)  # first: it refuses unknown dense names (422) before any lookup is observed
         m = self.mapper
@@ -104,7 +112,7 @@ class FeatureEncoder:
         per_item = None
         if req.item_context is not None:
             for i, c in enumerate(req.item_context):
-                self._check_names(f"items[{i}].", c, {})
+                self._check_names(f"{where}items[{i}].", c, {})
             per_item = [hash_context(c) for c in req.item_context]
         f_count = self.num_fields
         user_values: dict[int, np.ndarray] = {}  # the user row's bags by field
@@ -112,6 +120,7 @@ class FeatureEncoder:
         cand_values: list[np.ndarray] = []  # the candidates' bags, field-major
         cand_lengths = np.zeros((f_count, b), np.int64)  # (F, B); a field of the user row: all 0
         history_field = -1
+        expanded = b  # the values looked up per candidate: the items, then the context fields sent per item
         for f, src, name in self.plan:
             if src == "history":  # last: see the docstring
                 history_field = f
@@ -124,9 +133,16 @@ class FeatureEncoder:
                 cand_lengths[f] = 1
                 continue
             if src == "ctx" and per_item is not None and any(name in c for c in per_item):
-                bags = [self._bag(name, c.get(name, shared.get(name))) for c in per_item]
-                lens = np.fromiter((len(x) for x in bags), np.int64, b)
-                flat = np.fromiter((v for x in bags for v in x), np.int64, int(lens.sum()))
+                own = self._bag(name, shared.get(name))  # a candidate without its own value carries the shared one
+                bags = [own if (v := c.get(name)) is None else self._bag(name, v) for c in per_item]
+                lens = np.fromiter(map(len, bags), np.int64, b)  # (B,)
+                expanded += int(lens.sum())
+                if expanded > max_values:
+                    raise RequestError(422, f"field '{where}items': {b} candidates expand to over {max_values:,} "
+                                       f"feature values ('context.{name}' is sent per item, so every candidate "
+                                       f"carries a '{name}' of its own or the shared one, {len(own)} values); send "
+                                       "fewer candidates or shorter lists, or raise [serve] max_request_values")
+                flat = np.fromiter(chain.from_iterable(bags), np.int64, int(lens.sum()))
                 cand_values.append(m.map_rows(f, flat))
                 cand_lengths[f] = lens
                 continue
@@ -167,7 +183,7 @@ class FeatureEncoder:
                 for k, v in d.items():
                     j = self._dense_index.get(k)
                     if j is None:
-                        raise RequestError(422, f"field 'items[{i}].dense.{k}': this model has no such dense "
-                                           f"feature; known: {', '.join(self.dense_names) or 'none'}")
+                        raise RequestError(422, f"field '{req.where}items[{i}].dense.{k}': this model has no such "
+                                           f"dense feature; known: {', '.join(self.dense_names) or 'none'}")
                     dense[i, j] = v
         return dense

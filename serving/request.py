@@ -26,7 +26,18 @@ from typing import Any
 import orjson
 
 from stream.errors import BadMessage, StreamrecError, ValidationError
-from stream.events import MAX_LIST_LEN, MAX_STR_ID_LEN, ContextValue, Id, all_ids, check_context, check_dense, check_id
+from stream.events import (
+    MAX_LIST_LEN,
+    MAX_STR_ID_LEN,
+    ContextValue,
+    Id,
+    all_ids,
+    check_context,
+    check_dense,
+    check_id,
+    count_keys,
+    reject_duplicate_keys,
+)
 from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
@@ -51,6 +62,9 @@ class ScoreRequest:
     # Per-candidate overrides, None when no item carried any (the common, fast case).
     item_context: list[dict[str, ContextValue]] | None = None
     item_dense: list[dict[str, float]] | None = None
+    # Where the request sits in the body: "" for /v1/score, "requests[i]." in a batch; errors found later (the
+    # model's feature names, serving/features.py) name their field from it.
+    where: str = ""
 
 
 def _invalid(field: str, value: Any, expected: str) -> RequestError:
@@ -101,7 +115,7 @@ def _items(where: str, items_raw: list[Any]) -> tuple[list[Id], list[dict[str, C
             raise _invalid(f"{where}items[{i}]", it, "an item id or an object {item_id, context, dense}")
         _unknown(f"{where}items[{i}]", it, _ITEM_FIELDS)
         if "item_id" not in it:
-            raise RequestError(422, f"field {where}items[{i}].item_id is required")
+            raise RequestError(422, f"field {f'{where}items[{i}].item_id'!r} is required")
         items.append(_id(f"{where}items[{i}].item_id", it["item_id"]))
         if "context" in it:
             if item_context is None:
@@ -117,7 +131,7 @@ def _items(where: str, items_raw: list[Any]) -> tuple[list[Id], list[dict[str, C
 def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreRequest:
     """A decoded JSON value -> :class:`ScoreRequest`, or :class:`RequestError` (422)."""
     if type(obj) is not dict:
-        raise RequestError(422, f"{where or 'body'}: expected a JSON object {{user_id, items, context}}, "
+        raise RequestError(422, f"{where.rstrip('.') or 'body'}: expected a JSON object {{user_id, items, context}}, "
                            f"got {type(obj).__name__}")
     _unknown(where.rstrip("."), obj, _REQUEST_FIELDS)
     for name in ("user_id", "items"):
@@ -137,16 +151,26 @@ def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreReques
     else:
         items, item_context, item_dense = _items(where, items_raw)
     return ScoreRequest(user, items, _context(where + "context", obj.get("context")),
-                        _dense(where + "dense", obj.get("dense")), item_context, item_dense)
+                        _dense(where + "dense", obj.get("dense")), item_context, item_dense, where)
 
 
 def decode_json(body: bytes) -> Any:
+    """The body's JSON value; 400 if it is not JSON, 422 if an object repeats a key (a parser keeps the last one
+    silently, a gateway that checked the first would disagree with what is scored: refused, as events are)."""
     if not body:
         raise RequestError(400, "empty body; send a JSON object (Content-Type: application/json)")
     try:
-        return orjson.loads(body)
+        obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise RequestError(400, f"malformed JSON: {exc}") from None
+    # the usual request's keys are its own and its context's: no colon beyond them, no key can repeat (~1 us)
+    shallow = len(obj) + sum(len(v) for v in obj.values() if type(v) is dict) if type(obj) is dict else 0
+    if body.count(b":") > shallow:
+        try:
+            reject_duplicate_keys(body, count_keys(obj))
+        except BadMessage as exc:
+            raise RequestError(422, f"body: {exc.reason}; send each field once") from None
+    return obj
 
 
 def parse_batch(obj: Any, max_candidates: int, max_batch: int) -> list[ScoreRequest]:

@@ -47,6 +47,9 @@ class ServeSettings:
     threads: int = 1  # torch intra-op threads per request (requests run in parallel on their own threads)
     server: ServerKind = ServerKind.THREADING  # threading (stdlib ThreadingHTTPServer) | aiohttp
     max_candidates: int = 1000  # items per request
+    # Rows a request may look up on the candidates' side (a 422 past it): a context field sent per item makes every
+    # candidate carry a bag of it (serving/features.py), so a small body could ask for millions of lookups.
+    max_request_values: int = 1 << 18
     max_batch: int = 64  # requests per /v1/score:batch call
     max_body_bytes: int = 4 << 20
     poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
@@ -106,7 +109,8 @@ class ServeSettings:
                                   f"{getattr(self, name)!r}")
         if isinstance(self.max_active, bool) or not isinstance(self.max_active, int) or self.max_active < 0:
             raise ConfigError(f"[serve] max_active must be an integer >= 0 (0: no bound), got {self.max_active!r}")
-        for name in ("max_connections", "max_in_flight", "request_timeout_s", "keepalive_timeout_s",
-                     "lookup_counts_flush_s", "lookup_counts_flush_ids", "lookup_counts_max_pending"):
+        for name in ("max_connections", "max_in_flight", "max_request_values", "request_timeout_s",
+                     "keepalive_timeout_s", "lookup_counts_flush_s", "lookup_counts_flush_ids",
+                     "lookup_counts_max_pending"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"[serve] {name} must be > 0, got {getattr(self, name)!r}")

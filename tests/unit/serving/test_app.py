@@ -238,3 +238,53 @@ def test_no_history_reader_means_no_history_and_nothing_counted(published: Path,
     status, _, out = call(app, "POST", "/v1/score", REQUEST)
     assert status == 200 and np.allclose(out["scores"], eager(learner, REQUEST, []), atol=TOL, rtol=0)
     assert sample(app, "streamrec_serving_history_unavailable_total") == 0
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b'{"user_id":"a","user_id":"b","items":[1]}', "duplicate key 'user_id'"),
+    (b'{"user_id":"a","items":[1],"items":[2,3]}', "duplicate key 'items'"),
+    (b'{"user_id":"a","items":[1],"context":{"device":"ios","device":"web"}}', "duplicate key 'device'"),
+    (b'{"user_id":"a","items":[{"item_id":1,"item_id":2}]}', "duplicate key 'item_id'"),
+    (b'{"user_id" : "a:b", "items" : [1], "user_id" : "c"}', "duplicate key 'user_id'"),  # spaces, a colon in a value
+])
+def test_a_request_repeating_a_key_is_422_not_scored_on_the_last_value(published: Path, body: bytes,
+                                                                       words: str) -> None:
+    # a parser keeps the last value: a gateway that checked the first would disagree with what is scored
+    got, _, out = call(make_app(published), "POST", "/v1/score", body)
+    assert got == 422 and words in out["error"], out
+    batch = b'{"requests":[' + body + b"]}"
+    got, _, out = call(make_app(published), "POST", "/v1/score:batch", batch)
+    assert got == 422 and words in out["error"], out
+
+
+def test_colons_and_spaces_in_a_request_without_repeated_keys_are_scored(published: Path) -> None:
+    body = b'{ "user_id" : "user:42", "items" : [ 1, {"item_id": "i:7", "context": {"genres": ["Sci-Fi: B"]}} ] }'
+    got, _, out = call(make_app(published), "POST", "/v1/score", body)
+    assert got == 200 and len(out["scores"]) == 2, out
+
+
+def test_errors_in_a_batch_name_the_request_they_are_in(published: Path) -> None:
+    app = make_app(published)
+    cases = [({"user_id": "a", "items": [1], "context": {"zz": 1}}, "'requests[1].context.zz'"),
+             ({"user_id": "a", "items": [1], "dense": {"zz": 1.0}}, "'requests[1].dense.zz'"),
+             ({"user_id": "a", "items": [{"item_id": 1, "context": {"zz": 1}}]}, "'requests[1].items[0].context.zz'"),
+             ({"user_id": "a", "items": [{"item_id": 1, "dense": {"zz": 1.0}}]}, "'requests[1].items[0].dense.zz'"),
+             ({"user_id": "a", "items": [{"context": {}}]}, "field 'requests[1].items[0].item_id' is required"),
+             (7, "requests[1]: expected a JSON object")]
+    for bad, words in cases:
+        got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, bad]})
+        assert got == 422 and words in out["error"], (bad, out)
+
+
+def test_a_context_field_sent_per_item_is_refused_past_max_request_values(published: Path) -> None:
+    # one item overriding a field makes every candidate carry it: a shared list of 1,024 x the candidates
+    shared = {"genres": [f"g{i}" for i in range(1000)]}
+    items = [{"item_id": 0, "context": {"genres": ["Drama"]}}, 1, 2, 3, 4]
+    app = make_app(published, max_request_values=1000)
+    got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": items, "context": shared})
+    assert got == 422 and "max_request_values" in out["error"] and "'context.genres'" in out["error"], out
+    got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": items,
+                                                  "context": {"genres": shared["genres"][:199]}})
+    assert got == 200 and len(out["scores"]) == 5, out  # 5 + 1 + 4 x 199 = 802 values: under the bound
+    got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": [0, 1, 2, 3, 4], "context": shared})
+    assert got == 200, out  # shared and not overridden: once in the user row, not expanded
