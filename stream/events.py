@@ -132,22 +132,22 @@ def _reject_duplicate_keys(raw: bytes, obj: dict[str, Any]) -> None:
     reject_duplicate_keys(raw, keys)
 
 
-_CONTAINERS = frozenset({dict, list})
-
-
 def count_keys(value: Any) -> int:
     """The keys of every JSON object in a parsed JSON value, at any depth (a loop, not recursion: any nesting orjson
-    accepts). A list of scalars (a request's candidate ids) costs one C-level pass over its types."""
+    accepts)."""
     n, todo = 0, [value]
+    pop, push = todo.pop, todo.append
     while todo:
-        v = todo.pop()
+        v = pop()
         if type(v) is dict:
             n += len(v)
             v = v.values()
         elif type(v) is not list:
-            continue
-        if not _CONTAINERS.isdisjoint(set(map(type, v))):
-            todo.extend(x for x in v if type(x) in _CONTAINERS)
+            continue  # a scalar (only the top-level value can be one here)
+        for x in v:
+            t = type(x)
+            if t is dict or t is list:
+                push(x)
     return n
 
 

@@ -103,3 +103,25 @@ def test_all_ids_is_true_exactly_when_check_id_takes_every_value_as_it_is(values
                           st.floats(allow_nan=False), st.none()), max_size=20))
 def test_all_ids_agrees_with_check_id_on_any_list(values: list) -> None:
     assert all_ids(values) is all(_taken_as_is(v) for v in values)
+
+
+def test_count_keys_counts_every_objects_keys_at_any_depth_and_scalars_as_none() -> None:
+    import orjson
+
+    from stream.events import count_keys
+
+    assert count_keys(orjson.loads(b'{"a":{"b":[{"c":1,"d":[{"e":2}]},3]},"f":[[{"g":{}}]]}')) == 7
+    assert [count_keys(orjson.loads(v)) for v in (b"[1,2,3]", b"5", b'"s"', b"null", b"{}")] == [0] * 5
+    assert count_keys(orjson.loads(b"[" * 1000 + b'{"x":1}' + b"]" * 1000)) == 1  # deeper than Python recursion
+
+
+def test_reject_duplicate_keys_finds_a_repeat_in_any_object_given_the_parsed_key_count() -> None:
+    import orjson
+
+    from stream.events import count_keys, reject_duplicate_keys
+
+    for raw in (b'{"a":[{"b":1,"b":2}]}', b'[[{"x":{"y":1,"y":1}}]]', b'{"a":"k:v","a":1}'):
+        with pytest.raises(BadMessage, match="duplicate key"):
+            reject_duplicate_keys(raw, count_keys(orjson.loads(raw)))
+    for raw in (b'{"a":[{"b":1},{"b":2}]}', b'{"a":"x:y:z","b":{"a":1}}', b'{ "a" : 1 , "b" : [ {"a": 2} ] }'):
+        reject_duplicate_keys(raw, count_keys(orjson.loads(raw)))  # repeated across objects, colons in values: fine
