@@ -68,7 +68,8 @@ class FeatureEncoder:
             else:
                 self.plan.append((f, "absent", ""))
         self.context_names = frozenset(name for _, src, name in self.plan if src == "ctx")
-        self.multi = frozenset(spec.name[len(CTX_PREFIX):] for spec in cfg.fields if spec.kind != "single")
+        self.multi = frozenset(spec.name[len(CTX_PREFIX):] for spec in cfg.fields
+                               if spec.kind != "single" and spec.name.startswith(CTX_PREFIX))  # list-valued context
         self.dense_names = tuple(cfg.dense)
         self._dense_index = {n: i for i, n in enumerate(self.dense_names)}
 
