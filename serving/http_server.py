@@ -28,9 +28,10 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   bytes trickle in (a per-``recv`` timeout would let one byte a second keep it alive); past it: ``408`` and
   close. ``keepalive_timeout_s``: an idle keep-alive connection (no request started) is closed after it.
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
-  ``400``; over ``max_body_bytes``: ``413`` before the body is read), chunked sizes hexadecimal and each chunk
-  followed by CRLF, not both ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's
-  colon; any such error is answered JSON and the connection closed (the next request's start is unknown).
+  ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
+  chunked sizes hexadecimal (leading zeros allowed too) and each chunk followed by CRLF, not both
+  ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon; any such error is
+  answered JSON and the connection closed (the next request's start is unknown).
   aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
   ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. Where the two differ:
   a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
@@ -101,7 +102,7 @@ def _late(timeout_s: float) -> str:
 
 
 # -- stdlib ---------------------------------------------------------------------------------------
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2): no whitespace, no colon
 
 
@@ -111,6 +112,25 @@ class _BadFraming(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+def _content_length(values: list[str], limit: int) -> int:
+    """The body's length from a request's ``Content-Length`` values (both servers), or :class:`_BadFraming`: 400
+    for several values or one that is not a plain non-negative decimal number, 413 past ``limit``. Leading zeros
+    are allowed (``0005`` is 5); the number is compared by its digit count before ``int()`` sees it, so a value of
+    thousands of digits (past Python's ``int_max_str_digits``, a ``ValueError``) is a 413 like any other."""
+    if len(values) > 1:
+        shown = ", ".join(v[:20] for v in values)[:80]
+        raise _BadFraming(400, f"{len(values)} Content-Length headers ({shown}): the body's framing is ambiguous")
+    raw = values[0]
+    digits = raw.strip(" \t")
+    if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
+        raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(limit)) or int(digits) > limit:  # (a longer number is larger: no int() of it)
+        shown = digits if len(digits) <= 40 else f"a {len(digits)}-digit number of"
+        raise _BadFraming(413, f"body of {shown} bytes exceeds {limit}")
+    return int(digits)
 
 
 class _Deadline(Exception):
@@ -369,17 +389,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if not cl:
             return 0
-        if len(cl) > 1:
-            values = ", ".join(v[:20] for v in cl)[:80]
-            raise _BadFraming(400, f"{len(cl)} Content-Length headers ({values}): the body's framing is ambiguous")
-        raw = cl[0]
-        digits = raw.strip(" \t")
-        if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
-            raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
-        length, limit = int(digits), self.app.s.max_body_bytes
-        if length > limit:
-            raise _BadFraming(413, f"body of {length} bytes exceeds {limit}")
-        return length
+        return _content_length(cl, self.app.s.max_body_bytes)
 
     def _read_body(self, length: int | None) -> bytes:
         if length == 0:
@@ -401,7 +411,10 @@ class _Handler(BaseHTTPRequestHandler):
             size_field = line.split(b";", 1)[0].strip(b" \t\r\n")
             if not line.endswith(b"\n") or not _HEX.fullmatch(size_field):
                 raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number")
-            size = int(size_field, 16)
+            digits = size_field.lstrip(b"0")  # leading zeros allowed; past 15 digits it exceeds any limit
+            if len(digits) > 15:
+                raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
+            size = int(digits or b"0", 16)
             if size == 0:
                 for _ in range(100):  # trailers, up to the blank line
                     trailer = self.rfile.readline(65537)
@@ -706,9 +719,11 @@ class AiohttpServer:
         with self.app.admission(request.path) as refused:
             if refused is not None:
                 return await self._reply(request, refused, close=request.body_exists)
-            if request.content_length is not None and request.content_length > limit:  # say so before reading it
-                return await self._reply(request, (413, "application/json", _error_body(
-                    f"body of {request.content_length} bytes exceeds {limit}")), close=True)
+            try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
+                _content_length(request.headers.getall("Content-Length", []) or ["0"], limit)
+            except _BadFraming as exc:  # over the limit: said before the body is read
+                return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)),
+                                         close=True)
             body = b""
             if request.body_exists:
                 deadline = proto.deadline or self._loop.time() + s.request_timeout_s
