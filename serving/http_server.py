@@ -38,6 +38,9 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   ``Transfer-Encoding`` other than ``chunked`` is a ``501`` on the threading server (RFC 9112 6.1), a ``400``
   on aiohttp, which takes ``gzip, chunked`` as chunked; an HTTP/1.1 request without ``Host`` is a ``400`` on
   aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line.
+* a request's header lines are at most 64 KiB together (and a chunked body's trailer, on the threading server;
+  aiohttp's parser bounds a trailer by its own limits): past it a ``431``, at once, not at the deadline. Each line
+  is at most 65536 bytes and a block 100 lines on the threading server, 8190 bytes and 128 lines on aiohttp.
 
 ``stop(grace_s)``: stop accepting (new connections are refused), close idle keep-alive connections at once,
 let requests in flight finish (up to ``grace_s``; their answer says ``Connection: close``), then close every
@@ -104,6 +107,9 @@ def _late(timeout_s: float) -> str:
 # -- stdlib ---------------------------------------------------------------------------------------
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2): no whitespace, no colon
+_MAX_LINE, _MAX_HEADERS = 65536, 100  # the stdlib's limits on a header line (bytes) and on a block's lines
+_MAX_HEAD = 65536  # bytes of a request's header lines, line ends included (and of a chunked body's trailer): 431
+_HEAD_TOO_LARGE = f"request header fields too large: the header block is over {_MAX_HEAD} bytes"
 
 
 class _BadFraming(Exception):
@@ -131,6 +137,10 @@ def _content_length(values: list[str], limit: int) -> int:
         shown = digits if len(digits) <= 40 else f"a {len(digits)}-digit number of"
         raise _BadFraming(413, f"body of {shown} bytes exceeds {limit}")
     return int(digits)
+
+
+class _HeadTooLarge(http.client.HTTPException):
+    """A header (or trailer) block of more than ``_MAX_HEAD`` bytes: a 431."""
 
 
 class _Deadline(Exception):
@@ -169,14 +179,35 @@ def _http_date(_cache: list[Any] = [-1, ""]) -> str:  # noqa: B006 - one cache f
     return str(_cache[1])
 
 
+def _read_header_lines(rfile: Any) -> list[bytes]:
+    """A header block's lines up to and including the blank one (or EOF's ``b""``): ``http.client._read_headers``
+    (lines of at most 65536 bytes, at most 100 of them, the same errors) with a cap on the whole block, past which
+    it is :class:`_HeadTooLarge`: the stdlib's two limits alone let one request hold 100 x 64 KiB (~6 MB)."""
+    lines: list[bytes] = []
+    total = 0
+    while True:
+        line = rfile.readline(_MAX_LINE + 1)
+        if len(line) > _MAX_LINE:
+            raise http.client.LineTooLong("header line")
+        total += len(line)
+        if total > _MAX_HEAD:
+            raise _HeadTooLarge(_HEAD_TOO_LARGE)
+        lines.append(line)
+        if len(lines) > _MAX_HEADERS:
+            raise http.client.HTTPException(f"got more than {_MAX_HEADERS} headers")
+        if line in (b"\r\n", b"\n", b""):
+            return lines
+
+
 def _parse_headers(rfile: Any, message_class: type[http.client.HTTPMessage]) -> http.client.HTTPMessage:
     """``http.client.parse_headers`` (the same limits, errors and result) without the ``email`` feed parser for
     the headers every client sends: lines ``Name: value`` whose name is a token and that hold no CR but their
     line end. A block with any other line (a continuation, a name with whitespace, a line without a colon, a bare
     CR, an unterminated line) goes to the stdlib's parser as a whole, so its defects and its reading of odd
     lines (which :meth:`_Handler._framing` refuses) are exactly the stdlib's. The value is what the feed parser
-    makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``)."""
-    lines = http.client._read_headers(rfile)  # type: ignore[attr-defined]  # the stdlib's limits and errors
+    makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``). The lines are
+    read by :func:`_read_header_lines`: the stdlib's limits and errors, and a cap on the block."""
+    lines = _read_header_lines(rfile)
     msg = message_class()
     for raw in lines[:-1]:  # the last is the blank line (or EOF)
         line = raw.decode("iso-8859-1")
@@ -335,6 +366,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.path = "/" + self.path.lstrip("/")
         try:
             self.headers = _parse_headers(self.rfile, self.MessageClass)
+        except _HeadTooLarge as err:
+            self.send_error(431, str(err))
+            return False
         except http.client.LineTooLong as err:
             self.send_error(431, "Line too long", str(err))
             return False
@@ -415,14 +449,16 @@ class _Handler(BaseHTTPRequestHandler):
             if len(digits) > 15:
                 raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
             size = int(digits or b"0", 16)
-            if size == 0:
-                for _ in range(100):  # trailers, up to the blank line
-                    trailer = self.rfile.readline(65537)
-                    if trailer in (b"\r\n", b"\n"):
-                        return bytes(body)
-                    if not trailer.endswith(b"\n"):
-                        break
-                raise _BadFraming(400, "malformed or incomplete chunked trailer")
+            if size == 0:  # the last chunk: its trailer (ignored, bounded as a header block) up to the blank line
+                try:
+                    trailer = _read_header_lines(self.rfile)
+                except _HeadTooLarge:
+                    raise _BadFraming(431, f"chunked trailer over {_MAX_HEAD} bytes") from None
+                except http.client.HTTPException as exc:  # a line over 65536 bytes, over 100 lines
+                    raise _BadFraming(431, f"chunked trailer too large: {exc}") from None
+                if trailer[-1] == b"":
+                    raise _BadFraming(400, "malformed or incomplete chunked trailer")
+                return bytes(body)
             if len(body) + size > limit:
                 raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
             data = self.rfile.read(size)
@@ -605,12 +641,21 @@ def _aiohttp_protocol() -> type:
             self.deadline: float | None = None  # of the request being received (loop time), from its first byte
             self.watchdog: asyncio.TimerHandle | None = None
             self.reading_body = False
+            self.head_bytes = 0  # received while no request was parsed yet: its request line and headers
 
         def data_received(self, data: bytes) -> None:
             if data and self.deadline is None:
                 self.deadline = self._loop.time() + self.request_timeout_s
                 self.watchdog = self._loop.call_at(self.deadline, self._on_deadline)
+            if not self._messages and not getattr(self, "_request_in_progress", False):
+                self.head_bytes += len(data)
             super().data_received(data)
+            if self._messages or getattr(self, "_request_in_progress", False):
+                self.head_bytes = 0  # parsed: _handle checks its headers' size exactly
+            elif self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ aiohttp's longest line)
+                log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
+                self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
+                self.force_close()
 
         def body_read(self) -> None:
             """The request's body is in: its deadline no longer applies (the next request's starts with its bytes)."""
@@ -716,6 +761,8 @@ class AiohttpServer:
         s = self.app.s
         proto: Any = request.protocol  # a _Protocol (_aiohttp_protocol)
         limit = s.max_body_bytes
+        if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 2 > _MAX_HEAD:  # (the threading server's count)
+            return await self._reply(request, (431, "application/json", _error_body(_HEAD_TOO_LARGE)), close=True)
         with self.app.admission(request.path) as refused:
             if refused is not None:
                 return await self._reply(request, refused, close=request.body_exists)

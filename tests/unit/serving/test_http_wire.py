@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.http_server import _Handler, _parse_headers
+from serving.http_server import _Handler, _HeadTooLarge, _parse_headers
 
 PLAIN = [
     b"Host: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 42\r\n\r\n",
@@ -60,6 +60,14 @@ def test_the_stdlibs_limits_hold() -> None:
         _parse_headers(io.BytesIO(b"X: " + b"a" * 70000 + b"\r\n\r\n"), http.client.HTTPMessage)
     with pytest.raises(http.client.HTTPException):
         _parse_headers(io.BytesIO(b"X: y\r\n" * 101 + b"\r\n"), http.client.HTTPMessage)
+
+
+def test_the_whole_header_block_is_capped_at_64_kib() -> None:
+    line = b"X: " + b"a" * 6000 + b"\r\n"  # 6005 bytes: each line and the count of lines within the stdlib's limits
+    block = line * 10 + b"\r\n"  # 60,052 bytes
+    assert len(_parse_headers(io.BytesIO(block), http.client.HTTPMessage).get_all("X") or []) == 10
+    with pytest.raises(_HeadTooLarge, match="header block is over 65536 bytes"):
+        _parse_headers(io.BytesIO(line * 11 + b"\r\n"), http.client.HTTPMessage)
 
 
 class _Wire:
