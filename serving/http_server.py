@@ -30,8 +30,9 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
   ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
   chunked sizes hexadecimal (leading zeros allowed too) and each chunk followed by CRLF, not both
-  ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon; any such error is
-  answered JSON and the connection closed (the next request's start is unknown).
+  ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon, no obsolete line folding
+  (a header line starting with whitespace, RFC 9112 5.2); any such error is answered JSON and the connection
+  closed (the next request's start is unknown).
   aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
   ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. Where the two differ:
   a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
@@ -207,7 +208,11 @@ def _parse_headers(rfile: Any, message_class: type[http.client.HTTPMessage]) -> 
     lines (which :meth:`_Handler._framing` refuses) are exactly the stdlib's. The value is what the feed parser
     makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``). The lines are
     read by :func:`_read_header_lines`: the stdlib's limits and errors, and a cap on the block."""
-    lines = _read_header_lines(rfile)
+    return _parse_header_lines(_read_header_lines(rfile), message_class)
+
+
+def _parse_header_lines(lines: list[bytes], message_class: type[http.client.HTTPMessage]) -> http.client.HTTPMessage:
+    """:func:`_parse_headers` of the lines :func:`_read_header_lines` read."""
     msg = message_class()
     for raw in lines[:-1]:  # the last is the blank line (or EOF)
         line = raw.decode("iso-8859-1")
@@ -365,7 +370,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.startswith("//"):  # gh-87389, as the stdlib: no open redirect through "//host/path"
             self.path = "/" + self.path.lstrip("/")
         try:
-            self.headers = _parse_headers(self.rfile, self.MessageClass)
+            lines = _read_header_lines(self.rfile)
         except _HeadTooLarge as err:
             self.send_error(431, str(err))
             return False
@@ -375,6 +380,8 @@ class _Handler(BaseHTTPRequestHandler):
         except http.client.HTTPException as err:
             self.send_error(431, "Too many headers", str(err))
             return False
+        self.headers = _parse_header_lines(lines, self.MessageClass)
+        self._obs_fold = any(line[:1] in (b" ", b"\t") for line in lines)  # refused by _framing
         conntype = self.headers.get("Connection", "").lower()
         if conntype == "close":
             self.close_connection = True
@@ -409,6 +416,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _framing(self) -> int | None:
         """The body's length from the headers (0: none; None: chunked), or :class:`_BadFraming` where they leave
         it ambiguous: any doubt about where this request ends is where a smuggled one would start."""
+        if self._obs_fold:  # the stdlib joins it to the line above: "Host: x\r\n Transfer-Encoding: chunked" is a Host
+            raise _BadFraming(400, "obsolete line folding (a header line starting with whitespace) is not accepted")
         if self.headers.defects or any(not _TOKEN.fullmatch(name) for name in self.headers.keys()):
             raise _BadFraming(400, "malformed header line (a field name with whitespace, or a line without a colon)")
         te, cl = self.headers.get_all("Transfer-Encoding") or [], self.headers.get_all("Content-Length") or []

@@ -392,6 +392,15 @@ AMBIGUOUS = {  # name -> (the request, followed by a request that must not be an
     "chunk data without CRLF": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                                 b"2\r\n{}XX0\r\n\r\n", (400, 400)),
     "space before the colon": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length : 2\r\n\r\n{}", (400, 400)),
+    # obsolete line folding (a line starting with whitespace continues the one above, RFC 9112 5.2): refused
+    "Transfer-Encoding by obs-fold": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\r\n chunked\r\n\r\n"
+                                      b"2\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "Transfer-Encoding folded into Host": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\n Transfer-Encoding: chunked\r\n"
+                                           b"Content-Length: 2\r\n\r\n{}", (400, 400)),
+    "obs-fold of any header": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX-Note: a\r\n\tb\r\nContent-Length: 2\r\n\r\n{}",
+                               (400, 400)),
+    "a first header line folded": (b"POST /v1/score HTTP/1.1\r\n Transfer-Encoding: chunked\r\nHost: x\r\n"
+                                   b"Content-Length: 2\r\n\r\n{}", (400, 400)),
 }
 
 
