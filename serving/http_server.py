@@ -257,7 +257,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._reader.deadline = time.monotonic() + s.keepalive_timeout_s  # idle: wait for the next request
         try:
-            if not self._buffered.peek(1):
+            if not self._await_request():
                 return  # the client closed
         except (_Deadline, OSError):
             return  # idle too long, or stop() shut the connection
@@ -274,6 +274,19 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             if not self.server.mark(self.connection, busy=False):
                 self.close_connection = True  # stop() began: no next request on this connection
+
+    def _await_request(self) -> bool:
+        """Wait (until the reader's idle deadline) for a request's first byte, skipping the empty lines before it
+        (RFC 9112 2.2: a client may send a CRLF after a body) as aiohttp's parser does, any CR or LF bytes, a buffer
+        at a time: they are idle time, not the start of a request. False: the client closed first."""
+        while True:
+            buffered = self._buffered.peek(1)  # what is buffered (a recv first if nothing is)
+            if not buffered:
+                return False
+            blank = len(buffered) - len(buffered.lstrip(b"\r\n"))
+            if not blank:
+                return True
+            self._buffered.read(blank)
 
     def _one_request(self) -> None:
         self.raw_requestline = self.rfile.readline(65537)
@@ -653,7 +666,7 @@ def _aiohttp_protocol() -> type:
             self.head_bytes = 0  # received while no request was parsed yet: its request line and headers
 
         def data_received(self, data: bytes) -> None:
-            if data and self.deadline is None:
+            if self.deadline is None and data.lstrip(b"\r\n"):  # (empty lines before a request: idle time)
                 self.deadline = self._loop.time() + self.request_timeout_s
                 self.watchdog = self._loop.call_at(self.deadline, self._on_deadline)
             if not self._messages and not getattr(self, "_request_in_progress", False):

@@ -309,6 +309,20 @@ def test_the_deadline_starts_at_the_requests_first_byte_not_at_connect(make: Mak
     assert c.response(timeout_s=2.0)[0] == 422
 
 
+def test_an_empty_line_after_a_request_is_idle_time_not_the_start_of_a_request(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """A CRLF after a body (RFC 9112 2.2) is skipped: it starts no request, so no request_timeout_s (no 408)."""
+    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=5.0)
+    c = clients(srv)
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS) + b"\r\n")
+    status, _, body = c.response()
+    assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+    c.send(b"\r\n")  # and one on its own, after the answer
+    time.sleep(1.0)  # past request_timeout_s: a request begun by the CRLF would have been answered 408 and closed
+    c.send(request("GET", "/healthz"))
+    assert c.response(timeout_s=2.0)[0] == 200
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_keepalive_timeout(make: Make,
                                                                         clients: Callable[..., Client]) -> None:
     srv, _ = make(keepalive_timeout_s=0.5)

@@ -508,3 +508,18 @@ def test_the_answer_to_a_request_in_flight_at_stop_says_connection_close(kind: s
         t.join(10)
     status, headers, _ = cast(tuple[int, dict[str, str], bytes], got["response"])
     assert (status, headers.get("connection")) == (200, "close") and got["closed"] is True
+
+
+def test_empty_lines_before_a_request_line_are_skipped(server: Server) -> None:
+    """RFC 9112 2.2: a server SHOULD ignore at least one empty line before a request line (a client may send a CRLF
+    after a body): at the start of a connection and between pipelined requests, CRLF or a bare LF."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"\r\n" + request("GET", "/healthz") + request("POST", "/v1/score", EMPTY_ITEMS) + b"\r\n"
+                  + request("GET", "/readyz") + b"\n\r\n\r\n" + request("GET", "/healthz"))
+        assert [read_response(f)[0] for _ in range(4)] == [200, 422, 503, 200]
+
+
+def test_many_empty_lines_before_a_request_line_are_skipped_too(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"\r\n" * 20000 + b"\r" + request("GET", "/healthz"))  # (a bare CR too, as aiohttp's parser)
+        assert read_response(f)[0] == 200
