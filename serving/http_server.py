@@ -395,11 +395,13 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         self.headers = _parse_header_lines(lines, self.MessageClass)
         self._obs_fold = any(line[:1] in (b" ", b"\t") for line in lines)  # refused by _framing
-        conntype = self.headers.get("Connection", "").lower()
-        if conntype == "close":
-            self.close_connection = True
-        elif conntype == "keep-alive":
-            self.close_connection = False
+        connection = self.headers.get_all("Connection")
+        if connection:  # a list of options (RFC 9110 7.6.1), any case: "close" wins
+            options = {o.strip().lower() for v in connection for o in v.split(",")}
+            if "close" in options:
+                self.close_connection = True
+            elif "keep-alive" in options:
+                self.close_connection = False
         if (self.headers.get("Expect", "").lower() == "100-continue" and self.request_version >= "HTTP/1.1"
                 and not self.handle_expect_100()):
             return False
@@ -410,7 +412,7 @@ class _Handler(BaseHTTPRequestHandler):
         ``end_headers`` then ``wfile.write(body)`` cost two sends, two loopback segments the client reads apart
         (~50 us each on loopback, profiled). The same headers as the stdlib's (``Server``, ``Date``) and ours."""
         self.connection.settimeout(self.app.s.request_timeout_s)  # bounds a client that does not read its answer
-        close = close or self.server.draining
+        close = close or self.server.draining or self.close_connection  # (the request's Connection: close, 1.0)
         phrase = self.responses[status][0] if status in self.responses else ""
         head = [f"{self.protocol_version} {status} {phrase}", f"Server: {self.version_string()}",
                 f"Date: {_http_date()}"]
@@ -421,6 +423,8 @@ class _Handler(BaseHTTPRequestHandler):
         if close:
             head.append("Connection: close")
             self.close_connection = True
+        elif self.request_version == "HTTP/1.0":  # kept open (its Connection: keep-alive): said, 1.0 closes by default
+            head.append("Connection: keep-alive")
         out = b"" if self.request_version == "HTTP/0.9" else ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         if self.command != "HEAD" and status != 204:
             out += body

@@ -523,3 +523,22 @@ def test_many_empty_lines_before_a_request_line_are_skipped_too(server: Server) 
     with connect(server) as s, s.makefile("rb") as f:
         s.sendall(b"\r\n" * 20000 + b"\r" + request("GET", "/healthz"))  # (a bare CR too, as aiohttp's parser)
         assert read_response(f)[0] == 200
+
+
+def test_the_answer_says_whether_the_connection_stays_open(server: Server) -> None:
+    """HTTP/1.0 with Connection: keep-alive is kept open and told so (1.0's default is a close); a close asked for,
+    in any case or in a list of options, is closed and said (RFC 9112 9.6)."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        status, headers, _ = read_response(f)
+        assert (status, headers.get("connection", "").lower()) == (200, "keep-alive")
+        s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")  # the same connection, a 1.0 request without keep-alive
+        status, headers, _ = read_response(f)
+        assert (status, headers.get("connection", "close")) == (200, "close")
+        assert closed_by_server(s, f)
+    for value in ("close", "Close", "TE, close"):
+        with connect(server) as s, s.makefile("rb") as f:
+            s.sendall(request("GET", "/healthz", headers={"Connection": value}))  # (aiohttp's parser answers 400
+            status, headers, _ = read_response(f)  # to a request pipelined behind a close: none is sent here)
+            assert (status, headers.get("connection")) == (200, "close"), value
+            assert closed_by_server(s, f)

@@ -78,7 +78,8 @@ class _Wire:
         self.writes.append(bytes(data))
 
 
-def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = False) -> _Handler:
+def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = False,
+             close_connection: bool = False) -> _Handler:
     h = _Handler.__new__(_Handler)  # no socket: only what _send reads
     app = SimpleNamespace(s=SimpleNamespace(request_timeout_s=5.0),
                           headers=lambda m, p, status: {"Retry-After": "1"} if status == 503 else {})
@@ -86,7 +87,7 @@ def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = 
     h.server = SimpleNamespace(draining=draining)  # type: ignore[assignment]
     h.connection = SimpleNamespace(settimeout=lambda _t: None)  # type: ignore[assignment]
     h.wfile = _Wire()  # type: ignore[assignment]
-    h.command, h.path, h.request_version, h.close_connection = command, "/v1/score", version, False
+    h.command, h.path, h.request_version, h.close_connection = command, "/v1/score", version, close_connection
     return h
 
 
@@ -129,3 +130,15 @@ def test_close_draining_head_204_and_503_answers_keep_their_framing() -> None:
     h = _handler(command="GET", version="HTTP/0.9")
     h._send(200, "application/json", b"{}")
     assert h.wfile.writes == [b"{}"]  # type: ignore[attr-defined]  # HTTP/0.9: no status line, no headers
+
+
+def test_the_connection_header_says_what_happens_to_the_connection() -> None:
+    h = _handler(close_connection=True)  # the request said Connection: close
+    h._send(200, "application/json", b"{}")
+    assert _read(h.wfile.writes[-1]).getheader("Connection") == "close" and h.close_connection  # type: ignore[attr-defined]
+    h = _handler(version="HTTP/1.0")  # a 1.0 request with Connection: keep-alive (parse_request left it open)
+    h._send(200, "application/json", b"{}")
+    assert _read(h.wfile.writes[-1]).getheader("Connection") == "keep-alive" and not h.close_connection  # type: ignore[attr-defined]
+    h = _handler(version="HTTP/1.0", close_connection=True)
+    h._send(200, "application/json", b"{}")
+    assert _read(h.wfile.writes[-1]).getheader("Connection") == "close"  # type: ignore[attr-defined]
