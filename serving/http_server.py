@@ -39,6 +39,8 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   ``Transfer-Encoding`` other than ``chunked`` is a ``501`` on the threading server (RFC 9112 6.1), a ``400``
   on aiohttp, which takes ``gzip, chunked`` as chunked; an HTTP/1.1 request without ``Host`` is a ``400`` on
   aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line.
+* request targets: an absolute-form one (``http://host/healthz``, RFC 9112 3.2.2) names its path; any other is
+  routed as sent, never normalised (``//healthz`` is a 404 naming ``//healthz``, on both servers).
 * a request's header lines are at most 64 KiB together (and a chunked body's trailer, on the threading server;
   aiohttp's parser bounds a trailer by its own limits): past it a ``431``, at once, not at the deadline. Each line
   is at most 65536 bytes and a block 100 lines on the threading server, 8190 bytes and 128 lines on aiohttp.
@@ -103,6 +105,21 @@ def _too_many_connections(limit: int) -> bytes:
 
 def _late(timeout_s: float) -> str:
     return f"request not received within request_timeout_s ({timeout_s:g} s)"
+
+
+_ABSOLUTE_FORM = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+
+
+def _origin_form(target: str) -> str:
+    """The path (and query) a request target names, on both servers: an absolute-form target (``http://host/p?q``,
+    which a server MUST accept, RFC 9112 3.2.2) is its path and query (``/`` if it has none); any other target is
+    taken as sent, without normalisation: ``//healthz`` is not ``/healthz`` (a front proxy that routes or refuses by
+    path sees it as sent too), and an error names the path the client sent."""
+    m = _ABSOLUTE_FORM.match(target)
+    if m is None:
+        return target
+    rest = target[m.end():]
+    return rest if rest.startswith("/") else "/" + rest
 
 
 # -- stdlib ---------------------------------------------------------------------------------------
@@ -379,9 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
             if command != "GET":
                 self.send_error(400, f"Bad HTTP/0.9 request type ({command!r})")
                 return False
-        self.command, self.path = command, path
-        if self.path.startswith("//"):  # gh-87389, as the stdlib: no open redirect through "//host/path"
-            self.path = "/" + self.path.lstrip("/")
+        self.command, self.path = command, _origin_form(path)  # (not the stdlib's "//" to "/": nothing redirects)
         try:
             lines = _read_header_lines(self.rfile)
         except _HeadTooLarge as err:
@@ -754,7 +769,7 @@ class AiohttpServer:
         from aiohttp import web
 
         status, ctype, out = resp
-        headers = self.app.headers(request.method, request.path, status)
+        headers = self.app.headers(request.method, _origin_form(request.raw_path), status)
         if status == 204:
             r = web.Response(status=204, headers=headers)
         else:
@@ -789,7 +804,8 @@ class AiohttpServer:
         limit = s.max_body_bytes
         if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 2 > _MAX_HEAD:  # (the threading server's count)
             return await self._reply(request, (431, "application/json", _error_body(_HEAD_TOO_LARGE)), close=True)
-        with self.app.admission(request.path) as refused:
+        target = _origin_form(request.raw_path)  # (not request.path: yarl's reading of "//healthz" is "////healthz")
+        with self.app.admission(target) as refused:
             if refused is not None:
                 return await self._reply(request, refused, close=request.body_exists)
             try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
@@ -816,7 +832,7 @@ class AiohttpServer:
                     proto.reading_body = False
             proto.body_read()
             method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
-            return await self._reply(request, self.app.handle(method, request.path_qs, body))
+            return await self._reply(request, self.app.handle(method, target, body))
 
     async def _start(self) -> None:
         from aiohttp import web

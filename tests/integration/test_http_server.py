@@ -542,3 +542,31 @@ def test_the_answer_says_whether_the_connection_stays_open(server: Server) -> No
             status, headers, _ = read_response(f)  # to a request pipelined behind a close: none is sent here)
             assert (status, headers.get("connection")) == (200, "close"), value
             assert closed_by_server(s, f)
+
+
+@pytest.mark.parametrize(("target", "status", "named"), [
+    ("http://x/healthz", 200, None),  # absolute-form, which a server MUST accept (RFC 9112 3.2.2): its path
+    ("HTTPS://example.com:8080/healthz?probe=1", 200, None),
+    ("http://x", 404, "/"),
+    ("//healthz", 404, "//healthz"),  # not normalised to /healthz, and the path named is the one sent
+    ("//v1/score", 404, "//v1/score"),
+    ("/%68ealthz", 404, "/%68ealthz"),
+    ("ftp://x/healthz", 404, "ftp://x/healthz"),
+])
+def test_both_servers_read_a_request_target_alike(server: Server, target: str, status: int,
+                                                  named: str | None) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", target))
+        got, _, body = read_response(f)
+        assert got == status, body
+        if named is not None:
+            assert json.loads(body)["error"].startswith(f"no endpoint {named}; ")
+
+
+def test_an_absolute_form_target_reaches_its_endpoint_with_its_body_and_allow_header(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "http://x/v1/score", EMPTY_ITEMS) + request("PUT", "http://x/healthz", b"{}"))
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        status, headers, _ = read_response(f)
+        assert (status, headers["allow"]) == (405, "GET, HEAD, OPTIONS")
