@@ -43,8 +43,8 @@ def make(kind: str, tmp_path: Path) -> Iterator[Make]:
     servers: list[Server] = []
 
     def build(**settings: Any) -> tuple[Server, ScoringApp]:
-        ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=1000,
-                           **settings)
+        settings = {"max_body_bytes": 1000, **settings}
+        ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, **settings)
         holder = ModelHolder()
         app = ScoringApp(ss, holder, ServingMetrics(holder.model), None)
         srv = make_server(kind, app, "127.0.0.1", 0)
@@ -334,6 +334,37 @@ def test_an_idle_keep_alive_connection_is_closed_after_keepalive_timeout(make: M
     assert 0.3 < time.monotonic() - t0 < 2.5
     silent = clients(srv)  # one that never sends a byte is closed as well
     assert silent.closed(within_s=3.0)
+
+
+# -- chunked bodies -------------------------------------------------------------------------------------------------
+def chunked(body: bytes, size: int) -> bytes:
+    return b"".join(f"{len(body[i:i + size]):x}\r\n".encode() + body[i:i + size] + b"\r\n"
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+def test_a_chunked_body_in_too_many_small_chunks_is_refused_and_kib_chunks_are_not(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """At most 64 + 1 per KiB of max_body_bytes chunks (128 here): a body of the largest size in 1 KiB chunks is
+    read; one in 100-byte chunks (~1.7 us of Python CPU per chunk) is a 400 once past the count."""
+    srv, _ = make(max_body_bytes=64 << 10)
+    body = EMPTY_ITEMS + b" " * ((64 << 10) - len(EMPTY_ITEMS))  # 64 KiB of JSON
+    c = clients(srv)
+    for size in (1024, 4096, 600):  # 64, 16 and 110 chunks
+        c.send(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + chunked(body, size))
+        status, _, answer = c.response()
+        assert status == 422 and json.loads(answer)["error"] == EMPTY_ITEMS_ERROR, (size, answer)
+    c.send(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + chunked(body, 100))  # 656
+    status, headers, answer = c.response()
+    assert (status, headers["connection"]) == (400, "close"), answer
+    assert json.loads(answer)["error"].startswith("chunked body in more than 128 chunks")
+    assert c.closed(within_s=2.0)
+    tiny = clients(srv)  # 1-byte chunks: refused past the count however small the body (227 bytes here)
+    tiny.send(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + chunked(body[:227], 1))
+    status, _, answer = tiny.response()
+    assert status == 400 and json.loads(answer)["error"].startswith("chunked body in more than 128 chunks")
+    healthy = clients(srv)
+    healthy.send(request("GET", "/healthz"))
+    assert healthy.response()[0] == 200
 
 
 # -- stop under load ------------------------------------------------------------------------------------------------
