@@ -12,8 +12,13 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
 
 * ``max_connections``: open connections at once; one more is answered ``503`` (``Retry-After: 1``) and closed
   at once. The threading server runs one thread per connection, so this also caps its threads.
-* ``max_in_flight``: requests between their headers and their answer (:meth:`ScoringApp.admission`); one more
-  is a ``503`` with ``Retry-After: 1`` (the probes ``/healthz``, ``/readyz``, ``/metrics`` are never refused).
+* ``max_in_flight``: requests between their body's end and their answer (:meth:`ScoringApp.admission`, entered
+  once the body is read); one more is a ``503`` with ``Retry-After: 1`` (the probes ``/healthz``, ``/readyz``,
+  ``/metrics`` are never refused). A body being read holds no slot, so clients trickling bodies cannot get every
+  ``/v1/score`` refused while ``/healthz`` says 200: the reads are bounded by ``max_connections``,
+  ``max_body_bytes`` and ``request_timeout_s`` instead (up to ``max_connections`` x ``max_body_bytes`` of bodies
+  in memory at once). While every slot is taken a request is refused from its headers already, its body unread
+  (and, on ``Expect: 100-continue``, unsent) and its connection closed; one refused after its body keeps it.
 * ``max_active`` (threading server; 0: no bound): requests inside :meth:`ScoringApp.handle` at once; the others
   wait for a turn, asleep. Measured (bench/README.md, 2 cores, 8 clients): with 8 connection threads contending for
   the GIL a request cost the server ~1.5 ms of CPU with the ONNX INT8 artifact, ~1.1 ms at ``max_active = 1``, and
@@ -26,7 +31,10 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   ``/readyz`` from whichever process the connection lands on.
 * ``request_timeout_s``: a request's headers and body must arrive within it from its first byte, however the
   bytes trickle in (a per-``recv`` timeout would let one byte a second keep it alive); past it: ``408`` and
-  close. ``keepalive_timeout_s``: an idle keep-alive connection (no request started) is closed after it.
+  close. A new connection must send its first request's first byte within it too (or ``keepalive_timeout_s``
+  if shorter), else it is closed without an answer: idle sockets cannot hold ``max_connections``.
+  ``keepalive_timeout_s``: a connection that has served a request and is idle (no request started) is closed
+  after it. Empty lines before a request line (RFC 9112 2.2) are skipped as idle time.
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
   ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
   chunked sizes hexadecimal (leading zeros allowed too), each chunk followed by CRLF and at most 64 + 1 per KiB
@@ -262,7 +270,8 @@ class _Handler(BaseHTTPRequestHandler):
     the body, ``OPTIONS`` a 204 with ``Allow``. A body is read by ``Content-Length`` or
     ``Transfer-Encoding: chunked``, bounded by ``max_body_bytes``; framing that is ambiguous or malformed is a
     400 and the connection is closed (the next request's start is unknown). The wait for a request's first
-    byte is bounded by ``keepalive_timeout_s``, its headers and body together by ``request_timeout_s``.
+    byte is bounded by ``keepalive_timeout_s`` (``request_timeout_s`` for a new connection's first request), its
+    headers and body together by ``request_timeout_s``.
     """
 
     protocol_version = "HTTP/1.1"  # keep-alive
@@ -278,6 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._buffered = io.BufferedReader(self._reader)
         self.rfile = self._buffered
         self._expect_100 = False
+        self._served = False  # a request began on this connection: its idle wait is keepalive_timeout_s from now on
 
     def handle_one_request(self) -> None:
         s = self.app.s
@@ -285,12 +295,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.command, self.requestline, self.request_version, self._expect_100 = "", "", "HTTP/1.1", False
         if self.server.draining:
             return
-        self._reader.deadline = time.monotonic() + s.keepalive_timeout_s  # idle: wait for the next request
+        # idle: wait for the next request; a new connection's first within request_timeout_s (an idle socket must not
+        # hold one of max_connections for keepalive_timeout_s), the next ones within keepalive_timeout_s
+        idle_s = s.keepalive_timeout_s if self._served else min(s.keepalive_timeout_s, s.request_timeout_s)
+        self._reader.deadline = time.monotonic() + idle_s
         try:
             if not self._await_request():
                 return  # the client closed
         except (_Deadline, OSError):
             return  # idle too long, or stop() shut the connection
+        self._served = True
         self._reader.deadline = time.monotonic() + s.request_timeout_s  # its headers and body, from its first byte
         try:
             self._one_request()
@@ -335,14 +349,19 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadFraming as exc:
             self._send(exc.status, "application/json", _error_body(exc.message), close=True)
             return
-        with self.app.admission(self.path) as refused:
-            if refused is not None:  # its body (if any) is not read: the connection cannot go on
-                self._send(*refused, close=length != 0)
-                return
-            try:
-                body = self._read_body(length)
-            except _BadFraming as exc:
-                self._send(exc.status, "application/json", _error_body(exc.message), close=True)
+        if self.app.admitted >= self.app.s.max_in_flight:  # every slot looks taken: ask before reading the body
+            with self.app.admission(self.path) as refused:  # (a slot is not held across the body's read)
+                if refused is not None:  # its body (if any) is not read, nor sent on Expect: the connection ends
+                    self._send(*refused, close=length != 0)
+                    return
+        try:  # bounded by max_body_bytes and request_timeout_s; read bodies at once by max_connections
+            body = self._read_body(length)
+        except _BadFraming as exc:
+            self._send(exc.status, "application/json", _error_body(exc.message), close=True)
+            return
+        with self.app.admission(self.path) as refused:  # a slot of max_in_flight from the body's end to the answer
+            if refused is not None:
+                self._send(*refused)  # (its body was read: the connection goes on)
                 return
             method = self.command
             active = self.server.active
@@ -355,7 +374,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_expect_100(self) -> bool:
         """``Expect: 100-continue``: the ``100 Continue`` goes out when the body is about to be read, so a request
-        refused from its headers (413, 503, bad framing) is answered without the client sending the body."""
+        refused from its headers (413, bad framing; 503 while every ``max_in_flight`` slot is taken) is answered
+        without the client sending the body."""
         self._expect_100 = True
         return True
 
@@ -700,11 +720,27 @@ def _aiohttp_protocol() -> type:
             self.watchdog: asyncio.TimerHandle | None = None
             self.reading_body = False
             self.head_bytes = 0  # received while no request was parsed yet: its request line and headers
+            self.first_request: asyncio.TimerHandle | None = None  # a new connection's wait for its first byte
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            # A new connection's first request must begin within request_timeout_s (aiohttp's keep-alive timer, also
+            # started here, is keepalive_timeout_s's): an idle socket must not hold one of max_connections for longer.
+            self.first_request = self._loop.call_later(self.request_timeout_s, self._on_no_request)
+
+        def _on_no_request(self) -> None:
+            self.first_request = None
+            if self.transport is not None and self.deadline is None and not self._messages:
+                log.debug("no request within %s s of connecting: closing", self.request_timeout_s)
+                self.force_close()
 
         def data_received(self, data: bytes) -> None:
             if self.deadline is None and data.lstrip(b"\r\n"):  # (empty lines before a request: idle time)
                 self.deadline = self._loop.time() + self.request_timeout_s
                 self.watchdog = self._loop.call_at(self.deadline, self._on_deadline)
+                if self.first_request is not None:
+                    self.first_request.cancel()
+                    self.first_request = None
             if not self._messages and not getattr(self, "_request_in_progress", False):
                 self.head_bytes += len(data)
             super().data_received(data)
@@ -737,6 +773,9 @@ def _aiohttp_protocol() -> type:
             if self.watchdog is not None:
                 self.watchdog.cancel()
                 self.watchdog = None
+            if self.first_request is not None:
+                self.first_request.cancel()
+                self.first_request = None
             super().connection_lost(exc)
 
         def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
@@ -835,35 +874,38 @@ class AiohttpServer:
         if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 2 > _MAX_HEAD:  # (the threading server's count)
             return await self._reply(request, (431, "application/json", _error_body(_HEAD_TOO_LARGE)), close=True)
         target = _origin_form(request.raw_path)  # (not request.path: yarl's reading of "//healthz" is "////healthz")
-        with self.app.admission(target) as refused:
-            if refused is not None:
-                return await self._reply(request, refused, close=request.body_exists)
-            try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
-                _content_length(request.headers.getall("Content-Length", []) or ["0"], limit)
-            except _BadFraming as exc:  # over the limit: said before the body is read
+        try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
+            _content_length(request.headers.getall("Content-Length", []) or ["0"], limit)
+        except _BadFraming as exc:  # over the limit: said before the body is read
+            return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)), close=True)
+        if self.app.admitted >= s.max_in_flight:  # every slot looks taken: ask before reading the body
+            with self.app.admission(target) as refused:  # (a slot is not held across the body's read)
+                if refused is not None:  # its body (if any) is not read, nor sent on Expect: the connection ends
+                    return await self._reply(request, refused, close=request.body_exists)
+        body = b""
+        if request.body_exists:  # bounded by max_body_bytes and request_timeout_s; read at once by max_connections
+            deadline = proto.deadline or self._loop.time() + s.request_timeout_s
+            proto.reading_body = True
+            try:
+                body = await asyncio.wait_for(self._read_body(request, limit), deadline - self._loop.time())
+            except asyncio.TimeoutError:
+                return await self._reply(request, (408, "application/json", _error_body(
+                    _late(s.request_timeout_s))), close=True)
+            except _TooLarge:  # a chunked body past the limit
+                return await self._reply(request, (413, "application/json", _error_body(
+                    f"request body exceeds {limit} bytes")), close=True)
+            except _BadFraming as exc:  # too many chunks
                 return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)),
                                          close=True)
-            body = b""
-            if request.body_exists:
-                deadline = proto.deadline or self._loop.time() + s.request_timeout_s
-                proto.reading_body = True
-                try:
-                    body = await asyncio.wait_for(self._read_body(request, limit), deadline - self._loop.time())
-                except asyncio.TimeoutError:
-                    return await self._reply(request, (408, "application/json", _error_body(
-                        _late(s.request_timeout_s))), close=True)
-                except _TooLarge:  # a chunked body past the limit
-                    return await self._reply(request, (413, "application/json", _error_body(
-                        f"request body exceeds {limit} bytes")), close=True)
-                except _BadFraming as exc:  # too many chunks
-                    return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)),
-                                             close=True)
-                except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
-                    return await self._reply(request, (400, "application/json", _error_body(
-                        f"malformed request body: {exc}")), close=True)
-                finally:
-                    proto.reading_body = False
-            proto.body_read()
+            except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
+                return await self._reply(request, (400, "application/json", _error_body(
+                    f"malformed request body: {exc}")), close=True)
+            finally:
+                proto.reading_body = False
+        proto.body_read()
+        with self.app.admission(target) as refused:  # a slot of max_in_flight from the body's end to the answer
+            if refused is not None:
+                return await self._reply(request, refused)  # (its body was read: the connection goes on)
             method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
             return await self._reply(request, self.app.handle(method, target, body))
 

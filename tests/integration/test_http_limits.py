@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -178,41 +179,78 @@ def test_slow_clients_hold_their_connections_only_until_request_timeout(
 
 
 # -- max_in_flight --------------------------------------------------------------------------------------------------
+@contextmanager
+def every_slot_taken(app: ScoringApp) -> Iterator[None]:
+    """Hold every ``max_in_flight`` slot (as requests being scored would) until the block ends."""
+    with ExitStack() as held:
+        for _ in range(app.s.max_in_flight):
+            assert held.enter_context(app.admission("/v1/score")) is None
+        yield
+
+
 def test_requests_over_max_in_flight_get_503_with_retry_after_and_probes_still_answer(
         make: Make, clients: Callable[..., Client]) -> None:
     srv, app = make(max_in_flight=2, request_timeout_s=5)
-    half = len(EMPTY_ITEMS) // 2
-    busy = [clients(srv) for _ in range(2)]  # two requests in flight: headers in, body on its way
-    for c in busy:
-        c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])
-    deadline = time.monotonic() + 3.0
-    while app.admitted < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert app.admitted == 2
-    over = clients(srv)
-    t0 = time.monotonic()
-    over.send(request("POST", "/v1/score", EMPTY_ITEMS) + request("GET", "/openapi.json"))
-    status, headers, body = over.response(timeout_s=2.0)
-    assert (status, headers["retry-after"]) == (503, "1") and time.monotonic() - t0 < 1.0
-    assert "max_in_flight" in json.loads(body)["error"]
-    assert over.closed(within_s=2.0)  # its body was not read: the connection cannot go on
-    assert b'streamrec_serving_requests_total{endpoint="/v1/score",status="503"} 1.0' in app.metrics.render()
-    probe = clients(srv)  # the probes are never refused
-    probe.send(request("GET", "/healthz") + request("GET", "/metrics") + request("GET", "/readyz"))
-    assert [probe.response(timeout_s=2.0)[0] for _ in range(3)] == [200, 200, 503]  # (readyz: no model)
-    nobody = clients(srv)  # a refused request without a body keeps its connection
-    nobody.send(request("GET", "/openapi.json"))
-    assert nobody.response(timeout_s=2.0)[0] == 503
-    for c in busy:  # the requests in flight finish normally
-        c.send(EMPTY_ITEMS[-half:])
-        status, _, body = c.response(timeout_s=2.0)
-        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
-    deadline = time.monotonic() + 2.0  # (a slot is given back just after its answer is written)
-    while app.admitted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with every_slot_taken(app):
+        over = clients(srv)
+        over.send(request("POST", "/v1/score", EMPTY_ITEMS) + request("GET", "/openapi.json"))
+        status, headers, body = over.response(timeout_s=2.0)
+        assert (status, headers["retry-after"]) == (503, "1")
+        assert "max_in_flight" in json.loads(body)["error"]
+        assert over.closed(within_s=2.0)  # refused from its headers, its body not read: the connection cannot go on
+        assert b'streamrec_serving_requests_total{endpoint="/v1/score",status="503"} 1.0' in app.metrics.render()
+        expect = clients(srv)  # refused from its headers: no 100 Continue, the body is never sent
+        expect.send(request("POST", "/v1/score", headers={"Content-Length": str(len(EMPTY_ITEMS)),
+                                                            "Expect": "100-continue"}))
+        assert expect.response(timeout_s=2.0)[0] == 503
+        probe = clients(srv)  # the probes are never refused
+        probe.send(request("GET", "/healthz") + request("GET", "/metrics") + request("GET", "/readyz"))
+        assert [probe.response(timeout_s=2.0)[0] for _ in range(3)] == [200, 200, 503]  # (readyz: no model)
+        nobody = clients(srv)  # a refused request without a body keeps its connection
+        nobody.send(request("GET", "/openapi.json"))
+        assert nobody.response(timeout_s=2.0)[0] == 503
     assert app.admitted == 0
     nobody.send(request("GET", "/openapi.json"))  # and within the limit again, the same connection is served
     assert nobody.response(timeout_s=2.0)[0] == 200
+
+
+def test_slow_uploads_hold_no_in_flight_slot_while_their_body_arrives(make: Make,
+                                                                     clients: Callable[..., Client]) -> None:
+    """The slot is taken once the body is in: max_in_flight clients trickling bodies do not get every other
+    /v1/score a 503 (while /healthz says 200); their reads are bounded by max_connections and the deadline."""
+    srv, app = make(max_in_flight=2, request_timeout_s=5)
+    half = len(EMPTY_ITEMS) // 2
+    slow = [clients(srv) for _ in range(4)]  # twice max_in_flight: headers in, half a body each
+    for c in slow:
+        c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])
+    time.sleep(0.3)
+    assert app.admitted == 0
+    for _ in range(3):
+        other = clients(srv)
+        other.send(request("POST", "/v1/score", EMPTY_ITEMS))
+        status, _, body = other.response(timeout_s=2.0)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+    for c in slow:  # the slow ones are served too once their bodies are in
+        c.send(EMPTY_ITEMS[-half:])
+        status, _, body = c.response(timeout_s=2.0)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+
+
+def test_a_request_refused_after_its_body_is_read_keeps_its_connection(make: Make,
+                                                                      clients: Callable[..., Client]) -> None:
+    srv, app = make(max_in_flight=2, request_timeout_s=5)
+    half = len(EMPTY_ITEMS) // 2
+    c = clients(srv)
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])  # headers in while a slot is free
+    time.sleep(0.2)
+    with every_slot_taken(app):  # taken while its body arrives
+        c.send(EMPTY_ITEMS[-half:])
+        status, headers, body = c.response(timeout_s=2.0)
+        assert (status, headers["retry-after"]) == (503, "1") and "max_in_flight" in json.loads(body)["error"]
+        assert "connection" not in headers
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS))  # the body was read: the same connection goes on
+    status, _, body = c.response(timeout_s=2.0)
+    assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
 
 
 def test_slow_scoring_over_max_in_flight_is_refused_while_probes_answer(tmp_path: Path,
@@ -299,14 +337,27 @@ def test_a_body_trickled_after_its_headers_is_cut_off_at_the_same_deadline(make:
 
 def test_the_deadline_starts_at_the_requests_first_byte_not_at_connect(make: Make,
                                                                       clients: Callable[..., Client]) -> None:
-    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=3.0)
+    srv, _ = make(request_timeout_s=0.6, keepalive_timeout_s=3.0)
     c = clients(srv)
-    time.sleep(0.8)  # idle longer than a request may take: the idle wait is keepalive_timeout_s's
-    c.send(request("GET", "/healthz"))
+    time.sleep(0.4)  # idle, within request_timeout_s (a new connection's wait for its first byte)
+    data = request("GET", "/healthz")
+    c.send(data[:10])
+    time.sleep(0.4)  # 0.8 s from connect, 0.4 s from the request's first byte
+    c.send(data[10:])
     assert c.response(timeout_s=2.0)[0] == 200
-    time.sleep(0.8)  # and between requests on a keep-alive connection too
+    time.sleep(0.8)  # between requests on a keep-alive connection the idle wait is keepalive_timeout_s's
     c.send(request("POST", "/v1/score", EMPTY_ITEMS))
     assert c.response(timeout_s=2.0)[0] == 422
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_after_request_timeout(make: Make,
+                                                                            clients: Callable[..., Client]) -> None:
+    """Not after keepalive_timeout_s: idle sockets (256 of them, at no bandwidth) would hold every one of
+    max_connections for that long. Closed without an answer, as an idle keep-alive connection is."""
+    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=30.0)
+    silent = [clients(srv) for _ in range(3)]
+    assert all(c.closed(within_s=3.0) for c in silent)
+    assert healthz(srv, clients)[0] == 200
 
 
 def test_an_empty_line_after_a_request_is_idle_time_not_the_start_of_a_request(
