@@ -12,8 +12,13 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
 
 * ``max_connections``: open connections at once; one more is answered ``503`` (``Retry-After: 1``) and closed
   at once. The threading server runs one thread per connection, so this also caps its threads.
-* ``max_in_flight``: requests between their headers and their answer (:meth:`ScoringApp.admission`); one more
-  is a ``503`` with ``Retry-After: 1`` (the probes ``/healthz``, ``/readyz``, ``/metrics`` are never refused).
+* ``max_in_flight``: requests between their body's end and their answer (:meth:`ScoringApp.admission`, entered
+  once the body is read); one more is a ``503`` with ``Retry-After: 1`` (the probes ``/healthz``, ``/readyz``,
+  ``/metrics`` are never refused). A body being read holds no slot, so clients trickling bodies cannot get every
+  ``/v1/score`` refused while ``/healthz`` says 200: the reads are bounded by ``max_connections``,
+  ``max_body_bytes`` and ``request_timeout_s`` instead (up to ``max_connections`` x ``max_body_bytes`` of bodies
+  in memory at once). While every slot is taken a request is refused from its headers already, its body unread
+  (and, on ``Expect: 100-continue``, unsent) and its connection closed; one refused after its body keeps it.
 * ``max_active`` (threading server; 0: no bound): requests inside :meth:`ScoringApp.handle` at once; the others
   wait for a turn, asleep. Measured (bench/README.md, 2 cores, 8 clients): with 8 connection threads contending for
   the GIL a request cost the server ~1.5 ms of CPU with the ONNX INT8 artifact, ~1.1 ms at ``max_active = 1``, and
@@ -26,17 +31,28 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   ``/readyz`` from whichever process the connection lands on.
 * ``request_timeout_s``: a request's headers and body must arrive within it from its first byte, however the
   bytes trickle in (a per-``recv`` timeout would let one byte a second keep it alive); past it: ``408`` and
-  close. ``keepalive_timeout_s``: an idle keep-alive connection (no request started) is closed after it.
+  close. A new connection must send its first request's first byte within it too (or ``keepalive_timeout_s``
+  if shorter), else it is closed without an answer: idle sockets cannot hold ``max_connections``.
+  ``keepalive_timeout_s``: a connection that has served a request and is idle (no request started) is closed
+  after it. Empty lines before a request line (RFC 9112 2.2) are skipped as idle time.
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
-  ``400``; over ``max_body_bytes``: ``413`` before the body is read), chunked sizes hexadecimal and each chunk
-  followed by CRLF, not both ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's
-  colon; any such error is answered JSON and the connection closed (the next request's start is unknown).
+  ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
+  chunked sizes hexadecimal (leading zeros allowed too), each chunk followed by CRLF and at most 64 + 1 per KiB
+  of ``max_body_bytes`` chunks (4160 at 4 MiB: chunks of 1 KiB or more never meet it; past it a ``400``), not both
+  ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon, no obsolete line folding
+  (a header line starting with whitespace, RFC 9112 5.2); any such error is answered JSON and the connection
+  closed (the next request's start is unknown).
   aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
   ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. Where the two differ:
   a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
   ``Transfer-Encoding`` other than ``chunked`` is a ``501`` on the threading server (RFC 9112 6.1), a ``400``
   on aiohttp, which takes ``gzip, chunked`` as chunked; an HTTP/1.1 request without ``Host`` is a ``400`` on
   aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line.
+* request targets: an absolute-form one (``http://host/healthz``, RFC 9112 3.2.2) names its path; any other is
+  routed as sent, never normalised (``//healthz`` is a 404 naming ``//healthz``, on both servers).
+* a request's header lines are at most 64 KiB together (and a chunked body's trailer, on the threading server;
+  aiohttp's parser bounds a trailer by its own limits): past it a ``431``, at once, not at the deadline. Each line
+  is at most 65536 bytes and a block 100 lines on the threading server, 8190 bytes and 128 lines on aiohttp.
 
 ``stop(grace_s)``: stop accepting (new connections are refused), close idle keep-alive connections at once,
 let requests in flight finish (up to ``grace_s``; their answer says ``Connection: close``), then close every
@@ -100,9 +116,27 @@ def _late(timeout_s: float) -> str:
     return f"request not received within request_timeout_s ({timeout_s:g} s)"
 
 
+_ABSOLUTE_FORM = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+
+
+def _origin_form(target: str) -> str:
+    """The path (and query) a request target names, on both servers: an absolute-form target (``http://host/p?q``,
+    which a server MUST accept, RFC 9112 3.2.2) is its path and query (``/`` if it has none); any other target is
+    taken as sent, without normalisation: ``//healthz`` is not ``/healthz`` (a front proxy that routes or refuses by
+    path sees it as sent too), and an error names the path the client sent."""
+    m = _ABSOLUTE_FORM.match(target)
+    if m is None:
+        return target
+    rest = target[m.end():]
+    return rest if rest.startswith("/") else "/" + rest
+
+
 # -- stdlib ---------------------------------------------------------------------------------------
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2): no whitespace, no colon
+_MAX_LINE, _MAX_HEADERS = 65536, 100  # the stdlib's limits on a header line (bytes) and on a block's lines
+_MAX_HEAD = 65536  # bytes of a request's header lines, line ends included (and of a chunked body's trailer): 431
+_HEAD_TOO_LARGE = f"request header fields too large: the header block is over {_MAX_HEAD} bytes"
 
 
 class _BadFraming(Exception):
@@ -111,6 +145,41 @@ class _BadFraming(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+def _max_chunks(limit: int) -> int:
+    """The most chunks a chunked body of at most ``limit`` bytes may come in (both servers): 64, plus one per KiB of
+    the limit (4160 at 4 MiB). A client whose chunks are 1 KiB or more never meets it; without it a body in 1-byte
+    chunks cost ~1.7 us of Python per byte (~7 s of CPU, holding the GIL, for 4 MiB), now ~10 ms at most."""
+    return 64 + limit // 1024
+
+
+def _too_many_chunks(limit: int) -> str:
+    return (f"chunked body in more than {_max_chunks(limit)} chunks (64 + 1 per KiB of max_body_bytes): send chunks "
+            "of 1 KiB or more, or a Content-Length")
+
+
+def _content_length(values: list[str], limit: int) -> int:
+    """The body's length from a request's ``Content-Length`` values (both servers), or :class:`_BadFraming`: 400
+    for several values or one that is not a plain non-negative decimal number, 413 past ``limit``. Leading zeros
+    are allowed (``0005`` is 5); the number is compared by its digit count before ``int()`` sees it, so a value of
+    thousands of digits (past Python's ``int_max_str_digits``, a ``ValueError``) is a 413 like any other."""
+    if len(values) > 1:
+        shown = ", ".join(v[:20] for v in values)[:80]
+        raise _BadFraming(400, f"{len(values)} Content-Length headers ({shown}): the body's framing is ambiguous")
+    raw = values[0]
+    digits = raw.strip(" \t")
+    if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
+        raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(limit)) or int(digits) > limit:  # (a longer number is larger: no int() of it)
+        shown = digits if len(digits) <= 40 else f"a {len(digits)}-digit number of"
+        raise _BadFraming(413, f"body of {shown} bytes exceeds {limit}")
+    return int(digits)
+
+
+class _HeadTooLarge(http.client.HTTPException):
+    """A header (or trailer) block of more than ``_MAX_HEAD`` bytes: a 431."""
 
 
 class _Deadline(Exception):
@@ -149,14 +218,39 @@ def _http_date(_cache: list[Any] = [-1, ""]) -> str:  # noqa: B006 - one cache f
     return str(_cache[1])
 
 
+def _read_header_lines(rfile: Any) -> list[bytes]:
+    """A header block's lines up to and including the blank one (or EOF's ``b""``): ``http.client._read_headers``
+    (lines of at most 65536 bytes, at most 100 of them, the same errors) with a cap on the whole block, past which
+    it is :class:`_HeadTooLarge`: the stdlib's two limits alone let one request hold 100 x 64 KiB (~6 MB)."""
+    lines: list[bytes] = []
+    total = 0
+    while True:
+        line = rfile.readline(_MAX_LINE + 1)
+        if len(line) > _MAX_LINE:
+            raise http.client.LineTooLong("header line")
+        total += len(line)
+        if total > _MAX_HEAD:
+            raise _HeadTooLarge(_HEAD_TOO_LARGE)
+        lines.append(line)
+        if len(lines) > _MAX_HEADERS:
+            raise http.client.HTTPException(f"got more than {_MAX_HEADERS} headers")
+        if line in (b"\r\n", b"\n", b""):
+            return lines
+
+
 def _parse_headers(rfile: Any, message_class: type[http.client.HTTPMessage]) -> http.client.HTTPMessage:
     """``http.client.parse_headers`` (the same limits, errors and result) without the ``email`` feed parser for
     the headers every client sends: lines ``Name: value`` whose name is a token and that hold no CR but their
     line end. A block with any other line (a continuation, a name with whitespace, a line without a colon, a bare
     CR, an unterminated line) goes to the stdlib's parser as a whole, so its defects and its reading of odd
     lines (which :meth:`_Handler._framing` refuses) are exactly the stdlib's. The value is what the feed parser
-    makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``)."""
-    lines = http.client._read_headers(rfile)  # type: ignore[attr-defined]  # the stdlib's limits and errors
+    makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``). The lines are
+    read by :func:`_read_header_lines`: the stdlib's limits and errors, and a cap on the block."""
+    return _parse_header_lines(_read_header_lines(rfile), message_class)
+
+
+def _parse_header_lines(lines: list[bytes], message_class: type[http.client.HTTPMessage]) -> http.client.HTTPMessage:
+    """:func:`_parse_headers` of the lines :func:`_read_header_lines` read."""
     msg = message_class()
     for raw in lines[:-1]:  # the last is the blank line (or EOF)
         line = raw.decode("iso-8859-1")
@@ -176,7 +270,8 @@ class _Handler(BaseHTTPRequestHandler):
     the body, ``OPTIONS`` a 204 with ``Allow``. A body is read by ``Content-Length`` or
     ``Transfer-Encoding: chunked``, bounded by ``max_body_bytes``; framing that is ambiguous or malformed is a
     400 and the connection is closed (the next request's start is unknown). The wait for a request's first
-    byte is bounded by ``keepalive_timeout_s``, its headers and body together by ``request_timeout_s``.
+    byte is bounded by ``keepalive_timeout_s`` (``request_timeout_s`` for a new connection's first request), its
+    headers and body together by ``request_timeout_s``.
     """
 
     protocol_version = "HTTP/1.1"  # keep-alive
@@ -192,6 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._buffered = io.BufferedReader(self._reader)
         self.rfile = self._buffered
         self._expect_100 = False
+        self._served = False  # a request began on this connection: its idle wait is keepalive_timeout_s from now on
 
     def handle_one_request(self) -> None:
         s = self.app.s
@@ -199,12 +295,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.command, self.requestline, self.request_version, self._expect_100 = "", "", "HTTP/1.1", False
         if self.server.draining:
             return
-        self._reader.deadline = time.monotonic() + s.keepalive_timeout_s  # idle: wait for the next request
+        # idle: wait for the next request; a new connection's first within request_timeout_s (an idle socket must not
+        # hold one of max_connections for keepalive_timeout_s), the next ones within keepalive_timeout_s
+        idle_s = s.keepalive_timeout_s if self._served else min(s.keepalive_timeout_s, s.request_timeout_s)
+        self._reader.deadline = time.monotonic() + idle_s
         try:
-            if not self._buffered.peek(1):
+            if not self._await_request():
                 return  # the client closed
         except (_Deadline, OSError):
             return  # idle too long, or stop() shut the connection
+        self._served = True
         self._reader.deadline = time.monotonic() + s.request_timeout_s  # its headers and body, from its first byte
         try:
             self._one_request()
@@ -218,6 +318,19 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             if not self.server.mark(self.connection, busy=False):
                 self.close_connection = True  # stop() began: no next request on this connection
+
+    def _await_request(self) -> bool:
+        """Wait (until the reader's idle deadline) for a request's first byte, skipping the empty lines before it
+        (RFC 9112 2.2: a client may send a CRLF after a body) as aiohttp's parser does, any CR or LF bytes, a buffer
+        at a time: they are idle time, not the start of a request. False: the client closed first."""
+        while True:
+            buffered = self._buffered.peek(1)  # what is buffered (a recv first if nothing is)
+            if not buffered:
+                return False
+            blank = len(buffered) - len(buffered.lstrip(b"\r\n"))
+            if not blank:
+                return True
+            self._buffered.read(blank)
 
     def _one_request(self) -> None:
         self.raw_requestline = self.rfile.readline(65537)
@@ -236,14 +349,19 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadFraming as exc:
             self._send(exc.status, "application/json", _error_body(exc.message), close=True)
             return
-        with self.app.admission(self.path) as refused:
-            if refused is not None:  # its body (if any) is not read: the connection cannot go on
-                self._send(*refused, close=length != 0)
-                return
-            try:
-                body = self._read_body(length)
-            except _BadFraming as exc:
-                self._send(exc.status, "application/json", _error_body(exc.message), close=True)
+        if self.app.admitted >= self.app.s.max_in_flight:  # every slot looks taken: ask before reading the body
+            with self.app.admission(self.path) as refused:  # (a slot is not held across the body's read)
+                if refused is not None:  # its body (if any) is not read, nor sent on Expect: the connection ends
+                    self._send(*refused, close=length != 0)
+                    return
+        try:  # bounded by max_body_bytes and request_timeout_s; read bodies at once by max_connections
+            body = self._read_body(length)
+        except _BadFraming as exc:
+            self._send(exc.status, "application/json", _error_body(exc.message), close=True)
+            return
+        with self.app.admission(self.path) as refused:  # a slot of max_in_flight from the body's end to the answer
+            if refused is not None:
+                self._send(*refused)  # (its body was read: the connection goes on)
                 return
             method = self.command
             active = self.server.active
@@ -256,7 +374,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_expect_100(self) -> bool:
         """``Expect: 100-continue``: the ``100 Continue`` goes out when the body is about to be read, so a request
-        refused from its headers (413, 503, bad framing) is answered without the client sending the body."""
+        refused from its headers (413, bad framing; 503 while every ``max_in_flight`` slot is taken) is answered
+        without the client sending the body."""
         self._expect_100 = True
         return True
 
@@ -310,22 +429,27 @@ class _Handler(BaseHTTPRequestHandler):
             if command != "GET":
                 self.send_error(400, f"Bad HTTP/0.9 request type ({command!r})")
                 return False
-        self.command, self.path = command, path
-        if self.path.startswith("//"):  # gh-87389, as the stdlib: no open redirect through "//host/path"
-            self.path = "/" + self.path.lstrip("/")
+        self.command, self.path = command, _origin_form(path)  # (not the stdlib's "//" to "/": nothing redirects)
         try:
-            self.headers = _parse_headers(self.rfile, self.MessageClass)
+            lines = _read_header_lines(self.rfile)
+        except _HeadTooLarge as err:
+            self.send_error(431, str(err))
+            return False
         except http.client.LineTooLong as err:
             self.send_error(431, "Line too long", str(err))
             return False
         except http.client.HTTPException as err:
             self.send_error(431, "Too many headers", str(err))
             return False
-        conntype = self.headers.get("Connection", "").lower()
-        if conntype == "close":
-            self.close_connection = True
-        elif conntype == "keep-alive":
-            self.close_connection = False
+        self.headers = _parse_header_lines(lines, self.MessageClass)
+        self._obs_fold = any(line[:1] in (b" ", b"\t") for line in lines)  # refused by _framing
+        connection = self.headers.get_all("Connection")
+        if connection:  # a list of options (RFC 9110 7.6.1), any case: "close" wins
+            options = {o.strip().lower() for v in connection for o in v.split(",")}
+            if "close" in options:
+                self.close_connection = True
+            elif "keep-alive" in options:
+                self.close_connection = False
         if (self.headers.get("Expect", "").lower() == "100-continue" and self.request_version >= "HTTP/1.1"
                 and not self.handle_expect_100()):
             return False
@@ -336,7 +460,7 @@ class _Handler(BaseHTTPRequestHandler):
         ``end_headers`` then ``wfile.write(body)`` cost two sends, two loopback segments the client reads apart
         (~50 us each on loopback, profiled). The same headers as the stdlib's (``Server``, ``Date``) and ours."""
         self.connection.settimeout(self.app.s.request_timeout_s)  # bounds a client that does not read its answer
-        close = close or self.server.draining
+        close = close or self.server.draining or self.close_connection  # (the request's Connection: close, 1.0)
         phrase = self.responses[status][0] if status in self.responses else ""
         head = [f"{self.protocol_version} {status} {phrase}", f"Server: {self.version_string()}",
                 f"Date: {_http_date()}"]
@@ -347,6 +471,8 @@ class _Handler(BaseHTTPRequestHandler):
         if close:
             head.append("Connection: close")
             self.close_connection = True
+        elif self.request_version == "HTTP/1.0":  # kept open (its Connection: keep-alive): said, 1.0 closes by default
+            head.append("Connection: keep-alive")
         out = b"" if self.request_version == "HTTP/0.9" else ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         if self.command != "HEAD" and status != 204:
             out += body
@@ -355,6 +481,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _framing(self) -> int | None:
         """The body's length from the headers (0: none; None: chunked), or :class:`_BadFraming` where they leave
         it ambiguous: any doubt about where this request ends is where a smuggled one would start."""
+        if self._obs_fold:  # the stdlib joins it to the line above: "Host: x\r\n Transfer-Encoding: chunked" is a Host
+            raise _BadFraming(400, "obsolete line folding (a header line starting with whitespace) is not accepted")
         if self.headers.defects or any(not _TOKEN.fullmatch(name) for name in self.headers.keys()):
             raise _BadFraming(400, "malformed header line (a field name with whitespace, or a line without a colon)")
         te, cl = self.headers.get_all("Transfer-Encoding") or [], self.headers.get_all("Content-Length") or []
@@ -369,17 +497,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if not cl:
             return 0
-        if len(cl) > 1:
-            values = ", ".join(v[:20] for v in cl)[:80]
-            raise _BadFraming(400, f"{len(cl)} Content-Length headers ({values}): the body's framing is ambiguous")
-        raw = cl[0]
-        digits = raw.strip(" \t")
-        if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
-            raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
-        length, limit = int(digits), self.app.s.max_body_bytes
-        if length > limit:
-            raise _BadFraming(413, f"body of {length} bytes exceeds {limit}")
-        return length
+        return _content_length(cl, self.app.s.max_body_bytes)
 
     def _read_body(self, length: int | None) -> bytes:
         if length == 0:
@@ -396,22 +514,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_chunked(self, limit: int) -> bytes:
         body = bytearray()
+        chunks, most = 0, _max_chunks(limit)
         while True:
             line = self.rfile.readline(1026)
             size_field = line.split(b";", 1)[0].strip(b" \t\r\n")
             if not line.endswith(b"\n") or not _HEX.fullmatch(size_field):
                 raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number")
-            size = int(size_field, 16)
-            if size == 0:
-                for _ in range(100):  # trailers, up to the blank line
-                    trailer = self.rfile.readline(65537)
-                    if trailer in (b"\r\n", b"\n"):
-                        return bytes(body)
-                    if not trailer.endswith(b"\n"):
-                        break
-                raise _BadFraming(400, "malformed or incomplete chunked trailer")
+            digits = size_field.lstrip(b"0")  # leading zeros allowed; past 15 digits it exceeds any limit
+            if len(digits) > 15:
+                raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
+            size = int(digits or b"0", 16)
+            if size == 0:  # the last chunk: its trailer (ignored, bounded as a header block) up to the blank line
+                try:
+                    trailer = _read_header_lines(self.rfile)
+                except _HeadTooLarge:
+                    raise _BadFraming(431, f"chunked trailer over {_MAX_HEAD} bytes") from None
+                except http.client.HTTPException as exc:  # a line over 65536 bytes, over 100 lines
+                    raise _BadFraming(431, f"chunked trailer too large: {exc}") from None
+                if trailer[-1] == b"":
+                    raise _BadFraming(400, "malformed or incomplete chunked trailer")
+                return bytes(body)
             if len(body) + size > limit:
                 raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
+            chunks += 1
+            if chunks > most:
+                raise _BadFraming(400, _too_many_chunks(limit))
             data = self.rfile.read(size)
             if len(data) < size:
                 raise _BadFraming(400, "incomplete chunk before the connection closed")
@@ -592,12 +719,37 @@ def _aiohttp_protocol() -> type:
             self.deadline: float | None = None  # of the request being received (loop time), from its first byte
             self.watchdog: asyncio.TimerHandle | None = None
             self.reading_body = False
+            self.head_bytes = 0  # received while no request was parsed yet: its request line and headers
+            self.first_request: asyncio.TimerHandle | None = None  # a new connection's wait for its first byte
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            # A new connection's first request must begin within request_timeout_s (aiohttp's keep-alive timer, also
+            # started here, is keepalive_timeout_s's): an idle socket must not hold one of max_connections for longer.
+            self.first_request = self._loop.call_later(self.request_timeout_s, self._on_no_request)
+
+        def _on_no_request(self) -> None:
+            self.first_request = None
+            if self.transport is not None and self.deadline is None and not self._messages:
+                log.debug("no request within %s s of connecting: closing", self.request_timeout_s)
+                self.force_close()
 
         def data_received(self, data: bytes) -> None:
-            if data and self.deadline is None:
+            if self.deadline is None and data.lstrip(b"\r\n"):  # (empty lines before a request: idle time)
                 self.deadline = self._loop.time() + self.request_timeout_s
                 self.watchdog = self._loop.call_at(self.deadline, self._on_deadline)
+                if self.first_request is not None:
+                    self.first_request.cancel()
+                    self.first_request = None
+            if not self._messages and not getattr(self, "_request_in_progress", False):
+                self.head_bytes += len(data)
             super().data_received(data)
+            if self._messages or getattr(self, "_request_in_progress", False):
+                self.head_bytes = 0  # parsed: _handle checks its headers' size exactly
+            elif self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ aiohttp's longest line)
+                log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
+                self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
+                self.force_close()
 
         def body_read(self) -> None:
             """The request's body is in: its deadline no longer applies (the next request's starts with its bytes)."""
@@ -621,6 +773,9 @@ def _aiohttp_protocol() -> type:
             if self.watchdog is not None:
                 self.watchdog.cancel()
                 self.watchdog = None
+            if self.first_request is not None:
+                self.first_request.cancel()
+                self.first_request = None
             super().connection_lost(exc)
 
         def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
@@ -670,7 +825,7 @@ class AiohttpServer:
         from aiohttp import web
 
         status, ctype, out = resp
-        headers = self.app.headers(request.method, request.path, status)
+        headers = self.app.headers(request.method, _origin_form(request.raw_path), status)
         if status == 204:
             r = web.Response(status=204, headers=headers)
         else:
@@ -691,11 +846,24 @@ class AiohttpServer:
         if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         body = bytearray()
-        while chunk := await request.content.readany():
-            body += chunk
+        content = request.content
+        if request.headers.get("Transfer-Encoding") is None:  # a Content-Length: read as it comes
+            while chunk := await content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise _TooLarge
+            return bytes(body)
+        chunks, most = 0, _max_chunks(limit)
+        while True:  # chunked: a chunk at a time, to count them
+            data, end_of_chunk = await content.readchunk()
+            if not data and not end_of_chunk:  # the body's end
+                return bytes(body)
+            body += data
             if len(body) > limit:
                 raise _TooLarge
-        return bytes(body)
+            chunks += end_of_chunk
+            if chunks > most:
+                raise _BadFraming(400, _too_many_chunks(limit))
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         from aiohttp.web_protocol import RequestPayloadError
@@ -703,32 +871,43 @@ class AiohttpServer:
         s = self.app.s
         proto: Any = request.protocol  # a _Protocol (_aiohttp_protocol)
         limit = s.max_body_bytes
-        with self.app.admission(request.path) as refused:
-            if refused is not None:
-                return await self._reply(request, refused, close=request.body_exists)
-            if request.content_length is not None and request.content_length > limit:  # say so before reading it
+        if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 2 > _MAX_HEAD:  # (the threading server's count)
+            return await self._reply(request, (431, "application/json", _error_body(_HEAD_TOO_LARGE)), close=True)
+        target = _origin_form(request.raw_path)  # (not request.path: yarl's reading of "//healthz" is "////healthz")
+        try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
+            _content_length(request.headers.getall("Content-Length", []) or ["0"], limit)
+        except _BadFraming as exc:  # over the limit: said before the body is read
+            return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)), close=True)
+        if self.app.admitted >= s.max_in_flight:  # every slot looks taken: ask before reading the body
+            with self.app.admission(target) as refused:  # (a slot is not held across the body's read)
+                if refused is not None:  # its body (if any) is not read, nor sent on Expect: the connection ends
+                    return await self._reply(request, refused, close=request.body_exists)
+        body = b""
+        if request.body_exists:  # bounded by max_body_bytes and request_timeout_s; read at once by max_connections
+            deadline = proto.deadline or self._loop.time() + s.request_timeout_s
+            proto.reading_body = True
+            try:
+                body = await asyncio.wait_for(self._read_body(request, limit), deadline - self._loop.time())
+            except asyncio.TimeoutError:
+                return await self._reply(request, (408, "application/json", _error_body(
+                    _late(s.request_timeout_s))), close=True)
+            except _TooLarge:  # a chunked body past the limit
                 return await self._reply(request, (413, "application/json", _error_body(
-                    f"body of {request.content_length} bytes exceeds {limit}")), close=True)
-            body = b""
-            if request.body_exists:
-                deadline = proto.deadline or self._loop.time() + s.request_timeout_s
-                proto.reading_body = True
-                try:
-                    body = await asyncio.wait_for(self._read_body(request, limit), deadline - self._loop.time())
-                except asyncio.TimeoutError:
-                    return await self._reply(request, (408, "application/json", _error_body(
-                        _late(s.request_timeout_s))), close=True)
-                except _TooLarge:  # a chunked body past the limit
-                    return await self._reply(request, (413, "application/json", _error_body(
-                        f"request body exceeds {limit} bytes")), close=True)
-                except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
-                    return await self._reply(request, (400, "application/json", _error_body(
-                        f"malformed request body: {exc}")), close=True)
-                finally:
-                    proto.reading_body = False
-            proto.body_read()
+                    f"request body exceeds {limit} bytes")), close=True)
+            except _BadFraming as exc:  # too many chunks
+                return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)),
+                                         close=True)
+            except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
+                return await self._reply(request, (400, "application/json", _error_body(
+                    f"malformed request body: {exc}")), close=True)
+            finally:
+                proto.reading_body = False
+        proto.body_read()
+        with self.app.admission(target) as refused:  # a slot of max_in_flight from the body's end to the answer
+            if refused is not None:
+                return await self._reply(request, refused)  # (its body was read: the connection goes on)
             method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
-            return await self._reply(request, self.app.handle(method, request.path_qs, body))
+            return await self._reply(request, self.app.handle(method, target, body))
 
     async def _start(self) -> None:
         from aiohttp import web

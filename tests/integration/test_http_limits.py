@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,8 @@ def make(kind: str, tmp_path: Path) -> Iterator[Make]:
     servers: list[Server] = []
 
     def build(**settings: Any) -> tuple[Server, ScoringApp]:
-        ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=1000,
-                           **settings)
+        settings = {"max_body_bytes": 1000, **settings}
+        ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, **settings)
         holder = ModelHolder()
         app = ScoringApp(ss, holder, ServingMetrics(holder.model), None)
         srv = make_server(kind, app, "127.0.0.1", 0)
@@ -178,41 +179,78 @@ def test_slow_clients_hold_their_connections_only_until_request_timeout(
 
 
 # -- max_in_flight --------------------------------------------------------------------------------------------------
+@contextmanager
+def every_slot_taken(app: ScoringApp) -> Iterator[None]:
+    """Hold every ``max_in_flight`` slot (as requests being scored would) until the block ends."""
+    with ExitStack() as held:
+        for _ in range(app.s.max_in_flight):
+            assert held.enter_context(app.admission("/v1/score")) is None
+        yield
+
+
 def test_requests_over_max_in_flight_get_503_with_retry_after_and_probes_still_answer(
         make: Make, clients: Callable[..., Client]) -> None:
     srv, app = make(max_in_flight=2, request_timeout_s=5)
-    half = len(EMPTY_ITEMS) // 2
-    busy = [clients(srv) for _ in range(2)]  # two requests in flight: headers in, body on its way
-    for c in busy:
-        c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])
-    deadline = time.monotonic() + 3.0
-    while app.admitted < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert app.admitted == 2
-    over = clients(srv)
-    t0 = time.monotonic()
-    over.send(request("POST", "/v1/score", EMPTY_ITEMS) + request("GET", "/openapi.json"))
-    status, headers, body = over.response(timeout_s=2.0)
-    assert (status, headers["retry-after"]) == (503, "1") and time.monotonic() - t0 < 1.0
-    assert "max_in_flight" in json.loads(body)["error"]
-    assert over.closed(within_s=2.0)  # its body was not read: the connection cannot go on
-    assert b'streamrec_serving_requests_total{endpoint="/v1/score",status="503"} 1.0' in app.metrics.render()
-    probe = clients(srv)  # the probes are never refused
-    probe.send(request("GET", "/healthz") + request("GET", "/metrics") + request("GET", "/readyz"))
-    assert [probe.response(timeout_s=2.0)[0] for _ in range(3)] == [200, 200, 503]  # (readyz: no model)
-    nobody = clients(srv)  # a refused request without a body keeps its connection
-    nobody.send(request("GET", "/openapi.json"))
-    assert nobody.response(timeout_s=2.0)[0] == 503
-    for c in busy:  # the requests in flight finish normally
-        c.send(EMPTY_ITEMS[-half:])
-        status, _, body = c.response(timeout_s=2.0)
-        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
-    deadline = time.monotonic() + 2.0  # (a slot is given back just after its answer is written)
-    while app.admitted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with every_slot_taken(app):
+        over = clients(srv)
+        over.send(request("POST", "/v1/score", EMPTY_ITEMS) + request("GET", "/openapi.json"))
+        status, headers, body = over.response(timeout_s=2.0)
+        assert (status, headers["retry-after"]) == (503, "1")
+        assert "max_in_flight" in json.loads(body)["error"]
+        assert over.closed(within_s=2.0)  # refused from its headers, its body not read: the connection cannot go on
+        assert b'streamrec_serving_requests_total{endpoint="/v1/score",status="503"} 1.0' in app.metrics.render()
+        expect = clients(srv)  # refused from its headers: no 100 Continue, the body is never sent
+        expect.send(request("POST", "/v1/score", headers={"Content-Length": str(len(EMPTY_ITEMS)),
+                                                            "Expect": "100-continue"}))
+        assert expect.response(timeout_s=2.0)[0] == 503
+        probe = clients(srv)  # the probes are never refused
+        probe.send(request("GET", "/healthz") + request("GET", "/metrics") + request("GET", "/readyz"))
+        assert [probe.response(timeout_s=2.0)[0] for _ in range(3)] == [200, 200, 503]  # (readyz: no model)
+        nobody = clients(srv)  # a refused request without a body keeps its connection
+        nobody.send(request("GET", "/openapi.json"))
+        assert nobody.response(timeout_s=2.0)[0] == 503
     assert app.admitted == 0
     nobody.send(request("GET", "/openapi.json"))  # and within the limit again, the same connection is served
     assert nobody.response(timeout_s=2.0)[0] == 200
+
+
+def test_slow_uploads_hold_no_in_flight_slot_while_their_body_arrives(make: Make,
+                                                                     clients: Callable[..., Client]) -> None:
+    """The slot is taken once the body is in: max_in_flight clients trickling bodies do not get every other
+    /v1/score a 503 (while /healthz says 200); their reads are bounded by max_connections and the deadline."""
+    srv, app = make(max_in_flight=2, request_timeout_s=5)
+    half = len(EMPTY_ITEMS) // 2
+    slow = [clients(srv) for _ in range(4)]  # twice max_in_flight: headers in, half a body each
+    for c in slow:
+        c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])
+    time.sleep(0.3)
+    assert app.admitted == 0
+    for _ in range(3):
+        other = clients(srv)
+        other.send(request("POST", "/v1/score", EMPTY_ITEMS))
+        status, _, body = other.response(timeout_s=2.0)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+    for c in slow:  # the slow ones are served too once their bodies are in
+        c.send(EMPTY_ITEMS[-half:])
+        status, _, body = c.response(timeout_s=2.0)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+
+
+def test_a_request_refused_after_its_body_is_read_keeps_its_connection(make: Make,
+                                                                      clients: Callable[..., Client]) -> None:
+    srv, app = make(max_in_flight=2, request_timeout_s=5)
+    half = len(EMPTY_ITEMS) // 2
+    c = clients(srv)
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS)[:-half])  # headers in while a slot is free
+    time.sleep(0.2)
+    with every_slot_taken(app):  # taken while its body arrives
+        c.send(EMPTY_ITEMS[-half:])
+        status, headers, body = c.response(timeout_s=2.0)
+        assert (status, headers["retry-after"]) == (503, "1") and "max_in_flight" in json.loads(body)["error"]
+        assert "connection" not in headers
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS))  # the body was read: the same connection goes on
+    status, _, body = c.response(timeout_s=2.0)
+    assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
 
 
 def test_slow_scoring_over_max_in_flight_is_refused_while_probes_answer(tmp_path: Path,
@@ -299,14 +337,41 @@ def test_a_body_trickled_after_its_headers_is_cut_off_at_the_same_deadline(make:
 
 def test_the_deadline_starts_at_the_requests_first_byte_not_at_connect(make: Make,
                                                                       clients: Callable[..., Client]) -> None:
-    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=3.0)
+    srv, _ = make(request_timeout_s=0.6, keepalive_timeout_s=3.0)
     c = clients(srv)
-    time.sleep(0.8)  # idle longer than a request may take: the idle wait is keepalive_timeout_s's
-    c.send(request("GET", "/healthz"))
+    time.sleep(0.4)  # idle, within request_timeout_s (a new connection's wait for its first byte)
+    data = request("GET", "/healthz")
+    c.send(data[:10])
+    time.sleep(0.4)  # 0.8 s from connect, 0.4 s from the request's first byte
+    c.send(data[10:])
     assert c.response(timeout_s=2.0)[0] == 200
-    time.sleep(0.8)  # and between requests on a keep-alive connection too
+    time.sleep(0.8)  # between requests on a keep-alive connection the idle wait is keepalive_timeout_s's
     c.send(request("POST", "/v1/score", EMPTY_ITEMS))
     assert c.response(timeout_s=2.0)[0] == 422
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_after_request_timeout(make: Make,
+                                                                            clients: Callable[..., Client]) -> None:
+    """Not after keepalive_timeout_s: idle sockets (256 of them, at no bandwidth) would hold every one of
+    max_connections for that long. Closed without an answer, as an idle keep-alive connection is."""
+    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=30.0)
+    silent = [clients(srv) for _ in range(3)]
+    assert all(c.closed(within_s=3.0) for c in silent)
+    assert healthz(srv, clients)[0] == 200
+
+
+def test_an_empty_line_after_a_request_is_idle_time_not_the_start_of_a_request(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """A CRLF after a body (RFC 9112 2.2) is skipped: it starts no request, so no request_timeout_s (no 408)."""
+    srv, _ = make(request_timeout_s=0.5, keepalive_timeout_s=5.0)
+    c = clients(srv)
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS) + b"\r\n")
+    status, _, body = c.response()
+    assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+    c.send(b"\r\n")  # and one on its own, after the answer
+    time.sleep(1.0)  # past request_timeout_s: a request begun by the CRLF would have been answered 408 and closed
+    c.send(request("GET", "/healthz"))
+    assert c.response(timeout_s=2.0)[0] == 200
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_keepalive_timeout(make: Make,
@@ -320,6 +385,37 @@ def test_an_idle_keep_alive_connection_is_closed_after_keepalive_timeout(make: M
     assert 0.3 < time.monotonic() - t0 < 2.5
     silent = clients(srv)  # one that never sends a byte is closed as well
     assert silent.closed(within_s=3.0)
+
+
+# -- chunked bodies -------------------------------------------------------------------------------------------------
+def chunked(body: bytes, size: int) -> bytes:
+    return b"".join(f"{len(body[i:i + size]):x}\r\n".encode() + body[i:i + size] + b"\r\n"
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+def test_a_chunked_body_in_too_many_small_chunks_is_refused_and_kib_chunks_are_not(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """At most 64 + 1 per KiB of max_body_bytes chunks (128 here): a body of the largest size in 1 KiB chunks is
+    read; one in 100-byte chunks (~1.7 us of Python CPU per chunk) is a 400 once past the count."""
+    srv, _ = make(max_body_bytes=64 << 10)
+    body = EMPTY_ITEMS + b" " * ((64 << 10) - len(EMPTY_ITEMS))  # 64 KiB of JSON
+    c = clients(srv)
+    for size in (1024, 4096, 600):  # 64, 16 and 110 chunks
+        c.send(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + chunked(body, size))
+        status, _, answer = c.response()
+        assert status == 422 and json.loads(answer)["error"] == EMPTY_ITEMS_ERROR, (size, answer)
+    c.send(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + chunked(body, 100))  # 656
+    status, headers, answer = c.response()
+    assert (status, headers["connection"]) == (400, "close"), answer
+    assert json.loads(answer)["error"].startswith("chunked body in more than 128 chunks")
+    assert c.closed(within_s=2.0)
+    tiny = clients(srv)  # 1-byte chunks: refused past the count however small the body (227 bytes here)
+    tiny.send(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + chunked(body[:227], 1))
+    status, _, answer = tiny.response()
+    assert status == 400 and json.loads(answer)["error"].startswith("chunked body in more than 128 chunks")
+    healthy = clients(srv)
+    healthy.send(request("GET", "/healthz"))
+    assert healthy.response()[0] == 200
 
 
 # -- stop under load ------------------------------------------------------------------------------------------------

@@ -203,6 +203,113 @@ def test_conflicting_content_length_headers_are_a_400(server: Server) -> None:
         assert closed_by_server(s, f)  # and the smuggled request is never answered
 
 
+def quiet(caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    """Nothing was logged above DEBUG, no traceback: a bad request is not worth the service log's attention."""
+    loud = [r for r in caplog.records if r.levelno > logging.DEBUG or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("zeros", [1, 4300, 6000])
+def test_a_content_length_with_leading_zeros_is_its_number_however_many(
+        server: Server, zeros: int, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    """``0...027`` is 27: past 4300 digits Python's int() raises (int_max_str_digits); the value is still valid."""
+    with caplog.at_level(logging.DEBUG), connect(server) as s, s.makefile("rb") as f:
+        length = "0" * zeros + str(len(EMPTY_ITEMS))
+        s.sendall(request("POST", "/v1/score", headers={"Content-Length": length}) + EMPTY_ITEMS
+                  + request("GET", "/healthz"))
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        assert read_response(f)[0] == 200  # framed right: the next request starts after the 27 bytes
+    quiet(caplog, capfd)
+
+
+@pytest.mark.parametrize("length", ["9" * 5000, "0" * 3000 + "9" * 3000, "1" + "0" * 40])
+def test_an_over_long_content_length_is_refused_as_json_and_closed_with_nothing_logged(
+        server: Server, length: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    with caplog.at_level(logging.DEBUG), connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Content-Length": length}) + EMPTY_ITEMS + SMUGGLED)
+        status, headers, body = read_response(f)
+        assert status in (400, 413), (status, body)  # 413 here; aiohttp's parser says "Content-Length overflow"
+        assert headers["content-type"] == "application/json" and json.loads(body)["error"]
+        assert closed_by_server(s, f)
+    quiet(caplog, capfd)
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", "/healthz"))
+        assert read_response(f)[0] == 200
+
+
+@pytest.mark.parametrize("zeros", [1, 20, 1000])
+def test_a_chunk_size_with_leading_zeros_is_its_number(server: Server, zeros: int) -> None:
+    chunk = "0" * zeros + f"{len(EMPTY_ITEMS):x}"
+    data = f"{chunk}\r\n".encode() + EMPTY_ITEMS + b"\r\n" + b"0" * zeros + b"\r\n\r\n"
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"}) + data
+                  + request("GET", "/healthz"))
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        assert read_response(f)[0] == 200
+
+
+def test_an_over_long_chunk_size_is_refused_as_json_and_closed(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"})
+                  + b"1" + b"0" * 40 + b"\r\n" + EMPTY_ITEMS)
+        status, headers, body = read_response(f)
+        assert status in (400, 413), (status, body)
+        assert headers["content-type"] == "application/json" and json.loads(body)["error"]
+        assert closed_by_server(s, f)
+
+
+PAD = b"X-Pad: " + b"a" * 7000 + b"\r\n"  # 7009 bytes: a header line within aiohttp's 8190
+
+
+def test_a_header_block_over_64_kib_is_a_431_and_one_under_it_is_served(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + PAD * 9 + b"\r\n")  # 63 KB of header lines
+        assert read_response(f)[0] == 200
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + PAD * 10 + b"\r\n" + SMUGGLED)  # 70 KB
+        status, headers, body = read_response(f)
+        assert (status, headers["connection"]) == (431, "close"), (status, body)
+        assert "header block is over 65536 bytes" in json.loads(body)["error"]
+        assert closed_by_server(s, f)
+
+
+def test_an_unfinished_header_block_past_64_kib_is_a_431_at_once(server: Server) -> None:
+    """Not held until request_timeout_s (10 s here; the read below gives up after 5): a client cannot make the
+    server hold megabytes of headers per connection."""
+    with connect(server) as s, s.makefile("rb") as f:
+        try:
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\n" + PAD * 30)  # 210 KB, never the blank line
+        except OSError:
+            pass  # (the server answered and closed while this was being sent)
+        s.settimeout(5.0)
+        status, _, body = read_response(f)
+        assert status == 431 and "header block" in json.loads(body)["error"]
+
+
+def test_a_chunked_trailer_over_64_kib_is_a_431(app: ScoringApp) -> None:
+    """The threading server reads a trailer as a header block, under the same cap (aiohttp's parser bounds it by
+    its own limits: 128 fields of 8190 bytes)."""
+    srv = make_server("threading", app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        with connect(srv) as s, s.makefile("rb") as f:
+            s.sendall(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"})
+                      + f"{len(EMPTY_ITEMS):x}\r\n".encode() + EMPTY_ITEMS + b"\r\n0\r\n" + PAD * 10 + b"\r\n")
+            status, headers, body = read_response(f)
+            assert (status, headers["connection"]) == (431, "close"), (status, body)
+            assert json.loads(body)["error"] == "chunked trailer over 65536 bytes"
+        with connect(srv) as s, s.makefile("rb") as f:  # a small trailer is read and ignored
+            s.sendall(request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"})
+                      + f"{len(EMPTY_ITEMS):x}\r\n".encode() + EMPTY_ITEMS + b"\r\n0\r\n" + PAD * 2 + b"\r\n"
+                      + request("GET", "/healthz"))
+            assert read_response(f)[0] == 422 and read_response(f)[0] == 200
+    finally:
+        srv.stop(0.5)
+
+
 def test_a_405_names_the_allowed_methods_in_the_allow_header(server: Server) -> None:
     with connect(server) as s, s.makefile("rb") as f:
         s.sendall(request("PUT", "/healthz", b"{}") + request("GET", "/v1/score:batch"))
@@ -285,6 +392,15 @@ AMBIGUOUS = {  # name -> (the request, followed by a request that must not be an
     "chunk data without CRLF": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                                 b"2\r\n{}XX0\r\n\r\n", (400, 400)),
     "space before the colon": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length : 2\r\n\r\n{}", (400, 400)),
+    # obsolete line folding (a line starting with whitespace continues the one above, RFC 9112 5.2): refused
+    "Transfer-Encoding by obs-fold": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\r\n chunked\r\n\r\n"
+                                      b"2\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "Transfer-Encoding folded into Host": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\n Transfer-Encoding: chunked\r\n"
+                                           b"Content-Length: 2\r\n\r\n{}", (400, 400)),
+    "obs-fold of any header": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX-Note: a\r\n\tb\r\nContent-Length: 2\r\n\r\n{}",
+                               (400, 400)),
+    "a first header line folded": (b"POST /v1/score HTTP/1.1\r\n Transfer-Encoding: chunked\r\nHost: x\r\n"
+                                   b"Content-Length: 2\r\n\r\n{}", (400, 400)),
 }
 
 
@@ -392,3 +508,65 @@ def test_the_answer_to_a_request_in_flight_at_stop_says_connection_close(kind: s
         t.join(10)
     status, headers, _ = cast(tuple[int, dict[str, str], bytes], got["response"])
     assert (status, headers.get("connection")) == (200, "close") and got["closed"] is True
+
+
+def test_empty_lines_before_a_request_line_are_skipped(server: Server) -> None:
+    """RFC 9112 2.2: a server SHOULD ignore at least one empty line before a request line (a client may send a CRLF
+    after a body): at the start of a connection and between pipelined requests, CRLF or a bare LF."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"\r\n" + request("GET", "/healthz") + request("POST", "/v1/score", EMPTY_ITEMS) + b"\r\n"
+                  + request("GET", "/readyz") + b"\n\r\n\r\n" + request("GET", "/healthz"))
+        assert [read_response(f)[0] for _ in range(4)] == [200, 422, 503, 200]
+
+
+def test_many_empty_lines_before_a_request_line_are_skipped_too(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"\r\n" * 20000 + b"\r" + request("GET", "/healthz"))  # (a bare CR too, as aiohttp's parser)
+        assert read_response(f)[0] == 200
+
+
+def test_the_answer_says_whether_the_connection_stays_open(server: Server) -> None:
+    """HTTP/1.0 with Connection: keep-alive is kept open and told so (1.0's default is a close); a close asked for,
+    in any case or in a list of options, is closed and said (RFC 9112 9.6)."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        status, headers, _ = read_response(f)
+        assert (status, headers.get("connection", "").lower()) == (200, "keep-alive")
+        s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")  # the same connection, a 1.0 request without keep-alive
+        status, headers, _ = read_response(f)
+        assert (status, headers.get("connection", "close")) == (200, "close")
+        assert closed_by_server(s, f)
+    for value in ("close", "Close", "TE, close"):
+        with connect(server) as s, s.makefile("rb") as f:
+            s.sendall(request("GET", "/healthz", headers={"Connection": value}))  # (aiohttp's parser answers 400
+            status, headers, _ = read_response(f)  # to a request pipelined behind a close: none is sent here)
+            assert (status, headers.get("connection")) == (200, "close"), value
+            assert closed_by_server(s, f)
+
+
+@pytest.mark.parametrize(("target", "status", "named"), [
+    ("http://x/healthz", 200, None),  # absolute-form, which a server MUST accept (RFC 9112 3.2.2): its path
+    ("HTTPS://example.com:8080/healthz?probe=1", 200, None),
+    ("http://x", 404, "/"),
+    ("//healthz", 404, "//healthz"),  # not normalised to /healthz, and the path named is the one sent
+    ("//v1/score", 404, "//v1/score"),
+    ("/%68ealthz", 404, "/%68ealthz"),
+    ("ftp://x/healthz", 404, "ftp://x/healthz"),
+])
+def test_both_servers_read_a_request_target_alike(server: Server, target: str, status: int,
+                                                  named: str | None) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", target))
+        got, _, body = read_response(f)
+        assert got == status, body
+        if named is not None:
+            assert json.loads(body)["error"].startswith(f"no endpoint {named}; ")
+
+
+def test_an_absolute_form_target_reaches_its_endpoint_with_its_body_and_allow_header(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "http://x/v1/score", EMPTY_ITEMS) + request("PUT", "http://x/healthz", b"{}"))
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        status, headers, _ = read_response(f)
+        assert (status, headers["allow"]) == (405, "GET, HEAD, OPTIONS")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.http_server import _Handler, _parse_headers
+from serving.http_server import _Handler, _HeadTooLarge, _parse_headers
 
 PLAIN = [
     b"Host: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 42\r\n\r\n",
@@ -62,6 +62,14 @@ def test_the_stdlibs_limits_hold() -> None:
         _parse_headers(io.BytesIO(b"X: y\r\n" * 101 + b"\r\n"), http.client.HTTPMessage)
 
 
+def test_the_whole_header_block_is_capped_at_64_kib() -> None:
+    line = b"X: " + b"a" * 6000 + b"\r\n"  # 6005 bytes: each line and the count of lines within the stdlib's limits
+    block = line * 10 + b"\r\n"  # 60,052 bytes
+    assert len(_parse_headers(io.BytesIO(block), http.client.HTTPMessage).get_all("X") or []) == 10
+    with pytest.raises(_HeadTooLarge, match="header block is over 65536 bytes"):
+        _parse_headers(io.BytesIO(line * 11 + b"\r\n"), http.client.HTTPMessage)
+
+
 class _Wire:
     def __init__(self) -> None:
         self.writes: list[bytes] = []
@@ -70,7 +78,8 @@ class _Wire:
         self.writes.append(bytes(data))
 
 
-def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = False) -> _Handler:
+def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = False,
+             close_connection: bool = False) -> _Handler:
     h = _Handler.__new__(_Handler)  # no socket: only what _send reads
     app = SimpleNamespace(s=SimpleNamespace(request_timeout_s=5.0),
                           headers=lambda m, p, status: {"Retry-After": "1"} if status == 503 else {})
@@ -78,7 +87,7 @@ def _handler(command: str = "POST", version: str = "HTTP/1.1", draining: bool = 
     h.server = SimpleNamespace(draining=draining)  # type: ignore[assignment]
     h.connection = SimpleNamespace(settimeout=lambda _t: None)  # type: ignore[assignment]
     h.wfile = _Wire()  # type: ignore[assignment]
-    h.command, h.path, h.request_version, h.close_connection = command, "/v1/score", version, False
+    h.command, h.path, h.request_version, h.close_connection = command, "/v1/score", version, close_connection
     return h
 
 
@@ -121,3 +130,15 @@ def test_close_draining_head_204_and_503_answers_keep_their_framing() -> None:
     h = _handler(command="GET", version="HTTP/0.9")
     h._send(200, "application/json", b"{}")
     assert h.wfile.writes == [b"{}"]  # type: ignore[attr-defined]  # HTTP/0.9: no status line, no headers
+
+
+def test_the_connection_header_says_what_happens_to_the_connection() -> None:
+    h = _handler(close_connection=True)  # the request said Connection: close
+    h._send(200, "application/json", b"{}")
+    assert _read(h.wfile.writes[-1]).getheader("Connection") == "close" and h.close_connection  # type: ignore[attr-defined]
+    h = _handler(version="HTTP/1.0")  # a 1.0 request with Connection: keep-alive (parse_request left it open)
+    h._send(200, "application/json", b"{}")
+    assert _read(h.wfile.writes[-1]).getheader("Connection") == "keep-alive" and not h.close_connection  # type: ignore[attr-defined]
+    h = _handler(version="HTTP/1.0", close_connection=True)
+    h._send(200, "application/json", b"{}")
+    assert _read(h.wfile.writes[-1]).getheader("Connection") == "close"  # type: ignore[attr-defined]
