@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from stream.errors import BadMessage, clip
+from stream.events import MAX_TS_MS
 
 SCHEMA_NAME = b"samples"
 SCHEMA_VERSION = 2
@@ -141,8 +142,10 @@ class SampleBatch:
         """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a valid v1/v2 sample batch.
 
         Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
-        their values, UTF-8), labels 0 or 1, times >= 0, finite dense values. Whatever passes can be
-        turned into tensors without an exception.
+        their values, UTF-8), and every column inside the domain the joiner writes: labels 0 or 1,
+        ``ts`` and ``label_delay_ms`` in ``[0, MAX_TS_MS]`` (event times, and a difference of two), finite
+        dense values. Whatever passes can be turned into tensors without an exception, and the learner's
+        arithmetic on it (``ts + label_delay_ms``, delay rates) cannot overflow or go negative.
         """
         if not raw:
             raise BadMessage("empty samples message", kind="empty")
@@ -193,8 +196,10 @@ class SampleBatch:
         label, ts = out.column("label"), out.column("ts")
         if len(label) and not np.isin(label, (0, 1)).all():
             raise BadMessage("column 'label': values other than 0 and 1", kind="bad_value")
-        if len(ts) and ts.min() < 0:
-            raise BadMessage("column 'ts': negative event times", kind="bad_value")
+        for name, col in (("ts", ts), ("label_delay_ms", out.column("label_delay_ms"))):
+            if len(col) and (col.min() < 0 or col.max() > MAX_TS_MS):
+                raise BadMessage(f"column {name!r}: values outside [0, {MAX_TS_MS}] ms (min {col.min()}, "
+                                 f"max {col.max()})", kind="bad_value")
         if version != b"1":
             kinds = out.column("kind")
             if len(kinds) and not np.isin(kinds, KINDS).all():

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream.errors import BadMessage
+from stream.events import MAX_TS_MS
 from stream.ids import stable_hash, stable_hash_many
 from stream.samples import SampleBatch
 
@@ -20,7 +21,7 @@ def sample_columns(draw):
     multi = set(draw(st.lists(st.sampled_from(ctx_names), unique=True))) if ctx_names else set()
     return dict(
         impression_id=col(st.text(min_size=1, max_size=20)),
-        ts=np.array(col(st.integers(0, 2**53)), np.int64),
+        ts=np.array(col(st.integers(0, MAX_TS_MS)), np.int64),
         label=np.array(col(st.integers(0, 1)), np.int8),
         label_delay_ms=np.array(col(st.integers(0, 10**8)), np.int64),
         user_id=np.array(col(i64), np.int64),
@@ -116,3 +117,27 @@ def test_stable_hash_is_stable_and_canonical() -> None:
     assert stable_hash("1m_1") == 0x0 + stable_hash("1m_1") and 0 <= stable_hash("1m_1") < 2**63
     h = stable_hash_many(["a", 1, "b"])
     assert h.dtype == np.int64 and h.tolist() == [stable_hash("a"), stable_hash(1), stable_hash("b")]
+
+
+def _one(**over) -> bytes:
+    cols = dict(impression_id=["a", "b"], ts=np.array([1_700_000_000_000] * 2), label=np.array([1, 0]),
+                label_delay_ms=np.array([30_000, 0]), user_id=np.array([1, 2]), item_id=np.array([3, 4]),
+                history=[[5], []], context={"genre": [[6], [7, 8]], "device": np.array([9, 0])},
+                dense={"price": np.array([1.5, 0.0], np.float32)}, kind=np.array([1, 1], np.int8))
+    cols.update(over)
+    return SampleBatch.from_columns(**cols).encode()
+
+
+def test_the_valid_message_of_these_tests_decodes() -> None:
+    assert len(SampleBatch.decode(_one())) == 2
+
+
+@pytest.mark.parametrize(("column", "value"), [("label_delay_ms", -1), ("label_delay_ms", -10**12),
+                                               ("label_delay_ms", MAX_TS_MS + 1), ("ts", MAX_TS_MS + 1),
+                                               ("ts", -1)])
+def test_decode_refuses_times_outside_what_the_joiner_writes(column: str, value: int) -> None:
+    """A negative label delay gave the learner's bias NaN; one beyond MAX_TS_MS overflows ts + delay."""
+    good = {"ts": np.array([1_700_000_000_000] * 2), "label_delay_ms": np.array([30_000, 0])}[column]
+    with pytest.raises(BadMessage, match=f"column '{column}': values outside") as e:
+        SampleBatch.decode(_one(**{column: np.array([good[0], value])}))
+    assert e.value.kind == "bad_value"
