@@ -143,9 +143,10 @@ class SampleBatch:
 
         Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
         their values, UTF-8), and every column inside the domain the joiner writes: labels 0 or 1,
-        ``ts`` and ``label_delay_ms`` in ``[0, MAX_TS_MS]`` (event times, and a difference of two), finite
-        dense values. Whatever passes can be turned into tensors without an exception, and the learner's
-        arithmetic on it (``ts + label_delay_ms``, delay rates) cannot overflow or go negative.
+        ``ts`` and ``label_delay_ms`` in ``[0, MAX_TS_MS]`` (event times, and a difference of two), ids and
+        context values >= 0 (hashes), finite dense values. Whatever passes can be turned into tensors
+        without an exception, and the learner's arithmetic on it (``ts + label_delay_ms``, delay rates, id
+        lookups) cannot overflow or go negative.
         """
         if not raw:
             raise BadMessage("empty samples message", kind="empty")
@@ -206,6 +207,12 @@ class SampleBatch:
                 raise BadMessage(f"column 'kind': values other than {KINDS}", kind="bad_value")
             if len(kinds) and (label[kinds == DELAYED_POSITIVE] != 1).any():
                 raise BadMessage("column 'kind': a delayed_positive row with label 0", kind="bad_value")
+        # Hashed ids (stream/ids.py: BLAKE2b masked to 63 bits) and MISSING (0) are >= 0, in every id and context
+        # column, scalar or list: a negative one has no row (IdMap refused it inside training, a crash per try).
+        for name in ("user_id", "item_id", "history", *(CTX_PREFIX + n for n in out.context_names)):
+            ids = out.lists(name)[0] if pa.types.is_list(batch.schema.field(name).type) else out.column(name)
+            if len(ids) and ids.min() < 0:
+                raise BadMessage(f"column {clip(name, 80)!r}: negative ids (hashed ids are >= 0)", kind="bad_value")
         for name in out.dense_names:
             if not np.isfinite(out.column(DENSE_PREFIX + name)).all():
                 raise BadMessage(f"column {DENSE_PREFIX + name!r}: values that are not finite", kind="bad_value")
