@@ -173,7 +173,9 @@ class SampleBatch:
         if len(set(names)) != len(names):  # schema.field() / column() by name would raise KeyError
             twice = sorted({n for n in names if names.count(n) > 1})
             raise BadMessage(f"column {clip(twice[0], 80)!r} appears more than once", kind="bad_schema")
-        for f in (*BASE_FIELDS, KIND_FIELD) if version != b"1" else BASE_FIELDS:
+        # Version 1 has no ``kind`` column; one there anyway is read (``kinds``), so it is checked as in version 2.
+        with_kind = version != b"1" or KIND_FIELD.name in names
+        for f in (*BASE_FIELDS, KIND_FIELD) if with_kind else BASE_FIELDS:
             got = batch.schema.field(f.name) if f.name in batch.schema.names else None
             if got is None or got.type != f.type:
                 raise BadMessage(f"column {f.name!r}: got {got.type if got else 'nothing'}, expected {f.type}",
@@ -201,7 +203,7 @@ class SampleBatch:
             if len(col) and (col.min() < 0 or col.max() > MAX_TS_MS):
                 raise BadMessage(f"column {name!r}: values outside [0, {MAX_TS_MS}] ms (min {col.min()}, "
                                  f"max {col.max()})", kind="bad_value")
-        if version != b"1":
+        if with_kind:
             kinds = out.column("kind")
             if len(kinds) and not np.isin(kinds, KINDS).all():
                 raise BadMessage(f"column 'kind': values other than {KINDS}", kind="bad_value")

@@ -154,3 +154,28 @@ def test_decode_refuses_a_negative_hashed_id_in_any_id_or_context_column(over) -
     with pytest.raises(BadMessage, match="negative ids") as e:
         SampleBatch.decode(_one(**over))
     assert e.value.kind == "bad_value"
+
+
+def _v1_with(kind: pa.Array, label: list[int] | None = None) -> bytes:
+    batch = SampleBatch.decode(_one()).batch
+    cols = {n: batch.column(n) for n in batch.schema.names if n != "kind"}
+    cols["kind"] = kind
+    if label is not None:
+        cols["label"] = pa.array(label, pa.int8())
+    meta = {b"streamrec.schema": b"samples", b"streamrec.schema_version": b"1"}
+    return _raw_ipc(pa.RecordBatch.from_arrays(list(cols.values()), schema=pa.schema(
+        [pa.field(n, c.type) for n, c in cols.items()], metadata=meta)))
+
+
+@pytest.mark.parametrize(("kind", "label", "expect"), [
+    (pa.array([0, 7], pa.int8()), None, ("bad_value", "column 'kind': values other than")),
+    (pa.array([2, 2], pa.int8()), [0, 0], ("bad_value", "delayed_positive row with label 0")),
+    (pa.array([0, 257], pa.int64()), None, ("bad_schema", "column 'kind': got int64")),  # wrapped to 1 as int8
+    (pa.array([0.0, 1.9]), None, ("bad_schema", "column 'kind': got double")),
+], ids=["kind 7", "delayed positive with label 0", "int64 257", "float 1.9"])
+def test_a_version_1_message_with_a_kind_column_has_it_checked_as_version_2_does(kind, label, expect) -> None:
+    """Version 1 has no kind column, but SampleBatch.kinds reads one that is there: it went to training unchecked."""
+    with pytest.raises(BadMessage, match=expect[1]) as e:
+        SampleBatch.decode(_v1_with(kind, label))
+    assert e.value.kind == expect[0]
+
