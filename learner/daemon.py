@@ -119,20 +119,22 @@ POSITIVE_RATE = Gauge("streamrec_learner_window_positive_rate", "Share of positi
 class RecentIds:
     """The last ``capacity`` samples seen: drops duplicate samples (joiner retries). A sample is its impression
     id and whether it is a delayed positive (``stream/samples.py``: an impression may have an ``OBSERVED`` 0
-    and then a ``DELAYED_POSITIVE``, two samples)."""
+    and then a ``DELAYED_POSITIVE``, two samples). The key of a delayed positive is the 1-tuple ``(id,)``, of any
+    other sample the id itself: no impression id can equal another's delayed positive (with ``id + suffix`` keys,
+    an impression named ``X\\x00delayed`` shadowed the click of impression ``X``, dropped as a duplicate)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str | tuple[str], None] = OrderedDict()
 
     def filter(self, ids: np.ndarray, kinds: np.ndarray | None = None) -> np.ndarray:
         """Mask (B,) of first occurrences; remembers them."""
         keep = np.ones(len(ids), bool)
         seen = self._ids
-        keys = ids.tolist()
+        keys: list[str | tuple[str]] = ids.tolist()
         if kinds is not None:
             for j in np.flatnonzero(kinds == DELAYED_POSITIVE).tolist():
-                keys[j] = keys[j] + DELAYED_SUFFIX
+                keys[j] = (keys[j],)  # type: ignore[assignment]
         for i, imp in enumerate(keys):
             if imp in seen:
                 keep[i] = False
@@ -142,14 +144,20 @@ class RecentIds:
             seen.popitem(last=False)
         return keep
 
-    def state(self) -> list[str]:
+    def state(self) -> list[str | tuple[str]]:
         return list(self._ids)
 
-    def load(self, ids: list[str]) -> None:
-        self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
+    def load(self, ids: list[str | tuple[str] | list[str]]) -> None:
+        self._ids = OrderedDict.fromkeys(_recent_key(i) for i in ids[-self.capacity:])
 
 
-DELAYED_SUFFIX = "\x00delayed"  # a delayed positive's dedup key: its impression id + this (no id holds NUL)
+def _recent_key(key: str | tuple[str] | list[str]) -> str | tuple[str]:
+    """A key of :class:`RecentIds` as a checkpoint holds it: a delayed positive's ``(id,)`` (a list once through
+    some serialisers) or the id. A checkpoint from before these keys wrote a delayed positive as
+    ``id + "\\x00delayed"``: read as the plain string it is, it matches no sample, so only a retry of such a click
+    re-sent across the upgrade would be trained twice (reading it back as ``(id,)`` would let an id that ends so
+    shadow a click again)."""
+    return (str(key[0]),) if isinstance(key, tuple | list) else key
 
 
 def _present(batch: SampleBatch, column: str) -> int:
