@@ -52,7 +52,7 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.kafka import has_more, new_consumer
-from stream.samples import SampleBatch
+from stream.samples import MAX_LIST_VALUES, SampleBatch
 
 log = logging.getLogger("streamrec.train")
 
@@ -93,6 +93,9 @@ class KafkaSampleDataset(IterableDataset):
         self.kafka, self.cfg, self.start = kafka, cfg, dict(start)
         self.batch_rows, self.exit_when_idle_s, self.pin = batch_rows, exit_when_idle_s, pin_memory
         self.suspects = dict(suspects or {})  # (partition, offset) -> poison reason, or None: train it alone
+        # A batch also closes at this many embedding values (ids and list values): rows alone do not bound its
+        # memory, each message may hold up to MAX_LIST_VALUES list values (stream/samples.py) in one row
+        self.max_values = 2 * MAX_LIST_VALUES
 
     def _my_partitions(self) -> list[int]:
         info = get_worker_info()
@@ -115,7 +118,7 @@ class KafkaSampleDataset(IterableDataset):
         dlq: DeadLetters | None = None  # made on the first dead letter
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
         pending: list[TensorBatch] = []
-        rows = 0
+        rows = values = 0
         last_data = last_yield = time.monotonic()
         merge = EventTimeMerge(parts) if self.merge and len(parts) > 1 else None
 
@@ -181,19 +184,20 @@ class KafkaSampleDataset(IterableDataset):
                     if suspect:  # alone: if training it fails again, only it is blamed
                         if pending:
                             yield self._emit(pending)
-                            pending, rows = [], 0
+                            pending, rows, values = [], 0, 0
                         yield self._emit([tb])
                         last_yield = time.monotonic()
                         continue
                     pending.append(tb)
                     rows += len(tb)
-                    if rows >= self.batch_rows:
+                    values += len(tb.values)
+                    if rows >= self.batch_rows or values >= self.max_values:
                         yield self._emit(pending)
-                        pending, rows = [], 0
+                        pending, rows, values = [], 0, 0
                         last_yield = time.monotonic()
                 if not msgs and pending:  # nothing more right now: train what we have
                     yield self._emit(pending)
-                    pending, rows = [], 0
+                    pending, rows, values = [], 0, 0
                     last_yield = time.monotonic()
                 elif not msgs and time.monotonic() - last_yield >= 1.0:
                     # A heartbeat (no rows, no positions) while idle, so the consumer of this iterator can

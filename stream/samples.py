@@ -33,6 +33,7 @@ Version 1 (no ``kind`` column) still decodes, every row :data:`FINAL`.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,13 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
 )
 KIND_FIELD = pa.field("kind", pa.int8(), nullable=False)
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC: the continuation marker and a zero length
+# Bounds on what one message may cost, checked before it is read. The joiner writes messages of at most
+# ``[joiner] max_sample_bytes`` (900 KB) and never compresses an Arrow body, so an uncompressed body decodes to
+# about its own size: the byte bound bounds the rows. A compressed body is refused before it is decompressed (6 KB
+# of zstd held a 128 MiB history). List values (history, list context) cost the learner ~100 B each in training,
+# so they are bounded on their own (a legitimate row has ~50 history ids and short context lists).
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_LIST_VALUES = 1 << 20
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
 
 
@@ -150,6 +158,10 @@ class SampleBatch:
         """
         if not raw:
             raise BadMessage("empty samples message", kind="empty")
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise BadMessage(f"samples message of {len(raw)} bytes, over the bound of {MAX_MESSAGE_BYTES}",
+                             kind="too_large")
+        _check_messages(raw)
         try:
             reader = pa.ipc.open_stream(pa.py_buffer(raw))
             batches = list(reader)
@@ -195,6 +207,11 @@ class SampleBatch:
         for f in batch.schema:  # the child as stored: flatten() aborts the process on some offsets validation allows
             if pa.types.is_list(f.type) and batch.column(f.name).values.null_count:
                 raise BadMessage(f"column {clip(f.name, 80)!r} has nulls inside its lists", kind="bad_schema")
+        values = sum(int(c.offsets[-1].as_py()) - int(c.offsets[0].as_py()) for f in batch.schema
+                     if pa.types.is_list(f.type) for c in [batch.column(f.name)])
+        if values > MAX_LIST_VALUES:
+            raise BadMessage(f"{values} list values (history and list context), over the bound of {MAX_LIST_VALUES}",
+                             kind="too_large")
         out = cls(batch)
         label, ts = out.column("label"), out.column("ts")
         if len(label) and not np.isin(label, (0, 1)).all():
@@ -253,3 +270,56 @@ class SampleBatch:
     @property
     def dense_names(self) -> list[str]:
         return [n[len(DENSE_PREFIX) :] for n in self.batch.schema.names if n.startswith(DENSE_PREFIX)]
+
+
+# -- a look at the IPC messages' flatbuffer metadata before anything is read (format/Message.fbs, Schema.fbs) --
+_RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # MessageHeader union tags
+
+
+def _check_messages(raw: bytes) -> None:
+    """Raise :class:`BadMessage` for a record batch with Arrow body compression (before it is decompressed: a tiny
+    message may decompress to gigabytes) or a dictionary batch (the joiner writes neither), reading only the
+    messages' metadata. What this cannot parse is left to the Arrow reader, which refuses it."""
+    try:
+        messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(raw))
+        while True:
+            try:
+                m = messages.read_next_message()
+            except StopIteration:
+                return
+            if m.type not in ("record batch", "dictionary batch"):
+                continue
+            meta = m.metadata.to_pybytes()
+            root = _offset(meta, 0)
+            header = _field(meta, root, 2)  # Message.header (slot 1 is its union type)
+            if header is None:
+                continue
+            header = _offset(meta, header)
+            if m.type == "dictionary batch":
+                raise BadMessage("a dictionary batch: samples columns are never dictionary-encoded", kind="bad_schema")
+            if _field(meta, header, 3) is not None:  # RecordBatch.compression
+                raise BadMessage("an Arrow body compressed with lz4/zstd: samples messages are never compressed "
+                                 "(refused before decompressing)", kind="bad_arrow")
+    except (pa.ArrowException, OSError, ValueError, struct.error):
+        return  # not readable as IPC messages: open_stream says why
+
+
+def _u(fmt: str, buf: bytes, pos: int) -> int:
+    if pos < 0 or pos + struct.calcsize(fmt) > len(buf):
+        raise ValueError("flatbuffer offset out of range")
+    return int(struct.unpack_from(fmt, buf, pos)[0])
+
+
+def _offset(buf: bytes, pos: int) -> int:
+    """The table a flatbuffer uoffset at ``pos`` points to."""
+    return pos + _u("<I", buf, pos)
+
+
+def _field(buf: bytes, table: int, slot: int) -> int | None:
+    """Where field ``slot`` of the flatbuffer table at ``table`` is stored, None if absent."""
+    vtable = table - _u("<i", buf, table)
+    size = _u("<H", buf, vtable)
+    if 4 + 2 * slot + 2 > size:
+        return None
+    at = _u("<H", buf, vtable + 4 + 2 * slot)
+    return table + at if at else None

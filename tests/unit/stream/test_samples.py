@@ -179,3 +179,44 @@ def test_a_version_1_message_with_a_kind_column_has_it_checked_as_version_2_does
         SampleBatch.decode(_v1_with(kind, label))
     assert e.value.kind == expect[0]
 
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_a_compressed_arrow_body_is_refused_before_it_is_decompressed(compression, monkeypatch) -> None:
+    """The joiner never compresses a body; 6 KB of zstd decompressed to a 128 MiB history (2.2 GB in the learner)."""
+    batch = SampleBatch.decode(_one()).batch
+    ones = pa.array(np.ones(1 << 20, np.int64))
+    history = pa.ListArray.from_arrays(pa.array([0, 1 << 20, 1 << 20], pa.int32()), ones)
+    bomb = batch.set_column(batch.schema.get_field_index("history"), batch.schema.field("history"), history)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, bomb.schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as w:
+        w.write_batch(bomb)
+    raw = sink.getvalue().to_pybytes()
+    assert len(raw) * 10 < 8 << 20  # the history alone is 8 MiB decompressed
+
+    def no_reading(*a, **k):
+        raise AssertionError("the record batch was read (and decompressed)")
+
+    monkeypatch.setattr(pa.ipc, "open_stream", no_reading)
+    with pytest.raises(BadMessage, match="compressed") as e:
+        SampleBatch.decode(raw)
+    assert e.value.kind == "bad_arrow"
+
+
+def test_a_message_over_the_byte_bound_is_refused_before_it_is_parsed(monkeypatch) -> None:
+    import stream.samples as samples
+    raw = _one()
+    monkeypatch.setattr(samples, "MAX_MESSAGE_BYTES", len(raw) - 1)
+    with pytest.raises(BadMessage, match=f"samples message of {len(raw)} bytes, over the bound") as e:
+        SampleBatch.decode(raw)
+    assert e.value.kind == "too_large"
+
+
+def test_a_message_over_the_list_value_bound_is_refused(monkeypatch) -> None:
+    """List values (history, list context) cost the learner ~100 B each in training: bounded per message."""
+    import stream.samples as samples
+    monkeypatch.setattr(samples, "MAX_LIST_VALUES", 4)  # _one() holds 1 history id and 3 genre ids
+    assert len(SampleBatch.decode(_one()))
+    with pytest.raises(BadMessage, match="5 list values .* over the bound of 4") as e:
+        SampleBatch.decode(_one(history=[[5, 6], []]))
+    assert e.value.kind == "too_large"
