@@ -47,7 +47,7 @@ from prometheus_client import Gauge, Histogram
 from torch.utils.data import DataLoader
 
 from learner import checkpoint
-from learner.batch import TensorBatch
+from learner.batch import TensorBatch, event_clock_s
 from learner.calibration import OnlineCalibration, identity
 from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
@@ -403,7 +403,7 @@ class Learner:
                     for t, p, o in [key] if t == topic}
         # Pinned by the DataLoader (in the main process: memory a worker pins does not survive the hand-over).
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
-                                     suspects=suspects, merge=ls.merge_partitions)
+                                     suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s)
         if ls.num_workers:
             gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
@@ -459,7 +459,7 @@ class Learner:
                 self.coverage = FieldCoverage(self.cfg, max(1, self.ls.metrics_window // 10))
             if self.coverage is not None:
                 self.coverage.observe(kept)  # before the ids are mapped to rows (it reads MISSING)
-            now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
+            now = event_clock_s(kept.ts)  # event time drives id ages, so replays are deterministic
             self._event_now = now
             self._event_newest = max(self._event_newest, now)  # merged partitions interleave a little
             EVENT_TIME.set(self._event_newest)

@@ -40,6 +40,7 @@ correction is off only where the true click rate is above 0.95.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -167,7 +168,7 @@ class BaseRateBias:
         delay = (np.zeros(len(ts), np.int64) if label_delay_ms is None
                  else np.maximum(np.asarray(label_delay_ms, np.int64)[corrected], 0))  # decode refuses < 0
         if len(ts):
-            emitted = int((ts + delay).max())
+            emitted = min(int((ts + delay).max()), int(time.time() * 1000))  # never ahead of the wall clock
             self.now_ms = emitted if self.now_ms is None else max(self.now_ms, emitted)
             self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
         click = clicked[corrected]

@@ -286,3 +286,14 @@ def test_fit_delayed_rate_returns_a_sound_rate_for_a_negative_delay_sum() -> Non
     r, lam = fit_delayed_rate(np.array([100.0, 100.0]), np.array([5.0, 5.0]), np.array([10.0, 1e6]),
                               click_delay_s=-1e9, prior_rate=0.05)
     assert math.isfinite(r) and math.isfinite(lam) and 0 < r < 1 and lam > 0
+
+
+def test_the_bias_rules_clock_does_not_lead_the_wall_clock() -> None:
+    """One row's ts + label_delay_ms far ahead made every impression look old, its missing clicks final."""
+    import time
+
+    now = int(time.time() * 1000)
+    b = BaseRateBias()
+    b.observe(np.array([1, 0], np.float32), np.full(2, OBSERVED, np.int8), np.array([now - 1000, now - 1000]),
+              np.array([10**12, 0]))
+    assert b.now_ms is not None and b.now_ms <= time.time() * 1000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -103,3 +104,18 @@ def test_a_training_batch_closes_at_its_value_bound_not_only_at_batch_rows(monke
     batches, dead = read(monkeypatch, consumer_parts, max_values=10, batch_rows=4096, merge=False)
     assert not dead
     assert [b.positions for b in batches] == [[(0, 0, 1), (0, 1, 1)], [(0, 2, 1), (0, 3, 1)]]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_message_with_a_row_past_future_ts_s_is_dead_lettered_and_its_neighbours_train(
+        monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
+    """A far-future ts moved the learner's event time: user buckets decayed to zero, ids evicted under a TTL."""
+    now = int(time.time() * 1000)
+    ahead = sample(50, n=2, ts=np.array([now - 60_000, now + 2 * 3_600_000]))
+    parts = {0: [sample(0), ahead, sample(1)], 1: [sample(2), sample(3)]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, future_ts_s=3600.0)
+    assert [(p, o, kind) for p, o, kind, _ in dead] == [(0, 1, "future_ts")]
+    assert re.search(r"column 'ts': a row 7\d\d\d s ahead of the learner's clock, over \[learner\] future_ts_s=3600",
+                     dead[0][3])
+    trained = sorted((p, o) for b in batches for p, o, rows in b.positions if rows)
+    assert trained == [(0, 0), (0, 2), (1, 0), (1, 1)]
