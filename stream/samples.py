@@ -70,6 +70,9 @@ _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC: the continuat
 # so they are bounded on their own (a legitimate row has ~50 history ids and short context lists).
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_LIST_VALUES = 1 << 20
+# A dense value at or beyond 2**64 (~1.8e19) squares past float32's range: fed raw to the model, one such value
+# made Adam's second moment inf for good (its weights never moved again). Dense features must be scaled.
+MAX_ABS_DENSE = float(2**64)
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
 
 
@@ -152,9 +155,10 @@ class SampleBatch:
         Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
         their values, UTF-8), and every column inside the domain the joiner writes: labels 0 or 1,
         ``ts`` and ``label_delay_ms`` in ``[0, MAX_TS_MS]`` (event times, and a difference of two), ids and
-        context values >= 0 (hashes), finite dense values. Whatever passes can be turned into tensors
-        without an exception, and the learner's arithmetic on it (``ts + label_delay_ms``, delay rates, id
-        lookups) cannot overflow or go negative.
+        context values >= 0 (hashes), dense values finite and below ``MAX_ABS_DENSE`` in magnitude (the
+        joiner passes any float32; the learner refuses what would overflow its optimizer). Whatever passes can
+        be turned into tensors without an exception, and the learner's arithmetic on it (``ts +
+        label_delay_ms``, delay rates, id lookups, squared gradients) cannot overflow or go negative.
         """
         if not raw:
             raise BadMessage("empty samples message", kind="empty")
@@ -233,8 +237,12 @@ class SampleBatch:
             if len(ids) and ids.min() < 0:
                 raise BadMessage(f"column {clip(name, 80)!r}: negative ids (hashed ids are >= 0)", kind="bad_value")
         for name in out.dense_names:
-            if not np.isfinite(out.column(DENSE_PREFIX + name)).all():
+            col = out.column(DENSE_PREFIX + name)
+            if not np.isfinite(col).all():
                 raise BadMessage(f"column {DENSE_PREFIX + name!r}: values that are not finite", kind="bad_value")
+            if len(col) and float(np.abs(col).max()) >= MAX_ABS_DENSE:
+                raise BadMessage(f"column {DENSE_PREFIX + name!r}: |value| >= 2**64 (~1.8e19), whose square "
+                                 f"overflows float32 in training; dense features must be scaled", kind="bad_value")
         return out
 
     # -- zero-copy access --------------------------------------------------------------------

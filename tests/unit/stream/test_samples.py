@@ -29,7 +29,7 @@ def sample_columns(draw):
         history=col(st.lists(i64, max_size=6)),
         context={c: (col(st.lists(i64, max_size=4)) if c in multi else np.array(col(i64), np.int64))
                  for c in ctx_names},
-        dense={d: np.array(col(st.floats(width=32, allow_nan=False, allow_infinity=False)), np.float32)
+        dense={d: np.array(col(st.floats(-(2.0**63), 2.0**63, width=32)), np.float32)
                for d in draw(st.lists(names, unique=True, max_size=2))},
     )
 
