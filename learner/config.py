@@ -186,7 +186,8 @@ class LearnerSettings:
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
     # Delayed feedback (learner/delayed.py, learner/served.py): the joiner's attribution window (served quality
     # waits this long of event time for an observed negative's delayed positive), and a fresh model's bias
-    # following the click rate until it is known, from prior_click_rate before any label (BaseRateBias).
+    # following the click rate until it is known, from prior_click_rate before any label (BaseRateBias). At least
+    # the joiner's: a samples message with a longer label_delay_ms is dead-lettered (learner/kafka_dataset.py).
     attribution_window_s: float = 1800.0
     init_bias: bool = True
     prior_click_rate: float = 0.05  # your stream's click rate, roughly: what a fresh model serves first

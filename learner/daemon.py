@@ -403,7 +403,8 @@ class Learner:
                     for t, p, o in [key] if t == topic}
         # Pinned by the DataLoader (in the main process: memory a worker pins does not survive the hand-over).
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
-                                     suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s)
+                                     suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s,
+                                     max_label_delay_s=ls.attribution_window_s)
         if ls.num_workers:
             gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,

@@ -41,6 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
@@ -88,11 +89,12 @@ class KafkaSampleDataset(IterableDataset):
     def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
                  exit_when_idle_s: float | None = None, pin_memory: bool = False,
                  suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True,
-                 future_ts_s: float | None = 3600.0) -> None:
+                 future_ts_s: float | None = 3600.0, max_label_delay_s: float | None = None) -> None:
         super().__init__()
-        # A message with a row whose ts leads this machine's wall clock by more than this is dead-lettered
-        # (future_ts), as the joiner does for events ([limits] future_ts_s); None: no bound
-        self.future_ts_s = future_ts_s
+        # A message with a row whose ts leads this machine's wall clock by more than future_ts_s (as the joiner does
+        # for events, [limits] future_ts_s), or whose label_delay_ms is over max_label_delay_s (the joiner's
+        # attribution window), is dead-lettered (read_samples); None: no such bound
+        self.future_ts_s, self.max_label_delay_s = future_ts_s, max_label_delay_s
         self.merge = merge  # merge the partitions in event time (module docstring); False: as fetched
         self.kafka, self.cfg, self.start = kafka, cfg, dict(start)
         self.batch_rows, self.exit_when_idle_s, self.pin = batch_rows, exit_when_idle_s, pin_memory
@@ -124,7 +126,8 @@ class KafkaSampleDataset(IterableDataset):
         pending: list[TensorBatch] = []
         rows = values = 0
         last_data = last_yield = time.monotonic()
-        merge = EventTimeMerge(parts, future_ts_s=self.future_ts_s) if self.merge and len(parts) > 1 else None
+        read = partial(read_samples, future_ts_s=self.future_ts_s, max_label_delay_s=self.max_label_delay_s)
+        merge = EventTimeMerge(parts, read=read) if self.merge and len(parts) > 1 else None
 
         def behind(p: int) -> bool:
             # not fetched yet counts as more to read: it may hold the oldest rows, and the merge's idle clock
@@ -173,7 +176,7 @@ class KafkaSampleDataset(IterableDataset):
                     try:
                         if suspect and self.suspects[pos] is not None:
                             raise BadMessage(str(self.suspects[pos]), kind="poison")
-                        sb = decoded if decoded is not None else read_samples(m.value(), self.future_ts_s)
+                        sb = decoded if decoded is not None else read(m.value())
                         tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
@@ -231,8 +234,8 @@ class EventTimeMerge:
     3-6 lost those four messages to a restart)."""
 
     def __init__(self, partitions: list[int], capacity: int = 8, idle_s: float = 2.0,
-                 future_ts_s: float | None = None) -> None:
-        self.future_ts_s = future_ts_s  # the dataset's bound: a message past it is undecodable here
+                 read: Callable[[bytes | None], SampleBatch] = SampleBatch.decode) -> None:
+        self.read = read  # the dataset's decoder with its bounds: a message it refuses has no time here
         self.capacity = capacity  # messages buffered per partition before it is paused
         # A partition that sent nothing for this long (wall clock) holds nobody back, whatever its lag says
         # (Flink's idleness timeout): a quiet partition of a live stream, or one whose lag the broker misreports.
@@ -253,7 +256,7 @@ class EventTimeMerge:
             self._started = now
         if part in self.last_seen:
             self.last_seen[part] = now
-        sb = _decode(m, self.future_ts_s) if m.error() is None else None
+        sb = _decode(m, self.read) if m.error() is None else None
         buf = self.buffers.get(part) if part is not None else None
         if sb is not None and len(sb) and buf is not None:
             buf.append((emitted_at(sb), (m, sb)))
@@ -306,11 +309,20 @@ def emitted_at(sb: SampleBatch) -> int:
     return int(sb.batch.column("ts")[0].as_py()) + int(sb.batch.column("label_delay_ms")[0].as_py())
 
 
-def read_samples(raw: bytes | None, future_ts_s: float | None) -> SampleBatch:
-    """``SampleBatch.decode`` and the bound on how far a row's ``ts`` may lead this machine's wall clock
-    (``future_ts_s``; None: none): one row's clock must not move the learner's event time (id ages, bucket
-    decay, TTL sweeps), nor merge its partition last. Raises :class:`BadMessage` (``future_ts``)."""
+def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_delay_s: float | None = None,
+                 ) -> SampleBatch:
+    """``SampleBatch.decode`` and the bounds that need the learner's settings or clock: how far a row's ``ts``
+    may lead this machine's wall clock (``future_ts_s``) and how long its ``label_delay_ms`` may be
+    (``max_label_delay_s``: the joiner's attribution window, which every delay it writes is within); None: no
+    bound. One row's clock must not move the learner's event time (id ages, bucket decay, TTL sweeps) or the
+    calibration clock (``ts + label_delay_ms``), nor merge its partition last. Raises :class:`BadMessage`
+    (``future_ts``, ``bad_value``)."""
     sb = SampleBatch.decode(raw)
+    if max_label_delay_s is not None and len(sb):
+        longest = int(sb.column("label_delay_ms").max())
+        if longest > max_label_delay_s * 1000:
+            raise BadMessage(f"column 'label_delay_ms': a delay of {longest / 1000:.0f} s, over [learner] "
+                             f"attribution_window_s={max_label_delay_s:g} (the joiner's window)", kind="bad_value")
     if future_ts_s is not None and len(sb):
         newest = int(sb.column("ts").max())
         now = int(time.time() * 1000)
@@ -320,10 +332,10 @@ def read_samples(raw: bytes | None, future_ts_s: float | None) -> SampleBatch:
     return sb
 
 
-def _decode(m: Message, future_ts_s: float | None = None) -> SampleBatch | None:
+def _decode(m: Message, read: Callable[[bytes | None], SampleBatch]) -> SampleBatch | None:
     """The message's samples (None: undecodable; the reader decodes it again and dead-letters it)."""
     try:
-        return read_samples(m.value(), future_ts_s)
+        return read(m.value())
     except Exception:  # noqa: BLE001 - whatever is wrong with it, the reader says so in its dead letter
         return None
 

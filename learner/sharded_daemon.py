@@ -355,7 +355,7 @@ class ShardedLearner:
         dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine},
                                      max(ls.batch_rows, step_rows),
                                      ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions,
-                                     future_ts_s=ls.future_ts_s)
+                                     future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s)
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))

@@ -119,3 +119,16 @@ def test_a_message_with_a_row_past_future_ts_s_is_dead_lettered_and_its_neighbou
                      dead[0][3])
     trained = sorted((p, o) for b in batches for p, o, rows in b.positions if rows)
     assert trained == [(0, 0), (0, 2), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_message_with_a_label_delay_over_the_attribution_window_is_dead_lettered(
+        monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
+    """The joiner writes no delay over its window; one of 10^12 ms moved the calibration clock (ts + delay) decades
+    ahead of a replay: every later impression matured at once, fitted as a 0 before its click came."""
+    long = sample(50, n=2, label=np.array([1, 1]), label_delay_ms=np.array([60_000, 10**12]))
+    parts = {0: [sample(0), long, sample(1)], 1: [sample(2)]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, max_label_delay_s=1800.0)
+    assert [(p, o, kind) for p, o, kind, _ in dead] == [(0, 1, "bad_value")]
+    assert "column 'label_delay_ms': a delay of 1000000000 s, over [learner] attribution_window_s=1800" in dead[0][3]
+    assert sorted((p, o) for b in batches for p, o, rows in b.positions if rows) == [(0, 0), (0, 2), (1, 0)]
