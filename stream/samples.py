@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stream.errors import BadMessage, clip
 from stream.events import MAX_TS_MS
@@ -153,7 +154,8 @@ class SampleBatch:
         """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a valid v1/v2 sample batch.
 
         Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
-        their values, UTF-8), and every column inside the domain the joiner writes: labels 0 or 1,
+        their values, UTF-8), and every column inside the domain the joiner writes: non-empty impression
+        ids, labels 0 or 1 (1 for a delayed positive), kinds 0-2 (a ``kind`` column of version 1 too),
         ``ts`` and ``label_delay_ms`` in ``[0, MAX_TS_MS]`` (event times, and a difference of two), ids and
         context values >= 0 (hashes), dense values finite and below ``MAX_ABS_DENSE`` in magnitude (the
         joiner passes any float32; the learner refuses what would overflow its optimizer). Whatever passes can
@@ -217,6 +219,9 @@ class SampleBatch:
             raise BadMessage(f"{values} list values (history and list context), over the bound of {MAX_LIST_VALUES}",
                              kind="too_large")
         out = cls(batch)
+        imp = batch.column("impression_id")
+        if len(imp) and pc.min(pc.binary_length(imp)).as_py() == 0:  # the event decoder refuses an empty id
+            raise BadMessage("column 'impression_id': empty impression ids", kind="bad_value")
         label, ts = out.column("label"), out.column("ts")
         if len(label) and not np.isin(label, (0, 1)).all():
             raise BadMessage("column 'label': values other than 0 and 1", kind="bad_value")

@@ -220,3 +220,10 @@ def test_a_message_over_the_list_value_bound_is_refused(monkeypatch) -> None:
     with pytest.raises(BadMessage, match="5 list values .* over the bound of 4") as e:
         SampleBatch.decode(_one(history=[[5, 6], []]))
     assert e.value.kind == "too_large"
+
+
+def test_decode_refuses_an_empty_impression_id() -> None:
+    """The event decoder refuses one, so the joiner never writes one; every impression id is a dedup key."""
+    with pytest.raises(BadMessage, match="column 'impression_id': empty impression ids") as e:
+        SampleBatch.decode(_one(impression_id=["a", ""]))
+    assert e.value.kind == "bad_value"
