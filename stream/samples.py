@@ -285,32 +285,27 @@ class SampleBatch:
         return [n[len(DENSE_PREFIX) :] for n in self.batch.schema.names if n.startswith(DENSE_PREFIX)]
 
 
-# -- a look at the IPC messages' flatbuffer metadata before anything is read (format/Message.fbs, Schema.fbs) --
-_RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # MessageHeader union tags
-
-
+# -- a look at the IPC messages' flatbuffer metadata before anything is read (format/Message.fbs) ----------------
 def _check_messages(raw: bytes) -> None:
-    """Raise :class:`BadMessage` for a record batch with Arrow body compression (before it is decompressed: a tiny
-    message may decompress to gigabytes) or a dictionary batch (the joiner writes neither), reading only the
-    messages' metadata. What this cannot parse is left to the Arrow reader, which refuses it."""
+    """Raise :class:`BadMessage` for a dictionary batch or a record batch with Arrow body compression (the joiner
+    writes neither), from the messages' metadata alone: a compressed body is refused before it is decompressed (a
+    tiny message may decompress to gigabytes). What this cannot parse is left to the Arrow reader, which refuses
+    it. (pyarrow does not expose a record batch's compression without reading it: its ``Message`` has the
+    flatbuffer ``metadata``, where ``Message.header`` is a ``RecordBatch`` table whose field 3 is ``compression``.)"""
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(raw))
         while True:
             try:
-                m = messages.read_next_message()
+                m = messages.read_next_message()  # the body as a slice of raw, not decompressed
             except StopIteration:
                 return
-            if m.type not in ("record batch", "dictionary batch"):
+            if m.type == "dictionary":
+                raise BadMessage("a dictionary batch: samples columns are never dictionary-encoded", kind="bad_schema")
+            if m.type != "record batch":
                 continue
             meta = m.metadata.to_pybytes()
-            root = _offset(meta, 0)
-            header = _field(meta, root, 2)  # Message.header (slot 1 is its union type)
-            if header is None:
-                continue
-            header = _offset(meta, header)
-            if m.type == "dictionary batch":
-                raise BadMessage("a dictionary batch: samples columns are never dictionary-encoded", kind="bad_schema")
-            if _field(meta, header, 3) is not None:  # RecordBatch.compression
+            header = _field(meta, _offset(meta, 0), 2)  # Message.header (slot 1 is its union's type)
+            if header is not None and _field(meta, _offset(meta, header), 3) is not None:  # RecordBatch.compression
                 raise BadMessage("an Arrow body compressed with lz4/zstd: samples messages are never compressed "
                                  "(refused before decompressing)", kind="bad_arrow")
     except (pa.ArrowException, OSError, ValueError, struct.error):

@@ -227,3 +227,22 @@ def test_decode_refuses_an_empty_impression_id() -> None:
     with pytest.raises(BadMessage, match="column 'impression_id': empty impression ids") as e:
         SampleBatch.decode(_one(impression_id=["a", ""]))
     assert e.value.kind == "bad_value"
+
+
+def test_a_dictionary_batch_is_refused_before_the_stream_is_read(monkeypatch) -> None:
+    """Samples columns are never dictionary-encoded; a dictionary batch's body may be compressed too."""
+    batch = SampleBatch.decode(_one()).batch
+    ids = batch.column("impression_id").dictionary_encode()
+    schema = pa.schema([pa.field("impression_id", ids.type), *list(batch.schema)[1:]], metadata=batch.schema.metadata)
+    hostile = pa.RecordBatch.from_arrays([ids, *batch.columns[1:]], schema=schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, hostile.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_batch(hostile)
+
+    def no_reading(*a, **k):
+        raise AssertionError("the stream was read (and its dictionary decompressed)")
+
+    monkeypatch.setattr(pa.ipc, "open_stream", no_reading)
+    with pytest.raises(BadMessage, match="a dictionary batch") as e:
+        SampleBatch.decode(sink.getvalue().to_pybytes())
+    assert e.value.kind == "bad_schema"
