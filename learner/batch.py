@@ -7,6 +7,7 @@ per field in Arrow, so values and offsets are concatenations, not gathers.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +89,14 @@ class TensorBatch:
         return out
 
 
+def event_clock_s(ts_ms: np.ndarray) -> float:
+    """The learner's event time after rows of impression times ``ts_ms`` (B,) (B >= 1), in seconds: their newest,
+    but never ahead of this machine's wall clock. Rows may lead it by up to ``future_ts_s`` (a client's clock, let
+    through by the joiner and the dataset); one such row set as the clock would age every id and decay every
+    user bucket by that lead (a 1-hour lead zeroed buckets of a 60 s half-life), and the clock never comes back."""
+    return min(float(np.max(ts_ms)) / 1000.0, time.time())
+
+
 def _field_values(batch: SampleBatch, col: str) -> tuple[np.ndarray, np.ndarray]:
     """``(values (N_f,), lengths (B,))`` of one column; a scalar column has length 1 per row."""
     if not pa.types.is_list(batch.batch.schema.field(col).type):
@@ -135,9 +144,14 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
     per_field_values: list[list[torch.Tensor]] = [[] for _ in range(num_fields)]
     per_field_keys: list[list[np.ndarray]] = [[] for _ in range(num_fields)]
     per_field_lengths: list[list[np.ndarray]] = [[] for _ in range(num_fields)]
-    with_keys = all(tb.keys is not None for tb in batches)
+    # A part without rows (a dead-lettered message's placeholder, a heartbeat) only brings its positions: it has
+    # nothing to key or to delay, so it never takes the keys or label delays of the other parts' rows away.
+    rows = [tb for tb in batches if len(tb)]
+    with_keys = all(tb.keys is not None for tb in rows)
     for tb in batches:
         b = len(tb)
+        if not b:
+            continue
         offsets = tb.offsets.numpy()
         for f in range(num_fields):
             start, end = offsets[f * b], offsets[(f + 1) * b]
@@ -145,18 +159,21 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
             if with_keys:
                 per_field_keys[f].append(tb.keys[start:end])  # type: ignore[index]
             per_field_lengths[f].append(np.diff(offsets[f * b:(f + 1) * b + 1]))
-    lengths = np.concatenate([np.concatenate(ls) for ls in per_field_lengths])
+    lengths = np.concatenate([np.concatenate(ls) if ls else np.zeros(0, np.int64) for ls in per_field_lengths])
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
+    parts = rows or batches[:1]  # every part empty: one of them gives the (empty) columns their types
     return TensorBatch(
-        values=torch.cat([v for vs in per_field_values for v in vs]), offsets=torch.from_numpy(offsets),
-        dense=torch.cat([tb.dense for tb in batches]), labels=torch.cat([tb.labels for tb in batches]),
-        impression_ids=np.concatenate([tb.impression_ids for tb in batches]),
-        ts=np.concatenate([tb.ts for tb in batches]),
+        values=torch.cat([v for vs in per_field_values for v in vs] or [parts[0].values[:0]]),
+        offsets=torch.from_numpy(offsets),
+        dense=torch.cat([tb.dense for tb in parts]), labels=torch.cat([tb.labels for tb in parts]),
+        impression_ids=np.concatenate([tb.impression_ids for tb in parts]),
+        ts=np.concatenate([tb.ts for tb in parts]),
         positions=[p for tb in batches for p in tb.positions],
-        keys=np.concatenate([k for ks in per_field_keys for k in ks]) if with_keys else None,
-        kinds=(None if all(tb.kinds is None for tb in batches) else
-               np.concatenate([np.zeros(len(tb), np.int8) if tb.kinds is None else tb.kinds for tb in batches])),
-        label_delay_ms=(None if any(tb.label_delay_ms is None for tb in batches) else
-                        np.concatenate([tb.label_delay_ms for tb in batches])),  # type: ignore[misc]
+        keys=(np.concatenate([k for ks in per_field_keys for k in ks]) if with_keys and rows else
+              parts[0].keys if not rows else None),
+        kinds=(None if all(tb.kinds is None for tb in parts) else
+               np.concatenate([np.zeros(len(tb), np.int8) if tb.kinds is None else tb.kinds for tb in parts])),
+        label_delay_ms=(None if any(tb.label_delay_ms is None for tb in parts) else
+                        np.concatenate([tb.label_delay_ms for tb in parts])),  # type: ignore[misc]
     )

@@ -49,6 +49,7 @@ buffer, so the artifact and serving's deltas carry it with the dense weights.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -118,8 +119,9 @@ class OnlineCalibration:
             return
         ts = np.asarray(ts_ms, np.int64)
         emitted = ts if label_delay_ms is None else ts + np.asarray(label_delay_ms, np.int64)
-        if len(emitted):
-            self.now_ms = int(emitted.max()) if self.now_ms is None else max(self.now_ms, int(emitted.max()))
+        if len(emitted):  # never ahead of the wall clock: one row's far-future time would mature every pending
+            newest = min(int(emitted.max()), int(time.time() * 1000))  # impression at once, fitted as a 0
+            self.now_ms = newest if self.now_ms is None else max(self.now_ms, newest)
             self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
         warm_up_end = (self.first_ms or 0) + self.maturity_ms
         take = np.flatnonzero((kinds == OBSERVED) & (ts >= warm_up_end))[:max(self.max_pending - self.pending, 0)]

@@ -3,6 +3,7 @@ the choices among them (devices, sparse optimizers, id initialisation), each par
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +186,8 @@ class LearnerSettings:
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
     # Delayed feedback (learner/delayed.py, learner/served.py): the joiner's attribution window (served quality
     # waits this long of event time for an observed negative's delayed positive), and a fresh model's bias
-    # following the click rate until it is known, from prior_click_rate before any label (BaseRateBias).
+    # following the click rate until it is known, from prior_click_rate before any label (BaseRateBias). At least
+    # the joiner's: a samples message with a longer label_delay_ms is dead-lettered (learner/kafka_dataset.py).
     attribution_window_s: float = 1800.0
     init_bias: bool = True
     prior_click_rate: float = 0.05  # your stream's click rate, roughly: what a fresh model serves first
@@ -247,6 +249,9 @@ class LearnerSettings:
     max_fields: int = 64
     # A samples message in poison_after failed training batches in a row is dead-lettered (stream/strikes.py).
     poison_after: int = 3
+    # A samples message with a row whose ts leads this machine's wall clock by more than this is dead-lettered
+    # (future_ts; keep it >= the joiner's [limits] future_ts_s); the learner's clocks never lead the wall clock.
+    future_ts_s: float = 3600.0
 
     def __post_init__(self) -> None:
         try:
@@ -259,6 +264,9 @@ class LearnerSettings:
         if self.num_workers < 0 or self.prefetch_factor < 1:
             raise ConfigError(f"[learner] num_workers must be >= 0 and prefetch_factor >= 1, got num_workers="
                               f"{self.num_workers!r}, prefetch_factor={self.prefetch_factor!r}")
+        if not (math.isfinite(self.future_ts_s) and self.future_ts_s >= 0):
+            raise ConfigError(f"[learner] future_ts_s must be a finite number of seconds >= 0, got "
+                              f"{self.future_ts_s!r}")
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "
                               f"{self.prior_click_rate!r}: set it to your stream's click rate, roughly (0.05 "

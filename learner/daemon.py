@@ -47,7 +47,7 @@ from prometheus_client import Gauge, Histogram
 from torch.utils.data import DataLoader
 
 from learner import checkpoint
-from learner.batch import TensorBatch
+from learner.batch import TensorBatch, event_clock_s
 from learner.calibration import OnlineCalibration, identity
 from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
@@ -119,20 +119,22 @@ POSITIVE_RATE = Gauge("streamrec_learner_window_positive_rate", "Share of positi
 class RecentIds:
     """The last ``capacity`` samples seen: drops duplicate samples (joiner retries). A sample is its impression
     id and whether it is a delayed positive (``stream/samples.py``: an impression may have an ``OBSERVED`` 0
-    and then a ``DELAYED_POSITIVE``, two samples)."""
+    and then a ``DELAYED_POSITIVE``, two samples). The key of a delayed positive is the 1-tuple ``(id,)``, of any
+    other sample the id itself: no impression id can equal another's delayed positive (with ``id + suffix`` keys,
+    an impression named ``X\\x00delayed`` shadowed the click of impression ``X``, dropped as a duplicate)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str | tuple[str], None] = OrderedDict()
 
     def filter(self, ids: np.ndarray, kinds: np.ndarray | None = None) -> np.ndarray:
         """Mask (B,) of first occurrences; remembers them."""
         keep = np.ones(len(ids), bool)
         seen = self._ids
-        keys = ids.tolist()
+        keys: list[str | tuple[str]] = ids.tolist()
         if kinds is not None:
             for j in np.flatnonzero(kinds == DELAYED_POSITIVE).tolist():
-                keys[j] = keys[j] + DELAYED_SUFFIX
+                keys[j] = (keys[j],)  # type: ignore[assignment]
         for i, imp in enumerate(keys):
             if imp in seen:
                 keep[i] = False
@@ -142,14 +144,20 @@ class RecentIds:
             seen.popitem(last=False)
         return keep
 
-    def state(self) -> list[str]:
+    def state(self) -> list[str | tuple[str]]:
         return list(self._ids)
 
-    def load(self, ids: list[str]) -> None:
-        self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
+    def load(self, ids: list[str | tuple[str] | list[str]]) -> None:
+        self._ids = OrderedDict.fromkeys(_recent_key(i) for i in ids[-self.capacity:])
 
 
-DELAYED_SUFFIX = "\x00delayed"  # a delayed positive's dedup key: its impression id + this (no id holds NUL)
+def _recent_key(key: str | tuple[str] | list[str]) -> str | tuple[str]:
+    """A key of :class:`RecentIds` as a checkpoint holds it: a delayed positive's ``(id,)`` (a list once through
+    some serialisers) or the id. A checkpoint from before these keys wrote a delayed positive as
+    ``id + "\\x00delayed"``: read as the plain string it is, it matches no sample, so only a retry of such a click
+    re-sent across the upgrade would be trained twice (reading it back as ``(id,)`` would let an id that ends so
+    shadow a click again)."""
+    return (str(key[0]),) if isinstance(key, tuple | list) else key
 
 
 def _present(batch: SampleBatch, column: str) -> int:
@@ -395,7 +403,8 @@ class Learner:
                     for t, p, o in [key] if t == topic}
         # Pinned by the DataLoader (in the main process: memory a worker pins does not survive the hand-over).
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
-                                     suspects=suspects, merge=ls.merge_partitions)
+                                     suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s,
+                                     max_label_delay_s=ls.attribution_window_s)
         if ls.num_workers:
             gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
@@ -451,7 +460,7 @@ class Learner:
                 self.coverage = FieldCoverage(self.cfg, max(1, self.ls.metrics_window // 10))
             if self.coverage is not None:
                 self.coverage.observe(kept)  # before the ids are mapped to rows (it reads MISSING)
-            now = float(kept.ts.max()) / 1000.0  # event time drives id ages, so replays are deterministic
+            now = event_clock_s(kept.ts)  # event time drives id ages, so replays are deterministic
             self._event_now = now
             self._event_newest = max(self._event_newest, now)  # merged partitions interleave a little
             EVENT_TIME.set(self._event_newest)

@@ -39,6 +39,8 @@ correction is off only where the true click rate is above 0.95.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import numpy as np
@@ -164,9 +166,9 @@ class BaseRateBias:
         self.corrected = True
         ts = np.asarray(ts_ms, np.int64)[corrected]
         delay = (np.zeros(len(ts), np.int64) if label_delay_ms is None
-                 else np.asarray(label_delay_ms, np.int64)[corrected])
+                 else np.maximum(np.asarray(label_delay_ms, np.int64)[corrected], 0))  # decode refuses < 0
         if len(ts):
-            emitted = int((ts + delay).max())
+            emitted = min(int((ts + delay).max()), int(time.time() * 1000))  # never ahead of the wall clock
             self.now_ms = emitted if self.now_ms is None else max(self.now_ms, emitted)
             self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
         click = clicked[corrected]
@@ -193,6 +195,8 @@ class BaseRateBias:
             return None
         self.observe(labels, kinds, ts_ms, label_delay_ms)
         logit = _logit(self.rate)
+        if not math.isfinite(logit):  # never a NaN or inf bias: it would be checkpointed and served
+            return None
         with torch.no_grad():
             model.get_parameter("bias").fill_(logit)
         return logit
@@ -240,21 +244,32 @@ def fit_delayed_rate(impressions: np.ndarray, clicks: np.ndarray, age_s: np.ndar
     of the distance left): ``start`` (the last fit) lets a stream's successive fits go on from there.
     """
     n_total, c_total = float(impressions.sum()), float(clicks.sum()) + 1.0  # + the prior's click
-    delays_s = click_delay_s + prior_delay_s
-    waiting = impressions - clicks
-    r, lam = start if start is not None and start[1] > 0 else (c_total / (n_total + 1.0 / prior_rate),
-                                                               c_total / delays_s)
+    # Delays and ages are >= 0 (SampleBatch.decode refuses negative ones); clamped all the same, since a negative
+    # delay sum makes lam negative, e^{-lam a} overflow and r NaN: a fit that is not sound never leaves here.
+    delays_s = max(float(click_delay_s), 0.0) + prior_delay_s
+    age_s = np.maximum(np.asarray(age_s, np.float64), 0.0)
+    waiting = np.maximum(impressions - clicks, 0)
+    fresh = (c_total / (n_total + 1.0 / prior_rate), c_total / delays_s)
+    r, lam = start if start is not None and _sound(*start) else fresh
     r = min(r, 1.0 - 1e-6)
-    for _ in range(iters):
-        tail = r * np.exp(-lam * age_s)  # (G,) the chance a waiting impression is clicked later
-        q = waiting * tail / (1.0 - r + tail)
-        r_new = min((c_total + float(q.sum())) / (n_total + 1.0 / prior_rate), 1.0 - 1e-6)
-        lam_new = c_total / (delays_s + float((q * age_s).sum()))
-        converged = abs(r_new - r) < 1e-7 * r and abs(lam_new - lam) < 1e-7 * lam
-        r, lam = r_new, lam_new
-        if converged:
-            break
-    return float(r), float(lam)
+    with np.errstate(all="ignore"):
+        for _ in range(iters):
+            tail = r * np.exp(-lam * age_s)  # (G,) the chance a waiting impression is clicked later
+            q = waiting * tail / (1.0 - r + tail)
+            r_new = min((c_total + float(q.sum())) / (n_total + 1.0 / prior_rate), 1.0 - 1e-6)
+            lam_new = c_total / (delays_s + float((q * age_s).sum()))
+            if not _sound(r_new, lam_new):
+                break  # keep the last sound step
+            converged = abs(r_new - r) < 1e-7 * r and abs(lam_new - lam) < 1e-7 * lam
+            r, lam = r_new, lam_new
+            if converged:
+                break
+    return (float(r), float(lam)) if _sound(r, lam) else fresh
+
+
+def _sound(r: float, lam: float) -> bool:
+    """A rate in (0, 1) and a delay rate > 0, both finite: what the bias may be set from."""
+    return math.isfinite(r) and math.isfinite(lam) and 0.0 < r < 1.0 and lam > 0.0
 
 
 def _logit(p: float) -> float:

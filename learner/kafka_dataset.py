@@ -41,6 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
@@ -52,7 +53,7 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.kafka import has_more, new_consumer
-from stream.samples import SampleBatch
+from stream.samples import MAX_LIST_VALUES, SampleBatch
 
 log = logging.getLogger("streamrec.train")
 
@@ -87,12 +88,20 @@ def _exit_with_parent(grace_s: float = 2.0) -> None:
 class KafkaSampleDataset(IterableDataset):
     def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
                  exit_when_idle_s: float | None = None, pin_memory: bool = False,
-                 suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True) -> None:
+                 suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True,
+                 future_ts_s: float | None = 3600.0, max_label_delay_s: float | None = None) -> None:
         super().__init__()
+        # A message with a row whose ts leads this machine's wall clock by more than future_ts_s (as the joiner does
+        # for events, [limits] future_ts_s), or whose label_delay_ms is over max_label_delay_s (the joiner's
+        # attribution window), is dead-lettered (read_samples); None: no such bound
+        self.future_ts_s, self.max_label_delay_s = future_ts_s, max_label_delay_s
         self.merge = merge  # merge the partitions in event time (module docstring); False: as fetched
         self.kafka, self.cfg, self.start = kafka, cfg, dict(start)
         self.batch_rows, self.exit_when_idle_s, self.pin = batch_rows, exit_when_idle_s, pin_memory
         self.suspects = dict(suspects or {})  # (partition, offset) -> poison reason, or None: train it alone
+        # A batch also closes at this many embedding values (ids and list values): rows alone do not bound its
+        # memory, each message may hold up to MAX_LIST_VALUES list values (stream/samples.py) in one row
+        self.max_values = 2 * MAX_LIST_VALUES
 
     def _my_partitions(self) -> list[int]:
         info = get_worker_info()
@@ -115,9 +124,10 @@ class KafkaSampleDataset(IterableDataset):
         dlq: DeadLetters | None = None  # made on the first dead letter
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
         pending: list[TensorBatch] = []
-        rows = 0
+        rows = values = 0
         last_data = last_yield = time.monotonic()
-        merge = EventTimeMerge(parts) if self.merge and len(parts) > 1 else None
+        read = partial(read_samples, future_ts_s=self.future_ts_s, max_label_delay_s=self.max_label_delay_s)
+        merge = EventTimeMerge(parts, read=read) if self.merge and len(parts) > 1 else None
 
         def behind(p: int) -> bool:
             # not fetched yet counts as more to read: it may hold the oldest rows, and the merge's idle clock
@@ -166,7 +176,7 @@ class KafkaSampleDataset(IterableDataset):
                     try:
                         if suspect and self.suspects[pos] is not None:
                             raise BadMessage(str(self.suspects[pos]), kind="poison")
-                        sb = decoded if decoded is not None else SampleBatch.decode(m.value())
+                        sb = decoded if decoded is not None else read(m.value())
                         tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
@@ -181,19 +191,20 @@ class KafkaSampleDataset(IterableDataset):
                     if suspect:  # alone: if training it fails again, only it is blamed
                         if pending:
                             yield self._emit(pending)
-                            pending, rows = [], 0
+                            pending, rows, values = [], 0, 0
                         yield self._emit([tb])
                         last_yield = time.monotonic()
                         continue
                     pending.append(tb)
                     rows += len(tb)
-                    if rows >= self.batch_rows:
+                    values += len(tb.values)
+                    if rows >= self.batch_rows or values >= self.max_values:
                         yield self._emit(pending)
-                        pending, rows = [], 0
+                        pending, rows, values = [], 0, 0
                         last_yield = time.monotonic()
                 if not msgs and pending:  # nothing more right now: train what we have
                     yield self._emit(pending)
-                    pending, rows = [], 0
+                    pending, rows, values = [], 0, 0
                     last_yield = time.monotonic()
                 elif not msgs and time.monotonic() - last_yield >= 1.0:
                     # A heartbeat (no rows, no positions) while idle, so the consumer of this iterator can
@@ -222,7 +233,9 @@ class EventTimeMerge:
     would have the next checkpoint skip them (a dead-lettered message at offset 7 going on before offsets
     3-6 lost those four messages to a restart)."""
 
-    def __init__(self, partitions: list[int], capacity: int = 8, idle_s: float = 2.0) -> None:
+    def __init__(self, partitions: list[int], capacity: int = 8, idle_s: float = 2.0,
+                 read: Callable[[bytes | None], SampleBatch] = SampleBatch.decode) -> None:
+        self.read = read  # the dataset's decoder with its bounds: a message it refuses has no time here
         self.capacity = capacity  # messages buffered per partition before it is paused
         # A partition that sent nothing for this long (wall clock) holds nobody back, whatever its lag says
         # (Flink's idleness timeout): a quiet partition of a live stream, or one whose lag the broker misreports.
@@ -243,7 +256,7 @@ class EventTimeMerge:
             self._started = now
         if part in self.last_seen:
             self.last_seen[part] = now
-        sb = _decode(m) if m.error() is None else None
+        sb = _decode(m, self.read) if m.error() is None else None
         buf = self.buffers.get(part) if part is not None else None
         if sb is not None and len(sb) and buf is not None:
             buf.append((emitted_at(sb), (m, sb)))
@@ -296,10 +309,33 @@ def emitted_at(sb: SampleBatch) -> int:
     return int(sb.batch.column("ts")[0].as_py()) + int(sb.batch.column("label_delay_ms")[0].as_py())
 
 
-def _decode(m: Message) -> SampleBatch | None:
+def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_delay_s: float | None = None,
+                 ) -> SampleBatch:
+    """``SampleBatch.decode`` and the bounds that need the learner's settings or clock: how far a row's ``ts``
+    may lead this machine's wall clock (``future_ts_s``) and how long its ``label_delay_ms`` may be
+    (``max_label_delay_s``: the joiner's attribution window, which every delay it writes is within); None: no
+    bound. One row's clock must not move the learner's event time (id ages, bucket decay, TTL sweeps) or the
+    calibration clock (``ts + label_delay_ms``), nor merge its partition last. Raises :class:`BadMessage`
+    (``future_ts``, ``bad_value``)."""
+    sb = SampleBatch.decode(raw)
+    if max_label_delay_s is not None and len(sb):
+        longest = int(sb.column("label_delay_ms").max())
+        if longest > max_label_delay_s * 1000:
+            raise BadMessage(f"column 'label_delay_ms': a delay of {longest / 1000:.0f} s, over [learner] "
+                             f"attribution_window_s={max_label_delay_s:g} (the joiner's window)", kind="bad_value")
+    if future_ts_s is not None and len(sb):
+        newest = int(sb.column("ts").max())
+        now = int(time.time() * 1000)
+        if newest - now > future_ts_s * 1000:
+            raise BadMessage(f"column 'ts': a row {(newest - now) / 1000:.0f} s ahead of the learner's clock, over "
+                             f"[learner] future_ts_s={future_ts_s:g}", kind="future_ts")
+    return sb
+
+
+def _decode(m: Message, read: Callable[[bytes | None], SampleBatch]) -> SampleBatch | None:
     """The message's samples (None: undecodable; the reader decodes it again and dead-letters it)."""
     try:
-        return SampleBatch.decode(m.value())
+        return read(m.value())
     except Exception:  # noqa: BLE001 - whatever is wrong with it, the reader says so in its dead letter
         return None
 
@@ -310,4 +346,5 @@ def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int] | None) -> Te
 
     return TensorBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                        torch.zeros((0, len(cfg.dense))), torch.zeros(0), np.zeros(0, object),
-                       np.zeros(0, np.int64), [pos] if pos is not None else [])
+                       np.zeros(0, np.int64), [pos] if pos is not None else [],
+                       keys=np.zeros(0, np.int64) if cfg.dynamic else None, label_delay_ms=np.zeros(0, np.int64))

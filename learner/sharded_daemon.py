@@ -65,7 +65,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from torch.utils.data import DataLoader
 
 from learner import sharded_checkpoint
-from learner.batch import TensorBatch
+from learner.batch import TensorBatch, event_clock_s
 from learner.calibration import OnlineCalibration, identity
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
 from learner.daemon import (
@@ -354,7 +354,8 @@ class ShardedLearner:
         step_rows = rows_per_step(ls)  # accumulation included
         dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine},
                                      max(ls.batch_rows, step_rows),
-                                     ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions)
+                                     ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions,
+                                     future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s)
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))
@@ -494,7 +495,7 @@ class ShardedLearner:
         probs_all, ids = cat("probs"), cat("ids")
         assert probs_all is not None and ids is not None
         users = cat("users")
-        now = float(ts.max()) / 1000.0
+        now = event_clock_s(ts)
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
         self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay)
         if self.calibration is not None:  # fitted on held-out raw logits as their labels become final

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.batch import TensorBatch
+from learner.batch import TensorBatch, event_clock_s
 from learner.distributed import all_gather_objects
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import BucketDecay, IdMap
@@ -264,7 +264,7 @@ class ShardedRowMapper:
         spans = field_spans(tb, self.slots) if has_keys else [(0, 0)] * len(self.slots)
         mine = [np.asarray(tb.keys[s:e]) if has_keys else np.empty(0, np.int64)  # type: ignore[index]
                 for s, e in spans]
-        newest = float(tb.ts.max()) / 1000.0 if len(tb) else float("-inf")  # event time drives ids' ages
+        newest = event_clock_s(tb.ts) if len(tb) else float("-inf")  # event time drives ids' ages
         gathered = all_gather_objects((mine, newest))  # 1. [(per-field keys (n_r,), newest)] in rank order
         self.now = max([self.now] + [g[1] for g in gathered])
         keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(self.slots))]  # (sum n_r,) per slot

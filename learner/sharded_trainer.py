@@ -31,6 +31,7 @@ from learner.delayed import DelayedFeedbackWeights
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_boost import ShardedBoost
 from learner.sharded_model import padded_inputs
+from learner.trainer import MAX_DENSE_GRAD_NORM
 
 
 class ShardedTrainer:
@@ -42,6 +43,7 @@ class ShardedTrainer:
         self.steps = 0
         self.samples = 0  # this rank's
         self.nan_losses = 0
+        self.overflow_steps = 0  # steps whose dense update was skipped (learner/trainer.py, MAX_DENSE_GRAD_NORM)
         self.last_loss = float("nan")
         self.calibration: torch.Tensor | None = None  # (2,) served (a, b); None: raw logits served
         self.last_logits = np.zeros(0, np.float32)  # (B,) raw logits of the last call's real rows
@@ -82,6 +84,12 @@ class ShardedTrainer:
         loss.backward()  # the table's rows are updated in here (fused); the dense grads are all-reduced
         if self.boost is not None:
             self.boost.after()
+        grads = [p.grad for g in self.dense_opt.param_groups for p in g["params"] if p.grad is not None]
+        if grads:  # all-reduced: every rank decides alike (a gradient that would make Adam's state inf for good)
+            worst = torch.stack(list(torch._foreach_norm(grads))).max()
+            if not bool(torch.isfinite(worst)) or float(worst) >= MAX_DENSE_GRAD_NORM:
+                self.dense_opt.zero_grad(set_to_none=True)
+                self.overflow_steps += 1
         self.dense_opt.step()
         self.dense_opt.zero_grad(set_to_none=True)
         self.samples += b

@@ -43,6 +43,10 @@ from learner.optim import RowWiseAdagrad
 from learner.progressive import ProgressiveMetrics
 from stream.errors import ConfigError
 
+# A dense gradient this large squares past float32's range in Adam's second moment (2**128), which then stays inf
+# and its weight never moves again; a step with one is not applied to the dense weights (2**63: rounding margin).
+MAX_DENSE_GRAD_NORM = float(2**63)
+
 
 class Trainer:
     def __init__(self, model: nn.Module, sparse_opt: torch.optim.Optimizer, dense_opt: torch.optim.Optimizer,
@@ -63,6 +67,7 @@ class Trainer:
         self.samples = 0
         self.last_loss = float("nan")
         self.nan_losses = 0  # batches skipped because their loss was not finite
+        self.overflow_steps = 0  # steps whose dense update was skipped: a gradient too large (MAX_DENSE_GRAD_NORM)
         self.grad_norms = GradNorms.of(model)  # per step, drained by the daemon (learner/health.py)
         self.update_norms = UpdateNorms()  # sampled at most once a second
         # fp16 on CUDA needs loss scaling; bf16 (the CPU default) does not.
@@ -167,6 +172,11 @@ class Trainer:
             else:
                 rows, sums = RowWiseAdagrad.touched_rows(p.grad)
             self._observe_rows(p, rows, sums)
+        if dense_norms and not self.scaler.is_enabled():  # (the scaler skips a step that overflowed itself)
+            worst = torch.stack(list(dense_norms)).max()
+            if not bool(torch.isfinite(worst)) or float(worst) >= MAX_DENSE_GRAD_NORM:
+                self.dense_opt.zero_grad(set_to_none=True)  # Adam leaves parameters without a gradient alone
+                self.overflow_steps += 1
         if sampled:
             self.update_norms.dense_before(dense_params)
         self.scaler.step(self.dense_opt)

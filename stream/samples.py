@@ -33,13 +33,16 @@ Version 1 (no ``kind`` column) still decodes, every row :data:`FINAL`.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stream.errors import BadMessage, clip
+from stream.events import MAX_TS_MS
 
 SCHEMA_NAME = b"samples"
 SCHEMA_VERSION = 2
@@ -61,6 +64,16 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
 )
 KIND_FIELD = pa.field("kind", pa.int8(), nullable=False)
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC: the continuation marker and a zero length
+# Bounds on what one message may cost, checked before it is read. The joiner writes messages of at most
+# ``[joiner] max_sample_bytes`` (900 KB) and never compresses an Arrow body, so an uncompressed body decodes to
+# about its own size: the byte bound bounds the rows. A compressed body is refused before it is decompressed (6 KB
+# of zstd held a 128 MiB history). List values (history, list context) cost the learner ~100 B each in training,
+# so they are bounded on their own (a legitimate row has ~50 history ids and short context lists).
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_LIST_VALUES = 1 << 20
+# A dense value at or beyond 2**64 (~1.8e19) squares past float32's range: fed raw to the model, one such value
+# made Adam's second moment inf for good (its weights never moved again). Dense features must be scaled.
+MAX_ABS_DENSE = float(2**64)
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
 
 
@@ -141,11 +154,20 @@ class SampleBatch:
         """Decode one ``samples`` message; raises :class:`BadMessage` if it is not a valid v1/v2 sample batch.
 
         Valid means more than the schema: Arrow's full validation (list offsets ascending and inside
-        their values, UTF-8), labels 0 or 1, times >= 0, finite dense values. Whatever passes can be
-        turned into tensors without an exception.
+        their values, UTF-8), and every column inside the domain the joiner writes: non-empty impression
+        ids, labels 0 or 1 (1 for a delayed positive), kinds 0-2 (a ``kind`` column of version 1 too),
+        ``ts`` and ``label_delay_ms`` in ``[0, MAX_TS_MS]`` (event times, and a difference of two), ids and
+        context values >= 0 (hashes), dense values finite and below ``MAX_ABS_DENSE`` in magnitude (the
+        joiner passes any float32; the learner refuses what would overflow its optimizer). Whatever passes can
+        be turned into tensors without an exception, and the learner's arithmetic on it (``ts +
+        label_delay_ms``, delay rates, id lookups, squared gradients) cannot overflow or go negative.
         """
         if not raw:
             raise BadMessage("empty samples message", kind="empty")
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise BadMessage(f"samples message of {len(raw)} bytes, over the bound of {MAX_MESSAGE_BYTES}",
+                             kind="too_large")
+        _check_messages(raw)
         try:
             reader = pa.ipc.open_stream(pa.py_buffer(raw))
             batches = list(reader)
@@ -169,7 +191,9 @@ class SampleBatch:
         if len(set(names)) != len(names):  # schema.field() / column() by name would raise KeyError
             twice = sorted({n for n in names if names.count(n) > 1})
             raise BadMessage(f"column {clip(twice[0], 80)!r} appears more than once", kind="bad_schema")
-        for f in (*BASE_FIELDS, KIND_FIELD) if version != b"1" else BASE_FIELDS:
+        # Version 1 has no ``kind`` column; one there anyway is read (``kinds``), so it is checked as in version 2.
+        with_kind = version != b"1" or KIND_FIELD.name in names
+        for f in (*BASE_FIELDS, KIND_FIELD) if with_kind else BASE_FIELDS:
             got = batch.schema.field(f.name) if f.name in batch.schema.names else None
             if got is None or got.type != f.type:
                 raise BadMessage(f"column {f.name!r}: got {got.type if got else 'nothing'}, expected {f.type}",
@@ -189,21 +213,41 @@ class SampleBatch:
         for f in batch.schema:  # the child as stored: flatten() aborts the process on some offsets validation allows
             if pa.types.is_list(f.type) and batch.column(f.name).values.null_count:
                 raise BadMessage(f"column {clip(f.name, 80)!r} has nulls inside its lists", kind="bad_schema")
+        values = sum(int(c.offsets[-1].as_py()) - int(c.offsets[0].as_py()) for f in batch.schema
+                     if pa.types.is_list(f.type) for c in [batch.column(f.name)])
+        if values > MAX_LIST_VALUES:
+            raise BadMessage(f"{values} list values (history and list context), over the bound of {MAX_LIST_VALUES}",
+                             kind="too_large")
         out = cls(batch)
+        imp = batch.column("impression_id")
+        if len(imp) and pc.min(pc.binary_length(imp)).as_py() == 0:  # the event decoder refuses an empty id
+            raise BadMessage("column 'impression_id': empty impression ids", kind="bad_value")
         label, ts = out.column("label"), out.column("ts")
         if len(label) and not np.isin(label, (0, 1)).all():
             raise BadMessage("column 'label': values other than 0 and 1", kind="bad_value")
-        if len(ts) and ts.min() < 0:
-            raise BadMessage("column 'ts': negative event times", kind="bad_value")
-        if version != b"1":
+        for name, col in (("ts", ts), ("label_delay_ms", out.column("label_delay_ms"))):
+            if len(col) and (col.min() < 0 or col.max() > MAX_TS_MS):
+                raise BadMessage(f"column {name!r}: values outside [0, {MAX_TS_MS}] ms (min {col.min()}, "
+                                 f"max {col.max()})", kind="bad_value")
+        if with_kind:
             kinds = out.column("kind")
             if len(kinds) and not np.isin(kinds, KINDS).all():
                 raise BadMessage(f"column 'kind': values other than {KINDS}", kind="bad_value")
             if len(kinds) and (label[kinds == DELAYED_POSITIVE] != 1).any():
                 raise BadMessage("column 'kind': a delayed_positive row with label 0", kind="bad_value")
+        # Hashed ids (stream/ids.py: BLAKE2b masked to 63 bits) and MISSING (0) are >= 0, in every id and context
+        # column, scalar or list: a negative one has no row (IdMap refused it inside training, a crash per try).
+        for name in ("user_id", "item_id", "history", *(CTX_PREFIX + n for n in out.context_names)):
+            ids = out.lists(name)[0] if pa.types.is_list(batch.schema.field(name).type) else out.column(name)
+            if len(ids) and ids.min() < 0:
+                raise BadMessage(f"column {clip(name, 80)!r}: negative ids (hashed ids are >= 0)", kind="bad_value")
         for name in out.dense_names:
-            if not np.isfinite(out.column(DENSE_PREFIX + name)).all():
+            col = out.column(DENSE_PREFIX + name)
+            if not np.isfinite(col).all():
                 raise BadMessage(f"column {DENSE_PREFIX + name!r}: values that are not finite", kind="bad_value")
+            if len(col) and float(np.abs(col).max()) >= MAX_ABS_DENSE:
+                raise BadMessage(f"column {DENSE_PREFIX + name!r}: |value| >= 2**64 (~1.8e19), whose square "
+                                 f"overflows float32 in training; dense features must be scaled", kind="bad_value")
         return out
 
     # -- zero-copy access --------------------------------------------------------------------
@@ -239,3 +283,51 @@ class SampleBatch:
     @property
     def dense_names(self) -> list[str]:
         return [n[len(DENSE_PREFIX) :] for n in self.batch.schema.names if n.startswith(DENSE_PREFIX)]
+
+
+# -- a look at the IPC messages' flatbuffer metadata before anything is read (format/Message.fbs) ----------------
+def _check_messages(raw: bytes) -> None:
+    """Raise :class:`BadMessage` for a dictionary batch or a record batch with Arrow body compression (the joiner
+    writes neither), from the messages' metadata alone: a compressed body is refused before it is decompressed (a
+    tiny message may decompress to gigabytes). What this cannot parse is left to the Arrow reader, which refuses
+    it. (pyarrow does not expose a record batch's compression without reading it: its ``Message`` has the
+    flatbuffer ``metadata``, where ``Message.header`` is a ``RecordBatch`` table whose field 3 is ``compression``.)"""
+    try:
+        messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(raw))
+        while True:
+            try:
+                m = messages.read_next_message()  # the body as a slice of raw, not decompressed
+            except StopIteration:
+                return
+            if m.type == "dictionary":
+                raise BadMessage("a dictionary batch: samples columns are never dictionary-encoded", kind="bad_schema")
+            if m.type != "record batch":
+                continue
+            meta = m.metadata.to_pybytes()
+            header = _field(meta, _offset(meta, 0), 2)  # Message.header (slot 1 is its union's type)
+            if header is not None and _field(meta, _offset(meta, header), 3) is not None:  # RecordBatch.compression
+                raise BadMessage("an Arrow body compressed with lz4/zstd: samples messages are never compressed "
+                                 "(refused before decompressing)", kind="bad_arrow")
+    except (pa.ArrowException, OSError, ValueError, struct.error):
+        return  # not readable as IPC messages: open_stream says why
+
+
+def _u(fmt: str, buf: bytes, pos: int) -> int:
+    if pos < 0 or pos + struct.calcsize(fmt) > len(buf):
+        raise ValueError("flatbuffer offset out of range")
+    return int(struct.unpack_from(fmt, buf, pos)[0])
+
+
+def _offset(buf: bytes, pos: int) -> int:
+    """The table a flatbuffer uoffset at ``pos`` points to."""
+    return pos + _u("<I", buf, pos)
+
+
+def _field(buf: bytes, table: int, slot: int) -> int | None:
+    """Where field ``slot`` of the flatbuffer table at ``table`` is stored, None if absent."""
+    vtable = table - _u("<i", buf, table)
+    size = _u("<H", buf, vtable)
+    if 4 + 2 * slot + 2 > size:
+        return None
+    at = _u("<H", buf, vtable + 4 + 2 * slot)
+    return table + at if at else None

@@ -477,6 +477,13 @@ def check_trainable(sb: SampleBatch) -> None:
         assert set(tb.labels.tolist()) <= {0.0, 1.0}
         assert len(tb.impression_ids) == b and len(tb.ts) == b and (tb.ts >= 0).all()
         assert tb.keys is None or len(tb.keys) == len(values)
+        # every column in the joiner's domain (SampleBatch.decode): nothing downstream meets a value it cannot handle
+        assert (tb.ts <= MAX_TS_MS).all() and tb.label_delay_ms is not None
+        assert ((tb.label_delay_ms >= 0) & (tb.label_delay_ms <= MAX_TS_MS)).all()
+        assert tb.keys is None or (tb.keys >= 0).all()  # hashed ids: IdMap refuses negative ones
+        assert bool((tb.dense.abs() < 2.0**64).all())  # squares inside float32 (Adam's second moment)
+        assert tb.kinds is None or set(tb.kinds.tolist()) <= {0, 1, 2}
+        assert tb.kinds is None or (tb.labels.numpy()[tb.kinds == 2] == 1).all()
 
 
 def decode_samples(raw: bytes) -> SampleBatch | None:

@@ -100,3 +100,19 @@ def test_pending_impressions_are_bounded_and_the_state_round_trips() -> None:
     run(cal, batches[half:])
     run(copy, batches[half:])
     assert (copy.a, copy.b, copy.rows) == (cal.a, cal.b, cal.rows)
+
+
+def test_a_row_ahead_of_the_wall_clock_does_not_mature_the_pending_impressions_early() -> None:
+    """The calibration clock was the newest ts + label_delay_ms ever seen: after one row an hour ahead, every
+    observed impression matured at once and was fitted as a 0 before its delayed click came."""
+    import time
+
+    now = int(time.time() * 1000)
+    cal = OnlineCalibration(maturity_s=300)
+    obs = np.array([OBSERVED], np.int8)
+    cal.observe(np.array(["old"], object), obs, np.zeros(1), np.zeros(1), np.array([now - 3_600_000]), None)
+    cal.observe(np.array(["ahead"], object), obs, np.ones(1), np.zeros(1), np.array([now - 60_000]),
+                np.array([2 * 3_600_000]))  # a click reported two hours after its impression, an hour from now
+    ids = np.array([f"i{k}" for k in range(20)], object)
+    cal.observe(ids, np.full(20, OBSERVED, np.int8), np.zeros(20), np.zeros(20), np.full(20, now - 30_000), None)
+    assert cal.rows == 0 and cal.pending == 21  # a minute old at most: none is mature yet

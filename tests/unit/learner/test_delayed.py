@@ -260,3 +260,40 @@ def test_the_protocol_starts_a_fresh_bias_from_the_prior_click_rate() -> None:
     default = evaluate("synthetic", "delayed", config=small, seed=0)
     low = evaluate("synthetic", "delayed", config={**small, "prior_click_rate": 0.004}, seed=0)
     assert low["served"]["logloss"] < default["served"]["logloss"]
+
+
+@pytest.mark.parametrize("delay_ms", [-60_000, -10**12])
+def test_a_negative_label_delay_that_reaches_the_bias_rule_leaves_a_finite_bias(delay_ms: int) -> None:
+    """Defence in depth behind SampleBatch.decode (which refuses it): a negative delay made lam negative, the fit
+    NaN and the model's bias NaN (or pinned at a wrong rate) for good."""
+    model = _bias_model()
+    b = BaseRateBias()
+    b.start(model)
+    t0 = 1_700_000_000_000
+    for k in range(30):  # a third of the impressions clicked at once (OBSERVED 1s, no delay)
+        if k == 1:
+            b.update(model, np.array([1, 1, 0, 0], np.float32), np.full(4, OBSERVED, np.int8), np.full(4, t0 + 100_000),
+                     np.array([delay_ms, delay_ms, 0, 0], np.int64))
+        labels = (np.arange(64) % 3 == 0).astype(np.float32)
+        b.update(model, labels, np.full(64, OBSERVED, np.int8), t0 + 1000 * (k * 64 + np.arange(64)),
+                 np.zeros(64, np.int64))
+        assert math.isfinite(model.bias.item())
+    assert 0 < b.rate < 1 and b.delay_rate > 0
+    assert 1 / (1 + math.exp(-model.bias.item())) < 0.5  # not pinned near 1 (the click rate is 1/3)
+
+
+def test_fit_delayed_rate_returns_a_sound_rate_for_a_negative_delay_sum() -> None:
+    r, lam = fit_delayed_rate(np.array([100.0, 100.0]), np.array([5.0, 5.0]), np.array([10.0, 1e6]),
+                              click_delay_s=-1e9, prior_rate=0.05)
+    assert math.isfinite(r) and math.isfinite(lam) and 0 < r < 1 and lam > 0
+
+
+def test_the_bias_rules_clock_does_not_lead_the_wall_clock() -> None:
+    """One row's ts + label_delay_ms far ahead made every impression look old, its missing clicks final."""
+    import time
+
+    now = int(time.time() * 1000)
+    b = BaseRateBias()
+    b.observe(np.array([1, 0], np.float32), np.full(2, OBSERVED, np.int8), np.array([now - 1000, now - 1000]),
+              np.array([10**12, 0]))
+    assert b.now_ms is not None and b.now_ms <= time.time() * 1000

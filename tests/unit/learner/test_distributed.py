@@ -220,3 +220,29 @@ def test_building_the_sharded_model_prints_none_of_torchrecs_advice_about_its_ow
     assert not [w for w in seen if issubclass(w.category, FutureWarning) and "torchrec" in w.filename]
     assert not [r for r in caplog.records if r.name.startswith("torchrec")]
     assert [logging.getLogger(n).level for n in _TORCHREC_ADVICE_LOGGERS] == levels  # put back as they were
+
+
+def test_a_huge_dense_value_never_makes_the_sharded_trainers_adam_state_infinite(one_rank_group: None) -> None:
+    """As the single-process Trainer (tests/unit/learner/test_dense_overflow.py): a batch with dense 3e38 (which
+    SampleBatch.decode refuses) made Adam's exp_avg_sq inf for good."""
+    from learner.sharded_model import ShardedDeepFM, feature_names, shard
+    from learner.sharded_trainer import ShardedTrainer
+    from stream.samples import SampleBatch
+
+    cfg = default_config({}, buckets=300, ctx_buckets=50, embedding_dim=4, dense=("price",))
+    model = ShardedDeepFM(cfg, (8,), 0.0, 1, None, table_device=torch.device("meta"))
+    dmp = shard(model, 1, torch.device("cpu"), 0.05, 1e-8, 0.0, seed=1)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("sparse.")]
+    opt = torch.optim.Adam(dense, lr=1e-2)
+    trainer = ShardedTrainer(dmp, opt, feature_names(cfg), torch.device("cpu"), ProgressiveMetrics())
+    for price in (3e38, 1.0, 1.0):
+        n = 8
+        sb = SampleBatch.from_columns(
+            impression_id=[f"i{k}" for k in range(n)], ts=np.full(n, 1_700_000_000_000), label=np.arange(n) % 2,
+            label_delay_ms=np.zeros(n), user_id=np.arange(n), item_id=np.arange(n), history=[[]] * n,
+            dense={"price": np.r_[np.float32(price), -np.float32(price), np.ones(n - 2, np.float32)]})
+        batch = to_tensors(sb, cfg)
+        trainer.test_then_train(batch, len(batch))
+    states = [s["exp_avg_sq"] for s in opt.state.values() if "exp_avg_sq" in s]
+    assert states and all(bool(torch.isfinite(s).all()) for s in states)
+    assert trainer.overflow_steps == 1

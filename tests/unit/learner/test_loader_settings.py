@@ -41,3 +41,9 @@ def test_the_settings_come_from_the_file_and_the_environment_over_it() -> None:
                            "STREAMREC_LEARNER_PIN_MEMORY": "off"})
     ls = src.build(LearnerSettings, "learner")
     assert (ls.num_workers, ls.prefetch_factor, ls.persistent_workers, ls.pin_memory) == (2, 8, True, PinMemory.OFF)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0])
+def test_future_ts_s_must_be_a_finite_number_of_seconds_at_least_0(bad: float) -> None:
+    with pytest.raises(ConfigError, match="future_ts_s must be a finite number of seconds >= 0"):
+        LearnerSettings(future_ts_s=bad)

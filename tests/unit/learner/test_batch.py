@@ -1,0 +1,52 @@
+"""learner/batch.py's concat with the zero-row parts the dataset puts in a batch (learner/kafka_dataset.py)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from learner.batch import concat, event_clock_s, to_tensors
+from learner.features import FeatureConfig, FieldSpec
+from learner.kafka_dataset import to_tensors_empty
+from stream.samples import SampleBatch
+
+DYNAMIC = FeatureConfig((FieldSpec("user_id", "single", 50, capacity=64, admit_after=1),
+                         FieldSpec("item_id", "single", 40, capacity=64, admit_after=1),
+                         FieldSpec("history", "sequence", 40, shares="item_id"),
+                         FieldSpec("ctx.genres", "multi", 10)), dense=("price",), embedding_dim=4)
+
+
+def _part(start: int, n: int = 4) -> SampleBatch:
+    return SampleBatch.from_columns(
+        impression_id=[f"i{start + k}" for k in range(n)], ts=1_700_000_000_000 + np.arange(n) * 1000,
+        label=np.arange(n) % 2, label_delay_ms=np.arange(n) * 1000 + start, user_id=np.arange(n) + 100 * start,
+        item_id=np.arange(n) + 7, history=[[1, 2]] * n, context={"genres": [[3]] * n},
+        dense={"price": np.ones(n, np.float32)})
+
+
+def test_a_dead_lettered_messages_placeholder_keeps_every_rows_keys_and_label_delays() -> None:
+    """One dead-lettered message in a training batch dropped the keys (dynamic ids, cold tracking) and label delays
+    (calibration, the bias rule) of every row of the batch."""
+    a, b = to_tensors(_part(0), DYNAMIC, [(0, 0, 4)]), to_tensors(_part(10), DYNAMIC, [(0, 2, 4)])
+    clean = concat([a, b], DYNAMIC.num_fields)
+    for placeholder in (to_tensors_empty(DYNAMIC, (0, 1, 0)), to_tensors_empty(DYNAMIC, None)):
+        for parts in ([a, placeholder, b], [placeholder, a, b], [a, b, placeholder]):
+            joined = concat(parts, DYNAMIC.num_fields)
+            assert joined.keys is not None and clean.keys is not None
+            np.testing.assert_array_equal(joined.keys, clean.keys)
+            assert joined.label_delay_ms is not None and clean.label_delay_ms is not None
+            np.testing.assert_array_equal(joined.label_delay_ms, clean.label_delay_ms)
+            assert torch.equal(joined.values, clean.values) and torch.equal(joined.offsets, clean.offsets)
+            assert joined.positions == [p for t in parts for p in t.positions]
+
+
+
+def test_a_row_ahead_of_the_wall_clock_does_not_move_the_event_clock_past_it() -> None:
+    """The daemon's event time (id ages, user-bucket decay, TTL sweeps) was the batch's newest ts: a row one hour
+    ahead (inside the joiner's future_ts_s) zeroed every user bucket of a 60 s half-life, for good."""
+    before = time.time()
+    clock = event_clock_s(np.array([1_700_000_000_000, int((before + 3600) * 1000)]))
+    assert before <= clock <= time.time()
+    assert event_clock_s(np.array([1_000, 2_000])) == 2.0  # a replay's past: its own newest row

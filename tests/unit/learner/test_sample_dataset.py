@@ -1,0 +1,134 @@
+"""KafkaSampleDataset over an in-memory consumer: how bad and costly messages leave its batches."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import learner.kafka_dataset as kd
+from learner.features import FeatureConfig, FieldSpec
+from stream.config import KafkaSettings
+from stream.samples import SampleBatch
+
+CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),
+                     FieldSpec("history", "sequence", 40, shares="item_id")), embedding_dim=4)
+
+
+class Msg:
+    def __init__(self, part: int, off: int, value: bytes | None) -> None:
+        self._p, self._o, self._v = part, off, value
+
+    def error(self) -> None:
+        return None
+
+    def partition(self) -> int:
+        return self._p
+
+    def offset(self) -> int:
+        return self._o
+
+    def value(self) -> bytes | None:
+        return self._v
+
+    def key(self) -> None:
+        return None
+
+
+class Consumer:
+    def __init__(self, parts: dict[int, list[bytes | None]]) -> None:
+        self.parts, self.pos = parts, {p: 0 for p in parts}
+
+    def assign(self, tps: list[Any]) -> None:
+        for tp in tps:
+            self.pos[tp.partition] = max(tp.offset, 0)
+
+    def consume(self, n: int, timeout: float) -> list[Msg]:
+        out = []
+        for p in sorted(self.pos):
+            while self.pos[p] < len(self.parts[p]) and len(out) < n:
+                out.append(Msg(p, self.pos[p], self.parts[p][self.pos[p]]))
+                self.pos[p] += 1
+        if not out:
+            time.sleep(0.01)
+        return out
+
+    def pause(self, tps: list[Any]) -> None: ...
+
+    def resume(self, tps: list[Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DeadLetters:
+    sent: list[tuple[int, int, str, str]] = []
+
+    def __init__(self, kafka: KafkaSettings) -> None: ...
+
+    def send(self, topic: str, key: Any, value: Any, error: Any, partition: int = -1, offset: int = -1) -> None:
+        DeadLetters.sent.append((partition, offset, error.kind, error.reason))
+
+    def flush(self) -> None: ...
+
+
+def read(monkeypatch: pytest.MonkeyPatch, parts: dict[int, list[bytes | None]], max_values: int | None = None,
+         **kw: Any) -> tuple[list[kd.TensorBatch], list[tuple[int, int, str, str]]]:
+    """The batches (with positions) a dataset over ``parts`` yields until idle, and its dead letters."""
+    consumer = Consumer(parts)
+    monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
+    monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: c.pos[p] < len(parts[p]))
+    monkeypatch.setattr(kd, "DeadLetters", DeadLetters)
+    DeadLetters.sent = []
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {p: 0 for p in parts}, exit_when_idle_s=0.05, **kw)
+    if max_values is not None:
+        ds.max_values = max_values
+    return [b for b in ds if b.positions], DeadLetters.sent
+
+
+def sample(start: int, n: int = 1, history: int = 2, **over: Any) -> bytes:
+    cols: dict[str, Any] = dict(
+        impression_id=[f"i{start + k}" for k in range(n)], ts=1_700_000_000_000 + (start + np.arange(n)) * 1000,
+        label=np.zeros(n), label_delay_ms=np.zeros(n), user_id=np.arange(n) + 1, item_id=np.arange(n) + 2,
+        history=[list(range(1, history + 1))] * n)
+    cols.update(over)
+    return SampleBatch.from_columns(**cols).encode()
+
+
+def test_a_training_batch_closes_at_its_value_bound_not_only_at_batch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows alone did not bound a batch's memory: 4096 one-row messages of a million history ids each were one
+    batch."""
+    consumer_parts = {0: [sample(k, history=6) for k in range(4)]}
+    batches, dead = read(monkeypatch, consumer_parts, max_values=10, batch_rows=4096, merge=False)
+    assert not dead
+    assert [b.positions for b in batches] == [[(0, 0, 1), (0, 1, 1)], [(0, 2, 1), (0, 3, 1)]]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_message_with_a_row_past_future_ts_s_is_dead_lettered_and_its_neighbours_train(
+        monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
+    """A far-future ts moved the learner's event time: user buckets decayed to zero, ids evicted under a TTL."""
+    now = int(time.time() * 1000)
+    ahead = sample(50, n=2, ts=np.array([now - 60_000, now + 2 * 3_600_000]))
+    parts = {0: [sample(0), ahead, sample(1)], 1: [sample(2), sample(3)]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, future_ts_s=3600.0)
+    assert [(p, o, kind) for p, o, kind, _ in dead] == [(0, 1, "future_ts")]
+    assert re.search(r"column 'ts': a row 7\d\d\d s ahead of the learner's clock, over \[learner\] future_ts_s=3600",
+                     dead[0][3])
+    trained = sorted((p, o) for b in batches for p, o, rows in b.positions if rows)
+    assert trained == [(0, 0), (0, 2), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_message_with_a_label_delay_over_the_attribution_window_is_dead_lettered(
+        monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
+    """The joiner writes no delay over its window; one of 10^12 ms moved the calibration clock (ts + delay) decades
+    ahead of a replay: every later impression matured at once, fitted as a 0 before its click came."""
+    long = sample(50, n=2, label=np.array([1, 1]), label_delay_ms=np.array([60_000, 10**12]))
+    parts = {0: [sample(0), long, sample(1)], 1: [sample(2)]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, max_label_delay_s=1800.0)
+    assert [(p, o, kind) for p, o, kind, _ in dead] == [(0, 1, "bad_value")]
+    assert "column 'label_delay_ms': a delay of 1000000000 s, over [learner] attribution_window_s=1800" in dead[0][3]
+    assert sorted((p, o) for b in batches for p, o, rows in b.positions if rows) == [(0, 0), (0, 2), (1, 0)]
