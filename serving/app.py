@@ -22,8 +22,9 @@ failing it: a ranking degraded for one request beats an error page. Those are ne
 HTTP semantics both servers share: ``OPTIONS <path>`` is a 204 whose ``Allow`` names the path's methods
 (``OPTIONS *``: every method); ``HEAD`` is ``GET`` without the body (the server drops it); a method the path
 does not take is a 405 with ``Allow`` (:meth:`ScoringApp.headers`); every 503 carries ``Retry-After: 1``.
-:meth:`ScoringApp.admission` bounds the requests in flight (``max_in_flight``): the server holds a slot from a
-request's headers to its answer, and one more request is a 503 at once, except the probes (``/healthz``,
+:meth:`ScoringApp.admission` bounds the requests in flight (``max_in_flight``): the server holds a slot from the
+end of a request's body to its answer (a body being read holds none: ``serving/http_server.py``), and one more
+request is a 503 at once, except the probes (``/healthz``,
 ``/readyz``, ``/metrics``), which are never refused.
 
 Readiness: ``/readyz`` is 503 while no model is loaded (nothing published yet, or every version tried

@@ -61,7 +61,7 @@ class ServeSettings:
     # -- HTTP limits (both servers, serving/http_server.py) --
     # Open client connections at once; one more is answered 503 (Retry-After: 1, Connection: close) and closed.
     max_connections: int = 256
-    # Requests in flight at once (headers in, body being read or scored, not yet answered); one more is answered 503
+    # Requests in flight at once (body read, being scored, not yet answered); one more is answered 503
     # with Retry-After: 1. /healthz, /readyz and /metrics are never refused, so probes answer under load.
     max_in_flight: int = 64
     # A request's headers and body must all arrive within this many seconds of its first byte (slowloris); past it
