@@ -720,6 +720,8 @@ def _aiohttp_protocol() -> type:
             self.watchdog: asyncio.TimerHandle | None = None
             self.reading_body = False
             self.head_bytes = 0  # received while no request was parsed yet: its request line and headers
+            self.head_open = True  # a request's head is being received (until its blank line)
+            self.head_tail = b""  # the last bytes of it, for a blank line split across two reads
             self.first_request: asyncio.TimerHandle | None = None  # a new connection's wait for its first byte
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -741,12 +743,19 @@ def _aiohttp_protocol() -> type:
                 if self.first_request is not None:
                     self.first_request.cancel()
                     self.first_request = None
-            if not self._messages and not getattr(self, "_request_in_progress", False):
-                self.head_bytes += len(data)
+            # A request's head is counted until its blank line has come by (not by aiohttp's state: between the
+            # parser's queueing of a request and its handler's start, body bytes looked like head bytes, and a body
+            # of ~72 KiB sent in pieces was answered 431)
+            if self.head_open:
+                seen = self.head_tail + data
+                end = seen.find(b"\r\n\r\n", 1 if seen.startswith(b"\r\n") else 0)
+                if end >= 0 or self._messages:
+                    self.head_open, self.head_bytes, self.head_tail = False, 0, b""
+                else:
+                    self.head_bytes += len(data)
+                    self.head_tail = seen[-3:]
             super().data_received(data)
-            if self._messages or getattr(self, "_request_in_progress", False):
-                self.head_bytes = 0  # parsed: _handle checks its headers' size exactly
-            elif self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ aiohttp's longest line)
+            if self.head_open and self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ a line)
                 log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
                 self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
                 self.force_close()
@@ -756,6 +765,7 @@ def _aiohttp_protocol() -> type:
             if self.watchdog is not None:
                 self.watchdog.cancel()
             self.watchdog = self.deadline = None
+            self.head_open, self.head_bytes, self.head_tail = True, 0, b""  # the next request's head comes next
 
         def _on_deadline(self) -> None:
             self.watchdog = None

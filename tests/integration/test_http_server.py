@@ -289,6 +289,25 @@ def test_an_unfinished_header_block_past_64_kib_is_a_431_at_once(server: Server)
         assert status == 431 and "header block" in json.loads(body)["error"]
 
 
+def test_a_large_body_is_read_as_body_not_counted_as_its_head(kind: str, tmp_path: Path) -> None:
+    """The head's 64 KiB bound counts a request's head only: aiohttp's server counted body bytes arriving before
+    its handler started as head bytes, and answered a body of more than ~72 KiB with a 431 (or reset the connection)."""
+    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=1 << 20)
+    holder = ModelHolder()
+    srv = make_server(kind, ScoringApp(ss, holder, ServingMetrics(holder.model), None), "127.0.0.1", 0)
+    srv.start()
+    body = b" " * 600_000 + EMPTY_ITEMS  # JSON may start with spaces
+    try:
+        with connect(srv) as s, s.makefile("rb") as f:
+            s.sendall(request("POST", "/v1/score", body))  # the server reads it in pieces
+            status, _, out = read_response(f)
+            assert (status, json.loads(out)["error"]) == (422, EMPTY_ITEMS_ERROR), (status, out[:200])
+            s.sendall(request("GET", "/healthz"))  # and the connection goes on
+            assert read_response(f)[0] == 200
+    finally:
+        srv.stop(2.0)
+
+
 def test_a_chunked_trailer_over_64_kib_is_a_431(app: ScoringApp) -> None:
     """The threading server reads a trailer as a header block, under the same cap (aiohttp's parser bounds it by
     its own limits: 128 fields of 8190 bytes)."""
