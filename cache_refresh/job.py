@@ -106,11 +106,29 @@ def notify_channel(rs: RefreshSettings, rds: RedisSettings) -> str:
 
 # -- last successful run -------------------------------------------------------------------------
 def read_last_success(root: Path) -> dt.datetime | None:
-    """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never."""
+    """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never.
+
+    A file that cannot be read or does not hold a usable time (not JSON, not an object, ``last_success``
+    missing, null, not a number, out of range) is no record either, with a warning naming the file: the
+    scheduler then starts as if no run had succeeded (it may catch up one run), ``--status`` shows none.
+    """
+    path = Path(root) / LAST_RUN
     try:
-        data = json.loads((Path(root) / LAST_RUN).read_text())
-        return dt.datetime.fromtimestamp(float(data["last_success"]), tz=dt.timezone.utc)
-    except (FileNotFoundError, KeyError, ValueError, json.JSONDecodeError):
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read %s (%s); treated as no record of a successful refresh", path,
+                    describe_os_error(exc))
+        return None
+    try:
+        when = json.loads(raw.decode("utf-8"))["last_success"]
+        if isinstance(when, bool) or not isinstance(when, (int, float, str)):
+            raise TypeError(f"last_success is {type(when).__name__}, not a number")
+        return dt.datetime.fromtimestamp(float(when), tz=dt.timezone.utc)
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, OSError, RecursionError) as exc:
+        log.warning("%s does not hold a usable last success (%s: %s); treated as no record of a successful "
+                    "refresh", path, type(exc).__name__, str(exc)[:200])
         return None
 
 
@@ -118,7 +136,7 @@ def read_last_run(root: Path) -> dict[str, Any]:
     """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable)."""
     try:
         data = json.loads((Path(root) / LAST_RUN).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
