@@ -312,8 +312,20 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     except ArtifactError as exc:
         raise ArtifactError(f"cannot roll back to {target}: {exc}; CURRENT still names {current}") from None
     now = time.time()
-    write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,
-                                          "at_utc": dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
-                                          .isoformat(timespec="seconds")}).encode())
-    _set_current(root, target)
+    try:
+        write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,
+                                              "at_utc": dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
+                                              .isoformat(timespec="seconds")}).encode())
+    except OSError as exc:
+        raise ArtifactError(f"cannot roll back to {target}: writing {root / PIN} failed: {describe_os_error(exc)}; "
+                            f"CURRENT still names {current}") from None
+    try:
+        _set_current(root, target)
+    except OSError as exc:
+        if current_version(root) != target:  # CURRENT unchanged: the pin just written names a version not live
+            with contextlib.suppress(OSError):
+                _clear_pin(root)
+            raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
+                                f"{describe_os_error(exc)}; CURRENT still names {current}") from None
+        log.warning("%s is current, but making that durable failed (%s)", target, describe_os_error(exc))
     return target
