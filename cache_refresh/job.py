@@ -211,13 +211,15 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
-             respect_pin: bool = False) -> dict[str, Any]:
+             respect_pin: bool = False, allow_older: bool = False) -> dict[str, Any]:
     """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure.
 
     ``respect_pin=False`` (``streamrec refresh --now``, an operator) publishes over a rollback pin and
     removes it; ``respect_pin=True`` (the schedule) builds and validates but does not publish while a pin
     holds the live version: the summary then says ``published: false`` and ``pin_held`` (see the module
     docstring). Either way the run holds the publish root's lock and cleans what killed runs left first.
+    A checkpoint that has trained fewer samples than the live version is refused at stage ``checkpoint``
+    unless ``allow_older`` (``--now --allow-older``, an operator's decision).
     """
     root = Path(rs.publish_root)
     t0 = time.monotonic()
@@ -229,7 +231,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
                 err = RefreshError("lock", str(exc))
                 raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
                 raise err from exc
-            summary = _run_locked(rs, kafka, rds, sleep, respect_pin)
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older)
     except RefreshError as exc:
         metrics.observe(None, time.monotonic() - t0, exc.stage)
         raise
@@ -246,8 +248,36 @@ def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings)
         return None  # logged and alerted by run_once
 
 
+def _refuse_older_than_live(root: Path, ckpt: ckpt_io.Checkpoint, problems: list[tuple[Path, str]]) -> None:
+    """RefreshError (stage ``checkpoint``) when the chosen checkpoint has trained fewer samples than the live
+    version's source (same lineage, or either without one: as for deltas): publishing it would take serving
+    back in time, e.g. when the newest checkpoint is torn and ``load_latest`` fell back to an older one. An
+    unreadable live version is no reason to refuse (serving cannot load it either)."""
+    try:
+        current = artifact.read_current(root)
+        source = artifact.read_manifest(current)["source"] if current is not None else None
+    except (artifact.ArtifactError, KeyError, TypeError) as exc:
+        log.warning("the live version's source cannot be read (%s); not comparing the checkpoint with it", exc)
+        return
+    if current is None or not isinstance(source, dict):
+        return
+    live, have = source.get("samples_trained"), ckpt["meta"].get("samples_trained")
+    live_lineage, lineage = source.get("lineage"), ckpt["meta"].get("lineage")
+    if live_lineage and lineage and live_lineage != lineage:
+        return  # another training (a learner started afresh): its count starts again
+    if isinstance(live, int) and not isinstance(live, bool) and isinstance(have, int) and have < live:
+        skipped = ("; newer checkpoints skipped: " + "; ".join(f"{p.name}: {why}" for p, why in problems)
+                   if problems else "")
+        raise RefreshError("checkpoint", f"the checkpoint {ckpt['path']} has trained {have} samples, fewer than "
+                           f"the live version {current.name} ({live} samples, from {source.get('checkpoint')}): "
+                           f"publishing it would take serving back in time{skipped}. Nothing was built or "
+                           "published, the live artifact keeps serving. Let the learner write a newer checkpoint "
+                           "(or remove the damaged one), or publish it anyway with `streamrec refresh --now "
+                           "--allow-older`")
+
+
 def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
-                respect_pin: bool) -> dict[str, Any]:
+                respect_pin: bool, allow_older: bool = False) -> dict[str, Any]:
     stage = "start"
     staged: Path | None = None
     timings: dict[str, float] = {}
@@ -281,6 +311,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
                                       "running with the same checkpoint_dir?")
         cfg = artifact.check_checkpoint(ckpt)
+        if not allow_older:
+            _refuse_older_than_live(root, ckpt, problems)
         timed(stage, t0)
         log.info("refresh: checkpoint %s (%s samples trained)", ckpt["path"], ckpt["meta"].get("samples_trained"))
 

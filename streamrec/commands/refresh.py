@@ -18,7 +18,7 @@ from cache_refresh.settings import RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import redact
-from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, setup_logging
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_common, add_kafka_flag, setup_logging
 from streamrec.settings import SettingsError, Sources, read_config_file
 
 
@@ -78,6 +78,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from learner import artifact
     from learner.tensorpack import load_signing_key
     from stream.files import describe_os_error
+    if args.allow_older and not args.now:
+        print("streamrec refresh: error: --allow-older goes with --now (an operator's run)", file=sys.stderr)
+        return EXIT_USAGE
     if args.status:
         st = _status(rs)
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
@@ -101,7 +104,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.now:
         try:
-            summary = job.run_once(rs, kafka, rds, respect_pin=False)  # the operator's run ends a rollback pin
+            # the operator's run ends a rollback pin
+            summary = job.run_once(rs, kafka, rds, respect_pin=False, allow_older=args.allow_older)
         except job.RefreshError as exc:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
@@ -156,6 +160,9 @@ def add_parser(sub: Any) -> None:
                       "runs do not publish over it until the next --now; notify serving")
     mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary, "
                       "the rollback pin and the last scheduled run it held back")
+    p.add_argument("--allow-older", action="store_true", help="with --now: publish even when the newest usable "
+                   "checkpoint has trained fewer samples than the live version (refused otherwise: e.g. the newest "
+                   "checkpoint is damaged and an older one was picked)")
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
     p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
     p.add_argument("--format", choices=[f.value for f in ArtifactFormat],
