@@ -23,8 +23,6 @@ from streamrec.settings import SettingsError, Sources, read_config_file
 
 
 def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
-    from cache_refresh.scheduler import make_trigger
-
     src = Sources(file_data=read_config_file(args.config))
     kafka = src.build(KafkaSettings, "kafka", bootstrap_servers=args.bootstrap_servers)
     rds = src.build(RedisSettings, "redis", url=args.redis_url)
@@ -33,11 +31,18 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
     for name in ("days", "keep_versions", "redis_attempts", "probe_samples"):
         if getattr(rs, name) < 1:
             raise SettingsError(f"[refresh] {name}: got {getattr(rs, name)}, expected an integer >= 1")
+    return rs, kafka, rds
+
+
+def _check_schedule(rs: RefreshSettings) -> None:
+    """The schedule and time zone, checked where they are used: the scheduler (``--now``, ``--rollback`` and
+    ``--status`` do not read them, so a broken schedule never blocks an operator's rollback)."""
+    from cache_refresh.scheduler import make_trigger
+
     try:
         make_trigger(rs.schedule, rs.timezone)
     except ValueError as exc:
         raise SettingsError(f"[refresh] {exc}") from None
-    return rs, kafka, rds
 
 
 def _status(rs: RefreshSettings) -> dict[str, Any]:
@@ -72,6 +77,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from streamrec.commands.common import emit, kv_lines
 
     rs, kafka, rds = _settings(args)
+    if not (args.now or args.rollback or args.status):
+        _check_schedule(rs)  # the scheduler's settings: checked only where they are used
     setup_logging(args.log_level or rs.log_level)
     from cache_refresh import job
     from cache_refresh.publish import rollback
