@@ -57,6 +57,11 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
     try:
         current = artifact.read_current(root)
+        named = artifact.current_version(root)
+        if current is None and named is not None:  # read_current: None for a version that is gone
+            out["error"] = (f"{root / artifact.CURRENT} names {named}, which is not in {artifact.versions_dir(root)}: "
+                            "a server that (re)starts has no model; publish with `streamrec refresh --now`, or "
+                            "write a version listed under versions into CURRENT")
         if current is not None:
             m = artifact.read_manifest(current)
             out["current"] = current.name
