@@ -287,7 +287,8 @@ def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
     would refuse an unsigned one): a damaged one is an ArtifactError and ``CURRENT`` stays as it was. The pin
     (``PINNED``) stops serving from applying learner deltas to the rolled-back version, and scheduled
     refreshes from publishing over it, until an operator publishes (``streamrec refresh --now``; see the
-    module docstring)."""
+    module docstring). Every failure, a read-only or full file system included, is an ArtifactError saying
+    what ``CURRENT`` names; a pin written before ``CURRENT`` could not be is taken back."""
     root = Path(root)
     if not versions_dir(root).is_dir():
         raise ArtifactError(f"nothing to roll back to: {versions_dir(root)} does not exist")
@@ -296,7 +297,10 @@ def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
             held.enter_context(refresh_lock(root))
         except ArtifactError as exc:
             raise ArtifactError(f"cannot roll back now: {exc}; roll back again when it has finished") from None
-        return _rollback_locked(root, signing_key)
+        try:
+            return _rollback_locked(root, signing_key)
+        except OSError as exc:  # reading the publish root (the writes say more, below): nothing was changed
+            raise ArtifactError(f"cannot roll back in {root}: {describe_os_error(exc)}; CURRENT is unchanged") from None
 
 
 def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:

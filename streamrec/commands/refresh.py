@@ -89,7 +89,6 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from cache_refresh.publish import rollback
     from learner import artifact
     from learner.tensorpack import load_signing_key
-    from stream.files import describe_os_error
     if args.allow_older and not args.now:
         print("streamrec refresh: error: --allow-older goes with --now (an operator's run)", file=sys.stderr)
         return EXIT_USAGE
@@ -102,10 +101,6 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             version = rollback(Path(rs.publish_root), signing_key=load_signing_key(rs.signing_key_file))
         except artifact.ArtifactError as exc:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
-            return EXIT_FAILED
-        except OSError as exc:  # reading the publish root itself failed; nothing was changed
-            print(f"streamrec refresh: error: cannot roll back in {rs.publish_root}: "
-                  f"{redact(describe_os_error(exc))}", file=sys.stderr)
             return EXIT_FAILED
         path = Path(rs.publish_root) / artifact.VERSIONS / version
         notified = job.notify(rs, rds, version, path)
