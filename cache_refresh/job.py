@@ -521,6 +521,18 @@ def _current_name(root: Path) -> str | None:
         return None
 
 
+def dangling_current(root: Path) -> str | None:
+    """Why there is no live version although ``CURRENT`` names one (the version is gone), else None."""
+    try:
+        name = artifact.current_version(root)
+    except artifact.ArtifactError:
+        return None  # a malformed CURRENT: read_current says so itself
+    if name is None or (artifact.versions_dir(root) / name).is_dir():
+        return None
+    return (f"{Path(root) / artifact.CURRENT} names {name}, which is not in {artifact.versions_dir(root)}: a "
+            "restarting server has no model; publish with `streamrec refresh --now`")
+
+
 def _live_model(root: Path, key: SigningKey | None = None) -> ScoringModel | None:
     """The live artifact to compare with; None (comparison skipped, logged) when there is none or it is bad
     (with ``key``: also when it is not signed with it)."""

@@ -21,6 +21,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 
+from stream.errors import ConfigError
+
 log = logging.getLogger("streamrec.refresh")
 
 
@@ -36,6 +38,15 @@ def make_trigger(schedule: str, timezone: str) -> CronTrigger:
     except ValueError as exc:
         raise ValueError(f"schedule {schedule!r} is not a 5-field crontab expression "
                          f"('minute hour day month weekday', e.g. '0 3 * * *'): {exc}") from None
+
+
+def check_schedule(schedule: str, timezone: str) -> None:
+    """ConfigError (a usage error, exit 2) naming the bad schedule or time zone; checked when the scheduler is
+    started, never for ``--now``, ``--rollback`` or ``--status``, which do not use them."""
+    try:
+        make_trigger(schedule, timezone)
+    except ValueError as exc:
+        raise ConfigError(f"[refresh] {exc}") from None
 
 
 def fire_times_between(trigger: CronTrigger, start: dt.datetime, end: dt.datetime) -> list[dt.datetime]:

@@ -46,9 +46,7 @@ __all__ = ["ClickDelay", "DelayKind", "JoinerSettings", "KafkaSettings", "Learne
            "read_config_file"]
 
 ENV_PREFIX = "STREAMREC_"
-# Settings whose empty value would silently turn a protection off (an empty signing_key_file would mean "no key":
-# unsigned artifacts and deltas). An empty string given for one (a templated environment whose secret path is
-# unset, `signing_key_file = ""`) is an error; leaving the setting out is how to say "none".
+# An empty value is an error, not "none" (signing_key_file "" would turn signing off); leave the setting out for none
 NO_EMPTY = frozenset({"signing_key_file"})
 
 
@@ -104,8 +102,7 @@ def build(
             raise SettingsError(
                 f"config file: unknown key {key!r} in [{section}]; known keys: {', '.join(sorted(names))}"
             )
-        values[key] = _coerce(hints[key], _not_empty(key, raw, f"config file [{section}].{key}"),
-                              f"config file [{section}].{key}")
+        values[key] = _coerce(hints[key], _not_empty(key, raw, w := f"config file [{section}].{key}"), w)
 
     prefix = f"{ENV_PREFIX}{section.upper()}_"
     for env_key, raw in (environ if environ is not None else os.environ).items():
@@ -124,8 +121,7 @@ def build(
             continue
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
-        where = f"--{key.replace('_', '-')}"
-        values[key] = _coerce(hints[key], _not_empty(key, raw, where), where)
+        values[key] = _coerce(hints[key], _not_empty(key, raw, w := f"--{key.replace('_', '-')}"), w)
     _resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
     try:
         return cls(**values)
@@ -136,10 +132,8 @@ def build(
 
 
 def _not_empty(key: str, raw: Any, where: str) -> Any:
-    if key in NO_EMPTY and isinstance(raw, str) and raw.strip() == "":
-        raise SettingsError(f"{where} is empty: give the file's path, or leave the setting out entirely to run "
-                            "without one (an empty value is refused so that a missing secret path cannot turn "
-                            "signing off)")
+    if key in NO_EMPTY and isinstance(raw, str) and not raw.strip():
+        raise SettingsError(f"{where} is empty: give the file's path, or leave the setting out to run without one")
     return raw
 
 

@@ -18,7 +18,7 @@ from cache_refresh.settings import RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import redact
-from streamrec.commands.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_common, add_kafka_flag, setup_logging
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, setup_logging
 from streamrec.settings import SettingsError, Sources, read_config_file
 
 
@@ -31,22 +31,16 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
     for name in ("days", "keep_versions", "redis_attempts", "probe_samples"):
         if getattr(rs, name) < 1:
             raise SettingsError(f"[refresh] {name}: got {getattr(rs, name)}, expected an integer >= 1")
+    if args.allow_older and not args.now:
+        raise SettingsError("--allow-older goes with --now (an operator's run)")
+    if not (args.now or args.rollback or args.status):  # the scheduler's settings: checked only where used
+        from cache_refresh.scheduler import check_schedule
+        check_schedule(rs.schedule, rs.timezone)
     return rs, kafka, rds
 
 
-def _check_schedule(rs: RefreshSettings) -> None:
-    """The schedule and time zone, checked where they are used: the scheduler (``--now``, ``--rollback`` and
-    ``--status`` do not read them, so a broken schedule never blocks an operator's rollback)."""
-    from cache_refresh.scheduler import make_trigger
-
-    try:
-        make_trigger(rs.schedule, rs.timezone)
-    except ValueError as exc:
-        raise SettingsError(f"[refresh] {exc}") from None
-
-
 def _status(rs: RefreshSettings) -> dict[str, Any]:
-    from cache_refresh.job import read_last_run, read_last_success
+    from cache_refresh.job import dangling_current, read_last_run, read_last_success
     from learner import artifact
     root = Path(rs.publish_root)
     last = read_last_success(root)
@@ -57,11 +51,7 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
     try:
         current = artifact.read_current(root)
-        named = artifact.current_version(root)
-        if current is None and named is not None:  # read_current: None for a version that is gone
-            out["error"] = (f"{root / artifact.CURRENT} names {named}, which is not in {artifact.versions_dir(root)}: "
-                            "a server that (re)starts has no model; publish with `streamrec refresh --now`, or "
-                            "write a version listed under versions into CURRENT")
+        out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
         if current is not None:
             m = artifact.read_manifest(current)
             out["current"] = current.name
@@ -82,16 +72,11 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from streamrec.commands.common import emit, kv_lines
 
     rs, kafka, rds = _settings(args)
-    if not (args.now or args.rollback or args.status):
-        _check_schedule(rs)  # the scheduler's settings: checked only where they are used
     setup_logging(args.log_level or rs.log_level)
     from cache_refresh import job
     from cache_refresh.publish import rollback
     from learner import artifact
     from learner.tensorpack import load_signing_key
-    if args.allow_older and not args.now:
-        print("streamrec refresh: error: --allow-older goes with --now (an operator's run)", file=sys.stderr)
-        return EXIT_USAGE
     if args.status:
         st = _status(rs)
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
@@ -111,8 +96,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.now:
         try:
-            # the operator's run ends a rollback pin
-            summary = job.run_once(rs, kafka, rds, respect_pin=False, allow_older=args.allow_older)
+            summary = job.run_once(rs, kafka, rds, respect_pin=False, allow_older=args.allow_older)  # ends a pin
         except job.RefreshError as exc:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
@@ -167,9 +151,7 @@ def add_parser(sub: Any) -> None:
                       "runs do not publish over it until the next --now; notify serving")
     mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary, "
                       "the rollback pin and the last scheduled run it held back")
-    p.add_argument("--allow-older", action="store_true", help="with --now: publish even when the newest usable "
-                   "checkpoint has trained fewer samples than the live version (refused otherwise: e.g. the newest "
-                   "checkpoint is damaged and an older one was picked)")
+    p.add_argument("--allow-older", action="store_true", help="with --now: publish even an older checkpoint")
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
     p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
     p.add_argument("--format", choices=[f.value for f in ArtifactFormat],
