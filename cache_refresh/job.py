@@ -106,11 +106,29 @@ def notify_channel(rs: RefreshSettings, rds: RedisSettings) -> str:
 
 # -- last successful run -------------------------------------------------------------------------
 def read_last_success(root: Path) -> dt.datetime | None:
-    """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never."""
+    """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never.
+
+    A file that cannot be read or does not hold a usable time (not JSON, not an object, ``last_success``
+    missing, null, not a number, out of range) is no record either, with a warning naming the file: the
+    scheduler then starts as if no run had succeeded (it may catch up one run), ``--status`` shows none.
+    """
+    path = Path(root) / LAST_RUN
     try:
-        data = json.loads((Path(root) / LAST_RUN).read_text())
-        return dt.datetime.fromtimestamp(float(data["last_success"]), tz=dt.timezone.utc)
-    except (FileNotFoundError, KeyError, ValueError, json.JSONDecodeError):
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read %s (%s); treated as no record of a successful refresh", path,
+                    describe_os_error(exc))
+        return None
+    try:
+        when = json.loads(raw.decode("utf-8"))["last_success"]
+        if isinstance(when, bool) or not isinstance(when, (int, float, str)):
+            raise TypeError(f"last_success is {type(when).__name__}, not a number")
+        return dt.datetime.fromtimestamp(float(when), tz=dt.timezone.utc)
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, OSError, RecursionError) as exc:
+        log.warning("%s does not hold a usable last success (%s: %s); treated as no record of a successful "
+                    "refresh", path, type(exc).__name__, str(exc)[:200])
         return None
 
 
@@ -118,7 +136,7 @@ def read_last_run(root: Path) -> dict[str, Any]:
     """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable)."""
     try:
         data = json.loads((Path(root) / LAST_RUN).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -193,13 +211,15 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
-             respect_pin: bool = False) -> dict[str, Any]:
+             respect_pin: bool = False, allow_older: bool = False) -> dict[str, Any]:
     """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure.
 
     ``respect_pin=False`` (``streamrec refresh --now``, an operator) publishes over a rollback pin and
     removes it; ``respect_pin=True`` (the schedule) builds and validates but does not publish while a pin
     holds the live version: the summary then says ``published: false`` and ``pin_held`` (see the module
     docstring). Either way the run holds the publish root's lock and cleans what killed runs left first.
+    A checkpoint that has trained fewer samples than the live version is refused at stage ``checkpoint``
+    unless ``allow_older`` (``--now --allow-older``, an operator's decision).
     """
     root = Path(rs.publish_root)
     t0 = time.monotonic()
@@ -211,7 +231,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
                 err = RefreshError("lock", str(exc))
                 raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
                 raise err from exc
-            summary = _run_locked(rs, kafka, rds, sleep, respect_pin)
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older)
     except RefreshError as exc:
         metrics.observe(None, time.monotonic() - t0, exc.stage)
         raise
@@ -228,8 +248,36 @@ def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings)
         return None  # logged and alerted by run_once
 
 
+def _refuse_older_than_live(root: Path, ckpt: ckpt_io.Checkpoint, problems: list[tuple[Path, str]]) -> None:
+    """RefreshError (stage ``checkpoint``) when the chosen checkpoint has trained fewer samples than the live
+    version's source (same lineage, or either without one: as for deltas): publishing it would take serving
+    back in time, e.g. when the newest checkpoint is torn and ``load_latest`` fell back to an older one. An
+    unreadable live version is no reason to refuse (serving cannot load it either)."""
+    try:
+        current = artifact.read_current(root)
+        source = artifact.read_manifest(current)["source"] if current is not None else None
+    except (artifact.ArtifactError, KeyError, TypeError) as exc:
+        log.warning("the live version's source cannot be read (%s); not comparing the checkpoint with it", exc)
+        return
+    if current is None or not isinstance(source, dict):
+        return
+    live, have = source.get("samples_trained"), ckpt["meta"].get("samples_trained")
+    live_lineage, lineage = source.get("lineage"), ckpt["meta"].get("lineage")
+    if live_lineage and lineage and live_lineage != lineage:
+        return  # another training (a learner started afresh): its count starts again
+    if isinstance(live, int) and not isinstance(live, bool) and isinstance(have, int) and have < live:
+        skipped = ("; newer checkpoints skipped: " + "; ".join(f"{p.name}: {why}" for p, why in problems)
+                   if problems else "")
+        raise RefreshError("checkpoint", f"the checkpoint {ckpt['path']} has trained {have} samples, fewer than "
+                           f"the live version {current.name} ({live} samples, from {source.get('checkpoint')}): "
+                           f"publishing it would take serving back in time{skipped}. Nothing was built or "
+                           "published, the live artifact keeps serving. Let the learner write a newer checkpoint "
+                           "(or remove the damaged one), or publish it anyway with `streamrec refresh --now "
+                           "--allow-older`")
+
+
 def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
-                respect_pin: bool) -> dict[str, Any]:
+                respect_pin: bool, allow_older: bool = False) -> dict[str, Any]:
     stage = "start"
     staged: Path | None = None
     timings: dict[str, float] = {}
@@ -263,6 +311,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
                                       "running with the same checkpoint_dir?")
         cfg = artifact.check_checkpoint(ckpt)
+        if not allow_older:
+            _refuse_older_than_live(root, ckpt, problems)
         timed(stage, t0)
         log.info("refresh: checkpoint %s (%s samples trained)", ckpt["path"], ckpt["meta"].get("samples_trained"))
 
@@ -469,6 +519,18 @@ def _current_name(root: Path) -> str | None:
         return artifact.current_version(root)
     except artifact.ArtifactError:
         return None
+
+
+def dangling_current(root: Path) -> str | None:
+    """Why there is no live version although ``CURRENT`` names one (the version is gone), else None."""
+    try:
+        name = artifact.current_version(root)
+    except artifact.ArtifactError:
+        return None  # a malformed CURRENT: read_current says so itself
+    if name is None or (artifact.versions_dir(root) / name).is_dir():
+        return None
+    return (f"{Path(root) / artifact.CURRENT} names {name}, which is not in {artifact.versions_dir(root)}: a "
+            "restarting server has no model; publish with `streamrec refresh --now`")
 
 
 def _live_model(root: Path, key: SigningKey | None = None) -> ScoringModel | None:

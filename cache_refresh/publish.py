@@ -49,6 +49,7 @@ from learner.artifact import (
     is_version_name,
     list_versions,
     pin_holding,
+    read_pin,
     verify,
     versions_dir,
 )
@@ -142,9 +143,9 @@ def refresh_lock(root: Path) -> Iterator[None]:
     One refresh at a time per publish root (a manual ``--now`` while the scheduled run builds fails at
     once instead of racing it), and a refresh holding it knows that every staged artifact of a dead
     process is garbage (:func:`clean_leftovers`). The kernel releases the lock when the process dies,
-    SIGKILL included, so a killed run never blocks the next one. :func:`rollback` does not take it (an
-    operator's rollback must not wait for a build); a run that would publish over a rollback pin made
-    meanwhile checks for it again right before publishing (``publish(over_pin=False)``).
+    SIGKILL included, so a killed run never blocks the next one. :func:`rollback` takes it too (without
+    waiting: a rollback while a refresh runs fails at once, naming the refresh's pid), so a publish can
+    neither prune the version a rollback is switching to nor clear the pin a rollback has just written.
     ArtifactError when the lock is held (naming the pid written in it) or the root cannot be opened.
     """
     root = Path(root)
@@ -185,13 +186,18 @@ def _clear_pin(root: Path) -> None:
 
 
 def _prune(root: Path, keep: int) -> list[str]:
-    """Remove all but the last ``keep`` versions (never the current one). Each is first renamed to a hidden
-    ``versions/.trash-*`` name (atomic), then deleted: a prune killed half-way leaves a hidden directory
-    that :func:`clean_leftovers` removes, never a half-deleted version that :func:`rollback` could pick."""
-    current = current_version(root)
+    """Remove all but the last ``keep`` versions (never the one ``CURRENT`` names, never one a rollback pin
+    names). Each is first renamed to a hidden ``versions/.trash-*`` name (atomic), then deleted: a prune killed
+    half-way leaves a hidden directory that :func:`clean_leftovers` removes, never a half-deleted version that
+    :func:`rollback` could pick. ``CURRENT`` is read again here, not taken from the caller, so the version it
+    names at the time of pruning is the one kept."""
+    protected = {current_version(root)}
+    pin = read_pin(root)
+    if pin is not None and pin.version is not None:
+        protected.add(pin.version)
     removed = []
     for name in list_versions(root)[: -max(1, keep)]:
-        if name != current:
+        if name not in protected:
             trash = versions_dir(root) / f"{_TRASH}{name}-{os.getpid()}"
             try:
                 os.rename(versions_dir(root) / name, trash)
@@ -274,12 +280,30 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
 def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
     """Make the version before the current one current again and pin it; returns its name.
 
-    The older version is verified first (size and sha256 of every file, and with ``signing_key`` its
-    manifest's signature: serving with the key would refuse an unsigned one): a damaged one is an
-    ArtifactError and ``CURRENT`` stays as it was. The pin (``PINNED``) stops serving from applying learner
-    deltas to the rolled-back version, and scheduled refreshes from publishing over it, until an operator
-    publishes (``streamrec refresh --now``; see the module docstring)."""
+    Holds :func:`refresh_lock` throughout (not waiting: while a refresh runs on ``root`` this is an
+    ArtifactError naming its pid, and nothing changes), so no publish can prune the target or clear the
+    pin between the choice of the target and the write of ``CURRENT``. The older version is verified first
+    (size and sha256 of every file, and with ``signing_key`` its manifest's signature: serving with the key
+    would refuse an unsigned one): a damaged one is an ArtifactError and ``CURRENT`` stays as it was. The pin
+    (``PINNED``) stops serving from applying learner deltas to the rolled-back version, and scheduled
+    refreshes from publishing over it, until an operator publishes (``streamrec refresh --now``; see the
+    module docstring). Every failure, a read-only or full file system included, is an ArtifactError saying
+    what ``CURRENT`` names; a pin written before ``CURRENT`` could not be is taken back."""
     root = Path(root)
+    if not versions_dir(root).is_dir():
+        raise ArtifactError(f"nothing to roll back to: {versions_dir(root)} does not exist")
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(refresh_lock(root))
+        except ArtifactError as exc:
+            raise ArtifactError(f"cannot roll back now: {exc}; roll back again when it has finished") from None
+        try:
+            return _rollback_locked(root, signing_key)
+        except OSError as exc:  # reading the publish root (the writes say more, below): nothing was changed
+            raise ArtifactError(f"cannot roll back in {root}: {describe_os_error(exc)}; CURRENT is unchanged") from None
+
+
+def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     versions = [v for v in list_versions(root) if is_version_name(v)]
     current = current_version(root)
     older = [v for v in versions if current is None or v < current]
@@ -292,8 +316,20 @@ def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
     except ArtifactError as exc:
         raise ArtifactError(f"cannot roll back to {target}: {exc}; CURRENT still names {current}") from None
     now = time.time()
-    write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,
-                                          "at_utc": dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
-                                          .isoformat(timespec="seconds")}).encode())
-    _set_current(root, target)
+    try:
+        write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,
+                                              "at_utc": dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
+                                              .isoformat(timespec="seconds")}).encode())
+    except OSError as exc:
+        raise ArtifactError(f"cannot roll back to {target}: writing {root / PIN} failed: {describe_os_error(exc)}; "
+                            f"CURRENT still names {current}") from None
+    try:
+        _set_current(root, target)
+    except OSError as exc:
+        if current_version(root) != target:  # CURRENT unchanged: the pin just written names a version not live
+            with contextlib.suppress(OSError):
+                _clear_pin(root)
+            raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
+                                f"{describe_os_error(exc)}; CURRENT still names {current}") from None
+        log.warning("%s is current, but making that durable failed (%s)", target, describe_os_error(exc))
     return target

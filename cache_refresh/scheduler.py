@@ -21,6 +21,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 
+from stream.errors import ConfigError
+
 log = logging.getLogger("streamrec.refresh")
 
 
@@ -38,13 +40,33 @@ def make_trigger(schedule: str, timezone: str) -> CronTrigger:
                          f"('minute hour day month weekday', e.g. '0 3 * * *'): {exc}") from None
 
 
+def check_schedule(schedule: str, timezone: str) -> None:
+    """ConfigError (a usage error, exit 2) naming the bad schedule or time zone; checked when the scheduler is
+    started, never for ``--now``, ``--rollback`` or ``--status``, which do not use them."""
+    try:
+        make_trigger(schedule, timezone)
+    except ValueError as exc:
+        raise ConfigError(f"[refresh] {exc}") from None
+
+
 def fire_times_between(trigger: CronTrigger, start: dt.datetime, end: dt.datetime) -> list[dt.datetime]:
-    """Scheduled fire times t with start <= t <= end."""
-    out = []
-    t = trigger.get_next_fire_time(None, start)
-    while t is not None and t <= end:
+    """Scheduled fire times t with start <= t <= end (compared as instants).
+
+    The walk steps in UTC: on the night the clocks go back, a local wall time plus 1 µs can be an hour
+    *earlier* (the second 02:30 is ``fold=1``; 02:30:00.000001 is ``fold=0``), and the trigger would return
+    the same fire time for ever. Every step is also checked to be strictly later than the one before.
+    """
+    utc = dt.timezone.utc
+    start_utc, end_utc = start.astimezone(utc), end.astimezone(utc)
+    out: list[dt.datetime] = []
+    t = trigger.get_next_fire_time(None, start_utc.astimezone(trigger.timezone))
+    while t is not None and t.astimezone(utc) <= end_utc:
         out.append(t)
-        t = trigger.get_next_fire_time(t, t + dt.timedelta(microseconds=1))
+        step = t.astimezone(utc) + dt.timedelta(microseconds=1)
+        nxt = trigger.get_next_fire_time(t, step.astimezone(trigger.timezone))
+        if nxt is not None and nxt.astimezone(utc) <= t.astimezone(utc):
+            raise RuntimeError(f"the schedule's trigger went back from {t.isoformat()} to {nxt.isoformat()}")
+        t = nxt
     return out
 
 
@@ -56,6 +78,7 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
     after it. Fire times older than the grace period are not caught up (the next scheduled run will
     come); ``streamrec refresh --now`` runs one on demand.
     """
+    now = now.astimezone(dt.timezone.utc)  # elapsed-time arithmetic: local wall times jump at DST changes
     due = fire_times_between(trigger, now - dt.timedelta(seconds=grace_s), now)
     if not due:
         return None

@@ -129,9 +129,13 @@ class SigningKey:
 
 def load_signing_key(path: Path | str | None) -> SigningKey | None:
     """The key in ``path`` (``signing_key_file``; None: no key). A trailing newline is dropped, as for every
-    secret file. ConfigError naming the file when it cannot be read or is shorter than 16 bytes."""
-    if path is None or str(path) == "":
+    secret file. ConfigError naming the file when it cannot be read or is shorter than 16 bytes, and for an
+    empty path (a missing secret path must not turn signing off: None is how to say "no key")."""
+    if path is None:
         return None
+    if str(path).strip() == "":
+        raise ConfigError("signing_key_file is empty: give the key file's path, or leave the setting out to run "
+                          "without a signing key")
     p = Path(path)
     try:
         raw = p.read_bytes()

@@ -46,6 +46,8 @@ __all__ = ["ClickDelay", "DelayKind", "JoinerSettings", "KafkaSettings", "Learne
            "read_config_file"]
 
 ENV_PREFIX = "STREAMREC_"
+# An empty value is an error, not "none" (signing_key_file "" would turn signing off); leave the setting out for none
+NO_EMPTY = frozenset({"signing_key_file"})
 
 
 class SettingsError(ConfigError):
@@ -100,7 +102,7 @@ def build(
             raise SettingsError(
                 f"config file: unknown key {key!r} in [{section}]; known keys: {', '.join(sorted(names))}"
             )
-        values[key] = _coerce(hints[key], raw, f"config file [{section}].{key}")
+        values[key] = _coerce(hints[key], _not_empty(key, raw, w := f"config file [{section}].{key}"), w)
 
     prefix = f"{ENV_PREFIX}{section.upper()}_"
     for env_key, raw in (environ if environ is not None else os.environ).items():
@@ -112,14 +114,14 @@ def build(
                 f"environment: {env_key} does not name a [{section}] setting; "
                 f"known: {', '.join(prefix + n.upper() for n in sorted(names))}"
             )
-        values[key] = _coerce(hints[key], raw, f"environment {env_key}")
+        values[key] = _coerce(hints[key], _not_empty(key, raw, f"environment {env_key}"), f"environment {env_key}")
 
     for key, raw in (overrides or {}).items():
         if raw is None:
             continue
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
-        values[key] = _coerce(hints[key], raw, f"--{key.replace('_', '-')}")
+        values[key] = _coerce(hints[key], _not_empty(key, raw, w := f"--{key.replace('_', '-')}"), w)
     _resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
     try:
         return cls(**values)
@@ -127,6 +129,12 @@ def build(
         raise
     except ConfigError as exc:  # the dataclass's own checks (a choice, a combination): one error type from here
         raise SettingsError(str(exc)) from None
+
+
+def _not_empty(key: str, raw: Any, where: str) -> Any:
+    if key in NO_EMPTY and isinstance(raw, str) and not raw.strip():
+        raise SettingsError(f"{where} is empty: give the file's path, or leave the setting out to run without one")
+    return raw
 
 
 def _resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],

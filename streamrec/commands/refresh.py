@@ -23,8 +23,6 @@ from streamrec.settings import SettingsError, Sources, read_config_file
 
 
 def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
-    from cache_refresh.scheduler import make_trigger
-
     src = Sources(file_data=read_config_file(args.config))
     kafka = src.build(KafkaSettings, "kafka", bootstrap_servers=args.bootstrap_servers)
     rds = src.build(RedisSettings, "redis", url=args.redis_url)
@@ -33,15 +31,16 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
     for name in ("days", "keep_versions", "redis_attempts", "probe_samples"):
         if getattr(rs, name) < 1:
             raise SettingsError(f"[refresh] {name}: got {getattr(rs, name)}, expected an integer >= 1")
-    try:
-        make_trigger(rs.schedule, rs.timezone)
-    except ValueError as exc:
-        raise SettingsError(f"[refresh] {exc}") from None
+    if args.allow_older and not args.now:
+        raise SettingsError("--allow-older goes with --now (an operator's run)")
+    if not (args.now or args.rollback or args.status):  # the scheduler's settings: checked only where used
+        from cache_refresh.scheduler import check_schedule
+        check_schedule(rs.schedule, rs.timezone)
     return rs, kafka, rds
 
 
 def _status(rs: RefreshSettings) -> dict[str, Any]:
-    from cache_refresh.job import read_last_run, read_last_success
+    from cache_refresh.job import dangling_current, read_last_run, read_last_success
     from learner import artifact
     root = Path(rs.publish_root)
     last = read_last_success(root)
@@ -52,6 +51,7 @@ def _status(rs: RefreshSettings) -> dict[str, Any]:
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
     try:
         current = artifact.read_current(root)
+        out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
         if current is not None:
             m = artifact.read_manifest(current)
             out["current"] = current.name
@@ -96,7 +96,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.now:
         try:
-            summary = job.run_once(rs, kafka, rds, respect_pin=False)  # the operator's run ends a rollback pin
+            summary = job.run_once(rs, kafka, rds, respect_pin=False, allow_older=args.allow_older)  # ends a pin
         except job.RefreshError as exc:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
@@ -151,6 +151,7 @@ def add_parser(sub: Any) -> None:
                       "runs do not publish over it until the next --now; notify serving")
     mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary, "
                       "the rollback pin and the last scheduled run it held back")
+    p.add_argument("--allow-older", action="store_true", help="with --now: publish even an older checkpoint")
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
     p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
     p.add_argument("--format", choices=[f.value for f in ArtifactFormat],

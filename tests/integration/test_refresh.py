@@ -362,11 +362,23 @@ def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_pat
     assert "was missed" in err and "published" in err
 
 
-def test_bad_schedule_or_time_zone_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["refresh", "--status", "--schedule", "0 3 * *", "--publish-root", str(tmp_path)]) == 2
+def test_bad_schedule_or_time_zone_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMREC_REFRESH_ALERTS_TOPIC", "")  # --now below alerts to the log only
+    # the scheduler refuses to start (before anything runs) ...
+    assert main(["refresh", "--schedule", "0 3 * *", "--publish-root", str(tmp_path)]) == 2
     assert "crontab" in capsys.readouterr().err
-    assert main(["refresh", "--status", "--timezone", "Mars/Olympus", "--publish-root", str(tmp_path)]) == 2
+    assert main(["refresh", "--timezone", "Mars/Olympus", "--publish-root", str(tmp_path)]) == 2
     assert "Mars/Olympus" in capsys.readouterr().err
+    # ... but the modes that do not use the schedule are not blocked by it (an emergency rollback, the status)
+    assert main(["refresh", "--status", "--schedule", "0 3 * *", "--timezone", "Mars/Olympus", "--json",
+                 "--publish-root", str(tmp_path)]) == 1  # runs: nothing published
+    assert json.loads(capsys.readouterr().out)["current"] is None
+    assert main(["refresh", "--rollback", "--schedule", "0 3 * *", "--publish-root", str(tmp_path)]) == 1
+    assert "nothing to roll back to" in capsys.readouterr().err
+    assert main(["refresh", "--now", "--timezone", "Mars/Olympus", "--publish-root", str(tmp_path / "p"),
+                 "--checkpoint-dir", str(tmp_path / "none")]) == 1  # runs: fails at its checkpoint stage
+    assert "refresh failed at checkpoint: no checkpoint" in capsys.readouterr().err
     assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 1  # nothing published
     assert json.loads(capsys.readouterr().out)["current"] is None
 

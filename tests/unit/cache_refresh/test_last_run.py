@@ -1,0 +1,51 @@
+"""A malformed ``<publish_root>/last_run.json`` is "no record", with a warning naming it (cache_refresh/job.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from cache_refresh import job
+from cache_refresh.scheduler import build_scheduler
+from streamrec.cli import main
+
+BAD = [b"[]", b'{"last_success": null}', b'{"last_success": 1e400}', b'{"last_success": true}',
+       b'{"last_success": "soon"}', b'{"last_success": [1]}', b'{"last_success": NaN}', b"[" * 100_000,
+       b'"x"', b"\xff\xfe", b"{}", b"7", b'{"last_success": -1e300}']
+
+
+@pytest.mark.parametrize("raw", BAD, ids=["list", "null", "1e400", "bool", "word", "nested", "nan", "deep", "string",
+                                           "not-utf8", "empty-object", "number", "before-year-1"])
+def test_an_unusable_record_is_no_record_with_a_warning(tmp_path: Path, raw: bytes,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / job.LAST_RUN).write_bytes(raw)
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        assert job.read_last_success(tmp_path) is None
+    assert str(tmp_path / job.LAST_RUN) in caplog.text
+    # and the scheduler starts with it: no record, so the run due within the grace is caught up
+    now = dt.datetime(2026, 1, 10, 3, 30, tzinfo=dt.timezone.utc)
+    sched = build_scheduler(lambda: None, "0 3 * * *", "UTC", 3600, job.read_last_success(tmp_path), now=now)
+    assert {j.id for j in sched.get_jobs()} == {"refresh", "refresh-missed"}
+
+
+def test_a_good_record_and_no_file_are_read_without_a_warning(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        assert job.read_last_success(tmp_path) is None
+        job.write_last_success(tmp_path, 1_750_000_000.5, "v1")
+        assert job.read_last_success(tmp_path) == dt.datetime.fromtimestamp(1_750_000_000.5, tz=dt.timezone.utc)
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("raw", [b"[]", b'{"last_success": null}', b'{"last_success": 1e400}', b"[" * 100_000],
+                         ids=["list", "null", "1e400", "deep"])
+def test_status_with_a_malformed_record_reports_instead_of_a_traceback(tmp_path: Path, raw: bytes,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / job.LAST_RUN).write_bytes(raw)
+    assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 1  # nothing published
+    out = json.loads(capsys.readouterr().out)
+    assert out["last_success"] is None and out["current"] is None

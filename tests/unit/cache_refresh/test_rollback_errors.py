@@ -1,0 +1,70 @@
+"""``rollback`` on a read-only or full publish root: one clear error, CURRENT and the pin as they were
+(cache_refresh/publish.py, streamrec/commands/refresh.py)."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from cache_refresh import publish as publishing
+from cache_refresh.publish import rollback
+from learner import artifact as A
+from learner.artifact import ArtifactError
+from streamrec.cli import main
+from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
+
+REAL_WRITE = publishing.write_atomic
+
+
+def failing_write(name: str, code: int):
+    def write(path: Path, data: bytes) -> None:
+        if Path(path).name == name:
+            raise OSError(code, "simulated", str(path))
+        REAL_WRITE(path, data)
+
+    return write
+
+
+@pytest.fixture
+def root(tmp_path: Path, ckpt: dict) -> Path:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    put(tmp_path, ckpt, "v002")
+    return tmp_path
+
+
+def test_a_read_only_root_fails_before_anything_changes(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(publishing, "write_atomic", failing_write(A.PIN, errno.EROFS))
+    with pytest.raises(ArtifactError, match="cannot roll back to v001: writing .*PINNED failed: the file system is "
+                                            "read-only.*CURRENT still names v002"):
+        rollback(root)
+    assert A.current_version(root) == "v002" and A.read_pin(root) is None
+
+
+def test_a_full_root_after_the_pin_takes_the_pin_back(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(publishing, "write_atomic", failing_write(A.CURRENT, errno.ENOSPC))
+    with pytest.raises(ArtifactError, match="writing .*CURRENT failed: the file system is full.*CURRENT still "
+                                            "names v002"):
+        rollback(root)
+    assert A.current_version(root) == "v002" and A.read_pin(root) is None  # no stale pin left behind
+    monkeypatch.undo()
+    assert rollback(root) == "v001"
+
+
+def test_the_cli_says_so_in_one_line_and_exits_1(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(publishing, "write_atomic", failing_write(A.PIN, errno.EROFS))
+    assert main(["refresh", "--rollback", "--publish-root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "streamrec refresh: error: cannot roll back to v001" in err and "read-only" in err
+
+    def unreadable(_root: Path) -> list[str]:
+        raise PermissionError(errno.EACCES, "Permission denied", str(A.versions_dir(_root)))
+
+    monkeypatch.setattr(publishing, "list_versions", unreadable)  # any OSError of the publish root
+    assert main(["refresh", "--rollback", "--publish-root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("streamrec refresh: error: ") and "permission denied" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert A.current_version(root) == "v002"
