@@ -41,6 +41,7 @@ from pathlib import Path
 
 from learner.artifact import (
     CURRENT,
+    MANIFEST,
     PIN,
     STAGING,
     ArtifactError,
@@ -196,7 +197,17 @@ def _prune(root: Path, keep: int) -> list[str]:
     if pin is not None and pin.version is not None:
         protected.add(pin.version)
     removed = []
-    for name in list_versions(root)[: -max(1, keep)]:
+    # Only complete versions (a manifest) count toward ``keep``: a half-written or foreign directory with a later
+    # name must not push good versions, the ones a rollback falls back to, out. Such a directory is not deleted
+    # here (it may be another writer's): it is logged.
+    complete = []
+    for name in list_versions(root):
+        if (versions_dir(root) / name / MANIFEST).is_file():
+            complete.append(name)
+        else:
+            log.warning("version directory %s has no %s (half-written, or not a refresh's): not counted toward "
+                        "keep_versions, left as it is", versions_dir(root) / name, MANIFEST)
+    for name in complete[: -max(1, keep)]:
         if name not in protected:
             trash = versions_dir(root) / f"{_TRASH}{name}-{os.getpid()}"
             try:

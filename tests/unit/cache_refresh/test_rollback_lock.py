@@ -92,3 +92,14 @@ def test_prune_keeps_the_current_and_the_pinned_version(tmp_path: Path, ckpt: di
     (tmp_path / A.CURRENT).write_text("v001\n")
     assert publishing._prune(tmp_path, 1) == []
     assert A.list_versions(tmp_path) == ["v001", "v004"]
+
+
+def test_a_half_written_version_with_a_later_name_does_not_push_good_versions_out(tmp_path: Path,
+                                                                                   ckpt: dict) -> None:
+    for v in ("v001", "v002"):
+        put(tmp_path, ckpt, v, keep=2)
+    (A.versions_dir(tmp_path) / "v009").mkdir()  # a crashed writer's, or someone's: no manifest
+    put(tmp_path, ckpt, "v003", keep=2)
+    # the two newest complete versions stay (v002 is what a rollback falls back to); the directory is left alone
+    assert A.list_versions(tmp_path) == ["v002", "v003", "v009"]
+    assert rollback(tmp_path) == "v002"
