@@ -34,10 +34,13 @@ def make_trigger(schedule: str, timezone: str) -> CronTrigger:
         raise ValueError(f"time zone {timezone!r} is unknown; use an IANA name such as 'UTC' or "
                          "'Europe/Berlin'") from None
     try:
-        return CronTrigger.from_crontab(schedule, timezone=tz)
+        trigger = CronTrigger.from_crontab(schedule, timezone=tz)
     except ValueError as exc:
         raise ValueError(f"schedule {schedule!r} is not a 5-field crontab expression "
                          f"('minute hour day month weekday', e.g. '0 3 * * *'): {exc}") from None
+    if trigger.get_next_fire_time(None, dt.datetime.now(tz)) is None:  # e.g. '0 3 30 2 *' (February 30th)
+        raise ValueError(f"schedule {schedule!r} never fires (no such date); the scheduler would idle for ever")
+    return trigger
 
 
 def check_schedule(schedule: str, timezone: str) -> None:

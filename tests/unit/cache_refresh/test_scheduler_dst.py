@@ -93,3 +93,13 @@ def test_spring_forward_gap_terminates_and_advances() -> None:
     trig = bounded(make_trigger("0 3 * * *", "Europe/Berlin"))
     due = missed_run(trig, dt.datetime(2027, 3, 28, 3, 10, tzinfo=BERLIN), None, 3600)
     assert due is not None and due.astimezone(UTC) == utc(2027, 3, 28, 1, 0)
+
+
+@pytest.mark.parametrize("schedule", ["0 3 30 2 *", "0 3 31 4 *", "0 3 31 11 *"])
+def test_a_schedule_that_never_fires_is_refused_not_idled_on(schedule: str) -> None:
+    from cache_refresh.scheduler import check_schedule
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="never fires"):
+        check_schedule(schedule, "Europe/Berlin")
+    check_schedule("0 3 29 2 *", "Europe/Berlin")  # leap days come
