@@ -7,7 +7,9 @@ fills them from a file, the environment and flags at the process edge, and nothi
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -16,6 +18,28 @@ from stream.errors import ConfigError
 from stream.secrets import Secret, redact
 
 C = TypeVar("C", bound="Choice")
+
+
+def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (), max_s: float | None = None,
+                    extra: Iterable[str] = ()) -> None:
+    """The one check of a settings dataclass's durations: every field named ``*_s`` (and those in ``extra``:
+    rates, factors) must be a finite number > 0, or >= 0 for the names in ``zero_ok`` (where 0 means off), and
+    at most ``max_s`` when given. ``None`` passes (an optional setting left unset). A ``ConfigError`` otherwise:
+    0 or a negative period pins a core in a busy loop, NaN compares False with everything and inf overflows a
+    wait."""
+    names = [f.name for f in fields(settings) if f.name.endswith("_s")] + list(extra)
+    for name in names:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        low = 0.0 if name in zero_ok else None
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and (value >= 0 if low is not None else value > 0) and (max_s is None or value <= max_s))
+        if not ok:
+            bound = ">= 0" if low is not None else "> 0"
+            unit = "of seconds " if name.endswith("_s") else ""
+            cap = f" and <= {max_s:g}" if max_s is not None else ""
+            raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")
 
 
 class Choice(str, enum.Enum):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,20 @@ from stream.secrets import install_log_redaction, redact_obj
 from streamrec.settings import Sources, read_config_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MAX_SECONDS = 86_400.0  # the longest interval or timeout a duration flag may name (a day)
+
+
+def seconds(text: str) -> float:
+    """argparse ``type`` of a duration flag: a finite number of seconds > 0 and at most a day (NaN, inf, 0 and
+    negatives would pin a core or overflow a wait); anything else is a usage error (exit 2, one line)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                                         f"got {text!r}")
+    return value
 
 
 def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:

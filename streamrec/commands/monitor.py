@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-from streamrec.commands.common import add_common, add_kafka_flag, setup_logging
+from streamrec.commands.common import add_common, add_kafka_flag, seconds, setup_logging
 
 RULES_HELP = """\
 rules file (TOML):
@@ -72,7 +72,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--once", action="store_true", help="evaluate once, print the rule states, send nothing, "
                    "exit (rate/increase/delta need two scrapes, so they show no data here)")
     p.add_argument("--check", action="store_true", help="only validate the rules file and print its rules")
-    p.add_argument("--interval", type=float, metavar="SECONDS", help="seconds between evaluations "
+    p.add_argument("--interval", type=seconds, metavar="SECONDS", help="seconds between evaluations "
                    "(default: interval_s of the rules file)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=URL",
                    help="scrape URL as source NAME, replacing the file's source of that name (repeatable)")
@@ -122,11 +122,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
 
     config = _with_sources(load_rules(args.rules), args.source)
-    if args.interval is not None:
-        if args.interval <= 0:
-            from streamrec.settings import SettingsError
-
-            raise SettingsError(f"--interval {args.interval:g}: expected a number of seconds > 0")
+    if args.interval is not None:  # checked by seconds()
         config = dataclasses.replace(config, interval_s=args.interval)
     setup_logging(args.log_level)
     if args.check:
