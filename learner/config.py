@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream.config import Choice, check_durations
+from stream.config import Choice, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -266,6 +266,7 @@ class LearnerSettings:
         # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
         # deltas_id_maps_every_s, none for future_ts_s
         check_durations("learner", self, zero_ok=("deltas_every_s", "deltas_id_maps_every_s", "future_ts_s"))
+        check_ports("learner", self)
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "
                               f"{self.prior_click_rate!r}: set it to your stream's click rate, roughly (0.05 "

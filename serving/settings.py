@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from learner.config import Device
-from stream.config import Choice, check_durations
+from stream.config import Choice, check_durations, check_ports
 from stream.errors import ConfigError
 
 MAX_DURATION_S = 86_400.0  # the longest period or timeout a [serve] duration may name
@@ -105,6 +105,7 @@ class ServeSettings:
         # core (poll_s), an infinite flush period kills the flush thread at its first wait (OverflowError), an
         # infinite retry-after never asks Redis again after one failure, an infinite timeout waits for ever
         check_durations("serve", self, max_s=MAX_DURATION_S)
+        check_ports("serve", self)
         if isinstance(self.max_active, bool) or not isinstance(self.max_active, int) or self.max_active < 0:
             raise ConfigError(f"[serve] max_active must be an integer >= 0 (0: no bound), got {self.max_active!r}")
         for name in ("max_connections", "max_in_flight", "max_request_values", "lookup_counts_flush_ids",

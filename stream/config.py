@@ -42,6 +42,19 @@ def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (
             raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")
 
 
+def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
+    """Every port setting of a settings dataclass (an int field named ``port`` or ``*_port``) is ``None`` (unset) or an
+    integer in ``lowest``..65535 (0: the system picks a free port; ``lowest=1`` where a fixed port is needed). A
+    :class:`ConfigError` otherwise: out of range, bind() raises OverflowError (or a confusing gaierror for -1)."""
+    for name in (f.name for f in fields(settings)
+                 if (f.name == "port" or f.name.endswith("_port")) and "int" in str(f.type)):  # not reuse_port
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 65535:
+            raise ConfigError(f"[{section}] {name} must be a port number {lowest}-65535, got {value!r}")
+
+
 class Choice(str, enum.Enum):
     """A setting with a fixed set of values (a driver, a device, a format): a ``str`` that prints as its value.
 

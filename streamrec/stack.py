@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stream.config import check_durations
+from stream.config import check_durations, check_ports
 from stream.errors import StreamrecError
 
 
@@ -41,6 +41,7 @@ class StackSettings:
 
     def __post_init__(self) -> None:
         check_durations("stack", self)
+        check_ports("stack", self, lowest=1)  # the stack's services listen on fixed ports that clients are told
 
 
 class StackError(StreamrecError, RuntimeError):

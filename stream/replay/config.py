@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from stream.config import check_durations
+from stream.config import check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -45,6 +45,7 @@ class ReplaySettings:
     def __post_init__(self) -> None:
         # checked here, before anything connects or creates a topic: rate and speed finite and > 0
         check_durations("replay", self, zero_ok=("click_delay_median_s",), extra=("rate", "speed"))
+        check_ports("replay", self)
         if self.rate is not None and self.speed is not None:
             raise ConfigError(f"[replay] give either rate (events/s) or speed (x event time), not both: got rate="
                               f"{self.rate!r}, speed={self.speed!r}")

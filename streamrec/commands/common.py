@@ -18,6 +18,30 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_SECONDS = 86_400.0  # the longest interval or timeout a duration flag may name (a day)
 
 
+def tcp_port(text: str) -> int:
+    """argparse ``type`` of a port flag: an integer 0-65535 (exit 2, one line, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return value
+
+
+def start_metrics(port: int, host: str, setting: str) -> None:
+    """Serve Prometheus /metrics on ``host:port``; a failed bind (in use, a host that does not resolve, a port out
+    of range) is one error line naming ``setting`` and the address (stream.errors.bind_error), not a traceback."""
+    from prometheus_client import start_http_server
+
+    from stream.errors import bind_error
+
+    try:
+        start_http_server(port, addr=host)
+    except (OSError, OverflowError) as exc:
+        raise bind_error(exc, setting, host, port) from None
+
+
 def seconds(text: str) -> float:
     """argparse ``type`` of a duration flag: a finite number of seconds > 0 and at most a day (NaN, inf, 0 and
     negatives would pin a core or overflow a wait); anything else is a usage error (exit 2, one line)."""

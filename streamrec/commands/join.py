@@ -70,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
                    metrics_host=args.metrics_host, emission=args.emission, elapsed_s=args.elapsed_s)
     setup_logging(args.log_level)
     if js.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(js.metrics_port, addr=js.metrics_host)
+        start_metrics(js.metrics_port, js.metrics_host,
+                      "[joiner] metrics_port / metrics_host (--metrics-port / --metrics-host)")
     pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
     if js.driver is Driver.KAFKA:
         from stream.joiner.kafka_driver import KafkaJoinWorker

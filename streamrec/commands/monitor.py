@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-from streamrec.commands.common import add_common, add_kafka_flag, seconds, setup_logging
+from streamrec.commands.common import add_common, add_kafka_flag, seconds, setup_logging, tcp_port
 
 RULES_HELP = """\
 rules file (TOML):
@@ -76,7 +76,7 @@ def add_parser(sub: Any) -> None:
                    "(default: interval_s of the rules file)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=URL",
                    help="scrape URL as source NAME, replacing the file's source of that name (repeatable)")
-    p.add_argument("--metrics-port", type=int, help="serve the monitor's own Prometheus /metrics on this port "
+    p.add_argument("--metrics-port", type=tcp_port, help="serve the monitor's own Prometheus /metrics on this port "
                    "(streamrec_monitor_alerts_total, _rule_evaluations_total, _scrape_errors_total, "
                    "and per sink _sink_delivered_total, _sink_failures_total, _sink_retries_total, "
                    "_sink_dropped_total{reason}, _sink_queue_depth)")
@@ -147,11 +147,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from monitor.alerts import build_sinks
 
     kafka = kafka_settings(args, sources(args)) if config.sinks.kafka_topic else None
-    sink = build_sinks(config.sinks, kafka)
-    if args.metrics_port is not None:
-        from prometheus_client import start_http_server
+    if args.metrics_port is not None:  # before the sinks start their threads: a failed bind leaves none running
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+        start_metrics(args.metrics_port, args.metrics_host, "--metrics-port / --metrics-host")
+    sink = build_sinks(config.sinks, kafka)
     monitor = Monitor(config, sink)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}

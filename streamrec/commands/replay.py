@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
                    click_delay_median_s=args.click_delay_median_s, click_delay_sigma=args.click_delay_sigma,
                    progress=False if args.no_progress else None, metrics_port=args.metrics_port)
     if rs.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(rs.metrics_port, addr=rs.metrics_host)
+        start_metrics(rs.metrics_port, rs.metrics_host, "[replay] metrics_port / metrics_host (--metrics-port)")
     table = load_source(rs, args, src)
     update, close = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
     try:

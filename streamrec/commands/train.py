@@ -103,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
     # torchrun's environment, read here at the edge: WORLD_SIZE > 1 is the distributed mode
     ctx = RankContext.from_env(os.environ, ls.device.resolve(torch.cuda.is_available()))
     if ls.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(ls.metrics_port + ctx.local_rank, addr=ls.metrics_host)  # one port per rank of a host
+        start_metrics(ls.metrics_port + ctx.local_rank, ls.metrics_host,  # one port per rank of a host
+                      "[learner] metrics_port / metrics_host (--metrics-port / --metrics-host)")
 
     # Keep freed memory instead of returning it to the OS between steps (page faults cost 20-45% of a
     # bf16 step here, environment.md); only takes effect for this process's children, so set it early.
