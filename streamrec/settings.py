@@ -100,7 +100,7 @@ def build(
             raise SettingsError(
                 f"config file: unknown key {key!r} in [{section}]; known keys: {', '.join(sorted(names))}"
             )
-        values[key] = _coerce(hints[key], raw, f"config file [{section}].{key}")
+        values[key] = _coerce_field(key, hints[key], raw, f"config file [{section}].{key}")
 
     prefix = f"{ENV_PREFIX}{section.upper()}_"
     for env_key, raw in (environ if environ is not None else os.environ).items():
@@ -112,14 +112,14 @@ def build(
                 f"environment: {env_key} does not name a [{section}] setting; "
                 f"known: {', '.join(prefix + n.upper() for n in sorted(names))}"
             )
-        values[key] = _coerce(hints[key], raw, f"environment {env_key}")
+        values[key] = _coerce_field(key, hints[key], raw, f"environment {env_key}")
 
     for key, raw in (overrides or {}).items():
         if raw is None:
             continue
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
-        values[key] = _coerce(hints[key], raw, f"--{key.replace('_', '-')}")
+        values[key] = _coerce_field(key, hints[key], raw, f"--{key.replace('_', '-')}")
     _resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
     try:
         return cls(**values)
@@ -152,12 +152,25 @@ def _resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dic
             values[name] = Secret(environ[var])
 
 
+def _coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:
+    """:func:`_coerce` plus the checks that need the setting's name: an empty host (``host``, ``*_host``) is an
+    error, not "every interface" (bind("") listens on 0.0.0.0) or a lookup failure at bind time."""
+    value = _coerce(tp, raw, where)
+    if (key == "host" or key.endswith("_host")) and isinstance(value, str) and not value.strip():
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: an empty host is not an address; give one "
+                            f"(127.0.0.1: this machine only; 0.0.0.0: every interface) or leave it out for the default")
+    return value
+
+
 def _coerce(tp: Any, raw: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, getattr(types, "UnionType", None)):
         inner = [a for a in args if a is not type(None)]
-        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+        # "" is unset for an optional setting, except a path: an empty key file or CA (an unsubstituted template
+        # variable) must not turn signature checks or TLS verification off. Leave it out (or "none") for none.
+        empty_path = inner[0] is Path and isinstance(raw, str) and not raw.strip()
+        if not empty_path and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
             if type(None) in args:
                 return None
         return _coerce(inner[0], raw, where)
@@ -206,6 +219,8 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
         if tp is str:
             return ("true" if raw else "false") if isinstance(raw, bool) else str(raw)  # TOML true: librdkafka's "true"
         if tp is Path:
+            if not str(raw).strip():  # Path("") is ".": checkpoints or artifacts would land in the working directory
+                raise ValueError("an empty path is not a path: give one, or leave the setting out for its default")
             return Path(str(raw))
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             try:
