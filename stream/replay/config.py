@@ -46,6 +46,8 @@ class ReplaySettings:
         # checked here, before anything connects or creates a topic: rate and speed finite and > 0
         check_durations("replay", self, zero_ok=("click_delay_median_s",), extra=("rate", "speed"))
         check_ports("replay", self)
+        if self.limit is not None and self.limit < 0:  # order[:-5] would replay all but the last 5
+            raise ConfigError(f"[replay] limit must be >= 0 (leave it out for everything), got {self.limit!r}")
         if not str(self.dataset).strip():
             raise ConfigError("[replay] dataset is empty: give ml-1m, ml-100k, synthetic or a file's path")
         if self.rate is not None and self.speed is not None:

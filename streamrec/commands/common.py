@@ -18,6 +18,18 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_SECONDS = 86_400.0  # the longest interval or timeout a duration flag may name (a day)
 
 
+def count(text: str) -> int:
+    """argparse ``type`` of a count flag such as ``--limit``: an integer >= 0 (a negative one would slice off the
+    end: ``rows[:-5]`` is all but the last 5)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def tcp_port(text: str) -> int:
     """argparse ``type`` of a port flag: an integer 0-65535 (exit 2, one line, otherwise)."""
     try:

@@ -12,6 +12,7 @@ from streamrec.commands.common import (
     EXIT_OK,
     add_common,
     add_kafka_flag,
+    count,
     emit,
     kafka_settings,
     kv_lines,
@@ -30,7 +31,7 @@ def add_parser(sub: Any) -> None:
                        "use go to <topic>.dlq with the reason.")
     p.add_argument("--dataset", help="ml-1m | ml-100k | synthetic | PATH to .parquet/.csv "
                    f"(default {ReplaySettings.dataset})")
-    p.add_argument("--limit", type=int, help="replay only the first N impressions (MovieLens: earliest in event "
+    p.add_argument("--limit", type=count, help="replay only the first N impressions (MovieLens: earliest in event "
                    "time; event logs: first N rows of the file, rejected rows included)")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--rate", type=float, help="at most this many events per wall-clock second")
