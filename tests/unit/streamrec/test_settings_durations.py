@@ -68,3 +68,12 @@ def test_monitor_interval_and_audit_idle_timeout_refuse_non_finite_and_non_posit
         assert exc.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert "seconds" in err[-1] and "Traceback" not in "".join(err)
+
+
+@pytest.mark.parametrize("env", [{"STREAMREC_LIMITS_MAX_MESSAGE_BYTES": "0"}, {"STREAMREC_LIMITS_FUTURE_TS_S": "-1"}])
+def test_a_bad_limit_is_a_config_error_exit_2_not_a_value_error_traceback(env: dict[str, str]) -> None:
+    from stream.limits import EventLimits
+    from streamrec.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=r"\[limits\]"):  # build() turns only a ConfigError into one line
+        build(EventLimits, "limits", environ=env)
