@@ -16,6 +16,7 @@ import this module.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import os
@@ -46,6 +47,10 @@ __all__ = ["ClickDelay", "DelayKind", "JoinerSettings", "KafkaSettings", "Learne
            "read_config_file"]
 
 ENV_PREFIX = "STREAMREC_"
+# Every table a --config file may hold: the sections some command builds settings from (Sources.build). A table
+# not listed here is a typo ([kafak]) that would otherwise be ignored silently.
+SECTIONS = ("kafka", "redis", "stack", "replay", "synthetic", "joiner", "learner", "serve", "refresh", "limits",
+            "evaluate")
 
 
 class SettingsError(ConfigError):
@@ -71,6 +76,12 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise SettingsError(f"config file {p} is not valid TOML: {exc}") from None
     except RecursionError:
         raise SettingsError(f"config file {p} is not valid TOML: arrays or tables nested too deeply") from None
+    unknown = [key for key in data if key not in SECTIONS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], SECTIONS, n=1)
+        hint = f"; did you mean [{close[0]}]?" if close else ""
+        raise SettingsError(f"config file {p}: unknown section [{unknown[0]}]{hint} (known sections: "
+                            f"{', '.join(f'[{s}]' for s in SECTIONS)})")
     return data
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from stream.config import KafkaSettings
 from stream.secrets import install_log_redaction, redact_obj
-from streamrec.settings import Sources, read_config_file
+from streamrec.settings import SECTIONS, Sources, read_config_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_SECONDS = 86_400.0  # the longest interval or timeout a duration flag may name (a day)
@@ -103,8 +103,9 @@ def kafka_settings(args: argparse.Namespace, src: Sources) -> KafkaSettings:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML settings file ([kafka], [redis], [stack], [replay], "
-                   "[synthetic] tables); STREAMREC_<SECTION>_<KEY> environment variables override it")
+    p.add_argument("--config", metavar="FILE", help="TOML settings file (tables: "
+                   f"{', '.join(f'[{s}]' for s in SECTIONS)}); STREAMREC_<SECTION>_<KEY> environment variables "
+                   "override it")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
