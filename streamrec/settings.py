@@ -91,10 +91,13 @@ def build(
     file_data: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    flag_names: Mapping[str, str] | None = None,
 ) -> T:
     """Build settings ``cls`` for ``section`` from defaults < file < environment < overrides.
 
-    ``overrides`` entries whose value is ``None`` are ignored (an unset CLI flag).
+    ``overrides`` entries whose value is ``None`` are ignored (an unset CLI flag). An error in one names its
+    flag: ``flag_names[key]`` where the flag is not ``--<key with dashes>`` (``--window-s`` for
+    ``attribution_window_s``).
     Unknown keys in the file's section or in ``STREAMREC_<SECTION>_*`` are errors, so a typo
     never silently falls back to a default.
     """
@@ -130,7 +133,8 @@ def build(
             continue
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
-        values[key] = _coerce_field(key, hints[key], raw, f"--{key.replace('_', '-')}")
+        flag = (flag_names or {}).get(key) or f"--{key.replace('_', '-')}"
+        values[key] = _coerce_field(key, hints[key], raw, flag)
     _resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
     try:
         return cls(**values)
@@ -251,5 +255,7 @@ class Sources:
     file_data: dict[str, Any] = field(default_factory=dict)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
-    def build(self, cls: type[T], section: str, **overrides: Any) -> T:
-        return build(cls, section, self.file_data, self.environ, overrides)
+    def build(self, cls: type[T], section: str, *, flag_names: Mapping[str, str] | None = None,
+              **overrides: Any) -> T:
+        """``flag_names``: the flag of an override whose flag is not ``--<key with dashes>``, for error lines."""
+        return build(cls, section, self.file_data, self.environ, overrides, flag_names)

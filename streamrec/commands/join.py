@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
                    allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
                    drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver,
-                   metrics_host=args.metrics_host, emission=args.emission, elapsed_s=args.elapsed_s)
+                   metrics_host=args.metrics_host, emission=args.emission, elapsed_s=args.elapsed_s,
+                   flag_names={"attribution_window_s": "--window-s", "allowed_lateness_s": "--lateness-s",
+                               "exit_when_idle_s": "--exit-when-idle", "drain_at_exit": "--drain"})
     setup_logging(args.log_level)
     if js.metrics_port is not None:
         from streamrec.commands.common import start_metrics

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     rs = src.build(ReplaySettings, "replay", dataset=args.dataset, limit=args.limit, rate=args.rate,
                    speed=args.speed, seed=args.seed, click_delay_kind=args.click_delay,
                    click_delay_median_s=args.click_delay_median_s, click_delay_sigma=args.click_delay_sigma,
-                   progress=False if args.no_progress else None, metrics_port=args.metrics_port)
+                   progress=False if args.no_progress else None, metrics_port=args.metrics_port,
+                   flag_names={"click_delay_kind": "--click-delay", "progress": "--no-progress"})
     if rs.metrics_port is not None:
         from streamrec.commands.common import start_metrics
 
@@ -118,7 +119,8 @@ def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
         from stream.replay.synthetic import build_synthetic
 
         overrides = {k[len(SYN_FLAG_PREFIX):]: v for k, v in vars(args).items() if k.startswith(SYN_FLAG_PREFIX)}
-        syn = src.build(SyntheticSettings, "synthetic", **overrides)
+        syn = src.build(SyntheticSettings, "synthetic", **overrides, flag_names={
+            k: f"--{(SYN_FLAG_PREFIX + k).replace('_', '-')}" for k in overrides})
         return build_synthetic(syn, rs.click_delay, rs.seed, rs.limit)
     path = Path(rs.dataset)
     if not path.exists():

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     ls = src.build(LearnerSettings, "learner", checkpoint_dir=args.checkpoint_dir, max_samples=args.max_samples,
                    exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
                    device=args.device, amp=args.amp,
-                   num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                   num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                   flag_names={"exit_when_idle_s": "--exit-when-idle"})
     rs = src.build(RedisSettings, "redis")  # where deltas are announced: url, credentials, TLS, the channel's prefix
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
         ls = dataclasses.replace(ls, deltas_channel=rs.deltas_channel)
