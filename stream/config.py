@@ -241,7 +241,11 @@ class RedisSettings:
             parts = urlsplit(self.url)
             _ = parts.port  # raises ValueError on a port that is not a number
         except ValueError as exc:
-            raise ConfigError(f"[redis] url: cannot parse {redact(self.url)!r}: {redact(str(exc))}") from None
+            # urlsplit's message quotes what it took for the port, which is part of the password when the password
+            # holds an unencoded '/' ('redis://:sec/ret@h' -> "... as 'sec'"): no detail when there is user-info
+            detail = (redact(str(exc)) if "@" not in self.url else "the user-info or the port is malformed (encode "
+                      "'/', '@', ':', '#' and '%' in a password as %2F, %40, %3A, %23, %25, or use password_file)")
+            raise ConfigError(f"[redis] url: cannot parse {redact(self.url)!r}: {detail}") from None
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"[redis] url: got {redact(self.url)!r}, expected redis://host:port/db, "
                               "rediss://host:port/db (TLS) or unix:///path/to/socket")

@@ -118,3 +118,14 @@ def test_the_names_of_secret_files_and_variables_are_not_masked() -> None:
     text = "[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password=abc123"
     want = f"[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password={MASK}"
     assert redact(text) == want
+
+
+def test_an_unparseable_redis_url_quotes_no_part_of_its_password() -> None:
+    from stream.config import RedisSettings
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        RedisSettings(url="redis://:sec/ret9PW@127.0.0.1:1/0")
+    assert "sec" not in str(exc.value) and "ret9PW" not in str(exc.value) and "redis://***@" in str(exc.value)
+    with pytest.raises(ConfigError, match="Port could not be cast"):  # no user-info: the library's detail stays
+        RedisSettings(url="redis://127.0.0.1:abc/0")
