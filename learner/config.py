@@ -3,13 +3,12 @@ the choices among them (devices, sparse optimizers, id initialisation), each par
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream.config import Choice
+from stream.config import Choice, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -264,9 +263,10 @@ class LearnerSettings:
         if self.num_workers < 0 or self.prefetch_factor < 1:
             raise ConfigError(f"[learner] num_workers must be >= 0 and prefetch_factor >= 1, got num_workers="
                               f"{self.num_workers!r}, prefetch_factor={self.prefetch_factor!r}")
-        if not (math.isfinite(self.future_ts_s) and self.future_ts_s >= 0):
-            raise ConfigError(f"[learner] future_ts_s must be a finite number of seconds >= 0, got "
-                              f"{self.future_ts_s!r}")
+        # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
+        # deltas_id_maps_every_s, none for future_ts_s
+        check_durations("learner", self, zero_ok=("deltas_every_s", "deltas_id_maps_every_s", "future_ts_s"))
+        check_ports("learner", self)
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "
                               f"{self.prior_click_rate!r}: set it to your stream's click rate, roughly (0.05 "

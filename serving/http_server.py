@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from serving.app import Response, ScoringApp
+from stream.errors import bind_error
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -660,7 +661,10 @@ class ThreadedServer:
     def __init__(self, app: ScoringApp, host: str, port: int) -> None:
         handler = type("Handler", (_Handler,), {"app": app})
         self.app = app
-        self.httpd = _TCPServer((host, port), handler, app)
+        try:
+            self.httpd = _TCPServer((host, port), handler, app)
+        except (OSError, OverflowError) as exc:
+            raise bind_error(exc, "[serve] host / port (--host / --port)", host, port) from None
         self.port = int(self.httpd.server_address[1])
         self._thread: threading.Thread | None = None
         self._stop_lock = threading.Lock()
@@ -827,7 +831,12 @@ class AiohttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if app.s.reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except (OSError, OverflowError) as exc:
+            sock.close()
+            self._loop.close()
+            raise bind_error(exc, "[serve] host / port (--host / --port)", host, port) from None
         self.port = int(sock.getsockname()[1])
         self._sock = sock
 

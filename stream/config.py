@@ -7,7 +7,9 @@ fills them from a file, the environment and flags at the process edge, and nothi
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -16,6 +18,41 @@ from stream.errors import ConfigError
 from stream.secrets import Secret, redact
 
 C = TypeVar("C", bound="Choice")
+
+
+def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (), max_s: float | None = None,
+                    extra: Iterable[str] = ()) -> None:
+    """The one check of a settings dataclass's durations: every field named ``*_s`` (and those in ``extra``:
+    rates, factors) must be a finite number > 0, or >= 0 for the names in ``zero_ok`` (where 0 means off), and
+    at most ``max_s`` when given. ``None`` passes (an optional setting left unset). A ``ConfigError`` otherwise:
+    0 or a negative period pins a core in a busy loop, NaN compares False with everything and inf overflows a
+    wait."""
+    names = [f.name for f in fields(settings) if f.name.endswith("_s")] + list(extra)
+    for name in names:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        low = 0.0 if name in zero_ok else None
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and (value >= 0 if low is not None else value > 0) and (max_s is None or value <= max_s))
+        if not ok:
+            bound = ">= 0" if low is not None else "> 0"
+            unit = "of seconds " if name.endswith("_s") else ""
+            cap = f" and <= {max_s:g}" if max_s is not None else ""
+            raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")
+
+
+def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
+    """Every port setting of a settings dataclass (an int field named ``port`` or ``*_port``) is ``None`` (unset) or an
+    integer in ``lowest``..65535 (0: the system picks a free port; ``lowest=1`` where a fixed port is needed). A
+    :class:`ConfigError` otherwise: out of range, bind() raises OverflowError (or a confusing gaierror for -1)."""
+    for name in (f.name for f in fields(settings)
+                 if (f.name == "port" or f.name.endswith("_port")) and "int" in str(f.type)):  # not reuse_port
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 65535:
+            raise ConfigError(f"[{section}] {name} must be a port number {lowest}-65535, got {value!r}")
 
 
 class Choice(str, enum.Enum):
@@ -204,7 +241,11 @@ class RedisSettings:
             parts = urlsplit(self.url)
             _ = parts.port  # raises ValueError on a port that is not a number
         except ValueError as exc:
-            raise ConfigError(f"[redis] url: cannot parse {redact(self.url)!r}: {redact(str(exc))}") from None
+            # urlsplit's message quotes what it took for the port, which is part of the password when the password
+            # holds an unencoded '/' ('redis://:sec/ret@h' -> "... as 'sec'"): no detail when there is user-info
+            detail = (redact(str(exc)) if "@" not in self.url else "the user-info or the port is malformed (encode "
+                      "'/', '@', ':', '#' and '%' in a password as %2F, %40, %3A, %23, %25, or use password_file)")
+            raise ConfigError(f"[redis] url: cannot parse {redact(self.url)!r}: {detail}") from None
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"[redis] url: got {redact(self.url)!r}, expected redis://host:port/db, "
                               "rediss://host:port/db (TLS) or unix:///path/to/socket")

@@ -8,6 +8,7 @@
     │   ├── stream.replay.eventlog.EventLogError   an event log mapped wrongly
     │   ├── learner.config.CheckpointMismatch      settings that would change a checkpoint's model shape
     │   └── monitor.rules.RulesError               an alert rules file
+    ├── BindError                    a listener (serve, a /metrics port) could not bind its port: one line, exit 1
     ├── StreamError                  stream/: a real failure, the process should stop or retry
     │   ├── DatasetMissing           a packaged data set is not installed (the message says how)
     │   ├── DeliveryFailed           the broker did not acknowledge produced messages
@@ -70,6 +71,32 @@ class StreamrecError(Exception):
 
 class ConfigError(StreamrecError, ValueError):
     """A configuration mistake (a setting, a file mapping, a rules file): nothing ran yet; exit status 2."""
+
+
+class BindError(StreamrecError):
+    """A listening socket could not be bound (the port is in use, or not ours to take); exit status 1."""
+
+
+def bind_error(exc: Exception, setting: str, host: str, port: int) -> StreamrecError:
+    """One line for a failed bind of ``host:port`` (named by ``setting``, e.g. ``[serve] host / port``): a host that
+    does not resolve or is not an address of this machine, or a port out of range, is a :class:`ConfigError` (exit
+    2); a port in use or not permitted a :class:`BindError` (exit 1)."""
+    import errno
+    import socket
+
+    where = f"{setting}: cannot listen on {host}:{port}"
+    if isinstance(exc, OverflowError):
+        return ConfigError(f"{where}: a port is 0-65535")
+    if isinstance(exc, socket.gaierror):
+        return ConfigError(f"{where}: the host does not resolve ({exc.strerror or exc})")
+    err = getattr(exc, "errno", None)
+    if err == errno.EADDRNOTAVAIL:
+        return ConfigError(f"{where}: {host!r} is not an address of this machine")
+    if err == errno.EADDRINUSE:
+        return BindError(f"{where}: the port is in use (another process listens there); pick another port")
+    if err == errno.EACCES:
+        return BindError(f"{where}: permission denied (ports below 1024 need privileges)")
+    return BindError(f"{where}: {getattr(exc, 'strerror', None) or exc}")
 
 
 class StreamError(StreamrecError):

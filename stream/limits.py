@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stream.errors import ConfigError
+
 FLOAT32_MAX = 3.4028234663852886e38
 # Numbers at or beyond this round to inf as float32 (below it they round to at most FLOAT32_MAX).
 FLOAT32_OVERFLOW = float(2**128 - 2**103)
@@ -48,10 +50,10 @@ class EventLimits:
                      "max_list_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"[limits] {name}: got {value!r}, expected an integer >= 1")
+                raise ConfigError(f"[limits] {name}: got {value!r}, expected an integer >= 1")
         ahead = self.future_ts_s  # finite: an infinite bound overflows future_ts_ms on every event with a broker time
         if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not (math.isfinite(ahead) and ahead >= 0):
-            raise ValueError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0")
+            raise ConfigError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0")
 
     @property
     def future_ts_ms(self) -> int:

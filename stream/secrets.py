@@ -4,7 +4,7 @@ A credential setting (a SASL password, a Redis password, an HMAC signing key) is
 ``str``/``repr`` is ``***``, it compares by value, and the code that connects calls :meth:`Secret.reveal`.
 Every Secret ever built registers its value, so :func:`redact` can scrub it from any text, even text a
 library produced (an exception message quoting a URL, a log line). :func:`redact` also scrubs the
-password of every URL (``redis://user:PASSWORD@host`` -> ``redis://user:***@host``) and ``password=``,
+user-info of every URL (``redis://user:PASSWORD@host`` -> ``redis://***@host``, up to the last ``@``) and ``password=``,
 ``token=``, ``secret=`` style query or key-value pairs; :func:`redact_obj` does it through nested
 summaries (``--json`` output, alerts) and masks values under keys that name a credential. The CLI
 installs :class:`RedactingFilter` on every log handler, so log lines are scrubbed at the source.
@@ -29,7 +29,11 @@ _known: set[str] = set()
 _known_lock = threading.Lock()
 _pattern: re.Pattern[str] | None = None
 
-_URL_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
+# The whole userinfo of a URL: everything from ``scheme://`` to the LAST ``@`` of the same token (greedy), as
+# ``urlsplit`` takes ``netloc.rpartition('@')``. It may hold ``@``, ``/``, ``:``, ``%`` (an unencoded password
+# makes the URL unparseable, and the error quoting it must still not leak it). Whitespace, quotes and angle
+# brackets end a token. A URL with no ``@`` is left as it is.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+._-]*://)(?P<userinfo>[^\s'\"<>`]*)@")
 _KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|secret|token|api[_-]?key|signing[_-]?key|"
                         r"sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
 _SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token|api[_-]?key|signing[_-]?key|credential")
@@ -85,7 +89,7 @@ def redact(text: str) -> str:
     pattern = _pattern
     if pattern is not None:
         text = pattern.sub(MASK, text)
-    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
     return _KV_SECRET.sub(lambda m: f"{m['key']}{m['kq']}{m['sep']}{m['q']}{MASK}", text)
 
 

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stream.config import check_durations, check_ports
 from stream.errors import StreamrecError
 
 
@@ -37,6 +38,10 @@ class StackSettings:
     kafka_port: int = 19092
     redis_port: int = 16379
     start_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        check_durations("stack", self)
+        check_ports("stack", self, lowest=1)  # the stack's services listen on fixed ports that clients are told
 
 
 class StackError(StreamrecError, RuntimeError):

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from learner.evaluation.config import MULTI_VALUED
 from learner.row_mapper import earlier_rows
+from stream.errors import ConfigError
 from stream.features import MISSING, hash_context, hash_value
 from stream.replay.movielens import CLICK_MIN_RATING, read_movielens
 
@@ -83,6 +84,8 @@ class Ratings:
         ts_ms = np.asarray(ts_ms, np.int64)
         order = np.argsort(ts_ms, kind="stable")
         if limit is not None:
+            if limit < 0:  # order[:-5] is "all but the last 5"
+                raise ConfigError(f"--limit must be >= 0, got {limit}")
             order = order[:limit]
         user_keys, user = _encode(users_raw, order)
         item_keys, item = _encode(items_raw, order)

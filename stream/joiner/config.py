@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stream.config import Choice
+from stream.config import Choice, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -80,9 +80,10 @@ class JoinerSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "driver", Driver.of(self.driver, "[joiner] driver"))
         object.__setattr__(self, "emission", EmissionPolicy.of(self.emission, "[joiner] emission"))
-        if self.gc_every_s < 0:
-            raise ConfigError(f"[joiner] gc_every_s must be >= 0 seconds (0: Python's automatic collector), got "
-                              f"{self.gc_every_s!r}")
+        # every window, period and timeout finite and > 0; 0 is allowed where it means none or off (gc_every_s 0:
+        # Python's automatic collector)
+        check_durations("joiner", self, zero_ok=("gc_every_s", "elapsed_s", "allowed_lateness_s", "late_retention_s"))
+        check_ports("joiner", self)
         if self.emission is EmissionPolicy.ES_DFM and not 0 <= self.elapsed_s <= self.attribution_window_s:
             raise ConfigError(f"[joiner] elapsed_s must be between 0 and attribution_window_s "
                               f"({self.attribution_window_s:g}), got {self.elapsed_s!r}")

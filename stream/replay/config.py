@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from stream.config import check_durations, check_ports
+from stream.errors import ConfigError
+
 
 class DelayKind(str, enum.Enum):
     FIXED = "fixed"
@@ -39,6 +42,18 @@ class ReplaySettings:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # loopback; 0.0.0.0 exposes it to the network
 
+    def __post_init__(self) -> None:
+        # checked here, before anything connects or creates a topic: rate and speed finite and > 0
+        check_durations("replay", self, zero_ok=("click_delay_median_s",), extra=("rate", "speed"))
+        check_ports("replay", self)
+        if self.limit is not None and self.limit < 0:  # order[:-5] would replay all but the last 5
+            raise ConfigError(f"[replay] limit must be >= 0 (leave it out for everything), got {self.limit!r}")
+        if not str(self.dataset).strip():
+            raise ConfigError("[replay] dataset is empty: give ml-1m, ml-100k, synthetic or a file's path")
+        if self.rate is not None and self.speed is not None:
+            raise ConfigError(f"[replay] give either rate (events/s) or speed (x event time), not both: got rate="
+                              f"{self.rate!r}, speed={self.speed!r}")
+
     @property
     def click_delay(self) -> ClickDelay:
         return ClickDelay(self.click_delay_kind, self.click_delay_median_s, self.click_delay_sigma)
@@ -67,3 +82,6 @@ class SyntheticSettings:
     duplicate_click_share: float = 0.03
     orphan_click_share: float = 0.01  # clicks for impression ids that were never shown
     malformed_share: float = 0.0  # share of all messages that are extra malformed ones (valid counts stay exact)
+
+    def __post_init__(self) -> None:
+        check_durations("synthetic", self, zero_ok=("new_user_session_s",))

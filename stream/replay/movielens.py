@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from stream.errors import DatasetMissing
+from stream.errors import ConfigError, DatasetMissing
 from stream.features import REQUEST_TIME, request_time
 from stream.replay.config import ClickDelay
 from stream.replay.table import ContextPart, EventTable, draw_click_delays_ms
@@ -194,6 +194,8 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
 
     order = np.argsort(ts_ms, kind="stable")  # event-time order; ties keep file order
     if limit is not None:
+        if limit < 0:  # order[:-5] is "all but the last 5"
+            raise ConfigError(f"--limit must be >= 0, got {limit}")
         order = order[:limit]
     users_raw, items_raw, rating, ts_ms = users_raw[order], items_raw[order], rating[order], ts_ms[order]
     n = len(order)

@@ -13,6 +13,7 @@ from streamrec.commands.common import (
     emit,
     kafka_settings,
     kv_lines,
+    seconds,
     sources,
 )
 
@@ -25,7 +26,8 @@ def add_parser(sub: Any) -> None:
                        "continues where it stopped.")
     p.add_argument("--group", default="streamrec-audit", help="consumer group (offsets committed after the DLQ "
                    "is acknowledged)")
-    p.add_argument("--idle-timeout", type=float, default=30.0, help="fail if nothing arrives for this long")
+    p.add_argument("--idle-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="fail if nothing arrives for this long (default: 30)")
     add_kafka_flag(p)
     add_common(p)
     p.set_defaults(func=run)

@@ -5,15 +5,66 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from stream.config import KafkaSettings
 from stream.secrets import install_log_redaction, redact_obj
-from streamrec.settings import Sources, read_config_file
+from streamrec.settings import SECTIONS, Sources, read_config_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MAX_SECONDS = 86_400.0  # the longest interval or timeout a duration flag may name (a day)
+
+
+def count(text: str) -> int:
+    """argparse ``type`` of a count flag such as ``--limit``: an integer >= 0 (a negative one would slice off the
+    end: ``rows[:-5]`` is all but the last 5)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    """argparse ``type`` of a port flag: an integer 0-65535 (exit 2, one line, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return value
+
+
+def start_metrics(port: int, host: str, setting: str) -> None:
+    """Serve Prometheus /metrics on ``host:port``; a failed bind (in use, a host that does not resolve, a port out
+    of range) is one error line naming ``setting`` and the address (stream.errors.bind_error), not a traceback."""
+    from prometheus_client import start_http_server
+
+    from stream.errors import bind_error
+
+    try:
+        start_http_server(port, addr=host)
+    except (OSError, OverflowError) as exc:
+        raise bind_error(exc, setting, host, port) from None
+
+
+def seconds(text: str) -> float:
+    """argparse ``type`` of a duration flag: a finite number of seconds > 0 and at most a day (NaN, inf, 0 and
+    negatives would pin a core or overflow a wait); anything else is a usage error (exit 2, one line)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                                         f"got {text!r}")
+    return value
 
 
 def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
@@ -52,8 +103,9 @@ def kafka_settings(args: argparse.Namespace, src: Sources) -> KafkaSettings:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML settings file ([kafka], [redis], [stack], [replay], "
-                   "[synthetic] tables); STREAMREC_<SECTION>_<KEY> environment variables override it")
+    p.add_argument("--config", metavar="FILE", help="TOML settings file (tables: "
+                   f"{', '.join(f'[{s}]' for s in SECTIONS)}); STREAMREC_<SECTION>_<KEY> environment variables "
+                   "override it")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 

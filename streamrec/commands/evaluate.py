@@ -8,6 +8,7 @@ from typing import Any
 from streamrec.commands.common import (
     EXIT_OK,
     add_common,
+    count,
     emit,
     sources,
 )
@@ -70,7 +71,7 @@ def add_parser(sub: Any) -> None:
                    help="seed of the split, the epoch shuffles and the initial weights (default: %(default)s)")
     p.add_argument("--epochs", type=int, help="autoint: at most this many epochs (early stopping on valid AUC may "
                    "stop sooner); online always makes one pass")
-    p.add_argument("--limit", type=int, help="use only the earliest N ratings in event time (quick looks; not "
+    p.add_argument("--limit", type=count, help="use only the earliest N ratings in event time (quick looks; not "
                    "comparable with full runs)")
     g = p.add_argument_group("--protocol delayed: the joiner and the replay it simulates")
     g.add_argument("--emission", choices=["wait", "window", "fake_negative", "es_dfm"],

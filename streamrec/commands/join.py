@@ -67,12 +67,15 @@ def run(args: argparse.Namespace) -> int:
     js = src.build(JoinerSettings, "joiner", app_id=args.app_id, attribution_window_s=args.window_s,
                    allowed_lateness_s=args.lateness_s, exit_when_idle_s=args.exit_when_idle,
                    drain_at_exit=True if args.drain else None, metrics_port=args.metrics_port, driver=args.driver,
-                   metrics_host=args.metrics_host, emission=args.emission, elapsed_s=args.elapsed_s)
+                   metrics_host=args.metrics_host, emission=args.emission, elapsed_s=args.elapsed_s,
+                   flag_names={"attribution_window_s": "--window-s", "allowed_lateness_s": "--lateness-s",
+                               "exit_when_idle_s": "--exit-when-idle", "drain_at_exit": "--drain"})
     setup_logging(args.log_level)
     if js.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(js.metrics_port, addr=js.metrics_host)
+        start_metrics(js.metrics_port, js.metrics_host,
+                      "[joiner] metrics_port / metrics_host (--metrics-port / --metrics-host)")
     pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
     if js.driver is Driver.KAFKA:
         from stream.joiner.kafka_driver import KafkaJoinWorker

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-from streamrec.commands.common import add_common, add_kafka_flag, setup_logging
+from streamrec.commands.common import add_common, add_kafka_flag, seconds, setup_logging, tcp_port
 
 RULES_HELP = """\
 rules file (TOML):
@@ -72,11 +72,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--once", action="store_true", help="evaluate once, print the rule states, send nothing, "
                    "exit (rate/increase/delta need two scrapes, so they show no data here)")
     p.add_argument("--check", action="store_true", help="only validate the rules file and print its rules")
-    p.add_argument("--interval", type=float, metavar="SECONDS", help="seconds between evaluations "
+    p.add_argument("--interval", type=seconds, metavar="SECONDS", help="seconds between evaluations "
                    "(default: interval_s of the rules file)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=URL",
                    help="scrape URL as source NAME, replacing the file's source of that name (repeatable)")
-    p.add_argument("--metrics-port", type=int, help="serve the monitor's own Prometheus /metrics on this port "
+    p.add_argument("--metrics-port", type=tcp_port, help="serve the monitor's own Prometheus /metrics on this port "
                    "(streamrec_monitor_alerts_total, _rule_evaluations_total, _scrape_errors_total, "
                    "and per sink _sink_delivered_total, _sink_failures_total, _sink_retries_total, "
                    "_sink_dropped_total{reason}, _sink_queue_depth)")
@@ -122,11 +122,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
 
     config = _with_sources(load_rules(args.rules), args.source)
-    if args.interval is not None:
-        if args.interval <= 0:
-            from streamrec.settings import SettingsError
-
-            raise SettingsError(f"--interval {args.interval:g}: expected a number of seconds > 0")
+    if args.interval is not None:  # checked by seconds()
         config = dataclasses.replace(config, interval_s=args.interval)
     setup_logging(args.log_level)
     if args.check:
@@ -151,11 +147,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from monitor.alerts import build_sinks
 
     kafka = kafka_settings(args, sources(args)) if config.sinks.kafka_topic else None
-    sink = build_sinks(config.sinks, kafka)
-    if args.metrics_port is not None:
-        from prometheus_client import start_http_server
+    if args.metrics_port is not None:  # before the sinks start their threads: a failed bind leaves none running
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+        start_metrics(args.metrics_port, args.metrics_host, "--metrics-port / --metrics-host")
+    sink = build_sinks(config.sinks, kafka)
     monitor = Monitor(config, sink)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}

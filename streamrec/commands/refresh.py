@@ -109,9 +109,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         job.scheduled_run(rs, kafka, rds)  # respects a rollback pin; failures are logged and alerted
 
     if rs.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(rs.metrics_port, addr=rs.metrics_host)
+        start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, job.read_last_success(Path(rs.publish_root)))
     return EXIT_OK

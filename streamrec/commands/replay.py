@@ -12,6 +12,7 @@ from streamrec.commands.common import (
     EXIT_OK,
     add_common,
     add_kafka_flag,
+    count,
     emit,
     kafka_settings,
     kv_lines,
@@ -30,7 +31,7 @@ def add_parser(sub: Any) -> None:
                        "use go to <topic>.dlq with the reason.")
     p.add_argument("--dataset", help="ml-1m | ml-100k | synthetic | PATH to .parquet/.csv "
                    f"(default {ReplaySettings.dataset})")
-    p.add_argument("--limit", type=int, help="replay only the first N impressions (MovieLens: earliest in event "
+    p.add_argument("--limit", type=count, help="replay only the first N impressions (MovieLens: earliest in event "
                    "time; event logs: first N rows of the file, rejected rows included)")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--rate", type=float, help="at most this many events per wall-clock second")
@@ -78,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
     rs = src.build(ReplaySettings, "replay", dataset=args.dataset, limit=args.limit, rate=args.rate,
                    speed=args.speed, seed=args.seed, click_delay_kind=args.click_delay,
                    click_delay_median_s=args.click_delay_median_s, click_delay_sigma=args.click_delay_sigma,
-                   progress=False if args.no_progress else None, metrics_port=args.metrics_port)
+                   progress=False if args.no_progress else None, metrics_port=args.metrics_port,
+                   flag_names={"click_delay_kind": "--click-delay", "progress": "--no-progress"})
     if rs.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(rs.metrics_port, addr=rs.metrics_host)
+        start_metrics(rs.metrics_port, rs.metrics_host, "[replay] metrics_port / metrics_host (--metrics-port)")
     table = load_source(rs, args, src)
     update, close = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
     try:
@@ -117,7 +119,8 @@ def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
         from stream.replay.synthetic import build_synthetic
 
         overrides = {k[len(SYN_FLAG_PREFIX):]: v for k, v in vars(args).items() if k.startswith(SYN_FLAG_PREFIX)}
-        syn = src.build(SyntheticSettings, "synthetic", **overrides)
+        syn = src.build(SyntheticSettings, "synthetic", **overrides, flag_names={
+            k: f"--{(SYN_FLAG_PREFIX + k).replace('_', '-')}" for k in overrides})
         return build_synthetic(syn, rs.click_delay, rs.seed, rs.limit)
     path = Path(rs.dataset)
     if not path.exists():

@@ -88,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    deltas_dir=args.deltas_dir, device=args.device, threads=args.threads, server=args.server,
                    max_connections=args.max_connections, max_in_flight=args.max_in_flight,
                    request_timeout_s=args.request_timeout_s, keepalive_timeout_s=args.keepalive_timeout_s,
-                   max_active=args.max_active, reuse_port=args.reuse_port)
+                   max_active=args.max_active, reuse_port=args.reuse_port,
+                   flag_names={"request_timeout_s": "--request-timeout", "keepalive_timeout_s": "--keepalive-timeout"})
     rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
     setup_logging(args.log_level)
     torch.set_num_threads(max(1, ss.threads))

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     ls = src.build(LearnerSettings, "learner", checkpoint_dir=args.checkpoint_dir, max_samples=args.max_samples,
                    exit_when_idle_s=args.exit_when_idle, batch_rows=args.batch_rows, step_rows=args.step_rows,
                    device=args.device, amp=args.amp,
-                   num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                   num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                   flag_names={"exit_when_idle_s": "--exit-when-idle"})
     rs = src.build(RedisSettings, "redis")  # where deltas are announced: url, credentials, TLS, the channel's prefix
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
         ls = dataclasses.replace(ls, deltas_channel=rs.deltas_channel)
@@ -103,9 +104,10 @@ def run(args: argparse.Namespace) -> int:
     # torchrun's environment, read here at the edge: WORLD_SIZE > 1 is the distributed mode
     ctx = RankContext.from_env(os.environ, ls.device.resolve(torch.cuda.is_available()))
     if ls.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from streamrec.commands.common import start_metrics
 
-        start_http_server(ls.metrics_port + ctx.local_rank, addr=ls.metrics_host)  # one port per rank of a host
+        start_metrics(ls.metrics_port + ctx.local_rank, ls.metrics_host,  # one port per rank of a host
+                      "[learner] metrics_port / metrics_host (--metrics-port / --metrics-host)")
 
     # Keep freed memory instead of returning it to the OS between steps (page faults cost 20-45% of a
     # bf16 step here, environment.md); only takes effect for this process's children, so set it early.

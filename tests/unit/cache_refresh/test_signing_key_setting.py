@@ -21,9 +21,9 @@ from streamrec.settings import SettingsError, Sources
 @pytest.mark.parametrize("empty", ["", "  "])
 def test_an_empty_signing_key_file_is_refused_from_env_and_file(cls: type, section: str, empty: str) -> None:
     var = f"STREAMREC_{section.upper()}_SIGNING_KEY_FILE"
-    with pytest.raises(SettingsError, match=f"environment {var} is empty"):
+    with pytest.raises(SettingsError, match=f"environment {var}: cannot use .*an empty path"):
         Sources(environ={var: empty}).build(cls, section)
-    with pytest.raises(SettingsError, match=rf"config file \[{section}\].signing_key_file is empty"):
+    with pytest.raises(SettingsError, match=rf"config file \[{section}\].signing_key_file: cannot use .*an empty path"):
         Sources(file_data={section: {"signing_key_file": empty}}, environ={}).build(cls, section)
 
 
@@ -42,5 +42,5 @@ def test_refresh_with_an_empty_key_setting_is_a_usage_error_and_builds_nothing(
     root = tmp_path / "serving"
     assert main(["refresh", "--now", "--publish-root", str(root), "--checkpoint-dir", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
-    assert "STREAMREC_REFRESH_SIGNING_KEY_FILE is empty" in err and "Traceback" not in err
+    assert "STREAMREC_REFRESH_SIGNING_KEY_FILE: cannot use '': an empty path" in err and "Traceback" not in err
     assert not root.exists()

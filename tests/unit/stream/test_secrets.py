@@ -35,6 +35,32 @@ def test_redact_scrubs_url_passwords_and_credential_pairs(text: str, leaked: str
     assert leaked not in out and MASK in out
 
 
+@pytest.mark.parametrize("url, secret", [
+    ("redis://:p@ssW0rdXYZ@127.0.0.1:1/0", "ssW0rdXYZ"),  # '@' in the password: mask to the LAST '@'
+    ("redis://:sec/ret9PW@127.0.0.1:1/0", "ret9PW"),  # '/' in it: urlsplit fails, the error quotes it
+    ("rediss://alice:a:b:cQ9@h:6380/2", "cQ9"),
+    ("redis://:pc%40t%2Fz7@h/0", "pc%40t%2Fz7"),
+    ("kafka://bob:x@y/z:w8K@broker:9092", "w8K"),
+    ("SASL_SSL://svc:s3@cr/et@broker:9093", "cr/et"),
+    ("https://tok:qq@zz11@hooks.example/x", "zz11"),
+    ("http://onlytokenABC@hooks.example/x", "onlytokenABC"),
+])
+def test_redact_masks_the_whole_userinfo_up_to_the_last_at(url: str, secret: str) -> None:
+    host = url.rpartition("@")[2]
+    for text in (f"error: Redis at {url} cannot be reached", f"cannot parse '{url}': bad port", f'{{"url": "{url}"}}'):
+        out = redact(text)
+        assert secret not in out and f"://{MASK}@{host}" in out, out
+
+
+@pytest.mark.parametrize("text", [
+    "Redis at redis://127.0.0.1:1/0 cannot be reached",
+    "kafka at kafka://broker:9092/topic and http://h:8080/metrics?x=1",
+    "see https://example.com/a/b and mail ops@example.com",
+])
+def test_redact_leaves_urls_without_userinfo_unchanged(text: str) -> None:
+    assert redact(text) == text
+
+
 def test_a_registered_secret_is_scrubbed_from_free_text_and_nested_summaries() -> None:
     register("free-floating-key-42")
     assert redact("failed with free-floating-key-42 in the message") == f"failed with {MASK} in the message"
@@ -92,3 +118,14 @@ def test_the_names_of_secret_files_and_variables_are_not_masked() -> None:
     text = "[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password=abc123"
     want = f"[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password={MASK}"
     assert redact(text) == want
+
+
+def test_an_unparseable_redis_url_quotes_no_part_of_its_password() -> None:
+    from stream.config import RedisSettings
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        RedisSettings(url="redis://:sec/ret9PW@127.0.0.1:1/0")
+    assert "sec" not in str(exc.value) and "ret9PW" not in str(exc.value) and "redis://***@" in str(exc.value)
+    with pytest.raises(ConfigError, match="Port could not be cast"):  # no user-info: the library's detail stays
+        RedisSettings(url="redis://127.0.0.1:abc/0")

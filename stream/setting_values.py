@@ -1,0 +1,124 @@
+"""Raw setting values (a TOML value, an environment variable's text, a flag) -> the typed value a settings dataclass's
+field takes: the conversions and their checks, one definition for every source (``streamrec/settings.py`` reads the
+sources and builds the dataclasses; this module only converts). Errors name where the value came from."""
+
+from __future__ import annotations
+
+import enum
+import math
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stream.errors import ConfigError, shown
+from stream.secrets import Secret
+
+
+class SettingsError(ConfigError):
+    """A setting has a value that cannot be used; the message names the source, key and fix."""
+
+
+def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
+                     environ: Mapping[str, str]) -> None:
+    """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``
+    (the name of an environment variable), when the dataclass has those fields and one is set."""
+    for name, tp in hints.items():
+        if tp is not Secret:
+            continue
+        path, var = values.get(f"{name}_file"), values.get(f"{name}_env")
+        if path and var:
+            raise SettingsError(f"[{section}] {name}_file and {name}_env are both set: give the secret one way")
+        if path:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SettingsError(f"[{section}] {name}_file: cannot read {path}: "
+                                    f"{getattr(exc, 'strerror', None) or exc}") from None
+            values[name] = Secret(text.rstrip("\r\n"))
+        elif var:
+            if var not in environ:
+                raise SettingsError(f"[{section}] {name}_env names {var}, which is not set in the environment")
+            values[name] = Secret(environ[var])
+
+
+def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:
+    """:func:`_coerce` plus the checks that need the setting's name: an empty host (``host``, ``*_host``) is an
+    error, not "every interface" (bind("") listens on 0.0.0.0) or a lookup failure at bind time."""
+    value = coerce(tp, raw, where)
+    if (key == "host" or key.endswith("_host")) and isinstance(value, str) and not value.strip():
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: an empty host is not an address; give one "
+                            f"(127.0.0.1: this machine only; 0.0.0.0: every interface) or leave it out for the default")
+    return value
+
+
+def coerce(tp: Any, raw: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
+        inner = [a for a in args if a is not type(None)]
+        # "" is unset for an optional setting, except a path: an empty key file or CA (an unsubstituted template
+        # variable) must not turn signature checks or TLS verification off. Leave it out (or "none") for none.
+        empty_path = inner[0] is Path and isinstance(raw, str) and not raw.strip()
+        if not empty_path and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
+            if type(None) in args:
+                return None
+        return coerce(inner[0], raw, where)
+    if origin in (dict, Mapping) or tp in (dict, Mapping):  # a table: [kafka.extra] in TOML, or "k=v,k2=v2"
+        if isinstance(raw, str):
+            pairs = [x.split("=", 1) for x in raw.split(",") if x.strip()]
+            if any(len(kv) != 2 or not kv[0].strip() for kv in pairs):
+                raise SettingsError(f"{where}: cannot use {shown(raw)}: expected key=value pairs separated by commas")
+            raw = {k.strip(): v.strip() for k, v in pairs}
+        if not isinstance(raw, Mapping):
+            raise SettingsError(f"{where}: cannot use {shown(raw)}: expected a table of key = value")
+        key_t, value_t = args if len(args) == 2 else (str, str)
+        return {coerce(key_t, k, f"{where}.{k}"): coerce(value_t, v, f"{where}.{k}") for k, v in raw.items()}
+    if origin is tuple and args[-1:] == (Ellipsis,):  # tuple[int, ...]: a TOML array, or "a,b,c"
+        if isinstance(raw, str):
+            raw = [x for x in raw.replace(" ", "").split(",") if x]
+        if not isinstance(raw, (list, tuple)):
+            raise SettingsError(f"{where}: cannot use {shown(raw)}: expected a list like 400,400,400")
+        return tuple(coerce(args[0], x, where) for x in raw)
+    if isinstance(raw, Mapping | list):  # a table or an array where one value belongs
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: expected one value, "
+                            f"got {'a table' if isinstance(raw, Mapping) else 'an array'}")
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected one of true/false/1/0/yes/no/on/off")
+        if tp is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError("expected an integer")
+            return int(str(raw).replace("_", "")) if isinstance(raw, str) else int(raw)
+        if tp is float:
+            if isinstance(raw, bool):
+                raise ValueError("expected a number")
+            value = float(raw)
+            if not math.isfinite(value):  # nan compares false with every bound check; inf is no duration
+                raise ValueError("expected a finite number")
+            return value
+        if tp is Secret:
+            return Secret(str(raw))
+        if tp is str:
+            return ("true" if raw else "false") if isinstance(raw, bool) else str(raw)  # TOML true: librdkafka's "true"
+        if tp is Path:
+            if not str(raw).strip():  # Path("") is ".": checkpoints or artifacts would land in the working directory
+                raise ValueError("an empty path is not a path: give one, or leave the setting out for its default")
+            return Path(str(raw))
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            try:
+                return tp(raw)
+            except ValueError:
+                raise ValueError(f"expected one of {', '.join(m.value for m in tp)}") from None
+    # TypeError: a date for a number; OverflowError: an integer too large for a float
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: {exc}") from None
+    raise SettingsError(f"{where}: unsupported setting type {tp!r}")
