@@ -28,6 +28,7 @@ from serving.http_server import Server, make_server
 from serving.metrics import ServingMetrics
 from serving.settings import ServeSettings
 from serving.swap import ModelHolder
+from stream.errors import BindError
 from tests.integration.test_http_server import EMPTY_ITEMS, EMPTY_ITEMS_ERROR, KINDS, read_response, request
 
 Make = Callable[..., tuple[Server, ScoringApp]]
@@ -503,7 +504,7 @@ def test_reuse_port_lets_a_second_server_share_the_port_and_both_answer(kind: st
     first = make_server(kind, app(reuse_port=True), "127.0.0.1", 0)
     first.start()
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(BindError, match="the port is in use"):
             make_server(kind, app(), "127.0.0.1", first.port)
         second = make_server(kind, app(reuse_port=True), "127.0.0.1", first.port)
         second.start()

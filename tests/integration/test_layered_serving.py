@@ -38,6 +38,7 @@ from serving.request import parse_request
 from serving.service import ScoringService
 from serving.settings import EmbeddingStore, RowDtype, ServeSettings
 from stream.config import RedisSettings
+from stream.errors import BindError
 from stream.features import hash_value
 from stream.redis_client import wait_until_up
 from streamrec.stack import LocalStack, free_port, redis_binary
@@ -640,7 +641,7 @@ def test_a_service_that_fails_to_start_leaves_no_thread_running(stack: LocalStac
         settings = ServeSettings(port=taken.getsockname()[1], publish_root=tmp_path / "serving", poll_s=3600,
                                  embedding_store=EmbeddingStore.LAYERED)
         svc = ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix))
-        with pytest.raises(OSError):
+        with pytest.raises(BindError, match="the port is in use"):
             svc.start()
     names = {t.name for t in threading.enumerate() if t.is_alive()}
     assert not names & {"serve-updater", "serve-pubsub", "lookup-counts"}, names
