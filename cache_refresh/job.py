@@ -73,6 +73,7 @@ from cache_refresh.publish import PinHeld, clean_leftovers, publish, refresh_loc
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
+from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from learner.tensorpack import SigningKey, load_signing_key
 from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, Severity
@@ -90,6 +91,7 @@ log = logging.getLogger("streamrec.refresh")
 LAST_RUN = "last_run.json"
 ALERT_RULE = "refresh_failed"
 PIN_RULE = "refresh_pinned"
+DEGRADED_RULE = "refresh_degraded"  # published, with something an operator should look at (_published_warnings)
 
 
 class RefreshError(StreamrecError):
@@ -302,15 +304,20 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         stage = "checkpoint"
         t0 = time.monotonic()
         problems: list[tuple[Path, str]] = []
-        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir), safe=True, problems=problems)
+        # One policy for every bad newest file (torn, foreign, a newer format, diverged, another shape): skipped and
+        # reported, the newest one that loads and passes the artifact checks used (bounded by the live version's
+        # samples below); the run alerts when it published from behind skipped ones.
+        configs: dict[Path, FeatureConfig] = {}
+        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir), safe=True, problems=problems,
+                                   accept=lambda c: configs.__setitem__(c.path, artifact.check_checkpoint(c)))
         if ckpt is None and problems:
-            raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir} loads: "
+            raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir} loads and passes the checks: "
                                + "; ".join(f"{p.name}: {why}" for p, why in problems)
                                + "; the live artifact is untouched. Let the learner write a new one")
         if ckpt is None:
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
                                       "running with the same checkpoint_dir?")
-        cfg = artifact.check_checkpoint(ckpt)
+        cfg = configs[ckpt.path]
         if not allow_older:
             _refuse_older_than_live(root, ckpt, problems)
         timed(stage, t0)
@@ -353,9 +360,11 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         new = ScoringModel.load(staged, signing_key=key)
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
-        live = _live_model(root, key)
+        live, live_problem = _live_model(root, key)
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
         quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop)
+        if live_problem is not None and batches:
+            quality["skipped"] = quality["unchecked"] = f"the live artifact does not load ({live_problem})"
         timed(stage, t0)
         log.info("refresh: %s validated", new.version)
 
@@ -414,6 +423,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                     "at its next start", path.name, root / LAST_RUN, describe_os_error(exc))
     if rs.embedding_store is EmbeddingStore.LAYERED:
         _prune_stored(rs, rds, root, previous)
+    warnings = _published_warnings(rs, kafka, path.name, ckpt, problems, quality,
+                                   hs.stats.get("items", 0) + hs.stats.get("users", 0))
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
     timed("notify", t0)
@@ -428,7 +439,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         "bytes": {name: f["bytes"] for name, f in manifest["files"].items()},
         "unpinned": ({"version": unpinned.version, "rolled_back_from": unpinned.rolled_back_from}
                      if unpinned is not None else None),
-        "last_run_recorded": recorded, "cleaned": cleaned,
+        "last_run_recorded": recorded, "cleaned": cleaned, "warnings": warnings,
         "seconds": {**timings, "total": round(time.time() - t_start, 3)},
     }
 
@@ -533,12 +544,36 @@ def dangling_current(root: Path) -> str | None:
             "restarting server has no model; publish with `streamrec refresh --now`")
 
 
-def _live_model(root: Path, key: SigningKey | None = None) -> ScoringModel | None:
-    """The live artifact to compare with; None (comparison skipped, logged) when there is none or it is bad
-    (with ``key``: also when it is not signed with it)."""
+def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel | None, str | None]:
+    """The live artifact to compare with, or None and why not when there is one that does not load (with ``key``:
+    also when it is not signed with it, e.g. after a key rotation): the comparison is then skipped, and the
+    publish alerts (:func:`_published_warnings`)."""
     try:
         current = artifact.read_current(root)
-        return ScoringModel.load(current, signing_key=key) if current is not None else None
+        return (ScoringModel.load(current, signing_key=key) if current is not None else None), None
     except artifact.ArtifactError as exc:
         log.warning("the live artifact does not load (%s); the holdout comparison is skipped", exc)
-        return None
+        return None, str(exc)
+
+
+def _published_warnings(rs: RefreshSettings, kafka: KafkaSettings, version: str, ckpt: ckpt_io.Checkpoint,
+                        problems: list[tuple[Path, str]], quality: dict[str, Any], counted_ids: int) -> list[str]:
+    """What a successful publish must not hide, each logged and alerted as a warning (rule ``refresh_degraded``,
+    the stage as a label): the quality gate could not compare with a live artifact that exists (it does not load
+    with this run's key, or it has another feature config), newer checkpoints were skipped (torn, refused,
+    diverged), or the hot set is empty (Redis holds no counts: a wrong prefix, or lost on a restart)."""
+    found: list[tuple[str, str]] = []
+    if quality.get("unchecked"):
+        found.append(("validate", f"published {version} without the holdout comparison with the live version: "
+                                  f"{quality['unchecked']}; compare them by hand (`streamrec evaluate`) or roll back "
+                                  "with `streamrec refresh --rollback`"))
+    if problems:
+        found.append(("checkpoint", f"published {version} from {Path(ckpt['path']).name}, behind newer checkpoints "
+                                    "that were skipped: " + "; ".join(f"{p.name}: {why}" for p, why in problems)))
+    if counted_ids == 0 and (rs.hot_items or rs.hot_users):
+        found.append(("hot_set", f"published {version} with no counted item or user in its hot set: Redis "
+                                 "under this prefix holds no counts for the last days (a wrong [redis] prefix, or "
+                                 "counts lost on a restart); scores are right but row lookups miss the hot cache"))
+    for stage, message in found:
+        raise_alert(kafka, rs.alerts_topic, stage, message, rule=DEGRADED_RULE, severity="warning")
+    return [message for _, message in found]

@@ -321,11 +321,19 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     if not older:
         raise ArtifactError(f"no version older than {current!r} in {versions_dir(root)} to roll back to "
                             f"(published: {versions or 'none'})")
-    target = older[-1]
-    try:
-        verify(versions_dir(root) / target, signing_key=signing_key)
-    except ArtifactError as exc:
-        raise ArtifactError(f"cannot roll back to {target}: {exc}; CURRENT still names {current}") from None
+    # The newest older version that verifies; a half-written or damaged one (a foreign copy, a killed manual
+    # restore, a version not signed with the key) is skipped with its reason, not a dead end for the rollback.
+    skipped: list[str] = []
+    for target in reversed(older):
+        try:
+            verify(versions_dir(root) / target, signing_key=signing_key)
+            break
+        except ArtifactError as exc:
+            skipped.append(f"{target}: {exc}")
+            log.warning("rollback: skipping %s, which does not verify (%s)", target, exc)
+    else:
+        raise ArtifactError(f"cannot roll back: no version older than {current} verifies ({'; '.join(skipped)}); "
+                            f"CURRENT still names {current}")
     now = time.time()
     try:
         write_atomic(root / PIN, json.dumps({"version": target, "rolled_back_from": current, "at": now,

@@ -172,7 +172,8 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
         out["skipped"] = "no live artifact to compare with"
         return out
     if live.feature_config != new.feature_config:
-        out["skipped"] = f"live artifact {live.version} has another feature config"
+        # a live model this run cannot compare with: published, but alerted (job._published_warnings)
+        out["skipped"] = out["unchecked"] = f"live artifact {live.version} has another feature config"
         return out
     theirs = quality(live, batches)
     out["live"] = {**theirs, "version": live.version}

@@ -365,6 +365,7 @@ def check_checkpoint(checkpoint: Any) -> FeatureConfig:
     if table is None or tuple(table.shape) != want:
         raise ArtifactError(f"{where}: table shape {None if table is None else tuple(table.shape)} does not match "
                             f"its feature config {want}")
+    _check_dense_state(where, cfg, ms, state)
     for k, v in state.items():
         if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
             raise ArtifactError(f"{where}: weight {k!r} holds {int((~torch.isfinite(v)).sum())} non-finite values: "
@@ -378,6 +379,30 @@ def new_version_name(now: float | None = None) -> str:
     """``YYYYMMDDTHHMMSSmmmZ``: UTC, sorts in time order."""
     t = dt.datetime.fromtimestamp(time.time() if now is None else now, tz=dt.timezone.utc)
     return t.strftime("%Y%m%dT%H%M%S") + f"{t.microsecond // 1000:03d}Z"
+
+
+def _check_dense_state(where: str, cfg: FeatureConfig, ms: Mapping[str, Any],
+                       state: Mapping[str, torch.Tensor]) -> None:
+    """ArtifactError unless the checkpoint's dense weights (every key but ``sparse.*``) are exactly the scorer's, each
+    of its shape: a missing, extra or reshaped weight would otherwise fail later in ``load_state_dict`` with a
+    page of torch's text. The scorer is built on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        spec = ScorerSpec(cfg.num_fields, cfg.embedding_dim, len(cfg.dense), parse_mlp(ms["mlp"]),
+                          float(ms.get("dropout", 0.0)))
+        scorer = Scorer(spec, torch.zeros(1, dtype=torch.int64), torch.zeros(1, cfg.embedding_dim + 1))
+    want = {k: tuple(v.shape) for k, v in scorer.state_dict().items() if k not in ("hot_ids", "hot_vectors")}
+    # weights the scorer fills itself when a state lacks them (its load hooks: calibration, from before it existed)
+    optional = want.keys() - set(scorer.load_state_dict({}, strict=False, assign=True).missing_keys)
+    have = {k: tuple(v.shape) for k, v in state.items() if not k.startswith("sparse.")}
+    missing, extra = sorted(want.keys() - have.keys() - optional), sorted(have.keys() - want.keys())
+    reshaped = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+    if missing or extra or reshaped:
+        parts = ([f"missing {', '.join(missing[:5])}"] if missing else []) + \
+                ([f"unexpected {', '.join(extra[:5])}"] if extra else []) + \
+                [f"{k} is {have[k]}, expected {want[k]}" for k in reshaped[:5]]
+        raise ArtifactError(f"{where}: its dense weights do not match its model settings (mlp {_show(ms['mlp'])}, "
+                            f"{cfg.num_fields} fields, dim {cfg.embedding_dim}, {len(cfg.dense)} dense): "
+                            f"{'; '.join(parts)}")
 
 
 def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",

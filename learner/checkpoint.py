@@ -44,7 +44,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,24 +229,41 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line[:300]}"
 
 
-def load_latest(directory: Path, safe: bool = True,
-                problems: list[tuple[Path, str]] | None = None) -> Checkpoint | None:
+def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, str]] | None = None,
+                accept: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
     """The newest checkpoint that loads (safely: :func:`load`); a corrupt or foreign newest one is reported and
     the previous one used.
 
-    ``problems`` (when given) receives ``(path, reason)`` of every file skipped on the way."""
+    ``problems`` (when given) receives ``(path, reason)`` of every file skipped on the way. ``accept`` (the
+    refresh's artifact check): a checkpoint that loads but that it refuses (by raising), or that :func:`upgrade`
+    refuses (a newer format, no format version), is skipped the same way, so one policy covers every bad newest
+    file. Without it an upgrade failure is raised (the learner must not resume from an older checkpoint past a
+    file a newer streamrec wrote)."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            ckpt = load(path, safe=safe)
+            raw = load(path, safe=safe)
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt file: fall back to the previous one
-            reason = _reason(exc)
-            log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, reason)
-            if problems is not None:
-                problems.append((path, reason))
+            _skip(path, "is unreadable", exc, problems)
             continue
-        ckpt = upgrade(ckpt, path)
-        return Checkpoint(path, ckpt["meta"], {k: v for k, v in ckpt.items() if k not in ("meta", "path")})
+        if accept is None:
+            raw = upgrade(raw, path)
+            return Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+        try:
+            raw = upgrade(raw, path)
+            ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+            accept(ckpt)
+        except Exception as exc:  # noqa: BLE001 - refused (diverged, foreign shape, newer format): the previous one
+            _skip(path, "is refused", exc, problems)
+            continue
+        return ckpt
     return None
+
+
+def _skip(path: Path, what: str, exc: Exception, problems: list[tuple[Path, str]] | None) -> None:
+    reason = _reason(exc)
+    log.warning("checkpoint %s %s (%s); trying the previous one", path, what, reason)
+    if problems is not None:
+        problems.append((path, reason))
 
 
 def restore_latest(directory: Path) -> Checkpoint | None:

@@ -241,6 +241,37 @@ def test_the_int8_bound_comes_from_the_settings_and_refuses_an_int8_artifact_pas
     _assert_nothing_published(rs, Path(published["path"]), [published["version"]])
 
 
+def test_a_publish_that_could_not_check_what_it_should_sends_a_refresh_degraded_warning(env, tmp_path: Path) -> None:
+    """Published, but an operator must look: the live version exists yet does not load with this run's key (a key
+    rotation), so the holdout comparison was skipped; the newest checkpoint was refused (diverged) and an older one
+    used; no counted id in the hot set (a wrong prefix). Each is a ``refresh_degraded`` warning with its stage, and
+    the summary lists them; a clean run sends none."""
+    rs, kafka, rds = env
+    first = job.run_once(rs, kafka, rds)  # unsigned, nothing live: a clean run
+    assert first["warnings"] == [] and read_alerts(kafka, rs.alerts_topic) == []
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    save_checkpoint(rs.checkpoint_dir, steps=32, seed=1)  # a good newer one ...
+    meta = save_checkpoint(rs.checkpoint_dir, steps=34, seed=2)  # ... behind a diverged newest one
+    newest = checkpoint.list_checkpoints(rs.checkpoint_dir)[-1]
+    state = checkpoint.load(newest)
+    state["model"]["bias"].fill_(float("nan"))
+    newest.unlink()
+    diverged = checkpoint.save(rs.checkpoint_dir, {k: v for k, v in state.items() if k != "meta"}, meta)
+    rotated = dataclasses.replace(rs, signing_key_file=key)
+    second = job.run_once(rotated, kafka, dataclasses.replace(rds, prefix=f"{rds.prefix}-empty"))
+    assert second["samples_trained"] == 32 * 256 and len(second["skipped_checkpoints"]) == 1
+    assert "non-finite" in second["skipped_checkpoints"][0]["reason"]
+    assert second["holdout"]["unchecked"].startswith("the live artifact does not load")
+    alerts = read_alerts(kafka, rs.alerts_topic)
+    assert [(a["rule"], a["severity"], a["labels"]["stage"]) for a in alerts] == [
+        ("refresh_degraded", "warning", "validate"), ("refresh_degraded", "warning", "checkpoint"),
+        ("refresh_degraded", "warning", "hot_set")]
+    assert [a["message"] for a in alerts] == second["warnings"]
+    assert "does not load" in alerts[0]["message"] and diverged.name in alerts[1]["message"]
+    assert artifact.read_current(rs.publish_root).name == second["version"]
+
+
 def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) -> None:
     rs, kafka, rds = env
     live = job.run_once(rs, kafka, rds)

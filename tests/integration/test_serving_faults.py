@@ -465,9 +465,21 @@ def test_rollback_to_a_damaged_version_changes_nothing(tmp_path: Path) -> None:
     v1 = publish_version(learner, tmp_path, "v001")
     publish_version(learner, tmp_path, "v002")
     (v1 / A.COLD_FILE).write_bytes(b"\x00" * 10)
-    with pytest.raises(ArtifactError, match="cannot roll back to v001"):
+    with pytest.raises(ArtifactError, match=r"cannot roll back: no version older than v002 verifies \(v001: "):
         rollback(tmp_path)
     assert A.current_version(tmp_path) == "v002" and A.read_pin(tmp_path) is None
+
+
+def test_rollback_skips_a_damaged_or_half_written_older_version_to_the_newest_one_that_verifies(
+        tmp_path: Path) -> None:
+    learner = TinyLearner()
+    publish_version(learner, tmp_path, "v001")
+    v2 = publish_version(learner, tmp_path, "v002")
+    publish_version(learner, tmp_path, "v003")
+    (v2 / A.COLD_FILE).write_bytes(b"\x00" * 10)  # damaged
+    (A.versions_dir(tmp_path) / "v0025").mkdir()  # half-written: no manifest
+    assert rollback(tmp_path) == "v001"
+    assert A.current_version(tmp_path) == "v001" and A.read_pin(tmp_path).version == "v001"
 
 
 def test_an_unreadable_pin_pauses_deltas(root: Path, tmp_path: Path) -> None:

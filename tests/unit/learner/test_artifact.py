@@ -314,3 +314,23 @@ def test_unknown_format_and_bad_hot_rows(tmp_path: Path, ckpt: dict) -> None:
         build_artifact(ckpt, tmp_path, np.zeros(0), format="tflite")
     with pytest.raises(ArtifactError, match="hot rows must lie"):
         build_artifact(ckpt, tmp_path, np.array([CFG.num_rows]))
+
+
+@pytest.mark.parametrize("damage", ["missing", "extra", "reshaped"])
+def test_a_checkpoint_whose_dense_weights_do_not_match_its_model_settings_is_refused_by_name(
+        ckpt: dict, damage: str) -> None:
+    """A dense weight missing, unexpected or of another shape is refused before anything is built, naming the weight
+    (not a page of torch's load_state_dict text at build time)."""
+    state = dict(ckpt["model"])
+    if damage == "missing":
+        del state["bias"]
+    elif damage == "extra":
+        state["dense_arch.extra.weight"] = torch.zeros(2)
+    else:
+        state["bias"] = torch.zeros(2)
+    bad = {**ckpt, "model": state}
+    want = {"missing": "missing bias", "extra": "unexpected dense_arch.extra.weight",
+            "reshaped": r"bias is \(2,\), expected \(1,\)"}[damage]
+    with pytest.raises(ArtifactError, match=f"dense weights do not match.*{want}"):
+        A.check_checkpoint(bad)
+    A.check_checkpoint(ckpt)  # the intact one passes

@@ -73,6 +73,28 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_is_repor
     assert got is not None and got.path == first and [p for p, _ in problems] == [second]
 
 
+def test_with_an_accept_check_a_refused_or_newer_newest_checkpoint_falls_back_like_a_torn_one(tmp_path: Path) -> None:
+    """The refresh's policy (``accept``): a newest file that loads but is refused (here: by the check, and one of a
+    newer format) is skipped and reported as a torn one is; without ``accept`` the newer format stays an error (the
+    learner must not resume from an older file past it)."""
+    first = ck.save(tmp_path, state(), meta(100))
+    refused = ck.save(tmp_path, state(), meta(200))
+    newer = tmp_path / "ckpt-000000000000300-1.pt"
+    torch.save({"meta": {**meta(300), "format_version": ck.FORMAT_VERSION + 1}, **state()}, newer)
+
+    def accept(c: ck.Checkpoint) -> None:
+        if c.samples_trained == 200:
+            raise ValueError("weights hold NaN")
+
+    problems: list[tuple[Path, str]] = []
+    got = ck.load_latest(tmp_path, safe=True, problems=problems, accept=accept)
+    assert got is not None and got.path == first
+    assert [p for p, _ in problems] == [newer, refused]
+    assert "reads up to" in problems[0][1] and problems[1][1] == "ValueError: weights hold NaN"
+    with pytest.raises(ck.CheckpointError, match="reads up to"):
+        ck.load_latest(tmp_path, safe=True)
+
+
 class _Payload:
     def __reduce__(self):  # noqa: ANN204 - what a hostile pickle does
         return (print, ("code ran",))
