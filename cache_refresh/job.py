@@ -291,7 +291,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timings[name] = round(time.monotonic() - t0, 3)
 
     try:
-        stage = "signing_key"
+        stage = "signing"  # not "signing_key": "signing_key: <text>" reads as a secret to the log redactor
         try:
             key = load_signing_key(rs.signing_key_file)
         except ConfigError as exc:
@@ -411,9 +411,10 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
     # Published: CURRENT names the new version. Nothing below may turn that into a failure.
     if unpinned is not None:
-        log.warning("published %s over the rollback pin of %s (rolled back from %s): an operator's run ends the "
-                    "rollback; serving applies learner deltas again", path.name, unpinned.version,
-                    unpinned.rolled_back_from)
+        pinned = (f"the rollback pin of {unpinned.version} (rolled back from {unpinned.rolled_back_from})"
+                  if unpinned.version is not None else f"an unreadable rollback pin ({unpinned.problem})")
+        log.warning("published %s over %s: an operator's run ends the rollback; serving applies learner deltas "
+                    "again", path.name, pinned)
     try:
         write_last_success(root, time.time(), path.name)
         recorded = True

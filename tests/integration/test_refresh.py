@@ -272,6 +272,18 @@ def test_a_publish_that_could_not_check_what_it_should_sends_a_refresh_degraded_
     assert artifact.read_current(rs.publish_root).name == second["version"]
 
 
+def test_an_operators_run_over_an_unreadable_pin_says_the_pin_was_unreadable(
+        env, caplog: pytest.LogCaptureFixture) -> None:
+    rs, kafka, rds = env
+    job.run_once(rs, kafka, rds)
+    (rs.publish_root / artifact.PIN).write_bytes(b"\xff not json")
+    with caplog.at_level("WARNING", logger="streamrec.refresh"):
+        second = job.run_once(dataclasses.replace(rs, holdout_messages=0), kafka, rds)  # --now: over the pin
+    assert second["unpinned"]["version"] is None
+    assert any("over an unreadable rollback pin (" in r.getMessage() for r in caplog.records)
+    assert not any("pin of None" in r.getMessage() for r in caplog.records)
+
+
 def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) -> None:
     rs, kafka, rds = env
     live = job.run_once(rs, kafka, rds)

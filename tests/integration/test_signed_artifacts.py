@@ -33,6 +33,7 @@ from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
 from stream.config import KafkaSettings, RedisSettings
+from stream.secrets import redact
 from tests.integration.test_serving import CFG, TinyLearner
 
 KEY = SigningKey(b"signing-key-of-this-deployment-0001")
@@ -305,6 +306,7 @@ def test_the_refresh_signs_what_it_publishes_and_fails_on_an_unreadable_key(stac
     assert second["published"] and second["signed"]
     bad = RefreshSettings(checkpoint_dir=rs.checkpoint_dir, publish_root=rs.publish_root, holdout_messages=0,
                           alerts_topic="", signing_key_file=tmp_path / "missing-key")
-    with pytest.raises(job.RefreshError, match="signing_key") as info:
+    with pytest.raises(job.RefreshError, match=r"at signing: \[refresh\] signing_key_file .*missing-key") as info:
         job.run_once(bad, kafka, rds)
-    assert info.value.stage == "signing_key" and A.current_version(rs.publish_root) == second["version"]
+    assert info.value.stage == "signing" and A.current_version(rs.publish_root) == second["version"]
+    assert redact(str(info.value)) == str(info.value)  # no part of the line reads as a secret to the log redactor
