@@ -7,7 +7,6 @@ per field in Arrow, so values and offsets are concatenations, not gathers.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,14 +86,6 @@ class TensorBatch:
             piece.positions = self.positions if start + rows >= b else []
             out.append(piece)
         return out
-
-
-def event_clock_s(ts_ms: np.ndarray) -> float:
-    """The learner's event time after rows of impression times ``ts_ms`` (B,) (B >= 1), in seconds: their newest,
-    but never ahead of this machine's wall clock. Rows may lead it by up to ``future_ts_s`` (a client's clock, let
-    through by the joiner and the dataset); one such row set as the clock would age every id and decay every
-    user bucket by that lead (a 1-hour lead zeroed buckets of a 60 s half-life), and the clock never comes back."""
-    return min(float(np.max(ts_ms)) / 1000.0, time.time())
 
 
 def _field_values(batch: SampleBatch, col: str) -> tuple[np.ndarray, np.ndarray]:

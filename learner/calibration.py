@@ -49,7 +49,6 @@ buffer, so the artifact and serving's deltas carry it with the dense weights.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any
 
@@ -57,6 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from learner.event_clock import EventClock
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
@@ -103,8 +103,12 @@ class OnlineCalibration:
         self.chunks: deque[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = deque()
         self.waiting: set[str] = set()
         self.clicked: set[str] = set()
-        self.now_ms: int | None = None
+        self.clock = EventClock()  # event time of the emissions (ts + label_delay_ms): what matures
         self.first_ms: int | None = None  # the first impression time seen: the stream's warm-up is not fitted
+
+    @property
+    def now_ms(self) -> int | None:
+        return self.clock.now_ms
 
     @property
     def pending(self) -> int:
@@ -119,9 +123,8 @@ class OnlineCalibration:
             return
         ts = np.asarray(ts_ms, np.int64)
         emitted = ts if label_delay_ms is None else ts + np.asarray(label_delay_ms, np.int64)
-        if len(emitted):  # never ahead of the wall clock: one row's far-future time would mature every pending
-            newest = min(int(emitted.max()), int(time.time() * 1000))  # impression at once, fitted as a 0
-            self.now_ms = newest if self.now_ms is None else max(self.now_ms, newest)
+        if len(emitted):  # a quorum of rows, never one, nor the wall clock's future (learner/event_clock.py): one
+            self.clock.advance(emitted)  # row's far-future time would mature every pending impression, fitted as a 0
             self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
         warm_up_end = (self.first_ms or 0) + self.maturity_ms
         take = np.flatnonzero((kinds == OBSERVED) & (ts >= warm_up_end))[:max(self.max_pending - self.pending, 0)]
@@ -181,7 +184,7 @@ class OnlineCalibration:
         cols = list(zip(*self.chunks, strict=True)) or [[np.zeros(0, object)], [np.zeros(0)], [np.zeros(0, np.int64)],
                                                          [np.zeros(0)]]
         return {"a": self.a, "b": self.b, "h": self.h.tolist(), "rows": self.rows, "now_ms": self.now_ms,
-                "first_ms": self.first_ms, "pending_ids": np.concatenate(cols[0]).tolist(),
+                "clock": self.clock.state(), "first_ms": self.first_ms, "pending_ids": np.concatenate(cols[0]).tolist(),
                 "pending_logits": torch.from_numpy(np.concatenate(cols[1]).astype(np.float64)),
                 "pending_ts": torch.from_numpy(np.concatenate(cols[2]).astype(np.int64)),
                 "pending_labels": torch.from_numpy(np.concatenate(cols[3]).astype(np.float64)),
@@ -193,7 +196,7 @@ class OnlineCalibration:
         if "h" in d:
             self.h = np.asarray(d["h"], np.float64).reshape(2, 2)
         self.rows = int(d.get("rows", 0))
-        self.now_ms = None if d.get("now_ms") is None else int(d["now_ms"])
+        self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
         self.first_ms = None if d.get("first_ms") is None else int(d["first_ms"])
         ids = np.asarray([str(i) for i in d.get("pending_ids", [])], object)
         self.chunks = deque()

@@ -47,11 +47,12 @@ from prometheus_client import Gauge, Histogram
 from torch.utils.data import DataLoader
 
 from learner import checkpoint
-from learner.batch import TensorBatch, event_clock_s
+from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
 from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
+from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
 from learner.kafka_dataset import KafkaSampleDataset
@@ -233,7 +234,8 @@ class Learner:
         self.cfg: FeatureConfig | None = None
         self.deltas: DeltaWriter | None = None  # serving freshness, built with the model (learner/deltas.py)
         self.mapper: RowMapper | None = None  # dynamic ids -> rows (built with the model)
-        self._event_now: float | None = None  # event time of the newest trained sample (s)
+        self._event_now: float | None = None  # event time (s) after the samples trained: learner/event_clock.py
+        self._clock = EventClock()
         self._event_newest = 0.0  # event time of the newest sample trained (s)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)
         self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
@@ -460,7 +462,8 @@ class Learner:
                 self.coverage = FieldCoverage(self.cfg, max(1, self.ls.metrics_window // 10))
             if self.coverage is not None:
                 self.coverage.observe(kept)  # before the ids are mapped to rows (it reads MISSING)
-            now = event_clock_s(kept.ts)  # event time drives id ages, so replays are deterministic
+            now = self._clock.advance_s(kept.ts)
+            # event time drives id ages, so replays are deterministic; a quorum of rows moves it, never one row
             self._event_now = now
             self._event_newest = max(self._event_newest, now)  # merged partitions interleave a little
             EVENT_TIME.set(self._event_newest)

@@ -40,12 +40,12 @@ correction is off only where the true click rate is above 0.95.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from learner.event_clock import EventClock
 from stream.samples import DELAYED_POSITIVE, FINAL
 
 
@@ -127,7 +127,7 @@ class BaseRateBias:
         self.positives = 0  # ... and clicks, over everything seen
         self.bins: dict[int, list[int]] = {}  # corrected rows: impression second -> [impressions, clicks]
         self.click_delay_s = 0.0  # the sum of the corrected clicks' delays (s)
-        self.now_ms: int | None = None  # the newest emission time seen (ts + label_delay_ms)
+        self.clock = EventClock()  # event time of the emissions seen (ts + label_delay_ms): learner/event_clock.py
         self.first_ms: int | None = None
         self.corrected = False  # rows of a corrected policy seen: the delayed feedback model is fitted
         self.stopped = False  # max_bins reached
@@ -138,6 +138,10 @@ class BaseRateBias:
         """Before any label: the bias at the logit of ``prior_rate``."""
         with torch.no_grad():
             model.get_parameter("bias").fill_(_logit(self.prior_rate))
+
+    @property
+    def now_ms(self) -> int | None:
+        return self.clock.now_ms
 
     @property
     def done(self) -> bool:
@@ -168,8 +172,7 @@ class BaseRateBias:
         delay = (np.zeros(len(ts), np.int64) if label_delay_ms is None
                  else np.maximum(np.asarray(label_delay_ms, np.int64)[corrected], 0))  # decode refuses < 0
         if len(ts):
-            emitted = min(int((ts + delay).max()), int(time.time() * 1000))  # never ahead of the wall clock
-            self.now_ms = emitted if self.now_ms is None else max(self.now_ms, emitted)
+            self.clock.advance(ts + delay)  # a quorum of rows, never one, nor ahead of the wall clock
             self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
         click = clicked[corrected]
         self.click_delay_s += float(delay[click].sum()) / 1000.0
@@ -211,14 +214,14 @@ class BaseRateBias:
         not set the bias again) and the summary still shows the rate it followed. Once done, without the bins (only
         the fit reads them)."""
         return {"impressions": self.impressions, "positives": self.positives, "corrected": self.corrected,
-                "now_ms": self.now_ms, "first_ms": self.first_ms, "stopped": self.stopped,
+                "now_ms": self.now_ms, "clock": self.clock.state(), "first_ms": self.first_ms, "stopped": self.stopped,
                 "click_delay_s": self.click_delay_s, "rate": self.rate, "delay_rate": self.delay_rate,
                 "bins": [] if self.done else [[s, c[0], c[1]] for s, c in self.bins.items()]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))
         self.corrected, self.stopped = bool(d.get("corrected", False)), bool(d.get("stopped", False))
-        self.now_ms = None if d.get("now_ms") is None else int(d["now_ms"])
+        self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
         self.first_ms = None if d.get("first_ms") is None else int(d["first_ms"])
         self.click_delay_s = float(d.get("click_delay_s", 0.0))
         self.rate = float(d.get("rate", (self.positives + 1.0) / (self.impressions + 1.0 / self.prior_rate)))

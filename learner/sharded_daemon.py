@@ -65,7 +65,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from torch.utils.data import DataLoader
 
 from learner import sharded_checkpoint
-from learner.batch import TensorBatch, event_clock_s
+from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
 from learner.daemon import (
@@ -91,6 +91,7 @@ from learner.distributed import (
     is_peer_failure,
     partitions_of,
 )
+from learner.event_clock import EventClock
 from learner.features import FeatureConfig
 from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
@@ -152,6 +153,7 @@ class ShardedLearner:
         self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
         self.bias: BaseRateBias | None = None  # a fresh model's intercept at the click rate (learner/delayed.py)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)  # rank 0's
+        self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
         self.calibration = OnlineCalibration() if ls.online_calibration and ctx.rank == 0 else None
         self.dmp: Any = None
@@ -495,7 +497,7 @@ class ShardedLearner:
         probs_all, ids = cat("probs"), cat("ids")
         assert probs_all is not None and ids is not None
         users = cat("users")
-        now = event_clock_s(ts)
+        now = self._clock.advance_s(ts)
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
         self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay)
         if self.calibration is not None:  # fitted on held-out raw logits as their labels become final

@@ -50,8 +50,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.batch import TensorBatch, event_clock_s
+from learner.batch import TensorBatch
 from learner.distributed import all_gather_objects
+from learner.event_clock import QUORUM, EventClock, largest
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import BucketDecay, IdMap
 from learner.row_mapper import MapStats, dynamic_fields, field_spans, id_map_of, mapped_slots
@@ -234,6 +235,7 @@ class ShardedRowMapper:
                                             id_map_of(spec, mine.count, decay=False) if mine else None,
                                             BucketDecay(spec.num_buckets, spec.bucket_half_life_s))
         self.now = float("-inf")  # event time (s) of the last round that had rows: the same on every rank
+        self._clock = EventClock()  # every rank's rows' event time (learner/event_clock.py), the same on each rank
         self.occupancy: dict[str, float] = {}  # per field, the whole map's, after the last round
         # the boost's update counts per row (learner/sharded_boost.py; a ShardedTensor (num_rows,) int32, sharded
         # like the table), zeroed for rows handed out or freed and moved with moved rows; None without a boost
@@ -264,9 +266,14 @@ class ShardedRowMapper:
         spans = field_spans(tb, self.slots) if has_keys else [(0, 0)] * len(self.slots)
         mine = [np.asarray(tb.keys[s:e]) if has_keys else np.empty(0, np.int64)  # type: ignore[index]
                 for s, e in spans]
-        newest = event_clock_s(tb.ts) if len(tb) else float("-inf")  # event time drives ids' ages
-        gathered = all_gather_objects((mine, newest))  # 1. [(per-field keys (n_r,), newest)] in rank order
-        self.now = max([self.now] + [g[1] for g in gathered])
+        # 1. [(per-field keys (n_r,), the rank's newest times (<= QUORUM,))] in rank order; every rank's clock takes
+        # every rank's newest times, in rank order: one clock, the one a single process over all the rows would have
+        newest = largest(np.asarray(tb.ts, np.int64), QUORUM) if len(tb) else np.empty(0, np.int64)
+        gathered = all_gather_objects((mine, newest))
+        for _, times in gathered:
+            self._clock.advance(times)
+        if self._clock.now_s is not None:  # event time drives ids' ages
+            self.now = max(self.now, self._clock.now_s)
         keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(self.slots))]  # (sum n_r,) per slot
         owners: list[np.ndarray] = []
         answers: list[tuple[np.ndarray, np.ndarray, np.ndarray, int] | None] = []

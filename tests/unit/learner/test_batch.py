@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
-from learner.batch import concat, event_clock_s, to_tensors
+from learner.batch import concat, to_tensors
 from learner.features import FeatureConfig, FieldSpec
 from learner.kafka_dataset import to_tensors_empty
 from stream.samples import SampleBatch
@@ -40,13 +38,3 @@ def test_a_dead_lettered_messages_placeholder_keeps_every_rows_keys_and_label_de
             np.testing.assert_array_equal(joined.label_delay_ms, clean.label_delay_ms)
             assert torch.equal(joined.values, clean.values) and torch.equal(joined.offsets, clean.offsets)
             assert joined.positions == [p for t in parts for p in t.positions]
-
-
-
-def test_a_row_ahead_of_the_wall_clock_does_not_move_the_event_clock_past_it() -> None:
-    """The daemon's event time (id ages, user-bucket decay, TTL sweeps) was the batch's newest ts: a row one hour
-    ahead (inside the joiner's future_ts_s) zeroed every user bucket of a 60 s half-life, for good."""
-    before = time.time()
-    clock = event_clock_s(np.array([1_700_000_000_000, int((before + 3600) * 1000)]))
-    assert before <= clock <= time.time()
-    assert event_clock_s(np.array([1_000, 2_000])) == 2.0  # a replay's past: its own newest row

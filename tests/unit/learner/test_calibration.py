@@ -86,7 +86,9 @@ def test_a_model_that_knows_nothing_keeps_its_ranking() -> None:
     noisy = [(i, k, y, z + rng.normal(0, 1, len(z)), ts, d) for i, k, y, z, ts, d in batches]
     cal = OnlineCalibration()
     run(cal, noisy)
-    assert cal.a == pytest.approx(cal.min_scale)  # shrunk as far as it goes, the ranking kept
+    # shrunk as far as it goes (up to the last rows, not matured yet: the clock lags the newest by 15 rows), the
+    # ranking kept
+    assert cal.a == pytest.approx(cal.min_scale, abs=1e-3)
 
 
 def test_pending_impressions_are_bounded_and_the_state_round_trips() -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from learner.batch import TensorBatch, concat, to_tensors
+from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import IdMap
 from learner.model import DeepFM
@@ -82,10 +83,10 @@ def reference(cfg: FeatureConfig, world: int) -> dict[str, Any]:
         table.copy_(w)
     sparse.state[table]["sum"] = s.clone()
     mapper, values = RowMapper(cfg), []
-    now = float("-inf")
+    now, clock = float("-inf"), EventClock()
     for rnd in range(ROUNDS):
         tb = concat([rank_batch(cfg, rnd, r, world) for r in range(world)], cfg.num_fields)
-        now = max(now, float(tb.ts.max()) / 1000.0)
+        now = max(now, clock.advance_s(tb.ts))
         mapper.apply(tb, now, model=model, sparse_opt=sparse)
         values.append(tb.values.clone())
     mapper.decay_idle_buckets(model, now)
