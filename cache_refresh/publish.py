@@ -207,7 +207,7 @@ def _prune(root: Path, keep: int) -> list[str]:
         else:
             log.warning("version directory %s has no %s (half-written, or not a refresh's): not counted toward "
                         "keep_versions, left as it is", versions_dir(root) / name, MANIFEST)
-    for name in complete[: -max(1, keep)]:
+    for name in complete[:-keep]:
         if name not in protected:
             trash = versions_dir(root) / f"{_TRASH}{name}-{os.getpid()}"
             try:
@@ -233,6 +233,8 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
     left behind names an older version and is stale, a version left behind is pruned next time. With
     ``signing_key`` the staged manifest must carry its signature (what serving with the key will check).
     """
+    if keep < 1:  # [refresh] keep_versions >= 1; complete[:-0] would prune nothing
+        raise ValueError(f"publish keep must be >= 1, got {keep}")
     root, staged_dir = Path(root), Path(staged_dir)
     manifest = verify(staged_dir, signing_key=signing_key)
     version = manifest["version"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from learner.config import ArtifactFormat
 from serving.settings import EmbeddingStore, RowDtype
-from stream.config import Choice
+from stream.config import Choice, check_counts, check_durations, check_ports
 
 
 class CountEvent(Choice):
@@ -85,3 +85,12 @@ class RefreshSettings:
                            EmbeddingStore.of(self.embedding_store, "[refresh] embedding_store"))
         object.__setattr__(self, "embedding_store_dtype",
                            RowDtype.of(self.embedding_store_dtype, "[refresh] embedding_store_dtype"))
+        # holdout_timeout_s, redis_timeout_s, misfire_grace_s > 0; redis_backoff_s >= 0 (0: retry at once);
+        # validate_tolerance finite and >= 0 (0: exact; NaN passed every probe). The AUC drops are left as they are:
+        # a negative one demands a gain (tests use it to force a refusal)
+        check_durations("refresh", self, zero_ok=("redis_backoff_s", "validate_tolerance"),
+                        extra=("validate_tolerance",))
+        check_ports("refresh", self)
+        # days, keep_versions, probe_samples, redis_attempts >= 1; 0 means: hot_items / hot_users none of that kind
+        # hot (top_ids(k=0) is empty), small_field_rows only the counted ids, holdout_messages no quality check
+        check_counts("refresh", self, zero_ok=("hot_items", "hot_users", "small_field_rows", "holdout_messages"))

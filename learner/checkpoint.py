@@ -184,6 +184,8 @@ def lineage(directory: Path) -> str:
 
 def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int = 3) -> Path:
     """Write checkpoint number ``meta['samples_trained']``; returns its path."""
+    if keep < 1:  # list[:-0] is empty: nothing would ever be pruned
+        raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
     directory.mkdir(parents=True, exist_ok=True)
     meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
             "lineage": meta.get("lineage") or lineage(directory)}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream.config import Choice, check_durations, check_ports
+from stream.config import Choice, check_counts, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -260,9 +260,13 @@ class LearnerSettings:
         for name, kind in (("id_init", IdInit), ("sparse_optimizer", SparseOptimizer), ("device", Device),
                            ("amp", Amp), ("fused_sparse_update", FusedSparseUpdate), ("pin_memory", PinMemory)):
             object.__setattr__(self, name, kind.of(getattr(self, name), f"[learner] {name}"))
-        if self.num_workers < 0 or self.prefetch_factor < 1:
-            raise ConfigError(f"[learner] num_workers must be >= 0 and prefetch_factor >= 1, got num_workers="
-                              f"{self.num_workers!r}, prefetch_factor={self.prefetch_factor!r}")
+        # every count >= 1 (step_rows 0 trained a whole batch as one step, keep_checkpoints 0 never pruned); 0 means:
+        # id_capacity no own rows (hash buckets only), cold_k no sample is cold, dedup_window no memory across
+        # batches (duplicates within one are still dropped), num_workers reading in the training process, max_fields
+        # no context or dense field (ids and history only), seed a seed like any other (numpy refuses negatives;
+        # torch takes at most 2**64 - 1). max_samples None: no bound
+        check_counts("learner", self, zero_ok=("id_capacity", "cold_k", "dedup_window", "num_workers", "max_fields",
+                                               "seed"), at_most={"seed": 2**64 - 1})
         # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
         # deltas_id_maps_every_s, none for future_ts_s
         check_durations("learner", self, zero_ok=("deltas_every_s", "deltas_id_maps_every_s", "future_ts_s"))

@@ -121,7 +121,7 @@ class LockStep:
     any rank got SIGTERM/SIGINT, or when the samples trained by all ranks together reach ``max_samples``."""
 
     def __init__(self, step_rows: int, max_samples: int | None = None) -> None:
-        self.step_rows = max(1, step_rows)
+        self.step_rows = step_rows
         self.max_samples = max_samples
 
     def agree(self, rows: int, ended: bool, wants_checkpoint: bool, signalled: bool, samples: int,

@@ -130,7 +130,7 @@ def rows_per_step(ls: LearnerSettings) -> int:
     equal micro-batches is the mean over their rows) and the same predictions (the weights do not change between
     micro-batches); what it does not bound is the memory of activations, which is that of the k micro-batches at
     once."""
-    return max(1, ls.step_rows) * max(1, ls.accumulation)
+    return ls.step_rows * ls.accumulation  # each >= 1 (LearnerSettings)
 
 
 class ShardedLearner:

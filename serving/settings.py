@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from learner.config import Device
-from stream.config import Choice, check_durations, check_ports
-from stream.errors import ConfigError
+from stream.config import Choice, check_counts, check_durations, check_ports
 
 MAX_DURATION_S = 86_400.0  # the longest period or timeout a [serve] duration may name
 
@@ -99,16 +98,11 @@ class ServeSettings:
         object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))
         object.__setattr__(self, "server", ServerKind.of(self.server, "[serve] server"))
         object.__setattr__(self, "embedding_store", EmbeddingStore.of(self.embedding_store, "[serve] embedding_store"))
-        if self.embedding_cache_rows < 0:
-            raise ConfigError(f"[serve] embedding_cache_rows must be >= 0, got {self.embedding_cache_rows!r}")
         # every *_s (poll_s, the timeouts, retry-afters, flush periods) > 0 and at most a day: 0 or less pins a
         # core (poll_s), an infinite flush period kills the flush thread at its first wait (OverflowError), an
         # infinite retry-after never asks Redis again after one failure, an infinite timeout waits for ever
         check_durations("serve", self, max_s=MAX_DURATION_S)
         check_ports("serve", self)
-        if isinstance(self.max_active, bool) or not isinstance(self.max_active, int) or self.max_active < 0:
-            raise ConfigError(f"[serve] max_active must be an integer >= 0 (0: no bound), got {self.max_active!r}")
-        for name in ("max_connections", "max_in_flight", "max_request_values", "lookup_counts_flush_ids",
-                     "lookup_counts_max_pending"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"[serve] {name} must be > 0, got {getattr(self, name)!r}")
+        # every count and limit >= 1 (threads 0 was bumped to 1, max_candidates 0 refused every request); 0 means:
+        # max_active no bound, embedding_cache_rows no LRU (every non-hot row from Redis)
+        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows"))

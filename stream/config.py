@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Iterable
+import re
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from stream.errors import ConfigError
+from stream.errors import ConfigError, shown
 from stream.secrets import Secret, redact
 
 C = TypeVar("C", bound="Choice")
@@ -42,6 +43,34 @@ def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (
             raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")
 
 
+def check_counts(section: str, settings: Any, *, zero_ok: Collection[str] = (),
+                 at_most: Mapping[str, int] | None = None) -> None:
+    """The one check of a settings dataclass's counts: every ``int`` field (sizes, caps, windows in rows, attempts,
+    seeds) but the ports (:func:`check_ports`) and the ``*_s`` durations (:func:`check_durations`) must be an integer
+    >= 1, or >= 0 for the names in ``zero_ok`` (where 0 means none, off or no bound: each class says which), and at
+    most ``at_most[name]`` where a larger value breaks something. ``None`` passes where the field is optional (left
+    unset). A ``ConfigError`` otherwise: 0 or a negative count misbehaves late or silently (empty batches for ever,
+    ``list[:-0]`` pruning nothing, a whole batch trained as one step)."""
+    caps = dict(at_most or {})
+    counts = {}
+    for f in fields(settings):
+        text = str(f.type).replace(" ", "").replace("<class'int'>", "int")
+        if text in ("int", "int|None", "None|int", "Optional[int]") and not (
+                f.name == "port" or f.name.endswith(("_port", "_s"))):
+            counts[f.name] = text != "int"
+    unknown = (set(zero_ok) | set(caps)) - set(counts)
+    if unknown:  # a typo in a class's own list: a programming error, not a configuration one
+        raise TypeError(f"check_counts: {sorted(unknown)} are not count fields of {type(settings).__name__}")
+    for name, optional in counts.items():
+        value = getattr(settings, name)
+        if value is None and optional:
+            continue
+        low, cap = (0 if name in zero_ok else 1), caps.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (cap is not None and value > cap):
+            bound = f">= {low}" + (f" and <= {cap}" if cap is not None else "")
+            raise ConfigError(f"[{section}] {name} must be an integer {bound}, got {shown(value)}")
+
+
 def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
     """Every port setting of a settings dataclass (an int field named ``port`` or ``*_port``) is ``None`` (unset) or an
     integer in ``lowest``..65535 (0: the system picks a free port; ``lowest=1`` where a fixed port is needed). A
@@ -53,6 +82,20 @@ def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 65535:
             raise ConfigError(f"[{section}] {name} must be a port number {lowest}-65535, got {value!r}")
+
+
+def check_bootstrap_servers(servers: str) -> None:
+    """``[kafka] bootstrap_servers``: comma-separated ``host:port`` entries (``[v6 address]:port`` too), each with a
+    host and a port 1-65535, no scheme (the joiner's faust driver adds ``kafka://`` itself). A ``ConfigError``
+    otherwise, at start, rather than a client that retries an unparsable or empty address for ever."""
+    for entry in str(servers).split(","):
+        host, _, port = entry.strip().rpartition(":")
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not (bare.strip() and "/" not in bare and "@" not in bare and not any(c.isspace() for c in bare)
+                and port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+            raise ConfigError(f"[kafka] bootstrap_servers: {shown(entry.strip())} is not host:port (a host, a port "
+                              f"1-65535); give comma-separated entries like \"kafka-1:9092,kafka-2:9092\", got "
+                              f"{shown(servers)}")
 
 
 class Choice(str, enum.Enum):
@@ -164,6 +207,12 @@ class KafkaSettings:
             raise ConfigError(f"[kafka] extra: expected a table of librdkafka properties (key = value), "
                               f"got {type(self.extra).__name__}")
         set_(self, "extra", {k: str(v) for k, v in self.extra.items()})  # a copy: the caller's dict may change
+        check_bootstrap_servers(self.bootstrap_servers)
+        # librdkafka refuses a session timeout above its max.poll.interval.ms (300000 unless [kafka.extra] sets it;
+        # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
+        poll = self.extra.get("max.poll.interval.ms", "300000").strip()
+        cap = min(int(poll), 3_600_000) if poll.isascii() and poll.isdigit() and len(poll) < 10 else 3_600_000
+        check_counts("kafka", self, at_most={"session_timeout_ms": cap})  # partitions, replication_factor >= 1
         from stream.secrets import register
 
         for k, v in self.extra.items():  # sasl.oauthbearer.client.secret and the like: scrubbed from all output
@@ -249,6 +298,11 @@ class RedisSettings:
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"[redis] url: got {redact(self.url)!r}, expected redis://host:port/db, "
                               "rediss://host:port/db (TLS) or unix:///path/to/socket")
+        # redis-py reads the path as the db number and silently takes db 0 for one that is not a number ("/abc")
+        if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
+            raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "
+                              "redis://host:port/<db> with <db> an integer (nothing: db 0)")
+        check_counts("redis", self)  # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history)
         if (self.password or self.password_file is not None) and parts.password:
             raise ConfigError("[redis] password (or password_file / password_env) is set and url carries a password "
                               "too: give it one way (prefer password_file and a url without credentials)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stream.config import check_counts
 from stream.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -46,11 +47,7 @@ class EventLimits:
     future_ts_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_context_keys", "max_dense_keys", "max_key_len", "max_str_len",
-                     "max_list_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"[limits] {name}: got {value!r}, expected an integer >= 1")
+        check_counts("limits", self)  # every max_* >= 1
         ahead = self.future_ts_s  # finite: an infinite bound overflows future_ts_ms on every event with a broker time
         if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not (math.isfinite(ahead) and ahead >= 0):
             raise ConfigError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0")

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stream.config import check_durations, check_ports
+from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
 
 
@@ -42,6 +42,7 @@ class StackSettings:
     def __post_init__(self) -> None:
         check_durations("stack", self)
         check_ports("stack", self, lowest=1)  # the stack's services listen on fixed ports that clients are told
+        check_counts("stack", self)  # none today: any int setting added here is a count >= 1
 
 
 class StackError(StreamrecError, RuntimeError):

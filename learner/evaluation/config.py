@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from learner.config import LearnerSettings
+from stream.config import check_counts
 from stream.features import REQUEST_TIME, TIME_UNITS
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import POLICIES
@@ -133,6 +134,11 @@ class EvalOverrides:
     online_calibration: bool | None = None
     syn_impressions: int | None = None
     syn_base_ctr: float | None = None
+
+    def __post_init__(self) -> None:
+        # every count set >= 1 (embedding_dim 0 trained and reported an AUC for a dim-0 model); history_len 0: no
+        # history feature
+        check_counts("evaluate", self, zero_ok=("history_len",))
 
     def to_config(self) -> dict[str, Any]:
         """The set fields as :func:`resolve_config` overrides; raises ValueError on a malformed ``mlp``."""

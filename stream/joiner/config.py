@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stream.config import Choice, check_durations, check_ports
+from stream.config import Choice, check_counts, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -84,6 +84,10 @@ class JoinerSettings:
         # Python's automatic collector)
         check_durations("joiner", self, zero_ok=("gc_every_s", "elapsed_s", "allowed_lateness_s", "late_retention_s"))
         check_ports("joiner", self)
+        # every count >= 1, none has a meaning at 0 (batch_max 0: the kafka driver returned empty batches for ever);
+        # batch_max at most confluent-kafka's consume() limit, a samples message at most librdkafka's
+        # message.max.bytes (the producer's is this plus 64 KiB)
+        check_counts("joiner", self, at_most={"batch_max": 1_000_000, "max_sample_bytes": 1_000_000_000 - 65_536})
         if self.emission is EmissionPolicy.ES_DFM and not 0 <= self.elapsed_s <= self.attribution_window_s:
             raise ConfigError(f"[joiner] elapsed_s must be between 0 and attribution_window_s "
                               f"({self.attribution_window_s:g}), got {self.elapsed_s!r}")

@@ -94,6 +94,8 @@ class JoinConfig:
     elapsed_ms: int = 0  # es_dfm: how long an impression waits for its click before its OBSERVED sample
 
     def __post_init__(self) -> None:
+        if self.watermark_quorum < 1:  # [joiner] watermark_quorum is checked the same way (stream.config.check_counts)
+            raise ValueError(f"watermark_quorum must be >= 1, got {self.watermark_quorum}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.policy == "es_dfm" and not 0 <= self.elapsed_ms <= self.window_ms:
@@ -221,7 +223,7 @@ class PartitionJoin:
     def reached(self, kind: int, ts: Sequence[int] | np.ndarray) -> int | None:
         """The event time input ``kind`` is at once ``ts`` ((N,) int64) are read too (its ``watermark_quorum``-th
         largest; None: fewer events than that). For the hold-back of ``backpressure.hold_limits``; changes nothing."""
-        k = max(1, self.cfg.watermark_quorum)
+        k = self.cfg.watermark_quorum
         times = np.concatenate([np.asarray(self._top[kind], np.int64), np.asarray(ts, np.int64)])
         return int(np.partition(times, len(times) - k)[len(times) - k]) if len(times) >= k else None
 
@@ -231,7 +233,7 @@ class PartitionJoin:
         the rest."""
         # The k-th largest of the times so far passes ``limit`` exactly when k of them are past it: the first index
         # where the running count of times past ``limit`` (the held top-k's, then ts's) reaches k.
-        k = max(1, self.cfg.watermark_quorum)
+        k = self.cfg.watermark_quorum
         past = np.cumsum(np.asarray(ts, np.int64) > limit) + sum(t > limit for t in self._top[kind])
         first = int(np.searchsorted(past, k))  # ``past`` never decreases
         return min(first, len(ts))
@@ -273,7 +275,7 @@ class PartitionJoin:
 
         # Each input's time: the k-th largest of its times, over the batch at once (it never decreases as times are
         # added, and nothing in the loop below reads it, so its value after the batch is all that counts).
-        quorum = max(1, self.cfg.watermark_quorum)
+        quorum = self.cfg.watermark_quorum
         for kind in (IMPRESSIONS, CLICKS):
             if fresh[kind]:
                 times = np.fromiter(chain(self._top[kind], map(_TS_OF_EVENT, fresh[kind])), np.int64)  # (N,)
@@ -523,7 +525,7 @@ class PartitionJoin:
         self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
         for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
             if t is not None:
-                self._top[kind] = [t] * max(1, cfg.watermark_quorum)
+                self._top[kind] = [t] * cfg.watermark_quorum
         for imp_id in [i for i, t in self.waiting.items() if not t]:
             del self.waiting[imp_id]
         # Waiting clicks whose impression was added in a later chunk were joined there or are late.

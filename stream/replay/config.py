@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from stream.config import check_durations, check_ports
+from stream.config import check_counts, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -46,8 +46,9 @@ class ReplaySettings:
         # checked here, before anything connects or creates a topic: rate and speed finite and > 0
         check_durations("replay", self, zero_ok=("click_delay_median_s",), extra=("rate", "speed"))
         check_ports("replay", self)
-        if self.limit is not None and self.limit < 0:  # order[:-5] would replay all but the last 5
-            raise ConfigError(f"[replay] limit must be >= 0 (leave it out for everything), got {self.limit!r}")
+        # limit >= 0 (0: nothing; None: everything; order[:-5] would replay all but the last 5), seed >= 0 (numpy
+        # refuses a negative one), linger_ms 0 (send at once) to librdkafka's 900000
+        check_counts("replay", self, zero_ok=("limit", "seed", "linger_ms"), at_most={"linger_ms": 900_000})
         if not str(self.dataset).strip():
             raise ConfigError("[replay] dataset is empty: give ml-1m, ml-100k, synthetic or a file's path")
         if self.rate is not None and self.speed is not None:
@@ -85,3 +86,6 @@ class SyntheticSettings:
 
     def __post_init__(self) -> None:
         check_durations("synthetic", self, zero_ok=("new_user_session_s",))
+        # impressions, users, items, new_user_impressions, latent_dim >= 1; start_ts_ms >= 0 (the epoch); ids are
+        # drawn from 62 bits
+        check_counts("synthetic", self, zero_ok=("start_ts_ms",), at_most={"users": 2**62, "items": 2**62})

@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
                    help="default features: a rating >= 4 enters its user's history only S seconds after it, as a "
                    "click delay makes it enter the joiner's history later (default 0: at once; measures how "
                    "much the offline history's head start is worth)")
-    p.add_argument("--seed", type=int, default=42,
+    p.add_argument("--seed", type=count, default=42,
                    help="seed of the split, the epoch shuffles and the initial weights (default: %(default)s)")
     p.add_argument("--epochs", type=int, help="autoint: at most this many epochs (early stopping on valid AUC may "
                    "stop sooner); online always makes one pass")

@@ -28,9 +28,6 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
     rds = src.build(RedisSettings, "redis", url=args.redis_url)
     rs = src.build(RefreshSettings, "refresh", checkpoint_dir=args.checkpoint_dir, publish_root=args.publish_root,
                    format=args.format, schedule=args.schedule, timezone=args.timezone)
-    for name in ("days", "keep_versions", "redis_attempts", "probe_samples"):
-        if getattr(rs, name) < 1:
-            raise SettingsError(f"[refresh] {name}: got {getattr(rs, name)}, expected an integer >= 1")
     if args.allow_older and not args.now:
         raise SettingsError("--allow-older goes with --now (an operator's run)")
     if not (args.now or args.rollback or args.status):  # the scheduler's settings: checked only where used

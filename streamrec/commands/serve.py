@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    flag_names={"request_timeout_s": "--request-timeout", "keepalive_timeout_s": "--keepalive-timeout"})
     rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
     setup_logging(args.log_level)
-    torch.set_num_threads(max(1, ss.threads))
+    torch.set_num_threads(ss.threads)  # >= 1 (ServeSettings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

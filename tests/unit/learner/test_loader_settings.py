@@ -29,9 +29,10 @@ def test_pin_memory_on_without_cuda_is_refused_naming_the_setting() -> None:
         PinMemory.ON.resolve("cpu")
 
 
-@pytest.mark.parametrize("bad", [{"num_workers": -1}, {"prefetch_factor": 0}])
-def test_negative_workers_or_no_prefetch_are_refused(bad: dict[str, int]) -> None:
-    with pytest.raises(ConfigError, match=r"\[learner\] num_workers must be >= 0 and prefetch_factor >= 1"):
+@pytest.mark.parametrize("bad, message", [({"num_workers": -1}, r"num_workers must be an integer >= 0, got -1"),
+                                          ({"prefetch_factor": 0}, r"prefetch_factor must be an integer >= 1, got 0")])
+def test_negative_workers_or_no_prefetch_are_refused(bad: dict[str, int], message: str) -> None:
+    with pytest.raises(ConfigError, match=r"\[learner\] " + message):
         LearnerSettings(**bad)  # type: ignore[arg-type]
 
 

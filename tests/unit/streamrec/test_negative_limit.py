@@ -21,9 +21,9 @@ def test_a_negative_limit_flag_is_a_usage_error(argv: list[str], capsys: pytest.
 
 
 def test_a_negative_replay_limit_setting_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"\[replay\] limit must be >= 0"):
+    with pytest.raises(ConfigError, match=r"\[replay\] limit must be an integer >= 0, got -"):
         ReplaySettings(limit=-1)
-    with pytest.raises(SettingsError, match=r"\[replay\] limit must be >= 0"):
+    with pytest.raises(SettingsError, match=r"\[replay\] limit must be an integer >= 0, got -"):
         build(ReplaySettings, "replay", environ={"STREAMREC_REPLAY_LIMIT": "-5"})
     assert ReplaySettings(limit=0).limit == 0
 

@@ -1,0 +1,219 @@
+"""Every count setting (an ``int`` field that is not a port or a ``*_s`` duration) of every settings class is an
+integer >= 1, or >= 0 where 0 means none or off, checked once per class by ``stream.config.check_counts`` with a
+ConfigError (exit 2): 0 or a negative count misbehaved late or silently (``[joiner] batch_max = 0``: empty batches
+for ever; ``[learner] keep_checkpoints = 0``: ``list[:-0]`` never pruned; ``[serve] threads = 0`` bumped to 1)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_refresh.settings import RefreshSettings
+from learner.config import LearnerSettings
+from learner.evaluation.config import EvalOverrides
+from serving.settings import ServeSettings
+from stream.config import KafkaSettings, RedisSettings, check_counts
+from stream.errors import ConfigError
+from stream.joiner.config import JoinerSettings
+from stream.limits import EventLimits
+from stream.replay.config import ReplaySettings, SyntheticSettings
+from streamrec.settings import SettingsError, build
+from streamrec.stack import StackSettings
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# class -> (section, the counts where 0 is documented as meaningful). Every other count must be >= 1.
+CLASSES: dict[type, tuple[str, set[str]]] = {
+    KafkaSettings: ("kafka", set()),
+    RedisSettings: ("redis", set()),
+    JoinerSettings: ("joiner", set()),
+    ReplaySettings: ("replay", {"limit", "seed", "linger_ms"}),
+    SyntheticSettings: ("synthetic", {"start_ts_ms"}),
+    LearnerSettings: ("learner", {"id_capacity", "cold_k", "dedup_window", "num_workers", "max_fields", "seed"}),
+    ServeSettings: ("serve", {"max_active", "embedding_cache_rows"}),
+    RefreshSettings: ("refresh", {"hot_items", "hot_users", "small_field_rows", "holdout_messages"}),
+    StackSettings: ("stack", set()),
+    EventLimits: ("limits", set()),
+    EvalOverrides: ("evaluate", {"history_len"}),
+}
+
+
+def counts_of(cls: type) -> list[str]:
+    """The count fields of ``cls``, found independently of check_counts: int (or int | None) fields, not ports, not
+    durations."""
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in fields(cls) if hints[f.name] in (int, int | None)
+            and not (f.name == "port" or f.name.endswith(("_port", "_s")))]
+
+
+CASES = [(cls, name) for cls in CLASSES for name in counts_of(cls)]
+NOT_ZERO = [(cls, name) for cls, name in CASES if name not in CLASSES[cls][1]]
+ZERO_OK = [(cls, name) for cls, name in CASES if name in CLASSES[cls][1]]
+
+
+def test_the_table_covers_every_class_and_names_only_real_counts() -> None:
+    assert len(CASES) >= 70  # every settings class but the stack has counts
+    for cls, (_, zero_ok) in CLASSES.items():
+        assert zero_ok <= set(counts_of(cls)), (cls.__name__, zero_ok - set(counts_of(cls)))
+
+
+@pytest.mark.parametrize("value", [0, -1, -(10**6)])
+@pytest.mark.parametrize("cls, name", NOT_ZERO, ids=[f"{c.__name__}.{n}" for c, n in NOT_ZERO])
+def test_a_count_must_be_at_least_one(cls: Any, name: str, value: int) -> None:
+    section = CLASSES[cls][0]
+    with pytest.raises(ConfigError, match=rf"^\[{section}\] {name} must be an integer >= 1(?: and <= \d+)?, "
+                                          rf"got {value}$"):
+        cls(**{name: value})
+    assert getattr(cls(**{name: 1}), name) == 1
+
+
+@pytest.mark.parametrize("cls, name", ZERO_OK, ids=[f"{c.__name__}.{n}" for c, n in ZERO_OK])
+def test_a_count_where_zero_means_none_or_off_takes_zero_but_no_negative(cls: Any, name: str) -> None:
+    assert getattr(cls(**{name: 0}), name) == 0
+    with pytest.raises(ConfigError, match=rf"^\[{CLASSES[cls][0]}\] {name} must be an integer >= 0"):
+        cls(**{name: -1})
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "3"])
+def test_a_count_is_an_int_not_a_bool_float_or_text(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"\[joiner\] batch_max must be an integer >= 1"):
+        JoinerSettings(batch_max=value)
+
+
+def test_an_optional_count_may_be_left_unset_but_not_zero() -> None:
+    assert LearnerSettings(max_samples=None).max_samples is None and ReplaySettings(limit=None).limit is None
+    assert EvalOverrides().embedding_dim is None
+    with pytest.raises(ConfigError, match=r"\[learner\] max_samples must be an integer >= 1, got 0"):
+        LearnerSettings(max_samples=0)  # trained one batch and stopped
+
+
+@pytest.mark.parametrize("cls, changes", [
+    (JoinerSettings, {"batch_max": 1_000_001}),  # confluent-kafka's consume() takes at most 1M
+    (JoinerSettings, {"max_sample_bytes": 1_000_000_000 - 65_535}),  # the producer's message.max.bytes: <= 1e9
+    (ReplaySettings, {"linger_ms": 900_001}),  # librdkafka's linger.ms: 0..900000
+    (SyntheticSettings, {"users": 2**62 + 1}), (SyntheticSettings, {"items": 2**62 + 1}),  # 62-bit ids
+    (LearnerSettings, {"seed": 2**64}),  # torch.manual_seed: at most 2**64 - 1
+    (KafkaSettings, {"session_timeout_ms": 300_001}),  # over librdkafka's default max.poll.interval.ms
+    (KafkaSettings, {"session_timeout_ms": 3_600_001, "extra": {"max.poll.interval.ms": "86400000"}}),
+])
+def test_a_count_past_what_its_consumer_takes_is_refused(cls: Any, changes: dict[str, Any]) -> None:
+    name = next(iter(changes))
+    with pytest.raises(ConfigError, match=rf"{name} must be an integer >= [01] and <= \d+, got "):
+        cls(**changes)
+
+
+def test_the_largest_counts_that_work_are_accepted() -> None:
+    JoinerSettings(batch_max=1_000_000, max_sample_bytes=1_000_000_000 - 65_536)
+    ReplaySettings(linger_ms=900_000, seed=0)
+    SyntheticSettings(users=2**62, items=2**62, start_ts_ms=0)
+    LearnerSettings(seed=2**64 - 1)
+    KafkaSettings(session_timeout_ms=300_000)
+    KafkaSettings(session_timeout_ms=600_000, extra={"max.poll.interval.ms": "600000"})
+
+
+def test_a_count_from_the_environment_is_one_settings_error() -> None:
+    with pytest.raises(SettingsError, match=r"^\[joiner\] batch_max must be an integer >= 1 and <= 1000000, got 0$"):
+        build(JoinerSettings, "joiner", environ={"STREAMREC_JOINER_BATCH_MAX": "0"})
+    with pytest.raises(SettingsError, match=r"^\[learner\] keep_checkpoints must be an integer >= 1, got 0$"):
+        build(LearnerSettings, "learner", file_data={"learner": {"keep_checkpoints": 0}})
+    assert build(RefreshSettings, "refresh", environ={"STREAMREC_REFRESH_HOLDOUT_MESSAGES": "0"}).holdout_messages == 0
+
+
+def test_check_counts_refuses_a_zero_ok_name_that_is_no_count() -> None:
+    with pytest.raises(TypeError, match=r"not count fields of JoinerSettings"):
+        check_counts("joiner", JoinerSettings(), zero_ok=("batch_maxx",))
+
+
+# -- the refresh's durations and ports, which it did not check at all --
+
+@pytest.mark.parametrize("name, value", [("redis_backoff_s", -1.0), ("redis_timeout_s", 0.0), ("misfire_grace_s", 0),
+                                         ("misfire_grace_s", -1), ("holdout_timeout_s", math.inf),
+                                         ("validate_tolerance", -1.0), ("validate_tolerance", math.nan)])
+def test_refresh_durations_and_tolerance_are_finite_and_not_negative(name: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=rf"\[refresh\] {name} must be a finite number"):
+        RefreshSettings(**{name: value})
+
+
+def test_refresh_zero_backoff_and_tolerance_mean_at_once_and_exact_and_a_negative_auc_drop_demands_a_gain() -> None:
+    RefreshSettings(redis_backoff_s=0.0, validate_tolerance=0.0, max_auc_drop=-0.01, max_int8_auc_drop=-1.0)
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+def test_refresh_metrics_port_is_range_checked(port: int) -> None:
+    with pytest.raises(ConfigError, match=rf"\[refresh\] metrics_port must be a port number 0-65535, got {port}"):
+        RefreshSettings(metrics_port=port)
+
+
+# -- [kafka] bootstrap_servers and [redis] url --
+
+@pytest.mark.parametrize("servers", ["127.0.0.1:19092", "kafka-1:9092, kafka-2:9092", "[::1]:9092", "env:2",
+                                     "broker.example.com:65535"])
+def test_bootstrap_servers_of_host_port_entries_are_accepted(servers: str) -> None:
+    assert KafkaSettings(bootstrap_servers=servers).bootstrap_servers == servers
+
+
+@pytest.mark.parametrize("servers", ["", " ", "kafka", "kafka:", ":9092", "kafka:0", "kafka:70000", "kafka:-1",
+                                     "a:1,,b:2", "a:1,", "kafka://h:9092", "h:abc", "my host:9092", "[]:9092",
+                                     "h:\u0661\u0662"])
+def test_bootstrap_servers_that_are_not_host_port_entries_are_refused(servers: str) -> None:
+    with pytest.raises(ConfigError, match=r"^\[kafka\] bootstrap_servers: .* is not host:port"):
+        KafkaSettings(bootstrap_servers=servers)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:47001/abc", "redis://h:1/-1", "redis://h:1/3/4",
+                                 "rediss://h:1/x"])
+def test_a_redis_url_whose_path_is_no_db_number_is_refused(url: str) -> None:
+    with pytest.raises(ConfigError, match=r"^\[redis\] url: the path of .* is not a database number"):
+        RedisSettings(url=url)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:16379/0", "redis://h:1/15", "redis://h:1/", "redis://h:1",
+                                 "redis://h:1/%33", "unix:///run/redis.sock"])
+def test_a_redis_url_with_a_db_number_or_none_is_accepted(url: str) -> None:
+    assert RedisSettings(url=url).url == url
+
+
+# -- the library guards under the settings: a zero that slips past them fails loudly, not silently --
+
+def test_library_guards_refuse_what_the_settings_refuse(tmp_path: Path) -> None:
+    from cache_refresh.publish import publish
+    from learner import checkpoint
+    from stream.joiner.engine import JoinConfig
+
+    with pytest.raises(ValueError, match="checkpoint keep must be >= 1, got 0"):
+        checkpoint.save(tmp_path / "ckpt", {}, {"samples_trained": 0}, keep=0)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything is written
+    with pytest.raises(ValueError, match="publish keep must be >= 1, got 0"):
+        publish(tmp_path / "root", tmp_path / "staged", keep=0)
+    with pytest.raises(ValueError, match="watermark_quorum must be >= 1, got 0"):
+        JoinConfig(watermark_quorum=0)
+
+
+# -- end to end: the CLI stops at start with exit 2 and one line naming the setting --
+
+def run_cli(argv: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMREC_")}
+    return subprocess.run([sys.executable, "-m", "streamrec.cli", *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**clean, "PYTHONPATH": str(ROOT), **env})
+
+
+def test_join_with_batch_max_0_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = run_cli(["join", "--driver", "kafka"], {"STREAMREC_JOINER_BATCH_MAX": "0"}, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "streamrec join: error: [joiner] batch_max must be an integer >= 1 and <= 1000000, got 0"]
+
+
+def test_evaluate_with_embedding_dim_0_exits_2_before_training(tmp_path: Path) -> None:
+    proc = run_cli(["evaluate", "--protocol", "online", "--embedding-dim", "0"], {}, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "streamrec evaluate: error: [evaluate] embedding_dim must be an integer >= 1, got 0"]
