@@ -13,7 +13,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +94,12 @@ def _who(kafka: KafkaSettings) -> str:
     return f"Kafka at {kafka.bootstrap_servers} ({how})"
 
 
-def _probe(conf: dict[str, Any], timeout_s: float) -> tuple[bool, list[KafkaError]]:
-    """Connect with ``conf`` (silently) until metadata comes, a refusal is reported, or ``timeout_s``."""
+_PROPERTY = re.compile(r'configuration property:? "([^"]+)"')
+
+
+def _probe(conf: dict[str, Any], timeout_s: float, extra: Collection[str] = ()) -> tuple[bool, list[KafkaError]]:
+    """Connect with ``conf`` (silently) until metadata comes, a refusal is reported, or ``timeout_s``. ``extra``:
+    the properties of ``conf`` that came from ``[kafka.extra]``, to say so when librdkafka rejects one."""
     errors: list[KafkaError] = []
     silent: dict[str, Any] = {**conf, "log_level": 0, "error_cb": errors.append}
     try:
@@ -103,6 +107,10 @@ def _probe(conf: dict[str, Any], timeout_s: float) -> tuple[bool, list[KafkaErro
     except KafkaException as exc:  # a property librdkafka rejects: a CA file that holds no certificate, say
         err = exc.args[0]
         if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
+            prop = _PROPERTY.search(err.str())
+            if prop and prop.group(1) in extra:
+                raise ConfigError(f"[kafka.extra] (STREAMREC_KAFKA_EXTRA) {prop.group(1)}: {err.str()}; the table "
+                                  "passes librdkafka properties as they are (librdkafka's CONFIGURATION.md)") from None
             raise ConfigError(f"[kafka] a security setting cannot be used: {err.str()}") from None
         raise
     deadline = time.monotonic() + timeout_s
@@ -149,7 +157,7 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
         if key in _access_ok or time.monotonic() - _access_undecided.get(key, -UNDECIDED_FOR_S) < UNDECIDED_FOR_S:
             return
         base = {"bootstrap.servers": kafka.bootstrap_servers, "client.id": f"{kafka.client_id}-access-check"}
-        ok, errors = _probe({**base, **_security(kafka)}, timeout_s)
+        ok, errors = _probe({**base, **_security(kafka)}, timeout_s, kafka.extra)
         if ok:
             _access_ok.add(key)
             return
