@@ -533,6 +533,40 @@ def _current_name(root: Path) -> str | None:
         return None
 
 
+def status(root: Path) -> dict[str, Any]:
+    """``streamrec refresh --status``: the live version and its manifest summary, the rollback pin, the last run it
+    held back; ``error`` says why there is no live version where something is wrong (a missing publish root, a
+    CURRENT naming a version that is gone, a broken artifact), None for a root where nothing is published yet."""
+    if not root.is_dir():
+        return {"publish_root": str(root), "current": None, "versions": [], "last_success": None, "pinned": None,
+                "last_pin_held": None, "error": f"publish root {root} "
+                f"{'is not a directory' if root.exists() else 'does not exist'}: check --publish-root / [refresh] "
+                "publish_root (nothing was published there)"}
+    last = read_last_success(root)
+    pin = artifact.read_pin(root)
+    held = read_last_run(root).get("pin_held")
+    out: dict[str, Any] = {"publish_root": str(root), "current": None, "versions": artifact.list_versions(root),
+                           "last_success": last.isoformat() if last else None, "pinned": None,
+                           "last_pin_held": held if isinstance(held, dict) else None, "error": None}
+    try:
+        current = artifact.read_current(root)
+        out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
+        if current is not None:
+            m = artifact.read_manifest(current)
+            out["current"] = current.name
+            out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
+                               "source": {k: m["source"].get(k)
+                                          for k in ("checkpoint", "samples_trained", "offsets", "lineage")},
+                               "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
+    except artifact.ArtifactError as exc:  # the status of a broken publish root is that error
+        out["current"], out["error"] = None, str(exc)
+    if pin is not None and (pin.problem is not None or (out["current"] is not None and pin.holds(out["current"]))):
+        out["pinned"] = {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
+                         "deltas": "paused until an operator publishes (`streamrec refresh --now`)",
+                         "scheduled_runs": "build and validate but do not publish while the pin holds"}
+    return out
+
+
 def dangling_current(root: Path) -> str | None:
     """Why there is no live version although ``CURRENT`` names one (the version is gone), else None."""
     try:

@@ -320,6 +320,8 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     versions = [v for v in list_versions(root) if is_version_name(v)]
     current = current_version(root)
     older = [v for v in versions if current is None or v < current]
+    if not older and current is None:  # then no version at all: older holds every one
+        raise ArtifactError(f"nothing to roll back to: no version is published in {versions_dir(root)}")
     if not older:
         raise ArtifactError(f"no version older than {current!r} in {versions_dir(root)} to roll back to "
                             f"(published: {versions or 'none'})")

@@ -44,6 +44,7 @@ from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink
+from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.expr import Labels, Point, Window, labels_of
 from monitor.rules import Rule, RulesConfig, RunLogSettings
 
@@ -307,6 +308,34 @@ class RuleEngine:
                                          rule.condition, rule.for_s))
         return rows
 
+
+def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
+    """Scrape every source once and evaluate every rule once: the summary (every rule's state, the scrape
+    errors) and the exit status (``ONCE_*``). Sends nothing."""
+    engine = RuleEngine(config.rules, config.history_s)
+    snap = Scraper(config.sources, config.scrape_timeout_s).scrape()
+    engine.evaluate(snap, time.time())
+    rows = engine.status()
+    summary = {"rules_file": config.origin, "sources": dict(config.sources), "scrape_errors": snap.errors,
+               "rules": [r.as_dict() for r in rows]}
+    if snap.errors:
+        return summary, ONCE_SCRAPE_FAILED
+    holds = any(r.state in (State.PENDING, State.FIRING) for r in rows)
+    return summary, ONCE_CONDITION_HOLDS if holds else ONCE_OK
+
+
+def once_text(d: dict[str, Any]) -> str:
+    """``evaluate_once``'s summary for a terminal: the sources, each failed scrape, one line per rule state."""
+    lines = [f"rules: {d['rules_file']}", "sources: " + (", ".join(f"{k}={v}" for k, v in d["sources"].items())
+                                                         or "none")]
+    for name, err in d.get("scrape_errors", {}).items():
+        lines.append(f"  scrape of {name} failed: {err}")
+    for r in d["rules"]:
+        lbl = ",".join(f'{k}="{v}"' for k, v in sorted(r["labels"].items()))
+        value = "no data" if r["value"] is None else r["value"]
+        lines.append(f"  {r['state']:<9} {r['severity']:<8} {r['rule']}{{{lbl}}} value={value}  "
+                     f"[{r['condition']} for {r['for_s']:g}s]")
+    return "\n".join(lines)
 
 # -- run log ----------------------------------------------------------------------------------------
 def _json_value(v: float | None) -> float | str | None:

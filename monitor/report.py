@@ -29,6 +29,7 @@ import html
 import io
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -36,12 +37,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from stream.errors import StreamrecError
+
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
 
 
 class ReportError(ValueError):
     """A run log or summary that cannot be read, or matplotlib missing; the message says which and why."""
+
+
+class FollowError(StreamrecError):
+    """``--follow`` has nothing to follow: the process is not running, or the run log never appeared while it ran."""
 
 
 # -- reading ------------------------------------------------------------------------------------------------
@@ -900,12 +907,18 @@ def _plain(v: Any) -> str:
 
 def write_report(inp: Inputs, out: str | Path) -> list[Section]:
     """Build every section and write the HTML (PNGs embedded as base64: one self-contained file)."""
-    sections = build_sections(inp)
     out = Path(out)
+    if out.is_dir():
+        raise ReportError(f"{out} is a directory: give a file to write, such as {out / 'report.html'}")
+    sections = build_sections(inp)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render_html(inp, sections), encoding="utf-8")
-    tmp.replace(out)
+    try:
+        tmp.write_text(render_html(inp, sections), encoding="utf-8")
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written or unplaceable report is not left behind
+        raise
     return sections
 
 
@@ -960,6 +973,7 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
     recent: list[tuple[float, list[Sample]]] = []  # rates over the last ~10 s: a gauge set once a second and
     # scraped once a second would otherwise read 0/s between two of its updates
     tail = ""
+    appeared = said_waiting = False
     while True:
         running = alive()
         try:
@@ -970,8 +984,14 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
                 f.seek(pos)
                 chunk = f.read()
                 pos = f.tell()
+            appeared = True
         except OSError:
             chunk = ""
+            if not appeared and not said_waiting and running:
+                out.write(f"waiting for the run log {path} (streamrec monitor writes it: [run_log] path in its "
+                          "rules file)\n")
+                out.flush()
+                said_waiting = True
         tail += chunk
         *lines, tail = tail.split("\n")
         for line in _scrapes_of(lines, source):
@@ -990,7 +1010,40 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
     if last and (tty or last != printed):
         out.write(("\r\033[K" if tty else "") + last + "\n")
         out.flush()
+    if not appeared:
+        raise FollowError(f"the run log {path} never appeared: is streamrec monitor running with [run_log] "
+                          f"path = {str(path)!r} in its rules file?")
     return seen
+
+
+def process_alive(pid: int | None) -> Callable[[], bool]:
+    """Whether process ``pid`` still runs (a zombie has ended); always true without a pid."""
+    def alive() -> bool:
+        if pid is None:
+            return True
+        if pid <= 0:  # kill(0 or -n) signals a process group: no process of that number
+            return False
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, OverflowError):
+            return False
+        except PermissionError:  # another user's process
+            return True
+        try:  # a zombie: ended, not yet reaped
+            return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+        except (OSError, IndexError):
+            return True
+
+    return alive
+
+
+def follow_process(path: str | Path, source: str, pid: int | None, out: IO[str]) -> int:
+    """:func:`follow` while process ``pid`` runs (for ever without one); a ``pid`` not running at the start is a
+    :class:`FollowError`, not a silent exit."""
+    alive = process_alive(pid)
+    if not alive():
+        raise FollowError(f"--pid {pid}: no such process is running (it has ended, or never ran): nothing to follow")
+    return follow(path, source, alive, out)
 
 
 def _scrapes_of(lines: Iterable[str], source: str) -> Iterator[tuple[float, list[Sample]]]:

@@ -7,13 +7,14 @@ comes from idempotent producing, waiting for acknowledgements, and offsets store
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,12 @@ def _who(kafka: KafkaSettings) -> str:
     return f"Kafka at {kafka.bootstrap_servers} ({how})"
 
 
-def _probe(conf: dict[str, Any], timeout_s: float) -> tuple[bool, list[KafkaError]]:
-    """Connect with ``conf`` (silently) until metadata comes, a refusal is reported, or ``timeout_s``."""
+_PROPERTY = re.compile(r'configuration property:? "([^"]+)"')
+
+
+def _probe(conf: dict[str, Any], timeout_s: float, extra: Collection[str] = ()) -> tuple[bool, list[KafkaError]]:
+    """Connect with ``conf`` (silently) until metadata comes, a refusal is reported, or ``timeout_s``. ``extra``:
+    the properties of ``conf`` that came from ``[kafka.extra]``, to say so when librdkafka rejects one."""
     errors: list[KafkaError] = []
     silent: dict[str, Any] = {**conf, "log_level": 0, "error_cb": errors.append}
     try:
@@ -103,6 +108,10 @@ def _probe(conf: dict[str, Any], timeout_s: float) -> tuple[bool, list[KafkaErro
     except KafkaException as exc:  # a property librdkafka rejects: a CA file that holds no certificate, say
         err = exc.args[0]
         if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
+            prop = _PROPERTY.search(err.str())
+            if prop and prop.group(1) in extra:
+                raise ConfigError(f"[kafka.extra] (STREAMREC_KAFKA_EXTRA) {prop.group(1)}: {err.str()}; the table "
+                                  "passes librdkafka properties as they are (librdkafka's CONFIGURATION.md)") from None
             raise ConfigError(f"[kafka] a security setting cannot be used: {err.str()}") from None
         raise
     deadline = time.monotonic() + timeout_s
@@ -149,9 +158,10 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
         if key in _access_ok or time.monotonic() - _access_undecided.get(key, -UNDECIDED_FOR_S) < UNDECIDED_FOR_S:
             return
         base = {"bootstrap.servers": kafka.bootstrap_servers, "client.id": f"{kafka.client_id}-access-check"}
-        ok, errors = _probe({**base, **_security(kafka)}, timeout_s)
+        ok, errors = _probe({**base, **_security(kafka)}, timeout_s, kafka.extra)
         if ok:
             _access_ok.add(key)
+            _unreached.pop(kafka.bootstrap_servers, None)
             return
         refused = _refusal(errors)
         p = kafka.security_protocol
@@ -167,6 +177,9 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
             raise KafkaAccessError(f"{_who(kafka)} refused the connection: {_text(refused)}; {fix}")
         if not _dropped(errors):
             _access_undecided[key] = time.monotonic()  # down, unreachable or slow: not ours to judge
+            why = next((re.sub(r"^[^ ]+/bootstrap: ", "", _text(e)) for e in errors if _unreachable([e])), None)
+            if why:  # ... but the error line a caller's timeout ends in says it (describe_error)
+                _unreached[kafka.bootstrap_servers] = why
             return
         # The broker accepted the connection and dropped it: find out whether it wants TLS or SASL. A diagnosis
         # is reported only if the settings still fail after it (a broker shutting down drops connections too).
@@ -200,11 +213,68 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
             raise KafkaAccessError(f"{_who(kafka)}: {diagnosis}")
 
 
+# -- a broker that cannot be reached ---------------------------------------------------------------------------
+# librdkafka logs a failed connection on every reconnect (some 20 lines a second while a broker is down) and the
+# call waiting on it ends in "KafkaError{code=_TRANSPORT,...}", which names neither the address nor the setting.
+# So clients log through Python logging (served when they are polled), where repeats are held back, and the
+# error line that reaches the command line says which broker, why, and what to set (describe_error).
+_unreached: dict[str, str] = {}  # bootstrap servers the access check could not connect to -> why
+_servers_in_use: list[str] = []  # of the last client built here
+_UNREACHED_CODES = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE, KafkaError._TIMED_OUT)
+REPEAT_EVERY_S = 60.0
+# what differs between two reports of one failure: the client's name, the timing, librdkafka's own count
+_SAME_LINE = re.compile(r" \[[^]\s]*#[^]\s]*\]"
+                        r"|\s*\(after \d+ms in state \w+(?:, \d+ identical error\(s\) suppressed)?\)$")
+
+
+class _HoldRepeats(logging.Filter):
+    """Pass a librdkafka line, then hold back the same line (a broker's connection failure) for REPEAT_EVERY_S;
+    the next one to pass says how many were held back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, tuple[float, int]] = {}  # line -> (monotonic time it last passed, held back since)
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        line = _SAME_LINE.sub("", record.getMessage())
+        now = time.monotonic()
+        with self._lock:
+            passed, held = self._last.get(line, (-math.inf, 0))
+            if now - passed < REPEAT_EVERY_S:
+                self._last[line] = (passed, held + 1)
+                return False
+            self._last[line] = (now, 0)
+        if held:
+            record.msg, record.args = f"{record.getMessage()} ({held} more like it held back)", ()
+        return True
+
+
+librdkafka_log = logging.getLogger("streamrec.kafka.librdkafka")
+librdkafka_log.addFilter(_HoldRepeats())
+
+
+def describe_error(exc: KafkaException) -> str:
+    """The error line for a KafkaException that ends a command: one the broker's absence explains (transport
+    failure, all brokers down, a name that does not resolve, a timeout) names the bootstrap servers, what the access
+    check saw when it tried to connect, and the setting; any other as it is."""
+    err = exc.args[0] if exc.args else None
+    if not isinstance(err, KafkaError) or err.code() not in _UNREACHED_CODES or not _servers_in_use:
+        return str(exc)
+    servers = _servers_in_use[-1]
+    why = f" cannot be reached ({_unreached[servers]})" if servers in _unreached else ""
+    return (f"Kafka at {servers}{why}: {err.str()}; is the broker up, and is that the right address? "
+            "([kafka] bootstrap_servers / --bootstrap-servers)")
+
+
 def _client(kafka: KafkaSettings, conf: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     """``conf``, then the caller's ``extra`` properties, then the security ones (see :func:`_security`),
-    after :func:`check_access` found that the broker takes them."""
+    after :func:`check_access` found that the broker takes them. librdkafka's log lines go to
+    ``streamrec.kafka.librdkafka`` (repeats held back) unless ``extra`` names its own ``logger``."""
     security = _security(kafka)
     check_access(kafka)
+    _servers_in_use[:] = [kafka.bootstrap_servers]
+    conf["logger"] = librdkafka_log
     conf.update(extra)
     conf.update(security)
     return conf

@@ -4,11 +4,12 @@ sources and builds the dataclasses; this module only converts). Errors name wher
 
 from __future__ import annotations
 
+import difflib
 import enum
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,25 @@ def coerce(tp: Any, raw: Any, where: str) -> Any:
     except (ValueError, TypeError, OverflowError) as exc:
         raise SettingsError(f"{where}: cannot use {shown(raw)}: {exc}") from None
     raise SettingsError(f"{where}: unsupported setting type {tp!r}")
+
+
+def check_environment_sections(environ: Mapping[str, str], prefix: str, sections: Sequence[str],
+                               fields: Callable[[], Mapping[str, Collection[str]]], cutoff: float = 0.75) -> None:
+    """Refuse a ``<prefix><WORD>_...`` variable that settings will never read because WORD misspells a section
+    (``STREAMREC_KAFAK_BOOTSTRAP_SERVERS``), or that leaves the section out (``STREAMREC_BOOTSTRAP_SERVERS``).
+    ``fields()`` (called only for a variable that names no section) gives each section's keys. Other variables
+    under the prefix (``STREAMREC_TEST_KILL_AT``: nothing like a section, at most 0.5 similar) are not settings
+    and stay allowed."""
+    known = {s.upper() for s in sections}
+    for var in sorted(environ):
+        if not var.startswith(prefix) or var[len(prefix):].split("_", 1)[0] in known:
+            continue
+        word, _, rest = var[len(prefix):].partition("_")
+        close = difflib.get_close_matches(word.lower(), sections, n=1, cutoff=cutoff)
+        if close and rest:
+            raise SettingsError(f"environment: {var} is not read: {word} is not a settings section; did you mean "
+                                f"{prefix}{close[0].upper()}_{rest}? (sections: {', '.join(map(str.upper, sections))})")
+        owners = [s for s, keys in fields().items() if var[len(prefix):].lower() in keys]
+        if owners:
+            raise SettingsError(f"environment: {var} is not read: it names no section; did you mean "
+                                + " or ".join(f"{prefix}{s.upper()}_{var[len(prefix):]}" for s in owners) + "?")

@@ -42,7 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (StreamrecError, KafkaException, TimeoutError) as exc:
-        print(f"streamrec {args.command}: error: {redact(str(exc))}", file=sys.stderr)
+        from stream.kafka import describe_error  # a broker that cannot be reached: which one, and the setting
+
+        text = describe_error(exc) if isinstance(exc, KafkaException) else str(exc)
+        print(f"streamrec {args.command}: error: {redact(text)}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130

@@ -30,7 +30,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, shown
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
-from stream.setting_values import SettingsError, coerce_field, resolve_secrets
+from stream.setting_values import SettingsError, check_environment_sections, coerce_field, resolve_secrets
 from streamrec.stack import StackSettings
 
 if sys.version_info >= (3, 11):
@@ -76,6 +76,18 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise SettingsError(f"config file {p}: unknown section [{unknown[0]}]{hint} (known sections: "
                             f"{', '.join(f'[{s}]' for s in SECTIONS)})")
     return data
+
+
+def _section_keys() -> dict[str, set[str]]:
+    """Each section's keys (imported here only when a STREAMREC_ variable names no section: they cost 0.3 s)."""
+    from cache_refresh.settings import RefreshSettings
+    from learner.evaluation.config import EvalOverrides
+    from serving.settings import ServeSettings
+    from stream.limits import EventLimits
+
+    classes = (KafkaSettings, RedisSettings, StackSettings, ReplaySettings, SyntheticSettings, JoinerSettings,
+               LearnerSettings, ServeSettings, RefreshSettings, EventLimits, EvalOverrides)
+    return {s: {f.name for f in dataclasses.fields(c)} for s, c in zip(SECTIONS, classes, strict=True)}
 
 
 def build(
@@ -143,6 +155,9 @@ class Sources:
 
     file_data: dict[str, Any] = field(default_factory=dict)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def __post_init__(self) -> None:  # STREAMREC_KAFAK_* would never be read: an error, as [kafak] in the file is
+        check_environment_sections(self.environ, ENV_PREFIX, SECTIONS, _section_keys)
 
     def build(self, cls: type[T], section: str, *, flag_names: Mapping[str, str] | None = None,
               **overrides: Any) -> T:

@@ -9,52 +9,8 @@ import sys
 import threading
 from typing import Any
 
+from monitor.cli_text import ONCE_EXIT_HELP, RULES_HELP
 from streamrec.commands.common import add_common, add_kafka_flag, seconds, setup_logging, tcp_port
-
-RULES_HELP = """\
-rules file (TOML):
-  interval_s = 15                       # seconds between evaluations (default 15)
-  [sources]                             # Prometheus /metrics endpoints, by name
-  learner = "http://127.0.0.1:9102/metrics"
-  [sinks]
-  log = true                            # one log line per alert on stderr
-  kafka_topic = "alerts"                # optional; key = rule name, value = alert JSON
-  webhook_url = "http://host/hook"      # optional; POST each alert as JSON
-  webhook_timeout_s = 5                 # one POST, connect to answer, in total (kafka_timeout_s = 10)
-  queue_size = 1000                     # alerts waiting per sink; beyond it the oldest are dropped
-  retry_backoff_s = 0.5                 # after a failed attempt; doubles per failure in a row ...
-  retry_backoff_max_s = 30              # ... up to this; undelivered alerts stay queued until delivered
-  close_timeout_s = 10                  # at shutdown, keep delivering this long, then report the rest
-
-  [[rule]]
-  name = "cold_start_share"             # unique
-  expr = 'streamrec_learner_bucket_share{field="user_id"}'
-  op = ">"                              # > >= < <= == != isnan
-  threshold = 0.5                       # (not with isnan)
-  for_s = 300                           # must hold this long before firing
-  severity = "warning"                  # info | warning | critical
-  description = "New users mostly served by hash buckets"
-  labels = { team = "ranking" }         # optional
-  absent_for_s = 600                    # optional: fire when expr has no data this long
-
-expressions: metric names, label selectors {l="v", l!="v", l=~"re", l!~"re"}, numbers, + - * /,
-  parentheses, sum/max/min/avg/count [by (l, ...)] (expr), rate/increase/delta(metric[60s]), abs(expr).
-  e.g. streamrec_learner_warm_auc - streamrec_learner_cold_auc
-       max by (field) (streamrec_learner_bucket_share)
-       rate(streamrec_learner_nan_losses_total[60s])
-  Vectors combine series with equal labels. A metric no source exports is "no data" (never fires).
-  NaN compares false with every op; use op = "isnan" to alert on NaN.
-
-alerts (JSON, same on every sink): {"rule", "source", "severity", "state": "firing"|"resolved",
-  "value", "threshold", "message", "ts" (ms), "labels"}. One "firing" when a condition has held for
-  for_s, one "resolved" when it stops holding. Each sink has its own queue and thread: a dead or slow
-  sink never delays evaluation or the other sinks; failed deliveries are retried with backoff.
-
-examples:
-  streamrec monitor --once                      # default rules, evaluate once, print rule states
-  streamrec monitor --rules my-rules.toml --check
-  streamrec monitor --source learner=http://learner:9102/metrics --metrics-port 9104
-"""
 
 
 def add_parser(sub: Any) -> None:
@@ -66,12 +22,14 @@ def add_parser(sub: Any) -> None:
         "packaged default rules (cold-start bucket share, cold-user AUC gap, NaN losses, learner lag; the same "
         "file as compose/alert-rules.toml). Runs until SIGTERM/SIGINT; --once evaluates once, prints every "
         "rule's state and sends nothing. A rules file with a mistake is an error naming the rule and field "
-        "(exit 2).",
+        f"(exit 2). --once's {ONCE_EXIT_HELP}.",
         epilog=RULES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rules", metavar="FILE", help="alert rules file (default: the packaged default rules)")
     p.add_argument("--once", action="store_true", help="evaluate once, print the rule states, send nothing, "
-                   "exit (rate/increase/delta need two scrapes, so they show no data here)")
-    p.add_argument("--check", action="store_true", help="only validate the rules file and print its rules")
+                   "exit (rate/increase/delta need two scrapes, so they show no data here); exit 0 all clear, 1 a "
+                   "scrape failed, 3 a rule's condition holds")
+    p.add_argument("--check", action="store_true", help="only validate the rules file and the settings the monitor "
+                   "would use (--config, STREAMREC_KAFKA_*), and print its rules")
     p.add_argument("--interval", type=seconds, metavar="SECONDS", help="seconds between evaluations "
                    "(default: interval_s of the rules file)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=URL",
@@ -103,27 +61,16 @@ def _with_sources(config: Any, flags: list[str]) -> Any:
     return dataclasses.replace(config, sources=sources)
 
 
-def _rows_human(d: dict[str, Any]) -> str:
-    lines = [f"rules: {d['rules_file']}", "sources: " + (", ".join(f"{k}={v}" for k, v in d["sources"].items())
-                                                         or "none")]
-    for name, err in d.get("scrape_errors", {}).items():
-        lines.append(f"  scrape of {name} failed: {err}")
-    for r in d["rules"]:
-        lbl = ",".join(f'{k}="{v}"' for k, v in sorted(r["labels"].items()))
-        value = "no data" if r["value"] is None else r["value"]
-        lines.append(f"  {r['state']:<9} {r['severity']:<8} {r['rule']}{{{lbl}}} value={value}  "
-                     f"[{r['condition']} for {r['for_s']:g}s]")
-    return "\n".join(lines)
-
-
 def cmd_monitor(args: argparse.Namespace) -> int:
-    from monitor.engine import Monitor, RuleEngine, Scraper
+    from monitor.engine import Monitor, evaluate_once, once_text
     from monitor.rules import load_rules
     from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
 
     config = _with_sources(load_rules(args.rules), args.source)
     if args.interval is not None:  # checked by seconds()
         config = dataclasses.replace(config, interval_s=args.interval)
+    src = sources(args)  # in every mode: --check and --once stop on what the daemon would stop on (exit 2)
+    kafka = kafka_settings(args, src) if config.sinks.kafka_topic else None
     setup_logging(args.log_level)
     if args.check:
         summary = {"rules_file": config.origin, "sources": dict(config.sources),
@@ -134,19 +81,12 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             f"  {r['severity']:<8} {r['name']}: {r['condition']} for {r['for_s']:g}s" for r in d["rules"]))
         return EXIT_OK
     if args.once:
-        import time
-
-        engine = RuleEngine(config.rules, config.history_s)
-        snap = Scraper(config.sources, config.scrape_timeout_s).scrape()
-        engine.evaluate(snap, time.time())
-        summary = {"rules_file": config.origin, "sources": dict(config.sources), "scrape_errors": snap.errors,
-                   "rules": [s.as_dict() for s in engine.status()]}
-        emit(args, summary, _rows_human)
-        return EXIT_OK
+        summary, status = evaluate_once(config)
+        emit(args, summary, once_text)
+        return status
 
     from monitor.alerts import build_sinks
 
-    kafka = kafka_settings(args, sources(args)) if config.sinks.kafka_topic else None
     if args.metrics_port is not None:  # before the sinks start their threads: a failed bind leaves none running
         from streamrec.commands.common import start_metrics
 

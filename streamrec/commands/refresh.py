@@ -36,35 +36,6 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
     return rs, kafka, rds
 
 
-def _status(rs: RefreshSettings) -> dict[str, Any]:
-    from cache_refresh.job import dangling_current, read_last_run, read_last_success
-    from learner import artifact
-    root = Path(rs.publish_root)
-    last = read_last_success(root)
-    pin = artifact.read_pin(root)
-    held = read_last_run(root).get("pin_held")
-    out: dict[str, Any] = {"publish_root": str(root), "current": None, "versions": artifact.list_versions(root),
-                           "last_success": last.isoformat() if last else None, "pinned": None,
-                           "last_pin_held": held if isinstance(held, dict) else None, "error": None}
-    try:
-        current = artifact.read_current(root)
-        out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
-        if current is not None:
-            m = artifact.read_manifest(current)
-            out["current"] = current.name
-            out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
-                               "source": {k: m["source"].get(k)
-                                          for k in ("checkpoint", "samples_trained", "offsets", "lineage")},
-                               "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
-    except artifact.ArtifactError as exc:  # the status of a broken publish root is that error
-        out["current"], out["error"] = None, str(exc)
-    if pin is not None and (pin.problem is not None or (out["current"] is not None and pin.holds(out["current"]))):
-        out["pinned"] = {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
-                         "deltas": "paused until an operator publishes (`streamrec refresh --now`)",
-                         "scheduled_runs": "build and validate but do not publish while the pin holds"}
-    return out
-
-
 def cmd_refresh(args: argparse.Namespace) -> int:
     from streamrec.commands.common import emit, kv_lines
 
@@ -75,7 +46,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from learner import artifact
     from learner.tensorpack import load_signing_key
     if args.status:
-        st = _status(rs)
+        st = job.status(Path(rs.publish_root))
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--publish-root", metavar="DIR", help="refresh's publish root (for last_run.json)")
     p.add_argument("--deltas-dir", metavar="DIR", help="the learner's deltas directory")
     p.add_argument("--out", metavar="FILE", help="the HTML file to write (default report.html, or in --run-dir)")
-    p.add_argument("--follow", metavar="SOURCE", help="print progress of SOURCE from the run log while --pid lives")
-    p.add_argument("--pid", type=int, help="with --follow: stop when this process has ended")
+    p.add_argument("--follow", metavar="SOURCE", help="print progress of SOURCE from the run log while --pid lives "
+                   "(exit 1 if --pid is not running at the start, or the run log never appeared while it ran)")
+    p.add_argument("--pid", type=int, help="with --follow: stop when this process has ended (default: never)")
     add_common(p)
     p.set_defaults(func=run)
 
@@ -41,20 +41,9 @@ def run(args: argparse.Namespace) -> int:
     d = Path(args.run_dir) if args.run_dir else None
     log = args.run_log or (str(d / "run-log.jsonl") if d else None)
     if log is None:
-        raise SettingsError("streamrec report: give --run-log FILE or --run-dir DIR")
+        raise SettingsError("give --run-log FILE or --run-dir DIR")
     if args.follow:
-        pid = args.pid
-
-        def alive() -> bool:
-            if pid is None:
-                return True
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            return _not_zombie(pid)
-
-        report.follow(log, args.follow, alive, sys.stderr)
+        report.follow_process(log, args.follow, args.pid, sys.stderr)
         return EXIT_OK
     summaries = args.summary or ([str(p) for p in sorted(d.glob("*.json"))] if d else [])
     root = args.publish_root or (str(d / "serving") if d else None)
@@ -82,9 +71,3 @@ def _served(sv: dict[str, Any] | None) -> str:
     return (f"served quality ({sv['impressions']:,} impressions, first predictions vs final labels): "
             f"AUC {f(sv.get('auc'))}  NE {f(sv.get('ne'))}  logloss {f(sv.get('logloss'))}\n")
 
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True

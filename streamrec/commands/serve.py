@@ -62,8 +62,10 @@ def add_parser(sub: Any) -> None:
                    f"(default {ServeSettings.keepalive_timeout_s:g})")
     p.add_argument("--max-active", type=int, help="requests scored at once by the threading server, the others "
                    "wait their turn; 0: no bound (default 0; 1 suits the ONNX formats on few cores)")
-    p.add_argument("--reuse-port", action="store_true", default=None, help="bind with SO_REUSEPORT: run several "
-                   "serve processes on one port (each loads the model and answers /metrics for itself)")
+    p.add_argument("--reuse-port", action=argparse.BooleanOptionalAction, default=None, help="bind with "
+                   "SO_REUSEPORT: run several serve processes on one port (each loads the model and answers /metrics "
+                   "for itself); --no-reuse-port overrides reuse_port = true of [serve] (default: [serve] reuse_port, "
+                   "off)")
     p.add_argument("--redis-url", help="Redis with the users' click history and the update channels "
                    "(default: [redis] url, the local stack)")
     p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")

@@ -1,0 +1,58 @@
+"""The text ``streamrec monitor --help`` shows, and the exit statuses of ``--once``: kept apart from ``rules.py``
+and ``engine.py`` so that building the command line's parser imports none of the monitor (0.1 s per command)."""
+
+from __future__ import annotations
+
+# ``streamrec monitor --once``: its exit status, for a health check that cannot read the printed states.
+ONCE_OK = 0  # every source scraped and no rule's condition holds
+ONCE_SCRAPE_FAILED = 1  # a source could not be scraped: its rules show no data, so nothing can be told
+ONCE_CONDITION_HOLDS = 3  # every source scraped and some rule's condition holds (pending or firing)
+ONCE_EXIT_HELP = (f"exit status: {ONCE_OK} every source scraped and no rule's condition holds; {ONCE_SCRAPE_FAILED} a "
+                  f"scrape failed (a dead source gives its rules no data); 2 a usage or settings error; "
+                  f"{ONCE_CONDITION_HOLDS} a rule's condition holds now (pending or firing: one evaluation cannot "
+                  "wait for_s); every rule's state is printed in each case")
+
+RULES_HELP = """\
+rules file (TOML):
+  interval_s = 15                       # seconds between evaluations (default 15)
+  [sources]                             # Prometheus /metrics endpoints, by name
+  learner = "http://127.0.0.1:9102/metrics"
+  [sinks]
+  log = true                            # one log line per alert on stderr
+  kafka_topic = "alerts"                # optional; key = rule name, value = alert JSON
+  webhook_url = "http://host/hook"      # optional; POST each alert as JSON
+  webhook_timeout_s = 5                 # one POST, connect to answer, in total (kafka_timeout_s = 10)
+  queue_size = 1000                     # alerts waiting per sink; beyond it the oldest are dropped
+  retry_backoff_s = 0.5                 # after a failed attempt; doubles per failure in a row ...
+  retry_backoff_max_s = 30              # ... up to this; undelivered alerts stay queued until delivered
+  close_timeout_s = 10                  # at shutdown, keep delivering this long, then report the rest
+
+  [[rule]]
+  name = "cold_start_share"             # unique
+  expr = 'streamrec_learner_bucket_share{field="user_id"}'
+  op = ">"                              # > >= < <= == != isnan
+  threshold = 0.5                       # (not with isnan)
+  for_s = 300                           # must hold this long before firing
+  severity = "warning"                  # info | warning | critical
+  description = "New users mostly served by hash buckets"
+  labels = { team = "ranking" }         # optional
+  absent_for_s = 600                    # optional: fire when expr has no data this long
+
+expressions: metric names, label selectors {l="v", l!="v", l=~"re", l!~"re"}, numbers, + - * /,
+  parentheses, sum/max/min/avg/count [by (l, ...)] (expr), rate/increase/delta(metric[60s]), abs(expr).
+  e.g. streamrec_learner_warm_auc - streamrec_learner_cold_auc
+       max by (field) (streamrec_learner_bucket_share)
+       rate(streamrec_learner_nan_losses_total[60s])
+  Vectors combine series with equal labels. A metric no source exports is "no data" (never fires).
+  NaN compares false with every op; use op = "isnan" to alert on NaN.
+
+alerts (JSON, same on every sink): {"rule", "source", "severity", "state": "firing"|"resolved",
+  "value", "threshold", "message", "ts" (ms), "labels"}. One "firing" when a condition has held for
+  for_s, one "resolved" when it stops holding. Each sink has its own queue and thread: a dead or slow
+  sink never delays evaluation or the other sinks; failed deliveries are retried with backoff.
+
+examples:
+  streamrec monitor --once                      # default rules, evaluate once, print rule states
+  streamrec monitor --rules my-rules.toml --check
+  streamrec monitor --source learner=http://learner:9102/metrics --metrics-port 9104
+"""

@@ -1,0 +1,26 @@
+"""Small command-line items of the CLI audit: ``serve --no-reuse-port`` overrides ``reuse_port = true`` of the
+config file (``--reuse-port`` was store_true only), and every command's ``--config`` help names every section."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.settings import ServeSettings
+from streamrec.cli import build_parser, main
+from streamrec.settings import SECTIONS, Sources
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], True), (["--reuse-port"], True), (["--no-reuse-port"], False)])
+def test_no_reuse_port_overrides_the_config_file(argv: list[str], expected: bool) -> None:
+    args = build_parser().parse_args(["serve", *argv])
+    src = Sources(file_data={"serve": {"reuse_port": True}}, environ={})
+    assert src.build(ServeSettings, "serve", reuse_port=args.reuse_port).reuse_port is expected
+
+
+def test_every_commands_config_help_names_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name in sub.choices:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(f"[{s}]" in text for s in SECTIONS), name

@@ -1,0 +1,105 @@
+"""``streamrec monitor --check`` and ``--once`` build the settings the daemon runs with (a bad --config or
+STREAMREC_KAFKA_* is exit 2 there too, not only when the daemon starts), and ``--once`` answers a health check
+through its exit status: 1 when a scrape failed (a dead fleet exited 0), 3 when a rule's condition holds."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from streamrec.cli import main
+
+RULE = """
+[sinks]
+kafka_topic = "alerts"
+
+[[rule]]
+name = "cold_start_share"
+expr = 'streamrec_learner_bucket_share{field="user_id"}'
+op = ">"
+threshold = 0.5
+for_s = 300
+"""
+
+
+@pytest.fixture
+def metrics() -> Iterator[tuple[str, list[str]]]:
+    """A /metrics endpoint serving the text in ``body[0]``."""
+    body = ["streamrec_learner_bucket_share{field=\"user_id\"} 0.1\n"]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            data = body[0].encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics", body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rules(tmp_path: Path, url: str) -> str:
+    path = tmp_path / "rules.toml"
+    path.write_text(f'[sources]\nlearner = "{url}"\n' + RULE)
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["--check", "--once"])
+def test_check_and_once_read_the_config_file_and_the_environment(
+        mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    r = rules(tmp_path, f"http://127.0.0.1:{closed_port()}/metrics")
+    assert main(["monitor", "--rules", r, mode, "--config", str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml does not exist" in capsys.readouterr().err
+    (tmp_path / "typo.toml").write_text('[kafka]\nbootstarp_servers = "x:1"\n')
+    assert main(["monitor", "--rules", r, mode, "--config", str(tmp_path / "typo.toml")]) == 2
+    assert "unknown key 'bootstarp_servers' in [kafka]" in capsys.readouterr().err
+    monkeypatch.setenv("STREAMREC_KAFKA_BOGUS", "1")
+    assert main(["monitor", "--rules", r, mode]) == 2
+    assert "STREAMREC_KAFKA_BOGUS does not name a [kafka] setting" in capsys.readouterr().err
+
+
+def test_once_exits_1_when_a_scrape_failed_and_still_prints_every_rule(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["monitor", "--rules", rules(tmp_path, f"http://127.0.0.1:{closed_port()}/metrics"), "--once"]) == 1
+    out = capsys.readouterr().out
+    assert "scrape of learner failed" in out and "cold_start_share" in out
+
+
+def test_once_exits_0_all_clear_and_3_while_a_condition_holds(
+        tmp_path: Path, metrics: tuple[str, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    url, body = metrics
+    r = rules(tmp_path, url)
+    assert main(["monitor", "--rules", r, "--once", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rules"][0]["state"] == "inactive"
+    body[0] = "streamrec_learner_bucket_share{field=\"user_id\"} 0.9\n"
+    assert main(["monitor", "--rules", r, "--once", "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["rules"][0]["state"] == "pending"
+
+
+def test_the_exit_statuses_are_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["monitor", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 a scrape failed" in text and "3 a rule's condition holds" in text

@@ -1,0 +1,71 @@
+"""``streamrec report``: --follow says what it waits for and fails when there is nothing to follow (a run log
+that does not exist waited for ever without a word; a dead --pid exited 0 silently); --out naming a directory
+leaves no .tmp file behind; the error lines carry the command's prefix once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrec.cli import main
+from tests.unit.monitor.test_report import learner_text, run_monitor
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_follow_with_a_pid_that_is_not_running_fails_clearly(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    log = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0)])
+    pid = dead_pid()
+    assert main(["report", "--run-log", str(log), "--follow", "learner", "--pid", str(pid)]) == 1
+    err = capsys.readouterr().err
+    assert f"streamrec report: error: --pid {pid}: no such process is running" in err
+    assert main(["report", "--run-log", str(log), "--follow", "learner", "--pid", "-1"]) == 1  # not a group
+
+
+def test_follow_says_it_waits_for_a_missing_run_log_and_fails_if_it_never_appears(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nolog.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    try:
+        assert main(["report", "--run-log", str(missing), "--follow", "learner", "--pid", str(proc.pid)]) == 1
+    finally:
+        proc.wait()
+    err = capsys.readouterr().err
+    assert err.startswith(f"waiting for the run log {missing} (streamrec monitor writes it")
+    assert f"streamrec report: error: the run log {missing} never appeared" in err
+
+
+def test_out_naming_a_directory_is_one_error_and_leaves_no_temp_file(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    log = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0)])
+    adir = tmp_path / "adir"
+    adir.mkdir()
+    assert main(["report", "--run-log", str(log), "--out", str(adir)]) == 2
+    assert f"streamrec report: error: {adir} is a directory" in capsys.readouterr().err
+    assert not (tmp_path / "adir.tmp").exists()
+
+
+def test_a_failed_write_removes_its_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    log = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0)])
+
+    def refuse(self: Path, target: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", refuse)
+    assert main(["report", "--run-log", str(log), "--out", str(tmp_path / "r.html")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (tmp_path / "r.html.tmp").exists() and not (tmp_path / "r.html").exists()
+
+
+def test_report_alone_names_what_to_give_with_one_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report"]) == 2
+    assert capsys.readouterr().err == "streamrec report: error: give --run-log FILE or --run-dir DIR\n"
