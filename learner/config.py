@@ -4,6 +4,7 @@ the choices among them (devices, sparse optimizers, id initialisation), each par
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,25 @@ class CheckpointMismatch(ConfigError):
         listed = ", ".join(f"{k}: checkpoint {a!r}, settings {b!r}" for k, (a, b) in sorted(fields.items()))
         super().__init__(f"checkpoint {path} was trained with other model-shaping settings ({listed}); a model "
                          "cannot change shape in place: set them back, or train into a new checkpoint_dir")
+
+
+class CheckpointTopicMismatch(ConfigError):
+    """A checkpoint's offsets are of another samples topic than the one the settings read: resuming would apply them to
+    this topic (skipping its messages up to those offsets, or waiting past its end) and report the other topic's
+    samples as trained (a recreated topic, a restarted in-memory broker, a copied checkpoint_dir)."""
+
+    def __init__(self, path: object, recorded: str, topic: str) -> None:
+        super().__init__(f"checkpoint {path} was trained from samples topic {recorded!r}, and these settings read "
+                         f"{topic!r}: its offsets belong to {recorded!r}. Set [kafka] samples_topic back to "
+                         f"{recorded!r}, or train {topic!r} into a new checkpoint_dir")
+
+
+def check_topic(path: object, meta: Mapping[str, Any], topic: str) -> None:
+    """:class:`CheckpointTopicMismatch` unless the checkpoint (``meta``) was trained from ``topic`` (a checkpoint that
+    records no topic passes)."""
+    recorded = meta.get("topic")
+    if isinstance(recorded, str) and recorded and recorded != topic:
+        raise CheckpointTopicMismatch(path, recorded, topic)
 
 
 def shape_of(ls: LearnerSettings) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from learner import checkpoint
 from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
-from learner.config import Amp, CheckpointMismatch, LearnerSettings, parse_mlp, shape_of
+from learner.config import Amp, CheckpointMismatch, LearnerSettings, check_topic, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
 from learner.event_clock import EventClock
@@ -288,6 +288,7 @@ class Learner:
         changed = {k: (recorded.get(k), v) for k, v in mine.items() if k in recorded and recorded[k] != v}
         if changed:
             raise CheckpointMismatch(ckpt.path, changed)
+        check_topic(ckpt.path, meta, self.kafka.samples_topic)
         self._build(ckpt.feature_config, self._model_settings())
         assert self.trainer is not None
         self.trainer.model.load_state_dict(ckpt["model"])
@@ -302,6 +303,7 @@ class Learner:
         self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
         self.duplicates = int(meta["duplicates"])
         self.recent.load(ckpt["recent_ids"])
+        self._clock.load(ckpt.get("event_clock"))  # id ages go on from where they were, not from one new row
         assert self.mapper is not None
         self.mapper.load_state_dict(ckpt.get("id_maps", {}))
         self.quality.load_state_dict(ckpt)
@@ -334,6 +336,7 @@ class Learner:
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
+                 "event_clock": self._clock.state(),
                  **self.quality.state_dict(),
                  "delayed_weights": tr.delayed.state_dict(),
                  "calibration": tr.calibration.state_dict() if tr.calibration is not None else {},

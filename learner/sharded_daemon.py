@@ -67,7 +67,7 @@ from torch.utils.data import DataLoader
 from learner import sharded_checkpoint
 from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
-from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, parse_mlp, shape_of
+from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, check_topic, parse_mlp, shape_of
 from learner.daemon import (
     ADMISSIONS,
     AUC,
@@ -213,6 +213,7 @@ class ShardedLearner:
         changed = {k: (recorded.get(k), v) for k, v in self._shape.items() if k in recorded and recorded[k] != v}
         if changed:
             raise CheckpointMismatch(path, changed)
+        check_topic(path, meta, self.kafka.samples_topic)
         self._build(FeatureConfig.from_dict(meta["feature_config"]))
         assert self.trainer is not None
         app = self._app_state()

@@ -420,7 +420,7 @@ class ShardedRowMapper:
         return {"id_shards": {n: {"start": f.mine.start, "map": f.map.state_dict()}
                               for n, f in self.fields.items() if f.map is not None and f.mine is not None},
                 "id_buckets": {n: torch.from_numpy(f.clock.seen.copy()) for n, f in self.fields.items()},
-                "ids_now": self.now}
+                "ids_now": self.now, "ids_clock": self._clock.state()}
 
     def stats_part(self) -> dict[str, dict[str, float]]:
         """This rank's maps' ``IdMap.stats()`` (:func:`merged_stats` makes the whole maps' of every rank's)."""
@@ -466,6 +466,7 @@ class ShardedRowMapper:
                 f.map.load_entries(p.keys[m], rows - share.start, p.seen[m],
                                    p.candidates_of(keep, f.map.max_candidates), p.last_sweep, own)
         self.now = max((float(s.get("ids_now", float("-inf"))) for s in states), default=float("-inf"))
+        self._clock.load([t for s in states for t in s.get("ids_clock", [])])  # every rank's is the same clock
         src = np.concatenate(moves_src) if moves_src else np.empty(0, np.int64)
         if src.size:  # the same on every rank: every rank computed every share's plan
             self._move_rows(src, np.concatenate(moves_dst), dmp)

@@ -38,7 +38,7 @@ from stream.events import (
     count_keys,
     reject_duplicate_keys,
 )
-from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
 _ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
@@ -201,8 +201,8 @@ _STR = {"type": "string", "maxLength": _LIMITS.max_str_len}
 _NUMBER = {"type": "number", "not": {"type": "integer", "minimum": 2**63, "maximum": 2**64 - 1}}
 _CONTEXT_VALUE = {"anyOf": [_STR, _INT64, _NUMBER, {"type": "boolean"},
                             {"type": "array", "maxItems": MAX_LIST_LEN, "items": {"anyOf": [_STR, _INT64]}}]}
-_DENSE_VALUE = {"type": "number", "minimum": -FLOAT32_OVERFLOW, "exclusiveMinimum": True,
-                "maximum": FLOAT32_OVERFLOW, "exclusiveMaximum": True}
+_DENSE_VALUE = {"type": "number", "minimum": -DENSE_BOUND, "exclusiveMinimum": True,
+                "maximum": DENSE_BOUND, "exclusiveMaximum": True}
 
 
 def _features(kind: str, value: dict[str, Any], names: Any, max_keys: int, description: str) -> dict[str, Any]:
@@ -228,7 +228,7 @@ def _context_schema(names: Any) -> dict[str, Any]:
 
 def _dense_schema(names: Any) -> dict[str, Any]:
     return _features("dense", _DENSE_VALUE, names, _LIMITS.max_dense_keys,
-                     "dense features: name -> number finite as float32 (absent ones are 0); null or absent: none")
+                     "dense features: name -> number, |x| < 2**64 (absent ones are 0); null or absent: none")
 
 
 def openapi(max_candidates: int, max_batch: int, version: str, context_names: Any = None,

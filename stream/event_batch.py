@@ -39,7 +39,7 @@ from stream.events import (
     decode_click,
     decode_impression,
 )
-from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW, EventLimits
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, EventLimits
 
 Decoded = Impression | Click | BadMessage
 
@@ -170,11 +170,11 @@ def _by_type(values: list, types: set[type]) -> dict[type, list[Any]]:
 
 
 def _dense_values(objs: list[dict]) -> None:
-    """``stream.events.check_dense``'s rule: numbers (not booleans) finite as float32."""
+    """``stream.events.check_dense``'s rule: numbers (not booleans) with ``|x| < DENSE_BOUND``."""
     values = list(chain.from_iterable(map(dict.values, objs)))
     _check(set(map(type, values)) <= {int, float})
     if values:
-        _check(bool(np.all(np.abs(np.array(values, dtype=np.float64)) < FLOAT32_OVERFLOW)))
+        _check(bool(np.all(np.abs(np.array(values, dtype=np.float64)) < DENSE_BOUND)))
 
 
 def _or_empty(col: list[dict | None]) -> list[dict]:

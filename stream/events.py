@@ -15,7 +15,8 @@ Click, schema version 1::
 
 ``ts`` is event time in milliseconds since the epoch. Ids are non-negative 64-bit integers or
 non-empty strings. Context values are strings, integers, finite floats, booleans, or lists of
-strings/integers (multi-valued fields such as genres). Dense values are numbers finite as float32.
+strings/integers (multi-valued fields such as genres). Dense values are numbers with |x| < 2**64
+(``stream.limits.DENSE_BOUND``, the bound of every stage).
 Unknown fields and duplicate keys are rejected: add fields in a new schema version. Sizes, key counts,
 string and list lengths and how far ``ts`` may lead the message's broker timestamp are bounded by
 :class:`~stream.limits.EventLimits`.
@@ -35,7 +36,7 @@ from typing import Any
 import orjson
 
 from stream.errors import BadMessage, ValidationError, clip, shown
-from stream.limits import DEFAULT_LIMITS, FLOAT32_MAX, FLOAT32_OVERFLOW, EventLimits
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, EventLimits
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -280,16 +281,19 @@ def check_context(value: Any, field: str = "context", limits: EventLimits = DEFA
     return value
 
 
+DENSE_RULE = "a finite number with |x| < 2**64 (~1.8e19; dense features must be scaled)"
+
+
 def check_dense(value: Any, field: str = "dense", limits: EventLimits = DEFAULT_LIMITS) -> dict[str, float]:
-    """A dense-features object: name -> number, finite as float32 (the dtype the model computes in)."""
+    """A dense-features object: name -> number, ``|x| < DENSE_BOUND`` (~2**64: the bound of every stage)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ValidationError(field, value, "an object of feature name -> finite number")
     _check_keys(value, field, limits.max_dense_keys, limits)
     for k, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) < FLOAT32_OVERFLOW:
-            raise ValidationError(f"{field}.{k}", v, f"a number finite as float32 (|x| <= {FLOAT32_MAX:.7g})")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) < DENSE_BOUND:
+            raise ValidationError(f"{field}.{k}", v, DENSE_RULE)
     return value
 
 

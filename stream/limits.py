@@ -32,6 +32,14 @@ from stream.errors import ConfigError
 FLOAT32_MAX = 3.4028234663852886e38
 # Numbers at or beyond this round to inf as float32 (below it they round to at most FLOAT32_MAX).
 FLOAT32_OVERFLOW = float(2**128 - 2**103)
+# Dense feature values: |x| < 2**64 (~1.8e19) at every stage (events, event logs, samples, scoring requests). A larger
+# value squares past float32's range: fed raw to the model, one made Adam's second moment inf for good. One bound end
+# to end: while events took anything finite as float32, one event of 1e20 was joined and then cost the learner the
+# whole 64-row samples message it shared with good impressions. Dense features must be scaled.
+MAX_ABS_DENSE = float(2**64)  # on the float32 value the model reads (stream/samples.py)
+# ... and on a number before it becomes float32 (events, event logs, requests): below this it rounds to below
+# MAX_ABS_DENSE (float32's spacing just under 2**64 is 2**40; from half of it below, a number rounds up to 2**64)
+DENSE_BOUND = MAX_ABS_DENSE - float(2**39)
 
 
 @dataclass(frozen=True)

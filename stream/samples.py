@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 
 from stream.errors import BadMessage, clip
 from stream.events import MAX_TS_MS
+from stream.limits import MAX_ABS_DENSE
 
 SCHEMA_NAME = b"samples"
 SCHEMA_VERSION = 2
@@ -71,9 +72,6 @@ _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC: the continuat
 # so they are bounded on their own (a legitimate row has ~50 history ids and short context lists).
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_LIST_VALUES = 1 << 20
-# A dense value at or beyond 2**64 (~1.8e19) squares past float32's range: fed raw to the model, one such value
-# made Adam's second moment inf for good (its weights never moved again). Dense features must be scaled.
-MAX_ABS_DENSE = float(2**64)
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
 
 

@@ -81,8 +81,8 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from stream.errors import ConfigError, ValidationError
-from stream.events import MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS, SCHEMA_VERSION
-from stream.limits import DEFAULT_LIMITS, FLOAT32_OVERFLOW
+from stream.events import DENSE_RULE, MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS, SCHEMA_VERSION
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
 from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
 from stream.samples import DENSE_PREFIX
@@ -607,9 +607,9 @@ def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
     else:
         raise EventLogError(f"dense column {column!r} has type {t}; dense features must be numbers "
                             f"(set with {FLAGS['dense']})")
-    over = ~np.isfinite(v) | (np.abs(np.nan_to_num(v)) >= FLOAT32_OVERFLOW)
+    over = ~np.isfinite(v) | (np.abs(np.nan_to_num(v)) >= DENSE_BOUND)
     return v, [_Check(missing, field, column, "a finite number (the value is missing)"),
-               _Check(over & ~missing, field, column, "a number finite as float32")]
+               _Check(over & ~missing, field, column, DENSE_RULE)]
 
 
 # -- rejected rows --------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import pytest
 
 from stream.errors import BadMessage, ValidationError
 from stream.events import MAX_ID, MAX_TS_MS, SCHEMA_VERSION, Impression, decode_click, decode_impression
-from stream.limits import DEFAULT_LIMITS, FLOAT32_MAX, FLOAT32_OVERFLOW
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, FLOAT32_MAX, FLOAT32_OVERFLOW
 from stream.replay.config import ClickDelay, DelayKind, SyntheticSettings
 from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
 from stream.replay.movielens import load_movielens
@@ -319,11 +319,13 @@ REJECTED = [
     Case("timestamp past 2100", "when", MAX_TS_MS + 1),
     Case("huge timestamp (ns given as ms)", "when", T0_MS * 1_000_000),
     Case("timestamp that is not a number", "when", "yesterday", fmt="csv"),
-    # dense: not finite, not finite as float32
+    # dense: not finite, |x| >= 2**64 (the bound of every stage; finite as float32 is not enough)
     Case("NaN dense value", "price", math.nan),
     Case("+inf dense value", "price", math.inf),
     Case("-inf dense value", "price", -math.inf),
     Case("dense value that overflows float32", "price", FLOAT32_OVERFLOW),
+    Case("dense value 2**64", "price", DENSE_BOUND),
+    Case("dense value FLOAT32_MAX", "price", FLOAT32_MAX),
     Case("dense value 1e39 in CSV text", "price", "1e39", event_value=1e39, fmt="csv"),
     # context: over-long string, non-finite float, integer past int64, too long a list, a too-long entry
     Case("over-long context string", "dev", "d" * (LONG + 1)),
@@ -339,8 +341,8 @@ ACCEPTED = [  # the boundaries: both validators take them
     Case("item id 2**63-1", "what", MAX_ID),
     Case("item id 0", "what", 0),
     Case("timestamp 0", "when", 0),
-    Case("dense value FLOAT32_MAX", "price", FLOAT32_MAX),
-    Case("dense value -FLOAT32_MAX", "price", -FLOAT32_MAX),
+    Case("dense value just below 2**64", "price", math.nextafter(DENSE_BOUND, 0)),
+    Case("dense value just above -2**64", "price", -math.nextafter(DENSE_BOUND, 0)),
     Case("context string of max_str_len chars", "dev", "d" * LONG),
     Case("context integer -2**63", "n", -(2**63)),
     Case("context list of max_list_len entries", "tags", ["t"] * DEFAULT_LIMITS.max_list_len),

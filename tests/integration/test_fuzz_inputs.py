@@ -65,7 +65,7 @@ from stream.errors import BadMessage
 from stream.events import MAX_ID, MAX_TS_MS, Click, Impression, decode_click, decode_impression
 from stream.history import _entry, _parse
 from stream.joiner.config import JoinerSettings
-from stream.limits import DEFAULT_LIMITS, FLOAT32_MAX, FLOAT32_OVERFLOW, EventLimits
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, FLOAT32_MAX, FLOAT32_OVERFLOW, EventLimits
 from stream.samples import SampleBatch
 from stream.strikes import FileStrikes, RedisStrikes
 from streamrec.settings import SettingsError, build, read_config_file
@@ -145,7 +145,8 @@ raw_numbers = st.sampled_from([
 ints = st.one_of(st.integers(), st.integers(-(2**70), 2**70), st.sampled_from(
     [0, -1, 1, MAX_ID, MAX_ID + 1, 2**64 - 1, 2**64, -INT64, -INT64 - 1, MAX_TS_MS, MAX_TS_MS + 1, 10**300]))
 floats = st.one_of(st.floats(), st.sampled_from(
-    [FLOAT32_MAX, FLOAT32_OVERFLOW, math.nextafter(FLOAT32_OVERFLOW, 0), -FLOAT32_OVERFLOW, 1e39, -0.0, 5e-324]))
+    [FLOAT32_MAX, FLOAT32_OVERFLOW, math.nextafter(FLOAT32_OVERFLOW, 0), -FLOAT32_OVERFLOW, 1e39, -0.0, 5e-324,
+     DENSE_BOUND, math.nextafter(DENSE_BOUND, 0), -DENSE_BOUND, 1e20]))
 LONG = [c * n for c in ("a", "é", "\\", '"', "\x00", "\ud800", "😀") for n in (64, 65, 256, 257, 1000, 70_000)]
 texts = st.one_of(st.text(max_size=10), st.text(any_chars, max_size=10), st.sampled_from(LONG))
 keys = st.one_of(st.sampled_from(FIELDS + ["", "genres", "price", "x"]), st.text(any_chars, max_size=70))
@@ -174,8 +175,9 @@ ctx_values = st.one_of(
     st.text(max_size=8), st.sampled_from(["x" * 256, -INT64, INT64 - 1]), st.integers(-INT64, INT64 - 1),
     st.floats(allow_nan=False, allow_infinity=False), st.booleans(),
     st.lists(st.one_of(st.text(max_size=4), st.integers(-INT64, INT64 - 1)), max_size=4))
-dense_values = st.one_of(st.floats(-FLOAT32_MAX, FLOAT32_MAX), st.integers(-(2**63), 2**64 - 1),
-                         st.sampled_from([FLOAT32_MAX, -FLOAT32_MAX, math.nextafter(FLOAT32_OVERFLOW, 0)]))
+dense_values = st.one_of(st.floats(-DENSE_BOUND, DENSE_BOUND, exclude_min=True, exclude_max=True),
+                         st.integers(-(2**63), 2**63),
+                         st.sampled_from([math.nextafter(DENSE_BOUND, 0), -math.nextafter(DENSE_BOUND, 0)]))
 feature_names = st.one_of(st.text(min_size=1, max_size=6), st.just("k" * 64))
 valid_impressions = st.fixed_dictionaries(
     {"schema_version": st.just(1), "impression_id": st.text(min_size=1, max_size=8) | st.just("i" * 256),

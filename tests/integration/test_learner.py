@@ -327,6 +327,40 @@ def test_a_restore_with_other_model_shaping_settings_names_each_field_and_rates_
     assert [g["lr"] for g in faster.trainer.sparse_opt.param_groups] == [0.2]
 
 
+def test_a_checkpoint_of_another_samples_topic_is_refused_naming_both_and_its_event_clock_is_restored(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """Its offsets belong to the other topic: resumed, they skipped the new topic's messages (38 in the audit's run)
+    and reported the other topic's samples as trained, exit 0. And the event clock (learner/event_clock.py) is
+    checkpointed: after a restart one row stamped now cannot move it before a quorum of rows has been seen."""
+    import dataclasses
+    import time as _time
+
+    from learner.config import CheckpointTopicMismatch, LearnerSettings
+    from learner.daemon import Learner
+    from learner.features import default_config
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
+                         embedding_dim=4, group_id=f"g-{kafka.samples_topic}")
+    first = Learner(kafka, ls)
+    first._build(default_config({"genres": "multi"}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
+                                embedding_dim=ls.embedding_dim, id_capacity=ls.id_capacity, admit_after=ls.admit_after,
+                                id_init=ls.id_init, user_bucket_half_life_s=ls.user_bucket_half_life_s),
+                 first._model_settings())
+    first._clock.advance(956_703_932_000 + np.arange(100) * 1000)  # a replay of 2000
+    first.save()
+    first.close()
+    other = Learner(dataclasses.replace(kafka, samples_topic=f"{kafka.samples_topic}-recreated"), ls)
+    with pytest.raises(CheckpointTopicMismatch, match=f"samples topic '{kafka.samples_topic}'.*-recreated'.*new "
+                                                      "checkpoint_dir"):
+        other._restore()
+    again = Learner(kafka, ls)
+    assert again._restore()
+    assert again._clock.now_ms == first._clock.now_ms  # the quorum held across the restart ...
+    # ... so one row stamped now moves it one row of 2000 on (the next of the 16 newest), not 26 years
+    assert again._clock.advance([int(_time.time() * 1000)]) == first._clock.now_ms + 1000
+    again.close()
+
+
 def fake_negative_stream(rng: np.random.Generator, n: int, start: int, seconds: float) -> SampleBatch:
     """``n`` impressions over ``seconds`` of event time from ``start`` (ms) as the joiner's fake_negative policy
     emits them: each an OBSERVED 0 at its time, each click (a learnable rule) a DELAYED_POSITIVE 20 s later."""

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from stream.errors import BadMessage, ValidationError
 from stream.events import MAX_ID, Click, Impression, all_ids, check_id, decode_click, decode_impression
-from stream.limits import FLOAT32_MAX
+from stream.limits import DENSE_BOUND
 
 GOOD = {"schema_version": 1, "impression_id": "i1", "ts": 1_700_000_000_000, "user_id": "u1", "item_id": 7,
         "context": {"device": "ios", "genres": ["a", "b"], "pos": 3, "score": 0.5}, "dense": {"price": 1.5}}
@@ -72,8 +72,9 @@ ctx_values = st.one_of(scalars, st.lists(st.one_of(st.text(max_size=8), st.integ
 @given(
     imp_id=st.text(min_size=1, max_size=40), ts=st.integers(0, 4_102_444_800_000), user=ids, item=ids,
     context=st.dictionaries(st.text(min_size=1, max_size=10), ctx_values, max_size=5),
-    dense=st.dictionaries(st.text(min_size=1, max_size=10),  # finite as float32: the learner's dtype
-                          st.floats(-FLOAT32_MAX, FLOAT32_MAX, allow_nan=False), max_size=3),
+    dense=st.dictionaries(st.text(min_size=1, max_size=10),  # |x| < 2**64: the bound of every stage
+                          st.floats(-DENSE_BOUND, DENSE_BOUND, allow_nan=False, exclude_min=True,
+                                    exclude_max=True), max_size=3),
 )
 def test_impression_json_round_trip(imp_id, ts, user, item, context, dense) -> None:
     imp = Impression(imp_id, ts, user, item, context, dense)
@@ -125,3 +126,30 @@ def test_reject_duplicate_keys_finds_a_repeat_in_any_object_given_the_parsed_key
             reject_duplicate_keys(raw, count_keys(orjson.loads(raw)))
     for raw in (b'{"a":[{"b":1},{"b":2}]}', b'{"a":"x:y:z","b":{"a":1}}', b'{ "a" : 1 , "b" : [ {"a": 2} ] }'):
         reject_duplicate_keys(raw, count_keys(orjson.loads(raw)))  # repeated across objects, colons in values: fine
+
+
+@pytest.mark.parametrize("price", [1e20, -(2.0**64), 3e38, 2.0**64 - 2.0**39])
+def test_a_dense_value_the_learner_refuses_is_refused_per_event_by_every_decoder(price: float) -> None:
+    """One bound end to end (stream.limits.DENSE_BOUND): an event whose dense value the learner's samples decode
+    refuses is dead-lettered alone at the joiner's decode, by the per-event and the column decoder alike. It used to
+    pass (finite as float32), be joined, and cost the learner the whole 64-row samples message it shared."""
+    from stream.event_batch import decode_events
+    from stream.samples import SampleBatch
+
+    good = Impression("i1", 1_000, "u", "v", dense={"price": 1.0}).encode()
+    bad = Impression("i2", 1_000, "u", "v", dense={"price": price}).encode()
+    with pytest.raises(BadMessage, match=r"dense\.price.*2\*\*64"):
+        decode_impression(bad)
+    out = decode_events([good] * 8 + [bad] + [good] * 8, [None] * 17, clicks=False)
+    assert isinstance(out[8], BadMessage) and "2**64" in str(out[8])
+    assert all(isinstance(e, Impression) for i, e in enumerate(out) if i != 8)
+    edge = math.nextafter(DENSE_BOUND, 0)  # the largest both accept (the samples hold it as float32, below 2**64)
+    assert decode_impression(Impression("i3", 1_000, "u", "v", dense={"price": edge}).encode()).dense["price"] == edge
+
+    def samples(value: float) -> bytes:
+        return SampleBatch.from_columns(impression_id=["i"], ts=[1_000], label=[0], label_delay_ms=[0],
+                                        user_id=[1], item_id=[2], history=[[]], dense={"price": [value]}).encode()
+
+    assert SampleBatch.decode(samples(edge)) is not None
+    with pytest.raises(BadMessage, match="2\\*\\*64"):
+        SampleBatch.decode(samples(price))
