@@ -74,7 +74,7 @@ def odd_table(first_part_dicts: list[dict[str, Any]], later_dicts: list[dict[str
         item_id=items,
         context=context,
         dense={"price": np.array([0.1, 1e16, -0.0, 3.0, 1e-7, -123456789.125]),
-               "n\u00e9": np.array([1.0, 2.5, 0.0, -1.0, 3.4e38, 7.0])} if dense else {},
+               "n\u00e9": np.array([1.0, 2.5, 0.0, -1.0, 1.8e19, 7.0])} if dense else {},  # 1.8e19: near 2**64
         click_impression_id=ids[[1, 3, 4]],
         click_ts=np.array([2, 978_300_760_001, 6], dtype=np.int64),
     )
