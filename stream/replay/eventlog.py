@@ -10,7 +10,12 @@ Reading
     are read as text: a column whose values are all canonical non-negative integers (``0``, ``42``,
     not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
     :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there.
-    Empty CSV cells of feature columns are missing values.
+    Empty CSV cells of feature columns are missing values. A mapped column name that appears twice in the
+    file is refused (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
+    delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
+    (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
+    A file named ``.csv`` that starts like gzip, bzip2, zstd or Parquet is refused with the name that reads it.
+    Text from the file in an error message is escaped (control characters as ``\\x..``) and clipped.
 
 Context and dense
     One context dict per row from the ``features`` columns, missing values left out (and missing
@@ -24,7 +29,9 @@ Context and dense
 
 Time (``time_unit``)
     ``s``/``ms``/``us``/``ns``: integer or float epoch times (floats are rounded to the nearest ms,
-    integers truncated). ``iso``: ISO-8601 strings (``2000-12-31T22:12:40Z``, offsets allowed,
+    integers truncated). ``None`` (the CLI without ``--time-unit``): ``ms``, but a file whose every valid
+    numeric time is before 1973 read as ms (epoch seconds, most likely) is refused with a hint to give the
+    unit. ``iso``: ISO-8601 strings (``2000-12-31T22:12:40Z``, offsets allowed,
     no offset = UTC). Arrow timestamp and date columns carry their own unit and are taken as they
     are whatever ``time_unit`` says (naive timestamps are UTC).
 
@@ -65,6 +72,7 @@ key) is over ``max_key_len`` chars. The limits checked are the defaults (``DEFAU
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -129,7 +137,9 @@ class ColumnMap:
     user: str = "user_id"
     item: str = "item_id"
     time: str = "ts"
-    time_unit: str = "ms"  # one of s, ms, us, ns, iso (ISO-8601 strings or Arrow timestamp columns)
+    # one of s, ms, us, ns, iso (ISO-8601 strings or Arrow timestamp columns); None: ms, checked (the CLI's default
+    # when --time-unit is not given): numbers that are all before 1973 as ms are refused (epoch seconds?)
+    time_unit: str | None = "ms"
     impression_id: str | None = None  # None -> generated f"{file_stem}-{row:09d}"
     clicked: str | None = "clicked"  # truthy (1/true/yes) -> a click follows after a delay; None -> no clicks
     click_time: str | None = None  # the click's own time (same unit), when present; overrides the delay
@@ -176,71 +186,155 @@ def _delimiter(path_ext: str, given: str | None) -> str:
 
 def _missing_columns_error(path: Path, have: list[str], cols: ColumnMap, missing: list[str]) -> EventLogError:
     role_of = {col: role for role, col in reversed(cols.roles())}
-    shown = ", ".join(repr(c) for c in have[:60])
+    shown = ", ".join(_shown(c, 80) for c in have[:60])
     if len(have) > 60:
         shown += f", ... ({len(have) - 60} more)"
-    what = "; ".join(f"column {c!r} (set with {FLAGS[role_of[c]]})" for c in missing)
+    what = "; ".join(f"column {_shown(c, 80)} (set with {FLAGS[role_of[c]]})" for c in missing)
     return EventLogError(f"{path} has no {what}; the file's columns are: {shown or '(none)'}")
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """``text`` quoted as ``repr`` quotes it (control characters as escapes) and clipped to ``limit`` chars:
+    file bytes in an error message must not reach the terminal as they are."""
+    return repr(text[:limit]) + (f"... ({len(text) - limit:,} more chars)" if len(text) > limit else "")
+
+
+def _escaped(text: str, limit: int = 300) -> str:
+    """An Arrow error message for the terminal: control characters as escapes, clipped to ``limit`` chars."""
+    text = text.strip()
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
+    return out + (f"... ({len(text) - limit:,} more chars)" if len(text) > limit else "")
+
+
+def _check_columns(path: Path, have: list[str], cols: ColumnMap, wanted: list[str]) -> None:
+    """Every mapped column is in ``have`` exactly once (Arrow would silently pick the first of two)."""
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        raise _missing_columns_error(path, have, cols, missing)
+    role_of = {col: role for role, col in reversed(cols.roles())}
+    for c in wanted:
+        at = [str(i + 1) for i, name in enumerate(have) if name == c]
+        if len(at) > 1:
+            raise EventLogError(f"{path} has {len(at)} columns named {_shown(c, 80)} (columns {', '.join(at[:-1])} "
+                                f"and {at[-1]}, counting from 1), mapped with {FLAGS[role_of[c]]}: rename all but "
+                                "one of them so the mapping is unambiguous")
 
 
 def _read_parquet(path: Path, cols: ColumnMap, wanted: list[str], limit: int | None) -> pa.Table:
     try:
         pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise EventLogError(f"cannot read {path} as Parquet: {exc}") from None
-    have = pf.schema_arrow.names
-    missing = [c for c in wanted if c not in have]
-    if missing:
-        raise _missing_columns_error(path, have, cols, missing)
-    if limit is None:
-        return pq.read_table(path, columns=wanted)
-    batches, rows = [], 0
-    if limit > 0:
-        for batch in pf.iter_batches(batch_size=min(limit, 65_536), columns=wanted):
-            batches.append(batch)
-            rows += batch.num_rows
-            if rows >= limit:
-                break
+        have = pf.schema_arrow.names
+        _check_columns(path, have, cols, wanted)
+        if limit is None:
+            return pq.read_table(path, columns=wanted)
+        batches, rows = [], 0
+        if limit > 0:
+            for batch in pf.iter_batches(batch_size=min(limit, 65_536), columns=wanted):
+                batches.append(batch)
+                rows += batch.num_rows
+                if rows >= limit:
+                    break
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a bad footer or corrupt data pages
+        raise EventLogError(f"cannot read {path} as Parquet: {_escaped(str(exc))}") from None
     if not batches:
         return pa.schema([pf.schema_arrow.field(c) for c in wanted]).empty_table()
     return pa.Table.from_batches(batches).slice(0, limit)
 
 
+# The first bytes of files that are not CSV text, and the name that reads them.
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed", ".csv.gz"), (b"BZh", "bzip2-compressed", ".csv.bz2"),
+          (b"\x28\xb5\x2f\xfd", "zstd-compressed", ".csv.zst"), (b"PAR1", "Parquet", ".parquet"))
+_MAX_CSV_BLOCK = 256 << 20  # the longest CSV row read (Arrow reads whole rows per block; default 1 MiB)
+_ROW_RE = re.compile(r"^(?:CSV parse error: )?(?:(In CSV column #\d+): )?Row #(\d+): (.*)$", re.S)
+
+
+def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptions) -> EventLogError:
+    """One message for an Arrow CSV error: file, line (from a single-threaded re-read, which Arrow numbers),
+    and Arrow's reason with the row text escaped and clipped."""
+    if isinstance(exc, UnicodeDecodeError):  # Arrow's own message held undecodable row bytes
+        return EventLogError(f"cannot read {path} as CSV: a row does not parse and holds bytes that are not UTF-8 "
+                             "text (a binary or compressed file?)")
+    msg = str(exc)
+    if "Empty CSV file" in msg:
+        return EventLogError(f"cannot read {path} as CSV: it is empty (a CSV file needs a header row)")
+    try:
+        read(serial)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as again:
+        msg = str(again) if isinstance(again, pa.ArrowException) else msg
+    m = _ROW_RE.match(msg)
+    if m is None:
+        return EventLogError(f"cannot read {path} as CSV: {_escaped(msg)}")
+    column, line, reason = m.groups()
+    detail = re.match(r"Expected (\d+) columns, got (\d+): (.*)$", reason, re.S)
+    if detail:
+        reason = (f"expected {detail[1]} columns, got {detail[2]} (a missing or extra delimiter, or an unclosed "
+                  f"quote): {_shown(detail[3])}")
+    else:
+        reason = _escaped(f"{column}: {reason}" if column else reason)
+    return EventLogError(f"cannot read {path} as CSV at line {line} (the header is line 1): {reason}")
+
+
+def _csv(path: Path, read: Any) -> Any:
+    """``read(ReadOptions)``, retried with larger blocks for a long row; Arrow errors as :func:`_csv_error`."""
+    block = 1 << 20
+    while True:
+        try:
+            return read(pcsv.ReadOptions(block_size=block))
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+            if not (isinstance(exc, pa.ArrowInvalid) and "straddling object" in str(exc)):
+                raise _csv_error(path, exc, read, pcsv.ReadOptions(block_size=block, use_threads=False)) from None
+            if block >= _MAX_CSV_BLOCK:
+                raise EventLogError(f"cannot read {path} as CSV: a row is longer than {_MAX_CSV_BLOCK >> 20} MiB (an "
+                                    "unclosed quote?)") from None
+            block *= 16
+
+
 def _read_csv(path: Path, ext: str, cols: ColumnMap, wanted: list[str], limit: int | None,
               delimiter: str | None) -> pa.Table:
     parse = pcsv.ParseOptions(delimiter=_delimiter(ext, delimiter))
-    try:
-        with pcsv.open_csv(path, parse_options=parse) as header_reader:
-            have = header_reader.schema.names
-    except (pa.ArrowException, OSError) as exc:
-        raise EventLogError(f"cannot read {path} as CSV (it needs a header row): {exc}") from None
-    missing = [c for c in wanted if c not in have]
-    if missing:
-        raise _missing_columns_error(path, have, cols, missing)
+    if path.suffix.lower() in _CSV_EXT:  # not named compressed: it should be text
+        with path.open("rb") as f:
+            head = f.read(4)
+        for magic, what, name in _MAGIC:
+            if head.startswith(magic):
+                raise EventLogError(f"{path} looks like a {what} file (it starts with {head!r}), not CSV text: name "
+                                    f"it {path.stem}{name}")
+
+    def header(ro: pcsv.ReadOptions) -> list[str]:
+        with pcsv.open_csv(path, read_options=ro, parse_options=parse) as reader:
+            return list(reader.schema.names)
+
+    have = _csv(path, header)
+    _check_columns(path, have, cols, wanted)
     # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids().
     text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id) if c is not None}
     convert = pcsv.ConvertOptions(include_columns=wanted, column_types=text_cols)
     if limit is not None:
         # Streaming stops early, but it infers types from the first block only: if a later block
         # does not fit them, read the whole file (which infers over all of it) instead.
-        try:
+        def head_rows(ro: pcsv.ReadOptions) -> pa.Table | None:
             batches, rows = [], 0
-            with pcsv.open_csv(path, parse_options=parse, convert_options=convert) as reader:
+            with pcsv.open_csv(path, read_options=ro, parse_options=parse, convert_options=convert) as reader:
                 while rows < limit:
                     try:
                         batch = reader.read_next_batch()
                     except StopIteration:
                         break
+                    except pa.ArrowInvalid as exc:
+                        if "straddling object" in str(exc):
+                            raise
+                        # a type inferred from the first block does not fit a later one (or a bad row: the
+                        # whole read reports it)
+                        return None
                     batches.append(batch)
                     rows += batch.num_rows
                 schema = reader.schema
             return pa.Table.from_batches(batches, schema=schema).slice(0, limit)
-        except pa.ArrowInvalid:
-            pass
-    try:
-        table = pcsv.read_csv(path, parse_options=parse, convert_options=convert)
-    except pa.ArrowException as exc:
-        raise EventLogError(f"cannot read {path} as CSV: {exc}") from None
+
+        table = _csv(path, head_rows)
+        if table is not None:
+            return table
+    table = _csv(path, lambda ro: pcsv.read_csv(path, read_options=ro, parse_options=parse, convert_options=convert))
     return table if limit is None else table.slice(0, limit)
 
 
@@ -516,6 +610,20 @@ def _time_checks(status: np.ndarray, field: str, column: str, unit: str) -> list
     ]
 
 
+_PLAUSIBLE_MS = 100_000_000_000  # 1973-03-03T09:46:40Z; epoch seconds up to 5138 are below it
+
+
+def _check_default_unit(t: pa.DataType, ms: np.ndarray, column: str, path: Path) -> None:
+    """Without an explicit ``time_unit``, numbers that are all before 1973 as milliseconds are refused: most
+    likely epoch seconds, which would replay as January 1970. ``ms``: the valid times read."""
+    if pa.types.is_timestamp(t) or pa.types.is_date(t) or not len(ms) or ms.max() >= _PLAUSIBLE_MS:
+        return
+    last = datetime.fromtimestamp(int(ms.max()) / 1000, timezone.utc).isoformat(timespec="seconds")
+    raise EventLogError(f"{path}: every time in column {_shown(column, 80)} is before 1973 when read as milliseconds "
+                        f"(the default {FLAGS['time_unit']} ms; the latest is {int(ms.max())}, {last}): epoch "
+                        f"seconds? pass {FLAGS['time_unit']} s, or {FLAGS['time_unit']} ms to keep them as they are")
+
+
 # -- clicked, context, dense ---------------------------------------------------------------------
 def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
     """``(clicked (N,) bool, unparseable (N,) bool)``; a missing value is not clicked."""
@@ -709,7 +817,7 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
     """
     path = Path(path)
     cols = columns
-    if cols.time_unit not in TIME_UNITS:
+    if cols.time_unit is not None and cols.time_unit not in TIME_UNITS:
         raise EventLogError(f"{FLAGS['time_unit']} must be one of {', '.join(TIME_UNITS)}, "
                             f"got {cols.time_unit!r}")
     if limit is not None and limit < 0:
@@ -739,8 +847,11 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
 
     imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n)
     checks += c
-    ts, ts_status = _times(col[cols.time], cols.time_unit, cols.time, FLAGS["time"])
-    checks += _time_checks(ts_status, "ts", cols.time, cols.time_unit)
+    unit = cols.time_unit or "ms"
+    ts, ts_status = _times(col[cols.time], unit, cols.time, FLAGS["time"])
+    if cols.time_unit is None:
+        _check_default_unit(col[cols.time].type, ts[ts_status == _OK], cols.time, path)
+    checks += _time_checks(ts_status, "ts", cols.time, unit)
     # The producer stamps messages with the wall clock: a row further ahead than the joiner would accept
     # is dead-lettered here already (same bound, same kind).
     ahead = (ts_status == _OK) & (ts > int(time.time() * 1000) + DEFAULT_LIMITS.future_ts_ms)
@@ -775,11 +886,11 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     click_ts = np.zeros(n, np.int64)
     from_column = np.zeros(n, bool)
     if cols.click_time is not None:
-        ct, ct_status = _times(col[cols.click_time], cols.time_unit, cols.click_time, FLAGS["click_time"])
+        ct, ct_status = _times(col[cols.click_time], unit, cols.click_time, FLAGS["click_time"])
         if cols.clicked is None:
             clicked = ct_status != _MISSING
         from_column = clicked & (ct_status != _MISSING)
-        ct_checks = _time_checks(ct_status, "click_ts", cols.click_time, cols.time_unit)[1:]
+        ct_checks = _time_checks(ct_status, "click_ts", cols.click_time, unit)[1:]
         for check in ct_checks:
             check.mask = check.mask & clicked
         checks += ct_checks

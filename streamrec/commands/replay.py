@@ -55,8 +55,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--user-col", default="user_id", help="user id column (default: %(default)s)")
     g.add_argument("--item-col", default="item_id", help="item id column (default: %(default)s)")
     g.add_argument("--time-col", default="ts", help="event time column (default: %(default)s)")
-    g.add_argument("--time-unit", default="ms", choices=["s", "ms", "us", "ns", "iso"],
-                   help="unit of the time columns (default: %(default)s)")
+    g.add_argument("--time-unit", default=None, choices=["s", "ms", "us", "ns", "iso"],
+                   help="unit of the time columns (default: ms, and a file whose times are all before 1973 as ms "
+                   "is refused: give the unit)")
     g.add_argument("--impression-id-col", default=None, help="default: generated from the file name and row")
     g.add_argument("--clicked-col", default="clicked",
                    help="truthy -> a click follows; '' for no clicks (default: %(default)s)")

@@ -1,0 +1,167 @@
+"""Hostile event logs (stream/replay/eventlog.py): a file that cannot be read as mapped is one clear error
+(EventLogError, the CLI's exit 2) naming the file and what is wrong, never a traceback, a silent choice or
+raw file bytes on the terminal."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stream.replay.config import ClickDelay, DelayKind
+from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
+
+FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)
+T0_S = 978_300_760  # 2000-12-31T22:12:40Z
+HEADER = "user_id,item_id,ts,clicked,genre"
+
+
+def rows(n: int, ts_scale: int = 1000) -> list[str]:
+    return [f"{k % 7},{k % 5},{(T0_S + k) * ts_scale},{k % 2},g{k % 3}" for k in range(n)]
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def load(path: Path, limit: int | None = None, **cols: object):
+    return load_eventlog(path, ColumnMap(**cols), FIXED, seed=0, limit=limit)  # type: ignore[arg-type]
+
+
+def assert_printable(msg: str) -> None:
+    assert all(c.isprintable() for c in msg), f"raw control characters in {msg!r}"
+
+
+# -- 9: Parquet that cannot be read ---------------------------------------------------------------
+def test_corrupt_parquet_pages_are_one_error_naming_the_file(tmp_path: Path) -> None:
+    n = 100
+    ok = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"user_id": list(range(n)), "item_id": list(range(n)),
+                             "ts": [(T0_S + k) * 1000 for k in range(n)], "clicked": [k % 2 for k in range(n)],
+                             "genre": [f"g{k % 5}" for k in range(n)]}), ok)
+    raw = bytearray(ok.read_bytes())
+    mid = len(raw) // 3
+    for i in range(mid, mid + 200):  # the data pages, footer intact
+        raw[i] ^= 0x5A
+    bad = tmp_path / "corrupt.parquet"
+    bad.write_bytes(bytes(raw))
+    for limit in (None, 50):
+        with pytest.raises(EventLogError, match="cannot read .*corrupt.parquet") as err:
+            load(bad, limit, features=("genre",))
+        assert_printable(str(err.value))
+
+
+def test_duplicate_parquet_column_names_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "dup.parquet"
+    table = pa.Table.from_arrays([pa.array([1, 2]), pa.array([3, 4]), pa.array([T0_S * 1000] * 2),
+                                  pa.array([9, 9])], names=["user_id", "item_id", "ts", "user_id"])
+    pq.write_table(table, path)
+    for limit in (None, 1):
+        with pytest.raises(EventLogError, match=r"dup.parquet has 2 columns named 'user_id'.*--user-col"):
+            load(path, limit, clicked=None)
+    # a duplicated column the mapping does not use is harmless
+    table = pa.Table.from_arrays([pa.array([1, 2]), pa.array([3, 4]), pa.array([T0_S * 1000] * 2),
+                                  pa.array([9, 9]), pa.array([8, 8])], names=["user_id", "item_id", "ts", "x", "x"])
+    pq.write_table(table, path)
+    assert load(path, clicked=None).n_impressions == 2
+
+
+# -- 10: CSV row-structure errors -------------------------------------------------------------------
+@pytest.mark.parametrize("limit", [None, 10])
+def test_a_ragged_csv_row_is_refused_naming_its_line(tmp_path: Path, limit: int | None) -> None:
+    lines = [HEADER, *rows(20)]
+    lines[6] = "1,2"  # data row 5, line 7 of the file
+    path = write(tmp_path / "ragged.csv", lines)
+    with pytest.raises(EventLogError, match=r"ragged.csv.* line 7\b.*expected 5 columns, got 2"):
+        load(path, limit, features=("genre",))
+
+
+def test_an_unterminated_quote_is_refused_naming_its_line(tmp_path: Path) -> None:
+    lines = [HEADER, *rows(100)]
+    lines[51] = 'x,"abc,1,2,g'  # data row 50, line 52: the quote swallows the rest of the file
+    path = write(tmp_path / "quote.csv", lines)
+    with pytest.raises(EventLogError, match=r"quote.csv.* line 52\b") as err:
+        load(path, features=("genre",))
+    assert len(str(err.value)) < 600  # the echoed rows are clipped
+
+
+def test_file_bytes_in_a_csv_error_are_escaped(tmp_path: Path) -> None:
+    lines = [HEADER, *rows(3)]
+    lines[2] = "\x1b[2J\x1b[31mFAKE: all good\x1b]0;title\x07,2"
+    path = write(tmp_path / "ansi.csv", lines)
+    with pytest.raises(EventLogError) as err:
+        load(path, features=("genre",))
+    msg = str(err.value)
+    assert_printable(msg)
+    assert "\\x1b[2J" in msg and "line 3" in msg
+
+
+def test_a_long_field_in_an_unmapped_column_is_read(tmp_path: Path) -> None:
+    lines = [HEADER + ",blob", *(r + ",b" for r in rows(50))]
+    lines[20] = lines[20][:-1] + "y" * (3 << 20)  # 3 MiB: longer than one 1 MiB CSV block
+    path = write(tmp_path / "long.csv", lines)
+    for limit in (None, 30):
+        t = load(path, limit, features=("genre",))
+        assert t.n_impressions == (limit or 50) and t.stats["rejected_rows"] == 0
+
+
+@pytest.mark.parametrize("kind", ["gzip", "parquet", "bz2", "zstd"])
+def test_compressed_or_parquet_bytes_named_csv_are_recognised(tmp_path: Path, kind: str) -> None:
+    text = ("\n".join([HEADER, *rows(20)]) + "\n").encode()
+    path = tmp_path / "log.csv"
+    if kind == "gzip":
+        path.write_bytes(gzip.compress(text))
+    elif kind == "parquet":
+        pq.write_table(pa.table({"user_id": [1]}), path)
+    elif kind == "bz2":
+        import bz2
+
+        path.write_bytes(bz2.compress(text))
+    else:
+        path.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 40)
+    hint = {"gzip": r"\.csv\.gz", "parquet": r"\.parquet", "bz2": r"\.csv\.bz2", "zstd": r"\.csv\.zst"}[kind]
+    with pytest.raises(EventLogError, match=rf"log.csv looks like a .*{hint}") as err:
+        load(path, features=("genre",))
+    assert_printable(str(err.value))
+
+
+# -- 11: duplicate CSV header names -----------------------------------------------------------------
+def test_a_duplicated_csv_header_name_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "dup.csv", [HEADER + ",user_id", *(r + ",OTHER" for r in rows(5))])
+    with pytest.raises(EventLogError, match=r"dup.csv has 2 columns named 'user_id' \(columns 1 and 6\b.*--user-col"):
+        load(path, features=("genre",))
+    path = write(tmp_path / "dupts.csv", [HEADER + ",ts", *(r + ",-1" for r in rows(5))])
+    with pytest.raises(EventLogError, match=r"2 columns named 'ts'.*--time-col"):
+        load(path, limit=2, features=("genre",))
+
+
+# -- 12: epoch seconds read as milliseconds ------------------------------------------------------
+def test_epoch_seconds_under_the_default_unit_are_refused_with_a_hint(tmp_path: Path) -> None:
+    secs = write(tmp_path / "secs.csv", [HEADER, *rows(10, ts_scale=1)])
+    with pytest.raises(EventLogError, match=r"secs.csv.*'ts'.*before 1973.*--time-unit s"):
+        load(secs, time_unit=None)
+    # given explicitly, the unit is taken as it is
+    assert load(secs, time_unit="ms").ts.tolist()[0] == T0_S
+    assert load(secs, time_unit="s").ts.tolist()[0] == T0_S * 1000
+    # plausible milliseconds, missing or bad times, Arrow timestamps: no refusal
+    ms = write(tmp_path / "ms.csv", [HEADER, *rows(10)])
+    assert load(ms, time_unit=None).n_impressions == 10
+    bad = write(tmp_path / "bad.csv", [HEADER, "1,2,,0,g", "1,2,abc,0,g"])
+    assert load(bad, time_unit=None).stats["rejected_rows"] == 2
+    stamps = tmp_path / "stamps.parquet"
+    pq.write_table(pa.table({"user_id": [1], "item_id": [2], "ts": pa.array([1000], pa.timestamp("ms"))}), stamps)
+    assert load(stamps, time_unit=None, clicked=None).ts.tolist() == [1000]
+
+
+def test_the_cli_refuses_epoch_seconds_unless_the_unit_is_given(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrec.cli import main
+
+    secs = write(tmp_path / "secs.csv", [HEADER, *rows(10, ts_scale=1)])
+    rc = main(["replay", "--dataset", str(secs), "--no-progress", "--bootstrap-servers", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--time-unit s" in err and "Traceback" not in err
