@@ -252,6 +252,9 @@ class LearnerSettings:
     # A samples message with a row whose ts leads this machine's wall clock by more than this is dead-lettered
     # (future_ts; keep it >= the joiner's [limits] future_ts_s); the learner's clocks never lead the wall clock.
     future_ts_s: float = 3600.0
+    # On N ranks: how long a rank waits in one collective for the others (a hung rank stalls the job this long;
+    # keep it well above 5 s, the rounds in which the ranks wait together for the first samples).
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         try:

@@ -17,7 +17,11 @@
 - :class:`LockStep`: sharded embeddings put every rank in every lookup's collectives (the row-wise lookup's
   all-to-all and all-gather, the dense part's gradient all-reduce), so every rank runs the same number of steps,
   each of the same batch size. Once per round each rank says how many rows it has, whether its input ended,
-  whether it wants a checkpoint or a stop, and all ranks take the same decision from everybody's answer.
+  whether it wants a checkpoint or a stop, and whether its batch is a suspect (a poison strike), and all ranks take
+  the same decision from everybody's answer.
+- :func:`mark_round_failed`, :func:`round_failed_elsewhere`: a round that failed for its data on some rank, told to
+  the others through the group's store (its rendezvous key-value store, not a collective: the failing rank
+  never joins the collective the others wait in), so that every rank strikes its own messages of that round.
 - :func:`all_gather_objects`, :func:`gather_objects`: small Python values from every rank (offsets, counts, metrics
   histograms), and a delta's rows on rank 0 (`learner/sharded_deltas.py`).
 """
@@ -109,34 +113,44 @@ class Round:
     checkpoint: bool  # some rank wants a checkpoint now (its samples or seconds since the last one)
     stop: str | None  # why every rank stops now (None: go on)
     delta: bool = False  # some rank's serving delta is due: every rank enters learner/sharded_deltas.py's round
+    turn: int | None = None  # the rank whose suspect batch is the round's only rows (None: every rank's batch)
 
 
 class LockStep:
-    """Per round, one all-gather of ``[rows, input ended, wants checkpoint, stop signal, samples, wants delta]``
-    per rank.
+    """Per round, one all-gather of ``[rows, input ended, wants checkpoint, stop signal, samples, wants delta,
+    suspect]`` per rank.
 
     A round's steps: rank r trains its rows as chunks of ``step_rows`` (the last one shorter); step i of the
     round has as many rows as the largest chunk i of any rank, and a rank with fewer pads its chunk with empty
     rows (no lookups, zero loss weight). The job stops when every rank's input ended (``exit_when_idle``), when
-    any rank got SIGTERM/SIGINT, or when the samples trained by all ranks together reach ``max_samples``."""
+    any rank got SIGTERM/SIGINT, or when the samples trained by all ranks together reach ``max_samples``.
+
+    Suspects: a round's rows of every rank meet in collective stages (the id lookup by the key's owner, the
+    base-rate bias, rank 0's quality metrics), so a failed round blames every message in it, on every rank, as
+    one process blames its whole batch (``stream/strikes.py``). A suspect is retried alone in the whole group:
+    when any rank's batch is a suspect, the lowest such rank trains it as the round's only rows (``Round.turn``)
+    and every other rank keeps its batch for a later round."""
 
     def __init__(self, step_rows: int, max_samples: int | None = None) -> None:
         self.step_rows = step_rows
         self.max_samples = max_samples
 
     def agree(self, rows: int, ended: bool, wants_checkpoint: bool, signalled: bool, samples: int,
-              wants_delta: bool = False) -> Round:
-        mine = torch.tensor([rows, int(ended), int(wants_checkpoint), int(signalled), samples, int(wants_delta)],
-                            dtype=torch.int64)
+              wants_delta: bool = False, suspect: bool = False) -> Round:
+        mine = torch.tensor([rows, int(ended), int(wants_checkpoint), int(signalled), samples, int(wants_delta),
+                             int(suspect)], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(out, mine)
-            everyone = torch.stack(out)  # (world, 6)
+            everyone = torch.stack(out)  # (world, 7)
         else:
-            everyone = mine.unsqueeze(0)  # (1, 6)
+            everyone = mine.unsqueeze(0)  # (1, 7)
         per_rank = everyone[:, 0].tolist()
-        n_steps = max((-(-r // self.step_rows) for r in per_rank), default=0)
-        steps = tuple(max(min(self.step_rows, r - i * self.step_rows) for r in per_rank) for i in range(n_steps))
+        suspects = everyone[:, 6].nonzero().flatten().tolist()
+        turn = int(suspects[0]) if suspects else None
+        trained = per_rank if turn is None else [r if k == turn else 0 for k, r in enumerate(per_rank)]
+        n_steps = max((-(-r // self.step_rows) for r in trained), default=0)
+        steps = tuple(max(min(self.step_rows, r - i * self.step_rows) for r in trained) for i in range(n_steps))
         total = int(everyone[:, 4].sum())
         stop = None
         if bool(everyone[:, 3].any()):
@@ -145,7 +159,7 @@ class LockStep:
             stop = "max samples"
         elif bool(everyone[:, 1].all()) and not any(per_rank):
             stop = "input idle"
-        return Round(steps, bool(everyone[:, 2].any()), stop, bool(everyone[:, 5].any()))
+        return Round(steps, bool(everyone[:, 2].any()), stop, bool(everyone[:, 5].any()), turn)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -193,3 +207,39 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(t in text for t in _PEER_FAILURE_TEXT)
+
+
+# The store key of a round that failed for its data; the store is the attempt's (under torchrun's agent its keys
+# carry the restart count, RankContext.init), so a restarted group starts without it.
+_ROUND_FAILED = "streamrec/round-failed"
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def mark_round_failed(rank: int, exc: BaseException) -> None:
+    """Tell the other ranks that this rank's round failed for its data (not a peer's, not the infrastructure's):
+    each then strikes its own messages of the round (:func:`round_failed_elsewhere`). Called BEFORE the rank leaves
+    the group, so a peer that notices the departure finds the key. Best effort: a store that cannot be reached
+    only costs the other ranks' strikes (as before this existed)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    try:
+        _store().set(_ROUND_FAILED, f"rank {rank}: {type(exc).__name__}: {exc}"[:300])
+    except Exception as err:  # noqa: BLE001 - the rank is failing anyway; its own strikes are written
+        log.warning("could not tell the other ranks that the round failed: %s", err)
+
+
+def round_failed_elsewhere() -> str | None:
+    """The error of a rank whose round failed for its data (:func:`mark_round_failed`), or None: the peer died, hung
+    or lost its connection (no message's fault), or the store cannot be reached (then nothing is blamed)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        store = _store()
+        if not store.check([_ROUND_FAILED]):
+            return None
+        return bytes(store.get(_ROUND_FAILED)).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - no evidence of a data failure: no strikes
+        return None

@@ -3,7 +3,7 @@ sharded row-wise over the ranks (``learner/sharded_model.py``), each rank readin
 partitions (``learner/distributed.py``: partition p to rank p % N), all ranks stepping in lock-step.
 
     rank r: KafkaSampleDataset(partitions p % N == r, from the checkpoint's offsets) --dedup--> chunks
-            LockStep.agree (rows, input ended, wants checkpoint, signal, samples)    -- every rank, every round
+            LockStep.agree (rows, input ended, wants checkpoint, signal, samples, suspect) -- every rank, every round
             ShardedTrainer.test_then_train per step (chunks padded to the step's size) -- every rank, every step
             delta round:      learner/sharded_deltas.py (every rank's touched rows from their shards, one delta
                               written by rank 0 with learner/deltas.py's writer), when deltas_every_s > 0
@@ -38,11 +38,18 @@ AUC on the test stream).
 What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
 ``sparse_adam``. The boost of young rows is applied around fbgemm's fused update (``learner/sharded_boost.py``).
 
-Poison messages (``stream/strikes.py``): a rank whose own batch fails gives each of its messages a strike (one
+Poison messages (``stream/strikes.py``): a round's rows of every rank meet in its collective stages (the id
+lookup by the key's owner rank, the base-rate bias, rank 0's quality metrics and calibration), so a fault one
+rank's message triggers may raise on another rank. A failed round is therefore blamed as one process blames its
+whole batch: every message of the round, on every rank, gets a strike (:meth:`ShardedLearner._strike_round`; one
 strikes file per partition, so a partition's strikes follow it to whichever rank reads it after a restart on any
-world size) and exits; the other ranks fail in their next collective, and give no strikes for that
-(:func:`learner.distributed.is_peer_failure`); torchrun restarts the group, the suspects are trained alone, and one
-that failed ``poison_after`` times is dead-lettered with kind ``poison``. Serving deltas work
+world size). The rank that failed for its data says so in the group's store before it exits
+(:func:`learner.distributed.mark_round_failed`); the other ranks fail in their next collective
+(:func:`learner.distributed.is_peer_failure`) and strike their messages of the round only if the store says so
+(a killed or hung peer gives no strikes). torchrun restarts the group, and a suspect is trained alone in the whole
+group (``Round.turn``: the other ranks hold their batches meanwhile), so an innocent one succeeds and loses its
+strike while the guilty one fails alone again; one that failed ``poison_after`` times is dead-lettered with kind
+``poison``. Serving deltas work
 (``learner/sharded_deltas.py``); rank 0 announces them on the Redis of the ``redis`` settings :func:`run_ranks` is
 given.
 """
@@ -89,7 +96,9 @@ from learner.distributed import (
     broadcast_object,
     gather_objects,
     is_peer_failure,
+    mark_round_failed,
     partitions_of,
+    round_failed_elsewhere,
 )
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
@@ -111,6 +120,10 @@ from stream.samples import DELAYED_POSITIVE
 from stream.strikes import PartitionFileStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.train")
+
+
+class RoundFailed(RuntimeError):
+    """The strike's error of a message whose round failed on another rank: that rank's error."""
 
 
 def check_settings(ls: LearnerSettings) -> None:
@@ -317,19 +330,20 @@ class ShardedLearner:
 
     def _fresh_config(self) -> FeatureConfig | None:
         """Rank 0 infers the config from the first samples and sends it; the others wait in rounds of about 5 s
-        (one broadcast each, so no rank waits in one collective for longer than its timeout while no data
-        arrives). None: nothing arrived within ``exit_when_idle_s``, or a stop signal."""
+        (one all-gather each, so no rank waits in one collective for longer than its timeout while no data
+        arrives). None: nothing arrived within ``exit_when_idle_s``, or a stop signal on any rank."""
         wait = self.ls.exit_when_idle_s if self.ls.exit_when_idle_s is not None else float("inf")
         t0 = time.monotonic()
         while True:
-            cfg, give_up = None, False
+            cfg, idle = None, False
             if self.ctx.rank == 0:
                 cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(5.0, wait))
-                give_up = cfg is None and (self._stop or time.monotonic() - t0 >= wait)
-            found, give_up = broadcast_object((None if cfg is None else cfg.to_dict(), give_up))
+                idle = cfg is None and time.monotonic() - t0 >= wait
+            everyone = all_gather_objects((None if cfg is None else cfg.to_dict(), idle, self._stop))
+            found = everyone[0][0]
             if found is not None:
                 return FeatureConfig.from_dict(found)
-            if give_up:
+            if everyone[0][1] or any(stop for _, _, stop in everyone):
                 return None
 
     def run(self) -> dict[str, Any]:
@@ -365,30 +379,38 @@ class ShardedLearner:
         lock = LockStep(step_rows, ls.max_samples)
         empty = to_tensors_empty(self.cfg, None)
         ended = False
+        # this rank's next batch, read and deduplicated, held while another rank's suspect trains alone:
+        # (batch, kept rows, the samples partition of each kept row or None)
+        held: tuple[TensorBatch, TensorBatch, np.ndarray | None] | None = None
+        # the last round's messages: they lose their strikes once every rank is known to have finished that round
+        # (the next collective that every rank enters after it: the next round's agree, a delta, a checkpoint);
+        # until then a peer that failed in it may still blame them (_strike_round)
+        settled: list[tuple[str, int, int]] = []
         last_ckpt, since_ckpt = time.monotonic(), 0
         while True:
-            batch = None if ended else next(loader, None)
-            ended = batch is None
-            kept = empty
+            if held is None and not ended:
+                batch = next(loader, None)
+                ended = batch is None
+                if batch is not None:
+                    held = self._admit(batch, empty)
+            batch, kept = None, empty
             partitions: np.ndarray | None = np.zeros(0, np.int64)  # (B',) samples partition of each kept row
-            if batch is not None and len(batch):
-                keep = self.recent.filter(batch.impression_ids, batch.kinds)
-                self.duplicates += int((~keep).sum())
-                kept = batch.select(keep)
-                per_message = [rows for _, _, rows in batch.positions]
-                partitions = (np.repeat([p for p, _, _ in batch.positions], per_message)[keep]
-                              if sum(per_message) == len(batch) else None)
-            keys = [(topic, p, o) for p, o, _ in batch.positions] if batch is not None else []
+            keys: list[tuple[str, int, int]] = []
             try:
+                held_keys = [] if held is None else [(topic, p, o) for p, o, _ in held[0].positions]
+                wants = (since_ckpt >= ls.checkpoint_every_samples
+                         or time.monotonic() - last_ckpt >= ls.checkpoint_every_s)
+                rnd = lock.agree(len(held[1]) if held is not None else 0, held is None, wants, self._stop,
+                                 self.samples_trained(), wants_delta=self.deltas is not None and self.deltas.due(),
+                                 suspect=any(strikes.suspect(k) for k in held_keys))
+                settled = self._settle(strikes, settled)
+                if held is not None and rnd.turn in (None, self.ctx.rank):  # else: held for a later round
+                    (batch, kept, partitions), held, keys = held, None, held_keys
                 if self.ids is not None and self.ids.active:  # collective: every rank, every round
                     self._observe_ids(self.ids.apply(kept, self.dmp))
                 chunks = kept.chunks(step_rows) if len(kept) else []
-                wants = (since_ckpt >= ls.checkpoint_every_samples
-                         or time.monotonic() - last_ckpt >= ls.checkpoint_every_s)
                 if self.deltas is not None and len(kept):
                     self.deltas.mark(kept.values)
-                rnd = lock.agree(len(kept), ended, wants, self._stop, self.samples_trained(),
-                                 wants_delta=self.deltas is not None and self.deltas.due())
                 probs, logits = [], []
                 for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
                     chunk = chunks[i] if i < len(chunks) else empty
@@ -399,13 +421,9 @@ class ShardedLearner:
                 self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0),
                                   np.concatenate(logits) if logits else np.zeros(0), partitions)
             except Exception as exc:
-                if keys and not is_infrastructure(exc) and not is_peer_failure(exc):
-                    log.error("rank %d: training a batch of %d message(s) failed (%s); each gets a strike, stopping "
-                              "every rank without a checkpoint", self.ctx.rank, len(keys), type(exc).__name__)
-                    strikes.failed(keys, exc)
+                self._strike_round(strikes, settled + keys, exc)
                 raise
-            if strikes.counts and keys:
-                strikes.succeeded(keys)
+            settled = keys
             if batch is not None:
                 for p, off, n in batch.positions:
                     self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
@@ -418,18 +436,76 @@ class ShardedLearner:
             if rnd.stop is not None:
                 reason = rnd.stop
                 break
-            if rnd.delta:
-                self._write_delta()
-            if rnd.checkpoint:
-                self.save()
-                last_ckpt, since_ckpt = time.monotonic(), 0
-        self.save()
+            try:
+                if rnd.delta:
+                    self._write_delta()
+                    settled = self._settle(strikes, settled)
+                if rnd.checkpoint:
+                    self.save()
+                    settled = self._settle(strikes, settled)
+                    last_ckpt, since_ckpt = time.monotonic(), 0
+            except Exception as exc:
+                self._strike_round(strikes, settled, exc, own=False)
+                raise
+        try:
+            self.save()
+        except Exception as exc:
+            self._strike_round(strikes, settled, exc, own=False)
+            raise
+        self._settle(strikes, settled)
         if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now
             try:  # same samples_trained as the checkpoint just saved, whose artifacts skip it by name
                 self._write_delta()
             except OSError as exc:  # rank 0's pending list keeps the rows: the first delta after a restart sends them
                 log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
         return self.summary(reason=reason)
+
+    def _admit(self, batch: TensorBatch, empty: TensorBatch) -> tuple[TensorBatch, TensorBatch, np.ndarray | None]:
+        """A batch as read, its rows that are no duplicates, and each kept row's samples partition (None if the
+        positions do not cover the rows)."""
+        if not len(batch):
+            return batch, empty, np.zeros(0, np.int64)
+        keep = self.recent.filter(batch.impression_ids, batch.kinds)
+        self.duplicates += int((~keep).sum())
+        per_message = [rows for _, _, rows in batch.positions]
+        partitions = (np.repeat([p for p, _, _ in batch.positions], per_message)[keep]
+                      if sum(per_message) == len(batch) else None)
+        return batch, batch.select(keep), partitions
+
+    @staticmethod
+    def _settle(strikes: Strikes, keys: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        """``keys``' round is finished on every rank: they are no suspects any more. Returns the keys still
+        unsettled (none)."""
+        if strikes.counts and keys:
+            strikes.succeeded(keys)
+        return []
+
+    def _strike_round(self, strikes: Strikes, keys: list[tuple[str, int, int]], exc: Exception,
+                      own: bool = True) -> None:
+        """A failed round's strikes (module docstring, "Poison messages"): its rows of every rank met in its
+        collective stages, so every rank's messages of the round are suspects, as one process's whole batch. A
+        rank whose round failed for its data (not a peer's failure, not the infrastructure's) says so in the
+        group's store and strikes its messages; a rank that saw a peer fail strikes its messages only if the store
+        says that the peer's round failed for its data (a killed or hung peer is no message's fault). ``keys``:
+        this rank's messages of the round that may have failed (the current one, and the last one while no
+        collective since has shown that every rank finished it). ``own=False``: this rank's own error is no
+        training failure (a delta, a checkpoint) and blames nothing."""
+        if is_infrastructure(exc):
+            return
+        if not is_peer_failure(exc):
+            if not own:
+                return
+            mark_round_failed(self.ctx.rank, exc)
+            if keys:
+                log.error("rank %d: training a batch of %d message(s) failed (%s); each gets a strike, stopping "
+                          "every rank without a checkpoint", self.ctx.rank, len(keys), type(exc).__name__)
+                strikes.failed(keys, exc)
+            return
+        elsewhere = round_failed_elsewhere()
+        if elsewhere is not None and keys:
+            log.error("rank %d: the round failed on another rank (%s) with this rank's %d message(s) in it; each "
+                      "gets a strike", self.ctx.rank, elsewhere, len(keys))
+            strikes.failed(keys, RoundFailed(elsewhere))
 
     def _write_delta(self) -> None:
         """Collective: one serving delta of the rows every rank touched since the last one."""
@@ -574,7 +650,7 @@ def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
     to free their Python objects, and a thread that asks for the GIL once the interpreter is finalizing is ended
     with pthread_exit, whose unwinding through the (noexcept) tensor destructor calls std::terminate: SIGABRT,
     "terminate called without an active exception", now and then at the exit of a rank that had finished."""
-    ctx.init()
+    ctx.init(timeout_s=ls.collective_timeout_s)
     try:
         summary = _train(kafka, ls, ctx, redis)
     except BaseException as exc:  # its traceback's frames hold the learner: clear them before the group goes

@@ -3,6 +3,9 @@
 ``python -m tests.fault_hooks join ...`` is ``streamrec join ...`` except that the join, and the
 learner's training step (on every rank under torchrun too), raise an unexpected exception whenever an
 impression id starting with ``poison`` is in the batch: the stand-in for a bug that one message triggers.
+With ``STREAMREC_TEST_POISON_STAGE=quality`` the training step does not fail; instead the training-quality
+metrics (``TrainingQuality.record``, fed on N ranks by rank 0 with EVERY rank's rows of the round) raise on such an
+id: a fault that one rank's message triggers on another rank.
 And while the file named by ``STREAMREC_TEST_DISK_FULL`` exists, writing a checkpoint fails with ENOSPC
 (a full disk).
 Test code only.
@@ -16,10 +19,12 @@ import sys
 from pathlib import Path
 
 from learner import checkpoint
+from learner.quality import TrainingQuality
 from learner.trainer import Trainer
 from stream.joiner import engine
 
 POISON = "poison"
+_STAGE = os.environ.get("STREAMREC_TEST_POISON_STAGE", "step")  # step | quality
 _apply = engine.PartitionJoin.apply
 _test_then_train = Trainer.test_then_train
 
@@ -46,11 +51,23 @@ def _save_unless_full(directory, state, meta, keep=3):  # noqa: ANN001, ANN202 -
     return _save(directory, state, meta, keep=keep)
 
 
+_record = TrainingQuality.record
+
+
+def _failing_record(self, impression_ids, *args, **kwargs):  # noqa: ANN001, ANN202 - a patch
+    if any(str(i).startswith(POISON) for i in impression_ids):
+        raise ValueError("injected fault: the quality metrics failed on a poison sample")
+    return _record(self, impression_ids, *args, **kwargs)
+
+
 checkpoint.save = _save_unless_full
 engine.PartitionJoin.apply = _failing_apply  # type: ignore[method-assign]
-Trainer.test_then_train = _failing_step  # type: ignore[method-assign]
+if _STAGE == "quality":
+    TrainingQuality.record = _failing_record  # type: ignore[method-assign]
+else:
+    Trainer.test_then_train = _failing_step  # type: ignore[method-assign]
 
-if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of `streamrec train` under torchrun (TorchRec imported)
+if int(os.environ.get("WORLD_SIZE", "1")) > 1 and _STAGE == "step":  # a rank under torchrun (TorchRec imported)
     from learner.sharded_trainer import ShardedTrainer
 
     _sharded_step = ShardedTrainer.test_then_train

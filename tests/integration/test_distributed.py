@@ -433,10 +433,14 @@ def test_two_ranks_calibrate_what_they_serve_like_one_process_and_unshard_it(kaf
     assert plain["calibration"]["rows"] == c2["pairs_fitted"]
 
 
+@pytest.mark.parametrize("stage", ["step", "quality"])
 def test_a_poison_message_on_one_rank_is_dead_lettered_after_poison_after_restarts_and_nothing_else_is_lost(
-        kafka: KafkaSettings, tmp_path: Path) -> None:
-    """The rank whose batch fails strikes its messages and exits; the other rank fails in a collective and strikes
-    nothing; torchrun restarts the group until the poison, trained alone, is dead-lettered."""
+        kafka: KafkaSettings, tmp_path: Path, stage: str) -> None:
+    """A failed round strikes every rank's messages of it; the suspects are then trained alone in the whole group,
+    torchrun restarting it until the poison, failing alone, is dead-lettered, and every innocent message is trained.
+    ``step``: the poison fails its own rank's (rank 1's) training step. ``quality``: it fails rank 0's quality
+    metrics over every rank's rows, so the rank that raises is not the one that read it (rank 0 struck its own
+    innocent messages here, and the poison was never struck: a crash loop)."""
     from tests.integration.test_learner import sample_batch as plain_batch
     from tests.kafka_io import read_topic
 
@@ -450,15 +454,22 @@ def test_a_poison_message_on_one_rank_is_dead_lettered_after_poison_after_restar
     ckpt = tmp_path / "ckpt"
     cmd = torchrun(2, ckpt, max_restarts=4)
     cmd[cmd.index("streamrec.cli")] = "tests.fault_hooks"
-    out = subprocess.run(cmd, env=env_for(kafka, STREAMREC_LEARNER_POISON_AFTER="2"), capture_output=True,
+    out = subprocess.run(cmd, env=env_for(kafka, STREAMREC_LEARNER_POISON_AFTER="2",
+                                          STREAMREC_TEST_POISON_STAGE=stage), capture_output=True,
                          text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stderr.count("each gets a strike") == 2, out.stderr[-4000:]  # one per failed run, by rank 1 only
-    assert "rank 1: training a batch" in out.stderr and "rank 0: training a batch" not in out.stderr
+    if stage == "step":  # rank 1 failed for its own batch in 2 runs; rank 0 only saw it leave
+        assert out.stderr.count("rank 1: training a batch") == 2, out.stderr[-4000:]
+        assert "rank 0: training a batch" not in out.stderr, out.stderr[-4000:]
+    else:  # rank 0 raised, and rank 1 struck the poison it read from the store's word, in each of the 2 runs
+        assert out.stderr.count("rank 1: the round failed on another rank (rank 0: ValueError") == 2, \
+            out.stderr[-4000:]
+        assert "rank 1: training a batch" not in out.stderr, out.stderr[-4000:]
     dlq = {r.key: {k: v.decode() for k, v in r.headers}
            for r in read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))}
-    assert set(dlq) == {b"poison"} and dlq[b"poison"]["dlq.kind"] == "poison"
-    assert "injected fault" in dlq[b"poison"]["dlq.reason"]
+    assert set(dlq) == {b"poison"} and dlq[b"poison"]["dlq.kind"] == "poison"  # no innocent message
+    assert ("injected fault: training failed" if stage == "step" else "injected fault: the quality metrics") in \
+        dlq[b"poison"]["dlq.reason"]
     _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
     assert meta["samples_trained"] == sum(rows.values())  # every good sample once, the poison's none
     assert {int(p): n for p, n in meta["partition_rows"].items()} == rows  # a dead letter's rows are not counted

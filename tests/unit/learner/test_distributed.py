@@ -246,3 +246,50 @@ def test_a_huge_dense_value_never_makes_the_sharded_trainers_adam_state_infinite
     states = [s["exp_avg_sq"] for s in opt.state.values() if "exp_avg_sq" in s]
     assert states and all(bool(torch.isfinite(s).all()) for s in states)
     assert trainer.overflow_steps == 1
+
+
+def _two_ranks(rank: int, store_path: str, out: str) -> None:
+    """One of 2 gloo ranks (torch.multiprocessing.spawn): a suspect's round, a failed round told through the store,
+    and a stop signal on rank 1 while rank 0 waits for the first samples; the results in ``out``-<rank>.json."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from learner import distributed, sharded_daemon
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        got: dict = {}
+        rnd = LockStep(10).agree(25 if rank == 0 else 5, False, False, False, 0, suspect=rank == 1)
+        got["turn"], got["steps"] = rnd.turn, list(rnd.steps)  # rank 1's suspect alone: rank 0's 25 rows wait
+        got["idle"] = LockStep(10).agree(0 if rank == 0 else 5, True, False, False, 0, suspect=rank == 1).stop
+        assert distributed.round_failed_elsewhere() is None
+        dist.barrier()
+        if rank == 0:
+            distributed.mark_round_failed(0, ValueError("bad row"))
+        dist.barrier()
+        got["failed"] = distributed.round_failed_elsewhere()
+        # the waiting loop: rank 0 finds no samples (no exit_when_idle), rank 1 got SIGTERM
+        sharded_daemon.infer_feature_config = lambda *a, **k: time.sleep(0.2)  # None: nothing arrived yet
+        learner = sharded_daemon.ShardedLearner.__new__(sharded_daemon.ShardedLearner)
+        learner.ls, learner.kafka = SimpleNamespace(exit_when_idle_s=None), None
+        learner.ctx, learner._stop = RankContext(rank, 2), rank == 1
+        got["config"] = learner._fresh_config()
+        Path(f"{out}-{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_train_a_suspect_alone_share_a_failed_round_and_any_ranks_stop_ends_the_wait(
+        tmp_path: Path) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_ranks, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"out-{rank}.json").read_text())
+        assert got["turn"] == 1 and got["steps"] == [5]
+        assert got["idle"] is None  # rank 1's suspect waits for its round: not idle
+        assert got["failed"] == "rank 0: ValueError: bad row"
+        assert got["config"] is None  # rank 1's SIGTERM stopped rank 0's wait too
