@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -26,6 +27,10 @@ from learner.trainer import Trainer
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
+
+if TYPE_CHECKING:
+    from learner.config import LearnerSettings
+    from learner.daemon import Learner
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),
                      FieldSpec("history", "sequence", 40, shares="item_id"), FieldSpec("ctx.genres", "multi", 10)),
@@ -299,21 +304,29 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
     assert meta["samples_trained"] == status["samples_trained"] <= sum(produced.values())
 
 
+def built_learner(kafka: KafkaSettings, ls: LearnerSettings) -> Learner:
+    """A Learner whose model is built (as on its first samples) from ``ls``: the default fields and a genre list."""
+    from learner.daemon import Learner
+    from learner.features import default_config
+
+    learner = Learner(kafka, ls)
+    learner._build(default_config({"genres": "multi"}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
+                                  embedding_dim=ls.embedding_dim, id_capacity=ls.id_capacity,
+                                  admit_after=ls.admit_after, id_init=ls.id_init,
+                                  user_bucket_half_life_s=ls.user_bucket_half_life_s), learner._model_settings())
+    return learner
+
+
 def test_a_restore_with_other_model_shaping_settings_names_each_field_and_rates_come_from_the_settings(
         kafka: KafkaSettings, tmp_path: Path) -> None:
     import dataclasses
 
     from learner.config import CheckpointMismatch, LearnerSettings
     from learner.daemon import Learner
-    from learner.features import default_config
 
     ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
                          embedding_dim=4, group_id=f"g-{kafka.samples_topic}")
-    first = Learner(kafka, ls)
-    first._build(default_config({"genres": "multi"}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
-                                embedding_dim=ls.embedding_dim, id_capacity=ls.id_capacity, admit_after=ls.admit_after,
-                                id_init=ls.id_init, user_bucket_half_life_s=ls.user_bucket_half_life_s),
-                 first._model_settings())
+    first = built_learner(kafka, ls)
     first.save()
     first.close()
     other = Learner(kafka, dataclasses.replace(ls, embedding_dim=8, buckets=60, lr_dense=0.5))
@@ -337,15 +350,10 @@ def test_a_checkpoint_of_another_samples_topic_is_refused_naming_both_and_its_ev
 
     from learner.config import CheckpointTopicMismatch, LearnerSettings
     from learner.daemon import Learner
-    from learner.features import default_config
 
     ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
                          embedding_dim=4, group_id=f"g-{kafka.samples_topic}")
-    first = Learner(kafka, ls)
-    first._build(default_config({"genres": "multi"}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets,
-                                embedding_dim=ls.embedding_dim, id_capacity=ls.id_capacity, admit_after=ls.admit_after,
-                                id_init=ls.id_init, user_bucket_half_life_s=ls.user_bucket_half_life_s),
-                 first._model_settings())
+    first = built_learner(kafka, ls)
     first._clock.advance(956_703_932_000 + np.arange(100) * 1000)  # a replay of 2000
     first.save()
     first.close()
