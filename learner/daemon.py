@@ -151,6 +151,13 @@ class RecentIds:
     def load(self, ids: list[str | tuple[str] | list[str]]) -> None:
         self._ids = OrderedDict.fromkeys(_recent_key(i) for i in ids[-self.capacity:])
 
+    def load_merged(self, lists: list[list[str | tuple[str] | list[str]]]) -> None:
+        """Several learners' states (a sharded job restarted on another number of ranks): the newest equal share of
+        each, so that every old rank's recent samples are still caught (the concatenation cut to ``capacity`` kept
+        only the last rank's)."""
+        share = self.capacity // max(len(lists), 1)
+        self.load([i for ids in lists for i in (ids[-share:] if share else [])])
+
 
 def _recent_key(key: str | tuple[str] | list[str]) -> str | tuple[str]:
     """A key of :class:`RecentIds` as a checkpoint holds it: a delayed positive's ``(id,)`` (a list once through

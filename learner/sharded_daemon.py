@@ -262,7 +262,7 @@ class ShardedLearner:
             if self.ctx.rank == 0:
                 self.trainer.metrics = merged_metrics(states, self.ls.metrics_window)
                 self.duplicates = int(meta["duplicates"])
-            self.recent.load([i for s in states for i in s.get("recent_ids", [])])
+            self.recent.load_merged([s.get("recent_ids", []) for s in states])
         if self.ctx.rank == 0:
             self._base_samples = int(meta["samples_trained"])
         self._base_steps = int(meta["steps"])

@@ -34,3 +34,15 @@ def test_the_keys_survive_a_checkpoint_without_colliding() -> None:
     back.load(torch.load(buf, weights_only=True)["recent_ids"])  # what learner/checkpoint.py's load does
     assert _seen(back, ["X", "Y", "Y", "X\x00delayed"], [DELAYED_POSITIVE, OBSERVED, DELAYED_POSITIVE, OBSERVED]) \
         == [True, True, False, False]
+
+
+def test_merged_states_keep_the_newest_share_of_every_rank_not_only_the_last_ranks() -> None:
+    """A sharded job restarted on another number of ranks loads every old rank's recent ids: each keeps its newest
+    equal share of the window, where cutting the concatenation to the window kept the last rank's alone."""
+    r = RecentIds(4)
+    r.load_merged([["a1", "a2", "a3", "a4"], ["b1", "b2", "b3", "b4"]])
+    assert r.state() == ["a3", "a4", "b3", "b4"]
+    assert _seen(r, ["a4", "b4", "a1"], [0, 0, 0]) == [False, False, True]  # the newest of each rank still caught
+    empty = RecentIds(4)
+    empty.load_merged([])
+    assert empty.state() == []
