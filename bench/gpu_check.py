@@ -79,12 +79,17 @@ def build_batches(args) -> tuple[Any, list[TensorBatch]]:
     return cfg, tbs
 
 
-def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int, warmup: int,
-          cpu_scaler: bool = False) -> tuple[Trainer, dict[str, Any]]:
+def make_trainer(cfg, device: str, dtype: torch.dtype | None, fused: str = "auto") -> Trainer:
     torch.manual_seed(0)
     model = DeepFM(cfg, mlp=(400, 400, 400), seed=0, autocast_dtype=dtype).to(device)
     sparse_opt, dense_opt = make_optimizers(model, lr_sparse=0.05, lr_dense=1e-3)
-    trainer = Trainer(model, sparse_opt, dense_opt, device=device)
+    return Trainer(model, sparse_opt, dense_opt, device=device, fused_sparse_update=fused)
+
+
+def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int, warmup: int,
+          cpu_scaler: bool = False, fused: str = "auto") -> tuple[Trainer, dict[str, Any]]:
+    trainer = make_trainer(cfg, device, dtype, fused)
+    model = trainer.model
     if cpu_scaler:  # dry run only: what Trainer builds on cuda for fp16
         trainer.scaler = torch.amp.GradScaler("cpu")
     losses, times, scales = [], [], []
@@ -98,6 +103,7 @@ def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, s
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     table_finite = bool(torch.isfinite(model.sparse.bag.weight).all())
     res = {"dtype": str(dtype or torch.float32).removeprefix("torch."), "scaler": trainer.scaler.is_enabled(),
+           "sparse_update": trainer.sparse_update,
            "ex_per_s": round(len(tbs[0]) / statistics.median(times[warmup:])),
            "step_ms_median": round(statistics.median(times[warmup:]) * 1e3, 3),
            "loss_first": round(first, 4), "loss_last": round(last, 4),
@@ -106,6 +112,70 @@ def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, s
                                                               if a is not None and b is not None and b < a)}
     res["ok"] = res["all_losses_finite"] and table_finite and last < first
     return trainer, res
+
+
+def same_update(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int = 20
+                ) -> dict[str, Any]:
+    """The fused row-wise Adagrad (``learner/fused_update.py``) against the optimizer's own step on ``device``: two
+    trainers from one initial state, the same ``steps`` batches; the tables may differ only by the order in which
+    a row's lookups are summed (float rounding), carried through the following steps."""
+    tables, paths = [], []
+    for fused in ("auto", "off"):
+        trainer = make_trainer(cfg, device, dtype, fused)
+        for tb in tbs[:steps]:
+            trainer.test_then_train(tb)
+        paths.append(trainer.sparse_update)
+        tables.append(trainer.model.sparse.bag.weight.detach().float())
+        del trainer
+    diff = (tables[0] - tables[1]).abs()
+    moved = tables[1].abs().max()
+    res = {"paths": paths, "steps": steps, "max_abs_diff": float(diff.max()),
+           "rel_l2_diff": float(torch.linalg.vector_norm(tables[0] - tables[1]) / torch.linalg.vector_norm(tables[1])),
+           "table_max_abs": float(moved)}
+    res["ok"] = paths == ["fused", "unfused"] and res["rel_l2_diff"] <= 1e-4
+    return res
+
+
+def floor(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int, warmup: int
+          ) -> dict[str, Any]:
+    """bench/learner.py's floor on ``device``: the batch's touched rows gathered once (deduplicated before the
+    step, not timed), expanded to the lookups, the dense part (FM + MLP fwd + bwd + fused Adam) under ``dtype``
+    autocast, the lookups' gradients reduced per touched row and scattered into the table (plain SGD). What
+    moving the rows and the dense math cost on this device; the same sync per step as the trainer (loss.item())."""
+    bl = _bench_learner()
+    bl.DENSE_DTYPE = None  # its head autocasts on the CPU only; the device's autocast is set here
+    fields, dim, b = cfg.num_fields, cfg.embedding_dim, len(tbs[0])
+    table = torch.empty(cfg.num_rows, dim + 1, device=device)
+    with torch.no_grad():
+        table.normal_(0.0, 0.01)
+        table[:, dim].zero_()
+    head = bl.make_head(fields, dim).to(device)
+    opt = torch.optim.Adam(head.parameters(), lr=bl.LR_DENSE, fused=True)
+    inputs = []
+    for tb in tbs:
+        v = tb.values.to(device)
+        uniq, inv = torch.unique(v, sorted=True, return_inverse=True)
+        inputs.append((uniq, inv.view(fields, b).t().contiguous().view(-1), tb.labels.to(device)))
+    times, losses = [], []
+    for i in range(warmup + steps):
+        uniq, inv, y = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        block = table.index_select(0, uniq)  # (U, D+1): the touched rows
+        x = block.index_select(0, inv).view(b, fields, dim + 1).requires_grad_()  # (B, F, D+1)
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = head(x[..., :dim], x[..., dim])  # (B,)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        g = torch.zeros_like(block).index_put_((inv,), x.grad.view(-1, dim + 1), accumulate=True)  # (U, D+1)
+        table.index_add_(0, uniq, g, alpha=-bl.LR_SPARSE)
+        losses.append(float(loss.item()))
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times[warmup:])
+    return {"dtype": str(dtype or torch.float32).removeprefix("torch."), "ex_per_s": round(b / med),
+            "step_ms_median": round(med * 1e3, 3), "loss_first": round(float(np.mean(losses[:20])), 4),
+            "loss_last": round(float(np.mean(losses[-20:])), 4), "ok": bool(np.isfinite(losses).all())}
 
 
 def profile_steps(trainer: Trainer, tbs: list[TensorBatch], steps: int = 10, top: int = 12) -> dict[str, Any]:
@@ -263,10 +333,12 @@ def tensorrt_check(trainer: Trainer, cfg: Any, tbs: list[TensorBatch], device: s
     except onnx_scorer.OnnxUnavailable as exc:
         return {"ok": True, "checked": False, "reason": f"TensorRT not checked: {exc}"}
     note = None
-    if device == "cuda" and "TensorrtExecutionProvider" not in have:
-        return {"ok": True, "checked": False,
-                "reason": f"TensorRT not checked: onnxruntime {onnx_scorer._ort().__version__} has no TensorRT "
-                          f"execution provider ({have}); pip install onnxruntime-gpu tensorrt"}
+    trt = device == "cuda" and "TensorrtExecutionProvider" in have
+    onnx_device = device if trt else "cpu"
+    if device == "cuda" and not trt:  # still times TorchScript on the GPU and the onnx artifact on the CPU provider
+        note = (f"TensorRT not checked: onnxruntime {onnx_scorer._ort().__version__} has no TensorRT execution "
+                f"provider ({have}); pip install onnxruntime-gpu tensorrt. The onnx artifact was timed on the CPU "
+                f"provider instead")
     if device != "cuda":
         note = "no CUDA device: the dry run scored the onnx artifact on the CPU provider instead of TensorRT"
     model = trainer.model.float().eval()
@@ -282,7 +354,7 @@ def tensorrt_check(trainer: Trainer, cfg: Any, tbs: list[TensorBatch], device: s
         onnx_dir = build_artifact(ckpt, Path(d) / "onnx", hot, format="onnx")
         ts_dir = build_artifact(ckpt, Path(d) / "ts", hot, format="torchscript")
         t0 = time.perf_counter()
-        on_dev = ScoringModel.load(onnx_dir, device=device)
+        on_dev = ScoringModel.load(onnx_dir, device=onnx_device)
         on_dev.score(big.values, big.offsets, big.dense)  # the TensorRT engine is built on first use
         res["load_and_engine_build_s"] = round(time.perf_counter() - t0, 2)
         res["providers"] = on_dev._live.scorer.execution_providers
@@ -293,11 +365,17 @@ def tensorrt_check(trainer: Trainer, cfg: Any, tbs: list[TensorBatch], device: s
         res["max_abs_diff_vs_cpu"] = diff
         for name, m in (("onnx", on_dev), ("torchscript", ts)):
             res[name] = {"100": _latency(m, one, 300), str(len(big)): _latency(m, big, 50)}
-    res["ok"] = diff <= 2e-3 and (device != "cuda" or "TensorrtExecutionProvider" in res["providers"])
+    res["checked"] = trt
+    res["ok"] = diff <= 2e-3 and (not trt or "TensorrtExecutionProvider" in res["providers"])
     return res
 
 
+SKIP: set[str] = set()  # --skip
+
+
 def run_check(name: str, fn, results: dict[str, Any]) -> Any:
+    if name in SKIP:
+        return None
     t0 = time.perf_counter()
     try:
         out = fn()
@@ -326,7 +404,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="also profile 10 steps of each dtype (top ops)")
     ap.add_argument("--dry-run-cpu", action="store_true", help="develop this script without a GPU (small, CPU)")
+    ap.add_argument("--skip", default="", help="checks not to run, comma-separated (e.g. tensorrt,export)")
     args = ap.parse_args()
+    SKIP.update(filter(None, args.skip.split(",")))
 
     if args.dry_run_cpu:
         device = "cpu"
@@ -365,13 +445,27 @@ def main() -> int:
     if bf16 is not None and device == "cpu":  # dry run: export on CPU (bf16 model)
         bf16_trainer: Trainer = bf16[0]
         run_check("export", lambda: export_check(bf16_trainer, tbs, cfg.num_fields), checks)
+    if bf16 is not None and args.profile:
+        run_check("profile_bf16", lambda: profile_steps(bf16[0], tbs), checks)
     bf16 = None
+    # The table's update inside the lookup's backward (the default wherever it is the same update: bf16, fp32)
+    # against the optimizer's own step after a sparse gradient and its coalesce (fused_sparse_update = off).
+    run_check("bf16_unfused", lambda: train(cfg, tbs, device, torch.bfloat16, args.steps, args.warmup,
+                                            fused="off"), checks)
+    run_check("fp32_unfused", lambda: train(cfg, tbs, device, None, args.steps, args.warmup, fused="off"), checks)
+    run_check("same_update_fp32", lambda: same_update(cfg, tbs, device, None), checks)
+    for name, dt in (("floor_bf16", torch.bfloat16), ("floor_fp32", None)):
+        run_check(name, lambda dt=dt: floor(cfg, tbs, device, dt, args.steps, args.warmup), checks)
     fp32 = run_check("fp32", lambda: train(cfg, tbs, device, None, args.steps, args.warmup), checks)
     if fp32 is not None and args.profile:
         run_check("profile_fp32", lambda: profile_steps(fp32[0], tbs), checks)
     speed = {k: checks[k]["ex_per_s"] for k in ("fp16", "bf16", "fp32") if "ex_per_s" in checks.get(k, {})}
     if "fp32" in speed:
         summary["speedup_vs_fp32"] = {k: round(v / speed["fp32"], 2) for k, v in speed.items() if k != "fp32"}
+    eps = {k: v["ex_per_s"] for k, v in checks.items() if "ex_per_s" in v}
+    summary["ratios"] = {f"{a} / {b}": round(eps[a] / eps[b], 2)
+                         for a, b in (("bf16", "bf16_unfused"), ("fp32", "fp32_unfused"), ("bf16", "floor_bf16"),
+                                      ("fp32", "floor_fp32")) if a in eps and b in eps}
     if fp32 is not None:
         run_check("tensorrt", lambda: tensorrt_check(fp32[0], cfg, tbs, device), checks)
     fp32 = None
