@@ -80,7 +80,8 @@ class FusedSparseUpdate(AutoOnOff):
     """Where the table's row-wise Adagrad runs (``learner/fused_update.py``). ``auto``: inside the backward of the
     lookup (fbgemm's fused ``EXACT_ROWWISE_ADAGRAD``: no sparse gradient, no ``coalesce``) wherever that is the
     same update, i.e. ``sparse_optimizer = rowwise_adagrad``, ``accumulation = 1`` and no fp16 loss scaling (fp16
-    autocast on CUDA); elsewhere the optimizer's own step. ``on`` requires the fused update (a setting that rules it
+    autocast on CUDA), on the CPU; elsewhere, and on CUDA (where it measured slower in wall time), the
+    optimizer's own step. ``on`` requires the fused update (a setting that rules it
     out is a :class:`ConfigError`), ``off`` never uses it. TOML ``true``/``false`` mean ``on``/``off``."""
 
     AUTO = "auto"
