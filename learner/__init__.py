@@ -2,7 +2,8 @@
 
 Owns: its settings, the model config and the choices among them (``config.py``), the feature config
 (``features.py``), Arrow batches -> tensors (``batch.py``), the model from small parts (``model.py``), the sparse
-optimizers (``optim.py``) and their update fused into the lookup's backward (``fused_update.py``), the health
+optimizers (``optim.py``) and their update fused into the lookup's backward (``fused_update.py``), the dense
+gradient's adaptive clip (``grad_clip.py``), the event clock (``event_clock.py``), the health
 monitors (``health.py``: memory, gradient and update norms, coverage), dynamic ids and cold start (``id_map.py``,
 ``row_mapper.py``, ``cold_start.py``), test-then-train and progressive metrics (``trainer.py``,
 ``progressive.py``), delayed feedback's weights and base-rate bias (``delayed.py``), served quality

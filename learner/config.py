@@ -199,6 +199,9 @@ class LearnerSettings:
     dropout: float = 0.0
     lr_sparse: float = 0.05
     lr_dense: float = 0.001
+    # The dense gradient's total norm clipped to this many times the median of the last 1,000 steps' norms
+    # (learner/grad_clip.py): one batch with an out-of-scale dense value (1e18) cannot freeze Adam. 0: off
+    dense_grad_clip: float = 10.0
     # Row-wise Adagrad's starting sum of squares: with 0 a row's first step is lr in size whatever its gradient
     # (a negative at p = 0.1 moves an id as far as a click), the noise behind served NE > 1 on a stream of rare ids
     # (README "Delayed feedback"). Gradients are of a mean loss, so the value belongs with step_rows (256).
@@ -274,7 +277,8 @@ class LearnerSettings:
                                                "seed"), at_most={"seed": 2**64 - 1})
         # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
         # deltas_id_maps_every_s, none for future_ts_s
-        check_durations("learner", self, zero_ok=("deltas_every_s", "deltas_id_maps_every_s", "future_ts_s"))
+        check_durations("learner", self, zero_ok=("deltas_every_s", "deltas_id_maps_every_s", "future_ts_s",
+                                                  "dense_grad_clip"), extra=("dense_grad_clip",))
         check_ports("learner", self)
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "

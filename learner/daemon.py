@@ -89,6 +89,9 @@ CALIBRATION_SCALE = Gauge("streamrec_learner_calibration_scale", "Platt scale a 
                           "(learner/calibration.py; 1 = served as the model says, below 1 = shrunk).")
 CALIBRATION_SHIFT = Gauge("streamrec_learner_calibration_shift", "Platt shift b of the served logit a * z + b.")
 NAN_LOSSES = PCounter("streamrec_learner_nan_losses_total", "Batches whose loss was not finite (update skipped).")
+DENSE_CLIPPED = PCounter("streamrec_learner_dense_clipped_steps_total",
+                         "Steps whose dense gradient was scaled down to [learner] dense_grad_clip x the recent median "
+                         "norm (an outlier batch, e.g. an out-of-scale dense value).")
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
 CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
                                "Checkpoints that could not be written (disk full, read-only); retried.")
@@ -277,7 +280,8 @@ class Learner:
         self.trainer = Trainer(model, sparse, dense, accumulation=self.ls.accumulation, device=self.device,
                                metrics=ProgressiveMetrics(window=self.ls.metrics_window),
                                calibration=OnlineCalibration() if self.ls.online_calibration else None,
-                               fused_sparse_update=self.ls.fused_sparse_update)
+                               fused_sparse_update=self.ls.fused_sparse_update,
+                               dense_grad_clip=self.ls.dense_grad_clip)
         if self.ls.deltas_every_s > 0:
             self.deltas = DeltaWriter.from_settings(self.ls, cfg.num_rows, key=self._signing_key,
                                                     redis_settings=self.redis_settings)
@@ -311,6 +315,7 @@ class Learner:
         self.duplicates = int(meta["duplicates"])
         self.recent.load(ckpt["recent_ids"])
         self._clock.load(ckpt.get("event_clock"))  # id ages go on from where they were, not from one new row
+        self.trainer.dense_clip.load_state_dict(ckpt.get("dense_clip"))  # the clip's norms: no fresh window to pass
         assert self.mapper is not None
         self.mapper.load_state_dict(ckpt.get("id_maps", {}))
         self.quality.load_state_dict(ckpt)
@@ -343,7 +348,7 @@ class Learner:
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
-                 "event_clock": self._clock.state(),
+                 "event_clock": self._clock.state(), "dense_clip": tr.dense_clip.state_dict(),
                  **self.quality.state_dict(),
                  "delayed_weights": tr.delayed.state_dict(),
                  "calibration": tr.calibration.state_dict() if tr.calibration is not None else {},
@@ -483,7 +488,7 @@ class Learner:
             if self.mapper is not None and self.mapper.active:
                 self._observe_ids(self.mapper.apply(kept, now, model=self.trainer.model,
                                                     sparse_opt=self.trainer.sparse_opt))
-            nan_before = self.trainer.nan_losses
+            nan_before, clipped_before = self.trainer.nan_losses, self.trainer.dense_clip.clipped
             labels = kept.labels.numpy()
             probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned
                                     for chunk in kept.chunks(self.ls.step_rows)])
@@ -491,6 +496,8 @@ class Learner:
                 self.bias.update(self.trainer.model, labels, kept.kinds, kept.ts, kept.label_delay_ms)
             self.quality.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
                                 kept.label_delay_ms)
+            if self.trainer.dense_clip.clipped > clipped_before:
+                DENSE_CLIPPED.inc(self.trainer.dense_clip.clipped - clipped_before)
             if self.trainer.nan_losses > nan_before:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
                 log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",

@@ -202,7 +202,7 @@ class ShardedLearner:
         except (RuntimeError, TypeError):
             dense_opt = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense)
         self.trainer = ShardedTrainer(self.dmp, dense_opt, feature_names(cfg), self.device,
-                                      ProgressiveMetrics(window=ls.metrics_window))
+                                      ProgressiveMetrics(window=ls.metrics_window), ls.dense_grad_clip)
         if ls.boost > 0:  # fbgemm has none: applied around its fused update (learner/sharded_boost.py)
             self.trainer.boost = ShardedBoost(self.dmp, ls.boost, ls.boost_half_life)
             self.ids.counts = self.trainer.boost.counts
@@ -248,6 +248,7 @@ class ShardedLearner:
         if states[0].get("base_rate_bias"):  # rank 0's copy; every rank's is the same
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(states[0]["base_rate_bias"])
+        self.trainer.dense_clip.load_state_dict(states[0].get("dense_clip"))  # every rank's is the same
         if self.ctx.rank == 0:  # rank 0 tracks them, whatever the world size
             self.quality.load_state_dict(states[0])
             if self.calibration is not None and states[0].get("calibration"):
@@ -298,7 +299,8 @@ class ShardedLearner:
                 "metrics": metrics.summary(), "metrics_window": self.ls.metrics_window,
                 "topic": self.kafka.samples_topic}
         rank_state = {"metrics": self.trainer.metrics.state_dict(), "recent_ids": self.recent.state(),
-                      "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict()}
+                      "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict(),
+                      "dense_clip": self.trainer.dense_clip.state_dict()}
         if self.ids is not None and self.ids.active:
             self.ids.decay_idle(self.dmp)  # the artifact built from this checkpoint gets today's buckets
             rank_state.update(self.ids.state_dict())  # each rank its shares of the maps

@@ -28,6 +28,7 @@ from torch import nn
 from learner.batch import TensorBatch
 from learner.calibration import calibrated
 from learner.delayed import DelayedFeedbackWeights
+from learner.grad_clip import AdaptiveClip
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_boost import ShardedBoost
 from learner.sharded_model import padded_inputs
@@ -36,7 +37,7 @@ from learner.trainer import MAX_DENSE_GRAD_NORM
 
 class ShardedTrainer:
     def __init__(self, model: nn.Module, dense_opt: torch.optim.Optimizer, keys: list[str],
-                 device: torch.device, metrics: ProgressiveMetrics) -> None:
+                 device: torch.device, metrics: ProgressiveMetrics, dense_grad_clip: float = 10.0) -> None:
         self.model, self.dense_opt, self.keys, self.device = model, dense_opt, keys, device
         self.metrics = metrics
         self.delayed = DelayedFeedbackWeights()
@@ -44,6 +45,7 @@ class ShardedTrainer:
         self.samples = 0  # this rank's
         self.nan_losses = 0
         self.overflow_steps = 0  # steps whose dense update was skipped (learner/trainer.py, MAX_DENSE_GRAD_NORM)
+        self.dense_clip = AdaptiveClip(dense_grad_clip)  # the same on every rank: the norms are of all-reduced grads
         self.last_loss = float("nan")
         self.calibration: torch.Tensor | None = None  # (2,) served (a, b); None: raw logits served
         self.last_logits = np.zeros(0, np.float32)  # (B,) raw logits of the last call's real rows
@@ -86,10 +88,12 @@ class ShardedTrainer:
             self.boost.after()
         grads = [p.grad for g in self.dense_opt.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # all-reduced: every rank decides alike (a gradient that would make Adam's state inf for good)
-            worst = torch.stack(list(torch._foreach_norm(grads))).max()
-            if not bool(torch.isfinite(worst)) or float(worst) >= MAX_DENSE_GRAD_NORM:
+            total = float(torch.linalg.vector_norm(torch.stack(list(torch._foreach_norm(grads)))))
+            if not np.isfinite(total) or total >= MAX_DENSE_GRAD_NORM:
                 self.dense_opt.zero_grad(set_to_none=True)
                 self.overflow_steps += 1
+            else:
+                self.dense_clip.clip_(grads, total)  # learner/grad_clip.py
         self.dense_opt.step()
         self.dense_opt.zero_grad(set_to_none=True)
         self.samples += b

@@ -20,6 +20,11 @@ With a ``calibration`` (``learner/calibration.py``), the predictions recorded an
 ones (what is served), and each batch's raw logits go to the calibration, which fits them as their labels
 become final; the loss and the weights use the raw logits.
 
+The dense gradient's total norm is clipped to ``dense_grad_clip`` x the median of the recent steps' norms
+(``learner/grad_clip.py``, AutoClip's history-based threshold), so one batch with an out-of-scale dense value moves
+Adam's second moment no more than a normal batch; a norm that is not finite, or >= ``MAX_DENSE_GRAD_NORM``, skips
+the dense update (``overflow_steps``).
+
 Health (``learner/health.py``): every step's gradient L2 norms, dense and embedding, go to ``grad_norms`` as device
 tensors (the embedding's from the per-row sums the fused backward already has, or from the coalesced sparse
 gradient the optimizer would coalesce anyway); ``update_norms`` samples, at most once a second, how much a step
@@ -39,6 +44,7 @@ from learner.calibration import OnlineCalibration, calibrated
 from learner.config import FusedSparseUpdate
 from learner.delayed import DelayedFeedbackWeights
 from learner.fused_update import fused_applies, fused_lookups
+from learner.grad_clip import AdaptiveClip
 from learner.health import GradNorms, UpdateNorms
 from learner.model import SparseArch
 from learner.optim import RowWiseAdagrad
@@ -54,7 +60,8 @@ class Trainer:
     def __init__(self, model: nn.Module, sparse_opt: torch.optim.Optimizer, dense_opt: torch.optim.Optimizer,
                  accumulation: int = 1, device: torch.device | str = "cpu",
                  metrics: ProgressiveMetrics | None = None, calibration: OnlineCalibration | None = None,
-                 fused_sparse_update: FusedSparseUpdate | str = FusedSparseUpdate.AUTO) -> None:
+                 fused_sparse_update: FusedSparseUpdate | str = FusedSparseUpdate.AUTO,
+                 dense_grad_clip: float = 10.0) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         self.fused_sparse_update = FusedSparseUpdate.of(fused_sparse_update, "fused_sparse_update")
@@ -70,6 +77,7 @@ class Trainer:
         self.last_loss = float("nan")
         self.nan_losses = 0  # batches skipped because their loss was not finite
         self.overflow_steps = 0  # steps whose dense update was skipped: a gradient too large (MAX_DENSE_GRAD_NORM)
+        self.dense_clip = AdaptiveClip(dense_grad_clip)  # dense gradients of outlier batches scaled down
         self.grad_norms = GradNorms.of(model)  # per step, drained by the daemon (learner/health.py)
         self.update_norms = UpdateNorms()  # sampled at most once a second
         # fp16 on CUDA needs loss scaling; bf16 (the CPU default) does not.
@@ -176,11 +184,14 @@ class Trainer:
             else:
                 rows, sums = RowWiseAdagrad.touched_rows(p.grad)
             self._observe_rows(p, rows, sums)
-        if dense_norms and not self.scaler.is_enabled():  # (the scaler skips a step that overflowed itself)
-            worst = torch.stack(list(dense_norms)).max()
-            if not bool(torch.isfinite(worst)) or float(worst) >= MAX_DENSE_GRAD_NORM:
-                self.dense_opt.zero_grad(set_to_none=True)  # Adam leaves parameters without a gradient alone
-                self.overflow_steps += 1
+        if dense_norms:
+            total = float(torch.linalg.vector_norm(torch.stack(list(dense_norms))))  # the step's one sync
+            if not np.isfinite(total) or total >= MAX_DENSE_GRAD_NORM:
+                if not self.scaler.is_enabled():  # (the scaler skips a step that overflowed itself)
+                    self.dense_opt.zero_grad(set_to_none=True)  # Adam leaves parameters without a gradient alone
+                    self.overflow_steps += 1
+            else:
+                self.dense_clip.clip_(grads, total)  # an outlier batch scaled to the recent norms (grad_clip.py)
         if sampled:
             self.update_norms.dense_before(dense_params)
         self.scaler.step(self.dense_opt)

@@ -340,6 +340,28 @@ def test_a_restore_with_other_model_shaping_settings_names_each_field_and_rates_
     assert [g["lr"] for g in faster.trainer.sparse_opt.param_groups] == [0.2]
 
 
+def test_the_dense_clips_history_is_checkpointed_and_its_factor_comes_from_the_settings(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """learner/grad_clip.py: without its history a restarted learner clipped nothing until 20 steps had passed, so
+    an outlier batch right after each restart reached Adam whole."""
+    import dataclasses
+
+    from learner.config import LearnerSettings
+    from learner.daemon import Learner
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
+                         embedding_dim=4, group_id=f"g-{kafka.samples_topic}")
+    first = built_learner(kafka, ls)
+    first.trainer.dense_clip.load_state_dict({"norms": [0.01 * (i + 1) for i in range(30)], "clipped": 3})
+    first.save()
+    first.close()
+    again = Learner(kafka, dataclasses.replace(ls, dense_grad_clip=4.0))
+    assert again._restore()
+    assert again.trainer.dense_clip.state_dict() == first.trainer.dense_clip.state_dict()
+    assert again.trainer.dense_clip.threshold == pytest.approx(4.0 * 0.155)  # today's factor x the saved median
+    again.close()
+
+
 def test_a_checkpoint_of_another_samples_topic_is_refused_naming_both_and_its_event_clock_is_restored(
         kafka: KafkaSettings, tmp_path: Path) -> None:
     """Its offsets belong to the other topic: resumed, they skipped the new topic's messages (38 in the audit's run)
