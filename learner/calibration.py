@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.event_clock import EventClock
+from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
@@ -104,11 +104,15 @@ class OnlineCalibration:
         self.waiting: set[str] = set()
         self.clicked: set[str] = set()
         self.clock = EventClock()  # event time of the emissions (ts + label_delay_ms): what matures
-        self.first_ms: int | None = None  # the first impression time seen: the stream's warm-up is not fitted
+        self.first_times = FirstTime()  # the stream's first impression times: its warm-up is not fitted
 
     @property
     def now_ms(self) -> int | None:
         return self.clock.now_ms
+
+    @property
+    def first_ms(self) -> int | None:
+        return self.first_times.first_ms
 
     @property
     def pending(self) -> int:
@@ -125,7 +129,7 @@ class OnlineCalibration:
         emitted = ts if label_delay_ms is None else ts + np.asarray(label_delay_ms, np.int64)
         if len(emitted):  # a quorum of rows, never one, nor the wall clock's future (learner/event_clock.py): one
             self.clock.advance(emitted)  # row's far-future time would mature every pending impression, fitted as a 0
-            self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
+            self.first_times.advance(ts)  # the quorum-th smallest: one row stamped 1970 does not end the warm-up
         warm_up_end = (self.first_ms or 0) + self.maturity_ms
         take = np.flatnonzero((kinds == OBSERVED) & (ts >= warm_up_end))[:max(self.max_pending - self.pending, 0)]
         if len(take):
@@ -184,7 +188,8 @@ class OnlineCalibration:
         cols = list(zip(*self.chunks, strict=True)) or [[np.zeros(0, object)], [np.zeros(0)], [np.zeros(0, np.int64)],
                                                          [np.zeros(0)]]
         return {"a": self.a, "b": self.b, "h": self.h.tolist(), "rows": self.rows, "now_ms": self.now_ms,
-                "clock": self.clock.state(), "first_ms": self.first_ms, "pending_ids": np.concatenate(cols[0]).tolist(),
+                "clock": self.clock.state(), "first_ms": self.first_times.state(),
+                "pending_ids": np.concatenate(cols[0]).tolist(),
                 "pending_logits": torch.from_numpy(np.concatenate(cols[1]).astype(np.float64)),
                 "pending_ts": torch.from_numpy(np.concatenate(cols[2]).astype(np.int64)),
                 "pending_labels": torch.from_numpy(np.concatenate(cols[3]).astype(np.float64)),
@@ -197,7 +202,7 @@ class OnlineCalibration:
             self.h = np.asarray(d["h"], np.float64).reshape(2, 2)
         self.rows = int(d.get("rows", 0))
         self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
-        self.first_ms = None if d.get("first_ms") is None else int(d["first_ms"])
+        self.first_times.load(d.get("first_ms"))
         ids = np.asarray([str(i) for i in d.get("pending_ids", [])], object)
         self.chunks = deque()
         if len(ids):

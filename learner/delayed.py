@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.event_clock import EventClock
+from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL
 
 
@@ -128,7 +128,7 @@ class BaseRateBias:
         self.bins: dict[int, list[int]] = {}  # corrected rows: impression second -> [impressions, clicks]
         self.click_delay_s = 0.0  # the sum of the corrected clicks' delays (s)
         self.clock = EventClock()  # event time of the emissions seen (ts + label_delay_ms): learner/event_clock.py
-        self.first_ms: int | None = None
+        self.first_times = FirstTime()  # the stream's first corrected rows' times (learner/event_clock.py)
         self.corrected = False  # rows of a corrected policy seen: the delayed feedback model is fitted
         self.stopped = False  # max_bins reached
         self.rate = prior_rate
@@ -142,6 +142,10 @@ class BaseRateBias:
     @property
     def now_ms(self) -> int | None:
         return self.clock.now_ms
+
+    @property
+    def first_ms(self) -> int | None:
+        return self.first_times.first_ms
 
     @property
     def done(self) -> bool:
@@ -173,7 +177,7 @@ class BaseRateBias:
                  else np.maximum(np.asarray(label_delay_ms, np.int64)[corrected], 0))  # decode refuses < 0
         if len(ts):
             self.clock.advance(ts + delay)  # a quorum of rows, never one, nor ahead of the wall clock
-            self.first_ms = int(ts.min()) if self.first_ms is None else min(self.first_ms, int(ts.min()))
+            self.first_times.advance(ts)  # the quorum-th smallest: one row stamped 1970 does not end the warm-up
         click = clicked[corrected]
         self.click_delay_s += float(delay[click].sum()) / 1000.0
         secs = ts // 1000
@@ -214,7 +218,8 @@ class BaseRateBias:
         not set the bias again) and the summary still shows the rate it followed. Once done, without the bins (only
         the fit reads them)."""
         return {"impressions": self.impressions, "positives": self.positives, "corrected": self.corrected,
-                "now_ms": self.now_ms, "clock": self.clock.state(), "first_ms": self.first_ms, "stopped": self.stopped,
+                "now_ms": self.now_ms, "clock": self.clock.state(), "first_ms": self.first_times.state(),
+                "stopped": self.stopped,
                 "click_delay_s": self.click_delay_s, "rate": self.rate, "delay_rate": self.delay_rate,
                 "bins": [] if self.done else [[s, c[0], c[1]] for s, c in self.bins.items()]}
 
@@ -222,7 +227,7 @@ class BaseRateBias:
         self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))
         self.corrected, self.stopped = bool(d.get("corrected", False)), bool(d.get("stopped", False))
         self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
-        self.first_ms = None if d.get("first_ms") is None else int(d["first_ms"])
+        self.first_times.load(d.get("first_ms"))
         self.click_delay_s = float(d.get("click_delay_s", 0.0))
         self.rate = float(d.get("rate", (self.positives + 1.0) / (self.impressions + 1.0 / self.prior_rate)))
         self.delay_rate = float(d.get("delay_rate", 0.0))

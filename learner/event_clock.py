@@ -9,6 +9,8 @@ seen instead (the joiner's watermark rule, ``[joiner] watermark_quorum``; Flink'
 way): fewer than ``quorum`` rows can never move it, and a learner batch of thousands of rows reaches the quorum at
 once, where the clock lags the newest row by ``quorum - 1`` rows. Until ``quorum`` rows are seen it is the newest
 row's time, as before. It never leads this machine's wall clock, and never goes back once the quorum is reached.
+:class:`FirstTime` is the mirror for the stream's start (the ``quorum``-th smallest time), which the calibration's
+warm-up and the bias rule's span of delays are measured from.
 """
 
 from __future__ import annotations
@@ -68,6 +70,44 @@ class EventClock:
             self._top = largest(np.asarray([int(x) for x in state], np.int64), self.quorum)
         else:
             self._top = np.asarray([] if now_ms is None else [int(now_ms)], np.int64)
+
+
+class FirstTime:
+    """The stream's start in ms after the rows seen (:meth:`advance`): the ``quorum``-th smallest of their times (the
+    smallest until ``quorum`` are seen), the mirror of :class:`EventClock`. Taken as the smallest, one row stamped
+    1970 (or a year early) made a model's warm-up look long over: the calibration fitted the stream's first, worst
+    predictions and the base-rate bias declared its span of delays covered at once. State: the ``quorum`` smallest
+    times (``state``)."""
+
+    def __init__(self, quorum: int = QUORUM) -> None:
+        if quorum < 1:
+            raise ValueError(f"quorum must be >= 1, got {quorum}")
+        self.quorum = quorum
+        self._low = np.empty(0, np.int64)  # (<= quorum,) the smallest times seen, any order
+
+    def advance(self, times_ms: np.ndarray | Sequence[int]) -> int | None:
+        """Take a batch's times (B,) into account; returns :attr:`first_ms`."""
+        t = np.asarray(times_ms, np.int64).ravel()
+        if len(t):
+            self._low = -largest(-np.concatenate([self._low, -largest(-t, self.quorum)]), self.quorum)
+        return self.first_ms
+
+    @property
+    def first_ms(self) -> int | None:
+        """None before any row."""
+        if not len(self._low):
+            return None
+        return int(self._low.max() if len(self._low) >= self.quorum else self._low.min())
+
+    def state(self) -> list[int]:
+        return sorted(int(x) for x in self._low)
+
+    def load(self, state: Any) -> None:
+        """From :meth:`state`; a record from before this held one ``first_ms`` (an int): it counts as one row."""
+        if isinstance(state, list | tuple):
+            self._low = -largest(-np.asarray([int(x) for x in state], np.int64), self.quorum)
+        else:
+            self._low = np.asarray([] if state is None else [int(state)], np.int64)
 
 
 def largest(t: np.ndarray, k: int) -> np.ndarray:

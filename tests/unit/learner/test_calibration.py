@@ -42,6 +42,27 @@ def run(cal: OnlineCalibration, batches) -> None:
         cal.observe(ids, kinds, labels, logits, ts, delays)
 
 
+def test_one_row_stamped_a_day_early_does_not_end_a_streams_warm_up() -> None:
+    """The warm-up is measured from the stream's start, taken as the quorum-th smallest impression time: as the
+    smallest, one row stamped a day early (a client's clock) made the whole warm-up count as mature and be fitted."""
+    day = 1_700_000_000_000
+    batches, _ = stream(3_000, scale=3.0, seconds=290)  # the whole stream is its own warm-up ...
+    batches = [(ids, kinds, labels, logits, ts + day, delays) for ids, kinds, labels, logits, ts, delays in batches]
+    ids, kinds, labels, logits, ts, delays = batches[0]
+    ts = ts.copy()
+    ts[0] = day - 86_400 * SECOND  # ... but for one row
+    batches[0] = (ids, kinds, labels, logits, ts, delays)
+    warm = OnlineCalibration(maturity_s=300)
+    run(warm, batches)
+    assert warm.rows == 0 and not warm.pending and (warm.a, warm.b) == (1.0, 0.0)
+    assert warm.first_ms is not None and warm.first_ms >= day
+    again = OnlineCalibration(maturity_s=300)
+    again.load_state_dict(warm.state_dict())
+    assert again.first_ms == warm.first_ms
+    again.load_state_dict({"first_ms": day})  # a checkpoint from before the quorum: its one time, as one row
+    assert again.first_ms == day
+
+
 def test_an_overconfident_model_is_shrunk_to_the_true_probabilities() -> None:
     batches, (t, y, z, _) = stream(60_000, scale=3.0, shift=4.0)  # logits 3x too spread, centred wrong
     cal = OnlineCalibration()
@@ -112,7 +133,8 @@ def test_a_row_ahead_of_the_wall_clock_does_not_mature_the_pending_impressions_e
     now = int(time.time() * 1000)
     cal = OnlineCalibration(maturity_s=300)
     obs = np.array([OBSERVED], np.int8)
-    cal.observe(np.array(["old"], object), obs, np.zeros(1), np.zeros(1), np.array([now - 3_600_000]), None)
+    old = np.array([f"old{k}" for k in range(16)], object)  # a stream that began an hour ago (a quorum of rows)
+    cal.observe(old, np.full(16, OBSERVED, np.int8), np.zeros(16), np.zeros(16), np.full(16, now - 3_600_000), None)
     cal.observe(np.array(["ahead"], object), obs, np.ones(1), np.zeros(1), np.array([now - 60_000]),
                 np.array([2 * 3_600_000]))  # a click reported two hours after its impression, an hour from now
     ids = np.array([f"i{k}" for k in range(20)], object)

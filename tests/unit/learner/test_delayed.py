@@ -202,6 +202,28 @@ def test_the_bias_follows_the_rate_until_its_early_clicks_have_come_then_trainin
     assert b.update(model, np.ones(10, np.float32), np.zeros(10, np.int8)) is None and model.bias.item() == 7.0
 
 
+def test_one_row_stamped_a_day_early_does_not_end_the_bias_rule_before_its_clicks_have_come() -> None:
+    """The rule ends after five mean delays of event time from the stream's start (its quorum-th smallest time):
+    taken as the smallest, one row stamped a day early ended it at the 50th click, at the prior's guess."""
+    base = 1_700_000_000_000
+    labels, kinds, ts, delays = _young_stream(rate=0.1, mean_delay_s=30, seconds=300, per_s=100, seed=1)
+    ts = ts + base
+    chunks = np.array_split(np.arange(len(labels)), 300)
+    ends = []
+    for early in (False, True):
+        t = ts.copy()
+        if early:
+            t[0] = base - 86_400_000
+        b = BaseRateBias(min_positives=50)
+        model = _bias_model()
+        b.start(model)
+        done_at = next((i for i, idx in enumerate(chunks)
+                        if b.update(model, labels[idx], kinds[idx], t[idx], delays[idx]) is None), None)
+        ends.append(done_at)
+        assert b.first_ms is not None and b.first_ms >= base
+    assert ends[0] is not None and ends[1] == ends[0]
+
+
 def test_the_bias_of_final_rows_follows_the_running_rate_with_the_prior_worth_one_click() -> None:
     model = _bias_model()
     b = BaseRateBias(min_positives=3)

@@ -10,7 +10,7 @@ import pytest
 
 from learner.calibration import OnlineCalibration
 from learner.delayed import BaseRateBias
-from learner.event_clock import QUORUM, EventClock
+from learner.event_clock import QUORUM, EventClock, FirstTime
 from stream.samples import FINAL, OBSERVED
 
 YEAR_2000_MS = 956_703_932_000
@@ -88,3 +88,16 @@ def test_one_far_ahead_row_does_not_age_the_delayed_feedback_bins() -> None:
     again = BaseRateBias()
     again.load_state_dict(bias.state_dict())
     assert again.now_ms == bias.now_ms
+
+
+def test_the_first_time_is_the_quorum_th_smallest_and_one_early_row_cannot_move_it() -> None:
+    first = FirstTime(quorum=4)
+    assert first.first_ms is None
+    assert first.advance([500, 400]) == 400  # fewer rows than the quorum: the smallest, as before
+    assert first.advance([100, 300, 200, 900]) == 400  # 100, 200, 300, 400: the 4th smallest
+    assert first.advance([-1_000_000 + 5]) == 300  # one row far earlier moves it one row back, not to that row
+    again = FirstTime(quorum=4)
+    again.load(first.state())
+    assert again.first_ms == 300 and again.state() == first.state()
+    again.load(12345)  # a record from before: its one time as one row
+    assert again.first_ms == 12345 and again.advance([99999]) == 12345
