@@ -498,6 +498,9 @@ class Learner:
                                 kept.label_delay_ms)
             if self.trainer.dense_clip.clipped > clipped_before:
                 DENSE_CLIPPED.inc(self.trainer.dense_clip.clipped - clipped_before)
+                log.warning("clipped the dense gradient of %d step(s) to [learner] dense_grad_clip x its recent scale "
+                            "(%d so far): a batch with out-of-scale dense values?",
+                            self.trainer.dense_clip.clipped - clipped_before, self.trainer.dense_clip.clipped)
             if self.trainer.nan_losses > nan_before:
                 NAN_LOSSES.inc(self.trainer.nan_losses - nan_before)
                 log.warning("skipped %d batch(es) with a non-finite loss (%d so far)",
