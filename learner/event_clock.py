@@ -24,21 +24,46 @@ import numpy as np
 QUORUM = 16  # as the joiner's default watermark_quorum: rows that must agree before event time moves
 
 
-class EventClock:
-    """Event time in ms after the rows seen (:meth:`advance`): the ``quorum``-th largest of their times (the largest
-    until ``quorum`` are seen), never ahead of the wall clock. State: the ``quorum`` largest times (``state``)."""
+class _QuorumTime:
+    """The ``quorum``-th largest (``sign`` 1) or smallest (``sign`` -1) of the times seen, the extreme one until
+    ``quorum`` are seen. State: those ``quorum`` times (``state``)."""
+
+    sign = 1
 
     def __init__(self, quorum: int = QUORUM) -> None:
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         self.quorum = quorum
-        self._top = np.empty(0, np.int64)  # (<= quorum,) the largest times seen, any order
+        self._kept = np.empty(0, np.int64)  # (<= quorum,) sign * the times kept, the largest of them, any order
+
+    def _take(self, times_ms: np.ndarray | Sequence[int]) -> None:
+        t = self.sign * np.asarray(times_ms, np.int64).ravel()
+        if len(t):
+            self._kept = largest(np.concatenate([self._kept, largest(t, self.quorum)]), self.quorum)
+
+    def _kth(self) -> int | None:
+        if not len(self._kept):
+            return None
+        return self.sign * int(self._kept.min() if len(self._kept) >= self.quorum else self._kept.max())
+
+    def state(self) -> list[int]:
+        return sorted(self.sign * int(x) for x in self._kept)
+
+    def _load(self, state: Any, one: int | None) -> None:
+        """From :meth:`state`; a record from before the quorum held one time, ``one``: it counts as one row."""
+        if isinstance(state, list | tuple):
+            self._kept = largest(self.sign * np.asarray([int(x) for x in state], np.int64), self.quorum)
+        else:
+            self._kept = np.asarray([] if one is None else [self.sign * int(one)], np.int64)
+
+
+class EventClock(_QuorumTime):
+    """Event time in ms after the rows seen (:meth:`advance`): the ``quorum``-th largest of their times (the largest
+    until ``quorum`` are seen), never ahead of the wall clock. State: the ``quorum`` largest times (``state``)."""
 
     def advance(self, times_ms: np.ndarray | Sequence[int]) -> int | None:
         """Take a batch's times (B,) into account; returns :attr:`now_ms`."""
-        t = np.asarray(times_ms, np.int64).ravel()
-        if len(t):
-            self._top = largest(np.concatenate([self._top, largest(t, self.quorum)]), self.quorum)
+        self._take(times_ms)
         return self.now_ms
 
     def advance_s(self, times_ms: np.ndarray | Sequence[int]) -> float:
@@ -51,63 +76,41 @@ class EventClock:
     @property
     def now_ms(self) -> int | None:
         """None before any row."""
-        if not len(self._top):
-            return None
-        kth = int(self._top.min() if len(self._top) >= self.quorum else self._top.max())
-        return min(kth, int(time.time() * 1000))
+        kth = self._kth()
+        return None if kth is None else min(kth, int(time.time() * 1000))
 
     @property
     def now_s(self) -> float | None:
         now = self.now_ms
         return None if now is None else now / 1000.0
 
-    def state(self) -> list[int]:
-        return sorted(int(x) for x in self._top)
-
     def load(self, state: Any, now_ms: int | None = None) -> None:
         """From :meth:`state`; a record from before this clock held only its ``now_ms``: it counts as one row."""
-        if isinstance(state, list | tuple):
-            self._top = largest(np.asarray([int(x) for x in state], np.int64), self.quorum)
-        else:
-            self._top = np.asarray([] if now_ms is None else [int(now_ms)], np.int64)
+        self._load(state, now_ms)
 
 
-class FirstTime:
+class FirstTime(_QuorumTime):
     """The stream's start in ms after the rows seen (:meth:`advance`): the ``quorum``-th smallest of their times (the
     smallest until ``quorum`` are seen), the mirror of :class:`EventClock`. Taken as the smallest, one row stamped
     1970 (or a year early) made a model's warm-up look long over: the calibration fitted the stream's first, worst
     predictions and the base-rate bias declared its span of delays covered at once. State: the ``quorum`` smallest
     times (``state``)."""
 
-    def __init__(self, quorum: int = QUORUM) -> None:
-        if quorum < 1:
-            raise ValueError(f"quorum must be >= 1, got {quorum}")
-        self.quorum = quorum
-        self._low = np.empty(0, np.int64)  # (<= quorum,) the smallest times seen, any order
+    sign = -1
 
     def advance(self, times_ms: np.ndarray | Sequence[int]) -> int | None:
         """Take a batch's times (B,) into account; returns :attr:`first_ms`."""
-        t = np.asarray(times_ms, np.int64).ravel()
-        if len(t):
-            self._low = -largest(-np.concatenate([self._low, -largest(-t, self.quorum)]), self.quorum)
+        self._take(times_ms)
         return self.first_ms
 
     @property
     def first_ms(self) -> int | None:
         """None before any row."""
-        if not len(self._low):
-            return None
-        return int(self._low.max() if len(self._low) >= self.quorum else self._low.min())
-
-    def state(self) -> list[int]:
-        return sorted(int(x) for x in self._low)
+        return self._kth()
 
     def load(self, state: Any) -> None:
         """From :meth:`state`; a record from before this held one ``first_ms`` (an int): it counts as one row."""
-        if isinstance(state, list | tuple):
-            self._low = -largest(-np.asarray([int(x) for x in state], np.int64), self.quorum)
-        else:
-            self._low = np.asarray([] if state is None else [int(state)], np.int64)
+        self._load(state, None if isinstance(state, list | tuple) else state)
 
 
 def largest(t: np.ndarray, k: int) -> np.ndarray:
