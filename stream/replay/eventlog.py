@@ -75,6 +75,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -137,9 +138,10 @@ class ColumnMap:
     user: str = "user_id"
     item: str = "item_id"
     time: str = "ts"
-    # one of s, ms, us, ns, iso (ISO-8601 strings or Arrow timestamp columns); None: ms, checked (the CLI's default
-    # when --time-unit is not given): numbers that are all before 1973 as ms are refused (epoch seconds?)
-    time_unit: str | None = "ms"
+    # one of s, ms, us, ns, iso (ISO-8601 strings or Arrow timestamp columns); None (the default, here as in the
+    # CLI when --time-unit is not given): ms, checked: numbers that are all before 1973 as ms are refused (epoch
+    # seconds?). An explicit "ms" reads them as they are
+    time_unit: str | None = None
     impression_id: str | None = None  # None -> generated f"{file_stem}-{row:09d}"
     clicked: str | None = "clicked"  # truthy (1/true/yes) -> a click follows after a delay; None -> no clicks
     click_time: str | None = None  # the click's own time (same unit), when present; overrides the delay
@@ -248,9 +250,11 @@ _MAX_CSV_BLOCK = 256 << 20  # the longest CSV row read (Arrow reads whole rows p
 _ROW_RE = re.compile(r"^(?:CSV parse error: )?(?:(In CSV column #\d+): )?Row #(\d+): (.*)$", re.S)
 
 
-def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptions) -> EventLogError:
-    """One message for an Arrow CSV error: file, line (from a single-threaded re-read, which Arrow numbers),
-    and Arrow's reason with the row text escaped and clipped."""
+def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptions,
+               names: Sequence[str] = (), cols: ColumnMap | None = None) -> EventLogError:
+    """One message for an Arrow CSV error: file, line (from a single-threaded re-read, which Arrow numbers), the
+    column by its header name and role (Arrow numbers it: ``names`` is the header), and Arrow's reason with the
+    row text escaped and clipped."""
     if isinstance(exc, UnicodeDecodeError):  # Arrow's own message held undecodable row bytes
         return EventLogError(f"cannot read {path} as CSV: a row does not parse and holds bytes that are not UTF-8 "
                              "text (a binary or compressed file?)")
@@ -270,19 +274,32 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
         reason = (f"expected {detail[1]} columns, got {detail[2]} (a missing or extra delimiter, or an unclosed "
                   f"quote): {_shown(detail[3])}")
     else:
-        reason = _escaped(f"{column}: {reason}" if column else reason)
+        if "invalid UTF8" in reason:
+            reason += " (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)"
+        reason = _escaped(f"{_column_named(column, names, cols)}: {reason}" if column else reason)
     return EventLogError(f"cannot read {path} as CSV at line {line} (the header is line 1): {reason}")
 
 
-def _csv(path: Path, read: Any) -> Any:
-    """``read(ReadOptions)``, retried with larger blocks for a long row; Arrow errors as :func:`_csv_error`."""
+def _column_named(arrow_column: str, names: Sequence[str], cols: ColumnMap | None) -> str:
+    """Arrow's ``In CSV column #N`` (N: the file's column, from 0) as the header's name and its role in ``cols``."""
+    i = int(arrow_column.rsplit("#", 1)[1])
+    if not 0 <= i < len(names):
+        return arrow_column
+    roles = [role for role, col in (cols.roles() if cols is not None else []) if col == names[i]]
+    return f"column {names[i]!r}" + (f" (the {' and '.join(roles)} column)" if roles else "")
+
+
+def _csv(path: Path, read: Any, names: Sequence[str] = (), cols: ColumnMap | None = None) -> Any:
+    """``read(ReadOptions)``, retried with larger blocks for a long row; Arrow errors as :func:`_csv_error` (with the
+    header ``names`` and the map ``cols`` to name a column)."""
     block = 1 << 20
     while True:
         try:
             return read(pcsv.ReadOptions(block_size=block))
         except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
             if not (isinstance(exc, pa.ArrowInvalid) and "straddling object" in str(exc)):
-                raise _csv_error(path, exc, read, pcsv.ReadOptions(block_size=block, use_threads=False)) from None
+                raise _csv_error(path, exc, read, pcsv.ReadOptions(block_size=block, use_threads=False), names,
+                                 cols) from None
             if block >= _MAX_CSV_BLOCK:
                 raise EventLogError(f"cannot read {path} as CSV: a row is longer than {_MAX_CSV_BLOCK >> 20} MiB (an "
                                     "unclosed quote?)") from None
@@ -331,10 +348,11 @@ def _read_csv(path: Path, ext: str, cols: ColumnMap, wanted: list[str], limit: i
                 schema = reader.schema
             return pa.Table.from_batches(batches, schema=schema).slice(0, limit)
 
-        table = _csv(path, head_rows)
+        table = _csv(path, head_rows, have, cols)
         if table is not None:
             return table
-    table = _csv(path, lambda ro: pcsv.read_csv(path, read_options=ro, parse_options=parse, convert_options=convert))
+    table = _csv(path, lambda ro: pcsv.read_csv(path, read_options=ro, parse_options=parse, convert_options=convert),
+                 have, cols)
     return table if limit is None else table.slice(0, limit)
 
 
@@ -368,11 +386,23 @@ def _matches(arr: pa.Array, pattern: str) -> np.ndarray:
     return _np_bool(pc.match_substring_regex(arr, pattern))
 
 
-def _to_text(arr: pa.Array, what: str) -> pa.Array:
+def _to_text(arr: pa.Array, field: str, column: str) -> tuple[pa.Array, _Check]:
+    """A binary (or integer) column as text, and the check of its cells that are not UTF-8 (read as missing, so the
+    other checks pass them; each such row is dead-lettered with this reason, not the whole file refused)."""
     try:
-        return arr.cast(pa.string())
+        return arr.cast(pa.string()), _Check(np.zeros(len(arr), bool), field, column, "UTF-8 text")
     except pa.ArrowInvalid:
-        raise EventLogError(f"{what}: holds bytes that are not UTF-8 text") from None
+        pass
+
+    def utf8(v: bytes | None) -> bool:
+        try:
+            return v is None or bool(v.decode("utf-8") or True)
+        except UnicodeDecodeError:
+            return False
+
+    ok = np.fromiter((utf8(v) for v in arr.to_pylist()), bool, len(arr))  # (N,) only on this failure path
+    text = pc.if_else(pa.array(ok), arr, pa.scalar(None, arr.type)).cast(pa.string())
+    return text, _Check(~ok, field, column, "UTF-8 text (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)")
 
 
 def _ints(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -429,12 +459,14 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
     n = len(arr)
     if pa.types.is_null(t):
         return _object_array([None] * n), [_Check(np.ones(n, bool), field, column, _ID_EXPECTED)]
+    utf8: list[_Check] = []
     if _is_binary(t):
-        arr, t = _to_text(arr, f"{field} column {column!r}"), pa.string()
+        arr, bad_text = _to_text(arr, field, column)
+        t, utf8 = pa.string(), [bad_text]
     if _is_text(t):
         missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
         too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
-        checks = [_Check(missing, field, column, _ID_EXPECTED),
+        checks = [*utf8, _Check(missing, field, column, _ID_EXPECTED),
                   _Check(too_long, field, column, f"a string id of at most {MAX_STR_ID_LEN} chars")]
         if csv:
             negative = _matches(arr, _NEG_INT_RE)
@@ -474,20 +506,22 @@ def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int
     if arr is None or column is None:
         return generated, generated, []
     t = arr.type
+    utf8: list[_Check] = []
     if pa.types.is_null(t):
         arr = pa.nulls(n, pa.string())
     elif pa.types.is_integer(t) or _is_binary(t):
-        arr = _to_text(arr, f"impression id column {column!r}")
+        arr, bad_text = _to_text(arr, "impression_id", column)
+        utf8 = [bad_text]
     elif not _is_text(t):
         raise EventLogError(f"impression id column {column!r} has type {t}; it must hold strings or integers "
                             f"(set with {FLAGS['impression_id']})")
     missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
     too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
     ids = arr.to_pylist()
-    bad = missing | too_long
+    bad = missing | too_long  # (cells that are not UTF-8 are missing now: their rows get generated keys too)
     keys = [g if b else v for v, g, b in zip(ids, generated, bad.tolist(), strict=True)]
     expected = f"a non-empty string of at most {MAX_STR_ID_LEN} chars"
-    return ids, keys, [_Check(missing, "impression_id", column, expected),
+    return ids, keys, [*utf8, _Check(missing, "impression_id", column, expected),
                        _Check(too_long, "impression_id", column, expected)]
 
 
@@ -655,8 +689,10 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
     none = np.zeros(n, bool)
     if pa.types.is_temporal(t) or pa.types.is_decimal(t):
         arr, t = arr.cast(pa.string()), pa.string()
+    utf8: list[_Check] = []
     if _is_binary(t):
-        arr, t = _to_text(arr, f"feature column {column!r}"), pa.string()
+        arr, bad_text = _to_text(arr, field, column)
+        t, utf8 = pa.string(), [bad_text]
     if pa.types.is_null(t) or pa.types.is_boolean(t) or pa.types.is_integer(t):
         big = _ints(arr)[1] if pa.types.is_integer(t) else none
         return arr, [_Check(big, field, column, "an integer in the signed 64-bit range")], False
@@ -664,7 +700,7 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
         if csv:  # an empty CSV cell is a missing value
             arr = pc.if_else(pc.equal(arr, ""), pa.scalar(None, t), arr)
         long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
-        return arr, [_Check(long, field, column, f"a string of at most {MAX_STR_ID_LEN} chars")], False
+        return arr, [*utf8, _Check(long, field, column, f"a string of at most {MAX_STR_ID_LEN} chars")], False
     if pa.types.is_floating(t):
         f = pc.fill_null(arr.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
         return arr, [_Check(~np.isfinite(f), field, column, "a finite number")], False

@@ -102,7 +102,7 @@ def _eventlog_rows(n: int) -> dict[str, list[Any]]:
     return cols
 
 
-EVENTLOG_COLUMNS = ColumnMap(user="who", item="what", time="when", impression_id="rid", clicked="clk",
+EVENTLOG_COLUMNS = ColumnMap(time_unit="ms", user="who", item="what", time="when", impression_id="rid", clicked="clk",
                              features=("device", "tags"), dense=("price",))
 
 
@@ -299,7 +299,7 @@ BASE: dict[str, Any] = {"rid": "r-0", "who": "u1", "what": 2, "when": T0_MS, "de
                         "tags": ["a", "b"], "price": 1.5}
 BASE_TYPES = {"what": pa.int64(), "when": pa.int64(), "n": pa.int64(), "x": pa.float64(),
               "tags": pa.list_(pa.string()), "price": pa.float64()}
-COLUMNS = ColumnMap(user="who", item="what", time="when", impression_id="rid", clicked=None,
+COLUMNS = ColumnMap(time_unit="ms", user="who", item="what", time="when", impression_id="rid", clicked=None,
                     features=("dev", "n", "x", "tags"), dense=("price",))
 CSV_COLUMNS = ["rid", "who", "what", "when", "dev", "n", "price"]  # no list column in a CSV file
 LONG = DEFAULT_LIMITS.max_str_len
@@ -432,17 +432,19 @@ def test_a_timestamp_ahead_of_the_wall_clock_is_rejected_by_both_as_future_ts(tm
 # each value but not the limits on the event as a whole: its size and its context/dense key counts and names).
 LIMIT_BREAKERS: dict[str, tuple[dict[str, Any], ColumnMap]] = {
     "a row over max_message_bytes": (
-        {"tags": pa.array([["t" * LONG] * 300], pa.list_(pa.string()))}, ColumnMap(features=("tags",))),
+        {"tags": pa.array([["t" * LONG] * 300], pa.list_(pa.string()))}, ColumnMap(time_unit="ms", features=("tags",))),
     "more feature columns than max_context_keys": (
         {f"f{i}": [1] for i in range(DEFAULT_LIMITS.max_context_keys + 1)},
-        ColumnMap(features=tuple(f"f{i}" for i in range(DEFAULT_LIMITS.max_context_keys + 1)))),
+        ColumnMap(time_unit="ms", features=tuple(f"f{i}" for i in range(DEFAULT_LIMITS.max_context_keys + 1)))),
     "a feature column name over max_key_len": (
-        {"k" * (DEFAULT_LIMITS.max_key_len + 1): [1]}, ColumnMap(features=("k" * (DEFAULT_LIMITS.max_key_len + 1),))),
+        {"k" * (DEFAULT_LIMITS.max_key_len + 1): [1]},
+        ColumnMap(time_unit="ms", features=("k" * (DEFAULT_LIMITS.max_key_len + 1),))),
     "more dense columns than max_dense_keys": (
         {f"d{i}": [1.0] for i in range(DEFAULT_LIMITS.max_dense_keys + 1)},
-        ColumnMap(dense=tuple(f"d{i}" for i in range(DEFAULT_LIMITS.max_dense_keys + 1)))),
+        ColumnMap(time_unit="ms", dense=tuple(f"d{i}" for i in range(DEFAULT_LIMITS.max_dense_keys + 1)))),
     "a dense column name over max_key_len": (
-        {"d" * (DEFAULT_LIMITS.max_key_len + 1): [1.0]}, ColumnMap(dense=("d" * (DEFAULT_LIMITS.max_key_len + 1),))),
+        {"d" * (DEFAULT_LIMITS.max_key_len + 1): [1.0]},
+        ColumnMap(time_unit="ms", dense=("d" * (DEFAULT_LIMITS.max_key_len + 1),))),
 }
 
 

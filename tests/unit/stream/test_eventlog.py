@@ -115,7 +115,7 @@ def test_parquet_with_mapped_ids_lists_click_time_and_string_ids(tmp_path: Path)
         "device": pa.array(["ios", "web", None, "ios"]).dictionary_encode(),
         "score": [0.5, -1.0, 2.0, 1e9],
     })
-    cols = ColumnMap(user="who", item="what", time="t_ms", impression_id="rid", clicked="is_click",
+    cols = ColumnMap(time_unit="ms", user="who", item="what", time="t_ms", impression_id="rid", clicked="is_click",
                      click_time="click_ms", features=("tags", "age", "device"), dense=("score",))
     t = load_eventlog(path, cols, FIXED, seed=3)
     imps = check_table(t)
@@ -189,22 +189,22 @@ def test_clicked_values(tmp_path: Path) -> None:
     values = ["TRUE", "false", "Yes", "no", "1", "0", ""]
     path = write_csv(tmp_path / "c.csv", ["user_id", "item_id", "ts", "clicked"],
                      [[1, 2, 1000 + k, v] for k, v in enumerate(values)])
-    t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0)
     check_table(t)
     assert t.click_impression_id.tolist() == ["c-000000000", "c-000000002", "c-000000004"]
     for typed, expected in ((pa.array([True, False, None]), 1), (pa.array([3, 0, None]), 1),
                             (pa.array([1.0, 0.0, float("nan")]), 1)):
         p = write_parquet(tmp_path / "c.parquet", {"user_id": [1, 2, 3], "item_id": [1, 2, 3],
                                                    "ts": [1, 2, 3], "clicked": typed})
-        assert load_eventlog(p, ColumnMap(), FIXED, seed=0).n_clicks == expected
+        assert load_eventlog(p, ColumnMap(time_unit="ms"), FIXED, seed=0).n_clicks == expected
 
 
 def test_no_clicked_column_and_click_time_only(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "p.parquet", {
         "user_id": [1, 2], "item_id": [1, 2], "ts": [1000, 2000], "click_at": pa.array([None, 2500], pa.int64()),
     })
-    assert load_eventlog(path, ColumnMap(clicked=None), FIXED, seed=0).n_clicks == 0
-    t = load_eventlog(path, ColumnMap(clicked=None, click_time="click_at"), FIXED, seed=0)
+    assert load_eventlog(path, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0).n_clicks == 0
+    t = load_eventlog(path, ColumnMap(time_unit="ms", clicked=None, click_time="click_at"), FIXED, seed=0)
     assert t.click_impression_id.tolist() == ["p-000000001"] and t.click_ts.tolist() == [2500]
 
 
@@ -214,28 +214,28 @@ def test_drawn_delays_are_seeded_and_per_row(tmp_path: Path) -> None:
         "user_id": list(range(n)), "item_id": list(range(n)), "ts": [10_000 * k for k in range(n)],
         "clicked": [k % 3 == 0 for k in range(n)],
     })
-    a = load_eventlog(path, ColumnMap(), LOGNORMAL, seed=11)
-    b = load_eventlog(path, ColumnMap(), LOGNORMAL, seed=11)
-    c = load_eventlog(path, ColumnMap(), LOGNORMAL, seed=12)
+    a = load_eventlog(path, ColumnMap(time_unit="ms"), LOGNORMAL, seed=11)
+    b = load_eventlog(path, ColumnMap(time_unit="ms"), LOGNORMAL, seed=11)
+    c = load_eventlog(path, ColumnMap(time_unit="ms"), LOGNORMAL, seed=12)
     assert a.click_ts.tolist() == b.click_ts.tolist() != c.click_ts.tolist()
     delays = draw_click_delays_ms(LOGNORMAL, n, np.random.Generator(np.random.PCG64(11)))
     clicked = np.arange(n) % 3 == 0
     assert a.click_ts.tolist() == (np.arange(n)[clicked] * 10_000 + delays[clicked]).tolist()
     # limit keeps the first rows and their delays
-    head = load_eventlog(path, ColumnMap(), LOGNORMAL, seed=11, limit=20)
+    head = load_eventlog(path, ColumnMap(time_unit="ms"), LOGNORMAL, seed=11, limit=20)
     assert head.click_ts.tolist() == a.click_ts.tolist()[: len(head.click_ts)]
 
 
 def test_limit_takes_the_first_rows_of_the_file(tmp_path: Path) -> None:
     rows = [[k, k, 10_000 - k, 0] for k in range(10)]  # file order is reverse time order
     path = write_csv(tmp_path / "l.csv", ["user_id", "item_id", "ts", "clicked"], rows)
-    t = load_eventlog(path, ColumnMap(), FIXED, seed=0, limit=3)
+    t = load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0, limit=3)
     assert t.user_id.tolist() == [0, 1, 2] and t.stats["rows_read"] == 3
     pq_path = write_parquet(tmp_path / "l.parquet", {"user_id": list(range(10)), "item_id": list(range(10)),
                                                      "ts": list(range(10))})
-    t = load_eventlog(pq_path, ColumnMap(clicked=None), FIXED, seed=0, limit=4)
+    t = load_eventlog(pq_path, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0, limit=4)
     assert t.user_id.tolist() == [0, 1, 2, 3]
-    assert load_eventlog(pq_path, ColumnMap(clicked=None), FIXED, seed=0, limit=0).n_impressions == 0
+    assert load_eventlog(pq_path, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0, limit=0).n_impressions == 0
 
 
 def test_csv_limit_when_a_later_block_changes_a_column_type(tmp_path: Path) -> None:
@@ -244,23 +244,23 @@ def test_csv_limit_when_a_later_block_changes_a_column_type(tmp_path: Path) -> N
     lines[-1] = "x,1,5,maybe"  # 'clicked' stops being an integer column in the last block
     path = tmp_path / "big.csv"
     path.write_text("\n".join(lines) + "\n")
-    t = load_eventlog(path, ColumnMap(), FIXED, seed=0, limit=n)
+    t = load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0, limit=n)
     check_table(t)
     assert t.stats["rows_read"] == n and rejected(t) == {f"big-{n - 1:09d}": "clicked"}
 
 
 def test_tsv_and_explicit_delimiter(tmp_path: Path) -> None:
     tsv = write_csv(tmp_path / "t.tsv", ["user_id", "item_id", "ts"], [[1, 2, 3]], sep="\t")
-    assert load_eventlog(tsv, ColumnMap(clicked=None), FIXED, seed=0).user_id.tolist() == [1]
+    assert load_eventlog(tsv, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0).user_id.tolist() == [1]
     semi = write_csv(tmp_path / "s.txt", ["user_id", "item_id", "ts"], [[4, 5, 6]], sep=";")
-    t = load_eventlog(semi, ColumnMap(clicked=None), FIXED, seed=0, csv_delimiter=";")
+    t = load_eventlog(semi, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0, csv_delimiter=";")
     assert t.user_id.tolist() == [4] and t.item_id.tolist() == [5]
 
 
 def test_csv_ids_keep_their_text(tmp_path: Path) -> None:
     big = 2**64 - 1  # past int64: must not become a float
     path = write_csv(tmp_path / "ids.csv", ["user_id", "item_id", "ts"], [[big, "007", 1], [3, "7", 2]])
-    t = load_eventlog(path, ColumnMap(clicked=None), FIXED, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0)
     check_table(t)
     assert t.user_id.tolist() == [str(big), "3"]  # one non-int64 value: the column stays text
     assert t.item_id.tolist() == ["007", "7"]  # zero-padded ids are not integers
@@ -270,7 +270,7 @@ def test_float_id_column_holds_whole_numbers(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "f.parquet", {
         "user_id": pa.array([1.0, None, 2.5, 4.0]), "item_id": [1, 2, 3, 4], "ts": [1, 2, 3, 4],
     })
-    t = load_eventlog(path, ColumnMap(clicked=None), FIXED, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0)
     check_table(t)
     assert t.user_id.tolist() == [1, 4] and type(t.user_id[0]) is int
     assert rejected(t) == {"f-000000001": "user_id", "f-000000002": "user_id"}
@@ -296,7 +296,7 @@ def test_float_id_column_holds_whole_numbers(tmp_path: Path) -> None:
 def test_bad_csv_rows_are_dead_lettered(tmp_path: Path, row: list, field: str) -> None:
     good = [[1, 10, 1000, 1, 0.5], [2, 20, 2000, 0, 1.5]]
     path = write_csv(tmp_path / "bad.csv", ["uid", "iid", "t", "c", "price"], [good[0], row, good[1]])
-    cols = ColumnMap(user="uid", item="iid", time="t", clicked="c", dense=("price",))
+    cols = ColumnMap(time_unit="ms", user="uid", item="iid", time="t", clicked="c", dense=("price",))
     t = load_eventlog(path, cols, FIXED, seed=0)
     check_table(t)
     assert t.n_impressions == 2 and t.stats["rejected_rows"] == 1 and t.stats["rows_read"] == 3
@@ -324,7 +324,7 @@ def test_bad_parquet_rows(tmp_path: Path) -> None:
         "f": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, float("inf"), 0.5, 0.5],
         "l": pa.array([[1]] * 7 + [list(range(2000))] + [[1]], pa.list_(pa.int64())),
     })
-    cols = ColumnMap(user="user", item="item", time="t", impression_id="imp", clicked="clk",
+    cols = ColumnMap(time_unit="ms", user="user", item="item", time="t", impression_id="imp", clicked="clk",
                      features=("cat", "f", "l"), dense=("x",))
     t = load_eventlog(path, cols, FIXED, seed=0)
     check_table(t)
@@ -348,7 +348,7 @@ def test_click_time_before_impression_or_bad_is_rejected(tmp_path: Path) -> None
         [3, 3, 5000, 0, "later"],  # not clicked: click time ignored
         [4, 4, 5000, 1, 7000],
     ])
-    t = load_eventlog(path, ColumnMap(click_time="cts"), FIXED, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", click_time="cts"), FIXED, seed=0)
     check_table(t)
     assert rejected(t) == {"ct-000000000": "click_ts", "ct-000000001": "click_ts"}
     assert t.click_ts.tolist() == [7000]
@@ -367,7 +367,7 @@ def test_every_impression_decodes_on_a_messy_file(tmp_path: Path) -> None:
         "clicked": rng.random(n) < 0.3, "tags": pa.array(tags, pa.list_(pa.string())),
         "price": dense, "city": [None if k % 3 else "Oslo" for k in range(n)],
     })
-    t = load_eventlog(path, ColumnMap(features=("tags", "city"), dense=("price",)), LOGNORMAL, seed=2)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", features=("tags", "city"), dense=("price",)), LOGNORMAL, seed=2)
     check_table(t)
     assert 0 < t.stats["rejected_rows"] < n
     assert set(t.stats["rejected_by_field"]) <= {"user_id", "ts", "dense.price"}
@@ -377,37 +377,37 @@ def test_every_impression_decodes_on_a_messy_file(tmp_path: Path) -> None:
 def test_missing_column_names_it_the_file_and_the_flag(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "m.csv", ["user", "item_id", "ts"], [[1, 2, 3]])
     with pytest.raises(ValueError) as err:
-        load_eventlog(path, ColumnMap(clicked=None), FIXED, seed=0)
+        load_eventlog(path, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0)
     msg = str(err.value)
     assert "'user_id'" in msg and "--user-col" in msg and str(path) in msg
     assert "'user'" in msg and "'item_id'" in msg and "'ts'" in msg  # the columns it has
     ppath = write_parquet(tmp_path / "m.parquet", {"user_id": [1], "item_id": [2], "ts": [3]})
     with pytest.raises(EventLogError, match=r"'genre'.*--feature-cols"):
-        load_eventlog(ppath, ColumnMap(clicked=None, features=("genre",)), FIXED, seed=0)
+        load_eventlog(ppath, ColumnMap(time_unit="ms", clicked=None, features=("genre",)), FIXED, seed=0)
     with pytest.raises(EventLogError, match=r"'clicked'.*--clicked-col"):
-        load_eventlog(ppath, ColumnMap(), FIXED, seed=0)
+        load_eventlog(ppath, ColumnMap(time_unit="ms"), FIXED, seed=0)
 
 
 def test_unknown_format_and_bad_settings(tmp_path: Path) -> None:
     path = tmp_path / "log.json"
     path.write_text("{}")
     with pytest.raises(ValueError, match="cannot tell the format"):
-        load_eventlog(path, ColumnMap(), FIXED, seed=0)
+        load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0)
     csv = write_csv(tmp_path / "ok.csv", ["user_id", "item_id", "ts"], [[1, 2, 3]])
     with pytest.raises(ValueError, match="--time-unit"):
         load_eventlog(csv, ColumnMap(time_unit="minutes", clicked=None), FIXED, seed=0)
     with pytest.raises(ValueError, match="not ISO-8601"):
         load_eventlog(csv, ColumnMap(time_unit="iso", clicked=None), FIXED, seed=0)
     with pytest.raises(ValueError, match="does not exist"):
-        load_eventlog(tmp_path / "nope.csv", ColumnMap(), FIXED, seed=0)
+        load_eventlog(tmp_path / "nope.csv", ColumnMap(time_unit="ms"), FIXED, seed=0)
     ppath = write_parquet(tmp_path / "b.parquet", {"user_id": [True], "item_id": [2], "ts": [3]})
     with pytest.raises(ValueError, match="ids must be integers or strings"):
-        load_eventlog(ppath, ColumnMap(clicked=None), FIXED, seed=0)
+        load_eventlog(ppath, ColumnMap(time_unit="ms", clicked=None), FIXED, seed=0)
 
 
 def test_empty_file(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "e.csv", ["user_id", "item_id", "ts", "clicked"], [])
-    t = load_eventlog(path, ColumnMap(), LOGNORMAL, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms"), LOGNORMAL, seed=0)
     check_table(t)
     assert t.n_impressions == 0 and t.stats["rows_read"] == 0
 
@@ -417,7 +417,7 @@ def test_rejected_value_is_json_even_for_odd_types(tmp_path: Path) -> None:
         "user_id": pa.array([None], pa.string()), "item_id": [1],
         "ts": pa.array([1_000_000_123], pa.timestamp("ns")), "clicked": [0],
     })
-    t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0)
     (raw,) = t.raw
     value = orjson.loads(raw.value)
     assert value["user_id"] is None and value["ts"].startswith("1970-01-01")
@@ -430,6 +430,6 @@ def test_a_row_too_far_ahead_of_the_wall_clock_is_dead_lettered_as_future_ts(tmp
     now = int(time.time() * 1000)
     rows = [[1, 10, 1000, 0], [2, 20, now + 7_200_000, 0], [3, 30, now + 60_000, 0]]  # 2 h ahead; 1 min is fine
     path = write_csv(tmp_path / "future.csv", ["uid", "iid", "t", "c"], rows)
-    t = load_eventlog(path, ColumnMap(user="uid", item="iid", time="t", clicked="c"), FIXED, seed=0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", user="uid", item="iid", time="t", clicked="c"), FIXED, seed=0)
     assert t.n_impressions == 2 and [r.error.kind for r in t.raw] == ["future_ts"]
     assert "ahead of the wall clock" in t.raw[0].error.reason

@@ -29,6 +29,7 @@ def write(path: Path, lines: list[str]) -> Path:
 
 
 def load(path: Path, limit: int | None = None, **cols: object):
+    cols.setdefault("time_unit", "ms")
     return load_eventlog(path, ColumnMap(**cols), FIXED, seed=0, limit=limit)  # type: ignore[arg-type]
 
 
@@ -144,6 +145,8 @@ def test_epoch_seconds_under_the_default_unit_are_refused_with_a_hint(tmp_path: 
     secs = write(tmp_path / "secs.csv", [HEADER, *rows(10, ts_scale=1)])
     with pytest.raises(EventLogError, match=r"secs.csv.*'ts'.*before 1973.*--time-unit s"):
         load(secs, time_unit=None)
+    with pytest.raises(EventLogError, match=r"before 1973"):  # the library's default map checks as the CLI does
+        load_eventlog(secs, ColumnMap(), FIXED, seed=0)
     # given explicitly, the unit is taken as it is
     assert load(secs, time_unit="ms").ts.tolist()[0] == T0_S
     assert load(secs, time_unit="s").ts.tolist()[0] == T0_S * 1000
@@ -165,3 +168,43 @@ def test_the_cli_refuses_epoch_seconds_unless_the_unit_is_given(tmp_path: Path,
     rc = main(["replay", "--dataset", str(secs), "--no-progress", "--bootstrap-servers", "127.0.0.1:9"])
     err = capsys.readouterr().err
     assert rc == 2 and "--time-unit s" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("header", "named"), [
+    ("extra,item_id,user_id,ts,clicked", "column 'user_id' (the user column)"),
+    ("user_id,ts,clicked,item_id", "column 'item_id' (the item column)"),
+])
+def test_a_conversion_error_names_the_column_by_its_header_and_role_and_the_line(
+        tmp_path: Path, header: str, named: str) -> None:
+    """Arrow numbers the file's columns ("In CSV column #2"): a user of a 30-column file could not tell which."""
+    names = header.split(",")
+    good = {"user_id": "1", "item_id": "2", "ts": str(T0_S * 1000), "clicked": "0", "extra": "x"}
+    lines = [",".join(good[n] for n in names).encode()] * 3
+    bad = dict(good, **{named.split("'")[1]: "\xe9t\xe9"})
+    lines.append(",".join(bad[n] for n in names).encode("latin-1"))
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(header.encode() + b"\n" + b"\n".join(lines) + b"\n")
+    with pytest.raises(EventLogError) as e:
+        load(path)
+    msg = str(e.value)
+    assert f"at line 5 (the header is line 1): {named}: " in msg and "non-UTF-8" in msg and "#" not in msg
+    assert_printable(msg)
+
+
+def test_a_cell_that_is_not_utf8_dead_letters_its_row_not_the_whole_file(tmp_path: Path) -> None:
+    """A Latin-1 cell in a feature column (or a binary id / impression id column of a Parquet file) refused the
+    whole file with "feature column 'genre': holds bytes that are not UTF-8 text", no file, no row."""
+    good = [line.encode() for line in rows(6)]
+    bad = f"1,2,{(T0_S + 9) * 1000},0,".encode() + "\xe9t\xe9".encode("latin-1")
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b"\n".join([HEADER.encode(), *good[:3], bad, *good[3:]]) + b"\n")
+    t = load(path, features=("genre",))
+    assert t.n_impressions == 6 and t.stats["rejected_rows"] == 1
+    (raw,) = t.raw
+    assert raw.error.field == "context.genre" and "UTF-8 text" in str(raw.error) and "row 3" in str(raw.error)
+    ids = pa.array([b"u1", "\xe9".encode("latin-1"), b"u3"], pa.binary())
+    pq.write_table(pa.table({"user_id": ids, "item_id": [1, 2, 3], "ts": [T0_S * 1000] * 3,
+                             "rid": pa.array([b"r1", b"r2", b"\xff"], pa.binary())}), tmp_path / "bin.parquet")
+    t = load(tmp_path / "bin.parquet", clicked=None, impression_id="rid")
+    assert t.n_impressions == 1 and sorted(r.error.field for r in t.raw) == ["impression_id", "user_id"]
+    assert all("UTF-8 text" in str(r.error) for r in t.raw)
