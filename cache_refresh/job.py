@@ -69,7 +69,7 @@ from typing import Any
 import redis
 
 from cache_refresh import hot_set, metrics, validate
-from cache_refresh.publish import PinHeld, clean_leftovers, publish, refresh_lock
+from cache_refresh.publish import TRASH, PinHeld, clean_leftovers, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
@@ -545,9 +545,13 @@ def status(root: Path) -> dict[str, Any]:
     last = read_last_success(root)
     pin = artifact.read_pin(root)
     held = read_last_run(root).get("pin_held")
-    out: dict[str, Any] = {"publish_root": str(root), "current": None, "versions": artifact.list_versions(root),
+    versions = artifact.list_versions(root)
+    out: dict[str, Any] = {"publish_root": str(root), "current": None,
+                           "versions": versions,
                            "last_success": last.isoformat() if last else None, "pinned": None,
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
+    if leftovers := _leftovers(root, versions):  # said, never hidden: they hold disk and were once mistaken
+        out["not_versions"] = leftovers
     try:
         current = artifact.read_current(root)
         out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
@@ -565,6 +569,24 @@ def status(root: Path) -> dict[str, Any]:
                          "deltas": "paused until an operator publishes (`streamrec refresh --now`)",
                          "scheduled_runs": "build and validate but do not publish while the pin holds"}
     return out
+
+
+def _leftovers(root: Path, versions: list[str]) -> dict[str, str]:
+    """The entries of ``versions/`` that are no complete version (name, escaped -> what it is): a version directory
+    without a manifest (half-written, or not a refresh's: pruning and rollback skip it, nothing deletes it), and
+    anything else but a pruned version being removed. At most 50 named."""
+    d = artifact.versions_dir(root)
+    found: dict[str, str] = {}
+    for name in versions:
+        if not (d / name / artifact.MANIFEST).is_file():
+            found[ascii(name)] = f"no {artifact.MANIFEST}: half-written, or not a refresh's; skipped, not deleted"
+    try:
+        others = sorted(p.name for p in d.iterdir() if p.name not in versions and not p.name.startswith(TRASH))
+    except OSError:
+        others = []
+    for name in others:
+        found[ascii(name)] = "not a version directory (another name, a file or a link elsewhere); ignored"
+    return dict(list(found.items())[:50])
 
 
 def dangling_current(root: Path) -> str | None:

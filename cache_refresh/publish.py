@@ -60,7 +60,7 @@ from stream.files import TMP_MARK, describe_os_error, fsync_dir, write_atomic
 log = logging.getLogger("streamrec.publish")
 
 LOCK = ".refresh.lock"
-_TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
+TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
 _STALE_STAGING_S = 3600.0
 
 
@@ -128,7 +128,7 @@ def clean_leftovers(root: Path) -> list[str]:
     versions = versions_dir(root)
     if versions.is_dir():
         for d in sorted(versions.iterdir()):
-            if d.name.startswith(_TRASH):
+            if d.name.startswith(TRASH):
                 rm(d)
     if root.is_dir():
         for f in sorted(root.iterdir()):
@@ -209,7 +209,7 @@ def _prune(root: Path, keep: int) -> list[str]:
                         "keep_versions, left as it is", versions_dir(root) / name, MANIFEST)
     for name in complete[:-keep]:
         if name not in protected:
-            trash = versions_dir(root) / f"{_TRASH}{name}-{os.getpid()}"
+            trash = versions_dir(root) / f"{TRASH}{name}-{os.getpid()}"
             try:
                 os.rename(versions_dir(root) / name, trash)
             except OSError as exc:
