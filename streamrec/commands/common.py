@@ -102,7 +102,13 @@ def kafka_settings(args: argparse.Namespace, src: Sources) -> KafkaSettings:
     return src.build(KafkaSettings, "kafka", bootstrap_servers=getattr(args, "bootstrap_servers", None))
 
 
+DEFAULTS_NOTE = ("The defaults shown are the built-in ones. A flag left out takes its setting from --config FILE, "
+                 "overridden by STREAMREC_<SECTION>_<KEY>, before the built-in default (e.g. --redis-url: [redis] "
+                 "url, then STREAMREC_REDIS_URL).")
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
+    p.epilog = f"{p.epilog}\n\n{DEFAULTS_NOTE}" if p.epilog else DEFAULTS_NOTE
     p.add_argument("--config", metavar="FILE", help="TOML settings file (tables: "
                    f"{', '.join(f'[{s}]' for s in SECTIONS)}); STREAMREC_<SECTION>_<KEY> environment variables "
                    "override it")
