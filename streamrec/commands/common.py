@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import json
 import logging
 import math
@@ -94,6 +96,16 @@ def kv_lines(d: dict[str, Any], indent: str = "  ") -> str:
     return "\n".join(lines)
 
 
+def default_help(cls: Any, section: str, key: str, builtin: str | None = None) -> str:
+    """The ``default: ...`` of a flag's help where the flag overrides ``[section] key``: the effective default is that
+    setting (--config, STREAMREC_<SECTION>_<KEY>), else the built-in value (the field's default, or ``builtin``)."""
+    if builtin is None:
+        value = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+        value = value.value if isinstance(value, enum.Enum) else value
+        builtin = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"default: [{section}] {key}, else {builtin}"
+
+
 def sources(args: argparse.Namespace) -> Sources:
     return Sources(file_data=read_config_file(args.config))
 
@@ -102,25 +114,14 @@ def kafka_settings(args: argparse.Namespace, src: Sources) -> KafkaSettings:
     return src.build(KafkaSettings, "kafka", bootstrap_servers=getattr(args, "bootstrap_servers", None))
 
 
-DEFAULTS_NOTE = ("The defaults shown are the built-in ones. A flag left out takes its setting from --config FILE, "
-                 "overridden by STREAMREC_<SECTION>_<KEY>, before the built-in default (e.g. --redis-url: [redis] "
-                 "url, then STREAMREC_REDIS_URL).")
-
-
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.epilog = f"{p.epilog}\n\n{DEFAULTS_NOTE}" if p.epilog else DEFAULTS_NOTE
     p.add_argument("--config", metavar="FILE", help="TOML settings file (tables: "
                    f"{', '.join(f'[{s}]' for s in SECTIONS)}); STREAMREC_<SECTION>_<KEY> environment variables "
-                   "override it")
-    add_json(p)
-
-
-def add_json(p: argparse.ArgumentParser) -> None:
-    """``--json`` alone: for a command that reads no settings (``--config`` there would be ignored, so it is none)."""
+                   "override it; a flag's \"default: [section] key, else X\" is the value set there, else X")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
 def add_kafka_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bootstrap-servers", help=f"Kafka bootstrap servers (default {KafkaSettings.bootstrap_servers}, "
-                   "the local stack; env STREAMREC_KAFKA_BOOTSTRAP_SERVERS)")
+    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers "
+                   f"({default_help(KafkaSettings, 'kafka', 'bootstrap_servers')}: the local stack)")
 

@@ -7,13 +7,7 @@ import sys
 from typing import Any
 
 from stream.config import RedisSettings
-from streamrec.commands.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    add_common,
-    emit,
-    sources,
-)
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, default_help, emit, sources
 from streamrec.settings import SettingsError
 
 
@@ -43,8 +37,8 @@ def add_parser(sub: Any) -> None:
                    "with counts for --kind/--event)")
     p.add_argument("--days", type=int, default=1, help="number of consecutive days summed (default: %(default)s)")
     p.add_argument("--k", type=int, default=10, help="how many ids to print (default: %(default)s)")
-    p.add_argument("--redis-url", help=f"Redis with the counts (default {RedisSettings.url}, the local stack; "
-                   "env STREAMREC_REDIS_URL)")
+    p.add_argument("--redis-url", help=f"Redis with the counts ({default_help(RedisSettings, 'redis', 'url')}: the "
+                   "local stack)")
     add_common(p)
     p.set_defaults(func=run)
 

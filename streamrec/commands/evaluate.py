@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
-from streamrec.commands.common import (
-    EXIT_OK,
-    add_common,
-    count,
-    emit,
-    sources,
-)
+from streamrec.commands.common import EXIT_OK, add_common, count, default_help, emit, sources
 from streamrec.settings import SettingsError
+
+_d = functools.partial(default_help, None, "evaluate")  # [evaluate] key, else the tuned value: _d(key, builtin)
 
 
 def add_parser(sub: Any) -> None:
@@ -65,8 +62,8 @@ def add_parser(sub: Any) -> None:
                    "strictly before the rating, last 50 (default: %(default)s)")
     p.add_argument("--history-delay-s", type=float,
                    help="default features: a rating >= 4 enters its user's history only S seconds after it, as a "
-                   "click delay makes it enter the joiner's history later (default 0: at once; measures how "
-                   "much the offline history's head start is worth)")
+                   f"click delay makes it enter the joiner's history later ({_d('history_delay_s', '0')}: at once; "
+                   "measures how much the offline history's head start is worth)")
     p.add_argument("--seed", type=count, default=42,
                    help="seed of the split, the epoch shuffles and the initial weights (default: %(default)s)")
     p.add_argument("--epochs", type=int, help="autoint: at most this many epochs (early stopping on valid AUC may "
@@ -75,23 +72,27 @@ def add_parser(sub: Any) -> None:
                    "comparable with full runs)")
     g = p.add_argument_group("--protocol delayed: the joiner and the replay it simulates")
     g.add_argument("--emission", choices=["wait", "window", "fake_negative", "es_dfm"],
-                   help="the joiner's emission policy (default fake_negative, the joiner's; `streamrec join --help`)")
-    g.add_argument("--elapsed-s", type=float, help="es_dfm: event time an impression waits for its click (default 60)")
-    g.add_argument("--window-s", type=float, help="attribution window, event-time seconds (default 1800)")
+                   help="the joiner's emission policy "
+                   f"({_d('emission', 'fake_negative')}, the joiner's; `streamrec join --help`)")
+    g.add_argument("--elapsed-s", type=float, help="es_dfm: event time an impression waits for its click "
+                   f"({_d('elapsed_s', '60')})")
+    g.add_argument("--window-s", type=float, help=f"attribution window, event-time seconds ({_d('window_s', '1800')})")
     g.add_argument("--init-bias", action=argparse.BooleanOptionalAction, default=None,
                    help="start the model's bias at the logit of the observed click rate until 50 clicks "
-                        "(learner.delayed.BaseRateBias; default on, the daemon's)")
-    g.add_argument("--syn-impressions", type=int, help="--dataset synthetic: impressions (default 300000)")
+                        f"(learner.delayed.BaseRateBias; {_d('init_bias', 'on')}, the daemon's)")
+    g.add_argument("--syn-impressions", type=int, help="--dataset synthetic: impressions "
+                   f"({_d('syn_impressions', '300000')})")
     g.add_argument("--syn-base-ctr", type=float, help="--dataset synthetic: the planted base click rate "
-                   "(default 0.1; 0.004 for a low-CTR stream)")
-    g = p.add_argument_group("model overrides (default: the tuned configuration of the protocol)")
+                   f"({_d('syn_base_ctr', '0.1')}; 0.004 for a low-CTR stream)")
+    g = p.add_argument_group("model overrides (default: [evaluate] in --config / STREAMREC_EVALUATE_<KEY>, else the "
+                             "tuned configuration of the protocol)")
     g.add_argument("--embedding-dim", type=int, help="embedding width")
     g.add_argument("--mlp", help="hidden layer widths, comma-separated, e.g. 400,400,400")
     g.add_argument("--dropout", type=float, help="dropout after each hidden layer")
     g.add_argument("--lr-dense", type=float, help="Adam learning rate of the dense weights")
     g.add_argument("--lr-sparse", type=float, help="row-wise Adagrad learning rate of the embedding table")
     g.add_argument("--batch-size", type=int, help="rows per training mini-batch")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default 2)")
+    g.add_argument("--threads", type=int, help=f"torch CPU threads ({_d('threads', '2')})")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     add_common(p)
     p.set_defaults(func=run)
@@ -132,14 +133,21 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
     if args.dataset != "synthetic" and args.dataset not in DATASETS:
         raise SettingsError(f"--dataset {args.dataset!r}: --cold-start runs on synthetic or a packaged MovieLens "
                             f"data set ({', '.join(sorted(DATASETS))})")
-    overrides = {k: v for k, v in (("embedding_dim", args.embedding_dim), ("dropout", args.dropout),
-                                   ("lr_dense", args.lr_dense), ("lr_sparse", args.lr_sparse),
-                                   ("threads", args.threads), ("emission", args.emission),
-                                   ("elapsed_s", args.elapsed_s), ("window_s", args.window_s),
-                                   ("init_bias", args.init_bias)) if v is not None}
-    if args.mlp:
-        overrides["mlp"] = tuple(int(x) for x in args.mlp.split(",") if x)
-    cs_over = {k: v for k, v in (("batch_size", args.batch_size), ("capacity", args.capacity),
+    from dataclasses import replace
+
+    from learner.evaluation.config import EvalConfig, EvalOverrides
+
+    # [evaluate] and STREAMREC_EVALUATE_* as for the protocols, flags over them; batch_size is the variants' step
+    over = sources(args).build(EvalOverrides, "evaluate", embedding_dim=args.embedding_dim, mlp=args.mlp,
+                               dropout=args.dropout, lr_dense=args.lr_dense, lr_sparse=args.lr_sparse,
+                               batch_size=args.batch_size, threads=args.threads, emission=args.emission,
+                               elapsed_s=args.elapsed_s, window_s=args.window_s, init_bias=args.init_bias)
+    try:
+        overrides = over.to_config()
+        replace(EvalConfig(), **overrides)  # its checks, before the data loads
+    except ValueError as exc:  # --mlp 4x4, [evaluate] request_time = "day": a usage error, exit 2
+        raise SettingsError(str(exc)) from None
+    cs_over = {k: v for k, v in (("batch_size", overrides.pop("batch_size", None)), ("capacity", args.capacity),
                                  ("buckets", args.buckets), ("admit_after", args.admit_after),
                                  ("boost", args.boost), ("cold_k", args.cold_k), ("init", args.init),
                                  ("synthetic_new_user_impressions", args.new_user_impressions),

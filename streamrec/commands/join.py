@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -11,12 +12,15 @@ from stream.joiner.config import Driver, EmissionPolicy, JoinerSettings
 from streamrec.commands.common import (
     add_common,
     add_kafka_flag,
+    default_help,
     emit,
     kafka_settings,
     kv_lines,
     setup_logging,
     sources,
 )
+
+_d = functools.partial(default_help, JoinerSettings, "joiner")  # _d(key): "default: [joiner] key, else <built-in>"
 
 
 def add_parser(sub: Any) -> None:
@@ -28,28 +32,32 @@ def add_parser(sub: Any) -> None:
                        "and writing Arrow sample batches to the samples topic. Late and orphan clicks go to "
                        "late_clicks, malformed events to <topic>.dlq. Runs until SIGTERM, or until idle with "
                        "--exit-when-idle. Several workers with the same --app-id split the partitions.")
-    p.add_argument("--app-id", help=f"faust app id = consumer group (default {JoinerSettings.app_id})")
+    p.add_argument("--app-id", help="faust app id = consumer group "
+                   f"({_d('app_id')})")
     p.add_argument("--window-s", type=float, help="attribution window, event-time seconds "
-                   f"(default {JoinerSettings.attribution_window_s:g})")
+                   f"({_d('attribution_window_s')})")
     p.add_argument("--lateness-s", type=float, help="allowed lateness of the watermark, seconds "
-                   f"(default {JoinerSettings.allowed_lateness_s:g})")
+                   f"({_d('allowed_lateness_s')})")
     p.add_argument("--emission", choices=[e.value for e in EmissionPolicy],
                    help="when samples go out: wait (a positive at its click, a negative when the window closes), "
                    "window (all at window close), fake_negative (a negative at once and the positive again at its "
                    "click), es_dfm (the label seen after --elapsed-s, the positive again at a later click); "
-                   f"default {JoinerSettings.emission}. The learner corrects for each (README, delayed feedback)")
+                   f"{_d('emission')}. The learner corrects for each (README, delayed feedback)")
     p.add_argument("--elapsed-s", type=float, help="es_dfm: event time an impression waits for its click "
-                   f"(default {JoinerSettings.elapsed_s:g})")
+                   f"({_d('elapsed_s')})")
     p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="exit after this long without input "
                    "(bounded runs: tests, demo, replays)")
     p.add_argument("--drain", action="store_true", help="with --exit-when-idle: treat the input as complete and "
                    "expire every pending impression before exiting")
-    p.add_argument("--redis-url", help=f"Redis for counts and history (default {RedisSettings.url})")
+    p.add_argument("--redis-url", help="Redis for counts and history "
+                   f"({default_help(RedisSettings, 'redis', 'url')})")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address the metrics listener binds "
-                   f"(default {JoinerSettings.metrics_host}: loopback only; 0.0.0.0 for every interface)")
-    p.add_argument("--driver", choices=["faust", "kafka"], help="faust-streaming worker (default) or a plain "
-                   "confluent-kafka consumer loop with the same semantics and several times the throughput")
+                   f"({_d('metrics_host')}: loopback only; 0.0.0.0 for every "
+                   "interface)")
+    p.add_argument("--driver", choices=["faust", "kafka"], help="faust-streaming worker or a plain "
+                   "confluent-kafka consumer loop with the same semantics and several times the throughput "
+                   f"({_d('driver')})")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_kafka_flag(p)
     add_common(p)

@@ -10,6 +10,7 @@ it held back. ``--now`` is the operator's explicit action: it publishes over the
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from cache_refresh.settings import RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import redact
-from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, setup_logging
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, default_help, setup_logging
 from streamrec.settings import SettingsError, Sources, read_config_file
 
 
@@ -120,14 +121,14 @@ def add_parser(sub: Any) -> None:
     mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary, "
                       "the rollback pin and the last scheduled run it held back")
     p.add_argument("--allow-older", action="store_true", help="with --now: publish even an older checkpoint")
-    p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints (default {RefreshSettings.checkpoint_dir})")
-    p.add_argument("--publish-root", help=f"where versions and CURRENT live (default {RefreshSettings.publish_root})")
-    p.add_argument("--format", choices=[f.value for f in ArtifactFormat],
-                   help=f"scorer format (default {RefreshSettings.format})")
-    p.add_argument("--schedule", help=f"crontab expression (default '{RefreshSettings.schedule}')")
-    p.add_argument("--timezone", help=f"IANA time zone of the schedule (default {RefreshSettings.timezone})")
-    p.add_argument("--redis-url", help=f"Redis with the counts (default {RedisSettings.url})")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default [refresh] log_level")
+    d = functools.partial(default_help, RefreshSettings, "refresh")  # d(key): "default: [refresh] key, else <built-in>"
+    p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints ({d('checkpoint_dir')})")
+    p.add_argument("--publish-root", help=f"where versions and CURRENT live ({d('publish_root')})")
+    p.add_argument("--format", choices=[f.value for f in ArtifactFormat], help=f"scorer format ({d('format')})")
+    p.add_argument("--schedule", help=f"crontab expression ({d('schedule', repr(RefreshSettings.schedule))})")
+    p.add_argument("--timezone", help=f"IANA time zone of the schedule ({d('timezone')})")
+    p.add_argument("--redis-url", help=f"Redis with the counts ({default_help(RedisSettings, 'redis', 'url')})")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=d("log_level"))
     add_kafka_flag(p)
     add_common(p)
     p.set_defaults(func=cmd_refresh)

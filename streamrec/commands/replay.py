@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,15 @@ from streamrec.commands.common import (
     add_common,
     add_kafka_flag,
     count,
+    default_help,
     emit,
     kafka_settings,
     kv_lines,
     sources,
 )
 from streamrec.settings import SettingsError, Sources
+
+_d = functools.partial(default_help, ReplaySettings, "replay")  # _d(key): "default: [replay] key, else <built-in>"
 
 
 def add_parser(sub: Any) -> None:
@@ -30,19 +34,19 @@ def add_parser(sub: Any) -> None:
                        "a Parquet/CSV event log (map its columns with --*-col flags). Rows a file source cannot "
                        "use go to <topic>.dlq with the reason.")
     p.add_argument("--dataset", help="ml-1m | ml-100k | synthetic | PATH to .parquet/.csv "
-                   f"(default {ReplaySettings.dataset})")
+                   f"({_d('dataset')})")
     p.add_argument("--limit", type=count, help="replay only the first N impressions (MovieLens: earliest in event "
                    "time; event logs: first N rows of the file, rejected rows included)")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--rate", type=float, help="at most this many events per wall-clock second")
     pace.add_argument("--speed", type=float, help="replay event time this many times faster than real time")
-    p.add_argument("--seed", type=int, help=f"seed of click delays and synthetic data (default {ReplaySettings.seed})")
+    p.add_argument("--seed", type=int, help=f"seed of click delays and synthetic data ({_d('seed')})")
     p.add_argument("--click-delay", choices=[k.value for k in DelayKind], help="click delay distribution "
-                   f"(default {ReplaySettings.click_delay_kind.value})")
+                   f"({_d('click_delay_kind')})")
     p.add_argument("--click-delay-median-s", type=float,
-                   help=f"median click delay, seconds (default {ReplaySettings.click_delay_median_s})")
+                   help=f"median click delay, seconds ({_d('click_delay_median_s')})")
     p.add_argument("--click-delay-sigma", type=float, help="lognormal sigma of log(delay) "
-                   f"(default {ReplaySettings.click_delay_sigma})")
+                   f"({_d('click_delay_sigma')})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics (events replayed) on this port")
     add_kafka_flag(p)
@@ -50,7 +54,7 @@ def add_parser(sub: Any) -> None:
     for f in dataclasses.fields(SyntheticSettings):
         g.add_argument(f"--syn-{f.name.replace('_', '-')}", dest=SYN_FLAG_PREFIX + f.name,
                        type=float if f.type in ("float", float) else int,
-                       help=f"(default {f.default}; [synthetic] {f.name})")
+                       help=f"({default_help(SyntheticSettings, 'synthetic', f.name)})")
     g = p.add_argument_group("Parquet/CSV event log (--dataset PATH): one row per impression")
     g.add_argument("--user-col", default="user_id", help="user id column (default: %(default)s)")
     g.add_argument("--item-col", default="item_id", help="item id column (default: %(default)s)")

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from streamrec.commands.common import EXIT_OK, add_common, emit, sources
+from cache_refresh.settings import RefreshSettings
+from learner.config import LearnerSettings
+from streamrec.commands.common import EXIT_OK, add_common, default_help, emit, sources
 
 
 def add_parser(sub: Any) -> None:
@@ -24,11 +26,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--run-log", metavar="FILE", help="the monitor's run log (its rotated FILE.1 ... are read too)")
     p.add_argument("--summary", action="append", default=[], metavar="FILE",
                    help="a stage's --json summary (replay, join, train, refresh, monitor; repeatable)")
-    p.add_argument("--publish-root", metavar="DIR", help="refresh's publish root, for last_run.json (default: "
-                   "DIR/serving with --run-dir, else [refresh] publish_root of --config / "
-                   "STREAMREC_REFRESH_PUBLISH_ROOT)")
-    p.add_argument("--deltas-dir", metavar="DIR", help="the learner's deltas directory (default: DIR/deltas with "
-                   "--run-dir, else [learner] deltas_dir of --config / STREAMREC_LEARNER_DELTAS_DIR)")
+    p.add_argument("--publish-root", metavar="DIR", help="refresh's publish root, for last_run.json (DIR/serving with "
+                   f"--run-dir, else {default_help(RefreshSettings, 'refresh', 'publish_root')})")
+    p.add_argument("--deltas-dir", metavar="DIR", help="the learner's deltas directory (DIR/deltas with --run-dir, "
+                   f"else {default_help(LearnerSettings, 'learner', 'deltas_dir')})")
     p.add_argument("--out", metavar="FILE", help="the HTML file to write (default report.html, or in --run-dir)")
     p.add_argument("--follow", metavar="SOURCE", help="print progress of SOURCE from the run log while --pid lives "
                    "(exit 1 if --pid is not running at the start, or the run log never appeared while it ran)")
@@ -38,12 +39,12 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cache_refresh.settings import RefreshSettings
-    from learner.config import LearnerSettings
     from monitor import report
     from streamrec.settings import SettingsError
 
-    src = sources(args)  # --config and STREAMREC_*: read (and checked) before anything else
+    src = sources(args)  # the publish root and deltas directory the refresh and the learner use, unless flags say
+    refresh = src.build(RefreshSettings, "refresh", publish_root=args.publish_root)
+    learner = src.build(LearnerSettings, "learner", deltas_dir=args.deltas_dir)
     d = Path(args.run_dir) if args.run_dir else None
     log = args.run_log or (str(d / "run-log.jsonl") if d else None)
     if log is None:
@@ -52,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
         report.follow_process(log, args.follow, args.pid, sys.stderr)
         return EXIT_OK
     summaries = args.summary or ([str(p) for p in sorted(d.glob("*.json"))] if d else [])
-    root = args.publish_root or (d / "serving" if d else src.build(RefreshSettings, "refresh").publish_root)
-    deltas = args.deltas_dir or (d / "deltas" if d else src.build(LearnerSettings, "learner").deltas_dir)
+    root = args.publish_root or (d / "serving" if d else refresh.publish_root)
     try:
-        inp = report.Inputs(report.read_run_log(log), report.read_summaries(summaries), report.read_last_run(root),
-                            report.read_deltas(deltas))
+        inp = report.Inputs(report.read_run_log(log), report.read_summaries(summaries),
+                            report.read_last_run(root),
+                            report.read_deltas(args.deltas_dir or (d / "deltas" if d else learner.deltas_dir)))
         out = Path(args.out or (d / "report.html" if d else "report.html"))
         sections = report.write_report(inp, out)
     except (report.ReportError, OSError) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
@@ -10,7 +11,8 @@ import threading
 from typing import Any
 
 from serving.settings import ServeSettings
-from streamrec.commands.common import add_common, setup_logging
+from stream.config import RedisSettings
+from streamrec.commands.common import add_common, default_help, setup_logging
 
 
 def add_parser(sub: Any) -> None:
@@ -42,32 +44,33 @@ def add_parser(sub: Any) -> None:
         "embedding_store_write_deltas); "
         "Redis from "
         "[redis] / STREAMREC_REDIS_URL.")
-    p.add_argument("--host", help=f"address to bind (default {ServeSettings.host}: loopback only)")
-    p.add_argument("--port", type=int, help=f"port (default {ServeSettings.port}; 0 picks a free one)")
-    p.add_argument("--publish-root", help=f"where `streamrec refresh` publishes (default {ServeSettings.publish_root})")
-    p.add_argument("--deltas-dir", help="the learner's delta directory ([learner] deltas_dir); default: no deltas")
+    d = functools.partial(default_help, ServeSettings, "serve")  # d(key): "default: [serve] key, else <built-in>"
+    p.add_argument("--host", help=f"address to bind ({d('host')}: loopback only)")
+    p.add_argument("--port", type=int, help=f"port ({d('port')}; 0 picks a free one)")
+    p.add_argument("--publish-root", help=f"where `streamrec refresh` publishes ({d('publish_root')})")
+    p.add_argument("--deltas-dir", help="the learner's delta directory (its [learner] deltas_dir; "
+                   f"{d('deltas_dir', 'none: no deltas')})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where hot rows and the dense part live "
-                   "(default auto: CUDA when there is one)")
-    p.add_argument("--threads", type=int, help=f"torch threads per request (default {ServeSettings.threads})")
-    p.add_argument("--server", choices=["threading", "aiohttp"], help=f"HTTP server (default {ServeSettings.server})")
+                   f"({d('device')}: CUDA when there is one)")
+    p.add_argument("--threads", type=int, help=f"torch threads per request ({d('threads')})")
+    p.add_argument("--server", choices=["threading", "aiohttp"], help=f"HTTP server ({d('server')})")
     p.add_argument("--max-connections", type=int, help="open connections at once; one more is answered 503 "
-                   f"(default {ServeSettings.max_connections})")
+                   f"({d('max_connections')})")
     p.add_argument("--max-in-flight", type=int, help="requests being read or scored at once; one more is answered "
-                   f"503 with Retry-After: 1, probes excepted (default {ServeSettings.max_in_flight})")
+                   f"503 with Retry-After: 1, probes excepted ({d('max_in_flight')})")
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s", metavar="SECONDS",
                    help="seconds a request's headers and body may take to arrive from its first byte, else 408 "
-                   f"(default {ServeSettings.request_timeout_s:g})")
+                   f"({d('request_timeout_s')})")
     p.add_argument("--keepalive-timeout", type=float, dest="keepalive_timeout_s", metavar="SECONDS",
-                   help="seconds an idle keep-alive connection stays open "
-                   f"(default {ServeSettings.keepalive_timeout_s:g})")
+                   help=f"seconds an idle keep-alive connection stays open ({d('keepalive_timeout_s')})")
     p.add_argument("--max-active", type=int, help="requests scored at once by the threading server, the others "
-                   "wait their turn; 0: no bound (default 0; 1 suits the ONNX formats on few cores)")
+                   f"wait their turn; 0: no bound ({d('max_active')}; 1 suits the ONNX formats on few cores)")
     p.add_argument("--reuse-port", action=argparse.BooleanOptionalAction, default=None, help="bind with "
                    "SO_REUSEPORT: run several serve processes on one port (each loads the model and answers /metrics "
-                   "for itself); --no-reuse-port overrides reuse_port = true of [serve] (default: [serve] reuse_port, "
-                   "off)")
+                   "for itself); --no-reuse-port overrides reuse_port = true of [serve] "
+                   f"({d('reuse_port', 'off')})")
     p.add_argument("--redis-url", help="Redis with the users' click history and the update channels "
-                   "(default: [redis] url, the local stack)")
+                   f"({default_help(RedisSettings, 'redis', 'url')}: the local stack)")
     p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_common(p)
@@ -82,7 +85,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from serving.service import ScoringService
-    from stream.config import RedisSettings
     from streamrec.commands.common import EXIT_OK, sources
 
     src = sources(args)

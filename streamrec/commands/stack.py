@@ -5,13 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from streamrec.commands.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    add_common,
-    emit,
-    sources,
-)
+from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, default_help, emit, sources
 from streamrec.stack import StackSettings
 
 
@@ -22,7 +16,8 @@ def add_parser(sub: Any) -> None:
                        "'up' is idempotent; 'down' stops only what 'up' started; 'status' prints the bootstrap "
                        "servers and the Redis URL.")
     p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--state-dir", help=f"pid files and logs (default {StackSettings.state_dir})")
+    p.add_argument("--state-dir", help="pid files and logs "
+                   f"({default_help(StackSettings, 'stack', 'state_dir')})")
     add_common(p)
     p.set_defaults(func=run)
 

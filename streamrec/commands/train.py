@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from streamrec.commands.common import (
     EXIT_OK,
     add_common,
     add_kafka_flag,
+    default_help,
     emit,
     kafka_settings,
     kv_lines,
@@ -37,22 +39,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--unshard", metavar="DIR", help="write the newest sharded checkpoint of --checkpoint-dir (a run "
                    "under torchrun) as one single-process checkpoint into DIR and exit: what `streamrec refresh` and "
                    "a one-process `streamrec train` read")
-    p.add_argument("--checkpoint-dir", help=f"(default {LearnerSettings.checkpoint_dir})")
+    d = functools.partial(default_help, LearnerSettings, "learner")  # d(key): "default: [learner] key, else <built-in>"
+    p.add_argument("--checkpoint-dir", help=f"({d('checkpoint_dir')})")
     p.add_argument("--max-samples", type=int, help="stop after training this many samples")
     p.add_argument("--exit-when-idle", type=float, metavar="SECONDS", help="stop after this long without samples")
     p.add_argument("--batch-rows", type=int, help="rows read from Kafka per batch; whole samples messages are never "
-                   f"split (default {LearnerSettings.batch_rows})")
+                   f"split ({d('batch_rows')})")
     p.add_argument("--step-rows", type=int, help="rows per optimizer step: a batch trains as consecutive chunks of "
                    "this many rows, each predicted before it is learned; smaller is fresher and slower "
-                   f"(default {LearnerSettings.step_rows})")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: CUDA when there is one")
-    p.add_argument("--amp", choices=["auto", "on", "off"], help="mixed precision of the dense part: auto (default) "
+                   f"({d('step_rows')})")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help=f"{d('device')}: CUDA when there is one")
+    p.add_argument("--amp", choices=["auto", "on", "off"], help="mixed precision of the dense part: auto "
                    "is fp16 on CUDA, bf16 on a CPU with native bf16 (AVX512-BF16/AMX), fp32 otherwise (an AVX2 CPU "
-                   "emulates bf16 several times slower than fp32)")
-    p.add_argument("--num-workers", type=int, help="DataLoader workers reading partitions (default 0)")
+                   f"emulates bf16 several times slower than fp32; {d('amp')})")
+    p.add_argument("--num-workers", type=int, help=f"DataLoader workers reading partitions ({d('num_workers')})")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address the metrics listener binds "
-                   f"(default {LearnerSettings.metrics_host}: loopback only; 0.0.0.0 for every interface)")
+                   f"({d('metrics_host')}: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_kafka_flag(p)
     add_common(p)

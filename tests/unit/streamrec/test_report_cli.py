@@ -101,8 +101,3 @@ def test_config_is_read_a_missing_one_is_an_error_and_its_publish_root_and_delta
     monkeypatch.setenv("STREAMREC_LEARNER_DELTAS_DIR", str(tmp_path / "elsewhere"))
     assert fresh_points() < with_delta and "v-from-config" not in out.read_text()
 
-
-def test_data_takes_no_config_rather_than_ignoring_it(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["data", "status", "--config", "nope.toml"])
-    assert e.value.code == 2 and "unrecognized arguments: --config" in capsys.readouterr().err
