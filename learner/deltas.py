@@ -75,6 +75,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from prometheus_client import Counter as PCounter
 from torch import nn
 
 from learner import checkpoint as ckpt_io
@@ -85,6 +86,9 @@ from stream.files import fsync_dir, write_atomic
 from stream.secrets import Secret
 
 log = logging.getLogger("streamrec.deltas")
+DELTA_WRITE_FAILURES = PCounter("streamrec_learner_delta_write_failures_total",
+                                "Serving deltas that could not be written (a full disk, the directory gone); the rows "
+                                "go out with the next one, training goes on.")
 
 FORMAT = 2
 KIND = "streamrec-delta"
@@ -269,6 +273,7 @@ class DeltaWriter:
         self.seq = _max_seq(self.directory)
         self._last = clock()
         self.written = 0
+        self.failed = 0  # writes that failed (OSError): survived, retried at the next due time
         # the learner's id maps (RowMapper.state_dict), sent with a delta at most every id_maps_every_s
         self.id_maps_source: Callable[[], dict[str, Any]] | None = None
         self.id_maps_every_s = id_maps_every_s
@@ -368,14 +373,19 @@ class DeltaWriter:
         return self.clock() - self._last_maps >= self.id_maps_every_s
 
     def write_rows(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor],
-                   samples_trained: int, id_maps: dict[str, Any] | None = None) -> Path:
+                   samples_trained: int, id_maps: dict[str, Any] | None = None) -> Path | None:
         """Write one delta of ``rows`` (R,) int64 with their ``vectors`` (R, D + 1) float32 and the dense weights,
         then clear the marks: :meth:`write`'s second half, called directly by the distributed mode's rank 0
         (``learner/sharded_deltas.py``), which gathers the rows from the ranks that hold them, and the id maps
         (``id_maps``, ``RowMapper.state_dict``) from the ranks' shares when :meth:`maps_due`. Without ``id_maps``
-        the delta carries ``id_maps_source()`` when one is set and due."""
-        self.seq += 1
-        payload: dict[str, Any] = {"seq": self.seq, "samples_trained": int(samples_trained), "created": time.time(),
+        the delta carries ``id_maps_source()`` when one is set and due.
+
+        A write that fails (a full disk, the directory gone) is survived, as a checkpoint's is: logged, counted
+        (``failed``, ``streamrec_learner_delta_write_failures_total``), nothing is half-visible (the file is written
+        aside and renamed), the marks and the pending list stay, and the next due time tries again with the same
+        seq (serving sees no gap); None is returned. Training goes on: a side output must not stop it."""
+        seq = self.seq + 1
+        payload: dict[str, Any] = {"seq": seq, "samples_trained": int(samples_trained), "created": time.time(),
                                    "lineage": self.lineage, "rows": rows, "vectors": vectors,
                                    "dense_state": dense_state}
         if id_maps is None and self.id_maps_source is not None and self.maps_due():
@@ -384,8 +394,17 @@ class DeltaWriter:
             payload["id_maps"] = id_maps
             self._last_maps = self.clock()
         data = encode_delta(payload, self.key)
-        path = delta_path(self.directory, self.seq, int(samples_trained))
-        write_atomic(path, data)
+        path = delta_path(self.directory, seq, int(samples_trained))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)  # (a directory removed meanwhile is made again)
+            write_atomic(path, data)
+        except OSError as exc:
+            self.failed += 1
+            DELTA_WRITE_FAILURES.inc()
+            log.error("delta %d could not be written to %s (%s); training goes on, the rows stay marked and go out "
+                      "with the next delta", seq, self.directory, exc)
+            return None
+        self.seq = seq
         self.touched.zero_()
         try:  # everything it listed is in the durable delta now
             self.pending_path.unlink(missing_ok=True)

@@ -63,6 +63,39 @@ def test_seq_continues_across_restarts_and_only_the_last_keep_stay(tmp_path: Pat
     assert load_delta(w2.write(learner.model, learner.trainer.samples)).seq == 6  # type: ignore[arg-type]
 
 
+def test_a_failed_delta_write_is_survived_and_retried_with_the_same_seq(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk (or the directory gone) raised out of the daemon's training step: the learner died, before its
+    next checkpoint each time when deltas are more frequent, and the failed write had used up a seq (serving counted a
+    gap that was none). Now: logged, counted, the rows stay marked, the next write sends them under the same seq."""
+    import errno
+    import shutil
+
+    import learner.deltas as deltas_mod
+
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path / "d", CFG.num_rows, every_s=1.0)
+    batches = learner.train(2)
+    for tb in batches:
+        w.mark(tb.values)
+    real = deltas_mod.write_atomic
+
+    def full(path: Path, data: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(deltas_mod, "write_atomic", full)
+    failures = deltas_mod.DELTA_WRITE_FAILURES._value.get()
+    assert w.write(learner.model, learner.trainer.samples) is None  # no exception
+    assert w.failed == 1 and w.seq == 0 and w.touched.any() and list_deltas(tmp_path / "d") == []
+    assert deltas_mod.DELTA_WRITE_FAILURES._value.get() == failures + 1
+    monkeypatch.setattr(deltas_mod, "write_atomic", real)
+    shutil.rmtree(tmp_path / "d")  # and the directory is gone meanwhile: made again
+    path = w.write(learner.model, learner.trainer.samples)
+    assert path is not None and load_delta(path).seq == 1  # no gap for serving
+    touched = torch.unique(torch.cat([tb.values for tb in batches]))
+    assert torch.equal(load_delta(path).rows, touched) and not w.touched.any()
+
+
 def test_reader_yields_newer_deltas_in_order_skips_old_and_corrupt_ones_and_counts_gaps(tmp_path: Path) -> None:
     learner = TinyLearner()
     w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, keep=100)
