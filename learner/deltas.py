@@ -67,6 +67,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -243,11 +244,23 @@ def load_delta(path: Path, key: SigningKey | None = None) -> Delta:
     (with ``key``: also when it is not signed with it). A file that vanished (pruned) raises
     ``FileNotFoundError``."""
     path = Path(path)
-    _check_inside(path)
-    size = path.stat().st_size
-    if size > MAX_BYTES:
-        raise DeltaError(f"delta {path}: {size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
-    return decode_delta(path.read_bytes(), path, key)
+    try:
+        _check_inside(path)
+    except RuntimeError as exc:  # a symlink loop (pathlib's resolve)
+        raise DeltaError(f"delta {path}: {exc}; refused unread") from None
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):  # a FIFO named like a delta blocked the reading thread for good
+        raise DeltaError(f"delta {path}: not a regular file (mode {stat.filemode(st.st_mode)}); refused unread")
+    if st.st_size > MAX_BYTES:
+        raise DeltaError(f"delta {path}: {st.st_size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (non-blocking: a FIFO put there since the stat cannot hang it)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # swapped for another kind of file since the stat
+            raise DeltaError(f"delta {path}: not a regular file; refused unread")
+        data = fh.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise DeltaError(f"delta {path}: more than the {MAX_BYTES}-byte limit; refused")
+    return decode_delta(data, path, key)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -467,10 +480,14 @@ def redis_notifier(target: RedisSettings | str, channel: str) -> Callable[[int],
 
 # -- reading ---------------------------------------------------------------------------------------
 def _fingerprint(path: Path) -> tuple[str, int, int] | None:
+    """``(path, size, mtime)`` of this version of a file; None when it is gone. A file that cannot be looked at (a
+    symlink loop, an I/O error, a stale NFS handle) is fingerprinted by its name and error, so it is rejected once."""
     try:
         st = path.stat()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        return (str(path), -1, -(exc.errno or 1))
     return (str(path), st.st_size, st.st_mtime_ns)
 
 
@@ -546,6 +563,9 @@ class DeltaReader:
                 continue  # pruned between listing and reading
             except (DeltaError, OSError) as exc:  # damaged, malformed, or unreadable (permissions, I/O)
                 self.mark_bad(path, str(exc))
+                continue
+            except (MemoryError, ValueError, RecursionError) as exc:  # one file must not stop the updates after it
+                self.mark_bad(path, f"{type(exc).__name__}: {exc}")
                 continue
             if lineage is not None and d.lineage is not None and d.lineage != lineage:
                 self._unfit.add(fp)

@@ -277,7 +277,11 @@ class ModelUpdater:
         new = _live_model(model)
         if self.deltas is not None:
             self.deltas.forget_unfit()  # a delta that did not fit the old model may fit this one
-        self._apply_deltas(new)  # before it answers: a swap never makes scores staler than the deltas
+        try:
+            self._apply_deltas(new)  # before it answers: a swap never makes scores staler than the deltas
+        except Exception as exc:  # noqa: BLE001 - the deltas directory failing must not keep the new artifact out
+            log.error("deltas could not be applied to %s before it went live (%s); it serves without them",
+                      model.version, exc)
         self.holder.live = new
         self.holder.problem = None
         self.metrics.swaps.inc()

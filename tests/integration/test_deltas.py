@@ -96,6 +96,45 @@ def test_a_failed_delta_write_is_survived_and_retried_with_the_same_seq(tmp_path
     assert torch.equal(load_delta(path).rows, touched) and not w.touched.any()
 
 
+@pytest.mark.parametrize("bad", ["symlink_loop", "fifo", "memory_error"])
+def test_one_entry_that_cannot_be_read_is_rejected_once_and_the_deltas_after_it_still_come(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    """A symlink loop named like a delta raised out of the reader (ELOOP at its stat), a FIFO blocked it for good
+    in its read, a MemoryError was never remembered: each stopped every later delta, and, as serving applies the
+    deltas before it swaps an artifact in, every new artifact too."""
+    import os
+
+    import learner.deltas as deltas_mod
+
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0)
+    for _ in range(2):
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+    (_, _, first), (_, _, second) = list_deltas(tmp_path)
+    if bad == "symlink_loop":
+        first.unlink()
+        os.symlink(first.name, first)  # points at itself
+    elif bad == "fifo":
+        first.unlink()
+        os.mkfifo(first)
+    else:
+        real = deltas_mod.decode_delta
+
+        def oom(data: bytes, path: Path, key: object = None) -> object:
+            if Path(path).name == first.name:
+                raise MemoryError
+            return real(data, path, key)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(deltas_mod, "decode_delta", oom)
+    rejected: list[str] = []
+    reader = DeltaReader(tmp_path, on_reject=lambda p, why: rejected.append(p.name))
+    assert [d.seq for d in reader.newer(0, 0)] == [2]  # returns (the FIFO read does not block), the next one comes
+    assert rejected == [first.name] and reader.bad == 1
+    assert [d.seq for d in reader.newer(0, 0)] == [2] and rejected == [first.name]  # remembered: rejected once
+
+
 def test_reader_yields_newer_deltas_in_order_skips_old_and_corrupt_ones_and_counts_gaps(tmp_path: Path) -> None:
     learner = TinyLearner()
     w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, keep=100)
