@@ -386,23 +386,24 @@ def _matches(arr: pa.Array, pattern: str) -> np.ndarray:
     return _np_bool(pc.match_substring_regex(arr, pattern))
 
 
-def _to_text(arr: pa.Array, field: str, column: str) -> tuple[pa.Array, _Check]:
-    """A binary (or integer) column as text, and the check of its cells that are not UTF-8 (read as missing, so the
-    other checks pass them; each such row is dead-lettered with this reason, not the whole file refused)."""
+def _to_text(arr: pa.Array, field: str, column: str) -> tuple[pa.Array, list[_Check]]:
+    """A binary (or integer) column as text, and the check of its cells that are not UTF-8, if any (read as missing,
+    so the other checks pass them; each such row is dead-lettered with this reason, not the whole file refused)."""
     try:
-        return arr.cast(pa.string()), _Check(np.zeros(len(arr), bool), field, column, "UTF-8 text")
+        return arr.cast(pa.string()), []
     except pa.ArrowInvalid:
         pass
 
     def utf8(v: bytes | None) -> bool:
         try:
-            return v is None or bool(v.decode("utf-8") or True)
+            v is None or v.decode("utf-8")
         except UnicodeDecodeError:
             return False
+        return True
 
     ok = np.fromiter((utf8(v) for v in arr.to_pylist()), bool, len(arr))  # (N,) only on this failure path
     text = pc.if_else(pa.array(ok), arr, pa.scalar(None, arr.type)).cast(pa.string())
-    return text, _Check(~ok, field, column, "UTF-8 text (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)")
+    return text, [_Check(~ok, field, column, "UTF-8 text (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)")]
 
 
 def _ints(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -459,10 +460,10 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
     n = len(arr)
     if pa.types.is_null(t):
         return _object_array([None] * n), [_Check(np.ones(n, bool), field, column, _ID_EXPECTED)]
-    utf8: list[_Check] = []
+    utf8: list[_Check] = []  # cells that are not UTF-8 text, when the column holds bytes
     if _is_binary(t):
-        arr, bad_text = _to_text(arr, field, column)
-        t, utf8 = pa.string(), [bad_text]
+        arr, utf8 = _to_text(arr, field, column)
+        t = pa.string()
     if _is_text(t):
         missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
         too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
@@ -510,8 +511,7 @@ def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int
     if pa.types.is_null(t):
         arr = pa.nulls(n, pa.string())
     elif pa.types.is_integer(t) or _is_binary(t):
-        arr, bad_text = _to_text(arr, "impression_id", column)
-        utf8 = [bad_text]
+        arr, utf8 = _to_text(arr, "impression_id", column)
     elif not _is_text(t):
         raise EventLogError(f"impression id column {column!r} has type {t}; it must hold strings or integers "
                             f"(set with {FLAGS['impression_id']})")
@@ -689,10 +689,10 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
     none = np.zeros(n, bool)
     if pa.types.is_temporal(t) or pa.types.is_decimal(t):
         arr, t = arr.cast(pa.string()), pa.string()
-    utf8: list[_Check] = []
+    utf8: list[_Check] = []  # cells that are not UTF-8 text, when the column holds bytes
     if _is_binary(t):
-        arr, bad_text = _to_text(arr, field, column)
-        t, utf8 = pa.string(), [bad_text]
+        arr, utf8 = _to_text(arr, field, column)
+        t = pa.string()
     if pa.types.is_null(t) or pa.types.is_boolean(t) or pa.types.is_integer(t):
         big = _ints(arr)[1] if pa.types.is_integer(t) else none
         return arr, [_Check(big, field, column, "an integer in the signed 64-bit range")], False
