@@ -19,18 +19,13 @@ Workload: the one of bench/learner.py (26 fields x 384,615 rows = 10 M rows, dim
   fp32          the same in float32 (no autocast): the baseline the two mixed precisions are compared with
   same_update_fp32  the fused row-wise Adagrad (fused_sparse_update = on) against the optimizer's own step (off)
                 from one initial state: after one step rel. L2 of the tables' difference <= 1e-5; after 20 steps
-                the divergence, beside two unfused runs' (the device's run-to-run nondeterminism); and whether the
-                fused backward's fixed layout gives the compact layout's tables bit for bit (information)
-  fused_sync_free  the fused lookup's forward and backward under torch.cuda.set_sync_debug_mode("error"): no op
-                in them may make the host wait for the device (the fixed layout's point); names the op if one does
-  fused_ab_bf16, fused_ab_fp32  the fused update (fixed layout), the fused update in the compact layout and the
-                unfused step in one process, 7 interleaved rounds of 30 steps: median ex/s, per-round ratios
-                against the unfused step and their median, and the device's time per step (profiler)
+                the divergence, beside two unfused runs' (the device's run-to-run nondeterminism)
+  fused_ab_bf16, fused_ab_fp32  fused against unfused in one process, 7 interleaved rounds of 30 steps: median
+                ex/s, per-round ratios and their median, and the device's time per step (profiler)
   floor_bf16, floor_fp32  bench/learner.py's floor on the device (touched rows gathered once, the dense part,
                 gradients reduced per row and scattered into the table): what the step cannot go below
-  profile_*, host_profile_fp32, host_profile_fused_fp32  (--profile) the top ops by device time, and
-                cProfile's top functions by own time on the host (a GPU step is bound by the host), for the
-                trainer's default path and the fused one
+  profile_*, host_profile_fp32  (--profile) the top ops by device time, and cProfile's top functions by own
+                time on the host (a GPU step is bound by the host)
   h2d           TensorBatch.pin_memory().to("cuda", non_blocking=True) vs pageable .to("cuda"): ms per batch and
                 GB/s, plus one 256 MiB tensor each way for the link's bandwidth
   export        torch.export.export of the trained fp16 model (eval) on cuda with a dynamic batch size,
@@ -52,7 +47,6 @@ Workload: the one of bench/learner.py (26 fields x 384,615 rows = 10 M rows, dim
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import statistics
@@ -61,7 +55,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -70,7 +63,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from learner import fused_update  # noqa: E402
 from learner.batch import TensorBatch, to_tensors  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
 from learner.optim import make_optimizers  # noqa: E402
@@ -132,28 +124,12 @@ def train(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, s
     return trainer, res
 
 
-@contextlib.contextmanager
-def layout(fixed: bool | None) -> Iterator[None]:
-    """The fused backward's layout forced: fixed (no host wait; what CUDA takes since 2026-12-04) or compact (the
-    boolean mask and ``nonzero``, as before); None leaves ``learner.fused_update.fixed_layout`` alone."""
-    if fixed is None:
-        yield
-        return
-    was = fused_update.fixed_layout
-    fused_update.fixed_layout = lambda device: fixed  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        fused_update.fixed_layout = was  # type: ignore[assignment]
-
-
 def _tables_after(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, fused: str,
-                  marks: tuple[int, ...], fixed: bool | None = None) -> tuple[str, dict[int, torch.Tensor]]:
+                  marks: tuple[int, ...]) -> tuple[str, dict[int, torch.Tensor]]:
     trainer = make_trainer(cfg, device, dtype, fused)
     out = {}
     for i in range(1, max(marks) + 1):
-        with layout(fixed):
-            trainer.test_then_train(tbs[(i - 1) % len(tbs)])
+        trainer.test_then_train(tbs[(i - 1) % len(tbs)])
         if i in marks:
             out[i] = trainer.model.sparse.bag.weight.detach().float().clone()
     return trainer.sparse_update, out
@@ -175,9 +151,7 @@ def same_update(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | N
     path_f, fused = _tables_after(cfg, tbs, device, dtype, "on", marks)
     path_u, unfused = _tables_after(cfg, tbs, device, dtype, "off", marks)
     _, again = _tables_after(cfg, tbs, device, dtype, "off", marks)
-    _, compact = _tables_after(cfg, tbs, device, dtype, "on", marks, fixed=False)
     res = {"paths": [path_f, path_u], "steps": steps,
-           "fixed_layout_equals_compact_bitwise": {str(k): bool(torch.equal(fused[k], compact[k])) for k in marks},
            "rel_l2_fused_vs_unfused": {str(k): _rel(fused[k], unfused[k]) for k in marks},
            "max_abs_fused_vs_unfused": {str(k): float((fused[k] - unfused[k]).abs().max()) for k in marks},
            "rel_l2_unfused_run_to_run": {str(k): _rel(again[k], unfused[k]) for k in marks},
@@ -188,68 +162,32 @@ def same_update(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | N
 
 def fused_ab(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, rounds: int = 7,
              block: int = 30) -> dict[str, Any]:
-    """The fused update in its fixed layout (``fused``), in the compact one (``fused_compact``, what CUDA took before
-    2026-12-04) and the unfused step, in one process, interleaved: ``rounds`` blocks of ``block`` steps each,
-    the order rotating, so drift of the shared machine (clocks, other tenants) falls on all. Median ex/s per
-    block, the per-round ratios against the unfused step and their median."""
-    variants = {"fused": ("on", True), "fused_compact": ("on", False), "unfused": ("off", None)}
-    trainers = {k: make_trainer(cfg, device, dtype, mode) for k, (mode, _) in variants.items()}
-    for k, t in trainers.items():
-        with layout(variants[k][1]):
-            for tb in tbs[:10]:
-                t.test_then_train(tb)
+    """Fused against unfused in one process, interleaved: ``rounds`` blocks of ``block`` steps each, alternating
+    which goes first, so drift of the shared machine (clocks, other tenants) falls on both. Median ex/s per
+    block, the per-round ratios and their median."""
+    trainers = {"fused": make_trainer(cfg, device, dtype, "on"), "unfused": make_trainer(cfg, device, dtype, "off")}
+    for t in trainers.values():
+        for tb in tbs[:10]:
+            t.test_then_train(tb)
     speeds: dict[str, list[float]] = {k: [] for k in trainers}
     n = len(tbs[0])
-    names = list(trainers)
     for r in range(rounds):
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in (("fused", "unfused") if r % 2 == 0 else ("unfused", "fused")):
             t = trainers[name]
             ts = []
-            with layout(variants[name][1]):
-                for i in range(block):
-                    t0 = time.perf_counter()
-                    t.test_then_train(tbs[(r * block + i) % len(tbs)])
-                    ts.append(time.perf_counter() - t0)
+            for i in range(block):
+                t0 = time.perf_counter()
+                t.test_then_train(tbs[(r * block + i) % len(tbs)])
+                ts.append(time.perf_counter() - t0)
             speeds[name].append(n / statistics.median(ts))
-    ratios = {k: [f / u for f, u in zip(speeds[k], speeds["unfused"], strict=True)] for k in ("fused", "fused_compact")}
+    ratios = [f / u for f, u in zip(speeds["fused"], speeds["unfused"], strict=True)]
     paths = {k: t.sparse_update for k, t in trainers.items()}
-    devt = {}
-    for k, t in trainers.items():
-        with layout(variants[k][1]):
-            devt[k] = profile_steps(t, tbs, steps=10, top=0)["per_step_ms"]
+    devt = {k: profile_steps(t, tbs, steps=10, top=0)["per_step_ms"] for k, t in trainers.items()}
     return {"dtype": str(dtype or torch.float32).removeprefix("torch."), "paths": paths,
             "ex_per_s_median": {k: round(statistics.median(v)) for k, v in speeds.items()},
-            "ratio_fused_unfused_per_round": [round(x, 3) for x in ratios["fused"]],
-            "ratio_median": round(statistics.median(ratios["fused"]), 3),
-            "ratio_compact_unfused_median": round(statistics.median(ratios["fused_compact"]), 3),
-            "device_ms_per_step": devt,
-            "ok": paths == {"fused": "fused", "fused_compact": "fused", "unfused": "unfused"}}
-
-
-def sync_free(cfg, tbs: list[TensorBatch], device: str) -> dict[str, Any]:
-    """The fused lookup's forward and backward (fixed layout) under ``torch.cuda.set_sync_debug_mode("error")``:
-    any op that makes the host wait for the device raises, and the check names it. The step's intended syncs
-    (predictions and the loss to the host, the dense norm) are outside the checked part."""
-    if device != "cuda":
-        return {"ok": True, "skipped": "sync debug mode is CUDA's"}
-    t = make_trainer(cfg, device, None, "on")
-    b = tbs[0].to(device)
-    t.model.train()
-    torch.cuda.synchronize()
-    res: dict[str, Any] = {}
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with fused_update.fused_lookups(t.model, t.sparse_opt, t._observe_rows):
-            logits = t.model(b.values, b.offsets, b.dense)  # (B,)
-        F.binary_cross_entropy_with_logits(logits.float(), b.labels).backward()
-        res["ok"] = True
-    except RuntimeError as exc:
-        res["ok"] = False
-        res["error"] = str(exc)[:300]
-        res["where"] = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)][-6:]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return res
+            "ratio_fused_unfused_per_round": [round(x, 3) for x in ratios],
+            "ratio_median": round(statistics.median(ratios), 3), "device_ms_per_step": devt,
+            "ok": paths == {"fused": "fused", "unfused": "unfused"}}
 
 
 def host_profile(trainer: Trainer, tbs: list[TensorBatch], steps: int = 30, top: int = 18) -> dict[str, Any]:
@@ -588,7 +526,6 @@ def main() -> int:
     # the optimizer's own step after a sparse gradient and its coalesce (off; auto's choice on CUDA since this
     # check measured it faster there).
     run_check("same_update_fp32", lambda: same_update(cfg, tbs, device, None), checks)
-    run_check("fused_sync_free", lambda: sync_free(cfg, tbs, device), checks)
     for name, dt in (("fused_ab_bf16", torch.bfloat16), ("fused_ab_fp32", None)):
         run_check(name, lambda dt=dt: fused_ab(cfg, tbs, device, dt), checks)
     for name, dt in (("floor_bf16", torch.bfloat16), ("floor_fp32", None)):
@@ -597,7 +534,6 @@ def main() -> int:
     if fp32 is not None and args.profile:
         run_check("profile_fp32", lambda: profile_steps(fp32[0], tbs), checks)
         run_check("host_profile_fp32", lambda: host_profile(fp32[0], tbs), checks)
-        run_check("host_profile_fused_fp32", lambda: host_profile(make_trainer(cfg, device, None, "on"), tbs), checks)
     speed = {k: checks[k]["ex_per_s"] for k in ("fp16", "bf16", "fp32") if "ex_per_s" in checks.get(k, {})}
     if "fp32" in speed:
         summary["speedup_vs_fp32"] = {k: round(v / speed["fp32"], 2) for k, v in speed.items() if k != "fp32"}
@@ -606,8 +542,6 @@ def main() -> int:
                          for a, b in (("bf16", "floor_bf16"), ("fp32", "floor_fp32")) if a in eps and b in eps}
     summary["ratios"].update({f"fused / unfused ({k.removeprefix('fused_ab_')})": v["ratio_median"]
                               for k, v in checks.items() if k.startswith("fused_ab_") and "ratio_median" in v})
-    summary["ratios"].update({f"fused compact / unfused ({k.removeprefix('fused_ab_')})": v[
-        "ratio_compact_unfused_median"] for k, v in checks.items() if "ratio_compact_unfused_median" in v})
     if fp32 is not None:
         run_check("tensorrt", lambda: tensorrt_check(fp32[0], cfg, tbs, device), checks)
     fp32 = None

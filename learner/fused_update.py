@@ -29,13 +29,8 @@ backward). :func:`fused_applies` says whether it does; ``learner.trainer.Trainer
 ``[learner] fused_sparse_update`` (``learner.config.FusedSparseUpdate``) and :func:`fused_lookups`.
 
 An ``observe`` callable given to :func:`fused_lookups` sees each backward's ``(table, unique rows (U,), summed
-gradients (U, D + 1), None)`` just before the update (``learner/health.py`` takes the embedding gradient norm from
+gradients (U, D + 1))`` just before the update (``learner/health.py`` takes the embedding gradient norm from
 them: the sums exist anyway, so the norm costs a reduction of (U, D + 1), not a gradient).
-
-Off the CPU (:func:`fixed_layout`) the backward never waits for the device: the per-row sums come in a layout of
-fixed size L (:func:`row_gradients_fixed`, unique rows first, then empty slots that ``valid`` marks), and the
-observer gets ``(table, rows (L,), sums (L, D + 1), valid (L,))``. The forward's and :func:`batch_major`'s
-one-lookup-per-bag shortcuts, which ask the device whether every bag has one lookup, are taken on the CPU only.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ from torch import nn
 
 from learner.optim import RowWiseAdagrad
 
-# (table, rows (U,), sums (U, D + 1), None) or, in the fixed layout, (table, rows (L,), sums (L, D + 1), valid (L,))
-RowGradientObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+RowGradientObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (table, rows (U,), sums (U, D+1))
 _observers: dict[int, RowGradientObserver] = {}  # id(optimizer) -> observer, while inside fused_lookups
 
 
@@ -63,8 +57,7 @@ def batch_major(values: torch.Tensor, offsets: torch.Tensor, num_fields: int) ->
     n_bags = offsets.numel() - 1
     b = n_bags // num_fields
     lengths = offsets[1:] - offsets[:-1]  # (F * B,)
-    if values.numel() == n_bags and not fixed_layout(values.device) and bool(lengths.eq(1).all()):
-        # one lookup per bag: a transpose of the values (the check waits for the device: on the CPU only)
+    if values.numel() == n_bags and bool(lengths.eq(1).all()):  # one lookup per bag: a transpose of the values
         return values.view(num_fields, b).t().reshape(-1), offsets
     lengths_bm = lengths.view(num_fields, b).t().reshape(-1)  # (B * F,)
     starts = offsets[:-1].view(num_fields, b).t().reshape(-1)  # (B * F,) where each bag's lookups start in values
@@ -112,46 +105,6 @@ def row_gradients(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.Te
     """(unique rows (U,) ascending, their summed gradients (U, D + 1)) of a mean-pooled lookup, from the pooled
     gradient ``grad`` (N, D + 1), the lookups ``values`` (L,), each lookup's bag ``offset2bag`` (L,; None when
     lookup i is bag i) and each bag's length ``bag_size`` (N,). A row's lookups are summed in lookup order."""
-    sorted_rows, first, bag_of, share = _sorted_lookups(grad, values, offset2bag, bag_size)
-    n = sorted_rows.numel()
-    rows = sorted_rows[first]  # (U,)
-    segments = torch.cat([first.nonzero().squeeze(1), torch.tensor([n], device=values.device)])  # (U + 1,)
-    sums = F.embedding_bag(bag_of, share, segments, mode="sum", include_last_offset=True)  # (U, D + 1)
-    return rows, sums
-
-
-def row_gradients_fixed(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.Tensor | None,
-                        bag_size: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`row_gradients` in a layout whose sizes do not depend on the data: (rows (L,), sums (L, D + 1),
-    valid (L,) bool), slot u < U holding the u-th unique row and its sum exactly as :func:`row_gradients` does,
-    each slot u >= U (``valid`` false) row ``u mod num_rows`` (of a table of ``num_rows`` rows) with a zero sum.
-
-    Nothing here waits for the device: the compact layout's boolean-mask gather and ``nonzero`` must learn U
-    before they can allocate, which stops the host mid-backward until the device has caught up (on CUDA,
-    ``row_gradients`` took 1.57 ms of host time per step at batch 32,768: bench/README.md, 2026-12-04, and made
-    the fused update slower in wall time than the unfused one). Here the segment of sorted lookup i is
-    ``cumsum(first)[i] - 1`` and segment u starts at ``searchsorted(segment ids, u)`` (L for the empty slots), so
-    the sum of each slot is the same ``embedding_bag`` over the same lookups in the same order: the first U slots
-    are bitwise those of :func:`row_gradients`. The zero slots are harmless to the update
-    (``RowWiseAdagrad.update_rows`` with ``valid``): they add 0 to the accumulator and -0 to their row (x + -0 is
-    x, bit for bit), and do not count as updates."""
-    sorted_rows, first, bag_of, share = _sorted_lookups(grad, values, offset2bag, bag_size)
-    n = sorted_rows.numel()
-    segment = torch.cumsum(first, 0) - 1  # (L,) each sorted lookup's segment, non-decreasing, 0 .. U - 1
-    slots = torch.arange(n + 1, device=values.device)  # (L + 1,)
-    starts = torch.searchsorted(segment, slots)  # (L + 1,) slot u's first lookup; L for every u >= U
-    sums = F.embedding_bag(bag_of, share, starts, mode="sum", include_last_offset=True)  # (L, D + 1)
-    valid = slots[:n] <= segment[-1]  # (L,)
-    # (L,) slot u's row; empty slot u names row u mod num_rows: any row takes their zero update unchanged, and
-    # spreading them keeps the update's atomic adds off one address (all L - U on one row cost ~6 ms a step).
-    rows = torch.where(valid, sorted_rows.index_select(0, starts[:n].clamp(max=n - 1)), slots[:n] % num_rows)
-    return rows, sums, valid
-
-
-def _sorted_lookups(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.Tensor | None, bag_size: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted rows (L,), first lookup of each row (L,) bool, each sorted lookup's bag (L,), each bag's share of
-    the gradient (N, D + 1)): what both layouts of the per-row sums start from."""
     if offset2bag is None:  # every bag one lookup: its gradient is the lookup's
         share = grad  # (N, D + 1)
     else:  # mean pooling: each lookup of a bag gets the bag's gradient over the bag's length
@@ -160,15 +113,11 @@ def _sorted_lookups(grad: torch.Tensor, values: torch.Tensor, offset2bag: torch.
     n = sorted_rows.numel()
     first = torch.ones(n, dtype=torch.bool, device=values.device)  # (L,) first lookup of each row in sorted order
     torch.ne(sorted_rows[1:], sorted_rows[:-1], out=first[1:])
+    rows = sorted_rows[first]  # (U,)
+    segments = torch.cat([first.nonzero().squeeze(1), torch.tensor([n], device=values.device)])  # (U + 1,)
     bag_of = order if offset2bag is None else offset2bag.index_select(0, order)  # (L,) sorted lookups' bags
-    return sorted_rows, first, bag_of, share.contiguous()
-
-
-def fixed_layout(device: torch.device) -> bool:
-    """Whether the backward takes :func:`row_gradients_fixed` (no host wait) rather than the compact layout: on
-    an accelerator, whose host must not wait for it; the CPU is its own device and the compact layout does less
-    work there (U rows, not L)."""
-    return device.type != "cpu"
+    sums = F.embedding_bag(bag_of, share.contiguous(), segments, mode="sum", include_last_offset=True)  # (U, D + 1)
+    return rows, sums
 
 
 class FusedRowWiseAdagradLookup(torch.autograd.Function):
@@ -180,7 +129,7 @@ class FusedRowWiseAdagradLookup(torch.autograd.Function):
                 optimizer: RowWiseAdagrad) -> torch.Tensor:
         pooled = F.embedding_bag(values, weight, offsets, mode="mean", include_last_offset=True)  # (N, D + 1)
         bag_size = offsets[1:] - offsets[:-1]  # (N,)
-        if not fixed_layout(values.device) and values.numel() == len(bag_size) and bool(bag_size.eq(1).all()):
+        if values.numel() == len(bag_size) and bool(bag_size.eq(1).all()):
             offset2bag = None  # one lookup per bag (single-valued fields only): lookup i is bag i
         else:
             offset2bag = torch.repeat_interleave(torch.arange(len(bag_size), device=values.device), bag_size,
@@ -195,14 +144,10 @@ class FusedRowWiseAdagradLookup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
         values, offset2bag, bag_size = ctx.saved_tensors
         if values.numel():
-            valid = None
-            if fixed_layout(values.device):
-                rows, sums, valid = row_gradients_fixed(grad, values, offset2bag, bag_size, ctx.weight.shape[0])
-            else:
-                rows, sums = row_gradients(grad, values, offset2bag, bag_size)  # (U,), (U, D + 1)
+            rows, sums = row_gradients(grad, values, offset2bag, bag_size)  # (U,), (U, D + 1)
             if ctx.observe is not None:
-                ctx.observe(ctx.weight, rows, sums, valid)
-            ctx.optimizer.update_rows(ctx.weight, rows, sums, valid)
+                ctx.observe(ctx.weight, rows, sums)
+            ctx.optimizer.update_rows(ctx.weight, rows, sums)
         return None, None, None, None  # the table's gradient was applied, not returned
 
 
@@ -231,8 +176,7 @@ def fused_lookups(model: nn.Module, optimizer: RowWiseAdagrad,
                   observe: RowGradientObserver | None = None) -> Iterator[None]:
     """While inside, ``model.sparse`` (a ``learner.model.SparseArch``) looks up through :func:`fused_lookup` with
     ``optimizer`` when it trains with gradients on; the model holds the optimizer only meanwhile. The backward
-    of a lookup made inside calls ``observe(table, rows, summed gradients, valid)`` before it updates those rows
-    (``valid`` None, or the fixed layout's (L,) mask of the slots that hold a row: the module docstring)."""
+    of a lookup made inside calls ``observe(table, rows, summed gradients)`` before it updates those rows."""
     sparse = model.get_submodule("sparse")
     setattr(sparse, "fused_optimizer", optimizer)  # noqa: B010 - SparseArch's attribute (model.py imports this module)
     if observe is not None:

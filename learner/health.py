@@ -217,15 +217,11 @@ class UpdateNorms:
             self._table_done = False
         return self.sampling
 
-    def rows_before(self, weight: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """The table's ``rows`` (U,) as they are before this step updates them; with ``valid`` (U,) bool, only the
-        rows it marks count (the others are the fused update's fixed layout's empty slots: their rows, maybe one of the
-        marked rows, are not updated by them)."""
+    def rows_before(self, weight: torch.Tensor, rows: torch.Tensor) -> None:
+        """The table's ``rows`` (U,) as they are before this step updates them."""
         if self.sampling:
-            if valid is not None:  # an empty slot's row is measured as unchanged: it is not counted twice
-                rows = torch.where(valid, rows, -1)
             self._rows = rows if self._rows is None else torch.cat([self._rows, rows])
-            before = weight.detach().index_select(0, rows.clamp(min=0))
+            before = weight.detach().index_select(0, rows)
             self._rows_before = before if self._rows_before is None else torch.cat([self._rows_before, before])
 
     def rows_after(self, weight: torch.Tensor) -> None:
@@ -236,8 +232,7 @@ class UpdateNorms:
         if self._rows is None or self._rows_before is None:
             self._latest_t["embedding"] = torch.zeros((), device=weight.device)
         else:
-            change = weight.detach().index_select(0, self._rows.clamp(min=0)) - self._rows_before  # (U, D + 1)
-            change = change.masked_fill_(self._rows.lt(0).unsqueeze(1), 0)  # the fixed layout's empty slots
+            change = weight.detach().index_select(0, self._rows) - self._rows_before
             self._latest_t["embedding"] = torch.linalg.vector_norm(change.float())
         self._rows = self._rows_before = None
 

@@ -61,25 +61,18 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 self._update(p, group, rows, g)
 
     @torch.no_grad()
-    def update_rows(self, p: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
-                    valid: torch.Tensor | None = None) -> None:
+    def update_rows(self, p: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> None:
         """The step for ``p``'s unique ``rows`` (U,) with their summed gradients ``g`` (U, D): what :meth:`step`
         does with a gradient that touched those rows, and what the fused lookup (``learner/fused_update.py``)
-        calls from its backward instead of building the gradient. ``p`` must be one of this optimizer's.
-
-        With ``valid`` (U,) bool, the slots it marks false must hold a zero gradient (the fused update's fixed
-        layout, ``row_gradients_fixed``), and may name any row, one a valid slot names too: they add 0 to the
-        accumulator and -0 to the row (x + -0 is x), and do not count as the row's update for the boost."""
+        calls from its backward instead of building the gradient. ``p`` must be one of this optimizer's."""
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
-                self._update(p, group, rows, g, valid)
+                self._update(p, group, rows, g)
                 return
         raise ValueError("update_rows: the tensor is not one of this optimizer's parameters")
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], rows: torch.Tensor, g: torch.Tensor,
-                valid: torch.Tensor | None = None) -> None:
-        """The module docstring's update of ``rows`` (U,), unique (but for slots ``valid`` marks false), with
-        summed gradients ``g`` (U, D)."""
+    def _update(self, p: torch.Tensor, group: dict[str, Any], rows: torch.Tensor, g: torch.Tensor) -> None:
+        """The module docstring's update of ``rows`` (U,), unique, with summed gradients ``g`` (U, D)."""
         lr, eps = group["lr"], group["eps"]
         state = self.state[p]
         if "sum" not in state:
@@ -97,10 +90,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 state["updates"] = updates = updates.round().to(torch.int32)
             young = updates[rows].float() / -group["boost_half_life"]  # (U,) rows are unique here
             scale = scale * (1 + boost * torch.exp2(young))
-            if valid is None:
-                updates[rows] += 1
-            else:  # an empty slot's row (maybe a valid slot's too) must not count it
-                updates.index_add_(0, rows, valid.to(torch.int32))
+            updates[rows] += 1
         p.index_add_(0, rows, -g * scale.unsqueeze(1))
 
     @staticmethod

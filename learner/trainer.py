@@ -154,12 +154,10 @@ class Trainer:
             self.step()
         return probs
 
-    def _observe_rows(self, weight: torch.Tensor, rows: torch.Tensor, sums: torch.Tensor,
-                      valid: torch.Tensor | None = None) -> None:
-        """The table's unique ``rows`` (U,) and their summed gradients (U, D + 1), before the update (``valid``:
-        the fused update's fixed layout, ``learner/fused_update.py``; its empty slots have zero sums)."""
+    def _observe_rows(self, weight: torch.Tensor, rows: torch.Tensor, sums: torch.Tensor) -> None:
+        """The table's unique ``rows`` (U,) and their summed gradients (U, D + 1), before the update."""
         self.grad_norms.embedding(rows, sums)
-        self.update_norms.rows_before(weight, rows, valid)
+        self.update_norms.rows_before(weight, rows)
 
     def _table(self) -> torch.Tensor:
         return next(p for g in self.sparse_opt.param_groups for p in g["params"])

@@ -13,8 +13,7 @@ from torch import nn
 from learner.batch import TensorBatch
 from learner.config import FusedSparseUpdate, LearnerSettings
 from learner.features import FeatureConfig, FieldSpec
-from learner import fused_update
-from learner.fused_update import fused_lookups, row_gradients, row_gradients_fixed, stable_sort
+from learner.fused_update import fused_lookups, row_gradients, stable_sort
 from learner.model import DeepFM, SparseArch
 from learner.optim import RowWiseAdagrad, make_optimizers
 from learner.trainer import Trainer
@@ -241,62 +240,3 @@ def test_stable_sort_is_torchs_stable_sort(case: str) -> None:
     want_rows, want_order = torch.sort(values, stable=True)
     assert torch.equal(got_rows, want_rows) and torch.equal(got_order, want_order)
     assert got_rows.dtype == values.dtype and got_order.dtype == torch.int64
-
-
-# -- the fixed layout (no host wait: what an accelerator takes) -----------------------------------------------
-@pytest.mark.parametrize("seed", [0, 3, 7])
-def test_fixed_layout_holds_the_compact_sums_bitwise_then_empty_slots(seed: int) -> None:
-    """``row_gradients_fixed``'s first U slots are ``row_gradients``' rows and sums, bit for bit (the same
-    embedding_bag over the same lookups in the same order); every later slot has a zero sum, is marked not valid,
-    and names its own row (slot mod rows: spread, so the update's atomic adds do not pile on one row)."""
-    values, offsets = bags(seed)
-    bag_size = offsets.diff()  # (N,)
-    offset2bag = torch.repeat_interleave(torch.arange(len(bag_size)), bag_size)  # (L,)
-    grad = torch.randn(len(bag_size), DIM + 1, generator=torch.Generator().manual_seed(seed))  # (N, D + 1)
-    rows, sums = row_gradients(grad, values, offset2bag, bag_size)  # (U,), (U, D + 1)
-    f_rows, f_sums, valid = row_gradients_fixed(grad, values, offset2bag, bag_size, ROWS)  # (L,), (L, D + 1), (L,)
-    u, n = len(rows), values.numel()
-    assert f_rows.shape == (n,) and f_sums.shape == (n, DIM + 1) and valid.shape == (n,) and u < n
-    assert valid.tolist() == [True] * u + [False] * (n - u)
-    assert torch.equal(f_rows[:u], rows) and torch.equal(f_sums[:u], sums)
-    assert torch.equal(f_sums[u:], torch.zeros(n - u, DIM + 1))
-    assert f_rows[u:].tolist() == [k % ROWS for k in range(u, n)]
-
-
-@pytest.mark.parametrize("boost, initial_accumulator", [(0.0, 0.0), (3.0, 1e-3)])
-def test_fused_update_in_the_fixed_layout_is_the_compact_one_bitwise(boost: float, initial_accumulator: float,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The empty slots add nothing: the table, the accumulator and the boost's update counts (which a repeated row
-    would count twice) come out identical to the compact layout's after several steps."""
-    (a, opt_a), (b, opt_b) = pair(boost, initial_accumulator)
-    train(a, opt_a, 5, fused=True)
-    monkeypatch.setattr(fused_update, "fixed_layout", lambda device: True)  # what CUDA takes
-    train(b, opt_b, 5, fused=True)
-    assert torch.equal(b.bag.weight, a.bag.weight)
-    sa, sb = opt_a.state[a.bag.weight], opt_b.state[b.bag.weight]
-    assert torch.equal(sb["sum"], sa["sum"])
-    if boost:
-        assert torch.equal(sb["updates"], sa["updates"]) and int(sa["updates"].max()) >= 2
-
-
-def test_trainer_in_the_fixed_layout_reports_the_same_norms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gradient and update norms the daemon exports do not count the fixed layout's empty slots (their rows
-    repeat updated rows): the same figures as the compact layout, and the same model."""
-    cfg = small_config()
-    out = []
-    for fixed in (False, True):
-        monkeypatch.setattr(fused_update, "fixed_layout", lambda device, fixed=fixed: fixed)
-        model = DeepFM(cfg, mlp=(8,), seed=2, autocast_dtype=None)
-        sparse, dense = make_optimizers(model, 0.1, 0.01, initial_accumulator=1e-3)
-        t = Trainer(model, sparse, dense, fused_sparse_update="on")
-        t.update_norms.every_s = 0.0  # every step sampled
-        t.grad_norms.sample_blocks = True
-        for i in range(3):
-            t.test_then_train(small_batch(i))
-        steps, _ = t.grad_norms.drain()
-        out.append((model, steps, t.update_norms.drain()))
-    (m0, g0, u0), (m1, g1, u1) = out
-    assert [t for _, t in g1] == pytest.approx([t for _, t in g0], rel=1e-6)  # the table's gradient norm per step
-    assert u1["embedding"] == pytest.approx(u0["embedding"], rel=1e-6)
-    assert u0["embedding"] > 0
-    assert all(torch.equal(p1, p0) for p0, p1 in zip(m0.parameters(), m1.parameters(), strict=True))
