@@ -14,7 +14,7 @@ rejected like every bad delta). A reader without a key reads signed and unsigned
 
     kind             "streamrec-delta"
     format           2
-    seq              int, 1, 2, ... (continues after the largest file in the directory across restarts)
+    seq              int, 1, 2, ... (continues across restarts after the largest seq its lineage ever used)
     samples_trained  the learner's sample count when it was written
     lineage          the learner's checkpoint lineage (``learner/checkpoint.py``), or null when unknown
     created          unix time, seconds
@@ -31,6 +31,13 @@ of another lineage (a learner restarted from scratch, another learner's director
 artifact whose manifest names a different lineage; when either side has none (files written before
 lineages existed, a writer built without one), ``samples_trained`` alone decides.
 
+Numbering: a seq is never used twice by one checkpoint lineage, even when the deltas directory is emptied or
+replaced (a new volume, an operator's ``rm``) while the checkpoints stay: before a delta takes a new seq, the
+writer records it in ``<checkpoint_dir>/DELTA_SEQ`` (beside ``LINEAGE``; :data:`SEQ_FILE`), and a writer starts
+after the larger of that and the directory's largest file. Serving, which skips every delta at or below the seq it
+applied, would otherwise skip a restarted numbering without a word; it also notices a stream that went backwards
+anyway (a learner from before this file, another directory) and re-bases (:meth:`DeltaReader.newer`).
+
 Writing: the file goes to a temporary name, is fsynced, renamed into place, and the directory fsynced,
 so a reader never sees half of one; the last ``keep`` are kept (a reader that falls further behind than
 that waits for the next artifact for the rows it missed, and counts the gap). Format-1 files (plain
@@ -43,7 +50,7 @@ with the restarted model's values; without it, rows trained between the last del
 would reach serving only with the next full artifact (the restarted learner never trains them again).
 Sending a row again is always harmless (values are absolute), so the list is read whatever the
 restarted learner's checkpoint, lineage or seq: nothing about ``seq`` (it continues after the largest
-file), ``samples_trained`` (the learner's count when the delta is written) or ``lineage`` changes. The
+one used), ``samples_trained`` (the learner's count when the delta is written) or ``lineage`` changes. The
 daemon fsyncs the list with every checkpoint (:meth:`DeltaWriter.sync`), so each row trained before a
 durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart.
 At a clean exit the daemon writes one last delta after its final checkpoint (same ``samples_trained``:
@@ -98,6 +105,8 @@ SUFFIX = ".delta"
 _LEGACY_SUFFIX = ".pt"  # format 1
 _NAME = re.compile(r"delta-(\d{1,18})-(\d{1,18})")
 PENDING = "pending-rows.i64"  # rows marked since the last delta, int64 little-endian (a restarted writer's)
+SEQ_FILE = "DELTA_SEQ"  # in the checkpoint directory: the largest seq its lineage's writers took (ASCII integer)
+_REMEMBER = 1024  # gap ranges and rewind positions a reader remembers having counted
 MAX_BYTES = 4 << 30  # a delta file larger than this is refused unread
 
 
@@ -149,6 +158,26 @@ def _max_seq(directory: Path) -> int:
     seqs += [parsed[0] for p in directory.glob(f"{_PREFIX}*{_LEGACY_SUFFIX}")
              if (parsed := _parse_name(p, _LEGACY_SUFFIX)) is not None]
     return max(seqs, default=0)
+
+
+def read_seq_file(path: Path | None) -> int:
+    """The seq recorded in ``path`` (a checkpoint directory's :data:`SEQ_FILE`); 0 when there is none. A file that
+    does not hold an integer is reported and read as 0 (the directory's own numbering still counts)."""
+    if path is None:
+        return 0
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return 0
+    except (OSError, UnicodeDecodeError) as exc:
+        log.error("cannot read %s (%s): delta numbering continues after the deltas directory's largest file only",
+                  path, exc)
+        return 0
+    if not text.isdigit():
+        log.error("%s holds %r, not a delta seq: numbering continues after the deltas directory's largest file only",
+                  path, text[:40])
+        return 0
+    return int(text)
 
 
 # -- encoding and decoding ---------------------------------------------------------------------------
@@ -269,7 +298,8 @@ class DeltaWriter:
 
     def __init__(self, directory: Path, num_rows: int, every_s: float, keep: int = 100,
                  notify: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 id_maps_every_s: float = 60.0, lineage: str | None = None, key: SigningKey | None = None) -> None:
+                 id_maps_every_s: float = 60.0, lineage: str | None = None, key: SigningKey | None = None,
+                 seq_file: Path | None = None) -> None:
         if every_s <= 0:
             raise ValueError(f"deltas every_s must be > 0 (0 turns deltas off upstream), got {every_s}")
         if keep < 1:
@@ -283,7 +313,15 @@ class DeltaWriter:
         self.pending_path = self.directory / PENDING
         self._pending_ok = True  # False after a failed append, until the next delta starts a new list
         self._restore_pending()
-        self.seq = _max_seq(self.directory)
+        # seq_file: the checkpoint directory's DELTA_SEQ (module docstring "Numbering"); None: the directory alone
+        self.seq_file = Path(seq_file) if seq_file is not None else None
+        on_disk, used = _max_seq(self.directory), read_seq_file(self.seq_file)
+        if used > on_disk:
+            log.warning("deltas directory %s holds no delta past seq %d, but this lineage already wrote up to %d "
+                        "(%s): the directory was emptied or replaced; numbering continues at %d, so serving "
+                        "cannot mistake the new deltas for ones it applied", self.directory, on_disk, used,
+                        self.seq_file, used + 1)
+        self.seq = self._reserved = max(on_disk, used)
         self._last = clock()
         self.written = 0
         self.failed = 0  # writes that failed (OSError): survived, retried at the next due time
@@ -298,7 +336,8 @@ class DeltaWriter:
         """From ``streamrec.settings.LearnerSettings`` (``deltas_*``), announcing each delta on the Redis of
         ``redis_settings`` (the [redis] settings: url, credentials, TLS) when given; the deprecated
         ``ls.deltas_redis_url``, when set, replaces only their url. Neither: no announcement (serving polls).
-        The lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet).
+        The lineage is the one of ``ls.checkpoint_dir`` (created there if the directory has none yet), and so is
+        the record of the seqs it used (``DELTA_SEQ``).
         Deltas are signed with ``key``, or (when not given) the key in ``ls.signing_key_file`` if one is set."""
         channel = ls.deltas_channel or (redis_settings or RedisSettings()).deltas_channel  # "" = the prefix's channel
         target = redis_settings
@@ -312,7 +351,7 @@ class DeltaWriter:
             key = load_signing_key(getattr(ls, "signing_key_file", None))
         return cls(Path(ls.deltas_dir), num_rows, ls.deltas_every_s, keep=ls.deltas_keep, notify=notify,
                    id_maps_every_s=ls.deltas_id_maps_every_s, lineage=ckpt_io.lineage(Path(ls.checkpoint_dir)),
-                   key=key)
+                   key=key, seq_file=Path(ls.checkpoint_dir) / SEQ_FILE)
 
     def mark(self, values: torch.Tensor) -> None:
         """Rows of one trained batch (``TensorBatch.values``, (N,) int64; duplicates are fine). The rows not
@@ -398,6 +437,7 @@ class DeltaWriter:
         aside and renamed), the marks and the pending list stay, and the next due time tries again with the same
         seq (serving sees no gap); None is returned. Training goes on: a side output must not stop it."""
         seq = self.seq + 1
+        self._reserve(seq)
         payload: dict[str, Any] = {"seq": seq, "samples_trained": int(samples_trained), "created": time.time(),
                                    "lineage": self.lineage, "rows": rows, "vectors": vectors,
                                    "dense_state": dense_state}
@@ -433,6 +473,21 @@ class DeltaWriter:
             except Exception as exc:  # noqa: BLE001 - a lost notification only delays serving to its next poll
                 log.warning("delta %d written but not announced (%s); serving picks it up when it polls", self.seq, exc)
         return path
+
+
+    def _reserve(self, seq: int) -> None:
+        """Record ``seq`` in the seq file before any delta carries it (module docstring "Numbering"). A record that
+        cannot be written is logged and the delta still goes out: only an emptied deltas directory on top of it
+        could make a later writer use the seq again."""
+        if self.seq_file is None or seq <= self._reserved:
+            return
+        try:
+            write_atomic(self.seq_file, str(seq).encode())
+        except OSError as exc:
+            log.warning("cannot record delta seq %d in %s (%s); should the deltas directory be emptied before it is "
+                        "recorded, a restarted learner could number a delta %d again", seq, self.seq_file, exc, seq)
+            return
+        self._reserved = seq
 
 
 def dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -506,6 +561,9 @@ class DeltaReader:
         self.directory = Path(directory)
         self.key = key
         self.gaps = 0  # deltas pruned before this reader got to them
+        self.rewinds = 0  # times the directory's numbering went back behind a model's seq (newer re-based)
+        self._gapped: set[tuple[int, int]] = set()  # missing ranges (first, next present) already counted
+        self._rewound: set[tuple[int, int]] = set()  # positions (seq, samples) a rewind was already counted at
         self.bad = 0  # unreadable files skipped
         self.on_reject, self.on_skip = on_reject, on_skip
         self._bad: set[tuple[str, int, int]] = set()
@@ -536,18 +594,48 @@ class DeltaReader:
         found = list_deltas(self.directory)
         return found[-1][0] if found else 0
 
-    def newer(self, after_seq: int, after_samples: int, lineage: str | None = None) -> Iterator[Delta]:
+    def newer(self, after_seq: int, after_samples: int, lineage: str | None = None,
+              applied_samples: int | None = None) -> Iterator[Delta]:
         """Checked deltas with ``seq > after_seq`` and ``samples_trained > after_samples``, oldest first, of
         ``lineage`` (when both it and the delta have one). The ones at or below ``after_samples`` are
-        already in the model's source checkpoint: skipped by name, never read."""
-        expected = after_seq + 1
+        already in the model's source checkpoint: skipped by name, never read.
+
+        ``after_seq``: the last delta the model holds (a fresh artifact's: the seq its source checkpoint includes,
+        ``source.delta_seq``, or 0 when it does not say); deltas missing between it and the first one listed after
+        it were pruned unread and are counted in :attr:`gaps` (once per missing range). ``applied_samples``: the
+        largest ``samples_trained`` the model holds (None: not known, the second rewind test below is not made).
+
+        A stream that went backwards (the directory's latest seq below ``after_seq``, or a delta at or below it that
+        was trained past ``applied_samples``: the numbering restarted, so those seqs were never applied) would be
+        skipped forever; instead it is counted in :attr:`rewinds`, logged once per position, and the model is
+        re-based on ``samples_trained``: every delta newer than ``after_samples`` comes, in seq order, as for a
+        model that holds none (values are absolute, so the result is the learner's current rows)."""
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
+        held = after_samples if applied_samples is None else max(after_samples, applied_samples)
+        latest = found[-1][0] if found else 0
+        passed = applied_samples is not None and any(s <= after_seq and n > held for s, n, _ in found)
+        if after_seq > 0 and found and (latest < after_seq or passed):
+            if (after_seq, held) not in self._rewound:
+                if len(self._rewound) > _REMEMBER:
+                    self._rewound.clear()
+                self._rewound.add((after_seq, held))
+                self.rewinds += 1
+                log.warning("the deltas in %s went backwards (latest seq %d, trained to %d samples) behind this "
+                            "model's seq %d (trained to %d): the learner's numbering restarted (its deltas directory "
+                            "was emptied or replaced); re-basing on samples_trained: every delta past %d samples "
+                            "applies, in seq order", self.directory, latest, max(n for _, n, _ in found), after_seq,
+                            held, after_samples)
+            after_seq = 0
+        expected = after_seq + 1
         for seq, samples, path in found:
             if seq <= after_seq:
                 continue
-            if seq > expected and after_seq > 0:
+            if seq > expected and after_seq > 0 and (expected, seq) not in self._gapped:
+                if len(self._gapped) > _REMEMBER:
+                    self._gapped.clear()
+                self._gapped.add((expected, seq))
                 self.gaps += seq - expected
                 log.warning("deltas %d..%d were pruned before serving read them; their rows wait for the next "
                             "artifact", expected, seq - 1)

@@ -12,7 +12,7 @@
     streamrec_serving_swap_rejected_total                   artifacts refused (corrupt, unloadable)
     streamrec_serving_rejected_total{kind}                  artifact | delta versions rejected, each ONCE
                                                             (remembered until its files change)
-    streamrec_serving_deltas_applied_total / _delta_gaps_total / _delta_errors_total
+    streamrec_serving_deltas_applied_total / _delta_gaps_total / _delta_rewinds_total / _delta_errors_total
     streamrec_serving_deltas_skipped_total{reason}          deltas passed over on purpose (lineage: another
                                                             learner's training than the live artifact's)
     streamrec_serving_deltas_paused                         1 while the live artifact is a pinned rollback
@@ -129,6 +129,9 @@ class ServingMetrics:
         self.deltas_applied = Counter("streamrec_serving_deltas_applied", "Learner deltas applied.", registry=r)
         self.delta_gaps = Counter("streamrec_serving_delta_gaps", "Learner deltas pruned before serving read them.",
                                   registry=r)
+        self.delta_rewinds = Counter("streamrec_serving_delta_rewinds", "Times the learner's delta numbering went "
+                                     "back behind the live model's (its deltas directory emptied or replaced); "
+                                     "serving re-based on samples_trained.", registry=r)
         self.delta_errors = Counter("streamrec_serving_delta_errors", "Learner deltas that could not be applied.",
                                     registry=r)
         self.history_errors = Counter("streamrec_serving_history_errors", "Redis history reads that failed; the "

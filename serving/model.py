@@ -65,6 +65,7 @@ class _Live:
     override_ids: np.ndarray  # (R,) int64 sorted
     override_vectors: np.ndarray  # (R, D + 1) float32
     delta_seq: int
+    delta_samples: int = 0  # the largest samples_trained among the deltas applied (0: none)
 
 
 class ScoringModel:
@@ -225,6 +226,11 @@ class ScoringModel:
         return self._live.delta_seq
 
     @property
+    def delta_samples(self) -> int:
+        """The largest ``samples_trained`` among the deltas applied (0: none yet)."""
+        return self._live.delta_samples
+
+    @property
     def source_samples(self) -> int | None:
         """``samples_trained`` of the source checkpoint (deltas at or below it are inside); None: unknown."""
         return self.manifest["source"].get("samples_trained")
@@ -356,9 +362,9 @@ class ScoringModel:
 
     # -- deltas ------------------------------------------------------------------------------------
     def apply_delta(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor] | None,
-                    seq: int, id_maps: dict[str, Any] | None = None) -> None:
+                    seq: int, id_maps: dict[str, Any] | None = None, samples_trained: int | None = None) -> None:
         """Override rows (R,) with vectors (R, D + 1); replace the dense weights when ``dense_state`` is given,
-        and the id maps when ``id_maps`` is.
+        and the id maps when ``id_maps`` is. ``samples_trained``: the delta's, kept as :attr:`delta_samples`.
 
         All or nothing: every part is checked against this model first (integer rows inside the table,
         vectors of the model's width, finite values, dense names, shapes and floating dtypes, id maps of this
@@ -392,7 +398,8 @@ class ScoringModel:
         rev_ids = ids[::-1]
         uniq, first_in_rev = np.unique(rev_ids, return_index=True)
         keep = len(ids) - 1 - first_in_rev
-        self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq))
+        self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq),
+                           max(live.delta_samples, int(samples_trained or 0)))
         if mapper is not None:  # rows first, then the map that points at them
             self._mapper = mapper
         if self._layered is not None:  # the LRU forgets the delta's rows; Redis gets the non-hot ones

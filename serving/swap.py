@@ -315,11 +315,12 @@ class ModelUpdater:
     def _apply_deltas(self, live: LiveModel) -> None:
         if self.deltas is None or self._paused(live) is not None:
             return
-        gaps = self.deltas.gaps
+        gaps, rewinds = self.deltas.gaps, self.deltas.rewinds
         m = live.model
-        for d in self.deltas.newer(m.delta_seq, live.source_samples, live.lineage):
+        for d in self.deltas.newer(m.delta_seq, live.source_samples, live.lineage, applied_samples=m.delta_samples):
             try:
-                m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps)
+                m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
+                              samples_trained=d.samples_trained)
             except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
                 self.deltas.mark_unfit(d.path)
                 self._delta_rejected(d.path, f"does not fit model {m.version}: {exc}")
@@ -327,6 +328,8 @@ class ModelUpdater:
             self.metrics.deltas_applied.inc()
         if self.deltas.gaps > gaps:
             self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
+        if self.deltas.rewinds > rewinds:
+            self.metrics.delta_rewinds.inc(self.deltas.rewinds - rewinds)
 
     def status(self) -> dict[str, Any]:
         m = self.holder.model()

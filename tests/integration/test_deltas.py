@@ -156,6 +156,92 @@ def test_reader_yields_newer_deltas_in_order_skips_old_and_corrupt_ones_and_coun
     assert [d.seq for d in r.newer(1, 0)] == [4, 6] and r.gaps == 2
 
 
+def test_a_learner_whose_deltas_directory_was_emptied_never_numbers_a_delta_as_its_lineage_did(
+        tmp_path: Path) -> None:
+    """The deltas directory emptied (a new volume, an operator's rm) while the checkpoints stayed: the restarted
+    writer started again at seq 1, and a serving process at seq 3 skipped every new delta (seq <= its own) without a
+    word. Now the lineage's seqs are recorded beside its checkpoints, and the single-process and the distributed
+    (rank 0) writers built from the settings go on after them."""
+    import shutil
+
+    from learner.deltas import SEQ_FILE
+    from learner.sharded_deltas import ShardedDeltas
+
+    learner = TinyLearner()
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", deltas_dir=tmp_path / "deltas", deltas_every_s=1.0)
+    w = DeltaWriter.from_settings(ls, CFG.num_rows)
+    for _ in range(3):
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+    assert (tmp_path / "ckpt" / SEQ_FILE).read_text() == "3"
+    shutil.rmtree(tmp_path / "deltas")  # the checkpoints stay
+    w2 = DeltaWriter.from_settings(ls, CFG.num_rows)  # the restarted learner
+    w2.mark(torch.tensor([1, 2]))
+    assert load_delta(w2.write(learner.model, learner.trainer.samples)).seq == 4  # type: ignore[arg-type]
+    shutil.rmtree(tmp_path / "deltas")
+    sharded = ShardedDeltas.from_settings(ls, CFG.num_rows, CFG.embedding_dim, rank=0)
+    assert sharded is not None and sharded.writer is not None and sharded.writer.seq == 4
+    sharded.writer.mark(torch.tensor([3]))
+    path = sharded.writer.write_rows(torch.tensor([3]), torch.zeros(1, CFG.embedding_dim + 1),
+                                     {"bias": torch.zeros(1)}, learner.trainer.samples)
+    assert path is not None and load_delta(path).seq == 5
+
+
+def test_a_reader_rebases_on_samples_when_the_delta_numbering_went_back_behind_its_model(tmp_path: Path) -> None:
+    """A serving model at seq 500 skipped every delta of a restarted numbering (seq 1, 2, ...) until the next
+    artifact. Now it notices (the directory's latest seq is below its own, or a delta at or below its seq was trained
+    further than it holds), counts and logs it once, and takes every delta newer than its artifact, in seq order."""
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0)
+    samples = []
+    for _ in range(3):
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+        samples.append(learner.trainer.samples)
+    r = DeltaReader(tmp_path)
+    assert [d.seq for d in r.newer(500, 0, applied_samples=samples[-1] + 1000)] == [1, 2, 3] and r.rewinds == 1
+    assert [d.seq for d in r.newer(500, 0, applied_samples=samples[-1] + 1000)] == [1, 2, 3] and r.rewinds == 1  # once
+    assert [d.seq for d in r.newer(3, 0, applied_samples=samples[-1])] == [] and r.rewinds == 1  # caught up: as usual
+    # the numbering restarted and passed the model's seq: seq 2 holds training beyond what the model has
+    assert [d.seq for d in r.newer(2, 0, applied_samples=samples[0])] == [1, 2, 3] and r.rewinds == 2
+    assert [d.seq for d in r.newer(2, samples[0], applied_samples=samples[1])] == [3] and r.rewinds == 2  # usual
+
+
+def test_serving_takes_the_deltas_of_a_restarted_numbering_and_counts_the_rewind(tmp_path: Path) -> None:
+    import shutil
+
+    from serving.metrics import ServingMetrics
+    from serving.swap import ModelHolder, ModelUpdater
+    from tests.integration.test_serving import publish_version
+
+    learner = TinyLearner()
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v1")
+    old = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1.0)  # a learner without a seq record
+    for _ in range(3):
+        for tb in learner.train(1):
+            old.mark(tb.values)
+        old.write(learner.model, learner.trainer.samples)
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, tmp_path / "deltas")
+    updater.check_now()
+    served = holder.model()
+    assert served is not None and served.delta_seq == 3
+    shutil.rmtree(tmp_path / "deltas")
+    restarted = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1.0)  # numbers from 1 again
+    (tb,) = learner.train(1)
+    restarted.mark(tb.values)
+    restarted.write(learner.model, learner.trainer.samples)
+    updater.check_now()
+    rows = torch.unique(tb.values)
+    assert served.delta_seq == 1 and served.delta_samples == learner.trainer.samples  # applied, not skipped
+    assert updater.metrics.delta_rewinds._value.get() == 1
+    idx = np.searchsorted(served._live.override_ids, rows.numpy())
+    assert np.array_equal(served._live.override_vectors[idx], learner.model.sparse.bag.weight.detach()[rows].numpy())
+
+
 def test_writer_announces_each_delta_on_redis(stack, tmp_path: Path) -> None:
     channel = f"t{uuid.uuid4().hex[:8]}:model-deltas"
     client = redis.Redis.from_url(stack.redis_url)
