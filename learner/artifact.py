@@ -12,7 +12,8 @@ Layout under a publish root::
     <root>/PINNED                        a rollback pin (JSON; cache_refresh/publish.py)
     <root>/versions/<version>/
         manifest.json                    version, created, source checkpoint (path, samples_trained,
-                                         offsets), feature_config, model settings, hot-set stats,
+                                         offsets, delta_seq: the last learner delta it includes, or
+                                         null), feature_config, model settings, hot-set stats,
                                          format, scorer settings (``input_layout``: the scorer's input
                                          layout, learner/scorer.py; absent in artifacts from before the
                                          user-row layout, which serving still loads; 3 for the onnx
@@ -209,9 +210,10 @@ def feature_config_from(d: Any, where: str) -> FeatureConfig:
 def _check_source(src: Any, bad: Any) -> None:
     if not isinstance(src, dict):
         raise bad(f"source is {_show(src)}, expected an object")
-    samples = src.get("samples_trained")
-    if samples is not None and not (_int(samples) and samples >= 0):
-        raise bad(f"source.samples_trained is {_show(samples)}, expected an integer >= 0 or null")
+    for key in ("samples_trained", "delta_seq"):
+        value = src.get(key)
+        if value is not None and not (_int(value) and value >= 0):
+            raise bad(f"source.{key} is {_show(value)}, expected an integer >= 0 or null")
     for key in ("checkpoint", "lineage", "topic"):
         if src.get(key) is not None and not isinstance(src[key], str):
             raise bad(f"source.{key} is {_show(src[key])}, expected a string or null")
@@ -357,6 +359,9 @@ def check_checkpoint(checkpoint: Any) -> FeatureConfig:
     samples = meta.get("samples_trained")
     if not (_int(samples) and samples >= 0):
         raise ArtifactError(f"{where}: meta.samples_trained is {_show(samples)}, expected an integer >= 0")
+    delta_seq = meta.get("delta_seq")
+    if delta_seq is not None and not (_int(delta_seq) and delta_seq >= 0):
+        raise ArtifactError(f"{where}: meta.delta_seq is {_show(delta_seq)}, expected an integer >= 0 or null")
     state = checkpoint.get("model")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ArtifactError(f"{where}: model is not a state dict of tensors")
@@ -469,7 +474,7 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
             "format": format,
             "source": {"checkpoint": checkpoint.get("path"), "samples_trained": meta.get("samples_trained"),
                        "lineage": meta.get("lineage"), "offsets": meta.get("offsets", {}), "topic": meta.get("topic"),
-                       "metrics": meta.get("metrics", {})},
+                       "metrics": meta.get("metrics", {}), "delta_seq": meta.get("delta_seq")},
             "feature_config": cfg.to_dict(),
             "model": {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in ms.items()},
             "scorer": spec.to_dict(),

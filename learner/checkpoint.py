@@ -34,7 +34,11 @@ explicit step per version, so readers only ever see the current layout. Version 
    model, metrics, topic, lineage; state: model, sparse_opt, dense_opt, metrics, recent_ids, id_maps,
    cold_users, cold_metrics, warm_metrics);
 2. ``meta["shape"]``: the model-shaping settings (``learner.config.SHAPE_SETTINGS``) a restore
-   compares; upgraded from 1 by deriving them from the feature config and model settings.
+   compares; upgraded from 1 by deriving them from the feature config and model settings;
+3. ``meta["delta_seq"]``: the seq of the last serving delta written before it (``learner/deltas.py``; every
+   later delta is newer than it, none is in it), or None without deltas. The refresh copies it into the
+   artifact's ``source``, where a freshly loaded model starts counting the deltas pruned before it read them;
+   upgraded from 2 as None (not known: such an artifact counts no gap before its first delta).
 
 A file of a newer version than this streamrec reads is a :class:`CheckpointError` (exit 1 at the CLI).
 """
@@ -62,7 +66,7 @@ from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _PREFIX = "ckpt-"
 LINEAGE = "LINEAGE"
 _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
@@ -161,6 +165,9 @@ def upgrade(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             except (KeyError, TypeError, ValueError):
                 pass  # a damaged meta: the artifact checks and the restore name what is wrong
         version = 2
+    if version == 2:  # 2 -> 3: the last delta's seq, not known
+        meta.setdefault("delta_seq", None)
+        version = 3
     meta["format_version"] = version
     return {**raw, "meta": meta}
 

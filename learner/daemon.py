@@ -344,6 +344,7 @@ class Learner:
             "partition_rows": {str(p): n for p, n in self.partition_rows.items()}, "duplicates": self.duplicates,
             "feature_config": self.cfg.to_dict(), "model": self._model_settings(), "shape": self._shape,
             "metrics": tr.metrics.summary(), "topic": self.kafka.samples_topic,
+            "delta_seq": self.deltas.seq if self.deltas is not None else None,  # the deltas it includes
         }
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),

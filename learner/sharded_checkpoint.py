@@ -224,6 +224,7 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
     plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",
                                   "feature_config", "model", "shape", "topic", "lineage")}
     plain["metrics"] = metrics.summary()
+    plain["delta_seq"] = meta.get("delta_seq")  # (absent from sharded checkpoints written before it)
     plain["resharded_from"] = {"path": str(path), "world_size": int(meta["world_size"])}
     out = checkpoint.save(Path(dst), state, plain, keep=keep)
     log.info("unsharded %s (%d ranks) into %s", path, meta["world_size"], out)

@@ -297,7 +297,8 @@ class ShardedLearner:
                 "duplicates": sum(g[3] for g in gathered), "world_size": world,
                 "feature_config": self.cfg.to_dict(), "model": self._model_settings(), "shape": self._shape,
                 "metrics": metrics.summary(), "metrics_window": self.ls.metrics_window,
-                "topic": self.kafka.samples_topic}
+                "topic": self.kafka.samples_topic,
+                "delta_seq": self.deltas.writer.seq if self.deltas is not None and self.deltas.writer else None}
         rank_state = {"metrics": self.trainer.metrics.state_dict(), "recent_ids": self.recent.state(),
                       "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict(),
                       "dense_clip": self.trainer.dense_clip.state_dict()}

@@ -231,6 +231,12 @@ class ScoringModel:
         return self._live.delta_samples
 
     @property
+    def source_delta_seq(self) -> int | None:
+        """The last learner delta the source checkpoint includes (``source.delta_seq``): where a fresh model's
+        deltas start; None for artifacts built before checkpoints recorded it."""
+        return self.manifest["source"].get("delta_seq")
+
+    @property
     def source_samples(self) -> int | None:
         """``samples_trained`` of the source checkpoint (deltas at or below it are inside); None: unknown."""
         return self.manifest["source"].get("samples_trained")

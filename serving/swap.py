@@ -317,7 +317,8 @@ class ModelUpdater:
             return
         gaps, rewinds = self.deltas.gaps, self.deltas.rewinds
         m = live.model
-        for d in self.deltas.newer(m.delta_seq, live.source_samples, live.lineage, applied_samples=m.delta_samples):
+        after = m.delta_seq or m.source_delta_seq or 0  # a fresh model starts where its source checkpoint was
+        for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples):
             try:
                 m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
                               samples_trained=d.samples_trained)

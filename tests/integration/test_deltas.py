@@ -242,6 +242,41 @@ def test_serving_takes_the_deltas_of_a_restarted_numbering_and_counts_the_rewind
     assert np.array_equal(served._live.override_vectors[idx], learner.model.sparse.bag.weight.detach()[rows].numpy())
 
 
+def test_a_fresh_model_counts_the_deltas_pruned_between_its_source_checkpoint_and_the_oldest_kept(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A freshly loaded model (no delta applied yet) counted no gap: an artifact older than the oldest delta kept
+    silently missed the rows of the pruned ones. Its source checkpoint now records the last delta it includes (seq
+    2 here), so the 2 deltas pruned after it (3 and 4) are counted and logged, once."""
+    from cache_refresh.publish import publish
+    from learner.artifact import build_artifact
+    from serving.metrics import ServingMetrics
+    from serving.swap import ModelHolder, ModelUpdater
+
+    learner = TinyLearner()
+    w = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1.0, keep=2)
+    for _ in range(2):
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+    ckpt = learner.checkpoint()
+    ckpt["meta"]["delta_seq"] = w.seq  # what the daemon records (learner/daemon.py save)
+    root = tmp_path / "serving"
+    publish(root, build_artifact(ckpt, root, np.arange(0, CFG.num_rows, 3), version="v1"), keep=3)
+    for _ in range(4):  # 3..6; keep=2 leaves 5 and 6
+        for tb in learner.train(1):
+            w.mark(tb.values)
+        w.write(learner.model, learner.trainer.samples)
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, tmp_path / "deltas")
+    with caplog.at_level("WARNING", logger="streamrec.deltas"):
+        updater.check_now()
+        updater.check_now()
+    served = holder.model()
+    assert served is not None and served.source_delta_seq == 2 and served.delta_seq == 6
+    assert updater.metrics.delta_gaps._value.get() == 2
+    assert sum("deltas 3..4 were pruned" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_writer_announces_each_delta_on_redis(stack, tmp_path: Path) -> None:
     channel = f"t{uuid.uuid4().hex[:8]}:model-deltas"
     client = redis.Redis.from_url(stack.redis_url)
@@ -286,6 +321,11 @@ def test_the_learner_daemon_writes_deltas_of_what_it_trains(kafka: KafkaSettings
         assert (seq, samples) == (1, 32) and torch.equal(d.rows, torch.unique(tb.values))
         model: DeepFM = learner.trainer.model  # type: ignore[assignment]
         assert torch.equal(d.vectors, model.sparse.bag.weight.detach()[d.rows])
+        learner.save()  # the checkpoint says which deltas it includes: an artifact of it starts after them
+        from learner import checkpoint
+
+        saved = checkpoint.load_latest(ls.checkpoint_dir)
+        assert saved is not None and saved.meta["delta_seq"] == 1
     finally:
         learner.close()
 

@@ -55,6 +55,19 @@ def test_a_version_1_checkpoint_is_upgraded_with_the_shaping_settings_it_implies
     assert {"mlp", "embedding_dim", "buckets", "id_capacity", "ctx_buckets", "sparse_optimizer"} <= set(got.shape)
 
 
+def test_a_version_2_checkpoint_reads_with_no_delta_seq_and_a_new_one_keeps_its_own(tmp_path: Path) -> None:
+    """Version 3 records the last serving delta a checkpoint includes (an artifact of it counts the deltas pruned
+    after it); a version-2 file, from before, reads as not knowing it."""
+    old = meta()
+    old["format_version"] = 2
+    torch.save({"meta": old, **state()}, tmp_path / "ckpt-000000000000100-1.pt")
+    got = ck.load_latest(tmp_path, safe=True)
+    assert got is not None and got.format_version == ck.FORMAT_VERSION == 3 and got.meta["delta_seq"] is None
+    ck.save(tmp_path, state(), meta(200, delta_seq=7))
+    got = ck.load_latest(tmp_path, safe=True)
+    assert got is not None and got.samples_trained == 200 and got.meta["delta_seq"] == 7
+
+
 def test_a_newer_or_unversioned_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     torch.save({"meta": {**meta(), "format_version": ck.FORMAT_VERSION + 1}, **state()}, tmp_path / "ckpt-1-1.pt")
     with pytest.raises(ck.CheckpointError, match="reads up to") as info:
