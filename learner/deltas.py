@@ -191,16 +191,25 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_FINITE_CHUNK = 1 << 22  # values checked at a time: the check's mask stays small whatever the delta's size
+
+
 def _finite(name: str, t: torch.Tensor, where: str) -> None:
-    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise DeltaError(f"{where}: {name} holds {bad} non-finite values (NaN or inf): the learner diverged or the "
-                         "file was altered; the delta is skipped, the live model is unchanged")
+    if not t.is_floating_point() or not t.numel():
+        return
+    flat = t.reshape(-1)  # (a view: decoded tensors are contiguous)
+    if all(bool(torch.isfinite(flat[i:i + _FINITE_CHUNK]).all()) for i in range(0, len(flat), _FINITE_CHUNK)):
+        return
+    bad = int((~torch.isfinite(t)).sum())
+    raise DeltaError(f"{where}: {name} holds {bad} non-finite values (NaN or inf): the learner diverged or the "
+                     "file was altered; the delta is skipped, the live model is unchanged")
 
 
-def decode_delta(raw: bytes, path: Path, key: SigningKey | None = None) -> Delta:
+def decode_delta(raw: bytes | bytearray | memoryview, path: Path, key: SigningKey | None = None) -> Delta:
     """A checked :class:`Delta` from a file's bytes; :class:`DeltaError` for anything else (never another error).
-    With ``key``: only a delta signed with it (an unsigned or mis-signed one is refused before it is decoded)."""
+    With ``key``: only a delta signed with it (an unsigned or mis-signed one is refused before it is decoded).
+    From a writable buffer (:func:`load_delta`'s) ``rows``, ``vectors`` and ``dense_state`` are views of it
+    (``learner.tensorpack.unpack``); the id maps are copied out, so what a model keeps of them does not hold it."""
     where = f"delta {path}"
     try:
         tree = unpack(raw, key)
@@ -250,7 +259,20 @@ def decode_delta(raw: bytes, path: Path, key: SigningKey | None = None) -> Delta
     id_maps = tree.get("id_maps")
     if id_maps is not None and not isinstance(id_maps, dict):
         raise DeltaError(f"{where}: id_maps must be an object or absent, got {_describe(id_maps)}")
+    if id_maps is not None:
+        id_maps = _owned(id_maps)
     return Delta(seq, samples, float(created), rows, vectors, dense, path, id_maps, lineage, is_signed(raw))
+
+
+def _owned(v: Any) -> Any:
+    """``v`` with every tensor in it copied (a tree of dicts and lists)."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _owned(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_owned(x) for x in v]
+    return v
 
 
 def _describe(v: Any) -> str:
@@ -283,13 +305,20 @@ def load_delta(path: Path, key: SigningKey | None = None) -> Delta:
     if st.st_size > MAX_BYTES:
         raise DeltaError(f"delta {path}: {st.st_size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (non-blocking: a FIFO put there since the stat cannot hang it)
-    with os.fdopen(fd, "rb") as fh:
+    with os.fdopen(fd, "rb", buffering=0) as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # swapped for another kind of file since the stat
             raise DeltaError(f"delta {path}: not a regular file; refused unread")
-        data = fh.read(MAX_BYTES + 1)
-    if len(data) > MAX_BYTES:
-        raise DeltaError(f"delta {path}: more than the {MAX_BYTES}-byte limit; refused")
-    return decode_delta(data, path, key)
+        # One writable buffer of the file's size, read into in place: the tensors decoded are views of it
+        # (learner/tensorpack.py), so a delta takes about its size in memory (it took ~3.7x with read + copies).
+        # One byte more than the stat said: a file that grew meanwhile is noticed, not cut.
+        buf = np.empty(st.st_size + 1, dtype=np.uint8).data  # (a writable memoryview, not zero-filled)
+        n = 0
+        while n < len(buf) and (got := fh.readinto(buf[n:])):
+            n += got
+    if n > st.st_size:
+        raise DeltaError(f"delta {path}: grew while it was read (a writer is not renaming its files into place); "
+                         "refused")
+    return decode_delta(buf[:n], path, key)
 
 
 # -- writing ---------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ delta is a tree of them with metadata)::
     48      H     header, UTF-8 JSON: {"tree": <value>, "tensors": [[dtype, shape, offset, nbytes], ...]}
     48 + H  ...   data: the tensors' raw little-endian bytes, at ``offset`` from the start of the data
 
+:func:`pack` pads the header (JSON whitespace) and each tensor's offset to a multiple of :data:`ALIGN` bytes
+from the start of the file, so a reader that holds the file in a writable, aligned buffer (``learner/deltas.py``'s
+:func:`~learner.deltas.load_delta`) gets tensors that are views of it (``torch.frombuffer``: no copy); readers of
+packs written before the padding, and of read-only ``bytes``, copy each tensor as before.
+
 Container format 2 (``b"SRPACK\\x00\\x02"``) is format 1 signed: the same fields with an HMAC-SHA256 under
 the deployment's signing key (:class:`SigningKey`, ``signing_key_file`` in the settings) between the
 checksum and the header length::
@@ -48,6 +53,7 @@ import hmac
 import json
 import math
 import struct
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -69,7 +75,10 @@ _DTYPES: dict[str, np.dtype] = {name: np.dtype(name).newbyteorder("<") for name 
                                 ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")}
 _TORCH = {torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
           torch.int64: "int64", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+_TORCH_OF = {name: dtype for dtype, name in _TORCH.items()}
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+ALIGN = 64  # file offset of the data and of every tensor in it, a multiple of this (pack pads)
+_NATIVE = sys.byteorder == "little"  # tensors are stored little-endian: views only where that is native
 
 
 class PackError(StreamrecError, ValueError):
@@ -172,6 +181,10 @@ def pack(tree: Any, key: SigningKey | None = None) -> bytes:
             if name not in _DTYPES:
                 raise TypeError(f"pack: array dtype {v.dtype} is not supported; use one of {sorted(_DTYPES)}")
             raw = np.ascontiguousarray(v, dtype=_DTYPES[name]).tobytes()
+            pad = -size % ALIGN
+            if pad:
+                chunks.append(bytes(pad))
+                size += pad
             specs.append([name, list(v.shape), size, len(raw)])
             chunks.append(raw)
             size += len(raw)
@@ -195,6 +208,7 @@ def pack(tree: Any, key: SigningKey | None = None) -> bytes:
 
     header = json.dumps({"tree": enc(tree, 0), "tensors": specs}, allow_nan=False,
                         separators=(",", ":")).encode()
+    header += b" " * (-((_PREFIX_SIGNED if key is not None else _PREFIX) + len(header)) % ALIGN)  # data aligned
     body = struct.pack("<Q", len(header)) + header + b"".join(chunks)
     if key is not None:
         body = key.digest(body) + body
@@ -231,6 +245,9 @@ def _tensor(i: int, spec: Any, data: memoryview) -> torch.Tensor:
         raise PackError(f"tensor {i}: {exc}") from None
     if name == "bool" and arr.view(np.uint8).max(initial=0) > 1:
         raise PackError(f"tensor {i}: bool bytes other than 0 and 1")
+    if _NATIVE and not data.readonly and arr.flags.aligned and count:
+        # a view of the caller's writable buffer (no copy); it keeps the buffer alive
+        return torch.frombuffer(data, dtype=_TORCH_OF[name], count=count, offset=offset).reshape(shape)
     return torch.from_numpy(arr.astype(dt.newbyteorder("="), copy=True))
 
 
@@ -261,30 +278,40 @@ def is_signed(raw: bytes | bytearray | memoryview) -> bool:
     return bytes(raw[:8]) == MAGIC_SIGNED
 
 
-def unpack(raw: bytes, key: SigningKey | None = None) -> Any:
+def unpack(raw: bytes | bytearray | memoryview, key: SigningKey | None = None) -> Any:
     """The tree stored in ``raw``; :class:`PackError` for any bytes that are not an intact pack, and with
-    ``key`` :class:`SignatureError` for a pack that is unsigned or not signed with ``key``."""
+    ``key`` :class:`SignatureError` for a pack that is unsigned or not signed with ``key``.
+
+    ``raw`` is not copied: from a writable buffer (a ``bytearray``, a writable ``memoryview``) the tensors of an
+    aligned pack are views of it (module docstring), so the caller must not reuse it; from ``bytes`` they are
+    copies."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise PackError(f"expected bytes, got {type(raw).__name__}")
-    raw = bytes(raw)
+    raw = memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw
+    return _unpack(raw, memoryview(raw), key)
+
+
+def _unpack(raw: Any, view: memoryview, key: SigningKey | None) -> Any:
+    """:func:`unpack` of ``raw`` (bytes, or a byte memoryview), ``view`` a memoryview of it."""
     if len(raw) < _PREFIX:
         raise PackError(f"{len(raw)} bytes: shorter than the {_PREFIX}-byte prefix (truncated or empty)")
-    signed = raw[:8] == MAGIC_SIGNED
-    if raw[:8] != MAGIC and not signed:
-        hint = " (a torch.save zip file: an older, unchecked format)" if raw[:4] == b"PK\x03\x04" else ""
-        raise PackError(f"magic {raw[:8]!r} is not {MAGIC!r} or {MAGIC_SIGNED!r}: not a streamrec tensor pack{hint}")
+    magic = bytes(raw[:8])
+    signed = magic == MAGIC_SIGNED
+    if magic != MAGIC and not signed:
+        hint = " (a torch.save zip file: an older, unchecked format)" if magic[:4] == b"PK\x03\x04" else ""
+        raise PackError(f"magic {magic!r} is not {MAGIC!r} or {MAGIC_SIGNED!r}: not a streamrec tensor pack{hint}")
     if key is not None and not signed:
         raise SignatureError("unsigned (container format 1), and this reader has a signing key: it reads only "
                              "packs signed with that key; give the writer the same signing_key_file")
     prefix = _PREFIX_SIGNED if signed else _PREFIX
     if len(raw) < prefix:
         raise PackError(f"{len(raw)} bytes: shorter than the {prefix}-byte prefix of a signed pack (truncated)")
-    body = memoryview(raw)[40:]
+    body = view[40:]
     digest = hashlib.sha256(body).hexdigest()
     if digest != raw[8:40].hex():
         raise PackError(f"sha256 {digest[:16]}... does not match the stored {raw[8:40].hex()[:16]}...: "
                         "the file is corrupt (a flipped byte, a torn or foreign write)")
-    if key is not None and not key.verify(memoryview(raw)[72:], raw[40:72]):
+    if key is not None and not key.verify(view[72:], bytes(raw[40:72])):
         raise SignatureError("its HMAC-SHA256 does not match this reader's signing key: the file was altered, or "
                              "signed with another key (the writer's signing_key_file must be the reader's)")
     (hlen,) = struct.unpack("<Q", raw[prefix - 8:prefix])
@@ -292,13 +319,13 @@ def unpack(raw: bytes, key: SigningKey | None = None) -> Any:
         raise PackError(f"header length {hlen} exceeds the {len(raw) - prefix} bytes after the prefix "
                         f"(or the {_MAX_HEADER}-byte limit)")
     try:
-        header = json.loads(raw[prefix:prefix + hlen].decode("utf-8"))
+        header = json.loads(bytes(raw[prefix:prefix + hlen]).decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise PackError(f"header is not UTF-8 ({exc})") from None
     except (ValueError, RecursionError) as exc:
         raise PackError(f"header is not JSON ({str(exc)[:120]})") from None
     if not isinstance(header, dict) or set(header) != {"tree", "tensors"} or not isinstance(header["tensors"], list):
         raise PackError("header is not an object {tree, tensors: [...]}")
-    data = memoryview(raw)[prefix + hlen:]
+    data = view[prefix + hlen:]
     specs = header["tensors"]
     return _tree(header["tree"], [None] * len(specs), specs, data, 0)
