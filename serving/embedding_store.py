@@ -6,7 +6,9 @@
       hot rows + MLP      (the scorer, on the device)      <prefix>:emb:<version>:meta    JSON, written LAST
       delta overrides     (learner deltas, as today)       <prefix>:emb:<version>:r:<row> D + 1 values, raw
       bucket rows         (dynamic fields' fallback rows,                                  float32 | float16 LE
-                           copied from the artifact)
+                           copied from the artifact)       <prefix>:emb:<version>:d:<row> delta overlay: the same,
+                                                                                           written by serving,
+                                                                                           never read by requests
       RowCache            (bounded LRU of fetched rows) <-- one MGET per request for its misses
 
 A row is read, in order, from: the scorer's hot set, the delta overrides, the local bucket rows, the LRU, Redis.
@@ -27,16 +29,20 @@ incomplete and never served), and deletes the keys of versions it prunes (:func:
 
 **Deltas.** Serving applies the learner's deltas as overrides exactly as in-process (``ScoringModel.apply_delta``),
 so a delta changes layered scores exactly as it changes in-process ones, with or without Redis; the LRU drops the
-rows a delta changes (:meth:`LayeredRows.on_delta`), so nothing stale is served from it either. **Who writes delta
-rows into Redis: the serving process that applies them** (``embedding_store_write_deltas``, one pipelined MSET per
-delta, best effort, non-hot rows only, under the version it applied them to, and only once the version's meta was
-read: its dtype; a failed write is counted in ``..._errors_total`` but does not make requests skip Redis). It is the
-only process that knows both the deltas (it reads the delta directory) and the versions being served; the refresh
-runs nightly and the learner knows no versions. The rows are absolute vectors, so writes are idempotent; with
-several rankers a lagging one may briefly rewrite an older vector of a row, which no ranker serves, because each
-ranker's own overrides win over Redis until its next artifact. What the writes buy: Redis holds the freshest rows of
-the live version for any reader that has not replayed the deltas (a ranker that lost deltas to pruning, tools, a
-future ranker that drops its overrides), and the next refresh rewrites everything anyway.
+rows a delta changes (:meth:`LayeredRows.on_delta`), so nothing stale is served from it either. **A version's row
+keys (``r:``) only ever hold the artifact's rows**: the refresh writes them, nothing else does. A version is loaded
+again with its deltas dropped (``streamrec refresh --rollback`` pins it with no deltas; a restart or a swap back
+applies only the deltas serving reads after loading it), so rows of deltas written over its ``r:`` keys would serve
+a model no one trained: the artifact's hot rows and dense weights with a later delta's cold rows. With
+``embedding_store_write_deltas`` the serving process that applies a delta writes its non-hot rows apart, to the
+version's **delta overlay** ``<prefix>:emb:<version>:d:<row>`` (one pipelined MSET per delta, best effort, in the
+version's dtype, so only once its meta was read; a failed write is counted in ``..._errors_total`` but does not
+make requests skip Redis). Requests never read the overlay: every ranker that applies deltas to a version holds
+their rows as overrides until its next artifact, and one that does not apply them (a pinned rollback) must not see
+them; rows of deltas pruned before a ranker read them wait for the next artifact, as in-process (``learner/
+deltas.py``). The overlay is what serving has applied to the version, newest write wins (for tools and for
+inspection), and is deleted with the version (:func:`delete_version`). Versions written before the overlay existed
+may hold delta rows under ``r:``: ``streamrec refresh --now`` writes a clean version.
 
 **Redis down** (refused, timed out, a version's row missing, or rows it answers malformed: of another length, or not
 finite): the round trip counts in ``streamrec_serving_embedding_store_errors_total`` (the default alert rule
@@ -79,6 +85,13 @@ def meta_key(prefix: str, version: str) -> str:
 def row_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
     """The keys of global rows ``rows`` (M,) of a version."""
     start = version_prefix(prefix, version) + "r:"
+    return [start + str(r) for r in rows.tolist()]
+
+
+def overlay_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
+    """The keys of global rows ``rows`` (M,) in a version's delta overlay (module docstring: never its row keys,
+    which hold the artifact's rows only)."""
+    start = version_prefix(prefix, version) + "d:"
     return [start + str(r) for r in rows.tolist()]
 
 
@@ -155,10 +168,11 @@ def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[s
 
 
 def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) -> int:
-    """Delete a version's keys, ``meta`` first (so a half-deleted version is never served); returns how many."""
+    """Delete a version's keys, ``meta`` first (so a half-deleted version is never served), then its rows and its
+    delta overlay; returns how many."""
     n = int(client.delete(meta_key(prefix, version)))
     keys: list[Any] = []
-    for key in client.scan_iter(match=version_prefix(prefix, version) + "r:*", count=1000):
+    for key in client.scan_iter(match=version_prefix(prefix, version) + "[rd]:*", count=1000):
         keys.append(key)
         if len(keys) >= batch:
             n += _unlink(client, keys)
@@ -366,13 +380,14 @@ class RedisEmbeddingStore:
                 self.metrics.embedding_store_fetch_seconds.observe(time.perf_counter() - t0)
         return out
 
-    def write(self, version: str, rows: np.ndarray, vectors: np.ndarray, dtype: RowDtype) -> bool:
-        """Best effort: write rows (a delta's) under ``version``; False (counted) when Redis fails."""
+    def write_overlay(self, version: str, rows: np.ndarray, vectors: np.ndarray, dtype: RowDtype) -> bool:
+        """Best effort: write a delta's rows to ``version``'s delta overlay (never its row keys: module docstring);
+        False (counted) when Redis fails."""
         if not len(rows) or not self.write_deltas:
             return True
         try:
             mset = self.client.mset_nonatomic if self.cluster else self.client.mset
-            mset(dict(zip(row_keys(self.prefix, version, rows), encode_rows(vectors, dtype), strict=True)))
+            mset(dict(zip(overlay_keys(self.prefix, version, rows), encode_rows(vectors, dtype), strict=True)))
         except Exception as exc:  # noqa: BLE001 - the override serves the delta; Redis catches up at the next refresh
             self.failed(f"writing {len(rows)} delta rows", exc, skip_reads=False)
             return False
@@ -500,7 +515,8 @@ class LayeredRows:
 
     def on_delta(self, rows: np.ndarray, vectors: np.ndarray, hot: np.ndarray) -> None:
         """A delta changed ``rows`` (R,) to ``vectors`` (R, D + 1): drop them from the LRU and, with
-        ``write_deltas``, write the non-hot ones (``hot`` (R,) bool) that are not local to Redis."""
+        ``write_deltas``, write the non-hot ones (``hot`` (R,) bool) that are not local to the version's delta
+        overlay in Redis (never over its rows)."""
         self.cache.discard_many(rows)
         block = self._block_of(rows)
         remote = ~hot & (self._local_rows(rows, block) < 0)
@@ -513,4 +529,4 @@ class LayeredRows:
         except ValueError as exc:  # Redis answers, without this version (or with one that does not fit)
             self.store.failed("checking the version's rows before writing a delta", exc)
             return
-        self.store.write(self.version, rows[remote], vectors[remote], self.dtype)
+        self.store.write_overlay(self.version, rows[remote], vectors[remote], self.dtype)

@@ -91,7 +91,8 @@ class ServeSettings:
     embedding_store_timeout_s: float = 0.05  # layered: a slower round trip fails; the request uses fallback rows
     embedding_store_retry_after_s: float = 1.0  # layered: after a failed round trip, misses skip Redis this long
     embedding_store_cluster: bool = False  # layered: [redis] url is a Redis Cluster node (redis-py RedisCluster)
-    # layered: write each applied delta's non-hot rows to Redis (serving/embedding_store.py says why serving does)
+    # layered: write each applied delta's non-hot rows to the version's delta overlay in Redis, never over its rows
+    # (serving/embedding_store.py)
     embedding_store_write_deltas: bool = True
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from learner.model import DeepFM
 from learner.row_mapper import RowMapper
 from monitor.engine import RuleEngine, Snapshot
 from monitor.rules import load_rules
-from serving.embedding_store import RedisEmbeddingStore, decode_rows, row_keys, write_version
+from serving.embedding_store import RedisEmbeddingStore, decode_rows, overlay_keys, row_keys, write_version
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
@@ -240,10 +240,15 @@ def test_a_delta_changes_layered_scores_exactly_as_in_process(stack: LocalStack,
         assert torch.equal(after_in, after_layered)
         assert not torch.equal(before, after_layered)
         assert user_row not in layered.layered.cache  # type: ignore[union-attr]
-        # the serving process wrote the delta's non-hot rows to Redis, under the version it applied them to
-        got = redis_client.mget(row_keys(prefix, "v1", np.array([user_row, 2])))
-        assert got[1] is None or 2 not in layered.non_hot_rows()  # the hot row is not the store's
+        # the serving process wrote the delta's non-hot rows to the delta overlay of the version it applied them to,
+        # and left the version's rows as the artifact's
+        got = redis_client.mget(overlay_keys(prefix, "v1", np.array([user_row, 2])))
+        assert got[1] is None  # the hot row is not the store's
         assert np.array_equal(decode_rows([got[0]], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], vectors[0].numpy())
+        kept = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
+        assert kept is not None
+        assert np.array_equal(decode_rows([kept], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0],
+                              in_process.table[user_row])
     finally:
         store.client.close()
 
@@ -372,12 +377,14 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
     assert read_current(rs.publish_root).name == second["version"] != first["version"]
     # ... but its rows stay while rankers may still serve it (it was live until this publish)
     assert stored_versions(redis_client, prefix) == {first["version"], second["version"], "other"}
+    redis_client.set(overlay_keys(prefix, first["version"], np.array([1]))[0], b"a delta row serving wrote")
     time.sleep(0.01)
     ckpt_io.save(ckpt_dir, state, {**meta, "samples_trained": 30})
     third = job.run_once(rs, kafka, rds)  # now the first version is neither kept nor the one live before
     assert read_current(rs.publish_root).name == third["version"]
     assert stored_versions(redis_client, prefix) == {second["version"], third["version"], "other"}  # another
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))  # root's version stays
+    # (and the first version's delta overlay went with its rows)
 
 
 # -- Redis Cluster ---------------------------------------------------------------------------------------------
@@ -479,7 +486,7 @@ def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_d
         assert status == 200 and after["delta_seq"] == 1
         assert after["scores"] == pytest.approx(score(in_process, req).tolist(), abs=1e-7)
         assert after["scores"] != pytest.approx(before["scores"], abs=1e-4)
-        stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
+        stored = redis_client.get(overlay_keys(prefix, "v1", np.array([user_row]))[0])
         assert stored is not None
         assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], new_vector.numpy())
 
@@ -522,7 +529,7 @@ def test_a_delta_applied_before_the_version_meta_was_read_writes_rows_in_the_ver
         assert user_row not in set(HOT.tolist())
         vector = torch.full((1, CFG.embedding_dim + 1), 0.25)
         layered.apply_delta(torch.tensor([user_row]), vector, None, seq=1)
-        stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
+        stored = redis_client.get(overlay_keys(prefix, "v1", np.array([user_row]))[0])
         assert stored is not None and len(stored) == (CFG.embedding_dim + 1) * 2  # float16, as the version
         assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT16)[0], vector[0].numpy())
         errors = store.last_error
@@ -773,3 +780,44 @@ def test_a_server_that_fails_to_stop_still_stops_the_updater_and_the_lookup_coun
         svc.stop(grace_s=1.0)
     names = {t.name for t in threading.enumerate() if t.is_alive()}
     assert not names & {"serve-updater", "serve-pubsub", "lookup-counts"}, names
+
+
+# -- a version's rows are the artifact's: delta rows kept apart, a rollback serves exactly the published rows ----
+def test_a_rollback_serves_the_published_versions_rows_not_the_rows_of_deltas_applied_to_it_before(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from cache_refresh.publish import rollback
+    from learner.deltas import DeltaWriter
+
+    root = tmp_path / "serving"
+    path = publish_version(root, redis_client, prefix)
+    deltas = tmp_path / "deltas"
+    writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600)
+    settings = ServeSettings(port=0, publish_root=root, deltas_dir=deltas, poll_s=3600,
+                             embedding_store=EmbeddingStore.LAYERED, lookup_counts=False)
+    req = request(ADMITTED_USERS[4], NEW_ITEMS)
+    published = score(ScoringModel.load(path), req).tolist()  # v1 as published: the artifact's rows
+    user_row = int(ScoringModel.load(path).map_rows(0, np.array([hash_value(ADMITTED_USERS[4])]))[0])
+    assert user_row not in set(HOT.tolist())
+    with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
+        learner = DeepFM(CFG, mlp=(8,), seed=0, autocast_dtype=None)
+        learner.load_state_dict(checkpoint()["model"])
+        with torch.no_grad():
+            learner.sparse.bag.weight[user_row] += 0.5  # type: ignore[index]
+        writer.mark(torch.tensor([user_row]))
+        writer.write(learner, samples_trained=20)
+        svc.updater.check_now()  # v1 + the delta; the delta's row goes to Redis
+        status, fresh = post(svc.port, req)
+        assert status == 200 and fresh["delta_seq"] == 1
+        assert fresh["scores"] != pytest.approx(published, abs=1e-4)
+        publish_version(root, redis_client, prefix, version="v2")
+        svc.updater.check_now()
+        assert svc.holder.model().version == "v2"  # type: ignore[union-attr]
+        assert rollback(root) == "v1"
+        svc.updater.check_now()  # v1 again, pinned: no deltas; its rows must be v1's as published
+        status, rolled = post(svc.port, req)
+        assert status == 200 and rolled["model_version"] == "v1" and rolled["delta_seq"] == 0
+        assert rolled["scores"] == pytest.approx(published, abs=1e-7)
+    stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
+    assert stored is not None
+    assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0],
+                          ScoringModel.load(path).table[user_row])
