@@ -44,14 +44,16 @@ deltas.py``). The overlay is what serving has applied to the version, newest wri
 inspection), and is deleted with the version (:func:`delete_version`). Versions written before the overlay existed
 may hold delta rows under ``r:``: ``streamrec refresh --now`` writes a clean version.
 
-**Redis down** (refused, timed out, a version's row missing, or rows it answers malformed: of another length, or not
-finite): the round trip counts in ``streamrec_serving_embedding_store_errors_total`` (the default alert rule
-``embedding_store_errors`` fires on it), requests skip Redis for ``embedding_store_retry_after_s`` (one failed round
-trip per period, not one per request), and the rows it should have given fall back: an admitted id's own row to its
-hash bucket's row (the row the id would have if it were not admitted, kept locally), any other row (a static field's
-hash row: it is its own bucket) to zeros, the "unknown" value of an embedding; ``..._fallback_rows_total{kind}``
-counts them. Hot rows, overrides and cached rows keep serving; no request fails. Nothing is cached from a failed
-round trip.
+**Redis down** (refused, timed out): the round trip counts in ``streamrec_serving_embedding_store_errors_total`` (the
+default alert rule ``embedding_store_errors`` fires on it), requests skip Redis for ``embedding_store_retry_after_s``
+(one failed round trip per period, not one per request), and the rows it should have given fall back: an admitted
+id's own row to its hash bucket's row (the row the id would have if it were not admitted, kept locally), any other
+row (a static field's hash row: it is its own bucket) to zeros, the "unknown" value of an embedding;
+``..._fallback_rows_total{kind}`` counts them. Hot rows, overrides and cached rows keep serving; no request fails.
+Nothing is cached from a failed round trip. **A bad row** (its key missing: deleted, evicted; or its value malformed:
+of another length, or not finite) is not Redis being down: that row alone falls back, uncached, the round trip's
+other rows are served and cached, and Redis stays in use; ``..._bad_rows_total{reason}`` counts the rows and
+``..._errors_total`` the round trip (so the alert fires for a deleted version as for a Redis that is down).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -120,6 +122,39 @@ def decode_rows(values: list[bytes], dim: int, dtype: RowDtype) -> np.ndarray:
         raise ValueError(f"embedding store rows of {sorted({len(v) for v in values})} bytes, expected "
                          f"{dim * dt.itemsize} ({dim} x {dtype})")
     return np.frombuffer(raw, dtype=dt).reshape(len(values), dim).astype(np.float32)
+
+
+def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An MGET's M answers -> (vectors (M, dim) float32, missing (M,) bool, malformed (M,) bool), row by row: a
+    None is missing, a value of another length or holding non-finite values is malformed; their vectors are zeros.
+    Never raises on the values: one bad key costs its own row only (module docstring)."""
+    m = len(values)
+    dt = np.dtype(str(dtype)).newbyteorder("<")
+    width = dim * dt.itemsize
+    missing = np.zeros(m, dtype=bool)
+    malformed = np.zeros(m, dtype=bool)
+    raw = b"".join(cast("list[bytes]", values)) if None not in values else b""
+    if len(raw) == m * width:  # the common case: every value there and of the right length (one join, no loop)
+        out = np.frombuffer(raw, dtype=dt).reshape(m, dim).astype(np.float32)
+    else:
+        out = np.zeros((m, dim), np.float32)
+        good: list[int] = []
+        parts: list[bytes] = []
+        for i, v in enumerate(values):
+            if v is None:
+                missing[i] = True
+            elif len(v) != width:
+                malformed[i] = True
+            else:
+                good.append(i)
+                parts.append(v)
+        if good:
+            out[good] = np.frombuffer(b"".join(parts), dtype=dt).reshape(len(good), dim)
+    finite = np.isfinite(out).all(axis=1)  # (M,)
+    if not finite.all():
+        malformed |= ~finite
+        out[~finite] = 0.0
+    return out, missing, malformed
 
 
 # -- writing and deleting a version (the refresh) ----------------------------------------------------------------
@@ -310,6 +345,7 @@ class RedisEmbeddingStore:
         self.cluster = hasattr(client, "mget_nonatomic") if cluster is None else cluster
         self._clock = clock
         self._down_until = -float("inf")
+        self._quiet_until = -float("inf")  # bad rows are logged at most once per retry_after_s
         self.last_error: str | None = None
 
     # -- failures: counted, then Redis is skipped for retry_after_s --
@@ -354,31 +390,51 @@ class RedisEmbeddingStore:
                              f"rows of {dim} values; meta {str(meta)[:200]}); republish with `streamrec refresh --now`")
         return meta
 
-    def fetch(self, version: str, rows: np.ndarray, dim: int, dtype: RowDtype) -> np.ndarray:
-        """(M, dim) float32 of ``rows`` (M,) in ONE round trip; :class:`StoreUnavailable` when Redis is failing
-        (or inside the retry-after window, without trying)."""
+    def fetch(self, version: str, rows: np.ndarray, dim: int, dtype: RowDtype) -> tuple[np.ndarray, np.ndarray]:
+        """((M, dim) float32, bad (M,) bool) of ``rows`` (M,) in ONE round trip; :class:`StoreUnavailable` when the
+        round trip fails (or inside the retry-after window, without trying). ``bad`` rows (their key missing, or a
+        value that is malformed) are zeros, counted (:meth:`bad_rows`); the others are good whatever they are."""
         if not self.available:
             raise StoreUnavailable(self.last_error or "embedding store unavailable")
         keys = row_keys(self.prefix, version, rows)
         t0 = time.perf_counter()
         try:
             values = self.client.mget_nonatomic(keys) if self.cluster else self.client.mget(keys)
-            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
-            if missing:
-                raise LookupError(f"{len(missing)} of {len(keys)} rows are not in the store (e.g. {missing[0]}): "
-                                  "the version's keys were deleted or evicted (maxmemory?)")
-            out = decode_rows(values, dim, dtype)
-            finite = np.isfinite(out).all(axis=1)  # (M,)
-            if not finite.all():
-                raise ValueError(f"{int((~finite).sum())} of {len(keys)} rows hold non-finite values (e.g. "
-                                 f"{keys[int(np.flatnonzero(~finite)[0])]}): not written by a refresh or a delta")
-        except Exception as exc:  # noqa: BLE001 - refused, timed out, evicted, malformed: fallback rows
+            if len(values) != len(keys):
+                raise ValueError(f"{len(values)} answers to an MGET of {len(keys)} keys")
+        except Exception as exc:  # noqa: BLE001 - refused, timed out, a broken answer: fallback rows
             self.failed(f"MGET of {len(keys)} rows", exc)
             raise StoreUnavailable(self.last_error or "") from exc
         finally:
             if self.metrics is not None:
                 self.metrics.embedding_store_fetch_seconds.observe(time.perf_counter() - t0)
-        return out
+        out, missing, malformed = decode_answer(values, dim, dtype)
+        bad = missing | malformed
+        if bad.any():
+            self.bad_rows(keys, missing, malformed, dim, dtype)
+        return out, bad
+
+    def bad_rows(self, keys: list[str], missing: np.ndarray, malformed: np.ndarray, dim: int,
+                 dtype: RowDtype) -> None:
+        """Count a round trip that answered but not with every row: its bad rows fall back, each alone; Redis stays
+        in use (no retry-after window: one deleted or damaged key must not cost every request its rows). Counted in
+        ``..._errors_total`` once per round trip (the ``embedding_store_errors`` alert fires, as for a Redis that is
+        down) and row by row in ``..._bad_rows_total{reason}``; logged at most once per ``retry_after_s``."""
+        n_missing, n_malformed = int(missing.sum()), int(malformed.sum())
+        example = keys[int(np.flatnonzero(missing | malformed)[0])]
+        self.last_error = (f"of {len(keys)} rows, {n_missing} are missing (deleted or evicted keys: maxmemory?) and "
+                           f"{n_malformed} malformed (not {dim} {dtype} values: of another length, or non-finite; "
+                           f"not written by a refresh), e.g. {example}")[:300]
+        if self.metrics is not None:
+            self.metrics.embedding_store_errors.inc()
+            self.metrics.embedding_store_bad_rows.labels("missing").inc(n_missing)
+            self.metrics.embedding_store_bad_rows.labels("malformed").inc(n_malformed)
+        now = self._clock()
+        if now >= self._quiet_until:
+            self._quiet_until = now + self.retry_after_s
+            log.warning("embedding store: %s; those rows use fallback rows, the others are served from Redis (said "
+                        "at most every %.1fs, counted in streamrec_serving_embedding_store_bad_rows_total)",
+                        self.last_error, self.retry_after_s)
 
     def write_overlay(self, version: str, rows: np.ndarray, vectors: np.ndarray, dtype: RowDtype) -> bool:
         """Best effort: write a delta's rows to ``version``'s delta overlay (never its row keys: module docstring);
@@ -491,7 +547,7 @@ class LayeredRows:
         if len(miss):
             try:
                 self._check()
-                fetched = self.store.fetch(self.version, sub[miss], self.dim, self.dtype)
+                fetched, bad = self.store.fetch(self.version, sub[miss], self.dim, self.dtype)
             except StoreUnavailable:
                 failed[rest[miss]] = True
             except ValueError as exc:  # Redis is back but never had this version: fallback, counted, never a 5xx
@@ -499,7 +555,8 @@ class LayeredRows:
                 failed[rest[miss]] = True
             else:
                 got[miss] = fetched
-                self.cache.put_many(sub[miss], fetched)
+                failed[rest[miss[bad]]] = True  # a bad key: its row alone falls back, and is not cached
+                self.cache.put_many(sub[miss[~bad]], fetched[~bad])
         out[rest] = got
         out[failed] = 0.0
         return out, failed

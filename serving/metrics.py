@@ -31,7 +31,10 @@
                                                             fetched from Redis, hit | miss
     streamrec_serving_embedding_store_fetch_seconds         layered mode: one Redis round trip (MGET) per request
     streamrec_serving_embedding_store_errors_total          layered mode: failed Redis round trips (down, timed
-                                                            out, rows missing) and failed delta writes
+                                                            out), round trips with bad rows, failed delta writes
+    streamrec_serving_embedding_store_bad_rows_total{reason}  layered mode: rows that fell back alone: missing
+                                                            (key deleted, evicted) | malformed (not a row of the
+                                                            version: length, non-finite)
     streamrec_serving_embedding_store_fallback_rows_total{kind}  layered mode: rows served without Redis: bucket
                                                             (an admitted id's bucket row) | zero (no fallback row)
     streamrec_serving_lookup_count_flushes_total{outcome}   flushes of per-id row lookup counts to Redis
@@ -172,6 +175,12 @@ class ServingMetrics:
                                                      registry=r)
         for kind in ("bucket", "zero"):
             self.embedding_store_fallback_rows.labels(kind)
+        self.embedding_store_bad_rows = Counter("streamrec_serving_embedding_store_bad_rows", "Layered mode: rows "
+                                                "Redis answered without (missing: key deleted or evicted) or with a "
+                                                "value that is not a row of the version (malformed); each fell back "
+                                                "alone, Redis kept serving the others.", ["reason"], registry=r)
+        for reason in ("missing", "malformed"):
+            self.embedding_store_bad_rows.labels(reason)
         self.lookup_count_flushes = Counter("streamrec_serving_lookup_count_flushes", "Flushes of per-id row lookup "
                                             "counts to Redis (for the hot set), by outcome.", ["outcome"], registry=r)
         for outcome in ("ok", "error"):

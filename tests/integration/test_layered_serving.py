@@ -821,3 +821,37 @@ def test_a_rollback_serves_the_published_versions_rows_not_the_rows_of_deltas_ap
     assert stored is not None
     assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0],
                           ScoringModel.load(path).table[user_row])
+
+
+# -- one bad key falls back for its row only ----------------------------------------------------------------------
+def test_a_missing_or_malformed_row_key_falls_back_for_that_row_only_and_redis_keeps_serving_the_others(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    in_process = ScoringModel.load(path)
+    metrics = ServingMetrics(lambda: None)
+    store = RedisEmbeddingStore(redis.Redis.from_url(stack.redis_url, socket_timeout=1.0), prefix, cache_rows=1000,
+                                retry_after_s=3600.0, metrics=metrics)  # a failed round trip: no Redis for an hour
+    try:
+        layered = ScoringModel.load(path, store=store)
+        cold = np.setdiff1d(in_process.non_hot_rows(), np.arange(0, 58))  # no bucket rows (those are local)
+        deleted, short, wide = (int(r) for r in cold[:3])
+        redis_client.delete(row_keys(prefix, "v1", np.array([deleted]))[0])
+        redis_client.set(row_keys(prefix, "v1", np.array([short]))[0], b"\0" * 3)
+        redis_client.set(row_keys(prefix, "v1", np.array([wide]))[0], np.zeros(40, np.float32).tobytes())
+        rows = cold[:10]
+        vec, failed = layered.layered.gather(rows)  # type: ignore[union-attr]
+        assert failed.tolist() == [True, True, True] + [False] * 7
+        assert np.array_equal(vec[3:], in_process.table[rows[3:]])
+        cache = layered.layered.cache  # type: ignore[union-attr]
+        assert not any(r in cache for r in (deleted, short, wide))  # the bad rows are not cached, the good ones are
+        assert all(int(r) in cache for r in rows[3:])
+        # the next request still reads Redis (no retry-after window was opened) and gets every row it asks for
+        more = cold[10:30]
+        vec, failed = layered.layered.gather(more)  # type: ignore[union-attr]
+        assert store.available and not failed.any() and np.array_equal(vec, in_process.table[more])
+        text = metrics.render().decode()
+        assert _sample(text, 'streamrec_serving_embedding_store_bad_rows_total{reason="missing"}') == 1
+        assert _sample(text, 'streamrec_serving_embedding_store_bad_rows_total{reason="malformed"}') == 2
+        assert _sample(text, "streamrec_serving_embedding_store_errors_total") >= 1  # the alert still fires
+    finally:
+        store.client.close()

@@ -17,6 +17,7 @@ from serving.embedding_store import (
     RedisEmbeddingStore,
     RowCache,
     StoreUnavailable,
+    decode_answer,
     decode_rows,
     encode_rows,
     row_keys,
@@ -36,6 +37,18 @@ def test_rows_round_trip_exactly_as_float32_and_within_half_precision_as_float16
 def test_a_value_of_the_wrong_length_is_refused() -> None:
     with pytest.raises(ValueError, match="expected 20"):
         decode_rows([b"\0" * 20, b"\0" * 16], 5, RowDtype.FLOAT32)
+
+
+def test_an_answer_is_decoded_row_by_row_so_one_bad_value_costs_only_its_own_row() -> None:
+    rows = np.arange(15, dtype=np.float32).reshape(3, 5)
+    good = encode_rows(rows, RowDtype.FLOAT32)
+    nan = np.full(5, np.nan, np.float32).tobytes()
+    out, missing, malformed = decode_answer([good[0], None, b"\0" * 8, nan, good[2]], 5, RowDtype.FLOAT32)
+    assert missing.tolist() == [False, True, False, False, False]
+    assert malformed.tolist() == [False, False, True, True, False]
+    assert np.array_equal(out[[0, 4]], rows[[0, 2]]) and not out[1:4].any()
+    out, missing, malformed = decode_answer(good, 5, RowDtype.FLOAT32)  # every value good: the fast path
+    assert np.array_equal(out, rows) and not missing.any() and not malformed.any()
 
 
 def test_keys_carry_the_version_so_versions_never_mix() -> None:
