@@ -68,6 +68,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from learner.artifact import ArtifactError
 from serving.settings import RowDtype
 
 log = logging.getLogger("streamrec.serve")
@@ -297,6 +298,12 @@ class RowCache:
 
 
 # -- the store of one service, and the rows of one loaded version -----------------------------------------------
+class VersionNotStored(ArtifactError, ValueError):
+    """Redis answers without a version's ``meta``: its rows are not (all) there. Not the artifact's fault, and it may
+    pass (a refresh still writing the rows, a Redis restored or refilled), so serving tries the version again at a
+    bounded cadence (``serving/swap.py``) where every other refusal waits for the artifact's files to change."""
+
+
 class StoreUnavailable(Exception):
     """The store could not be read (internal: turned into fallback rows, never raised to a request)."""
 
@@ -372,14 +379,15 @@ class RedisEmbeddingStore:
         """The version's meta, checked against the artifact (``num_rows`` rows of ``dim`` values).
 
         None when Redis cannot be read now (counted; the version loads and serves fallback rows until it can).
-        ValueError when Redis answers that the version is not there (never written, or pruned) or does not fit."""
+        :class:`VersionNotStored` (a ValueError) when Redis answers that the version is not there (not written yet,
+        or pruned); ValueError when its meta does not fit."""
         try:
             meta = read_meta(self.client, self.prefix, version)
         except Exception as exc:  # noqa: BLE001 - any Redis or socket failure: serve on fallback rows
             self.failed(f"reading {meta_key(self.prefix, version)}", exc)
             return None
         if meta is None:
-            raise ValueError(f"the embedding store has no rows of version {version} (no "
+            raise VersionNotStored(f"the embedding store has no rows of version {version} (no "
                              f"{meta_key(self.prefix, version)}): publish it with [refresh] embedding_store = "
                              "\"layered\" (and the same [redis] url and "
                              "prefix as serving), or serve with [serve] embedding_store = \"in_process\"")

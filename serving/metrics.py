@@ -10,6 +10,8 @@
     streamrec_serving_delta_seq                             the last learner delta applied to it
     streamrec_serving_swaps_total                           artifacts swapped in
     streamrec_serving_swap_rejected_total                   artifacts refused (corrupt, unloadable)
+    streamrec_serving_artifact_store_retries_total          layered mode: artifacts loaded again after a refusal
+                                                            because Redis lacked their rows (bounded cadence)
     streamrec_serving_rejected_total{kind}                  artifact | delta versions rejected, each ONCE
                                                             (remembered until its files change)
     streamrec_serving_deltas_applied_total / _delta_gaps_total / _delta_rewinds_total / _delta_errors_total
@@ -127,6 +129,10 @@ class ServingMetrics:
                                  "response encoded), seconds.", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.candidates = Counter("streamrec_serving_candidates", "Candidate items scored.", registry=r)
         self.swaps = Counter("streamrec_serving_swaps", "Artifacts swapped in (the first load counts).", registry=r)
+        self.artifact_store_retries = Counter("streamrec_serving_artifact_store_retries", "Layered mode: loads of an "
+                                              "artifact tried again because the embedding store lacked its rows "
+                                              "(meta) the last time (a bounded cadence, serving/swap.py).",
+                                              registry=r)
         self.swap_rejected = Counter("streamrec_serving_swap_rejected", "Artifacts refused (corrupt or "
                                      "unloadable); the live model kept serving.", registry=r)
         self.deltas_applied = Counter("streamrec_serving_deltas_applied", "Learner deltas applied.", registry=r)

@@ -54,7 +54,7 @@ from learner.scorer import (
 )
 from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
-from serving.embedding_store import LayeredRows, RedisEmbeddingStore
+from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNotStored
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,9 @@ class ScoringModel:
                        if f.shares is None and f.capacity > 0]
             try:
                 self._layered = LayeredRows(store, self.version, cold, dynamic, id_maps)
-            except ValueError as exc:  # Redis answered: this version's rows are not there, or do not fit
+            except VersionNotStored as exc:  # not there (yet): an ArtifactError that serving tries again later
+                raise VersionNotStored(f"{self.version_dir}: {exc}") from exc
+            except ValueError as exc:  # Redis answered: this version's rows do not fit
                 raise ArtifactError(f"{self.version_dir}: {exc}") from exc
         self._count_lock = threading.Lock()
         self.hot_lookups = 0

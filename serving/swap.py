@@ -18,7 +18,11 @@ Failing closed, once:
   ``streamrec_serving_rejected_total{kind="artifact"}`` (and ``..._swap_rejected_total``), and remembered by
   its path and the size, mtime and inode of its files, so it is not read or hashed again at every poll;
   it is tried again only when those change (a republish, a repaired file). The live model keeps serving;
-  with none yet, ``/readyz`` and ``/v1/score`` answer 503 with the reason, and the process stays up.
+  with none yet, ``/readyz`` and ``/v1/score`` answer 503 with the reason, and the process stays up. One
+  exception: a version the layered mode's embedding store lacks the rows of (``VersionNotStored``: no meta
+  in Redis yet, or any more) is not the artifact's fault, and is tried again after 5 s, doubling up to every
+  300 s (``STORE_RETRY_S``, ``streamrec_serving_artifact_store_retries_total``) until it loads or fails for
+  another reason, which is then a rejection like any other (not retried).
 * **Deltas.** A damaged or malformed delta (``learner.deltas.DeltaError``) or one that does not fit the
   live model is rejected once (``streamrec_serving_rejected_total{kind="delta"}``) and skipped; the later
   ones still apply. "Later" is in ``seq`` order: deltas are absolute, so rows only the skipped delta
@@ -57,6 +61,7 @@ import redis
 from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
 from learner.deltas import DeltaReader
 from learner.tensorpack import SigningKey
+from serving.embedding_store import VersionNotStored
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
@@ -73,6 +78,7 @@ def delta_channel(prefix: str) -> str:
 
 
 _REMEMBER = 256  # rejected versions remembered (oldest forgotten first)
+STORE_RETRY_S = (5.0, 300.0)  # a version Redis lacked the rows of: tried again after 5 s, doubling, at most 300 s
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ class ModelUpdater:
     def __init__(self, holder: ModelHolder, metrics: ServingMetrics, publish_root: Path, deltas_dir: Path | None,
                  device: str = "cpu", poll_s: float = 0.5, redis_client: redis.Redis | None = None,
                  prefix: str = "streamrec", load: Callable[[Path, str], ScoringModel] | None = None,
-                 signing_key: SigningKey | None = None) -> None:
+                 signing_key: SigningKey | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.holder, self.metrics = holder, metrics
         self.root = Path(publish_root)
         self.signing_key = signing_key
@@ -139,6 +145,8 @@ class ModelUpdater:
             lambda p, d: ScoringModel.load(p, device=d, signing_key=signing_key))
         self._rejected: dict[tuple[Any, ...], str] = {}  # fingerprint -> reason, insertion-ordered
         self._rejected_deltas: dict[tuple[Any, ...], None] = {}  # delta file versions counted, insertion-ordered
+        self._store_retry: dict[tuple[Any, ...], tuple[float, int]] = {}  # VersionNotStored key -> (due, tries)
+        self._clock = clock
         self._pause_reason: str | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -221,8 +229,38 @@ class ModelUpdater:
         self.last_error = reason
         live = self.holder.live
         self.holder.problem = reason
-        log.error("artifact rejected, %s keeps serving (not retried until its files change): %s",
-                  live.model.version if live else "no model (/readyz 503)", reason)
+        log.error("artifact rejected, %s keeps serving (%s): %s",
+                  live.model.version if live else "no model (/readyz 503)",
+                  "tried again while the embedding store lacks its rows" if key in self._store_retry
+                  else "not retried until its files change", reason)
+
+    def _reject_load(self, key: tuple[Any, ...], exc: ArtifactError) -> None:
+        """A version that failed to load: rejected once (:meth:`_reject`); one the embedding store lacked the rows of
+        (:class:`VersionNotStored`) is also tried again at a bounded cadence, since the rows may come (a refresh
+        still writing them, Redis refilled). A retry that fails for another reason is a rejection of its own."""
+        retry = self._store_retry.pop(key, None)
+        if not isinstance(exc, VersionNotStored):
+            if retry is not None:  # the rows came, something else is wrong: say it, and retry no more
+                self._rejected.pop(key, None)
+            self._reject(key, str(exc))
+            return
+        tries = retry[1] + 1 if retry is not None else 1
+        delay = min(STORE_RETRY_S[0] * 2 ** (tries - 1), STORE_RETRY_S[1])
+        self._store_retry[key] = (self._clock() + delay, tries)
+        while len(self._store_retry) > _REMEMBER:
+            self._store_retry.pop(next(iter(self._store_retry)))
+        self._reject(key, f"{exc} (tried again in {delay:.0f}s)")
+        if retry is not None:  # counted and logged as an error once; each retry that finds no rows still says so
+            self.holder.problem = f"{exc} (tried again in {delay:.0f}s)"
+            log.warning("%s; tried again in %.0fs", exc, delay)
+
+    def _store_retry_due(self, key: tuple[Any, ...]) -> bool:
+        """A rejected version whose store retry is due: counted, and loaded again."""
+        retry = self._store_retry.get(key)
+        if retry is None or self._clock() < retry[0]:
+            return False
+        self.metrics.artifact_store_retries.inc()
+        return True
 
     def _delta_rejected(self, path: Path, reason: str) -> None:
         """Count and log a delta rejection once per file version (a misfit is retried after a swap, since it
@@ -262,7 +300,7 @@ class ModelUpdater:
         if live is not None and live.model.version_dir.resolve() == path.resolve():
             return
         key = (str(path), _dir_fingerprint(path))
-        if key in self._rejected:
+        if key in self._rejected and not self._store_retry_due(key):
             return
         if not path.is_dir():
             self._reject(key, f"{self.root / CURRENT} names {name}, which is not in {self.root / VERSIONS}: "
@@ -272,8 +310,10 @@ class ModelUpdater:
         try:
             model = self._load(path, self.device)
         except Exception as exc:  # noqa: BLE001 - ArtifactError, or anything a custom loader raises: rejected once
-            self._reject(key, f"{path}: {exc}" if not isinstance(exc, ArtifactError) else str(exc))
+            self._reject_load(key, exc if isinstance(exc, ArtifactError) else ArtifactError(f"{path}: {exc}"))
             return
+        self._rejected.pop(key, None)  # loaded after a retry: a later swap back to it loads it at once
+        self._store_retry.pop(key, None)
         new = _live_model(model)
         if self.deltas is not None:
             self.deltas.forget_unfit()  # a delta that did not fit the old model may fit this one

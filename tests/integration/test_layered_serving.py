@@ -855,3 +855,62 @@ def test_a_missing_or_malformed_row_key_falls_back_for_that_row_only_and_redis_k
         assert _sample(text, "streamrec_serving_embedding_store_errors_total") >= 1  # the alert still fires
     finally:
         store.client.close()
+
+
+# -- an artifact refused because Redis lacked its rows is tried again, at a bounded cadence ----------------------
+def updater_of(root: Path, store: RedisEmbeddingStore, metrics: ServingMetrics, clock: Clock,
+               calls: list[Path]) -> Any:
+    from serving.swap import ModelHolder, ModelUpdater
+
+    def load(p: Path, device: str) -> ScoringModel:
+        calls.append(p)
+        return ScoringModel.load(p, device=device, store=store)
+
+    return ModelUpdater(ModelHolder(), metrics, root, None, poll_s=3600, load=load, clock=clock)
+
+
+def test_an_artifact_refused_because_redis_lacked_its_rows_is_tried_again_once_they_are_there(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    root = tmp_path / "serving"
+    path = publish(root, build_artifact(checkpoint(), root, HOT, version="v1"), keep=10)  # files only, no rows yet
+    metrics = ServingMetrics(lambda: None)
+    store = store_of(stack, prefix, metrics=metrics)
+    clock, calls = Clock(), []  # type: ignore[var-annotated]
+    try:
+        updater = updater_of(root, store, metrics, clock, calls)
+        updater.check_now()
+        assert updater.holder.live is None and "no rows of version v1" in (updater.holder.problem or "")
+        clock.now = 1.0
+        updater.check_now()  # not due yet: the version is not loaded (and hashed) again at every poll
+        assert len(calls) == 1
+        model = ScoringModel.load(path)
+        write_version(redis_client, prefix, "v1", model.table, model.non_hot_rows(), RowDtype.FLOAT32)  # the refresh
+        clock.now = 600.0  # past the retry delay
+        updater.check_now()
+        assert len(calls) == 2 and updater.holder.model() is not None and updater.holder.problem is None
+        text = metrics.render().decode()
+        assert _sample(text, "streamrec_serving_artifact_store_retries_total") == 1
+        assert _sample(text, "streamrec_serving_swap_rejected_total") == 1  # the first refusal only
+    finally:
+        store.client.close()
+
+
+def test_an_artifact_refused_for_another_reason_is_not_tried_again_until_its_files_change(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    root = tmp_path / "serving"
+    publish_version(root, redis_client, prefix)
+    redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")  # rows that do not fit: refused, and not retried
+    metrics = ServingMetrics(lambda: None)
+    store = store_of(stack, prefix, metrics=metrics)
+    clock, calls = Clock(), []  # type: ignore[var-annotated]
+    try:
+        updater = updater_of(root, store, metrics, clock, calls)
+        updater.check_now()
+        assert updater.holder.live is None and "do not fit" in (updater.holder.problem or "")
+        for t in (600.0, 6000.0, 60000.0):
+            clock.now = t
+            updater.check_now()
+        assert len(calls) == 1
+        assert _sample(metrics.render().decode(), "streamrec_serving_artifact_store_retries_total") == 0
+    finally:
+        store.client.close()
