@@ -30,7 +30,7 @@ from learner.model import DeepFM
 from learner.row_mapper import RowMapper
 from monitor.engine import RuleEngine, Snapshot
 from monitor.rules import load_rules
-from serving.embedding_store import RedisEmbeddingStore, decode_rows, overlay_keys, row_keys, write_version
+from serving.embedding_store import RedisEmbeddingStore, decode_answer, overlay_keys, row_keys, tag_key, write_version
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
@@ -84,6 +84,15 @@ def publish_version(root: Path, client: Any, prefix: str, dtype: RowDtype = RowD
     model = ScoringModel.load(path)
     write_version(client, prefix, model.version, model.table, model.non_hot_rows(), dtype)
     return path
+
+
+def stored_row(value: Any, row: int, dtype: RowDtype = RowDtype.FLOAT32, version: str = "v1") -> np.ndarray:
+    """A row's value as the refresh or serving wrote it (tagged: serving/embedding_store.py), its tag checked."""
+    assert value is not None
+    out, missing, malformed = decode_answer([value], CFG.embedding_dim + 1, dtype, np.array([row]),
+                                            tag_key(version, dtype))
+    assert not missing.any() and not malformed.any()
+    return out[0]
 
 
 def request(user: Any, items: list[Any]) -> dict[str, Any]:
@@ -244,10 +253,10 @@ def test_a_delta_changes_layered_scores_exactly_as_in_process(stack: LocalStack,
         # and left the version's rows as the artifact's
         got = redis_client.mget(overlay_keys(prefix, "v1", np.array([user_row, 2])))
         assert got[1] is None  # the hot row is not the store's
-        assert np.array_equal(decode_rows([got[0]], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], vectors[0].numpy())
+        assert np.array_equal(stored_row(got[0], user_row), vectors[0].numpy())
         kept = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
         assert kept is not None
-        assert np.array_equal(decode_rows([kept], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0],
+        assert np.array_equal(stored_row(kept, user_row),
                               in_process.table[user_row])
     finally:
         store.client.close()
@@ -488,7 +497,7 @@ def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_d
         assert after["scores"] != pytest.approx(before["scores"], abs=1e-4)
         stored = redis_client.get(overlay_keys(prefix, "v1", np.array([user_row]))[0])
         assert stored is not None
-        assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0], new_vector.numpy())
+        assert np.array_equal(stored_row(stored, user_row), new_vector.numpy())
 
 
 # -- failure paths: Redis down at load, garbage in Redis, a failed write, a failed start ------------------------
@@ -530,8 +539,8 @@ def test_a_delta_applied_before_the_version_meta_was_read_writes_rows_in_the_ver
         vector = torch.full((1, CFG.embedding_dim + 1), 0.25)
         layered.apply_delta(torch.tensor([user_row]), vector, None, seq=1)
         stored = redis_client.get(overlay_keys(prefix, "v1", np.array([user_row]))[0])
-        assert stored is not None and len(stored) == (CFG.embedding_dim + 1) * 2  # float16, as the version
-        assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT16)[0], vector[0].numpy())
+        assert stored is not None and len(stored) == (CFG.embedding_dim + 1) * 2 + 4  # float16 + tag, as the version
+        assert np.array_equal(stored_row(stored, user_row, RowDtype.FLOAT16), vector[0].numpy())
         errors = store.last_error
         vec, failed = layered.layered.gather(np.array([user_row]))  # type: ignore[union-attr]
         assert not failed.any() and store.last_error == errors
@@ -819,7 +828,7 @@ def test_a_rollback_serves_the_published_versions_rows_not_the_rows_of_deltas_ap
         assert rolled["scores"] == pytest.approx(published, abs=1e-7)
     stored = redis_client.get(row_keys(prefix, "v1", np.array([user_row]))[0])
     assert stored is not None
-    assert np.array_equal(decode_rows([stored], CFG.embedding_dim + 1, RowDtype.FLOAT32)[0],
+    assert np.array_equal(stored_row(stored, user_row),
                           ScoringModel.load(path).table[user_row])
 
 
@@ -912,5 +921,33 @@ def test_an_artifact_refused_for_another_reason_is_not_tried_again_until_its_fil
             updater.check_now()
         assert len(calls) == 1
         assert _sample(metrics.render().decode(), "streamrec_serving_artifact_store_retries_total") == 0
+    finally:
+        store.client.close()
+
+
+# -- every value carries a tag of its version, dtype and row --------------------------------------------------------
+def test_a_value_of_the_right_length_from_another_version_or_row_or_garbage_is_refused_by_its_tag(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    in_process = ScoringModel.load(path)
+    table = in_process.table
+    cold = np.setdiff1d(in_process.non_hot_rows(), np.arange(0, 58))  # no bucket rows (those are local)
+    other, moved, garbage = (int(r) for r in cold[:3])
+    write_version(redis_client, prefix, "v0", table * 2, np.array([other]), RowDtype.FLOAT32)  # an older version
+    key = row_keys(prefix, "v1", np.array([other, moved, garbage]))
+    redis_client.set(key[0], redis_client.get(row_keys(prefix, "v0", np.array([other]))[0]))  # type: ignore[arg-type]
+    redis_client.set(key[1], redis_client.get(row_keys(prefix, "v1", np.array([cold[5]]))[0]))  # type: ignore[arg-type]
+    value = redis_client.get(key[2])
+    assert value is not None
+    redis_client.set(key[2], bytes(b ^ 1 if i == 3 else b for i, b in enumerate(value)))  # one bit of one value
+    metrics = ServingMetrics(lambda: None)
+    store = store_of(stack, prefix, metrics=metrics)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        vec, failed = layered.layered.gather(cold[:10])  # type: ignore[union-attr]
+        assert failed.tolist() == [True, True, True] + [False] * 7
+        assert np.array_equal(vec[3:], table[cold[3:10]])
+        assert _sample(metrics.render().decode(),
+                       'streamrec_serving_embedding_store_bad_rows_total{reason="malformed"}') == 3
     finally:
         store.client.close()

@@ -21,6 +21,7 @@ from serving.embedding_store import (
     decode_rows,
     encode_rows,
     row_keys,
+    tag_key,
 )
 from serving.settings import RowDtype
 
@@ -49,6 +50,23 @@ def test_an_answer_is_decoded_row_by_row_so_one_bad_value_costs_only_its_own_row
     assert np.array_equal(out[[0, 4]], rows[[0, 2]]) and not out[1:4].any()
     out, missing, malformed = decode_answer(good, 5, RowDtype.FLOAT32)  # every value good: the fast path
     assert np.array_equal(out, rows) and not missing.any() and not malformed.any()
+
+
+def test_a_tagged_value_decodes_only_as_its_own_version_dtype_and_row() -> None:
+    rows = np.random.default_rng(2).normal(size=(4, 5)).astype(np.float32)
+    ids = np.array([7, 8, 9, 10])
+    key = tag_key("v1", RowDtype.FLOAT32)
+    values = encode_rows(rows, RowDtype.FLOAT32, ids, key)
+    assert len(values[0]) == 5 * 4 + 4  # the values, then a 4-byte tag
+    out, missing, malformed = decode_answer(values, 5, RowDtype.FLOAT32, ids, key)
+    assert np.array_equal(out, rows) and not missing.any() and not malformed.any()
+    for wrong_rows, wrong_key in ((ids[::-1], key), (ids, tag_key("v2", RowDtype.FLOAT32)),
+                                  (ids, tag_key("v1", RowDtype.FLOAT16))):
+        _, _, malformed = decode_answer(values, 5, RowDtype.FLOAT32, wrong_rows, wrong_key)
+        assert malformed.all()
+    flipped = [values[0][:2] + bytes([values[0][2] ^ 0x80]) + values[0][3:], *values[1:]]
+    _, _, malformed = decode_answer(flipped, 5, RowDtype.FLOAT32, ids, key)
+    assert malformed.tolist() == [True, False, False, False]
 
 
 def test_keys_carry_the_version_so_versions_never_mix() -> None:
