@@ -92,8 +92,9 @@ class ServeSettings:
     embedding_store_retry_after_s: float = 1.0  # layered: after a failed round trip, misses skip Redis this long
     embedding_store_cluster: bool = False  # layered: [redis] url is a Redis Cluster node (redis-py RedisCluster)
     # layered: write each applied delta's non-hot rows to the version's delta overlay in Redis, never over its rows
-    # (serving/embedding_store.py)
-    embedding_store_write_deltas: bool = True
+    # (serving/embedding_store.py). Off by default: nothing in streamrec reads the overlay (it is for tools outside
+    # it), and it can grow to a version's own size in Redis
+    embedding_store_write_deltas: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", Device.of(self.device, "[serve] device"))

@@ -121,7 +121,7 @@ def prefix() -> str:
 
 def store_of(stack: LocalStack, prefix: str, cache_rows: int = 1000, metrics: Any = None) -> RedisEmbeddingStore:
     return RedisEmbeddingStore(redis.Redis.from_url(stack.redis_url, socket_timeout=1.0), prefix,
-                               cache_rows=cache_rows, metrics=metrics)
+                               cache_rows=cache_rows, metrics=metrics, write_deltas=True)
 
 
 def assert_load_refused(stack: LocalStack, prefix: str, path: Path, match: str) -> None:
@@ -475,7 +475,8 @@ def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_d
     deltas = tmp_path / "deltas"
     writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600)
     settings = ServeSettings(port=0, publish_root=tmp_path / "serving", deltas_dir=deltas, poll_s=3600,
-                             embedding_store=EmbeddingStore.LAYERED, lookup_counts=False)
+                             embedding_store=EmbeddingStore.LAYERED, lookup_counts=False,
+                             embedding_store_write_deltas=True)
     req = request(ADMITTED_USERS[4], NEW_ITEMS)
     in_process = ScoringModel.load(path)
     with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
@@ -517,7 +518,8 @@ def store_down_at_load(stack: LocalStack, prefix: str, clock: Clock,
 
     dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2,
                        retry=Retry(NoBackoff(), 0))  # refused at once (redis-py retries with backoff by default)
-    store = RedisEmbeddingStore(dead, prefix, cache_rows=1000, retry_after_s=1.0, metrics=metrics, clock=clock)
+    store = RedisEmbeddingStore(dead, prefix, cache_rows=1000, retry_after_s=1.0, metrics=metrics, clock=clock,
+                                write_deltas=True)
     return store, redis.Redis.from_url(stack.redis_url, socket_timeout=1.0)
 
 
@@ -687,7 +689,7 @@ def test_a_delta_write_that_times_out_does_not_make_requests_skip_a_redis_that_s
     admin = redis.Redis.from_url(url)
     path = publish_version(tmp_path, admin, prefix)
     store = RedisEmbeddingStore(redis.Redis.from_url(url, socket_timeout=0.1), prefix, cache_rows=1000,
-                                retry_after_s=30.0)
+                                retry_after_s=30.0, write_deltas=True)
     try:
         layered = ScoringModel.load(path, store=store)
         user_rows = layered.map_rows(0, np.array([hash_value(u) for u in ADMITTED_USERS[10:12]]))
@@ -802,7 +804,8 @@ def test_a_rollback_serves_the_published_versions_rows_not_the_rows_of_deltas_ap
     deltas = tmp_path / "deltas"
     writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600)
     settings = ServeSettings(port=0, publish_root=root, deltas_dir=deltas, poll_s=3600,
-                             embedding_store=EmbeddingStore.LAYERED, lookup_counts=False)
+                             embedding_store=EmbeddingStore.LAYERED, lookup_counts=False,
+                             embedding_store_write_deltas=True)  # the delta rows written, as a tool may want
     req = request(ADMITTED_USERS[4], NEW_ITEMS)
     published = score(ScoringModel.load(path), req).tolist()  # v1 as published: the artifact's rows
     user_row = int(ScoringModel.load(path).map_rows(0, np.array([hash_value(ADMITTED_USERS[4])]))[0])

@@ -23,7 +23,7 @@ from serving.embedding_store import (
     row_keys,
     tag_key,
 )
-from serving.settings import RowDtype
+from serving.settings import RowDtype, ServeSettings
 
 
 def test_rows_round_trip_exactly_as_float32_and_within_half_precision_as_float16() -> None:
@@ -191,3 +191,19 @@ def test_values_beyond_float16_are_refused_rather_than_stored_as_inf() -> None:
     with pytest.raises(ValueError, match="float16"):
         encode_rows(rows, RowDtype.FLOAT16)
     assert len(encode_rows(rows, RowDtype.FLOAT32)) == 2
+
+
+def test_by_default_a_delta_only_drops_its_rows_from_the_lru_and_writes_nothing_to_redis() -> None:
+    """``embedding_store_write_deltas`` is off by default (nothing in streamrec reads the overlay, which can grow to
+    a version's size): a delta's rows leave the LRU and Redis sees no write (FakeClient has no ``mset``: a write
+    would be attempted through a pipeline or MSET and fail loudly here)."""
+    table = np.random.default_rng(1).normal(size=(10, 3)).astype(np.float32)
+    store, client = _store(table, lambda: 0.0)
+    assert store.write_deltas is False and ServeSettings().embedding_store_write_deltas is False
+    rows = LayeredRows(store, "v", table, [], None)
+    rows.gather(np.array([1, 2]))
+    assert 1 in rows.cache
+    calls, keys = client.calls, set(client.values)
+    rows.on_delta(np.array([1, 2]), np.ones((2, 3), np.float32), np.array([False, False]))
+    assert 1 not in rows.cache and 2 not in rows.cache
+    assert client.calls == calls and set(client.values) == keys
