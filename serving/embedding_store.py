@@ -43,17 +43,17 @@ keys (``r:``) only ever hold the artifact's rows**: the refresh writes them, not
 again with its deltas dropped (``streamrec refresh --rollback`` pins it with no deltas; a restart or a swap back
 applies only the deltas serving reads after loading it), so rows of deltas written over its ``r:`` keys would serve
 a model no one trained: the artifact's hot rows and dense weights with a later delta's cold rows. With
-``embedding_store_write_deltas`` (off by default) the serving process that applies a delta writes its non-hot rows apart, to the
-version's **delta overlay** ``<prefix>:emb:<version>:d:<row>`` (one pipelined MSET per delta, best effort, in the
-version's dtype, so only once its meta was read; a failed write is counted in ``..._errors_total`` but does not
-make requests skip Redis). Requests never read the overlay: every ranker that applies deltas to a version holds
-their rows as overrides until its next artifact, and one that does not apply them (a pinned rollback) must not see
-them; rows of deltas pruned before a ranker read them wait for the next artifact, as in-process (``learner/
-deltas.py``). The overlay is what serving has applied to the version, newest write wins (for tools and for
-inspection), and is deleted with the version (:func:`delete_version`); it can grow to one value per non-hot row the
-deltas touch in the version's life, as large as the version's own rows, which is why it is off unless a tool reads
-it. Versions written before the overlay existed
-may hold delta rows under ``r:``: ``streamrec refresh --now`` writes a clean version.
+``embedding_store_write_deltas`` (off by default) the serving process that applies a delta writes its non-hot rows
+apart, to the version's **delta overlay** ``<prefix>:emb:<version>:d:<row>`` (one pipelined MSET per delta, best
+effort, in the version's dtype, so only once its meta was read; a failed write is counted in ``..._errors_total``
+but does not make requests skip Redis). Requests never read the overlay: every ranker that applies deltas to a
+version holds their rows as overrides until its next artifact, and one that does not apply them (a pinned rollback)
+must not see them; rows of deltas pruned before a ranker read them wait for the next artifact, as in-process
+(``learner/ deltas.py``). The overlay is what serving has applied to the version, newest write wins (for tools and
+for inspection), and is deleted with the version (:func:`delete_version`); it can grow to one value per non-hot row
+the deltas touch in the version's life, as large as the version's own rows, which is why it is off unless a tool
+reads it. Versions written before the overlay existed may hold delta rows under ``r:``: ``streamrec refresh --now``
+writes a clean version.
 
 **Redis down** (refused, timed out): the round trip counts in ``streamrec_serving_embedding_store_errors_total`` (the
 default alert rule ``embedding_store_errors`` fires on it), requests skip Redis for ``embedding_store_retry_after_s``
