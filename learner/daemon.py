@@ -454,12 +454,15 @@ class Learner:
                 if self._try_save():
                     since_ckpt = 0
                 last_ckpt = time.monotonic()
-        self.save()
-        if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now
-            try:  # same samples_trained as the checkpoint just saved, whose artifacts skip it by name
+        if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now,
+            # before the final checkpoint, so its delta_seq includes this delta (same samples_trained: its artifacts
+            # skip it by name, and one that never saw it counts no gap when it is pruned unread)
+            self.trainer.step()  # the rows written are the trained ones
+            try:
                 self.deltas.write(self.trainer.model, self.trainer.samples)
             except OSError as exc:  # the pending list keeps the rows: the first delta after a restart sends them
                 log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
+        self.save()
         return self.summary(reason=reason)
 
     def _train(self, batch: TensorBatch) -> None:

@@ -53,8 +53,9 @@ restarted learner's checkpoint, lineage or seq: nothing about ``seq`` (it contin
 one used), ``samples_trained`` (the learner's count when the delta is written) or ``lineage`` changes. The
 daemon fsyncs the list with every checkpoint (:meth:`DeltaWriter.sync`), so each row trained before a
 durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart.
-At a clean exit the daemon writes one last delta after its final checkpoint (same ``samples_trained``:
-an artifact of that checkpoint already holds it and skips it by name).
+At a clean exit the daemon writes one last delta just before its final checkpoint (same ``samples_trained``:
+an artifact of that checkpoint already holds it and skips it by name, and the checkpoint's ``delta_seq`` includes
+it, so a fresh model that never saw it counts no gap when it is pruned unread).
 
 Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
 where it lies (a file that is a symlink resolving outside its directory is refused unread), checksum,

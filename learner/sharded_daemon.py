@@ -450,17 +450,18 @@ class ShardedLearner:
             except Exception as exc:
                 self._strike_round(strikes, settled, exc, own=False)
                 raise
+        if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now, before
+            # the final checkpoint, so its delta_seq includes this delta (as learner/daemon.py: same samples_trained)
+            try:
+                self._write_delta()
+            except OSError as exc:  # rank 0's pending list keeps the rows: the first delta after a restart sends them
+                log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
         try:
             self.save()
         except Exception as exc:
             self._strike_round(strikes, settled, exc, own=False)
             raise
         self._settle(strikes, settled)
-        if self.deltas is not None:  # a clean exit: serving gets what was trained since the last delta now
-            try:  # same samples_trained as the checkpoint just saved, whose artifacts skip it by name
-                self._write_delta()
-            except OSError as exc:  # rank 0's pending list keeps the rows: the first delta after a restart sends them
-                log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
         return self.summary(reason=reason)
 
     def _admit(self, batch: TensorBatch, empty: TensorBatch) -> tuple[TensorBatch, TensorBatch, np.ndarray | None]:

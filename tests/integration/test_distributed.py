@@ -358,6 +358,7 @@ def test_two_ranks_write_serving_deltas_whose_rows_and_dense_weights_are_the_fin
     assert not (deltas / PENDING).exists()  # every row trained is in a delta (the last one at the clean exit)
     _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
     assert meta["samples_trained"] == sum(rows.values())
+    assert meta["delta_seq"] == found[-1][0]  # the exit's delta comes before the final checkpoint, which includes it
     single = tmp_path / "single"
     sharded_checkpoint.unshard(ckpt, single)
     plain = load_latest(single)

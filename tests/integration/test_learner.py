@@ -287,7 +287,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
                STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_BUCKETS="5000",
                STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="32",
-               STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600", STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}")
+               STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600", STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}",
+               STREAMREC_LEARNER_DELTAS_DIR=str(tmp_path / "deltas"), STREAMREC_LEARNER_DELTAS_EVERY_S="3600")
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen(train_cmd(ckpt), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
@@ -302,6 +303,15 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
     meta = json.loads(subprocess.run([*train_cmd(ckpt)[:6], "--status", "--json"], env=env, capture_output=True,
                                      text=True).stdout)
     assert meta["samples_trained"] == status["samples_trained"] <= sum(produced.values())
+    # the exit's delta (deltas every hour: the only one) carries what was trained, and the final checkpoint says it
+    # includes it: a fresh artifact of it that never reads the delta counts no gap (learner/deltas.py)
+    from learner import checkpoint
+    from learner.deltas import list_deltas
+
+    (seq, samples, _), = list_deltas(tmp_path / "deltas")
+    saved = checkpoint.load_latest(ckpt)
+    assert saved is not None and samples == saved.meta["samples_trained"] == status["samples_trained"]
+    assert saved.meta["delta_seq"] == seq == 1
 
 
 def built_learner(kafka: KafkaSettings, ls: LearnerSettings) -> Learner:
