@@ -13,6 +13,7 @@
     │   ├── DatasetMissing           a packaged data set is not installed (the message says how)
     │   ├── DeliveryFailed           the broker did not acknowledge produced messages
     │   ├── MessageTooLarge          a message over the producer's message.max.bytes (never sent)
+    │   ├── joiner.state_log.StateLogError       a join-state record that cannot be read (restore stops)
     │   └── BadMessage               *skip this message*: it goes to ``<topic>.dlq``, processing continues
     │       └── ValidationError      a decoded event breaks its schema (field, value, expected)
     ├── learner/

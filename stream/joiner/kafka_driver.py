@@ -97,16 +97,26 @@ class KafkaJoinWorker:
                                  "fetch.queue.backoff.ms": _FETCH_QUEUE_BACKOFF_MS}))
 
     def _commit(self) -> None:
+        """Commit the processed offsets. A commit that fails (a rebalance under way, the coordinator away) keeps them
+        for the next one: their batches' state is durable already, so until then a restart or the partitions' next
+        owner reads them again and skips what the state log applied. It used to raise out of the run loop and stop
+        the worker, a batch after its outputs were made durable."""
         if self._offsets:
             t0 = time.monotonic()
-            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
-                                 asynchronous=False)
-            self._offsets.clear()
+            try:
+                self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
+                                     asynchronous=False)
+                self._offsets.clear()
+            except KafkaException as exc:
+                log.warning("offset commit failed (%s); kept for the next commit (the batches' state is durable: "
+                            "what is read again is skipped)", clip(str(exc)))
             self.pipeline.totals.stage_s["commit"] += time.monotonic() - t0
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
         revoked = {(tp.topic, tp.partition) for tp in partitions}
+        for tp in revoked:  # not committed now: never later, by a member that no longer owns them
+            self._offsets.pop(tp, None)
         self._assigned -= {tp.partition for tp in partitions}
         self.pipeline.drop_held(revoked)  # the next owner reads them
         self._held = sum(self.pipeline.held_counts.values())

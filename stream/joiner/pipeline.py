@@ -26,6 +26,8 @@ producer. Redis degraded: the batch fails and is retried from the last commit (h
 what a batch makes durable); no strikes are given for it. Day counts are not: they are aggregated for
 ``counts_flush_s`` and written by a writer thread while the batches go on (a crash loses at most that
 much counting); a failed write fails the batch that finds it, and its counts stay buffered for the next.
+A batch's own counts join that buffer only once its state is durable: a failed batch is done again, and
+is counted once.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
+from confluent_kafka import KafkaException, TopicPartition
 
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
@@ -61,7 +64,7 @@ from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.gc_pacing import GcPacing
 from stream.joiner.sample_rows import batches_later
 from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
-from stream.kafka import AckedProducer, ensure_compacted, ensure_topics
+from stream.kafka import AckedProducer, ensure_compacted, ensure_topics, new_consumer
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import connect
 from stream.samples import DELAYED_POSITIVE
@@ -300,6 +303,10 @@ class JoinPipeline:
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
         self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
         self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
+        # The batch in progress's counts and raw ids: added to the buffers above once its state is durable, so a
+        # batch that fails (and is done again) is counted once (_count_batch).
+        self._batch_counts: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self._batch_names: dict[str, set[int | str]] = {"item": set(), "user": set()}
         self._counts_flushed = time.monotonic()
         # Counts are written by one thread beside the batches (_start_flush); the write in flight and what it holds.
         self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
@@ -340,14 +347,53 @@ class JoinPipeline:
         if not missing:
             return
         t0 = time.monotonic()
-        for partition, (chunks, parts) in load_chunks(self.kafka, self.state_topic, missing).items():
-            self._parts.update({(partition, seq): n for seq, n in parts.items()})
+        empty: list[int] = []
+        for partition, (chunks, parts, incomplete) in load_chunks(self.kafka, self.state_topic, missing).items():
+            self._parts.update({(partition, seq): n for seq, n in parts.items() if seq not in incomplete})
+            # A chunk left incomplete by a stop is removed (a seq written again later writes its own parts after this)
+            for seq in incomplete:
+                for part in range(parts[seq]):
+                    self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
             self.engines[partition] = eng
             if chunks:
                 log.info("partition %d: restored %d pending impressions from %d state chunks (offsets %s)",
                          partition, len(eng.pending), len(chunks), eng.offsets)
+            elif not incomplete:
+                empty.append(partition)
+        if empty:
+            self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0
+
+    def _say_lost_state(self, partitions: list[int]) -> None:
+        """Partitions without any state chunk: new ones, or ones whose state was lost (the state topic deleted or
+        emptied) while the group's committed offsets were kept. The second is said, loudly: the join goes on from
+        the committed offsets, and the impressions before them that were still in their window are gone."""
+        topics = (self.kafka.impressions_topic, self.kafka.clicks_topic)
+        try:
+            consumer = new_consumer(self.kafka, self.js.app_id)  # asks the group's offsets; joins nothing
+            try:
+                got = consumer.committed([TopicPartition(t, p) for p in partitions for t in topics], timeout=10)
+            finally:
+                consumer.close()
+        except KafkaException as exc:  # a diagnosis only: the restore goes on
+            log.debug("could not read the committed offsets of group %s: %s", self.js.app_id, exc)
+            return
+        committed = {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset > 0}
+        for p in partitions:
+            imps, clicks = committed.get((topics[0], p)), committed.get((topics[1], p))
+            if imps is None and clicks is None:
+                continue
+            log.error(
+                "partition %d: the state log %s holds nothing for it, yet group %s has committed its input up to "
+                "impressions offset %s, clicks offset %s: its join state was lost (the state topic deleted or "
+                "emptied?). Joining goes on from those offsets; the impressions before them that were still in their "
+                "window get no further sample (under wait and window none at all, under fake_negative and es_dfm no "
+                "delayed positive) and clicks on them are reported as orphans. To join them again, reset the group's "
+                "offsets of partition %d on both inputs to an attribution window before them (the samples already out "
+                "come again; the learner drops the repeats it remembers). If every record before those offsets was "
+                "dead-lettered, nothing was lost.", p, self.state_topic, self.js.app_id,
+                "(none)" if imps is None else imps, "(none)" if clicks is None else clicks, p)
 
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
@@ -636,6 +682,7 @@ class JoinPipeline:
         results: dict[int, BatchResult] = {}
         encoded: dict[int, list[bytes]] = {}
         stage = self.totals.stage_s
+        self._batch_counts, self._batch_names = {}, {"item": set(), "user": set()}  # a failed batch's are dropped
         prev: _Step | None = None
         try:
             for partition, imps, clicks in batches:
@@ -729,6 +776,7 @@ class JoinPipeline:
         self.producer.flush()
         self.totals.stage_s["encode_state"] += t2 - t1
         self.totals.stage_s["flush"] += time.monotonic() - t2
+        self._count_batch()
 
     def _account(self, res: BatchResult) -> None:
         c = self.totals.counts
@@ -743,16 +791,20 @@ class JoinPipeline:
     def _record_redis(self, res: BatchResult, imps: list[tuple[int, Impression]]) -> None:
         """History now (the next batch's impressions read it); counts aggregated for ``counts_flush_s``:
         popular ids repeat, so one ZINCRBY covers many events (a crash loses at most that much counting).
-        The raw ids of ``imps`` are kept (distinct) until the flush, which names the counted hashes with them."""
+        The raw ids of ``imps`` are kept (distinct) until the flush, which names the counted hashes with them.
+        Both are kept apart for the batch until its state is durable (:meth:`_count_batch`): a batch that fails is
+        done again from its input, and its counts must not be in the buffer twice (with a Redis outage retried five
+        times, the first partition's counts were written six times). Its history appends are made now, and done
+        again with it: a click stored twice is read once (``stream/history.py``)."""
         def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
-            got = self._counts_buffer.setdefault((kind, event), ([], []))
+            got = self._batch_counts.setdefault((kind, event), ([], []))
             got[0].extend(ids)
             got[1].extend(ts)
 
         if imps:
             events = [ev for _, ev in imps]
-            self._names_buffer["user"].update(map(_USER_ID, events))
-            self._names_buffer["item"].update(map(_ITEM_ID, events))
+            self._batch_names["user"].update(map(_USER_ID, events))
+            self._batch_names["item"].update(map(_ITEM_ID, events))
         if res.new_impressions:
             ts = [p.ts for p in res.new_impressions]
             buffer("item", "impression", [p.item for p in res.new_impressions], ts)
@@ -764,6 +816,17 @@ class JoinPipeline:
             self.history.append_many([j.user for j in res.joined_clicks], [j.item for j in res.joined_clicks], ts)
         if self._flushing is not None and self._flushing[0].done():
             self._finish_flush()  # a failed write fails this batch (the worker rewinds), as a synchronous one would
+
+    def _count_batch(self) -> None:
+        """The batch's state is durable: its counts and raw ids join the buffers, and a flush starts when due."""
+        counts, names = self._batch_counts, self._batch_names
+        self._batch_counts, self._batch_names = {}, {"item": set(), "user": set()}
+        for key, (ids, ts) in counts.items():
+            got = self._counts_buffer.setdefault(key, ([], []))
+            got[0].extend(ids)
+            got[1].extend(ts)
+        for kind, raws in names.items():
+            self._names_buffer[kind] |= raws
         if time.monotonic() - self._counts_flushed >= self.js.counts_flush_s:
             self._start_flush()
 

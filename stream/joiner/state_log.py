@@ -1,9 +1,24 @@
 """The joiner's durable state: one record per processed batch and partition in a compacted topic.
 
-Key ``"{partition}:{seq}:{part}"``, value = the :class:`~stream.joiner.engine.StateChunk` as JSON,
-split into parts of at most ``MAX_RECORD_BYTES`` (Kafka's default message limit is 1 MB; part 0
-carries everything but a share of the added impressions). A retired chunk gets a tombstone per part
-(null value), so log compaction keeps the topic as small as the live state.
+Key ``"{partition}:{seq}:{part}"``, value = the :class:`~stream.joiner.engine.StateChunk`, split into parts of
+at most ``MAX_RECORD_BYTES`` (Kafka's default message limit is 1 MB). Every part carries the chunk's scalars
+(seq, offsets, event times) and a share of its lists (clicks joined, clicks waiting, evictions, clicks given
+up, the impressions added): none of them is bounded by the batch alone (a batch of orphan clicks with 256-character
+ids made a 1.4 MB head part, over the producer's limit, which failed the batch and gave its clicks strikes), so each
+list is split across parts like the impressions. A retired chunk gets a tombstone per part (null value), so log
+compaction keeps the topic as small as the live state.
+
+A chunk's parts are not written at once: a process that stops between two parts leaves the first ones in the log
+(the rest never written), and one that stops while retiring a chunk leaves its last parts (tombstones go in part
+order). Every part therefore says how many parts its chunk has and which write it belongs to (``parts``, ``write``:
+an id per :func:`encode_chunk` call), and a restore leaves out a chunk whose parts are not all there: a chunk
+restored from part 0 alone claimed the whole batch's offsets (its records skipped when read again) without the
+impressions of its other parts, which then never got a sample. Leaving it out is safe: the batch's input offsets
+are committed only after every part was acknowledged, so a chunk being written is read again, and a chunk being
+retired no longer mattered. Parts of an older write of the same seq (a batch written again after a failed flush,
+in fewer parts) are left out the same way. Records without ``parts`` (written before it existed) are taken as they
+are, except a chunk without its part 0: that one was being retired.
+
 The record goes to the same partition number as the input partition it describes, and is written
 after the batch's samples are acknowledged and before the batch's input offsets are acknowledged
 to faust: committed offsets never run ahead of durable state. Events between the committed offset
@@ -16,17 +31,24 @@ write (25-35% of the join time here) and routes it by the *current* event, which
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any, NamedTuple
+
 import numpy as np
 import orjson
 import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Message
 
 from stream.config import KafkaSettings
+from stream.errors import StreamError, clip, shown
 from stream.joiner.context_block import Column, ContextBlock
 from stream.joiner.engine import Pending, StateChunk
 from stream.joiner.sample_rows import encode_bounded, state_batch
 from stream.kafka import read_to_end
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
+
+log = logging.getLogger("streamrec.join")
 
 
 def state_topic(app_id: str) -> str:
@@ -35,35 +57,77 @@ def state_topic(app_id: str) -> str:
 
 MAX_RECORD_BYTES = 900_000
 _MAGIC = b"SRJ1"
+_COUNT_ROOM = 64  # bytes kept free in each part for the "parts" and "write" fields, added once the parts are known
+
+
+class StateLogError(StreamError):
+    """A record of the joiner's state log that cannot be read: the partition it describes cannot be restored."""
 
 
 def chunk_key(partition: int, seq: int, part: int = 0) -> bytes:
     return f"{partition}:{seq}:{part}".encode()
 
 
-def _encode(c: StateChunk, added: list[Pending], head: bool) -> bytes:
+_LISTS = ("joined", "waiting", "evicted", "unwaited")  # the chunk's lists in the header, in item order (then added)
+
+
+def _encode(c: StateChunk, items: range, bounds: list[int]) -> bytes:
     """``SRJ1`` + header length (4 bytes) + JSON header + the added impressions as an Arrow sample batch
-    (columnar: histories and contexts cost their int64s, not their decimal text)."""
+    (columnar: histories and contexts cost their int64s, not their decimal text). ``items``: the chunk's items this
+    part holds, numbered over its lists in ``_LISTS`` order and then its added impressions (``bounds``: where each
+    starts, and the end)."""
+    lo, hi = items.start, items.stop
+
+    def share(k: int, seq: list[Any]) -> list[Any]:
+        start = bounds[k]
+        return seq[max(lo - start, 0):max(min(hi, bounds[k + 1]) - start, 0)]
+
     header = orjson.dumps({
         "seq": c.seq,
-        "joined": c.joined if head else [],
-        "waiting": c.waiting if head else [],
+        "joined": share(0, c.joined),
+        "waiting": share(1, c.waiting),
         "max_ts": c.max_ts,
         "offsets": c.offsets,
         "max_ref_ts": c.max_ref_ts,
-        "evicted": c.evicted if head else [],
-        "unwaited": c.unwaited if head else [],
+        "evicted": share(2, c.evicted),
+        "unwaited": share(3, c.unwaited),
         "topic_max": c.topic_max,
     })
     # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply_all), and under
     # fake_negative every added impression has had one attached already (on ML-1M, 400 of each row's ~560 bytes).
+    added = share(4, c.added)
     body = state_batch(added).encode() if added else b""
     return _MAGIC + len(header).to_bytes(4, "big") + header + body
 
 
 def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
-    """The chunk as one or more records (parts), each at most ``max_bytes`` unless one impression is bigger."""
-    return encode_bounded(c.added, lambda added, first: _encode(c, added, head=first), max_bytes)
+    """The chunk as one or more records (parts), each at most ``max_bytes`` unless one impression is bigger; each
+    part names the number of parts and this write (module docstring)."""
+    bounds = [0]
+    for seq in (c.joined, c.waiting, c.evicted, c.unwaited, c.added):
+        bounds.append(bounds[-1] + len(seq))
+    parts = encode_bounded(range(bounds[-1]), lambda items, _first: _encode(c, items, bounds),  # type: ignore[arg-type]
+                           max_bytes - _COUNT_ROOM)
+    tail = b',"parts":%d,"write":"%s"}' % (len(parts), os.urandom(4).hex().encode())
+    out = []
+    for raw in parts:
+        n = int.from_bytes(raw[4:8], "big")
+        header = raw[8:8 + n - 1] + tail  # the JSON object's closing brace replaced by the two fields and one
+        out.append(_MAGIC + len(header).to_bytes(4, "big") + header + raw[8 + n:])
+    return out
+
+
+def _split(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """A part's header and body."""
+    if raw[:4] != _MAGIC:
+        raise ValueError(f"not a joiner state record (magic {raw[:4]!r}, expected {_MAGIC!r})")
+    n = int.from_bytes(raw[4:8], "big")
+    if len(raw) < 8 + n:
+        raise ValueError(f"truncated: a header of {n} bytes in a record of {len(raw)}")
+    header = orjson.loads(raw[8:8 + n])
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    return header, raw[8 + n:]
 
 
 def _decode_added(body: bytes, seq: int) -> list[Pending]:
@@ -88,42 +152,100 @@ def _decode_added(body: bytes, seq: int) -> list[Pending]:
     ]
 
 
+def _chunk(parts: list[tuple[dict[str, Any], bytes]]) -> StateChunk:
+    """One chunk from its parts' (header, body), part 0 first: its lists joined over the parts."""
+    head = parts[0][0]
+    added: list[Pending] = []
+    for header, body in parts:
+        added.extend(_decode_added(body, header["seq"]))
+
+    def joined_lists(name: str) -> list[Any]:
+        return [item for header, _ in parts for item in header.get(name, ())]
+
+    return StateChunk(head["seq"], added, list(map(tuple, joined_lists("joined"))),
+                      list(map(tuple, joined_lists("waiting"))), head["max_ts"], tuple(head["offsets"]),
+                      head["max_ref_ts"], list(joined_lists("evicted")), list(map(tuple, joined_lists("unwaited"))),
+                      tuple(head.get("topic_max", (None, None))))
+
+
 def decode_chunk(raws: list[bytes]) -> StateChunk:
     """Join the parts of one chunk (part 0 first)."""
-    headers, added = [], []
-    for raw in raws:
-        if raw[:4] != _MAGIC:
-            raise ValueError(f"not a joiner state record (magic {raw[:4]!r})")
-        n = int.from_bytes(raw[4:8], "big")
-        headers.append(orjson.loads(raw[8:8 + n]))
-        added.extend(_decode_added(raw[8 + n:], headers[-1]["seq"]))
-    head = headers[0]
-    return StateChunk(head["seq"], added, [tuple(j) for j in head["joined"]], [tuple(w) for w in head["waiting"]],
-                      head["max_ts"], tuple(head["offsets"]), head["max_ref_ts"], list(head.get("evicted", [])),
-                      [tuple(w) for w in head.get("unwaited", [])], tuple(head.get("topic_max", (None, None))))
+    return _chunk([_split(raw) for raw in raws])
+
+
+class PartitionLog(NamedTuple):
+    """What :func:`load_chunks` read of one partition of the state log."""
+
+    chunks: list[StateChunk]  # the live, complete chunks (tombstones applied)
+    parts: dict[int, int]  # seq -> how many part keys it has in the log (all of them to tombstone when retired)
+    incomplete: dict[int, list[int]]  # seq -> the part numbers in the log of a chunk left out, not all there
+
+
+def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
+           ) -> tuple[list[tuple[dict[str, Any], bytes]] | None, str]:
+    """The parts that make a chunk, part 0 first; None (and why) when they are not all there."""
+    head = parts.get(0)
+    if head is None:
+        return None, "its part 0 is gone: the process stopped while retiring it"
+    n, write = head[0].get("parts"), head[0].get("write")
+    if n is None:  # written before parts were counted: whatever is there
+        return [parts[i] for i in sorted(parts)], ""
+    mine = [parts.get(i) for i in range(n)]
+    if any(part is None or part[0].get("write") != write for part in mine):
+        have = sorted(i for i in range(n) if (part := parts.get(i)) is not None and part[0].get("write") == write)
+        return None, f"parts {have} of {n} are in the log: the process stopped while writing it"
+    return mine, ""  # type: ignore[return-value]
 
 
 def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
-                timeout_s: float = 60.0) -> dict[int, tuple[list[StateChunk], dict[int, int]]]:
-    """Read partitions of the state log to their end, all with one consumer. Per partition: the live
-    chunks (tombstones applied) and the number of parts of each (by seq), which the writer needs to
-    tombstone them later."""
-    live: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
+                timeout_s: float = 60.0) -> dict[int, PartitionLog]:
+    """Read partitions of the state log to their end, all with one consumer (see :class:`PartitionLog`). A chunk
+    whose parts are not all there is left out and logged (module docstring); a record that cannot be read raises
+    :class:`StateLogError` naming it (the partition cannot be restored without it)."""
+    live: dict[int, dict[bytes, tuple[int, bytes]]] = {p: {} for p in partitions}
 
     def apply(m: Message) -> None:
         part, key, value = int(m.partition() or 0), m.key() or b"", m.value()
         if value is None:
             live[part].pop(key, None)  # a tombstone
         else:
-            live[part][key] = value
+            live[part][key] = (int(m.offset() or 0), value)
 
     read_to_end(kafka, topic, apply, start={p: OFFSET_BEGINNING for p in partitions}, timeout_s=timeout_s)
     out = {}
     for p, records in live.items():
-        by_seq: dict[int, dict[int, bytes]] = {}
-        for key, value in records.items():
-            _, seq, part = key.decode().split(":")
-            by_seq.setdefault(int(seq), {})[int(part)] = value
-        chunks = [decode_chunk([parts[i] for i in sorted(parts)]) for parts in by_seq.values()]
-        out[p] = (chunks, {seq: len(parts) for seq, parts in by_seq.items()})
+        by_seq: dict[int, dict[int, tuple[dict[str, Any], bytes]]] = {}
+        where: dict[int, int] = {}  # seq -> offset of a record of it, for an error about the chunk
+        for key, (offset, value) in records.items():
+            try:
+                _, seq_text, part_text = key.decode().split(":")
+                seq, part = int(seq_text), int(part_text)
+                by_seq.setdefault(seq, {})[part] = _split(value)
+            except Exception as exc:  # noqa: BLE001 - whatever the damage, it is named with the record
+                raise _unreadable(topic, p, key, offset, exc) from exc
+            where[seq] = offset
+        chunks: list[StateChunk] = []
+        incomplete: dict[int, list[int]] = {}
+        for seq, parts in by_seq.items():
+            try:
+                whole, why = _whole(parts)
+                if whole is not None:
+                    chunks.append(_chunk(whole))
+            except Exception as exc:  # noqa: BLE001
+                raise _unreadable(topic, p, chunk_key(p, seq), where[seq], exc) from exc
+            if whole is None:
+                incomplete[seq] = sorted(parts)
+                log.warning("state log %s partition %d: chunk %d is incomplete (%s); left out of the restore (a "
+                            "chunk being written was not committed and its batch is read again; one being retired "
+                            "no longer mattered)", topic, p, seq, why)
+        out[p] = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete)
     return out
+
+
+def _unreadable(topic: str, partition: int, key: bytes, offset: int, exc: BaseException) -> StateLogError:
+    return StateLogError(
+        f"state log {topic} partition {partition}: the record {shown(key)} (offset {offset}, or a part of its chunk) "
+        f"cannot be read ({type(exc).__name__}: {clip(str(exc), 200)}); the join state of input partition "
+        f"{partition} cannot be restored without it. It was not written by this version of streamrec or was damaged: "
+        "run the version that wrote it, or accept losing what it held (the impressions it added get no further "
+        "sample) by writing a tombstone (a null value) for that key to the topic")

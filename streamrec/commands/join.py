@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 from typing import Any
 
@@ -98,8 +99,15 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         code = worker.run()
-    finally:
-        pipeline.close()
+    except BaseException:
+        # Stopping on an error: a close that fails too (Redis away while flushing the counts) is logged, not raised
+        # in its place, or the line printed at exit names the second error and hides the first.
+        try:
+            pipeline.close()
+        except Exception:  # noqa: BLE001
+            logging.getLogger("streamrec.join").exception("closing the joiner after the error below failed too")
+        raise
+    pipeline.close()
     summary = pipeline.totals.summary()
     summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total,
                    input_pauses=dict(worker.gate.pauses))

@@ -1,11 +1,15 @@
-"""The joiner's state chunks (stream/joiner/state_log.py): what a chunk carries of its added impressions."""
+"""The joiner's state chunks (stream/joiner/state_log.py): what a chunk carries, in parts under the message limit, and
+when a restore takes its parts as the chunk."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import orjson
+
 from stream.joiner.engine import Pending, StateChunk
-from stream.joiner.state_log import decode_chunk, encode_chunk
+from stream.joiner.sample_rows import state_batch
+from stream.joiner.state_log import _split, _whole, decode_chunk, encode_chunk
 
 
 def pending(i: int, history: list[int]) -> Pending:
@@ -28,3 +32,56 @@ def test_a_chunk_leaves_the_histories_out_and_keeps_everything_else() -> None:
     assert [dataclasses.replace(p, history=[]) for p in back.added] == without
     assert (back.seq, back.joined, back.offsets, back.max_ts) == (3, [("imp-1", 1_700_000_000_500)], (5, 7),
                                                                   1_700_000_000_000)
+
+
+def big_chunk() -> StateChunk:
+    ids = [f"{'x' * 200}-{i:05d}" for i in range(3000)]
+    return StateChunk(7, [pending(i, []) for i in range(300)],
+                      [(i, 1_700_000_000_000 + n) for n, i in enumerate(ids[:800])],
+                      [(i, 1_700_000_000_001) for i in ids[800:1800]], 1_700_000_000_000, (5, 7), 1_700_000_000_299,
+                      ids[1800:2300], [(i, 1_700_000_000_002) for i in ids[2300:]], (1_700_000_000_010, None))
+
+
+def test_every_list_of_a_chunk_is_split_across_parts_under_the_limit_and_joined_back() -> None:
+    # The clicks joined, waiting and given up and the evictions were all in part 0's header, whatever their size: a
+    # batch of 5,000 orphan clicks with 256-character ids made a 1.4 MB record, over the producer's message limit.
+    chunk = big_chunk()
+    parts = encode_chunk(chunk, max_bytes=100_000)
+    assert len(parts) > 6 and max(map(len, parts)) <= 100_000
+    back = decode_chunk(parts)
+    assert dataclasses.replace(back, added=[]) == dataclasses.replace(chunk, added=[])
+    assert [dataclasses.replace(p, context=dict(p.context)) for p in back.added] == [
+        dataclasses.replace(p, chunk=7) for p in chunk.added]  # a restored impression names the chunk it came in
+
+
+def test_each_part_says_how_many_parts_its_chunk_has_and_which_write_it_is() -> None:
+    parts = encode_chunk(big_chunk(), max_bytes=100_000)
+    headers = [orjson.loads(raw[8:8 + int.from_bytes(raw[4:8], "big")]) for raw in parts]
+    assert {h["parts"] for h in headers} == {len(parts)} and len({h["write"] for h in headers}) == 1
+    again = encode_chunk(big_chunk(), max_bytes=100_000)
+    assert orjson.loads(again[0][8:8 + int.from_bytes(again[0][4:8], "big")])["write"] != headers[0]["write"]
+
+
+def test_a_chunk_written_before_parts_were_counted_still_decodes() -> None:
+    # the previous format: every list in part 0's header, no "parts" nor "write"
+    chunk = StateChunk(3, [pending(i, []) for i in range(4)], [("imp-1", 1_700_000_000_500)], [("w", 9)],
+                       1_700_000_000_000, (5, 7), 1_700_000_000_003, ["e"], [("u", 8)], (1, 2))
+    header = orjson.dumps({"seq": 3, "joined": chunk.joined, "waiting": chunk.waiting, "max_ts": chunk.max_ts,
+                           "offsets": chunk.offsets, "max_ref_ts": chunk.max_ref_ts, "evicted": chunk.evicted,
+                           "unwaited": chunk.unwaited, "topic_max": chunk.topic_max})
+    body = state_batch(chunk.added).encode()
+    back = decode_chunk([b"SRJ1" + len(header).to_bytes(4, "big") + header + body])
+    assert dataclasses.replace(back, added=[]) == dataclasses.replace(chunk, added=[])
+    assert [p.impression_id for p in back.added] == [p.impression_id for p in chunk.added]
+
+
+def test_a_chunk_whose_parts_are_not_all_there_is_left_out() -> None:
+    parts = [_split(raw) for raw in encode_chunk(big_chunk(), max_bytes=100_000)]
+    n = len(parts)
+    assert _whole(dict(enumerate(parts)))[0] is not None
+    assert _whole({i: parts[i] for i in range(n - 1)})[0] is None  # the last part was never written
+    assert _whole({i: parts[i] for i in range(1, n)})[0] is None  # part 0 tombstoned: being retired
+    stale = [_split(raw) for raw in encode_chunk(big_chunk(), max_bytes=100_000)]
+    assert _whole({**dict(enumerate(parts)), 1: stale[1]})[0] is None  # a part of another write of the seq
+    whole = _whole({**dict(enumerate(parts)), n: stale[1]})[0]  # a part past this write's count: not in it
+    assert whole is not None and len(whole) == n

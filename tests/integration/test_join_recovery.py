@@ -1,0 +1,242 @@
+"""The joiner off its happy path, against the session's broker and Redis: a state chunk half written when the process
+stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
+deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
+commit that fails. Each test failed before its fix (the docstrings say how), but the dead letter's.
+
+The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
+"""
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import pytest
+import redis
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+import stream.joiner.pipeline as pipeline_module
+from stream.config import KafkaSettings
+from stream.counts import DailyCounts
+from stream.features import hash_value
+from stream.joiner.kafka_driver import KafkaJoinWorker
+from stream.joiner.state_log import StateLogError, encode_chunk, state_topic
+from stream.kafka import AckedProducer, admin_config, consumer_config
+from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
+from tests.kafka_io import read_topic
+
+
+class Stopped(BaseException):
+    """The process dying where it is (a SIGKILL): nothing after it runs."""
+
+
+def test_a_state_chunk_half_written_when_the_process_stopped_loses_no_impression(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk in several parts, the process stopped after its part 0 was acknowledged: the restore used to take part
+    0 alone as the chunk, with the whole batch's offsets, so the batch read again was skipped as applied and the
+    impressions of the parts never written got no sample (175 of 200 here). Now the incomplete chunk is left out (and
+    tombstoned) and the batch is joined again."""
+    monkeypatch.setattr(pipeline_module, "encode_chunk", partial(encode_chunk, max_bytes=3000))
+    records = [imp(kafka, 0, i, f"imp-{i:04d}", T0 + i, user=f"u{i}", item=f"i{i}", tag="x" * 40) for i in range(200)]
+    first = make()
+    topic = state_topic(first.js.app_id)
+    send = first.producer.send
+
+    def stop_before_part_1(to: str, value: Any, key: Any = None, headers: Any = None, partition: Any = None) -> None:
+        if to == topic and key is not None and key.endswith(b":1"):
+            first.producer.flush()  # part 0 is in the log ...
+            raise Stopped  # ... and the process dies before part 1
+        send(to, value, key, headers, partition)
+
+    monkeypatch.setattr(first.producer, "send", stop_before_part_1)
+    with pytest.raises(Stopped):
+        first.process(records)
+    assert [r.key for r in read_topic(kafka, topic)] == [b"0:0:0"]
+    again = make()  # nothing was committed: the driver reads the batch again
+    again.process(records)
+    again.drain()
+    assert {r.impression_id for r in sample_rows(kafka)} == {f"imp-{i:04d}" for i in range(200)}
+    assert again.totals.counts["redelivered"] == 0
+    third = make()  # the stale part 0 was tombstoned and written again whole: a later restore has the same state
+    third.restore({0})
+    assert third.engines[0].offsets == again.engines[0].offsets and third.engines[0].pending == {}
+
+
+def live_keys(kafka: KafkaSettings, topic: str) -> list[bytes]:
+    live: dict[bytes, bytes] = {}
+    for r in read_topic(kafka, topic):
+        if r.value is None:
+            live.pop(r.key or b"", None)
+        else:
+            live[r.key or b""] = r.value
+    return sorted(live)
+
+
+def test_the_rest_of_a_state_chunk_being_retired_when_the_process_stopped_is_left_out_and_removed(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tombstones go in part order: a stop after part 0's left the chunk's other parts, which every restore decoded as
+    a chunk (part 1's header as its head) and retired again with as many tombstones as parts were left, from part 0:
+    the last part stayed in the log for good."""
+    monkeypatch.setattr(pipeline_module, "encode_chunk", partial(encode_chunk, max_bytes=3000))
+    first = make()
+    first.process([imp(kafka, 0, i, f"imp-{i:03d}", T0 + i, tag="y" * 40) for i in range(60)]
+                  + [click(kafka, 0, 0, "imp-007", T0 + 100)])
+    parts = first._parts[(0, 0)]
+    assert parts > 1
+    topic = state_topic(first.js.app_id)
+    send = first.producer.send
+
+    def stop_after_a_tombstone(to: str, value: Any, key: Any = None, headers: Any = None,
+                               partition: Any = None) -> None:
+        send(to, value, key, headers, partition)
+        if to == topic and value is None and key == b"0:0:0":
+            first.producer.flush()
+            raise Stopped
+
+    monkeypatch.setattr(first.producer, "send", stop_after_a_tombstone)
+    with pytest.raises(Stopped):  # event time past the window and late retention: chunk 0 retires
+        first.process([imp(kafka, 0, 60, "later", T0 + 4_000_000), click(kafka, 0, 1, "later", T0 + 4_000_001)])
+    assert live_keys(kafka, topic) == sorted([b"0:1:0", *(b"0:0:%d" % i for i in range(1, parts))])
+    again = make()
+    again.restore({0})
+    assert set(again.engines[0].pending) == {"later"} and again.engines[0].offsets == [60, 1]
+    again.producer.flush()
+    assert live_keys(kafka, topic) == [b"0:1:0"]
+
+
+def test_a_batch_of_orphan_clicks_with_long_ids_is_joined_in_state_parts_under_the_message_limit(
+        kafka: KafkaSettings, make) -> None:
+    """5,000 waiting clicks with 256-character ids (the [limits] default allows them): the state chunk's head part
+    carried every one of them, 1.4 MB, over the producer's message limit: the batch failed with MessageTooLarge and
+    each of its clicks got a strike."""
+    p = make()
+    p.process([click(kafka, 0, i, "y" * 250 + f"{i:06d}", T0 + i) for i in range(5000)])
+    assert p.strikes.counts == {}
+    sizes = [len(r.value or b"") for r in read_topic(kafka, state_topic(p.js.app_id))]
+    assert len(sizes) > 1 and max(sizes) <= 900_000
+    again = make()
+    again.restore({0})
+    assert len(again.engines[0].waiting) == 5000
+
+
+def test_an_unreadable_state_record_stops_the_restore_naming_it(kafka: KafkaSettings, make) -> None:
+    """It used to raise orjson's 'unexpected end of data' (or an Arrow error) naming neither the topic, the
+    partition nor the record."""
+    make().process([imp(kafka, 0, 0, "a", T0)])
+    producer = AckedProducer(kafka)
+    topic = state_topic(make().js.app_id)
+    producer.send(topic, b'SRJ1\x00\x00\x00\x40{"seq":1,', b"0:1:0", partition=0)  # truncated
+    producer.flush()
+    with pytest.raises(StateLogError, match=rf"state log {topic} partition 0: the record b'0:1:0' \(offset 1"):
+        make().restore({0})
+
+
+def test_a_state_topic_deleted_under_the_groups_offsets_is_said(kafka: KafkaSettings, make,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The join state is gone while the group's offsets are kept: the worker starts afresh from those offsets (the
+    state topic made again), and the impressions before them that were still in their window get no sample. It used
+    to say nothing."""
+    first = make()
+    first.process([imp(kafka, 0, i, f"old-{i}", T0 + i) for i in range(5)])
+    group = Consumer(consumer_config(kafka, first.js.app_id))  # what the driver commits after that batch
+    group.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, 5)], asynchronous=False)
+    group.close()
+    admin = AdminClient(admin_config(kafka))
+    topic = state_topic(first.js.app_id)
+    for fut in admin.delete_topics([topic], operation_timeout=10).values():
+        fut.result()
+    deadline = time.monotonic() + 10
+    while topic in admin.list_topics(timeout=5).topics and time.monotonic() < deadline:
+        time.sleep(0.1)
+    caplog.set_level(logging.WARNING, logger="streamrec.join")
+    again = make()
+    again.process([imp(kafka, 0, 5, "new-5", T0 + 100)])
+    lost = [r.getMessage() for r in caplog.records if "its join state was lost" in r.getMessage()]
+    assert len(lost) == 1 and "impressions offset 5, clicks offset (none)" in lost[0]
+    caplog.clear()
+    make().process([imp(kafka, 1, 0, "fresh", T0)])  # a partition never joined before: nothing to say
+    assert not [r for r in caplog.records if "join state was lost" in r.getMessage()]
+
+
+def test_redis_failing_in_the_middle_of_a_batch_counts_the_batch_done_again_once(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history append fails after the batch's day counts were buffered; the kafka driver rewinds and does the batch
+    again. Each failed try's counts stayed buffered: three failures wrote the impression and the click four times."""
+    p = make()
+    append = p.history.append_many
+    failures = [redis.ConnectionError("Redis is down")] * 3
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        if failures:
+            raise failures.pop()
+        append(*args, **kwargs)
+
+    monkeypatch.setattr(p.history, "append_many", flaky)
+    batch = [imp(kafka, 0, 0, "a", T0, item="i1"), click(kafka, 0, 0, "a", T0 + 1)]
+    for _ in range(3):
+        with pytest.raises(redis.ConnectionError):
+            p.process(batch)
+        p.drop_held(set(p.held_counts))  # what KafkaJoinWorker._recover does
+        p.forget(set(p.engines))
+    p.process(batch)
+    p.close()
+    counts = DailyCounts(redis_client, prefix=prefix)
+    assert counts.top("item", "impression") == [(str(hash_value("i1")), 1.0)]
+    assert counts.top("item", "click") == [(str(hash_value("i1")), 1.0)]
+
+
+class FailingCommits:
+    """A consumer whose first ``fail`` commits fail (a rebalance under way); what it committed."""
+
+    def __init__(self, consumer: Consumer, fail: int) -> None:
+        self.consumer, self.fail, self.commits = consumer, fail, []
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail:
+            self.fail -= 1
+            raise KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS))
+        self.commits.append([(tp.partition, tp.offset) for tp in kwargs["offsets"]])
+        return self.consumer.commit(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+
+def worker(p: Any, kafka: KafkaSettings, failing_commits: int = 0) -> KafkaJoinWorker:
+    w = KafkaJoinWorker(p, kafka, p.js)
+    w.consumer = FailingCommits(w.consumer, failing_commits)  # type: ignore[assignment]
+    w._assigned = {0}
+    return w
+
+
+def test_a_poison_message_whose_dead_letter_cannot_be_written_is_not_committed(kafka: KafkaSettings, make) -> None:
+    p = make()
+    bad = imp(kafka, 0, 1, "b", T0 + 1)
+    key = (bad.topic, bad.partition, bad.offset)
+    for _ in range(p.js.poison_after):
+        p.strikes.failed([key], RuntimeError("boom"))
+    w = worker(p, kafka)
+    p.dead_letters._kafka = dataclasses.replace(kafka, dlq_suffix=".dlq/not a topic")
+    try:
+        assert not w._process([imp(kafka, 0, 0, "a", T0), bad, imp(kafka, 0, 2, "c", T0 + 2)], None)  # rewound
+        assert w.consumer.commits == [] and key in p.strikes.counts and w.recoveries == 1
+    finally:
+        w.consumer.close()
+
+
+def test_an_offset_commit_that_fails_is_made_with_the_next_one_and_does_not_stop_the_kafka_driver(
+        kafka: KafkaSettings, make) -> None:
+    """The commit after a durable batch raised out of the run loop: the worker stopped (exit 1)."""
+    p = make()
+    w = worker(p, kafka, failing_commits=1)
+    try:
+        assert w._process([imp(kafka, 0, 0, "a", T0)], None)
+        assert w._process([imp(kafka, 0, 1, "b", T0 + 1)], None)
+        assert w.consumer.commits == [[(0, 2)]]
+    finally:
+        w.consumer.close()
