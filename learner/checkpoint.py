@@ -53,7 +53,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -191,6 +191,44 @@ def lineage(directory: Path) -> str:
     return new
 
 
+class _WriteErrors:
+    """A binary file that remembers the first ``OSError`` its writes raised (torch.save swallows it: below)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def torch_save(obj: object, fh: BinaryIO) -> None:
+    """``torch.save(obj, fh)``, raising the ``OSError`` of a write that failed as itself.
+
+    torch's zip writer turns a failed write (a full disk, a quota, a file-size limit) into ``RuntimeError:
+    [enforce fail at inline_container.cc] . unexpected pos 896 vs 790``: a periodic checkpoint, which the daemon
+    survives on an ``OSError`` (a full disk is retried at the next interval), then stopped it, and every restart
+    stopped again at its first checkpoint while the disk stayed full. Here the write's own error (ENOSPC, EDQUOT,
+    EFBIG, EIO) is raised instead, from torch's."""
+    out = _WriteErrors(fh)
+    try:
+        torch.save(obj, out)  # type: ignore[arg-type]  # a file-like with write and flush is all it needs
+    except OSError:
+        raise
+    except Exception as exc:
+        if out.error is not None:
+            raise out.error from exc
+        raise
+
+
 def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int = 3) -> Path:
     """Write checkpoint number ``meta['samples_trained']``; returns its path."""
     if keep < 1:  # list[:-0] is empty: nothing would ever be pruned
@@ -200,7 +238,7 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
             "lineage": meta.get("lineage") or lineage(directory)}
     name = f"{_PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}"
     path = directory / f"{name}.pt"
-    write_atomic(path, lambda fh: torch.save({"meta": meta, **state}, fh))
+    write_atomic(path, lambda fh: torch_save({"meta": meta, **state}, fh))  # a failed write: its OSError
     write_atomic(directory / f"{name}.json", json.dumps(meta, default=str).encode())
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)

@@ -65,6 +65,7 @@ from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.features import MISSING
+from stream.files import describe_os_error
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, is_infrastructure
@@ -378,7 +379,7 @@ class Learner:
         except OSError as exc:
             CHECKPOINT_FAILURES.inc()
             log.error("checkpoint to %s failed (%s); training goes on from memory, next try in %.0f s",
-                      self.ls.checkpoint_dir, exc, self.ls.checkpoint_every_s)
+                      self.ls.checkpoint_dir, describe_os_error(exc), self.ls.checkpoint_every_s)
             return False
 
     def _update_lag(self) -> None:

@@ -100,7 +100,7 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
         tmp.mkdir(parents=True, exist_ok=True)
     barrier()
     dcp.save(app_state, checkpoint_id=str(tmp))
-    write_atomic(tmp / f"rank-{rank}.pt", lambda fh: torch.save(rank_state, fh))
+    write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
     barrier()  # every rank's shards and own state are durable
     if rank == 0:
         meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),

@@ -6,8 +6,9 @@ impression id starting with ``poison`` is in the batch: the stand-in for a bug t
 With ``STREAMREC_TEST_POISON_STAGE=quality`` the training step does not fail; instead the training-quality
 metrics (``TrainingQuality.record``, fed on N ranks by rank 0 with EVERY rank's rows of the round) raise on such an
 id: a fault that one rank's message triggers on another rank.
-And while the file named by ``STREAMREC_TEST_DISK_FULL`` exists, writing a checkpoint fails with ENOSPC
-(a full disk).
+And while the file named by ``STREAMREC_TEST_DISK_FULL`` exists, every write of a checkpoint's files fails with
+ENOSPC after its first 4 KiB (a full disk): inside ``torch.save``'s own writes, which is where a real full disk
+shows, not around ``checkpoint.save`` (torch turned that OSError into a RuntimeError the daemon did not survive).
 Test code only.
 """
 
@@ -41,14 +42,31 @@ def _failing_step(self, batch):  # noqa: ANN001, ANN202 - a patch
     return _test_then_train(self, batch)
 
 
-_save = checkpoint.save
+_write_atomic = checkpoint.write_atomic
 _DISK_FULL = os.environ.get("STREAMREC_TEST_DISK_FULL")
 
 
-def _save_unless_full(directory, state, meta, keep=3):  # noqa: ANN001, ANN202 - a patch
-    if _DISK_FULL and Path(_DISK_FULL).exists():
-        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
-    return _save(directory, state, meta, keep=keep)
+class _FullDisk:
+    """A file on a disk that fills after ``room`` bytes: then every write raises ENOSPC, as write(2) does."""
+
+    def __init__(self, fh, room: int = 4096) -> None:  # noqa: ANN001 - a patch
+        self.fh, self.room = fh, room
+
+    def write(self, data) -> int:  # noqa: ANN001 - a patch
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        self.room -= len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _write_atomic_unless_full(path, data):  # noqa: ANN001, ANN202 - a patch
+    if not (_DISK_FULL and Path(_DISK_FULL).exists()):
+        return _write_atomic(path, data)
+    write = (lambda fh: fh.write(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    return _write_atomic(path, lambda fh: write(_FullDisk(fh)))
 
 
 _record = TrainingQuality.record
@@ -60,7 +78,7 @@ def _failing_record(self, impression_ids, *args, **kwargs):  # noqa: ANN001, ANN
     return _record(self, impression_ids, *args, **kwargs)
 
 
-checkpoint.save = _save_unless_full
+checkpoint.write_atomic = _write_atomic_unless_full
 engine.PartitionJoin.apply = _failing_apply  # type: ignore[method-assign]
 if _STAGE == "quality":
     TrainingQuality.record = _failing_record  # type: ignore[method-assign]

@@ -124,3 +124,38 @@ def test_a_safe_load_runs_no_code_and_keep_prunes_old_files_with_their_sidecars(
     paths = [ck.save(tmp_path, state(), meta(i), keep=2) for i in (1, 2, 3)]
     assert ck.list_checkpoints(tmp_path) == paths[1:]
     assert not paths[0].with_suffix(".json").exists()
+
+
+_FILL_THE_DISK = """
+import errno, resource, signal, sys
+from pathlib import Path
+import torch
+from learner import checkpoint as ck
+directory = Path(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit write(2) fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    ck.save(directory, {"model": {"w": torch.zeros(1000, 100)}}, {"samples_trained": 200})
+except OSError as exc:
+    print("OSError", errno.errorcode.get(exc.errno, exc.errno))
+except Exception as exc:
+    print(type(exc).__name__, str(exc)[:200])
+else:
+    print("saved")
+"""
+
+
+def test_a_checkpoint_that_fills_the_disk_raises_its_os_error_not_torchs_runtime_error(tmp_path: Path) -> None:
+    """A real failed write(2) inside torch.save (a file-size limit: EFBIG, as ENOSPC on a full disk) is the
+    ``OSError`` the daemon survives a periodic checkpoint on; torch's zip writer made it ``RuntimeError: ...
+    unexpected pos``, which stopped the daemon at every checkpoint while the disk stayed full. The previous
+    checkpoint stays the newest and no temp file is left."""
+    import subprocess
+    import sys
+
+    first = ck.save(tmp_path, state(), meta(100))
+    out = subprocess.run([sys.executable, "-c", _FILL_THE_DISK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.strip() == "OSError EFBIG", out.stdout + out.stderr[-2000:]
+    assert ck.list_checkpoints(tmp_path) == [first]
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
