@@ -10,11 +10,12 @@ The last ``keep`` checkpoints are kept.
 
 Lineage: every checkpoint's meta carries ``lineage``, a random id kept in ``<directory>/LINEAGE`` and
 created with the directory's first checkpoint (or its first delta writer, ``learner/deltas.py``). A
-learner that resumes from the directory continues its lineage; one started in an empty directory begins
-a new one. The refresh copies it into the artifact's manifest and serving applies a delta only to an
-artifact of the delta's own lineage: rows and dense weights of two different trainings never mix. Beside it,
-``<directory>/DELTA_SEQ`` records the largest delta seq the lineage's writers took (``learner/deltas.py``
-"Numbering"), so none is used twice when the deltas directory is emptied.
+learner that resumes from the directory continues the lineage of the checkpoint it resumes from
+(:func:`continue_lineage`: one of another lineage makes the directory's ``LINEAGE`` its own); one started
+in an empty directory begins a new one. The refresh copies it into the artifact's manifest and serving
+applies a delta only to an artifact of the delta's own lineage: rows and dense weights of two different
+trainings never mix. Beside it, ``<directory>/DELTA_SEQ`` records the largest delta seq the lineage's
+writers took (``learner/deltas.py`` "Numbering"), so none is used twice when the deltas directory is emptied.
 
 Loading: every load (the learner's resume, :func:`restore_latest`, as much as the refresh's
 :func:`load_latest`) unpickles nothing but tensors, numpy arrays and plain containers
@@ -227,6 +228,30 @@ def torch_save(obj: object, fh: BinaryIO) -> None:
         if out.error is not None:
             raise out.error from exc
         raise
+
+
+def continue_lineage(directory: Path, ckpt: Checkpoint) -> str:
+    """The lineage of the checkpoint a learner resumes from, made the directory's (``LINEAGE``) if it is not.
+
+    The model is the checkpoint's training, so its next checkpoints and deltas are of that lineage. A checkpoint of
+    another lineage in the directory (a backup of another training restored into it, checkpoints copied to a new
+    volume without their ``LINEAGE``) was resumed under the directory's id: its deltas then carried the lineage of
+    the directory's earlier training, and serving applied them to that training's artifact, mixing the two models'
+    rows and dense weights. A checkpoint without a lineage (written before lineages) continues the directory's."""
+    theirs = ckpt.meta.get("lineage")
+    if not (isinstance(theirs, str) and _LINEAGE_RE.fullmatch(theirs)):
+        return lineage(directory)
+    path = Path(directory) / LINEAGE
+    try:
+        mine = path.read_text(encoding="ascii").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        mine = ""
+    if mine != theirs:
+        log.warning("resuming from %s of lineage %s in %s, whose %s was %r: the directory continues the "
+                    "checkpoint's lineage (deltas apply to artifacts of that training only)", ckpt.path, theirs,
+                    directory, LINEAGE, mine[:40] or None)
+        write_atomic(path, theirs.encode())
+    return theirs
 
 
 def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int = 3) -> Path:

@@ -401,6 +401,44 @@ def test_a_checkpoint_of_another_samples_topic_is_refused_naming_both_and_its_ev
     again.close()
 
 
+def test_a_checkpoint_of_another_lineage_resumed_in_a_directory_gives_its_lineage_to_the_next_checkpoints_and_deltas(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """A backup of training B restored into training A's directory (or checkpoints moved to a new volume without
+    their LINEAGE): the resumed model is B's, so its checkpoints and deltas are of B's lineage. They carried A's,
+    and serving applied B's rows and dense weights to A's artifact (learner/checkpoint.py ``continue_lineage``)."""
+    import shutil
+
+    from learner import checkpoint as ck
+    from learner.config import LearnerSettings
+
+    def settings(name: str) -> LearnerSettings:
+        return LearnerSettings(checkpoint_dir=tmp_path / name, mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
+                               embedding_dim=4, group_id=f"g-{kafka.samples_topic}", deltas_every_s=1.0,
+                               deltas_dir=tmp_path / name / "deltas")
+
+    b = built_learner(kafka, settings("b"))
+    b.trainer.samples = 500
+    b.save()
+    b.close()
+    a = built_learner(kafka, settings("a"))
+    a.trainer.samples = 100
+    a.save()
+    a.close()
+    lineage_a, lineage_b = ((tmp_path / d / ck.LINEAGE).read_text() for d in ("a", "b"))
+    assert lineage_a != lineage_b
+    for f in (tmp_path / "b").glob("ckpt-*"):  # B's newest checkpoint restored into A's directory
+        shutil.copy(f, tmp_path / "a" / f.name)
+    resumed = built_learner(kafka, settings("a"))
+    assert resumed._restore() and resumed.trainer.samples == 500
+    assert resumed.deltas is not None and resumed.deltas.lineage == lineage_b
+    resumed.trainer.samples = 600
+    resumed.save()
+    resumed.close()
+    newest = ck.load_latest(tmp_path / "a")
+    assert newest is not None and newest.samples_trained == 600 and newest.meta["lineage"] == lineage_b
+    assert (tmp_path / "a" / ck.LINEAGE).read_text() == lineage_b
+
+
 def fake_negative_stream(rng: np.random.Generator, n: int, start: int, seconds: float) -> SampleBatch:
     """``n`` impressions over ``seconds`` of event time from ``start`` (ms) as the joiner's fake_negative policy
     emits them: each an OBSERVED 0 at its time, each click (a learnable rule) a DELAYED_POSITIVE 20 s later."""
