@@ -6,7 +6,8 @@ impression ids (duplicate filter) and, per samples partition, the offset of the 
 train. It is written to a temporary file, fsynced, renamed into place and the directory fsynced, so
 a crash leaves either the old or the new checkpoint, never half of one. A small JSON sidecar with the
 same name carries the metadata for ``streamrec train --status`` without loading the tensors.
-The last ``keep`` checkpoints are kept.
+The last ``keep`` checkpoints are kept, and the temp file of a write that was killed is removed by the next
+save (:func:`remove_torn`).
 
 Lineage: every checkpoint's meta carries ``lineage``, a random id kept in ``<directory>/LINEAGE`` and
 created with the directory's first checkpoint (or its first delta writer, ``learner/deltas.py``). A
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -65,7 +67,7 @@ import torch
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
 from stream.errors import StreamrecError
-from stream.files import write_atomic
+from stream.files import temp_of, write_atomic
 from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -257,11 +259,53 @@ def continue_lineage(directory: Path, ckpt: Checkpoint) -> str:
     return theirs
 
 
+def _writer_alive(pid: int) -> bool:
+    """Whether another process ``pid`` runs on this host (True when unsure: its file is left alone)."""
+    if pid == os.getpid():
+        return False  # saves are sequential: a temp file of this pid is an earlier process's (pid 1 in a container)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def remove_torn(directory: Path) -> list[Path]:
+    """Remove the temp files of checkpoints whose writer was killed mid-write; returns them.
+
+    ``write_atomic`` leaves its temp file (``.ckpt-<...>.pt.tmp-<pid>-<thread>``, up to a whole checkpoint's size)
+    when its process is killed (SIGKILL, OOM, an eviction) while a checkpoint is written, and no load reads it. Each
+    such kill leaked one: a learner killed now and then mid-checkpoint filled its disk, and then no checkpoint could
+    be written at all. :func:`save` calls this first: a file of another live process (a second writer: a
+    misconfiguration) is left alone, one of this pid too is removed (saves are sequential, and a container's
+    learner is pid 1 after every restart)."""
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for path in directory.iterdir():
+        temp = temp_of(path)
+        if temp is None or not temp[0].startswith(_PREFIX) or _writer_alive(temp[1]):
+            continue
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError as exc:
+            log.warning("could not remove %s, left by a checkpoint write that was killed (%s)", path, exc)
+            continue
+        log.warning("removed %s (%d bytes), left by a checkpoint write that was killed", path, size)
+        removed.append(path)
+    return removed
+
+
 def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int = 3) -> Path:
-    """Write checkpoint number ``meta['samples_trained']``; returns its path."""
+    """Write checkpoint number ``meta['samples_trained']``; returns its path. What an earlier process killed while
+    writing one left is removed first (:func:`remove_torn`)."""
     if keep < 1:  # list[:-0] is empty: nothing would ever be pruned
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
     directory.mkdir(parents=True, exist_ok=True)
+    remove_torn(directory)
     meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
             "lineage": meta.get("lineage") or lineage(directory)}
     name = f"{_PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}"

@@ -17,12 +17,14 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 TMP_MARK = ".tmp-"  # in the name of every temp file write_atomic leaves when its process is killed
+_TMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
 _HASH_CHUNK = 8 << 20
 
 
@@ -60,6 +62,13 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def temp_of(path: Path) -> tuple[str, int] | None:
+    """``(name of the file it was replacing, pid of its writer)`` of a temp file :func:`write_atomic` names
+    (``.<name>.tmp-<pid>-<thread>``), None for any other file."""
+    m = _TMP_NAME.match(Path(path).name)
+    return (m["name"], int(m["pid"])) if m else None
 
 
 def sha256_file(path: Path) -> str:
