@@ -23,7 +23,8 @@ last durable checkpoint is trained again on restart, nothing is lost).
 Failures: a training batch that raises an unexpected exception gives each of its messages a strike
 (``stream/strikes.py``, stored in ``<checkpoint_dir>/strikes.json``) and stops the daemon without a
 checkpoint; on restart those messages are trained one per batch, and one that fails
-``poison_after`` times in a row goes to ``samples.dlq``.
+``poison_after`` times in a row goes to ``samples.dlq``. A message with strikes that trains after all loses them;
+when the strikes file cannot be written then (a full disk), training goes on (``_clear_strikes``).
 """
 
 from __future__ import annotations
@@ -383,6 +384,17 @@ class Learner:
                       self.ls.checkpoint_dir, describe_os_error(exc), self.ls.checkpoint_every_s)
             return False
 
+    def _clear_strikes(self, keys: list[tuple[str, int, int]]) -> None:
+        """Messages with strikes that trained after all lose them. A strikes file that cannot be written (a full
+        disk) is survived like a checkpoint: they are cleared in memory, and written with the next change that can
+        be (a restart before that trains them one per batch once more, which is harmless). Raised, it stopped the
+        daemon after every such batch, a crash loop for as long as the disk was full."""
+        try:
+            self.strikes.succeeded(keys)
+        except OSError as exc:
+            log.warning("could not record that %d message(s) with strikes trained after all (%s); training goes on",
+                        len(keys), describe_os_error(exc))
+
     def _update_lag(self) -> None:
         for p, o in self.offsets.items():
             try:
@@ -444,7 +456,7 @@ class Learner:
                     self.strikes.failed(keys, exc)
                 raise
             if self.strikes.counts:
-                self.strikes.succeeded(keys)
+                self._clear_strikes(keys)
             since_ckpt += len(batch)
             if ls.max_samples is not None and self.trainer.samples >= ls.max_samples:
                 reason = "max samples"

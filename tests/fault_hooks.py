@@ -8,7 +8,8 @@ metrics (``TrainingQuality.record``, fed on N ranks by rank 0 with EVERY rank's 
 id: a fault that one rank's message triggers on another rank.
 And while the file named by ``STREAMREC_TEST_DISK_FULL`` exists, every write of a checkpoint's files fails with
 ENOSPC after its first 4 KiB (a full disk): inside ``torch.save``'s own writes, which is where a real full disk
-shows, not around ``checkpoint.save`` (torch turned that OSError into a RuntimeError the daemon did not survive).
+shows, not around ``checkpoint.save`` (torch turned that OSError into a RuntimeError the daemon did not survive);
+writing the learner's strikes file (``FileStrikes``) fails with ENOSPC too.
 Test code only.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from learner import checkpoint
 from learner.quality import TrainingQuality
 from learner.trainer import Trainer
+from stream import strikes
 from stream.joiner import engine
 
 POISON = "poison"
@@ -62,11 +64,14 @@ class _FullDisk:
         self.fh.flush()
 
 
-def _write_atomic_unless_full(path, data):  # noqa: ANN001, ANN202 - a patch
-    if not (_DISK_FULL and Path(_DISK_FULL).exists()):
-        return _write_atomic(path, data)
-    write = (lambda fh: fh.write(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    return _write_atomic(path, lambda fh: write(_FullDisk(fh)))
+def _unless_full(write_atomic, room: int):  # noqa: ANN001, ANN202 - a patch
+    """``write_atomic`` on a disk with ``room`` bytes left while the disk-full flag exists."""
+    def patched(path, data):  # noqa: ANN001, ANN202 - a patch
+        if not (_DISK_FULL and Path(_DISK_FULL).exists()):
+            return write_atomic(path, data)
+        write = (lambda fh: fh.write(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        return write_atomic(path, lambda fh: write(_FullDisk(fh, room)))
+    return patched
 
 
 _record = TrainingQuality.record
@@ -78,7 +83,8 @@ def _failing_record(self, impression_ids, *args, **kwargs):  # noqa: ANN001, ANN
     return _record(self, impression_ids, *args, **kwargs)
 
 
-checkpoint.write_atomic = _write_atomic_unless_full
+checkpoint.write_atomic = _unless_full(_write_atomic, room=4096)
+strikes.write_atomic = _unless_full(strikes.write_atomic, room=0)
 engine.PartitionJoin.apply = _failing_apply  # type: ignore[method-assign]
 if _STAGE == "quality":
     TrainingQuality.record = _failing_record  # type: ignore[method-assign]

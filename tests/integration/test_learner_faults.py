@@ -104,3 +104,44 @@ def test_hostile_and_poison_samples_are_dead_lettered_and_every_good_sample_is_t
     fields = [f["name"] for f in latest_meta(ckpt)["feature_config"]["fields"]]
     assert fields == ["user_id", "item_id", "history", "ctx.genres"]  # not the wide message's 3000 columns
     assert not json.loads((ckpt / "strikes.json").read_text())  # cleared once the poison was dead-lettered
+
+
+def test_a_full_disk_while_suspects_train_after_all_stops_nothing_but_the_poison(kafka: KafkaSettings,
+                                                                                 tmp_path: Path) -> None:
+    """Messages that shared a batch with a poison message have strikes; on the next run they train one per batch,
+    and each success clears its strike in strikes.json. On a full disk that write raised out of the daemon's loop:
+    the learner stopped at the first innocent suspect (OSError), never reaching the poison, for as long as the disk
+    stayed full. Now it goes on to the poison, which fails as it should, and after the disk is back the poison is
+    dead-lettered and every other sample trained once."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    rng = np.random.default_rng(5)
+    producer = AckedProducer(kafka)
+    good = 0
+    for k in range(6):  # the poison between good messages, in one training batch with them (256 rows)
+        if k == 2:
+            producer.send(kafka.samples_topic, sample_batch(rng, 20, start=0, prefix="poison").encode(), b"poison",
+                          partition=0)
+        producer.send(kafka.samples_topic, sample_batch(rng, 50, start=k * 50).encode(), str(k).encode(), partition=0)
+        good += 50
+    producer.flush()
+    full = tmp_path / "disk-full"
+    env, ckpt = {**env_for(kafka), "STREAMREC_TEST_DISK_FULL": str(full)}, tmp_path / "ckpt"
+    first = train(ckpt, env, module="tests.fault_hooks")  # the poison's batch fails: every message gets a strike
+    assert first.returncode == 1 and "injected fault" in first.stderr, first.stderr[-2000:]
+    assert len(json.loads((ckpt / "strikes.json").read_text())) == 6  # 5 good ones and the poison
+    full.touch()
+    second = train(ckpt, env, module="tests.fault_hooks")
+    assert second.returncode == 1
+    assert "injected fault" in second.stderr, second.stderr[-3000:]  # it got to the poison ...
+    assert "could not record that 1 message(s) with strikes trained after all" in second.stderr  # ... past 6 suspects
+    full.unlink()
+    for _ in range(3):
+        out = train(ckpt, env, module="tests.fault_hooks")
+        if out.returncode == 0:
+            break
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["samples_trained"] == good and summary["partition_rows"] == {"0": good}
+    dlq = [r.key for r in read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))]
+    assert dlq == [b"poison"]
+    assert not json.loads((ckpt / "strikes.json").read_text())
