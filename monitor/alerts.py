@@ -328,18 +328,25 @@ class KafkaSink:
 # -- HTTP with a total deadline ---------------------------------------------------------------------
 class _DeadlineReader(io.RawIOBase):
     """Reads a socket, each read given only the time left until ``deadline``: a peer that trickles
-    bytes is cut off at the deadline, not once per read."""
+    bytes is cut off at the deadline, not once per read. Reads through the socket's own file object
+    (``makefile``), which keeps the socket open while the answer is read, as http.client expects: it
+    closes its connection right after the headers of an answer that ends when the peer hangs up."""
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         super().__init__()
         self._sock, self._deadline = sock, deadline
+        self._raw = sock.makefile("rb", buffering=0)
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf: Any) -> int:
+    def readinto(self, buf: Any) -> int | None:
         self._sock.settimeout(_left(self._deadline, "reading the answer"))
-        return self._sock.recv_into(buf)
+        return self._raw.readinto(buf)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class _DeadlineSocket:
@@ -405,6 +412,39 @@ def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
             except (OSError, http.client.HTTPException):
                 pass
         return resp.status, resp.reason, detail
+    finally:
+        conn.close()
+
+
+def get_text(url: str, deadline: float, max_bytes: int) -> str:
+    """``GET`` ``url`` and return its body as text (UTF-8, undecodable bytes replaced).
+
+    Promise, as :func:`post_json`: returns or raises by ``deadline`` (``time.monotonic()`` seconds),
+    whatever the peer does (a server that accepts and never answers, or trickles its answer, raises
+    :class:`TimeoutError` at the deadline), and never holds more than ``max_bytes`` of the answer: a
+    longer one raises :class:`ValueError` saying so. A status other than 2xx raises
+    :class:`OSError` naming it; redirects are not followed (give the final URL).
+    """
+    parts = urllib.parse.urlsplit(url)
+    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    conn = conn_class(parts.hostname or "", port, timeout=_left(deadline, "connecting"))
+    conn._create_connection = lambda address, *_: _connect(address, deadline)  # type: ignore[attr-defined]
+    conn.response_class = partial(_deadline_response, deadline=deadline)  # type: ignore[assignment]
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(_left(deadline, "sending"))
+        conn.request("GET", path, headers={"Accept": "text/plain", "User-Agent": "streamrec-monitor"})
+        resp = conn.getresponse()
+        if not 200 <= resp.status < 300:
+            raise OSError(f"HTTP {resp.status} {resp.reason}" + (" (redirects are not followed: give the final "
+                                                                  "URL)" if 300 <= resp.status < 400 else ""))
+        body = resp.read(max_bytes + 1)
+        if len(body) > max_bytes:
+            raise ValueError(f"the answer is larger than {max_bytes} bytes; not read further")
+        return body.decode("utf-8", "replace")
     finally:
         conn.close()
 
@@ -520,8 +560,9 @@ class QueuedSink:
       Alerts are delivered in the order they were queued, at least once.
     * At most ``queue_size`` alerts wait (plus the batch being sent); beyond that the oldest are dropped.
       Every alert dropped (overflow, rejected by the sink, closed) is counted and logged.
-    * :meth:`close` keeps delivering until the queue is empty or its deadline, then reports (log and
-      return value) how many alerts were left undelivered.
+    * :meth:`close` keeps delivering until the queue is empty or its deadline (trying at once, whatever
+      the backoff, then backing off as before), then reports (log and return value) how many alerts
+      were left undelivered.
     """
 
     JOIN_GRACE_S = 0.5  # close() waits this much beyond its deadline for an attempt cut off at it to return
@@ -583,10 +624,13 @@ class QueuedSink:
         return self.finish_close()
 
     def begin_close(self, deadline: float) -> None:
-        """Start draining: the worker delivers what is queued until ``deadline`` (``time.monotonic()``)."""
+        """Start draining: the worker delivers what is queued until ``deadline`` (``time.monotonic()``).
+        A sink backing off after failures is tried again at once: its next retry may be due only after
+        the deadline (up to ``retry_backoff_max_s`` away), and the sink may well answer again by now."""
         with self._cond:
             if self._close_deadline is None:
                 self._close_deadline = deadline
+                self._retry_at = min(self._retry_at, time.monotonic())
             self._cond.notify_all()
 
     def finish_close(self) -> int:

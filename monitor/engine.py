@@ -3,7 +3,9 @@
 Three parts, each usable alone:
 
 * :class:`Scraper` fetches the ``[sources]`` of a rules file and parses the Prometheus text format
-  into a :class:`Snapshot` (a source that fails is counted and simply contributes no data);
+  into a :class:`Snapshot` (a source that fails is counted and simply contributes no data: one that
+  does not answer whole within ``scrape_timeout_s``, in total, or answers more than
+  :data:`SCRAPE_MAX_BYTES`, or with text that does not parse, contributes none of its series);
 * :class:`RuleEngine` is pure logic with the clock passed in: it keeps the sample history that
   ``rate()``/``increase()`` need and runs one state machine per rule and label set::
 
@@ -15,10 +17,15 @@ Three parts, each usable alone:
   ``for_s`` of 0 fires on the first evaluation where the condition holds. "No data" (the metric is
   missing from every source, or a series disappears) is not a true condition: pending series go back
   to inactive and firing ones resolve. A rule with ``absent_for_s`` fires a separate alert (labels
-  ``{"absent": "true"}``) once its expression has had no data for that long.
+  ``{"absent": "true"}``) once its expression has had no data for that long. Durations (``for_s``,
+  ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read from, which
+  :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a pending
+  rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
 * :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set. Sending
   only queues the alerts (:class:`~monitor.alerts.QueuedSink`: one queue and worker thread per
   sink), so a slow or dead sink never delays an evaluation; :meth:`Monitor.close` drains the queues.
+  The alerts of an evaluation are queued before anything else is done with them (the run log): the
+  state machines have already moved, so an alert not queued then would never be sent.
 * :class:`RunLog` (``[run_log]`` of the rules file) records what the monitor saw, for ``streamrec report``
   (``monitor/report.py``): one JSON line per source and scrape with its ``streamrec_*`` samples, one per
   evaluation with each rule's state, one per alert sent; bounded by rotation.
@@ -33,7 +40,6 @@ import math
 import os
 import threading
 import time
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +49,7 @@ from typing import Any
 from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink
+from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink, get_text
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.expr import Labels, Point, Window, labels_of
 from monitor.rules import Rule, RulesConfig, RunLogSettings
@@ -56,6 +62,7 @@ EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluat
 SCRAPE_ERRORS = PCounter("streamrec_monitor_scrape_errors_total", "Failed scrapes, by source.", ["source"])
 
 ABSENT_LABELS: Labels = (("absent", "true"),)
+SCRAPE_MAX_BYTES = 64 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
 
 
 # -- scraping -----------------------------------------------------------------------------------
@@ -67,16 +74,23 @@ class Snapshot:
     errors: dict[str, str] = field(default_factory=dict)  # source -> why it gave no data
     # source -> its streamrec_* samples as scraped (name, labels, value), before "first wins": what RunLog records
     raw: dict[str, list[tuple[str, dict[str, str], float]]] = field(default_factory=dict)
+    # (metric, labels) -> the sources that exported it, where more than one did (the first is the one used)
+    duplicates: dict[tuple[str, Labels], list[str]] = field(default_factory=dict)
 
     def add_text(self, source: str, text: str) -> None:
-        """Parse Prometheus text exposition format; where two sources export the same series, the first wins."""
+        """Parse Prometheus text exposition format; where two sources export the same series, the first wins
+        (and :attr:`duplicates` says so). Text that does not parse raises and adds nothing: a source whose
+        answer is cut short or garbled gives no data, not some of its series."""
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
         raw = self.raw.setdefault(source, [])
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name.startswith("streamrec_") and not s.name.endswith("_created"):
-                    raw.append((s.name, dict(s.labels), float(s.value)))
-                series = self.metrics.setdefault(s.name, {})
-                series.setdefault(labels_of(s.labels), Point(float(s.value), frozenset((source,))))
+        for s in samples:
+            if s.name.startswith("streamrec_") and not s.name.endswith("_created"):
+                raw.append((s.name, dict(s.labels), float(s.value)))
+            series = self.metrics.setdefault(s.name, {})
+            lb = labels_of(s.labels)
+            first = series.setdefault(lb, Point(float(s.value), frozenset((source,))))
+            if source not in first.sources:
+                self.duplicates.setdefault((s.name, lb), [*first.sources]).append(source)
 
     @classmethod
     def from_texts(cls, texts: Mapping[str, str]) -> Snapshot:
@@ -91,9 +105,9 @@ class Scraper:
         self.sources, self.timeout_s = dict(sources), timeout_s
 
     def fetch(self, url: str) -> str:
-        req = urllib.request.Request(url, headers={"Accept": "text/plain", "User-Agent": "streamrec-monitor"})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 (URL from the rules file)
-            return resp.read().decode("utf-8", "replace")
+        """The answer of ``url`` by ``timeout_s`` in total (connect, send, every read: a target that trickles
+        its answer is cut off too), at most :data:`SCRAPE_MAX_BYTES` of it; raises otherwise."""
+        return get_text(url, time.monotonic() + self.timeout_s, SCRAPE_MAX_BYTES)
 
     def scrape(self) -> Snapshot:
         snap = Snapshot()
@@ -101,7 +115,9 @@ class Scraper:
             try:
                 snap.add_text(name, self.fetch(url))
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
-                snap.errors[name] = f"{url}: {getattr(exc, 'reason', exc)}"
+                why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
+                    else f"{exc}" or type(exc).__name__
+                snap.errors[name] = f"{url}: {why}"
                 SCRAPE_ERRORS.labels(name).inc()
         return snap
 
@@ -160,6 +176,11 @@ class MetricHistory:
         for metric, series in snap.metrics.items():
             per = self.samples.setdefault(metric, {})
             for lb, p in series.items():
+                if self.sources.get((metric, lb), p.sources) != p.sources:
+                    # another process's series of the same name and labels (two sources export it and the
+                    # first failed this scrape): its counter is not this one's, so its history starts over
+                    # rather than read as a reset or a rise (a false increase())
+                    per.pop(lb, None)
                 per.setdefault(lb, deque()).append((now, p.value))
                 self.sources[(metric, lb)] = p.sources
         horizon = now - self.keep_s
@@ -199,8 +220,12 @@ class RuleEngine:
         self.states: dict[str, dict[Labels, SeriesState]] = {r.name: {} for r in self.rules}
         self.no_data_since: dict[str, float | None] = {r.name: None for r in self.rules}
         self.evaluations = 0
+        self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
 
-    def evaluate(self, snap: Snapshot, now: float) -> list[Alert]:
+    def evaluate(self, snap: Snapshot, now: float, wall: float | None = None) -> list[Alert]:
+        """One evaluation at ``now`` (seconds on the clock durations are measured on; :class:`Monitor` uses
+        ``time.monotonic()``); ``wall`` (Unix seconds, default ``now``) stamps the alerts and the status."""
+        self.wall_offset = 0.0 if wall is None else wall - now
         self.history.record(snap, now)
         self.evaluations += 1
         alerts: list[Alert] = []
@@ -293,7 +318,8 @@ class RuleEngine:
             msg = f"{what}: {rule.condition} no longer holds ({now_is})"
             value = st.value
         return Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
-                     value=value, threshold=rule.threshold, message=msg, ts=int(round(now * 1000)), labels=labels)
+                     value=value, threshold=rule.threshold, message=msg,
+                     ts=int(round((now + self.wall_offset) * 1000)), labels=labels)
 
     def status(self) -> list[SeriesStatus]:
         rows = []
@@ -304,8 +330,8 @@ class RuleEngine:
                 rows.append(SeriesStatus(rule.name, {}, State.INACTIVE, None, None, rule.severity.value,
                                          rule.condition, rule.for_s))
             for lb, st in sorted(shown.items()):
-                rows.append(SeriesStatus(rule.name, dict(lb), st.state, st.value, st.since, rule.severity.value,
-                                         rule.condition, rule.for_s))
+                rows.append(SeriesStatus(rule.name, dict(lb), st.state, st.value, st.since + self.wall_offset,
+                                         rule.severity.value, rule.condition, rule.for_s))
         return rows
 
 
@@ -360,7 +386,8 @@ class RunLog:
     Values that are not finite are the strings "NaN", "+Inf", "-Inf". Each record is flushed as written (a
     reader may follow the file). Past ``max_bytes`` the file is rotated (``path`` -> ``path.1`` -> ... up to
     ``keep``) and a new one starts with a fresh ``start`` line. A write that fails (disk full) is logged once
-    and the record dropped: recording never stops monitoring.
+    and the record dropped: recording never stops monitoring. A rotation that fails (the directory
+    removed, say) is tried again at the next write, which makes the directory again.
     """
 
     def __init__(self, settings: RunLogSettings, clock: Callable[[], float] = time.time) -> None:
@@ -382,6 +409,8 @@ class RunLog:
     def write(self, record: Mapping[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
         try:
+            if self._file.closed:  # a rotation failed half way: start a file again
+                self._reopen()
             if self._file.tell() and self._file.tell() + len(line) > self.max_bytes:
                 self._rotate()
             self._file.write(line)
@@ -404,8 +433,13 @@ class RunLog:
                 if older.exists():
                     os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self.rotations += 1
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """Open ``path`` (making its directory) and start it with the ``start`` line."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if self._start:
             self._file.write(json.dumps({**self._start, "t": self.clock()}, separators=(",", ":")) + "\n")
 
@@ -437,17 +471,21 @@ class Monitor:
 
     ``sink`` is a :class:`FanOut` or :class:`QueuedSink`; any other sink is put behind a
     :class:`QueuedSink` (with the ``[sinks]`` settings of ``config``), so :meth:`step` never waits for
-    a delivery. :meth:`close` drains and closes the sink.
+    a delivery. :meth:`close` drains and closes the sink. ``clock`` (Unix seconds) stamps alerts and
+    the run log; ``monotonic`` measures durations (``for_s``, ``absent_for_s``, rate ranges), so a step
+    of the wall clock changes neither.
     """
 
     def __init__(self, config: RulesConfig, sink: AlertSink | FanOut | QueuedSink,
-                 scrape: Callable[[], Snapshot] | None = None, clock: Callable[[], float] = time.time) -> None:
+                 scrape: Callable[[], Snapshot] | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.sink: FanOut | QueuedSink = (sink if isinstance(sink, FanOut | QueuedSink)
                                           else QueuedSink(sink, config.sinks))
         self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
-        self.clock = clock
+        self.clock, self.monotonic = clock, monotonic
         self.engine = RuleEngine(config.rules, config.history_s)
+        self._duplicates_seen: set[tuple[str, Labels, tuple[str, ...]]] = set()
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
@@ -465,14 +503,22 @@ class Monitor:
         for source in set(self._last_errors) - set(snap.errors):
             log.info("source %s answers again", source)
         self._last_errors = dict(snap.errors)
+        for (metric, lb), sources in snap.duplicates.items():
+            key = (metric, lb, tuple(sources))
+            if key not in self._duplicates_seen:  # once per series and sources, not every interval
+                self._duplicates_seen.add(key)
+                lbl = ",".join(f'{k}="{v}"' for k, v in lb)
+                log.warning("sources %s all export %s{%s}: rules read %s's only (give each process a label of "
+                            "its own, e.g. rank, to watch them all)", ", ".join(sources), metric, lbl, sources[0])
         now = self.clock()
-        alerts = self.engine.evaluate(snap, now)
+        alerts = self.engine.evaluate(snap, self.monotonic(), now)
+        # queue first: the state machines have moved, so an alert not queued now is never sent
+        self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
         for a in alerts:
             self.sent[a.state.value] += 1
         if self.run_log is not None:
             self.run_log.scrape(now, snap)
             self.run_log.evaluation(now, self.engine, alerts)
-        self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
         return alerts
 
     def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
@@ -488,9 +534,11 @@ class Monitor:
     def close(self, timeout_s: float | None = None) -> int:
         """Deliver the queued alerts for at most ``timeout_s`` (default ``close_timeout_s`` of
         ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own)."""
-        if self.run_log is not None:
-            self.run_log.close()
-        return self.sink.close(timeout_s)
+        try:
+            return self.sink.close(timeout_s)
+        finally:
+            if self.run_log is not None:
+                self.run_log.close()
 
     def summary(self) -> dict[str, Any]:
         sinks = self.sink.stats() if isinstance(self.sink, FanOut) else {self.sink.name: self.sink.stats.as_dict()}

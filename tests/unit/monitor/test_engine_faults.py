@@ -1,0 +1,348 @@
+"""The monitor off the happy path: a run log that cannot rotate, a wall clock that steps, two processes
+exporting the same series, scrape targets that trickle, answer too much or answer garbage, and a sink
+backing off when the monitor is told to stop. Each test failed before the fix it is named for."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from monitor import engine as engine_mod
+from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, post_json
+from monitor.engine import Monitor, Scraper, Snapshot
+from monitor.rules import loads_rules
+
+
+class ListSink:
+    """Keeps what it is sent; fails the first ``fail`` attempts."""
+
+    name, timeout_s, batch_max = "list", 1.0, 100
+
+    def __init__(self, fail: int = 0) -> None:
+        self.got: list[Alert] = []
+        self.fail, self.attempts = fail, 0
+
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+        self.attempts += 1
+        if self.fail > 0:
+            self.fail -= 1
+            raise SinkError("down")
+        self.got.extend(alerts)
+
+    def close(self) -> None:
+        pass
+
+
+class Clocks:
+    """A wall clock and a monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_000_000.0, 50.0
+
+    def tick(self, s: float) -> None:
+        self.wall += s
+        self.mono += s
+
+
+def monitor(rules: str, scrape: Callable[[], Snapshot], clocks: Clocks) -> tuple[Monitor, ListSink]:
+    config = loads_rules(rules)
+    sink = ListSink()
+    return Monitor(config, QueuedSink(sink, config.sinks), scrape=scrape, clock=lambda: clocks.wall,
+                   monotonic=lambda: clocks.mono), sink
+
+
+def delivered(mon: Monitor, sink: ListSink) -> list[tuple[str, str]]:
+    assert mon.sink.wait_idle(10)
+    return [(a.rule, a.state.value) for a in sink.got]
+
+
+# -- the run log ----------------------------------------------------------------------------------
+def test_alerts_reach_the_sinks_when_the_run_logs_rotation_fails(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    logs = tmp_path / "logs"
+    rules = f"""
+[run_log]
+path = "{logs}/run.jsonl"
+max_bytes = 4096
+[[rule]]
+name = "hot"
+expr = "m"
+op = ">"
+threshold = 0
+"""
+    value = [0]
+    padding = "".join(f"streamrec_pad{i} 1\n" for i in range(60))  # each scrape's record fills the file fast
+    clocks = Clocks()
+    mon, sink = monitor(rules, lambda: Snapshot.from_texts({"src": f"m {value[0]}\n{padding}"}), clocks)
+    try:
+        mon.step()
+        shutil.rmtree(logs)  # a clean-up removed the directory: the next rotation's rename fails
+        with caplog.at_level(logging.WARNING):
+            for _ in range(6):  # rotation fails, then the file is closed: every later write used to raise
+                clocks.tick(15)
+                mon.step()
+            value[0] = 1
+            clocks.tick(15)
+            [fired] = mon.step()
+        assert fired.state is AlertState.FIRING
+        assert delivered(mon, sink) == [("hot", "firing")]
+        assert mon.run_log is not None and mon.run_log.failures >= 1
+        assert "cannot write" in caplog.text
+        assert (logs / "run.jsonl").exists()  # the run log starts again once it can
+        assert '"kind":"alert"' in (logs / "run.jsonl").read_text()
+    finally:
+        mon.close(5)
+
+
+# -- clocks -----------------------------------------------------------------------------------------
+RULES_WITH_DURATIONS = """
+[[rule]]
+name = "served_worse_than_base_rate"
+expr = "ne"
+op = ">="
+threshold = 1
+for_s = 900
+[[rule]]
+name = "nan_losses"
+expr = "increase(nan_total[5m])"
+op = ">"
+threshold = 0
+"""
+
+
+def test_a_forward_step_of_the_wall_clock_does_not_fire_a_pending_rule_early() -> None:
+    clocks = Clocks()
+    mon, sink = monitor(RULES_WITH_DURATIONS, lambda: Snapshot.from_texts({"l": "ne 1.2\nnan_total 0\n"}), clocks)
+    try:
+        mon.step()
+        clocks.tick(15)
+        clocks.wall += 3600  # NTP steps the wall clock an hour ahead: 15 s have passed, not 900
+        assert mon.step() == []
+        for _ in range(58):  # 60 evaluations 15 s apart: pending for 885 s ...
+            clocks.tick(15)
+            assert mon.step() == []
+        clocks.tick(15)
+        [fired] = mon.step()  # ... then 900 s: it fires, stamped with the wall clock
+        assert fired.ts == int(clocks.wall * 1000)
+        assert delivered(mon, sink) == [("served_worse_than_base_rate", "firing")]
+    finally:
+        mon.close(5)
+
+
+def test_a_backward_step_of_the_wall_clock_does_not_blind_increase() -> None:
+    clocks = Clocks()
+    losses = [0]
+    mon, sink = monitor(RULES_WITH_DURATIONS, lambda: Snapshot.from_texts(
+        {"l": f"ne 0.5\nnan_total {losses[0]}\n"}), clocks)
+    try:
+        for _ in range(4):
+            mon.step()
+            clocks.tick(15)
+        clocks.wall -= 3600  # NTP steps the wall clock an hour back
+        losses[0] = 3  # and the learner starts seeing NaN losses
+        mon.step()
+        assert delivered(mon, sink) == [("nan_losses", "firing")]
+    finally:
+        mon.close(5)
+
+
+# -- several processes, one series ------------------------------------------------------------------
+def test_a_series_two_sources_export_never_reads_as_an_increase_when_one_flaps(
+        caplog: pytest.LogCaptureFixture) -> None:
+    rules = """
+[[rule]]
+name = "dense_clipped"
+expr = "increase(clipped_total[5m])"
+op = ">"
+threshold = 0
+"""
+    n = [0]
+
+    def scrape() -> Snapshot:  # neither process's counter ever moves; source a fails every third scrape
+        n[0] += 1
+        snap = Snapshot()
+        if n[0] % 3:
+            snap.add_text("a", "clipped_total 100\n")
+        else:
+            snap.errors["a"] = "timed out"
+        snap.add_text("b", "clipped_total 40\n")
+        return snap
+
+    clocks = Clocks()
+    mon, sink = monitor(rules, scrape, clocks)
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+            for _ in range(12):
+                mon.step()
+                clocks.tick(15)
+        assert delivered(mon, sink) == []  # the old history read 100 -> 40 as a reset: increase 40, firing
+        said = [r.message for r in caplog.records if "all export" in r.message]
+        assert said == ["sources a, b all export clipped_total{}: rules read a's only (give each process a label "
+                        "of its own, e.g. rank, to watch them all)"]  # once, not every interval
+    finally:
+        mon.close(5)
+
+
+# -- scrape targets -----------------------------------------------------------------------------------
+class Target:
+    """A local scrape target: ``answer(handler)`` writes the answer."""
+
+    def __init__(self, answer: Callable[[BaseHTTPRequestHandler, threading.Event], None]) -> None:
+        self.stop = threading.Event()
+        self.finished = threading.Event()  # the answer was written whole
+        target = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                try:
+                    answer(self, target.stop)
+                    target.finished.set()
+                except OSError:  # the scraper hung up: what these tests want
+                    pass
+                self.close_connection = True
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def target() -> Iterator[Callable[..., Target]]:
+    made: list[Target] = []
+
+    def make(answer: Callable[[BaseHTTPRequestHandler, threading.Event], None]) -> Target:
+        made.append(Target(answer))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for t in made:
+            t.close()
+
+
+def _headers(h: BaseHTTPRequestHandler) -> None:
+    h.send_response(200)
+    h.send_header("Content-Type", "text/plain")
+    h.send_header("Connection", "close")
+    h.end_headers()
+
+
+def test_a_trickling_scrape_target_is_cut_off_at_scrape_timeout_s(target: Callable[..., Target]) -> None:
+    def trickle(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        _headers(h)
+        for _ in range(600):  # a comment byte every 0.1 s: 60 s in all, each read well within the timeout
+            if stop.wait(0.1):
+                return
+            h.wfile.write(b"#")
+            h.wfile.flush()
+        h.wfile.write(b"\nstreamrec_x 1\n")
+
+    t = target(trickle)
+    snap = Scraper({"slow": t.url}, timeout_s=0.5).scrape()
+    assert snap.errors == {"slow": f"{t.url}: no answer within scrape_timeout_s=0.5s"}
+    assert not t.finished.is_set()  # cut off while the target was still sending (it used to wait it out)
+    assert snap.metrics == {}
+
+
+def test_an_answer_larger_than_scrape_max_bytes_is_a_failed_scrape(target: Callable[..., Target],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_mod, "SCRAPE_MAX_BYTES", 10_000)
+
+    def huge(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        _headers(h)
+        h.wfile.write(b"streamrec_x 1\n" + b"# padding\n" * 2_000)
+
+    t = target(huge)
+    snap = Scraper({"big": t.url}, timeout_s=10).scrape()
+    assert snap.errors == {"big": f"{t.url}: the answer is larger than 10000 bytes; not read further"}
+    assert snap.metrics == {}
+
+
+def test_a_scrape_target_answering_in_chunks_or_with_an_error_status(target: Callable[..., Target]) -> None:
+    def chunked(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        h.protocol_version = "HTTP/1.1"
+        h.send_response(200)
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        for part in (b"streamrec_x 1\n", b'streamrec_y{f="a"} 2\n'):
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+        h.wfile.write(b"0\r\n\r\n")
+
+    def missing(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        h.send_error(404)
+
+    ok, gone = target(chunked), target(missing)
+    snap = Scraper({"ok": ok.url, "gone": gone.url}, timeout_s=10).scrape()
+    assert sorted(snap.metrics) == ["streamrec_x", "streamrec_y"] and snap.metrics["streamrec_y"][(("f", "a"),)]
+    assert snap.errors == {"gone": f"{gone.url}: HTTP 404 Not Found"}
+
+
+def test_a_malformed_answer_gives_no_series_not_some() -> None:
+    class Garbled(Scraper):
+        def fetch(self, url: str) -> str:
+            return 'streamrec_a 1\nstreamrec_b{x="1"} oops\nstreamrec_c 3\n'
+
+    snap = Garbled({"learner": "http://127.0.0.1:1/metrics"}).scrape()
+    assert list(snap.errors) == ["learner"] and "oops" in snap.errors["learner"]
+    assert snap.metrics == {} and snap.raw == {}  # streamrec_a, before the bad line, used to be kept
+
+
+def test_a_webhooks_refusal_reason_is_kept_when_it_hangs_up_after_answering(target: Callable[..., Target]) -> None:
+    class Refuse(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(400)
+            self.send_header("Connection", "close")  # no Content-Length: the body ends when it hangs up
+            self.end_headers()
+            self.wfile.write(b"unknown field: labels")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+        assert post_json(url, b"{}", time.monotonic() + 10) == (400, "Bad Request", b"unknown field: labels")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+# -- close ------------------------------------------------------------------------------------------
+def test_close_tries_a_sink_that_is_backing_off_at_once() -> None:
+    sink = ListSink(fail=10**9)  # down
+    queued = QueuedSink(sink, SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=3600))
+    a = Alert("r", "learner", Severity.WARNING, AlertState.RESOLVED, 0.1, 0.5, "m", 1)
+    try:
+        queued.send([a])
+        deadline = time.monotonic() + 10
+        while queued.stats.failed < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with queued._cond:  # as after an hour-long outage: the next retry is due an hour from now
+            queued._retry_at = time.monotonic() + 3600
+        sink.fail = 0  # the sink answers again; then SIGTERM: close gets 5 s (it used to wait them out, idle)
+        assert queued.close(5) == 0
+        assert sink.got == [a] and queued.stats.dropped == {}
+    finally:
+        queued.close(0)
