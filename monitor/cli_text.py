@@ -15,6 +15,8 @@ ONCE_EXIT_HELP = (f"exit status: {ONCE_OK} every source scraped and no rule's co
 RULES_HELP = """\
 rules file (TOML):
   interval_s = 15                       # seconds between evaluations (default 15)
+  scrape_timeout_s = 5                  # per source, in total (default 5)
+  scrape_error_hold_s = 60              # a series whose source fails to scrape keeps its state this long
   [sources]                             # Prometheus /metrics endpoints, by name
   learner = "http://127.0.0.1:9102/metrics"
   [sinks]

@@ -16,7 +16,12 @@ Three parts, each usable alone:
   It returns one ``firing`` alert on entering firing and one ``resolved`` alert on leaving it. A
   ``for_s`` of 0 fires on the first evaluation where the condition holds. "No data" (the metric is
   missing from every source, or a series disappears) is not a true condition: pending series go back
-  to inactive and firing ones resolve. A rule with ``absent_for_s`` fires a separate alert (labels
+  to inactive and firing ones resolve. A series missing because a source it comes from failed this
+  scrape is *unknown* instead, for up to ``hold_s`` (``scrape_error_hold_s`` of the rules file) since
+  that source began failing: it keeps its state (a pending series stays pending, its ``for_s`` still
+  counting; a firing one neither resolves nor fires again). Otherwise one timed-out scrape would resolve
+  an alert whose condition still holds, and a source failing now and then (more often than ``for_s``)
+  would keep every rule on it from ever firing. A rule with ``absent_for_s`` fires a separate alert (labels
   ``{"absent": "true"}``) once its expression has had no data for that long. Durations (``for_s``,
   ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read from, which
   :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a pending
@@ -213,8 +218,10 @@ def _fmt(v: float | None) -> str:
 class RuleEngine:
     """Evaluates rules against snapshots; pure logic (``now`` is passed in, nothing sleeps)."""
 
-    def __init__(self, rules: Sequence[Rule], history_s: float = 0.0) -> None:
+    def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0) -> None:
         self.rules = list(rules)
+        self.hold_s = hold_s  # how long a series whose source fails to scrape keeps its state
+        self.failing_since: dict[str, float] = {}  # source -> when its scrapes began failing
         # a little more than the longest range, so a range of 60 s still sees a sample 60 s old
         self.history = MetricHistory(history_s * 1.5 if history_s else 0.0)
         self.states: dict[str, dict[Labels, SeriesState]] = {r.name: {} for r in self.rules}
@@ -226,6 +233,10 @@ class RuleEngine:
         """One evaluation at ``now`` (seconds on the clock durations are measured on; :class:`Monitor` uses
         ``time.monotonic()``); ``wall`` (Unix seconds, default ``now``) stamps the alerts and the status."""
         self.wall_offset = 0.0 if wall is None else wall - now
+        for source in snap.errors:
+            self.failing_since.setdefault(source, now)
+        for source in set(self.failing_since) - set(snap.errors):
+            del self.failing_since[source]
         self.history.record(snap, now)
         self.evaluations += 1
         alerts: list[Alert] = []
@@ -251,6 +262,8 @@ class RuleEngine:
                 continue
             st = states.setdefault(lb, SeriesState(since=now))
             p = series.get(lb)
+            if p is None and self._unknown(st, now):
+                continue  # its source failed this scrape: neither true nor false, keep the state
             holds = p is not None and rule.op.holds(p.value, rule.threshold)
             st.value = None if p is None else p.value
             if p is not None:
@@ -262,6 +275,14 @@ class RuleEngine:
                 del states[lb]  # the series is gone: forget it
         out.extend(self._absence(rule, bool(series), now))
         return out
+
+    def _unknown(self, st: SeriesState, now: float) -> bool:
+        """Whether a pending or firing series that is missing now comes from a source that has been failing
+        to scrape for less than :attr:`hold_s`."""
+        if st.state not in (State.PENDING, State.FIRING):
+            return False
+        since = [self.failing_since[s] for s in st.sources if s in self.failing_since]
+        return bool(since) and now - min(since) < self.hold_s
 
     def _step(self, rule: Rule, lb: Labels, st: SeriesState, holds: bool, now: float) -> Alert | None:
         if st.state is State.RESOLVED:
@@ -338,7 +359,7 @@ class RuleEngine:
 def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
     """Scrape every source once and evaluate every rule once: the summary (every rule's state, the scrape
     errors) and the exit status (``ONCE_*``). Sends nothing."""
-    engine = RuleEngine(config.rules, config.history_s)
+    engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s)
     snap = Scraper(config.sources, config.scrape_timeout_s).scrape()
     engine.evaluate(snap, time.time())
     rows = engine.status()
@@ -484,7 +505,7 @@ class Monitor:
                                           else QueuedSink(sink, config.sinks))
         self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
         self.clock, self.monotonic = clock, monotonic
-        self.engine = RuleEngine(config.rules, config.history_s)
+        self.engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s)
         self._duplicates_seen: set[tuple[str, Labels, tuple[str, ...]]] = set()
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}

@@ -5,7 +5,9 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
 ::
 
     interval_s = 15                     # evaluate every 15 s (default 15)
-    scrape_timeout_s = 5                # per source (default 5)
+    scrape_timeout_s = 5                # per source, in total (default 5)
+    scrape_error_hold_s = 60            # a series whose source fails to scrape keeps its state (pending,
+                                        # firing) this long before it counts as no data (default 60; 0: at once)
 
     [sources]                           # Prometheus text endpoints, by name
     learner = "http://127.0.0.1:9102/metrics"
@@ -145,6 +147,7 @@ class RulesConfig:
     interval_s: float = 15.0
     scrape_timeout_s: float = 5.0
     run_log: RunLogSettings = RunLogSettings()
+    scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
 
     @property
     def history_s(self) -> float:
@@ -154,7 +157,7 @@ class RulesConfig:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
-_TOP_KEYS = ("interval_s", "scrape_timeout_s", "sources", "sinks", "run_log", "rule")
+_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "sources", "sinks", "run_log", "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
@@ -380,6 +383,8 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         interval_s=_number(where, "", "interval_s", data.get("interval_s", 15.0), positive=True),
         scrape_timeout_s=_number(where, "", "scrape_timeout_s", data.get("scrape_timeout_s", 5.0), positive=True),
         run_log=_run_log(where, data.get("run_log", {})),
+        scrape_error_hold_s=_number(where, "", "scrape_error_hold_s", data.get("scrape_error_hold_s", 60.0),
+                                    minimum=0),
     )
 
 

@@ -190,6 +190,64 @@ threshold = 0
         mon.close(5)
 
 
+# -- a source that fails now and then --------------------------------------------------------------
+SHARE_RULE = """
+scrape_error_hold_s = 60
+[[rule]]
+name = "cold_start_share"
+expr = "share"
+op = ">"
+threshold = 0.5
+for_s = 300
+"""
+
+
+def flapping(fails: Callable[[int], bool]) -> Callable[[], Snapshot]:
+    """The share stays at 0.9; scrape number n (from 1) of the learner fails where ``fails(n)``."""
+    n = [0]
+
+    def scrape() -> Snapshot:
+        n[0] += 1
+        snap = Snapshot()
+        if fails(n[0]):
+            snap.errors["learner"] = "no answer within scrape_timeout_s=5s"
+        else:
+            snap.add_text("learner", "share 0.9\n")
+        return snap
+
+    return scrape
+
+
+def test_a_source_failing_now_and_then_still_lets_its_rules_fire() -> None:
+    clocks = Clocks()
+    mon, sink = monitor(SHARE_RULE, flapping(lambda n: n % 10 == 0), clocks)  # one scrape in 10 (150 s) fails
+    try:
+        for _ in range(480):  # 2 hours: the old engine reset pending at every failure and never fired
+            mon.step()
+            clocks.tick(15)
+        assert delivered(mon, sink) == [("cold_start_share", "firing")]
+        assert sink.got[0].ts == int((1_000_000 + 300) * 1000)  # for_s counted through the failed scrapes
+    finally:
+        mon.close(5)
+
+
+def test_one_failed_scrape_does_not_resolve_a_firing_alert_but_a_dead_source_does() -> None:
+    clocks = Clocks()
+    mon, sink = monitor(SHARE_RULE, flapping(lambda n: n == 30 or n > 40), clocks)
+    try:
+        for _ in range(40):  # fires at 300 s; scrape 30 fails (it used to resolve the alert)
+            mon.step()
+            clocks.tick(15)
+        assert delivered(mon, sink) == [("cold_start_share", "firing")]
+        resolved = []
+        for _ in range(6):  # from scrape 41 the source is down for good: no data once it has failed 60 s
+            resolved += mon.step()
+            clocks.tick(15)
+        assert [(a.state.value, a.value, a.ts) for a in resolved] == [("resolved", None, (1_000_000 + 660) * 1000)]
+    finally:
+        mon.close(5)
+
+
 # -- scrape targets -----------------------------------------------------------------------------------
 class Target:
     """A local scrape target: ``answer(handler)`` writes the answer."""

@@ -165,6 +165,7 @@ sink_tables = mostly_valid(st.fixed_dictionaries({}, optional={
 documents = mostly_valid(st.fixed_dictionaries({}, optional={
     "interval_s": numbers,
     "scrape_timeout_s": numbers,
+    "scrape_error_hold_s": numbers,
     "sources": maybe(st.dictionaries(st.text(max_size=8), urls, max_size=3)),
     "sinks": maybe(sink_tables),
     "rule": maybe(st.lists(maybe(rule_tables), max_size=3)),
