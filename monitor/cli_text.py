@@ -17,6 +17,7 @@ rules file (TOML):
   interval_s = 15                       # seconds between evaluations (default 15)
   scrape_timeout_s = 5                  # per source, in total (default 5)
   scrape_error_hold_s = 60              # a series whose source fails to scrape keeps its state this long
+  state_path = "monitor-state.json"     # optional: what is firing, kept over a restart
   [sources]                             # Prometheus /metrics endpoints, by name
   learner = "http://127.0.0.1:9102/metrics"
   [sinks]

@@ -22,7 +22,11 @@ Three parts, each usable alone:
   counting; a firing one neither resolves nor fires again). Otherwise one timed-out scrape would resolve
   an alert whose condition still holds, and a source failing now and then (more often than ``for_s``)
   would keep every rule on it from ever firing. A rule with ``absent_for_s`` fires a separate alert (labels
-  ``{"absent": "true"}``) once its expression has had no data for that long. Durations (``for_s``,
+  ``{"absent": "true"}``) once its expression has had no data for that long. :meth:`RuleEngine.firing`
+  and :meth:`RuleEngine.restore` carry the firing series over a restart (:class:`FiringStateFile`, the
+  ``state_path`` of the rules file): a restored series that still holds at the first evaluation is
+  announced firing again (at least once: the alert may not have been delivered before the restart), and
+  one that no longer holds resolves, as if the monitor had never stopped. Durations (``for_s``,
   ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read from, which
   :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a pending
   rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
@@ -54,10 +58,11 @@ from typing import Any
 from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink, get_text
+from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink, decode_value, encode_value, get_text
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.expr import Labels, Point, Window, labels_of
 from monitor.rules import Rule, RulesConfig, RunLogSettings
+from stream.files import write_atomic
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -141,6 +146,7 @@ class SeriesState:
     since: float = 0.0  # when the current state began (pending: when the condition first held)
     value: float | None = None
     sources: frozenset[str] = frozenset()
+    restored: bool = False  # firing as restored after a restart: announced again if it still holds
 
 
 @dataclass(frozen=True)
@@ -287,11 +293,14 @@ class RuleEngine:
     def _step(self, rule: Rule, lb: Labels, st: SeriesState, holds: bool, now: float) -> Alert | None:
         if st.state is State.RESOLVED:
             st.state, st.since = State.INACTIVE, now
+        restored, st.restored = st.restored, False
         if holds:
             if st.state is State.INACTIVE:
                 st.state, st.since = State.PENDING, now
             if st.state is State.PENDING and now - st.since >= rule.for_s:
                 st.state, st.since = State.FIRING, now
+                return self._alert(rule, lb, st, AlertState.FIRING, now)
+            if restored:  # still firing after a restart: say so again (it may never have been delivered)
                 return self._alert(rule, lb, st, AlertState.FIRING, now)
             return None
         if st.state is State.PENDING:
@@ -314,8 +323,10 @@ class RuleEngine:
         absent = since is not None and now - since >= rule.absent_for_s
         if st.state is State.RESOLVED:
             st.state, st.since = State.INACTIVE, now
-        if absent and st.state is not State.FIRING:
-            st.state, st.since = State.FIRING, now
+        restored, st.restored = st.restored, False
+        if absent and (st.state is not State.FIRING or restored):
+            if st.state is not State.FIRING:
+                st.state, st.since = State.FIRING, now
             return [self._alert(rule, ABSENT_LABELS, st, AlertState.FIRING, now)]
         if not absent and st.state is State.FIRING:
             st.state, st.since = State.RESOLVED, now
@@ -341,6 +352,32 @@ class RuleEngine:
         return Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
                      value=value, threshold=rule.threshold, message=msg,
                      ts=int(round((now + self.wall_offset) * 1000)), labels=labels)
+
+    def firing(self) -> list[dict[str, Any]]:
+        """The firing series, as :meth:`restore` reads them back (``since`` in wall-clock seconds)."""
+        return [{"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
+                 "value": encode_value(st.value), "sources": sorted(st.sources)}
+                for name, states in self.states.items() for lb, st in states.items() if st.state is State.FIRING]
+
+    def restore(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
+        """Mark the series of ``records`` (from :meth:`firing`, before a restart) firing again; records of
+        rules no longer in the file are skipped. Returns how many were restored."""
+        by_name = {r.name: r for r in self.rules}
+        restored = 0
+        for rec in records:
+            rule = by_name.get(rec["rule"])
+            if rule is None:
+                continue
+            lb = labels_of(rec["labels"])
+            if lb == ABSENT_LABELS:
+                if rule.absent_for_s is None:
+                    continue
+                self.no_data_since[rule.name] = now - rule.absent_for_s  # absent still, until data comes
+            since = min(now, now - (wall - float(rec["since"])))
+            self.states[rule.name][lb] = SeriesState(State.FIRING, since, decode_value(rec.get("value")),
+                                                     frozenset(rec.get("sources", ())), restored=True)
+            restored += 1
+        return restored
 
     def status(self) -> list[SeriesStatus]:
         rows = []
@@ -486,6 +523,61 @@ class RunLog:
         self._file.close()
 
 
+# -- firing state across restarts ---------------------------------------------------------------------
+class FiringStateFile:
+    """``state_path`` of the rules file: the firing series (:meth:`RuleEngine.firing`) as JSON, rewritten
+    atomically after every evaluation that sent an alert and at close, read back at start. Without it a
+    restart forgets what was firing: an alert whose condition cleared while the monitor was down never
+    resolves, and one still holding fires again only after ``for_s``. A file that cannot be read or written
+    is logged and monitoring goes on (a write is tried again at the next change)."""
+
+    VERSION = 1
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.failures = 0
+        self._failing = False
+
+    def load(self) -> list[dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            log.error("state file %s: cannot read it (%s); alerts firing before this start will not resolve",
+                      self.path, exc)
+            return []
+        firing = data.get("firing") if isinstance(data, dict) else None
+        good = [r for r in firing if self._valid(r)] if isinstance(firing, list) else []
+        if not isinstance(firing, list) or len(good) < len(firing):
+            log.error("state file %s: %s; alerts firing before this start may not resolve", self.path,
+                      "not a firing-state file" if not isinstance(firing, list)
+                      else f"{len(firing) - len(good)} malformed record(s) skipped")
+        return good
+
+    @staticmethod
+    def _valid(r: Any) -> bool:
+        return (isinstance(r, dict) and isinstance(r.get("rule"), str) and isinstance(r.get("labels"), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in r["labels"].items())
+                and isinstance(r.get("since"), int | float) and not isinstance(r.get("since"), bool)
+                and (r.get("value") is None or r["value"] in ("NaN", "+Inf", "-Inf")
+                     or (isinstance(r["value"], int | float) and not isinstance(r["value"], bool)))
+                and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", [])))
+
+    def save(self, firing: Sequence[Mapping[str, Any]]) -> None:
+        data = json.dumps({"version": self.VERSION, "firing": list(firing)}, allow_nan=False).encode()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, data)
+            self._failing = False
+        except OSError as exc:
+            self.failures += 1
+            if not self._failing:
+                log.error("state file %s: cannot write it (%s); a restart now would forget what is firing",
+                          self.path, exc)
+            self._failing = True
+
+
 # -- loop -----------------------------------------------------------------------------------------
 class Monitor:
     """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set.
@@ -510,6 +602,13 @@ class Monitor:
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
+        self.state_file: FiringStateFile | None = None
+        if config.state_path is not None:
+            self.state_file = FiringStateFile(config.state_path)
+            n = self.engine.restore(self.state_file.load(), self.monotonic(), self.clock())
+            if n:
+                log.info("restored %d firing alert(s) from %s: each is sent again if it still holds, resolved "
+                         "if not", n, config.state_path)
         self.run_log: RunLog | None = None
         if config.run_log.path is not None:
             self.run_log = RunLog(config.run_log, clock)
@@ -535,6 +634,8 @@ class Monitor:
         alerts = self.engine.evaluate(snap, self.monotonic(), now)
         # queue first: the state machines have moved, so an alert not queued now is never sent
         self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
+        if self.state_file is not None and (alerts or self.state_file.failures):
+            self.state_file.save(self.engine.firing())
         for a in alerts:
             self.sent[a.state.value] += 1
         if self.run_log is not None:
@@ -558,6 +659,8 @@ class Monitor:
         try:
             return self.sink.close(timeout_s)
         finally:
+            if self.state_file is not None:
+                self.state_file.save(self.engine.firing())
             if self.run_log is not None:
                 self.run_log.close()
 

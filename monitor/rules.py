@@ -9,6 +9,9 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     scrape_error_hold_s = 60            # a series whose source fails to scrape keeps its state (pending,
                                         # firing) this long before it counts as no data (default 60; 0: at once)
 
+    state_path = "monitor-state.json"   # optional: the firing alerts, kept over a restart (resolved if they
+                                        # cleared meanwhile, announced again if they still hold)
+
     [sources]                           # Prometheus text endpoints, by name
     learner = "http://127.0.0.1:9102/metrics"
 
@@ -148,6 +151,7 @@ class RulesConfig:
     scrape_timeout_s: float = 5.0
     run_log: RunLogSettings = RunLogSettings()
     scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
+    state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
 
     @property
     def history_s(self) -> float:
@@ -157,7 +161,8 @@ class RulesConfig:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
-_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "sources", "sinks", "run_log", "rule")
+_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "state_path", "sources", "sinks", "run_log",
+             "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
@@ -385,7 +390,15 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         run_log=_run_log(where, data.get("run_log", {})),
         scrape_error_hold_s=_number(where, "", "scrape_error_hold_s", data.get("scrape_error_hold_s", 60.0),
                                     minimum=0),
+        state_path=_state_path(where, data.get("state_path", "")),
     )
+
+
+def _state_path(where: _Where, raw: Any) -> Path | None:
+    path = _string(where, "", "state_path", raw)
+    if "\0" in path:
+        raise where.error("", 'field "state_path": a file name cannot hold a NUL character')
+    return Path(path) if path else None
 
 
 def default_rules_text() -> str:

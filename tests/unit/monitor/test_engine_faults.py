@@ -248,6 +248,95 @@ def test_one_failed_scrape_does_not_resolve_a_firing_alert_but_a_dead_source_doe
         mon.close(5)
 
 
+# -- restarts ------------------------------------------------------------------------------------------
+def restart_rules(state: Path) -> str:
+    return f"""
+state_path = "{state}"
+[[rule]]
+name = "cold_start_share"
+expr = "share"
+op = ">"
+threshold = 0.5
+for_s = 300
+[[rule]]
+name = "learner_lag"
+expr = "sum(lag)"
+op = ">"
+threshold = 500
+absent_for_s = 60
+"""
+
+
+def shares(values: list[str]) -> Callable[[], Snapshot]:
+    it = iter(values)
+    return lambda: Snapshot.from_texts({"learner": next(it)})
+
+
+def test_a_restart_resolves_an_alert_that_cleared_while_the_monitor_was_down(tmp_path: Path) -> None:
+    clocks = Clocks()
+    mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.9\nlag 3\n"] * 21), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    assert delivered(mon, sink) == [("cold_start_share", "firing")]
+    mon.close(5)  # SIGTERM: a deploy restarts the monitor, and the burst of new users ends meanwhile
+    clocks.tick(120)
+    clocks.mono = 7.0  # a new process: the monotonic clock has another origin
+    mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.1\nlag 3\n"] * 3), clocks)
+    try:
+        [resolved] = mon.step()  # the old monitor forgot it was firing: no resolved, ever
+        assert (resolved.rule, resolved.state, resolved.value, resolved.labels) == (
+            "cold_start_share", AlertState.RESOLVED, 0.1, {})
+        clocks.tick(15)
+        assert mon.step() == []
+    finally:
+        mon.close(5)
+
+
+def test_a_restart_announces_what_still_fires_at_once_and_only_once(tmp_path: Path) -> None:
+    clocks = Clocks()
+    mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.9\n"] * 21), clocks)
+    for _ in range(21):  # the share fires at 300 s; the lag has been absent 60 s by then
+        mon.step()
+        clocks.tick(15)
+    assert sorted(delivered(mon, sink)) == [("cold_start_share", "firing"), ("learner_lag", "firing")]
+    mon.close(5)
+    clocks.tick(30)
+    mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.9\n"] * 30), clocks)
+    try:
+        again = mon.step()  # sent again (it may never have been delivered), not after another for_s
+        assert sorted((a.rule, a.state.value, a.labels.get("absent")) for a in again) == [
+            ("cold_start_share", "firing", None), ("learner_lag", "firing", "true")]
+        for _ in range(29):
+            clocks.tick(15)
+            assert mon.step() == []  # still firing: nothing more, and the absence does not resolve
+        assert {s.rule: s.state.value for s in mon.engine.status()} == {"cold_start_share": "firing",
+                                                                         "learner_lag": "firing"}
+    finally:
+        mon.close(5)
+
+
+def test_an_unreadable_state_file_is_logged_and_monitoring_goes_on(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    state = tmp_path / "state.json"
+    state.write_text('{"firing": [{"rule": "cold_start_share", "labels": {}, "since": 1, "value": "lots"}, 3]}')
+    clocks = Clocks()
+    with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+        mon, sink = monitor(restart_rules(state), shares(["share 0.1\nlag 3\n"]), clocks)
+    try:
+        assert "2 malformed record(s) skipped" in caplog.text
+        assert mon.step() == []
+    finally:
+        mon.close(5)
+    state.write_bytes(b"\xff not json")
+    with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+        mon, sink = monitor(restart_rules(state), shares(["share 0.1\nlag 3\n"]), clocks)
+    try:
+        assert "cannot read it" in caplog.text and mon.step() == []
+    finally:
+        mon.close(5)
+
+
 # -- scrape targets -----------------------------------------------------------------------------------
 class Target:
     """A local scrape target: ``answer(handler)`` writes the answer."""

@@ -166,6 +166,7 @@ documents = mostly_valid(st.fixed_dictionaries({}, optional={
     "interval_s": numbers,
     "scrape_timeout_s": numbers,
     "scrape_error_hold_s": numbers,
+    "state_path": maybe(st.text(max_size=8)),
     "sources": maybe(st.dictionaries(st.text(max_size=8), urls, max_size=3)),
     "sinks": maybe(sink_tables),
     "rule": maybe(st.lists(maybe(rule_tables), max_size=3)),
