@@ -745,6 +745,9 @@ class QueuedSink:
             self._drop(overflow, "overflow", f"more than queue_size={self.queue_size} alerts wait for delivery")
         if recovered:
             log.info("alert sink %s delivers again after %d failed attempt(s)", self.name, recovered)
+        if delivered and self._closed:  # an attempt close() stopped waiting for, counted "closed" there
+            log.warning("alert sink %s: an attempt cut off at close delivered %d alert(s) after all (counted "
+                        "dropped at close): %s", self.name, len(delivered), _which(delivered))
 
     # -- both
     def _trim(self) -> list[Alert]:

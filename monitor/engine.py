@@ -62,6 +62,7 @@ from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink, dec
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.expr import Labels, Point, Window, labels_of
 from monitor.rules import Rule, RulesConfig, RunLogSettings
+from stream.errors import ConfigError
 from stream.files import write_atomic
 
 log = logging.getLogger("streamrec.monitor")
@@ -456,8 +457,12 @@ class RunLog:
         self.records = self.failures = self.rotations = 0
         self._start: dict[str, Any] = {}
         self._failing = False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        except OSError as exc:  # at start: a settings mistake (exit 2), not a traceback
+            raise ConfigError(f"[run_log] path {self.path}: cannot open it for appending: "
+                              f"{exc.strerror or exc}") from None
 
     def start(self, sources: Mapping[str, str], interval_s: float, rules: Sequence[Rule]) -> None:
         self._start = {"kind": "start", "sources": dict(sources), "interval_s": interval_s,

@@ -92,7 +92,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
         start_metrics(args.metrics_port, args.metrics_host, "--metrics-port / --metrics-host")
     sink = build_sinks(config.sinks, kafka)
-    monitor = Monitor(config, sink)
+    try:
+        monitor = Monitor(config, sink)
+    except BaseException:  # a run log that cannot be opened, say: stop the sinks' workers, then report it
+        sink.close(0)
+        raise
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     where = ", ".join(n.name for n in sink.sinks) or "no sink"

@@ -18,6 +18,7 @@ from monitor import engine as engine_mod
 from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, post_json
 from monitor.engine import Monitor, Scraper, Snapshot
 from monitor.rules import loads_rules
+from streamrec.cli import main
 
 
 class ListSink:
@@ -99,6 +100,14 @@ threshold = 0
         assert '"kind":"alert"' in (logs / "run.jsonl").read_text()
     finally:
         mon.close(5)
+
+
+def test_a_run_log_that_cannot_be_opened_is_a_settings_error(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'[sources]\nx = "http://127.0.0.1:9/metrics"\n[run_log]\npath = "{tmp_path}"\n')
+    assert main(["monitor", "--rules", str(rules)]) == 2  # was a traceback, exit 1
+    assert f"[run_log] path {tmp_path}: cannot open it for appending: Is a directory" in capsys.readouterr().err
 
 
 # -- clocks -----------------------------------------------------------------------------------------
@@ -477,6 +486,31 @@ def test_a_webhooks_refusal_reason_is_kept_when_it_hangs_up_after_answering(targ
 
 
 # -- close ------------------------------------------------------------------------------------------
+def test_an_attempt_close_gave_up_on_that_delivers_after_all_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    release = threading.Event()
+
+    class Slow(ListSink):
+        timeout_s = 30.0
+
+        def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+            release.wait(10)
+            super().send(alerts, deadline)
+
+    sink = Slow()
+    queued = QueuedSink(sink, SinkSettings())
+    queued.send([Alert("r", "learner", Severity.WARNING, AlertState.FIRING, 1.0, 0.5, "m", 1)])
+    deadline = time.monotonic() + 10
+    while queued.depth and not queued._in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with caplog.at_level(logging.WARNING, logger="streamrec.alerts"):
+        assert queued.close(0.05) == 1  # the attempt (its own deadline 30 s) still runs: reported undelivered
+        release.set()
+        queued._thread.join(10)
+    assert len(sink.got) == 1  # ... yet it got through: the log says so rather than leave "undelivered" standing
+    assert "an attempt cut off at close delivered 1 alert(s) after all" in caplog.text
+
+
+
 def test_close_tries_a_sink_that_is_backing_off_at_once() -> None:
     sink = ListSink(fail=10**9)  # down
     queued = QueuedSink(sink, SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=3600))
