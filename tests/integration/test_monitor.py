@@ -503,3 +503,56 @@ webhook_url = "{recorder.url}/hook"
     assert resolved.ts > fired.ts
     assert [p["state"] for p in recorder.posts] == ["firing", "resolved"]
     assert recorder.posts[0] == json.loads(records[0].value)
+
+
+def test_a_monitor_restarted_by_sigterm_resolves_on_the_kafka_topic_what_cleared_while_it_was_down(
+        stack, kafka: KafkaSettings, recorder: Recorder, tmp_path: Path) -> None:
+    """With state_path, the firing alert survives a SIGTERM restart: the restarted monitor resolves it on the
+    real alerts topic once the condition has cleared (it used to forget it, and nothing resolved it)."""
+    topic = f"alerts-{uuid.uuid4().hex[:10]}"
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f"""
+interval_s = 0.2
+state_path = "{tmp_path / 'state.json'}"
+[sources]
+learner = "{recorder.url}/metrics"
+[sinks]
+log = true
+kafka_topic = "{topic}"
+""" + GOOD_RULE.replace("for_s = 300", "for_s = 0.4"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def run_until(cond, what: str) -> dict:
+        proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "monitor", "--rules", str(rules),
+                                 "--bootstrap-servers", kafka.bootstrap_servers, "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        try:
+            deadline = time.monotonic() + 60
+            while not cond():
+                assert proc.poll() is None, f"monitor exited early ({proc.returncode}): {proc.stderr.read()}"
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, err
+        return json.loads(out)
+
+    def on_topic() -> int:
+        try:
+            return len(read_topic(kafka, topic, timeout_s=5))
+        except TimeoutError:
+            return 0
+
+    recorder.metrics = 'streamrec_learner_bucket_share{field="user_id"} 0.9\n'
+    first = run_until(lambda: on_topic() >= 1, "the firing alert")
+    assert first["alerts"] == {"firing": 1, "resolved": 0} and first["undelivered"] == 0
+    recorder.metrics = 'streamrec_learner_bucket_share{field="user_id"} 0.1\n'  # cleared while it was down
+    second = run_until(lambda: on_topic() >= 2, "the resolved alert")
+    assert second["alerts"] == {"firing": 0, "resolved": 1} and second["firing"] == []
+    records = [Alert.from_json(r.value) for r in read_topic(kafka, topic)]
+    assert [(a.state, a.value, a.labels) for a in records] == [
+        (AlertState.FIRING, 0.9, {"field": "user_id"}), (AlertState.RESOLVED, 0.1, {"field": "user_id"})]
