@@ -73,7 +73,7 @@ EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluat
 SCRAPE_ERRORS = PCounter("streamrec_monitor_scrape_errors_total", "Failed scrapes, by source.", ["source"])
 
 ABSENT_LABELS: Labels = (("absent", "true"),)
-SCRAPE_MAX_BYTES = 64 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
+SCRAPE_MAX_BYTES = 16 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
 
 
 # -- scraping -----------------------------------------------------------------------------------
@@ -541,7 +541,7 @@ class FiringStateFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.failures = 0
-        self._failing = False
+        self.failing = False  # the last write failed: write again at the next evaluation
 
     def load(self) -> list[dict[str, Any]]:
         try:
@@ -574,13 +574,13 @@ class FiringStateFile:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, data)
-            self._failing = False
+            self.failing = False
         except OSError as exc:
             self.failures += 1
-            if not self._failing:
+            if not self.failing:
                 log.error("state file %s: cannot write it (%s); a restart now would forget what is firing",
                           self.path, exc)
-            self._failing = True
+            self.failing = True
 
 
 # -- loop -----------------------------------------------------------------------------------------
@@ -639,7 +639,7 @@ class Monitor:
         alerts = self.engine.evaluate(snap, self.monotonic(), now)
         # queue first: the state machines have moved, so an alert not queued now is never sent
         self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
-        if self.state_file is not None and (alerts or self.state_file.failures):
+        if self.state_file is not None and (alerts or self.state_file.failing):
             self.state_file.save(self.engine.firing())
         for a in alerts:
             self.sent[a.state.value] += 1

@@ -4,6 +4,7 @@ backing off when the monitor is told to stop. Each test failed before the fix it
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -342,6 +343,27 @@ def test_an_unreadable_state_file_is_logged_and_monitoring_goes_on(tmp_path: Pat
         mon, sink = monitor(restart_rules(state), shares(["share 0.1\nlag 3\n"]), clocks)
     try:
         assert "cannot read it" in caplog.text and mon.step() == []
+    finally:
+        mon.close(5)
+
+
+def test_a_state_file_that_cannot_be_written_is_logged_once_and_written_when_it_can(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the state file's directory should be")
+    clocks = Clocks()
+    mon, sink = monitor(restart_rules(blocker / "state.json"), shares(["share 0.9\nlag 3\n"] * 30), clocks)
+    try:
+        with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+            for _ in range(25):  # fires at 300 s: the write fails, and again at every evaluation after it
+                mon.step()
+                clocks.tick(15)
+        assert delivered(mon, sink) == [("cold_start_share", "firing")]
+        assert sum("cannot write it" in r.message for r in caplog.records) == 1
+        assert mon.state_file is not None and mon.state_file.failures == 5
+        blocker.unlink()
+        mon.step()  # no alert this time, but the state still waits to be written
+        assert [r["rule"] for r in json.loads((blocker / "state.json").read_text())["firing"]] == ["cold_start_share"]
     finally:
         mon.close(5)
 
