@@ -440,6 +440,26 @@ def test_a_trickling_scrape_target_is_cut_off_at_scrape_timeout_s(target: Callab
     assert snap.metrics == {}
 
 
+def test_sources_are_scraped_at_once_so_one_that_hangs_does_not_add_its_timeout_to_the_next() -> None:
+    both = threading.Barrier(2)
+
+    def answer_once_both_asked(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        try:
+            both.wait(5)  # scraped one after the other, the first waits here until it is cut off
+        except threading.BrokenBarrierError:
+            return
+        _headers(h)
+        h.wfile.write(b"streamrec_x 1\n")
+
+    a, b = Target(answer_once_both_asked), Target(answer_once_both_asked)
+    try:
+        snap = Scraper({"a": a.url, "b": b.url}, timeout_s=2).scrape()
+        assert snap.errors == {} and snap.metrics["streamrec_x"][()].sources == frozenset({"a"})
+    finally:
+        a.close()
+        b.close()
+
+
 def test_an_answer_larger_than_scrape_max_bytes_is_a_failed_scrape(target: Callable[..., Target],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_mod, "SCRAPE_MAX_BYTES", 10_000)
