@@ -578,7 +578,8 @@ def watermarks(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> dic
 
 
 def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], None], *,
-                start: Mapping[int, int] | None = None, timeout_s: float = 60.0, batch: int = 10_000) -> list[int]:
+                start: Mapping[int, int] | None = None, timeout_s: float | None = 60.0, stall_s: float | None = None,
+                batch: int = 10_000) -> list[int]:
     """Read partitions of ``topic`` to their end, handing every record to ``handle``; returns the partitions read.
 
     The one read-to-the-end loop (state restore, the refresh's holdout, test and bench readers). ``start``
@@ -587,11 +588,15 @@ def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], No
     partition's end is its partition-EOF event after its last record, not the high watermark (which the
     local broker under-reports, environment.md). Records come in offset order per partition. Assigned
     without joining a group: nothing is committed. ``TimeoutError`` naming the partitions that did not
-    reach their end within ``timeout_s``; an exception from ``handle`` propagates (the consumer is closed).
+    reach their end within ``timeout_s`` (None: no bound on the whole read), or, with ``stall_s``, while no record
+    and no end came for ``stall_s``: a reader of a topic others keep writing to needs the first (it may never see
+    every partition at its end at once), a restore of a log only its reader writes the second (a large log takes as
+    long as it takes, a broker that stops answering does not). An exception from ``handle`` propagates (the consumer
+    is closed).
     """
     c = new_consumer(kafka, f"{kafka.client_id}-reader-{uuid.uuid4().hex[:8]}", **{"fetch.wait.max.ms": 20})
     try:
-        md = c.list_topics(topic, timeout=min(10.0, timeout_s)).topics.get(topic)
+        md = c.list_topics(topic, timeout=min(10.0, timeout_s or 10.0, stall_s or 10.0)).topics.get(topic)
         if md is None or md.error is not None:
             return []
         wanted = {p: OFFSET_BEGINNING for p in md.partitions} if start is None else dict(start)
@@ -600,11 +605,16 @@ def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], No
             return []
         c.assign([TopicPartition(topic, p, wanted[p]) for p in present])
         todo = set(present)
-        deadline = time.monotonic() + timeout_s
+        began = progress = time.monotonic()
         while todo:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if timeout_s is not None and now - began > timeout_s:
                 raise TimeoutError(f"topic {topic} partitions {sorted(todo)} did not reach their end in {timeout_s:g}s")
-            for m in c.consume(batch, 0.2):
+            if stall_s is not None and now - progress > stall_s:
+                raise TimeoutError(f"topic {topic} partitions {sorted(todo)}: no record and no end for {stall_s:g}s "
+                                   f"(after {now - began:.0f}s of reading)")
+            got = c.consume(batch, 0.2)
+            for m in got:
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
@@ -612,6 +622,8 @@ def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], No
                     continue
                 todo.add(m.partition())  # a record after an end: its partition ends at the next EOF
                 handle(m)
+            if got:  # (after handling them: time in ``handle`` is not the broker's stall)
+                progress = time.monotonic()
         return present
     finally:
         c.close()

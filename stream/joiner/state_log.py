@@ -198,8 +198,11 @@ def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
 
 
 def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
-                timeout_s: float = 60.0) -> dict[int, PartitionLog]:
-    """Read partitions of the state log to their end, all with one consumer (see :class:`PartitionLog`). A chunk
+                stall_s: float = 60.0) -> dict[int, PartitionLog]:
+    """Read partitions of the state log to their end, all with one consumer (see :class:`PartitionLog`), for as long
+    as records keep coming (a ``TimeoutError`` only when none and no end came for ``stall_s``: a log that compaction
+    has not cleaned yet can take minutes to read, and a fixed bound on the whole read made its restore fail at every
+    start, for good; ``stream.kafka.read_to_end``). A chunk
     whose parts are not all there is left out and logged (module docstring); a record that cannot be read raises
     :class:`StateLogError` naming it (the partition cannot be restored without it)."""
     live: dict[int, dict[bytes, tuple[int, bytes]]] = {p: {} for p in partitions}
@@ -211,7 +214,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
         else:
             live[part][key] = (int(m.offset() or 0), value)
 
-    read_to_end(kafka, topic, apply, start={p: OFFSET_BEGINNING for p in partitions}, timeout_s=timeout_s)
+    read_to_end(kafka, topic, apply, start={p: OFFSET_BEGINNING for p in partitions}, timeout_s=None, stall_s=stall_s)
     out = {}
     for p, records in live.items():
         by_seq: dict[int, dict[int, tuple[dict[str, Any], bytes]]] = {}

@@ -240,3 +240,35 @@ def test_an_offset_commit_that_fails_is_made_with_the_next_one_and_does_not_stop
         assert w.consumer.commits == [[(0, 2)]]
     finally:
         w.consumer.close()
+
+
+def test_a_state_log_that_takes_longer_than_the_stall_bound_to_read_still_restores(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore reads the state log for as long as records keep coming: a log that takes minutes to read (one
+    compaction has not cleaned yet) restored under a fixed bound on the whole read failed at every start, for good
+    (a ``TimeoutError`` is infrastructure: the worker starts again and reads again). Here each record takes 0.1 s to
+    handle and the bound is 0.3 s of no progress, while the whole read takes ~2 s; a bound on the whole read of the
+    same 0.3 s fails it."""
+    from stream.joiner import state_log
+    from stream.kafka import ensure_topics, read_to_end
+
+    topic = f"state-{time.monotonic_ns()}"
+    ensure_topics(kafka, [topic], partitions=1)
+    p = AckedProducer(kafka)
+    for i in range(20):
+        p.send(topic, b"x", f"0:{i}:0", partition=0)
+    p.flush()
+
+    def slow(m: Any) -> None:
+        time.sleep(0.1)
+
+    with pytest.raises(TimeoutError, match="did not reach their end in 0.3s"):
+        read_to_end(kafka, topic, slow, timeout_s=0.3, batch=5)
+    seen: list[Any] = []
+    assert read_to_end(kafka, topic, lambda m: (slow(m), seen.append(m.key())), timeout_s=None, stall_s=0.3,
+                       batch=5) == [0]
+    assert len(seen) == 20
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(state_log, "read_to_end", lambda *a, **kw: calls.append(kw))
+    state_log.load_chunks(kafka, topic, [0])
+    assert calls[0]["timeout_s"] is None and calls[0]["stall_s"] == 60.0  # the restore's read: progress-bounded
