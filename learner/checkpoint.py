@@ -235,15 +235,17 @@ def torch_save(obj: object, fh: BinaryIO) -> None:
         raise
 
 
-def continue_lineage(directory: Path, ckpt: Checkpoint) -> str:
-    """The lineage of the checkpoint a learner resumes from, made the directory's (``LINEAGE``) if it is not.
+def continue_lineage(directory: Path, meta: Mapping[str, Any], source: Path) -> str:
+    """The lineage of the checkpoint (``meta``, read from ``source``) a learner resumes from, made the directory's
+    (``LINEAGE``) if it is not. Both daemons call it before their delta writer reads ``LINEAGE`` (the sharded one on
+    rank 0, which alone writes deltas and checkpoint metadata).
 
     The model is the checkpoint's training, so its next checkpoints and deltas are of that lineage. A checkpoint of
     another lineage in the directory (a backup of another training restored into it, checkpoints copied to a new
     volume without their ``LINEAGE``) was resumed under the directory's id: its deltas then carried the lineage of
     the directory's earlier training, and serving applied them to that training's artifact, mixing the two models'
     rows and dense weights. A checkpoint without a lineage (written before lineages) continues the directory's."""
-    theirs = ckpt.meta.get("lineage")
+    theirs = meta.get("lineage")
     if not (isinstance(theirs, str) and _LINEAGE_RE.fullmatch(theirs)):
         return lineage(directory)
     path = Path(directory) / LINEAGE
@@ -253,7 +255,7 @@ def continue_lineage(directory: Path, ckpt: Checkpoint) -> str:
         mine = ""
     if mine != theirs:
         log.warning("resuming from %s of lineage %s in %s, whose %s was %r: the directory continues the "
-                    "checkpoint's lineage (deltas apply to artifacts of that training only)", ckpt.path, theirs,
+                    "checkpoint's lineage (deltas apply to artifacts of that training only)", source, theirs,
                     directory, LINEAGE, mine[:40] or None)
         write_atomic(path, theirs.encode())
     return theirs

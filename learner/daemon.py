@@ -302,7 +302,7 @@ class Learner:
         if changed:
             raise CheckpointMismatch(ckpt.path, changed)
         check_topic(ckpt.path, meta, self.kafka.samples_topic)
-        checkpoint.continue_lineage(self.ls.checkpoint_dir, ckpt)  # before the delta writer reads LINEAGE
+        checkpoint.continue_lineage(self.ls.checkpoint_dir, ckpt.meta, ckpt.path)  # before the deltas read LINEAGE
         self._build(ckpt.feature_config, self._model_settings())
         assert self.trainer is not None
         self.trainer.model.load_state_dict(ckpt["model"])

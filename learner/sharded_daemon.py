@@ -71,7 +71,7 @@ import torch
 from confluent_kafka import KafkaException, TopicPartition
 from torch.utils.data import DataLoader
 
-from learner import sharded_checkpoint
+from learner import checkpoint, sharded_checkpoint
 from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, check_topic, parse_mlp, shape_of
@@ -227,6 +227,8 @@ class ShardedLearner:
         if changed:
             raise CheckpointMismatch(path, changed)
         check_topic(path, meta, self.kafka.samples_topic)
+        if self.ctx.rank == 0:  # the only reader of LINEAGE (its delta writer, the checkpoints' metadata)
+            checkpoint.continue_lineage(self.ls.checkpoint_dir, meta, path)  # before the delta writer reads it
         self._build(FeatureConfig.from_dict(meta["feature_config"]))
         assert self.trainer is not None
         app = self._app_state()

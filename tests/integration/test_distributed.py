@@ -234,11 +234,14 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_then_in_one_process_traini
     ckpt = tmp_path / "ckpt"
     two = subprocess.run(torchrun(2, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
+    _, first = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    (ckpt / "LINEAGE").write_text("0" * 32)  # as if these checkpoints were copied into another training's directory
     for p, n in produce(kafka, messages=MESSAGES // 2, first=MESSAGES // 2).items():
         rows[p] += n
     three = subprocess.run(torchrun(3, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
     assert three.returncode == 0, three.stderr[-3000:]
     _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert meta["lineage"] == first["lineage"] != "0" * 32  # the resumed training's lineage, not the directory's
     assert meta["world_size"] == 3
     assert {int(p): n for p, n in meta["partition_rows"].items()} == rows
     assert meta["samples_trained"] == meta["metrics"]["samples"] == sum(rows.values())
