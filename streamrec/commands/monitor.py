@@ -7,6 +7,7 @@ import dataclasses
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from monitor.cli_text import ONCE_EXIT_HELP, RULES_HELP
@@ -32,6 +33,9 @@ def add_parser(sub: Any) -> None:
                    "would use (--config, STREAMREC_KAFKA_*), and print its rules")
     p.add_argument("--interval", type=seconds, metavar="SECONDS", help="seconds between evaluations "
                    "(default: interval_s of the rules file)")
+    p.add_argument("--state-path", metavar="FILE", help="keep the firing alerts in FILE over a restart (resolved if "
+                   "they cleared meanwhile, sent again if they still hold); replaces state_path of the rules file "
+                   "(default: the file's, else none)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=URL",
                    help="scrape URL as source NAME, replacing the file's source of that name (repeatable)")
     p.add_argument("--metrics-port", type=tcp_port, help="serve the monitor's own Prometheus /metrics on this port "
@@ -69,12 +73,15 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     config = _with_sources(load_rules(args.rules), args.source)
     if args.interval is not None:  # checked by seconds()
         config = dataclasses.replace(config, interval_s=args.interval)
+    if args.state_path:
+        config = dataclasses.replace(config, state_path=Path(args.state_path))
     src = sources(args)  # in every mode: --check and --once stop on what the daemon would stop on (exit 2)
     kafka = kafka_settings(args, src) if config.sinks.kafka_topic else None
     setup_logging(args.log_level)
     if args.check:
         summary = {"rules_file": config.origin, "sources": dict(config.sources),
                    "sinks": dataclasses.asdict(config.sinks), "interval_s": config.interval_s,
+                   "state_path": str(config.state_path) if config.state_path is not None else None,
                    "rules": [{"name": r.name, "condition": r.condition, "for_s": r.for_s,
                               "severity": r.severity.value} for r in config.rules]}
         emit(args, summary, lambda d: f"{d['rules_file']}: {len(d['rules'])} rule(s) OK\n" + "\n".join(

@@ -103,3 +103,16 @@ def test_the_exit_statuses_are_in_the_help(capsys: pytest.CaptureFixture[str]) -
         main(["monitor", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "1 a scrape failed" in text and "3 a rule's condition holds" in text
+
+
+def test_state_path_comes_from_the_rules_file_and_the_flag_replaces_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """compose keeps the firing alerts over a restart with ``--state-path`` on a volume (the shared rules file names
+    no writable place); the flag replaces the file's ``state_path``, and ``--check`` shows the one in force."""
+    r = tmp_path / "rules.toml"
+    r.write_text('state_path = "from-file.json"\n[sources]\nlearner = "http://127.0.0.1:1/metrics"\n' + RULE)
+    assert main(["monitor", "--rules", str(r), "--check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state_path"] == "from-file.json"
+    flag = str(tmp_path / "state" / "firing.json")
+    assert main(["monitor", "--rules", str(r), "--check", "--json", "--state-path", flag]) == 0
+    assert json.loads(capsys.readouterr().out)["state_path"] == flag
