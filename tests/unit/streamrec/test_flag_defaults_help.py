@@ -21,7 +21,7 @@ NO_SETTING = {
     "counts": {"--event", "--day", "--days", "--k"},
     "evaluate": {"--dataset", "--capacity", "--buckets", "--admit-after", "--boost", "--cold-k", "--init",
                  "--user-bucket-half-life-s", "--new-user-impressions", "--new-user-session-s", "--features", "--seed"},
-    "monitor": {"--rules", "--interval", "--metrics-host", "--log-level"},
+    "monitor": {"--rules", "--interval", "--state-path", "--metrics-host", "--log-level"},
     "report": {"--out", "--pid"},
 }
 SETTING_DEFAULT = re.compile(r"default: \[(\w+)\] (\w+), else \S")
