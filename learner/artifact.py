@@ -217,6 +217,9 @@ def _check_source(src: Any, bad: Any) -> None:
     for key in ("checkpoint", "lineage", "topic"):
         if src.get(key) is not None and not isinstance(src[key], str):
             raise bad(f"source.{key} is {_show(src[key])}, expected a string or null")
+    created = src.get("created")
+    if created is not None and not (_num(created) and created >= 0):
+        raise bad(f"source.created is {_show(created)}, expected a unix time >= 0 or null")
     if not isinstance(src.get("offsets", {}), dict):
         raise bad(f"source.offsets is {_show(src.get('offsets'))}, expected an object")
 
@@ -474,7 +477,8 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
             "format": format,
             "source": {"checkpoint": checkpoint.get("path"), "samples_trained": meta.get("samples_trained"),
                        "lineage": meta.get("lineage"), "offsets": meta.get("offsets", {}), "topic": meta.get("topic"),
-                       "metrics": meta.get("metrics", {}), "delta_seq": meta.get("delta_seq")},
+                       "metrics": meta.get("metrics", {}), "delta_seq": meta.get("delta_seq"),
+                       "created": meta.get("created")},  # when the training state was saved: the model's age
             "feature_config": cfg.to_dict(),
             "model": {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in ms.items()},
             "scorer": spec.to_dict(),

@@ -8,6 +8,10 @@
     streamrec_serving_hot_cache_hit_rate                    hot / (hot + cold), since start
     streamrec_serving_model_info{version, format}           1 for the model answering now
     streamrec_serving_delta_seq                             the last learner delta applied to it
+    streamrec_serving_model_age_seconds                     now - when the newest training state it holds was
+                                                            saved (its newest delta, else its source checkpoint)
+    streamrec_serving_artifact_age_seconds                  now - when its artifact's source checkpoint was saved
+    streamrec_serving_deltas_configured                     1 when the process reads learner deltas, else 0
     streamrec_serving_swaps_total                           artifacts swapped in
     streamrec_serving_swap_rejected_total                   artifacts refused (corrupt, unloadable)
     streamrec_serving_artifact_store_retries_total          layered mode: artifacts loaded again after a refusal
@@ -49,7 +53,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -102,6 +108,14 @@ class _LookupCollector:
         yield info
         yield GaugeMetricFamily("streamrec_serving_delta_seq", "The last learner delta applied to the live model "
                                 "(0: none since its artifact).", value=m.delta_seq if m is not None else 0)
+        now = time.time()  # no model: NaN (no age, rather than a 0 that looks fresh; NaN never fires a rule)
+        yield GaugeMetricFamily("streamrec_serving_model_age_seconds", "Seconds since the newest training state the "
+                                "live model holds was saved: its newest learner delta, else its artifact's source "
+                                "checkpoint (NaN: no model).",
+                                value=max(0.0, now - m.trained_at) if m is not None else math.nan)
+        yield GaugeMetricFamily("streamrec_serving_artifact_age_seconds", "Seconds since the live artifact's source "
+                                "checkpoint was saved (its build time for artifacts that do not record it; NaN: no "
+                                "model).", value=max(0.0, now - m.source_created) if m is not None else math.nan)
 
 
 def _counter_total(counter: Counter) -> float:
@@ -155,6 +169,8 @@ class ServingMetrics:
         self.deltas_skipped.labels("lineage")
         self.deltas_paused = Gauge("streamrec_serving_deltas_paused", "1 while no learner deltas are applied because "
                                    "the live artifact is a pinned rollback (streamrec refresh --rollback).", registry=r)
+        self.deltas_configured = Gauge("streamrec_serving_deltas_configured", "1 when this process reads learner "
+                                       "deltas ([serve] deltas_dir), else 0.", registry=r)
         self.history_unavailable = Counter("streamrec_serving_history_unavailable", "Requests scored without "
                                            "history because Redis was down, refused or timed out.", registry=r)
         self.history_malformed = Counter("streamrec_serving_history_malformed", "Users whose Redis history read failed "

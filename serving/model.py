@@ -66,6 +66,7 @@ class _Live:
     override_vectors: np.ndarray  # (R, D + 1) float32
     delta_seq: int
     delta_samples: int = 0  # the largest samples_trained among the deltas applied (0: none)
+    delta_created: float = 0.0  # when the newest delta applied was written (unix time; 0: none)
 
 
 class ScoringModel:
@@ -239,6 +240,20 @@ class ScoringModel:
         return self.manifest["source"].get("delta_seq")
 
     @property
+    def source_created(self) -> float:
+        """When the training state of the artifact was saved (unix time): its source checkpoint's write time, or the
+        artifact's build time for artifacts that do not record it."""
+        created = self.manifest["source"].get("created")
+        return float(created) if created is not None else float(self.manifest["created"])
+
+    @property
+    def trained_at(self) -> float:
+        """When the newest training state this model holds was saved (unix time): the newest delta applied, else
+        the artifact's source checkpoint. Now minus this is the age of what is served
+        (``streamrec_serving_model_age_seconds``)."""
+        return max(self.source_created, self._live.delta_created)
+
+    @property
     def source_samples(self) -> int | None:
         """``samples_trained`` of the source checkpoint (deltas at or below it are inside); None: unknown."""
         return self.manifest["source"].get("samples_trained")
@@ -370,9 +385,11 @@ class ScoringModel:
 
     # -- deltas ------------------------------------------------------------------------------------
     def apply_delta(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor] | None,
-                    seq: int, id_maps: dict[str, Any] | None = None, samples_trained: int | None = None) -> None:
+                    seq: int, id_maps: dict[str, Any] | None = None, samples_trained: int | None = None,
+                    created: float | None = None) -> None:
         """Override rows (R,) with vectors (R, D + 1); replace the dense weights when ``dense_state`` is given,
-        and the id maps when ``id_maps`` is. ``samples_trained``: the delta's, kept as :attr:`delta_samples`.
+        and the id maps when ``id_maps`` is. ``samples_trained``: the delta's, kept as :attr:`delta_samples`;
+        ``created``: when it was written, for :attr:`trained_at`.
 
         All or nothing: every part is checked against this model first (integer rows inside the table,
         vectors of the model's width, finite values, dense names, shapes and floating dtypes, id maps of this
@@ -407,7 +424,8 @@ class ScoringModel:
         uniq, first_in_rev = np.unique(rev_ids, return_index=True)
         keep = len(ids) - 1 - first_in_rev
         self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq),
-                           max(live.delta_samples, int(samples_trained or 0)))
+                           max(live.delta_samples, int(samples_trained or 0)),
+                           max(live.delta_created, float(created or 0.0)))
         if mapper is not None:  # rows first, then the map that points at them
             self._mapper = mapper
         if self._layered is not None:  # the LRU forgets the delta's rows; Redis gets the non-hot ones

@@ -139,6 +139,7 @@ class ModelUpdater:
         self.deltas = (DeltaReader(deltas_dir, on_reject=self._delta_rejected, on_skip=self._delta_skipped,
                                    key=signing_key)
                        if deltas_dir is not None else None)
+        metrics.deltas_configured.set(1.0 if self.deltas is not None else 0.0)
         self.device, self.poll_s = device, poll_s
         self.redis, self.prefix = redis_client, prefix
         self._load = load if load is not None else (
@@ -361,7 +362,7 @@ class ModelUpdater:
         for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples):
             try:
                 m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
-                              samples_trained=d.samples_trained)
+                              samples_trained=d.samples_trained, created=d.created)
             except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
                 self.deltas.mark_unfit(d.path)
                 self._delta_rejected(d.path, f"does not fit model {m.version}: {exc}")

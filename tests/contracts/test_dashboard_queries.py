@@ -64,7 +64,10 @@ SHARE_HELP = re.compile(r"^\s*(share|fraction|ratio) of\b", re.IGNORECASE)
 # Counters of seconds: their rate is the share of wall time spent, in [0, 1] for one thread.
 TIME_SHARES = {"streamrec_join_gc_seconds_total"}
 # streamrec_* metrics deliberately on no panel, with the reason.
-NOT_ON_A_PANEL: dict[str, str] = {}
+NOT_ON_A_PANEL: dict[str, str] = {
+    "streamrec_serving_deltas_configured": "a setting (1 when serving reads deltas), not a measurement: the "
+                                           "served_model_stale rule multiplies the model's age by it",
+}
 # Series Prometheus makes itself (not exported by the code).
 PROMETHEUS_OWN = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 RATE_FUNCTIONS = {"rate", "irate", "increase"}

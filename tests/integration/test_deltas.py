@@ -229,6 +229,8 @@ def test_serving_takes_the_deltas_of_a_restarted_numbering_and_counts_the_rewind
     updater.check_now()
     served = holder.model()
     assert served is not None and served.delta_seq == 3
+    newest = max(load_delta(p).created for _, _, p in list_deltas(tmp_path / "deltas"))
+    assert served.trained_at == newest  # the age serving reports (streamrec_serving_model_age_seconds) is the delta's
     shutil.rmtree(tmp_path / "deltas")
     restarted = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1.0)  # numbers from 1 again
     (tb,) = learner.train(1)
