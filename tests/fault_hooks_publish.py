@@ -196,9 +196,9 @@ def _hooked_load(cls, version_dir, *args, **kwargs):  # noqa: ANN001, ANN002, AN
     return model
 
 
-def _hooked_apply_delta(self, rows, vectors, dense_state, seq, id_maps=None):  # noqa: ANN001, ANN202 - a patch
-    _die(f"delta:{seq}")
-    return _apply_delta(self, rows, vectors, dense_state, seq, id_maps=id_maps)
+def _hooked_apply_delta(self, rows, vectors, dense_state, seq, **kwargs):  # noqa: ANN001, ANN003, ANN202 - a patch
+    _die(f"delta:{seq}")  # (**kwargs: whatever apply_delta takes besides, passed on as it is)
+    return _apply_delta(self, rows, vectors, dense_state, seq, **kwargs)
 
 
 ScoringModel.load = classmethod(_hooked_load)  # type: ignore[method-assign, assignment]
