@@ -36,6 +36,14 @@ ttl_days * 86400)``. In consequence a key of a day older than yesterday lives ``
 *last write*; only today's and yesterday's keys (and future days) get the longer own-day expiry.
 Every write refreshes the expiry (``EXPIREAT``), so it only ever moves forward.
 
+Retries: one :meth:`DailyCounts.record` (or :meth:`DailyCounts.add_counts`) call is all or nothing when the
+connection fails or Redis refuses it: its script calls (one per day) go in one MULTI/EXEC, which Redis runs only
+once it has the whole transaction, so a connection lost part way through the pipeline writes nothing and the
+caller may write the same counts again (the joiner does, with its next flush). As a non-transactional pipeline,
+the days before the break were written and then written again by the retry. What remains: a failure after Redis
+ran the EXEC but before its reply arrived (a count written twice by the retry), and an error *inside* a script
+(a key of the wrong type: Redis does not roll back the other days of that EXEC).
+
 Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_ts_s``) ahead of
 the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
 start beyond that are never "the latest day" (:meth:`days_available`): one client with a wrong
@@ -203,10 +211,10 @@ class DailyCounts:
                names: Mapping[Any, int | str] | None = None) -> None:
         """Count ``ids[i]`` once on the UTC day of ``ts_ms[i]``; one Redis round trip per call.
 
-        Counts are aggregated here first, then written with one non-transactional pipeline holding one
-        script call per day key touched: the script runs ZINCRBY for each (member, count) pair it is
-        given and sets EXPIREAT (redis-py spends ~5 us packing each command; the joiner touches tens of
-        thousands of distinct ids per flush).
+        Counts are aggregated here first, then written with one MULTI/EXEC pipeline holding one script call per
+        day key touched (all of them or none, see "Retries" in the module docstring): the script runs ZINCRBY for
+        each (member, count) pair it is given and sets EXPIREAT (redis-py spends ~5 us packing each command; the
+        joiner touches tens of thousands of distinct ids per flush).
 
         ``names`` maps ids (as given in ``ids``) to their raw ids: the name of each member counted is set
         in the same script call, on the same day (ids missing from it get no name; extra entries are
@@ -254,7 +262,7 @@ class DailyCounts:
         named, skipped = self._names_to_send(kind, days, counts, names, text) if names else ({}, set())
         if self._zincr_many is None:
             self._zincr_many = self.client.register_script(_ZINCR_MANY)
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=True)  # all days or none (see "Retries" in the module docstring)
         for d, pairs in args.items():
             day = days[d]
             keys = [f"{self.prefix}:counts:{kind}:{event}:{day}", f"{self.prefix}:names:{kind}:{day}"]
@@ -273,8 +281,8 @@ class DailyCounts:
     def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
                    chunk: int = 10_000) -> None:
         """Add pre-aggregated ``counts[i]`` to ``members[i]`` (int64 hashes, (M,) each) on day ``day_index`` (days
-        since the epoch): one non-transactional pipeline of the same script :meth:`record` uses, ``chunk`` members
-        per call (no names). One round trip; the caller bounds ``M``."""
+        since the epoch): one MULTI/EXEC pipeline of the same script :meth:`record` uses, ``chunk`` members
+        per call (no names), all written or none. One round trip; the caller bounds ``M``."""
         _check_kind_event(kind, event)
         if len(members) != len(counts):
             raise ValueError(f"argument 'counts': has {len(counts)} elements but 'members' has {len(members)}")
@@ -285,7 +293,7 @@ class DailyCounts:
         day = _day_str(int(day_index))
         keys = [f"{self.prefix}:counts:{kind}:{event}:{day}", f"{self.prefix}:names:{kind}:{day}"]
         expire = self.expire_at(int(day_index))
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=True)  # all chunks or none (see "Retries" in the module docstring)
         for i in range(0, len(members), chunk):
             m, c = members[i:i + chunk].tolist(), counts[i:i + chunk].tolist()
             pairs = [x for pair in zip(c, map(str, m), strict=True) for x in pair]

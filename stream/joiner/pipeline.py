@@ -847,8 +847,9 @@ class JoinPipeline:
             self._flushing = (self._counts_writer.submit(self._write_counts, counts, names), counts, names)
 
     def _finish_flush(self) -> None:
-        """Wait for the write in flight; if it failed, its counts go back into the buffer (ahead of what came since,
-        to be written with the next flush, as when a synchronous write failed) and its error is raised."""
+        """Wait for the write in flight; if it failed, its counts not written go back into the buffer (ahead of what
+        came since, to be written with the next flush, as when a synchronous write failed) and its error is raised.
+        (The writer removed from them each kind and event it wrote: those are not written again.)"""
         if self._flushing is None:
             return
         future, counts, names = self._flushing
@@ -865,7 +866,13 @@ class JoinPipeline:
 
     def _write_counts(self, counts: dict[tuple[str, str], tuple[list[int], list[int]]],
                       raw_ids: dict[str, set[int | str]]) -> None:
-        """The writer thread's part of a flush (DailyCounts.record per kind and event)."""
+        """The writer thread's part of a flush (DailyCounts.record per kind and event, each all or nothing).
+
+        Each (kind, event) written is removed from ``counts`` at once, so that what a failure hands back to the
+        buffer (:meth:`_finish_flush`, which reads ``counts`` only after this returned or raised) is only what
+        was not written: with the item counts written and Redis failing on the user counts, the retry wrote the
+        item counts a second time (and once more per further failure)."""
         names = {kind: {hash_value(raw): raw for raw in raws} for kind, raws in raw_ids.items()}
-        for (kind, event), (ids, ts) in counts.items():
+        for (kind, event), (ids, ts) in list(counts.items()):
             self.counts.record(kind, event, ids, ts, names=names[kind])
+            del counts[(kind, event)]
