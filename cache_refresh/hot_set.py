@@ -14,6 +14,14 @@ them, a replay whose serving never ran), the most frequent ids by ``fallback_eve
 the rest of the budget. So with no lookup counts at all the hot set is exactly the impression-ranked one of before,
 and lookups rank the head as soon as serving has counted for a day. ``fallback_event == count_event``: no fill.
 
+Stale counts are not ranked by: when ``count_event``'s latest day is more than ``STALE_DAYS`` (1) day behind
+``fallback_event``'s, the fallback ranks the whole budget (``{kind}_stale_day`` in the stats names the stale day,
+with a warning in the log). Lookups are counted by the wall-clock day, the joiner's counts by event time: with both
+running, serving's latest lookup day is today and the joiner's latest impression day today or, lagging, earlier, so
+lookups a full day behind the impressions mean serving stopped counting (its lookup counts switched off, its flushes
+failing) while the joiner went on. Each kind's window ended at its own latest day, so the lookups of that last day,
+up to ``ttl_days`` old, ranked the hot set while the impressions went on being counted: a silently old hot set.
+
 An item's row is ``item_id``'s block row of that hash (shared by ``history``, which reads item rows); a user's row
 is ``user_id``'s. The mapping is the feature config's (``FeatureConfig.blocks``), the one the learner used.
 
@@ -30,6 +38,7 @@ Redis may be briefly unavailable at 03:00: every read is retried with exponentia
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import time
@@ -49,6 +58,7 @@ log = logging.getLogger("streamrec.refresh")
 T = TypeVar("T")
 
 KIND_FIELDS = {"item": "item_id", "user": "user_id"}
+STALE_DAYS = 1  # count_event's latest day this many days behind fallback_event's, and more: not ranked by
 SHOW = 10  # hottest ids of each kind listed by raw id in the stats
 
 
@@ -118,6 +128,18 @@ def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMappe
     return (mapper or RowMapper(cfg)).rows(names.index(name), hashed)
 
 
+def stale_day(counts: DailyCounts, kind: str, event: str, fallback: str) -> str | None:
+    """``event``'s latest day if it is more than ``STALE_DAYS`` behind ``fallback``'s latest day (see the module
+    docstring), else None (also when either has no counts, or they are the same event)."""
+    if event == fallback:
+        return None
+    mine, theirs = counts.days_available(kind, event), counts.days_available(kind, fallback)
+    if not mine or not theirs:
+        return None
+    behind = dt.date.fromisoformat(theirs[-1]) - dt.date.fromisoformat(mine[-1])
+    return mine[-1] if behind > dt.timedelta(days=STALE_DAYS) else None
+
+
 def ranked_ids(counts: DailyCounts, kind: str, event: str, fallback: str, days: int, k: int,
                ) -> tuple[list[tuple[str, float]], str | None, int]:
     """Top-k (member, count) by ``event``, filled up to k by ``fallback``'s top ids not already in (their counts are
@@ -137,14 +159,22 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
             mapper: RowMapper | None = None, show: int = SHOW, fallback: str = "impression") -> HotSet:
     """The hot rows of ``cfg``'s table from the last ``days`` days of ``event`` counts, filled by ``fallback``'s (see
     the module docstring), with stats for the manifest (the hottest ``show`` items and users by raw id under
-    ``top_items``/``top_users``; ``{kind}s_from_fallback``: how many ids the fallback ranking added)."""
+    ``top_items``/``top_users``; ``{kind}s_from_fallback``: how many ids the fallback ranking added;
+    ``{kind}_stale_day``: ``event``'s latest day where it was too old to rank by, else None)."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event, "fallback_event": fallback}
     for kind, k in (("item", hot_items), ("user", hot_users)):
+        stale = with_retries(f"latest {kind} days", functools.partial(stale_day, counts, kind, event, fallback),
+                             attempts, backoff_s, sleep) if k > 0 else None
+        if stale is not None:
+            log.warning("hot set: the %s %s counts end on %s, more than %d day behind the %s counts; ranking the %ss "
+                        "by %s alone (is serving counting its lookups, [serve] lookup_counts?)", kind, event, stale,
+                        STALE_DAYS, fallback, kind, fallback)
         top, day, filled = with_retries(
-            f"top {kind}s", functools.partial(ranked_ids, counts, kind, event, fallback, days, k),
-            attempts, backoff_s, sleep)
-        stats[f"{kind}s_from_fallback"] = filled
+            f"top {kind}s", functools.partial(ranked_ids, counts, kind, fallback if stale else event, fallback, days,
+                                              k), attempts, backoff_s, sleep)
+        stats[f"{kind}s_from_fallback"] = len(top) if stale else filled
+        stats[f"{kind}_stale_day"] = stale
         rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)
         parts.append(rows)
         stats[f"{kind}s"] = len(top)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,7 @@ def test_redis_down_answers_every_request_and_counts_the_dropped_lookups(
         assert reg.get_sample_value("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 1
 
 
-def _members(ids: list[object]) -> list[int]:
+def _members(ids: Sequence[object]) -> list[int]:
     return [hash_value(x) for x in ids]
 
 
@@ -125,3 +126,27 @@ def test_a_request_refused_for_an_unknown_dense_name_counts_no_lookups(
         conn.close()
         assert status == 422
         assert svc.lookups is not None and svc.lookups.flush() == 0  # nothing was read for it
+
+
+def test_lookups_that_stopped_days_before_the_impressions_do_not_rank_the_hot_set(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Serving counted lookups six days ago, then stopped (counting switched off, flushes failing) while the joiner
+    went on counting impressions up to today: the hot set is the impression-ranked one of today, not the lookups of
+    six days ago (it was, with no sign but the day in the stats); a day behind is still ranked by lookups."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    today = now_ms // DAY_MS
+    counts.add_counts("item", "lookup", np.array(_members(["old1", "old2"]), np.int64), np.array([9, 8]), today - 6)
+    imp = _members(["a"] * 3 + ["b"] * 2)
+    counts.record("item", "impression", imp, [now_ms] * len(imp))
+    with caplog.at_level("WARNING", logger="streamrec.refresh"):
+        hs = hot_set.compute(redis_client, prefix, 8, CFG, days=1, hot_items=2, hot_users=0, event="lookup")
+    assert set(hs.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members(["a", "b"])]))
+    assert hs.stats["item_stale_day"] == day_of((today - 6) * DAY_MS) and hs.stats["items_from_fallback"] == 2
+    assert hs.stats["item_last_day"] == day_of(now_ms)
+    assert "more than 1 day behind the impression counts" in caplog.text
+
+    counts.add_counts("item", "lookup", np.array(_members(["new"]), np.int64), np.array([1]), today - 1)  # yesterday
+    hs = hot_set.compute(redis_client, prefix, 8, CFG, days=1, hot_items=2, hot_users=0, event="lookup")
+    assert hs.stats["item_stale_day"] is None and hs.stats["items_from_fallback"] == 1
+    assert set(hs.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members(["new", "a"])]))
