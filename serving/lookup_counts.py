@@ -18,8 +18,10 @@ of the day before to that day), with one pipelined round trip.
 
 Bounded: at most ``max_pending`` lookups wait in memory (int64 each); a request that would exceed it is not counted
 (``streamrec_serving_lookup_counts_dropped_total{reason="full"}``). A flush that fails (Redis down, slow, refusing)
-drops what it held (``reason="redis"``, ``streamrec_serving_lookup_count_flushes_total{outcome="error"}``), logs one
-line per outage (not per flush), and never reaches a client: counts are a ranking signal, and a few seconds of them
+drops what it had not written yet (``reason="redis"``,
+``streamrec_serving_lookup_count_flushes_total{outcome="error"}``; it writes one day and kind at a time, each all or
+nothing, and what it wrote before the failure counts as flushed), logs one line per outage (not per flush), and
+never reaches a client: counts are a ranking signal, and a few seconds of them
 lost cost nothing a request would notice.
 """
 
@@ -92,34 +94,42 @@ class LookupCounts:
 
     # -- background -------------------------------------------------------------------------------------
     def flush(self) -> int:
-        """Write what is waiting (one pipelined round trip); the number of lookups written (0 on failure)."""
+        """Write what is waiting (one pipelined round trip per day and kind, each all or nothing); the number of
+        lookups written. A failure drops (and counts as dropped) only the days and kinds not written before it."""
         with self._flush_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
                 n, self._n = self._n, 0
             if not n:
                 return 0
+            written = 0
             try:
                 for (day, kind), parts in sorted(pending.items()):
-                    members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,)
+                    ids = np.concatenate(parts)
+                    members, counts = np.unique(ids, return_counts=True)  # (M,), (M,)
                     self.counts.add_counts(kind, EVENT, members, counts, day)
+                    written += len(ids)
             except Exception as exc:  # noqa: BLE001 - Redis down or refusing: the counts are lost, serving goes on
-                self._drop("redis", n)
+                self._drop("redis", n - written)
                 self._outcome("error")
                 if not self._failing:
                     log.warning("lookup counts: a flush to Redis failed (%s: %s); %d lookups not counted, and further "
                                 "failures are counted in streamrec_serving_lookup_counts_dropped_total until one "
-                                "succeeds", type(exc).__name__, exc, n)
+                                "succeeds", type(exc).__name__, exc, n - written)
                 self._failing = True
-                return 0
+                self._flushed(written)
+                return written
             if self._failing:
                 log.info("lookup counts: flushing to Redis again")
             self._failing = False
-            self.flushed += n
             self._outcome("ok")
-            if self.metrics is not None:
-                self.metrics.lookup_counts_flushed.inc(n)
+            self._flushed(n)
             return n
+
+    def _flushed(self, n: int) -> None:
+        self.flushed += n
+        if self.metrics is not None and n:
+            self.metrics.lookup_counts_flushed.inc(n)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -14,12 +14,14 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import redis
 
 from cache_refresh import hot_set
+from serving.lookup_counts import LookupCounts
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
@@ -150,3 +152,29 @@ def test_lookups_that_stopped_days_before_the_impressions_do_not_rank_the_hot_se
     hs = hot_set.compute(redis_client, prefix, 8, CFG, days=1, hot_items=2, hot_users=0, event="lookup")
     assert hs.stats["item_stale_day"] is None and hs.stats["items_from_fallback"] == 1
     assert set(hs.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members(["new", "a"])]))
+
+
+def test_a_flush_that_fails_part_way_counts_as_dropped_only_the_lookups_it_did_not_write(
+        redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush writes one (day, kind) at a time; Redis fills up (maxmemory) after the item lookups were written and
+    refuses the user lookups: only the user lookup is dropped (all four were counted as dropped, the items' in Redis
+    all the same), and the item lookups are counted as flushed."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    lc = LookupCounts(counts, flush_s=60.0)
+    lc.add("user", np.array(_members(["u1"]), np.int64))
+    lc.add("item", np.array(_members(["i1", "i2", "i1"]), np.int64))
+    real_add, maxmemory = counts.add_counts, str(redis_client.config_get("maxmemory")["maxmemory"])
+
+    def add_refused_for_users(kind: str, *args: Any, **kwargs: Any) -> None:
+        if kind == "user":
+            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
+        try:
+            real_add(kind, *args, **kwargs)
+        finally:
+            redis_client.config_set("maxmemory", maxmemory)
+
+    monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
+    assert lc.flush() == 3  # sorted by (day, kind): the items, then the user
+    assert (lc.flushed, lc.dropped) == (3, 1)
+    assert lookups(redis_client, prefix, "item") == {_members(["i1"])[0]: 2, _members(["i2"])[0]: 1}
+    assert lookups(redis_client, prefix, "user") == {}
