@@ -10,7 +10,8 @@ it. Headers:
 ``dlq.source.partition``      its partition, ``-1`` when it never reached the broker
 ``dlq.source.offset``         its offset, ``-1`` when it never reached the broker
 ``dlq.value_truncated_from``  only where the value was too large to send whole: its size
-                              (the record then holds its first ``TRUNCATED_BYTES``)
+                              (the record then holds its first ``TRUNCATED_BYTES``, or as many as
+                              the producer's ``message.max.bytes`` leaves room for)
 ============================  ==============================================================
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from stream.config import KafkaSettings
 from stream.errors import BadMessage, MessageTooLarge
-from stream.kafka import AckedProducer
+from stream.kafka import AckedProducer, usable_bytes
 from stream.metrics import DLQ_MESSAGES
 
 TRUNCATED_BYTES = 65_536
@@ -69,7 +70,10 @@ class DeadLetters:
         except MessageTooLarge:
             # Keep what fits and say how much there was: the reason and the source offset still point to it.
             headers.append(("dlq.value_truncated_from", str(len(value or b"")).encode()))
-            self._producer.send(self._kafka.dlq_topic(topic), (value or b"")[:TRUNCATED_BYTES], key, headers=headers)
+            room = (usable_bytes(self._producer.max_message_bytes) - len(key or b"")
+                    - sum(len(k) + len(v) for k, v in headers))
+            self._producer.send(self._kafka.dlq_topic(topic), (value or b"")[:max(0, min(TRUNCATED_BYTES, room))], key,
+                                headers=headers)
         self.counts[(topic, error.kind)] += 1
         DLQ_MESSAGES.labels(topic, error.kind).inc()
 

@@ -5,6 +5,7 @@
     StreamrecError                   every error streamrec raises on purpose; `streamrec` prints one line
     ├── ConfigError (ValueError)     a configuration that cannot be used: names the source and the fix; exit 2
     │   ├── streamrec.settings.SettingsError       settings files, environment, flags
+    │   ├── MessageLimitError        a topic refused a message under the size limit learned for it
     │   ├── stream.replay.eventlog.EventLogError   an event log mapped wrongly
     │   ├── learner.config.CheckpointMismatch      settings that would change a checkpoint's model shape
     │   └── monitor.rules.RulesError               an alert rules file
@@ -113,7 +114,18 @@ class DeliveryFailed(StreamError):
 
 
 class MessageTooLarge(StreamError):
-    """A message larger than the producer may send; the caller splits, truncates or dead-letters it."""
+    """A message larger than the producer may send, or one the broker refused as too large; the caller splits,
+    truncates or dead-letters it. ``topic``: where it was going, when known."""
+
+    def __init__(self, text: str, topic: str | None = None) -> None:
+        super().__init__(text)
+        self.topic = topic
+
+
+class MessageLimitError(ConfigError):
+    """A topic refused a message as too large although it was sized under the limit learned for that topic: the
+    broker's or the topic's limit is lower than what was read (or was lowered since). A configuration to fix, not a
+    message's fault (no strikes) nor an outage (no retry)."""
 
 
 class BadMessage(StreamError):

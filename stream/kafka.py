@@ -16,13 +16,13 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from stream.config import KafkaSettings, SaslMechanism
-from stream.errors import ConfigError, DeliveryFailed, MessageTooLarge, StreamError
+from stream.errors import ConfigError, DeliveryFailed, MessageTooLarge, StreamError, clip
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger("streamrec.kafka")
@@ -379,6 +379,54 @@ def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = 
                           f"--entity-name {topic} --add-config cleanup.policy=compact") from None
 
 
+# -- message size limits -----------------------------------------------------------------------------------------
+LIBRDKAFKA_MESSAGE_BYTES = 1_000_000  # librdkafka's default producer message.max.bytes
+FALLBACK_MESSAGE_BYTES = 1_000_000  # when no limit can be read at all: below Apache Kafka's default (1 MiB + 12 bytes)
+
+
+class MessageLimit(NamedTuple):
+    """The largest record a topic takes from this process, and where that number comes from (said in errors)."""
+
+    bytes: int
+    source: str  # "topic max.message.bytes", "[kafka.extra] message.max.bytes", ...
+
+
+def usable_bytes(limit: int) -> int:
+    """How much of a record of at most ``limit`` bytes its value may take: the rest is left to the key, the headers
+    and the record batch's framing (61 bytes and a few per record), and to lz4, which can grow an incompressible
+    value by 0.4% (the broker checks the compressed batch)."""
+    return limit - 1024 - limit // 200
+
+
+def message_limits(kafka: KafkaSettings, topics: Iterable[str], producer_bytes: int | None, producer_source: str,
+                   timeout_s: float = 10.0) -> dict[str, MessageLimit]:
+    """Per topic, the largest record it takes from a producer whose ``message.max.bytes`` is ``producer_bytes``
+    (named by ``producer_source``; None: not readable): the smaller of that and the topic's ``max.message.bytes`` read
+    with DescribeConfigs. Apache Kafka reports a topic's effective value, its own or the broker's
+    ``message.max.bytes`` it defaults to; a broker that does not answer, or answers without it (Tansu reports only
+    what was set on the topic), leaves the producer's. Neither readable: ``FALLBACK_MESSAGE_BYTES``."""
+    wanted = sorted(set(topics))
+    found: dict[str, int] = {}
+    try:
+        admin = AdminClient(admin_config(kafka))
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in wanted],
+                                         request_timeout=timeout_s)
+        for resource, fut in futures.items():
+            entry = fut.result(timeout=timeout_s).get("max.message.bytes")
+            if entry is not None and str(entry.value).isdigit():
+                found[resource.name] = int(entry.value)
+    except Exception as exc:  # noqa: BLE001 - a broker without DescribeConfigs (or without our right to it)
+        log.warning("could not read the topics' max.message.bytes (%s); writing under the producer's limit",
+                    clip(str(exc)))
+    out = {}
+    for t in wanted:
+        known = [(found[t], "topic max.message.bytes")] if t in found else []
+        if producer_bytes is not None:
+            known.append((producer_bytes, producer_source))
+        out[t] = MessageLimit(*min(known)) if known else MessageLimit(FALLBACK_MESSAGE_BYTES, "a fallback (unknown)")
+    return out
+
+
 @dataclass
 class DeliveryReport:
     acked: dict[str, int] = field(default_factory=dict)  # topic -> messages acknowledged
@@ -394,7 +442,10 @@ class AckedProducer:
     nothing outstanding, every message sent and not reported failed was acknowledged.
 
     ``send`` never drops a message on a full local queue: it serves callbacks and retries.
-    ``flush`` raises :class:`DeliveryFailed` if any message failed since the previous ``flush``.
+    ``flush`` raises :class:`DeliveryFailed` if any message failed since the previous ``flush``, or
+    :class:`MessageTooLarge` when one of them was refused as too large (MSG_SIZE_TOO_LARGE: over the topic's
+    ``max.message.bytes`` or the broker's ``message.max.bytes``): sending it again cannot succeed, so it is no outage
+    to retry (a :class:`DeliveryFailed` is, ``stream.strikes.is_infrastructure``).
     """
 
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
@@ -405,6 +456,12 @@ class AckedProducer:
         conf["on_delivery"] = _weak_on_error(weakref.ref(self))
         self._producer = Producer(conf)
         self._bootstrap = kafka.bootstrap_servers
+        # the largest message produce() takes (librdkafka refuses bigger ones at once), and the setting that says it
+        self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_BYTES))
+        self.max_message_setting = ("[kafka.extra] message.max.bytes" if "message.max.bytes" in kafka.extra
+                                    else "the producer's message.max.bytes")
+        # the first delivery refused as too large since the last flush: (what, its topic)
+        self._too_large: tuple[str, str] | None = None
         self._sent: dict[str, int] = {}
         self._failed: dict[str, int] = {}
         self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
@@ -414,6 +471,9 @@ class AckedProducer:
         if err is None:
             return
         topic = msg.topic()
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and self._too_large is None:
+            self._too_large = (f"a message of {len(msg.value() or b'') + len(msg.key() or b'')} bytes for {topic} was "
+                               f"refused by the broker as too large ({err.str()})", topic)
         self._failed[topic] = self._failed.get(topic, 0) + 1
         self.report.failed += 1
         if self.report.first_error is None:
@@ -462,8 +522,8 @@ class AckedProducer:
             except KafkaException as exc:
                 if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     raise MessageTooLarge(
-                        f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over the producer's "
-                        "message.max.bytes") from None
+                        f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over "
+                        f"{self.max_message_setting} ({self.max_message_bytes})", topic=topic) from None
                 raise
 
     def poll(self) -> None:
@@ -487,6 +547,9 @@ class AckedProducer:
             self.report = DeliveryReport()
             self._failed.clear()
             self._sent.clear()
+            (too_large, too_large_topic), self._too_large = self._too_large or (None, None), None
+            if too_large is not None:
+                raise MessageTooLarge(f"{too_large}; {failed} message(s) failed", topic=too_large_topic)
             raise DeliveryFailed(
                 f"{failed} message(s) were not acknowledged by {self._bootstrap}; "
                 f"first error: {first}. Is the broker up (`streamrec stack status`)?"

@@ -28,6 +28,18 @@ what a batch makes durable); no strikes are given for it. Day counts are not: th
 much counting); a failed write fails the batch that finds it, and its counts stay buffered for the next.
 A batch's own counts join that buffer only once its state is durable: a failed batch is done again, and
 is counted once.
+
+Message size: at start the pipeline learns what the samples and state topics take (``stream.kafka.message_limits``:
+the topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller) and cuts
+samples messages and state parts under it (``sample_bytes``, ``state_bytes``), so a limit below the 900 kB it
+writes by default costs more, smaller messages, not failures. One sample alone over it is dead-lettered
+(``too_large``); one impression whose join state alone is over it fails the batch (:class:`StateTooLarge`), and
+the strikes dead-letter it processed alone, with the reason. A message refused as too large all the same is a
+:class:`~stream.errors.MessageLimitError` (a ConfigError: the worker stops, exit 2, naming the topic and the setting),
+neither an outage nor the batch's fault: it is a samples message or a state part cut under the learned limit, so
+the broker's limit is lower than what it reported (not readable, or lowered since); the message holds the work of
+many good records, which strikes would dead-letter, and a retry (it was a DeliveryFailed: an outage) sends the
+same message again and rewound the worker for ever.
 """
 
 from __future__ import annotations
@@ -35,8 +47,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress, groupby, repeat
@@ -50,7 +63,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, clip, shown
+from stream.errors import BadMessage, ConfigError, MessageLimitError, MessageTooLarge, StreamError, clip, shown
 from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
@@ -63,8 +76,16 @@ from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
 from stream.joiner.gc_pacing import GcPacing
 from stream.joiner.sample_rows import batches_later
-from stream.joiner.state_log import chunk_key, encode_chunk, load_chunks, state_topic
-from stream.kafka import AckedProducer, ensure_compacted, ensure_topics, new_consumer
+from stream.joiner.state_log import MAX_RECORD_BYTES, chunk_key, encode_chunk, load_chunks, state_topic
+from stream.kafka import (
+    AckedProducer,
+    MessageLimit,
+    ensure_compacted,
+    ensure_topics,
+    message_limits,
+    new_consumer,
+    usable_bytes,
+)
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import connect
 from stream.samples import DELAYED_POSITIVE
@@ -73,6 +94,20 @@ from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 log = logging.getLogger("streamrec.join")
 
 _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
+MIN_MESSAGE_BYTES = 4096  # the least a samples message or a state part may be cut to (a chunk's header fits)
+
+
+def _raise_limit(topic: str, limit: MessageLimit) -> str:
+    """What to change where ``topic`` takes records of at most ``limit``: the setting it came from."""
+    if limit.source == "topic max.message.bytes":
+        return (f"raise the topic's limit (kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
+                "--add-config max.message.bytes=1048588)")
+    return f"raise {limit.source}"
+
+
+class StateTooLarge(StreamError):
+    """One impression's join state alone is over what the state topic takes: the batch fails and its records get
+    strikes, so that the impression, processed alone, is dead-lettered (``poison``, with this as its reason)."""
 
 
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
@@ -331,6 +366,18 @@ class JoinPipeline:
                               js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
                               kafka.dlq_topic(kafka.clicks_topic), kafka.dlq_topic(kafka.samples_topic)])
         ensure_compacted(kafka, self.state_topic)
+        # What each topic this worker writes its batches to takes (module docstring, "Message size"), and the bounds
+        # its samples messages and state parts are cut to.
+        self.message_limits = message_limits(kafka, [kafka.samples_topic, self.state_topic],
+                                             self.producer.max_message_bytes, self.producer.max_message_setting)
+        self.sample_bytes = min(js.max_sample_bytes, usable_bytes(self.message_limits[kafka.samples_topic].bytes))
+        self.state_bytes = min(MAX_RECORD_BYTES, usable_bytes(self.message_limits[self.state_topic].bytes))
+        for topic, bound in ((kafka.samples_topic, self.sample_bytes), (self.state_topic, self.state_bytes)):
+            if bound < MIN_MESSAGE_BYTES:
+                limit = self.message_limits[topic]
+                raise ConfigError(f"topic {topic} takes records of at most {limit.bytes} bytes ({limit.source}); the "
+                                  f"joiner needs at least {MIN_MESSAGE_BYTES + (limit.bytes - bound)}: "
+                                  f"{_raise_limit(topic, limit)}")
 
     def close(self) -> None:
         try:
@@ -532,7 +579,8 @@ class JoinPipeline:
                     self._held_groups[tp].restore(before[tp])
                 else:
                     del self._held_groups[tp]
-            if not is_infrastructure(exc):
+            # A configuration error (a message refused as too large) is no record's fault: no strikes.
+            if not is_infrastructure(exc) and not isinstance(exc, ConfigError):
                 failed = held + records
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
                           "committing", len(failed), type(exc).__name__, clip(str(exc)))
@@ -695,14 +743,14 @@ class JoinPipeline:
                 t2 = time.monotonic()
                 stage["redis"] += t2 - t1
                 results[partition] = res
-                prev.batches = batches_later(res.samples, self.js.sample_flush_rows, self.js.max_sample_bytes,
+                prev.batches = batches_later(res.samples, self.js.sample_flush_rows, self.sample_bytes,
                                              oversized=partial(self._too_large, partition=partition))
                 stage["encode_samples"] += time.monotonic() - t2
                 if last is not None:
                     self._emit(last)
             if prev is not None:
                 t1 = time.monotonic()
-                encoded = {p: encode_chunk(res.chunk) for p, res in results.items() if res.chunk is not None}
+                encoded = {p: self._encode_chunk(p, res) for p, res in results.items() if res.chunk is not None}
                 t2 = time.monotonic()
                 stage["encode_state"] += t2 - t1
                 prev.collect()
@@ -713,6 +761,40 @@ class JoinPipeline:
             if prev is not None:  # failed with a read in flight: its answer is read (and dropped) off the connection
                 prev.collect(quiet=True)
         return results, encoded
+
+    def _encode_chunk(self, partition: int, res: BatchResult) -> list[bytes]:
+        """``res``'s state chunk in parts under ``state_bytes``; :class:`StateTooLarge` where one impression alone is
+        over it (checked here, before the batch's samples are flushed, not at the produce)."""
+        assert res.chunk is not None
+        parts = encode_chunk(res.chunk, self.state_bytes)
+        if len(parts) > 1 or len(parts[0]) > self.state_bytes:
+            for raw in parts:
+                if len(raw) > self.state_bytes:
+                    limit = self.message_limits[self.state_topic]
+                    raise StateTooLarge(
+                        f"an impression's join state alone is {len(raw)} bytes, over the {self.state_bytes} a record "
+                        f"of {self.state_topic} may be (its limit {limit.bytes} bytes, {limit.source}; partition "
+                        f"{partition}): {_raise_limit(self.state_topic, limit)}, or lower the [limits] on context size")
+        return parts
+
+    @contextmanager
+    def _sized(self) -> Iterator[None]:
+        """Sends and flushes of a batch's outputs: a message refused as too large is a :class:`MessageLimitError`
+        (module docstring, "Message size")."""
+        try:
+            yield
+        except MessageTooLarge as exc:
+            topic = exc.topic or "?"
+            limit = self.message_limits.get(topic)
+            learned = (f"sized under {limit.bytes} bytes, the limit learned at start ({limit.source})"
+                       if limit is not None else "not sized by the joiner")
+            raise MessageLimitError(
+                f"{clip(str(exc), 300)}; the joiner's messages to {topic} are {learned}, so the broker's (or the "
+                "producer's) limit is lower than that: set [kafka.extra] message.max.bytes to at most the topic's "
+                f"max.message.bytes (the joiner then writes under it), or raise the topic's max.message.bytes "
+                f"(kafka-configs.sh --alter --entity-type topics --entity-name {topic} --add-config "
+                "max.message.bytes=1048588) and the broker's "
+                "message.max.bytes") from None
 
     def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
                         drain: bool) -> BatchResult:
@@ -738,26 +820,34 @@ class JoinPipeline:
         t0 = time.monotonic()
         partition, res = step.partition, step.res
         key = str(partition).encode()
-        for value in step.batches(step.histories):
-            self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
-        self.totals.stage_s["encode_samples"] += time.monotonic() - t0
-        for u in res.unjoined:
-            value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
-                                  "partition": partition})
-            self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
+        with self._sized():
+            for value in step.batches(step.histories):
+                self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
+            self.totals.stage_s["encode_samples"] += time.monotonic() - t0
+            for u in res.unjoined:
+                value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
+                                      "partition": partition})
+                self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
 
     def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
         """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""
+        limit = self.message_limits[self.kafka.samples_topic]
         err = BadMessage(f"the sample of impression {shown(rows[0].pending.impression_id)} is {len(value)} bytes "
-                         f"encoded, over max_sample_bytes={self.js.max_sample_bytes} ([joiner]); lower the [limits] "
-                         "on context size or raise both limits together", kind="too_large")
+                         f"encoded, over the {self.sample_bytes} a samples message may be (max_sample_bytes="
+                         f"{self.js.max_sample_bytes} ([joiner]); {self.kafka.samples_topic} takes {limit.bytes} "
+                         f"bytes, {limit.source}); lower the [limits] on context size or raise both limits together",
+                         kind="too_large")
         self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
         self.totals.counts["samples_too_large"] += 1
 
     def _commit_state(self, done: tuple[dict[int, BatchResult], dict[int, list[bytes]]]) -> None:
         """``done``: :meth:`_apply_all`'s results and their state chunks, encoded."""
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
-        results, encoded = done
+        with self._sized():
+            self._write_state(*done)
+        self._count_batch()
+
+    def _write_state(self, results: dict[int, BatchResult], encoded: dict[int, list[bytes]]) -> None:
         t0 = time.monotonic()
         self.producer.flush()
         t1 = time.monotonic()
@@ -776,7 +866,6 @@ class JoinPipeline:
         self.producer.flush()
         self.totals.stage_s["encode_state"] += t2 - t1
         self.totals.stage_s["flush"] += time.monotonic() - t2
-        self._count_batch()
 
     def _account(self, res: BatchResult) -> None:
         c = self.totals.counts

@@ -208,8 +208,8 @@ class FaustJoinWorker:
                 self.pipeline.restore(missing)
             self.pipeline.process_new(records, behind)  # what it holds back it keeps, and faust does not acknowledge
             processed = self.pipeline.processed
-        except BaseException:
-            self._die("a batch failed")
+        except BaseException as exc:  # a ConfigError (a message over a topic's limit) exits 2, as the CLI's do
+            self._die("a batch failed", 2 if isinstance(exc, ConfigError) else 1)
         finally:
             self._busy = False
         if records or processed or self.pipeline.held_counts != held_before:  # not an offer of what is held alone
@@ -229,13 +229,13 @@ class FaustJoinWorker:
             self._idle_since = time.monotonic()
 
     @staticmethod
-    def _die(what: str) -> NoReturn:
+    def _die(what: str, status: int = 1) -> NoReturn:
         """Stop the process now, before faust can acknowledge the batch in hand (module docstring)."""
-        log.exception("%s; exiting without acknowledging it (status 1)", what)
+        log.exception("%s; exiting without acknowledging it (status %d)", what, status)
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(status)
 
     async def _on_assigned(self, sender: Any, assigned: set, **kwargs: Any) -> None:
         self._idle_since = time.monotonic()  # idleness counts from when there is something to read

@@ -1,0 +1,203 @@
+"""The joiner against message size limits below what it writes by default (``JoinPipeline`` over the real broker of
+the session stack): the limit it learns at start for the samples and state topics (the topic's
+``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``), its messages sized under it, a
+sample alone over it dead-lettered, and a message refused as too large anyway stopping the worker with a
+configuration error instead of a retry.
+
+The local broker (Tansu) stores a topic's ``max.message.bytes`` and answers DescribeConfigs with it, but does not
+enforce it (a 50 kB record goes into a topic of 10 kB): the tests that need a refusal get it from the producer's own
+``message.max.bytes`` (``[kafka.extra]``), which librdkafka enforces on every ``produce``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from confluent_kafka import KafkaError
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from stream.config import KafkaSettings, RedisSettings
+from stream.dlq import DeadLetter
+from stream.errors import ConfigError, MessageLimitError
+from stream.joiner import pipeline as pipeline_module
+from stream.joiner.config import JoinerSettings
+from stream.joiner.pipeline import JoinPipeline, StateTooLarge
+from stream.joiner.state_log import state_topic
+from stream.kafka import MessageLimit, admin_config
+from stream.samples import SampleBatch
+from tests.integration.test_join_pipeline import T0, WINDOW_MS, click, imp
+from tests.integration.test_join_recovery import worker
+from tests.kafka_io import read_topic
+
+LIMIT = 40_000  # bytes: far below the 900 kB the joiner writes by default
+
+
+@pytest.fixture
+def settings(group_id: str, kafka: KafkaSettings) -> JoinerSettings:
+    return JoinerSettings(app_id=group_id, attribution_window_s=WINDOW_MS / 1000, allowed_lateness_s=0.0,
+                          watermark_quorum=1, counts_flush_s=3600.0, late_clicks_topic=f"late-{kafka.samples_topic}",
+                          poison_after=2, emission="wait", sample_flush_rows=100_000)
+
+
+@pytest.fixture
+def make(stack, settings: JoinerSettings) -> Iterator[Callable[..., JoinPipeline]]:
+    """New pipelines (a new one = a restarted worker: the same Redis prefix, so its strikes); closed at teardown."""
+    made: list[JoinPipeline] = []
+    prefix = f"jl{uuid.uuid4().hex[:8]}"
+
+    def new(kafka: KafkaSettings) -> JoinPipeline:
+        p = JoinPipeline(kafka, RedisSettings(url=stack.redis_url, prefix=prefix), settings)
+        made.append(p)
+        return p
+
+    yield new
+    for p in made:
+        p.close()
+
+
+def tagged(kafka: KafkaSettings, n: int, tags: int = 40) -> list:
+    """``n`` impressions of ``tags`` context tags each (~400 bytes of state and sample apiece), clicked."""
+    out = [imp(kafka, 0, i, f"imp{i:05d}", T0 + i, tags=[f"t{i}-{j}" for j in range(tags)]) for i in range(n)]
+    return out + [click(kafka, 0, i, f"imp{i:05d}", T0 + i + 1) for i in range(n)]
+
+
+def sizes(kafka: KafkaSettings, topic: str) -> list[int]:
+    return [len(r.value or b"") + len(r.key or b"") for r in read_topic(kafka, topic) if r.value is not None]
+
+
+def test_a_producer_message_limit_below_the_record_size_sizes_samples_and_state_parts_under_it(
+        kafka: KafkaSettings, make) -> None:
+    """``[kafka.extra] message.max.bytes`` at 40 kB: a batch of 600 impressions made a samples message and a state
+    chunk of ~250 kB each, every produce was refused (MessageTooLarge) and the batch failed, its messages given
+    strikes, to be dead-lettered as poison after ``poison_after`` tries; now the joiner learns the limit at start and
+    writes every message under it, and a restarted worker restores all of it."""
+    kafka = dataclasses.replace(kafka, extra={"message.max.bytes": str(LIMIT)})
+    p = make(kafka)
+    p.process(tagged(kafka, 600))
+    assert p.strikes.counts == {}
+    samples, state = sizes(kafka, kafka.samples_topic), sizes(kafka, state_topic(p.js.app_id))
+    assert len(samples) > 1 and max(samples) <= LIMIT
+    assert len(state) > 1 and max(state) <= LIMIT
+    assert sum(SampleBatch.decode(r.value).batch.num_rows for r in read_topic(kafka, kafka.samples_topic)) == 600
+    again = make(kafka)
+    again.restore({0})
+    assert again.engines[0].offsets == [599, 599] and len(again.engines[0].pending) == 600
+
+
+def test_a_topic_max_message_bytes_read_by_describe_configs_bounds_what_the_joiner_writes_to_it(
+        kafka: KafkaSettings, make, settings: JoinerSettings) -> None:
+    """The state and samples topics created with ``max.message.bytes=40000`` (Apache Kafka refuses anything bigger
+    with MSG_SIZE_TOO_LARGE, which the joiner took for an outage and retried for ever): the joiner reads the limit
+    with DescribeConfigs and writes under it. (Tansu answers DescribeConfigs but does not enforce the limit: the
+    records' sizes show what Kafka would have refused.)"""
+    create(kafka, NewTopic(state_topic(settings.app_id), 1, 1, config={"cleanup.policy": "compact",
+                                                                     "max.message.bytes": str(LIMIT)}),
+           NewTopic(kafka.samples_topic, 1, 1, config={"max.message.bytes": str(LIMIT)}))
+    p = make(kafka)
+    assert p.message_limits[kafka.samples_topic] == MessageLimit(LIMIT, "topic max.message.bytes")
+    p.process(tagged(kafka, 600))
+    samples, state = sizes(kafka, kafka.samples_topic), sizes(kafka, state_topic(p.js.app_id))
+    assert len(samples) > 1 and max(samples) <= LIMIT
+    assert len(state) > 1 and max(state) <= LIMIT
+
+
+def create(kafka: KafkaSettings, *topics: NewTopic) -> None:
+    admin = AdminClient(admin_config(kafka))
+    for fut in admin.create_topics(list(topics), operation_timeout=10).values():
+        fut.result()
+
+
+def test_one_sample_over_the_samples_topic_limit_is_dead_lettered_with_the_limit_in_its_reason(
+        kafka: KafkaSettings, make) -> None:
+    create(kafka, NewTopic(kafka.samples_topic, 1, 1, config={"max.message.bytes": "8000"}))
+    p = make(kafka)
+    big = imp(kafka, 0, 0, "big", T0, tags=[f"tag{i}" for i in range(1000)])  # ~9 kB of int64s in its sample
+    p.process([big, imp(kafka, 0, 1, "small", T0 + 1), click(kafka, 0, 0, "big", T0 + 2),
+               click(kafka, 0, 1, "small", T0 + 3)])
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
+    reason = dict(rec.headers)["dlq.reason"].decode()
+    assert rec.key == b"big" and "8000 bytes, topic max.message.bytes" in reason
+    assert [SampleBatch.decode(r.value).impression_ids for r in read_topic(kafka, kafka.samples_topic)] == [["small"]]
+
+
+def test_one_impression_whose_state_alone_is_over_the_state_topic_limit_is_dead_lettered_not_retried(
+        kafka: KafkaSettings, make) -> None:
+    """Its state part cannot be cut smaller: the batch fails (strikes), the impression alone fails again and is
+    dead-lettered (``poison``) with the state topic's limit as the reason; its neighbours are joined. The produce
+    was refused every time before, and the batch's good records were dead-lettered along with it."""
+    kafka = dataclasses.replace(kafka, extra={"message.max.bytes": "8000"})
+    records = [imp(kafka, 0, 0, "big", T0, tags=[f"tag{i}" for i in range(1000)]), imp(kafka, 0, 1, "small", T0 + 1),
+               click(kafka, 0, 0, "big", T0 + 2), click(kafka, 0, 1, "small", T0 + 3)]
+    for _ in range(2):  # poison_after: the worker fails and is restarted
+        with pytest.raises(StateTooLarge, match="join state alone"):
+            make(kafka).process(records)
+    p = make(kafka)
+    p.process(records)
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind) == (b"big", "poison") and state_topic(p.js.app_id) in dl.reason
+    p.drain()
+    out = read_topic(kafka, kafka.samples_topic)
+    assert "small" in {i for r in out for i in SampleBatch.decode(r.value).impression_ids}
+
+
+def test_a_message_refused_as_too_large_after_sizing_is_a_configuration_error_naming_the_topic_not_strikes(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker whose limit is lower than the one learned (one that does not answer DescribeConfigs, a limit
+    lowered while the joiner runs): the refusal stops the worker with a ConfigError (exit 2) naming the topic, the
+    size and what to set, and gives the batch's innocent records no strikes. It was a DeliveryFailed, an outage to the
+    worker, which rewound and read the batch again for ever."""
+    kafka = dataclasses.replace(kafka, extra={"message.max.bytes": str(LIMIT)})
+    real = pipeline_module.message_limits
+    monkeypatch.setattr(pipeline_module, "message_limits", lambda *a, **kw: {  # a limit the broker does not keep
+        t: MessageLimit(1_000_000, "topic max.message.bytes") for t in real(*a, **kw)})
+    p = make(kafka)
+    with pytest.raises(ConfigError, match=rf"{kafka.samples_topic}.*max\.message\.bytes") as got:
+        p.process(tagged(kafka, 600))
+    assert "\n" not in str(got.value)
+    assert p.strikes.counts == {}
+
+
+class _Refused:
+    """What librdkafka's delivery report carries for a record the broker refused as too large."""
+
+    def __init__(self, topic: str, value: bytes) -> None:
+        self._topic, self._value = topic, value
+
+    def topic(self) -> str:
+        return self._topic
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes:
+        return b"0"
+
+
+def test_a_samples_message_the_broker_refuses_as_too_large_stops_the_kafka_driver_instead_of_rewinding_for_ever(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apache Kafka refuses a record over the topic's max.message.bytes at delivery (MSG_SIZE_TOO_LARGE in the
+    delivery report; Tansu does not enforce the limit, so the report is the broker's answer, given here). The flush
+    raised DeliveryFailed, an outage to the worker: it rewound, read the batch again and was refused again, for ever,
+    without a strike or a clear line. Now it stops with a MessageLimitError (exit 2) naming the topic and the
+    setting."""
+    p = make(kafka)
+    send = p.producer.send
+
+    def refused_by_the_broker(topic: str, value: bytes | None, *args: object, **kwargs: object) -> None:
+        send(topic, value, *args, **kwargs)  # type: ignore[arg-type]
+        if topic == kafka.samples_topic:
+            p.producer._on_error(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), _Refused(topic, value or b""))
+
+    monkeypatch.setattr(p.producer, "send", refused_by_the_broker)
+    w = worker(p, kafka)
+    try:
+        with pytest.raises(MessageLimitError, match=rf"{kafka.samples_topic} was refused by the broker as too large.*"
+                                                    rf"--entity-name {kafka.samples_topic}"):
+            w._process(tagged(kafka, 10), None)
+        assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
+    finally:
+        w.consumer.close()
