@@ -32,7 +32,8 @@ is counted once.
 Message size: at start the pipeline learns what the samples and state topics take (``stream.kafka.message_limits``:
 the topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller) and cuts
 samples messages and state parts under it (``sample_bytes``, ``state_bytes``), so a limit below the 900 kB it
-writes by default costs more, smaller messages, not failures. One sample alone over it is dead-lettered
+writes by default costs more, smaller messages, not failures (below ``MIN_MESSAGE_BYTES`` it is a ConfigError at
+start). One sample alone over it is dead-lettered
 (``too_large``); one impression whose join state alone is over it fails the batch (:class:`StateTooLarge`), and
 the strikes dead-letter it processed alone, with the reason. A message refused as too large all the same is a
 :class:`~stream.errors.MessageLimitError` (a ConfigError: the worker stops, exit 2, naming the topic and the setting),
@@ -94,7 +95,7 @@ from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 log = logging.getLogger("streamrec.join")
 
 _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
-MIN_MESSAGE_BYTES = 4096  # the least a samples message or a state part may be cut to (a chunk's header fits)
+MIN_MESSAGE_BYTES = 6144  # the least limit the joiner writes under (its samples messages and state parts ~5 kB)
 
 
 def _raise_limit(topic: str, limit: MessageLimit) -> str:
@@ -372,12 +373,10 @@ class JoinPipeline:
                                              self.producer.max_message_bytes, self.producer.max_message_setting)
         self.sample_bytes = min(js.max_sample_bytes, usable_bytes(self.message_limits[kafka.samples_topic].bytes))
         self.state_bytes = min(MAX_RECORD_BYTES, usable_bytes(self.message_limits[self.state_topic].bytes))
-        for topic, bound in ((kafka.samples_topic, self.sample_bytes), (self.state_topic, self.state_bytes)):
-            if bound < MIN_MESSAGE_BYTES:
-                limit = self.message_limits[topic]
+        for topic, limit in self.message_limits.items():
+            if limit.bytes < MIN_MESSAGE_BYTES:
                 raise ConfigError(f"topic {topic} takes records of at most {limit.bytes} bytes ({limit.source}); the "
-                                  f"joiner needs at least {MIN_MESSAGE_BYTES + (limit.bytes - bound)}: "
-                                  f"{_raise_limit(topic, limit)}")
+                                  f"joiner needs at least {MIN_MESSAGE_BYTES}: {_raise_limit(topic, limit)}")
 
     def close(self) -> None:
         try:
@@ -832,10 +831,12 @@ class JoinPipeline:
     def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
         """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""
         limit = self.message_limits[self.kafka.samples_topic]
+        bound = self.js.max_sample_bytes
+        over = (f"max_sample_bytes={bound} ([joiner])" if self.sample_bytes == bound
+                else f"the {self.sample_bytes} bytes a message of {self.kafka.samples_topic} may be (its limit "
+                f"{limit.bytes} bytes, {limit.source})")
         err = BadMessage(f"the sample of impression {shown(rows[0].pending.impression_id)} is {len(value)} bytes "
-                         f"encoded, over the {self.sample_bytes} a samples message may be (max_sample_bytes="
-                         f"{self.js.max_sample_bytes} ([joiner]); {self.kafka.samples_topic} takes {limit.bytes} "
-                         f"bytes, {limit.source}); lower the [limits] on context size or raise both limits together",
+                         f"encoded, over {over}; lower the [limits] on context size or raise both limits together",
                          kind="too_large")
         self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
         self.totals.counts["samples_too_large"] += 1

@@ -6,7 +6,8 @@ at most ``MAX_RECORD_BYTES`` (Kafka's default message limit is 1 MB). Every part
 up, the impressions added): none of them is bounded by the batch alone (a batch of orphan clicks with 256-character
 ids made a 1.4 MB head part, over the producer's limit, which failed the batch and gave its clicks strikes), so each
 list is split across parts like the impressions. A retired chunk gets a tombstone per part (null value), so log
-compaction keeps the topic as small as the live state.
+compaction keeps the topic as small as the live state. Where the state topic takes less than ``MAX_RECORD_BYTES``,
+the pipeline passes its smaller bound (it learns the topic's limit at start: ``pipeline.py``, "Message size").
 
 A chunk's parts are not written at once: a process that stops between two parts leaves the first ones in the log
 (the rest never written), and one that stops while retiring a chunk leaves its last parts (tombstones go in part

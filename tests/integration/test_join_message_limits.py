@@ -201,3 +201,10 @@ def test_a_samples_message_the_broker_refuses_as_too_large_stops_the_kafka_drive
         assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
     finally:
         w.consumer.close()
+
+
+def test_a_limit_too_small_to_write_the_join_state_under_stops_the_joiner_at_start_naming_topic_and_setting(
+        kafka: KafkaSettings, make) -> None:
+    with pytest.raises(ConfigError, match=r"takes records of at most 5000 bytes \(\[kafka\.extra\] message\.max\.bytes"
+                                          r"\); the joiner needs at least \d+: raise \[kafka\.extra\] message\.max"):
+        make(dataclasses.replace(kafka, extra={"message.max.bytes": "5000"}))
