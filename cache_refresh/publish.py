@@ -55,7 +55,7 @@ from learner.artifact import (
     versions_dir,
 )
 from learner.tensorpack import SigningKey
-from stream.files import TMP_MARK, describe_os_error, fsync_dir, write_atomic
+from stream.files import TMP_MARK, describe_os_error, fsync_dir, process_exists, write_atomic
 
 log = logging.getLogger("streamrec.publish")
 
@@ -82,15 +82,7 @@ def _owner_gone(name: str) -> bool:
     if m is None:
         return False
     pid = int(m.group(1))
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
-        return False
-    return False
+    return pid != os.getpid() and not process_exists(pid)
 
 
 def clean_leftovers(root: Path) -> list[str]:

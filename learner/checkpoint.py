@@ -67,7 +67,7 @@ import torch
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
 from stream.errors import StreamrecError
-from stream.files import temp_of, write_atomic
+from stream.files import process_exists, temp_of, write_atomic
 from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -265,13 +265,7 @@ def _writer_alive(pid: int) -> bool:
     """Whether another process ``pid`` runs on this host (True when unsure: its file is left alone)."""
     if pid == os.getpid():
         return False  # saves are sequential: a temp file of this pid is an earlier process's (pid 1 in a container)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
+    return process_exists(pid)
 
 
 def remove_torn(directory: Path) -> list[Path]:

@@ -382,6 +382,25 @@ def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
     raise error or OSError(f"{host} resolves to no address")
 
 
+def _deadline_connection(url: str, deadline: float) -> tuple[http.client.HTTPConnection, str]:
+    """A connected HTTP(S) connection to ``url`` whose connect, send and every read of the answer get only the time
+    left until ``deadline``, and the request path; closed again if connecting fails."""
+    parts = urllib.parse.urlsplit(url)
+    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    conn = conn_class(parts.hostname or "", port, timeout=_left(deadline, "connecting"))
+    conn._create_connection = lambda address, *_: _connect(address, deadline)  # type: ignore[attr-defined]
+    conn.response_class = partial(_deadline_response, deadline=deadline)  # type: ignore[assignment]
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(_left(deadline, "sending"))  # sendall: a total limit since Python 3.5
+    except BaseException:
+        conn.close()
+        raise
+    return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+
 def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
     """``POST`` ``body`` to ``url``; returns (status, reason, the first bytes of an error answer's body).
 
@@ -391,17 +410,8 @@ def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
     resolution is the one step the operating system's resolver bounds instead.) A 2xx answer's body
     is not read: the status says the alert arrived. Redirects are not followed.
     """
-    parts = urllib.parse.urlsplit(url)
-    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    conn = conn_class(parts.hostname or "", port, timeout=_left(deadline, "connecting"))
-    conn._create_connection = lambda address, *_: _connect(address, deadline)  # type: ignore[attr-defined]
-    conn.response_class = partial(_deadline_response, deadline=deadline)  # type: ignore[assignment]
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn, path = _deadline_connection(url, deadline)
     try:
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.settimeout(_left(deadline, "sending"))  # sendall: a total limit since Python 3.5
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
                                                        "User-Agent": "streamrec-monitor"})
         resp = conn.getresponse()
@@ -425,17 +435,8 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
     longer one raises :class:`ValueError` saying so. A status other than 2xx raises
     :class:`OSError` naming it; redirects are not followed (give the final URL).
     """
-    parts = urllib.parse.urlsplit(url)
-    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    conn = conn_class(parts.hostname or "", port, timeout=_left(deadline, "connecting"))
-    conn._create_connection = lambda address, *_: _connect(address, deadline)  # type: ignore[attr-defined]
-    conn.response_class = partial(_deadline_response, deadline=deadline)  # type: ignore[assignment]
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn, path = _deadline_connection(url, deadline)
     try:
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.settimeout(_left(deadline, "sending"))
         conn.request("GET", path, headers={"Accept": "text/plain", "User-Agent": "streamrec-monitor"})
         resp = conn.getresponse()
         if not 200 <= resp.status < 300:

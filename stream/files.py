@@ -7,8 +7,9 @@ helpers, so "a crash leaves the old file or the new one, never half of one" is i
 * :func:`write_synced` writes a file and fsyncs it (its name becomes durable with the directory);
 * :func:`fsync_dir` makes a directory's entries (a rename, a new file, a removal) durable;
 * :func:`write_atomic` replaces a file: temp file beside it, fsync, ``os.replace``, fsync of the
-  directory. The temp file is named ``.<name>.tmp-<pid>-<thread>``, so a cleanup can tell whether its
-  writer is still alive (``cache_refresh.publish.clean_leftovers``).
+  directory. The temp file is named ``.<name>.tmp-<pid>-<thread>`` (:func:`temp_of` reads it back), so a cleanup
+  can tell whether its writer is still alive (:func:`process_exists`; ``cache_refresh.publish.clean_leftovers``,
+  ``learner.checkpoint.remove_torn``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (True when that cannot be told: a process of another user, a pid
+    out of range), so a caller that removes what a dead process left behind errs on leaving it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def temp_of(path: Path) -> tuple[str, int] | None:
