@@ -106,6 +106,21 @@ def _raise_limit(topic: str, limit: MessageLimit) -> str:
     return f"raise {limit.source}"
 
 
+Counts = dict[tuple[str, str], tuple[list[int], list[int]]]  # (kind, event) -> (hashed ids, event times in ms)
+
+
+def _add_counts(into: Counts, counts: Counts, ahead: bool = False) -> None:
+    """Add ``counts`` to ``into``, each (kind, event)'s ids and times after those already there (``ahead``: before
+    them, for counts handed back by a failed write, which are older)."""
+    for key, (ids, ts) in counts.items():
+        got = into.setdefault(key, ([], []))
+        if ahead:
+            got[0][:0], got[1][:0] = ids, ts
+        else:
+            got[0].extend(ids)
+            got[1].extend(ts)
+
+
 class StateTooLarge(StreamError):
     """One impression's join state alone is over what the state topic takes: the batch fails and its records get
     strikes, so that the impression, processed alone, is dead-lettered (``poison``, with this as its reason)."""
@@ -337,16 +352,16 @@ class JoinPipeline:
         self.gc = GcPacing(js.gc_every_s)
         self.state_topic = state_topic(js.app_id)
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
-        self._counts_buffer: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self._counts_buffer: Counts = {}
         self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
         # The batch in progress's counts and raw ids: added to the buffers above once its state is durable, so a
         # batch that fails (and is done again) is counted once (_count_batch).
-        self._batch_counts: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self._batch_counts: Counts = {}
         self._batch_names: dict[str, set[int | str]] = {"item": set(), "user": set()}
         self._counts_flushed = time.monotonic()
         # Counts are written by one thread beside the batches (_start_flush); the write in flight and what it holds.
         self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
-        self._flushing: tuple[Future[None], dict[tuple[str, str], tuple[list[int], list[int]]],
+        self._flushing: tuple[Future[None], Counts,
                               dict[str, set[int | str]]] | None = None
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
@@ -887,9 +902,7 @@ class JoinPipeline:
         times, the first partition's counts were written six times). Its history appends are made now, and done
         again with it: a click stored twice is read once (``stream/history.py``)."""
         def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
-            got = self._batch_counts.setdefault((kind, event), ([], []))
-            got[0].extend(ids)
-            got[1].extend(ts)
+            _add_counts(self._batch_counts, {(kind, event): (ids, ts)})
 
         if imps:
             events = [ev for _, ev in imps]
@@ -911,10 +924,7 @@ class JoinPipeline:
         """The batch's state is durable: its counts and raw ids join the buffers, and a flush starts when due."""
         counts, names = self._batch_counts, self._batch_names
         self._batch_counts, self._batch_names = {}, {"item": set(), "user": set()}
-        for key, (ids, ts) in counts.items():
-            got = self._counts_buffer.setdefault(key, ([], []))
-            got[0].extend(ids)
-            got[1].extend(ts)
+        _add_counts(self._counts_buffer, counts)
         for kind, raws in names.items():
             self._names_buffer[kind] |= raws
         if time.monotonic() - self._counts_flushed >= self.js.counts_flush_s:
@@ -947,14 +957,12 @@ class JoinPipeline:
         try:
             future.result()
         except BaseException:
-            for key, (ids, ts) in counts.items():
-                got = self._counts_buffer.setdefault(key, ([], []))
-                got[0][:0], got[1][:0] = ids, ts
+            _add_counts(self._counts_buffer, counts, ahead=True)
             for kind, raws in names.items():
                 self._names_buffer[kind] |= raws
             raise
 
-    def _write_counts(self, counts: dict[tuple[str, str], tuple[list[int], list[int]]],
+    def _write_counts(self, counts: Counts,
                       raw_ids: dict[str, set[int | str]]) -> None:
         """The writer thread's part of a flush (DailyCounts.record per kind and event, each all or nothing).
 
