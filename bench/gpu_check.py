@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,12 +211,12 @@ def host_profile(trainer: Trainer, tbs: list[TensorBatch], steps: int = 30, top:
                                      // steps] for k, v in rows[:top]], "ok": True}
 
 
-def floor(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int, warmup: int
-          ) -> dict[str, Any]:
-    """bench/learner.py's floor on ``device``: the batch's touched rows gathered once (deduplicated before the
-    step, not timed), expanded to the lookups, the dense part (FM + MLP fwd + bwd + fused Adam) under ``dtype``
-    autocast, the lookups' gradients reduced per touched row and scattered into the table (plain SGD). What
-    moving the rows and the dense math cost on this device; the same sync per step as the trainer (loss.item())."""
+def floor_stepper(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None) -> Callable[[int], float]:
+    """bench/learner.py's floor on ``device`` as a step function (step ``i`` trains on batch ``i mod len(tbs)`` and
+    returns its loss): the batch's touched rows gathered once (deduplicated here, before any step), expanded to the
+    lookups, the dense part (FM + MLP fwd + bwd + fused Adam) under ``dtype`` autocast, the lookups' gradients
+    reduced per touched row and scattered into the table (plain SGD). What moving the rows and the dense math cost
+    on this device; the same sync per step as the trainer (loss.item())."""
     bl = _bench_learner()
     bl.DENSE_DTYPE = None  # its head autocasts on the CPU only; the device's autocast is set here
     fields, dim, b = cfg.num_fields, cfg.embedding_dim, len(tbs[0])
@@ -230,10 +231,9 @@ def floor(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, s
         v = tb.values.to(device)
         uniq, inv = torch.unique(v, sorted=True, return_inverse=True)
         inputs.append((uniq, inv.view(fields, b).t().contiguous().view(-1), tb.labels.to(device)))
-    times, losses = [], []
-    for i in range(warmup + steps):
+
+    def step(i: int) -> float:
         uniq, inv, y = inputs[i % len(inputs)]
-        t0 = time.perf_counter()
         block = table.index_select(0, uniq)  # (U, D+1): the touched rows
         x = block.index_select(0, inv).view(b, fields, dim + 1).requires_grad_()  # (B, F, D+1)
         with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -244,7 +244,20 @@ def floor(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, s
         opt.zero_grad(set_to_none=True)
         g = torch.zeros_like(block).index_put_((inv,), x.grad.view(-1, dim + 1), accumulate=True)  # (U, D+1)
         table.index_add_(0, uniq, g, alpha=-bl.LR_SPARSE)
-        losses.append(float(loss.item()))
+        return float(loss.item())
+
+    return step
+
+
+def floor(cfg, tbs: list[TensorBatch], device: str, dtype: torch.dtype | None, steps: int, warmup: int
+          ) -> dict[str, Any]:
+    """The floor (:func:`floor_stepper`) timed: the median step after ``warmup``."""
+    step = floor_stepper(cfg, tbs, device, dtype)
+    b = len(tbs[0])
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        losses.append(step(i))
         times.append(time.perf_counter() - t0)
     med = statistics.median(times[warmup:])
     return {"dtype": str(dtype or torch.float32).removeprefix("torch."), "ex_per_s": round(b / med),

@@ -24,6 +24,7 @@ rc=0
 timeout "${GPU_CHECK_TIMEOUT_S:-300}" $py bench/gpu_check.py --profile >"$out/gpu_4096.json" 2>"$out/gpu_4096.log" || rc=$?
 timeout "${GPU_CHECK_TIMEOUT_S:-200}" $py bench/gpu_check.py --batch 32768 --batches 24 --steps 60 \
     --skip tensorrt,export,sparse_grad,fp16_overflow >"$out/gpu_32768.json" 2>"$out/gpu_32768.log" || rc=$?
+timeout "${GPU_PROFILE_TIMEOUT_S:-150}" $py bench/gpu_profile.py >"$out/gpu_profile.json" 2>"$out/gpu_profile.log" || rc=$?
 $py - "$out" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -38,5 +39,12 @@ for b in ("4096", "32768"):
     row = {k: v.get("ex_per_s") for k, v in c.items() if "ex_per_s" in v}
     print(f"batch {b}: ex/s {row}")
     print(f"  ratios {s.get('ratios')} failed {s.get('failed')} wall {s.get('wall_s')} s")
+try:
+    prof = json.loads((Path(sys.argv[1]) / "gpu_profile.json").read_text())
+    for k, v in prof.items():
+        if isinstance(v, dict):
+            print(f"profile {k}: wall {v['wall_ms']} ms, kernels {v['kernel_ms_per_step']} ms per step")
+except Exception as exc:  # noqa: BLE001
+    print(f"profile: no result ({exc}); see gpu_profile.log")
 EOF
 exit $rc
