@@ -381,10 +381,23 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
     refresh's artifact check): a checkpoint that loads but that it refuses (by raising), or that :func:`upgrade`
     refuses (a newer format, no format version), is skipped the same way, so one policy covers every bad newest
     file. Without it an upgrade failure is raised (the learner must not resume from an older checkpoint past a
-    file a newer streamrec wrote)."""
-    for path in reversed(list_checkpoints(directory)):
+    file a newer streamrec wrote).
+
+    A listed file that is gone when it is opened was pruned by a learner saving meanwhile (``save`` keeps the last
+    ``keep``), so newer ones exist: that is no damaged file (not in ``problems``); the directory is listed again and
+    the newest file not tried yet is read. Falling back to the older files instead found them pruned too (the
+    refresh failed "no checkpoint loads") or published from behind newer ones with a degraded alert."""
+    tried: set[Path] = set()
+    pending = list(reversed(list_checkpoints(directory)))
+    while pending:
+        path = pending.pop(0)
+        tried.add(path)
         try:
             raw = load(path, safe=safe)
+        except FileNotFoundError:
+            log.info("checkpoint %s was pruned while being read (a learner saved meanwhile); listing again", path)
+            pending = [p for p in reversed(list_checkpoints(directory)) if p not in tried]
+            continue
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt file: fall back to the previous one
             _skip(path, "is unreadable", exc, problems)
             continue

@@ -200,3 +200,27 @@ def test_the_temp_file_of_a_checkpoint_write_that_was_killed_is_removed_by_the_n
     assert not killed.exists() and not earlier_me.exists()
     assert live.exists() and other.exists()
     assert ck.list_checkpoints(tmp_path) == [first]
+
+
+@pytest.mark.parametrize("accept", [None, lambda c: None], ids=["learner", "refresh"])
+def test_checkpoints_pruned_by_the_learner_while_being_read_are_not_reported_damaged_and_the_newest_is_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accept) -> None:
+    """The learner saves (and prunes its oldest) while the refresh reads: every file listed can be gone by the time
+    it is opened. A file pruned under the reader is no damaged file: the reader lists again and takes the newest
+    one, reporting nothing (before, each vanished file was a ``problem``, the refresh fell back past it to older
+    ones that were pruned too and failed "no checkpoint loads", or published from behind with a degraded alert)."""
+    for n in (100, 200, 300):
+        ck.save(tmp_path, state(), meta(n), keep=3)
+    real = ck.load
+    saved: list[Path] = []
+
+    def learner_saves_meanwhile(path: Path, safe: bool = True) -> dict:
+        if not saved:  # the first read: the learner writes three newer checkpoints, pruning all three listed
+            saved.extend(ck.save(tmp_path, state(), meta(n), keep=3) for n in (400, 500, 600))
+        return real(path, safe)
+
+    monkeypatch.setattr(ck, "load", learner_saves_meanwhile)
+    problems: list[tuple[Path, str]] = []
+    got = ck.load_latest(tmp_path, safe=True, problems=problems, accept=accept)
+    assert got is not None and got.path == saved[-1] and got.samples_trained == 600
+    assert problems == []
