@@ -55,7 +55,7 @@ from learner.artifact import (
     versions_dir,
 )
 from learner.tensorpack import SigningKey
-from stream.files import TMP_MARK, describe_os_error, fsync_dir, process_exists, write_atomic
+from stream.files import TMP_MARK, describe_os_error, fsync_dir, leftover_writer_alive, write_atomic
 
 log = logging.getLogger("streamrec.publish")
 
@@ -77,12 +77,11 @@ _PID_RE = re.compile(r"-(\d+)(?:-\d+)?$")  # <version>-<pid> (staging), .<name>.
 
 
 def _owner_gone(name: str) -> bool:
-    """Whether the process named at the end of ``name`` is gone from this host (False when unsure)."""
+    """Whether the process named at the end of ``name`` is gone from this host (False when unsure). This process's
+    own pid counts as gone (``stream.files.leftover_writer_alive``): the caller holds the lock, so nothing of this
+    process is being written, and a container's refresh has the same pid (1) on every run."""
     m = _PID_RE.search(name)
-    if m is None:
-        return False
-    pid = int(m.group(1))
-    return pid != os.getpid() and not process_exists(pid)
+    return m is not None and not leftover_writer_alive(int(m.group(1)))
 
 
 def clean_leftovers(root: Path) -> list[str]:
@@ -90,10 +89,11 @@ def clean_leftovers(root: Path) -> list[str]:
 
     That is: staged artifacts (``.staging/<version>-<pid>``) whose process is gone or that are older than an
     hour, versions a killed prune had begun to remove (``versions/.trash-*``), and temp files of
-    ``stream.files.write_atomic`` whose process is gone. Call it holding :func:`refresh_lock`, so that no other
-    refresh is building: a staged directory of a live process is never touched. None of these is ever
-    read by serving or named by ``CURRENT``; removing them only frees the space (a staged artifact holds
-    a whole copy of the cold rows).
+    ``stream.files.write_atomic`` whose process is gone ("gone" includes this process's own pid: an earlier
+    process's, e.g. a container's pid 1). Call it holding :func:`refresh_lock`, so that no other refresh is
+    building and this one has nothing in flight: a staged directory of another live process is never touched.
+    None of these is ever read by serving or named by ``CURRENT``; removing them only frees the space (a staged
+    artifact holds a whole copy of the cold rows).
     """
     root = Path(root)
     removed: list[str] = []

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -67,7 +66,7 @@ import torch
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
 from stream.errors import StreamrecError
-from stream.files import process_exists, temp_of, write_atomic
+from stream.files import leftover_writer_alive, temp_of, write_atomic
 from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -261,13 +260,6 @@ def continue_lineage(directory: Path, meta: Mapping[str, Any], source: Path) -> 
     return theirs
 
 
-def _writer_alive(pid: int) -> bool:
-    """Whether another process ``pid`` runs on this host (True when unsure: its file is left alone)."""
-    if pid == os.getpid():
-        return False  # saves are sequential: a temp file of this pid is an earlier process's (pid 1 in a container)
-    return process_exists(pid)
-
-
 def remove_torn(directory: Path) -> list[Path]:
     """Remove the temp files of checkpoints whose writer was killed mid-write; returns them.
 
@@ -282,7 +274,7 @@ def remove_torn(directory: Path) -> list[Path]:
         return removed
     for path in directory.iterdir():
         temp = temp_of(path)
-        if temp is None or not temp[0].startswith(_PREFIX) or _writer_alive(temp[1]):
+        if temp is None or not temp[0].startswith(_PREFIX) or leftover_writer_alive(temp[1]):
             continue
         try:
             size = path.stat().st_size

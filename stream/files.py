@@ -8,7 +8,7 @@ helpers, so "a crash leaves the old file or the new one, never half of one" is i
 * :func:`fsync_dir` makes a directory's entries (a rename, a new file, a removal) durable;
 * :func:`write_atomic` replaces a file: temp file beside it, fsync, ``os.replace``, fsync of the
   directory. The temp file is named ``.<name>.tmp-<pid>-<thread>`` (:func:`temp_of` reads it back), so a cleanup
-  can tell whether its writer is still alive (:func:`process_exists`; ``cache_refresh.publish.clean_leftovers``,
+  can tell whether its writer is still alive (:func:`leftover_writer_alive`; ``cache_refresh.publish.clean_leftovers``,
   ``learner.checkpoint.remove_torn``).
 """
 
@@ -75,6 +75,14 @@ def process_exists(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
+
+
+def leftover_writer_alive(pid: int) -> bool:
+    """Whether the writer ``pid`` named in a leftover (a temp file of :func:`write_atomic`, a staged artifact) may
+    still be writing it, for a cleanup that has nothing of its own in flight (the learner's sequential saves, a
+    refresh holding its root's lock): its own pid is then an earlier process's (pid 1 in a container, every run), so
+    not alive; any other pid is alive while :func:`process_exists` says so."""
+    return pid != os.getpid() and process_exists(pid)
 
 
 def temp_of(path: Path) -> tuple[str, int] | None:
