@@ -48,11 +48,12 @@ records ``pin_held`` in ``last_run.json`` (shown by ``--status``) and returns a 
 (``respect_pin=False``) publishes over it and removes it (logged as a warning; ``unpinned`` in the
 summary names the pin it ended).
 
-The alert is a ``monitor.alerts.Alert``, sent through the monitor's own sinks (the log, and Kafka with
-the monitor's record shape): ``{"rule": "refresh_failed", "source": "refresh", "severity": "critical",
-"state": "firing", "value": null, "threshold": null, "message", "ts" (ms), "labels": {"stage"}}``, keyed
-by the rule name. A refresh raises no "resolved" record:
-the next successful refresh (``last_run.json``) is the resolution.
+The alert is a ``monitor.alerts.Alert``, sent through the monitor's own sinks (the log at once, and Kafka
+through a retrying queue: ``cache_refresh/alerts.py``; a broker down at alert time delays the alert, it does not
+lose it while the scheduler runs) with the monitor's record shape: ``{"rule": "refresh_failed", "source":
+"refresh", "severity": "critical", "state": "firing", "value": null, "threshold": null, "message", "ts" (ms),
+"labels": {"stage"}}``, keyed by the rule name. A refresh raises no "resolved" record: the next successful refresh
+(``last_run.json``) is the resolution.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from typing import Any
 import redis
 
 from cache_refresh import hot_set, metrics, validate
+from cache_refresh.alerts import RefreshAlerts
 from cache_refresh.publish import TRASH, PinHeld, clean_leftovers, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
@@ -76,7 +78,6 @@ from learner import checkpoint as ckpt_io
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from learner.tensorpack import SigningKey, load_signing_key
-from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, Severity
 from serving import embedding_store
 from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
@@ -162,29 +163,6 @@ def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> No
     write_atomic(Path(root) / LAST_RUN, json.dumps(data).encode())
 
 
-# -- alerts --------------------------------------------------------------------------------------
-def raise_alert(kafka: KafkaSettings, topic: str, stage: str, message: str, timeout_s: float = 10.0,
-                rule: str = ALERT_RULE, severity: str = "critical", labels: dict[str, str] | None = None) -> bool:
-    """Log a firing alert (``monitor.alerts.LogSink``) and write it to the Kafka ``topic``
-    (``monitor.alerts.KafkaSink``, one attempt bounded by ``timeout_s``); returns whether Kafka
-    acknowledged it. Never raises: the refresh's own error is what the caller reports."""
-    alert = Alert(rule=rule, source="refresh", severity=Severity(severity), state=AlertState.FIRING, value=None,
-                  threshold=None, message=message, ts=int(time.time() * 1000),
-                  labels={"stage": stage, **(labels or {})})
-    LogSink(log).send([alert])
-    if not topic:
-        return False
-    sink = KafkaSink(kafka, topic, timeout_s=timeout_s)
-    try:
-        sink.send([alert])
-        return True
-    except Exception as exc:  # noqa: BLE001 - the alert is also in the log; never mask the refresh error
-        log.error("could not write the alert to Kafka topic %r at %s: %s", topic, kafka.bootstrap_servers, exc)
-        return False
-    finally:
-        sink.close()
-
-
 # -- the job -------------------------------------------------------------------------------------
 def _redis(rds: RedisSettings, rs: RefreshSettings) -> redis.Redis:
     """A client with the [redis] credentials and TLS; each command bounded by ``redis_timeout_s`` (the job's own
@@ -213,7 +191,8 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
-             respect_pin: bool = False, allow_older: bool = False) -> dict[str, Any]:
+             respect_pin: bool = False, allow_older: bool = False,
+             alerts: RefreshAlerts | None = None) -> dict[str, Any]:
     """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure.
 
     ``respect_pin=False`` (``streamrec refresh --now``, an operator) publishes over a rollback pin and
@@ -222,7 +201,17 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     docstring). Either way the run holds the publish root's lock and cleans what killed runs left first.
     A checkpoint that has trained fewer samples than the live version is refused at stage ``checkpoint``
     unless ``allow_older`` (``--now --allow-older``, an operator's decision).
+
+    ``alerts``: the scheduler's, which outlives the run (an alert Kafka did not take is retried until it does);
+    None: the run opens its own and closes it before returning, draining what Kafka has not acknowledged yet
+    (``cache_refresh/alerts.py``).
     """
+    if alerts is None:
+        own = RefreshAlerts(kafka, rs.alerts_topic)
+        try:
+            return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own)
+        finally:
+            own.close()
     root = Path(rs.publish_root)
     t0 = time.monotonic()
     try:
@@ -231,9 +220,9 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
                 held.enter_context(refresh_lock(root))
             except artifact.ArtifactError as exc:  # another run holds it, or the root cannot be opened
                 err = RefreshError("lock", str(exc))
-                raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
+                alerts.fire(err.stage, str(err), ALERT_RULE)
                 raise err from exc
-            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older)
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts)
     except RefreshError as exc:
         metrics.observe(None, time.monotonic() - t0, exc.stage)
         raise
@@ -241,11 +230,13 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     return summary
 
 
-def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings) -> dict[str, Any] | None:
-    """One run of the schedule: respects a rollback pin; failures are logged and alerted, never raised (the
-    schedule goes on, the live artifact keeps serving). Returns the summary, None after a failure."""
+def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings,
+                  alerts: RefreshAlerts | None = None) -> dict[str, Any] | None:
+    """One run of the schedule: respects a rollback pin; failures are logged and alerted (through ``alerts``, the
+    scheduler's, which keeps retrying what Kafka did not take), never raised (the schedule goes on, the live
+    artifact keeps serving). Returns the summary, None after a failure."""
     try:
-        return run_once(rs, kafka, rds, respect_pin=True)
+        return run_once(rs, kafka, rds, respect_pin=True, alerts=alerts)
     except RefreshError:
         return None  # logged and alerted by run_once
 
@@ -279,7 +270,7 @@ def _refuse_older_than_live(root: Path, ckpt: ckpt_io.Checkpoint, problems: list
 
 
 def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
-                respect_pin: bool, allow_older: bool = False) -> dict[str, Any]:
+                respect_pin: bool, allow_older: bool, alerts: RefreshAlerts) -> dict[str, Any]:
     stage = "start"
     staged: Path | None = None
     timings: dict[str, float] = {}
@@ -385,7 +376,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         except PinHeld as held:
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
-            return _pin_held(rs, kafka, root, new.version, held, {
+            return _pin_held(alerts, root, new.version, held, {
                 "checkpoint": ckpt["path"], "samples_trained": ckpt["meta"].get("samples_trained"),
                 "probe": probe, "holdout": quality, "cleaned": cleaned,
                 "seconds": {**timings, "total": round(time.time() - t_start, 3)}})
@@ -396,7 +387,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
         if isinstance(exc, RefreshError):
-            raise_alert(kafka, rs.alerts_topic, exc.stage, str(exc))
+            alerts.fire(exc.stage, str(exc), ALERT_RULE)
             raise
         if isinstance(exc, OSError):
             msg = (f"{describe_os_error(exc)} (publish root {root}); nothing was published, the live "
@@ -406,7 +397,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         else:
             msg = f"{type(exc).__name__}: {exc}"
         err = RefreshError(stage, msg)
-        raise_alert(kafka, rs.alerts_topic, err.stage, str(err))
+        alerts.fire(err.stage, str(err), ALERT_RULE)
         raise err from exc
 
     # Published: CURRENT names the new version. Nothing below may turn that into a failure.
@@ -424,7 +415,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                     "at its next start", path.name, root / LAST_RUN, describe_os_error(exc))
     if rs.embedding_store is EmbeddingStore.LAYERED:
         _prune_stored(rs, rds, root, previous)
-    warnings = _published_warnings(rs, kafka, path.name, ckpt, problems, quality,
+    warnings = _published_warnings(rs, alerts, path.name, ckpt, problems, quality,
                                    hs.stats.get("items", 0) + hs.stats.get("users", 0))
     t0 = time.monotonic()
     notified = notify(rs, rds, path.name, path, sleep)
@@ -445,15 +436,14 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     }
 
 
-def _pin_held(rs: RefreshSettings, kafka: KafkaSettings, root: Path, built: str, held: PinHeld,
+def _pin_held(alerts: RefreshAlerts, root: Path, built: str, held: PinHeld,
               summary: dict[str, Any]) -> dict[str, Any]:
     """A scheduled run that validated but did not publish over a rollback pin: say so everywhere."""
     pin = held.pin
     message = (f"scheduled refresh did not publish: {held}. The rollback stays in force; the artifact {built} "
                "built and validated from the newest checkpoint was discarded")
     log.error("%s", message)
-    raise_alert(kafka, rs.alerts_topic, "publish", message, rule=PIN_RULE, severity="warning",
-                labels={"pinned": pin.version or "unreadable"})
+    alerts.fire("publish", message, PIN_RULE, severity="warning", labels={"pinned": pin.version or "unreadable"})
     try:
         write_pin_held(root, time.time(), built, pin)
     except OSError as exc:
@@ -613,7 +603,7 @@ def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel
         return None, str(exc)
 
 
-def _published_warnings(rs: RefreshSettings, kafka: KafkaSettings, version: str, ckpt: ckpt_io.Checkpoint,
+def _published_warnings(rs: RefreshSettings, alerts: RefreshAlerts, version: str, ckpt: ckpt_io.Checkpoint,
                         problems: list[tuple[Path, str]], quality: dict[str, Any], counted_ids: int) -> list[str]:
     """What a successful publish must not hide, each logged and alerted as a warning (rule ``refresh_degraded``,
     the stage as a label): the quality gate could not compare with a live artifact that exists (it does not load
@@ -632,5 +622,5 @@ def _published_warnings(rs: RefreshSettings, kafka: KafkaSettings, version: str,
                                  "under this prefix holds no counts for the last days (a wrong [redis] prefix, or "
                                  "counts lost on a restart); scores are right but row lookups miss the hot cache"))
     for stage, message in found:
-        raise_alert(kafka, rs.alerts_topic, stage, message, rule=DEGRADED_RULE, severity="warning")
+        alerts.fire(stage, message, DEGRADED_RULE, severity="warning")
     return [message for _, message in found]

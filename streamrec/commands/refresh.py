@@ -72,17 +72,25 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
         return EXIT_OK
 
+    from cache_refresh.alerts import RefreshAlerts
     from cache_refresh.scheduler import run_forever
 
+    # one for the process: an alert the broker did not take is retried until it does (cache_refresh/alerts.py)
+    alerts = RefreshAlerts(kafka, rs.alerts_topic)
+
     def scheduled() -> None:
-        job.scheduled_run(rs, kafka, rds)  # respects a rollback pin; failures are logged and alerted
+        job.scheduled_run(rs, kafka, rds, alerts)  # respects a rollback pin; failures are logged and alerted
 
     if rs.metrics_port is not None:
         from streamrec.commands.common import start_metrics
 
         start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
-    run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, job.read_last_success(Path(rs.publish_root)))
+    try:
+        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s,
+                    job.read_last_success(Path(rs.publish_root)))
+    finally:
+        alerts.close()  # delivers what is still queued, for close_timeout_s; reports the rest
     return EXIT_OK
 
 
