@@ -24,7 +24,8 @@ retry), so a bad checkpoint costs one failed run and one alert, never a loop.
 The layered deployment (``serving/embedding_store.py``): with ``embedding_store = "layered"`` the validated
 artifact's rows outside the hot set are written to Redis before the version is published (a failure fails stage
 ``embedding_store``: nothing is published), and after publishing the rows of versions no longer in the publish
-root (pruned) are deleted, best effort.
+root (pruned) are deleted, best effort. A run that wrote its rows and then did not publish (held by a rollback pin, a
+failed publish) deletes them, best effort: no ranker loads that version.
 
 Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
@@ -273,6 +274,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                 respect_pin: bool, allow_older: bool, alerts: RefreshAlerts) -> dict[str, Any]:
     stage = "start"
     staged: Path | None = None
+    stored: str | None = None  # the version whose rows this run wrote to the embedding store (layered)
     timings: dict[str, float] = {}
     t_start = time.time()
     root = Path(rs.publish_root)
@@ -362,10 +364,11 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if rs.embedding_store is EmbeddingStore.LAYERED:
             stage = "embedding_store"
             t0 = time.monotonic()
-            stored = _store_rows(rs, rds, new)
+            written = _store_rows(rs, rds, new)
+            stored = new.version
             timed(stage, t0)
-            log.info("refresh: %d rows of %s written to the embedding store (%s)", stored["stored"], new.version,
-                     stored["dtype"])
+            log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
+                     written["dtype"])
 
         stage = "publish"
         t0 = time.monotonic()
@@ -376,6 +379,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         except PinHeld as held:
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
+            if stored is not None:
+                _discard_stored(rs, rds, stored, "held by the rollback pin")
             return _pin_held(alerts, root, new.version, held, {
                 "checkpoint": ckpt["path"], "samples_trained": ckpt["meta"].get("samples_trained"),
                 "probe": probe, "holdout": quality, "cleaned": cleaned,
@@ -386,6 +391,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     except Exception as exc:
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
+        if stored is not None:
+            _discard_stored(rs, rds, stored, "not published")
         if isinstance(exc, RefreshError):
             alerts.fire(exc.stage, str(exc), ALERT_RULE)
             raise
@@ -483,15 +490,31 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) ->
         client.close()
 
 
-def _delete_unfinished(client: Any, rds: RedisSettings, version: str) -> None:
+def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str = "whose write failed") -> None:
     """Best effort: delete the rows a failed write left. Rows without ``meta`` are never served, and never pruned
     either (pruning finds a version by its meta), so without this each failed run would leak a table into Redis."""
     try:
         n = embedding_store.delete_version(client, rds.prefix, version)
-        log.info("refresh: deleted %d embedding store keys of %s, whose write failed", n, version)
+        log.info("refresh: deleted %d embedding store keys of %s, %s", n, version, why)
     except Exception as exc:  # noqa: BLE001 - Redis is failing anyway: say what is left behind
-        log.warning("refresh: could not delete the rows of %s after its write failed (%s); delete the keys %s* by "
-                    "hand (they are never served)", version, exc, embedding_store.version_prefix(rds.prefix, version))
+        log.warning("refresh: could not delete the rows of %s, %s (%s); delete the keys %s* by hand (they are never "
+                    "served)", version, why, exc, embedding_store.version_prefix(rds.prefix, version))
+
+
+def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: str) -> None:
+    """Best effort: delete the rows this run wrote for ``version`` when it did not publish it (a scheduled run held by
+    a rollback pin, a publish that failed). No ranker ever loads such a version; its rows were otherwise left in
+    Redis, a whole table each night a pin lasted, until a later run published and pruned them."""
+    try:
+        client = _store_client(rs, rds)
+    except Exception as exc:  # noqa: BLE001 - nothing here may mask the run's own outcome
+        log.warning("refresh: could not delete the rows of %s, %s (%s); the next publish prunes them", version, why,
+                    exc)
+        return
+    try:
+        _delete_unfinished(client, rds, version, why)
+    finally:
+        client.close()
 
 
 def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous: str | None) -> None:

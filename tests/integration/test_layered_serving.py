@@ -954,3 +954,44 @@ def test_a_value_of_the_right_length_from_another_version_or_row_or_garbage_is_r
                        'streamrec_serving_embedding_store_bad_rows_total{reason="malformed"}') == 3
     finally:
         store.client.close()
+
+
+def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_in_redis(
+        stack: LocalStack, kafka: Any, redis_client: redis.Redis, prefix: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows are written before the publish; a run that then does not publish (a scheduled run held by a rollback
+    pin, every night the pin lasts; a publish that fails: a full disk) deletes them. They were left in Redis, a whole
+    table each, until some later run published (a pin can last days)."""
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from learner import artifact
+    from learner import checkpoint as ckpt_io
+    from serving.embedding_store import stored_versions
+
+    ck = checkpoint()
+    meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
+    state = {"model": ck["model"], "id_maps": ck["id_maps"], "recent_ids": []}
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_io.save(ckpt_dir, state, meta)
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", holdout_messages=0,
+                         small_field_rows=100, keep_versions=3, redis_attempts=1, alerts_topic="",
+                         embedding_store=EmbeddingStore.LAYERED)
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    live = job.run_once(rs, kafka, rds)["version"]
+
+    def keys() -> set[str]:
+        return {k.decode().split(":")[2] for k in redis_client.scan_iter(match=f"{prefix}:emb:*")}
+
+    (rs.publish_root / artifact.PIN).write_text(json.dumps({"version": live, "rolled_back_from": None, "at": 0}))
+    held = job.scheduled_run(rs, kafka, rds)
+    assert held is not None and held["published"] is False and held["built"] != live
+    assert keys() == {live} and stored_versions(redis_client, prefix) == {live}
+
+    def disk_full(*args: Any, **kwargs: Any) -> Path:
+        raise artifact.ArtifactError("could not make it current: the file system is full (injected)")
+
+    monkeypatch.setattr(job, "publish", disk_full)
+    with pytest.raises(job.RefreshError, match="at publish: .*file system is full"):
+        job.run_once(rs, kafka, rds)
+    assert keys() == {live}
+    assert artifact.read_current(rs.publish_root).name == live
