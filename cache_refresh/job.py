@@ -290,6 +290,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         except ConfigError as exc:
             raise RefreshError(stage, f"[refresh] {exc}; nothing was built or published") from exc
 
+        stage = "cleanup"  # lists the publish root: its first reader
         cleaned = clean_leftovers(root)
         if cleaned:
             log.info("removed what killed refreshes left in %s: %s", root, ", ".join(cleaned))

@@ -3,11 +3,18 @@ also when that run has the killed one's pid."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
+import pytest
+from prometheus_client import REGISTRY
+
+from cache_refresh import job
 from cache_refresh.publish import clean_leftovers, refresh_lock
+from cache_refresh.settings import RefreshSettings
 from learner import artifact
+from stream.config import KafkaSettings, RedisSettings
 
 
 def test_leftovers_named_with_this_processs_own_pid_are_an_earlier_processs_and_removed(tmp_path: Path) -> None:
@@ -26,3 +33,21 @@ def test_leftovers_named_with_this_processs_own_pid_are_an_earlier_processs_and_
         cleaned = clean_leftovers(root)
     assert sorted(cleaned) == sorted(str(p.relative_to(root)) for p in [staged, *temps])
     assert not staged.exists() and not any(t.exists() for t in temps)
+
+
+def test_a_publish_root_that_cannot_be_listed_fails_at_stage_cleanup_not_signing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cleanup of leftovers runs first and lists the publish root; when that fails (permission denied) the run
+    fails naming that stage, in its error, alert and ``streamrec_refresh_runs_total{stage}``: it was reported as
+    stage ``signing`` (the stage before), sending an operator to the signing key."""
+    def unreadable(root: Path) -> list[str]:
+        raise PermissionError(errno.EACCES, "Permission denied", str(root / artifact.STAGING))
+
+    monkeypatch.setattr(job, "clean_leftovers", unreadable)
+    rs = RefreshSettings(checkpoint_dir=tmp_path / "ckpt", publish_root=tmp_path / "serving", alerts_topic="")
+    before = REGISTRY.get_sample_value("streamrec_refresh_runs_total", {"outcome": "failed", "stage": "cleanup"}) or 0
+    with pytest.raises(job.RefreshError, match="at cleanup: permission denied") as err:
+        job.run_once(rs, KafkaSettings(), RedisSettings())
+    assert err.value.stage == "cleanup"
+    assert REGISTRY.get_sample_value("streamrec_refresh_runs_total",
+                                     {"outcome": "failed", "stage": "cleanup"}) == before + 1
