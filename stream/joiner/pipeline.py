@@ -33,9 +33,9 @@ Message size: at start the pipeline learns what the samples and state topics tak
 the topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller) and cuts
 samples messages and state parts under it (``sample_bytes``, ``state_bytes``), so a limit below the 900 kB it
 writes by default costs more, smaller messages, not failures (below ``MIN_MESSAGE_BYTES`` it is a ConfigError at
-start). One sample alone over it is dead-lettered
-(``too_large``); one impression whose join state alone is over it fails the batch (:class:`StateTooLarge`), and
-the strikes dead-letter it processed alone, with the reason. A message refused as too large all the same is a
+start). One sample alone over it is dead-lettered (``too_large``), and so is one impression whose join state alone is
+over it, in the batch that finds it, its record taken out of the batch's join (its clicks are reported as orphans;
+``JoinPipeline._join_partition``). A message refused as too large all the same is a
 :class:`~stream.errors.MessageLimitError` (a ConfigError: the worker stops, exit 2, naming the topic and the setting),
 neither an outage nor the batch's fault: it is a samples message or a state part cut under the learned limit, so
 the broker's limit is lower than what it reported (not readable, or lowered since); the message holds the work of
@@ -74,7 +74,7 @@ from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, click_r
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
-from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Sample
+from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Pending, Sample
 from stream.joiner.gc_pacing import GcPacing
 from stream.joiner.sample_rows import batches_later
 from stream.joiner.state_log import MAX_RECORD_BYTES, chunk_key, encode_chunk, load_chunks, state_topic
@@ -122,8 +122,10 @@ def _add_counts(into: Counts, counts: Counts, ahead: bool = False) -> None:
 
 
 class StateTooLarge(StreamError):
-    """One impression's join state alone is over what the state topic takes: the batch fails and its records get
-    strikes, so that the impression, processed alone, is dead-lettered (``poison``, with this as its reason)."""
+    """A part of a join state chunk that is not one impression is over what the state topic takes (a guard: the ids
+    it could hold are bounded by the ``[limits]``, far below the least limit the joiner starts with). The batch fails
+    and its records get strikes. One impression whose state alone is too large is no such failure: it is dead-lettered
+    in the batch (``JoinPipeline._join_partition``)."""
 
 
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
@@ -304,6 +306,7 @@ class JoinTotals:
             "redelivered_skipped": c["redelivered"],
             "dead_lettered": c["dead_lettered"],
             "samples_too_large": c["samples_too_large"],
+            "state_too_large": c["state_too_large"],  # impressions dead-lettered: their join state alone too large
             "evicted_impressions": c["evicted_impressions"],
             "overflow_clicks": c["overflow_clicks"],
             # records set aside past the event-time frontier, counted once per batch they wait (how much waiting
@@ -378,6 +381,9 @@ class JoinPipeline:
         # the driver may commit once process() returned.
         self.processed: dict[tuple[str, int], int] = {}
         self._reached: dict[Key, int | None] = {}  # each input's time over what was joined and held (_hold)
+        # The batch in progress's impression records per partition (offset order): what an impression whose join
+        # state is too large is dead-lettered as (_state_too_large).
+        self._batch_records: dict[int, list[Record]] = {}
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
                               js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
                               kafka.dlq_topic(kafka.clicks_topic), kafka.dlq_topic(kafka.samples_topic)])
@@ -402,8 +408,9 @@ class JoinPipeline:
             self.gc.close()
 
     # -- partitions ----------------------------------------------------------------------------
-    def restore(self, partitions: set[int]) -> None:
-        """Load the joins of ``partitions`` not held yet from the state log (one read for all)."""
+    def restore(self, partitions: set[int], say_lost: bool = True) -> None:
+        """Load the joins of ``partitions`` not held yet from the state log (one read for all); ``say_lost``: log
+        those that have no state but committed input (:meth:`_say_lost_state`)."""
         missing = sorted(p for p in partitions if p not in self.engines)
         if not missing:
             return
@@ -422,7 +429,7 @@ class JoinPipeline:
                          partition, len(eng.pending), len(chunks), eng.offsets)
             elif not incomplete:
                 empty.append(partition)
-        if empty:
+        if empty and say_lost:
             self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0
 
@@ -667,10 +674,13 @@ class JoinPipeline:
             self.totals.first_batch = t0
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
+        self._batch_records = {}
         self._held_groups_add(records, self._decode_all(records))
         for (topic, partition), (recs, events) in self._take(behind, only).items():
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
+            if is_impression:
+                self._batch_records[partition] = recs
             into = imps[partition] if is_impression else clicks[partition]
             if not any(map(isinstance, events, repeat(BadMessage))):  # all good: (offset, event) pairs in one pass
                 into.extend(zip(map(_OFFSET, recs), events, strict=True))  # type: ignore[arg-type]
@@ -730,6 +740,7 @@ class JoinPipeline:
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""
+        self._batch_records = {}
         self._commit_state(self._apply_all([(p, [], []) for p in sorted(self.engines)], drain=True))
 
     def _apply_all(self, batches: list[tuple[int, list[tuple[int, Impression]], list[tuple[int, Click]]]],
@@ -739,8 +750,10 @@ class JoinPipeline:
         was done after the other: partition p's history appends, then p's read, then p + 1's appends, ... But the
         read is collected as late as that allows, so the CPU work between runs while Redis answers (its script's
         time is most of a read): p's sample columns but the histories, then p - 1's samples encoded, then p + 1's
-        join; after the last partition's read, the state chunks encoded. p's read is answered before p + 1's appends
-        are sent, so no read sees a later partition's clicks."""
+        join and state chunk encoded. p's read is answered before p + 1's appends are sent, so no read sees a later
+        partition's clicks. A partition's state chunk is encoded right after its join, before anything of it goes to
+        Redis or the producer: an impression whose state alone is too large is found there, while taking it out of
+        the partition's batch is still possible (:meth:`_join_partition`)."""
         results: dict[int, BatchResult] = {}
         encoded: dict[int, list[bytes]] = {}
         stage = self.totals.stage_s
@@ -748,7 +761,9 @@ class JoinPipeline:
         prev: _Step | None = None
         try:
             for partition, imps, clicks in batches:
-                res = self._join_partition(partition, imps, clicks, drain)
+                res, chunk = self._join_partition(partition, imps, clicks, drain)
+                if chunk is not None:
+                    encoded[partition] = chunk
                 t1 = time.monotonic()
                 if prev is not None:
                     prev.collect()  # answered before this partition's appends are sent
@@ -763,10 +778,7 @@ class JoinPipeline:
                 if last is not None:
                     self._emit(last)
             if prev is not None:
-                t1 = time.monotonic()
-                encoded = {p: self._encode_chunk(p, res) for p, res in results.items() if res.chunk is not None}
                 t2 = time.monotonic()
-                stage["encode_state"] += t2 - t1
                 prev.collect()
                 stage["redis"] += time.monotonic() - t2
                 self._emit(prev)
@@ -776,20 +788,47 @@ class JoinPipeline:
                 prev.collect(quiet=True)
         return results, encoded
 
-    def _encode_chunk(self, partition: int, res: BatchResult) -> list[bytes]:
-        """``res``'s state chunk in parts under ``state_bytes``; :class:`StateTooLarge` where one impression alone is
-        over it (checked here, before the batch's samples are flushed, not at the produce)."""
+    def _encode_chunk(self, partition: int, res: BatchResult) -> tuple[list[bytes], list[tuple[Pending, int]]]:
+        """``res``'s state chunk in parts under ``state_bytes``, and the impressions whose state alone is over it (with
+        its size), which the parts leave out (``state_log.encode_chunk``). :class:`StateTooLarge` where an item that
+        is not an impression is over it (ids are bounded by the ``[limits]``, so none is: kept as a guard)."""
         assert res.chunk is not None
-        parts = encode_chunk(res.chunk, self.state_bytes)
-        if len(parts) > 1 or len(parts[0]) > self.state_bytes:
-            for raw in parts:
-                if len(raw) > self.state_bytes:
-                    limit = self.message_limits[self.state_topic]
-                    raise StateTooLarge(
-                        f"an impression's join state alone is {len(raw)} bytes, over the {self.state_bytes} a record "
-                        f"of {self.state_topic} may be (its limit {limit.bytes} bytes, {limit.source}; partition "
-                        f"{partition}): {_raise_limit(self.state_topic, limit)}, or lower the [limits] on context size")
-        return parts
+        t0 = time.monotonic()
+        over: list[tuple[Pending, int]] = []
+        parts = encode_chunk(res.chunk, self.state_bytes, oversized=lambda p, size: over.append((p, size)))
+        for raw in parts:
+            if len(raw) > self.state_bytes:
+                limit = self.message_limits[self.state_topic]
+                raise StateTooLarge(
+                    f"a part of the join state of partition {partition} is {len(raw)} bytes, over the "
+                    f"{self.state_bytes} a record of {self.state_topic} may be (its limit {limit.bytes} bytes, "
+                    f"{limit.source}): {_raise_limit(self.state_topic, limit)}, or lower the [limits] on id length")
+        self.totals.stage_s["encode_state"] += time.monotonic() - t0
+        return parts, over
+
+    def _state_too_large(self, partition: int, imps: list[tuple[int, Impression]], imp_from: int,
+                         over: list[tuple[Pending, int]]) -> list[tuple[int, Impression]]:
+        """Dead-letter (``too_large``) the impression records of ``imps`` whose join state alone is over what the
+        state topic takes (``over``: their Pendings, made of them by this batch's join, and the sizes); returns
+        ``imps`` without them. A Pending's record is the first new (offset after ``imp_from``) impression of its id
+        and event time: the engine keeps the first of an id, in event-time order, then offset order."""
+        limit = self.message_limits[self.state_topic]
+        records = {r.offset: r for r in self._batch_records.get(partition, ())}
+        gone: set[int] = set()
+        for pending, size in over:
+            offset = next(o for o, ev in imps if o > imp_from and o not in gone
+                          and ev.impression_id == pending.impression_id and ev.ts == pending.ts)
+            gone.add(offset)
+            r = records[offset]
+            err = BadMessage(
+                f"the join state of impression {shown(pending.impression_id)} alone is {size} bytes encoded, over the "
+                f"{self.state_bytes} a record of {self.state_topic} may be (its limit {limit.bytes} bytes, "
+                f"{limit.source}); not joined (clicks on it are reported as orphans): lower the [limits] on context "
+                f"size or {_raise_limit(self.state_topic, limit)}", kind="too_large")
+            self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset)
+            self.totals.counts["dead_lettered"] += 1
+            self.totals.counts["state_too_large"] += 1
+        return [pair for pair in imps if pair[0] not in gone]
 
     @contextmanager
     def _sized(self) -> Iterator[None]:
@@ -811,16 +850,41 @@ class JoinPipeline:
                 "message.max.bytes") from None
 
     def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
-                        drain: bool) -> BatchResult:
+                        drain: bool) -> tuple[BatchResult, list[bytes] | None]:
+        """One partition's join and its state chunk encoded (None: the batch changed nothing).
+
+        An impression whose join state alone is over what the state topic takes (module docstring, "Message size")
+        is dead-lettered (``too_large``) and the partition's batch joined again without it, from its state before the
+        batch (read back from the state log: the join changed the engine, and nothing of it went anywhere yet). Its
+        clicks then wait for an impression that never comes, and are reported as orphans (``late_clicks``), as for
+        any impression never seen; its state is nowhere. The batch and its other records go on: it was a
+        :class:`StateTooLarge`, which failed the batch and left the impression to the strikes, ``poison_after``
+        restarts later."""
         eng = self.engines[partition]
         now = time.monotonic()
         if clicks or partition not in self._last_click or partition in self.clicks_held:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
+        imp_from = eng.offsets[0]
         res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
-        self._account(res)
         self.totals.stage_s["join"] += time.monotonic() - now
-        return res
+        parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
+        while over:  # again only where a later copy of a record taken out (same id and time) took its place
+            imps = self._state_too_large(partition, imps, imp_from, over)
+            self._reload(partition)
+            t0 = time.monotonic()
+            res = self.engines[partition].apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
+            self.totals.stage_s["join"] += time.monotonic() - t0
+            parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
+        self._account(res)
+        return res, parts
+
+    def _reload(self, partition: int) -> None:
+        """``partition``'s join state as the state log holds it (as it was before the batch in progress)."""
+        self.engines.pop(partition, None)
+        for key in [k for k in self._parts if k[0] == partition]:
+            del self._parts[key]
+        self.restore({partition}, say_lost=False)
 
     def _read_histories(self, res: BatchResult) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None:
         """Each sample's history, sent now (one script call) and read by the returned callable (None: no samples)."""

@@ -138,10 +138,11 @@ MAX_MESSAGE_BYTES = 900_000  # Kafka's default message.max.bytes is 1 MB
 
 def encode_bounded(items: list[T], encode: Callable[[list[T], bool], bytes], max_bytes: int,
                    max_items: int | None = None,
-                   oversized: Callable[[list[T], bytes], None] | None = None) -> list[bytes]:
+                   oversized: Callable[[list[T], bytes], bool | None] | None = None) -> list[bytes]:
     """``items`` encoded as consecutive parts of at most ``max_items`` items and (unless one item alone is
     bigger) ``max_bytes`` bytes: an oversized part is halved and encoded again. ``encode(part, first)``.
-    One item alone over ``max_bytes`` goes to ``oversized(part, value)`` when given (else it is kept)."""
+    One item alone over ``max_bytes`` goes to ``oversized(part, value)`` when given, and is left out unless that
+    returns ``False`` (without ``oversized`` it is kept)."""
     step = max_items or max(len(items), 1)
     todo = [items[i:i + step] for i in range(0, len(items), step)][::-1] or [items]
     out: list[bytes] = []
@@ -151,8 +152,8 @@ def encode_bounded(items: list[T], encode: Callable[[list[T], bool], bytes], max
         if len(value) > max_bytes and len(part) > 1:
             half = len(part) // 2
             todo.extend([part[half:], part[:half]])
-        elif len(value) > max_bytes and oversized is not None:
-            oversized(part, value)
+        elif len(value) > max_bytes and oversized is not None and oversized(part, value) is not False:
+            continue  # left out: ``oversized`` took it
         else:
             out.append(value)
     return out

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,14 +102,26 @@ def _encode(c: StateChunk, items: range, bounds: list[int]) -> bytes:
     return _MAGIC + len(header).to_bytes(4, "big") + header + body
 
 
-def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
+def encode_chunk(c: StateChunk, max_bytes: int = MAX_RECORD_BYTES,
+                 oversized: Callable[[Pending, int], None] | None = None) -> list[bytes]:
     """The chunk as one or more records (parts), each at most ``max_bytes`` unless one impression is bigger; each
-    part names the number of parts and this write (module docstring)."""
+    part names the number of parts and this write (module docstring). ``oversized(pending, size)``, when given, is
+    told of each added impression whose part alone is over ``max_bytes`` (its encoded size), and that part is left
+    out: the caller then has a chunk without it and must not write it as it is (the joiner takes the impression out of
+    the batch and joins the batch again, ``pipeline.py``). Any other item is small (ids are bounded by the
+    ``[limits]``) and stays."""
     bounds = [0]
     for seq in (c.joined, c.waiting, c.evicted, c.unwaited, c.added):
         bounds.append(bounds[-1] + len(seq))
+
+    def too_large(items: range, value: bytes) -> bool:
+        if oversized is None or items.start < bounds[4]:
+            return False
+        oversized(c.added[items.start - bounds[4]], len(value) + _COUNT_ROOM)
+        return True
+
     parts = encode_bounded(range(bounds[-1]), lambda items, _first: _encode(c, items, bounds),  # type: ignore[arg-type]
-                           max_bytes - _COUNT_ROOM)
+                           max_bytes - _COUNT_ROOM, oversized=too_large)  # type: ignore[arg-type]
     tail = b',"parts":%d,"write":"%s"}' % (len(parts), os.urandom(4).hex().encode())
     out = []
     for raw in parts:

@@ -40,7 +40,7 @@ def test_a_state_chunk_half_written_when_the_process_stopped_loses_no_impression
     0 alone as the chunk, with the whole batch's offsets, so the batch read again was skipped as applied and the
     impressions of the parts never written got no sample (175 of 200 here). Now the incomplete chunk is left out (and
     tombstoned) and the batch is joined again."""
-    monkeypatch.setattr(pipeline_module, "encode_chunk", lambda c, _bound: encode_chunk(c, max_bytes=3000))  # parts
+    monkeypatch.setattr(pipeline_module, "encode_chunk", lambda c, _bound, **kw: encode_chunk(c, 3000, **kw))  # parts
     records = [imp(kafka, 0, i, f"imp-{i:04d}", T0 + i, user=f"u{i}", item=f"i{i}", tag="x" * 40) for i in range(200)]
     first = make()
     topic = state_topic(first.js.app_id)
@@ -81,7 +81,7 @@ def test_the_rest_of_a_state_chunk_being_retired_when_the_process_stopped_is_lef
     """Tombstones go in part order: a stop after part 0's left the chunk's other parts, which every restore decoded as
     a chunk (part 1's header as its head) and retired again with as many tombstones as parts were left, from part 0:
     the last part stayed in the log for good."""
-    monkeypatch.setattr(pipeline_module, "encode_chunk", lambda c, _bound: encode_chunk(c, max_bytes=3000))  # parts
+    monkeypatch.setattr(pipeline_module, "encode_chunk", lambda c, _bound, **kw: encode_chunk(c, 3000, **kw))  # parts
     first = make()
     first.process([imp(kafka, 0, i, f"imp-{i:03d}", T0 + i, tag="y" * 40) for i in range(60)]
                   + [click(kafka, 0, 0, "imp-007", T0 + 100)])
