@@ -1,31 +1,76 @@
 """Dead-letter queue: malformed messages go to ``<topic>.dlq`` with the reason in headers.
 
-The DLQ record keeps the original key and value bytes untouched, so an operator can fix and replay
+The DLQ record keeps the original key and value bytes untouched where they fit, so an operator can fix and replay
 it. Headers:
 
 ============================  ==============================================================
-``dlq.reason``                human-readable reason (``field 'ts': got -5, expected ...``)
+``dlq.reason``                human-readable reason (``field 'ts': got -5, expected ...``), at
+                              most ``REASON_BYTES`` bytes of UTF-8 (a longer one is cut, ``...``)
 ``dlq.kind``                  machine-readable class (``bad_json``, ``invalid_field``, ...)
 ``dlq.source.topic``          topic the message came from (or was meant for)
 ``dlq.source.partition``      its partition, ``-1`` when it never reached the broker
 ``dlq.source.offset``         its offset, ``-1`` when it never reached the broker
 ``dlq.value_truncated_from``  only where the value was too large to send whole: its size
                               (the record then holds its first ``TRUNCATED_BYTES``, or as many as
-                              the producer's ``message.max.bytes`` leaves room for)
+                              the dead-letter topic's limit leaves room for)
+``dlq.key_truncated_from``    only where the key alone left no room under that limit: its size
+                              (the record then holds as many of its first bytes as fit)
 ============================  ==============================================================
+
+Size: a dead-letter topic's limit is learned like the joiner's other topics' (``stream.kafka.message_limits``: the
+topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller), given by the
+process that learned it at start (the joiner) or learned here at the first dead letter to that topic (the learner,
+the event reader, the replay), and every record is sized under it before it is sent: a value over the room the key
+and headers leave is cut, with ``dlq.value_truncated_from``. A limit that leaves no room for the headers
+(``MIN_DLQ_BYTES``) is a :class:`~stream.errors.ConfigError` naming the topic and the setting, when it is learned. A
+dead letter the broker refuses as too large all the same (its limit lower than it reported, or lowered since) is a
+:class:`~stream.errors.MessageLimitError` at the flush (a ConfigError, exit 2): sending it again cannot succeed, and
+it is no fault of the message (no strikes) nor an outage (no retry, which would refuse it for ever).
 """
 
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stream.config import KafkaSettings
-from stream.errors import BadMessage, MessageTooLarge
-from stream.kafka import AckedProducer, usable_bytes
+from stream.errors import BadMessage, ConfigError, MessageTooLarge
+from stream.kafka import (
+    AckedProducer,
+    MessageLimit,
+    message_limits,
+    raise_limit,
+    refused_as_too_large,
+    usable_bytes,
+)
 from stream.metrics import DLQ_MESSAGES
 
 TRUNCATED_BYTES = 65_536
+REASON_BYTES = 2048  # the most a dlq.reason header takes (a reason may quote its input)
+_KIND_BYTES = 64
+_TOPIC_BYTES = 249  # Kafka's longest topic name
+# The most the headers take: reason, kind, source topic, their names, partition and offset (20 digits each), the two
+# truncation headers; what is left of a record under its limit is the key's and the value's.
+HEADER_BYTES = REASON_BYTES + _KIND_BYTES + _TOPIC_BYTES + 6 * 32 + 4 * 20
+MIN_DLQ_BYTES = HEADER_BYTES + 1024  # usable bytes (stream.kafka.usable_bytes) a dead-letter topic must leave
+
+
+def _bounded(text: str, n: int) -> bytes:
+    """``text`` as UTF-8, cut to at most ``n`` bytes (at a character boundary, ``...`` marking the cut)."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= n:
+        return raw
+    return raw[:n - 3].decode("utf-8", "ignore").encode() + b"..."
+
+
+def check_room(topic: str, limit: MessageLimit) -> None:
+    """A :class:`ConfigError` where a dead-letter topic's limit leaves no room for a dead letter's headers."""
+    if usable_bytes(limit.bytes) < MIN_DLQ_BYTES:
+        raise ConfigError(f"dead-letter topic {topic} takes records of at most {limit.bytes} bytes ({limit.source}); a "
+                          f"dead letter's headers alone may take {HEADER_BYTES} (its reason, kind and source), and "
+                          f"the least limit that leaves room for them is about {MIN_DLQ_BYTES + 1024 + 64}: "
+                          f"{raise_limit(topic, limit)}")
 
 
 @dataclass(frozen=True)
@@ -49,31 +94,59 @@ class DeadLetter:
 
 
 class DeadLetters:
-    """Sends bad messages to ``<topic><dlq_suffix>`` and counts them (per topic and kind)."""
+    """Sends bad messages to ``<topic><dlq_suffix>``, each sized under that topic's limit (module docstring), and
+    counts them (per topic and kind). ``limits``: dead-letter topic -> its limit, learned by the caller; a topic not
+    in it is learned at its first dead letter."""
 
-    def __init__(self, kafka: KafkaSettings, producer: AckedProducer | None = None) -> None:
+    def __init__(self, kafka: KafkaSettings, producer: AckedProducer | None = None,
+                 limits: Mapping[str, MessageLimit] | None = None) -> None:
         self._kafka = kafka
         self._producer = producer or AckedProducer(kafka)
+        self._limits: dict[str, MessageLimit] = {}
+        for topic, limit in (limits or {}).items():
+            self._limits[topic] = self._within_producer(limit)
+            check_room(topic, self._limits[topic])
         self.counts: Tally[tuple[str, str]] = Tally()
+
+    def _within_producer(self, limit: MessageLimit) -> MessageLimit:
+        """``limit``, or the producer's ``message.max.bytes`` where that is smaller (it refuses bigger records)."""
+        return min(limit, MessageLimit(self._producer.max_message_bytes, self._producer.max_message_setting))
+
+    def limit(self, dlq_topic: str) -> MessageLimit:
+        """What ``dlq_topic`` takes from this producer: given, or learned now (once)."""
+        got = self._limits.get(dlq_topic)
+        if got is None:
+            learned = message_limits(self._kafka, [dlq_topic], self._producer.max_message_bytes,
+                                     self._producer.max_message_setting)[dlq_topic]
+            got = self._within_producer(learned)
+            check_room(dlq_topic, got)
+            self._limits[dlq_topic] = got
+        return got
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | None, error: BadMessage,
              partition: int = -1, offset: int = -1) -> None:
+        dlq_topic = self._kafka.dlq_topic(topic)
         headers = [
-            ("dlq.reason", error.reason.encode()),
-            ("dlq.kind", error.kind.encode()),
-            ("dlq.source.topic", topic.encode()),
+            ("dlq.reason", _bounded(error.reason, REASON_BYTES)),
+            ("dlq.kind", _bounded(error.kind, _KIND_BYTES)),
+            ("dlq.source.topic", _bounded(topic, _TOPIC_BYTES)),
             ("dlq.source.partition", str(partition).encode()),
             ("dlq.source.offset", str(offset).encode()),
         ]
-        try:
-            self._producer.send(self._kafka.dlq_topic(topic), value, key, headers=headers)
-        except MessageTooLarge:
+        raw_key = key.encode("utf-8", "replace") if isinstance(key, str) else key
+        room = usable_bytes(self.limit(dlq_topic).bytes) - sum(len(k) + len(v) for k, v in headers)
+        if len(raw_key or b"") + len(value or b"") > room:
             # Keep what fits and say how much there was: the reason and the source offset still point to it.
-            headers.append(("dlq.value_truncated_from", str(len(value or b"")).encode()))
-            room = (usable_bytes(self._producer.max_message_bytes) - len(key or b"")
-                    - sum(len(k) + len(v) for k, v in headers))
-            self._producer.send(self._kafka.dlq_topic(topic), (value or b"")[:max(0, min(TRUNCATED_BYTES, room))], key,
-                                headers=headers)
+            cut = ("dlq.value_truncated_from", str(len(value or b"")).encode())
+            headers.append(cut)
+            room -= len(cut[0]) + len(cut[1])
+            if raw_key is not None and len(raw_key) > room:  # (MIN_DLQ_BYTES leaves room > 0 after every header)
+                cut = ("dlq.key_truncated_from", str(len(raw_key)).encode())
+                headers.append(cut)
+                room -= len(cut[0]) + len(cut[1])
+                raw_key = raw_key[:room]
+            value = (value or b"")[:max(0, min(TRUNCATED_BYTES, room - len(raw_key or b"")))]
+        self._producer.send(dlq_topic, value, raw_key, headers=headers)
         self.counts[(topic, error.kind)] += 1
         DLQ_MESSAGES.labels(topic, error.kind).inc()
 
@@ -82,5 +155,9 @@ class DeadLetters:
         return sum(self.counts.values())
 
     def flush(self) -> None:
-        """Wait until every dead letter is acknowledged (raises ``DeliveryFailed`` otherwise)."""
-        self._producer.flush()
+        """Wait until every dead letter is acknowledged (raises ``DeliveryFailed`` otherwise, and a
+        :class:`MessageLimitError` where the broker refused one as too large: module docstring)."""
+        try:
+            self._producer.flush()
+        except MessageTooLarge as exc:
+            raise refused_as_too_large(exc, self._limits.get(exc.topic or "")) from None

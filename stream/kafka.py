@@ -22,7 +22,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from stream.config import KafkaSettings, SaslMechanism
-from stream.errors import ConfigError, DeliveryFailed, MessageTooLarge, StreamError, clip
+from stream.errors import ConfigError, DeliveryFailed, MessageLimitError, MessageTooLarge, StreamError, clip
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger("streamrec.kafka")
@@ -425,6 +425,28 @@ def message_limits(kafka: KafkaSettings, topics: Iterable[str], producer_bytes: 
             known.append((producer_bytes, producer_source))
         out[t] = MessageLimit(*min(known)) if known else MessageLimit(FALLBACK_MESSAGE_BYTES, "a fallback (unknown)")
     return out
+
+
+def raise_limit(topic: str, limit: MessageLimit) -> str:
+    """What to change where ``topic`` takes records of at most ``limit``: the setting it came from."""
+    if limit.source == "topic max.message.bytes":
+        return (f"raise the topic's limit (kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
+                "--add-config max.message.bytes=1048588)")
+    return f"raise {limit.source}"
+
+def refused_as_too_large(exc: MessageTooLarge, limit: MessageLimit | None) -> MessageLimitError:
+    """The :class:`MessageLimitError` for a record refused as too large (``exc``) although it was sized under
+    ``limit``, the limit learned for its topic (None: not sized by that): names the topic, the setting and the fix.
+    The one wording for every topic a process sizes its records for (the joiner's samples, state, late clicks and
+    dead letters)."""
+    topic = exc.topic or "?"
+    learned = (f"sized under {limit.bytes} bytes, the limit learned for it ({limit.source})"
+               if limit is not None else "not sized under a learned limit")
+    return MessageLimitError(
+        f"{clip(str(exc), 300)}; the records for {topic} are {learned}, so the broker's (or the producer's) limit is "
+        "lower than that: set [kafka.extra] message.max.bytes to at most the topic's max.message.bytes (records are "
+        f"then written under it), or raise the topic's max.message.bytes (kafka-configs.sh --alter --entity-type "
+        f"topics --entity-name {topic} --add-config max.message.bytes=1048588) and the broker's message.max.bytes")
 
 
 @dataclass

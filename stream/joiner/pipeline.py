@@ -29,18 +29,20 @@ much counting); a failed write fails the batch that finds it, and its counts sta
 A batch's own counts join that buffer only once its state is durable: a failed batch is done again, and
 is counted once.
 
-Message size: at start the pipeline learns what the samples and state topics take (``stream.kafka.message_limits``:
-the topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller) and cuts
-samples messages and state parts under it (``sample_bytes``, ``state_bytes``), so a limit below the 900 kB it
-writes by default costs more, smaller messages, not failures (below ``MIN_MESSAGE_BYTES`` it is a ConfigError at
-start). One sample alone over it is dead-lettered (``too_large``), and so is one impression whose join state alone is
-over it, in the batch that finds it, its record taken out of the batch's join (its clicks are reported as orphans;
-``JoinPipeline._join_partition``). A message refused as too large all the same is a
+Message size: at start the pipeline learns what each topic it writes to takes (``stream.kafka.message_limits``: the
+topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller): samples, state,
+late clicks and the dead-letter topics. It cuts samples messages and state parts under it (``sample_bytes``,
+``state_bytes``), so a limit below the 900 kB it writes by default costs more, smaller messages, not failures; dead
+letters are cut under theirs by ``stream/dlq.py`` (``dlq.value_truncated_from``); below ``MIN_MESSAGE_BYTES`` it is a
+ConfigError at start. One sample alone over it is dead-lettered (``too_large``), and so is one impression whose join
+state alone is over it, in the batch that finds it, its record taken out of the batch's join (its clicks are
+reported as orphans; ``JoinPipeline._join_partition``), and a late click's record over it (possible only with ids
+far longer than the ``[limits]`` default allow). A message refused as too large all the same is a
 :class:`~stream.errors.MessageLimitError` (a ConfigError: the worker stops, exit 2, naming the topic and the setting),
-neither an outage nor the batch's fault: it is a samples message or a state part cut under the learned limit, so
-the broker's limit is lower than what it reported (not readable, or lowered since); the message holds the work of
-many good records, which strikes would dead-letter, and a retry (it was a DeliveryFailed: an outage) sends the
-same message again and rewound the worker for ever.
+neither an outage nor the batch's fault: it was sized under the learned limit, so the broker's limit is lower than
+what it reported (not readable, or lowered since); a samples message holds the work of many good records, which
+strikes would dead-letter, and a retry (it was a DeliveryFailed: an outage) sends the same message again and rewound
+the worker for ever. That holds for every topic it writes, a dead letter's and a late click's too.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, ConfigError, MessageLimitError, MessageTooLarge, StreamError, clip, shown
+from stream.errors import BadMessage, ConfigError, MessageTooLarge, StreamError, clip, shown
 from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
@@ -80,11 +82,12 @@ from stream.joiner.sample_rows import batches_later
 from stream.joiner.state_log import MAX_RECORD_BYTES, chunk_key, encode_chunk, load_chunks, state_topic
 from stream.kafka import (
     AckedProducer,
-    MessageLimit,
     ensure_compacted,
     ensure_topics,
     message_limits,
     new_consumer,
+    raise_limit,
+    refused_as_too_large,
     usable_bytes,
 )
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -96,14 +99,6 @@ log = logging.getLogger("streamrec.join")
 
 _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpressure's input names -> the engine's
 MIN_MESSAGE_BYTES = 6144  # the least limit the joiner writes under (its samples messages and state parts ~5 kB)
-
-
-def _raise_limit(topic: str, limit: MessageLimit) -> str:
-    """What to change where ``topic`` takes records of at most ``limit``: the setting it came from."""
-    if limit.source == "topic max.message.bytes":
-        return (f"raise the topic's limit (kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
-                "--add-config max.message.bytes=1048588)")
-    return f"raise {limit.source}"
 
 
 Counts = dict[tuple[str, str], tuple[list[int], list[int]]]  # (kind, event) -> (hashed ids, event times in ms)
@@ -307,6 +302,7 @@ class JoinTotals:
             "dead_lettered": c["dead_lettered"],
             "samples_too_large": c["samples_too_large"],
             "state_too_large": c["state_too_large"],  # impressions dead-lettered: their join state alone too large
+            "late_clicks_too_large": c["late_clicks_too_large"],  # late click records dead-lettered: too large
             "evicted_impressions": c["evicted_impressions"],
             "overflow_clicks": c["overflow_clicks"],
             # records set aside past the event-time frontier, counted once per batch they wait (how much waiting
@@ -349,7 +345,6 @@ class JoinPipeline:
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
         self.producer = AckedProducer(kafka, **{"linger.ms": 5, "message.max.bytes": max(js.max_sample_bytes + 65_536,
                                                                                       1_000_000)})
-        self.dead_letters = DeadLetters(kafka, self.producer)
         self.engines: dict[int, PartitionJoin] = {}
         self.totals = JoinTotals()
         self.gc = GcPacing(js.gc_every_s)
@@ -384,20 +379,24 @@ class JoinPipeline:
         # The batch in progress's impression records per partition (offset order): what an impression whose join
         # state is too large is dead-lettered as (_state_too_large).
         self._batch_records: dict[int, list[Record]] = {}
+        dlq_topics = [kafka.dlq_topic(t) for t in (kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
+                                                   js.late_clicks_topic)]
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
-                              js.late_clicks_topic, kafka.dlq_topic(kafka.impressions_topic),
-                              kafka.dlq_topic(kafka.clicks_topic), kafka.dlq_topic(kafka.samples_topic)])
+                              js.late_clicks_topic, *dlq_topics])
         ensure_compacted(kafka, self.state_topic)
-        # What each topic this worker writes its batches to takes (module docstring, "Message size"), and the bounds
-        # its samples messages and state parts are cut to.
-        self.message_limits = message_limits(kafka, [kafka.samples_topic, self.state_topic],
+        # What each topic this worker writes to takes (module docstring, "Message size"), and the bounds its samples
+        # messages, state parts and late clicks are cut to or checked against; the dead letters' are DeadLetters'.
+        self.message_limits = message_limits(kafka, [kafka.samples_topic, self.state_topic, js.late_clicks_topic,
+                                                     *dlq_topics],
                                              self.producer.max_message_bytes, self.producer.max_message_setting)
-        self.sample_bytes = min(js.max_sample_bytes, usable_bytes(self.message_limits[kafka.samples_topic].bytes))
-        self.state_bytes = min(MAX_RECORD_BYTES, usable_bytes(self.message_limits[self.state_topic].bytes))
         for topic, limit in self.message_limits.items():
             if limit.bytes < MIN_MESSAGE_BYTES:
                 raise ConfigError(f"topic {topic} takes records of at most {limit.bytes} bytes ({limit.source}); the "
-                                  f"joiner needs at least {MIN_MESSAGE_BYTES}: {_raise_limit(topic, limit)}")
+                                  f"joiner needs at least {MIN_MESSAGE_BYTES}: {raise_limit(topic, limit)}")
+        self.sample_bytes = min(js.max_sample_bytes, usable_bytes(self.message_limits[kafka.samples_topic].bytes))
+        self.state_bytes = min(MAX_RECORD_BYTES, usable_bytes(self.message_limits[self.state_topic].bytes))
+        self.late_click_bytes = usable_bytes(self.message_limits[js.late_clicks_topic].bytes)
+        self.dead_letters = DeadLetters(kafka, self.producer, {t: self.message_limits[t] for t in dlq_topics})
 
     def close(self) -> None:
         try:
@@ -802,7 +801,7 @@ class JoinPipeline:
                 raise StateTooLarge(
                     f"a part of the join state of partition {partition} is {len(raw)} bytes, over the "
                     f"{self.state_bytes} a record of {self.state_topic} may be (its limit {limit.bytes} bytes, "
-                    f"{limit.source}): {_raise_limit(self.state_topic, limit)}, or lower the [limits] on id length")
+                    f"{limit.source}): {raise_limit(self.state_topic, limit)}, or lower the [limits] on id length")
         self.totals.stage_s["encode_state"] += time.monotonic() - t0
         return parts, over
 
@@ -824,7 +823,7 @@ class JoinPipeline:
                 f"the join state of impression {shown(pending.impression_id)} alone is {size} bytes encoded, over the "
                 f"{self.state_bytes} a record of {self.state_topic} may be (its limit {limit.bytes} bytes, "
                 f"{limit.source}); not joined (clicks on it are reported as orphans): lower the [limits] on context "
-                f"size or {_raise_limit(self.state_topic, limit)}", kind="too_large")
+                f"size or {raise_limit(self.state_topic, limit)}", kind="too_large")
             self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset)
             self.totals.counts["dead_lettered"] += 1
             self.totals.counts["state_too_large"] += 1
@@ -833,21 +832,11 @@ class JoinPipeline:
     @contextmanager
     def _sized(self) -> Iterator[None]:
         """Sends and flushes of a batch's outputs: a message refused as too large is a :class:`MessageLimitError`
-        (module docstring, "Message size")."""
+        (module docstring, "Message size"): every topic the joiner writes to is sized under its learned limit."""
         try:
             yield
         except MessageTooLarge as exc:
-            topic = exc.topic or "?"
-            limit = self.message_limits.get(topic)
-            learned = (f"sized under {limit.bytes} bytes, the limit learned at start ({limit.source})"
-                       if limit is not None else "not sized by the joiner")
-            raise MessageLimitError(
-                f"{clip(str(exc), 300)}; the joiner's messages to {topic} are {learned}, so the broker's (or the "
-                "producer's) limit is lower than that: set [kafka.extra] message.max.bytes to at most the topic's "
-                f"max.message.bytes (the joiner then writes under it), or raise the topic's max.message.bytes "
-                f"(kafka-configs.sh --alter --entity-type topics --entity-name {topic} --add-config "
-                "max.message.bytes=1048588) and the broker's "
-                "message.max.bytes") from None
+            raise refused_as_too_large(exc, self.message_limits.get(exc.topic or "")) from None
 
     def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
                         drain: bool) -> tuple[BatchResult, list[bytes] | None]:
@@ -902,10 +891,28 @@ class JoinPipeline:
             for value in step.batches(step.histories):
                 self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
             self.totals.stage_s["encode_samples"] += time.monotonic() - t0
+            late, room = self.js.late_clicks_topic, self.late_click_bytes
             for u in res.unjoined:
                 value = orjson.dumps({"impression_id": u.impression_id, "click_ts": u.click_ts, "reason": u.reason,
                                       "partition": partition})
-                self.producer.send(self.js.late_clicks_topic, value, u.impression_id, partition=partition)
+                if len(value) + 4 * len(u.impression_id) > room and \
+                        len(value) + len(u.impression_id.encode("utf-8", "surrogatepass")) > room:  # (4: UTF-8's most)
+                    self._late_click_too_large(u.impression_id, value, partition)
+                else:
+                    self.producer.send(late, value, u.impression_id, partition=partition)
+
+    def _late_click_too_large(self, impression_id: str, value: bytes, partition: int) -> None:
+        """A late click's record over what the late-clicks topic takes (with the ``[limits]`` default of 256-character
+        ids a record is under 3 kB, below any limit the joiner starts with: only far longer ids make one):
+        dead-lettered to its ``.dlq`` (``too_large``, cut to what that takes), never a producer error nor dropped."""
+        late, key_bytes = self.js.late_clicks_topic, len(impression_id.encode("utf-8", "surrogatepass"))
+        limit = self.message_limits[late]
+        err = BadMessage(f"the late click record on impression {shown(impression_id)} is {len(value)} bytes and its "
+                         f"key {key_bytes}, over the {self.late_click_bytes} bytes a record of {late} may be (its "
+                         f"limit {limit.bytes} bytes, {limit.source}): {raise_limit(late, limit)}, or lower [limits] "
+                         "max_str_len", kind="too_large")
+        self.dead_letters.send(late, impression_id, value, err, partition)
+        self.totals.counts["late_clicks_too_large"] += 1
 
     def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
         """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""

@@ -145,3 +145,88 @@ def test_a_dead_letter_too_large_to_send_whole_is_truncated_with_its_size_not_a_
     headers = dict(rec.headers)
     assert headers["dlq.value_truncated_from"] == b"1000000" and rec.value == huge[:TRUNCATED_BYTES]
     assert DeadLetter.from_headers(rec.headers).source_offset == 77
+
+
+def _dlq_topic_of(kafka: KafkaSettings, limit: int) -> str:
+    """``impressions.dlq`` created with ``max.message.bytes=limit`` (reported by DescribeConfigs; Tansu stores the
+    limit without enforcing it, so a test reads the records' sizes)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from stream.kafka import admin_config
+
+    topic = kafka.dlq_topic(kafka.impressions_topic)
+    admin = AdminClient(admin_config(kafka))
+    for fut in admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": str(limit)})],
+                                   operation_timeout=10).values():
+        fut.result()
+    return topic
+
+
+def test_dead_letters_of_any_process_are_sized_under_the_dead_letter_topic_limit_learned_at_the_first_one(
+        kafka: KafkaSettings) -> None:
+    """The learner's and the event reader's DeadLetters (no limit given): a value was cut only when the producer
+    refused it, so a dead-letter topic of 8000 bytes got a 50 kB record (Apache Kafka refuses it at delivery). Now the
+    topic's limit is learned at the first dead letter and everything sized under it; a key that leaves no room is cut
+    too (``dlq.key_truncated_from``)."""
+    from stream.dlq import DeadLetters
+    from stream.errors import BadMessage
+    from stream.kafka import MessageLimit
+
+    topic = _dlq_topic_of(kafka, 8000)
+    dlq = DeadLetters(kafka)
+    value, key = b"v" * 50_000, b"k" * 20_000
+    dlq.send(kafka.impressions_topic, b"small", value, BadMessage("r" * 10_000, kind="too_large"), 1, 5)
+    dlq.send(kafka.impressions_topic, key, value, BadMessage("huge key", kind="too_large"), 1, 6)
+    dlq.flush()
+    assert dlq.limit(topic) == MessageLimit(8000, "topic max.message.bytes")
+    first, second = read_topic(kafka, topic)
+    for rec in (first, second):
+        assert len(rec.key) + len(rec.value) + sum(len(k) + len(v) for k, v in rec.headers) <= 8000
+        assert dict(rec.headers)["dlq.value_truncated_from"] == b"50000" and rec.value == value[:len(rec.value)]
+    assert first.key == b"small" and len(first.value) > 1000 and "dlq.key_truncated_from" not in dict(first.headers)
+    assert DeadLetter.from_headers(first.headers).reason.endswith("...")  # the reason is bounded too
+    assert dict(second.headers)["dlq.key_truncated_from"] == b"20000" and key.startswith(second.key)
+    assert DeadLetter.from_headers(second.headers).source_offset == 6
+
+
+def test_a_dead_letter_topic_too_small_for_the_headers_is_a_configuration_error_naming_it(
+        kafka: KafkaSettings) -> None:
+    from stream.dlq import DeadLetters
+    from stream.errors import BadMessage, ConfigError
+
+    topic = _dlq_topic_of(kafka, 3000)
+    with pytest.raises(ConfigError, match=rf"dead-letter topic {topic} takes records of at most 3000 bytes.*"
+                                          rf"--entity-name {topic}"):
+        DeadLetters(kafka).send(kafka.impressions_topic, b"k", b"v", BadMessage("bad", kind="bad_json"))
+
+
+def test_a_dead_letter_the_broker_refuses_as_too_large_is_a_configuration_error_at_the_flush_not_an_outage(
+        kafka: KafkaSettings) -> None:
+    """The refusal (MSG_SIZE_TOO_LARGE in the delivery report; Tansu does not enforce limits, so the report is given
+    here) raised MessageTooLarge out of the learner's and the event reader's flush: exit 1, a restart that reads the
+    message again and is refused again, for ever. Now it is a MessageLimitError (a ConfigError: exit 2) naming the
+    topic, the limit it was sized under and what to set."""
+    from confluent_kafka import KafkaError
+
+    from stream.dlq import DeadLetters
+    from stream.errors import BadMessage, MessageLimitError
+
+    topic = _dlq_topic_of(kafka, 100_000)
+    producer = AckedProducer(kafka)
+    dlq = DeadLetters(kafka, producer)
+    dlq.send(kafka.impressions_topic, b"k", b"v" * 1000, BadMessage("bad", kind="bad_json"))
+
+    class Refused:
+        def topic(self) -> str:
+            return topic
+
+        def value(self) -> bytes:
+            return b"v" * 1000
+
+        def key(self) -> bytes:
+            return b"k"
+
+    producer._on_error(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), Refused())
+    with pytest.raises(MessageLimitError, match=rf"{topic} was refused by the broker as too large.*sized under "
+                                                rf"100000 bytes.*--entity-name {topic}"):
+        dlq.flush()

@@ -25,9 +25,10 @@ from stream.dlq import DeadLetter
 from stream.errors import ConfigError, MessageLimitError
 from stream.joiner import pipeline as pipeline_module
 from stream.joiner.config import JoinerSettings
-from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.pipeline import JoinPipeline, Record
 from stream.joiner.state_log import state_topic
 from stream.kafka import MessageLimit, admin_config
+from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import SampleBatch
 from tests.integration.test_join_pipeline import T0, WINDOW_MS, click, imp
 from tests.integration.test_join_recovery import worker
@@ -49,8 +50,8 @@ def make(stack, settings: JoinerSettings) -> Iterator[Callable[..., JoinPipeline
     made: list[JoinPipeline] = []
     prefix = f"jl{uuid.uuid4().hex[:8]}"
 
-    def new(kafka: KafkaSettings) -> JoinPipeline:
-        p = JoinPipeline(kafka, RedisSettings(url=stack.redis_url, prefix=prefix), settings)
+    def new(kafka: KafkaSettings, limits: EventLimits = DEFAULT_LIMITS) -> JoinPipeline:
+        p = JoinPipeline(kafka, RedisSettings(url=stack.redis_url, prefix=prefix), settings, limits)
         made.append(p)
         return p
 
@@ -229,3 +230,85 @@ def test_a_limit_too_small_to_write_the_join_state_under_stops_the_joiner_at_sta
     with pytest.raises(ConfigError, match=r"takes records of at most 5000 bytes \(\[kafka\.extra\] message\.max\.bytes"
                                           r"\); the joiner needs at least \d+: raise \[kafka\.extra\] message\.max"):
         make(dataclasses.replace(kafka, extra={"message.max.bytes": "5000"}))
+
+
+def record_bytes(rec) -> int:  # noqa: ANN001 - a tests.kafka_io record
+    """What a record weighs against a topic's limit, but the framing: key, value and headers."""
+    return len(rec.key or b"") + len(rec.value or b"") + sum(len(k) + len(v) for k, v in rec.headers or [])
+
+
+def test_a_dead_letter_topic_max_message_bytes_bounds_the_dead_letters_the_joiner_writes_to_it(
+        kafka: KafkaSettings, make) -> None:
+    """``impressions.dlq`` created with ``max.message.bytes=8000``: a 30 kB malformed impression went to it whole
+    (only the producer's limit was known to the dead letters; Apache Kafka refuses such a record, and the worker
+    stopped). Now its limit is learned at start and the dead letter cut under it, ``dlq.value_truncated_from`` saying
+    how much there was; the good record beside it is joined."""
+    dlq = kafka.dlq_topic(kafka.impressions_topic)
+    create(kafka, NewTopic(dlq, 1, 1, config={"max.message.bytes": "8000"}))
+    p = make(kafka)
+    assert p.dead_letters.limit(dlq) == MessageLimit(8000, "topic max.message.bytes")
+    bad = b"{" + b" " * 30_000  # not JSON
+    p.process([Record(kafka.impressions_topic, 0, 0, b"bad", bad), imp(kafka, 0, 1, "good", T0)])
+    [rec] = read_topic(kafka, dlq)
+    assert record_bytes(rec) <= 8000 and bad.startswith(rec.value) and rec.key == b"bad"
+    assert dict(rec.headers)["dlq.value_truncated_from"] == b"30001"
+    assert DeadLetter.from_headers(rec.headers).kind == "bad_json"
+    assert "good" in p.engines[0].pending
+
+
+def test_a_late_click_over_the_late_clicks_topic_limit_is_dead_lettered_not_written_over_it(
+        kafka: KafkaSettings, make, settings: JoinerSettings) -> None:
+    """``late_clicks`` created at the least limit the joiner takes (6144 bytes) and ids allowed up to 4000 characters:
+    an orphan click on a 3000-character id made a 6 kB late-click record, written as it was (its topic's limit was not
+    learned). Now it goes to ``late_clicks.dlq`` (``too_large``, the limit in the reason); the short one beside it to
+    ``late_clicks``."""
+    create(kafka, NewTopic(settings.late_clicks_topic, 1, 1, config={"max.message.bytes": "6144"}))
+    p = make(kafka, EventLimits(max_str_len=4000))
+    long_id = "x" * 3000
+    p.process([imp(kafka, 0, 0, "a", T0), click(kafka, 0, 0, long_id, T0 + 1), click(kafka, 0, 1, "ghost", T0 + 2)])
+    p.drain()
+    late = read_topic(kafka, settings.late_clicks_topic)
+    assert [orjson.loads(r.value)["impression_id"] for r in late] == ["ghost"]
+    assert max(map(record_bytes, late)) <= 6144
+    [rec] = read_topic(kafka, kafka.dlq_topic(settings.late_clicks_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind) == (long_id.encode(), "too_large") and "6144" in dl.reason
+    assert orjson.loads(rec.value) == {"impression_id": long_id, "click_ts": T0 + 1, "reason": "orphan", "partition": 0}
+    assert p.totals.summary()["late_clicks_too_large"] == 1
+
+
+def test_a_dead_letter_topic_too_small_for_a_dead_letters_headers_stops_the_joiner_at_start_naming_it(
+        kafka: KafkaSettings, make) -> None:
+    dlq = kafka.dlq_topic(kafka.clicks_topic)
+    create(kafka, NewTopic(dlq, 1, 1, config={"max.message.bytes": "3000"}))
+    with pytest.raises(ConfigError, match=rf"topic {dlq} takes records of at most 3000 bytes \(topic max\.message\."
+                                          rf"bytes\).*--entity-name {dlq}"):
+        make(kafka)
+
+
+@pytest.mark.parametrize("topic", ["dlq", "late"])
+def test_a_dead_letter_or_late_click_the_broker_refuses_as_too_large_stops_the_kafka_driver_naming_its_learned_limit(
+        kafka: KafkaSettings, make, settings: JoinerSettings, monkeypatch: pytest.MonkeyPatch, topic: str) -> None:
+    """As for a samples message (above): the broker's refusal of a record sized under the limit learned for its topic
+    is a MessageLimitError (exit 2) naming the topic and that limit; nothing is committed, no strikes are given, the
+    worker does not rewind to send it again."""
+    refused_topic = kafka.dlq_topic(kafka.impressions_topic) if topic == "dlq" else settings.late_clicks_topic
+    p = make(kafka)
+    send = p.producer.send
+
+    def refused_by_the_broker(to: str, value: bytes | None, *args: object, **kwargs: object) -> None:
+        send(to, value, *args, **kwargs)  # type: ignore[arg-type]
+        if to == refused_topic:
+            p.producer._on_error(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), _Refused(to, value or b""))
+
+    monkeypatch.setattr(p.producer, "send", refused_by_the_broker)
+    w = worker(p, kafka)
+    learned = p.message_limits[refused_topic].bytes
+    try:
+        with pytest.raises(MessageLimitError, match=rf"{refused_topic} was refused by the broker as too large.*sized "
+                                                    rf"under {learned} bytes.*--entity-name {refused_topic}"):
+            w._process([Record(kafka.impressions_topic, 0, 0, b"bad", b"not json"), imp(kafka, 0, 1, "a", T0),
+                        click(kafka, 0, 0, "ghost", T0 + 1), click(kafka, 0, 1, "a", T0 + WINDOW_MS * 3)], None)
+        assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
+    finally:
+        w.consumer.close()
