@@ -434,6 +434,7 @@ def raise_limit(topic: str, limit: MessageLimit) -> str:
                 "--add-config max.message.bytes=1048588)")
     return f"raise {limit.source}"
 
+
 def refused_as_too_large(exc: MessageTooLarge, limit: MessageLimit | None) -> MessageLimitError:
     """The :class:`MessageLimitError` for a record refused as too large (``exc``) although it was sized under
     ``limit``, the limit learned for its topic (None: not sized by that): names the topic, the setting and the fix.
