@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -63,6 +64,15 @@ def kafka(stack: LocalStack) -> KafkaSettings:
 @pytest.fixture
 def group_id() -> str:
     return f"group-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[str]:
+    """A real three-primary Redis Cluster of this test's own (tests/redis_cluster.py); yields one node's url."""
+    from tests.redis_cluster import redis_cluster as start
+
+    with start(tmp_path) as url:
+        yield url
 
 
 @pytest.fixture

@@ -396,51 +396,7 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
     # (and the first version's delta overlay went with its rows)
 
 
-# -- Redis Cluster ---------------------------------------------------------------------------------------------
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000, Redis 6.2 has no cluster-port setting) is free too."""
-    import socket
-    while True:
-        p = free_port()
-        if p + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 10000))
-            except OSError:
-                continue
-        return p
-
-
-@pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator[str]:
-    """Three primaries (no replicas) of a real Redis Cluster on free ports; yields one node's url."""
-    ports = [cluster_port() for _ in range(3)]
-    procs = [subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "",
-                               "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(tmp_path),
-                               "--cluster-config-file", f"nodes-{p}.conf"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    clients = [redis.Redis(host="127.0.0.1", port=p, socket_timeout=2) for p in ports]
-    try:
-        for c in clients:
-            assert wait_until_up(c, 10), "redis-server (cluster mode) did not start"
-        for k, c in enumerate(clients):  # 16384 slots split in three
-            c.execute_command("CLUSTER ADDSLOTS", *range(k * 5462, min(16384, (k + 1) * 5462)))
-        for p in ports[1:]:
-            clients[0].execute_command("CLUSTER MEET", "127.0.0.1", p)
-        deadline = time.monotonic() + 20
-        while not all(c.cluster("info")["cluster_state"] == "ok" for c in clients):
-            assert time.monotonic() < deadline, "the cluster did not form"
-            time.sleep(0.1)
-        yield f"redis://127.0.0.1:{ports[0]}/0"
-    finally:
-        for c in clients:
-            c.close()
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
+# -- Redis Cluster (the redis_cluster fixture: tests/redis_cluster.py) -------------------------------------------
 def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster: str, prefix: str,
                                                                    tmp_path: Path) -> None:
     from serving.embedding_store import delete_version, stored_versions
