@@ -85,7 +85,7 @@ from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, StreamrecError
 from stream.files import describe_os_error, write_atomic
-from stream.redis_client import RedisAuthError, connect, connect_cluster, describe, verify
+from stream.redis_client import RedisAuthError, connect, describe, verify
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
@@ -165,10 +165,11 @@ def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> No
 
 
 # -- the job -------------------------------------------------------------------------------------
-def _redis(rds: RedisSettings, rs: RefreshSettings) -> redis.Redis:
-    """A client with the [redis] credentials and TLS; each command bounded by ``redis_timeout_s`` (the job's own
+def _redis(rds: RedisSettings, rs: RefreshSettings) -> Any:
+    """A client with the [redis] credentials and TLS (a Redis Cluster's with ``[redis] cluster`` or its older alias
+    ``[refresh] embedding_store_cluster``); each command bounded by ``redis_timeout_s`` (the job's own
     ``hot_set.with_retries`` retries outages; refused credentials are never retried)."""
-    return connect(rds, timeout_s=rs.redis_timeout_s)
+    return connect(rds.clustered(rs.embedding_store_cluster), timeout_s=rs.redis_timeout_s)
 
 
 def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep) -> bool:
@@ -323,7 +324,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         try:
             # One PING first (no retries): refused credentials fail the run now, with the fix, not after every
             # retry of the hot set's reads; an outage is left to those retries.
-            pinger = connect(rds, timeout_s=rs.redis_timeout_s, retries=0)
+            pinger = connect(rds.clustered(rs.embedding_store_cluster), timeout_s=rs.redis_timeout_s, retries=0)
             try:
                 verify(pinger, rds, reachable=False)
             finally:
@@ -462,12 +463,6 @@ def _pin_held(alerts: RefreshAlerts, root: Path, built: str, held: PinHeld,
             "current": _current_name(root), **summary}
 
 
-def _store_client(rs: RefreshSettings, rds: RedisSettings) -> Any:
-    if rs.embedding_store_cluster:
-        return connect_cluster(rds, timeout_s=rs.redis_timeout_s)
-    return connect(rds, timeout_s=rs.redis_timeout_s)
-
-
 def _owner(rs: RefreshSettings) -> str:
     """Who wrote a version's rows: this publish root (a refresh prunes only its own versions' rows)."""
     return str(Path(rs.publish_root).resolve())
@@ -476,7 +471,7 @@ def _owner(rs: RefreshSettings) -> str:
 def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
     (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published."""
-    client = _store_client(rs, rds)
+    client = _redis(rds, rs)
     try:
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs))
@@ -527,7 +522,7 @@ def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous:
     deleted under it would serve hash-bucket fallbacks (and fire ``embedding_store_errors``) meanwhile. The
     next refresh deletes them."""
     try:
-        client = _store_client(rs, rds)
+        client = _redis(rds, rs)
         try:
             keep = set(artifact.list_versions(root)) | ({previous} if previous else set())
             for version in sorted(embedding_store.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):

@@ -367,36 +367,6 @@ class StoreUnavailable(Exception):
     """The store could not be read (internal: turned into fallback rows, never raised to a request)."""
 
 
-class LazyClient:
-    """A client made at its first use, and again at the next use after making it failed.
-
-    redis-py's ``RedisCluster`` contacts a node when it is made; made at start, an unreachable cluster would stop the
-    service from starting, where a single node that is down only costs fallback rows. Through this the failure comes
-    at the first round trip instead, where the store counts it and falls back (and retries after the window)."""
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self._make = make
-        self._client: Any = None
-        self._lock = threading.Lock()
-
-    def client(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                self._client = self._make()
-            return self._client
-
-    def __getattr__(self, name: str) -> Any:  # only for names this class does not define: the client's commands
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.client(), name)
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
-
-
 class RedisEmbeddingStore:
     """The Redis side of the layered mode, one per scoring service: the client, the retry-after window and the
     metrics. :meth:`open` gives the rows of one artifact version (:class:`LayeredRows`)."""

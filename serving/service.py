@@ -18,7 +18,7 @@ import torch
 
 from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
-from serving.embedding_store import LazyClient, RedisEmbeddingStore
+from serving.embedding_store import RedisEmbeddingStore
 from serving.http_server import Server, make_server
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
@@ -29,7 +29,7 @@ from stream.config import RedisSettings
 from stream.counts import DailyCounts
 from stream.errors import ConfigError
 from stream.history import UserHistory
-from stream.redis_client import RedisAuthError, connect, connect_cluster, latency_advice, verify
+from stream.redis_client import RedisAuthError, connect, latency_advice, verify
 
 log = logging.getLogger("streamrec.serve")
 
@@ -45,7 +45,7 @@ def resolve_device(device: str) -> str:
 def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | None,
                      metrics: ServingMetrics) -> RedisEmbeddingStore | None:
     """The layered mode's store ([serve] embedding_store = "layered"), on its own client: a short timeout, no
-    retries (a failed round trip falls back at once), a Redis Cluster with ``embedding_store_cluster`` (made at its
+    retries (a failed round trip falls back at once), a Redis Cluster with ``[redis] cluster`` (made at its
     first use: an unreachable cluster at start costs fallback rows, as a single node that is down does)."""
     if settings.embedding_store is not EmbeddingStore.LAYERED:
         return None
@@ -54,12 +54,11 @@ def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | No
                           '(not --no-redis)')
     t = settings.embedding_store_timeout_s
     rs = redis_settings
-    client = (LazyClient(lambda: connect_cluster(rs, timeout_s=t)) if settings.embedding_store_cluster
-              else connect(rs, timeout_s=t, retries=0))
+    client = connect(rs, timeout_s=t, retries=0)
     return RedisEmbeddingStore(client, redis_settings.prefix, cache_rows=settings.embedding_cache_rows,
                                retry_after_s=settings.embedding_store_retry_after_s,
                                write_deltas=settings.embedding_store_write_deltas, metrics=metrics,
-                               cluster=settings.embedding_store_cluster)
+                               cluster=rs.cluster)
 
 
 class ScoringService:
@@ -72,6 +71,8 @@ class ScoringService:
         self.redis: redis.Redis | None = None
         self.pubsub_redis: redis.Redis | None = None
         prefix = "streamrec"
+        if redis_settings is not None:  # the older [serve] embedding_store_cluster: an alias of [redis] cluster
+            redis_settings = redis_settings.clustered(settings.embedding_store_cluster)
         self._redis_settings = redis_settings
         if redis_settings is not None:
             prefix = redis_settings.prefix

@@ -10,7 +10,7 @@ import enum
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -269,6 +269,13 @@ class RedisSettings:
     TLS: a ``rediss://`` URL, ``ssl_ca_certs`` the CA bundle (PEM) that signed the server's certificate
     (default: the system's CAs), and ``ssl_certfile``/``ssl_keyfile`` a client certificate when Redis asks
     for one (``tls-auth-clients``).
+
+    Redis Cluster: ``cluster = true`` (``STREAMREC_REDIS_CLUSTER=1``) says ``url`` names one node of a Redis Cluster
+    (the clients discover the others); every client ``connect`` builds is then a redis-py ``RedisCluster`` (made at
+    its first use): counts, history, strikes, pub/sub, the layered embedding store. Their keys are laid out so that
+    each script call and MULTI/EXEC touches one hash slot (``stream/counts.py``, ``stream/history.py``). ``[serve]``
+    and ``[refresh] embedding_store_cluster``, which asked for a cluster before this setting existed, are accepted
+    as aliases of it (:meth:`clustered`).
     """
 
     url: str = "redis://127.0.0.1:16379/0"
@@ -282,6 +289,7 @@ class RedisSettings:
     ssl_ca_certs: Path | None = None  # with a rediss:// url: the CA bundle (PEM) that checks the server's certificate
     ssl_certfile: Path | None = None  # with a rediss:// url: a client certificate (PEM) ...
     ssl_keyfile: Path | None = None  # ... and its private key (PEM; default: inside ssl_certfile)
+    cluster: bool = False  # url names one node of a Redis Cluster: every client is a redis-py RedisCluster
 
     def __post_init__(self) -> None:
         if not isinstance(self.password, Secret):  # a plain str from code: masked like every credential
@@ -314,6 +322,18 @@ class RedisSettings:
             raise ConfigError(f"[redis] {', '.join(tls)} set but url is {parts.scheme}://: TLS needs a rediss:// url")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
             raise ConfigError("[redis] ssl_keyfile is set without ssl_certfile: a client key needs its certificate")
+        if self.cluster and parts.scheme == "unix":
+            raise ConfigError("[redis] cluster = true but url is unix://: a Redis Cluster is reached over TCP, give "
+                              "one node as redis://host:port (or rediss://)")
+        if self.cluster and unquote(parts.path).strip("/") not in ("", "0"):
+            raise ConfigError(f"[redis] cluster = true but url {redact(self.url)!r} names database "
+                              f"{unquote(parts.path).strip('/')}: a Redis Cluster has database 0 only")
+
+    def clustered(self, alias: bool) -> RedisSettings:
+        """These settings with ``cluster = True`` when ``alias`` (the older ``[serve]`` / ``[refresh]
+        embedding_store_cluster``, which said the same of the same url before ``[redis] cluster`` existed) is set:
+        a url that names a cluster node is one for every client, counts and history included."""
+        return replace(self, cluster=True) if alias and not self.cluster else self
 
     @property
     def tls(self) -> bool:

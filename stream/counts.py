@@ -5,7 +5,14 @@ here, and cold-start admission reads how often a new id has been seen.
 
 Key layout (one sorted set per kind, event and UTC day of the *event* time)::
 
-    {prefix}:counts:{kind}:{event}:{YYYYMMDD}      member = id, score = count
+    {prefix}:counts:{{kind}}:{event}:{YYYYMMDD}    member = id, score = count
+
+The braces are literal: ``{item}`` / ``{user}`` is the key's Redis Cluster hash tag, so all of one kind's keys
+(every event, every day, its names and :meth:`DailyCounts.top`'s temporary key) hash to one slot. That is what lets
+one :meth:`DailyCounts.record` call write several days in one MULTI/EXEC, the counting script touch the counts and
+the names key together and ``top`` merge several days with ZUNIONSTORE on a Redis Cluster (``[redis] cluster``), as
+on a single node; it also puts each kind's counts on one cluster node (history, a key per user, spreads over all of
+them). Keys still begin with ``{prefix}:`` (the ACLs of a secured deployment grant ``~{prefix}:*``).
 
 ``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click`` (the joiner's, by event time) or
 ``lookup`` (serving's own row reads, by the wall-clock day of the flush: ``serving/lookup_counts.py`` writes
@@ -16,7 +23,7 @@ member), which is what ``cache_refresh/hot_set.py`` maps to rows.
 
 Names (the raw ids behind the hashes, for operators: ``streamrec counts top``, the hot set's summary)::
 
-    {prefix}:names:{kind}:{YYYYMMDD}               hash field = member, value = raw id text
+    {prefix}:names:{{kind}}:{YYYYMMDD}             hash field = member, value = raw id text
 
 A caller that knows the raw ids passes them to :meth:`DailyCounts.record` (``names``); the same script call
 that counts a member on a day also sets its name there (HSETNX: the first name stays) and gives the key the
@@ -26,6 +33,14 @@ and day. The raw id text is the text ``stable_hash`` hashes: ``123`` and ``"123"
 Readers (:meth:`DailyCounts.names`) look a member up in the days they read and, for a click counted just
 after midnight whose impression (and so its name) came the day before, one day earlier; a member with no
 name found (counted before names were kept, or by a caller that passed none) is shown by its hash.
+
+Upgrade from the layout before hash tags (``{prefix}:counts:{kind}:{event}:{YYYYMMDD}`` and
+``{prefix}:names:{kind}:{YYYYMMDD}``, no braces; only ever written to a single node, where the old scripts could
+run): writes go to the tagged keys only, and on a single node the readers (:meth:`DailyCounts.days_available`,
+:meth:`DailyCounts.top`, :meth:`DailyCounts.names`) also read the old keys and add their counts, so a deployment
+upgraded in place keeps its counts. The old keys expire as they always did, within ``counts_ttl_days`` of their
+last write; after that these reads find nothing (they are skipped on a cluster, where no old key can exist) and
+the code reading them can go.
 
 Expiry: a day's key expires ``ttl_days`` after the *end of its own day* (``day_start + (ttl_days +
 1) * 86400``), so in live traffic today's key is kept for ``ttl_days`` full days after midnight
@@ -61,7 +76,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
-import redis
+
+from stream.redis_client import Client, is_cluster, run_script
 
 KINDS = ("item", "user")
 EVENTS = ("impression", "click", "lookup")
@@ -171,7 +187,7 @@ _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB
 class DailyCounts:
     """Item and user occurrence counts per UTC day (see the module docstring for keys and expiry)."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "streamrec", ttl_days: int = 8,
+    def __init__(self, client: Client, prefix: str = "streamrec", ttl_days: int = 8,
                  future_s: float = 3600.0) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
@@ -192,12 +208,28 @@ class DailyCounts:
     def key(self, kind: str, event: str, day: str) -> str:
         _check_kind_event(kind, event)
         _parse_day(day)
-        return f"{self.prefix}:counts:{kind}:{event}:{day}"
+        return self._key(kind, event, day)
 
     def names_key(self, kind: str, day: str) -> str:
         """The key of ``kind``'s names on ``day`` (member -> raw id text; see the module docstring)."""
         _check_kind_event(kind, EVENTS[0])
         _parse_day(day)
+        return self._names_key(kind, day)
+
+    def _key(self, kind: str, event: str, day: str) -> str:
+        return f"{self.prefix}:counts:{{{kind}}}:{event}:{day}"
+
+    def _names_key(self, kind: str, day: str) -> str:
+        return f"{self.prefix}:names:{{{kind}}}:{day}"
+
+    def _legacy(self) -> bool:
+        """Whether the readers also read the layout before hash tags (module docstring: only on a single node)."""
+        return not is_cluster(self.client)
+
+    def _legacy_key(self, kind: str, event: str, day: str) -> str:
+        return f"{self.prefix}:counts:{kind}:{event}:{day}"
+
+    def _legacy_names_key(self, kind: str, day: str) -> str:
         return f"{self.prefix}:names:{kind}:{day}"
 
     def expire_at(self, day_index: int, now_s: float | None = None) -> int:
@@ -260,23 +292,17 @@ class DailyCounts:
             args.setdefault(d, []).extend((n, member if text else str(member)))
         days = {d: _day_str(d) for d in args}
         named, skipped = self._names_to_send(kind, days, counts, names, text) if names else ({}, set())
-        if self._zincr_many is None:
-            self._zincr_many = self.client.register_script(_ZINCR_MANY)
-        pipe = self.client.pipeline(transaction=True)  # all days or none (see "Retries" in the module docstring)
-        for d, pairs in args.items():
-            day = days[d]
-            keys = [f"{self.prefix}:counts:{kind}:{event}:{day}", f"{self.prefix}:names:{kind}:{day}"]
-            self._zincr_many(keys=keys, args=[self.expire_at(d, now), len(pairs) // 2, *pairs, *named.get(d, ())],
-                             client=pipe)
+        calls = [([self._key(kind, event, days[d]), self._names_key(kind, days[d])],
+                  [self.expire_at(d, now), len(pairs) // 2, *pairs, *named.get(d, ())]) for d, pairs in args.items()]
         try:
-            had_names = pipe.execute()
+            had_names = self._write(calls)  # all days or none (see "Retries" in the module docstring)
         except BaseException:  # the names sent may not be written: not remembered as written
             for d in named:
-                self._forget_named(f"{self.prefix}:names:{kind}:{days[d]}")
+                self._forget_named(self._names_key(kind, days[d]))
             raise
         for d, had in zip(args, had_names, strict=True):
             if not had and d in skipped:  # names skipped as written, but their key was gone (deleted, evicted)
-                self._forget_named(f"{self.prefix}:names:{kind}:{days[d]}")
+                self._forget_named(self._names_key(kind, days[d]))
 
     def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
                    chunk: int = 10_000) -> None:
@@ -288,17 +314,21 @@ class DailyCounts:
             raise ValueError(f"argument 'counts': has {len(counts)} elements but 'members' has {len(members)}")
         if not len(members):
             return
-        if self._zincr_many is None:
-            self._zincr_many = self.client.register_script(_ZINCR_MANY)
         day = _day_str(int(day_index))
-        keys = [f"{self.prefix}:counts:{kind}:{event}:{day}", f"{self.prefix}:names:{kind}:{day}"]
+        keys = [self._key(kind, event, day), self._names_key(kind, day)]
         expire = self.expire_at(int(day_index))
-        pipe = self.client.pipeline(transaction=True)  # all chunks or none (see "Retries" in the module docstring)
+        calls = []
         for i in range(0, len(members), chunk):
             m, c = members[i:i + chunk].tolist(), counts[i:i + chunk].tolist()
             pairs = [x for pair in zip(c, map(str, m), strict=True) for x in pair]
-            self._zincr_many(keys=keys, args=[expire, len(m), *pairs], client=pipe)
-        pipe.execute()
+            calls.append((keys, [expire, len(m), *pairs]))
+        self._write(calls)  # all chunks or none (see "Retries" in the module docstring)
+
+    def _write(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """The counting script once per ``(keys, args)``, all in one MULTI/EXEC (one kind's keys: one hash slot)."""
+        if self._zincr_many is None:
+            self._zincr_many = self.client.register_script(_ZINCR_MANY)
+        return run_script(self.client, self._zincr_many, calls, transaction=True)
 
     def _names_to_send(self, kind: str, days: dict[int, str], counts: Counter[tuple[int, int | str]],
                        names: Mapping[Any, int | str], text: bool) -> tuple[dict[int, list[str]], set[int]]:
@@ -306,7 +336,7 @@ class DailyCounts:
         not named by this object before (``self._named``; those sent now are marked as named); and the days on
         which some member was skipped as named before."""
         by_text = _names_by_text(names) if text else None
-        written = {d: self._named.setdefault(f"{self.prefix}:names:{kind}:{day}", set()) for d, day in days.items()}
+        written = {d: self._named.setdefault(self._names_key(kind, day), set()) for d, day in days.items()}
         out: dict[int, list[str]] = {}
         skipped: set[int] = set()
         for d, member in counts:
@@ -323,7 +353,7 @@ class DailyCounts:
                     raw = None if given is None else _name_text(member, given)
                 except ValueError:  # nothing is sent: forget what this call marked as written
                     for marked in out:
-                        self._forget_named(f"{self.prefix}:names:{kind}:{days[marked]}")
+                        self._forget_named(self._names_key(kind, days[marked]))
                     raise
             if raw is None:
                 continue
@@ -343,13 +373,13 @@ class DailyCounts:
         """The days (``YYYYMMDD``, ascending) that have a key for ``kind``/``event`` (found with SCAN), up to
         the day of now + ``future_s``: a key of a later day was written by a wrong clock."""
         _check_kind_event(kind, event)
-        base = f"{self.prefix}:counts:{kind}:{event}:"
-        pattern = _glob_escape(base) + "*"
+        bases = [self._key(kind, event, "")] + ([self._legacy_key(kind, event, "")] if self._legacy() else [])
         days = set()
-        for raw in self.client.scan_iter(match=pattern, count=1000):
-            suffix = _text(raw)[len(base):]
-            if _DAY_RE.fullmatch(suffix):
-                days.add(suffix)
+        for base in bases:  # a cluster client's SCAN goes to every primary
+            for raw in self.client.scan_iter(match=_glob_escape(base) + "*", count=1000):
+                suffix = _text(raw)[len(base):]
+                if _DAY_RE.fullmatch(suffix):
+                    days.add(suffix)
         last = day_of(int((time.time() + self.future_s) * 1000))
         return sorted(d for d in days if d <= last)
 
@@ -371,17 +401,19 @@ class DailyCounts:
                 return []
             day = available[-1]
         end = _parse_day(day)
-        keys = [
-            f"{self.prefix}:counts:{kind}:{event}:{(end - dt.timedelta(days=i)).strftime('%Y%m%d')}"
-            for i in range(int(days))
-        ]
+        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(int(days))]
+        keys = [self._key(kind, event, d) for d in window]
+        if self._legacy():  # the layout before hash tags, while its keys live (module docstring)
+            old = [self._legacy_key(kind, event, d) for d in window]
+            if self.client.exists(*old):
+                keys += old
         rows: list[tuple[bytes, float]]  # (member, score), highest first
         if len(keys) == 1:
             rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)  # type: ignore[assignment]
         else:
             # Merge on the server and send back only k rows; MULTI/EXEC so the temporary key never
-            # outlives the call (the short TTL is a safety net).
-            tmp = f"{self.prefix}:counts:tmp:{uuid.uuid4().hex}"
+            # outlives the call (the short TTL is a safety net). The kind's hash tag keeps it in the days' slot.
+            tmp = f"{self.prefix}:counts:{{{kind}}}:tmp:{uuid.uuid4().hex}"
             pipe = self.client.pipeline(transaction=True)
             pipe.zunionstore(tmp, keys, aggregate="SUM")
             pipe.expire(tmp, _TMP_TTL_S)
@@ -403,12 +435,14 @@ class DailyCounts:
         missing = list(dict.fromkeys(members))
         found: dict[str, str] = {}
         for i in range(int(days) + 1):
-            if not missing:
-                break
-            key = f"{self.prefix}:names:{kind}:{(end - dt.timedelta(days=i)).strftime('%Y%m%d')}"
-            values = cast("list[bytes | None]", self.client.hmget(key, missing))
-            for member, value in zip(missing, values, strict=True):
-                if value is not None:
-                    found[member] = _text(value)
-            missing = [m for m in missing if m not in found]
+            day_i = (end - dt.timedelta(days=i)).strftime("%Y%m%d")
+            keys = [self._names_key(kind, day_i)] + ([self._legacy_names_key(kind, day_i)] if self._legacy() else [])
+            for key in keys:  # the layout before hash tags last, while its keys live (module docstring)
+                if not missing:
+                    return found
+                values = cast("list[bytes | None]", self.client.hmget(key, missing))
+                for member, value in zip(missing, values, strict=True):
+                    if value is not None:
+                        found[member] = _text(value)
+                missing = [m for m in missing if m not in found]
         return found

@@ -4,7 +4,10 @@ Key layout::
 
     {prefix}:history:{user_hash}      a LIST of "{click_ts_ms}:{item_hash}", newest appended first
 
-``user_hash`` and ``item_hash`` are ``stream.ids.stable_hash`` values (the caller hashes). Appends
+``user_hash`` and ``item_hash`` are ``stream.ids.stable_hash`` values (the caller hashes). No hash tag: on a Redis
+Cluster (``[redis] cluster``) the users' lists spread over every node's slots. A batch's appends and reads are one
+script call per hash slot (a script's keys must share one), all in one pipeline: one round trip per node holding
+any of the batch's users (on a single node, one script call for the whole batch, as before). Appends
 LPUSH and LTRIM the list to ``max_len`` in the same pipeline, so a list keeps the ``max_len`` most
 recently *appended* clicks.
 
@@ -26,8 +29,10 @@ from typing import Any, cast
 
 import numpy as np
 import redis
+from redis.crc import key_slot
 
 from stream.metrics import HISTORY_MALFORMED
+from stream.redis_client import Client, is_cluster, run_script
 
 
 def _as_ints(name: str, values: Sequence[int] | np.ndarray) -> list[int]:
@@ -235,7 +240,7 @@ def _as_of_flat(users: list[int], times: list[int], distinct: list[int], lists: 
 class UserHistory:
     """Users' recent clicks (see the module docstring for keys and the as-of rule)."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "streamrec", max_len: int = 50) -> None:
+    def __init__(self, client: Client, prefix: str = "streamrec", max_len: int = 50) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
@@ -270,16 +275,29 @@ class UserHistory:
         by_user: dict[int, list[str]] = {}
         for u, item, ts in zip(users, items, times, strict=True):
             by_user.setdefault(u, []).append(f"{ts}:{item}")
-        args: list[int | str] = [self.max_len]
-        for entries in by_user.values():
-            args.append(len(entries))
-            args.extend(entries)
+        calls = []
+        for group in self._by_slot(list(by_user)):
+            args: list[int | str] = [self.max_len]
+            for u in group:
+                args.append(len(by_user[u]))
+                args.extend(by_user[u])
+            calls.append(([self.key(u) for u in group], args))
         if self._append_many is None:
             self._append_many = self.client.register_script(self._APPEND_MANY)
-        errors = self._append_many(keys=[self.key(u) for u in by_user], args=args)
+        errors = [e for got in run_script(self.client, self._append_many, calls, transaction=False) for e in got]
         if errors:
             first = errors[0]
             raise redis.ResponseError(first.decode() if isinstance(first, bytes) else str(first))
+
+    def _by_slot(self, users: list[int]) -> list[list[int]]:
+        """``users`` in groups whose keys share a Redis Cluster hash slot (a script's keys must), each group in the
+        given order; on a single node one group of all. Results are put back in the given order by the callers."""
+        if not is_cluster(self.client):
+            return [users]
+        groups: dict[int, list[int]] = {}
+        for u in users:
+            groups.setdefault(key_slot(self.key(u).encode()), []).append(u)
+        return list(groups.values())
 
     # A batch's appends as one script: per key (KEYS) its count of entries and the entries (ARGV, after max_len), one
     # LPUSH of them (in slices: Lua's unpack has a stack limit) and one LTRIM. A redis-py pipeline spent ~5 us packing
@@ -312,8 +330,16 @@ class UserHistory:
         return self._lrange_many
 
     def _lrange(self, distinct: list[int]) -> list[list[bytes | str]]:
-        """The stored entries of each user (newest appended first), one script call for all."""
-        return self._script()(keys=[self.key(u) for u in distinct], args=[self.max_len - 1])
+        """The stored entries of each user (newest appended first), in the order of ``distinct``: one script call
+        for all (one per hash slot on a cluster, pipelined)."""
+        groups = self._by_slot(distinct)
+        got = run_script(self.client, self._script(), [([self.key(u) for u in g], [self.max_len - 1]) for g in groups],
+                         transaction=False)
+        if len(groups) == 1:
+            return cast("list[list[bytes | str]]", got[0])
+        by_user = {u: entries for group, lists in zip(groups, got, strict=True)
+                   for u, entries in zip(group, lists, strict=True)}
+        return [by_user[u] for u in distinct]
 
     def _read(self, users: list[int]) -> dict[int, tuple[list[int], list[int]]]:
         distinct = list(dict.fromkeys(users))
@@ -352,7 +378,8 @@ class UserHistory:
         unread: a failed or timed-out read disconnects it first). A second call returns the first call's result
         (or raises its error again). Errors of the send (Redis down, refused login) are raised here, those of the
         answer (a timeout) by the callable. A client that does not pool connections (one bound to a single
-        connection) reads at once and the callable returns that result."""
+        connection, or a Redis Cluster client, whose reads go to several nodes) reads at once and the callable returns
+        that result."""
         flat_later = self.as_of_flat_later(user_hashes, ts_ms, limit)
         lists: list[list[list[int]]] = []
 

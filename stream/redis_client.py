@@ -3,6 +3,11 @@
     client = connect(settings, timeout_s=1.0, retries=0)    # serving's request path
     client = connect(settings, check=True)                  # the joiner: fails at start on a refused login
 
+With ``[redis] cluster = true`` :func:`connect` returns a redis-py :class:`~redis.cluster.RedisCluster` (``url`` names
+one node; it discovers the others) with the same credentials, TLS, timeouts and retry policy: the callers do not
+choose between a node and a cluster, the setting does. Commands whose keys share a hash slot (every script call and
+MULTI/EXEC streamrec sends, by its key layout) go to that slot's node; PUBLISH and SUBSCRIBE are cluster-wide.
+
 :func:`connect` takes a :class:`~stream.config.RedisSettings` and applies its ACL ``username``, its
 ``password`` (or ``password_file``, read here when the settings loader has not read it already) and its
 TLS settings (``rediss://`` url, ``ssl_ca_certs``, ``ssl_certfile``/``ssl_keyfile``); a password or user in
@@ -21,22 +26,33 @@ the keyword argument handed to redis-py.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+)
 from redis.retry import Retry
 
 from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.secrets import Secret, redact
 
-__all__ = ["RedisAuthError", "RedisFailure", "connect", "connect_cluster", "describe", "failure", "latency_advice",
-           "verify", "wait_until_up"]
+__all__ = ["Client", "LazyClient", "RedisAuthError", "RedisFailure", "connect", "describe", "failure", "is_cluster",
+           "latency_advice", "run_script", "verify", "wait_until_up"]
+
+Client = redis.Redis | RedisCluster  # what connect() returns: a single node's client or a cluster's
 
 _AUTH_ERRORS = (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
 
@@ -103,19 +119,26 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
 
 
 def connect(settings: RedisSettings, *, timeout_s: float | None = None, connect_timeout_s: float | None = None,
-            retries: int | None = None, check: bool = False) -> redis.Redis:
-    """A client of the Redis ``settings`` names, with its credentials and TLS applied.
+            retries: int | None = None, check: bool = False) -> Any:
+    """A client of the Redis ``settings`` names, with its credentials and TLS applied: a :class:`redis.Redis`, or with
+    ``settings.cluster`` a :class:`LazyClient` of a :class:`~redis.cluster.RedisCluster` (module docstring), which
+    passes every command on to it; typed ``Any`` as the two share no base class.
 
     ``timeout_s`` bounds each command (``socket_timeout``; None: no bound), ``connect_timeout_s`` each
     connection attempt (default ``timeout_s``); ``retries`` is the retry policy (module docstring). The client
-    connects lazily; ``check=True`` sends one PING first (:func:`verify`) and raises a :class:`RedisFailure`
-    (:class:`RedisAuthError` for refused credentials) instead of returning a client that cannot work.
+    connects lazily (a cluster client is made at its first use, :class:`LazyClient`); ``check=True`` sends one
+    PING first (:func:`verify`) and raises a :class:`RedisFailure` (:class:`RedisAuthError` for refused credentials)
+    instead of returning a client that cannot work.
     Raises :class:`~stream.errors.ConfigError` for an unreadable ``password_file`` or TLS file."""
     options = _client_options(settings, timeout_s, connect_timeout_s)
-    options["retry"] = _retry(retries)
-    if retries == 0:
-        options["retry_on_error"] = []
-    client = redis.Redis.from_url(settings.url, **options)
+    client: Client | LazyClient
+    if settings.cluster:  # made at its first use (LazyClient): an unreachable cluster fails commands, not connect()
+        client = LazyClient(lambda: RedisCluster.from_url(settings.url, retry=_retry(retries), **options), cluster=True)
+    else:
+        options["retry"] = _retry(retries)
+        if retries == 0:
+            options["retry_on_error"] = []
+        client = redis.Redis.from_url(settings.url, **options)
     if check:
         try:
             verify(client, settings)
@@ -125,14 +148,97 @@ def connect(settings: RedisSettings, *, timeout_s: float | None = None, connect_
     return client
 
 
-def connect_cluster(settings: RedisSettings, *, timeout_s: float | None = None,
-                    connect_timeout_s: float | None = None) -> RedisCluster:
-    """A Redis Cluster client (redis-py's :class:`~redis.cluster.RedisCluster`) whose ``settings.url`` names one
-    node (it discovers the others), with the same credentials and TLS as :func:`connect` and no retries of a
-    failed command (the caller's own fallback sees the failure at once). Used where a setting asks for a cluster
-    (``[serve] embedding_store_cluster``); counts, history and pub/sub use :func:`connect`."""
-    options = _client_options(settings, timeout_s, connect_timeout_s)
-    return RedisCluster.from_url(settings.url, retry=_retry(0), **options)
+_LOADED: weakref.WeakSet[Any] = weakref.WeakSet()  # the Scripts run_script has loaded on every primary of a cluster
+
+
+def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], *,
+               transaction: bool) -> list[Any]:
+    """Run ``script`` (a redis-py :class:`~redis.commands.core.Script` registered on ``client``) once per ``(keys,
+    args)`` of ``calls``, in one pipeline (MULTI/EXEC with ``transaction``), and return the results in call order;
+    the first error is raised, as ``pipeline.execute()`` does. One call outside a transaction is sent on its own
+    (no pipeline: redis-py's pipeline asks SCRIPT EXISTS first, a second round trip).
+
+    On a Redis Cluster each call's keys must share a hash slot (the callers' key layouts see to it) and the
+    pipeline sends one batch per node. redis-py's cluster pipeline sends EVALSHA without loading the script, so it
+    is loaded on every primary (SCRIPT LOAD) before the first use, and the calls a node refused with NOSCRIPT (its
+    script cache flushed, a restart or a failover since) are sent once more after loading it again: a NOSCRIPT
+    call ran nothing, and in a transaction (one slot, one node, one script) every call of it was refused alike."""
+    if not calls:
+        return []
+    if len(calls) == 1 and not transaction:
+        keys, args = calls[0]
+        return [script(keys=list(keys), args=list(args))]
+    if not is_cluster(client):
+        pipe = client.pipeline(transaction=transaction)
+        for keys, args in calls:
+            script(keys=list(keys), args=list(args), client=pipe)
+        return list(pipe.execute())
+    if script not in _LOADED:
+        client.script_load(script.script)
+        _LOADED.add(script)
+    results: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=transaction)
+        for i in todo:
+            keys, args = calls[i]
+            script(keys=list(keys), args=list(args), client=pipe)
+        got = pipe.execute(raise_on_error=False)
+        for i, result in zip(todo, got, strict=True):
+            results[i] = result
+        todo = [i for i, result in zip(todo, got, strict=True) if isinstance(result, NoScriptError)]
+        if not todo or attempt:
+            break
+        client.script_load(script.script)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` is a Redis Cluster client (keys of different hash slots may live on different nodes)."""
+    return isinstance(client, RedisCluster) or (isinstance(client, LazyClient) and client.cluster)
+
+
+class LazyClient:
+    """A client made at its first use, and again at the next use after making it failed (:func:`connect`'s cluster
+    client).
+
+    redis-py's ``RedisCluster`` contacts a node when it is made; made at start, an unreachable cluster would stop a
+    process from starting (serving, the refresh's notify) where a single node that is down only fails the commands
+    sent to it. Through this the failure comes at the first round trip instead, where the callers' own recovery
+    (fallback rows, retries, a dropped flush) deals with it as with a single node's. ``cluster``: what
+    :func:`is_cluster` says of it without making it."""
+
+    def __init__(self, make: Callable[[], Any], cluster: bool = False) -> None:
+        self.cluster = cluster
+        self._make = make
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def client(self) -> Any:
+        """The client, made now if it is not yet. A cluster that cannot be reached raises ``redis.ConnectionError``
+        (redis-py's ``RedisClusterUnreachableError`` is no ``RedisError``, which the callers' recovery catches)."""
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = self._make()
+                except RedisClusterException as exc:
+                    raise redis.ConnectionError(str(exc)) from exc
+            return self._client
+
+    def __getattr__(self, name: str) -> Any:  # only for names this class does not define: the client's commands
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.client(), name)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
 
 
 def _client_options(settings: RedisSettings, timeout_s: float | None, connect_timeout_s: float | None,
@@ -155,7 +261,7 @@ def _client_options(settings: RedisSettings, timeout_s: float | None, connect_ti
     return options
 
 
-def verify(client: redis.Redis, settings: RedisSettings, *, reachable: bool = True) -> bool:
+def verify(client: Any, settings: RedisSettings, *, reachable: bool = True) -> bool:
     """PING once: whether the login works. Refused credentials raise :class:`RedisAuthError`; any other failure
     raises a :class:`RedisFailure` with ``reachable=True``, else returns False (the caller's retries deal with
     an outage). A NOPERM answer to PING counts as logged in (the commands that matter say more)."""

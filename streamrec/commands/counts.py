@@ -22,12 +22,12 @@ def readable_id(raw: str | None, member: str) -> str:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("counts", help="show the most frequent items or users of recent days (Redis)",
                        description="Read the per-day occurrence counts the joiner writes to Redis "
-                       "({prefix}:counts:{kind}:{event}:{YYYYMMDD}, UTC days of event time) and print the top "
-                       "k ids summed over --days consecutive days ending at --day (default: the latest day "
-                       "with counts). These are the counts the nightly hot-embedding cache refresh and "
+                       "({prefix}:counts:{item}:{event}:{YYYYMMDD} and {user}, UTC days of event time) and "
+                       "print the top k ids summed over --days consecutive days ending at --day (default: the latest "
+                       "day with counts). These are the counts the nightly hot-embedding cache refresh and "
                        "cold-start admission use. The counts are kept by the stable hashes of the raw ids "
                        "(stream/ids.py, the keys of the embedding rows); each is shown by its raw id, from the names "
-                       "the joiner keeps beside the counts ({prefix}:names:{kind}:{YYYYMMDD}), or as 'hash N' "
+                       "the joiner keeps beside the counts ({prefix}:names:{item}:{YYYYMMDD}), or as 'hash N' "
                        "where no name is known (counted before names were kept, or by a writer that passed none).")
     p.add_argument("action", choices=["top"])
     p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     def human(d: dict[str, Any]) -> str:
         if d["day"] is None:
-            return f"no {d['kind']} {d['event']} counts under {d['prefix']}:counts: in {d['redis_url']}"
+            return f"no {d['kind']} {d['event']} counts under {d['prefix']}:counts:{{{d['kind']}}}: in {d['redis_url']}"
         head = (f"top {d['k']} {d['kind']}s by {d['event']}s over {d['days']} day(s) ending {d['day']} (UTC)")
         if not d["top"]:
             return head + "\n  none"

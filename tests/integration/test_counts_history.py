@@ -69,7 +69,7 @@ def test_counts_split_on_the_utc_day_of_each_event(redis_client: redis.Redis, pr
     assert counts.days_available("user", "impression") == []
     old = counts.key("item", "impression", "20001231")
     new = counts.key("item", "impression", "20010101")
-    assert old == f"{prefix}:counts:item:impression:20001231"
+    assert old == f"{prefix}:counts:{{item}}:impression:20001231"  # {item}: the kind's Redis Cluster hash tag
     # 7 and "7" are the same id (the canonical text stream.ids hashes)
     assert {m.decode(): s for m, s in redis_client.zrange(old, 0, -1, withscores=True)} == {"7": 2.0, "8": 1.0}
     assert {m.decode(): s for m, s in redis_client.zrange(new, 0, -1, withscores=True)} == {"7": 1.0, "x": 1.0}
@@ -111,7 +111,7 @@ def test_top_merges_consecutive_days(redis_client: redis.Redis, prefix: str) -> 
     assert counts.top("item", days=3) == [("z", 100.0), ("a", 1.0)]
     assert counts.top("item", days=5) == [("z", 100.0), ("b", 5.0), ("a", 5.0), ("c", 2.0)]
     # the temporary union keys are gone
-    assert list(redis_client.scan_iter(match=f"{prefix}:counts:tmp:*")) == []
+    assert list(redis_client.scan_iter(match=f"{prefix}:counts:*tmp*")) == []
 
 
 def test_keys_expire_relative_to_their_day_but_never_in_the_past(redis_client: redis.Redis, prefix: str) -> None:
@@ -263,7 +263,7 @@ def test_a_wrong_clock_neither_counts_nor_becomes_the_latest_day(redis_client: r
     counts.record("item", "impression", [1, 2, 3], [now_ms - DAY_S * 1000, now_ms, now_ms + 30 * DAY_S * 1000])
     assert counts.future_dropped == 1
     # A key of a future day written by someone else's wrong clock is not the hot set's latest day either.
-    redis_client.zincrby(f"{prefix}:counts:item:impression:{day_of(now_ms + 400 * DAY_S * 1000)}", 1, "9")
+    redis_client.zincrby(counts.key("item", "impression", day_of(now_ms + 400 * DAY_S * 1000)), 1, "9")
     assert counts.days_available("item", "impression")[-1] in (day_of(now_ms), day_of(now_ms + 3_600_000))
     assert counts.top("item", "impression", k=3) == [("2", 1.0)]  # today: id 2 only, never the future 3 or 9
 
@@ -402,3 +402,19 @@ def test_appends_go_on_after_redis_forgets_its_scripts(redis_client: redis.Redis
     redis_client.script_flush()  # a restarted or failed-over Redis: NOSCRIPT, loaded again
     h.append_many([1], [11], [2])
     assert redis_client.lrange(h.key(1), 0, -1) == [b"2:11", b"1:10"]
+
+
+def test_counts_and_names_of_the_layout_before_hash_tags_are_still_read_on_a_single_node(
+        redis_client: redis.Redis, prefix: str) -> None:
+    # A single-node deployment upgraded in place: its keys written before the {kind} hash tag existed live on until
+    # they expire (ttl_days), and the hot set, the CLI and serving must go on counting them.
+    counts = DailyCounts(redis_client, prefix=prefix)
+    redis_client.zadd(f"{prefix}:counts:item:impression:20050101", {"1": 5, "2": 1})  # as the old code wrote them
+    redis_client.zadd(f"{prefix}:counts:item:impression:20041231", {"3": 4})
+    redis_client.hset(f"{prefix}:names:item:20050101", mapping={"1": "old-one"})
+    counts.record("item", "impression", [2, 2, 4], [ms(2005, 1, 1)] * 3, names={2: "two", 4: "four"})
+    assert counts.days_available("item", "impression") == ["20041231", "20050101"]
+    assert counts.top("item", day="20050101", k=5) == [("1", 5.0), ("2", 3.0), ("4", 1.0)]
+    assert counts.top("item", day="20050101", days=2, k=5) == [("1", 5.0), ("3", 4.0), ("2", 3.0), ("4", 1.0)]
+    assert counts.names("item", ["1", "2", "3"], day="20050101") == {"1": "old-one", "2": "two"}
+    assert redis_client.zcard(counts.key("item", "impression", "20050101")) == 2  # writes go to the new keys only

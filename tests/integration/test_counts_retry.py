@@ -124,6 +124,6 @@ def test_a_record_cut_off_mid_pipeline_writes_no_day_so_writing_it_again_counts_
     finally:
         ResetAfterFirstDay.armed = False
         client.close()
-    assert redis_client.zscore(f"{prefix}:counts:item:impression:{day_of(now_ms - DAY_MS)}", "7") == 1.0
-    assert redis_client.zscore(f"{prefix}:counts:item:impression:{day_of(now_ms)}", "8") == 1.0
-    assert not redis_client.exists(f"{prefix}:counts:item:lookup:{day_of(now_ms)}")  # neither chunk written
+    assert redis_client.zscore(counts.key("item", "impression", day_of(now_ms - DAY_MS)), "7") == 1.0
+    assert redis_client.zscore(counts.key("item", "impression", day_of(now_ms)), "8") == 1.0
+    assert not redis_client.exists(counts.key("item", "lookup", day_of(now_ms)))  # neither chunk written

@@ -400,11 +400,11 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
 def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster: str, prefix: str,
                                                                    tmp_path: Path) -> None:
     from serving.embedding_store import delete_version, stored_versions
-    from stream.redis_client import connect_cluster
+    from stream.redis_client import connect
 
-    rds = RedisSettings(url=redis_cluster, prefix=prefix)
-    writer = connect_cluster(rds, timeout_s=2.0)
-    reader = connect_cluster(rds, timeout_s=0.5)
+    rds = RedisSettings(url=redis_cluster, prefix=prefix, cluster=True)
+    writer = connect(rds, timeout_s=2.0)
+    reader = connect(rds, timeout_s=0.5)
     try:
         path = publish_version(tmp_path, writer, prefix)
         in_process = ScoringModel.load(path)
@@ -598,7 +598,7 @@ def test_a_failed_write_of_a_versions_rows_leaves_no_rows_behind(stack: LocalSta
     model = ScoringModel.load(path)
     rs = RefreshSettings(publish_root=tmp_path, embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
-    monkeypatch.setattr(job, "_store_client", lambda rs, rds: MetaRefused(redis.Redis.from_url(stack.redis_url)))
+    monkeypatch.setattr(job, "_redis", lambda rds, rs: MetaRefused(redis.Redis.from_url(stack.redis_url)))
     with pytest.raises(job.RefreshError, match="embedding_store"):
         job._store_rows(rs, rds, model)
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:w1:*"))

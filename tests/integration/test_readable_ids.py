@@ -125,7 +125,7 @@ def test_names_are_bounded_by_the_days_counted_ids_and_share_their_expiry(
                   names={stable_hash("from-the-future"): "from-the-future"})
 
     k1, k2 = counts.names_key("item", "20020202"), counts.names_key("item", "20020203")
-    assert k1 == f"{prefix}:names:item:20020202"
+    assert k1 == f"{prefix}:names:{{item}}:20020202"  # {item}: the kind's hash tag, the same as its counts keys
     assert redis_client.hlen(k1) == redis_client.zcard(counts.key("item", "impression", "20020202")) == 25
     assert redis_client.hlen(k2) == 25
     assert sorted(v.decode() for v in redis_client.hvals(k1)) == sorted(f"item-{i}" for i in range(1, 50, 2))

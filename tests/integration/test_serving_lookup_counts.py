@@ -2,7 +2,7 @@
 item 5), against the real Redis of the session stack.
 
 * A scored request counts its user (``user``), its candidates and its user's history items (``item``) in today's
-  ``{prefix}:counts:{kind}:lookup:{day}`` (stream/counts.py), written by the background flush.
+  ``{prefix}:counts:{item}:lookup:{day}`` (``{user}``) (stream/counts.py), written by the background flush.
 * Redis down: every request is still answered 200, and the lookups are dropped and counted.
 * The hot set ranks by lookups; the joiner's impression counts fill what lookups leave empty, and without any lookup
   counts it is the impression-ranked hot set.
@@ -43,7 +43,7 @@ def learner() -> TinyLearner:
 
 
 def lookups(client: redis.Redis, prefix: str, kind: str) -> dict[int, int]:
-    key = f"{prefix}:counts:{kind}:lookup:{day_of(int(time.time() * 1000))}"
+    key = DailyCounts(client, prefix=prefix).key(kind, "lookup", day_of(int(time.time() * 1000)))
     return {int(m): int(c) for m, c in client.zrange(key, 0, -1, withscores=True)}
 
 

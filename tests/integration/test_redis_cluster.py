@@ -1,0 +1,208 @@
+"""Counts, history, strikes and pub/sub on a real Redis Cluster (``[redis] cluster = true``): the same results as on
+a single node, each script call and MULTI/EXEC in one hash slot (one kind's counts in one slot, users' histories
+spread over the nodes), the nightly hot set built from a cluster's counts, and a delta notification published
+through the cluster reaching a subscriber. The cluster is three real primaries (tests/redis_cluster.py); the single
+node is the session's Redis."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from redis.crc import key_slot
+
+from cache_refresh import hot_set
+from learner.deltas import redis_notifier
+from learner.features import FeatureConfig, FieldSpec
+from stream.config import RedisSettings
+from stream.counts import DAY_MS, DailyCounts
+from stream.history import UserHistory
+from stream.redis_client import connect, is_cluster
+from stream.strikes import RedisStrikes
+from streamrec.stack import LocalStack
+
+CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40)), embedding_dim=4)
+
+
+def ms(y: int, mo: int, d: int, h: int = 0) -> int:
+    return int(dt.datetime(y, mo, d, h, tzinfo=dt.timezone.utc).timestamp()) * 1000
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"c{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def clients(redis_cluster: str, stack: LocalStack, prefix: str) -> Iterator[tuple[Any, redis.Redis]]:
+    """(a cluster client as connect() builds it for [redis] cluster = true, a single node's client)."""
+    cluster = connect(RedisSettings(url=redis_cluster, prefix=prefix, cluster=True), timeout_s=5.0)
+    single = connect(RedisSettings(url=stack.redis_url, prefix=prefix), timeout_s=5.0)
+    try:
+        yield cluster, single
+    finally:
+        for key in single.scan_iter(match=f"{prefix}:*"):
+            single.delete(key)
+        cluster.close()
+        single.close()
+
+
+def node_of(client: Any, key: str) -> str:
+    return str(client.get_node_from_key(key).name)
+
+
+def write_counts(counts: DailyCounts) -> None:
+    """Three days of impressions and clicks with names, and serving's pre-aggregated lookups in several chunks."""
+    days = [ms(2001, 3, 1, 5), ms(2001, 3, 2, 23), ms(2001, 3, 3)]
+    ids = [1, 2, 2, 3, 3, 3, 4, 5, 5, 1]
+    ts = [days[i % 3] for i in range(len(ids))]
+    counts.record("item", "impression", ids, ts, names={i: f"item-{i}" for i in ids})
+    counts.record("user", "impression", ["u1", "u2", "u2"], ts[:3], names={"u1": "alice", "u2": "bob"})
+    counts.record("item", "click", [3, 5], [days[0], days[2]])
+    counts.add_counts("item", "lookup", np.arange(10, 40, dtype=np.int64), np.arange(1, 31, dtype=np.int64),
+                      days[2] // DAY_MS, chunk=7)
+
+
+def read_counts(counts: DailyCounts) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("item", "user"):
+        for event in ("impression", "click", "lookup"):
+            out[f"{kind} {event} days"] = counts.days_available(kind, event)
+            out[f"{kind} {event} top"] = counts.top(kind, event, k=20) if out[f"{kind} {event} days"] else []
+            out[f"{kind} {event} top3"] = counts.top(kind, event, day="20010303", days=3, k=20)
+    out["item names"] = counts.names("item", ["1", "2", "3", "4", "5", "99"], day="20010303", days=3)
+    out["user names"] = counts.names("user", ["u1", "u2"], day="20010303", days=3)
+    return out
+
+
+def test_counts_on_a_cluster_equal_a_single_nodes_and_each_write_stays_in_its_kinds_slot(
+        clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    cluster, single = clients
+    assert is_cluster(cluster) and not is_cluster(single)
+    on_cluster, on_node = DailyCounts(cluster, prefix=prefix), DailyCounts(single, prefix=prefix)
+    write_counts(on_cluster)
+    write_counts(on_node)
+    got = read_counts(on_cluster)
+    assert got == read_counts(on_node)
+    assert got["item impression days"] == ["20010301", "20010302", "20010303"]
+    assert got["item impression top3"][0] == ("3", 3.0) and got["item names"]["3"] == "item-3"
+    assert "99" not in got["item names"] and got["user names"] == {"u1": "alice", "u2": "bob"}
+    # one kind's keys (every event, day and its names) share one slot: record()'s MULTI/EXEC needs it
+    for kind in ("item", "user"):
+        keys = [on_cluster.key(kind, e, d) for e in ("impression", "click", "lookup")
+                for d in ("20010301", "20010302", "20010303")] + [on_cluster.names_key(kind, "20010301")]
+        assert len({key_slot(k.encode()) for k in keys}) == 1
+        assert all(k.startswith(f"{prefix}:") for k in keys)  # the ACLs grant ~{prefix}:*
+    # the temporary union keys are gone from every node
+    assert not [k for k in cluster.scan_iter(match=f"{prefix}:*tmp*")]
+
+
+def test_counts_recover_from_a_cluster_that_forgot_the_script(clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    # redis-py's cluster pipeline sends EVALSHA without loading the script; a node whose script cache was flushed
+    # (restart, failover) answers NOSCRIPT, and the write must load it and go through, once.
+    cluster, _ = clients
+    counts = DailyCounts(cluster, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    counts.record("item", "impression", [1, 2], [now_ms - DAY_MS, now_ms])
+    cluster.script_flush()
+    counts.record("item", "impression", [1, 2], [now_ms - DAY_MS, now_ms])
+    assert counts.top("item", days=2, k=5) == [("2", 2.0), ("1", 2.0)]
+
+
+def test_history_on_a_cluster_equals_a_single_nodes_and_spreads_users_over_the_nodes(
+        clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    cluster, single = clients
+    rng = np.random.default_rng(0)
+    users, items = rng.integers(0, 300, 2000), rng.integers(-2**40, 2**40, 2000)
+    times = rng.integers(1_000_000, 2_000_000, 2000)
+    on_cluster = UserHistory(cluster, prefix=prefix, max_len=8)
+    on_node = UserHistory(single, prefix=prefix, max_len=8)
+    for h in (on_cluster, on_node):
+        for part in range(0, 2000, 500):  # batches, as the joiner appends them
+            h.append_many(users[part:part + 500], items[part:part + 500], times[part:part + 500])
+    asked_users, asked_ts = rng.integers(0, 320, 1000), rng.integers(1_000_000, 2_100_000, 1000)  # unknown users too
+    assert on_cluster.as_of(asked_users, asked_ts) == on_node.as_of(asked_users, asked_ts)
+    flat_c, off_c = on_cluster.as_of_flat(asked_users, asked_ts, limit=3)
+    flat_n, off_n = on_node.as_of_flat(asked_users, asked_ts, limit=3)
+    assert np.array_equal(flat_c, flat_n) and np.array_equal(off_c, off_n)
+    assert on_cluster.as_of_later([7, 8], [2**41, 2**41])() == on_node.as_of_later([7, 8], [2**41, 2**41])()
+    assert on_cluster.recent(5) == on_node.recent(5) != []
+    # one batch's users live on every node (a key per user, no hash tag)
+    assert len({node_of(cluster, on_cluster.key(int(u))) for u in users[:500]}) == 3
+    # a key of the wrong type fails its own append only, as on a single node
+    cluster.set(on_cluster.key(9999), "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        on_cluster.append_many([9999, 5000], [1, 2], [3, 4])
+    assert on_cluster.recent(5000) == [2]
+
+
+def test_strikes_on_a_cluster_round_trip(clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    cluster, _ = clients
+    store = RedisStrikes(cluster, f"{prefix}:strikes:g")
+    store.save({("t", 0, 5): (2, "boom")}, [])
+    assert store.load() == {("t", 0, 5): (2, "boom")}
+    store.save({}, [("t", 0, 5)])
+    assert store.load() == {}
+
+
+def test_the_hot_set_from_a_clusters_counts_equals_the_one_from_a_single_nodes(
+        clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    cluster, single = clients
+    now_ms = int(time.time() * 1000)
+    for client in (cluster, single):
+        counts = DailyCounts(client, prefix=prefix)
+        counts.record("item", "impression", [1000 + k for k in range(30) for _ in range(30 - k)],
+                      [now_ms - (k % 2) * DAY_MS for k in range(30) for _ in range(30 - k)])
+        counts.record("user", "impression", [2000 + k for k in range(20) for _ in range(20 - k)],
+                      [now_ms] * sum(range(1, 21)))
+    got = [hot_set.compute(c, prefix, 8, CFG, days=2, hot_items=5, hot_users=3, event="impression",
+                           sleep=lambda s: None) for c in (cluster, single)]
+    assert np.array_equal(got[0].rows, got[1].rows) and len(got[0].rows) > 0
+    assert got[0].stats == got[1].stats and got[0].stats["items"] == 5
+
+
+def test_a_delta_notification_published_through_the_cluster_reaches_a_subscriber_on_another_node(
+        redis_cluster: str, prefix: str) -> None:
+    rds = RedisSettings(url=redis_cluster, prefix=prefix, cluster=True)
+    listener = connect(rds, connect_timeout_s=2.0)
+    sub = listener.pubsub(ignore_subscribe_messages=True)
+    try:
+        sub.subscribe(rds.deltas_channel)
+        sub.get_message(timeout=0.5)  # the subscription is made
+        notify = redis_notifier(rds, rds.deltas_channel)
+        deadline, msg = time.monotonic() + 10, None
+        while msg is None and time.monotonic() < deadline:
+            notify(42)
+            msg = sub.get_message(timeout=0.2)
+        assert msg is not None and msg["data"] == b"42"
+    finally:
+        sub.close()
+        listener.close()
+
+
+def test_redis_cluster_setting_from_the_environment_makes_every_client_a_cluster_client(redis_cluster: str,
+                                                                                       prefix: str) -> None:
+    from stream.errors import ConfigError
+    from streamrec.settings import build
+
+    rds = build(RedisSettings, "redis", environ={"STREAMREC_REDIS_URL": redis_cluster, "STREAMREC_REDIS_CLUSTER": "1",
+                                                "STREAMREC_REDIS_PREFIX": prefix})
+    assert rds.cluster and not RedisSettings(url=redis_cluster).cluster
+    assert RedisSettings(url=redis_cluster).clustered(True) == RedisSettings(url=redis_cluster, cluster=True)
+    client = connect(rds, timeout_s=5.0, check=True)
+    try:
+        assert is_cluster(client)
+        DailyCounts(client, prefix=prefix).record("user", "click", [1, 2, 2], [int(time.time() * 1000)] * 3)
+        assert DailyCounts(client, prefix=prefix).top("user", "click", k=2) == [("2", 2.0), ("1", 1.0)]
+    finally:
+        client.close()
+    with pytest.raises(ConfigError, match="database 0 only"):
+        RedisSettings(url=redis_cluster.replace("/0", "/3"), cluster=True)
+    with pytest.raises(ConfigError, match="over TCP"):
+        RedisSettings(url="unix:///tmp/redis.sock", cluster=True)
