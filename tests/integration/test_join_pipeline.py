@@ -427,3 +427,38 @@ def test_records_past_the_other_inputs_time_are_held_and_joined_once_it_catches_
     assert p.totals.counts["dead_lettered"] == 1
     assert len(read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))) == 1
     assert p.process(batch[:1]) == []  # without ``behind`` nothing is held (here: a redelivery)
+
+
+def test_the_joiner_writes_counts_and_histories_into_a_redis_cluster(kafka: KafkaSettings, settings: JoinerSettings,
+                                                                     redis_cluster: str, prefix: str) -> None:
+    # [redis] cluster = true: the pipeline's counts, histories and strikes go through a RedisCluster client; the
+    # histories of many users are spread over the nodes and every count and history is as on a single node.
+    from stream.redis_client import connect
+
+    rds = RedisSettings(url=redis_cluster, prefix=prefix, cluster=True)
+    p = JoinPipeline(kafka, rds, settings)
+    try:
+        users = [f"u{k}" for k in range(40)]
+        p.process([imp(kafka, 0, k, f"a{k}", T0 + k, user=u, item=f"i{k % 3}") for k, u in enumerate(users)]
+                  + [click(kafka, 0, k, f"a{k}", T0 + 100 + k) for k in range(40)]
+                  + [imp(kafka, 1, k, f"b{k}", T0 + 5000 + k, user=u, item="i9") for k, u in enumerate(users)])
+        p.drain()
+    finally:
+        p.close()
+    by_id = {r.impression_id: r for r in sample_rows(kafka)}
+    assert len(by_id) == 80 and all(by_id[f"a{k}"].label == 1 for k in range(40))
+    assert all(by_id[f"b{k}"].history == [hash_value(f"i{k % 3}")] for k in range(40))  # read back from the cluster
+    client = connect(rds, timeout_s=5.0)
+    try:
+        history = UserHistory(client, prefix=prefix, max_len=200)
+        assert history.recent(hash_value("u7")) == [hash_value("i1")]
+        assert len({client.get_node_from_key(history.key(hash_value(u))).name for u in users}) == 3
+        counts = DailyCounts(client, prefix=prefix)
+        assert counts.top("item", "impression", k=1) == [(str(hash_value("i9")), 40.0)]
+        clicks = dict(counts.top("item", "click", k=3))
+        assert clicks == {str(hash_value(f"i{j}")): float(len(range(j, 40, 3))) for j in range(3)}
+        assert sum(c for _, c in counts.top("user", "impression", k=100)) == 80.0
+        assert counts.names("item", [str(hash_value("i9"))], day=counts.days_available("item", "impression")[-1]) == {
+            str(hash_value("i9")): "i9"}
+    finally:
+        client.close()
