@@ -502,7 +502,7 @@ def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: 
     a rollback pin, a publish that failed). No ranker ever loads such a version; its rows were otherwise left in
     Redis, a whole table each night a pin lasted, until a later run published and pruned them."""
     try:
-        client = _store_client(rs, rds)
+        client = _redis(rds, rs)
     except Exception as exc:  # noqa: BLE001 - nothing here may mask the run's own outcome
         log.warning("refresh: could not delete the rows of %s, %s (%s); the next publish prunes them", version, why,
                     exc)
