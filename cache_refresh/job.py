@@ -36,8 +36,12 @@ fails at once, naming the pid of the first) and starts by removing what killed r
 (``clean_leftovers``: staged directories of dead processes, a half-pruned version, temp files;
 the summary lists them under ``cleaned``). A full or read-only publish root fails the stage that hit it
 with a message saying so (``describe_os_error``); nothing half-written is made current. Once
-``CURRENT`` names the new version the run has published: recording ``last_run.json`` afterwards is best
-effort (``last_run_recorded: false`` in the summary), never a failure.
+``CURRENT`` names the new version the run has published, whatever happens next: recording ``last_run.json``
+(``last_run_recorded: false`` in the summary), pruning the embedding store, notifying serving and the summary are
+each contained (``_AfterPublish``); an error in one is logged, counted (``streamrec_refresh_degraded_total``) and
+alerted as ``refresh_degraded`` (a warning), and the run reports its publish (``--now`` exits 0). The summary is
+made from the manifest of the validated artifact, the files ``publish`` verified and renamed: nothing is read back
+from the publish root after the switch.
 
 **Rollback pins.** An operator's ``streamrec refresh --rollback`` pins the older version
 (``<publish_root>/PINNED``). A *scheduled* run (``respect_pin=True``, :func:`scheduled_run`) while the
@@ -65,8 +69,9 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -89,6 +94,7 @@ from stream.redis_client import RedisAuthError, connect, describe, verify
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
+T = TypeVar("T")
 
 LAST_RUN = "last_run.json"
 ALERT_RULE = "refresh_failed"
@@ -409,40 +415,76 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         alerts.fire(err.stage, str(err), ALERT_RULE)
         raise err from exc
 
-    # Published: CURRENT names the new version. Nothing below may turn that into a failure.
+    # Published: CURRENT names the new version. Nothing below may turn that into a failure: each step is contained
+    # (_AfterPublish) and what went wrong is a refresh_degraded warning of a published run.
+    after = _AfterPublish(path.name)
     if unpinned is not None:
         pinned = (f"the rollback pin of {unpinned.version} (rolled back from {unpinned.rolled_back_from})"
                   if unpinned.version is not None else f"an unreadable rollback pin ({unpinned.problem})")
         log.warning("published %s over %s: an operator's run ends the rollback; serving applies learner deltas "
                     "again", path.name, pinned)
-    try:
-        write_last_success(root, time.time(), path.name)
-        recorded = True
-    except OSError as exc:
-        recorded = False
-        log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
-                    "at its next start", path.name, root / LAST_RUN, describe_os_error(exc))
+    recorded = after.step("record", lambda: _record_success(root, path.name), False)
     if rs.embedding_store is EmbeddingStore.LAYERED:
-        _prune_stored(rs, rds, root, previous)
-    warnings = _published_warnings(rs, alerts, path.name, ckpt, problems, quality,
-                                   hs.stats.get("items", 0) + hs.stats.get("users", 0))
+        after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous), None)
+    no_warnings: list[tuple[str, str]] = []
+    found = after.step("warnings", lambda: _published_warnings(
+        rs, path.name, ckpt, problems, quality, hs.stats.get("items", 0) + hs.stats.get("users", 0)), no_warnings)
     t0 = time.monotonic()
-    notified = notify(rs, rds, path.name, path, sleep)
+    notified = after.step("notify", lambda: notify(rs, rds, path.name, path, sleep), False)
     timed("notify", t0)
-    manifest = artifact.read_manifest(path)
-    log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
-    return {
+    # The manifest publish() verified is the one the validated model was loaded from (the rename moves the same
+    # files): nothing is read from the publish root again, so nothing there can fail a run that has published.
+    manifest = new.manifest
+    summary: dict[str, Any] = {
         "published": True, "version": path.name, "path": str(path), "format": rs.format, "checkpoint": ckpt["path"],
         "signed": key is not None,
-        "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest["hot_set"],
+        "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest.get("hot_set"),
         "skipped_checkpoints": [{"path": str(p), "reason": why} for p, why in problems],
         "probe": probe, "holdout": quality, "notified": notified, "channel": notify_channel(rs, rds),
-        "bytes": {name: f["bytes"] for name, f in manifest["files"].items()},
+        "bytes": after.step("summary", lambda: {name: f["bytes"] for name, f in manifest["files"].items()}, {}),
         "unpinned": ({"version": unpinned.version, "rolled_back_from": unpinned.rolled_back_from}
                      if unpinned is not None else None),
-        "last_run_recorded": recorded, "cleaned": cleaned, "warnings": warnings,
-        "seconds": {**timings, "total": round(time.time() - t_start, 3)},
+        "last_run_recorded": recorded, "cleaned": cleaned,
     }
+    found = [*found, *after.problems]
+    summary["warnings"] = _warn_degraded(alerts, found)
+    summary["seconds"] = {**timings, "total": round(time.time() - t_start, 3)}
+    log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
+    return summary
+
+
+def _record_success(root: Path, version: str) -> bool:
+    """``last_run.json`` after a publish; False (with a warning) when it cannot be written."""
+    try:
+        write_last_success(root, time.time(), version)
+        return True
+    except OSError as exc:
+        log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
+                    "at its next start", version, root / LAST_RUN, describe_os_error(exc))
+        return False
+
+
+class _AfterPublish:
+    """The steps of a run after ``CURRENT`` names its version: the run has published, whatever they do.
+
+    :meth:`step` runs one; an exception (any: a Redis client, a file system, a bug) is logged and kept in
+    :attr:`problems` as a ``(stage, message)`` warning for ``refresh_degraded`` (:func:`_warn_degraded`), and the
+    step's ``default`` stands in for its result. Before, an error there escaped ``run_once``: no runs metric, no
+    alert, ``--now`` exited 1 although serving was switching to the new version."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.problems: list[tuple[str, str]] = []
+
+    def step(self, stage: str, fn: Callable[[], T], default: T) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - published already: reported as degraded, never a failure
+            message = (f"published {self.version}, but the step {stage!r} after the switch failed: "
+                       f"{type(exc).__name__}: {str(exc)[:500]}; the version is live (serving polls CURRENT)")
+            log.warning("%s", message)
+            self.problems.append((stage, message))
+            return default
 
 
 def _pin_held(alerts: RefreshAlerts, root: Path, built: str, held: PinHeld,
@@ -622,12 +664,13 @@ def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel
         return None, str(exc)
 
 
-def _published_warnings(rs: RefreshSettings, alerts: RefreshAlerts, version: str, ckpt: ckpt_io.Checkpoint,
-                        problems: list[tuple[Path, str]], quality: dict[str, Any], counted_ids: int) -> list[str]:
-    """What a successful publish must not hide, each logged and alerted as a warning (rule ``refresh_degraded``,
-    the stage as a label): the quality gate could not compare with a live artifact that exists (it does not load
-    with this run's key, or it has another feature config), newer checkpoints were skipped (torn, refused,
-    diverged), or the hot set is empty (Redis holds no counts: a wrong prefix, or lost on a restart)."""
+def _published_warnings(rs: RefreshSettings, version: str, ckpt: ckpt_io.Checkpoint,
+                        problems: list[tuple[Path, str]], quality: dict[str, Any],
+                        counted_ids: int) -> list[tuple[str, str]]:
+    """What a successful publish must not hide, as ``(stage, message)`` for :func:`_warn_degraded`: the quality gate
+    could not compare with a live artifact that exists (it does not load with this run's key, or it has another
+    feature config), newer checkpoints were skipped (torn, refused, diverged), or the hot set is empty (Redis holds no
+    counts: a wrong prefix, or lost on a restart)."""
     found: list[tuple[str, str]] = []
     if quality.get("unchecked"):
         found.append(("validate", f"published {version} without the holdout comparison with the live version: "
@@ -640,6 +683,13 @@ def _published_warnings(rs: RefreshSettings, alerts: RefreshAlerts, version: str
         found.append(("hot_set", f"published {version} with no counted item or user in its hot set: Redis "
                                  "under this prefix holds no counts for the last days (a wrong [redis] prefix, or "
                                  "counts lost on a restart); scores are right but row lookups miss the hot cache"))
+    return found
+
+
+def _warn_degraded(alerts: RefreshAlerts, found: list[tuple[str, str]]) -> list[str]:
+    """Alert each warning of a published run (rule ``refresh_degraded``, severity warning, the stage as a label) and
+    count it (``streamrec_refresh_degraded_total{stage}``); returns the messages for the summary. Never raises."""
     for stage, message in found:
+        metrics.DEGRADED.labels(stage).inc()
         alerts.fire(stage, message, DEGRADED_RULE, severity="warning")
     return [message for _, message in found]

@@ -15,6 +15,10 @@ from prometheus_client import Counter, Gauge
 RUNS = Counter("streamrec_refresh_runs_total", "Refresh runs by outcome: published, held (validated, not published "
                "over a rollback pin) or failed (by stage; published nothing, the live artifact kept serving).",
                ["outcome", "stage"])
+DEGRADED = Counter("streamrec_refresh_degraded_total", "Warnings of runs that published (each also a "
+                   "refresh_degraded alert), by stage: the quality gate skipped, newer checkpoints skipped, an empty "
+                   "hot set, or a step after the switch that failed (record, embedding_store, notify, ...).",
+                   ["stage"])
 LAST_SUCCESS = Gauge("streamrec_refresh_last_success_timestamp_seconds", "Unix time the last refresh published an "
                      "artifact (0: none since this process started). Its age is how stale the serving model is.")
 LAST_RUN = Gauge("streamrec_refresh_last_run_timestamp_seconds", "Unix time the last refresh run ended, whatever its "

@@ -1,0 +1,125 @@
+"""What a refresh run reports as its outcome (cache_refresh/job.py, cache_refresh/metrics.py), against the session's
+real Redis: a run that published reports success whatever fails after the switch.
+
+The checkpoint is test_refresh's tiny trained DeepFM; ``holdout_messages=0`` (no holdout read) and alerts recorded
+in-process (their delivery to Kafka is tests/integration/test_refresh_alerts.py's subject).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from cache_refresh import job
+from cache_refresh.alerts import RefreshAlerts
+from cache_refresh.settings import RefreshSettings
+from learner import artifact, checkpoint
+from monitor.alerts import Alert
+from stream.config import KafkaSettings, RedisSettings
+from stream.counts import DailyCounts
+from streamrec.cli import main
+from tests.integration.test_refresh import DAY_MS, ITEMS, USERS, config_file, save_checkpoint
+
+
+class RecordedAlerts(RefreshAlerts):
+    """The refresh's alerts, logged as usual and kept here (no Kafka topic)."""
+
+    def __init__(self) -> None:
+        super().__init__(KafkaSettings(), "")
+        self.fired: list[Alert] = []
+
+    def fire(self, stage: str, message: str, rule: str, severity: str = "critical",
+             labels: dict[str, str] | None = None) -> Alert:
+        alert = super().fire(stage, message, rule, severity, labels)
+        self.fired.append(alert)
+        return alert
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(d, steps=5)
+    return d
+
+
+@pytest.fixture
+def env(stack: Any, tmp_path: Path, trained: Path,
+        redis_client: redis.Redis) -> tuple[RefreshSettings, KafkaSettings, RedisSettings]:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    for p in checkpoint.list_checkpoints(trained):
+        for suffix in (".pt", ".json"):
+            (ckpt_dir / p.with_suffix(suffix).name).write_bytes(p.with_suffix(suffix).read_bytes())
+    counts = DailyCounts(redis_client, prefix=prefix)
+    counts.record("item", "impression", ITEMS[:5], np.full(5, DAY_MS))
+    counts.record("user", "impression", USERS[:5], np.full(5, DAY_MS))
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", days=100_000, hot_items=5,
+                         hot_users=5, small_field_rows=0, holdout_messages=0, redis_attempts=1, alerts_topic="")
+    return rs, KafkaSettings(bootstrap_servers=stack.bootstrap_servers), RedisSettings(url=stack.redis_url,
+                                                                                        prefix=prefix)
+
+
+def runs(outcome: str, stage: str) -> float:
+    return REGISTRY.get_sample_value("streamrec_refresh_runs_total", {"outcome": outcome, "stage": stage}) or 0.0
+
+
+def degraded(stage: str) -> float:
+    return REGISTRY.get_sample_value("streamrec_refresh_degraded_total", {"stage": stage}) or 0.0
+
+
+def test_an_error_after_the_switch_is_a_degraded_warning_of_a_published_run_not_a_failure(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Notifying serving raises something unforeseen (here an OSError of the client) after ``CURRENT`` names the new
+    version: the run has published, so it returns its summary, is counted ``published``, and the error is a
+    ``refresh_degraded`` warning (summary, alert, ``streamrec_refresh_degraded_total{stage="notify"}``). It escaped
+    ``run_once``: no runs metric, no alert, and the caller was told the run failed."""
+    rs, kafka, rds = env
+
+    def broken_notify(*args: Any, **kwargs: Any) -> bool:
+        raise OSError("the notification client broke (injected)")
+
+    monkeypatch.setattr(job, "notify", broken_notify)
+    alerts = RecordedAlerts()
+    published, failed, notify_degraded = runs("published", ""), runs("failed", "notify"), degraded("notify")
+    summary = job.run_once(rs, kafka, rds, alerts=alerts)
+
+    assert summary["published"] is True and artifact.current_version(rs.publish_root) == summary["version"]
+    assert summary["notified"] is False
+    assert any("'notify'" in w and "the notification client broke" in w for w in summary["warnings"])
+    assert runs("published", "") == published + 1 and runs("failed", "notify") == failed
+    assert degraded("notify") == notify_degraded + 1
+    assert [(a.rule, a.severity.value, a.labels["stage"]) for a in alerts.fired] == [
+        (job.DEGRADED_RULE, "warning", "notify")]
+    assert job.read_last_success(rs.publish_root) is not None
+
+
+def test_now_exits_0_with_the_summary_when_the_published_version_cannot_be_read_back(
+        env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reading the published version's manifest back after the switch failed (``ArtifactError``: a file system
+    hiccup, a permission changed): ``--now`` exited 1 with "error" although it had published. The summary now
+    comes from the manifest the run validated, the one ``publish`` verified and renamed."""
+    rs, kafka, rds = env
+    versions = artifact.versions_dir(rs.publish_root)
+    real = artifact.read_manifest
+
+    def unreadable_once_published(version_dir: Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if Path(version_dir).parent == versions:
+            raise artifact.ArtifactError(f"{version_dir}/manifest.json cannot be read (injected)")
+        return real(version_dir, *args, **kwargs)
+
+    monkeypatch.setattr(artifact, "read_manifest", unreadable_once_published)
+    cfg = config_file(tmp_path / "c.toml", rs, kafka, rds)
+    assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    on_disk = json.loads((Path(summary["path"]) / artifact.MANIFEST).read_text())
+    assert summary["published"] is True and summary["version"] == artifact.current_version(rs.publish_root)
+    assert summary["hot_set"] == on_disk["hot_set"]
+    assert summary["bytes"] == {name: f["bytes"] for name, f in on_disk["files"].items()}
