@@ -142,6 +142,16 @@ def read_last_success(root: Path) -> dt.datetime | None:
         return None
 
 
+def restore_last_success(root: Path) -> dt.datetime | None:
+    """:func:`read_last_success`, also set as ``streamrec_refresh_last_success_timestamp_seconds``
+    (``metrics.restore_last_success``): called when the scheduler starts and when a run starts, so the gauge says how
+    old the published model is from the first scrape, not 0 until this process publishes. Returns the record."""
+    when = read_last_success(root)
+    if when is not None:
+        metrics.restore_last_success(when.timestamp())
+    return when
+
+
 def read_last_run(root: Path) -> dict[str, Any]:
     """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable)."""
     try:
@@ -222,6 +232,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
             own.close()
     root = Path(rs.publish_root)
     t0 = time.monotonic()
+    restore_last_success(root)  # a publish by another process (an operator's --now) counts too
     try:
         with contextlib.ExitStack() as held:
             try:

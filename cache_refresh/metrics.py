@@ -20,7 +20,8 @@ DEGRADED = Counter("streamrec_refresh_degraded_total", "Warnings of runs that pu
                    "hot set, or a step after the switch that failed (record, embedding_store, notify, ...).",
                    ["stage"])
 LAST_SUCCESS = Gauge("streamrec_refresh_last_success_timestamp_seconds", "Unix time the last refresh published an "
-                     "artifact (0: none since this process started). Its age is how stale the serving model is.")
+                     "artifact, by this process or as recorded in the publish root's last_run.json (0: none on "
+                     "record). Its age is how stale the serving model is.")
 LAST_RUN = Gauge("streamrec_refresh_last_run_timestamp_seconds", "Unix time the last refresh run ended, whatever its "
                  "outcome.")
 DURATION = Gauge("streamrec_refresh_duration_seconds", "How long the last refresh run took (s).")
@@ -28,6 +29,23 @@ HOT_ROWS = Gauge("streamrec_refresh_hot_rows", "Rows of the last published artif
                  "memory; the rest is read from the memory-mapped cold rows).")
 HOT_SHARE = Gauge("streamrec_refresh_hot_share_of_table", "Share of the embedding table's rows that the last "
                   "published artifact holds hot.")
+
+
+_last_success = 0.0  # what LAST_SUCCESS holds: it only moves forward
+
+
+def _set_last_success(when: float) -> None:
+    global _last_success
+    if when > _last_success:
+        _last_success = when
+        LAST_SUCCESS.set(when)
+
+
+def restore_last_success(when: float) -> None:
+    """The last success on record (``last_run.json``), read when the scheduler or a run starts: a restarted scheduler
+    otherwise said 0 until its next publish (the dashboard's "time since last success" read ~56 years), and a run
+    published by another process (``--now``) is seen. Never moves the gauge back."""
+    _set_last_success(when)
 
 
 def observe(summary: dict[str, Any] | None, seconds: float, failed_stage: str | None = None) -> None:
@@ -42,7 +60,7 @@ def observe(summary: dict[str, Any] | None, seconds: float, failed_stage: str | 
         RUNS.labels("held", "publish").inc()
         return
     RUNS.labels("published", "").inc()
-    LAST_SUCCESS.set(now)
+    _set_last_success(now)
     hot = summary.get("hot_set") or {}
     if isinstance(hot.get("rows"), (int, float)):
         HOT_ROWS.set(hot["rows"])

@@ -81,14 +81,14 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     def scheduled() -> None:
         job.scheduled_run(rs, kafka, rds, alerts)  # respects a rollback pin; failures are logged and alerted
 
+    last_success = job.restore_last_success(Path(rs.publish_root))  # the gauge too, before the first scrape
     if rs.metrics_port is not None:
         from streamrec.commands.common import start_metrics
 
         start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     try:
-        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s,
-                    job.read_last_success(Path(rs.publish_root)))
+        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success)
     finally:
         alerts.close()  # delivers what is still queued, for close_timeout_s; reports the rest
     return EXIT_OK

@@ -7,7 +7,14 @@ in-process (their delivery to Kafka is tests/integration/test_refresh_alerts.py'
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,7 @@ from monitor.alerts import Alert
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from streamrec.cli import main
+from streamrec.stack import free_port
 from tests.integration.test_refresh import DAY_MS, ITEMS, USERS, config_file, save_checkpoint
 
 
@@ -123,3 +131,38 @@ def test_now_exits_0_with_the_summary_when_the_published_version_cannot_be_read_
     assert summary["published"] is True and summary["version"] == artifact.current_version(rs.publish_root)
     assert summary["hot_set"] == on_disk["hot_set"]
     assert summary["bytes"] == {name: f["bytes"] for name, f in on_disk["files"].items()}
+
+
+def scrape(port: int, name: str, proc: subprocess.Popen[str]) -> float:
+    """``name``'s value on the scheduler's /metrics, once the server answers (the process must stay up)."""
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            time.sleep(0.2)  # the metrics server is not up yet
+            continue
+        return next(float(line.split(" ")[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first_scrape(
+        env: Any, tmp_path: Path) -> None:
+    """The publish root records a success an hour ago; the scheduler restarts and its next run is far off. Its
+    last-success gauge said 0 (the dashboard's "time since last success": ~56 years) until it published again."""
+    rs, kafka, rds = env
+    recorded = time.time() - 3600
+    rs.publish_root.mkdir(parents=True)
+    job.write_last_success(rs.publish_root, recorded, "20260101T030000000Z")
+    cfg = config_file(tmp_path / "c.toml", dataclasses.replace(rs, schedule="0 3 1 1 *", misfire_grace_s=1),
+                      kafka, rds)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "refresh", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, STREAMREC_REFRESH_METRICS_PORT=str(port)))
+    try:
+        gauge = scrape(port, "streamrec_refresh_last_success_timestamp_seconds", proc)
+        assert gauge == pytest.approx(recorded, abs=0.01)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
