@@ -31,10 +31,11 @@ Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
 polls ``CURRENT`` and finds it; the summary says ``notified: false``.
 
-One run at a time per publish root: a run holds ``refresh_lock`` (stage ``lock``; a second run
-fails at once, naming the pid of the first) and starts by removing what killed runs left
-(``clean_leftovers``: staged directories of dead processes, a half-pruned version, temp files;
-the summary lists them under ``cleaned``). A full or read-only publish root fails the stage that hit it
+One run at a time per publish root: a run holds ``refresh_lock``; a second run does nothing and says so at once
+(:func:`skipped`: a ``refresh_skipped`` warning naming the pid of the first, ``outcome="skipped"``; not a failure,
+the first run is refreshing; a lock that cannot be opened fails stage ``lock``) and a run starts by removing what
+killed runs left (``clean_leftovers``: staged directories of dead processes, a half-pruned version, temp files; the
+summary lists them under ``cleaned``). A full or read-only publish root fails the stage that hit it
 with a message saying so (``describe_os_error``); nothing half-written is made current. Once
 ``CURRENT`` names the new version the run has published, whatever happens next: recording ``last_run.json``
 (``last_run_recorded: false`` in the summary), pruning the embedding store, notifying serving and the summary are
@@ -77,7 +78,7 @@ import redis
 
 from cache_refresh import hot_set, metrics, validate
 from cache_refresh.alerts import RefreshAlerts
-from cache_refresh.publish import TRASH, PinHeld, clean_leftovers, publish, refresh_lock
+from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
@@ -99,6 +100,7 @@ T = TypeVar("T")
 LAST_RUN = "last_run.json"
 ALERT_RULE = "refresh_failed"
 PIN_RULE = "refresh_pinned"
+SKIP_RULE = "refresh_skipped"  # did nothing: another run was going (skipped())
 DEGRADED_RULE = "refresh_degraded"  # published, with something an operator should look at (_published_warnings)
 
 
@@ -237,7 +239,9 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(refresh_lock(root))
-            except artifact.ArtifactError as exc:  # another run holds it, or the root cannot be opened
+            except RefreshBusy as busy:  # another run is refreshing: this one did nothing, and that is no failure
+                return skipped(alerts, root, str(busy), "lock", holder=busy.holder)
+            except artifact.ArtifactError as exc:  # the root cannot be opened
                 err = RefreshError("lock", str(exc))
                 alerts.fire(err.stage, str(err), ALERT_RULE)
                 raise err from exc
@@ -247,6 +251,23 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         raise
     metrics.observe(summary, time.monotonic() - t0)
     return summary
+
+
+def skipped(alerts: RefreshAlerts, root: Path, why: str, stage: str, holder: str | None = None) -> dict[str, Any]:
+    """A run that did nothing because another was going: logged, alerted as ``refresh_skipped`` (a warning: the other
+    run publishes, or fails and alerts itself), counted ``streamrec_refresh_runs_total{outcome="skipped", stage}``.
+    ``stage``: ``lock`` (another process's run holds the publish root: a ``--now`` and the scheduled run overlapping)
+    or ``scheduler`` (this scheduler's previous run has not ended when the next is due). Returns the summary
+    (``published: false``, ``skipped``); ``streamrec refresh --now`` exits 3 with it.
+
+    Before, an overlap at the lock was a failure: a critical ``refresh_failed`` at stage ``lock`` (and ``--now`` exit 1)
+    while the other run was publishing; the scheduler's own skip was a log line only."""
+    message = f"refresh skipped: {why}"
+    log.warning("%s", message)
+    metrics.skipped(stage)
+    alerts.fire(stage, message, SKIP_RULE, severity="warning", labels={"holder": holder} if holder else None)
+    return {"published": False, "version": None,
+            "skipped": {"stage": stage, "holder": holder, "message": message}, "current": _current_name(root)}
 
 
 def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings,

@@ -13,7 +13,9 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 RUNS = Counter("streamrec_refresh_runs_total", "Refresh runs by outcome: published, held (validated, not published "
-               "over a rollback pin) or failed (by stage; published nothing, the live artifact kept serving).",
+               "over a rollback pin), skipped (did nothing because another run was going: stage lock, another "
+               "process's run held the publish root; stage scheduler, this scheduler's previous run had not ended) "
+               "or failed (by stage; published nothing, the live artifact kept serving).",
                ["outcome", "stage"])
 DEGRADED = Counter("streamrec_refresh_degraded_total", "Warnings of runs that published (each also a "
                    "refresh_degraded alert), by stage: the quality gate skipped, newer checkpoints skipped, an empty "
@@ -46,6 +48,12 @@ def restore_last_success(when: float) -> None:
     otherwise said 0 until its next publish (the dashboard's "time since last success" read ~56 years), and a run
     published by another process (``--now``) is seen. Never moves the gauge back."""
     _set_last_success(when)
+
+
+def skipped(stage: str) -> None:
+    """A run that did nothing because another was going (``stage``: ``lock`` or ``scheduler``). Not a run that ended:
+    the last-run time and duration stay the other run's."""
+    RUNS.labels("skipped", stage).inc()
 
 
 def observe(summary: dict[str, Any] | None, seconds: float, failed_stage: str | None = None) -> None:

@@ -72,6 +72,15 @@ class PinHeld(ArtifactError):
         self.pin = pin
 
 
+class RefreshBusy(ArtifactError):
+    """:func:`refresh_lock` is held by another run (``holder``: the pid written in the lock, or "unknown"): not a
+    failure of this one, which did nothing; the other run is the one refreshing."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 # -- leftovers and the lock ------------------------------------------------------------------------
 _PID_RE = re.compile(r"-(\d+)(?:-\d+)?$")  # <version>-<pid> (staging), .<name>.tmp-<pid>-<thread> (temp files)
 
@@ -139,7 +148,8 @@ def refresh_lock(root: Path) -> Iterator[None]:
     SIGKILL included, so a killed run never blocks the next one. :func:`rollback` takes it too (without
     waiting: a rollback while a refresh runs fails at once, naming the refresh's pid), so a publish can
     neither prune the version a rollback is switching to nor clear the pin a rollback has just written.
-    ArtifactError when the lock is held (naming the pid written in it) or the root cannot be opened.
+    :class:`RefreshBusy` when the lock is held (naming the pid written in it); ArtifactError when the root cannot be
+    opened.
     """
     root = Path(root)
     path = root / LOCK
@@ -156,8 +166,8 @@ def refresh_lock(root: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            raise ArtifactError(f"another refresh (pid {holder}) is running on {root}: it holds {path}; this run "
-                                "does nothing (the live artifact is untouched)") from None
+            raise RefreshBusy(f"another refresh (pid {holder}) is running on {root}: it holds {path}; this run "
+                              "does nothing (the live artifact is untouched)", holder) from None
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)

@@ -92,11 +92,14 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
 
 
 def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
-                    last_success: dt.datetime | None, now: dt.datetime | None = None) -> BlockingScheduler:
+                    last_success: dt.datetime | None, now: dt.datetime | None = None,
+                    on_skip: Callable[[str], Any] | None = None) -> BlockingScheduler:
     """The scheduler (not started): ``job`` on the cron schedule, plus a one-off run now if one was missed.
 
-    Runs never overlap (a run still going makes the next one skip, with a warning); late runs within
-    ``grace_s`` still run and several late runs coalesce into one.
+    Runs never overlap: a run due while the previous one is still going is skipped, in one place (the guard below;
+    APScheduler's ``max_instances`` is 2 so that it never skips a run itself, silently but for a log line), and
+    ``on_skip(why)`` reports it (``streamrec refresh``: ``job.skipped``, counted and a warning alert). Late runs
+    within ``grace_s`` still run and several late runs coalesce into one.
     """
     trigger = make_trigger(schedule, timezone)
     tz = ZoneInfo(timezone)
@@ -105,7 +108,11 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
 
     def guarded() -> None:
         if not lock.acquire(blocking=False):
-            log.warning("a refresh is still running; skipping this one")
+            why = "this scheduler's previous refresh is still running; the run due now is skipped"
+            if on_skip is None:
+                log.warning("%s", why)
+            else:
+                on_skip(why)
             return
         try:
             job()
@@ -113,7 +120,7 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
             lock.release()
 
     sched.add_job(guarded, trigger, id="refresh", name="cache refresh", misfire_grace_time=grace_s, coalesce=True,
-                  max_instances=1)
+                  max_instances=2)  # the second instance meets the guard: skipped and reported, not just logged
     now = now or dt.datetime.now(tz)
     missed = missed_run(trigger, now, last_success, grace_s)
     if missed is not None:
@@ -125,13 +132,13 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
 
 
 def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
-                last_success: dt.datetime | None) -> None:
+                last_success: dt.datetime | None, on_skip: Callable[[str], Any] | None = None) -> None:
     """Run the scheduler of :func:`build_scheduler` in this (main) thread until SIGTERM/SIGINT.
 
     ``job`` handles its own failures (logs and alerts); an exception escaping it is logged by
     APScheduler and the schedule continues.
     """
-    sched = build_scheduler(job, schedule, timezone, grace_s, last_success)
+    sched = build_scheduler(job, schedule, timezone, grace_s, last_success, on_skip=on_skip)
 
     def stop(signum: int, frame: Any) -> None:
         sched.shutdown(wait=False)

@@ -17,6 +17,7 @@ from stream.secrets import install_log_redaction, redact_obj
 from streamrec.settings import SECTIONS, Sources, read_config_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_BUSY = 3  # did nothing because another run holds what it needs (streamrec refresh --now)
 MAX_SECONDS = 86_400.0  # the longest interval or timeout a duration flag may name (a day)
 
 

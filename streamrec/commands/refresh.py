@@ -19,7 +19,15 @@ from cache_refresh.settings import RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import redact
-from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, add_kafka_flag, default_help, setup_logging
+from streamrec.commands.common import (
+    EXIT_BUSY,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_common,
+    add_kafka_flag,
+    default_help,
+    setup_logging,
+)
 from streamrec.settings import SettingsError, Sources, read_config_file
 
 
@@ -70,6 +78,11 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
         emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
+        if summary.get("skipped"):
+            print(f"streamrec refresh: {redact(summary['skipped']['message'])}; it publishes (or fails and alerts) "
+                  "by itself: check `streamrec refresh --status` when it has ended, and run --now again if you still "
+                  f"need to (exit {EXIT_BUSY})", file=sys.stderr)
+            return EXIT_BUSY
         return EXIT_OK
 
     from cache_refresh.alerts import RefreshAlerts
@@ -81,6 +94,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     def scheduled() -> None:
         job.scheduled_run(rs, kafka, rds, alerts)  # respects a rollback pin; failures are logged and alerted
 
+    def skip(why: str) -> None:
+        job.skipped(alerts, Path(rs.publish_root), why, "scheduler")
+
     last_success = job.restore_last_success(Path(rs.publish_root))  # the gauge too, before the first scrape
     if rs.metrics_port is not None:
         from streamrec.commands.common import start_metrics
@@ -88,7 +104,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     try:
-        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success)
+        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success, on_skip=skip)
     finally:
         alerts.close()  # delivers what is still queued, for close_timeout_s; reports the rest
     return EXIT_OK
@@ -112,17 +128,22 @@ def add_parser(sub: Any) -> None:
         "holds, scheduled runs build and validate but do not publish (they log an error and write a "
         "refresh_pinned alert); only --now, an operator's run, publishes over the pin and ends the rollback. "
         "One refresh per publish root runs at a time (a lock); each run first removes what killed runs "
-        "left (staged directories, temp files).",
+        "left (staged directories, temp files). A run while another holds the publish root (a --now during the "
+        "scheduled run, or the reverse) does nothing: it logs a warning, writes a refresh_skipped alert (warning) "
+        "and counts streamrec_refresh_runs_total{outcome=\"skipped\"}; so does a scheduled run due while the "
+        "scheduler's previous one is still going.",
         epilog="Settings: [refresh] in --config and STREAMREC_REFRESH_<KEY> (checkpoint_dir, publish_root, days, "
         "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
         "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic, metrics_port, "
         "embedding_store = in_process | layered: also write the non-hot rows to Redis for a layered serving, "
         "embedding_store_dtype = float32 | float16, embedding_store_cluster). "
-        "Exit codes: 0 ok, 1 failed, 2 usage. Examples: streamrec refresh --now --json; "
+        "Exit codes: 0 ok, 1 failed, 2 usage, 3 skipped (--now: another refresh holds the publish root; nothing "
+        "done). Examples: streamrec refresh --now --json; "
         "streamrec refresh --rollback; streamrec refresh --status --json")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed); "
-                      "an operator's run: it publishes over a rollback pin and removes it")
+    mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed, "
+                      "3 skipped: another refresh is running on the publish root); an operator's run: it publishes "
+                      "over a rollback pin and removes it")
     mode.add_argument("--rollback", action="store_true", help="make the version before the current one current "
                       "again (after verifying it) and pin it: serving applies no learner deltas to it and scheduled "
                       "runs do not publish over it until the next --now; notify serving")
