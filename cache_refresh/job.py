@@ -23,7 +23,8 @@ retry), so a bad checkpoint costs one failed run and one alert, never a loop.
 
 The layered deployment (``serving/embedding_store.py``): with ``embedding_store = "layered"`` the validated
 artifact's rows outside the hot set are written to Redis before the version is published (a failure fails stage
-``embedding_store``: nothing is published), and after publishing the rows of versions no longer in the publish
+``embedding_store``: nothing is published; the rows of versions a killed run of this publish root began to write are
+deleted first, best effort), and after publishing the rows of versions no longer in the publish
 root (pruned) are deleted, best effort. A run that wrote its rows and then did not publish (held by a rollback pin, a
 failed publish) deletes them, best effort: no ranker loads that version.
 
@@ -547,6 +548,7 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) ->
     (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published."""
     client = _redis(rds, rs)
     try:
+        _delete_abandoned(client, rds, _owner(rs))
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs))
     except redis.RedisError as exc:
@@ -569,6 +571,19 @@ def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str =
     except Exception as exc:  # noqa: BLE001 - Redis is failing anyway: say what is left behind
         log.warning("refresh: could not delete the rows of %s, %s (%s); delete the keys %s* by hand (they are never "
                     "served)", version, why, exc, embedding_store.version_prefix(rds.prefix, version))
+
+
+def _delete_abandoned(client: Any, rds: RedisSettings, owner: str) -> None:
+    """Best effort, before this run writes its rows: delete the rows of this publish root's versions that a killed run
+    began to write and never finished (``embedding_store.unfinished_versions``: a writer marker, no meta). Their
+    writer is gone: this run holds the publish root's lock, so no other refresh of this root is writing. Without this
+    they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run."""
+    try:
+        for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner)):
+            _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished")
+    except Exception as exc:  # noqa: BLE001 - not this run's rows: nothing here may fail it
+        log.warning("refresh: could not look for rows killed refreshes left in the embedding store (%s); the next "
+                    "layered run looks again", exc)
 
 
 def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: str) -> None:

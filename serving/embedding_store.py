@@ -98,6 +98,11 @@ def meta_key(prefix: str, version: str) -> str:
     return version_prefix(prefix, version) + "meta"
 
 
+def writer_key(prefix: str, version: str) -> str:
+    """A version's writer marker, set before its first row and deleted with it last (:func:`unfinished_versions`)."""
+    return version_prefix(prefix, version) + "writer"
+
+
 def row_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
     """The keys of global rows ``rows`` (M,) of a version."""
     start = version_prefix(prefix, version) + "r:"
@@ -222,11 +227,14 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
     """Write ``table[rows]`` ((N, D + 1) table, rows (M,) int64) as one key per row, then ``meta`` last.
 
     ``owner`` (the refresh: its publish root) is recorded in ``meta``; a refresh prunes only its own versions, so
-    two publish roots sharing a Redis prefix never delete each other's rows.
+    two publish roots sharing a Redis prefix never delete each other's rows. It is also written, before the first
+    row, in the version's writer marker (:func:`writer_key`): a write killed before ``meta`` leaves rows no meta
+    names, which pruning (by meta) would never find; :func:`unfinished_versions` finds them by the marker.
 
     ``client`` is a ``redis.Redis`` or ``RedisCluster`` (``mset_nonatomic`` there: keys of many slots). Redis
     errors propagate (the refresh fails its stage and publishes nothing). Returns the meta written."""
     rows = np.asarray(rows, dtype=np.int64)
+    client.set(writer_key(prefix, version), json.dumps({"owner": owner}))  # before any row: a killed write is found
     key = tag_key(version, dtype)  # every value tagged (ROW_CHECK): serving refuses one of another version or row
     mset = getattr(client, "mset_nonatomic", None) or client.mset
     for start in range(0, len(rows), chunk):
@@ -262,9 +270,28 @@ def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[s
     return out
 
 
+def unfinished_versions(client: Any, prefix: str, owner: str) -> set[str]:
+    """Versions ``owner`` began to write and never finished: a writer marker naming it and no ``meta`` (a refresh
+    killed while writing its rows, or while deleting a version). Only a caller that knows none of them is being
+    written may delete them: the refresh, holding its publish root's lock, before it writes its own."""
+    start, end = f"{prefix}:emb:", ":writer"
+    out = set()
+    for key in client.scan_iter(match=f"{start}*{end}", count=1000):
+        k = key.decode() if isinstance(key, bytes) else key
+        version = k[len(start):-len(end)]
+        try:
+            marker = json.loads(client.get(k) or b"null")
+        except (ValueError, UnicodeDecodeError):  # not JSON: not a marker this code wrote, so not this owner's
+            continue
+        if isinstance(marker, dict) and marker.get("owner") == owner and client.get(meta_key(prefix, version)) is None:
+            out.add(version)
+    return out
+
+
 def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) -> int:
     """Delete a version's keys, ``meta`` first (so a half-deleted version is never served), then its rows and its
-    delta overlay; returns how many."""
+    delta overlay, and its writer marker last (a delete killed half-way is then an unfinished version, found again);
+    returns how many."""
     n = int(client.delete(meta_key(prefix, version)))
     keys: list[Any] = []
     for key in client.scan_iter(match=version_prefix(prefix, version) + "[rd]:*", count=1000):
@@ -274,7 +301,7 @@ def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) 
             keys = []
     if keys:
         n += _unlink(client, keys)
-    return n
+    return n + int(client.delete(writer_key(prefix, version)))
 
 
 def _unlink(client: Any, keys: list[Any]) -> int:

@@ -951,3 +951,55 @@ def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_i
         job.run_once(rs, kafka, rds)
     assert keys() == {live}
     assert artifact.read_current(rs.publish_root).name == live
+
+
+class Killed(BaseException):
+    """The refresh process killed (SIGKILL, OOM): no handler of the job runs."""
+
+
+def test_rows_a_killed_layered_refresh_left_without_meta_are_deleted_by_the_next_run(
+        stack: LocalStack, kafka: Any, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    """A run killed while writing its rows leaves rows and no ``meta``; pruning finds versions by their meta, so they
+    stayed in Redis for ever, a table per killed run. The next run of the same publish root (holding its lock: the
+    writer is gone) deletes them before writing its own; an unfinished write of another publish root sharing the
+    prefix, and the live version, are left alone."""
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from learner import checkpoint as ckpt_io
+
+    ck = checkpoint()
+    meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_io.save(ckpt_dir, {"model": ck["model"], "id_maps": ck["id_maps"], "recent_ids": []}, meta)
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", holdout_messages=0,
+                         small_field_rows=100, keep_versions=3, redis_attempts=1, alerts_topic="",
+                         embedding_store=EmbeddingStore.LAYERED)
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    live = job.run_once(rs, kafka, rds)["version"]
+
+    class KilledBeforeMeta:
+        """The refresh's client until the process dies: the rows are written, the meta (written last) is not."""
+
+        def __init__(self, client: redis.Redis) -> None:
+            self.client = client
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.client, name)
+
+        def set(self, key: str, value: Any) -> Any:
+            if key.endswith(":meta"):
+                raise Killed
+            return self.client.set(key, value)
+
+    table = np.ones((50, 5), np.float32)
+    for version, owner in (("killed", job._owner(rs)), ("elsewhere", "/another/publish/root")):
+        with pytest.raises(Killed):
+            write_version(KilledBeforeMeta(redis_client), prefix, version, table, np.arange(50), RowDtype.FLOAT32,
+                          chunk=10, owner=owner)
+
+    def keys() -> set[str]:
+        return {k.decode().split(":")[2] for k in redis_client.scan_iter(match=f"{prefix}:emb:*")}
+
+    assert keys() == {live, "killed", "elsewhere"}
+    newer = job.run_once(rs, kafka, rds)["version"]
+    assert keys() == {live, newer, "elsewhere"}
