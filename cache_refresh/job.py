@@ -30,7 +30,8 @@ failed publish) deletes them, best effort: no ranker loads that version.
 
 Redis is retried with exponential backoff before it counts as
 unreachable. A failed notification does not fail the refresh: the version is published, serving
-polls ``CURRENT`` and finds it; the summary says ``notified: false``.
+polls ``CURRENT`` and finds it; the summary says ``notified: false`` (so does a notification no serving process
+received: ``notify_receivers`` is Redis's count of them, null when it could not be sent).
 
 One run at a time per publish root: a run holds ``refresh_lock``; a second run does nothing and says so at once
 (:func:`skipped`: a ``refresh_skipped`` warning naming the pid of the first, ``outcome="skipped"``; not a failure,
@@ -191,24 +192,32 @@ def _redis(rds: RedisSettings, rs: RefreshSettings) -> Any:
     return connect(rds.clustered(rs.embedding_store_cluster), timeout_s=rs.redis_timeout_s)
 
 
-def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep) -> bool:
-    """PUBLISH the new version to serving (best effort, retried); serving also polls CURRENT."""
+def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep) -> int | None:
+    """PUBLISH the new version to serving (best effort, retried); serving also polls CURRENT. Returns how many
+    subscribers received it (Redis's answer to PUBLISH; 0: no serving process listens on the channel, e.g. another
+    [redis] prefix or notify_channel), None when it could not be sent. The summaries say ``notified`` only for a
+    message someone received (it said true for 0 receivers) and give ``notify_receivers``."""
     message = json.dumps({"version": version, "path": str(path), "ts": int(time.time() * 1000)})
     try:
         client = _redis(rds, rs)
     except ConfigError as exc:  # a password or TLS file gone since the hot set was read: published all the same
         log.warning("published %s but could not notify serving (%s); serving will find it by polling", version, exc)
-        return False
+        return None
     try:
-        hot_set.with_retries("notify serving", lambda: client.publish(notify_channel(rs, rds), message),
-                             rs.redis_attempts, rs.redis_backoff_s, sleep)
-        return True
+        receivers = int(hot_set.with_retries("notify serving",
+                                             lambda: client.publish(notify_channel(rs, rds), message),
+                                             rs.redis_attempts, rs.redis_backoff_s, sleep))
     except (hot_set.RedisUnavailable, redis.RedisError) as exc:  # NOPERM on the channel is a ResponseError
         log.warning("published %s but could not notify serving (%s); serving will find it by polling", version,
                     describe(exc, rds) if isinstance(exc, redis.RedisError) else exc)
-        return False
+        return None
     finally:
         client.close()
+    if receivers == 0:
+        log.warning("published %s; no serving process is subscribed to %s (is serving up, with the same [redis] "
+                    "prefix / notify_channel?); serving will find it by polling CURRENT", version,
+                    notify_channel(rs, rds))
+    return receivers
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
@@ -463,7 +472,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     found = after.step("warnings", lambda: _published_warnings(
         rs, path.name, ckpt, problems, quality, hs.stats.get("items", 0) + hs.stats.get("users", 0)), no_warnings)
     t0 = time.monotonic()
-    notified = after.step("notify", lambda: notify(rs, rds, path.name, path, sleep), False)
+    no_receivers: int | None = None
+    receivers = after.step("notify", lambda: notify(rs, rds, path.name, path, sleep), no_receivers)
     timed("notify", t0)
     # The manifest publish() verified is the one the validated model was loaded from (the rename moves the same
     # files): nothing is read from the publish root again, so nothing there can fail a run that has published.
@@ -473,7 +483,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         "signed": key is not None,
         "samples_trained": ckpt["meta"].get("samples_trained"), "hot_set": manifest.get("hot_set"),
         "skipped_checkpoints": [{"path": str(p), "reason": why} for p, why in problems],
-        "probe": probe, "holdout": quality, "notified": notified, "channel": notify_channel(rs, rds),
+        "probe": probe, "holdout": quality, "notified": bool(receivers), "notify_receivers": receivers,
+        "channel": notify_channel(rs, rds),
         "bytes": after.step("summary", lambda: {name: f["bytes"] for name, f in manifest["files"].items()}, {}),
         "unpinned": ({"version": unpinned.version, "rolled_back_from": unpinned.rolled_back_from}
                      if unpinned is not None else None),

@@ -65,8 +65,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
         path = Path(rs.publish_root) / artifact.VERSIONS / version
-        notified = job.notify(rs, rds, version, path)
-        emit(args, {"current": version, "path": str(path), "notified": notified, "pinned": True},
+        receivers = job.notify(rs, rds, version, path)
+        emit(args, {"current": version, "path": str(path), "notified": bool(receivers),
+                    "notify_receivers": receivers, "pinned": True},
              lambda d: f"rolled back: {d['current']} is current ({d['path']}) and pinned: serving applies no "
              "learner deltas to it and scheduled refreshes do not publish over it until an operator runs "
              "`streamrec refresh --now`")

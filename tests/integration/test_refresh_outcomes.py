@@ -166,3 +166,19 @@ def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
+
+
+def test_notified_is_true_only_when_a_serving_process_received_the_notification(
+        env: Any, redis_client: redis.Redis) -> None:
+    """PUBLISH reaching 0 subscribers (serving down, or listening under another prefix) said ``notified: true``."""
+    rs, kafka, rds = env
+    alone = job.run_once(rs, kafka, rds)
+    assert alone["notified"] is False and alone["notify_receivers"] == 0
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(job.notify_channel(rs, rds))
+    try:
+        pubsub.get_message(timeout=5)  # the subscribe confirmation
+        heard = job.run_once(rs, kafka, rds)
+        assert heard["notified"] is True and heard["notify_receivers"] == 1
+    finally:
+        pubsub.close()
