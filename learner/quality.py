@@ -30,10 +30,16 @@ COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold
 WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
 
 _PUBLISH_EVERY_S = 1.0  # window AUCs sort their window: gauges at most once a second
+# NaN until their metrics have samples: a Gauge exports 0 from import, and a cold AUC of 0 next to a measured warm AUC
+# fired cold_user_auc_gap (warm - cold > 0.1) on a learner that had no cold sample at all (cold_k = 0, or none yet).
+# NaN compares false in every rule, and an expression over it is NaN.
+_QUALITY_GAUGES = (SERVED_AUC, SERVED_NE, SERVED_COLD_AUC, COLD_AUC, WARM_AUC, COLD_LOGLOSS, WARM_LOGLOSS)
 
 
 class TrainingQuality:
     def __init__(self, cold_k: int, metrics_window: int, attribution_window_s: float) -> None:
+        for g in _QUALITY_GAUGES:  # no data yet (a restored state publishes its own at the first batch)
+            g.set(float("nan"))
         self.cold_k = cold_k
         self.cold = ColdTracker(cold_k)
         self.cold_metrics = ProgressiveMetrics(window=metrics_window // 10 or 1)
@@ -66,7 +72,7 @@ class TrainingQuality:
                                       (self.warm_metrics, ~cold & ok, WARM_AUC, WARM_LOGLOSS)):
             if sel.any():
                 m.update(probs[sel], labels[sel])
-            if publish and m.count:
+            if publish:  # an empty window is NaN: no cold (or warm) sample yet is no data, not an AUC of 0
                 w_auc, w_loss = m.window_metrics()
                 g_auc.set(w_auc)
                 g_loss.set(w_loss)
