@@ -60,7 +60,7 @@ from learner.kafka_dataset import KafkaSampleDataset
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
-from learner.quality import TrainingQuality
+from learner.quality import IdMetrics, TrainingQuality
 from learner.row_mapper import MapStats, RowMapper, user_keys
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
@@ -82,11 +82,6 @@ EVENT_TIME = Gauge("streamrec_learner_event_time_seconds", "Event time (Unix sec
 SAMPLES = PCounter("streamrec_learner_samples_total", "Samples trained.")
 DUPLICATES = PCounter("streamrec_learner_duplicates_total", "Duplicate samples dropped.")
 LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
-BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id lookups served by a hash bucket "
-                     "(ids not admitted yet), per field.", ["field"])
-ID_OCCUPANCY = Gauge("streamrec_learner_id_occupancy", "Share of a field's own rows in use.", ["field"])
-ADMISSIONS = PCounter("streamrec_learner_id_admissions_total", "Ids given their own row.", ["field"])
-EVICTIONS = PCounter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
 CALIBRATION_SCALE = Gauge("streamrec_learner_calibration_scale", "Platt scale a of the served logit a * z + b "
                           "(learner/calibration.py; 1 = served as the model says, below 1 = shrunk).")
 CALIBRATION_SHIFT = Gauge("streamrec_learner_calibration_shift", "Platt shift b of the served logit a * z + b.")
@@ -98,8 +93,6 @@ CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last chec
 CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
                                "Checkpoints that could not be written (disk full, read-only); retried.")
 # Health (learner/health.py): memory, gradients, feature coverage, label balance; published at most once a second.
-ID_LOOKUPS = PCounter("streamrec_learner_id_lookups_total", "Id lookups of a dynamic field, per field (with "
-                      "..._id_admissions_total: the share of lookups that admitted an id).", ["field"])
 RSS = Gauge("streamrec_learner_rss_bytes", "Resident set size of the learner process (bytes).")
 CUDA_MEMORY = Gauge("streamrec_learner_cuda_memory_bytes", "Device memory of the learner's CUDA device (bytes): "
                     "kind=allocated (tensors) or reserved (held by the caching allocator); only on CUDA.", ["kind"])
@@ -251,7 +244,7 @@ class Learner:
         self._event_newest = 0.0  # event time of the newest sample trained (s)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)
         self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
-        self._bucket_share: dict[str, float] = {}  # per field, exponentially weighted over recent lookups
+        self.id_metrics = IdMetrics(ls.metrics_window)  # dynamic ids: lookups, admissions, bucket share
         self._window_published = 0.0
         self._health_published = 0.0
         self.memory = MemoryMonitor(self.device)
@@ -572,19 +565,8 @@ class Learner:
         POSITIVE_RATE.set(self.positive_rate.rate)
 
     def _observe_ids(self, st: MapStats) -> None:
-        for name, n in st.lookups.items():
-            ID_LOOKUPS.labels(name).inc(n)
-            share = st.bucket_lookups.get(name, 0) / n if n else 0.0
-            w = min(1.0, n / max(1, self.ls.metrics_window // 10))  # ~ the last metrics_window/10 lookups
-            self._bucket_share[name] = (1 - w) * self._bucket_share.get(name, share) + w * share
-            BUCKET_SHARE.labels(name).set(self._bucket_share[name])
-        for name, n in st.admitted.items():
-            ADMISSIONS.labels(name).inc(n)
-        for name, n in st.evicted.items():
-            EVICTIONS.labels(name).inc(n)
         assert self.mapper is not None
-        for name, s in self.mapper.stats().items():
-            ID_OCCUPANCY.labels(name).set(s["occupancy"])
+        self.id_metrics.observe(st, {name: s["occupancy"] for name, s in self.mapper.stats().items()})
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True

@@ -4,6 +4,8 @@ single-process learner feeds it each trained batch, the distributed one (rank 0)
 
     cold_of(users, now, impressions)            before training: which rows come from a cold user (``cold_k``)
     record(ids, ts, kinds, labels, probs, ...)  after: the predictions made before learning, into the metrics
+
+and the dynamic ids' metrics (:class:`IdMetrics`: lookups, admissions, evictions, occupancy, the bucket share).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from learner.progressive import ProgressiveMetrics
-from learner.row_mapper import ColdTracker
+from learner.row_mapper import ColdTracker, MapStats
 from learner.served import ServedQuality
 
 SERVED_AUC = Gauge("streamrec_learner_served_auc", "Window AUC of each impression's first prediction against "
@@ -29,11 +31,51 @@ WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samp
 COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
 WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
 
+# Dynamic ids (learner/row_mapper.py, learner/sharded_ids.py): IdMetrics publishes them for both daemons.
+BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id lookups served by a hash bucket "
+                     "(ids not admitted yet), per field.", ["field"])
+ID_OCCUPANCY = Gauge("streamrec_learner_id_occupancy", "Share of a field's own rows in use.", ["field"])
+ADMISSIONS = Counter("streamrec_learner_id_admissions_total", "Ids given their own row.", ["field"])
+EVICTIONS = Counter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
+ID_LOOKUPS = Counter("streamrec_learner_id_lookups_total", "Id lookups of a dynamic field, per field (with "
+                     "..._id_admissions_total: the share of lookups that admitted an id).", ["field"])
+
 _PUBLISH_EVERY_S = 1.0  # window AUCs sort their window: gauges at most once a second
 # NaN until their metrics have samples: a Gauge exports 0 from import, and a cold AUC of 0 next to a measured warm AUC
 # fired cold_user_auc_gap (warm - cold > 0.1) on a learner that had no cold sample at all (cold_k = 0, or none yet).
 # NaN compares false in every rule, and an expression over it is NaN.
 _QUALITY_GAUGES = (SERVED_AUC, SERVED_NE, SERVED_COLD_AUC, COLD_AUC, WARM_AUC, COLD_LOGLOSS, WARM_LOGLOSS)
+
+
+class IdMetrics:
+    """The dynamic ids' metrics, one definition for both daemons: the single process feeds it each batch's
+    ``MapStats``, the distributed one (rank 0) each round's counts of every rank, so the numbers mean the same on 1
+    process and on N ranks. Lookups, admissions and evictions per field (counters), occupancy, and the bucket share:
+    the share of the field's lookups answered by a hash bucket, exponentially weighted over about its last
+    ``metrics_window // 10`` lookups (a batch of n lookups weighs n / that, at most 1). The bucket share is what the
+    ``cold_start_share`` rule of ``monitor/default_rules.toml`` reads; the distributed daemon did not publish it, so
+    that rule could never fire on N ranks."""
+
+    def __init__(self, metrics_window: int) -> None:
+        self.span = max(1, metrics_window // 10)
+        self.bucket_share: dict[str, float] = {}  # per field
+
+    def observe(self, st: MapStats, occupancy: Mapping[str, float]) -> None:
+        """One batch's (or round's) counts, and each field's occupancy after it (share of its own rows in use)."""
+        for name, n in st.lookups.items():
+            if n <= 0:  # no lookup is no reading of the share
+                continue
+            ID_LOOKUPS.labels(name).inc(n)
+            share = st.bucket_lookups.get(name, 0) / n
+            w = min(1.0, n / self.span)
+            self.bucket_share[name] = (1 - w) * self.bucket_share.get(name, share) + w * share
+            BUCKET_SHARE.labels(name).set(self.bucket_share[name])
+        for name, k in st.admitted.items():
+            ADMISSIONS.labels(name).inc(k)
+        for name, k in st.evicted.items():
+            EVICTIONS.labels(name).inc(k)
+        for name, o in occupancy.items():
+            ID_OCCUPANCY.labels(name).set(o)
 
 
 class TrainingQuality:

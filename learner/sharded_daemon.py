@@ -76,13 +76,9 @@ from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
 from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, check_topic, parse_mlp, shape_of
 from learner.daemon import (
-    ADMISSIONS,
     AUC,
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
-    EVICTIONS,
-    ID_LOOKUPS,
-    ID_OCCUPANCY,
     LOGLOSS,
     SAMPLES,
     RecentIds,
@@ -105,7 +101,7 @@ from learner.features import FeatureConfig
 from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
-from learner.quality import TrainingQuality
+from learner.quality import IdMetrics, TrainingQuality
 from learner.row_mapper import MapStats, user_keys
 from learner.sharded_boost import ShardedBoost
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
@@ -166,6 +162,7 @@ class ShardedLearner:
         self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
         self.bias: BaseRateBias | None = None  # a fresh model's intercept at the click rate (learner/delayed.py)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)  # rank 0's
+        self.id_metrics = IdMetrics(ls.metrics_window)  # rank 0's, over every rank's lookups
         self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
         self.calibration = OnlineCalibration() if ls.online_calibration and ctx.rank == 0 else None
@@ -589,17 +586,12 @@ class ShardedLearner:
             self.calibration.observe(ids, kinds_or_none, labels, raw, ts, delay)
 
     def _observe_ids(self, st: MapStats) -> None:
-        """The id maps' counters (rank 0: ``st`` counts every rank's keys, ``ids.occupancy`` every rank's maps)."""
+        """The id maps' metrics (rank 0: ``st`` counts every rank's keys, ``ids.occupancy`` every rank's maps), as
+        the single-process daemon publishes them (``learner.quality.IdMetrics``: the bucket share of the
+        cold_start_share rule too)."""
         if self.ctx.rank != 0 or self.ids is None:
             return
-        for name, n in st.lookups.items():
-            ID_LOOKUPS.labels(name).inc(n)
-        for name, n in st.admitted.items():
-            ADMISSIONS.labels(name).inc(n)
-        for name, n in st.evicted.items():
-            EVICTIONS.labels(name).inc(n)
-        for name, occupancy in self.ids.occupancy.items():
-            ID_OCCUPANCY.labels(name).set(occupancy)
+        self.id_metrics.observe(st, self.ids.occupancy)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
