@@ -6,6 +6,9 @@
     streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (memory-mapped, or in the
                                                             layered mode the LRU and Redis) row reads
     streamrec_serving_hot_cache_hit_rate                    hot / (hot + cold), since start
+    streamrec_serving_id_lookups_total{field, row}          ids of dynamic fields mapped to rows: own (admitted) |
+                                                            bucket (unknown to the live id maps: the hash-bucket
+                                                            fallback of a brand-new user or item); history as item_id
     streamrec_serving_model_info{version, format}           1 for the model answering now
     streamrec_serving_delta_seq                             the last learner delta applied to it
     streamrec_serving_model_age_seconds                     now - when the newest training state it holds was
@@ -75,12 +78,25 @@ class _LookupCollector:
         self.live = live
         self.retired_hot = 0
         self.retired_cold = 0
+        self.retired_ids: dict[tuple[str, str], int] = {}  # (field, row kind) -> ids mapped by retired models
         self._lock = threading.Lock()
 
     def retire(self, model: Any) -> None:
         with self._lock:
             self.retired_hot += model.hot_lookups
             self.retired_cold += model.cold_lookups
+            for key, n in dict(model.id_lookups).items():
+                self.retired_ids[key] = self.retired_ids.get(key, 0) + n
+
+    def id_totals(self) -> dict[tuple[str, str], int]:
+        """(field, "own" | "bucket") -> ids mapped since start: retired models' plus the live one's."""
+        m = self.live()
+        with self._lock:
+            out = dict(self.retired_ids)
+        if m is not None:
+            for key, n in dict(m.id_lookups).items():
+                out[key] = out.get(key, 0) + n
+        return out
 
     def totals(self) -> tuple[int, int]:
         m = self.live()
@@ -98,6 +114,13 @@ class _LookupCollector:
         c.add_metric(["hot"], hot)
         c.add_metric(["cold"], cold)
         yield c
+        ids = CounterMetricFamily("streamrec_serving_id_lookups", "Ids of dynamic fields (user_id, item_id; a "
+                                  "history's items as item_id) mapped to rows, by row: own (admitted) or bucket (the "
+                                  "hash-bucket fallback of an id the live id maps do not know).",
+                                  labels=["field", "row"])
+        for (name, kind), n in sorted(self.id_totals().items()):
+            ids.add_metric([name, kind], n)
+        yield ids
         yield GaugeMetricFamily("streamrec_serving_hot_cache_hit_rate", "Share of embedding row reads served by "
                                 "the hot set since start.", value=hot / (hot + cold) if hot + cold else 0.0)
         m = self.live()

@@ -118,6 +118,15 @@ class ScoringModel:
         self._count_lock = threading.Lock()
         self.hot_lookups = 0
         self.cold_lookups = 0
+        # Ids of dynamic fields (user_id, item_id; history counts as item_id, whose rows it reads) mapped by
+        # map_rows, per field and row kind: "own" (admitted, its own row) or "bucket" (the hash-bucket fallback of an
+        # id the artifact's id maps do not know: a brand-new user or item). streamrec_serving_id_lookups_total.
+        self.id_lookups: dict[tuple[str, str], int] = {}
+        # field index -> (first row of its owner's block, the owner's bucket rows, the owner's name)
+        self._bucket_area = {i: (first, self.feature_config.owner(f).num_buckets, self.feature_config.owner(f).name)
+                             for i, (f, (first, _)) in enumerate(zip(self.feature_config.fields, self._blocks,
+                                                                     strict=True))
+                             if self.feature_config.owner(f).capacity > 0}
 
     @classmethod
     def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
@@ -204,9 +213,18 @@ class ScoringModel:
         """Global rows of field ``field_index``'s hashed values (int64 (N,) -> int64 (N,)).
 
         Static fields: ``first + v mod buckets`` (learner/features.py); dynamic fields: the learner's id
-        map as of the source checkpoint (admitted ids their own rows, the others their hash buckets).
+        map as of the source checkpoint (admitted ids their own rows, the others their hash buckets), each id counted
+        in :attr:`id_lookups` (own or bucket).
         """
-        return self._mapper.rows(field_index, hashed)
+        rows = self._mapper.rows(field_index, hashed)
+        area = self._bucket_area.get(field_index)
+        if area is not None and len(rows):
+            first, buckets, name = area
+            fallback = int(np.count_nonzero(rows < first + buckets))  # not admitted: served its hash bucket
+            with self._count_lock:
+                for kind, n in (("bucket", fallback), ("own", len(rows) - fallback)):
+                    self.id_lookups[(name, kind)] = self.id_lookups.get((name, kind), 0) + n
+        return rows
 
     def _mapper_from(self, state: Any) -> RowMapper:
         try:
