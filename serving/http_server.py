@@ -42,6 +42,8 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon, no obsolete line folding
   (a header line starting with whitespace, RFC 9112 5.2); any such error is answered JSON and the connection
   closed (the next request's start is unknown).
+  A chunk whose declared size takes the body past ``max_body_bytes`` is a ``413`` from its size line, before its
+  data is waited for, on both servers (on aiohttp, :class:`_ChunkSizes` reads the sizes that llhttp keeps to itself).
   aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
   ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. Where the two differ:
   a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
@@ -134,6 +136,7 @@ def _origin_form(target: str) -> str:
 
 # -- stdlib ---------------------------------------------------------------------------------------
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
+_ZEROS = re.compile(rb"0*")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2): no whitespace, no colon
 _MAX_LINE, _MAX_HEADERS = 65536, 100  # the stdlib's limits on a header line (bytes) and on a block's lines
 _MAX_HEAD = 65536  # bytes of a request's header lines, line ends included (and of a chunked body's trailer): 431
@@ -158,6 +161,111 @@ def _max_chunks(limit: int) -> int:
 def _too_many_chunks(limit: int) -> str:
     return (f"chunked body in more than {_max_chunks(limit)} chunks (64 + 1 per KiB of max_body_bytes): send chunks "
             "of 1 KiB or more, or a Content-Length")
+
+
+def _chunk_size(digits: bytes) -> int:
+    """The size a chunk-size line's hex digits declare (both servers): leading zeros allowed, however many; past 15
+    significant digits 2**60, more than any body limit, without ``int()`` of them."""
+    digits = digits.lstrip(b"0")
+    return int(digits or b"0", 16) if len(digits) <= 15 else 1 << 60
+
+
+def _chunks_too_large(limit: int) -> str:
+    return f"chunked body exceeds {limit} bytes"
+
+
+def _find_all(data: bytes, sub: bytes, start: int) -> list[int]:
+    """Every offset of ``sub`` in ``data`` at or after ``start`` (overlapping ones too)."""
+    found = []
+    while (i := data.find(sub, start)) >= 0:
+        found.append(i)
+        start = i + 1
+    return found
+
+
+class _ChunkSizes:
+    """Follows a chunked body on the wire only to read each chunk's declared size, for the aiohttp server.
+
+    aiohttp's parser (llhttp) keeps a chunk's size to itself and hands its data on as it arrives, so a chunk declared
+    larger than ``max_body_bytes`` was found out only once that many bytes had come: a client that declared one
+    (``fffffffffffffff``) and sent no more held its connection until ``request_timeout_s`` and got a 408, where the
+    threading server answers 413 from the size line. This reads the size lines of the bytes llhttp is given (the
+    exact grammar: hex digits, then ``;`` extensions or CRLF; RFC 9112 7.1) and sets :attr:`over` once the sizes
+    declared exceed the limit (a size line still arriving waits for its end, as on the threading server, bounded by
+    ``request_timeout_s``). It checks nothing else:
+    llhttp refuses what is malformed; a size line it cannot read makes it :attr:`lost` (follows no further).
+    A body in 1 KiB chunks costs ~1 us of Python per chunk."""
+
+    _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit  # bytes the chunks to come may still declare
+        self.state = self._SIZE
+        self.line = b""  # the size line so far, from its first digit but 0 (64 bytes: the digits, an extension's start)
+        self.zero = False  # the size line began with a 0
+        self.trailer_line = 0  # bytes of the trailer line so far
+        self.data_left = 0  # of the chunk being received (2 for the CRLF after it, in _DATA_END)
+        self.decoded = 0  # chunk data bytes seen
+        self.over = False
+        self.lost = False
+
+    def feed(self, data: bytes, pos: int = 0) -> int:
+        """Follow ``data[pos:]``: the offset just past the body's end in it (its trailer's blank line), or -1 where
+        the body goes on past it (or :attr:`lost` is set). Once :attr:`over`, it still follows, for
+        :meth:`_Protocol._follow_chunks` to count the data bytes."""
+        n = len(data)
+        while pos < n and not self.lost:
+            if self.state == self._DATA:
+                take = min(self.data_left, n - pos)
+                pos += take
+                self.decoded += take
+                self.data_left -= take
+                if not self.data_left:
+                    self.state, self.data_left = self._DATA_END, 2
+            elif self.state == self._DATA_END:  # the CRLF after a chunk's data (llhttp checks it)
+                take = min(self.data_left, n - pos)
+                pos += take
+                self.data_left -= take
+                if not self.data_left:
+                    self.state = self._SIZE
+            elif self.state == self._SIZE:
+                nl = data.find(b"\n", pos)
+                end = n if nl < 0 else nl + 1
+                if not self.line:  # leading zeros, however many, are skipped (their count does not matter)
+                    zeros = _ZEROS.match(data, pos, end).end()  # type: ignore[union-attr]  # (matches "")
+                    self.zero, pos = self.zero or zeros > pos, zeros
+                if len(self.line) < 64:
+                    self.line += data[pos:min(end, pos + 64 - len(self.line))]
+                pos = end
+                self._size_line(done=nl >= 0)
+            else:  # the trailer's lines, up to the blank one that ends the body
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    self.trailer_line += n - pos
+                    return -1
+                blank = self.trailer_line + nl - pos <= 1  # (its CR alone)
+                self.trailer_line, pos = 0, nl + 1
+                if blank:
+                    return pos
+        return -1
+
+    def _size_line(self, done: bool) -> None:
+        """Read :attr:`line`, the size line so far (``done``: all of it): its size, or :attr:`over`, or :attr:`lost`."""
+        m = _HEX.match(self.line)
+        digits = m.group() if m else b""
+        after = self.line[len(digits):len(digits) + 1]
+        if (after and after not in b";\r") or (done and not (digits or self.zero)):
+            self.lost = True  # not a size line: llhttp refuses it
+            return
+        if done:
+            size = _chunk_size(digits)
+            self.over = self.over or size > self.left
+            self.line, self.zero = b"", False
+            self.left = max(0, self.left - size)
+            if size:
+                self.state, self.data_left = self._DATA, size
+            else:
+                self.state, self.trailer_line = self._TRAILER, 0
 
 
 def _content_length(values: list[str], limit: int) -> int:
@@ -521,10 +629,7 @@ class _Handler(BaseHTTPRequestHandler):
             size_field = line.split(b";", 1)[0].strip(b" \t\r\n")
             if not line.endswith(b"\n") or not _HEX.fullmatch(size_field):
                 raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number")
-            digits = size_field.lstrip(b"0")  # leading zeros allowed; past 15 digits it exceeds any limit
-            if len(digits) > 15:
-                raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
-            size = int(digits or b"0", 16)
+            size = _chunk_size(size_field)
             if size == 0:  # the last chunk: its trailer (ignored, bounded as a header block) up to the blank line
                 try:
                     trailer = _read_header_lines(self.rfile)
@@ -536,7 +641,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _BadFraming(400, "malformed or incomplete chunked trailer")
                 return bytes(body)
             if len(body) + size > limit:
-                raise _BadFraming(413, f"chunked body exceeds {limit} bytes")
+                raise _BadFraming(413, _chunks_too_large(limit))
             chunks += 1
             if chunks > most:
                 raise _BadFraming(400, _too_many_chunks(limit))
@@ -727,6 +832,10 @@ def _aiohttp_protocol() -> type:
             self.head_open = True  # a request's head is being received (until its blank line)
             self.head_tail = b""  # the last bytes of it, for a blank line split across two reads
             self.first_request: asyncio.TimerHandle | None = None  # a new connection's wait for its first byte
+            self.max_body_bytes = 4 << 20
+            self.chunks: _ChunkSizes | None = None  # the open chunked body's sizes, followed on the wire
+            self.chunks_payload: Any = None  # (its request's body stream)
+            self.body_refused = False  # a chunk declared past max_body_bytes: the rest of the connection is unread
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -741,6 +850,8 @@ def _aiohttp_protocol() -> type:
                 self.force_close()
 
         def data_received(self, data: bytes) -> None:
+            if self.body_refused:
+                return  # its handler answers 413 and closes
             if self.deadline is None and data.lstrip(b"\r\n"):  # (empty lines before a request: idle time)
                 self.deadline = self._loop.time() + self.request_timeout_s
                 self.watchdog = self._loop.call_at(self.deadline, self._on_deadline)
@@ -758,11 +869,55 @@ def _aiohttp_protocol() -> type:
                 else:
                     self.head_bytes += len(data)
                     self.head_tail = seen[-3:]
+            body_end = 0  # where in data a chunked body followed from an earlier read ends
+            if self.chunks is not None:  # its sizes are read before llhttp takes the bytes
+                body_end = self.chunks.feed(data)
+                if self.chunks.over:
+                    self._refuse_chunks(self.chunks_payload)
+                    return
+                if body_end < 0 or self.chunks.lost:
+                    body_end = len(data)
+                if body_end < len(data) or self.chunks.lost:
+                    self.chunks = self.chunks_payload = None
+            messages = self._messages
+            queued = len(messages)
             super().data_received(data)
+            if (len(messages) > queued and body_end < len(data) and self.chunks is None
+                    and getattr(messages[-1][0], "chunked", False)):  # (an _ErrInfo has none)
+                self._follow_chunks(data, body_end)
             if self.head_open and self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ a line)
                 log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
                 self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
                 self.force_close()
+
+        def _follow_chunks(self, data: bytes, start: int) -> None:
+            """A request just parsed from ``data[start:]`` whose chunked body is still arriving: find where the body
+            starts in ``data`` and follow its chunk sizes (:class:`_ChunkSizes`) from there. llhttp does not say
+            where a request's head ended, so each place a head can end is tried (after a CRLFCRLF at or after
+            ``start``, or within the first 3 bytes when the head's last bytes came in the previous read), and the
+            one from which the body reads to the end of ``data`` with exactly the data bytes llhttp gave the request
+            is taken; where none does (a compressed body), the body is bounded as it arrives, as before."""
+            payload = self._messages[-1][1]
+            if payload.is_eof():
+                return
+            starts = [p + 4 for p in _find_all(data, b"\r\n\r\n", start)]
+            if start == 0:
+                starts[:0] = [p for p in (0, 1, 2, 3) if b"\r\n\r\n".endswith(data[:p]) or not p]
+            for p in starts:
+                sizes = _ChunkSizes(self.max_body_bytes)
+                if sizes.feed(data, p) < 0 and not sizes.lost and sizes.decoded == payload.total_bytes:
+                    if sizes.over:
+                        self._refuse_chunks(payload)
+                    else:
+                        self.chunks, self.chunks_payload = sizes, payload
+                    return
+
+        def _refuse_chunks(self, payload: Any) -> None:
+            """A chunked body declared past ``max_body_bytes``: its handler's read of it raises the 413 (answered in
+            turn, after any request before it), and nothing more is read from the connection."""
+            payload.set_exception(_BadFraming(413, _chunks_too_large(self.max_body_bytes)))
+            self.chunks = self.chunks_payload = None
+            self.body_refused = True
 
         def body_read(self) -> None:
             """The request's body is in: its deadline no longer applies (the next request's starts with its bytes)."""
@@ -913,7 +1068,7 @@ class AiohttpServer:
             except _TooLarge:  # a chunked body past the limit
                 return await self._reply(request, (413, "application/json", _error_body(
                     f"request body exceeds {limit} bytes")), close=True)
-            except _BadFraming as exc:  # too many chunks
+            except _BadFraming as exc:  # too many chunks; or one declared past the limit (_ChunkSizes)
                 return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)),
                                          close=True)
             except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
@@ -941,7 +1096,7 @@ class AiohttpServer:
             if self._draining or len(manager.connections) >= s.max_connections:
                 return _Refuse(_too_many_connections(s.max_connections))
             p = protocol(manager, loop=loop, **kwargs)
-            p.request_timeout_s = s.request_timeout_s
+            p.request_timeout_s, p.max_body_bytes = s.request_timeout_s, s.max_body_bytes
             return p  # type: ignore[no-any-return]
 
         self._aserver = await loop.create_server(connection, sock=self._sock, backlog=128)

@@ -419,6 +419,47 @@ def test_a_chunked_body_in_too_many_small_chunks_is_refused_and_kib_chunks_are_n
     assert healthy.response()[0] == 200
 
 
+CHUNKED_HEAD = request("POST", "/v1/score", headers={"Transfer-Encoding": "chunked"})
+OVER = {  # name -> the pieces a client sends (a pause between them), declaring a chunked body past 1000 bytes
+    "15 hex digits, some data": [CHUNKED_HEAD + b"fffffffffffffff\r\n" + b"x" * 10],
+    "16 hex digits": [CHUNKED_HEAD + b"f" * 16 + b"\r\n" + b"x" * 10],
+    "8 hex digits, no data": [CHUNKED_HEAD + b"ffffffff\r\n"],
+    "leading zeros": [CHUNKED_HEAD + b"0" * 30 + b"3e9;ext=1\r\n" + b"x" * 10],
+    "its size line in two reads": [CHUNKED_HEAD + b"fff", b"ffff\r\n"],
+    "head and size in two reads": [CHUNKED_HEAD, b"fffffffffffffff\r\nxx"],
+    "head split in its blank line": [CHUNKED_HEAD[:-1], b"\nfffffffffffffff\r\n"],
+    "second chunk past the rest": [CHUNKED_HEAD + b"3e0\r\n" + b" " * 992 + b"\r\n", b"9\r\nxx"],
+    "behind a pipelined request": [request("GET", "/healthz") + CHUNKED_HEAD + b"fffffffffffffff\r\nxx"],
+    "behind a chunked request": [CHUNKED_HEAD + chunked(EMPTY_ITEMS, 5) + CHUNKED_HEAD + b"7fffffff\r\n"],
+}
+
+
+@pytest.mark.parametrize("name", list(OVER))
+def test_a_chunk_declared_past_max_body_bytes_is_a_413_at_once_not_at_the_deadline(
+        make: Make, clients: Callable[..., Client], name: str) -> None:
+    """The threading server reads each chunk's size line; aiohttp's parser keeps it to itself and passed the data on
+    as it came, so a chunk declared past the limit (``fffffffffffffff``) with little or no data behind it waited out
+    ``request_timeout_s`` for a 408. A deadline of 60 s and a client that waits 20: at once means before that."""
+    srv, _ = make(request_timeout_s=60.0)
+    c = clients(srv, timeout_s=20.0)
+    for i, piece in enumerate(OVER[name]):
+        if i:
+            time.sleep(0.2)
+        c.send(piece)
+    if name.startswith("behind"):
+        assert c.response(timeout_s=20.0)[0] in (200, 422)  # the request before it is answered first
+    status, headers, body = c.response(timeout_s=20.0)
+    assert (status, headers["connection"]) == (413, "close"), body
+    assert json.loads(body)["error"] == "chunked body exceeds 1000 bytes"
+    assert c.closed(within_s=20.0)
+    good = clients(srv)  # the server goes on: a chunked body in pieces, on a new connection, is read whole
+    good.send(CHUNKED_HEAD + b"5\r\n" + EMPTY_ITEMS[:5])
+    time.sleep(0.1)
+    good.send(b"\r\n" + chunked(EMPTY_ITEMS[5:], 7))
+    status, _, body = good.response(timeout_s=20.0)
+    assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+
+
 # -- stop under load ------------------------------------------------------------------------------------------------
 def test_stop_during_a_flood_closes_every_connection_within_its_grace(kind: str, tmp_path: Path,
                                                                     clients: Callable[..., Client]) -> None:

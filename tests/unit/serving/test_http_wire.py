@@ -1,5 +1,5 @@
 """The threading server's own header parsing and answer writing (serving/http_server.py): headers read as the
-stdlib reads them, each answer written in one send."""
+stdlib reads them, each answer written in one send; the aiohttp server's reading of chunk sizes on the wire."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from serving.http_server import _Handler, _HeadTooLarge, _parse_headers
+from serving.http_server import _ChunkSizes, _Handler, _HeadTooLarge, _parse_headers
 
 PLAIN = [
     b"Host: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 42\r\n\r\n",
@@ -142,3 +144,46 @@ def test_the_connection_header_says_what_happens_to_the_connection() -> None:
     h = _handler(version="HTTP/1.0", close_connection=True)
     h._send(200, "application/json", b"{}")
     assert _read(h.wfile.writes[-1]).getheader("Connection") == "close"  # type: ignore[attr-defined]
+
+
+@st.composite
+def chunked_bodies(draw: st.DrawFn) -> tuple[bytes, int, list[int]]:
+    """A chunked body (leading zeros, extensions, a trailer: what llhttp takes), its data's length and the offsets at
+    which the wire cuts it into reads."""
+    data = draw(st.binary(max_size=300))
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, len(data) - 1)), max_size=6)) | {len(data)}) if data else []
+    zeros = draw(st.sampled_from([0, 1, 70, 1000]))
+    ext = draw(st.sampled_from([b"", b";a=b", b";" + b"x" * 100]))
+    raw, prev = b"", 0
+    for c in cuts:
+        raw += b"0" * zeros + f"{c - prev:X}".encode() + ext + b"\r\n" + data[prev:c] + b"\r\n"
+        prev = c
+    raw += b"0" * zeros + b"0" + ext + b"\r\n" + draw(st.sampled_from([b"", b"X-T: 1\r\n"])) + b"\r\n"
+    reads = sorted(draw(st.sets(st.integers(1, len(raw) - 1), max_size=12)))
+    return raw, len(data), reads
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunked_bodies())
+def test_chunk_sizes_follow_a_body_read_in_any_pieces_to_its_end_and_refuse_one_byte_less(
+        body: tuple[bytes, int, list[int]]) -> None:
+    raw, size, reads = body
+    wire = raw + b"GET /next"  # the next request behind it
+    sizes, prev, end = _ChunkSizes(size), 0, -1
+    for cut in [*reads, len(wire)]:
+        at = sizes.feed(wire[prev:cut])
+        if at >= 0:
+            end = prev + at
+            break
+        prev = cut
+    assert (end, sizes.decoded, sizes.over, sizes.lost) == (len(raw), size, False, False)
+    if size:
+        tight = _ChunkSizes(size - 1)
+        tight.feed(wire)
+        assert tight.over
+
+
+@pytest.mark.parametrize("line", [b"-2\r\n", b"2 \r\n", b"\r\n", b"0x2\r\n", b"Host: x\r\n", b"g\r\n"])
+def test_a_line_that_is_no_chunk_size_leaves_the_chunk_sizes_lost_not_over(line: bytes) -> None:
+    sizes = _ChunkSizes(10)
+    assert sizes.feed(line + b"ffffffffff\r\n") == -1 and sizes.lost and not sizes.over
