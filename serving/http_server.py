@@ -42,6 +42,8 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon, no obsolete line folding
   (a header line starting with whitespace, RFC 9112 5.2); any such error is answered JSON and the connection
   closed (the next request's start is unknown).
+  A body with a ``Content-Encoding`` other than ``identity`` is a ``415`` before it is read (aiohttp's
+  ``auto_decompress`` is off: the body is JSON as sent, on both servers).
   A chunk whose declared size takes the body past ``max_body_bytes`` is a ``413`` from its size line, before its
   data is waited for, on both servers (on aiohttp, :class:`_ChunkSizes` reads the sizes that llhttp keeps to itself).
   aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
@@ -285,6 +287,18 @@ def _content_length(values: list[str], limit: int) -> int:
         shown = digits if len(digits) <= 40 else f"a {len(digits)}-digit number of"
         raise _BadFraming(413, f"body of {shown} bytes exceeds {limit}")
     return int(digits)
+
+
+def _check_content_coding(values: list[str]) -> None:
+    """A body's ``Content-Encoding`` values (both servers): none, or ``identity``; any other coding is a 415
+    (RFC 9110 15.5.16) as :class:`_BadFraming`. The body is JSON as sent: aiohttp alone would inflate gzip, deflate
+    (and br, zstd where installed) before our limit saw the bytes, so the same request was scored there and refused
+    as "not valid UTF-8" JSON on the threading server; a coding aiohttp lacks was its 400 telling the client to
+    install a package."""
+    codings = [c.strip().lower() for v in values for c in v.split(",")]
+    if any(c != "identity" for c in codings):
+        shown = ", ".join(values)[:60]
+        raise _BadFraming(415, f"Content-Encoding {shown!r} is not supported: send the JSON body uncompressed")
 
 
 class _HeadTooLarge(http.client.HTTPException):
@@ -595,6 +609,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.defects or any(not _TOKEN.fullmatch(name) for name in self.headers.keys()):
             raise _BadFraming(400, "malformed header line (a field name with whitespace, or a line without a colon)")
         te, cl = self.headers.get_all("Transfer-Encoding") or [], self.headers.get_all("Content-Length") or []
+        length: int | None
         if te:
             if cl:
                 raise _BadFraming(400, "both Transfer-Encoding and Content-Length: the body's framing is ambiguous")
@@ -603,10 +618,12 @@ class _Handler(BaseHTTPRequestHandler):
                                        "send chunked or a Content-Length")
             if self.request_version == "HTTP/1.0":
                 self.close_connection = True  # RFC 9112 6.1
-            return None
-        if not cl:
-            return 0
-        return _content_length(cl, self.app.s.max_body_bytes)
+            length = None
+        else:
+            length = _content_length(cl, self.app.s.max_body_bytes) if cl else 0
+        if length != 0 and "Content-Encoding" in self.headers:
+            _check_content_coding(self.headers.get_all("Content-Encoding") or [])
+        return length
 
     def _read_body(self, length: int | None) -> bytes:
         if length == 0:
@@ -1050,7 +1067,9 @@ class AiohttpServer:
         target = _origin_form(request.raw_path)  # (not request.path: yarl's reading of "//healthz" is "////healthz")
         try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
             _content_length(request.headers.getall("Content-Length", []) or ["0"], limit)
-        except _BadFraming as exc:  # over the limit: said before the body is read
+            if request.body_exists and "Content-Encoding" in request.headers:  # (auto_decompress is off)
+                _check_content_coding(request.headers.getall("Content-Encoding"))
+        except _BadFraming as exc:  # over the limit, a coding: said before the body is read
             return await self._reply(request, (exc.status, "application/json", _error_body(exc.message)), close=True)
         if self.app.admitted >= s.max_in_flight:  # every slot looks taken: ask before reading the body
             with self.app.admission(target) as refused:  # (a slot is not held across the body's read)
@@ -1088,7 +1107,8 @@ class AiohttpServer:
 
         loop = asyncio.get_running_loop()
         s = self.app.s
-        kwargs: dict[str, Any] = {"keepalive_timeout": s.keepalive_timeout_s, "access_log": None}
+        kwargs: dict[str, Any] = {"keepalive_timeout": s.keepalive_timeout_s, "access_log": None,
+                                  "auto_decompress": False}  # (a coded body is a 415: _check_content_coding)
         self._web = manager = web.Server(self._handle, loop=loop, **kwargs)
         protocol = _aiohttp_protocol()
 

@@ -256,7 +256,7 @@ def openapi(max_candidates: int, max_batch: int, version: str, context_names: An
                 "responses": {"200": {"description": "one probability per item, in request order",
                                       "content": {"application/json": {
                                           "schema": {"$ref": "#/components/schemas/ScoreResponse"}}}},
-                              "400": error, "413": error, "422": error, "503": unavailable}}},
+                              "400": error, "413": error, "415": error, "422": error, "503": unavailable}}},
             "/v1/score:batch": {"post": {
                 "summary": "score several requests in one call (all on the same model)",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
@@ -267,7 +267,7 @@ def openapi(max_candidates: int, max_batch: int, version: str, context_names: An
                                       "content": {"application/json": {"schema": {
                                           "type": "object", "properties": {"results": {"type": "array", "items": {
                                               "$ref": "#/components/schemas/ScoreResponse"}}}}}}},
-                              "400": error, "413": error, "422": error, "503": unavailable}}},
+                              "400": error, "413": error, "415": error, "422": error, "503": unavailable}}},
             "/healthz": {"get": {"summary": "the process is up", "responses": {"200": {"description": "ok"}}}},
             "/readyz": {"get": {"summary": "a model is loaded and requests can be served",
                                 "responses": {"200": {"description": "ready"}, "503": unavailable}}},

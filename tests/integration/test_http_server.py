@@ -14,6 +14,7 @@ test_http_limits.py.
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import logging
@@ -259,6 +260,28 @@ def test_an_over_long_chunk_size_is_refused_as_json_and_closed(server: Server) -
         assert status in (400, 413), (status, body)
         assert headers["content-type"] == "application/json" and json.loads(body)["error"]
         assert closed_by_server(s, f)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd", "identity, gzip", "x-unknown"])
+def test_a_content_coded_body_is_a_415_on_both_servers_and_an_identity_one_is_read(server: Server,
+                                                                                  coding: str) -> None:
+    """The body is JSON as sent. aiohttp inflated gzip and deflate itself (a gzip body was scored there and a
+    "not valid UTF-8" 400 on the threading server) and answered a coding it lacked with a 400 asking the client to
+    install Brotli; now both refuse any coding but identity, before the body is read."""
+    packed = gzip.compress(EMPTY_ITEMS) if coding == "gzip" else EMPTY_ITEMS
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", packed, {"Content-Encoding": coding}))
+        status, headers, body = read_response(f)
+        assert (status, headers["connection"]) == (415, "close"), body
+        assert json.loads(body)["error"] == (f"Content-Encoding {coding!r} is not supported: send the JSON body "
+                                             "uncompressed")
+        assert closed_by_server(s, f)
+    with connect(server) as s, s.makefile("rb") as f:  # identity is no coding; a GET has no body to code
+        s.sendall(request("POST", "/v1/score", EMPTY_ITEMS, {"Content-Encoding": "identity"})
+                  + request("GET", "/healthz", headers={"Content-Encoding": coding}))
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+        assert read_response(f)[0] == 200
 
 
 PAD = b"X-Pad: " + b"a" * 7000 + b"\r\n"  # 7009 bytes: a header line within aiohttp's 8190
