@@ -33,6 +33,8 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   bytes trickle in (a per-``recv`` timeout would let one byte a second keep it alive); past it: ``408`` and
   close. A new connection must send its first request's first byte within it too (or ``keepalive_timeout_s``
   if shorter), else it is closed without an answer: idle sockets cannot hold ``max_connections``.
+  An answer the client does not read is bounded by it too: the threading server's send times out; on aiohttp a
+  connection whose unread answers stay past asyncio's high-water mark for it is aborted.
   ``keepalive_timeout_s``: a connection that has served a request and is idle (no request started) is closed
   after it. Empty lines before a request line (RFC 9112 2.2) are skipped as idle time.
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
@@ -853,6 +855,7 @@ def _aiohttp_protocol() -> type:
             self.chunks: _ChunkSizes | None = None  # the open chunked body's sizes, followed on the wire
             self.chunks_payload: Any = None  # (its request's body stream)
             self.body_refused = False  # a chunk declared past max_body_bytes: the rest of the connection is unread
+            self.write_stall: asyncio.TimerHandle | None = None  # answers not read by the client: its deadline
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -955,7 +958,33 @@ def _aiohttp_protocol() -> type:
             self.transport.write(_raw_response(408, _late(self.request_timeout_s)))
             self.force_close()
 
+        def pause_writing(self) -> None:
+            """The client is not reading its answers (asyncio's buffer for them is past its high-water mark): unless
+            it reads them down within ``request_timeout_s``, the connection is aborted, its buffer dropped. Without
+            this a client that pipelined requests and read nothing held its connection (one of ``max_connections``)
+            for ever: aiohttp waits on the drain without a deadline, and a close waits for the buffer to flush. The
+            threading server's answers are bounded alike (a send timeout of ``request_timeout_s``)."""
+            super().pause_writing()
+            if self.write_stall is None:
+                self.write_stall = self._loop.call_later(self.request_timeout_s, self._on_write_stall)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.write_stall is not None:
+                self.write_stall.cancel()
+                self.write_stall = None
+
+        def _on_write_stall(self) -> None:
+            self.write_stall = None
+            if self.transport is not None:
+                log.debug("answers not read within %s s: aborting the connection", self.request_timeout_s)
+                self.transport.abort()  # (first: force_close's close would wait for the buffer to flush)
+                self.force_close()
+
         def connection_lost(self, exc: BaseException | None) -> None:
+            if self.write_stall is not None:
+                self.write_stall.cancel()
+                self.write_stall = None
             if self.watchdog is not None:
                 self.watchdog.cancel()
                 self.watchdog = None

@@ -388,6 +388,31 @@ def test_an_idle_keep_alive_connection_is_closed_after_keepalive_timeout(make: M
     assert silent.closed(within_s=3.0)
 
 
+def test_a_client_that_reads_none_of_its_answers_loses_its_connection_after_request_timeout(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """Pipelined requests whose answers the client never reads: the threading server's send times out; aiohttp
+    waited on the drain for ever (a close waits for the flush too), so such a client held one of
+    ``max_connections`` for good. With ``max_connections = 1`` the next client is served once it is cut off."""
+    srv, _ = make(request_timeout_s=1.0, max_connections=1)
+    c = clients(srv)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.sock.setblocking(False)
+    burst = request("GET", "/metrics") * 50
+    cut_off, end = False, time.monotonic() + 30.0  # generous: the deadline is 1 s
+    while not cut_off and time.monotonic() < end:
+        try:
+            c.sock.send(burst)
+        except BlockingIOError:
+            time.sleep(0.05)
+        except OSError:  # reset, broken pipe: the server dropped the connection
+            cut_off = True
+    assert cut_off, "the connection was still open 30 s after its answers stopped being read"
+    served = False
+    while not served and time.monotonic() < end + 10.0:
+        served = healthz(srv, clients)[0] == 200  # (a 503 while the server has yet to see it gone)
+    assert served
+
+
 # -- chunked bodies -------------------------------------------------------------------------------------------------
 def chunked(body: bytes, size: int) -> bytes:
     return b"".join(f"{len(body[i:i + size]):x}\r\n".encode() + body[i:i + size] + b"\r\n"
