@@ -51,6 +51,7 @@ from serving.metrics import ServingMetrics
 from serving.request import RequestError, ScoreRequest, decode_json, openapi, parse_batch, parse_request
 from serving.settings import ServeSettings
 from serving.swap import LiveModel, ModelHolder
+from stream.errors import clip
 from stream.features import hash_value
 from stream.history import UserHistory
 
@@ -162,9 +163,9 @@ class ScoringApp:
             elif route is None:
                 if path in self._paths:
                     allowed = sorted(meth for meth, p in self._routes if p == path)
-                    resp = _error(405, f"{method} {path}: method not allowed; use {', '.join(allowed)}")
-                else:
-                    resp = _error(404, f"no endpoint {path}; endpoints: " + ", ".join(sorted(self._paths)))
+                    resp = _error(405, f"{clip(method, 40)} {path}: method not allowed; use {', '.join(allowed)}")
+                else:  # (a path, or a method, is quoted cut short: the threading server takes a 64 KiB request line)
+                    resp = _error(404, f"no endpoint {clip(path, 200)}; endpoints: " + ", ".join(sorted(self._paths)))
             elif len(body) > self.s.max_body_bytes:
                 resp = _error(413, f"body of {len(body)} bytes exceeds {self.s.max_body_bytes}")
             else:

@@ -109,6 +109,16 @@ def test_unknown_paths_are_404_naming_the_endpoints_and_wrong_methods_405_naming
     assert call(app, "GET", "/healthz?verbose=1")[0] == 200
 
 
+def test_a_long_path_or_method_is_quoted_cut_short_in_a_404_or_405(tmp_path: Path) -> None:
+    """The threading server takes request lines of up to 64 KiB: its 404 / 405 quoted all of it back."""
+    app = make_app(tmp_path)
+    status, _, out = call(app, "GET", "/" + "a" * 60_000)
+    assert status == 404 and out["error"].startswith("no endpoint /" + "a" * 196 + "...; endpoints: /healthz")
+    assert len(out["error"]) < 300
+    status, _, out = call(app, "M" * 60_000, "/readyz")
+    assert status == 405 and out["error"] == "M" * 37 + "... /readyz: method not allowed; use GET"
+
+
 def test_a_body_over_max_body_bytes_is_413_before_it_is_parsed(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     status, _, out = app.handle("POST", "/v1/score", b"{" * (MAX_BODY + 1))
