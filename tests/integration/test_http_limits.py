@@ -485,6 +485,26 @@ def test_a_chunk_declared_past_max_body_bytes_is_a_413_at_once_not_at_the_deadli
     assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
 
 
+@pytest.mark.parametrize("piece", [1, 5, 4096])
+def test_chunked_bodies_of_exactly_max_body_bytes_pipelined_in_any_pieces_are_all_read(
+        make: Make, clients: Callable[..., Client], piece: int) -> None:
+    """The other side of the 413 above: bodies that declare exactly the limit, in chunks with leading zeros and
+    extensions and a trailer, back to back, cut anywhere, are never refused (aiohttp reads their sizes on the wire)."""
+    srv, _ = make(max_body_bytes=len(EMPTY_ITEMS), request_timeout_s=60.0)
+    body = (b"1\r\n" + EMPTY_ITEMS[:1] + b"\r\n" + b"000a;x=y\r\n" + EMPTY_ITEMS[1:11] + b"\r\n"
+            + f"{len(EMPTY_ITEMS) - 11:X}\r\n".encode() + EMPTY_ITEMS[11:] + b"\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    wire = ((CHUNKED_HEAD + body) * 3 + request("POST", "/v1/score", EMPTY_ITEMS)
+            + CHUNKED_HEAD + chunked(EMPTY_ITEMS, 4))
+    c = clients(srv, timeout_s=20.0)
+    for i in range(0, len(wire), piece):
+        c.send(wire[i:i + piece])
+    for _ in range(5):
+        status, _, answer = c.response(timeout_s=20.0)
+        assert status == 422 and json.loads(answer)["error"] == EMPTY_ITEMS_ERROR, answer
+    c.send(CHUNKED_HEAD + chunked(EMPTY_ITEMS + b" ", 4))  # one byte more
+    assert c.response(timeout_s=20.0)[0] == 413
+
+
 # -- stop under load ------------------------------------------------------------------------------------------------
 def test_stop_during_a_flood_closes_every_connection_within_its_grace(kind: str, tmp_path: Path,
                                                                     clients: Callable[..., Client]) -> None:

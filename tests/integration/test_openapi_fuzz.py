@@ -38,6 +38,7 @@ from serving.features import FeatureEncoder
 from serving.request import openapi
 from serving.service import ScoringService
 from serving.settings import ServeSettings
+from tests.integration.test_http_server import read_response
 from tests.integration.test_serving import CFG, TinyLearner, publish_version
 
 MAX_CANDIDATES, MAX_BATCH, MAX_BODY = 20, 4, 4 << 20  # the default body limit
@@ -197,6 +198,26 @@ def test_chunked_bodies_and_head_are_served(any_server: ScoringService) -> None:
     assert got == 200 and len(json.loads(body)["scores"]) == 2
     got, headers, body = _raw(any_server.port, _request("HEAD", "/readyz"))
     assert got == 200 and body == b""
+
+
+@pytest.mark.parametrize("piece", [1, 7, 97, 1 << 20])
+def test_pipelined_requests_sent_in_any_pieces_are_scored_as_each_alone(any_server: ScoringService,
+                                                                         piece: int) -> None:
+    """Content-Length and chunked requests back to back on one connection, the bytes cut into pieces of ``piece``
+    (aiohttp follows each open chunked body's sizes on the wire: it must never misread one), then a bad one: each is
+    answered in order with the scores it gets alone, and the server goes on."""
+    bodies = [json.dumps({"user_id": u, "items": [u, u + 1, 7]}).encode() for u in range(12)]
+    alone = [_raw(any_server.port, _request("POST", "/v1/score", b))[2] for b in bodies]
+    chunked = _request("POST", "/v1/score", b"", {"Transfer-Encoding": "chunked"})
+    wire = b"".join(chunked + _chunked(b) if i % 2 else _request("POST", "/v1/score", b) for i, b in enumerate(bodies))
+    with socket.create_connection(("127.0.0.1", any_server.port), timeout=10) as s, s.makefile("rb") as f:
+        for i in range(0, len(wire), piece):
+            s.sendall(wire[i:i + piece])
+        answers = [read_response(f) for _ in alone]
+    assert [(status, json.loads(body)) for status, _, body in answers] == [(200, json.loads(a)) for a in alone]
+    assert _raw(any_server.port, chunked + b"fffffffffffffff\r\n")[0] == 413  # past the limit: at once
+    assert [json.loads(_raw(any_server.port, _request("POST", "/v1/score", b))[2]) for b in bodies[:2]] == \
+        [json.loads(a) for a in alone[:2]]
 
 
 def test_a_malformed_request_line_is_a_json_400(service: ScoringService) -> None:
