@@ -916,7 +916,9 @@ def _aiohttp_protocol() -> type:
             where a request's head ended, so each place a head can end is tried (after a CRLFCRLF at or after
             ``start``, or within the first 3 bytes when the head's last bytes came in the previous read), and the
             one from which the body reads to the end of ``data`` with exactly the data bytes llhttp gave the request
-            is taken; where none does (a compressed body), the body is bounded as it arrives, as before."""
+            is taken (a false match needs a client's own body crafted for it, and costs only that request). Where none
+            matches, or llhttp parsed the request from bytes it held back (a pipeline past its queue of 32), the body
+            is bounded as it arrives, as before. Runs once per chunked request whose body is still arriving."""
             payload = self._messages[-1][1]
             if payload.is_eof():
                 return
