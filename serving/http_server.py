@@ -60,6 +60,9 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   aiohttp's parser bounds a trailer by its own limits): past it a ``431``, at once, not at the deadline. Each line
   is at most 65536 bytes and a block 100 lines on the threading server, 8190 bytes and 128 lines on aiohttp.
 
+A client that shuts its sending side (``SHUT_WR``) after its requests gets their answers, then the connection closes,
+on both servers.
+
 ``stop(grace_s)``: stop accepting (new connections are refused), close idle keep-alive connections at once,
 let requests in flight finish (up to ``grace_s``; their answer says ``Connection: close``), then close every
 connection left and join the server's threads. A server never started stops at once; a second stop is a no-op.
@@ -856,6 +859,7 @@ def _aiohttp_protocol() -> type:
             self.chunks_payload: Any = None  # (its request's body stream)
             self.body_refused = False  # a chunk declared past max_body_bytes: the rest of the connection is unread
             self.write_stall: asyncio.TimerHandle | None = None  # answers not read by the client: its deadline
+            self.peer_eof = False  # the client shut its sending side: answer what it sent, then close
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -960,6 +964,25 @@ def _aiohttp_protocol() -> type:
             self.transport.write(_raw_response(408, _late(self.request_timeout_s)))
             self.force_close()
 
+        def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio.Protocol's: True keeps it open)
+            """The client shut its sending side (``SHUT_WR``, ``nc -N``): the requests it sent in full are answered,
+            then the connection is closed (the last answer says ``Connection: close``), as on the threading server.
+            aiohttp closed the connection at once, answering none of them. A request cut short by the EOF, or an
+            idle connection, is closed at once, as before."""
+            if self._parser is None or self._force_close:
+                return None
+            try:
+                self._parser.feed_eof()
+            except HttpProcessingError:  # a body (or chunk) cut short
+                return None
+            waiter = getattr(self, "_waiter", None)
+            if not self._messages and waiter is not None and not waiter.done():
+                return None  # idle, waiting for a request that cannot come
+            self.peer_eof = True  # the last queued request's answer closes the connection (AiohttpServer._reply)
+            if not self._messages:
+                self.close()  # no request queued: close once the one being handled (if any) is answered, or now
+            return True  # (the transport stays open for the answers)
+
         def pause_writing(self) -> None:
             """The client is not reading its answers (asyncio's buffer for them is past its high-water mark): unless
             it reads them down within ``request_timeout_s``, the connection is aborted, its buffer dropped. Without
@@ -1053,7 +1076,8 @@ class AiohttpServer:
         else:
             r = web.Response(status=status, body=out, content_type=ctype.split(";")[0],
                              charset="utf-8" if "charset" in ctype else None, headers=headers)
-        if close or self._draining:
+        proto: Any = request.protocol
+        if close or self._draining or (proto.peer_eof and not proto._messages):  # (the client's last request)
             r.force_close()  # "Connection: close"
         if close:  # the body is not read: answer now and close, rather than read (linger over) the rest of it
             try:

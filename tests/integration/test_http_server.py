@@ -284,6 +284,20 @@ def test_a_content_coded_body_is_a_415_on_both_servers_and_an_identity_one_is_re
         assert read_response(f)[0] == 200
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_requests_sent_before_the_client_shuts_its_side_are_answered_then_the_connection_closes(
+        server: Server, count: int) -> None:
+    """``printf 'GET /healthz ...' | nc -N``: aiohttp closed the connection on the client's EOF without answering
+    the requests that came before it; the threading server answered them."""
+    sent = [request("GET", "/healthz"), request("POST", "/v1/score", EMPTY_ITEMS), request("GET", "/healthz")][:count]
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"".join(sent))
+        s.shutdown(socket.SHUT_WR)
+        answers = [read_response(f) for _ in sent]
+        assert [status for status, _, _ in answers] == [200, 422, 200][:count]
+        assert closed_by_server(s, f, within_s=20.0)
+
+
 PAD = b"X-Pad: " + b"a" * 7000 + b"\r\n"  # 7009 bytes: a header line within aiohttp's 8190
 
 
