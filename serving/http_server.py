@@ -82,6 +82,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Protocol
@@ -181,13 +182,18 @@ def _chunks_too_large(limit: int) -> str:
     return f"chunked body exceeds {limit} bytes"
 
 
-def _find_all(data: bytes, sub: bytes, start: int) -> list[int]:
-    """Every offset of ``sub`` in ``data`` at or after ``start`` (overlapping ones too)."""
-    found = []
-    while (i := data.find(sub, start)) >= 0:
-        found.append(i)
-        start = i + 1
-    return found
+_FOLLOW_BUDGET = 256  # steps of _ChunkSizes that finding an open chunked body's start in one read may take
+
+
+def _head_ends(data: bytes, start: int) -> Iterator[int]:
+    """Where a request head may end in ``data`` (at or after ``start``): just past each CRLFCRLF (llhttp ends a
+    head nowhere else), and, when ``start`` is 0, at 0 to 3 where the CRLFCRLF began in the previous read."""
+    if start == 0:
+        yield from (p for p in (0, 1, 2, 3) if b"\r\n\r\n".endswith(data[:p]))
+    i = data.find(b"\r\n\r\n", start)
+    while i >= 0:
+        yield i + 4
+        i = data.find(b"\r\n\r\n", i + 1)
 
 
 class _ChunkSizes:
@@ -205,8 +211,10 @@ class _ChunkSizes:
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, budget: int | None = None) -> None:
         self.left = limit  # bytes the chunks to come may still declare
+        self.chunks_left = _max_chunks(limit)  # past it the handler refuses the body (400): nothing to follow
+        self.budget = budget  # steps (a size line, a chunk's data, its CRLF) it may take; None: no bound
         self.state = self._SIZE
         self.line = b""  # the size line so far, from its first digit but 0 (64 bytes: the digits, an extension's start)
         self.zero = False  # the size line began with a 0
@@ -222,6 +230,11 @@ class _ChunkSizes:
         :meth:`_Protocol._follow_chunks` to count the data bytes."""
         n = len(data)
         while pos < n and not self.lost:
+            if self.budget is not None:
+                self.budget -= 1
+                if self.budget < 0:
+                    self.lost = True
+                    break
             if self.state == self._DATA:
                 take = min(self.data_left, n - pos)
                 pos += take
@@ -269,7 +282,10 @@ class _ChunkSizes:
             self.over = self.over or size > self.left
             self.line, self.zero = b"", False
             self.left = max(0, self.left - size)
-            if size:
+            self.chunks_left -= 1
+            if self.chunks_left < 0:
+                self.lost = True  # (the handler's 400 for too many chunks)
+            elif size:
                 self.state, self.data_left = self._DATA, size
             else:
                 self.state, self.trailer_line = self._TRAILER, 0
@@ -922,20 +938,25 @@ def _aiohttp_protocol() -> type:
             one from which the body reads to the end of ``data`` with exactly the data bytes llhttp gave the request
             is taken (a false match needs a client's own body crafted for it, and costs only that request). Where none
             matches, or llhttp parsed the request from bytes it held back (a pipeline past its queue of 32), the body
-            is bounded as it arrives, as before. Runs once per chunked request whose body is still arriving."""
+            is bounded as it arrives, as before. Runs once per chunked request whose body is still arriving, in at
+            most ``_FOLLOW_BUDGET`` steps over all the places tried: a read full of CRLFCRLFs each followed by chunk
+            framing (``2\\r\\n\\r\\n\\r\\n`` repeated) made every try read the rest, ~250 s of the event loop
+            for one 64 KB read; past the budget the body is bounded as it arrives."""
             payload = self._messages[-1][1]
             if payload.is_eof():
                 return
-            starts = [p + 4 for p in _find_all(data, b"\r\n\r\n", start)]
-            if start == 0:
-                starts[:0] = [p for p in (0, 1, 2, 3) if b"\r\n\r\n".endswith(data[:p]) or not p]
-            for p in starts:
-                sizes = _ChunkSizes(self.max_body_bytes)
+            budget = _FOLLOW_BUDGET
+            for p in _head_ends(data, start):
+                sizes = _ChunkSizes(self.max_body_bytes, budget)
                 if sizes.feed(data, p) < 0 and not sizes.lost and sizes.decoded == payload.total_bytes:
                     if sizes.over:
                         self._refuse_chunks(payload)
                     else:
+                        sizes.budget = None
                         self.chunks, self.chunks_payload = sizes, payload
+                    return
+                budget = (sizes.budget or 0) - 1
+                if budget <= 0:
                     return
 
         def _refuse_chunks(self, payload: Any) -> None:

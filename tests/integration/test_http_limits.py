@@ -485,6 +485,20 @@ def test_a_chunk_declared_past_max_body_bytes_is_a_413_at_once_not_at_the_deadli
     assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
 
 
+def test_a_read_full_of_head_ends_and_chunk_framing_does_not_stall_the_server(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """aiohttp finds where an open chunked body starts in a read by trying each place a head can end: a 63 KB body
+    of ``2\\r\\n\\r\\n\\r\\n`` repeated, pipelined before a chunked request, made each try read the rest of it
+    (~250 s of the event loop; every client waited). Bounded now: another client is answered (generous: 30 s)."""
+    srv, _ = make(max_body_bytes=1 << 20, request_timeout_s=2.0)
+    framing = b"2\r\n\r\n\r\n" * 9000
+    c = clients(srv, timeout_s=30.0)
+    c.send(request("POST", "/v1/score", framing) + CHUNKED_HEAD + b"1fffff\r\n" + framing)
+    assert healthz(srv, clients, timeout_s=30.0)[0] == 200
+    assert c.response(timeout_s=30.0)[0] == 400  # (its body is no JSON)
+    assert c.response(timeout_s=30.0)[0] in (408, 413)  # (past the search's budget: bounded by the deadline)
+
+
 @pytest.mark.parametrize("piece", [1, 5, 4096])
 def test_chunked_bodies_of_exactly_max_body_bytes_pipelined_in_any_pieces_are_all_read(
         make: Make, clients: Callable[..., Client], piece: int) -> None:
