@@ -52,12 +52,35 @@ ttl_days * 86400)``. In consequence a key of a day older than yesterday lives ``
 Every write refreshes the expiry (``EXPIREAT``), so it only ever moves forward.
 
 Retries: one :meth:`DailyCounts.record` (or :meth:`DailyCounts.add_counts`) call is all or nothing when the
-connection fails or Redis refuses it: its script calls (one per day) go in one MULTI/EXEC, which Redis runs only
-once it has the whole transaction, so a connection lost part way through the pipeline writes nothing and the
-caller may write the same counts again (the joiner does, with its next flush). As a non-transactional pipeline,
-the days before the break were written and then written again by the retry. What remains: a failure after Redis
-ran the EXEC but before its reply arrived (a count written twice by the retry), and an error *inside* a script
-(a key of the wrong type: Redis does not roll back the other days of that EXEC).
+connection fails or Redis refuses it: its script calls (one per day; ``add_counts``: per chunk) go in one MULTI/EXEC,
+which Redis runs only once it has the whole transaction, so a connection lost part way through the pipeline writes
+nothing. (As a non-transactional pipeline, the days before the break were written and then written again by the
+retry.) A failure after Redis ran the EXEC but before its reply arrived (a timeout, a dropped connection) leaves the
+caller not knowing whether it ran, so every call is a *write* with an id (``write_id``, :func:`new_write_id`, a fresh
+one when the caller gives none), and each of its script calls has a marker key in the kind's hash slot::
+
+    {prefix}:counts:{{kind}}:w:{event}:{write id}:{YYYYMMDD}:{part}     (part: add_counts's chunk, 0 for record)
+
+A script call that finds its marker writes nothing; one that does not writes its counts and names, then sets the
+marker (last: a call that fails part way, a key of the wrong type, sets none and its retry fails as loudly), expiring
+``WRITE_ID_TTL_S`` (a day) later. So a call again with the same write id and the same counts counts each day once,
+whether the first ran, did not, or ran only some of its days (an error inside one script call: Redis does not roll
+back the other calls of the EXEC, and their markers are set). A marker per script call, not per write: the first
+day of an EXEC does not make the later days skip, and a resend of the same EXEC (redis-py's own retries, on a cluster
+too) counts once as well. The markers are outside what :meth:`DailyCounts.days_available` scans.
+
+The caller makes the id when it first hands counts to a write and keeps it, with those counts unchanged, until the
+write succeeds; it never adds newer counts to a write that failed (Redis may have run it: retried under its id the
+newer counts would be skipped, under a new id its own counted twice). The joiner retries a failed flush's write as it
+was, before writing what came since (``stream/joiner/pipeline.py``, ``JoinPipeline._finish_flush``); serving's lookup
+counts (``serving/lookup_counts.py``) do not retry: a failed flush's lookups are dropped.
+
+Cost per script call (per day and kind/event; per chunk for ``add_counts``): the marker's name, ~70 bytes sent, two
+commands inside the script (EXISTS, SET: ~5 us of server time against ~5 us per member counted), and ~160 bytes of
+Redis memory for a day: the joiner (a flush every 2 s, four kinds/events) keeps ~170,000 markers, ~28 MB, per
+worker; a serving process (every 5 s, two kinds) ~35,000, ~6 MB. What remains: a retry more than
+``WRITE_ID_TTL_S`` after the write it repeats (its markers are gone) counts twice, and so does the retry of a script
+call that failed after part of its writes (the counts written, then the names key found of the wrong type).
 
 Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_ts_s``) ahead of
 the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
@@ -69,6 +92,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -86,6 +110,13 @@ DAY_MS = DAY_S * 1000
 _EPOCH = dt.date(1970, 1, 1)
 _DAY_RE = re.compile(r"\d{8}")
 _TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
+WRITE_ID_TTL_S = DAY_S  # how long a write's markers are kept: a retry later than this may count its write twice
+
+
+def new_write_id() -> str:
+    """A fresh write id (96 random bits, as text): what a caller makes when it first hands counts to a write and
+    passes again with every retry of those same counts (module docstring, "Retries")."""
+    return secrets.token_hex(12)
 
 
 def day_of(ts_ms: int) -> str:
@@ -154,6 +185,16 @@ def _name_text(member: int | str, value: object) -> str:
                      "integer or a non-empty string)")
 
 
+def _checked_write_id(write_id: object) -> str:
+    """``write_id`` as given, or a fresh one for None (a call no caller retries still guards against a resend)."""
+    if write_id is None:
+        return new_write_id()
+    if not isinstance(write_id, str) or not write_id or len(write_id) > 64:
+        raise ValueError(f"argument 'write_id': got {write_id!r}, expected a non-empty string of at most 64 "
+                         "characters (stream.counts.new_write_id() makes one)")
+    return write_id
+
+
 def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
     """``names`` (id as given -> raw id) keyed by the id's member text, valued by the raw id's text."""
     out = {}
@@ -169,16 +210,20 @@ def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
     return out
 
 
-# KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day; ARGV = expire-at (unix s), the number
-# n of (count, member) pairs, those pairs, then (member, name) pairs. The names key gets the counts key's expiry.
-# Returns whether the names key existed before the call.
-_ZINCR_MANY = """
+# KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day, KEYS[3] = this call's write marker;
+# ARGV = expire-at (unix s), the number n of (count, member) pairs, those pairs, then (member, name) pairs. The names
+# key gets the counts key's expiry. A marker found means this very call ran before (a retry after its reply was lost):
+# nothing is written again. The marker is set last, so a call that fails part way (a key of the wrong type) sets none
+# and its retry fails as loudly. Returns whether the names key existed before the call.
+_ZINCR_MANY = f"""
+local had = redis.call('EXISTS', KEYS[2])
+if redis.call('EXISTS', KEYS[3]) == 1 then return had end
 local last = 2 + 2 * tonumber(ARGV[2])
 for i = 3, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[1], ARGV[1])
-local had = redis.call('EXISTS', KEYS[2])
 for i = last + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[2], ARGV[1])
+redis.call('SET', KEYS[3], 1, 'EX', {WRITE_ID_TTL_S})
 return had
 """
 _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
@@ -222,6 +267,11 @@ class DailyCounts:
     def _names_key(self, kind: str, day: str) -> str:
         return f"{self.prefix}:names:{{{kind}}}:{day}"
 
+    def _marker_key(self, kind: str, event: str, write_id: str, day: str, part: int = 0) -> str:
+        """The marker of one script call of write ``write_id``: part ``part`` of its counts of ``kind``/``event`` on
+        ``day`` (module docstring, "Retries"). In the kind's hash slot, and outside what ``days_available`` scans."""
+        return f"{self.prefix}:counts:{{{kind}}}:w:{event}:{write_id}:{day}:{part}"
+
     def _legacy(self) -> bool:
         """Whether the readers also read the layout before hash tags (module docstring: only on a single node)."""
         return not is_cluster(self.client)
@@ -240,7 +290,7 @@ class DailyCounts:
 
     # -- writes -----------------------------------------------------------------------------------
     def record(self, kind: str, event: str, ids: Sequence[int | str], ts_ms: Sequence[int] | np.ndarray,
-               names: Mapping[Any, int | str] | None = None) -> None:
+               names: Mapping[Any, int | str] | None = None, write_id: str | None = None) -> None:
         """Count ``ids[i]`` once on the UTC day of ``ts_ms[i]``; one Redis round trip per call.
 
         Counts are aggregated here first, then written with one MULTI/EXEC pipeline holding one script call per
@@ -251,8 +301,14 @@ class DailyCounts:
         ``names`` maps ids (as given in ``ids``) to their raw ids: the name of each member counted is set
         in the same script call, on the same day (ids missing from it get no name; extra entries are
         ignored, so a name is only ever kept beside a count).
+
+        ``write_id`` (:func:`new_write_id`; a fresh one when None) names these counts as one write: a call again with
+        the same id and the same ids and times, after a failure that left it unknown whether Redis ran the first
+        (a lost reply), counts each day once (module docstring, "Retries"). One id, one write: never pass it with
+        other counts of the same kind and event.
         """
         _check_kind_event(kind, event)
+        write_id = _checked_write_id(write_id)
         id_list = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
         ts = np.asarray(ts_ms)
         if ts.ndim != 1:
@@ -292,7 +348,8 @@ class DailyCounts:
             args.setdefault(d, []).extend((n, member if text else str(member)))
         days = {d: _day_str(d) for d in args}
         named, skipped = self._names_to_send(kind, days, counts, names, text) if names else ({}, set())
-        calls = [([self._key(kind, event, days[d]), self._names_key(kind, days[d])],
+        calls = [([self._key(kind, event, days[d]), self._names_key(kind, days[d]),
+                   self._marker_key(kind, event, write_id, days[d])],
                   [self.expire_at(d, now), len(pairs) // 2, *pairs, *named.get(d, ())]) for d, pairs in args.items()]
         try:
             had_names = self._write(calls)  # all days or none (see "Retries" in the module docstring)
@@ -305,11 +362,13 @@ class DailyCounts:
                 self._forget_named(self._names_key(kind, days[d]))
 
     def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
-                   chunk: int = 10_000) -> None:
+                   chunk: int = 10_000, write_id: str | None = None) -> None:
         """Add pre-aggregated ``counts[i]`` to ``members[i]`` (int64 hashes, (M,) each) on day ``day_index`` (days
         since the epoch): one MULTI/EXEC pipeline of the same script :meth:`record` uses, ``chunk`` members
-        per call (no names), all written or none. One round trip; the caller bounds ``M``."""
+        per call (no names), all written or none. One round trip; the caller bounds ``M``. ``write_id``: as for
+        :meth:`record` (a retry passes the same members, counts and ``chunk`` again)."""
         _check_kind_event(kind, event)
+        write_id = _checked_write_id(write_id)
         if len(members) != len(counts):
             raise ValueError(f"argument 'counts': has {len(counts)} elements but 'members' has {len(members)}")
         if not len(members):
@@ -318,10 +377,10 @@ class DailyCounts:
         keys = [self._key(kind, event, day), self._names_key(kind, day)]
         expire = self.expire_at(int(day_index))
         calls = []
-        for i in range(0, len(members), chunk):
+        for part, i in enumerate(range(0, len(members), chunk)):
             m, c = members[i:i + chunk].tolist(), counts[i:i + chunk].tolist()
             pairs = [x for pair in zip(c, map(str, m), strict=True) for x in pair]
-            calls.append((keys, [expire, len(m), *pairs]))
+            calls.append(([*keys, self._marker_key(kind, event, write_id, day, part)], [expire, len(m), *pairs]))
         self._write(calls)  # all chunks or none (see "Retries" in the module docstring)
 
     def _write(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:

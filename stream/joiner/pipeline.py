@@ -25,7 +25,9 @@ too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``) ins
 producer. Redis degraded: the batch fails and is retried from the last commit (history is part of
 what a batch makes durable); no strikes are given for it. Day counts are not: they are aggregated for
 ``counts_flush_s`` and written by a writer thread while the batches go on (a crash loses at most that
-much counting); a failed write fails the batch that finds it, and its counts stay buffered for the next.
+much counting); a failed write fails the batch that finds it, and its counts stay for the next flush, which retries
+it as it was under its write id before writing what came since: a write whose reply was lost after Redis ran it is
+counted once (``stream/counts.py``, "Retries"; :meth:`JoinPipeline._finish_flush`).
 A batch's own counts join that buffer only once its state is durable: a failed batch is done again, and
 is counted once.
 
@@ -64,7 +66,7 @@ import orjson
 from confluent_kafka import KafkaException, TopicPartition
 
 from stream.config import KafkaSettings, RedisSettings
-from stream.counts import DailyCounts
+from stream.counts import DailyCounts, new_write_id
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, ConfigError, MessageTooLarge, StreamError, clip, shown
 from stream.event_batch import decode_events
@@ -114,6 +116,18 @@ def _add_counts(into: Counts, counts: Counts, ahead: bool = False) -> None:
         else:
             got[0].extend(ids)
             got[1].extend(ts)
+
+
+@dataclass
+class CountsWrite:
+    """One write of day counts to Redis (:meth:`JoinPipeline._write_counts`): its counts (each kind and event removed
+    once written), the raw ids that name them, and its write id, kept across every retry of these same counts so that
+    a write whose reply was lost after Redis ran it counts once (``stream/counts.py``, "Retries")."""
+
+    counts: Counts
+    names: dict[str, set[int | str]]
+    write_id: str = field(default_factory=new_write_id)
+    sent: bool = False  # handed to Redis at least once: it may have been applied, so it is only retried as it is
 
 
 class StateTooLarge(StreamError):
@@ -357,10 +371,11 @@ class JoinPipeline:
         self._batch_counts: Counts = {}
         self._batch_names: dict[str, set[int | str]] = {"item": set(), "user": set()}
         self._counts_flushed = time.monotonic()
-        # Counts are written by one thread beside the batches (_start_flush); the write in flight and what it holds.
+        # Counts are written by one thread beside the batches (_start_flush); the writes in flight, and the write
+        # that failed after it was sent (retried as it was, under its write id, before anything newer: _finish_flush).
         self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
-        self._flushing: tuple[Future[None], Counts,
-                              dict[str, set[int | str]]] | None = None
+        self._flushing: tuple[Future[None], list[CountsWrite]] | None = None
+        self._failed_write: CountsWrite | None = None
         self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
         # alone would advance event time past clicks that are merely unread.
@@ -1009,39 +1024,59 @@ class JoinPipeline:
 
     def _start_flush(self) -> None:
         """Hand the buffered counts to the writer thread and buffer afresh: the batches go on while Redis counts (its
-        server time is most of a flush). One write at a time: the previous one is finished first."""
+        server time is most of a flush). One flush at a time: the previous one is finished first. A write that failed
+        after it was sent goes first, as it was and under its own write id (:meth:`_finish_flush`), then the buffer
+        under a new one."""
         self._finish_flush()
+        writes = [] if self._failed_write is None else [self._failed_write]
+        self._failed_write = None
         counts, names = self._counts_buffer, self._names_buffer
         self._counts_buffer, self._names_buffer = {}, {"item": set(), "user": set()}
         self._counts_flushed = time.monotonic()
         if counts:
-            self._flushing = (self._counts_writer.submit(self._write_counts, counts, names), counts, names)
+            writes.append(CountsWrite(counts, names))
+        if writes:
+            self._flushing = (self._counts_writer.submit(self._write_counts, writes), writes)
 
     def _finish_flush(self) -> None:
-        """Wait for the write in flight; if it failed, its counts not written go back into the buffer (ahead of what
-        came since, to be written with the next flush, as when a synchronous write failed) and its error is raised.
-        (The writer removed from them each kind and event it wrote: those are not written again.)"""
+        """Wait for the writes in flight; if one failed, raise its error (a synchronous write failing would have), and
+        keep what was not written for the next flush (the writer removed from each write every kind and event it
+        wrote: those are not written again).
+
+        The write that failed was sent: Redis may have run it and lost only the reply, so it is kept apart, with its
+        write id, and retried exactly as it was (``stream/counts.py``, "Retries"); merged with newer counts it could
+        not be retried safely (under its id the newer counts would be skipped as written, under a new id its own
+        counted twice). A write not sent yet (behind the failed one) goes back into the buffer, ahead of what came
+        since (it is older), and is written with the next flush's buffer; so at most one write waits apart."""
         if self._flushing is None:
             return
-        future, counts, names = self._flushing
+        future, writes = self._flushing
         self._flushing = None
         try:
             future.result()
         except BaseException:
-            _add_counts(self._counts_buffer, counts, ahead=True)
-            for kind, raws in names.items():
-                self._names_buffer[kind] |= raws
+            for write in writes:
+                if not write.counts:
+                    continue
+                if write.sent:
+                    self._failed_write = write
+                else:
+                    _add_counts(self._counts_buffer, write.counts, ahead=True)
+                    for kind, raws in write.names.items():
+                        self._names_buffer[kind] |= raws
             raise
 
-    def _write_counts(self, counts: Counts,
-                      raw_ids: dict[str, set[int | str]]) -> None:
-        """The writer thread's part of a flush (DailyCounts.record per kind and event, each all or nothing).
+    def _write_counts(self, writes: list[CountsWrite]) -> None:
+        """The writer thread's part of a flush: each write in turn, one DailyCounts.record per kind and event (each all
+        or nothing) under the write's id; the first failure ends it.
 
-        Each (kind, event) written is removed from ``counts`` at once, so that what a failure hands back to the
-        buffer (:meth:`_finish_flush`, which reads ``counts`` only after this returned or raised) is only what
-        was not written: with the item counts written and Redis failing on the user counts, the retry wrote the
-        item counts a second time (and once more per further failure)."""
-        names = {kind: {hash_value(raw): raw for raw in raws} for kind, raws in raw_ids.items()}
-        for (kind, event), (ids, ts) in list(counts.items()):
-            self.counts.record(kind, event, ids, ts, names=names[kind])
-            del counts[(kind, event)]
+        Each (kind, event) written is removed from its write's ``counts`` at once, so that what a failure leaves
+        (:meth:`_finish_flush`, which reads the writes only after this returned or raised) is only what was not
+        written: with the item counts written and Redis failing on the user counts, the retry wrote the item counts a
+        second time (and once more per further failure)."""
+        for write in writes:
+            names = {kind: {hash_value(raw): raw for raw in raws} for kind, raws in write.names.items()}
+            for (kind, event), (ids, ts) in list(write.counts.items()):
+                write.sent = True
+                self.counts.record(kind, event, ids, ts, names=names[kind], write_id=write.write_id)
+                del write.counts[(kind, event)]

@@ -1,8 +1,9 @@
-"""Day counts written again after a failure are counted once, against the real Redis of the session stack.
+"""Day counts written again after a failure are counted once, against the real Redis of the session stack (and a
+real Redis Cluster where said).
 
 The joiner (stream/joiner/pipeline.py) writes a flush as one DailyCounts.record per kind and event and, when the
-write fails, hands its counts back to the buffer for the next flush; serving's lookup counts use add_counts. Both are
-retried from scratch, so what reached Redis before the failure must not be written twice.
+write fails, retries it as it was, under its write id, with the next flush; serving's lookup counts use add_counts.
+What reached Redis before the failure must not be written twice, including a write Redis ran whose reply was lost.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from stream.counts import DAY_MS, DailyCounts, day_of
-from stream.joiner.pipeline import JoinPipeline
+from stream.counts import DAY_MS, DailyCounts, day_of, new_write_id
+from stream.joiner.pipeline import JoinPipeline, _add_counts
 from streamrec.stack import LocalStack
 
 
@@ -40,7 +41,7 @@ def joiner_counting(counts: DailyCounts) -> JoinPipeline:
     p._counts_buffer, p._names_buffer = {}, {"item": set(), "user": set()}
     p._counts_flushed = time.monotonic()
     p._counts_writer = ThreadPoolExecutor(max_workers=1)
-    p._flushing = None
+    p._flushing, p._failed_write = None, None
     return p
 
 
@@ -56,12 +57,12 @@ def test_a_flush_retried_after_redis_refused_part_of_it_counts_what_was_written_
         p._counts_buffer[(kind, "impression")] = ([1, 2, 2], [now_ms] * 3)
     real_record, maxmemory = counts.record, str(redis_client.config_get("maxmemory")["maxmemory"])
 
-    def record_refused_for_users(kind: str, event: str, ids: Any, ts: Any, names: Any = None) -> None:
+    def record_refused_for_users(kind: str, event: str, ids: Any, ts: Any, **kwargs: Any) -> None:
         if kind != "user":
-            return real_record(kind, event, ids, ts, names=names)
+            return real_record(kind, event, ids, ts, **kwargs)
         redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
         try:
-            return real_record(kind, event, ids, ts, names=names)
+            return real_record(kind, event, ids, ts, **kwargs)
         finally:
             redis_client.config_set("maxmemory", maxmemory)
 
@@ -70,7 +71,8 @@ def test_a_flush_retried_after_redis_refused_part_of_it_counts_what_was_written_
         for _ in range(2):  # two flushes fail (the joiner's batches that find them fail and are done again)
             with pytest.raises(redis.ResponseError, match="maxmemory"):
                 p.flush_counts()
-        assert p._counts_buffer == {("user", "impression"): ([1, 2, 2], [now_ms] * 3)}  # only what was not written
+        assert p._failed_write is not None  # only what was not written is retried
+        assert p._failed_write.counts == {("user", "impression"): ([1, 2, 2], [now_ms] * 3)}
         monkeypatch.undo()
         p.flush_counts()
     finally:
@@ -127,3 +129,102 @@ def test_a_record_cut_off_mid_pipeline_writes_no_day_so_writing_it_again_counts_
     assert redis_client.zscore(counts.key("item", "impression", day_of(now_ms - DAY_MS)), "7") == 1.0
     assert redis_client.zscore(counts.key("item", "impression", day_of(now_ms)), "8") == 1.0
     assert not redis_client.exists(counts.key("item", "lookup", day_of(now_ms)))  # neither chunk written
+
+
+class LoseExecReply(redis.Connection):
+    """A connection that, while armed (``lose`` > 0), sends a MULTI/EXEC transaction whole, reads every reply to it
+    (so Redis has run the EXEC), then drops the connection instead of handing the EXEC's reply on: a reply lost after
+    Redis ran the write (a timeout, a reset), which the caller sees as a ConnectionError."""
+
+    lose = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        super().send_packed_command(command, check_health)
+        data = command if isinstance(command, bytes) else b"".join(map(bytes, command))
+        if not type(self).lose or not data.endswith(b"$4\r\nEXEC\r\n"):
+            return
+        type(self).lose -= 1
+        for _ in range(data.count(b"\r\n*") + 1):  # one reply per command (MULTI: +OK, QUEUED..., the EXEC's)
+            self.read_response()
+        self.disconnect()
+        raise redis.ConnectionError("connection lost before the reply (test: after Redis ran the EXEC)")
+
+
+@pytest.fixture
+def losing_client(stack: LocalStack) -> Iterator[redis.Redis]:
+    """A client of the session's Redis on LoseExecReply connections, retrying nothing itself (as the joiner's and
+    serving's clients)."""
+    pool = redis.ConnectionPool.from_url(stack.redis_url, connection_class=LoseExecReply, retry=Retry(NoBackoff(), 0))
+    client = redis.Redis(connection_pool=pool)
+    try:
+        yield client
+    finally:
+        LoseExecReply.lose = 0
+        client.close()
+
+
+def scores(client: Any, key: str) -> dict[str, float]:
+    return {m.decode(): s for m, s in client.zrange(key, 0, -1, withscores=True)}
+
+
+def test_a_joiner_flush_whose_reply_was_lost_after_redis_ran_it_counts_once_when_retried(
+        losing_client: redis.Redis, redis_client: redis.Redis, prefix: str) -> None:
+    """The flush's first write (item impressions, two days) runs in Redis and its reply is lost; the joiner's retry
+    writes it again as it was with the user clicks it had not reached, then the counts buffered since: each counted
+    once (the retry counted the lost-reply write twice)."""
+    counts = DailyCounts(losing_client, prefix=prefix)
+    p = joiner_counting(counts)
+    now_ms = int(time.time() * 1000)
+    yesterday, today = now_ms - DAY_MS, now_ms
+    p._counts_buffer[("item", "impression")] = ([1, 2, 2, 3], [yesterday, yesterday, today, today])
+    p._counts_buffer[("user", "click")] = ([7], [today])
+    LoseExecReply.lose = 1
+    try:
+        with pytest.raises(redis.ConnectionError, match="lost before the reply"):
+            p.flush_counts()
+        assert not LoseExecReply.lose  # the reply was lost
+        item_key = counts.key("item", "impression", day_of(today))
+        assert scores(redis_client, item_key) == {"2": 1.0, "3": 1.0}  # Redis ran it
+        _add_counts(p._counts_buffer, {("item", "impression"): ([3], [today])})  # counted since the failed flush
+        p.flush_counts()  # the retry, then the new counts
+    finally:
+        p._counts_writer.shutdown(wait=True)
+    assert scores(redis_client, counts.key("item", "impression", day_of(yesterday))) == {"1": 1.0, "2": 1.0}
+    assert scores(redis_client, item_key) == {"2": 1.0, "3": 2.0}
+    assert scores(redis_client, counts.key("user", "click", day_of(today))) == {"7": 1.0}
+
+
+@pytest.mark.parametrize("where", ["single node", "cluster"])
+def test_a_record_over_several_days_whose_reply_was_lost_counts_each_day_once_when_sent_again_with_its_write_id(
+        where: str, request: pytest.FixtureRequest, prefix: str) -> None:
+    """One record of three days is one MULTI/EXEC of three script calls; Redis runs it and the reply is lost. The
+    same record again under the same write id writes nothing (every day counted once, none skipped by another day's
+    marker in the first run); under a new write id it is a new write and counts again."""
+    if where == "cluster":
+        url = request.getfixturevalue("redis_cluster")
+        client: Any = redis.RedisCluster.from_url(url, connection_class=LoseExecReply, retry=Retry(NoBackoff(), 0))
+    else:
+        url = request.getfixturevalue("stack").redis_url
+        client = redis.Redis(connection_pool=redis.ConnectionPool.from_url(
+            url, connection_class=LoseExecReply, retry=Retry(NoBackoff(), 0)))
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        now_ms = int(time.time() * 1000)
+        times = [now_ms - 2 * DAY_MS, now_ms - DAY_MS, now_ms, now_ms]
+        ids, write_id = [4, 5, 6, 6], new_write_id()
+        LoseExecReply.lose = 1
+        with pytest.raises(redis.ConnectionError, match="lost before the reply"):
+            counts.record("user", "impression", ids, times, write_id=write_id)
+        assert not LoseExecReply.lose
+        keys = [counts.key("user", "impression", day_of(t)) for t in times[:3]]
+        ran = [scores(client, k) for k in keys]
+        assert ran == [{"4": 1.0}, {"5": 1.0}, {"6": 2.0}]  # Redis ran every day
+        counts.record("user", "impression", ids, times, write_id=write_id)  # the retry
+        assert [scores(client, k) for k in keys] == ran
+        counts.record("user", "impression", ids, times, write_id=new_write_id())  # another write
+        assert [scores(client, k) for k in keys] == [{"4": 2.0}, {"5": 2.0}, {"6": 4.0}]
+    finally:
+        LoseExecReply.lose = 0
+        for key in client.scan_iter(match=f"{prefix}:*"):
+            client.delete(key)
+        client.close()

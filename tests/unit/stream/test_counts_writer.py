@@ -1,4 +1,5 @@
-"""stream/joiner/pipeline.py: day counts written by the writer thread; a failed write keeps its counts buffered."""
+"""stream/joiner/pipeline.py: day counts written by the writer thread; a failed write is kept apart, with its write id,
+and retried as it was before newer counts (tests/integration/test_counts_retry.py: the same against a real Redis)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ from stream.joiner.pipeline import JoinPipeline
 
 
 class FakeCounts:
-    def __init__(self, fail_first: bool) -> None:
-        self.fail, self.calls, self.threads = fail_first, [], set()
+    """Records each record call written; the first ``fail`` calls raise (their write ids are in ``failed_ids``)."""
 
-    def record(self, kind: str, event: str, ids: list[int], ts: list[int], names: dict) -> None:
+    def __init__(self, fail: int) -> None:
+        self.fail, self.calls, self.threads = fail, [], set()
+        self.ids: list[str] = []  # the write id of each call written, in order
+        self.failed_ids: list[str] = []
+
+    def record(self, kind: str, event: str, ids: list[int], ts: list[int], names: dict, write_id: str) -> None:
         self.threads.add(threading.get_ident())
         if self.fail:
-            self.fail = False
+            self.fail -= 1
+            self.failed_ids.append(write_id)
             raise redis.ConnectionError("redis went away")
         self.calls.append((kind, event, list(ids), list(ts), dict(names)))
+        self.ids.append(write_id)
 
 
 def pipeline_with(counts: FakeCounts) -> JoinPipeline:
@@ -32,7 +39,7 @@ def pipeline_with(counts: FakeCounts) -> JoinPipeline:
     p._counts_buffer, p._names_buffer = {}, {"item": set(), "user": set()}
     p._counts_flushed = time.monotonic()
     p._counts_writer = ThreadPoolExecutor(max_workers=1)
-    p._flushing = None
+    p._flushing, p._failed_write = None, None
     return p
 
 
@@ -44,7 +51,7 @@ def buffer(p: JoinPipeline, ids: list[int], ts: list[int], raw: str) -> None:
 
 
 def test_counts_are_written_by_the_writer_thread_with_their_names() -> None:
-    counts = FakeCounts(fail_first=False)
+    counts = FakeCounts(fail=0)
     p = pipeline_with(counts)
     try:
         written_by_the_writer(p, counts)
@@ -61,22 +68,49 @@ def written_by_the_writer(p: JoinPipeline, counts: FakeCounts) -> None:
     assert threading.get_ident() not in counts.threads
 
 
-def test_a_failed_write_raises_and_its_counts_are_written_with_the_next_flush_ahead_of_newer_ones() -> None:
-    counts = FakeCounts(fail_first=True)
+def test_a_failed_write_is_retried_as_it_was_under_its_write_id_before_newer_counts_under_a_new_one() -> None:
+    """Redis may have run the failed write (only its reply lost): merged with the counts that came since and retried
+    under its id, those would be skipped as written; under a new id, its own would count twice."""
+    counts = FakeCounts(fail=1)
     p = pipeline_with(counts)
     try:
-        failed_then_rewritten(p, counts)
+        failed_then_retried_apart(p, counts)
     finally:
         p._counts_writer.shutdown(wait=True)
 
 
-def failed_then_rewritten(p: JoinPipeline, counts: FakeCounts) -> None:
+def failed_then_retried_apart(p: JoinPipeline, counts: FakeCounts) -> None:
     buffer(p, [1, 2], [10, 20], "a")
     p._start_flush()
     buffer(p, [3], [30], "b")  # counted while the write was in flight
     with pytest.raises(redis.ConnectionError):
         p._finish_flush()
-    assert p._counts_buffer == {("item", "impression"): ([1, 2, 3], [10, 20, 30])}
-    assert p._names_buffer["item"] == {"a", "b"}
+    assert p._counts_buffer == {("item", "impression"): ([3], [30])}  # not merged into the failed write
+    assert p._failed_write is not None and p._failed_write.counts == {("item", "impression"): ([1, 2], [10, 20])}
     p.flush_counts()
-    assert [c[2] for c in counts.calls] == [[1, 2, 3]]  # written once, nothing lost
+    assert [c[2] for c in counts.calls] == [[1, 2], [3]]  # each written once, nothing lost
+    assert counts.ids[0] == counts.failed_ids[0] and counts.ids[1] != counts.ids[0]
+    assert [c[4] for c in counts.calls] == [{hash_value("a"): "a"}, {hash_value("b"): "b"}]  # names go with them
+    assert p._failed_write is None
+
+
+def test_a_write_behind_a_failed_retry_was_never_sent_and_goes_back_to_the_buffer() -> None:
+    """The failed write fails again on its retry: the newer write behind it was never sent (Redis cannot have run it),
+    so it joins the buffer again (no second write waits apart) and the failed one keeps its id."""
+    counts = FakeCounts(fail=2)
+    p = pipeline_with(counts)
+    try:
+        buffer(p, [1], [10], "a")
+        with pytest.raises(redis.ConnectionError):
+            p.flush_counts()
+        buffer(p, [2], [20], "b")
+        with pytest.raises(redis.ConnectionError):
+            p.flush_counts()  # the retry of [1] fails again; [2] not sent
+        assert counts.failed_ids[0] == counts.failed_ids[1]
+        assert p._counts_buffer == {("item", "impression"): ([2], [20])} and p._names_buffer["item"] == {"b"}
+        buffer(p, [3], [30], "c")
+        p.flush_counts()
+    finally:
+        p._counts_writer.shutdown(wait=True)
+    assert [c[2] for c in counts.calls] == [[1], [2, 3]]
+    assert counts.ids[0] == counts.failed_ids[0] != counts.ids[1]
