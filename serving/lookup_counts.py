@@ -16,13 +16,18 @@ hashing, O(1) per request. A background thread flushes every ``flush_s`` seconds
 impression counts) of the day they were made, not of the flush (a flush just after midnight writes the last seconds
 of the day before to that day), with one pipelined round trip.
 
-Bounded: at most ``max_pending`` lookups wait in memory (int64 each); a request that would exceed it is not counted
-(``streamrec_serving_lookup_counts_dropped_total{reason="full"}``). A flush that fails (Redis down, slow, refusing)
-drops what it had not written yet (``reason="redis"``,
-``streamrec_serving_lookup_count_flushes_total{outcome="error"}``; it writes one day and kind at a time, each all or
-nothing, and what it wrote before the failure counts as flushed), logs one line per outage (not per flush), and
-never reaches a client: counts are a ranking signal, and a few seconds of them
-lost cost nothing a request would notice.
+Bounded: at most ``max_pending`` lookups wait in memory (int64 each; those kept for a retry, below, count too); a
+request that would exceed it is not counted (``streamrec_serving_lookup_counts_dropped_total{reason="full"}``).
+
+A flush writes one day and kind at a time, each all or nothing and each a write of its own (``write_id``); what it
+wrote before a failure counts as flushed. A flush that fails (Redis down, slow, refusing, or the connection lost
+before Redis's reply came) keeps what it did not write, per day and kind, counted and with its write id, for one more
+try at the next flush, ahead of the lookups made since and apart from them: a write whose reply was lost may have run,
+and its retry under the same write id counts it once (``stream/counts.py``, "Retries"); merged with newer lookups it
+could not be retried safely. What the second try does not write is dropped (``reason="redis"``), and so is what is
+kept when :meth:`LookupCounts.stop`'s last flush fails. Failures are counted
+(``streamrec_serving_lookup_count_flushes_total{outcome="error"}``), logged once per outage (not per flush), and
+never reach a client: counts are a ranking signal, and a few seconds of them lost cost nothing a request would notice.
 """
 
 from __future__ import annotations
@@ -31,16 +36,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from serving.metrics import ServingMetrics
-from stream.counts import DAY_S, DailyCounts
+from stream.counts import DAY_S, DailyCounts, new_write_id
 
 log = logging.getLogger("streamrec.serve")
 
 KINDS = ("user", "item")
 EVENT = "lookup"
+TRIES = 2  # flushes a day and kind's lookups are tried in (module docstring): the one they were made for, one retry
+
+
+@dataclass
+class LookupWrite:
+    """One day and kind's lookups counted per id, as one write (``DailyCounts.add_counts``): its id is kept across
+    its retry, so a write whose reply was lost is counted once (``stream/counts.py``, "Retries")."""
+
+    day: int  # days since the epoch (UTC) the lookups were made on
+    kind: str
+    members: np.ndarray  # (M,) int64, distinct hashed ids
+    counts: np.ndarray  # (M,) int64, lookups of each
+    lookups: int  # sum of counts
+    write_id: str = field(default_factory=new_write_id)
+    tries: int = 0  # flushes that tried (or failed before) it
 
 
 class LookupCounts:
@@ -60,7 +81,9 @@ class LookupCounts:
         self.clock = clock
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, str], list[np.ndarray]] = {}  # (day, kind) -> hashed ids, (n,) int64 each
-        self._n = 0  # lookups waiting
+        self._n = 0  # lookups waiting in _pending
+        self._kept: list[LookupWrite] = []  # what the last flush failed to write, for its retry (module docstring)
+        self._kept_n = 0  # their lookups (they count against max_pending)
         self._flush_lock = threading.Lock()  # one flush at a time (the thread, a direct call, stop)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -80,7 +103,7 @@ class LookupCounts:
         wake = False
         with self._lock:
             closed = self._closed
-            full = not closed and self._n + n > self.max_pending
+            full = not closed and self._n + self._kept_n + n > self.max_pending
             if not (closed or full):
                 self._pending.setdefault((day, kind), []).append(hashed)
                 self._n += n
@@ -94,37 +117,58 @@ class LookupCounts:
 
     # -- background -------------------------------------------------------------------------------------
     def flush(self) -> int:
-        """Write what is waiting (one pipelined round trip per day and kind, each all or nothing); the number of
-        lookups written. A failure drops (and counts as dropped) only the days and kinds not written before it."""
+        """Write what is waiting: first the writes the last flush failed to write (as they were, under their write
+        ids), then the lookups made since, one pipelined round trip per day and kind (each all or nothing); the number
+        of lookups written. On a failure what was not written is kept for the next flush, or dropped (and counted as
+        dropped) when this was its second try (module docstring)."""
         with self._flush_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
-                n, self._n = self._n, 0
-            if not n:
+                self._n = 0
+                writes, self._kept = self._kept, []
+                self._kept_n = 0
+            for (day, kind), parts in sorted(pending.items()):
+                members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,)
+                writes.append(LookupWrite(day, kind, members, counts, int(counts.sum())))
+            if not writes:
                 return 0
             written = 0
-            try:
-                for (day, kind), parts in sorted(pending.items()):
-                    ids = np.concatenate(parts)
-                    members, counts = np.unique(ids, return_counts=True)  # (M,), (M,)
-                    self.counts.add_counts(kind, EVENT, members, counts, day)
-                    written += len(ids)
-            except Exception as exc:  # noqa: BLE001 - Redis down or refusing: the counts are lost, serving goes on
-                self._drop("redis", n - written)
-                self._outcome("error")
-                if not self._failing:
-                    log.warning("lookup counts: a flush to Redis failed (%s: %s); %d lookups not counted, and further "
-                                "failures are counted in streamrec_serving_lookup_counts_dropped_total until one "
-                                "succeeds", type(exc).__name__, exc, n - written)
-                self._failing = True
-                self._flushed(written)
-                return written
+            for i, write in enumerate(writes):
+                try:
+                    self.counts.add_counts(write.kind, EVENT, write.members, write.counts, write.day,
+                                           write_id=write.write_id)
+                except Exception as exc:  # noqa: BLE001 - Redis down or refusing: kept once, then lost; serving goes on
+                    self._failed(exc, writes[i:])
+                    self._flushed(written)
+                    return written
+                written += write.lookups
             if self._failing:
                 log.info("lookup counts: flushing to Redis again")
             self._failing = False
             self._outcome("ok")
-            self._flushed(n)
-            return n
+            self._flushed(written)
+            return written
+
+    def _failed(self, exc: Exception, unwritten: list[LookupWrite]) -> None:
+        """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush, unless this was
+        its last try; counted and logged (once per outage)."""
+        keep, lost = [], 0
+        for write in unwritten:
+            write.tries += 1
+            if write.tries < TRIES:
+                keep.append(write)
+            else:
+                lost += write.lookups
+        with self._lock:
+            self._kept, self._kept_n = keep, sum(w.lookups for w in keep)
+        if lost:
+            self._drop("redis", lost)
+        self._outcome("error")
+        if not self._failing:
+            log.warning("lookup counts: a flush to Redis failed (%s: %s); %d lookups kept for the next flush, %d not "
+                        "counted, and further failures are counted in streamrec_serving_lookup_counts_dropped_total "
+                        "until one succeeds", type(exc).__name__, exc, self._kept_n, lost)
+        self._failing = True
 
     def _flushed(self, n: int) -> None:
         self.flushed += n
@@ -154,6 +198,10 @@ class LookupCounts:
         with self._lock:
             self._closed = True  # from here on nothing is appended: the flush below takes the last of them
         self.flush()
+        with self._flush_lock, self._lock:  # the last flush failed: what it kept has no next flush
+            kept, self._kept, self._kept_n = self._kept_n, [], 0
+        if kept:
+            self._drop("redis", kept)
 
     # -- accounting -------------------------------------------------------------------------------------
     def _drop(self, reason: str, n: int) -> None:

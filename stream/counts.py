@@ -73,7 +73,7 @@ The caller makes the id when it first hands counts to a write and keeps it, with
 write succeeds; it never adds newer counts to a write that failed (Redis may have run it: retried under its id the
 newer counts would be skipped, under a new id its own counted twice). The joiner retries a failed flush's write as it
 was, before writing what came since (``stream/joiner/pipeline.py``, ``JoinPipeline._finish_flush``); serving's lookup
-counts (``serving/lookup_counts.py``) do not retry: a failed flush's lookups are dropped.
+counts retry a failed day and kind once, at the next flush (``serving/lookup_counts.py``).
 
 Cost per script call (per day and kind/event; per chunk for ``add_counts``): the marker's name, ~70 bytes sent, two
 commands inside the script (EXISTS, SET: ~5 us of server time against ~5 us per member counted), and ~160 bytes of

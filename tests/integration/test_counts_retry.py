@@ -2,8 +2,9 @@
 real Redis Cluster where said).
 
 The joiner (stream/joiner/pipeline.py) writes a flush as one DailyCounts.record per kind and event and, when the
-write fails, retries it as it was, under its write id, with the next flush; serving's lookup counts use add_counts.
-What reached Redis before the failure must not be written twice, including a write Redis ran whose reply was lost.
+write fails, retries it as it was, under its write id, with the next flush; serving's lookup counts
+(serving/lookup_counts.py) write each day and kind with add_counts and retry a failed one once at the next flush. What
+reached Redis before the failure must not be written twice, including a write Redis ran whose reply was lost.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from serving.lookup_counts import LookupCounts
 from stream.counts import DAY_MS, DailyCounts, day_of, new_write_id
 from stream.joiner.pipeline import JoinPipeline, _add_counts
 from streamrec.stack import LocalStack
@@ -192,6 +194,28 @@ def test_a_joiner_flush_whose_reply_was_lost_after_redis_ran_it_counts_once_when
     assert scores(redis_client, counts.key("item", "impression", day_of(yesterday))) == {"1": 1.0, "2": 1.0}
     assert scores(redis_client, item_key) == {"2": 1.0, "3": 2.0}
     assert scores(redis_client, counts.key("user", "click", day_of(today))) == {"7": 1.0}
+
+
+def test_a_lookup_counts_flush_whose_reply_was_lost_after_redis_ran_it_counts_once_when_retried(
+        losing_client: redis.Redis, redis_client: redis.Redis, prefix: str) -> None:
+    """Serving's flush writes the item lookups, Redis runs them and the reply is lost: the next flush retries them
+    under the same write id (counted once) and writes the user lookups it had not reached and the lookups made since;
+    every lookup is counted as flushed, none as dropped."""
+    counts = DailyCounts(losing_client, prefix=prefix)
+    lc = LookupCounts(counts, flush_s=60.0)
+    lc.add("item", np.array([11, 12, 11], np.int64))
+    lc.add("user", np.array([5], np.int64))
+    LoseExecReply.lose = 1
+    assert lc.flush() == 0  # sorted by (day, kind): the items first, their reply lost
+    assert not LoseExecReply.lose
+    day = day_of(int(time.time() * 1000))
+    item_key, user_key = counts.key("item", "lookup", day), counts.key("user", "lookup", day)
+    assert scores(redis_client, item_key) == {"11": 2.0, "12": 1.0}  # Redis ran it
+    lc.add("item", np.array([12], np.int64))  # made since
+    assert lc.flush() == 5
+    assert scores(redis_client, item_key) == {"11": 2.0, "12": 2.0}
+    assert scores(redis_client, user_key) == {"5": 1.0}
+    assert (lc.flushed, lc.dropped) == (5, 0)
 
 
 @pytest.mark.parametrize("where", ["single node", "cluster"])

@@ -3,7 +3,7 @@ item 5), against the real Redis of the session stack.
 
 * A scored request counts its user (``user``), its candidates and its user's history items (``item``) in today's
   ``{prefix}:counts:{item}:lookup:{day}`` (``{user}``) (stream/counts.py), written by the background flush.
-* Redis down: every request is still answered 200, and the lookups are dropped and counted.
+* Redis down: every request is still answered 200, and the lookups are kept for one retry, then dropped and counted.
 * The hot set ranks by lookups; the joiner's impression counts fill what lookups leave empty, and without any lookup
   counts it is the impression-ranked hot set.
 """
@@ -68,7 +68,7 @@ def test_scored_requests_count_their_user_candidates_and_history_in_todays_looku
                                                      hash_value(101): 2}
 
 
-def test_redis_down_answers_every_request_and_counts_the_dropped_lookups(
+def test_redis_down_answers_every_request_and_counts_the_lookups_dropped_after_their_retry(
         learner: TinyLearner, tmp_path: Path, prefix: str) -> None:
     root = tmp_path / "serving"
     publish_version(learner, root, "v1")
@@ -79,11 +79,13 @@ def test_redis_down_answers_every_request_and_counts_the_dropped_lookups(
         statuses = [post(conn, "/v1/score", {"user_id": f"u{k}", "items": [1, 2]})[0] for k in range(5)]
         conn.close()
         assert svc.lookups is not None
-        assert svc.lookups.flush() == 0
+        assert svc.lookups.flush() == 0  # kept for one retry
         reg = svc.metrics.registry
+        assert reg.get_sample_value("streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 0
+        assert svc.lookups.flush() == 0  # the retry fails too: dropped
         assert statuses == [200] * 5
         assert reg.get_sample_value("streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 15
-        assert reg.get_sample_value("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 1
+        assert reg.get_sample_value("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 2
 
 
 def _members(ids: Sequence[object]) -> list[int]:
@@ -154,11 +156,11 @@ def test_lookups_that_stopped_days_before_the_impressions_do_not_rank_the_hot_se
     assert set(hs.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members(["new", "a"])]))
 
 
-def test_a_flush_that_fails_part_way_counts_as_dropped_only_the_lookups_it_did_not_write(
+def test_a_flush_that_fails_part_way_retries_only_the_lookups_it_did_not_write(
         redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A flush writes one (day, kind) at a time; Redis fills up (maxmemory) after the item lookups were written and
-    refuses the user lookups: only the user lookup is dropped (all four were counted as dropped, the items' in Redis
-    all the same), and the item lookups are counted as flushed."""
+    refuses the user lookups: the item lookups are counted as flushed (all four were once counted as dropped, the
+    items' in Redis all the same), and only the user lookup is kept and written by the next flush."""
     counts = DailyCounts(redis_client, prefix=prefix)
     lc = LookupCounts(counts, flush_s=60.0)
     lc.add("user", np.array(_members(["u1"]), np.int64))
@@ -175,6 +177,11 @@ def test_a_flush_that_fails_part_way_counts_as_dropped_only_the_lookups_it_did_n
 
     monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
     assert lc.flush() == 3  # sorted by (day, kind): the items, then the user
-    assert (lc.flushed, lc.dropped) == (3, 1)
+    assert (lc.flushed, lc.dropped) == (3, 0)
     assert lookups(redis_client, prefix, "item") == {_members(["i1"])[0]: 2, _members(["i2"])[0]: 1}
     assert lookups(redis_client, prefix, "user") == {}
+    monkeypatch.undo()
+    assert lc.flush() == 1
+    assert (lc.flushed, lc.dropped) == (4, 0)
+    assert lookups(redis_client, prefix, "user") == {_members(["u1"])[0]: 1}
+    assert lookups(redis_client, prefix, "item") == {_members(["i1"])[0]: 2, _members(["i2"])[0]: 1}

@@ -1,6 +1,7 @@
 """serving/lookup_counts.py's accounting, with a fake in place of the Redis day counts (the real Redis path is in
 tests/integration/test_serving_lookup_counts.py): aggregation per id and kind, the bound on what waits, a failed
-flush dropped and counted (never raised), the size trigger and the last flush at stop."""
+flush kept for one retry under the same write ids, then dropped and counted (never raised), the size trigger and the
+last flush at stop."""
 
 from __future__ import annotations
 
@@ -17,17 +18,22 @@ from stream.counts import DAY_S
 
 
 class FakeCounts:
-    """Records add_counts calls; raises while ``down``."""
+    """Records add_counts calls (and their write ids); raises while ``down``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, dict[int, int], int]] = []
+        self.ids: list[str] = []  # write id of each call written
+        self.failed_ids: list[str] = []  # write id of each call refused
         self.down = False
         self.written = threading.Event()
 
-    def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int) -> None:
+    def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
+                   write_id: str) -> None:
         if self.down:
+            self.failed_ids.append(write_id)
             raise redis.ConnectionError("Redis is down")
         self.calls.append((kind, event, dict(zip(members.tolist(), counts.tolist(), strict=True)), day_index))
+        self.ids.append(write_id)
         self.written.set()
 
 
@@ -51,19 +57,58 @@ def test_a_flush_writes_one_count_per_id_and_kind_on_the_wall_clock_day() -> Non
     assert metric(metrics, "streamrec_serving_lookup_count_flushes_total", {"outcome": "ok"}) == 1
 
 
-def test_a_failed_flush_drops_its_lookups_counts_them_and_does_not_raise() -> None:
+def test_a_failed_flush_keeps_its_lookups_for_one_retry_under_the_same_write_id_apart_from_newer_ones() -> None:
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics)  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(5, dtype=np.int64))
+    assert lc.flush() == 0  # does not raise
+    assert lc.dropped == 0
+    assert metric(metrics, "streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 1
+    fake.down = False  # back: the kept write as it was (its reply may have been lost), then what came since
+    lc.add("item", np.array([9], np.int64))
+    assert lc.flush() == 6
+    assert [c[2] for c in fake.calls] == [dict.fromkeys(range(5), 1), {9: 1}]
+    assert fake.ids[0] == fake.failed_ids[0] != fake.ids[1]
+    assert (lc.flushed, lc.dropped) == (6, 0)
+
+
+def test_lookups_a_second_flush_fails_to_write_are_dropped_and_counted() -> None:
     fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
     lc = LookupCounts(fake, metrics)  # type: ignore[arg-type]
     fake.down = True
     lc.add("item", np.arange(5, dtype=np.int64))
     assert lc.flush() == 0
+    lc.add("user", np.array([1, 2], np.int64))
+    assert lc.flush() == 0  # the items' second try: dropped; the users' first: kept
     assert lc.dropped == 5
     assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 5
-    assert metric(metrics, "streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 1
-    fake.down = False  # back: only what came after is written (the failed batch is not kept: memory stays bounded)
-    lc.add("item", np.array([9], np.int64))
-    assert lc.flush() == 1
-    assert fake.calls[0][2] == {9: 1}
+    fake.down = False
+    assert lc.flush() == 2
+    assert [c[2] for c in fake.calls] == [{1: 1, 2: 1}]
+    assert (lc.flushed, lc.dropped) == (2, 5)
+
+
+def test_lookups_kept_for_a_retry_count_against_max_pending() -> None:
+    fake = FakeCounts()
+    lc = LookupCounts(fake, max_pending=10)  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(8, dtype=np.int64))
+    lc.flush()  # kept: 8 of the 10
+    lc.add("item", np.arange(3, dtype=np.int64))  # 11 > 10: not counted
+    lc.add("user", np.array([1, 2], np.int64))  # 10: fits
+    assert lc.dropped == 3
+
+
+def test_what_stop_s_last_flush_fails_to_write_is_dropped_and_counted() -> None:
+    fake = FakeCounts()
+    lc = LookupCounts(fake).start()  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(4, dtype=np.int64))
+    lc.stop()  # its flush fails: what it keeps has no next flush
+    assert (lc.flushed, lc.dropped) == (0, 4)
+    fake.down = False
+    assert lc.flush() == 0
 
 
 def test_lookups_beyond_max_pending_are_dropped_not_buffered() -> None:
