@@ -17,6 +17,10 @@ once), ``n`` that many with short, jittered exponential backoff, ``0`` none. Und
 policy refused credentials are never retried (redis-py counts ``AuthenticationError`` as a connection
 error and would retry it with backoff): a wrong password fails at once, it does not look like a slow Redis.
 
+A cluster that cannot serve a command (no node reachable, a slot nobody serves, CLUSTERDOWN) fails it with
+:class:`ClusterUnavailable`, a ``redis.ConnectionError``: the one failure every caller's recovery already handles for
+a single node that is down (:class:`LazyClient` translates redis-py's cluster errors, :func:`unavailable`).
+
 Errors: :func:`describe` turns any Redis failure into one line that names the Redis by its url through
 :func:`~stream.secrets.redact` and says what to fix; :func:`failure` wraps it as a :class:`RedisFailure`
 (:class:`RedisAuthError` for refused credentials or a missing ACL permission). Nothing here ever prints a
@@ -26,19 +30,26 @@ the keyword argument handed to redis-py.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
+import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterPipeline, ClusterPubSub, RedisCluster
+from redis.commands.core import Script
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
+    ClusterDownError,
+    CrossSlotTransactionError,
+    InvalidPipelineStack,
     NoPermissionError,
     NoScriptError,
     RedisClusterException,
@@ -49,8 +60,8 @@ from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.secrets import Secret, redact
 
-__all__ = ["Client", "LazyClient", "RedisAuthError", "RedisFailure", "connect", "describe", "failure", "is_cluster",
-           "latency_advice", "run_script", "verify", "wait_until_up"]
+__all__ = ["Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure", "connect", "describe",
+           "failure", "is_cluster", "latency_advice", "run_script", "unavailable", "verify", "wait_until_up"]
 
 Client = redis.Redis | RedisCluster  # what connect() returns: a single node's client or a cluster's
 
@@ -64,6 +75,76 @@ class RedisFailure(StreamError):
 class RedisAuthError(RedisFailure):
     """Redis refused the credentials (wrong or missing password, unknown or disabled user) or the ACL user
     lacks a permission: a configuration to fix, never retried."""
+
+
+class ClusterUnavailable(redis.ConnectionError):
+    """A Redis Cluster could not serve a command: no node of it answered (every node down, or unreachable from here),
+    a hash slot is served by no node, or the nodes answered CLUSTERDOWN (a primary without a replica failed). Its
+    ``__cause__`` is redis-py's error.
+
+    A ``redis.ConnectionError`` so that the callers' recovery for a Redis that is down (the joiner's rewind and retry,
+    serving's fallback rows and history, the refresh's retries, ``stream.strikes.is_infrastructure``) covers a cluster
+    too: redis-py raises the first two as ``RedisClusterUnreachableError`` / ``SlotNotCoveredError``, which are not
+    ``redis.RedisError`` at all, and CLUSTERDOWN as ``ClusterDownError``, a ``ResponseError`` (an answer, to callers
+    that retry only what failed to connect)."""
+
+
+# redis-py's cluster errors that are not outages: the same call fails the same way every time (keys of several slots
+# in a transaction, a pipeline answered out of step), a bug to see, not to wait out
+_DETERMINISTIC = (CrossSlotTransactionError, InvalidPipelineStack)
+
+
+def unavailable(exc: BaseException) -> BaseException:
+    """``exc`` as the failure streamrec's callers handle: a :class:`ClusterUnavailable` (caused by ``exc``) for
+    redis-py's errors that say a cluster cannot serve now (``RedisClusterException`` and its subclasses but the
+    deterministic ones, ``ClusterDownError``); any other error as it is."""
+    if isinstance(exc, ClusterDownError) or (isinstance(exc, RedisClusterException)
+                                             and not isinstance(exc, _DETERMINISTIC)):
+        err = ClusterUnavailable(f"the Redis Cluster cannot serve this now ({type(exc).__name__}: {exc})")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+@contextlib.contextmanager
+def _translation() -> Iterator[None]:
+    try:
+        yield
+    except (RedisClusterException, ClusterDownError) as exc:
+        err = unavailable(exc)
+        if err is exc:
+            raise
+        raise err from exc
+
+
+def _translated_items(items: Iterator[Any]) -> Iterator[Any]:
+    with _translation():
+        yield from items
+
+
+def _translating(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` raising :func:`unavailable`'s failure; the pipelines and pubsubs it returns wrapped alike
+    (:class:`_Translated`), and the generators (``scan_iter``: its commands are sent as it is iterated)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _translation():
+            result = fn(*args, **kwargs)
+        if isinstance(result, (ClusterPipeline, ClusterPubSub)):
+            return _Translated(result)
+        return _translated_items(result) if isinstance(result, types.GeneratorType) else result
+
+    return call
+
+
+class _Translated:
+    """A pipeline or pubsub of a cluster client whose methods raise :func:`unavailable`'s failures."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        return _translating(attr) if callable(attr) else attr
 
 
 class _Retry(Retry):
@@ -191,8 +272,11 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
             break
         client.script_load(script.script)
     for result in results:
-        if isinstance(result, Exception):
-            raise result
+        if isinstance(result, Exception):  # in place of a result: pipe.execute(raise_on_error=False) translates none
+            err = unavailable(result)
+            if err is result:
+                raise result
+            raise err from result
     return results
 
 
@@ -218,20 +302,31 @@ class LazyClient:
         self._lock = threading.Lock()
 
     def client(self) -> Any:
-        """The client, made now if it is not yet. A cluster that cannot be reached raises ``redis.ConnectionError``
+        """The client, made now if it is not yet. A cluster that cannot be reached raises :class:`ClusterUnavailable`
         (redis-py's ``RedisClusterUnreachableError`` is no ``RedisError``, which the callers' recovery catches)."""
         with self._lock:
             if self._client is None:
                 try:
                     self._client = self._make()
                 except RedisClusterException as exc:
-                    raise redis.ConnectionError(str(exc)) from exc
+                    raise ClusterUnavailable(f"the Redis Cluster cannot be reached ({type(exc).__name__}: {exc})"
+                                             ) from exc
             return self._client
 
     def __getattr__(self, name: str) -> Any:  # only for names this class does not define: the client's commands
+        """The client's attribute; a command (a method) raises :func:`unavailable`'s failures, and so do the methods
+        of the pipelines and pubsubs it returns: where a single node that is down raises ``redis.ConnectionError``, a
+        cluster that cannot serve raises :class:`ClusterUnavailable` (one), never redis-py's ``RedisClusterException``
+        mid-run (module docstring)."""
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self.client(), name)
+        attr = getattr(self.client(), name)
+        return _translating(attr) if callable(attr) else attr
+
+    def register_script(self, script: Any) -> Script:
+        """A redis-py :class:`~redis.commands.core.Script` registered on this client (not on the client it makes), so
+        that its calls go through :meth:`__getattr__`'s translation too."""
+        return Script(self, script)  # type: ignore[arg-type]  # duck-typed: Script calls evalsha and get_encoder
 
     def close(self) -> None:
         with self._lock:

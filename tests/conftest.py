@@ -9,12 +9,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from stream.config import KafkaSettings
 from streamrec.stack import LocalStack, StackSettings, free_port
+
+if TYPE_CHECKING:
+    from tests.redis_cluster import ClusterNodes
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -67,12 +71,18 @@ def group_id() -> str:
 
 
 @pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator[str]:
-    """A real three-primary Redis Cluster of this test's own (tests/redis_cluster.py); yields one node's url."""
+def cluster_nodes(tmp_path: Path) -> Iterator[ClusterNodes]:
+    """A real three-primary Redis Cluster of this test's own (tests/redis_cluster.py), its nodes to stop and start."""
     from tests.redis_cluster import redis_cluster as start
 
-    with start(tmp_path) as url:
-        yield url
+    with start(tmp_path) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def redis_cluster(cluster_nodes: ClusterNodes) -> str:
+    """The ``cluster_nodes`` cluster as one node's url (clients discover the others)."""
+    return cluster_nodes.url
 
 
 @pytest.fixture

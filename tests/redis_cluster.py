@@ -1,7 +1,9 @@
 """A real Redis Cluster for tests: three primaries (no replicas) on free ports, started from the same redis-server
 binary the local stack runs (``streamrec.stack.redis_binary``). ``tests/conftest.py`` makes it the ``redis_cluster``
-fixture, so every test that claims something about Redis Cluster (the layered embedding store, counts, history,
-pub/sub, the joiner writing into a cluster) checks it against the real thing."""
+fixture (one node's url) and the ``cluster_nodes`` fixture (:class:`ClusterNodes`: the same cluster with its nodes to
+stop and start again), so every test that claims something about Redis Cluster (the layered embedding store, counts,
+history, pub/sub, the joiner writing into a cluster, a node failing under any of them) checks it against the real
+thing."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from stream.redis_client import wait_until_up
 from streamrec.stack import free_port, redis_binary
 
 PRIMARIES = 3
+SLOTS = 16384
+NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a stopped primary is marked failed (the cluster down) after this
 
 
 def cluster_port() -> int:
@@ -34,33 +39,123 @@ def cluster_port() -> int:
         return p
 
 
-@contextlib.contextmanager
-def redis_cluster(directory: Path) -> Iterator[str]:
-    """Three primaries (no replicas) of a real Redis Cluster on free ports, their node files in ``directory``;
-    yields one node's url (clients discover the others). The 16384 slots are split in three, so keys of different
-    hash slots land on different processes; the nodes are killed on exit."""
-    ports = [cluster_port() for _ in range(PRIMARIES)]
-    procs = [subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "",
-                               "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(directory),
-                               "--cluster-config-file", f"nodes-{p}.conf"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    clients = [redis.Redis(host="127.0.0.1", port=p, socket_timeout=2) for p in ports]
-    try:
-        for c in clients:
+class ClusterNodes:
+    """The primaries of a test's cluster, each a redis-server process that can be stopped and started again on its
+    port with its node file (so it comes back as the same node, owning the same slots, with an empty keyspace:
+    ``--save ""``). Node ``k`` owns the ``k``-th third of the slots (:meth:`index_of`).
+
+    With no replicas, a stopped primary's slots are served by nobody: commands for them fail at once (connection
+    refused) and, once the other nodes mark it failed (``NODE_TIMEOUT_MS``), the whole cluster answers CLUSTERDOWN
+    (``cluster-require-full-coverage``, Redis's default) until it is back."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ports = [cluster_port() for _ in range(PRIMARIES)]
+        self.procs: list[subprocess.Popen | None] = [None] * PRIMARIES
+        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"  # one node's url: clients discover the others
+
+    def _admin(self, k: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.ports[k], socket_timeout=2)
+
+    def _spawn(self, k: int) -> None:
+        p = self.ports[k]
+        self.procs[k] = subprocess.Popen(
+            [str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "", "--appendonly", "no",
+             "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--dir", str(self.directory),
+             "--cluster-config-file", f"nodes-{p}.conf"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with contextlib.closing(self._admin(k)) as c:
             assert wait_until_up(c, 10), "redis-server (cluster mode) did not start"
-        share = 16384 // PRIMARIES + 1
-        for k, c in enumerate(clients):
-            c.execute_command("CLUSTER ADDSLOTS", *range(k * share, min(16384, (k + 1) * share)))
-        for p in ports[1:]:
-            clients[0].execute_command("CLUSTER MEET", "127.0.0.1", p)
-        deadline = time.monotonic() + 20
-        while not all(c.cluster("info")["cluster_state"] == "ok" for c in clients):
-            assert time.monotonic() < deadline, "the cluster did not form"
-            time.sleep(0.1)
-        yield f"redis://127.0.0.1:{ports[0]}/0"
-    finally:
-        for c in clients:
-            c.close()
-        for proc in procs:
+
+    def form(self) -> None:
+        """Start every node, give each its third of the slots, join them and wait until the cluster is ok."""
+        for k in range(PRIMARIES):
+            self._spawn(k)
+        share = SLOTS // PRIMARIES + 1
+        for k in range(PRIMARIES):
+            with contextlib.closing(self._admin(k)) as c:
+                c.execute_command("CLUSTER ADDSLOTS", *range(k * share, min(SLOTS, (k + 1) * share)))
+        with contextlib.closing(self._admin(0)) as c:
+            for p in self.ports[1:]:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", p)
+        self.wait_ok()
+
+    def running(self, k: int) -> bool:
+        proc = self.procs[k]
+        return proc is not None and proc.poll() is None
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every running node says ``cluster_state:ok`` (every slot served again)."""
+        deadline = time.monotonic() + timeout_s
+        for k in range(PRIMARIES):
+            if not self.running(k):
+                continue
+            with contextlib.closing(self._admin(k)) as c:
+                while c.cluster("info")["cluster_state"] != "ok":
+                    assert time.monotonic() < deadline, f"the cluster is not ok after {timeout_s} s"
+                    time.sleep(0.05)
+
+    def wait_down(self, timeout_s: float = 30.0) -> None:
+        """Until every running node says ``cluster_state:fail`` (a stopped primary marked failed: CLUSTERDOWN)."""
+        deadline = time.monotonic() + timeout_s
+        for k in range(PRIMARIES):
+            if not self.running(k):
+                continue
+            with contextlib.closing(self._admin(k)) as c:
+                while c.cluster("info")["cluster_state"] != "fail":
+                    assert time.monotonic() < deadline, f"the cluster is not marked failed after {timeout_s} s"
+                    time.sleep(0.05)
+
+    def stop(self, k: int) -> None:
+        """Kill node ``k`` (SIGKILL: a crash, no goodbye to its clients or to the other nodes)."""
+        proc = self.procs[k]
+        if proc is not None:
             proc.kill()
             proc.wait()
+        self.procs[k] = None
+
+    def start(self, k: int, *, wait_ok: bool = True) -> None:
+        """Start node ``k`` again (same port, same node file: it rejoins owning its slots, its keyspace empty) and,
+        with ``wait_ok``, wait until the cluster is ok again."""
+        assert not self.running(k), f"node {k} is running"
+        self._spawn(k)
+        if wait_ok:
+            self.wait_ok()
+
+    def restart(self, k: int) -> None:
+        self.stop(k)
+        self.start(k)
+
+    def stop_all(self) -> None:
+        """Kill every node: a client's commands fail to connect, and once its topology refresh has found no node
+        to ask, redis-py raises ``RedisClusterUnreachableError`` (no ``redis.RedisError``) for them."""
+        for k in range(PRIMARIES):
+            self.stop(k)
+
+    def start_all(self) -> None:
+        """Start every stopped node again and wait until the cluster is ok."""
+        for k in range(PRIMARIES):
+            if not self.running(k):
+                self.start(k, wait_ok=False)
+        self.wait_ok()
+
+    def index_of(self, key: str | bytes) -> int:
+        """The node owning ``key``'s hash slot (the split :meth:`form` made)."""
+        return key_slot(key.encode() if isinstance(key, str) else key) // (SLOTS // PRIMARIES + 1)
+
+    def close(self) -> None:
+        for k in range(PRIMARIES):
+            self.stop(k)
+
+
+@contextlib.contextmanager
+def redis_cluster(directory: Path) -> Iterator[ClusterNodes]:
+    """Three primaries (no replicas) of a real Redis Cluster on free ports, their node files in ``directory``;
+    yields them as :class:`ClusterNodes` (``.url``: one node's url, clients discover the others). The 16384 slots
+    are split in three, so keys of different hash slots land on different processes; the nodes are killed on
+    exit."""
+    nodes = ClusterNodes(directory)
+    try:
+        nodes.form()
+        yield nodes
+    finally:
+        nodes.close()

@@ -206,3 +206,98 @@ def test_redis_cluster_setting_from_the_environment_makes_every_client_a_cluster
         RedisSettings(url=redis_cluster.replace("/0", "/3"), cluster=True)
     with pytest.raises(ConfigError, match="over TCP"):
         RedisSettings(url="unix:///tmp/redis.sock", cluster=True)
+
+
+# -- a cluster that cannot serve: every failure a redis.ConnectionError (stream.redis_client.ClusterUnavailable) ---
+def failures_until_unreachable(call: Any, tries: int = 100) -> list[BaseException]:
+    """``call()``'s failures while every node is down, until one comes from redis-py's ``RedisClusterUnreachableError``
+    (a topology refresh found no node; the first failures are plain connection errors); fails after ``tries``."""
+    seen: list[BaseException] = []
+    for _ in range(tries):
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - collected, checked by the caller
+            seen.append(exc)
+            if "RedisClusterUnreachableError" in f"{type(exc).__name__} {exc}":
+                return seen
+        time.sleep(0.1)
+    raise AssertionError(f"no RedisClusterUnreachableError after {tries} tries: {seen[-3:]}")
+
+
+def test_a_cluster_with_every_node_down_fails_commands_pipelines_scripts_and_pubsub_with_connection_errors(
+        cluster_nodes: Any, prefix: str) -> None:
+    from stream.redis_client import ClusterUnavailable
+
+    rds = RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True)
+    client = connect(rds, timeout_s=1.0, retries=0)
+    try:
+        history = UserHistory(client, prefix=prefix, max_len=8)
+        history.append_many([1, 2, 3], [10, 20, 30], [100, 200, 300])
+        cluster_nodes.stop_all()
+
+        def pipeline() -> None:
+            pipe = client.pipeline(transaction=False)
+            for u in range(20):
+                pipe.get(history.key(u))
+            pipe.execute()
+
+        for call in (lambda: client.get(history.key(1)), pipeline,
+                     lambda: history.append_many([1, 2, 3], [10, 20, 30], [100, 200, 300]),
+                     lambda: history.as_of([1, 2, 3], [10**6] * 3), lambda: client.publish(rds.deltas_channel, "1")):
+            seen = failures_until_unreachable(call)
+            assert all(isinstance(e, redis.ConnectionError) for e in seen), [type(e) for e in seen]
+            assert isinstance(seen[-1], ClusterUnavailable)
+        cluster_nodes.start_all()
+        history.append_many([1], [11], [400])  # the same client works again
+        assert history.recent(1) == [11]
+    finally:
+        client.close()
+
+
+def test_the_refreshs_counts_read_is_retried_through_a_clusterdown_and_answers_once_the_node_is_back(
+        cluster_nodes: Any, prefix: str) -> None:
+    # A primary with no replica fails: once the others mark it failed every node answers CLUSTERDOWN (a ResponseError
+    # to redis-py) also for the counts they hold. The refresh's retries (hot_set.with_retries, around every read of
+    # the hot set) must wait it out as they wait out a Redis that is down.
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=2.0)
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        now_ms = int(time.time() * 1000)
+        counts.record("item", "impression", [1000 + k for k in range(10) for _ in range(10 - k)], [now_ms] * 55)
+        day = counts.days_available("item", "impression")[-1]
+        want = counts.top("item", "impression", day=day, days=1, k=5)
+        idle = next(k for k in range(3) if k != cluster_nodes.index_of(counts.key("item", "impression", day)))
+        cluster_nodes.stop(idle)  # a node without the counts: its restart loses none
+        cluster_nodes.wait_down()
+        waits: list[float] = []
+
+        def sleep(s: float) -> None:
+            waits.append(s)
+            if len(waits) == 1:
+                cluster_nodes.start(idle)
+
+        got = hot_set.with_retries("top items", lambda: counts.top("item", "impression", day=day, days=1, k=5),
+                                   attempts=3, backoff_s=0.0, sleep=sleep)
+        assert waits and got == want
+    finally:
+        client.close()
+
+
+def test_the_hot_set_of_a_cluster_with_every_node_down_fails_as_redis_unavailable_after_its_retries(
+        cluster_nodes: Any, prefix: str) -> None:
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=1.0)
+    try:
+        DailyCounts(client, prefix=prefix).record("item", "impression", [1, 2], [int(time.time() * 1000)] * 2)
+        cluster_nodes.stop_all()
+        waits: list[float] = []
+
+        def sleep(s: float) -> None:
+            waits.append(s)
+            time.sleep(s)  # redis-py paces its topology refreshes: the later attempts see it give up
+
+        with pytest.raises(hot_set.RedisUnavailable, match="unreachable after 5 attempt") as err:
+            hot_set.compute(client, prefix, 8, CFG, days=2, hot_items=5, hot_users=3, event="impression",
+                            attempts=5, backoff_s=0.4, sleep=sleep)
+        assert len(waits) == 4 and "RedisClusterUnreachableError" in str(err.value)
+    finally:
+        client.close()
