@@ -462,3 +462,32 @@ def test_the_joiner_writes_counts_and_histories_into_a_redis_cluster(kafka: Kafk
             str(hash_value("i9")): "i9"}
     finally:
         client.close()
+
+
+def test_a_joiner_batch_failing_on_a_cluster_with_every_node_down_gets_no_strikes_and_joins_once_it_is_back(
+        kafka: KafkaSettings, settings: JoinerSettings, cluster_nodes, prefix: str) -> None:
+    # Every node down: the history read fails first with connection errors, then (redis-py's topology refresh found
+    # no node) with RedisClusterUnreachableError, no redis.RedisError. Each failure must be an infrastructure failure
+    # (no strikes: poison_after=2 would dead-letter the good batch), and the batch joins once the cluster is back.
+    from tests.integration.test_redis_cluster import failures_until_unreachable
+
+    rds = RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True)
+    batch = [imp(kafka, 0, 0, "a", T0, user="u1", item="i1"), click(kafka, 0, 0, "a", T0 + 1)]
+    p = JoinPipeline(kafka, rds, settings)
+    try:
+        cluster_nodes.stop_all()
+        failures_until_unreachable(lambda: p.history.as_of([1], [T0]))  # the pipeline's client has given up
+        with pytest.raises(redis.ConnectionError, match="RedisClusterUnreachableError"):
+            p.process(batch)
+        assert p.strikes.counts == {}
+    finally:
+        p.close()
+    cluster_nodes.start_all()
+    again = JoinPipeline(kafka, rds, settings)  # the worker restarted from its committed offsets
+    try:
+        again.process(batch)
+        again.drain()
+    finally:
+        again.close()
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 1)]
+    assert not read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
