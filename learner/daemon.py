@@ -315,6 +315,7 @@ class Learner:
         assert self.mapper is not None
         self.mapper.load_state_dict(ckpt.get("id_maps", {}))
         self.quality.load_state_dict(ckpt)
+        self.id_metrics.load_state_dict(ckpt.get("id_metrics", {}))  # the bucket share, published before a batch
         if ckpt.get("base_rate_bias"):  # the model's bias followed the click rate (and may still: unless done)
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(ckpt["base_rate_bias"])
@@ -346,7 +347,7 @@ class Learner:
                  "dense_opt": tr.dense_opt.state_dict(), "metrics": tr.metrics.state_dict(),
                  "recent_ids": self.recent.state(), "id_maps": self.mapper.state_dict() if self.mapper else {},
                  "event_clock": self._clock.state(), "dense_clip": tr.dense_clip.state_dict(),
-                 **self.quality.state_dict(),
+                 **self.quality.state_dict(), "id_metrics": self.id_metrics.state_dict(),
                  "delayed_weights": tr.delayed.state_dict(),
                  "calibration": tr.calibration.state_dict() if tr.calibration is not None else {},
                  "base_rate_bias": self.bias.state_dict() if self.bias is not None else {}}

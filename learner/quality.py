@@ -54,7 +54,13 @@ class IdMetrics:
     the share of the field's lookups answered by a hash bucket, exponentially weighted over about its last
     ``metrics_window // 10`` lookups (a batch of n lookups weighs n / that, at most 1). The bucket share is what the
     ``cold_start_share`` rule of ``monitor/default_rules.toml`` reads; the distributed daemon did not publish it, so
-    that rule could never fire on N ranks."""
+    that rule could never fire on N ranks.
+
+    The bucket share is checkpoint state (:meth:`state_dict`, the checkpoint's ``id_metrics`` key, rank 0's on N
+    ranks) and :meth:`load_state_dict` publishes it at once: held only in memory, a restarted learner exported no
+    series until its first batch, so the monitor resolved a firing ``cold_start_share`` and fired it again a
+    ``for_s`` later, a false resolution and a repeated notification for one unchanged condition. A checkpoint
+    written before this state loads with none (no series until the first batch, as before)."""
 
     def __init__(self, metrics_window: int) -> None:
         self.span = max(1, metrics_window // 10)
@@ -76,6 +82,18 @@ class IdMetrics:
             EVICTIONS.labels(name).inc(k)
         for name, o in occupancy.items():
             ID_OCCUPANCY.labels(name).set(o)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The bucket share per field (plain floats: a weights-only load reads them)."""
+        return {"bucket_share": dict(self.bucket_share)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """From :meth:`state_dict` (an empty or older state: no share yet), and publishes each field's share now,
+        before the first batch (class docstring). A field the state lacks keeps no series."""
+        shares = state.get("bucket_share", {})
+        self.bucket_share = {str(name): float(v) for name, v in shares.items()}
+        for name, v in self.bucket_share.items():
+            BUCKET_SHARE.labels(name).set(v)
 
 
 class TrainingQuality:

@@ -250,6 +250,7 @@ class ShardedLearner:
         self.trainer.dense_clip.load_state_dict(states[0].get("dense_clip"))  # every rank's is the same
         if self.ctx.rank == 0:  # rank 0 tracks them, whatever the world size
             self.quality.load_state_dict(states[0])
+            self.id_metrics.load_state_dict(states[0].get("id_metrics", {}))  # published before the first round
             if self.calibration is not None and states[0].get("calibration"):
                 self.calibration.load_state_dict(states[0]["calibration"])
         self._share_calibration()
@@ -306,6 +307,7 @@ class ShardedLearner:
             rank_state.update(self.ids.state_dict())  # each rank its shares of the maps
         if rank == 0:
             rank_state.update(self.quality.state_dict())
+            rank_state["id_metrics"] = self.id_metrics.state_dict()  # every rank's lookups: whatever the world size
             rank_state["calibration"] = self.calibration.state_dict() if self.calibration is not None else {}
             rank_state["base_rate_bias"] = self.bias.state_dict() if self.bias is not None else {}
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:

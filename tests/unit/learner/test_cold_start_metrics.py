@@ -4,7 +4,10 @@ operator's alert does, not only what a gauge holds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,3 +98,89 @@ def test_one_process_and_rank_0_of_n_publish_the_same_bucket_share() -> None:
         shares.append(BUCKET_SHARE.labels("user_id")._value.get())
     # 3 rounds of 100 all-bucket lookups (share 1), then 2 of 40 at 0.1, each weighing 40/100 of the window
     assert shares[0] == shares[1] == pytest.approx(1 - 0.9 * (1 - 0.6 ** 2))
+
+
+def _learner_with_dynamic_ids(tmp_path: Path, daemon: str) -> Any:
+    """A single-process ``Learner`` or a one-rank ``ShardedLearner`` (rank 0 of N: the same code path) with its
+    model built, whose Kafka is never contacted (no offsets to commit)."""
+    from learner.config import LearnerSettings
+    from learner.features import default_config
+    from stream.config import KafkaSettings
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         id_capacity=50, admit_after=5)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+    cfg = default_config({}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets, embedding_dim=ls.embedding_dim,
+                         id_capacity=ls.id_capacity, admit_after=ls.admit_after)
+    if daemon == "one process":
+        from learner.daemon import Learner
+
+        learner = Learner(kafka, ls)
+        learner._build(cfg, learner._model_settings())
+    else:
+        from learner.distributed import RankContext
+        from learner.sharded_daemon import ShardedLearner
+
+        learner = ShardedLearner(kafka, ls, RankContext())
+        learner._build(cfg)
+    return learner
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo group of one rank in this process: the sharded learner's collectives (checkpoint, id maps) run."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("daemon", ["one process", "rank 0 of N"])
+def test_a_restarted_learner_keeps_a_firing_cold_start_share_firing_without_a_resolve(
+        tmp_path: Path, request: pytest.FixtureRequest, daemon: str) -> None:
+    # The bucket share lived only in memory: a restarted learner exported no streamrec_learner_bucket_share until
+    # its first batch, the monitor resolved the firing cold_start_share on that gap and fired it again a for_s
+    # (5 minutes) later. It is checkpoint state now, published at restore, before any batch.
+    if daemon == "rank 0 of N":
+        request.getfixturevalue("one_rank_group")
+    BUCKET_SHARE.clear()
+    first = _learner_with_dynamic_ids(tmp_path, daemon)
+    engine = default_rule("cold_start_share")
+    alerts = []
+    try:
+        for k, st in enumerate(burst_of_new_users(7)):
+            first._observe_ids(st)
+            alerts += [(a.labels.get("field"), a.state) for a in engine.evaluate(scraped(), k * 60.0)]
+        assert alerts == [("user_id", AlertState.FIRING)]
+        first.save()
+    finally:
+        first.close()
+    BUCKET_SHARE.clear()  # the restarted process: no series of its own yet
+    again = _learner_with_dynamic_ids(tmp_path, daemon)
+    try:
+        assert again._restore()
+        after = [(a.labels.get("field"), a.state) for k in range(7, 15)
+                 for a in engine.evaluate(scraped(), k * 60.0)]  # the monitor scrapes it before its first batch
+        assert after == []  # still firing: neither resolved nor fired again
+        assert engine.firing() and BUCKET_SHARE.labels("user_id")._value.get() == pytest.approx(
+            first.id_metrics.bucket_share["user_id"])
+    finally:
+        again.close()
+    if daemon == "rank 0 of N":  # and a reshard to one process (learner/sharded_checkpoint.unshard) keeps it
+        from learner import checkpoint, sharded_checkpoint
+
+        single = sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single")
+        assert checkpoint.load(single)["id_metrics"] == first.id_metrics.state_dict()
+
+
+def test_a_checkpoint_without_the_bucket_share_loads_with_none_until_the_first_lookups() -> None:
+    # Checkpoints written before the share was kept have no "id_metrics": no series, as a fresh learner's.
+    BUCKET_SHARE.clear()
+    m = IdMetrics(metrics_window=1000)
+    m.load_state_dict({})
+    assert m.bucket_share == {} and "streamrec_learner_bucket_share{" not in generate_latest(REGISTRY).decode()
+    m.observe(burst_of_new_users(1)[0], {})
+    assert BUCKET_SHARE.labels("user_id")._value.get() == 1.0
