@@ -185,6 +185,12 @@ class LearnerSettings:
     boost: float = 0.0
     boost_half_life: float = 8.0
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
+    # The cold and warm window metrics (streamrec_learner_cold_auc, ..._warm_auc, their logloss; the
+    # cold_user_auc_gap rule) cover their window's samples of the last quality_recent_s of event time, and are NaN
+    # (no data: the rule neither fires nor resolves) while fewer than quality_min_samples (at most the window) are
+    # that recent: old samples are no reading of today's model (learner/quality.py TrainingQuality)
+    quality_recent_s: float = 3600.0
+    quality_min_samples: int = 500
     # Delayed feedback (learner/delayed.py, learner/served.py): the joiner's attribution window (served quality
     # waits this long of event time for an observed negative's delayed positive), and a fresh model's bias
     # following the click rate until it is known, from prior_click_rate before any label (BaseRateBias). At least

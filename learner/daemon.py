@@ -242,7 +242,8 @@ class Learner:
         self._event_now: float | None = None  # event time (s) after the samples trained: learner/event_clock.py
         self._clock = EventClock()
         self._event_newest = 0.0  # event time of the newest sample trained (s)
-        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)
+        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s, ls.quality_recent_s,
+                                       ls.quality_min_samples)
         self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
         self.id_metrics = IdMetrics(ls.metrics_window)  # dynamic ids: lookups, admissions, bucket share
         self._window_published = 0.0
@@ -507,7 +508,7 @@ class Learner:
             if self.bias is not None:  # a new model: its bias follows the click rate until that is known
                 self.bias.update(self.trainer.model, labels, kept.kinds, kept.ts, kept.label_delay_ms)
             self.quality.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
-                                kept.label_delay_ms)
+                                kept.label_delay_ms, now)
             if self.trainer.dense_clip.clipped > clipped_before:
                 DENSE_CLIPPED.inc(self.trainer.dense_clip.clipped - clipped_before)
                 log.warning("clipped the dense gradient of %d step(s) to [learner] dense_grad_clip x its recent scale "

@@ -10,6 +10,12 @@ and the window's last ``window`` samples (two float64 arrays, ``window_probs``/`
 while the window is empty), so a resumed learner's window metrics cover the samples before the restart too.
 A state without them (also one saved before they were kept) loads with an empty window, which then fills
 from the resume on.
+
+A timed window (``timed=True``: the learner's cold and warm windows, ``learner/quality.py``) also keeps each
+sample's event time (``window_ts``, ms; state key of the same name), and :meth:`ProgressiveMetrics.window_metrics`
+can be asked for the window's samples since an event time, NaN (no data) when fewer than ``min_samples`` are that
+recent: a window of old samples is not a reading of the model as it is now. A timed state without ``window_ts``
+(saved before the times were kept) loads its samples with unknown times, never recent.
 """
 
 from __future__ import annotations
@@ -61,20 +67,28 @@ def normalized_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
 
 
 class ProgressiveMetrics:
-    def __init__(self, window: int = 100_000, bins: int = 10_000) -> None:
+    def __init__(self, window: int = 100_000, bins: int = 10_000, timed: bool = False) -> None:
         self.bins = bins
+        self.timed = timed  # the window keeps each sample's event time (module docstring)
         self.pos = np.zeros(bins, np.int64)
         self.neg = np.zeros(bins, np.int64)
         self.loss_sum = 0.0
         self.count = 0
         self.window = window
         self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._recent_ts: deque[np.ndarray] = deque()  # (B,) event times (ms) of each _recent chunk, when timed
         self._recent_n = 0
 
-    def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
-        """Record predictions made before training on these samples. Shapes (B,)."""
+    def update(self, probs: np.ndarray, labels: np.ndarray, ts_ms: np.ndarray | None = None) -> None:
+        """Record predictions made before training on these samples. Shapes (B,); ``ts_ms`` (the samples' event
+        times) is required by a timed window and ignored by another."""
         probs = np.asarray(probs, np.float64)
         labels = np.asarray(labels, np.float64)
+        if self.timed:
+            if ts_ms is None or len(ts_ms) != len(labels):
+                raise ValueError(f"a timed window needs one event time per sample: {len(labels)} samples, "
+                                 f"{None if ts_ms is None else len(ts_ms)} times")
+            self._recent_ts.append(np.asarray(ts_ms, np.float64))
         idx = np.minimum((probs * self.bins).astype(np.int64), self.bins - 1)
         self.pos += np.bincount(idx[labels > 0.5], minlength=self.bins)
         self.neg += np.bincount(idx[labels <= 0.5], minlength=self.bins)
@@ -85,6 +99,8 @@ class ProgressiveMetrics:
         self._recent_n += len(labels)
         while self._recent and self._recent_n - len(self._recent[0][1]) >= self.window:
             self._recent_n -= len(self._recent.popleft()[1])
+            if self.timed:
+                self._recent_ts.popleft()
 
     @property
     def auc(self) -> float:
@@ -104,10 +120,19 @@ class ProgressiveMetrics:
         """Normalized entropy of everything recorded (:func:`normalized_entropy`)."""
         return self.logloss / entropy(float(self.pos.sum()) / self.count) if self.count else float("nan")
 
-    def window_metrics(self) -> tuple[float, float]:
+    def window_metrics(self, since_ms: float | None = None, min_samples: int = 1) -> tuple[float, float]:
+        """(AUC, logloss) of the window; NaN for an empty one. ``since_ms`` (a timed window only): of its samples
+        whose event time is at least that, NaN when fewer than ``min_samples``."""
         if not self._recent:
             return float("nan"), float("nan")
         probs, labels = self._window_arrays()
+        if since_ms is not None:
+            if not self.timed:
+                raise ValueError("window_metrics(since_ms=...) needs a timed window (ProgressiveMetrics(timed=True))")
+            recent = self._window_ts() >= since_ms
+            if int(recent.sum()) < max(1, min_samples):
+                return float("nan"), float("nan")
+            probs, labels = probs[recent], labels[recent]
         return auc(probs, labels), logloss(probs, labels)
 
     def summary(self) -> dict[str, Any]:
@@ -123,25 +148,41 @@ class ProgressiveMetrics:
         labels = np.concatenate([lab for _, lab in self._recent])[-self.window:]
         return probs, labels
 
+    def _window_ts(self) -> np.ndarray:
+        """(n,) event times (ms) of the samples of :meth:`_window_arrays` (a timed window), oldest first."""
+        if not self._recent_ts:
+            return np.zeros(0, np.float64)
+        return np.concatenate(list(self._recent_ts))[-self.window:]
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"pos": self.pos.copy(), "neg": self.neg.copy(), "loss_sum": self.loss_sum,
                                  "count": self.count}
         probs, labels = self._window_arrays()
         if len(probs):  # an empty window is left out: an empty array pickles as bytes(), which safe loads refuse
             state["window_probs"], state["window_labels"] = probs, labels
+            if self.timed:
+                state["window_ts"] = self._window_ts()
         return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.pos, self.neg = np.asarray(d["pos"]).copy(), np.asarray(d["neg"]).copy()
         self.loss_sum, self.count = float(d["loss_sum"]), int(d["count"])
-        self._recent, self._recent_n = deque(), 0
+        self._recent, self._recent_ts, self._recent_n = deque(), deque(), 0
         if "window_probs" in d:  # older states have no window: it starts empty
             probs = np.array(d["window_probs"], np.float64).reshape(-1)
             labels = np.array(d["window_labels"], np.float64).reshape(-1)
             if len(probs) != len(labels):
                 raise ValueError(f"progressive metrics state: window_probs has {len(probs)} samples, "
                                  f"window_labels {len(labels)}")
+            # a timed window from a state without times: unknown event times, never recent (module docstring)
+            ts = (np.array(d["window_ts"], np.float64).reshape(-1) if "window_ts" in d
+                  else np.full(len(probs), -np.inf))
+            if len(ts) != len(probs):
+                raise ValueError(f"progressive metrics state: window_probs has {len(probs)} samples, "
+                                 f"window_ts {len(ts)}")
             probs, labels = probs[-self.window:], labels[-self.window:]  # a smaller window now: its last samples
             if len(probs):
                 self._recent.append((probs, labels))
                 self._recent_n = len(probs)
+                if self.timed:
+                    self._recent_ts.append(ts[-self.window:])

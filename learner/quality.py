@@ -97,13 +97,24 @@ class IdMetrics:
 
 
 class TrainingQuality:
-    def __init__(self, cold_k: int, metrics_window: int, attribution_window_s: float) -> None:
+    """The cold and warm users' window metrics (``streamrec_learner_cold_auc`` and the rest, read by the
+    ``cold_user_auc_gap`` rule) cover only the window's recent samples: those whose event time is within
+    ``recent_s`` of the learner's event clock (``now_s`` of :meth:`record`), NaN (no data) while fewer than
+    ``min_recent`` are (at most the window's size). The cold window holds the last ``metrics_window // 10`` cold
+    samples however old: on a quiet night without new users it held the evening's, and a gap measured on them kept
+    the alert firing (or resolved) for hours on a model that had trained on since. NaN neither fires nor resolves a
+    rule (the monitor's no data). Event time, as the id maps' ages: a replay decides as live traffic did, and a
+    learner that trains nothing (no samples at all) keeps its last reading, of the model it still has."""
+
+    def __init__(self, cold_k: int, metrics_window: int, attribution_window_s: float, recent_s: float,
+                 min_recent: int) -> None:
         for g in _QUALITY_GAUGES:  # no data yet (a restored state publishes its own at the first batch)
             g.set(float("nan"))
         self.cold_k = cold_k
         self.cold = ColdTracker(cold_k)
-        self.cold_metrics = ProgressiveMetrics(window=metrics_window // 10 or 1)
-        self.warm_metrics = ProgressiveMetrics(window=metrics_window)
+        self.cold_metrics = ProgressiveMetrics(window=metrics_window // 10 or 1, timed=True)
+        self.warm_metrics = ProgressiveMetrics(window=metrics_window, timed=True)
+        self.recent_s, self.min_recent = recent_s, min_recent
         self.served = ServedQuality(int(attribution_window_s * 1000), metrics_window=metrics_window)
         self._cold_published = 0.0
         self._served_published = 0.0
@@ -114,10 +125,11 @@ class TrainingQuality:
 
     def record(self, impression_ids: np.ndarray, ts: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray,
                probs: np.ndarray, cold: np.ndarray | None, partitions: np.ndarray | None,
-               label_delay_ms: np.ndarray | None) -> None:
-        """One trained batch's rows (all (B,)): ``probs`` predicted before they were learned."""
+               label_delay_ms: np.ndarray | None, now_s: float) -> None:
+        """One trained batch's rows (all (B,)): ``probs`` predicted before they were learned; ``now_s`` the event
+        clock after them (``learner/event_clock.py``: one far-off timestamp cannot age every sample at once)."""
         if cold is not None:
-            self._observe_cold(probs, labels, cold)
+            self._observe_cold(probs, labels, cold, ts, now_s)
         self.served.record(impression_ids, ts, kinds, labels, probs, cold, partitions, label_delay_ms)
         if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:
             SERVED_AUC.set(self.served.all.window_metrics()[0])
@@ -125,15 +137,17 @@ class TrainingQuality:
             SERVED_NE.set(self.served.all.ne)
             self._served_published = time.monotonic()
 
-    def _observe_cold(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray) -> None:
+    def _observe_cold(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray, ts: np.ndarray,
+                      now_s: float) -> None:
         ok = np.isfinite(probs)
         publish = time.monotonic() - self._cold_published >= _PUBLISH_EVERY_S
+        since_ms = (now_s - self.recent_s) * 1000.0
         for m, sel, g_auc, g_loss in ((self.cold_metrics, cold & ok, COLD_AUC, COLD_LOGLOSS),
                                       (self.warm_metrics, ~cold & ok, WARM_AUC, WARM_LOGLOSS)):
             if sel.any():
-                m.update(probs[sel], labels[sel])
-            if publish:  # an empty window is NaN: no cold (or warm) sample yet is no data, not an AUC of 0
-                w_auc, w_loss = m.window_metrics()
+                m.update(probs[sel], labels[sel], np.asarray(ts)[sel])
+            if publish:  # too few recent samples (none yet) is no data, not an AUC of 0 (class docstring)
+                w_auc, w_loss = m.window_metrics(since_ms, min(self.min_recent, m.window))
                 g_auc.set(w_auc)
                 g_loss.set(w_loss)
         if publish:

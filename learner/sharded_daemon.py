@@ -161,7 +161,8 @@ class ShardedLearner:
         self.trainer: ShardedTrainer | None = None
         self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
         self.bias: BaseRateBias | None = None  # a fresh model's intercept at the click rate (learner/delayed.py)
-        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s)  # rank 0's
+        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s,  # rank 0's
+                                       ls.quality_recent_s, ls.quality_min_samples)
         self.id_metrics = IdMetrics(ls.metrics_window)  # rank 0's, over every rank's lookups
         self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
@@ -581,7 +582,7 @@ class ShardedLearner:
         users = cat("users")
         now = self._clock.advance_s(ts)
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
-        self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay)
+        self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay, now)
         if self.calibration is not None:  # fitted on held-out raw logits as their labels become final
             raw = cat("logits")
             assert raw is not None

@@ -45,7 +45,7 @@ def test_a_learner_that_counts_no_user_as_cold_does_not_fire_the_cold_user_auc_g
     # its 10 minutes on every such learner, however well it ranked.
     for g in (COLD_AUC, COLD_LOGLOSS, WARM_AUC):
         g.set(0.0)  # as a fresh process exports them
-    q = TrainingQuality(cold_k=0, metrics_window=1000, attribution_window_s=1800.0)
+    q = TrainingQuality(cold_k=0, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=100)
     rng = np.random.default_rng(0)
     labels = (rng.random(500) < 0.3).astype(np.float64)
     probs = np.clip(0.3 + 0.4 * (labels - 0.3) + 0.05 * rng.standard_normal(500), 0.01, 0.99)  # a good ranker
@@ -53,7 +53,7 @@ def test_a_learner_that_counts_no_user_as_cold_does_not_fire_the_cold_user_auc_g
     cold = q.cold_of(users, 0.0, None)
     assert cold is not None and not cold.any()
     q.record(np.array([f"i{k}" for k in range(500)]), np.arange(500) + 1_700_000_000_000, None, labels, probs,
-             cold, None, np.zeros(500))
+             cold, None, np.zeros(500), now_s=1_700_000_000.5)
     assert 0.9 < WARM_AUC._value.get() <= 1.0  # the warm users' AUC is published
     assert fired(default_rule("cold_user_auc_gap"), 900) == []
 
@@ -184,3 +184,89 @@ def test_a_checkpoint_without_the_bucket_share_loads_with_none_until_the_first_l
     assert m.bucket_share == {} and "streamrec_learner_bucket_share{" not in generate_latest(REGISTRY).decode()
     m.observe(burst_of_new_users(1)[0], {})
     assert BUCKET_SHARE.labels("user_id")._value.get() == 1.0
+
+
+T0_MS = 1_700_000_000_000  # event time of the first sample
+
+
+def _minute(q: TrainingQuality, minute: int, cold_rows: int, warm_rows: int, rng: np.random.Generator) -> None:
+    """One minute of event time's samples into ``q``: cold users ranked at random, warm users ranked well."""
+    n = cold_rows + warm_rows
+    labels = (rng.random(n) < 0.3).astype(np.float64)
+    good = np.clip(0.3 + 0.4 * (labels - 0.3) + 0.05 * rng.standard_normal(n), 0.01, 0.99)
+    cold = np.arange(n) < cold_rows
+    probs = np.where(cold, rng.random(n), good)
+    ts = T0_MS + minute * 60_000 + np.sort(rng.integers(0, 60_000, n))
+    q.record(np.array([f"m{minute}-{k}" for k in range(n)]), ts, None, labels, probs, cold, None, np.zeros(n),
+             now_s=float(ts[-1]) / 1000)
+
+
+def test_a_quiet_night_without_new_users_does_not_keep_the_cold_user_auc_gap_firing_on_the_evenings_samples(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cold window held the last metrics_window // 10 cold samples however old: with no new user all night, the
+    # evening's gap stayed in streamrec_learner_cold_auc and cold_user_auc_gap fired till morning on a model that had
+    # trained on all night. Now the window says NaN (no data) once fewer than [learner] quality_min_samples of its
+    # samples are within quality_recent_s of event time (the defaults here): the alert resolves and stays quiet.
+    import learner.quality
+    from learner.config import LearnerSettings
+
+    monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)  # each call below stands for a minute
+    ls = LearnerSettings()
+    q = TrainingQuality(cold_k=10, metrics_window=10_000, attribution_window_s=1800.0,
+                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples)
+    engine = default_rule("cold_user_auc_gap")
+    rng = np.random.default_rng(3)
+    states = []
+    for minute in range(5 * 60):  # the monitor scrapes once a minute of event time
+        evening = minute < 30
+        _minute(q, minute, cold_rows=40 if evening else 0, warm_rows=120 if evening else 20, rng=rng)
+        states += [(minute, a.state) for a in engine.evaluate(scraped(), minute * 60.0)]
+    # fired on the evening's real gap: measured from minute 12 (the 500th cold sample: 40 a minute), firing its for_s
+    # of 10 minutes later; resolved within quality_recent_s of the last cold sample (minute 29), once fewer than
+    # quality_min_samples cold samples were that recent; never again
+    assert [s for _, s in states] == [AlertState.FIRING, AlertState.RESOLVED]
+    assert states[0][0] == 22 and 29 < states[1][0] <= 29 + ls.quality_recent_s / 60 + 1
+    assert np.isnan(COLD_AUC._value.get()) and 0.8 < WARM_AUC._value.get() <= 1.0  # warm users are still measured
+
+
+def test_a_cold_window_of_recent_samples_keeps_measuring_through_a_quiet_hour_with_a_few_new_users(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The horizon must not blind the rule to a real gap: a steady trickle of cold samples (more than
+    # quality_min_samples an hour) keeps the cold AUC measured, and the gap keeps firing.
+    import learner.quality
+    from learner.config import LearnerSettings
+
+    monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)
+    ls = LearnerSettings()
+    q = TrainingQuality(cold_k=10, metrics_window=10_000, attribution_window_s=1800.0,
+                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples)
+    engine = default_rule("cold_user_auc_gap")
+    rng = np.random.default_rng(4)
+    states = []
+    for minute in range(3 * 60):
+        _minute(q, minute, cold_rows=40 if minute < 30 else 10, warm_rows=100, rng=rng)  # 600 cold samples an hour
+        states += [a.state for a in engine.evaluate(scraped(), minute * 60.0)]
+    assert states == [AlertState.FIRING] and not np.isnan(COLD_AUC._value.get())
+
+
+def test_cold_and_warm_windows_restored_from_a_checkpoint_without_event_times_count_as_not_recent() -> None:
+    # Checkpoints written before the windows kept their samples' event times still load: those samples have no
+    # known time, so they are never recent (no data until quality_min_samples recent ones arrive), and the window's
+    # samples themselves are kept.
+    from learner.progressive import ProgressiveMetrics
+
+    old = ProgressiveMetrics(window=100)
+    rng = np.random.default_rng(5)
+    labels = (rng.random(80) < 0.5).astype(np.float64)
+    old.update(rng.random(80), labels)
+    state = old.state_dict()
+    assert "window_ts" not in state
+    m = ProgressiveMetrics(window=100, timed=True)
+    m.load_state_dict(state)
+    assert np.isnan(m.window_metrics(since_ms=0.0, min_samples=10)[0])
+    assert m.window_metrics() == old.window_metrics()  # all of the window, as before
+    m.update(rng.random(20), (np.arange(20) % 2).astype(np.float64), ts_ms=np.full(20, 5_000.0))
+    assert not np.isnan(m.window_metrics(since_ms=0.0, min_samples=10)[0])
+    again = ProgressiveMetrics(window=100, timed=True)
+    again.load_state_dict(m.state_dict())  # and the times round-trip through the state
+    assert again.window_metrics(since_ms=0.0, min_samples=10) == m.window_metrics(since_ms=0.0, min_samples=10)
