@@ -1,6 +1,7 @@
 """Serving's cold path: ids the artifact's id maps do not know (brand-new users and items, in every form a request may
 carry them) get their hash-bucket row and a valid score, and serving counts them
-(``streamrec_serving_id_lookups_total{field, row="bucket"}``), as the learner counts its own lookups."""
+(``streamrec_serving_id_lookups_total{field, row="bucket"}``), as the learner counts its own lookups; the packaged
+``serving_fallback_share`` rule reads that count's share (evaluated over this serving's /metrics text)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.row_mapper import RowMapper
 from learner.trainer import Trainer
+from monitor.alerts import AlertState
+from monitor.engine import RuleEngine, Snapshot
+from monitor.rules import load_rules
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
@@ -79,3 +83,38 @@ def test_unknown_users_and_items_in_every_form_get_their_bucket_row_a_valid_scor
     served2 = ScoringModel.load(trained_artifact(tmp_path / "again"))
     metrics.lookups.live = lambda: served2  # what serving/swap.py does: retire the old model, the new one is live
     assert id_lookups(metrics)[("user_id", "own")] == 1
+
+
+def fallback_alerts(tmp_path: Path, minutes: list[int]) -> list[tuple[int, str | None, AlertState]]:
+    """The packaged ``serving_fallback_share`` rule over this serving's /metrics, scraped once a minute while
+    ``minutes[k]`` requests of brand-new users (each with 3 admitted candidate items) arrive in minute k."""
+    served = ScoringModel.load(trained_artifact(tmp_path))
+    metrics = ServingMetrics(lambda: served)
+    encoder = FeatureEncoder(served)
+    rule = next(r for r in load_rules(None).rules if r.name == "serving_fallback_share")
+    engine = RuleEngine([rule], history_s=rule.for_s + 600)
+    out, user = [], 10**9
+    for minute, requests in enumerate(minutes):
+        for _ in range(requests):
+            user += 1
+            encoder.encode(parse_request({"user_id": user, "items": [3, 5, 7]}, max_candidates=100), [])
+        out += [(minute, a.labels.get("field"), a.state)
+                for a in engine.evaluate(Snapshot.from_texts({"serving": metrics.render().decode()}), minute * 60.0)]
+    return out
+
+
+def test_the_packaged_serving_fallback_share_rule_fires_on_a_burst_of_new_users_and_resolves_when_traffic_stops(
+        tmp_path: Path) -> None:
+    # 300 new users a minute (5 user lookups a second, all on buckets; their items admitted) for 20 minutes, then
+    # nothing: the share read is 5 / (5 + 1) > 0.5, firing for user_id after 5 minutes of rate history and the rule's
+    # 10; with no lookups at all it reads 0 / (0 + 1), no division by zero, and resolves.
+    alerts = fallback_alerts(tmp_path, [300] * 20 + [0] * 10)
+    assert [(f, s) for _, f, s in alerts] == [("user_id", AlertState.FIRING), ("user_id", AlertState.RESOLVED)]
+    assert 10 <= alerts[0][0] <= 16 and 20 <= alerts[1][0] <= 26
+
+
+def test_the_packaged_serving_fallback_share_rule_stays_quiet_on_a_quiet_night_of_a_few_new_users(
+        tmp_path: Path) -> None:
+    # A request a minute, each a brand-new user: every user lookup is a bucket lookup (a true share of 1), but at
+    # 1/60 lookups a second the share read is 1/61: no alert for a handful of users.
+    assert fallback_alerts(tmp_path, [1] * 40) == []
