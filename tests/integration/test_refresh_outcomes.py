@@ -25,29 +25,14 @@ import redis
 from prometheus_client import REGISTRY
 
 from cache_refresh import job
-from cache_refresh.alerts import RefreshAlerts
 from cache_refresh.settings import RefreshSettings
 from learner import artifact, checkpoint
-from monitor.alerts import Alert
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from streamrec.cli import main
 from streamrec.stack import free_port
 from tests.integration.test_refresh import DAY_MS, ITEMS, USERS, config_file, save_checkpoint
-
-
-class RecordedAlerts(RefreshAlerts):
-    """The refresh's alerts, logged as usual and kept here (no Kafka topic)."""
-
-    def __init__(self) -> None:
-        super().__init__(KafkaSettings(), "")
-        self.fired: list[Alert] = []
-
-    def fire(self, stage: str, message: str, rule: str, severity: str = "critical",
-             labels: dict[str, str] | None = None) -> Alert:
-        alert = super().fire(stage, message, rule, severity, labels)
-        self.fired.append(alert)
-        return alert
+from tests.unit.cache_refresh.test_overlap import RecordedAlerts
 
 
 @pytest.fixture(scope="module")
