@@ -1,0 +1,159 @@
+"""Serving on a real Redis Cluster (``[redis] cluster = true``, tests/redis_cluster.py) whose nodes fail: requests
+while nodes are down, and the update notifications through the cluster's pub/sub.
+
+The cluster's nodes run with ``--save ""``: a node started again comes back owning its slots with an empty keyspace,
+so after a restart the tests write the history and the layered rows again (as the joiner and a refresh would) before
+they expect serving to read them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from serving.features import FeatureEncoder
+from serving.model import ScoringModel
+from serving.request import parse_request
+from serving.service import ScoringService
+from serving.settings import EmbeddingStore, ServeSettings
+from stream.config import RedisSettings
+from stream.features import hash_value
+from stream.history import UserHistory
+from stream.redis_client import connect
+from tests.integration.test_layered_serving import (
+    ADMITTED_USERS,
+    NEW_ITEMS,
+    bucket_twin,
+    post,
+    publish_version,
+    request,
+)
+
+HISTORY_ITEMS = [7, 9, 11]  # the test user's clicks (admitted items: the history field shares the item rows)
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def scores_of(model: ScoringModel, req: dict[str, Any], history: list[int]) -> list[float]:
+    values, offsets, dense = FeatureEncoder(model).encode(parse_request(req, 100), history)
+    return model.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense)).tolist()
+
+
+def fill(client: Any, path: Path, prefix: str, rds: RedisSettings, user: str) -> None:
+    """What the refresh and the joiner keep in Redis: the version's rows and ``user``'s clicks."""
+    from serving.embedding_store import write_version
+    from serving.settings import RowDtype
+
+    model = ScoringModel.load(path)
+    write_version(client, prefix, model.version, model.table, model.non_hot_rows(), RowDtype.FLOAT32)
+    UserHistory(client, prefix=prefix, max_len=4 * rds.history_len).append_many(
+        [hash_value(user)] * len(HISTORY_ITEMS), [hash_value(i) for i in HISTORY_ITEMS], [1, 2, 3])
+
+
+# the failures a cluster that cannot serve must show in serving's metrics, as a single node that is down does
+FAILURE_COUNTERS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("streamrec_serving_history_unavailable_total", {}), ("streamrec_serving_history_errors_total", {}),
+    ("streamrec_serving_embedding_store_errors_total", {}),
+    ("streamrec_serving_embedding_store_fallback_rows_total", {"kind": "bucket"}),
+    ("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}))
+
+
+def counters(svc: ScoringService) -> dict[str, float]:
+    got = {}
+    for name, labels in FAILURE_COUNTERS:
+        got[name + str(labels or "")] = svc.metrics.registry.get_sample_value(name, labels) or 0.0
+    return got
+
+
+@pytest.mark.parametrize("down", ["every node", "the history key's primary"])
+def test_a_layered_service_with_cluster_nodes_down_answers_200_without_history_on_bucket_rows_and_uses_both_once_back(
+        cluster_nodes: Any, prefix: str, tmp_path: Path, down: str) -> None:
+    rds = RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True)
+    user = ADMITTED_USERS[7]
+    history = [hash_value(i) for i in HISTORY_ITEMS]
+    writer = connect(rds, timeout_s=2.0)
+    try:
+        path = publish_version(tmp_path, writer, prefix)
+        fill(writer, path, prefix, rds, user)
+        key = UserHistory(writer, prefix=prefix).key(hash_value(user))
+    finally:
+        writer.close()
+    in_process = ScoringModel.load(path)
+    req = request(user, NEW_ITEMS)
+    full = scores_of(in_process, req, history)  # Redis serving: the user's own row and history
+    degraded = scores_of(in_process, request(bucket_twin(user), NEW_ITEMS), [])  # its bucket row, no history
+    assert not np.allclose(full, degraded, atol=1e-4)
+    settings = ServeSettings(port=0, publish_root=tmp_path, poll_s=3600, embedding_store=EmbeddingStore.LAYERED,
+                             embedding_store_retry_after_s=0.2, history_retry_after_s=0.2, redis_timeout_s=0.5,
+                             lookup_counts_flush_s=0.2)
+    with ScoringService(settings, rds) as svc:
+        status, body = post(svc.port, req)
+        assert status == 200 and body["scores"] == pytest.approx(full, abs=1e-6)
+        before = counters(svc)
+        layered = svc.holder.model().layered  # type: ignore[union-attr]
+        assert layered is not None
+
+        if down == "every node":
+            cluster_nodes.stop_all()
+        else:
+            cluster_nodes.stop(cluster_nodes.index_of(key))
+        answers = []
+        for phase in ("refused", "marked failed"):  # before and after the other nodes mark it failed (CLUSTERDOWN)
+            if phase == "marked failed":
+                cluster_nodes.wait_down()
+            t_end = time.monotonic() + 3.0  # several breaker periods, past redis-py giving up on the topology
+            while time.monotonic() < t_end:
+                layered.cache.discard_many(np.arange(layered.num_rows))  # the user's row must come from Redis
+                status, body = post(svc.port, req)
+                answers.append((status, body))
+                time.sleep(0.02)
+        assert all(status == 200 for status, _ in answers), answers[:3]
+        assert all(all(math.isfinite(s) for s in body["scores"]) for _, body in answers)
+        # once the breaker has seen the failure, every answer is the degraded one
+        assert answers[-1][1]["scores"] == pytest.approx(degraded, abs=1e-6)
+        during = counters(svc)
+        assert [name for name in before if during[name] <= before[name]] == []  # every kind of failure counted
+
+        cluster_nodes.start_all()
+        writer = connect(rds, timeout_s=2.0)
+        try:
+            fill(writer, path, prefix, rds, user)  # the restarted nodes came back empty
+        finally:
+            writer.close()
+        deadline, got = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            layered.cache.discard_many(np.arange(layered.num_rows))
+            status, body = post(svc.port, req)
+            assert status == 200
+            got = body["scores"]
+            if got == pytest.approx(full, abs=1e-6):
+                break
+            time.sleep(0.05)
+        assert got == pytest.approx(full, abs=1e-6), "history and rows from Redis never came back"
+        settled = counters(svc)
+        for _ in range(10):
+            layered.cache.discard_many(np.arange(layered.num_rows))
+            status, body = post(svc.port, req)
+            assert status == 200 and body["scores"] == pytest.approx(full, abs=1e-6)
+        after = counters(svc)
+        for name in ("streamrec_serving_history_unavailable_total", "streamrec_serving_embedding_store_errors_total"):
+            assert after[name] == settled[name], name  # no more degraded reads
+
+        def flushed() -> float:
+            return svc.metrics.registry.get_sample_value("streamrec_serving_lookup_counts_flushed_total") or 0.0
+
+        flushed_before, deadline = flushed(), time.monotonic() + 30
+        while flushed() <= flushed_before:  # the lookups of the requests since the nodes came back
+            assert time.monotonic() < deadline, "the lookup counts are not flushed to the cluster again"
+            time.sleep(0.05)
+
