@@ -9,6 +9,7 @@ they expect serving to read them.
 from __future__ import annotations
 
 import math
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -157,3 +158,78 @@ def test_a_layered_service_with_cluster_nodes_down_answers_200_without_history_o
             assert time.monotonic() < deadline, "the lookup counts are not flushed to the cluster again"
             time.sleep(0.05)
 
+
+# -- notifications: the refresh's and the learner's PUBLISH, serving's subscriber (serving/swap.py) --------------
+def score_once(port: int) -> dict[str, Any]:
+    status, body = post(port, NOTIFIED_REQUEST)
+    assert status == 200, body
+    return body
+
+
+NOTIFIED_REQUEST = {"user_id": "bob", "items": [1, 2, 3], "context": {"device": 1, "genres": [4, 5], "year": 1995}}
+
+
+def until_served(port: int, send: Any, served: Any, timeout_s: float) -> None:
+    """``send()`` (a notification) every half second until a request's answer is ``served``; fails after
+    ``timeout_s``. Serving polls every hour here: only a notification makes it look."""
+    deadline, body = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        send()
+        t_next = time.monotonic() + 0.5
+        while time.monotonic() < t_next:
+            body = score_once(port)
+            if served(body):
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"no notification reached serving in {timeout_s} s (last answer {body})")
+
+
+@pytest.mark.parametrize("outage", ["its node restarted", "its node down until the cluster failed", "every node down"])
+def test_a_service_on_a_cluster_hears_the_refreshs_and_the_learners_notifications_also_after_an_outage(
+        cluster_nodes: Any, prefix: str, tmp_path: Path, outage: str) -> None:
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from learner.deltas import DeltaWriter, redis_notifier
+    from serving.swap import artifact_channel
+    from tests.integration.test_serving import CFG, TinyLearner
+    from tests.integration.test_serving import publish_version as publish_learner_version
+
+    rds = RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True)
+    root, deltas = tmp_path / "serving", tmp_path / "deltas"
+    learner = TinyLearner(seed=3)
+    publish_learner_version(learner, root, "v001")
+    notify_delta = redis_notifier(rds, rds.deltas_channel)  # what DeltaWriter.from_settings gives the learner
+    writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600, notify=notify_delta)
+    rs = RefreshSettings(publish_root=root, redis_attempts=1)
+    settings = ServeSettings(port=0, publish_root=root, deltas_dir=deltas, poll_s=3600, lookup_counts=False)
+    subscribed_on = cluster_nodes.index_of(artifact_channel(prefix))  # redis-py subscribes on the first channel's node
+    with ScoringService(settings, rds) as svc:
+        versions = iter(f"v{k:03d}" for k in range(2, 100))
+
+        def a_round(timeout_s: float) -> None:
+            version = next(versions)
+            path = publish_learner_version(learner, root, version)
+            until_served(svc.port, lambda: job.notify(rs, rds, version, path),
+                         lambda body: body["model_version"] == version, timeout_s)
+            # PUBLISH goes to the channel's node, where serving subscribes: the refresh's summary counts serving
+            assert job.notify(rs, rds, version, path) == 1
+            for tb in learner.train(2, users=["bob"] * 16, label=1):
+                writer.mark(tb.values)
+            writer.write(learner.model, learner.trainer.samples)
+            seq = writer.seq
+            until_served(svc.port, lambda: notify_delta(seq), lambda body: body["delta_seq"] == seq, timeout_s)
+
+        a_round(15)
+        if outage == "its node restarted":
+            cluster_nodes.restart(subscribed_on)
+        elif outage == "its node down until the cluster failed":
+            cluster_nodes.stop(subscribed_on)
+            cluster_nodes.wait_down()
+            time.sleep(3.0)  # the subscriber fails to subscribe again meanwhile
+            cluster_nodes.start(subscribed_on)
+        else:
+            cluster_nodes.stop_all()
+            time.sleep(3.0)
+            cluster_nodes.start_all()
+        a_round(30)
+        assert [t.name for t in threading.enumerate() if t.name == "serve-pubsub"] == ["serve-pubsub"]
