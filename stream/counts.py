@@ -110,6 +110,7 @@ DAY_MS = DAY_S * 1000
 _EPOCH = dt.date(1970, 1, 1)
 _DAY_RE = re.compile(r"\d{8}")
 _TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
+_NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
 WRITE_ID_TTL_S = DAY_S  # how long a write's markers are kept: a retry later than this may count its write twice
 
 
@@ -486,22 +487,30 @@ class DailyCounts:
 
         Looks in ``kind``'s names of the ``days`` days ending at ``day`` and of the day before them (a click
         just after midnight was named with its impression the day before), newest first; each further day is
-        asked only for the members still without a name, and the search stops once every member has one.
+        asked only for the members still without a name, and the search stops once every member has one. The days
+        are asked ``_NAMES_DAYS_PER_TRIP`` at a time, one pipelined round trip each: members that have no name at
+        all (counted without names, e.g. serving's lookups) cost one round trip per that many days, not per day.
         """
         _check_kind_event(kind, EVENTS[0])
         _check_positive_int("days", days)
         end = _parse_day(day)
         missing = list(dict.fromkeys(members))
         found: dict[str, str] = {}
-        for i in range(int(days) + 1):
-            day_i = (end - dt.timedelta(days=i)).strftime("%Y%m%d")
-            keys = [self._names_key(kind, day_i)] + ([self._legacy_names_key(kind, day_i)] if self._legacy() else [])
-            for key in keys:  # the layout before hash tags last, while its keys live (module docstring)
-                if not missing:
-                    return found
-                values = cast("list[bytes | None]", self.client.hmget(key, missing))
+        for first in range(0, int(days) + 1, _NAMES_DAYS_PER_TRIP):
+            if not missing:
+                break
+            keys = []  # newest day first; on a day, the layout before hash tags last (module docstring)
+            for i in range(first, min(first + _NAMES_DAYS_PER_TRIP, int(days) + 1)):
+                day_i = (end - dt.timedelta(days=i)).strftime("%Y%m%d")
+                keys.append(self._names_key(kind, day_i))
+                if self._legacy():
+                    keys.append(self._legacy_names_key(kind, day_i))
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, missing)
+            for values in pipe.execute():  # in key order: the first name found for a member stays
                 for member, value in zip(missing, values, strict=True):
-                    if value is not None:
+                    if value is not None and member not in found:
                         found[member] = _text(value)
-                missing = [m for m in missing if m not in found]
+            missing = [m for m in missing if m not in found]
         return found

@@ -110,6 +110,30 @@ def test_a_click_after_midnight_is_named_from_its_impression_the_day_before(
     assert counts.names("item", [member], day="20010303") == {}  # two days on: not looked up
 
 
+def test_names_are_looked_up_newest_day_first_across_the_days_asked_in_one_round_trip(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """``names`` asks the days in pipelined groups (``_NAMES_DAYS_PER_TRIP``): the newest day's name still wins, a
+    name only a group further back is found, and a member named nowhere costs one round trip per group of days, not
+    one per day (a 100,000-day window of unnamed members took ~60 s of round trips)."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    ids, _ = hashed(["a", "b", "never"])
+    a, b, never = (str(i) for i in ids)
+    counts.record("item", "impression", [ids[0]], [ms(2001, 1, 1)], names={ids[0]: "a-old"})  # 59 days back
+    counts.record("item", "impression", [ids[0]], [ms(2001, 2, 20)], names={ids[0]: "a-new"})  # 9 days back
+    counts.record("item", "impression", [ids[1]], [ms(2001, 1, 1)], names={ids[1]: "b"})
+    counts.record("item", "impression", [ids[2]], [ms(2001, 3, 1)])  # counted, never named
+    assert counts.names("item", [a, b, never], day="20010301", days=100) == {a: "a-new", b: "b"}
+    trips = []  # round trips: a command sent alone, or a pipeline
+    real_pipeline, real_command = redis_client.pipeline, redis_client.execute_command
+    redis_client.pipeline = lambda *a, **kw: trips.append(1) or real_pipeline(*a, **kw)  # type: ignore[method-assign]
+    redis_client.execute_command = lambda *a, **kw: trips.append(1) or real_command(*a, **kw)  # type: ignore
+    try:
+        assert counts.names("item", [never], day="20010301", days=100) == {}
+    finally:
+        del redis_client.pipeline, redis_client.execute_command
+    assert len(trips) <= 101 // 32 + 1
+
+
 # -- bounded and expiring like the counts ------------------------------------------------------------
 def test_names_are_bounded_by_the_days_counted_ids_and_share_their_expiry(
         redis_client: redis.Redis, prefix: str) -> None:
