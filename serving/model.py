@@ -119,14 +119,15 @@ class ScoringModel:
         self.hot_lookups = 0
         self.cold_lookups = 0
         # Ids of dynamic fields (user_id, item_id; history counts as item_id, whose rows it reads) mapped by
-        # map_rows, per field and row kind: "own" (admitted, its own row) or "bucket" (the hash-bucket fallback of an
-        # id the artifact's id maps do not know: a brand-new user or item). streamrec_serving_id_lookups_total.
-        self.id_lookups: dict[tuple[str, str], int] = {}
-        # field index -> (first row of its owner's block, the owner's bucket rows, the owner's name)
-        self._bucket_area = {i: (first, self.feature_config.owner(f).num_buckets, self.feature_config.owner(f).name)
-                             for i, (f, (first, _)) in enumerate(zip(self.feature_config.fields, self._blocks,
-                                                                     strict=True))
-                             if self.feature_config.owner(f).capacity > 0}
+        # map_rows, per owner field: [bucket, all] (bucket: the hash-bucket fallback of an id the artifact's id maps
+        # do not know, a brand-new user or item; the rest have their own rows). streamrec_serving_id_lookups_total.
+        self._id_counts: dict[str, list[int]] = {}
+        # field index -> (end of its owner's bucket rows: a row below it is a bucket, the owner's [bucket, all] counts)
+        self._bucket_rows: dict[int, tuple[int, list[int]]] = {}
+        for i, (f, (first, _)) in enumerate(zip(self.feature_config.fields, self._blocks, strict=True)):
+            owner = self.feature_config.owner(f)
+            if owner.capacity > 0:
+                self._bucket_rows[i] = (first + owner.num_buckets, self._id_counts.setdefault(owner.name, [0, 0]))
 
     @classmethod
     def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
@@ -217,14 +218,22 @@ class ScoringModel:
         in :attr:`id_lookups` (own or bucket).
         """
         rows = self._mapper.rows(field_index, hashed)
-        area = self._bucket_area.get(field_index)
-        if area is not None and len(rows):
-            first, buckets, name = area
-            fallback = int(np.count_nonzero(rows < first + buckets))  # not admitted: served its hash bucket
+        dynamic = self._bucket_rows.get(field_index)
+        if dynamic is not None:
+            end, counts = dynamic
+            fallback = int(np.count_nonzero(rows < end))  # not admitted: served its hash bucket
             with self._count_lock:
-                for kind, n in (("bucket", fallback), ("own", len(rows) - fallback)):
-                    self.id_lookups[(name, kind)] = self.id_lookups.get((name, kind), 0) + n
+                counts[0] += fallback
+                counts[1] += len(rows)
         return rows
+
+    @property
+    def id_lookups(self) -> dict[tuple[str, str], int]:
+        """(owner field, "own" | "bucket") -> ids :meth:`map_rows` mapped so far (only fields that mapped one)."""
+        with self._count_lock:
+            counts = {name: tuple(c) for name, c in self._id_counts.items() if c[1]}
+        return {key: n for name, (bucket, total) in counts.items()
+                for key, n in (((name, "bucket"), bucket), ((name, "own"), total - bucket))}
 
     def _mapper_from(self, state: Any) -> RowMapper:
         try:
