@@ -82,7 +82,7 @@ class ScoringService:
             self.redis = connect(redis_settings, timeout_s=settings.redis_timeout_s, retries=0)
             # The joiner keeps 4 x history_len clicks per user and attaches the last history_len.
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
-            # The update channels: blocking reads (no socket timeout), a bounded connect, redis-py's retries.
+            # The update channels: reads bounded by the default command timeout, redis-py's retries.
             self.pubsub_redis = connect(redis_settings, connect_timeout_s=2.0)
         signing_key = load_signing_key(settings.signing_key_file)
         self.embedding_store = _embedding_store(settings, redis_settings, self.metrics)

@@ -60,8 +60,9 @@ from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.secrets import Secret, redact
 
-__all__ = ["Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure", "connect", "describe",
-           "failure", "is_cluster", "latency_advice", "run_script", "unavailable", "verify", "wait_until_up"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
+           "connect", "describe", "failure", "is_cluster", "latency_advice", "run_script", "unavailable", "verify",
+           "wait_until_up"]
 
 Client = redis.Redis | RedisCluster  # what connect() returns: a single node's client or a cluster's
 
@@ -199,14 +200,23 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
     return options
 
 
-def connect(settings: RedisSettings, *, timeout_s: float | None = None, connect_timeout_s: float | None = None,
+# Every command's bound where a caller names none. A Redis that stops answering without closing its connections (a
+# SIGSTOPped or swapping server, a network partition that drops packets) leaves a read without a timeout waiting
+# for ever, since the kernel keeps the idle connection open; with a bound the command fails as a
+# ``redis.TimeoutError`` and the caller's recovery runs (the joiner rewinds and retries with backoff:
+# tests/integration/test_faults.py, the frozen Redis). 5 s is redis-py 8's own default, stated here so that no
+# redis-py version's default decides it; no command streamrec sends takes a healthy Redis more than milliseconds.
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float | None = None,
             retries: int | None = None, check: bool = False) -> Any:
     """A client of the Redis ``settings`` names, with its credentials and TLS applied: a :class:`redis.Redis`, or with
     ``settings.cluster`` a :class:`LazyClient` of a :class:`~redis.cluster.RedisCluster` (module docstring), which
     passes every command on to it; typed ``Any`` as the two share no base class.
 
-    ``timeout_s`` bounds each command (``socket_timeout``; None: no bound), ``connect_timeout_s`` each
-    connection attempt (default ``timeout_s``); ``retries`` is the retry policy (module docstring). The client
+    ``timeout_s`` bounds each command (``socket_timeout``; default :data:`DEFAULT_TIMEOUT_S`), ``connect_timeout_s``
+    each connection attempt (default ``timeout_s``); ``retries`` is the retry policy (module docstring). The client
     connects lazily (a cluster client is made at its first use, :class:`LazyClient`); ``check=True`` sends one
     PING first (:func:`verify`) and raises a :class:`RedisFailure` (:class:`RedisAuthError` for refused credentials)
     instead of returning a client that cannot work.
@@ -336,16 +346,11 @@ class LazyClient:
 
 
 
-def _client_options(settings: RedisSettings, timeout_s: float | None, connect_timeout_s: float | None,
+def _client_options(settings: RedisSettings, timeout_s: float, connect_timeout_s: float | None,
                     ) -> dict[str, Any]:
-    """A client's timeouts (``connect_timeout_s`` defaults to ``timeout_s``; None: no bound), credentials and TLS."""
-    options: dict[str, Any] = {}
-    if timeout_s is not None:
-        options["socket_timeout"] = timeout_s
-    if connect_timeout_s is None:
-        connect_timeout_s = timeout_s
-    if connect_timeout_s is not None:
-        options["socket_connect_timeout"] = connect_timeout_s
+    """A client's timeouts (``connect_timeout_s`` defaults to ``timeout_s``), credentials and TLS."""
+    options: dict[str, Any] = {"socket_timeout": timeout_s,
+                               "socket_connect_timeout": timeout_s if connect_timeout_s is None else connect_timeout_s}
     if settings.username:  # a user in the url wins in redis-py; RedisSettings refuses two different ones
         options["username"] = settings.username
     password = _password(settings)

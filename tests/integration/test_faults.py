@@ -178,6 +178,38 @@ def test_redis_restart_during_joining_loses_nothing(driver: str, kafka: KafkaSet
     print(f"\nredis restart, {driver}: process restarts {restarts}, duplicate samples {dups}")
 
 
+def test_a_frozen_redis_mid_stream_times_out_rewinds_and_loses_nothing(kafka: KafkaSettings, own_redis: Service,
+                                                                       group_id: str) -> None:
+    """Redis stops answering without closing its connections (SIGSTOP for 7 s: a stalled or swapping host, a
+    partition that drops packets), which no connection error reports: the joiner's commands time out
+    (``stream.redis_client.DEFAULT_TIMEOUT_S``, 5 s), it rewinds to its committed offsets and retries, and every
+    impression still gets exactly its label. A client without a bound would wait out the freeze in silence (and
+    behind a longer one, past ``max.poll.interval.ms``, lose its partitions while holding a batch)."""
+    s = SyntheticSettings(impressions=8000, users=3000, items=600, impressions_per_s=40.0,
+                          attribution_window_s=WINDOW_S, malformed_share=0.0)
+    table = build_synthetic(s, ClickDelay(median_s=20.0), seed=23)
+    replay = paced_replay(table, kafka, seconds=12.0)
+    env = join_env(kafka, f"redis://127.0.0.1:{own_redis.port}/0", group_id)
+    env["STREAMREC_JOINER_BATCH_MAX"] = "500"
+    proc = subprocess.Popen(join_cmd(group_id, "kafka"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
+        time.sleep(0.2)
+    assert own_redis.proc is not None
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(7.0)
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    replay.join()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "infrastructure failure (TimeoutError" in err, err[-3000:]
+    dups = assert_joined_exactly(kafka, table, "frozen redis")
+    print(f"\nfrozen redis: duplicate samples {dups}")
+
+
 def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault: Callable[[], None]):
     """Replay a paced synthetic stream and join it with the kafka driver while ``fault()`` hits the broker
     (once the first samples are out); a joiner that fails is restarted as a supervisor would. Returns the
