@@ -86,6 +86,18 @@ Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_
 the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
 start beyond that are never "the latest day" (:meth:`days_available`): one client with a wrong
 clock cannot make tomorrow's near-empty key the hot set's source.
+
+Which events of a :meth:`DailyCounts.record` are too far ahead is part of its write: decided once, by the wall clock
+of the write's first attempt, and counted in ``future_dropped`` then (whether or not that attempt succeeds: the
+events were not counted for being ahead either way). A call that fails keeps that cut-off for its write (kind, event
+and write id, a write id the caller gave) until a call with the same write succeeds, and that retry drops exactly the
+same events and adds nothing to ``future_dropped``. Deciding again at the retry's clock would double count: each retry
+counted the same dropped events again; a clock that moved on re-admitted an event already counted as dropped (on a
+day the first attempt did not write, the retry wrote it: counted in Redis and as dropped); one stepped back dropped
+events the first attempt may have written (counted in Redis and as dropped), or lost them from both. The cut-offs of
+at most ``_CUTOFFS_MAX`` failed writes are kept (the joiner has at most one failed write, four kinds/events, waiting),
+the oldest forgotten first: a write retried after its cut-off was forgotten is decided and counted again.
+:meth:`DailyCounts.add_counts` (serving's lookups, by the wall-clock day of the flush) has no such cut-off.
 """
 
 from __future__ import annotations
@@ -227,6 +239,7 @@ redis.call('EXPIREAT', KEYS[2], ARGV[1])
 redis.call('SET', KEYS[3], 1, 'EX', {WRITE_ID_TTL_S})
 return had
 """
+_CUTOFFS_MAX = 1024  # failed writes whose "too far ahead" cut-off DailyCounts keeps for their retry (the joiner: 4)
 _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
 
 
@@ -243,6 +256,9 @@ class DailyCounts:
         self.ttl_days = int(ttl_days)
         self.future_s = float(future_s)
         self.future_dropped = 0  # events not counted: their time was too far ahead of the wall clock
+        # (kind, event, write id) -> the cut-off (ms) its first attempt dropped events beyond, for a write that failed
+        # (its retry keeps it); removed when the write succeeds. Bounded by _CUTOFFS_MAX, the oldest forgotten first.
+        self._cutoffs: dict[tuple[str, str, str], int] = {}
         self._zincr_many: Any = None  # registered on first use
         # Names this object has written, per names key: not sent again (a popular id is counted in every flush).
         # Bounded by _NAMED_MAX in all (then forgotten, so sent once more); a names key found missing (deleted,
@@ -305,10 +321,12 @@ class DailyCounts:
 
         ``write_id`` (:func:`new_write_id`; a fresh one when None) names these counts as one write: a call again with
         the same id and the same ids and times, after a failure that left it unknown whether Redis ran the first
-        (a lost reply), counts each day once (module docstring, "Retries"). One id, one write: never pass it with
-        other counts of the same kind and event.
+        (a lost reply), counts each day once (module docstring, "Retries"), and drops the same events as too far
+        ahead as the first attempt did, without counting them in :attr:`future_dropped` again ("Clocks"). One id, one
+        write: never pass it with other counts of the same kind and event.
         """
         _check_kind_event(kind, event)
+        retriable = write_id is not None  # a fresh id is never given again: no retry to keep a cut-off for
         write_id = _checked_write_id(write_id)
         id_list = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
         ts = np.asarray(ts_ms)
@@ -334,9 +352,29 @@ class DailyCounts:
         text = not _nonnegative_ints(id_list)
         members: list[int | str] = [_member(v, i) for i, v in enumerate(id_list)] if text else id_list
         now = time.time()
-        ahead = ts > int((now + self.future_s) * 1000)
+        # Which events are too far ahead is decided once per write, by its first attempt's clock, and counted then;
+        # a retry (the same write id) drops the same events and counts none (module docstring, "Clocks").
+        write = (kind, event, write_id)
+        cutoff = self._cutoffs.pop(write, None)
+        if cutoff is None:
+            cutoff = int((now + self.future_s) * 1000)
+            ahead = ts > cutoff
+            self.future_dropped += int(np.count_nonzero(ahead))
+        else:
+            ahead = ts > cutoff
+        try:
+            self._record(kind, event, members, ts, ahead, text, names, write_id, now)
+        except BaseException:
+            if retriable:  # a retry may come: it keeps this cut-off
+                self._cutoffs[write] = cutoff
+                if len(self._cutoffs) > _CUTOFFS_MAX:
+                    del self._cutoffs[next(iter(self._cutoffs))]
+            raise
+
+    def _record(self, kind: str, event: str, members: list[int | str], ts: np.ndarray, ahead: np.ndarray, text: bool,
+                names: Mapping[Any, int | str] | None, write_id: str, now: float) -> None:
+        """:meth:`record`'s write, once its arguments are checked and the events too far ahead (``ahead``) decided."""
         if ahead.any():
-            self.future_dropped += int(ahead.sum())
             keep = np.flatnonzero(~ahead)
             members, ts = [members[i] for i in keep.tolist()], ts[keep]
             if not members:

@@ -13,6 +13,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from serving.lookup_counts import LookupCounts
-from stream.counts import DAY_MS, DailyCounts, day_of, new_write_id
+from stream import counts as counts_module
+from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
 from stream.joiner.pipeline import JoinPipeline, _add_counts
 from streamrec.stack import LocalStack
 
@@ -252,3 +255,71 @@ def test_a_record_over_several_days_whose_reply_was_lost_counts_each_day_once_wh
         for key in client.scan_iter(match=f"{prefix}:*"):
             client.delete(key)
         client.close()
+
+
+@contextmanager
+def redis_full(redis_client: redis.Redis) -> Iterator[None]:
+    """Redis refuses every write (maxmemory 1 byte, noeviction: OOM) until the block ends: Redis down for writes."""
+    maxmemory = str(redis_client.config_get("maxmemory")["maxmemory"])
+    redis_client.config_set("maxmemory", "1")
+    try:
+        yield
+    finally:
+        redis_client.config_set("maxmemory", maxmemory)
+
+
+def test_an_event_dropped_as_future_is_counted_once_however_often_the_joiner_retries_its_write(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """A flush holding one event a month ahead of the clock fails three times (Redis refuses writes) and is retried
+    as it was each time: future_dropped says 1 throughout and after the write succeeds (it said 1, 2, 3, then 4: the
+    filter ran again on every retry of the same counts)."""
+    counts = DailyCounts(redis_client, prefix=prefix, future_s=3600)
+    p = joiner_counting(counts)
+    now_ms = int(time.time() * 1000)
+    p._counts_buffer[("item", "impression")] = ([1, 2], [now_ms, now_ms + 30 * DAY_MS])
+    try:
+        for _ in range(3):
+            with redis_full(redis_client), pytest.raises(redis.ResponseError, match="maxmemory"):
+                p.flush_counts()
+            assert counts.future_dropped == 1
+        p.flush_counts()
+    finally:
+        p._counts_writer.shutdown(wait=True)
+    assert counts.future_dropped == 1
+    assert scores(redis_client, counts.key("item", "impression", day_of(now_ms))) == {"1": 1.0}
+    assert not redis_client.exists(counts.key("item", "impression", day_of(now_ms + 30 * DAY_MS)))
+
+
+@pytest.mark.parametrize("failure", ["refused", "reply lost"])
+@pytest.mark.parametrize("clock_moved_s", [120, -200], ids=["clock on", "clock stepped back"])
+def test_a_retried_record_drops_as_future_exactly_the_events_its_first_attempt_dropped(
+        failure: str, clock_moved_s: int, losing_client: redis.Redis, redis_client: redis.Redis, prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Event 2 is 3660 s ahead of the first attempt's clock (dropped), event 3 3500 s ahead (counted; a day earlier
+    than 2: the first attempt is at 23:00 UTC). The write fails (Redis refuses it, or runs it and the reply is lost)
+    and is retried under its write id after the clock moved. The retry decided again at its own clock: 120 s on, it
+    wrote event 2 (counted in Redis, and as dropped); 200 s back, it dropped event 3 (counted in Redis and as dropped
+    after a lost reply, in neither after a refusal). Now the retry keeps the first attempt's cut-off: 1 and 3 counted
+    once, 2 dropped and counted as dropped once."""
+    clock = [float(int(time.time()) // DAY_S * DAY_S + 23 * 3600)]  # 23:00 UTC today
+    monkeypatch.setattr(counts_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    counts = DailyCounts(losing_client, prefix=prefix, future_s=3600)
+    t0 = int(clock[0] * 1000)
+    ids, times = [1, 2, 3], [t0 - 2 * DAY_MS, t0 + 3_660_000, t0 + 3_500_000]
+    write_id = new_write_id()
+    if failure == "refused":
+        with redis_full(redis_client), pytest.raises(redis.ResponseError, match="maxmemory"):
+            counts.record("item", "impression", ids, times, write_id=write_id)
+    else:
+        LoseExecReply.lose = 1
+        with pytest.raises(redis.ConnectionError, match="lost before the reply"):
+            counts.record("item", "impression", ids, times, write_id=write_id)
+        assert not LoseExecReply.lose
+    assert counts.future_dropped == 1
+    clock[0] += clock_moved_s
+    counts.record("item", "impression", ids, times, write_id=write_id)  # the retry
+    assert counts.future_dropped == 1
+    assert scores(redis_client, counts.key("item", "impression", day_of(times[0]))) == {"1": 1.0}
+    assert scores(redis_client, counts.key("item", "impression", day_of(times[2]))) == {"3": 1.0}
+    assert day_of(times[1]) != day_of(times[2])
+    assert not redis_client.exists(counts.key("item", "impression", day_of(times[1])))
