@@ -12,21 +12,41 @@
 - The message values are built column-wise, a chunk of the order at a time (``stream/replay/encoding.py``:
   byte for byte what ``stream/events.py`` encodes); unpaced, a chunk goes out in a loop that calls only
   ``produce``, and counts, polls and progress are per chunk.
+- Message size: at start the replay learns what each topic it writes takes (``stream.kafka.message_limits``: the
+  topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller), and checks
+  each chunk's messages against it before sending the chunk (one Arrow pass per kind); an event over it is a
+  :class:`~stream.errors.MessageLimitError` (a ConfigError, exit 2) naming the topic, the event's size, the limit
+  and what to raise, and nothing of its chunk is sent (an event cannot be cut; the earlier chunks were). A message
+  refused as too large all the same (by the producer, or by the broker at delivery: its limit lower than it reported,
+  or lowered since) is a :class:`~stream.errors.MessageLimitError` too, in the joiner's and the dead letters' words
+  (``stream.kafka.refused_as_too_large``), not a generic failure (exit 1) that a rerun repeats. Dead letters are
+  sized under their topic's limit by ``stream/dlq.py``.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.kafka import AckedProducer, ensure_topics
+from stream.errors import MessageLimitError, MessageTooLarge, shown
+from stream.kafka import (
+    AckedProducer,
+    MessageLimit,
+    ensure_topics,
+    message_limits,
+    raise_limit,
+    refused_as_too_large,
+    usable_bytes,
+)
 from stream.metrics import EVENTS
 from stream.replay.encoding import EventEncoder, to_bytes
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
@@ -111,16 +131,22 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     """Produce every event of ``table``; returns counts once all are acknowledged.
 
     ``progress(n)`` is called every few thousand events with the number sent since the last call.
-    Raises ``DeliveryFailed`` if any message was not acknowledged.
+    Raises ``DeliveryFailed`` if any message was not acknowledged, and :class:`~stream.errors.MessageLimitError` for
+    a message over its topic's limit or refused as too large (module docstring, "Message size").
 
     Events are encoded column-wise (:class:`~stream.replay.encoding.EventEncoder`) a chunk of the replay
     order at a time; unpaced, a chunk goes out in a loop that only calls ``produce``, and the counts,
     the poll and the progress are per chunk. Paced, every event waits for its turn as before.
     """
     topics = {IMPRESSION: kafka.impressions_topic, CLICK: kafka.clicks_topic}
-    ensure_topics(kafka, [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())])
+    written = [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())]
+    ensure_topics(kafka, written)
     producer = AckedProducer(kafka, **{"linger.ms": linger_ms})
     dead_letters = DeadLetters(kafka, producer)
+    # What each topic written takes (module docstring, "Message size"); the dead-letter topics' only to name them in
+    # a refusal (DeadLetters learns its own at the first dead letter, the same way).
+    limits = message_limits(kafka, written, producer.max_message_bytes, producer.max_message_setting)
+    room = {kind: usable_bytes(limits[topic].bytes) for kind, topic in topics.items()}
     summary = ReplaySummary(dataset=dataset, source=dict(table.stats))
 
     kinds, indexes = replay_order(table)
@@ -154,9 +180,11 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         stop = min(start + CHUNK, len(kinds))
         k, i = kinds[start:stop], indexes[start:stop]
         is_imp, is_click, is_raw_c = k == IMPRESSION, k == CLICK, k == _RAW
-        values_l = _chunk_values(encoder, raw, k, i)
-        topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
         dead_c = dead[start:stop]
+        values_l, over = _chunk_values(encoder, raw, k, i, room)
+        topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
+        if over is not None:
+            raise _over_limit(topics_l[over], keys_l[over], len(values_l[over] or b""), limits[topics_l[over]])
         if paced:
             ts_l = [table.ts[j] if kind == IMPRESSION else table.click_ts[j] if kind == CLICK else raw[j].ts
                     for kind, j in zip(k.tolist(), i.tolist(), strict=True)]
@@ -166,7 +194,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                 if dead_l[j]:
                     dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
                 else:
-                    producer.send(topics_l[j], values_l[j], keys_l[j])
+                    with _refused(limits):
+                        producer.send(topics_l[j], values_l[j], keys_l[j])
                 _count(summary, kinds_l[j], dead_l[j])
                 if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
                     counters[kinds_l[j]].inc()
@@ -181,7 +210,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         cut = 0
         for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
             if j > cut:
-                producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
+                with _refused(limits):
+                    producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
             if j < stop - start:
                 dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
             cut = j + 1
@@ -196,7 +226,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             progress(stop - reported)
             reported = stop
 
-    report = producer.flush()
+    with _refused(limits):
+        report = producer.flush()
     summary.elapsed_s = time.monotonic() - t0
     total = summary.impressions + summary.clicks + summary.malformed_published + summary.dead_lettered
     if progress is not None:
@@ -212,17 +243,46 @@ def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click
     EVENTS.labels("replay", click_topic).inc(int(np.count_nonzero(is_click)))
 
 
-def _chunk_values(encoder: EventEncoder, raw: list[RawMessage], kinds: np.ndarray, indexes: np.ndarray
-                  ) -> list[bytes | None]:
-    """The message values of a chunk of the replay order (``kinds``, ``indexes``), in that order."""
+@contextmanager
+def _refused(limits: Mapping[str, MessageLimit]) -> Iterator[None]:
+    """Sends and the flush: a message refused as too large is a :class:`MessageLimitError` naming its topic and the
+    limit learned for it (module docstring, "Message size"), as the joiner's and the dead letters' are."""
+    try:
+        yield
+    except MessageTooLarge as exc:
+        raise refused_as_too_large(exc, limits.get(exc.topic or "")) from None
+
+
+def _over_limit(topic: str, key: Any, size: int, limit: MessageLimit) -> MessageLimitError:
+    """The error for an event of ``size`` bytes over what a record of ``topic`` may be under ``limit``."""
+    return MessageLimitError(
+        f"an event for {topic} (key {shown(key)}) is {size} bytes, over the {usable_bytes(limit.bytes)} bytes a "
+        f"record of {topic} may be (its limit {limit.bytes} bytes, {limit.source}); the replay stopped before sending "
+        f"its chunk (it and up to {CHUNK - 1} events before it; the chunks before were sent): "
+        f"{raise_limit(topic, limit)}")
+
+
+def _chunk_values(encoder: EventEncoder, raw: list[RawMessage], kinds: np.ndarray, indexes: np.ndarray,
+                  room: Mapping[int, int]) -> tuple[list[bytes | None], int | None]:
+    """The message values of a chunk of the replay order (``kinds``, ``indexes``), in that order, and the position
+    of the first one over the ``room`` (topic kind -> bytes) of the topic it goes to, None when all fit (a raw
+    message with an error goes to its dead-letter topic instead, sized there)."""
     out = np.empty(len(kinds), dtype=object)
+    over: list[int] = []
     for kind, encode in ((IMPRESSION, encoder.impressions), (CLICK, encoder.clicks)):
         mask = kinds == kind
-        out[mask] = _objects(to_bytes(encode(indexes[mask])))
+        texts = encode(indexes[mask])
+        if len(texts) and (pc.max(pc.binary_length(texts)).as_py() or 0) > room[kind]:
+            sizes = pc.binary_length(texts).to_numpy(zero_copy_only=False)
+            over.append(int(np.flatnonzero(mask)[np.argmax(sizes > room[kind])]))
+        out[mask] = _objects(to_bytes(texts))
     is_raw = kinds == _RAW
     if is_raw.any():
-        out[is_raw] = _objects([raw[j].value for j in indexes[is_raw].tolist()])
-    return out.tolist()  # type: ignore[no-any-return]
+        where, messages = np.flatnonzero(is_raw).tolist(), [raw[j] for j in indexes[is_raw].tolist()]
+        out[is_raw] = _objects([m.value for m in messages])
+        over += [n for n, m in zip(where, messages, strict=True)
+                 if m.error is None and len(m.value or b"") > room[m.topic_kind]][:1]
+    return out.tolist(), min(over, default=None)
 
 
 def _count(summary: ReplaySummary, kind: int, dead: bool) -> None:

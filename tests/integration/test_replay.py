@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from confluent_kafka import KafkaError
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from stream.config import KafkaSettings
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
+from stream.kafka import AckedProducer, admin_config
+from stream.replay import publisher as publisher_module
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.movielens import CLICK_MIN_RATING, load_movielens, read_movielens
 from stream.replay.publisher import publish
@@ -125,3 +134,93 @@ def test_a_paced_replay_serves_its_event_counts_while_it_runs(kafka: KafkaSettin
             proc.kill()
     # counted as the events go out, not once at the end: several distinct values were scraped mid-run
     assert len(set(seen)) >= 3 and seen == sorted(seen) and 0 < seen[-1] <= 400
+
+
+def _replay_config(tmp_path: Path, kafka: KafkaSettings, extra: str = "") -> Path:
+    """A config file replaying into ``kafka``'s topics (``extra``: a [kafka.extra] body)."""
+    cfg = tmp_path / "replay.toml"
+    cfg.write_text(
+        f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\nimpressions_topic = "{kafka.impressions_topic}"\n'
+        f'clicks_topic = "{kafka.clicks_topic}"\n' + (f"[kafka.extra]\n{extra}\n" if extra else "")
+        + "[replay]\nprogress = false\n")
+    return cfg
+
+
+def _create(kafka: KafkaSettings, topic: str, max_message_bytes: int) -> None:
+    admin = AdminClient(admin_config(kafka))
+    for fut in admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": str(max_message_bytes)})],
+                                   operation_timeout=10).values():
+        fut.result()
+
+
+@pytest.mark.parametrize("where", ["topic max.message.bytes", "[kafka.extra] message.max.bytes"])
+def test_a_replay_event_over_its_topic_limit_exits_2_naming_the_topic_and_the_limit(
+        where: str, kafka: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An event log of ten impressions, the sixth with a context of ~9.5 kB, into an impressions topic created with
+    ``max.message.bytes=8000`` (the local broker reports it by DescribeConfigs but takes larger records all the same;
+    Apache Kafka refuses them at delivery), or through a producer whose own limit is 8000 (librdkafka refuses a
+    larger record at produce). The replay learns the limit at start and stops with a MessageLimitError (exit 2)
+    naming the topic, the event, the limit and what to raise, before sending the chunk. It wrote the event over the
+    topic's limit (exit 0 here; exit 1 at Apache Kafka's refusal), or failed with exit 1 at the producer's refusal."""
+    n, big = 10, 5
+    log = tmp_path / "log.parquet"
+    pq.write_table(pa.table({
+        "imp": [f"imp{i}" for i in range(n)], "user_id": list(range(n)), "item_id": list(range(n)),
+        "ts": [1_700_000_000_000 + i for i in range(n)], "clicked": [0] * n,
+        "tags": pa.array([["t" * 90] * 100 if i == big else ["a"] for i in range(n)], pa.list_(pa.string()))}), log)
+    if where == "topic max.message.bytes":
+        _create(kafka, kafka.impressions_topic, 8000)
+        cfg, fix = _replay_config(tmp_path, kafka), f"--entity-name {kafka.impressions_topic}"
+    else:
+        cfg, fix = _replay_config(tmp_path, kafka, '"message.max.bytes" = "8000"'), f"raise {where}"
+    assert main(["replay", "--config", str(cfg), "--dataset", str(log), "--time-unit", "ms", "--impression-id-col",
+                 "imp", "--feature-cols", "tags"]) == 2
+    err = capsys.readouterr().err
+    topic = re.escape(kafka.impressions_topic)
+    assert re.search(rf"an event for {topic} \(key 'imp{big}'\) is 9\d\d\d bytes, over the 6936 bytes a record of "
+                     rf"{topic} may be \(its limit 8000 bytes, {re.escape(where)}\)", err), err
+    assert fix in err and "\n" not in err.strip()
+    assert read_topic(kafka, kafka.impressions_topic) == []  # nothing of the chunk was sent
+
+
+class _Refused:
+    """What librdkafka's delivery report carries for a record the broker refused as too large."""
+
+    def __init__(self, topic: str, value: bytes, key: bytes) -> None:
+        self._topic, self._value, self._key = topic, value, key
+
+    def topic(self) -> str:
+        return self._topic
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes:
+        return self._key
+
+
+def test_a_replay_message_the_broker_refuses_as_too_large_exits_2_naming_the_topic_and_its_learned_limit(
+        kafka: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker that refuses an impression at delivery (MSG_SIZE_TOO_LARGE in the delivery report) although it was
+    under the 100000 bytes its topic reported (a limit lowered since, a broker whose own limit is lower; the local
+    broker does not enforce limits, so the report is given here, on the replay's send_run path). The flush raised
+    MessageTooLarge: a generic failure, exit 1. Now it is a MessageLimitError (exit 2) in the joiner's and the dead
+    letters' words, naming the topic, the limit learned for it and what to set."""
+    _create(kafka, kafka.impressions_topic, 100_000)
+
+    class RefusingProducer(AckedProducer):
+        def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any]) -> None:
+            super().send_run(topics, values, keys)
+            at = topics.index(kafka.impressions_topic)
+            key = keys[at].encode() if isinstance(keys[at], str) else keys[at]
+            self._on_error(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE),
+                           _Refused(topics[at], values[at] or b"", key or b""))
+
+    monkeypatch.setattr(publisher_module, "AckedProducer", RefusingProducer)
+    assert main(["replay", "--config", str(_replay_config(tmp_path, kafka)), "--dataset", "synthetic",
+                 "--syn-impressions", "50"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"{re.escape(kafka.impressions_topic)} was refused by the broker as too large.*sized under "
+                     rf"100000 bytes, the limit learned for it \(topic max\.message\.bytes\).*--entity-name "
+                     rf"{re.escape(kafka.impressions_topic)}", err)

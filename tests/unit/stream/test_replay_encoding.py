@@ -145,5 +145,8 @@ def test_chunks_of_the_replay_order_hold_each_events_bytes_raw_messages_included
     enc = EventEncoder(t)
     got: list[bytes | None] = []
     for start in range(0, len(kinds), 700):
-        got += _chunk_values(enc, t.raw, kinds[start:start + 700], indexes[start:start + 700])
+        values, over = _chunk_values(enc, t.raw, kinds[start:start + 700], indexes[start:start + 700],
+                                     {IMPRESSION: 1 << 20, CLICK: 1 << 20})
+        assert over is None
+        got += values
     assert got == want
