@@ -185,10 +185,11 @@ class LearnerSettings:
     boost: float = 0.0
     boost_half_life: float = 8.0
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
-    # The cold and warm window metrics (streamrec_learner_cold_auc, ..._warm_auc, their logloss; the
-    # cold_user_auc_gap rule) cover their window's samples of the last quality_recent_s of event time, and are NaN
-    # (no data: the rule neither fires nor resolves) while fewer than quality_min_samples (at most the window) are
-    # that recent: old samples are no reading of today's model (learner/quality.py TrainingQuality)
+    # The cold, warm and served window metrics (streamrec_learner_cold_auc, ..._warm_auc, their logloss; the
+    # cold_user_auc_gap rule; ..._served_auc, ..._served_cold_auc) cover their window's samples of the last
+    # quality_recent_s of event time (served ones: whose label became known then), and are NaN (no data: a rule
+    # neither fires nor resolves) while fewer than quality_min_samples (at most the window) are that recent: old
+    # samples are no reading of today's model (learner/quality.py TrainingQuality)
     quality_recent_s: float = 3600.0
     quality_min_samples: int = 500
     # Delayed feedback (learner/delayed.py, learner/served.py): the joiner's attribution window (served quality

@@ -11,7 +11,7 @@ while the window is empty), so a resumed learner's window metrics cover the samp
 A state without them (also one saved before they were kept) loads with an empty window, which then fills
 from the resume on.
 
-A timed window (``timed=True``: the learner's cold and warm windows, ``learner/quality.py``) also keeps each
+A timed window (``timed=True``: the learner's cold, warm and served windows, ``learner/quality.py``) also keeps each
 sample's event time (``window_ts``, ms; state key of the same name), and :meth:`ProgressiveMetrics.window_metrics`
 can be asked for the window's samples since an event time, NaN (no data) when fewer than ``min_samples`` are that
 recent: a window of old samples is not a reading of the model as it is now. A timed state without ``window_ts``

@@ -104,7 +104,12 @@ class TrainingQuality:
     samples however old: on a quiet night without new users it held the evening's, and a gap measured on them kept
     the alert firing (or resolved) for hours on a model that had trained on since. NaN neither fires nor resolves a
     rule (the monitor's no data). Event time, as the id maps' ages: a replay decides as live traffic did, and a
-    learner that trains nothing (no samples at all) keeps its last reading, of the model it still has."""
+    learner that trains nothing (no samples at all) keeps its last reading, of the model it still has.
+
+    The served windows (``streamrec_learner_served_auc``, ``..._served_cold_auc``) are bounded the same way, by
+    :meth:`recent_metrics`, over the served samples whose label became known in the last ``recent_s``
+    (``learner/served.py``): they kept the evening's served samples through a quiet night just the same.
+    ``..._served_ne`` is cumulative (since the start), no window."""
 
     def __init__(self, cold_k: int, metrics_window: int, attribution_window_s: float, recent_s: float,
                  min_recent: int) -> None:
@@ -131,9 +136,9 @@ class TrainingQuality:
         if cold is not None:
             self._observe_cold(probs, labels, cold, ts, now_s)
         self.served.record(impression_ids, ts, kinds, labels, probs, cold, partitions, label_delay_ms)
-        if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:
-            SERVED_AUC.set(self.served.all.window_metrics()[0])
-            SERVED_COLD_AUC.set(self.served.cold.window_metrics()[0])
+        if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:  # too few recent ones: NaN, no data
+            SERVED_AUC.set(self.recent_metrics(self.served.all, now_s)[0])
+            SERVED_COLD_AUC.set(self.recent_metrics(self.served.cold, now_s)[0])
             SERVED_NE.set(self.served.all.ne)
             self._served_published = time.monotonic()
 
@@ -141,17 +146,21 @@ class TrainingQuality:
                       now_s: float) -> None:
         ok = np.isfinite(probs)
         publish = time.monotonic() - self._cold_published >= _PUBLISH_EVERY_S
-        since_ms = (now_s - self.recent_s) * 1000.0
         for m, sel, g_auc, g_loss in ((self.cold_metrics, cold & ok, COLD_AUC, COLD_LOGLOSS),
                                       (self.warm_metrics, ~cold & ok, WARM_AUC, WARM_LOGLOSS)):
             if sel.any():
                 m.update(probs[sel], labels[sel], np.asarray(ts)[sel])
             if publish:  # too few recent samples (none yet) is no data, not an AUC of 0 (class docstring)
-                w_auc, w_loss = m.window_metrics(since_ms, min(self.min_recent, m.window))
+                w_auc, w_loss = self.recent_metrics(m, now_s)
                 g_auc.set(w_auc)
                 g_loss.set(w_loss)
         if publish:
             self._cold_published = time.monotonic()
+
+    def recent_metrics(self, m: ProgressiveMetrics, now_s: float) -> tuple[float, float]:
+        """(AUC, logloss) of the timed window ``m``'s samples of the last ``recent_s`` of event time before ``now_s``,
+        NaN while fewer than ``min_recent`` (at most the window's size) are that recent (class docstring)."""
+        return m.window_metrics((now_s - self.recent_s) * 1000.0, min(self.min_recent, m.window))
 
     # -- checkpoint and summary (the single-process checkpoint's keys) -----------------------------------------
     def state_dict(self) -> dict[str, Any]:

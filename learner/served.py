@@ -22,7 +22,14 @@ The pending ones are not in a checkpoint: after a restart their delayed positive
 ``unmatched``).
 
 AUC, logloss and NE (logloss over the entropy of the base rate) over everything served and over cold users'
-impressions, cumulative, with a sliding window (``learner.progressive.ProgressiveMetrics``).
+impressions, cumulative, with a sliding window (``learner.progressive.ProgressiveMetrics``). The windows are timed
+(``timed=True``, as the learner's cold and warm ones): each served sample carries the event time its label became
+known, its click (``ts + label_delay_ms`` of the row that brought the label: a ``FINAL`` row's, an ``OBSERVED`` 1's,
+a ``DELAYED_POSITIVE``'s) or the close of its window (``ts`` + the attribution window, for a negative that waited,
+also one ``forced``), so ``learner/quality.py`` publishes only the samples resolved in the last ``[learner]
+quality_recent_s``. Not the impression's own time: a negative resolves an attribution window after it was served,
+and with ``quality_recent_s`` at most that window (a day's window) the recent part of the window would hold
+positives only. The times are checkpoint state (``window_ts``; a state saved before them loads as never recent).
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 class ServedQuality:
     def __init__(self, window_ms: int, max_pending: int = 1_000_000, metrics_window: int = 100_000) -> None:
         self.window_ms, self.max_pending = window_ms, max_pending
-        self.all = ProgressiveMetrics(window=metrics_window)
-        self.cold = ProgressiveMetrics(window=max(1, metrics_window // 10))
+        self.all = ProgressiveMetrics(window=metrics_window, timed=True)
+        self.cold = ProgressiveMetrics(window=max(1, metrics_window // 10), timed=True)
         # partition -> impression id -> (ts, prob, cold), in arrival order (the joiner's impression order)
         self._pending: dict[int, OrderedDict[str, tuple[int, float, bool]]] = {}
         self._where: dict[str, int] = {}  # pending impression id -> its partition
@@ -57,26 +64,30 @@ class ServedQuality:
         kinds = np.zeros(b, np.int8) if kinds is None else kinds
         cold = np.zeros(b, bool) if cold is None else cold
         parts = np.zeros(b, np.int64) if partitions is None else np.asarray(partitions, np.int64)
+        known = np.asarray(ts, np.int64) + (0 if label_delay_ms is None else np.asarray(label_delay_ms, np.int64))
         ok = np.isfinite(probs)
         final = ok & ((kinds == FINAL) | ((kinds == OBSERVED) & (labels > 0.5)))
-        self._resolve(probs[final], labels[final], cold[final])
+        self._resolve(probs[final], labels[final], cold[final], known[final])
         wait = ok & (kinds == OBSERVED) & (labels <= 0.5)
         for i, t, prob, c, part in zip(impression_ids[wait].tolist(), ts[wait].tolist(), probs[wait].tolist(),
                                        cold[wait].tolist(), parts[wait].tolist(), strict=True):
             self._pending.setdefault(part, OrderedDict())[i] = (t, prob, c)
             self._where[i] = part
-        hit: list[tuple[int, float, bool]] = []
-        for i in impression_ids[kinds == DELAYED_POSITIVE].tolist():
+        hit: list[tuple[float, bool, int]] = []  # (prob served, cold, click time)
+        late = kinds == DELAYED_POSITIVE
+        for i, click in zip(impression_ids[late].tolist(), known[late].tolist(), strict=True):
             part = self._where.pop(i, None)
             if part is None:
                 self.unmatched += 1
             else:
-                hit.append(self._pending[part].pop(i))
+                _, prob, c = self._pending[part].pop(i)
+                hit.append((prob, c, click))
         if hit:
-            self._resolve(np.array([x[1] for x in hit]), np.ones(len(hit)), np.array([x[2] for x in hit]))
+            self._resolve(np.array([x[0] for x in hit]), np.ones(len(hit)), np.array([x[1] for x in hit]),
+                          np.array([x[2] for x in hit]))
         clicked = labels > 0.5
         if clicked.any():
-            click_ms = ts[clicked] + (0 if label_delay_ms is None else label_delay_ms[clicked])
+            click_ms = known[clicked]
             for part in np.unique(parts[clicked]).tolist():
                 newest = int(click_ms[parts[clicked] == part].max())
                 self._clock[part] = max(self._clock.get(part, newest), newest)
@@ -106,15 +117,16 @@ class ServedQuality:
             del self._where[imp_id]
             self.forced += 1
             expired.append(first)
-        if expired:
+        if expired:  # known at the close of their window
             self._resolve(np.array([x[1] for x in expired]), np.zeros(len(expired)),
-                          np.array([x[2] for x in expired]))
+                          np.array([x[2] for x in expired]), np.array([x[0] + self.window_ms for x in expired]))
 
-    def _resolve(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray) -> None:
+    def _resolve(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray, known_ms: np.ndarray) -> None:
+        """Served predictions with their final labels, ``known_ms`` the event time each label became known."""
         if len(probs):
-            self.all.update(probs, labels)
+            self.all.update(probs, labels, known_ms)
             if cold.any():
-                self.cold.update(probs[cold], labels[cold])
+                self.cold.update(probs[cold], labels[cold], known_ms[cold])
 
     @property
     def pending(self) -> int:

@@ -270,3 +270,73 @@ def test_cold_and_warm_windows_restored_from_a_checkpoint_without_event_times_co
     again = ProgressiveMetrics(window=100, timed=True)
     again.load_state_dict(m.state_dict())  # and the times round-trip through the state
     assert again.window_metrics(since_ms=0.0, min_samples=10) == m.window_metrics(since_ms=0.0, min_samples=10)
+
+
+def _served_minute(q: TrainingQuality, minute: int, rows: int, good: bool, rng: np.random.Generator,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """One minute of event time's final samples into ``q`` (every row served and labelled at once), ranked well or at
+    random; returns their (probs, labels)."""
+    labels = (rng.random(rows) < 0.3).astype(np.float64)
+    probs = (np.clip(0.3 + 0.4 * (labels - 0.3) + 0.05 * rng.standard_normal(rows), 0.01, 0.99) if good
+             else rng.random(rows))
+    ts = T0_MS + minute * 60_000 + np.sort(rng.integers(0, 60_000, rows))
+    q.record(np.array([f"s{minute}-{k}" for k in range(rows)]), ts, None, labels, probs, np.ones(rows, bool), None,
+             np.zeros(rows), now_s=float(ts[-1]) / 1000)
+    return probs, labels
+
+
+def test_the_served_auc_counts_only_samples_of_the_last_quality_recent_s_and_reads_nan_below_quality_min_samples(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # streamrec_learner_served_auc (and ..._served_cold_auc) read their whole window however old: after a quiet night
+    # they still published the evening's served quality. Now they are bounded as the cold/warm windows: only the
+    # samples whose label became known in the last quality_recent_s count, NaN while fewer than quality_min_samples.
+    import learner.quality
+    from learner.config import LearnerSettings
+    from learner.progressive import auc
+    from learner.quality import SERVED_AUC, SERVED_COLD_AUC
+
+    monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)
+    ls = LearnerSettings()
+    q = TrainingQuality(cold_k=10, metrics_window=100_000, attribution_window_s=1800.0,
+                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples)
+    rng = np.random.default_rng(6)
+    for minute in range(30):  # the evening: 100 samples a minute, ranked well
+        _served_minute(q, minute, 100, good=True, rng=rng)
+    assert 0.9 < SERVED_AUC._value.get() <= 1.0
+    recent: list[tuple[np.ndarray, np.ndarray]] = []
+    for minute in range(30, 30 + 2 * 60):  # then 20 a minute ranked at random: 1,200 an hour
+        recent.append(_served_minute(q, minute, 20, good=False, rng=rng))
+    # the last hour's samples only (all served samples are cold here: the cold window is a tenth, 10,000, as big)
+    probs, labels = (np.concatenate(x) for x in zip(*recent[-60:], strict=True))
+    for gauge in (SERVED_AUC, SERVED_COLD_AUC):
+        assert gauge._value.get() == pytest.approx(auc(probs, labels), abs=0.02)
+        assert gauge._value.get() < 0.6  # the evening's well-ranked samples no longer count
+    for minute in range(150, 150 + 2 * 60):  # a quiet night: 5 a minute, 300 an hour < quality_min_samples
+        _served_minute(q, minute, 5, good=False, rng=rng)
+    assert np.isnan(SERVED_AUC._value.get()) and np.isnan(SERVED_COLD_AUC._value.get())
+    assert q.served.all.count == 30 * 100 + 120 * 20 + 120 * 5  # cumulative metrics still count everything
+
+
+def test_the_served_windows_keep_when_their_samples_labels_became_known_across_a_checkpoint() -> None:
+    # The served windows' event times are checkpoint state like the cold and warm ones' (window_ts): a restarted
+    # learner reads the same recent served quality; a state saved before them loads its samples as never recent.
+    rng = np.random.default_rng(7)
+    q = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=50)
+    for minute in range(90):
+        _served_minute(q, minute, 20, good=True, rng=rng)
+    now_s = (T0_MS + 90 * 60_000) / 1000
+    before = q.recent_metrics(q.served.all, now_s)
+    assert not np.isnan(before[0])
+    again = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0,
+                            min_recent=50)
+    state = q.state_dict()
+    assert len(state["served"]["all"]["window_ts"]) == len(state["served"]["all"]["window_probs"]) == 1000
+    again.load_state_dict(state)
+    assert again.recent_metrics(again.served.all, now_s) == before
+    assert again.recent_metrics(again.served.cold, now_s) == q.recent_metrics(q.served.cold, now_s)
+    for key in ("all", "cold"):
+        del state["served"][key]["window_ts"]  # as saved before the served windows kept their times
+    older = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0,
+                            min_recent=50)
+    older.load_state_dict(state)
+    assert np.isnan(older.recent_metrics(older.served.all, now_s)[0])

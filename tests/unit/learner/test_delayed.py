@@ -319,3 +319,18 @@ def test_the_bias_rules_clock_does_not_lead_the_wall_clock() -> None:
     b.observe(np.array([1, 0], np.float32), np.full(2, OBSERVED, np.int8), np.array([now - 1000, now - 1000]),
               np.array([10**12, 0]))
     assert b.now_ms is not None and b.now_ms <= time.time() * 1000
+
+
+def test_served_samples_carry_the_event_time_their_label_became_known() -> None:
+    """The served windows are timed (learner/served.py): a sample's time is its click, or its window's close for a
+    negative that waited, not its impression's time (a negative resolves a window after it was served)."""
+    s = ServedQuality(window_ms=1000)
+    s.record(np.array(["a", "b", "c", "d"], object), np.array([0, 10, 20, 30]),
+             np.array([OBSERVED, OBSERVED, OBSERVED, FINAL], np.int8), np.array([0, 0, 1, 0], np.float32),
+             np.array([0.9, 0.2, 0.8, 0.1]), None, label_delay_ms=np.array([0, 0, 40, 5000]))
+    s.record(np.array(["a"], object), np.array([0]), np.array([DELAYED_POSITIVE], np.int8), np.ones(1, np.float32),
+             np.array([0.5]), None, label_delay_ms=np.array([700]))
+    s.advance(2000)
+    # c: observed 1, clicked at 60; d: final 0, labelled at 5030; a: its delayed click at 700; b: its window closed
+    assert s.state_dict()["all"]["window_ts"].tolist() == [60, 5030, 700, 1010]
+    assert s.state_dict()["all"]["window_probs"].tolist() == [0.8, 0.1, 0.9, 0.2]
