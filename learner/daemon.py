@@ -243,7 +243,7 @@ class Learner:
         self._clock = EventClock()
         self._event_newest = 0.0  # event time of the newest sample trained (s)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s, ls.quality_recent_s,
-                                       ls.quality_min_samples)
+                                       ls.quality_min_samples, ls.cold_tracker_capacity)
         self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
         self.id_metrics = IdMetrics(ls.metrics_window)  # dynamic ids: lookups, admissions, bucket share
         self._window_published = 0.0

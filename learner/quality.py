@@ -10,6 +10,7 @@ and the dynamic ids' metrics (:class:`IdMetrics`: lookups, admissions, evictions
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,9 @@ COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samp
 WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
 COLD_LOGLOSS = Gauge("streamrec_learner_cold_logloss", "Window logloss over cold users' samples.")
 WARM_LOGLOSS = Gauge("streamrec_learner_warm_logloss", "Window logloss over warm users' samples.")
+COLD_TRACKER_EVICTIONS = Counter("streamrec_learner_cold_tracker_evictions_total", "Warm users the cold tracker "
+                                 "forgot to make room ([learner] cold_tracker_capacity full): each is counted cold "
+                                 "again for its next cold_k impressions.")
 
 # Dynamic ids (learner/row_mapper.py, learner/sharded_ids.py): IdMetrics publishes them for both daemons.
 BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id lookups served by a hash bucket "
@@ -39,6 +43,8 @@ ADMISSIONS = Counter("streamrec_learner_id_admissions_total", "Ids given their o
 EVICTIONS = Counter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
 ID_LOOKUPS = Counter("streamrec_learner_id_lookups_total", "Id lookups of a dynamic field, per field (with "
                      "..._id_admissions_total: the share of lookups that admitted an id).", ["field"])
+
+log = logging.getLogger("streamrec.train")
 
 _PUBLISH_EVERY_S = 1.0  # window AUCs sort their window: gauges at most once a second
 # NaN until their metrics have samples: a Gauge exports 0 from import, and a cold AUC of 0 next to a measured warm AUC
@@ -109,14 +115,20 @@ class TrainingQuality:
     The served windows (``streamrec_learner_served_auc``, ``..._served_cold_auc``) are bounded the same way, by
     :meth:`recent_metrics`, over the served samples whose label became known in the last ``recent_s``
     (``learner/served.py``): they kept the evening's served samples through a quiet night just the same.
-    ``..._served_ne`` is cumulative (since the start), no window."""
+    ``..._served_ne`` is cumulative (since the start), no window.
+
+    Which users are cold: a :class:`ColdTracker` of ``cold_capacity`` users (``[learner] cold_tracker_capacity``).
+    The warm users it forgets when full are counted (``streamrec_learner_cold_tracker_evictions_total``) and the
+    first time logged: each is counted cold again, its samples measured as a new user's."""
 
     def __init__(self, cold_k: int, metrics_window: int, attribution_window_s: float, recent_s: float,
-                 min_recent: int) -> None:
+                 min_recent: int, cold_capacity: int) -> None:
         for g in _QUALITY_GAUGES:  # no data yet (a restored state publishes its own at the first batch)
             g.set(float("nan"))
         self.cold_k = cold_k
-        self.cold = ColdTracker(cold_k)
+        self.cold = ColdTracker(cold_k, cold_capacity)
+        self._evictions_counted = 0  # of self.cold.evictions, in COLD_TRACKER_EVICTIONS (or before a restore)
+        self._warned_full = False
         self.cold_metrics = ProgressiveMetrics(window=metrics_window // 10 or 1, timed=True)
         self.warm_metrics = ProgressiveMetrics(window=metrics_window, timed=True)
         self.recent_s, self.min_recent = recent_s, min_recent
@@ -126,7 +138,20 @@ class TrainingQuality:
 
     def cold_of(self, users: np.ndarray | None, now: float, impressions: np.ndarray | None) -> np.ndarray | None:
         """(B,) bool: the rows whose user is still cold (``ColdTracker.cold``); None without user keys."""
-        return self.cold.cold(users, now, impressions) if users is not None else None
+        if users is None:
+            return None
+        cold = self.cold.cold(users, now, impressions)
+        forgotten = self.cold.evictions - self._evictions_counted
+        if forgotten > 0:
+            if not self._warned_full:  # once
+                self._warned_full = True
+                log.warning("the cold tracker is full ([learner] cold_tracker_capacity = %d users): it forgets the "
+                            "least recently seen warm users, counted cold again for their next %d impressions "
+                            "(streamrec_learner_cold_tracker_evictions_total); raise it (~183 bytes a user)",
+                            self.cold.capacity, self.cold_k)
+            COLD_TRACKER_EVICTIONS.inc(forgotten)
+            self._evictions_counted = self.cold.evictions
+        return cold
 
     def record(self, impression_ids: np.ndarray, ts: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray,
                probs: np.ndarray, cold: np.ndarray | None, partitions: np.ndarray | None,
@@ -170,6 +195,7 @@ class TrainingQuality:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """From a checkpoint's state (keys of :meth:`state_dict`; absent ones keep the fresh state)."""
         self.cold.load_state_dict(state.get("cold_users", {}))
+        self._evictions_counted = self.cold.evictions  # counted by the process that saved them
         for name, m in (("cold_metrics", self.cold_metrics), ("warm_metrics", self.warm_metrics)):
             if name in state:
                 m.load_state_dict(state[name])

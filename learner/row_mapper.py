@@ -21,6 +21,7 @@ with the same bounded structure (an IdMap whose "admission" is the (k+1)-th sigh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 from learner.batch import TensorBatch
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import IdMap, LookupResult
+
+log = logging.getLogger("streamrec.train")
 
 
 @dataclass
@@ -204,11 +207,27 @@ class ColdTracker:
     A user's impressions are counted one by one, in row order, also within a batch: MovieLens users rate in
     bursts, and counting a batch's rows of a user as one sighting (the id map admits a key on its batch's
     count) took a burst's first ten impressions for warm ones (5,806 cold impressions in the demo where the
-    protocol's definition gives 60,400)."""
+    protocol's definition gives 60,400).
 
-    def __init__(self, k: int, capacity: int = 1_000_000) -> None:
+    ``capacity`` (``[learner] cold_tracker_capacity``) warm users are remembered (the id map's own rows: ~183 bytes a
+    user, ``IdMap.nbytes``). Full, the id map evicts the least recently seen warm users (:attr:`evictions` counts
+    them): one that comes back is cold again for ``k`` impressions. Users still cold are counted in the id map's two
+    candidate generations of ``capacity // 2`` users each: a cold user unseen for that many other new users starts
+    counting again (cold longer). A state of another capacity loads (:meth:`load_state_dict`)."""
+
+    def __init__(self, k: int, capacity: int) -> None:
         self.k = k
         self._seen = IdMap(capacity, 1, admit_after=k + 1) if k > 0 else None
+
+    @property
+    def capacity(self) -> int:
+        """Warm users remembered at most (0 with ``k = 0``: nothing is tracked)."""
+        return 0 if self._seen is None else self._seen.capacity
+
+    @property
+    def evictions(self) -> int:
+        """Warm users forgotten so far to make room (the state's count: checkpoints carry it)."""
+        return 0 if self._seen is None else self._seen.counters.evictions_lru
 
     def cold(self, user_keys: np.ndarray, now: float, counted: np.ndarray | None = None) -> np.ndarray:
         """(B,) bool for the users of a batch, in order. Rows where ``counted`` (default: all) is set are
@@ -233,8 +252,33 @@ class ColdTracker:
         return {} if self._seen is None else self._seen.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._seen is not None and state:
+        """From :meth:`state_dict`. A state of another capacity (``cold_tracker_capacity`` changed across a restart)
+        keeps its most recently seen warm users up to this capacity and, of each candidate generation, the users
+        closest to warm up to this one's size; one of another ``k`` is a ValueError (the id map's)."""
+        if self._seen is None or not state:
+            return
+        written = dict(state["config"])
+        if written.get("capacity") == self._seen.capacity:
             self._seen.load_state_dict(state)
+            return
+        old = IdMap(**written)
+        old.load_state_dict(state)  # checks the state's version and config
+        mine, theirs = self._seen.config(), old.config()
+        if {**theirs, "capacity": 0, "candidates": 0} != {**mine, "capacity": 0, "candidates": 0}:
+            raise ValueError(f"cold tracker state was written with config {theirs}, this tracker has {mine}")
+        keys, seen = state["row_key"].numpy(), state["row_seen"].numpy()
+        live = np.flatnonzero(keys >= 0)
+        keep = live[np.argsort(-seen[live], kind="stable")[:self._seen.capacity]]  # most recently seen first
+        candidates = {}
+        for k, c in (("cur_keys", "cur_counts"), ("prev_keys", "prev_counts")):
+            top = np.argsort(-state[c].numpy(), kind="stable")[:self._seen.candidates]
+            candidates[k], candidates[c] = state[k].numpy()[top], state[c].numpy()[top]
+        self._seen.load_entries(keys[keep], np.arange(keep.size), seen[keep], candidates,
+                                float(state["last_sweep"]), dict(state["counters"]))
+        if keep.size < live.size:
+            log.warning("the checkpoint's cold tracker remembers %d warm users, [learner] cold_tracker_capacity is %d "
+                        "now: the %d least recently seen are forgotten (cold again for their next %d impressions)",
+                        live.size, self._seen.capacity, live.size - keep.size, self.k)
 
 
 def user_keys(tb: TensorBatch, cfg: FeatureConfig, field_name: str = "user_id") -> np.ndarray | None:

@@ -162,7 +162,7 @@ class ShardedLearner:
         self.ids: ShardedRowMapper | None = None  # dynamic ids -> rows (built with the model)
         self.bias: BaseRateBias | None = None  # a fresh model's intercept at the click rate (learner/delayed.py)
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s,  # rank 0's
-                                       ls.quality_recent_s, ls.quality_min_samples)
+                                       ls.quality_recent_s, ls.quality_min_samples, ls.cold_tracker_capacity)
         self.id_metrics = IdMetrics(ls.metrics_window)  # rank 0's, over every rank's lookups
         self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round

@@ -45,7 +45,8 @@ def test_a_learner_that_counts_no_user_as_cold_does_not_fire_the_cold_user_auc_g
     # its 10 minutes on every such learner, however well it ranked.
     for g in (COLD_AUC, COLD_LOGLOSS, WARM_AUC):
         g.set(0.0)  # as a fresh process exports them
-    q = TrainingQuality(cold_k=0, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=100)
+    q = TrainingQuality(cold_k=0, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=100,
+                        cold_capacity=1000)
     rng = np.random.default_rng(0)
     labels = (rng.random(500) < 0.3).astype(np.float64)
     probs = np.clip(0.3 + 0.4 * (labels - 0.3) + 0.05 * rng.standard_normal(500), 0.01, 0.99)  # a good ranker
@@ -100,15 +101,15 @@ def test_one_process_and_rank_0_of_n_publish_the_same_bucket_share() -> None:
     assert shares[0] == shares[1] == pytest.approx(1 - 0.9 * (1 - 0.6 ** 2))
 
 
-def _learner_with_dynamic_ids(tmp_path: Path, daemon: str) -> Any:
+def _learner_with_dynamic_ids(tmp_path: Path, daemon: str, **settings: Any) -> Any:
     """A single-process ``Learner`` or a one-rank ``ShardedLearner`` (rank 0 of N: the same code path) with its
-    model built, whose Kafka is never contacted (no offsets to commit)."""
+    model built, whose Kafka is never contacted (no offsets to commit). ``settings``: more ``[learner]`` settings."""
     from learner.config import LearnerSettings
     from learner.features import default_config
     from stream.config import KafkaSettings
 
-    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
-                         id_capacity=50, admit_after=5)
+    ls = LearnerSettings(**{"checkpoint_dir": tmp_path / "ckpt", "mlp": "8", "buckets": 16, "ctx_buckets": 8,
+                            "embedding_dim": 4, "id_capacity": 50, "admit_after": 5, **settings})
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
     cfg = default_config({}, buckets=ls.buckets, ctx_buckets=ls.ctx_buckets, embedding_dim=ls.embedding_dim,
                          id_capacity=ls.id_capacity, admit_after=ls.admit_after)
@@ -213,7 +214,8 @@ def test_a_quiet_night_without_new_users_does_not_keep_the_cold_user_auc_gap_fir
     monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)  # each call below stands for a minute
     ls = LearnerSettings()
     q = TrainingQuality(cold_k=10, metrics_window=10_000, attribution_window_s=1800.0,
-                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples)
+                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples,
+                        cold_capacity=1000)
     engine = default_rule("cold_user_auc_gap")
     rng = np.random.default_rng(3)
     states = []
@@ -239,7 +241,8 @@ def test_a_cold_window_of_recent_samples_keeps_measuring_through_a_quiet_hour_wi
     monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)
     ls = LearnerSettings()
     q = TrainingQuality(cold_k=10, metrics_window=10_000, attribution_window_s=1800.0,
-                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples)
+                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples,
+                        cold_capacity=1000)
     engine = default_rule("cold_user_auc_gap")
     rng = np.random.default_rng(4)
     states = []
@@ -298,7 +301,8 @@ def test_the_served_auc_counts_only_samples_of_the_last_quality_recent_s_and_rea
     monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)
     ls = LearnerSettings()
     q = TrainingQuality(cold_k=10, metrics_window=100_000, attribution_window_s=1800.0,
-                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples)
+                        recent_s=ls.quality_recent_s, min_recent=ls.quality_min_samples,
+                        cold_capacity=1000)
     rng = np.random.default_rng(6)
     for minute in range(30):  # the evening: 100 samples a minute, ranked well
         _served_minute(q, minute, 100, good=True, rng=rng)
@@ -321,14 +325,15 @@ def test_the_served_windows_keep_when_their_samples_labels_became_known_across_a
     # The served windows' event times are checkpoint state like the cold and warm ones' (window_ts): a restarted
     # learner reads the same recent served quality; a state saved before them loads its samples as never recent.
     rng = np.random.default_rng(7)
-    q = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=50)
+    q = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=50,
+                        cold_capacity=1000)
     for minute in range(90):
         _served_minute(q, minute, 20, good=True, rng=rng)
     now_s = (T0_MS + 90 * 60_000) / 1000
     before = q.recent_metrics(q.served.all, now_s)
     assert not np.isnan(before[0])
     again = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0,
-                            min_recent=50)
+                            min_recent=50, cold_capacity=1000)
     state = q.state_dict()
     assert len(state["served"]["all"]["window_ts"]) == len(state["served"]["all"]["window_probs"]) == 1000
     again.load_state_dict(state)
@@ -337,6 +342,56 @@ def test_the_served_windows_keep_when_their_samples_labels_became_known_across_a
     for key in ("all", "cold"):
         del state["served"][key]["window_ts"]  # as saved before the served windows kept their times
     older = TrainingQuality(cold_k=10, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0,
-                            min_recent=50)
+                            min_recent=50, cold_capacity=1000)
     older.load_state_dict(state)
     assert np.isnan(older.recent_metrics(older.served.all, now_s)[0])
+
+
+@pytest.mark.parametrize("daemon", ["one process", "rank 0 of N"])
+def test_cold_tracker_capacity_from_the_config_file_and_the_environment_sizes_the_learners_cold_tracker(
+        tmp_path: Path, request: pytest.FixtureRequest, daemon: str) -> None:
+    # The cold tracker held a fixed 1 M users (175 MiB) whatever the deployment; [learner] cold_tracker_capacity sizes
+    # it now, in the file or STREAMREC_LEARNER_COLD_TRACKER_CAPACITY (the environment wins), default as before.
+    from learner.config import LearnerSettings
+    from streamrec.settings import SettingsError, build
+
+    if daemon == "rank 0 of N":
+        request.getfixturevalue("one_rank_group")
+    assert LearnerSettings().cold_tracker_capacity == 1_000_000
+    from_file = build(LearnerSettings, "learner", {"learner": {"cold_tracker_capacity": 3000}}, environ={})
+    from_env = build(LearnerSettings, "learner", {"learner": {"cold_tracker_capacity": 3000}},
+                     environ={"STREAMREC_LEARNER_COLD_TRACKER_CAPACITY": "2048"})
+    assert (from_file.cold_tracker_capacity, from_env.cold_tracker_capacity) == (3000, 2048)
+    learner = _learner_with_dynamic_ids(tmp_path, daemon, cold_tracker_capacity=from_env.cold_tracker_capacity)
+    try:
+        assert learner.quality.cold.capacity == 2048
+    finally:
+        learner.close()
+    for bad in (0, -1, "many"):
+        with pytest.raises(SettingsError, match="cold_tracker_capacity"):
+            build(LearnerSettings, "learner", {"learner": {"cold_tracker_capacity": bad}}, environ={})
+
+
+def test_a_full_cold_tracker_forgets_its_least_recently_seen_warm_users_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Full, the tracker's id map evicts the least recently seen warm users, who are then cold again; that was silent.
+    # Now each eviction counts in streamrec_learner_cold_tracker_evictions_total, and the first is logged, once.
+    from learner.quality import COLD_TRACKER_EVICTIONS
+
+    q = TrainingQuality(cold_k=1, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=10,
+                        cold_capacity=64)
+    before = COLD_TRACKER_EVICTIONS._value.get()
+    for t in range(8):  # 64 users, 8 a second, 2 impressions each: the first cold, the second warm
+        cold = q.cold_of(np.repeat(np.arange(8 * t, 8 * t + 8), 2), float(t), None)
+        assert cold is not None and cold.tolist() == [True, False] * 8
+    assert COLD_TRACKER_EVICTIONS._value.get() == before and q.cold.evictions == 0  # exactly full
+    with caplog.at_level("WARNING", logger="streamrec.train"):
+        for t in range(8, 11):  # 3 x 8 new users become warm: the tracker makes room
+            cold = q.cold_of(np.repeat(np.arange(8 * t, 8 * t + 8), 2), float(t), None)
+            assert cold is not None and cold.tolist() == [True, False] * 8
+    assert q.cold.evictions >= 24
+    assert COLD_TRACKER_EVICTIONS._value.get() - before == q.cold.evictions
+    full = [r for r in caplog.records if "cold tracker is full" in r.getMessage()]
+    assert len(full) == 1 and "cold_tracker_capacity = 64" in full[0].getMessage()
+    again = q.cold_of(np.array([0, 87]), 11.0, None)  # user 0 was seen first (forgotten); 87 last (remembered)
+    assert again is not None and again.tolist() == [True, False]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from learner.artifact import build_artifact
@@ -128,6 +129,30 @@ def test_cold_tracker_counts_a_users_impressions_within_one_batch_and_not_its_cl
     imps = users[~clicks]
     assert got[~clicks].tolist() == cold_mask(imps, 2).tolist()
     assert tr.cold(np.array([5, 7]), 1.0).tolist() == [False, True]  # 5 had 2 impressions, 7 had 1
+
+
+def test_a_cold_tracker_state_loads_into_another_cold_tracker_capacity_keeping_its_most_recent_warm_users(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # [learner] cold_tracker_capacity may change across a restart: the checkpoint's tracker, of the old capacity,
+    # failed to load into the new one (the id map refuses another config). It loads now, keeping the most recently
+    # seen warm users that fit (the others are cold again, logged) and the users still counting towards warm.
+    tr = ColdTracker(k=1, capacity=64)
+    for t in range(8):  # users 0..63 warm (2 impressions each), user 8t..8t+7 last seen at t
+        tr.cold(np.repeat(np.arange(8 * t, 8 * t + 8), 2), float(t))
+    tr.cold(np.array([100]), 8.0)  # one impression: counting
+    state = tr.state_dict()
+    bigger = ColdTracker(k=1, capacity=128)
+    bigger.load_state_dict(state)
+    assert bigger.capacity == 128 and not bigger.cold(np.arange(64), 9.0).any()
+    assert bigger.cold(np.array([100]), 9.0).tolist() == [False]  # its second impression: warm
+    smaller = ColdTracker(k=1, capacity=16)
+    with caplog.at_level("WARNING", logger="streamrec.train"):
+        smaller.load_state_dict(state)
+    assert "the 48 least recently seen are forgotten" in caplog.text
+    assert smaller.cold(np.arange(64), 9.0, counted=np.zeros(64, bool)).tolist() == [True] * 48 + [False] * 16
+    assert smaller.cold(np.array([100]), 9.0).tolist() == [False]
+    with pytest.raises(ValueError, match="admit_after"):  # another cold_k is another count: refused as before
+        ColdTracker(k=2, capacity=16).load_state_dict(state)
 
 
 def test_cold_start_evaluation_runs_every_variant_on_one_stream() -> None:
