@@ -112,7 +112,8 @@ def test_default_rules_load_and_compose_ships_the_same_file(capsys: pytest.Captu
     assert (REPO / "compose" / "alert-rules.toml").read_text() == packaged
     config = load_rules(None)
     names = {r.name for r in config.rules}
-    assert {"cold_start_share", "cold_user_auc_gap", "nan_losses", "logloss_nan", "learner_lag"} <= names
+    assert {"cold_start_share", "cold_user_auc_gap", "nan_losses", "logloss_nan", "learner_lag",
+            "learner_trains_nothing"} <= names
     assert config.sinks.kafka_topic == "alerts" and config.history_s == 300
     assert main(["monitor", "--check", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["rules"]) == len(config.rules)
