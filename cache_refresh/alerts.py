@@ -1,12 +1,13 @@
 """Where the refresh's alerts go: the log at once, and the Kafka alerts topic through a retrying queue.
 
-The refresh alerts on what an operator must see (``refresh_failed``, ``refresh_pinned``, ``refresh_degraded``:
-``cache_refresh/job.py``). An alert is a ``monitor.alerts.Alert`` in the monitor's record shape, written to the log
-(``LogSink``) when it is raised and handed to a ``monitor.alerts.QueuedSink`` in front of a ``KafkaSink``: the
-monitor's own delivery, so a broker that is down when the alert is raised does not lose it. Undelivered alerts stay
-queued and are retried with backoff (``retry_backoff_s`` doubling to ``retry_backoff_max_s``), in order, until the
-broker takes them; each failed attempt is logged and counted (``streamrec_monitor_sink_failures_total{sink="kafka"}``,
-``..._delivered_total``, ``..._dropped_total``, served on the scheduler's ``[refresh] metrics_port``).
+The refresh alerts on what an operator must see (``refresh_failed``, ``refresh_pinned``, ``refresh_skipped``,
+``refresh_degraded``, ``refresh_lineage_switched``: ``cache_refresh/job.py``). An alert is a ``monitor.alerts.Alert``
+in the monitor's record shape, written to the log (``LogSink``) when it is raised and handed to a
+``monitor.alerts.QueuedSink`` in front of a ``KafkaSink``: the monitor's own delivery, so a broker that is down when
+the alert is raised does not lose it. Undelivered alerts stay queued and are retried with backoff (``retry_backoff_s``
+doubling to ``retry_backoff_max_s``), in order, until the broker takes them; each failed attempt is logged and counted
+(``streamrec_monitor_sink_failures_total{sink="kafka"}``, ``..._delivered_total``, ``..._dropped_total``, served on
+the scheduler's ``[refresh] metrics_port``).
 
 Before, the refresh made one Kafka attempt per alert and, when it failed, wrote one error line: a refresh that failed
 while the broker was down (the holdout read fails with it) raised a critical alert nobody but the log saw.

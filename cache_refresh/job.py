@@ -46,6 +46,14 @@ alerted as ``refresh_degraded`` (a warning), and the run reports its publish (``
 made from the manifest of the validated artifact, the files ``publish`` verified and renamed: nothing is read back
 from the publish root after the switch.
 
+**Another training run.** A checkpoint's ``meta["lineage"]`` names its training run (``learner/checkpoint.py``). A
+publish whose checkpoint lineage differs from the live version's source lineage (both known) replaces the serving
+model with one of another training run (a learner started afresh, e.g. pointed at an empty checkpoint directory):
+maybe meant, maybe a large quality drop. It publishes (the samples-trained guard does not apply across lineages), and
+says so: a ``refresh_lineage_switched`` warning (labels ``from_lineage``, ``to_lineage``, ``replaced``), a log
+warning, ``streamrec_refresh_lineage_switched_total``, and ``lineage_switched`` in the summary and ``last_run.json``
+(null when the lineage stayed, either is unknown, or nothing was live).
+
 **Rollback pins.** An operator's ``streamrec refresh --rollback`` pins the older version
 (``<publish_root>/PINNED``). A *scheduled* run (``respect_pin=True``, :func:`scheduled_run`) while the
 pin holds the live version builds and validates as usual (so the operator learns whether the newest
@@ -104,6 +112,7 @@ ALERT_RULE = "refresh_failed"
 PIN_RULE = "refresh_pinned"
 SKIP_RULE = "refresh_skipped"  # did nothing: another run was going (skipped())
 DEGRADED_RULE = "refresh_degraded"  # published, with something an operator should look at (_published_warnings)
+LINEAGE_RULE = "refresh_lineage_switched"  # published a model of another training run than the live one's
 
 
 class RefreshError(StreamrecError):
@@ -169,10 +178,14 @@ def _utc(when: float) -> str:
     return dt.datetime.fromtimestamp(when, tz=dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_last_success(root: Path, when: float, version: str) -> None:
-    """A publish: replaces the whole record (a ``pin_held`` of earlier runs ends with the publish)."""
+def write_last_success(root: Path, when: float, version: str,
+                       lineage_switched: dict[str, Any] | None = None) -> None:
+    """A publish: replaces the whole record (a ``pin_held`` of earlier runs ends with the publish).
+    ``lineage_switched``: the publish replaced a version of another training run (:func:`_lineage_switch`), else
+    null."""
     write_atomic(Path(root) / LAST_RUN, json.dumps({
-        "last_success": when, "version": version, "last_success_utc": _utc(when)}).encode())
+        "last_success": when, "version": version, "last_success_utc": _utc(when),
+        "lineage_switched": lineage_switched}).encode())
 
 
 def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> None:
@@ -291,28 +304,53 @@ def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings,
         return None  # logged and alerted by run_once
 
 
-def _refuse_older_than_live(root: Path, ckpt: ckpt_io.Checkpoint, problems: list[tuple[Path, str]]) -> None:
-    """RefreshError (stage ``checkpoint``) when the chosen checkpoint has trained fewer samples than the live
-    version's source (same lineage, or either without one: as for deltas): publishing it would take serving
-    back in time, e.g. when the newest checkpoint is torn and ``load_latest`` fell back to an older one. An
-    unreadable live version is no reason to refuse (serving cannot load it either)."""
+def _live_source(root: Path) -> tuple[str, dict[str, Any]] | None:
+    """The live version's name and its manifest's ``source`` (checkpoint, samples_trained, lineage, ...); None when
+    nothing is live, or (with a warning) when it cannot be read: the checkpoint is then not compared with it."""
     try:
         current = artifact.read_current(root)
         source = artifact.read_manifest(current)["source"] if current is not None else None
     except (artifact.ArtifactError, KeyError, TypeError) as exc:
         log.warning("the live version's source cannot be read (%s); not comparing the checkpoint with it", exc)
-        return
+        return None
     if current is None or not isinstance(source, dict):
+        return None
+    return current.name, source
+
+
+def _lineage_switch(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_io.Checkpoint) -> dict[str, Any] | None:
+    """What publishing ``ckpt`` over the live version replaces when it is of another training run: the checkpoint's
+    lineage and the live version's source lineage are both known and differ (a learner started afresh, e.g. pointed
+    at an empty checkpoint_dir; its count of samples starts again). ``{"from", "to", "replaced", ...}``, else None
+    (same lineage, either unknown, nothing live)."""
+    if live is None:
+        return None
+    name, source = live
+    before, after = source.get("lineage"), ckpt["meta"].get("lineage")
+    if not (before and after) or before == after:
+        return None
+    return {"from": before, "to": after, "replaced": name, "replaced_checkpoint": source.get("checkpoint"),
+            "replaced_samples_trained": source.get("samples_trained"), "checkpoint": ckpt["path"],
+            "samples_trained": ckpt["meta"].get("samples_trained")}
+
+
+def _refuse_older_than_live(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_io.Checkpoint,
+                            problems: list[tuple[Path, str]]) -> None:
+    """RefreshError (stage ``checkpoint``) when the chosen checkpoint has trained fewer samples than the live
+    version's source (``live``: :func:`_live_source`; same lineage, or either without one: as for deltas): publishing
+    it would take serving back in time, e.g. when the newest checkpoint is torn and ``load_latest`` fell back to an
+    older one. An unreadable live version is no reason to refuse (serving cannot load it either). A checkpoint of
+    another lineage passes (its count starts again); its publish alerts (:func:`_warn_lineage_switched`)."""
+    if live is None or _lineage_switch(live, ckpt) is not None:
         return
-    live, have = source.get("samples_trained"), ckpt["meta"].get("samples_trained")
-    live_lineage, lineage = source.get("lineage"), ckpt["meta"].get("lineage")
-    if live_lineage and lineage and live_lineage != lineage:
-        return  # another training (a learner started afresh): its count starts again
-    if isinstance(live, int) and not isinstance(live, bool) and isinstance(have, int) and have < live:
+    name, source = live
+    live_samples, have = source.get("samples_trained"), ckpt["meta"].get("samples_trained")
+    if (isinstance(live_samples, int) and not isinstance(live_samples, bool) and isinstance(have, int)
+            and have < live_samples):
         skipped = ("; newer checkpoints skipped: " + "; ".join(f"{p.name}: {why}" for p, why in problems)
                    if problems else "")
         raise RefreshError("checkpoint", f"the checkpoint {ckpt['path']} has trained {have} samples, fewer than "
-                           f"the live version {current.name} ({live} samples, from {source.get('checkpoint')}): "
+                           f"the live version {name} ({live_samples} samples, from {source.get('checkpoint')}): "
                            f"publishing it would take serving back in time{skipped}. Nothing was built or "
                            "published, the live artifact keeps serving. Let the learner write a newer checkpoint "
                            "(or remove the damaged one), or publish it anyway with `streamrec refresh --now "
@@ -361,8 +399,10 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
                                       "running with the same checkpoint_dir?")
         cfg = configs[ckpt.path]
+        live_source = _live_source(root)  # the version this run replaces (the lock keeps it live until the publish)
+        switch = _lineage_switch(live_source, ckpt)  # alerted once published, never a reason not to publish
         if not allow_older:
-            _refuse_older_than_live(root, ckpt, problems)
+            _refuse_older_than_live(live_source, ckpt, problems)
         timed(stage, t0)
         log.info("refresh: checkpoint %s (%s samples trained)", ckpt["path"], ckpt["meta"].get("samples_trained"))
 
@@ -465,7 +505,9 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                   if unpinned.version is not None else f"an unreadable rollback pin ({unpinned.problem})")
         log.warning("published %s over %s: an operator's run ends the rollback; serving applies learner deltas "
                     "again", path.name, pinned)
-    recorded = after.step("record", lambda: _record_success(root, path.name), False)
+    switched = (after.step("lineage", lambda: _warn_lineage_switched(alerts, path.name, switch), None)
+                if switch is not None else None)
+    recorded = after.step("record", lambda: _record_success(root, path.name, switched), False)
     if rs.embedding_store is EmbeddingStore.LAYERED:
         after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous), None)
     no_warnings: list[tuple[str, str]] = []
@@ -488,7 +530,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         "bytes": after.step("summary", lambda: {name: f["bytes"] for name, f in manifest["files"].items()}, {}),
         "unpinned": ({"version": unpinned.version, "rolled_back_from": unpinned.rolled_back_from}
                      if unpinned is not None else None),
-        "last_run_recorded": recorded, "cleaned": cleaned,
+        "last_run_recorded": recorded, "cleaned": cleaned, "lineage_switched": switched,
     }
     found = [*found, *after.problems]
     summary["warnings"] = _warn_degraded(alerts, found)
@@ -497,10 +539,10 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     return summary
 
 
-def _record_success(root: Path, version: str) -> bool:
+def _record_success(root: Path, version: str, lineage_switched: dict[str, Any] | None = None) -> bool:
     """``last_run.json`` after a publish; False (with a warning) when it cannot be written."""
     try:
-        write_last_success(root, time.time(), version)
+        write_last_success(root, time.time(), version, lineage_switched)
         return True
     except OSError as exc:
         log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
@@ -742,6 +784,26 @@ def _published_warnings(rs: RefreshSettings, version: str, ckpt: ckpt_io.Checkpo
                                  "under this prefix holds no counts for the last days (a wrong [redis] prefix, or "
                                  "counts lost on a restart); scores are right but row lookups miss the hot cache"))
     return found
+
+
+def _warn_lineage_switched(alerts: RefreshAlerts, version: str, switch: dict[str, Any]) -> dict[str, Any]:
+    """A publish that replaced the live version with a model of another training run (:func:`_lineage_switch`): logged,
+    counted (``streamrec_refresh_lineage_switched_total``) and alerted as ``refresh_lineage_switched`` (a warning;
+    labels ``stage: publish``, ``from_lineage``, ``to_lineage``, ``replaced``). The publish stands: an intended
+    switch (a new model trained from scratch) is as legitimate as a mistaken one (a learner pointed at an empty
+    checkpoint directory), which only an operator can tell apart; it may be a large quality drop. Returns ``switch``
+    with the message, for the summary and ``last_run.json``."""
+    message = (f"published {version} from lineage {switch['to']} ({switch['checkpoint']}, "
+               f"{switch['samples_trained']} samples trained) over {switch['replaced']} of lineage {switch['from']} "
+               f"({switch['replaced_checkpoint']}, {switch['replaced_samples_trained']} samples trained): serving now "
+               "ranks with a model of another training run (a learner started afresh, e.g. pointed at an empty "
+               "checkpoint_dir); check its quality, or roll back with `streamrec refresh --rollback`")
+    log.warning("%s", message)
+    metrics.LINEAGE_SWITCHED.inc()
+    alerts.fire("publish", message, LINEAGE_RULE, severity="warning",
+                labels={"from_lineage": str(switch["from"]), "to_lineage": str(switch["to"]),
+                        "replaced": switch["replaced"]})
+    return {**switch, "message": message}
 
 
 def _warn_degraded(alerts: RefreshAlerts, found: list[tuple[str, str]]) -> list[str]:

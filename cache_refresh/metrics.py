@@ -21,6 +21,10 @@ DEGRADED = Counter("streamrec_refresh_degraded_total", "Warnings of runs that pu
                    "refresh_degraded alert), by stage: the quality gate skipped, newer checkpoints skipped, an empty "
                    "hot set, or a step after the switch that failed (record, embedding_store, notify, ...).",
                    ["stage"])
+LINEAGE_SWITCHED = Counter("streamrec_refresh_lineage_switched_total", "Publishes that replaced the live version with "
+                           "a model of another training run (the checkpoint's lineage differs from the live "
+                           "version's; each also a refresh_lineage_switched alert): a learner started afresh, e.g. "
+                           "pointed at an empty checkpoint_dir.")
 LAST_SUCCESS = Gauge("streamrec_refresh_last_success_timestamp_seconds", "Unix time the last refresh published an "
                      "artifact, by this process or as recorded in the publish root's last_run.json (0: none on "
                      "record). Its age is how stale the serving model is.")

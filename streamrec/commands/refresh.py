@@ -132,7 +132,9 @@ def add_parser(sub: Any) -> None:
         "left (staged directories, temp files). A run while another holds the publish root (a --now during the "
         "scheduled run, or the reverse) does nothing: it logs a warning, writes a refresh_skipped alert (warning) "
         "and counts streamrec_refresh_runs_total{outcome=\"skipped\"}; so does a scheduled run due while the "
-        "scheduler's previous one is still going.",
+        "scheduler's previous one is still going. A publish whose checkpoint is of another training run than the "
+        "live version's (another lineage: a learner started afresh) publishes and writes a refresh_lineage_switched "
+        "alert (warning); the summary says lineage_switched.",
         epilog="Settings: [refresh] in --config and STREAMREC_REFRESH_<KEY> (checkpoint_dir, publish_root, days, "
         "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
         "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic, metrics_port, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -167,3 +168,67 @@ def test_notified_is_true_only_when_a_serving_process_received_the_notification(
         assert heard["notified"] is True and heard["notify_receivers"] == 1
     finally:
         pubsub.close()
+
+
+def lineage_switches() -> float:
+    return REGISTRY.get_sample_value("streamrec_refresh_lineage_switched_total") or 0.0
+
+
+def source_lineage(summary: dict[str, Any]) -> str:
+    """The lineage of the checkpoint a published version was built from, as its manifest says."""
+    return artifact.read_manifest(Path(summary["path"]))["source"]["lineage"]
+
+
+def test_a_publish_from_another_training_run_alerts_once_naming_both_lineages(
+        env: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    """The learner was pointed at an empty checkpoint directory (a new lineage, its count starting again) and the next
+    refresh published its model over the live one: a refresh_lineage_switched warning naming both lineages, a log
+    warning, the counter, and ``lineage_switched`` in the summary (``--now --json``) and last_run.json. The guard on
+    samples trained skipped another lineage silently: the serving model was replaced by another training's without a
+    word. The first publish ever (nothing live) is no switch; the publish is never held back by it."""
+    rs, kafka, rds = env
+    alerts = RecordedAlerts()
+    before = lineage_switches()
+    caplog.set_level(logging.WARNING, logger="streamrec.refresh")
+    first = job.run_once(rs, kafka, rds, alerts=alerts)  # nothing live yet: no switch
+    assert first["published"] is True and first["lineage_switched"] is None
+    afresh = tmp_path / "afresh"  # the learner started afresh in an empty checkpoint_dir
+    save_checkpoint(afresh, steps=5, seed=1)
+    second = job.run_once(dataclasses.replace(rs, checkpoint_dir=afresh), kafka, rds, alerts=alerts)
+    old, new = source_lineage(first), source_lineage(second)
+    assert old and new and old != new
+
+    assert second["published"] is True and artifact.current_version(rs.publish_root) == second["version"]
+    switches = [a for a in alerts.fired if a.rule == job.LINEAGE_RULE]
+    assert len(switches) == 1
+    alert = switches[0]
+    assert alert.severity.value == "warning"
+    assert alert.labels == {"stage": "publish", "from_lineage": old, "to_lineage": new, "replaced": first["version"]}
+    assert old in alert.message and new in alert.message and second["version"] in alert.message
+    assert lineage_switches() == before + 1
+    assert second["lineage_switched"]["from"] == old and second["lineage_switched"]["to"] == new
+    assert second["lineage_switched"]["replaced"] == first["version"]
+    assert second["lineage_switched"]["message"] == alert.message
+    assert job.read_last_run(rs.publish_root)["lineage_switched"] == second["lineage_switched"]
+    assert any(r.levelno == logging.WARNING and r.getMessage() == alert.message for r in caplog.records)
+
+    # an operator's --now back to the first training: the --json summary says so too
+    cfg = config_file(tmp_path / "c.toml", rs, kafka, rds)
+    assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
+    back = json.loads(capsys.readouterr().out)
+    assert back["lineage_switched"]["from"] == new and back["lineage_switched"]["to"] == old
+    assert back["lineage_switched"]["replaced"] == second["version"]
+    assert lineage_switches() == before + 2
+
+
+def test_publishes_of_the_same_training_run_raise_no_lineage_alert(env: Any) -> None:
+    rs, kafka, rds = env
+    alerts = RecordedAlerts()
+    before = lineage_switches()
+    first = job.run_once(rs, kafka, rds, alerts=alerts)  # the first publish ever
+    again = job.run_once(rs, kafka, rds, alerts=alerts)  # the same lineage over it
+    assert source_lineage(first) == source_lineage(again)
+    assert again["published"] is True and first["lineage_switched"] is None and again["lineage_switched"] is None
+    assert [a for a in alerts.fired if a.rule == job.LINEAGE_RULE] == []
+    assert lineage_switches() == before
+    assert job.read_last_run(rs.publish_root)["lineage_switched"] is None
