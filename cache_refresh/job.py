@@ -155,13 +155,46 @@ def read_last_success(root: Path) -> dt.datetime | None:
         return None
 
 
+def live_published_at(root: Path) -> float | None:
+    """When the live version was published, as the publish root itself tells (without ``last_run.json``): its
+    manifest's ``created`` (set when the artifact was built, moments before its publish; it travels with the version,
+    and after a rollback it is the rolled-back model's age), else, when the manifest cannot be read, the modification
+    time of ``CURRENT`` (written by the publish or rollback). None when nothing is live: nothing published, or a
+    ``CURRENT`` that is malformed or names a version that is gone (serving has no model to start with either)."""
+    try:
+        current = artifact.read_current(root)
+    except artifact.ArtifactError:
+        return None
+    if current is None:
+        return None
+    try:
+        return float(artifact.read_manifest(current)["created"])
+    except artifact.ArtifactError as exc:
+        log.warning("the live version's manifest cannot be read (%s); its publish time is taken from %s's "
+                    "modification time", exc, Path(root) / artifact.CURRENT)
+    try:
+        return (Path(root) / artifact.CURRENT).stat().st_mtime
+    except OSError:
+        return None
+
+
 def restore_last_success(root: Path) -> dt.datetime | None:
     """:func:`read_last_success`, also set as ``streamrec_refresh_last_success_timestamp_seconds``
     (``metrics.restore_last_success``): called when the scheduler starts and when a run starts, so the gauge says how
-    old the published model is from the first scrape, not 0 until this process publishes. Returns the record."""
+    old the published model is from the first scrape, not 0 until this process publishes. Without a usable record
+    (``last_run.json`` missing or unreadable: a fresh state dir, a deleted file, a new container with the publish root
+    mounted) the gauge is set from the live version's publish time (:func:`live_published_at`); it stays 0 only when
+    nothing is live (with a staleness alert on it, that alert fired at once although a version was serving). Returns
+    the record alone (the scheduler's catch-up at start counts recorded runs, ``scheduler.missed_run``)."""
     when = read_last_success(root)
     if when is not None:
         metrics.restore_last_success(when.timestamp())
+        return when
+    published = live_published_at(root)
+    if published is not None:
+        log.info("no usable %s in %s; the last success is the live version's publish time, %s", LAST_RUN, root,
+                 _utc(published))
+        metrics.restore_last_success(published)
     return when
 
 

@@ -26,8 +26,9 @@ LINEAGE_SWITCHED = Counter("streamrec_refresh_lineage_switched_total", "Publishe
                            "version's; each also a refresh_lineage_switched alert): a learner started afresh, e.g. "
                            "pointed at an empty checkpoint_dir.")
 LAST_SUCCESS = Gauge("streamrec_refresh_last_success_timestamp_seconds", "Unix time the last refresh published an "
-                     "artifact, by this process or as recorded in the publish root's last_run.json (0: none on "
-                     "record). Its age is how stale the serving model is.")
+                     "artifact, by this process or as recorded in the publish root's last_run.json, else (no usable "
+                     "last_run.json) when the live version was published (0: nothing live). Its age is how stale the "
+                     "serving model is.")
 LAST_RUN = Gauge("streamrec_refresh_last_run_timestamp_seconds", "Unix time the last refresh run ended, whatever its "
                  "outcome.")
 DURATION = Gauge("streamrec_refresh_duration_seconds", "How long the last refresh run took (s).")
@@ -48,7 +49,8 @@ def _set_last_success(when: float) -> None:
 
 
 def restore_last_success(when: float) -> None:
-    """The last success on record (``last_run.json``), read when the scheduler or a run starts: a restarted scheduler
+    """The last success on record (``last_run.json``, else the live version's publish time:
+    ``cache_refresh.job.restore_last_success``), read when the scheduler or a run starts: a restarted scheduler
     otherwise said 0 until its next publish (the dashboard's "time since last success" read ~56 years), and a run
     published by another process (``--now``) is seen. Never moves the gauge back."""
     _set_last_success(when)

@@ -154,6 +154,30 @@ def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first
     assert proc.returncode == 0, err
 
 
+def test_a_scheduler_started_without_last_run_json_reports_the_live_versions_publish_time(
+        env: Any, tmp_path: Path) -> None:
+    """A new container with the publish root mounted, its last_run.json gone: a version is live, so the gauge says
+    when it was published (its manifest's ``created``) from the first scrape. It said 0 ("56 years since the last
+    success") until the next publish."""
+    rs, kafka, rds = env
+    summary = job.run_once(rs, kafka, rds)
+    (rs.publish_root / job.LAST_RUN).unlink()
+    created = artifact.read_manifest(Path(summary["path"]))["created"]
+    cfg = config_file(tmp_path / "c.toml", dataclasses.replace(rs, schedule="0 3 1 1 *", misfire_grace_s=1),
+                      kafka, rds)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "refresh", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, STREAMREC_REFRESH_METRICS_PORT=str(port)))
+    try:
+        assert scrape(port, "streamrec_refresh_last_success_timestamp_seconds", proc) == pytest.approx(created,
+                                                                                                       abs=0.01)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+
+
 def test_notified_is_true_only_when_a_serving_process_received_the_notification(
         env: Any, redis_client: redis.Redis) -> None:
     """PUBLISH reaching 0 subscribers (serving down, or listening under another prefix) said ``notified: true``."""
