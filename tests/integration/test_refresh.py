@@ -100,6 +100,9 @@ def env(stack, kafka: KafkaSettings, tmp_path: Path, trained: Path, redis_client
     for p in checkpoint.list_checkpoints(trained):
         for suffix in (".pt", ".json"):
             (ckpt_dir / p.with_suffix(suffix).name).write_bytes(p.with_suffix(suffix).read_bytes())
+    # the directory's lineage too: a checkpoint a test saves here continues the training, as a resumed learner's does
+    # (without it, it started a new lineage, and its publish switched lineage: a refresh_lineage_switched alert)
+    (ckpt_dir / checkpoint.LINEAGE).write_bytes((trained / checkpoint.LINEAGE).read_bytes())
     rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", days=7, hot_items=10,
                          hot_users=5, small_field_rows=0, holdout_messages=4, holdout_timeout_s=10,
                          redis_attempts=3, redis_backoff_s=0.01, alerts_topic=f"alerts-{prefix}")
