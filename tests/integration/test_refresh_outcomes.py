@@ -131,14 +131,10 @@ def scrape(port: int, name: str, proc: subprocess.Popen[str]) -> float:
         return next(float(line.split(" ")[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first_scrape(
-        env: Any, tmp_path: Path) -> None:
-    """The publish root records a success an hour ago; the scheduler restarts and its next run is far off. Its
-    last-success gauge said 0 (the dashboard's "time since last success": ~56 years) until it published again."""
+def last_success_at_start(env: Any, tmp_path: Path) -> float:
+    """The last-success gauge of a scheduler process started on ``env``'s publish root (its next run far off), at
+    its first scrape; the process is then stopped with SIGTERM and must exit 0."""
     rs, kafka, rds = env
-    recorded = time.time() - 3600
-    rs.publish_root.mkdir(parents=True)
-    job.write_last_success(rs.publish_root, recorded, "20260101T030000000Z")
     cfg = config_file(tmp_path / "c.toml", dataclasses.replace(rs, schedule="0 3 1 1 *", misfire_grace_s=1),
                       kafka, rds)
     port = free_port()
@@ -146,12 +142,22 @@ def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, STREAMREC_REFRESH_METRICS_PORT=str(port)))
     try:
-        gauge = scrape(port, "streamrec_refresh_last_success_timestamp_seconds", proc)
-        assert gauge == pytest.approx(recorded, abs=0.01)
+        return scrape(port, "streamrec_refresh_last_success_timestamp_seconds", proc)
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
+        assert proc.returncode == 0, err
+
+
+def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first_scrape(
+        env: Any, tmp_path: Path) -> None:
+    """The publish root records a success an hour ago; the scheduler restarts and its next run is far off. Its
+    last-success gauge said 0 (the dashboard's "time since last success": ~56 years) until it published again."""
+    rs, _, _ = env
+    recorded = time.time() - 3600
+    rs.publish_root.mkdir(parents=True)
+    job.write_last_success(rs.publish_root, recorded, "20260101T030000000Z")
+    assert last_success_at_start(env, tmp_path) == pytest.approx(recorded, abs=0.01)
 
 
 def test_a_scheduler_started_without_last_run_json_reports_the_live_versions_publish_time(
@@ -163,19 +169,7 @@ def test_a_scheduler_started_without_last_run_json_reports_the_live_versions_pub
     summary = job.run_once(rs, kafka, rds)
     (rs.publish_root / job.LAST_RUN).unlink()
     created = artifact.read_manifest(Path(summary["path"]))["created"]
-    cfg = config_file(tmp_path / "c.toml", dataclasses.replace(rs, schedule="0 3 1 1 *", misfire_grace_s=1),
-                      kafka, rds)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "refresh", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, STREAMREC_REFRESH_METRICS_PORT=str(port)))
-    try:
-        assert scrape(port, "streamrec_refresh_last_success_timestamp_seconds", proc) == pytest.approx(created,
-                                                                                                       abs=0.01)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
+    assert last_success_at_start(env, tmp_path) == pytest.approx(created, abs=0.01)
 
 
 def test_notified_is_true_only_when_a_serving_process_received_the_notification(
