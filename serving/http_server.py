@@ -39,11 +39,14 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   after it. Empty lines before a request line (RFC 9112 2.2) are skipped as idle time.
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
   ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
-  chunked sizes hexadecimal (leading zeros allowed too), each chunk followed by CRLF and at most 64 + 1 per KiB
-  of ``max_body_bytes`` chunks (4160 at 4 MiB: chunks of 1 KiB or more never meet it; past it a ``400``), not both
-  ``Content-Length`` and ``Transfer-Encoding``, no whitespace before a header's colon, no obsolete line folding
-  (a header line starting with whitespace, RFC 9112 5.2); any such error is answered JSON and the connection
-  closed (the next request's start is unknown).
+  chunked sizes hexadecimal (leading zeros allowed too), every line of a chunked body ending in CRLF (its size
+  lines, the end of each chunk's data, its trailer: a bare LF or CR is a ``400``, RFC 9112 7.1), chunk extensions
+  free of control characters but HTAB, at most 64 + 1 per KiB of ``max_body_bytes`` chunks (4160 at 4 MiB: chunks
+  of 1 KiB or more never meet it; past it a ``400``), not both ``Content-Length`` and ``Transfer-Encoding``, no
+  whitespace before a header's colon, no obsolete line folding (a header line starting with whitespace, RFC 9112
+  5.2), no control character in a header (or trailer) line but HTAB (a NUL, DEL, a CR not before LF: RFC 9110 5.5;
+  bytes past ASCII are taken); any such error is answered JSON and the connection closed (the next request's start
+  is unknown).
   A body with a ``Content-Encoding`` other than ``identity`` is a ``415`` before it is read (aiohttp's
   ``auto_decompress`` is off: the body is JSON as sent, on both servers).
   A chunk whose declared size takes the body past ``max_body_bytes`` is a ``413`` from its size line, before its
@@ -53,7 +56,17 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
   ``Transfer-Encoding`` other than ``chunked`` is a ``501`` on the threading server (RFC 9112 6.1), a ``400``
   on aiohttp, which takes ``gzip, chunked`` as chunked; an HTTP/1.1 request without ``Host`` is a ``400`` on
-  aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line.
+  aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line. llhttp also refuses (a ``400``,
+  aiohttp only) header lines ending in a bare LF (RFC 9112 2.2 lets a recipient take them, as the threading server
+  does), chunk extensions outside their grammar (``2;a=b c``, whitespace around ``;``: ignored on the threading
+  server), a request line split by a tab or holding a control character or a byte past ASCII in its target (taken
+  by the threading server: a 404 for an unknown path), and a request pipelined behind an ``HTTP/2.0`` or ``0.9`` one
+  (a ``400`` for both, not the ``505``); it takes ``RTSP/1.0`` and ``ICE/1.0`` as versions (a ``400`` on the
+  threading server).
+* versions: ``HTTP/1.1`` and ``HTTP/1.0`` are served; another well-formed one (``HTTP/1.2``, ``HTTP/2.0``, ``HTTP/0.9``)
+  or none (HTTP/0.9's request line, ``GET /``) is a ``505``, a malformed one (``HTTP/01.1``, ``http/1.1``) a ``400``,
+  and the connection closed (on aiohttp llhttp's "Invalid HTTP version" is made the ``505``, and ``HTTP/2.0`` and
+  ``0.9``, which llhttp takes, are refused before the body is read, with an ``HTTP/1.1`` status line).
 * request targets: an absolute-form one (``http://host/healthz``, RFC 9112 3.2.2) names its path; any other is
   routed as sent, never normalised (``//healthz`` is a 404 naming ``//healthz``, on both servers).
 * a request's header lines are at most 64 KiB together (and a chunked body's trailer, on the threading server;
@@ -146,6 +159,18 @@ def _origin_form(target: str) -> str:
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
 _ZEROS = re.compile(rb"0*")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2): no whitespace, no colon
+# A chunk-size line (RFC 9112 7.1): hex digits, then CRLF, or extensions (``;`` after optional whitespace) that hold
+# no control character but HTAB, then CRLF; a bare LF or CR ends no line. The extensions are ignored (RFC 9112 7.1.1),
+# their grammar (token, "=", token or quoted string) unchecked: llhttp checks it (a 400 on aiohttp), but in Python's
+# re that costs ~75 us per 1 KiB line (~0.3 s of the GIL for a body of 4160 such chunks), this ~4 us.
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?\r\n")
+# Field lines (RFC 9110 5.5: a value holds no CR, LF or NUL, nor any other control character but HTAB; a name is a
+# token): the control characters looked for (CR: one not before LF), and obsolete line folding (RFC 9112 5.2)
+_FIELD_CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)")
+_CTL_OR_CR = bytes([*range(0x00, 0x09), *range(0x0b, 0x20), 0x7f])  # (deleted by translate: a C-speed count)
+_OBS_FOLD = re.compile(rb"\n[ \t]")
+_VERSIONS = ("HTTP/1.1", "HTTP/1.0")  # the versions served (a request line's last word)
+_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")  # a well-formed HTTP-version (RFC 9112 2.3): any other is a 505
 _MAX_LINE, _MAX_HEADERS = 65536, 100  # the stdlib's limits on a header line (bytes) and on a block's lines
 _MAX_HEAD = 65536  # bytes of a request's header lines, line ends included (and of a chunked body's trailer): 431
 _HEAD_TOO_LARGE = f"request header fields too large: the header block is over {_MAX_HEAD} bytes"
@@ -308,6 +333,29 @@ def _content_length(values: list[str], limit: int) -> int:
         shown = digits if len(digits) <= 40 else f"a {len(digits)}-digit number of"
         raise _BadFraming(413, f"body of {shown} bytes exceeds {limit}")
     return int(digits)
+
+
+def _unsupported_version(version: str) -> str:
+    """The 505's message (both servers) for a request in an HTTP version other than 1.0 and 1.1 (``""``: unknown)."""
+    said = f" {version!r}" if version else ""
+    return f"HTTP version{said} not supported: send HTTP/1.1 (or HTTP/1.0)"
+
+
+def _field_lines_error(lines: list[bytes]) -> str | None:
+    """What makes a block of field lines (a request's headers, a chunked body's trailer: the lines, line ends
+    included) unacceptable on both servers (llhttp refuses these before our code runs), or None: obsolete line
+    folding (a line starting with whitespace, RFC 9112 5.2: the stdlib joins it to the line above, so
+    ``Host: x\r\n Transfer-Encoding: chunked`` is a Host), or a control character other than HTAB (a NUL, DEL, a
+    bare CR, ...: RFC 9110 5.5; a proxy that cuts a value or a line there reads another request)."""
+    block = b"".join(lines)
+    if block[:1] in (b" ", b"\t") or _OBS_FOLD.search(block):
+        return "obsolete line folding (a header line starting with whitespace) is not accepted"
+    # every control character but HTAB and LF, less the CRs of CRLFs: none left (~0.4 us for 7 headers, the regex ~1.5)
+    if len(block) - len(block.translate(None, _CTL_OR_CR)) != block.count(b"\r\n"):
+        m = _FIELD_CTL.search(block)
+        shown = "CR not followed by LF" if m is None or m.group() == b"\r" else f"control character {m.group()!r}"
+        return f"{shown} in a header line (only HTAB is allowed, RFC 9110 5.5)"
+    return None
 
 
 def _check_content_coding(values: list[str]) -> None:
@@ -547,32 +595,21 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         if len(words) >= 3:  # enough to determine the protocol version
             version = words[-1]
-            try:
-                if not version.startswith("HTTP/"):
-                    raise ValueError
-                base_version_number = version.split("/", 1)[1]
-                parts = base_version_number.split(".")
-                if len(parts) != 2 or any(not c.isdigit() or len(c) > 10 for c in parts):
-                    raise ValueError
-                version_number = int(parts[0]), int(parts[1])
-            except (ValueError, IndexError):
-                self.send_error(400, f"Bad request version ({version!r})")
+            if version not in _VERSIONS:  # HTTP/1.2 or 0.9 was served as 1.1 or 1.0, HTTP/01.1 as 1.1
+                if _VERSION.fullmatch(version):
+                    self.send_error(505, _unsupported_version(version))
+                else:
+                    self.send_error(400, f"Bad request version ({version!r})")
                 return False
-            if version_number >= (1, 1):
-                self.close_connection = False
-            if version_number >= (2, 0):
-                self.send_error(505, f"Invalid HTTP version ({base_version_number})")
-                return False
+            self.close_connection = version == "HTTP/1.0"
             self.request_version = version
-        if not 2 <= len(words) <= 3:
+        if len(words) == 2:  # HTTP/0.9's request line (the stdlib answered it with the body alone, no status line)
+            self.send_error(505, _unsupported_version("HTTP/0.9"))
+            return False
+        if len(words) != 3:
             self.send_error(400, f"Bad request syntax ({requestline!r})")
             return False
         command, path = words[:2]
-        if len(words) == 2:
-            self.close_connection = True
-            if command != "GET":
-                self.send_error(400, f"Bad HTTP/0.9 request type ({command!r})")
-                return False
         self.command, self.path = command, _origin_form(path)  # (not the stdlib's "//" to "/": nothing redirects)
         try:
             lines = _read_header_lines(self.rfile)
@@ -586,7 +623,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(431, "Too many headers", str(err))
             return False
         self.headers = _parse_header_lines(lines, self.MessageClass)
-        self._obs_fold = any(line[:1] in (b" ", b"\t") for line in lines)  # refused by _framing
+        self._field_error = _field_lines_error(lines)  # refused by _framing
         connection = self.headers.get_all("Connection")
         if connection:  # a list of options (RFC 9110 7.6.1), any case: "close" wins
             options = {o.strip().lower() for v in connection for o in v.split(",")}
@@ -617,7 +654,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         elif self.request_version == "HTTP/1.0":  # kept open (its Connection: keep-alive): said, 1.0 closes by default
             head.append("Connection: keep-alive")
-        out = b"" if self.request_version == "HTTP/0.9" else ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+        out = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         if self.command != "HEAD" and status != 204:
             out += body
         self.wfile.write(out)
@@ -625,8 +662,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _framing(self) -> int | None:
         """The body's length from the headers (0: none; None: chunked), or :class:`_BadFraming` where they leave
         it ambiguous: any doubt about where this request ends is where a smuggled one would start."""
-        if self._obs_fold:  # the stdlib joins it to the line above: "Host: x\r\n Transfer-Encoding: chunked" is a Host
-            raise _BadFraming(400, "obsolete line folding (a header line starting with whitespace) is not accepted")
+        if self._field_error is not None:  # obsolete line folding, a control character
+            raise _BadFraming(400, self._field_error)
         if self.headers.defects or any(not _TOKEN.fullmatch(name) for name in self.headers.keys()):
             raise _BadFraming(400, "malformed header line (a field name with whitespace, or a line without a colon)")
         te, cl = self.headers.get_all("Transfer-Encoding") or [], self.headers.get_all("Content-Length") or []
@@ -664,10 +701,11 @@ class _Handler(BaseHTTPRequestHandler):
         chunks, most = 0, _max_chunks(limit)
         while True:
             line = self.rfile.readline(1026)
-            size_field = line.split(b";", 1)[0].strip(b" \t\r\n")
-            if not line.endswith(b"\n") or not _HEX.fullmatch(size_field):
-                raise _BadFraming(400, f"chunk size {line[:40]!r} is not a hexadecimal number")
-            size = _chunk_size(size_field)
+            m = _CHUNK_LINE.fullmatch(line)
+            if m is None:  # (a bare LF, whitespace around the size, a CR or NUL in an extension were taken)
+                raise _BadFraming(400, f"malformed chunk-size line {line[:40]!r}: hexadecimal digits, optional "
+                                       "extensions, then CRLF (RFC 9112 7.1)")
+            size = _chunk_size(m.group(1))
             if size == 0:  # the last chunk: its trailer (ignored, bounded as a header block) up to the blank line
                 try:
                     trailer = _read_header_lines(self.rfile)
@@ -675,8 +713,10 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _BadFraming(431, f"chunked trailer over {_MAX_HEAD} bytes") from None
                 except http.client.HTTPException as exc:  # a line over 65536 bytes, over 100 lines
                     raise _BadFraming(431, f"chunked trailer too large: {exc}") from None
-                if trailer[-1] == b"":
-                    raise _BadFraming(400, "malformed or incomplete chunked trailer")
+                if any(not line.endswith(b"\r\n") for line in trailer):  # (EOF's b"", a bare LF)
+                    raise _BadFraming(400, "malformed or incomplete chunked trailer: each line ends in CRLF")
+                if (error := _field_lines_error(trailer)) is not None:
+                    raise _BadFraming(400, f"chunked trailer: {error}")
                 return bytes(body)
             if len(body) + size > limit:
                 raise _BadFraming(413, _chunks_too_large(limit))
@@ -687,7 +727,7 @@ class _Handler(BaseHTTPRequestHandler):
             if len(data) < size:
                 raise _BadFraming(400, "incomplete chunk before the connection closed")
             body += data
-            if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+            if self.rfile.read(2) != b"\r\n":  # (a bare LF was taken)
                 raise _BadFraming(400, "chunk data not followed by CRLF")
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - access logs off (use /metrics)
@@ -855,7 +895,7 @@ def _aiohttp_protocol() -> type:
     errors; built on first use so the threading server never imports aiohttp. It reads a few of aiohttp's
     private attributes (``_loop``, ``_messages``, ``_waiter``, ``_request_in_progress``: tested with 3.14)."""
     from aiohttp import web
-    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
     from aiohttp.web_protocol import RequestHandler
 
     class _Protocol(RequestHandler):  # type: ignore[misc]
@@ -1042,8 +1082,12 @@ def _aiohttp_protocol() -> type:
         def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                          message: str | None = None) -> web.StreamResponse:
             """aiohttp's answer to a request it could not parse (or a handler that raised), as our JSON, and logged
-            without a traceback for a bad request (a bug, a 500, keeps it)."""
-            if status >= 500:
+            without a traceback for a bad request (a bug, a 500, keeps it). llhttp's "Invalid HTTP version" (a
+            well-formed version it does not take, ``HTTP/1.2``) is a 505, as on the threading server, not a 400."""
+            if isinstance(exc, BadStatusLine) and exc.message.startswith("Bad status line:\n  Invalid HTTP version:"):
+                log.debug("505 for %s: %s", getattr(request, "remote", "?"), exc.message)
+                text, status = _unsupported_version(""), 505
+            elif status >= 500:
                 log.error("%s answering %s", status, getattr(request, "remote", "?"), exc_info=exc)
                 text = "internal error; see the service log"
             else:
@@ -1133,10 +1177,17 @@ class AiohttpServer:
                 raise _BadFraming(400, _too_many_chunks(limit))
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        from aiohttp import web
         from aiohttp.web_protocol import RequestPayloadError
 
         s = self.app.s
         proto: Any = request.protocol  # a _Protocol (_aiohttp_protocol)
+        version = f"HTTP/{request.version[0]}.{request.version[1]}"
+        if version not in _VERSIONS:  # llhttp takes HTTP/2.0 and 0.9 (a request line without one) too
+            if proto.transport is not None:  # written raw: aiohttp's status line would say the request's version
+                proto.transport.write(_raw_response(505, _unsupported_version(version)))
+            proto.force_close()
+            return web.Response(status=505)  # (not sent: the connection is closed, its writes refused)
         limit = s.max_body_bytes
         if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 2 > _MAX_HEAD:  # (the threading server's count)
             return await self._reply(request, (431, "application/json", _error_body(_HEAD_TOO_LARGE)), close=True)

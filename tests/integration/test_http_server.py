@@ -4,8 +4,9 @@ spoken to over raw sockets and ``http.client``.
 HTTP/1.1 keep-alive, ``Content-Length`` framing (a pipelined request right behind a body is the next
 request), chunked bodies, a body over ``max_body_bytes`` refused with 413 before it is sent (and the connection
 closed at once), malformed or ambiguous framing (a bad or a second ``Content-Length``, ``Content-Length`` with
-``Transfer-Encoding``, a bad chunk) answered with a JSON 4xx and the connection closed, with no traceback
-logged, the ``Allow`` header of a 405, HEAD, OPTIONS, ``Expect: 100-continue``, and a graceful
+``Transfer-Encoding``, a bad chunk, a chunked body's line not ending in CRLF, a control character in a header)
+answered with a JSON 4xx and the connection closed, with no traceback logged, an HTTP version other than 1.0 and 1.1
+a 505 (a malformed one a 400), the ``Allow`` header of a 405, HEAD, OPTIONS, ``Expect: 100-continue``, and a graceful
 ``stop(grace_s)``: the request in flight finishes, idle keep-alive connections are closed, then new connections
 are refused; a server never started stops at once. The app has no model (scores are 503, ``/healthz`` 200):
 what is tested is the server, not the scoring. Limits (connections, requests in flight, deadlines) are in
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import io
 import json
 import logging
 import socket
@@ -434,6 +436,7 @@ def test_after_stop_an_open_keep_alive_connection_is_not_served(kind: str, app: 
 
 
 SMUGGLED = request("GET", "/healthz")
+CHUNKED = b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
 AMBIGUOUS = {  # name -> (the request, followed by a request that must not be answered; the status per kind)
     "two equal Content-Length": (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
                                  b"Content-Length: 2\r\n\r\n{}", (400, 400)),
@@ -457,6 +460,20 @@ AMBIGUOUS = {  # name -> (the request, followed by a request that must not be an
                                (400, 400)),
     "a first header line folded": (b"POST /v1/score HTTP/1.1\r\n Transfer-Encoding: chunked\r\nHost: x\r\n"
                                    b"Content-Length: 2\r\n\r\n{}", (400, 400)),
+    # every line of a chunked body ends in CRLF (RFC 9112 7.1): a bare LF, or a bare CR, is a 400 on both servers (the
+    # threading server took a bare LF, and anything after the size, so a proxy reading it strictly split it elsewhere)
+    "chunk-size line ending in a bare LF": (CHUNKED + b"2\n{}\r\n0\r\n\r\n", (400, 400)),
+    "last-chunk line ending in a bare LF": (CHUNKED + b"2\r\n{}\r\n0\n\r\n", (400, 400)),
+    "chunk extension ending in a bare LF": (CHUNKED + b"2;a=b\n{}\r\n0\r\n\r\n", (400, 400)),
+    "chunk data followed by a bare LF": (CHUNKED + b"2\r\n{}\n0\r\n\r\n", (400, 400)),
+    "a bare CR in a chunk-size line": (CHUNKED + b"2\r\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "a bare CR in a chunk extension": (CHUNKED + b"2;a\rb\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "a NUL in a chunk extension": (CHUNKED + b"2;\x00\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "whitespace before a chunk size": (CHUNKED + b" 2\r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "whitespace after a chunk size": (CHUNKED + b"2 \r\n{}\r\n0\r\n\r\n", (400, 400)),
+    "trailer line ending in a bare LF": (CHUNKED + b"2\r\n{}\r\n0\r\nX-A: b\n\r\n", (400, 400)),
+    "trailer ending in a bare LF": (CHUNKED + b"2\r\n{}\r\n0\r\n\n", (400, 400)),
+    "a NUL in a trailer": (CHUNKED + b"2\r\n{}\r\n0\r\nX-A: a\x00b\r\n\r\n", (400, 400)),
 }
 
 
@@ -474,6 +491,97 @@ def test_ambiguous_framing_is_refused_as_json_the_connection_closed_and_nothing_
     loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
     assert not loud, [r.getMessage() for r in loud]  # a bad request is no traceback in the service log
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("line", [b"2;a=b", b'2;a="b c";d', b"2 ;a", b"2; a = b", b"2\t;a"])
+def test_chunk_extensions_are_read_past_on_the_threading_server(app: ScoringApp, line: bytes) -> None:
+    """The chunk-size line's grammar (RFC 9112 7.1.1): extensions are tokens, ``=`` a token or a quoted string, with
+    optional whitespace around ``;`` and ``=`` (BWS, which a recipient must accept; llhttp refuses it, a 400 on
+    aiohttp: a refusal, not a disagreement about where the body ends)."""
+    srv = make_server("threading", app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        with connect(srv) as s, s.makefile("rb") as f:
+            s.sendall(CHUNKED + line + b"\r\n{}\r\n0;x=1\r\n\r\n" + SMUGGLED)
+            status, _, body = read_response(f)
+            assert status == 422 and json.loads(body)["error"] == "field 'user_id' is required"
+            assert read_response(f)[0] == 200  # the body ended where the chunks said: the next request is read
+    finally:
+        srv.stop(2.0)
+
+
+def test_token_and_quoted_chunk_extensions_are_read_past_on_both_servers(server: Server) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(CHUNKED + b'2;a=b;c="d e"\r\n{}\r\n0;x=1\r\n\r\n' + SMUGGLED)
+        status, _, body = read_response(f)
+        assert status == 422 and json.loads(body)["error"] == "field 'user_id' is required"
+        assert read_response(f)[0] == 200
+
+
+HEADER_CTLS = [b"\x00", b"\x01", b"\x08", b"\x0b", b"\x0c", b"\x1b", b"\x1f", b"\x7f", b"\r"]
+
+
+@pytest.mark.parametrize("where", ["inside", "first", "last", "alone"])
+@pytest.mark.parametrize("ctl", HEADER_CTLS, ids=[repr(c) for c in HEADER_CTLS])
+def test_a_control_character_in_a_header_value_is_a_400_and_the_connection_closed(
+        server: Server, ctl: bytes, where: str, caplog: pytest.LogCaptureFixture) -> None:
+    """RFC 9110 5.5: a field value holds no CR, LF or NUL, and no other control character but HTAB. The threading
+    server took them (a NUL in ``Content-Type`` was a 200); a proxy that refuses or cuts there reads another request."""
+    value = {"inside": b"a" + ctl + b"b", "first": ctl + b"ab", "last": b"ab" + ctl, "alone": ctl}[where]
+    with caplog.at_level(logging.DEBUG), connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Note: " + value + b"\r\n\r\n" + SMUGGLED)
+        status, headers, body = read_response(f)
+        assert status == 400, body
+        assert headers["content-type"] == "application/json" and json.loads(body)["error"]
+        assert closed_by_server(s, f)  # the request behind it is not answered
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+
+
+@pytest.mark.parametrize("name", [b"X-\x00Note", b"X-Note\x01", b"\x7fX"])
+def test_a_control_character_in_a_header_name_is_a_400_and_the_connection_closed(server: Server, name: bytes) -> None:
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + name + b": a\r\n\r\n" + SMUGGLED)
+        status, headers, body = read_response(f)
+        assert status == 400 and headers["content-type"] == "application/json", body
+        assert closed_by_server(s, f)
+
+
+def test_a_tab_and_bytes_past_ascii_in_a_header_value_are_accepted(server: Server) -> None:
+    """HTAB and obs-text (0x80-0xff) are field-value characters (RFC 9110 5.5): served, the connection kept."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Note: a\tcaf\xe9\t\r\nX-Tab:\t\r\n\r\n" + SMUGGLED)
+        assert [read_response(f)[0] for _ in range(2)] == [200, 200]
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.2", "HTTP/1.9", "HTTP/0.8", "HTTP/0.9", "HTTP/2.0", "HTTP/3.0", ""])
+def test_an_http_version_other_than_1_0_and_1_1_is_a_505_and_the_connection_closed(server: Server,
+                                                                                   version: str) -> None:
+    """505 HTTP Version Not Supported (RFC 9110 15.6.6), for a well-formed version that is not 1.0 or 1.1, and for a
+    request line without one (HTTP/0.9's, whose answer would have no status line). The threading server served 1.x
+    and 0.x as 1.1 and 1.0, answered a line without a version by the body alone; llhttp (aiohttp) takes HTTP/2.0 and
+    HTTP/0.9 and aiohttp answered them with an ``HTTP/2.0`` or ``HTTP/0.9`` status line."""
+    line = f"GET /healthz {version}".rstrip().encode()
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(line + b"\r\nHost: x\r\n\r\n")  # (alone: llhttp takes a 0.9 or 2.0 request as a close)
+        s.settimeout(5)
+        raw = f.read()  # up to the server's close
+    assert raw.split(b"\r\n", 1)[0].split()[:2] in ([b"HTTP/1.1", b"505"], [b"HTTP/1.0", b"505"]), raw
+    _, headers, body = read_response(io.BytesIO(raw))
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body)["error"].startswith("HTTP version"), body
+
+
+@pytest.mark.parametrize("version", ["HTTP/01.1", "HTTP/1.01", "HTTP/11.1", "HTTP/1", "HTTP/1.", "http/1.1",
+                                     "HTTP/1.1x", "HTTP/1,1", "HTTP/a.1"])
+def test_a_malformed_http_version_is_a_400_and_the_connection_closed(server: Server, version: str) -> None:
+    """HTTP-version is ``HTTP/`` DIGIT ``.`` DIGIT (RFC 9112 2.3), case-sensitive: anything else is a 400. The
+    threading server read ``HTTP/01.1`` and ``HTTP/1.01`` as 1.1 (and answered ``HTTP/11.1`` with a 505)."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(f"GET /healthz {version}\r\nHost: x\r\n\r\n".encode() + SMUGGLED)
+        status, headers, body = read_response(f)
+        assert status == 400 and headers["content-type"] == "application/json", body
+        assert closed_by_server(s, f)
 
 
 def test_options_is_a_204_naming_the_methods_and_head_is_get_without_a_body(server: Server) -> None:

@@ -129,9 +129,6 @@ def test_close_draining_head_204_and_503_answers_keep_their_framing() -> None:
     (raw,) = h.wfile.writes  # type: ignore[attr-defined]
     assert raw.startswith(b"HTTP/1.1 204 No Content\r\n")
     assert b"Content-Length" not in raw and b"Content-Type" not in raw
-    h = _handler(command="GET", version="HTTP/0.9")
-    h._send(200, "application/json", b"{}")
-    assert h.wfile.writes == [b"{}"]  # type: ignore[attr-defined]  # HTTP/0.9: no status line, no headers
 
 
 def test_the_connection_header_says_what_happens_to_the_connection() -> None:
