@@ -6,8 +6,8 @@ impression ids (duplicate filter) and, per samples partition, the offset of the 
 train. It is written to a temporary file, fsynced, renamed into place and the directory fsynced, so
 a crash leaves either the old or the new checkpoint, never half of one. A small JSON sidecar with the
 same name carries the metadata for ``streamrec train --status`` without loading the tensors.
-The last ``keep`` checkpoints are kept, and the temp file of a write that was killed is removed by the next
-save (:func:`remove_torn`).
+The last ``keep`` checkpoints up to the one just written are kept (:func:`save`), and the temp file of a write that
+was killed is removed by the next save (:func:`remove_torn`).
 
 Lineage: every checkpoint's meta carries ``lineage``, a random id kept in ``<directory>/LINEAGE`` and
 created with the directory's first checkpoint (or its first delta writer, ``learner/deltas.py``). A
@@ -289,7 +289,12 @@ def remove_torn(directory: Path) -> list[Path]:
 
 def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int = 3) -> Path:
     """Write checkpoint number ``meta['samples_trained']``; returns its path. What an earlier process killed while
-    writing one left is removed first (:func:`remove_torn`)."""
+    writing one left is removed first (:func:`remove_torn`).
+
+    Pruning keeps this checkpoint and the ``keep - 1`` newest ones before it. Files named after it (a higher sample
+    count) are neither pruned nor counted: they are the ones the learner's restore could not load (a damaged or
+    foreign newest file, reported then) or another writer's. Counted, they took the place of good ones, and with
+    ``keep = 1`` every checkpoint the learner wrote was deleted as soon as it was written, in silence."""
     if keep < 1:  # list[:-0] is empty: nothing would ever be pruned
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -300,7 +305,8 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     path = directory / f"{name}.pt"
     write_atomic(path, lambda fh: torch_save({"meta": meta, **state}, fh))  # a failed write: its OSError
     write_atomic(directory / f"{name}.json", json.dumps(meta, default=str).encode())
-    for old in list_checkpoints(directory)[:-keep]:
+    older = [p for p in list_checkpoints(directory) if p.name < path.name]
+    for old in older[:max(0, len(older) - (keep - 1))]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
     return path

@@ -224,3 +224,20 @@ def test_checkpoints_pruned_by_the_learner_while_being_read_are_not_reported_dam
     got = ck.load_latest(tmp_path, safe=True, problems=problems, accept=accept)
     assert got is not None and got.path == saved[-1] and got.samples_trained == 600
     assert problems == []
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_pruning_keeps_the_checkpoint_just_written_and_keep_good_ones_behind_a_damaged_newest_file(
+        tmp_path: Path, keep: int) -> None:
+    """The newest file is damaged, so the learner resumes from the one before and writes checkpoints numbered below it.
+    Pruning counted the damaged file among the ``keep`` newest: with keep 1 each new checkpoint was deleted as soon as
+    it was written (only the damaged file was left: no checkpoint loaded at the next start), with keep 2 one good
+    checkpoint stayed instead of two."""
+    ck.save(tmp_path, state(), meta(100), keep=3)
+    resumed = ck.save(tmp_path, state(), meta(200), keep=3)
+    damaged = ck.save(tmp_path, state(), meta(300), keep=3)
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    assert ck.restore_latest(tmp_path).path == resumed  # type: ignore[union-attr]
+    written = [ck.save(tmp_path, state(), meta(n), keep=keep) for n in (250, 260)]
+    assert ck.list_checkpoints(tmp_path) == [*written[-keep:], damaged]  # the damaged file is left alone
+    assert ck.restore_latest(tmp_path).path == written[-1]  # type: ignore[union-attr]
