@@ -37,6 +37,7 @@ import heapq
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -85,6 +86,25 @@ def _exit_with_parent(grace_s: float = 2.0) -> None:
     _orphan_watch.start()
 
 
+def _outlive_one_sigterm() -> None:
+    """In a DataLoader worker: the first SIGTERM is not the worker's to act on; a second one ends it.
+
+    A SIGTERM sent to the learner's whole process group or cgroup (systemd's default ``KillMode=control-group``,
+    ``kill -TERM -<pgid>``, a supervisor that stops process groups) reached the workers too, which died of it at once;
+    the training process, stopping on the same signal, then failed with "DataLoader worker ... is killed by signal:
+    Terminated" (raised by torch's SIGCHLD handler wherever it was, in a training step as well) and exited 1 without
+    its final checkpoint. Now a worker goes on serving batches until the training process shuts it down as on any
+    stop; the handler is back to the default after the first signal, so torch's ``terminate()`` of a worker that did
+    not join, an operator's second SIGTERM or the end of a stop timeout ends it as before."""
+
+    def first(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.info("DataLoader worker %d got SIGTERM: it goes on until the training process stops it (a second SIGTERM "
+                 "ends it now)", os.getpid())
+
+    signal.signal(signal.SIGTERM, first)
+
+
 class KafkaSampleDataset(IterableDataset):
     def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
                  exit_when_idle_s: float | None = None, pin_memory: bool = False,
@@ -115,6 +135,7 @@ class KafkaSampleDataset(IterableDataset):
     def __iter__(self) -> Iterator[TensorBatch]:
         if get_worker_info() is not None and multiprocessing.parent_process() is not None:  # a worker process
             _exit_with_parent()
+            _outlive_one_sigterm()
         parts = self._my_partitions()
         if not parts:
             return

@@ -314,6 +314,37 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
     assert saved.meta["delta_seq"] == seq == 1
 
 
+def test_a_sigterm_to_the_whole_process_group_stops_a_learner_with_dataloader_workers_cleanly(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """systemd's default stop (KillMode=control-group), ``kill -TERM -<pgid>``: the workers get the SIGTERM too. They
+    died of it, and the learner, stopping on the same signal, failed with "DataLoader worker ... is killed by signal:
+    Terminated" and exited 1 without its final checkpoint. Now the workers serve on until the learner shuts them
+    down, and it exits as on its own SIGTERM."""
+    ensure_topics(kafka, [kafka.samples_topic])
+    produce_samples(kafka, 16, 100, 0.0)
+    env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
+               STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_BUCKETS="5000",
+               STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="32", STREAMREC_LEARNER_NUM_WORKERS="2",
+               STREAMREC_LEARNER_PREFETCH_FACTOR="2", STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600",
+               STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}")
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own process group
+    assert proc.stderr is not None
+    while "reads samples partitions" not in proc.stderr.readline():  # the workers run
+        assert proc.poll() is None, "the learner died at start"
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGTERM)  # the learner and its workers
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    status = json.loads(out.strip().splitlines()[-1])
+    assert status["reason"] == "signal"
+    from learner import checkpoint
+
+    saved = checkpoint.load_latest(ckpt)
+    assert saved is not None and saved.meta["samples_trained"] == status["samples_trained"]
+
+
 def built_learner(kafka: KafkaSettings, ls: LearnerSettings) -> Learner:
     """A Learner whose model is built (as on its first samples) from ``ls``: the default fields and a genre list."""
     from learner.daemon import Learner
