@@ -52,7 +52,8 @@ Sending a row again is always harmless (values are absolute), so the list is rea
 restarted learner's checkpoint, lineage or seq: nothing about ``seq`` (it continues after the largest
 one used), ``samples_trained`` (the learner's count when the delta is written) or ``lineage`` changes. The
 daemon fsyncs the list with every checkpoint (:meth:`DeltaWriter.sync`), so each row trained before a
-durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart.
+durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart. (A list
+that cannot be synced is logged and the checkpoint still written: a side output never holds training's state back.)
 At a clean exit the daemon writes one last delta just before its final checkpoint (same ``samples_trained``:
 an artifact of that checkpoint already holds it and skips it by name, and the checkpoint's ``delta_seq`` includes
 it, so a fresh model that never saw it counts no gap when it is pruned unread).
@@ -416,16 +417,26 @@ class DeltaWriter:
             log.info("%d row(s) marked before a restart and not in any delta yet go out with the next one", len(rows))
 
     def sync(self) -> None:
-        """Make the pending list durable (the daemon calls it with each checkpoint)."""
+        """Make the pending list durable (the daemon calls it with each checkpoint). A list that cannot be (an fsync
+        that fails: EIO, ENOSPC on a deltas volume that filled up) is logged and the checkpoint goes on: after a crash
+        before the next delta, the rows trained since the last one may then reach serving only with the next
+        artifact. Raised, it failed every checkpoint, the one at exit too, for a side output."""
         try:
             fd = os.open(self.pending_path, os.O_RDONLY)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            log.warning("cannot open %s to make it durable (%s); the checkpoint goes on", self.pending_path, exc)
+            return
         try:
             os.fsync(fd)
+            fsync_dir(self.directory)
+        except OSError as exc:
+            log.warning("cannot make %s durable (%s): the rows trained since the last delta may reach serving only "
+                        "with the next artifact if the learner stops before the next delta; the checkpoint goes on",
+                        self.pending_path, exc)
         finally:
             os.close(fd)
-        fsync_dir(self.directory)
 
     def due(self) -> bool:
         return self.clock() - self._last >= self.every_s

@@ -332,6 +332,44 @@ def test_the_learner_daemon_writes_deltas_of_what_it_trains(kafka: KafkaSettings
         learner.close()
 
 
+def test_a_pending_list_that_cannot_be_made_durable_stops_no_checkpoint(kafka: KafkaSettings, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon syncs the deltas' pending list before each checkpoint. An fsync of it that failed (EIO, or ENOSPC
+    on a deltas volume that filled up) failed the checkpoint itself: every periodic one for as long as it lasted, and
+    the one at exit (exit 1), while a delta that cannot be written is survived. Now it is logged and the checkpoint
+    is written: only rows trained since the last delta may then wait for the next artifact after a crash."""
+    import errno
+    import os
+
+    from learner import checkpoint
+    from learner.config import Amp
+    from learner.deltas import PENDING
+
+    ls = dataclasses.replace(LearnerSettings(), deltas_every_s=3600.0, deltas_dir=tmp_path / "deltas",
+                             checkpoint_dir=tmp_path / "ckpt", mlp=(8,), amp=Amp.OFF,
+                             group_id=f"g-{uuid.uuid4().hex[:6]}")
+    learner = Learner(kafka, ls)
+    try:
+        learner._build(CFG, learner._model_settings())
+        assert learner.deltas is not None
+        learner.deltas.mark(torch.tensor([1, 2]))  # rows marked since the last delta: listed in the pending file
+        real = os.fsync
+
+        def failing(fd: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(PENDING):
+                raise OSError(errno.EIO, "Input/output error")
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", failing)
+        assert learner._try_save()
+        saved = checkpoint.load_latest(ls.checkpoint_dir)
+        assert saved is not None and saved.meta["samples_trained"] == 0
+        learner.save()  # the one at exit too
+        assert len(checkpoint.list_checkpoints(ls.checkpoint_dir)) == 2
+    finally:
+        learner.close()
+
+
 def test_a_delta_file_is_checksummed_and_any_truncation_or_flipped_bit_is_a_delta_error(tmp_path: Path) -> None:
     import hashlib
 
