@@ -435,10 +435,22 @@ def restore_latest(directory: Path) -> Checkpoint | None:
 
 
 def latest_meta(directory: Path) -> dict[str, Any] | None:
+    """The newest checkpoint's metadata, from its JSON sidecar, with its ``path``; None when no checkpoint has one.
+    A sidecar that cannot be read or holds no JSON object (torn, edited, a disk error) is passed over with a warning
+    naming it, and the next older one answers: ``streamrec train --status`` printed a traceback instead."""
     for path in reversed(list_checkpoints(directory)):
         side = path.with_suffix(".json")
-        if side.is_file():
+        try:
             meta = json.loads(side.read_text())
-            meta["path"] = str(path)
-            return meta
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+            log.warning("the metadata of %s cannot be read (%s: %s); reporting an older checkpoint", path.name,
+                        type(exc).__name__, exc)
+            continue
+        if not isinstance(meta, dict):
+            log.warning("the metadata of %s is not a JSON object; reporting an older checkpoint", path.name)
+            continue
+        meta["path"] = str(path)
+        return meta
     return None

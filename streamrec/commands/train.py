@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             emit(args, {"checkpoint": None, "checkpoint_dir": str(ls.checkpoint_dir)},
                  lambda d: f"no checkpoint in {d['checkpoint_dir']}")
             return EXIT_FAILED
-        status = {k: meta[k] for k in ("path", "created", "samples_trained", "steps", "offsets", "partition_rows",
+        status = {k: meta.get(k) for k in ("path", "created", "samples_trained", "steps", "offsets", "partition_rows",
                                        "duplicates", "metrics", "topic")}
         emit(args, status, lambda d: "latest checkpoint\n" + kv_lines(d))
         return EXIT_OK

@@ -43,6 +43,22 @@ def test_a_saved_checkpoint_loads_typed_and_keeps_the_stored_layout(tmp_path: Pa
     assert ck.latest_meta(tmp_path)["path"] == str(path)
 
 
+@pytest.mark.parametrize("damage", [b"{not json", b"\xff\xfe", b"[1, 2]"])
+def test_latest_meta_passes_over_a_damaged_newest_sidecar_to_the_next_older_one(tmp_path: Path, damage: bytes,
+                                                                               caplog: pytest.LogCaptureFixture
+                                                                               ) -> None:
+    """``streamrec train --status`` read the newest sidecar with ``json.loads`` and printed a traceback for a torn or
+    edited one; it now reports the next older checkpoint and says which sidecar it passed over."""
+    older = ck.save(tmp_path, state(), meta(), keep=3)
+    newer = ck.save(tmp_path, state(), {**meta(), "samples_trained": 200}, keep=3)
+    newer.with_suffix(".json").write_bytes(damage)
+    got = ck.latest_meta(tmp_path)
+    assert got is not None and got["path"] == str(older) and got["samples_trained"] == 100
+    assert newer.name in caplog.text
+    older.with_suffix(".json").write_bytes(damage)
+    assert ck.latest_meta(tmp_path) is None
+
+
 def test_a_version_1_checkpoint_is_upgraded_with_the_shaping_settings_it_implies(tmp_path: Path) -> None:
     old = meta()
     del old["shape"]
