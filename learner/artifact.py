@@ -62,6 +62,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -501,6 +502,26 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
 
 
 # -- reading a publish root -----------------------------------------------------------------------
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``path`` (so a caller notices a longer file without reading it whole).
+
+    ``CURRENT``, ``PINNED`` and manifests are read on serving's updater thread (and at its start): a FIFO put in
+    their place blocked that thread for good (no swap, no delta, a service that never started) and a symlink to
+    ``/dev/zero`` never ended. So the file is opened without blocking and refused unread unless it is a regular
+    file: an :class:`ArtifactError`. OSError (FileNotFoundError, ...) as ``open`` raises it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: opening a FIFO does not wait for a writer
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(mode)}): refused unread; "
+                                "publish with `streamrec refresh --now`, which writes plain files")
+        chunks, n = [], 0
+        while n <= limit and (chunk := fh.read(limit + 1 - n)):
+            chunks.append(chunk)
+            n += len(chunk)
+        return b"".join(chunks)
+
+
 def versions_dir(root: Path) -> Path:
     """``<root>/versions``."""
     return Path(root) / VERSIONS
@@ -559,7 +580,7 @@ def current_version(root: Path) -> str | None:
     """The name in ``CURRENT``; None when nothing was published. ArtifactError when it names no valid version."""
     path = Path(root) / CURRENT
     try:
-        raw = path.read_bytes()[: _MAX_POINTER + 1]
+        raw = _read_regular(path, _MAX_POINTER)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -607,11 +628,13 @@ def read_pin(root: Path) -> Pin | None:
     """The rollback pin, None when there is none. An unreadable pin is a Pin with ``problem`` set."""
     path = Path(root) / PIN
     try:
-        raw = path.read_bytes()[:_MAX_POINTER + 1]
+        raw = _read_regular(path, _MAX_POINTER)
     except FileNotFoundError:
         return None
     except OSError as exc:
         return Pin(None, None, None, f"{path} cannot be read ({exc})")
+    except ArtifactError as exc:  # not a regular file: unreadable, so it pins whatever is live (fail closed)
+        return Pin(None, None, None, str(exc))
     try:
         d = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -649,15 +672,12 @@ def read_manifest(version_dir: Path, signing_key: SigningKey | None = None) -> d
     path = version_dir / MANIFEST
     _resolve_inside(path, version_dir, "the manifest must be a file of its version directory")
     try:
-        if path.stat().st_size > _MAX_MANIFEST:
-            raise ArtifactError(f"{path} has {path.stat().st_size} bytes, more than a manifest's {_MAX_MANIFEST}: "
-                                "the artifact is corrupt")
-        raw = path.read_bytes()
+        raw = _read_regular(path, _MAX_MANIFEST)
+        if len(raw) > _MAX_MANIFEST:
+            raise ArtifactError(f"{path} has more than a manifest's {_MAX_MANIFEST} bytes: the artifact is corrupt")
     except FileNotFoundError:
         raise ArtifactError(f"{path} is missing: {version_dir} is not a complete artifact") from None
-    except IsADirectoryError:
-        raise ArtifactError(f"{path} is a directory, not a manifest: the artifact is corrupt") from None
-    except OSError as exc:
+    except OSError as exc:  # (a directory, a FIFO: _read_regular's ArtifactError)
         raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
     return decode_manifest(raw, path, signing_key)
 

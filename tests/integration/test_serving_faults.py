@@ -222,6 +222,53 @@ def test_a_current_file_naming_no_valid_version_is_rejected_once(root: Path, con
         assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 1
 
 
+def _returns_within(fn: Any, fifo: Path, timeout_s: float = 20.0) -> None:
+    """Run ``fn`` in a thread; fail if it has not returned within ``timeout_s`` (blocked opening ``fifo``). The FIFO
+    is then opened for writing and closed, so a reader blocked on it gets EOF and the thread ends."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    blocked = t.is_alive()
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no reader waits on it
+    except OSError:
+        pass
+    t.join(timeout_s)
+    assert not blocked, f"blocked reading the FIFO {fifo}"
+
+
+@pytest.mark.parametrize("which", ["CURRENT", "PINNED", "manifest"])
+def test_a_fifo_in_place_of_current_the_pin_or_a_manifest_is_refused_without_blocking_start_or_updates(
+        root: Path, tmp_path: Path, which: str) -> None:
+    learner = TinyLearner()
+    publish_version(learner, root, "v001")
+    fifo = {"CURRENT": root / A.CURRENT, "PINNED": root / A.PIN, "manifest": root / "versions/v002" / A.MANIFEST}[which]
+    if which == "manifest":
+        publish_version(learner, root, "v002")
+        (root / A.CURRENT).write_text("v001\n")  # served first; v002's manifest becomes a FIFO, then it is published
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    svc = serving_with_deltas(root, tmp_path / "d")
+    try:
+        _returns_within(svc.start, fifo)  # start() loads what CURRENT names before the port answers
+        if which == "CURRENT":
+            assert readyz(svc) == 503 and "not a regular file" in str(svc.holder.problem)
+            assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 1
+            fifo.unlink()
+            (root / A.CURRENT).write_text("v001\n")
+        elif which == "PINNED":  # unreadable: it pins whatever is live (deltas paused), the model serves
+            assert readyz(svc) == 200 and metric(svc, "streamrec_serving_deltas_paused") == 1
+        else:
+            (root / A.CURRENT).write_text("v002\n")
+            _returns_within(svc.updater.check_now, fifo)
+            assert "not a regular file" in str(svc.holder.problem)
+            assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 1
+        svc.updater.check_now()
+        assert readyz(svc) == 200 and score(svc)[1]["model_version"] == "v001"
+    finally:
+        svc.stop(grace_s=0.0)
+
+
 def test_streamrec_serve_starts_with_a_malformed_manifest_and_answers_503(root: Path) -> None:
     damage_manifest(publish_version(TinyLearner(), root, "v001"), MANIFEST_DAMAGE["missing_source"])
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--port", "0", "--publish-root", str(root),
