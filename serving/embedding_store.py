@@ -548,11 +548,29 @@ class LayeredRows:
 
     def set_id_maps(self, id_maps: dict[str, Any] | None) -> None:
         """Own row -> hashed id of every dynamic field (the id maps' ``row_key``), for the bucket fallback."""
+        self.use_row_keys(self.row_keys_of(id_maps))
+
+    def row_keys_of(self, id_maps: dict[str, Any] | None) -> list[np.ndarray]:
+        """What :meth:`set_id_maps` would use, checked: ValueError unless each dynamic field's ``row_key`` is a 1-D
+        integer array of one key per own row. (The id map's own load broadcasts a ``row_key`` of one key over every
+        row; indexed here as it came, a malformed delta's made every fallback of an admitted id past it an
+        IndexError: a 500 for each request of such an id while Redis was down.)"""
         keys = []
         for _, _, own, name in self._blocks:
             state = (id_maps or {}).get(name)
-            rk: Any = state["row_key"] if state is not None else np.full(own, -1)
-            keys.append(np.asarray(rk.numpy() if hasattr(rk, "numpy") else rk, dtype=np.int64))
+            try:
+                rk: Any = state["row_key"] if state is not None else np.full(own, -1)
+                arr = np.asarray(rk.numpy() if hasattr(rk, "numpy") else rk)
+            except Exception as exc:  # noqa: BLE001 - any malformed state is a misfit
+                raise ValueError(f"id maps: {name}'s row_key cannot be read ({type(exc).__name__}: {exc})") from exc
+            if arr.shape != (own,) or arr.dtype.kind not in "iu":
+                raise ValueError(f"id maps: {name}'s row_key is {arr.dtype} of shape {arr.shape}, expected one integer "
+                                 f"key per own row ({own},)")
+            keys.append(arr.astype(np.int64, copy=False))
+        return keys
+
+    def use_row_keys(self, keys: list[np.ndarray]) -> None:
+        """Use :meth:`row_keys_of`'s keys."""
         self._row_keys = keys  # one assignment: readers see the old or the new list
 
     def _block_of(self, rows: np.ndarray) -> np.ndarray:

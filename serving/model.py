@@ -444,6 +444,12 @@ class ScoringModel:
         if dense_state is not None:
             scorer = self._with_dense(scorer, dense_state)
         mapper = self._mapper_from(id_maps) if id_maps is not None else None
+        row_keys = None  # the layered mode's fallback keys, checked with the rest, before anything changes
+        if self._layered is not None and id_maps is not None:
+            try:
+                row_keys = self._layered.row_keys_of(id_maps)
+            except ValueError as exc:
+                raise ValueError(f"apply_delta: {exc}") from exc
         ids = np.concatenate([live.override_ids, r])
         vecs = np.concatenate([live.override_vectors, vec])
         # Keep the LAST occurrence of every row (the newest vector): unique over the reversed order.
@@ -456,8 +462,8 @@ class ScoringModel:
         if mapper is not None:  # rows first, then the map that points at them
             self._mapper = mapper
         if self._layered is not None:  # the LRU forgets the delta's rows; Redis gets the non-hot ones
-            if id_maps is not None:
-                self._layered.set_id_maps(id_maps)
+            if row_keys is not None:
+                self._layered.use_row_keys(row_keys)
             self._layered.on_delta(r, vec, self._hot_ids[np.searchsorted(self._hot_ids, r)] == r)
 
     def _with_dense(self, scorer: nn.Module, dense_state: dict[str, torch.Tensor]) -> nn.Module:

@@ -825,6 +825,28 @@ def test_a_missing_or_malformed_row_key_falls_back_for_that_row_only_and_redis_k
         store.client.close()
 
 
+def test_a_delta_whose_id_map_has_one_key_for_every_row_is_refused_whole_and_every_fallback_still_scores(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    path = publish_version(tmp_path, redis_client, prefix)
+    store = store_of(stack, prefix)
+    try:
+        model = ScoringModel.load(path, store=store)
+        users = own_rows("user_id", len(ADMITTED_USERS))  # all cold: read from Redis, or their bucket rows
+        redis_client.delete(*row_keys(prefix, "v1", users))  # so every admitted user's row falls back
+        maps = checkpoint()["id_maps"]
+        # the id map's own load broadcasts one key over every row: it takes this state
+        maps["user_id"] = {**maps["user_id"], "row_key": maps["user_id"]["row_key"][:1].clone()}
+        with pytest.raises(ValueError, match="row_key"):
+            model.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, CFG.embedding_dim + 1), None, 1,
+                              id_maps=maps)
+        assert model.delta_seq == 0  # all or nothing
+        for user in ADMITTED_USERS:  # each one's own row falls back to its bucket row (was an IndexError: a 500)
+            p = score(model, request(user, [1, 2]))
+            assert bool(torch.isfinite(p).all())
+    finally:
+        store.client.close()
+
+
 # -- an artifact refused because Redis lacked its rows is tried again, at a bounded cadence ----------------------
 def updater_of(root: Path, store: RedisEmbeddingStore, metrics: ServingMetrics, clock: Clock,
                calls: list[Path]) -> Any:
