@@ -221,6 +221,7 @@ class ModelUpdater:
     def _reject(self, key: tuple[Any, ...], reason: str) -> None:
         """Count and log an artifact rejection once per ``key`` (a path and its files' fingerprint)."""
         if key in self._rejected:
+            self.holder.problem = self._rejected[key]  # (again: CURRENT may have named another version meanwhile)
             return
         self._rejected[key] = reason
         while len(self._rejected) > _REMEMBER:
@@ -252,7 +253,7 @@ class ModelUpdater:
             self._store_retry.pop(next(iter(self._store_retry)))
         self._reject(key, f"{exc} (tried again in {delay:.0f}s)")
         if retry is not None:  # counted and logged as an error once; each retry that finds no rows still says so
-            self.holder.problem = f"{exc} (tried again in {delay:.0f}s)"
+            self._rejected[key] = self.holder.problem = f"{exc} (tried again in {delay:.0f}s)"
             log.warning("%s; tried again in %.0fs", exc, delay)
 
     def _store_retry_due(self, key: tuple[Any, ...]) -> bool:
@@ -299,9 +300,11 @@ class ModelUpdater:
             return
         live = self.holder.live
         if live is not None and live.model.version_dir.resolve() == path.resolve():
+            self.holder.problem = None  # CURRENT names the model answering (again): no rejection is current
             return
         key = (str(path), _dir_fingerprint(path))
         if key in self._rejected and not self._store_retry_due(key):
+            self.holder.problem = self._rejected[key]  # still what /readyz says after CURRENT named another version
             return
         if not path.is_dir():
             self._reject(key, f"{self.root / CURRENT} names {name}, which is not in {self.root / VERSIONS}: "

@@ -209,6 +209,33 @@ def test_a_malformed_newer_manifest_keeps_the_previous_model_serving_and_is_hash
         assert sum(p.name == A.COLD_FILE for p in hashed) == 1
 
 
+def test_readyz_drops_a_rejection_once_current_names_the_live_version_again_and_says_it_again_if_it_returns(
+        root: Path) -> None:
+    learner = TinyLearner()
+    publish_version(learner, root, "v001")
+
+    def ready() -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=10)
+        conn.request("GET", "/readyz")
+        r = conn.getresponse()
+        return r.status, json.loads(r.read()).get("problem")
+
+    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), None) as svc:
+        v2 = publish_version(learner, root, "v002")
+        (v2 / A.COLD_FILE).write_bytes(b"damaged")
+        svc.updater.check_now()
+        status, problem = ready()
+        assert status == 200 and "v002" in problem  # v001 serves, v002 was rejected
+        (root / A.CURRENT).write_text("v001\n")  # the operator points CURRENT back at the version serving
+        svc.updater.check_now()
+        assert ready() == (200, None)
+        (root / A.CURRENT).write_text("v002\n")  # the same damaged files: remembered, not read again, but said
+        svc.updater.check_now()
+        status, problem = ready()
+        assert status == 200 and "v002" in problem
+        assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 1
+
+
 @pytest.mark.parametrize("content", [b"../../etc", b"\xff\xfe\x00", b"v001\nv002\n", b"x" * 5000])
 def test_a_current_file_naming_no_valid_version_is_rejected_once(root: Path, content: bytes) -> None:
     publish_version(TinyLearner(), root, "v001")
