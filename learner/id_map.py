@@ -574,6 +574,13 @@ class IdMap:
         if {"bucket_half_life_s": None, **dict(state["config"])} != self.config():
             raise ValueError(f"IdMap state was written with config {dict(state['config'])}, this map has "
                              f"{self.config()}: build the map from the checkpoint's config")
+        # Exactly one entry per own row (per bucket): numpy's assignment would spread a state of length 1 over every
+        # row (a malformed delta's id map then remapped every admitted id in silence; the audit of serving's swap).
+        for name, have in (("row_key", self._row_key), ("row_seen", self._row_seen),
+                           ("bucket_seen", self.buckets.seen)):
+            if name in state and tuple(state[name].shape) != have.shape:
+                raise ValueError(f"IdMap state {name!r} has shape {tuple(state[name].shape)}, this map's is "
+                                 f"{have.shape}: the state is malformed")
         self._row_key[:] = state["row_key"].numpy()
         self._row_seen[:] = state["row_seen"].numpy()
         self.buckets.seen[:] = state["bucket_seen"].numpy() if "bucket_seen" in state else -np.inf

@@ -206,6 +206,19 @@ def test_state_dict_round_trip_continues_identically() -> None:
             a.state_dict())
 
 
+@pytest.mark.parametrize("name", ["row_key", "row_seen", "bucket_seen"])
+def test_a_state_whose_rows_are_not_one_per_row_is_refused_not_spread_over_every_row(name: str) -> None:
+    """numpy's assignment spread a state array of length 1 over every row: a malformed delta's id map (a ``row_key``
+    of one key) loaded and remapped every admitted id in silence. A state array of another shape is a ValueError."""
+    a = IdMap(capacity=40, num_buckets=7, admit_after=1)
+    a.lookup(np.arange(30, dtype=np.int64), now=1.0)
+    state = a.state_dict()
+    state[name] = state[name][:1]
+    b = IdMap(capacity=40, num_buckets=7, admit_after=1)
+    with pytest.raises(ValueError, match=f"{name}.*shape"):
+        b.load_state_dict(state)
+
+
 def test_memory_is_bounded_whatever_the_churn() -> None:
     m = IdMap(capacity=1000, num_buckets=50, admit_after=2)
     nbytes = m.nbytes()
