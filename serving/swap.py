@@ -169,11 +169,16 @@ class ModelUpdater:
             s.start()
             self._threads.append(s)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads, waiting at most ``timeout_s`` for each. One still busy then (a long artifact load or
+        delta) is left to finish on its own (a daemon thread, which may still swap its model in) and said so."""
         self._stop.set()
         self._wake.set()
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=timeout_s)
+            if t.is_alive():
+                log.warning("model updater thread %s still busy %.0f s after stop (a long artifact load or delta); "
+                            "stopping without it", t.name, timeout_s)
         self._threads.clear()
 
     def wake(self) -> None:

@@ -968,3 +968,29 @@ def test_refresh_status_reports_a_broken_publish_root_and_the_rollback_pin(tmp_p
     assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 1
     st = json.loads(capsys.readouterr().out)
     assert st["current"] is None and "not valid JSON" in st["error"] and st["pinned"] is None
+
+
+def test_an_updater_stopped_during_a_long_load_says_it_stopped_without_that_thread(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``ModelUpdater.stop`` waits a bounded time for its threads; one still loading an artifact was left behind in
+    silence (and may still swap its model in after ``stop`` returned). It is now said, naming the thread."""
+    from serving.metrics import ServingMetrics
+    from serving.swap import ModelHolder, ModelUpdater
+
+    loading = threading.Event()
+
+    def slow_load(path: Path, device: str) -> ScoringModel:
+        loading.set()
+        time.sleep(1.5)
+        return ScoringModel.load(path, device=device)
+
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, None, poll_s=0.05, load=slow_load)
+    updater.start()  # nothing published yet: its first check loads nothing
+    try:
+        publish_version(TinyLearner(), root, "v1")  # the updater thread's next poll loads it, slowly
+        assert loading.wait(10)
+    finally:
+        updater.stop(timeout_s=0.2)
+    assert "still busy" in caplog.text and "serve-updater" in caplog.text
+    time.sleep(1.5)  # the load ends on its own (a daemon thread): not left running into the next test
