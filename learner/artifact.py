@@ -62,7 +62,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -92,7 +91,7 @@ from learner.scorer import (
 from learner.scorer_files import save_scorer
 from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.errors import StreamrecError
-from stream.files import fsync_dir, sha256_file, write_synced
+from stream.files import fsync_dir, open_regular, sha256_file, write_synced
 
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST",
            "PIN", "SCORER_FILES", "SIGNATURE", "STAGING", "VERSIONS", "ArtifactError", "Pin", "build_artifact",
@@ -507,14 +506,10 @@ def _read_regular(path: Path, limit: int) -> bytes:
 
     ``CURRENT``, ``PINNED`` and manifests are read on serving's updater thread (and at its start): a FIFO put in
     their place blocked that thread for good (no swap, no delta, a service that never started) and a symlink to
-    ``/dev/zero`` never ended. So the file is opened without blocking and refused unread unless it is a regular
-    file: an :class:`ArtifactError`. OSError (FileNotFoundError, ...) as ``open`` raises it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: opening a FIFO does not wait for a writer
-    with os.fdopen(fd, "rb", buffering=0) as fh:
-        mode = os.fstat(fh.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(mode)}): refused unread; "
-                                "publish with `streamrec refresh --now`, which writes plain files")
+    ``/dev/zero`` never ended. So they are opened with :func:`stream.files.open_regular`: anything but a regular file
+    is its :class:`~stream.files.NotRegularFile`, an OSError as ``open`` raises (FileNotFoundError, ...), which the
+    callers report as an unreadable file."""
+    with open_regular(path) as (fh, _):
         chunks, n = [], 0
         while n <= limit and (chunk := fh.read(limit + 1 - n)):
             chunks.append(chunk)
@@ -631,10 +626,8 @@ def read_pin(root: Path) -> Pin | None:
         raw = _read_regular(path, _MAX_POINTER)
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except OSError as exc:  # (not a regular file too: unreadable, so it pins whatever is live: fail closed)
         return Pin(None, None, None, f"{path} cannot be read ({exc})")
-    except ArtifactError as exc:  # not a regular file: unreadable, so it pins whatever is live (fail closed)
-        return Pin(None, None, None, str(exc))
     try:
         d = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

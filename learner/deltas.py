@@ -92,7 +92,7 @@ from learner import checkpoint as ckpt_io
 from learner.tensorpack import PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
-from stream.files import fsync_dir, write_atomic
+from stream.files import NotRegularFile, fsync_dir, open_regular, write_atomic
 from stream.secrets import Secret
 
 log = logging.getLogger("streamrec.deltas")
@@ -306,17 +306,17 @@ def load_delta(path: Path, key: SigningKey | None = None) -> Delta:
         raise DeltaError(f"delta {path}: not a regular file (mode {stat.filemode(st.st_mode)}); refused unread")
     if st.st_size > MAX_BYTES:
         raise DeltaError(f"delta {path}: {st.st_size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (non-blocking: a FIFO put there since the stat cannot hang it)
-    with os.fdopen(fd, "rb", buffering=0) as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # swapped for another kind of file since the stat
-            raise DeltaError(f"delta {path}: not a regular file; refused unread")
-        # One writable buffer of the file's size, read into in place: the tensors decoded are views of it
-        # (learner/tensorpack.py), so a delta takes about its size in memory (it took ~3.7x with read + copies).
-        # One byte more than the stat said: a file that grew meanwhile is noticed, not cut.
-        buf = np.empty(st.st_size + 1, dtype=np.uint8).data  # (a writable memoryview, not zero-filled)
-        n = 0
-        while n < len(buf) and (got := fh.readinto(buf[n:])):
-            n += got
+    try:
+        with open_regular(path) as (fh, _):  # (a FIFO put there since the stat cannot hang it)
+            # One writable buffer of the file's size, read into in place: the tensors decoded are views of it
+            # (learner/tensorpack.py), so a delta takes about its size in memory (it took ~3.7x with read + copies).
+            # One byte more than the stat said: a file that grew meanwhile is noticed, not cut.
+            buf = np.empty(st.st_size + 1, dtype=np.uint8).data  # (a writable memoryview, not zero-filled)
+            n = 0
+            while n < len(buf) and (got := fh.readinto(buf[n:])):
+                n += got
+    except NotRegularFile:  # swapped for another kind of file since the stat
+        raise DeltaError(f"delta {path}: not a regular file; refused unread") from None
     if n > st.st_size:
         raise DeltaError(f"delta {path}: grew while it was read (a writer is not renaming its files into place); "
                          "refused")

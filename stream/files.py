@@ -10,6 +10,9 @@ helpers, so "a crash leaves the old file or the new one, never half of one" is i
   directory. The temp file is named ``.<name>.tmp-<pid>-<thread>`` (:func:`temp_of` reads it back), so a cleanup
   can tell whether its writer is still alive (:func:`leftover_writer_alive`; ``cache_refresh.publish.clean_leftovers``,
   ``learner.checkpoint.remove_torn``).
+
+And the one way a file another process left (a delta, ``CURRENT``, a manifest) is opened where a reading thread must
+never hang: :func:`open_regular` (a FIFO put in its place blocked the reader for good, ``/dev/zero`` never ended).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import os
 import re
+import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -90,6 +95,26 @@ def temp_of(path: Path) -> tuple[str, int] | None:
     (``.<name>.tmp-<pid>-<thread>``), None for any other file."""
     m = _TMP_NAME.match(Path(path).name)
     return (m["name"], int(m["pid"])) if m else None
+
+
+class NotRegularFile(OSError):
+    """:func:`open_regular` found something else than a regular file (a FIFO, a device, a directory, a socket)."""
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[tuple[io.FileIO, os.stat_result]]:
+    """``path`` opened for reading (unbuffered) with its ``fstat``, refused unread unless it is a regular file.
+
+    Opened without blocking (opening a FIFO otherwise waits for a writer), and the check made on the open file, so a
+    file swapped for a FIFO or a device since a caller's own ``stat`` cannot hang the reader either. Raises
+    :class:`NotRegularFile` (an OSError naming the path and its mode) for anything else, and what ``open`` raises
+    (FileNotFoundError, PermissionError, ...). The reading itself stays the caller's (bounded by a size it knows)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused unread")
+        yield fh, st
 
 
 def sha256_file(path: Path) -> str:
