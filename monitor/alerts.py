@@ -581,7 +581,7 @@ class QueuedSink:
         self._retry_at = 0.0
         self._close_deadline: float | None = None
         self._closed = False  # close() is done: the worker stops after its current attempt
-        self._undelivered_at_close = 0
+        self._left_at_close: list[Alert] = []
         SINK_QUEUE.labels(self.name).set(0)
         self._thread = threading.Thread(target=self._run, name=f"alert-sink-{self.name}", daemon=True)
         self._thread.start()
@@ -609,6 +609,12 @@ class QueuedSink:
         """Alerts waiting: queued or being sent."""
         with self._cond:
             return len(self._queue) + len(self._in_flight)
+
+    def waiting(self) -> list[Alert]:
+        """The alerts not delivered yet (being sent, then queued, in order); after :meth:`close`, the ones it
+        left undelivered."""
+        with self._cond:
+            return list(self._left_at_close) if self._closed else [*self._in_flight, *self._queue]
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing waits for delivery; False if that takes longer than ``timeout_s``."""
@@ -647,6 +653,7 @@ class QueuedSink:
             left = list(self._queue)
             if self._thread.is_alive():  # an attempt overran its deadline: count its alerts undelivered too
                 left = self._in_flight + left
+            self._left_at_close = left
             self._queue.clear()
             self._set_depth()
             self._cond.notify_all()
@@ -801,6 +808,10 @@ class FanOut:
                 key = f"{s.name}#{n}"
             out[key] = s.stats.as_dict()
         return out
+
+    def waiting(self) -> list[Alert]:
+        """The alerts some sink has not delivered yet (:meth:`QueuedSink.waiting`), sink after sink."""
+        return [a for s in self.sinks for a in s.waiting()]
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no sink has alerts waiting; False if that takes longer than ``timeout_s``."""

@@ -26,7 +26,8 @@ Three parts, each usable alone:
   and :meth:`RuleEngine.restore` carry the firing series over a restart (:class:`FiringStateFile`, the
   ``state_path`` of the rules file): a restored series that still holds at the first evaluation is
   announced firing again (at least once: the alert may not have been delivered before the restart), and
-  one that no longer holds resolves, as if the monitor had never stopped. Durations (``for_s``,
+  one that no longer holds resolves, as if the monitor had never stopped. A series whose resolved alert a sink
+  has not delivered yet stays in that file as firing, so a restart resolves it again. Durations (``for_s``,
   ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read from, which
   :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a pending
   rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
@@ -245,6 +246,8 @@ class RuleEngine:
         self.no_data_since: dict[str, float | None] = {r.name: None for r in self.rules}
         self.evaluations = 0
         self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
+        # the resolved alerts of the last evaluation, each with its series as firing() writes it
+        self.resolved: list[tuple[Alert, dict[str, Any]]] = []
 
     def evaluate(self, snap: Snapshot, now: float, wall: float | None = None) -> list[Alert]:
         """One evaluation at ``now`` (seconds on the clock durations are measured on; :class:`Monitor` uses
@@ -256,6 +259,7 @@ class RuleEngine:
             del self.failing_since[source]
         self.history.record(snap, now)
         self.evaluations += 1
+        self.resolved = []
         alerts: list[Alert] = []
         for rule in self.rules:
             EVALUATIONS.labels(rule.name).inc()
@@ -360,14 +364,20 @@ class RuleEngine:
             now_is = "no data" if st.value is None else f"value {_fmt(st.value)}"
             msg = f"{what}: {rule.condition} no longer holds ({now_is})"
             value = st.value
-        return Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
-                     value=value, threshold=rule.threshold, message=msg,
-                     ts=int(round((now + self.wall_offset) * 1000)), labels=labels)
+        alert = Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
+                      value=value, threshold=rule.threshold, message=msg,
+                      ts=int(round((now + self.wall_offset) * 1000)), labels=labels)
+        if state is AlertState.RESOLVED:
+            self.resolved.append((alert, self._record(rule.name, lb, st)))
+        return alert
+
+    def _record(self, name: str, lb: Labels, st: SeriesState) -> dict[str, Any]:
+        return {"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
+                "value": encode_value(st.value), "sources": sorted(st.sources)}
 
     def firing(self) -> list[dict[str, Any]]:
         """The firing series, as :meth:`restore` reads them back (``since`` in wall-clock seconds)."""
-        return [{"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
-                 "value": encode_value(st.value), "sources": sorted(st.sources)}
+        return [self._record(name, lb, st)
                 for name, states in self.states.items() for lb, st in states.items() if st.state is State.FIRING]
 
     def restore(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
@@ -543,7 +553,10 @@ class FiringStateFile:
     """``state_path`` of the rules file: the firing series (:meth:`RuleEngine.firing`) as JSON, rewritten
     atomically after every evaluation that sent an alert and at close, read back at start. Without it a
     restart forgets what was firing: an alert whose condition cleared while the monitor was down never
-    resolves, and one still holding fires again only after ``for_s``. A file that cannot be read or written
+    resolves, and one still holding fires again only after ``for_s``. :class:`Monitor` also keeps here, as
+    firing, the series whose resolved alert some sink has not delivered yet (still queued at shutdown, or
+    when the monitor is killed), rewriting the file once they are delivered: the restarted monitor resolves
+    them again rather than leave the receiver showing them firing for ever. A file that cannot be read or written
     is logged and monitoring goes on (a write is tried again at the next change)."""
 
     VERSION = 1
@@ -618,6 +631,8 @@ class Monitor:
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
         self.state_file: FiringStateFile | None = None
+        # resolved alerts some sink has not delivered yet, with their series: kept in the state file as firing
+        self._resolving: list[tuple[Alert, dict[str, Any]]] = []
         if config.state_path is not None:
             self.state_file = FiringStateFile(config.state_path)
             n = self.engine.restore(self.state_file.load(), self.monotonic(), self.clock())
@@ -649,8 +664,11 @@ class Monitor:
         alerts = self.engine.evaluate(snap, self.monotonic(), now)
         # queue first: the state machines have moved, so an alert not queued now is never sent
         self.sink.send(alerts)  # queues only: returns at once whatever the sinks do
-        if self.state_file is not None and (alerts or self.state_file.failing):
-            self.state_file.save(self.engine.firing())
+        if self.state_file is not None:
+            self._resolving.extend(self.engine.resolved)
+            delivered = self._forget_delivered()
+            if alerts or delivered or self.state_file.failing:
+                self.state_file.save(self._firing_records())
         for a in alerts:
             self.sent[a.state.value] += 1
         if self.run_log is not None:
@@ -668,6 +686,24 @@ class Monitor:
                 log.exception("monitor evaluation failed; trying again in %.3gs", interval)
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
+    def _forget_delivered(self) -> bool:
+        """Drop from :attr:`_resolving` the resolved alerts no sink still waits to deliver; whether any went."""
+        waiting = {id(a) for a in self.sink.waiting()}
+        kept = [(a, rec) for a, rec in self._resolving if id(a) in waiting]
+        gone, self._resolving = len(kept) < len(self._resolving), kept
+        return gone
+
+    def _firing_records(self) -> list[dict[str, Any]]:
+        """What the state file keeps: the firing series, and the series whose resolved alert a sink has not
+        delivered yet (written as still firing, so that a restart resolves them again instead of never)."""
+        records = self.engine.firing()
+        kept = {(r["rule"], labels_of(r["labels"])) for r in records}
+        for _, rec in self._resolving:
+            if (key := (rec["rule"], labels_of(rec["labels"]))) not in kept:
+                kept.add(key)
+                records.append(rec)
+        return records
+
     def close(self, timeout_s: float | None = None) -> int:
         """Deliver the queued alerts for at most ``timeout_s`` (default ``close_timeout_s`` of
         ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own)."""
@@ -675,7 +711,8 @@ class Monitor:
             return self.sink.close(timeout_s)
         finally:
             if self.state_file is not None:
-                self.state_file.save(self.engine.firing())
+                self._forget_delivered()  # after close: the alerts it left undelivered
+                self.state_file.save(self._firing_records())
             if self.run_log is not None:
                 self.run_log.close()
 

@@ -368,6 +368,57 @@ def test_a_state_file_that_cannot_be_written_is_logged_once_and_written_when_it_
         mon.close(5)
 
 
+
+def firing_in(state: Path) -> list[str]:
+    return [r["rule"] for r in json.loads(state.read_text())["firing"]]
+
+
+def test_a_resolved_alert_left_queued_at_shutdown_is_resolved_again_after_the_restart(tmp_path: Path) -> None:
+    state, clocks = tmp_path / "state.json", Clocks()
+    mon, sink = monitor(restart_rules(state), shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    assert delivered(mon, sink) == [("cold_start_share", "firing")]
+    sink.fail = 10**6  # the webhook goes down just as the burst of new users ends
+    assert [(a.rule, a.state.value) for a in mon.step()] == [("cold_start_share", "resolved")]
+    assert mon.close(0.2) == 1  # SIGTERM: the resolved alert is still queued
+    assert firing_in(state) == ["cold_start_share"]  # was []: the receiver would show it firing for ever
+    clocks.tick(60)
+    clocks.mono = 7.0
+    mon, sink = monitor(restart_rules(state), shares(["share 0.1\nlag 3\n"] * 3), clocks)
+    try:
+        assert [(a.rule, a.state.value, a.value) for a in mon.step()] == [("cold_start_share", "resolved", 0.1)]
+        assert delivered(mon, sink) == [("cold_start_share", "resolved")]
+        clocks.tick(15)
+        assert mon.step() == [] and firing_in(state) == []
+    finally:
+        mon.close(5)
+
+
+def test_the_state_file_keeps_a_resolved_series_until_its_alert_is_delivered(tmp_path: Path) -> None:
+    state, clocks = tmp_path / "state.json", Clocks()
+    rules = restart_rules(state) + "[sinks]\nretry_backoff_s = 0.01\nretry_backoff_max_s = 0.01\n"
+    mon, sink = monitor(rules, shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"] * 3), clocks)
+    try:
+        for _ in range(21):
+            mon.step()
+            clocks.tick(15)
+        sink.fail = 10**6
+        mon.step()
+        # written when the alert was queued: a monitor killed now (SIGKILL, a second SIGTERM) resolves it after all
+        assert firing_in(state) == ["cold_start_share"]
+        clocks.tick(15)
+        mon.step()
+        assert firing_in(state) == ["cold_start_share"]
+        sink.fail = 0
+        assert delivered(mon, sink) == [("cold_start_share", "firing"), ("cold_start_share", "resolved")]
+        clocks.tick(15)
+        mon.step()  # delivered now: a restart must not resolve it once more
+        assert firing_in(state) == []
+    finally:
+        mon.close(5)
+
 # -- scrape targets -----------------------------------------------------------------------------------
 class Target:
     """A local scrape target: ``answer(handler)`` writes the answer."""
