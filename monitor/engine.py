@@ -587,10 +587,22 @@ class FiringStateFile:
     def _valid(r: Any) -> bool:
         return (isinstance(r, dict) and isinstance(r.get("rule"), str) and isinstance(r.get("labels"), dict)
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in r["labels"].items())
-                and isinstance(r.get("since"), int | float) and not isinstance(r.get("since"), bool)
+                and FiringStateFile._number(r.get("since"), finite=True)
                 and (r.get("value") is None or r["value"] in ("NaN", "+Inf", "-Inf")
-                     or (isinstance(r["value"], int | float) and not isinstance(r["value"], bool)))
+                     or FiringStateFile._number(r["value"], finite=False))
                 and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", [])))
+
+    @staticmethod
+    def _number(v: Any, finite: bool) -> bool:
+        """Whether ``v`` is a JSON number that reads as a float (an integer of 400 digits does not: restore
+        would raise OverflowError), and a finite one where ``finite`` (JSON's -Infinity as ``since`` would make
+        every later write of the file fail)."""
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        try:
+            return math.isfinite(float(v)) or not finite
+        except OverflowError:
+            return False
 
     def save(self, firing: Sequence[Mapping[str, Any]]) -> None:
         data = json.dumps({"version": self.VERSION, "firing": list(firing)}, allow_nan=False).encode()

@@ -347,6 +347,27 @@ def test_an_unreadable_state_file_is_logged_and_monitoring_goes_on(tmp_path: Pat
         mon.close(5)
 
 
+def test_a_state_file_record_with_a_number_out_of_range_is_skipped_not_a_crash(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = tmp_path / "state.json"
+    huge = "1" + "0" * 400  # an integer no float holds
+    records = ['{"rule": "cold_start_share", "labels": {}, "since": ' + huge + ', "value": 1}',
+               '{"rule": "cold_start_share", "labels": {}, "since": -Infinity, "value": 1}',
+               '{"rule": "cold_start_share", "labels": {}, "since": 1, "value": ' + huge + '}',
+               '{"rule": "learner_lag", "labels": {"absent": "true"}, "since": 1, "value": null}']
+    state.write_text('{"version": 1, "firing": [' + ", ".join(records) + "]}")
+    clocks = Clocks()
+    with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+        mon, sink = monitor(restart_rules(state), shares(["share 0.9\n"] * 3), clocks)  # was OverflowError
+    try:
+        assert "3 malformed record(s) skipped" in caplog.text
+        assert [(a.rule, a.state.value) for a in mon.step()] == [("learner_lag", "firing")]
+        assert firing_in(state) == ["learner_lag"]  # the file is written again (-Infinity: ValueError each time)
+    finally:
+        mon.close(5)
+    assert firing_in(state) == ["learner_lag"]
+
+
 def test_a_state_file_that_cannot_be_written_is_logged_once_and_written_when_it_can(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "state"
