@@ -33,6 +33,7 @@ batch to several queued sinks.
 
 from __future__ import annotations
 
+import base64
 import enum
 import http.client
 import io
@@ -401,6 +402,17 @@ def _deadline_connection(url: str, deadline: float) -> tuple[http.client.HTTPCon
     return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
+def _auth_headers(url: str) -> dict[str, str]:
+    """``Authorization: Basic`` for the user and password ``url`` names (``https://user:password@host/...``,
+    percent-escapes decoded, UTF-8), as curl sends them; none when it names no user. http.client itself drops
+    them: a receiver that wants them answered 401 to every request."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return {}
+    user = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+    return {"Authorization": "Basic " + base64.b64encode(user.encode()).decode("ascii")}
+
+
 def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
     """``POST`` ``body`` to ``url``; returns (status, reason, the first bytes of an error answer's body).
 
@@ -408,12 +420,13 @@ def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
     connecting, sending and every read of the answer get only the time left, so a server that accepts
     and never answers, or trickles its answer, raises :class:`TimeoutError` at the deadline. (Name
     resolution is the one step the operating system's resolver bounds instead.) A 2xx answer's body
-    is not read: the status says the alert arrived. Redirects are not followed.
+    is not read: the status says the alert arrived. Redirects are not followed. A user and password in ``url``
+    are sent as HTTP Basic authentication.
     """
     conn, path = _deadline_connection(url, deadline)
     try:
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
-                                                       "User-Agent": "streamrec-monitor"})
+                                                       "User-Agent": "streamrec-monitor", **_auth_headers(url)})
         resp = conn.getresponse()
         detail = b""
         if not 200 <= resp.status < 300:
@@ -433,11 +446,13 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
     whatever the peer does (a server that accepts and never answers, or trickles its answer, raises
     :class:`TimeoutError` at the deadline), and never holds more than ``max_bytes`` of the answer: a
     longer one raises :class:`ValueError` saying so. A status other than 2xx raises
-    :class:`OSError` naming it; redirects are not followed (give the final URL).
+    :class:`OSError` naming it; redirects are not followed (give the final URL). A user and password in ``url``
+    are sent as HTTP Basic authentication.
     """
     conn, path = _deadline_connection(url, deadline)
     try:
-        conn.request("GET", path, headers={"Accept": "text/plain", "User-Agent": "streamrec-monitor"})
+        conn.request("GET", path, headers={"Accept": "text/plain", "User-Agent": "streamrec-monitor",
+                                           **_auth_headers(url)})
         resp = conn.getresponse()
         if not 200 <= resp.status < 300:
             raise OSError(f"HTTP {resp.status} {resp.reason}" + (" (redirects are not followed: give the final "

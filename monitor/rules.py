@@ -18,7 +18,8 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     [sinks]
     log = true                          # one log line per alert (default true)
     kafka_topic = "alerts"              # optional: alerts to this topic, key = rule name
-    webhook_url = "http://hooks.example/streamrec"   # optional: POST each alert as JSON
+    webhook_url = "http://hooks.example/streamrec"   # optional: POST each alert as JSON (a user:password@
+                                                     # in this or a source's URL is sent as Basic auth)
     kafka_timeout_s = 10                # one delivery attempt, in total (default 10)
     webhook_timeout_s = 5               # one POST, connect to answer, in total (default 5)
     queue_size = 1000                   # alerts waiting per sink; the oldest beyond it are dropped

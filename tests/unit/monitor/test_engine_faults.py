@@ -4,6 +4,7 @@ backing off when the monitor is told to stop. Each test failed before the fix it
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from monitor import engine as engine_mod
-from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, post_json
+from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, WebhookSink, post_json
 from monitor.engine import Monitor, Scraper, Snapshot
 from monitor.rules import loads_rules
 from streamrec.cli import main
@@ -458,6 +459,8 @@ class Target:
                     pass
                 self.close_connection = True
 
+            do_POST = do_GET  # noqa: N815 - a webhook receiver too
+
             def log_message(self, *args: object) -> None:
                 pass
 
@@ -600,6 +603,29 @@ def test_a_webhooks_refusal_reason_is_kept_when_it_hangs_up_after_answering(targ
 
 
 # -- close ------------------------------------------------------------------------------------------
+def test_a_user_and_password_in_a_webhook_or_source_url_are_sent_as_basic_auth(
+        target: Callable[..., Target]) -> None:
+    seen: list[str | None] = []
+
+    def guarded(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        seen.append(h.headers.get("Authorization"))
+        if seen[-1] != "Basic " + base64.b64encode("alert bot:pä:ss".encode()).decode():
+            h.send_error(401)  # was every request: the alerts dropped as rejected, every scrape failed
+            return
+        _headers(h)
+        h.wfile.write(b"streamrec_x 1\n")
+
+    t = target(guarded)
+    url = t.url.replace("http://", "http://alert%20bot:p%C3%A4%3Ass@")
+    WebhookSink(url, timeout_s=5).send([Alert("r", "s", Severity.WARNING, AlertState.FIRING, 1.0, 0.0, "m", 1)])
+    snap = Scraper({"guarded": url}, timeout_s=5).scrape()
+    assert snap.errors == {} and snap.metrics["streamrec_x"][()].value == 1.0
+    assert len(seen) == 2
+    Scraper({"open": t.url}, timeout_s=5).scrape()  # no user in the URL: no header
+    assert seen[-1] is None
+
+
 def test_an_attempt_close_gave_up_on_that_delivers_after_all_says_so(caplog: pytest.LogCaptureFixture) -> None:
     release = threading.Event()
 
