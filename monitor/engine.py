@@ -66,6 +66,7 @@ from monitor.expr import Labels, Point, Window, labels_of
 from monitor.rules import Rule, RulesConfig, RunLogSettings
 from stream.errors import ConfigError
 from stream.files import write_atomic
+from stream.secrets import redact
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -485,7 +486,10 @@ class RunLog:
                               f"{exc.strerror or exc}") from None
 
     def start(self, sources: Mapping[str, str], interval_s: float, rules: Sequence[Rule]) -> None:
-        self._start = {"kind": "start", "sources": dict(sources), "interval_s": interval_s,
+        # The sources as logs show them: a user:password in a url is written as *** (the file outlives the process
+        # and is read by `streamrec report`; it held the password in clear)
+        self._start = {"kind": "start", "sources": {name: redact(url) for name, url in sources.items()},
+                       "interval_s": interval_s,
                        "rules": [r.name for r in rules]}
         self.write({**self._start, "t": self.clock()})
 

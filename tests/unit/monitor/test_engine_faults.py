@@ -104,6 +104,31 @@ threshold = 0
         mon.close(5)
 
 
+def test_the_run_log_writes_a_sources_password_as_stars(tmp_path: Path) -> None:
+    """The run log's start record held each source's url as written: a ``user:password@`` in one reached the file
+    (which outlives the process and is read by ``streamrec report``) in clear, where logs and summaries redact it."""
+    logs = tmp_path / "logs"
+    rules = f"""
+[sources]
+learner = "http://scraper:hunter2-secret@127.0.0.1:9/metrics"
+[run_log]
+path = "{logs}/run.jsonl"
+[[rule]]
+name = "hot"
+expr = "m"
+op = ">"
+threshold = 0
+"""
+    mon, _ = monitor(rules, lambda: Snapshot.from_texts({"learner": "m 0\n"}), Clocks())
+    try:
+        mon.step()
+    finally:
+        mon.close(5)
+    text = (logs / "run.jsonl").read_text()
+    assert '"kind":"start"' in text and "127.0.0.1:9/metrics" in text
+    assert "hunter2-secret" not in text
+
+
 def test_a_run_log_that_cannot_be_opened_is_a_settings_error(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     rules = tmp_path / "rules.toml"
