@@ -199,9 +199,13 @@ class _Where:
         return RulesError(f"alert rules file {self.origin}: {where}{msg}")
 
 
+_MAX_SECONDS = 365 * 86_400  # a duration's bound: Python's waits refuse timeouts past ~9.2e9 s (OverflowError)
+
+
 def _number(where: _Where, ctx: str, key: str, v: Any, *, minimum: float | None = None,
             positive: bool = False, finite: bool = True) -> float:
-    """``v`` as a float; ``finite``: also reject +-inf (every duration, count and timeout)."""
+    """``v`` as a float; ``finite``: also reject +-inf and anything over a year (every duration and timeout: one of
+    1e10 s loaded, then the monitor's first wait and its ``close()`` raised OverflowError)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise where.error(ctx, f'field "{key}": expected a number, got {_shown(v)}')
     try:
@@ -210,6 +214,8 @@ def _number(where: _Where, ctx: str, key: str, v: Any, *, minimum: float | None 
         raise where.error(ctx, f'field "{key}": {_shown(v)} is too large for a number') from None
     if math.isnan(x) or (finite and math.isinf(x)):
         raise where.error(ctx, f'field "{key}": expected a finite number, got {_shown(v)}')
+    if finite and x > _MAX_SECONDS:
+        raise where.error(ctx, f'field "{key}": expected at most {_MAX_SECONDS} (seconds: a year), got {_shown(v)}')
     if positive and x <= 0:
         raise where.error(ctx, f'field "{key}": expected a number > 0, got {_shown(v)}')
     if minimum is not None and x < minimum:

@@ -241,6 +241,9 @@ def test_deeply_nested_toml_and_huge_numbers_are_rules_errors() -> None:
         (rule + "threshold = " + "9" * 400, 'field "threshold": 9999'),
         ("interval_s = " + "9" * 400, "is too large for a number"),
         ("interval_s = inf", 'field "interval_s": expected a finite number, got inf'),
+        # loaded, then the first wait and close() raised OverflowError (timestamp out of range)
+        ("interval_s = 1e10", 'field "interval_s": expected at most 31536000 (seconds: a year), got 10000000000.0'),
+        ("[sinks]\nclose_timeout_s = 1e10", 'field "close_timeout_s": expected at most 31536000'),
         (rule + "threshold = 1\nfor_s = nan", 'field "for_s": expected a finite number, got nan'),
         (rule + f"threshold = 1\nlabels = {{ a = {'[' * 3000}{']' * 3000} }}", "nested too deeply"),
         (rule + f'threshold = 1\nlabels = {{ a = [{", ".join(["[[1]]"] * 3)}] }}', 'field "labels": expected'),
