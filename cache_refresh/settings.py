@@ -22,6 +22,20 @@ class CountEvent(Choice):
     CLICK = "click"  # the joiner's
 
 
+class LogLevel(Choice):
+    """``[refresh] log_level``: the level of the refresh's log lines (``--log-level`` overrides it); any case."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LogLevel | None:
+        lower = str(value).strip().lower()
+        return cls(lower) if lower in cls._value2member_map_ else None
+
+
 @dataclass(frozen=True)
 class RefreshSettings:
     checkpoint_dir: Path = Path(".streamrec/checkpoints")  # the learner's (LearnerSettings.checkpoint_dir)
@@ -71,7 +85,7 @@ class RefreshSettings:
     embedding_store: EmbeddingStore = EmbeddingStore.IN_PROCESS
     embedding_store_dtype: RowDtype = RowDtype.FLOAT32
     embedding_store_cluster: bool = False  # [redis] url is a Redis Cluster node
-    log_level: str = "info"
+    log_level: LogLevel = LogLevel.INFO
     # The scheduler serves Prometheus /metrics (cache_refresh/metrics.py: runs by outcome, last success, duration,
     # hot set) on this port while it runs; None: none. A one-shot --now reports through its summary and exit code.
     metrics_port: int | None = None
@@ -85,6 +99,8 @@ class RefreshSettings:
                            EmbeddingStore.of(self.embedding_store, "[refresh] embedding_store"))
         object.__setattr__(self, "embedding_store_dtype",
                            RowDtype.of(self.embedding_store_dtype, "[refresh] embedding_store_dtype"))
+        # a level logging does not know was a ValueError traceback from logging.basicConfig once the command ran
+        object.__setattr__(self, "log_level", LogLevel.of(self.log_level, "[refresh] log_level"))
         # holdout_timeout_s, redis_timeout_s, misfire_grace_s > 0; redis_backoff_s >= 0 (0: retry at once);
         # validate_tolerance finite and >= 0 (0: exact; NaN passed every probe). The AUC drops are left as they are:
         # a negative one demands a gain (tests use it to force a refusal)

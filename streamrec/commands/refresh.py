@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cache_refresh.settings import RefreshSettings
+from cache_refresh.settings import LogLevel, RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import redact
@@ -160,7 +160,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--schedule", help=f"crontab expression ({d('schedule', repr(RefreshSettings.schedule))})")
     p.add_argument("--timezone", help=f"IANA time zone of the schedule ({d('timezone')})")
     p.add_argument("--redis-url", help=f"Redis with the counts ({default_help(RedisSettings, 'redis', 'url')})")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=d("log_level"))
+    p.add_argument("--log-level", choices=[v.value for v in LogLevel], help=d("log_level"))
     add_kafka_flag(p)
     add_common(p)
     p.set_defaults(func=cmd_refresh)
