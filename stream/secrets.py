@@ -93,6 +93,12 @@ def redact(text: str) -> str:
     return _KV_SECRET.sub(lambda m: f"{m['key']}{m['kq']}{m['sep']}{m['q']}{MASK}", text)
 
 
+def names_credential(key: str) -> bool:
+    """Whether a setting or summary key names a credential whose value is never shown (``password``,
+    ``sasl.oauthbearer.client.secret``, ``api_key``); ``password_file`` / ``password_env`` name where one is."""
+    return bool(_SECRET_KEY.search(key)) and not key.endswith(("_file", "_env"))
+
+
 def redact_obj(obj: Any) -> Any:
     """A copy of a summary (dicts, lists, strings, numbers) safe to print: strings through :func:`redact`,
     values under credential-named keys masked, :class:`Secret` values masked."""
@@ -101,9 +107,8 @@ def redact_obj(obj: Any) -> Any:
     if isinstance(obj, str):
         return redact(obj)
     if isinstance(obj, Mapping):
-        return {k: (MASK if isinstance(k, str) and _SECRET_KEY.search(k) and v not in (None, "", {}, [])
-                    and not isinstance(v, (bool, int, float)) and not str(k).endswith(("_file", "_env"))
-                    else redact_obj(v)) for k, v in obj.items()}
+        return {k: (MASK if isinstance(k, str) and names_credential(k) and v not in (None, "", {}, [])
+                    and not isinstance(v, (bool, int, float)) else redact_obj(v)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact_obj(v) for v in obj]
     if isinstance(obj, BaseException):

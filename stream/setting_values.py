@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stream.errors import ConfigError, shown
-from stream.secrets import Secret
+from stream.secrets import Secret, names_credential
 
 
 class SettingsError(ConfigError):
@@ -54,7 +54,18 @@ def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:
     return value
 
 
-def coerce(tp: Any, raw: Any, where: str) -> Any:
+def _cannot(where: str, raw: Any, why: object, secret: bool) -> SettingsError:
+    """The error of a value that cannot be used; a credential's value is not quoted (one given as an array or a
+    table is no Secret yet, registered nowhere, so redact would not scrub it from the line)."""
+    if secret:
+        return SettingsError(f"{where} (a credential, its value not shown): {why}")
+    return SettingsError(f"{where}: cannot use {shown(raw)}: {why}")
+
+
+def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
+    """``raw`` as a value of type ``tp``; ``secret``: ``raw`` is a credential (also any :class:`Secret` field and
+    any table entry whose key names one), never quoted in an error."""
+    secret = secret or tp is Secret
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, getattr(types, "UnionType", None)):
@@ -65,26 +76,28 @@ def coerce(tp: Any, raw: Any, where: str) -> Any:
         if not empty_path and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
             if type(None) in args:
                 return None
-        return coerce(inner[0], raw, where)
+        return coerce(inner[0], raw, where, secret)
     if origin in (dict, Mapping) or tp in (dict, Mapping):  # a table: [kafka.extra] in TOML, or "k=v,k2=v2"
         if isinstance(raw, str):
             pairs = [x.split("=", 1) for x in raw.split(",") if x.strip()]
             if any(len(kv) != 2 or not kv[0].strip() for kv in pairs):
-                raise SettingsError(f"{where}: cannot use {shown(raw)}: expected key=value pairs separated by commas")
+                raise _cannot(where, raw, "expected key=value pairs separated by commas",
+                              secret or any(names_credential(kv[0].strip()) for kv in pairs))
             raw = {k.strip(): v.strip() for k, v in pairs}
         if not isinstance(raw, Mapping):
-            raise SettingsError(f"{where}: cannot use {shown(raw)}: expected a table of key = value")
+            raise _cannot(where, raw, "expected a table of key = value", secret)
         key_t, value_t = args if len(args) == 2 else (str, str)
-        return {coerce(key_t, k, f"{where}.{k}"): coerce(value_t, v, f"{where}.{k}") for k, v in raw.items()}
+        return {coerce(key_t, k, f"{where}.{k}"): coerce(value_t, v, f"{where}.{k}", secret or names_credential(str(k)))
+                for k, v in raw.items()}
     if origin is tuple and args[-1:] == (Ellipsis,):  # tuple[int, ...]: a TOML array, or "a,b,c"
         if isinstance(raw, str):
             raw = [x for x in raw.replace(" ", "").split(",") if x]
         if not isinstance(raw, (list, tuple)):
-            raise SettingsError(f"{where}: cannot use {shown(raw)}: expected a list like 400,400,400")
-        return tuple(coerce(args[0], x, where) for x in raw)
+            raise _cannot(where, raw, "expected a list like 400,400,400", secret)
+        return tuple(coerce(args[0], x, where, secret) for x in raw)
     if isinstance(raw, Mapping | list):  # a table or an array where one value belongs
-        raise SettingsError(f"{where}: cannot use {shown(raw)}: expected one value, "
-                            f"got {'a table' if isinstance(raw, Mapping) else 'an array'}")
+        raise _cannot(where, raw, f"expected one value, got {'a table' if isinstance(raw, Mapping) else 'an array'}",
+                      secret)
     try:
         if tp is bool:
             if isinstance(raw, bool):
@@ -121,7 +134,7 @@ def coerce(tp: Any, raw: Any, where: str) -> Any:
                 raise ValueError(f"expected one of {', '.join(m.value for m in tp)}") from None
     # TypeError: a date for a number; OverflowError: an integer too large for a float
     except (ValueError, TypeError, OverflowError) as exc:
-        raise SettingsError(f"{where}: cannot use {shown(raw)}: {exc}") from None
+        raise _cannot(where, raw, exc, secret) from None
     raise SettingsError(f"{where}: unsupported setting type {tp!r}")
 
 

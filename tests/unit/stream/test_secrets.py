@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stream.config import KafkaSettings
 from stream.secrets import MASK, RedactingFilter, Secret, redact, redact_obj, register
 from streamrec.settings import SettingsError, build
 
@@ -129,3 +130,31 @@ def test_an_unparseable_redis_url_quotes_no_part_of_its_password() -> None:
     assert "sec" not in str(exc.value) and "ret9PW" not in str(exc.value) and "redis://***@" in str(exc.value)
     with pytest.raises(ConfigError, match="Port could not be cast"):  # no user-info: the library's detail stays
         RedisSettings(url="redis://127.0.0.1:abc/0")
+
+
+@pytest.mark.parametrize("toml", [
+    '[kafka]\nsasl_password = ["hunter22-in-an-array"]\n',
+    '[kafka]\nssl_key_password = ["hunter22-in-an-array"]\n',
+    '[redis]\npassword = { value = "hunter22-in-a-table" }\n',
+    '[kafka.extra]\n"sasl.oauthbearer.client.secret" = ["hunter22-in-an-array"]\n',
+])
+def test_a_credential_of_the_wrong_shape_is_refused_without_quoting_it(
+        toml: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "streamrec.toml"
+    config.write_text(toml)
+    assert main(["train", "--status", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "hunter22" not in err and "(a credential, its value not shown): expected one value" in err
+
+
+def test_malformed_key_value_pairs_holding_a_credential_are_not_quoted() -> None:
+    raw = "sasl.oauthbearer.client.secret=hunter22 with spaces,broken"
+    with pytest.raises(SettingsError) as err:
+        build(KafkaSettings, "kafka", environ={"STREAMREC_KAFKA_EXTRA": raw})
+    assert "hunter22" not in str(err.value) and "with spaces" not in str(err.value)
+    assert "STREAMREC_KAFKA_EXTRA (a credential, its value not shown): expected key=value pairs" in str(err.value)
+    with pytest.raises(SettingsError, match=r"cannot use 'client.id=x,broken': expected key=value pairs"):
+        build(KafkaSettings, "kafka", environ={"STREAMREC_KAFKA_EXTRA": "client.id=x,broken"})
