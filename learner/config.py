@@ -289,10 +289,22 @@ class LearnerSettings:
         check_counts("learner", self, zero_ok=("id_capacity", "cold_k", "dedup_window", "num_workers", "max_fields",
                                                "seed"), at_most={"seed": 2**64 - 1})
         # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
-        # deltas_id_maps_every_s, none for future_ts_s
+        # deltas_id_maps_every_s, none for future_ts_s. The optimizers' knobs too (checked here, not when the model is
+        # built once the first samples arrived: a negative lr_dense ended the daemon in torch's ValueError then, a
+        # negative lr_sparse or initial_accumulator trained away from the data or into NaN rows in silence): the
+        # learning rates >= 0 (0: that part does not learn, what the model_not_learning alert is tested with),
+        # boost_half_life > 0; 0 means off for dense_grad_clip and boost, Adagrad's plain start for initial_accumulator
         check_durations("learner", self, zero_ok=("deltas_every_s", "deltas_id_maps_every_s", "future_ts_s",
-                                                  "dense_grad_clip"), extra=("dense_grad_clip",))
+                                                  "dense_grad_clip", "boost", "initial_accumulator", "lr_sparse",
+                                                  "lr_dense"),
+                        extra=("dense_grad_clip", "lr_sparse", "lr_dense", "boost", "boost_half_life",
+                               "initial_accumulator"))
         check_ports("learner", self)
+        if not 0 <= self.dropout < 1:  # torch's Dropout refused it only when the model was built
+            raise ConfigError(f"[learner] dropout must be a share >= 0 and < 1, got {self.dropout!r}")
+        if not 0 <= self.min_field_share <= 1:  # above 1 no column would ever become a field
+            raise ConfigError(f"[learner] min_field_share must be a share between 0 and 1, got "
+                              f"{self.min_field_share!r}")
         if not 0 < self.prior_click_rate < 1:
             raise ConfigError(f"[learner] prior_click_rate must be between 0 and 1 (exclusive), got "
                               f"{self.prior_click_rate!r}: set it to your stream's click rate, roughly (0.05 "

@@ -77,3 +77,29 @@ def test_a_bad_limit_is_a_config_error_exit_2_not_a_value_error_traceback(env: d
 
     with pytest.raises(SettingsError, match=r"\[limits\]"):  # build() turns only a ConfigError into one line
         build(EventLimits, "limits", environ=env)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("lr_sparse", -0.05, "lr_sparse must be a finite number >= 0"),
+    ("lr_dense", -1.0, "lr_dense must be a finite number >= 0"),
+    ("initial_accumulator", -1.0, "initial_accumulator must be a finite number >= 0"),
+    ("boost", -0.5, "boost must be a finite number >= 0"),
+    ("boost_half_life", 0.0, "boost_half_life must be a finite number > 0"),
+    ("dropout", 1.0, "dropout must be a share >= 0 and < 1"),
+    ("dropout", -0.1, "dropout must be a share >= 0 and < 1"),
+    ("min_field_share", 1.5, "min_field_share must be a share between 0 and 1"),
+])
+def test_the_learners_optimizer_and_model_knobs_are_refused_where_the_settings_are_built(
+        name: str, value: float, message: str) -> None:
+    # Not when the model is built, once the first samples arrived: torch refused a negative lr_dense or a dropout of
+    # 1.5 then (a traceback, exit 1), and a negative lr_sparse or initial_accumulator trained in silence (NaN rows)
+    with pytest.raises(ConfigError, match=rf"\[learner\] {message}, got {value!r}"):
+        LearnerSettings(**{name: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=rf"\[learner\] {message}"):
+        build(LearnerSettings, "learner", environ={f"STREAMREC_LEARNER_{name.upper()}": str(value)})
+
+
+def test_the_learners_knobs_take_their_edges_where_zero_means_off() -> None:
+    ls = LearnerSettings(boost=0.0, initial_accumulator=0.0, dropout=0.0, min_field_share=1.0, dense_grad_clip=0.0)
+    assert (ls.boost, ls.initial_accumulator, ls.dropout, ls.min_field_share) == (0.0, 0.0, 0.0, 1.0)
+    LearnerSettings(min_field_share=0.0, dropout=0.5, lr_sparse=0.0, lr_dense=0.0, boost_half_life=0.5)  # 0: frozen
