@@ -56,6 +56,9 @@ T = TypeVar("T")
 def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     if path is None:
         return {}
+    if not str(path).strip():  # Path("") is ".": the error named the working directory, not the empty value
+        raise SettingsError("--config was given an empty path (an unset variable?): name a TOML file, or leave "
+                            "--config out")
     p = Path(path)
     try:
         with p.open("rb") as fh:

@@ -44,3 +44,10 @@ def test_every_section_a_command_builds_is_known() -> None:
         for src in (ROOT / folder).rglob("*.py"):
             built |= set(re.findall(r"\.build\(\s*\w+,\s*\"(\w+)\"", src.read_text(encoding="utf-8")))
     assert built and built <= set(SECTIONS), built - set(SECTIONS)
+
+
+def test_an_empty_config_path_is_named_as_empty_not_as_the_working_directory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--status", "--config", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--config was given an empty path" in err and "config file ." not in err
