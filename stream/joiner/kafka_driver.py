@@ -86,6 +86,7 @@ class KafkaJoinWorker:
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
+        self._revoked: set[tuple[str, int]] = set()  # revoked by the poll in progress (_fetch)
         # The gate's waiting-click rule only; event time is the hold's (module docstring). Without the hold (no drift
         # configured, or backpressure off) the gate has no event-time rule either.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
@@ -115,6 +116,7 @@ class KafkaJoinWorker:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
         revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._revoked |= revoked
         for tp in revoked:  # not committed now: never later, by a member that no longer owns them
             self._offsets.pop(tp, None)
         self._assigned -= {tp.partition for tp in partitions}
@@ -177,12 +179,22 @@ class KafkaJoinWorker:
         window whenever fewer than ``batch_max`` messages can come, which in a backlog means an input paused by the
         gate or a hold while the rest runs dry. So while an input is paused, short polls: the batch grows while
         messages keep arriving and goes as soon as a poll brings none. Otherwise (a live stream) the whole window, as
-        one consume: a trickle of events still makes one batch per window, not one per poll."""
+        one consume: a trickle of events still makes one batch per window, not one per poll.
+
+        A poll that serves a rebalance leaves the messages of the earlier polls in hand: those of the partitions it
+        revoked are dropped, unprocessed and not committed (their owner reads them again from the committed offset,
+        this worker too where they are assigned back; joined here, they were restored and written to the state log
+        beside the new owner's, committed, and the partition's engine kept, stale, for when it came back). Within one
+        poll librdkafka drops them itself; the poll's own messages are of the new assignment."""
         got: list[Any] = []
+        self._revoked = set()
         deadline = time.monotonic() + self.js.batch_within_s
         while len(got) < self.js.batch_max and (left := deadline - time.monotonic()) > 0:
             paused = self.pauses.paused
             msgs = self.consumer.consume(self.js.batch_max - len(got), min(left, _POLL_S) if paused else left)
+            if self._revoked:  # this poll served a revocation: what the earlier ones brought of it goes
+                revoked, self._revoked = self._revoked, set()
+                got = [m for m in got if (m.topic(), m.partition()) not in revoked]
             if not msgs and got and paused:
                 break
             got.extend(msgs)

@@ -271,3 +271,62 @@ def test_a_state_log_that_takes_longer_than_the_stall_bound_to_read_still_restor
     monkeypatch.setattr(state_log, "read_to_end", lambda *a, **kw: calls.append(kw))
     state_log.load_chunks(kafka, topic, [0])
     assert calls[0]["timeout_s"] is None and calls[0]["stall_s"] == 60.0  # the restore's read: progress-bounded
+
+
+def test_records_in_hand_when_their_partition_is_revoked_are_not_joined_by_the_kafka_driver(
+        kafka: KafkaSettings, make) -> None:
+    """While an input is paused the kafka driver gathers a batch over short polls; a poll that serves a rebalance left
+    the records of the earlier polls in hand, and the batch joined them although their partitions had just been
+    revoked: their join state restored and written again beside the new owner's, their offsets committed, and the
+    engine kept in memory, stale, to be used as it was if the partition came back later. Now they are dropped
+    unprocessed: the partitions' owner reads them again from the committed offsets."""
+    from stream.joiner.backpressure import CLICKS
+    from stream.joiner.kafka_driver import _records
+
+    p = make(batch_within_s=10.0)
+    w = KafkaJoinWorker(p, kafka, p.js)
+    w.consumer.subscribe([kafka.impressions_topic, kafka.clicks_topic], on_assign=w._on_assign,
+                         on_revoke=w._on_revoke)
+    while len(w._assigned) < kafka.partitions:
+        w.consumer.consume(1, 0.2)
+    producer = AckedProducer(kafka)
+    for i in range(40):
+        r = imp(kafka, i % kafka.partitions, 0, f"imp-{i}", T0 + i)
+        producer.send(r.topic, r.value, r.key, partition=r.partition)
+    producer.flush()
+    w.gate.paused.add((CLICKS, 0))  # an input paused: the batch is gathered over short polls
+    w._sync_pauses()
+    other = Consumer(consumer_config(kafka, p.js.app_id, **{"partition.assignment.strategy": "range"}))
+    real = w.consumer.consume
+    w.consumer = polled = FailingCommits(w.consumer, 0)  # type: ignore[assignment]
+    polls: list[int] = []
+
+    def consume(n: int, timeout: float) -> list[Any]:
+        """The first poll brings records; a second member joins the group, and the next poll serves the rebalance."""
+        polls.append(len(polls))
+        if len(polls) > 2:
+            return real(n, timeout)
+        if len(polls) == 1:
+            while not (got := real(n, 0.5)):
+                pass
+            other.subscribe([kafka.impressions_topic, kafka.clicks_topic])
+            return got
+        out = []
+        while len(w._assigned) in (0, kafka.partitions):
+            other.consume(10, 0.05)
+            out += real(n, 0.05)
+        return out
+
+    polled.consume = consume  # type: ignore[attr-defined]
+    try:
+        records = _records(w._fetch())
+        assert 0 < len(w._assigned) < kafka.partitions  # the rebalance happened while the batch was gathered
+        assert w._process(records, None)
+        assert set(p.engines) <= w._assigned, "a revoked partition's join state is held"
+        assert {tp[1] for tp in p.processed} <= w._assigned
+        revoked = set(range(kafka.partitions)) - w._assigned
+        assert not [r for r in read_topic(kafka, state_topic(p.js.app_id)) if r.partition in revoked]
+        assert not [tp for commit in polled.commits for tp in commit if tp[0] in revoked and tp[1] > 0]
+    finally:
+        other.close()
+        polled.consumer.close()
