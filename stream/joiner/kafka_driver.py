@@ -167,6 +167,8 @@ class KafkaJoinWorker:
                     elif self.consumer.assignment():
                         break
             if self.js.drain_at_exit and not self._stop:  # input complete, not a signal
+                # every assigned partition, those that brought no record since their assignment too (not restored)
+                self.pipeline.restore(self._assigned)
                 self.pipeline.drain()
             self._commit()
         finally:

@@ -308,6 +308,8 @@ class FaustJoinWorker:
         self._stopping = True
         try:
             if self.js.drain_at_exit:
+                # every assigned partition, those that brought no record since their assignment too (not restored)
+                self.pipeline.restore(self._assigned)
                 self.pipeline.drain()
             await self.app.consumer.commit()
         except Exception:

@@ -116,3 +116,28 @@ def test_faust_never_commits_records_the_join_holds_back_before_it_joins_them(
     commits = [e for e in _entries(log) if "commit" in e]
     assert len(commits) > 1, "faust committed only at exit: nothing shows what it does while records are held"
     assert [c["ahead"] for c in commits if c["ahead"]] == []  # never an offset past what was processed
+
+
+def test_faust_drain_at_exit_expires_the_impressions_of_an_assigned_partition_that_brought_no_record(
+        kafka: KafkaSettings, stack, group_id: str) -> None:
+    """A worker restarted with ``--drain`` over input an earlier run had read to its end restored no partition that
+    brought no record, and drained only those it held: their pending impressions never got a sample (the kafka
+    driver's case: tests/integration/test_join_recovery.py). Each impression is its own record batch here."""
+    from stream.events import Impression
+    from stream.kafka import AckedProducer, ensure_topics
+    from tests.integration.test_joiner import join_cmd, read_samples
+
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic])
+    producer = AckedProducer(kafka)
+    for i in range(3):
+        producer.send(kafka.impressions_topic, Impression(f"imp-{i}", 1_700_000_000_000 + i, "u", "i").encode(),
+                      f"imp-{i}", partition=0)
+        producer.flush()
+    env = join_env(kafka, stack.redis_url, group_id)
+    cmd = join_cmd(group_id, "faust", idle_s=1.0)
+    first = subprocess.run([c for c in cmd if c != "--drain"], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout.strip().splitlines()[-1])["impressions"] == 3 and read_samples(kafka) == []
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted((r[0], r[1]) for r in read_samples(kafka)) == [(f"imp-{i}", 0) for i in range(3)]

@@ -330,3 +330,24 @@ def test_records_in_hand_when_their_partition_is_revoked_are_not_joined_by_the_k
     finally:
         other.close()
         polled.consumer.close()
+
+
+def test_a_drain_at_exit_expires_the_impressions_of_an_assigned_partition_that_brought_no_record(
+        kafka: KafkaSettings, make) -> None:
+    """A worker restarted with ``--drain`` over input that an earlier run had read to its end (committed at the end,
+    its pending impressions in the state log) reads nothing, so it never restored those partitions, and its drain
+    expired only the partitions it held: their impressions never got a sample. Each impression here is its own
+    record batch, so the local broker's high watermark is the committed offset and nothing is read again (as on
+    Apache Kafka, ``stream.kafka.resume_offsets``). Now the drain restores every assigned partition first."""
+    producer = AckedProducer(kafka)
+    make()  # creates the topics
+    for i in range(3):
+        r = imp(kafka, 0, i, f"imp-{i}", T0 + i)
+        producer.send(r.topic, r.value, r.key, partition=r.partition)
+        producer.flush()
+    first = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(first, kafka, first.js).run() == 0
+    assert first.totals.counts["impressions"] == 3 and sample_rows(kafka) == []  # pending: the window is open
+    again = make(exit_when_idle_s=1.0, drain_at_exit=True)
+    assert KafkaJoinWorker(again, kafka, again.js).run() == 0
+    assert sorted((r.impression_id, r.label) for r in sample_rows(kafka)) == [(f"imp-{i}", 0) for i in range(3)]
