@@ -59,7 +59,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--driver", choices=["faust", "kafka"], help="faust-streaming worker or a plain "
                    "confluent-kafka consumer loop with the same semantics and several times the throughput "
                    f"({_d('driver')})")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="how much the process logs to stderr (default: %(default)s)")
     add_kafka_flag(p)
     add_common(p)
     p.set_defaults(func=run)

@@ -72,7 +72,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--redis-url", help="Redis with the users' click history and the update channels "
                    f"({default_help(RedisSettings, 'redis', 'url')}: the local stack)")
     p.add_argument("--no-redis", action="store_true", help="no history (empty) and no pub/sub: polling only")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="how much the process logs to stderr (default: %(default)s)")
     add_common(p)
     p.set_defaults(func=cmd_serve)
 

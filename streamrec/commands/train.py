@@ -56,7 +56,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address the metrics listener binds "
                    f"({d('metrics_host')}: loopback only; 0.0.0.0 for every interface)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="how much the process logs to stderr (default: %(default)s)")
     add_kafka_flag(p)
     add_common(p)
     p.set_defaults(func=run)

@@ -22,6 +22,7 @@ NO_SETTING = {
     "evaluate": {"--dataset", "--capacity", "--buckets", "--admit-after", "--boost", "--cold-k", "--init",
                  "--user-bucket-half-life-s", "--new-user-impressions", "--new-user-session-s", "--features", "--seed"},
     "monitor": {"--rules", "--interval", "--state-path", "--metrics-host", "--log-level"},
+    "join": {"--log-level"}, "train": {"--log-level"}, "serve": {"--log-level"},
     "report": {"--out", "--pid"},
 }
 SETTING_DEFAULT = re.compile(r"default: \[(\w+)\] (\w+), else \S")
@@ -55,3 +56,11 @@ def test_the_settings_the_help_names_exist() -> None:
     named = [(name, flag, m) for name, flag, text in helps() for m in SETTING_DEFAULT.findall(text)]
     assert len(named) > 40
     assert [x for x in named if x[2][1] not in keys.get(x[2][0], ())] == []
+
+
+def test_every_option_of_every_command_has_a_help_text() -> None:
+    """``--log-level`` of join, train and serve had none (their --help listed the choices and nothing else)."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    bare = [f"{name} {a.option_strings[-1]}" for name, p in sub.choices.items() for a in p._actions
+            if a.option_strings and not (a.help or "").strip()]
+    assert not bare, bare
