@@ -8,7 +8,10 @@
 - Rows a source rejected go to ``<topic>.dlq`` with their reason; deliberately malformed messages
   (synthetic ``malformed_share``) go to the real topic for consumers to dead-letter.
 - Pacing: ``rate`` (events per wall-clock second) or ``speed`` (event time / wall time), else as
-  fast as the producer takes them. Every message is acknowledged before the summary is printed.
+  fast as the producer takes them. Every message is acknowledged before the summary is printed. Event time is
+  counted from the first event in the order with a usable time (a source's row rejected for its time has ts 0 and
+  goes out at once); a paced replay that would take over a year of wall clock (``MAX_PACED_S``: a tiny rate or
+  speed, or times decades apart) is a :class:`~stream.errors.ConfigError` before anything is sent.
 - The message values are built column-wise, a chunk of the order at a time (``stream/replay/encoding.py``:
   byte for byte what ``stream/events.py`` encodes); unpaced, a chunk goes out in a loop that calls only
   ``produce``, and counts, polls and progress are per chunk.
@@ -37,7 +40,7 @@ import pyarrow.compute as pc
 
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.errors import MessageLimitError, MessageTooLarge, shown
+from stream.errors import ConfigError, MessageLimitError, MessageTooLarge, shown
 from stream.kafka import (
     AckedProducer,
     MessageLimit,
@@ -115,6 +118,33 @@ class Pacer:
             time.sleep(ahead)
 
 
+MAX_PACED_S = 365 * 86_400  # the longest a paced replay may take (wall clock)
+
+
+def pace_origin(table: EventTable) -> int:
+    """The event time pacing counts from: the earliest of the impressions, clicks and raw messages, leaving out raw
+    messages without a usable time (ts 0); 0 for a table with none."""
+    ts = np.concatenate([table.ts, table.click_ts,
+                         np.fromiter((m.ts for m in table.raw if m.ts > 0), dtype=np.int64)])
+    return int(ts.min()) if len(ts) else 0
+
+
+def check_pace(rate: float | None, speed: float | None, n_events: int, origin_ts: int, last_ts: int) -> None:
+    """A :class:`ConfigError` where pacing ``n_events`` (their times from ``origin_ts`` to ``last_ts``, ms) at
+    ``rate`` or ``speed`` would take over ``MAX_PACED_S`` of wall clock: a wait that long never ends in practice
+    (and one past what ``time.sleep`` takes raises ``OverflowError`` mid-replay)."""
+    if rate is not None:
+        wall_s, what = n_events / rate, f"[replay] rate {rate:g} (events/s) paces its {n_events:,} events"
+    elif speed is not None:
+        span_s = max(0, last_ts - origin_ts) / 1000.0
+        wall_s, what = span_s / speed, f"[replay] speed {speed:g} paces its {span_s:,.0f} s of event time"
+    else:
+        return
+    if wall_s > MAX_PACED_S:
+        raise ConfigError(f"{what} over {wall_s:.3g} s of wall clock; a paced replay may take at most a year "
+                          f"({MAX_PACED_S} s): raise it, or replay unpaced")
+
+
 CHUNK = 4096  # events encoded, sent and counted at a time
 
 
@@ -154,6 +184,9 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     if len(ts_all):
         summary.first_ts, summary.last_ts = int(ts_all.min()), int(ts_all.max())
     Pacer(rate, speed, 0)  # bad settings fail before anything is sent
+    origin = pace_origin(table)
+    check_pace(rate, speed, len(kinds), origin, max(int(ts_all.max()) if len(ts_all) else 0,
+                                                    max((m.ts for m in table.raw), default=0)))
     paced = rate is not None or speed is not None
     imp_topic, click_topic = topics[IMPRESSION], topics[CLICK]
 
@@ -173,7 +206,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     dead = np.zeros(len(kinds), bool)
     dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
 
-    pacer = Pacer(rate, speed, summary.first_ts or 0)  # its clock starts with the first event
+    pacer = Pacer(rate, speed, origin)  # its clock starts with the first event
     counters = {IMPRESSION: EVENTS.labels("replay", imp_topic), CLICK: EVENTS.labels("replay", click_topic)}
     reported = 0
     for start in range(0, len(kinds), CHUNK):

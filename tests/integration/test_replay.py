@@ -21,11 +21,13 @@ from confluent_kafka import KafkaError
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from stream.config import KafkaSettings
+from stream.errors import ConfigError
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
 from stream.kafka import AckedProducer, admin_config
 from stream.replay import publisher as publisher_module
 from stream.replay.config import ClickDelay, SyntheticSettings
+from stream.replay.eventlog import ColumnMap, load_eventlog
 from stream.replay.movielens import CLICK_MIN_RATING, load_movielens, read_movielens
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
@@ -100,6 +102,42 @@ def test_speed_follows_event_time(kafka: KafkaSettings) -> None:
     t0 = time.monotonic()
     publish(table, kafka, "synthetic", speed=4.0)
     assert time.monotonic() - t0 >= 0.8 * span_s / 4.0
+
+
+@pytest.mark.parametrize(("setting", "value"), [("rate", 1e-300), ("speed", 1e-300), ("speed", 1.0)])
+def test_a_pace_over_a_year_is_refused_before_anything_is_sent(setting: str, value: float, kafka: KafkaSettings,
+                                                                tmp_path: Path) -> None:
+    """A rate or speed that paces the replay over a year of wall clock: tiny ones (the first wait raised
+    OverflowError from time.sleep after the first event was sent), or speed 1 over event times 22 years apart (the
+    replay slept 22 years). Now a ConfigError naming the setting, and nothing sent."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,ts,clicked\n1,2,1000000000000,0\n1,3,1000000001000,0\n1,4,1700000000000,0\n")
+    table = load_eventlog(log, ColumnMap(), ClickDelay(), seed=1)
+    rate, speed = (value, None) if setting == "rate" else (None, value)
+    with pytest.raises(ConfigError, match=rf"\[replay\] {setting} .* a paced replay may take at most a year"):
+        publish(table, kafka, "log", rate=rate, speed=speed)
+    assert read_topic(kafka, kafka.impressions_topic) == []
+
+
+def test_a_speed_paced_log_of_only_rejected_rows_paces_from_its_first_row_not_the_epoch(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose every row is rejected (negative user ids) but has a valid time: its dead letters were paced from
+    event time 0 (the first accepted event's time, of which there was none), so --speed 1 slept 54 years before the
+    first of them. Now event time counts from the first row's own time: two rows 1 s apart at speed 1 wait ~1 s."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,ts,clicked\n-1,2,1700000000000,1\n-1,3,1700000001000,0\n")
+    table = load_eventlog(log, ColumnMap(), ClickDelay(), seed=1)
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        real_sleep(min(s, 0.01))
+
+    monkeypatch.setattr(publisher_module.time, "sleep", sleep)
+    summary = publish(table, kafka, "log", speed=1.0)
+    assert summary.dead_lettered == 2
+    assert sleeps and max(sleeps) < 2.0, sleeps
 
 
 def test_synthetic_replay_is_deterministic_by_seed(kafka: KafkaSettings) -> None:
