@@ -87,6 +87,22 @@ def test_synthetic_malformed_share_lands_in_the_dlq_exactly(kafka: KafkaSettings
     assert all(DeadLetter.from_headers(r.headers).reason for r in dlq)
 
 
+def test_an_audit_whose_impressions_and_clicks_topics_are_one_topic_is_refused_not_dead_lettering_every_impression(
+        kafka: KafkaSettings, group_id: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """STREAMREC_KAFKA_CLICKS_TOPIC set to the impressions topic: the audit's decoders (topic -> decoder) kept one
+    entry, the click decoder, so every valid impression was dead-lettered as an invalid click and committed past
+    (exit 0). Now exit 2 naming the two settings, and nothing read, written or committed."""
+    table = build_synthetic(SyntheticSettings(impressions=20), ClickDelay(), seed=2)
+    publish(table, kafka, "synthetic")
+    monkeypatch.setenv("STREAMREC_KAFKA_IMPRESSIONS_TOPIC", kafka.impressions_topic)
+    monkeypatch.setenv("STREAMREC_KAFKA_CLICKS_TOPIC", kafka.impressions_topic)
+    assert main(["audit", "--group", group_id, "--json", "--bootstrap-servers", kafka.bootstrap_servers]) == 2
+    err = capsys.readouterr().err
+    assert f"impressions_topic and clicks_topic are both {kafka.impressions_topic!r}" in err
+    assert read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic)) == []
+
+
 def test_event_log_rows_a_source_cannot_use_are_dead_lettered_with_reasons(
         kafka: KafkaSettings, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "my_log.csv"
