@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from stream.errors import ConfigError
+from stream.events import MAX_TS_MS
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.table import CLICK, IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
 
@@ -222,31 +224,32 @@ def oracle_probability(table: EventTable, s: SyntheticSettings, seed: int) -> np
 
 
 def _check(s: SyntheticSettings, n: int) -> None:
+    """A :class:`ConfigError` (exit 2 at the CLI, one line) for settings the generator cannot use."""
     def share(name: str, value: float, upper_open: bool = False) -> None:
         ok = 0.0 <= value < 1.0 if upper_open else 0.0 <= value <= 1.0
         if not ok:
-            raise ValueError(f"synthetic {name} must be in [0, 1{')' if upper_open else ']'}, got {value}")
+            raise ConfigError(f"[synthetic] {name} must be in [0, 1{')' if upper_open else ']'}, got {value}")
 
     if n < 0:
-        raise ValueError(f"synthetic impressions/limit must be >= 0, got {n}")
+        raise ConfigError(f"[synthetic] impressions/limit must be >= 0, got {n}")
     if s.users < 1 or s.items < 1:
-        raise ValueError(f"synthetic users and items must be >= 1, got users={s.users} items={s.items}")
+        raise ConfigError(f"[synthetic] users and items must be >= 1, got users={s.users} items={s.items}")
     if s.users > NEW_USER_BASE or s.items > NEW_USER_BASE:
-        raise ValueError(f"synthetic users and items must be <= 2**62, got users={s.users} items={s.items}")
+        raise ConfigError(f"[synthetic] users and items must be <= 2**62, got users={s.users} items={s.items}")
     if not s.impressions_per_s > 0:
-        raise ValueError(f"synthetic impressions_per_s must be > 0, got {s.impressions_per_s}")
+        raise ConfigError(f"[synthetic] impressions_per_s must be > 0, got {s.impressions_per_s}")
     if not 0.0 < s.base_ctr < 1.0:
-        raise ValueError(f"synthetic base_ctr must be in (0, 1), got {s.base_ctr}")
+        raise ConfigError(f"[synthetic] base_ctr must be in (0, 1), got {s.base_ctr}")
     if s.latent_dim < 1:
-        raise ValueError(f"synthetic latent_dim must be >= 1, got {s.latent_dim}")
+        raise ConfigError(f"[synthetic] latent_dim must be >= 1, got {s.latent_dim}")
     if s.new_user_impressions < 1:
-        raise ValueError(f"synthetic new_user_impressions must be >= 1, got {s.new_user_impressions}")
+        raise ConfigError(f"[synthetic] new_user_impressions must be >= 1, got {s.new_user_impressions}")
     if s.new_user_session_s < 0:
-        raise ValueError(f"synthetic new_user_session_s must be >= 0, got {s.new_user_session_s}")
+        raise ConfigError(f"[synthetic] new_user_session_s must be >= 0, got {s.new_user_session_s}")
     if not s.attribution_window_s > 0:
-        raise ValueError(f"synthetic attribution_window_s must be > 0, got {s.attribution_window_s}")
+        raise ConfigError(f"[synthetic] attribution_window_s must be > 0, got {s.attribution_window_s}")
     if not math.isfinite(s.zipf_exponent) or s.zipf_exponent < 0:
-        raise ValueError(f"synthetic zipf_exponent must be finite and >= 0, got {s.zipf_exponent}")
+        raise ConfigError(f"[synthetic] zipf_exponent must be finite and >= 0, got {s.zipf_exponent}")
     share("new_user_share", s.new_user_share)
     share("late_click_share", s.late_click_share)
     share("duplicate_click_share", s.duplicate_click_share)
@@ -395,8 +398,13 @@ def build_synthetic(
     gaps = rng.exponential(1.0 / s.impressions_per_s, size=n)
     if n:
         gaps[0] = 0.0
-    ts = s.start_ts_ms + np.rint(np.cumsum(gaps) * 1000.0).astype(np.int64)
+    offset_ms = np.rint(np.cumsum(gaps) * 1000.0)
     del gaps
+    if n and not s.start_ts_ms + offset_ms[-1] <= MAX_TS_MS:  # (a float: past int64 it would wrap negative)
+        raise ConfigError(f"[synthetic] {n:,} impressions at impressions_per_s {s.impressions_per_s:g} from "
+                          f"start_ts_ms {s.start_ts_ms} run past {MAX_TS_MS} (2100-01-01), the last event time an "
+                          "event may have: lower start_ts_ms or the impressions, or raise impressions_per_s")
+    ts = s.start_ts_ms + offset_ms.astype(np.int64)
 
     # --- users: returning (Zipf) and brand-new (bursts or sessions) --------------------------------
     n_new = int(round(s.new_user_share * n))

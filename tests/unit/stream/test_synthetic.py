@@ -115,6 +115,27 @@ def test_bad_settings_rejected() -> None:
         build_synthetic(SyntheticSettings(impressions=10, base_ctr=0.0), DELAY, 1)
 
 
+@pytest.mark.parametrize(("flag", "value", "said"), [
+    ("--syn-base-ctr", "2", "[synthetic] base_ctr must be in (0, 1), got 2.0"),
+    ("--syn-malformed-share", "1", "[synthetic] malformed_share must be in [0, 1), got 1.0"),
+    ("--syn-late-click-share", "-0.5", "[synthetic] late_click_share must be in [0, 1], got -0.5"),
+    ("--syn-impressions-per-s", "1e-300", "run past 4102444800000 (2100-01-01)"),
+    ("--syn-start-ts-ms", "9999999999999999", "run past 4102444800000 (2100-01-01)"),
+])
+def test_synthetic_settings_the_generator_cannot_use_are_one_error_line_and_exit_2(
+        flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A share or CTR out of range ended streamrec replay in a ValueError traceback (exit 1); event times past 2100
+    were generated and published (each one an event the decoder refuses), and a tiny impressions_per_s wrapped the
+    int64 times negative. Now one error line naming the setting, exit 2, before any broker is contacted."""
+    from streamrec.cli import main
+
+    rc = main(["replay", "--dataset", "synthetic", "--syn-impressions", "50", flag, value, "--no-progress",
+               "--bootstrap-servers", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert said in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
 # --- ids, time, context ------------------------------------------------------------------------------
 
 
