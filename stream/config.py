@@ -208,6 +208,15 @@ class KafkaSettings:
                               f"got {type(self.extra).__name__}")
         set_(self, "extra", {k: str(v) for k, v in self.extra.items()})  # a copy: the caller's dict may change
         check_bootstrap_servers(self.bootstrap_servers)
+        # One topic for two of the pipeline's streams: each reader validates a topic as one kind of record (the audit
+        # dead-lettered every impression as an invalid click and committed past it; the joiner would join a topic with
+        # itself). Checked here, for every command.
+        streams = {"impressions_topic": self.impressions_topic, "clicks_topic": self.clicks_topic,
+                   "samples_topic": self.samples_topic}
+        for i, (a, ta) in enumerate(streams.items()):
+            for b, tb in list(streams.items())[i + 1:]:
+                if ta == tb:
+                    raise ConfigError(f"[kafka] {a} and {b} are both {ta!r}: each names its own topic")
         # librdkafka refuses a session timeout above its max.poll.interval.ms (300000 unless [kafka.extra] sets it;
         # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
         poll = self.extra.get("max.poll.interval.ms", "300000").strip()

@@ -137,3 +137,19 @@ def test_a_table_setting_comes_from_a_toml_table_or_key_value_pairs() -> None:
     assert build(WithTable, "t", {}, {"STREAMREC_T_EXTRA": "a=1, b = x=y"}).extra == {"a": "1", "b": "x=y"}
     with pytest.raises(SettingsError, match="key=value pairs"):
         build(WithTable, "t", {}, {"STREAMREC_T_EXTRA": "novalue"})
+
+
+@pytest.mark.parametrize("a,b", [("impressions_topic", "clicks_topic"), ("impressions_topic", "samples_topic"),
+                                 ("clicks_topic", "samples_topic")])
+def test_two_of_the_pipelines_streams_on_one_topic_is_a_config_error_for_every_command(a: str, b: str) -> None:
+    """``streamrec audit`` with the clicks topic set to the impressions topic dead-lettered every impression as an
+    invalid click and committed past it (exit 0); the check was the audit's own. It is now KafkaSettings', so the
+    joiner, the replay and the learner refuse such settings too, from the file or the environment."""
+    from stream.config import KafkaSettings
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"\[kafka\] {a} and {b} are both 'events'"):
+        KafkaSettings(**{a: "events", b: "events"})
+    env = {f"STREAMREC_KAFKA_{a.upper()}": "events", f"STREAMREC_KAFKA_{b.upper()}": "events"}
+    with pytest.raises(ConfigError, match=rf"{a} and {b} are both"):
+        build(KafkaSettings, "kafka", {}, env)
