@@ -6,12 +6,14 @@ Built once at the process edge with ``Sources.build(RefreshSettings, "refresh", 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from learner.config import ArtifactFormat
 from serving.settings import EmbeddingStore, RowDtype
 from stream.config import Choice, check_counts, check_durations, check_ports
+from stream.errors import ConfigError
 
 
 class CountEvent(Choice):
@@ -102,10 +104,16 @@ class RefreshSettings:
         # a level logging does not know was a ValueError traceback from logging.basicConfig once the command ran
         object.__setattr__(self, "log_level", LogLevel.of(self.log_level, "[refresh] log_level"))
         # holdout_timeout_s, redis_timeout_s, misfire_grace_s > 0; redis_backoff_s >= 0 (0: retry at once);
-        # validate_tolerance finite and >= 0 (0: exact; NaN passed every probe). The AUC drops are left as they are:
-        # a negative one demands a gain (tests use it to force a refusal)
+        # validate_tolerance finite and >= 0 (0: exact; NaN passed every probe). The AUC drops only finite: a negative
+        # one demands a gain (tests use it to force a refusal), but NaN passed every holdout (``drop > nan`` is
+        # False: an INT8 artifact of any AUC cost was published) and inf is no bound at all
         check_durations("refresh", self, zero_ok=("redis_backoff_s", "validate_tolerance"),
                         extra=("validate_tolerance",))
+        for name in ("max_auc_drop", "max_int8_auc_drop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"[refresh] {name} must be a finite number (a negative one demands a gain), "
+                                  f"got {value!r}")
         check_ports("refresh", self)
         # days, keep_versions, probe_samples, redis_attempts >= 1; 0 means: hot_items / hot_users none of that kind
         # hot (top_ids(k=0) is empty), small_field_rows only the counted ids, holdout_messages no quality check

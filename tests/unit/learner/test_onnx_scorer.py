@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import math
 import uuid
 from pathlib import Path
 
@@ -232,6 +233,18 @@ def test_the_int8_bound_is_a_refresh_setting() -> None:
 
     assert RefreshSettings().max_int8_auc_drop == validate.DEFAULT_MAX_INT8_AUC_DROP > 0
     assert RefreshSettings(format="onnx_int8").format == "onnx_int8"
+
+
+@pytest.mark.parametrize("name", ["max_int8_auc_drop", "max_auc_drop"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_an_auc_drop_bound_that_is_not_finite_is_refused_a_nan_one_passed_every_int8_artifact(
+        name: str, value: float) -> None:
+    from cache_refresh.settings import RefreshSettings
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"\[refresh\] {name} must be a finite number"):
+        RefreshSettings(**{name: value})
+    assert getattr(RefreshSettings(**{name: -0.5}), name) == -0.5  # a negative bound still demands a gain
 
 
 def test_execution_providers_put_tensorrt_then_cuda_first_on_a_cuda_device_and_only_the_cpu_elsewhere():
