@@ -49,8 +49,8 @@ CUDA/CPU, built by ONNX Runtime on first use and cached (:func:`providers`); the
 once (an ``OrtValue``), not fed from host memory per call. ``bench/gpu_check.py`` builds and times it on a GPU; on a
 CPU machine it says that TensorRT was not checked and why.
 
-onnxruntime (and ``onnx``, for quantization) are imported lazily, only when an ONNX artifact is built or
-loaded: ``pip install 'streamrec[onnx]'``.
+onnxruntime (and ``onnx``, for quantization and for refusing a graph with external data: :func:`session`) are
+imported lazily, only when an ONNX artifact is built or loaded: ``pip install 'streamrec[onnx]'``.
 """
 
 from __future__ import annotations
@@ -236,9 +236,48 @@ def providers(device: str, available: list[str] | None = None,
     return [*out, "CPUExecutionProvider"]
 
 
+def _external_data(model: bytes) -> list[str]:
+    """The names of the tensors of ``model`` (initializers, constants, subgraphs and functions included) whose bytes
+    are not in it but in an external-data file."""
+    try:
+        import onnx
+        from onnx.external_data_helper import uses_external_data
+    except ImportError as exc:
+        raise OnnxUnavailable(f"ONNX artifacts need onnx, which is not installed ({exc}): {INSTALL_HINT}") from None
+    proto = onnx.load_model_from_string(model)  # parses only: reads no external file
+    found: list[str] = []
+
+    def tensors(ts: Any) -> None:
+        found.extend(t.name or "(unnamed)" for t in ts if uses_external_data(t))
+
+    def nodes(ns: Any) -> None:
+        for node in ns:
+            for a in node.attribute:
+                tensors([a.t, *a.tensors, *(st.values for st in [a.sparse_tensor, *a.sparse_tensors])])
+                for g in [a.g, *a.graphs]:
+                    graph(g)
+
+    def graph(g: Any) -> None:
+        tensors([*g.initializer, *(st.values for st in g.sparse_initializer)])
+        nodes(g.node)
+
+    graph(proto.graph)
+    for fn in proto.functions:
+        nodes(fn.node)
+    return found
+
+
 def session(model: bytes, threads: int | None = None, device: str = "cpu") -> Any:
     """An ONNX Runtime session for ``model`` on :func:`providers` for ``device``; ``threads`` intra-op threads
-    (default torch's)."""
+    (default torch's).
+
+    A graph with external data is refused (ValueError): this code exports every weight into the graph, and ONNX
+    Runtime resolves the external files of a graph loaded from bytes against the process's working directory, so
+    such a graph read whatever file under it the reference names (a key, a config) into its weights."""
+    external = _external_data(model)
+    if external:
+        raise ValueError(f"the ONNX graph keeps tensors {', '.join(external[:5])} in external data files; an "
+                         "artifact's graph holds all its weights (streamrec never writes external data)")
     ort = _ort()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or torch.get_num_threads()

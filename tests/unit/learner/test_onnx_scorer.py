@@ -359,6 +359,33 @@ def test_a_graph_that_is_not_the_one_its_manifest_says_is_refused(tmp_path: Path
         A.decode_manifest(json.dumps(m).encode(), "x")
 
 
+def test_a_graph_reading_a_weight_from_an_external_file_in_the_working_directory_is_refused(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime resolves a graph-from-bytes' external data against the process's working directory (it refuses
+    absolute paths and ``..``, not a plain name): an artifact's graph could read any file there (a key, a config)
+    into its weights, bytes no manifest sha256 covers. The exporter writes none: such a graph is refused."""
+    import onnx
+    from onnx import numpy_helper
+
+    staged = build_artifact(ckpt, tmp_path / "root", np.arange(10), format="onnx")
+    path = staged / "scorer.onnx"
+    proto = onnx.load_model_from_string(path.read_bytes())
+    weight = next(t for t in proto.graph.initializer if t.dims and np.prod(t.dims) > 1)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "secret.bin").write_bytes(numpy_helper.to_array(weight).tobytes())  # the same bytes: scores unchanged
+    weight.ClearField("raw_data")
+    weight.data_location = onnx.TensorProto.EXTERNAL
+    weight.external_data.add(key="location", value="secret.bin")
+    path.write_bytes(proto.SerializeToString())
+    m = json.loads((staged / A.MANIFEST).read_text())
+    m["files"]["scorer.onnx"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    (staged / A.MANIFEST).write_text(json.dumps(m))
+    monkeypatch.chdir(cwd)
+    with pytest.raises(ArtifactError, match=rf"keeps tensors {weight.name} in external data files"):
+        ScoringModel.load(staged)
+
+
 def test_a_server_from_before_the_pooling_graph_refuses_its_manifest_with_a_clear_error(
         tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """What an older server (reading layouts 1 and 2) says of a new onnx artifact: refused when the manifest is
