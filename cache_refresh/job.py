@@ -802,13 +802,18 @@ def _published_warnings(rs: RefreshSettings, version: str, ckpt: ckpt_io.Checkpo
                         counted_ids: int) -> list[tuple[str, str]]:
     """What a successful publish must not hide, as ``(stage, message)`` for :func:`_warn_degraded`: the quality gate
     could not compare with a live artifact that exists (it does not load with this run's key, or it has another
-    feature config), newer checkpoints were skipped (torn, refused, diverged), or the hot set is empty (Redis holds no
-    counts: a wrong prefix, or lost on a restart)."""
+    feature config) or could not measure a reduced-precision artifact's AUC cost (no samples, one class), newer
+    checkpoints were skipped (torn, refused, diverged), or the hot set is empty (Redis holds no counts: a wrong
+    prefix, or lost on a restart)."""
     found: list[tuple[str, str]] = []
     if quality.get("unchecked"):
         found.append(("validate", f"published {version} without the holdout comparison with the live version: "
                                   f"{quality['unchecked']}; compare them by hand (`streamrec evaluate`) or roll back "
                                   "with `streamrec refresh --rollback`"))
+    if quality.get("unmeasured"):
+        found.append(("validate", f"published {version} unchecked by its quality gate: {quality['unmeasured']}; "
+                                  "publish an exact format (e.g. --format onnx) until the holdout has samples of "
+                                  "both classes, or roll back with `streamrec refresh --rollback`"))
     if problems:
         found.append(("checkpoint", f"published {version} from {Path(ckpt['path']).name}, behind newer checkpoints "
                                     "that were skipped: " + "; ".join(f"{p.name}: {why}" for p, why in problems)))

@@ -64,7 +64,8 @@ class RefreshSettings:
     # validation before publish
     validate_tolerance: float = 1e-5  # max |artifact - learner fp32 eager| probability on the probe set
     probe_samples: int = 512
-    holdout_messages: int = 50  # last N messages of the samples topic; 0 = no quality check
+    holdout_messages: int = 50  # last N messages of the samples topic; 0 = no quality check (an onnx_int8 or
+    # safetensors_bf16 artifact is then published with a refresh_degraded warning: its AUC cost is not measured)
     holdout_timeout_s: float = 10.0
     max_auc_drop: float = 0.01  # fail when holdout AUC < live artifact's AUC - this
     # reduced-precision formats (onnx_int8, safetensors_bf16): fail when the holdout AUC < the same artifact's

@@ -16,7 +16,9 @@ An INT8 artifact (``onnx_int8``, learner/onnx_scorer.py) is not exact: the probe
 stored tensors scored in torch) against the learner within the tolerance and only records the INT8 scores'
 difference (bounded by :data:`INT8_PROBE_BOUND`, which catches a graph of other weights); the holdout then refuses
 it when its AUC falls more than ``max_int8_auc_drop`` below its own fp32 path's on the same samples (a cost
-measured on every refresh instead of a tolerance), whether or not there is a live artifact.
+measured on every refresh instead of a tolerance), whether or not there is a live artifact. Where it cannot be
+measured (no samples, one class) the summary says so (``unmeasured``) and the publish alerts (refresh_degraded,
+cache_refresh/job.py): its only other check is the probe's loose :data:`INT8_PROBE_BOUND`.
 """
 
 from __future__ import annotations
@@ -150,20 +152,32 @@ def quality(model: ScoringModel, batches: list[SampleBatch], fp32: bool = False)
     return {"samples": int(len(y)), "auc": auc(p, y), "logloss": logloss(p, y)}
 
 
+def _unmeasured(fmt: str, why: str) -> str:
+    """The summary's (and the refresh_degraded warning's) words for a reduced-precision artifact whose AUC cost
+    could not be measured: ``max_int8_auc_drop`` did not apply to it."""
+    return (f"the {fmt} artifact's AUC cost against its fp32 path was not measured ({why}): max_int8_auc_drop "
+            "did not apply")
+
+
 def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBatch],
             max_auc_drop: float, max_int8_auc_drop: float = DEFAULT_MAX_INT8_AUC_DROP) -> dict[str, Any]:
     """Quality of the new artifact vs the live one on recent samples; raise if worse beyond the bound. An INT8
     artifact also against its own fp32 path: raise when INT8 costs more than ``max_int8_auc_drop`` of AUC."""
+    reduced = new.format in REDUCED_PRECISION_FORMATS
     if not batches:
-        return {"skipped": "no samples in the topic"}
+        return {"skipped": "no samples in the topic",
+                **({"unmeasured": _unmeasured(new.format, "no samples in the topic")} if reduced else {})}
     mine = quality(new, batches)
     out: dict[str, Any] = {"new": mine, "max_auc_drop": max_auc_drop}
-    if new.format in REDUCED_PRECISION_FORMATS:
+    if reduced:
         ref = quality(new, batches, fp32=True)
         cost = ref["auc"] - mine["auc"]
         out["int8"] = {"fp32": ref, "auc_cost": cost, "logloss_cost": mine["logloss"] - ref["logloss"],
                        "max_int8_auc_drop": max_int8_auc_drop}
-        if cost > max_int8_auc_drop:  # NaN (one class): not comparable, not refused
+        if math.isnan(cost):  # one class (or no sample scored): not comparable, not refused, but said
+            out["unmeasured"] = _unmeasured(new.format, f"AUC undefined on the {mine['samples']} holdout samples: "
+                                                        "one class only")
+        elif cost > max_int8_auc_drop:
             raise ValidationFailed(f"holdout: {new.format} AUC {mine['auc']:.4f} is {cost:.4f} below the same "
                                    f"artifact's fp32 AUC {ref['auc']:.4f} on {mine['samples']} recent samples (bound "
                                    f"max_int8_auc_drop {max_int8_auc_drop:g}); not publishing it: publish "

@@ -187,11 +187,11 @@ def test_int8_dense_delta_requantizes(tmp_path: Path, ckpt: dict) -> None:
     assert b"MatMulInteger" in onnx_scorer.export_dense(model._live.scorer, int8=True)
 
 
-def _holdout_batch(n: int = 400, seed: int = 0) -> SampleBatch:
+def _holdout_batch(n: int = 400, seed: int = 0, ctr: float = 0.3) -> SampleBatch:
     rng = np.random.default_rng(seed)
     return SampleBatch.from_columns(
         impression_id=[uuid.uuid4().hex for _ in range(n)], ts=np.full(n, 1_750_000_000_000),
-        label=(rng.random(n) < 0.3).astype(np.int8), label_delay_ms=np.zeros(n, np.int64),
+        label=(rng.random(n) < ctr).astype(np.int8), label_delay_ms=np.zeros(n, np.int64),
         user_id=rng.integers(0, 1 << 40, n), item_id=rng.integers(0, 1 << 40, n),
         history=[rng.integers(0, 1 << 40, rng.integers(0, 4)).tolist() for _ in range(n)],
         context={"device": rng.integers(0, 3, n)}, dense={"age": rng.random(n).astype(np.float32)})
@@ -226,6 +226,22 @@ def test_int8_is_validated_by_its_auc_cost_and_refused_beyond_the_bound(tmp_path
         validate.probe(new, ck, 512, 1e-5, hot_rows=hot)
     assert publish(tmp_path, staged, keep=3).name == new.version  # what passes is published like any format
     assert ScoringModel.load(read_current(tmp_path)).format == "onnx_int8"
+
+
+@pytest.mark.parametrize("batches", ["one_class", "none"])
+def test_an_int8_artifact_whose_auc_cost_is_not_measured_is_published_with_a_degraded_warning(
+        int8_model: ScoringModel, batches: str) -> None:
+    """No samples or one class: the AUC cost is undefined and the bound cannot apply (not refused: a fresh topic must
+    not block every publish), but the publish may not look checked; it was silent even with a bound no INT8 meets."""
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+
+    holdout = [_holdout_batch(50, ctr=0.0)] if batches == "one_class" else []
+    out = validate.holdout(int8_model, None, holdout, max_auc_drop=0.01, max_int8_auc_drop=-1.0)
+    assert "onnx_int8 artifact's AUC cost against its fp32 path was not measured" in out["unmeasured"]
+    found = job._published_warnings(RefreshSettings(), "v1", {"path": "/ckpt/x.pt"}, [], out, counted_ids=5)
+    assert [stage for stage, _ in found] == ["validate"] and "published v1 unchecked by its quality gate" in found[0][1]
+    assert "unmeasured" not in validate.holdout(int8_model, None, [_holdout_batch(50)], 0.01, 0.5)  # measured
 
 
 def test_the_int8_bound_is_a_refresh_setting() -> None:
