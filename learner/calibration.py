@@ -33,11 +33,18 @@ regression, as in Chapelle and Li, "An Empirical Evaluation of Thompson Sampling
 over two parameters with a forgetting factor): per group of matured pairs, with ``s_i = sigmoid(a z_i + b)``
 and ``x_i = (z_i, 1)``,
 
-    H <- gamma^n H + sum_i s_i (1 - s_i) x_i x_i^T        gamma = 2 ** (-1 / half_life_rows)
+    H <- gamma^n H + (1 - gamma^n) H_0 + sum_i s_i (1 - s_i) x_i x_i^T        gamma = 2 ** (-1 / half_life_rows)
     (a, b) <- (a, b) - H^-1 sum_i (s_i - y_i) x_i
 
-``H`` starts at ``prior_rows`` rows' worth of curvature around the identity ``(1, 0)``, so a fresh model is
-served as it is until evidence builds up, and ``H``'s forgetting lets ``(a, b)`` follow a model that changes.
+``H`` starts at ``H_0``, ``prior_rows`` rows' worth of curvature around the identity ``(1, 0)``, so a fresh model
+is served as it is until evidence builds up, and ``H``'s forgetting lets ``(a, b)`` follow a model that changes.
+It forgets toward ``H_0``, not toward 0, so ``H`` never falls below it: rows that carry no curvature (a stretch of
+one class, where the fit drives the served probability toward 0 or 1 and ``s (1 - s)`` vanishes) cannot forget it
+to nothing. Forgetting toward 0, a million rows without a click (a click outage of minutes at production rates)
+left ``H`` at ~1e-4; the first batch with clicks then stepped ``b`` to +1e6, which served 1.0 to every impression
+from then on (``H`` near singular stayed so, and was checkpointed); at the floor a stream recovers in a few
+thousand rows. In steady state the floor is ``prior_rows`` against the ~``1.44 half_life_rows`` rows the
+forgetting keeps: a damping of a few percent.
 ``a`` stays in ``[min_scale, max_scale]`` (0.05 to 4): calibration may shrink or stretch the logits, never
 invert or erase the ranking.
 
@@ -96,7 +103,8 @@ class OnlineCalibration:
         self.maturity_ms, self.max_pending = int(maturity_s * 1000), max_pending
         self.a, self.b = 1.0, 0.0
         # a prior of prior_rows rows at p = 0.1 (curvature 0.09 each), logits of unit spread
-        self.h = np.eye(2) * prior_rows * 0.09
+        self.h0 = np.eye(2) * prior_rows * 0.09
+        self.h = self.h0.copy()
         self.rows = 0  # pairs fitted
         # observed impressions waiting to mature, one chunk per batch: (ids (n,) object, raw logits (n,) float64,
         # impression ts (n,) int64 ms, label when observed (n,) float64); their ids, and those clicked since
@@ -169,7 +177,8 @@ class OnlineCalibration:
                             [float((c * z).sum()), float(c.sum())]])
         r = s - y
         grad = np.array([float((r * z).sum()), float(r.sum())])
-        self.h = self.h * 2.0 ** (-len(z) / self.half_life_rows) + h_batch
+        keep = 2.0 ** (-len(z) / self.half_life_rows)
+        self.h = self.h * keep + self.h0 * (1.0 - keep) + h_batch  # forgets toward the prior (module docstring)
         step = np.linalg.solve(self.h, grad)
         self.a = float(np.clip(self.a - step[0], self.min_scale, self.max_scale))
         self.b = float(self.b - step[1])

@@ -140,3 +140,27 @@ def test_a_row_ahead_of_the_wall_clock_does_not_mature_the_pending_impressions_e
     ids = np.array([f"i{k}" for k in range(20)], object)
     cal.observe(ids, np.full(20, OBSERVED, np.int8), np.zeros(20), np.zeros(20), np.full(20, now - 30_000), None)
     assert cal.rows == 0 and cal.pending == 21  # a minute old at most: none is mature yet
+
+
+def test_a_stretch_without_clicks_does_not_leave_the_calibration_serving_one_to_everything() -> None:
+    """A million matured rows without a click (a click outage: minutes at production rates) fit b down and their
+    curvature away; forgetting toward 0 left H near singular, and the first batch with clicks stepped b to +1e6:
+    every impression served 1.0 from then on. H forgets toward its prior, so the fit comes back to the clicks."""
+    rng = np.random.default_rng(3)
+
+    def rows(n: int, clicks: bool) -> tuple[np.ndarray, np.ndarray]:
+        z = rng.normal(-2.2, 1.0, n)  # a calibrated model: clicks at sigmoid(z)
+        return z, (rng.random(n) < 1 / (1 + np.exp(-z))).astype(np.float64) * clicks
+
+    cal = OnlineCalibration()
+    for _ in range(100):
+        cal.fit(*rows(1000, clicks=True))
+    for _ in range(1000):
+        cal.fit(*rows(1000, clicks=False))
+    assert np.linalg.eigvalsh(cal.h).min() > 1.0  # its curvature not forgotten to nothing (the prior: 90)
+    for _ in range(30):
+        cal.fit(*rows(1000, clicks=True))
+    z, y = rows(50_000, clicks=True)
+    served = 1 / (1 + np.exp(-np.clip(cal.a * z + cal.b, -40, 40)))
+    assert np.isfinite(cal.b) and abs(cal.b) < 5
+    assert normalized_entropy(np.clip(served, 1e-7, 1 - 1e-7), y) < 0.95
