@@ -71,6 +71,8 @@ class ServedQuality:
         wait = ok & (kinds == OBSERVED) & (labels <= 0.5)
         for i, t, prob, c, part in zip(impression_ids[wait].tolist(), ts[wait].tolist(), probs[wait].tolist(),
                                        cold[wait].tolist(), parts[wait].tolist(), strict=True):
+            if i in self._where:  # the same id again (past the daemon's dedup window, or on another partition):
+                continue  # the first prediction is the one served; a second entry left one queue without its id
             self._pending.setdefault(part, OrderedDict())[i] = (t, prob, c)
             self._where[i] = part
         hit: list[tuple[float, bool, int]] = []  # (prob served, cold, click time)

@@ -334,3 +334,25 @@ def test_served_samples_carry_the_event_time_their_label_became_known() -> None:
     # c: observed 1, clicked at 60; d: final 0, labelled at 5030; a: its delayed click at 700; b: its window closed
     assert s.state_dict()["all"]["window_ts"].tolist() == [60, 5030, 700, 1010]
     assert s.state_dict()["all"]["window_probs"].tolist() == [0.8, 0.1, 0.9, 0.2]
+
+
+def test_an_observed_impression_seen_again_on_another_partition_keeps_its_first_prediction_and_no_crash() -> None:
+    """An impression id whose OBSERVED row comes twice (a client that re-sent it after the impressions topic grew
+    partitions, past the daemon's dedup window): both were kept pending, one partition's queue outlived the id's
+    entry, and its expiry raised KeyError inside training, a crash that struck the innocent batch of that moment."""
+    s = ServedQuality(window_ms=1000)
+    for part, prob in ((0, 0.9), (1, 0.2)):
+        s.record(np.array(["a"], object), np.array([0]), np.array([OBSERVED], np.int8), np.zeros(1, np.float32),
+                 np.array([prob]), None, partitions=np.array([part]))
+    assert s.pending == 1
+    s.advance(5000)  # both partitions' windows close
+    assert s.pending == 0 and s.all.count == 1
+    assert s.state_dict()["all"]["window_probs"].tolist() == [0.9]  # the prediction served first
+    s.record(np.array(["b"], object), np.array([9000]), np.array([OBSERVED], np.int8), np.zeros(1, np.float32),
+             np.array([0.4]), None, partitions=np.array([0]))
+    s.record(np.array(["b", "b"], object), np.array([9000, 9000]), np.array([OBSERVED, DELAYED_POSITIVE], np.int8),
+             np.array([0, 1], np.float32), np.array([0.7, 0.7]), None, partitions=np.array([1, 1]),
+             label_delay_ms=np.array([0, 300]))
+    s.advance(20_000)
+    assert s.pending == 0 and s.unmatched == 0 and s.all.count == 2
+    assert s.state_dict()["all"]["window_probs"].tolist() == [0.9, 0.4]  # b's click found its first prediction
