@@ -13,7 +13,9 @@ The label: a ``FINAL`` row's, an ``OBSERVED`` 1; an ``OBSERVED`` 0 waits for its
 until its window has closed on the joiner's side (then 0). The daemon sees that through the clicks: each
 samples partition's *click clock* is the newest click time (``ts + label_delay_ms`` of a positive) it has
 delivered, and the joiner joins a partition's clicks in offset order, so once a partition's click clock
-passes ``ts + window`` no click of an impression at ``ts`` can still come. The rows' own event time is not
+passes ``ts + window`` no click of an impression at ``ts`` can still come. Passes, not reaches: the joiner's
+window is inclusive (a click exactly ``window`` after its impression labels it 1), and two clicks of the same
+millisecond may come in two batches. The rows' own event time is not
 that clock: reading a backlog, the joiner can put out a whole fetched batch of impressions (days of
 MovieLens' sparse years) before the clicks of the impressions just before it, and a clock of the newest
 impression time took 56,578 of the demo's delayed positives for negatives before they arrived
@@ -97,8 +99,8 @@ class ServedQuality:
 
     def advance(self, now_ms: int) -> None:
         """Every partition's window has closed up to event time ``now_ms`` (the end of a stream, a test)."""
-        for part in self._pending:
-            self._clock[part] = max(self._clock.get(part, now_ms), now_ms)
+        for part in self._pending:  # no click at or before now_ms can still come: a clock just past it
+            self._clock[part] = max(self._clock.get(part, now_ms + 1), now_ms + 1)
         self._expire()
 
     def _expire(self) -> None:
@@ -109,8 +111,8 @@ class ServedQuality:
             clock = self._clock.get(part)
             while queue and clock is not None:
                 imp_id, first = next(iter(queue.items()))
-                if first[0] + self.window_ms > clock:
-                    break
+                if first[0] + self.window_ms >= clock:  # a click at ts + window still joins (the joiner's window is
+                    break  # inclusive, stream/joiner/engine.py), and another click of that ms may come before it
                 expired.append(queue.pop(imp_id))
                 del self._where[imp_id]
         while len(self._where) > self.max_pending:

@@ -356,3 +356,22 @@ def test_an_observed_impression_seen_again_on_another_partition_keeps_its_first_
     s.advance(20_000)
     assert s.pending == 0 and s.unmatched == 0 and s.all.count == 2
     assert s.state_dict()["all"]["window_probs"].tolist() == [0.9, 0.4]  # b's click found its first prediction
+
+
+def test_a_click_exactly_a_window_after_its_impression_is_served_as_a_click_as_the_joiner_labels_it() -> None:
+    """The joiner joins a click with 0 <= click.ts - imp.ts <= window (inclusive). Another click of that same
+    millisecond, delivered a batch earlier, took the click clock to ts + window: a's window was taken as closed,
+    a served as a negative, and its delayed positive, a batch later, went unmatched."""
+    s = ServedQuality(window_ms=1000)
+    s.record(np.array(["a", "b"], object), np.array([0, 900]), np.full(2, OBSERVED, np.int8), np.zeros(2, np.float32),
+             np.array([0.8, 0.2]), None, partitions=np.array([0, 0]))
+    for imp, ts in (("b", 900), ("a", 0)):  # both clicked at 1000 ms, in two batches
+        s.record(np.array([imp], object), np.array([ts]), np.array([DELAYED_POSITIVE], np.int8),
+                 np.ones(1, np.float32), np.array([0.5]), None, partitions=np.array([0]),
+                 label_delay_ms=np.array([1000 - ts]))
+    assert s.unmatched == 0 and s.pending == 0 and s.all.count == 2
+    assert s.all.logloss == pytest.approx(-(np.log(0.8) + np.log(0.2)) / 2)  # both served predictions, label 1
+    s.record(np.array(["c"], object), np.array([1000]), np.array([OBSERVED], np.int8), np.zeros(1, np.float32),
+             np.array([0.1]), None, partitions=np.array([0]))
+    s.advance(2000)  # every window ending by then has closed: c's (at 2000) too
+    assert s.pending == 0 and s.all.count == 3
