@@ -63,6 +63,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ from learner.distributed import (
     LockStep,
     RankContext,
     all_gather_objects,
+    barrier,
     broadcast_object,
     gather_objects,
     is_peer_failure,
@@ -111,6 +113,7 @@ from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, sha
 from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
+from stream.files import write_atomic
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import DELAYED_POSITIVE
 from stream.strikes import PartitionFileStrikes, Strikes, is_infrastructure
@@ -130,6 +133,54 @@ def check_settings(ls: LearnerSettings) -> None:
                    "kernels have no Adam, and its CUDA Adam was not tried here)")
     if bad:
         raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
+
+
+# [learner] settings each rank may set for itself: its host's loader and metrics endpoint, and paths only rank 0
+# opens (the deltas it writes, their signing key). checkpoint_dir is every rank's, but may be mounted at another path
+# on another host: check_same_settings checks that it is rank 0's directory, not that its path is rank 0's.
+RANK_LOCAL_SETTINGS = frozenset({"num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "metrics_port",
+                                 "metrics_host", "deltas_dir", "signing_key_file", "deltas_redis_url",
+                                 "checkpoint_dir"})
+GROUP_FILE = ".group"  # in checkpoint_dir: rank 0's token of this start (check_same_settings)
+
+
+def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int) -> None:
+    """Collective, every rank at start: a ConfigError on EVERY rank (so none waits in a collective for the others)
+    when the ranks were started with different settings, e.g. one host's config file or environment differing.
+    Each rank decides from its own value (its step's size, its stop at ``max_samples``, its learning rates, its
+    topic), so a difference made the ranks' collectives diverge or their replicas drift apart, and a rank with
+    another ``checkpoint_dir`` wrote its shards where no load looks while rank 0 renamed a checkpoint without them
+    into place as complete. The ``[learner]`` settings but :data:`RANK_LOCAL_SETTINGS` and the samples topic must be
+    equal; ``checkpoint_dir`` must be the directory rank 0 writes (a token rank 0 writes there, read by every
+    rank)."""
+    import uuid
+
+    mine = {f.name: getattr(ls, f.name) for f in fields(ls) if f.name not in RANK_LOCAL_SETTINGS}
+    mine["[kafka] samples_topic"] = kafka.samples_topic
+    everyone = all_gather_objects(mine)
+    differ = {k: [e.get(k) for e in everyone] for k in everyone[0]
+              if any(e.get(k) != everyone[0][k] for e in everyone[1:])}
+    if differ:
+        raise ConfigError("the ranks were started with different settings (every rank must use the same [learner] "
+                          "and [kafka] samples_topic): " + "; ".join(
+                              f"{k}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals))
+                              for k, vals in differ.items()))
+    token = broadcast_object(uuid.uuid4().hex if rank == 0 else None)
+    group_file = Path(ls.checkpoint_dir) / GROUP_FILE
+    if rank == 0:
+        group_file.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(group_file, token.encode())
+    barrier()
+    try:
+        seen = group_file.read_text() == token
+    except OSError:
+        seen = False
+    dirs = all_gather_objects((seen, str(ls.checkpoint_dir)))
+    elsewhere = [(r, d) for r, (ok, d) in enumerate(dirs) if not ok]
+    if elsewhere:
+        raise ConfigError("checkpoint_dir must be one directory every rank sees (rank 0 writes each checkpoint's "
+                          f"metadata, every rank its shards): rank 0 writes {dirs[0][1]} but " + ", ".join(
+                              f"rank {r}'s {d}" for r, d in elsewhere) + " is not that directory")
 
 
 def rows_per_step(ls: LearnerSettings) -> int:
@@ -680,6 +731,7 @@ def clear_chained_frames(exc: BaseException) -> None:
 def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
            redis: RedisSettings | None) -> dict[str, Any]:
     """The learner's run; nothing of the learner outlives this call (run_ranks)."""
+    check_same_settings(kafka, ls, ctx.rank)
     learner = ShardedLearner(kafka, ls, ctx, redis=redis)
     if ctx.rank == 0:
         print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "

@@ -293,3 +293,61 @@ def test_two_ranks_train_a_suspect_alone_share_a_failed_round_and_any_ranks_stop
         assert got["idle"] is None  # rank 1's suspect waits for its round: not idle
         assert got["failed"] == "rank 0: ValueError: bad row"
         assert got["config"] is None  # rank 1's SIGTERM stopped rank 0's wait too
+
+
+def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
+    """One of 2 gloo ranks (``gloo_rank``): check_same_settings on settings as each rank's host would give them;
+    what each call raised in ``out``."""
+    import json
+
+    from learner.config import LearnerSettings
+    from learner.sharded_daemon import check_same_settings
+    from stream.config import KafkaSettings
+
+    ckpt, kafka = Path(tmp) / "ckpt", KafkaSettings(samples_topic="samples")
+    # rank 1's settings; rank 0's are LearnerSettings(checkpoint_dir=ckpt, step_rows=100)
+    cases: dict[str, dict[str, object]] = {
+        # rank 1 mounts the same directory at another path, and has its own loader and metrics port: fine
+        "same": dict(checkpoint_dir=Path(tmp) / "mount", num_workers=2, metrics_port=9100),
+        "step_rows": dict(checkpoint_dir=ckpt, step_rows=50),
+        "lr_dense": dict(checkpoint_dir=ckpt, lr_dense=0.01),
+        "checkpoint_dir": dict(checkpoint_dir=Path(tmp) / "elsewhere"),
+    }
+    got: dict[str, str | None] = {}
+    for name, mine in cases.items():
+        ls = (LearnerSettings(**{"step_rows": 100, **mine}) if rank  # type: ignore[arg-type]
+              else LearnerSettings(checkpoint_dir=ckpt, step_rows=100))
+        try:
+            check_same_settings(kafka, ls, rank)
+            got[name] = None
+        except ConfigError as exc:
+            got[name] = str(exc)
+    Path(out).write_text(json.dumps(got))
+
+
+def test_ranks_started_with_different_settings_or_checkpoint_directories_all_stop_at_start_naming_the_difference(
+        tmp_path: Path) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.unit.learner.gloo_ranks import gloo_rank
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "mount").symlink_to(tmp_path / "ckpt")  # another host's mount point of the same directory
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=gloo_rank, args=(r, 2, str(tmp_path / "store"), _settings_of_each_rank,
+                                                 str(tmp_path), outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for out in outs:  # every rank decides the same: none is left waiting in a collective
+        got = json.loads(Path(out).read_text())
+        assert got["same"] is None
+        assert "step_rows: rank 0 100, rank 1 50" in got["step_rows"]
+        assert "lr_dense: rank 0 0.001, rank 1 0.01" in got["lr_dense"]
+        assert (f"rank 0 writes {tmp_path / 'ckpt'} but rank 1's {tmp_path / 'elsewhere'} is not that directory"
+                in got["checkpoint_dir"])
