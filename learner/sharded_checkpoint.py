@@ -165,6 +165,10 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
     from learner.sharded_ids import whole_maps
     from learner.sharded_model import TABLE_KEY, padded_width, state_scale
 
+    if list_complete(dst):  # (dst == src too) the single-process checkpoint would sit beside the sharded ones, and
+        # `streamrec train --status`, which reads single-process checkpoints first, would report it for good
+        raise checkpoint.CheckpointError(f"{dst} holds sharded checkpoints (dcp-*): unshard into another directory, "
+                                         "one for single-process checkpoints")
     found = latest(src)
     if found is None:
         raise checkpoint.CheckpointError(f"no complete sharded checkpoint (dcp-*/meta.json) in {src}")

@@ -269,6 +269,14 @@ class ShardedLearner:
     def _restore(self) -> bool:
         found = sharded_checkpoint.latest(self.ls.checkpoint_dir)
         if found is None:
+            single = checkpoint.list_checkpoints(Path(self.ls.checkpoint_dir))
+            if single:  # a fresh model would train again, from offset 0, what that one was trained on
+                raise ConfigError(f"{self.ls.checkpoint_dir} holds single-process checkpoints (newest "
+                                  f"{single[-1].name}) and no sharded one: N ranks do not resume from a single-process "
+                                  "checkpoint (there is no reshard from one process to N ranks), and a fresh model "
+                                  "here would train every retained sample again while `streamrec train --status` and "
+                                  "`streamrec refresh` kept reading the old checkpoint. Run the ranks with another "
+                                  "--checkpoint-dir to start a sharded model, or go on training in one process")
             return False
         path, meta = found
         recorded = meta.get("shape", {})

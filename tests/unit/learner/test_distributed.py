@@ -351,3 +351,27 @@ def test_ranks_started_with_different_settings_or_checkpoint_directories_all_sto
         assert "lr_dense: rank 0 0.001, rank 1 0.01" in got["lr_dense"]
         assert (f"rank 0 writes {tmp_path / 'ckpt'} but rank 1's {tmp_path / 'elsewhere'} is not that directory"
                 in got["checkpoint_dir"])
+
+
+def test_ranks_on_a_directory_of_single_process_checkpoints_refuse_to_start_a_fresh_model_there(
+        tmp_path: Path) -> None:
+    from learner import sharded_daemon
+    from learner.config import LearnerSettings
+
+    (tmp_path / "ckpt-000000000000800-1.pt").write_bytes(b"a single-process checkpoint")
+    learner = sharded_daemon.ShardedLearner.__new__(sharded_daemon.ShardedLearner)
+    learner.ls = LearnerSettings(checkpoint_dir=tmp_path)  # (no collective runs before the refusal)
+    with pytest.raises(ConfigError, match="holds single-process checkpoints .newest ckpt-000000000000800-1.pt"):
+        learner._restore()
+    learner.ls = LearnerSettings(checkpoint_dir=tmp_path / "empty")
+    assert learner._restore() is False  # a fresh directory: a fresh sharded model
+
+
+def test_unshard_refuses_a_directory_of_sharded_checkpoints_as_its_destination(tmp_path: Path) -> None:
+    from learner import checkpoint, sharded_checkpoint
+
+    (tmp_path / "dcp-000000000000800-1").mkdir()
+    (tmp_path / "dcp-000000000000800-1" / sharded_checkpoint.META).write_text("{}")
+    with pytest.raises(checkpoint.CheckpointError, match="holds sharded checkpoints"):
+        sharded_checkpoint.unshard(tmp_path, tmp_path)
+    assert checkpoint.list_checkpoints(tmp_path) == []  # nothing written beside them
