@@ -63,18 +63,21 @@ class RankContext:
     @classmethod
     def from_env(cls, env: Mapping[str, str], device_type: str = "cpu") -> RankContext:
         """torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (unset: one process); gloo on CPU, NCCL on CUDA."""
+        names = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+        defaults = {"WORLD_SIZE": "1"}
         try:
-            world = int(env.get("WORLD_SIZE", "1"))
-            rank, local = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
+            world, rank, local, port, restarts = (int(env.get(n, defaults.get(n, "0"))) for n in names)
         except ValueError as exc:
-            raise ConfigError(f"WORLD_SIZE / RANK / LOCAL_RANK must be integers (torchrun sets them): {exc}") from None
+            raise ConfigError(f"{' / '.join(names)} must be integers (torchrun sets them): {exc}") from None
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank {rank} of world size {world} is not a valid place: run under torchrun, which "
                               "sets RANK and WORLD_SIZE, or set neither for one process")
+        if local < 0 or not 0 <= port <= 65535 or restarts < 0:
+            raise ConfigError(f"LOCAL_RANK {local}, MASTER_PORT {port}, TORCHELASTIC_RESTART_COUNT {restarts}: each "
+                              "must be >= 0 and the port <= 65535 (torchrun sets them)")
         return cls(rank, world, local, "nccl" if device_type == "cuda" else "gloo",
-                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "0")),
-                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
+                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count=restarts)
 
     def init(self, timeout_s: float = 600.0) -> None:
         """Join the default process group (torchrun's rendezvous variables: ``MASTER_ADDR``/``MASTER_PORT``).

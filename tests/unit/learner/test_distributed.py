@@ -57,6 +57,13 @@ def test_rank_context_comes_from_torchruns_environment() -> None:
         RankContext.from_env({"WORLD_SIZE": "two"})
 
 
+@pytest.mark.parametrize("env", [{"MASTER_PORT": "abc"}, {"MASTER_PORT": "70000"},
+                                 {"TORCHELASTIC_RESTART_COUNT": "x"}, {"LOCAL_RANK": "-1"}])
+def test_torchruns_other_variables_with_nonsense_are_a_config_error_not_a_traceback(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="torchrun sets them"):
+        RankContext.from_env({"WORLD_SIZE": "2", "RANK": "0", **env})
+
+
 @pytest.fixture
 def one_rank_group(tmp_path: Path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
