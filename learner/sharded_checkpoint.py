@@ -70,7 +70,34 @@ def latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
         raise checkpoint.CheckpointError(f"sharded checkpoint {done[-1]} has format {meta['format_version']}, this "
                                          f"streamrec reads up to {FORMAT_VERSION}: upgrade streamrec")
+    lost = lost_parts(done[-1], meta)
+    if lost:  # rank 0 wrote meta.json only once every part was durable: they went missing or were damaged since
+        raise checkpoint.CheckpointError(
+            f"sharded checkpoint {done[-1]} (written by {meta.get('world_size')} ranks) lacks {', '.join(lost)}: "
+            f"its files were lost or damaged after it was written; move it out of {directory} to resume from (or "
+            "unshard) the one before it")
     return done[-1], meta
+
+
+def lost_parts(path: Path, meta: dict[str, Any]) -> list[str]:
+    """The files of a checkpoint's parts that ``path`` lacks or holds shorter than DCP's metadata says they are:
+    every rank's ``rank-<r>.pt`` and every DCP data file ``.metadata`` names. Empty: every part is there (a rank's
+    missing ``rank-<r>.pt`` or DCP shard ended the restore and ``--unshard`` in a FileNotFoundError or EOFError)."""
+    lost = [f"rank-{r}.pt" for r in range(int(meta.get("world_size", 0))) if not (path / f"rank-{r}.pt").is_file()]
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001 - missing, torn or foreign: named, whatever the unpickler raised
+        return [*lost, f".metadata ({type(exc).__name__})"]
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = path / name
+        if not f.is_file():
+            lost.append(name)
+        elif f.stat().st_size < end:
+            lost.append(f"{name} ({f.stat().st_size} of its {end} bytes)")
+    return lost
 
 
 def dense_opt_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -382,3 +382,30 @@ def test_unshard_refuses_a_directory_of_sharded_checkpoints_as_its_destination(t
     with pytest.raises(checkpoint.CheckpointError, match="holds sharded checkpoints"):
         sharded_checkpoint.unshard(tmp_path, tmp_path)
     assert checkpoint.list_checkpoints(tmp_path) == []  # nothing written beside them
+
+
+def test_a_sharded_checkpoint_that_lost_or_tore_a_part_is_named_with_the_part_not_loaded_into_a_traceback(
+        tmp_path: Path) -> None:
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from learner import checkpoint, sharded_checkpoint
+
+    path = tmp_path / "dcp-000000000000800-1"
+    dcp.save({"model": {"w": torch.arange(1000.0)}}, checkpoint_id=str(path))  # one process: __0_0.distcp
+    for r in (0, 1):
+        (path / f"rank-{r}.pt").write_bytes(b"a rank's state")
+    (path / sharded_checkpoint.META).write_text(json.dumps({"world_size": 2, "samples_trained": 800}))
+    assert sharded_checkpoint.latest(tmp_path) is not None  # complete
+    (path / "rank-1.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"\(written by 2 ranks\) lacks rank-1\.pt: "):
+        sharded_checkpoint.latest(tmp_path)
+    (path / "rank-1.pt").write_bytes(b"back")
+    with open(path / "__0_0.distcp", "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(checkpoint.CheckpointError, match=r"lacks __0_0\.distcp \(100 of its \d+ bytes\)"):
+        sharded_checkpoint.unshard(tmp_path, tmp_path / "single")
+    (path / ".metadata").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"lacks \.metadata \(FileNotFoundError\)"):
+        sharded_checkpoint.latest(tmp_path)
