@@ -395,8 +395,9 @@ class DeltaWriter:
         self.touched[fresh] = True
         if not self._pending_ok:
             return
-        try:
-            with open(self.pending_path, "ab") as fh:
+        try:  # (non-blocking: a FIFO in its place is ENXIO, not a wait for a reader for ever)
+            fd = os.open(self.pending_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            with os.fdopen(fd, "ab") as fh:
                 fh.write(fresh.cpu().numpy().astype("<i8", copy=False).tobytes())
         except OSError as exc:
             self._pending_ok = False
@@ -405,10 +406,19 @@ class DeltaWriter:
 
     def _restore_pending(self) -> None:
         """Mark the rows a previous writer on this directory marked and never wrote (rows outside this table,
-        from another config, and a torn last entry are left out)."""
+        from another config, and a torn last entry are left out). A list that cannot be read (permissions, a disk
+        error, a directory or a FIFO in its place: :func:`~stream.files.open_regular`) is logged and the learner
+        starts: those rows reach serving with the next artifact (as for a list :meth:`sync` cannot make durable).
+        Raised, it stopped the learner at start for a side output."""
         try:
-            raw = self.pending_path.read_bytes()
+            with open_regular(self.pending_path) as (fh, _):
+                raw = fh.readall()
         except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._pending_ok = False  # not appended to either, until the next delta starts a new list
+            log.warning("cannot read %s (%s): the rows it lists reach serving with the next artifact, not with the "
+                        "next delta; the learner starts", self.pending_path, exc)
             return
         rows = np.frombuffer(raw, dtype="<i8", count=len(raw) // 8).astype(np.int64)
         rows = rows[(rows >= 0) & (rows < len(self.touched))]

@@ -447,3 +447,38 @@ def test_a_loaded_delta_is_views_of_one_buffer_of_the_files_size_and_an_unpadded
     for given in (raw, bytearray(raw), memoryview(bytearray(raw))):
         tree = tensorpack.unpack(given)
         assert torch.equal(tree["a"], small) and torch.equal(tree["b"], values)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_pending_list_that_cannot_be_read_at_start_is_logged_and_the_writer_starts(
+        tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted learner reads the rows its predecessor marked and never wrote (``pending-rows.i64``). Anything
+    but a file there stopped it at start (a directory: IsADirectoryError, a traceback) or hung it for good (a FIFO
+    without a writer). The list is a side output: the writer now starts, says what it could not read, and the rows
+    it marks go out with the next delta as usual."""
+    import os
+    import threading
+
+    from learner.deltas import PENDING
+
+    path = tmp_path / PENDING
+    if kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    made: list[DeltaWriter] = []
+    t = threading.Thread(target=lambda: made.append(DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0)), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # (unblock the FIFO so the thread ends, then fail)
+        with open(path, "wb"):
+            pass
+        t.join(10)
+        pytest.fail("the writer blocked reading a FIFO in place of its pending list")
+    assert made, "the writer did not start"
+    assert f"cannot read {path}" in caplog.text
+    learner = TinyLearner()
+    for tb in learner.train(1):
+        made[0].mark(tb.values)
+    seq = made[0].write(learner.model, learner.trainer.samples)
+    assert seq is not None and list_deltas(tmp_path)
