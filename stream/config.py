@@ -222,10 +222,10 @@ class KafkaSettings:
         poll = self.extra.get("max.poll.interval.ms", "300000").strip()
         cap = min(int(poll), 3_600_000) if poll.isascii() and poll.isdigit() and len(poll) < 10 else 3_600_000
         check_counts("kafka", self, at_most={"session_timeout_ms": cap})  # partitions, replication_factor >= 1
-        from stream.secrets import register
+        from stream.secrets import names_credential, register
 
-        for k, v in self.extra.items():  # sasl.oauthbearer.client.secret and the like: scrubbed from all output
-            if any(w in k.lower() for w in ("password", "secret", "token")):
+        for k, v in self.extra.items():  # sasl.oauthbearer.client.secret, ssl.key.pem ...: scrubbed from all output
+            if names_credential(k):
                 register(v)
 
         if protocol.sasl:

@@ -34,9 +34,12 @@ _pattern: re.Pattern[str] | None = None
 # makes the URL unparseable, and the error quoting it must still not leak it). Whitespace, quotes and angle
 # brackets end a token. A URL with no ``@`` is left as it is.
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+._-]*://)(?P<userinfo>[^\s'\"<>`]*)@")
-_KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|secret|token|api[_-]?key|signing[_-]?key|"
-                        r"sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
-_SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token|api[_-]?key|signing[_-]?key|credential")
+_KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|passphrase|secret|token|api[_-]?key|signing[_-]?key|"
+                        r"key[._-]?pem|sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
+# librdkafka's sensitive properties include a private key given inline (``ssl.key.pem``,
+# ``sasl.oauthbearer.assertion.private.key.pem``) and its ``...passphrase``, which no other word here names.
+_SECRET_KEY = re.compile(r"(?i)password|passwd|passphrase|secret|token|api[_-]?key|signing[_-]?key|key[._-]?pem|"
+                         r"credential")
 
 
 class Secret(str):
@@ -95,7 +98,8 @@ def redact(text: str) -> str:
 
 def names_credential(key: str) -> bool:
     """Whether a setting or summary key names a credential whose value is never shown (``password``,
-    ``sasl.oauthbearer.client.secret``, ``api_key``); ``password_file`` / ``password_env`` name where one is."""
+    ``sasl.oauthbearer.client.secret``, ``api_key``, ``ssl.key.pem``, ``...private.key.passphrase``);
+    ``password_file`` / ``password_env`` name where one is."""
     return bool(_SECRET_KEY.search(key)) and not key.endswith(("_file", "_env"))
 
 

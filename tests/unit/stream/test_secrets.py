@@ -158,3 +158,17 @@ def test_malformed_key_value_pairs_holding_a_credential_are_not_quoted() -> None
     assert "STREAMREC_KAFKA_EXTRA (a credential, its value not shown): expected key=value pairs" in str(err.value)
     with pytest.raises(SettingsError, match=r"cannot use 'client.id=x,broken': expected key=value pairs"):
         build(KafkaSettings, "kafka", environ={"STREAMREC_KAFKA_EXTRA": "client.id=x,broken"})
+
+
+@pytest.mark.parametrize("key", ["ssl.key.pem", "sasl.oauthbearer.assertion.private.key.pem",
+                                 "sasl.oauthbearer.assertion.private.key.passphrase"])
+def test_an_inline_private_key_or_its_passphrase_in_kafka_extra_is_never_shown(key: str) -> None:
+    # librdkafka's sensitive properties that name neither a password nor a secret: a malformed pair is not quoted,
+    # the value is masked in summaries and scrubbed from free text (a library's message quoting it)
+    with pytest.raises(SettingsError) as err:
+        build(KafkaSettings, "kafka", environ={"STREAMREC_KAFKA_EXTRA": f"{key}=hunter22-inline,broken"})
+    assert "hunter22" not in str(err.value) and "(a credential, its value not shown)" in str(err.value)
+    value = f"-----BEGIN ENCRYPTED PRIVATE KEY----- {key}-hunter33"
+    settings = KafkaSettings(extra={key: value})
+    assert "hunter33" not in json.dumps(redact_obj({"extra": settings.extra}))
+    assert "hunter33" not in redact(f"librdkafka: cannot use {value!r}") and "hunter44" not in redact(f"{key}=hunter44")
