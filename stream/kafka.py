@@ -148,15 +148,40 @@ def _dropped(errors: list[KafkaError]) -> bool:
             and not _unreachable(errors))
 
 
+def weakened_tls(kafka: KafkaSettings) -> str | None:
+    """What ``[kafka.extra]`` turns off of the broker certificate's checks over TLS (None: nothing): librdkafka's
+    ``enable.ssl.certificate.verification = false`` (any certificate is accepted) or
+    ``ssl.endpoint.identification.algorithm = none`` (any certificate the CA signed, whatever host it names)."""
+    if not kafka.security_protocol.tls:
+        return None
+    if kafka.extra.get("enable.ssl.certificate.verification", "true").strip().lower() in ("false", "f", "0"):
+        how = "any certificate is accepted, self-signed or not"
+    elif kafka.extra.get("ssl.endpoint.identification.algorithm", "https").strip().lower() == "none":
+        how = "any certificate the CA signed is accepted, whatever host it names"
+    else:
+        return None
+    return (f"[kafka.extra] turns off the check of {kafka.bootstrap_servers}'s TLS certificate ({how}): whoever can "
+            "intercept the connection can read the data and the SASL credentials; remove "
+            "enable.ssl.certificate.verification / ssl.endpoint.identification.algorithm from [kafka.extra] "
+            "(ssl_ca_location names the CA that signed a certificate naming the broker's host)")
+
+
+_weakened_warned: set[tuple[Any, ...]] = set()  # settings whose weakened TLS has been logged (once per process)
+
+
 def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> None:
     """Raise :class:`KafkaAccessError` when the broker refuses ``kafka``'s security settings; once per process
-    and settings, when they work (see the comment above). Called by every client config builder."""
+    and settings, when they work (see the comment above). Called by every client config builder, which also logs
+    (once) a warning when ``[kafka.extra]`` turns off the broker certificate's checks (:func:`weakened_tls`)."""
     key = _access_key(kafka)
     if key in _access_ok or time.monotonic() - _access_undecided.get(key, -UNDECIDED_FOR_S) < UNDECIDED_FOR_S:
         return
     with _access_lock:
         if key in _access_ok or time.monotonic() - _access_undecided.get(key, -UNDECIDED_FOR_S) < UNDECIDED_FOR_S:
             return
+        if key not in _weakened_warned and (weakened := weakened_tls(kafka)) is not None:
+            _weakened_warned.add(key)
+            log.warning("%s", weakened)
         base = {"bootstrap.servers": kafka.bootstrap_servers, "client.id": f"{kafka.client_id}-access-check"}
         ok, errors = _probe({**base, **_security(kafka)}, timeout_s, kafka.extra)
         if ok:

@@ -162,6 +162,28 @@ def test_a_missing_or_unusable_tls_file_is_a_config_error_when_a_client_is_built
         producer_config(k)
 
 
+@pytest.mark.parametrize("extra, says", [
+    ({"ssl.endpoint.identification.algorithm": "none"}, "whatever host it names"),
+    ({"enable.ssl.certificate.verification": "False"}, "any certificate is accepted"),
+])
+def test_kafka_extra_turning_off_the_certificate_check_is_warned_once(
+        extra: dict[str, str], says: str, tls: TlsFiles, caplog: pytest.LogCaptureFixture) -> None:
+    k = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}",  # nothing listens: the access check passes
+                      security_protocol=SecurityProtocol.SSL, ssl_ca_location=tls.ca,
+                      extra={**extra, "client.id": uuid.uuid4().hex})  # settings this process has not checked
+    with caplog.at_level("WARNING", logger="streamrec.kafka"):
+        producer_config(k)
+        admin_config(k)
+    warned = [r.getMessage() for r in caplog.records if "turns off the check" in r.getMessage()]
+    assert len(warned) == 1 and says in warned[0] and k.bootstrap_servers in warned[0], caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="streamrec.kafka"):  # the same properties over PLAINTEXT: no TLS, no check
+        plain = KafkaSettings(bootstrap_servers=k.bootstrap_servers, extra={**extra, "client.id": uuid.uuid4().hex})
+        admin_config(plain)
+        admin_config(dataclasses.replace(k, extra={"client.id": uuid.uuid4().hex}))  # TLS fully checked
+    assert "turns off the check" not in caplog.text
+
+
 # -- the builder's clients against the secured broker ---------------------------------------------
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_produce_and_consume_over_sasl_ssl(sasl_ssl: SecureKafka, tls: TlsFiles, mechanism: str) -> None:
