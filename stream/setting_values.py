@@ -24,7 +24,8 @@ class SettingsError(ConfigError):
 def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
                      environ: Mapping[str, str]) -> None:
     """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``
-    (the name of an environment variable), when the dataclass has those fields and one is set."""
+    (the name of an environment variable), when the dataclass has those fields and one is set. An empty file is an
+    error (a secret that was never filled in), as is a variable that is not set."""
     for name, tp in hints.items():
         if tp is not Secret:
             continue
@@ -37,6 +38,9 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
             except (OSError, UnicodeDecodeError) as exc:
                 raise SettingsError(f"[{section}] {name}_file: cannot read {path}: "
                                     f"{getattr(exc, 'strerror', None) or exc}") from None
+            if not text.rstrip("\r\n"):  # an unfilled secret template: not "no password", which is leaving it out
+                raise SettingsError(f"[{section}] {name}_file: {path} is empty: put the {name} in it, or leave "
+                                    f"{name}_file out when there is none")
             values[name] = Secret(text.rstrip("\r\n"))
         elif var:
             if var not in environ:

@@ -172,3 +172,18 @@ def test_an_inline_private_key_or_its_passphrase_in_kafka_extra_is_never_shown(k
     settings = KafkaSettings(extra={key: value})
     assert "hunter33" not in json.dumps(redact_obj({"extra": settings.extra}))
     assert "hunter33" not in redact(f"librdkafka: cannot use {value!r}") and "hunter44" not in redact(f"{key}=hunter44")
+
+
+@pytest.mark.parametrize("section, name", [("redis", "password"), ("kafka", "sasl_password"),
+                                           ("kafka", "ssl_key_password")])
+@pytest.mark.parametrize("content", ["", "\n", "\r\n"])
+def test_an_empty_secret_file_is_refused_naming_it_not_read_as_no_password(
+        section: str, name: str, content: str, tmp_path: Path) -> None:
+    # an unfilled secret template: the Redis clients would silently log in as the default user without a password
+    from stream.config import RedisSettings
+
+    f = tmp_path / "secret"
+    f.write_text(content)
+    cls = RedisSettings if section == "redis" else KafkaSettings
+    with pytest.raises(SettingsError, match=rf"\[{section}\] {name}_file: .*secret is empty: put the {name} in it"):
+        build(cls, section, {section: {f"{name}_file": str(f)}}, {})
