@@ -231,15 +231,29 @@ class ScoringApp:
         """One history per user; empty (and counted) when Redis is down or the entry is malformed."""
         return self.history_reader.read(users)
 
-    def _run(self, live: LiveModel, req: ScoreRequest, history: list[int] | Callable[[], list[int]]) -> dict[str, Any]:
-        values, offsets, dense = live.encoder.encode(req, history, self._observe,  # (N,), (F+F*B+1,), (B, Dd)
-                                                     self.s.max_request_values)
-        seq = live.model.delta_seq  # read first: the scores are at least this fresh
-        scores = live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
-                                          torch.from_numpy(dense))  # (B,)
-        self.metrics.candidates.inc(len(req.items))
-        return {"scores": scores.numpy().astype(np.float64, copy=False), "model_version": live.model.version,
-                "delta_seq": seq}
+    def _run(self, live: LiveModel, reqs: list[ScoreRequest],
+             collect: Callable[[], list[list[int]]]) -> list[dict[str, Any]]:
+        """The answers to ``reqs`` (one call's: ``/v1/score``'s one, a batch's all) on ``live``; ``collect()[i]`` is
+        request i's history. Every request is encoded before any is scored: one the encoder refuses (a 422: a feature
+        this model lacks, ``max_request_values``) refuses the call before a forward pass runs, a candidate is counted
+        (``streamrec_serving_candidates_total``: items scored) or a lookup is reported for the hot set
+        (``serving/lookup_counts.py``: rows of answers given, not of refused calls a client may repeat)."""
+        seen: list[tuple[str, np.ndarray]] = []  # the lookups, reported once every request is scored
+        observe = None if self._observe is None else (lambda kind, hashed: seen.append((kind, hashed)))
+        encoded = [live.encoder.encode(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
+                                       self.s.max_request_values) for i, r in enumerate(reqs)]
+        out = []
+        for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)
+            seq = live.model.delta_seq  # read first: the scores are at least this fresh
+            scores = live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
+                                              torch.from_numpy(dense))  # (B,)
+            out.append({"scores": scores.numpy().astype(np.float64, copy=False), "model_version": live.model.version,
+                        "delta_seq": seq})
+        self.metrics.candidates.inc(sum(len(r.items) for r in reqs))
+        if self._observe is not None:
+            for kind, hashed in seen:
+                self._observe(kind, hashed)
+        return out
 
     def _score(self, body: bytes) -> Response:
         req = parse_request(decode_json(body), self.s.max_candidates)
@@ -249,7 +263,7 @@ class ScoringApp:
         # pooled connection (a 422 from the encoder, a bug).
         collect = self.history_reader.start([hash_value(req.user_id)])
         try:
-            return _json(200, self._run(live, req, lambda: collect()[0]))
+            return _json(200, self._run(live, [req], collect)[0])
         finally:
             collect()
 
@@ -258,7 +272,6 @@ class ScoringApp:
         live = self._live()
         collect = self.history_reader.start([hash_value(r.user_id) for r in reqs])  # one read for all, as _score
         try:
-            return _json(200, {"results": [self._run(live, r, lambda i=i: collect()[i])  # type: ignore[misc]
-                                           for i, r in enumerate(reqs)]})
+            return _json(200, {"results": self._run(live, reqs, collect)})
         finally:
             collect()

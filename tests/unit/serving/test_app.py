@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from serving.app import JSON, PROMETHEUS, ScoringApp
+from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
 from serving.settings import ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
@@ -29,6 +30,7 @@ from stream.history import UserHistory
 from streamrec.stack import free_port
 from tests.integration.test_serving import REQUEST, TOL, TinyLearner, publish_version
 from tests.integration.test_serving_faults import eager
+from tests.unit.serving.test_lookup_counts import FakeCounts
 
 MAX_CANDIDATES, MAX_BATCH, MAX_BODY = 5, 2, 10_000
 SIMPLE = {"user_id": "alice", "items": [1, 2, 3]}
@@ -46,13 +48,14 @@ class FakeHistory:
         return [list(self.clicks.get(u, [])) for u in users]
 
 
-def make_app(root: Path, history: Any = None, history_len: int = 50, **settings: Any) -> ScoringApp:
+def make_app(root: Path, history: Any = None, history_len: int = 50, lookups: LookupCounts | None = None,
+             **settings: Any) -> ScoringApp:
     ss = ServeSettings(port=0, publish_root=root, device="cpu", max_candidates=MAX_CANDIDATES, max_batch=MAX_BATCH,
                        max_body_bytes=MAX_BODY, **settings)
     holder = ModelHolder()
     metrics = ServingMetrics(holder.model)
     ModelUpdater(holder, metrics, root, None, device="cpu").check_now()  # what ScoringService.start does first
-    return ScoringApp(ss, holder, metrics, history, history_len=history_len, version="9.9.9")
+    return ScoringApp(ss, holder, metrics, history, history_len=history_len, version="9.9.9", lookups=lookups)
 
 
 def call(app: ScoringApp, method: str, path: str, body: Any = b"") -> tuple[int, str, Any]:
@@ -298,3 +301,33 @@ def test_a_context_field_sent_per_item_is_refused_past_max_request_values(publis
     assert got == 200 and len(out["scores"]) == 5, out  # 5 + 1 + 4 x 199 = 802 values: under the bound
     got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": [0, 1, 2, 3, 4], "context": shared})
     assert got == 200, out  # shared and not overridden: once in the user row, not expanded
+
+
+def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(published: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch whose second request names a feature the model lacks, and a request past max_request_values: both are
+    # found by the encoder, after the first request's (or the items') rows were looked up. The 422 must come before
+    # any forward pass, any candidate counted as scored, and any lookup reported to the hot set's counts.
+    counts = FakeCounts()
+    lookups = LookupCounts(counts)  # type: ignore[arg-type]
+    app = make_app(published, lookups=lookups, max_request_values=10)
+    forward_passes: list[int] = []
+    model = app.holder.live.model  # type: ignore[union-attr]
+    score_request = model.score_request
+
+    def counted(*args: Any) -> Any:
+        forward_passes.append(1)
+        return score_request(*args)
+
+    monkeypatch.setattr(model, "score_request", counted)
+    refused = [("/v1/score:batch", {"requests": [SIMPLE, {"user_id": "a", "items": [1], "context": {"zz": 1}}]}),
+               ("/v1/score", {"user_id": "a", "items": [{"item_id": 0, "context": {"genres": ["Drama"]}}, 1, 2],
+                              "context": {"genres": [f"g{i}" for i in range(9)]}})]
+    for path, body in refused:
+        got, _, out = call(app, "POST", path, body)
+        assert got == 422, out
+    assert forward_passes == [] and sample(app, "streamrec_serving_candidates_total") == 0
+    assert lookups.flush() == 0 and counts.calls == []
+    got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, {"user_id": "b", "items": [4]}]})
+    assert got == 200 and forward_passes == [1, 1] and sample(app, "streamrec_serving_candidates_total") == 4
+    assert lookups.flush() == 6  # 2 users and 4 items, reported once answered
