@@ -13,7 +13,9 @@ strikes (:func:`is_infrastructure`): a Redis outage must never dead-letter good 
 Stores: :class:`RedisStrikes` (the joiner, whose state lives off-host anyway), :class:`FileStrikes` (the
 learner, next to its checkpoints) and :class:`PartitionFileStrikes` (the learner on N ranks: one file per
 partition, so that each file has one writer whatever the world size). All keep only messages that failed,
-so they stay tiny; a key is ``"{topic}:{partition}:{offset}"``.
+so they stay tiny; a key is ``"{topic}:{partition}:{offset}"``. A consumer whose partitions move between workers
+reads a partition's strikes from the store again when it is assigned (:meth:`Strikes.reload`), and drops them when it
+is revoked (:meth:`Strikes.forget`): its previous owner may have struck it after this worker started.
 """
 
 from __future__ import annotations
@@ -81,6 +83,20 @@ class Strikes:
         changed = {k: (self.counts.get(k, (0, ""))[0] + 1, error) for k in keys}
         self.counts.update(changed)
         self.store.save(changed, [])
+
+    def reload(self, partitions: Iterable[int]) -> None:
+        """The store's strikes of ``partitions`` replace those held here: a partition assigned by a rebalance brings
+        the strikes its previous owner gave (written before that owner stopped, after this one read the store), so
+        its suspects still go alone, their failures add to what they had, and their strikes are cleared here."""
+        mine = set(partitions)
+        stored = self.store.load()
+        self.counts = {k: v for k, v in self.counts.items() if k[1] not in mine}
+        self.counts.update({k: v for k, v in stored.items() if k[1] in mine})
+
+    def forget(self, partitions: Iterable[int]) -> None:
+        """Drop the strikes of revoked ``partitions`` here (the store keeps them for the next owner)."""
+        gone = set(partitions)
+        self.counts = {k: v for k, v in self.counts.items() if k[1] not in gone}
 
     def succeeded(self, keys: Iterable[Key]) -> None:
         """Messages processed (or dead-lettered) after all: they are no suspects any more."""

@@ -428,6 +428,7 @@ class JoinPipeline:
         missing = sorted(p for p in partitions if p not in self.engines)
         if not missing:
             return
+        self.strikes.reload(missing)  # what their previous owner struck before it stopped (stream/strikes.py)
         t0 = time.monotonic()
         empty: list[int] = []
         for partition, (chunks, parts, incomplete) in load_chunks(self.kafka, self.state_topic, missing).items():
@@ -483,6 +484,7 @@ class JoinPipeline:
         self._held_list = []  # what the driver passes again is not that list any more
         self.held_counts = {tp: n for tp, n in self.held_counts.items() if tp[1] not in partitions}
         self._reached = {k: t for k, t in self._reached.items() if k[1] not in partitions}
+        self.strikes.forget(partitions)
         for p in partitions:
             self.engines.pop(p, None)
             self._last_click.pop(p, None)

@@ -284,6 +284,33 @@ def test_a_suspect_held_past_the_frontier_keeps_its_strikes_until_it_is_joined(
         "1": 2}
 
 
+def test_strikes_given_by_a_partitions_previous_owner_are_honoured_and_cleared_by_its_new_owner(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
+        boom_fails: None) -> None:
+    # Worker b started (and read the strikes) before worker a failed on partition 0; a stops, the group hands
+    # partition 0 to b, whose driver restores it before its first batch of it. b must see a's strikes then: try the
+    # suspects alone, count bad's second failure (not write 1 over a's 1), and clear ok0's strike once it is joined.
+    strikes_key = f"{prefix}:strikes:{settings.app_id}"
+    b = make()
+    b.process([imp(kafka, 1, 0, "other", T0)])  # b owns partition 1, its strikes read long ago (none)
+    batch = [imp(kafka, 0, 0, "ok0", T0), imp(kafka, 0, 1, "bad", T0 + 1, boom=1), imp(kafka, 0, 2, "ok2", T0 + 2)]
+    with pytest.raises(ValueError, match="cannot hash"):
+        make().process(batch)  # a fails on partition 0 and stops
+    assert redis_client.hlen(strikes_key) == 3
+    b.restore({0})  # the driver's restore of a newly assigned partition, before its first batch
+    with pytest.raises(ValueError, match="cannot hash"):
+        b.process_new(batch)  # suspects alone: ok0 joins, bad fails a second time
+    assert {k.decode().rsplit(":", 1)[1]: int(v.split()[0]) for k, v in redis_client.hgetall(strikes_key).items()} == {
+        "1": 2, "2": 1}
+    b.forget({0})  # revoked again: a partition's strikes go with it, and come back with it
+    assert b.strikes.counts == {}
+    c = make()
+    c.process(batch)  # poison_after=2: bad is dead-lettered, ok2 joins, nothing is left in the strike store
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    assert (rec.key, DeadLetter.from_headers(rec.headers).kind) == (b"bad", "poison")
+    assert redis_client.hlen(strikes_key) == 0
+
+
 def test_a_failed_batch_gives_strikes_to_the_records_held_before_it_and_leaves_them_held(
         kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
         monkeypatch: pytest.MonkeyPatch) -> None:
