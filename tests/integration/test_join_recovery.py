@@ -223,7 +223,11 @@ def test_a_poison_message_whose_dead_letter_cannot_be_written_is_not_committed(k
     p.dead_letters._kafka = dataclasses.replace(kafka, dlq_suffix=".dlq/not a topic")
     try:
         assert not w._process([imp(kafka, 0, 0, "a", T0), bad, imp(kafka, 0, 2, "c", T0 + 2)], None)  # rewound
-        assert w.consumer.commits == [] and key in p.strikes.counts and w.recoveries == 1
+        assert w.consumer.commits == [] and w.recoveries == 1
+        # Its strikes are kept: in the store, and back in memory with the partition the rewind forgot.
+        assert key in p.strikes.store.load()
+        p.restore({0})
+        assert key in p.strikes.counts
     finally:
         w.consumer.close()
 
