@@ -5,7 +5,10 @@ stops the worker without committing anything of it, and every message of the fai
 strike, durably (the worker restarts as a fresh process). A message with strikes is processed alone
 on the next attempts, so the one that keeps failing is isolated from its innocent neighbours: after
 ``limit`` failures in a row it is dead-lettered with kind ``poison`` and the last error as its
-reason, and processing moves on. A message processed successfully loses its strikes.
+reason, and processing moves on. A message processed successfully (or dead-lettered) loses its strikes once the
+whole batch it came in is processed: a failure later in that batch leaves it uncommitted, to be read again, and a
+poison message that started over from no strikes each time would take about ``limit ** n`` failures for n of them in
+a row.
 
 Failures of the infrastructure (the broker, Redis, the disk) are not the message's fault and give no
 strikes (:func:`is_infrastructure`): a Redis outage must never dead-letter good data.

@@ -20,7 +20,8 @@ same impression id, and the learner drops them.
 
 Failures (``stream/strikes.py``): an unexpected exception in a batch gives each of its messages a
 strike and propagates (the driver stops without committing); a message with strikes is processed
-alone, and after ``poison_after`` failures in a row it is dead-lettered (kind ``poison``). A sample
+alone, and after ``poison_after`` failures in a row it is dead-lettered (kind ``poison``); a suspect loses its
+strikes when the :meth:`~JoinPipeline.process` call that joined or dead-lettered it returns, not before. A sample
 too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``) instead of failing the
 producer. Redis degraded: the batch fails and is retried from the last commit (history is part of
 what a batch makes durable); no strikes are given for it. Day counts are not: they are aggregated for
@@ -391,6 +392,10 @@ class JoinPipeline:
         # the driver may commit once process() returned.
         self.processed: dict[tuple[str, int], int] = {}
         self._reached: dict[Key, int | None] = {}  # each input's time over what was joined and held (_hold)
+        # The suspects joined (or dead-lettered) by the process() call in progress: they lose their strikes only once
+        # it returns, the driver committing all of it, so a poison message dead-lettered before a later run fails
+        # keeps them, and is dead-lettered again when it is read again, instead of starting over (_process_run).
+        self._joined_suspects: list[tuple[str, int, int]] = []
         # The batch in progress's impression records per partition (offset order): what an impression whose join
         # state is too large is dead-lettered as (_state_too_large).
         self._batch_records: dict[int, list[Record]] = {}
@@ -518,6 +523,7 @@ class JoinPipeline:
         """
         self.totals.stage_s["gc"] += self.gc.between_batches()
         self.processed = {}
+        self._joined_suspects = []
         held = self._held_groups
         n = sum(map(len, held.values()))
         # What was held, passed again ahead of new records (a list compare: identity first, in C)?
@@ -532,6 +538,7 @@ class JoinPipeline:
             self._process_runs(records, behind)
         self._count_held()
         self._held_list = self._held_records()
+        self._clear_joined_suspects()
         return self._held_list
 
     def process_new(self, records: list[Record], behind: Behind | None = None) -> None:
@@ -543,9 +550,17 @@ class JoinPipeline:
             return
         self.totals.stage_s["gc"] += self.gc.between_batches()
         self.processed = {}
+        self._joined_suspects = []
         self._held_before = {}
         self._process_run(records, behind)
         self._count_held()
+        self._clear_joined_suspects()
+
+    def _clear_joined_suspects(self) -> None:
+        """The strikes of the suspects the call that returns now joined or dead-lettered: all of it is processed."""
+        if self._joined_suspects:
+            self.strikes.succeeded(self._joined_suspects)
+            self._joined_suspects = []
 
     def _held_records(self) -> list[Record]:
         """Every record held now, per topic-partition in offset order."""
@@ -627,9 +642,10 @@ class JoinPipeline:
                     log.exception("could not record the strikes")
             raise
         if self.strikes.counts:  # what was joined: a record held (past the frontier, or the cap's room) is not cleared
-            done = self.processed
-            self.strikes.succeeded((r.topic, r.partition, r.offset) for r in records
-                                   if r.offset < done.get((r.topic, r.partition), 0))
+            done = self.processed  # (cleared once the whole call returns: _joined_suspects)
+            self._joined_suspects.extend((r.topic, r.partition, r.offset) for r in records
+                                         if r.offset < done.get((r.topic, r.partition), 0)
+                                         and self.strikes.suspect((r.topic, r.partition, r.offset)))
 
     def _decode(self, r: Record) -> Impression | Click:
         reason = self.strikes.poisoned((r.topic, r.partition, r.offset)) if self.strikes.counts else None

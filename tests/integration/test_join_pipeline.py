@@ -246,8 +246,9 @@ def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lette
     assert redis_client.hlen(strikes_key) == 3  # every record of the failed batch, durably
     with pytest.raises(ValueError, match="cannot hash"):
         make().process(batch)  # a restarted worker: suspects go alone; ok0 passes, bad fails again
+    # ok0 keeps its strike: the batch failed, so nothing of it is committed and ok0 is read again (alone again)
     assert {k.decode().rsplit(":", 1)[1]: int(v.split()[0]) for k, v in redis_client.hgetall(strikes_key).items()} == {
-        "1": 2, "2": 1}
+        "0": 1, "1": 2, "2": 1}
     p = make()
     p.process(batch)  # bad has failed poison_after=2 times: dead-lettered; ok2 goes on
     [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
@@ -287,28 +288,57 @@ def test_a_suspect_held_past_the_frontier_keeps_its_strikes_until_it_is_joined(
 def test_strikes_given_by_a_partitions_previous_owner_are_honoured_and_cleared_by_its_new_owner(
         kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
         boom_fails: None) -> None:
-    # Worker b started (and read the strikes) before worker a failed on partition 0; a stops, the group hands
+    # Workers b and c started (and read the strikes) before worker a failed on partition 0; a stops, the group hands
     # partition 0 to b, whose driver restores it before its first batch of it. b must see a's strikes then: try the
-    # suspects alone, count bad's second failure (not write 1 over a's 1), and clear ok0's strike once it is joined.
+    # suspects alone and count bad's second failure (not write 1 over a's 1); then c, given partition 0 once b
+    # stopped, dead-letters bad and clears every strike of the partition.
     strikes_key = f"{prefix}:strikes:{settings.app_id}"
-    b = make()
-    b.process([imp(kafka, 1, 0, "other", T0)])  # b owns partition 1, its strikes read long ago (none)
+    b, c = make(), make()
+    b.process([imp(kafka, 1, 0, "other1", T0)])  # b owns partition 1, c partition 2, their strikes read long ago
+    c.process([imp(kafka, 2, 0, "other2", T0)])
     batch = [imp(kafka, 0, 0, "ok0", T0), imp(kafka, 0, 1, "bad", T0 + 1, boom=1), imp(kafka, 0, 2, "ok2", T0 + 2)]
     with pytest.raises(ValueError, match="cannot hash"):
         make().process(batch)  # a fails on partition 0 and stops
     assert redis_client.hlen(strikes_key) == 3
-    b.restore({0})  # the driver's restore of a newly assigned partition, before its first batch
+    b.restore({0})  # the driver's restore of a newly assigned partition, before its first batch of it
     with pytest.raises(ValueError, match="cannot hash"):
-        b.process_new(batch)  # suspects alone: ok0 joins, bad fails a second time
+        b.process_new(batch)  # suspects alone: ok0 joins, bad fails a second time (ok0 is cleared once a batch is)
     assert {k.decode().rsplit(":", 1)[1]: int(v.split()[0]) for k, v in redis_client.hgetall(strikes_key).items()} == {
-        "1": 2, "2": 1}
-    b.forget({0})  # revoked again: a partition's strikes go with it, and come back with it
+        "0": 1, "1": 2, "2": 1}
+    b.forget({0})  # revoked: a partition's strikes go with it, and come back with it
     assert b.strikes.counts == {}
-    c = make()
-    c.process(batch)  # poison_after=2: bad is dead-lettered, ok2 joins, nothing is left in the strike store
+    c.restore({0})
+    c.process_new(batch)  # poison_after=2: bad is dead-lettered, ok0 and ok2 go on
     [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
     assert (rec.key, DeadLetter.from_headers(rec.headers).kind) == (b"bad", "poison")
-    assert redis_client.hlen(strikes_key) == 0
+    assert redis_client.hlen(strikes_key) == 0 and c.strikes.counts == {}
+
+def test_poison_messages_in_a_row_are_dead_lettered_after_poison_after_failures_each_not_one_per_combination(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, settings: JoinerSettings,
+        boom_fails: None) -> None:
+    # Nothing of a batch is committed unless all of it is processed: a poison message dead-lettered by an attempt that
+    # fails later, on the next poison, is read again (no join state covers it: nothing after it was joined). Its
+    # strikes must survive that attempt, or it starts over from none and every poison before the last is struck anew
+    # each time the one after it fails: about poison_after ** n attempts for n poison messages in a row.
+    bad = {"bad1", "bad2", "bad3"}
+    batch = [imp(kafka, 0, 0, "ok0", T0), *(imp(kafka, 0, i, f"bad{i}", T0 + i, boom=1) for i in (1, 2, 3)),
+             imp(kafka, 0, 4, "ok4", T0 + 4)]
+    failures = 0
+    while failures < 20:
+        try:
+            make().process(batch)  # each attempt a restarted worker reading from the last commit
+            break
+        except ValueError:
+            failures += 1
+    assert failures == 1 + len(bad)  # the whole batch once, then each poison alone poison_after - 1 = 1 more time
+    dlq = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    # each poison dead-lettered (again each time it is read again before its batch is committed: at least once)
+    assert {(r.key, DeadLetter.from_headers(r.headers).kind) for r in dlq} == {(b.encode(), "poison") for b in bad}
+    assert redis_client.hlen(f"{prefix}:strikes:{settings.app_id}") == 0
+    q = make()
+    q.restore({0})
+    q.drain()
+    assert sorted(r.impression_id for r in sample_rows(kafka)) == ["ok0", "ok4"]  # each once, across the restarts
 
 
 def test_a_failed_batch_gives_strikes_to_the_records_held_before_it_and_leaves_them_held(
