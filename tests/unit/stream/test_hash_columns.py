@@ -97,3 +97,18 @@ def test_hash_values_lru_cache_holds_at_most_65536_distinct_client_values() -> N
     for v in values:
         hash_value(v)
     assert hash_value.cache_info().currsize <= 1 << 16
+
+
+def test_both_float_zeros_hash_alike_whichever_the_cache_saw_first() -> None:
+    # -0.0 == 0.0, so hash_value's lru_cache answers one with the other's entry: a process that met -0.0 first (the
+    # joiner) and one that met 0.0 first (serving) must still agree, and so must stable_hash uncached
+    from stream.ids import stable_hash
+
+    answers = []
+    for first in (-0.0, 0.0):
+        hash_value.cache_clear()
+        answers.append([hash_value(first), hash_value(-first), *hash_column([0.0, -0.0, 1.5]).tolist()])
+    hash_value.cache_clear()
+    assert answers[0] == answers[1]
+    assert stable_hash(-0.0) == stable_hash(0.0) == answers[0][0]
+    assert stable_hash(0) != stable_hash(0.0) and stable_hash(False) != stable_hash(0.0)  # types still apart
