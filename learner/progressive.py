@@ -123,17 +123,29 @@ class ProgressiveMetrics:
     def window_metrics(self, since_ms: float | None = None, min_samples: int = 1) -> tuple[float, float]:
         """(AUC, logloss) of the window; NaN for an empty one. ``since_ms`` (a timed window only): of its samples
         whose event time is at least that, NaN when fewer than ``min_samples``."""
+        got = self._window_since(since_ms, min_samples)
+        return (auc(*got), logloss(*got)) if got else (float("nan"), float("nan"))
+
+    def window_ne(self, since_ms: float | None = None, min_samples: int = 1) -> float:
+        """Normalized entropy of the same samples as :meth:`window_metrics` (NaN as it is, and without both
+        classes): the cumulative :attr:`ne` of a long run barely moves when the model goes bad."""
+        got = self._window_since(since_ms, min_samples)
+        return normalized_entropy(*got) if got else float("nan")
+
+    def _window_since(self, since_ms: float | None, min_samples: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(probs, labels) of the window's samples with event time >= ``since_ms`` (all of them for None); None for
+        an empty window or fewer than ``min_samples`` recent ones."""
         if not self._recent:
-            return float("nan"), float("nan")
+            return None
         probs, labels = self._window_arrays()
         if since_ms is not None:
             if not self.timed:
                 raise ValueError("window_metrics(since_ms=...) needs a timed window (ProgressiveMetrics(timed=True))")
             recent = self._window_ts() >= since_ms
             if int(recent.sum()) < max(1, min_samples):
-                return float("nan"), float("nan")
+                return None
             probs, labels = probs[recent], labels[recent]
-        return auc(probs, labels), logloss(probs, labels)
+        return probs, labels
 
     def summary(self) -> dict[str, Any]:
         w_auc, w_loss = self.window_metrics()

@@ -24,8 +24,9 @@ from learner.served import ServedQuality
 
 SERVED_AUC = Gauge("streamrec_learner_served_auc", "Window AUC of each impression's first prediction against "
                    "its final label (learner/served.py).")
-SERVED_NE = Gauge("streamrec_learner_served_ne", "Cumulative normalized entropy of the served predictions "
-                  "(logloss over the base rate's entropy; >= 1 is no better than the base rate).")
+SERVED_NE = Gauge("streamrec_learner_served_ne", "Window normalized entropy of the served predictions "
+                  "(logloss over the base rate's entropy; >= 1 is no better than the base rate), over the same "
+                  "samples as streamrec_learner_served_auc.")
 SERVED_COLD_AUC = Gauge("streamrec_learner_served_cold_auc", "Window served AUC over cold users' impressions.")
 COLD_AUC = Gauge("streamrec_learner_cold_auc", "Window AUC over cold users' samples (their first cold_k).")
 WARM_AUC = Gauge("streamrec_learner_warm_auc", "Window AUC over warm users' samples.")
@@ -114,8 +115,9 @@ class TrainingQuality:
 
     The served windows (``streamrec_learner_served_auc``, ``..._served_cold_auc``) are bounded the same way, by
     :meth:`recent_metrics`, over the served samples whose label became known in the last ``recent_s``
-    (``learner/served.py``): they kept the evening's served samples through a quiet night just the same.
-    ``..._served_ne`` is cumulative (since the start), no window.
+    (``learner/served.py``): they kept the evening's served samples through a quiet night just the same. So is
+    ``..._served_ne`` (:meth:`recent_ne`): cumulative since the start, after a week of good service a model gone bad
+    took days to lift it to the ``served_worse_than_base_rate`` rule's 1; the cumulative NE stays in the summary.
 
     Which users are cold: a :class:`ColdTracker` of ``cold_capacity`` users (``[learner] cold_tracker_capacity``).
     The warm users it forgets when full are counted (``streamrec_learner_cold_tracker_evictions_total``) and the
@@ -164,7 +166,7 @@ class TrainingQuality:
         if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:  # too few recent ones: NaN, no data
             SERVED_AUC.set(self.recent_metrics(self.served.all, now_s)[0])
             SERVED_COLD_AUC.set(self.recent_metrics(self.served.cold, now_s)[0])
-            SERVED_NE.set(self.served.all.ne)
+            SERVED_NE.set(self.recent_ne(self.served.all, now_s))
             self._served_published = time.monotonic()
 
     def _observe_cold(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray, ts: np.ndarray,
@@ -186,6 +188,10 @@ class TrainingQuality:
         """(AUC, logloss) of the timed window ``m``'s samples of the last ``recent_s`` of event time before ``now_s``,
         NaN while fewer than ``min_recent`` (at most the window's size) are that recent (class docstring)."""
         return m.window_metrics((now_s - self.recent_s) * 1000.0, min(self.min_recent, m.window))
+
+    def recent_ne(self, m: ProgressiveMetrics, now_s: float) -> float:
+        """Normalized entropy of the samples :meth:`recent_metrics` measures (NaN as it is)."""
+        return m.window_ne((now_s - self.recent_s) * 1000.0, min(self.min_recent, m.window))
 
     # -- checkpoint and summary (the single-process checkpoint's keys) -----------------------------------------
     def state_dict(self) -> dict[str, Any]:

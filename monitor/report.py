@@ -446,15 +446,15 @@ def _named(curves: Mapping[str, Series], name: str) -> dict[str, Series]:
 def s_quality(p: Plotter, inp: Inputs) -> Section:
     sec = Section("served-quality", "Served quality: AUC and normalized entropy",
                   "Each impression's first prediction (made before the learner trained on it) against the label it "
-                  "ended with: streamrec_learner_served_auc (window) and streamrec_learner_served_ne (cumulative; "
-                  ">= 1 is no better than predicting the click rate), with the learner's test-then-train "
-                  "streamrec_learner_window_auc for reference, first over wall-clock time, then (bottom) over event "
-                  "time: each scrape's values against streamrec_learner_event_time_seconds, the event time of the "
-                  "newest sample trained at that scrape.")
+                  "ended with: streamrec_learner_served_auc and streamrec_learner_served_ne (both over the last "
+                  "quality_recent_s; NE >= 1 is no better than predicting the click rate), with the learner's "
+                  "test-then-train streamrec_learner_window_auc for reference, first over wall-clock time, then "
+                  "(bottom) over event time: each scrape's values against streamrec_learner_event_time_seconds, the "
+                  "event time of the newest sample trained at that scrape.")
     rec = inp.rec
     auc = _set({**_named(series(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
                 **_named(series(rec, "streamrec_learner_window_auc"), "progressive AUC (window, trained samples)")})
-    ne = _set(_named(series(rec, "streamrec_learner_served_ne"), "served NE (cumulative)"))
+    ne = _set(_named(series(rec, "streamrec_learner_served_ne"), "served NE (window)"))
     fig, (a1, a2, a3) = p.figure(3, 1)
     sec.points = p.lines(a1, auc, "AUC", "Served AUC over time (learner)") + p.lines(
         a2, ne, "NE (logloss / base-rate entropy)", "Served normalized entropy over time (learner)")

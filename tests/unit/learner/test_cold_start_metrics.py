@@ -321,6 +321,32 @@ def test_the_served_auc_counts_only_samples_of_the_last_quality_recent_s_and_rea
     assert q.served.all.count == 30 * 100 + 120 * 20 + 120 * 5  # cumulative metrics still count everything
 
 
+def test_the_served_ne_reads_the_last_quality_recent_s_so_a_model_gone_bad_fires_without_waiting_for_days(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # streamrec_learner_served_ne (the critical served_worse_than_base_rate rule: NE >= 1) was cumulative since the
+    # start: after a long good run, an hour of predictions no better than chance left it far below 1. It now reads the
+    # served AUC's samples: the last quality_recent_s, NaN below quality_min_samples.
+    import learner.quality
+    from learner.progressive import normalized_entropy
+    from learner.quality import SERVED_NE
+
+    monkeypatch.setattr(learner.quality, "_PUBLISH_EVERY_S", 0.0)
+    q = TrainingQuality(cold_k=10, metrics_window=100_000, attribution_window_s=1800.0, recent_s=3600.0,
+                        min_recent=1000, cold_capacity=1000)
+    rng = np.random.default_rng(8)
+    for minute in range(60):  # a good hour, 1,000 samples a minute
+        _served_minute(q, minute, 1000, good=True, rng=rng)
+    assert SERVED_NE._value.get() < 0.9
+    recent = [_served_minute(q, minute, 20, good=False, rng=rng) for minute in range(60, 60 + 2 * 60)]
+    probs, labels = (np.concatenate(x) for x in zip(*recent[-60:], strict=True))
+    assert SERVED_NE._value.get() == pytest.approx(normalized_entropy(probs, labels), rel=0.05)
+    assert SERVED_NE._value.get() >= 1.0  # the rule fires on the bad hour ...
+    assert q.served.all.ne < 0.9  # ... which the cumulative NE (still in the summary) hides
+    for minute in range(180, 180 + 60):  # too few recent samples: no data
+        _served_minute(q, minute, 5, good=False, rng=rng)
+    assert np.isnan(SERVED_NE._value.get())
+
+
 def test_the_served_windows_keep_when_their_samples_labels_became_known_across_a_checkpoint() -> None:
     # The served windows' event times are checkpoint state like the cold and warm ones' (window_ts): a restarted
     # learner reads the same recent served quality; a state saved before them loads its samples as never recent.
