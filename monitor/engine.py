@@ -22,15 +22,17 @@ Three parts, each usable alone:
   counting; a firing one neither resolves nor fires again). Otherwise one timed-out scrape would resolve
   an alert whose condition still holds, and a source failing now and then (more often than ``for_s``)
   would keep every rule on it from ever firing. A rule with ``absent_for_s`` fires a separate alert (labels
-  ``{"absent": "true"}``) once its expression has had no data for that long. :meth:`RuleEngine.firing`
-  and :meth:`RuleEngine.restore` carry the firing series over a restart (:class:`FiringStateFile`, the
-  ``state_path`` of the rules file): a restored series that still holds at the first evaluation is
-  announced firing again (at least once: the alert may not have been delivered before the restart), and
-  one that no longer holds resolves, as if the monitor had never stopped. A series whose resolved alert a sink
-  has not delivered yet stays in that file as firing, so a restart resolves it again. Durations (``for_s``,
-  ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read from, which
-  :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a pending
-  rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
+  ``{"absent": "true"}``) once its expression has had no data for that long; its state is kept apart from the
+  series' (:attr:`RuleEngine.absent`, ``"absent": true`` in the state file), not under a label set, so a series
+  the expression yields with the label absent="true" is a series like any other, never that alert.
+  :meth:`RuleEngine.firing` and :meth:`RuleEngine.restore` carry the firing series over a restart
+  (:class:`FiringStateFile`, the ``state_path`` of the rules file): a restored series that still holds at the
+  first evaluation is announced firing again (at least once: the alert may not have been delivered before the
+  restart), and one that no longer holds resolves, as if the monitor had never stopped. A series whose
+  resolved alert a sink has not delivered yet stays in that file as firing, so a restart resolves it again.
+  Durations (``for_s``, ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read
+  from, which :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a
+  pending rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
 * :class:`Monitor` ties them to a sink and a loop that stops when its ``stop`` event is set. Sending
   only queues the alerts (:class:`~monitor.alerts.QueuedSink`: one queue and worker thread per
   sink), so a slow or dead sink never delays an evaluation; :meth:`Monitor.close` drains the queues.
@@ -75,7 +77,7 @@ ALERTS = PCounter("streamrec_monitor_alerts_total", "Alerts sent, by rule and st
 EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluations, by rule.", ["rule"])
 SCRAPE_ERRORS = PCounter("streamrec_monitor_scrape_errors_total", "Failed scrapes, by source.", ["source"])
 
-ABSENT_LABELS: Labels = (("absent", "true"),)
+ABSENT_LABELS: Labels = (("absent", "true"),)  # what the sinks see of an absence alert (its identity is not these)
 SCRAPE_MAX_BYTES = 16 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
 
 
@@ -244,6 +246,9 @@ class RuleEngine:
         # a little more than the longest range, so a range of 60 s still sees a sample 60 s old
         self.history = MetricHistory(history_s * 1.5 if history_s else 0.0)
         self.states: dict[str, dict[Labels, SeriesState]] = {r.name: {} for r in self.rules}
+        # the absence alert of each rule with absent_for_s: apart from the series, keyed by nothing a label set can
+        # equal (under ABSENT_LABELS a series with the label absent="true" resolved or silenced that alert)
+        self.absent: dict[str, SeriesState] = {}
         self.no_data_since: dict[str, float | None] = {r.name: None for r in self.rules}
         self.evaluations = 0
         self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
@@ -280,8 +285,6 @@ class RuleEngine:
         states = self.states[rule.name]
         out: list[Alert] = []
         for lb in set(states) | set(series):
-            if lb == ABSENT_LABELS:
-                continue
             st = states.setdefault(lb, SeriesState(since=now))
             p = series.get(lb)
             if p is None and self._unknown(st, now):
@@ -333,8 +336,7 @@ class RuleEngine:
             self.no_data_since[rule.name] = now
         if rule.absent_for_s is None:
             return []
-        states = self.states[rule.name]
-        st = states.setdefault(ABSENT_LABELS, SeriesState(since=now))
+        st = self.absent.setdefault(rule.name, SeriesState(since=now))
         since = self.no_data_since[rule.name]
         absent = since is not None and now - since >= rule.absent_for_s
         if st.state is State.RESOLVED:
@@ -343,16 +345,17 @@ class RuleEngine:
         if absent and (st.state is not State.FIRING or restored):
             if st.state is not State.FIRING:
                 st.state, st.since = State.FIRING, now
-            return [self._alert(rule, ABSENT_LABELS, st, AlertState.FIRING, now)]
+            return [self._alert(rule, ABSENT_LABELS, st, AlertState.FIRING, now, absent=True)]
         if not absent and st.state is State.FIRING:
             st.state, st.since = State.RESOLVED, now
-            return [self._alert(rule, ABSENT_LABELS, st, AlertState.RESOLVED, now)]
+            return [self._alert(rule, ABSENT_LABELS, st, AlertState.RESOLVED, now, absent=True)]
         return []
 
-    def _alert(self, rule: Rule, lb: Labels, st: SeriesState, state: AlertState, now: float) -> Alert:
+    def _alert(self, rule: Rule, lb: Labels, st: SeriesState, state: AlertState, now: float,
+               absent: bool = False) -> Alert:
         labels = {**rule.labels, **dict(lb)}
         what = rule.description or rule.name
-        if lb == ABSENT_LABELS:
+        if absent:
             since = self.no_data_since[rule.name]
             msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s" if state is AlertState.FIRING and since
                    is not None else f"{what}: {rule.expr} has data again")
@@ -369,17 +372,21 @@ class RuleEngine:
                       value=value, threshold=rule.threshold, message=msg,
                       ts=int(round((now + self.wall_offset) * 1000)), labels=labels)
         if state is AlertState.RESOLVED:
-            self.resolved.append((alert, self._record(rule.name, lb, st)))
+            self.resolved.append((alert, self._record(rule.name, lb, st, absent)))
         return alert
 
-    def _record(self, name: str, lb: Labels, st: SeriesState) -> dict[str, Any]:
+    def _record(self, name: str, lb: Labels, st: SeriesState, absent: bool = False) -> dict[str, Any]:
+        """A firing series for the state file; an absence alert is marked ``"absent": true`` (its labels are
+        only what the sinks see: a series of the rule may have the same)."""
         return {"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
-                "value": encode_value(st.value), "sources": sorted(st.sources)}
+                "value": encode_value(st.value), "sources": sorted(st.sources), **({"absent": True} if absent else {})}
 
     def firing(self) -> list[dict[str, Any]]:
         """The firing series, as :meth:`restore` reads them back (``since`` in wall-clock seconds)."""
-        return [self._record(name, lb, st)
-                for name, states in self.states.items() for lb, st in states.items() if st.state is State.FIRING]
+        return ([self._record(name, lb, st)
+                 for name, states in self.states.items() for lb, st in states.items() if st.state is State.FIRING]
+                + [self._record(name, ABSENT_LABELS, st, absent=True)
+                   for name, st in self.absent.items() if st.state is State.FIRING])
 
     def restore(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
         """Mark the series of ``records`` (from :meth:`firing`, before a restart) firing again; records of
@@ -390,26 +397,30 @@ class RuleEngine:
             rule = by_name.get(rec["rule"])
             if rule is None:
                 continue
-            lb = labels_of(rec["labels"])
-            if lb == ABSENT_LABELS:
+            since = min(now, now - (wall - float(rec["since"])))
+            st = SeriesState(State.FIRING, since, decode_value(rec.get("value")), frozenset(rec.get("sources", ())),
+                             restored=True)
+            if rec.get("absent") is True:
                 if rule.absent_for_s is None:
                     continue
                 self.no_data_since[rule.name] = now - rule.absent_for_s  # absent still, until data comes
-            since = min(now, now - (wall - float(rec["since"])))
-            self.states[rule.name][lb] = SeriesState(State.FIRING, since, decode_value(rec.get("value")),
-                                                     frozenset(rec.get("sources", ())), restored=True)
+                self.absent[rule.name] = st
+            else:
+                self.states[rule.name][labels_of(rec["labels"])] = st
             restored += 1
         return restored
 
     def status(self) -> list[SeriesStatus]:
         rows = []
         for rule in self.rules:
-            states = self.states[rule.name]
-            shown = {lb: st for lb, st in states.items() if not (lb == ABSENT_LABELS and st.state is State.INACTIVE)}
+            shown = sorted(self.states[rule.name].items())
+            absent = self.absent.get(rule.name)
+            if absent is not None and absent.state is not State.INACTIVE:
+                shown.append((ABSENT_LABELS, absent))
             if not shown:
                 rows.append(SeriesStatus(rule.name, {}, State.INACTIVE, None, None, rule.severity.value,
                                          rule.condition, rule.for_s))
-            for lb, st in sorted(shown.items()):
+            for lb, st in shown:
                 rows.append(SeriesStatus(rule.name, dict(lb), st.state, st.value, st.since + self.wall_offset,
                                          rule.severity.value, rule.condition, rule.for_s))
         return rows
@@ -541,8 +552,9 @@ class RunLog:
     def evaluation(self, now: float, engine: RuleEngine, alerts: Sequence[Alert]) -> None:
         states: dict[str, str] = {}
         for rule in engine.rules:
-            worst = max((st.state for st in engine.states[rule.name].values()), key=_STATE_RANK.__getitem__,
-                        default=State.INACTIVE)
+            absent = engine.absent.get(rule.name)
+            worst = max((st.state for st in [*engine.states[rule.name].values(), *([absent] if absent else [])]),
+                        key=_STATE_RANK.__getitem__, default=State.INACTIVE)
             states[rule.name] = worst.value
         self.write({"kind": "rules", "t": now, "states": states})
         for a in alerts:
@@ -561,9 +573,13 @@ class FiringStateFile:
     firing, the series whose resolved alert some sink has not delivered yet (still queued at shutdown, or
     when the monitor is killed), rewriting the file once they are delivered: the restarted monitor resolves
     them again rather than leave the receiver showing them firing for ever. A file that cannot be read or written
-    is logged and monitoring goes on (a write is tried again at the next change)."""
+    is logged and monitoring goes on (a write is tried again at the next change).
 
-    VERSION = 1
+    Version 2 marks a rule's absence alert ``"absent": true``; version 1 knew it by its labels
+    ``{"absent": "true"}`` alone (no series with those labels was ever evaluated then, so such a record of a
+    version 1 file is an absence alert, and is read as one)."""
+
+    VERSION = 2
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -581,6 +597,8 @@ class FiringStateFile:
             return []
         firing = data.get("firing") if isinstance(data, dict) else None
         good = [r for r in firing if self._valid(r)] if isinstance(firing, list) else []
+        if isinstance(data, dict) and data.get("version", 1) == 1:
+            good = [{**r, "absent": True} if r["labels"] == dict(ABSENT_LABELS) else r for r in good]
         if not isinstance(firing, list) or len(good) < len(firing):
             log.error("state file %s: %s; alerts firing before this start may not resolve", self.path,
                       "not a firing-state file" if not isinstance(firing, list)
@@ -594,7 +612,8 @@ class FiringStateFile:
                 and FiringStateFile._number(r.get("since"), finite=True)
                 and (r.get("value") is None or r["value"] in ("NaN", "+Inf", "-Inf")
                      or FiringStateFile._number(r["value"], finite=False))
-                and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", [])))
+                and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", []))
+                and isinstance(r.get("absent", False), bool))
 
     @staticmethod
     def _number(v: Any, finite: bool) -> bool:
@@ -713,9 +732,9 @@ class Monitor:
         """What the state file keeps: the firing series, and the series whose resolved alert a sink has not
         delivered yet (written as still firing, so that a restart resolves them again instead of never)."""
         records = self.engine.firing()
-        kept = {(r["rule"], labels_of(r["labels"])) for r in records}
+        kept = {(r["rule"], labels_of(r["labels"]), r.get("absent", False)) for r in records}
         for _, rec in self._resolving:
-            if (key := (rec["rule"], labels_of(rec["labels"]))) not in kept:
+            if (key := (rec["rule"], labels_of(rec["labels"]), rec.get("absent", False))) not in kept:
                 kept.add(key)
                 records.append(rec)
         return records

@@ -1,0 +1,70 @@
+"""The engine's alert identities and the memory it keeps per scrape: a rule's absence alert is never one of
+its series, whatever labels the series carry, and the rates' history stays bounded however the label sets
+churn. Each test failed before the fix it is named for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from monitor.alerts import AlertState
+from monitor.engine import FiringStateFile, RuleEngine, Snapshot
+from monitor.rules import loads_rules
+
+LAG_RULES = """
+[[rule]]
+name = "learner_lag"
+expr = "lag"
+op = ">"
+threshold = 500
+absent_for_s = 60
+"""
+
+
+def lag(value: float) -> Snapshot:
+    return Snapshot.from_texts({"learner": f'lag{{absent="true"}} {value}\n'})
+
+
+def failed() -> Snapshot:
+    return Snapshot(errors={"learner": "down"})
+
+
+def seen(alerts: list) -> list[tuple[str, float | None]]:
+    return [(a.state.value, a.value) for a in alerts]
+
+
+def test_a_series_labelled_absent_true_is_a_series_of_its_own_not_the_absence_alert(tmp_path: Path) -> None:
+    engine = RuleEngine(loads_rules(LAG_RULES).rules, hold_s=600)
+    # the series fires like any other (it used to be skipped: a rule on it never fired)
+    assert seen(engine.evaluate(lag(900), 0)) == [("firing", 900.0)]
+    # its source fails: the series is unknown (held firing), the expression has no data: the absence alert fires
+    assert engine.evaluate(failed(), 30) == []
+    both = engine.evaluate(failed(), 90)
+    assert seen(both) == [("firing", None)] and "no data" in both[0].message
+    assert both[0].labels == {"absent": "true"}  # what the sinks see stays readable
+    # both fire at once, as two records of the state file, and come back as two after a restart
+    records = engine.firing()
+    assert sorted(r.get("absent", False) for r in records) == [False, True]
+    state = FiringStateFile(tmp_path / "state.json")
+    state.save(records)
+    again = RuleEngine(loads_rules(LAG_RULES).rules, hold_s=600)
+    assert again.restore(state.load(), 0, 90) == 2
+    for eng in (engine, again):
+        # data again, still above the threshold: the absence alert resolves, the series' alert does not
+        back = eng.evaluate(lag(800), 120)
+        expected = [("firing", 800.0)] if eng is again else []  # a restart announces a firing series again
+        assert sorted(seen(back), key=str) == sorted([*expected, ("resolved", None)], key=str)
+        assert [a.message for a in back if a.state is AlertState.RESOLVED] == ["learner_lag: lag has data again"]
+        # and the series resolves on its own once its condition ends
+        assert seen(eng.evaluate(lag(3), 135)) == [("resolved", 3.0)]
+
+
+def test_a_version_1_state_file_reads_its_absent_labelled_record_as_the_absence_alert(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"version": 1, "firing": [
+        {"rule": "learner_lag", "labels": {"absent": "true"}, "since": 10, "value": None}]}))
+    engine = RuleEngine(loads_rules(LAG_RULES).rules)
+    assert engine.restore(FiringStateFile(path).load(), 0, 100) == 1
+    [resolved] = engine.evaluate(lag(3), 15)  # data again: the restored absence alert resolves
+    assert (resolved.state, resolved.labels, resolved.value) == (AlertState.RESOLVED, {"absent": "true"}, None)
+    assert engine.firing() == []
