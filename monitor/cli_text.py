@@ -18,6 +18,7 @@ rules file (TOML):
   scrape_timeout_s = 5                  # per source, in total (default 5)
   scrape_error_hold_s = 60              # a series whose source fails to scrape keeps its state this long
   state_path = "monitor-state.json"     # optional: what is firing, kept over a restart
+  history_max_series = 2000             # label sets per metric kept for rate() & co (more: counted, logged)
   [sources]                             # Prometheus /metrics endpoints, by name
   learner = "http://127.0.0.1:9102/metrics"
   [sinks]

@@ -64,8 +64,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink, decode_value, encode_value, get_text
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
-from monitor.expr import Labels, Point, Window, labels_of
-from monitor.rules import Rule, RulesConfig, RunLogSettings
+from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
+from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings
 from stream.errors import ConfigError
 from stream.files import write_atomic
 from stream.secrets import redact
@@ -76,6 +76,9 @@ ALERTS = PCounter("streamrec_monitor_alerts_total", "Alerts sent, by rule and st
                   ["rule", "state"])
 EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluations, by rule.", ["rule"])
 SCRAPE_ERRORS = PCounter("streamrec_monitor_scrape_errors_total", "Failed scrapes, by source.", ["source"])
+HISTORY_DROPPED = PCounter("streamrec_monitor_history_series_dropped_total",
+                           "Scraped series kept out of the rates' history (the metric had history_max_series "
+                           "already), by metric: rate()/increase()/delta() give them no data.", ["metric"])
 
 ABSENT_LABELS: Labels = (("absent", "true"),)  # what the sinks see of an absence alert (its identity is not these)
 SCRAPE_MAX_BYTES = 16 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
@@ -186,12 +189,21 @@ class SeriesStatus:
 
 
 class MetricHistory:
-    """The MetricStore of one evaluation: the latest snapshot plus the samples of earlier scrapes."""
+    """The MetricStore of one evaluation: the latest snapshot plus the samples of earlier scrapes.
 
-    def __init__(self, keep_s: float) -> None:
-        self.keep_s = keep_s
+    Bounded whatever the sources export: only the metrics in ``metrics`` are kept (the rules' engine passes
+    those a ``rate()``/``increase()``/``delta()`` reads; None keeps every metric), a label set is forgotten
+    once it has no sample in the last ``keep_s`` (a label with a new value every scrape), and a metric keeps
+    at most ``max_series`` label sets: a new one beyond that gets no history (counted in
+    ``streamrec_monitor_history_series_dropped_total`` and logged once while the metric is over), the ones
+    kept go on. Without that, every series of every scrape stayed for ``keep_s``, however many there were."""
+
+    def __init__(self, keep_s: float, metrics: set[str] | None = None,
+                 max_series: int = HISTORY_MAX_SERIES) -> None:
+        self.keep_s, self.metrics, self.max_series = keep_s, metrics, max_series
         self.samples: dict[str, dict[Labels, deque[tuple[float, float]]]] = {}
         self.sources: dict[tuple[str, Labels], frozenset[str]] = {}
+        self.over: set[str] = set()  # metrics over max_series at the last scrape (logged once while they are)
         self.now = 0.0
         self.snapshot = Snapshot()
 
@@ -199,7 +211,11 @@ class MetricHistory:
         self.now, self.snapshot = now, snap
         if self.keep_s <= 0:
             return
+        self._prune(now - self.keep_s)  # first: room for new label sets where old ones ended
+        over: dict[str, int] = {}
         for metric, series in snap.metrics.items():
+            if self.metrics is not None and metric not in self.metrics:
+                continue
             per = self.samples.setdefault(metric, {})
             for lb, p in series.items():
                 if self.sources.get((metric, lb), p.sources) != p.sources:
@@ -207,9 +223,26 @@ class MetricHistory:
                     # first failed this scrape): its counter is not this one's, so its history starts over
                     # rather than read as a reset or a rise (a false increase())
                     per.pop(lb, None)
-                per.setdefault(lb, deque()).append((now, p.value))
+                q = per.get(lb)
+                if q is None:
+                    if len(per) >= self.max_series:
+                        over[metric] = over.get(metric, 0) + 1
+                        continue
+                    q = per[lb] = deque()
+                q.append((now, p.value))
                 self.sources[(metric, lb)] = p.sources
-        horizon = now - self.keep_s
+            if not per:
+                del self.samples[metric]
+        for metric, n in over.items():
+            HISTORY_DROPPED.labels(metric).inc(n)
+            if metric not in self.over:
+                log.warning("metric %s has more than history_max_series=%d label sets: %d new one(s) get no "
+                            "rate()/increase()/delta() history (streamrec_monitor_history_series_dropped_total "
+                            "counts them; logged again only after it is back under)", metric, self.max_series, n)
+        self.over = set(over)
+
+    def _prune(self, horizon: float) -> None:
+        """Drop the samples older than ``horizon``, and the label sets and metrics left with none."""
         for metric in list(self.samples):
             per = self.samples[metric]
             for lb in list(per):
@@ -239,12 +272,15 @@ def _fmt(v: float | None) -> str:
 class RuleEngine:
     """Evaluates rules against snapshots; pure logic (``now`` is passed in, nothing sleeps)."""
 
-    def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0) -> None:
+    def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0,
+                 history_max_series: int = HISTORY_MAX_SERIES) -> None:
         self.rules = list(rules)
         self.hold_s = hold_s  # how long a series whose source fails to scrape keeps its state
         self.failing_since: dict[str, float] = {}  # source -> when its scrapes began failing
-        # a little more than the longest range, so a range of 60 s still sees a sample 60 s old
-        self.history = MetricHistory(history_s * 1.5 if history_s else 0.0)
+        # a little more than the longest range, so a range of 60 s still sees a sample 60 s old; only the metrics
+        # a range is read over (every other is read from the latest scrape alone)
+        ranged = set().union(*(ranged_metrics(r.tree) for r in self.rules if r.tree is not None))
+        self.history = MetricHistory(history_s * 1.5 if history_s else 0.0, ranged, history_max_series)
         self.states: dict[str, dict[Labels, SeriesState]] = {r.name: {} for r in self.rules}
         # the absence alert of each rule with absent_for_s: apart from the series, keyed by nothing a label set can
         # equal (under ABSENT_LABELS a series with the label absent="true" resolved or silenced that alert)
@@ -429,7 +465,7 @@ class RuleEngine:
 def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
     """Scrape every source once and evaluate every rule once: the summary (every rule's state, the scrape
     errors) and the exit status (``ONCE_*``). Sends nothing."""
-    engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s)
+    engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s, config.history_max_series)
     snap = Scraper(config.sources, config.scrape_timeout_s).scrape()
     engine.evaluate(snap, time.time())
     rows = engine.status()
@@ -660,7 +696,8 @@ class Monitor:
                                           else QueuedSink(sink, config.sinks))
         self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
         self.clock, self.monotonic = clock, monotonic
-        self.engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s)
+        self.engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s,
+                                 config.history_max_series)
         self._duplicates_seen: set[tuple[str, Labels, tuple[str, ...]]] = set()
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}

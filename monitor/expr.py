@@ -305,6 +305,17 @@ def metrics_of(node: Node) -> set[str]:
     return set()
 
 
+def ranged_metrics(node: Node) -> set[str]:
+    """The metric names an expression reads over a range (``rate(m[60s])``): the ones it needs a history of."""
+    if isinstance(node, RangeCall):
+        return {node.arg.metric}
+    if isinstance(node, Abs | Negate | Aggregate):
+        return ranged_metrics(node.arg)
+    if isinstance(node, Binary):
+        return ranged_metrics(node.left) | ranged_metrics(node.right)
+    return set()
+
+
 # -- tokens -----------------------------------------------------------------------------------
 _TOKEN = re.compile(r"""
     (?P<ws>\s+)

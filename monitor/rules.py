@@ -11,6 +11,8 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
 
     state_path = "monitor-state.json"   # optional: the firing alerts, kept over a restart (resolved if they
                                         # cleared meanwhile, announced again if they still hold)
+    history_max_series = 2000           # label sets one metric keeps for rate()/increase()/delta(); a new one
+                                        # past it gets no history (counted, logged) (default 2000)
 
     [sources]                           # Prometheus text endpoints, by name
     learner = "http://127.0.0.1:9102/metrics"
@@ -78,6 +80,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_RULES = "default_rules.toml"  # packaged in monitor/, the same file as compose/alert-rules.toml
+# label sets one metric keeps in the rates' history (monitor.engine.MetricHistory); the stages export tens per
+# metric, so more is a label that churns (an id, a timestamp) or a misconfigured source, not a series to watch
+HISTORY_MAX_SERIES = 2_000
 
 
 class RulesError(ConfigError):
@@ -153,6 +158,7 @@ class RulesConfig:
     run_log: RunLogSettings = RunLogSettings()
     scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
     state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
+    history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
 
     @property
     def history_s(self) -> float:
@@ -162,8 +168,8 @@ class RulesConfig:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
-_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "state_path", "sources", "sinks", "run_log",
-             "rule")
+_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "state_path", "history_max_series", "sources",
+             "sinks", "run_log", "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
@@ -398,7 +404,14 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         scrape_error_hold_s=_number(where, "", "scrape_error_hold_s", data.get("scrape_error_hold_s", 60.0),
                                     minimum=0),
         state_path=_state_path(where, data.get("state_path", "")),
+        history_max_series=_count(where, "history_max_series", data.get("history_max_series", HISTORY_MAX_SERIES)),
     )
+
+
+def _count(where: _Where, key: str, raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise where.error("", f'field "{key}": expected a whole number >= 1, got {_shown(raw)}')
+    return raw
 
 
 def _state_path(where: _Where, raw: Any) -> Path | None:

@@ -5,11 +5,14 @@ churn. Each test failed before the fix it is named for."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import pytest
+
 from monitor.alerts import AlertState
-from monitor.engine import FiringStateFile, RuleEngine, Snapshot
-from monitor.rules import loads_rules
+from monitor.engine import HISTORY_DROPPED, FiringStateFile, RuleEngine, Snapshot
+from monitor.rules import RulesError, loads_rules
 
 LAG_RULES = """
 [[rule]]
@@ -68,3 +71,53 @@ def test_a_version_1_state_file_reads_its_absent_labelled_record_as_the_absence_
     [resolved] = engine.evaluate(lag(3), 15)  # data again: the restored absence alert resolves
     assert (resolved.state, resolved.labels, resolved.value) == (AlertState.RESOLVED, {"absent": "true"}, None)
     assert engine.firing() == []
+
+
+RATE_RULES = """
+[[rule]]
+name = "lookups"
+expr = "sum(rate(lookups_total[60s]))"
+op = ">"
+threshold = 1000
+"""
+
+
+def scrape(t: int, series: int, churn: bool = False) -> Snapshot:
+    """``series`` label sets of lookups_total (a new set every scrape where ``churn``), and a gauge no range reads."""
+    rows = [f'lookups_total{{user="{t * series + i if churn else i}"}} {t}\n' for i in range(series)]
+    return Snapshot.from_texts({"learner": "".join(rows) + 'bucket_share{field="user_id"} 0.5\n'})
+
+
+def test_the_rates_history_forgets_label_sets_that_churn_and_keeps_only_the_metrics_a_range_reads() -> None:
+    config = loads_rules(RATE_RULES)
+    engine = RuleEngine(config.rules, config.history_s)
+    for t in range(0, 3600, 15):  # an hour of a label with a new value every scrape
+        engine.evaluate(scrape(t, 3, churn=True), t)
+    history = engine.history
+    assert set(history.samples) == {"lookups_total"}  # the gauge was kept too, every series of it
+    kept = history.keep_s // 15 + 1  # the scrapes inside the window
+    assert len(history.samples["lookups_total"]) <= 3 * kept
+    assert len(history.sources) == len(history.samples["lookups_total"])
+
+
+def test_the_rates_history_keeps_at_most_history_max_series_label_sets_per_metric_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = loads_rules("history_max_series = 10\n" + RATE_RULES)
+    engine = RuleEngine(config.rules, config.history_s, history_max_series=config.history_max_series)
+    dropped = HISTORY_DROPPED.labels("lookups_total")
+    before = dropped._value.get()
+    with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+        for t in range(0, 150, 15):
+            engine.evaluate(scrape(t, 50), t)
+    per = engine.history.samples["lookups_total"]
+    assert sorted(per) == [(("user", str(i)),) for i in range(10)]  # the first ten go on, with every sample
+    assert {len(q) for q in per.values()} == {len(range(150 - 15 - int(engine.history.keep_s), 150, 15))}
+    assert dropped._value.get() - before == 40 * 10
+    assert caplog.text.count("history_max_series=10") == 1  # once, not every scrape
+    [alert] = [a for t in range(150, 300, 15) for a in engine.evaluate(scrape(t * 200, 50), t)]  # the kept ones rate
+    assert alert.state is AlertState.FIRING
+
+
+def test_history_max_series_must_be_a_whole_number_of_at_least_one() -> None:
+    with pytest.raises(RulesError, match=r'r.toml: field "history_max_series": expected a whole number >= 1, got 0'):
+        loads_rules("history_max_series = 0\n" + RATE_RULES, "r.toml")
