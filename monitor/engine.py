@@ -688,6 +688,8 @@ class Monitor:
     of the wall clock changes neither.
     """
 
+    DUPLICATES_REMEMBERED = 10_000  # duplicated series whose warning is not repeated (the least recent are forgotten)
+
     def __init__(self, config: RulesConfig, sink: AlertSink | FanOut | QueuedSink,
                  scrape: Callable[[], Snapshot] | None = None, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
@@ -698,7 +700,10 @@ class Monitor:
         self.clock, self.monotonic = clock, monotonic
         self.engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s,
                                  config.history_max_series)
-        self._duplicates_seen: set[tuple[str, Labels, tuple[str, ...]]] = set()
+        # the duplicated series already logged, most recently seen last: at most DUPLICATES_REMEMBERED (a label
+        # that churns made it grow by one key per scrape for ever); one seen again is moved to the end, so a
+        # steady duplicate is not forgotten (and logged again) for the churning ones
+        self._duplicates_seen: dict[tuple[str, Labels, tuple[str, ...]], None] = {}
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
@@ -727,8 +732,12 @@ class Monitor:
         self._last_errors = dict(snap.errors)
         for (metric, lb), sources in snap.duplicates.items():
             key = (metric, lb, tuple(sources))
-            if key not in self._duplicates_seen:  # once per series and sources, not every interval
-                self._duplicates_seen.add(key)
+            if key in self._duplicates_seen:  # once per series and sources, not every interval
+                self._duplicates_seen[key] = self._duplicates_seen.pop(key)
+            else:
+                self._duplicates_seen[key] = None
+                if len(self._duplicates_seen) > self.DUPLICATES_REMEMBERED:
+                    del self._duplicates_seen[next(iter(self._duplicates_seen))]
                 lbl = ",".join(f'{k}="{v}"' for k, v in lb)
                 log.warning("sources %s all export %s{%s}: rules read %s's only (give each process a label of "
                             "its own, e.g. rank, to watch them all)", ", ".join(sources), metric, lbl, sources[0])

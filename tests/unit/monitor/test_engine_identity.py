@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from monitor.alerts import AlertState
-from monitor.engine import HISTORY_DROPPED, FiringStateFile, RuleEngine, Snapshot
+from monitor.alerts import Alert, AlertState
+from monitor.engine import HISTORY_DROPPED, FiringStateFile, Monitor, RuleEngine, Snapshot
 from monitor.rules import RulesError, loads_rules
 
 LAG_RULES = """
@@ -121,3 +122,35 @@ def test_the_rates_history_keeps_at_most_history_max_series_label_sets_per_metri
 def test_history_max_series_must_be_a_whole_number_of_at_least_one() -> None:
     with pytest.raises(RulesError, match=r'r.toml: field "history_max_series": expected a whole number >= 1, got 0'):
         loads_rules("history_max_series = 0\n" + RATE_RULES, "r.toml")
+
+
+class NoSink:
+    name, timeout_s, batch_max = "none", 1.0, 100
+
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_duplicated_series_the_monitor_remembers_are_bounded_and_a_steady_one_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    n = [0]
+
+    def scrape() -> Snapshot:  # two sources export one steady series and one whose label is new every scrape
+        n[0] += 1
+        text = f'share 0.1\nshare{{scrape="{n[0]}"}} 0.1\n'
+        return Snapshot.from_texts({"a": text, "b": text})
+
+    mon = Monitor(loads_rules(LAG_RULES), NoSink(), scrape=scrape)
+    mon.DUPLICATES_REMEMBERED = 5
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+            for _ in range(50):
+                mon.step()
+        assert len(mon._duplicates_seen) == 5  # it kept one key per scrape, for ever
+        said = [r.getMessage() for r in caplog.records if "all export share{}" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        mon.close(5)
