@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from stream.errors import ConfigError, StreamrecError
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import register
 
 MAGIC = b"SRPACK\x00\x01"  # container format 1: unsigned
@@ -146,8 +147,8 @@ def load_signing_key(path: Path | str | None) -> SigningKey | None:
         raise ConfigError("signing_key_file is empty: give the key file's path, or leave the setting out to run "
                           "without a signing key")
     p = Path(path)
-    try:
-        raw = p.read_bytes()
+    try:  # a FIFO or a device in place of the key would hang the process or read without end: refused unread
+        raw = read_regular(p, MAX_SETTINGS_FILE_BYTES)
     except OSError as exc:
         raise ConfigError(f"signing_key_file {p}: cannot read it ({exc.strerror or exc}); mount the key file or "
                           "unset signing_key_file") from None

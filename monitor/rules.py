@@ -73,6 +73,7 @@ from typing import Any
 from monitor.alerts import Severity, SinkSettings, check_http_url
 from monitor.expr import ExprError, Node, longest_range, parse
 from stream.errors import ConfigError
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -430,8 +431,10 @@ def load_rules(path: str | Path | None = None) -> RulesConfig:
     if path is None:
         return loads_rules(default_rules_text(), f"(packaged default) monitor/{DEFAULT_RULES}")
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
+    try:  # a FIFO or a device would hang the monitor or read without end: refused unread
+        text = read_regular(p, MAX_SETTINGS_FILE_BYTES).decode("utf-8")
     except OSError as exc:
         raise RulesError(f"alert rules file {p}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise RulesError(f"alert rules file {p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return loads_rules(text, str(p))

@@ -12,7 +12,8 @@ helpers, so "a crash leaves the old file or the new one, never half of one" is i
   ``learner.checkpoint.remove_torn``).
 
 And the one way a file another process left (a delta, ``CURRENT``, a manifest) is opened where a reading thread must
-never hang: :func:`open_regular` (a FIFO put in its place blocked the reader for good, ``/dev/zero`` never ended).
+never hang: :func:`open_regular` (a FIFO put in its place blocked the reader for good, ``/dev/zero`` never ended),
+and :func:`read_regular` on it, the one way a settings or secret file a path names is read (bounded in size).
 """
 
 from __future__ import annotations
@@ -115,6 +116,33 @@ def open_regular(path: Path) -> Iterator[tuple[io.FileIO, os.stat_result]]:
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused unread")
         yield fh, st
+
+
+# The most a settings or secret file (a --config file, a password, key or rules file) may hold: far more than any real
+# one, and a bound on what a file named by mistake (a data set, a log) costs to read before it is refused.
+MAX_SETTINGS_FILE_BYTES = 4 << 20
+
+
+class FileTooLarge(OSError):
+    """:func:`read_regular` found more than its bound in the file."""
+
+
+def read_regular(path: Path | str, limit: int) -> bytes:
+    """The whole of ``path``, a regular file of at most ``limit`` bytes (a settings or secret file). Opened with
+    :func:`open_regular`, so a FIFO, a device (``/dev/zero``, a tty) or a directory is refused unread rather than
+    hanging the process or reading without end (:class:`NotRegularFile`); a larger file is :class:`FileTooLarge`
+    after ``limit + 1`` bytes. Both are OSErrors whose message says what the file is, as ``open``'s errors are."""
+    chunks: list[bytes] = []
+    size = 0
+    with open_regular(Path(path)) as (fh, _):
+        while size <= limit:
+            chunk = fh.read(limit + 1 - size)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+    raise FileTooLarge(f"{path} holds more than {limit} bytes: too large for a settings or secret file (is it the "
+                       "right file?)")
 
 
 def sha256_file(path: Path) -> str:

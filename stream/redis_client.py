@@ -58,6 +58,7 @@ from redis.retry import Retry
 
 from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import Secret, redact
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
@@ -175,8 +176,8 @@ def _password(settings: RedisSettings) -> str:
         return settings.password.reveal()
     if settings.password_file is not None:
         path = Path(settings.password_file)
-        try:
-            text = path.read_text(encoding="utf-8")
+        try:  # refused unread when not a regular file (a FIFO would hang connect for good)
+            text = read_regular(path, MAX_SETTINGS_FILE_BYTES).decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             # not "password_file: ..." - stream.secrets.redact masks the word after a "password...:" key
             raise ConfigError(f"[redis] cannot read the password_file {path}: "

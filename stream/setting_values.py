@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stream.errors import ConfigError, shown
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import Secret, names_credential
 
 
@@ -33,8 +34,8 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
         if path and var:
             raise SettingsError(f"[{section}] {name}_file and {name}_env are both set: give the secret one way")
         if path:
-            try:
-                text = Path(path).read_text(encoding="utf-8")
+            try:  # a FIFO or a device in place of a mounted secret would hang the process: refused unread
+                text = read_regular(Path(path), MAX_SETTINGS_FILE_BYTES).decode("utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise SettingsError(f"[{section}] {name}_file: cannot read {path}: "
                                     f"{getattr(exc, 'strerror', None) or exc}") from None

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from learner.config import LearnerSettings
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, shown
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
 from stream.setting_values import SettingsError, check_environment_sections, coerce_field, resolve_secrets
@@ -60,12 +61,11 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise SettingsError("--config was given an empty path (an unset variable?): name a TOML file, or leave "
                             "--config out")
     p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            data = tomllib.load(fh)
+    try:  # a FIFO (<(...) in a shell) or a device would hang the process or read without end: refused unread
+        data = tomllib.loads(read_regular(p, MAX_SETTINGS_FILE_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise SettingsError(f"config file {p} does not exist (given with --config)") from None
-    except OSError as exc:  # a directory, no permission
+    except OSError as exc:  # a directory, a FIFO, a device, no permission, too large
         raise SettingsError(f"config file {p} cannot be read: {exc.strerror or exc} (given with --config)") from None
     # TOMLDecodeError, and the ValueErrors tomllib lets through: not UTF-8, an integer of over 4300 digits
     except ValueError as exc:
