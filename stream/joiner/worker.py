@@ -76,6 +76,7 @@ from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
+from stream.tls import client_context
 
 log = logging.getLogger("streamrec.join")
 
@@ -102,19 +103,12 @@ def _fetch_bytes(kafka: KafkaSettings) -> int:
 
 
 def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
-    for setting in ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location"):
-        path = getattr(kafka, setting)
-        if path is not None and not path.is_file():
-            raise ConfigError(f"[kafka] {setting}: {path} {'is not a file' if path.exists() else 'does not exist'}")
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
-                                     cafile=str(kafka.ssl_ca_location) if kafka.ssl_ca_location else None)
-    if kafka.ssl_certificate_location is not None and kafka.ssl_key_location is not None:
-        try:
-            ctx.load_cert_chain(str(kafka.ssl_certificate_location), str(kafka.ssl_key_location),
-                                password=kafka.ssl_key_password.reveal() or None)
-        except ssl.SSLError as exc:
-            raise ConfigError(f"[kafka] ssl_certificate_location / ssl_key_location: cannot load the client "
-                              f"certificate and key ({exc.reason or exc}); is ssl_key_password right?") from None
+    """The TLS part of faust's credentials. Loaded by :func:`stream.tls.client_context`: a bad CA file, a key that is
+    not the certificate's or cannot be read is a ConfigError naming the setting, as librdkafka's are for the kafka
+    driver (``stream.kafka``), not ssl's raw traceback."""
+    ctx = client_context("kafka", ("ssl_ca_location", kafka.ssl_ca_location),
+                         ("ssl_certificate_location", kafka.ssl_certificate_location),
+                         ("ssl_key_location", kafka.ssl_key_location), kafka.ssl_key_password.reveal())
     if kafka.extra.get("ssl.endpoint.identification.algorithm", "https").lower() == "none":
         ctx.check_hostname = False
     if kafka.extra.get("enable.ssl.certificate.verification", "true").lower() in ("false", "0"):

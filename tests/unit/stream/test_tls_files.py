@@ -1,0 +1,91 @@
+"""A TLS file a setting names that cannot be used (a CA file holding no certificate, a key that is not the
+certificate's, an encrypted key without its password, a FIFO) is a ConfigError naming the setting and the file, when
+the client is built: never ssl's raw SSLError traceback (the faust join driver's context) nor a failure at the first
+command, retried as an outage (redis-py loads the files only when it connects)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from stream.config import KafkaSettings, SecurityProtocol
+from stream.errors import ConfigError
+from stream.secrets import Secret
+from tests.secure_redis import TlsFiles, make_tls_files
+
+
+@dataclass(frozen=True)
+class Files:
+    good: TlsFiles
+    other: TlsFiles  # another CA's: its key is not good.cert's
+    junk: Path  # text, no certificate
+    encrypted_key: Path  # good.key, encrypted with "right-password"
+    fifo: Path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    d = tmp_path_factory.mktemp("tls")
+    good, other = make_tls_files(d / "good", "good"), make_tls_files(d / "other", "other")
+    junk = d / "junk.pem"
+    junk.write_text("this is no certificate\n")
+    key = serialization.load_pem_private_key(good.key.read_bytes(), None)
+    encrypted = d / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"right-password")))
+    fifo = d / "fifo.pem"
+    os.mkfifo(fifo)
+    return Files(good, other, junk, encrypted, fifo)
+
+
+def _kafka(f: Files, case: str) -> tuple[KafkaSettings, str, Path]:
+    """The settings of ``case``, the setting its error must name and the file."""
+    ca, cert, key, password = f.good.ca, f.good.cert, f.good.key, ""
+    named = {"ca holds no certificate": ("ssl_ca_location", f.junk), "ca is a fifo": ("ssl_ca_location", f.fifo),
+             "key of another certificate": ("ssl_certificate_location / ssl_key_location", f.other.key),
+             "key holds no key": ("ssl_key_location", f.junk),
+             "encrypted key, no password": ("ssl_key_location", f.encrypted_key),
+             "encrypted key, wrong password": ("ssl_key_location", f.encrypted_key),
+             "certificate holds no certificate": ("ssl_certificate_location", f.junk)}[case]
+    if named[0] == "ssl_ca_location":
+        ca = named[1]
+    elif case == "certificate holds no certificate":
+        cert = f.junk
+    else:
+        key = named[1]
+    if case == "encrypted key, wrong password":
+        password = "wrong-password"
+    k = KafkaSettings(security_protocol=SecurityProtocol.SSL, ssl_ca_location=ca, ssl_certificate_location=cert,
+                      ssl_key_location=key, ssl_key_password=Secret(password))
+    return k, named[0], named[1]
+
+
+KAFKA_CASES = ["ca holds no certificate", "ca is a fifo", "key of another certificate", "key holds no key",
+               "encrypted key, no password", "encrypted key, wrong password", "certificate holds no certificate"]
+
+
+@pytest.mark.parametrize("case", KAFKA_CASES)
+def test_the_faust_driver_reports_an_unusable_tls_file_as_a_config_error_naming_the_setting(
+        files: Files, case: str) -> None:
+    from stream.joiner.worker import broker_credentials
+
+    k, setting, path = _kafka(files, case)
+    with pytest.raises(ConfigError) as info:
+        broker_credentials(k)
+    assert str(info.value).startswith(f"[kafka] {setting}: ") and str(path) in str(info.value)
+
+
+def test_the_faust_driver_loads_good_tls_files_and_an_encrypted_key_with_its_password(files: Files) -> None:
+    import faust
+
+    from stream.joiner.worker import broker_credentials
+
+    for key, password in ((files.good.key, ""), (files.encrypted_key, "right-password")):
+        k = KafkaSettings(security_protocol=SecurityProtocol.SSL, ssl_ca_location=files.good.ca,
+                          ssl_certificate_location=files.good.cert, ssl_key_location=key,
+                          ssl_key_password=Secret(password))
+        assert isinstance(broker_credentials(k), faust.SSLCredentials)
