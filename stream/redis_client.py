@@ -60,6 +60,7 @@ from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import Secret, redact
+from stream.tls import client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
            "connect", "describe", "failure", "is_cluster", "latency_advice", "run_script", "unavailable", "verify",
@@ -190,15 +191,14 @@ def _password(settings: RedisSettings) -> str:
 
 
 def _tls_options(settings: RedisSettings) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-        path = getattr(settings, name)
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise ConfigError(f"[redis] {name}: {path} is not a readable file")
-        options[name] = str(path)
-    return options
+    """The TLS files as redis-py's options, checked first: redis-py loads them at its first connection, where a CA
+    file that holds no certificate, a key that is not the certificate's or an unreadable file failed every command
+    late with an obscure error (retried as an outage). Loading them once here (:func:`stream.tls.client_context`)
+    makes each a ConfigError naming the setting and the file when the client is built."""
+    client_context("redis", ("ssl_ca_certs", settings.ssl_ca_certs), ("ssl_certfile", settings.ssl_certfile),
+                   ("ssl_keyfile", settings.ssl_keyfile))
+    return {name: str(path) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+            if (path := getattr(settings, name)) is not None}
 
 
 # Every command's bound where a caller names none. A Redis that stops answering without closing its connections (a

@@ -89,3 +89,36 @@ def test_the_faust_driver_loads_good_tls_files_and_an_encrypted_key_with_its_pas
                           ssl_certificate_location=files.good.cert, ssl_key_location=key,
                           ssl_key_password=Secret(password))
         assert isinstance(broker_credentials(k), faust.SSLCredentials)
+
+
+REDIS_CASES = ["ca holds no certificate", "ca is a fifo", "key of another certificate", "key holds no key",
+               "encrypted key (no password setting)", "certificate holds no certificate"]
+
+
+@pytest.mark.parametrize("case", REDIS_CASES)
+def test_a_redis_client_with_an_unusable_tls_file_fails_when_built_naming_the_setting(files: Files, case: str) -> None:
+    """``connect`` builds a client without connecting: before the check, every case here returned a client whose first
+    command failed (or was retried as an outage)."""
+    from stream.config import RedisSettings
+    from stream.redis_client import connect
+
+    ca, cert, key = files.good.ca, files.good.cert, files.good.key
+    setting, path = {"ca holds no certificate": ("ssl_ca_certs", files.junk),
+                     "ca is a fifo": ("ssl_ca_certs", files.fifo),
+                     "key of another certificate": ("ssl_certfile / ssl_keyfile", files.other.key),
+                     "key holds no key": ("ssl_keyfile", files.junk),
+                     "encrypted key (no password setting)": ("ssl_keyfile", files.encrypted_key),
+                     "certificate holds no certificate": ("ssl_certfile", files.junk)}[case]
+    if setting == "ssl_ca_certs":
+        ca = path
+    elif setting == "ssl_certfile":
+        cert = path
+    else:
+        key = path
+    rs = RedisSettings(url="rediss://127.0.0.1:1/0", ssl_ca_certs=ca, ssl_certfile=cert, ssl_keyfile=key)
+    with pytest.raises(ConfigError) as info:
+        connect(rs, retries=0)
+    assert str(info.value).startswith(f"[redis] {setting}: ") and str(path) in str(info.value)
+    good = RedisSettings(url="rediss://127.0.0.1:1/0", ssl_ca_certs=files.good.ca, ssl_certfile=files.good.cert,
+                         ssl_keyfile=files.good.key)
+    connect(good, retries=0).close()  # good files: built (lazily, nothing sent)
