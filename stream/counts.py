@@ -57,17 +57,35 @@ which Redis runs only once it has the whole transaction, so a connection lost pa
 nothing. (As a non-transactional pipeline, the days before the break were written and then written again by the
 retry.) A failure after Redis ran the EXEC but before its reply arrived (a timeout, a dropped connection) leaves the
 caller not knowing whether it ran, so every call is a *write* with an id (``write_id``, :func:`new_write_id`, a fresh
-one when the caller gives none), and each of its script calls has a marker key in the kind's hash slot::
+one when the caller gives none), and each of its script calls has a marker, a field of a hash beside the counts key
+it writes, in the kind's hash slot::
 
-    {prefix}:counts:{{kind}}:w:{event}:{write id}:{YYYYMMDD}:{part}     (part: add_counts's chunk, 0 for record)
+    {prefix}:counts:{{kind}}:w:{event}:{YYYYMMDD}    field = {write id}:{part} (part: add_counts's chunk, 0: record)
 
 A script call that finds its marker writes nothing; one that does not writes its counts and names, then sets the
-marker (last: a call that fails part way, a key of the wrong type, sets none and its retry fails as loudly), expiring
-``WRITE_ID_TTL_S`` (a day) later. So a call again with the same write id and the same counts counts each day once,
-whether the first ran, did not, or ran only some of its days (an error inside one script call: Redis does not roll
-back the other calls of the EXEC, and their markers are set). A marker per script call, not per write: the first
-day of an EXEC does not make the later days skip, and a resend of the same EXEC (redis-py's own retries, on a cluster
-too) counts once as well. The markers are outside what :meth:`DailyCounts.days_available` scans.
+marker (last: a call that fails part way, a key of the wrong type, sets none and its retry fails as loudly). So a call
+again with the same write id and the same counts counts each day once, whether the first ran, did not, or ran only some
+of its days (an error inside one script call: Redis does not roll back the other calls of the EXEC, and their markers
+are set). A marker per script call, not per write: the first day of an EXEC does not make the later days skip, and a
+resend of the same EXEC (redis-py's own retries, on a cluster too) counts once as well. The markers are outside what
+:meth:`DailyCounts.days_available` scans.
+
+However late a retry comes, it is recognised: the markers hash gets the counts key's expiry in the same script call,
+so the two live and go together (an expiry, a FLUSHALL, a restarted Redis without persistence). While the counts a
+write added exist, so does its marker; once they are gone, its retry counts it in a fresh key, once. (The markers once
+expired a day after their write, so a retry after a Redis outage of over a day, the joiner's batches failing all
+along, counted its write twice.) There is no bound to document against how far back a consumer rewinds: a consumer
+that re-reads input it had counted (a restart before its commit) makes new writes with new ids, which no marker can
+tell from new counts; the joiner counts a batch only once its state is durable (``stream/joiner/pipeline.py``).
+
+Kept for days instead of one, the markers of every write would cost (at ~100 bytes of Redis memory each, measured as
+hash fields) ~150 MB per joiner worker (a flush every 2 s, four kinds/events, ``ttl_days`` 8: 9 days of markers) and
+~30 MB per serving process (every 5 s, two kinds). But a marker matters only to a retry, and a caller retries only a
+write that failed: the markers of a write that succeeded are deleted by the next write of the same kind, in its own
+transaction (a forget call of the same script, no round trip of its own). So what stays is one write's markers per
+kind and :class:`DailyCounts` object, and those of failed writes until their retry succeeds (or, never retried: a
+crash, serving's second failure, until the day's counts expire). One id, one write: a call with a write id that once
+succeeded is not recognised as a retry.
 
 The caller makes the id when it first hands counts to a write and keeps it, with those counts unchanged, until the
 write succeeds; it never adds newer counts to a write that failed (Redis may have run it: retried under its id the
@@ -75,12 +93,10 @@ newer counts would be skipped, under a new id its own counted twice). The joiner
 was, before writing what came since (``stream/joiner/pipeline.py``, ``JoinPipeline._finish_flush``); serving's lookup
 counts retry a failed day and kind once, at the next flush (``serving/lookup_counts.py``).
 
-Cost per script call (per day and kind/event; per chunk for ``add_counts``): the marker's name, ~70 bytes sent, two
-commands inside the script (EXISTS, SET: ~5 us of server time against ~5 us per member counted), and ~160 bytes of
-Redis memory for a day: the joiner (a flush every 2 s, four kinds/events) keeps ~170,000 markers, ~28 MB, per
-worker; a serving process (every 5 s, two kinds) ~35,000, ~6 MB. What remains: a retry more than
-``WRITE_ID_TTL_S`` after the write it repeats (its markers are gone) counts twice, and so does the retry of a script
-call that failed after part of its writes (the counts written, then the names key found of the wrong type).
+Cost per script call (per day and kind/event; per chunk for ``add_counts``): the marker, ~30 bytes sent, three
+commands inside the script (HEXISTS, HSET, EXPIREAT: ~5 us of server time against ~5 us per member counted), and
+deleting it in the kind's next write (one HDEL). What remains: the retry of a script call that failed after part of
+its writes (the counts written, then the names key found of the wrong type) counts them twice.
 
 Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_ts_s``) ahead of
 the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
@@ -123,7 +139,6 @@ _EPOCH = dt.date(1970, 1, 1)
 _DAY_RE = re.compile(r"\d{8}")
 _TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
-WRITE_ID_TTL_S = DAY_S  # how long a write's markers are kept: a retry later than this may count its write twice
 
 
 def new_write_id() -> str:
@@ -223,20 +238,30 @@ def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
     return out
 
 
-# KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day, KEYS[3] = this call's write marker;
-# ARGV = expire-at (unix s), the number n of (count, member) pairs, those pairs, then (member, name) pairs. The names
-# key gets the counts key's expiry. A marker found means this very call ran before (a retry after its reply was lost):
-# nothing is written again. The marker is set last, so a call that fails part way (a key of the wrong type) sets none
-# and its retry fails as loudly. Returns whether the names key existed before the call.
-_ZINCR_MANY = f"""
+# KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day, KEYS[3] = the markers of the counts key
+# (a hash); ARGV = expire-at (unix s), this call's marker (a field of KEYS[3]), the number n of (count, member) pairs,
+# those pairs, then (member, name) pairs. The names and markers keys get the counts key's expiry. A marker found means
+# this very call ran before (a retry after its reply was lost): nothing is written again. The marker is set last, so a
+# call that fails part way (a key of the wrong type) sets none and its retry fails as loudly. Returns whether the names
+# key existed before the call. With an empty marker it is a forget call: ARGV[4..] are markers of writes the caller
+# knows succeeded (never retried), deleted from KEYS[3] (KEYS[1], KEYS[2] unused): a cleanup, which a
+# markers key of the wrong type must not turn into every later write failing.
+_ZINCR_MANY = """
+if ARGV[2] == '' then
+  if redis.call('TYPE', KEYS[3]).ok == 'hash' then
+    for i = 4, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
+  end
+  return 0
+end
 local had = redis.call('EXISTS', KEYS[2])
-if redis.call('EXISTS', KEYS[3]) == 1 then return had end
-local last = 2 + 2 * tonumber(ARGV[2])
-for i = 3, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then return had end
+local last = 3 + 2 * tonumber(ARGV[3])
+for i = 4, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[1], ARGV[1])
 for i = last + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[2], ARGV[1])
-redis.call('SET', KEYS[3], 1, 'EX', {WRITE_ID_TTL_S})
+redis.call('HSET', KEYS[3], ARGV[2], 1)
+redis.call('EXPIREAT', KEYS[3], ARGV[1])
 return had
 """
 _CUTOFFS_MAX = 1024  # failed writes whose "too far ahead" cut-off DailyCounts keeps for their retry (the joiner: 4)
@@ -260,6 +285,9 @@ class DailyCounts:
         # (its retry keeps it); removed when the write succeeds. Bounded by _CUTOFFS_MAX, the oldest forgotten first.
         self._cutoffs: dict[tuple[str, str, str], int] = {}
         self._zincr_many: Any = None  # registered on first use
+        # kind -> {markers key: markers} of kind's last write that succeeded: forgotten in Redis by kind's next write
+        # (module docstring, "Retries"). One write's markers per kind: a day's for record, a chunk's for add_counts.
+        self._acked: dict[str, dict[str, list[str]]] = {}
         # Names this object has written, per names key: not sent again (a popular id is counted in every flush).
         # Bounded by _NAMED_MAX in all (then forgotten, so sent once more); a names key found missing (deleted,
         # evicted) forgets its entries, so the next flush that counts them names them again.
@@ -284,10 +312,10 @@ class DailyCounts:
     def _names_key(self, kind: str, day: str) -> str:
         return f"{self.prefix}:names:{{{kind}}}:{day}"
 
-    def _marker_key(self, kind: str, event: str, write_id: str, day: str, part: int = 0) -> str:
-        """The marker of one script call of write ``write_id``: part ``part`` of its counts of ``kind``/``event`` on
-        ``day`` (module docstring, "Retries"). In the kind's hash slot, and outside what ``days_available`` scans."""
-        return f"{self.prefix}:counts:{{{kind}}}:w:{event}:{write_id}:{day}:{part}"
+    def _markers_key(self, kind: str, event: str, day: str) -> str:
+        """The markers of the writes into ``kind``/``event``'s counts of ``day`` (a hash expiring with those counts;
+        module docstring, "Retries"). In the kind's hash slot, and outside what ``days_available`` scans."""
+        return f"{self.prefix}:counts:{{{kind}}}:w:{event}:{day}"
 
     def _legacy(self) -> bool:
         """Whether the readers also read the layout before hash tags (module docstring: only on a single node)."""
@@ -388,10 +416,11 @@ class DailyCounts:
         days = {d: _day_str(d) for d in args}
         named, skipped = self._names_to_send(kind, days, counts, names, text) if names else ({}, set())
         calls = [([self._key(kind, event, days[d]), self._names_key(kind, days[d]),
-                   self._marker_key(kind, event, write_id, days[d])],
-                  [self.expire_at(d, now), len(pairs) // 2, *pairs, *named.get(d, ())]) for d, pairs in args.items()]
+                   self._markers_key(kind, event, days[d])],
+                  [self.expire_at(d, now), f"{write_id}:0", len(pairs) // 2, *pairs, *named.get(d, ())])
+                 for d, pairs in args.items()]
         try:
-            had_names = self._write(calls)  # all days or none (see "Retries" in the module docstring)
+            had_names = self._write(kind, calls)  # all days or none (see "Retries" in the module docstring)
         except BaseException:  # the names sent may not be written: not remembered as written
             for d in named:
                 self._forget_named(self._names_key(kind, days[d]))
@@ -413,20 +442,37 @@ class DailyCounts:
         if not len(members):
             return
         day = _day_str(int(day_index))
-        keys = [self._key(kind, event, day), self._names_key(kind, day)]
+        keys = [self._key(kind, event, day), self._names_key(kind, day), self._markers_key(kind, event, day)]
         expire = self.expire_at(int(day_index))
         calls = []
         for part, i in enumerate(range(0, len(members), chunk)):
             m, c = members[i:i + chunk].tolist(), counts[i:i + chunk].tolist()
             pairs = [x for pair in zip(c, map(str, m), strict=True) for x in pair]
-            calls.append(([*keys, self._marker_key(kind, event, write_id, day, part)], [expire, len(m), *pairs]))
-        self._write(calls)  # all chunks or none (see "Retries" in the module docstring)
+            calls.append((keys, [expire, f"{write_id}:{part}", len(m), *pairs]))
+        self._write(kind, calls)  # all chunks or none (see "Retries" in the module docstring)
 
-    def _write(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """The counting script once per ``(keys, args)``, all in one MULTI/EXEC (one kind's keys: one hash slot)."""
+    def _write(self, kind: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """The counting script once per ``(keys, args)``, all in one MULTI/EXEC (one kind's keys: one hash slot); the
+        results of ``calls``.
+
+        The same transaction first forgets the markers of ``kind``'s last write that succeeded (its caller never
+        retries it: module docstring, "Retries"); when this one succeeds, its own markers are the next to forget.
+        A transaction that fails keeps those to forget (forgetting twice is harmless), and its own are kept in Redis
+        for its retry."""
         if self._zincr_many is None:
             self._zincr_many = self.client.register_script(_ZINCR_MANY)
-        return run_script(self.client, self._zincr_many, calls, transaction=True)
+        acked = self._acked.pop(kind, {})
+        forget = [([key] * 3, [0, "", 0, *fields]) for key, fields in acked.items()]
+        try:
+            results = run_script(self.client, self._zincr_many, forget + calls, transaction=True)
+        except BaseException:
+            self._acked[kind] = acked
+            raise
+        done: dict[str, list[str]] = {}
+        for keys, args in calls:
+            done.setdefault(keys[2], []).append(args[1])
+        self._acked[kind] = done
+        return results[len(forget):]
 
     def _names_to_send(self, kind: str, days: dict[int, str], counts: Counter[tuple[int, int | str]],
                        names: Mapping[Any, int | str], text: bool) -> tuple[dict[int, list[str]], set[int]]:

@@ -323,3 +323,60 @@ def test_a_retried_record_drops_as_future_exactly_the_events_its_first_attempt_d
     assert scores(redis_client, counts.key("item", "impression", day_of(times[2]))) == {"3": 1.0}
     assert day_of(times[1]) != day_of(times[2])
     assert not redis_client.exists(counts.key("item", "impression", day_of(times[1])))
+
+
+def expire_all_but_the_last_minute_of(client: redis.Redis, prefix: str, key: str) -> None:
+    """Time passes until a minute before ``key`` expires: every key of ``prefix`` that would have expired by then is
+    deleted (Redis's clock cannot be moved; what each key's TTL says it would be gone by is)."""
+    until = client.pttl(key) - 60_000
+    for other in client.scan_iter(match=f"{prefix}:*", count=1000):
+        if 0 <= client.pttl(other) <= until:
+            client.delete(other)
+
+
+@pytest.mark.parametrize("call", ["record", "add_counts"])
+def test_a_write_whose_reply_was_lost_is_counted_once_when_retried_any_time_while_its_counts_live(
+        call: str, losing_client: redis.Redis, redis_client: redis.Redis, prefix: str) -> None:
+    """Redis runs a write and its reply is lost; the retry comes days later (a long Redis outage, the joiner's batches
+    failing all along), a minute before the day's counts expire. It is still recognised: counted once (its markers
+    expired a day after the write, and the retry counted it twice)."""
+    counts = DailyCounts(losing_client, prefix=prefix, ttl_days=8)
+    now_ms = int(time.time() * 1000)
+    write_id = new_write_id()
+
+    def write() -> None:
+        if call == "record":
+            counts.record("item", "impression", [1, 2, 2], [now_ms - 3 * DAY_MS] * 3, write_id=write_id)
+        else:
+            counts.add_counts("item", "impression", np.array([1, 2]), np.array([1, 2]), now_ms // DAY_MS - 3,
+                              write_id=write_id)
+
+    LoseExecReply.lose = 1
+    with pytest.raises(redis.ConnectionError, match="lost before the reply"):
+        write()
+    key = counts.key("item", "impression", day_of(now_ms - 3 * DAY_MS))
+    assert scores(redis_client, key) == {"1": 1.0, "2": 2.0}  # Redis ran it
+    expire_all_but_the_last_minute_of(redis_client, prefix, key)
+    write()  # the retry, 8 days later
+    assert scores(redis_client, key) == {"1": 1.0, "2": 2.0}
+
+
+def test_the_markers_of_writes_that_succeeded_do_not_pile_up_and_a_lost_reply_keeps_its_own_for_its_retry(
+        losing_client: redis.Redis, redis_client: redis.Redis, prefix: str) -> None:
+    """Markers live as long as the day's counts (days, not one), so those of the writes that succeeded (never retried)
+    are forgotten by the kind's next write: after a write whose reply was lost and 60 that succeeded, two markers are
+    left (the lost one's, kept for its retry, and the last one's), where 61 piled up; the retry still counts once."""
+    counts = DailyCounts(losing_client, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    lost_id = new_write_id()
+    LoseExecReply.lose = 1
+    with pytest.raises(redis.ConnectionError, match="lost before the reply"):
+        counts.record("item", "impression", [1], [now_ms], write_id=lost_id)
+    for _ in range(30):
+        counts.record("item", "impression", [2], [now_ms], write_id=new_write_id())
+        counts.add_counts("item", "lookup", np.array([2]), np.array([1]), now_ms // DAY_MS)
+    day = day_of(now_ms)
+    assert redis_client.hlen(counts._markers_key("item", "impression", day)) == 1  # the lost one's
+    assert redis_client.hlen(counts._markers_key("item", "lookup", day)) == 1  # the item kind's last write
+    counts.record("item", "impression", [1], [now_ms], write_id=lost_id)  # the retry
+    assert scores(redis_client, counts.key("item", "impression", day)) == {"1": 1.0, "2": 30.0}

@@ -198,7 +198,7 @@ def test_a_name_is_sent_once_and_again_after_its_key_is_lost_or_a_write_failed(
 
     monkeypatch.setattr(counts, "_zincr_many", spy)
     counts.record("item", "impression", ids, [t, t], names=names)
-    assert len(sent[-1]) == 2 + 2 * 2  # expiry, n, two (count, member) pairs: no name sent again
+    assert len(sent[-1]) == 3 + 2 * 2  # expiry, marker, n, two (count, member) pairs: no name sent again
     redis_client.delete(key)  # lost (deleted, evicted): the next call finds it gone, the one after names again
     counts.record("item", "impression", ids, [t, t], names=names)
     counts.record("item", "impression", ids, [t, t], names=names)
