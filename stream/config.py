@@ -320,6 +320,7 @@ class RedisSettings:
             raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "
                               "redis://host:port/<db> with <db> an integer (nothing: db 0)")
         check_counts("redis", self)  # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history)
+        self._check_prefix()
         if (self.password or self.password_file is not None) and parts.password:
             raise ConfigError("[redis] password (or password_file / password_env) is set and url carries a password "
                               "too: give it one way (prefer password_file and a url without credentials)")
@@ -337,6 +338,25 @@ class RedisSettings:
         if self.cluster and unquote(parts.path).strip("/") not in ("", "0"):
             raise ConfigError(f"[redis] cluster = true but url {redact(self.url)!r} names database "
                               f"{unquote(parts.path).strip('/')}: a Redis Cluster has database 0 only")
+
+    def _check_prefix(self) -> None:
+        """The prefix begins every key: it must not change which hash slot a key is in (Redis Cluster hashes a key
+        by its first ``{...}``, and the day counts keep a kind's keys in one slot by their own ``{item}``/``{user}``
+        tag after the prefix: a brace before it split them over slots, CROSSSLOT on every counts write), and it must
+        be text Redis can be sent (an environment variable's undecodable bytes failed every command)."""
+        prefix = self.prefix
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigError(f"[redis] prefix: got {prefix!r}, expected a non-empty name every key begins with "
+                              "(default 'streamrec')")
+        if "{" in prefix or "}" in prefix:
+            raise ConfigError(f"[redis] prefix: got {prefix!r}, which holds a '{{' or '}}': Redis Cluster reads a "
+                              "key's first {...} as its hash tag, and streamrec's keys carry their own after the "
+                              "prefix (a kind's counts in one slot); use a prefix without braces")
+        try:
+            prefix.encode()
+        except UnicodeEncodeError:
+            raise ConfigError(f"[redis] prefix: got {prefix!r}, which is not valid UTF-8 text (undecodable bytes "
+                              "in the environment variable or file it came from?)") from None
 
     def clustered(self, alias: bool) -> RedisSettings:
         """These settings with ``cluster = True`` when ``alias`` (the older ``[serve]`` / ``[refresh]
