@@ -41,6 +41,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,14 +118,30 @@ def describe_top(rows: list[dict[str, Any]]) -> str:
                      for r in rows) or "none"
 
 
+_HASH_TEXT = re.compile(r"[0-9]{1,19}")  # a stable hash's text (stream/ids.py: below 2**63), ASCII digits only
+_HASH_MAX = (1 << 63) - 1
+
+
+def member_hashes(members: list[str]) -> tuple[np.ndarray, int]:
+    """The members that are a stable hash's text, as int64 (in order); and how many are not. Anything with write
+    access to Redis can add a member: one that is not (``"-3"``, ``"u1"``, ``"99999999999999999999"``, an int64
+    overflow, ``"²"``, which ``str.isdigit`` takes and ``int`` refuses) is left out, never a failed refresh."""
+    hashed = [int(m) for m in members if _HASH_TEXT.fullmatch(m) and int(m) <= _HASH_MAX]
+    return np.array(hashed, dtype=np.int64), len(members) - len(hashed)
+
+
 def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMapper | None = None) -> np.ndarray:
     """Global rows of ``members`` (hash texts) in the block of ``kind``'s field; [] if the model lacks it.
-    ``mapper`` (the checkpoint's id maps) maps admitted ids to their own rows; without it, the buckets."""
+    ``mapper`` (the checkpoint's id maps) maps admitted ids to their own rows; without it, the buckets. Members
+    that are no stable hash's text are left out (:func:`member_hashes`), with a warning."""
     name = KIND_FIELDS[kind]
     names = [f.name for f in cfg.fields]
     if name not in names or not members:
         return np.zeros(0, np.int64)
-    hashed = np.array([int(m) for m in members if m.isdigit()], dtype=np.int64)
+    hashed, skipped = member_hashes(members)
+    if skipped:
+        log.warning("hot set: %d of the top %d %s ids in the counts are not a stable hash's text (written by a "
+                    "client other than the joiner and serving?); left out", skipped, len(members), kind)
     return (mapper or RowMapper(cfg)).rows(names.index(name), hashed)
 
 
