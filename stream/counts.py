@@ -76,7 +76,8 @@ write added exist, so does its marker; once they are gone, its retry counts it i
 expired a day after their write, so a retry after a Redis outage of over a day, the joiner's batches failing all
 along, counted its write twice.) There is no bound to document against how far back a consumer rewinds: a consumer
 that re-reads input it had counted (a restart before its commit) makes new writes with new ids, which no marker can
-tell from new counts; the joiner counts a batch only once its state is durable (``stream/joiner/pipeline.py``).
+tell from new counts. The joiner counts a batch only once its state is durable (``stream/joiner/pipeline.py``),
+and a re-read impression or click that state holds (within ``late_retention``) is a duplicate, not counted again.
 
 Kept for days instead of one, the markers of every write would cost (at ~100 bytes of Redis memory each, measured as
 hash fields) ~150 MB per joiner worker (a flush every 2 s, four kinds/events, ``ttl_days`` 8: 9 days of markers) and
