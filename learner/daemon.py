@@ -23,7 +23,9 @@ last durable checkpoint is trained again on restart, nothing is lost).
 Failures: a training batch that raises an unexpected exception gives each of its messages a strike
 (``stream/strikes.py``, stored in ``<checkpoint_dir>/strikes.json``) and stops the daemon without a
 checkpoint; on restart those messages are trained one per batch, and one that fails
-``poison_after`` times in a row goes to ``samples.dlq``. A message with strikes that trains after all loses them;
+``poison_after`` times in a row goes to ``samples.dlq``. A failure of the infrastructure, or a DataLoader worker that
+died on its own (OOM-killed, killed by a signal, a segfault; torch raises it in the training process wherever that
+is), gives no strikes (:func:`strike_failed_batch`). A message with strikes that trains after all loses them;
 when the strikes file cannot be written then (a full disk), training goes on (``_clear_strikes``).
 """
 
@@ -56,7 +58,7 @@ from learner.deltas import DeltaWriter
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
-from learner.kafka_dataset import KafkaSampleDataset
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
@@ -69,7 +71,7 @@ from stream.features import MISSING
 from stream.files import describe_os_error
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
-from stream.strikes import FileStrikes, Strikes, is_infrastructure
+from stream.strikes import FileStrikes, Strikes
 
 log = logging.getLogger("streamrec.train")
 
@@ -172,6 +174,18 @@ def _present(batch: SampleBatch, column: str) -> int:
     if pa.types.is_list(col.type):
         return int((np.diff(col.offsets.to_numpy()) > 0).sum())
     return int((col.to_numpy(zero_copy_only=False) != (0.0 if column.startswith(DENSE_PREFIX) else MISSING)).sum())
+
+
+def strike_failed_batch(strikes: Strikes, keys: list[tuple[str, int, int]], exc: BaseException) -> bool:
+    """Each of ``keys`` (the messages of a batch whose training raised ``exc``) gets a strike, unless the failure is
+    no message's fault (:func:`learner.kafka_dataset.not_the_batch`: the infrastructure, a DataLoader worker that
+    died). Returns whether they got one."""
+    if not keys or not_the_batch(exc):
+        return False
+    log.error("training a batch of %d message(s) failed (%s); each gets a strike, stopping without a checkpoint",
+              len(keys), type(exc).__name__)
+    strikes.failed(keys, exc)
+    return True
 
 
 def infer_fields(batches: list[SampleBatch], min_share: float, max_fields: int,
@@ -445,10 +459,7 @@ class Learner:
             try:
                 self._train(batch)
             except Exception as exc:
-                if keys and not is_infrastructure(exc):
-                    log.error("training a batch of %d message(s) failed (%s); each gets a strike, stopping without "
-                              "a checkpoint", len(keys), type(exc).__name__)
-                    self.strikes.failed(keys, exc)
+                strike_failed_batch(self.strikes, keys, exc)
                 raise
             if self.strikes.counts:
                 self._clear_strikes(keys)

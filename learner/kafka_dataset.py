@@ -37,6 +37,7 @@ import heapq
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import threading
 import time
@@ -55,8 +56,31 @@ from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.kafka import has_more, new_consumer
 from stream.samples import MAX_LIST_VALUES, SampleBatch
+from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.train")
+
+# How torch reports a DataLoader worker that died (checked on torch 2.13): its SIGCHLD handler, run wherever the
+# training process is (inside a training step too), raises "DataLoader worker (pid 123) is killed by signal:
+# Killed." or "... exited unexpectedly with exit code 1. ..."; the loader's own check, when it finds the worker gone
+# while waiting for a batch, "DataLoader worker (pid(s) 123, 456) exited unexpectedly". Plain RuntimeErrors, told
+# apart by their text (as learner/distributed.py tells a peer's failure).
+_WORKER_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:is killed by signal|exited unexpectedly)")
+
+
+def worker_died(exc: BaseException) -> bool:
+    """True when ``exc`` is torch telling that a DataLoader worker process died (OOM-killed, a SIGKILL from outside,
+    a segfault in a library): the process reading messages is gone, no message's training failed."""
+    return isinstance(exc, RuntimeError) and _WORKER_DEATH.search(str(exc)) is not None
+
+
+def not_the_batch(exc: BaseException) -> bool:
+    """True when a failure while training a batch is not its messages' fault and gives them no strikes
+    (``stream/strikes.py``): the infrastructure's (:func:`stream.strikes.is_infrastructure`), or a DataLoader worker
+    that died on its own. torch raises the worker's death in the training process wherever that process is, in a
+    training step as well, and every message of the batch in hand got a strike for it: a few OOM kills dead-lettered
+    innocent messages as poison."""
+    return is_infrastructure(exc) or worker_died(exc)
 
 
 _orphan_watch: threading.Thread | None = None  # one per DataLoader worker process

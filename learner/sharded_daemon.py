@@ -100,7 +100,7 @@ from learner.distributed import (
 )
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
-from learner.kafka_dataset import KafkaSampleDataset, to_tensors_empty
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
 from learner.quality import IdMetrics, TrainingQuality
@@ -116,7 +116,7 @@ from stream.errors import ConfigError
 from stream.files import write_atomic
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import DELAYED_POSITIVE
-from stream.strikes import PartitionFileStrikes, Strikes, is_infrastructure
+from stream.strikes import PartitionFileStrikes, Strikes
 
 log = logging.getLogger("streamrec.train")
 
@@ -555,7 +555,7 @@ class ShardedLearner:
         this rank's messages of the round that may have failed (the current one, and the last one while no
         collective since has shown that every rank finished it). ``own=False``: this rank's own error is no
         training failure (a delta, a checkpoint) and blames nothing."""
-        if is_infrastructure(exc):
+        if not_the_batch(exc):  # the infrastructure's, or this rank's DataLoader worker died: no message's fault
             return
         if not is_peer_failure(exc):
             if not own:

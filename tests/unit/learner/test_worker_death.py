@@ -1,0 +1,84 @@
+"""A DataLoader worker that dies on its own (OOM-killed, a SIGKILL from outside, a segfault in a library) is no
+message's fault: torch raises its death in the training process wherever that process is, inside a training step
+too, and every message of the batch in hand got a strike for it, so a few such deaths dead-lettered innocent messages
+as poison. A batch that failed for its data still strikes its messages (``stream/strikes.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader, IterableDataset
+
+from learner.daemon import strike_failed_batch
+from learner.kafka_dataset import not_the_batch, worker_died
+from stream.strikes import FileStrikes, Strikes
+
+KEYS = [("samples", 0, 7), ("samples", 1, 3)]
+
+
+class _PidThenWait(IterableDataset):
+    """Yields its worker's pid, then waits for good (until the test kills the worker)."""
+
+    def __iter__(self) -> Iterator[int]:
+        yield os.getpid()
+        threading.Event().wait()
+
+
+def test_a_dataloader_worker_killed_by_a_signal_gives_the_batch_in_hand_no_strikes(tmp_path: Path) -> None:
+    strikes = Strikes(FileStrikes(tmp_path / "strikes.json"), limit=1)
+    it = iter(DataLoader(_PidThenWait(), batch_size=None, num_workers=1))
+    pid = next(it)
+    with pytest.raises(RuntimeError) as died:
+        os.kill(pid, signal.SIGKILL)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: torch's own checks find it
+        next(it)  # torch's SIGCHLD handler raised by now (as inside a training step), or the loader finds it gone
+    del it  # its shutdown closes the worker's index queue: the queue's feeder thread ends
+    assert worker_died(died.value), str(died.value)
+    assert strike_failed_batch(strikes, KEYS, died.value) is False
+    assert not strikes.counts and not Strikes(FileStrikes(tmp_path / "strikes.json"), limit=1).counts
+    # the same batch failing for its data: every message gets a strike (limit 1: poison at once)
+    assert strike_failed_batch(strikes, KEYS, RuntimeError("index 9 is out of bounds for dimension 0")) is True
+    assert all(strikes.poisoned(k) for k in KEYS)
+
+
+@pytest.mark.parametrize("text", [
+    "DataLoader worker (pid 4242) is killed by signal: Killed. ",
+    "DataLoader worker (pid 4242) is killed by signal: Segmentation fault. ",
+    "DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that dataloader's workers are out "
+    "of shared memory. Please try to raise your shared memory limit.",
+    "DataLoader worker (pid 4242) exited unexpectedly with exit code 1. Details are lost due to multiprocessing. "
+    "Rerunning with num_workers=0 may give better error trace.",
+    "DataLoader worker (pid(s) 4242, 4243) exited unexpectedly",
+])
+def test_every_form_of_torchs_worker_death_is_no_fault_of_the_batch(text: str) -> None:
+    assert not_the_batch(RuntimeError(text))
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"),
+    ValueError("DataLoader worker (pid 4242) is killed by signal: Killed."),  # only torch's RuntimeError
+    RuntimeError("Caught ValueError in DataLoader worker process 0."),  # a worker's own exception, passed on
+])
+def test_a_batch_that_failed_on_its_data_is_still_its_fault(exc: Exception) -> None:
+    assert not not_the_batch(exc)
+
+
+def test_a_rank_whose_dataloader_worker_died_strikes_nothing_and_blames_no_round(tmp_path: Path) -> None:
+    """On N ranks, the rank whose worker died neither strikes its messages nor tells its peers that the round failed
+    for its data (learner/sharded_daemon.py, ``_strike_round``); a data failure does both."""
+    from types import SimpleNamespace
+
+    from learner.sharded_daemon import ShardedLearner
+
+    strikes = Strikes(FileStrikes(tmp_path / "strikes.json"), limit=1)
+    rank = SimpleNamespace(ctx=SimpleNamespace(rank=0))
+    ShardedLearner._strike_round(rank, strikes, KEYS, RuntimeError(  # type: ignore[arg-type]
+        "DataLoader worker (pid 4242) is killed by signal: Killed. "))
+    assert not strikes.counts
+    ShardedLearner._strike_round(rank, strikes, KEYS, ValueError("a bad row"))  # type: ignore[arg-type]
+    assert all(strikes.poisoned(k) for k in KEYS)
