@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tempfile
 import time
 import uuid
 import zipfile
@@ -65,8 +66,8 @@ import torch
 
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
-from stream.errors import StreamrecError
-from stream.files import leftover_writer_alive, temp_of, write_atomic
+from stream.errors import ConfigError, StreamrecError
+from stream.files import describe_os_error, leftover_writer_alive, temp_of, write_atomic
 from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -175,6 +176,24 @@ def upgrade(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         version = 3
     meta["format_version"] = version
     return {**raw, "meta": meta}
+
+
+def check_directory(directory: Path, setting: str) -> None:
+    """A :class:`ConfigError` naming ``setting`` (``"[learner] checkpoint_dir"``) and the path unless ``directory`` is a
+    directory this process can write files into (made, with its parents, when missing). Checked at start, before any
+    work: a regular file there, or a directory nobody may write, ended the learner in a traceback (NotADirectoryError
+    from the strikes file, or the first checkpoint's write after minutes of training)."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{setting} {directory} is a file, not a directory: name a directory (it is made when "
+                          "missing), or move the file away")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):  # a file made and gone: writes there will succeed
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{setting} {directory} is no directory this process can write into "
+                          f"({describe_os_error(exc)}): name one it can write, or fix its permissions") from None
 
 
 def lineage(directory: Path) -> str:

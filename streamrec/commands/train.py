@@ -98,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
                                        "duplicates", "metrics", "topic")}
         emit(args, status, lambda d: "latest checkpoint\n" + kv_lines(d))
         return EXIT_OK
+    from learner.checkpoint import check_directory
+
+    # before any work (the metrics listener, the ranks, Kafka): a file there ended the learner in a traceback
+    check_directory(ls.checkpoint_dir, "[learner] checkpoint_dir (--checkpoint-dir)")
+    if ls.deltas_every_s > 0:
+        check_directory(ls.deltas_dir, "[learner] deltas_dir")
     setup_logging(args.log_level)
     import os
 
