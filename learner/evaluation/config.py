@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from learner.config import LearnerSettings
+from learner.config import LearnerSettings, SparseOptimizer, parse_mlp
 from stream.config import check_counts
+from stream.errors import ConfigError, shown
 from stream.features import REQUEST_TIME, TIME_UNITS
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import POLICIES
@@ -24,6 +25,55 @@ EMISSIONS = POLICIES  # the joiner's emission policies (stream.joiner.config.Emi
 FEATURE_SETS = ("paper", "default")
 PAPER_FIELDS = ("gender", "age", "occupation", "zip", REQUEST_TIME, "year", "genres")  # AutoInt's 7 fields
 MULTI_VALUED = frozenset({"genres"})
+
+
+# The knobs [evaluate] may set (EvalOverrides), checked where they are set and again in EvalConfig (a config given to
+# evaluate() directly): a finite number >= 0 (0: that part does not learn, no boost, no decay of the weights, no
+# delay) or > 0, a share, one of a few words, a boolean. A nonsense value (a negative dropout, lr_decay 2, NaN) ran a
+# whole evaluation and reported its AUC, or ended it in torch's ValueError once the data had loaded.
+_AT_LEAST_ZERO = ("lr_dense", "lr_sparse", "initial_accumulator", "boost", "weight_decay", "history_delay_s",
+                  "elapsed_s")
+_ABOVE_ZERO = ("boost_half_life", "window_s")
+_BOOLEANS = ("calibrate", "init_bias", "online_calibration")
+
+
+def _check_knobs(cfg: EvalConfig | EvalOverrides) -> None:
+    """A :class:`ConfigError` naming the ``[evaluate]`` key of the first value of ``cfg`` out of its range (``None``:
+    unset, passes)."""
+    def bad(name: str, what: str, value: Any) -> ConfigError:
+        return ConfigError(f"[evaluate] {name} must be {what}, got {shown(value)}")
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def get(name: str) -> Any:
+        return getattr(cfg, name)
+
+    for name in _AT_LEAST_ZERO:
+        if get(name) is not None and not (number(get(name)) and get(name) >= 0):
+            raise bad(name, "a finite number >= 0", get(name))
+    for name in _ABOVE_ZERO:
+        if get(name) is not None and not (number(get(name)) and get(name) > 0):
+            raise bad(name, "a finite number > 0", get(name))
+    if get("lr_decay") is not None and not (number(get("lr_decay")) and 0 < get("lr_decay") <= 1):
+        raise bad("lr_decay", "a factor > 0 and <= 1 (1: no decay)", get("lr_decay"))
+    if get("dropout") is not None and not (number(get("dropout")) and 0 <= get("dropout") < 1):
+        raise bad("dropout", "a share >= 0 and < 1", get("dropout"))
+    for name in ("prior_click_rate", "syn_base_ctr"):
+        if get(name) is not None and not (number(get(name)) and 0 < get(name) < 1):
+            raise bad(name, "a rate between 0 and 1 (exclusive)", get(name))
+    for name in _BOOLEANS:
+        if get(name) is not None and not isinstance(get(name), bool):
+            raise bad(name, "true or false", get(name))
+    for name, words in (("sparse_optimizer", tuple(m.value for m in SparseOptimizer)),
+                        ("request_time", tuple(sorted(TIME_UNITS))), ("emission", tuple(EMISSIONS))):
+        if get(name) is not None and get(name) not in words:
+            raise bad(name, "one of " + ", ".join(words), get(name))
+    if get("mlp") is not None:
+        try:
+            parse_mlp(get("mlp"))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"[evaluate] {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -77,6 +127,10 @@ class EvalConfig:
     syn_new_user_share: float = 0.02
 
     def __post_init__(self) -> None:
+        # as EvalOverrides: every count >= 1 (history_len 0: no history feature; cold_k 0: no impression is cold; the
+        # seed any); then the other knobs
+        check_counts("evaluate", self, zero_ok=("history_len", "cold_k", "delay_seed"))
+        _check_knobs(self)
         if self.request_time not in TIME_UNITS:
             raise ValueError(f"request_time must be one of {sorted(TIME_UNITS)}, got {self.request_time!r}")
         if self.autocast not in (None, "bf16"):
@@ -139,6 +193,7 @@ class EvalOverrides:
         # every count set >= 1 (embedding_dim 0 trained and reported an AUC for a dim-0 model); history_len 0: no
         # history feature
         check_counts("evaluate", self, zero_ok=("history_len",))
+        _check_knobs(self)
 
     def to_config(self) -> dict[str, Any]:
         """The set fields as :func:`resolve_config` overrides; raises ValueError on a malformed ``mlp``."""
