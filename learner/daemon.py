@@ -32,6 +32,7 @@ when the strikes file cannot be written then (a full disk), training goes on (``
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import signal
@@ -67,6 +68,7 @@ from learner.row_mapper import MapStats, RowMapper, user_keys
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from stream.config import KafkaSettings, RedisSettings
+from stream.errors import ConfigError
 from stream.features import MISSING
 from stream.files import describe_os_error
 from stream.kafka import ensure_topics, new_consumer
@@ -188,6 +190,29 @@ def strike_failed_batch(strikes: Strikes, keys: list[tuple[str, int, int]], exc:
     return True
 
 
+def refuse_sharded(directory: Path) -> None:
+    """A :class:`ConfigError` when ``directory`` holds checkpoints of the sharded learner (``dcp-*/``, written under
+    torchrun: ``learner/sharded_checkpoint.py``). One process does not read them, and it started a fresh model there,
+    silently: trained every retained sample again from offset 0 over that progress, while ``streamrec train --status``
+    went on reporting the sharded one. The sharded learner refuses a directory of single-process checkpoints the same
+    way (``learner/sharded_daemon.py``)."""
+    from learner import sharded_checkpoint  # torch.distributed.checkpoint: only here, once at start
+
+    done = sharded_checkpoint.list_complete(directory)
+    if not done:
+        return
+    try:
+        ranks = f" by {int(json.loads((done[-1] / sharded_checkpoint.META).read_text())['world_size'])} ranks"
+    except (OSError, ValueError, KeyError, TypeError):
+        ranks = ""
+    raise ConfigError(
+        f"[learner] checkpoint_dir {directory} holds sharded checkpoints (newest {done[-1].name}, written{ranks} under "
+        "torchrun): one process does not resume from them, and a fresh model here would train every retained sample "
+        "again over that progress. Go on under torchrun with the same world size, or convert the newest into a "
+        f"single-process checkpoint with `streamrec train --checkpoint-dir {directory} --unshard NEW_DIR` and train "
+        "one process with --checkpoint-dir NEW_DIR")
+
+
 def infer_fields(batches: list[SampleBatch], min_share: float, max_fields: int,
                  ) -> tuple[dict[str, FieldKind], tuple[str, ...]]:
     """Context fields (name -> single/multi) and dense names present in at least ``min_share`` of the rows of
@@ -300,7 +325,9 @@ class Learner:
 
     def _restore(self) -> bool:
         """Resume from the newest checkpoint. Its model-shaping settings (``learner.config.SHAPE_SETTINGS``)
-        must equal ours (else :class:`CheckpointMismatch`, exit 2); the rest come from the settings."""
+        must equal ours (else :class:`CheckpointMismatch`, exit 2); the rest come from the settings. A directory of
+        the sharded learner's checkpoints is refused (:func:`refuse_sharded`)."""
+        refuse_sharded(Path(self.ls.checkpoint_dir))
         ckpt = checkpoint.restore_latest(self.ls.checkpoint_dir)  # weights-only: a foreign file runs nothing
         if ckpt is None:
             return False
