@@ -99,5 +99,6 @@ def test_cold_start_evaluation_takes_evaluate_settings_under_its_flags(
     monkeypatch.setenv("STREAMREC_EVALUATE_REQUEST_TIME", "day")  # checked before any data loads: exit 2
     assert main(COMMANDS["evaluate --cold-start"]) == 2
     assert "request_time must be one of" in capsys.readouterr().err
+    monkeypatch.delenv("STREAMREC_EVALUATE_REQUEST_TIME")  # one bad value at a time: each names its own setting
     assert main([*COMMANDS["evaluate --cold-start"], "--mlp", "4x4"]) == 2  # was a ValueError traceback
     assert "mlp: expected comma-separated layer widths" in capsys.readouterr().err
