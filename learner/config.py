@@ -115,16 +115,26 @@ class IdInit(Choice):
     ZERO = "zero"
 
 
+def _layer_width(x: Any) -> int:
+    """One layer's width: an integer (its text, or a float that is one), never a bool or a fraction."""
+    if isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()):
+        raise ValueError(x)
+    return int(x)
+
+
 def parse_mlp(value: Any) -> tuple[int, ...]:
     """The MLP's hidden layer sizes from ``"400,400,400"`` (a setting, an older checkpoint's meta), a
     list or a tuple: the one parser of the ``mlp`` setting. ValueError for anything but sizes >= 1."""
     if isinstance(value, (list, tuple)):
-        sizes = tuple(int(x) for x in value)
+        parts = list(value)
     elif isinstance(value, str):
         parts = [x.strip() for x in re.split(r"[,\s()\[\]]+", value) if x.strip()]
-        sizes = tuple(int(x) for x in parts)
     else:
-        raise ValueError(f"mlp: expected layer sizes like '400,400,400', got {value!r}")
+        raise ValueError(f"mlp: expected comma-separated layer widths like 400,400,400, got {value!r}")
+    try:
+        sizes = tuple(_layer_width(x) for x in parts)
+    except (ValueError, TypeError):
+        raise ValueError(f"mlp: expected comma-separated layer widths like 400,400,400, got {value!r}") from None
     if any(x < 1 for x in sizes):
         raise ValueError(f"mlp: layer sizes must be >= 1, got {value!r}")
     return sizes

@@ -199,11 +199,7 @@ class EvalOverrides:
         """The set fields as :func:`resolve_config` overrides; raises ValueError on a malformed ``mlp``."""
         out = {k: v for k, v in asdict(self).items() if v is not None}
         if "mlp" in out:
-            try:
-                out["mlp"] = tuple(int(x) for x in str(out["mlp"]).replace(" ", "").split(",") if x)
-            except ValueError:
-                raise ValueError(f"mlp: expected comma-separated layer widths like 400,400,400, "
-                                 f"got {self.mlp!r}") from None
+            out["mlp"] = parse_mlp(out["mlp"])
         return out
 
 
