@@ -11,7 +11,9 @@ poison message that started over from no strikes each time would take about ``li
 a row.
 
 Failures of the infrastructure (the broker, Redis, the disk) are not the message's fault and give no
-strikes (:func:`is_infrastructure`): a Redis outage must never dead-letter good data.
+strikes (:func:`is_infrastructure`): a Redis outage, or a Redis out of memory, read-only or failing over, must never
+dead-letter good data. A Redis error reply to what a message carried (a WRONGTYPE, a script's error on a value) is the
+message's, and gives strikes: counted as the infrastructure's it failed its batch forever.
 
 Stores: :class:`RedisStrikes` (the joiner, whose state lives off-host anyway), :class:`FileStrikes` (the
 learner, next to its checkpoints) and :class:`PartitionFileStrikes` (the learner on N ranks: one file per
@@ -24,6 +26,7 @@ is revoked (:meth:`Strikes.forget`): its previous owner may have struck it after
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -37,8 +40,52 @@ from stream.files import write_atomic
 Key = tuple[str, int, int]  # (topic, partition, offset)
 
 
+# Redis error replies that say what state the server is in, not what a command carried: out of memory (OOM), a replica
+# or a read-only primary (READONLY), a script running too long (BUSY), loading its data (LOADING), unable to persist
+# (MISCONF), too few replicas (NOREPLICAS), a cluster failing over or resharding (CLUSTERDOWN, MASTERDOWN, TRYAGAIN,
+# MOVED, ASK), a script cache flushed by a restart or a failover (NOSCRIPT: every caller reloads its scripts on the
+# next attempt, ``stream/redis_client.py`` run_script and redis-py's Script), and an ACL user without a permission
+# (NOPERM, and AUTH refused on connecting: the configuration's fault, never a message's). Each passes, or is fixed,
+# without any message being changed.
+_SERVER_STATE = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MISCONF", "NOREPLICAS", "CLUSTERDOWN", "MASTERDOWN",
+                           "TRYAGAIN", "MOVED", "ASK", "NOSCRIPT", "NOPERM"})
+_SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                        redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
+                        redis.exceptions.NoScriptError, redis.exceptions.NoPermissionError,
+                        redis.exceptions.AuthenticationWrongNumberOfArgsError, redis.exceptions.NoSuchFieldsetError)
+
+
+# Redis 6 wraps the error of a command a Lua script called: "@user_script: 1: -OOM command not allowed ..." (the
+# script's result, redis.pcall) or "Error running script (...): @user_script:1: @user_script: 1: -OOM ..." (an ERR
+# reply, redis.call); Redis 7 replies with the command's own code.
+_SCRIPT_CODE = re.compile(r"@user_script: ?\d+: -([A-Z][A-Z0-9_]*)")
+
+
+def _server_state(exc: redis.ResponseError) -> bool:
+    """Whether a Redis error reply is one of :data:`_SERVER_STATE`: by redis-py's class, else by the reply's code
+    (redis-py keeps it as ``status_code``; an error re-raised from a script's result, ``stream/history.py``, has only
+    its text, which starts with the code), or by the code of the command a script called (:data:`_SCRIPT_CODE`)."""
+    if isinstance(exc, _SERVER_STATE_ERRORS):
+        return True
+    text = str(exc)
+    code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
+    if code in _SERVER_STATE:
+        return True
+    return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text))
+
+
 def is_infrastructure(exc: BaseException) -> bool:
-    """True for failures of what a message travels through, not of the message itself."""
+    """True for failures of what a message travels through, not of the message itself.
+
+    Redis fails either way: unreachable, timed out or answering from a state it is in (:data:`_SERVER_STATE`) is the
+    infrastructure; an error reply to what a command carried (``WRONGTYPE`` on a key the message names, ``ERR value is
+    not an integer or out of range``, a Lua script's error on a value, ``CROSSSLOT``) or a value redis-py refuses to
+    encode (``DataError``) fails the same way every time the message is processed: the message's fault, struck like
+    any other, so that it is isolated and dead-lettered instead of failing its batch forever."""
+    if isinstance(exc, redis.ResponseError):
+        return _server_state(exc)
+    if isinstance(exc, redis.DataError):
+        return False
     return isinstance(exc, KafkaException | DeliveryFailed | redis.RedisError | OSError | TimeoutError | MemoryError)
 
 

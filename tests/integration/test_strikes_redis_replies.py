@@ -1,0 +1,53 @@
+"""A real Redis's error replies, classed by ``stream.strikes.is_infrastructure``: what a message carried (a key of the
+wrong type, a value that is no integer, a script's error on a value) gives strikes, so the joiner isolates and
+dead-letters the message instead of failing its batch forever; a Redis out of memory gives none (good data must never
+be dead-lettered for it)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from stream.history import UserHistory
+from stream.strikes import is_infrastructure
+
+
+def _reply(call) -> redis.RedisError:  # noqa: ANN001 - a callable
+    with pytest.raises(redis.RedisError) as info:
+        call()
+    return info.value
+
+
+def test_redis_error_replies_to_a_messages_data_give_strikes_and_out_of_memory_gives_none(
+        redis_client: redis.Redis) -> None:
+    prefix = f"strikes-{uuid.uuid4().hex[:8]}"
+    text_key = f"{prefix}:text"
+    redis_client.set(text_key, "not a number")
+    try:
+        for exc in [
+            _reply(lambda: redis_client.lpush(text_key, "x")),  # WRONGTYPE
+            _reply(lambda: redis_client.incr(text_key)),  # ERR value is not an integer or out of range
+            _reply(lambda: redis_client.eval("return redis.call('incr', KEYS[1])", 1, text_key)),
+            _reply(lambda: redis_client.eval("return tonumber(ARGV[1]) + 1", 0, "x")),  # a Lua error on a value
+        ]:
+            assert isinstance(exc, redis.ResponseError) and not is_infrastructure(exc), repr(exc)
+        # The joiner's click-history write on a user whose key is not a list: the reply re-raised from the
+        # script's result (stream/history.py), its text only.
+        history = UserHistory(redis_client, prefix=prefix)
+        redis_client.set(history.key(7), "not a list")
+        exc = _reply(lambda: history.append_many([7], [1], [1000]))
+        assert "WRONGTYPE" in str(exc) and not is_infrastructure(exc)
+        limit = str(redis_client.config_get("maxmemory")["maxmemory"])
+        redis_client.config_set("maxmemory", 1)
+        try:
+            exc = _reply(lambda: redis_client.set(f"{prefix}:more", "x"))
+            exc_pcall = _reply(lambda: history.append_many([8], [1], [1000]))  # redis.pcall: the script's result
+            exc_call = _reply(lambda: redis_client.eval("return redis.call('set', KEYS[1], 'x')", 1, f"{prefix}:k"))
+        finally:
+            redis_client.config_set("maxmemory", limit)
+        assert isinstance(exc, redis.exceptions.OutOfMemoryError) and is_infrastructure(exc)
+        assert is_infrastructure(exc_pcall) and is_infrastructure(exc_call), (str(exc_pcall), str(exc_call))
+    finally:
+        redis_client.delete(*redis_client.keys(f"{prefix}:*"))
