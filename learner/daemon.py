@@ -73,7 +73,7 @@ from stream.features import MISSING
 from stream.files import describe_os_error
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
-from stream.strikes import FileStrikes, Strikes
+from stream.strikes import FileStrikes, Strikes, settle_strikes
 
 log = logging.getLogger("streamrec.train")
 
@@ -467,6 +467,7 @@ class Learner:
             self.offsets.setdefault(p, 0)
         assert self.trainer is not None and self.cfg is not None
         topic = self.kafka.samples_topic
+        settle_strikes(self.strikes, {(topic, p): o for p, o in self.offsets.items()})
         suspects = {(p, o): self.strikes.poisoned(key) for key in self.strikes.counts
                     for t, p, o in [key] if t == topic}
         # Pinned by the DataLoader (in the main process: memory a worker pins does not survive the hand-over).

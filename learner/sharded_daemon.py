@@ -116,7 +116,7 @@ from stream.errors import ConfigError
 from stream.files import write_atomic
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import DELAYED_POSITIVE
-from stream.strikes import PartitionFileStrikes, Strikes
+from stream.strikes import PartitionFileStrikes, Strikes, settle_strikes
 
 log = logging.getLogger("streamrec.train")
 
@@ -431,6 +431,7 @@ class ShardedLearner:
         topic = self.kafka.samples_topic
         # poison strikes: one file per partition, written by the rank reading it (stream/strikes.py)
         strikes = Strikes(PartitionFileStrikes(ls.checkpoint_dir, mine), ls.poison_after)
+        settle_strikes(strikes, {(topic, p): self.offsets[p] for p in mine})
         suspects = {(p, o): strikes.poisoned(key) for key in strikes.counts for t, p, o in [key] if t == topic}
         step_rows = rows_per_step(ls)  # accumulation included
         dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine},

@@ -21,13 +21,21 @@ partition, so that each file has one writer whatever the world size). All keep o
 so they stay tiny; a key is ``"{topic}:{partition}:{offset}"``. A consumer whose partitions move between workers
 reads a partition's strikes from the store again when it is assigned (:meth:`Strikes.reload`), and drops them when it
 is revoked (:meth:`Strikes.forget`): its previous owner may have struck it after this worker started.
+
+Entries are bounded: a message's strikes go when it is processed or dead-lettered, and otherwise when its consumer's
+position is known to be past it (:meth:`Strikes.settle`: the joiner's committed offsets, read when it reloads a
+partition that has strikes; the learner's checkpoint offsets, at its start), since it is never read again then (a
+message committed past by another worker after a rebalance, a partition that moved away and came back). The joiner's
+Redis hash also expires :data:`STRIKES_TTL_S` after its last strike was written (a group no longer run): a retry of one
+message never takes that long, and a strike lost that way only lets the message fail ``limit`` times again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -36,6 +44,8 @@ from confluent_kafka import KafkaException
 
 from stream.errors import DeliveryFailed, clip
 from stream.files import write_atomic
+
+log = logging.getLogger("streamrec.strikes")
 
 Key = tuple[str, int, int]  # (topic, partition, offset)
 
@@ -134,14 +144,39 @@ class Strikes:
         self.counts.update(changed)
         self.store.save(changed, [])
 
-    def reload(self, partitions: Iterable[int]) -> None:
+    def reload(self, partitions: Iterable[int],
+               committed: Callable[[list[int]], dict[tuple[str, int], int]] | None = None) -> None:
         """The store's strikes of ``partitions`` replace those held here: a partition assigned by a rebalance brings
         the strikes its previous owner gave (written before that owner stopped, after this one read the store), so
-        its suspects still go alone, their failures add to what they had, and their strikes are cleared here."""
+        its suspects still go alone, their failures add to what they had, and their strikes are cleared here.
+
+        ``committed``: asked only when the store has strikes of ``partitions``, the group's committed offsets of
+        those partitions (``{(topic, partition): offset}``, the next offset to read); the strikes below them are
+        :meth:`settle`'d, not loaded (a message committed past by another owner, or after a rebalance)."""
         mine = set(partitions)
-        stored = self.store.load()
+        stored = {k: v for k, v in self.store.load().items() if k[1] in mine}
         self.counts = {k: v for k, v in self.counts.items() if k[1] not in mine}
-        self.counts.update({k: v for k, v in stored.items() if k[1] in mine})
+        self.counts.update(stored)
+        if stored and committed is not None:
+            self.settle(committed(sorted({k[1] for k in stored})), stored)
+
+    def settle(self, positions: dict[tuple[str, int], int], stored: dict[Key, tuple[int, str]] | None = None) -> int:
+        """Drop every strike (here and in the store) of a message below its topic-partition's position in
+        ``positions`` (``{(topic, partition): next offset to read}``: a committed offset, a checkpoint's): the
+        consumer never reads it again, so its strikes would stay forever. ``stored``: the store's strikes, when the
+        caller just loaded them. Returns how many were dropped.
+
+        A position moved back by hand (an offset reset) reads such a message again without strikes: it starts over,
+        as a message never struck; nothing is dead-lettered for lack of them."""
+        if not positions:
+            return 0
+        known = self.store.load() if stored is None else stored
+        stale = [k for k in {*known, *self.counts} if k[2] < positions.get((k[0], k[1]), -1)]
+        for k in stale:
+            self.counts.pop(k, None)
+        if stale:
+            self.store.save({}, stale)
+        return len(stale)
 
     def forget(self, partitions: Iterable[int]) -> None:
         """Drop the strikes of revoked ``partitions`` here (the store keeps them for the next owner)."""
@@ -157,11 +192,27 @@ class Strikes:
             self.store.save({}, cleared)
 
 
-class RedisStrikes:
-    """Strikes in one Redis hash per consumer group: field = message key, value = ``"{count} {error}"``."""
+def settle_strikes(strikes: Strikes, positions: dict[tuple[str, int], int]) -> None:
+    """:meth:`Strikes.settle` at a consumer's start (the learner's checkpoint offsets), where a store that cannot be
+    written now (a full disk) must not stop it: the strikes are dropped at a later start instead."""
+    try:
+        dropped = strikes.settle(positions)
+    except OSError as exc:
+        log.warning("could not drop the strikes below the consumer's positions (kept for now): %s", exc)
+        return
+    if dropped:
+        log.info("dropped the strikes of %d message(s) below the consumer's positions: never read again", dropped)
 
-    def __init__(self, client: redis.Redis, key: str) -> None:
-        self.client, self.key = client, key
+
+STRIKES_TTL_S = 30 * 86_400  # a Redis hash of strikes is dropped 30 days after its last strike was written
+
+
+class RedisStrikes:
+    """Strikes in one Redis hash per consumer group: field = message key, value = ``"{count} {error}"``. The hash
+    expires ``ttl_s`` after its last strike was written (module docstring)."""
+
+    def __init__(self, client: redis.Redis, key: str, ttl_s: int = STRIKES_TTL_S) -> None:
+        self.client, self.key, self.ttl_s = client, key, ttl_s
 
     def load(self) -> dict[Key, tuple[int, str]]:
         out = {}
@@ -177,6 +228,7 @@ class RedisStrikes:
         pipe = self.client.pipeline(transaction=False)
         if changed:
             pipe.hset(self.key, mapping={_text(k): f"{n} {e}" for k, (n, e) in changed.items()})
+            pipe.expire(self.key, self.ttl_s)
         if cleared:
             pipe.hdel(self.key, *(_text(k) for k in cleared))
         pipe.execute()

@@ -433,7 +433,8 @@ class JoinPipeline:
         missing = sorted(p for p in partitions if p not in self.engines)
         if not missing:
             return
-        self.strikes.reload(missing)  # what their previous owner struck before it stopped (stream/strikes.py)
+        # what their previous owner struck before it stopped, less what the group committed past (stream/strikes.py)
+        self.strikes.reload(missing, self._committed)
         t0 = time.monotonic()
         empty: list[int] = []
         for partition, (chunks, parts, incomplete) in load_chunks(self.kafka, self.state_topic, missing).items():
@@ -452,6 +453,22 @@ class JoinPipeline:
         if empty and say_lost:
             self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0
+
+    def _committed(self, partitions: list[int]) -> dict[tuple[str, int], int]:
+        """The group's committed offsets of both inputs of ``partitions`` (none where it has none); empty when the
+        broker cannot say now (the strikes below them are dropped at a later assignment instead)."""
+        topics = (self.kafka.impressions_topic, self.kafka.clicks_topic)
+        try:
+            consumer = new_consumer(self.kafka, self.js.app_id)  # asks the group's offsets; joins nothing
+            try:
+                got = consumer.committed([TopicPartition(t, p) for p in partitions for t in topics], timeout=10)
+            finally:
+                consumer.close()
+        except KafkaException as exc:
+            log.warning("could not read the committed offsets of group %s to drop the strikes below them: %s",
+                        self.js.app_id, clip(str(exc)))
+            return {}
+        return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
 
     def _say_lost_state(self, partitions: list[int]) -> None:
         """Partitions without any state chunk: new ones, or ones whose state was lost (the state topic deleted or

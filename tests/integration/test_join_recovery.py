@@ -26,6 +26,7 @@ from stream.features import hash_value
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.joiner.state_log import StateLogError, encode_chunk, state_topic
 from stream.kafka import AckedProducer, admin_config, consumer_config
+from stream.strikes import STRIKES_TTL_S
 from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
 from tests.kafka_io import read_topic
 
@@ -355,3 +356,23 @@ def test_a_drain_at_exit_expires_the_impressions_of_an_assigned_partition_that_b
     again = make(exit_when_idle_s=1.0, drain_at_exit=True)
     assert KafkaJoinWorker(again, kafka, again.js).run() == 0
     assert sorted((r.impression_id, r.label) for r in sample_rows(kafka)) == [(f"imp-{i}", 0) for i in range(3)]
+
+
+def test_strikes_below_the_groups_committed_offset_are_dropped_from_redis_when_their_partition_is_restored(
+        kafka: KafkaSettings, make, redis_client: redis.Redis) -> None:
+    """A message committed past by another worker (after a rebalance) kept its strikes in Redis forever."""
+    p = make()
+    t = kafka.impressions_topic
+    p.strikes.failed([(t, 0, 3), (t, 0, 7), (t, 1, 2)], RuntimeError("boom"))  # a previous owner's
+    store_key = p.strikes.store.key
+    assert 0 < redis_client.ttl(store_key) <= STRIKES_TTL_S  # an abandoned group's hash does not stay forever
+    committer = Consumer(consumer_config(kafka, p.js.app_id))
+    try:
+        committer.commit(offsets=[TopicPartition(t, 0, 5)], asynchronous=False)
+    finally:
+        committer.close()
+    restarted = make()
+    restarted.restore({0})
+    assert set(restarted.strikes.counts) == {(t, 0, 7), (t, 1, 2)}
+    fields = {k.decode() if isinstance(k, bytes) else k for k in redis_client.hkeys(store_key)}
+    assert fields == {f"{t}:0:7", f"{t}:1:2"}
