@@ -28,7 +28,9 @@ A failure of the infrastructure (the broker or Redis unreachable, a delivery not
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
 every assigned partition back to its committed offset, waits (1 s, doubling up to 30 s) and goes
 on; the state log restores what was durable, and what was not is done again. So a Redis or broker
-restart needs no human.
+restart needs no human. A rebalance during such a failure is ridden out too: the start positions of assigned partitions
+(the group's committed offsets) are asked again, with the same backoff, until the broker answers or the worker is told
+to stop (``_start_positions``; counted in ``streamrec_join_assign_retries_total``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from stream.config import KafkaSettings
 from stream.errors import clip
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, topic_of
 from stream.joiner.config import JoinerSettings
+from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
 from stream.kafka import consumer_config, has_more, resume_offsets
 from stream.strikes import is_infrastructure
@@ -58,6 +61,7 @@ _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the con
 # its default, 1 s, left a replay's worker waiting on empty polls once it had drained a click partition's queue while
 # the impressions were paused for their held records (ML-1M: 82 empty polls, 1.9 s of a 34 s span; none at 20 ms).
 _FETCH_QUEUE_BACKOFF_MS = 20
+_ASSIGN_RETRY_S = (1.0, 30.0)  # the first wait, and the longest, before asking an assignment's start positions again
 
 
 def _records(msgs: list[Message]) -> list[Record]:
@@ -83,6 +87,7 @@ class KafkaJoinWorker:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self._backoff_s = 1.0
         self.recoveries = 0
+        self.assign_retries = 0  # start positions of assigned partitions asked again (_start_positions)
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
@@ -131,10 +136,48 @@ class KafkaJoinWorker:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
-        consumer.assign(resume_offsets(consumer, partitions))
+        positions = self._start_positions(consumer, partitions)
+        if positions is None:  # told to stop while the broker could not say: assigned, never read (run() ends)
+            consumer.assign(partitions)
+            consumer.pause(partitions)
+            return
+        consumer.assign(positions)
         self._assigned |= {tp.partition for tp in partitions}
         self.pauses.resize(len(self._assigned))
         self._idle_since = time.monotonic()
+
+    def _start_positions(self, consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition] | None:
+        """``resume_offsets`` of the assigned ``partitions``, asked again (1 s, doubling up to 30 s) while the broker
+        cannot answer (its committed offsets or watermarks timed out, the coordinator away); None when the worker is
+        told to stop meanwhile. An exception out of this rebalance callback used to stop the process (exit 1, its
+        supervisor restarting it) at every broker hiccup during a rebalance.
+
+        Waiting here, inside librdkafka's callback, is safe: the callback runs on this thread, within ``consume()``,
+        so nothing is fetched or processed meanwhile and nothing is committed for partitions not assigned yet;
+        librdkafka's own threads keep the group's heartbeats going, and if the group moves on meanwhile (a member
+        that waits past ``max.poll.interval.ms`` is dropped from it), the revocation that follows comes as usual
+        once this returns. A failure that is no infrastructure's (a bug) is raised as before."""
+        backoff = _ASSIGN_RETRY_S[0]
+        while True:
+            try:
+                return resume_offsets(consumer, partitions)
+            except Exception as exc:
+                if not is_infrastructure(exc):
+                    raise
+                self.assign_retries += 1
+                ASSIGN_RETRIES.inc()
+                log.warning("could not read the start positions of assigned partitions %s (%s: %s); asking again "
+                            "in %.1f s (they are not read until then)",
+                            sorted((tp.topic, tp.partition) for tp in partitions), type(exc).__name__,
+                            clip(str(exc)), backoff)
+            deadline = time.monotonic() + backoff
+            while time.monotonic() < deadline and not self._stop:
+                time.sleep(min(0.1, backoff))
+            if self._stop:
+                log.warning("stopping before the start positions of %s could be read: they are left unread",
+                            sorted((tp.topic, tp.partition) for tp in partitions))
+                return None
+            backoff = min(_ASSIGN_RETRY_S[1], backoff * 2)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)

@@ -15,7 +15,7 @@ from stream.metrics import DLQ_MESSAGES, EVENTS
 if TYPE_CHECKING:
     from stream.joiner.engine import BatchResult, PartitionJoin
 
-__all__ = ["DLQ_MESSAGES", "held", "record"]
+__all__ = ["ASSIGN_RETRIES", "DLQ_MESSAGES", "held", "record"]
 
 SAMPLES = PCounter("streamrec_join_samples_total", "Samples written, by label.", ["label"])
 CLICKS = PCounter("streamrec_join_clicks_total", "Clicks by outcome (joined, late, orphan, duplicate, "
@@ -31,6 +31,10 @@ OLDEST_PENDING = Gauge("streamrec_join_oldest_pending_age_seconds", "Event time 
 HELD = Gauge("streamrec_join_held_records", "Records read but held back past their partition's event-time frontier "
              "(either driver's hold, stream/joiner/backpressure.py), by input, over the worker's partitions: memory "
              "the worker holds until the other input catches up.", ["input"])
+
+ASSIGN_RETRIES = PCounter("streamrec_join_assign_retries_total", "Times the kafka driver could not read the start "
+                          "positions (the group's committed offsets) of partitions assigned to it and asked again: the "
+                          "broker unreachable or slow during a rebalance.")
 
 
 def held(counts: dict[str, int]) -> None:

@@ -1,0 +1,84 @@
+"""The kafka driver's rebalance callback when the broker cannot give an assignment's start positions (its committed
+offsets timed out, the coordinator away): asked again until it answers, inside the process, not an exception out of
+librdkafka's callback that stopped the worker (exit 1) at every broker hiccup during a rebalance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from stream.config import KafkaSettings
+from stream.joiner import kafka_driver
+from stream.joiner.config import JoinerSettings
+from stream.joiner.kafka_driver import KafkaJoinWorker
+from stream.joiner.metrics import ASSIGN_RETRIES
+
+PARTITIONS = [TopicPartition("impressions", 0), TopicPartition("clicks", 0)]
+
+
+class Consumer:
+    """What the callback does with librdkafka's consumer."""
+
+    def __init__(self) -> None:
+        self.assigned: list[tuple[str, int, int]] = []
+        self.paused: list[tuple[str, int]] = []
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        self.assigned = [(tp.topic, tp.partition, tp.offset) for tp in partitions]
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.paused = [(tp.topic, tp.partition) for tp in partitions]
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(kafka_driver, "_ASSIGN_RETRY_S", (0.001, 0.004))
+    w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
+    yield w
+    w.consumer.close()
+
+
+def _timing_out(fail: int, worker: Any = None) -> Any:
+    calls: list[int] = []
+
+    def resume_offsets(consumer: Any, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        calls.append(1)
+        if len(calls) <= fail:
+            if worker is not None and len(calls) == fail:
+                worker._stop = True  # SIGTERM while the broker is away
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "committed(): timed out"))
+        return [TopicPartition(tp.topic, tp.partition, 42) for tp in partitions]
+
+    return resume_offsets
+
+
+def test_an_assignment_whose_start_positions_cannot_be_read_is_asked_again_until_the_broker_answers(
+        worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kafka_driver, "resume_offsets", _timing_out(3))
+    before = ASSIGN_RETRIES._value.get()
+    consumer = Consumer()
+    worker._on_assign(consumer, PARTITIONS)
+    assert consumer.assigned == [("impressions", 0, 42), ("clicks", 0, 42)] and not consumer.paused
+    assert worker._assigned == {0}
+    assert worker.assign_retries == 3 and ASSIGN_RETRIES._value.get() == before + 3
+
+
+def test_a_worker_told_to_stop_while_the_broker_is_away_leaves_the_assignment_unread(
+        worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kafka_driver, "resume_offsets", _timing_out(2, worker))
+    consumer = Consumer()
+    worker._on_assign(consumer, PARTITIONS)  # returns: the run loop sees the stop
+    assert consumer.paused == [("impressions", 0), ("clicks", 0)]  # nothing of it fetched, processed or committed
+    assert worker._assigned == set()
+
+
+def test_a_bug_in_the_assignment_is_not_retried(worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(consumer: Any, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(kafka_driver, "resume_offsets", broken)
+    with pytest.raises(TypeError):
+        worker._on_assign(Consumer(), PARTITIONS)
+    assert worker.assign_retries == 0
