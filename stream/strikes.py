@@ -66,9 +66,10 @@ _SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.Read
 
 
 # Redis 6 wraps the error of a command a Lua script called: "@user_script: 1: -OOM command not allowed ..." (the
-# script's result, redis.pcall) or "Error running script (...): @user_script:1: @user_script: 1: -OOM ..." (an ERR
-# reply, redis.call); Redis 7 replies with the command's own code.
-_SCRIPT_CODE = re.compile(r"@user_script: ?\d+: -([A-Z][A-Z0-9_]*)")
+# script's result, redis.pcall), "Error running script (...): @user_script:1: @user_script: 1: -OOM ..." or
+# "Error running script (...): @user_script:1: WRONGTYPE ..." (an ERR reply, redis.call; a pipeline puts "Command # 1
+# (...) of pipeline caused error: " before it); Redis 7 replies with the command's own code.
+_SCRIPT_CODE = re.compile(r"@user_script: ?\d+: -?([A-Z][A-Z0-9_]*) ")
 
 
 def _server_state(exc: redis.ResponseError) -> bool:

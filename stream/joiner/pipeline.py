@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
+import redis
 from confluent_kafka import KafkaException, TopicPartition
 
 from stream.config import KafkaSettings, RedisSettings
@@ -1089,7 +1090,7 @@ class JoinPipeline:
         self._flushing = None
         try:
             future.result()
-        except BaseException:
+        except BaseException as exc:
             for write in writes:
                 if not write.counts:
                     continue
@@ -1099,6 +1100,15 @@ class JoinPipeline:
                     _add_counts(self._counts_buffer, write.counts, ahead=True)
                     for kind, raws in write.names.items():
                         self._names_buffer[kind] |= raws
+            if isinstance(exc, redis.RedisError) and not is_infrastructure(exc):
+                # Redis refused the counts themselves (a WRONGTYPE: a key of ours holding something else), the same
+                # every time: no message's fault (the write sums many batches'), so no strikes for this batch's
+                # messages (which would dead-letter good data), and no rewinding forever either.
+                raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
+                                  f"({type(exc).__name__}: {clip(str(exc))}): a key under "
+                                  f"'{self.counts.prefix}:counts:' or '{self.counts.prefix}:names:' holds something "
+                                  f"else (another application using [redis] prefix {self.counts.prefix!r}?); delete "
+                                  f"that key or set another prefix") from exc
             raise
 
     def _write_counts(self, writes: list[CountsWrite]) -> None:

@@ -26,7 +26,9 @@ from redis.retry import Retry
 from serving.lookup_counts import LookupCounts
 from stream import counts as counts_module
 from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
+from stream.errors import ConfigError
 from stream.joiner.pipeline import JoinPipeline, _add_counts
+from stream.strikes import is_infrastructure
 from streamrec.stack import LocalStack
 
 
@@ -380,3 +382,20 @@ def test_the_markers_of_writes_that_succeeded_do_not_pile_up_and_a_lost_reply_ke
     assert redis_client.hlen(counts._markers_key("item", "lookup", day)) == 1  # the item kind's last write
     counts.record("item", "impression", [1], [now_ms], write_id=lost_id)  # the retry
     assert scores(redis_client, counts.key("item", "impression", day)) == {"1": 1.0, "2": 30.0}
+
+
+def test_a_day_counts_key_holding_another_type_stops_the_joiner_with_a_config_error_not_strikes_for_its_batch(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """A WRONGTYPE from the counts write is no message's fault (the write sums many batches' counts): counted as the
+    batch's, it struck and in the end dead-lettered good messages one after the other."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    p = joiner_counting(counts)
+    now_ms = int(time.time() * 1000)
+    p._counts_buffer[("item", "impression")] = ([1, 2], [now_ms] * 2)
+    redis_client.set(counts.key("item", "impression", day_of(now_ms)), "someone else's")
+    try:
+        with pytest.raises(ConfigError, match=f"prefix '{prefix}'.*WRONGTYPE") as info:
+            p.flush_counts()
+    finally:
+        p._counts_writer.shutdown(wait=True)
+    assert not is_infrastructure(info.value)  # the worker stops (exit 2); the pipeline gives ConfigErrors no strikes

@@ -30,6 +30,9 @@ SERVER_STATE = [
     "ERR Error running script (call to f_0123): @user_script:1: @user_script: 1: -READONLY You can't write against "
     "a read only replica.",
     "@user_script: 1: -OOM command not allowed when used memory > 'maxmemory'.",
+    "ERR Error running script (call to f_aa19): @user_script:1: READONLY You can't write against a read only replica.",
+    "Command # 1 (EVAL return redis.call('set', KEYS[1], 'x') 1 k) of pipeline caused error: Error running script "
+    "(call to f_ee5b): @user_script:1: @user_script: 1: -OOM command not allowed when used memory > 'maxmemory'.",
 ]
 
 MESSAGE_DATA = [
@@ -42,6 +45,8 @@ MESSAGE_DATA = [
     "EXECABORT Transaction discarded because of previous errors.",
     "ERR Error running script (call to f_0123): @user_script:1: @user_script: 1: -WRONGTYPE Operation against a key "
     "holding the wrong kind of value",
+    "ERR Error running script (call to f_aa19): @user_script:1: WRONGTYPE Operation against a key holding the wrong "
+    "kind of value",
 ]
 
 
