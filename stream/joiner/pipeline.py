@@ -1104,8 +1104,9 @@ class JoinPipeline:
                 # Redis refused the counts themselves (a WRONGTYPE: a key of ours holding something else), the same
                 # every time: no message's fault (the write sums many batches'), so no strikes for this batch's
                 # messages (which would dead-letter good data), and no rewinding forever either.
+                reply = str(exc).rsplit("caused error: ", 1)[-1]  # Redis's own words, not the pipeline's preamble
                 raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
-                                  f"({type(exc).__name__}: {clip(str(exc))}): a key under "
+                                  f"({type(exc).__name__}: {clip(reply, 300)}): a key under "
                                   f"'{self.counts.prefix}:counts:' or '{self.counts.prefix}:names:' holds something "
                                   f"else (another application using [redis] prefix {self.counts.prefix!r}?); delete "
                                   f"that key or set another prefix") from exc
