@@ -172,11 +172,10 @@ def decode_rows(values: list[bytes], dim: int, dtype: RowDtype) -> np.ndarray:
     """M byte strings of ``dim`` ``dtype`` values each (untagged) -> (M, dim) float32. A value of another length
     raises ValueError."""
     dt = np.dtype(str(dtype)).newbyteorder("<")
-    raw = b"".join(values)
-    if len(raw) != len(values) * dim * dt.itemsize:
+    if any(len(v) != dim * dt.itemsize for v in values):  # each value: lengths that only add up would split rows
         raise ValueError(f"embedding store rows of {sorted({len(v) for v in values})} bytes, expected "
                          f"{dim * dt.itemsize} ({dim} x {dtype})")
-    return np.frombuffer(raw, dtype=dt).reshape(len(values), dim).astype(np.float32)
+    return np.frombuffer(b"".join(values), dtype=dt).reshape(len(values), dim).astype(np.float32)
 
 
 def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: np.ndarray | None = None,
@@ -190,9 +189,11 @@ def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: n
     width = dim * dt.itemsize + (_TAG_BYTES if key is not None else 0)
     missing = np.zeros(m, dtype=bool)
     malformed = np.zeros(m, dtype=bool)
-    raw = b"".join(cast("list[bytes]", values)) if None not in values else b""
-    if len(raw) == m * width:  # the common case: every value there and of the right length (one join, no loop)
-        arr = np.frombuffer(raw, dtype=np.uint8).reshape(m, width)
+    # The common case: every value there and each of the right length (one join, no Python loop). Each value's
+    # length, not the total: a short value beside a long one, or one key holding two rows beside an empty one, add
+    # up to the right total and would be read across their rows (each of two concatenated rows even passes its tag).
+    if None not in values and set(map(len, cast("list[bytes]", values))) == {width}:
+        arr = np.frombuffer(b"".join(cast("list[bytes]", values)), dtype=np.uint8).reshape(m, width)
     else:
         arr = np.zeros((m, width), np.uint8)
         good: list[int] = []

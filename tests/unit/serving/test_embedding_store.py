@@ -69,6 +69,20 @@ def test_a_tagged_value_decodes_only_as_its_own_version_dtype_and_row() -> None:
     assert malformed.tolist() == [True, False, False, False]
 
 
+def test_values_of_wrong_lengths_that_add_up_to_the_right_total_are_each_refused() -> None:
+    """The answer's total length is not each value's: a short value next to a long one (untagged), or one key
+    holding two rows' values next to an empty one (each tag then matches its own row), must not be read across."""
+    out, missing, malformed = decode_answer([b"\1" * 16, b"\1" * 24], 5, RowDtype.FLOAT32)
+    assert malformed.tolist() == [True, True] and not missing.any() and not out.any()
+    ids = np.array([7, 8])
+    key = tag_key("v1", RowDtype.FLOAT32)
+    values = encode_rows(np.ones((2, 5), np.float32), RowDtype.FLOAT32, ids, key)
+    out, missing, malformed = decode_answer([values[0] + values[1], b""], 5, RowDtype.FLOAT32, ids, key)
+    assert malformed.tolist() == [True, True] and not out.any()
+    with pytest.raises(ValueError, match="expected 20"):
+        decode_rows([b"\0" * 16, b"\0" * 24], 5, RowDtype.FLOAT32)
+
+
 def test_keys_carry_the_version_so_versions_never_mix() -> None:
     assert row_keys("p", "v1", np.array([3, 10])) == ["p:emb:v1:r:3", "p:emb:v1:r:10"]
     assert set(row_keys("p", "v1", np.arange(5))).isdisjoint(row_keys("p", "v2", np.arange(5)))
