@@ -21,6 +21,7 @@ arrival of new users; ``ml-1m`` is MovieLens-1M in time order (a user's first ra
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,6 +43,8 @@ from learner.optim import make_optimizers
 from learner.progressive import auc, logloss
 from learner.row_mapper import RowMapper
 from learner.trainer import Trainer
+from stream.config import check_counts
+from stream.errors import ConfigError, shown
 from stream.samples import CTX_PREFIX, SampleBatch
 
 VARIANTS = ("zero", "buckets", "admission")
@@ -65,6 +68,27 @@ class ColdStartConfig:
     synthetic_new_user_share: float = 0.1
     synthetic_new_user_impressions: int = 5  # 1..N impressions per brand-new user
     synthetic_new_user_session_s: float = 0.0  # 0: each new user's impressions in one burst; > 0: a session
+
+    def __post_init__(self) -> None:
+        """Every setting checked here, before any data loads: a bucket count of 0 or a negative capacity failed as a
+        traceback from deep in the feature config, after the data set loaded; a negative ``cold_k`` (no sample cold:
+        NaN cold AUC) or a NaN ``boost`` (silently no boost) ran and reported as if they were settings."""
+        check_counts("evaluate --cold-start", self, zero_ok=("admit_after",))
+        if self.init not in ("bucket", "zero"):
+            raise ConfigError(f"[evaluate --cold-start] init must be bucket or zero, got {shown(self.init)}")
+        for name, low, open_low, optional in (("boost", 0.0, False, False), ("boost_half_life", 0.0, True, False),
+                                              ("user_bucket_half_life_s", 0.0, True, True),
+                                              ("synthetic_new_user_session_s", 0.0, False, False),
+                                              ("synthetic_new_user_share", 0.0, False, False)):
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                    or (v <= low if open_low else v < low) or (name.endswith("_share") and v > 1)):
+                bound = ("in [0, 1]" if name.endswith("_share") else f"{'>' if open_low else '>='} {low:g}")
+                never = " (None: never)" if optional else ""
+                raise ConfigError(f"[evaluate --cold-start] {name} must be a finite number {bound}{never}, "
+                                  f"got {shown(v)}")
 
 
 def _feature_config(sb: SampleBatch, cfg: EvalConfig, cs: ColdStartConfig, variant: str) -> FeatureConfig:

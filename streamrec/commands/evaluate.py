@@ -152,9 +152,12 @@ def _evaluate_cold_start(args: argparse.Namespace) -> int:
                                  ("boost", args.boost), ("cold_k", args.cold_k), ("init", args.init),
                                  ("synthetic_new_user_impressions", args.new_user_impressions),
                                  ("synthetic_new_user_session_s", args.new_user_session_s)) if v is not None}
-    if args.user_bucket_half_life_s is not None:
-        cs_over["user_bucket_half_life_s"] = args.user_bucket_half_life_s if args.user_bucket_half_life_s > 0 else None
-    cs = ColdStartConfig(**cs_over)
+    if args.user_bucket_half_life_s is not None:  # 0 = never; a negative or NaN one is refused, not taken for never
+        cs_over["user_bucket_half_life_s"] = args.user_bucket_half_life_s if args.user_bucket_half_life_s != 0 else None
+    try:
+        cs = ColdStartConfig(**cs_over)
+    except ValueError as exc:  # --buckets 0, --cold-k -1, --boost nan: a usage error (exit 2), before the data loads
+        raise SettingsError(str(exc)) from None
     variants = tuple(args.variants.split(",")) if args.variants else VARIANTS
     unknown = set(variants) - set(VARIANTS)
     if unknown:

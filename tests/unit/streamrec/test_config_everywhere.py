@@ -102,3 +102,24 @@ def test_cold_start_evaluation_takes_evaluate_settings_under_its_flags(
     monkeypatch.delenv("STREAMREC_EVALUATE_REQUEST_TIME")  # one bad value at a time: each names its own setting
     assert main([*COMMANDS["evaluate --cold-start"], "--mlp", "4x4"]) == 2  # was a ValueError traceback
     assert "mlp: expected comma-separated layer widths" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--buckets", "0"], "buckets must be an integer >= 1, got 0"),  # was a ValueError traceback after the data loaded
+    (["--capacity", "-1"], "capacity must be an integer >= 1, got -1"),
+    (["--admit-after", "-2"], "admit_after must be an integer >= 0, got -2"),
+    (["--cold-k", "-1"], "cold_k must be an integer >= 1, got -1"),  # ran: no sample cold, a NaN cold AUC
+    (["--boost", "nan"], "boost must be a finite number >= 0, got nan"),  # ran: silently no boost
+    (["--user-bucket-half-life-s", "-3"], "user_bucket_half_life_s must be a finite number > 0"),  # was "never"
+    (["--new-user-session-s", "inf"], "synthetic_new_user_session_s must be a finite number >= 0"),
+])
+def test_cold_start_settings_out_of_range_are_a_usage_error_before_any_data_loads(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    import learner.cold_start
+
+    def fake(*_: Any, **__: Any) -> dict[str, Any]:
+        raise AssertionError("the evaluation ran with a setting out of range")
+
+    monkeypatch.setattr(learner.cold_start, "evaluate_cold_start", fake)
+    assert main([*COMMANDS["evaluate --cold-start"], *flags]) == 2
+    assert f"[evaluate --cold-start] {message}" in capsys.readouterr().err
