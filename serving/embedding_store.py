@@ -14,7 +14,8 @@
 
 A row is read, in order, from: the scorer's hot set, the delta overrides, the local bucket rows, the LRU, Redis.
 Every row a request needs from Redis is asked for in ONE round trip (``MGET``; with ``embedding_store_cluster``
-redis-py's ``mget_nonatomic``, one pipelined round trip per cluster node holding any of them), deduplicated.
+redis-py's ``mget_nonatomic``, one pipelined round trip per cluster node holding any of them), deduplicated; past
+``_FETCH_CHUNK`` keys, as pipelined MGETs of that many (still one round trip: one huge MGET outlasts the timeout).
 
 **Key layout: one key per row**, under a per-version prefix. ``MGET`` of N keys is one command, one round trip and
 O(N) on the server, and per-row keys hash to cluster slots independently, so a cluster spreads a version evenly
@@ -87,6 +88,11 @@ from serving.settings import RowDtype
 log = logging.getLogger("streamrec.serve")
 
 _WRITE_CHUNK = 20_000  # rows per MSET while a version is written (~1.4 MB of float32 rows at D = 16)
+# Keys per MGET when a request's misses are read (single node): more go as pipelined MGETs of at most this many, in
+# the same one round trip. One MGET of the 262,144 rows a request may look up ([serve] max_request_values) kept Redis
+# busy past a 50 ms embedding_store_timeout_s before its first reply byte (measured: a TimeoutError, so EVERY
+# request's misses fell back for retry_after_s); 5,000 keys take Redis ~7 ms, and their reply is read as it comes.
+_FETCH_CHUNK = 5_000
 
 
 def version_prefix(prefix: str, version: str) -> str:
@@ -401,8 +407,10 @@ class RedisEmbeddingStore:
 
     def __init__(self, client: Any, prefix: str, *, cache_rows: int = 200_000, retry_after_s: float = 1.0,
                  write_deltas: bool = False, metrics: Any = None,
-                 clock: Callable[[], float] = time.monotonic, cluster: bool | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cluster: bool | None = None,
+                 fetch_chunk: int = _FETCH_CHUNK) -> None:
         self.client, self.prefix = client, prefix
+        self.fetch_chunk = max(1, int(fetch_chunk))  # keys per MGET (:data:`_FETCH_CHUNK`)
         self.cache_rows, self.retry_after_s, self.write_deltas = int(cache_rows), float(retry_after_s), write_deltas
         self.metrics = metrics  # serving.metrics.ServingMetrics (its embedding_* metrics), or None
         # a Redis Cluster client (its *_nonatomic commands); say so for a LazyClient, which is not made yet
@@ -466,7 +474,7 @@ class RedisEmbeddingStore:
         keys = row_keys(self.prefix, version, rows)
         t0 = time.perf_counter()
         try:
-            values = self.client.mget_nonatomic(keys) if self.cluster else self.client.mget(keys)
+            values = self._mget(keys)
             if len(values) != len(keys):
                 raise ValueError(f"{len(values)} answers to an MGET of {len(keys)} keys")
         except Exception as exc:  # noqa: BLE001 - refused, timed out, a broken answer: fallback rows
@@ -480,6 +488,19 @@ class RedisEmbeddingStore:
         if bad.any():
             self.bad_rows(keys, missing, malformed, dim, dtype)
         return out, bad
+
+    def _mget(self, keys: list[str]) -> list[Any]:
+        """The values of ``keys`` in one round trip: one MGET, or pipelined MGETs of at most ``fetch_chunk`` keys
+        (:data:`_FETCH_CHUNK`). A cluster's ``mget_nonatomic`` already sends one MGET per hash slot."""
+        if self.cluster:
+            return list(self.client.mget_nonatomic(keys))
+        n = self.fetch_chunk
+        if len(keys) <= n:
+            return list(self.client.mget(keys))
+        pipe = self.client.pipeline(transaction=False)
+        for start in range(0, len(keys), n):
+            pipe.mget(keys[start:start + n])
+        return [v for part in pipe.execute() for v in part]
 
     def bad_rows(self, keys: list[str], missing: np.ndarray, malformed: np.ndarray, dim: int,
                  dtype: RowDtype) -> None:

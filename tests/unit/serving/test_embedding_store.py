@@ -140,6 +140,33 @@ class FakeClient:
         return [self.values.get(k) for k in keys]
 
 
+class SlowOnLargeMgets(FakeClient):
+    """An MGET of more than ``max_keys`` keys times out, as real Redis did past a 50 ms timeout for the 262,144 rows
+    a request may look up; pipelined MGETs are answered (in one round trip: ``round_trips``)."""
+
+    def __init__(self, values: dict[str, bytes], max_keys: int) -> None:
+        super().__init__(values)
+        self.max_keys, self.round_trips = max_keys, 0
+
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        if len(keys) > self.max_keys:
+            raise redis.TimeoutError("Timeout reading from socket")
+        return super().mget(keys)
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        client, queued = self, []
+
+        class Pipe:
+            def mget(self, keys: list[str]) -> None:
+                queued.append(keys)
+
+            def execute(self) -> list[list[bytes | None]]:
+                client.round_trips += 1
+                return [client.mget(k) for k in queued]
+
+        return Pipe()
+
+
 def _store(table: np.ndarray, clock: Any) -> tuple[RedisEmbeddingStore, FakeClient]:
     import json
     values = dict(zip(row_keys("p", "v", np.arange(len(table))), encode_rows(table, RowDtype.FLOAT32), strict=True))
@@ -221,3 +248,19 @@ def test_by_default_a_delta_only_drops_its_rows_from_the_lru_and_writes_nothing_
     rows.on_delta(np.array([1, 2]), np.ones((2, 3), np.float32), np.array([False, False]))
     assert 1 not in rows.cache and 2 not in rows.cache
     assert client.calls == calls and set(client.values) == keys
+
+
+def test_a_request_of_more_rows_than_one_mget_may_carry_is_read_in_pipelined_chunks_and_served() -> None:
+    """One huge MGET (a request may look up 262,144 rows) outlasted the timeout: counted as Redis down, so EVERY
+    request's misses fell back for retry_after_s. Chunks of a pipeline: the rows are served, Redis stays in use."""
+    import json
+    table = np.random.default_rng(3).normal(size=(40, 3)).astype(np.float32)
+    values = dict(zip(row_keys("p", "v", np.arange(40)), encode_rows(table, RowDtype.FLOAT32), strict=True))
+    values["p:emb:v:meta"] = json.dumps({"rows": 40, "dim": 3, "dtype": "float32"}).encode()
+    client = SlowOnLargeMgets(values, max_keys=8)
+    store = RedisEmbeddingStore(client, "p", cache_rows=0, clock=lambda: 0.0, fetch_chunk=8)
+    rows = LayeredRows(store, "v", table, [], None)
+    vec, failed = rows.gather(np.arange(3, 40))  # 37 rows: 5 MGETs of at most 8 keys, one round trip
+    assert not failed.any() and np.array_equal(vec, table[3:]) and store.available and client.round_trips == 1
+    vec, failed = rows.gather(np.arange(3))  # a small request: one plain MGET, as before
+    assert not failed.any() and np.array_equal(vec, table[:3]) and client.round_trips == 1
