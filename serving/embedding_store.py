@@ -445,12 +445,18 @@ class RedisEmbeddingStore:
 
         None when Redis cannot be read now (counted; the version loads and serves fallback rows until it can).
         :class:`VersionNotStored` (a ValueError) when Redis answers that the version is not there (not written yet,
-        or pruned); ValueError when its meta does not fit."""
+        or pruned); ValueError when its meta does not fit, or is not JSON (Redis answered: a damaged meta is not a
+        Redis that is down, which would load the version and serve all its non-hot rows from fallback rows)."""
         try:
-            meta = read_meta(self.client, self.prefix, version)
+            raw = self.client.get(meta_key(self.prefix, version))
         except Exception as exc:  # noqa: BLE001 - any Redis or socket failure: serve on fallback rows
             self.failed(f"reading {meta_key(self.prefix, version)}", exc)
             return None
+        try:
+            meta = json.loads(raw) if raw is not None else None
+        except ValueError as exc:  # not JSON, or not UTF-8 (UnicodeDecodeError): not written by a refresh
+            raise ValueError(f"{meta_key(self.prefix, version)} is not a meta a refresh writes ({type(exc).__name__}: "
+                             f"{exc}; {raw[:80]!r}); republish with `streamrec refresh --now`") from None
         if meta is None:
             raise VersionNotStored(f"the embedding store has no rows of version {version} (no "
                              f"{meta_key(self.prefix, version)}): publish it with [refresh] embedding_store = "

@@ -264,3 +264,16 @@ def test_a_request_of_more_rows_than_one_mget_may_carry_is_read_in_pipelined_chu
     assert not failed.any() and np.array_equal(vec, table[3:]) and store.available and client.round_trips == 1
     vec, failed = rows.gather(np.arange(3))  # a small request: one plain MGET, as before
     assert not failed.any() and np.array_equal(vec, table[:3]) and client.round_trips == 1
+
+
+@pytest.mark.parametrize("meta", [b"{not json", b"\xff\xfe", b'{"rows": 10'])
+def test_a_meta_that_is_not_json_is_refused_like_one_that_does_not_fit_not_taken_for_redis_down(meta: bytes) -> None:
+    """Redis answered: the version's meta is damaged. It was read as a Redis failure, so the version loaded (and was
+    swapped in) with Redis skipped, serving every non-hot row from fallback rows, where a meta that does not fit is
+    refused and the live model kept."""
+    table = np.zeros((10, 3), np.float32)
+    store, client = _store(table, lambda: 0.0)
+    client.values["p:emb:v:meta"] = meta
+    with pytest.raises(ValueError, match="p:emb:v:meta is not a meta"):
+        LayeredRows(store, "v", table, [], None)
+    assert store.available
