@@ -34,6 +34,7 @@ moments build up (about 1/(1 - beta2) of its updates).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -45,9 +46,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
     def __init__(self, params: Any, lr: float = 0.05, eps: float = 1e-8, initial_accumulator: float = 0.0,
                  boost: float = 0.0, boost_half_life: float = 0.0) -> None:
-        if boost < 0 or (boost > 0 and boost_half_life <= 0):
-            raise ValueError(f"RowWiseAdagrad needs boost >= 0 and, when boost > 0, boost_half_life > 0 "
-                             f"(updates); got boost={boost}, boost_half_life={boost_half_life}")
+        # finite, not only signed: NaN passes `< 0` and `<= 0` (a NaN boost was silently none, a NaN half-life made
+        # every boosted step NaN) and an infinite boost steps a young row to inf
+        if not (math.isfinite(boost) and boost >= 0) or (
+                boost > 0 and not (math.isfinite(boost_half_life) and boost_half_life > 0)):
+            raise ValueError(f"RowWiseAdagrad needs a finite boost >= 0 and, when boost > 0, a finite boost_half_life "
+                             f"> 0 (updates); got boost={boost}, boost_half_life={boost_half_life}")
         super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator": initial_accumulator,
                                   "boost": boost, "boost_half_life": boost_half_life})
 

@@ -93,3 +93,13 @@ def test_state_dict_round_trip_keeps_the_counts() -> None:
 def test_boost_needs_a_half_life() -> None:
     with pytest.raises(ValueError, match="boost_half_life"):
         RowWiseAdagrad(_table().parameters(), boost=1.0)
+
+
+@pytest.mark.parametrize(("boost", "half_life"), [(float("nan"), 2.0), (float("inf"), 2.0), (3.0, float("nan")),
+                                                   (3.0, float("inf"))])
+def test_a_boost_or_half_life_that_is_not_finite_is_refused_rather_than_poisoning_or_silently_dropping_it(
+        boost: float, half_life: float) -> None:
+    # NaN passed both `< 0` and `<= 0`: a NaN boost was silently no boost, a NaN half-life made every boosted step
+    # NaN, an infinite boost an infinite step (the table's young rows NaN/inf after one update)
+    with pytest.raises(ValueError, match="finite"):
+        RowWiseAdagrad(_table().parameters(), lr=0.1, boost=boost, boost_half_life=half_life)
