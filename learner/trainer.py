@@ -107,6 +107,8 @@ class Trainer:
 
     def test_then_train(self, batch: TensorBatch) -> np.ndarray:
         """Predict (recorded in ``metrics``), then learn. Returns the predictions, shape (B,)."""
+        if not len(batch):  # nothing to predict or learn; its mean loss, NaN, would count it as a poison batch
+            return np.zeros(0, np.float32)
         self.model.train()
         b = batch.to(self.device)
         fused = self._not_fused() is None
