@@ -73,6 +73,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import threading
 import time
 import zlib
@@ -98,6 +99,12 @@ _FETCH_CHUNK = 5_000
 def version_prefix(prefix: str, version: str) -> str:
     """``<prefix>:emb:<version>:``, the start of every key of one version's rows."""
     return f"{prefix}:emb:{version}:"
+
+
+def glob_literal(text: str) -> str:
+    """``text`` as a SCAN ``MATCH`` pattern matching itself only: a prefix "p?" (legal) or a stray version key
+    named "*" matched other prefixes' and versions' keys, which pruning then deleted."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
 def meta_key(prefix: str, version: str) -> str:
@@ -263,7 +270,7 @@ def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[s
     """Versions whose meta is in the store (with ``owner``: only those that owner wrote)."""
     start, end = f"{prefix}:emb:", ":meta"
     out = set()
-    for key in client.scan_iter(match=f"{start}*{end}", count=1000):
+    for key in client.scan_iter(match=f"{glob_literal(start)}*{end}", count=1000):
         k = key.decode() if isinstance(key, bytes) else key
         version = k[len(start):-len(end)]
         if owner is not None:
@@ -283,7 +290,7 @@ def unfinished_versions(client: Any, prefix: str, owner: str) -> set[str]:
     written may delete them: the refresh, holding its publish root's lock, before it writes its own."""
     start, end = f"{prefix}:emb:", ":writer"
     out = set()
-    for key in client.scan_iter(match=f"{start}*{end}", count=1000):
+    for key in client.scan_iter(match=f"{glob_literal(start)}*{end}", count=1000):
         k = key.decode() if isinstance(key, bytes) else key
         version = k[len(start):-len(end)]
         try:
@@ -301,7 +308,7 @@ def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) 
     returns how many."""
     n = int(client.delete(meta_key(prefix, version)))
     keys: list[Any] = []
-    for key in client.scan_iter(match=version_prefix(prefix, version) + "[rd]:*", count=1000):
+    for key in client.scan_iter(match=glob_literal(version_prefix(prefix, version)) + "[rd]:*", count=1000):
         keys.append(key)
         if len(keys) >= batch:
             n += _unlink(client, keys)

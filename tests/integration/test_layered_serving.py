@@ -1025,3 +1025,23 @@ def test_rows_a_killed_layered_refresh_left_without_meta_are_deleted_by_the_next
     assert keys() == {live, "killed", "elsewhere"}
     newer = job.run_once(rs, kafka, rds)["version"]
     assert keys() == {live, newer, "elsewhere"}
+
+
+def test_glob_characters_in_a_prefix_or_a_version_delete_and_list_only_their_own_keys(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """SCAN's MATCH is a glob: a prefix "p?" or a stray version key named "*" (not written by a refresh) matched other
+    prefixes' and versions' keys, so pruning them deleted rows another deployment, or the live version, serves."""
+    from serving.embedding_store import delete_version, stored_versions, unfinished_versions
+
+    rows = np.zeros((3, 5), np.float32)
+    ours, theirs = f"{prefix}?", f"{prefix}x"  # "p?" is a legal prefix, and matched "px"
+    write_version(redis_client, theirs, "v1", rows, np.arange(3), RowDtype.FLOAT32, owner="/root")
+    write_version(redis_client, ours, "v1", rows, np.arange(3), RowDtype.FLOAT32, owner="/root")
+    redis_client.set(f"{theirs}:emb:v2:writer", b'{"owner": "/root"}')  # theirs: unfinished, not ours
+    assert stored_versions(redis_client, ours) == {"v1"} and unfinished_versions(redis_client, ours, "/root") == set()
+    assert delete_version(redis_client, ours, "v1") == 5  # meta, 3 rows, writer marker: its own
+    write_version(redis_client, theirs, "*", rows, np.arange(3), RowDtype.FLOAT32, owner="/root")
+    assert stored_versions(redis_client, theirs, owner="/root") == {"v1", "*"}
+    assert delete_version(redis_client, theirs, "*") == 5  # the version literally named "*": not v1
+    assert len(list(redis_client.scan_iter(match=f"{theirs}:emb:v1:r:*"))) == 3
+    assert redis_client.get(f"{theirs}:emb:v1:meta") is not None
