@@ -240,15 +240,15 @@ class ScoringApp:
         (``serving/lookup_counts.py``: rows of answers given, not of refused calls a client may repeat)."""
         seen: list[tuple[str, np.ndarray]] = []  # the lookups, reported once every request is scored
         observe = None if self._observe is None else (lambda kind, hashed: seen.append((kind, hashed)))
+        pin = live.model.pinned()  # one snapshot: ids mapped to rows and those rows scored with the same id maps
         encoded = [live.encoder.encode(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
-                                       self.s.max_request_values) for i, r in enumerate(reqs)]
+                                       self.s.max_request_values, pin) for i, r in enumerate(reqs)]
         out = []
         for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)
-            seq = live.model.delta_seq  # read first: the scores are at least this fresh
-            scores = live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
-                                              torch.from_numpy(dense))  # (B,)
+            scores = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
+                                       torch.from_numpy(dense))  # (B,)
             out.append({"scores": scores.numpy().astype(np.float64, copy=False), "model_version": live.model.version,
-                        "delta_seq": seq})
+                        "delta_seq": pin.delta_seq})
         self.metrics.candidates.inc(sum(len(r.items) for r in reqs))
         if self._observe is not None:
             for kind, hashed in seen:

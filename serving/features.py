@@ -92,7 +92,8 @@ class FeatureEncoder:
 
     def encode(self, req: ScoreRequest, history: list[int] | Callable[[], list[int]],
                observe: Callable[[str, np.ndarray], None] | None = None,
-               max_values: int = MAX_REQUEST_VALUES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               max_values: int = MAX_REQUEST_VALUES, mapper: RowMapper | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values (N,), offsets (F + F*B + 1,), dense (B, Dd))`` for the request's ``B`` candidates, in the user-row
         layout (module docstring): the user's bags once, the candidates' after them.
 
@@ -103,12 +104,14 @@ class FeatureEncoder:
         candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them).
         ``max_values``: the most rows a request may look up (``[serve] max_request_values``; a 422 past it). A context
         field that some item overrides is carried by every candidate, the request's shared bag repeated for each one
-        without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB body."""
+        without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB body.
+        ``mapper``: what maps ids to rows for this request, the encoder's own by default; serving passes the model
+        snapshot it then scores with (``serving.model.PinnedModel``), of the same feature config."""
         where = req.where
         self._check_names(where, req.context, req.dense)
         b = len(req.items)
         dense = self._dense(req, b)  # first: it refuses unknown dense names (422) before any lookup is observed
-        m = self.mapper
+        m = self.mapper if mapper is None else mapper
         shared = hash_context(req.context)
         per_item = None
         if req.item_context is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +59,38 @@ from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNot
 
 @dataclass(frozen=True)
 class _Live:
-    """Everything one score call reads, swapped as a whole by apply_delta (so readers never see half)."""
+    """Everything one score call reads, swapped as a whole by apply_delta (so readers never see half): the id maps
+    with the rows they point at (a delta that gives an evicted id's row to a new id changes both at once)."""
 
     scorer: nn.Module
     override_ids: np.ndarray  # (R,) int64 sorted
     override_vectors: np.ndarray  # (R, D + 1) float32
     delta_seq: int
+    mapper: RowMapper
     delta_samples: int = 0  # the largest samples_trained among the deltas applied (0: none)
     delta_created: float = 0.0  # when the newest delta applied was written (unix time; 0: none)
+
+
+class PinnedModel:
+    """One snapshot of a :class:`ScoringModel` for one call (``ScoringModel.pinned``): its ids are mapped to rows
+    (``map_rows``, the encoder's) and those rows scored (``score_request``) with the same id maps, overrides and
+    scorer. Read apart, a delta applied between the two could give the row an id was mapped to a new id (the old one
+    evicted) and the request scored the stranger's vector. Not closed in the layered mode for a row the snapshot does
+    not override: it is read from Redis (or the LRU), which holds the newest vector once the delta has written it."""
+
+    def __init__(self, model: ScoringModel, live: _Live) -> None:
+        self.model, self._live = model, live
+        self.feature_config = model.feature_config
+
+    @property
+    def delta_seq(self) -> int:
+        return self._live.delta_seq
+
+    def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
+        return self.model.map_rows(field_index, hashed, self._live)
+
+    def score_request(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return self.model.score_request(values, offsets, dense, live=self._live)
 
 
 class ScoringModel:
@@ -98,11 +122,11 @@ class ScoringModel:
         self._blocks = self.feature_config.blocks
         id_maps = read_id_maps(self.version_dir, manifest)  # a file the manifest lists (and verify checked)
         try:
-            self._mapper = RowMapper.from_state(self.feature_config, id_maps)
+            mapper = RowMapper.from_state(self.feature_config, id_maps)
         except Exception as exc:  # noqa: BLE001 - id maps that do not fit the feature config: a bad artifact
             raise ArtifactError(f"{self.version_dir}: the id maps do not fit the feature config "
                                 f"({type(exc).__name__}: {exc})") from exc
-        self._live = _Live(scorer, np.zeros(0, np.int64), np.zeros((0, self.spec.dim + 1), np.float32), 0)
+        self._live = _Live(scorer, np.zeros(0, np.int64), np.zeros((0, self.spec.dim + 1), np.float32), 0, mapper)
         self._layered: LayeredRows | None = None
         if store is not None:
             cfg = self.feature_config
@@ -210,14 +234,19 @@ class ScoringModel:
                                 "with `streamrec refresh --now`")
 
     # -- rows --------------------------------------------------------------------------------------
-    def map_rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
+    def pinned(self) -> PinnedModel:
+        """The live snapshot, for a call that maps ids and then scores them (:class:`PinnedModel`)."""
+        return PinnedModel(self, self._live)
+
+    def map_rows(self, field_index: int, hashed: np.ndarray, live: _Live | None = None) -> np.ndarray:
         """Global rows of field ``field_index``'s hashed values (int64 (N,) -> int64 (N,)).
 
         Static fields: ``first + v mod buckets`` (learner/features.py); dynamic fields: the learner's id
-        map as of the source checkpoint (admitted ids their own rows, the others their hash buckets), each id counted
-        in :attr:`id_lookups` (own or bucket).
+        map as of the source checkpoint or the last delta (admitted ids their own rows, the others their hash
+        buckets), each id counted in :attr:`id_lookups` (own or bucket). ``live``: a snapshot to map with
+        (:meth:`pinned`), the live one by default.
         """
-        rows = self._mapper.rows(field_index, hashed)
+        rows = (live or self._live).mapper.rows(field_index, hashed)
         dynamic = self._bucket_rows.get(field_index)
         if dynamic is not None:
             end, counts = dynamic
@@ -243,13 +272,13 @@ class ScoringModel:
 
     def replace_id_maps(self, state: dict[str, Any]) -> None:
         """Map ids with newer id maps (a learner delta's): built aside, then swapped in one assignment."""
-        self._mapper = self._mapper_from(state)
+        self._live = replace(self._live, mapper=self._mapper_from(state))
         if self._layered is not None:
             self._layered.set_id_maps(state)
 
     def map_batch(self, tb: Any) -> None:
         """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
-        self._mapper.apply(tb, 0.0, train=False)
+        self._live.mapper.apply(tb, 0.0, train=False)
 
     @property
     def delta_seq(self) -> int:
@@ -387,18 +416,21 @@ class ScoringModel:
         return self._forward(values, offsets, dense, fp32)
 
     def score_request(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor,
-                      fp32: bool = False) -> torch.Tensor:
+                      fp32: bool = False, live: _Live | None = None) -> torch.Tensor:
         """Click probabilities (B,) for one request in the user-row layout (``serving.features.FeatureEncoder``):
-        values (N,), offsets (F + F*B + 1,) (the user row's F bags, then the candidates' F*B), dense (B, Dd)."""
+        values (N,), offsets (F + F*B + 1,) (the user row's F bags, then the candidates' F*B), dense (B, Dd).
+        ``live``: the snapshot its rows were mapped with (:meth:`pinned`), the live one by default."""
         if self.input_layout == CANDIDATE_ROWS_LAYOUT:  # an artifact from before the user-row layout
             v, o = to_candidate_rows(values.cpu().numpy(), offsets.cpu().numpy(), self.spec.num_fields)
             values, offsets = torch.from_numpy(v), torch.from_numpy(o)  # (N',), (F*B + 1,)
-        return self._forward(values, offsets, dense, fp32)
+        return self._forward(values, offsets, dense, fp32, live)
 
-    def _forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool) -> torch.Tensor:
-        """The live scorer on inputs in its own layout, given the rows it does not hold. An ONNX pooling graph runs on
-        numpy without entering torch's inference mode (it runs no torch op: ~10 us a request); the others in it."""
-        live = self._live
+    def _forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool,
+                 live: _Live | None = None) -> torch.Tensor:
+        """The scorer of ``live`` (the live snapshot by default) on inputs in its own layout, given the rows it does
+        not hold. An ONNX pooling graph runs on numpy without entering torch's inference mode (it runs no torch op:
+        ~10 us a request); the others in it."""
+        live = live or self._live
         v = values.cpu().numpy() if values.device.type != "cpu" else values.numpy()
         pos, given, mask = self._given_at(live, v)
         lean = None if fp32 else getattr(live.scorer, "score_rows", None)
@@ -423,9 +455,9 @@ class ScoringModel:
         feature config) and a misfit is a ``ValueError`` that leaves the model as it was. Overrides win over
         hot and cold rows and accumulate until the next full artifact. A new snapshot is built off to the side
         and swapped in with one assignment, so concurrent ``score`` calls see either the old or the new state
-        (the id maps are swapped right after the rows they point at). ``dense_state`` uses DeepFM's names
-        (``dense_arch.*``, ``bias``, ``calibration``; ``sparse.*`` keys are ignored, and so is ``calibration`` by a
-        scorer from before calibration).
+        (the id maps in the same snapshot as the rows they point at: :class:`PinnedModel`). ``dense_state`` uses
+        DeepFM's names (``dense_arch.*``, ``bias``, ``calibration``; ``sparse.*`` keys are ignored, and so is
+        ``calibration`` by a scorer from before calibration).
         """
         live = self._live
         if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
@@ -457,10 +489,9 @@ class ScoringModel:
         uniq, first_in_rev = np.unique(rev_ids, return_index=True)
         keep = len(ids) - 1 - first_in_rev
         self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq),
+                           mapper if mapper is not None else live.mapper,  # with the rows it points at
                            max(live.delta_samples, int(samples_trained or 0)),
                            max(live.delta_created, float(created or 0.0)))
-        if mapper is not None:  # rows first, then the map that points at them
-            self._mapper = mapper
         if self._layered is not None:  # the LRU forgets the delta's rows; Redis gets the non-hot ones
             if row_keys is not None:
                 self._layered.use_row_keys(row_keys)

@@ -315,9 +315,9 @@ def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(publishe
     model = app.holder.live.model  # type: ignore[union-attr]
     score_request = model.score_request
 
-    def counted(*args: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         forward_passes.append(1)
-        return score_request(*args)
+        return score_request(*args, **kwargs)
 
     monkeypatch.setattr(model, "score_request", counted)
     refused = [("/v1/score:batch", {"requests": [SIMPLE, {"user_id": "a", "items": [1], "context": {"zz": 1}}]}),
