@@ -44,6 +44,7 @@ from confluent_kafka import KafkaException
 
 from stream.errors import DeliveryFailed, clip
 from stream.files import write_atomic
+from stream.redis_client import RedisAuthError, RedisFailure
 
 log = logging.getLogger("streamrec.strikes")
 
@@ -93,6 +94,9 @@ def is_infrastructure(exc: BaseException) -> bool:
     not an integer or out of range``, a Lua script's error on a value, ``CROSSSLOT``) or a value redis-py refuses to
     encode (``DataError``) fails the same way every time the message is processed: the message's fault, struck like
     any other, so that it is isolated and dead-lettered instead of failing its batch forever."""
+    if isinstance(exc, RedisFailure):  # streamrec's one line for a failed Redis call: judged by what it wraps
+        cause = exc.__cause__
+        return True if cause is None or isinstance(exc, RedisAuthError) else is_infrastructure(cause)
     if isinstance(exc, redis.ResponseError):
         return _server_state(exc)
     if isinstance(exc, redis.DataError):

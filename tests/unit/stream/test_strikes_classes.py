@@ -72,3 +72,22 @@ def test_a_value_redis_py_cannot_encode_gives_strikes_and_an_unreachable_redis_n
     assert is_infrastructure(redis.TimeoutError("Timeout reading from socket"))
     assert is_infrastructure(BaseParser.parse_error("ERR max number of clients reached"))
     assert is_infrastructure(BaseParser.parse_error("WRONGPASS invalid username-password pair"))
+
+
+def test_a_redis_failure_line_is_judged_by_the_error_it_wraps() -> None:
+    # stream.redis_client.failure() wraps a Redis error in one line (the learner's delta notify raises it): an outage
+    # behind it is the infrastructure's, a refused value the message's, refused credentials a setting's (no strikes)
+    from stream.config import RedisSettings
+    from stream.redis_client import failure
+
+    def wrapped(exc: BaseException) -> BaseException:
+        try:
+            raise failure(exc, RedisSettings()) from exc
+        except Exception as out:  # noqa: BLE001 - the wrapped error, with its __cause__ as raised
+            return out
+
+    assert is_infrastructure(wrapped(redis.ConnectionError("Connection refused")))
+    assert is_infrastructure(wrapped(redis.TimeoutError("Timeout reading from socket")))
+    assert is_infrastructure(wrapped(redis.AuthenticationError("invalid username-password pair")))
+    assert not is_infrastructure(wrapped(BaseParser.parse_error(
+        "WRONGTYPE Operation against a key holding the wrong kind of value")))
