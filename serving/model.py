@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -269,12 +269,6 @@ class ScoringModel:
             return RowMapper.from_state(self.feature_config, state)
         except Exception as exc:  # noqa: BLE001 - any malformed id map state is a misfit
             raise ValueError(f"id maps do not fit model {self.version}: {type(exc).__name__}: {exc}") from exc
-
-    def replace_id_maps(self, state: dict[str, Any]) -> None:
-        """Map ids with newer id maps (a learner delta's): built aside, then swapped in one assignment."""
-        self._live = replace(self._live, mapper=self._mapper_from(state))
-        if self._layered is not None:
-            self._layered.set_id_maps(state)
 
     def map_batch(self, tb: Any) -> None:
         """Rewrite a ``learner.batch.TensorBatch``'s dynamic-field rows in place (read-only lookups)."""
