@@ -130,6 +130,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from stream.errors import clip
 from stream.redis_client import Client, is_cluster, run_script
 
 KINDS = ("item", "user")
@@ -440,6 +441,15 @@ class DailyCounts:
         write_id = _checked_write_id(write_id)
         if len(members) != len(counts):
             raise ValueError(f"argument 'counts': has {len(counts)} elements but 'members' has {len(members)}")
+        _check_positive_int("chunk", chunk)
+        members, counts = np.asarray(members), np.asarray(counts)
+        # a count of 0, below 0 or not whole would be added as it is (a ZINCRBY of -3, of NaN), a member that is no
+        # stable hash named a row no reader finds (cache_refresh/hot_set.py member_hashes)
+        if len(counts) and (counts.dtype.kind not in "iu" or int(counts.min()) < 1):
+            raise ValueError(f"argument 'counts': expected integers >= 1, got {counts.dtype} {clip(str(counts))}")
+        if len(members) and (members.dtype.kind not in "iu" or int(members.min()) < 0):
+            raise ValueError(f"argument 'members': expected non-negative integer hashes, got {members.dtype} "
+                             f"{clip(str(members))}")
         if not len(members):
             return
         day = _day_str(int(day_index))
