@@ -68,8 +68,8 @@ The alert is a ``monitor.alerts.Alert``, sent through the monitor's own sinks (t
 through a retrying queue: ``cache_refresh/alerts.py``; a broker down at alert time delays the alert, it does not
 lose it while the scheduler runs) with the monitor's record shape: ``{"rule": "refresh_failed", "source":
 "refresh", "severity": "critical", "state": "firing", "value": null, "threshold": null, "message", "ts" (ms),
-"labels": {"stage"}}``, keyed by the rule name. A refresh raises no "resolved" record: the next successful refresh
-(``last_run.json``) is the resolution.
+"labels": {"stage"}, "kind": "series", "fingerprint"}``, keyed by the rule name. A refresh raises no "resolved"
+record: the next successful refresh (``last_run.json``) is the resolution.
 """
 
 from __future__ import annotations

@@ -5,10 +5,20 @@ An alert is one JSON object, the same on every sink (the Kafka message value, th
 
     {"rule": "cold_start_share", "source": "learner", "severity": "warning", "state": "firing",
      "value": 0.83, "threshold": 0.5, "message": "...", "ts": 1718000000000,
-     "labels": {"field": "user_id"}}
+     "labels": {"field": "user_id"}, "kind": "series", "fingerprint": "5c5c29b57a589d8a"}
 
-``state`` is ``firing`` (the condition held for the rule's ``for_s``) or ``resolved`` (it no longer
-holds); each firing is followed by exactly one resolved for the same rule and labels. ``ts`` is
+``kind`` and ``fingerprint`` say *which* alert this is; group, deduplicate and match firing with resolved
+by ``fingerprint``, not by rule name and labels. ``kind`` is ``series`` (one series of the rule's
+expression) or ``absent`` (the rule's ``absent_for_s`` alert: the expression has had no data that long;
+its labels are ``{"absent": "true"}`` for readers, which a series of the rule may carry too).
+``fingerprint`` is 16 hex digits (:func:`alert_fingerprint`) of the rule, the kind and the series' own
+labels: the same for every alert of one series (across restarts), different for any two series, and
+never equal between a series and its rule's absence alert. (Rule name + ``labels`` is not an identity:
+a series may have the labels of the absence alert, and ``labels`` also carry the rule's own labels.)
+Both fields were added later: a record without them (an older writer) reads as ``kind`` ``series`` with
+the fingerprint of its rule and labels. ``state`` is ``firing`` (the condition held for the rule's
+``for_s``) or ``resolved`` (it no longer holds); each firing is followed by exactly one resolved with the
+same fingerprint. ``ts`` is
 milliseconds since the epoch, like event time on the other topics. ``value`` is a number, or the
 strings ``"NaN"``, ``"+Inf"``, ``"-Inf"`` (JSON has no such numbers; Prometheus spells them so), or
 null when there is no value (a resolved alert whose series disappeared, an absence alert).
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import hashlib
 import http.client
 import io
 import json
@@ -103,6 +114,18 @@ def decode_value(v: Any) -> float | None:
     return float(v)
 
 
+class AlertKind(str, enum.Enum):
+    SERIES = "series"  # one series of the rule's expression
+    ABSENT = "absent"  # the rule's absent_for_s alert: the expression has had no data that long
+
+
+def alert_fingerprint(rule: str, kind: AlertKind, labels: Mapping[str, str]) -> str:
+    """An alert's identity (module docstring): 16 hex digits of a SHA-256 over the rule, the kind and the series'
+    own labels, written as one JSON array (strings quoted and escaped, so no two inputs write the same text)."""
+    canon = json.dumps([rule, kind.value, sorted(labels.items())], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Alert:
     rule: str
@@ -114,6 +137,14 @@ class Alert:
     message: str
     ts: int  # milliseconds since the epoch
     labels: Mapping[str, str] = field(default_factory=dict)
+    kind: AlertKind = AlertKind.SERIES
+    # "" computes it from rule, kind and labels; the engine passes the one of the series' own labels (its labels
+    # here also carry the rule's labels)
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            object.__setattr__(self, "fingerprint", alert_fingerprint(self.rule, self.kind, self.labels))
 
     @property
     def key(self) -> bytes:
@@ -130,6 +161,8 @@ class Alert:
             "message": self.message,
             "ts": self.ts,
             "labels": dict(self.labels),
+            "kind": self.kind.value,
+            "fingerprint": self.fingerprint,
         }
 
     def to_json(self) -> bytes:
@@ -141,13 +174,16 @@ class Alert:
         return cls(rule=d["rule"], source=d["source"], severity=Severity(d["severity"]),
                    state=AlertState(d["state"]), value=decode_value(d["value"]),
                    threshold=decode_value(d["threshold"]), message=d["message"], ts=int(d["ts"]),
-                   labels=dict(d.get("labels") or {}))
+                   labels=dict(d.get("labels") or {}), kind=AlertKind(d.get("kind") or AlertKind.SERIES.value),
+                   fingerprint=str(d.get("fingerprint") or ""))
 
     def describe(self) -> str:
-        """One log line: ``FIRING critical nan_losses{} value=3 > 0: message``."""
+        """One log line: ``FIRING critical nan_losses{} value=3 source=learner id=<fingerprint>: message``; an
+        absence alert says ``absent`` after its labels (a series may have the same labels)."""
         lbl = ",".join(f'{k}="{v}"' for k, v in sorted(self.labels.items()))
-        return (f"{self.state.value.upper()} {self.severity.value} {self.rule}{{{lbl}}} "
-                f"value={encode_value(self.value)} source={self.source or '-'}: {self.message}")
+        kind = " absent" if self.kind is AlertKind.ABSENT else ""
+        return (f"{self.state.value.upper()} {self.severity.value} {self.rule}{{{lbl}}}{kind} "
+                f"value={encode_value(self.value)} source={self.source or '-'} id={self.fingerprint}: {self.message}")
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,11 @@ expressions: metric names, label selectors {l="v", l!="v", l=~"re", l!~"re"}, nu
   NaN compares false with every op; use op = "isnan" to alert on NaN.
 
 alerts (JSON, same on every sink): {"rule", "source", "severity", "state": "firing"|"resolved",
-  "value", "threshold", "message", "ts" (ms), "labels"}. One "firing" when a condition has held for
-  for_s, one "resolved" when it stops holding. Each sink has its own queue and thread: a dead or slow
-  sink never delays evaluation or the other sinks; failed deliveries are retried with backoff.
+  "value", "threshold", "message", "ts" (ms), "labels", "kind": "series"|"absent", "fingerprint"}.
+  One "firing" when a condition has held for for_s, one "resolved" when it stops holding, with the
+  same "fingerprint" (the alert's identity: group by it, not by rule and labels). Each sink has its
+  own queue and thread: a dead or slow sink never delays evaluation or the other sinks; failed
+  deliveries are retried with backoff.
 
 examples:
   streamrec monitor --once                      # default rules, evaluate once, print rule states

@@ -21,10 +21,11 @@ Three parts, each usable alone:
   that source began failing: it keeps its state (a pending series stays pending, its ``for_s`` still
   counting; a firing one neither resolves nor fires again). Otherwise one timed-out scrape would resolve
   an alert whose condition still holds, and a source failing now and then (more often than ``for_s``)
-  would keep every rule on it from ever firing. A rule with ``absent_for_s`` fires a separate alert (labels
-  ``{"absent": "true"}``) once its expression has had no data for that long; its state is kept apart from the
-  series' (:attr:`RuleEngine.absent`, ``"absent": true`` in the state file), not under a label set, so a series
-  the expression yields with the label absent="true" is a series like any other, never that alert.
+  would keep every rule on it from ever firing. A rule with ``absent_for_s`` fires a separate alert (``kind``
+  ``absent``, labels ``{"absent": "true"}``) once its expression has had no data for that long; its state is kept
+  apart from the series' (:attr:`RuleEngine.absent`, ``"absent": true`` in the state file), not under a label set,
+  so a series the expression yields with the label absent="true" is a series like any other, never that alert, and
+  the sinks tell the two apart by the alerts' ``kind`` and ``fingerprint`` (:mod:`monitor.alerts`).
   :meth:`RuleEngine.firing` and :meth:`RuleEngine.restore` carry the firing series over a restart
   (:class:`FiringStateFile`, the ``state_path`` of the rules file): a restored series that still holds at the
   first evaluation is announced firing again (at least once: the alert may not have been delivered before the
@@ -62,7 +63,18 @@ from typing import Any
 from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.alerts import Alert, AlertSink, AlertState, FanOut, QueuedSink, decode_value, encode_value, get_text
+from monitor.alerts import (
+    Alert,
+    AlertKind,
+    AlertSink,
+    AlertState,
+    FanOut,
+    QueuedSink,
+    alert_fingerprint,
+    decode_value,
+    encode_value,
+    get_text,
+)
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings
@@ -275,6 +287,7 @@ class RuleEngine:
     def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0,
                  history_max_series: int = HISTORY_MAX_SERIES) -> None:
         self.rules = list(rules)
+        self.by_name = {r.name: r for r in self.rules}
         self.hold_s = hold_s  # how long a series whose source fails to scrape keeps its state
         self.failing_since: dict[str, float] = {}  # source -> when its scrapes began failing
         # a little more than the longest range, so a range of 60 s still sees a sample 60 s old; only the metrics
@@ -406,16 +419,26 @@ class RuleEngine:
             value = st.value
         alert = Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
                       value=value, threshold=rule.threshold, message=msg,
-                      ts=int(round((now + self.wall_offset) * 1000)), labels=labels)
+                      ts=int(round((now + self.wall_offset) * 1000)), labels=labels,
+                      kind=AlertKind.ABSENT if absent else AlertKind.SERIES,
+                      fingerprint=self._fingerprint(rule.name, lb, absent))
         if state is AlertState.RESOLVED:
             self.resolved.append((alert, self._record(rule.name, lb, st, absent)))
         return alert
 
+    def _fingerprint(self, name: str, lb: Labels, absent: bool) -> str:
+        """The identity the sinks see (``fingerprint`` of the alert JSON), of the alert of series ``lb`` of rule
+        ``name`` or (``absent``) of its absence alert."""
+        labels = {**self.by_name[name].labels, **dict(lb)}
+        return alert_fingerprint(name, AlertKind.ABSENT if absent else AlertKind.SERIES, labels)
+
     def _record(self, name: str, lb: Labels, st: SeriesState, absent: bool = False) -> dict[str, Any]:
         """A firing series for the state file; an absence alert is marked ``"absent": true`` (its labels are
-        only what the sinks see: a series of the rule may have the same)."""
+        only what the sinks see: a series of the rule may have the same). ``fingerprint`` is its alerts' (written
+        for whoever reads the file; restore computes it again from the rule, ``absent`` and the labels)."""
         return {"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
-                "value": encode_value(st.value), "sources": sorted(st.sources), **({"absent": True} if absent else {})}
+                "value": encode_value(st.value), "sources": sorted(st.sources), **({"absent": True} if absent else {}),
+                "fingerprint": self._fingerprint(name, lb, absent)}
 
     def firing(self) -> list[dict[str, Any]]:
         """The firing series, as :meth:`restore` reads them back (``since`` in wall-clock seconds)."""
@@ -427,10 +450,9 @@ class RuleEngine:
     def restore(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
         """Mark the series of ``records`` (from :meth:`firing`, before a restart) firing again; records of
         rules no longer in the file are skipped. Returns how many were restored."""
-        by_name = {r.name: r for r in self.rules}
         restored = 0
         for rec in records:
-            rule = by_name.get(rec["rule"])
+            rule = self.by_name.get(rec["rule"])
             if rule is None:
                 continue
             since = min(now, now - (wall - float(rec["since"])))
@@ -613,7 +635,10 @@ class FiringStateFile:
 
     Version 2 marks a rule's absence alert ``"absent": true``; version 1 knew it by its labels
     ``{"absent": "true"}`` alone (no series with those labels was ever evaluated then, so such a record of a
-    version 1 file is an absence alert, and is read as one)."""
+    version 1 file is an absence alert, and is read as one). A record's ``labels`` are the series' own (without
+    the rule's labels) and its ``fingerprint`` that of its alerts, for a reader of the file to match them; it was
+    added to version 2 later, and is not read back: restore computes it from the rule, ``absent`` and the labels,
+    so a file written before it was added restores the same identities."""
 
     VERSION = 2
 
@@ -649,7 +674,7 @@ class FiringStateFile:
                 and (r.get("value") is None or r["value"] in ("NaN", "+Inf", "-Inf")
                      or FiringStateFile._number(r["value"], finite=False))
                 and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", []))
-                and isinstance(r.get("absent", False), bool))
+                and isinstance(r.get("absent", False), bool) and isinstance(r.get("fingerprint", ""), str))
 
     @staticmethod
     def _number(v: Any, finite: bool) -> bool:

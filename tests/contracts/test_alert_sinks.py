@@ -9,6 +9,9 @@ Sinks: ``LogSink`` (a logger of its own), ``KafkaSink`` (the session's real brok
   labels, a multi-line unicode message), in the order sent: Kafka keyed by rule, the webhook one JSON body per
   alert, the log one line per alert at its documented level. A ``QueuedSink`` hands its sink at most
   ``batch_max`` alerts per attempt, from its one worker thread, one attempt at a time.
+* Every alert carries its identity (``kind``, ``fingerprint``) to every sink: the absence alert of a rule and a
+  series of the rule labelled ``absent="true"`` reach a sink as two alerts a receiver tells apart by
+  ``fingerprint``, each resolved on its own.
 * A failing destination (nothing listens: refused; or it accepts and never answers: silent) makes a direct
   sink raise :class:`SinkError` naming every alert as undelivered, by ``timeout_s`` or by the ``deadline``
   given, whichever comes first: never a hang. A ``QueuedSink`` never raises nor blocks its caller: the alerts
@@ -35,6 +38,7 @@ import pytest
 
 from monitor.alerts import (
     Alert,
+    AlertKind,
     AlertSink,
     AlertState,
     KafkaSink,
@@ -45,6 +49,8 @@ from monitor.alerts import (
     SinkSettings,
     WebhookSink,
 )
+from monitor.engine import RuleEngine, Snapshot
+from monitor.rules import loads_rules
 from stream.config import KafkaSettings
 from tests.kafka_io import read_topic
 
@@ -54,7 +60,8 @@ TS = 1_718_000_000_000
 
 
 def alerts(n: int = 4) -> list[Alert]:
-    """Alerts exercising every field: NaN and inf values, no threshold, labels, an awkward message."""
+    """Alerts exercising every field: NaN and inf values, no threshold, labels, an awkward message, an absence
+    alert (kind)."""
     kinds = [
         Alert("cold_start_share", "learner", Severity.WARNING, AlertState.FIRING, 0.83, 0.5,
               "share 83% > 50%", TS, {"field": "user_id"}),
@@ -64,6 +71,8 @@ def alerts(n: int = 4) -> list[Alert]:
               {"a": "1", "b": "\u00e9"}),
         Alert("cold_start_share", "learner", Severity.WARNING, AlertState.RESOLVED, None, 0.5, "resolved",
               TS + 3, {"field": "user_id"}),
+        Alert("learner_lag", "", Severity.WARNING, AlertState.FIRING, None, 500.0, "no data for 60s", TS + 4,
+              {"absent": "true"}, AlertKind.ABSENT),
     ]
     return [kinds[i % len(kinds)] if i < len(kinds) else
             Alert(f"rule_{i}", "job", Severity.INFO, AlertState.FIRING, float(i), 1.0, f"alert {i}", TS + i)
@@ -278,7 +287,7 @@ def test_an_alert_sent_is_delivered_once_with_its_fields_intact(
         name: str, request: pytest.FixtureRequest, closers: list[Callable[[], None]]) -> None:
     target = build_target(name, request, closers)
     sink = target.make()
-    batch = alerts(4)
+    batch = alerts(5)
     for i in range(0, len(batch), sink.batch_max):  # the caller's side of the protocol: <= batch_max per send
         sink.send(batch[i:i + sink.batch_max])
     sink.close()
@@ -301,6 +310,67 @@ def test_a_queued_sink_delivers_every_alert_once_in_order_in_batches_of_at_most_
     assert sum(q.spy.batches) == len(batch) and max(q.spy.batches) <= q.spy.batch_max
     assert q.spy.overlapping == 0 and q.spy.threads == {q.queue._thread.ident}  # one thread: its worker
     assert q.queue.close(timeout_s=5.0) == 0
+
+
+# -- identity ----------------------------------------------------------------------------------------
+ABSENT_RULES = """
+[[rule]]
+name = "learner_lag"
+expr = "lag"
+op = ">"
+threshold = 500
+absent_for_s = 60
+"""
+
+
+def _absent_and_series_alerts() -> list[Alert]:
+    """What the engine sends when a rule's absence alert and its series labelled absent="true" both fire and then
+    resolve one after the other (the series is held firing while its source fails: hold_s)."""
+    engine = RuleEngine(loads_rules(ABSENT_RULES).rules, hold_s=600)
+
+    def lag(v: float) -> Snapshot:
+        return Snapshot.from_texts({"learner": f'lag{{absent="true"}} {v}\n'})
+
+    failed = Snapshot(errors={"learner": "down"})
+    steps = [(0, lag(900)), (30, failed), (90, failed), (120, lag(800)), (135, lag(3))]
+    return [a for t, snap in steps for a in engine.evaluate(snap, t)]
+
+
+def _identity(name: str, receipt: Any) -> str:
+    """What a receiver groups alerts by: the fingerprint (the log line says it as ``id=``)."""
+    if name == "log":
+        return next(w[3:].rstrip(":") for w in receipt[1].split() if w.startswith("id="))
+    body = receipt[1] if name == "kafka" else receipt
+    return str(body["fingerprint"])
+
+
+def _state(name: str, receipt: Any) -> str:
+    return receipt[1].split()[0].lower() if name == "log" else (receipt[1] if name == "kafka" else receipt)["state"]
+
+
+@pytest.mark.parametrize("name", SINKS)
+def test_an_absence_alert_and_a_series_labelled_absent_true_reach_the_sink_as_two_alerts_that_resolve_apart(
+        name: str, request: pytest.FixtureRequest, closers: list[Callable[[], None]]) -> None:
+    batch = _absent_and_series_alerts()
+    # the series fires, then the absence alert; data again resolves the absence alert, then the series resolves
+    assert [(a.kind, a.state) for a in batch] == [(AlertKind.SERIES, AlertState.FIRING),
+                                                  (AlertKind.ABSENT, AlertState.FIRING),
+                                                  (AlertKind.ABSENT, AlertState.RESOLVED),
+                                                  (AlertKind.SERIES, AlertState.RESOLVED)]
+    assert {frozenset(a.labels.items()) for a in batch} == {frozenset({("absent", "true")})}  # same labels: both
+    target = build_target(name, request, closers)
+    sink = target.make()
+    for i in range(0, len(batch), sink.batch_max):
+        sink.send(batch[i:i + sink.batch_max])
+    sink.close()
+    got = target.delivered()
+    assert got == [target.receipt(a) for a in batch]
+    by_identity: dict[str, list[str]] = {}
+    for receipt in got:
+        by_identity.setdefault(_identity(name, receipt), []).append(_state(name, receipt))
+    # two alerts, each fired once and resolved once: neither resolved (or deduplicated) the other
+    assert sorted(by_identity.values()) == [["firing", "resolved"], ["firing", "resolved"]]
+    assert len(by_identity) == 2
 
 
 # -- failing destinations ----------------------------------------------------------------------------

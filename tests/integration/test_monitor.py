@@ -4,6 +4,7 @@ to a webhook, and it resolves after the burst)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import pytest
 
 from monitor.alerts import (
     Alert,
+    AlertKind,
     AlertState,
     Backoff,
     FanOut,
@@ -30,6 +32,7 @@ from monitor.alerts import (
     SinkError,
     SinkSettings,
     WebhookSink,
+    alert_fingerprint,
 )
 from monitor.engine import MetricHistory, Monitor, RuleEngine, Snapshot
 from monitor.expr import ExprError, parse
@@ -293,17 +296,25 @@ def test_alert_json_round_trips() -> None:
     a = Alert(rule="r", source="learner", severity=Severity.INFO, state=AlertState.FIRING, value=math.inf,
               threshold=1.0, message="m", ts=1, labels={"field": "user_id"})
     d = json.loads(a.to_json())
-    assert set(d) == {"rule", "source", "severity", "state", "value", "threshold", "message", "ts", "labels"}
+    assert set(d) == {"rule", "source", "severity", "state", "value", "threshold", "message", "ts", "labels", "kind",
+                      "fingerprint"}
     assert d["value"] == "+Inf" and Alert.from_json(a.to_json()) == a
+    assert d["kind"] == "series" and d["fingerprint"] == alert_fingerprint("r", AlertKind.SERIES, {"field": "user_id"})
+    absent = dataclasses.replace(a, kind=AlertKind.ABSENT, fingerprint="")
+    assert json.loads(absent.to_json())["kind"] == "absent" and Alert.from_json(absent.to_json()) == absent
+    assert absent.fingerprint != a.fingerprint  # same rule and labels, another alert
 
 
 def test_the_refresh_jobs_alert_records_read_as_alerts() -> None:
-    # the shape cache_refresh/job.py writes to the same topic
+    # the shape cache_refresh/job.py wrote to the same topic before alerts said their kind and fingerprint: it reads
+    # as a series alert, and writes back the same fields plus those two
     record = {"rule": "refresh_failed", "source": "refresh", "severity": "critical", "state": "firing",
               "value": None, "threshold": None, "message": "validate: AUC dropped", "ts": 1718000000000,
               "labels": {"stage": "validate"}}
     a = Alert.from_json(json.dumps(record))
-    assert a.state is AlertState.FIRING and a.value is None and json.loads(a.to_json()) == record
+    assert a.state is AlertState.FIRING and a.value is None and a.kind is AlertKind.SERIES
+    assert a.fingerprint == alert_fingerprint("refresh_failed", AlertKind.SERIES, {"stage": "validate"})
+    assert json.loads(a.to_json()) == {**record, "kind": "series", "fingerprint": a.fingerprint}
 
 
 # -- sinks ------------------------------------------------------------------------------------------

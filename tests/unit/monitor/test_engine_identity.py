@@ -154,3 +154,45 @@ def test_the_duplicated_series_the_monitor_remembers_are_bounded_and_a_steady_on
         assert len(said) == 1
     finally:
         mon.close(5)
+
+
+def test_the_state_file_and_run_log_carry_each_alerts_fingerprint_and_a_state_file_without_it_restores_the_same(
+        tmp_path: Path) -> None:
+    state, run = tmp_path / "state.json", tmp_path / "run.jsonl"
+    config = loads_rules(f'scrape_error_hold_s = 600\nstate_path = "{state}"\n[run_log]\npath = "{run}"\n'
+                         + LAG_RULES)
+    clock = [0.0]
+
+    def monitor(snaps: list[Snapshot]) -> Monitor:
+        it = iter(snaps)
+        return Monitor(config, NoSink(), scrape=lambda: next(it), clock=lambda: 1e9 + clock[0],
+                       monotonic=lambda: clock[0])
+
+    mon = monitor([lag(900), failed(), failed()])
+    sent: list[Alert] = []
+    try:
+        for clock[0] in (0.0, 30.0, 90.0):
+            sent.extend(mon.step())
+    finally:
+        mon.close(5)
+    # the series and the absence alert fire, with the same labels and two fingerprints
+    assert sorted(a.kind.value for a in sent) == ["absent", "series"] and len({a.fingerprint for a in sent}) == 2
+    assert [a.labels for a in sent] == [{"absent": "true"}] * 2
+    records = json.loads(state.read_text())["firing"]
+    assert {(r.get("absent", False), r["fingerprint"]) for r in records} == {
+        (a.kind.value == "absent", a.fingerprint) for a in sent}
+    logged = [json.loads(line)["alert"] for line in run.read_text().splitlines() if '"kind":"alert"' in line]
+    assert [(d["kind"], d["fingerprint"]) for d in logged] == [(a.kind.value, a.fingerprint) for a in sent]
+    # a state file written before alerts had fingerprints (version 2 all the same): the restarted monitor resolves
+    # the absence alert and announces the series again, each under the fingerprint it fired with
+    state.write_text(json.dumps({"version": 2, "firing": [{k: v for k, v in r.items() if k != "fingerprint"}
+                                                          for r in records]}))
+    again = monitor([lag(800)])
+    try:
+        clock[0] = 120.0
+        back = again.step()
+    finally:
+        again.close(5)
+    fired = {a.kind: a.fingerprint for a in sent}
+    assert sorted((a.kind.value, a.state.value) for a in back) == [("absent", "resolved"), ("series", "firing")]
+    assert all(a.fingerprint == fired[a.kind] for a in back)
