@@ -15,6 +15,10 @@ its labels are ``{"absent": "true"}`` for readers, which a series of the rule ma
 labels: the same for every alert of one series (across restarts), different for any two series, and
 never equal between a series and its rule's absence alert. (Rule name + ``labels`` is not an identity:
 a series may have the labels of the absence alert, and ``labels`` also carry the rule's own labels.)
+``labels`` are the rule's own labels (from the rules file) and the series' labels; a series label named
+like a rule label keeps its value under ``exported_<name>`` (as Prometheus renames a scraped label that
+collides with a target label), so the series ``{}`` and ``{team="x"}`` of a rule labelled
+``team = "x"`` show ``{team="x"}`` and ``{team="x", exported_team="x"}``.
 Both fields were added later: a record without them (an older writer) reads as ``kind`` ``series`` with
 the fingerprint of its rule and labels. ``state`` is ``firing`` (the condition held for the rule's
 ``for_s``) or ``resolved`` (it no longer holds); each firing is followed by exactly one resolved with the

@@ -277,6 +277,26 @@ class MetricHistory:
                 for lb, q in self.samples.get(metric, {}).items()}
 
 
+EXPORTED_PREFIX = "exported_"  # a series label named like one of its rule's labels, as Prometheus renames them
+
+
+def alert_labels(rule_labels: Mapping[str, str], series: Labels) -> dict[str, str]:
+    """The labels an alert shows: the rule's own labels (from the rules file) and the series', where a series label
+    named like a rule label keeps its value under ``exported_<name>`` (``exported_exported_<name>``, ... while that
+    name is taken), as Prometheus keeps a scraped label that collides with a target label (``honor_labels: false``).
+    Merged plainly, the series' value replaced the rule's (or equalled it), so with rule labels {team="x"} the series
+    {} and {team="x"} showed the same labels. The alert's identity is its fingerprint (of the series' own labels),
+    not these: renaming keeps the colliding value readable but cannot make every pair of label sets differ (a
+    series may have an ``exported_`` label of its own)."""
+    out = {**dict(series), **rule_labels}
+    for name, value in sorted((kv for kv in series if kv[0] in rule_labels), key=lambda kv: (len(kv[0]), kv[0])):
+        renamed = EXPORTED_PREFIX + name
+        while renamed in out:
+            renamed = EXPORTED_PREFIX + renamed
+        out[renamed] = value
+    return out
+
+
 def _fmt(v: float | None) -> str:
     return "no data" if v is None else f"{v:.4g}"
 
@@ -402,7 +422,7 @@ class RuleEngine:
 
     def _alert(self, rule: Rule, lb: Labels, st: SeriesState, state: AlertState, now: float,
                absent: bool = False) -> Alert:
-        labels = {**rule.labels, **dict(lb)}
+        labels = alert_labels(rule.labels, lb)
         what = rule.description or rule.name
         if absent:
             since = self.no_data_since[rule.name]
@@ -426,11 +446,12 @@ class RuleEngine:
             self.resolved.append((alert, self._record(rule.name, lb, st, absent)))
         return alert
 
-    def _fingerprint(self, name: str, lb: Labels, absent: bool) -> str:
+    @staticmethod
+    def _fingerprint(name: str, lb: Labels, absent: bool) -> str:
         """The identity the sinks see (``fingerprint`` of the alert JSON), of the alert of series ``lb`` of rule
-        ``name`` or (``absent``) of its absence alert."""
-        labels = {**self.by_name[name].labels, **dict(lb)}
-        return alert_fingerprint(name, AlertKind.ABSENT if absent else AlertKind.SERIES, labels)
+        ``name`` or (``absent``) of its absence alert: of the series' own labels, not the ones the alert shows
+        (:func:`alert_labels` adds the rule's), so two series are two alerts whatever the rule's labels are."""
+        return alert_fingerprint(name, AlertKind.ABSENT if absent else AlertKind.SERIES, dict(lb))
 
     def _record(self, name: str, lb: Labels, st: SeriesState, absent: bool = False) -> dict[str, Any]:
         """A firing series for the state file; an absence alert is marked ``"absent": true`` (its labels are

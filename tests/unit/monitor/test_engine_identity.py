@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor.alerts import Alert, AlertState
+from monitor.alerts import Alert, AlertKind, AlertState, alert_fingerprint
 from monitor.engine import HISTORY_DROPPED, FiringStateFile, Monitor, RuleEngine, Snapshot
 from monitor.rules import RulesError, loads_rules
 
@@ -196,3 +196,49 @@ def test_the_state_file_and_run_log_carry_each_alerts_fingerprint_and_a_state_fi
     fired = {a.kind: a.fingerprint for a in sent}
     assert sorted((a.kind.value, a.state.value) for a in back) == [("absent", "resolved"), ("series", "firing")]
     assert all(a.fingerprint == fired[a.kind] for a in back)
+
+
+TEAM_RULES = """
+[[rule]]
+name = "share"
+expr = "share"
+op = ">"
+threshold = 0.5
+labels = { team = "x" }
+"""
+
+
+def shares(**values: float) -> Snapshot:
+    """One series of ``share`` per label set: "" is {}, "team=x" is {team="x"}, "team=y,exported_team=z" ..."""
+    rows = []
+    for key, v in values.items():
+        lbl = ",".join(f'{k}="{val}"' for k, val in (kv.split("=") for kv in key.split("__") if kv))
+        rows.append(f"share{{{lbl}}} {v}\n")
+    return Snapshot.from_texts({"learner": "".join(rows)})
+
+
+def test_a_series_label_named_like_a_rule_label_is_kept_as_exported_and_each_series_is_an_alert_of_its_own() -> None:
+    engine = RuleEngine(loads_rules(TEAM_RULES).rules)
+    series = {"": {}, "team=x": {"team": "x"}, "exported_team=x": {"exported_team": "x"},
+              "team=y__exported_team=z": {"team": "y", "exported_team": "z"}}
+    fired = engine.evaluate(shares(**dict.fromkeys(series, 0.9)), 0)
+    assert len(fired) == 4 and {a.state for a in fired} == {AlertState.FIRING}
+    shown = sorted(sorted(a.labels.items()) for a in fired)
+    # the rule's label wins; the series' own value stays readable under exported_ (once more while that is taken)
+    assert shown == sorted([[("team", "x")], [("exported_team", "x"), ("team", "x")],
+                            [("exported_team", "x"), ("team", "x")],
+                            [("exported_exported_team", "y"), ("exported_team", "z"), ("team", "x")]])
+    # the identity is the series' own labels: four alerts, even where the labels shown coincide (a series with an
+    # exported_ label of its own, as in Prometheus)
+    assert sorted(a.fingerprint for a in fired) == sorted(
+        alert_fingerprint("share", AlertKind.SERIES, own) for own in series.values())
+    assert len({a.fingerprint for a in fired}) == 4
+    assert sorted(sorted(r["labels"].items()) for r in engine.firing()) == sorted(
+        sorted(own.items()) for own in series.values())  # the state file keeps the series' own labels
+    # {team="x"} ends: it resolves alone, under its own fingerprint; {} (which showed the same labels before) fires on
+    [resolved] = engine.evaluate(shares(**{**dict.fromkeys(series, 0.9), "team=x": 0.1}), 15)
+    assert resolved.state is AlertState.RESOLVED and resolved.labels == {"team": "x", "exported_team": "x"}
+    assert resolved.fingerprint == alert_fingerprint("share", AlertKind.SERIES, {"team": "x"})
+    assert sorted(sorted(r["labels"].items()) for r in engine.firing()) == sorted(
+        sorted(own.items()) for key, own in series.items() if key != "team=x")
+    assert json.loads(resolved.to_json())["fingerprint"] == resolved.fingerprint
