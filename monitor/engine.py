@@ -191,13 +191,16 @@ class SeriesStatus:
     severity: str
     condition: str
     for_s: float
+    kind: AlertKind = AlertKind.SERIES  # the rule's absence alert is "absent": its labels may be a series' too
+    fingerprint: str = ""  # its alerts' (monitor.alerts); "" for the row of a rule with no series
 
     def as_dict(self) -> dict[str, Any]:
         from monitor.alerts import encode_value
 
         return {"rule": self.rule, "labels": self.labels, "state": self.state.value,
                 "value": encode_value(self.value), "since": self.since, "severity": self.severity,
-                "condition": self.condition, "for_s": self.for_s}
+                "condition": self.condition, "for_s": self.for_s, "kind": self.kind.value,
+                "fingerprint": self.fingerprint}
 
 
 class MetricHistory:
@@ -494,14 +497,17 @@ class RuleEngine:
         for rule in self.rules:
             shown = sorted(self.states[rule.name].items())
             absent = self.absent.get(rule.name)
+            rows_of = [(lb, st, False) for lb, st in shown]
             if absent is not None and absent.state is not State.INACTIVE:
-                shown.append((ABSENT_LABELS, absent))
-            if not shown:
+                rows_of.append((ABSENT_LABELS, absent, True))
+            if not rows_of:
                 rows.append(SeriesStatus(rule.name, {}, State.INACTIVE, None, None, rule.severity.value,
                                          rule.condition, rule.for_s))
-            for lb, st in shown:
+            for lb, st, is_absent in rows_of:
                 rows.append(SeriesStatus(rule.name, dict(lb), st.state, st.value, st.since + self.wall_offset,
-                                         rule.severity.value, rule.condition, rule.for_s))
+                                         rule.severity.value, rule.condition, rule.for_s,
+                                         AlertKind.ABSENT if is_absent else AlertKind.SERIES,
+                                         self._fingerprint(rule.name, lb, is_absent)))
         return rows
 
 
@@ -528,8 +534,9 @@ def once_text(d: dict[str, Any]) -> str:
         lines.append(f"  scrape of {name} failed: {err}")
     for r in d["rules"]:
         lbl = ",".join(f'{k}="{v}"' for k, v in sorted(r["labels"].items()))
+        lbl += "} absent" if r.get("kind") == AlertKind.ABSENT.value else "}"
         value = "no data" if r["value"] is None else r["value"]
-        lines.append(f"  {r['state']:<9} {r['severity']:<8} {r['rule']}{{{lbl}}} value={value}  "
+        lines.append(f"  {r['state']:<9} {r['severity']:<8} {r['rule']}{{{lbl} value={value}  "
                      f"[{r['condition']} for {r['for_s']:g}s]")
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from monitor.alerts import Alert, AlertKind, AlertState, alert_fingerprint
-from monitor.engine import HISTORY_DROPPED, FiringStateFile, Monitor, RuleEngine, Snapshot
+from monitor.engine import HISTORY_DROPPED, FiringStateFile, Monitor, RuleEngine, Snapshot, once_text
 from monitor.rules import RulesError, loads_rules
 
 LAG_RULES = """
@@ -61,6 +61,18 @@ def test_a_series_labelled_absent_true_is_a_series_of_its_own_not_the_absence_al
         assert [a.message for a in back if a.state is AlertState.RESOLVED] == ["learner_lag: lag has data again"]
         # and the series resolves on its own once its condition ends
         assert seen(eng.evaluate(lag(3), 135)) == [("resolved", 3.0)]
+
+
+def test_once_and_the_summary_tell_the_absence_alert_from_a_series_labelled_absent_true() -> None:
+    engine = RuleEngine(loads_rules(LAG_RULES).rules, hold_s=600)
+    fired = [a for t, snap in ((0, lag(900)), (30, failed()), (90, failed())) for a in engine.evaluate(snap, t)]
+    rows = [r.as_dict() for r in engine.status()]
+    # the same labels, as the sinks see them: the rows differ by kind and fingerprint, the alerts' own
+    assert sorted((r["kind"], r["labels"]["absent"]) for r in rows) == [("absent", "true"), ("series", "true")]
+    assert {(r["kind"], r["fingerprint"]) for r in rows} == {(a.kind.value, a.fingerprint) for a in fired}
+    lines = once_text({"rules_file": "r.toml", "sources": {}, "rules": rows}).splitlines()
+    assert [line.split()[2] for line in lines[2:]] == ['learner_lag{absent="true"}'] * 2
+    assert sorted(line.split()[3] for line in lines[2:]) == ["absent", "value=900.0"]
 
 
 def test_a_version_1_state_file_reads_its_absent_labelled_record_as_the_absence_alert(tmp_path: Path) -> None:
