@@ -195,8 +195,8 @@ class LearnerSettings:
     boost: float = 0.0
     boost_half_life: float = 8.0
     cold_k: int = 10  # a user's first cold_k impressions count as cold (streamrec_learner_cold_auc)
-    # Users the cold tracker remembers as warm (learner/row_mapper.py ColdTracker: ~183 bytes each, 130-230 as its
-    # hash tables round up to powers of two; 175 MiB at 1 M, allocated at start). Full, it forgets the least recently
+    # Users the cold tracker remembers as warm (learner/row_mapper.py ColdTracker: ~217 bytes each, 170-250 as its
+    # hash tables round up to powers of two; 207 MiB at 1 M, allocated at start). Full, it forgets the least recently
     # seen warm users, each counted cold again for its next cold_k impressions
     # (streamrec_learner_cold_tracker_evictions_total, and a warning the first time). May change across a restart
     # (the most recently seen warm users are kept).

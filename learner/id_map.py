@@ -35,9 +35,16 @@ O(capacity) merge. No per-id Python anywhere; Python loops run over probe rounds
   one and a cleared table takes its place; a key first seen in the new generation carries its count over.
   So a key is admitted once seen ``admit_after`` times within the last 1-2 generations of distinct
   not-yet-admitted keys, and memory is bounded whatever the churn. An admitted key's count drops to 0.
+* Time to admission: each candidate slot also holds the EVENT time (``now`` of ``lookup``, the samples' clock
+  that ages the rows) at which its key started counting (first sight, carried over from the previous generation
+  with the count, restarted when an admitted-then-evicted key counts again). An admission reports ``now`` minus
+  it (``LookupResult.admitted_delay_s``): 8 B per candidate slot, i.e. 50-100 B per candidate of ``candidates``
+  (two generations, each of 3.1-6.3 slots per candidate: candidates + a chunk at load <= 0.4, a power of two;
+  32 MiB at capacity 1 M) and 8 B per live candidate in the state. A state written
+  before it existed has no first-seen times: its candidates' delay is unknown (NaN), never a made-up one.
 
-Memory (``nbytes()``, allocated once): 16 B per main slot, 2 x 16 B per candidate slot, 32 B per own row,
-4 B of scratch per slot: 175 MiB for capacity 1 M (4 M main slots, 2 x 2 M candidate slots). Not
+Memory (``nbytes()``, allocated once): 16 B per main slot, 2 x 24 B per candidate slot, 32 B per own row,
+4 B of scratch per slot: 207 MiB for capacity 1 M (4 M main slots, 2 x 2 M candidate slots). Not
 thread-safe: one learner thread owns a map.
 """
 
@@ -211,6 +218,16 @@ class _Table:
         return out, (np.concatenate(claimed) if claimed else np.empty(0, dtype=np.int64))
 
 
+class _Candidates(_Table):
+    """A candidate generation: ``key -> count`` and, per slot, the event time its key started counting
+    (``first_seen``, NaN: unknown, a state written before it existed). Slots are never freed (the table is
+    cleared whole), so a slot's time is set whenever its key (re)starts counting and needs no clearing."""
+
+    def __init__(self, min_slots: int) -> None:
+        super().__init__(min_slots)
+        self.first_seen = np.full(self.size, np.nan)  # (S,) float64 event seconds
+
+
 def _first_of_each(scratch: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Mask with exactly one True per distinct value (values index ``scratch``); O(N), no sort."""
     order = np.arange(values.size, dtype=np.int32)
@@ -268,6 +285,8 @@ class LookupResult:
     rows: np.ndarray = field(default_factory=_no_rows)  # int64, shape of keys
     admitted_rows: np.ndarray = field(default_factory=_no_rows)  # (A,) own rows handed out in this call
     admitted_from_bucket: np.ndarray = field(default_factory=_no_rows)  # (A,) each admitted key's bucket row
+    # (A,) float64 event seconds from each admitted key's first sight as a candidate to this call; NaN: unknown
+    admitted_delay_s: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
     evicted_rows: np.ndarray = field(default_factory=_no_rows)  # (E,) own rows freed in this call (reset
     #               their optimizer state first; a row may be evicted and handed out again in the same call)
     bucket_lookups: int = 0
@@ -324,7 +343,7 @@ class IdMap:
         self._free_top = self.capacity
         self._chunk = max(1, self.candidates // 4)  # keys per counting step: bounds the candidate load
         slots = int((self.candidates + self._chunk) / MAX_LOAD)
-        self._cur, self._prev = _Table(slots), _Table(slots)
+        self._cur, self._prev = _Candidates(slots), _Candidates(slots)
         self._scratch = np.empty(max(self._main.size, self._cur.size), dtype=np.int32)
         self._last_sweep = -float("inf")
         self.counters = _Counters()
@@ -346,6 +365,7 @@ class IdMap:
         _, row = self._main.find(flat)  # (N,) own row, -1 where not admitted
         admitted = np.empty(0, dtype=np.int64)
         admitted_keys = np.empty(0, dtype=np.int64)
+        delays = np.empty(0, dtype=np.float64)
         if train:
             self._seen_ext[row] = now  # keys without a row write the sink
             miss = np.flatnonzero(row < 0)
@@ -357,11 +377,11 @@ class IdMap:
                     got = r >= 0
                     row[m[got]] = r[got]
                     m = m[~got]
-                inst_rows, a, ak = self._count_and_admit(flat[m], now, evicted)
+                inst_rows, a, ak, d = self._count_and_admit(flat[m], now, evicted)
                 row[m] = inst_rows
-                parts.append((a, ak))
+                parts.append((a, ak, d))
             if parts:
-                admitted, admitted_keys = (np.concatenate(p) for p in zip(*parts, strict=True))
+                admitted, admitted_keys, delays = (np.concatenate(p) for p in zip(*parts, strict=True))
         own = row >= 0
         out = row + self.num_buckets
         bucket = np.flatnonzero(~own)
@@ -372,7 +392,7 @@ class IdMap:
             self.counters.bucket_lookups += n_bucket
         ev = np.concatenate(evicted) if evicted else np.empty(0, dtype=np.int64)
         res = LookupResult(rows=out.reshape(shape), admitted_rows=admitted + self.num_buckets,
-                           admitted_from_bucket=admitted_keys % self.num_buckets,
+                           admitted_from_bucket=admitted_keys % self.num_buckets, admitted_delay_s=delays,
                            evicted_rows=ev + self.num_buckets, bucket_lookups=n_bucket,
                            own_lookups=flat.size - n_bucket)
         if train and self.buckets.active:
@@ -387,25 +407,28 @@ class IdMap:
         res.decayed_buckets, res.decay = self.buckets.idle(now)
         return res
 
-    def _count_and_admit(self, keys: np.ndarray, now: float,
-                         evicted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _count_and_admit(self, keys: np.ndarray, now: float, evicted: list[np.ndarray],
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Count not-yet-admitted keys (N,); admit those reaching the threshold.
 
-        Returns (own row per key or -1 (N,), admitted rows (A,), admitted keys (A,)).
+        Returns (own row per key or -1 (N,), admitted rows (A,), admitted keys (A,), their time to admission (A,)).
         """
         if self._cur.live >= self.candidates:  # generation full: live stays < candidates + chunk
             self._rotate()
         table = self._cur
         slots, new = table.find_or_insert(keys, self._scratch)
-        if new.size and self._prev.live:  # first sight in this generation: carry the previous count
-            _, prev_count = self._prev.find(table.keys_at(new))
+        if new.size and self._prev.live:  # first sight in this generation: carry the previous count and first time
+            prev_slot, prev_count = self._prev.find(table.keys_at(new))
             hit = prev_count > 0
             table.set_vals(new[hit], prev_count[hit])
+            table.first_seen[new[hit]] = self._prev.first_seen[prev_slot[hit]]
+        starting = slots[table.vals_at(slots) == 0]  # new here, or admitted, evicted and counting again
+        table.first_seen[starting] = now
         table.add_one(slots)
         inst_rows = np.full(keys.size, -1, dtype=np.int64)
         ready = np.flatnonzero(table.vals_at(slots) >= self.admit_after)
         if not ready.size:
-            return inst_rows, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+            return inst_rows, _no_rows(), _no_rows(), np.empty(0, dtype=np.float64)
         ready_slots = slots[ready]
         uniq = ready_slots[_first_of_each(self._scratch, ready_slots)]  # (U,) one slot per key
         rows = self._allocate(uniq.size, now, evicted)  # may be fewer when every row was seen now
@@ -416,13 +439,14 @@ class IdMap:
         mslots = self._main.insert(ukeys)
         self._main.set_vals(mslots, rows)
         self._row_key[rows], self._row_slot[rows], self._row_seen[rows] = ukeys, mslots, now
+        delays = np.maximum(now - table.first_seen[uniq], 0.0)  # NaN (unknown) stays NaN
         table.set_vals(uniq, 0)  # an evicted key starts counting again
         self.counters.admissions += rows.size
         scratch = self._scratch
         scratch[ready_slots] = -1
         scratch[uniq] = rows
         inst_rows[ready] = scratch.take(ready_slots)
-        return inst_rows, rows, ukeys
+        return inst_rows, rows, ukeys, delays
 
     def _rotate(self) -> None:
         self._cur, self._prev = self._prev, self._cur
@@ -548,22 +572,25 @@ class IdMap:
     def nbytes(self) -> int:
         """Bytes held by the map's arrays (constant after construction)."""
         arrays = (self._main.kv, self._row_key, self._seen_ext, self._row_slot, self._free, self._cur.kv,
-                  self._prev.kv, self._scratch, *self.buckets.arrays())
+                  self._cur.first_seen, self._prev.kv, self._prev.first_seen, self._scratch, *self.buckets.arrays())
         return sum(a.nbytes for a in arrays)
 
     def state_dict(self) -> dict[str, Any]:
-        """Config, own rows, free list and live candidates as CPU tensors (torch.save, weights_only ok)."""
-        def live(t: _Table) -> tuple[torch.Tensor, torch.Tensor]:
+        """Config, own rows, free list and live candidates (key, count, first-seen event time) as CPU tensors
+        (torch.save, weights_only ok). The first-seen times are optional keys of the same version (a reader
+        without them ignores them; :meth:`load_state_dict` reads a state without them as unknown times)."""
+        def live(t: _Candidates) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             s = t.live_slots()
-            return torch.from_numpy(t.keys_at(s)), torch.from_numpy(t.vals_at(s))
+            return torch.from_numpy(t.keys_at(s)), torch.from_numpy(t.vals_at(s)), torch.from_numpy(t.first_seen[s])
 
-        cur_keys, cur_counts = live(self._cur)
-        prev_keys, prev_counts = live(self._prev)
+        cur_keys, cur_counts, cur_first = live(self._cur)
+        prev_keys, prev_counts, prev_first = live(self._prev)
         return {"version": _STATE_VERSION, "config": self.config(),
                 "row_key": torch.from_numpy(self._row_key.copy()),
                 "row_seen": torch.from_numpy(self._row_seen.copy()),
                 "free": torch.from_numpy(self._free[:self._free_top].copy()),
                 "cur_keys": cur_keys, "cur_counts": cur_counts, "prev_keys": prev_keys, "prev_counts": prev_counts,
+                "cur_first_seen": cur_first, "prev_first_seen": prev_first,
                 "bucket_seen": torch.from_numpy(self.buckets.seen.copy()),
                 "last_sweep": self._last_sweep, "counters": dict(vars(self.counters))}
 
@@ -589,15 +616,23 @@ class IdMap:
     def _load_rest(self, free: np.ndarray, candidates: Mapping[str, Any], last_sweep: float,
                    counters: Mapping[str, int]) -> None:
         """What both loads share once the own rows are set: the free stack (top last), the main table rebuilt from
-        the rows, the candidates' two generations, the sweep clock and the counters."""
+        the rows, the candidates' two generations (their first-seen times NaN, unknown, where the state has none:
+        written before they existed), the sweep clock and the counters."""
         self._free_top = free.size
         self._free[:free.size] = free
         self._rebuild_main()
-        for table, k, c in ((self._cur, "cur_keys", "cur_counts"), (self._prev, "prev_keys", "prev_counts")):
+        for table, gen in ((self._cur, "cur"), (self._prev, "prev")):
             table.clear()
-            keys = np.asarray(candidates[k], dtype=np.int64)
+            keys = np.asarray(candidates[f"{gen}_keys"], dtype=np.int64)
             if keys.size:
-                table.set_vals(table.insert(keys), np.asarray(candidates[c], dtype=np.int64))
+                first = candidates.get(f"{gen}_first_seen")
+                first = np.full(keys.size, np.nan) if first is None else np.asarray(first, dtype=np.float64)
+                if first.shape != keys.shape:
+                    raise ValueError(f"IdMap state {gen}_first_seen has shape {first.shape}, its {gen}_keys "
+                                     f"{keys.shape}: the state is malformed")
+                slots = table.insert(keys)
+                table.set_vals(slots, np.asarray(candidates[f"{gen}_counts"], dtype=np.int64))
+                table.first_seen[slots] = first
         self._last_sweep = last_sweep
         self.counters = _Counters(**counters)
 
@@ -605,7 +640,8 @@ class IdMap:
                      last_sweep: float, counters: Mapping[str, int] | None = None) -> None:
         """Fill an empty map from its parts: admitted ``keys`` (K,) on own ``rows`` (K,) (local, 0-based, distinct,
         < capacity) last seen at ``seen`` (K,); the candidates' ``cur_keys``/``cur_counts``/``prev_keys``/
-        ``prev_counts`` (at most ``candidates`` keys each, none of them admitted). The distributed mode builds its
+        ``prev_counts`` (at most ``candidates`` keys each, none of them admitted) and optionally ``cur_first_seen``/
+        ``prev_first_seen`` (absent: unknown). The distributed mode builds its
         shards' maps from a checkpoint of another world size with it, and one whole map from the shards'
         (``learner/sharded_ids.py``). The buckets' decay clock is not a part: set ``buckets.seen``."""
         rows = np.asarray(rows, dtype=np.int64)

@@ -43,6 +43,10 @@ class MapStats:
     bucket_lookups: dict[str, int] = field(default_factory=dict)
     admitted: dict[str, int] = field(default_factory=dict)
     evicted: dict[str, int] = field(default_factory=dict)
+    # event seconds from each admitted id's first sight as a candidate to its admission (IdMap.lookup's
+    # admitted_delay_s), of the admissions whose first sight is known: not those counted before a checkpoint
+    # written without first-seen times (learner/id_map.py), whose delay is unknown and left out, not guessed
+    time_to_admission: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def id_map_of(spec: FieldSpec, capacity: int | None = None, decay: bool = True) -> IdMap:
@@ -109,6 +113,7 @@ class RowMapper:
             if train and own_field:
                 stats.admitted[owner] = len(res.admitted_rows)
                 stats.evicted[owner] = len(res.evicted_rows)
+                stats.time_to_admission[owner] = known_delays(res.admitted_delay_s)
         return results, stats
 
     @torch.no_grad()
@@ -167,6 +172,13 @@ class RowMapper:
             m.load_state_dict(state[name])
 
 
+def known_delays(delays: np.ndarray) -> np.ndarray:
+    """The admissions' times to admission whose first sight is known (NaN: counted before a checkpoint without
+    first-seen times), float64."""
+    d = np.asarray(delays, dtype=np.float64)
+    return d[~np.isnan(d)]
+
+
 def dynamic_fields(cfg: FeatureConfig) -> list[FieldSpec]:
     """The fields that own an id map (``capacity > 0``, not sharing another's rows), in config order."""
     return [f for f in cfg.fields if f.shares is None and f.capacity > 0]
@@ -209,7 +221,7 @@ class ColdTracker:
     count) took a burst's first ten impressions for warm ones (5,806 cold impressions in the demo where the
     protocol's definition gives 60,400).
 
-    ``capacity`` (``[learner] cold_tracker_capacity``) warm users are remembered (the id map's own rows: ~183 bytes a
+    ``capacity`` (``[learner] cold_tracker_capacity``) warm users are remembered (the id map's own rows: ~217 bytes a
     user, ``IdMap.nbytes``). Full, the id map evicts the least recently seen warm users (:attr:`evictions` counts
     them): one that comes back is cold again for ``k`` impressions. Users still cold are counted in the id map's two
     candidate generations of ``capacity // 2`` users each: a cold user unseen for that many other new users starts
@@ -270,9 +282,12 @@ class ColdTracker:
         live = np.flatnonzero(keys >= 0)
         keep = live[np.argsort(-seen[live], kind="stable")[:self._seen.capacity]]  # most recently seen first
         candidates = {}
-        for k, c in (("cur_keys", "cur_counts"), ("prev_keys", "prev_counts")):
+        for gen in ("cur", "prev"):
+            k, c, t = f"{gen}_keys", f"{gen}_counts", f"{gen}_first_seen"
             top = np.argsort(-state[c].numpy(), kind="stable")[:self._seen.candidates]
             candidates[k], candidates[c] = state[k].numpy()[top], state[c].numpy()[top]
+            if t in state:  # a state written before first-seen times: none (unknown)
+                candidates[t] = state[t].numpy()[top]
         self._seen.load_entries(keys[keep], np.arange(keep.size), seen[keep], candidates,
                                 float(state["last_sweep"]), dict(state["counters"]))
         if keep.size < live.size:

@@ -26,7 +26,7 @@ One round (a collective, every rank, ``tb`` may be empty)::
        - an admitted row starts as its bucket's vector (``init = "bucket"``): one all-reduce of the admitted rows'
          bucket vectors (each bucket row lives on one rank, the others add zeros), written by the row's owner.
 
-Memory: a rank's map holds its share only: ``IdMap.nbytes`` is ~180 bytes per own row, so 2 ranks each hold half
+Memory: a rank's map holds its share only: ``IdMap.nbytes`` is ~215 bytes per own row, so 2 ranks each hold half
 (they held every row before). The maps and the bucket clocks are checkpointed per rank (``rank-<r>.pt``); a restore
 on another world size or plan (or from a checkpoint of the replicated maps written before) merges every rank's
 parts and splits them again: a key whose new owner's share does not hold its row moves to a free row of that
@@ -55,7 +55,7 @@ from learner.distributed import all_gather_objects
 from learner.event_clock import QUORUM, EventClock, largest
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import BucketDecay, IdMap
-from learner.row_mapper import MapStats, dynamic_fields, field_spans, id_map_of, mapped_slots
+from learner.row_mapper import MapStats, dynamic_fields, field_spans, id_map_of, known_delays, mapped_slots
 from learner.sharded_model import fused_state, local_pieces, row_ranges, table_weight
 
 _MIX = np.uint64(0xD6E8FEB86659FD93)  # odd multiplier; not IdMap's Fibonacci hashing, so a shard's keys still
@@ -121,7 +121,8 @@ class _Parts:
     def of(cls, parts: list[tuple[int, Mapping[str, Any]]]) -> _Parts:
         """From ``(first own row of the part, IdMap.state_dict())`` pairs."""
         keys, rows, seen = [], [], []
-        cand: dict[str, list[np.ndarray]] = {k: [] for k in ("cur_keys", "cur_counts", "prev_keys", "prev_counts")}
+        cand: dict[str, list[np.ndarray]] = {k: [] for k in ("cur_keys", "cur_counts", "cur_first_seen", "prev_keys",
+                                                             "prev_counts", "prev_first_seen")}
         counters: dict[str, int] = {}
         for start, st in parts:
             rk = np.asarray(st["row_key"], dtype=np.int64)
@@ -129,8 +130,13 @@ class _Parts:
             keys.append(rk[own])
             rows.append(start + own)
             seen.append(np.asarray(st["row_seen"], dtype=np.float64)[own])
-            for k in cand:
-                cand[k].append(np.asarray(st[k], dtype=np.int64))
+            for gen in ("cur", "prev"):
+                k = np.asarray(st[f"{gen}_keys"], dtype=np.int64)
+                cand[f"{gen}_keys"].append(k)
+                cand[f"{gen}_counts"].append(np.asarray(st[f"{gen}_counts"], dtype=np.int64))
+                first = st.get(f"{gen}_first_seen")  # a part written before first-seen times: unknown (NaN)
+                cand[f"{gen}_first_seen"].append(np.full(k.size, np.nan) if first is None else
+                                                 np.asarray(first, dtype=np.float64))
             for k, v in dict(st["counters"]).items():
                 counters[k] = counters.get(k, 0) + int(v)
         return cls(np.concatenate(keys), np.concatenate(rows), np.concatenate(seen),
@@ -138,17 +144,19 @@ class _Parts:
                    max(float(st["last_sweep"]) for _, st in parts), counters)
 
     def candidates_of(self, keep: Callable[[np.ndarray], np.ndarray] | None, limit: int) -> dict[str, np.ndarray]:
-        """The candidates (each generation: those where ``keep(keys)``, at most ``limit``, the highest counts)."""
+        """The candidates (each generation: those where ``keep(keys)``, at most ``limit``, the highest counts), with
+        their first-seen times."""
         out = {}
         for gen in ("cur", "prev"):
             k, c = self.candidates[f"{gen}_keys"], self.candidates[f"{gen}_counts"]
+            t = self.candidates[f"{gen}_first_seen"]
             if keep is not None:
                 sel = keep(k)
-                k, c = k[sel], c[sel]
+                k, c, t = k[sel], c[sel], t[sel]
             if k.size > limit:
                 top = np.argsort(-c, kind="stable")[:limit]
-                k, c = k[top], c[top]
-            out[f"{gen}_keys"], out[f"{gen}_counts"] = k, c
+                k, c, t = k[top], c[top], t[top]
+            out[f"{gen}_keys"], out[f"{gen}_counts"], out[f"{gen}_first_seen"] = k, c, t
         return out
 
 
@@ -276,7 +284,7 @@ class ShardedRowMapper:
             self.now = max(self.now, self._clock.now_s)
         keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(self.slots))]  # (sum n_r,) per slot
         owners: list[np.ndarray] = []
-        answers: list[tuple[np.ndarray, np.ndarray, np.ndarray, int] | None] = []
+        answers: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray] | None] = []
         resets: list[np.ndarray] = []
         for (_, name, _, own_field), k in zip(self.slots, keys, strict=True):  # 2. the keys this rank owns
             f = self.fields[name]
@@ -293,7 +301,8 @@ class ShardedRowMapper:
             rows = np.where(res.rows >= nb, res.rows + shift, res.rows)  # field-local rows
             if own_field:
                 resets.append(f.own0 - nb + shift + np.concatenate([res.evicted_rows, res.admitted_rows]))
-            answers.append((rows, res.admitted_rows + shift, res.admitted_from_bucket, len(res.evicted_rows)))
+            answers.append((rows, res.admitted_rows + shift, res.admitted_from_bucket, len(res.evicted_rows),
+                            known_delays(res.admitted_delay_s)))
         live = {n: f.map.stats()["live_rows"] for n, f in self.fields.items() if f.map is not None}
         gathered2 = all_gather_objects((answers, live))  # 3. [(per slot: answer or None, live rows)] in rank order
         replies = [g[0] for g in gathered2]
@@ -323,6 +332,7 @@ class ShardedRowMapper:
             changed.append((f, dst, src, decayed, factor))
             stats.admitted[name] = len(dst)
             stats.evicted[name] = sum(a[3] for a in answered)
+            stats.time_to_admission[name] = np.concatenate([a[4] for a in answered])  # every rank's, as one map's
             self.occupancy[name] = sum(g[1].get(name, 0.0) for g in gathered2) / f.spec.capacity
         self._apply_rows(changed, np.concatenate(resets) if resets else np.empty(0, np.int64), dmp)
         return stats

@@ -349,3 +349,59 @@ def test_decaying_every_idle_bucket_at_once_equals_decaying_each_when_next_used(
     for m, w in ((lazy, w_lazy), (eager, w_eager)):
         m.decay_buckets(w, m.lookup(np.array([6]), now=30.0))  # bucket 0 used again
     assert torch.allclose(w_lazy[0], w_eager[0]) and torch.allclose(w_lazy[0], torch.full((2,), 0.125))
+
+
+def admitted_delays(res) -> dict[int, float]:  # noqa: ANN001
+    """{own row: time to admission} of one lookup's admissions."""
+    return dict(zip(res.admitted_rows.tolist(), res.admitted_delay_s.tolist(), strict=True))
+
+
+def test_time_to_admission_is_the_event_time_from_first_sight_to_admission_across_batches() -> None:
+    m = IdMap(capacity=64, num_buckets=5, admit_after=3)
+    assert not m.lookup(np.array([7, 8]), now=100.0).admitted_rows.size  # 7 and 8 first seen at 100
+    assert not m.lookup(np.array([7, 9]), now=150.0).admitted_rows.size  # 9 at 150
+    res = m.lookup(np.array([7, 9, 9, 10, 10, 10]), now=400.0)  # 7: 3rd sight; 9: 3rd; 10: 3 at once
+    row = {k: int(r) - 5 for k, r in zip([7, 9, 10], m.lookup(np.array([7, 9, 10]), 400.0, train=False).rows,
+                                          strict=True)}
+    assert admitted_delays(res) == {row[7] + 5: 300.0, row[9] + 5: 250.0, row[10] + 5: 0.0}
+    assert not m.lookup(np.array([8]), now=900.0).admitted_rows.size  # 8's second sight: not yet
+
+
+def test_time_to_admission_carries_over_to_the_next_candidate_generation() -> None:
+    m = IdMap(capacity=2, num_buckets=3, admit_after=2, candidates=4)
+    m.lookup(np.array([1]), now=10.0)  # 1 first seen at 10
+    m.lookup(np.arange(100, 104), now=20.0)  # the generation fills and rotates: 1 is in the previous one
+    assert m.counters.rotations > 0
+    res = m.lookup(np.array([1]), now=30.0)  # carried over with its count and its first sight
+    assert res.admitted_delay_s.tolist() == [20.0]
+
+
+def test_an_evicted_id_counting_again_measures_from_its_new_first_sight() -> None:
+    m = IdMap(capacity=2, num_buckets=3, admit_after=2, candidates=64)
+    assert m.lookup(np.array([1, 1]), now=10.0).admitted_delay_s.tolist() == [0.0]
+    m.lookup(np.array([200, 200, 201, 201]), now=40.0)  # two more ids take the 2 rows: 1 (oldest) is evicted
+    assert int(m.lookup(np.array([1]), 40.0, train=False).rows[0]) < 3 and m.counters.rotations == 0
+    m.lookup(np.array([1]), now=500.0)  # counts again from 500, not from 10
+    assert m.lookup(np.array([1]), now=560.0).admitted_delay_s.tolist() == [60.0]
+
+
+def test_first_seen_times_survive_a_checkpoint_round_trip() -> None:
+    a = IdMap(capacity=16, num_buckets=3, admit_after=2)
+    a.lookup(np.array([5, 6]), now=1000.0)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = IdMap(capacity=16, num_buckets=3, admit_after=2)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert sorted(b.lookup(np.array([5, 6]), now=1600.0).admitted_delay_s.tolist()) == [600.0, 600.0]
+
+
+def test_a_state_without_first_seen_times_loads_and_reports_no_delay_for_its_candidates() -> None:
+    a = IdMap(capacity=16, num_buckets=3, admit_after=2)
+    a.lookup(np.array([5]), now=1000.0)
+    old = {k: v for k, v in a.state_dict().items() if not k.endswith("_first_seen")}  # as written before
+    b = IdMap(capacity=16, num_buckets=3, admit_after=2)
+    b.load_state_dict(old)
+    res = b.lookup(np.array([5, 6]), now=1600.0)  # 5 admitted: counted before the restore, first sight unknown
+    assert res.admitted_rows.size == 1 and np.isnan(res.admitted_delay_s).all()
+    assert b.lookup(np.array([6]), now=1700.0).admitted_delay_s.tolist() == [100.0]  # counted since: known

@@ -252,3 +252,18 @@ def test_deltas_written_row_by_row_carry_the_id_maps_again_once_id_maps_every_s_
         writer.write_rows(torch.tensor([1]), torch.zeros(1, CFG.embedding_dim + 1), dense, 1)
     got = [load_delta(p).id_maps is not None for _, _, p in list_deltas(tmp_path / "deltas")]
     assert got == carried == [True, False, True, False, True]
+
+
+def test_map_stats_report_each_admissions_event_time_from_first_sight() -> None:
+    mapper = RowMapper(CFG)  # user_id admits after 2 sightings, item_id on the first
+    st = mapper.apply(to_tensors(batch([1001, 1002], [77, 78], [[], []]), CFG), now=1_700_000_000.0)
+    assert st.time_to_admission["user_id"].size == 0 and st.time_to_admission["item_id"].tolist() == [0.0, 0.0]
+    st = mapper.apply(to_tensors(batch([1001], [77], [[]], start=2), CFG), now=1_700_003_600.0)
+    assert st.admitted["user_id"] == 1 and st.time_to_admission["user_id"].tolist() == [3600.0]
+    old = mapper.state_dict()  # 1002 counted once; a checkpoint written before first-seen times lost its time
+    for field_state in old.values():
+        for k in [k for k in field_state if k.endswith("_first_seen")]:
+            del field_state[k]
+    restored = RowMapper.from_state(CFG, old)
+    st = restored.apply(to_tensors(batch([1002], [79], [[]], start=3), CFG), now=1_700_007_200.0)
+    assert st.admitted["user_id"] == 1 and st.time_to_admission["user_id"].size == 0  # unknown: no bogus delay

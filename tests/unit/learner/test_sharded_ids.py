@@ -82,16 +82,16 @@ def reference(cfg: FeatureConfig, world: int) -> dict[str, Any]:
     with torch.no_grad():
         table.copy_(w)
     sparse.state[table]["sum"] = s.clone()
-    mapper, values = RowMapper(cfg), []
+    mapper, values, stats = RowMapper(cfg), [], []
     now, clock = float("-inf"), EventClock()
     for rnd in range(ROUNDS):
         tb = concat([rank_batch(cfg, rnd, r, world) for r in range(world)], cfg.num_fields)
         now = max(now, clock.advance_s(tb.ts))
-        mapper.apply(tb, now, model=model, sparse_opt=sparse)
+        stats.append(mapper.apply(tb, now, model=model, sparse_opt=sparse))
         values.append(tb.values.clone())
     mapper.decay_idle_buckets(model, now)
     return {"table": table.detach().clone(), "sums": sparse.state[table]["sum"].clone(), "values": values,
-            "mapper": mapper}
+            "mapper": mapper, "stats": stats}
 
 
 def rank_work(rank: int, world: int, out: str, cfg_name: str, rounds: int, load: str | None) -> None:
@@ -196,6 +196,10 @@ def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(
     for name in ("item_id", "user_id"):  # the whole maps' counts are one process's
         for key in ("admissions", "evictions", "lookups", "bucket_share", "live_rows"):
             assert mapper.stats()[name][key] == pytest.approx(stats[name][key]), (name, key)
+    delays = [np.sort(st.time_to_admission["user_id"]).tolist() for st in ref["stats"]]
+    assert any(d and max(d) > 0 for d in delays)  # admit_after 2 over rounds 20 s apart: some wait
+    for g in got["ranks"]:  # every rank's round stats (rank 0's are published) report one process's delays
+        assert [np.sort(st.time_to_admission["user_id"]).tolist() for st in g["stats"]] == delays
     for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
         assert np.array_equal(admitted(mapper, f, keys), admitted(want, f, keys))  # the same ids on own rows
         rows, ref_rows = mapper.rows(f, keys), want.rows(f, keys)
@@ -290,3 +294,21 @@ def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(tmp_path
     assert moved > 0  # some user ids changed rank
     whole_one, whole_two = one["mapper"].stats(), two["mapper"].stats()
     assert whole_two["user_id"]["admissions"] == whole_one["user_id"]["admissions"]
+
+
+def test_the_shards_first_seen_times_survive_the_merge_and_an_old_shards_parts_load_as_unknown() -> None:
+    from learner.sharded_ids import whole_maps
+
+    spec = ROOMY.fields[2]  # user_id: admit after 2
+    parts: list[dict[str, Any]] = []
+    for start, count, user in ((0, 150, 11), (150, 250, 12)):  # two ranks' shares, each counted one user once
+        m = IdMap(count, spec.num_buckets, admit_after=spec.admit_after, ttl_s=spec.ttl_s)
+        m.lookup(np.array([user]), now=1000.0 + user)
+        parts.append({"id_shards": {"user_id": {"start": start, "map": m.state_dict()}}})
+    old = parts[1]["id_shards"]["user_id"]["map"]
+    for k in [k for k in old if k.endswith("_first_seen")]:  # rank 1's part written before first-seen times
+        del old[k]
+    whole = RowMapper.from_state(ROOMY, whole_maps(ROOMY, parts))
+    res = whole.maps["user_id"].lookup(np.array([11, 12]), now=2000.0)
+    assert res.admitted_rows.size == 2
+    assert sorted(res.admitted_delay_s.tolist(), key=np.isnan)[0] == 989.0 and np.isnan(res.admitted_delay_s).sum() == 1
