@@ -5,7 +5,8 @@ single-process learner feeds it each trained batch, the distributed one (rank 0)
     cold_of(users, now, impressions)            before training: which rows come from a cold user (``cold_k``)
     record(ids, ts, kinds, labels, probs, ...)  after: the predictions made before learning, into the metrics
 
-and the dynamic ids' metrics (:class:`IdMetrics`: lookups, admissions, evictions, occupancy, the bucket share).
+and the dynamic ids' metrics (:class:`IdMetrics`: lookups, admissions, evictions, occupancy, the bucket share, the
+time to admission).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats
@@ -42,6 +43,14 @@ BUCKET_SHARE = Gauge("streamrec_learner_bucket_share", "Share of recent id looku
 ID_OCCUPANCY = Gauge("streamrec_learner_id_occupancy", "Share of a field's own rows in use.", ["field"])
 ADMISSIONS = Counter("streamrec_learner_id_admissions_total", "Ids given their own row.", ["field"])
 EVICTIONS = Counter("streamrec_learner_id_evictions_total", "Own rows returned to the free list.", ["field"])
+# seconds to days: an id admitted within its first session, its first day, its first week, or later
+TIME_TO_ADMISSION_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, 3 * 86400.0,
+                             7 * 86400.0, 30 * 86400.0)
+TIME_TO_ADMISSION = Histogram("streamrec_learner_id_time_to_admission_seconds", "Event time (the samples' "
+                              "timestamps) from an id's first sight as a candidate to its admission to its own row "
+                              "(admit_after sightings), per field; ids counted before a restore from a checkpoint "
+                              "without first-seen times are not observed.", ["field"],
+                              buckets=TIME_TO_ADMISSION_BUCKETS)
 ID_LOOKUPS = Counter("streamrec_learner_id_lookups_total", "Id lookups of a dynamic field, per field (with "
                      "..._id_admissions_total: the share of lookups that admitted an id).", ["field"])
 
@@ -57,7 +66,8 @@ _QUALITY_GAUGES = (SERVED_AUC, SERVED_NE, SERVED_COLD_AUC, COLD_AUC, WARM_AUC, C
 class IdMetrics:
     """The dynamic ids' metrics, one definition for both daemons: the single process feeds it each batch's
     ``MapStats``, the distributed one (rank 0) each round's counts of every rank, so the numbers mean the same on 1
-    process and on N ranks. Lookups, admissions and evictions per field (counters), occupancy, and the bucket share:
+    process and on N ranks. Lookups, admissions and evictions per field (counters), the time to admission of each
+    admitted id (a histogram, event seconds from its first sight as a candidate), occupancy, and the bucket share:
     the share of the field's lookups answered by a hash bucket, exponentially weighted over about its last
     ``metrics_window // 10`` lookups (a batch of n lookups weighs n / that, at most 1). The bucket share is what the
     ``cold_start_share`` rule of ``monitor/default_rules.toml`` reads; the distributed daemon did not publish it, so
@@ -87,6 +97,9 @@ class IdMetrics:
             ADMISSIONS.labels(name).inc(k)
         for name, k in st.evicted.items():
             EVICTIONS.labels(name).inc(k)
+        for name, delays in st.time_to_admission.items():
+            if len(delays):
+                observe_many(TIME_TO_ADMISSION.labels(name), delays)
         for name, o in occupancy.items():
             ID_OCCUPANCY.labels(name).set(o)
 
@@ -101,6 +114,24 @@ class IdMetrics:
         self.bucket_share = {str(name): float(v) for name, v in shares.items()}
         for name, v in self.bucket_share.items():
             BUCKET_SHARE.labels(name).set(v)
+
+
+def observe_many(hist: Any, values: np.ndarray) -> None:
+    """``hist.observe(v)`` for every value of ``values`` (a labelled Histogram child), in O(buckets) Python: a
+    cold-start burst admits thousands of ids a batch. Counts each value in the first bucket whose upper bound it does
+    not exceed, as ``observe`` does (the client keeps per-bucket counts and exports them cumulated); a client
+    without those internals gets one ``observe`` per value."""
+    values = np.asarray(values, dtype=np.float64)
+    buckets, total, bounds = (getattr(hist, a, None) for a in ("_buckets", "_sum", "_upper_bounds"))
+    if buckets is None or total is None or bounds is None or len(buckets) != len(bounds):
+        for v in values.tolist():
+            hist.observe(v)
+        return
+    per_bucket = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"),
+                             minlength=len(bounds))
+    for i in np.flatnonzero(per_bucket).tolist():
+        buckets[i].inc(int(per_bucket[i]))
+    total.inc(float(values.sum()))
 
 
 class TrainingQuality:
@@ -149,7 +180,7 @@ class TrainingQuality:
                 self._warned_full = True
                 log.warning("the cold tracker is full ([learner] cold_tracker_capacity = %d users): it forgets the "
                             "least recently seen warm users, counted cold again for their next %d impressions "
-                            "(streamrec_learner_cold_tracker_evictions_total); raise it (~183 bytes a user)",
+                            "(streamrec_learner_cold_tracker_evictions_total); raise it (~217 bytes a user)",
                             self.cold.capacity, self.cold_k)
             COLD_TRACKER_EVICTIONS.inc(forgotten)
             self._evictions_counted = self.cold.evictions

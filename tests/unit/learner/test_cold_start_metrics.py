@@ -421,3 +421,30 @@ def test_a_full_cold_tracker_forgets_its_least_recently_seen_warm_users_and_says
     assert len(full) == 1 and "cold_tracker_capacity = 64" in full[0].getMessage()
     again = q.cold_of(np.array([0, 87]), 11.0, None)  # user 0 was seen first (forgotten); 87 last (remembered)
     assert again is not None and again.tolist() == [True, False]
+
+
+def test_the_time_to_admission_histogram_counts_each_admission_as_observe_would() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from learner.quality import TIME_TO_ADMISSION, TIME_TO_ADMISSION_BUCKETS, observe_many
+
+    delays = np.array([0.0, 1.0, 1.5, 59.9, 60.0, 3600.0, 86400.0, 86401.0, 40 * 86400.0])
+    TIME_TO_ADMISSION.clear()
+    IdMetrics(metrics_window=1000).observe(MapStats(lookups={"user_id": 9}, bucket_lookups={"user_id": 9},
+                                                    admitted={"user_id": 9}, evicted={"user_id": 0},
+                                                    time_to_admission={"user_id": delays}), {"user_id": 0.1})
+    one_by_one = CollectorRegistry()
+    h = Histogram("streamrec_learner_id_time_to_admission_seconds", "", ["field"],
+                  buckets=TIME_TO_ADMISSION_BUCKETS, registry=one_by_one)
+    for d in delays:
+        h.labels("user_id").observe(float(d))
+    got = scraped().metrics.get("streamrec_learner_id_time_to_admission_seconds_bucket", {})
+    want = Snapshot.from_texts({"learner": generate_latest(one_by_one).decode()}).metrics.get(
+        "streamrec_learner_id_time_to_admission_seconds_bucket", {})
+    assert want and got == want  # every cumulative bucket, per field, as one observe per admission gives
+    sample = REGISTRY.get_sample_value
+    assert sample("streamrec_learner_id_time_to_admission_seconds_count", {"field": "user_id"}) == 9
+    assert sample("streamrec_learner_id_time_to_admission_seconds_sum", {"field": "user_id"}) == pytest.approx(
+        delays.sum())
+    observe_many(TIME_TO_ADMISSION.labels("item_id"), np.empty(0))  # nothing admitted: no observation
+    assert sample("streamrec_learner_id_time_to_admission_seconds_count", {"field": "item_id"}) == 0
