@@ -12,12 +12,15 @@ time to admission).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, MapStats
@@ -46,11 +49,53 @@ EVICTIONS = Counter("streamrec_learner_id_evictions_total", "Own rows returned t
 # seconds to days: an id admitted within its first session, its first day, its first week, or later
 TIME_TO_ADMISSION_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, 3 * 86400.0,
                              7 * 86400.0, 30 * 86400.0)
-TIME_TO_ADMISSION = Histogram("streamrec_learner_id_time_to_admission_seconds", "Event time (the samples' "
-                              "timestamps) from an id's first sight as a candidate to its admission to its own row "
-                              "(admit_after sightings), per field; ids counted before a restore from a checkpoint "
-                              "without first-seen times are not observed.", ["field"],
-                              buckets=TIME_TO_ADMISSION_BUCKETS)
+
+
+class AdmissionDelays:
+    """``streamrec_learner_id_time_to_admission_seconds{field}``: event time (the samples' timestamps) from an id's
+    first sight as a candidate to its admission to its own row (admit_after sightings); ids counted before a restore
+    from a checkpoint without first-seen times are not observed. A Prometheus histogram counted with numpy (a
+    cold-start burst admits thousands of ids a batch: ``Histogram.observe`` costs ~1 us each, under a lock) and
+    exported through the client's collector API, the same text a ``Histogram`` with these buckets writes."""
+
+    NAME = "streamrec_learner_id_time_to_admission_seconds"
+    DOC = ("Event time (the samples' timestamps) from an id's first sight as a candidate to its admission to its own "
+           "row (admit_after sightings), per field; ids counted before a restore from a checkpoint without first-seen "
+           "times are not observed.")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = np.asarray(bounds, dtype=np.float64)  # (K,) upper bounds, ascending; +Inf after them
+        self._lock = threading.Lock()
+        self._counts: dict[str, np.ndarray] = {}  # field -> (K + 1,) int64 per bucket (not cumulated)
+        self._sums: dict[str, float] = {}
+
+    def observe(self, field: str, values: np.ndarray) -> None:
+        """Each of ``values`` (N,) seconds in the first bucket whose bound it does not exceed (as ``observe``)."""
+        values = np.asarray(values, dtype=np.float64)
+        per_bucket = np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=len(self.bounds) + 1)
+        with self._lock:
+            self._counts[field] = self._counts.get(field, 0) + per_bucket
+            self._sums[field] = self._sums.get(field, 0.0) + float(values.sum())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._counts, self._sums = {}, {}
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.NAME, self.DOC, labels=["field"])]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        fam = HistogramMetricFamily(self.NAME, self.DOC, labels=["field"])
+        with self._lock:
+            series = [(f, np.cumsum(c), self._sums[f]) for f, c in self._counts.items()]
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        for f, cum, total in series:
+            fam.add_metric([f], list(zip(les, cum.astype(float).tolist(), strict=True)), sum_value=total)
+        return [fam]
+
+
+TIME_TO_ADMISSION = AdmissionDelays(TIME_TO_ADMISSION_BUCKETS)
+REGISTRY.register(TIME_TO_ADMISSION)
 ID_LOOKUPS = Counter("streamrec_learner_id_lookups_total", "Id lookups of a dynamic field, per field (with "
                      "..._id_admissions_total: the share of lookups that admitted an id).", ["field"])
 
@@ -99,7 +144,7 @@ class IdMetrics:
             EVICTIONS.labels(name).inc(k)
         for name, delays in st.time_to_admission.items():
             if len(delays):
-                observe_many(TIME_TO_ADMISSION.labels(name), delays)
+                TIME_TO_ADMISSION.observe(name, delays)
         for name, o in occupancy.items():
             ID_OCCUPANCY.labels(name).set(o)
 
@@ -114,24 +159,6 @@ class IdMetrics:
         self.bucket_share = {str(name): float(v) for name, v in shares.items()}
         for name, v in self.bucket_share.items():
             BUCKET_SHARE.labels(name).set(v)
-
-
-def observe_many(hist: Any, values: np.ndarray) -> None:
-    """``hist.observe(v)`` for every value of ``values`` (a labelled Histogram child), in O(buckets) Python: a
-    cold-start burst admits thousands of ids a batch. Counts each value in the first bucket whose upper bound it does
-    not exceed, as ``observe`` does (the client keeps per-bucket counts and exports them cumulated); a client
-    without those internals gets one ``observe`` per value."""
-    values = np.asarray(values, dtype=np.float64)
-    buckets, total, bounds = (getattr(hist, a, None) for a in ("_buckets", "_sum", "_upper_bounds"))
-    if buckets is None or total is None or bounds is None or len(buckets) != len(bounds):
-        for v in values.tolist():
-            hist.observe(v)
-        return
-    per_bucket = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"),
-                             minlength=len(bounds))
-    for i in np.flatnonzero(per_bucket).tolist():
-        buckets[i].inc(int(per_bucket[i]))
-    total.inc(float(values.sum()))
 
 
 class TrainingQuality:

@@ -426,7 +426,7 @@ def test_a_full_cold_tracker_forgets_its_least_recently_seen_warm_users_and_says
 def test_the_time_to_admission_histogram_counts_each_admission_as_observe_would() -> None:
     from prometheus_client import CollectorRegistry, Histogram
 
-    from learner.quality import TIME_TO_ADMISSION, TIME_TO_ADMISSION_BUCKETS, observe_many
+    from learner.quality import TIME_TO_ADMISSION, TIME_TO_ADMISSION_BUCKETS
 
     delays = np.array([0.0, 1.0, 1.5, 59.9, 60.0, 3600.0, 86400.0, 86401.0, 40 * 86400.0])
     TIME_TO_ADMISSION.clear()
@@ -446,5 +446,5 @@ def test_the_time_to_admission_histogram_counts_each_admission_as_observe_would(
     assert sample("streamrec_learner_id_time_to_admission_seconds_count", {"field": "user_id"}) == 9
     assert sample("streamrec_learner_id_time_to_admission_seconds_sum", {"field": "user_id"}) == pytest.approx(
         delays.sum())
-    observe_many(TIME_TO_ADMISSION.labels("item_id"), np.empty(0))  # nothing admitted: no observation
+    TIME_TO_ADMISSION.observe("item_id", np.empty(0))  # nothing admitted: no observation
     assert sample("streamrec_learner_id_time_to_admission_seconds_count", {"field": "item_id"}) == 0
