@@ -292,28 +292,23 @@ class Negate(Node):
         return self.arg.ranges()
 
 
-def metrics_of(node: Node) -> set[str]:
-    """The metric names an expression reads."""
-    if isinstance(node, Selector):
-        return {node.metric}
+def metrics_of(node: Node, ranged_only: bool = False) -> set[str]:
+    """The metric names an expression reads; with ``ranged_only``, those it reads over a range (``rate(m[60s])``):
+    the ones it needs a history of."""
     if isinstance(node, RangeCall):
         return {node.arg.metric}
+    if isinstance(node, Selector):
+        return set() if ranged_only else {node.metric}
     if isinstance(node, Abs | Negate | Aggregate):
-        return metrics_of(node.arg)
+        return metrics_of(node.arg, ranged_only)
     if isinstance(node, Binary):
-        return metrics_of(node.left) | metrics_of(node.right)
+        return metrics_of(node.left, ranged_only) | metrics_of(node.right, ranged_only)
     return set()
 
 
 def ranged_metrics(node: Node) -> set[str]:
     """The metric names an expression reads over a range (``rate(m[60s])``): the ones it needs a history of."""
-    if isinstance(node, RangeCall):
-        return {node.arg.metric}
-    if isinstance(node, Abs | Negate | Aggregate):
-        return ranged_metrics(node.arg)
-    if isinstance(node, Binary):
-        return ranged_metrics(node.left) | ranged_metrics(node.right)
-    return set()
+    return metrics_of(node, ranged_only=True)
 
 
 # -- tokens -----------------------------------------------------------------------------------

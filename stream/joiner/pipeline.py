@@ -458,6 +458,12 @@ class JoinPipeline:
     def _committed(self, partitions: list[int]) -> dict[tuple[str, int], int]:
         """The group's committed offsets of both inputs of ``partitions`` (none where it has none); empty when the
         broker cannot say now (the strikes below them are dropped at a later assignment instead)."""
+        got = self._group_offsets(partitions, "to drop the strikes below them", logging.WARNING)
+        return {} if got is None else got
+
+    def _group_offsets(self, partitions: list[int], purpose: str, level: int) -> dict[tuple[str, int], int] | None:
+        """``(topic, partition) -> offset`` the group has committed on both inputs of ``partitions`` (none where it has
+        none); None, logged at ``level`` with ``purpose``, when the broker cannot say now."""
         topics = (self.kafka.impressions_topic, self.kafka.clicks_topic)
         try:
             consumer = new_consumer(self.kafka, self.js.app_id)  # asks the group's offsets; joins nothing
@@ -466,9 +472,9 @@ class JoinPipeline:
             finally:
                 consumer.close()
         except KafkaException as exc:
-            log.warning("could not read the committed offsets of group %s to drop the strikes below them: %s",
-                        self.js.app_id, clip(str(exc)))
-            return {}
+            log.log(level, "could not read the committed offsets of group %s %s: %s", self.js.app_id, purpose,
+                    clip(str(exc)))
+            return None
         return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
 
     def _say_lost_state(self, partitions: list[int]) -> None:
@@ -476,16 +482,10 @@ class JoinPipeline:
         emptied) while the group's committed offsets were kept. The second is said, loudly: the join goes on from
         the committed offsets, and the impressions before them that were still in their window are gone."""
         topics = (self.kafka.impressions_topic, self.kafka.clicks_topic)
-        try:
-            consumer = new_consumer(self.kafka, self.js.app_id)  # asks the group's offsets; joins nothing
-            try:
-                got = consumer.committed([TopicPartition(t, p) for p in partitions for t in topics], timeout=10)
-            finally:
-                consumer.close()
-        except KafkaException as exc:  # a diagnosis only: the restore goes on
-            log.debug("could not read the committed offsets of group %s: %s", self.js.app_id, exc)
+        got = self._group_offsets(partitions, "(a diagnosis only: the restore goes on)", logging.DEBUG)
+        if got is None:
             return
-        committed = {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset > 0}
+        committed = {tp: offset for tp, offset in got.items() if offset > 0}
         for p in partitions:
             imps, clicks = committed.get((topics[0], p)), committed.get((topics[1], p))
             if imps is None and clicks is None:
