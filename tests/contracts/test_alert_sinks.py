@@ -53,6 +53,7 @@ from monitor.engine import RuleEngine, Snapshot
 from monitor.rules import loads_rules
 from stream.config import KafkaSettings
 from tests.kafka_io import read_topic
+from tests.unit.monitor.test_engine_identity import LAG_RULES
 
 FAST = SinkSettings(retry_backoff_s=0.02, retry_backoff_max_s=0.1, close_timeout_s=10.0)
 SLACK_S = 2.0  # on top of a deadline: a slow 2-core CI box, never a hang (the old inline sinks took 20 s+)
@@ -313,20 +314,12 @@ def test_a_queued_sink_delivers_every_alert_once_in_order_in_batches_of_at_most_
 
 
 # -- identity ----------------------------------------------------------------------------------------
-ABSENT_RULES = """
-[[rule]]
-name = "learner_lag"
-expr = "lag"
-op = ">"
-threshold = 500
-absent_for_s = 60
-"""
 
 
 def _absent_and_series_alerts() -> list[Alert]:
     """What the engine sends when a rule's absence alert and its series labelled absent="true" both fire and then
     resolve one after the other (the series is held firing while its source fails: hold_s)."""
-    engine = RuleEngine(loads_rules(ABSENT_RULES).rules, hold_s=600)
+    engine = RuleEngine(loads_rules(LAG_RULES).rules, hold_s=600)
 
     def lag(v: float) -> Snapshot:
         return Snapshot.from_texts({"learner": f'lag{{absent="true"}} {v}\n'})
