@@ -351,6 +351,28 @@ def _live_source(root: Path) -> tuple[str, dict[str, Any]] | None:
     return current.name, source
 
 
+def _sharded_only(directory: Path) -> str | None:
+    """Why a checkpoint_dir without a single-process checkpoint has none to build from when it holds the sharded
+    learner's (``dcp-*/``, written under torchrun, ``learner/sharded_checkpoint.py``), with how to go on (the
+    single-process learner's wording, ``learner.daemon.refuse_sharded``); None when it holds none either. The refresh
+    reads single-process checkpoints only; before, it asked whether the learner was running with that checkpoint_dir,
+    which it was."""
+    from learner import sharded_checkpoint  # torch.distributed.checkpoint: only on this failure
+
+    done = sharded_checkpoint.list_complete(directory)
+    if not done:
+        return None
+    try:
+        ranks = f" by {int(json.loads((done[-1] / sharded_checkpoint.META).read_text())['world_size'])} ranks"
+    except (OSError, ValueError, KeyError, TypeError):
+        ranks = ""
+    return (f"checkpoint_dir {directory} holds only sharded checkpoints (newest {done[-1].name}, written{ranks} under "
+            "torchrun), which a refresh does not read; nothing was built or published, the live artifact is "
+            f"untouched. Convert the newest into a single-process checkpoint with `streamrec train --checkpoint-dir "
+            f"{directory} --unshard NEW_DIR` and refresh from it (`streamrec refresh --checkpoint-dir NEW_DIR`, or "
+            "[refresh] checkpoint_dir)")
+
+
 def _lineage_switch(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_io.Checkpoint) -> dict[str, Any] | None:
     """What publishing ``ckpt`` over the live version replaces when it is of another training run: the checkpoint's
     lineage and the live version's source lineage are both known and differ (a learner started afresh, e.g. pointed
@@ -429,8 +451,9 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                                + "; ".join(f"{p.name}: {why}" for p, why in problems)
                                + "; the live artifact is untouched. Let the learner write a new one")
         if ckpt is None:
-            raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
-                                      "running with the same checkpoint_dir?")
+            raise RefreshError(stage, _sharded_only(Path(rs.checkpoint_dir))
+                               or f"no checkpoint in {rs.checkpoint_dir}; is the learner (`streamrec train`) "
+                                  "running with the same checkpoint_dir?")
         cfg = configs[ckpt.path]
         live_source = _live_source(root)  # the version this run replaces (the lock keeps it live until the publish)
         switch = _lineage_switch(live_source, ckpt)  # alerted once published, never a reason not to publish
