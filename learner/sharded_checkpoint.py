@@ -183,9 +183,14 @@ def aggregate_metrics(metrics: ProgressiveMetrics) -> ProgressiveMetrics:
     return merged_metrics([{"metrics": s} for s in all_gather_objects(metrics.state_dict())], metrics.window)
 
 
-def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
+def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> Path:
     """The newest sharded checkpoint in ``src`` as one single-process checkpoint in ``dst`` (module docstring);
-    no process group needed. Returns the written checkpoint's path."""
+    no process group needed. Returns the written checkpoint's path.
+
+    ``dst`` must be a directory this process can write (made when missing): else a ConfigError naming ``setting``
+    and the path, before anything is loaded (``checkpoint.check_directory``). A regular file there, or a directory
+    nobody may write, ended ``streamrec train --unshard`` in a traceback from ``checkpoint.save``, after the whole
+    sharded checkpoint had been loaded."""
     from learner.config import ModelConfig
     from learner.model import DeepFM
     from learner.optim import make_optimizers
@@ -196,6 +201,7 @@ def unshard(src: Path, dst: Path, keep: int = 3) -> Path:
         # `streamrec train --status`, which reads single-process checkpoints first, would report it for good
         raise checkpoint.CheckpointError(f"{dst} holds sharded checkpoints (dcp-*): unshard into another directory, "
                                          "one for single-process checkpoints")
+    checkpoint.check_directory(Path(dst), setting)
     found = latest(src)
     if found is None:
         raise checkpoint.CheckpointError(f"no complete sharded checkpoint (dcp-*/meta.json) in {src}")
