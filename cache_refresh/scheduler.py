@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from apscheduler.events import EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 
@@ -99,7 +100,8 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
     Runs never overlap: a run due while the previous one is still going is skipped, in one place (the guard below;
     APScheduler's ``max_instances`` is 2 so that it never skips a run itself, silently but for a log line), and
     ``on_skip(why)`` reports it (``streamrec refresh``: ``job.skipped``, counted and a warning alert). Late runs
-    within ``grace_s`` still run and several late runs coalesce into one.
+    within ``grace_s`` still run and several late runs coalesce into one; a run later than that (the machine asleep
+    past it) does not run, and is reported through ``on_skip`` too, never only in APScheduler's log.
     """
     trigger = make_trigger(schedule, timezone)
     tz = ZoneInfo(timezone)
@@ -121,6 +123,23 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
 
     sched.add_job(guarded, trigger, id="refresh", name="cache refresh", misfire_grace_time=grace_s, coalesce=True,
                   max_instances=2)  # the second instance meets the guard: skipped and reported, not just logged
+
+    def report_missed(event: JobExecutionEvent) -> None:
+        # APScheduler drops a run whose fire time passed more than grace_s ago while this process was up (the machine
+        # asleep, a suspended VM, the clock moved forward) with a log line of its own, and nothing else: reported here
+        # like the guard's skip, with how to refresh now (several missed fire times coalesce into one report)
+        when = event.scheduled_run_time
+        upcoming = trigger.get_next_fire_time(None, dt.datetime.now(tz))
+        why = (f"the run due at {when.isoformat() if when else 'an earlier time'} was missed by more than "
+               f"misfire_grace_s ({grace_s} s): this process was held up then (the machine asleep, a suspended VM, "
+               f"the clock moved forward); the next run is at {upcoming.isoformat() if upcoming else 'never'}, run "
+               "`streamrec refresh --now` to refresh before it")
+        if on_skip is None:
+            log.warning("%s", why)
+        else:
+            on_skip(why)
+
+    sched.add_listener(report_missed, EVENT_JOB_MISSED)
     now = now or dt.datetime.now(tz)
     missed = missed_run(trigger, now, last_success, grace_s)
     if missed is not None:
