@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -27,18 +28,59 @@ from stream.errors import ConfigError
 log = logging.getLogger("streamrec.refresh")
 
 
+_CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # crontab's 0..6 (and 7: Sunday again)
+_NUMERIC_DAYS = re.compile(r"(\*|(\d+)(?:-(\d+))?)(?:/(\d+))?")
+
+
+def crontab_weekdays(field: str) -> str:
+    """A crontab weekday field as APScheduler 3 reads it the same way: each numeric item (``0``, ``1-5``, ``*/2``,
+    ``1-5/2``; 0 and 7 are Sunday) written as day names, which both count alike. APScheduler 3's numbers start at
+    Monday (its issue 286): ``1-5`` ran Tuesday to Saturday, ``0`` on Mondays, ``7`` was refused. Items with names are
+    left to APScheduler. ValueError for a number outside 0-7, a range running backwards, a step of 0."""
+    if field == "*":
+        return field
+    out = []
+    for item in field.split(","):
+        m = _NUMERIC_DAYS.fullmatch(item)
+        if m is None:
+            out.append(item)
+            continue
+        star, first, last, step = m.groups()
+        lo = 0 if star == "*" else int(first)
+        hi = 6 if star == "*" or (last is None and step is not None) else int(last if last is not None else first)
+        n = 1 if step is None else int(step)
+        if not 0 <= lo <= hi <= 7 or n < 1:
+            raise ValueError(f"weekday {item!r} is not one of crontab's 0-7 (0 and 7: Sunday), a range of them "
+                             "running forwards, or such a range with a step of at least 1")
+        out.append(",".join(_CRON_DAYS[d] for d in sorted({d % 7 for d in range(lo, hi + 1, n)})))
+    return ",".join(out)
+
+
 def make_trigger(schedule: str, timezone: str) -> CronTrigger:
-    """A cron trigger; ValueError with the offending value on a bad expression or time zone."""
+    """A cron trigger; ValueError with the offending value on a bad expression or time zone.
+
+    The expression means what it means to crontab: the weekday field counts from Sunday (:func:`crontab_weekdays`),
+    and one that restricts both the day of the month and the weekday is refused: crontab fires when either matches,
+    APScheduler 3 only when both do (a day of the 1st that is a Monday, for ``0 3 1 * 1``)."""
     try:
         tz = ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
         raise ValueError(f"time zone {timezone!r} is unknown; use an IANA name such as 'UTC' or "
                          "'Europe/Berlin'") from None
+    fields = schedule.split()
     try:
-        trigger = CronTrigger.from_crontab(schedule, timezone=tz)
+        if len(fields) == 5:
+            fields[4] = crontab_weekdays(fields[4])
+        trigger = CronTrigger.from_crontab(" ".join(fields) if len(fields) == 5 else schedule, timezone=tz)
     except ValueError as exc:
         raise ValueError(f"schedule {schedule!r} is not a 5-field crontab expression "
                          f"('minute hour day month weekday', e.g. '0 3 * * *'): {exc}") from None
+    day, weekday = schedule.split()[2], schedule.split()[4]
+    if not day.startswith("*") and not weekday.startswith("*"):
+        raise ValueError(f"schedule {schedule!r} restricts both the day of the month ({day!r}) and the weekday "
+                         f"({weekday!r}): crontab runs on the days either matches, this scheduler only on days both "
+                         "match; restrict one of them (the weekday alone, e.g. '0 3 * * 1', or the days of the month "
+                         "alone)")
     if trigger.get_next_fire_time(None, dt.datetime.now(tz)) is None:  # e.g. '0 3 30 2 *' (February 30th)
         raise ValueError(f"schedule {schedule!r} never fires (no such date); the scheduler would idle for ever")
     return trigger

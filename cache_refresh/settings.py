@@ -54,7 +54,9 @@ class RefreshSettings:
     # every row of a field with at most this many buckets is hot too (context fields: few rows, every
     # request reads them); 0 = only the counted items and users
     small_field_rows: int = 100_000
-    # schedule (APScheduler cron); a run missed while the process was down runs on start within the grace
+    # schedule: a crontab expression as crontab reads it (weekday 0 and 7: Sunday; a day of the month and a weekday both
+    # restricted is refused: APScheduler 3 would need both to match); a run missed while the process was down runs on
+    # start within the grace
     schedule: str = "0 3 * * *"
     timezone: str = "UTC"
     misfire_grace_s: int = 3600
