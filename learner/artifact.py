@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import math
 import os
 import re
@@ -110,6 +111,7 @@ CURRENT = "CURRENT"
 PIN = "PINNED"
 VERSIONS = "versions"
 STAGING = ".staging"
+log = logging.getLogger("streamrec.artifact")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # version and file names: no path separators
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_MANIFEST = 16 << 20
@@ -383,10 +385,43 @@ def check_checkpoint(checkpoint: Any) -> FeatureConfig:
 
 
 # -- build -------------------------------------------------------------------------------------
-def new_version_name(now: float | None = None) -> str:
-    """``YYYYMMDDTHHMMSSmmmZ``: UTC, sorts in time order."""
-    t = dt.datetime.fromtimestamp(time.time() if now is None else now, tz=dt.timezone.utc)
+_TIME_NAME_RE = re.compile(r"\d{8}T\d{9}Z")  # new_version_name's form
+
+
+def _time_name(t: dt.datetime) -> str:
     return t.strftime("%Y%m%dT%H%M%S") + f"{t.microsecond // 1000:03d}Z"
+
+
+def new_version_name(now: float | None = None, root: Path | None = None) -> str:
+    """``YYYYMMDDTHHMMSSmmmZ``: UTC, sorts in time order.
+
+    With ``root`` (a publish root), also after every name of that form in its ``versions/``: when the clock is at or
+    behind the newest one (it went back: a clock set ahead and corrected, a restored VM), the name is 1 ms after that
+    one. Name order is publish order, which pruning (the newest ``keep_versions`` names stay) and rollback (the newest
+    name before ``CURRENT``) go by: after the clock went back, a new version sorted before the ones published while it
+    was ahead, so pruning deleted the version just replaced (the rollback target) and kept the older ones for ever, and
+    a rollback went to an older model than the one live before, or found none."""
+    name = _time_name(dt.datetime.fromtimestamp(time.time() if now is None else now, tz=dt.timezone.utc))
+    if root is None:
+        return name
+    d = versions_dir(root)
+    try:
+        names = [p.name for p in d.iterdir()] if d.is_dir() else []
+    except OSError:
+        names = []
+    for newest in sorted((n for n in names if _TIME_NAME_RE.fullmatch(n)), reverse=True):
+        if name > newest:
+            return name
+        try:
+            later = _time_name(dt.datetime.strptime(newest[:-1], "%Y%m%dT%H%M%S%f") + dt.timedelta(milliseconds=1))
+        except (ValueError, OverflowError):  # of the form, but no time (month 13, year 9999's last ms): not ours
+            continue
+        break
+    else:
+        return name
+    log.warning("the clock (%s) is not after the newest version in %s (%s): the new version is named %s, so that "
+                "names keep the order of publishing (pruning and rollback go by it)", name, d, newest, later)
+    return later
 
 
 def _check_dense_state(where: str, cfg: FeatureConfig, ms: Mapping[str, Any],
@@ -446,7 +481,7 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     scorer.load_state_dict({**_dense_state(state), "hot_ids": hot_ids, "hot_vectors": hot_vectors})
     scorer.eval()
 
-    version = version or new_version_name()
+    version = version or new_version_name(root=root)  # after every version already in root
     if not is_version_name(version):
         raise ArtifactError(f"version {version!r} is not a plain version name (letters, digits, . _ -)")
     staged = root / STAGING / f"{version}-{os.getpid()}"
