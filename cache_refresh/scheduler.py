@@ -125,7 +125,17 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
     come); ``streamrec refresh --now`` runs one on demand.
     """
     now = now.astimezone(dt.timezone.utc)  # elapsed-time arithmetic: local wall times jump at DST changes
-    due = fire_times_between(trigger, now - dt.timedelta(seconds=grace_s), now)
+    # never before 1970 (a grace of 10**11 s was an OverflowError at start)
+    start = now - dt.timedelta(seconds=min(grace_s, max(0.0, now.timestamp())))
+    # The latest fire time only: windows back from now, doubling, until one holds a fire time. Listing every fire time
+    # of the grace held the start for seconds (a per-minute schedule, a grace of a year); the window that finds one
+    # holds few (the half after it held none).
+    window = dt.timedelta(minutes=1)
+    while True:
+        due = fire_times_between(trigger, max(start, now - window), now)
+        if due or now - window <= start:
+            break
+        window *= 2
     if not due:
         return None
     latest = due[-1]

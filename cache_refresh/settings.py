@@ -38,6 +38,9 @@ class LogLevel(Choice):
         return cls(lower) if lower in cls._value2member_map_ else None
 
 
+MAX_MISFIRE_GRACE_S = 366 * 86400
+
+
 @dataclass(frozen=True)
 class RefreshSettings:
     checkpoint_dir: Path = Path(".streamrec/checkpoints")  # the learner's (LearnerSettings.checkpoint_dir)
@@ -59,7 +62,7 @@ class RefreshSettings:
     # start within the grace
     schedule: str = "0 3 * * *"
     timezone: str = "UTC"
-    misfire_grace_s: int = 3600
+    misfire_grace_s: int = 3600  # at most MAX_MISFIRE_GRACE_S (366 days)
     # artifact and publishing
     keep_versions: int = 5
     format: ArtifactFormat = ArtifactFormat.TORCHSCRIPT  # torchscript | export | eager (learner/scorer.py)
@@ -117,6 +120,10 @@ class RefreshSettings:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"[refresh] {name} must be a finite number (a negative one demands a gain), "
                                   f"got {value!r}")
+        if self.misfire_grace_s > MAX_MISFIRE_GRACE_S:  # (a finite number > 0: check_durations above)
+            raise ConfigError(f"[refresh] misfire_grace_s must be at most {MAX_MISFIRE_GRACE_S} seconds (366 days), "
+                              f"got {self.misfire_grace_s!r}: a run is not caught up later than that (APScheduler's "
+                              "own misfire check overflows on much larger ones)")
         check_ports("refresh", self)
         # days, keep_versions, probe_samples, redis_attempts >= 1; 0 means: hot_items / hot_users none of that kind
         # hot (top_ids(k=0) is empty), small_field_rows only the counted ids, holdout_messages no quality check
