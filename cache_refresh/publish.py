@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,24 +155,36 @@ def refresh_lock(root: Path) -> Iterator[None]:
     """
     root = Path(root)
     path = root / LOCK
+    # O_NOFOLLOW, and the pid written only into a regular file of its own: a symlink planted there (a publish root on
+    # a shared volume) had the refresh truncate its target, any file the refresh's user may write, to the pid
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK  # (NONBLOCK: a FIFO there does not hang the open)
     try:
         root.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            fd = os.open(path, os.O_RDONLY)  # a read-only root: the lock still works, publishing fails later
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise
+            fd = os.open(path, os.O_RDONLY | flags)  # a read-only root: the lock still works, publishing fails later
     except OSError as exc:
-        raise ArtifactError(f"cannot open the publish root's lock {path}: {describe_os_error(exc)}") from None
+        why = ("it is a symbolic link, which no refresh makes: remove it" if exc.errno == errno.ELOOP
+               else describe_os_error(exc))
+        raise ArtifactError(f"cannot open the publish root's lock {path}: {why}") from None
     try:
+        st = os.fstat(fd)
+        own = stat.S_ISREG(st.st_mode) and st.st_nlink == 1  # not a hard link to another file either
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            holder = (os.pread(fd, 64, 0).decode("ascii", "replace").strip() if own else "") or "unknown"
             raise RefreshBusy(f"another refresh (pid {holder}) is running on {root}: it holds {path}; this run "
                               "does nothing (the live artifact is untouched)", holder) from None
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:  # a lock that cannot be taken (not a file flock works on)
+            raise ArtifactError(f"cannot lock the publish root's lock {path}: {describe_os_error(exc)}") from None
+        if own:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the flock
