@@ -45,8 +45,10 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """``write(fh)`` into ``path`` (created or truncated), then flush and fsync the file."""
-    with open(path, "wb") as fh:
+    """``write(fh)`` into ``path`` (created or truncated), then flush and fsync the file. A symlink at ``path`` is
+    an OSError (ELOOP), never written through: the paths written are a writer's own (staged files, temp files) in
+    directories others may share (a publish root), where one planted had the write truncate its target."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "wb") as fh:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
@@ -61,6 +63,11 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None
     path = Path(path)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
     write = (lambda fh: fh.write(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    # What is at the temp name is a killed earlier process's (a container's pid 1 on every run) or planted: removed
+    # first. A symlink there was written through (its target truncated, any file this process may write) and then
+    # renamed over ``path`` itself (a publish root's CURRENT a symlink); write_synced refuses one planted meanwhile.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
     try:
         write_synced(tmp, write)
         os.replace(tmp, path)
