@@ -165,7 +165,13 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
     artifact also against its own fp32 path: raise when INT8 costs more than ``max_int8_auc_drop`` of AUC."""
     reduced = new.format in REDUCED_PRECISION_FORMATS
     if not batches:
+        # With a live artifact that is a publish the gate did not check ("unchecked": a refresh_degraded warning,
+        # job._published_warnings): a samples topic that is empty, misnamed, or holds nothing that decodes had
+        # switched the quality gate off for every run, without a word but the summary's "skipped"
         return {"skipped": "no samples in the topic",
+                **({"unchecked": "no holdout samples were read from the samples topic (empty, another "
+                                 "[kafka] samples_topic, or no message of it decodes as samples)"}
+                   if live is not None else {}),
                 **({"unmeasured": _unmeasured(new.format, "no samples in the topic")} if reduced else {})}
     mine = quality(new, batches)
     out: dict[str, Any] = {"new": mine, "max_auc_drop": max_auc_drop}
@@ -192,7 +198,8 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
     theirs = quality(live, batches)
     out["live"] = {**theirs, "version": live.version}
     if math.isnan(mine["auc"]) or math.isnan(theirs["auc"]):
-        out["skipped"] = "AUC undefined on the holdout (one class only)"
+        out["skipped"] = out["unchecked"] = (f"AUC undefined on the {mine['samples']} holdout samples (one class "
+                                             "only, or none scored)")
         return out
     drop = theirs["auc"] - mine["auc"]
     out["auc_drop"] = drop
