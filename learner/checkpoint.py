@@ -49,6 +49,7 @@ A file of a newer version than this streamrec reads is a :class:`CheckpointError
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -67,7 +68,17 @@ import torch
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
 from stream.errors import ConfigError, StreamrecError
-from stream.files import describe_os_error, leftover_writer_alive, temp_of, write_atomic
+from stream.files import (
+    MAX_STATE_FILE_BYTES,
+    FileTooLarge,
+    NotRegularFile,
+    describe_os_error,
+    leftover_writer_alive,
+    open_regular,
+    read_regular,
+    temp_of,
+    write_atomic,
+)
 from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -196,14 +207,24 @@ def check_directory(directory: Path, setting: str) -> None:
                           f"({describe_os_error(exc)}): name one it can write, or fix its permissions") from None
 
 
+def _read_lineage(path: Path) -> str:
+    """The text of a ``LINEAGE`` file, "" when there is none or it is no lineage file: undecodable, or not a regular
+    file or more than :data:`~stream.files.MAX_STATE_FILE_BYTES` (a FIFO there hung the learner's start; logged, and
+    the caller replaces it as it does a file holding no lineage id)."""
+    try:
+        return read_regular(path, MAX_STATE_FILE_BYTES, "a lineage file").decode("ascii").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return ""
+    except (NotRegularFile, FileTooLarge) as exc:
+        log.error("%s; it is taken as holding no lineage id", exc)
+        return ""
+
+
 def lineage(directory: Path) -> str:
     """The lineage id of the checkpoints in ``directory`` (created, durably, when there is none yet)."""
     directory = Path(directory)
     path = directory / LINEAGE
-    try:
-        text = path.read_text(encoding="ascii").strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        text = ""
+    text = _read_lineage(path)
     if _LINEAGE_RE.fullmatch(text):
         return text
     if text:
@@ -267,10 +288,7 @@ def continue_lineage(directory: Path, meta: Mapping[str, Any], source: Path) -> 
     if not (isinstance(theirs, str) and _LINEAGE_RE.fullmatch(theirs)):
         return lineage(directory)
     path = Path(directory) / LINEAGE
-    try:
-        mine = path.read_text(encoding="ascii").strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        mine = ""
+    mine = _read_lineage(path)
     if mine != theirs:
         log.warning("resuming from %s of lineage %s in %s, whose %s was %r: the directory continues the "
                     "checkpoint's lineage (deltas apply to artifacts of that training only)", source, theirs,
@@ -345,7 +363,7 @@ def _numpy_globals() -> list[Any]:
     return [np.ndarray, np.dtype, core.multiarray._reconstruct, *dtypes]
 
 
-def _check_crcs(path: Path) -> None:
+def _check_crcs(path: Path, fh: BinaryIO) -> None:
     """Raise ``ValueError`` when a record of the checkpoint's zip fails the CRC-32 its writer stored.
 
     ``torch.load`` does not check them: a checkpoint damaged on disk inside a tensor (a flipped bit, a bad sector
@@ -354,7 +372,7 @@ def _check_crcs(path: Path) -> None:
     previous checkpoint and reports it). A record stored without a CRC (0: a writer that turned them off) is not
     checked; a file that is not a zip is left to ``torch.load`` to refuse. About 3 GB/s (zlib's crc32)."""
     try:
-        archive = zipfile.ZipFile(path)
+        archive = zipfile.ZipFile(fh)
     except zipfile.BadZipFile:
         return
     with archive:
@@ -362,8 +380,8 @@ def _check_crcs(path: Path) -> None:
             if info.CRC == 0:
                 continue
             try:
-                with archive.open(info) as fh:  # raises BadZipFile at its end when the CRC differs
-                    while fh.read(8 << 20):
+                with archive.open(info) as member:  # raises BadZipFile at its end when the CRC differs
+                    while member.read(8 << 20):
                         pass
             except zipfile.BadZipFile as exc:
                 raise ValueError(f"checkpoint {path} is damaged: {exc}") from None
@@ -372,11 +390,15 @@ def _check_crcs(path: Path) -> None:
 def load(path: Path, safe: bool = True) -> dict[str, Any]:
     """One checkpoint file: tensors, numpy arrays and plain containers only (no code runs; anything else is an
     ``UnpicklingError`` naming the global), every record matching its CRC-32 (:func:`_check_crcs`). ``safe`` is
-    kept for older callers: every load is safe."""
+    kept for older callers: every load is safe. Opened with :func:`~stream.files.open_regular`: a FIFO or a device
+    named like a checkpoint is refused unread (``NotRegularFile``, a damaged file to :func:`load_latest`) instead of
+    hanging the learner's or the refresh's start."""
     del safe  # every load is weights-only (module docstring)
-    _check_crcs(path)
-    with torch.serialization.safe_globals(_numpy_globals()):
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    with open_regular(Path(path)) as (raw, _), io.BufferedReader(raw, 1 << 20) as fh:
+        _check_crcs(path, fh)
+        fh.seek(0)
+        with torch.serialization.safe_globals(_numpy_globals()):
+            ckpt = torch.load(fh, map_location="cpu", weights_only=True)
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a dict")
     return ckpt
@@ -460,7 +482,7 @@ def latest_meta(directory: Path) -> dict[str, Any] | None:
     for path in reversed(list_checkpoints(directory)):
         side = path.with_suffix(".json")
         try:
-            meta = json.loads(side.read_text())
+            meta = json.loads(read_regular(side, MAX_STATE_FILE_BYTES, "a checkpoint's metadata"))
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)

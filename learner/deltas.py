@@ -92,7 +92,7 @@ from learner import checkpoint as ckpt_io
 from learner.tensorpack import PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
-from stream.files import NotRegularFile, fsync_dir, open_regular, write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, fsync_dir, open_regular, read_regular, write_atomic
 from stream.secrets import Secret
 
 log = logging.getLogger("streamrec.deltas")
@@ -164,11 +164,13 @@ def _max_seq(directory: Path) -> int:
 
 def read_seq_file(path: Path | None) -> int:
     """The seq recorded in ``path`` (a checkpoint directory's :data:`SEQ_FILE`); 0 when there is none. A file that
-    does not hold an integer is reported and read as 0 (the directory's own numbering still counts)."""
+    does not hold an integer is reported and read as 0 (the directory's own numbering still counts), as is one that is
+    not a regular file (a FIFO there hung the learner's start) or holds more than
+    :data:`~stream.files.MAX_STATE_FILE_BYTES` (``read_regular``)."""
     if path is None:
         return 0
     try:
-        text = path.read_text(encoding="ascii").strip()
+        text = read_regular(path, MAX_STATE_FILE_BYTES, "a delta seq file").decode("ascii").strip()
     except FileNotFoundError:
         return 0
     except (OSError, UnicodeDecodeError) as exc:

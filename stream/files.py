@@ -128,14 +128,18 @@ def open_regular(path: Path) -> Iterator[tuple[io.FileIO, os.stat_result]]:
 # The most a settings or secret file (a --config file, a password, key or rules file) may hold: far more than any real
 # one, and a bound on what a file named by mistake (a data set, a log) costs to read before it is refused.
 MAX_SETTINGS_FILE_BYTES = 4 << 20
+# The most a small state file a stage leaves for its next start may hold (a delta seq, a lineage id, ``last_run.json``,
+# a pid file, the monitor's firing state): far more than any real one, a bound on a file put there by mistake.
+MAX_STATE_FILE_BYTES = 16 << 20
 
 
 class FileTooLarge(OSError):
     """:func:`read_regular` found more than its bound in the file."""
 
 
-def read_regular(path: Path | str, limit: int) -> bytes:
-    """The whole of ``path``, a regular file of at most ``limit`` bytes (a settings or secret file). Opened with
+def read_regular(path: Path | str, limit: int, what: str = "a settings or secret file") -> bytes:
+    """The whole of ``path``, a regular file of at most ``limit`` bytes (``what``: a settings or secret file, a state
+    file a stage left for its next start). Opened with
     :func:`open_regular`, so a FIFO, a device (``/dev/zero``, a tty) or a directory is refused unread rather than
     hanging the process or reading without end (:class:`NotRegularFile`); a larger file is :class:`FileTooLarge`
     after ``limit + 1`` bytes. Both are OSErrors whose message says what the file is, as ``open``'s errors are."""
@@ -148,8 +152,7 @@ def read_regular(path: Path | str, limit: int) -> bytes:
                 return b"".join(chunks)
             chunks.append(chunk)
             size += len(chunk)
-    raise FileTooLarge(f"{path} holds more than {limit} bytes: too large for a settings or secret file (is it the "
-                       "right file?)")
+    raise FileTooLarge(f"{path} holds more than {limit} bytes: too large for {what} (is it the right file?)")
 
 
 def sha256_file(path: Path) -> str:
