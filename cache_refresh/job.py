@@ -100,7 +100,7 @@ from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, StreamrecError
-from stream.files import describe_os_error, write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, connect, describe, verify
 from stream.secrets import redact
 
@@ -133,11 +133,13 @@ def read_last_success(root: Path) -> dt.datetime | None:
 
     A file that cannot be read or does not hold a usable time (not JSON, not an object, ``last_success``
     missing, null, not a number, out of range) is no record either, with a warning naming the file: the
-    scheduler then starts as if no run had succeeded (it may catch up one run), ``--status`` shows none.
+    scheduler then starts as if no run had succeeded (it may catch up one run), ``--status`` shows none. So is one
+    that is not a regular file (a FIFO there hung the scheduler's start) or holds more than
+    :data:`~stream.files.MAX_STATE_FILE_BYTES`.
     """
     path = Path(root) / LAST_RUN
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, MAX_STATE_FILE_BYTES, "a last-run record")
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -199,9 +201,10 @@ def restore_last_success(root: Path) -> dt.datetime | None:
 
 
 def read_last_run(root: Path) -> dict[str, Any]:
-    """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable)."""
+    """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable: not a regular file, larger than
+    :data:`~stream.files.MAX_STATE_FILE_BYTES`)."""
     try:
-        data = json.loads((Path(root) / LAST_RUN).read_text())
+        data = json.loads(read_regular(Path(root) / LAST_RUN, MAX_STATE_FILE_BYTES, "a last-run record"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -12,6 +12,7 @@ import pytest
 from cache_refresh import job
 from cache_refresh.scheduler import build_scheduler
 from streamrec.cli import main
+from tests.fifos import fed_fifo
 
 BAD = [b"[]", b'{"last_success": null}', b'{"last_success": 1e400}', b'{"last_success": true}',
        b'{"last_success": "soon"}', b'{"last_success": [1]}', b'{"last_success": NaN}', b"[" * 100_000,
@@ -49,3 +50,16 @@ def test_status_with_a_malformed_record_reports_instead_of_a_traceback(tmp_path:
     assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 1  # nothing published
     out = json.loads(capsys.readouterr().out)
     assert out["last_success"] is None and out["current"] is None
+
+
+def test_a_record_that_is_a_fifo_is_no_record_with_a_warning_not_a_hang(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A blocking open of ``last_run.json`` waited for a writer for good (the scheduler's and ``--status``'s start);
+    now it is refused unread. The FIFO is fed a good record, so the old code read it instead of hanging the test."""
+    good = json.dumps({"last_success": 1_750_000_000.5, "version": "v1"}).encode()
+    with fed_fifo(tmp_path / job.LAST_RUN, good), caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        assert job.read_last_success(tmp_path) is None
+    assert "not a regular file" in caplog.text
+    (tmp_path / job.LAST_RUN).unlink()
+    with fed_fifo(tmp_path / job.LAST_RUN, good):
+        assert job.read_last_run(tmp_path) == {}
