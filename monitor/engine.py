@@ -79,7 +79,7 @@ from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings
 from stream.errors import ConfigError
-from stream.files import write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, open_append_regular, read_regular, write_atomic
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.monitor")
@@ -577,8 +577,8 @@ class RunLog:
         self._failing = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        except OSError as exc:  # at start: a settings mistake (exit 2), not a traceback
+            self._file = open_append_regular(self.path)  # closed by close()
+        except OSError as exc:  # at start: a settings mistake (exit 2), not a traceback (a FIFO: a hang)
             raise ConfigError(f"[run_log] path {self.path}: cannot open it for appending: "
                               f"{exc.strerror or exc}") from None
 
@@ -623,7 +623,7 @@ class RunLog:
     def _reopen(self) -> None:
         """Open ``path`` (making its directory) and start it with the ``start`` line."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._file = open_append_regular(self.path)  # a FIFO put there since the start cannot hang the monitor
         if self._start:
             self._file.write(json.dumps({**self._start, "t": self.clock()}, separators=(",", ":")) + "\n")
 
@@ -659,7 +659,8 @@ class FiringStateFile:
     firing, the series whose resolved alert some sink has not delivered yet (still queued at shutdown, or
     when the monitor is killed), rewriting the file once they are delivered: the restarted monitor resolves
     them again rather than leave the receiver showing them firing for ever. A file that cannot be read or written
-    is logged and monitoring goes on (a write is tried again at the next change).
+    is logged and monitoring goes on (a write is tried again at the next change); so is one that is not a regular file
+    (a FIFO there hung the monitor's start) or holds more than :data:`~stream.files.MAX_STATE_FILE_BYTES`.
 
     Version 2 marks a rule's absence alert ``"absent": true``; version 1 knew it by its labels
     ``{"absent": "true"}`` alone (no series with those labels was ever evaluated then, so such a record of a
@@ -677,7 +678,7 @@ class FiringStateFile:
 
     def load(self) -> list[dict[str, Any]]:
         try:
-            data = json.loads(self.path.read_bytes())
+            data = json.loads(read_regular(self.path, MAX_STATE_FILE_BYTES, "a firing-state file"))
         except FileNotFoundError:
             return []
         except (OSError, ValueError) as exc:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stream.errors import StreamrecError
+from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular
 
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
@@ -110,6 +111,10 @@ def run_log_files(path: Path) -> list[Path]:
 
 
 def read_run_log(path: str | Path) -> Recording:
+    """The run log ``path`` with its rotated predecessors, read line by line (a run log holds up to ``keep`` times
+    ``max_bytes``: it is streamed, not bounded). Each file is opened with :func:`~stream.files.open_regular`: one that
+    is a FIFO or a device is refused unread (``NotRegularFile``, an OSError naming it), where a FIFO hung the report
+    and ``/dev/zero`` was read until memory ran out."""
     path = Path(path)
     files = run_log_files(path)
     if not files:
@@ -117,7 +122,7 @@ def read_run_log(path: str | Path) -> Recording:
                           "rules file)")
     rec = Recording(files=[str(p) for p in files])
     for p in files:
-        with open(p, encoding="utf-8", errors="replace") as f:
+        with open_regular(p) as (raw, _), io.TextIOWrapper(io.BufferedReader(raw), "utf-8", "replace") as f:
             for line in f:
                 try:
                     obj = json.loads(line)
@@ -145,11 +150,31 @@ def stage_of(summary: Mapping[str, Any], name: str = "") -> str | None:
     return next((s for s, keys in STAGE_KEYS.items() if all(k in summary for k in keys)), None)
 
 
+# How much of the end of a summary file is read: a ``--json`` summary is its last line, a few KiB; a file with a long
+# log before it (stderr captured into it) is read from this far before its end, not whole.
+SUMMARY_TAIL_BYTES = 64 << 20
+
+
+def _tail(path: Path, limit: int) -> str:
+    """The last ``limit`` bytes of the regular file ``path`` (from the start of a line when cut), as text. A FIFO or a
+    device is refused unread (:func:`~stream.files.open_regular`: a FIFO hung the report for good)."""
+    with open_regular(path) as (fh, st):
+        start = max(0, st.st_size - limit)
+        fh.seek(start)
+        data = b""
+        while len(data) < limit and (chunk := fh.read(limit - len(data))):
+            data += chunk
+    if start:
+        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+    return data.decode("utf-8", errors="replace")
+
+
 def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
-    """Stage -> its summary (the last JSON object in each file, as ``--json`` prints one)."""
+    """Stage -> its summary (the last JSON object in each file, as ``--json`` prints one), looked for in the last
+    :data:`SUMMARY_TAIL_BYTES` of the file."""
     out: dict[str, dict[str, Any]] = {}
     for p in paths:
-        text = Path(p).read_text(encoding="utf-8", errors="replace").strip()
+        text = _tail(Path(p), SUMMARY_TAIL_BYTES).strip()
         obj = None
         for line in reversed(text.splitlines()):
             try:
@@ -167,9 +192,10 @@ def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
 
 
 def read_last_run(root: str | Path) -> dict[str, Any]:
-    """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/job.py); ``{}`` when absent."""
+    """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/job.py); ``{}`` when absent or not a
+    regular file of at most :data:`~stream.files.MAX_STATE_FILE_BYTES`."""
     try:
-        data = json.loads((Path(root) / "last_run.json").read_text(encoding="utf-8"))
+        data = json.loads(read_regular(Path(root) / "last_run.json", MAX_STATE_FILE_BYTES, "a last-run record"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -977,14 +1003,19 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
     while True:
         running = alive()
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open_regular(path) as (f, _):  # a FIFO there hung the follower for good
                 f.seek(0, 2)
                 if f.tell() < pos:  # rotated
                     pos = 0
                 f.seek(pos)
-                chunk = f.read()
+                data = b""
+                while block := f.read(1 << 20):
+                    data += block
                 pos = f.tell()
+            chunk = data.decode("utf-8", errors="replace")
             appeared = True
+        except NotRegularFile as exc:  # a FIFO, a device: no monitor will ever write a run log there
+            raise FollowError(f"{exc}: not a run log (streamrec monitor writes a regular file)") from None
         except OSError:
             chunk = ""
             if not appeared and not said_waiting and running:

@@ -125,6 +125,22 @@ def open_regular(path: Path) -> Iterator[tuple[io.FileIO, os.stat_result]]:
         yield fh, st
 
 
+def open_append_regular(path: Path) -> io.TextIOWrapper:
+    """``path`` opened (created when missing) for appending UTF-8 text, refused unless it is a regular file: opened
+    without blocking (opening a FIFO for writing otherwise waits for a reader for good; without one it is ENXIO) and
+    checked on the open file, so a FIFO, a device or a directory is :class:`NotRegularFile` (an OSError naming it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused")
+        os.set_blocking(fd, True)
+        return open(fd, "a", encoding="utf-8")  # noqa: SIM115 - the caller's to close
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 # The most a settings or secret file (a --config file, a password, key or rules file) may hold: far more than any real
 # one, and a bound on what a file named by mistake (a data set, a log) costs to read before it is refused.
 MAX_SETTINGS_FILE_BYTES = 4 << 20
