@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import json
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
+from stream.files import open_append_regular, open_regular, read_regular, write_atomic
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,12 @@ class StackSettings:
         check_durations("stack", self)
         check_ports("stack", self, lowest=1)  # the stack's services listen on fixed ports that clients are told
         check_counts("stack", self)  # none today: any int setting added here is a count >= 1
+
+
+log = logging.getLogger("streamrec.stack")
+
+_MAX_PID_FILE_BYTES = 64 << 10  # a pid file holds a pid, a port and a command line
+_LOG_TAIL_BYTES = 2000  # of a service's log, shown when it did not start (the log grows over every run: not read whole)
 
 
 class StackError(StreamrecError, RuntimeError):
@@ -180,10 +188,32 @@ class LocalStack:
         return self.state_dir / f"{name}.log"
 
     def _read_pid(self, name: str) -> dict | None:
+        """The pid file of ``name`` as ``up`` wrote it, None when there is none or it is no pid file: not JSON, not
+        ``{"pid", "port", "command"}``, or not a regular file of at most 64 KiB (a FIFO there hung ``stack
+        up/down/status``; logged, and ``up`` replaces it)."""
+        path = self._pid_file(name)
         try:
-            return json.loads(self._pid_file(name).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            info = json.loads(read_regular(path, _MAX_PID_FILE_BYTES, "a pid file"))
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError) as exc:
+            log.warning("%s: cannot read it (%s); taken as no pid file", path, exc)
+            return None
+        if not (isinstance(info, dict) and isinstance(info.get("pid"), int) and isinstance(info.get("port"), int)
+                and isinstance(info.get("command"), list) and info["command"]
+                and isinstance(info["command"][0], str)):
+            log.warning("%s is not a pid file this stack wrote; taken as none", path)
+            return None
+        return info
+
+    def _log_tail(self, name: str) -> str:
+        """The end of ``name``'s log (its last :data:`_LOG_TAIL_BYTES`), "" when it cannot be read."""
+        try:
+            with open_regular(self._log_file(name)) as (fh, st):
+                fh.seek(max(0, st.st_size - _LOG_TAIL_BYTES))
+                return fh.read(_LOG_TAIL_BYTES).decode("utf-8", errors="replace")
+        except OSError as exc:
+            return f"(cannot read it: {exc})"
 
     def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
         info = self._read_pid(name)
@@ -198,17 +228,22 @@ class LocalStack:
                 f"{name}_port in the config file)"
             )
         cmd = [str(binary), *args]
-        log = self._log_file(name).open("ab")
+        try:  # a FIFO or a device named like the log hung the start: refused
+            out = open_append_regular(self._log_file(name))
+        except OSError as exc:
+            raise StackError(f"{name}: cannot open its log for appending ({exc}); remove or move "
+                             f"{self._log_file(name)}") from None
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=self.state_dir)
         finally:
-            log.close()
+            out.close()
         self._children[name] = proc
-        self._pid_file(name).write_text(json.dumps({"pid": proc.pid, "port": port, "command": cmd}))
+        # replaced, not written into: a FIFO there (not read by _read_pid) is replaced by the pid file
+        write_atomic(self._pid_file(name), json.dumps({"pid": proc.pid, "port": port, "command": cmd}).encode())
         if not ready(self.s.start_timeout_s):
             code = proc.poll()
-            tail = self._log_file(name).read_text(errors="replace")[-2000:]
+            tail = self._log_tail(name)
             self._terminate(name, proc.pid, binary.name)
             self._pid_file(name).unlink(missing_ok=True)
             raise StackError(
