@@ -63,6 +63,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -710,13 +711,30 @@ def read_manifest(version_dir: Path, signing_key: SigningKey | None = None) -> d
     return decode_manifest(raw, path, signing_key)
 
 
+def _check_regular(path: Path) -> None:
+    """ArtifactError when ``path`` exists and is not a regular file (a FIFO, a device, a directory, a socket): every
+    loader (``np.load`` of the cold rows, ``torch.jit.load``, onnxruntime, the id maps) opens listed files with a
+    blocking open, and a FIFO put in a publish directory hung serving's swap (or its start) for good, ``/dev/zero``
+    was read without end. A missing file is left to the caller's own message."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc})") from None
+    if not stat.S_ISREG(mode):
+        raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(mode)}): refused unread; republish "
+                            "with `streamrec refresh --now` or roll back")
+
+
 def check_paths(version_dir: Path, manifest: Mapping[str, Any]) -> None:
     """ArtifactError when the version directory or a file the manifest lists is a symlink (or a path) resolving
-    outside where it belongs (module docstring). :func:`verify` does this too; this is the check alone, for a
-    load that skips the digests."""
+    outside where it belongs (module docstring), or is not a regular file (:func:`_check_regular`). :func:`verify`
+    does this too; this is the check alone, for a load that skips the digests."""
     version_dir = _check_version_dir(version_dir)
     for name in manifest["files"]:
         _resolve_inside(version_dir / name, version_dir, "artifact files must be files of their version directory")
+        _check_regular(version_dir / name)
 
 
 def verify(version_dir: Path, manifest: dict[str, Any] | None = None,
@@ -732,6 +750,7 @@ def verify(version_dir: Path, manifest: dict[str, Any] | None = None,
     for name, want in manifest["files"].items():
         p = version_dir / name
         _resolve_inside(p, version_dir, "artifact files must be files of their version directory")
+        _check_regular(p)
         if not p.is_file():
             raise ArtifactError(f"{p} is missing (listed in the manifest): the artifact is incomplete")
         try:

@@ -172,9 +172,10 @@ def read_regular(path: Path | str, limit: int, what: str = "a settings or secret
 
 
 def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in chunks (artifacts hold tables of gigabytes)."""
+    """The hex sha256 of a file, read in chunks (artifacts hold tables of gigabytes); a FIFO or a device is
+    :class:`NotRegularFile`, refused unread (:func:`open_regular`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(Path(path)) as (fh, _):
         while chunk := fh.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
