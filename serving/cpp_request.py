@@ -36,8 +36,10 @@ from serving.features import FeatureEncoder
 from serving.model import ScoringModel
 from serving.request import decode_json, parse_request
 from stream.features import hash_value
+from stream.files import read_regular
 
 FILES = ("values.npy", "offsets.npy", "dense.npy")
+MAX_REQUEST_FILE_BYTES = 64 << 20  # the request file: far above any body serving accepts (max_body_bytes)
 
 
 def encode_request(model: ScoringModel, body: bytes | dict[str, Any], history: Sequence[int],
@@ -81,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the user's clicked item ids, oldest first (raw ids, hashed like the joiner's)")
     ap.add_argument("--scores", action="store_true", help="also print the Python scores (%%.9g, one per line)")
     args = ap.parse_args(argv)
-    body = sys.stdin.buffer.read() if args.request == "-" else Path(args.request).read_bytes()
+    try:  # a FIFO named as the file hung the tool (give - and pipe it instead), /dev/zero read without end
+        body = sys.stdin.buffer.read() if args.request == "-" else read_regular(args.request, MAX_REQUEST_FILE_BYTES,
+                                                                                 "a request body")
+    except OSError as exc:
+        ap.error(f"request file {args.request}: {exc}")
     model = ScoringModel.load(args.version_dir)
     history = [hash_value(item) for item in args.history]
     values, offsets, dense = encode_request(model, body, history)
