@@ -434,13 +434,16 @@ class DeltaWriter:
         before the next delta, the rows trained since the last one may then reach serving only with the next
         artifact. Raised, it failed every checkpoint, the one at exit too, for a side output."""
         try:
-            fd = os.open(self.pending_path, os.O_RDONLY)
+            fd = os.open(self.pending_path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there would block the checkpoint
         except FileNotFoundError:
             return
         except OSError as exc:
             log.warning("cannot open %s to make it durable (%s); the checkpoint goes on", self.pending_path, exc)
             return
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning("%s is not a regular file: not made durable; the checkpoint goes on", self.pending_path)
+                return
             os.fsync(fd)
             fsync_dir(self.directory)
         except OSError as exc:

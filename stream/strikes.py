@@ -43,7 +43,7 @@ import redis
 from confluent_kafka import KafkaException
 
 from stream.errors import DeliveryFailed, clip
-from stream.files import write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, RedisFailure
 
 log = logging.getLogger("streamrec.strikes")
@@ -248,9 +248,12 @@ class FileStrikes:
 
     def load(self) -> dict[Key, tuple[int, str]]:
         try:
-            raw = json.loads(self.path.read_text())
+            raw = json.loads(read_regular(self.path, MAX_STATE_FILE_BYTES, "a strikes file"))
             self._all = {_key(k): (int(v[0]), str(v[1])) for k, v in raw.items()}
         except FileNotFoundError:
+            self._all = {}
+        except (NotRegularFile, FileTooLarge) as exc:  # a FIFO there hung the learner's start; read as damaged
+            log.warning("%s; starting without its strikes", exc)
             self._all = {}
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError):
             self._all = {}  # damaged (Infinity as a count, nesting deeper than json recurses): start without strikes

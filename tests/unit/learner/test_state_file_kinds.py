@@ -69,3 +69,37 @@ def test_a_checkpoint_sidecar_that_is_a_fifo_is_passed_over_for_the_next_older_o
     with fed_fifo(side, data):
         got = ck.latest_meta(tmp_path)
     assert got is not None and got["path"] == str(older) and json.loads(data)["samples_trained"] == 200
+
+
+def test_a_pending_rows_file_that_is_a_fifo_does_not_block_the_checkpoints_sync(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # DeltaWriter.sync (called with every checkpoint) opened the pending list with a blocking open: a FIFO there, with
+    # no writer, held the checkpoint (and the learner) for good. Unfed here: run in a thread, released after the check.
+    import os
+    import threading
+
+    from learner.deltas import PENDING, DeltaWriter
+
+    os.mkfifo(tmp_path / PENDING)
+    writer = DeltaWriter(tmp_path, num_rows=8, every_s=60.0)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (writer.sync(), done.set()), daemon=True)
+    t.start()
+    t.join(timeout=30)
+    finished = done.is_set()
+    if not finished:  # release the blocked open so the thread ends
+        os.close(os.open(tmp_path / PENDING, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout=30)
+    assert finished, "sync blocked on a FIFO"
+    assert "not a regular file" in caplog.text
+
+
+def test_a_strikes_file_that_is_a_fifo_starts_without_strikes_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from stream.strikes import FileStrikes
+
+    with fed_fifo(tmp_path / "strikes.json", json.dumps({"samples:0:5": [2, "boom"]}).encode()) as path:
+        assert FileStrikes(path).load() == {}
+    assert "not a regular file" in caplog.text
+    (tmp_path / "s.json").write_text(json.dumps({"samples:0:5": [2, "boom"]}))
+    assert FileStrikes(tmp_path / "s.json").load() == {("samples", 0, 5): (2, "boom")}  # a regular file as before
