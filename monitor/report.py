@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stream.errors import StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular
+from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular, read_tail
 
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
@@ -155,26 +155,12 @@ def stage_of(summary: Mapping[str, Any], name: str = "") -> str | None:
 SUMMARY_TAIL_BYTES = 64 << 20
 
 
-def _tail(path: Path, limit: int) -> str:
-    """The last ``limit`` bytes of the regular file ``path`` (from the start of a line when cut), as text. A FIFO or a
-    device is refused unread (:func:`~stream.files.open_regular`: a FIFO hung the report for good)."""
-    with open_regular(path) as (fh, st):
-        start = max(0, st.st_size - limit)
-        fh.seek(start)
-        data = b""
-        while len(data) < limit and (chunk := fh.read(limit - len(data))):
-            data += chunk
-    if start:
-        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
-    return data.decode("utf-8", errors="replace")
-
-
 def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
     """Stage -> its summary (the last JSON object in each file, as ``--json`` prints one), looked for in the last
     :data:`SUMMARY_TAIL_BYTES` of the file."""
     out: dict[str, dict[str, Any]] = {}
     for p in paths:
-        text = _tail(Path(p), SUMMARY_TAIL_BYTES).strip()
+        text = read_tail(Path(p), SUMMARY_TAIL_BYTES).strip()
         obj = None
         for line in reversed(text.splitlines()):
             try:

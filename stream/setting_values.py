@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import enum
 import math
+import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -17,9 +18,31 @@ from stream.errors import ConfigError, shown
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import Secret, names_credential
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 
 class SettingsError(ConfigError):
     """A setting has a value that cannot be used; the message names the source, key and fix."""
+
+
+def read_toml(path: Path, what: str, given: str) -> dict[str, Any]:
+    """The TOML document of ``path`` (``what``: "config file"; ``given``: how it was named, "given with --config"),
+    or a :class:`SettingsError` that says what is wrong with it. Read with :func:`~stream.files.read_regular`: a FIFO
+    (``<(...)`` in a shell) or a device would hang the process or read without end, refused unread."""
+    try:
+        return tomllib.loads(read_regular(path, MAX_SETTINGS_FILE_BYTES).decode("utf-8"))
+    except FileNotFoundError:
+        raise SettingsError(f"{what} {path} does not exist ({given})") from None
+    except OSError as exc:  # a directory, a FIFO, a device, no permission, too large
+        raise SettingsError(f"{what} {path} cannot be read: {exc.strerror or exc} ({given})") from None
+    # TOMLDecodeError, and the ValueErrors tomllib lets through: not UTF-8, an integer of over 4300 digits
+    except ValueError as exc:
+        raise SettingsError(f"{what} {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise SettingsError(f"{what} {path} is not valid TOML: arrays or tables nested too deeply") from None
 
 
 def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,16 +27,10 @@ from typing import Any, TypeVar
 from learner.config import LearnerSettings
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, shown
-from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
-from stream.setting_values import SettingsError, check_environment_sections, coerce_field, resolve_secrets
+from stream.setting_values import SettingsError, check_environment_sections, coerce_field, read_toml, resolve_secrets
 from streamrec.stack import StackSettings
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 # The stages' own config types, re-exported for the commands that build them.
 __all__ = ["ClickDelay", "DelayKind", "JoinerSettings", "KafkaSettings", "LearnerSettings", "RedisSettings",
@@ -61,17 +54,7 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise SettingsError("--config was given an empty path (an unset variable?): name a TOML file, or leave "
                             "--config out")
     p = Path(path)
-    try:  # a FIFO (<(...) in a shell) or a device would hang the process or read without end: refused unread
-        data = tomllib.loads(read_regular(p, MAX_SETTINGS_FILE_BYTES).decode("utf-8"))
-    except FileNotFoundError:
-        raise SettingsError(f"config file {p} does not exist (given with --config)") from None
-    except OSError as exc:  # a directory, a FIFO, a device, no permission, too large
-        raise SettingsError(f"config file {p} cannot be read: {exc.strerror or exc} (given with --config)") from None
-    # TOMLDecodeError, and the ValueErrors tomllib lets through: not UTF-8, an integer of over 4300 digits
-    except ValueError as exc:
-        raise SettingsError(f"config file {p} is not valid TOML: {exc}") from None
-    except RecursionError:
-        raise SettingsError(f"config file {p} is not valid TOML: arrays or tables nested too deeply") from None
+    data = read_toml(p, "config file", "given with --config")
     unknown = [key for key in data if key not in SECTIONS]
     if unknown:
         close = difflib.get_close_matches(unknown[0], SECTIONS, n=1)

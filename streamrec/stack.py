@@ -28,7 +28,7 @@ from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
-from stream.files import open_append_regular, open_regular, read_regular, write_atomic
+from stream.files import open_append_regular, read_regular, read_tail, write_atomic
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class StackSettings:
 log = logging.getLogger("streamrec.stack")
 
 _MAX_PID_FILE_BYTES = 64 << 10  # a pid file holds a pid, a port and a command line
-_LOG_TAIL_BYTES = 2000  # of a service's log, shown when it did not start (the log grows over every run: not read whole)
+_LOG_TAIL_BYTES = 2000  # of a service's log, shown when it did not start
 
 
 class StackError(StreamrecError, RuntimeError):
@@ -188,32 +188,21 @@ class LocalStack:
         return self.state_dir / f"{name}.log"
 
     def _read_pid(self, name: str) -> dict | None:
-        """The pid file of ``name`` as ``up`` wrote it, None when there is none or it is no pid file: not JSON, not
-        ``{"pid", "port", "command"}``, or not a regular file of at most 64 KiB (a FIFO there hung ``stack
-        up/down/status``; logged, and ``up`` replaces it)."""
+        """The pid file of ``name`` as ``up`` wrote it; None (logged, and ``up`` replaces it) when there is none, or it
+        is not JSON ``{"pid", "port", "command"}`` in a regular file of at most 64 KiB (a FIFO hung ``stack up``)."""
         path = self._pid_file(name)
         try:
             info = json.loads(read_regular(path, _MAX_PID_FILE_BYTES, "a pid file"))
+            ok = isinstance(info, dict) and type(info.get("pid")) is int and type(info.get("port")) is int
+            cmd = info.get("command") if ok else None
+            if isinstance(cmd, list) and cmd and isinstance(cmd[0], str):
+                return info
+            log.warning("%s is not a pid file this stack wrote; taken as none", path)
         except FileNotFoundError:
-            return None
+            pass
         except (OSError, ValueError) as exc:
             log.warning("%s: cannot read it (%s); taken as no pid file", path, exc)
-            return None
-        if not (isinstance(info, dict) and isinstance(info.get("pid"), int) and isinstance(info.get("port"), int)
-                and isinstance(info.get("command"), list) and info["command"]
-                and isinstance(info["command"][0], str)):
-            log.warning("%s is not a pid file this stack wrote; taken as none", path)
-            return None
-        return info
-
-    def _log_tail(self, name: str) -> str:
-        """The end of ``name``'s log (its last :data:`_LOG_TAIL_BYTES`), "" when it cannot be read."""
-        try:
-            with open_regular(self._log_file(name)) as (fh, st):
-                fh.seek(max(0, st.st_size - _LOG_TAIL_BYTES))
-                return fh.read(_LOG_TAIL_BYTES).decode("utf-8", errors="replace")
-        except OSError as exc:
-            return f"(cannot read it: {exc})"
+        return None
 
     def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
         info = self._read_pid(name)
@@ -243,7 +232,10 @@ class LocalStack:
         write_atomic(self._pid_file(name), json.dumps({"pid": proc.pid, "port": port, "command": cmd}).encode())
         if not ready(self.s.start_timeout_s):
             code = proc.poll()
-            tail = self._log_tail(name)
+            try:  # the log grows over every run: its end only
+                tail = read_tail(self._log_file(name), _LOG_TAIL_BYTES)
+            except OSError as exc:
+                tail = f"(cannot read it: {exc})"
             self._terminate(name, proc.pid, binary.name)
             self._pid_file(name).unlink(missing_ok=True)
             raise StackError(
