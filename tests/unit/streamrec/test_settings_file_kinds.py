@@ -10,8 +10,6 @@ test fails on its assertion instead of hanging."""
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,28 +23,9 @@ from stream.files import MAX_SETTINGS_FILE_BYTES
 from stream.redis_client import connect
 from streamrec.cli import main
 from streamrec.settings import build, read_config_file
+from tests.fifos import fed_fifo
 
 VALID = b'[redis]\nprefix = "fed"\n'  # valid as a config file; as a secret, a password or a 16+ byte key
-
-
-@contextlib.contextmanager
-def fed_fifo(path: Path, content: bytes) -> Iterator[Path]:
-    """A FIFO at ``path`` whose writer (a thread) writes ``content`` to the first reader that opens it, then closes."""
-    os.mkfifo(path)
-
-    def feed() -> None:
-        with contextlib.suppress(OSError):  # EPIPE: the reader refused it unread and closed at once
-            with open(path, "wb") as fh:  # waits for a reader
-                fh.write(content)
-
-    writer = threading.Thread(target=feed, daemon=True)
-    writer.start()
-    try:
-        yield path
-    finally:  # no reader came: open one (without blocking) so that the writer's open returns
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        writer.join()
-        os.close(fd)
 
 
 @contextlib.contextmanager
