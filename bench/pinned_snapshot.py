@@ -1,20 +1,24 @@
 """The cost of serving's one-snapshot request path (serving.model.PinnedModel) against mapping and scoring on the live
 model directly: encode + score of 1 user x 100 candidates on the small trained artifact of the unit tests, in this
-process, best of 5 x 200 calls per round. Run: PYTHONPATH=. python bench/pinned_snapshot.py [--rounds 3]"""
+process, best of 5 x 200 calls per round. Run: python bench/pinned_snapshot.py [--rounds 3]"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import timeit
 from pathlib import Path
 
 import torch
 
-from serving.features import FeatureEncoder
-from serving.model import ScoringModel
-from serving.request import parse_request
-from tests.unit.serving.test_unknown_ids import trained_artifact
+# bench/serving.py would shadow the serving package when this runs as a script from bench/
+sys.path[:1] = [str(Path(__file__).resolve().parents[1])]
+
+from serving.features import FeatureEncoder  # noqa: E402
+from serving.model import ScoringModel  # noqa: E402
+from serving.request import parse_request  # noqa: E402
+from tests.unit.serving.test_unknown_ids import trained_artifact  # noqa: E402
 
 
 def main() -> None:
