@@ -61,7 +61,7 @@ _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the con
 # its default, 1 s, left a replay's worker waiting on empty polls once it had drained a click partition's queue while
 # the impressions were paused for their held records (ML-1M: 82 empty polls, 1.9 s of a 34 s span; none at 20 ms).
 _FETCH_QUEUE_BACKOFF_MS = 20
-_ASSIGN_RETRY_S = (1.0, 30.0)  # the first wait, and the longest, before asking an assignment's start positions again
+_BACKOFF_S = (1.0, 30.0)  # after an infrastructure failure: the first wait, and the longest (doubling in between)
 
 
 def _records(msgs: list[Message]) -> list[Record]:
@@ -85,7 +85,7 @@ class KafkaJoinWorker:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self._stop = False
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
-        self._backoff_s = 1.0
+        self._backoff_s = _BACKOFF_S[0]
         self.recoveries = 0
         self.assign_retries = 0  # start positions of assigned partitions asked again (_start_positions)
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
@@ -157,7 +157,7 @@ class KafkaJoinWorker:
         librdkafka's own threads keep the group's heartbeats going, and if the group moves on meanwhile (a member
         that waits past ``max.poll.interval.ms`` is dropped from it), the revocation that follows comes as usual
         once this returns. A failure that is no infrastructure's (a bug) is raised as before."""
-        backoff = _ASSIGN_RETRY_S[0]
+        backoff = _BACKOFF_S[0]
         while True:
             try:
                 return resume_offsets(consumer, partitions)
@@ -170,14 +170,12 @@ class KafkaJoinWorker:
                             "in %.1f s (they are not read until then)",
                             sorted((tp.topic, tp.partition) for tp in partitions), type(exc).__name__,
                             clip(str(exc)), backoff)
-            deadline = time.monotonic() + backoff
-            while time.monotonic() < deadline and not self._stop:
-                time.sleep(min(0.1, backoff))
+            self._wait(backoff)
             if self._stop:
                 log.warning("stopping before the start positions of %s could be read: they are left unread",
                             sorted((tp.topic, tp.partition) for tp in partitions))
                 return None
-            backoff = min(_ASSIGN_RETRY_S[1], backoff * 2)
+            backoff = min(_BACKOFF_S[1], backoff * 2)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -266,7 +264,7 @@ class KafkaJoinWorker:
         if done or held != self._held:
             self._idle_since = time.monotonic()
         self._held = held
-        self._backoff_s = 1.0
+        self._backoff_s = _BACKOFF_S[0]
         return True
 
     def _holds_back(self, kind: str, partition: int) -> bool:
@@ -297,6 +295,12 @@ class KafkaJoinWorker:
             self.consumer.resume([TopicPartition(self._topic(k), p) for k, p in sorted(resume)])
         return resume
 
+    def _wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when the worker is told to stop meanwhile (looked at every 0.1 s)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not self._stop:
+            time.sleep(min(0.1, seconds))
+
     def _recover(self, exc: BaseException) -> None:
         """Back to the last durable point after an infrastructure failure (module docstring)."""
         log.warning("infrastructure failure (%s: %s); rewinding to the committed offsets and retrying in %.0f s",
@@ -308,10 +312,8 @@ class KafkaJoinWorker:
         self.pipeline.forget(set(self.pipeline.engines))
         self.gate.release()  # the rewind starts both inputs afresh
         self._sync_pauses()
-        deadline = time.monotonic() + self._backoff_s
-        while time.monotonic() < deadline and not self._stop:
-            time.sleep(0.1)
-        self._backoff_s = min(30.0, self._backoff_s * 2)
+        self._wait(self._backoff_s)
+        self._backoff_s = min(_BACKOFF_S[1], self._backoff_s * 2)
         try:
             assigned = self.consumer.assignment()
             for tp in resume_offsets(self.consumer, assigned):
