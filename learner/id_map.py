@@ -218,6 +218,13 @@ class _Table:
         return out, (np.concatenate(claimed) if claimed else np.empty(0, dtype=np.int64))
 
 
+def first_seen_of(state: Mapping[str, Any], gen: str) -> np.ndarray:
+    """(K,) float64: the first-seen event times of a state's ``gen`` ("cur" or "prev") candidates, NaN (unknown) in a
+    state written before they were kept."""
+    first = state.get(f"{gen}_first_seen")
+    return np.full(len(state[f"{gen}_keys"]), np.nan) if first is None else np.asarray(first, dtype=np.float64)
+
+
 class _Candidates(_Table):
     """A candidate generation: ``key -> count`` and, per slot, the event time its key started counting
     (``first_seen``, NaN: unknown, a state written before it existed). Slots are never freed (the table is
@@ -625,8 +632,7 @@ class IdMap:
             table.clear()
             keys = np.asarray(candidates[f"{gen}_keys"], dtype=np.int64)
             if keys.size:
-                first = candidates.get(f"{gen}_first_seen")
-                first = np.full(keys.size, np.nan) if first is None else np.asarray(first, dtype=np.float64)
+                first = first_seen_of(candidates, gen)
                 if first.shape != keys.shape:
                     raise ValueError(f"IdMap state {gen}_first_seen has shape {first.shape}, its {gen}_keys "
                                      f"{keys.shape}: the state is malformed")

@@ -30,7 +30,7 @@ import torch
 
 from learner.batch import TensorBatch
 from learner.features import FeatureConfig, FieldSpec
-from learner.id_map import IdMap, LookupResult
+from learner.id_map import IdMap, LookupResult, first_seen_of
 
 log = logging.getLogger("streamrec.train")
 
@@ -286,8 +286,7 @@ class ColdTracker:
             k, c, t = f"{gen}_keys", f"{gen}_counts", f"{gen}_first_seen"
             top = np.argsort(-state[c].numpy(), kind="stable")[:self._seen.candidates]
             candidates[k], candidates[c] = state[k].numpy()[top], state[c].numpy()[top]
-            if t in state:  # a state written before first-seen times: none (unknown)
-                candidates[t] = state[t].numpy()[top]
+            candidates[t] = first_seen_of(state, gen)[top]
         self._seen.load_entries(keys[keep], np.arange(keep.size), seen[keep], candidates,
                                 float(state["last_sweep"]), dict(state["counters"]))
         if keep.size < live.size:

@@ -54,7 +54,7 @@ from learner.batch import TensorBatch
 from learner.distributed import all_gather_objects
 from learner.event_clock import QUORUM, EventClock, largest
 from learner.features import FeatureConfig, FieldSpec
-from learner.id_map import BucketDecay, IdMap
+from learner.id_map import BucketDecay, IdMap, first_seen_of
 from learner.row_mapper import MapStats, dynamic_fields, field_spans, id_map_of, known_delays, mapped_slots
 from learner.sharded_model import fused_state, local_pieces, row_ranges, table_weight
 
@@ -131,12 +131,9 @@ class _Parts:
             rows.append(start + own)
             seen.append(np.asarray(st["row_seen"], dtype=np.float64)[own])
             for gen in ("cur", "prev"):
-                k = np.asarray(st[f"{gen}_keys"], dtype=np.int64)
-                cand[f"{gen}_keys"].append(k)
+                cand[f"{gen}_keys"].append(np.asarray(st[f"{gen}_keys"], dtype=np.int64))
                 cand[f"{gen}_counts"].append(np.asarray(st[f"{gen}_counts"], dtype=np.int64))
-                first = st.get(f"{gen}_first_seen")  # a part written before first-seen times: unknown (NaN)
-                cand[f"{gen}_first_seen"].append(np.full(k.size, np.nan) if first is None else
-                                                 np.asarray(first, dtype=np.float64))
+                cand[f"{gen}_first_seen"].append(first_seen_of(st, gen))
             for k, v in dict(st["counters"]).items():
                 counters[k] = counters.get(k, 0) + int(v)
         return cls(np.concatenate(keys), np.concatenate(rows), np.concatenate(seen),
