@@ -307,6 +307,11 @@ def _fmt(v: float | None) -> str:
 class RuleEngine:
     """Evaluates rules against snapshots; pure logic (``now`` is passed in, nothing sleeps)."""
 
+    @classmethod
+    def of(cls, config: RulesConfig) -> RuleEngine:
+        """The engine of a rules file's rules and settings (``streamrec monitor`` and ``--once`` alike)."""
+        return cls(config.rules, config.history_s, config.scrape_error_hold_s, config.history_max_series)
+
     def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0,
                  history_max_series: int = HISTORY_MAX_SERIES) -> None:
         self.rules = list(rules)
@@ -514,7 +519,7 @@ class RuleEngine:
 def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
     """Scrape every source once and evaluate every rule once: the summary (every rule's state, the scrape
     errors) and the exit status (``ONCE_*``). Sends nothing."""
-    engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s, config.history_max_series)
+    engine = RuleEngine.of(config)
     snap = Scraper(config.sources, config.scrape_timeout_s).scrape()
     engine.evaluate(snap, time.time())
     rows = engine.status()
@@ -752,8 +757,7 @@ class Monitor:
                                           else QueuedSink(sink, config.sinks))
         self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
         self.clock, self.monotonic = clock, monotonic
-        self.engine = RuleEngine(config.rules, config.history_s, config.scrape_error_hold_s,
-                                 config.history_max_series)
+        self.engine = RuleEngine.of(config)
         # the duplicated series already logged, most recently seen last: at most DUPLICATES_REMEMBERED (a label
         # that churns made it grow by one key per scrape for ever); one seen again is moved to the end, so a
         # steady duplicate is not forgotten (and logged again) for the churning ones
