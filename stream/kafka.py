@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from stream.config import KafkaSettings, SaslMechanism
 from stream.errors import ConfigError, DeliveryFailed, MessageLimitError, MessageTooLarge, StreamError, clip
+from stream.tls import check_file
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger("streamrec.kafka")
@@ -47,12 +48,9 @@ def _security(kafka: KafkaSettings) -> dict[str, Any]:
                               ("ssl_certificate_location", "ssl.certificate.location"),
                               ("ssl_key_location", "ssl.key.location")):
             path = getattr(kafka, setting)
-            if path is None:
-                continue
-            if not path.is_file():
-                raise ConfigError(f"[kafka] {setting}: {path} "
-                                  f"{'is not a file' if path.exists() else 'does not exist'}")
-            conf[prop] = str(path)
+            if path is not None:
+                check_file("kafka", setting, path)  # librdkafka reads it later: missing, a FIFO... said now
+                conf[prop] = str(path)
         if kafka.ssl_key_password.reveal():
             conf["ssl.key.password"] = kafka.ssl_key_password.reveal()
     conf.update(kafka.extra)
