@@ -261,9 +261,22 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
 
 
 def read_meta(client: Any, prefix: str, version: str) -> dict[str, Any] | None:
-    """A version's meta (None: never completely written). Redis errors propagate."""
-    raw = client.get(meta_key(prefix, version))
-    return json.loads(raw) if raw is not None else None
+    """A version's meta (None: never completely written). Redis errors propagate; one that is not JSON is a
+    ValueError (:func:`decode_meta`)."""
+    key = meta_key(prefix, version)
+    return decode_meta(key, client.get(key))
+
+
+def decode_meta(key: str, raw: bytes | None) -> dict[str, Any] | None:
+    """The meta stored at ``key`` from its raw value (None: none); a ValueError naming the key for a value that is
+    not JSON or not UTF-8: not written by a refresh."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # (UnicodeDecodeError is one)
+        raise ValueError(f"{key} is not a meta a refresh writes ({type(exc).__name__}: {exc}; {raw[:80]!r}); "
+                         "republish with `streamrec refresh --now`") from None
 
 
 def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[str]:
@@ -276,7 +289,7 @@ def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[s
         if owner is not None:
             try:
                 meta = read_meta(client, prefix, version)
-            except (ValueError, UnicodeDecodeError):  # not JSON: not a meta this code wrote, so not this owner's
+            except ValueError:  # not JSON: not a meta this code wrote, so not this owner's
                 continue
             if not isinstance(meta, dict) or meta.get("owner", "") != owner:
                 continue
@@ -454,16 +467,13 @@ class RedisEmbeddingStore:
         :class:`VersionNotStored` (a ValueError) when Redis answers that the version is not there (not written yet,
         or pruned); ValueError when its meta does not fit, or is not JSON (Redis answered: a damaged meta is not a
         Redis that is down, which would load the version and serve all its non-hot rows from fallback rows)."""
+        key = meta_key(self.prefix, version)
         try:
-            raw = self.client.get(meta_key(self.prefix, version))
+            raw = self.client.get(key)
         except Exception as exc:  # noqa: BLE001 - any Redis or socket failure: serve on fallback rows
-            self.failed(f"reading {meta_key(self.prefix, version)}", exc)
+            self.failed(f"reading {key}", exc)
             return None
-        try:
-            meta = json.loads(raw) if raw is not None else None
-        except ValueError as exc:  # not JSON, or not UTF-8 (UnicodeDecodeError): not written by a refresh
-            raise ValueError(f"{meta_key(self.prefix, version)} is not a meta a refresh writes ({type(exc).__name__}: "
-                             f"{exc}; {raw[:80]!r}); republish with `streamrec refresh --now`") from None
+        meta = decode_meta(key, raw)  # Redis answered: a damaged meta is a ValueError, not Redis down
         if meta is None:
             raise VersionNotStored(f"the embedding store has no rows of version {version} (no "
                              f"{meta_key(self.prefix, version)}): publish it with [refresh] embedding_store = "
