@@ -67,15 +67,14 @@ def make_trigger(schedule: str, timezone: str) -> CronTrigger:
     except (ZoneInfoNotFoundError, ValueError):
         raise ValueError(f"time zone {timezone!r} is unknown; use an IANA name such as 'UTC' or "
                          "'Europe/Berlin'") from None
-    fields = schedule.split()
+    fields = schedule.split()  # APScheduler refuses any other count than 5 below
+    day, weekday = (fields[2], fields[4]) if len(fields) == 5 else ("*", "*")
     try:
-        if len(fields) == 5:
-            fields[4] = crontab_weekdays(fields[4])
-        trigger = CronTrigger.from_crontab(" ".join(fields) if len(fields) == 5 else schedule, timezone=tz)
+        crontab = " ".join([*fields[:4], crontab_weekdays(weekday)]) if len(fields) == 5 else schedule
+        trigger = CronTrigger.from_crontab(crontab, timezone=tz)
     except ValueError as exc:
         raise ValueError(f"schedule {schedule!r} is not a 5-field crontab expression "
                          f"('minute hour day month weekday', e.g. '0 3 * * *'): {exc}") from None
-    day, weekday = schedule.split()[2], schedule.split()[4]
     if not day.startswith("*") and not weekday.startswith("*"):
         raise ValueError(f"schedule {schedule!r} restricts both the day of the month ({day!r}) and the weekday "
                          f"({weekday!r}): crontab runs on the days either matches, this scheduler only on days both "
