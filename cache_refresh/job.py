@@ -362,18 +362,13 @@ def _sharded_only(directory: Path) -> str | None:
     which it was."""
     from learner import sharded_checkpoint  # torch.distributed.checkpoint: only on this failure
 
-    done = sharded_checkpoint.list_complete(directory)
-    if not done:
+    found = sharded_checkpoint.describe_newest(directory)
+    if found is None:
         return None
-    try:
-        ranks = f" by {int(json.loads((done[-1] / sharded_checkpoint.META).read_text())['world_size'])} ranks"
-    except (OSError, ValueError, KeyError, TypeError):
-        ranks = ""
-    return (f"checkpoint_dir {directory} holds only sharded checkpoints (newest {done[-1].name}, written{ranks} under "
-            "torchrun), which a refresh does not read; nothing was built or published, the live artifact is "
-            f"untouched. Convert the newest into a single-process checkpoint with `streamrec train --checkpoint-dir "
-            f"{directory} --unshard NEW_DIR` and refresh from it (`streamrec refresh --checkpoint-dir NEW_DIR`, or "
-            "[refresh] checkpoint_dir)")
+    return (f"checkpoint_dir {directory} holds only sharded checkpoints ({found}), which a refresh does not read; "
+            "nothing was built or published, the live artifact is untouched. Convert the newest into a single-process "
+            f"checkpoint with `streamrec train --checkpoint-dir {directory} --unshard NEW_DIR` and refresh from it "
+            "(`streamrec refresh --checkpoint-dir NEW_DIR`, or [refresh] checkpoint_dir)")
 
 
 def _lineage_switch(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_io.Checkpoint) -> dict[str, Any] | None:

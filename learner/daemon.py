@@ -32,7 +32,6 @@ when the strikes file cannot be written then (a full disk), training goes on (``
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import signal
@@ -198,19 +197,15 @@ def refuse_sharded(directory: Path) -> None:
     way (``learner/sharded_daemon.py``)."""
     from learner import sharded_checkpoint  # torch.distributed.checkpoint: only here, once at start
 
-    done = sharded_checkpoint.list_complete(directory)
-    if not done:
+    found = sharded_checkpoint.describe_newest(directory)
+    if found is None:
         return
-    try:
-        ranks = f" by {int(json.loads((done[-1] / sharded_checkpoint.META).read_text())['world_size'])} ranks"
-    except (OSError, ValueError, KeyError, TypeError):
-        ranks = ""
     raise ConfigError(
-        f"[learner] checkpoint_dir {directory} holds sharded checkpoints (newest {done[-1].name}, written{ranks} under "
-        "torchrun): one process does not resume from them, and a fresh model here would train every retained sample "
-        "again over that progress. Go on under torchrun with the same world size, or convert the newest into a "
-        f"single-process checkpoint with `streamrec train --checkpoint-dir {directory} --unshard NEW_DIR` and train "
-        "one process with --checkpoint-dir NEW_DIR")
+        f"[learner] checkpoint_dir {directory} holds sharded checkpoints ({found}): one process does not resume "
+        "from them, and a fresh model here would train every retained sample again over that progress. Go on under "
+        "torchrun with the same world size, or convert the newest into a single-process checkpoint with "
+        f"`streamrec train --checkpoint-dir {directory} --unshard NEW_DIR` and train one process with "
+        "--checkpoint-dir NEW_DIR")
 
 
 def infer_fields(batches: list[SampleBatch], min_share: float, max_fields: int,

@@ -61,6 +61,19 @@ def list_complete(directory: Path) -> list[Path]:
     return sorted(p for p in Path(directory).glob(f"{PREFIX}*") if p.is_dir() and (p / META).is_file())
 
 
+def describe_newest(directory: Path) -> str | None:
+    """"newest dcp-..., written by N ranks" of the newest complete sharded checkpoint in ``directory`` (the rank count
+    left out when its meta cannot be read), for a process that cannot use it to say what it found; None: none."""
+    done = list_complete(directory)
+    if not done:
+        return None
+    try:
+        ranks = f" by {int(json.loads((done[-1] / META).read_text())['world_size'])} ranks"
+    except (OSError, ValueError, KeyError, TypeError):
+        ranks = ""
+    return f"newest {done[-1].name}, written{ranks} under torchrun"
+
+
 def latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """(path, meta) of the newest complete sharded checkpoint, None when there is none."""
     done = list_complete(directory)
