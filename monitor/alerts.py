@@ -19,8 +19,9 @@ a series may have the labels of the absence alert, and ``labels`` also carry the
 like a rule label keeps its value under ``exported_<name>`` (as Prometheus renames a scraped label that
 collides with a target label), so the series ``{}`` and ``{team="x"}`` of a rule labelled
 ``team = "x"`` show ``{team="x"}`` and ``{team="x", exported_team="x"}``.
-Both fields were added later: a record without them (an older writer) reads as ``kind`` ``series`` with
-the fingerprint of its rule and labels. ``state`` is ``firing`` (the condition held for the rule's
+Both fields were added later: a record without them (an older writer) reads with the identity the new
+code gives the same alert (:func:`legacy_identity`), given its rule's labels; without them, as ``kind``
+``series`` with the fingerprint of its rule and labels. ``state`` is ``firing`` (the condition held for the rule's
 ``for_s``) or ``resolved`` (it no longer holds); each firing is followed by exactly one resolved with the
 same fingerprint. ``ts`` is
 milliseconds since the epoch, like event time on the other topics. ``value`` is a number, or the
@@ -130,6 +131,28 @@ def alert_fingerprint(rule: str, kind: AlertKind, labels: Mapping[str, str]) -> 
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
+LEGACY_ABSENT_LABELS = {"absent": "true"}  # an absence alert's own labels, as an older writer showed them
+
+
+def legacy_identity(rule: str, labels: Mapping[str, str], rule_labels: Mapping[str, str] | None,
+                    kind: AlertKind | None = None) -> tuple[AlertKind, str]:
+    """The kind and fingerprint the monitor now gives an alert an older writer sent without them (rule, and
+    ``labels`` as it wrote them). That writer showed ``{**rule_labels, **series}``, while the fingerprint is of the
+    series' own labels: one fingerprint of all of ``labels`` split an alert fired before an upgrade and resolved
+    after it (the restarted monitor restores it from its state file) into two identities wherever the rule has
+    labels. So the rule's labels (``rule_labels``: from the rules file, or the run log's ``start`` record) are taken
+    out again: a label with the rule's value is the rule's (a series label of the same name replaced it, so one
+    with another value is the series'; a series that had the rule's very value is the ambiguity the merge made and
+    reads as not having it). Own labels ``{"absent": "true"}`` are the rule's absence alert (a series with that
+    label alone is the one case read wrongly) unless ``kind`` says. Without ``rule_labels`` (``None``), ``labels`` are
+    taken whole."""
+    rl = rule_labels or {}
+    own = {k: v for k, v in labels.items() if rl.get(k) != v}
+    if kind is None:
+        kind = AlertKind.ABSENT if own == LEGACY_ABSENT_LABELS else AlertKind.SERIES
+    return kind, alert_fingerprint(rule, kind, own)
+
+
 @dataclass(frozen=True)
 class Alert:
     rule: str
@@ -173,13 +196,20 @@ class Alert:
         return json.dumps(self.as_dict(), sort_keys=True, allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> Alert:
+    def from_json(cls, data: bytes | str, rule_labels: Mapping[str, str] | None = None) -> Alert:
+        """An alert as a sink sent it; one an older writer sent without ``kind`` and ``fingerprint`` gets those the
+        monitor now gives it (:func:`legacy_identity`; ``rule_labels`` are its rule's labels, when known)."""
         d = json.loads(data)
+        labels = dict(d.get("labels") or {})
+        kind = AlertKind(d["kind"]) if d.get("kind") else None
+        if d.get("fingerprint"):
+            kind, fingerprint = kind or AlertKind.SERIES, str(d["fingerprint"])
+        else:
+            kind, fingerprint = legacy_identity(d["rule"], labels, rule_labels, kind)
         return cls(rule=d["rule"], source=d["source"], severity=Severity(d["severity"]),
                    state=AlertState(d["state"]), value=decode_value(d["value"]),
                    threshold=decode_value(d["threshold"]), message=d["message"], ts=int(d["ts"]),
-                   labels=dict(d.get("labels") or {}), kind=AlertKind(d.get("kind") or AlertKind.SERIES.value),
-                   fingerprint=str(d.get("fingerprint") or ""))
+                   labels=labels, kind=kind, fingerprint=fingerprint)
 
     def describe(self) -> str:
         """One log line: ``FIRING critical nan_losses{} value=3 source=learner id=<fingerprint>: message``; an

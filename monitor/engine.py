@@ -559,12 +559,15 @@ _STATE_RANK = {State.INACTIVE: 0, State.RESOLVED: 1, State.PENDING: 2, State.FIR
 class RunLog:
     """What the monitor saw, appended as JSON lines (``monitor/report.py`` reads them back)::
 
-        {"kind": "start", "t": <unix s>, "sources": {name: url}, "interval_s", "rules": [name, ...]}
+        {"kind": "start", "t": <unix s>, "sources": {name: url}, "interval_s", "rules": [name, ...],
+         "rule_labels": {name: {label: value}}}
         {"kind": "scrape", "t", "source", "samples": [[name, {label: value}, value], ...]}   # streamrec_* only
         {"kind": "scrape_error", "t", "source", "error"}
         {"kind": "rules", "t", "states": {rule: "inactive" | "pending" | "firing" | "resolved"}}  # worst series
         {"kind": "alert", "t", "alert": <the alert's JSON, as the sinks send it>}
 
+    ``rule_labels`` (each rule's own labels, added later) let a reader give an alert record an older monitor wrote
+    without ``kind`` and ``fingerprint`` the identity this one gives it (:func:`monitor.alerts.legacy_identity`).
     Values that are not finite are the strings "NaN", "+Inf", "-Inf". Each record is flushed as written (a
     reader may follow the file). Past ``max_bytes`` the file is rotated (``path`` -> ``path.1`` -> ... up to
     ``keep``) and a new one starts with a fresh ``start`` line. A write that fails (disk full) is logged once
@@ -592,7 +595,7 @@ class RunLog:
         # and is read by `streamrec report`; it held the password in clear)
         self._start = {"kind": "start", "sources": {name: redact(url) for name, url in sources.items()},
                        "interval_s": interval_s,
-                       "rules": [r.name for r in rules]}
+                       "rules": [r.name for r in rules], "rule_labels": {r.name: dict(r.labels) for r in rules}}
         self.write({**self._start, "t": self.clock()})
 
     def write(self, record: Mapping[str, Any]) -> None:

@@ -102,6 +102,30 @@ class Recording:
         else:
             self.bad_lines += 1
 
+    def identify_alerts(self) -> None:
+        """Give every alert its ``kind`` and ``fingerprint`` as the monitor now does: an older monitor wrote alerts
+        without them, and one fingerprint of all their labels (which carry the rule's) split an alert fired before
+        an upgrade and resolved after it into two. Its rule's labels are those of the first ``start`` record that
+        lists them (the monitor started after the upgrade, nearest the older records); a rule none lists reads its
+        alerts' labels whole (right for a rule without labels). See :func:`monitor.alerts.legacy_identity`."""
+        from monitor.alerts import AlertKind, legacy_identity
+
+        rule_labels: dict[str, dict[str, str]] = {}
+        for st in self.starts:
+            known = st.get("rule_labels")
+            for name, lb in (known.items() if isinstance(known, dict) else ()):
+                if isinstance(lb, dict) and name not in rule_labels:
+                    rule_labels[str(name)] = {str(k): str(v) for k, v in lb.items()}
+        for i, (t, a) in enumerate(self.alerts):
+            lb = a.get("labels")
+            labels = {str(k): str(v) for k, v in lb.items()} if isinstance(lb, dict) else {}
+            kind = AlertKind(a["kind"]) if a.get("kind") in ("series", "absent") else None
+            if isinstance(a.get("fingerprint"), str) and a["fingerprint"]:
+                fp = a["fingerprint"]
+            else:
+                kind, fp = legacy_identity(str(a.get("rule")), labels, rule_labels.get(str(a.get("rule"))), kind)
+            self.alerts[i] = (t, {**a, "labels": labels, "kind": (kind or AlertKind.SERIES).value, "fingerprint": fp})
+
 
 def run_log_files(path: Path) -> list[Path]:
     """``path`` and its rotated predecessors, oldest first (``path.3``, ``path.2``, ``path.1``, ``path``)."""
@@ -135,6 +159,7 @@ def read_run_log(path: str | Path) -> Recording:
                     rec.bad_lines += 1
     for sc in rec.scrapes.values():
         sc.sort(key=lambda x: x[0])
+    rec.identify_alerts()
     return rec
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from monitor import report
-from monitor.alerts import QueuedSink, SinkSettings
+from monitor.alerts import Alert, AlertKind, QueuedSink, SinkSettings, alert_fingerprint
 from monitor.engine import Monitor, RunLog, Snapshot
 from monitor.rules import RulesError, RunLogSettings, loads_rules
 
@@ -211,3 +211,48 @@ def test_served_quality_is_drawn_over_the_learners_event_time_at_the_same_scrape
     assert list(line.get_ydata()) == pytest.approx([0.62, 0.64, 0.66, 0.68])
     fig2, (ax2,) = plotter.figure(1, 1)
     assert report.event_time_plot(ax2, report.read_run_log(run_monitor(tmp_path / "none", texts[:1])), auc) == 0
+
+
+def test_alerts_an_older_monitor_wrote_without_a_fingerprint_read_with_the_one_the_monitor_now_gives_them(
+        tmp_path: Path) -> None:
+    run, state = tmp_path / "run-log.jsonl", tmp_path / "state.json"
+    # as a monitor wrote them before alerts had a kind and a fingerprint (monitor/alerts.py before c995681): labels
+    # were {**rule.labels, **series}, the absence alert's {**rule.labels, "absent": "true"}; the start line named the
+    # rules only, and the state file (version 2) held the series' own labels
+    alert = {"rule": "auc_low", "source": "learner", "severity": "warning", "state": "firing", "threshold": 0.6,
+             "ts": 1_000_001_000}
+    old = [{"kind": "start", "t": 1000.0, "sources": {"learner": "http://127.0.0.1:1/metrics"}, "interval_s": 1,
+            "rules": ["auc_low"]},
+           {"kind": "alert", "t": 1001.0, "alert": {**alert, "value": 0.5, "message": "auc_low: held (value 0.5)",
+                                                    "labels": {"team": "ranking", "partition": "0"}}},
+           {"kind": "alert", "t": 1001.0, "alert": {**alert, "value": None, "message": "auc_low: no data",
+                                                    "labels": {"team": "ranking", "absent": "true"}}}]
+    run.write_text("".join(json.dumps(r) + "\n" for r in old))
+    state.write_text(json.dumps({"version": 2, "firing": [
+        {"rule": "auc_low", "labels": {"partition": "0"}, "since": 1000.5, "value": 0.5, "sources": ["learner"]},
+        {"rule": "auc_low", "labels": {"absent": "true"}, "since": 1000.5, "value": None, "sources": [],
+         "absent": True}]}))
+    # the upgraded monitor restores both and resolves them: its alerts carry the fingerprints of today
+    config = loads_rules(f'interval_s = 1\nstate_path = "{state}"\n[sources]\nlearner = "http://127.0.0.1:1/m"\n'
+                         f'[sinks]\nlog = false\n[run_log]\npath = "{run}"\n[[rule]]\nname = "auc_low"\n'
+                         'expr = "streamrec_learner_served_auc"\nop = "<"\nthreshold = 0.6\nabsent_for_s = 60\n'
+                         'labels = { team = "ranking" }\n')
+    mon = Monitor(config, QueuedSink(Nothing(), SinkSettings()), scrape=lambda: Snapshot.from_texts(
+        {"learner": 'streamrec_learner_served_auc{partition="0"} 0.7\n'}), clock=lambda: 1010.0,
+        monotonic=lambda: 100.0)
+    try:
+        resolved = mon.step()
+    finally:
+        mon.close(5)
+    assert sorted((a.kind.value, a.state.value) for a in resolved) == [("absent", "resolved"), ("series", "resolved")]
+
+    rec = report.read_run_log(run)
+    by_state: dict[str, dict[str, str]] = {}
+    for _, a in rec.alerts:
+        by_state.setdefault(a["state"], {})[a["kind"]] = a["fingerprint"]
+    # each firing and its resolution are one alert: the old records read with the fingerprints the monitor now gives
+    assert by_state["firing"] == by_state["resolved"] == {a.kind.value: a.fingerprint for a in resolved}
+    assert by_state["firing"]["series"] == alert_fingerprint("auc_low", AlertKind.SERIES, {"partition": "0"})
+    # a consumer of the alerts topic reads them the same, given the rule's labels
+    older = [Alert.from_json(json.dumps(r["alert"]), rule_labels={"team": "ranking"}) for r in old[1:]]
+    assert {a.kind.value: a.fingerprint for a in older} == by_state["resolved"]
