@@ -851,11 +851,26 @@ def s_alerts(p: Plotter, inp: Inputs) -> Section:
         sec.missing.append("no rule evaluations in the run log")
     sec.png = p.png(fig)
     fired = [a for _, a in rec.alerts if a.get("state") == "firing"]
+    last = {a.get("fingerprint"): a.get("state") for _, a in rec.alerts}  # by identity, in time order
     sec.facts.append(f"{len(fired)} alert(s) fired, {len(rec.alerts) - len(fired)} resolved, over "
-                     f"{len(rec.rule_states)} evaluation(s) of {len(rules)} rule(s)")
-    for t, a in rec.alerts:
-        sec.facts.append(f"{_utc(t)} {a.get('state')} {a.get('severity')} {a.get('rule')}: {a.get('message')}")
+                     f"{len(rec.rule_states)} evaluation(s) of {len(rules)} rule(s); "
+                     f"{sum(st == 'firing' for st in last.values())} still firing at the end of the run log")
+    sec.facts.extend(alert_line(t, a) for t, a in rec.alerts)
     return sec
+
+
+def alert_line(t: float, a: Mapping[str, Any]) -> str:
+    """One alert as the report lists it, with what tells it from the rule's other alerts: its labels (two series of
+    one rule differ only there), its kind (an absence alert may have a series' labels) and its fingerprint::
+
+        2024-06-10 06:13:20 UTC firing warning auc_low{partition="0",team="ranking"} series id=9e32f1501515c148: ...
+
+    Label values are quoted as Prometheus writes them (``"`` and ``\\`` escaped: a value cannot pass for two labels).
+    This is text: the page escapes it (labels come from the scraped processes)."""
+    labels = lb if isinstance(lb := a.get("labels"), dict) else {}
+    lbl = ",".join(f"{k}={json.dumps(str(v), ensure_ascii=False)}" for k, v in sorted(labels.items()))
+    return (f"{_utc(t)} {a.get('state')} {a.get('severity')} {a.get('rule')}{{{lbl}}} {a.get('kind', 'series')} "
+            f"id={a.get('fingerprint', '-')}: {a.get('message')}")
 
 
 SECTIONS: tuple[Callable[[Plotter, Inputs], Section], ...] = (

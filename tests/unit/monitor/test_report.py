@@ -256,3 +256,26 @@ def test_alerts_an_older_monitor_wrote_without_a_fingerprint_read_with_the_one_t
     # a consumer of the alerts topic reads them the same, given the rule's labels
     older = [Alert.from_json(json.dumps(r["alert"]), rule_labels={"team": "ranking"}) for r in old[1:]]
     assert {a.kind.value: a.fingerprint for a in older} == by_state["resolved"]
+
+
+def test_the_reports_alert_lines_show_each_alerts_labels_kind_and_fingerprint_escaped(tmp_path: Path) -> None:
+    path = tmp_path / "run-log.jsonl"
+    alert = {"rule": "auc_low", "source": "learner", "severity": "warning", "state": "firing", "value": 0.5,
+             "threshold": 0.6, "message": "auc_low held", "ts": 1_000_001_000}
+    series = [{"partition": "0"}, {"partition": "1"}, {"partition": '<script>alert("x")</script>'}]
+    sent = [Alert.from_json(json.dumps({**alert, "labels": lb})) for lb in series]
+    sent.append(Alert.from_json(json.dumps({**alert, "labels": {"absent": "true"}, "kind": "absent", "value": None})))
+    lines = [{"kind": "start", "t": 1000.0, "sources": {}, "interval_s": 1, "rules": ["auc_low"]},
+             *({"kind": "alert", "t": 1001.0, "alert": a.as_dict()} for a in sent)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    inp = report.Inputs(report.read_run_log(path))
+    section = report.s_alerts(report.Plotter(1000.0, 10.0), inp)
+    page = report.render_html(inp, [section])
+    # two series of one rule, and the absence alert, are told apart by their labels, kind and fingerprint
+    assert 'auc_low{partition=&quot;0&quot;} series id=' + sent[0].fingerprint in page
+    assert 'auc_low{partition=&quot;1&quot;} series id=' + sent[1].fingerprint in page
+    assert 'auc_low{absent=&quot;true&quot;} absent id=' + sent[3].fingerprint in page
+    assert "4 still firing at the end of the run log" in page
+    # a label is what a scraped process exported: on the page it is text, never markup
+    assert "<script>" not in page
+    assert 'partition=&quot;&lt;script&gt;alert(\\&quot;x\\&quot;)&lt;/script&gt;&quot;} series' in page
