@@ -1,5 +1,6 @@
-"""The text ``streamrec monitor --help`` shows, and the exit statuses of ``--once``: kept apart from ``rules.py``
-and ``engine.py`` so that building the command line's parser imports none of the monitor (0.1 s per command)."""
+"""The text ``streamrec monitor --help`` (and ``streamrec report --follow``) shows, and the exit statuses of
+``--once``: kept apart from ``rules.py`` and ``engine.py`` so that building the command line's parser imports none
+of the monitor (0.1 s per command)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ ONCE_EXIT_HELP = (f"exit status: {ONCE_OK} every source scraped and no rule's co
                   f"scrape failed (a dead source gives its rules no data); 2 a usage or settings error; "
                   f"{ONCE_CONDITION_HOLDS} a rule's condition holds now (pending or firing: one evaluation cannot "
                   "wait for_s); every rule's state is printed in each case")
+
+# ``streamrec report --follow``: how much of the end of the run log its first pass reads (a run log holds up to
+# [run_log] max_bytes, 64 MiB by default, of days of records: read whole, it was all parsed before the first line)
+FOLLOW_TAIL_BYTES = 1 << 20
+FOLLOW_HELP = (f"print progress of SOURCE from the run log while --pid lives: like tail -f, it starts from the last "
+               f"{FOLLOW_TAIL_BYTES >> 20} MiB of the run log, then follows what is appended (exit 1 if --pid is not "
+               "running at the start, or the run log never appeared while it ran)")
 
 RULES_HELP = """\
 rules file (TOML):

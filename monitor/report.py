@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from monitor.cli_text import FOLLOW_TAIL_BYTES
 from stream.errors import StreamrecError
 from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular, read_tail
 
@@ -1015,13 +1016,18 @@ def progress_line(samples: Sequence[Sample], prev: tuple[float, Sequence[Sample]
 
 
 def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str], every_s: float = 0.5,
-           print_every_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+           print_every_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+           tail_bytes: int = FOLLOW_TAIL_BYTES) -> int:
     """Print a progress line for each scrape of ``source`` appended to the run log while ``alive()``: over
     itself (carriage return) on a terminal, else at most one line per ``print_every_s`` (default 10 s).
-    Returns the scrapes seen."""
+    Like ``tail -f``, the first pass reads only the last ``tail_bytes`` of the run log (from the start of a line):
+    a run log of days of records was read, and every line of it parsed, before the first progress line. A file
+    rotated since is read from its start (it began with the rotation). Returns the scrapes seen."""
     path, tty = Path(path), out.isatty()
     gap = 0.0 if tty else (10.0 if print_every_s is None else print_every_s)
-    pos, seen, last_print, last, printed = 0, 0, -math.inf, "", ""
+    pos: int | None = None  # None before the first pass
+    seen, last_print, last, printed = 0, -math.inf, "", ""
+    cut = False  # the first pass started inside a line: skip to its end
     recent: list[tuple[float, list[Sample]]] = []  # rates over the last ~10 s: a gauge set once a second and
     # scraped once a second would otherwise read 0/s between two of its updates
     tail = ""
@@ -1031,13 +1037,18 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
         try:
             with open_regular(path) as (f, _):  # a FIFO there hung the follower for good
                 f.seek(0, 2)
-                if f.tell() < pos:  # rotated
-                    pos = 0
+                if pos is None:  # the first pass: the tail only
+                    pos = max(0, f.tell() - tail_bytes)
+                    cut = pos > 0
+                elif f.tell() < pos:  # rotated
+                    pos, cut = 0, False
                 f.seek(pos)
                 data = b""
                 while block := f.read(1 << 20):
                     data += block
                 pos = f.tell()
+            if cut:
+                cut, data = b"\n" not in data, data[data.find(b"\n") + 1:] if b"\n" in data else b""
             chunk = data.decode("utf-8", errors="replace")
             appeared = True
         except NotRegularFile as exc:  # a FIFO, a device: no monitor will ever write a run log there

@@ -9,6 +9,7 @@ from typing import Any
 
 from cache_refresh.settings import RefreshSettings
 from learner.config import LearnerSettings
+from monitor.cli_text import FOLLOW_HELP
 from streamrec.commands.common import EXIT_OK, add_common, default_help, emit, sources
 
 
@@ -31,8 +32,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--deltas-dir", metavar="DIR", help="the learner's deltas directory (DIR/deltas with --run-dir, "
                    f"else {default_help(LearnerSettings, 'learner', 'deltas_dir')})")
     p.add_argument("--out", metavar="FILE", help="the HTML file to write (default report.html, or in --run-dir)")
-    p.add_argument("--follow", metavar="SOURCE", help="print progress of SOURCE from the run log while --pid lives "
-                   "(exit 1 if --pid is not running at the start, or the run log never appeared while it ran)")
+    p.add_argument("--follow", metavar="SOURCE", help=FOLLOW_HELP)
     p.add_argument("--pid", type=int, help="with --follow: stop when this process has ended (default: never)")
     add_common(p)
     p.set_defaults(func=run)

@@ -279,3 +279,56 @@ def test_the_reports_alert_lines_show_each_alerts_labels_kind_and_fingerprint_es
     # a label is what a scraped process exported: on the page it is text, never markup
     assert "<script>" not in page
     assert 'partition=&quot;&lt;script&gt;alert(\\&quot;x\\&quot;)&lt;/script&gt;&quot;} series' in page
+
+
+def test_follow_starts_from_the_tail_of_a_large_run_log_then_follows_what_is_appended(tmp_path: Path) -> None:
+    path = tmp_path / "run-log.jsonl"
+
+    def scrape(i: int) -> bytes:
+        return (json.dumps({"kind": "scrape", "t": 1000.0 + i, "source": "learner",
+                            "samples": [["streamrec_learner_samples_total", {}, 1000 * i]]}) + "\n").encode()
+
+    data = b"".join(scrape(i) for i in range(500))
+    path.write_bytes(data)
+    tail_bytes = 2000
+    assert len(data) > 10 * tail_bytes
+    # the scrapes wholly within the last tail_bytes (a line cut at the start is skipped)
+    cut = len(data) - tail_bytes
+    starts = [0]
+    for i in range(499):
+        starts.append(starts[-1] + len(scrape(i)))
+    in_tail = [i for i, s in enumerate(starts) if s > cut]
+    calls = []
+
+    def alive() -> bool:  # the first pass; then the monitor appends a scrape and ends
+        calls.append(1)
+        if len(calls) == 2:
+            with path.open("ab") as f:
+                f.write(scrape(500))
+        return len(calls) < 2
+
+    class Out(list[str]):
+        def write(self, s: str) -> None:
+            self.append(s)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    out = Out()
+    seen = report.follow(path, "learner", alive, out, every_s=0, print_every_s=0,  # type: ignore[arg-type]
+                         tail_bytes=tail_bytes)
+    printed = [int(line.split()[1].replace(",", "")) // 1000 for line in out]
+    assert printed == [*in_tail, 500] and seen == len(in_tail) + 1
+    assert 0 < len(in_tail) < 30  # only the tail, not the 500 scrapes before
+
+
+def test_report_follow_help_says_the_first_pass_reads_the_tail() -> None:
+    from monitor.cli_text import FOLLOW_TAIL_BYTES
+    from streamrec.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["report"].format_help().split())  # type: ignore[index]
+    assert f"like tail -f, it starts from the last {FOLLOW_TAIL_BYTES >> 20} MiB of the run log" in text
