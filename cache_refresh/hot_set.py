@@ -91,14 +91,33 @@ class HotSet:
 
 def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int,
             ) -> tuple[list[tuple[str, float]], str | None]:
-    """Top-k (member, count) over ``days`` days ending at the latest day with counts; and that day."""
+    """Top-k (member, count) over ``days`` days ending at the latest day with counts; and that day.
+
+    Only members that are a stable hash's text are ranked (:func:`member_hashes`; the others are left out, with a
+    warning and their count): k ids are chosen whenever k valid ones have counts, however many refused ones rank
+    above them. Left out only after the cut, each refused member cost the hot set a place. The common case (none
+    refused) is one read of k; otherwise the read is asked again for at least twice as many (never fewer than k plus
+    those refused), so a head of R refused members costs about log2(R / k) reads (each merges the days again:
+    ZUNIONSTORE), and the loop ends once a read returns fewer rows than asked (every member read)."""
     if k <= 0:
         return [], None
     available = counts.days_available(kind, event)
     if not available:
         return [], None
     day = available[-1]
-    return counts.top(kind, event, day=day, days=days, k=k), day
+    ask = k
+    while True:
+        rows = counts.top(kind, event, day=day, days=days, k=ask)
+        top = [(m, c) for m, c in rows if _is_hash_text(m)][:k]
+        if len(top) >= k or len(rows) < ask:
+            break
+        ask = max(2 * ask, k + len(rows) - len(top))
+    refused = (rows.index(top[-1]) + 1 if len(top) >= k else len(rows)) - len(top)
+    if refused:
+        log.warning("hot set: %d of the top %s ids by %s counts are not a stable hash's text (written by a client "
+                    "other than the joiner and serving?); left out, the ids below them ranked in their place",
+                    refused, kind, event)
+    return top, day
 
 
 def named_rows(counts: DailyCounts, kind: str, top: list[tuple[str, float]], day: str | None, days: int,
@@ -126,8 +145,13 @@ def member_hashes(members: list[str]) -> tuple[np.ndarray, int]:
     """The members that are a stable hash's text, as int64 (in order); and how many are not. Anything with write
     access to Redis can add a member: one that is not (``"-3"``, ``"u1"``, ``"99999999999999999999"``, an int64
     overflow, ``"²"``, which ``str.isdigit`` takes and ``int`` refuses) is left out, never a failed refresh."""
-    hashed = [int(m) for m in members if _HASH_TEXT.fullmatch(m) and int(m) <= _HASH_MAX]
+    hashed = [int(m) for m in members if _is_hash_text(m)]
     return np.array(hashed, dtype=np.int64), len(members) - len(hashed)
+
+
+def _is_hash_text(member: str) -> bool:
+    """Whether ``member`` is a stable hash's text (:func:`member_hashes`)."""
+    return _HASH_TEXT.fullmatch(member) is not None and int(member) <= _HASH_MAX
 
 
 def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMapper | None = None) -> np.ndarray:

@@ -6,8 +6,9 @@ stage hot_set every night while they were among the top ids; the refresh publish
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from cache_refresh.hot_set import hot_rows, member_hashes
+from cache_refresh.hot_set import hot_rows, member_hashes, ranked_ids, top_ids
 from learner.features import default_config
 
 HOSTILE = ["99999999999999999999", "9223372036854775808", "\u00b2", "\u0661\u0662", "-3", "+4", " 5", "u1", "", "1e3"]
@@ -22,3 +23,40 @@ def test_members_that_are_no_stable_hash_are_counted_and_left_out() -> None:
 def test_hostile_members_among_the_top_ids_leave_the_hot_rows_of_the_others() -> None:
     cfg = default_config({}, buckets=1000)
     assert np.array_equal(hot_rows(cfg, "item", ["5", *HOSTILE, "7"]), hot_rows(cfg, "item", ["5", "7"]))
+
+
+class RankedCounts:
+    """A ``DailyCounts`` stand-in for the hot set's reads: one day, ``rows`` (member, count) highest first; records
+    each ``top`` call's k."""
+
+    def __init__(self, rows: list[tuple[str, float]]) -> None:
+        self.rows = rows
+        self.asked: list[int] = []
+
+    def days_available(self, kind: str, event: str) -> list[str]:
+        return ["20000101"]
+
+    def top(self, kind: str, event: str = "impression", day: str | None = None, days: int = 1, k: int = 10,
+            ) -> list[tuple[str, float]]:
+        self.asked.append(k)
+        return self.rows[:k]
+
+
+def test_rejected_members_give_their_top_k_places_to_valid_ids_below_the_cut(caplog: pytest.LogCaptureFixture) -> None:
+    counts = RankedCounts([("u1", 100.0), ("5", 90.0), ("\u00b2", 80.0), ("7", 70.0), ("9", 60.0), ("11", 50.0)])
+    top, day, filled = ranked_ids(counts, "item", "impression", "impression", 1, 3)  # type: ignore[arg-type]
+    assert [m for m, _ in top] == ["5", "7", "9"] and day == "20000101" and filled == 0
+    assert "2 of the top item ids" in caplog.text  # the warning and its count stay
+
+
+def test_fewer_valid_ids_than_k_are_all_taken_and_the_ranking_stops_at_the_members_end() -> None:
+    counts = RankedCounts([("u1", 9.0), ("5", 8.0), ("-3", 7.0), ("7", 6.0)])
+    top, _ = top_ids(counts, "item", "impression", 1, 5)  # type: ignore[arg-type]
+    assert [m for m, _ in top] == ["5", "7"] and counts.asked == [5]
+
+
+def test_a_head_of_rejected_members_is_read_past_in_logarithmically_many_reads() -> None:
+    counts = RankedCounts([(f"u{i}", 1e6 - i) for i in range(10_000)] + [("5", 1.0), ("7", 0.5)])
+    top, _ = top_ids(counts, "item", "impression", 1, 2)  # type: ignore[arg-type]
+    assert [m for m, _ in top] == ["5", "7"]
+    assert len(counts.asked) <= 15 and counts.asked[-1] <= 2 * len(counts.rows)
