@@ -43,7 +43,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -83,15 +83,25 @@ def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float
     raise RedisUnavailable(f"{what}: Redis unreachable after {attempts} attempt(s): {last}")
 
 
+Days = Mapping[tuple[str, str], list[str]]  # (kind, event) -> its days, DailyCounts.all_days_available()
+
+
+def _days(counts: DailyCounts, kind: str, event: str, available: Days | None) -> list[str]:
+    """``kind``/``event``'s days: from ``available`` when given (no Redis read), else asked for."""
+    return counts.days_available(kind, event) if available is None else list(available.get((kind, event), []))
+
+
 @dataclass
 class HotSet:
     rows: np.ndarray  # (H,) int64 sorted unique global rows
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int,
+def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, available: Days | None = None,
             ) -> tuple[list[tuple[str, float]], str | None]:
-    """Top-k (member, count) over ``days`` days ending at the latest day with counts; and that day.
+    """Top-k (member, count) over ``days`` days ending at the latest day with counts; and that day. ``available``:
+    ``counts.all_days_available()`` when the caller has it (one walk of the keyspace for every kind and event), else
+    ``kind``/``event``'s days are asked for.
 
     Only members that are a stable hash's text are ranked (:func:`member_hashes`; the others are left out, with a
     warning and their count): k ids are chosen whenever k valid ones have counts, however many refused ones rank
@@ -101,10 +111,10 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int,
     ZUNIONSTORE), and the loop ends once a read returns fewer rows than asked (every member read)."""
     if k <= 0:
         return [], None
-    available = counts.days_available(kind, event)
-    if not available:
+    have = _days(counts, kind, event, available)
+    if not have:
         return [], None
-    day = available[-1]
+    day = have[-1]
     ask = k
     while True:
         rows = counts.top(kind, event, day=day, days=days, k=ask)
@@ -169,12 +179,14 @@ def hot_rows(cfg: FeatureConfig, kind: str, members: list[str], mapper: RowMappe
     return (mapper or RowMapper(cfg)).rows(names.index(name), hashed)
 
 
-def stale_day(counts: DailyCounts, kind: str, event: str, fallback: str) -> str | None:
+def stale_day(counts: DailyCounts, kind: str, event: str, fallback: str, available: Days | None = None,
+              ) -> str | None:
     """``event``'s latest day if it is more than ``STALE_DAYS`` behind ``fallback``'s latest day (see the module
-    docstring), else None (also when either has no counts, or they are the same event)."""
+    docstring), else None (also when either has no counts, or they are the same event). ``available``: as for
+    :func:`top_ids`."""
     if event == fallback:
         return None
-    mine, theirs = counts.days_available(kind, event), counts.days_available(kind, fallback)
+    mine, theirs = _days(counts, kind, event, available), _days(counts, kind, fallback, available)
     if not mine or not theirs:
         return None
     behind = dt.date.fromisoformat(theirs[-1]) - dt.date.fromisoformat(mine[-1])
@@ -182,14 +194,15 @@ def stale_day(counts: DailyCounts, kind: str, event: str, fallback: str) -> str 
 
 
 def ranked_ids(counts: DailyCounts, kind: str, event: str, fallback: str, days: int, k: int,
-               ) -> tuple[list[tuple[str, float]], str | None, int]:
+               available: Days | None = None) -> tuple[list[tuple[str, float]], str | None, int]:
     """Top-k (member, count) by ``event``, filled up to k by ``fallback``'s top ids not already in (their counts are
-    ``fallback``'s); the day the window ends (``event``'s, else ``fallback``'s) and how many came from ``fallback``."""
-    top, day = top_ids(counts, kind, event, days, k)
+    ``fallback``'s); the day the window ends (``event``'s, else ``fallback``'s) and how many came from ``fallback``.
+    ``available``: as for :func:`top_ids`."""
+    top, day = top_ids(counts, kind, event, days, k, available)
     if len(top) >= k or fallback == event:
         return top, day, 0
     seen = {m for m, _ in top}
-    more, fb_day = top_ids(counts, kind, fallback, days, k)
+    more, fb_day = top_ids(counts, kind, fallback, days, k, available)
     fill = [(m, c) for m, c in more if m not in seen][: k - len(top)]
     return top + fill, day if day is not None else fb_day, len(fill)
 
@@ -204,16 +217,18 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
     ``{kind}_stale_day``: ``event``'s latest day where it was too old to rank by, else None)."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event, "fallback_event": fallback}
+    # every kind's and event's days from one walk of the keyspace (DailyCounts.all_days_available), not one per read
+    available = with_retries("days with counts", counts.all_days_available, attempts, backoff_s,
+                             sleep) if hot_items > 0 or hot_users > 0 else {}
     for kind, k in (("item", hot_items), ("user", hot_users)):
-        stale = with_retries(f"latest {kind} days", functools.partial(stale_day, counts, kind, event, fallback),
-                             attempts, backoff_s, sleep) if k > 0 else None
+        stale = stale_day(counts, kind, event, fallback, available) if k > 0 else None
         if stale is not None:
             log.warning("hot set: the %s %s counts end on %s, more than %d day behind the %s counts; ranking the %ss "
                         "by %s alone (is serving counting its lookups, [serve] lookup_counts?)", kind, event, stale,
                         STALE_DAYS, fallback, kind, fallback)
         top, day, filled = with_retries(
             f"top {kind}s", functools.partial(ranked_ids, counts, kind, fallback if stale else event, fallback, days,
-                                              k), attempts, backoff_s, sleep)
+                                              k, available), attempts, backoff_s, sleep)
         stats[f"{kind}s_from_fallback"] = len(top) if stale else filled
         stats[f"{kind}_stale_day"] = stale
         rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)

@@ -67,8 +67,8 @@ marker (last: a call that fails part way, a key of the wrong type, sets none and
 again with the same write id and the same counts counts each day once, whether the first ran, did not, or ran only some
 of its days (an error inside one script call: Redis does not roll back the other calls of the EXEC, and their markers
 are set). A marker per script call, not per write: the first day of an EXEC does not make the later days skip, and a
-resend of the same EXEC (redis-py's own retries, on a cluster too) counts once as well. The markers are outside what
-:meth:`DailyCounts.days_available` scans.
+resend of the same EXEC (redis-py's own retries, on a cluster too) counts once as well. The markers are never days to
+:meth:`DailyCounts.days_available` (its SCAN skips them).
 
 However late a retry comes, it is recognised: the markers hash gets the counts key's expiry in the same script call,
 so the two live and go together (an expiry, a FLUSHALL, a restarted Redis without persistence). While the counts a
@@ -139,6 +139,10 @@ DAY_S = 86_400
 DAY_MS = DAY_S * 1000
 _EPOCH = dt.date(1970, 1, 1)
 _DAY_RE = re.compile(r"\d{8}")
+# what follows ``{prefix}:counts:`` in a day's counts key: ``{kind}:event:day``, or ``kind:event:day`` (the layout
+# before hash tags, module docstring)
+_COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<legacy>" + "|".join(KINDS) + r")):"
+                            r"(?P<event>" + "|".join(EVENTS) + r"):(?P<day>[0-9]{8})")
 _TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
 
@@ -165,6 +169,16 @@ def _parse_day(day: str) -> dt.date:
         return dt.datetime.strptime(day, "%Y%m%d").date()
     except ValueError:
         raise ValueError(f"argument 'day': got {day!r}, which is not a calendar date (expected 'YYYYMMDD')") from None
+
+
+def _is_date(day: str) -> bool:
+    """Whether ``day`` (8 ASCII digits) is a calendar date: a key of ``20001399`` (any client can write one) is no day,
+    which ``top`` would refuse as the hot set's latest."""
+    try:
+        dt.datetime.strptime(day, "%Y%m%d")
+    except ValueError:
+        return False
+    return True
 
 
 def _check_kind_event(kind: str, event: str) -> None:
@@ -316,7 +330,7 @@ class DailyCounts:
 
     def _markers_key(self, kind: str, event: str, day: str) -> str:
         """The markers of the writes into ``kind``/``event``'s counts of ``day`` (a hash expiring with those counts;
-        module docstring, "Retries"). In the kind's hash slot, and outside what ``days_available`` scans."""
+        module docstring, "Retries"). In the kind's hash slot, and never a day to ``days_available``."""
         return f"{self.prefix}:counts:{{{kind}}}:w:{event}:{day}"
 
     def _legacy(self) -> bool:
@@ -526,17 +540,30 @@ class DailyCounts:
     # -- reads ------------------------------------------------------------------------------------
     def days_available(self, kind: str, event: str) -> list[str]:
         """The days (``YYYYMMDD``, ascending) that have a key for ``kind``/``event`` (found with SCAN), up to
-        the day of now + ``future_s``: a key of a later day was written by a wrong clock."""
+        the day of now + ``future_s``: a key of a later day was written by a wrong clock. One walk of the keyspace
+        (:meth:`all_days_available`): a reader of several kinds or events asks that once instead."""
         _check_kind_event(kind, event)
-        bases = [self._key(kind, event, "")] + ([self._legacy_key(kind, event, "")] if self._legacy() else [])
-        days = set()
-        for base in bases:  # a cluster client's SCAN goes to every primary
-            for raw in self.client.scan_iter(match=_glob_escape(base) + "*", count=1000):
-                suffix = _text(raw)[len(base):]
-                if _DAY_RE.fullmatch(suffix):
-                    days.add(suffix)
+        return self.all_days_available().get((kind, event), [])
+
+    def all_days_available(self) -> dict[tuple[str, str], list[str]]:
+        """:meth:`days_available` of every kind and event that has a day, ``{(kind, event): days}``, from one SCAN.
+
+        SCAN walks the whole keyspace whatever its MATCH (history has a key per user, the embedding store a key per
+        row): a walk per kind and event (and, on a single node, another for the layout before hash tags) made the
+        nightly hot set walk it up to 16 times. One ``{prefix}:counts:*`` walk finds both layouts; the markers
+        (``...:w:...``) and ``top``'s temporary keys are not days. A cluster client's SCAN goes to every primary."""
+        base = f"{self.prefix}:counts:"
+        legacy = self._legacy()
         last = day_of(int((time.time() + self.future_s) * 1000))
-        return sorted(d for d in days if d <= last)
+        days: dict[tuple[str, str], set[str]] = {}
+        for raw in self.client.scan_iter(match=_glob_escape(base) + "*", count=1000):
+            # a key that is no UTF-8 (any client can write one under the prefix) is no day, never a failed read
+            text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            m = _COUNTS_KEY_RE.fullmatch(text[len(base):])
+            if m is None or (m["legacy"] is not None and not legacy) or m["day"] > last or not _is_date(m["day"]):
+                continue
+            days.setdefault((m["kind"] or m["legacy"], m["event"]), set()).add(m["day"])
+        return {ke: sorted(d) for ke, d in days.items()}
 
     def top(
         self, kind: str, event: str = "impression", day: str | None = None, days: int = 1, k: int = 10

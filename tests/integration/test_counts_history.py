@@ -418,3 +418,20 @@ def test_counts_and_names_of_the_layout_before_hash_tags_are_still_read_on_a_sin
     assert counts.top("item", day="20050101", days=2, k=5) == [("1", 5.0), ("3", 4.0), ("2", 3.0), ("4", 1.0)]
     assert counts.names("item", ["1", "2", "3"], day="20050101") == {"1": "old-one", "2": "two"}
     assert redis_client.zcard(counts.key("item", "impression", "20050101")) == 2  # writes go to the new keys only
+
+
+def test_one_walk_lists_every_kind_and_events_days_and_no_key_that_is_no_day(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """``all_days_available`` (the hot set's one SCAN) finds both layouts of every kind and event; a key under the
+    counts that is no day (not UTF-8, not a calendar date, a write's markers, ``top``'s temporary key) is skipped, not
+    a failed read: any client with write access can add one."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    counts.record("item", "impression", [1], [ms(2005, 1, 1)])
+    counts.record("user", "click", ["u"], [ms(2005, 1, 2)])
+    redis_client.zadd(f"{prefix}:counts:item:impression:20041231", {"3": 4})  # the layout before hash tags
+    for junk in (b":counts:{item}:impression:\xff\xfe", b":counts:{item}:lookup:20051399", b":counts:{user}:tmp:x",
+                 b":counts:{item}:impression:2005010"):
+        redis_client.zadd(prefix.encode() + junk, {"1": 1})
+    assert counts.all_days_available() == {("item", "impression"): ["20041231", "20050101"],
+                                           ("user", "click"): ["20050102"]}
+    assert counts.days_available("item", "lookup") == [] and counts.days_available("user", "click") == ["20050102"]

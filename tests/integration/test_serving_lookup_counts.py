@@ -156,6 +156,30 @@ def test_lookups_that_stopped_days_before_the_impressions_do_not_rank_the_hot_se
     assert set(hs.rows) == set(hot_set.hot_rows(CFG, "item", [str(m) for m in _members(["new", "a"])]))
 
 
+def _scans(client: redis.Redis) -> int:
+    """SCAN commands Redis has run (INFO commandstats; what a wrapper of the client would miss: ``scan_iter``)."""
+    return int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+
+def test_one_hot_set_walks_the_keyspace_once_for_every_kind_and_event(redis_client: redis.Redis, prefix: str) -> None:
+    """SCAN walks the whole keyspace whatever its MATCH (history has a key per user): the hot set of two kinds
+    ranked by lookups, filled and checked for staleness by impressions, asked for the days of each kind and event
+    again and again (16 walks here: 8 asks, each of the layout with hash tags and of the one before), where one walk
+    lists them all."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    for kind in ("item", "user"):
+        counts.record(kind, "impression", _members(["a", "b", "c"]), [now_ms] * 3)
+        counts.add_counts(kind, "lookup", np.array(_members(["d"]), np.int64), np.array([5]), now_ms // DAY_MS)
+    before = _scans(redis_client)
+    list(redis_client.scan_iter(match=f"{prefix}:counts:*", count=1000))
+    one_walk = _scans(redis_client) - before
+    before = _scans(redis_client)
+    hs = hot_set.compute(redis_client, prefix, 8, CFG, days=1, hot_items=2, hot_users=2, event="lookup")
+    assert _scans(redis_client) - before == one_walk
+    assert hs.stats["items_from_fallback"] == 1 and hs.stats["users_from_fallback"] == 1
+
+
 def test_a_flush_that_fails_part_way_retries_only_the_lookups_it_did_not_write(
         redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A flush writes one (day, kind) at a time; Redis fills up (maxmemory) after the item lookups were written and
