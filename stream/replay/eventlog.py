@@ -72,10 +72,13 @@ key) is over ``max_key_len`` chars. The limits checked are the defaults (``DEFAU
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -91,6 +94,7 @@ import pyarrow.parquet as pq
 
 from stream.errors import ConfigError, ValidationError
 from stream.events import DENSE_RULE, MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS, SCHEMA_VERSION
+from stream.files import NotRegularFile, describe_os_error, open_regular
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
 from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
@@ -102,6 +106,8 @@ _DIV = {"ms": 1, "us": 1000, "ns": 1_000_000}  # integer input -> ms by floor di
 _PARQUET_EXT = (".parquet", ".pq")
 _CSV_EXT = (".csv", ".tsv", ".txt")
 _COMPRESSED_EXT = (".gz", ".bz2", ".zst")
+_CODEC = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}  # what Arrow infers from a path's extension
+DATASET_SETTING = "--dataset ([replay] dataset)"  # the setting that names the event log, in error messages
 
 # The CLI flag that sets each ColumnMap field (named in error messages).
 FLAGS = {
@@ -177,6 +183,43 @@ def detect_format(path: Path) -> tuple[str, str]:
     )
 
 
+@contextlib.contextmanager
+def _open_log(path: Path) -> Iterator[io.FileIO]:
+    """The event log opened once (:func:`stream.files.open_regular`) for every read of it, refused unless it is a
+    regular file: a FIFO hung the replay (Arrow opened it by name and waited for a writer), a device read without end.
+    No size bound: an event log is legitimately gigabytes."""
+    with contextlib.ExitStack() as stack:
+        try:
+            fh, _ = stack.enter_context(open_regular(path))
+        except NotRegularFile as exc:
+            raise EventLogError(f"{DATASET_SETTING}: {exc}; an event log must be a Parquet or CSV file") from None
+        except FileNotFoundError:
+            raise EventLogError(f"{DATASET_SETTING}: event log {path} does not exist") from None
+        except IsADirectoryError:  # fdopen's, before open_regular's check: its message names a descriptor
+            raise EventLogError(f"{DATASET_SETTING}: {path} is a directory; an event log must be a Parquet or CSV "
+                                "file") from None
+        except OSError as exc:
+            raise EventLogError(f"{DATASET_SETTING}: cannot open event log {path}: {describe_os_error(exc)}") from None
+        yield fh
+
+
+@contextlib.contextmanager
+def _stream(fh: io.FileIO, codec: str | None) -> Iterator[Any]:
+    """``fh`` from its start, for one Arrow read (decompressed with ``codec``): the open file, not its name, so what
+    :func:`_open_log` checked is what is read. A compressed stream gets its own descriptor, which Arrow closes."""
+    fh.seek(0)
+    if codec is None:
+        yield fh
+        return
+    dup = os.fdopen(os.dup(fh.fileno()), "rb", buffering=0)  # shares fh's offset (0)
+    stream = pa.CompressedInputStream(dup, codec)
+    try:
+        yield stream
+    finally:
+        stream.close()
+        dup.close()
+
+
 def _delimiter(path_ext: str, given: str | None) -> str:
     if given is None:
         return "\t" if path_ext == ".tsv" else ","
@@ -222,13 +265,13 @@ def _check_columns(path: Path, have: list[str], cols: ColumnMap, wanted: list[st
                                 "one of them so the mapping is unambiguous")
 
 
-def _read_parquet(path: Path, cols: ColumnMap, wanted: list[str], limit: int | None) -> pa.Table:
+def _read_parquet(path: Path, fh: io.FileIO, cols: ColumnMap, wanted: list[str], limit: int | None) -> pa.Table:
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(fh)
         have = pf.schema_arrow.names
         _check_columns(path, have, cols, wanted)
         if limit is None:
-            return pq.read_table(path, columns=wanted)
+            return pf.read(columns=wanted)
         batches, rows = [], 0
         if limit > 0:
             for batch in pf.iter_batches(batch_size=min(limit, 65_536), columns=wanted):
@@ -306,19 +349,20 @@ def _csv(path: Path, read: Any, names: Sequence[str] = (), cols: ColumnMap | Non
             block *= 16
 
 
-def _read_csv(path: Path, ext: str, cols: ColumnMap, wanted: list[str], limit: int | None,
+def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list[str], limit: int | None,
               delimiter: str | None) -> pa.Table:
     parse = pcsv.ParseOptions(delimiter=_delimiter(ext, delimiter))
+    codec = _CODEC.get(path.suffix.lower())
     if path.suffix.lower() in _CSV_EXT:  # not named compressed: it should be text
-        with path.open("rb") as f:
-            head = f.read(4)
+        fh.seek(0)
+        head = fh.read(4) or b""
         for magic, what, name in _MAGIC:
             if head.startswith(magic):
                 raise EventLogError(f"{path} looks like a {what} file (it starts with {head!r}), not CSV text: name "
                                     f"it {path.stem}{name}")
 
     def header(ro: pcsv.ReadOptions) -> list[str]:
-        with pcsv.open_csv(path, read_options=ro, parse_options=parse) as reader:
+        with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=parse) as reader:
             return list(reader.schema.names)
 
     have = _csv(path, header)
@@ -331,7 +375,8 @@ def _read_csv(path: Path, ext: str, cols: ColumnMap, wanted: list[str], limit: i
         # does not fit them, read the whole file (which infers over all of it) instead.
         def head_rows(ro: pcsv.ReadOptions) -> pa.Table | None:
             batches, rows = [], 0
-            with pcsv.open_csv(path, read_options=ro, parse_options=parse, convert_options=convert) as reader:
+            with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=parse,
+                                                         convert_options=convert) as reader:
                 while rows < limit:
                     try:
                         batch = reader.read_next_batch()
@@ -351,8 +396,11 @@ def _read_csv(path: Path, ext: str, cols: ColumnMap, wanted: list[str], limit: i
         table = _csv(path, head_rows, have, cols)
         if table is not None:
             return table
-    table = _csv(path, lambda ro: pcsv.read_csv(path, read_options=ro, parse_options=parse, convert_options=convert),
-                 have, cols)
+    def whole(ro: pcsv.ReadOptions) -> pa.Table:
+        with _stream(fh, codec) as src:
+            return pcsv.read_csv(src, read_options=ro, parse_options=parse, convert_options=convert)
+
+    table = _csv(path, whole, have, cols)
     return table if limit is None else table.slice(0, limit)
 
 
@@ -849,7 +897,8 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
     ``duplicate_impression_ids`` (accepted rows reusing an earlier row's mapped impression id).
 
     Raises :class:`EventLogError` (a ``ValueError``) for an unknown format, a missing file or
-    column, or a column whose type cannot be used.
+    column, or a column whose type cannot be used, and for a path that is no regular file (a FIFO, a device, a
+    directory: refused unread, naming ``--dataset``).
     """
     path = Path(path)
     cols = columns
@@ -863,15 +912,14 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
             raise EventLogError(f"{FLAGS[role]} names no column (got an empty name)")
     _check_event_keys(cols)
     fmt, stem = detect_format(path)
-    if not path.is_file():
-        raise EventLogError(f"event log {path} does not exist (or is not a file)")
     wanted = list(dict.fromkeys(col for _, col in cols.roles()))
-    if fmt == "parquet":
-        table = _read_parquet(path, cols, wanted, limit)
-    else:
-        ext = path.name.lower()
-        ext = ext[: len(ext) - len(next((e for e in _COMPRESSED_EXT if ext.endswith(e)), ""))]
-        table = _read_csv(path, Path(ext).suffix, cols, wanted, limit, csv_delimiter)
+    with _open_log(path) as fh:
+        if fmt == "parquet":
+            table = _read_parquet(path, fh, cols, wanted, limit)
+        else:
+            ext = path.name.lower()
+            ext = ext[: len(ext) - len(next((e for e in _COMPRESSED_EXT if ext.endswith(e)), ""))]
+            table = _read_csv(path, fh, Path(ext).suffix, cols, wanted, limit, csv_delimiter)
     return _build(table, cols, delay, seed, path, fmt, stem[:200], csv=fmt == "csv")
 
 

@@ -4,15 +4,19 @@ raw file bytes on the terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import stream.replay.eventlog as eventlog
 from stream.replay.config import ClickDelay, DelayKind
 from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
+from tests.fifos import fed_fifo
 
 FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)
 T0_S = 978_300_760  # 2000-12-31T22:12:40Z
@@ -35,6 +39,61 @@ def load(path: Path, limit: int | None = None, **cols: object):
 
 def assert_printable(msg: str) -> None:
     assert all(c.isprintable() for c in msg), f"raw control characters in {msg!r}"
+
+
+# -- 8: a path that is no regular file ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["log.csv", "log.csv.gz", "log.parquet"])
+def test_a_fifo_as_the_event_log_is_refused_unread_naming_the_setting(tmp_path: Path, name: str) -> None:
+    """Fed, the FIFO would be read (and the load succeed) by a reader that opens it; one without a writer hangs."""
+    content = "\n".join([HEADER, *rows(3)]).encode() + b"\n"
+    with fed_fifo(tmp_path / name, gzip.compress(content) if name.endswith(".gz") else content) as fifo:
+        with pytest.raises(EventLogError, match=rf"--dataset.*{name}.* not a regular file \(mode p"):
+            load(fifo)
+
+
+@pytest.mark.parametrize("kind", ["device", "directory"])
+def test_a_device_or_a_directory_as_the_event_log_is_refused_naming_the_setting(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "log.csv"
+    if kind == "device":
+        path.symlink_to("/dev/zero")  # read without end
+    else:
+        path.mkdir()
+    with pytest.raises(EventLogError, match=r"--dataset.*log\.csv.* (not a regular file|is a directory)") as err:
+        load(path)
+    assert "Errno" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["log.csv", "log.parquet"])
+def test_the_file_checked_is_the_file_read_when_its_name_is_swapped_for_a_fifo(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Arrow opened the log by name for each read (header, rows): a FIFO put at the name between the check and the
+    reads was read (or, without a writer, hung the replay). Every read is of the one file opened and checked."""
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table({"user_id": [1], "item_id": [2], "ts": [T0_S * 1000], "clicked": [0]}), path)
+    else:
+        write(path, [HEADER, *rows(3)])
+    planted = "\n".join([HEADER, "99,99,1,0,g"]).encode() + b"\n"
+    check_columns = eventlog._check_columns
+
+    def swapped(*args: object) -> None:  # once the columns are known: the name now holds a fed FIFO
+        check_columns(*args)  # type: ignore[arg-type]
+        os.unlink(path)
+        stack.enter_context(fed_fifo(path, planted))
+
+    monkeypatch.setattr(eventlog, "_check_columns", swapped)
+    with contextlib.ExitStack() as stack:
+        table = load(path)
+    assert 99 not in table.user_id.tolist() and table.n_impressions + len(table.raw) >= 1
+
+
+def test_the_cli_exits_2_for_a_fifo_as_the_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrec.cli import main
+
+    with fed_fifo(tmp_path / "log.csv", "\n".join([HEADER, *rows(3)]).encode() + b"\n") as fifo:
+        rc = main(["replay", "--dataset", str(fifo), "--no-progress", "--bootstrap-servers", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--dataset" in err and str(fifo) in err and "Traceback" not in err
 
 
 # -- 9: Parquet that cannot be read ---------------------------------------------------------------
