@@ -24,6 +24,7 @@ per line in the C++ program's format, for comparison.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,11 +36,14 @@ import torch
 from serving.features import FeatureEncoder
 from serving.model import ScoringModel
 from serving.request import decode_json, parse_request
+from stream.errors import ConfigError, clip
 from stream.features import hash_value
 from stream.files import read_regular
 
 FILES = ("values.npy", "offsets.npy", "dense.npy")
 MAX_REQUEST_FILE_BYTES = 64 << 20  # the request file: far above any body serving accepts (max_body_bytes)
+# One of FILES: a request's row tensors (1000 candidates x a few hundred rows, int64) are far under this.
+MAX_INPUT_FILE_BYTES = 256 << 20
 
 
 def encode_request(model: ScoringModel, body: bytes | dict[str, Any], history: Sequence[int],
@@ -64,7 +68,24 @@ def write_inputs(out_dir: Path, values: np.ndarray, offsets: np.ndarray, dense: 
 
 
 def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    values, offsets, dense = (np.load(Path(in_dir) / name, allow_pickle=False) for name in FILES)
+    """``(values, offsets, dense)`` as :func:`write_inputs` wrote them into ``in_dir``.
+
+    Each file is read with :func:`stream.files.read_regular` (at most ``MAX_INPUT_FILE_BYTES``): a FIFO in its place
+    hung the reader for good, ``/dev/zero`` read without end. That, a missing or unreadable file, or one that is no
+    .npy array (a pickle included) is a :class:`ConfigError` naming the file."""
+    arrays = []
+    for name in FILES:
+        path = Path(in_dir) / name
+        try:
+            arr = np.load(io.BytesIO(read_regular(path, MAX_INPUT_FILE_BYTES, "a request's .npy input")),
+                          allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) cannot be read: {clip(str(exc), 300)}"
+                              ) from None
+        if not isinstance(arr, np.ndarray):  # an .npz archive loads as one
+            raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) is no .npy array (an .npz archive?)")
+        arrays.append(arr)
+    values, offsets, dense = arrays
     return values, offsets, dense
 
 

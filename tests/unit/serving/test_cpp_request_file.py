@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from serving import cpp_request
+from stream.errors import ConfigError
 from tests.fifos import fed_fifo
 
 
@@ -20,3 +22,47 @@ def test_a_request_file_that_is_a_fifo_is_a_usage_error_naming_it(tmp_path: Path
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"request file {path}" in err and "not a regular file" in err
+
+
+def inputs(path: Path) -> Path:
+    """A request directory as ``write_inputs`` writes it."""
+    return cpp_request.write_inputs(path, np.arange(4), np.array([0, 2, 4]), np.zeros((1, 3), np.float32))
+
+
+def test_the_written_inputs_read_back(tmp_path: Path) -> None:
+    values, offsets, dense = cpp_request.read_inputs(inputs(tmp_path / "req"))
+    assert values.tolist() == [0, 1, 2, 3] and offsets.tolist() == [0, 2, 4] and dense.dtype == np.float32
+
+
+@pytest.mark.parametrize("name", cpp_request.FILES)
+def test_an_input_file_that_is_a_fifo_is_refused_unread_naming_it(tmp_path: Path, name: str) -> None:
+    """Fed, the FIFO would be read (and the load succeed) by a reader that opens it; one without a writer hangs."""
+    req = inputs(tmp_path / "req")
+    good = (req / name).read_bytes()
+    (req / name).unlink()
+    with fed_fifo(req / name, good) as path, pytest.raises(ConfigError, match=rf"{path}.*not a regular file"):
+        cpp_request.read_inputs(req)
+
+
+@pytest.mark.parametrize("kind", ["device", "directory", "missing", "too large", "not npy", "pickle", "npz"])
+def test_an_input_file_that_is_no_npy_array_is_a_config_error_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    req = inputs(tmp_path / "req")
+    path = req / "dense.npy"
+    path.unlink()
+    if kind == "device":
+        path.symlink_to("/dev/zero")  # read without end
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "too large":
+        monkeypatch.setattr(cpp_request, "MAX_INPUT_FILE_BYTES", 300)  # the others: 160 bytes
+        np.save(path, np.zeros(100, np.float32))
+    elif kind == "not npy":
+        path.write_bytes(b"not an array")
+    elif kind == "pickle":
+        np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif kind == "npz":
+        with path.open("wb") as fh:
+            np.savez(fh, a=np.zeros(3))
+    with pytest.raises(ConfigError, match=r"request input .*dense\.npy \(REQUEST_DIR/dense\.npy\)"):
+        cpp_request.read_inputs(req)
