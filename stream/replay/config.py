@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import ConfigError
+
+# The bounds of a click-delay distribution: a median of a year is far past any attribution window, and a lognormal's
+# sigma of 5 already spreads its 99.9th percentile to e^15 (3 million) times the median. Beyond them (or NaN, inf) the
+# draws overflowed the cast to milliseconds and every click came 1 ms after its impression, silently; a negative
+# sigma was a traceback once the data set was loaded.
+MAX_CLICK_DELAY_MEDIAN_S = 365 * 86_400.0
+MAX_CLICK_DELAY_SIGMA = 5.0
+
+
+def check_click_delay(median_s: object, sigma: object, median_name: str, sigma_name: str) -> None:
+    """A :class:`ConfigError` naming the setting unless the median is in [0, a year] s and sigma in [0, 5]."""
+    bounds = ((median_name, median_s, MAX_CLICK_DELAY_MEDIAN_S), (sigma_name, sigma, MAX_CLICK_DELAY_SIGMA))
+    for name, value, cap in bounds:
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and 0 <= value <= cap):
+            raise ConfigError(f"{name} must be a finite number >= 0 and <= {cap:g}, got {value!r}")
 
 
 class DelayKind(str, enum.Enum):
@@ -23,6 +40,9 @@ class ClickDelay:
     median_s: float = 30.0
     # lognormal: sigma of log(delay); exponential and fixed ignore it.
     sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_click_delay(self.median_s, self.sigma, "the click delay's median_s", "the click delay's sigma")
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,8 @@ class ReplaySettings:
         # checked here, before anything connects or creates a topic: rate and speed finite and > 0
         check_durations("replay", self, zero_ok=("click_delay_median_s",), extra=("rate", "speed"))
         check_ports("replay", self)
+        check_click_delay(self.click_delay_median_s, self.click_delay_sigma, "[replay] click_delay_median_s",
+                          "[replay] click_delay_sigma")
         # limit >= 0 (0: nothing; None: everything; order[:-5] would replay all but the last 5), seed >= 0 (numpy
         # refuses a negative one), linger_ms 0 (send at once) to librdkafka's 900000
         check_counts("replay", self, zero_ok=("limit", "seed", "linger_ms"), at_most={"linger_ms": 900_000})

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from stream.errors import BadMessage
+from stream.events import MAX_TS_MS
 from stream.replay.config import ClickDelay, DelayKind
 
 IMPRESSION = 0
@@ -78,7 +79,8 @@ class EventTable:
 
 
 def draw_click_delays_ms(delay: ClickDelay, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Draw ``n`` impression-to-click delays in ms (at least 1 ms). Shape ``(n,)`` int64."""
+    """Draw ``n`` impression-to-click delays in ms (at least 1 ms, at most ``MAX_TS_MS``: a lognormal's far tail
+    overflowed the cast to int64 and came out as 1 ms). Shape ``(n,)`` int64."""
     if delay.median_s < 0:
         raise ValueError(f"click delay median must be >= 0 s, got {delay.median_s}")
     if delay.kind is DelayKind.FIXED:
@@ -88,4 +90,4 @@ def draw_click_delays_ms(delay: ClickDelay, n: int, rng: np.random.Generator) ->
         seconds = rng.exponential(delay.median_s / np.log(2), n)
     else:
         seconds = np.exp(rng.normal(np.log(max(delay.median_s, 1e-3)), delay.sigma, n))
-    return np.maximum(np.rint(seconds * 1000.0).astype(np.int64), 1)
+    return np.clip(np.rint(seconds * 1000.0), 1, MAX_TS_MS).astype(np.int64)
