@@ -223,6 +223,10 @@ def oracle_probability(table: EventTable, s: SyntheticSettings, seed: int) -> np
 # building blocks
 
 
+MAX_LATENT_DIM = 1024  # the planted model's dimensions: far above any useful one (the default is 8)
+MAX_SPAN_S = 365 * 86_400.0  # the longest attribution window or new-user session
+
+
 def _check(s: SyntheticSettings, n: int) -> None:
     """A :class:`ConfigError` (exit 2 at the CLI, one line) for settings the generator cannot use."""
     def share(name: str, value: float, upper_open: bool = False) -> None:
@@ -240,14 +244,20 @@ def _check(s: SyntheticSettings, n: int) -> None:
         raise ConfigError(f"[synthetic] impressions_per_s must be > 0, got {s.impressions_per_s}")
     if not 0.0 < s.base_ctr < 1.0:
         raise ConfigError(f"[synthetic] base_ctr must be in (0, 1), got {s.base_ctr}")
-    if s.latent_dim < 1:
-        raise ConfigError(f"[synthetic] latent_dim must be >= 1, got {s.latent_dim}")
+    if not 1 <= s.latent_dim <= MAX_LATENT_DIM:  # one pass over every impression per dimension: 10**9 ran for ever
+        raise ConfigError(f"[synthetic] latent_dim must be between 1 and {MAX_LATENT_DIM}, got {s.latent_dim}")
+    if not math.isfinite(s.signal):  # inf made every click probability 0 or 1 (NaN at a zero dot product), silently
+        raise ConfigError(f"[synthetic] signal must be a finite number, got {s.signal}")
     if s.new_user_impressions < 1:
         raise ConfigError(f"[synthetic] new_user_impressions must be >= 1, got {s.new_user_impressions}")
-    if s.new_user_session_s < 0:
-        raise ConfigError(f"[synthetic] new_user_session_s must be >= 0, got {s.new_user_session_s}")
-    if not s.attribution_window_s > 0:
-        raise ConfigError(f"[synthetic] attribution_window_s must be > 0, got {s.attribution_window_s}")
+    if not 0 <= s.new_user_session_s <= MAX_SPAN_S:
+        raise ConfigError(f"[synthetic] new_user_session_s must be between 0 and {MAX_SPAN_S:g} (a year), got "
+                          f"{s.new_user_session_s}")
+    # late clicks come up to twice the window after their impression: 1e300 was a traceback (out of bounds for int64),
+    # 1e13 clicks past the last event time an event may have (2100), published all the same
+    if not 0 < s.attribution_window_s <= MAX_SPAN_S:
+        raise ConfigError(f"[synthetic] attribution_window_s must be > 0 and at most {MAX_SPAN_S:g} (a year), got "
+                          f"{s.attribution_window_s}")
     if not math.isfinite(s.zipf_exponent) or s.zipf_exponent < 0:
         raise ConfigError(f"[synthetic] zipf_exponent must be finite and >= 0, got {s.zipf_exponent}")
     share("new_user_share", s.new_user_share)

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from stream.errors import BadMessage
+from stream.errors import BadMessage, ConfigError
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.replay.config import ClickDelay, DelayKind, SyntheticSettings
 from stream.replay.synthetic import (
@@ -121,6 +121,7 @@ def test_bad_settings_rejected() -> None:
     ("--syn-late-click-share", "-0.5", "[synthetic] late_click_share must be in [0, 1], got -0.5"),
     ("--syn-impressions-per-s", "1e-300", "run past 4102444800000 (2100-01-01)"),
     ("--syn-start-ts-ms", "9999999999999999", "run past 4102444800000 (2100-01-01)"),
+    ("--syn-attribution-window-s", "1e300", "[synthetic] attribution_window_s must be > 0 and at most 3.1536e+07"),
 ])
 def test_synthetic_settings_the_generator_cannot_use_are_one_error_line_and_exit_2(
         flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,6 +135,18 @@ def test_synthetic_settings_the_generator_cannot_use_are_one_error_line_and_exit
     err = capsys.readouterr().err
     assert rc == 2, err
     assert said in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("latent_dim", 1025), ("signal", float("inf")), ("signal", float("nan")), ("attribution_window_s", 1e13),
+    ("attribution_window_s", 1e300), ("new_user_session_s", 1e300),
+])
+def test_synthetic_settings_beyond_any_use_are_refused_naming_them(name: str, value: float) -> None:
+    """latent_dim is one pass over every impression per dimension (10**9 ran for ever); an infinite signal made every
+    click probability 0 or 1 (NaN at a zero dot product); a window of 1e13 s put late clicks past 2100 (1e300: a
+    traceback), a session of 1e300 s new users' impressions likewise."""
+    with pytest.raises(ConfigError, match=rf"\[synthetic\] {name} must be"):
+        build_synthetic(SyntheticSettings(impressions=50, users=100, items=10, **{name: value}), DELAY, 1)  # type: ignore[arg-type]
 
 
 # --- ids, time, context ------------------------------------------------------------------------------
