@@ -224,8 +224,11 @@ def _delimiter(path_ext: str, given: str | None) -> str:
     if given is None:
         return "\t" if path_ext == ".tsv" else ","
     d = {"\\t": "\t", "tab": "\t"}.get(given, given)
-    if len(d) != 1:
-        raise EventLogError(f"--csv-delimiter must be one character (or '\\t'), got {given!r}")
+    # Arrow takes one ASCII character (a non-ASCII one was a ValueError traceback, not a usage error), and neither a
+    # line end nor the quote character; a control character is no delimiter a file is written with
+    if len(d) != 1 or not (d == "\t" or (d.isascii() and d.isprintable())) or d == '"':
+        raise EventLogError(f"--csv-delimiter must be one printable ASCII character other than '\"' (or '\\t' for a "
+                            f"tab), got {given!r}")
     return d
 
 

@@ -96,6 +96,14 @@ def test_the_cli_exits_2_for_a_fifo_as_the_dataset(tmp_path: Path, capsys: pytes
     assert rc == 2 and "--dataset" in err and str(fifo) in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("delimiter", ["é", "\x00", "\n", '"'])
+def test_a_csv_delimiter_arrow_cannot_use_is_an_event_log_error(tmp_path: Path, delimiter: str) -> None:
+    """A non-ASCII one (or NUL) was Arrow's bare ValueError: a traceback and exit 1 at the CLI, not a usage error."""
+    path = write(tmp_path / "log.csv", [HEADER, *rows(2)])
+    with pytest.raises(EventLogError, match="--csv-delimiter must be one printable ASCII character"):
+        load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0, csv_delimiter=delimiter)
+
+
 # -- 9: Parquet that cannot be read ---------------------------------------------------------------
 def test_corrupt_parquet_pages_are_one_error_naming_the_file(tmp_path: Path) -> None:
     n = 100
