@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from stream.errors import ConfigError, DatasetMissing, clip
+from stream.events import MAX_TS_MS
 from stream.features import REQUEST_TIME, request_time
 from stream.files import open_regular
 from stream.replay.config import ClickDelay
@@ -221,7 +222,9 @@ def load_movielens(name: str, delay: ClickDelay, seed: int, limit: int | None = 
 
     clicked = rating >= CLICK_MIN_RATING
     rng = np.random.Generator(np.random.PCG64(seed))
-    click_ts = ts_ms[clicked] + draw_click_delays_ms(delay, int(clicked.sum()), rng)
+    # at most the last event time an event may have (as the event log's): a long delay's click is not one the decoder
+    # refuses
+    click_ts = np.minimum(ts_ms[clicked] + draw_click_delays_ms(delay, int(clicked.sum()), rng), MAX_TS_MS)
     imp_ids = np.array([f"{name}-{k:09d}" for k in range(n)], dtype=object)
 
     return EventTable(

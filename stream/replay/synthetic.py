@@ -471,7 +471,9 @@ def build_synthetic(
     orphan_id = np.empty(n_orphan, dtype=object)
     orphan_id[:] = [f"syn{seed}-orphan-{k}" for k in range(n_orphan)]
     click_impression_id = np.concatenate([impression_id[pos], impression_id[pos[dup_idx]], orphan_id])
-    click_ts = np.concatenate([first_click_ts, dup_ts, orphan_ts]).astype(np.int64)
+    # at most the last event time an event may have (as the event log's): a long delay's click is not one the decoder
+    # refuses (the impressions' own times are refused past it above)
+    click_ts = np.minimum(np.concatenate([first_click_ts, dup_ts, orphan_ts]).astype(np.int64), MAX_TS_MS)
     order = np.argsort(click_ts, kind="stable")
     click_impression_id, click_ts = click_impression_id[order], click_ts[order]
 
