@@ -38,7 +38,7 @@ from serving.model import ScoringModel
 from serving.request import decode_json, parse_request
 from stream.errors import ConfigError, clip
 from stream.features import hash_value
-from stream.files import read_regular
+from stream.files import read_regular, write_atomic
 
 FILES = ("values.npy", "offsets.npy", "dense.npy")
 MAX_REQUEST_FILE_BYTES = 64 << 20  # the request file: far above any body serving accepts (max_body_bytes)
@@ -57,13 +57,17 @@ def encode_request(model: ScoringModel, body: bytes | dict[str, Any], history: S
 
 
 def write_inputs(out_dir: Path, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> Path:
-    """Write the scorer's inputs as the C++ loader reads them; returns ``out_dir``."""
+    """Write the scorer's inputs as the C++ loader reads them; returns ``out_dir``. Each file replaces what is at its
+    name (:func:`stream.files.write_atomic`): a FIFO there made the write wait for a reader for good, a symlink was
+    written through."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     arrays = (np.ascontiguousarray(values, dtype="<i8"), np.ascontiguousarray(offsets, dtype="<i8"),
               np.ascontiguousarray(dense, dtype="<f4"))
     for name, arr in zip(FILES, arrays, strict=True):
-        np.save(out_dir / name, arr, allow_pickle=False)
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=False)
+        write_atomic(out_dir / name, buf.getvalue())
     return out_dir
 
 

@@ -4,6 +4,8 @@ here is fed a request by a writer thread (``tests.fifos``), so the old code read
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +68,18 @@ def test_an_input_file_that_is_no_npy_array_is_a_config_error_naming_it(
             np.savez(fh, a=np.zeros(3))
     with pytest.raises(ConfigError, match=r"request input .*dense\.npy \(REQUEST_DIR/dense\.npy\)"):
         cpp_request.read_inputs(req)
+
+
+def test_an_input_written_over_a_fifo_replaces_it_rather_than_waiting_for_a_reader(tmp_path: Path) -> None:
+    """np.save opened the name for writing: a FIFO there blocked the tool until a reader came. A reader end is held
+    open here so that such a write does not hang the test but leaves the FIFO in place (and fails below)."""
+    req = tmp_path / "req"
+    req.mkdir()
+    os.mkfifo(req / "values.npy")
+    reader = os.open(req / "values.npy", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        cpp_request.write_inputs(req, np.arange(4), np.array([0, 2, 4]), np.zeros((1, 3), np.float32))
+    finally:
+        os.close(reader)
+    assert stat.S_ISREG((req / "values.npy").lstat().st_mode)
+    assert cpp_request.read_inputs(req)[0].tolist() == [0, 1, 2, 3]
