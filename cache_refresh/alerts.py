@@ -14,10 +14,12 @@ while the broker was down (the holdout read fails with it) raised a critical ale
 
 Lifetimes: the scheduler (``streamrec refresh``) keeps one :class:`RefreshAlerts` for the whole process, so an alert
 raised while the broker is down arrives when it is back, however long after; :meth:`close` at shutdown drains for
-``close_timeout_s``. A one-shot run (``--now``, or ``run_once`` without one) opens its own and closes it before it
-returns, draining for up to ``close_timeout_s`` (the 10 s one attempt had); what is still undelivered then is
-counted (``..._dropped_total{reason="closed"}``) and logged with the alerts' rules, and the run's exit code says
-the rest.
+``close_timeout_s``, after the run in progress has finished (``scheduler.run_forever`` waits for it, within a stop
+grace; a run abandoned after that is itself a ``refresh_failed`` alert at stage ``shutdown``), so that run's alert
+is delivered too, not dropped as "closed". A one-shot run (``--now``, or ``run_once`` without one) opens its own
+and closes it before it returns, draining for up to ``close_timeout_s`` (the 10 s one attempt had); what is still
+undelivered then is counted (``..._dropped_total{reason="closed"}``) and logged with the alerts' rules, and the run's
+exit code says the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Se
 from stream.config import KafkaSettings
 
 log = logging.getLogger("streamrec.refresh")
+
+FAILED_RULE = "refresh_failed"  # a run that failed, or was abandoned at shutdown (job.ALERT_RULE, scheduler.py)
 
 
 class RefreshAlerts:

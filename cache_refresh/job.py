@@ -87,7 +87,7 @@ from typing import Any, TypeVar
 import redis
 
 from cache_refresh import hot_set, metrics, validate
-from cache_refresh.alerts import RefreshAlerts
+from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
 from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
@@ -108,7 +108,7 @@ log = logging.getLogger("streamrec.refresh")
 T = TypeVar("T")
 
 LAST_RUN = "last_run.json"
-ALERT_RULE = "refresh_failed"
+ALERT_RULE = FAILED_RULE  # "refresh_failed"
 PIN_RULE = "refresh_pinned"
 SKIP_RULE = "refresh_skipped"  # did nothing: another run was going (skipped())
 DEGRADED_RULE = "refresh_degraded"  # published, with something an operator should look at (_published_warnings)

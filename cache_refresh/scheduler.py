@@ -6,26 +6,43 @@ about a run that was due while the process was *down*, because this scheduler ke
 memory. So the last successful run is persisted (``<publish_root>/last_run.json``) and compared on
 start with the latest scheduled fire time: if that fire time lies within the grace period and no
 run succeeded since, the refresh runs at once (:func:`missed_run`, a pure function).
+
+A stop (SIGTERM/SIGINT) ends the schedule and waits for the run in progress, for at most :data:`STOP_GRACE_S`, so
+that its alert is queued before the alerts are closed; a run still going then is abandoned with an error line, a
+``refresh_failed`` alert (stage ``shutdown``) and exit :data:`EXIT_ABANDONED` (:func:`run_forever`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
+import os
 import re
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.events import EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.jobstores.base import JobLookupError
+from apscheduler.schedulers import SchedulerNotRunningError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 
+from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
 from stream.errors import ConfigError
 
 log = logging.getLogger("streamrec.refresh")
+
+# How long a stop (SIGTERM/SIGINT) waits for the refresh run in progress before abandoning it (run_forever). Within
+# Kubernetes' default terminationGracePeriodSeconds (30 s), leaving time to drain the alerts (close_timeout_s). A run
+# builds for longer than this at scale: a stop during it is then abandoned, alerted and exits EXIT_ABANDONED.
+STOP_GRACE_S = 20.0
+EXIT_ABANDONED = 1  # streamrec.commands.common.EXIT_FAILED: the process edge's code for a failed run
 
 
 _CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # crontab's 0..6 (and 7: Sunday again)
@@ -145,7 +162,8 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
 
 def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
                     last_success: dt.datetime | None, now: dt.datetime | None = None,
-                    on_skip: Callable[[str], Any] | None = None) -> BlockingScheduler:
+                    on_skip: Callable[[str], Any] | None = None, guard: threading.Lock | None = None,
+                    stopping: threading.Event | None = None) -> BlockingScheduler:
     """The scheduler (not started): ``job`` on the cron schedule, plus a one-off run now if one was missed.
 
     Runs never overlap: a run due while the previous one is still going is skipped, in one place (the guard below;
@@ -153,14 +171,24 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
     ``on_skip(why)`` reports it (``streamrec refresh``: ``job.skipped``, counted and a warning alert). Late runs
     within ``grace_s`` still run and several late runs coalesce into one; a run later than that (the machine asleep
     past it) does not run, and is reported through ``on_skip`` too, never only in APScheduler's log.
+
+    ``guard``: the lock a run holds while it runs (:func:`run_forever` waits on it at shutdown); ``stopping``: once
+    set, a run due then does not start (logged, not reported as a skip: the process is stopping).
     """
     trigger = make_trigger(schedule, timezone)
     tz = ZoneInfo(timezone)
     sched = BlockingScheduler(timezone=tz)
-    lock = threading.Lock()
+    lock = guard or threading.Lock()
+    stop = stopping or threading.Event()
 
     def guarded() -> None:
+        if stop.is_set():  # checked again under the lock: run_forever sets it before it waits on the lock
+            log.info("the scheduler is stopping; the run due now does not start")
+            return
         if not lock.acquire(blocking=False):
+            if stop.is_set():  # run_forever holds the lock: it has waited for the last run
+                log.info("the scheduler is stopping; the run due now does not start")
+                return
             why = "this scheduler's previous refresh is still running; the run due now is skipped"
             if on_skip is None:
                 log.warning("%s", why)
@@ -168,6 +196,9 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
                 on_skip(why)
             return
         try:
+            if stop.is_set():
+                log.info("the scheduler is stopping; the run due now does not start")
+                return
             job()
         finally:
             lock.release()
@@ -202,17 +233,91 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
 
 
 def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
-                last_success: dt.datetime | None, on_skip: Callable[[str], Any] | None = None) -> None:
-    """Run the scheduler of :func:`build_scheduler` in this (main) thread until SIGTERM/SIGINT.
+                last_success: dt.datetime | None, on_skip: Callable[[str], Any] | None = None,
+                alerts: RefreshAlerts | None = None, stop_grace_s: float = STOP_GRACE_S,
+                hard_exit: Callable[[int], Any] = os._exit) -> None:
+    """Run the scheduler of :func:`build_scheduler` (on a thread of its own) until SIGTERM/SIGINT to this (main)
+    thread.
 
     ``job`` handles its own failures (logs and alerts); an exception escaping it is logged by
     APScheduler and the schedule continues.
+
+    Stopping: the signal stops the schedule (no run starts after it), and this returns once a run in progress has
+    finished, so that its own alert (failed, pinned, degraded) is queued on ``alerts`` before the caller closes them.
+    Before, it returned at once and ``streamrec refresh`` closed the alert queue under the run: the run's alert was
+    dropped as "closed", only logged. The wait is bounded by ``stop_grace_s`` (:data:`STOP_GRACE_S`); a second
+    signal ends it at once. A run still going then is abandoned: an error line, a ``refresh_failed`` alert at stage
+    ``shutdown`` saying so, ``alerts`` closed (drained for its ``close_timeout_s``), and the process exits with
+    :data:`EXIT_ABANDONED` through ``hard_exit`` (``os._exit``: the run's worker thread is no daemon, an ordinary exit
+    would wait for it, unbounded). Abandoning is safe for the publish root: a publish is atomic and the next run
+    removes what this one left (``publish.clean_leftovers``).
     """
-    sched = build_scheduler(job, schedule, timezone, grace_s, last_success, on_skip=on_skip)
+    guard, stopping = threading.Lock(), threading.Event()
+    sched = build_scheduler(job, schedule, timezone, grace_s, last_success, on_skip=on_skip, guard=guard,
+                            stopping=stopping)
+    signals: list[int] = []
 
     def stop(signum: int, frame: Any) -> None:
-        sched.shutdown(wait=False)
+        # only noted here: the handler runs in this thread wherever it was, and a lock taken here (the executor's in
+        # sched.shutdown, an Event's) may be the one this thread held when the signal came: a deadlock
+        signals.append(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    sched.start()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        def scheduling() -> None:
+            try:
+                sched.start()
+            except JobLookupError:  # APScheduler 3 races its shutdown from another thread: a pass over the due jobs
+                if not stopping.is_set():  # in progress then finds its one-off job (the catch-up run) gone; harmless
+                    raise
+
+        loop = threading.Thread(target=scheduling, name="refresh-scheduler", daemon=True)
+        loop.start()
+        while not signals and loop.is_alive():
+            time.sleep(0.2)  # a signal interrupts it (the handler runs); the loop sees it within 0.2 s
+        stopping.set()  # no run starts from here on
+        while loop.is_alive():  # (a signal can come before start() has set the scheduler running)
+            if sched.running:
+                with contextlib.suppress(SchedulerNotRunningError):
+                    sched.shutdown(wait=False)
+            loop.join(0.2)
+        _wait_for_run(guard, lambda: len(signals) > 1, stop_grace_s, alerts, hard_exit)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_for_run(guard: threading.Lock, again: Callable[[], bool], stop_grace_s: float,
+                  alerts: RefreshAlerts | None, hard_exit: Callable[[int], Any]) -> None:
+    """At shutdown: wait up to ``stop_grace_s`` for the run in progress (the holder of ``guard``); abandon it after
+    (:func:`run_forever`). Returns holding ``guard``: no run starts after this."""
+    if guard.acquire(blocking=False):
+        log.info("refresh scheduler stopped (no run in progress)")
+        return
+    log.warning("stopping: waiting up to %g s (the stop grace) for the refresh run in progress to finish; a second "
+                "SIGTERM/SIGINT stops at once", stop_grace_s)
+    deadline = time.monotonic() + stop_grace_s
+    while not again():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        if guard.acquire(timeout=min(left, 0.2)):  # in slices: a second signal is seen within 0.2 s
+            log.info("refresh scheduler stopped after the run in progress finished")
+            return
+    why = ("a second stop signal came" if again() else
+           f"it did not finish within the stop grace of {stop_grace_s:g} s")
+    message = (f"the refresh scheduler was stopped (SIGTERM/SIGINT) during a refresh run and {why}: the run is "
+               "abandoned and the process exits without it. A publish is atomic: CURRENT names the previous version or "
+               "the new one (`streamrec refresh --status`); the run's own outcome alert is not sent. Run `streamrec "
+               "refresh --now` to refresh before the next scheduled run")
+    log.error("%s (exit %d)", message, EXIT_ABANDONED)
+    if alerts is not None:
+        alerts.fire("shutdown", message, FAILED_RULE)
+        alerts.close()
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+        sys.stdout.flush()
+    hard_exit(EXIT_ABANDONED)
