@@ -6,7 +6,9 @@ Publishing: an artifact is staged in ``<root>/.staging/`` (``learner.artifact.bu
 verified (every file against the manifest), renamed into ``versions/`` (same file system, so the rename
 is atomic) and only then named in ``CURRENT`` (``stream.files.write_atomic``: temp file, fsync,
 ``os.replace``, fsync of the directory). A crash at any point leaves ``CURRENT`` naming a complete
-version (tested with SIGKILLs at every step, ``tests/integration/test_faults_serving.py``). A ``CURRENT`` that cannot
+version (tested with SIGKILLs at every step, ``tests/integration/test_faults_serving.py``). Once ``CURRENT`` names it,
+the version is added to ``<root>/CURRENT_HISTORY`` (:data:`HISTORY`, best effort; after the ``CURRENT`` write, never
+before, so the history never names a version that was not current). A ``CURRENT`` that cannot
 be written (full or read-only file system) takes the new version back out of ``versions/``: nothing
 half-published stays. The last ``keep`` versions (and always the current one) are kept; a pruned version
 is renamed to a hidden ``versions/.trash-*`` before it is deleted, so a killed prune never leaves a
@@ -14,7 +16,10 @@ half-deleted version behind. A refresh holds :func:`refresh_lock` for its run (o
 time) and first removes what killed runs left (:func:`clean_leftovers`: staged directories of dead
 processes, trash, temp files); serving never reads any of them.
 
-Rollback and the pin: :func:`rollback` verifies the older version, writes ``<root>/PINNED`` (JSON
+Rollback and the pin: :func:`rollback` goes only to a version that was current before: one the history names (a
+version a killed publish moved into ``versions/`` without making it current is complete and verifies, and was chosen
+by its name), or one that predates the history (a root written before it was kept: chosen by name, as before). It
+verifies the older version, writes ``<root>/PINNED`` (JSON
 ``{"version", "rolled_back_from", "at"}``) and then points ``CURRENT`` at it. While ``PINNED`` names the
 live version, serving applies no learner deltas to it: the learner kept training past the newer
 artifact, so every delta it writes belongs to the model the operator just rolled away from (its dense
@@ -57,11 +62,21 @@ from learner.artifact import (
     versions_dir,
 )
 from learner.tensorpack import SigningKey
-from stream.files import TMP_MARK, describe_os_error, fsync_dir, leftover_writer_alive, write_atomic
+from stream.files import (
+    MAX_STATE_FILE_BYTES,
+    TMP_MARK,
+    describe_os_error,
+    fsync_dir,
+    leftover_writer_alive,
+    read_regular,
+    write_atomic,
+)
 
 log = logging.getLogger("streamrec.publish")
 
 LOCK = ".refresh.lock"
+HISTORY = "CURRENT_HISTORY"  # JSON: the versions CURRENT has named, oldest first (_record_current); rollback reads it
+_HISTORY_MAX = 1000  # entries kept: far more than keep_versions, so a version still held is never forgotten
 TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
 _STALE_STAGING_S = 3600.0
 
@@ -195,6 +210,69 @@ def _set_current(root: Path, version: str) -> None:
     write_atomic(Path(root) / CURRENT, (version + "\n").encode())
 
 
+class History:
+    """:data:`HISTORY`: ``versions``, what ``CURRENT`` has named (oldest first); ``began``, what it named when the
+    history began (None: nothing was current then, so every version that ever was is in ``versions``)."""
+
+    def __init__(self, versions: list[str], began: str | None) -> None:
+        self.versions, self.began = versions, began
+
+
+def read_history(root: Path) -> History | None:
+    """The history of ``CURRENT`` (:data:`HISTORY`, JSON ``{"began": <version> | null, "versions": [{"version",
+    "at", "how"}, ...]}``); None for a root without the file (written only by refreshes before it was kept).
+    ArtifactError naming the file when it cannot be read or is malformed: a rollback then refuses rather than
+    guess."""
+    path = Path(root) / HISTORY
+    try:
+        raw = read_regular(path, MAX_STATE_FILE_BYTES, "the history of CURRENT")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {describe_os_error(exc)}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        began, entries = data.get("began"), data.get("versions")
+        if began is not None and not (isinstance(began, str) and is_version_name(began)):
+            raise ValueError(f"began is {began!r}, not a version name or null")
+        if not isinstance(entries, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("version"), str) and is_version_name(e["version"])
+                for e in entries):
+            raise ValueError('versions is not a list of {"version": <name>, ...} records')
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ArtifactError(f"{path} does not hold the history of CURRENT ({exc}); remove it to roll back by the "
+                            "version names alone (as before the history was kept)") from None
+    return History([e["version"] for e in entries], began)
+
+
+def _record_current(root: Path, version: str, previous: str | None, how: str) -> None:
+    """Add to :data:`HISTORY` that ``version`` is current now (called after ``CURRENT`` was written, never before:
+    a crash in between leaves the version out, never in without having been current). ``previous``, what ``CURRENT``
+    named before, is added first when the history lacks it (a crash between an earlier ``CURRENT`` write and its
+    record): it was current. A new history (a root written before it was kept) begins at ``previous``. Best effort:
+    a failure is logged (the publish or rollback has happened)."""
+    path = Path(root) / HISTORY
+    try:
+        try:
+            old = read_history(root)
+        except ArtifactError as exc:
+            log.warning("%s; it is begun again", exc)
+            old = None
+        history = old or History([], previous)
+        entries: list[dict[str, object]] = []
+        if old is not None:
+            entries = json.loads(read_regular(path, MAX_STATE_FILE_BYTES, "the history of CURRENT"))["versions"]
+        if previous is not None and previous not in history.versions:
+            entries.append({"version": previous, "at": None, "how": "was current"})
+        entries.append({"version": version, "at": time.time(), "how": how})
+        write_atomic(path, json.dumps({"began": history.began, "versions": entries[-_HISTORY_MAX:]}).encode())
+    except (OSError, ValueError) as exc:
+        log.warning("%s is current; recording that in %s failed (%s): the next publish records it as the previous "
+                    "version", version, path, describe_os_error(exc) if isinstance(exc, OSError) else exc)
+
+
 def _clear_pin(root: Path) -> None:
     path = Path(root) / PIN
     if path.exists():
@@ -293,6 +371,7 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
             raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
                                 f"was published, CURRENT still names {previous or 'nothing'}") from exc
         log.warning("%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
+    _record_current(root, version, previous, "publish")
     try:
         _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
     except OSError as exc:
@@ -308,6 +387,9 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
 
 def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
     """Make the version before the current one current again and pin it; returns its name.
+
+    "Before" is by name among the versions that were current (:func:`_were_current`): a version that never was is
+    skipped (logged), and none left is an ArtifactError saying so; an unreadable :data:`HISTORY` is one naming it.
 
     Holds :func:`refresh_lock` throughout (not waiting: while a refresh runs on ``root`` this is an
     ArtifactError naming its pid, and nothing changes), so no publish can prune the target or clear the
@@ -341,6 +423,11 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     if not older:
         raise ArtifactError(f"no version older than {current!r} in {versions_dir(root)} to roll back to "
                             f"(published: {versions or 'none'})")
+    older, never = _were_current(root, older)
+    if not older:
+        raise ArtifactError(f"cannot roll back: no version older than {current} in {versions_dir(root)} was ever "
+                            f"current ({', '.join(never)} never was, by {root / HISTORY}: moved into versions/ by a "
+                            f"publish that did not make it current); CURRENT still names {current}")
     # The newest older version that verifies; a half-written or damaged one (a foreign copy, a killed manual
     # restore, a version not signed with the key) is skipped with its reason, not a dead end for the rollback.
     skipped: list[str] = []
@@ -371,4 +458,26 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
             raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
                                 f"{describe_os_error(exc)}; CURRENT still names {current}") from None
         log.warning("%s is current, but making that durable failed (%s)", target, describe_os_error(exc))
+    _record_current(root, target, current, "rollback")
     return target
+
+
+def _were_current(root: Path, older: list[str]) -> tuple[list[str], list[str]]:
+    """``older`` split into the versions a rollback may go to (oldest first) and those that never were current.
+
+    A version was current when :data:`HISTORY` names it. One it does not name was moved into ``versions/`` by a
+    publish that never made it current (killed between the rename and the ``CURRENT`` write, or a version taken back
+    out half-way): never a rollback target. Versions up to the one ``CURRENT`` named when the history began, and
+    every version of a root without the file (written before it was kept), predate it: judged as before, by their
+    names alone (logged)."""
+    history = read_history(root)
+    if history is None:
+        log.warning("rollback: %s has no %s (written before the history of CURRENT was kept): the version to roll "
+                    "back to is chosen by name alone", root, HISTORY)
+        return older, []
+    known, began = set(history.versions), history.began
+    eligible = [v for v in older if v in known or (began is not None and v <= began)]
+    never = [v for v in older if v not in eligible]
+    for v in never:
+        log.warning("rollback: skipping %s, which was never current (not in %s)", v, root / HISTORY)
+    return eligible, never

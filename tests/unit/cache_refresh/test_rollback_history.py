@@ -1,0 +1,70 @@
+"""``rollback`` goes only to a version that was current before (cache_refresh/publish.py, ``CURRENT_HISTORY``): a
+version moved into ``versions/`` by a publish that was killed before it wrote ``CURRENT`` is complete and verifies,
+and rollback chose it by its name. A root written before the history was kept rolls back as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_refresh import publish as publishing
+from cache_refresh.publish import HISTORY, publish, rollback
+from learner import artifact as A
+from learner.artifact import ArtifactError, build_artifact
+from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
+
+
+class Killed(BaseException):
+    """The process killed: nothing of publish's own error handling runs."""
+
+
+def killed_before_current(root: Path, ckpt: dict, version: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A publish of ``version`` killed after the rename into versions/, before CURRENT was written."""
+    def kill(root: Path, version: str) -> None:
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(publishing, "_set_current", kill)
+        with pytest.raises(Killed):
+            publish(root, build_artifact(ckpt, root, np.zeros(0), format="eager", version=version), keep=5)
+    assert (A.versions_dir(root) / version).is_dir()
+
+
+def test_rollback_skips_a_version_a_killed_publish_left_that_was_never_current(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    put(tmp_path, ckpt, "v002")
+    killed_before_current(tmp_path, ckpt, "v003", monkeypatch)
+    assert A.current_version(tmp_path) == "v002"
+    put(tmp_path, ckpt, "v004")
+    assert rollback(tmp_path) == "v002"
+    assert A.current_version(tmp_path) == "v002"
+    assert rollback(tmp_path) == "v001"  # and the next rollback goes on back through versions that were current
+
+
+def test_rollback_refuses_when_no_older_version_was_ever_current(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    killed_before_current(tmp_path, ckpt, "v001", monkeypatch)  # the root's first publish, killed
+    put(tmp_path, ckpt, "v002")
+    with pytest.raises(ArtifactError, match="no version older than v002 .* was ever current \\(v001 never was"
+                                            ".*CURRENT still names v002"):
+        rollback(tmp_path)
+    assert A.current_version(tmp_path) == "v002" and A.read_pin(tmp_path) is None
+
+
+def test_a_root_written_before_the_history_rolls_back_by_name_and_begins_one(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    put(tmp_path, ckpt, "v002")
+    (tmp_path / HISTORY).unlink()  # as a refresh before the history wrote it
+    assert rollback(tmp_path) == "v001"  # as before
+    history = json.loads((tmp_path / HISTORY).read_text())
+    assert history["began"] == "v002" and [e["version"] for e in history["versions"]] == ["v002", "v001"]
+    # a later publish killed before CURRENT, then a publish: rollback skips the killed one, still reaches older ones
+    killed_before_current(tmp_path, ckpt, "v003", monkeypatch)
+    put(tmp_path, ckpt, "v004")
+    assert rollback(tmp_path) == "v002"  # current when the history began; v003 never was
+    assert rollback(tmp_path) == "v001"
