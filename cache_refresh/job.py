@@ -46,6 +46,11 @@ alerted as ``refresh_degraded`` (a warning), and the run reports its publish (``
 made from the manifest of the validated artifact, the files ``publish`` verified and renamed: nothing is read back
 from the publish root after the switch.
 
+**Times from the future.** ``last_run.json``'s last success (and, without it, the live manifest's ``created`` or
+``CURRENT``'s modification time) more than ``MAX_CLOCK_SKEW_S`` (5 minutes) ahead of this host's clock is not trusted
+(clock skew, a copied root, a hand edit; a warning names the file and the time): believed, it held the last-success
+gauge ahead of now and kept the staleness alert silent for as long. It counts as no record (:func:`read_last_success`).
+
 **Another training run.** A checkpoint's ``meta["lineage"]`` names its training run (``learner/checkpoint.py``). A
 publish whose checkpoint lineage differs from the live version's source lineage (both known) replaces the serving
 model with one of another training run (a learner started afresh, e.g. pointed at an empty checkpoint directory):
@@ -128,14 +133,35 @@ def notify_channel(rs: RefreshSettings, rds: RedisSettings) -> str:
 
 
 # -- last successful run -------------------------------------------------------------------------
-def read_last_success(root: Path) -> dt.datetime | None:
+# How far in the future a recorded time (last_run.json's last_success, the live manifest's created) may lie and still
+# be believed: clocks of the hosts that write and read a publish root differ by a little (NTP keeps them within
+# seconds). Beyond it the time is untrusted (clock skew, a root copied from another host, a hand edit): believed, it
+# kept the last-success gauge ahead of now, and the staleness alert on it silent, for as long as it was ahead.
+MAX_CLOCK_SKEW_S = 300.0
+
+
+def _in_future(when: float, now: float | None = None) -> bool:
+    return when > (time.time() if now is None else now) + MAX_CLOCK_SKEW_S
+
+
+def _when(t: float) -> str:
+    """``t`` (epoch seconds) for a log line: UTC, or the number when no date has it."""
+    try:
+        return _utc(t)
+    except (OverflowError, ValueError, OSError):
+        return f"{t!r} (epoch seconds)"
+
+
+def read_last_success(root: Path, now: float | None = None) -> dt.datetime | None:
     """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never.
 
     A file that cannot be read or does not hold a usable time (not JSON, not an object, ``last_success``
     missing, null, not a number, out of range) is no record either, with a warning naming the file: the
     scheduler then starts as if no run had succeeded (it may catch up one run), ``--status`` shows none. So is one
     that is not a regular file (a FIFO there hung the scheduler's start) or holds more than
-    :data:`~stream.files.MAX_STATE_FILE_BYTES`.
+    :data:`~stream.files.MAX_STATE_FILE_BYTES`. So is a time more than :data:`MAX_CLOCK_SKEW_S` after ``now``
+    (default: the clock), with a warning naming the file and the time: it was believed, and the staleness alert
+    stayed silent until the clock caught up with it.
     """
     path = Path(root) / LAST_RUN
     try:
@@ -150,19 +176,27 @@ def read_last_success(root: Path) -> dt.datetime | None:
         when = json.loads(raw.decode("utf-8"))["last_success"]
         if isinstance(when, bool) or not isinstance(when, (int, float, str)):
             raise TypeError(f"last_success is {type(when).__name__}, not a number")
-        return dt.datetime.fromtimestamp(float(when), tz=dt.timezone.utc)
+        last = dt.datetime.fromtimestamp(float(when), tz=dt.timezone.utc)
     except (KeyError, IndexError, TypeError, ValueError, OverflowError, OSError, RecursionError) as exc:
         log.warning("%s does not hold a usable last success (%s: %s); treated as no record of a successful "
                     "refresh", path, type(exc).__name__, str(exc)[:200])
         return None
+    if _in_future(last.timestamp(), now):
+        log.warning("%s records a last success at %s, in the future (more than %g s ahead of this host's clock: "
+                    "clock skew, a publish root copied from another host, a hand edit); not trusted, treated as no "
+                    "record of a successful refresh", path, last.isoformat(timespec="seconds"), MAX_CLOCK_SKEW_S)
+        return None
+    return last
 
 
-def live_published_at(root: Path) -> float | None:
+def live_published_at(root: Path, now: float | None = None) -> float | None:
     """When the live version was published, as the publish root itself tells (without ``last_run.json``): its
     manifest's ``created`` (set when the artifact was built, moments before its publish; it travels with the version,
     and after a rollback it is the rolled-back model's age), else, when the manifest cannot be read, the modification
     time of ``CURRENT`` (written by the publish or rollback). None when nothing is live: nothing published, or a
-    ``CURRENT`` that is malformed or names a version that is gone (serving has no model to start with either)."""
+    ``CURRENT`` that is malformed or names a version that is gone (serving has no model to start with either). A time
+    more than :data:`MAX_CLOCK_SKEW_S` in the future is not trusted either (a warning naming it): the next one, or
+    None."""
     try:
         current = artifact.read_current(root)
     except artifact.ArtifactError:
@@ -170,14 +204,25 @@ def live_published_at(root: Path) -> float | None:
     if current is None:
         return None
     try:
-        return float(artifact.read_manifest(current)["created"])
+        created = float(artifact.read_manifest(current)["created"])
+        if not _in_future(created, now):
+            return created
+        log.warning("the live version's manifest (%s) says it was created at %s, in the future (more than %g s "
+                    "ahead of this host's clock); not trusted: its publish time is taken from %s's modification time",
+                    current / artifact.MANIFEST, _when(created), MAX_CLOCK_SKEW_S, Path(root) / artifact.CURRENT)
     except artifact.ArtifactError as exc:
         log.warning("the live version's manifest cannot be read (%s); its publish time is taken from %s's "
                     "modification time", exc, Path(root) / artifact.CURRENT)
     try:
-        return (Path(root) / artifact.CURRENT).stat().st_mtime
+        mtime = (Path(root) / artifact.CURRENT).stat().st_mtime
     except OSError:
         return None
+    if _in_future(mtime, now):
+        log.warning("%s was modified at %s, in the future (more than %g s ahead of this host's clock); not trusted: "
+                    "the live version's publish time is unknown", Path(root) / artifact.CURRENT, _when(mtime),
+                    MAX_CLOCK_SKEW_S)
+        return None
+    return mtime
 
 
 def restore_last_success(root: Path) -> dt.datetime | None:
@@ -187,7 +232,9 @@ def restore_last_success(root: Path) -> dt.datetime | None:
     (``last_run.json`` missing or unreadable: a fresh state dir, a deleted file, a new container with the publish root
     mounted) the gauge is set from the live version's publish time (:func:`live_published_at`); it stays 0 only when
     nothing is live (with a staleness alert on it, that alert fired at once although a version was serving). Returns
-    the record alone (the scheduler's catch-up at start counts recorded runs, ``scheduler.missed_run``)."""
+    the record alone (the scheduler's catch-up at start counts recorded runs, ``scheduler.missed_run``). A record in
+    the future (beyond :data:`MAX_CLOCK_SKEW_S`) is no record (:func:`read_last_success`): the gauge then comes from
+    the live version, and the catch-up counts no success."""
     when = read_last_success(root)
     if when is not None:
         metrics.restore_last_success(when.timestamp())
