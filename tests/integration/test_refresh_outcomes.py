@@ -55,7 +55,9 @@ def env(stack: Any, tmp_path: Path, trained: Path,
     counts = DailyCounts(redis_client, prefix=prefix)
     counts.record("item", "impression", ITEMS[:5], np.full(5, DAY_MS))
     counts.record("user", "impression", USERS[:5], np.full(5, DAY_MS))
-    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", days=100_000, hot_items=5,
+    # days=7: the window ends at the latest day with counts (DAY_MS's), not today, so a week holds them. 100_000 days
+    # cost each refresh ~200,000 HMGETs: the hot set's names are looked for day by day, and these ids have none
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", days=7, hot_items=5,
                          hot_users=5, small_field_rows=0, holdout_messages=0, redis_attempts=1, alerts_topic="")
     return rs, KafkaSettings(bootstrap_servers=stack.bootstrap_servers), RedisSettings(url=stack.redis_url,
                                                                                         prefix=prefix)
