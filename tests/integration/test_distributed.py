@@ -29,6 +29,11 @@ from tests.integration.test_learner import sample_batch
 PARTITIONS = 4
 MESSAGES = 40  # per run: 40 messages of ROWS rows over PARTITIONS partitions
 ROWS = 100
+# --exit-when-idle where every sample was produced before the learner started: each run ends only this long after
+# its last sample arrived (a sample that has not arrived within it would end the run short). The clock starts once the
+# consumer is assigned, and a pre-produced message from the local broker comes within a fetch (0.2 s): 2 s is ample;
+# 4 s (before) cost every one-process and torchrun run 2 s more. Tests producing while a run is on set their own.
+IDLE_S = 2
 
 
 def produce(kafka: KafkaSettings, seed: int = 5, messages: int = MESSAGES, first: int = 0) -> dict[int, int]:
@@ -71,7 +76,7 @@ def env_for(kafka: KafkaSettings, **extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(ranks: int, ckpt: Path, *flags: str, max_restarts: int = 2, idle_s: float = 4) -> list[str]:
+def torchrun(ranks: int, ckpt: Path, *flags: str, max_restarts: int = 2, idle_s: float = IDLE_S) -> list[str]:
     """``streamrec train`` on ``ranks`` ranks. ``max_restarts``: a rank aborted about once in ten runs here
     ("terminate called without an active exception", SIGABRT): at its exit, gloo's threads outliving
     ``destroy_process_group`` (fixed 2026-12-03 in ``sharded_daemon.run_ranks``, shown with a timing amplifier, not
@@ -102,7 +107,7 @@ def one_process_and_two_ranks(env: dict[str, str], tmp_path: Path) -> tuple[dict
     stream at the same global step: 2 ranks x 50 rows against 1 x 100 (the loss is each rank's mean, DDP averages
     the dense gradients, row-wise Adagrad's step does not depend on the gradient's scale)."""
     one = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(tmp_path / "one"),
-                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", "4", "--json"],
+                          "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", str(IDLE_S), "--json"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(torchrun(2, tmp_path / "two", "--step-rows", "50"), env=env, capture_output=True, text=True,
