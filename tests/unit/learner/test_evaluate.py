@@ -256,8 +256,10 @@ def test_platt_scaling_recovers_a_known_miscalibration_and_keeps_the_order() -> 
 # -- the delayed protocol (learner/evaluation/delayed.py) --------------------------------------------------
 # The policies' plumbing on 10 k ratings (40 steps), with a bias at 0 and no Adagrad starting sum: the daemon's
 # defaults (BaseRateBias, initial_accumulator) start slower on so short a stream (served AUC 0.548 under `wait`).
+# One torch thread (EvalConfig's default is 2): under `pytest -n 2` on 2 cores two workers' 2 threads each
+# oversubscribe the cores and these small steps slowed 3-8x (the cold-start test: 2.8 s alone, 9-22 s beside another).
 DELAYED_SMALL = {"mlp": (32,), "id_buckets": 20_000, "zip_buckets": 20_000, "ctx_buckets": 2_000, "batch_size": 256,
-                 "init_bias": False, "initial_accumulator": 0.0}
+                 "init_bias": False, "initial_accumulator": 0.0, "threads": 1}
 
 
 @pytest.mark.parametrize("emission", ["wait", "window", "fake_negative", "es_dfm"])
@@ -288,7 +290,8 @@ def test_delayed_protocol_is_deterministic_and_the_window_policy_trains_a_window
 def test_cold_start_variants_run_through_the_delayed_protocol() -> None:
     from learner.cold_start import evaluate_cold_start
 
-    d = evaluate_cold_start("ml-1m", 0, config={"mlp": (16,), "emission": "fake_negative", "ctx_buckets": 2_000},
+    d = evaluate_cold_start("ml-1m", 0, config={"mlp": (16,), "emission": "fake_negative", "ctx_buckets": 2_000,
+                                                "threads": 1},  # as DELAYED_SMALL's
                             limit=6_000, protocol="delayed")
     assert d["protocol"] == "cold-start/delayed" and set(d["variants"]) == {"zero", "buckets", "admission"}
     for v in d["variants"].values():
