@@ -196,6 +196,7 @@ class PartitionJoin:
         self._top: list[list[int]] = [[], []]  # per input: min-heap of the k largest event times
         self.offsets = [_NO_OFFSET, _NO_OFFSET]
         self.next_seq = 0
+        self.newest_seq = -1  # the newest chunk's seq (the next one's may be further on: ``continue_at``)
         self._chunks: list[tuple[int, int]] = []  # heap of (retire_at event time, seq)
 
     # -- the batch step ------------------------------------------------------------------------
@@ -348,7 +349,7 @@ class PartitionJoin:
             out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
                                    max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]))
             heapq.heappush(self._chunks, (retire_at, seq))
-            self.next_seq = seq + 1
+            self.next_seq, self.newest_seq = seq + 1, seq
         out.retired = self._retire()
         return out
 
@@ -474,7 +475,7 @@ class PartitionJoin:
         wm = self.watermark
         retired = []
         # The newest chunk always stays: it holds the offsets and max event time.
-        while wm is not None and self._chunks and self._chunks[0][0] <= wm and self._chunks[0][1] < self.next_seq - 1:
+        while wm is not None and self._chunks and self._chunks[0][0] <= wm and self._chunks[0][1] < self.newest_seq:
             retired.append(heapq.heappop(self._chunks)[1])
         return retired
 
@@ -522,6 +523,7 @@ class PartitionJoin:
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
+            self.newest_seq = max(self.newest_seq, c.seq)
         self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
         for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
             if t is not None:
@@ -534,3 +536,10 @@ class PartitionJoin:
         # Everything the stored watermark already expired was emitted before the state was written.
         self._expire(BatchResult())
         return self
+
+    def continue_at(self, seq: int) -> None:
+        """Number this partition's next chunk ``seq`` (past every one in the log): a new owner's chunks start past
+        the seqs it fences off (``state_log.py``, "Fencing")."""
+        if seq <= self.newest_seq:
+            raise ValueError(f"partition {self.partition}: chunk {seq} would not follow chunk {self.newest_seq}")
+        self.next_seq = seq

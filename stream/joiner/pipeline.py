@@ -83,7 +83,15 @@ from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Pending, Sample
 from stream.joiner.gc_pacing import GcPacing
 from stream.joiner.sample_rows import batches_later
-from stream.joiner.state_log import MAX_RECORD_BYTES, chunk_key, encode_chunk, load_chunks, state_topic
+from stream.joiner.state_log import (
+    MAX_RECORD_BYTES,
+    chunk_key,
+    claim_key,
+    encode_chunk,
+    load_chunks,
+    next_claim,
+    state_topic,
+)
 from stream.kafka import (
     AckedProducer,
     ensure_compacted,
@@ -438,19 +446,31 @@ class JoinPipeline:
         self.strikes.reload(missing, self._committed)
         t0 = time.monotonic()
         empty: list[int] = []
-        for partition, (chunks, parts, incomplete) in load_chunks(self.kafka, self.state_topic, missing).items():
+        restored: dict[int, PartitionJoin] = {}
+        for partition, plog in load_chunks(self.kafka, self.state_topic, missing).items():
+            chunks, parts, incomplete = plog.chunks, plog.parts, plog.incomplete
             self._parts.update({(partition, seq): n for seq, n in parts.items() if seq not in incomplete})
             # A chunk left incomplete by a stop is removed (a seq written again later writes its own parts after this)
             for seq in incomplete:
                 for part in range(parts[seq]):
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
+            for seq, numbers in plog.fenced_out.items():  # a stale owner's chunk: removed as well
+                for part in numbers:
+                    self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
-            self.engines[partition] = eng
+            # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
+            # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
+            claim, start = next_claim(plog)
+            self.producer.send(self.state_topic, claim, claim_key(partition), partition=partition)
+            eng.continue_at(start)
+            restored[partition] = eng
             if chunks:
                 log.info("partition %d: restored %d pending impressions from %d state chunks (offsets %s)",
                          partition, len(eng.pending), len(chunks), eng.offsets)
-            elif not incomplete:
+            elif not incomplete and not plog.fenced_out:
                 empty.append(partition)
+        self.producer.flush()  # the claims (and removals) durable, or no partition is restored: asked again
+        self.engines.update(restored)
         if empty and say_lost:
             self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0

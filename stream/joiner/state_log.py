@@ -20,6 +20,22 @@ retired no longer mattered. Parts of an older write of the same seq (a batch wri
 in fewer parts) are left out the same way. Records without ``parts`` (written before it existed) are taken as they
 are, except a chunk without its part 0: that one was being retired.
 
+Fencing: a partition has one owner at a time only as far as the group knows. A member that stalls past its session
+(a long GC pause, a swapping or stopped host) loses its partitions to another member, which restores them from this
+log; the stalled one wakes with a batch in hand and finishes it, writing a chunk, before its next poll tells it the
+partition is gone. Its chunk numbered ``seq`` as the new owner's next one was (both continue from the newest chunk in
+the log), so a later restore read the new owner's chunk replaced by the stale one (compaction keeps the last record of
+a key): clicks the new owner had joined or kept waiting were lost and their impressions went out labelled 0. There are
+no broker transactions here, so each owner fences the seqs a stale writer could use: at every restore it writes a
+claim (key ``"{partition}:claim"``) listing the ranges no chunk may come from, the newest ``[top + 1, top +
+FENCE_SPAN]`` past the highest seq in the log (``top``), and numbers its own chunks from ``top + FENCE_SPAN + 1``. A
+chunk in a fenced range (the stale writer's next seqs) is left out of every restore and removed by the one that
+finds it. The claim keeps the last ``FENCED_KEEP`` ranges, so a writer stalled over many owners is still fenced off.
+Not fenced: the stale writer's samples (duplicates of the batch the new owner does again, with the same labels: both
+join the same input from the same state) and its tombstones (those retire chunks whose impressions it emitted), and a
+member that stalls between reading the log and writing its claim (a claim of its own, later, would drop the newer
+owner's ranges). A joiner older than the claim cannot read a log that has one (a ``StateLogError`` naming the key).
+
 The record goes to the same partition number as the input partition it describes, and is written
 after the batch's samples are acknowledged and before the batch's input offsets are acknowledged
 to faust: committed offsets never run ahead of durable state. Events between the committed offset
@@ -68,6 +84,35 @@ class StateLogError(StreamError):
 
 def chunk_key(partition: int, seq: int, part: int = 0) -> bytes:
     return f"{partition}:{seq}:{part}".encode()
+
+
+FENCE_SPAN = 1 << 16  # seqs fenced off past the log's highest at each claim: far more than a stale writer's batches
+FENCED_KEEP = 64  # fenced ranges a claim keeps (one per owner change)
+Fenced = list[tuple[int, int]]  # inclusive seq ranges no chunk may come from, oldest first
+
+
+def claim_key(partition: int) -> bytes:
+    return f"{partition}:claim".encode()
+
+
+def encode_claim(fenced: Fenced) -> bytes:
+    return orjson.dumps({"fenced": [[lo, hi] for lo, hi in fenced]})
+
+
+def _decode_claim(value: bytes) -> Fenced:
+    ranges = orjson.loads(value)["fenced"]
+    out = [(int(lo), int(hi)) for lo, hi in ranges]
+    if any(type(v) is not int for pair in ranges for v in pair) or any(lo > hi for lo, hi in out):
+        raise ValueError(f"fenced ranges must be [low, high] pairs of integers, got {clip(repr(ranges), 200)}")
+    return out
+
+
+def next_claim(log: PartitionLog) -> tuple[bytes, int]:
+    """The claim a new owner of ``log``'s partition writes, and the seq its first chunk takes (module docstring,
+    "Fencing")."""
+    top = max([log.top, *(hi for _, hi in log.fenced)])
+    start = top + FENCE_SPAN + 1
+    return encode_claim([*log.fenced, (top + 1, start - 1)][-FENCED_KEEP:]), start
 
 
 _LISTS = ("joined", "waiting", "evicted", "unwaited")  # the chunk's lists in the header, in item order (then added)
@@ -193,6 +238,9 @@ class PartitionLog(NamedTuple):
     chunks: list[StateChunk]  # the live, complete chunks (tombstones applied)
     parts: dict[int, int]  # seq -> how many part keys it has in the log (all of them to tombstone when retired)
     incomplete: dict[int, list[int]]  # seq -> the part numbers in the log of a chunk left out, not all there
+    fenced: Fenced = []  # the claim's fenced ranges (module docstring, "Fencing"); [] without a claim
+    fenced_out: dict[int, list[int]] = {}  # seq -> the part numbers in the log of a chunk in a fenced range
+    top: int = -1  # the highest seq of any chunk record in the log (left out or not); -1 when none
 
 
 def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
@@ -233,14 +281,32 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
     for p, records in live.items():
         by_seq: dict[int, dict[int, tuple[dict[str, Any], bytes]]] = {}
         where: dict[int, int] = {}  # seq -> offset of a record of it, for an error about the chunk
+        fenced: Fenced = []
+        raw_parts: dict[int, list[tuple[int, bytes]]] = {}  # seq -> (part, value): read once the claim is known
         for key, (offset, value) in records.items():
             try:
+                if key == claim_key(p):
+                    fenced = _decode_claim(value)
+                    continue
                 _, seq_text, part_text = key.decode().split(":")
                 seq, part = int(seq_text), int(part_text)
-                by_seq.setdefault(seq, {})[part] = _split(value)
+                raw_parts.setdefault(seq, []).append((part, value))
             except Exception as exc:  # noqa: BLE001 - whatever the damage, it is named with the record
                 raise _unreadable(topic, p, key, offset, exc) from exc
             where[seq] = offset
+        fenced_out: dict[int, list[int]] = {}
+        for seq, values in raw_parts.items():
+            if any(lo <= seq <= hi for lo, hi in fenced):  # a stale owner's, written after the partition moved on
+                fenced_out[seq] = sorted(part for part, _ in values)
+                log.warning("state log %s partition %d: chunk %d is in a range fenced off by a later owner (it was "
+                            "written by a member that had lost the partition: a stall past its session); left out "
+                            "of the restore and removed", topic, p, seq)
+                continue
+            for part, value in values:
+                try:
+                    by_seq.setdefault(seq, {})[part] = _split(value)
+                except Exception as exc:  # noqa: BLE001
+                    raise _unreadable(topic, p, chunk_key(p, seq, part), where[seq], exc) from exc
         chunks: list[StateChunk] = []
         incomplete: dict[int, list[int]] = {}
         for seq, parts in by_seq.items():
@@ -255,7 +321,8 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
                 log.warning("state log %s partition %d: chunk %d is incomplete (%s); left out of the restore (a "
                             "chunk being written was not committed and its batch is read again; one being retired "
                             "no longer mattered)", topic, p, seq, why)
-        out[p] = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete)
+        out[p] = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete, fenced,
+                              fenced_out, max(raw_parts, default=-1))
     return out
 
 

@@ -184,12 +184,13 @@ def test_malformed_records_are_dead_lettered_with_reasons_and_the_rest_of_the_ba
 
 def test_forget_drops_a_partition_and_the_next_batch_restores_it_from_the_state_log(
         kafka: KafkaSettings, make, settings: JoinerSettings) -> None:
-    from stream.joiner.state_log import state_topic
+    from stream.joiner.state_log import FENCE_SPAN, chunk_key, claim_key, state_topic
 
     p = make()
     p.process([imp(kafka, 3, 0, "y", T0, user="u9")])
     assert set(p.engines) == {3} and "y" in p.engines[3].pending
-    assert [r.key for r in read_topic(kafka, state_topic(settings.app_id))] == [b"3:0:0"]  # the batch's chunk, on p3
+    # this owner's claim, then the batch's chunk (numbered past the fenced seqs), on p3
+    assert [r.key for r in read_topic(kafka, state_topic(settings.app_id))] == [claim_key(3), chunk_key(3, FENCE_SPAN)]
     p.forget({3})  # revoked: the in-memory state goes, the state log keeps it
     assert p.engines == {}
     # redelivered from the last commit: y again (skipped, its offset is in the restored state) and its click

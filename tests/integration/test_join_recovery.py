@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from stream.config import KafkaSettings
 from stream.counts import DailyCounts
 from stream.features import hash_value
 from stream.joiner.kafka_driver import KafkaJoinWorker
-from stream.joiner.state_log import StateLogError, encode_chunk, state_topic
+from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_key, encode_chunk, state_topic
 from stream.kafka import AckedProducer, admin_config, consumer_config
 from stream.strikes import STRIKES_TTL_S
 from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
@@ -56,7 +57,7 @@ def test_a_state_chunk_half_written_when_the_process_stopped_loses_no_impression
     monkeypatch.setattr(first.producer, "send", stop_before_part_1)
     with pytest.raises(Stopped):
         first.process(records)
-    assert [r.key for r in read_topic(kafka, topic)] == [b"0:0:0"]
+    assert [r.key for r in read_topic(kafka, topic)] == [claim_key(0), chunk_key(0, FENCE_SPAN)]
     again = make()  # nothing was committed: the driver reads the batch again
     again.process(records)
     again.drain()
@@ -86,7 +87,8 @@ def test_the_rest_of_a_state_chunk_being_retired_when_the_process_stopped_is_lef
     first = make()
     first.process([imp(kafka, 0, i, f"imp-{i:03d}", T0 + i, tag="y" * 40) for i in range(60)]
                   + [click(kafka, 0, 0, "imp-007", T0 + 100)])
-    parts = first._parts[(0, 0)]
+    seq = first.engines[0].newest_seq  # the first chunk of this owner's (state_log.py, "Fencing")
+    parts = first._parts[(0, seq)]
     assert parts > 1
     topic = state_topic(first.js.app_id)
     send = first.producer.send
@@ -94,19 +96,20 @@ def test_the_rest_of_a_state_chunk_being_retired_when_the_process_stopped_is_lef
     def stop_after_a_tombstone(to: str, value: Any, key: Any = None, headers: Any = None,
                                partition: Any = None) -> None:
         send(to, value, key, headers, partition)
-        if to == topic and value is None and key == b"0:0:0":
+        if to == topic and value is None and key == chunk_key(0, seq):
             first.producer.flush()
             raise Stopped
 
     monkeypatch.setattr(first.producer, "send", stop_after_a_tombstone)
     with pytest.raises(Stopped):  # event time past the window and late retention: chunk 0 retires
         first.process([imp(kafka, 0, 60, "later", T0 + 4_000_000), click(kafka, 0, 1, "later", T0 + 4_000_001)])
-    assert live_keys(kafka, topic) == sorted([b"0:1:0", *(b"0:0:%d" % i for i in range(1, parts))])
+    assert live_keys(kafka, topic) == sorted([claim_key(0), chunk_key(0, seq + 1),
+                                              *(chunk_key(0, seq, i) for i in range(1, parts))])
     again = make()
     again.restore({0})
     assert set(again.engines[0].pending) == {"later"} and again.engines[0].offsets == [60, 1]
     again.producer.flush()
-    assert live_keys(kafka, topic) == [b"0:1:0"]
+    assert live_keys(kafka, topic) == sorted([claim_key(0), chunk_key(0, seq + 1)])
 
 
 def test_a_batch_of_orphan_clicks_with_long_ids_is_joined_in_state_parts_under_the_message_limit(
@@ -127,12 +130,15 @@ def test_a_batch_of_orphan_clicks_with_long_ids_is_joined_in_state_parts_under_t
 def test_an_unreadable_state_record_stops_the_restore_naming_it(kafka: KafkaSettings, make) -> None:
     """It used to raise orjson's 'unexpected end of data' (or an Arrow error) naming neither the topic, the
     partition nor the record."""
-    make().process([imp(kafka, 0, 0, "a", T0)])
+    first = make()
+    first.process([imp(kafka, 0, 0, "a", T0)])  # offset 0 the claim, 1 the chunk
     producer = AckedProducer(kafka)
-    topic = state_topic(make().js.app_id)
-    producer.send(topic, b'SRJ1\x00\x00\x00\x40{"seq":1,', b"0:1:0", partition=0)  # truncated
+    topic = state_topic(first.js.app_id)
+    key = chunk_key(0, first.engines[0].next_seq)  # the owner's next chunk: not fenced off
+    producer.send(topic, b'SRJ1\x00\x00\x00\x40{"seq":1,', key, partition=0)  # truncated
     producer.flush()
-    with pytest.raises(StateLogError, match=rf"state log {topic} partition 0: the record b'0:1:0' \(offset 1"):
+    with pytest.raises(StateLogError, match=rf"state log {topic} partition 0: the record {re.escape(repr(key))} "
+                                            r"\(offset 2"):
         make().restore({0})
 
 
@@ -376,3 +382,40 @@ def test_strikes_below_the_groups_committed_offset_are_dropped_from_redis_when_t
     assert set(restarted.strikes.counts) == {(t, 0, 7), (t, 1, 2)}
     fields = {k.decode() if isinstance(k, bytes) else k for k in redis_client.hkeys(store_key)}
     assert fields == {f"{t}:0:7", f"{t}:1:2"}
+
+
+def test_a_stalled_owners_late_chunk_is_fenced_off_and_the_new_owners_joins_survive_a_restore(
+        kafka: KafkaSettings, make) -> None:
+    """Owner A stalls past its session with a batch in hand; B takes partition 0 over from the state log and joins a
+    click; A wakes and writes its batch's chunk before it learns the partition is gone. Both numbered that chunk as
+    the one after the newest in the log, so A's replaced B's (the last record of a key wins): a later restore lost
+    B's joined click and its impression went out labelled 0 (the frozen-joiner fault test, faust driver). Now B's
+    claim fences A's next seqs off: A's chunk is left out of every restore and removed."""
+    a = make()
+    a.process([imp(kafka, 0, 0, "x", T0), imp(kafka, 0, 1, "y", T0 + 1)])
+    b = make()  # the group gave partition 0 to B
+    b.process([click(kafka, 0, 0, "x", T0 + 50)])
+    assert b.engines[0].pending["x"].click_ts == T0 + 50
+    a.process([imp(kafka, 0, 2, "stale", T0 + 2)])  # A wakes: its batch in hand, joined and written
+    c = make()  # whoever restores partition 0 next
+    c.restore({0})
+    eng = c.engines[0]
+    assert eng.pending["x"].click_ts == T0 + 50 and "stale" not in eng.pending and eng.offsets == [1, 0]
+    stale = chunk_key(0, a.engines[0].newest_seq)
+    c.producer.flush()
+    assert stale not in live_keys(kafka, state_topic(c.js.app_id))  # removed by the restore that found it
+
+
+def test_a_claim_fences_the_seqs_past_the_log_and_keeps_the_ranges_before() -> None:
+    from stream.joiner.state_log import FENCED_KEEP, PartitionLog, _decode_claim, next_claim
+
+    claim, start = next_claim(PartitionLog([], {}, {}))
+    assert _decode_claim(claim) == [(0, FENCE_SPAN - 1)] and start == FENCE_SPAN
+    claim, start = next_claim(PartitionLog([], {}, {}, _decode_claim(claim), {}, start + 3))
+    assert _decode_claim(claim) == [(0, FENCE_SPAN - 1), (FENCE_SPAN + 4, 2 * FENCE_SPAN + 3)]
+    assert start == 2 * FENCE_SPAN + 4
+    many = [(i * 10, i * 10 + 5) for i in range(FENCED_KEEP)]
+    claim, start = next_claim(PartitionLog([], {}, {}, many, {}))
+    assert _decode_claim(claim) == [*many[1:], (many[-1][1] + 1, many[-1][1] + FENCE_SPAN)]
+    with pytest.raises(ValueError, match="pairs of integers"):
+        _decode_claim(b'{"fenced": [[3, 1]]}')
