@@ -80,6 +80,9 @@ from stream.tls import client_context
 
 log = logging.getLogger("streamrec.join")
 
+_IDLE_TICK_S = 0.25  # how often the idle check runs
+_STALL_S = 2.0  # a gap between two idle checks longer than this is a stall, not idleness (FaustJoinWorker._idle_check)
+
 # librdkafka properties of [kafka.extra] that the faust driver maps: onto the TLS context (broker_credentials), and
 # onto faust's per-partition fetch size (_fetch_bytes).
 _FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification",
@@ -140,7 +143,7 @@ class FaustJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self.exit_code = 0
-        self._idle_since = time.monotonic()
+        self._idle_since = self._last_tick = time.monotonic()
         self._busy = False
         self._records_in_hand = 0
         self._stopping = False
@@ -182,7 +185,7 @@ class FaustJoinWorker:
                                    dropped=self._drop_held))
         # Subscribed through faust's Conductor as an agent's topic would be; delivered in batches by faust_delivery.
         app.topics.add(app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw"))
-        app.timer(0.25)(self._idle_check)
+        app.timer(_IDLE_TICK_S)(self._idle_check)
         # faust calls these with (sender, partitions); its signal stubs declare another signature
         app.on_partitions_revoked.connect(self._on_revoked)  # type: ignore[arg-type]
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]
@@ -286,9 +289,19 @@ class FaustJoinWorker:
             self.app.consumer.resume_partitions({TP(self._topic(k), p) for k, p in resume})
 
     async def _idle_check(self) -> None:
+        """Every ``_IDLE_TICK_S``: end the run once nothing came for ``exit_when_idle_s`` (draining first with
+        ``drain_at_exit``). A gap between two ticks longer than ``_STALL_S`` is a stall (the process stopped, a long GC
+        pause or a swapping host; a batch that kept the loop busy), not idleness: idleness counts afresh from it. A
+        member woken from a stall past its session had lost its partitions, which faust tells it only a heartbeat
+        later: taken for idle at once, it drained its stale joins, their pending impressions out as samples labelled
+        0 whose clicks the partitions' new owner had joined already (the frozen-joiner fault test)."""
+        now = time.monotonic()
+        stalled, self._last_tick = now - self._last_tick > _STALL_S, now
+        if stalled:
+            self._idle_since = now
+            return
         limit = self.js.exit_when_idle_s
-        if limit is None or self._stopping or self._busy or self._records_in_hand or \
-                time.monotonic() - self._idle_since < limit:
+        if limit is None or self._stopping or self._busy or self._records_in_hand or now - self._idle_since < limit:
             return
         if self.pipeline.held_counts:  # never end a run with records held: the next batch joins them all
             self._join_held = True

@@ -1,0 +1,72 @@
+"""The faust driver's idle exit does not take a stall for idleness. A joiner stopped past its group session (SIGSTOP,
+a long GC pause, a swapping host) woke with its idle clock 12 s on: its first idle check ended the run at once and,
+with ``--drain``, drained the joins it held, stale by then (the group had given its partitions to another member):
+their pending impressions went out as samples labelled 0 although the new owner had joined their clicks (the
+frozen-joiner fault test in tests/integration/test_faults.py, faust driver)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from stream.joiner import worker as worker_module
+from stream.joiner.worker import FaustJoinWorker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def idle_worker(clock: Clock, drained: list[float]) -> FaustJoinWorker:
+    """A worker with just what ``_idle_check`` reads: no records held, nothing paused, ``--exit-when-idle 10 --drain``
+    (its real construction needs a pipeline on a broker)."""
+    w = FaustJoinWorker.__new__(FaustJoinWorker)
+
+    async def commit() -> None:
+        return None
+
+    w.js = SimpleNamespace(exit_when_idle_s=10.0, drain_at_exit=True)  # type: ignore[assignment]
+    w.pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None,  # type: ignore[assignment]
+                                 drain=lambda: drained.append(clock.t))
+    w.pauses = SimpleNamespace(paused=set())  # type: ignore[assignment]
+    w.app = SimpleNamespace(consumer=SimpleNamespace(commit=commit))  # type: ignore[assignment]
+    w.worker = None
+    w.exit_code, w._busy, w._records_in_hand, w._stopping, w._assigned = 0, False, 0, False, {0}
+    w._idle_since = w._last_tick = clock.t
+    return w
+
+
+def tick_until(w: FaustJoinWorker, clock: Clock, end: float, every: float = 0.25) -> None:
+    async def run() -> None:
+        while clock.t < end and not w._stopping:
+            clock.t += every
+            await w._idle_check()
+    asyncio.run(run())
+
+
+def test_a_stall_past_the_idle_limit_is_not_idleness_and_idleness_counts_afresh_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr(worker_module.time, "monotonic", clock)
+    w = idle_worker(clock, drained)
+    tick_until(w, clock, 3.0)  # ticking, idle for 3 s
+    clock.t += 12.0  # the process stopped for 12 s
+    asyncio.run(w._idle_check())
+    assert drained == [] and not w._stopping  # the first check after it: no exit, no drain of stale joins
+    woke = clock.t
+    tick_until(w, clock, woke + 20.0)
+    assert w._stopping and drained == [pytest.approx(woke + 10.0, abs=0.3)]  # 10 s of ticking idleness after it
+
+
+def test_idleness_without_a_stall_ends_the_run_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr(worker_module.time, "monotonic", clock)
+    w = idle_worker(clock, drained)
+    tick_until(w, clock, 30.0)
+    assert w._stopping and drained == [pytest.approx(10.0, abs=0.3)]
