@@ -403,9 +403,9 @@ def test_a_joiner_frozen_past_its_session_while_another_takes_over_loses_and_mis
     driver passed): the stale member finished its batch in hand and wrote its state chunk under the seq the new owner
     had used, so a later restore lost the new owner's joined clicks (now fenced off: state_log.py, "Fencing"), and
     its idle clock counted the stall, so it drained its stale joins as samples labelled 0 at once (now a stall is no
-    idleness: worker.py, ``_idle_check``). Out of CI (``-m slow``; ``make faults`` runs it): ~50 s a driver and
+    idleness in either driver). Out of CI (``-m slow``; ``make faults`` runs it): ~50 s a driver and
     round; CI has the frozen-broker and rebalance tests above and tests of both causes
-    (tests/integration/test_join_recovery.py, tests/unit/stream/test_faust_idle_stall.py)."""
+    (tests/integration/test_join_recovery.py, tests/unit/stream/test_idle_stall.py)."""
     session_s = kafka.session_timeout_ms / 1000
     rnd = random.Random(fault_rounds)
     for r in range(fault_rounds):

@@ -1,12 +1,13 @@
-"""The faust driver's idle exit does not take a stall for idleness. A joiner stopped past its group session (SIGSTOP,
+"""Neither driver's idle exit takes a stall for idleness. A joiner stopped past its group session (SIGSTOP,
 a long GC pause, a swapping host) woke with its idle clock 12 s on: its first idle check ended the run at once and,
 with ``--drain``, drained the joins it held, stale by then (the group had given its partitions to another member):
 their pending impressions went out as samples labelled 0 although the new owner had joined their clicks (the
-frozen-joiner fault test in tests/integration/test_faults.py, faust driver)."""
+frozen-joiner fault test in tests/integration/test_faults.py, faust driver; the kafka driver had the same check)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -70,3 +71,49 @@ def test_idleness_without_a_stall_ends_the_run_at_the_limit(monkeypatch: pytest.
     w = idle_worker(clock, drained)
     tick_until(w, clock, 30.0)
     assert w._stopping and drained == [pytest.approx(10.0, abs=0.3)]
+
+
+class StalledConsumer:
+    """librdkafka's consumer as a member woken from a stall sees it: the first poll returns after the stall, with
+    nothing, and the assignment still looks held; every later poll waits out its timeout."""
+
+    def __init__(self, clock: Clock, stall_s: float) -> None:
+        self.clock, self.stall_s = clock, stall_s
+
+    def subscribe(self, topics: list[str], **_: object) -> None:
+        pass
+
+    def consume(self, n: int, timeout: float) -> list[object]:
+        self.clock.t += self.stall_s or timeout
+        self.stall_s = 0.0
+        return []
+
+    def assignment(self) -> list[object]:
+        return [object()]
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_kafka_driver_does_not_take_a_stall_for_idleness(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stream.config import KafkaSettings
+    from stream.joiner import kafka_driver
+    from stream.joiner.config import JoinerSettings
+
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr(kafka_driver.time, "monotonic", clock)
+    w = kafka_driver.KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
+                                     JoinerSettings(exit_when_idle_s=10.0, drain_at_exit=True))
+    w.consumer.close()
+    w.consumer = StalledConsumer(clock, stall_s=12.0)  # type: ignore[assignment]
+    w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}),  # type: ignore[assignment]
+                                 restore=lambda _p: None, drain=lambda: drained.append(clock.t))
+    monkeypatch.setattr(w, "_apply_gate", lambda: set())
+    monkeypatch.setattr(w, "_commit", lambda: None)
+    try:
+        assert w.run() == 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # woken at 12 s: the drain comes after 10 s of polls that brought nothing, not at the first one
+    assert drained and drained[0] >= 12.0 + 10.0
