@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +18,20 @@ from pathlib import Path
 @contextlib.contextmanager
 def fed_fifo(path: Path, content: bytes) -> Iterator[Path]:
     """A FIFO at ``path`` whose writer (a thread) writes ``content`` to the first reader that opens it, then closes.
-    At exit a reader is opened without blocking (so that the writer's open returns), drained until the writer ends."""
+    At exit a reader is opened without blocking (so that the writer's open returns), drained until the writer ends.
+
+    The writer and that reader open the FIFO through a hard link of their own (in a directory of their own), not
+    through ``path``: the code under test may replace what is at ``path`` (a state file written anew over the FIFO),
+    and then a writer not started yet wrote ``content`` into the new file, and one blocked in its open waited for
+    good, the reader at exit opening the new file instead (a test hung on a loaded machine: 300 s, pytest-timeout)."""
     os.mkfifo(path)
+    own = Path(tempfile.mkdtemp(prefix="fifo-", dir=path.parent.parent))  # the same file system: a hard link works
+    fifo = own / "fifo"
+    os.link(path, fifo)
 
     def feed() -> None:
         with contextlib.suppress(OSError):  # EPIPE: the reader refused it unread and closed at once
-            with open(path, "wb") as fh:  # waits for a reader
+            with open(fifo, "wb") as fh:  # waits for a reader
                 fh.write(content)
 
     writer = threading.Thread(target=feed, daemon=True)
@@ -29,7 +39,7 @@ def fed_fifo(path: Path, content: bytes) -> Iterator[Path]:
     try:
         yield path
     finally:  # drained until the writer is done: one blocked on a content over the pipe's buffer, its reader gone
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         try:
             while writer.is_alive():
                 select.select([fd], [], [], 0.05)
@@ -38,3 +48,4 @@ def fed_fifo(path: Path, content: bytes) -> Iterator[Path]:
             writer.join()
         finally:
             os.close(fd)
+            shutil.rmtree(own, ignore_errors=True)
