@@ -113,6 +113,12 @@ class DeliveryFailed(StreamError):
     """Messages were not acknowledged by the broker."""
 
 
+class PartitionLost(StreamError):
+    """Another member took over a partition this one still held (it stalled past its session): what it joined of it
+    is not written. No message's fault: the worker rewinds like after a broker failure (``stream.strikes``), and its
+    next poll tells it the partition is gone."""
+
+
 class MessageTooLarge(StreamError):
     """A message larger than the producer may send, or one the broker refused as too large; the caller splits,
     truncates or dead-letters it. ``topic``: where it was going, when known."""

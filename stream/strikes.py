@@ -42,7 +42,7 @@ from typing import Protocol
 import redis
 from confluent_kafka import KafkaException
 
-from stream.errors import DeliveryFailed, clip
+from stream.errors import DeliveryFailed, PartitionLost, clip
 from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, RedisFailure
 
@@ -101,7 +101,8 @@ def is_infrastructure(exc: BaseException) -> bool:
         return _server_state(exc)
     if isinstance(exc, redis.DataError):
         return False
-    return isinstance(exc, KafkaException | DeliveryFailed | redis.RedisError | OSError | TimeoutError | MemoryError)
+    return isinstance(exc, KafkaException | DeliveryFailed | PartitionLost | redis.RedisError | OSError | TimeoutError
+                      | MemoryError)
 
 
 def _text(key: Key) -> str:

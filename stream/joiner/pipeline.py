@@ -70,7 +70,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts, new_write_id
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, ConfigError, MessageTooLarge, StreamError, clip, shown
+from stream.errors import BadMessage, ConfigError, MessageTooLarge, PartitionLost, StreamError, clip, shown
 from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
@@ -87,6 +87,7 @@ from stream.joiner.state_log import (
     MAX_RECORD_BYTES,
     chunk_key,
     claim_key,
+    claimed_top,
     encode_chunk,
     load_chunks,
     next_claim,
@@ -436,9 +437,13 @@ class JoinPipeline:
             self.gc.close()
 
     # -- partitions ----------------------------------------------------------------------------
-    def restore(self, partitions: set[int], say_lost: bool = True) -> None:
+    def restore(self, partitions: set[int], say_lost: bool = True, reloaded: dict[int, int] | None = None) -> None:
         """Load the joins of ``partitions`` not held yet from the state log (one read for all); ``say_lost``: log
-        those that have no state but committed input (:meth:`_say_lost_state`)."""
+        those that have no state but committed input (:meth:`_say_lost_state`). ``reloaded``: partitions this owner
+        held and reads again (:meth:`_reload`), with the seq its next chunk takes: its claim stands and none is written
+        (a claim written in the batch of an owner that stalled past its session fenced off the new owner's chunks and
+        let its own through), and where another owner has restored the partition since it is :class:`PartitionLost`,
+        before anything is written."""
         missing = sorted(p for p in partitions if p not in self.engines)
         if not missing:
             return
@@ -449,6 +454,11 @@ class JoinPipeline:
         restored: dict[int, PartitionJoin] = {}
         for partition, plog in load_chunks(self.kafka, self.state_topic, missing).items():
             chunks, parts, incomplete = plog.chunks, plog.parts, plog.incomplete
+            start = (reloaded or {}).get(partition)
+            if start is not None and start <= claimed_top(plog):
+                raise PartitionLost(f"partition {partition} was restored by another member since this one's last "
+                                    f"chunk (its chunk {start} is used or fenced off in {self.state_topic}): this one "
+                                    "stalled past its session; its batch is not written")
             self._parts.update({(partition, seq): n for seq, n in parts.items() if seq not in incomplete})
             # A chunk left incomplete by a stop is removed (a seq written again later writes its own parts after this)
             for seq in incomplete:
@@ -460,8 +470,9 @@ class JoinPipeline:
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
             # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
-            claim, start = next_claim(plog)
-            self.producer.send(self.state_topic, claim, claim_key(partition), partition=partition)
+            if start is None:
+                claim, start = next_claim(plog)
+                self.producer.send(self.state_topic, claim, claim_key(partition), partition=partition)
             eng.continue_at(start)
             restored[partition] = eng
             if chunks:
@@ -940,11 +951,12 @@ class JoinPipeline:
         return res, parts
 
     def _reload(self, partition: int) -> None:
-        """``partition``'s join state as the state log holds it (as it was before the batch in progress)."""
-        self.engines.pop(partition, None)
+        """``partition``'s join state as the state log holds it (as it was before the batch in progress); its next
+        chunk keeps its number (this owner's claim stands)."""
+        seq = self.engines.pop(partition).next_seq
         for key in [k for k in self._parts if k[0] == partition]:
             del self._parts[key]
-        self.restore({partition}, say_lost=False)
+        self.restore({partition}, say_lost=False, reloaded={partition: seq})
 
     def _read_histories(self, res: BatchResult) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None:
         """Each sample's history, sent now (one script call) and read by the returned callable (None: no samples)."""

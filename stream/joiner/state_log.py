@@ -31,6 +31,8 @@ claim (key ``"{partition}:claim"``) listing the ranges no chunk may come from, t
 FENCE_SPAN]`` past the highest seq in the log (``top``), and numbers its own chunks from ``top + FENCE_SPAN + 1``. A
 chunk in a fenced range (the stale writer's next seqs) is left out of every restore and removed by the one that
 finds it. The claim keeps the last ``FENCED_KEEP`` ranges, so a writer stalled over many owners is still fenced off.
+A batch that reads its partition again (``pipeline.JoinPipeline._reload``) is no new owner: it writes no claim and its
+chunks keep their numbers; one that finds its next seq used or fenced off by another owner fails, unwritten.
 Not fenced: the stale writer's samples (duplicates of the batch the new owner does again, with the same labels: both
 join the same input from the same state) and its tombstones (those retire chunks whose impressions it emitted), and a
 member that stalls between reading the log and writing its claim (a claim of its own, later, would drop the newer
@@ -107,10 +109,16 @@ def _decode_claim(value: bytes) -> Fenced:
     return out
 
 
+def claimed_top(log: PartitionLog) -> int:
+    """The highest seq ``log``'s partition has used or fenced off: an owner's next chunk comes past it, or another
+    owner has restored the partition since (``pipeline.JoinPipeline.restore``, a reload)."""
+    return max([log.top, *(hi for _, hi in log.fenced)])
+
+
 def next_claim(log: PartitionLog) -> tuple[bytes, int]:
     """The claim a new owner of ``log``'s partition writes, and the seq its first chunk takes (module docstring,
     "Fencing")."""
-    top = max([log.top, *(hi for _, hi in log.fenced)])
+    top = claimed_top(log)
     start = top + FENCE_SPAN + 1
     return encode_claim([*log.fenced, (top + 1, start - 1)][-FENCED_KEEP:]), start
 

@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient
 import stream.joiner.pipeline as pipeline_module
 from stream.config import KafkaSettings
 from stream.counts import DailyCounts
+from stream.errors import PartitionLost
 from stream.features import hash_value
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_key, encode_chunk, state_topic
@@ -419,3 +420,28 @@ def test_a_claim_fences_the_seqs_past_the_log_and_keeps_the_ranges_before() -> N
     assert _decode_claim(claim) == [*many[1:], (many[-1][1] + 1, many[-1][1] + FENCE_SPAN)]
     with pytest.raises(ValueError, match="pairs of integers"):
         _decode_claim(b'{"fenced": [[3, 1]]}')
+
+
+def test_a_stalled_owner_reloading_its_batch_writes_no_claim_over_the_new_owners_and_fails_the_batch(
+        kafka: KafkaSettings, make) -> None:
+    """A stalled owner woke with a batch in hand holding an impression whose state is over the state topic's limit: the
+    batch reloads its partition from the state log (``_reload``), which was a restore like any other and wrote a claim
+    of its own over the new owner's: its stale chunk came past the new owner's and the new owner's next chunk fell in
+    its fenced range (left out and removed by the next restore: its joined click lost, the impression labelled 0). A
+    reload writes no claim, and one that finds another owner's claim fails the batch, unwritten (a broker failure's
+    rewind, no strikes)."""
+    a = make()
+    a.process([imp(kafka, 0, 0, "x", T0), imp(kafka, 0, 1, "y", T0 + 1)])
+    b = make()  # the group gave partition 0 to B
+    b.process([click(kafka, 0, 0, "x", T0 + 50)])
+    a.state_bytes = 8000  # A wakes with a batch in hand: one impression's state over what a record may be
+    big = imp(kafka, 0, 3, "big", T0 + 3, tags=[f"t{i}" for i in range(1000)])
+    with pytest.raises(PartitionLost, match="partition 0"):
+        a.process([imp(kafka, 0, 2, "stale", T0 + 2), big])
+    assert a.strikes.counts == {}
+    b.process([click(kafka, 0, 1, "y", T0 + 60)])  # B goes on
+    c = make()  # whoever restores partition 0 next
+    c.restore({0})
+    eng = c.engines[0]
+    assert eng.pending["x"].click_ts == T0 + 50 and eng.pending["y"].click_ts == T0 + 60
+    assert "stale" not in eng.pending and eng.offsets == [1, 1]
