@@ -14,6 +14,7 @@
     │   ├── DatasetMissing           a packaged data set is not installed (the message says how)
     │   ├── DeliveryFailed           the broker did not acknowledge produced messages
     │   ├── MessageTooLarge          a message over the producer's message.max.bytes (never sent)
+    │   ├── PartitionLost            another member took over a partition this one held (a stall): batch unwritten
     │   ├── joiner.state_log.StateLogError       a join-state record that cannot be read (restore stops)
     │   └── BadMessage               *skip this message*: it goes to ``<topic>.dlq``, processing continues
     │       └── ValidationError      a decoded event breaks its schema (field, value, expected)
