@@ -62,7 +62,7 @@ _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the con
 # the impressions were paused for their held records (ML-1M: 82 empty polls, 1.9 s of a 34 s span; none at 20 ms).
 _FETCH_QUEUE_BACKOFF_MS = 20
 _BACKOFF_S = (1.0, 30.0)  # after an infrastructure failure: the first wait, and the longest (doubling in between)
-_STALL_S = 2.0  # a fetch longer than batch_within_s by this much was a stall, not idleness (run())
+_STALL_S = 2.0  # a round (fetch, batch, gate) longer than batch_within_s by this much was a stall, not idleness (run())
 
 
 def _records(msgs: list[Message]) -> list[Record]:
@@ -189,20 +189,21 @@ class KafkaJoinWorker:
             while not self._stop:
                 t0 = time.monotonic()
                 msgs = self._fetch()
-                t1 = time.monotonic()
-                self.pipeline.totals.stage_s["fetch"] += t1 - t0  # incl. waiting for data
-                if t1 - t0 > self.js.batch_within_s + _STALL_S:
-                    # a stall (the process stopped, a long GC pause, a swapping host) is no idleness: woken past its
-                    # session, the member learns its partitions are gone a poll later, and taken for idle at once it
-                    # drained its stale joins as samples labelled 0 (as the faust driver did: worker.py)
-                    self._idle_since = t1
+                self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
                 records = _records(msgs)
                 idle = not records
                 if records or self._held:
                     if not self._process(records, self._holds_back if self._hold else None):
                         continue
-                if self._apply_gate() and idle:
-                    self._idle_since = time.monotonic()  # clicks resumed: not idle while they are read
+                resumed = self._apply_gate()
+                if (now := time.monotonic()) - t0 > self.js.batch_within_s + _STALL_S:
+                    # a stall (the process stopped, a long GC pause, a swapping host) is no idleness: woken past its
+                    # session, the member learns its partitions are gone a poll later, and taken for idle at once it
+                    # drained its stale joins as samples labelled 0 (as the faust driver did: worker.py). The whole
+                    # round is timed: a stall can come after the fetch too (the gate asks the broker every round)
+                    self._idle_since = now
+                elif resumed and idle:
+                    self._idle_since = now  # clicks resumed: not idle while they are read
                 elif idle and limit is not None and time.monotonic() - self._idle_since >= limit:
                     if self._held:  # never end a run with records held back: join them first
                         if not self._process([], None):

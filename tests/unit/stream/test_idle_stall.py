@@ -117,3 +117,35 @@ def test_the_kafka_driver_does_not_take_a_stall_for_idleness(monkeypatch: pytest
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # woken at 12 s: the drain comes after 10 s of polls that brought nothing, not at the first one
     assert drained and drained[0] >= 12.0 + 10.0
+
+
+def test_the_kafka_driver_does_not_take_a_stall_outside_its_fetch_for_idleness(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the fetch was timed: a stall that came after it (here while the gate asks the broker how far each input is
+    read, a call of every idle round) was taken for the whole idle limit at once and the stale joins drained."""
+    from stream.config import KafkaSettings
+    from stream.joiner import kafka_driver
+    from stream.joiner.config import JoinerSettings
+
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr(kafka_driver.time, "monotonic", clock)
+    w = kafka_driver.KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
+                                     JoinerSettings(exit_when_idle_s=10.0, drain_at_exit=True))
+    w.consumer.close()
+    w.consumer = StalledConsumer(clock, stall_s=0.0)  # type: ignore[assignment]
+    w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}),  # type: ignore[assignment]
+                                 restore=lambda _p: None, drain=lambda: drained.append(clock.t))
+    stalls = [12.0]
+
+    def gate_stalls_once() -> set[object]:
+        clock.t += stalls.pop() if stalls else 0.0
+        return set()
+
+    monkeypatch.setattr(w, "_apply_gate", gate_stalls_once)
+    monkeypatch.setattr(w, "_commit", lambda: None)
+    try:
+        assert w.run() == 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    first_fetch = JoinerSettings().batch_within_s
+    assert drained and drained[0] >= first_fetch + 12.0 + 10.0
