@@ -132,3 +132,71 @@ def test_a_message_with_a_label_delay_over_the_attribution_window_is_dead_letter
     assert [(p, o, kind) for p, o, kind, _ in dead] == [(0, 1, "bad_value")]
     assert "column 'label_delay_ms': a delay of 1000000000 s, over [learner] attribution_window_s=1800" in dead[0][3]
     assert sorted((p, o) for b in batches for p, o, rows in b.positions if rows) == [(0, 0), (0, 2), (1, 0)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class StallingConsumer(Consumer):
+    """The learner's consumer of a live stream around a stall: one message a poll (each poll 50 ms), a poll with
+    nothing waits out its timeout; the poll ``stall_at`` is where the process was stopped for ``stall_s``: it returns
+    nothing (librdkafka's fetcher was stopped too), and the messages that arrived meanwhile come with the next polls."""
+
+    def __init__(self, clock: Clock, parts: dict[int, list[bytes | None]], stall_at: int, stall_s: float) -> None:
+        super().__init__(parts)
+        self.clock, self.stall_at, self.stall_s, self.polls = clock, stall_at, stall_s, 0
+
+    def consume(self, n: int, timeout: float) -> list[Msg]:
+        self.polls += 1
+        if self.polls == self.stall_at:
+            self.clock.t += self.stall_s
+            return []
+        out = [Msg(p, self.pos[p], self.parts[p][self.pos[p]]) for p in sorted(self.pos)
+               if self.pos[p] < len(self.parts[p])][:1]
+        for m in out:
+            self.pos[m.partition()] += 1
+        self.clock.t += 0.05 if out else timeout
+        return out
+
+
+def idle_run(monkeypatch: pytest.MonkeyPatch, stall_at: int, stall_s: float, step_s: float = 0.0,
+             ) -> tuple[list[tuple[int, int]], float]:
+    """The messages a dataset with ``exit_when_idle_s=10`` trains of 6 in a live stream stalled as in
+    :class:`StallingConsumer` (on a fake clock; each batch handed on takes ``step_s`` to train), and when it ends."""
+    clock = Clock()
+    monkeypatch.setattr(kd.time, "monotonic", clock)
+    consumer = StallingConsumer(clock, {0: [sample(k) for k in range(6)]}, stall_at, stall_s)
+    monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {0: 0}, batch_rows=1, exit_when_idle_s=10.0)
+    trained = []
+    for b in ds:
+        trained += [(p, o) for p, o, rows in b.positions if rows]
+        clock.t += step_s
+    return trained, clock.t
+
+
+def test_a_stall_past_the_idle_limit_is_not_idleness_and_the_samples_of_the_stall_are_trained(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A learner stopped for 12 s (SIGSTOP, a long GC pause) with ``--exit-when-idle 10`` while samples kept
+    arriving took the stall for idleness: the first poll after it came back empty and the run ended, "input idle",
+    without the samples of the stall (the frozen-learner fault test, tests/integration/test_faults.py)."""
+    trained, end = idle_run(monkeypatch, stall_at=4, stall_s=12.0)
+    assert trained == [(0, k) for k in range(6)]
+    assert end == pytest.approx(12.0 + 6 * 0.05 + 10.0, abs=0.5)  # then 10 s of polls that brought nothing
+
+
+def test_idleness_without_a_stall_ends_the_run_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    trained, end = idle_run(monkeypatch, stall_at=0, stall_s=0.0)
+    assert trained == [(0, k) for k in range(6)] and end == pytest.approx(6 * 0.05 + 10.0, abs=0.5)
+
+
+def test_a_slow_training_step_at_every_heartbeat_still_lets_an_idle_run_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch handed on, the idle heartbeats too, takes 3 s (a slow checkpoint each time): every gap between
+    polls is over the stall bound, and the run must still end, not poll for ever."""
+    trained, _ = idle_run(monkeypatch, stall_at=0, stall_s=0.0, step_s=3.0)
+    assert trained == [(0, k) for k in range(6)]
