@@ -436,3 +436,64 @@ def test_a_joiner_frozen_past_its_session_while_another_takes_over_loses_and_mis
             assert proc.returncode == 0, f"{name}: {err[-3000:]}"
         dups = assert_joined_exactly(topics, table, f"frozen joiner ({driver}, round {r})")
         print(f"\nfrozen joiner, {driver}, round {r}: {dups} duplicate samples of {s.impressions}")
+
+
+def produce_more_samples(kafka: KafkaSettings, batches: int, rows: int, prefix: str) -> dict[int, int]:
+    """As ``produce_samples`` (round-robin over 4 partitions), with impression ids of their own (``prefix``): the
+    learner's duplicate filter would drop a second call's."""
+    import numpy as np
+
+    from stream.kafka import AckedProducer
+    from tests.integration.test_learner import sample_batch
+
+    rng = np.random.default_rng(8)
+    producer = AckedProducer(kafka)
+    rows_per = {q: 0 for q in range(4)}
+    for k in range(batches):
+        producer.send(kafka.samples_topic, sample_batch(rng, rows, start=k * rows, prefix=prefix).encode(),
+                      str(k % 4), partition=k % 4)
+        rows_per[k % 4] += rows
+    producer.flush()
+    return rows_per
+
+
+@pytest.mark.slow
+def test_a_learner_frozen_past_its_session_mid_stream_trains_every_sample_once(kafka: KafkaSettings,
+                                                                                tmp_path: Path) -> None:
+    """The learner stops answering for 2x the group session (SIGSTOP: a long GC pause, a swapping or stalled host)
+    while caught up with a live stream, with ``--exit-when-idle`` shorter than the stall, and samples arrive during
+    the stall; woken, it must read on and train every sample exactly once. Found by this test: it took the stall for
+    idleness, the first poll after it came back empty and it exited at once, "input idle", the samples of the stall
+    untrained (now a stall is no idleness: learner/kafka_dataset.py). Out of CI (``-m slow``): ~40 s; CI has the
+    unit tests of the idle clock (tests/unit/learner/test_sample_dataset.py)."""
+    from stream.kafka import ensure_topics
+
+    ensure_topics(kafka, [kafka.samples_topic])
+    stall_s = 2 * kafka.session_timeout_ms / 1000
+    env = learner_env(kafka, tmp_path / "disk-full")  # never created: the disk has room
+    produced = Counter(produce_samples(kafka, 40, 200, 0.0))
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(ckpt), "--batch-rows", "256",
+           "--exit-when-idle", str(stall_s / 3), "--json"]
+    with open(tmp_path / "learner.err", "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            caught_up = f"ckpt-{sum(produced.values()):015d}-*.json"  # a checkpoint of every sample so far
+            while proc.poll() is None and not list(ckpt.glob(caught_up)):
+                time.sleep(0.1)  # until it has trained them all: caught up, polling for more
+            proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            produced.update(produce_more_samples(kafka, 40, 200, "stalled-"))  # samples arrive during the stall
+            time.sleep(max(0.0, stall_s - (time.monotonic() - t0)))
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        try:
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, (tmp_path / "learner.err").read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert Counter({int(p): n for p, n in summary["partition_rows"].items()}) == produced, summary.get("reason")
+    assert summary["samples_trained"] == sum(produced.values())
