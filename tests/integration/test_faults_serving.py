@@ -704,3 +704,62 @@ def test_two_refreshes_at_once_the_second_fails_at_once_naming_the_first(tmp_pat
                 pass
     with refresh_lock(root):  # released
         pass
+
+
+@pytest.mark.slow
+def test_serve_frozen_with_a_request_in_flight_and_a_swap_and_delta_waiting_answers_right_after(
+        tmp_path: Path) -> None:
+    """``streamrec serve`` stopped (SIGSTOP: a long GC pause, a stalled host) for 2x the Kafka group session while a
+    request is in flight and a new version and then a delta are published; woken (SIGCONT), the request in flight is
+    answered 200, and serving reaches the new version at the delta with the learner's scores. Out of CI
+    (``-m slow``)."""
+    learner = TinyLearner(seed=12)
+    root, deltas = tmp_path / "serving", tmp_path / "deltas"
+    writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600, keep=5)
+    publish_version(learner, root, "v001")
+    port = free_port()
+    env = dict(os.environ, STREAMREC_SERVE_POLL_S="0.05")
+    env.pop("STREAMREC_TEST_KILL_AT", None)
+    proc = subprocess.Popen([*HOOK, "serve", "--port", str(port), "--publish-root", str(root), "--deltas-dir",
+                             str(deltas), "--no-redis", "--log-level", "warning"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stall_s = 2 * KafkaSettings().session_timeout_ms / 1000
+    try:
+        wait_port(port, 60)
+        _wait_serving(port, "v001", 0)
+        answers: queue.Queue = queue.Queue()
+
+        def in_flight() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=stall_s + 60)
+            try:
+                conn.request("POST", "/v1/score", json.dumps(REQ).encode(), {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                answers.put((r.status, json.loads(r.read())))
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                answers.put((None, repr(exc)))
+            finally:
+                conn.close()
+
+        try:
+            proc.send_signal(signal.SIGSTOP)
+            client = threading.Thread(target=in_flight, daemon=True)
+            client.start()  # sent while it is stopped: in flight across the stall
+            learner.train(1)
+            publish_version(learner, root, "v002")  # a swap waiting for it
+            learner.train(1, users=["bob"] * 16, label=1)
+            writer.mark(torch.arange(CFG.num_rows))
+            assert writer.write(learner.model, learner.trainer.samples) is not None  # and a delta after it
+            time.sleep(stall_s)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        client.join(stall_s + 90)
+        status, body = answers.get_nowait()
+        assert status == 200, body
+        after = _wait_serving(port, "v002", writer.seq)
+        assert np.allclose(after["scores"], eager(learner), atol=TOL, rtol=0), after
+        assert proc.poll() is None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
