@@ -21,7 +21,11 @@ def test_a_run_missed_by_more_than_the_grace_is_reported_as_a_skip_not_only_logg
         reported.append(why)
         got.set()
 
-    sched = build_scheduler(lambda: ran.append(True), "0 3 * * *", "UTC", 60, dt.datetime.now(dt.timezone.utc),
+    # the daily fire time 12 hours from now: none falls between the missed run set below (5 hours ago) and now, which
+    # the report would name instead (several missed fire times coalesce into the last; "0 3 * * *" failed whenever
+    # the test ran between 03:00 and 08:00 UTC)
+    hour = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=12)).hour
+    sched = build_scheduler(lambda: ran.append(True), f"0 {hour} * * *", "UTC", 60, dt.datetime.now(dt.timezone.utc),
                             on_skip=on_skip)
     thread = threading.Thread(target=sched.start, daemon=True)
     thread.start()
