@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -95,26 +96,35 @@ class StalledConsumer:
         pass
 
 
-def test_the_kafka_driver_does_not_take_a_stall_for_idleness(monkeypatch: pytest.MonkeyPatch) -> None:
+def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: float,
+                     gate: Callable[[], set[object]] = set) -> list[float]:
+    """``KafkaJoinWorker.run`` with ``--exit-when-idle 10 --drain`` over a :class:`StalledConsumer` (its first poll
+    returns after ``stall_s``) and ``gate`` as its gate; the clock times at which it drained."""
     from stream.config import KafkaSettings
     from stream.joiner import kafka_driver
     from stream.joiner.config import JoinerSettings
 
-    clock, drained = Clock(), list[float]()
+    drained = list[float]()
     monkeypatch.setattr(kafka_driver.time, "monotonic", clock)
     w = kafka_driver.KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
                                      JoinerSettings(exit_when_idle_s=10.0, drain_at_exit=True))
     w.consumer.close()
-    w.consumer = StalledConsumer(clock, stall_s=12.0)  # type: ignore[assignment]
+    w.consumer = StalledConsumer(clock, stall_s=stall_s)  # type: ignore[assignment]
     w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}),  # type: ignore[assignment]
                                  restore=lambda _p: None, drain=lambda: drained.append(clock.t))
-    monkeypatch.setattr(w, "_apply_gate", lambda: set())
+    monkeypatch.setattr(w, "_apply_gate", gate)
     monkeypatch.setattr(w, "_commit", lambda: None)
     try:
         assert w.run() == 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    return drained
+
+
+def test_the_kafka_driver_does_not_take_a_stall_for_idleness(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    drained = run_kafka_worker(monkeypatch, clock, stall_s=12.0)
     # woken at 12 s: the drain comes after 10 s of polls that brought nothing, not at the first one
     assert drained and drained[0] >= 12.0 + 10.0
 
@@ -122,30 +132,14 @@ def test_the_kafka_driver_does_not_take_a_stall_for_idleness(monkeypatch: pytest
 def test_the_kafka_driver_does_not_take_a_stall_outside_its_fetch_for_idleness(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the fetch was timed: a stall that came after it (here while the gate asks the broker how far each input is
     read, a call of every idle round) was taken for the whole idle limit at once and the stale joins drained."""
-    from stream.config import KafkaSettings
-    from stream.joiner import kafka_driver
     from stream.joiner.config import JoinerSettings
 
-    clock, drained = Clock(), list[float]()
-    monkeypatch.setattr(kafka_driver.time, "monotonic", clock)
-    w = kafka_driver.KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
-                                     JoinerSettings(exit_when_idle_s=10.0, drain_at_exit=True))
-    w.consumer.close()
-    w.consumer = StalledConsumer(clock, stall_s=0.0)  # type: ignore[assignment]
-    w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}),  # type: ignore[assignment]
-                                 restore=lambda _p: None, drain=lambda: drained.append(clock.t))
-    stalls = [12.0]
+    clock, stalls = Clock(), [12.0]
 
     def gate_stalls_once() -> set[object]:
         clock.t += stalls.pop() if stalls else 0.0
         return set()
 
-    monkeypatch.setattr(w, "_apply_gate", gate_stalls_once)
-    monkeypatch.setattr(w, "_commit", lambda: None)
-    try:
-        assert w.run() == 0
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    drained = run_kafka_worker(monkeypatch, clock, stall_s=0.0, gate=gate_stalls_once)
     first_fetch = JoinerSettings().batch_within_s
     assert drained and drained[0] >= first_fetch + 12.0 + 10.0
