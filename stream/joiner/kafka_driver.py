@@ -204,7 +204,7 @@ class KafkaJoinWorker:
                     self._idle_since = now
                 elif resumed and idle:
                     self._idle_since = now  # clicks resumed: not idle while they are read
-                elif idle and limit is not None and time.monotonic() - self._idle_since >= limit:
+                elif idle and limit is not None and now - self._idle_since >= limit:
                     if self._held:  # never end a run with records held back: join them first
                         if not self._process([], None):
                             continue
