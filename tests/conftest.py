@@ -20,6 +20,8 @@ from streamrec.stack import LocalStack, StackSettings, free_port
 if TYPE_CHECKING:
     from tests.redis_cluster import ClusterNodes
 
+pytest_plugins = ["tests.hang_watchdog"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fault-rounds", type=int, default=1,
