@@ -70,6 +70,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.features import MISSING
 from stream.files import describe_os_error
+from stream.idle_clock import IdleClock
 from stream.kafka import ensure_topics, new_consumer
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, settle_strikes
@@ -228,6 +229,17 @@ def infer_fields(batches: list[SampleBatch], min_share: float, max_fields: int,
             tuple(sorted(n[len(DENSE_PREFIX):] for n in dense)))
 
 
+PROBE_S = 5.0  # one probe for the first samples (infer_feature_config) waits this long; a fresh learner probes again
+PROBE_POLL_S = 0.5
+
+
+def first_samples_clock() -> IdleClock:
+    """How long a fresh learner has waited for its first samples (``exit_when_idle_s`` bounds it), one tick a probe.
+    A stall is no waiting: it counted, and a learner stopped past its limit before any sample came woke to end its run
+    "no samples arrived" with the samples of the stall unread (stream.idle_clock)."""
+    return IdleClock(PROBE_S + 2.0, PROBE_S)
+
+
 def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: float) -> FeatureConfig | None:
     """The config of a fresh learner, from the first ``probe_rows`` samples (None: no data yet).
 
@@ -237,9 +249,10 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
     try:
         md = c.list_topics(kafka.samples_topic, timeout=10).topics[kafka.samples_topic]
         c.assign([TopicPartition(kafka.samples_topic, p, 0) for p in md.partitions])
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and sum(len(b) for b in batches) < ls.probe_rows:
-            msgs = c.consume(16, 0.5)
+        waited = IdleClock(PROBE_POLL_S + 2.0, PROBE_POLL_S)  # a stall is no waiting: stream.idle_clock
+        while waited.idle_s < timeout_s and sum(len(b) for b in batches) < ls.probe_rows:
+            msgs = c.consume(16, PROBE_POLL_S)
+            waited.tick()
             for m in msgs:
                 if m.error() is None:
                     try:
@@ -448,9 +461,10 @@ class Learner:
         if not self._restore():
             wait = ls.exit_when_idle_s if ls.exit_when_idle_s is not None else float("inf")
             cfg = None
-            t0 = time.monotonic()
-            while cfg is None and not self._stop and time.monotonic() - t0 < wait:
-                cfg = infer_feature_config(self.kafka, ls, timeout_s=min(5.0, wait))
+            waited = first_samples_clock()
+            while cfg is None and not self._stop and waited.idle_s < wait:
+                cfg = infer_feature_config(self.kafka, ls, timeout_s=min(PROBE_S, wait))
+                waited.tick()
             if cfg is None:
                 return self.summary(reason="no samples arrived")
             self._build(cfg, self._model_settings())

@@ -54,6 +54,7 @@ from learner.features import FeatureConfig
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
+from stream.idle_clock import IdleClock
 from stream.kafka import has_more, new_consumer
 from stream.samples import MAX_LIST_VALUES, SampleBatch
 from stream.strikes import is_infrastructure
@@ -174,16 +175,10 @@ class KafkaSampleDataset(IterableDataset):
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
         pending: list[TensorBatch] = []
         rows = values = 0
-        # The idle clock (``exit_when_idle_s``): the time since the last sample, summed poll to poll, a gap between
-        # two polls over STALL_S counting as one poll (POLL_S). It was the wall-clock time since the last sample: a
-        # learner stopped past its limit (SIGSTOP, a long GC pause, a swapping host) while samples kept arriving woke
-        # with its clock far on, the first poll after it came back empty (librdkafka's fetcher had been stopped too)
-        # and the run ended at once, "input idle", the samples of the stall untrained (the frozen-learner fault test
-        # in tests/integration/test_faults.py). Now, woken from a stall, it polls on for its whole limit; a slow
-        # training step or checkpoint between polls still counts as a poll, so a learner whose every heartbeat
-        # checkpoints slowly still gets to exit.
-        idle = 0.0
-        last_yield = last_poll = time.monotonic()
+        # The idle clock (``exit_when_idle_s``, stream.idle_clock): a stall between two polls is no idleness. A wall
+        # clock ended the frozen-learner fault test's run at once, "input idle", the samples of the stall untrained.
+        idle = IdleClock(STALL_S, POLL_S)
+        last_yield = time.monotonic()
         read = partial(read_samples, future_ts_s=self.future_ts_s, max_label_delay_s=self.max_label_delay_s)
         merge = EventTimeMerge(parts, read=read) if self.merge and len(parts) > 1 else None
 
@@ -220,16 +215,14 @@ class KafkaSampleDataset(IterableDataset):
                     # thread, blocked on the full pipe) would hang the orphan for good. Nobody is left to read them.
                     os._exit(0)
                 msgs = ordered(consumer.consume(256, POLL_S))
-                now = time.monotonic()
-                idle += now - last_poll if now - last_poll <= STALL_S else POLL_S  # a stall is no idleness
-                last_poll = now
+                idle.tick()
                 for m, decoded in msgs:
                     err = m.error()
                     if err is not None:
                         if err.code() != KafkaError._PARTITION_EOF and err.fatal():
                             raise KafkaException(err)
                         continue
-                    idle = 0.0
+                    idle.reset()
                     part, offset = m.partition(), m.offset()
                     assert part is not None and offset is not None  # set on every consumed message
                     pos = (part, offset)
@@ -273,7 +266,7 @@ class KafkaSampleDataset(IterableDataset):
                     yield to_tensors_empty(self.cfg, None)
                     last_yield = time.monotonic()
                 if (self.exit_when_idle_s is not None and not pending and (merge is None or merge.empty())
-                        and idle >= self.exit_when_idle_s):
+                        and idle.idle_s >= self.exit_when_idle_s):
                     return
         finally:
             consumer.close()

@@ -81,8 +81,10 @@ from learner.daemon import (
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
     LOGLOSS,
+    PROBE_S,
     SAMPLES,
     RecentIds,
+    first_samples_clock,
     infer_feature_config,
 )
 from learner.delayed import BaseRateBias
@@ -397,12 +399,12 @@ class ShardedLearner:
         (one all-gather each, so no rank waits in one collective for longer than its timeout while no data
         arrives). None: nothing arrived within ``exit_when_idle_s``, or a stop signal on any rank."""
         wait = self.ls.exit_when_idle_s if self.ls.exit_when_idle_s is not None else float("inf")
-        t0 = time.monotonic()
+        waited = first_samples_clock()
         while True:
             cfg, idle = None, False
             if self.ctx.rank == 0:
-                cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(5.0, wait))
-                idle = cfg is None and time.monotonic() - t0 >= wait
+                cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(PROBE_S, wait))
+                idle = cfg is None and waited.tick() >= wait
             everyone = all_gather_objects((None if cfg is None else cfg.to_dict(), idle, self._stop))
             found = everyone[0][0]
             if found is not None:

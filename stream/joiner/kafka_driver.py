@@ -46,6 +46,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 
 from stream.config import KafkaSettings
 from stream.errors import clip
+from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
@@ -93,6 +94,9 @@ class KafkaJoinWorker:
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
         self._revoked: set[tuple[str, int]] = set()  # revoked by the poll in progress (_fetch)
+        # ``exit_when_idle_s``'s clock, one tick a round (run()); a round longer than batch_within_s by _STALL_S was a
+        # stall, which restarts idleness (stream.idle_clock)
+        self._idle = IdleClock(js.batch_within_s + _STALL_S, None)
         # The gate's waiting-click rule only; event time is the hold's (module docstring). Without the hold (no drift
         # configured, or backpressure off) the gate has no event-time rule either.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
@@ -145,7 +149,7 @@ class KafkaJoinWorker:
         consumer.assign(positions)
         self._assigned |= {tp.partition for tp in partitions}
         self.pauses.resize(len(self._assigned))
-        self._idle_since = time.monotonic()
+        self._idle.reset()
 
     def _start_positions(self, consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition] | None:
         """``resume_offsets`` of the assigned ``partitions``, asked again (1 s, doubling up to 30 s) while the broker
@@ -183,7 +187,7 @@ class KafkaJoinWorker:
         signal.signal(signal.SIGINT, self._on_signal)
         self.consumer.subscribe([self.kafka.impressions_topic, self.kafka.clicks_topic],
                                 on_assign=self._on_assign, on_revoke=self._on_revoke)
-        self._idle_since = time.monotonic()
+        self._idle.reset()
         limit = self.js.exit_when_idle_s
         try:
             while not self._stop:
@@ -196,23 +200,22 @@ class KafkaJoinWorker:
                     if not self._process(records, self._holds_back if self._hold else None):
                         continue
                 resumed = self._apply_gate()
-                if (now := time.monotonic()) - t0 > self.js.batch_within_s + _STALL_S:
-                    # a stall (the process stopped, a long GC pause, a swapping host) is no idleness: woken past its
-                    # session, the member learns its partitions are gone a poll later, and taken for idle at once it
-                    # drained its stale joins as samples labelled 0 (as the faust driver did: worker.py). The whole
-                    # round is timed: a stall can come after the fetch too (the gate asks the broker every round)
-                    self._idle_since = now
-                elif resumed and idle:
-                    self._idle_since = now  # clicks resumed: not idle while they are read
-                elif idle and limit is not None and now - self._idle_since >= limit:
+                # a stall (the process stopped, a long GC pause, a swapping host) is no idleness: woken past its
+                # session, the member learns its partitions are gone a poll later, and taken for idle at once it
+                # drained its stale joins as samples labelled 0 (as the faust driver did: worker.py). The whole
+                # round is timed: a stall can come after the fetch too (the gate asks the broker every round)
+                idle_s = self._idle.tick()  # 0 after a stall
+                if resumed and idle:
+                    self._idle.reset()  # clicks resumed: not idle while they are read
+                elif idle and limit is not None and idle_s >= limit:
                     if self._held:  # never end a run with records held back: join them first
                         if not self._process([], None):
                             continue
-                        self._idle_since = time.monotonic()
+                        self._idle.reset()
                     elif self.gate.paused:  # nor with an input held back: read it first
                         self.gate.release()
                         self._sync_pauses()
-                        self._idle_since = time.monotonic()
+                        self._idle.reset()
                     elif self.consumer.assignment():
                         break
             if self.js.drain_at_exit and not self._stop:  # input complete, not a signal
@@ -270,7 +273,7 @@ class KafkaJoinWorker:
         self._commit()
         held = sum(self.pipeline.held_counts.values())
         if done or held != self._held:
-            self._idle_since = time.monotonic()
+            self._idle.reset()
         self._held = held
         self._backoff_s = _BACKOFF_S[0]
         return True
@@ -330,7 +333,7 @@ class KafkaJoinWorker:
             log.warning("could not rewind yet: %s", err)
         # A rewind is not idleness: what follows must be read again before an idle exit may drain (which needs
         # Redis, and would fail, or finish the join on a partial read).
-        self._idle_since = time.monotonic()
+        self._idle.reset()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True

@@ -64,7 +64,6 @@ import signal
 import ssl
 import sys
 import tempfile
-import time
 from typing import Any, NoReturn, cast
 
 import faust
@@ -72,6 +71,7 @@ from faust.types import TP
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
+from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
@@ -143,7 +143,7 @@ class FaustJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self.exit_code = 0
-        self._idle_since = self._last_tick = time.monotonic()
+        self._idle = IdleClock(_STALL_S, None)  # a stall restarts idleness (_idle_check)
         self._busy = False
         self._records_in_hand = 0
         self._stopping = False
@@ -210,7 +210,7 @@ class FaustJoinWorker:
         finally:
             self._busy = False
         if records or processed or self.pipeline.held_counts != held_before:  # not an offer of what is held alone
-            self._idle_since = time.monotonic()
+            self._idle.reset()
         self._apply_gate()
         return processed
 
@@ -223,7 +223,7 @@ class FaustJoinWorker:
         """faust's consumer holds ``n`` records not processed yet: not idle."""
         self._records_in_hand = n
         if n:
-            self._idle_since = time.monotonic()
+            self._idle.reset()
 
     @staticmethod
     def _die(what: str, status: int = 1) -> NoReturn:
@@ -235,7 +235,7 @@ class FaustJoinWorker:
         os._exit(status)
 
     async def _on_assigned(self, sender: Any, assigned: set, **kwargs: Any) -> None:
-        self._idle_since = time.monotonic()  # idleness counts from when there is something to read
+        self._idle.reset()  # idleness counts from when there is something to read
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
         self.pauses.resize(len(self._assigned))
 
@@ -243,7 +243,7 @@ class FaustJoinWorker:
         # a rebalance under way is not idleness: a member that died hands its partitions over only now (the group
         # noticed it ~25 s after a SIGKILL on the local broker), and a survivor that exited idle meanwhile left
         # them unread; idleness counts again from the assignment (_on_assigned)
-        self._idle_since = time.monotonic()
+        self._idle.reset()
         gone = {tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic}
         self.pipeline.forget(gone)  # their held records too: unacknowledged, the next owner reads them
         cast(BatchConsumer, self.app.consumer).forget_kept({TP(tp.topic, tp.partition) for tp in revoked})
@@ -295,22 +295,18 @@ class FaustJoinWorker:
         member woken from a stall past its session had lost its partitions, which faust tells it only a heartbeat
         later: taken for idle at once, it drained its stale joins, their pending impressions out as samples labelled
         0 whose clicks the partitions' new owner had joined already (the frozen-joiner fault test)."""
-        now = time.monotonic()
-        stalled, self._last_tick = now - self._last_tick > _STALL_S, now
-        if stalled:
-            self._idle_since = now
-            return
+        idle_s = self._idle.tick()  # 0 after a stall
         limit = self.js.exit_when_idle_s
-        if limit is None or self._stopping or self._busy or self._records_in_hand or now - self._idle_since < limit:
+        if limit is None or self._stopping or self._busy or self._records_in_hand or idle_s < limit:
             return
         if self.pipeline.held_counts:  # never end a run with records held: the next batch joins them all
             self._join_held = True
-            self._idle_since = time.monotonic()
+            self._idle.reset()
             return
         if self.pauses.paused:  # nor with an input held back: read it first
             self.gate.release()
             self._sync_pauses()
-            self._idle_since = time.monotonic()
+            self._idle.reset()
             return
         self._stopping = True
         try:

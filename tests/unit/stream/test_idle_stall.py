@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stream.idle_clock import IdleClock
 from stream.joiner import worker as worker_module
 from stream.joiner.worker import FaustJoinWorker
 
@@ -40,7 +41,7 @@ def idle_worker(clock: Clock, drained: list[float]) -> FaustJoinWorker:
     w.app = SimpleNamespace(consumer=SimpleNamespace(commit=commit))  # type: ignore[assignment]
     w.worker = None
     w.exit_code, w._busy, w._records_in_hand, w._stopping, w._assigned = 0, False, 0, False, {0}
-    w._idle_since = w._last_tick = clock.t
+    w._idle = IdleClock(worker_module._STALL_S, None)
     return w
 
 
@@ -55,7 +56,7 @@ def tick_until(w: FaustJoinWorker, clock: Clock, end: float, every: float = 0.25
 def test_a_stall_past_the_idle_limit_is_not_idleness_and_idleness_counts_afresh_after_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock, drained = Clock(), list[float]()
-    monkeypatch.setattr(worker_module.time, "monotonic", clock)
+    monkeypatch.setattr("time.monotonic", clock)
     w = idle_worker(clock, drained)
     tick_until(w, clock, 3.0)  # ticking, idle for 3 s
     clock.t += 12.0  # the process stopped for 12 s
@@ -68,7 +69,7 @@ def test_a_stall_past_the_idle_limit_is_not_idleness_and_idleness_counts_afresh_
 
 def test_idleness_without_a_stall_ends_the_run_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     clock, drained = Clock(), list[float]()
-    monkeypatch.setattr(worker_module.time, "monotonic", clock)
+    monkeypatch.setattr("time.monotonic", clock)
     w = idle_worker(clock, drained)
     tick_until(w, clock, 30.0)
     assert w._stopping and drained == [pytest.approx(10.0, abs=0.3)]

@@ -1,0 +1,54 @@
+"""The idle clock of every ``exit_when_idle_s``: how long a loop has waited for input, with a stall left out.
+
+A process stopped past its limit (SIGSTOP, a long GC pause, a swapping or stalled host) while its input kept
+arriving must not wake up idle: its first poll after the stall can come back empty (librdkafka's fetcher was stopped
+too, or the group took its partitions and says so a heartbeat later), and a wall-clock idle time ended the run there:
+the joiner drained stale joins as label-0 samples, the learner left the stall's samples untrained (the frozen-process
+fault tests in tests/integration/test_faults.py). Here idle time is summed between ticks (one per poll or loop round),
+and a gap between two ticks longer than ``stall_s`` is a stall, which either
+
+- counts as ``stall_step_s``, one ordinary round (the learner): a loop whose every round is slow (a slow checkpoint
+  at each heartbeat) still counts a round each time, so it still gets to its limit; or
+- restarts idleness (``stall_step_s=None``, the joiner): a member woken from a stall past its session learns that
+  its partitions are gone only a heartbeat later, and must not exit (and drain) before."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class IdleClock:
+    def __init__(self, stall_s: float, stall_step_s: float | None, now: Callable[[], float] | None = None) -> None:
+        if stall_step_s is not None and not 0 <= stall_step_s <= stall_s:
+            raise ValueError(f"an idle clock needs 0 <= stall_step_s <= stall_s, got {stall_step_s} and {stall_s}")
+        self.stall_s, self.stall_step_s = stall_s, stall_step_s
+        self._clock = now
+        self.idle_s = 0.0
+        self._last = self._now()
+        self.stalls = 0
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else time.monotonic()  # looked up each time: tests patch it
+
+    def tick(self) -> float:
+        """One round without input ended now: the idle time so far."""
+        now = self._now()
+        gap, self._last = now - self._last, now
+        if gap > self.stall_s:
+            self.stalls += 1
+            if self.stall_step_s is None:
+                self.idle_s = 0.0
+                return 0.0
+            gap = self.stall_step_s
+        self.idle_s += gap
+        return self.idle_s
+
+    def reset(self) -> None:
+        """Input came (or something that is not idleness happened): idleness counts afresh from now."""
+        self.idle_s = 0.0
+        self._last = self._now()
+
+    def rest(self, limit_s: float) -> float:
+        """The idle time left before ``limit_s``."""
+        return max(limit_s - self.idle_s, 0.0)

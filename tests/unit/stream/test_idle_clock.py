@@ -1,0 +1,66 @@
+"""stream.idle_clock.IdleClock, on a fake clock: idle time summed between ticks, a stall counted as one ordinary
+round, a loop of slow rounds still reaching its limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream.idle_clock import IdleClock
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_idle_time_is_summed_between_ticks_and_input_starts_it_afresh() -> None:
+    t = Clock()
+    idle = IdleClock(stall_s=2.2, stall_step_s=0.2, now=t)
+    for _ in range(5):
+        t.t += 0.2
+        idle.tick()
+    assert idle.idle_s == pytest.approx(1.0) and idle.rest(10.0) == pytest.approx(9.0)
+    t.t += 0.1
+    idle.reset()
+    t.t += 0.2
+    assert idle.tick() == pytest.approx(0.2) and idle.stalls == 0
+
+
+def test_a_stall_between_two_ticks_counts_as_one_round_not_as_its_length() -> None:
+    t = Clock()
+    idle = IdleClock(stall_s=2.2, stall_step_s=0.2, now=t)
+    t.t += 12.0  # stopped (SIGSTOP) for 12 s past a 10 s limit
+    assert idle.tick() == pytest.approx(0.2) and idle.stalls == 1
+    assert idle.rest(10.0) == pytest.approx(9.8)
+
+
+def test_a_loop_whose_every_round_is_slow_still_reaches_its_limit() -> None:
+    t = Clock()
+    idle = IdleClock(stall_s=2.2, stall_step_s=0.2, now=t)
+    rounds = 0
+    while idle.idle_s < 10.0:
+        t.t += 3.0  # a slow checkpoint every round: each gap is over the stall bound
+        idle.tick()
+        rounds += 1
+    assert 50 <= rounds <= 51 and idle.stalls == rounds  # 10 s of 0.2 s rounds (float sums)
+
+
+def test_a_clock_that_restarts_on_a_stall_counts_idleness_afresh_from_it() -> None:
+    t = Clock()
+    idle = IdleClock(stall_s=2.0, stall_step_s=None, now=t)
+    for _ in range(36):  # 9 s idle
+        t.t += 0.25
+        idle.tick()
+    t.t += 12.0
+    assert idle.tick() == 0.0 and idle.stalls == 1
+    t.t += 0.25
+    assert idle.tick() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(("stall_s", "step_s"), [(1.0, 2.0), (1.0, -0.1)])
+def test_a_step_over_the_stall_bound_or_below_zero_is_refused(stall_s: float, step_s: float) -> None:
+    with pytest.raises(ValueError, match="stall_step_s"):
+        IdleClock(stall_s=stall_s, stall_step_s=step_s)
