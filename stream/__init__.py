@@ -7,7 +7,8 @@ feature hashing (``ids.py``, ``features.py``), Kafka client configs, topics, the
 producer and the one read-to-end loop (``kafka.py``), dead letters (``dlq.py``) and poison-message
 strikes (``strikes.py``), the validating reader (``event_reader.py``), a batch of event messages decoded
 and validated as columns with the same rules (``event_batch.py``), Redis day counts and user
-histories (``counts.py``, ``history.py``), replay sources (``replay/``) and the impression-click
+histories (``counts.py``, ``history.py``), the idle clock of every ``exit_when_idle_s`` that takes no stall
+for idleness (``idle_clock.py``), replay sources (``replay/``) and the impression-click
 joiner (``joiner/``). The exception tree of every stage starts in ``errors.py``.
 
 May import: third-party libraries only; never ``learner/``, ``cache_refresh/``, ``serving/``,
