@@ -297,6 +297,10 @@ class EventTimeMerge:
         # itself (a partition held back for a full buffer, or whose buffer is draining, is not quiet), and not
         # before the first message of any partition (the consumer's start is nobody's silence).
         self.idle_s = idle_s
+        # That wall clock leaves stalls out (stream.idle_clock: a gap between two calls over STALL_S counts as one
+        # poll): a learner stopped past idle_s (SIGSTOP, a long GC pause) woke with every partition quiet, and the
+        # one with its messages fetched first ran ahead of the others' older ones.
+        self._clock = IdleClock(STALL_S, POLL_S)
         self.last_seen: dict[int, float | None] = {p: None for p in partitions}
         self._started: float | None = None
         self.buffers: dict[int, deque] = {p: deque() for p in partitions}
@@ -305,7 +309,7 @@ class EventTimeMerge:
 
     def add(self, m: Message) -> None:
         part = m.partition()
-        now = time.monotonic()
+        now = self._clock.tick()
         if self._started is None:
             self._started = now
         if part in self.last_seen:
@@ -328,7 +332,7 @@ class EventTimeMerge:
         out, self._ready = self._ready, []
         heads = [(buf[0][0], p) for p, buf in self.buffers.items() if buf]
         heapq.heapify(heads)
-        now = time.monotonic()
+        now = self._clock.tick()
         for p, buf in self.buffers.items():
             if buf or p in self.paused:
                 self.last_seen[p] = now

@@ -10,7 +10,9 @@ and a gap between two ticks longer than ``stall_s`` is a stall, which either
 - counts as ``stall_step_s``, one ordinary round (the learner): a loop whose every round is slow (a slow checkpoint
   at each heartbeat) still counts a round each time, so it still gets to its limit; or
 - restarts idleness (``stall_step_s=None``, the joiner): a member woken from a stall past its session learns that
-  its partitions are gone only a heartbeat later, and must not exit (and drain) before."""
+  its partitions are gone only a heartbeat later, and must not exit (and drain) before.
+
+Never reset, it is a clock that leaves stalls out (the learner's event-time merge times its quiet partitions so)."""
 
 from __future__ import annotations
 

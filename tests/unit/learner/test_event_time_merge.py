@@ -141,3 +141,25 @@ def test_a_message_without_a_time_goes_at_once_when_its_partition_has_nothing_bu
     merge.add(bad)
     out = merge.take(all_behind)
     assert [m for m, _ in out] == [bad]  # nothing of partition 0 is ahead of it; partition 1's 5 waits for 0
+
+
+def test_a_stall_is_no_quiet_time_and_a_partition_with_more_to_read_still_holds_the_others_back(
+        monkeypatch) -> None:
+    """A learner stopped past idle_s (SIGSTOP, a long GC pause) woke with every partition quiet by the wall clock:
+    partition 0, its messages fetched first, ran ahead of partition 1's older ones, still unfetched."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    merge = EventTimeMerge([0, 1], idle_s=2.0)
+    merge.add(msg(1, 1))
+    assert first_ts(merge.take(lambda p: False)) == [1]  # both read to the end for now
+    clock[0] += 0.2
+    merge.add(msg(0, 10))
+    clock[0] += 12.0  # stopped for 12 s; 1's next, older messages arrived meanwhile, not fetched yet
+    assert merge.take(all_behind) == []
+    polls, out = 0, []
+    while not out:  # then 2 s of polls without a message from 1: now it is quiet
+        clock[0] += 0.2
+        polls += 1
+        out = merge.take(all_behind)
+    # 1 was last seen 0.2 s before the stall, which counted as one poll of 0.2 s: 1.6 s of polls were left
+    assert first_ts(out) == [10] and 7 <= polls <= 9
