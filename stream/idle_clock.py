@@ -50,7 +50,3 @@ class IdleClock:
         """Input came (or something that is not idleness happened): idleness counts afresh from now."""
         self.idle_s = 0.0
         self._last = self._now()
-
-    def rest(self, limit_s: float) -> float:
-        """The idle time left before ``limit_s``."""
-        return max(limit_s - self.idle_s, 0.0)
