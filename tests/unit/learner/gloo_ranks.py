@@ -4,8 +4,11 @@ and leaves it."""
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from typing import Any
+
+RANKS_TIMEOUT_S = 180.0
 
 
 def gloo_rank(rank: int, world: int, store: str, work: Callable[..., None], *args: Any) -> None:
@@ -25,3 +28,27 @@ def gloo_rank(rank: int, world: int, store: str, work: Callable[..., None], *arg
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+def run_gloo_ranks(world: int, store: str, work: Callable[..., None], args_of: Callable[[int], tuple],
+                   timeout_s: float = RANKS_TIMEOUT_S) -> list[int | None]:
+    """``work`` on ``world`` spawned :func:`gloo_rank` processes (rank ``r`` gets ``args_of(r)``); their exit codes
+    (None: still running at ``timeout_s``). A rank still running then is killed: a rank whose peer died waits in its
+    collective for gloo's own timeout (30 min), and left behind it outlived the test, and a multiprocessing child
+    that never ends also holds its test process at exit (multiprocessing joins its children)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=gloo_rank, args=(r, world, store, work, *args_of(r))) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        return [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)

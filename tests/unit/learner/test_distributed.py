@@ -336,21 +336,13 @@ def test_ranks_started_with_different_settings_or_checkpoint_directories_all_sto
         tmp_path: Path) -> None:
     import json
 
-    import torch.multiprocessing as mp
-
-    from tests.unit.learner.gloo_ranks import gloo_rank
+    from tests.unit.learner.gloo_ranks import run_gloo_ranks
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "mount").symlink_to(tmp_path / "ckpt")  # another host's mount point of the same directory
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=gloo_rank, args=(r, 2, str(tmp_path / "store"), _settings_of_each_rank,
-                                                 str(tmp_path), outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert run_gloo_ranks(2, str(tmp_path / "store"), _settings_of_each_rank,
+                          lambda r: (str(tmp_path), outs[r])) == [0, 0]
     for out in outs:  # every rank decides the same: none is left waiting in a collective
         got = json.loads(Path(out).read_text())
         assert got["same"] is None

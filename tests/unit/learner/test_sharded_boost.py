@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from learner.batch import TensorBatch, to_tensors
@@ -19,7 +18,7 @@ from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import RowWiseAdagrad
 from tests.integration.test_learner import sample_batch
-from tests.unit.learner.gloo_ranks import gloo_rank
+from tests.unit.learner.gloo_ranks import run_gloo_ranks
 
 CFG = default_config({"genres": "multi"}, buckets=300, ctx_buckets=50, embedding_dim=8)
 LR, BOOST, HALF_LIFE = 0.05, 3.0, 1.0  # a short half-life: the counts change the factor step by step
@@ -70,14 +69,7 @@ def rank_work(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_ranks_boost_young_rows_like_one_process(world: int, tmp_path: Path) -> None:
     outs = [str(tmp_path / f"rank{r}.pkl") for r in range(world)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=gloo_rank, args=(r, world, str(tmp_path / "store"), rank_work, outs[r]))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0] * world
+    assert run_gloo_ranks(world, str(tmp_path / "store"), rank_work, lambda r: (outs[r],)) == [0] * world
     d = CFG.embedding_dim
     table = torch.zeros(CFG.num_rows, d + 1)
     counts = torch.zeros(CFG.num_rows, dtype=torch.int32)

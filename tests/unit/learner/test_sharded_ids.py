@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.event_clock import EventClock
@@ -28,7 +27,7 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.row_mapper import RowMapper, field_spans, mapped_slots
 from stream.samples import SampleBatch
-from tests.unit.learner.gloo_ranks import gloo_rank
+from tests.unit.learner.gloo_ranks import run_gloo_ranks
 
 B = 6
 # rows: item_id [0, 262), user_id [262, 668), ctx.device [668, 688); 2 ranks hold [0, 344) and [344, 688): the
@@ -152,14 +151,8 @@ def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, l
               tag: str = "") -> dict[str, Any]:
     """``rank_work`` on ``world`` spawned ranks; their dumps, and the whole table, sums and maps they hold."""
     outs = [str(tmp_path / f"{tag}rank{r}.pkl") for r in range(world)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=gloo_rank, args=(r, world, str(tmp_path / f"{tag}store"), rank_work, outs[r], cfg_name,
-                                                 rounds, str(load) if load else None)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0] * world
+    assert run_gloo_ranks(world, str(tmp_path / f"{tag}store"), rank_work,
+                          lambda r: (outs[r], cfg_name, rounds, str(load) if load else None)) == [0] * world
     got = [pickle.loads(Path(o).read_bytes()) for o in outs]
     from learner.sharded_ids import whole_maps
 
