@@ -29,7 +29,7 @@ from stream.config import RedisSettings
 from stream.counts import DailyCounts
 from stream.errors import ConfigError
 from stream.history import UserHistory
-from stream.redis_client import RedisAuthError, connect, latency_advice, verify
+from stream.redis_client import RedisAuthError, connect, eviction_advice, latency_advice, verify
 
 log = logging.getLogger("streamrec.serve")
 
@@ -137,7 +137,7 @@ class ScoringService:
         scores without history (Redis problems never fail a request), but a wrong password is no outage to wait
         out. An unreachable Redis is not logged here: the history reads say so. Then a warning when the server's
         settings cost the request path latency (``stream.redis_client.latency_advice``: active rehashing; the
-        layered mode's store is the same ``[redis]``)."""
+        layered mode's store is the same ``[redis]``), and when it evicts keys (``eviction_advice``)."""
         if self.redis is None or self._redis_settings is None:
             return
         try:
@@ -149,9 +149,11 @@ class ScoringService:
         except Exception as exc:  # noqa: BLE001 - a start-time probe never stops serving from starting
             log.debug("Redis probe at start failed: %s", exc)
             return
-        advice = latency_advice(self.redis, self._redis_settings)
-        if advice:
-            log.warning("%s", advice)
+        for advice in (latency_advice(self.redis, self._redis_settings),
+                       eviction_advice(self.redis, self._redis_settings, "serving's lookup counts and, in the layered "
+                                       "mode, its embedding rows (a missing row scores with its hash bucket)")):
+            if advice:
+                log.warning("%s", advice)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain and stop the server, the model updater and the lookup counter (which flushes what the last requests

@@ -63,8 +63,8 @@ from stream.secrets import Secret, redact
 from stream.tls import client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
-           "connect", "describe", "failure", "is_cluster", "latency_advice", "run_script", "unavailable", "verify",
-           "wait_until_up"]
+           "connect", "describe", "eviction_advice", "failure", "is_cluster", "latency_advice", "run_script",
+           "unavailable", "verify", "wait_until_up"]
 
 Client = redis.Redis | RedisCluster  # what connect() returns: a single node's client or a cluster's
 
@@ -416,6 +416,39 @@ def latency_advice(client: Any, settings: RedisSettings) -> str | None:
             "past a power of two it spends 1 ms of every 100 ms rehashing, for minutes, and ~1% of the reads on the "
             "request path wait up to that long; set `activerehashing no` in its configuration (CONFIG SET "
             "activerehashing no, and in redis.conf) where serving reads it")
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def eviction_advice(client: Any, settings: RedisSettings, holds: str) -> str | None:
+    """One line saying that the server evicts keys at its memory limit, which would drop ``holds`` (what the caller
+    keeps there) without an error, or None: ``maxmemory-policy noeviction`` (Redis's default), no ``maxmemory`` (0:
+    no limit, nothing is evicted), or Redis will not say (``CONFIG`` hidden or denied, as managed services do; down).
+
+    Every policy but ``noeviction`` evicts: ``allkeys-*`` any key, ``volatile-*`` those with a TTL, which the day
+    counts, user histories and strikes all have. Under ``noeviction`` a write at the limit fails with an OOM error,
+    which the callers retry and report (the joiner's batch fails and is redone); an evicted key is never reported: a
+    count that restarts from 0, a user with no history, a poison message's strikes forgotten. On a Redis Cluster the
+    first node that evicts is named."""
+    try:
+        got = client.config_get("maxmemory*")
+    except Exception:  # noqa: BLE001 - a probe: Redis that will not say is not a finding
+        return None
+    if not isinstance(got, dict):
+        return None
+    nodes = [v for v in got.values() if isinstance(v, dict)] or [got]  # a cluster answers per node
+    for node in nodes:
+        conf = {_text(k): _text(v) for k, v in node.items()}
+        policy, limit = conf.get("maxmemory-policy"), conf.get("maxmemory", "0")
+        if policy is None or policy == "noeviction" or not limit.isdigit() or int(limit) == 0:
+            continue
+        return (f"Redis at {redact(settings.url)} evicts keys when it reaches its memory limit (maxmemory {limit} "
+                f"bytes, maxmemory-policy {policy}): {holds} would be dropped without an error once it fills. Set "
+                "maxmemory-policy noeviction (a write at the limit then fails, and is retried and reported), or give "
+                "it the memory")
+    return None
 
 
 def failure(exc: BaseException, settings: RedisSettings) -> RedisFailure:

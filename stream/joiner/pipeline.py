@@ -104,7 +104,7 @@ from stream.kafka import (
     usable_bytes,
 )
 from stream.limits import DEFAULT_LIMITS, EventLimits
-from stream.redis_client import connect
+from stream.redis_client import connect, eviction_advice
 from stream.samples import DELAYED_POSITIVE
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
@@ -361,6 +361,10 @@ class JoinPipeline:
         # Credentials and TLS from [redis]; one PING first, so refused credentials end the worker at start with
         # one line (RedisAuthError) instead of failing every batch.
         self.redis = connect(redis_settings, check=True)
+        advice = eviction_advice(self.redis, redis_settings, "the joiner's day counts, user click histories and poison "
+                                 "strikes")
+        if advice:
+            log.warning("%s", advice)
         self.strikes = Strikes(RedisStrikes(self.redis, f"{redis_settings.prefix}:strikes:{js.app_id}"),
                                js.poison_after)
         self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
