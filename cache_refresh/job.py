@@ -93,7 +93,7 @@ import redis
 
 from cache_refresh import hot_set, metrics, validate
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
-from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, publish, refresh_lock
+from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, never_current, publish, refresh_lock
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
@@ -787,8 +787,10 @@ def _current_name(root: Path) -> str | None:
 
 def status(root: Path) -> dict[str, Any]:
     """``streamrec refresh --status``: the live version and its manifest summary, the rollback pin, the last run it
-    held back; ``error`` says why there is no live version where something is wrong (a missing publish root, a
-    CURRENT naming a version that is gone, a broken artifact), None for a root where nothing is published yet."""
+    held back, the versions that never were current (``never_current``: a publish killed between moving a version
+    into place and writing ``CURRENT``; a rollback skips them); ``error`` says why there is no live version where
+    something is wrong (a missing publish root, a CURRENT naming a version that is gone, a broken artifact), None for
+    a root where nothing is published yet."""
     if not root.is_dir():
         return {"publish_root": str(root), "current": None, "versions": [], "last_success": None, "pinned": None,
                 "last_pin_held": None, "error": f"publish root {root} "
@@ -804,6 +806,12 @@ def status(root: Path) -> dict[str, Any]:
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
     if leftovers := _leftovers(root, versions):  # said, never hidden: they hold disk and were once mistaken
         out["not_versions"] = leftovers
+    try:  # moved into place by a publish that never made them current: never a rollback target
+        never = never_current(root, [v for v in versions if v != _current_name(root)])
+    except artifact.ArtifactError as exc:
+        never, out["history_error"] = None, str(exc)
+    if never:
+        out["never_current"] = never
     try:
         current = artifact.read_current(root)
         out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None

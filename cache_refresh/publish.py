@@ -470,14 +470,22 @@ def _were_current(root: Path, older: list[str]) -> tuple[list[str], list[str]]:
     out half-way): never a rollback target. Versions up to the one ``CURRENT`` named when the history began, and
     every version of a root without the file (written before it was kept), predate it: judged as before, by their
     names alone (logged)."""
-    history = read_history(root)
-    if history is None:
+    never = never_current(root, older)
+    if never is None:
         log.warning("rollback: %s has no %s (written before the history of CURRENT was kept): the version to roll "
                     "back to is chosen by name alone", root, HISTORY)
         return older, []
-    known, began = set(history.versions), history.began
-    eligible = [v for v in older if v in known or (began is not None and v <= began)]
-    never = [v for v in older if v not in eligible]
     for v in never:
         log.warning("rollback: skipping %s, which was never current (not in %s)", v, root / HISTORY)
-    return eligible, never
+    return [v for v in older if v not in never], never
+
+
+def never_current(root: Path, versions: list[str]) -> list[str] | None:
+    """Those of ``versions`` that :data:`HISTORY` shows never were current (:func:`_were_current`); None for a root
+    without the history (nothing known). Versions up to the one current when the history began predate it: not
+    named. ArtifactError when the history cannot be read."""
+    history = read_history(root)
+    if history is None:
+        return None
+    known, began = set(history.versions), history.began
+    return [v for v in versions if v not in known and not (began is not None and v <= began)]

@@ -68,3 +68,18 @@ def test_a_root_written_before_the_history_rolls_back_by_name_and_begins_one(
     put(tmp_path, ckpt, "v004")
     assert rollback(tmp_path) == "v002"  # current when the history began; v003 never was
     assert rollback(tmp_path) == "v001"
+
+
+def test_status_names_the_versions_that_never_were_current(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from cache_refresh.job import status
+
+    put(tmp_path, ckpt, "v001")
+    assert "never_current" not in status(tmp_path)
+    killed_before_current(tmp_path, ckpt, "v002", monkeypatch)
+    put(tmp_path, ckpt, "v003")
+    got = status(tmp_path)
+    assert got["current"] == "v003" and got["never_current"] == ["v002"] and "v002" in got["versions"]
+    (tmp_path / HISTORY).write_text("{not json")
+    got = status(tmp_path)
+    assert "never_current" not in got and HISTORY in got["history_error"] and got["current"] == "v003"
