@@ -82,7 +82,7 @@ _watchdog: Watchdog | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _watchdog
     timeout = float(config.getini("timeout") or 0)
-    if timeout <= 0 or config.cache is None:
+    if timeout <= 0 or getattr(config, "cache", None) is None:
         return
     if not _is_worker(config):  # the controller (or a run without xdist): dumps from an earlier run are gone
         for old in _dump_dir(config).glob("*.txt"):
@@ -117,7 +117,7 @@ def pytest_exception_interact() -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    if _is_worker(config) or config.cache is None:
+    if _is_worker(config) or getattr(config, "cache", None) is None:
         return
     dumps = [p for p in sorted(_dump_dir(config).glob("*.txt")) if p.stat().st_size > 0]
     for p in dumps:
