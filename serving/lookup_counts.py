@@ -47,6 +47,7 @@ log = logging.getLogger("streamrec.serve")
 
 KINDS = ("user", "item")
 EVENT = "lookup"
+STOP_TIMEOUT_S = 30.0  # LookupCounts.stop's bound on the wait for its flush thread
 TRIES = 2  # flushes a day and kind's lookups are tried in (module docstring): the one they were made for, one retry
 
 
@@ -187,14 +188,28 @@ class LookupCounts:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop the flush thread and flush what is left (once); lookups added after this are dropped ("stopped": a
-        request still running past the shutdown grace)."""
+        request still running past the shutdown grace).
+
+        The wait for the flush thread is bounded by ``timeout_s``: a flush stuck on Redis must not hang the shutdown
+        (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last flush is
+        skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped")."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                with self._lock:
+                    self._closed = True
+                    waiting, self._pending, self._n = self._n, {}, 0
+                log.error("lookup counts: the flush thread %r did not stop within %g s (a flush stuck on Redis?); "
+                          "stopped without the last flush, %d lookups waiting for it not counted", thread.name,
+                          timeout_s, waiting)
+                if waiting:
+                    self._drop("stopped", waiting)
+                return
         with self._lock:
             self._closed = True  # from here on nothing is appended: the flush below takes the last of them
         self.flush()

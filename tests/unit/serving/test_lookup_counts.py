@@ -201,3 +201,38 @@ def test_a_lookup_added_after_stop_is_dropped_and_counted_not_lost_silently() ->
     assert lc.flushed == 2 and lc.dropped == 3
     assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "stopped"}) == 3
     assert lc.flush() == 0  # nothing was left waiting for a flush that will never come
+
+
+def test_stop_returns_within_its_bound_and_logs_the_thread_when_a_flush_is_stuck(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A flush stuck on Redis held stop()'s unbounded join, and so every ScoringService exit, for good.
+    class StuckCounts(FakeCounts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            self.entered.set()
+            self.release.wait()  # stuck until the test lets it go
+            super().add_counts(*args, **kwargs)  # type: ignore[arg-type]
+
+    fake, metrics = StuckCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, flush_s=3600, flush_ids=2).start()  # type: ignore[arg-type]
+    thread = lc._thread
+    try:
+        lc.add("item", np.array([1, 2], np.int64))
+        assert fake.entered.wait(10)
+        lc.add("item", np.array([3], np.int64))  # waits for a last flush that cannot run
+        with caplog.at_level("ERROR", logger="streamrec.serve"):
+            lc.stop(timeout_s=0.1)
+        assert lc._thread is None
+        assert "lookup-counts" in caplog.text and "did not stop within 0.1 s" in caplog.text
+        assert lc.dropped == 1
+        assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "stopped"}) == 1
+        lc.add("item", np.array([4], np.int64))  # stopped: dropped, not left for a flush that never comes
+        assert lc.dropped == 2
+    finally:
+        fake.release.set()
+        assert thread is not None
+        thread.join(10)
+    assert fake.calls == [("item", "lookup", {1: 1, 2: 1}, fake.calls[0][3])]  # the stuck flush still finishes
