@@ -22,6 +22,7 @@ from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
+from tests.bounded_teardown import kill_and_reap
 from tests.kafka_io import read_topic
 from tests.monitoring_io import alerts_so_far, metric, scrape
 
@@ -130,9 +131,7 @@ severity = "warning"
         learner.communicate(timeout=60)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+            kill_and_reap(p)
     assert monitor.returncode == 0 and learner.returncode == 0, err[-3000:]
     records = [Alert.from_json(r.value) for r in read_topic(kafka, alerts)]
     assert [(a.rule, a.state) for a in records] == [("cold_start_share", AlertState.FIRING),

@@ -30,6 +30,7 @@ from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
+from tests.bounded_teardown import kill_and_reap
 from tests.kafka_io import read_topic
 from tests.monitoring_io import alerts_so_far, metric, scrape
 
@@ -113,9 +114,7 @@ def run_until_alert(kafka: KafkaSettings, tmp_path: Path, rule: str, send: Calla
         _, learner_err = learner.communicate(timeout=60)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+            kill_and_reap(p)
     assert learner.returncode == 0, learner_err[-3000:]
     assert monitor.returncode == 0, err[-3000:]
     assert json.loads(out)["alerts"]["firing"] >= 1

@@ -23,6 +23,7 @@ from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
 from stream.samples import SampleBatch
+from tests.bounded_teardown import kill_and_reap
 from tests.kafka_io import read_topic
 
 WINDOW_S = 600.0
@@ -265,14 +266,12 @@ def test_a_worker_joining_and_one_killed_mid_stream_move_the_partitions_and_each
         publish(parts[1], kafka, "synthetic")
         n = wait_for_samples(kafka, n + 3, procs)
         os.kill(first.pid, signal.SIGKILL)
-        first.communicate()
+        first.communicate(timeout=30)
         publish(parts[2], kafka, "synthetic")
         outs = [p.communicate(timeout=240) for p in (second, third)]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+            kill_and_reap(p)
     assert second.returncode == 0 and third.returncode == 0, [o[1][-2000:] for o in outs]
     summaries = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
     assert all(s["events"] > 0 for s in summaries), "the worker that joined mid-stream must have had partitions"

@@ -39,6 +39,7 @@ from monitor.expr import ExprError, parse
 from monitor.rules import DEFAULT_RULES, Op, Rule, RulesError, load_rules, loads_rules
 from stream.config import KafkaSettings
 from streamrec.cli import main
+from tests.bounded_teardown import kill_and_reap
 from tests.kafka_io import read_topic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -496,9 +497,7 @@ webhook_url = "{recorder.url}/hook"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_and_reap(proc)
     assert proc.returncode == 0, err
     summary = json.loads(out)
     assert summary["alerts"] == {"firing": 1, "resolved": 1} and summary["firing"] == []
@@ -547,9 +546,7 @@ kafka_topic = "{topic}"
             proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=30)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            kill_and_reap(proc)
         assert proc.returncode == 0, err
         return json.loads(out)
 

@@ -1,0 +1,52 @@
+"""The kill and reap of a child process a test started, every wait bounded, for ``finally:`` blocks and teardowns.
+
+pytest-timeout fires once per test: a wait with no bound in a ``finally:`` or a fixture's teardown, reached after
+that timeout or any other failure, blocks the xdist worker for good (CI hung 70 min so). ``proc.kill()`` then
+``proc.communicate()`` was such a wait: communicate reads the pipes to EOF, and a grandchild that inherited them (a
+forked worker) keeps them open after the child is dead. And a child left running when a test fails slows every later
+test on a 2-core runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+REAP_TIMEOUT_S = 30.0
+
+
+def kill_and_reap(proc: subprocess.Popen[Any], *, group: bool = False, timeout_s: float = REAP_TIMEOUT_S) -> None:
+    """Kill ``proc`` if it still runs and reap it within ``timeout_s``. ``group``: ``proc`` was started with
+    ``start_new_session=True`` and may have forked (torchrun, a learner's DataLoader workers): its whole process
+    group is killed, even when ``proc`` itself has ended, so no grandchild is left behind.
+
+    It waits for the process, never for its pipes (a grandchild may hold them), and does not close them (a reader
+    thread of the test's may be blocked on them: garbage collection closes them). A process still there after
+    ``timeout_s`` is reported as a warning, not waited for."""
+    if group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        warnings.warn(f"process {proc.pid} ({proc.args!r:.200}) still running {timeout_s:g} s after SIGKILL",
+                      RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen[Any], *, group: bool = False) -> Iterator[subprocess.Popen[Any]]:
+    """``with reaped(Popen(...)) as proc:``: whatever happens in the block, ``proc`` is not left running after it
+    (:func:`kill_and_reap`)."""
+    try:
+        yield proc
+    finally:
+        kill_and_reap(proc, group=group)
+
