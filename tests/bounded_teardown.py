@@ -50,3 +50,21 @@ def reaped(proc: subprocess.Popen[Any], *, group: bool = False) -> Iterator[subp
     finally:
         kill_and_reap(proc, group=group)
 
+
+class Reaper:
+    """The child processes a test started (``proc = reaper.add(Popen(...))``): :meth:`close` (the ``reaper``
+    fixture's teardown, tests/conftest.py) kills and reaps every one still running, whatever ended the test, so a
+    failed test leaves no joiner or learner running into the next ones."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[subprocess.Popen[Any], bool]] = []
+
+    def add(self, proc: subprocess.Popen[Any], *, group: bool = False) -> subprocess.Popen[Any]:
+        """Track ``proc`` (``group``: kill its process group, :func:`kill_and_reap`); returns it."""
+        self.procs.append((proc, group))
+        return proc
+
+    def close(self) -> None:
+        procs, self.procs = self.procs, []
+        for proc, group in reversed(procs):
+            kill_and_reap(proc, group=group)

@@ -16,6 +16,7 @@ import redis
 
 from stream.config import KafkaSettings
 from streamrec.stack import LocalStack, StackSettings, free_port
+from tests.bounded_teardown import Reaper
 
 if TYPE_CHECKING:
     from tests.redis_cluster import ClusterNodes
@@ -65,6 +66,16 @@ def kafka(stack: LocalStack) -> KafkaSettings:
         samples_topic=f"samples-{tag}",
         client_id=f"test-{tag}",
     )
+
+
+@pytest.fixture
+def reaper() -> Iterator[Reaper]:
+    """Child processes of the test (``reaper.add(Popen(...))``), killed and reaped, bounded, at its teardown."""
+    r = Reaper()
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 @pytest.fixture

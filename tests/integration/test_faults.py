@@ -29,6 +29,7 @@ from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.stack import free_port, redis_binary, tansu_binary
+from tests.bounded_teardown import Reaper, kill_and_reap
 from tests.integration.test_joiner import expected_join, join_env, read_samples
 from tests.integration.test_learner import produce_samples
 from tests.kafka_io import read_topic
@@ -59,12 +60,20 @@ class Service:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
+        try:
+            wait_port(self.port)
+        except BaseException:  # not up: not left running either
+            kill_and_reap(self.proc)
+            raise
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM, and SIGKILL past ``grace_s``: it raised TimeoutExpired there and left the process running."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=20)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                kill_and_reap(self.proc)
 
 
 @pytest.fixture
@@ -107,7 +116,10 @@ def s3_broker(tmp_path: Path) -> Iterator[Service]:
             broker.stop()
     finally:
         moto.terminate()
-        moto.wait(timeout=20)
+        try:
+            moto.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            kill_and_reap(moto)
 
 
 def paced_replay(table, kafka: KafkaSettings, seconds: float) -> threading.Thread:
@@ -151,15 +163,15 @@ def run_until_done(cmd: list[str], env: dict[str, str], attempts: int = 6, timeo
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_redis_restart_during_joining_loses_nothing(driver: str, kafka: KafkaSettings, own_redis: Service,
-                                                    group_id: str) -> None:
+                                                    group_id: str, reaper: Reaper) -> None:
     s = SyntheticSettings(impressions=20_000, users=5000, items=1000, impressions_per_s=50.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=20.0), seed=21)
     replay = paced_replay(table, kafka, seconds=15.0)
     env = join_env(kafka, f"redis://127.0.0.1:{own_redis.port}/0", group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
-    proc = subprocess.Popen(join_cmd(group_id, driver), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = reaper.add(subprocess.Popen(join_cmd(group_id, driver), env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
@@ -180,7 +192,7 @@ def test_redis_restart_during_joining_loses_nothing(driver: str, kafka: KafkaSet
 
 
 def test_a_frozen_redis_mid_stream_times_out_rewinds_and_loses_nothing(kafka: KafkaSettings, own_redis: Service,
-                                                                       group_id: str) -> None:
+                                                                       group_id: str, reaper: Reaper) -> None:
     """Redis stops answering without closing its connections (SIGSTOP for 7 s: a stalled or swapping host, a
     partition that drops packets), which no connection error reports: the joiner's commands time out
     (``stream.redis_client.DEFAULT_TIMEOUT_S``, 5 s), it rewinds to its committed offsets and retries, and every
@@ -192,8 +204,8 @@ def test_a_frozen_redis_mid_stream_times_out_rewinds_and_loses_nothing(kafka: Ka
     replay = paced_replay(table, kafka, seconds=12.0)
     env = join_env(kafka, f"redis://127.0.0.1:{own_redis.port}/0", group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "500"
-    proc = subprocess.Popen(join_cmd(group_id, "kafka"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = reaper.add(subprocess.Popen(join_cmd(group_id, "kafka"), env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
@@ -211,7 +223,8 @@ def test_a_frozen_redis_mid_stream_times_out_rewinds_and_loses_nothing(kafka: Ka
     print(f"\nfrozen redis: duplicate samples {dups}")
 
 
-def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault: Callable[[], None]):
+def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault: Callable[[], None],
+                               reaper: Reaper):
     """Replay a paced synthetic stream and join it with the kafka driver while ``fault()`` hits the broker
     (once the first samples are out); a joiner that fails is restarted as a supervisor would. Returns the
     table and the number of restarts."""
@@ -221,8 +234,8 @@ def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault
     replay = paced_replay(table, kafka, seconds=15.0)
     env = join_env(kafka, stack.redis_url, group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "500"
-    proc = subprocess.Popen(join_cmd(group_id, "kafka", idle_s=8.0), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = reaper.add(subprocess.Popen(join_cmd(group_id, "kafka", idle_s=8.0), env=env, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
@@ -236,7 +249,7 @@ def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault
     return table, restarts
 
 
-def test_a_frozen_broker_mid_stream_loses_nothing(group_id: str, stack) -> None:
+def test_a_frozen_broker_mid_stream_loses_nothing(group_id: str, stack, reaper: Reaper) -> None:
     """The broker stops answering for longer than the consumer's session (SIGSTOP for 9 s: a stalled
     machine, a long GC pause, a network partition) while the replay and the joiner are writing: librdkafka's
     requests time out, the group's session expires and the member rejoins, produces are retried; every
@@ -255,7 +268,7 @@ def test_a_frozen_broker_mid_stream_loses_nothing(group_id: str, stack) -> None:
             time.sleep(9.0)
             broker.proc.send_signal(signal.SIGCONT)
 
-        table, restarts = _join_through_broker_fault(kafka, stack, group_id, freeze)
+        table, restarts = _join_through_broker_fault(kafka, stack, group_id, freeze, reaper)
         dups = assert_joined_exactly(kafka, table, "frozen broker")
         print(f"\nfrozen broker: process restarts {restarts}, duplicate samples {dups}")
     finally:
@@ -266,7 +279,7 @@ def test_a_frozen_broker_mid_stream_loses_nothing(group_id: str, stack) -> None:
 
 @pytest.mark.slow
 def test_broker_restart_mid_stream_with_durable_storage_loses_nothing(s3_broker: Service, group_id: str,
-                                                                      stack) -> None:
+                                                                      stack, reaper: Reaper) -> None:
     """A broker restart with durable (``s3://``) storage mid-stream. Out of CI (``-m slow``): Tansu 0.6.0 on
     ``s3://`` itself loses acknowledged record batches across its restart in about half of the runs here, on
     any topic (the joiner's idempotent producer had all 36 sample records acknowledged and the topic kept 35;
@@ -279,14 +292,15 @@ def test_broker_restart_mid_stream_with_durable_storage_loses_nothing(s3_broker:
         time.sleep(2.0)
         s3_broker.start()
 
-    table, restarts = _join_through_broker_fault(kafka, stack, group_id, restart)
+    table, restarts = _join_through_broker_fault(kafka, stack, group_id, restart, reaper)
     dups = assert_joined_exactly(kafka, table, "broker restart")
     print(f"\nbroker restart: process restarts {restarts}, duplicate samples {dups}")
 
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_sigkill_of_the_joiner_at_random_points_loses_nothing(driver: str, kafka: KafkaSettings, stack,
-                                                              group_id: str, fault_rounds: int) -> None:
+                                                              group_id: str, fault_rounds: int,
+                                                              reaper: Reaper) -> None:
     s = SyntheticSettings(impressions=15_000 * fault_rounds, users=10_000, items=2000, impressions_per_s=50.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=20.0), seed=23)
@@ -296,8 +310,8 @@ def test_sigkill_of_the_joiner_at_random_points_loses_nothing(driver: str, kafka
     rnd = random.Random(fault_rounds)
     kills = 0
     for _ in range(fault_rounds * 2):
-        proc = subprocess.Popen(join_cmd(group_id, driver), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = reaper.add(subprocess.Popen(join_cmd(group_id, driver), env=env, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL))
         time.sleep(rnd.uniform(4.0, 9.0))  # faust needs a few seconds to join the group
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -319,7 +333,7 @@ def learner_env(kafka: KafkaSettings, disk_full_flag: Path) -> dict[str, str]:
 
 
 def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka: KafkaSettings,
-                                                                          tmp_path: Path) -> None:
+                                                                          tmp_path: Path, reaper: Reaper) -> None:
     from stream.kafka import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic])
@@ -329,7 +343,7 @@ def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka:
     full.touch()  # the disk is full from the start ...
     cmd = [sys.executable, "-m", "tests.fault_hooks", "train", "--checkpoint-dir", str(tmp_path / "ckpt"),
            "--batch-rows", "256", "--exit-when-idle", "6", "--json"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = reaper.add(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:  # until a checkpoint has really failed
@@ -345,7 +359,8 @@ def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka:
 
 
 def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(kafka: KafkaSettings,
-                                                                                tmp_path: Path) -> None:
+                                                                                tmp_path: Path,
+                                                                                reaper: Reaper) -> None:
     from stream.kafka import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic])
@@ -355,7 +370,7 @@ def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "tests.fault_hooks", "train", "--checkpoint-dir", str(ckpt), "--batch-rows", "256",
            "--json"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = reaper.add(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(5.0)
     full.touch()  # checkpoints start failing: the learner trains on, from memory
     time.sleep(2.0)
@@ -369,20 +384,21 @@ def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(driver: str, kafka: KafkaSettings,
-                                                                              stack, group_id: str) -> None:
+                                                                              stack, group_id: str,
+                                                                              reaper: Reaper) -> None:
     s = SyntheticSettings(impressions=20_000, users=8000, items=1500, impressions_per_s=50.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=20.0), seed=24)
     replay = paced_replay(table, kafka, seconds=25.0)
     env = join_env(kafka, stack.redis_url, group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
-    first = subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first = reaper.add(subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
-    second = subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # a member joins: the partitions rebalance
+    second = reaper.add(subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))  # a member joins: the partitions rebalance
     time.sleep(10.0)
     os.kill(first.pid, signal.SIGKILL)  # and the first dies: the survivor takes its partitions after the session
     first.wait()
@@ -396,7 +412,7 @@ def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(dr
 @pytest.mark.slow
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_a_joiner_frozen_past_its_session_while_another_takes_over_loses_and_mislabels_nothing(
-        driver: str, kafka: KafkaSettings, stack, group_id: str, fault_rounds: int) -> None:
+        driver: str, kafka: KafkaSettings, stack, group_id: str, fault_rounds: int, reaper: Reaper) -> None:
     """One of two joiners stops answering for longer than its group session (SIGSTOP for 2x the session: a long
     GC pause, a swapping or stalled host) with batches in hand; the other takes its partitions over from the state
     log meanwhile, and the frozen one wakes to find its partitions gone. Found by this test (faust driver; the kafka
@@ -419,11 +435,12 @@ def test_a_joiner_frozen_past_its_session_while_another_takes_over_loses_and_mis
         env = join_env(topics, stack.redis_url, f"{group_id}-{r}")
         env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
         cmd = join_cmd(f"{group_id}-{r}", driver, idle_s=10.0)
-        first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        first = reaper.add(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(read_topic(topics, topics.samples_topic)) < 3:
             time.sleep(0.2)
-        second = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        second = reaper.add(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                             text=True))
         time.sleep(rnd.uniform(6.0, 9.0))  # both members hold partitions (faust joins in a few seconds)
         try:
             first.send_signal(signal.SIGSTOP)
@@ -490,9 +507,7 @@ def test_a_learner_frozen_past_its_session_mid_stream_trains_every_sample_once(k
         try:
             out, _ = proc.communicate(timeout=300)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            kill_and_reap(proc)
     assert proc.returncode == 0, (tmp_path / "learner.err").read_text()[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert Counter({int(p): n for p, n in summary["partition_rows"].items()}) == produced, summary.get("reason")

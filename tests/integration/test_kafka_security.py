@@ -39,6 +39,7 @@ from stream.kafka import (
 from stream.secrets import Secret
 from streamrec.settings import build
 from streamrec.stack import LocalStack, free_port
+from tests.bounded_teardown import Reaper, kill_and_reap
 from tests.kafka_io import read_topic
 from tests.secure_kafka import SecureKafka, TlsFiles, create_tansu_user, make_tls, secure_kafka, start_tansu, stop
 
@@ -309,7 +310,8 @@ def last_json(out: subprocess.CompletedProcess[str]) -> dict:
 
 
 def test_replay_audit_join_with_both_drivers_and_train_over_sasl_ssl(sasl_ssl: SecureKafka, tls: TlsFiles,
-                                                                       stack: LocalStack, tmp_path: Path) -> None:
+                                                                       stack: LocalStack, tmp_path: Path,
+                                                                       reaper: Reaper) -> None:
     k = secured(sasl_ssl.bootstrap_servers, tls)
     cfg = write_config(tmp_path / "secure.toml", k, stack.redis_url, password_file=tmp_path / "kafka_password",
                        synthetic=SYNTHETIC, learner={**LEARNER, "group_id": f"learner-{k.client_id}"})
@@ -324,17 +326,15 @@ def test_replay_audit_join_with_both_drivers_and_train_over_sasl_ssl(sasl_ssl: S
         env = {"STREAMREC_KAFKA_SAMPLES_TOPIC": f"{k.samples_topic}-{driver}",
                "STREAMREC_JOINER_LATE_CLICKS_TOPIC": f"late-{k.client_id}-{driver}",
                "STREAMREC_REDIS_PREFIX": f"{k.client_id}-{driver}"}
-        procs[driver] = subprocess.Popen(
+        procs[driver] = reaper.add(subprocess.Popen(
             [sys.executable, "-m", "streamrec.cli", *join_args(f"join-{driver}-{k.client_id}", driver), "--config",
              str(cfg)], env={**{x: y for x, y in os.environ.items() if not x.startswith("STREAMREC_")}, **env},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # both killed if either fails
     for driver, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            kill_and_reap(proc)
         assert proc.returncode == 0, f"{driver}: {err[-3000:]}"
         summary = json.loads(out.strip().splitlines()[-1])
         # one sample per impression, plus one per click joined after its observed 0 (fake_negative, the default)

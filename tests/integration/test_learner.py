@@ -27,6 +27,7 @@ from learner.trainer import Trainer
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
+from tests.bounded_teardown import Reaper
 
 if TYPE_CHECKING:
     from learner.config import LearnerSettings
@@ -247,7 +248,7 @@ def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSe
 
 
 def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exactly_once_across_a_kill(
-        kafka: KafkaSettings, tmp_path: Path) -> None:
+        kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
     ensure_topics(kafka, [kafka.samples_topic])
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
                STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
@@ -258,8 +259,9 @@ def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exac
     producer = threading.Thread(target=lambda: produced.update(produce_samples(kafka, 160, 200, 0.25)))
     producer.start()
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = reaper.add(subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True, start_new_session=True),
+                      group=True)  # its workers too, if they outlive it (what this test checks they do not)
     producer.join()
     time.sleep(1.5)  # the stream has stopped: the workers wait for new samples
     os.kill(proc.pid, signal.SIGKILL)
@@ -281,7 +283,7 @@ def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exac
     assert {line.split(": ", 1)[1] for line in first_err.splitlines() if "reads samples partitions" in line} <= split
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path) -> None:
+def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
     ensure_topics(kafka, [kafka.samples_topic])
     produced = produce_samples(kafka, 16, 100, 0.0)
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
@@ -290,7 +292,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
                STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600", STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}",
                STREAMREC_LEARNER_DELTAS_DIR=str(tmp_path / "deltas"), STREAMREC_LEARNER_DELTAS_EVERY_S="3600")
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen(train_cmd(ckpt), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = reaper.add(subprocess.Popen(train_cmd(ckpt), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True))  # no idle exit: it runs for good unless stopped
     assert proc.stderr is not None
     while "training on" not in proc.stderr.readline():  # started (the daemon runs forever without a bound)
         assert proc.poll() is None, "the learner died at start"
@@ -315,7 +318,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
 
 
 def test_a_sigterm_to_the_whole_process_group_stops_a_learner_with_dataloader_workers_cleanly(
-        kafka: KafkaSettings, tmp_path: Path) -> None:
+        kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
     """systemd's default stop (KillMode=control-group), ``kill -TERM -<pgid>``: the workers get the SIGTERM too. They
     died of it, and the learner, stopping on the same signal, failed with "DataLoader worker ... is killed by signal:
     Terminated" and exited 1 without its final checkpoint. Now the workers serve on until the learner shuts them
@@ -328,8 +331,9 @@ def test_a_sigterm_to_the_whole_process_group_stops_a_learner_with_dataloader_wo
                STREAMREC_LEARNER_PREFETCH_FACTOR="2", STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600",
                STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}")
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own process group
+    proc = reaper.add(subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, start_new_session=True),  # its own group
+                      group=True)
     assert proc.stderr is not None
     while "reads samples partitions" not in proc.stderr.readline():  # the workers run
         assert proc.poll() is None, "the learner died at start"
