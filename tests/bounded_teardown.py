@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 REAP_TIMEOUT_S = 30.0
@@ -49,6 +49,14 @@ def reaped(proc: subprocess.Popen[Any], *, group: bool = False) -> Iterator[subp
         yield proc
     finally:
         kill_and_reap(proc, group=group)
+
+
+def close_all(closes: Iterable[Callable[[], object]]) -> None:
+    """Call each of ``closes`` in order, every one even when an earlier one raised (a teardown closing several
+    pipelines or servers in a plain loop left the rest open after the first error); then raise that error."""
+    with contextlib.ExitStack() as stack:
+        for close in reversed(list(closes)):  # (an ExitStack calls them last in, first out)
+            stack.callback(close)
 
 
 class Reaper:

@@ -52,6 +52,7 @@ from monitor.alerts import (
 from monitor.engine import RuleEngine, Snapshot
 from monitor.rules import loads_rules
 from stream.config import KafkaSettings
+from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic
 from tests.unit.monitor.test_engine_identity import LAG_RULES
 
@@ -238,8 +239,7 @@ FAILABLE = ["kafka", "webhook"]  # a log record cannot fail: LogSink has no fail
 def closers() -> Iterator[list[Callable[[], None]]]:
     out: list[Callable[[], None]] = []
     yield out
-    for close in reversed(out):
-        close()
+    close_all(reversed(out))
 
 
 def build_target(name: str, request: pytest.FixtureRequest, closers: list[Callable[[], None]]) -> Target:

@@ -40,6 +40,7 @@ from monitor.alerts import (
 from monitor.engine import Monitor, Snapshot
 from monitor.rules import RulesError, loads_rules
 from stream.config import KafkaSettings
+from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic
 
 FAST = SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=0.05)
@@ -138,8 +139,7 @@ def hook_server() -> Iterator[Callable[..., HookServer]]:
     try:
         yield make
     finally:
-        for s in servers:
-            s.close()
+        close_all(s.close for s in servers)
 
 
 def closed_port() -> int:

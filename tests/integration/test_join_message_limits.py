@@ -30,6 +30,7 @@ from stream.joiner.state_log import state_topic
 from stream.kafka import MessageLimit, admin_config
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import SampleBatch
+from tests.bounded_teardown import close_all
 from tests.integration.test_join_pipeline import T0, WINDOW_MS, click, imp
 from tests.integration.test_join_recovery import worker
 from tests.kafka_io import read_topic
@@ -56,8 +57,7 @@ def make(stack, settings: JoinerSettings) -> Iterator[Callable[..., JoinPipeline
         return p
 
     yield new
-    for p in made:
-        p.close()
+    close_all(p.close for p in made)
 
 
 def tagged(kafka: KafkaSettings, n: int, tags: int = 40) -> list:

@@ -30,6 +30,7 @@ from stream.history import UserHistory
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.samples import SampleBatch
+from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic
 
 T0 = 1_700_000_000_000  # event time base (2023-11-14), ms
@@ -93,8 +94,7 @@ def make(kafka: KafkaSettings, stack, prefix: str, settings: JoinerSettings,
         return p
 
     yield new
-    for p in made:
-        p.close()
+    close_all(p.close for p in made)
 
 
 # -- tests ----------------------------------------------------------------------------------------------
