@@ -742,6 +742,9 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
+JOIN_S = 2.0  # how long ThreadedServer.stop waits, all together, for the connection threads once it closed them
+
+
 class _TCPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with a cap on connections (one thread each) and a registry of them for ``stop``."""
 
@@ -835,9 +838,13 @@ class _TCPServer(ThreadingHTTPServer):
             rest, threads = list(self.conns), list(self.threads)
         for c in rest:  # past the grace: cut off
             _shut(c)
-        end = time.monotonic() + 2.0
+        end = time.monotonic() + JOIN_S
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
+        alive = [t.name for t in threads if t.is_alive()]
+        if alive:  # (daemon threads: left to end on their own, a request stuck in the app past its socket's close)
+            log.warning("stop: %d connection thread(s) still running %g s after their connections were closed, left "
+                        "behind: %s", len(alive), JOIN_S, ", ".join(alive))
 
 
 class ThreadedServer:
@@ -868,6 +875,9 @@ class ThreadedServer:
         if self._thread is not None:  # (shutdown() waits for serve_forever: it would hang on a server never started)
             self.httpd.shutdown()  # the accept loop ends (within its poll interval)
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                log.warning("stop: the accept thread %s still runs 5 s after its shutdown, left behind",
+                            self._thread.name)
         self.httpd.server_close()  # new connections are refused
         self.httpd.close_connections(grace_s)
 

@@ -734,3 +734,30 @@ def test_an_absolute_form_target_reaches_its_endpoint_with_its_body_and_allow_he
         assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
         status, headers, _ = read_response(f)
         assert (status, headers["allow"]) == (405, "GET, HEAD, OPTIONS")
+
+
+def test_stop_logs_the_connection_threads_still_running_after_its_bounded_join(
+        app: ScoringApp, caplog: pytest.LogCaptureFixture) -> None:
+    # A request stuck in the app past the grace: stop closes its connection, waits a bounded while for its thread and
+    # returns; the thread left behind was not said anywhere.
+    started, release = threading.Event(), threading.Event()
+
+    def stuck(_body: bytes) -> tuple[int, str, bytes]:
+        started.set()
+        release.wait(30)
+        return 200, "application/json", b"{}"
+
+    app._routes[("GET", "/stuck")] = stuck
+    srv = make_server("threading", app, "127.0.0.1", 0)
+    srv.start()
+    s = connect(srv)
+    try:
+        s.sendall(request("GET", "/stuck"))
+        assert started.wait(10), "the request never reached the app"
+        with caplog.at_level("WARNING", logger="streamrec.serve"):
+            srv.stop(grace_s=0.0)
+        assert "1 connection thread(s) still running" in caplog.text and "serve-http-conn" in caplog.text
+    finally:
+        release.set()
+        s.close()
+        srv.stop()
