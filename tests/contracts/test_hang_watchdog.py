@@ -37,10 +37,11 @@ def test_ends_in_time(n):
 '''
 
 
-def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> pytest.RunResult:
+def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, inner: str = INNER
+         ) -> pytest.RunResult:
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     pytester.makeini("[pytest]\ntimeout = 1\nhang_watchdog_grace = 2\n")
-    pytester.makepyfile(test_inner=INNER)
+    pytester.makepyfile(test_inner=inner)
     return pytester.runpytest_subprocess("-p", "tests.hang_watchdog", *args, timeout=60)
 
 
@@ -51,7 +52,7 @@ def test_a_test_hung_past_its_timeout_is_stopped_and_named_under_xdist(pytester:
     result.assert_outcomes(passed=4, failed=2)  # the call's timeout, then the worker's crash in its teardown
     result.stdout.fnmatch_lines(["*crashed while running*test_hangs_in_teardown_after_its_timeout*"])
     result.stdout.fnmatch_lines(["*hung test, stopped by tests/hang_watchdog.py*",
-                                 "*test_hangs_in_teardown_after_its_timeout still ran 3 s after it started*"])
+                                 "*test_hangs_in_teardown_after_its_timeout: still running 3 s after it started*"])
     assert "in blocks_in_teardown" in out  # the stack of the thread that hung
 
 
@@ -62,4 +63,14 @@ def test_without_xdist_the_hung_process_ends_and_leaves_the_stack_in_the_cache(p
     dumps = [p for p in (pytester.path / ".pytest_cache" / "d" / "hangs").glob("main-*.txt") if p.stat().st_size]
     assert len(dumps) == 1
     text = dumps[0].read_text()
-    assert "test_hangs_in_teardown_after_its_timeout still ran 3 s" in text and "in blocks_in_teardown" in text
+    assert "test_hangs_in_teardown_after_its_timeout: still running 3 s" in text and "in blocks_in_teardown" in text
+
+
+def test_a_worker_that_dies_otherwise_is_not_reported_as_hung(pytester: pytest.Pytester,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dump file holds its header line from the start of every test: a worker killed some other way (here its
+    own SIGKILL: an OOM kill, a segfault) left it, and was reported as a hang."""
+    inner = "import os\nimport signal\n\n\ndef test_dies():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    result = _run(pytester, monkeypatch, "-n", "2", "-p", "no:randomly", inner=inner)
+    result.stdout.fnmatch_lines(["*crashed while running*test_dies*"])
+    assert "hung test" not in result.stdout.str()
