@@ -432,8 +432,9 @@ def eviction_advice(client: Any, settings: RedisSettings, holds: str) -> str | N
     which the callers retry and report (the joiner's batch fails and is redone); an evicted key is never reported: a
     count that restarts from 0, a user with no history, a poison message's strikes forgotten. On a Redis Cluster the
     first node that evicts is named."""
-    try:
-        got = client.config_get("maxmemory*")
+    try:  # a cluster client asks one node unless told to ask them all
+        got = (client.config_get("maxmemory*", target_nodes=RedisCluster.ALL_NODES) if is_cluster(client)
+               else client.config_get("maxmemory*"))
     except Exception:  # noqa: BLE001 - a probe: Redis that will not say is not a finding
         return None
     if not isinstance(got, dict):

@@ -4,10 +4,12 @@ nothing under ``noeviction``, without a limit, or where Redis will not tell), an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import pytest
+import redis
 
 from serving.service import ScoringService
 from serving.settings import ServeSettings
@@ -16,6 +18,7 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline
 from stream.redis_client import connect, eviction_advice
 from tests.integration.test_redis_latency import PASSWORD, redis_server
+from tests.redis_cluster import ClusterNodes
 
 HOLDS = "the test's keys"
 
@@ -73,3 +76,18 @@ def test_serving_warns_at_start_only_when_its_redis_evicts(tmp_path: Path, polic
     warned = [r.getMessage() for r in caplog.records if "evicts keys" in r.getMessage()]
     assert len(warned) == (1 if policy == "allkeys-lru" else 0)
     assert all("embedding rows" in w for w in warned)
+
+
+def test_advice_asks_every_node_of_a_cluster(cluster_nodes: ClusterNodes) -> None:
+    """A cluster client sends CONFIG GET to one node unless told otherwise: a node that evicts went unnamed."""
+    settings = RedisSettings(url=cluster_nodes.url, cluster=True)
+    client = connect(settings, timeout_s=2.0, retries=0)
+    try:
+        assert eviction_advice(client, settings, HOLDS) is None
+        with contextlib.closing(redis.Redis(port=cluster_nodes.ports[2])) as node:
+            node.config_set("maxmemory", str(64 * 2**20))
+            node.config_set("maxmemory-policy", "volatile-lru")
+        advice = eviction_advice(client, settings, HOLDS)
+        assert advice is not None and "maxmemory-policy volatile-lru" in advice
+    finally:
+        client.close()
