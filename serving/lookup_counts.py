@@ -90,6 +90,7 @@ class LookupCounts:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False  # stopped: a lookup added now would never be flushed, so it is dropped and counted
+        self._abandoned: threading.Thread | None = None  # a flush thread stop() gave up waiting for (stuck)
         self._failing = False  # the last flush failed: the next failure is not logged again
         self.flushed = 0  # lookups written to Redis
         self.dropped = 0  # lookups not counted (buffer full, flush failed)
@@ -195,12 +196,15 @@ class LookupCounts:
         The wait for the flush thread is bounded by ``timeout_s``: a flush stuck on Redis must not hang the shutdown
         (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last flush is
         skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped")."""
+        if self._abandoned is not None and self._abandoned.is_alive():
+            return  # stopped before without its flush thread: a flush now would wait on the lock that thread holds
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout_s)
             if thread.is_alive():
+                self._abandoned = thread
                 with self._lock:
                     self._closed = True
                     waiting, self._pending, self._n = self._n, {}, 0

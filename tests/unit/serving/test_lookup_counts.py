@@ -231,6 +231,7 @@ def test_stop_returns_within_its_bound_and_logs_the_thread_when_a_flush_is_stuck
         assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "stopped"}) == 1
         lc.add("item", np.array([4], np.int64))  # stopped: dropped, not left for a flush that never comes
         assert lc.dropped == 2
+        lc.stop(timeout_s=0.1)  # again (a second shutdown path): returns, where its flush waited on the stuck lock
     finally:
         fake.release.set()
         assert thread is not None
