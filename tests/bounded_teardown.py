@@ -53,7 +53,8 @@ def reaped(proc: subprocess.Popen[Any], *, group: bool = False) -> Iterator[subp
 
 def close_all(closes: Iterable[Callable[[], object]]) -> None:
     """Call each of ``closes`` in order, every one even when an earlier one raised (a teardown closing several
-    pipelines or servers in a plain loop left the rest open after the first error); then raise that error."""
+    pipelines or servers in a plain loop left the rest open after the first error); then raise the last
+    error, the earlier ones chained as its context."""
     with contextlib.ExitStack() as stack:
         for close in reversed(list(closes)):  # (an ExitStack calls them last in, first out)
             stack.callback(close)
