@@ -38,16 +38,12 @@ def test_advice_names_an_evicting_policy_and_its_limit_without_the_password(poli
             client.close()
 
 
-def test_no_advice_without_a_memory_limit_or_where_redis_will_not_say() -> None:
-    with redis_server("--maxmemory-policy", "allkeys-lru") as url:  # maxmemory 0: no limit, nothing is evicted
-        settings = RedisSettings(url=url)
-        client = connect(settings, timeout_s=1.0, retries=0)
-        try:
-            assert eviction_advice(client, settings, HOLDS) is None
-        finally:
-            client.close()
-    with redis_server("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--rename-command", "CONFIG",
-                      "") as url:  # as managed services hide CONFIG
+@pytest.mark.parametrize("args", [
+    ("--maxmemory-policy", "allkeys-lru"),  # maxmemory 0: no limit, nothing is evicted
+    ("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--rename-command", "CONFIG", ""),  # hidden CONFIG
+], ids=["no-limit", "config-hidden"])
+def test_no_advice_without_a_memory_limit_or_where_redis_will_not_say(args: tuple[str, ...]) -> None:
+    with redis_server(*args) as url:
         settings = RedisSettings(url=url)
         client = connect(settings, timeout_s=1.0, retries=0)
         try:
