@@ -393,6 +393,10 @@ def wait_until_up(client: Any, timeout_s: float) -> bool:
         time.sleep(0.05)
 
 
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
 def latency_advice(client: Any, settings: RedisSettings) -> str | None:
     """One line saying what in the server's settings costs a caller on the request path latency, or None (nothing
     found, or Redis will not say: ``CONFIG`` renamed away or denied by the ACL, as managed services do, or down).
@@ -408,18 +412,12 @@ def latency_advice(client: Any, settings: RedisSettings) -> str | None:
     except Exception:  # noqa: BLE001 - a probe: Redis that will not say is not a finding
         return None
     value = got.get("activerehashing") if isinstance(got, dict) else None
-    if isinstance(value, bytes):
-        value = value.decode(errors="replace")
-    if value != "yes":
+    if value is None or _text(value) != "yes":
         return None
     return (f"Redis at {redact(settings.url)} runs with activerehashing yes (its default): after its keyspace grows "
             "past a power of two it spends 1 ms of every 100 ms rehashing, for minutes, and ~1% of the reads on the "
             "request path wait up to that long; set `activerehashing no` in its configuration (CONFIG SET "
             "activerehashing no, and in redis.conf) where serving reads it")
-
-
-def _text(v: Any) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def eviction_advice(client: Any, settings: RedisSettings, holds: str) -> str | None:
