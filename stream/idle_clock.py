@@ -10,7 +10,9 @@ and a gap between two ticks longer than ``stall_s`` is a stall, which either
 - counts as ``stall_step_s``, one ordinary round (the learner): a loop whose every round is slow (a slow checkpoint
   at each heartbeat) still counts a round each time, so it still gets to its limit; or
 - restarts idleness (``stall_step_s=None``, the joiner): a member woken from a stall past its session learns that
-  its partitions are gone only a heartbeat later, and must not exit (and drain) before.
+  its partitions are gone only a heartbeat later, and must not exit (and drain) before. So idleness starts
+  ``after_stall_s`` below zero (the joiner: two heartbeat intervals): whatever the limit, even one under a
+  heartbeat, the first idle rounds after a stall are never taken for the end of the input.
 
 Never reset, it is a clock that leaves stalls out (the learner's event-time merge times its quiet partitions so)."""
 
@@ -21,10 +23,13 @@ from collections.abc import Callable
 
 
 class IdleClock:
-    def __init__(self, stall_s: float, stall_step_s: float | None, now: Callable[[], float] | None = None) -> None:
+    def __init__(self, stall_s: float, stall_step_s: float | None, now: Callable[[], float] | None = None,
+                 after_stall_s: float = 0.0) -> None:
         if stall_step_s is not None and not 0 <= stall_step_s <= stall_s:
             raise ValueError(f"an idle clock needs 0 <= stall_step_s <= stall_s, got {stall_step_s} and {stall_s}")
-        self.stall_s, self.stall_step_s = stall_s, stall_step_s
+        if after_stall_s < 0 or (after_stall_s and stall_step_s is not None):
+            raise ValueError(f"after_stall_s is a wait after a stall that restarts idleness, got {after_stall_s}")
+        self.stall_s, self.stall_step_s, self.after_stall_s = stall_s, stall_step_s, after_stall_s
         self._clock = now
         self.idle_s = 0.0
         self._last = self._now()
@@ -40,8 +45,8 @@ class IdleClock:
         if gap > self.stall_s:
             self.stalls += 1
             if self.stall_step_s is None:
-                self.idle_s = 0.0
-                return 0.0
+                self.idle_s = -self.after_stall_s  # idleness owes this wait first (module docstring)
+                return self.idle_s
             gap = self.stall_step_s
         self.idle_s += gap
         return self.idle_s

@@ -321,13 +321,19 @@ def producer_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
     return _client(kafka, conf, extra)
 
 
+def heartbeat_interval_s(kafka: KafkaSettings) -> float:
+    """A group member's heartbeat interval: a sixth of the session, at least 0.5 s (both joiner drivers' consumers).
+    A member that lost its partitions (it stalled past its session) hears so at its next heartbeat."""
+    return max(0.5, kafka.session_timeout_ms / 6000)
+
+
 def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "bootstrap.servers": kafka.bootstrap_servers,
         "client.id": kafka.client_id,
         "group.id": group_id,
         "session.timeout.ms": kafka.session_timeout_ms,
-        "heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6),
+        "heartbeat.interval.ms": round(heartbeat_interval_s(kafka) * 1000),
         "auto.offset.reset": "earliest",
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,

@@ -76,6 +76,7 @@ from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
+from stream.kafka import heartbeat_interval_s
 from stream.tls import client_context
 
 log = logging.getLogger("streamrec.join")
@@ -143,7 +144,8 @@ class FaustJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self.exit_code = 0
-        self._idle = IdleClock(_STALL_S, None)  # a stall restarts idleness (_idle_check)
+        # a stall restarts idleness two heartbeats below zero (_idle_check)
+        self._idle = IdleClock(_STALL_S, None, after_stall_s=2 * heartbeat_interval_s(kafka))
         self._busy = False
         self._records_in_hand = 0
         self._stopping = False
@@ -172,7 +174,7 @@ class FaustJoinWorker:
             topic_partitions=k.partitions,
             topic_replication_factor=k.replication_factor,
             broker_session_timeout=k.session_timeout_ms / 1000,
-            broker_heartbeat_interval=max(0.5, k.session_timeout_ms / 6000),
+            broker_heartbeat_interval=heartbeat_interval_s(k),
             consumer_auto_offset_reset="earliest",
             broker_max_poll_records=self.js.batch_max,
             consumer_max_fetch_size=_fetch_bytes(k),
@@ -291,11 +293,12 @@ class FaustJoinWorker:
     async def _idle_check(self) -> None:
         """Every ``_IDLE_TICK_S``: end the run once nothing came for ``exit_when_idle_s`` (draining first with
         ``drain_at_exit``). A gap between two ticks longer than ``_STALL_S`` is a stall (the process stopped, a long GC
-        pause or a swapping host; a batch that kept the loop busy), not idleness: idleness counts afresh from it. A
-        member woken from a stall past its session had lost its partitions, which faust tells it only a heartbeat
-        later: taken for idle at once, it drained its stale joins, their pending impressions out as samples labelled
-        0 whose clicks the partitions' new owner had joined already (the frozen-joiner fault test)."""
-        idle_s = self._idle.tick()  # 0 after a stall
+        pause or a swapping host; a batch that kept the loop busy), not idleness: idleness counts afresh from it, two
+        heartbeats below zero (stream.idle_clock). A member woken from a stall past its session had lost its
+        partitions, which faust tells it only a heartbeat later: taken for idle at once, it drained its stale joins,
+        their pending impressions out as samples labelled 0 whose clicks the partitions' new owner had joined already
+        (the frozen-joiner fault test). With a limit under a heartbeat it still did (idleness restarted at 0)."""
+        idle_s = self._idle.tick()  # below 0 after a stall
         limit = self.js.exit_when_idle_s
         if limit is None or self._stopping or self._busy or self._records_in_hand or idle_s < limit:
             return

@@ -63,3 +63,22 @@ def test_a_clock_that_restarts_on_a_stall_counts_idleness_afresh_from_it() -> No
 def test_a_step_over_the_stall_bound_or_below_zero_is_refused(stall_s: float, step_s: float) -> None:
     with pytest.raises(ValueError, match="stall_step_s"):
         IdleClock(stall_s=stall_s, stall_step_s=step_s)
+
+
+def test_a_stall_that_restarts_idleness_starts_it_after_stall_s_below_zero() -> None:
+    t = Clock()
+    idle = IdleClock(stall_s=2.0, stall_step_s=None, now=t, after_stall_s=2.0)
+    t.t += 0.5
+    assert idle.tick() == pytest.approx(0.5)
+    t.t += 12.0
+    assert idle.tick() == pytest.approx(-2.0) and idle.stalls == 1  # owes two heartbeats before any limit
+    t.t += 1.5
+    assert idle.tick() == pytest.approx(-0.5)
+    t.t += 1.0
+    assert idle.tick() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("after_stall_s, stall_step_s", [(-1.0, None), (1.0, 0.2)])
+def test_after_stall_s_is_refused_where_it_means_nothing(after_stall_s: float, stall_step_s: float | None) -> None:
+    with pytest.raises(ValueError, match="after_stall_s"):
+        IdleClock(stall_s=2.0, stall_step_s=stall_step_s, after_stall_s=after_stall_s)

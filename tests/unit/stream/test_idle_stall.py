@@ -7,15 +7,16 @@ frozen-joiner fault test in tests/integration/test_faults.py, faust driver; the 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
-from stream.idle_clock import IdleClock
-from stream.joiner import worker as worker_module
 from stream.joiner.worker import FaustJoinWorker
+
+HEARTBEAT_S = 1.0  # the default 6 s session's heartbeat interval (stream.kafka.heartbeat_interval_s)
 
 
 class Clock:
@@ -26,22 +27,23 @@ class Clock:
         return self.t
 
 
-def idle_worker(clock: Clock, drained: list[float]) -> FaustJoinWorker:
-    """A worker with just what ``_idle_check`` reads: no records held, nothing paused, ``--exit-when-idle 10 --drain``
-    (its real construction needs a pipeline on a broker)."""
-    w = FaustJoinWorker.__new__(FaustJoinWorker)
+def idle_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, drained: list[float],
+                limit: float = 10.0) -> FaustJoinWorker:
+    """A worker built as the joiner builds it (its idle clock too), with just what ``_idle_check`` reads: no records
+    held, nothing paused, ``--exit-when-idle LIMIT --drain``; no faust app (that needs a broker)."""
+    from stream.config import KafkaSettings
+    from stream.joiner.config import JoinerSettings
 
     async def commit() -> None:
         return None
 
-    w.js = SimpleNamespace(exit_when_idle_s=10.0, drain_at_exit=True)  # type: ignore[assignment]
-    w.pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None,  # type: ignore[assignment]
-                                 drain=lambda: drained.append(clock.t))
-    w.pauses = SimpleNamespace(paused=set())  # type: ignore[assignment]
-    w.app = SimpleNamespace(consumer=SimpleNamespace(commit=commit))  # type: ignore[assignment]
-    w.worker = None
-    w.exit_code, w._busy, w._records_in_hand, w._stopping, w._assigned = 0, False, 0, False, {0}
-    w._idle = IdleClock(worker_module._STALL_S, None)
+    monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(
+        consumer=SimpleNamespace(commit=commit)))
+    pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None, drain=lambda: drained.append(clock.t))
+    w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings(exit_when_idle_s=limit,  # type: ignore[arg-type]
+                                                                  drain_at_exit=True))
+    shutil.rmtree(w._datadir)
+    w._assigned = {0}
     return w
 
 
@@ -57,20 +59,21 @@ def test_a_stall_past_the_idle_limit_is_not_idleness_and_idleness_counts_afresh_
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock, drained = Clock(), list[float]()
     monkeypatch.setattr("time.monotonic", clock)
-    w = idle_worker(clock, drained)
+    w = idle_worker(monkeypatch, clock, drained)
     tick_until(w, clock, 3.0)  # ticking, idle for 3 s
     clock.t += 12.0  # the process stopped for 12 s
     asyncio.run(w._idle_check())
     assert drained == [] and not w._stopping  # the first check after it: no exit, no drain of stale joins
     woke = clock.t
     tick_until(w, clock, woke + 20.0)
-    assert w._stopping and drained == [pytest.approx(woke + 10.0, abs=0.3)]  # 10 s of ticking idleness after it
+    # 10 s of ticking idleness after it, and the two heartbeats owed first (stream.idle_clock)
+    assert w._stopping and drained == [pytest.approx(woke + 2 * HEARTBEAT_S + 10.0, abs=0.3)]
 
 
 def test_idleness_without_a_stall_ends_the_run_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     clock, drained = Clock(), list[float]()
     monkeypatch.setattr("time.monotonic", clock)
-    w = idle_worker(clock, drained)
+    w = idle_worker(monkeypatch, clock, drained)
     tick_until(w, clock, 30.0)
     assert w._stopping and drained == [pytest.approx(10.0, abs=0.3)]
 
@@ -98,8 +101,8 @@ class StalledConsumer:
 
 
 def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: float,
-                     gate: Callable[[], set[object]] = set) -> list[float]:
-    """``KafkaJoinWorker.run`` with ``--exit-when-idle 10 --drain`` over a :class:`StalledConsumer` (its first poll
+                     gate: Callable[[], set[object]] = set, limit: float = 10.0) -> list[float]:
+    """``KafkaJoinWorker.run`` with ``--exit-when-idle LIMIT --drain`` over a :class:`StalledConsumer` (its first poll
     returns after ``stall_s``) and ``gate`` as its gate; the clock times at which it drained."""
     from stream.config import KafkaSettings
     from stream.joiner import kafka_driver
@@ -108,7 +111,7 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
     drained = list[float]()
     monkeypatch.setattr(kafka_driver.time, "monotonic", clock)
     w = kafka_driver.KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
-                                     JoinerSettings(exit_when_idle_s=10.0, drain_at_exit=True))
+                                     JoinerSettings(exit_when_idle_s=limit, drain_at_exit=True))
     w.consumer.close()
     w.consumer = StalledConsumer(clock, stall_s=stall_s)  # type: ignore[assignment]
     w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}),  # type: ignore[assignment]
@@ -144,3 +147,28 @@ def test_the_kafka_driver_does_not_take_a_stall_outside_its_fetch_for_idleness(m
     drained = run_kafka_worker(monkeypatch, clock, stall_s=0.0, gate=gate_stalls_once)
     first_fetch = JoinerSettings().batch_within_s
     assert drained and drained[0] >= first_fetch + 12.0 + 10.0
+
+
+@pytest.mark.parametrize("limit", [0.1, 0.5])
+def test_an_idle_limit_under_a_heartbeat_still_waits_two_heartbeats_after_a_stall_kafka_driver(
+        monkeypatch: pytest.MonkeyPatch, limit: float) -> None:
+    """Idleness restarted at 0 after a stall, so a limit under a heartbeat (``--exit-when-idle 0.1``) ended the run
+    at the first idle poll after it, before the heartbeat that tells the member its partitions are gone: the drain of
+    stale joins the stall check exists to prevent."""
+    clock = Clock()
+    drained = run_kafka_worker(monkeypatch, clock, stall_s=12.0, limit=limit)
+    assert drained and drained[0] >= 12.0 + 2 * HEARTBEAT_S + limit
+
+
+@pytest.mark.parametrize("limit", [0.1, 0.5])
+def test_an_idle_limit_under_a_heartbeat_still_waits_two_heartbeats_after_a_stall_faust_driver(
+        monkeypatch: pytest.MonkeyPatch, limit: float) -> None:
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained, limit=limit)
+    clock.t += 12.0  # stopped for 12 s
+    asyncio.run(w._idle_check())
+    assert drained == [] and not w._stopping
+    woke = clock.t
+    tick_until(w, clock, woke + 20.0)
+    assert w._stopping and drained[0] >= woke + 2 * HEARTBEAT_S + limit - 0.25 - 1e-9
