@@ -80,7 +80,7 @@ class EventReader:
                 raise KafkaException(f"topic {topic!r} does not exist on {self._kafka.bootstrap_servers}")
             tps.extend(TopicPartition(topic, p) for p in sorted(meta.partitions))
         self._partitions = [(tp.topic, tp.partition) for tp in tps]
-        start = resume_offsets(self._consumer, tps)
+        start = resume_offsets(self._consumer, tps, self._stage)
         # Records before the committed offsets may come again (see resume_offsets): skip them.
         self._skip_below = {(tp.topic, tp.partition): c.offset for tp, c in
                             zip(start, self._consumer.committed(tps, timeout=10), strict=True) if c.offset >= 0}

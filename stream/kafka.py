@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from stream.config import KafkaSettings, SaslMechanism
 from stream.errors import ConfigError, DeliveryFailed, MessageLimitError, MessageTooLarge, StreamError, clip
+from stream.retention import account_for_retention
 from stream.tls import check_file
 
 Headers = Sequence[tuple[str, bytes]]
@@ -303,6 +304,9 @@ def _client(kafka: KafkaSettings, conf: dict[str, Any], extra: Mapping[str, Any]
     return conf
 
 
+BATCH_MESSAGES = 10_000  # the most records a streamrec producer puts in one record batch (resume_offsets)
+
+
 def producer_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "bootstrap.servers": kafka.bootstrap_servers,
@@ -313,7 +317,7 @@ def producer_config(kafka: KafkaSettings, **extra: Any) -> dict[str, Any]:
         # whichever client produced them, which keeps impressions and clicks co-partitioned.
         "partitioner": "murmur2_random",
         "linger.ms": 20,
-        "batch.num.messages": 10_000,
+        "batch.num.messages": BATCH_MESSAGES,
         "queue.buffering.max.messages": 1_000_000,
         "queue.buffering.max.kbytes": 1_048_576,
         "compression.type": "lz4",
@@ -649,29 +653,46 @@ def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = Fal
     return position < 0 or position < high
 
 
-def resume_offsets(consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition]:
+def resume_offsets(consumer: Consumer, partitions: list[TopicPartition], reader: str) -> list[TopicPartition]:
     """Start positions for ``partitions``: the group's committed offsets, made safe for brokers whose
-    high watermark lags (Tansu reports the base offset of the last record batch + 1).
+    high watermark lags (Tansu reports the base offset of the last record batch + 1), and checked against
+    retention for ``reader`` (the joiner, an ``EventReader`` stage: the name its losses are logged and counted by).
 
     Resuming at an offset inside a partition's last record batch makes such a broker return nothing
     until more data arrives, so a consumer resuming there would stall on a bounded input. Where the
     committed offset is beyond the reported high watermark, start from the batch's base offset
     instead (high watermark - 1): the records in between are delivered again, and every streamrec
     consumer skips records it has already applied (they come with offsets). On Apache Kafka the
-    committed offset never exceeds the high watermark, so this changes nothing there.
+    committed offset never exceeds the high watermark unless the topic was deleted and created again (its offsets
+    start over; the records before the committed offset are the new topic's, and a streamrec consumer skips them as
+    applied): a committed offset more than one record batch (``BATCH_MESSAGES``, what streamrec's producers put in
+    one) past the high watermark cannot be Tansu's lag and is logged as a WARNING naming that cause. It still starts
+    at the high watermark - 1: that is right on Tansu, and on a recreated topic the consumer's state is keyed by the
+    old topic's offsets, which no start position here can mend.
+    A committed offset below the partition's low watermark (retention or DeleteRecords removed records the
+    consumer never read) starts at the low watermark, the loss logged as an ERROR and counted
+    (``stream.retention``); librdkafka's reset to the earliest offset would have said nothing.
     Partitions without a committed offset start at the beginning.
     """
     out = []
+    lows: dict[tuple[str, int], int] = {}
     for tp in consumer.committed(partitions, timeout=10):
         offset = tp.offset
         if offset >= 0:
-            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+            low, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+            lows[(tp.topic, tp.partition)] = low
             if offset > high:
+                if offset - high > BATCH_MESSAGES:
+                    log.warning("%s: the committed offset %d of %s partition %d is %d past the partition's end (%d), "
+                                "more than one record batch: the topic was probably deleted and created again (its "
+                                "offsets started over). Starting at offset %d; the records before the committed "
+                                "offset count as read. Reset this reader's group offsets (and its state) if the topic "
+                                "is new", reader, offset, tp.topic, tp.partition, offset - high, high, max(high - 1, 0))
                 offset = max(high - 1, 0)
         else:
             offset = OFFSET_BEGINNING
         out.append(TopicPartition(tp.topic, tp.partition, offset))
-    return out
+    return account_for_retention(reader, out, lows)[0]
 
 
 def new_consumer(kafka: KafkaSettings, group_id: str, **extra: Any) -> Consumer:

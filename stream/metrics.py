@@ -16,3 +16,6 @@ DLQ_MESSAGES = Counter(
 )
 HISTORY_MALFORMED = Counter("streamrec_history_malformed_total",
                             "Malformed entries in users' Redis click histories, skipped when read.")
+INPUT_LOST = Counter("streamrec_input_lost_to_retention_total",
+                     "Input records deleted (retention, DeleteRecords) before the reader resuming past them read them "
+                     "(stream/retention.py), by reader and topic.", ["reader", "topic"])

@@ -165,7 +165,7 @@ class KafkaJoinWorker:
         backoff = _BACKOFF_S[0]
         while True:
             try:
-                return resume_offsets(consumer, partitions)
+                return resume_offsets(consumer, partitions, "joiner")
             except Exception as exc:
                 if not is_infrastructure(exc):
                     raise
@@ -327,7 +327,7 @@ class KafkaJoinWorker:
         self._backoff_s = min(_BACKOFF_S[1], self._backoff_s * 2)
         try:
             assigned = self.consumer.assignment()
-            for tp in resume_offsets(self.consumer, assigned):
+            for tp in resume_offsets(self.consumer, assigned, "joiner"):
                 self.consumer.seek(tp)
         except KafkaException as err:  # the broker is still away: the next batch fails again and comes back here
             log.warning("could not rewind yet: %s", err)

@@ -43,7 +43,7 @@ def worker(monkeypatch: pytest.MonkeyPatch) -> Any:
 def _timing_out(fail: int, worker: Any = None) -> Any:
     calls: list[int] = []
 
-    def resume_offsets(consumer: Any, partitions: list[TopicPartition]) -> list[TopicPartition]:
+    def resume_offsets(consumer: Any, partitions: list[TopicPartition], reader: str) -> list[TopicPartition]:
         calls.append(1)
         if len(calls) <= fail:
             if worker is not None and len(calls) == fail:
@@ -75,7 +75,7 @@ def test_a_worker_told_to_stop_while_the_broker_is_away_leaves_the_assignment_un
 
 
 def test_a_bug_in_the_assignment_is_not_retried(worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(consumer: Any, partitions: list[TopicPartition]) -> list[TopicPartition]:
+    def broken(consumer: Any, partitions: list[TopicPartition], reader: str) -> list[TopicPartition]:
         raise TypeError("a bug")
 
     monkeypatch.setattr(kafka_driver, "resume_offsets", broken)

@@ -1,0 +1,137 @@
+"""Input lost to retention (stream/retention.py): a saved offset below a partition's first record still held is said
+(one ERROR line), counted and started at that first record, by every reader that resumes from saved offsets.
+
+The local broker cannot delete records (DeleteRecords closes the connection, and it has no retention), so its low
+watermark is always 0: these tests give the readers a consumer that reports the watermarks a real broker would."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+
+from stream import event_reader, kafka
+from stream.config import KafkaSettings
+from stream.joiner.config import JoinerSettings
+from stream.joiner.kafka_driver import KafkaJoinWorker
+from stream.metrics import INPUT_LOST
+from stream.retention import Lost, account_for_retention, start_after_retention
+
+
+class Consumer:
+    """What the readers ask a consumer at their start: committed offsets and watermarks, per (topic, partition)."""
+
+    def __init__(self, committed: dict[tuple[str, int], int], marks: dict[tuple[str, int], tuple[int, int]],
+                 fail: bool = False) -> None:
+        self.committed_offsets, self.marks, self.fail = committed, marks, fail
+        self.assigned: list[tuple[str, int, int]] = []
+
+    def committed(self, tps: list[TopicPartition], timeout: float | None = None) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.committed_offsets.get((tp.topic, tp.partition), -1001))
+                for tp in tps]
+
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float | None = None) -> tuple[int, int]:
+        if self.fail:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "watermarks timed out"))
+        return self.marks[(tp.topic, tp.partition)]
+
+    def assign(self, tps: list[TopicPartition]) -> None:
+        self.assigned = [(tp.topic, tp.partition, tp.offset) for tp in tps]
+
+    def list_topics(self, timeout: float | None = None) -> Any:
+        class Meta:
+            def __init__(self, partitions: list[int]) -> None:
+                self.partitions, self.error = {p: None for p in partitions}, None
+
+        class Md:
+            topics = {t: Meta(sorted(p for tt, p in self.marks if tt == t)) for t, _ in self.marks}
+
+        return Md()
+
+    def close(self) -> None: ...
+
+
+def lost(reader: str, topic: str) -> float:
+    return INPUT_LOST.labels(reader, topic)._value.get()
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+
+def test_a_start_below_the_low_watermark_moves_to_it_and_is_logged_once_and_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    before = lost("joiner", "t-logic")
+    starts = [TopicPartition("t-logic", 0, 5), TopicPartition("t-logic", 1, 7), TopicPartition("t-logic", 2, 3),
+              TopicPartition("t-logic", 3, OFFSET_BEGINNING), TopicPartition("t-logic", 4, 1)]
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        out, gone = account_for_retention("joiner", starts, {("t-logic", 0): 20, ("t-logic", 1): 7,
+                                                             ("t-logic", 2): 0, ("t-logic", 3): 9})
+    assert [(tp.partition, tp.offset) for tp in out] == [(0, 20), (1, 7), (2, 3), (3, OFFSET_BEGINNING), (4, 1)]
+    assert gone == [Lost("joiner", "t-logic", 0, 5, 20)] and gone[0].records == 15
+    assert lost("joiner", "t-logic") == before + 15
+    [line] = errors(caplog)
+    for said in ("joiner", "15 record(s) of t-logic partition 0, offsets 5..19", "retention", "DeleteRecords", "lag"):
+        assert said in line
+
+
+def test_resume_offsets_starts_a_committed_offset_below_the_low_watermark_at_it_and_counts_the_loss(
+        caplog: pytest.LogCaptureFixture) -> None:
+    before = lost("joiner", "t-resume")
+    c = Consumer({("t-resume", 0): 3, ("t-resume", 1): 12},
+                 {("t-resume", 0): (10, 50), ("t-resume", 1): (10, 50), ("t-resume", 2): (10, 50)})
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        out = kafka.resume_offsets(c, [TopicPartition("t-resume", p) for p in range(3)], "joiner")  # type: ignore[arg-type]
+    assert [(tp.partition, tp.offset) for tp in out] == [(0, 10), (1, 12), (2, OFFSET_BEGINNING)]
+    assert lost("joiner", "t-resume") == before + 7 and len(errors(caplog)) == 1
+
+
+def test_resume_offsets_warns_of_a_committed_offset_more_than_a_record_batch_past_the_end_but_not_of_tansus_lag(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Past the high watermark by less than a batch is the local broker's under-reported end (resume_offsets); by
+    more, on Apache Kafka, the topic was deleted and created again: said, with the same start as before."""
+    far = 40 + kafka.BATCH_MESSAGES + 1
+    c = Consumer({("t-high", 0): 45, ("t-high", 1): far}, {("t-high", 0): (0, 40), ("t-high", 1): (0, 40)})
+    with caplog.at_level(logging.WARNING, logger="streamrec.kafka"):
+        out = kafka.resume_offsets(c, [TopicPartition("t-high", 0), TopicPartition("t-high", 1)], "joiner")  # type: ignore[arg-type]
+    assert [(tp.partition, tp.offset) for tp in out] == [(0, 39), (1, 39)]
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "t-high partition 1" in line and "deleted and created again" in line
+
+
+def test_the_event_reader_starts_past_what_retention_deleted_and_counts_it_under_its_stage(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    before = lost("audit", "t-reader")
+    c = Consumer({("t-reader", 0): 2}, {("t-reader", 0): (6, 9)})
+    monkeypatch.setattr(event_reader, "new_consumer", lambda *a, **k: c)
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        event_reader.EventReader(KafkaSettings(), "g", {"t-reader": lambda v, **k: v}, dead_letters=object(),  # type: ignore[arg-type]
+                                 stage="audit")
+    assert c.assigned == [("t-reader", 0, 6)]
+    assert lost("audit", "t-reader") == before + 4 and len(errors(caplog)) == 1
+
+
+def test_the_kafka_drivers_assignment_starts_past_what_retention_deleted_and_counts_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
+    try:
+        topic = w.kafka.impressions_topic
+        before = lost("joiner", topic)
+        c = Consumer({(topic, 0): 100}, {(topic, 0): (250, 300)})
+        with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+            w._on_assign(c, [TopicPartition(topic, 0)])  # type: ignore[arg-type]
+        assert c.assigned == [(topic, 0, 250)]
+        assert lost("joiner", topic) == before + 150 and len(errors(caplog)) == 1
+    finally:
+        w.consumer.close()
+
+
+def test_a_reader_whose_broker_cannot_give_the_low_watermarks_says_it_did_not_check_and_keeps_its_offsets(
+        caplog: pytest.LogCaptureFixture) -> None:
+    starts = [TopicPartition("t-fail", 0, 4)]
+    with caplog.at_level(logging.WARNING, logger="streamrec.retention"):
+        out = start_after_retention(Consumer({}, {}, fail=True), "learner", starts)  # type: ignore[arg-type]
+    assert [(tp.partition, tp.offset) for tp in out] == [(0, 4)]
+    assert any("not checked" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
