@@ -56,6 +56,7 @@ from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import has_more, new_consumer
+from stream.retention import start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch
 from stream.strikes import is_infrastructure
 
@@ -172,7 +173,9 @@ class KafkaSampleDataset(IterableDataset):
         consumer = new_consumer(self.kafka, f"{self.kafka.client_id}-samples-reader", **{
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
         dlq: DeadLetters | None = None  # made on the first dead letter
-        consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts])
+        # a start offset below what retention left of a partition: said, counted, started at its first record
+        consumer.assign(start_after_retention(consumer, "learner", [TopicPartition(topic, p, self.start[p])
+                                                                    for p in parts]))
         pending: list[TensorBatch] = []
         rows = values = 0
         # The idle clock (``exit_when_idle_s``, stream.idle_clock): a stall between two polls is no idleness. A wall
