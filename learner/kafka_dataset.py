@@ -42,7 +42,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from functools import partial
 
 import torch
@@ -139,8 +139,12 @@ class KafkaSampleDataset(IterableDataset):
     def __init__(self, kafka: KafkaSettings, cfg: FeatureConfig, start: dict[int, int], batch_rows: int = 4096,
                  exit_when_idle_s: float | None = None, pin_memory: bool = False,
                  suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True,
-                 future_ts_s: float | None = 3600.0, max_label_delay_s: float | None = None) -> None:
+                 future_ts_s: float | None = 3600.0, max_label_delay_s: float | None = None,
+                 unsaved: Collection[int] = ()) -> None:
         super().__init__()
+        # partitions whose start is no saved offset (a fresh learner, a partition new to its checkpoint): starting
+        # below what retention left of them loses nothing this learner was owed, so it is not said or counted
+        self.unsaved = frozenset(unsaved)
         # A message with a row whose ts leads this machine's wall clock by more than future_ts_s (as the joiner does
         # for events, [limits] future_ts_s), or whose label_delay_ms is over max_label_delay_s (the joiner's
         # attribution window), is dead-lettered (read_samples); None: no such bound
@@ -173,9 +177,10 @@ class KafkaSampleDataset(IterableDataset):
         consumer = new_consumer(self.kafka, f"{self.kafka.client_id}-samples-reader", **{
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
         dlq: DeadLetters | None = None  # made on the first dead letter
-        # a start offset below what retention left of a partition: said, counted, started at its first record
-        consumer.assign(start_after_retention(consumer, "learner", [TopicPartition(topic, p, self.start[p])
-                                                                    for p in parts]))
+        # a saved start offset below what retention left of a partition: said, counted, started at its first record
+        consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts if p in self.unsaved]
+                        + start_after_retention(consumer, "learner", [TopicPartition(topic, p, self.start[p])
+                                                                      for p in parts if p not in self.unsaved]))
         pending: list[TensorBatch] = []
         rows = values = 0
         # The idle clock (``exit_when_idle_s``, stream.idle_clock): a stall between two polls is no idleness. A wall

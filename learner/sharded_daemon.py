@@ -426,8 +426,9 @@ class ShardedLearner:
                 assert self.model is not None
                 self.bias.start(self.model)
         assert self.trainer is not None and self.cfg is not None
-        for p in self._partitions():
-            self.offsets.setdefault(p, 0)
+        unsaved = [p for p in self._partitions() if p not in self.offsets]  # no checkpoint offset: start at 0
+        for p in unsaved:
+            self.offsets[p] = 0
         mine = partitions_of(list(self.offsets), self.ctx.rank, self.ctx.world_size)
         log.info("rank %d of %d reads samples partitions %s", self.ctx.rank, self.ctx.world_size, mine)
         topic = self.kafka.samples_topic
@@ -439,7 +440,8 @@ class ShardedLearner:
         dataset = KafkaSampleDataset(self.kafka, self.cfg, {p: self.offsets[p] for p in mine},
                                      max(ls.batch_rows, step_rows),
                                      ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions,
-                                     future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s)
+                                     future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s,
+                                     unsaved=unsaved)
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))

@@ -49,8 +49,8 @@ class Consumer:
         return self.low.get(tp.partition, 0), len(self.parts[tp.partition])
 
     def assign(self, tps: list[Any]) -> None:
-        for tp in tps:
-            self.pos[tp.partition] = max(tp.offset, 0)
+        for tp in tps:  # an offset below what retention left: librdkafka's silent reset to the earliest one
+            self.pos[tp.partition] = max(tp.offset, self.low.get(tp.partition, 0))
 
     def consume(self, n: int, timeout: float) -> list[Msg]:
         out = []
@@ -118,6 +118,21 @@ def test_a_checkpoint_offset_below_what_retention_left_is_logged_counted_and_rea
     assert lost._value.get() == before + 3  # offsets 1..3 of partition 0
     [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "learner" in line and "partition 0, offsets 1..3" in line and "retention" in line
+
+
+def test_a_partition_without_a_saved_offset_starting_below_retention_is_no_loss(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A fresh learner (or a partition new to its checkpoint) starts at 0 on a topic whose first records retention
+    has deleted: it was owed nothing before its first run, so nothing is said or counted; a saved 0 still is."""
+    lost = INPUT_LOST.labels("learner", KafkaSettings().samples_topic)
+    before = lost._value.get()
+    parts: dict[int, list[bytes | None]] = {0: [sample(k) for k in range(6)], 1: [sample(10 + k) for k in range(3)]}
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        batches, _ = read(monkeypatch, parts, low={0: 4, 1: 1}, unsaved=[0])
+    assert sorted(pos[:2] for b in batches for pos in b.positions) == [(0, 4), (0, 5), (1, 1), (1, 2)]
+    assert lost._value.get() == before + 1  # partition 1's saved 0, not partition 0's start
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "partition 1, offsets 0..0" in line
 
 
 def test_a_training_batch_closes_at_its_value_bound_not_only_at_batch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
