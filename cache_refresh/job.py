@@ -93,7 +93,7 @@ import redis
 
 from cache_refresh import hot_set, metrics, validate
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
-from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, never_current, publish, refresh_lock
+from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, publish, refresh_lock, unfinished
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
@@ -788,7 +788,8 @@ def _current_name(root: Path) -> str | None:
 def status(root: Path) -> dict[str, Any]:
     """``streamrec refresh --status``: the live version and its manifest summary, the rollback pin, the last run it
     held back, the versions that never were current (``never_current``: a publish killed between moving a version
-    into place and writing ``CURRENT``; a rollback skips them); ``error`` says why there is no live version where
+    into place and writing ``CURRENT``; a rollback skips them), the one a publish running now has moved into place
+    and not yet made current (``publishing``; ``publish.unfinished``); ``error`` says why there is no live version where
     something is wrong (a missing publish root, a CURRENT naming a version that is gone, a broken artifact), None for
     a root where nothing is published yet."""
     if not root.is_dir():
@@ -806,12 +807,14 @@ def status(root: Path) -> dict[str, Any]:
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
     if leftovers := _leftovers(root, versions):  # said, never hidden: they hold disk and were once mistaken
         out["not_versions"] = leftovers
-    try:  # moved into place by a publish that never made them current: never a rollback target
-        never = never_current(root, [v for v in versions if v != _current_name(root)])
+    try:  # moved into place by a publish that never made them current (never a rollback target), or one running now
+        never, publishing = unfinished(root)
     except artifact.ArtifactError as exc:
-        never, out["history_error"] = None, str(exc)
+        never, publishing, out["history_error"] = None, None, str(exc)
     if never:
         out["never_current"] = never
+    if publishing:
+        out["publishing"] = publishing
     try:
         current = artifact.read_current(root)
         out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None

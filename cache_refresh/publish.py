@@ -14,7 +14,9 @@ half-published stays. The last ``keep`` versions (and always the current one) ar
 is renamed to a hidden ``versions/.trash-*`` before it is deleted, so a killed prune never leaves a
 half-deleted version behind. A refresh holds :func:`refresh_lock` for its run (one refresh per root at a
 time) and first removes what killed runs left (:func:`clean_leftovers`: staged directories of dead
-processes, trash, temp files); serving never reads any of them.
+processes, trash, temp files); serving never reads any of them. From its move until ``CURRENT`` and the history name
+the version, a publish also holds :data:`PUBLISHING` (naming the version): ``streamrec refresh --status`` shows that
+version as ``publishing``, not as never current (:func:`unfinished`), and a killed publish's as never current again.
 
 Rollback and the pin: :func:`rollback` goes only to a version that was current before: one the history names (a
 version a killed publish moved into ``versions/`` without making it current is complete and verifies, and was chosen
@@ -75,6 +77,11 @@ from stream.files import (
 log = logging.getLogger("streamrec.publish")
 
 LOCK = ".refresh.lock"
+# Held (flock, exclusive) by a publish from before it moves its version into versions/ until CURRENT and the history
+# name it (or it has taken the version back out); holds that version's name. A status probes it (shared, not
+# waiting): held, the version named is being published, not "never current" (:func:`unfinished`). The kernel releases
+# it when the publisher dies: a killed publish's version is never_current again at once.
+PUBLISHING = ".publishing.lock"
 HISTORY = "CURRENT_HISTORY"  # JSON: the versions CURRENT has named, oldest first (_record_current); rollback reads it
 _HISTORY_MAX = 1000  # entries kept: far more than keep_versions, so a version still held is never forgotten
 TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
@@ -205,6 +212,91 @@ def refresh_lock(root: Path) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
+@contextlib.contextmanager
+def _publishing(root: Path, version: str) -> Iterator[None]:
+    """Hold :data:`PUBLISHING` (``flock``, exclusive) while :func:`publish` moves ``version`` into place and makes it
+    current, with ``version`` written in it. It waits: publishes are serialised by :func:`refresh_lock`, so what can
+    hold it meanwhile is a status's shared probe (:func:`unfinished`), for as long as reading a few small files takes.
+    ArtifactError, with nothing changed, when it cannot be opened, locked or written (the publish root is read-only or
+    full, or a symlink or another file was put there)."""
+    path = Path(root) / PUBLISHING
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        why = ("it is a symbolic link, which no refresh makes: remove it" if exc.errno == errno.ELOOP
+               else describe_os_error(exc))
+        raise ArtifactError(f"cannot open {path}: {why}; nothing was published, CURRENT is unchanged") from None
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
+            raise ArtifactError(f"{path} is not a regular file of its own (a hard link or another kind of file), "
+                                "which no refresh makes: remove it; nothing was published, CURRENT is unchanged")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, version.encode(), 0)
+        except OSError as exc:
+            raise ArtifactError(f"cannot hold {path} for the publish of {version}: {describe_os_error(exc)}; nothing "
+                                "was published, CURRENT is unchanged") from None
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def unfinished(root: Path, _again: bool = True) -> tuple[list[str] | None, str | None]:
+    """What ``versions/`` holds besides the versions that were current: ``(never_current, publishing)``.
+
+    ``never_current``: the versions (other than the current one) :data:`HISTORY` shows never were (a publish killed
+    between its move and ``CURRENT``, or one that took its version back out half-way; :func:`never_current`, None for
+    a root without the history). ``publishing``: the version a publish running now has moved into place and not yet
+    made current (None: none), left out of ``never_current``. Before, that version was listed as never current.
+
+    No race: while the shared probe of :data:`PUBLISHING` is held, no publish is between its move and its record in
+    the history, so every version not in it really never was current; when a publish holds it, its name is read after
+    ``versions/`` and the history were (so it names the publish that moved what was seen). A publish whose process died
+    holds nothing (the kernel released its lock): its version is never_current. The probe does not wait and never
+    makes a refresh fail or skip (a publish waits for it, as long as reading three small files takes).
+    ArtifactError when the history cannot be read."""
+    path = Path(root) / PUBLISHING
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        seen = _snapshot(root)
+        if _again and path.exists():  # a publish began meanwhile (it creates the file before it moves): look again
+            return unfinished(root, _again=False)
+        return seen[2], None
+    except OSError as exc:
+        log.warning("cannot probe %s (%s): a version a publish running now has moved into place is shown as never "
+                    "current", path, describe_os_error(exc))
+        return _snapshot(root)[2], None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # a publish is between its move and its record
+            versions, current, never = _snapshot(root)
+            name = os.pread(fd, 256, 0).decode("ascii", "replace").strip()
+            if name not in versions or name == current:
+                return never, None  # not moved yet (or made current since)
+            return ([v for v in never if v != name] if never is not None else None), name
+        except OSError as exc:
+            log.warning("cannot probe %s (%s): a version a publish running now has moved into place is shown as "
+                        "never current", path, describe_os_error(exc))
+        return _snapshot(root)[2], None
+    finally:
+        os.close(fd)  # releases the shared probe
+
+
+def _snapshot(root: Path) -> tuple[list[str], str | None, list[str] | None]:
+    """The versions, the one ``CURRENT`` names (None: nothing, or a malformed ``CURRENT``) and those never current."""
+    versions = list_versions(root)
+    try:
+        current = current_version(root)
+    except ArtifactError:
+        current = None
+    return versions, current, never_current(root, [v for v in versions if v != current])
+
+
 # -- publish and roll back ---------------------------------------------------------------------
 def _set_current(root: Path, version: str) -> None:
     write_atomic(Path(root) / CURRENT, (version + "\n").encode())
@@ -325,7 +417,9 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
     the live version is respected: :class:`PinHeld`, nothing changed. After ``CURRENT`` names the new
     version the publish has happened; clearing the pin and pruning are then best effort (logged): a pin
     left behind names an older version and is stale, a version left behind is pruned next time. With
-    ``signing_key`` the staged manifest must carry its signature (what serving with the key will check).
+    ``signing_key`` the staged manifest must carry its signature (what serving with the key will check). The move
+    and the ``CURRENT`` write hold :data:`PUBLISHING` (:func:`_publishing`; ArtifactError, nothing changed, when it
+    cannot be held).
     """
     if keep < 1:  # [refresh] keep_versions >= 1; complete[:-0] would prune nothing
         raise ValueError(f"publish keep must be >= 1, got {keep}")
@@ -340,6 +434,14 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
                           + (f" [{pin.problem}]" if pin.problem else "")
                           + f": {version} was not published; an operator ends the pin with `streamrec refresh "
                           "--now`", pin)
+    with _publishing(root, version):
+        _move_and_switch(root, staged_dir, version)
+    _after_switch(root, version, keep)
+    return versions_dir(root) / version
+
+
+def _move_and_switch(root: Path, staged_dir: Path, version: str) -> None:
+    """:func:`publish`'s move into ``versions/``, ``CURRENT`` write and history record (holding :data:`PUBLISHING`)."""
     versions = versions_dir(root)
     target = versions / version
     try:
@@ -372,6 +474,10 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
                                 f"was published, CURRENT still names {previous or 'nothing'}") from exc
         log.warning("%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
     _record_current(root, version, previous, "publish")
+
+
+def _after_switch(root: Path, version: str, keep: int) -> None:
+    """:func:`publish` after ``CURRENT`` names ``version``: clear the pin, prune."""
     try:
         _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
     except OSError as exc:
@@ -382,7 +488,6 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
     except OSError as exc:
         log.warning("%s is current; pruning old versions failed (%s): they are pruned next time", version,
                     describe_os_error(exc))
-    return target
 
 
 def rollback(root: Path, signing_key: SigningKey | None = None) -> str:

@@ -1,0 +1,87 @@
+"""``streamrec refresh --status`` tells a publish running now apart from one that never made its version current
+(cache_refresh/publish.py ``unfinished``, the ``.publishing.lock`` a publish holds from its move until ``CURRENT`` and
+the history name the version). Before, the version a running publish had just moved into ``versions/`` was listed as
+``never_current``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cache_refresh import publish as publishing
+from cache_refresh.job import status
+from cache_refresh.publish import PUBLISHING, publish, refresh_lock, rollback
+from learner import artifact as A
+from learner.artifact import ArtifactError, build_artifact
+from tests.unit.cache_refresh.test_rollback_history import killed_before_current
+from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
+
+
+def publish_seeing(root: Path, ckpt: dict, version: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                   look: Any) -> Any:
+    """Publish ``version``, calling ``look()`` after the move into versions/, before CURRENT is written (a publish in
+    progress, as another process's ``--status`` or ``--rollback`` finds it); returns what ``look`` returned."""
+    real = publishing._set_current
+    seen: list[Any] = []
+
+    def set_current(root: Path, name: str) -> None:
+        seen.append(look())
+        real(root, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(publishing, "_set_current", set_current)
+        with refresh_lock(root):  # as job.run_once holds it around its publish
+            publish(root, build_artifact(ckpt, root, np.zeros(0), format="eager", version=version), keep=5)
+    return seen[0]
+
+
+def test_status_during_a_publish_shows_its_version_as_publishing_not_never_current(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    got = publish_seeing(tmp_path, ckpt, "v002", monkeypatch, lambda: status(tmp_path))
+    assert got["current"] == "v001" and "v002" in got["versions"]
+    assert got.get("publishing") == "v002" and "never_current" not in got
+    after = status(tmp_path)  # published: neither
+    assert after["current"] == "v002" and "publishing" not in after and "never_current" not in after
+
+
+def test_a_killed_publish_shows_as_never_current_beside_one_in_progress(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    killed_before_current(tmp_path, ckpt, "v002", monkeypatch)  # its process gone: the lock is released
+    assert status(tmp_path)["never_current"] == ["v002"] and "publishing" not in status(tmp_path)
+    got = publish_seeing(tmp_path, ckpt, "v003", monkeypatch, lambda: status(tmp_path))
+    assert got["never_current"] == ["v002"] and got["publishing"] == "v003"
+
+
+def test_a_rollback_during_a_publish_fails_at_once_and_changes_nothing(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    put(tmp_path, ckpt, "v002")
+
+    def roll() -> str:
+        with pytest.raises(ArtifactError, match=rf"cannot roll back now: another refresh \(pid {os.getpid()}\)"):
+            rollback(tmp_path)
+        return "refused"
+
+    assert publish_seeing(tmp_path, ckpt, "v003", monkeypatch, roll) == "refused"
+    assert A.current_version(tmp_path) == "v003" and A.read_pin(tmp_path) is None
+    assert rollback(tmp_path) == "v002"  # the version that was current, not one moved in and never made current
+
+
+def test_a_symlink_at_the_publishing_lock_fails_the_publish_with_nothing_changed(
+        tmp_path: Path, ckpt: dict) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / PUBLISHING).unlink()
+    (tmp_path / PUBLISHING).symlink_to(victim)
+    with pytest.raises(ArtifactError, match="symbolic link.*nothing was published"):
+        put(tmp_path, ckpt, "v002")
+    assert A.current_version(tmp_path) == "v001" and A.list_versions(tmp_path) == ["v001"]
+    assert victim.read_text() == "keep me"
+    assert "never_current" not in status(tmp_path)  # the status cannot probe it: said in the log, nothing misnamed
