@@ -477,17 +477,24 @@ def _move_and_switch(root: Path, staged_dir: Path, version: str) -> None:
 
 
 def _after_switch(root: Path, version: str, keep: int) -> None:
-    """:func:`publish` after ``CURRENT`` names ``version``: clear the pin, prune."""
+    """:func:`publish` after ``CURRENT`` names ``version``: clear the pin, prune. The publish has happened: an error
+    here, any (an OSError, an ArtifactError of a ``CURRENT`` or history that cannot be read again), is logged, never
+    raised. Before, only an OSError was contained: another escaped publish(), and ``job.run_once`` reported a failed
+    publish (and deleted the embedding-store rows of the version now live)."""
     try:
         _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - published already
         log.warning("%s is current; removing the stale rollback pin failed (%s): it names an older version and "
-                    "is ignored", version, describe_os_error(exc))
+                    "is ignored", version, _describe(exc))
     try:
         _prune(root, keep)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - published already
         log.warning("%s is current; pruning old versions failed (%s): they are pruned next time", version,
-                    describe_os_error(exc))
+                    _describe(exc))
+
+
+def _describe(exc: Exception) -> str:
+    return describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
 
 
 def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
