@@ -374,7 +374,8 @@ def _clear_pin(root: Path) -> None:
 
 def _prune(root: Path, keep: int) -> list[str]:
     """Remove all but the last ``keep`` versions (never the one ``CURRENT`` names, never one a rollback pin
-    names). Each is first renamed to a hidden ``versions/.trash-*`` name (atomic), then deleted: a prune killed
+    names; a version that never was current is not counted, and removed once not among the last ``keep`` of all).
+    Each is first renamed to a hidden ``versions/.trash-*`` name (atomic), then deleted: a prune killed
     half-way leaves a hidden directory that :func:`clean_leftovers` removes, never a half-deleted version that
     :func:`rollback` could pick. ``CURRENT`` is read again here, not taken from the caller, so the version it
     names at the time of pruning is the one kept."""
@@ -393,7 +394,18 @@ def _prune(root: Path, keep: int) -> list[str]:
         else:
             log.warning("version directory %s has no %s (half-written, or not a refresh's): not counted toward "
                         "keep_versions, left as it is", versions_dir(root) / name, MANIFEST)
-    for name in complete[:-keep]:
+    # A version that never was current (a killed publish's, :func:`unfinished`) is no rollback target, so it does not
+    # count toward ``keep``: it pushed the only version a rollback could go to out. It is pruned as before, once it is
+    # not among the last ``keep`` of all (``--status`` names it until then). One a publish running now moved in is
+    # neither counted nor pruned.
+    try:
+        never, running = unfinished(root)
+    except ArtifactError as exc:
+        log.warning("%s; every complete version counts toward keep_versions", exc)
+        never, running = None, None
+    orphans = set(never or ())
+    targets = [v for v in complete if v not in orphans and v != running]
+    for name in sorted(set(targets[:-keep]) | {v for v in complete[:-keep] if v in orphans}):
         if name not in protected:
             trash = versions_dir(root) / f"{TRASH}{name}-{os.getpid()}"
             try:

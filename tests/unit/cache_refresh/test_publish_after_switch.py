@@ -8,9 +8,25 @@ from pathlib import Path
 import pytest
 
 from cache_refresh import publish as publishing
+from cache_refresh.publish import rollback
 from learner import artifact as A
 from learner.artifact import ArtifactError
+from tests.unit.cache_refresh.test_rollback_history import killed_before_current
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
+
+
+def test_a_version_that_never_was_current_does_not_push_the_rollback_target_out(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001", keep=2)
+    killed_before_current(tmp_path, ckpt, "v002", monkeypatch)  # complete, verifies, never current
+    put(tmp_path, ckpt, "v003", keep=2)
+    # before: v001, v002 and v003 counted toward keep 2, v001 (the only version a rollback may go to) was pruned and
+    # `--rollback` refused ("no version older than v003 was ever current")
+    assert A.list_versions(tmp_path) == ["v001", "v002", "v003"]  # v002 is among the last 2 of all: --status names it
+    assert rollback(tmp_path) == "v001"
+    put(tmp_path, ckpt, "v004", keep=2)  # an operator's publish over the pin: v003 and v004 are the two kept
+    assert A.list_versions(tmp_path) == ["v003", "v004"]  # v002, not among the last 2 of all, is pruned as before
+    assert rollback(tmp_path) == "v003"
 
 
 def test_a_prune_that_raises_after_the_switch_leaves_the_publish_done(
