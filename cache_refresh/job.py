@@ -137,7 +137,7 @@ def notify_channel(rs: RefreshSettings, rds: RedisSettings) -> str:
 # be believed: clocks of the hosts that write and read a publish root differ by a little (NTP keeps them within
 # seconds). Beyond it the time is untrusted (clock skew, a root copied from another host, a hand edit): believed, it
 # kept the last-success gauge ahead of now, and the staleness alert on it silent, for as long as it was ahead.
-MAX_CLOCK_SKEW_S = 300.0
+MAX_CLOCK_SKEW_S = metrics.MAX_CLOCK_SKEW_S  # (the gauge is held to it too: metrics._set_last_success)
 
 
 def _in_future(when: float, now: float | None = None) -> bool:

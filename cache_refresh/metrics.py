@@ -7,10 +7,14 @@ summary and exit code instead.
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import time
 from typing import Any
 
 from prometheus_client import Counter, Gauge
+
+log = logging.getLogger("streamrec.refresh")
 
 RUNS = Counter("streamrec_refresh_runs_total", "Refresh runs by outcome: published, held (validated, not published "
                "over a rollback pin), skipped (did nothing because another run was going: stage lock, another "
@@ -38,14 +42,33 @@ HOT_SHARE = Gauge("streamrec_refresh_hot_share_of_table", "Share of the embeddin
                   "published artifact holds hot.")
 
 
-_last_success = 0.0  # what LAST_SUCCESS holds: it only moves forward
+_last_success = 0.0  # what LAST_SUCCESS holds: it only moves forward, unless it is in the future
+# (cache_refresh.job.MAX_CLOCK_SKEW_S is this: a recorded time further ahead than it is not trusted)
+MAX_CLOCK_SKEW_S = 300.0
 
 
 def _set_last_success(when: float) -> None:
+    """Move the gauge forward to ``when``; or back to it, with a warning, when what it holds is more than
+    :data:`MAX_CLOCK_SKEW_S` ahead of this host's clock (a publish while the clock was ahead, corrected since) and
+    ``when`` is not. Before, it only moved forward: it stayed at the time from the future, and the staleness alert on
+    it silent, until the clock caught up, through every publish and failed run in between."""
     global _last_success
-    if when > _last_success:
+    now = time.time()
+    ahead = _last_success > now + MAX_CLOCK_SKEW_S
+    if when > _last_success or (ahead and when <= now + MAX_CLOCK_SKEW_S):
+        if ahead and when < _last_success:
+            log.warning("the last refresh success held, %s, is in the future (more than %g s ahead of this host's "
+                        "clock: it was set while the clock was ahead); not trusted, replaced by %s",
+                        _utc(_last_success), MAX_CLOCK_SKEW_S, _utc(when))
         _last_success = when
         LAST_SUCCESS.set(when)
+
+
+def _utc(t: float) -> str:
+    try:
+        return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return f"{t!r} (epoch seconds)"
 
 
 def restore_last_success(when: float) -> None:

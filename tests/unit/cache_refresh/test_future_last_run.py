@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_refresh import job
+from cache_refresh import job, metrics
 from learner import artifact as A
 from tests.unit.cache_refresh.test_last_success_fallback import fresh_gauge, gauge, published  # noqa: F401
 
@@ -52,3 +52,22 @@ def test_a_future_manifest_and_current_leave_the_gauge_at_0_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
         assert job.live_published_at(tmp_path, now=now) is None
     assert sum("in the future" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_gauge_set_while_the_clock_was_ahead_moves_back_at_the_next_publish(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The same in the running scheduler: a publish while this host's clock was a month ahead set the gauge a month
+    ahead, and since it only moves forward, the publishes after the clock was corrected left it there: the staleness
+    alert stayed silent for the month."""
+    real = time.time
+    monkeypatch.setattr(metrics.time, "time", lambda: real() + 30 * DAY)
+    metrics.observe({"published": True}, 1.0)  # the clock ahead
+    assert gauge() > real() + 29 * DAY
+    monkeypatch.setattr(metrics.time, "time", real)  # corrected
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        metrics.observe({"published": True}, 1.0)
+    assert gauge() == pytest.approx(real(), abs=60)
+    assert any("in the future" in r.getMessage() for r in caplog.records)
+    metrics.observe({"published": True}, 1.0)  # and from here on it moves forward only, as before
+    metrics.restore_last_success(real() - DAY)
+    assert gauge() == pytest.approx(real(), abs=60)
