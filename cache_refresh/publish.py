@@ -82,6 +82,7 @@ LOCK = ".refresh.lock"
 # waiting): held, the version named is being published, not "never current" (:func:`unfinished`). The kernel releases
 # it when the publisher dies: a killed publish's version is never_current again at once.
 PUBLISHING = ".publishing.lock"
+PUBLISHING_WAIT_S = 10.0  # the longest a publish waits for a status's probe of PUBLISHING (_publishing)
 HISTORY = "CURRENT_HISTORY"  # JSON: the versions CURRENT has named, oldest first (_record_current); rollback reads it
 _HISTORY_MAX = 1000  # entries kept: far more than keep_versions, so a version still held is never forgotten
 TRASH = ".trash-"  # versions/.trash-<version>-<pid>: a pruned version being removed (list_versions skips it)
@@ -216,7 +217,8 @@ def refresh_lock(root: Path) -> Iterator[None]:
 def _publishing(root: Path, version: str) -> Iterator[None]:
     """Hold :data:`PUBLISHING` (``flock``, exclusive) while :func:`publish` moves ``version`` into place and makes it
     current, with ``version`` written in it. It waits: publishes are serialised by :func:`refresh_lock`, so what can
-    hold it meanwhile is a status's shared probe (:func:`unfinished`), for as long as reading a few small files takes.
+    hold it meanwhile is a status's shared probe (:func:`unfinished`), for as long as reading a few small files takes;
+    for at most :data:`PUBLISHING_WAIT_S`, after which it publishes without it (a status probe stopped half-way).
     ArtifactError, with nothing changed, when it cannot be opened, locked or written (the publish root is read-only or
     full, or a symlink or another file was put there)."""
     path = Path(root) / PUBLISHING
@@ -233,7 +235,18 @@ def _publishing(root: Path, version: str) -> Iterator[None]:
             raise ArtifactError(f"{path} is not a regular file of its own (a hard link or another kind of file), "
                                 "which no refresh makes: remove it; nothing was published, CURRENT is unchanged")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + PUBLISHING_WAIT_S
+            while True:  # bounded: a status stopped while it probes (Ctrl-Z, SIGSTOP) must not stop the publish
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        log.warning("%s is still held by a status probe after %g s: publishing %s without it (a "
+                                    "`refresh --status` meanwhile shows it as never_current)", path,
+                                    PUBLISHING_WAIT_S, version)
+                        break
+                    time.sleep(0.01)
             os.ftruncate(fd, 0)
             os.pwrite(fd, version.encode(), 0)
         except OSError as exc:

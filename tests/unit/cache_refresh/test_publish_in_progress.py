@@ -85,3 +85,26 @@ def test_a_symlink_at_the_publishing_lock_fails_the_publish_with_nothing_changed
     assert A.current_version(tmp_path) == "v001" and A.list_versions(tmp_path) == ["v001"]
     assert victim.read_text() == "keep me"
     assert "never_current" not in status(tmp_path)  # the status cannot probe it: said in the log, nothing misnamed
+
+
+def test_a_status_probe_that_never_lets_go_delays_a_publish_by_a_bound_not_forever(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A ``--status`` stopped while it holds its shared probe (Ctrl-Z, SIGSTOP) held the nightly publish for as long
+    as it stayed stopped: the publish waited on the lock without a bound."""
+    import fcntl
+    import threading
+
+    put(tmp_path, ckpt, "v001")
+    monkeypatch.setattr(publishing, "PUBLISHING_WAIT_S", 0.2)
+    fd = os.open(tmp_path / PUBLISHING, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # the stopped status's probe
+    try:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (put(tmp_path, ckpt, "v002"), done.set()), daemon=True)
+        t.start()
+        assert done.wait(10), "the publish waited on the status probe without a bound"
+    finally:
+        os.close(fd)
+    assert A.current_version(tmp_path) == "v002"
+    assert any("still held by a status probe" in r.getMessage() for r in caplog.records)
