@@ -3,9 +3,11 @@
 A consumer that was down longer than an input topic's retention (or whose records an operator removed with
 DeleteRecords) resumes at a saved offset below the partition's low watermark (its first record still held).
 librdkafka then resets it to the earliest offset (``auto.offset.reset``) without an error: the records between the
-saved offset and the low watermark are gone for that consumer, and nothing in streamrec said so. Every consumer
-that resumes from saved offsets (the joiner's kafka driver and ``EventReader`` through
-``stream.kafka.resume_offsets``, the learner's ``KafkaSampleDataset`` at its checkpoint's offsets) passes its start
+saved offset and the low watermark are gone for that consumer, and nothing in streamrec said so (aiokafka, under the
+joiner's faust driver, does the same with ``auto_offset_reset``). Every consumer that resumes from saved offsets (the
+joiner's kafka driver and ``EventReader`` through ``stream.kafka.resume_offsets``, the joiner's faust driver at the
+committed offsets faust seeks to after each assignment, ``stream.joiner.faust_delivery.BatchConsumer``, the
+learner's ``KafkaSampleDataset`` at its checkpoint's offsets) passes its start
 offsets through :func:`account_for_retention` first: it starts such a partition at the low watermark, logs one
 ERROR line per partition (the reader, the topic, the partition, the range lost, the likely cause and what to do)
 and counts the records lost in ``streamrec_input_lost_to_retention_total{reader, topic}``. The low watermark is
@@ -16,7 +18,7 @@ offset that is no saved offset (``OFFSET_BEGINNING`` and the other logical offse
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -80,8 +82,14 @@ def start_after_retention(consumer: Consumer, reader: str, starts: Sequence[Topi
                 lows[(tp.topic, tp.partition)] = consumer.get_watermark_offsets(
                     TopicPartition(tp.topic, tp.partition), timeout=timeout_s)[0]
     except KafkaException as exc:
-        log.warning("%s: could not read the first offsets of %s (%s): whether records before its start offsets were "
-                    "deleted unread (retention, DeleteRecords) is not checked this time", reader,
-                    sorted((tp.topic, tp.partition) for tp in starts), clip(str(exc)))
+        not_checked(reader, [(tp.topic, tp.partition) for tp in starts], exc)
         return list(starts)
     return account_for_retention(reader, starts, lows)[0]
+
+
+def not_checked(reader: str, partitions: Iterable[tuple[str, int]], exc: BaseException) -> None:
+    """The WARNING of a reader whose broker could not give the low watermarks of ``partitions``: it starts where it
+    would have, unchecked (its own fetches report a broker that stays away)."""
+    log.warning("%s: could not read the first offsets of %s (%s): whether records before its start offsets were "
+                "deleted unread (retention, DeleteRecords) is not checked this time", reader, sorted(partitions),
+                clip(str(exc) or type(exc).__name__))

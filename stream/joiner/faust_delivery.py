@@ -35,6 +35,13 @@ batches ``process`` returned from.
   it did not keep: what was acknowledged is committed and the hand is dropped the same way, so they are read again.
   Whenever the hand is dropped and the partitions sought back, what it keeps is dropped too
   (:attr:`BatchDelivery.dropped`): the seek reads it again.
+* A partition resuming at a committed offset below its first record still held (the joiner was down longer than
+  the topic's retention, or DeleteRecords ran): aiokafka would reset it to the earliest offset
+  (``consumer_auto_offset_reset``) without a word. Every seek to the committed offsets (``perform_seek``: faust's
+  after each assignment, and the drops above) goes through :meth:`BatchConsumer.seek_to_committed`, which starts such
+  a partition at its low watermark and says and counts the loss (``stream.retention``, as the kafka driver does),
+  once: asked once per generation and partition, and a loss already said is not said again while the committed
+  offset stays where it was (nothing processed of the partition yet).
 * A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
   drops such records without a seek, so they were not read again until the next rebalance.
 
@@ -55,6 +62,7 @@ from itertools import groupby, repeat
 from operator import attrgetter
 from typing import Any, cast
 
+from confluent_kafka import TopicPartition
 from faust import __version__ as faust_version
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -64,6 +72,7 @@ from mode import ServiceT
 from mode.utils.futures import notify
 
 from stream.joiner.pipeline import Record, records_of
+from stream.retention import account_for_retention, not_checked
 
 # Per (topic, partition), the offset after the last record a batch processed (JoinPipeline.processed).
 Processed = Mapping[tuple[str, int], int]
@@ -73,6 +82,7 @@ _OFFSET = attrgetter("offset")  # of a Record or a fetched aiokafka record
 _KEY, _VALUE = attrgetter("key"), attrgetter("value")  # of a fetched aiokafka record
 _SHORT_POLL_S = 0.05  # one fetch in a backlog or while an input is paused: how long a batch in hand waits for more
 _IDLE_POLL_S = 1.0  # one fetch with nothing in hand (faust's own getmany timeout)
+_READER = "joiner"  # whose input lost to retention is logged and counted (stream.retention), as the kafka driver's
 # What BatchConsumer uses of faust's Consumer beyond its public interface (faust-streaming 0.15.3, the version
 # pyproject.toml allows): a faust that moved any of it fails at start, not in a batch.
 _FAUST_INTERNALS = ("_drain_messages", "_wait_next_records", "_get_active_partitions", "_add_gap", "_committed_offset",
@@ -134,6 +144,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         self._carry_generation = 0  # the group generation in which they were fetched
         self._resumed: set[TP] = set()  # partitions whose start this generation was checked (:meth:`_resume_safely`)
         self._resumed_generation = -1
+        self._lows_asked: set[TP] = set()  # partitions whose low watermark was asked this generation (retention)
+        self._lows_generation = -1
+        # Per partition whose loss to retention was said: (its committed offset then, the low watermark it started at).
+        self._lost_from: dict[TP, tuple[int, int]] = {}
         # Per partition, the offsets delivered that ``process`` keeps unprocessed (BatchDelivery.held), ascending: not
         # acknowledged until a later batch processes them.
         self._kept: dict[TP, list[int]] = {}
@@ -246,6 +260,54 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     await self.seek(tp, high - 1)
                 except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner checks again
                     self.log.warning("could not seek %r back to %d: %r", tp, high - 1, exc)
+
+    async def seek_to_committed(self) -> Mapping[TP, int]:
+        """faust's seek to the committed offsets (``perform_seek``, which makes them the read and committed offsets
+        it keeps), each partition started at its low watermark instead where records between its committed offset and
+        that were deleted unread: the loss logged and counted once (module docstring)."""
+        # aiokafka's offsets: None where a partition has none (faust's own type says int)
+        return cast(Mapping[TP, int], await self._start_after_retention(await super().seek_to_committed()))
+
+    async def _start_after_retention(self, committed: Mapping[Any, int | None]) -> dict[Any, int | None]:
+        """``committed`` (aiokafka's partitions to their committed offsets, None: none), a partition whose committed
+        offset is below its low watermark sought to that and its offset there (``stream.retention``, reader
+        ``joiner``). The low watermarks are asked once per generation and partition; a partition whose loss was said
+        before at the same committed offset starts where it started then, and only records deleted since count."""
+        generation = self.app.consumer_generation_id
+        if generation != self._lows_generation:
+            self._lows_generation, self._lows_asked = generation, set()
+        saved = {tp: offset for tp, offset in committed.items() if offset is not None and offset >= 0}
+        ask = [tp for tp in saved if TP(tp.topic, tp.partition) not in self._lows_asked]
+        lows: dict[tuple[str, int], int] = {}
+        if ask:
+            self._lows_asked.update(TP(tp.topic, tp.partition) for tp in ask)
+            try:
+                earliest = await self.earliest_offsets(*ask)
+                lows = {(tp.topic, tp.partition): low for tp, low in earliest.items() if low is not None}
+            except Exception as exc:  # noqa: BLE001 - said, and the partitions start at their committed offsets
+                not_checked(_READER, [(tp.topic, tp.partition) for tp in ask], exc)
+        starts = []
+        for tp, offset in saved.items():
+            key = TP(tp.topic, tp.partition)
+            before = self._lost_from.get(key)
+            if before is not None and before[0] != offset:  # processed and committed since: that loss is behind it
+                del self._lost_from[key]
+                before = None
+            starts.append(TopicPartition(tp.topic, tp.partition, offset if before is None else before[1]))
+        out = dict(committed)
+        moved, lost = account_for_retention(_READER, starts, lows)
+        by_key = {(tp.topic, tp.partition): offset for tp, offset in saved.items()}
+        for gone in lost:
+            self._lost_from[TP(gone.topic, gone.partition)] = (by_key[(gone.topic, gone.partition)], gone.low)
+        for tp, start in zip(saved, moved, strict=True):
+            if start.offset != saved[tp]:
+                try:
+                    await self.seek(tp, start.offset)
+                except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner checks again
+                    self.log.warning("could not seek %r to its first offset held %d: %r", tp, start.offset, exc)
+                    continue
+                out[tp] = start.offset
+        return out
 
     def _has_backlog(self) -> bool:
         """Whether an active partition has more to read than faust's fetcher handed on (its tracked high water)."""

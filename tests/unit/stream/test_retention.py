@@ -135,3 +135,95 @@ def test_a_reader_whose_broker_cannot_give_the_low_watermarks_says_it_did_not_ch
         out = start_after_retention(Consumer({}, {}, fail=True), "learner", starts)  # type: ignore[arg-type]
     assert [(tp.partition, tp.offset) for tp in out] == [(0, 4)]
     assert any("not checked" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+class AIOKafkaThread:
+    """What faust's seek to the committed offsets asks of its aiokafka consumer thread (``perform_seek``): the
+    committed offsets (None: none), the low watermarks (``beginning_offsets``) and seeks."""
+
+    def __init__(self, committed: dict[Any, int | None], lows: dict[Any, int], fail: bool = False) -> None:
+        self.committed, self.lows, self.fail = committed, lows, fail
+        self.asked: list[list[Any]] = []
+        self.seeks: list[tuple[Any, int]] = []
+
+    async def seek_to_committed(self) -> dict[Any, int | None]:
+        return dict(self.committed)  # aiokafka seeks each to its committed offset (not recorded: the starting point)
+
+    async def earliest_offsets(self, *tps: Any) -> dict[Any, int]:
+        self.asked.append(sorted(tps))
+        if self.fail:
+            raise TimeoutError("ListOffsets timed out")
+        return {tp: self.lows[tp] for tp in tps}
+
+    def seek(self, tp: Any, offset: int) -> None:
+        self.seeks.append((tp, offset))
+
+
+def faust_consumer(thread: AIOKafkaThread) -> Any:
+    """The faust driver's consumer (BatchConsumer, installed as the joiner's faust worker does), not started: its
+    aiokafka thread is ``thread``."""
+    import faust
+
+    from stream.joiner.faust_delivery import BatchDelivery, install
+
+    app = faust.App("t-faust-retention", broker="kafka://127.0.0.1:9", autodiscover=False)
+    install(app, BatchDelivery(process=lambda records: {}, max_records=10, within_s=0.1, short_polls=lambda: False,
+                               in_hand=lambda n: None))
+    consumer: Any = app.consumer
+    consumer._thread = thread
+    return consumer
+
+
+def test_the_faust_drivers_seek_to_committed_starts_past_what_retention_deleted_and_counts_it_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from faust.types import TP
+
+    gone, kept, fresh, empty = TP("t-faust", 0), TP("t-faust", 1), TP("t-faust", 2), TP("t-faust", 3)
+    thread = AIOKafkaThread({gone: 100, kept: 40, fresh: None, empty: 0}, {gone: 250, kept: 30, empty: 0})
+    consumer = faust_consumer(thread)
+    consumer.app.consumer_generation_id = 1
+    before = lost("joiner", "t-faust")
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        asyncio.run(consumer.perform_seek())  # faust's, after an assignment
+    assert thread.asked == [[gone, kept, empty]]  # a partition without a committed offset loses nothing
+    assert thread.seeks == [(gone, 250)]
+    assert lost("joiner", "t-faust") == before + 150
+    [line] = errors(caplog)
+    assert "joiner: 150 record(s) of t-faust partition 0, offsets 100..249" in line
+    # faust reads and commits from there: its read offset, and the committed offset its commit counts on from
+    assert consumer._read_offset[gone] == 250 and consumer._committed_offset[gone] == 250
+    assert consumer._read_offset[kept] == 40
+    consumer._acked[gone].extend([250, 251])
+    assert consumer._new_offset(gone) == 252
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        asyncio.run(consumer.perform_seek())  # a drop in the same generation: not asked, not said again, still moved
+        consumer.app.consumer_generation_id = 2
+        asyncio.run(consumer.perform_seek())  # a rebalance before anything of it was committed: asked, not said again
+        assert thread.asked[1:] == [[gone, kept, empty]] and errors(caplog) == []
+        assert thread.seeks[1:] == [(gone, 250), (gone, 250)] and lost("joiner", "t-faust") == before + 150
+        thread.lows[gone] = 260  # deleted since: only that is lost again
+        consumer.app.consumer_generation_id = 3
+        asyncio.run(consumer.perform_seek())
+    assert thread.seeks[3:] == [(gone, 260)] and lost("joiner", "t-faust") == before + 160
+    [line] = errors(caplog)
+    assert "10 record(s) of t-faust partition 0, offsets 250..259" in line
+
+
+def test_the_faust_driver_whose_broker_cannot_give_the_low_watermarks_warns_and_starts_at_the_committed_offsets(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from faust.types import TP
+
+    tp = TP("t-faust-fail", 0)
+    thread = AIOKafkaThread({tp: 5}, {}, fail=True)
+    consumer = faust_consumer(thread)
+    with caplog.at_level(logging.WARNING, logger="streamrec.retention"):
+        asyncio.run(consumer.perform_seek())
+    assert thread.seeks == [] and consumer._read_offset[tp] == 5
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "joiner" in line and "t-faust-fail" in line and "not checked" in line
