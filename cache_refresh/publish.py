@@ -190,9 +190,7 @@ def refresh_lock(root: Path) -> Iterator[None]:
                 raise
             fd = os.open(path, os.O_RDONLY | flags)  # a read-only root: the lock still works, publishing fails later
     except OSError as exc:
-        why = ("it is a symbolic link, which no refresh makes: remove it" if exc.errno == errno.ELOOP
-               else describe_os_error(exc))
-        raise ArtifactError(f"cannot open the publish root's lock {path}: {why}") from None
+        raise ArtifactError(f"cannot open the publish root's lock {path}: {_why_not_opened(exc)}") from None
     try:
         st = os.fstat(fd)
         own = stat.S_ISREG(st.st_mode) and st.st_nlink == 1  # not a hard link to another file either
@@ -213,6 +211,13 @@ def refresh_lock(root: Path) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
+def _why_not_opened(exc: OSError) -> str:
+    """Why a lock file of the publish root (:data:`LOCK`, :data:`PUBLISHING`) could not be opened (``O_NOFOLLOW``)."""
+    if exc.errno == errno.ELOOP:
+        return "it is a symbolic link, which no refresh makes: remove it"
+    return describe_os_error(exc)
+
+
 @contextlib.contextmanager
 def _publishing(root: Path, version: str) -> Iterator[None]:
     """Hold :data:`PUBLISHING` (``flock``, exclusive) while :func:`publish` moves ``version`` into place and makes it
@@ -226,9 +231,8 @@ def _publishing(root: Path, version: str) -> Iterator[None]:
         Path(root).mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as exc:
-        why = ("it is a symbolic link, which no refresh makes: remove it" if exc.errno == errno.ELOOP
-               else describe_os_error(exc))
-        raise ArtifactError(f"cannot open {path}: {why}; nothing was published, CURRENT is unchanged") from None
+        raise ArtifactError(f"cannot open {path}: {_why_not_opened(exc)}; nothing was published, CURRENT is "
+                            "unchanged") from None
     try:
         st = os.fstat(fd)
         if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
