@@ -227,3 +227,18 @@ def test_the_faust_driver_whose_broker_cannot_give_the_low_watermarks_warns_and_
     assert thread.seeks == [] and consumer._read_offset[tp] == 5
     [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "joiner" in line and "t-faust-fail" in line and "not checked" in line
+
+
+def test_the_packaged_input_lost_to_retention_rule_fires_at_the_first_scrape_after_a_loss_at_start() -> None:
+    """The loss is found as a reader resumes, before the monitor's first scrape of it: a rule on the counter's
+    increase() would never see it (a series' first value is no increase). The packaged rule reads the counter."""
+    from monitor.alerts import AlertState
+    from tests.unit.learner.test_cold_start_metrics import default_rule, scraped
+
+    engine = default_rule("input_lost_to_retention")
+    topic = "retention-rule-test-topic"
+    assert [a for a in engine.evaluate(scraped(), 0.0) if a.labels.get("topic") == topic] == []
+    account_for_retention("learner", [TopicPartition(topic, 0, 5)], {(topic, 0): 9})  # found at start
+    got = [(a.state, a.labels.get("reader")) for a in engine.evaluate(scraped(), 15.0)
+           if a.labels.get("topic") == topic]
+    assert got == [(AlertState.FIRING, "learner")]
