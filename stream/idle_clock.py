@@ -10,9 +10,11 @@ and a gap between two ticks longer than ``stall_s`` is a stall, which either
 - counts as ``stall_step_s``, one ordinary round (the learner): a loop whose every round is slow (a slow checkpoint
   at each heartbeat) still counts a round each time, so it still gets to its limit; or
 - restarts idleness (``stall_step_s=None``, the joiner): a member woken from a stall past its session learns that
-  its partitions are gone only a heartbeat later, and must not exit (and drain) before. So idleness starts
-  ``after_stall_s`` below zero (the joiner: two heartbeat intervals): whatever the limit, even one under a
-  heartbeat, the first idle rounds after a stall are never taken for the end of the input.
+  its partitions are gone only a heartbeat later, and must not exit (and drain) before. So for ``after_stall_s``
+  after a stall (the joiner: two heartbeat intervals) :meth:`IdleClock.tick` says the time still owed, negative,
+  whatever came meanwhile (:meth:`IdleClock.reset` does not end the wait: records fetched before the stall, handed
+  on before the heartbeat, must not make it count from 0): whatever the limit, even one under a heartbeat, the
+  rounds right after a stall are never taken for the end of the input.
 
 Never reset, it is a clock that leaves stalls out (the learner's event-time merge times its quiet partitions so)."""
 
@@ -33,23 +35,25 @@ class IdleClock:
         self._clock = now
         self.idle_s = 0.0
         self._last = self._now()
+        self._owed_until = self._last  # after a stall that restarts idleness: no idleness before this time
         self.stalls = 0
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else time.monotonic()  # looked up each time: tests patch it
 
     def tick(self) -> float:
-        """One round without input ended now: the idle time so far."""
+        """One round without input ended now: the idle time so far, or, while a wait after a stall is owed, minus
+        the time still owed (module docstring)."""
         now = self._now()
         gap, self._last = now - self._last, now
         if gap > self.stall_s:
             self.stalls += 1
             if self.stall_step_s is None:
-                self.idle_s = -self.after_stall_s  # idleness owes this wait first (module docstring)
-                return self.idle_s
+                self.idle_s, self._owed_until = 0.0, now + self.after_stall_s
+                return -self.after_stall_s
             gap = self.stall_step_s
         self.idle_s += gap
-        return self.idle_s
+        return self.idle_s if now >= self._owed_until else now - self._owed_until
 
     def reset(self) -> None:
         """Input came (or something that is not idleness happened): idleness counts afresh from now."""

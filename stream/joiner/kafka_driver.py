@@ -95,7 +95,7 @@ class KafkaJoinWorker:
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
         self._revoked: set[tuple[str, int]] = set()  # revoked by the poll in progress (_fetch)
         # ``exit_when_idle_s``'s clock, one tick a round (run()); a round longer than batch_within_s by _STALL_S was a
-        # stall, which restarts idleness two heartbeats below zero (stream.idle_clock)
+        # stall, which restarts idleness after a wait of two heartbeats (stream.idle_clock)
         self._idle = IdleClock(js.batch_within_s + _STALL_S, None, after_stall_s=2 * heartbeat_interval_s(kafka))
         # The gate's waiting-click rule only; event time is the hold's (module docstring). Without the hold (no drift
         # configured, or backpressure off) the gate has no event-time rule either.
@@ -204,7 +204,7 @@ class KafkaJoinWorker:
                 # session, the member learns its partitions are gone a poll later, and taken for idle at once it
                 # drained its stale joins as samples labelled 0 (as the faust driver did: worker.py). The whole
                 # round is timed: a stall can come after the fetch too (the gate asks the broker every round)
-                idle_s = self._idle.tick()  # below 0 after a stall
+                idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
                 if resumed and idle:
                     self._idle.reset()  # clicks resumed: not idle while they are read
                 elif idle and limit is not None and idle_s >= limit:

@@ -144,7 +144,7 @@ class FaustJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self.exit_code = 0
-        # a stall restarts idleness two heartbeats below zero (_idle_check)
+        # a stall restarts idleness after a wait of two heartbeats (_idle_check)
         self._idle = IdleClock(_STALL_S, None, after_stall_s=2 * heartbeat_interval_s(kafka))
         self._busy = False
         self._records_in_hand = 0
@@ -293,12 +293,13 @@ class FaustJoinWorker:
     async def _idle_check(self) -> None:
         """Every ``_IDLE_TICK_S``: end the run once nothing came for ``exit_when_idle_s`` (draining first with
         ``drain_at_exit``). A gap between two ticks longer than ``_STALL_S`` is a stall (the process stopped, a long GC
-        pause or a swapping host; a batch that kept the loop busy), not idleness: idleness counts afresh from it, two
-        heartbeats below zero (stream.idle_clock). A member woken from a stall past its session had lost its
-        partitions, which faust tells it only a heartbeat later: taken for idle at once, it drained its stale joins,
-        their pending impressions out as samples labelled 0 whose clicks the partitions' new owner had joined already
-        (the frozen-joiner fault test). With a limit under a heartbeat it still did (idleness restarted at 0)."""
-        idle_s = self._idle.tick()  # below 0 after a stall
+        pause or a swapping host; a batch that kept the loop busy), not idleness: idleness counts afresh from it,
+        after a wait of two heartbeats that input meanwhile does not end (stream.idle_clock). A member woken from a
+        stall past its session had lost its partitions, which faust tells it only a heartbeat later: taken for idle
+        at once, it drained its stale joins, their pending impressions out as samples labelled 0 whose clicks the
+        partitions' new owner had joined already (the frozen-joiner fault test). With a limit under a heartbeat it
+        still did (idleness restarted at 0)."""
+        idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
         limit = self.js.exit_when_idle_s
         if limit is None or self._stopping or self._busy or self._records_in_hand or idle_s < limit:
             return

@@ -65,7 +65,7 @@ def test_a_step_over_the_stall_bound_or_below_zero_is_refused(stall_s: float, st
         IdleClock(stall_s=stall_s, stall_step_s=step_s)
 
 
-def test_a_stall_that_restarts_idleness_starts_it_after_stall_s_below_zero() -> None:
+def test_a_stall_that_restarts_idleness_owes_after_stall_s_before_any_idleness_counts() -> None:
     t = Clock()
     idle = IdleClock(stall_s=2.0, stall_step_s=None, now=t, after_stall_s=2.0)
     t.t += 0.5
@@ -75,7 +75,21 @@ def test_a_stall_that_restarts_idleness_starts_it_after_stall_s_below_zero() -> 
     t.t += 1.5
     assert idle.tick() == pytest.approx(-0.5)
     t.t += 1.0
-    assert idle.tick() == pytest.approx(0.5)
+    assert idle.tick() == pytest.approx(2.5)  # the wait is over: the idle time since the stall
+
+
+def test_input_during_the_wait_after_a_stall_does_not_end_the_wait() -> None:
+    """The wait was a negative idle time, which reset() set to 0: records fetched before the stall, handed on as it
+    ended (before the heartbeat that says the partitions are gone), made a limit under a heartbeat pass at once."""
+    t = Clock()
+    idle = IdleClock(stall_s=2.0, stall_step_s=None, now=t, after_stall_s=2.0)
+    t.t += 12.0
+    assert idle.tick() == pytest.approx(-2.0)
+    idle.reset()  # records in hand
+    t.t += 0.5
+    assert idle.tick() < 0  # still owed 1.5 s
+    t.t += 1.6
+    assert idle.tick() == pytest.approx(2.1)
 
 
 @pytest.mark.parametrize("after_stall_s, stall_step_s", [(-1.0, None), (1.0, 0.2)])
