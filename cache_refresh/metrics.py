@@ -75,7 +75,8 @@ def restore_last_success(when: float) -> None:
     """The last success on record (``last_run.json``, else the live version's publish time:
     ``cache_refresh.job.restore_last_success``), read when the scheduler or a run starts: a restarted scheduler
     otherwise said 0 until its next publish (the dashboard's "time since last success" read ~56 years), and a run
-    published by another process (``--now``) is seen. Never moves the gauge back."""
+    published by another process (``--now``) is seen. Moves the gauge back only from a time in the future
+    (:func:`_set_last_success`)."""
     _set_last_success(when)
 
 

@@ -258,6 +258,8 @@ def _publishing(root: Path, version: str) -> Iterator[None]:
                                 "was published, CURRENT is unchanged") from None
         yield
     finally:
+        with contextlib.suppress(OSError):  # no name is left behind for a status to read in the next publish's
+            os.ftruncate(fd, 0)             # moment between its lock and its write (unfinished)
         os.close(fd)  # releases the flock
 
 

@@ -108,3 +108,21 @@ def test_a_status_probe_that_never_lets_go_delays_a_publish_by_a_bound_not_forev
         os.close(fd)
     assert A.current_version(tmp_path) == "v002"
     assert any("still held by a status probe" in r.getMessage() for r in caplog.records)
+
+
+def test_a_publish_leaves_no_name_behind_for_the_next_publishs_first_moment(
+        tmp_path: Path, ckpt: dict) -> None:  # noqa: F811
+    """The lock file kept the last publish's name after it ended: a status in the next publish's moment between its
+    lock and its write read that name and, after a rollback made it not current, showed it as ``publishing``."""
+    import fcntl
+
+    put(tmp_path, ckpt, "v001")
+    put(tmp_path, ckpt, "v002")
+    assert rollback(tmp_path) == "v001"
+    fd = os.open(tmp_path / PUBLISHING, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a publish that has the lock and has not written its name yet
+    try:
+        got = status(tmp_path)
+    finally:
+        os.close(fd)
+    assert got["current"] == "v001" and "publishing" not in got
