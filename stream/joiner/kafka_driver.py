@@ -52,6 +52,7 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
 from stream.kafka import consumer_config, has_more, heartbeat_interval_s, resume_offsets
+from stream.retention import Gaps
 from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.join")
@@ -66,8 +67,10 @@ _BACKOFF_S = (1.0, 30.0)  # after an infrastructure failure: the first wait, and
 _STALL_S = 2.0  # a round (fetch, batch, gate) longer than batch_within_s by this much was a stall, not idleness (run())
 
 
-def _records(msgs: list[Message]) -> list[Record]:
-    """The fetched messages as records, column by column (each column one C-level pass); errors logged or raised."""
+def _records(msgs: list[Message], gaps: Gaps | None = None) -> list[Record]:
+    """The fetched messages as records, column by column (each column one C-level pass); errors logged or raised.
+    With ``gaps``: records lost to retention under the running worker said and counted (a few C-level passes more,
+    ``stream.retention.Gaps.batch``)."""
     errors = list(map(Message.error, msgs))
     if any(e is not None for e in errors):
         for err in errors:
@@ -78,8 +81,11 @@ def _records(msgs: list[Message]) -> list[Record]:
         msgs = [m for m, e in zip(msgs, errors, strict=True) if e is None]
     stamps = [ts if kind != TIMESTAMP_NOT_AVAILABLE else None for kind, ts in map(Message.timestamp, msgs)]
     # a consumed record always has its topic, partition and offset (the stubs say Optional)
-    return records_of(map(Message.topic, msgs), map(Message.partition, msgs), map(Message.offset, msgs),
-                      map(Message.key, msgs), map(Message.value, msgs), stamps)
+    topics, partitions, offsets = list(map(Message.topic, msgs)), list(map(Message.partition, msgs)), list(
+        map(Message.offset, msgs))
+    if gaps is not None:
+        gaps.batch(topics, partitions, offsets)  # type: ignore[arg-type]
+    return records_of(topics, partitions, offsets, map(Message.key, msgs), map(Message.value, msgs), stamps)
 
 
 class KafkaJoinWorker:
@@ -106,6 +112,9 @@ class KafkaJoinWorker:
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024,
                                  "fetch.queue.backoff.ms": _FETCH_QUEUE_BACKOFF_MS}))
+        # each partition's next offset expected: a fetch past it that skipped records retention deleted under the
+        # running worker (librdkafka resets an out-of-range position to the earliest offset silently) is said
+        self.gaps = Gaps(self.consumer, "joiner")
 
     def _commit(self) -> None:
         """Commit the processed offsets. A commit that fails (a rebalance under way, the coordinator away) keeps them
@@ -130,6 +139,7 @@ class KafkaJoinWorker:
         for tp in revoked:  # not committed now: never later, by a member that no longer owns them
             self._offsets.pop(tp, None)
         self._assigned -= {tp.partition for tp in partitions}
+        self.gaps.forget(revoked)
         self.pipeline.drop_held(revoked)  # the next owner reads them
         self._held = sum(self.pipeline.held_counts.values())
         self.gate.release({tp.partition for tp in partitions if tp.topic == self.kafka.impressions_topic})
@@ -147,6 +157,7 @@ class KafkaJoinWorker:
             consumer.pause(partitions)
             return
         consumer.assign(positions)
+        self.gaps.expect(positions)
         self._assigned |= {tp.partition for tp in partitions}
         self.pauses.resize(len(self._assigned))
         self._idle.reset()
@@ -194,7 +205,7 @@ class KafkaJoinWorker:
                 t0 = time.monotonic()
                 msgs = self._fetch()
                 self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
-                records = _records(msgs)
+                records = _records(msgs, self.gaps)
                 idle = not records
                 if records or self._held:
                     if not self._process(records, self._holds_back if self._hold else None):
@@ -327,8 +338,10 @@ class KafkaJoinWorker:
         self._backoff_s = min(_BACKOFF_S[1], self._backoff_s * 2)
         try:
             assigned = self.consumer.assignment()
+            self.gaps.forget((tp.topic, tp.partition) for tp in assigned)  # where a failed seek leaves them: unknown
             for tp in resume_offsets(self.consumer, assigned, "joiner"):
                 self.consumer.seek(tp)
+                self.gaps.expect([tp])
         except KafkaException as err:  # the broker is still away: the next batch fails again and comes back here
             log.warning("could not rewind yet: %s", err)
         # A rewind is not idleness: what follows must be read again before an idle exit may drain (which needs

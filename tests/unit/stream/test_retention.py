@@ -242,3 +242,148 @@ def test_the_packaged_input_lost_to_retention_rule_fires_at_the_first_scrape_aft
     got = [(a.state, a.labels.get("reader")) for a in engine.evaluate(scraped(), 15.0)
            if a.labels.get("topic") == topic]
     assert got == [(AlertState.FIRING, "learner")]
+
+
+class Marks:
+    """A consumer as :class:`stream.retention.Gaps` asks it: each partition's low watermark (its first record still
+    held), or a broker that cannot say; the partitions asked."""
+
+    def __init__(self, lows: dict[tuple[str, int], int], fail: bool = False) -> None:
+        self.lows, self.fail = lows, fail
+        self.asked: list[tuple[str, int]] = []
+
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float | None = None) -> tuple[int, int]:
+        self.asked.append((tp.topic, tp.partition))
+        if self.fail:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "watermarks timed out"))
+        return self.lows.get((tp.topic, tp.partition), 0), 0  # the high watermark: not reliable, not read
+
+
+def columns(*msgs: tuple[str, int, int]) -> tuple[list[str], list[int], list[int]]:
+    return [t for t, _, _ in msgs], [p for _, p, _ in msgs], [o for _, _, o in msgs]
+
+
+def test_a_batch_that_jumps_past_records_deleted_while_reading_logs_and_counts_them_and_a_gap_with_none_deleted_not(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A reader that falls behind retention while it runs gets OFFSET_OUT_OF_RANGE, and librdkafka resets it to the
+    earliest offset without a word. Gaps without any loss (control records, compaction) ask the broker but say
+    nothing; a batch without gaps asks it nothing."""
+    from stream.retention import Gaps
+
+    marks = Marks({("t-gap", 0): 9, ("t-gap", 1): 0, ("t-gap", 2): 20})
+    g = Gaps(marks, "joiner")  # type: ignore[arg-type]
+    g.expect([TopicPartition("t-gap", 0, 3), TopicPartition("t-gap", 1, 3), TopicPartition("t-gap", 2, 10),
+              TopicPartition("t-gap", 3, OFFSET_BEGINNING)])
+    before = lost("joiner", "t-gap")
+    with caplog.at_level(logging.DEBUG, logger="streamrec.retention"):
+        assert g.batch(*columns(("t-gap", 0, 3), ("t-gap", 1, 3), ("t-gap", 0, 4), ("t-gap", 3, 7), ("t-gap", 1, 4),
+                                ("t-gap", 2, 10))) == []
+        assert marks.asked == [] and g.next[("t-gap", 3)] == 8  # the first message of a logical start sets its next
+        gone = g.batch(*columns(("t-gap", 0, 5), ("t-gap", 1, 7), ("t-gap", 0, 11), ("t-gap", 2, 25),
+                                ("t-gap", 3, 8), ("t-gap", 0, 12)))
+    # partition 0: 6..8 deleted (11 the next record after the first one held, 9); 1: 5, 6 skipped, nothing deleted;
+    # 2: 11..19 deleted (the next record 25 past the first held, 20: the ones between are no loss)
+    assert gone == [Lost("joiner", "t-gap", 0, 6, 9), Lost("joiner", "t-gap", 2, 11, 20)]
+    assert sorted(marks.asked) == [("t-gap", 0), ("t-gap", 1), ("t-gap", 2)]
+    assert lost("joiner", "t-gap") == before + 3 + 9
+    first, second = errors(caplog)
+    for said in ("joiner", "3 record(s) of t-gap partition 0, offsets 6..8", "fell behind", "retention", "lag",
+                 "goes on from offset 11"):
+        assert said in first
+    assert "9 record(s) of t-gap partition 2, offsets 11..19" in second
+    assert g.next == {("t-gap", 0): 13, ("t-gap", 1): 8, ("t-gap", 2): 26, ("t-gap", 3): 9}
+
+
+def test_a_message_past_the_offset_expected_is_checked_once_and_a_rewind_is_no_gap() -> None:
+    from stream.retention import Gaps
+
+    marks = Marks({("t-one", 0): 5})
+    g = Gaps(marks, "learner")  # type: ignore[arg-type]
+    g.expect([TopicPartition("t-one", 0, 2)])
+    before = lost("learner", "t-one")
+    assert g.message("t-one", 0, 2) is None and marks.asked == []
+    assert g.message("t-one", 0, 6) == Lost("learner", "t-one", 0, 3, 5)
+    assert g.message("t-one", 0, 7) is None and g.message("t-one", 0, 1) is None  # a seek back: starts over from it
+    assert g.message("t-one", 0, 2) is None and marks.asked == [("t-one", 0)]
+    assert lost("learner", "t-one") == before + 2
+
+
+def test_a_gap_the_broker_cannot_check_is_one_warning_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    from stream.retention import Gaps
+
+    g = Gaps(Marks({}, fail=True), "joiner")  # type: ignore[arg-type]
+    g.expect([TopicPartition("t-unchecked", 0, 0)])
+    before = lost("joiner", "t-unchecked")
+    with caplog.at_level(logging.WARNING, logger="streamrec.retention"):
+        assert g.batch(*columns(("t-unchecked", 0, 0), ("t-unchecked", 0, 40))) == []
+    assert lost("joiner", "t-unchecked") == before and g.next == {("t-unchecked", 0): 41}
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "t-unchecked" in line and "offset 40, where it expected offset 1" in line and "not checked" in line
+
+
+class RunConsumer(Marks):
+    """librdkafka's consumer as the kafka driver's run loop uses it: an assignment at the first poll, then the
+    ``batches`` of messages, one a poll; then the worker is told to stop."""
+
+    def __init__(self, worker: KafkaJoinWorker, batches: list[list[Any]], lows: dict[tuple[str, int], int]) -> None:
+        super().__init__(lows)
+        self.worker, self.batches = worker, batches
+        self.on_assign: Any = None
+
+    def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None) -> None:
+        self.on_assign = on_assign
+
+    def assign(self, tps: list[TopicPartition]) -> None: ...
+
+    def consume(self, n: int, timeout: float) -> list[Any]:
+        if self.on_assign is not None:
+            assign, self.on_assign = self.on_assign, None
+            assign(self, [TopicPartition(t, 0) for t in (self.worker.kafka.impressions_topic,
+                                                         self.worker.kafka.clicks_topic)])
+        if not self.batches:
+            self.worker._stop = True
+            return []
+        return self.batches.pop(0)
+
+    def assignment(self) -> list[TopicPartition]:
+        return []
+
+    def close(self) -> None: ...
+
+
+def test_the_kafka_drivers_fetch_past_records_deleted_while_it_runs_logs_and_counts_them(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The joiner falls behind the impressions' retention while it runs: its fetch jumps from offset 12 to 40 (the
+    first record held 30); the clicks' gap (a control record, nothing deleted) is no loss."""
+    from types import SimpleNamespace
+
+    from confluent_kafka import Message
+
+    from stream.joiner import kafka_driver
+
+    w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
+                        JoinerSettings(batch_max=4, batch_within_s=0.01))
+    w.consumer.close()
+    imps, clicks = w.kafka.impressions_topic, w.kafka.clicks_topic
+
+    def msgs(topic: str, *offsets: int) -> list[Any]:
+        return [Message(topic=topic, partition=0, offset=o, key=b"k", value=b"v", timestamp=(1, o)) for o in offsets]
+
+    c = RunConsumer(w, [msgs(imps, 10, 11) + msgs(clicks, 5), msgs(imps, 12, 40) + msgs(clicks, 7), msgs(imps, 41)],
+                    {(imps, 0): 30, (clicks, 0): 0})
+    w.consumer = w.gaps.consumer = c  # type: ignore[assignment]
+    monkeypatch.setattr(kafka_driver, "resume_offsets", lambda consumer, tps, reader: [
+        TopicPartition(tp.topic, tp.partition, {imps: 10, clicks: 5}[tp.topic]) for tp in tps])
+    processed: list[tuple[str, int]] = []
+    w.pipeline = SimpleNamespace(  # type: ignore[assignment]
+        totals=SimpleNamespace(stage_s={"fetch": 0.0, "commit": 0.0}), engines={0: None}, processed={},
+        held_counts={}, restore=lambda _p: None,
+        process_new=lambda records, behind: processed.extend((r.topic, r.offset) for r in records))
+    monkeypatch.setattr(w, "_apply_gate", set)
+    before = lost("joiner", imps), lost("joiner", clicks)
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        assert w.run() == 0
+    assert sorted(o for t, o in processed if t == imps) == [10, 11, 12, 40, 41]  # the batches as they were
+    assert (lost("joiner", imps), lost("joiner", clicks)) == (before[0] + 17, before[1])
+    [line] = errors(caplog)
+    assert f"17 record(s) of {imps} partition 0, offsets 13..29" in line and "goes on from offset 40" in line
