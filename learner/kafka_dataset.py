@@ -56,7 +56,7 @@ from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import has_more, new_consumer
-from stream.retention import start_after_retention
+from stream.retention import Gaps, start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch
 from stream.strikes import is_infrastructure
 
@@ -181,6 +181,11 @@ class KafkaSampleDataset(IterableDataset):
         saved = [TopicPartition(topic, p, self.start[p]) for p in parts if p not in self.unsaved]
         starts = start_after_retention(consumer, "learner", saved)
         consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts if p in self.unsaved] + starts)
+        # records deleted under the running learner (its lag grew past the topic's retention; librdkafka resets the
+        # fetch to the earliest offset silently): a gap in a partition's offsets, checked against its first offset
+        gaps = Gaps(consumer, "learner")
+        gaps.expect(starts)
+        passed: dict[tuple[int, int], int] = {}  # (partition, offset) of a message after a loss -> its last offset
         for was, now in zip(saved, starts, strict=True):
             if now.offset > was.offset:  # the records lost count as passed (a zero-row batch at the last of them), so
                 # the next checkpoint starts past them and a restart before new records does not count them again
@@ -226,7 +231,12 @@ class KafkaSampleDataset(IterableDataset):
                     # end only the workers hold, so multiprocessing's exit handler (joining the queue's feeder
                     # thread, blocked on the full pipe) would hang the orphan for good. Nobody is left to read them.
                     os._exit(0)
-                msgs = ordered(consumer.consume(256, POLL_S))
+                fetched = consumer.consume(256, POLL_S)
+                for m in fetched:  # checked as fetched, not after the merge: the first offset is asked the sooner
+                    got = (m.partition(), m.offset())  # set on every consumed message (the stubs say Optional)
+                    if m.error() is None and (gone := gaps.message(topic, *got)) is not None:  # type: ignore[arg-type]
+                        passed[got] = gone.low - 1  # type: ignore[index]
+                msgs = ordered(fetched)
                 idle.tick()
                 for m, decoded in msgs:
                     err = m.error()
@@ -238,6 +248,10 @@ class KafkaSampleDataset(IterableDataset):
                     part, offset = m.partition(), m.offset()
                     assert part is not None and offset is not None  # set on every consumed message
                     pos = (part, offset)
+                    if passed and (last_lost := passed.pop(pos, None)) is not None:
+                        # the records lost pass as a zero-row batch at the last of them, ahead of this message (as
+                        # at a start): a checkpoint that holds it and not this message starts past them
+                        pending.append(to_tensors_empty(self.cfg, (part, last_lost, 0)))
                     suspect = pos in self.suspects
                     try:
                         if suspect and self.suspects[pos] is not None:

@@ -40,10 +40,17 @@ class Msg:
         return None
 
 
+HOLE = b"no record at this offset"  # a transaction's control record, a compacted-away record: a gap, nothing deleted
+
+
 class Consumer:
-    def __init__(self, parts: dict[int, list[bytes | None]], low: dict[int, int] | None = None) -> None:
+    def __init__(self, parts: dict[int, list[bytes | None]], low: dict[int, int] | None = None,
+                 jumps: dict[int, tuple[int, int]] | None = None) -> None:
         self.parts, self.pos = parts, {p: 0 for p in parts}
         self.low = low or {}  # partition -> its first offset still held (retention deleted the ones before)
+        # partition -> (at, low): when the reader's fetch reaches offset ``at``, retention has deleted the records
+        # before ``low``; librdkafka's fetch gets OFFSET_OUT_OF_RANGE and resets to the earliest offset, silently
+        self.jumps = dict(jumps or {})
 
     def get_watermark_offsets(self, tp: Any, timeout: float | None = None) -> tuple[int, int]:
         return self.low.get(tp.partition, 0), len(self.parts[tp.partition])
@@ -53,10 +60,16 @@ class Consumer:
             self.pos[tp.partition] = max(tp.offset, self.low.get(tp.partition, 0))
 
     def consume(self, n: int, timeout: float) -> list[Msg]:
-        out = []
+        out: list[Msg] = []
         for p in sorted(self.pos):
             while self.pos[p] < len(self.parts[p]) and len(out) < n:
-                out.append(Msg(p, self.pos[p], self.parts[p][self.pos[p]]))
+                if p in self.jumps and self.pos[p] >= self.jumps[p][0]:
+                    if out and out[-1].partition() == p:
+                        break  # this fetch ends here: the next one gets OFFSET_OUT_OF_RANGE
+                    self.low[p] = self.pos[p] = self.jumps.pop(p)[1]
+                    continue
+                if self.parts[p][self.pos[p]] is not HOLE:
+                    out.append(Msg(p, self.pos[p], self.parts[p][self.pos[p]]))
                 self.pos[p] += 1
         if not out:
             time.sleep(0.01)
@@ -82,10 +95,12 @@ class DeadLetters:
 
 def read(monkeypatch: pytest.MonkeyPatch, parts: dict[int, list[bytes | None]], max_values: int | None = None,
          start: dict[int, int] | None = None, low: dict[int, int] | None = None,
+         jumps: dict[int, tuple[int, int]] | None = None,
          **kw: Any) -> tuple[list[kd.TensorBatch], list[tuple[int, int, str, str]]]:
     """The batches (with positions) a dataset over ``parts`` yields until idle (from ``start``, 0 by default, with
-    retention having left the records from ``low`` on), and its dead letters."""
-    consumer = Consumer(parts, low)
+    retention having left the records from ``low`` on, and deleting more while it reads: ``jumps``), and its dead
+    letters."""
+    consumer = Consumer(parts, low, jumps)
     monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
     monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: c.pos[p] < len(parts[p]))
     monkeypatch.setattr(kd, "DeadLetters", DeadLetters)
@@ -134,6 +149,28 @@ def test_a_partition_without_a_saved_offset_starting_below_retention_is_no_loss(
     assert lost._value.get() == before + 1  # partition 1's saved 0, not partition 0's start
     [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "partition 1, offsets 0..0" in line
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_records_deleted_while_the_learner_reads_are_logged_counted_and_passed_but_a_gap_without_loss_is_not(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, merge: bool) -> None:
+    """A learner whose lag grows past the samples topic's retention while it runs: its fetch of partition 0 at
+    offset 2 finds offsets up to 5 deleted and librdkafka resets it to 6 without a word. Partition 1 has no records
+    at 1 and 2 (control records: nothing deleted) and at 5, the first record held after retention deleted 3 and 4."""
+    lost = INPUT_LOST.labels("learner", KafkaSettings().samples_topic)
+    before = lost._value.get()
+    parts: dict[int, list[bytes | None]] = {
+        0: [sample(k) for k in range(8)], 1: [sample(10), HOLE, HOLE, sample(13), HOLE, HOLE, sample(16)]}
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        batches, _ = read(monkeypatch, parts, jumps={0: (2, 6), 1: (4, 5)}, merge=merge)
+    # what was lost passes as a zero-row batch at the last of it, before the next record read
+    assert sorted(pos for b in batches for pos in b.positions) == [
+        (0, 0, 1), (0, 1, 1), (0, 5, 0), (0, 6, 1), (0, 7, 1), (1, 0, 1), (1, 3, 1), (1, 4, 0), (1, 6, 1)]
+    assert lost._value.get() == before + 4 + 1
+    zero, one = sorted((r.getMessage() for r in caplog.records if r.levelno == logging.ERROR),
+                       key=lambda line: "partition 1" in line)
+    assert "4 record(s) of" in zero and "partition 0, offsets 2..5" in zero and "fell behind" in zero
+    assert "1 record(s) of" in one and "partition 1, offsets 4..4" in one and "goes on from offset 6" in one
 
 
 def test_a_training_batch_closes_at_its_value_bound_not_only_at_batch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
