@@ -280,12 +280,14 @@ class BatchConsumer(faust_aiokafka.Consumer):
         ask = [tp for tp in saved if TP(tp.topic, tp.partition) not in self._lows_asked]
         lows: dict[tuple[str, int], int] = {}
         if ask:
-            self._lows_asked.update(TP(tp.topic, tp.partition) for tp in ask)
             try:
                 earliest = await self.earliest_offsets(*ask)
                 lows = {(tp.topic, tp.partition): low for tp, low in earliest.items() if low is not None}
             except Exception as exc:  # noqa: BLE001 - said, and the partitions start at their committed offsets
                 not_checked(_READER, [(tp.topic, tp.partition) for tp in ask], exc)
+            # asked only once answered or said: a seek cancelled while it waits (faust's recovery timeout, a new
+            # rebalance) is asked again at the next seek of the generation, not left unchecked
+            self._lows_asked.update(TP(tp.topic, tp.partition) for tp in ask)
         starts = []
         for tp, offset in saved.items():
             key = TP(tp.topic, tp.partition)
