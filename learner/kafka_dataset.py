@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection, Iterator
 from functools import partial
 
 import torch
-from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from torch.utils.data import IterableDataset, get_worker_info
 
 from learner.batch import TensorBatch, concat, to_tensors
@@ -177,19 +177,23 @@ class KafkaSampleDataset(IterableDataset):
         consumer = new_consumer(self.kafka, f"{self.kafka.client_id}-samples-reader", **{
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
         dlq: DeadLetters | None = None  # made on the first dead letter
-        # a saved start offset below what retention left of a partition: said, counted, started at its first record
+        # a saved start offset below what retention left of a partition: said, counted, started at its first record;
+        # a partition without a saved offset starts at its first record silently (nothing was owed to this learner)
         saved = [TopicPartition(topic, p, self.start[p]) for p in parts if p not in self.unsaved]
-        starts = start_after_retention(consumer, "learner", saved)
-        consumer.assign([TopicPartition(topic, p, self.start[p]) for p in parts if p in self.unsaved] + starts)
+        fresh = [TopicPartition(topic, p, self.start[p]) for p in parts if p in self.unsaved]
+        was = saved + fresh
+        starts = start_after_retention(consumer, "learner", saved) + _first_held(consumer, fresh)
+        consumer.assign(starts)
         # records deleted under the running learner (its lag grew past the topic's retention; librdkafka resets the
         # fetch to the earliest offset silently): a gap in a partition's offsets, checked against its first offset
         gaps = Gaps(consumer, "learner")
         gaps.expect(starts)
         passed: dict[tuple[int, int], int] = {}  # (partition, offset) of a message after a loss -> its last offset
-        for was, now in zip(saved, starts, strict=True):
-            if now.offset > was.offset:  # the records lost count as passed (a zero-row batch at the last of them), so
-                # the next checkpoint starts past them and a restart before new records does not count them again
-                yield to_tensors_empty(self.cfg, (now.partition, now.offset - 1, 0))
+        # Records a partition starts past (lost, or before a fresh partition's first record) count as passed: a
+        # zero-row batch at the last of them, so the next checkpoint starts past them and a restart before new records
+        # neither counts them again nor takes a fresh partition's 0 for a saved offset (the review's false loss).
+        skipped = [to_tensors_empty(self.cfg, (now.partition, now.offset - 1, 0))
+                   for before, now in zip(was, starts, strict=True) if now.offset > max(before.offset, 0)]
         pending: list[TensorBatch] = []
         rows = values = 0
         # The idle clock (``exit_when_idle_s``, stream.idle_clock): a stall between two polls is no idleness. A wall
@@ -223,6 +227,7 @@ class KafkaSampleDataset(IterableDataset):
         # holding its partitions' consumer.
         parent = os.getppid() if get_worker_info() is not None else None
         try:
+            yield from skipped
             while True:
                 if parent is not None and os.getppid() != parent:
                     log.warning("the training process is gone: DataLoader worker for partitions %s stops", parts)
@@ -422,6 +427,20 @@ def _decode(m: Message, read: Callable[[bytes | None], SampleBatch]) -> SampleBa
         return read(m.value())
     except Exception:  # noqa: BLE001 - whatever is wrong with it, the reader says so in its dead letter
         return None
+
+
+def _first_held(consumer: Consumer, starts: list[TopicPartition]) -> list[TopicPartition]:
+    """``starts`` moved up to their partitions' first record still held (the low watermark), without a word: for
+    partitions with no saved offset, which retention cannot have taken anything from. Unmoved where the broker cannot
+    say (librdkafka starts them at the earliest offset all the same)."""
+    out = []
+    for tp in starts:
+        try:
+            low = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)[0]
+        except KafkaException:
+            low = -1
+        out.append(TopicPartition(tp.topic, tp.partition, max(tp.offset, low)))
+    return out
 
 
 def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int] | None) -> TensorBatch:
