@@ -233,6 +233,7 @@ def _publishing(root: Path, version: str) -> Iterator[None]:
     except OSError as exc:
         raise ArtifactError(f"cannot open {path}: {_why_not_opened(exc)}; nothing was published, CURRENT is "
                             "unchanged") from None
+    named = False  # the file is ours to write (checked below) and holds this version's name
     try:
         st = os.fstat(fd)
         if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
@@ -252,14 +253,16 @@ def _publishing(root: Path, version: str) -> Iterator[None]:
                         break
                     time.sleep(0.01)
             os.ftruncate(fd, 0)
+            named = True
             os.pwrite(fd, version.encode(), 0)
         except OSError as exc:
             raise ArtifactError(f"cannot hold {path} for the publish of {version}: {describe_os_error(exc)}; nothing "
                                 "was published, CURRENT is unchanged") from None
         yield
     finally:
-        with contextlib.suppress(OSError):  # no name is left behind for a status to read in the next publish's
-            os.ftruncate(fd, 0)             # moment between its lock and its write (unfinished)
+        if named:  # never a file this refused to touch (a hard link to another file: it would be emptied)
+            with contextlib.suppress(OSError):  # no name is left behind for a status to read in the next publish's
+                os.ftruncate(fd, 0)             # moment between its lock and its write (unfinished)
         os.close(fd)  # releases the flock
 
 

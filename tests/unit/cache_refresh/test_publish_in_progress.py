@@ -126,3 +126,17 @@ def test_a_publish_leaves_no_name_behind_for_the_next_publishs_first_moment(
     finally:
         os.close(fd)
     assert got["current"] == "v001" and "publishing" not in got
+
+
+def test_a_hard_linked_publishing_lock_is_refused_and_the_file_it_links_to_left_whole(
+        tmp_path: Path, ckpt: dict) -> None:  # noqa: F811
+    """Emptying the lock file when a publish ends ran on the refusal's path too: the file a planted hard link pointed
+    to was emptied by the publish that refused to touch it."""
+    put(tmp_path, ckpt, "v001")
+    other = tmp_path / "other.txt"
+    other.write_text("precious data")
+    (tmp_path / PUBLISHING).unlink()
+    os.link(other, tmp_path / PUBLISHING)
+    with pytest.raises(ArtifactError, match="not a regular file of its own"):
+        put(tmp_path, ckpt, "v002")
+    assert other.read_text() == "precious data" and A.current_version(tmp_path) == "v001"
