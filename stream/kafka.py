@@ -693,11 +693,12 @@ def resume_offsets(consumer: Consumer, partitions: list[TopicPartition], reader:
         else:
             offset = OFFSET_BEGINNING
         out.append(TopicPartition(tp.topic, tp.partition, offset))
-    starts, lost = account_for_retention(reader, out, lows)
-    if lost:  # the group's offset moved past what is gone (nothing lies between): a rebalance, a rewind or a restart
-        # before anything new of the partition is processed does not say and count the loss again (the review's
-        # 4 ERROR lines and a fourfold count for one loss)
-        moved = [TopicPartition(g.topic, g.partition, g.low) for g in lost]
+    starts = account_for_retention(reader, out, lows)[0]
+    # the group's offset moved past what is gone (nothing lies between), whether said now or earlier by this process
+    # (stream.retention.Gaps): a rebalance, a rewind or a restart before anything new of the partition is processed
+    # does not say and count the loss again (the review's 4 ERROR lines and a fourfold count for one loss)
+    moved = [s for s, o in zip(starts, out, strict=True) if 0 <= o.offset < s.offset]
+    if moved:
         try:
             consumer.commit(offsets=moved, asynchronous=False)
         except KafkaException as exc:

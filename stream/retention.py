@@ -69,7 +69,11 @@ def account_for_retention(reader: str, starts: Sequence[TopicPartition], lows: M
         if low is None or tp.offset < 0 or tp.offset >= low:
             out.append(tp)
             continue
-        gone = Lost(reader, tp.topic, tp.partition, tp.offset, low)
+        said = _SAID.get((reader, tp.topic, tp.partition), -1)
+        if said >= low:  # said by this process already (found while it ran: :class:`Gaps`), not again at a rewind
+            out.append(TopicPartition(tp.topic, tp.partition, low))
+            continue
+        gone = Lost(reader, tp.topic, tp.partition, max(tp.offset, said), low)
         lost.append(gone)
         _said(gone, f"its saved offset {gone.saved} is below the partition's first offset {low}",
               "the topic's retention (retention.ms / retention.bytes) is shorter than this reader's downtime", low)
@@ -77,10 +81,18 @@ def account_for_retention(reader: str, starts: Sequence[TopicPartition], lows: M
     return out, lost
 
 
+# (reader, topic, partition) -> the end of the last loss this process said: a loss :class:`Gaps` found while the
+# reader ran is below the group's committed offset until something past it is committed, and a rewind or a rebalance
+# before that (its resume_offsets) said and counted it again
+_SAID: dict[tuple[str, str, int], int] = {}
+
+
 def _said(gone: Lost, how: str, cause: str, goes_on: int) -> None:
     """The ERROR line and the count of ``gone``, the one definition of both for a reader's start and its run: ``how``
     it was found, its likely ``cause`` besides DeleteRecords, and the offset the reader ``goes_on`` from."""
     INPUT_LOST.labels(gone.reader, gone.topic).inc(gone.records)
+    key = (gone.reader, gone.topic, gone.partition)
+    _SAID[key] = max(_SAID.get(key, -1), gone.low)
     log.error("%s: %d record(s) of %s partition %d, offsets %d..%d, were deleted before it read them (%s): %s, or "
               "someone ran DeleteRecords. It goes on from offset %d. Raise the topic's retention above the longest "
               "downtime or lag you expect and alert on this reader's lag", gone.reader, gone.records, gone.topic,
@@ -158,17 +170,21 @@ class Gaps:
         Only otherwise are the offsets of the partitions that do not add up looked at one by one."""
         if not offsets:
             return []
-        last = dict(zip(zip(topics, partitions, strict=True), offsets, strict=True))
+        keys = list(zip(topics, partitions, strict=True))
+        last = dict(zip(keys, offsets, strict=True))
         nxt = self.next
         spans = [o - nxt[k] + 1 if k in nxt else -1 for k, o in last.items()]
-        if -1 not in spans and sum(spans) == len(offsets):
+        # each partition starting where expected too: a partition gone back (a reset to an earlier offset) has less
+        # span than messages, which could cancel another's gap in the sum (the review's masked loss)
+        first = dict(zip(reversed(keys), reversed(offsets), strict=True))
+        if -1 not in spans and sum(spans) == len(offsets) and all(first[k] == nxt[k] for k in last):
             nxt.update({k: o + 1 for k, o in last.items()})
             return []
         lost: list[Lost] = []  # look closer (rare): every message of the partitions without an offset expected or
         # whose span is not their count
-        counts = Counter(zip(topics, partitions, strict=True))
-        closer = {k for k, span in zip(last, spans, strict=True) if span != counts[k]}
-        for k, offset in zip(zip(topics, partitions, strict=True), offsets, strict=True):
+        counts = Counter(keys)
+        closer = {k for k, span in zip(last, spans, strict=True) if span != counts[k] or first[k] != nxt.get(k)}
+        for k, offset in zip(keys, offsets, strict=True):
             if k in closer:
                 if (gone := self.message(k[0], k[1], offset)) is not None:
                     lost.append(gone)
