@@ -176,6 +176,30 @@ def test_records_deleted_while_the_learner_reads_are_logged_counted_and_passed_b
     assert "1 record(s) of" in one and "partition 1, offsets 4..4" in one and "goes on from offset 6" in one
 
 
+def test_a_fresh_partition_whose_first_offset_the_broker_did_not_say_is_no_loss_when_reading_starts_there(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Its start stayed at 0, expected as such: librdkafka's start at the first record held looked like a gap, and
+    every record before it was said and counted lost (the review)."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    calls = [0]
+    real = Consumer.get_watermark_offsets
+
+    def first_call_times_out(self: Consumer, tp: Any, timeout: float | None = None) -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out"))
+        return real(self, tp, timeout)
+
+    monkeypatch.setattr(Consumer, "get_watermark_offsets", first_call_times_out)
+    lost = INPUT_LOST.labels("learner", KafkaSettings().samples_topic)
+    before = lost._value.get()
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        batches, _ = read(monkeypatch, {0: [sample(k) for k in range(6)]}, low={0: 4}, unsaved=[0])
+    assert [pos[:2] for b in batches for pos in b.positions] == [(0, 4), (0, 5)]
+    assert lost._value.get() == before and not [r for r in caplog.records if r.levelno == logging.ERROR]
+
+
 def test_a_training_batch_closes_at_its_value_bound_not_only_at_batch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows alone did not bound a batch's memory: 4096 one-row messages of a million history ids each were one
     batch."""
