@@ -21,10 +21,12 @@ it is a gap, and only on a gap is the broker asked for the partition's low water
 transaction control records, compaction). The records between the offset expected and the low watermark (or the
 message, if it comes first) are lost: the same ERROR line and counter as at a start (:func:`_said`). The learner's
 ``KafkaSampleDataset`` checks each message as fetched (O(1) a message); the joiner's kafka driver each batch, in C
-(``Gaps.batch``: each partition's last offset against the one expected and the batch's length). Not covered: the
-joiner's faust driver while it runs (aiokafka resets it the same way; its read offsets are faust's), and a gap
-without loss found only after retention moved past it (the low watermark is asked at the gap, not at the fetch, so
-control records just before it would be counted lost: the readers ask right after the fetch to keep that short).
+(``Gaps.batch``: each partition's last offset against the one expected and the batch's length); the joiner's faust
+driver each fetch (aiokafka resets it the same way, with ``auto_offset_reset``: ``BatchConsumer._records`` notes a
+partition's jump past the offset it expects, its read offset + 1 or the offset it sought, and only then asks the
+broker, ``earliest_offsets``), all through :func:`lost_in_gap`. Not covered: a gap without loss found only after
+retention moved past it (the low watermark is asked at the gap, not at the fetch, so control records just before it
+would be counted lost: the readers ask right after the fetch to keep that short).
 """
 
 from __future__ import annotations
@@ -199,12 +201,21 @@ class Gaps:
             not_checked(self.reader, [(topic, partition)], exc,
                         f"offset {offset}, where it expected offset {expected} (a gap)")
             return None
-        if low <= expected:
-            log.debug("%s: %s partition %d skipped offsets %d..%d with nothing deleted (its first offset is %d): "
-                      "control records or compaction", self.reader, topic, partition, expected, offset - 1, low)
-            return None
-        gone = Lost(self.reader, topic, partition, expected, min(low, offset))
-        _said(gone, f"it had read up to offset {expected - 1} and the broker's next record was {offset}, the "
-                    f"partition's first offset {low}", "this reader fell behind the topic's retention (retention.ms / "
-                    "retention.bytes) while it ran: its lag grew past it", offset)
-        return gone
+        return lost_in_gap(self.reader, topic, partition, expected, offset, low)
+
+
+def lost_in_gap(reader: str, topic: str, partition: int, expected: int, offset: int, low: int) -> Lost | None:
+    """What a running ``reader`` lost of ``topic``/``partition`` where it expected offset ``expected`` and the
+    broker's next record was ``offset``, the partition's first offset now ``low``: the records ``[expected, min(low,
+    offset))``, said and counted (:func:`_said`); None (a DEBUG line) where ``low`` is not past ``expected`` (control
+    records, compaction). The one definition for every reader that finds such gaps (:class:`Gaps`, the joiner's faust
+    driver)."""
+    if low <= expected:
+        log.debug("%s: %s partition %d skipped offsets %d..%d with nothing deleted (its first offset is %d): "
+                  "control records or compaction", reader, topic, partition, expected, offset - 1, low)
+        return None
+    gone = Lost(reader, topic, partition, expected, min(low, offset))
+    _said(gone, f"it had read up to offset {expected - 1} and the broker's next record was {offset}, the "
+                f"partition's first offset {low}", "this reader fell behind the topic's retention (retention.ms / "
+                "retention.bytes) while it ran: its lag grew past it", offset)
+    return gone

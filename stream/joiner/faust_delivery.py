@@ -42,6 +42,12 @@ batches ``process`` returned from.
   a partition at its low watermark and says and counts the loss (``stream.retention``, as the kafka driver does),
   once: asked once per generation and partition, and a loss already said is not said again while the committed
   offset stays where it was (nothing processed of the partition yet).
+* A partition that falls behind the topic's retention while it runs: aiokafka's fetch gets OFFSET_OUT_OF_RANGE and
+  resets it to the earliest offset, again without a word (and faust's ledger records the jump as a gap its commit
+  passes over). Each fetch's jumps past the offset expected next (the read offset + 1, or right after a seek the
+  offset sought) are noted, and only then the broker is asked for the partitions' low watermarks: what they are past
+  is said and counted (``stream.retention.lost_in_gap``, as the kafka driver's ``Gaps``), and not again at the next
+  seek to the committed offsets. A rebalance while it was asked drops the hand, as at any fetch.
 * A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
   drops such records without a seek, so they were not read again until the next rebalance.
 
@@ -72,7 +78,7 @@ from mode import ServiceT
 from mode.utils.futures import notify
 
 from stream.joiner.pipeline import Record, records_of
-from stream.retention import account_for_retention, not_checked
+from stream.retention import account_for_retention, lost_in_gap, not_checked
 
 # Per (topic, partition), the offset after the last record a batch processed (JoinPipeline.processed).
 Processed = Mapping[tuple[str, int], int]
@@ -151,6 +157,11 @@ class BatchConsumer(faust_aiokafka.Consumer):
         # Per partition, the offsets delivered that ``process`` keeps unprocessed (BatchDelivery.held), ascending: not
         # acknowledged until a later batch processes them.
         self._kept: dict[TP, list[int]] = {}
+        # Per partition sought (:meth:`seek`, :meth:`seek_to_committed`) and not read since, the offset sought: the next
+        # one expected (faust's read offset is the last offset read, except right after a seek, when it is this).
+        self._sought: dict[TP, int] = {}
+        # The jumps of the last fetch (:meth:`_records`): (partition, first offset missing, the next record's offset).
+        self._jumps: list[tuple[TP, int, int]] = []
 
     @property
     def delivery(self) -> BatchDelivery:
@@ -217,6 +228,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
             if not self.flow_active or self.app.consumer_generation_id != generation:
                 raise _Dropped(batch, records)
             fresh = self._records(records or {})
+            if self._jumps:  # rare: a fetch past offsets the log no longer holds, or never held
+                await self._say_lost_while_running()
+                if not self.flow_active or self.app.consumer_generation_id != generation:
+                    raise _Dropped(batch, records)  # the broker was asked: a rebalance may have come meanwhile
             await self._resume_safely(generation, records or {})
             if fresh:
                 batch.extend(fresh)
@@ -266,7 +281,37 @@ class BatchConsumer(faust_aiokafka.Consumer):
         it keeps), each partition started at its low watermark instead where records between its committed offset and
         that were deleted unread: the loss logged and counted once (module docstring)."""
         # aiokafka's offsets: None where a partition has none (faust's own type says int)
-        return cast(Mapping[TP, int], await self._start_after_retention(await super().seek_to_committed()))
+        out = await self._start_after_retention(await super().seek_to_committed())
+        for tp, offset in out.items():
+            if offset is not None and offset >= 0:
+                self._sought[TP(tp.topic, tp.partition)] = offset
+            else:  # aiokafka's auto_offset_reset: whatever comes first
+                self._sought.pop(TP(tp.topic, tp.partition), None)
+        return cast(Mapping[TP, int], out)
+
+    async def seek(self, partition: TP, offset: int) -> None:
+        """faust's seek, the offset sought remembered as the next one expected (:meth:`_records`)."""
+        await super().seek(partition, offset)
+        self._sought[TP(partition.topic, partition.partition)] = offset
+
+    async def _say_lost_while_running(self) -> None:
+        """The jumps the last fetch noted (:meth:`_records`), checked against the partitions' low watermarks: aiokafka
+        got OFFSET_OUT_OF_RANGE (the joiner fell behind the topic's retention while it ran) and reset the partition to
+        its earliest offset without a word; what the low watermark is past is lost, said and counted once
+        (``stream.retention.lost_in_gap``, as the kafka driver's ``Gaps``). A jump the low watermark is not past
+        (control records, compaction) loses nothing; a broker that cannot answer is one WARNING."""
+        jumps, self._jumps = self._jumps, []
+        try:
+            lows = await self.earliest_offsets(*{tp for tp, _, _ in jumps})
+        except Exception as exc:  # noqa: BLE001 - said; the fetch goes on (CancelledError is no Exception: it ends it)
+            not_checked(_READER, {(tp.topic, tp.partition) for tp, _, _ in jumps}, exc, ", ".join(
+                f"offset {offset} of {tp.topic} partition {tp.partition}, where it expected offset {expected} (a gap)"
+                for tp, expected, offset in jumps))
+            return
+        for tp, expected, offset in jumps:
+            low = lows.get(tp)
+            if low is not None:
+                lost_in_gap(_READER, tp.topic, tp.partition, expected, offset, low)
 
     async def _start_after_retention(self, committed: Mapping[Any, int | None]) -> dict[Any, int | None]:
         """``committed`` (aiokafka's partitions to their committed offsets, None: none), a partition whose committed
@@ -354,7 +399,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
         """aiokafka's records as pipeline records, and faust's bookkeeping of what its fetcher handed on, as
         ``getmany`` and ``_drain_messages`` keep it: records before a partition's read offset are skipped, the
         offsets the log does not hold between them are recorded as gaps (transaction markers, compaction: faust's
-        commit passes over them), and the read offset advances (backpressure reads it: ``worker._behind``)."""
+        commit passes over them), and the read offset advances (backpressure reads it: ``worker._behind``). Each jump
+        past the offset expected next (the one sought, or the read offset + 1) is noted for :meth:`_gather` to check
+        against retention (:meth:`_say_lost_while_running`)."""
         out: list[Record] = []
         monitor = self.app.monitor
         for tp, recs in records.items():
@@ -365,6 +412,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 recs = [r for r in recs if r.offset >= read]
                 if not recs:
                     continue
+            key = TP(tp.topic, tp.partition)
+            expected = self._sought.pop(key) if key in self._sought else None if read is None else read + 1
+            if expected is not None:
+                self._jumps.extend((key, start, end) for start, end in _jumps(expected, recs))
             topic, partition = tp
             out.extend(records_of(repeat(topic, len(recs)), repeat(partition, len(recs)), map(_OFFSET, recs),
                                   map(_KEY, recs), map(_VALUE, recs), [r.timestamp or None for r in recs]))
@@ -438,6 +489,21 @@ class BatchConsumer(faust_aiokafka.Consumer):
             gap = self._gap[tp]
             gap.addi(offset_from, offset_to + 1)
             gap.merge_overlaps()
+
+
+def _jumps(expected: int, recs: list[Any]) -> list[tuple[int, int]]:
+    """The jumps in ``recs`` (offsets ascending) from ``expected``, the offset expected first: (the first offset
+    missing, the next record's offset) each; O(1) where they are contiguous (the usual case)."""
+    first, last = recs[0].offset, recs[-1].offset
+    if last - first == len(recs) - 1:
+        return [(expected, first)] if first > expected else []
+    out = []
+    for r in recs:
+        if r.offset > expected:
+            out.append((expected, r.offset))
+        expected = r.offset + 1
+    return out
+
 
 def _gaps(read: int | None, first: int, last: int, n: int, recs: list[Any]) -> list[tuple[int, int]]:
     """The gaps ``Consumer._drain_messages`` records reading ``recs`` (offsets ``first`` .. ``last``, ``n`` of them)

@@ -164,6 +164,9 @@ class AIOKafkaThread:
     def seek(self, tp: Any, offset: int) -> None:
         self.seeks.append((tp, offset))
 
+    def highwater(self, tp: Any) -> int:
+        return 1_000  # far ahead: a backlog, so a batch goes at the first fetch that brings nothing
+
 
 def faust_consumer(thread: AIOKafkaThread) -> Any:
     """The faust driver's consumer (BatchConsumer, installed as the joiner's faust worker does), not started: its
@@ -233,6 +236,128 @@ def test_the_faust_driver_whose_broker_cannot_give_the_low_watermarks_warns_and_
     assert thread.seeks == [] and consumer._read_offset[tp] == 5
     [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "joiner" in line and "t-faust-fail" in line and "not checked" in line
+
+
+def fetched(consumer: Any, fetches: list[dict[Any, list[int]]]) -> list[tuple[str, int]]:
+    """One batch of the faust driver (``BatchConsumer._gather``) over aiokafka's ``fetches``: per partition, the offsets
+    of its records (built as aiokafka's), then nothing; what the batch holds."""
+    import asyncio
+
+    from aiokafka.structs import ConsumerRecord
+
+    queue = [{tp: [ConsumerRecord(tp.topic, tp.partition, o, 1_000 + o, 0, b"k", b"v", None, 1, 1, [])
+                   for o in offsets] for tp, offsets in f.items()} for f in fetches]
+
+    async def wait_next_records(timeout: float) -> tuple[dict[Any, list[Any]], None]:
+        return (queue.pop(0) if queue else {}), None
+
+    consumer._wait_next_records = wait_next_records
+    return [(r.topic, r.offset) for r in asyncio.run(consumer._gather())]
+
+
+def test_the_faust_drivers_fetch_past_records_deleted_while_it_runs_logs_and_counts_them_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The joiner falls behind the impressions' retention while it runs: aiokafka's fetch got OFFSET_OUT_OF_RANGE and
+    reset the partition to its earliest offset without a word, so the next fetch jumps from offset 11 to 40 (the first
+    record held 30). The clicks' jump (a control record, nothing deleted) is no loss; a fetch without a jump asks the
+    broker nothing; the rebalance that seeks back to the committed offset (still 10) does not say it again."""
+    import asyncio
+
+    from faust.types import TP
+
+    imps, clicks = TP("t-faust-run", 0), TP("t-faust-run-clicks", 0)
+    thread = AIOKafkaThread({imps: 10, clicks: 5}, {imps: 0, clicks: 0})
+    consumer = faust_consumer(thread)
+    consumer.app.consumer_generation_id = 1
+    asyncio.run(consumer.perform_seek())
+    before = lost("joiner", imps.topic), lost("joiner", clicks.topic)
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        assert fetched(consumer, [{imps: [10, 11], clicks: [5]}]) == [(imps.topic, 10), (imps.topic, 11),
+                                                                      (clicks.topic, 5)]
+        assert len(thread.asked) == 1  # the seek's only: no jump, no question
+        thread.lows = {imps: 30, clicks: 0}
+        assert fetched(consumer, [{imps: [40, 41], clicks: [7]}]) == [(imps.topic, 40), (imps.topic, 41),
+                                                                      (clicks.topic, 7)]
+        assert thread.asked[1:] == [sorted([imps, clicks])]
+        consumer.app.consumer_generation_id = 2  # a rebalance before anything past the loss was committed
+        asyncio.run(consumer.perform_seek())
+    assert thread.seeks == [(imps, 30)]  # moved past it, silently
+    assert (lost("joiner", imps.topic), lost("joiner", clicks.topic)) == (before[0] + 18, before[1])
+    [line] = errors(caplog)
+    assert "joiner: 18 record(s) of t-faust-run partition 0, offsets 12..29" in line
+    assert "fell behind" in line and "goes on from offset 40" in line
+
+
+def test_the_faust_drivers_jump_right_after_a_seek_counts_from_the_offset_sought(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """faust's read offset right after a seek is the offset sought (the next to read), not the last one read: the
+    record at it is lost too when the fetch's reset jumps past it."""
+    import asyncio
+
+    from faust.types import TP
+
+    tp = TP("t-faust-sought", 0)
+    thread = AIOKafkaThread({tp: 20}, {tp: 0})
+    consumer = faust_consumer(thread)
+    consumer.app.consumer_generation_id = 1
+    asyncio.run(consumer.perform_seek())
+    thread.lows = {tp: 23}
+    before = lost("joiner", tp.topic)
+    with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
+        assert fetched(consumer, [{tp: [25, 26]}]) == [(tp.topic, 25), (tp.topic, 26)]
+    assert lost("joiner", tp.topic) == before + 3
+    [line] = errors(caplog)
+    assert "3 record(s) of t-faust-sought partition 0, offsets 20..22" in line
+
+
+def test_the_faust_drivers_jump_the_broker_cannot_check_is_one_warning_and_the_batch_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from faust.types import TP
+
+    tp = TP("t-faust-run-fail", 0)
+    thread = AIOKafkaThread({tp: 4}, {tp: 0})
+    consumer = faust_consumer(thread)
+    consumer.app.consumer_generation_id = 1
+    asyncio.run(consumer.perform_seek())
+    thread.fail = True
+    before = lost("joiner", tp.topic)
+    with caplog.at_level(logging.WARNING, logger="streamrec.retention"):
+        assert fetched(consumer, [{tp: [4, 5]}, {tp: [60]}]) == [(tp.topic, 4), (tp.topic, 5), (tp.topic, 60)]
+    assert lost("joiner", tp.topic) == before and errors(caplog) == []
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "joiner" in line and "t-faust-run-fail" in line and "not checked" in line
+    assert "offset 60 of t-faust-run-fail partition 0, where it expected offset 6" in line
+
+
+def test_a_rebalance_while_the_faust_driver_asks_about_a_jump_drops_the_batch_in_hand() -> None:
+    """Asking the broker awaits: a rebalance that came meanwhile makes the records in hand stale, as at any fetch
+    (``_Dropped``: sought back to the committed offsets), even when the batch is full and no fetch follows to see it;
+    the loss is said all the same."""
+    import asyncio
+
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import _Dropped
+
+    tp = TP("t-faust-rebalance", 0)
+
+    class Rebalancing(AIOKafkaThread):
+        async def earliest_offsets(self, *tps: Any) -> dict[Any, int]:
+            if self.asked:  # not the seek's: the jump's
+                consumer.app.consumer_generation_id = 2
+            return await super().earliest_offsets(*tps)
+
+    thread = Rebalancing({tp: 7}, {tp: 0})
+    consumer = faust_consumer(thread)
+    consumer.app.consumer_generation_id = 1
+    asyncio.run(consumer.perform_seek())
+    thread.lows = {tp: 9}
+    before = lost("joiner", tp.topic)
+    with pytest.raises(_Dropped) as dropped:
+        fetched(consumer, [{tp: [7]}, {tp: list(range(12, 21))}])  # the batch full (10): no fetch checks after it
+    assert dropped.value.first == {tp: 7} and lost("joiner", tp.topic) == before + 1
 
 
 def test_the_packaged_input_lost_to_retention_rule_fires_at_the_first_scrape_after_a_loss_at_start() -> None:
