@@ -170,9 +170,10 @@ class AIOKafkaThread:
         return 1_000  # far ahead: a backlog, so a batch goes at the first fetch that brings nothing
 
 
-def faust_consumer(thread: AIOKafkaThread) -> Any:
+def faust_consumer(thread: AIOKafkaThread, sought: bool = False) -> Any:
     """The faust driver's consumer (BatchConsumer, installed as the joiner's faust worker does), not started: its
-    aiokafka thread is ``thread``."""
+    aiokafka thread is ``thread``; with ``sought``, in generation 1 and sought to the committed offsets, as after an
+    assignment."""
     import faust
 
     from stream.joiner.faust_delivery import BatchDelivery, install
@@ -182,6 +183,11 @@ def faust_consumer(thread: AIOKafkaThread) -> Any:
                                in_hand=lambda n: None))
     consumer: Any = app.consumer
     consumer._thread = thread
+    if sought:
+        import asyncio
+
+        consumer.app.consumer_generation_id = 1
+        asyncio.run(consumer.perform_seek())
     return consumer
 
 
@@ -269,9 +275,7 @@ def test_the_faust_drivers_fetch_past_records_deleted_while_it_runs_logs_and_cou
 
     imps, clicks = TP("t-faust-run", 0), TP("t-faust-run-clicks", 0)
     thread = AIOKafkaThread({imps: 10, clicks: 5}, {imps: 0, clicks: 0})
-    consumer = faust_consumer(thread)
-    consumer.app.consumer_generation_id = 1
-    asyncio.run(consumer.perform_seek())
+    consumer = faust_consumer(thread, sought=True)
     before = lost("joiner", imps.topic), lost("joiner", clicks.topic)
     with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
         assert fetched(consumer, [{imps: [10, 11], clicks: [5]}]) == [(imps.topic, 10), (imps.topic, 11),
@@ -294,15 +298,12 @@ def test_the_faust_drivers_jump_right_after_a_seek_counts_from_the_offset_sought
         caplog: pytest.LogCaptureFixture) -> None:
     """faust's read offset right after a seek is the offset sought (the next to read), not the last one read: the
     record at it is lost too when the fetch's reset jumps past it."""
-    import asyncio
 
     from faust.types import TP
 
     tp = TP("t-faust-sought", 0)
     thread = AIOKafkaThread({tp: 20}, {tp: 0})
-    consumer = faust_consumer(thread)
-    consumer.app.consumer_generation_id = 1
-    asyncio.run(consumer.perform_seek())
+    consumer = faust_consumer(thread, sought=True)
     thread.lows = {tp: 23}
     before = lost("joiner", tp.topic)
     with caplog.at_level(logging.ERROR, logger="streamrec.retention"):
@@ -314,15 +315,12 @@ def test_the_faust_drivers_jump_right_after_a_seek_counts_from_the_offset_sought
 
 def test_the_faust_drivers_jump_the_broker_cannot_check_is_one_warning_and_the_batch_goes_on(
         caplog: pytest.LogCaptureFixture) -> None:
-    import asyncio
 
     from faust.types import TP
 
     tp = TP("t-faust-run-fail", 0)
     thread = AIOKafkaThread({tp: 4}, {tp: 0})
-    consumer = faust_consumer(thread)
-    consumer.app.consumer_generation_id = 1
-    asyncio.run(consumer.perform_seek())
+    consumer = faust_consumer(thread, sought=True)
     thread.fail = True
     before = lost("joiner", tp.topic)
     with caplog.at_level(logging.WARNING, logger="streamrec.retention"):
@@ -337,7 +335,6 @@ def test_a_rebalance_while_the_faust_driver_asks_about_a_jump_drops_the_batch_in
     """Asking the broker awaits: a rebalance that came meanwhile makes the records in hand stale, as at any fetch
     (``_Dropped``: sought back to the committed offsets), even when the batch is full and no fetch follows to see it;
     the loss is said all the same."""
-    import asyncio
 
     from faust.types import TP
 
@@ -352,9 +349,7 @@ def test_a_rebalance_while_the_faust_driver_asks_about_a_jump_drops_the_batch_in
             return await super().earliest_offsets(*tps)
 
     thread = Rebalancing({tp: 7}, {tp: 0})
-    consumer = faust_consumer(thread)
-    consumer.app.consumer_generation_id = 1
-    asyncio.run(consumer.perform_seek())
+    consumer = faust_consumer(thread, sought=True)
     thread.lows = {tp: 9}
     before = lost("joiner", tp.topic)
     with pytest.raises(_Dropped) as dropped:
