@@ -71,34 +71,53 @@ def account_for_retention(reader: str, starts: Sequence[TopicPartition], lows: M
         if low is None or tp.offset < 0 or tp.offset >= low:
             out.append(tp)
             continue
-        said = _SAID.get((reader, tp.topic, tp.partition), -1)
-        if said >= low:  # said by this process already (found while it ran: :class:`Gaps`), not again at a rewind
-            out.append(TopicPartition(tp.topic, tp.partition, low))
-            continue
-        gone = Lost(reader, tp.topic, tp.partition, max(tp.offset, said), low)
-        lost.append(gone)
-        _said(gone, f"its saved offset {gone.saved} is below the partition's first offset {low}",
-              "the topic's retention (retention.ms / retention.bytes) is shorter than this reader's downtime", low)
+        gone = Lost(reader, tp.topic, tp.partition, tp.offset, low)
         out.append(TopicPartition(tp.topic, tp.partition, low))
+        if _said(gone, f"its saved offset {gone.saved} is below the partition's first offset {low}",
+                 "the topic's retention (retention.ms / retention.bytes) is shorter than this reader's downtime", low):
+            lost.append(gone)
     return out, lost
 
 
-# (reader, topic, partition) -> the end of the last loss this process said: a loss :class:`Gaps` found while the
-# reader ran is below the group's committed offset until something past it is committed, and a rewind or a rebalance
-# before that (its resume_offsets) said and counted it again
-_SAID: dict[tuple[str, str, int], int] = {}
+# (reader, topic, partition) -> the offset ranges [start, end) of the losses this process said, merged, ascending: a
+# loss found while the reader ran is below the group's committed offset until something past it is committed, and a
+# rewind, a re-seek or a rebalance before that said and counted it again (the reviews). A range, not its end: records
+# fetched before the jump but dropped unprocessed (a rebalance) and deleted since are a loss of their own.
+_SAID: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
 
 
-def _said(gone: Lost, how: str, cause: str, goes_on: int) -> None:
+def _unsaid(key: tuple[str, str, int], start: int, end: int) -> int:
+    """How many of the offsets ``[start, end)`` no loss this process said covers."""
+    covered = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in _SAID.get(key, ()))
+    return max(0, end - start - covered)
+
+
+def _remember(key: tuple[str, str, int], start: int, end: int) -> None:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted([*_SAID.get(key, ()), (start, end)]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    _SAID[key] = merged
+
+
+def _said(gone: Lost, how: str, cause: str, goes_on: int) -> int:
     """The ERROR line and the count of ``gone``, the one definition of both for a reader's start and its run: ``how``
-    it was found, its likely ``cause`` besides DeleteRecords, and the offset the reader ``goes_on`` from."""
-    INPUT_LOST.labels(gone.reader, gone.topic).inc(gone.records)
+    it was found, its likely ``cause`` besides DeleteRecords, and the offset the reader ``goes_on`` from. Only what
+    this process has not said before counts (:data:`_SAID`); nothing new: nothing said. Returns the records counted."""
     key = (gone.reader, gone.topic, gone.partition)
-    _SAID[key] = max(_SAID.get(key, -1), gone.low)
-    log.error("%s: %d record(s) of %s partition %d, offsets %d..%d, were deleted before it read them (%s): %s, or "
+    new = _unsaid(key, gone.saved, gone.low)
+    _remember(key, gone.saved, gone.low)
+    if not new:
+        return 0
+    INPUT_LOST.labels(gone.reader, gone.topic).inc(new)
+    before = "" if new == gone.records else f", {gone.records - new} of them said before"
+    log.error("%s: %d record(s) of %s partition %d, offsets %d..%d%s, were deleted before it read them (%s): %s, or "
               "someone ran DeleteRecords. It goes on from offset %d. Raise the topic's retention above the longest "
-              "downtime or lag you expect and alert on this reader's lag", gone.reader, gone.records, gone.topic,
-              gone.partition, gone.saved, gone.low - 1, how, cause, goes_on)
+              "downtime or lag you expect and alert on this reader's lag", gone.reader, new, gone.topic,
+              gone.partition, gone.saved, gone.low - 1, before, how, cause, goes_on)
+    return new
 
 
 def start_after_retention(consumer: Consumer, reader: str, starts: Sequence[TopicPartition], timeout_s: float = 10.0,
@@ -215,7 +234,7 @@ def lost_in_gap(reader: str, topic: str, partition: int, expected: int, offset: 
                   "control records or compaction", reader, topic, partition, expected, offset - 1, low)
         return None
     gone = Lost(reader, topic, partition, expected, min(low, offset))
-    _said(gone, f"it had read up to offset {expected - 1} and the broker's next record was {offset}, the "
-                f"partition's first offset {low}", "this reader fell behind the topic's retention (retention.ms / "
-                "retention.bytes) while it ran: its lag grew past it", offset)
-    return gone
+    said = _said(gone, f"it expected offset {expected} next and the broker's next record was {offset}, the "
+                       f"partition's first offset {low}", "this reader fell behind the topic's retention "
+                       "(retention.ms / retention.bytes) while it ran: its lag grew past it", offset)
+    return gone if said else None

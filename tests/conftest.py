@@ -182,3 +182,14 @@ def _no_thread_leaks_in_module(request: pytest.FixtureRequest) -> Iterator[None]
     leaked = leaked_threads(before)
     if leaked:
         pytest.fail("module-scoped fixtures: " + thread_leak_report(leaked), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_retention_losses_remembered() -> Iterator[None]:
+    """stream.retention remembers the losses a process said (so a rewind does not say them again): each test starts
+    with none, or one test's loss on a (reader, topic, partition) is taken for said in the next (the learner's tests
+    share the samples topic)."""
+    from stream import retention
+
+    retention._SAID.clear()
+    yield

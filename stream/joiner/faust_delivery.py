@@ -273,6 +273,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
                               "(records already applied are skipped)", tp, start, high, high - 1)
                 try:
                     await self.seek(tp, high - 1)
+                    # owed from ``start`` still: the record re-read below it is no jump, and on a partition retention
+                    # emptied (its first offset the high watermark) the fetch's reset to it is no loss of high - 1
+                    self._sought[TP(tp.topic, tp.partition)] = start
                 except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner checks again
                     self.log.warning("could not seek %r back to %d: %r", tp, high - 1, exc)
 
@@ -464,6 +467,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
     def forget_kept(self, partitions: set[TP]) -> None:
         """What ``process`` kept of ``partitions`` is dropped (revoked: their next owner reads it); it is told so."""
         self._kept = {tp: kept for tp, kept in self._kept.items() if tp not in partitions}
+        for tp in partitions:  # no offset sought survives its partition's revocation (its next seek sets it again)
+            self._sought.pop(TP(tp.topic, tp.partition), None)
         self.delivery.dropped({(tp.topic, tp.partition) for tp in partitions})
 
     def ack_offsets(self, tp: TP, offsets: list[int]) -> None:

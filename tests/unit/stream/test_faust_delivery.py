@@ -100,7 +100,8 @@ def _delivering(process, held):  # noqa: ANN001, ANN202 - a fake BatchConsumer f
     fake = SimpleNamespace(
         delivery=BatchDelivery(process=process, max_records=100, within_s=0.1, short_polls=lambda: False,
                                in_hand=lambda n: None, held=held, dropped=done["dropped"].append),
-        _kept={}, _carry=[], _commit_every=None, _n_acked=0, commit=commit, perform_seek=perform_seek, seek=seek,
+        _kept={}, _sought={}, _carry=[], _commit_every=None, _n_acked=0, commit=commit, perform_seek=perform_seek,
+        seek=seek,
         app=SimpleNamespace(monitor=None), assignment=lambda: set(), _read_offset={}, log=logging.getLogger("test"),
         ack_offsets=lambda tp, offsets: done["acked"].append((tp, list(offsets))))
 
