@@ -683,13 +683,14 @@ def resume_offsets(consumer: Consumer, partitions: list[TopicPartition], reader:
             low, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
             lows[(tp.topic, tp.partition)] = low
             if offset > high:
+                start = max(high - 1, low, 0)  # not below the first record held: that is no loss
                 if offset - high > BATCH_MESSAGES:
                     log.warning("%s: the committed offset %d of %s partition %d is %d past the partition's end (%d), "
                                 "more than one record batch: the topic was probably deleted and created again (its "
                                 "offsets started over). Starting at offset %d; the records before the committed "
                                 "offset count as read. Reset this reader's group offsets (and its state) if the topic "
-                                "is new", reader, offset, tp.topic, tp.partition, offset - high, high, max(high - 1, 0))
-                offset = max(high - 1, low, 0)  # not below the first record held: that is no loss
+                                "is new", reader, offset, tp.topic, tp.partition, offset - high, high, start)
+                offset = start
         else:
             offset = OFFSET_BEGINNING
         out.append(TopicPartition(tp.topic, tp.partition, offset))
