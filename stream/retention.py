@@ -102,6 +102,15 @@ def _remember(key: tuple[str, str, int], start: int, end: int) -> None:
     _SAID[key] = merged
 
 
+def past_said(reader: str, topic: str, partition: int, offset: int) -> int:
+    """``offset``, or the end of the loss this process said that holds it: where a reader re-seeking to a saved offset
+    inside a loss it said goes on from, without asking the broker again."""
+    for lo, hi in _SAID.get((reader, topic, partition), ()):
+        if lo <= offset < hi:
+            return hi
+    return offset
+
+
 def _said(gone: Lost, how: str, cause: str, goes_on: int) -> int:
     """The ERROR line and the count of ``gone``, the one definition of both for a reader's start and its run: ``how``
     it was found, its likely ``cause`` besides DeleteRecords, and the offset the reader ``goes_on`` from. Only what

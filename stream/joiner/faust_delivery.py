@@ -78,7 +78,7 @@ from mode import ServiceT
 from mode.utils.futures import notify
 
 from stream.joiner.pipeline import Record, records_of
-from stream.retention import account_for_retention, lost_in_gap, not_checked
+from stream.retention import account_for_retention, lost_in_gap, not_checked, past_said
 
 # Per (topic, partition), the offset after the last record a batch processed (JoinPipeline.processed).
 Processed = Mapping[tuple[str, int], int]
@@ -152,8 +152,6 @@ class BatchConsumer(faust_aiokafka.Consumer):
         self._resumed_generation = -1
         self._lows_asked: set[TP] = set()  # partitions whose low watermark was asked this generation (retention)
         self._lows_generation = -1
-        # Per partition whose loss to retention was said: (its committed offset then, the low watermark it started at).
-        self._lost_from: dict[TP, tuple[int, int]] = {}
         # Per partition, the offsets delivered that ``process`` keeps unprocessed (BatchDelivery.held), ascending: not
         # acknowledged until a later batch processes them.
         self._kept: dict[TP, list[int]] = {}
@@ -319,8 +317,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
     async def _start_after_retention(self, committed: Mapping[Any, int | None]) -> dict[Any, int | None]:
         """``committed`` (aiokafka's partitions to their committed offsets, None: none), a partition whose committed
         offset is below its low watermark sought to that and its offset there (``stream.retention``, reader
-        ``joiner``). The low watermarks are asked once per generation and partition; a partition whose loss was said
-        before at the same committed offset starts where it started then, and only records deleted since count."""
+        ``joiner``). The low watermarks are asked once per generation and partition; a partition whose committed
+        offset lies in a loss said before starts past it (``stream.retention.past_said``), and only records deleted
+        since count."""
         generation = self.app.consumer_generation_id
         if generation != self._lows_generation:
             self._lows_generation, self._lows_asked = generation, set()
@@ -336,19 +335,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
             # asked only once answered or said: a seek cancelled while it waits (faust's recovery timeout, a new
             # rebalance) is asked again at the next seek of the generation, not left unchecked
             self._lows_asked.update(TP(tp.topic, tp.partition) for tp in ask)
-        starts = []
-        for tp, offset in saved.items():
-            key = TP(tp.topic, tp.partition)
-            before = self._lost_from.get(key)
-            if before is not None and before[0] != offset:  # processed and committed since: that loss is behind it
-                del self._lost_from[key]
-                before = None
-            starts.append(TopicPartition(tp.topic, tp.partition, offset if before is None else before[1]))
+        starts = [TopicPartition(tp.topic, tp.partition, past_said(_READER, tp.topic, tp.partition, offset))
+                  for tp, offset in saved.items()]
         out = dict(committed)
-        moved, lost = account_for_retention(_READER, starts, lows)
-        by_key = {(tp.topic, tp.partition): offset for tp, offset in saved.items()}
-        for gone in lost:
-            self._lost_from[TP(gone.topic, gone.partition)] = (by_key[(gone.topic, gone.partition)], gone.low)
+        moved = account_for_retention(_READER, starts, lows)[0]
         for tp, start in zip(saved, moved, strict=True):
             if start.offset != saved[tp]:
                 try:
