@@ -634,7 +634,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1 M rows, fewer requests")
     ap.add_argument("--rows", type=int, help="rows of the fused table (default 10 M; --quick 1 M)")
     ap.add_argument("--requests", type=int, help="measured requests per client (default 2000; --quick 300)")
-    ap.add_argument("--formats", default=FORMATS)
+    ap.add_argument("--formats", default=FORMATS, help=f"comma-separated artifact formats (default {FORMATS})")
     ap.add_argument("--hot-share", type=float, default=0.1, help="share of rows in the hot set (default 0.1)")
     ap.add_argument("--no-servers", action="store_true", help="skip the threading vs aiohttp comparison")
     ap.add_argument("--profile", action="store_true", help="also time each stage of one request in this process")
@@ -651,6 +651,9 @@ def main() -> int:
     ap.add_argument("--freshness", action="store_true", help="also measure click -> served score change")
     ap.add_argument("--probes", type=int, default=20, help="freshness probes (default 20)")
     args = ap.parse_args()
+    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS.split(",")))
+    if unknown:
+        ap.error(f"--formats: unknown {', '.join(unknown)}; expected some of {FORMATS}")
     rows = args.rows or (1_000_000 if args.quick else 10_000_000)
     per_client = args.requests or (300 if args.quick else 2000)
     work = Path(tempfile.mkdtemp(prefix="streamrec-bench-serving-"))
