@@ -14,7 +14,8 @@ it. Headers:
                               (the record then holds its first ``TRUNCATED_BYTES``, or as many as
                               the dead-letter topic's limit leaves room for)
 ``dlq.key_truncated_from``    only where the key alone left no room under that limit: its size
-                              (the record then holds as many of its first bytes as fit)
+                              (the record then holds as many of its first bytes as fit beside
+                              the value, which is kept whole wherever it fits alone)
 ============================  ==============================================================
 
 Size: a dead-letter topic's limit is learned like the joiner's other topics' (``stream.kafka.message_limits``: the
@@ -135,7 +136,12 @@ class DeadLetters:
         ]
         raw_key = key.encode("utf-8", "replace") if isinstance(key, str) else key
         room = usable_bytes(self.limit(dlq_topic).bytes) - sum(len(k) + len(v) for k, v in headers)
-        if len(raw_key or b"") + len(value or b"") > room:
+        key_cut = ("dlq.key_truncated_from", str(len(raw_key or b"")).encode())
+        if len(raw_key or b"") + len(value or b"") > room and len(value or b"") <= room - sum(map(len, key_cut)):
+            # The value (the event itself) fits once the key is cut: keep it whole, cut only the key.
+            headers.append(key_cut)
+            raw_key = (raw_key or b"")[:room - sum(map(len, key_cut)) - len(value or b"")]
+        elif len(raw_key or b"") + len(value or b"") > room:
             # Keep what fits and say how much there was: the reason and the source offset still point to it.
             cut = ("dlq.value_truncated_from", str(len(value or b"")).encode())
             headers.append(cut)
