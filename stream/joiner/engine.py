@@ -313,8 +313,10 @@ class PartitionJoin:
                 if found is not None:
                     if click(found, cts) and found.ts > max_ref:
                         max_ref = found.ts
-                elif imp_id in finalized:
-                    self._unjoined(out, imp_id, cts, "duplicate" if finalized[imp_id][1] else "late")
+                elif imp_id in finalized:  # (ts, label): a click before it is that, whatever the label
+                    f_ts, f_label = finalized[imp_id]
+                    self._unjoined(out, imp_id, cts, "before_impression" if cts < f_ts else "duplicate" if f_label
+                                   else "late")
                 else:
                     waiting_clicks.setdefault(imp_id, []).append(cts)
                     push(self._waiting_heap, (cts, imp_id))

@@ -229,3 +229,16 @@ def test_the_oldest_pending_impression_moves_on_as_windows_close_and_its_age_is_
     chunk.evicted = ["d"]
     back = PartitionJoin.restore(7, CFG, [chunk])
     assert back.oldest_pending_ts() == 9100
+
+
+def test_a_click_before_its_impression_is_reported_as_such_also_once_the_impression_has_closed() -> None:
+    """A click stamped before its impression was ``before_impression`` while the impression waited in its window,
+    but ``late`` (unclicked) or a silent ``duplicate`` (clicked) once the window had closed: one input, two reasons."""
+    j, f = PartitionJoin(0, CFG), Feed()
+    j.apply(f.imps(imp("neg", 500), imp("pos", 500)), f.clicks(Click("pos", 600)))
+    j.apply(f.imps(imp("z", 3000)), f.clicks(Click("z", 3000)))  # both windows close
+    assert j.finalized["neg"] == (500, 0) and j.finalized["pos"] == (500, 1)
+    r = j.apply([], f.clicks(Click("neg", 499), Click("pos", 499)))
+    assert sorted((u.impression_id, u.reason) for u in r.unjoined) == [("neg", "before_impression"),
+                                                                       ("pos", "before_impression")]
+    assert r.stats["before_impression_clicks"] == 2 and not r.stats["late_clicks"] and not r.stats["duplicate_clicks"]
