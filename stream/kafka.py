@@ -498,6 +498,10 @@ class AckedProducer:
     nothing outstanding, every message sent and not reported failed was acknowledged.
 
     ``send`` never drops a message on a full local queue: it serves callbacks and retries.
+    A produce refused with a fatal error (an idempotent producer fenced, or its sequence lost by a broker that lost
+    data: librdkafka's producer is unusable for good) replaces the producer with a new one and raises: what the old
+    one held is unacknowledged, so its caller's batch fails and is done again on the new one. It was kept, and the
+    kafka joiner driver's in-process recovery (an outage: ``stream.strikes.is_infrastructure``) failed for ever.
     ``flush`` raises :class:`DeliveryFailed` if any message failed since the previous ``flush``, or
     :class:`MessageTooLarge` when one of them was refused as too large (MSG_SIZE_TOO_LARGE: over the topic's
     ``max.message.bytes`` or the broker's ``message.max.bytes``): sending it again cannot succeed, so it is no outage
@@ -510,6 +514,7 @@ class AckedProducer:
         # Weakly: client -> callback -> self -> client would be a cycle only the cyclic GC frees, and a GC pass
         # in a forked DataLoader worker destroys the parent's librdkafka client there (it hangs or crashes).
         conf["on_delivery"] = _weak_on_error(weakref.ref(self))
+        self._conf = conf
         self._producer = Producer(conf)
         self._bootstrap = kafka.bootstrap_servers
         # the largest message produce() takes (librdkafka refuses bigger ones at once), and the setting that says it
@@ -580,7 +585,16 @@ class AckedProducer:
                     raise MessageTooLarge(
                         f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over "
                         f"{self.max_message_setting} ({self.max_message_bytes})", topic=topic) from None
+                if exc.args and (exc.args[0].fatal() or exc.args[0].code() == KafkaError._FATAL):
+                    self._renew()
                 raise
+
+    def _renew(self) -> None:
+        """A new producer for one a fatal error made unusable (class docstring); nothing it held counts as sent."""
+        self._producer = Producer(self._conf)
+        self.report, self._too_large = DeliveryReport(), None
+        self._sent.clear()
+        self._failed.clear()
 
     def poll(self) -> None:
         self._producer.poll(0)

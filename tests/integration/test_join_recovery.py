@@ -445,3 +445,37 @@ def test_a_stalled_owner_reloading_its_batch_writes_no_claim_over_the_new_owners
     eng = c.engines[0]
     assert eng.pending["x"].click_ts == T0 + 50 and eng.pending["y"].click_ts == T0 + 60
     assert "stale" not in eng.pending and eng.offsets == [1, 1]
+
+
+class FatalProducer:
+    """A librdkafka producer after a fatal error (an idempotent producer fenced, or its sequence lost by a broker that
+    lost data): every produce refused, for good, as a real one is."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        raise KafkaException(KafkaError(KafkaError._FATAL, "Fatal idempotent producer error: out of order sequence",
+                                        fatal=True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.producer, name)
+
+
+def test_a_fatal_producer_error_is_recovered_from_with_a_new_producer_not_retried_for_ever(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fatal producer error leaves the librdkafka producer unusable; the kafka driver counted it an outage and
+    rewound, and every later try failed the same way on the same producer: the worker never joined again."""
+    p = make()
+    w = worker(p, kafka)
+    monkeypatch.setattr(w, "_wait", lambda seconds: None)  # the backoff's sleep
+    p.producer._producer = FatalProducer(p.producer._producer)  # type: ignore[assignment]
+    batch = [imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + 1), click(kafka, 0, 0, "a", T0 + 2)]
+    try:
+        assert not w._process(batch, None)  # rewound
+        assert w.consumer.commits == []
+        assert w._process(batch, None)
+        assert [sorted(c) for c in w.consumer.commits] == [[(0, 1), (0, 2)]]  # clicks to 1, impressions to 2
+    finally:
+        w.consumer.close()
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 1)]
