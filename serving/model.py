@@ -56,6 +56,11 @@ from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
 from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNotStored
 
+# The largest |value| a delta's row may hold: a bag pools up to 1,024 rows (events' list limit) and the FM squares the
+# sum over fields; float32 overflows past ~1.8e19 squared. 1e12 leaves 1e7 of headroom there and is far beyond any
+# trained embedding (a row this large means the learner diverged).
+MAX_ROW_ABS = 1e12
+
 
 @dataclass(frozen=True)
 class _Live:
@@ -466,6 +471,10 @@ class ScoringModel:
             raise ValueError(f"apply_delta: rows must lie in [0, {self._cold.shape[0]}), got [{r.min()}, {r.max()}]")
         if not np.isfinite(vec).all():
             raise ValueError(f"apply_delta: vectors hold {int((~np.isfinite(vec)).sum())} non-finite values")
+        if len(vec) and float(np.abs(vec).max()) > MAX_ROW_ABS:  # finite, yet the FM's squared sums would overflow
+            raise ValueError(f"apply_delta: vectors hold values beyond |x| <= {MAX_ROW_ABS:g} (max "
+                             f"{float(np.abs(vec).max()):.6g}): pooled and squared in float32 they overflow to "
+                             "inf - inf = NaN, a 200 with null scores; a learner that wrote them has diverged")
         scorer = live.scorer
         if dense_state is not None:
             scorer = self._with_dense(scorer, dense_state)
