@@ -41,6 +41,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -103,8 +104,8 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     ``counts.all_days_available()`` when the caller has it (one walk of the keyspace for every kind and event), else
     ``kind``/``event``'s days are asked for.
 
-    Only members that are a stable hash's text are ranked (:func:`member_hashes`; the others are left out, with a
-    warning and their count): k ids are chosen whenever k valid ones have counts, however many refused ones rank
+    Only members that are a stable hash's text with a positive finite count are ranked (:func:`member_hashes`,
+    :func:`_is_count`; the others are left out, with a warning and their count): k ids are chosen whenever k valid ones have counts, however many refused ones rank
     above them. Left out only after the cut, each refused member cost the hot set a place. The common case (none
     refused) is one read of k; otherwise the read is asked again for at least twice as many (never fewer than k plus
     those refused), so a head of R refused members costs about log2(R / k) reads (each merges the days again:
@@ -118,15 +119,15 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     ask = k
     while True:
         rows = counts.top(kind, event, day=day, days=days, k=ask)
-        top = [(m, c) for m, c in rows if _is_hash_text(m)][:k]
+        top = [(m, c) for m, c in rows if _is_hash_text(m) and _is_count(c)][:k]
         if len(top) >= k or len(rows) < ask:
             break
         ask = max(2 * ask, k + len(rows) - len(top))
     refused = (rows.index(top[-1]) + 1 if len(top) >= k else len(rows)) - len(top)
     if refused:
-        log.warning("hot set: %d of the top %s ids by %s counts are not a stable hash's text (written by a client "
-                    "other than the joiner and serving?); left out, the ids below them ranked in their place",
-                    refused, kind, event)
+        log.warning("hot set: %d of the top %s ids by %s counts are not a stable hash's text or have not a positive "
+                    "finite count (inf, 0, -5: written by a client other than the joiner and serving?); left out, the "
+                    "ids below them ranked in their place", refused, kind, event)
     return top, day
 
 
@@ -157,6 +158,13 @@ def member_hashes(members: list[str]) -> tuple[np.ndarray, int]:
     overflow, ``"²"``, which ``str.isdigit`` takes and ``int`` refuses) is left out, never a failed refresh."""
     hashed = [int(m) for m in members if _is_hash_text(m)]
     return np.array(hashed, dtype=np.int64), len(members) - len(hashed)
+
+
+def _is_count(count: float) -> bool:
+    """Whether ``count`` is one the joiner or serving writes: positive and finite. Redis stores ``inf`` and negative
+    scores (any client may ZADD one): an ``inf`` ranked first and failed the refresh (``int(inf)`` in the stats); a
+    negative or zero one took a hot row."""
+    return math.isfinite(count) and count > 0
 
 
 def _is_hash_text(member: str) -> bool:

@@ -1,0 +1,56 @@
+"""The hot set over day counts that some other client wrote into Redis (issue 16: counts that are malformed are
+rejected or bounded with a reason, never a failed refresh and never a silent change of the hot set), against the
+real Redis of the session stack."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from cache_refresh import hot_set
+from stream.counts import DailyCounts
+from tests.integration.test_refresh import CFG
+
+DAY = "20030228"
+
+
+@pytest.fixture
+def prefix(redis_client: redis.Redis) -> Iterator[str]:
+    p = f"hostile-{uuid.uuid4().hex[:12]}"
+    yield p
+    keys = list(redis_client.scan_iter(match=f"{p}:*", count=1000))
+    if keys:
+        redis_client.delete(*keys)
+
+
+def _items(redis_client: redis.Redis, prefix: str, scores: dict[str, float], day: str = DAY) -> DailyCounts:
+    counts = DailyCounts(redis_client, prefix=prefix)
+    redis_client.zadd(counts.key("item", "impression", day), scores)  # type: ignore[arg-type]
+    return counts
+
+
+def _hot_items(redis_client: redis.Redis, prefix: str, k: int = 10) -> hot_set.HotSet:
+    return hot_set.compute(redis_client, prefix, 8, CFG, days=7, hot_items=k, hot_users=0, event="impression")
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), -5.0, 0.0])
+def test_a_count_that_is_not_a_positive_finite_number_is_left_out_of_the_hot_set_with_a_warning(
+        redis_client: redis.Redis, prefix: str, bad: float, caplog: pytest.LogCaptureFixture) -> None:
+    _items(redis_client, prefix, {"123": bad, "456": 3, "789": 2})
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        hs = _hot_items(redis_client, prefix)
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789"]
+    assert hs.stats["items"] == 2 and hs.stats["item_count_covered"] == 5.0
+    assert "not a positive finite count" in caplog.text
+
+
+def test_an_infinite_count_at_the_head_gives_its_place_to_the_next_valid_id(
+        redis_client: redis.Redis, prefix: str) -> None:
+    _items(redis_client, prefix, {"1": float("inf"), "2": 9, "3": 8, "4": 7})
+    hs = _hot_items(redis_client, prefix, k=2)
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["2", "3"]
