@@ -137,7 +137,11 @@ def named_rows(counts: DailyCounts, kind: str, top: list[tuple[str, float]], day
     member, "count"}`` where no name is known (see ``DailyCounts.names``)."""
     if not top or day is None:
         return []
-    names = counts.names(kind, [m for m, _ in top], day=day, days=days)
+    try:
+        names = counts.names(kind, [m for m, _ in top], day=day, days=days)
+    except redis.ResponseError as exc:  # a names key of another type (any client can write one): shown by hash
+        log.warning("hot set: the names of the top %ss cannot be read (%s); they are shown by hash", kind, exc)
+        names = {}
     return [{"name": names[m], "count": int(c)} if m in names else {"name": None, "hash": m, "count": int(c)}
             for m, c in top]
 

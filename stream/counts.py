@@ -194,7 +194,8 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    """A member or a name as read: bytes that are no UTF-8 (any client can write them) replaced, never a failed read."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _glob_escape(text: str) -> str:

@@ -54,3 +54,27 @@ def test_an_infinite_count_at_the_head_gives_its_place_to_the_next_valid_id(
     _items(redis_client, prefix, {"1": float("inf"), "2": 9, "3": 8, "4": 7})
     hs = _hot_items(redis_client, prefix, k=2)
     assert [r["hash"] for r in hs.stats["top_items"]] == ["2", "3"]
+
+
+def test_a_member_that_is_not_utf8_is_left_out_not_a_failed_refresh(redis_client: redis.Redis, prefix: str) -> None:
+    _items(redis_client, prefix, {b"\xff\xfe1": 50, "456": 3})  # type: ignore[dict-item]
+    hs = _hot_items(redis_client, prefix)
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["456"]
+
+
+def test_a_name_that_is_not_utf8_is_shown_escaped_not_a_failed_refresh(redis_client: redis.Redis, prefix: str) -> None:
+    counts = _items(redis_client, prefix, {"456": 3})
+    redis_client.hset(counts.names_key("item", DAY), "456", b"caf\xe9")
+    hs = _hot_items(redis_client, prefix)
+    assert hs.stats["top_items"] == [{"name": "caf\ufffd", "count": 3}]
+
+
+def test_a_names_key_of_the_wrong_type_leaves_the_ids_unnamed_with_a_warning(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    counts = _items(redis_client, prefix, {"456": 3})
+    redis_client.rpush(counts.names_key("item", DAY), "not a hash")
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        hs = _hot_items(redis_client, prefix)
+    assert hs.stats["top_items"] == [{"name": None, "hash": "456", "count": 3}]
+    assert hs.stats["items"] == 1
+    assert "WRONGTYPE" in caplog.text
