@@ -120,6 +120,7 @@ the oldest forgotten first: a write retried after its cut-off was forgotten is d
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import re
 import secrets
 import time
@@ -144,6 +145,7 @@ _DAY_RE = re.compile(r"\d{8}")
 _COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<legacy>" + "|".join(KINDS) + r")):"
                             r"(?P<event>" + "|".join(EVENTS) + r"):(?P<day>[0-9]{8})")
 _TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
+log = logging.getLogger("streamrec.counts")
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
 
 
@@ -590,6 +592,9 @@ class DailyCounts:
             old = [self._legacy_key(kind, event, d) for d in window]
             if self.client.exists(*old):
                 keys += old
+        keys = self._sorted_sets(keys)
+        if not keys:
+            return []
         rows: list[tuple[bytes, float]]  # (member, score), highest first
         if len(keys) == 1:
             rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)  # type: ignore[assignment]
@@ -604,6 +609,20 @@ class DailyCounts:
             pipe.delete(tmp)
             rows = pipe.execute()[2]
         return [(_text(member), float(score)) for member, score in rows]
+
+    def _sorted_sets(self, keys: list[str]) -> list[str]:
+        """``keys`` less those holding another type than a sorted set (any client can write a list or a string under
+        the prefix), with a warning naming them: such a key is no day's counts. Before, one failed every read of its
+        window with WRONGTYPE (and with it the nightly refresh)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.type(key)
+        types = [_text(t) for t in pipe.execute()]
+        wrong = [f"{k} ({t})" for k, t in zip(keys, types, strict=True) if t not in ("zset", "none")]
+        if wrong:
+            log.warning("day counts: %s %s not a sorted set (written by another client?); left out of the counts read",
+                        clip(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
+        return [k for k, t in zip(keys, types, strict=True) if t in ("zset", "none")]
 
     def names(self, kind: str, members: Sequence[str], day: str, days: int = 1) -> dict[str, str]:
         """The raw ids of ``members`` (as :meth:`top` returns them) that have a name: ``{member: raw id text}``.

@@ -78,3 +78,17 @@ def test_a_names_key_of_the_wrong_type_leaves_the_ids_unnamed_with_a_warning(
     assert hs.stats["top_items"] == [{"name": None, "hash": "456", "count": 3}]
     assert hs.stats["items"] == 1
     assert "WRONGTYPE" in caplog.text
+
+
+@pytest.mark.parametrize("latest", [True, False])
+def test_a_day_key_of_the_wrong_type_is_left_out_of_the_window_with_a_warning(
+        redis_client: redis.Redis, prefix: str, latest: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A list where a day's sorted set belongs (the latest day, or one inside the window) failed the run with
+    WRONGTYPE from ZREVRANGE / ZUNIONSTORE; the other days' counts rank the hot set."""
+    counts = _items(redis_client, prefix, {"456": 3, "789": 2}, day="20030227")
+    bad_day = "20030228" if latest else "20030226"
+    redis_client.rpush(counts.key("item", "impression", bad_day), "x")
+    with caplog.at_level(logging.WARNING):
+        hs = _hot_items(redis_client, prefix)
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789"]
+    assert counts.key("item", "impression", bad_day) in caplog.text and "not a sorted set" in caplog.text
