@@ -4,7 +4,6 @@ real Redis of the session stack."""
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import uuid
 from collections.abc import Iterator
