@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import enum
 import math
+import re
 import sys
 import types
 import typing
@@ -164,6 +165,20 @@ def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
     except (ValueError, TypeError, OverflowError) as exc:
         raise _cannot(where, raw, exc, secret) from None
     raise SettingsError(f"{where}: unsupported setting type {tp!r}")
+
+
+def construct(cls: Callable[..., Any], values: Mapping[str, Any], origin: Mapping[str, str]) -> Any:
+    """``cls(**values)``; a :class:`ConfigError` of the class's own checks (a count, a duration, a combination), which
+    name the setting but cannot know its source, as a :class:`SettingsError` that adds where each setting it names came
+    from (``origin``: key -> "environment STREAMREC_...", "config file [section].key", "--flag")."""
+    try:
+        return cls(**values)
+    except SettingsError:
+        raise
+    except ConfigError as exc:
+        text = str(exc)
+        named = [where for key, where in origin.items() if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", text)]
+        raise SettingsError(text + (f" (set by {'; '.join(named)})" if named else "")) from None
 
 
 def check_environment_sections(environ: Mapping[str, str], prefix: str, sections: Sequence[str],

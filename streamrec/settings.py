@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from learner.config import LearnerSettings
+from stream import setting_values
 from stream.config import KafkaSettings, RedisSettings
-from stream.errors import ConfigError, shown
+from stream.errors import shown
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
 from stream.setting_values import SettingsError, check_environment_sections, coerce_field, read_toml, resolve_secrets
@@ -96,6 +97,7 @@ def build(
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # key -> where its value came from, for the class's own errors (construct)
 
     table = (file_data or {}).get(section, {})
     if not isinstance(table, Mapping):
@@ -105,7 +107,8 @@ def build(
             raise SettingsError(
                 f"config file: unknown key {key!r} in [{section}]; known keys: {', '.join(sorted(names))}"
             )
-        values[key] = coerce_field(key, hints[key], raw, f"config file [{section}].{key}")
+        where = f"config file [{section}].{key}"
+        values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
 
     prefix = f"{ENV_PREFIX}{section.upper()}_"
     for env_key, raw in (environ if environ is not None else os.environ).items():
@@ -117,7 +120,8 @@ def build(
                 f"environment: {env_key} does not name a [{section}] setting; "
                 f"known: {', '.join(prefix + n.upper() for n in sorted(names))}"
             )
-        values[key] = coerce_field(key, hints[key], raw, f"environment {env_key}")
+        where = f"environment {env_key}"
+        values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
 
     for key, raw in (overrides or {}).items():
         if raw is None:
@@ -125,14 +129,9 @@ def build(
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
         flag = (flag_names or {}).get(key) or f"--{key.replace('_', '-')}"
-        values[key] = coerce_field(key, hints[key], raw, flag)
+        values[key], origin[key] = coerce_field(key, hints[key], raw, flag), flag
     resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
-    try:
-        return cls(**values)
-    except SettingsError:
-        raise
-    except ConfigError as exc:  # the dataclass's own checks (a choice, a combination): one error type from here
-        raise SettingsError(str(exc)) from None
+    return setting_values.construct(cls, values, origin)  # the class's own checks: one error type, naming sources
 
 
 @dataclass(frozen=True)

@@ -153,3 +153,30 @@ def test_two_of_the_pipelines_streams_on_one_topic_is_a_config_error_for_every_c
     env = {f"STREAMREC_KAFKA_{a.upper()}": "events", f"STREAMREC_KAFKA_{b.upper()}": "events"}
     with pytest.raises(ConfigError, match=rf"{a} and {b} are both"):
         build(KafkaSettings, "kafka", {}, env)
+
+
+@pytest.mark.parametrize("section, file_data, environ, overrides, source", [
+    ("kafka", {}, {"STREAMREC_KAFKA_PARTITIONS": "0"}, {}, "environment STREAMREC_KAFKA_PARTITIONS"),
+    ("joiner", {"joiner": {"batch_max": 0}}, {}, {}, r"config file \[joiner\]\.batch_max"),
+    ("serve", {}, {"STREAMREC_SERVE_POLL_S": "-1"}, {}, "environment STREAMREC_SERVE_POLL_S"),
+    ("learner", {"learner": {"dropout": 1.5}}, {}, {}, r"config file \[learner\]\.dropout"),
+    ("learner", {}, {}, {"step_rows": -3}, "--step-rows"),
+    ("kafka", {}, {"STREAMREC_KAFKA_SASL_USERNAME": "u"}, {}, "environment STREAMREC_KAFKA_SASL_USERNAME"),
+    ("redis", {"redis": {"url": "redis://h:1/0", "ssl_ca_certs": "/ca.pem"}}, {}, {},
+     r"config file \[redis\]\.url.*config file \[redis\]\.ssl_ca_certs"),
+])
+def test_a_value_its_settings_class_refuses_names_the_variable_file_or_flag_it_came_from(
+        section: str, file_data: dict, environ: dict, overrides: dict, source: str) -> None:
+    """The class's own checks (a count, a duration, a share, a combination) raise in ``__post_init__``, where the
+    source is unknown: ``build`` adds it, so an operator knows which variable or file line to fix."""
+    from cache_refresh.settings import RefreshSettings  # noqa: F401 - the classes below, by section
+    from learner.config import LearnerSettings
+    from serving.settings import ServeSettings
+    from stream.config import RedisSettings
+    from stream.joiner.config import JoinerSettings
+
+    cls = {"kafka": KafkaSettings, "joiner": JoinerSettings, "serve": ServeSettings, "learner": LearnerSettings,
+           "redis": RedisSettings}[section]
+    with pytest.raises(SettingsError, match=source) as err:
+        build(cls, section, file_data, environ, overrides)
+    assert "\n" not in str(err.value)

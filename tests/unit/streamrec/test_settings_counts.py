@@ -120,9 +120,11 @@ def test_the_largest_counts_that_work_are_accepted() -> None:
 
 
 def test_a_count_from_the_environment_is_one_settings_error() -> None:
-    with pytest.raises(SettingsError, match=r"^\[joiner\] batch_max must be an integer >= 1 and <= 1000000, got 0$"):
+    with pytest.raises(SettingsError, match=r"^\[joiner\] batch_max must be an integer >= 1 and <= 1000000, got 0 "
+                                             r"\(set by environment STREAMREC_JOINER_BATCH_MAX\)$"):
         build(JoinerSettings, "joiner", environ={"STREAMREC_JOINER_BATCH_MAX": "0"})
-    with pytest.raises(SettingsError, match=r"^\[learner\] keep_checkpoints must be an integer >= 1, got 0$"):
+    with pytest.raises(SettingsError, match=r"^\[learner\] keep_checkpoints must be an integer >= 1, got 0 "
+                                             r"\(set by config file \[learner\]\.keep_checkpoints\)$"):
         build(LearnerSettings, "learner", file_data={"learner": {"keep_checkpoints": 0}})
     assert build(RefreshSettings, "refresh", environ={"STREAMREC_REFRESH_HOLDOUT_MESSAGES": "0"}).holdout_messages == 0
 
@@ -209,11 +211,12 @@ def test_join_with_batch_max_0_exits_2_with_one_line(tmp_path: Path) -> None:
     proc = run_cli(["join", "--driver", "kafka"], {"STREAMREC_JOINER_BATCH_MAX": "0"}, tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "streamrec join: error: [joiner] batch_max must be an integer >= 1 and <= 1000000, got 0"]
+        "streamrec join: error: [joiner] batch_max must be an integer >= 1 and <= 1000000, got 0 (set by environment "
+        "STREAMREC_JOINER_BATCH_MAX)"]
 
 
 def test_evaluate_with_embedding_dim_0_exits_2_before_training(tmp_path: Path) -> None:
     proc = run_cli(["evaluate", "--protocol", "online", "--embedding-dim", "0"], {}, tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "streamrec evaluate: error: [evaluate] embedding_dim must be an integer >= 1, got 0"]
+        "streamrec evaluate: error: [evaluate] embedding_dim must be an integer >= 1, got 0 (set by --embedding-dim)"]
