@@ -11,6 +11,7 @@ from typing import Any
 
 from stream.config import Choice, check_counts, check_durations, check_ports
 from stream.errors import ConfigError
+from stream.secrets import redacted_repr
 
 
 class Device(Choice):
@@ -282,6 +283,7 @@ class LearnerSettings:
     # On N ranks: how long a rank waits in one collective for the others (a hung rank stalls the job this long;
     # keep it well above 5 s, the rounds in which the ranks wait together for the first samples).
     collective_timeout_s: float = 600.0
+    __repr__ = redacted_repr  # deltas_redis_url's user-info: never shown
 
     def __post_init__(self) -> None:
         try:

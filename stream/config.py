@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from stream.errors import ConfigError, shown
-from stream.secrets import Secret, redact
+from stream.secrets import Secret, redact, redacted_repr
 
 C = TypeVar("C", bound="Choice")
 
@@ -187,6 +187,7 @@ class KafkaSettings:
     # Not part of the hash (a dict is unhashable): settings that differ only here compare unequal but
     # may hash alike, which a frozen dataclass allows.
     extra: dict[str, str] = field(default_factory=dict, hash=False)
+    __repr__ = redacted_repr  # a credential in extra (sasl.oauthbearer.client.secret ...): never shown
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -299,6 +300,7 @@ class RedisSettings:
     ssl_certfile: Path | None = None  # with a rediss:// url: a client certificate (PEM) ...
     ssl_keyfile: Path | None = None  # ... and its private key (PEM; default: inside ssl_certfile)
     cluster: bool = False  # url names one node of a Redis Cluster: every client is a redis-py RedisCluster
+    __repr__ = redacted_repr  # the url's user-info (redis://user:password@host): never shown
 
     def __post_init__(self) -> None:
         if not isinstance(self.password, Secret):  # a plain str from code: masked like every credential

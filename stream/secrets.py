@@ -17,6 +17,7 @@ variable named by ``<name>_env``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -94,6 +95,14 @@ def redact(text: str) -> str:
         text = pattern.sub(MASK, text)
     text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
     return _KV_SECRET.sub(lambda m: f"{m['key']}{m['kq']}{m['sep']}{m['q']}{MASK}", text)
+
+
+def redacted_repr(self: Any) -> str:
+    """A dataclass's ``repr`` through :func:`redact`: settings classes whose plain ``str`` fields may carry a credential
+    (a ``redis://user:password@host`` url, a ``[kafka.extra]`` secret) take it as their ``__repr__``, so a settings
+    object in a traceback, a log line or an f-string's ``!r`` shows none."""
+    body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+    return redact(f"{type(self).__qualname__}({body})")
 
 
 def names_credential(key: str) -> bool:

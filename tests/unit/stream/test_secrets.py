@@ -187,3 +187,19 @@ def test_an_empty_secret_file_is_refused_naming_it_not_read_as_no_password(
     cls = RedisSettings if section == "redis" else KafkaSettings
     with pytest.raises(SettingsError, match=rf"\[{section}\] {name}_file: .*secret is empty: put the {name} in it"):
         build(cls, section, {section: {f"{name}_file": str(f)}}, {})
+
+
+def test_the_repr_of_settings_holding_a_url_password_or_a_credential_property_shows_none_of_them() -> None:
+    # a settings object in a traceback, a debug log line or an f-string with !r: the url's user-info (a plain str
+    # field, not a Secret) and a [kafka.extra] credential were printed as they were
+    from learner.config import LearnerSettings
+    from stream.config import RedisSettings
+
+    shown = [repr(RedisSettings(url="redis://ops:hunter51@redis-1:6379/0")),
+             repr(LearnerSettings(deltas_redis_url="rediss://:hunter52@redis-2:6380/1")),
+             repr(KafkaSettings(extra={"sasl.oauthbearer.client.secret": "hunter53"})),
+             f"{RedisSettings(url='redis://:hunter54@h:1/0')!r}"]
+    for text, secret in zip(shown, ("hunter51", "hunter52", "hunter53", "hunter54"), strict=True):
+        assert secret not in text, text
+    assert "redis-1:6379/0" in shown[0] and "RedisSettings(" in shown[0]  # the rest is still there to read
+
