@@ -50,7 +50,7 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
                      environ: Mapping[str, str]) -> None:
     """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``
     (the name of an environment variable), when the dataclass has those fields and one is set. An empty file is an
-    error (a secret that was never filled in), as is a variable that is not set."""
+    error (a secret that was never filled in), as is a variable that is not set or is empty."""
     for name, tp in hints.items():
         if tp is not Secret:
             continue
@@ -70,6 +70,9 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
         elif var:
             if var not in environ:
                 raise SettingsError(f"[{section}] {name}_env names {var}, which is not set in the environment")
+            if not environ[var].rstrip("\r\n"):  # an unfilled variable (REDIS_PW= in an env file), as an empty file
+                raise SettingsError(f"[{section}] {name}_env: the variable {var} is set but empty: put the {name} in "
+                                    f"it, or leave {name}_env out when there is none")
             values[name] = Secret(environ[var])
 
 

@@ -203,3 +203,12 @@ def test_the_repr_of_settings_holding_a_url_password_or_a_credential_property_sh
         assert secret not in text, text
     assert "redis-1:6379/0" in shown[0] and "RedisSettings(" in shown[0]  # the rest is still there to read
 
+
+@pytest.mark.parametrize("value", ["", "\n", "\r\n"])
+def test_a_secret_variable_set_but_empty_is_refused_naming_it_not_read_as_no_password(value: str) -> None:
+    # as an empty secret file: an unfilled variable (`REDIS_PW=` in an env file) logged the Redis clients in as the
+    # default user without a password, silently
+    from stream.config import RedisSettings
+
+    with pytest.raises(SettingsError, match=r"\[redis\] password_env: the variable REDIS_PW is set but empty"):
+        build(RedisSettings, "redis", {"redis": {"password_env": "REDIS_PW"}}, {"REDIS_PW": value})
