@@ -147,6 +147,14 @@ class SaslMechanism(Choice):
     OAUTHBEARER = "OAUTHBEARER"
 
 
+# librdkafka properties a [kafka] setting gives (stream.kafka applies [kafka.extra] last, over them): refused in extra
+_OWNED_PROPERTIES = {"bootstrap.servers": "bootstrap_servers", "security.protocol": "security_protocol",
+                     "sasl.mechanism": "sasl_mechanism", "sasl.mechanisms": "sasl_mechanism",
+                     "sasl.username": "sasl_username", "sasl.password": "sasl_password",
+                     "ssl.ca.location": "ssl_ca_location", "ssl.certificate.location": "ssl_certificate_location",
+                     "ssl.key.location": "ssl_key_location", "ssl.key.password": "ssl_key_password"}
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
     """How every streamrec process talks to Kafka (or the local Kafka-protocol broker).
@@ -208,6 +216,11 @@ class KafkaSettings:
             raise ConfigError(f"[kafka] extra: expected a table of librdkafka properties (key = value), "
                               f"got {type(self.extra).__name__}")
         set_(self, "extra", {k: str(v) for k, v in self.extra.items()})  # a copy: the caller's dict may change
+        for k in self.extra:  # applied last, these overrode a setting (SASL_SSL sent the password in clear text)
+            if k.strip().lower() in _OWNED_PROPERTIES:
+                raise ConfigError(f"[kafka.extra] {k}: the setting [kafka] {_OWNED_PROPERTIES[k.strip().lower()]} "
+                                  "gives this property (the faust driver reads only that one): set it there, and "
+                                  "leave it out of [kafka.extra]")
         check_bootstrap_servers(self.bootstrap_servers)
         # One topic for two of the pipeline's streams: each reader validates a topic as one kind of record (the audit
         # dead-lettered every impression as an invalid click and committed past it; the joiner would join a topic with

@@ -32,7 +32,7 @@ log = logging.getLogger("streamrec.kafka")
 
 def _security(kafka: KafkaSettings) -> dict[str, Any]:
     """The security properties of every client (producer, consumer, admin): ``security.protocol``, SASL
-    credentials, TLS files, then ``[kafka.extra]`` (applied last, so it can set or override anything).
+    credentials, TLS files, then ``[kafka.extra]`` (applied last; it may not name a property a setting gives).
 
     The files named must exist (checked here, when a client is built): a :class:`ConfigError` naming the
     setting, instead of librdkafka's ``ssl.ca.location failed`` at the first connection attempt.

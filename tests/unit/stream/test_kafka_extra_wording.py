@@ -27,3 +27,24 @@ def test_a_rejected_security_file_keeps_its_wording(tmp_path: Path) -> None:
                       ssl_ca_location=tmp_path / "ca.pem", extra={"client.id": "x"})
     with pytest.raises(ConfigError, match=r"\[kafka\] a security setting cannot be used: .*ssl.ca.location"):
         producer_config(k)
+
+
+@pytest.mark.parametrize(("prop", "value", "setting"), [
+    ("security.protocol", "SASL_PLAINTEXT", "security_protocol"),  # the SASL password in clear text
+    ("security.protocol", "plaintext", "security_protocol"),
+    ("sasl.mechanism", "PLAIN", "sasl_mechanism"),
+    ("sasl.mechanisms", "PLAIN", "sasl_mechanism"),
+    ("sasl.username", "other", "sasl_username"),
+    ("sasl.password", "other-pw-1", "sasl_password"),
+    ("ssl.ca.location", "/etc/ssl/other.pem", "ssl_ca_location"),
+    ("ssl.key.password", "other-pw-2", "ssl_key_password"),
+    ("bootstrap.servers", "elsewhere:9092", "bootstrap_servers"),
+])
+def test_an_extra_property_that_a_kafka_setting_owns_is_refused_at_start(prop: str, value: str, setting: str) -> None:
+    # [kafka.extra] is applied last: security_protocol = "SASL_SSL" with extra security.protocol = "SASL_PLAINTEXT"
+    # sent the SASL password unencrypted from every confluent-kafka client, while the faust driver (which maps only
+    # the typed settings) used TLS: two settings that do not fit together, taken silently
+    with pytest.raises(ConfigError, match=rf"\[kafka\.extra\] {prop}: .*\[kafka\] {setting}") as err:
+        KafkaSettings(security_protocol=SecurityProtocol.SASL_SSL, sasl_username="u", sasl_password="pw-123456",
+                      extra={prop: value})
+    assert "other-pw" not in str(err.value)
