@@ -689,7 +689,7 @@ class FiringStateFile:
             data = json.loads(read_regular(self.path, MAX_STATE_FILE_BYTES, "a firing-state file"))
         except FileNotFoundError:
             return []
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply ("[[[[...")
             log.error("state file %s: cannot read it (%s); alerts firing before this start will not resolve",
                       self.path, exc)
             return []

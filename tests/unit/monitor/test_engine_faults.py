@@ -373,6 +373,20 @@ def test_an_unreadable_state_file_is_logged_and_monitoring_goes_on(tmp_path: Pat
         mon.close(5)
 
 
+def test_a_state_file_nested_too_deeply_to_parse_is_logged_and_monitoring_starts_without_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = tmp_path / "state.json"
+    state.write_text("[" * 100_000)  # 100 KB, well under the size bound: json.loads raised RecursionError
+    clocks = Clocks()
+    with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+        mon, sink = monitor(restart_rules(state), shares(["share 0.9\nlag 3\n"]), clocks)
+    try:
+        assert "cannot read it" in caplog.text
+        assert mon.step() == []
+    finally:
+        mon.close(5)
+
+
 def test_a_state_file_record_with_a_number_out_of_range_is_skipped_not_a_crash(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state = tmp_path / "state.json"
