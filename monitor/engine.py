@@ -5,7 +5,8 @@ Three parts, each usable alone:
 * :class:`Scraper` fetches the ``[sources]`` of a rules file (all at once) and parses the Prometheus
   text format into a :class:`Snapshot` (a source that fails is counted and simply contributes no data: one that
   does not answer whole within ``scrape_timeout_s``, in total, or answers more than
-  :data:`SCRAPE_MAX_BYTES`, or with text that does not parse, contributes none of its series);
+  :data:`SCRAPE_MAX_BYTES`, or with text cut off (empty, or its last line without a newline) or that does not
+  parse, contributes none of its series);
 * :class:`RuleEngine` is pure logic with the clock passed in: it keeps the sample history that
   ``rate()``/``increase()`` need and runs one state machine per rule and label set::
 
@@ -131,6 +132,17 @@ class Snapshot:
         return snap
 
 
+def _whole(text: str) -> str:
+    """``text`` if it is a whole exposition; :class:`ValueError` if it was cut off. The text format ends every line
+    with a newline (Prometheus refuses the last line without one), and an answer without a Content-Length ends where
+    the connection does: a target that died while writing ``streamrec_lag 12345`` gave ``streamrec_lag 12``, parsed,
+    and one that died after its headers gave an empty answer, read as a healthy source with no series."""
+    if not text.endswith("\n"):
+        raise ValueError("the answer was cut off: " + ("it is empty" if not text else
+                                                         "its last line does not end with a newline"))
+    return text
+
+
 class Scraper:
     MAX_PARALLEL = 16  # sources fetched at the same time
 
@@ -153,7 +165,7 @@ class Scraper:
             answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
         for name, url in self.sources.items():
             try:
-                snap.add_text(name, answers[name].result())
+                snap.add_text(name, _whole(answers[name].result()))
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
                     else f"{exc}" or type(exc).__name__

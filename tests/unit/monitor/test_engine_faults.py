@@ -607,6 +607,22 @@ def test_a_scrape_target_answering_in_chunks_or_with_an_error_status(target: Cal
     assert snap.errors == {"gone": f"{gone.url}: HTTP 404 Not Found"}
 
 
+def test_an_answer_cut_off_mid_line_or_before_its_first_byte_is_a_failed_scrape(
+        target: Callable[..., Target]) -> None:
+    def cut_mid_value(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        _headers(h)  # HTTP/1.0, no Content-Length: the answer ends where the connection does
+        h.wfile.write(b"streamrec_x 1\nstreamrec_lag 12")  # the target died while writing 12345\n
+
+    def cut_before_the_body(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        _headers(h)
+
+    mid, empty = target(cut_mid_value), target(cut_before_the_body)
+    snap = Scraper({"mid": mid.url, "empty": empty.url}, timeout_s=10).scrape()
+    assert sorted(snap.errors) == ["empty", "mid"]  # streamrec_lag read 12 and the empty answer read as healthy
+    assert "cut off" in snap.errors["mid"] and "cut off" in snap.errors["empty"]
+    assert snap.metrics == {} and snap.raw == {}
+
+
 def test_a_malformed_answer_gives_no_series_not_some() -> None:
     class Garbled(Scraper):
         def fetch(self, url: str) -> str:
