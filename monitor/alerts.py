@@ -49,6 +49,7 @@ batch to several queued sinks.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import hashlib
 import http.client
@@ -210,6 +211,16 @@ class Alert:
                    state=AlertState(d["state"]), value=decode_value(d["value"]),
                    threshold=decode_value(d["threshold"]), message=d["message"], ts=int(d["ts"]),
                    labels=labels, kind=kind, fingerprint=fingerprint)
+
+    def shortened(self, limit: int = 1024) -> Alert:
+        """This alert with its message and each label name and value cut to ``limit`` characters (saying how long
+        they were), its fingerprint kept: for a sink that cannot carry it whole (a scraped label value of megabytes
+        is over Kafka's message size)."""
+        def cut(text: str) -> str:
+            return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+        return dataclasses.replace(self, message=cut(self.message),
+                                   labels={cut(k): cut(v) for k, v in self.labels.items()})
 
     def describe(self) -> str:
         """One log line: ``FIRING critical nan_losses{} value=3 source=learner id=<fingerprint>: message``; an
@@ -377,20 +388,41 @@ class KafkaSink:
         def report(i: int, err: Any, _msg: Any) -> None:
             errors[i] = None if err is None else err.str()
 
+        rejected: list[Alert] = []
         try:
             for i, a in enumerate(alerts):
-                self._producer.produce(self.topic, a.to_json(), a.key, on_delivery=partial(report, i))
+                if not self._produce(a, partial(report, i)):
+                    rejected.append(a)
+                    errors[i] = None  # not undelivered: refused (counted and logged by the queue)
             self._producer.flush(max(0.0, end - time.monotonic()))
         except BufferError:
             pass  # the producer's local queue is full: whatever was not acknowledged is retried below
         undelivered = [a for i, a in enumerate(alerts) if errors.get(i, "not acknowledged") is not None]
+        if rejected and not undelivered:
+            raise SinkError(f"Kafka topic {self.topic!r}: {len(rejected)} alert(s) too large for a message even with "
+                            "their labels and message cut short", undelivered=[], rejected=rejected)
         if undelivered:
             self._discard_producer()
             errs = [e for _, e in sorted(errors.items()) if e is not None]
             first = errs[0] if errs else f"no acknowledgement by the attempt's deadline ({self.timeout_s:g}s)"
             raise SinkError(f"Kafka topic {self.topic!r} at {self.kafka.bootstrap_servers}: {len(undelivered)} of "
                             f"{len(alerts)} alert(s) not acknowledged ({first}). Is the broker up (`streamrec "
-                            "stack status`)?", undelivered=undelivered)
+                            "stack status`)?", undelivered=undelivered, rejected=rejected)
+
+    def _produce(self, a: Alert, on_delivery: Any) -> bool:
+        """Produce ``a``; one over the message size goes :meth:`Alert.shortened` (produce() refused it at once
+        with MSG_SIZE_TOO_LARGE, the attempt failed, and the alert and every one behind it stayed queued for good);
+        False when even that is too large."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        for candidate in (a, a.shortened()):
+            try:
+                self._producer.produce(self.topic, candidate.to_json(), a.key, on_delivery=on_delivery)
+                return True
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+        return False
 
     def close(self) -> None:
         self._discard_producer()  # every attempt waited for its acknowledgements: nothing is outstanding

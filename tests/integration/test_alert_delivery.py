@@ -399,6 +399,27 @@ def test_alerts_reach_the_kafka_topic_through_the_queue(stack, kafka: KafkaSetti
     assert {r.key for r in records} == {b"cold_start_share"}
 
 
+def test_an_alert_too_large_for_a_kafka_message_goes_shortened_and_never_blocks_the_alerts_behind_it(
+        stack, kafka: KafkaSettings) -> None:
+    topic = f"alerts-{uuid.uuid4().hex[:10]}"
+    huge = Alert(rule="cold_start_share", source="learner", severity=Severity.WARNING, state=AlertState.FIRING,
+                 value=0.9, threshold=0.5, message="alert huge", ts=1_700_000_000_100,
+                 labels={"field": "x" * 2_000_000})  # a scraped series' label value of 2 MB: over message.max.bytes
+    sink = QueuedSink(KafkaSink(kafka, topic, timeout_s=20), FAST)
+    try:
+        sink.send([alert(1), huge, alert(2)])
+        # produce() raised MSG_SIZE_TOO_LARGE, the whole batch stayed queued and was retried for ever: nothing
+        # behind the large alert reached the topic
+        assert sink.wait_idle(60) and sink.stats.delivered == 3 and sink.stats.failed == 0
+    finally:
+        sink.close(5)
+    got = [Alert.from_json(r.value) for r in read_topic(kafka, topic)]
+    assert [a.message for a in got] == ["alert 1", "alert huge", "alert 2"]
+    assert got[1].fingerprint == huge.fingerprint  # the same alert (its resolved one will match it) ...
+    assert 1000 < len(got[1].labels["field"]) < 2000  # ... its label value cut short, saying how long it was
+    assert got[1].labels["field"].endswith("(2000000 characters)")
+
+
 # -- settings ----------------------------------------------------------------------------------------
 def test_delivery_settings_have_safe_defaults_and_are_validated() -> None:
     d = SinkSettings()
