@@ -53,14 +53,15 @@ def add_parser(sub: Any) -> None:
 
 
 def _with_sources(config: Any, flags: list[str]) -> Any:
+    from monitor.alerts import check_http_url
     from streamrec.settings import SettingsError
 
     sources = dict(config.sources)
-    for flag in flags:
+    for flag in flags:  # checked as [sources] URLs are: a port out of range or no host is exit 2, not failed scrapes
         name, sep, url = flag.partition("=")
-        if not sep or not name or not url.startswith(("http://", "https://")):
+        if not sep or not name or check_http_url(url):
             raise SettingsError(f"--source {flag!r}: expected NAME=URL with an http:// or https:// URL, "
-                                "e.g. learner=http://127.0.0.1:9102/metrics")
+                                f"e.g. learner=http://127.0.0.1:9102/metrics ({check_http_url(url) or 'no NAME='})")
         sources[name] = url
     return dataclasses.replace(config, sources=sources)
 
@@ -71,10 +72,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
 
     config = _with_sources(load_rules(args.rules), args.source)
-    if args.interval is not None:  # checked by seconds()
-        config = dataclasses.replace(config, interval_s=args.interval)
-    if args.state_path:
-        config = dataclasses.replace(config, state_path=Path(args.state_path))
+    config = dataclasses.replace(config, interval_s=args.interval or config.interval_s,  # > 0: checked by seconds()
+                                 state_path=Path(args.state_path) if args.state_path else config.state_path)
     src = sources(args)  # in every mode: --check and --once stop on what the daemon would stop on (exit 2)
     kafka = kafka_settings(args, src) if config.sinks.kafka_topic else None
     setup_logging(args.log_level)

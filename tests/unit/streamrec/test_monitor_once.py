@@ -116,3 +116,12 @@ def test_state_path_comes_from_the_rules_file_and_the_flag_replaces_it(
     flag = str(tmp_path / "state" / "firing.json")
     assert main(["monitor", "--rules", str(r), "--check", "--json", "--state-path", flag]) == 0
     assert json.loads(capsys.readouterr().out)["state_path"] == flag
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/metrics", "http://:9102/metrics"])
+def test_a_source_flag_with_a_url_the_rules_file_would_refuse_is_exit_2_at_start(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # a port out of range or no host: --check said OK (exit 0) and the daemon failed every scrape for ever, while
+    # the same URL in [sources] is exit 2
+    assert main(["monitor", "--check", "--source", f"learner={url}"]) == 2
+    assert f"--source 'learner={url}'" in capsys.readouterr().err
