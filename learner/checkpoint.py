@@ -401,7 +401,28 @@ def load(path: Path, safe: bool = True) -> dict[str, Any]:
             ckpt = torch.load(fh, map_location="cpu", weights_only=True)
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a dict")
+    _check_finite(path, ckpt)
     return ckpt
+
+
+_TRAINED = ("model", "sparse_opt", "dense_opt")  # the parts training reads: a NaN there makes every later loss NaN
+
+
+def _check_finite(path: Path, ckpt: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first tensor of the model or an optimizer's state that holds a NaN or an inf.
+    Its CRCs match, but such a checkpoint (a training that blew up, a crafted file) loaded as the model: every later
+    loss was NaN and every step skipped, and the refresh built an artifact from it. It is a damaged file like a torn
+    one (:func:`load_latest` reports it and uses the previous one)."""
+    stack: list[tuple[str, Any]] = [(part, ckpt.get(part)) for part in _TRAINED]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"checkpoint {path} is damaged: {where} holds values that are not finite (NaN/inf)")
+        elif isinstance(value, Mapping):
+            stack.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
 def _reason(exc: BaseException) -> str:

@@ -257,3 +257,29 @@ def test_pruning_keeps_the_checkpoint_just_written_and_keep_good_ones_behind_a_d
     written = [ck.save(tmp_path, state(), meta(n), keep=keep) for n in (250, 260)]
     assert ck.list_checkpoints(tmp_path) == [*written[-keep:], damaged]  # the damaged file is left alone
     assert ck.restore_latest(tmp_path).path == written[-1]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("part, value", [("model", float("nan")), ("model", float("inf")),
+                                         ("sparse_opt", float("nan")), ("dense_opt", float("-inf"))])
+def test_a_newest_checkpoint_with_non_finite_weights_or_optimizer_state_is_refused_and_the_previous_one_used(
+        tmp_path: Path, part: str, value: float) -> None:
+    """A checkpoint whose CRCs match but whose model or optimizer state holds a NaN or an inf (written by a training
+    that blew up, or crafted) loaded as the model and was trained on: every later loss NaN, every step skipped. It
+    is a damaged file like a torn one: reported, and the previous checkpoint used; alone, the learner refuses it."""
+    good = {"model": {"w": torch.ones(4)}, "sparse_opt": {"state": {0: {"sum": torch.ones(4)}}, "param_groups": []},
+            "dense_opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4)}}, "param_groups": []},
+            "recent_ids": []}
+    first = ck.save(tmp_path, good, meta(100))
+    bad = {k: v for k, v in good.items()}
+    bad[part] = {"model": {"w": torch.tensor([1.0, value, 1.0, 1.0])},
+                 "sparse_opt": {"state": {0: {"sum": torch.tensor([1.0, value, 1.0, 1.0])}}, "param_groups": []},
+                 "dense_opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([value, 0, 0, 0])}},
+                               "param_groups": []}}[part]
+    second = ck.save(tmp_path, bad, meta(200))
+    problems: list[tuple[Path, str]] = []
+    got = ck.load_latest(tmp_path, safe=True, problems=problems)
+    assert got is not None and got.path == first
+    assert [p for p, _ in problems] == [second] and "not finite" in problems[0][1] and part in problems[0][1]
+    first.unlink()
+    with pytest.raises(ck.CheckpointError, match="not finite"):
+        ck.restore_latest(tmp_path)
