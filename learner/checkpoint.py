@@ -129,7 +129,10 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def offsets(self) -> dict[int, int]:
         """Samples partition -> offset of the next message to train."""
-        return {int(p): int(o) for p, o in self.meta.get("offsets", {}).items()}
+        out = {int(p): int(o) for p, o in self.meta.get("offsets", {}).items()}
+        if any(p < 0 or o < 0 for p, o in out.items()):  # librdkafka reads -1 as the end, -2 as the start
+            raise ValueError(f"checkpoint {self.path} has a negative partition or offset: {out}")
+        return out
 
     # -- the stored layout, as a read-only mapping ------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
@@ -433,7 +436,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, str]] | None = None,
-                accept: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
+                accept: Callable[[Checkpoint], object] | None = None,
+                check: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
     """The newest checkpoint that loads (safely: :func:`load`); a corrupt or foreign newest one is reported and
     the previous one used.
 
@@ -441,7 +445,10 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
     refresh's artifact check): a checkpoint that loads but that it refuses (by raising), or that :func:`upgrade`
     refuses (a newer format, no format version), is skipped the same way, so one policy covers every bad newest
     file. Without it an upgrade failure is raised (the learner must not resume from an older checkpoint past a
-    file a newer streamrec wrote).
+    file a newer streamrec wrote). ``check`` (the learner's resume, without ``accept``): a checkpoint that loads but
+    does not fit the model its own config describes (the check raises anything but a :class:`StreamrecError`: a
+    tensor of another shape, a missing key, a negative offset) is skipped as damaged; a ``StreamrecError`` (other
+    shaping settings, another topic: the operator's to decide) is raised.
 
     A listed file that is gone when it is opened was pruned by a learner saving meanwhile (``save`` keeps the last
     ``keep``), so newer ones exist: that is no damaged file (not in ``problems``); the directory is listed again and
@@ -463,7 +470,16 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             continue
         if accept is None:
             raw = upgrade(raw, path)
-            return Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+            ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+            try:
+                if check is not None:
+                    check(ckpt)
+            except StreamrecError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - its content does not fit its own model: damaged
+                _skip(path, "does not fit its own model", exc, problems)
+                continue
+            return ckpt
         try:
             raw = upgrade(raw, path)
             ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
@@ -482,12 +498,13 @@ def _skip(path: Path, what: str, exc: Exception, problems: list[tuple[Path, str]
         problems.append((path, reason))
 
 
-def restore_latest(directory: Path) -> Checkpoint | None:
-    """What the learner resumes from: :func:`load_latest`, None in a directory without checkpoints, and a
+def restore_latest(directory: Path, check: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
+    """What the learner resumes from (``check`` loads it into the learner: :func:`load_latest`), None in a
+    directory without checkpoints, and a
     :class:`CheckpointError` naming every file and why when there are checkpoints but none loads (a learner
     must not silently start a new model over a directory of unreadable or foreign files)."""
     problems: list[tuple[Path, str]] = []
-    ckpt = load_latest(directory, safe=True, problems=problems)
+    ckpt = load_latest(directory, safe=True, problems=problems, check=check)
     if ckpt is None and problems:
         raise CheckpointError(f"no checkpoint in {directory} loads: "
                               + "; ".join(f"{p}: {why}" for p, why in problems)

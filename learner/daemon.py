@@ -336,9 +336,18 @@ class Learner:
         must equal ours (else :class:`CheckpointMismatch`, exit 2); the rest come from the settings. A directory of
         the sharded learner's checkpoints is refused (:func:`refuse_sharded`)."""
         refuse_sharded(Path(self.ls.checkpoint_dir))
-        ckpt = checkpoint.restore_latest(self.ls.checkpoint_dir)  # weights-only: a foreign file runs nothing
+        # weights-only (a foreign file runs nothing); one that does not fit its own model is skipped as damaged
+        ckpt = checkpoint.restore_latest(self.ls.checkpoint_dir, check=self._load)
         if ckpt is None:
             return False
+        log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
+                 self.offsets)
+        return True
+
+    def _load(self, ckpt: checkpoint.Checkpoint) -> None:
+        """The learner's state from ``ckpt``. A ConfigError when our shaping settings or topic differ from its; any
+        other exception (a tensor of another shape, a missing key: a damaged file) has the restore try the previous
+        checkpoint, and this runs again on it (every part below is built or replaced anew)."""
         meta, recorded = ckpt.meta, ckpt.shape
         mine = shape_of(self.ls)
         changed = {k: (recorded.get(k), v) for k, v in mine.items() if k in recorded and recorded[k] != v}
@@ -357,6 +366,7 @@ class Learner:
         self.trainer.metrics.load_state_dict(ckpt["metrics"])
         self.trainer.samples, self.trainer.steps = meta["samples_trained"], meta["steps"]
         self.offsets = ckpt.offsets
+        self.bias = None
         self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
         self.duplicates = int(meta["duplicates"])
         self.recent.load(ckpt["recent_ids"])
@@ -375,9 +385,6 @@ class Learner:
             self.trainer.calibration.load_state_dict(ckpt["calibration"])
         elif self.trainer.calibration is None:  # calibration turned off: serve the raw logits again
             self.trainer.model.get_buffer("calibration").copy_(identity())
-        log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
-                 self.offsets)
-        return True
 
     def save(self) -> None:
         assert self.trainer is not None and self.cfg is not None

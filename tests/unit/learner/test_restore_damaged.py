@@ -1,0 +1,82 @@
+"""The learner's resume (``Learner._restore``) from a newest checkpoint whose CRCs match but whose content does not fit
+the model its own config describes (a tensor of another shape, a missing tensor, a meta without a key, a negative
+offset): it is a damaged file like a torn one, reported, and the previous checkpoint used; alone, it is a
+CheckpointError naming it, never a traceback and never a silent start over."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from learner import checkpoint as ck
+from learner.batch import to_tensors
+from learner.config import Device, LearnerSettings
+from learner.daemon import Learner
+from stream.config import KafkaSettings
+from tests.unit.learner.test_safe_loads import B, CFG, samples
+
+
+def _other_shape(raw: dict[str, Any]) -> None:
+    name = next(k for k, v in raw["model"].items() if v.is_floating_point())
+    raw["model"][name] = torch.zeros(3, 3)
+
+
+def _missing_tensor(raw: dict[str, Any]) -> None:
+    del raw["model"][next(iter(raw["model"]))]
+
+
+def _meta_without_samples(raw: dict[str, Any]) -> None:
+    del raw["meta"]["samples_trained"]
+
+
+def _negative_offset(raw: dict[str, Any]) -> None:
+    raw["meta"]["offsets"] = {"0": -1}  # librdkafka's OFFSET_END: every sample of partition 0 skipped
+
+
+DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "other_shape": _other_shape, "missing_tensor": _missing_tensor,
+    "meta_without_samples_trained": _meta_without_samples, "negative_offset": _negative_offset}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_newest_checkpoint_that_does_not_fit_its_own_model_is_refused_and_the_previous_one_resumed(
+        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
+                         id_capacity=40, admit_after=1, device=Device.CPU, amp=False, deltas_every_s=0)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted: no offsets to commit
+    first = Learner(kafka, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        rng = np.random.default_rng(1)
+        first._train(to_tensors(samples(rng, 32), CFG))
+        first.save()
+        first._train(to_tensors(samples(rng, 32, start=32), CFG))
+        first.save()
+    finally:
+        first.close()
+    older, newest = ck.list_checkpoints(tmp_path / "ck")
+    raw = ck.load(newest)
+    DAMAGE[damage](raw)
+    newest.unlink()
+    torch.save(raw, newest)  # CRCs match: only its content is wrong
+
+    second = Learner(kafka, ls)
+    try:
+        assert second._restore()
+        assert second.trainer is not None and second.trainer.samples == 32 and second.offsets == {}
+        assert str(newest) in caplog.text
+    finally:
+        second.close()
+
+    older.unlink()
+    third = Learner(kafka, ls)
+    try:
+        with pytest.raises(ck.CheckpointError, match=str(newest)):
+            third._restore()
+    finally:
+        third.close()
