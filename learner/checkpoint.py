@@ -421,7 +421,7 @@ def _check_finite(path: Path, ckpt: Mapping[str, Any]) -> None:
         where, value = stack.pop()
         if isinstance(value, torch.Tensor):
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise ValueError(f"checkpoint {path} is damaged: {where} holds values that are not finite (NaN/inf)")
+                raise ValueError(f"checkpoint {path} is damaged: {where} holds non-finite values (NaN/inf)")
         elif isinstance(value, Mapping):
             stack.extend((f"{where}.{k}", v) for k, v in value.items())
         elif isinstance(value, list | tuple):

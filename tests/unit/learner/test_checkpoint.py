@@ -279,7 +279,7 @@ def test_a_newest_checkpoint_with_non_finite_weights_or_optimizer_state_is_refus
     problems: list[tuple[Path, str]] = []
     got = ck.load_latest(tmp_path, safe=True, problems=problems)
     assert got is not None and got.path == first
-    assert [p for p, _ in problems] == [second] and "not finite" in problems[0][1] and part in problems[0][1]
+    assert [p for p, _ in problems] == [second] and "non-finite" in problems[0][1] and part in problems[0][1]
     first.unlink()
-    with pytest.raises(ck.CheckpointError, match="not finite"):
+    with pytest.raises(ck.CheckpointError, match="non-finite"):
         ck.restore_latest(tmp_path)
