@@ -18,7 +18,7 @@ from learner.batch import to_tensors
 from learner.config import Device, LearnerSettings
 from learner.daemon import Learner
 from stream.config import KafkaSettings
-from tests.unit.learner.test_safe_loads import B, CFG, samples
+from tests.unit.learner.test_safe_loads import CFG, B, samples
 
 
 def _other_shape(raw: dict[str, Any]) -> None:
