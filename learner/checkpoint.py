@@ -435,6 +435,11 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line[:300]}"
 
 
+# Not the file's fault, so never a reason to skip it for an older one (its training would be thrown away unseen): the
+# process is out of host or device memory. Raised as they are; the next start reads the newest checkpoint again.
+_NOT_DAMAGE = (MemoryError, torch.OutOfMemoryError)
+
+
 def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, str]] | None = None,
                 accept: Callable[[Checkpoint], object] | None = None,
                 check: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
@@ -448,7 +453,9 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
     file a newer streamrec wrote). ``check`` (the learner's resume, without ``accept``): a checkpoint that loads but
     does not fit the model its own config describes (the check raises anything but a :class:`StreamrecError`: a
     tensor of another shape, a missing key, a negative offset) is skipped as damaged; a ``StreamrecError`` (other
-    shaping settings, another topic: the operator's to decide) is raised.
+    shaping settings, another topic: the operator's to decide) is raised, and so is an ``OSError`` (the check reads
+    and writes the directory's ``LINEAGE``, not the file). Out of memory (``_NOT_DAMAGE``) is no damaged file on any
+    path: it is raised, and the previous checkpoint is not used.
 
     A listed file that is gone when it is opened was pruned by a learner saving meanwhile (``save`` keeps the last
     ``keep``), so newer ones exist: that is no damaged file (not in ``problems``); the directory is listed again and
@@ -465,6 +472,8 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             log.info("checkpoint %s was pruned while being read (a learner saved meanwhile); listing again", path)
             pending = [p for p in reversed(list_checkpoints(directory)) if p not in tried]
             continue
+        except _NOT_DAMAGE:
+            raise
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt file: fall back to the previous one
             _skip(path, "is unreadable", exc, problems)
             continue
@@ -474,7 +483,7 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             try:
                 if check is not None:
                     check(ckpt)
-            except StreamrecError:
+            except (StreamrecError, OSError, *_NOT_DAMAGE):
                 raise
             except Exception as exc:  # noqa: BLE001 - its content does not fit its own model: damaged
                 _skip(path, "does not fit its own model", exc, problems)
@@ -484,6 +493,8 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             raw = upgrade(raw, path)
             ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
             accept(ckpt)
+        except _NOT_DAMAGE:
+            raise
         except Exception as exc:  # noqa: BLE001 - refused (diverged, foreign shape, newer format): the previous one
             _skip(path, "is refused", exc, problems)
             continue

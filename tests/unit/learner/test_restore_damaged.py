@@ -80,3 +80,52 @@ def test_a_newest_checkpoint_that_does_not_fit_its_own_model_is_refused_and_the_
             third._restore()
     finally:
         third.close()
+
+
+TRANSIENT: dict[str, BaseException] = {
+    "memory_error": MemoryError(), "device_out_of_memory": torch.OutOfMemoryError("CUDA out of memory"),
+    "io_error": OSError(5, "Input/output error")}
+
+
+@pytest.mark.parametrize("error", sorted(TRANSIENT))
+def test_a_transient_error_loading_the_newest_checkpoint_stops_the_start_and_never_resumes_an_older_one(
+        tmp_path: Path, error: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Running out of memory or a failed read while the newest (sound) checkpoint is loaded into the learner is no
+    damage of that file: resuming from the previous checkpoint instead would throw away its training without an
+    alert; the start fails with the error, and a restart resumes from the newest."""
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
+                         id_capacity=40, admit_after=1, device=Device.CPU, amp=False, deltas_every_s=0)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted: no offsets to commit
+    first = Learner(kafka, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        rng = np.random.default_rng(1)
+        first._train(to_tensors(samples(rng, 32), CFG))
+        first.save()
+        first._train(to_tensors(samples(rng, 32, start=32), CFG))
+        first.save()
+    finally:
+        first.close()
+
+    build, calls = Learner._build, []
+
+    def failing_once(self: Learner, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TRANSIENT[error]
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(Learner, "_build", failing_once)
+    second = Learner(kafka, ls)
+    try:
+        with pytest.raises(type(TRANSIENT[error])):
+            second._restore()
+        assert second.trainer is None or second.trainer.samples != 32  # not resumed from the older checkpoint
+    finally:
+        second.close()
+    monkeypatch.setattr(Learner, "_build", build)
+    third = Learner(kafka, ls)
+    try:
+        assert third._restore() and third.trainer is not None and third.trainer.samples == 64
+    finally:
+        third.close()
