@@ -590,7 +590,10 @@ class AckedProducer:
                 raise
 
     def _renew(self) -> None:
-        """A new producer for one a fatal error made unusable (class docstring); nothing it held counts as sent."""
+        """A new producer for one a fatal error made unusable (class docstring); nothing it held unacknowledged counts
+        as sent, and what earlier flushes confirmed stays in ``acked_total``."""
+        for t, n in self.report.acked.items():
+            self._acked_before[t] = self._acked_before.get(t, 0) + n
         self._producer = Producer(self._conf)
         self.report, self._too_large = DeliveryReport(), None
         self._sent.clear()

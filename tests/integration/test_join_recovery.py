@@ -479,3 +479,26 @@ def test_a_fatal_producer_error_is_recovered_from_with_a_new_producer_not_retrie
     finally:
         w.consumer.close()
     assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 1)]
+
+
+def test_a_renewed_producer_keeps_the_acknowledgements_counted_before_its_fatal_error(kafka: KafkaSettings) -> None:
+    """``acked_total`` (the join's ``records_acked``) counts what the broker confirmed over the producer's life: a
+    renewal after a fatal error forgets only what the old producer held unacknowledged, not the three messages a
+    flush before it confirmed."""
+    from stream.kafka import ensure_topics
+
+    topic = kafka.samples_topic
+    ensure_topics(kafka, [topic], partitions=1)
+    p = AckedProducer(kafka)
+    for i in range(3):
+        p.send(topic, b"v%d" % i, b"k")
+    p.flush()
+    assert p.acked_total == {topic: 3}
+    p._producer = FatalProducer(p._producer)  # type: ignore[assignment]
+    with pytest.raises(KafkaException):
+        p.send(topic, b"lost", b"k")
+    p.send(topic, b"v3", b"k")
+    p.send(topic, b"v4", b"k")
+    p.flush()
+    assert p.acked_total == {topic: 5}
+    assert len(read_topic(kafka, topic)) == 5
