@@ -553,8 +553,10 @@ class AckedProducer:
     def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any]) -> None:
         """Many messages in a loop that calls ``produce`` and nothing else per message (the replay's unpaced
         chunks); a full local queue or a refused message is handled as :meth:`send` handles it, and the run's sent
-        counts are added per topic at the end (up to the failing message when one raises)."""
-        produce = self._producer.produce
+        counts are added per topic at the end (up to the failing message when one raises; none when that renewed the
+        producer: the old one held them)."""
+        producer = self._producer
+        produce = producer.produce
         done = 0
         try:
             for topic, value, key in zip(topics, values, keys):  # noqa: B905 (equal lengths; strict= costs per message)
@@ -564,7 +566,7 @@ class AckedProducer:
                     self._produce_waiting(topic, value, key, {})
                 done += 1
         finally:
-            for topic, n in Counter(topics[:done]).items():
+            for topic, n in Counter(topics[:done] if self._producer is producer else ()).items():
                 self._sent[topic] = self._sent.get(topic, 0) + n
 
     def _produce_waiting(self, topic: str, value: bytes | None, key: Any, kwargs: dict[str, Any]) -> None:

@@ -502,3 +502,37 @@ def test_a_renewed_producer_keeps_the_acknowledgements_counted_before_its_fatal_
     p.flush()
     assert p.acked_total == {topic: 5}
     assert len(read_topic(kafka, topic)) == 5
+
+
+class FatalAfter(FatalProducer):
+    """A producer that takes ``n`` messages and then fails for good, purging what it held (librdkafka's fatal error
+    fails what is queued: never delivered)."""
+
+    def __init__(self, producer: Any, n: int) -> None:
+        super().__init__(producer)
+        self.n = n
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        if self.n:
+            self.n -= 1
+            self.producer.produce(*args, **kwargs)
+            return
+        self.producer.purge()
+        super().produce(*args, **kwargs)
+
+
+def test_messages_a_run_gave_the_producer_a_fatal_error_replaced_are_not_claimed_acknowledged(
+        kafka: KafkaSettings) -> None:
+    """send_run counts its messages at its end: two messages given to the old producer before its fatal error were
+    counted as sent by the new one, and its next flush reported them acknowledged although none was delivered."""
+    from stream.kafka import ensure_topics
+
+    topic = kafka.samples_topic
+    ensure_topics(kafka, [topic], partitions=1)
+    p = AckedProducer(kafka)
+    p._producer = FatalAfter(p._producer, 2)  # type: ignore[assignment]
+    with pytest.raises(KafkaException):
+        p.send_run([topic] * 5, [b"v%d" % i for i in range(5)], [b"k"] * 5)
+    assert p.flush().acked.get(topic, 0) == 0
+    assert p.acked_total.get(topic, 0) == 0
+    assert read_topic(kafka, topic) == []
