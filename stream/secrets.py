@@ -100,8 +100,11 @@ def redact(text: str) -> str:
 def redacted_repr(self: Any) -> str:
     """A dataclass's ``repr`` through :func:`redact`: settings classes whose plain ``str`` fields may carry a credential
     (a ``redis://user:password@host`` url, a ``[kafka.extra]`` secret) take it as their ``__repr__``, so a settings
-    object in a traceback, a log line or an f-string's ``!r`` shows none."""
-    body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+    object in a traceback, a log line or an f-string's ``!r`` shows none. A table's credential-named values are
+    masked whole first (:func:`redact_obj`): :func:`redact` masks a ``key: value`` only up to a space or a comma, and
+    left an inline ``ssl.key.pem`` all but its first word."""
+    body = ", ".join(f"{f.name}={(redact_obj(v) if isinstance(v := getattr(self, f.name), Mapping) else v)!r}"
+                     for f in dataclasses.fields(self) if f.repr)
     return redact(f"{type(self).__qualname__}({body})")
 
 

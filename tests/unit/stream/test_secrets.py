@@ -212,3 +212,13 @@ def test_a_secret_variable_set_but_empty_is_refused_naming_it_not_read_as_no_pas
 
     with pytest.raises(SettingsError, match=r"\[redis\] password_env: the variable REDIS_PW is set but empty"):
         build(RedisSettings, "redis", {"redis": {"password_env": "REDIS_PW"}}, {"REDIS_PW": value})
+
+
+def test_the_repr_of_kafka_settings_shows_no_part_of_an_inline_private_key_or_a_credential_with_spaces() -> None:
+    # redact() masks a key=value only up to the first space, comma or quote: an inline PEM key ("-----BEGIN PRIVATE
+    # KEY-----\n...") or a passphrase with a space kept all but its first word in the repr
+    pem = "-----BEGIN PRIVATE KEY-----\nMIIEhunter61body\n-----END PRIVATE KEY-----"
+    text = repr(KafkaSettings(extra={"ssl.key.pem": pem, "ssl.key.passphrase": "correct horse hunter62",
+                                     "linger.ms": "5"}))
+    assert "hunter61" not in text and "hunter62" not in text and "PRIVATE KEY" not in text, text
+    assert "'linger.ms': '5'" in text  # the rest is still there to read
