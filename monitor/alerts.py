@@ -73,6 +73,7 @@ from prometheus_client import Gauge
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
 from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
+from stream.secrets import redacted_repr
 
 log = logging.getLogger("streamrec.alerts")
 
@@ -250,6 +251,8 @@ class SinkSettings:
     retry_backoff_s: float = 0.5  # wait after a failed attempt; doubles with each failure in a row ...
     retry_backoff_max_s: float = 30.0  # ... up to this
     close_timeout_s: float = 10.0  # at shutdown, keep delivering queued alerts this long, then report the rest
+
+    __repr__ = redacted_repr  # the webhook_url's user-info (https://user:token@host): never shown
 
 
 class SinkError(StreamrecError):

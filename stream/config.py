@@ -318,6 +318,9 @@ class RedisSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.password, Secret):  # a plain str from code: masked like every credential
             object.__setattr__(self, "password", Secret(str(self.password)))
+        if any(c.isspace() for c in self.url):  # no URL holds one; redact() (and so repr) stops at it
+            raise ConfigError("[redis] url: holds whitespace (not shown: it may be part of a password); encode a "
+                              "space in a password as %20, or use password_file / password_env")
         try:
             parts = urlsplit(self.url)
             _ = parts.port  # raises ValueError on a port that is not a number

@@ -222,3 +222,46 @@ def test_the_repr_of_kafka_settings_shows_no_part_of_an_inline_private_key_or_a_
                                      "linger.ms": "5"}))
     assert "hunter61" not in text and "hunter62" not in text and "PRIVATE KEY" not in text, text
     assert "'linger.ms': '5'" in text  # the rest is still there to read
+
+
+def _settings_classes_with_url_fields() -> list[tuple[type, str]]:
+    """Every settings dataclass of the project with a field named like a URL: (class, field)."""
+    import dataclasses
+    import importlib
+
+    found = []
+    for name in ("stream.config", "learner.config", "serving.settings", "cache_refresh.settings", "monitor.alerts",
+                 "monitor.rules", "stream.joiner.config", "stream.replay.config", "learner.evaluation.config"):
+        module = importlib.import_module(name)
+        for obj in vars(module).values():
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == name:
+                found += [(obj, f.name) for f in dataclasses.fields(obj) if "url" in f.name]
+    return found
+
+
+def test_every_settings_dataclass_with_a_url_field_hides_the_url_password_in_its_repr() -> None:
+    # RedisSettings and LearnerSettings hid theirs; [sinks] webhook_url (SinkSettings) printed
+    # https://user:TOKEN@host whole in a repr
+    import dataclasses
+
+    classes = _settings_classes_with_url_fields()
+    assert {c.__name__ for c, _ in classes} >= {"RedisSettings", "LearnerSettings", "SinkSettings"}
+    for cls, field in classes:
+        scheme = "redis" if "redis" in field or cls.__name__ == "RedisSettings" else "https"
+        obj = dataclasses.replace(cls(), **{field: f"{scheme}://ops:hunter71@host-1:9093/0"})
+        assert "hunter71" not in repr(obj), (cls.__name__, field, repr(obj))
+        assert "host-1:9093" in repr(obj)
+
+
+@pytest.mark.parametrize("url", ["redis://:p@ss w0rd-hunter81@h:1/0", "redis://ops:hunter82 x@h:1/0",
+                                 "redis://:a\thunter83@h:1/0"])
+def test_a_redis_url_with_whitespace_is_refused_without_showing_any_of_its_password(url: str) -> None:
+    # a URL cannot hold a raw space: the user-info redaction stops at it, and the repr (and this error) showed the
+    # password's words after the first one ("ss w0rd-hunter81@h:1/0")
+    from stream.config import RedisSettings
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        RedisSettings(url=url)
+    assert "hunter8" not in str(err.value) and "w0rd" not in str(err.value), str(err.value)
+    assert "whitespace" in str(err.value) and "%20" in str(err.value)
