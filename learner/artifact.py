@@ -715,16 +715,22 @@ def _check_regular(path: Path) -> None:
     """ArtifactError when ``path`` exists and is not a regular file (a FIFO, a device, a directory, a socket): every
     loader (``np.load`` of the cold rows, ``torch.jit.load``, onnxruntime, the id maps) opens listed files with a
     blocking open, and a FIFO put in a publish directory hung serving's swap (or its start) for good, ``/dev/zero``
-    was read without end. A missing file is left to the caller's own message."""
+    was read without end. A hard link (``st_nlink > 1``) is refused too: another path can change the file after its
+    sha256 check, before its load (the refresh writes every file afresh; copy a publish root, never ``cp -al``). A
+    missing file is left to the caller's own message."""
     try:
-        mode = path.stat().st_mode
+        st = path.stat()
     except FileNotFoundError:
         return
     except OSError as exc:
         raise ArtifactError(f"{path} cannot be read ({exc})") from None
-    if not stat.S_ISREG(mode):
-        raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(mode)}): refused unread; republish "
-                            "with `streamrec refresh --now` or roll back")
+    if not stat.S_ISREG(st.st_mode):
+        raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused unread; "
+                            "republish with `streamrec refresh --now` or roll back")
+    if st.st_nlink > 1:
+        raise ArtifactError(f"{path} is a hard link ({st.st_nlink} names): another path could change it after its "
+                            "check, before it is loaded; refused unread. Copy a publish root, never hard-link it; "
+                            "republish with `streamrec refresh --now` or roll back")
 
 
 def check_paths(version_dir: Path, manifest: Mapping[str, Any]) -> None:
