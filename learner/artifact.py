@@ -48,8 +48,8 @@ file inside its version directory: a symlink leaving them is an ArtifactError (:
 :func:`read_current`, :func:`verify`), and :func:`list_versions` leaves such entries out.
 
 Errors: :class:`ArtifactError` for every artifact that cannot be used (missing, truncated or altered
-files; a manifest that is not UTF-8, not JSON, not an object, lacks a key or has a key of the wrong type
-or value; a ``CURRENT`` that names no valid version; a scorer that does not load or score); the message
+files; a manifest that is not UTF-8, not JSON, repeats a key, not an object, lacks a key or has a key of the
+wrong type or value; a ``CURRENT`` that names no valid version; a scorer that does not load or score); the message
 names the file, what was wrong and what to do. No other exception escapes :func:`decode_manifest`,
 :func:`read_current`, :func:`read_pin` or ``serving.model.ScoringModel.load`` for a damaged artifact.
 """
@@ -92,7 +92,8 @@ from learner.scorer import (
 )
 from learner.scorer_files import save_scorer
 from learner.tensorpack import PackError, SigningKey, pack, unpack
-from stream.errors import StreamrecError
+from stream.errors import BadMessage, StreamrecError
+from stream.events import count_keys, reject_duplicate_keys
 from stream.files import fsync_dir, open_regular, sha256_file, write_synced
 
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST",
@@ -276,11 +277,11 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
                     signing_key: SigningKey | None = None) -> dict[str, Any]:
     """The manifest in ``raw`` (the bytes of ``manifest.json``), every key this code reads checked.
 
-    Raises :class:`ArtifactError` naming the problem for any other bytes: not UTF-8, not JSON, not an
-    object, (with ``signing_key``) unsigned or a signature that does not match, checked first, another
-    ``artifact_format_version``, a missing key, a key of the wrong type or value, a file name with a path in
-    it, a feature config or scorer spec that does not hold together. Extra keys are allowed (newer writers
-    may add some).
+    Raises :class:`ArtifactError` naming the problem for any other bytes: not UTF-8, not JSON, a key repeated in
+    one object at any depth (readers disagree on which one counts), not an object, (with ``signing_key``)
+    unsigned or a signature that does not match, checked first, another ``artifact_format_version``, a missing
+    key, a key of the wrong type or value, a file name with a path in it, a feature config or scorer spec that
+    does not hold together. Extra keys are allowed (newer writers may add some).
     """
     where = str(where)
 
@@ -294,6 +295,9 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
         raise bad(f"not UTF-8 ({exc})") from None
     try:
         m = json.loads(text)
+        reject_duplicate_keys(raw, count_keys(m))  # json keeps the last; the C++ loader reads the first "scorer"
+    except BadMessage as exc:
+        raise bad(str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise bad(f"not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(m, dict):
@@ -664,8 +668,12 @@ def read_pin(root: Path) -> Pin | None:
         return None
     except OSError as exc:  # (not a regular file too: unreadable, so it pins whatever is live: fail closed)
         return Pin(None, None, None, f"{path} cannot be read ({exc})")
+    why = ""
     try:
         d = json.loads(raw.decode("utf-8"))
+        reject_duplicate_keys(raw, count_keys(d))  # two versions in one pin: which one holds is not ours to guess
+    except BadMessage as exc:
+        d, why = None, f" ({exc})"
     except (UnicodeDecodeError, ValueError, RecursionError):
         d = None
     ok = (isinstance(d, dict) and isinstance(d.get("version"), str) and _NAME_RE.fullmatch(d["version"])
@@ -673,7 +681,7 @@ def read_pin(root: Path) -> Pin | None:
                or (isinstance(d["rolled_back_from"], str) and _NAME_RE.fullmatch(d["rolled_back_from"])))
           and (d.get("at") is None or _num(d["at"])))
     if not ok or len(raw) > _MAX_POINTER:
-        return Pin(None, None, None, f"{path} holds {_show(raw[:60])}, not a rollback pin; deltas stay paused "
+        return Pin(None, None, None, f"{path} holds {_show(raw[:60])}, not a rollback pin{why}; deltas stay paused "
                    "and scheduled refreshes do not publish until an operator publishes (`streamrec refresh --now`)")
     return Pin(d["version"], d.get("rolled_back_from"), d.get("at"))
 

@@ -40,8 +40,9 @@ non-finite float (JSON has none). Keys starting with ``$`` are reserved; tuples 
 Dtypes: bool, uint8, int8, int16, int32, int64, float16, float32, float64.
 
 :func:`unpack` checks, in this order, and raises :class:`PackError` (a ``ValueError``) naming the first
-problem: length, magic, checksum, signature (with a key), header size, UTF-8, JSON, header shape, every
-tensor's dtype, shape, offset and size against the data, bool bytes in {0, 1}, and every ``$`` reference.
+problem: length, magic, checksum, signature (with a key), header size, UTF-8, JSON (no key repeated in an
+object), header shape, every tensor's dtype, shape, offset and size against the data, bool bytes in {0, 1},
+and every ``$`` reference.
 It never raises anything else for any input bytes (``tests/integration/test_serving_faults.py`` fuzzes it). Values
 are not checked for finiteness here: that is the caller's rule (a delta must be finite, an id map may hold ``-inf``).
 """
@@ -60,7 +61,8 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from stream.errors import ConfigError, StreamrecError
+from stream.errors import BadMessage, ConfigError, StreamrecError
+from stream.events import count_keys, reject_duplicate_keys
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import register
 
@@ -320,7 +322,11 @@ def _unpack(raw: Any, view: memoryview, key: SigningKey | None) -> Any:
         raise PackError(f"header length {hlen} exceeds the {len(raw) - prefix} bytes after the prefix "
                         f"(or the {_MAX_HEADER}-byte limit)")
     try:
-        header = json.loads(bytes(raw[prefix:prefix + hlen]).decode("utf-8"))
+        text = bytes(raw[prefix:prefix + hlen])
+        header = json.loads(text.decode("utf-8"))
+        reject_duplicate_keys(text, count_keys(header))  # json keeps the last of repeated keys silently
+    except BadMessage as exc:
+        raise PackError(f"header: {exc}") from None
     except UnicodeDecodeError as exc:
         raise PackError(f"header is not UTF-8 ({exc})") from None
     except (ValueError, RecursionError) as exc:
