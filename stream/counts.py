@@ -542,7 +542,7 @@ class DailyCounts:
 
     # -- reads ------------------------------------------------------------------------------------
     def days_available(self, kind: str, event: str) -> list[str]:
-        """The days (``YYYYMMDD``, ascending) that have a key for ``kind``/``event`` (found with SCAN), up to
+        """The days (``YYYYMMDD``, ascending) that have a sorted-set key for ``kind``/``event`` (SCAN, then TYPE), up to
         the day of now + ``future_s``: a key of a later day was written by a wrong clock. One walk of the keyspace
         (:meth:`all_days_available`): a reader of several kinds or events asks that once instead."""
         _check_kind_event(kind, event)
@@ -558,14 +558,17 @@ class DailyCounts:
         base = f"{self.prefix}:counts:"
         legacy = self._legacy()
         last = day_of(int((time.time() + self.future_s) * 1000))
-        days: dict[tuple[str, str], set[str]] = {}
+        found: dict[str, tuple[tuple[str, str], str]] = {}  # key -> ((kind, event), day)
         for raw in self.client.scan_iter(match=_glob_escape(base) + "*", count=1000):
             # a key that is no UTF-8 (any client can write one under the prefix) is no day, never a failed read
             text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
             m = _COUNTS_KEY_RE.fullmatch(text[len(base):])
             if m is None or (m["legacy"] is not None and not legacy) or m["day"] > last or not _is_date(m["day"]):
                 continue
-            days.setdefault((m["kind"] or m["legacy"], m["event"]), set()).add(m["day"])
+            found[text] = ((m["kind"] or m["legacy"], m["event"]), m["day"])
+        days: dict[tuple[str, str], set[str]] = {}
+        for key in self._sorted_sets(list(found)):  # a list at a later day's key is no day (top leaves it out too)
+            days.setdefault(found[key][0], set()).add(found[key][1])
         return {ke: sorted(d) for ke, d in days.items()}
 
     def top(

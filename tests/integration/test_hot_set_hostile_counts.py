@@ -91,3 +91,17 @@ def test_a_day_key_of_the_wrong_type_is_left_out_of_the_window_with_a_warning(
         hs = _hot_items(redis_client, prefix)
     assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789"]
     assert counts.key("item", "impression", bad_day) in caplog.text and "not a sorted set" in caplog.text
+
+
+def test_a_day_key_of_the_wrong_type_is_no_day_so_it_cannot_move_the_window_off_the_real_counts(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A list at a later day's key, with the real counts ending more than ``days`` (7) before it, was taken as the
+    latest day: the window held no sorted set and the hot set came out empty with only a "no counted item"
+    warning. Only sorted-set keys are days (as ``top`` reads them), so the real counts rank the hot set."""
+    counts = _items(redis_client, prefix, {"456": 3, "789": 2}, day="20030210")
+    redis_client.rpush(counts.key("item", "impression", DAY), "x")
+    with caplog.at_level(logging.WARNING):
+        assert counts.days_available("item", "impression") == ["20030210"]
+        hs = _hot_items(redis_client, prefix)
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789"]
+    assert counts.key("item", "impression", DAY) in caplog.text and "not a sorted set" in caplog.text
