@@ -555,8 +555,10 @@ class Learner:
             impressions = None if kept.kinds is None else kept.kinds != DELAYED_POSITIVE  # a click is no sighting
             cold = self.quality.cold_of(users, now, impressions)
             if self.mapper is not None and self.mapper.active:
-                self._observe_ids(self.mapper.apply(kept, now, model=self.trainer.model,
-                                                    sparse_opt=self.trainer.sparse_opt))
+                ids = self.mapper.apply(kept, now, model=self.trainer.model, sparse_opt=self.trainer.sparse_opt)
+                self._observe_ids(ids)
+                if self.deltas is not None:  # rows given to other ids wait for the delta with the maps
+                    self.deltas.hold(ids.reassigned)
             nan_before, clipped_before = self.trainer.nan_losses, self.trainer.dense_clip.clipped
             labels = kept.labels.numpy()
             probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned

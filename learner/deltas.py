@@ -343,6 +343,9 @@ class DeltaWriter:
         self.lineage = lineage
         self.key = key  # signs every delta written (learner.tensorpack container format 2) when given
         self.touched = torch.zeros(num_rows, dtype=torch.bool)  # (num_rows,)
+        # (num_rows,) rows handed to another id (evicted or admitted) since the last delta that carried the id maps:
+        # held back until one does (:meth:`hold`)
+        self.held = torch.zeros(num_rows, dtype=torch.bool)
         self.pending_path = self.directory / PENDING
         self._pending_ok = True  # False after a failed append, until the next delta starts a new list
         self._restore_pending()
@@ -395,7 +398,17 @@ class DeltaWriter:
             return
         fresh = torch.unique(fresh)
         self.touched[fresh] = True
-        if not self._pending_ok:
+        self._append_pending(fresh)
+
+    def hold(self, rows: np.ndarray) -> None:
+        """Rows (global, (R,) int64) the id maps just handed to another id (evicted, admitted). Serving maps ids with
+        the maps of the last delta that carried them: a delta without maps that sent such a row served the id that
+        left it the vector of the id that took it. So they wait, marked, for the next delta with the maps."""
+        if len(rows):
+            self.held[torch.from_numpy(np.asarray(rows, dtype=np.int64))] = True
+
+    def _append_pending(self, fresh: torch.Tensor) -> None:
+        if not self._pending_ok or not len(fresh):
             return
         try:  # (non-blocking: a FIFO in its place is ENXIO, not a wait for a reader for ever)
             fd = os.open(self.pending_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
@@ -469,12 +482,13 @@ class DeltaWriter:
     def write(self, model: nn.Module, samples_trained: int) -> Path | None:
         """Write one delta of the rows marked since the last one; None when nothing was trained."""
         self._last = self.clock()
-        rows = self.touched.nonzero().squeeze(1)  # (R,)
+        maps = self.id_maps_source() if self.id_maps_source is not None and self.maps_due() else None
+        rows = (self.touched if maps is not None else self.touched & ~self.held).nonzero().squeeze(1)  # (R,)
         if len(rows) == 0:
             return None
         weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]  # (num_rows, D + 1)
         vectors = weight[rows.to(weight.device)].float().cpu()  # (R, D + 1)
-        return self.write_rows(rows.cpu(), vectors, dense_weights(model), samples_trained)
+        return self.write_rows(rows.cpu(), vectors, dense_weights(model), samples_trained, maps)
 
     def maps_due(self) -> bool:
         """Whether the next delta should carry the id maps (``id_maps_every_s`` passed since the last that did)."""
@@ -514,12 +528,15 @@ class DeltaWriter:
                       "with the next delta", seq, self.directory, exc)
             return None
         self.seq = seq
-        self.touched.zero_()
+        if id_maps is not None:
+            self.held.zero_()
+        self.touched &= self.held  # the rows held back stay marked (and listed) for the delta with the maps
         try:  # everything it listed is in the durable delta now
             self.pending_path.unlink(missing_ok=True)
             self._pending_ok = True
         except OSError as exc:  # the old rows go out once more after a restart: harmless
             log.warning("cannot remove %s (%s)", self.pending_path, exc)
+        self._append_pending(self.touched.nonzero().squeeze(1))
         self.written += 1
         for _, _, old in list_deltas(self.directory)[:-self.keep]:
             old.unlink(missing_ok=True)

@@ -47,6 +47,8 @@ class MapStats:
     # admitted_delay_s), of the admissions whose first sight is known: not those counted before a checkpoint
     # written without first-seen times (learner/id_map.py), whose delay is unknown and left out, not guessed
     time_to_admission: dict[str, np.ndarray] = field(default_factory=dict)
+    # (R,) global rows handed to another id in this call (evicted or admitted): ``DeltaWriter.hold`` them
+    reassigned: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 def id_map_of(spec: FieldSpec, capacity: int | None = None, decay: bool = True) -> IdMap:
@@ -79,12 +81,16 @@ class RowMapper:
         spans = self.spans(tb)
         results, stats = self.lookup([tb.keys[start:end] for start, end in spans], now, train)
         values = tb.values.numpy()  # shares memory with the tensor: written in place
+        reassigned = [stats.reassigned]
         for (_, owner, first, own_field), (start, end), res in zip(self._slots, spans, results, strict=True):
             if res is None:
                 continue
             values[start:end] = first + res.rows
-            if train and own_field and model is not None:
-                self._init_rows(owner, first, res, model, sparse_opt)
+            if train and own_field:
+                reassigned.append(first + np.concatenate([res.evicted_rows, res.admitted_rows]))
+                if model is not None:
+                    self._init_rows(owner, first, res, model, sparse_opt)
+        stats.reassigned = np.concatenate(reassigned)
         return stats
 
     @property

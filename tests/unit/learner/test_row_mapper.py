@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -267,3 +268,81 @@ def test_map_stats_report_each_admissions_event_time_from_first_sight() -> None:
     restored = RowMapper.from_state(CFG, old)
     st = restored.apply(to_tensors(batch([1002], [79], [[]], start=3), CFG), now=1_700_007_200.0)
     assert st.admitted["user_id"] == 1 and st.time_to_admission["user_id"].size == 0  # unknown: no bogus delay
+
+
+def test_an_id_evicted_after_the_artifact_is_not_served_the_vector_of_the_id_its_row_went_to(tmp_path: Path) -> None:
+    """Between two deltas that carry the id maps, serving maps ids with the maps it has: a delta that sent the row of
+    an evicted id, now another id's, without the maps that say so served the evicted id the other id's vector."""
+    from cache_refresh.publish import publish
+    from learner.deltas import DeltaWriter
+    from serving.metrics import ServingMetrics
+    from serving.swap import ModelHolder, ModelUpdater
+
+    cfg = FeatureConfig((FieldSpec("user_id", "single", B, capacity=2, admit_after=1),
+                         FieldSpec("item_id", "single", B), FieldSpec("history", "sequence", 1, shares="item_id"),
+                         FieldSpec("ctx.device", "single", 5)), embedding_dim=4)
+    model = DeepFM(cfg, mlp=(8,), seed=2, autocast_dtype=None)
+    sparse, dense = make_optimizers(model, 0.1, 0.01)
+    mapper, trainer = RowMapper(cfg), Trainer(model, sparse, dense)
+    now = [0.0]
+    writer = DeltaWriter(tmp_path / "deltas", cfg.num_rows, every_s=1e-9, clock=lambda: now[0], id_maps_every_s=60.0)
+    writer.id_maps_source = mapper.state_dict
+
+    def train(users: list[int], start: int) -> None:
+        tb = to_tensors(batch(users, [1] * len(users), [[] for _ in users], start), cfg)
+        st = mapper.apply(tb, now=float(start), model=model, sparse_opt=sparse)
+        writer.hold(st.reassigned)
+        trainer.test_then_train(tb)
+        writer.mark(tb.values)
+
+    evicted = 101
+    train([evicted, 102], 0)
+    old_row = int(mapper.rows(0, np.array([evicted]))[0])
+    assert old_row >= B  # its own row
+    ckpt = {"meta": {"feature_config": cfg.to_dict(), "samples_trained": trainer.samples, "offsets": {},
+                     "model": {"mlp": "8", "dropout": 0.0, "amp": False, "seed": 2}},
+            "model": model.state_dict(), "id_maps": mapper.state_dict(), "path": "/ckpt/z.pt"}
+    root = tmp_path / "serving"
+    publish(root, build_artifact(ckpt, root, np.arange(4)), keep=3)
+    artifact_vector = model.sparse.bag.weight[old_row].detach().clone()
+    writer.write(model, trainer.samples)  # the first delta carries the maps (the same as the artifact's)
+    now[0] = 1.0
+    for k in range(3):  # two new users take both rows: the evicted id's row goes to one of them and is trained
+        train([201, 202], 10 + k)
+    assert mapper.rows(0, np.array([evicted]))[0] < B  # the learner: back to its bucket
+    assert not writer.maps_due()
+    writer.write(model, trainer.samples)  # no maps in this one
+
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, tmp_path / "deltas")
+    updater.check_now()
+    served = holder.model()
+    assert served is not None and served.delta_seq == 2
+    assert served.map_rows(0, np.array([evicted]))[0] == old_row  # serving's maps still give it its old row
+
+    def scores(users: list[int], vector_at_old_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(serving's scores, the learner's model's on the rows serving maps them to, optionally with
+        ``vector_at_old_row`` in the evicted id's old row)."""
+        tb = to_tensors(batch(users, [1] * len(users), [[] for _ in users], 5000), cfg)
+        served.map_batch(tb)
+        ref = copy.deepcopy(model).eval()
+        if vector_at_old_row is not None:
+            with torch.no_grad():
+                ref.sparse.bag.weight[old_row] = vector_at_old_row
+        with torch.no_grad():
+            want = torch.sigmoid(ref(tb.values, tb.offsets, tb.dense))
+        return served.score(tb.values, tb.offsets, tb.dense), want
+
+    got, own = scores([evicted], artifact_vector)
+    _, others = scores([evicted])  # the row's new owner's vector
+    assert not torch.allclose(own, others)
+    assert torch.allclose(got, own, atol=1e-6), (got, own, others)  # its own vector, not the new owner's
+    now[0] = 61.0
+    writer.write(model, trainer.samples)  # the maps are due: the held rows go out with them
+    updater.check_now()
+    served = holder.model()
+    assert served is not None and served.delta_seq == 3
+    assert served.map_rows(0, np.array([evicted, 201, 202])).tolist() == \
+        mapper.rows(0, np.array([evicted, 201, 202])).tolist()
+    got, want = scores([evicted, 201, 202])
+    assert torch.allclose(got, want, atol=1e-6)
