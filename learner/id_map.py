@@ -272,7 +272,7 @@ class BucketDecay:
         seen = self.seen[touched]
         idle = np.maximum(now - np.where(np.isfinite(seen), seen, now), 0.0)
         factor = np.exp2(-idle / self.half_life_s)
-        self.seen[touched] = now
+        self.seen[touched] = np.maximum(seen, now)  # an earlier time never undoes a later touch
         shrink = factor < 1.0
         return touched[shrink], factor[shrink].astype(np.float32)
 
@@ -374,7 +374,8 @@ class IdMap:
         admitted_keys = np.empty(0, dtype=np.int64)
         delays = np.empty(0, dtype=np.float64)
         if train:
-            self._seen_ext[row] = now  # keys without a row write the sink
+            # keys without a row write the sink; event time that steps back never makes a row look older
+            self._seen_ext[row] = np.maximum(self._seen_ext.take(row), now)
             miss = np.flatnonzero(row < 0)
             parts = []
             for start in range(0, miss.size, self._chunk):  # chunks bound the candidate table's load

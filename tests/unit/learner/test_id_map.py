@@ -405,3 +405,20 @@ def test_a_state_without_first_seen_times_loads_and_reports_no_delay_for_its_can
     res = b.lookup(np.array([5, 6]), now=1600.0)  # 5 admitted: counted before the restore, first sight unknown
     assert res.admitted_rows.size == 1 and np.isnan(res.admitted_delay_s).all()
     assert b.lookup(np.array([6]), now=1700.0).admitted_delay_s.tolist() == [100.0]  # counted since: known
+
+
+def test_a_lookup_at_an_earlier_event_time_never_makes_an_id_or_a_bucket_older_than_it_is() -> None:
+    """Event time may step back (merged partitions, a wall-clock bound moved back): an id seen at 1000 and again at
+    500 was still last seen at 1000, so a TTL of 100 keeps it at 1050; a bucket touched at 100, then at 50, has been
+    idle for 0 s at 100."""
+    m = IdMap(8, 4, admit_after=1, ttl_s=100.0, bucket_half_life_s=10.0)
+    keys = np.array([11, 12], np.int64)
+    rows = m.lookup(keys, 1000.0).rows
+    m.lookup(keys[:1], 500.0)
+    res = m.lookup(np.array([13], np.int64), 1050.0)
+    assert res.evicted_rows.size == 0
+    assert m.lookup(keys, 1050.0, train=False).rows.tolist() == rows.tolist()
+    b = IdMap(8, 4, admit_after=5, bucket_half_life_s=10.0)
+    b.lookup(np.array([1], np.int64), 100.0)
+    b.lookup(np.array([1], np.int64), 50.0)
+    assert b.lookup(np.array([1], np.int64), 100.0).decayed_buckets.size == 0  # no idle time to decay for
