@@ -140,6 +140,7 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
         tmp.mkdir(parents=True, exist_ok=True)
     barrier()
     dcp.save(app_state, checkpoint_id=str(tmp))
+    rank_state = {**rank_state, "checkpoint": name}  # which checkpoint it is part of (rank_states checks it)
     write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
     barrier()  # every rank's shards and own state are durable
     if rank == 0:
@@ -166,8 +167,16 @@ def holds(path: Path, key: str) -> bool:
 
 
 def rank_states(path: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's ``rank-<r>.pt`` of the checkpoint (weights-only loads)."""
-    return [checkpoint.load(path / f"rank-{r}.pt") for r in range(int(meta["world_size"]))]
+    """Every rank's ``rank-<r>.pt`` of the checkpoint (weights-only loads). One written for another checkpoint (copied
+    in) is a CheckpointError: its id map shares name rows of another table (states from before the name: unchecked)."""
+    states = [checkpoint.load(path / f"rank-{r}.pt") for r in range(int(meta["world_size"]))]
+    for r, st in enumerate(states):
+        if st.get("checkpoint", path.name) != path.name:
+            raise checkpoint.CheckpointError(
+                f"sharded checkpoint {path}: rank-{r}.pt was written for {st['checkpoint']!r}, not for this one: a "
+                f"file copied in from another checkpoint; move {path} out of {path.parent} to resume from the one "
+                "before it")
+    return states
 
 
 def merged_metrics(states: list[dict[str, Any]], window: int) -> ProgressiveMetrics:

@@ -401,3 +401,21 @@ def test_a_sharded_checkpoint_that_lost_or_tore_a_part_is_named_with_the_part_no
     (path / ".metadata").unlink()
     with pytest.raises(checkpoint.CheckpointError, match=r"lacks \.metadata \(FileNotFoundError\)"):
         sharded_checkpoint.latest(tmp_path)
+
+
+def test_a_ranks_state_file_from_another_sharded_checkpoint_is_refused_not_loaded_beside_this_ones_shards(
+        tmp_path: Path) -> None:
+    """rank-<r>.pt holds the rank's shares of the id maps, whose rows are the DCP shards': one copied in from another
+    checkpoint (a restore from backups, an operator's copy) mapped ids onto rows that hold other ids' vectors."""
+    from learner import checkpoint, sharded_checkpoint
+
+    def save(step: int) -> Path:
+        return sharded_checkpoint.save(tmp_path, {"model": {"w": torch.full((8,), float(step))}},
+                                       {"step": step}, {"samples_trained": step, "world_size": 1}, 0)
+
+    older, newer = save(100), save(200)
+    path, meta = sharded_checkpoint.latest(tmp_path)
+    assert path == newer and sharded_checkpoint.rank_states(path, meta)[0]["step"] == 200
+    (newer / "rank-0.pt").write_bytes((older / "rank-0.pt").read_bytes())
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank-0\.pt .*" + older.name):
+        sharded_checkpoint.rank_states(*sharded_checkpoint.latest(tmp_path))
