@@ -241,8 +241,12 @@ class ScoringApp:
         seen: list[tuple[str, np.ndarray]] = []  # the lookups, reported once every request is scored
         observe = None if self._observe is None else (lambda kind, hashed: seen.append((kind, hashed)))
         pin = live.model.pinned()  # one snapshot: ids mapped to rows and those rows scored with the same id maps
-        encoded = [live.encoder.encode(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
-                                       self.s.max_request_values, pin) for i, r in enumerate(reqs)]
+        encoded, spent = [], 0  # max_request_values holds for the call: a batch's requests share it
+        for i, r in enumerate(reqs):
+            one = live.encoder.encode(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
+                                      self.s.max_request_values, pin, spent)
+            spent += live.encoder.candidate_values(one[1])
+            encoded.append(one)
         out = []
         for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)
             scores = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets),

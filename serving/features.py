@@ -50,6 +50,14 @@ _EMPTY = np.zeros(0, np.int64)
 MAX_REQUEST_VALUES = ServeSettings.max_request_values  # the default bound of encode()
 
 
+def _too_many(req: ScoreRequest, expanded: int, spent: int, max_values: int, why: str) -> RequestError:
+    """422: the call's candidates expand past ``[serve] max_request_values`` (``expanded``: counted so far)."""
+    calls = f"; {expanded:,} with the batch's earlier requests (the bound is per call)" if spent else ""
+    return RequestError(422, f"field '{req.where}items': {len(req.items)} candidates expand to at least "
+                        f"{expanded - spent:,} feature values{why}{calls}, over [serve] max_request_values = "
+                        f"{max_values:,}; send fewer candidates or shorter lists, or raise [serve] max_request_values")
+
+
 class FeatureEncoder:
     """Built once per loaded model: the per-field plan of its feature config."""
 
@@ -92,7 +100,7 @@ class FeatureEncoder:
 
     def encode(self, req: ScoreRequest, history: list[int] | Callable[[], list[int]],
                observe: Callable[[str, np.ndarray], None] | None = None,
-               max_values: int = MAX_REQUEST_VALUES, mapper: RowMapper | None = None
+               max_values: int = MAX_REQUEST_VALUES, mapper: RowMapper | None = None, spent: int = 0
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values (N,), offsets (F + F*B + 1,), dense (B, Dd))`` for the request's ``B`` candidates, in the user-row
         layout (module docstring): the user's bags once, the candidates' after them.
@@ -105,6 +113,8 @@ class FeatureEncoder:
         ``max_values``: the most rows a request may look up (``[serve] max_request_values``; a 422 past it). A context
         field that some item overrides is carried by every candidate, the request's shared bag repeated for each one
         without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB body.
+        ``spent``: the candidates' values the call's earlier requests look up (:meth:`candidate_values`): the bound is
+        per HTTP call, a batch's requests together (checked per request, ``max_batch`` multiplied it).
         ``mapper``: what maps ids to rows for this request, the encoder's own by default; serving passes the model
         snapshot it then scores with (``serving.model.PinnedModel``), of the same feature config."""
         where = req.where
@@ -124,7 +134,9 @@ class FeatureEncoder:
         cand_values: list[np.ndarray] = []  # the candidates' bags, field-major
         cand_lengths = np.zeros((f_count, b), np.int64)  # (F, B); a field of the user row: all 0
         history_field = -1
-        expanded = b  # the values looked up per candidate: the items, then the context fields sent per item
+        expanded = spent + b  # the call's values looked up per candidate: the items, then context sent per item
+        if expanded > max_values:
+            raise _too_many(req, expanded, spent, max_values, "")
         for f, src, name in self.plan:
             if src == "history":  # last: see the docstring
                 history_field = f
@@ -142,10 +154,9 @@ class FeatureEncoder:
                 lens = np.fromiter(map(len, bags), np.int64, b)  # (B,)
                 expanded += int(lens.sum())
                 if expanded > max_values:
-                    raise RequestError(422, f"field '{where}items': {b} candidates expand to over {max_values:,} "
-                                       f"feature values ('context.{name}' is sent per item, so every candidate "
-                                       f"carries a '{name}' of its own or the shared one, {len(own)} values); send "
-                                       "fewer candidates or shorter lists, or raise [serve] max_request_values")
+                    raise _too_many(req, expanded, spent, max_values,
+                                    f" ('context.{name}' is sent per item, so every candidate carries a '{name}' "
+                                    f"of its own or the shared one, {len(own)} values)")
                 flat = np.fromiter(chain.from_iterable(bags), np.int64, int(lens.sum()))
                 cand_values.append(m.map_rows(f, flat))
                 cand_lengths[f] = lens
@@ -175,6 +186,10 @@ class FeatureEncoder:
         np.cumsum(cand_lengths.ravel(), out=offsets[f_count + 1:])
         offsets[f_count + 1:] += offsets[f_count]
         return flat_values, offsets, dense
+
+    def candidate_values(self, offsets: np.ndarray) -> int:
+        """The candidates' values of an encoded request (its ``offsets``): what ``max_values`` bounds."""
+        return int(offsets[-1] - offsets[self.num_fields])
 
     def _dense(self, req: ScoreRequest, b: int) -> np.ndarray:
         dd = len(self.dense_names)

@@ -303,6 +303,25 @@ def test_a_context_field_sent_per_item_is_refused_past_max_request_values(publis
     assert got == 200, out  # shared and not overridden: once in the user row, not expanded
 
 
+def test_max_request_values_bounds_a_whole_batch_call_not_each_request(published: Path) -> None:
+    # Each request alone is under the bound (5 + 1 + 4 x 199 = 802 values of 1,000); a batch of two asks for 1,604:
+    # checked per request, max_batch requests multiplied the limit (64 x 262,144 from a ~400 KB body by default).
+    one = {"user_id": "a", "items": [{"item_id": 0, "context": {"genres": ["Drama"]}}, 1, 2, 3, 4],
+           "context": {"genres": [f"g{i}" for i in range(199)]}}
+    app = make_app(published, max_request_values=1000)
+    assert call(app, "POST", "/v1/score", one)[0] == 200
+    got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [one, one]})
+    assert got == 422, out  # the single route's status for the same limit
+    assert "max_request_values" in out["error"] and "1,000" in out["error"] and "1,604" in out["error"], out
+    assert "requests[1]" in out["error"], out
+    # bare candidates count too: 5 + 5 of them under a bound of 8 (no context sent per item)
+    app = make_app(published, max_request_values=8)
+    bare = {"user_id": "a", "items": [0, 1, 2, 3, 4]}
+    assert call(app, "POST", "/v1/score", bare)[0] == 200
+    got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [bare, bare]})
+    assert got == 422 and "max_request_values" in out["error"] and "10" in out["error"], out
+
+
 def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(published: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # A batch whose second request names a feature the model lacks, and a request past max_request_values: both are
