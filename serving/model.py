@@ -60,6 +60,11 @@ from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNot
 # sum over fields; float32 overflows past ~1.8e19 squared. 1e12 leaves 1e7 of headroom there and is far beyond any
 # trained embedding (a row this large means the learner diverged).
 MAX_ROW_ABS = 1e12
+# ... and a dense weight (the MLP's, ``bias``, ``calibration``): a request's activations reach ~1e19 (dense values
+# |x| < 2**64), and trained weights 1e30x theirs, or +-1e12 each, made NaN scores (a 200 with nulls). The dense part
+# trains with Adam, whose step is about lr whatever the gradient: 1e6 is a billion steps of lr 1e-3 from any healthy
+# weight. Not a proof of finite scores (a wide, deep MLP on extreme inputs can still overflow): the app's backstop is.
+MAX_DENSE_ABS = 1e6
 
 
 @dataclass(frozen=True)
@@ -449,14 +454,14 @@ class ScoringModel:
         and the id maps when ``id_maps`` is. ``samples_trained``: the delta's, kept as :attr:`delta_samples`;
         ``created``: when it was written, for :attr:`trained_at`.
 
-        All or nothing: every part is checked against this model first (integer rows inside the table,
-        vectors of the model's width, finite values, dense names, shapes and floating dtypes, id maps of this
-        feature config) and a misfit is a ``ValueError`` that leaves the model as it was. Overrides win over
-        hot and cold rows and accumulate until the next full artifact. A new snapshot is built off to the side
-        and swapped in with one assignment, so concurrent ``score`` calls see either the old or the new state
-        (the id maps in the same snapshot as the rows they point at: :class:`PinnedModel`). ``dense_state`` uses
-        DeepFM's names (``dense_arch.*``, ``bias``, ``calibration``; ``sparse.*`` keys are ignored, and so is
-        ``calibration`` by a scorer from before calibration).
+        All or nothing: every part is checked against this model first (integer rows inside the table, vectors of
+        the model's width, finite values within ``MAX_ROW_ABS`` / ``MAX_DENSE_ABS``, dense names, shapes and
+        floating dtypes, id maps of this feature config) and a misfit is a ``ValueError`` that leaves the model as
+        it was. Overrides win over hot and cold rows and accumulate until the next full artifact. A new snapshot is
+        built off to the side and swapped in with one assignment, so concurrent ``score`` calls see either the old
+        or the new state (the id maps in the same snapshot as the rows they point at: :class:`PinnedModel`).
+        ``dense_state`` uses DeepFM's names (``dense_arch.*``, ``bias``, ``calibration``; ``sparse.*`` keys are
+        ignored, and so is ``calibration`` by a scorer from before calibration).
         """
         live = self._live
         if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
@@ -508,6 +513,10 @@ class ScoringModel:
                 raise ValueError(f"apply_delta: dense_state[{k!r}] must be a floating tensor, got {_describe(v)}")
             if v.numel() and not bool(torch.isfinite(v).all()):
                 raise ValueError(f"apply_delta: dense_state[{k!r}] holds non-finite values")
+            if v.numel() and not k.startswith("sparse.") and (big := float(v.abs().max())) > MAX_DENSE_ABS:
+                raise ValueError(f"apply_delta: dense_state[{k!r}] holds values beyond |x| <= {MAX_DENSE_ABS:g} (max "
+                                 f"{big:.6g}): in float32 they overflow to inf - inf = NaN, a 200 with null scores; "
+                                 "a learner that wrote them has diverged")
         new = {k: v.detach().to(self.device, torch.float32) for k, v in dense_state.items()
                if not k.startswith("sparse.")}
         current = {k: v for k, v in scorer.state_dict().items() if k not in ("hot_ids", "hot_vectors")}

@@ -49,12 +49,12 @@ class FakeHistory:
 
 
 def make_app(root: Path, history: Any = None, history_len: int = 50, lookups: LookupCounts | None = None,
-             **settings: Any) -> ScoringApp:
+             deltas: Path | None = None, **settings: Any) -> ScoringApp:
     ss = ServeSettings(port=0, publish_root=root, device="cpu", max_candidates=MAX_CANDIDATES, max_batch=MAX_BATCH,
                        max_body_bytes=MAX_BODY, **settings)
     holder = ModelHolder()
     metrics = ServingMetrics(holder.model)
-    ModelUpdater(holder, metrics, root, None, device="cpu").check_now()  # what ScoringService.start does first
+    ModelUpdater(holder, metrics, root, deltas, device="cpu").check_now()  # what ScoringService.start does first
     return ScoringApp(ss, holder, metrics, history, history_len=history_len, version="9.9.9", lookups=lookups)
 
 

@@ -1,6 +1,6 @@
-"""A learner delta of finite but overflowing rows (``serving/model.py`` ``apply_delta``): refused whole, as a misfit,
-instead of going live and answering every request touching its rows 200 with ``null`` scores (float32 overflow in
-the FM's squared sums: inf - inf = NaN)."""
+"""A learner delta of finite but overflowing rows or dense weights (``serving/model.py`` ``apply_delta``): refused
+whole, as a misfit, instead of going live and answering requests 200 with ``null`` scores (float32 overflow in the
+FM's squared sums or the MLP's: inf - inf = NaN)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.test_serving import TinyLearner, publish_version
+from learner.deltas import DeltaWriter
+from tests.integration.test_serving import CFG, TinyLearner, publish_version
 from tests.unit.serving.test_app import call, make_app
 
 
@@ -28,3 +29,27 @@ def test_a_delta_of_finite_rows_too_large_for_float32_sums_is_refused_and_scores
     status, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": [1, 2]})
     assert status == 200 and out["delta_seq"] == 0 and out["scores"] == before
     assert all(s is not None and np.isfinite(s) for s in out["scores"])
+
+
+@pytest.mark.parametrize("weights, dense", [
+    ("scaled", None),  # the trained weights x 1e30: inf - inf in the MLP on an ordinary request
+    ("signs", 1.8e19),  # every weight +-1e12, and a request's dense value at its own bound (|x| < 2**64)
+])
+def test_a_delta_of_finite_dense_weights_too_large_for_float32_is_rejected_counted_and_scores_stay(
+        tmp_path: Path, weights: str, dense: float | None) -> None:
+    learner = TinyLearner(seed=31)
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v001")
+    request = {"user_id": "a", "items": [1, 2], **({"dense": {"price": dense}} if dense else {})}
+    before = call(make_app(root), "POST", "/v1/score", request)[2]["scores"]
+    writer = DeltaWriter(tmp_path / "deltas", CFG.num_rows, every_s=1.0)
+    for tb in learner.train(1):
+        writer.mark(tb.values)
+    with torch.no_grad():
+        for p in (*learner.model.dense_arch.parameters(), learner.model.bias):
+            p.copy_(p * 1e30 if weights == "scaled" else torch.sign(p) * 1e12)
+    assert writer.write(learner.model, learner.trainer.samples) is not None
+    app = make_app(root, deltas=tmp_path / "deltas")
+    assert app.metrics.registry.get_sample_value("streamrec_serving_rejected_total", {"kind": "delta"}) == 1
+    status, _, out = call(app, "POST", "/v1/score", request)
+    assert status == 200 and out["delta_seq"] == 0 and out["scores"] == before, out
