@@ -9,7 +9,8 @@
 
 :meth:`ScoringApp.handle` takes ``(method, path, body)`` and returns ``(status, content type, body)``;
 ``serving/http_server.py`` binds it to a server. Errors are JSON ``{"error": "..."}`` with a 4xx status
-that says what to fix, or 503 while no artifact has been published.
+that says what to fix, or 503 while no artifact has been published, or when the live model scores a candidate
+NaN or inf (``streamrec_serving_nonfinite_scores_total``, a rate-limited log line: never a 200 with null scores).
 
 The user's click history is read from Redis (``stream/history.py``, the list the joiner keeps, the
 last ``history_len`` items as the joiner attaches them) through ``serving/history.py``: the read is sent as soon
@@ -56,6 +57,7 @@ from stream.features import hash_value
 from stream.history import UserHistory
 
 log = logging.getLogger("streamrec.serve")
+NONFINITE_LOG_EVERY_S = 10.0  # a model scoring NaN fails every request: one log line per this many seconds
 
 JSON = "application/json"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
@@ -85,6 +87,7 @@ class ScoringApp:
         self.in_flight = 0
         self.admitted = 0  # requests holding an admission slot (see admission)
         self._count_lock = threading.Lock()
+        self._nonfinite_logged = -float("inf")  # monotonic time of the last "non-finite scores" log line
         self._version = version
         self._openapi: tuple[Any, bytes] = (None, b"")  # (the encoder it describes, the document)
         self._routes = {
@@ -250,14 +253,33 @@ class ScoringApp:
         out = []
         for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)
             scores = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
-                                       torch.from_numpy(dense))  # (B,)
-            out.append({"scores": scores.numpy().astype(np.float64, copy=False), "model_version": live.model.version,
+                                       torch.from_numpy(dense)).numpy()  # (B,)
+            if not np.isfinite(scores).all():  # orjson writes NaN as null: never a 200 with null scores
+                raise self._nonfinite(live, pin.delta_seq, scores)
+            out.append({"scores": scores.astype(np.float64, copy=False), "model_version": live.model.version,
                         "delta_seq": pin.delta_seq})
         self.metrics.candidates.inc(sum(len(r.items) for r in reqs))
         if self._observe is not None:
             for kind, hashed in seen:
                 self._observe(kind, hashed)
         return out
+
+    def _nonfinite(self, live: LiveModel, delta_seq: int, scores: np.ndarray) -> RequestError:
+        """The 503 of a call whose model scored NaN or inf: counted (``streamrec_serving_nonfinite_scores_total``),
+        logged at most once per ``NONFINITE_LOG_EVERY_S`` (every request may hit it), answered before anything of
+        the call is counted as scored."""
+        self.metrics.nonfinite_scores.inc()
+        what = (f"model {live.model.version} (delta_seq {delta_seq}) produced non-finite scores "
+                f"({int((~np.isfinite(scores)).sum())} of {len(scores)})")
+        now = time.monotonic()
+        with self._count_lock:
+            due = now - self._nonfinite_logged >= NONFINITE_LOG_EVERY_S
+            if due:
+                self._nonfinite_logged = now
+        if due:
+            log.error("%s: answered 503; the artifact or a delta holds weights that overflow in float32 (publish a "
+                      "good version, or roll back with `streamrec refresh --rollback`)", what)
+        return RequestError(503, f"{what}; this server cannot answer until a sound model is published: retry later")
 
     def _score(self, body: bytes) -> Response:
         req = parse_request(decode_json(body), self.s.max_candidates)

@@ -180,6 +180,9 @@ class ServingMetrics:
                                      "serving re-based on samples_trained.", registry=r)
         self.delta_errors = Counter("streamrec_serving_delta_errors", "Learner deltas that could not be applied.",
                                     registry=r)
+        self.nonfinite_scores = Counter("streamrec_serving_nonfinite_scores", "Calls answered 503 because the live "
+                                        "model scored a candidate NaN or inf (weights that overflow in float32).",
+                                        registry=r)
         self.history_errors = Counter("streamrec_serving_history_errors", "Redis history reads that failed; the "
                                       "request was scored without history.", registry=r)
         self.rejected = Counter("streamrec_serving_rejected", "Artifact or delta versions rejected (each once, until "

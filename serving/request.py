@@ -241,7 +241,8 @@ def openapi(max_candidates: int, max_batch: int, version: str, context_names: An
     ctx, dense = _context_schema(context_names), _dense_schema(dense_names)
     error = {"description": "the request was refused; `error` says which field, what it held and what was expected",
              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    unavailable = {"description": "no model is loaded yet (no artifact published under the publish root)",
+    unavailable = {"description": "no model is loaded yet (no artifact published under the publish root), the "
+                   "service is overloaded or shutting down, or the live model produced non-finite scores",
                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     return {
         "openapi": "3.0.3",

@@ -350,3 +350,28 @@ def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(publishe
     got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, {"user_id": "b", "items": [4]}]})
     assert got == 200 and forward_passes == [1, 1] and sample(app, "streamrec_serving_candidates_total") == 4
     assert lookups.flush() == 6  # 2 users and 4 items, reported once answered
+
+
+def test_non_finite_scores_are_a_503_counted_and_logged_once_never_a_200_with_nulls(
+        published: Path, learner: TinyLearner, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A model past the delta bounds (here: the bound lifted; a learner's dense weights x 1e30) scores NaN, which
+    # orjson writes as null: a client read 200 with {"scores": [null, null, null]}.
+    import torch
+
+    import serving.model
+
+    monkeypatch.setattr(serving.model, "MAX_DENSE_ABS", float("inf"))
+    app = make_app(published)
+    model = app.holder.live.model  # type: ignore[union-attr]
+    dense = {k: v * 1e30 for k, v in learner.model.state_dict().items() if not k.startswith("sparse.")}
+    model.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, model.table.shape[1]), dense, 1)
+    with caplog.at_level("ERROR", logger="streamrec.serve"):
+        got, _, out = call(app, "POST", "/v1/score", SIMPLE)
+        assert got == 503 and "non-finite scores" in out["error"] and "v001" in out["error"], out
+        got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, SIMPLE]})
+        assert got == 503 and "non-finite scores" in out["error"], out
+    assert sample(app, "streamrec_serving_nonfinite_scores_total") == 2
+    assert sample(app, "streamrec_serving_candidates_total") == 0  # not answers: nothing counted as scored
+    assert sum("non-finite scores" in r.getMessage() for r in caplog.records) == 1  # rate-limited
+    assert app.headers("POST", "/v1/score", 503).get("Retry-After") == "1"
