@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import Counter as PCounter
-from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.alerts import (
     Alert,
@@ -77,6 +76,7 @@ from monitor.alerts import (
     get_text,
 )
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
+from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings
 from stream.errors import ConfigError
@@ -111,18 +111,19 @@ class Snapshot:
 
     def add_text(self, source: str, text: str) -> None:
         """Parse Prometheus text exposition format; where two sources export the same series, the first wins
-        (and :attr:`duplicates` says so). Text that does not parse raises and adds nothing: a source whose
-        answer is cut short or garbled gives no data, not some of its series."""
-        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+        (and :attr:`duplicates` says so). Text that does not parse (:func:`monitor.exposition.parse`: a line that
+        is not ``metric_name [{labels}] value [timestamp]``) raises, naming the line, and adds nothing: a source
+        whose answer is cut short or garbled gives no data, not some of its series."""
+        samples = parse_exposition(text)
         raw = self.raw.setdefault(source, [])
-        for s in samples:
-            if s.name.startswith("streamrec_") and not s.name.endswith("_created"):
-                raw.append((s.name, dict(s.labels), float(s.value)))
-            series = self.metrics.setdefault(s.name, {})
-            lb = labels_of(s.labels)
-            first = series.setdefault(lb, Point(float(s.value), frozenset((source,))))
+        for name, labels, value, _ts in samples:
+            if name.startswith("streamrec_") and not name.endswith("_created"):
+                raw.append((name, labels, value))
+            series = self.metrics.setdefault(name, {})
+            lb = labels_of(labels)
+            first = series.setdefault(lb, Point(value, frozenset((source,))))
             if source not in first.sources:
-                self.duplicates.setdefault((s.name, lb), [*first.sources]).append(source)
+                self.duplicates.setdefault((name, lb), [*first.sources]).append(source)
 
     @classmethod
     def from_texts(cls, texts: Mapping[str, str]) -> Snapshot:
