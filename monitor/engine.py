@@ -95,6 +95,9 @@ HISTORY_DROPPED = PCounter("streamrec_monitor_history_series_dropped_total",
 
 ABSENT_LABELS: Labels = (("absent", "true"),)  # what the sinks see of an absence alert (its identity is not these)
 SCRAPE_MAX_BYTES = 16 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
+# a timestamped sample older than this (s) is no data: scrape_error_hold_s's default, the age at which the engine
+# stops trusting a series whose source stopped answering (Prometheus drops samples older than its 5 min lookback)
+STALE_AFTER_S = RulesConfig.scrape_error_hold_s
 
 
 # -- scraping -----------------------------------------------------------------------------------
@@ -108,15 +111,30 @@ class Snapshot:
     raw: dict[str, list[tuple[str, dict[str, str], float]]] = field(default_factory=dict)
     # (metric, labels) -> the sources that exported it, where more than one did (the first is the one used)
     duplicates: dict[tuple[str, Labels], list[str]] = field(default_factory=dict)
+    # source -> (how many of its samples were stamped too long ago to be current, the first of them): no data
+    stale: dict[str, tuple[int, str]] = field(default_factory=dict)
 
-    def add_text(self, source: str, text: str) -> None:
+    def add_text(self, source: str, text: str, now_s: float | None = None,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
         """Parse Prometheus text exposition format; where two sources export the same series, the first wins
         (and :attr:`duplicates` says so). Text that does not parse (:func:`monitor.exposition.parse`: a line that
         is not ``metric_name [{labels}] value [timestamp]``) raises, naming the line, and adds nothing: a source
-        whose answer is cut short or garbled gives no data, not some of its series."""
+        whose answer is cut short or garbled gives no data, not some of its series.
+
+        A sample whose timestamp (ms) is more than ``stale_after_s`` before ``now_s`` (Unix seconds; default
+        the wall clock) is not a current value: it is left out, as if not exported (no data), and counted in
+        :attr:`stale`. Read as current, a target exporting old timestamped samples looked fresh."""
         samples = parse_exposition(text)
+        oldest_ms = ((time.time() if now_s is None else now_s) - stale_after_s) * 1000
         raw = self.raw.setdefault(source, [])
-        for name, labels, value, _ts in samples:
+        for name, labels, value, ts in samples:
+            if ts is not None and ts < oldest_ms:
+                count, example = self.stale.get(source, (0, ""))
+                lbl = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                self.stale[source] = (count + 1, example or f"{name}{{{lbl}}} stamped "
+                                      f"{(oldest_ms - ts) / 1000 + stale_after_s:.0f}s ago, older than "
+                                      f"{stale_after_s:g}s")
+                continue
             if name.startswith("streamrec_") and not name.endswith("_created"):
                 raw.append((name, labels, value))
             series = self.metrics.setdefault(name, {})
@@ -147,8 +165,19 @@ def _whole(text: str) -> str:
 class Scraper:
     MAX_PARALLEL = 16  # sources fetched at the same time
 
-    def __init__(self, sources: Mapping[str, str], timeout_s: float = 5.0) -> None:
+    def __init__(self, sources: Mapping[str, str], timeout_s: float = 5.0, stale_after_s: float = STALE_AFTER_S,
+                 clock: Callable[[], float] = time.time) -> None:
         self.sources, self.timeout_s = dict(sources), timeout_s
+        # a sample stamped before the scrape began by more than this is no data (Snapshot.add_text)
+        self.stale_after_s, self.clock = stale_after_s, clock
+
+    @classmethod
+    def of(cls, config: RulesConfig, clock: Callable[[], float] = time.time) -> Scraper:
+        """The scraper of a rules file: a timestamped sample is stale once older than ``scrape_error_hold_s`` (how
+        long a series whose source stopped answering is trusted) plus ``scrape_timeout_s`` (how long the answer
+        may have taken to arrive)."""
+        return cls(config.sources, config.scrape_timeout_s, config.scrape_error_hold_s + config.scrape_timeout_s,
+                   clock)
 
     def fetch(self, url: str) -> str:
         """The answer of ``url`` by ``timeout_s`` in total (connect, send, every read: a target that trickles
@@ -162,11 +191,12 @@ class Scraper:
         snap = Snapshot()
         if not self.sources:
             return snap
+        started = self.clock()
         with ThreadPoolExecutor(min(len(self.sources), self.MAX_PARALLEL), thread_name_prefix="scrape") as pool:
             answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
         for name, url in self.sources.items():
             try:
-                snap.add_text(name, _whole(answers[name].result()))
+                snap.add_text(name, _whole(answers[name].result()), started, self.stale_after_s)
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
                     else f"{exc}" or type(exc).__name__
@@ -533,7 +563,7 @@ def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
     """Scrape every source once and evaluate every rule once: the summary (every rule's state, the scrape
     errors) and the exit status (``ONCE_*``). Sends nothing."""
     engine = RuleEngine.of(config)
-    snap = Scraper(config.sources, config.scrape_timeout_s).scrape()
+    snap = Scraper.of(config).scrape()
     engine.evaluate(snap, time.time())
     rows = engine.status()
     summary = {"rules_file": config.origin, "sources": dict(config.sources), "scrape_errors": snap.errors,
@@ -771,7 +801,7 @@ class Monitor:
         self.config = config
         self.sink: FanOut | QueuedSink = (sink if isinstance(sink, FanOut | QueuedSink)
                                           else QueuedSink(sink, config.sinks))
-        self.scrape = scrape or Scraper(config.sources, config.scrape_timeout_s).scrape
+        self.scrape = scrape or Scraper.of(config, clock).scrape
         self.clock, self.monotonic = clock, monotonic
         self.engine = RuleEngine.of(config)
         # the duplicated series already logged, most recently seen last: at most DUPLICATES_REMEMBERED (a label
@@ -781,6 +811,7 @@ class Monitor:
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
+        self._stale: set[str] = set()  # sources whose stale samples were logged at the last scrape
         self.state_file: FiringStateFile | None = None
         # resolved alerts some sink has not delivered yet, with their series: kept in the state file as firing
         self._resolving: list[tuple[Alert, dict[str, Any]]] = []
@@ -804,6 +835,11 @@ class Monitor:
         for source in set(self._last_errors) - set(snap.errors):
             log.info("source %s answers again", source)
         self._last_errors = dict(snap.errors)
+        for source in set(snap.stale) - self._stale:  # once while a source's samples are stale, not every interval
+            n, first = snap.stale[source]
+            log.warning("source %s: %d sample(s) carry a timestamp too old to be current (e.g. %s): read as no "
+                        "data (a target exporting what it last saw, long ago?)", source, n, first)
+        self._stale = set(snap.stale)
         for (metric, lb), sources in snap.duplicates.items():
             key = (metric, lb, tuple(sources))
             if key in self._duplicates_seen:  # once per series and sources, not every interval

@@ -4,11 +4,25 @@ never a silently wrong value."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 
 import pytest
 
-from monitor.engine import Snapshot
+from monitor.alerts import Alert, QueuedSink
+from monitor.engine import Monitor, Scraper, Snapshot
+from monitor.rules import loads_rules
+
+
+class NullSink:
+    name, timeout_s, batch_max = "null", 1.0, 100
+
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def values(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -55,3 +69,44 @@ def test_well_formed_lines_read_as_prometheus_reads_them() -> None:
     assert math.isnan(got["streamrec_z"][()])
     assert got["streamrec_w"] == {(("le", "0.5"),): -7.0}
     assert got["streamrec_v"] == {(): 3.0}
+
+
+# -- the timestamp column ---------------------------------------------------------------------------
+def test_a_sample_stamped_older_than_the_staleness_horizon_reads_as_no_data() -> None:
+    snap = Snapshot()
+    snap.add_text("learner", "streamrec_x 5 1700000000000\nstreamrec_y 1\n", now_s=1_800_000_000.0,
+                  stale_after_s=60.0)
+    assert "streamrec_x" not in snap.metrics and [s[0] for s in snap.raw["learner"]] == ["streamrec_y"]
+    assert snap.stale["learner"][0] == 1 and "streamrec_x" in snap.stale["learner"][1]
+
+
+def test_a_sample_stamped_within_the_horizon_is_a_current_value() -> None:
+    snap = Snapshot()
+    snap.add_text("learner", "streamrec_x 5 1799999970000\n", now_s=1_800_000_000.0, stale_after_s=60.0)
+    assert snap.metrics["streamrec_x"][()].value == 5.0 and snap.stale == {}
+
+
+def test_a_stale_timestamp_is_no_data_by_default_too() -> None:
+    assert "streamrec_x" not in values("streamrec_x 5 1700000000000\n")  # Nov 2023: long past any horizon
+
+
+def test_the_monitor_reads_stale_samples_as_no_data_and_says_so_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    wall = [1_800_000_000.0]
+    stamp = int((wall[0] - 600) * 1000)  # ten minutes old: older than scrape_error_hold_s = 60 (+ timeout 5)
+    monkeypatch.setattr(Scraper, "fetch", lambda self, url: f'streamrec_lag{{p="0"}} 9 {stamp}\n')
+    config = loads_rules('interval_s = 1\nscrape_error_hold_s = 60\n[sources]\nlearner = "http://127.0.0.1:1/m"\n'
+                         '[sinks]\nlog = false\n[[rule]]\nname = "lag"\nexpr = "streamrec_lag"\nop = ">"\n'
+                         "threshold = 0\n")
+    mon = Monitor(config, QueuedSink(NullSink(), config.sinks), clock=lambda: wall[0])
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+            for _ in range(3):
+                assert mon.step() == []
+                wall[0] += 1
+        said = [r.message for r in caplog.records if "older than" in r.message]
+        assert len(said) == 1 and "learner" in said[0] and "streamrec_lag" in said[0], said
+        assert [s.value for s in mon.engine.status()] == [None]  # no data, not the stale 9
+        assert mon.scrape_errors == {}  # the source answered: stale samples are no data, not a failed scrape
+    finally:
+        mon.close(0)
