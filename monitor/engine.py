@@ -118,8 +118,9 @@ class Snapshot:
                  stale_after_s: float = STALE_AFTER_S) -> None:
         """Parse Prometheus text exposition format; where two sources export the same series, the first wins
         (and :attr:`duplicates` says so). Text that does not parse (:func:`monitor.exposition.parse`: a line that
-        is not ``metric_name [{labels}] value [timestamp]``) raises, naming the line, and adds nothing: a source
-        whose answer is cut short or garbled gives no data, not some of its series.
+        is not ``metric_name [{labels}] value [timestamp]``, or a series the source gave on an earlier line) raises,
+        naming the line, and adds nothing: a source whose answer is cut short or garbled gives no data, not some
+        of its series.
 
         A sample whose timestamp (ms) is more than ``stale_after_s`` before ``now_s`` (Unix seconds; default
         the wall clock) is not a current value: it is left out, as if not exported (no data), and counted in
@@ -127,18 +128,17 @@ class Snapshot:
         samples = parse_exposition(text)
         oldest_ms = ((time.time() if now_s is None else now_s) - stale_after_s) * 1000
         raw = self.raw.setdefault(source, [])
-        for name, labels, value, ts in samples:
+        for name, lb, value, ts in samples:
             if ts is not None and ts < oldest_ms:
                 count, example = self.stale.get(source, (0, ""))
-                lbl = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lbl = ",".join(f'{k}="{v}"' for k, v in lb)
                 self.stale[source] = (count + 1, example or f"{name}{{{lbl}}} stamped "
                                       f"{(oldest_ms - ts) / 1000 + stale_after_s:.0f}s ago, older than "
                                       f"{stale_after_s:g}s")
                 continue
             if name.startswith("streamrec_") and not name.endswith("_created"):
-                raw.append((name, labels, value))
+                raw.append((name, dict(lb), value))
             series = self.metrics.setdefault(name, {})
-            lb = labels_of(labels)
             first = series.setdefault(lb, Point(value, frozenset((source,))))
             if source not in first.sources:
                 self.duplicates.setdefault((name, lb), [*first.sources]).append(source)

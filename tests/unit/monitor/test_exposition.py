@@ -110,3 +110,20 @@ def test_the_monitor_reads_stale_samples_as_no_data_and_says_so_once(
         assert mon.scrape_errors == {}  # the source answered: stale samples are no data, not a failed scrape
     finally:
         mon.close(0)
+
+
+# -- one series, one line -----------------------------------------------------------------------------
+@pytest.mark.parametrize("text", [
+    "streamrec_x 5\nstreamrec_x 7\n",  # was read as 5, no warning
+    'streamrec_x{a="1",b="2"} 5\nstreamrec_y 1\nstreamrec_x{b="2",a="1"} 7\n',  # the same labels in another order
+])
+def test_a_series_given_twice_by_one_source_fails_the_scrape_naming_it(text: str) -> None:
+    snap = Snapshot()
+    with pytest.raises(ValueError, match=r"streamrec_x\{.*\}.* twice"):
+        snap.add_text("learner", text)
+    assert snap.metrics == {} and snap.raw.get("learner", []) == []
+
+
+def test_the_same_name_with_other_labels_is_another_series() -> None:
+    assert values('streamrec_x{a="1"} 5\nstreamrec_x{a="2"} 7\nstreamrec_x 1\n') == {
+        "streamrec_x": {(("a", "1"),): 5.0, (("a", "2"),): 7.0, (): 1.0}}
