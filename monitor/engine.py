@@ -78,7 +78,7 @@ from monitor.alerts import (
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
-from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings
+from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings, check_interval
 from stream.errors import ConfigError
 from stream.files import MAX_STATE_FILE_BYTES, open_append_regular, read_regular, write_atomic
 from stream.secrets import redact
@@ -869,6 +869,7 @@ class Monitor:
 
     def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
         interval = self.config.interval_s if interval_s is None else interval_s
+        check_interval(interval, self.config.origin)
         while not stop.is_set():
             started = time.monotonic()
             try:

@@ -4,7 +4,7 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
 
 ::
 
-    interval_s = 15                     # evaluate every 15 s (default 15)
+    interval_s = 15                     # evaluate every 15 s (default 15; at least 0.1)
     scrape_timeout_s = 5                # per source, in total (default 5)
     scrape_error_hold_s = 60            # a series whose source fails to scrape keeps its state (pending,
                                         # firing) this long before it counts as no data (default 60; 0: at once)
@@ -90,6 +90,20 @@ class RulesError(ConfigError):
     """An alert rules file that cannot be used; the message names the file, rule and field."""
 
 
+# the shortest evaluation interval: every interval scrapes every source and evaluates every rule; below this the loop
+# ran without pause (interval_s = 1e-9 pinned a core and flooded the sources with scrapes)
+MIN_INTERVAL_S = 0.1
+
+
+def check_interval(interval_s: float, origin: str) -> None:
+    """:class:`RulesError` unless ``interval_s`` is at least :data:`MIN_INTERVAL_S`: the one check the rules
+    file's ``interval_s``, ``streamrec monitor --interval`` (through :class:`RulesConfig`) and
+    ``Monitor.run(interval_s=...)`` all go through."""
+    if not interval_s >= MIN_INTERVAL_S:
+        raise RulesError(f"alert rules file {origin}: field \"interval_s\" (or --interval): expected at least "
+                         f"{MIN_INTERVAL_S:g} seconds between evaluations, got {interval_s:g}")
+
+
 class Op(str, enum.Enum):
     GT = ">"
     GE = ">="
@@ -160,6 +174,9 @@ class RulesConfig:
     scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
     state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
     history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
+
+    def __post_init__(self) -> None:
+        check_interval(self.interval_s, self.origin)  # also where --interval replaces it
 
     @property
     def history_s(self) -> float:

@@ -31,8 +31,8 @@ def add_parser(sub: Any) -> None:
                    "scrape failed, 3 a rule's condition holds")
     p.add_argument("--check", action="store_true", help="only validate the rules file and the settings the monitor "
                    "would use (--config, STREAMREC_KAFKA_*), and print its rules")
-    p.add_argument("--interval", type=seconds, metavar="SECONDS", help="seconds between evaluations "
-                   "(default: interval_s of the rules file)")
+    p.add_argument("--interval", type=seconds, metavar="SECONDS", help="seconds between evaluations, "
+                   "at least 0.1 (default: interval_s of the rules file)")
     p.add_argument("--state-path", metavar="FILE", help="keep the firing alerts in FILE over a restart (resolved if "
                    "they cleared meanwhile, sent again if they still hold); replaces state_path of the rules file "
                    "(default: the file's, else none)")
@@ -72,7 +72,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
 
     config = _with_sources(load_rules(args.rules), args.source)
-    config = dataclasses.replace(config, interval_s=args.interval or config.interval_s,  # > 0: checked by seconds()
+    config = dataclasses.replace(config, interval_s=args.interval or config.interval_s,  # floor: RulesConfig
                                  state_path=Path(args.state_path) if args.state_path else config.state_path)
     src = sources(args)  # in every mode: --check and --once stop on what the daemon would stop on (exit 2)
     kafka = kafka_settings(args, src) if config.sinks.kafka_topic else None

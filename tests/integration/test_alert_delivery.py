@@ -202,7 +202,7 @@ def alternating_scrape() -> Callable[[], Snapshot]:
 # -- rule evaluation never waits for a sink -------------------------------------------------------
 def test_evaluation_runs_on_while_the_webhook_holds_a_request(hook_server) -> None:
     server = hook_server("hang")
-    config = loads_rules(f'interval_s = 0.01\n[sinks]\nlog = false\nwebhook_url = "{server.url}"\n'
+    config = loads_rules(f'interval_s = 0.1\n[sinks]\nlog = false\nwebhook_url = "{server.url}"\n'
                          f"webhook_timeout_s = 60\n" + RULE)
     monitor = Monitor(config, build_sinks(config.sinks, None), scrape=alternating_scrape())
     stop = threading.Event()

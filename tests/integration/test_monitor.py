@@ -428,7 +428,7 @@ def test_a_failing_sink_never_stops_the_others(recorder: Recorder, caplog: pytes
 
 def test_monitor_loop_sends_to_a_webhook_and_survives_dead_sources(recorder: Recorder) -> None:
     config = loads_rules(f"""
-interval_s = 0.05
+interval_s = 0.1
 [sources]
 learner = "{recorder.url}/metrics"
 dead = "http://127.0.0.1:9/metrics"
