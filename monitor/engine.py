@@ -77,7 +77,7 @@ from monitor.alerts import (
 )
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.exposition import parse as parse_exposition
-from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
+from monitor.expr import Labels, Point, Window, labels_of, metrics_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings, check_interval
 from stream.errors import ConfigError
 from stream.files import MAX_STATE_FILE_BYTES, open_append_regular, read_regular, write_atomic
@@ -812,6 +812,10 @@ class Monitor:
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
         self._stale: set[str] = set()  # sources whose stale samples were logged at the last scrape
+        # the metrics each rule reads, until it is settled: some source exported them all, or it was warned about
+        self._unsettled = {r.name: metrics_of(r.tree) for r in config.rules if r.tree is not None}
+        self._exported: set[str] = set()  # the rules' metrics some source has exported since the start
+        self._answered: set[str] = set()  # the sources scraped successfully at least once
         self.state_file: FiringStateFile | None = None
         # resolved alerts some sink has not delivered yet, with their series: kept in the state file as firing
         self._resolving: list[tuple[Alert, dict[str, Any]]] = []
@@ -840,6 +844,7 @@ class Monitor:
             log.warning("source %s: %d sample(s) carry a timestamp too old to be current (e.g. %s): read as no "
                         "data (a target exporting what it last saw, long ago?)", source, n, first)
         self._stale = set(snap.stale)
+        self._warn_unexported(snap)
         for (metric, lb), sources in snap.duplicates.items():
             key = (metric, lb, tuple(sources))
             if key in self._duplicates_seen:  # once per series and sources, not every interval
@@ -866,6 +871,26 @@ class Monitor:
             self.run_log.scrape(now, snap)
             self.run_log.evaluation(now, self.engine, alerts)
         return alerts
+
+    def _warn_unexported(self, snap: Snapshot) -> None:
+        """One warning per rule whose expression reads a metric that no source has exported, once every source has
+        answered at least once: without it such a rule (a misspelt metric, a source missing from ``[sources]``)
+        read as "no data" for ever, in silence."""
+        if not self._unsettled:
+            return
+        self._answered.update(set(snap.raw) - set(snap.errors))
+        wanted = set().union(*self._unsettled.values())
+        self._exported.update(m for m in wanted if m in snap.metrics)
+        if not set(self.config.sources) <= self._answered:
+            return  # a source that never answered may still export them
+        for rule, metrics in list(self._unsettled.items()):
+            missing = sorted(metrics - self._exported)
+            if missing:
+                log.warning("rule %s reads %s, which no source has exported since the monitor started (sources "
+                            "scraped: %s): it has no data until one does (a misspelt metric? a source missing from "
+                            "[sources]? a labelled counter appears only once it first counts)", rule,
+                            ", ".join(missing), ", ".join(sorted(self._answered)) or "none")
+            del self._unsettled[rule]
 
     def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
         interval = self.config.interval_s if interval_s is None else interval_s
