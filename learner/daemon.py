@@ -278,21 +278,13 @@ class Learner:
         self._signing_key = load_signing_key(ls.signing_key_file)  # read once; signs the deltas (never printed)
         self.device = torch.device(ls.device.resolve(torch.cuda.is_available()))
         self._stop = False
-        self.partition_rows: Counter[int] = Counter()  # rows trained (or dropped as duplicates) per partition
-        self.duplicates = 0
-        self.offsets: dict[int, int] = {}
-        self.recent = RecentIds(ls.dedup_window)
         self.trainer: Trainer | None = None
         self.cfg: FeatureConfig | None = None
         self.deltas: DeltaWriter | None = None  # serving freshness, built with the model (learner/deltas.py)
         self.mapper: RowMapper | None = None  # dynamic ids -> rows (built with the model)
         self._event_now: float | None = None  # event time (s) after the samples trained: learner/event_clock.py
-        self._clock = EventClock()
         self._event_newest = 0.0  # event time of the newest sample trained (s)
-        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s, ls.quality_recent_s,
-                                       ls.quality_min_samples, ls.cold_tracker_capacity)
-        self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
-        self.id_metrics = IdMetrics(ls.metrics_window)  # dynamic ids: lookups, admissions, bucket share
+        self._fresh_state()
         self._window_published = 0.0
         self._health_published = 0.0
         self.memory = MemoryMonitor(self.device)
@@ -303,6 +295,21 @@ class Learner:
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
 
     # -- model and state ---------------------------------------------------------------------------
+    def _fresh_state(self) -> None:
+        """The state a checkpoint restores besides the model (``_build``), as a learner without one has it. A restore
+        starts every candidate checkpoint from here: a newest one refused after some parts loaded (``_load``) left
+        its quality windows, read by the older one's ``load_state_dict`` as "absent: keep", in the resumed run."""
+        ls = self.ls
+        self.partition_rows: Counter[int] = Counter()  # rows trained (or dropped as duplicates) per partition
+        self.duplicates = 0
+        self.offsets: dict[int, int] = {}
+        self.recent = RecentIds(ls.dedup_window)
+        self._clock = EventClock()
+        self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s, ls.quality_recent_s,
+                                       ls.quality_min_samples, ls.cold_tracker_capacity)
+        self.bias: BaseRateBias | None = None  # a model built without a checkpoint: learner/delayed.py
+        self.id_metrics = IdMetrics(ls.metrics_window)  # dynamic ids: lookups, admissions, bucket share
+
     def _model_settings(self) -> dict[str, Any]:
         ls = self.ls
         return {"mlp": ls.model.mlp_text, "dropout": ls.dropout, "lr_sparse": ls.lr_sparse, "lr_dense": ls.lr_dense,
@@ -347,7 +354,7 @@ class Learner:
     def _load(self, ckpt: checkpoint.Checkpoint) -> None:
         """The learner's state from ``ckpt``. A ConfigError when our shaping settings or topic differ from its; any
         other exception (a tensor of another shape, a missing key: a damaged file) has the restore try the previous
-        checkpoint, and this runs again on it (every part below is built or replaced anew)."""
+        checkpoint, and this runs again on it (every part below is built or reset anew first: ``_fresh_state``)."""
         meta, recorded = ckpt.meta, ckpt.shape
         mine = shape_of(self.ls)
         changed = {k: (recorded.get(k), v) for k, v in mine.items() if k in recorded and recorded[k] != v}
@@ -355,6 +362,7 @@ class Learner:
             raise CheckpointMismatch(ckpt.path, changed)
         check_topic(ckpt.path, meta, self.kafka.samples_topic)
         checkpoint.continue_lineage(self.ls.checkpoint_dir, ckpt.meta, ckpt.path)  # before the deltas read LINEAGE
+        self._fresh_state()  # nothing of a newer checkpoint refused after some of it loaded
         self._build(ckpt.feature_config, self._model_settings())
         assert self.trainer is not None
         self.trainer.model.load_state_dict(ckpt["model"])

@@ -129,3 +129,46 @@ def test_a_transient_error_loading_the_newest_checkpoint_stops_the_start_and_nev
         assert third._restore() and third.trainer is not None and third.trainer.samples == 64
     finally:
         third.close()
+
+
+def test_a_fallback_past_a_damaged_newest_checkpoint_keeps_none_of_its_state(tmp_path: Path) -> None:
+    """The newest checkpoint loads its quality windows, then fails (id metrics that are not a mapping);
+    the previous one, written before those windows were saved (they were added later), must resume with fresh
+    ones, not the refused file's: ``TrainingQuality.load_state_dict`` keeps whatever part a state lacks."""
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
+                         id_capacity=40, admit_after=1, device=Device.CPU, amp=False, deltas_every_s=0)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted: no offsets to commit
+    first = Learner(kafka, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        rng = np.random.default_rng(2)
+        first._train(to_tensors(samples(rng, 32), CFG))
+        first.save()
+        first._train(to_tensors(samples(rng, 64, start=32), CFG))
+        first.save()
+    finally:
+        first.close()
+    older, newest = ck.list_checkpoints(tmp_path / "ck")
+    raw = ck.load(older)
+    for part in ("cold_metrics", "warm_metrics", "served"):  # a checkpoint from before these were saved
+        del raw[part]
+    older.unlink()
+    torch.save(raw, older)
+    raw = ck.load(newest)
+    assert raw["served"] and raw["warm_metrics"]  # the refused file has windows of its own to leak
+    raw["id_metrics"] = {"bucket_share": 5}  # not a mapping: fails after the quality windows were loaded
+    newest.unlink()
+    torch.save(raw, newest)
+
+    fresh = Learner(kafka, ls)
+    resumed = Learner(kafka, ls)
+    try:
+        assert resumed._restore()
+        assert resumed.trainer is not None and resumed.trainer.samples == 32
+        got = resumed.quality.summary()
+        assert got["cold_users"]["cold"]["samples"] == 0 and got["cold_users"]["warm"]["samples"] == 0, got
+        assert got["served"]["all"]["impressions"] == 0, got
+        assert repr(got) == repr(fresh.quality.summary())  # (repr: NaN, no data, equals itself there)
+    finally:
+        resumed.close()
+        fresh.close()
