@@ -84,6 +84,8 @@ import datetime as dt
 import json
 import logging
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -314,6 +316,45 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
                     "prefix / notify_channel?); serving will find it by polling CURRENT", version,
                     notify_channel(rs, rds))
     return receivers
+
+
+class RefreshTerminated(Exception):  # noqa: N818 - a stop, not an error of the run's own
+    """SIGTERM/SIGINT during :func:`run_now`, raised where the run is; it ends as a failed run at that stage."""
+
+
+# Set from the publish on: a stop signal to run_now then lets the run finish (publish() is atomic and short, and
+# after it the run has published; a failure raised there would report a publish as failed).
+_publishing = threading.Event()
+
+
+def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False) -> dict[str, Any]:
+    """``streamrec refresh --now``: :func:`run_once` (over a rollback pin) in the main thread, with SIGTERM/SIGINT
+    ending the run the way a failed run ends: the staged artifact (and layered rows) removed, nothing published, an
+    error line and a ``refresh_failed`` alert naming the stage and the signal, ``streamrec_refresh_runs_total
+    {outcome="failed"}``, :class:`RefreshError` (exit 1, as the scheduler's abandoned run: ``EXIT_ABANDONED``).
+    Before, the signal's default action ended the process at once with none of these. Only the first signal raises,
+    and none once the publish has begun (the run finishes and says it was asked to stop)."""
+    got: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        got.append(signum)
+        name = signal.Signals(signum).name
+        if len(got) > 1 or _publishing.is_set():
+            log.warning("%s during the refresh's publish (or a second one): the run finishes", name)
+            return
+        raise RefreshTerminated(f"stopped by {name} before it published: nothing was published, the live artifact "
+                                "keeps serving; run `streamrec refresh --now` again")
+
+    _publishing.clear()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run_once(rs, kafka, rds, respect_pin=False, allow_older=allow_older)
+    except RefreshTerminated as exc:  # outside the run's stages (waiting for the lock, closing the alerts)
+        raise RefreshError("shutdown", str(exc)) from exc
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _publishing.clear()
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
@@ -565,6 +606,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
+        _publishing.set()  # (run_now: a stop signal from here on lets the run finish)
         try:
             path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
         except PinHeld as held:
@@ -590,7 +632,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if isinstance(exc, OSError):
             msg = (f"{describe_os_error(exc)} (publish root {root}); nothing was published, the live "
                    "artifact keeps serving; fix the file system and run `streamrec refresh --now`")
-        elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError)):
+        elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError, RefreshTerminated)):
             msg = str(exc)
         else:
             msg = f"{type(exc).__name__}: {exc}"

@@ -11,6 +11,9 @@
   version half deleted), ``last_run`` (before ``last_run.json`` is replaced). Serve points:
   ``swap:<version>`` (that version loaded beside the live one, not swapped in), ``delta:<seq>`` (that
   delta read, not applied).
+* ``STREAMREC_TEST_PAUSE_AT=<point>`` (one of the points above): the process writes ``fault hook: paused at
+  <point>`` to stderr there and waits for SIGTERM or SIGINT (the test sends it), then hands it to the process's
+  handler (or the default action).
 * ``STREAMREC_TEST_PUBLISH_FAULT=<file>``: while the file exists, the publish root (``--publish-root``)
   fails as its content says: ``ENOSPC:build`` (the disk fills while the cold rows are written: half
   written, then ENOSPC), ``ENOSPC:publish`` (the staged artifact fits, then no byte more: writing
@@ -28,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 from learner import artifact, scorer
@@ -36,6 +40,7 @@ from stream import files
 from stream.files import write_synced
 
 KILL_AT = os.environ.get("STREAMREC_TEST_KILL_AT", "")
+PAUSE_AT = os.environ.get("STREAMREC_TEST_PAUSE_AT", "")
 FAULT_FILE = os.environ.get("STREAMREC_TEST_PUBLISH_FAULT")
 _state = {"current_replaced": False}
 
@@ -53,7 +58,28 @@ def _root() -> Path | None:
 ROOT = _root()
 
 
+def _pause(point: str) -> None:
+    """Wait at ``point`` until SIGTERM or SIGINT comes, then hand it to the process's own handler (which may raise
+    out of here, or let the run go on) or, without one, to the default action."""
+    got: list[int] = []
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    own = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in sigs}
+    sys.stderr.write(f"fault hook: paused at {point}\n")
+    sys.stderr.flush()
+    while not got:
+        time.sleep(0.05)
+    for sig, handler in own.items():
+        signal.signal(sig, handler)
+    handler = own[got[0]]
+    if callable(handler):
+        handler(got[0], None)
+    else:
+        os.kill(os.getpid(), got[0])
+
+
 def _die(point: str) -> None:
+    if PAUSE_AT == point:
+        _pause(point)
     if KILL_AT == point:
         sys.stderr.write(f"fault hook: SIGKILL at {point}\n")
         sys.stderr.flush()

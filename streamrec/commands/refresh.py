@@ -74,7 +74,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.now:
         try:
-            summary = job.run_once(rs, kafka, rds, respect_pin=False, allow_older=args.allow_older)  # ends a pin
+            summary = job.run_now(rs, kafka, rds, allow_older=args.allow_older)  # ends a pin; SIGTERM: failed
         except job.RefreshError as exc:
             print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
             return EXIT_FAILED

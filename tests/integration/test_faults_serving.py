@@ -328,6 +328,70 @@ def test_sigkill_of_refresh_at_random_points_never_makes_a_partial_version_curre
     assert total >= 3 * fault_rounds - finished and total >= 2 * fault_rounds
 
 
+def test_a_stop_signal_during_the_publish_of_refresh_now_lets_the_run_publish(
+        tmp_path: Path, redis_server: Service) -> None:
+    """From the publish on, SIGTERM to `streamrec refresh --now` lets the run finish (the publish is atomic and
+    short; after it the run has published): exit 0 with the new version current and complete."""
+    rf = make_refresh(tmp_path, redis_server)
+    proc = subprocess.Popen(rf.cmd(), env=rf.env(STREAMREC_TEST_PAUSE_AT="publish:before_rename"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = Lines(proc.stderr)
+    try:
+        assert lines.wait_for("paused at publish:before_rename", 120), lines.text()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        out = proc.stdout.read() if proc.stdout else ""
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines.join(10)
+    assert proc.returncode == 0, (proc.returncode, lines.text()[-3000:])
+    assert "SIGTERM during the refresh's publish" in lines.text()
+    assert assert_current_sound(rf.root) == json.loads(out)["version"]
+    assert leftovers(rf.root) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("point", ["build:staged"])
+def test_a_stop_signal_during_refresh_now_ends_the_run_as_a_failed_run(
+        tmp_path: Path, redis_server: Service, sig: signal.Signals, point: str) -> None:
+    """SIGTERM or SIGINT to `streamrec refresh --now` while it runs (the hook waits at ``point`` for the signal) ends it
+    as a failed run ends: an error line naming the stage, a refresh_failed alert, nothing made current, what was staged
+    removed (or left for the next run, as a kill leaves it), exit 1 (EXIT_FAILED, as the scheduler's abandoned run:
+    scheduler.EXIT_ABANDONED). Before, the default action killed the process at once (exit -15): no line, no alert,
+    no metric."""
+    rf = make_refresh(tmp_path, redis_server)
+    first = job.run_once(*rf.settings())  # a live version the stopped run must leave current
+    env = rf.env(STREAMREC_TEST_PAUSE_AT=point)
+    proc = subprocess.Popen(rf.cmd(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = Lines(proc.stderr)
+    try:
+        assert lines.wait_for(f"paused at {point}", 120), lines.text()[-3000:]
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines.join(10)
+    err = lines.text()
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    stage = point.split(":")[0]
+    assert f'refresh_failed{{stage="{stage}"}}' in err, err[-3000:]
+    assert signal.Signals(sig).name in err, err[-3000:]
+    assert "streamrec refresh: error:" in err, err[-3000:]
+    assert artifact.current_version(rf.root) == first["version"]
+    assert_current_sound(rf.root)
+    assert artifact.list_versions(rf.root) == [first["version"]]
+    # a stage directory the signal caught before the run knew it (inside the build) is left, as a kill leaves it:
+    # the next run removes it and publishes
+    left = leftovers(rf.root)
+    again = job.run_once(*rf.settings())
+    assert again["published"] and sorted(again["cleaned"]) == left
+    assert leftovers(rf.root) == [], leftovers(rf.root)
+
+
 # -- (b) SIGKILL of `streamrec serve` ------------------------------------------------------------------------
 class Client(threading.Thread):
     """Sends score requests in a loop, reconnecting when the server is gone; records what came back."""
