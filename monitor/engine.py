@@ -76,6 +76,7 @@ from monitor.alerts import (
     get_text,
 )
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
+from monitor.exposition import families_of
 from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point, Window, labels_of, metrics_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings, check_interval
@@ -113,6 +114,8 @@ class Snapshot:
     duplicates: dict[tuple[str, Labels], list[str]] = field(default_factory=dict)
     # source -> (how many of its samples were stamped too long ago to be current, the first of them): no data
     stale: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # metric names the sources declared (# HELP / # TYPE), samples or not: a labelled counter before its first count
+    declared: set[str] = field(default_factory=set)
 
     def add_text(self, source: str, text: str, now_s: float | None = None,
                  stale_after_s: float = STALE_AFTER_S) -> None:
@@ -125,7 +128,9 @@ class Snapshot:
         A sample whose timestamp (ms) is more than ``stale_after_s`` before ``now_s`` (Unix seconds; default
         the wall clock) is not a current value: it is left out, as if not exported (no data), and counted in
         :attr:`stale`. Read as current, a target exporting old timestamped samples looked fresh."""
-        samples = parse_exposition(text)
+        declared: set[str] = set()
+        samples = parse_exposition(text, declared)
+        self.declared |= declared
         oldest_ms = ((time.time() if now_s is None else now_s) - stale_after_s) * 1000
         raw = self.raw.setdefault(source, [])
         for name, lb, value, ts in samples:
@@ -880,7 +885,7 @@ class Monitor:
             return
         self._answered.update(set(snap.raw) - set(snap.errors))
         wanted = set().union(*self._unsettled.values())
-        self._exported.update(m for m in wanted if m in snap.metrics)
+        self._exported.update(m for m in wanted if m in snap.metrics or families_of(m) & snap.declared)
         if not set(self.config.sources) <= self._answered:
             return  # a source that never answered may still export them
         for rule, metrics in list(self._unsettled.items()):
@@ -888,7 +893,7 @@ class Monitor:
             if missing:
                 log.warning("rule %s reads %s, which no source has exported since the monitor started (sources "
                             "scraped: %s): it has no data until one does (a misspelt metric? a source missing from "
-                            "[sources]? a labelled counter appears only once it first counts)", rule,
+                            "[sources]?)", rule,
                             ", ".join(missing), ", ".join(sorted(self._answered)) or "none")
             del self._unsettled[rule]
 

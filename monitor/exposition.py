@@ -54,10 +54,12 @@ def _value(token: str) -> float:
     return float(token)
 
 
-def parse(text: str) -> list[Sample]:
+def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
     """Every sample of ``text``, in order; :class:`ExpositionError` at the first line that is not the format, or
     that repeats a series (name and labels, in any order) of an earlier line: "each line must have a unique
-    combination of a metric name and labels" (Prometheus refuses the scrape: "duplicate sample for timestamp")."""
+    combination of a metric name and labels" (Prometheus refuses the scrape: "duplicate sample for timestamp").
+    ``declared``, when given, gets the metric names of the ``# HELP`` / ``# TYPE`` lines: a family exported before
+    its first sample (a labelled counter that has not counted yet) is declared, though it has none."""
     out: list[Sample] = []
     seen: dict[tuple[str, Labels], int] = {}  # series -> its line
     append, sample, pairs = out.append, _SAMPLE.fullmatch, _PAIR.findall
@@ -68,7 +70,9 @@ def parse(text: str) -> list[Sample]:
             if not stripped:
                 continue  # a blank line
             if stripped[0] == "#":
-                _comment(stripped, number, line)
+                name = _comment(stripped, number, line)
+                if name is not None and declared is not None:
+                    declared.add(name)
                 continue
             raise ExpositionError(f"line {number}: not a sample (metric_name [{{labels}}] value [timestamp]): "
                                   f"{_shown(line)}")
@@ -95,10 +99,11 @@ def parse(text: str) -> list[Sample]:
     return out
 
 
-def _comment(stripped: str, number: int, line: str) -> None:
-    """A ``#`` line: HELP and TYPE must name a metric (TYPE also a type); any other comment is ignored."""
+def _comment(stripped: str, number: int, line: str) -> str | None:
+    """A ``#`` line: HELP and TYPE must name a metric (TYPE also a type), which is returned; any other comment is
+    ignored (None)."""
     if not re.match(r"#[ \t]+(HELP|TYPE)\b", stripped):
-        return
+        return None
     m = _META.fullmatch(stripped)
     kind = stripped.split(None, 2)[1]
     if m is None or m.group("name") is None:
@@ -106,3 +111,14 @@ def _comment(stripped: str, number: int, line: str) -> None:
     if kind == "TYPE" and (m.group("text") or "").strip() not in _TYPES:
         raise ExpositionError(f"line {number}: # TYPE of {m.group('name')} is not one of "
                               f"{', '.join(sorted(_TYPES))}: {_shown(line)}")
+    return m.group("name")
+
+
+# the sample names of a family: a counter's <name>_total and _created, a histogram's _bucket, _sum and _count ...
+_FAMILY_SUFFIXES = ("_total", "_created", "_bucket", "_sum", "_count", "_info")
+
+
+def families_of(sample_name: str) -> set[str]:
+    """The family names whose ``# TYPE`` line may declare ``sample_name``: itself, and itself less a suffix of the
+    family's samples (prometheus_client declares a counter as ``<name>_total``, a histogram as ``<name>``)."""
+    return {sample_name} | {sample_name[:-len(x)] for x in _FAMILY_SUFFIXES if sample_name.endswith(x)}

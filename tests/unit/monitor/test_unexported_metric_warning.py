@@ -88,3 +88,24 @@ def test_a_rule_on_a_metric_no_source_exports_is_warned_once_after_every_source_
         assert "streamrec_learner_lag_samples" not in ratio  # exported: only the missing metric is named
     finally:
         mon.close(0)
+
+
+def test_a_declared_metric_family_without_samples_yet_is_exported_and_not_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # a labelled counter that has not counted yet (streamrec_input_lost_to_retention_total{reader,topic}: a packaged
+    # rule reads it) is exported as its # HELP and # TYPE lines only: a healthy system was warned about
+    config = loads_rules(RULES.replace("streamrec_learner_lagg_samples", "streamrec_learner_lost_total")
+                         .replace("streamrec_serving_nothing_total", "streamrec_serving_wait_seconds_bucket"))
+    learner = ("# HELP streamrec_learner_lost_total records lost\n# TYPE streamrec_learner_lost counter\n"
+               'streamrec_learner_lag_samples{partition="0"} 3\n')
+    serving = ("# HELP streamrec_serving_wait_seconds a wait\n# TYPE streamrec_serving_wait_seconds histogram\n"
+               "streamrec_serving_requests_total 10\n")
+    mon = Monitor(config, QueuedSink(NullSink(), config.sinks), scrape=scrapes([{"learner": learner,
+                                                                                  "serving": serving}] * 2))
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+            mon.step()
+            mon.step()
+        assert [r.message for r in caplog.records if "no source has exported" in r.message] == []
+    finally:
+        mon.close(0)
