@@ -31,7 +31,8 @@ Time (``time_unit``)
     ``s``/``ms``/``us``/``ns``: integer or float epoch times (floats are rounded to the nearest ms,
     integers truncated). ``None`` (the CLI without ``--time-unit``): ``ms``, but a file whose every valid
     numeric time is before 1973 read as ms (epoch seconds, most likely) is refused with a hint to give the
-    unit. ``iso``: ISO-8601 strings (``2000-12-31T22:12:40Z``, offsets allowed,
+    unit, and in a file where only some are, each such row is rejected (below), its reason naming the unit its
+    number looks like; so is a time out of range for a given unit. ``iso``: ISO-8601 strings (``2000-12-31T22:12:40Z``, offsets allowed,
     no offset = UTC). Arrow timestamp and date columns carry their own unit and are taken as they
     are whatever ``time_unit`` says (naive timestamps are UTC).
 
@@ -55,7 +56,8 @@ Rejected rows
     ``context.<col>``, ``dense.<col>``) or ``clicked`` / ``click_ts``; the first failing one in that
     order is reported, and ``expected`` ends with the column and the row (counting data rows from 0).
     Reasons: a missing or empty id, a negative integer id, an id over 256 chars or over 2**63-1; a
-    missing/unparseable time or one outside [1970-01-01, 2100-01-01); a dense value that is missing
+    missing/unparseable time or one outside [1970-01-01, 2100-01-01) (or, under the default unit, before
+    1973-03-03: epoch seconds among milliseconds); a dense value that is missing
     or not finite; a context value the schema rejects (non-finite float, string over 256 chars, list
     over 1024 entries); an unparseable clicked value; a click time that is unparseable, out of range
     or before the impression. A row whose every value passes but whose event, as the publisher encodes
@@ -126,7 +128,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _ONE_MS = timedelta(milliseconds=1)
 
 # time conversion status codes
-_OK, _MISSING, _UNPARSEABLE, _OUT_OF_RANGE = 0, 1, 2, 3
+_OK, _MISSING, _UNPARSEABLE, _OUT_OF_RANGE, _IMPLAUSIBLE = 0, 1, 2, 3, 4
 
 
 class EventLogError(ConfigError):
@@ -629,13 +631,16 @@ def _iso_column(arr: pa.Array, missing: np.ndarray) -> tuple[np.ndarray, np.ndar
     return _parse_iso(s)  # mixed offsets, unusual forms, bad values or years outside 1677-2262
 
 
-def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray, np.ndarray]:
-    """A time column -> ``(int64 ms (N,), status (N,) int8)``, status one of _OK/_MISSING/..."""
+def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A time column -> ``(int64 ms (N,), status (N,) int8, number (N,) float64)``, status one of _OK/_MISSING/...;
+    ``number`` is each cell's number as written (in ``unit``), NaN where the cell is no number (text that does not
+    parse, ISO text, Arrow timestamps and dates, which carry their own unit)."""
     t = arr.type
     n = len(arr)
     status = np.zeros(n, dtype=np.int8)
+    number = np.full(n, np.nan)
     if pa.types.is_null(t):
-        return np.zeros(n, np.int64), np.full(n, _MISSING, np.int8)
+        return np.zeros(n, np.int64), np.full(n, _MISSING, np.int8), number
     missing = _nulls(arr)
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
         if pa.types.is_date32(t):
@@ -653,10 +658,12 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray
             v, big = _ints(arr)
             ms, ok = _int_to_ms(v, unit)
             ok &= ~big
+            number = np.where(big, np.inf, v.astype(np.float64))
         else:
             f = _floats(arr)
             missing = missing | np.isnan(f)
             ms, ok = _float_to_ms(f, unit)
+            number = f
     elif _is_text(t):
         trimmed = pc.utf8_trim_whitespace(arr)
         missing = missing | _np_bool(pc.equal(trimmed, ""))
@@ -672,30 +679,60 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray
             ok = np.where(is_int, ok_i, ok_f)
             status[~(is_int | is_float)] = _UNPARSEABLE
             ok &= is_int | is_float
+            number = np.where(is_int, ints.astype(np.float64), np.where(is_float, flts, np.nan))
     else:
         raise EventLogError(f"time column {column!r} has type {t}; expected numbers (unit s/ms/us/ns), "
                             f"ISO-8601 strings or timestamps (set with {flag} and {FLAGS['time_unit']})")
     status[(status == _OK) & ~ok] = _OUT_OF_RANGE
     status[missing] = _MISSING
-    return np.where(status == _OK, ms, 0).astype(np.int64), status
-
-
-def _time_checks(status: np.ndarray, field: str, column: str, unit: str) -> list[_Check]:
-    if unit == "iso":
-        what = "an ISO-8601 time such as 2000-12-31T22:12:40Z"
-    else:
-        what = f"a number of {unit} since the epoch ({FLAGS['time_unit']} {unit})"
-    top = {"s": MAX_TS_MS // 1000, "ms": MAX_TS_MS, "us": MAX_TS_MS * 1000, "ns": MAX_TS_MS * 10**6}.get(unit)
-    span = "between 1970-01-01 and 2100-01-01" + ("" if unit == "iso" else f", i.e. [0, {top}] {unit}")
-    return [
-        _Check(status == _MISSING, field, column, f"{what} (the value is missing)"),
-        _Check(status == _UNPARSEABLE, field, column, what),
-        _Check(status == _OUT_OF_RANGE, field, column,
-               f"a time {span}; a wrong {FLAGS['time_unit']}?"),
-    ]
+    return np.where(status == _OK, ms, 0).astype(np.int64), status, number
 
 
 _PLAUSIBLE_MS = 100_000_000_000  # 1973-03-03T09:46:40Z; epoch seconds up to 5138 are below it
+_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
+
+
+def _flag_implausible(status: np.ndarray, ms: np.ndarray, number: np.ndarray) -> None:
+    """Under the default unit (ms, not given), a numeric time before 1973 is no event time: most likely epoch seconds
+    (which would replay as January 1970). Each such row is marked ``_IMPLAUSIBLE`` (dead-lettered, its reason naming
+    the unit it looks like): the rule of :func:`_check_default_unit`, which refuses a file whose every time breaks it,
+    applied row by row, so a file mixing seconds and milliseconds publishes none of its seconds as 1970."""
+    status[(status == _OK) & (ms < _PLAUSIBLE_MS) & ~np.isnan(number)] = _IMPLAUSIBLE
+
+
+def _looks_like(number: np.ndarray) -> np.ndarray:
+    """(N,) the unit (a key of ``_UNIT_NAMES``) in which each number is a time in [1973-03-03, 2100-01-01), or ''."""
+    out = np.full(len(number), "", dtype=object)
+    with np.errstate(invalid="ignore"):
+        for u, per in _MS_PER.items():
+            out[(number * per >= _PLAUSIBLE_MS) & (number * per <= MAX_TS_MS)] = u
+    return out
+
+
+def _time_checks(status: np.ndarray, number: np.ndarray, field: str, column: str, unit: str) -> list[_Check]:
+    flag = FLAGS["time_unit"]
+    if unit == "iso":
+        what = "an ISO-8601 time such as 2000-12-31T22:12:40Z"
+    else:
+        what = f"a number of {unit} since the epoch ({flag} {unit})"
+    top = {"s": MAX_TS_MS // 1000, "ms": MAX_TS_MS, "us": MAX_TS_MS * 1000, "ns": MAX_TS_MS * 10**6}.get(unit)
+    span = "between 1970-01-01 and 2100-01-01" + ("" if unit == "iso" else f", i.e. [0, {top}] {unit}")
+    checks = [
+        _Check(status == _MISSING, field, column, f"{what} (the value is missing)"),
+        _Check(status == _UNPARSEABLE, field, column, what),
+    ]
+    like = _looks_like(number)
+    for guess in ("", *_UNIT_NAMES):  # a reason per unit the rows look like
+        this = like == guess
+        hint = (f"; it looks like epoch {_UNIT_NAMES[guess]}: {flag} {guess}?" if guess and guess != unit
+                else f"; a wrong {flag}?")
+        checks.append(_Check((status == _OUT_OF_RANGE) & this, field, column, f"a time {span}{hint}"))
+        early = (f"it looks like epoch {_UNIT_NAMES[guess]}: pass {flag} {guess} for a file in {_UNIT_NAMES[guess]}"
+                 if guess and guess != unit else f"pass {flag} ms to take times before 1973 as they are")
+        checks.append(_Check((status == _IMPLAUSIBLE) & this, field, column,
+                             f"a time from 1973-03-03 on: before 1973 read as milliseconds (the default {flag} ms); "
+                             f"{early}, or fix the row"))
+    return checks
 
 
 def _check_default_unit(t: pa.DataType, ms: np.ndarray, column: str, path: Path) -> None:
@@ -935,10 +972,11 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n)
     checks += c
     unit = cols.time_unit or "ms"
-    ts, ts_status = _times(col[cols.time], unit, cols.time, FLAGS["time"])
+    ts, ts_status, ts_number = _times(col[cols.time], unit, cols.time, FLAGS["time"])
     if cols.time_unit is None:
         _check_default_unit(col[cols.time].type, ts[ts_status == _OK], cols.time, path)
-    checks += _time_checks(ts_status, "ts", cols.time, unit)
+        _flag_implausible(ts_status, ts, ts_number)
+    checks += _time_checks(ts_status, ts_number, "ts", cols.time, unit)
     # The producer stamps messages with the wall clock: a row further ahead than the joiner would accept
     # is dead-lettered here already (same bound, same kind).
     ahead = (ts_status == _OK) & (ts > int(time.time() * 1000) + DEFAULT_LIMITS.future_ts_ms)
@@ -973,11 +1011,13 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     click_ts = np.zeros(n, np.int64)
     from_column = np.zeros(n, bool)
     if cols.click_time is not None:
-        ct, ct_status = _times(col[cols.click_time], unit, cols.click_time, FLAGS["click_time"])
+        ct, ct_status, ct_number = _times(col[cols.click_time], unit, cols.click_time, FLAGS["click_time"])
+        if cols.time_unit is None:
+            _flag_implausible(ct_status, ct, ct_number)
         if cols.clicked is None:
             clicked = ct_status != _MISSING
         from_column = clicked & (ct_status != _MISSING)
-        ct_checks = _time_checks(ct_status, "click_ts", cols.click_time, unit)[1:]
+        ct_checks = _time_checks(ct_status, ct_number, "click_ts", cols.click_time, unit)[1:]
         for check in ct_checks:
             check.mask = check.mask & clicked
         checks += ct_checks
