@@ -9,8 +9,11 @@ Reading
     given. Only the mapped columns are read. A CSV file needs a header row. In CSV files the id columns
     are read as text: a column whose values are all canonical non-negative integers (``0``, ``42``,
     not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
-    :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there.
-    Empty CSV cells of feature columns are missing values. A mapped column name that appears twice in the
+    :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there. The time,
+    click-time and dense columns are read as text as well and each cell parsed on its own: only an empty cell is
+    missing, and a rejected row's reason shows what its cell held (``nan``, ``inf``, ``NA``), which Arrow's type
+    inference read as a missing value or a float; a text column whose every present cell is ISO-8601 is read as
+    times whatever the numeric unit (as that inference did). Empty CSV cells of feature columns are missing values. A mapped column name that appears twice in the
     file is refused (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
     delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
     (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
@@ -372,8 +375,11 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
 
     have = _csv(path, header)
     _check_columns(path, have, cols, wanted)
-    # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids().
-    text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id) if c is not None}
+    # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids(). Times and dense values
+    # as text too: Arrow's inference read `nan`, `NA` or `null` as a missing value and `inf` as a float, so a row's
+    # reason said "missing" (or showed null) instead of what the cell held; each cell is parsed in _times/_dense.
+    text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id, cols.time, cols.click_time,
+                                          *cols.dense) if c is not None}
     convert = pcsv.ConvertOptions(include_columns=wanted, column_types=text_cols)
     if limit is not None:
         # Streaming stops early, but it infers types from the first block only: if a later block
@@ -631,6 +637,13 @@ def _iso_column(arr: pa.Array, missing: np.ndarray) -> tuple[np.ndarray, np.ndar
     return _parse_iso(s)  # mixed offsets, unusual forms, bad values or years outside 1677-2262
 
 
+def _all_iso(arr: pa.Array, missing: np.ndarray) -> bool:
+    """Every present cell of a text column is an ISO-8601 time (cheap test first: no present cell is a number)."""
+    if missing.all() or _matches(pc.utf8_trim_whitespace(arr), _FLOAT_RE).any():
+        return False
+    return bool(_iso_column(arr, missing)[1][~missing].all())
+
+
 def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A time column -> ``(int64 ms (N,), status (N,) int8, number (N,) float64)``, status one of _OK/_MISSING/...;
     ``number`` is each cell's number as written (in ``unit``), NaN where the cell is no number (text that does not
@@ -668,9 +681,15 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray
         trimmed = pc.utf8_trim_whitespace(arr)
         missing = missing | _np_bool(pc.equal(trimmed, ""))
         if unit == "iso":
+            if not missing.all() and _matches(trimmed, _FLOAT_RE)[~missing].all():
+                raise EventLogError(f"time column {column!r} holds numbers, not ISO-8601 strings: set "
+                                    f"{FLAGS['time_unit']} to s, ms, us or ns")
             ms, parsed = _iso_column(arr, missing)
             ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
             status[~parsed] = _UNPARSEABLE
+        elif _all_iso(arr, missing):  # ISO-8601 text whatever the unit, as Arrow's CSV inference read it
+            ms, ok = _iso_column(arr, missing)
+            ok &= (ms >= 0) & (ms <= MAX_TS_MS)
         else:
             _, is_int, ints, is_float, flts = _parse_numbers(arr)
             ms_i, ok_i = _int_to_ms(ints, unit)
@@ -836,6 +855,8 @@ def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
     elif _is_text(t):
         missing, is_int, ints, is_float, flts = _parse_numbers(arr)
         v = np.where(is_int, ints.astype(np.float64), np.where(is_float, flts, np.nan))
+        word = pc.utf8_lower(pc.utf8_trim_whitespace(arr))  # booleans as CSV writes them (Arrow's inference took them)
+        v = np.where(_np_bool(pc.equal(word, "true")), 1.0, np.where(_np_bool(pc.equal(word, "false")), 0.0, v))
     else:
         raise EventLogError(f"dense column {column!r} has type {t}; dense features must be numbers "
                             f"(set with {FLAGS['dense']})")

@@ -51,7 +51,8 @@ def test_epoch_seconds_rows_among_milliseconds_are_dead_lettered_naming_the_unit
     for field, reason in bad.values():
         assert field == "ts"
         assert "before 1973" in reason and "seconds" in reason and "--time-unit s" in reason
-    assert orjson.loads(t.raw[0].value)["ts"] == T0_S + 60
+    # the row as the file holds it: a CSV cell's text, a Parquet integer
+    assert orjson.loads(t.raw[0].value)["ts"] == (str(T0_S + 60) if fmt == "csv" else T0_S + 60)
 
 
 def test_a_time_out_of_range_for_its_unit_names_the_unit_it_looks_like(tmp_path: Path) -> None:
@@ -68,3 +69,43 @@ def test_an_explicit_ms_unit_still_takes_early_times_as_they_are(tmp_path: Path)
     path = write_csv(tmp_path / "early.csv", "user_id,item_id,ts,clicked", [f"1,1,{T0_MS},0", "2,2,5000,0"])
     t = load_eventlog(path, ColumnMap(time_unit="ms"), FIXED, seed=0)
     assert t.ts.tolist() == [T0_MS, 5000] and not t.raw
+
+
+# -- 2: what a bad cell held, not "missing" -------------------------------------------------------
+@pytest.mark.parametrize("cell", ["nan", "NaN", "inf", "-inf", "NA", "null"])
+def test_a_time_cell_that_is_no_number_is_reported_as_written_not_as_missing(tmp_path: Path, cell: str) -> None:
+    path = write_csv(tmp_path / "t.csv", "user_id,item_id,ts,clicked",
+                     [f"1,1,{T0_MS},0", f"2,2,{cell},0", f"3,3,{T0_MS + 1},0"])
+    t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
+    assert t.ts.tolist() == [T0_MS, T0_MS + 1]
+    (raw,) = t.raw
+    assert raw.error.field == "ts" and raw.error.value == cell
+    assert "missing" not in raw.error.reason and repr(cell) in raw.error.reason
+    assert orjson.loads(raw.value)["ts"] == cell
+
+
+@pytest.mark.parametrize("cell", ["nan", "inf"])
+def test_a_dense_or_click_time_cell_that_is_no_number_is_reported_as_written(tmp_path: Path, cell: str) -> None:
+    path = write_csv(tmp_path / "d.csv", "user_id,item_id,ts,clicked,price,cts",
+                     [f"1,1,{T0_MS},1,0.5,{T0_MS + 5}", f"2,2,{T0_MS},0,{cell},", f"3,3,{T0_MS},1,1.5,{cell}"])
+    t = load_eventlog(path, ColumnMap(dense=("price",), click_time="cts"), FIXED, seed=0)
+    bad = {raw.error.field: raw for raw in t.raw}
+    assert set(bad) == {"dense.price", "click_ts"}
+    for field, column in (("dense.price", "price"), ("click_ts", "cts")):
+        assert bad[field].error.value == cell and "missing" not in bad[field].error.reason
+        assert orjson.loads(bad[field].value)[column] == cell
+
+
+def test_empty_time_and_dense_cells_are_still_missing(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "e.csv", "user_id,item_id,ts,clicked,price",
+                     [f"1,1,{T0_MS},0,0.5", "2,2,,0,1.0", f"3,3,{T0_MS},0,"])
+    t = load_eventlog(path, ColumnMap(dense=("price",)), FIXED, seed=0)
+    assert sorted((r.error.field, r.error.value) for r in t.raw) == [("dense.price", None), ("ts", None)]
+    assert all("missing" in r.error.reason for r in t.raw)
+
+
+def test_iso_times_in_a_csv_are_read_whatever_the_numeric_unit(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "iso.csv", "user_id,item_id,ts,clicked",
+                     ["1,1,2000-12-31T22:12:40Z,0", "2,2,2000-12-31T22:12:41Z,0"])
+    for unit in (None, "s"):
+        assert load_eventlog(path, ColumnMap(time_unit=unit), FIXED, seed=0).ts.tolist() == [T0_MS, T0_MS + 1000]
