@@ -41,7 +41,10 @@ Time (``time_unit``)
 
 Clicks
     ``clicked`` accepts booleans, integers (non-zero = clicked), floats (non-zero, NaN = not
-    clicked) and the strings true/false/1/0/yes/no (any case); a missing value is not clicked.
+    clicked) and the strings true/false/1/0/yes/no (any case); a missing value is not clicked. A CSV
+    cell is judged alone by the same rule (its column is read as text): ``2``, ``-1``, ``0.5`` are
+    clicks, ``0``, ``0.0``, ``nan`` and an empty cell are not, anything else is rejected, whether the
+    rest of the column holds integers or words (a ``TRUE`` elsewhere made ``2`` unparseable).
     A clicked row's click is at its ``click_time`` when that column is mapped and the value is not
     missing, else at ``ts`` + a delay drawn with ``draw_click_delays_ms`` from
     ``np.random.Generator(np.random.PCG64(seed))``. One delay is drawn per row read (row ``i`` uses
@@ -378,8 +381,9 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
     # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids(). Times and dense values
     # as text too: Arrow's inference read `nan`, `NA` or `null` as a missing value and `inf` as a float, so a row's
     # reason said "missing" (or showed null) instead of what the cell held; each cell is parsed in _times/_dense.
+    # The clicked column too, so that a cell means the same whatever its neighbours (see _clicked).
     text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id, cols.time, cols.click_time,
-                                          *cols.dense) if c is not None}
+                                          cols.clicked, *cols.dense) if c is not None}
     convert = pcsv.ConvertOptions(include_columns=wanted, column_types=text_cols)
     if limit is not None:
         # Streaming stops early, but it infers types from the first block only: if a later block
@@ -779,10 +783,14 @@ def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_floating(t):
         f = _floats(arr)
         return ~np.isnan(f) & (f != 0), np.zeros(n, bool)
-    if _is_text(t):
+    if _is_text(t):  # each cell by the rule of its own kind: a word, an integer, a float (nan: not clicked)
         s = pc.utf8_lower(pc.utf8_trim_whitespace(arr))
         yes = _np_bool(pc.is_in(s, pa.array(_TRUE)))
-        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | _nulls(arr)
+        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | _nulls(arr) | _np_bool(pc.equal(s, "nan"))
+        _, is_int, ints, is_float, flts = _parse_numbers(arr)
+        number = (is_int | is_float) & ~(yes | no)
+        yes |= number & np.where(is_int, ints != 0, flts != 0)
+        no |= number
         return yes, ~(yes | no)
     raise EventLogError(f"clicked column {column!r} has type {t}; expected booleans, integers or "
                         f"true/false/1/0/yes/no (set with {FLAGS['clicked']}, '' for no clicks)")
@@ -1026,7 +1034,7 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     if cols.clicked is not None:
         clicked, unparseable = _clicked(col[cols.clicked], cols.clicked)
         checks.append(_Check(unparseable, "clicked", cols.clicked,
-                             "a boolean, an integer or one of true/false/1/0/yes/no"))
+                             "a boolean, a number (non-zero = clicked) or one of true/false/yes/no"))
     else:
         clicked = np.zeros(n, bool)
     click_ts = np.zeros(n, np.int64)

@@ -109,3 +109,26 @@ def test_iso_times_in_a_csv_are_read_whatever_the_numeric_unit(tmp_path: Path) -
                      ["1,1,2000-12-31T22:12:40Z,0", "2,2,2000-12-31T22:12:41Z,0"])
     for unit in (None, "s"):
         assert load_eventlog(path, ColumnMap(time_unit=unit), FIXED, seed=0).ts.tolist() == [T0_MS, T0_MS + 1000]
+
+
+# -- 3: one rule for a clicked cell, whatever its neighbours -------------------------------------------
+CLICKED_CELLS = {"2": True, "-1": True, "0": False, "1": True, "0.0": False, "1.5": True, "nan": False, "": False,
+                 "no": False, "Yes": True}
+
+
+@pytest.mark.parametrize("neighbour", [None, "TRUE", "false", "7"])
+def test_a_clicked_cell_means_the_same_whatever_the_rest_of_its_column_holds(tmp_path: Path,
+                                                                            neighbour: str | None) -> None:
+    cells = list(CLICKED_CELLS) + ([neighbour] if neighbour is not None else [])
+    path = write_csv(tmp_path / "c.csv", "user_id,item_id,ts,clicked",
+                     [f"{k},{k},{T0_MS + k},{c}" for k, c in enumerate(cells)])
+    t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
+    assert not t.raw, [str(r.error) for r in t.raw]
+    clicked = {int(i.rsplit("-", 1)[1]) for i in t.click_impression_id.tolist()}
+    assert clicked & set(range(len(CLICKED_CELLS))) == {k for k, v in enumerate(CLICKED_CELLS.values()) if v}
+
+
+def test_a_clicked_cell_that_is_no_value_of_the_rule_is_dead_lettered_as_written(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "c.csv", "user_id,item_id,ts,clicked", [f"1,1,{T0_MS},1", f"2,2,{T0_MS},maybe"])
+    (raw,) = load_eventlog(path, ColumnMap(), FIXED, seed=0).raw
+    assert raw.error.field == "clicked" and raw.error.value == "maybe"
