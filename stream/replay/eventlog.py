@@ -13,8 +13,9 @@ Reading
     click-time and dense columns are read as text as well and each cell parsed on its own: only an empty cell is
     missing, and a rejected row's reason shows what its cell held (``nan``, ``inf``, ``NA``), which Arrow's type
     inference read as a missing value or a float; a text column whose every present cell is ISO-8601 is read as
-    times whatever the numeric unit (as that inference did). Empty CSV cells of feature columns are missing values. A mapped column name that appears twice in the
-    file is refused (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
+    times whatever the numeric unit (as that inference did). Empty CSV cells of feature columns are missing
+    values. A mapped column name that appears twice in the file is refused (Arrow would silently take the
+    first). A CSV row that does not parse (a missing or extra
     delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
     (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
     A file named ``.csv`` that starts like gzip, bzip2, zstd or Parquet is refused with the name that reads it.
@@ -35,8 +36,9 @@ Time (``time_unit``)
     integers truncated). ``None`` (the CLI without ``--time-unit``): ``ms``, but a file whose every valid
     numeric time is before 1973 read as ms (epoch seconds, most likely) is refused with a hint to give the
     unit, and in a file where only some are, each such row is rejected (below), its reason naming the unit its
-    number looks like; so is a time out of range for a given unit. ``iso``: ISO-8601 strings (``2000-12-31T22:12:40Z``, offsets allowed,
-    no offset = UTC). Arrow timestamp and date columns carry their own unit and are taken as they
+    number looks like; so is a time out of range for a given unit. ``iso``: ISO-8601 strings
+    (``2000-12-31T22:12:40Z``, offsets allowed, no offset = UTC). Arrow timestamp and date columns carry their
+    own unit and are taken as they
     are whatever ``time_unit`` says (naive timestamps are UTC).
 
 Clicks
