@@ -270,7 +270,7 @@ class Tail:
                     dec = decoders.get(t)
                     if dec is not None:
                         try:
-                            dec(m.value())
+                            dec(m.value(), key=m.key())
                         except Exception:  # noqa: BLE001 - what the joiner dead-letters
                             self.malformed[t] = self.malformed.get(t, 0) + 1
                     elif t == k.samples_topic:

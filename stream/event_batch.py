@@ -7,7 +7,8 @@ what :func:`~stream.events.decode_impression` / :func:`~stream.events.decode_cli
 1. each message is parsed (``orjson.loads``, one C call each);
 2. a block of rows is checked column by column, each check one C-level pass over a column (``set(map(type,
    col))``, ``min``/``max`` of lengths and integers, ``math.isfinite`` over floats, one NumPy comparison for the
-   broker-timestamp bound) that accepts only what the per-event rules accept;
+   broker-timestamp bound, list equality of the message keys with the ids' UTF-8) that accepts only what the
+   per-event rules accept;
 3. a block that fails a check is halved until the rows that fail are alone; those rows (and only those) go
    through the per-event decoder, which raises their exact reason (or accepts a row the fast checks were merely
    too strict for: a ``schema_version`` of ``1.0``, say). Good rows never pay for a bad neighbour beyond
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import chain, compress, repeat
-from operator import is_, itemgetter
+from operator import eq, is_, itemgetter, or_
 from typing import Any, cast
 
 import numpy as np
@@ -58,33 +59,34 @@ class _Reject(Exception):
 
 
 def decode_events(values: Sequence[bytes | None], broker_ts: Sequence[int | None], clicks: bool,
-                  limits: EventLimits = DEFAULT_LIMITS) -> list[Decoded]:
+                  limits: EventLimits = DEFAULT_LIMITS, keys: Sequence[bytes | None] | None = None) -> list[Decoded]:
     """One topic's messages -> per message its event or why it is bad (see the module docstring).
-    ``broker_ts[i]``: message i's broker timestamp (ms) or None, as the per-event decoders take it."""
+    ``broker_ts[i]``: message i's broker timestamp (ms) or None, as the per-event decoders take it; ``keys[i]``:
+    its Kafka key or None (``stream.events.check_key``); ``keys=None``: no key is checked."""
     out: list[Decoded] = [None] * len(values)  # type: ignore[list-item]
-    _block(values, broker_ts, 0, len(values), clicks, limits, out)
+    _block(values, broker_ts, [None] * len(values) if keys is None else keys, 0, len(values), clicks, limits, out)
     return out
 
 
-def _block(values: Sequence[bytes | None], broker_ts: Sequence[int | None], lo: int, hi: int, clicks: bool,
-           limits: EventLimits, out: list[Decoded]) -> None:
+def _block(values: Sequence[bytes | None], broker_ts: Sequence[int | None], keys: Sequence[bytes | None], lo: int,
+           hi: int, clicks: bool, limits: EventLimits, out: list[Decoded]) -> None:
     if lo >= hi:
         return
     if hi - lo > _MIN_BLOCK or hi - lo == len(values):
         try:
-            out[lo:hi] = _fast(values[lo:hi], broker_ts[lo:hi], clicks, limits)
+            out[lo:hi] = _fast(values[lo:hi], broker_ts[lo:hi], keys[lo:hi], clicks, limits)
             return
         except (_Reject, TypeError, ValueError, OverflowError, AttributeError, KeyError):
             pass  # a row breaks a fast check (or its assumptions): find it
         if hi - lo > _MIN_BLOCK:
             mid = (lo + hi) // 2
-            _block(values, broker_ts, lo, mid, clicks, limits, out)
-            _block(values, broker_ts, mid, hi, clicks, limits, out)
+            _block(values, broker_ts, keys, lo, mid, clicks, limits, out)
+            _block(values, broker_ts, keys, mid, hi, clicks, limits, out)
             return
     decode = decode_click if clicks else decode_impression
     for i in range(lo, hi):
         try:
-            out[i] = decode(values[i], limits, broker_ts[i])
+            out[i] = decode(values[i], limits, broker_ts[i], keys[i])
         except BadMessage as exc:
             out[i] = exc
 
@@ -182,7 +184,19 @@ def _or_empty(col: list[dict | None]) -> list[dict]:
     return cast("list[dict]", col) if None not in col else [c if c is not None else {} for c in col]
 
 
-def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], clicks: bool,
+def _keys_match(keys: Sequence[bytes | None], ids: list[str]) -> None:
+    """``stream.events.check_key`` over a column: each key None or its id's UTF-8, one C-level pass (list equality
+    where every message is keyed, the usual stream)."""
+    if keys.count(None) == len(keys):  # no message keyed (or no keys given)
+        return
+    encoded = list(map(str.encode, ids))
+    if None not in keys:
+        _check(list(keys) == encoded)
+    else:
+        _check(all(map(or_, map(is_, keys, repeat(None)), map(eq, keys, encoded))))
+
+
+def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], keys: Sequence[bytes | None], clicks: bool,
           limits: EventLimits) -> list[Decoded]:
     """A block decoded with the column checks, or :class:`_Reject` / a parse error when any row fails one."""
     raw = cast("Sequence[bytes]", values)  # a None among them fails the first check (len(None): TypeError)
@@ -200,6 +214,7 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], click
     ts = list(map(_TS, objs))
     _check(set(map(type, ts)) == {int})
     _ints_in(ts, 0, MAX_TS_MS)
+    _keys_match(keys, ids)
     known = [b if b is not None and b > 0 else MAX_TS_MS for b in broker_ts]  # None / <= 0: no bound
     _check(bool(np.all(np.array(ts, np.int64) <= np.array(known, np.int64) + limits.future_ts_ms)))
     keys: Any = list(map(len, objs))

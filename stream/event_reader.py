@@ -24,7 +24,7 @@ from stream.errors import BadMessage
 from stream.kafka import new_consumer, resume_offsets
 from stream.metrics import EVENTS
 
-# decoder(value, broker_ts_ms=message timestamp or None); raises BadMessage for a bad message
+# decoder(value, broker_ts_ms=message timestamp or None, key=message key or None); raises BadMessage for a bad message
 Decoder = Callable[..., Any]
 
 
@@ -112,7 +112,8 @@ class EventReader:
             self._at_eof.discard((topic, partition))
             kind, ts = msg.timestamp()
             try:
-                event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else None)
+                event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else None,
+                                              key=msg.key())
             except BadMessage as exc:
                 self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset)
                 self._pending[(topic, partition)] = offset + 1

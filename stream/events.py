@@ -1,6 +1,7 @@
 """Impression and click events: the JSON schema on the ``impressions`` and ``clicks`` topics.
 
-One event per Kafka message, key = ``impression_id`` (so impressions and clicks are co-partitioned).
+One event per Kafka message, key = ``impression_id`` (so impressions and clicks are co-partitioned): a message keyed
+otherwise is rejected (``key_mismatch``, :func:`check_key`); an unkeyed one is accepted.
 
 Impression, schema version 1::
 
@@ -297,10 +298,23 @@ def check_dense(value: Any, field: str = "dense", limits: EventLimits = DEFAULT_
     return value
 
 
+def check_key(key: bytes | None, impression_id: str) -> None:
+    """The message's Kafka key is its event's ``impression_id`` (UTF-8) or absent. Both topics are keyed by
+    impression_id so that an impression and its clicks share a partition; a message keyed otherwise can put the
+    impression and its click on different partitions (the impression becomes a negative, its click an orphan), so it
+    is a ``key_mismatch`` dead letter. No key (``None``) is accepted: one partition, or a producer that picks the
+    partition itself; with several partitions a producer must key by impression_id."""
+    if key is not None and key != impression_id.encode():
+        raise BadMessage(f"message key {shown(key)} is not the event's impression_id {shown(impression_id)}: both "
+                         "topics are keyed by impression_id (co-partitioned); key each message by it",
+                         kind="key_mismatch")
+
+
 def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
-                      broker_ts_ms: int | None = None) -> Impression:
+                      broker_ts_ms: int | None = None, key: bytes | None = None) -> Impression:
     """One ``impressions`` message. ``broker_ts_ms``: the message's timestamp, which bounds how far in the
-    future ``ts`` may be (``limits.future_ts_s``); ``None`` skips that check."""
+    future ``ts`` may be (``limits.future_ts_s``); ``None`` skips that check. ``key``: the message's key, checked
+    last (:func:`check_key`)."""
     obj = _load(raw, limits)
     _check_fields(obj, _IMPRESSION_FIELDS, ("impression_id", "ts", "user_id", "item_id"))
     imp = Impression(
@@ -312,12 +326,15 @@ def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
         dense=check_dense(obj.get("dense"), limits=limits),
     )
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
+    check_key(key, imp.impression_id)
     return imp
 
 
-def decode_click(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS, broker_ts_ms: int | None = None) -> Click:
+def decode_click(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS, broker_ts_ms: int | None = None,
+                 key: bytes | None = None) -> Click:
     obj = _load(raw, limits)
     _check_fields(obj, _CLICK_FIELDS, ("impression_id", "ts"))
     click = Click(impression_id=_impression_id(obj["impression_id"], limits), ts=_ts(obj["ts"], broker_ts_ms, limits))
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
+    check_key(key, click.impression_id)
     return click

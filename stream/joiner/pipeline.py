@@ -152,7 +152,7 @@ _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
 _TS_OF = attrgetter("ts")  # of an event or a Pending
 _PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a Pending
 _LABEL, _KIND = attrgetter("label"), attrgetter("kind")  # of a Sample
-_TOPIC, _OFFSET, _VALUE, _STAMP = itemgetter(0), itemgetter(2), itemgetter(4), itemgetter(5)  # of a Record
+_TOPIC, _OFFSET, _KEY, _VALUE, _STAMP = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
 _TOPIC_PARTITION = itemgetter(0, 1)  # of a Record
 Event = Impression | Click | BadMessage  # a record's event, or why it is bad
 
@@ -705,8 +705,8 @@ class JoinPipeline:
         if reason is not None:
             raise BadMessage(reason, kind="poison")
         if r.topic == self.kafka.impressions_topic:
-            return decode_impression(r.value, self.limits, r.timestamp)
-        return decode_click(r.value, self.limits, r.timestamp)
+            return decode_impression(r.value, self.limits, r.timestamp, r.key)
+        return decode_click(r.value, self.limits, r.timestamp, r.key)
 
     def _decode_all(self, records: list[Record]) -> list[Event]:
         """Each record's event or why it is bad: a record held last time keeps what it was decoded to then (a bad one
@@ -733,7 +733,7 @@ class JoinPipeline:
         for clicks in (False, True):
             chosen = list(compress(records, map(is_, todo, repeat(clicks))))
             decoded[clicks] = iter(decode_events(list(map(_VALUE, chosen)), list(map(_STAMP, chosen)), clicks,
-                                                 self.limits))
+                                                 self.limits, list(map(_KEY, chosen))))
         if fresh:  # each record's event from its topic's column, in record order
             return list(map(next, map(decoded.__getitem__, is_click)))
         return [e if e is not None else next(decoded[c]) for e, c in zip(events, is_click, strict=True)]

@@ -68,6 +68,26 @@ def test_poison_messages_are_dead_lettered_and_the_reader_goes_on(kafka: KafkaSe
     assert len(read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))) == len(POISON)  # no re-send
 
 
+def test_the_reader_dead_letters_an_event_keyed_other_than_its_impression_id(kafka: KafkaSettings,
+                                                                              group_id: str) -> None:
+    """The audit reader applies the key rule of the joiner (``stream.events.check_key``): a key that is not the
+    event's impression_id is ``key_mismatch``; no key is accepted."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic])
+    p = AckedProducer(kafka)
+    p.send(kafka.impressions_topic, Impression("a", 1000, "u", 1).encode(), "a")
+    p.send(kafka.impressions_topic, Impression("b", 1000, "u", 1).encode(), "user-u")
+    p.send(kafka.impressions_topic, Impression("c", 1000, "u", 1).encode(), None, partition=0)
+    p.send(kafka.clicks_topic, Click("a", 2000).encode(), "not-a")
+    p.flush()
+    with EventReader(kafka, group_id, _decoders(kafka)) as reader:
+        reader.read_to_end()
+        assert reader.valid == {kafka.impressions_topic: 2}
+    for topic, value in ((kafka.impressions_topic, Impression("b", 1000, "u", 1).encode()),
+                         (kafka.clicks_topic, Click("a", 2000).encode())):
+        [rec] = read_topic(kafka, kafka.dlq_topic(topic))
+        assert rec.value == value and DeadLetter.from_headers(rec.headers).kind == "key_mismatch"
+
+
 def test_synthetic_malformed_share_lands_in_the_dlq_exactly(kafka: KafkaSettings, group_id: str,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:

@@ -549,3 +549,27 @@ def test_a_joiner_batch_failing_on_a_cluster_with_every_node_down_gets_no_strike
         again.close()
     assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 1)]
     assert not read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+
+
+def test_an_event_keyed_other_than_its_impression_id_is_dead_lettered_and_an_unkeyed_one_is_joined(
+        kafka: KafkaSettings, make) -> None:
+    """Both topics are keyed by impression_id so an impression and its click share a partition. An impression keyed
+    'user-7' (by user, say) was joined as if keyed right, while its click, keyed by the id, could land on another
+    partition: a silent negative and an orphan. Now such an impression or click is a ``key_mismatch`` dead letter;
+    an unkeyed one (a single-partition producer) is still joined."""
+    p = make()
+    wrong = Impression("wrong", T0, "u", "i").encode()
+    stray = Click("nokey", T0 + 20).encode()
+    p.process([
+        Record(kafka.impressions_topic, 0, 0, b"user-7", wrong),
+        Record(kafka.impressions_topic, 0, 1, None, Impression("nokey", T0, "u", "i").encode()),
+        imp(kafka, 0, 2, "ok", T0),
+        Record(kafka.clicks_topic, 0, 0, b"user-7", stray),
+        click(kafka, 0, 1, "ok", T0 + 10),
+        Record(kafka.clicks_topic, 0, 2, None, Click("nokey", T0 + 30).encode()),
+    ])
+    letters = {(r.value, DeadLetter.from_headers(r.headers).kind)
+               for t in (kafka.impressions_topic, kafka.clicks_topic) for r in read_topic(kafka, kafka.dlq_topic(t))}
+    assert letters == {(wrong, "key_mismatch"), (stray, "key_mismatch")}
+    assert sorted((r.impression_id, r.label) for r in sample_rows(kafka)) == [("nokey", 1), ("ok", 1)]
+    assert p.totals.summary()["dead_lettered"] == 2
