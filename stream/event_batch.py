@@ -217,7 +217,7 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], keys:
     _keys_match(keys, ids)
     known = [b if b is not None and b > 0 else MAX_TS_MS for b in broker_ts]  # None / <= 0: no bound
     _check(bool(np.all(np.array(ts, np.int64) <= np.array(known, np.int64) + limits.future_ts_ms)))
-    keys: Any = list(map(len, objs))
+    n_keys: Any = list(map(len, objs))  # each object's JSON keys (with its context's and dense's below)
     if clicks:
         events: list[Decoded] = list(map(Click, ids, ts))
     else:
@@ -234,10 +234,10 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], keys:
             _dense_values(dense)
         # the per-event decoder keeps the parsed object itself, and {} for an absent one
         context_of, dense_of = _or_empty(contexts), _or_empty(denses)
-        keys = np.add(np.add(keys, list(map(len, context_of))), list(map(len, dense_of)))
+        n_keys = np.add(np.add(n_keys, list(map(len, context_of))), list(map(len, dense_of)))
         events = list(map(Impression, ids, ts, users, items, context_of, dense_of))
     colons = np.fromiter(map(bytes.count, raw, repeat(b":")), np.int64, len(raw))
-    for i in np.flatnonzero(colons > np.asarray(keys)).tolist():
+    for i in np.flatnonzero(colons > np.asarray(n_keys)).tolist():
         try:  # a colon inside a string, or a real duplicate key: the per-event check decides
             _reject_duplicate_keys(raw[i], objs[i])
         except BadMessage as exc:
