@@ -492,7 +492,8 @@ def _parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     missing = _nulls(s) | _np_bool(pc.equal(s, ""))
     is_int = _matches(s, _INT_RE)
     is_float = _matches(s, _FLOAT_RE) & ~is_int
-    ints = pc.cast(pc.if_else(pa.array(is_int), s, "0"), pa.int64()).to_numpy(zero_copy_only=False)
+    # Arrow casts '+5' to a float but not to an int64: an int's one leading '+' goes (Arrow's CSV inference took it)
+    ints = pc.cast(pc.if_else(pa.array(is_int), pc.utf8_ltrim(s, "+"), "0"), pa.int64()).to_numpy(zero_copy_only=False)
     flts = pc.cast(pc.if_else(pa.array(is_float), s, "0"), pa.float64()).to_numpy(zero_copy_only=False)
     return missing, is_int, np.asarray(ints, np.int64), is_float, np.asarray(flts, np.float64)
 

@@ -132,3 +132,14 @@ def test_a_clicked_cell_that_is_no_value_of_the_rule_is_dead_lettered_as_written
     path = write_csv(tmp_path / "c.csv", "user_id,item_id,ts,clicked", [f"1,1,{T0_MS},1", f"2,2,{T0_MS},maybe"])
     (raw,) = load_eventlog(path, ColumnMap(), FIXED, seed=0).raw
     assert raw.error.field == "clicked" and raw.error.value == "maybe"
+
+
+# -- 4: cells Arrow's CSV inference read, read the same now that the columns are text -------------
+def test_a_plus_signed_integer_cell_reads_as_its_number_in_time_dense_and_clicked_columns(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "plus.csv", "user_id,item_id,ts,clicked,price",
+                     [f"1,1,+{T0_MS},+1,+5", f"2,2,{T0_MS + 1},0,3"])
+    t = load_eventlog(path, ColumnMap(dense=("price",)), FIXED, seed=0)
+    assert not t.raw
+    assert t.ts.tolist() == [T0_MS, T0_MS + 1] and t.dense["price"].tolist() == [5.0, 3.0]
+    assert t.click_impression_id.tolist() == ["plus-000000000"]
+
