@@ -12,10 +12,10 @@ Reading
     :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there. The time,
     click-time and dense columns are read as text as well and each cell parsed on its own: only an empty cell is
     missing, and a rejected row's reason shows what its cell held (``nan``, ``inf``, ``NA``), which Arrow's type
-    inference read as a missing value or a float; a text column whose every present cell is ISO-8601 is read as
-    times whatever the numeric unit (as that inference did). Empty CSV cells of feature columns are missing
-    values. A mapped column name that appears twice in the file is refused (Arrow would silently take the
-    first). A CSV row that does not parse (a missing or extra
+    inference read as a missing value or a float; a text column with ISO-8601 cells and no numbers is read as
+    times whatever the numeric unit (as that inference did), each other cell a rejected row. Empty CSV cells
+    of feature columns are missing values. A mapped column name that appears twice in the file is refused
+    (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
     delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
     (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
     A file named ``.csv`` that starts like gzip, bzip2, zstd or Parquet is refused with the name that reads it.
@@ -644,11 +644,12 @@ def _iso_column(arr: pa.Array, missing: np.ndarray) -> tuple[np.ndarray, np.ndar
     return _parse_iso(s)  # mixed offsets, unusual forms, bad values or years outside 1677-2262
 
 
-def _all_iso(arr: pa.Array, missing: np.ndarray) -> bool:
-    """Every present cell of a text column is an ISO-8601 time (cheap test first: no present cell is a number)."""
+def _iso_text(arr: pa.Array, missing: np.ndarray) -> bool:
+    """No present cell of a text column is a number and some present cell is an ISO-8601 time: a column of ISO times
+    whose other cells (a ``nan``, ``NA``, a typo) are rejected one by one, not a column of unparseable numbers."""
     if missing.all() or _matches(pc.utf8_trim_whitespace(arr), _FLOAT_RE).any():
         return False
-    return bool(_iso_column(arr, missing)[1][~missing].all())
+    return bool(_iso_column(arr, missing)[1][~missing].any())
 
 
 def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -694,9 +695,10 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray
             ms, parsed = _iso_column(arr, missing)
             ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
             status[~parsed] = _UNPARSEABLE
-        elif _all_iso(arr, missing):  # ISO-8601 text whatever the unit, as Arrow's CSV inference read it
-            ms, ok = _iso_column(arr, missing)
-            ok &= (ms >= 0) & (ms <= MAX_TS_MS)
+        elif _iso_text(arr, missing):  # ISO-8601 text whatever the unit, as Arrow's CSV inference read it
+            ms, parsed = _iso_column(arr, missing)
+            ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
+            status[~parsed] = _UNPARSEABLE
         else:
             _, is_int, ints, is_float, flts = _parse_numbers(arr)
             ms_i, ok_i = _int_to_ms(ints, unit)

@@ -143,3 +143,11 @@ def test_a_plus_signed_integer_cell_reads_as_its_number_in_time_dense_and_clicke
     assert t.ts.tolist() == [T0_MS, T0_MS + 1] and t.dense["price"].tolist() == [5.0, 3.0]
     assert t.click_impression_id.tolist() == ["plus-000000000"]
 
+
+@pytest.mark.parametrize("cell", ["nan", "NA", "null", "garbage"])
+def test_one_bad_cell_among_iso_times_rejects_its_own_row_only(tmp_path: Path, cell: str) -> None:
+    path = write_csv(tmp_path / "iso.csv", "user_id,item_id,ts,clicked",
+                     ["1,1,2000-12-31T22:12:40Z,0", f"2,2,{cell},0", "3,3,2000-12-31T22:12:42Z,0"])
+    t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
+    assert t.ts.tolist() == [T0_MS, T0_MS + 2000]
+    assert [(r.error.field, r.error.value) for r in t.raw] == [("ts", cell)]
