@@ -530,7 +530,7 @@ class DeltaWriter:
         self.seq = seq
         if id_maps is not None:
             self.held.zero_()
-        self.touched &= self.held  # the rows held back stay marked (and listed) for the delta with the maps
+        self.touched[rows.to(self.touched.device)] = False  # the rows held back stay marked (and listed) for later
         try:  # everything it listed is in the durable delta now
             self.pending_path.unlink(missing_ok=True)
             self._pending_ok = True
