@@ -482,10 +482,11 @@ class DeltaWriter:
     def write(self, model: nn.Module, samples_trained: int) -> Path | None:
         """Write one delta of the rows marked since the last one; None when nothing was trained."""
         self._last = self.clock()
-        maps = self.id_maps_source() if self.id_maps_source is not None and self.maps_due() else None
-        rows = (self.touched if maps is not None else self.touched & ~self.held).nonzero().squeeze(1)  # (R,)
+        due = self.id_maps_source is not None and self.maps_due()  # the maps are built only for a delta written
+        rows = (self.touched if due else self.touched & ~self.held).nonzero().squeeze(1)  # (R,)
         if len(rows) == 0:
             return None
+        maps = self.id_maps_source() if due and self.id_maps_source is not None else None
         weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]  # (num_rows, D + 1)
         vectors = weight[rows.to(weight.device)].float().cpu()  # (R, D + 1)
         return self.write_rows(rows.cpu(), vectors, dense_weights(model), samples_trained, maps)

@@ -4,6 +4,7 @@ costs; the serving side of held rows is tested in tests/unit/learner/test_row_ma
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,3 +38,22 @@ def test_held_rows_are_not_lost_when_the_maps_fall_due_inside_a_write(tmp_path: 
     # either the held row went out with these maps, or it is still marked for the next delta
     assert 2 in sent or bool(writer.touched[2]), (sent, delta.id_maps is not None)
 
+
+def test_an_idle_learner_does_not_build_the_id_maps_for_a_delta_it_does_not_write(tmp_path: Path) -> None:
+    """Nothing trained since the last delta: write() returns None, as before, but it built the whole id maps
+    (RowMapper.state_dict: every id of every field) first, and again at every due time while idle, since no delta
+    carrying them reset the maps' clock."""
+    now = [0.0]
+    writer = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, clock=lambda: now[0], id_maps_every_s=60.0)
+    built: list[Any] = []
+    writer.id_maps_source = lambda: built.append(now[0]) or {}  # type: ignore[func-returns-value]
+    m = model()
+    for k in range(5):  # idle heartbeats, the maps due all along
+        now[0] = float(k)
+        assert writer.write(m, 0) is None
+    writer.mark(torch.tensor([4]))
+    writer.hold(np.array([4]))
+    writer._last_maps = now[0]  # maps not due: the only touched row is held, nothing goes out
+    now[0] = 10.0
+    assert writer.write(m, 1) is None
+    assert built == []
