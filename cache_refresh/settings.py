@@ -46,8 +46,8 @@ class RefreshSettings:
     checkpoint_dir: Path = Path(".streamrec/checkpoints")  # the learner's (LearnerSettings.checkpoint_dir)
     publish_root: Path = Path(".streamrec/serving")  # versions/, CURRENT, last_run.json
     # hot set: top-K of the Redis per-day counts summed over the last `days` days
-    days: int = 7
-    hot_items: int = 100_000
+    days: int = 7  # at most 3,650 (10 years)
+    hot_items: int = 100_000  # at most 1,000,000,000 (as hot_users and small_field_rows)
     hot_users: int = 100_000
     # lookup | impression | click: which counts rank the hot set. lookup (default): serving's own row reads, what
     # the hot cache serves (a request reads ~100 candidates per impression); fallback_event's top ids fill the budget
@@ -127,4 +127,7 @@ class RefreshSettings:
         check_ports("refresh", self)
         # days, keep_versions, probe_samples, redis_attempts >= 1; 0 means: hot_items / hot_users none of that kind
         # hot (top_ids(k=0) is empty), small_field_rows only the counted ids, holdout_messages no quality check
-        check_counts("refresh", self, zero_ok=("hot_items", "hot_users", "small_field_rows", "holdout_messages"))
+        # hot set sizes past a billion rows and days past 10 years are typos (the rest: stream.config.MAX_COUNT)
+        check_counts("refresh", self, zero_ok=("hot_items", "hot_users", "small_field_rows", "holdout_messages"),
+                     at_most={"days": 3_650, "hot_items": 1_000_000_000, "hot_users": 1_000_000_000,
+                              "small_field_rows": 1_000_000_000})

@@ -174,18 +174,18 @@ class LearnerSettings:
     checkpoint_every_s: float = 30.0
     checkpoint_every_samples: int = 1_000_000
     keep_checkpoints: int = 3
-    batch_rows: int = 4096  # rows read per batch (whole samples messages are never split)
+    batch_rows: int = 4096  # rows read per batch (whole samples messages are never split); at most 10,000,000
     # Rows per optimizer step: a batch is trained as consecutive chunks of this many rows, each predicted
     # before it is learned. Smaller is fresher (ML-1M online AUC: 0.75 at 4096, 0.78 at 64) and slower.
     step_rows: int = 256
     accumulation: int = 1  # micro-batches per optimizer step
-    embedding_dim: int = 16
-    buckets: int = 200_000  # hash-bucket rows per id field (user, item; history shares item's)
+    embedding_dim: int = 16  # at most 4,096 (serving loads artifacts of at most 65,536)
+    buckets: int = 200_000  # hash-bucket rows per id field (user, item; history shares item's); at most 1,000,000,000
     # Dynamic ids (cold start, learner/row_mapper.py): own rows per id field for admitted ids (0 = ids
     # only ever use their hash bucket); an id seen admit_after times gets one, starting as its bucket's
     # vector (id_init = bucket) or zero; rows unseen for id_ttl_s of event time are evicted, and the least
     # recently seen ones when the table is full.
-    id_capacity: int = 500_000
+    id_capacity: int = 500_000  # at most 1,000,000,000
     admit_after: int = 2
     id_ttl_s: float | None = None
     id_init: IdInit = IdInit.BUCKET
@@ -218,7 +218,7 @@ class LearnerSettings:
     prior_click_rate: float = 0.05  # your stream's click rate, roughly: what a fresh model serves first
     # Platt scaling of the served logit, fitted online on the held-out predictions (learner/calibration.py)
     online_calibration: bool = True
-    ctx_buckets: int = 10_000  # rows per context field
+    ctx_buckets: int = 10_000  # rows per context field; at most 1,000,000,000
     mlp: tuple[int, ...] = (400, 400, 400)  # hidden layer sizes; "400,400,400" in a file or the environment
     dropout: float = 0.0
     lr_sparse: float = 0.05
@@ -274,7 +274,7 @@ class LearnerSettings:
     # hostile message with thousands of keys must not fix the model's shape for good).
     probe_rows: int = 4096
     min_field_share: float = 0.01
-    max_fields: int = 64
+    max_fields: int = 64  # at most 4,096
     # A samples message in poison_after failed training batches in a row is dead-lettered (stream/strikes.py).
     poison_after: int = 3
     # A samples message with a row whose ts leads this machine's wall clock by more than this is dead-lettered
@@ -297,9 +297,13 @@ class LearnerSettings:
         # id_capacity no own rows (hash buckets only), cold_k no sample is cold, dedup_window no memory across
         # batches (duplicates within one are still dropped), num_workers reading in the training process, max_fields
         # no context or dense field (ids and history only), seed a seed like any other (numpy refuses negatives;
-        # torch takes at most 2**64 - 1). max_samples None: no bound
+        # torch takes at most 2**64 - 1). max_samples None: no bound. The counts that size the model's memory have
+        # bounds no deployment reaches (the rest: stream.config.MAX_COUNT)
         check_counts("learner", self, zero_ok=("id_capacity", "cold_k", "dedup_window", "num_workers", "max_fields",
-                                               "seed"), at_most={"seed": 2**64 - 1})
+                                               "seed"),
+                     at_most={"seed": 2**64 - 1, "embedding_dim": 4_096, "buckets": 1_000_000_000,
+                              "ctx_buckets": 1_000_000_000, "id_capacity": 1_000_000_000, "batch_rows": 10_000_000,
+                              "max_fields": 4_096})
         # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
         # deltas_id_maps_every_s, none for future_ts_s. The optimizers' knobs too (checked here, not when the model is
         # built once the first samples arrived: a negative lr_dense ended the daemon in torch's ValueError then, a

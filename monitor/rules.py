@@ -426,9 +426,12 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
     )
 
 
+_MAX_COUNT = 10_000_000  # history_max_series: label sets per metric kept in memory; past this a value is a typo
+
+
 def _count(where: _Where, key: str, raw: Any) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-        raise where.error("", f'field "{key}": expected a whole number >= 1, got {_shown(raw)}')
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= _MAX_COUNT:
+        raise where.error("", f'field "{key}": expected a whole number from 1 to {_MAX_COUNT}, got {_shown(raw)}')
     return raw
 
 

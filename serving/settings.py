@@ -43,7 +43,7 @@ class ServeSettings:
     publish_root: Path = Path(".streamrec/serving")  # <root>/CURRENT -> <root>/versions/<version>/
     deltas_dir: Path | None = None  # the learner's delta files; None: no freshness between refreshes
     device: Device = Device.AUTO  # auto | cpu | cuda: where the hot rows and the dense part live
-    threads: int = 1  # torch intra-op threads per request (requests run in parallel on their own threads)
+    threads: int = 1  # torch intra-op threads per request (run in parallel on their own threads); at most 1,024
     server: ServerKind = ServerKind.THREADING  # threading (stdlib ThreadingHTTPServer) | aiohttp
     max_candidates: int = 1000  # items per request
     # Rows one HTTP call (a batch's requests together) may look up on the candidates' side (a 422 past it): a context
@@ -51,7 +51,7 @@ class ServeSettings:
     # for millions of lookups.
     max_request_values: int = 1 << 18
     max_batch: int = 64  # requests per /v1/score:batch call
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 4 << 20  # at most 1 GiB (1 << 30)
     poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
     redis_timeout_s: float = 0.05  # a slow history read fails open (empty history) rather than the request
     history_retry_after_s: float = 1.0  # after a failed history read, requests skip Redis this long (no retries)
@@ -88,7 +88,8 @@ class ServeSettings:
     # in_process: cold rows from the artifact's memory-mapped file; layered: from Redis ([redis] url, the rows the
     # refresh wrote under <prefix>:emb:<version>:), one round trip per request for the rows neither hot nor cached.
     embedding_store: EmbeddingStore = EmbeddingStore.IN_PROCESS
-    embedding_cache_rows: int = 200_000  # layered: rows fetched from Redis kept in an LRU (per loaded artifact)
+    # layered: rows fetched from Redis kept in an LRU (per loaded artifact); at most 1,000,000,000
+    embedding_cache_rows: int = 200_000
     embedding_store_timeout_s: float = 0.05  # layered: a slower round trip fails; the request uses fallback rows
     embedding_store_retry_after_s: float = 1.0  # layered: after a failed round trip, misses skip Redis this long
     embedding_store_cluster: bool = False  # layered: [redis] url is a Redis Cluster node (redis-py RedisCluster)
@@ -107,5 +108,7 @@ class ServeSettings:
         check_durations("serve", self, max_s=MAX_DURATION_S)
         check_ports("serve", self)
         # every count and limit >= 1 (threads 0 was bumped to 1, max_candidates 0 refused every request); 0 means:
-        # max_active no bound, embedding_cache_rows no LRU (every non-hot row from Redis)
-        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows"))
+        # max_active no bound, embedding_cache_rows no LRU (every non-hot row from Redis). The counts that size memory
+        # or threads have bounds no deployment reaches (the rest: stream.config.MAX_COUNT)
+        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows"),
+                     at_most={"threads": 1_024, "max_body_bytes": 1 << 30, "embedding_cache_rows": 1_000_000_000})

@@ -43,14 +43,23 @@ def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (
             raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")
 
 
+# The upper bound of every count a class gives no bound of its own (``at_most``): no count streamrec keeps reaches a
+# trillion (samples, rows, bytes, days); past it a value is a typo, and past 2**63 it reached the C code under a
+# setting and failed there (confluent-kafka's NewTopic: "OverflowError: Python int too large to convert to C long";
+# torch: "Overflow when unpacking long long", after the learner had read its samples). Counts that size memory have
+# tighter bounds, each given by its class and said in the setting's comment.
+MAX_COUNT = 10**12
+
+
 def check_counts(section: str, settings: Any, *, zero_ok: Collection[str] = (),
                  at_most: Mapping[str, int] | None = None) -> None:
     """The one check of a settings dataclass's counts: every ``int`` field (sizes, caps, windows in rows, attempts,
     seeds) but the ports (:func:`check_ports`) and the ``*_s`` durations (:func:`check_durations`) must be an integer
     >= 1, or >= 0 for the names in ``zero_ok`` (where 0 means none, off or no bound: each class says which), and at
-    most ``at_most[name]`` where a larger value breaks something. ``None`` passes where the field is optional (left
-    unset). A ``ConfigError`` otherwise: 0 or a negative count misbehaves late or silently (empty batches for ever,
-    ``list[:-0]`` pruning nothing, a whole batch trained as one step)."""
+    most ``at_most[name]`` (where a larger value breaks something or sizes absurd memory), else :data:`MAX_COUNT`.
+    ``None`` passes where the field is optional (left unset). A ``ConfigError`` otherwise: 0 or a negative count
+    misbehaves late or silently (empty batches for ever, ``list[:-0]`` pruning nothing, a whole batch trained as one
+    step). The error states the upper bound where the class gives one or the value is past it."""
     caps = dict(at_most or {})
     counts = {}
     for f in fields(settings):
@@ -65,9 +74,10 @@ def check_counts(section: str, settings: Any, *, zero_ok: Collection[str] = (),
         value = getattr(settings, name)
         if value is None and optional:
             continue
-        low, cap = (0 if name in zero_ok else 1), caps.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (cap is not None and value > cap):
-            bound = f">= {low}" + (f" and <= {cap}" if cap is not None else "")
+        low, cap = (0 if name in zero_ok else 1), caps.get(name, MAX_COUNT)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or value > cap:
+            shown_cap = name in caps or (isinstance(value, int) and value > cap)
+            bound = f">= {low}" + (f" and <= {cap}" if shown_cap else "")
             raise ConfigError(f"[{section}] {name} must be an integer {bound}, got {shown(value)}")
 
 
@@ -177,8 +187,8 @@ class KafkaSettings:
     clicks_topic: str = "clicks"
     samples_topic: str = "samples"
     dlq_suffix: str = ".dlq"
-    partitions: int = 4
-    replication_factor: int = 1
+    partitions: int = 4  # at most 100,000 (a topic's partitions; NewTopic overflowed a C long past 2**63)
+    replication_factor: int = 1  # at most 1,000 (copies of each partition, one per broker)
     client_id: str = "streamrec"
     security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
     sasl_mechanism: SaslMechanism = SaslMechanism.PLAIN
@@ -235,7 +245,8 @@ class KafkaSettings:
         # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
         poll = self.extra.get("max.poll.interval.ms", "300000").strip()
         cap = min(int(poll), 3_600_000) if poll.isascii() and poll.isdigit() and len(poll) < 10 else 3_600_000
-        check_counts("kafka", self, at_most={"session_timeout_ms": cap})  # partitions, replication_factor >= 1
+        check_counts("kafka", self, at_most={"session_timeout_ms": cap, "partitions": 100_000,
+                                             "replication_factor": 1_000})  # partitions, replication_factor >= 1
         from stream.secrets import names_credential, register
 
         for k, v in self.extra.items():  # sasl.oauthbearer.client.secret, ssl.key.pem ...: scrubbed from all output
@@ -303,8 +314,8 @@ class RedisSettings:
 
     url: str = "redis://127.0.0.1:16379/0"
     prefix: str = "streamrec"  # every key streamrec writes starts with this
-    counts_ttl_days: int = 8  # per-day count keys live this long
-    history_len: int = 50  # recent clicked items kept per user
+    counts_ttl_days: int = 8  # per-day count keys live this long; at most 3,650 (10 years)
+    history_len: int = 50  # recent clicked items kept per user; at most 10,000 (serving reads them per request)
     username: str = ""  # ACL user ("" = the default user)
     password: Secret = Secret("")  # prefer password_file; the value itself is discouraged in a shared file
     password_file: Path | None = None
@@ -337,7 +348,8 @@ class RedisSettings:
         if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
             raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "
                               "redis://host:port/<db> with <db> an integer (nothing: db 0)")
-        check_counts("redis", self)  # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history)
+        # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history)
+        check_counts("redis", self, at_most={"counts_ttl_days": 3_650, "history_len": 10_000})
         self._check_prefix()
         if (self.password or self.password_file is not None) and parts.password:
             raise ConfigError("[redis] password (or password_file / password_env) is set and url carries a password "

@@ -44,7 +44,7 @@ DENSE_BOUND = MAX_ABS_DENSE - float(2**39)
 
 @dataclass(frozen=True)
 class EventLimits:
-    max_message_bytes: int = 65_536
+    max_message_bytes: int = 65_536  # at most 1,000,000,000 (librdkafka's message.max.bytes cap)
     max_context_keys: int = 64
     max_dense_keys: int = 64
     max_key_len: int = 64
@@ -55,7 +55,8 @@ class EventLimits:
     future_ts_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        check_counts("limits", self)  # every max_* >= 1
+        # every max_* >= 1; a message at most librdkafka's 1e9 bytes (the rest: stream.config.MAX_COUNT)
+        check_counts("limits", self, at_most={"max_message_bytes": 1_000_000_000})
         ahead = self.future_ts_s  # finite: an infinite bound overflows future_ts_ms on every event with a broker time
         if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not (math.isfinite(ahead) and ahead >= 0):
             raise ConfigError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0")

@@ -76,11 +76,17 @@ def _check_knobs(cfg: EvalConfig | EvalOverrides) -> None:
             raise ConfigError(f"[evaluate] {exc}") from None
 
 
+# The upper bounds of the counts that size an evaluation's model (EvalConfig and EvalOverrides; every other count:
+# stream.config.MAX_COUNT): a dim of at most 4,096, at most a billion rows per table, 10 M rows per batch, 1,024 threads
+EVAL_BOUNDS = {"embedding_dim": 4_096, "id_buckets": 1_000_000_000, "ctx_buckets": 1_000_000_000,
+               "zip_buckets": 1_000_000_000, "batch_size": 10_000_000, "eval_batch": 10_000_000, "threads": 1_024}
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """Model, optimizer and feature-hashing knobs of one evaluation (tuned on valid AUC, never on test)."""
 
-    embedding_dim: int = 16
+    embedding_dim: int = 16  # at most 4,096; the bounds of every count: EVAL_BOUNDS
     mlp: tuple[int, ...] = (400, 400, 400)
     dropout: float = 0.0
     lr_dense: float = 1e-3
@@ -129,7 +135,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         # as EvalOverrides: every count >= 1 (history_len 0: no history feature; cold_k 0: no impression is cold; the
         # seed any); then the other knobs
-        check_counts("evaluate", self, zero_ok=("history_len", "cold_k", "delay_seed"))
+        check_counts("evaluate", self, zero_ok=("history_len", "cold_k", "delay_seed"),
+                     at_most={**EVAL_BOUNDS, "delay_seed": 2**64 - 1})
         _check_knobs(self)
         if self.request_time not in TIME_UNITS:
             raise ValueError(f"request_time must be one of {sorted(TIME_UNITS)}, got {self.request_time!r}")
@@ -157,7 +164,7 @@ class EvalOverrides:
     """Settings a user may override from the command line, ``[evaluate]`` in ``--config`` or
     ``STREAMREC_EVALUATE_*`` (``streamrec.settings.build`` fills it); ``None`` keeps the tuned default."""
 
-    embedding_dim: int | None = None
+    embedding_dim: int | None = None  # at most 4,096; the bounds of every count: EVAL_BOUNDS
     mlp: str | None = None  # "400,400,400"
     dropout: float | None = None
     lr_dense: float | None = None
@@ -192,7 +199,7 @@ class EvalOverrides:
     def __post_init__(self) -> None:
         # every count set >= 1 (embedding_dim 0 trained and reported an AUC for a dim-0 model); history_len 0: no
         # history feature
-        check_counts("evaluate", self, zero_ok=("history_len",))
+        check_counts("evaluate", self, zero_ok=("history_len",), at_most=EVAL_BOUNDS)
         _check_knobs(self)
 
     def to_config(self) -> dict[str, Any]:

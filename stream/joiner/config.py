@@ -62,7 +62,7 @@ class JoinerSettings:
     # watermark_quorum-th largest event time, so no single event steers it; memory caps per partition;
     # a message in poison_after failed batches in a row (processed alone after the first) is dead-lettered.
     watermark_quorum: int = 16
-    max_pending_per_partition: int = 500_000
+    max_pending_per_partition: int = 500_000  # at most 1,000,000,000 (as max_waiting_per_partition)
     max_waiting_per_partition: int = 100_000
     # Backpressure (stream/joiner/backpressure.py): pause a partition's input while its event time leads the
     # other input's by more than max_input_drift_s (None: no time rule), and its clicks while their waiting count
@@ -86,8 +86,11 @@ class JoinerSettings:
         check_ports("joiner", self)
         # every count >= 1, none has a meaning at 0 (batch_max 0: the kafka driver returned empty batches for ever);
         # batch_max at most confluent-kafka's consume() limit, a samples message at most librdkafka's
-        # message.max.bytes (the producer's is this plus 64 KiB)
-        check_counts("joiner", self, at_most={"batch_max": 1_000_000, "max_sample_bytes": 1_000_000_000 - 65_536})
+        # message.max.bytes (the producer's is this plus 64 KiB), the memory caps at a billion events (the rest:
+        # stream.config.MAX_COUNT)
+        check_counts("joiner", self, at_most={"batch_max": 1_000_000, "max_sample_bytes": 1_000_000_000 - 65_536,
+                                              "max_pending_per_partition": 1_000_000_000,
+                                              "max_waiting_per_partition": 1_000_000_000})
         if self.emission is EmissionPolicy.ES_DFM and not 0 <= self.elapsed_s <= self.attribution_window_s:
             raise ConfigError(f"[joiner] elapsed_s must be between 0 and attribution_window_s "
                               f"({self.attribution_window_s:g}), got {self.elapsed_s!r}")

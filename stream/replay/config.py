@@ -51,7 +51,7 @@ class ReplaySettings:
     limit: int | None = None
     rate: float | None = None  # events per second (wall clock); None = as fast as possible
     speed: float | None = None  # event-time speed-up factor; None = as fast as possible
-    seed: int = 7
+    seed: int = 7  # at most 2**64 - 1 (PCG64 takes any, as the learner's seed)
     click_delay_kind: DelayKind = DelayKind.LOGNORMAL
     click_delay_median_s: float = 30.0
     click_delay_sigma: float = 1.0
@@ -70,7 +70,8 @@ class ReplaySettings:
                           "[replay] click_delay_sigma")
         # limit >= 0 (0: nothing; None: everything; order[:-5] would replay all but the last 5), seed >= 0 (numpy
         # refuses a negative one), linger_ms 0 (send at once) to librdkafka's 900000
-        check_counts("replay", self, zero_ok=("limit", "seed", "linger_ms"), at_most={"linger_ms": 900_000})
+        check_counts("replay", self, zero_ok=("limit", "seed", "linger_ms"), at_most={"linger_ms": 900_000,
+                                                                                  "seed": 2**64 - 1})
         if not str(self.dataset).strip():
             raise ConfigError("[replay] dataset is empty: give ml-1m, ml-100k, synthetic or a file's path")
         if self.rate is not None and self.speed is not None:
@@ -96,9 +97,9 @@ class SyntheticSettings:
     # seconds of event time from the user's first, interleaved with everyone else's (a session)
     new_user_session_s: float = 0.0
     impressions_per_s: float = 200.0  # event-time arrival rate
-    start_ts_ms: int = 1_700_000_000_000
+    start_ts_ms: int = 1_700_000_000_000  # at most 253,402,300,799,999 (the last ms of year 9999)
     base_ctr: float = 0.1
-    latent_dim: int = 8
+    latent_dim: int = 8  # at most 4,096
     signal: float = 1.5  # strength of the planted user x item interaction
     attribution_window_s: float = 1800.0
     late_click_share: float = 0.02  # share of clicks arriving after the attribution window
@@ -109,5 +110,6 @@ class SyntheticSettings:
     def __post_init__(self) -> None:
         check_durations("synthetic", self, zero_ok=("new_user_session_s",))
         # impressions, users, items, new_user_impressions, latent_dim >= 1; start_ts_ms >= 0 (the epoch); ids are
-        # drawn from 62 bits
-        check_counts("synthetic", self, zero_ok=("start_ts_ms",), at_most={"users": 2**62, "items": 2**62})
+        # drawn from 62 bits; start_ts_ms within year 9999 (datetime's last), latent_dim at most 4,096
+        check_counts("synthetic", self, zero_ok=("start_ts_ms",),
+                     at_most={"users": 2**62, "items": 2**62, "start_ts_ms": 253_402_300_799_999, "latent_dim": 4_096})

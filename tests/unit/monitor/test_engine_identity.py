@@ -132,7 +132,8 @@ def test_the_rates_history_keeps_at_most_history_max_series_label_sets_per_metri
 
 
 def test_history_max_series_must_be_a_whole_number_of_at_least_one() -> None:
-    with pytest.raises(RulesError, match=r'r.toml: field "history_max_series": expected a whole number >= 1, got 0'):
+    with pytest.raises(RulesError, match=r'r.toml: field "history_max_series": expected a whole number from 1 to '
+                                         r'10000000, got 0'):
         loads_rules("history_max_series = 0\n" + RATE_RULES, "r.toml")
 
 

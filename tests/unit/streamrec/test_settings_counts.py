@@ -219,4 +219,51 @@ def test_evaluate_with_embedding_dim_0_exits_2_before_training(tmp_path: Path) -
     proc = run_cli(["evaluate", "--protocol", "online", "--embedding-dim", "0"], {}, tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "streamrec evaluate: error: [evaluate] embedding_dim must be an integer >= 1, got 0 (set by --embedding-dim)"]
+        "streamrec evaluate: error: [evaluate] embedding_dim must be an integer >= 1 and <= 4096, got 0 (set by "
+        "--embedding-dim)"]
+
+
+# -- upper bounds: an absurd count is refused at start, naming the setting and its source --
+# (before: [learner] embedding_dim = 10**30 started and failed only after reading samples, with torch's "Overflow when
+# unpacking long long"; [kafka] partitions = 10**30 reached confluent-kafka's NewTopic: "OverflowError: Python int too
+# large to convert to C long"; [redis] counts_ttl_days = 10**30 and dozens more were accepted)
+
+@pytest.mark.parametrize("cls, name", CASES, ids=[f"{c.__name__}.{n}" for c, n in CASES])
+def test_every_count_has_an_upper_bound_and_the_error_names_its_source(cls: Any, name: str) -> None:
+    section = CLASSES[cls][0]
+    with pytest.raises(SettingsError, match=rf"^\[{section}\] {name} must be an integer >= [01] and <= \d+, got .* "
+                                            rf"\(set by config file \[{section}\]\.{name}\)$"):
+        build(cls, section, file_data={section: {name: 10**30}}, environ={})
+
+
+BOUNDS = [  # (class, setting, its documented upper bound)
+    (KafkaSettings, "partitions", 100_000), (KafkaSettings, "replication_factor", 1_000),
+    (RedisSettings, "counts_ttl_days", 3_650), (RedisSettings, "history_len", 10_000),
+    (LearnerSettings, "embedding_dim", 4_096), (LearnerSettings, "buckets", 1_000_000_000),
+    (LearnerSettings, "ctx_buckets", 1_000_000_000), (LearnerSettings, "id_capacity", 1_000_000_000),
+    (LearnerSettings, "batch_rows", 10_000_000), (LearnerSettings, "max_fields", 4_096),
+    (EvalOverrides, "embedding_dim", 4_096), (EvalOverrides, "id_buckets", 1_000_000_000),
+    (ServeSettings, "threads", 1_024), (ServeSettings, "max_body_bytes", 1 << 30),
+    (ServeSettings, "embedding_cache_rows", 1_000_000_000),
+    (RefreshSettings, "days", 3_650), (RefreshSettings, "hot_items", 1_000_000_000),
+    (JoinerSettings, "max_pending_per_partition", 1_000_000_000),
+    (SyntheticSettings, "latent_dim", 4_096), (SyntheticSettings, "start_ts_ms", 253_402_300_799_999),
+    (EventLimits, "max_message_bytes", 1_000_000_000),
+    (LearnerSettings, "max_samples", 10**12), (ReplaySettings, "limit", 10**12),  # the ceiling of every other count
+]
+
+
+@pytest.mark.parametrize("cls, name, bound", BOUNDS, ids=[f"{c.__name__}.{n}" for c, n, _ in BOUNDS])
+def test_a_count_is_accepted_up_to_its_documented_bound_and_refused_past_it(cls: Any, name: str, bound: int) -> None:
+    section = CLASSES[cls][0]
+    assert getattr(cls(**{name: bound}), name) == bound
+    with pytest.raises(ConfigError, match=rf"^\[{section}\] {name} must be an integer >= [01] and <= {bound}, "
+                                          rf"got {bound + 1}$"):
+        cls(**{name: bound + 1})
+
+
+def test_monitor_history_max_series_has_an_upper_bound() -> None:
+    from monitor.rules import RulesError, loads_rules
+
+    with pytest.raises(RulesError, match=r'field "history_max_series": expected a whole number from 1 to 10000000'):
+        loads_rules('history_max_series = 1_000_000_000_000_000_000_000_000_000_000\n[sources]\n', "rules.toml")
