@@ -5,9 +5,10 @@ Local row layout of a field's block in the fused embedding table::
     [0, num_buckets)                          shared fallback buckets: key mod num_buckets
     [num_buckets, num_buckets + capacity)     own rows of admitted ids (handed out from a free list)
 
-A key is a hashed id (non-negative int64, ``stream.ids.stable_hash``; ``hash_ids`` hashes raw ints and
-strings). A key not yet admitted maps to its bucket. It is admitted once it has been seen ``admit_after``
-times (0 or 1: on first sight) and gets its own row, which it keeps until it is evicted: unseen for
+A key is a hashed id (non-negative int64, ``stream.ids.stable_hash``; raw ids are hashed by
+``stream.features`` only, the one definition the joiner and serving share). A key not yet admitted maps
+to its bucket. It is admitted once it has been seen ``admit_after`` times (0 or 1: on first sight) and
+gets its own row, which it keeps until it is evicted: unseen for
 ``ttl_s`` seconds (a vectorized sweep), or least recently seen when the table is full and new keys need
 rows (evicted in chunks of ``capacity // 32`` or more). An evicted key falls back to its bucket and has to
 be seen ``admit_after`` times again. Admission happens in the ``lookup`` call in which the key's count
@@ -50,14 +51,12 @@ thread-safe: one learner thread owns a map.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-
-from stream.ids import stable_hash_many
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -65,11 +64,6 @@ _LRU_SAMPLE = 8192  # last-seen times sampled to find the LRU threshold
 MAX_LOAD = 0.4  # live keys per slot at most (tables are powers of two, so often less): short probes
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
 _STATE_VERSION = 1
-
-
-def hash_ids(values: Iterable[int | str] | np.ndarray) -> np.ndarray:
-    """Raw ids (ints or strings, ``123`` == ``"123"``) -> stable non-negative int64 keys, shape ``(N,)``."""
-    return stable_hash_many(np.asarray(values).tolist() if isinstance(values, np.ndarray) else values)
 
 
 def to_global(field_first_row: int, local_rows: np.ndarray) -> torch.Tensor:
@@ -363,7 +357,7 @@ class IdMap:
         shape = keys.shape
         flat = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)  # (N,)
         if flat.size and flat.min() < 0:
-            raise ValueError("IdMap keys must be hashed ids >= 0 (stream.ids.stable_hash / hash_ids); "
+            raise ValueError("IdMap keys must be hashed ids >= 0 (stream.ids.stable_hash / stream.features.hash_ids); "
                              f"got {int(flat.min())}")
         evicted: list[np.ndarray] = []
         if train and now - self._last_sweep >= self.sweep_interval_s:

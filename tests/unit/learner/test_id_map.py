@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.id_map import FieldIdMaps, IdMap, hash_ids, to_global
+from learner.id_map import FieldIdMaps, IdMap, to_global
+from stream.features import hash_column, hash_ids
 
 
 def zipf_stream(seed: int, n: int, universe: int, a: float = 1.2) -> np.ndarray:
@@ -240,7 +241,7 @@ def test_string_and_int_ids_hash_stably() -> None:
     assert h.dtype == np.int64 and h[0] == h[1] and (h >= 0).all()
     want = int.from_bytes(blake2b(b"user-42", digest_size=8).digest(), "little") & ((1 << 63) - 1)
     assert int(h[2]) == want
-    np.testing.assert_array_equal(hash_ids(np.array(["123", "user-42"])), h[1:])
+    np.testing.assert_array_equal(hash_ids(["123", "user-42"]), h[1:])
     m = IdMap(capacity=4, num_buckets=3)
     assert int(m.lookup(h[:1], now=0.0, train=False).rows[0]) == want_bucket(h[0], 3)
     with pytest.raises(ValueError, match=">= 0"):
@@ -422,3 +423,24 @@ def test_a_lookup_at_an_earlier_event_time_never_makes_an_id_or_a_bucket_older_t
     b.lookup(np.array([1], np.int64), 100.0)
     b.lookup(np.array([1], np.int64), 50.0)
     assert b.lookup(np.array([1], np.int64), 100.0).decayed_buckets.size == 0  # no idle time to decay for
+
+
+def test_the_learner_keeps_no_id_hashing_of_its_own() -> None:
+    # learner.id_map.hash_ids was a second definition: np.array([1, 2.5]) made 1 the float 1.0 before hashing, so
+    # its key was hash_value(1.0), not id 1's (training/serving skew). Ids are hashed in stream.features only.
+    import learner.id_map
+
+    assert not hasattr(learner.id_map, "hash_ids")
+
+
+@pytest.mark.parametrize("ids", [[1, 42, 123456789], ["user-42", "a", "\u00e9t\u00e9"], [0, 2**63 - 1, "42", 42],
+                                 [7, "7", "seven", 0]])
+def test_the_learners_id_hashing_equals_servings(ids: list[int | str]) -> None:
+    # the learner's keys: the joiner's hash_column over the events' ids (the samples' user_id / item_id columns);
+    # serving's: stream.features.hash_ids over a request's candidates (serving/features.py)
+    learner_keys = hash_column(ids)
+    serving_keys = hash_ids(ids)
+    assert learner_keys.dtype == serving_keys.dtype == np.int64
+    assert learner_keys.tolist() == serving_keys.tolist()
+    assert (learner_keys >= 0).all()
+    assert hash_ids(["42"])[0] == hash_ids([42])[0] == hash_column([42])[0]  # "42" and 42 are one id
