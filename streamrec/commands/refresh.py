@@ -139,10 +139,10 @@ def add_parser(sub: Any) -> None:
         "hot_items, hot_users, schedule, timezone, misfire_grace_s, keep_versions, format, validate_tolerance, "
         "holdout_messages, max_auc_drop, redis_attempts, redis_backoff_s, notify_channel, alerts_topic, metrics_port, "
         "embedding_store = in_process | layered: also write the non-hot rows to Redis for a layered serving, "
-        "embedding_store_dtype = float32 | float16, embedding_store_cluster). "
-        "Exit codes: 0 ok, 1 failed, 2 usage, 3 skipped (--now: another refresh holds the publish root; nothing "
-        "done). Examples: streamrec refresh --now --json; "
-        "streamrec refresh --rollback; streamrec refresh --status --json")
+        "embedding_store_dtype = float32 | float16, embedding_store_cluster). Exit codes: 0 ok, 1 failed, 2 usage, "
+        "3 skipped (--now: another refresh holds the publish root; nothing done). A --now run that SIGTERM or SIGINT "
+        "stops ends as a failed run: staged files removed, nothing published, a refresh_failed alert, exit 1. "
+        "Examples: streamrec refresh --now --json; streamrec refresh --rollback; streamrec refresh --status --json")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--now", action="store_true", help="run one refresh now and exit (0 published, 1 failed, "
                       "3 skipped: another refresh is running on the publish root); an operator's run: it publishes "
