@@ -27,15 +27,16 @@ Labels = tuple[tuple[str, str], ...]  # sorted by name (``monitor.expr.labels_of
 Sample = tuple[str, Labels, float, int | None]  # name, labels, value, timestamp (ms) or None
 
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\[\\"n])*"'
+# No two blank runs meet without a token between them: one run of blanks split two ways was tried every way before a
+# garbled line failed, quadratic in its length (a 16 MiB line stalled the loop for days).
 _SAMPLE = re.compile(
     r"[ \t]*(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
-    rf"(?:[ \t]*\{{[ \t]*(?P<labels>{_LABEL}(?:[ \t]*,[ \t]*{_LABEL})*[ \t]*,?)?[ \t]*\}}[ \t]*|[ \t]+)"
+    rf"(?:[ \t]*\{{[ \t]*(?P<labels>{_LABEL}(?:[ \t]*,[ \t]*{_LABEL})*[ \t]*(?:,[ \t]*)?)?\}}[ \t]*|[ \t]+)"
     r"(?P<value>[^\s{}]+)(?:[ \t]+(?P<ts>-?[0-9]+))?[ \t]*")
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}
-_META = re.compile(r"#[ \t]+(HELP|TYPE)(?:[ \t]+(?:(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:[ \t]+(?P<text>.*))?)?)?"
-                   r"[ \t]*")
+_META = re.compile(r"#[ \t]+(HELP|TYPE)(?:[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:[ \t]+(?P<text>.*))?)?[ \t]*")
 _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
 
 

@@ -127,3 +127,26 @@ def test_a_series_given_twice_by_one_source_fails_the_scrape_naming_it(text: str
 def test_the_same_name_with_other_labels_is_another_series() -> None:
     assert values('streamrec_x{a="1"} 5\nstreamrec_x{a="2"} 7\nstreamrec_x 1\n') == {
         "streamrec_x": {(("a", "1"),): 5.0, (("a", "2"),): 7.0, (): 1.0}}
+
+
+# -- cost: one garbled line must not stall the monitor's loop ------------------------------------------
+_BLANKS = " \t" * 500_000  # a million blanks; a scrape may answer 16 MiB, so one line may hold 16 times more
+
+
+@pytest.mark.parametrize("line", [
+    'streamrec_x{a="b"' + _BLANKS + "x",  # blanks after a label, then no '}'
+    "streamrec_x{" + _BLANKS + "x",  # blanks after '{', then no label
+    'streamrec_x{a="b"' + _BLANKS + "," + _BLANKS + "x",  # blanks around a trailing comma
+    "streamrec_x" + _BLANKS + "{" + _BLANKS + "x",  # blanks before and after '{'
+    "# HELP" + _BLANKS + "!",  # a HELP whose metric name is not one
+    "# TYPE" + _BLANKS + "!",
+])
+def test_a_garbled_line_of_many_blanks_fails_the_scrape_without_backtracking_over_them(line: str) -> None:
+    # two whitespace runs of the line's regex could share one run of blanks: each way of splitting it was tried
+    # before the line failed, quadratic in its length (16,000 blanks took ~1 s, 200,000 ~100 s, a million ~40 min),
+    # and the loop that scrapes every source and evaluates every rule waited on it. Before the fix this test did not
+    # finish; after it, each line fails at once, naming line 2, like any other malformed line.
+    snap = Snapshot()
+    with pytest.raises(ValueError, match=r"\bline 2\b"):
+        snap.add_text("learner", "streamrec_ok 1\n" + line + "\n")
+    assert snap.metrics == {}
