@@ -329,6 +329,8 @@ class RedisSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.password, Secret):  # a plain str from code: masked like every credential
             object.__setattr__(self, "password", Secret(str(self.password)))
+        if self.url != self.url.strip():  # around it: a variable filled from a file ends in a newline
+            object.__setattr__(self, "url", self.url.strip())
         if any(c.isspace() for c in self.url):  # no URL holds one; redact() (and so repr) stops at it
             raise ConfigError("[redis] url: holds whitespace (not shown: it may be part of a password); encode a "
                               "space in a password as %20, or use password_file / password_env")

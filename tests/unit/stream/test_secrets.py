@@ -265,3 +265,11 @@ def test_a_redis_url_with_whitespace_is_refused_without_showing_any_of_its_passw
         RedisSettings(url=url)
     assert "hunter8" not in str(err.value) and "w0rd" not in str(err.value), str(err.value)
     assert "whitespace" in str(err.value) and "%20" in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["redis://h:1/0\n", "  redis://h:1/0", "redis://h:1/0\r\n"])
+def test_whitespace_around_a_redis_url_is_dropped_not_refused(url: str) -> None:
+    # an environment variable filled from a secret file ends in a newline: the url itself holds no whitespace
+    from stream.config import RedisSettings
+
+    assert RedisSettings(url=url).url == "redis://h:1/0"
