@@ -476,7 +476,7 @@ class ShardedLearner:
                 if held is not None and rnd.turn in (None, self.ctx.rank):  # else: held for a later round
                     (batch, kept, partitions), held, keys = held, None, held_keys
                 if self.ids is not None and self.ids.active:  # collective: every rank, every round
-                    self._observe_ids(self.ids.apply(kept, self.dmp))
+                    self._map_ids(kept)
                 chunks = kept.chunks(step_rows) if len(kept) else []
                 if self.deltas is not None and len(kept):
                     self.deltas.mark(kept.values)
@@ -651,6 +651,15 @@ class ShardedLearner:
             raw = cat("logits")
             assert raw is not None
             self.calibration.observe(ids, kinds_or_none, labels, raw, ts, delay)
+
+    def _map_ids(self, kept: TensorBatch) -> None:
+        """Collective, every rank every round: ``kept``'s ids mapped to rows (``ShardedRowMapper.apply``); the rows
+        given to other ids wait in rank 0's writer for the delta that carries the id maps (``ShardedDeltas.hold``)."""
+        assert self.ids is not None
+        st = self.ids.apply(kept, self.dmp)
+        self._observe_ids(st)
+        if self.deltas is not None:
+            self.deltas.hold(st.reassigned)
 
     def _observe_ids(self, st: MapStats) -> None:
         """The id maps' metrics (rank 0: ``st`` counts every rank's keys, ``ids.occupancy`` every rank's maps), as

@@ -5,7 +5,10 @@ the ranks whose shards hold them, written by rank 0 as ONE delta with ``learner/
                                    any rank's shard: the row-wise lookup fetches them from their owner)
     delta round   (LockStep: some rank's every_s passed; every rank enters it)
       1. all-gather each rank's touched row ids (rank 0's include the rows its DeltaWriter already holds:
-         flushed at a checkpoint, or restored from the pending list after a restart)       -> the union, on all
+         flushed at a checkpoint, or restored from the pending list after a restart)       -> the union, on all;
+         without the id maps, less the rows rank 0's writer holds (given to another id since the last maps:
+         ``MapStats.reassigned`` -> :meth:`ShardedDeltas.hold` -> ``DeltaWriter.hold``), which wait, marked there,
+         for the delta that carries the maps (serving maps ids with the last maps it got)
       2. each rank keeps the union's rows inside its shard's row range (:func:`rows_in_shard`) and reads their
          first D + 1 columns (embedding + first-order weight; the padding is dropped) from its local shard
       3. gather (rows, vectors, samples trained; with dynamic ids, when rank 0's writer says the id maps are due,
@@ -87,6 +90,12 @@ class ShardedDeltas:
         if len(values):
             self.touched[values.to(self.touched.device)] = True
 
+    def hold(self, rows: np.ndarray) -> None:
+        """Rows (global, (R,) int64) the id maps gave to another id this round (``MapStats.reassigned``, the same
+        on every rank): rank 0's writer holds them (``DeltaWriter.hold``) until a delta that carries the maps."""
+        if self.writer is not None:
+            self.writer.hold(rows)
+
     def due(self) -> bool:
         """This rank's wish for a delta round (``LockStep.agree``'s ``wants_delta``)."""
         return self.clock() - self._last >= self.every_s
@@ -94,18 +103,21 @@ class ShardedDeltas:
     def _exchange(self) -> tuple[np.ndarray, bool]:
         """Collective: the union of every rank's touched rows (and rank 0's writer's), on every rank, and whether
         rank 0's writer wants the id maps with the next delta; rank 0's writer marks the rows (so they reach its
-        pending list), every rank clears its own marks."""
+        pending list), every rank clears its own marks. Without the maps, the rows rank 0's writer holds
+        (:meth:`hold`) are left out of the union returned: still marked there, they go with the maps."""
         mine = self.touched.nonzero().squeeze(1).numpy()  # (r,)
-        wants_maps = False
+        wants_maps, held = False, np.zeros(0, np.int64)
         if self.writer is not None:
             mine = np.union1d(mine, self.writer.touched.nonzero().squeeze(1).numpy())
             wants_maps = self.id_maps is not None and self.writer.maps_due()
-        gathered = all_gather_objects((mine, wants_maps))
+            if not wants_maps:
+                held = self.writer.held.nonzero().squeeze(1).numpy()  # (h,)
+        gathered = all_gather_objects((mine, wants_maps, held))
         union = union_rows([g[0] for g in gathered])
         self.touched.zero_()
         if self.writer is not None and len(union):
             self.writer.mark(torch.from_numpy(union))
-        return union, gathered[0][1]
+        return np.setdiff1d(union, gathered[0][2]), gathered[0][1]
 
     def sync(self) -> None:
         """Collective, at every checkpoint round before the checkpoint is written: every rank's touched rows go

@@ -264,7 +264,8 @@ class ShardedRowMapper:
     def apply(self, tb: TensorBatch, dmp: Any) -> MapStats:
         """Collective, every rank every round (``tb`` may be empty): rewrite ``tb.values`` of the dynamic fields to
         rows, each key counted, admitted and evicted by the rank that owns it; the rows' changes applied where the
-        rows live. Returns the whole round's counts (every rank's keys)."""
+        rows live. Returns the whole round's counts (every rank's keys) and, the same on every rank, every rank's
+        rows given to another id (``MapStats.reassigned``: for ``ShardedDeltas.hold``)."""
         if not self.fields:
             return MapStats()
         has_keys = len(tb) > 0 and tb.keys is not None
@@ -281,7 +282,7 @@ class ShardedRowMapper:
             self.now = max(self.now, self._clock.now_s)
         keys = [np.concatenate([g[0][j] for g in gathered]) for j in range(len(self.slots))]  # (sum n_r,) per slot
         owners: list[np.ndarray] = []
-        answers: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray] | None] = []
+        answers: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None] = []
         resets: list[np.ndarray] = []
         for (_, name, _, own_field), k in zip(self.slots, keys, strict=True):  # 2. the keys this rank owns
             f = self.fields[name]
@@ -298,12 +299,13 @@ class ShardedRowMapper:
             rows = np.where(res.rows >= nb, res.rows + shift, res.rows)  # field-local rows
             if own_field:
                 resets.append(f.own0 - nb + shift + np.concatenate([res.evicted_rows, res.admitted_rows]))
-            answers.append((rows, res.admitted_rows + shift, res.admitted_from_bucket, len(res.evicted_rows),
+            answers.append((rows, res.admitted_rows + shift, res.admitted_from_bucket, res.evicted_rows + shift,
                             known_delays(res.admitted_delay_s)))
         live = {n: f.map.stats()["live_rows"] for n, f in self.fields.items() if f.map is not None}
         gathered2 = all_gather_objects((answers, live))  # 3. [(per slot: answer or None, live rows)] in rank order
         replies = [g[0] for g in gathered2]
         stats, changed = MapStats(), []
+        reassigned: list[np.ndarray] = []
         values = tb.values.numpy()  # shares memory with the tensor: written in place
         for j, ((_, name, first, own_field), (s, e), k, who) in enumerate(zip(self.slots, spans, keys, owners,
                                                                                strict=True)):
@@ -328,9 +330,13 @@ class ShardedRowMapper:
             decayed, factor = f.clock.touch(np.concatenate([rows[rows < nb], src]), self.now)
             changed.append((f, dst, src, decayed, factor))
             stats.admitted[name] = len(dst)
-            stats.evicted[name] = sum(a[3] for a in answered)
+            stats.evicted[name] = sum(len(a[3]) for a in answered)
+            # every rank's rows given to another id, global: the same list on every rank (rank 0's writer holds them)
+            reassigned.append(f.first + np.concatenate([dst, *(a[3] for a in answered)]))
             stats.time_to_admission[name] = np.concatenate([a[4] for a in answered])  # every rank's, as one map's
             self.occupancy[name] = sum(g[1].get(name, 0.0) for g in gathered2) / f.spec.capacity
+        if reassigned:
+            stats.reassigned = np.concatenate(reassigned)
         self._apply_rows(changed, np.concatenate(resets) if resets else np.empty(0, np.int64), dmp)
         return stats
 

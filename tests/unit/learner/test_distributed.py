@@ -419,3 +419,59 @@ def test_a_ranks_state_file_from_another_sharded_checkpoint_is_refused_not_loade
     (newer / "rank-0.pt").write_bytes((older / "rank-0.pt").read_bytes())
     with pytest.raises(checkpoint.CheckpointError, match=r"rank-0\.pt .*" + older.name):
         sharded_checkpoint.rank_states(*sharded_checkpoint.latest(tmp_path))
+
+
+def test_a_sharded_delta_without_the_id_maps_holds_back_the_rows_given_to_other_ids(
+        one_rank_group: None, tmp_path: Path) -> None:
+    """Serving maps ids with the maps of the last delta that carried them: a sharded delta without maps that sent
+    the row of an evicted id, now another id's, served the evicted id the new owner's vector until the next maps.
+    Through the sharded daemon's own round steps (map the ids, mark, train; a delta round)."""
+    from learner.config import LearnerSettings
+    from learner.deltas import list_deltas, load_delta
+    from learner.row_mapper import RowMapper
+    from learner.sharded_daemon import ShardedLearner
+    from stream.config import KafkaSettings
+    from stream.samples import SampleBatch
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         id_capacity=2, admit_after=1, deltas_every_s=1.0, deltas_dir=tmp_path / "deltas",
+                         deltas_id_maps_every_s=60.0)
+    cfg = default_config({}, buckets=16, ctx_buckets=8, embedding_dim=4, id_capacity=2, admit_after=1)
+    learner = ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext())
+    try:
+        learner._build(cfg)
+        assert learner.deltas is not None and learner.deltas.writer is not None and learner.trainer is not None
+        now = [0.0]
+        learner.deltas.writer.clock = lambda: now[0]
+
+        def train(users: list[int], start: int) -> torch.Tensor:
+            n = len(users)
+            kept = to_tensors(SampleBatch.from_columns(
+                impression_id=[f"i{start}-{k}" for k in range(n)], ts=np.full(n, start * 1000, np.int64),
+                label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=np.array(users),
+                item_id=np.ones(n, np.int64), history=[[] for _ in range(n)], context={}), cfg)
+            learner._map_ids(kept)
+            learner.deltas.mark(kept.values)  # type: ignore[union-attr]
+            learner.trainer.test_then_train(kept, n)  # type: ignore[union-attr]
+            return kept.values[:n]  # (n,) the users' rows (user_id is the first field)
+
+        old_rows = train([101, 102], 0)
+        assert (old_rows >= 16).all()  # their own rows
+        learner._write_delta()  # the first delta carries the maps
+        now[0] = 1.0
+        for k in range(3):  # two new users take both rows
+            new_rows = train([201, 202], 10 + k)
+        assert set(new_rows.tolist()) == set(old_rows.tolist())
+        learner._write_delta()  # the maps are not due: no maps in this one
+        deltas = [load_delta(p) for _, _, p in list_deltas(tmp_path / "deltas")]
+        assert [d.id_maps is not None for d in deltas] == [True, False]
+        assert not set(deltas[1].rows.tolist()) & set(old_rows.tolist())  # the rows given to 201, 202 wait
+        now[0] = 61.0
+        learner._write_delta()  # the maps are due: the held rows go out with them
+        deltas = [load_delta(p) for _, _, p in list_deltas(tmp_path / "deltas")]
+        assert [d.id_maps is not None for d in deltas] == [True, False, True]
+        assert set(old_rows.tolist()) <= set(deltas[2].rows.tolist())  # with the maps that say whose they are
+        served = RowMapper.from_state(cfg, deltas[2].id_maps)
+        assert served.rows(0, np.array([201, 202])).tolist() == new_rows.tolist()
+    finally:
+        learner.close()

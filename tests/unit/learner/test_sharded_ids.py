@@ -266,6 +266,14 @@ def test_a_full_share_evicts_its_own_least_recently_seen_ids(tmp_path: Path) -> 
         assert np.array_equal(got["mapper"].rows(user, k), first + buckets + s.start + r)
     assert lru > 0  # both shares were full at some point
     assert got["mapper"].stats()["user_id"]["evictions_lru"] == lru
+    # every rank reports every rank's rows given to other ids (rank 0's delta writer holds them: ShardedDeltas.hold)
+    for rnd in range(ROUNDS):
+        mine, theirs = (np.sort(g["stats"][rnd].reassigned) for g in got["ranks"])
+        assert np.array_equal(mine, theirs), rnd
+    first, buckets = FULL.blocks[user]
+    given = np.concatenate([st.reassigned for st in got["ranks"][0]["stats"]]) - first - buckets
+    for s in shares:  # rows of both shares, each handed out by the rank that holds it
+        assert ((given >= s.start) & (given < s.start + s.count)).any(), s
 
 
 def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(tmp_path: Path) -> None:
