@@ -318,8 +318,13 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
     return receivers
 
 
-class RefreshTerminated(Exception):  # noqa: N818 - a stop, not an error of the run's own
-    """SIGTERM/SIGINT during :func:`run_now`, raised where the run is; it ends as a failed run at that stage."""
+class RefreshTerminated(BaseException):  # noqa: N818 - a stop, not an error of the run's own
+    """SIGTERM/SIGINT during :func:`run_now`, raised where the run is; it ends as a failed run at that stage.
+
+    A ``BaseException``, as ``KeyboardInterrupt``: the run's best-effort ``except Exception`` blocks (a newest
+    checkpoint skipped as unreadable, a malformed holdout message, Redis cleanups) must not take it for their own
+    failure and go on, to publish after the operator asked the run to stop; only the run's failure path
+    (:func:`_run_locked`, which records the failed run) and :func:`run_now` catch it."""
 
 
 # Set from the publish on: a stop signal to run_now then lets the run finish (publish() is atomic and short, and
@@ -621,7 +626,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         staged = None
         unpinned = pin
         timed(stage, t0)
-    except Exception as exc:
+    except (Exception, RefreshTerminated) as exc:  # (a stop is no Exception: nothing on the way may swallow it)
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
         if stored is not None:

@@ -1,0 +1,72 @@
+"""``streamrec refresh --now`` (cache_refresh/job.py ``run_now``) stopped by SIGTERM/SIGINT while the run is inside
+one of the best-effort ``except Exception`` blocks on its way (here: ``checkpoint.load_latest``, which skips a newest
+checkpoint its ``accept`` check raises on and falls back to the previous one). The stop raised by the signal handler
+was an ``Exception``: that block took it for a refused checkpoint, and the run went on with an older one after an
+operator had asked it to stop (a second signal only logs). It must end the run as a failed run at the stage it was
+in, as a stop anywhere else does.
+
+No Redis here: a run that went on would fail at stage ``hot_set`` (Redis at a closed port, one attempt). The stop
+during the publish (the run finishes) is tested with a real subprocess in tests/integration/test_faults_serving.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cache_refresh import job
+from cache_refresh.metrics import RUNS
+from cache_refresh.publish import publish
+from cache_refresh.settings import RefreshSettings
+from learner import artifact as A
+from learner import checkpoint
+from learner.artifact import build_artifact
+from stream.config import KafkaSettings, RedisSettings
+from streamrec.stack import free_port
+from tests.unit.learner.test_artifact import make_checkpoint
+
+
+def save(directory: Path, samples: int) -> Path:
+    ck = make_checkpoint()
+    path = checkpoint.save(directory, {"model": ck["model"]}, {**ck["meta"], "samples_trained": samples,
+                                                                "lineage": "l"}, keep=10)
+    time.sleep(0.002)  # names carry ms
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_inside_a_best_effort_except_block_still_ends_refresh_now_as_a_failed_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals) -> None:
+    root, ckpts = tmp_path / "serving", tmp_path / "ckpt"
+    live = make_checkpoint()
+    live["meta"] = {**live["meta"], "samples_trained": 512, "lineage": "l"}
+    publish(root, build_artifact(live, root, np.zeros(0), format="eager", version="v001"), keep=3)
+    save(ckpts, 600)
+    newest = save(ckpts, 1024)
+    checked: list[str] = []
+    check = A.check_checkpoint
+
+    def signalled_check(ckpt: Any) -> Any:  # the accept callback load_latest calls inside its except Exception
+        checked.append(Path(ckpt.path).name)
+        if len(checked) == 1:
+            signal.raise_signal(sig)  # the operator's stop, handled by run_now's handler right here
+        return check(ckpt)
+
+    monkeypatch.setattr(A, "check_checkpoint", signalled_check)
+    rs = RefreshSettings(checkpoint_dir=ckpts, publish_root=root, holdout_messages=0, alerts_topic="",
+                         redis_attempts=1, redis_backoff_s=0.01, redis_timeout_s=0.5, format="eager")
+    failed = RUNS.labels("failed", "checkpoint")
+    before = failed._value.get()
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    with pytest.raises(job.RefreshError) as err:
+        job.run_now(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    assert checked == [newest.name]  # the run stopped there: it did not go on with the older checkpoint
+    assert err.value.stage == "checkpoint" and sig.name in str(err.value), str(err.value)
+    assert failed._value.get() == before + 1  # recorded as a run that failed at that stage
+    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # put back
