@@ -21,13 +21,18 @@ from stream.secrets import Secret, redact, redacted_repr
 C = TypeVar("C", bound="Choice")
 
 
-def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (), max_s: float | None = None,
-                    extra: Iterable[str] = ()) -> None:
+# The upper bound of every duration (and rate, factor) a class gives no tighter one: ten years of seconds. Past it
+# a value is a typo, and 1e30 passed the check and overflowed a timer, a datetime or a wait later.
+DURATION_CAP_S = 10 * 365.25 * 86400
+
+
+def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (),
+                    max_s: float = DURATION_CAP_S, extra: Iterable[str] = ()) -> None:
     """The one check of a settings dataclass's durations: every field named ``*_s`` (and those in ``extra``:
     rates, factors) must be a finite number > 0, or >= 0 for the names in ``zero_ok`` (where 0 means off), and
-    at most ``max_s`` when given. ``None`` passes (an optional setting left unset). A ``ConfigError`` otherwise:
-    0 or a negative period pins a core in a busy loop, NaN compares False with everything and inf overflows a
-    wait."""
+    at most ``max_s`` (ten years of seconds unless the class gives less). ``None`` passes (an optional setting left
+    unset). A ``ConfigError`` otherwise: 0 or a negative period pins a core in a busy loop, NaN compares False with
+    everything and inf overflows a wait."""
     names = [f.name for f in fields(settings) if f.name.endswith("_s")] + list(extra)
     for name in names:
         value = getattr(settings, name)
@@ -35,11 +40,12 @@ def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (
             continue
         low = 0.0 if name in zero_ok else None
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              and (value >= 0 if low is not None else value > 0) and (max_s is None or value <= max_s))
+              and (value >= 0 if low is not None else value > 0) and value <= max_s)
         if not ok:
             bound = ">= 0" if low is not None else "> 0"
             unit = "of seconds " if name.endswith("_s") else ""
-            cap = f" and <= {max_s:g}" if max_s is not None else ""
+            past = isinstance(value, (int, float)) and not isinstance(value, bool) and value > max_s  # (inf too)
+            cap = f" and <= {max_s:g}" if past else ""
             raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")
 
 

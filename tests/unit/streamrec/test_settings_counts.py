@@ -267,3 +267,19 @@ def test_monitor_history_max_series_has_an_upper_bound() -> None:
 
     with pytest.raises(RulesError, match=r'field "history_max_series": expected a whole number from 1 to 10000000'):
         loads_rules('history_max_series = 1_000_000_000_000_000_000_000_000_000_000\n[sources]\n', "rules.toml")
+
+
+@pytest.mark.parametrize(("cls", "section", "name"), [
+    ("stream.joiner.config:JoinerSettings", "joiner", "attribution_window_s"),
+    ("learner.config:LearnerSettings", "learner", "checkpoint_every_s"),
+    ("cache_refresh.settings:RefreshSettings", "refresh", "redis_timeout_s"),
+    ("stream.replay.config:ReplaySettings", "replay", "rate"),
+])
+def test_a_duration_or_rate_past_ten_years_of_seconds_is_refused_at_start(cls: str, section: str, name: str) -> None:
+    # 1e30 passed (only [serve] had a cap): a wait, a window or a rate that size overflows a timer or a datetime later
+    import importlib
+
+    module, _, attr = cls.partition(":")
+    settings_class = getattr(importlib.import_module(module), attr)
+    with pytest.raises(SettingsError, match=rf"\[{section}\] {name} must be a finite number .*<= 3\.15\d*e\+08"):
+        build(settings_class, section, {section: {name: 1e30}}, {})
