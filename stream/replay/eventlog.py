@@ -10,12 +10,14 @@ Reading
     are read as text: a column whose values are all canonical non-negative integers (``0``, ``42``,
     not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
     :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there. The time,
-    click-time and dense columns are read as text as well and each cell parsed on its own: only an empty cell is
-    missing, and a rejected row's reason shows what its cell held (``nan``, ``inf``, ``NA``), which Arrow's type
-    inference read as a missing value or a float; a text column with ISO-8601 cells and no numbers is read as
-    times whatever the numeric unit (as that inference did), each other cell a rejected row. Empty CSV cells
-    of feature columns are missing values. A mapped column name that appears twice in the file is refused
-    (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
+    click-time, clicked and dense columns are read as text as well and each cell parsed on its own. In the time and
+    dense columns only an empty cell is missing, and a rejected row's reason shows what its cell held (``nan``,
+    ``inf``, ``NA``), which Arrow's type inference read as a missing value or a float. In the clicked and click-time
+    columns an empty cell and ``NA``, ``null``, ``nan`` (any case, spaces around ignored; R's ``write.csv`` writes
+    ``NA``) are missing: not clicked / no click time, as that inference read them. A text column with ISO-8601
+    cells and no numbers is read as times whatever the numeric unit (as that inference did), each other cell a
+    rejected row. Empty CSV cells of feature columns are missing values. A mapped column name that appears twice
+    in the file is refused (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
     delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
     (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
     A file named ``.csv`` that starts like gzip, bzip2, zstd or Parquet is refused with the name that reads it.
@@ -45,10 +47,10 @@ Clicks
     ``clicked`` accepts booleans, integers (non-zero = clicked), floats (non-zero, NaN = not
     clicked) and the strings true/false/1/0/yes/no (any case); a missing value is not clicked. A CSV
     cell is judged alone by the same rule (its column is read as text): ``2``, ``-1``, ``0.5`` are
-    clicks, ``0``, ``0.0``, ``nan`` and an empty cell are not, anything else is rejected, whether the
-    rest of the column holds integers or words (a ``TRUE`` elsewhere made ``2`` unparseable).
-    A clicked row's click is at its ``click_time`` when that column is mapped and the value is not
-    missing, else at ``ts`` + a delay drawn with ``draw_click_delays_ms`` from
+    clicks, ``0``, ``0.0`` and the missing cells (empty, ``NA``, ``null``, ``nan``) are not, anything else is
+    rejected, whether the rest of the column holds integers or words (a ``TRUE`` elsewhere made ``2``
+    unparseable). A clicked row's click is at its ``click_time`` when that column is mapped and the value is not
+    missing (a CSV cell: the same missing cells), else at ``ts`` + a delay drawn with ``draw_click_delays_ms`` from
     ``np.random.Generator(np.random.PCG64(seed))``. One delay is drawn per row read (row ``i`` uses
     draw ``i``), so a row's delay does not depend on which other rows were clicked or rejected, and
     ``limit`` keeps the delays of the rows it keeps. With ``clicked=None`` and ``click_time`` set, a
@@ -131,7 +133,11 @@ _FLOAT_RE = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
 _CANONICAL_UINT_RE = r"^(0|[1-9][0-9]*)$"
 _NEG_INT_RE = r"^-[0-9]+$"
 _TRUE = ("true", "1", "yes")
-_FALSE = ("false", "0", "no", "")
+_FALSE = ("false", "0", "no")
+# A clicked or click-time CSV cell that is one of these (trimmed, any case) is missing: not clicked / no click time,
+# as Arrow's type inference read them before these columns were read as text (R's write.csv writes NA). The time and
+# dense columns do not take them: there only an empty cell is missing, and a `nan` time is a bad row.
+_MISSING_WORDS = ("", "na", "nan", "null")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _ONE_MS = timedelta(milliseconds=1)
 
@@ -383,7 +389,8 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
     # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids(). Times and dense values
     # as text too: Arrow's inference read `nan`, `NA` or `null` as a missing value and `inf` as a float, so a row's
     # reason said "missing" (or showed null) instead of what the cell held; each cell is parsed in _times/_dense.
-    # The clicked column too, so that a cell means the same whatever its neighbours (see _clicked).
+    # The clicked column too, so that a cell means the same whatever its neighbours (see _clicked). In the clicked
+    # and click-time columns NA/null/nan still mean missing (_MISSING_WORDS), as the inference read them.
     text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id, cols.time, cols.click_time,
                                           cols.clicked, *cols.dense) if c is not None}
     convert = pcsv.ConvertOptions(include_columns=wanted, column_types=text_cols)
@@ -449,6 +456,11 @@ def _nulls(arr: pa.Array) -> np.ndarray:
 
 def _matches(arr: pa.Array, pattern: str) -> np.ndarray:
     return _np_bool(pc.match_substring_regex(arr, pattern))
+
+
+def _missing_words(arr: pa.Array) -> np.ndarray:
+    """(N,) bool: the text cells that are missing in a clicked or click-time column (null, or one of _MISSING_WORDS)."""
+    return _nulls(arr) | _np_bool(pc.is_in(pc.utf8_lower(pc.utf8_trim_whitespace(arr)), pa.array(_MISSING_WORDS)))
 
 
 def _to_text(arr: pa.Array, field: str, column: str) -> tuple[pa.Array, list[_Check]]:
@@ -652,10 +664,12 @@ def _iso_text(arr: pa.Array, missing: np.ndarray) -> bool:
     return bool(_iso_column(arr, missing)[1][~missing].any())
 
 
-def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _times(arr: pa.Array, unit: str, column: str, flag: str,
+           words_missing: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A time column -> ``(int64 ms (N,), status (N,) int8, number (N,) float64)``, status one of _OK/_MISSING/...;
     ``number`` is each cell's number as written (in ``unit``), NaN where the cell is no number (text that does not
-    parse, ISO text, Arrow timestamps and dates, which carry their own unit)."""
+    parse, ISO text, Arrow timestamps and dates, which carry their own unit). ``words_missing`` (the click-time
+    column): a text cell of _MISSING_WORDS is missing, not unparseable; else only an empty cell is."""
     t = arr.type
     n = len(arr)
     status = np.zeros(n, dtype=np.int8)
@@ -687,7 +701,7 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str) -> tuple[np.ndarray
             number = f
     elif _is_text(t):
         trimmed = pc.utf8_trim_whitespace(arr)
-        missing = missing | _np_bool(pc.equal(trimmed, ""))
+        missing = missing | (_missing_words(arr) if words_missing else _np_bool(pc.equal(trimmed, "")))
         if unit == "iso":
             if not missing.all() and _matches(trimmed, _FLOAT_RE)[~missing].all():
                 raise EventLogError(f"time column {column!r} holds numbers, not ISO-8601 strings: set "
@@ -788,10 +802,10 @@ def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_floating(t):
         f = _floats(arr)
         return ~np.isnan(f) & (f != 0), np.zeros(n, bool)
-    if _is_text(t):  # each cell by the rule of its own kind: a word, an integer, a float (nan: not clicked)
+    if _is_text(t):  # each cell by the rule of its own kind: a word, an integer, a float (missing: not clicked)
         s = pc.utf8_lower(pc.utf8_trim_whitespace(arr))
         yes = _np_bool(pc.is_in(s, pa.array(_TRUE)))
-        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | _nulls(arr) | _np_bool(pc.equal(s, "nan"))
+        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | _missing_words(arr)
         _, is_int, ints, is_float, flts = _parse_numbers(arr)
         number = (is_int | is_float) & ~(yes | no)
         yes |= number & np.where(is_int, ints != 0, flts != 0)
@@ -1045,7 +1059,8 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     click_ts = np.zeros(n, np.int64)
     from_column = np.zeros(n, bool)
     if cols.click_time is not None:
-        ct, ct_status, ct_number = _times(col[cols.click_time], unit, cols.click_time, FLAGS["click_time"])
+        ct, ct_status, ct_number = _times(col[cols.click_time], unit, cols.click_time, FLAGS["click_time"],
+                                          words_missing=True)
         if cols.time_unit is None:
             _flag_implausible(ct_status, ct, ct_number)
         if cols.clicked is None:

@@ -84,16 +84,18 @@ def test_a_time_cell_that_is_no_number_is_reported_as_written_not_as_missing(tmp
     assert orjson.loads(raw.value)["ts"] == cell
 
 
-@pytest.mark.parametrize("cell", ["nan", "inf"])
-def test_a_dense_or_click_time_cell_that_is_no_number_is_reported_as_written(tmp_path: Path, cell: str) -> None:
+# a click-time `nan` is missing (section 5), not a bad cell: the click-time column is tried with inf and a typo
+@pytest.mark.parametrize("cell,click_cell", [("nan", "inf"), ("inf", "soon")])
+def test_a_dense_or_click_time_cell_that_is_no_number_is_reported_as_written(tmp_path: Path, cell: str,
+                                                                             click_cell: str) -> None:
     path = write_csv(tmp_path / "d.csv", "user_id,item_id,ts,clicked,price,cts",
-                     [f"1,1,{T0_MS},1,0.5,{T0_MS + 5}", f"2,2,{T0_MS},0,{cell},", f"3,3,{T0_MS},1,1.5,{cell}"])
+                     [f"1,1,{T0_MS},1,0.5,{T0_MS + 5}", f"2,2,{T0_MS},0,{cell},", f"3,3,{T0_MS},1,1.5,{click_cell}"])
     t = load_eventlog(path, ColumnMap(dense=("price",), click_time="cts"), FIXED, seed=0)
     bad = {raw.error.field: raw for raw in t.raw}
     assert set(bad) == {"dense.price", "click_ts"}
-    for field, column in (("dense.price", "price"), ("click_ts", "cts")):
-        assert bad[field].error.value == cell and "missing" not in bad[field].error.reason
-        assert orjson.loads(bad[field].value)[column] == cell
+    for field, column, written in (("dense.price", "price", cell), ("click_ts", "cts", click_cell)):
+        assert bad[field].error.value == written and "missing" not in bad[field].error.reason
+        assert orjson.loads(bad[field].value)[column] == written
 
 
 def test_empty_time_and_dense_cells_are_still_missing(tmp_path: Path) -> None:
@@ -151,3 +153,48 @@ def test_one_bad_cell_among_iso_times_rejects_its_own_row_only(tmp_path: Path, c
     t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
     assert t.ts.tolist() == [T0_MS, T0_MS + 2000]
     assert [(r.error.field, r.error.value) for r in t.raw] == [("ts", cell)]
+
+
+# -- 5: NA, null, nan and an empty cell are missing in the clicked and click-time columns ---------------
+MISSING_WORDS = ["NA", "na", "null", "NULL", "Null", "nan", "NaN", " NA ", ""]
+
+
+@pytest.mark.parametrize("cell", MISSING_WORDS)
+def test_na_null_or_nan_in_the_clicked_column_is_not_clicked(tmp_path: Path, cell: str) -> None:
+    path = write_csv(tmp_path / "c.csv", "user_id,item_id,ts,clicked",
+                     [f"1,1,{T0_MS},1", f"2,2,{T0_MS + 1},{cell}", f"3,3,{T0_MS + 2},0"])
+    t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
+    assert not t.raw, [str(r.error) for r in t.raw]
+    assert t.ts.tolist() == [T0_MS, T0_MS + 1, T0_MS + 2]
+    assert t.click_impression_id.tolist() == ["c-000000000"]
+
+
+@pytest.mark.parametrize("cell", MISSING_WORDS)
+def test_na_null_or_nan_in_a_click_time_column_alone_is_no_click(tmp_path: Path, cell: str) -> None:
+    path = write_csv(tmp_path / "ct.csv", "user_id,item_id,ts,cts",
+                     [f"1,1,{T0_MS},{T0_MS + 5}", f"2,2,{T0_MS + 1},{cell}"])
+    t = load_eventlog(path, ColumnMap(clicked=None, click_time="cts"), FIXED, seed=0)
+    assert not t.raw, [str(r.error) for r in t.raw]
+    assert t.ts.tolist() == [T0_MS, T0_MS + 1]
+    assert t.click_impression_id.tolist() == ["ct-000000000"] and t.click_ts.tolist() == [T0_MS + 5]
+
+
+@pytest.mark.parametrize("cell", MISSING_WORDS)
+def test_a_clicked_row_whose_click_time_is_na_null_or_nan_clicks_after_a_drawn_delay(tmp_path: Path,
+                                                                                    cell: str) -> None:
+    path = write_csv(tmp_path / "ct.csv", "user_id,item_id,ts,clicked,cts",
+                     [f"1,1,{T0_MS},1,{T0_MS + 5}", f"2,2,{T0_MS + 1},1,{cell}"])
+    t = load_eventlog(path, ColumnMap(click_time="cts"), FIXED, seed=0)
+    assert not t.raw, [str(r.error) for r in t.raw]
+    assert t.click_ts.tolist() == [T0_MS + 5, T0_MS + 1 + 30_000]  # the fixed delay: 30 s
+
+
+@pytest.mark.parametrize("cell", ["NA", "null", "nan"])
+def test_na_null_or_nan_in_the_time_column_is_still_a_rejected_row_reported_as_written(tmp_path: Path,
+                                                                                      cell: str) -> None:
+    path = write_csv(tmp_path / "t.csv", "user_id,item_id,ts,clicked,cts",
+                     [f"1,1,{T0_MS},1,NA", f"2,2,{cell},NA,{T0_MS + 5}"])
+    t = load_eventlog(path, ColumnMap(click_time="cts"), FIXED, seed=0)
+    assert t.ts.tolist() == [T0_MS]
+    (raw,) = t.raw
+    assert raw.error.field == "ts" and raw.error.value == cell and "missing" not in raw.error.reason
