@@ -498,6 +498,26 @@ def _floats(arr: pa.Array) -> np.ndarray:
                       dtype=np.float64)
 
 
+def _digit_ints(arr: pa.Array) -> np.ndarray | None:
+    """A text column's int64 values (nulls 0) when every present cell is 1-18 ASCII digits, else None: the common
+    case in one vectorised check and one Arrow cast instead of :func:`_parse_numbers`' regexes, same values (such a
+    cell is one ``_INT_RE`` takes; the check keeps out what the cast alone reads otherwise: ``0x10``, 19 digits)."""
+    if not pc.all(pc.ascii_is_decimal(arr)).as_py() or (pc.max(pc.binary_length(arr)).as_py() or 0) > 18:
+        return None
+    return _ints(pc.cast(arr, pa.int64(), safe=True))[0]
+
+
+def _cast_floats(arr: pa.Array) -> np.ndarray | None:
+    """A text column as float64 (nulls NaN) in one Arrow cast, or None where a cell does not cast (a word, an empty
+    or padded cell) or reads as -0.0 (``-0``: :func:`_parse_numbers` reads 0). Where it casts, a finite value is the
+    one ``_parse_numbers`` gives and a non-finite one (``nan``, ``inf``, ``1e400``) is no finite number either way."""
+    try:
+        v = _floats(pc.cast(arr, pa.float64(), safe=True))
+    except pa.ArrowInvalid:
+        return None
+    return None if (np.signbit(v) & (v == 0)).any() else v
+
+
 def _parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Text -> ``(missing, is_int, int64 values, is_float, float64 values)``; neither = unparseable."""
     s = pc.utf8_trim_whitespace(arr)
@@ -709,6 +729,9 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str,
             ms, parsed = _iso_column(arr, missing)
             ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
             status[~parsed] = _UNPARSEABLE
+        elif (digits := _digit_ints(arr)) is not None:  # the common case, in one cast
+            ms, ok = _int_to_ms(digits, unit)
+            number = np.where(missing, np.nan, digits.astype(np.float64))
         elif _iso_text(arr, missing):  # ISO-8601 text whatever the unit, as Arrow's CSV inference read it
             ms, parsed = _iso_column(arr, missing)
             ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
@@ -802,6 +825,8 @@ def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_floating(t):
         f = _floats(arr)
         return ~np.isnan(f) & (f != 0), np.zeros(n, bool)
+    if _is_text(t) and (digits := _digit_ints(arr)) is not None:  # the common case (0/1), in one cast
+        return digits != 0, np.zeros(n, bool)
     if _is_text(t):  # each cell by the rule of its own kind: a word, an integer, a float (missing: not clicked)
         s = pc.utf8_lower(pc.utf8_trim_whitespace(arr))
         yes = _np_bool(pc.is_in(s, pa.array(_TRUE)))
@@ -879,6 +904,8 @@ def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
     elif any(is_(t) for is_ in (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean,
                                 pa.types.is_decimal)):
         v = _floats(arr)
+    elif _is_text(t) and (cast := _cast_floats(arr)) is not None:  # the common case, in one cast
+        v = cast
     elif _is_text(t):
         missing, is_int, ints, is_float, flts = _parse_numbers(arr)
         v = np.where(is_int, ints.astype(np.float64), np.where(is_float, flts, np.nan))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -198,3 +199,36 @@ def test_na_null_or_nan_in_the_time_column_is_still_a_rejected_row_reported_as_w
     assert t.ts.tolist() == [T0_MS]
     (raw,) = t.raw
     assert raw.error.field == "ts" and raw.error.value == cell and "missing" not in raw.error.reason
+
+
+# -- 6: a clean column is read in one cast; its cells read as the cell-by-cell parse reads them ---------
+# Each cell in a column with one well-formed neighbour (the one-cast path where the cell allows it) and in the same
+# column with a 'junk' cell added (which only the cell-by-cell parse reads): the two rows come out the same.
+ONE_CAST_CELLS = {
+    "ts": ["978300760000000000", "1699999999999999999", "0978300760000000000", "0x10", "-0",
+           "+978300760000000000", "9.783007600005e17"],
+    "clicked": ["0", "1", "7", "007", "0000000000000000000", "0x0", "0x10", "-0", "1e3", "+1"],
+    "price": ["0.5", "7", "-0", "-0.0", "1e400", "nan", "inf", "1.", ".5", "+5", "1234567890123456789", "0x10"],
+}
+
+
+def outcome(t: EventTable) -> tuple[object, ...]:
+    """What a load made of rows 0 and 1 (the rows both files share)."""
+    return (t.ts.tolist(), t.dense["price"].tolist(), np.signbit(t.dense["price"]).tolist(),
+            t.click_impression_id.tolist(), t.click_ts.tolist(), {k: v for k, v in rejected(t).items() if k < 2})
+
+
+@pytest.mark.parametrize("column,cell", [(c, v) for c, cells in ONE_CAST_CELLS.items() for v in cells])
+def test_a_cell_reads_the_same_whether_its_column_is_cast_at_once_or_parsed_cell_by_cell(tmp_path: Path, column: str,
+                                                                                        cell: str) -> None:
+    normal = {"ts": str(T0_MS * 10**6), "clicked": "1", "price": "1.5"}
+    rows = [dict(normal), {**normal, column: cell}, {**normal, column: "junk"}]
+    loads = []
+    for name, n in (("clean", 2), ("junk", 3)):
+        (tmp_path / name).mkdir()
+        path = write_csv(tmp_path / name / "log.csv", "user_id,item_id,ts,clicked,price",
+                         [f"{k},{k},{r['ts']},{r['clicked']},{r['price']}" for k, r in enumerate(rows[:n])])
+        loads.append(load_eventlog(path, ColumnMap(time_unit="ns", dense=("price",)), FIXED, seed=0))
+    clean, junk = loads
+    assert len(junk.raw) == len(clean.raw) + 1  # the junk row is rejected and only it
+    assert outcome(clean) == outcome(junk)
