@@ -328,17 +328,14 @@ def test_sigkill_of_refresh_at_random_points_never_makes_a_partial_version_curre
     assert total >= 3 * fault_rounds - finished and total >= 2 * fault_rounds
 
 
-def test_a_stop_signal_during_the_publish_of_refresh_now_lets_the_run_publish(
-        tmp_path: Path, redis_server: Service) -> None:
-    """From the publish on, SIGTERM to `streamrec refresh --now` lets the run finish (the publish is atomic and
-    short; after it the run has published): exit 0 with the new version current and complete."""
-    rf = make_refresh(tmp_path, redis_server)
-    proc = subprocess.Popen(rf.cmd(), env=rf.env(STREAMREC_TEST_PAUSE_AT="publish:before_rename"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _signalled_refresh(rf: Any, point: str, sig: signal.Signals) -> tuple[int, str, str]:
+    """`streamrec refresh --now` held at the fault hook ``point``, sent ``sig`` there: (exit code, stdout, stderr)."""
+    proc = subprocess.Popen(rf.cmd(), env=rf.env(STREAMREC_TEST_PAUSE_AT=point), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     lines = Lines(proc.stderr)
     try:
-        assert lines.wait_for("paused at publish:before_rename", 120), lines.text()[-3000:]
-        os.kill(proc.pid, signal.SIGTERM)
+        assert lines.wait_for(f"paused at {point}", 120), lines.text()[-3000:]
+        os.kill(proc.pid, sig)
         out = proc.stdout.read() if proc.stdout else ""
         proc.wait(timeout=120)
     finally:
@@ -346,8 +343,17 @@ def test_a_stop_signal_during_the_publish_of_refresh_now_lets_the_run_publish(
             proc.kill()
             proc.wait()
     lines.join(10)
-    assert proc.returncode == 0, (proc.returncode, lines.text()[-3000:])
-    assert "SIGTERM during the refresh's publish" in lines.text()
+    return proc.returncode, out, lines.text()
+
+
+def test_a_stop_signal_during_the_publish_of_refresh_now_lets_the_run_publish(
+        tmp_path: Path, redis_server: Service) -> None:
+    """From the publish on, SIGTERM to `streamrec refresh --now` lets the run finish (the publish is atomic and
+    short; after it the run has published): exit 0 with the new version current and complete."""
+    rf = make_refresh(tmp_path, redis_server)
+    code, out, err = _signalled_refresh(rf, "publish:before_rename", signal.SIGTERM)
+    assert code == 0, (code, err[-3000:])
+    assert "SIGTERM during the refresh's publish" in err
     assert assert_current_sound(rf.root) == json.loads(out)["version"]
     assert leftovers(rf.root) == []
 
@@ -363,20 +369,8 @@ def test_a_stop_signal_during_refresh_now_ends_the_run_as_a_failed_run(
     no metric."""
     rf = make_refresh(tmp_path, redis_server)
     first = job.run_once(*rf.settings())  # a live version the stopped run must leave current
-    env = rf.env(STREAMREC_TEST_PAUSE_AT=point)
-    proc = subprocess.Popen(rf.cmd(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = Lines(proc.stderr)
-    try:
-        assert lines.wait_for(f"paused at {point}", 120), lines.text()[-3000:]
-        os.kill(proc.pid, sig)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    lines.join(10)
-    err = lines.text()
-    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    code, _, err = _signalled_refresh(rf, point, sig)
+    assert code == 1, (code, err[-3000:])
     stage = point.split(":")[0]
     assert f'refresh_failed{{stage="{stage}"}}' in err, err[-3000:]
     assert signal.Signals(sig).name in err, err[-3000:]

@@ -43,22 +43,28 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "meta_without_samples_trained": _meta_without_samples, "negative_offset": _negative_offset}
 
 
-@pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_newest_checkpoint_that_does_not_fit_its_own_model_is_refused_and_the_previous_one_resumed(
-        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
+    """A learner's settings and two checkpoints under ``tmp_path / "ck"``: 32 samples, then ``second_rows`` more."""
     ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
                          id_capacity=40, admit_after=1, device=Device.CPU, amp=False, deltas_every_s=0)
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted: no offsets to commit
     first = Learner(kafka, ls)
     try:
         first._build(CFG, first._model_settings())
-        rng = np.random.default_rng(1)
+        rng = np.random.default_rng(seed)
         first._train(to_tensors(samples(rng, 32), CFG))
         first.save()
-        first._train(to_tensors(samples(rng, 32, start=32), CFG))
+        first._train(to_tensors(samples(rng, second_rows, start=32), CFG))
         first.save()
     finally:
         first.close()
+    return ls, kafka
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_newest_checkpoint_that_does_not_fit_its_own_model_is_refused_and_the_previous_one_resumed(
+        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    ls, kafka = _two_checkpoints(tmp_path, seed=1, second_rows=32)
     older, newest = ck.list_checkpoints(tmp_path / "ck")
     raw = ck.load(newest)
     DAMAGE[damage](raw)
@@ -93,19 +99,7 @@ def test_a_transient_error_loading_the_newest_checkpoint_stops_the_start_and_nev
     """Running out of memory or a failed read while the newest (sound) checkpoint is loaded into the learner is no
     damage of that file: resuming from the previous checkpoint instead would throw away its training without an
     alert; the start fails with the error, and a restart resumes from the newest."""
-    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
-                         id_capacity=40, admit_after=1, device=Device.CPU, amp=False, deltas_every_s=0)
-    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted: no offsets to commit
-    first = Learner(kafka, ls)
-    try:
-        first._build(CFG, first._model_settings())
-        rng = np.random.default_rng(1)
-        first._train(to_tensors(samples(rng, 32), CFG))
-        first.save()
-        first._train(to_tensors(samples(rng, 32, start=32), CFG))
-        first.save()
-    finally:
-        first.close()
+    ls, kafka = _two_checkpoints(tmp_path, seed=1, second_rows=32)
 
     build, calls = Learner._build, []
 
@@ -135,19 +129,7 @@ def test_a_fallback_past_a_damaged_newest_checkpoint_keeps_none_of_its_state(tmp
     """The newest checkpoint loads its quality windows, then fails (id metrics that are not a mapping);
     the previous one, written before those windows were saved (they were added later), must resume with fresh
     ones, not the refused file's: ``TrainingQuality.load_state_dict`` keeps whatever part a state lacks."""
-    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
-                         id_capacity=40, admit_after=1, device=Device.CPU, amp=False, deltas_every_s=0)
-    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted: no offsets to commit
-    first = Learner(kafka, ls)
-    try:
-        first._build(CFG, first._model_settings())
-        rng = np.random.default_rng(2)
-        first._train(to_tensors(samples(rng, 32), CFG))
-        first.save()
-        first._train(to_tensors(samples(rng, 64, start=32), CFG))
-        first.save()
-    finally:
-        first.close()
+    ls, kafka = _two_checkpoints(tmp_path, seed=2, second_rows=64)
     older, newest = ck.list_checkpoints(tmp_path / "ck")
     raw = ck.load(older)
     for part in ("cold_metrics", "warm_metrics", "served"):  # a checkpoint from before these were saved
