@@ -756,7 +756,7 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) ->
         _delete_unfinished(client, rds, model.version)
         raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
                            "keeps serving") from exc
-    except Exception:
+    except BaseException:  # any failure, and a stop (RefreshTerminated): the rows written so far go
         _delete_unfinished(client, rds, model.version)
         raise
     finally:
