@@ -110,9 +110,10 @@ class FeatureEncoder:
         meanwhile: ``serving/history.py``), and not at all when the request is refused first (a 422).
         ``observe(kind, hashed)``: told the hashed ids whose rows are read, by kind (``user``; ``item`` for the
         candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them).
-        ``max_values``: the most rows one HTTP call may look up (``[serve] max_request_values``; a 422 past it). A context
-        field that some item overrides is carried by every candidate, the request's shared bag repeated for each one
-        without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB body.
+        ``max_values``: the most rows one HTTP call may look up (``[serve] max_request_values``; a 422 past it). A
+        context field that some item overrides is carried by every candidate, the request's shared bag repeated for
+        each one without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB
+        body.
         ``spent``: the candidates' values the call's earlier requests look up (:meth:`candidate_values`): the bound is
         per HTTP call, a batch's requests together (checked per request, ``max_batch`` multiplied it).
         ``mapper``: what maps ids to rows for this request, the encoder's own by default; serving passes the model
