@@ -151,7 +151,7 @@ def read_run_log(path: str | Path) -> Recording:
             for line in f:
                 try:
                     obj = json.loads(line)
-                except ValueError:  # a line cut by a crash, say
+                except (ValueError, RecursionError):  # a line cut by a crash, say; "[[[[..." nested too deeply
                     rec.bad_lines += 1
                     continue
                 if isinstance(obj, dict):
@@ -192,7 +192,7 @@ def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
             try:
                 obj = json.loads(line)
                 break
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
         if not isinstance(obj, dict):
             raise ReportError(f"summary {p}: no JSON object in it (write it with the stage's --json)")
@@ -208,7 +208,7 @@ def read_last_run(root: str | Path) -> dict[str, Any]:
     regular file of at most :data:`~stream.files.MAX_STATE_FILE_BYTES`."""
     try:
         data = json.loads(read_regular(Path(root) / "last_run.json", MAX_STATE_FILE_BYTES, "a last-run record"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -1118,7 +1118,7 @@ def _scrapes_of(lines: Iterable[str], source: str) -> Iterator[tuple[float, list
     for line in lines:
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict) and rec.get("kind") == "scrape" and rec.get("source") == source:
             r = Recording()

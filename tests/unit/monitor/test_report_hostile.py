@@ -1,0 +1,43 @@
+"""``streamrec report`` under hostile input (monitor/report.py): run-log lines, summaries and last_run.json of
+any shape, label values and names from event data, timestamps and metric values out of range. Each is read as
+"not recorded" or drawn as text, never a traceback (issues 11 and 16)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from monitor import report
+
+START = {"kind": "start", "t": 1000.0, "sources": {}, "interval_s": 1, "rules": []}
+
+
+def write_log(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "run-log.jsonl"
+    path.write_text("".join(line + "\n" for line in (json.dumps(START), *lines)))
+    return path
+
+
+def scrape(t: float, *samples: list[object]) -> str:
+    return json.dumps({"kind": "scrape", "t": t, "source": "learner", "samples": list(samples)})
+
+
+def page_of(tmp_path: Path, inp: report.Inputs) -> str:
+    out = tmp_path / "report.html"
+    report.write_report(inp, out)
+    return out.read_text()
+
+
+def test_json_nested_too_deeply_is_an_unreadable_line_or_a_named_summary_never_a_recursion_error(
+        tmp_path: Path) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    rec = report.read_run_log(write_log(tmp_path, deep, scrape(1001.0, ["streamrec_learner_samples_total", {}, 5])))
+    assert rec.bad_lines == 1 and report.series(rec, "streamrec_learner_samples_total")[""][1] == [5.0]
+    assert list(report._scrapes_of([deep], "learner")) == []  # --follow reads the same lines
+    (tmp_path / "train.json").write_text(deep)
+    with pytest.raises(report.ReportError, match="train.json"):
+        report.read_summaries([tmp_path / "train.json"])
+    (tmp_path / "last_run.json").write_text(deep)
+    assert report.read_last_run(tmp_path) == {}
