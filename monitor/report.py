@@ -56,7 +56,10 @@ class FollowError(StreamrecError):
 # -- reading ------------------------------------------------------------------------------------------------
 def _value(v: Any) -> float:
     if isinstance(v, int | float) and not isinstance(v, bool):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:  # an integer of 400 digits: beyond any float
+            return math.inf if v > 0 else -math.inf
     return {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}.get(v, math.nan) if isinstance(v, str) \
         else math.nan
 
@@ -89,8 +92,9 @@ class Recording:
             self.bad_lines += 1
             return
         if kind == "scrape" and isinstance(rec.get("samples"), list):
-            samples = [(str(s[0]), dict(s[1]), _value(s[2])) for s in rec["samples"]
-                       if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)]
+            samples = [(str(s[0]), dict(s[1]), _value(s[2])) for s in rec["samples"]  # labels are strings: others
+                       if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)  # broke every series()
+                       and all(isinstance(v, str) for v in s[1].values())]
             self.scrapes.setdefault(str(rec.get("source")), []).append((float(t), samples))
         elif kind == "scrape_error":
             self.errors.append((float(t), str(rec.get("source")), str(rec.get("error"))))

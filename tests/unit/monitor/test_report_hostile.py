@@ -41,3 +41,15 @@ def test_json_nested_too_deeply_is_an_unreadable_line_or_a_named_summary_never_a
         report.read_summaries([tmp_path / "train.json"])
     (tmp_path / "last_run.json").write_text(deep)
     assert report.read_last_run(tmp_path) == {}
+
+
+def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers_read_as_infinite(
+        tmp_path: Path) -> None:
+    cov = "streamrec_learner_field_coverage"
+    path = write_log(tmp_path, scrape(1001.0, [cov, {"field": 1}, 0.5], [cov, {"field": ["x"]}, 0.5],
+                                      [cov, {"field": "user"}, 0.25], [cov, {"field": "item"}, 10 ** 400],
+                                      [cov, {"field": "ad"}, -(10 ** 400)]))
+    rec = report.read_run_log(path)
+    assert report.series(rec, cov, by=("field",)) == {
+        "ad": ([1001.0], [float("-inf")]), "item": ([1001.0], [float("inf")]), "user": ([1001.0], [0.25])}
+    assert "Feature coverage" in page_of(tmp_path, report.Inputs(rec))
