@@ -64,6 +64,9 @@ def _value(v: Any) -> float:
         else math.nan
 
 
+MAX_T = dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc).timestamp()  # the last time a date can show
+
+
 @dataclass
 class Recording:
     """A run log read back: per source its scrapes in time order, the rules' states, the alerts."""
@@ -88,7 +91,7 @@ class Recording:
 
     def add(self, rec: Mapping[str, Any]) -> None:
         kind, t = rec.get("kind"), rec.get("t")
-        if not isinstance(t, int | float):
+        if not isinstance(t, int | float) or not 0 <= t <= MAX_T:  # NaN, Infinity, 1e13: no date to show
             self.bad_lines += 1
             return
         if kind == "scrape" and isinstance(rec.get("samples"), list):

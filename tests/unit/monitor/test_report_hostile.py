@@ -53,3 +53,14 @@ def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers
     assert report.series(rec, cov, by=("field",)) == {
         "ad": ([1001.0], [float("-inf")]), "item": ([1001.0], [float("inf")]), "user": ([1001.0], [0.25])}
     assert "Feature coverage" in page_of(tmp_path, report.Inputs(rec))
+
+
+@pytest.mark.parametrize("t", ["NaN", "Infinity", "-Infinity", "1e13", "-1e13", "-1"])
+def test_a_record_whose_time_is_not_finite_negative_or_past_year_9999_is_an_unreadable_line(
+        tmp_path: Path, t: str) -> None:
+    bad = scrape(1001.0, ["streamrec_learner_samples_total", {}, 9]).replace('"t": 1001.0', f'"t": {t}')
+    rules = json.dumps({"kind": "rules", "t": 0, "states": {"auc_low": "firing"}}).replace('"t": 0', f'"t": {t}')
+    path = write_log(tmp_path, bad, rules, scrape(1002.0, ["streamrec_learner_samples_total", {}, 5]))
+    rec = report.read_run_log(path)
+    assert rec.bad_lines == 2 and (rec.t0, rec.t_end) == (1000.0, 1002.0)
+    assert "2 unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
