@@ -905,7 +905,8 @@ def build_sections(inp: Inputs) -> list[Section]:
     span = (inp.rec.t_end or t0) - t0
     phases = {src: (sc[0][0], sc[-1][0]) for src, sc in inp.rec.scrapes.items() if sc}
     p = Plotter(t0, span, phases)
-    return [f(p, inp) for f in SECTIONS]
+    with p.plt.rc_context({"text.parse_math": False}):  # a label "$\foo{$" (event data) is text, not mathtext
+        return [f(p, inp) for f in SECTIONS]
 
 
 def render_html(inp: Inputs, sections: Sequence[Section], title: str = "streamrec run report") -> str:

@@ -64,3 +64,13 @@ def test_a_record_whose_time_is_not_finite_negative_or_past_year_9999_is_an_unre
     rec = report.read_run_log(path)
     assert rec.bad_lines == 2 and (rec.t0, rec.t_end) == (1000.0, 1002.0)
     assert "2 unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
+
+
+def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_parsed_as_math(
+        tmp_path: Path) -> None:
+    cov, name = "streamrec_learner_field_coverage", r"$\foo{$"
+    states = json.dumps({"kind": "rules", "t": 1002.0, "states": {name: "firing"}})
+    rec = report.read_run_log(write_log(tmp_path, scrape(1001.0, [cov, {"field": name}, 0.5]),
+                                        scrape(1002.0, [cov, {"field": name}, 0.5]), states))
+    sections = {s.id: s for s in report.write_report(report.Inputs(rec), tmp_path / "report.html")}
+    assert sections["coverage"].points == 2 and sections["alerts"].points == 1
