@@ -526,8 +526,7 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> in
     n = 0
     right = ax.twinx()
     for i, (label, (ts, vs)) in enumerate(curves.items()):
-        pts = [(dt.datetime.fromtimestamp(clock[t], dt.timezone.utc), v) for t, v in zip(ts, vs, strict=True)
-               if clock.get(t, 0) > 0]
+        pts = [(d, v) for t, v in zip(ts, vs, strict=True) if (d := _date(clock.get(t, 0))) is not None]
         if not pts:
             continue
         on = right if "NE" in label else ax
@@ -743,6 +742,8 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
     seq = _named(series(rec, "streamrec_serving_delta_seq"), "serving: delta seq applied")
     wm = series(rec, "streamrec_join_watermark_ms")
     wm_min = {k: s for k, s in {"joiner watermark": _min_over(rec, "streamrec_join_watermark_ms")}.items() if s[0]}
+    wm_dates = [(t, d) for t, v in zip(*wm_min.get("joiner watermark", ([], [])), strict=True)
+                if (d := _date(v / 1000)) is not None]
     fig, (a1, a2, a3) = p.figure(3, 1, height=2.8)
     sec.points = p.lines(a1, {**learner, **deltas}, "samples", "Samples trained: learner and its deltas",
                          step=True)
@@ -752,10 +753,10 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
         a1.text(p.x([pub])[0], 0.95, " refresh published", transform=a1.get_xaxis_transform(), fontsize=8,
                 va="top", color="green")
     sec.points += p.lines(a2, seq, "delta seq", "Last delta applied by serving", step=True)
-    if wm_min:
-        ts, vs = wm_min["joiner watermark"]
+    if wm_dates:
+        ts = [t for t, _ in wm_dates]
         p.timeline(a3)
-        a3.plot(p.x(ts), [dt.datetime.fromtimestamp(v / 1000, tz=dt.timezone.utc) for v in vs], marker=".",
+        a3.plot(p.x(ts), [d for _, d in wm_dates], marker=".",
                 markersize=3, label="joiner watermark (oldest partition)")
         a3.set_title("Event time reached by the joiner (UTC) vs wall time", fontsize=10)
         a3.set_ylabel("event time (UTC)")
@@ -890,6 +891,12 @@ def fmt_num(v: Any, fmt: str = ".4f") -> str:
     return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else "n/a"
 
 
+def _date(t: float) -> dt.datetime | None:
+    """Unix seconds as a UTC date; None for 0 or less (not set yet) and for what no date can be (NaN, +Inf, 1e300:
+    metric values, which a scraped process sets)."""
+    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc) if 0 < t <= MAX_T else None
+
+
 def _utc(t: float) -> str:
     return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -1005,9 +1012,8 @@ def progress_line(samples: Sequence[Sample], prev: tuple[float, Sequence[Sample]
         if (pend := _total(samples, "streamrec_join_pending_impressions")) is not None:
             parts.append(f"{pend:,.0f} impressions pending")
         wms = [v for n, _, v in samples if n == "streamrec_join_watermark_ms" and v > 0]
-        if wms:
-            parts.append("event time " + dt.datetime.fromtimestamp(min(wms) / 1000, tz=dt.timezone.utc)
-                         .strftime("%Y-%m-%d"))
+        if wms and (day := _date(min(wms) / 1000)) is not None:
+            parts.append("event time " + day.strftime("%Y-%m-%d"))
     if (v := _total(samples, "streamrec_learner_samples_total")) is not None:
         parts.append(f"{v:,.0f} samples trained{per_s('streamrec_learner_samples_total')}")
         if (lag := _total(samples, "streamrec_learner_lag_samples")) is not None:

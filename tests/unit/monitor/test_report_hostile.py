@@ -74,3 +74,17 @@ def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_
                                         scrape(1002.0, [cov, {"field": name}, 0.5]), states))
     sections = {s.id: s for s in report.write_report(report.Inputs(rec), tmp_path / "report.html")}
     assert sections["coverage"].points == 2 and sections["alerts"].points == 1
+
+
+def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_and_the_progress_line(
+        tmp_path: Path) -> None:
+    auc, clock, wm = "streamrec_learner_served_auc", "streamrec_learner_event_time_seconds", "streamrec_join_watermark_ms"
+    lines = [scrape(1001.0, [auc, {}, 0.7], [clock, {}, "+Inf"], [wm, {"partition": "0"}, 1e300]),
+             scrape(1002.0, [auc, {}, 0.7], [clock, {}, 1e300], [wm, {"partition": "0"}, 1e300]),
+             scrape(1003.0, [auc, {}, 0.7], [clock, {}, 1.7e9], [wm, {"partition": "0"}, 1.7e12])]
+    rec = report.read_run_log(write_log(tmp_path, *lines))
+    sections = {s.id: s for s in report.write_report(report.Inputs(rec), tmp_path / "report.html")}
+    assert sections["served-quality"].points == 3 + 1  # 3 over wall time, 1 over event time
+    assert sections["freshness"].points == 1
+    samples = rec.scrapes["learner"][0][1] + [("streamrec_join_samples_total", {}, 5.0)]
+    assert "event time" not in report.progress_line(samples, None, 1001.0)
