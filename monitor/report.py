@@ -511,9 +511,9 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
     if not auc and not ne:
         sec.missing.append(_missing(["streamrec_learner_served_auc", "streamrec_learner_served_ne"],
                                     "streamrec train --metrics-port"))
-    sv = inp.summaries.get("train", {}).get("served", {}).get("all")
+    sv = served_quality(inp.summaries)
     if sv and sv.get("impressions"):
-        sec.facts.append(f"Final served quality (train summary, {sv['impressions']:,} impressions): AUC "
+        sec.facts.append(f"Final served quality (train summary, {fmt_num(sv['impressions'], ',')} impressions): AUC "
                          f"{fmt_num(sv.get('auc'))}, logloss {fmt_num(sv.get('logloss'))}, NE {fmt_num(sv.get('ne'))}")
     return sec
 
@@ -565,11 +565,11 @@ def s_cold(p: Plotter, inp: Inputs) -> Section:
     sec.png = p.png(fig)
     if not auc:
         sec.missing.append(_missing(["streamrec_learner_cold_auc", "streamrec_learner_warm_auc"], "the learner"))
-    cu = inp.summaries.get("train", {}).get("cold_users")
-    if cu:
-        sec.facts.append(f"Train summary: cold users AUC {fmt_num(cu.get('cold', {}).get('auc'))} over "
-                         f"{cu.get('cold', {}).get('samples', 0):,} samples, warm users AUC "
-                         f"{fmt_num(cu.get('warm', {}).get('auc'))} over {cu.get('warm', {}).get('samples', 0):,}")
+    if _get(inp.summaries, "train", "cold_users"):
+        cold, warm = (_get(inp.summaries, "train", "cold_users", k) or {} for k in ("cold", "warm"))
+        sec.facts.append(f"Train summary: cold users AUC {fmt_num(cold.get('auc'))} over "
+                         f"{fmt_num(cold.get('samples', 0), ',')} samples, warm users AUC "
+                         f"{fmt_num(warm.get('auc'))} over {fmt_num(warm.get('samples', 0), ',')}")
     return sec
 
 
@@ -590,9 +590,8 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
               **_named(_rates(series(rec, "streamrec_serving_candidates_total")), "candidates scored/s")}
     avg: dict[str, float] = {}
     for stage in ("replay", "join"):
-        v = inp.summaries.get(stage, {}).get("events_per_s")
-        if isinstance(v, int | float):
-            avg[f"{stage}\n(events/s, summary)"] = float(v)
+        if (v := _number(inp.summaries.get(stage, {}).get("events_per_s"))) is not None:
+            avg[f"{stage}\n(events/s, summary)"] = v
     if (r := average_rate(learner.get("", ([], [])))) is not None:
         avg["train\n(samples/s, counter)"] = r
     fig, (a1, a2, a3, a4) = p.figure(4, 1, height=2.6)
@@ -611,8 +610,8 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     for stage in ("replay", "join"):
         d = inp.summaries.get(stage)
         if d:
-            sec.facts.append(f"{stage} summary: {d.get('impressions', 0):,} impressions, {d.get('clicks', 0):,} "
-                             f"clicks in {fmt_num(d.get('elapsed_s'), '.1f')} s")
+            sec.facts.append(f"{stage} summary: {fmt_num(d.get('impressions', 0), ',')} impressions, "
+                             f"{fmt_num(d.get('clicks', 0), ',')} clicks in {fmt_num(d.get('elapsed_s'), '.1f')} s")
     return sec
 
 
@@ -805,12 +804,14 @@ def s_dlq(p: Plotter, inp: Inputs) -> Section:
     rec = inp.rec
     dlq = series(rec, "streamrec_dlq_messages_total", by=("topic", "kind"))
     totals: dict[str, float] = {}
-    rp, jn = inp.summaries.get("replay", {}), inp.summaries.get("join", {})
-    if rp:
-        totals["replay: dead-lettered\nat source"] = float(rp.get("dead_lettered", 0) or 0)
-        totals["replay: malformed\npublished"] = float(rp.get("malformed_published", 0) or 0)
-    if jn:
-        totals["join: dead-lettered"] = float(jn.get("dead_lettered", 0) or 0)
+    for stage, key, bar in (("replay", "dead_lettered", "replay: dead-lettered\nat source"),
+                            ("replay", "malformed_published", "replay: malformed\npublished"),
+                            ("join", "dead_lettered", "join: dead-lettered")):
+        if d := inp.summaries.get(stage):
+            if (v := _number(d.get(key) or 0)) is not None:
+                totals[bar] = v
+            else:
+                sec.missing.append(f"{stage} summary: {key} is not a number ({str(d.get(key))[:40]!r})")
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, dlq, "messages (cumulative)", "Dead-lettered messages over time", step=True,
                          empty="none: no scraped stage dead-lettered a message")
@@ -888,7 +889,7 @@ SECTIONS: tuple[Callable[[Plotter, Inputs], Section], ...] = (
 
 # -- the page -----------------------------------------------------------------------------------------------
 def fmt_num(v: Any, fmt: str = ".4f") -> str:
-    return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else "n/a"
+    return format(v, fmt) if _number(v) is not None else "n/a"
 
 
 def _date(t: float) -> dt.datetime | None:
@@ -903,8 +904,25 @@ def _utc(t: float) -> str:
 
 def served_quality(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """The train summary's served quality over every impression (learner/served.py), or None."""
-    sv = summaries.get("train", {}).get("served", {})
-    return dict(sv["all"]) if isinstance(sv, dict) and isinstance(sv.get("all"), dict) else None
+    sv = _get(summaries, "train", "served", "all")
+    return dict(sv) if isinstance(sv, dict) and _number(sv.get("impressions", 0)) is not None else None
+
+
+def _get(d: Any, *keys: str) -> Any:
+    """``d[k1][k2]...``, or None where a level is not a dict (a summary is outside input: any key any type)."""
+    for k in keys:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def _number(v: Any) -> float | None:
+    """A finite number (not a bool) as a float, else None."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return None
+    try:
+        return float(v) if math.isfinite(v) else None
+    except OverflowError:  # an integer of 400 digits
+        return None
 
 
 def build_sections(inp: Inputs) -> list[Section]:
@@ -928,7 +946,7 @@ def render_html(inp: Inputs, sections: Sequence[Section], title: str = "streamre
                     f"{_utc(t0)}.</p>")
     sq = served_quality(inp.summaries)
     if sq and sq.get("impressions"):
-        head.append(f"<p class=big>Served quality ({sq['impressions']:,} impressions, train summary): "
+        head.append(f"<p class=big>Served quality ({fmt_num(sq['impressions'], ',')} impressions, train summary): "
                     f"AUC <b>{fmt_num(sq.get('auc'))}</b>, NE <b>{fmt_num(sq.get('ne'))}</b>, logloss "
                     f"{fmt_num(sq.get('logloss'))}</p>")
     rows = "".join(f"<tr><td>{esc(s)}</td><td>{esc(summary_line(s, d))}</td></tr>" for s, d in inp.summaries.items())

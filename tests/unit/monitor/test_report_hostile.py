@@ -78,7 +78,8 @@ def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_
 
 def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_and_the_progress_line(
         tmp_path: Path) -> None:
-    auc, clock, wm = "streamrec_learner_served_auc", "streamrec_learner_event_time_seconds", "streamrec_join_watermark_ms"
+    auc, clock = "streamrec_learner_served_auc", "streamrec_learner_event_time_seconds"
+    wm = "streamrec_join_watermark_ms"
     lines = [scrape(1001.0, [auc, {}, 0.7], [clock, {}, "+Inf"], [wm, {"partition": "0"}, 1e300]),
              scrape(1002.0, [auc, {}, 0.7], [clock, {}, 1e300], [wm, {"partition": "0"}, 1e300]),
              scrape(1003.0, [auc, {}, 0.7], [clock, {}, 1.7e9], [wm, {"partition": "0"}, 1.7e12])]
@@ -88,3 +89,25 @@ def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_an
     assert sections["freshness"].points == 1
     samples = rec.scrapes["learner"][0][1] + [("streamrec_join_samples_total", {}, 5.0)]
     assert "event time" not in report.progress_line(samples, None, 1001.0)
+
+
+@pytest.mark.parametrize("summary", [
+    {"samples_trained": 1, "served": [1]},
+    {"samples_trained": 1, "served": {"all": [1]}},
+    {"samples_trained": 1, "served": {"all": {"impressions": "many", "auc": 0.7}}},
+    {"samples_trained": 1, "served": {"all": {"impressions": 10 ** 400, "auc": 10 ** 400}}},
+    {"samples_trained": 1, "cold_users": [1]},
+    {"samples_trained": 1, "cold_users": {"cold": {"samples": "x"}, "warm": []}},
+    {"dataset": "x", "acked": {}, "impressions": "x", "clicks": [], "dead_lettered": "x", "events_per_s": 1e309},
+    {"group": "g", "driver": "kafka", "dead_lettered": {"a": 1}, "events_per_s": "fast"},
+], ids=["served-list", "all-list", "impressions-str", "impressions-400-digits",
+      "cold-list", "cold-str", "replay-types", "join-types"])
+def test_a_summary_with_a_key_of_the_wrong_type_is_written_not_a_traceback(
+        tmp_path: Path, summary: dict[str, object]) -> None:
+    stage = "train" if "samples_trained" in summary else "replay" if "dataset" in summary else "join"
+    (tmp_path / f"{stage}.json").write_text(json.dumps(summary).replace("1e309", "Infinity"))
+    inp = report.Inputs(report.read_run_log(write_log(tmp_path)), report.read_summaries([tmp_path / f"{stage}.json"]))
+    page = page_of(tmp_path, inp)
+    assert report.served_quality(inp.summaries) is None and "Served quality (" not in page
+    if "dead_lettered" in summary:
+        assert f"{stage} summary: dead_lettered is not a number" in page
