@@ -747,7 +747,7 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
     sec.points = p.lines(a1, {**learner, **deltas}, "samples", "Samples trained: learner and its deltas",
                          step=True)
     pub = inp.last_run.get("last_success")
-    if isinstance(pub, int | float) and p.t0 <= pub:
+    if isinstance(pub, int | float) and p.t0 <= pub <= p.t0 + p.span_s:  # 1e300 broke matplotlib's transform
         a1.axvline(p.x([pub])[0], color="green", linestyle="--", linewidth=1)
         a1.text(p.x([pub])[0], 0.95, " refresh published", transform=a1.get_xaxis_transform(), fontsize=8,
                 va="top", color="green")

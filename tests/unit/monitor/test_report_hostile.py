@@ -111,3 +111,10 @@ def test_a_summary_with_a_key_of_the_wrong_type_is_written_not_a_traceback(
     assert report.served_quality(inp.summaries) is None and "Served quality (" not in page
     if "dead_lettered" in summary:
         assert f"{stage} summary: dead_lettered is not a number" in page
+
+
+def test_a_publish_time_far_past_the_run_log_is_not_drawn_and_the_page_is_written(tmp_path: Path) -> None:
+    (tmp_path / "last_run.json").write_text(json.dumps({"last_success": 1e300, "version": "v1"}))
+    inp = report.Inputs(report.read_run_log(write_log(tmp_path)), {}, report.read_last_run(tmp_path))
+    assert "last_run.json: version v1" in page_of(tmp_path, inp)
+
