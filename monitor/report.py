@@ -137,7 +137,7 @@ class Recording:
 
 def run_log_files(path: Path) -> list[Path]:
     """``path`` and its rotated predecessors, oldest first (``path.3``, ``path.2``, ``path.1``, ``path``)."""
-    rotated = sorted((p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
+    rotated = sorted((p for p in path.parent.glob(path.name + ".*") if re.fullmatch(r"\.[0-9]+", p.suffix)),
                      key=lambda p: -int(p.suffix[1:]))
     return [*rotated, *([path] if path.exists() else [])]
 

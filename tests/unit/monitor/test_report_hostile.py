@@ -118,3 +118,8 @@ def test_a_publish_time_far_past_the_run_log_is_not_drawn_and_the_page_is_writte
     inp = report.Inputs(report.read_run_log(write_log(tmp_path)), {}, report.read_last_run(tmp_path))
     assert "last_run.json: version v1" in page_of(tmp_path, inp)
 
+
+def test_a_file_beside_the_run_log_with_a_non_ascii_digit_suffix_is_not_a_rotation(tmp_path: Path) -> None:
+    path = write_log(tmp_path)
+    (tmp_path / "run-log.jsonl.\u00b2").write_text("{}\n")
+    assert report.read_run_log(path).files == [str(path)]
