@@ -77,8 +77,10 @@ A client that shuts its sending side (``SHUT_WR``) after its requests gets their
 on both servers.
 
 ``stop(grace_s)``: stop accepting (new connections are refused), close idle keep-alive connections at once,
-let requests in flight finish (up to ``grace_s``; their answer says ``Connection: close``), then close every
-connection left and join the server's threads. A server never started stops at once; a second stop is a no-op.
+let requests in flight finish (up to ``grace_s``; their answer says ``Connection: close``; a request is in flight
+from its first byte read, so one whose head is still arriving is waited for and answered, not cut off as idle), then
+close every connection left and join the server's threads. A server never started stops at once; a second stop is a
+no-op.
 """
 
 from __future__ import annotations
@@ -496,6 +498,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return  # the client closed
         except (_Deadline, OSError):
             return  # idle too long, or stop() shut the connection
+        # a request has begun to arrive: in flight from its first byte (stop() waits for it, closes idle ones only);
+        # False: it began after stop() did (answered 503 "shutting down" once its head is in)
+        self._before_stop = self.server.mark(self.connection, busy=True)
         self._served = True
         self._reader.deadline = time.monotonic() + s.request_timeout_s  # its headers and body, from its first byte
         try:
@@ -533,7 +538,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self.parse_request():  # it answered (through send_error below)
             return
-        if not self.server.mark(self.connection, busy=True):  # it arrived as stop() began
+        if not self._before_stop:  # it arrived as stop() began
             self._send(503, "application/json", _error_body("shutting down"), close=True)
             return
         try:
@@ -1277,10 +1282,15 @@ class AiohttpServer:
         if self._aserver is not None:
             self._aserver.close()  # new connections are refused
         conns = list(self._web.connections) if self._web is not None else []
+
+        def busy(c: Any) -> bool:  # a request being handled, or one whose bytes began to arrive (its deadline runs)
+            return bool(getattr(c, "_request_in_progress", False) or getattr(c, "deadline", None) is not None)
+
         for c in conns:
-            c.close()  # an idle one ends now; a busy one after its answer
+            if not busy(c):
+                c.close()  # an idle one ends now; a busy one after its answer (_reply: Connection: close)
         deadline = loop.time() + max(0.0, grace_s)
-        while loop.time() < deadline and any(getattr(c, "_request_in_progress", False) for c in conns):
+        while loop.time() < deadline and any(busy(c) for c in conns):
             await asyncio.sleep(0.01)
         for c in conns:
             c.force_close()  # past the grace (or done): closed

@@ -674,6 +674,43 @@ def test_the_answer_to_a_request_in_flight_at_stop_says_connection_close(kind: s
     assert (status, headers.get("connection")) == (200, "close") and got["closed"] is True
 
 
+def _request_started(srv: Server) -> bool:
+    """The server has read the first bytes of a request whose head is not complete yet (a partial request line)."""
+    if isinstance(srv, ThreadedServer):
+        with srv.httpd.lock:
+            return any(srv.httpd.conns.values())
+    assert isinstance(srv, AiohttpServer) and srv._web is not None
+    return any(getattr(c, "deadline", None) is not None for c in list(srv._web.connections))
+
+
+def test_a_request_whose_head_is_still_arriving_at_stop_is_answered_not_cut_off(kind: str, app: ScoringApp) -> None:
+    """SIGTERM's drain: a keep-alive connection on which the next request has begun to arrive (its first bytes read
+    by the server, the rest still on the wire) is a request in flight, not an idle connection: stop waits for it and
+    answers it (Connection: close). It was shut at once as idle, and the client's request got no answer at all."""
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    stopper = threading.Thread(target=srv.stop, args=(10.0,), name="stopper")
+    try:
+        with connect(srv) as s, s.makefile("rb") as f:
+            s.sendall(request("GET", "/healthz"))
+            assert read_response(f)[0] == 200  # the connection has served a request: idle between two
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\n")  # the next one begins
+            deadline = time.monotonic() + 10
+            while not _request_started(srv):
+                assert time.monotonic() < deadline, "the server never read the request's first bytes"
+                time.sleep(0.01)
+            stopper.start()
+            while not (srv.httpd.draining if isinstance(srv, ThreadedServer) else cast(AiohttpServer, srv)._draining):
+                time.sleep(0.01)  # (until stop has begun: the rest of the request arrives during the drain)
+            s.sendall(f"Content-Length: {len(EMPTY_ITEMS)}\r\n\r\n".encode() + EMPTY_ITEMS)
+            status, headers, body = read_response(f)
+        assert (status, json.loads(body)["error"], headers.get("connection")) == (422, EMPTY_ITEMS_ERROR, "close")
+    finally:
+        if stopper.is_alive() or stopper.ident is not None:
+            stopper.join(15)
+        srv.stop(0)
+
+
 def test_empty_lines_before_a_request_line_are_skipped(server: Server) -> None:
     """RFC 9112 2.2: a server SHOULD ignore at least one empty line before a request line (a client may send a CRLF
     after a body): at the start of a connection and between pipelined requests, CRLF or a bare LF."""
