@@ -1,8 +1,10 @@
-"""Test helpers that read what the stages expose to monitoring: a /metrics page, one series on it, the alerts topic."""
+"""Test helpers that read what the stages expose to monitoring: a /metrics page, one series on it, the alerts topic;
+a sink that drops every alert."""
 
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Sequence
 
 from monitor.alerts import Alert
 from stream.config import KafkaSettings
@@ -30,3 +32,15 @@ def alerts_so_far(kafka: KafkaSettings, topic: str) -> list[Alert]:
         return [Alert.from_json(r.value) for r in read_topic(kafka, topic, timeout_s=3.0)]
     except TimeoutError:  # the topic exists but the reader saw no end yet: nothing new to count
         return []
+
+
+class NullSink:
+    """An alert sink that takes every alert and keeps none: for a monitor whose alerts a test does not read."""
+
+    name, timeout_s, batch_max = "null", 1.0, 100
+
+    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from monitor.alerts import Alert, AlertKind, AlertState, alert_fingerprint
 from monitor.engine import HISTORY_DROPPED, FiringStateFile, Monitor, RuleEngine, Snapshot, once_text
 from monitor.rules import RulesError, loads_rules
+from tests.monitoring_io import NullSink
 
 LAG_RULES = """
 [[rule]]
@@ -137,15 +137,6 @@ def test_history_max_series_must_be_a_whole_number_of_at_least_one() -> None:
         loads_rules("history_max_series = 0\n" + RATE_RULES, "r.toml")
 
 
-class NoSink:
-    name, timeout_s, batch_max = "none", 1.0, 100
-
-    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 def test_the_duplicated_series_the_monitor_remembers_are_bounded_and_a_steady_one_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
@@ -156,7 +147,7 @@ def test_the_duplicated_series_the_monitor_remembers_are_bounded_and_a_steady_on
         text = f'share 0.1\nshare{{scrape="{n[0]}"}} 0.1\n'
         return Snapshot.from_texts({"a": text, "b": text})
 
-    mon = Monitor(loads_rules(LAG_RULES), NoSink(), scrape=scrape)
+    mon = Monitor(loads_rules(LAG_RULES), NullSink(), scrape=scrape)
     mon.DUPLICATES_REMEMBERED = 5
     try:
         with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
@@ -178,7 +169,7 @@ def test_the_state_file_and_run_log_carry_each_alerts_fingerprint_and_a_state_fi
 
     def monitor(snaps: list[Snapshot]) -> Monitor:
         it = iter(snaps)
-        return Monitor(config, NoSink(), scrape=lambda: next(it), clock=lambda: 1e9 + clock[0],
+        return Monitor(config, NullSink(), scrape=lambda: next(it), clock=lambda: 1e9 + clock[0],
                        monotonic=lambda: clock[0])
 
     mon = monitor([lag(900), failed(), failed()])

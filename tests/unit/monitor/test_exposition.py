@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 
 import pytest
 
-from monitor.alerts import Alert, QueuedSink
+from monitor.alerts import QueuedSink
 from monitor.engine import Monitor, Scraper, Snapshot
 from monitor.rules import loads_rules
-
-
-class NullSink:
-    name, timeout_s, batch_max = "null", 1.0, 100
-
-    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from tests.monitoring_io import NullSink
 
 
 def values(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:

@@ -4,13 +4,14 @@ at least once, the monitor says so in one warning per rule (naming the rule, the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 
-from monitor.alerts import Alert, QueuedSink
+from monitor.alerts import QueuedSink
 from monitor.engine import Monitor, Snapshot
 from monitor.rules import loads_rules
+from tests.monitoring_io import NullSink
 
 RULES = """interval_s = 1
 [sources]
@@ -40,15 +41,6 @@ op = ">"
 threshold = 0
 """
 
-
-class NullSink:
-    name, timeout_s, batch_max = "null", 1.0, 100
-
-    def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def scrapes(rounds: list[dict[str, str | None]]) -> Callable[[], Snapshot]:
