@@ -120,8 +120,12 @@ def test_bad_settings_rejected() -> None:
     ("--syn-malformed-share", "1", "[synthetic] malformed_share must be in [0, 1), got 1.0"),
     ("--syn-late-click-share", "-0.5", "[synthetic] late_click_share must be in [0, 1], got -0.5"),
     ("--syn-impressions-per-s", "1e-300", "run past 4102444800000 (2100-01-01)"),
-    ("--syn-start-ts-ms", "9999999999999999", "run past 4102444800000 (2100-01-01)"),
-    ("--syn-attribution-window-s", "1e300", "[synthetic] attribution_window_s must be > 0 and at most 3.1536e+07"),
+    ("--syn-start-ts-ms", "5000000000000", "run past 4102444800000 (2100-01-01)"),
+    ("--syn-start-ts-ms", "9999999999999999", "[synthetic] start_ts_ms must be an integer >= 0 and <= "
+                                              "253402300799999, got 9999999999999999 (set by --syn-start-ts-ms)"),
+    ("--syn-attribution-window-s", "1e8", "[synthetic] attribution_window_s must be > 0 and at most 3.1536e+07"),
+    ("--syn-attribution-window-s", "1e300", "[synthetic] attribution_window_s must be a finite number of seconds > 0 "
+                                            "and <= 3.15576e+08, got 1e+300 (set by --syn-attribution-window-s)"),
 ])
 def test_synthetic_settings_the_generator_cannot_use_are_one_error_line_and_exit_2(
         flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
