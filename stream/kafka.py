@@ -501,7 +501,9 @@ class AckedProducer:
     A produce refused with a fatal error (an idempotent producer fenced, or its sequence lost by a broker that lost
     data: librdkafka's producer is unusable for good) replaces the producer with a new one and raises: what the old
     one held is unacknowledged, so its caller's batch fails and is done again on the new one. It was kept, and the
-    kafka joiner driver's in-process recovery (an outage: ``stream.strikes.is_infrastructure``) failed for ever.
+    kafka joiner driver's in-process recovery (an outage: ``stream.strikes.is_infrastructure``) failed for ever. A fatal
+    error first reported in ``flush`` or ``poll`` (a delivery report, ``error_cb``) renews it there, the same way: the
+    batch done again no longer fails once more on the dead producer (a second rewind).
     ``flush`` raises :class:`DeliveryFailed` if any message failed since the previous ``flush``, or
     :class:`MessageTooLarge` when one of them was refused as too large (MSG_SIZE_TOO_LARGE: over the topic's
     ``max.message.bytes`` or the broker's ``message.max.bytes``): sending it again cannot succeed, so it is no outage
@@ -511,11 +513,9 @@ class AckedProducer:
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
         conf = producer_config(kafka, **extra)
         conf["delivery.report.only.error"] = True
-        # Weakly: client -> callback -> self -> client would be a cycle only the cyclic GC frees, and a GC pass
-        # in a forked DataLoader worker destroys the parent's librdkafka client there (it hangs or crashes).
-        conf["on_delivery"] = _weak_on_error(weakref.ref(self))
         self._conf = conf
-        self._producer = Producer(conf)
+        self._fatal: KafkaError | None = None  # a fatal error the callbacks just served reported (_renew_if_fatal)
+        self._producer = self._client()
         self._bootstrap = kafka.bootstrap_servers
         # the largest message produce() takes (librdkafka refuses bigger ones at once), and the setting that says it
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_BYTES))
@@ -528,9 +528,28 @@ class AckedProducer:
         self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
         self.report = DeliveryReport()
 
+    def _client(self) -> Producer:
+        """A librdkafka producer whose callbacks reach this object, weakly: client -> callback -> self -> client would
+        be a cycle only the cyclic GC frees, and a GC pass in a forked DataLoader worker destroys the parent's client
+        there (it hangs or crashes)."""
+        return Producer({**self._conf, **_weak_callbacks(weakref.ref(self))})
+
+    def _on_fatal(self, err: KafkaError) -> None:
+        if _is_fatal(err) and self._fatal is None:
+            self._fatal = err
+
+    def _renew_if_fatal(self) -> None:
+        """After a call that served callbacks (poll, flush): where they reported a fatal error, renew the producer
+        there (the next send would only fail on the dead one: a second rewind for the joiner) and raise it."""
+        if self._fatal is not None:
+            err = self._fatal
+            self._renew()
+            raise KafkaException(err)
+
     def _on_error(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             return
+        self._on_fatal(err)
         topic = msg.topic()
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and self._too_large is None:
             self._too_large = (f"a message of {len(msg.value() or b'') + len(msg.key() or b'')} bytes for {topic} was "
@@ -582,12 +601,13 @@ class AckedProducer:
                 return
             except BufferError:
                 self._producer.poll(0.05)
+                self._renew_if_fatal()
             except KafkaException as exc:
                 if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     raise MessageTooLarge(
                         f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over "
                         f"{self.max_message_setting} ({self.max_message_bytes})", topic=topic) from None
-                if exc.args and (exc.args[0].fatal() or exc.args[0].code() == KafkaError._FATAL):
+                if exc.args and _is_fatal(exc.args[0]):
                     self._renew()
                 raise
 
@@ -596,16 +616,22 @@ class AckedProducer:
         as sent, and what earlier flushes confirmed stays in ``acked_total``."""
         for t, n in self.report.acked.items():
             self._acked_before[t] = self._acked_before.get(t, 0) + n
-        self._producer = Producer(self._conf)
+        self._producer, self._fatal = self._client(), None
         self.report, self._too_large = DeliveryReport(), None
         self._sent.clear()
         self._failed.clear()
 
     def poll(self) -> None:
         self._producer.poll(0)
+        self._renew_if_fatal()
 
     def flush(self, timeout_s: float = 60.0) -> DeliveryReport:
         remaining = self._producer.flush(timeout_s)
+        if self._fatal is not None:
+            err = self._fatal
+            self._renew()  # what it held since the last flush is not claimed; the next send goes to a new producer
+            raise DeliveryFailed(f"the producer for {self._bootstrap} had a fatal error ({err.str()}); the messages "
+                                 "sent since the last flush were not acknowledged, and a new producer replaced it")
         self.report.acked = {t: n - self._failed.get(t, 0) for t, n in self._sent.items()}
         if remaining:
             self.report.failed += remaining
@@ -642,14 +668,25 @@ class AckedProducer:
         return out
 
 
-def _weak_on_error(ref: weakref.ReferenceType[AckedProducer]) -> Callable[[KafkaError | None, Any], None]:
-    """``AckedProducer._on_error`` of the producer ``ref`` points to, while it lives (see its ``__init__``)."""
+def _is_fatal(err: KafkaError) -> bool:
+    """librdkafka's producer is unusable for good (``error_cb`` carries the underlying error marked fatal)."""
+    return err.fatal() or err.code() == KafkaError._FATAL
+
+
+def _weak_callbacks(ref: weakref.ReferenceType[AckedProducer]) -> dict[str, Callable[..., None]]:
+    """``on_delivery`` and ``error_cb`` calling the ``AckedProducer`` ``ref`` points to, while it lives
+    (``AckedProducer._client``)."""
     def on_delivery(err: KafkaError | None, msg: Any) -> None:
         producer = ref()
         if producer is not None:
             producer._on_error(err, msg)
 
-    return on_delivery
+    def error_cb(err: KafkaError) -> None:
+        producer = ref()
+        if producer is not None:
+            producer._on_fatal(err)
+
+    return {"on_delivery": on_delivery, "error_cb": error_cb}
 
 
 def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = False) -> bool:
