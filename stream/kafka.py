@@ -616,6 +616,7 @@ class AckedProducer:
         as sent, and what earlier flushes confirmed stays in ``acked_total``."""
         for t, n in self.report.acked.items():
             self._acked_before[t] = self._acked_before.get(t, 0) + n
+        _close_dead(self._producer)  # first: its purged messages' reports land in the report dropped below
         self._producer, self._fatal = self._client(), None
         self.report, self._too_large = DeliveryReport(), None
         self._sent.clear()
@@ -666,6 +667,18 @@ class AckedProducer:
         for t, n in self.report.acked.items():
             out[t] = out.get(t, 0) + n
         return out
+
+
+def _close_dead(producer: Producer) -> None:
+    """Close a producer a fatal error made unusable, without waiting: it can deliver nothing more, and ``close()``
+    alone waits for what it holds (up to its delivery timeout). Dropped unclosed, its librdkafka threads and queues
+    lived on while anything (a traceback) referred to it."""
+    try:
+        producer.purge(in_queue=True, in_flight=True)
+        producer.flush(0)  # the purged messages' reports: failed, into the report the renewal drops
+        producer.close()
+    except (KafkaException, RuntimeError) as exc:  # closed already, or librdkafka refusing: nothing more to free
+        log.debug("closing a producer after its fatal error: %s", exc)
 
 
 def _is_fatal(err: KafkaError) -> bool:

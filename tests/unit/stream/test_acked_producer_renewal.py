@@ -79,8 +79,9 @@ class FakeClient:
 
     def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
         self.calls.append(("purge", (in_queue, in_flight)))
+        err = FATAL if self.how == "report" else KafkaError(KafkaError._PURGE_QUEUE)
         for m in self.queued:  # served by the next poll or flush in librdkafka; at once here
-            self.conf["on_delivery"](KafkaError(KafkaError._PURGE_QUEUE), m)
+            self.conf["on_delivery"](err, m)
         self.queued = []
 
     def close(self) -> bool:
@@ -130,3 +131,26 @@ def test_a_fatal_error_first_seen_in_poll_renews_the_producer_and_raises(produce
     producer.send("t", b"c")
     assert producer.flush().acked == {"t": 1}
     assert producer.acked_total == {"t": 2}
+
+
+@pytest.mark.parametrize("how", ["report", "error_cb"])
+def test_a_renewed_producer_closes_the_old_one_bounded_and_counts_nothing_it_held(
+        producer: AckedProducer, how: str) -> None:
+    """A produce refused as fatal renewed the producer and dropped the old client unclosed (its librdkafka threads and
+    queues kept while anything referred to it). Now it is purged, its reports served without waiting (``flush(0)``)
+    and closed; the two messages it held count as neither acknowledged nor failed in the new producer's report."""
+    producer.send("t", b"a")
+    producer.flush()
+    old = FakeClient.made[-1]
+    old.how = how
+    producer.send("t", b"b")
+    producer.send("t", b"c")
+    old.dead = True  # b and c still queued in it
+    with pytest.raises(KafkaException):
+        producer.send("t", b"d")
+    assert [name for name, _ in old.calls[-3:]] == ["purge", "flush", "close"]
+    assert old.calls[-2] == ("flush", 0)
+    producer.send("t", b"e")
+    assert producer.flush().acked == {"t": 1}  # e alone: no failure of b or c carried over
+    assert producer.acked_total == {"t": 2}
+    assert [m.value() for m in FakeClient.made[-1].delivered] == [b"e"]
