@@ -41,7 +41,9 @@ Time (``time_unit``)
     number looks like; so is a time out of range for a given unit. ``iso``: ISO-8601 strings
     (``2000-12-31T22:12:40Z``, offsets allowed, no offset = UTC). Arrow timestamp and date columns carry their
     own unit and are taken as they
-    are whatever ``time_unit`` says (naive timestamps are UTC).
+    are whatever ``time_unit`` says (naive timestamps are UTC). A float NaN or infinity (Parquet) is no number, as
+    the CSV cell ``nan`` or ``inf`` is: the same reason, the value as text (``'nan'``, ``'inf'``, also in the row's
+    JSON, where orjson would write null); a NaN click time is missing, as ``nan`` is there.
 
 Clicks
     ``clicked`` accepts booleans, integers (non-zero = clicked), floats (non-zero, NaN = not
@@ -714,10 +716,12 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str,
             ms, ok = _int_to_ms(v, unit)
             ok &= ~big
             number = np.where(big, np.inf, v.astype(np.float64))
-        else:
+        else:  # NaN and inf are no number, as a CSV cell `nan` or `inf` is (a NaN click time is missing, as `nan`)
             f = _floats(arr)
-            missing = missing | np.isnan(f)
+            if words_missing:
+                missing = missing | np.isnan(f)
             ms, ok = _float_to_ms(f, unit)
+            status[~np.isfinite(f)] = _UNPARSEABLE
             number = f
     elif _is_text(t):
         trimmed = pc.utf8_trim_whitespace(arr)
@@ -929,8 +933,8 @@ def _json_default(obj: Any) -> Any:
 
 
 def _json_rows(table: pa.Table, csv: bool) -> list[dict[str, Any]]:
-    """Rows as dicts for JSON: temporal values as text (nanoseconds do not fit ``datetime``), and in
-    CSV files an empty cell as ``None``."""
+    """Rows as dicts for JSON: temporal values and non-finite floats as text (nanoseconds do not fit ``datetime``),
+    and in CSV files an empty cell as ``None``."""
     for i, f in enumerate(table.schema):
         col = table.column(i)
         if pa.types.is_dictionary(f.type):
@@ -940,7 +944,13 @@ def _json_rows(table: pa.Table, csv: bool) -> list[dict[str, Any]]:
         if csv and _is_text(col.type):
             col = pc.if_else(pc.equal(col, ""), pa.scalar(None, col.type), col)
         table = table.set_column(i, f.name, col)
-    return table.to_pylist()
+    rows = table.to_pylist()
+    for f in table.schema:  # JSON has no NaN or inf (orjson writes null, a missing value): text, as a CSV cell has
+        if pa.types.is_floating(f.type):
+            col = _plain(table.column(f.name))
+            for i in np.flatnonzero(~np.isfinite(_floats(col)) & ~_nulls(col)).tolist():
+                rows[i][f.name] = repr(float(rows[i][f.name]))  # 'nan', 'inf', '-inf'
+    return rows
 
 
 # -- limits on the event as a whole ----------------------------------------------------------------

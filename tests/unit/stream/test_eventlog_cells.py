@@ -232,3 +232,27 @@ def test_a_cell_reads_the_same_whether_its_column_is_cast_at_once_or_parsed_cell
     clean, junk = loads
     assert len(junk.raw) == len(clean.raw) + 1  # the junk row is rejected and only it
     assert outcome(clean) == outcome(junk)
+
+
+# -- 7: a non-finite float in a Parquet file is judged and reported as the same CSV cell is -------------------------
+def _csv_cell(v: float) -> str:
+    return repr(v)  # nan, inf, -inf, 978300760000.0, 0.5: what a CSV writer puts in the cell
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("column", ["ts", "cts", "price"])
+def test_a_non_finite_parquet_float_is_rejected_with_the_reason_and_value_of_the_same_csv_cell(
+        tmp_path: Path, column: str, value: float) -> None:
+    rows: dict[str, list[float]] = {"user_id": [1.0, 2.0], "item_id": [1.0, 2.0], "ts": [float(T0_MS)] * 2,
+                                    "clicked": [1.0, 1.0], "cts": [float(T0_MS + 5)] * 2, "price": [0.5, 0.5]}
+    rows[column][1] = value
+    pq.write_table(pa.table(rows), tmp_path / "log.parquet")
+    write_csv(tmp_path / "log.csv", ",".join(rows), [",".join(_csv_cell(rows[c][k]) for c in rows) for k in (0, 1)])
+    seen = []
+    for name in ("log.parquet", "log.csv"):
+        t = load_eventlog(tmp_path / name, ColumnMap(click_time="cts", dense=("price",)), FIXED, seed=0)
+        seen.append((t.ts.tolist(), t.click_ts.tolist(),
+                     [(r.error.field, r.error.value, r.error.reason, orjson.loads(r.value)[column]) for r in t.raw]))
+    parquet, csv = seen
+    assert parquet == csv
+    assert all("missing" not in reason for _, _, reason, _ in parquet[2])
