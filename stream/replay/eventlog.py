@@ -13,7 +13,9 @@ Reading
     click-time, clicked and dense columns are read as text as well and each cell parsed on its own. In the time and
     dense columns only an empty cell is missing, and a rejected row's reason shows what its cell held (``nan``,
     ``inf``, ``NA``), which Arrow's type inference read as a missing value or a float. In the clicked and click-time
-    columns an empty cell and ``NA``, ``null``, ``nan`` (any case, spaces around ignored; R's ``write.csv`` writes
+    columns an empty cell and Arrow's default null tokens (``pyarrow.csv.ConvertOptions().null_values``: ``NA``,
+    ``N/A``, ``n/a``, ``#N/A``, ``#N/A N/A``, ``#NA``, ``null``, ``NULL``, ``nan``, ``NaN``, ``-nan``, ``-NaN``,
+    ``1.#IND``, ``-1.#IND``, ``1.#QNAN``, ``-1.#QNAN``; in any case, spaces around ignored; R's ``write.csv`` writes
     ``NA``) are missing: not clicked / no click time, as that inference read them. A text column with ISO-8601
     cells and no numbers is read as times whatever the numeric unit (as that inference did), each other cell a
     rejected row. Empty CSV cells of feature columns are missing values. A mapped column name that appears twice
@@ -49,7 +51,7 @@ Clicks
     ``clicked`` accepts booleans, integers (non-zero = clicked), floats (non-zero, NaN = not
     clicked) and the strings true/false/1/0/yes/no (any case); a missing value is not clicked. A CSV
     cell is judged alone by the same rule (its column is read as text): ``2``, ``-1``, ``0.5`` are
-    clicks, ``0``, ``0.0`` and the missing cells (empty, ``NA``, ``null``, ``nan``) are not, anything else is
+    clicks, ``0``, ``0.0`` and the missing cells (empty, ``NA``, ``N/A``, ``null``, ``nan``, ...) are not, the rest is
     rejected, whether the rest of the column holds integers or words (a ``TRUE`` elsewhere made ``2``
     unparseable). A clicked row's click is at its ``click_time`` when that column is mapped and the value is not
     missing (a CSV cell: the same missing cells), else at ``ts`` + a delay drawn with ``draw_click_delays_ms`` from
@@ -137,9 +139,12 @@ _NEG_INT_RE = r"^-[0-9]+$"
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 # A clicked or click-time CSV cell that is one of these (trimmed, any case) is missing: not clicked / no click time,
-# as Arrow's type inference read them before these columns were read as text (R's write.csv writes NA). The time and
+# as Arrow's type inference read them before these columns were read as text (R's write.csv writes NA). The list is
+# Arrow's default null tokens (pyarrow.csv.ConvertOptions().null_values; pandas' read_csv takes these too). The time and
 # dense columns do not take them: there only an empty cell is missing, and a `nan` time is a bad row.
-_MISSING_WORDS = ("", "na", "nan", "null")
+_NULL_TOKENS = ("", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "N/A", "NA",
+               "NULL", "NaN", "n/a", "nan", "null")
+_MISSING_WORDS = tuple(dict.fromkeys(t.lower() for t in _NULL_TOKENS))
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _ONE_MS = timedelta(milliseconds=1)
 

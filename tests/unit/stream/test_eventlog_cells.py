@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
@@ -156,12 +157,14 @@ def test_one_bad_cell_among_iso_times_rejects_its_own_row_only(tmp_path: Path, c
     assert [(r.error.field, r.error.value) for r in t.raw] == [("ts", cell)]
 
 
-# -- 5: NA, null, nan and an empty cell are missing in the clicked and click-time columns ---------------
-MISSING_WORDS = ["NA", "na", "null", "NULL", "Null", "nan", "NaN", " NA ", ""]
+# -- 5: Arrow's default null tokens (NA, null, nan, N/A, #N/A, -nan, ...) are missing in the clicked and click-time
+# columns, trimmed and in any case ----------------------------------------------------------------------------------
+ARROW_NULL_TOKENS = pcsv.ConvertOptions().null_values  # the published reference: '', '#N/A', 'N/A', 'NA', 'nan', ...
+MISSING_WORDS = [*ARROW_NULL_TOKENS, "na", "Null", "NAN", "n/A", " NA ", " #N/A\t"]
 
 
 @pytest.mark.parametrize("cell", MISSING_WORDS)
-def test_na_null_or_nan_in_the_clicked_column_is_not_clicked(tmp_path: Path, cell: str) -> None:
+def test_a_null_token_in_the_clicked_column_is_not_clicked(tmp_path: Path, cell: str) -> None:
     path = write_csv(tmp_path / "c.csv", "user_id,item_id,ts,clicked",
                      [f"1,1,{T0_MS},1", f"2,2,{T0_MS + 1},{cell}", f"3,3,{T0_MS + 2},0"])
     t = load_eventlog(path, ColumnMap(), FIXED, seed=0)
@@ -171,7 +174,7 @@ def test_na_null_or_nan_in_the_clicked_column_is_not_clicked(tmp_path: Path, cel
 
 
 @pytest.mark.parametrize("cell", MISSING_WORDS)
-def test_na_null_or_nan_in_a_click_time_column_alone_is_no_click(tmp_path: Path, cell: str) -> None:
+def test_a_null_token_in_a_click_time_column_alone_is_no_click(tmp_path: Path, cell: str) -> None:
     path = write_csv(tmp_path / "ct.csv", "user_id,item_id,ts,cts",
                      [f"1,1,{T0_MS},{T0_MS + 5}", f"2,2,{T0_MS + 1},{cell}"])
     t = load_eventlog(path, ColumnMap(clicked=None, click_time="cts"), FIXED, seed=0)
@@ -181,7 +184,7 @@ def test_na_null_or_nan_in_a_click_time_column_alone_is_no_click(tmp_path: Path,
 
 
 @pytest.mark.parametrize("cell", MISSING_WORDS)
-def test_a_clicked_row_whose_click_time_is_na_null_or_nan_clicks_after_a_drawn_delay(tmp_path: Path,
+def test_a_clicked_row_whose_click_time_is_a_null_token_clicks_after_a_drawn_delay(tmp_path: Path,
                                                                                     cell: str) -> None:
     path = write_csv(tmp_path / "ct.csv", "user_id,item_id,ts,clicked,cts",
                      [f"1,1,{T0_MS},1,{T0_MS + 5}", f"2,2,{T0_MS + 1},1,{cell}"])
@@ -190,7 +193,7 @@ def test_a_clicked_row_whose_click_time_is_na_null_or_nan_clicks_after_a_drawn_d
     assert t.click_ts.tolist() == [T0_MS + 5, T0_MS + 1 + 30_000]  # the fixed delay: 30 s
 
 
-@pytest.mark.parametrize("cell", ["NA", "null", "nan"])
+@pytest.mark.parametrize("cell", ["NA", "null", "nan", "N/A", "#N/A", "-nan"])
 def test_na_null_or_nan_in_the_time_column_is_still_a_rejected_row_reported_as_written(tmp_path: Path,
                                                                                       cell: str) -> None:
     path = write_csv(tmp_path / "t.csv", "user_id,item_id,ts,clicked,cts",
@@ -206,8 +209,9 @@ def test_na_null_or_nan_in_the_time_column_is_still_a_rejected_row_reported_as_w
 # column with a 'junk' cell added (which only the cell-by-cell parse reads): the two rows come out the same.
 ONE_CAST_CELLS = {
     "ts": ["978300760000000000", "1699999999999999999", "0978300760000000000", "0x10", "-0",
-           "+978300760000000000", "9.783007600005e17"],
-    "clicked": ["0", "1", "7", "007", "0000000000000000000", "0x0", "0x10", "-0", "1e3", "+1"],
+           "+978300760000000000", "9.783007600005e17", "", "NA", "N/A", "-nan"],
+    "clicked": ["0", "1", "7", "007", "0000000000000000000", "0x0", "0x10", "-0", "1e3", "+1", *ARROW_NULL_TOKENS,
+                " NA", "None"],
     "price": ["0.5", "7", "-0", "-0.0", "1e400", "nan", "inf", "1.", ".5", "+5", "1234567890123456789", "0x10"],
 }
 
