@@ -466,8 +466,11 @@ def _matches(arr: pa.Array, pattern: str) -> np.ndarray:
 
 
 def _missing_words(arr: pa.Array) -> np.ndarray:
-    """(N,) bool: the text cells that are missing in a clicked or click-time column (null, or one of _MISSING_WORDS)."""
-    return _nulls(arr) | _np_bool(pc.is_in(pc.utf8_lower(pc.utf8_trim_whitespace(arr)), pa.array(_MISSING_WORDS)))
+    """(N,) bool: the text cells that are missing in a clicked or click-time column (null, or one of _MISSING_WORDS).
+    Only the cells that are not all digits are trimmed and lowered (a column of 0/1 has few of them)."""
+    out, odd = _nulls(arr), np.flatnonzero(~_np_bool(pc.ascii_is_decimal(arr)))
+    out[odd] |= _np_bool(pc.is_in(pc.utf8_lower(pc.utf8_trim_whitespace(arr.take(odd))), pa.array(_MISSING_WORDS)))
+    return out
 
 
 def _to_text(arr: pa.Array, field: str, column: str) -> tuple[pa.Array, list[_Check]]:
@@ -505,10 +508,13 @@ def _floats(arr: pa.Array) -> np.ndarray:
                       dtype=np.float64)
 
 
-def _digit_ints(arr: pa.Array) -> np.ndarray | None:
+def _digit_ints(arr: pa.Array, missing: np.ndarray | None = None) -> np.ndarray | None:
     """A text column's int64 values (nulls 0) when every present cell is 1-18 ASCII digits, else None: the common
     case in one vectorised check and one Arrow cast instead of :func:`_parse_numbers`' regexes, same values (such a
-    cell is one ``_INT_RE`` takes; the check keeps out what the cast alone reads otherwise: ``0x10``, 19 digits)."""
+    cell is one ``_INT_RE`` takes; the check keeps out what the cast alone reads otherwise: ``0x10``, 19 digits).
+    ``missing`` (N,) bool: cells read as nulls (empty cells, null tokens), so that they keep a column on this path."""
+    if missing is not None and missing.any():
+        arr = pc.if_else(pa.array(missing), pa.scalar(None, arr.type), arr)
     if not pc.all(pc.ascii_is_decimal(arr)).as_py() or (pc.max(pc.binary_length(arr)).as_py() or 0) > 18:
         return None
     return _ints(pc.cast(arr, pa.int64(), safe=True))[0]
@@ -738,7 +744,7 @@ def _times(arr: pa.Array, unit: str, column: str, flag: str,
             ms, parsed = _iso_column(arr, missing)
             ok = parsed & (ms >= 0) & (ms <= MAX_TS_MS)
             status[~parsed] = _UNPARSEABLE
-        elif (digits := _digit_ints(arr)) is not None:  # the common case, in one cast
+        elif (digits := _digit_ints(arr, missing)) is not None:  # the common case, in one cast
             ms, ok = _int_to_ms(digits, unit)
             number = np.where(missing, np.nan, digits.astype(np.float64))
         elif _iso_text(arr, missing):  # ISO-8601 text whatever the unit, as Arrow's CSV inference read it
@@ -834,12 +840,16 @@ def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_floating(t):
         f = _floats(arr)
         return ~np.isnan(f) & (f != 0), np.zeros(n, bool)
-    if _is_text(t) and (digits := _digit_ints(arr)) is not None:  # the common case (0/1), in one cast
-        return digits != 0, np.zeros(n, bool)
-    if _is_text(t):  # each cell by the rule of its own kind: a word, an integer, a float (missing: not clicked)
+    if _is_text(t):
+        if (digits := _digit_ints(arr)) is not None:  # the common case (0/1), in one cast
+            return digits != 0, np.zeros(n, bool)
+        missing = _missing_words(arr)
+        if missing.any() and (digits := _digit_ints(arr, missing)) is not None:  # 0/1 with missing cells: one cast
+            return digits != 0, np.zeros(n, bool)
+        # each cell by the rule of its own kind: a word, an integer, a float (missing: not clicked)
         s = pc.utf8_lower(pc.utf8_trim_whitespace(arr))
         yes = _np_bool(pc.is_in(s, pa.array(_TRUE)))
-        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | _missing_words(arr)
+        no = _np_bool(pc.is_in(s, pa.array(_FALSE))) | missing
         _, is_int, ints, is_float, flts = _parse_numbers(arr)
         number = (is_int | is_float) & ~(yes | no)
         yes |= number & np.where(is_int, ints != 0, flts != 0)

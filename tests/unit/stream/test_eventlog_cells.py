@@ -12,6 +12,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
+from stream.replay import eventlog
 from stream.replay.config import ClickDelay, DelayKind
 from stream.replay.eventlog import ColumnMap, load_eventlog
 from stream.replay.table import EventTable
@@ -236,6 +237,21 @@ def test_a_cell_reads_the_same_whether_its_column_is_cast_at_once_or_parsed_cell
     clean, junk = loads
     assert len(junk.raw) == len(clean.raw) + 1  # the junk row is rejected and only it
     assert outcome(clean) == outcome(junk)
+
+
+def test_clicked_and_click_time_columns_whose_only_irregular_cells_are_null_tokens_are_read_in_one_cast(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def cell_by_cell(arr: pa.Array) -> None:
+        raise AssertionError("the column was parsed cell by cell")
+
+    monkeypatch.setattr(eventlog, "_parse_numbers", cell_by_cell)
+    path = write_csv(tmp_path / "gaps.csv", "user_id,item_id,ts,clicked,cts",
+                     [f"1,1,{T0_MS},1,{T0_MS + 5}", f"2,2,{T0_MS + 1},,", f"3,3,{T0_MS + 2},NA,N/A",
+                      f"4,4,{T0_MS + 3},1,", f"5,5,{T0_MS + 4}, nan ,0"])
+    t = load_eventlog(path, ColumnMap(click_time="cts"), FIXED, seed=0)
+    assert not t.raw, [str(r.error) for r in t.raw]
+    assert t.click_impression_id.tolist() == ["gaps-000000000", "gaps-000000003"]
+    assert t.click_ts.tolist() == [T0_MS + 5, T0_MS + 3 + 30_000]
 
 
 # -- 7: a non-finite float in a Parquet file is judged and reported as the same CSV cell is -------------------------
