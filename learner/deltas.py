@@ -506,7 +506,7 @@ class DeltaWriter:
         A write that fails (a full disk, the directory gone) is survived, as a checkpoint's is: logged, counted
         (``failed``, ``streamrec_learner_delta_write_failures_total``), nothing is half-visible (the file is written
         aside and renamed), the marks and the pending list stay, and the next due time tries again with the same
-        seq (serving sees no gap); None is returned. Training goes on: a side output must not stop it."""
+        seq (serving sees no gap), and the maps with it when it carried them; None is returned. Training goes on."""
         seq = self.seq + 1
         self._reserve(seq)
         payload: dict[str, Any] = {"seq": seq, "samples_trained": int(samples_trained), "created": time.time(),
@@ -516,7 +516,6 @@ class DeltaWriter:
             id_maps = self.id_maps_source()
         if id_maps is not None:
             payload["id_maps"] = id_maps
-            self._last_maps = self.clock()
         data = encode_delta(payload, self.key)
         path = delta_path(self.directory, seq, int(samples_trained))
         try:
@@ -529,8 +528,9 @@ class DeltaWriter:
                       "with the next delta", seq, self.directory, exc)
             return None
         self.seq = seq
-        if id_maps is not None:
+        if id_maps is not None:  # (only now: after a failed write the maps stay due, the retry carries them)
             self.held.zero_()
+            self._last_maps = self.clock()
         self.touched[rows.to(self.touched.device)] = False  # the rows held back stay marked (and listed) for later
         try:  # everything it listed is in the durable delta now
             self.pending_path.unlink(missing_ok=True)

@@ -57,3 +57,37 @@ def test_an_idle_learner_does_not_build_the_id_maps_for_a_delta_it_does_not_writ
     now[0] = 10.0
     assert writer.write(m, 1) is None
     assert built == []
+
+
+def test_a_failed_first_delta_after_a_restart_leaves_the_maps_due_so_no_restored_row_goes_out_without_them(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A restarted writer knows the rows of its pending list but not which of them were held (given to another id
+    before the restart): only the first delta, which carries the maps, may send them. That delta failed to write (a
+    full disk) and still reset the maps' clock, so the retry went out without the maps and sent row 2, now another
+    id's, to serving under the old maps (the evicted id served the new owner's vector until the next maps)."""
+    import learner.deltas as deltas_module
+
+    now = [0.0]
+    first = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, clock=lambda: now[0], id_maps_every_s=60.0)
+    first.mark(torch.tensor([1, 2, 3]))
+    first.hold(np.array([2]))  # row 2 went to another id; the process stops before the delta with the maps
+    first.sync()
+    writer = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, clock=lambda: now[0], id_maps_every_s=60.0)
+    writer.id_maps_source = lambda: {"user_id": {}}
+    real_write, failures = deltas_module.write_atomic, [1]
+
+    def full_disk_once(path: Path, data: bytes) -> None:
+        if failures and path.suffix == ".delta":
+            failures.pop()
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(deltas_module, "write_atomic", full_disk_once)
+    m = model()
+    now[0] = 1.0
+    assert writer.write(m, 10) is None and writer.failed == 1
+    now[0] = 2.0
+    assert writer.write(m, 11) is not None
+    [(_, _, path)] = list_deltas(tmp_path)
+    delta = load_delta(path)
+    assert 2 in delta.rows.tolist() and delta.id_maps is not None

@@ -475,3 +475,27 @@ def test_a_sharded_delta_without_the_id_maps_holds_back_the_rows_given_to_other_
         assert served.rows(0, np.array([201, 202])).tolist() == new_rows.tolist()
     finally:
         learner.close()
+
+
+def test_a_failed_sharded_delta_with_the_id_maps_leaves_them_due_and_the_held_rows_held(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's writer reset the maps' clock before its write, so a delta with the maps that failed (a full disk)
+    made the next round one without them: the rows a restarted writer restored from its pending list (which were
+    held before the restart, unknown to it) went out under the old maps."""
+    import learner.deltas as deltas_module
+    from learner.deltas import DeltaWriter
+    from learner.sharded_deltas import ShardedDeltas
+
+    first = DeltaWriter(tmp_path, 32, every_s=1.0, id_maps_every_s=60.0)
+    first.mark(torch.tensor([3, 7]))
+    first.hold(np.array([7]))  # row 7 went to another id; the process stops before the delta with the maps
+    first.sync()
+    writer = DeltaWriter(tmp_path, 32, every_s=1.0, id_maps_every_s=60.0)
+    deltas = ShardedDeltas(32, 4, 1.0, writer)
+    deltas.id_maps = (default_config({}, buckets=16), dict)
+    monkeypatch.setattr(deltas_module, "write_atomic", lambda path, data: (_ for _ in ()).throw(OSError(28, "full")))
+    union, wants_maps = deltas._exchange()
+    assert wants_maps and union.tolist() == [3, 7]
+    assert writer.write_rows(torch.from_numpy(union), torch.zeros(2, 5), {}, 10, {}) is None
+    union, wants_maps = deltas._exchange()  # the next round: the maps again, so row 7 may go
+    assert wants_maps and union.tolist() == [3, 7]
