@@ -313,3 +313,30 @@ def test_the_shards_first_seen_times_survive_the_merge_and_an_old_shards_parts_l
     res = whole.maps["user_id"].lookup(np.array([11, 12]), now=2000.0)
     assert res.admitted_rows.size == 2
     assert sorted(res.admitted_delay_s.tolist(), key=np.isnan)[0] == 989.0 and np.isnan(res.admitted_delay_s).sum() == 1
+
+
+def test_a_restored_share_sweeps_expired_ids_at_the_event_time_an_uninterrupted_share_does() -> None:
+    """Each share sweeps at its own lookups, so the shares' sweep clocks differ; a restore on the same plan gave
+    every share the largest of them: rank 1's share, which last swept at 100 s, restored as if at 105 s, skipped the
+    sweep at 106.5 s that the uninterrupted share made, and kept an expired id on its row for one more interval."""
+    from learner.sharded_ids import ShardedRowMapper, owner_index
+
+    ranges = [(0, 0, 344), (1, 344, 688)]
+    ranks = [ShardedRowMapper(ROOMY, ranges, r, ACC0) for r in (0, 1)]
+    shares = ranks[0].fields["user_id"].shares
+    keys = np.arange(1000, 1100, dtype=np.int64)
+    owner = owner_index(keys, shares)
+    k0, k1, later = keys[owner == 0][0], keys[owner == 1][0], keys[owner == 1][1]
+    maps = [r.fields["user_id"].map for r in ranks]
+    assert maps[0] is not None and maps[1] is not None
+    maps[1].lookup(np.array([k1, k1]), now=52.0)  # admitted (admit after 2), seen at 52 s: expires after 102 s
+    maps[1].lookup(np.array([k1]), now=52.0)
+    maps[1].lookup(np.array([later]), now=100.0)  # rank 1's share sweeps at 100 s (every ttl_s / 8 = 6.25 s)
+    maps[0].lookup(np.array([k0]), now=105.0)  # rank 0's at 105 s
+    restored = ShardedRowMapper(ROOMY, ranges, 1, ACC0)
+    restored.load_state_dict([r.state_dict() for r in ranks], dmp=None)
+    again = restored.fields["user_id"].map
+    assert again is not None
+    went = maps[1].lookup(np.array([later]), now=106.5).evicted_rows
+    assert went.size == 1  # the uninterrupted share swept k1 out at 106.5 s
+    assert again.lookup(np.array([later]), now=106.5).evicted_rows.tolist() == went.tolist()
