@@ -470,6 +470,7 @@ class IdMap:
 
         Exact, without sorting the table: a threshold from a sample of last-seen times selects a little
         more than k candidates in one pass; the k oldest of those are the k oldest of all (else: full sort).
+        Among rows last seen at the same time the lowest rows go first: the same rows whatever the sample.
         """
         eligible = self._row_key >= 0
         eligible &= self._row_seen < now
@@ -489,7 +490,13 @@ class IdMap:
                     pool = None  # the sample was unlucky: sort everything
         if pool is None:
             pool = np.flatnonzero(eligible)
-        victims = pool[np.argpartition(self._row_seen[pool], k - 1)[:k]] if k < pool.size else pool
+        if k < pool.size:  # the pool holds every row up to the k-th oldest's time: ties go to the lowest rows, so
+            seen = self._row_seen[pool]  # the victims do not depend on the sample (nor on a restored generator)
+            kth = np.partition(seen, k - 1)[k - 1]
+            older = pool[seen < kth]
+            victims = np.concatenate([older, pool[seen == kth][:k - older.size]])
+        else:
+            victims = pool
         self._release(victims)
         self.counters.evictions_lru += k
         evicted.append(victims)
