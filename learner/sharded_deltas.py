@@ -102,9 +102,10 @@ class ShardedDeltas:
 
     def _exchange(self) -> tuple[np.ndarray, bool]:
         """Collective: the union of every rank's touched rows (and rank 0's writer's), on every rank, and whether
-        rank 0's writer wants the id maps with the next delta; rank 0's writer marks the rows (so they reach its
-        pending list), every rank clears its own marks. Without the maps, the rows rank 0's writer holds
-        (:meth:`hold`) are left out of the union returned: still marked there, they go with the maps."""
+        rank 0's writer wants the id maps with the next delta (never with no row touched); rank 0's writer marks
+        the rows (so they reach its pending list), every rank clears its own marks. Without the maps, the rows rank
+        0's writer holds (:meth:`hold`) are left out of the union returned: still marked there, they go with the
+        maps."""
         mine = self.touched.nonzero().squeeze(1).numpy()  # (r,)
         wants_maps, held = False, np.zeros(0, np.int64)
         if self.writer is not None:
@@ -117,7 +118,8 @@ class ShardedDeltas:
         self.touched.zero_()
         if self.writer is not None and len(union):
             self.writer.mark(torch.from_numpy(union))
-        return np.setdiff1d(union, gathered[0][2]), gathered[0][1]
+        # (nothing touched: no delta, so no maps built for it, on any rank, at every due time while idle)
+        return np.setdiff1d(union, gathered[0][2]), gathered[0][1] and len(union) > 0
 
     def sync(self) -> None:
         """Collective, at every checkpoint round before the checkpoint is written: every rank's touched rows go

@@ -499,3 +499,28 @@ def test_a_failed_sharded_delta_with_the_id_maps_leaves_them_due_and_the_held_ro
     assert writer.write_rows(torch.from_numpy(union), torch.zeros(2, 5), {}, 10, {}) is None
     union, wants_maps = deltas._exchange()  # the next round: the maps again, so row 7 may go
     assert wants_maps and union.tolist() == [3, 7]
+
+
+def test_an_idle_sharded_learner_builds_no_id_maps_for_a_delta_it_does_not_write(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing touched since the last delta: the round writes nothing, but every rank built its share's id maps
+    (``ShardedRowMapper.state_dict``) for it, and again at every due time while idle, since no delta with the maps
+    reset their clock. (The table is a plain tensor here: the row-wise shard of one rank is the whole table.)"""
+    import learner.sharded_deltas as sharded_deltas
+    from learner.deltas import DeltaWriter, list_deltas
+    from learner.sharded_deltas import ShardedDeltas
+
+    monkeypatch.setattr(sharded_deltas, "table_weight", lambda dmp: dmp)
+    monkeypatch.setattr(sharded_deltas, "local_pieces", lambda weight: [(0, weight)])
+    cfg = default_config({}, buckets=16, ctx_buckets=8, embedding_dim=4)
+    model = DeepFM(cfg, mlp=(8,), seed=1, autocast_dtype=None)
+    table = model.sparse.bag.weight.detach()  # (num_rows, D + 1)
+    deltas = ShardedDeltas(cfg.num_rows, 4, 1.0, DeltaWriter(tmp_path, cfg.num_rows, every_s=1.0))
+    built: list[int] = []
+    deltas.id_maps = (cfg, lambda: built.append(1) or {})  # type: ignore[func-returns-value]
+    for _ in range(5):  # idle rounds, the maps due all along
+        assert deltas.write(table, model, 0) is None
+    assert built == []
+    deltas.mark(torch.tensor([3]))
+    assert deltas.write(table, model, 1) is not None
+    assert built == [1] and len(list_deltas(tmp_path)) == 1
