@@ -11,7 +11,8 @@ A checkpoint is a directory ``<checkpoint_dir>/dcp-<samples:015d>-<ms>/``:
                                    tensors, numpy arrays and plain values, loaded weights-only
     meta.json                      what every rank agreed on: samples trained by all ranks, the offset of EVERY
                                    samples partition (gathered from the ranks that read them), rows per
-                                   partition, the feature and model config, the shaping settings, world size
+                                   partition, the feature and model config, the shaping settings, world size;
+                                   ``sha256``: of ``.metadata`` and every DCP data file (:func:`checksums`)
 
 All ranks write into ``.tmp-<name>`` at one step boundary (the lock-step's checkpoint round); only after DCP's
 save returned on every rank (its metadata is written by rank 0 once every rank's shards are) and every rank's
@@ -45,7 +46,7 @@ from learner import checkpoint
 from learner.distributed import all_gather_objects, barrier, broadcast_object
 from learner.features import FeatureConfig
 from learner.progressive import ProgressiveMetrics
-from stream.files import fsync_dir, write_atomic
+from stream.files import fsync_dir, sha256_file, write_atomic
 
 log = logging.getLogger("streamrec.checkpoint")
 
@@ -92,24 +93,40 @@ def latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     return done[-1], meta
 
 
+def _data_ends(path: Path) -> dict[str, int]:
+    """Every DCP data file ``.metadata`` names -> the end of its last item (bytes)."""
+    ends: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+def checksums(path: Path) -> dict[str, str]:
+    """The sha256 of ``.metadata`` and of every DCP data file it names, by name: rank 0 records them in ``meta.json``
+    at save (every rank's shards are durable by then), :func:`lost_parts` checks them."""
+    return {name: sha256_file(path / name) for name in [".metadata", *sorted(_data_ends(path))]}
+
+
 def lost_parts(path: Path, meta: dict[str, Any]) -> list[str]:
-    """The files of a checkpoint's parts that ``path`` lacks or holds shorter than DCP's metadata says they are:
-    every rank's ``rank-<r>.pt`` and every DCP data file ``.metadata`` names. Empty: every part is there (a rank's
-    missing ``rank-<r>.pt`` or DCP shard ended the restore and ``--unshard`` in a FileNotFoundError or EOFError)."""
+    """The files of a checkpoint's parts that ``path`` lacks, holds shorter than DCP's metadata says they are, or
+    holds with another sha256 than ``meta["sha256"]`` records (a file of the same size from another step, copied
+    in; a checkpoint written before the checksums: sizes only): every rank's ``rank-<r>.pt``, ``.metadata`` and
+    every DCP data file it names. Empty: every part is there (a rank's missing ``rank-<r>.pt`` or DCP shard ended
+    the restore and ``--unshard`` in a FileNotFoundError or EOFError)."""
     lost = [f"rank-{r}.pt" for r in range(int(meta.get("world_size", 0))) if not (path / f"rank-{r}.pt").is_file()]
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        ends = _data_ends(path)
     except Exception as exc:  # noqa: BLE001 - missing, torn or foreign: named, whatever the unpickler raised
         return [*lost, f".metadata ({type(exc).__name__})"]
-    ends: dict[str, int] = {}
-    for info in storage.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
+    sums = dict(meta.get("sha256") or {})
+    for name in sorted({*ends, *sums}):
         f = path / name
         if not f.is_file():
             lost.append(name)
-        elif f.stat().st_size < end:
-            lost.append(f"{name} ({f.stat().st_size} of its {end} bytes)")
+        elif f.stat().st_size < ends.get(name, 0):
+            lost.append(f"{name} ({f.stat().st_size} of its {ends[name]} bytes)")
+        elif name in sums and sha256_file(f) != sums[name]:
+            lost.append(f"{name} (its sha256 is not the one recorded at save: another checkpoint's file?)")
     return lost
 
 
@@ -145,7 +162,7 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     barrier()  # every rank's shards and own state are durable
     if rank == 0:
         meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
-                "lineage": meta.get("lineage") or checkpoint.lineage(directory)}
+                "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": checksums(tmp)}
         write_atomic(tmp / META, json.dumps(meta, default=str).encode())
         tmp.rename(final)
         fsync_dir(directory)

@@ -524,3 +524,25 @@ def test_an_idle_sharded_learner_builds_no_id_maps_for_a_delta_it_does_not_write
     deltas.mark(torch.tensor([3]))
     assert deltas.write(table, model, 1) is not None
     assert built == [1] and len(list_deltas(tmp_path)) == 1
+
+
+def test_a_dcp_data_file_copied_in_from_another_sharded_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:
+    """Only the data files' sizes were checked: a ``__0_0.distcp`` of another step, the same size (a restore from
+    backups, an operator's copy), loaded that step's table beside this checkpoint's id maps and offsets."""
+    import json
+
+    from learner import checkpoint, sharded_checkpoint
+
+    def save(step: int) -> Path:
+        return sharded_checkpoint.save(tmp_path, {"model": {"w": torch.full((8,), float(step))}},
+                                       {"step": step}, {"samples_trained": step, "world_size": 1}, 0)
+
+    older, newer = save(100), save(200)
+    assert sharded_checkpoint.latest(tmp_path) is not None
+    (newer / "__0_0.distcp").write_bytes((older / "__0_0.distcp").read_bytes())
+    with pytest.raises(checkpoint.CheckpointError, match=r"lacks __0_0\.distcp \(its sha256 is not the one"):
+        sharded_checkpoint.latest(tmp_path)
+    meta = json.loads((newer / sharded_checkpoint.META).read_text())
+    del meta["sha256"]  # a checkpoint written before the checksums: its sizes alone are checked, as then
+    (newer / sharded_checkpoint.META).write_text(json.dumps(meta))
+    assert sharded_checkpoint.latest(tmp_path) is not None
