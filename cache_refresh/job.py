@@ -85,7 +85,6 @@ import json
 import logging
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -327,9 +326,31 @@ class RefreshTerminated(BaseException):  # noqa: N818 - a stop, not an error of 
     (:func:`_run_locked`, which records the failed run) and :func:`run_now` catch it."""
 
 
-# Set from the publish on: a stop signal to run_now then lets the run finish (publish() is atomic and short, and
-# after it the run has published; a failure raised there would report a publish as failed).
-_publishing = threading.Event()
+class StopSignals:
+    """How :func:`run_now`'s SIGTERM/SIGINT reach the run: the signals' handler, passed down to the run (``run_once``'s
+    ``stop``), which says where a stop may still raise; no state of the module (a scheduled run is not touched).
+
+    The first signal raises :class:`RefreshTerminated` where the run is, until the run begins its publish
+    (:meth:`hold`: publish() is atomic and short, and after it the run has published; a failure raised there would
+    report a publish as failed); from then on, and for any later signal, it is logged and the run finishes."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+        self._raising = True
+        self._held = "during the refresh's publish (or a second one): the run finishes"
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.got.append(signum)
+        name = signal.Signals(signum).name
+        if len(self.got) > 1 or not self._raising:
+            log.warning("%s %s", name, self._held)
+            return
+        raise RefreshTerminated(f"stopped by {name} before it published: nothing was published, the live artifact "
+                                "keeps serving; run `streamrec refresh --now` again")
+
+    def hold(self) -> None:
+        """From here on a stop lets the run finish (logged)."""
+        self._raising = False
 
 
 def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False) -> dict[str, Any]:
@@ -338,33 +359,21 @@ def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow
     error line and a ``refresh_failed`` alert naming the stage and the signal, ``streamrec_refresh_runs_total
     {outcome="failed"}``, :class:`RefreshError` (exit 1, as the scheduler's abandoned run: ``EXIT_ABANDONED``).
     Before, the signal's default action ended the process at once with none of these. Only the first signal raises,
-    and none once the publish has begun (the run finishes and says it was asked to stop)."""
-    got: list[int] = []
-
-    def stop(signum: int, frame: Any) -> None:
-        got.append(signum)
-        name = signal.Signals(signum).name
-        if len(got) > 1 or _publishing.is_set():
-            log.warning("%s during the refresh's publish (or a second one): the run finishes", name)
-            return
-        raise RefreshTerminated(f"stopped by {name} before it published: nothing was published, the live artifact "
-                                "keeps serving; run `streamrec refresh --now` again")
-
-    _publishing.clear()
+    and none once the publish has begun (the run finishes and says it was asked to stop): :class:`StopSignals`."""
+    stop = StopSignals()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return run_once(rs, kafka, rds, respect_pin=False, allow_older=allow_older)
+        return run_once(rs, kafka, rds, respect_pin=False, allow_older=allow_older, stop=stop)
     except RefreshTerminated as exc:  # outside the run's stages (waiting for the lock, closing the alerts)
         raise RefreshError("shutdown", str(exc)) from exc
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _publishing.clear()
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
              respect_pin: bool = False, allow_older: bool = False,
-             alerts: RefreshAlerts | None = None) -> dict[str, Any]:
+             alerts: RefreshAlerts | None = None, stop: StopSignals | None = None) -> dict[str, Any]:
     """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure.
 
     ``respect_pin=False`` (``streamrec refresh --now``, an operator) publishes over a rollback pin and
@@ -376,12 +385,12 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
 
     ``alerts``: the scheduler's, which outlives the run (an alert Kafka did not take is retried until it does);
     None: the run opens its own and closes it before returning, draining what Kafka has not acknowledged yet
-    (``cache_refresh/alerts.py``).
+    (``cache_refresh/alerts.py``). ``stop``: :func:`run_now`'s signal handler (None: signals are not the run's).
     """
     if alerts is None:
         own = RefreshAlerts(kafka, rs.alerts_topic)
         try:
-            return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own)
+            return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own, stop)
         finally:
             own.close()
     root = Path(rs.publish_root)
@@ -397,7 +406,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
                 err = RefreshError("lock", str(exc))
                 alerts.fire(err.stage, str(err), ALERT_RULE)
                 raise err from exc
-            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts)
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts, stop or StopSignals())
     except RefreshError as exc:
         metrics.observe(None, time.monotonic() - t0, exc.stage)
         raise
@@ -504,7 +513,7 @@ def _refuse_older_than_live(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_
 
 
 def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
-                respect_pin: bool, allow_older: bool, alerts: RefreshAlerts) -> dict[str, Any]:
+                respect_pin: bool, allow_older: bool, alerts: RefreshAlerts, stop: StopSignals) -> dict[str, Any]:
     stage = "start"
     staged: Path | None = None
     stored: str | None = None  # the version whose rows this run wrote to the embedding store (layered)
@@ -611,7 +620,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
-        _publishing.set()  # (run_now: a stop signal from here on lets the run finish)
+        stop.hold()  # (run_now: a stop signal from here on lets the run finish)
         try:
             path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
         except PinHeld as held:
