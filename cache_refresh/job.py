@@ -332,12 +332,14 @@ class StopSignals:
 
     The first signal raises :class:`RefreshTerminated` where the run is, until the run begins its publish
     (:meth:`hold`: publish() is atomic and short, and after it the run has published; a failure raised there would
-    report a publish as failed); from then on, and for any later signal, it is logged and the run finishes."""
+    report a publish as failed) or begins to handle a failure (the failure is the run's outcome, alerted and counted:
+    a stop raised in its handler replaced it, at stage ``shutdown`` with neither); from then on, and for any later
+    signal, it is logged with the reason given to :meth:`hold` and the run finishes as it is."""
 
     def __init__(self) -> None:
         self.got: list[int] = []
         self._raising = True
-        self._held = "during the refresh's publish (or a second one): the run finishes"
+        self._held = "a second time: the run is already stopping"
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.got.append(signum)
@@ -348,9 +350,9 @@ class StopSignals:
         raise RefreshTerminated(f"stopped by {name} before it published: nothing was published, the live artifact "
                                 "keeps serving; run `streamrec refresh --now` again")
 
-    def hold(self) -> None:
-        """From here on a stop lets the run finish (logged)."""
-        self._raising = False
+    def hold(self, why: str) -> None:
+        """From here on a stop lets the run finish, logged with ``why``."""
+        self._raising, self._held = False, why
 
 
 def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False) -> dict[str, Any]:
@@ -620,7 +622,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
-        stop.hold()  # (run_now: a stop signal from here on lets the run finish)
+        stop.hold("during the refresh's publish: the run finishes")
         try:
             path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
         except PinHeld as held:
@@ -636,6 +638,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         unpinned = pin
         timed(stage, t0)
     except (Exception, RefreshTerminated) as exc:  # (a stop is no Exception: nothing on the way may swallow it)
+        stop.hold("while the refresh handles its failure: the run ends as that failure, alerted and counted")
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
         if stored is not None:

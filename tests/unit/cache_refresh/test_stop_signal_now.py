@@ -70,3 +70,56 @@ def test_a_stop_signal_inside_a_best_effort_except_block_still_ends_refresh_now_
     assert failed._value.get() == before + 1  # recorded as a run that failed at that stage
     assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # put back
+
+
+def _now_settings(root: Path, ckpts: Path) -> RefreshSettings:
+    """A run that reaches the build without Redis: no counted ids asked for (hot_items = hot_users = 0)."""
+    return RefreshSettings(checkpoint_dir=ckpts, publish_root=root, holdout_messages=0, alerts_topic="",
+                           hot_items=0, hot_users=0, redis_attempts=1, redis_backoff_s=0.01, redis_timeout_s=0.5,
+                           format="eager")
+
+
+def _live_and_newer(tmp_path: Path) -> tuple[Path, Path]:
+    root, ckpts = tmp_path / "serving", tmp_path / "ckpt"
+    live = make_checkpoint()
+    live["meta"] = {**live["meta"], "samples_trained": 512, "lineage": "l"}
+    publish(root, build_artifact(live, root, np.zeros(0), format="eager", version="v001"), keep=3)
+    save(ckpts, 1024)
+    return root, ckpts
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_refresh_now_handles_a_failure_keeps_that_failure_alerted_and_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        sig: signal.Signals) -> None:
+    """The validation fails; the signal comes while the failure handler removes the staged artifact. Before, the stop
+    raised there replaced the failure: RefreshError at stage shutdown, no refresh_failed alert and no failed-run count
+    for the validation, and the staged artifact left behind."""
+    root, ckpts = _live_and_newer(tmp_path)
+
+    def failing_probe(*args: Any, **kwargs: Any) -> Any:
+        raise job.validate.ValidationFailed("probe: scores differ from the learner's by 0.5")
+
+    removed: list[Path] = []
+    rmtree = job.shutil.rmtree
+
+    def signalled_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if not removed:
+            removed.append(Path(path))
+            signal.raise_signal(sig)  # the operator's stop, while the run is handling its failure
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(job.validate, "probe", failing_probe)
+    monkeypatch.setattr(job.shutil, "rmtree", signalled_rmtree)
+    failed = RUNS.labels("failed", "validate")
+    before = failed._value.get()
+    with caplog.at_level("WARNING", logger="streamrec.refresh"), pytest.raises(job.RefreshError) as err:
+        job.run_now(_now_settings(root, ckpts), KafkaSettings(),
+                    RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    assert err.value.stage == "validate" and "scores differ" in str(err.value), str(err.value)
+    assert failed._value.get() == before + 1
+    assert 'refresh_failed{stage="validate"}' in caplog.text and "scores differ" in caplog.text
+    assert sig.name in caplog.text  # the signal is said, not hidden
+    assert removed and not removed[0].exists()  # the handler went on to remove what was staged
+    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+
