@@ -323,36 +323,47 @@ class RefreshTerminated(BaseException):  # noqa: N818 - a stop, not an error of 
     A ``BaseException``, as ``KeyboardInterrupt``: the run's best-effort ``except Exception`` blocks (a newest
     checkpoint skipped as unreadable, a malformed holdout message, Redis cleanups) must not take it for their own
     failure and go on, to publish after the operator asked the run to stop; only the run's failure path
-    (:func:`_run_locked`, which records the failed run) and :func:`run_now` catch it."""
+    (:func:`_run_locked`, which records the failed run) catches it."""
 
 
 class StopSignals:
     """How :func:`run_now`'s SIGTERM/SIGINT reach the run: the signals' handler, passed down to the run (``run_once``'s
     ``stop``), which says where a stop may still raise; no state of the module (a scheduled run is not touched).
 
-    The first signal raises :class:`RefreshTerminated` where the run is, until the run begins its publish
-    (:meth:`hold`: publish() is atomic and short, and after it the run has published; a failure raised there would
-    report a publish as failed) or begins to handle a failure (the failure is the run's outcome, alerted and counted:
-    a stop raised in its handler replaced it, at stage ``shutdown`` with neither); from then on, and for any later
-    signal, it is logged with the reason given to :meth:`hold` and the run finishes as it is."""
+    The first signal raises :class:`RefreshTerminated` where the run is from its first stage, taking the lock
+    (:meth:`arm`; a signal that came before raises there: every stop is a failed run of the run's one failure path,
+    alerted and counted, never an error outside the run), until the run begins its publish (:meth:`hold`: publish() is
+    atomic and short, and after it the run has published; a failure raised there would report a publish as failed),
+    begins to handle a failure (the failure is the run's outcome, alerted and counted: a stop raised in its handler
+    replaced it) or is skipped; from then on, and for any later signal, it is logged with the reason given to
+    :meth:`hold` and the run finishes as it is."""
 
     def __init__(self) -> None:
         self.got: list[int] = []
-        self._raising = True
-        self._held = "a second time: the run is already stopping"
+        self._armed = False
+        self._held: str | None = None
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.got.append(signum)
-        name = signal.Signals(signum).name
-        if len(self.got) > 1 or not self._raising:
-            log.warning("%s %s", name, self._held)
-            return
-        raise RefreshTerminated(f"stopped by {name} before it published: nothing was published, the live artifact "
-                                "keeps serving; run `streamrec refresh --now` again")
+        if self._armed and len(self.got) == 1:
+            self._armed = False
+            raise self._terminated()
+        if self._held is not None or len(self.got) > 1:
+            log.warning("%s %s", signal.Signals(signum).name, self._held or "again: the run is already stopping")
+
+    def _terminated(self) -> RefreshTerminated:
+        return RefreshTerminated(f"stopped by {signal.Signals(self.got[0]).name} before it published: nothing was "
+                                 "published, the live artifact keeps serving; run `streamrec refresh --now` again")
+
+    def arm(self) -> None:
+        """The run's first stage: from here a stop raises where the run is; one that came before raises now."""
+        if self.got:
+            raise self._terminated()
+        self._armed = True
 
     def hold(self, why: str) -> None:
         """From here on a stop lets the run finish, logged with ``why``."""
-        self._raising, self._held = False, why
+        self._armed, self._held = False, why
 
 
 def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False) -> dict[str, Any]:
@@ -366,8 +377,6 @@ def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return run_once(rs, kafka, rds, respect_pin=False, allow_older=allow_older, stop=stop)
-    except RefreshTerminated as exc:  # outside the run's stages (waiting for the lock, closing the alerts)
-        raise RefreshError("shutdown", str(exc)) from exc
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -395,24 +404,16 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
             return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own, stop)
         finally:
             own.close()
-    root = Path(rs.publish_root)
     t0 = time.monotonic()
-    restore_last_success(root)  # a publish by another process (an operator's --now) counts too
+    restore_last_success(Path(rs.publish_root))  # a publish by another process (an operator's --now) counts too
     try:
-        with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(refresh_lock(root))
-            except RefreshBusy as busy:  # another run is refreshing: this one did nothing, and that is no failure
-                return skipped(alerts, root, str(busy), "lock", holder=busy.holder)
-            except artifact.ArtifactError as exc:  # the root cannot be opened
-                err = RefreshError("lock", str(exc))
-                alerts.fire(err.stage, str(err), ALERT_RULE)
-                raise err from exc
-            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts, stop or StopSignals())
+        with contextlib.ExitStack() as held:  # the publish root's lock, taken by the run's first stage
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts, held, stop or StopSignals())
     except RefreshError as exc:
         metrics.observe(None, time.monotonic() - t0, exc.stage)
         raise
-    metrics.observe(summary, time.monotonic() - t0)
+    if not summary.get("skipped"):  # (counted by skipped())
+        metrics.observe(summary, time.monotonic() - t0)
     return summary
 
 
@@ -515,7 +516,10 @@ def _refuse_older_than_live(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_
 
 
 def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
-                respect_pin: bool, allow_older: bool, alerts: RefreshAlerts, stop: StopSignals) -> dict[str, Any]:
+                respect_pin: bool, allow_older: bool, alerts: RefreshAlerts, held: contextlib.ExitStack,
+                stop: StopSignals) -> dict[str, Any]:
+    """One run; its first stage (``lock``) enters the publish root's lock into ``held``, for the caller to release.
+    Every failure, a stop signal's too, leaves through the one ``except`` below: alerted, and counted by run_once."""
     stage = "start"
     staged: Path | None = None
     stored: str | None = None  # the version whose rows this run wrote to the embedding store (layered)
@@ -528,6 +532,14 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timings[name] = round(time.monotonic() - t0, 3)
 
     try:
+        stage = "lock"
+        stop.arm()
+        try:
+            held.enter_context(refresh_lock(root))
+        except RefreshBusy as busy:  # another run is refreshing: this one did nothing, and that is no failure
+            stop.hold("while the refresh is skipped: it ends as skipped")
+            return skipped(alerts, root, str(busy), "lock", holder=busy.holder)
+
         stage = "signing"  # not "signing_key": "signing_key: <text>" reads as a secret to the log redactor
         try:
             key = load_signing_key(rs.signing_key_file)

@@ -11,8 +11,10 @@ during the publish (the run finishes) is tested with a real subprocess in tests/
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +125,31 @@ def test_a_stop_signal_while_refresh_now_handles_a_failure_keeps_that_failure_al
     assert removed and not removed[0].exists()  # the handler went on to remove what was staged
     assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
 
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_refresh_now_takes_the_lock_ends_it_as_a_failed_run_at_stage_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        sig: signal.Signals) -> None:
+    """Before, a stop while the run took the publish root's lock ended as RefreshError at stage shutdown with no
+    refresh_failed alert and no failed-run count, unlike a stop during the run's stages."""
+    root, ckpts = _live_and_newer(tmp_path)
+    lock = job.refresh_lock
+
+    @contextlib.contextmanager
+    def signalled_lock(path: Path) -> Iterator[None]:
+        signal.raise_signal(sig)  # the operator's stop, while the run takes the lock
+        with lock(path):
+            yield
+
+    monkeypatch.setattr(job, "refresh_lock", signalled_lock)
+    failed = RUNS.labels("failed", "lock")
+    before = failed._value.get()
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    with caplog.at_level("WARNING", logger="streamrec.refresh"), pytest.raises(job.RefreshError) as err:
+        job.run_now(_now_settings(root, ckpts), KafkaSettings(),
+                    RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    assert err.value.stage == "lock" and sig.name in str(err.value), str(err.value)
+    assert failed._value.get() == before + 1
+    assert 'refresh_failed{stage="lock"}' in caplog.text
+    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
