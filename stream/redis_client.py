@@ -59,7 +59,7 @@ from redis.retry import Retry
 from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
-from stream.secrets import Secret, redact
+from stream.secrets import Secret, redact, secret_text
 from stream.tls import client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
@@ -183,7 +183,7 @@ def _password(settings: RedisSettings) -> str:
             # not "password_file: ..." - stream.secrets.redact masks the word after a "password...:" key
             raise ConfigError(f"[redis] cannot read the password_file {path}: "
                               f"{getattr(exc, 'strerror', None) or exc}") from None
-        return Secret(text.rstrip("\r\n")).reveal()  # registered for redact() on the way
+        return Secret(secret_text(text)).reveal()  # registered for redact() on the way
     if settings.password_env:
         raise ConfigError(f"[redis] password_env names {settings.password_env}, which gave no password (it is empty, "
                           "or these settings were not built by streamrec.settings, which reads the variable)")

@@ -10,9 +10,11 @@ summaries (``--json`` output, alerts) and masks values under keys that name a cr
 installs :class:`RedactingFilter` on every log handler, so log lines are scrubbed at the source.
 
 Secrets in settings come from one of three places (the loader, ``streamrec/settings.py``, resolves the
-last two at the process edge): the value itself (``password = "..."``, discouraged in a shared file),
-a file named by ``<name>_file`` (a mounted secret; a trailing newline is dropped), or an environment
-variable named by ``<name>_env``.
+last two at the process edge): the value itself (``password = "..."``, discouraged in a shared file; or
+``STREAMREC_<SECTION>_<NAME>``), a file named by ``<name>_file`` (a mounted secret), or an environment
+variable named by ``<name>_env``. Each is read the same way, :func:`secret_text`: line endings at its end are
+dropped (an editor's or ``echo``'s in a file, ``PW="$(printf 'pw\n')"`` or a Kubernetes secret made from such
+a file in a variable), nothing else (a password may hold spaces).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class Secret(str):
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickling a secret (into a checkpoint, say) keeps it masked
         return (Secret, ("",))
+
+
+def secret_text(text: str) -> str:
+    """A secret's value as read from a setting, a file or an environment variable: without the line endings
+    (``\n``, ``\r\n``) at its end, which no password means and ``$(cat file)`` strips only in a shell."""
+    return text.rstrip("\r\n")
 
 
 def register(value: str) -> None:

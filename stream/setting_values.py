@@ -17,7 +17,7 @@ from typing import Any
 
 from stream.errors import ConfigError, shown
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
-from stream.secrets import Secret, names_credential
+from stream.secrets import Secret, names_credential, secret_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,8 +49,9 @@ def read_toml(path: Path, what: str, given: str) -> dict[str, Any]:
 def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
                      environ: Mapping[str, str]) -> None:
     """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``
-    (the name of an environment variable), when the dataclass has those fields and one is set. An empty file is an
-    error (a secret that was never filled in), as is a variable that is not set or is empty."""
+    (the name of an environment variable), when the dataclass has those fields and one is set, each read by
+    :func:`~stream.secrets.secret_text` (trailing line endings dropped). An empty file is an error (a secret that
+    was never filled in), as is a variable that is not set or is empty."""
     for name, tp in hints.items():
         if tp is not Secret:
             continue
@@ -63,17 +64,17 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
             except (OSError, UnicodeDecodeError) as exc:
                 raise SettingsError(f"[{section}] {name}_file: cannot read {path}: "
                                     f"{getattr(exc, 'strerror', None) or exc}") from None
-            if not text.rstrip("\r\n"):  # an unfilled secret template: not "no password", which is leaving it out
+            if not secret_text(text):  # an unfilled secret template: not "no password", which is leaving it out
                 raise SettingsError(f"[{section}] {name}_file: {path} is empty: put the {name} in it, or leave "
                                     f"{name}_file out when there is none")
-            values[name] = Secret(text.rstrip("\r\n"))
+            values[name] = Secret(secret_text(text))
         elif var:
             if var not in environ:
                 raise SettingsError(f"[{section}] {name}_env names {var}, which is not set in the environment")
-            if not environ[var].rstrip("\r\n"):  # an unfilled variable (REDIS_PW= in an env file), as an empty file
+            if not secret_text(environ[var]):  # an unfilled variable (REDIS_PW= in an env file), as an empty file
                 raise SettingsError(f"[{section}] {name}_env: the variable {var} is set but empty: put the {name} in "
                                     f"it, or leave {name}_env out when there is none")
-            values[name] = Secret(environ[var])
+            values[name] = Secret(secret_text(environ[var]))
 
 
 def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:
@@ -152,7 +153,7 @@ def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
                 raise ValueError("expected a finite number")
             return value
         if tp is Secret:
-            return Secret(str(raw))
+            return Secret(secret_text(str(raw)))
         if tp is str:
             return ("true" if raw else "false") if isinstance(raw, bool) else str(raw)  # TOML true: librdkafka's "true"
         if tp is Path:

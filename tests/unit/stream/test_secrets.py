@@ -115,6 +115,20 @@ def test_the_loader_reads_a_secret_from_a_file_or_a_named_variable_and_never_bot
         build(_Creds, "creds", {"creds": {"password_file": str(tmp_path / "absent")}}, {})
 
 
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\n\n"], ids=["LF", "CRLF", "two LF"])
+def test_a_secret_from_a_variable_loses_its_trailing_line_ending_as_one_from_a_file_does(
+        tmp_path: Path, ending: str) -> None:
+    """``PW="$(printf 'pw\n')"`` or a Kubernetes secret mapped to a variable keeps the newline ``$(cat file)`` strips;
+    the password then sent was ``pw\n``, while the same secret in a ``*_file`` was ``pw``. Spaces stay: a
+    password may hold them."""
+    f = tmp_path / "pw"
+    f.write_text(f" p w {ending}")
+    from_file = build(_Creds, "creds", {"creds": {"password_file": str(f)}}, {}).password.reveal()
+    from_var = build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD_ENV": "MY_PW", "MY_PW": f" p w {ending}"})
+    direct = build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD": f" p w {ending}"})
+    assert from_file == from_var.password.reveal() == direct.password.reveal() == " p w "
+
 def test_the_names_of_secret_files_and_variables_are_not_masked() -> None:
     text = "[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password=abc123"
     want = f"[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password={MASK}"
