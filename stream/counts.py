@@ -588,14 +588,7 @@ class DailyCounts:
             if not available:
                 return []
             day = available[-1]
-        end = _parse_day(day)
-        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(int(days))]
-        keys = [self._key(kind, event, d) for d in window]
-        if self._legacy():  # the layout before hash tags, while its keys live (module docstring)
-            old = [self._legacy_key(kind, event, d) for d in window]
-            if self.client.exists(*old):
-                keys += old
-        keys = self._sorted_sets(keys)
+        keys = self._window_keys(kind, event, day, days)
         if not keys:
             return []
         rows: list[tuple[bytes, float]]  # (member, score), highest first
@@ -612,6 +605,36 @@ class DailyCounts:
             pipe.delete(tmp)
             rows = pipe.execute()[2]
         return [(_text(member), float(score)) for member, score in rows]
+
+    def _window_keys(self, kind: str, event: str, day: str, days: int) -> list[str]:
+        """The sorted sets of ``kind``/``event`` counts of the ``days`` days ending at ``day``."""
+        end = _parse_day(day)
+        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(int(days))]
+        keys = [self._key(kind, event, d) for d in window]
+        if self._legacy():  # the layout before hash tags, while its keys live (module docstring)
+            old = [self._legacy_key(kind, event, d) for d in window]
+            if self.client.exists(*old):
+                keys += old
+        return self._sorted_sets(keys)
+
+    def day_counts(self, kind: str, event: str, members: Sequence[str], day: str, days: int = 1,
+                   ) -> dict[str, list[float]]:
+        """Each of ``members``' counts on the days of :meth:`top`'s window that counted it (one pipelined round
+        trip): what :meth:`top`'s sum hides (a negative count one day lowers it, written by another client)."""
+        _check_kind_event(kind, event)
+        _check_positive_int("days", days)
+        found: dict[str, list[float]] = {}
+        keys = self._window_keys(kind, event, day, days)
+        if not keys or not members:
+            return found
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zmscore(key, list(members))
+        for scores in pipe.execute():
+            for member, score in zip(members, scores, strict=True):
+                if score is not None:
+                    found.setdefault(member, []).append(float(score))
+        return found
 
     def _sorted_sets(self, keys: list[str]) -> list[str]:
         """``keys`` less those holding another type than a sorted set (any client can write a list or a string under

@@ -105,3 +105,16 @@ def test_a_day_key_of_the_wrong_type_is_no_day_so_it_cannot_move_the_window_off_
         hs = _hot_items(redis_client, prefix)
     assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789"]
     assert counts.key("item", "impression", DAY) in caplog.text and "not a sorted set" in caplog.text
+
+
+def test_a_negative_day_count_summed_with_positive_ones_leaves_the_member_out_with_a_warning(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Summed over the window, 10 one day and -8 the next ranked "123" at 2, below "456" and "789": a silent drop
+    of its rank. It is refused as a member whose only count is -8 is (one definition: hot_set._is_count)."""
+    _items(redis_client, prefix, {"123": 10, "456": 5}, day="20030227")
+    _items(redis_client, prefix, {"123": -8, "789": 3, "999": 1})
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        hs = _hot_items(redis_client, prefix)
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789", "999"]
+    assert hs.stats["item_count_covered"] == 9.0
+    assert "not a positive finite count" in caplog.text
