@@ -65,6 +65,40 @@ MAX_ROW_ABS = 1e12
 # trains with Adam, whose step is about lr whatever the gradient: 1e6 is a billion steps of lr 1e-3 from any healthy
 # weight. Not a proof of finite scores (a wide, deep MLP on extreme inputs can still overflow): the app's backstop is.
 MAX_DENSE_ABS = 1e6
+_SCAN_ROWS = 1 << 16  # rows checked at a time: a memory-mapped table of 10 M rows is never copied whole
+
+
+def row_problem(vectors: np.ndarray) -> str | None:
+    """Why ``vectors`` (N, D + 1) may not be served as rows (non-finite values, or any beyond ``MAX_ROW_ABS``), or
+    None: the one bound of a delta's rows and of a full artifact's table and hot rows."""
+    nonfinite, big = 0, 0.0
+    for start in range(0, len(vectors), _SCAN_ROWS):
+        block = np.abs(np.asarray(vectors[start:start + _SCAN_ROWS], np.float32))
+        top = float(block.max()) if block.size else 0.0
+        if np.isfinite(top):
+            big = max(big, top)
+        else:
+            nonfinite += int((~np.isfinite(block)).sum())
+    if nonfinite:
+        return f"hold {nonfinite} non-finite values"
+    if big > MAX_ROW_ABS:  # finite, yet the FM's squared sums would overflow
+        return (f"hold values beyond |x| <= {MAX_ROW_ABS:g} (max {big:.6g}): pooled and squared in float32 they "
+                "overflow to inf - inf = NaN, a 200 with null scores; a learner that wrote them has diverged")
+    return None
+
+
+def dense_problem(name: str, weight: torch.Tensor) -> str | None:
+    """Why dense weight ``name`` may not be served (non-finite values, or any beyond ``MAX_DENSE_ABS``), or None: the
+    one bound of a delta's dense state and of a full artifact's scorer (``sparse.*`` names are rows, not bounded
+    here)."""
+    if not weight.numel():
+        return None
+    if not bool(torch.isfinite(weight).all()):
+        return f"dense weight {name!r} holds non-finite values"
+    if not name.startswith("sparse.") and (big := float(weight.abs().max())) > MAX_DENSE_ABS:
+        return (f"dense weight {name!r} holds values beyond |x| <= {MAX_DENSE_ABS:g} (max {big:.6g}): in float32 "
+                "they overflow to inf - inf = NaN, a 200 with null scores; a learner that wrote them has diverged")
+    return None
 
 
 @dataclass(frozen=True)
@@ -178,8 +212,9 @@ class ScoringModel:
         the manifest is parsed, before any other file is opened; a key also forces ``verify_files``), a
         manifest naming another version than its directory under ``versions/``, the files (missing, altered,
         or symlinks leaving the version directory), the cold rows' dtype and shape, the scorer, the id maps,
-        and (``smoke``) one probe scored to a finite probability. Order: manifest, signature, every listed
-        file's size and sha256, and only then are files opened to load, and only files the manifest lists.
+        rows or dense weights past a delta's bounds (:meth:`_check_bounds`), and (``smoke``) one probe scored to a
+        finite probability. Order: manifest, signature, every listed file's size and sha256, and only then are files
+        opened to load, and only files the manifest lists.
         """
         version_dir = Path(version_dir)
         if signing_key is not None:  # a key: always every file, after the manifest's signature
@@ -207,9 +242,27 @@ class ScoringModel:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad artifact
             raise ArtifactError(f"{version_dir}: cannot load the artifact ({type(exc).__name__}: {exc})") from exc
+        model._check_bounds()
         if smoke:
             model._smoke_test()
         return model
+
+    def _check_bounds(self) -> None:
+        """The delta's bounds (:func:`row_problem`, :func:`dense_problem`) on the whole artifact: its table, the
+        scorer's hot rows and dense weights. Finite weights past them load and score a probe, then answer requests
+        a 503 (non-finite scores) until the next artifact; refused here, the live model keeps serving."""
+        problem = row_problem(self._cold)
+        where = f"{COLD_FILE}: rows"
+        for k, v in self._live.scorer.state_dict().items():
+            if problem is not None:
+                break
+            if k.endswith("hot_vectors"):
+                problem, where = row_problem(v.detach().cpu().float().numpy()), f"scorer: {k}"
+            elif v.is_floating_point():
+                problem, where = dense_problem(k, v.detach()), "scorer:"
+        if problem is not None:
+            raise ArtifactError(f"{self.version_dir}: {where} {problem}; publish it again from a checkpoint of a "
+                                "learner that has not diverged (`streamrec refresh --now`)")
 
     def _smoke_test(self) -> None:
         """Score two probe samples (each field's first row), as a training batch and as a request (the same rows in
@@ -474,12 +527,8 @@ class ScoringModel:
             raise ValueError(f"apply_delta: vectors have shape {vec.shape}, expected ({len(r)}, {self.spec.dim + 1})")
         if len(r) and (r.min() < 0 or r.max() >= self._cold.shape[0]):
             raise ValueError(f"apply_delta: rows must lie in [0, {self._cold.shape[0]}), got [{r.min()}, {r.max()}]")
-        if not np.isfinite(vec).all():
-            raise ValueError(f"apply_delta: vectors hold {int((~np.isfinite(vec)).sum())} non-finite values")
-        if len(vec) and float(np.abs(vec).max()) > MAX_ROW_ABS:  # finite, yet the FM's squared sums would overflow
-            raise ValueError(f"apply_delta: vectors hold values beyond |x| <= {MAX_ROW_ABS:g} (max "
-                             f"{float(np.abs(vec).max()):.6g}): pooled and squared in float32 they overflow to "
-                             "inf - inf = NaN, a 200 with null scores; a learner that wrote them has diverged")
+        if (problem := row_problem(vec)) is not None:
+            raise ValueError(f"apply_delta: vectors {problem}")
         scorer = live.scorer
         if dense_state is not None:
             scorer = self._with_dense(scorer, dense_state)
@@ -511,12 +560,8 @@ class ScoringModel:
         for k, v in dense_state.items():
             if not isinstance(k, str) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
                 raise ValueError(f"apply_delta: dense_state[{k!r}] must be a floating tensor, got {_describe(v)}")
-            if v.numel() and not bool(torch.isfinite(v).all()):
-                raise ValueError(f"apply_delta: dense_state[{k!r}] holds non-finite values")
-            if v.numel() and not k.startswith("sparse.") and (big := float(v.abs().max())) > MAX_DENSE_ABS:
-                raise ValueError(f"apply_delta: dense_state[{k!r}] holds values beyond |x| <= {MAX_DENSE_ABS:g} (max "
-                                 f"{big:.6g}): in float32 they overflow to inf - inf = NaN, a 200 with null scores; "
-                                 "a learner that wrote them has diverged")
+            if (problem := dense_problem(k, v)) is not None:
+                raise ValueError(f"apply_delta: {problem}")
         new = {k: v.detach().to(self.device, torch.float32) for k, v in dense_state.items()
                if not k.startswith("sparse.")}
         current = {k: v for k, v in scorer.state_dict().items() if k not in ("hot_ids", "hot_vectors")}
