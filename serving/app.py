@@ -248,7 +248,7 @@ class ScoringApp:
         for i, r in enumerate(reqs):
             one = live.encoder.encode(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
                                       self.s.max_request_values, pin, spent)
-            spent += live.encoder.candidate_values(one[1])
+            spent += live.encoder.request_values(r, one[1])
             encoded.append(one)
         out = []
         for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)

@@ -78,6 +78,7 @@ class FeatureEncoder:
         self.context_names = frozenset(name for _, src, name in self.plan if src == "ctx")
         self.multi = frozenset(spec.name[len(CTX_PREFIX):] for spec in cfg.fields
                                if spec.kind != "single" and spec.name.startswith(CTX_PREFIX))  # list-valued context
+        self._ctx_fields = [(f, name) for f, src, name in self.plan if src == "ctx"]
         self.dense_names = tuple(cfg.dense)
         self._dense_index = {n: i for i, n in enumerate(self.dense_names)}
 
@@ -110,11 +111,13 @@ class FeatureEncoder:
         meanwhile: ``serving/history.py``), and not at all when the request is refused first (a 422).
         ``observe(kind, hashed)``: told the hashed ids whose rows are read, by kind (``user``; ``item`` for the
         candidates and the history), as they are hashed here (``serving/lookup_counts.py`` counts them).
-        ``max_values``: the most rows one HTTP call may look up (``[serve] max_request_values``; a 422 past it). A
+        ``max_values``: the most rows one HTTP call may look up (``[serve] max_request_values``; a 422 past it): the
+        candidates' values and the shared context's (:meth:`request_values`; a shared list is looked up once, yet a
+        batch of ``max_batch`` requests each sharing lists of 1,024 values read past the bound uncounted). A
         context field that some item overrides is carried by every candidate, the request's shared bag repeated for
         each one without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB
         body.
-        ``spent``: the candidates' values the call's earlier requests look up (:meth:`candidate_values`): the bound is
+        ``spent``: the values the call's earlier requests look up (:meth:`request_values`): the bound is
         per HTTP call, a batch's requests together (checked per request, ``max_batch`` multiplied it).
         ``mapper``: what maps ids to rows for this request, the encoder's own by default; serving passes the model
         snapshot it then scores with (``serving.model.PinnedModel``), of the same feature config."""
@@ -173,6 +176,11 @@ class FeatureEncoder:
             if len(one):  # (L,): the same bag for every candidate, once in the user row
                 user_values[f] = m.map_rows(f, one)
                 user_lengths[f] = len(one)
+        shared_values, widest = self._shared_values(req, user_lengths)
+        if shared_values and expanded + shared_values > max_values:
+            raise _too_many(req, expanded + shared_values, spent, max_values,
+                            f" with the request's shared context ({shared_values:,} values, "
+                            f"'context.{widest}' the longest: looked up once, shared by every candidate)")
         if history_field >= 0:
             one = np.asarray(history() if callable(history) else history, np.int64)
             if observe is not None:
@@ -188,9 +196,18 @@ class FeatureEncoder:
         offsets[f_count + 1:] += offsets[f_count]
         return flat_values, offsets, dense
 
-    def candidate_values(self, offsets: np.ndarray) -> int:
-        """The candidates' values of an encoded request (its ``offsets``): what ``max_values`` bounds."""
-        return int(offsets[-1] - offsets[self.num_fields])
+    def _shared_values(self, req: ScoreRequest, user_lengths: np.ndarray) -> tuple[int, str]:
+        """(values, longest name) of the context ``req`` shares (``req.context``) in the user row (``user_lengths``
+        (F,)): counted against ``max_values`` with the candidates' values. Not counted: the user id and a context
+        field's "missing" value (one each, at most F per request) and the history (``history_len``, the server's)."""
+        sent = [(int(user_lengths[f]), name) for f, name in self._ctx_fields if name in req.context]
+        return sum(n for n, _ in sent), max(sent)[1] if sent else ""
+
+    def request_values(self, req: ScoreRequest, offsets: np.ndarray) -> int:
+        """The values of an encoded request (its ``offsets``) that ``max_values`` bounds: the candidates' and the
+        shared context's."""
+        f = self.num_fields
+        return int(offsets[-1] - offsets[f]) + self._shared_values(req, np.diff(offsets[:f + 1]))[0]
 
     def _dense(self, req: ScoreRequest, b: int) -> np.ndarray:
         dd = len(self.dense_names)

@@ -46,9 +46,9 @@ class ServeSettings:
     threads: int = 1  # torch intra-op threads per request (run in parallel on their own threads); at most 1,024
     server: ServerKind = ServerKind.THREADING  # threading (stdlib ThreadingHTTPServer) | aiohttp
     max_candidates: int = 1000  # items per request
-    # Rows one HTTP call (a batch's requests together) may look up on the candidates' side (a 422 past it): a context
-    # field sent per item makes every candidate carry a bag of it (serving/features.py), so a small body could ask
-    # for millions of lookups.
+    # Rows one HTTP call (a batch's requests together) may look up, the candidates' and the shared context's (a 422
+    # past it): a context field sent per item makes every candidate carry a bag of it (serving/features.py), so a
+    # small body could ask for millions of lookups.
     max_request_values: int = 1 << 18
     max_batch: int = 64  # requests per /v1/score:batch call
     max_body_bytes: int = 4 << 20  # at most 1 GiB (1 << 30)

@@ -299,8 +299,9 @@ def test_a_context_field_sent_per_item_is_refused_past_max_request_values(publis
     got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": items,
                                                   "context": {"genres": shared["genres"][:199]}})
     assert got == 200 and len(out["scores"]) == 5, out  # 5 + 1 + 4 x 199 = 802 values: under the bound
-    got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": [0, 1, 2, 3, 4], "context": shared})
-    assert got == 200, out  # shared and not overridden: once in the user row, not expanded
+    got, _, out = call(app, "POST", "/v1/score", {"user_id": "a", "items": [0, 1, 2, 3, 4],
+                                                  "context": {"genres": shared["genres"][:995]}})
+    assert got == 200, out  # shared and not overridden: once in the user row, counted once (5 + 995), not expanded
 
 
 def test_max_request_values_bounds_a_whole_batch_call_not_each_request(published: Path) -> None:
@@ -320,6 +321,22 @@ def test_max_request_values_bounds_a_whole_batch_call_not_each_request(published
     assert call(app, "POST", "/v1/score", bare)[0] == 200
     got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [bare, bare]})
     assert got == 422 and "max_request_values" in out["error"] and "10" in out["error"], out
+
+
+def test_max_request_values_counts_the_shared_context_values_on_the_single_and_batch_routes(published: Path) -> None:
+    # A shared list is looked up once (the user row), yet it is rows the call reads: uncounted, a batch of max_batch
+    # requests each sharing max_list_len values per context field looked up far past the bound.
+    app = make_app(published, max_request_values=1000)
+    huge = {"user_id": "a", "items": [1, 2, 3, 4, 5], "context": {"genres": [f"g{i}" for i in range(996)]}}
+    got, _, out = call(app, "POST", "/v1/score", huge)  # 5 candidates + 996 shared values = 1,001
+    assert got == 422 and "max_request_values" in out["error"] and "1,001" in out["error"], out
+    assert "'context.genres'" in out["error"], out
+    huge["context"]["genres"].pop()  # type: ignore[attr-defined]
+    assert call(app, "POST", "/v1/score", huge)[0] == 200  # 1,000: at the bound
+    half = {"user_id": "a", "items": [1, 2, 3, 4, 5], "context": {"genres": [f"g{i}" for i in range(600)]}}
+    got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [half, half]})  # 605 + 605
+    assert got == 422 and "max_request_values" in out["error"] and "1,210" in out["error"], out
+    assert "requests[1]" in out["error"], out
 
 
 def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(published: Path,
