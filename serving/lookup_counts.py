@@ -92,6 +92,7 @@ class LookupCounts:
         self._closed = False  # stopped: a lookup added now would never be flushed, so it is dropped and counted
         self._abandoned: threading.Thread | None = None  # a flush thread stop() gave up waiting for (stuck)
         self._failing = False  # the last flush failed: the next failure is not logged again
+        self._failures = 0  # flushes that failed (stop() makes no round trip after one that failed while stopping)
         self.flushed = 0  # lookups written to Redis
         self.dropped = 0  # lookups not counted (buffer full, flush failed)
 
@@ -163,6 +164,7 @@ class LookupCounts:
                 lost += write.lookups
         with self._lock:
             self._kept, self._kept_n = keep, sum(w.lookups for w in keep)
+            self._failures += 1
         if lost:
             self._drop("redis", lost)
         self._outcome("error")
@@ -178,9 +180,11 @@ class LookupCounts:
             self.metrics.lookup_counts_flushed.inc(n)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self._wake.wait(self.flush_s)
             self._wake.clear()
+            if self._stop.is_set():
+                return  # stop() makes the last flush itself: one round trip, not this one and then its retry
             self.flush()
 
     def start(self) -> LookupCounts:
@@ -195,9 +199,15 @@ class LookupCounts:
 
         The wait for the flush thread is bounded by ``timeout_s``: a flush stuck on Redis must not hang the shutdown
         (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last flush is
-        skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped")."""
+        skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped").
+
+        Redis is waited on once at most (the counts client's timeout, ``serving/service.py``): the last flush is one
+        round trip, and none is made when a flush in progress as stop began failed (Redis down or frozen: its
+        retry would wait out the timeout again); what it kept is then dropped and counted ("redis")."""
         if self._abandoned is not None and self._abandoned.is_alive():
             return  # stopped before without its flush thread: a flush now would wait on the lock that thread holds
+        with self._lock:
+            failures = self._failures
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
@@ -216,6 +226,16 @@ class LookupCounts:
                 return
         with self._lock:
             self._closed = True  # from here on nothing is appended: the flush below takes the last of them
+            failed = self._failures > failures
+        if failed:
+            with self._flush_lock, self._lock:
+                lost = self._n + self._kept_n
+                self._pending, self._n, self._kept, self._kept_n = {}, 0, [], 0
+            log.warning("lookup counts: Redis did not answer the flush under way as serving stopped; no last flush "
+                        "(it would wait out the timeout again), %d lookups not counted", lost)
+            if lost:
+                self._drop("redis", lost)
+            return
         self.flush()
         with self._flush_lock, self._lock:  # the last flush failed: what it kept has no next flush
             kept, self._kept, self._kept_n = self._kept_n, [], 0

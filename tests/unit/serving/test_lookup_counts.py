@@ -237,3 +237,45 @@ def test_stop_returns_within_its_bound_and_logs_the_thread_when_a_flush_is_stuck
         assert thread is not None
         thread.join(10)
     assert fake.calls == [("item", "lookup", {1: 1, 2: 1}, fake.calls[0][3])]  # the stuck flush still finishes
+
+
+def test_stop_with_redis_not_answering_makes_one_flush_attempt_not_a_retry_of_it() -> None:
+    # stop() woke the thread, whose flush timed out (2 s against a frozen Redis), then flushed again itself: the
+    # retry of what that flush kept waited out a second timeout (a frozen Redis held `streamrec serve`'s exit ~4 s).
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, flush_s=3600).start()  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(4, dtype=np.int64))
+    lc.stop()
+    assert len(fake.failed_ids) == 1, fake.failed_ids  # Redis waited on once
+    assert (lc.flushed, lc.dropped) == (0, 4) and lc._thread is None
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 4
+
+
+def test_stop_during_a_flush_that_then_fails_does_not_wait_on_redis_again() -> None:
+    class FrozenCounts(FakeCounts):
+        """The thread's flush hangs (a frozen Redis) until released, then times out, as every later call does."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            self.entered.set()
+            assert self.release.wait(10)
+            self.failed_ids.append(str(kwargs.get("write_id")))
+            raise redis.TimeoutError("Timeout reading from redis")
+
+    fake = FrozenCounts()
+    lc = LookupCounts(fake, flush_s=3600, flush_ids=2).start()  # type: ignore[arg-type]
+    lc.add("item", np.array([1, 2], np.int64))
+    assert fake.entered.wait(10)
+    lc.add("item", np.array([3], np.int64))  # counted while the flush hangs
+    stopper = threading.Thread(target=lc.stop)
+    stopper.start()
+    assert lc._stop.wait(10)  # stop has begun: it waits for the flush in progress
+    fake.release.set()  # that flush times out
+    stopper.join(10)
+    assert not stopper.is_alive() and lc._thread is None
+    assert len(fake.failed_ids) == 1, fake.failed_ids  # no second round trip to the Redis that just timed out
+    assert (lc.flushed, lc.dropped) == (0, 3)
