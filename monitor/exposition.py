@@ -9,8 +9,10 @@ name a metric (and a type: counter, gauge, histogram, summary, untyped). A label
 
 :func:`parse` refuses everything else with an :class:`ExpositionError` naming the line, as Prometheus does,
 rather than read a value out of a line that does not say one (``m 1 2 3`` was read as 1, ``m{a="\\q"} 1`` as
-the label value ``\\q``). UTF-8 quoted metric names (``{"my.metric"}``) are not read: no streamrec process
-writes them.
+the label value ``\\q``). A line ending ``\\r\\n`` is refused too, saying so: Prometheus' lexer reads ``1\\r``
+as the value and fails, its maintainers declined ``\\r`` (prometheus/common#132) and OpenMetrics forbids it, so an
+answer the monitor read would be one the Prometheus beside it drops. UTF-8 quoted metric names (``{"my.metric"}``)
+are not read: no streamrec process writes them.
 
 One compiled regular expression per line (and one per label set): the monitor parses every source every
 interval, and on a learner-sized answer (1,000 lines) this is 3 to 4 times as fast as ``prometheus_client``'s
@@ -67,6 +69,10 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
     for number, line in enumerate(text.split("\n"), 1):
         m = sample(line)
         if m is None:
+            if line.endswith("\r"):
+                raise ExpositionError(f"line {number} ends with \\r\\n (a Windows line end, from the exporter or a "
+                                      "proxy): the text format ends lines with \\n only, and Prometheus refuses this "
+                                      "answer too; have the source write \\n line ends")
             stripped = line.lstrip(" \t")
             if not stripped:
                 continue  # a blank line

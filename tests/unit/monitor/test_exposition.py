@@ -140,3 +140,18 @@ def test_a_garbled_line_of_many_blanks_fails_the_scrape_without_backtracking_ove
     with pytest.raises(ValueError, match=r"\bline 2\b"):
         snap.add_text("learner", "streamrec_ok 1\n" + line + "\n")
     assert snap.metrics == {}
+
+
+# -- line ends -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", [
+    "streamrec_x 1\r\n",  # a sample
+    'streamrec_x{a="b"} 1 1700000000000\r\n',  # with labels and a timestamp
+    "# TYPE streamrec_x gauge\r\nstreamrec_x 1\r\n",  # the first sample after a comment line
+    "streamrec_ok 1\n\r\n",  # a blank line
+])
+def test_a_crlf_line_end_is_refused_as_prometheus_refuses_it_saying_so(text: str) -> None:
+    # Prometheus' lexer reads "1\r" as the value ("strconv.ParseFloat: parsing \"1\\r\": invalid syntax") and its
+    # maintainers declined \r support (prometheus/common#132; OpenMetrics: lines MUST NOT contain \r): the monitor
+    # refuses the same answers, but says why instead of "not a sample"
+    with pytest.raises(ValueError, match=r"ends with \\r\\n .*Windows.*\\n only"):
+        Snapshot().add_text("learner", text)
