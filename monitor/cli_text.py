@@ -25,6 +25,7 @@ rules file (TOML):
   interval_s = 15                       # seconds between evaluations (default 15)
   scrape_timeout_s = 5                  # per source, in total (default 5)
   scrape_error_hold_s = 60              # a series whose source fails to scrape keeps its state this long
+  sample_max_age_s = 300                # a sample with a timestamp older than this is no data (default 300)
   state_path = "monitor-state.json"     # optional: what is firing, kept over a restart
   history_max_series = 2000             # label sets per metric kept for rate() & co (more: counted, logged)
   [sources]                             # Prometheus /metrics endpoints, by name

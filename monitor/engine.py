@@ -96,9 +96,9 @@ HISTORY_DROPPED = PCounter("streamrec_monitor_history_series_dropped_total",
 
 ABSENT_LABELS: Labels = (("absent", "true"),)  # what the sinks see of an absence alert (its identity is not these)
 SCRAPE_MAX_BYTES = 16 * 1024 * 1024  # a source answering more is a failed scrape (a learner's answer is ~100 KB)
-# a timestamped sample older than this (s) is no data: scrape_error_hold_s's default, the age at which the engine
-# stops trusting a series whose source stopped answering (Prometheus drops samples older than its 5 min lookback)
-STALE_AFTER_S = RulesConfig.scrape_error_hold_s
+# a timestamped sample older than this (s) is no data: sample_max_age_s's default, Prometheus' 5 min lookback (a
+# /federate source stamps its samples with their original scrape time, 15 to 60 s old as a rule)
+STALE_AFTER_S = RulesConfig.sample_max_age_s
 
 
 # -- scraping -----------------------------------------------------------------------------------
@@ -178,11 +178,10 @@ class Scraper:
 
     @classmethod
     def of(cls, config: RulesConfig, clock: Callable[[], float] = time.time) -> Scraper:
-        """The scraper of a rules file: a timestamped sample is stale once older than ``scrape_error_hold_s`` (how
-        long a series whose source stopped answering is trusted) plus ``scrape_timeout_s`` (how long the answer
-        may have taken to arrive)."""
-        return cls(config.sources, config.scrape_timeout_s, config.scrape_error_hold_s + config.scrape_timeout_s,
-                   clock)
+        """The scraper of a rules file: a timestamped sample is stale once stamped more than ``sample_max_age_s``
+        before the scrape began. It was ``scrape_error_hold_s + scrape_timeout_s``, 5 s with a hold of 0: every
+        sample of a /federate source (stamped with its original scrape time) read as no data."""
+        return cls(config.sources, config.scrape_timeout_s, config.sample_max_age_s, clock)
 
     def fetch(self, url: str) -> str:
         """The answer of ``url`` by ``timeout_s`` in total (connect, send, every read: a target that trickles

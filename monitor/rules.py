@@ -8,6 +8,8 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     scrape_timeout_s = 5                # per source, in total (default 5)
     scrape_error_hold_s = 60            # a series whose source fails to scrape keeps its state (pending,
                                         # firing) this long before it counts as no data (default 60; 0: at once)
+    sample_max_age_s = 300              # a sample with a timestamp (a /federate source's: its original scrape
+                                        # time) older than this is no data (default 300: Prometheus' lookback)
 
     state_path = "monitor-state.json"   # optional: the firing alerts, kept over a restart (resolved if they
                                         # cleared meanwhile, announced again if they still hold)
@@ -174,6 +176,7 @@ class RulesConfig:
     scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
     state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
     history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
+    sample_max_age_s: float = 300.0  # a timestamped sample older than this is no data (monitor.engine.Snapshot)
 
     def __post_init__(self) -> None:
         check_interval(self.interval_s, self.origin)  # also where --interval replaces it
@@ -186,8 +189,8 @@ class RulesConfig:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
-_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "state_path", "history_max_series", "sources",
-             "sinks", "run_log", "rule")
+_TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "sample_max_age_s", "state_path",
+             "history_max_series", "sources", "sinks", "run_log", "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
@@ -422,6 +425,7 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         scrape_error_hold_s=_number(where, "", "scrape_error_hold_s", data.get("scrape_error_hold_s", 60.0),
                                     minimum=0),
         state_path=_state_path(where, data.get("state_path", "")),
+        sample_max_age_s=_number(where, "", "sample_max_age_s", data.get("sample_max_age_s", 300.0), positive=True),
         history_max_series=_count(where, "history_max_series", data.get("history_max_series", HISTORY_MAX_SERIES)),
     )
 

@@ -155,3 +155,27 @@ def test_a_crlf_line_end_is_refused_as_prometheus_refuses_it_saying_so(text: str
     # refuses the same answers, but says why instead of "not a sample"
     with pytest.raises(ValueError, match=r"ends with \\r\\n .*Windows.*\\n only"):
         Snapshot().add_text("learner", text)
+
+
+# -- the staleness horizon of a timestamped sample --------------------------------------------------------
+def _scrape_stamped(monkeypatch: pytest.MonkeyPatch, age_s: float, settings: str = "") -> Snapshot:
+    now = 1_800_000_000.0
+    monkeypatch.setattr(Scraper, "fetch", lambda self, url: f"streamrec_lag 9 {int((now - age_s) * 1000)}\n")
+    config = loads_rules(f'{settings}\n[sources]\nfederate = "http://127.0.0.1:1/federate"\n')
+    return Scraper.of(config, clock=lambda: now).scrape()
+
+
+def test_a_federated_sample_stamped_30s_ago_is_current_even_with_no_scrape_error_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # /federate stamps each sample with its original scrape time, often 15 to 60 s old: with scrape_error_hold_s = 0
+    # the horizon was 0 + scrape_timeout_s = 5 s and every federated series read as no data. Prometheus' lookback
+    # for a timestamped sample is 5 minutes, and so is the monitor's default sample_max_age_s.
+    snap = _scrape_stamped(monkeypatch, 30, "scrape_error_hold_s = 0")
+    assert snap.metrics["streamrec_lag"][()].value == 9.0 and snap.stale == {}
+    assert "streamrec_lag" not in _scrape_stamped(monkeypatch, 301, "scrape_error_hold_s = 0").metrics
+
+
+def test_sample_max_age_s_of_the_rules_file_sets_the_staleness_horizon(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "streamrec_lag" in _scrape_stamped(monkeypatch, 50, "sample_max_age_s = 60").metrics
+    snap = _scrape_stamped(monkeypatch, 70, "sample_max_age_s = 60")
+    assert "streamrec_lag" not in snap.metrics and "older than 60s" in snap.stale["federate"][1]
