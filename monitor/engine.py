@@ -99,6 +99,9 @@ SCRAPE_MAX_BYTES = 16 * 1024 * 1024  # a source answering more is a failed scrap
 # a timestamped sample older than this (s) is no data: sample_max_age_s's default, Prometheus' 5 min lookback (a
 # /federate source stamps its samples with their original scrape time, 15 to 60 s old as a rule)
 STALE_AFTER_S = RulesConfig.sample_max_age_s
+# a timestamped sample ahead of the monitor's clock by more than this (s), plus the scrape's timeout, is bad data, no
+# value (Prometheus refuses samples too far in the future as "out of bounds"): a source's clock skew is tolerated
+CLOCK_SKEW_S = 5.0
 
 
 # -- scraping -----------------------------------------------------------------------------------
@@ -112,13 +115,13 @@ class Snapshot:
     raw: dict[str, list[tuple[str, dict[str, str], float]]] = field(default_factory=dict)
     # (metric, labels) -> the sources that exported it, where more than one did (the first is the one used)
     duplicates: dict[tuple[str, Labels], list[str]] = field(default_factory=dict)
-    # source -> (how many of its samples were stamped too long ago to be current, the first of them): no data
+    # source -> (how many of its samples were stamped too long ago or too far ahead to be current, the first): no data
     stale: dict[str, tuple[int, str]] = field(default_factory=dict)
     # metric names the sources declared (# HELP / # TYPE), samples or not: a labelled counter before its first count
     declared: set[str] = field(default_factory=set)
 
     def add_text(self, source: str, text: str, now_s: float | None = None,
-                 stale_after_s: float = STALE_AFTER_S) -> None:
+                 stale_after_s: float = STALE_AFTER_S, ahead_s: float = CLOCK_SKEW_S) -> None:
         """Parse Prometheus text exposition format; where two sources export the same series, the first wins
         (and :attr:`duplicates` says so). Text that does not parse (:func:`monitor.exposition.parse`: a line that
         is not ``metric_name [{labels}] value [timestamp]``, or a series the source gave on an earlier line) raises,
@@ -127,19 +130,21 @@ class Snapshot:
 
         A sample whose timestamp (ms) is more than ``stale_after_s`` before ``now_s`` (Unix seconds; default
         the wall clock) is not a current value: it is left out, as if not exported (no data), and counted in
-        :attr:`stale`. Read as current, a target exporting old timestamped samples looked fresh."""
+        :attr:`stale`. Read as current, a target exporting old timestamped samples looked fresh. So is one stamped
+        more than ``ahead_s`` after ``now_s`` (a source's clock ahead of ours: it was read as current)."""
         declared: set[str] = set()
         samples = parse_exposition(text, declared)
         self.declared |= declared
-        oldest_ms = ((time.time() if now_s is None else now_s) - stale_after_s) * 1000
+        now_ms = (time.time() if now_s is None else now_s) * 1000
+        oldest_ms, newest_ms = now_ms - stale_after_s * 1000, now_ms + ahead_s * 1000
         raw = self.raw.setdefault(source, [])
         for name, lb, value, ts in samples:
-            if ts is not None and ts < oldest_ms:
+            if ts is not None and not oldest_ms <= ts <= newest_ms:
                 count, example = self.stale.get(source, (0, ""))
                 lbl = ",".join(f'{k}="{v}"' for k, v in lb)
-                self.stale[source] = (count + 1, example or f"{name}{{{lbl}}} stamped "
-                                      f"{(oldest_ms - ts) / 1000 + stale_after_s:.0f}s ago, older than "
-                                      f"{stale_after_s:g}s")
+                why = (f"{(now_ms - ts) / 1000:.0f}s ago, older than {stale_after_s:g}s" if ts < oldest_ms else
+                       f"{(ts - now_ms) / 1000:.0f}s in the future, more than the {ahead_s:g}s of clock skew tolerated")
+                self.stale[source] = (count + 1, example or f"{name}{{{lbl}}} stamped {why}")
                 continue
             if name.startswith("streamrec_") and not name.endswith("_created"):
                 raw.append((name, dict(lb), value))
@@ -200,7 +205,8 @@ class Scraper:
             answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
         for name, url in self.sources.items():
             try:
-                snap.add_text(name, _whole(answers[name].result()), started, self.stale_after_s)
+                snap.add_text(name, _whole(answers[name].result()), started, self.stale_after_s,
+                              self.timeout_s + CLOCK_SKEW_S)  # the answer may be stamped up to timeout_s after start
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
                     else f"{exc}" or type(exc).__name__
@@ -845,8 +851,9 @@ class Monitor:
         self._last_errors = dict(snap.errors)
         for source in set(snap.stale) - self._stale:  # once while a source's samples are stale, not every interval
             n, first = snap.stale[source]
-            log.warning("source %s: %d sample(s) carry a timestamp too old to be current (e.g. %s): read as no "
-                        "data (a target exporting what it last saw, long ago?)", source, n, first)
+            log.warning("source %s: %d sample(s) carry a timestamp too old or too far ahead to be current (e.g. %s): "
+                        "read as no data (a target exporting what it last saw long ago, or a clock ahead of this "
+                        "host's?)", source, n, first)
         self._stale = set(snap.stale)
         self._warn_unexported(snap)
         for (metric, lb), sources in snap.duplicates.items():

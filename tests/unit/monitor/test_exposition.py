@@ -179,3 +179,13 @@ def test_sample_max_age_s_of_the_rules_file_sets_the_staleness_horizon(monkeypat
     assert "streamrec_lag" in _scrape_stamped(monkeypatch, 50, "sample_max_age_s = 60").metrics
     snap = _scrape_stamped(monkeypatch, 70, "sample_max_age_s = 60")
     assert "streamrec_lag" not in snap.metrics and "older than 60s" in snap.stale["federate"][1]
+
+
+def test_a_sample_stamped_beyond_the_clock_skew_tolerated_in_the_future_is_no_data_saying_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a source whose clock runs a minute ahead (or that stamps garbage) was read as current: Prometheus refuses such
+    # samples as "out of bounds". A few seconds ahead is clock skew (and the time the answer took) and is read.
+    snap = _scrape_stamped(monkeypatch, -60)
+    assert "streamrec_lag" not in snap.metrics
+    assert snap.stale["federate"][0] == 1 and "60s in the future" in snap.stale["federate"][1]
+    assert _scrape_stamped(monkeypatch, -3).metrics["streamrec_lag"][()].value == 9.0
