@@ -574,6 +574,7 @@ def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
     errors) and the exit status (``ONCE_*``). Sends nothing."""
     engine = RuleEngine.of(config)
     snap = Scraper.of(config).scrape()
+    UnexportedMetrics(config).warn(snap)  # as the daemon does at its first scrape
     engine.evaluate(snap, time.time())
     rows = engine.status()
     summary = {"rules_file": config.origin, "sources": dict(config.sources), "scrape_errors": snap.errors,
@@ -793,6 +794,37 @@ class FiringStateFile:
 
 
 # -- loop -----------------------------------------------------------------------------------------
+class UnexportedMetrics:
+    """The rules reading a metric no source exports, warned about once (``streamrec monitor`` and ``--once``)."""
+
+    def __init__(self, config: RulesConfig) -> None:
+        self.sources = set(config.sources)
+        # the metrics each rule reads, until it is settled: some source exported them all, or it was warned about
+        self._unsettled = {r.name: metrics_of(r.tree) for r in config.rules if r.tree is not None}
+        self._exported: set[str] = set()  # the rules' metrics some source has exported since the start
+        self._answered: set[str] = set()  # the sources scraped successfully at least once
+
+    def warn(self, snap: Snapshot) -> None:
+        """One warning per rule whose expression reads a metric that no source has exported, once every source has
+        answered at least once: without it such a rule (a misspelt metric, a source missing from ``[sources]``)
+        read as "no data" for ever, in silence."""
+        if not self._unsettled:
+            return
+        self._answered.update(set(snap.raw) - set(snap.errors))
+        wanted = set().union(*self._unsettled.values())
+        self._exported.update(m for m in wanted if m in snap.metrics or families_of(m) & snap.declared)
+        if not self.sources <= self._answered:
+            return  # a source that never answered may still export them
+        for rule, metrics in list(self._unsettled.items()):
+            missing = sorted(metrics - self._exported)
+            if missing:
+                log.warning("rule %s reads %s, which no source has exported since the monitor started (sources "
+                            "scraped: %s): it has no data until one does (a misspelt metric? a source missing from "
+                            "[sources]?)", rule,
+                            ", ".join(missing), ", ".join(sorted(self._answered)) or "none")
+            del self._unsettled[rule]
+
+
 class Monitor:
     """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set.
 
@@ -822,10 +854,7 @@ class Monitor:
         self.scrape_errors: dict[str, int] = {}
         self._last_errors: dict[str, str] = {}
         self._stale: set[str] = set()  # sources whose stale samples were logged at the last scrape
-        # the metrics each rule reads, until it is settled: some source exported them all, or it was warned about
-        self._unsettled = {r.name: metrics_of(r.tree) for r in config.rules if r.tree is not None}
-        self._exported: set[str] = set()  # the rules' metrics some source has exported since the start
-        self._answered: set[str] = set()  # the sources scraped successfully at least once
+        self._unexported = UnexportedMetrics(config)
         self.state_file: FiringStateFile | None = None
         # resolved alerts some sink has not delivered yet, with their series: kept in the state file as firing
         self._resolving: list[tuple[Alert, dict[str, Any]]] = []
@@ -855,7 +884,7 @@ class Monitor:
                         "read as no data (a target exporting what it last saw long ago, or a clock ahead of this "
                         "host's?)", source, n, first)
         self._stale = set(snap.stale)
-        self._warn_unexported(snap)
+        self._unexported.warn(snap)
         for (metric, lb), sources in snap.duplicates.items():
             key = (metric, lb, tuple(sources))
             if key in self._duplicates_seen:  # once per series and sources, not every interval
@@ -882,26 +911,6 @@ class Monitor:
             self.run_log.scrape(now, snap)
             self.run_log.evaluation(now, self.engine, alerts)
         return alerts
-
-    def _warn_unexported(self, snap: Snapshot) -> None:
-        """One warning per rule whose expression reads a metric that no source has exported, once every source has
-        answered at least once: without it such a rule (a misspelt metric, a source missing from ``[sources]``)
-        read as "no data" for ever, in silence."""
-        if not self._unsettled:
-            return
-        self._answered.update(set(snap.raw) - set(snap.errors))
-        wanted = set().union(*self._unsettled.values())
-        self._exported.update(m for m in wanted if m in snap.metrics or families_of(m) & snap.declared)
-        if not set(self.config.sources) <= self._answered:
-            return  # a source that never answered may still export them
-        for rule, metrics in list(self._unsettled.items()):
-            missing = sorted(metrics - self._exported)
-            if missing:
-                log.warning("rule %s reads %s, which no source has exported since the monitor started (sources "
-                            "scraped: %s): it has no data until one does (a misspelt metric? a source missing from "
-                            "[sources]?)", rule,
-                            ", ".join(missing), ", ".join(sorted(self._answered)) or "none")
-            del self._unsettled[rule]
 
     def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
         interval = self.config.interval_s if interval_s is None else interval_s

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from monitor.alerts import QueuedSink
-from monitor.engine import Monitor, Snapshot
+from monitor.engine import Monitor, Scraper, Snapshot, evaluate_once
 from monitor.rules import loads_rules
 from tests.monitoring_io import NullSink
 
@@ -101,3 +101,17 @@ def test_a_declared_metric_family_without_samples_yet_is_exported_and_not_warned
         assert [r.message for r in caplog.records if "no source has exported" in r.message] == []
     finally:
         mon.close(0)
+
+
+def test_monitor_once_warns_of_a_rule_on_a_metric_no_source_exports_as_the_daemon_does(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # `streamrec monitor --once` showed the misspelt rule as "no data" in silence: the check a user runs to try a new
+    # rules file was the one place the warning did not come
+    texts = {"http://127.0.0.1:1/metrics": 'streamrec_learner_lag_samples{partition="0"} 3\n',
+             "http://127.0.0.1:2/metrics": "streamrec_serving_requests_total 10\n"}
+    monkeypatch.setattr(Scraper, "fetch", lambda self, url: texts[url])
+    with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+        evaluate_once(loads_rules(RULES))
+    warned = sorted(r.message for r in caplog.records if "no source has exported" in r.message)
+    assert len(warned) == 2 and "streamrec_learner_lagg_samples" in warned[1]
+    assert "ratio" in warned[0] and "streamrec_serving_nothing_total" in warned[0]
