@@ -56,6 +56,7 @@ expressions: metric names, label selectors {l="v", l!="v", l=~"re", l!~"re"}, nu
   e.g. streamrec_learner_warm_auc - streamrec_learner_cold_auc
        max by (field) (streamrec_learner_bucket_share)
        rate(streamrec_learner_nan_losses_total[60s])
+  A regex with a repeat inside a repeat, (a+)+b, is refused (exponential time in Python's re): write a+b.
   Vectors combine series with equal labels. A metric no source exports is "no data" (never fires).
   NaN compares false with every op; use op = "isnan" to alert on NaN.
 

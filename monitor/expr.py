@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import math
 import re
+import re._constants as sre
+import re._parser as sre_parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -346,6 +348,39 @@ def _tokenize(src: str) -> list[_Tok]:
     return out
 
 
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
+
+
+def _repeat_in_repeat(regex: str) -> str:
+    """Why ``regex`` (one ``re`` compiles) is refused, or "": a repeat of variable count (``+ * ? {m,n}``) inside a
+    repeat that may run more than once, ``(a+)+b``, ``(x|a*)*``, backtracks in time exponential in the length of a
+    value that almost matches (Python's ``re`` has no timeout, the label value comes from a scrape, and the loop
+    evaluates every rule every interval; Prometheus' RE2 is linear). Refused when the rules load: rewrite ``(a+)+b``
+    as ``a+b``; possessive repeats (``a++``) do not backtrack and are kept. Conservative: an unambiguous nesting such
+    as ``[a-z]+(\\.[a-z]+)*`` is refused too, and an ambiguous alternation without nesting, ``(a|a)*b``, is not."""
+    todo = [(sre_parse.parse(regex).data, False)]  # (items, inside a repeat that may run more than once)
+    while todo:
+        items, inside = todo.pop()
+        for op, av in items:
+            if op in _REPEATS:
+                lo, hi, sub = av
+                if inside and lo != hi:
+                    return ("a repeat inside a repeat, such as (a+)+b, takes time exponential in the label value's "
+                            "length in Python's re: write it without the nesting (a+b)")
+                todo.append((sub.data, inside or hi > 1))
+            elif op is sre.BRANCH:
+                todo.extend((b.data, inside) for b in av[1])
+            elif op is sre.SUBPATTERN:
+                todo.append((av[3].data, inside))
+            elif op in (sre.ASSERT, sre.ASSERT_NOT):
+                todo.append((av[1].data, inside))
+            elif op is sre.GROUPREF_EXISTS:
+                todo.extend((b.data, inside) for b in av[1:] if b is not None)
+            elif op in (sre.ATOMIC_GROUP, sre.POSSESSIVE_REPEAT):
+                todo.append(((av if op is sre.ATOMIC_GROUP else av[2]).data, inside))
+    return ""
+
+
 def _clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -520,9 +555,12 @@ class _Parser:
                 if op in ("=~", "!~"):
                     try:
                         re.compile(value)
+                        why = _repeat_in_repeat(value)
                     except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}, (((...)))
+                        why = f"{exc or type(exc).__name__}"
+                    if why:
                         raise ExprError(f"bad regular expression {_clip(value)!r} at column {self.tok.pos + 1}: "
-                                        f"{exc or type(exc).__name__}") from None
+                                        f"{why}")
                 self.i += 1
                 matchers.append(Matcher(label, op, value))
                 if not self.peek("}"):
