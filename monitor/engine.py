@@ -55,7 +55,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -574,7 +574,8 @@ def evaluate_once(config: RulesConfig) -> tuple[dict[str, Any], int]:
     errors) and the exit status (``ONCE_*``). Sends nothing."""
     engine = RuleEngine.of(config)
     snap = Scraper.of(config).scrape()
-    UnexportedMetrics(config).warn(snap)  # as the daemon does at its first scrape
+    warn_stale(snap)  # as the daemon does at its first scrape
+    UnexportedMetrics(config).warn(snap)
     engine.evaluate(snap, time.time())
     rows = engine.status()
     summary = {"rules_file": config.origin, "sources": dict(config.sources), "scrape_errors": snap.errors,
@@ -794,6 +795,18 @@ class FiringStateFile:
 
 
 # -- loop -----------------------------------------------------------------------------------------
+def warn_stale(snap: Snapshot, logged: Iterable[str] = ()) -> set[str]:
+    """Log each source of ``snap`` whose samples were stamped too old or too far ahead to be current, except those
+    in ``logged`` (the daemon's last scrape: once while they stay so); the sources logged (``streamrec monitor`` and
+    ``--once``, where the rule reading them otherwise showed "no data" without a reason)."""
+    for source in set(snap.stale).difference(logged):
+        n, first = snap.stale[source]
+        log.warning("source %s: %d sample(s) carry a timestamp too old or too far ahead to be current (e.g. %s): "
+                    "read as no data (a target exporting what it last saw long ago, or a clock ahead of this "
+                    "host's?)", source, n, first)
+    return set(snap.stale)
+
+
 class UnexportedMetrics:
     """The rules reading a metric no source exports, warned about once (``streamrec monitor`` and ``--once``)."""
 
@@ -878,12 +891,7 @@ class Monitor:
         for source in set(self._last_errors) - set(snap.errors):
             log.info("source %s answers again", source)
         self._last_errors = dict(snap.errors)
-        for source in set(snap.stale) - self._stale:  # once while a source's samples are stale, not every interval
-            n, first = snap.stale[source]
-            log.warning("source %s: %d sample(s) carry a timestamp too old or too far ahead to be current (e.g. %s): "
-                        "read as no data (a target exporting what it last saw long ago, or a clock ahead of this "
-                        "host's?)", source, n, first)
-        self._stale = set(snap.stale)
+        self._stale = warn_stale(snap, self._stale)
         self._unexported.warn(snap)
         for (metric, lb), sources in snap.duplicates.items():
             key = (metric, lb, tuple(sources))

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pytest
 
 from monitor.alerts import QueuedSink
-from monitor.engine import Monitor, Scraper, Snapshot
+from monitor.engine import Monitor, Scraper, Snapshot, evaluate_once
 from monitor.rules import loads_rules
 from tests.monitoring_io import NullSink
 
@@ -189,3 +190,18 @@ def test_a_sample_stamped_beyond_the_clock_skew_tolerated_in_the_future_is_no_da
     assert "streamrec_lag" not in snap.metrics
     assert snap.stale["federate"][0] == 1 and "60s in the future" in snap.stale["federate"][1]
     assert _scrape_stamped(monkeypatch, -3).metrics["streamrec_lag"][()].value == 9.0
+
+
+@pytest.mark.parametrize("age_s", [400, -60])  # too old, too far ahead
+def test_monitor_once_says_why_a_stamped_sample_is_no_data_as_the_daemon_does(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, age_s: float) -> None:
+    # `streamrec monitor --once` showed the rule reading it as "no data" in silence: the daemon logs the stale or
+    # future-stamped samples of a source, the check a user runs to try a rules file said nothing
+    now = time.time()
+    monkeypatch.setattr(Scraper, "fetch", lambda self, url: f"streamrec_lag 9 {int((now - age_s) * 1000)}\n")
+    config = loads_rules('[sources]\nfederate = "http://127.0.0.1:1/federate"\n[[rule]]\nname = "lag"\n'
+                         'expr = "streamrec_lag"\nop = ">"\nthreshold = 0\n')
+    with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+        evaluate_once(config)
+    said = [r.getMessage() for r in caplog.records if "too old or too far ahead" in r.getMessage()]
+    assert len(said) == 1 and "source federate: 1 sample(s)" in said[0], said
