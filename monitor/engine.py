@@ -117,7 +117,8 @@ class Snapshot:
     duplicates: dict[tuple[str, Labels], list[str]] = field(default_factory=dict)
     # source -> (how many of its samples were stamped too long ago or too far ahead to be current, the first): no data
     stale: dict[str, tuple[int, str]] = field(default_factory=dict)
-    # metric names the sources declared (# HELP / # TYPE), samples or not: a labelled counter before its first count
+    # metric names the sources declared (# HELP / # TYPE) or exported stale, samples or not: a labelled counter before
+    # its first count
     declared: set[str] = field(default_factory=set)
 
     def add_text(self, source: str, text: str, now_s: float | None = None,
@@ -145,6 +146,7 @@ class Snapshot:
                 why = (f"{(now_ms - ts) / 1000:.0f}s ago, older than {stale_after_s:g}s" if ts < oldest_ms else
                        f"{(ts - now_ms) / 1000:.0f}s in the future, more than the {ahead_s:g}s of clock skew tolerated")
                 self.stale[source] = (count + 1, example or f"{name}{{{lbl}}} stamped {why}")
+                self.declared.add(name)  # exported, though no data: not a metric no source exports
                 continue
             if name.startswith("streamrec_") and not name.endswith("_created"):
                 raw.append((name, dict(lb), value))

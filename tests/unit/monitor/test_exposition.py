@@ -205,3 +205,16 @@ def test_monitor_once_says_why_a_stamped_sample_is_no_data_as_the_daemon_does(
         evaluate_once(config)
     said = [r.getMessage() for r in caplog.records if "too old or too far ahead" in r.getMessage()]
     assert len(said) == 1 and "source federate: 1 sample(s)" in said[0], said
+
+
+def test_a_metric_whose_samples_are_all_stale_is_not_warned_of_as_exported_by_no_source(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # the source exports streamrec_lag, stamped 400 s ago: the rule has no data, and the stale warning says why; the
+    # unexported-metric warning also said "no source has exported" it ("a misspelt metric?"), which is false
+    now = time.time()
+    monkeypatch.setattr(Scraper, "fetch", lambda self, url: f"streamrec_lag 9 {int((now - 400) * 1000)}\n")
+    config = loads_rules('[sources]\nfederate = "http://127.0.0.1:1/federate"\n[[rule]]\nname = "lag"\n'
+                         'expr = "streamrec_lag"\nop = ">"\nthreshold = 0\n')
+    with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+        evaluate_once(config)
+    assert not [r.getMessage() for r in caplog.records if "no source has exported" in r.getMessage()]
