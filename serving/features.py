@@ -51,7 +51,8 @@ MAX_REQUEST_VALUES = ServeSettings.max_request_values  # the default bound of en
 
 
 def _too_many(req: ScoreRequest, expanded: int, spent: int, max_values: int, why: str) -> RequestError:
-    """422: the call's candidates expand past ``[serve] max_request_values`` (``expanded``: counted so far)."""
+    """422: the call's candidates (and the request's shared context) expand past ``[serve] max_request_values``
+    (``expanded``: counted so far)."""
     calls = f"; {expanded:,} with the batch's earlier requests (the bound is per call)" if spent else ""
     return RequestError(422, f"field '{req.where}items': {len(req.items)} candidates expand to at least "
                         f"{expanded - spent:,} feature values{why}{calls}, over [serve] max_request_values = "
