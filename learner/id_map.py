@@ -645,13 +645,16 @@ class IdMap:
         self.counters = _Counters(**counters)
 
     def load_entries(self, keys: np.ndarray, rows: np.ndarray, seen: np.ndarray, candidates: Mapping[str, Any],
-                     last_sweep: float, counters: Mapping[str, int] | None = None) -> None:
+                     last_sweep: float, counters: Mapping[str, int] | None = None,
+                     free: np.ndarray | None = None) -> None:
         """Fill an empty map from its parts: admitted ``keys`` (K,) on own ``rows`` (K,) (local, 0-based, distinct,
         < capacity) last seen at ``seen`` (K,); the candidates' ``cur_keys``/``cur_counts``/``prev_keys``/
         ``prev_counts`` (at most ``candidates`` keys each, none of them admitted) and optionally ``cur_first_seen``/
         ``prev_first_seen`` (absent: unknown). The distributed mode builds its
         shards' maps from a checkpoint of another world size with it, and one whole map from the shards'
-        (``learner/sharded_ids.py``). The buckets' decay clock is not a part: set ``buckets.seen``."""
+        (``learner/sharded_ids.py``). The buckets' decay clock is not a part: set ``buckets.seen``. ``free``: the
+        free stack the map had (``state_dict()["free"]``; top last) when it holds exactly the rows left free, so the
+        rows go out in the order they would have; else the lowest free row first."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.capacity or np.unique(rows).size != rows.size):
             raise ValueError(f"IdMap.load_entries: rows must be distinct and in [0, {self.capacity})")
@@ -659,8 +662,10 @@ class IdMap:
         self._row_seen[:] = 0.0
         self._row_key[rows] = np.asarray(keys, dtype=np.int64)
         self._row_seen[rows] = np.asarray(seen, dtype=np.float64)
-        free = np.flatnonzero(self._row_key < 0)[::-1]  # a stack: the lowest free row is handed out first
-        self._load_rest(free, candidates, float(last_sweep), counters or {})
+        lowest = np.flatnonzero(self._row_key < 0)[::-1]  # a stack: the lowest free row is handed out first
+        if free is not None and not np.array_equal(np.sort(free := np.asarray(free, np.int64)), lowest[::-1]):
+            free = None  # not the rows this map has free
+        self._load_rest(lowest if free is None else free, candidates, float(last_sweep), counters or {})
 
 
 @dataclass

@@ -468,17 +468,18 @@ class ShardedRowMapper:
                 moves_dst.append(f.own0 + rows[~inside])
                 if share.rank != self.rank or f.map is None:
                     continue
-                if same:  # the same plan: this share's own counters and sweep clock back (each sweeps at its lookups)
+                if same:  # the same plan: this share's own counters, sweep clock and free stack back
                     written = next(st for s, st in parts if s == share.start)
                     own, swept = dict(written["counters"]), float(written["last_sweep"])
+                    stack: np.ndarray | None = np.asarray(written["free"]) if "free" in written else None
                 else:  # another plan: the first share carries the field's counters; every share the latest sweep
-                    own, swept = (p.counters if si == 0 else {}), p.last_sweep
+                    own, swept, stack = (p.counters if si == 0 else {}), p.last_sweep, None
 
                 def keep(k: np.ndarray, si: int = si, f: _Field = f) -> np.ndarray:
                     return owner_index(k, f.shares) == si
 
                 f.map.load_entries(p.keys[m], rows - share.start, p.seen[m],
-                                   p.candidates_of(keep, f.map.max_candidates), swept, own)
+                                   p.candidates_of(keep, f.map.max_candidates), swept, own, stack)
         self.now = max((float(s.get("ids_now", float("-inf"))) for s in states), default=float("-inf"))
         self._clock.load([t for s in states for t in s.get("ids_clock", [])])  # every rank's is the same clock
         src = np.concatenate(moves_src) if moves_src else np.empty(0, np.int64)

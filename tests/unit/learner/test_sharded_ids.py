@@ -340,3 +340,29 @@ def test_a_restored_share_sweeps_expired_ids_at_the_event_time_an_uninterrupted_
     went = maps[1].lookup(np.array([later]), now=106.5).evicted_rows
     assert went.size == 1  # the uninterrupted share swept k1 out at 106.5 s
     assert again.lookup(np.array([later]), now=106.5).evicted_rows.tolist() == went.tolist()
+
+
+def test_a_restored_share_hands_out_its_free_rows_in_the_order_an_uninterrupted_share_does() -> None:
+    """A share's free rows are a stack: rows freed by a sweep (or an LRU eviction) go on top and are handed out
+    first, highest victim first. A restore on the same plan rebuilt every share's stack lowest row first
+    (``IdMap.load_entries``), so after a sweep a restarted rank put newly admitted ids on other rows than the
+    uninterrupted one, and its later LRU ties (lowest row first) evicted other ids."""
+    from learner.sharded_ids import ShardedRowMapper, owner_index
+
+    ranges = [(0, 0, 344), (1, 344, 688)]
+    ranks = [ShardedRowMapper(ROOMY, ranges, r, ACC0) for r in (0, 1)]
+    shares = ranks[0].fields["user_id"].shares
+    keys = np.arange(1000, 1200, dtype=np.int64)
+    mine = keys[owner_index(keys, shares) == 1]
+    old, kept, new = mine[[0, 2, 4]], mine[[1, 3]], mine[5:7]
+    share = ranks[1].fields["user_id"].map
+    assert share is not None
+    for t, ids in ((0.0, old), (40.0, kept)):  # admitted on their second sighting (admit after 2)
+        share.lookup(np.repeat(ids, 2), now=t)
+    assert share.lookup(kept, now=60.0).evicted_rows.size == 3  # the sweep at 60 s frees old's rows (ttl 50 s)
+    restored = ShardedRowMapper(ROOMY, ranges, 1, ACC0)
+    restored.load_state_dict([r.state_dict() for r in ranks], dmp=None)
+    again = restored.fields["user_id"].map
+    assert again is not None
+    want = share.lookup(np.repeat(new, 2), now=61.0).rows
+    assert again.lookup(np.repeat(new, 2), now=61.0).rows.tolist() == want.tolist()
