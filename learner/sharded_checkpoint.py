@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from learner import checkpoint
@@ -76,7 +77,8 @@ def describe_newest(directory: Path) -> str | None:
 
 
 def latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """(path, meta) of the newest complete sharded checkpoint, None when there is none."""
+    """(path, meta) of the newest complete sharded checkpoint, None when there is none. Collective under a process
+    group (every rank calls it: :func:`lost_parts`)."""
     done = list_complete(directory)
     if not done:
         return None
@@ -101,10 +103,25 @@ def _data_ends(path: Path) -> dict[str, int]:
     return ends
 
 
+def _digests(path: Path, names: list[str]) -> dict[str, str]:
+    """Collective (one process: alone): the sha256 of each of ``names`` (the same list on every rank) in ``path``,
+    the i-th read by rank i mod world only, so N ranks read a checkpoint once between them, not N times; a file
+    that cannot be read is ``unreadable (<error>)``."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {}
+    for name in names[rank::world]:
+        try:
+            mine[name] = sha256_file(path / name)
+        except OSError as exc:
+            mine[name] = f"unreadable ({type(exc).__name__})"
+    return {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+
+
 def checksums(path: Path) -> dict[str, str]:
-    """The sha256 of ``.metadata`` and of every DCP data file it names, by name: rank 0 records them in ``meta.json``
-    at save (every rank's shards are durable by then), :func:`lost_parts` checks them."""
-    return {name: sha256_file(path / name) for name in [".metadata", *sorted(_data_ends(path))]}
+    """Collective: the sha256 of ``.metadata`` and of every DCP data file it names, by name (:func:`_digests`):
+    rank 0 records them in ``meta.json`` at save (every rank's shards are durable by then), :func:`lost_parts`
+    checks them."""
+    return _digests(path, [".metadata", *sorted(_data_ends(path))])
 
 
 def lost_parts(path: Path, meta: dict[str, Any]) -> list[str]:
@@ -112,22 +129,27 @@ def lost_parts(path: Path, meta: dict[str, Any]) -> list[str]:
     holds with another sha256 than ``meta["sha256"]`` records (a file of the same size from another step, copied
     in; a checkpoint written before the checksums: sizes only): every rank's ``rank-<r>.pt``, ``.metadata`` and
     every DCP data file it names. Empty: every part is there (a rank's missing ``rank-<r>.pt`` or DCP shard ended
-    the restore and ``--unshard`` in a FileNotFoundError or EOFError)."""
+    the restore and ``--unshard`` in a FileNotFoundError or EOFError). Collective under a process group: each rank
+    reads its share of the files (:func:`_digests`)."""
     lost = [f"rank-{r}.pt" for r in range(int(meta.get("world_size", 0))) if not (path / f"rank-{r}.pt").is_file()]
+    sums, check = dict(meta.get("sha256") or {}), []
     try:
         ends = _data_ends(path)
     except Exception as exc:  # noqa: BLE001 - missing, torn or foreign: named, whatever the unpickler raised
-        return [*lost, f".metadata ({type(exc).__name__})"]
-    sums = dict(meta.get("sha256") or {})
+        ends, sums = {}, {}
+        lost.append(f".metadata ({type(exc).__name__})")
     for name in sorted({*ends, *sums}):
         f = path / name
         if not f.is_file():
             lost.append(name)
         elif f.stat().st_size < ends.get(name, 0):
             lost.append(f"{name} ({f.stat().st_size} of its {ends[name]} bytes)")
-        elif name in sums and sha256_file(f) != sums[name]:
-            lost.append(f"{name} (its sha256 is not the one recorded at save: another checkpoint's file?)")
-    return lost
+        elif name in sums:
+            check.append(name)
+    got = _digests(path, check)  # (every rank calls it once, whatever it found)
+    return lost + [f"{n} ({got[n]})" if got[n].startswith("unreadable") else
+                   f"{n} (its sha256 is not the one recorded at save: another checkpoint's file?)"
+                   for n in check if got[n] != sums[n]]
 
 
 def dense_opt_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -160,9 +182,10 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     rank_state = {**rank_state, "checkpoint": name}  # which checkpoint it is part of (rank_states checks it)
     write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
     barrier()  # every rank's shards and own state are durable
+    sums = checksums(tmp)  # (each rank reads its share)
     if rank == 0:
         meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
-                "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": checksums(tmp)}
+                "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": sums}
         write_atomic(tmp / META, json.dumps(meta, default=str).encode())
         tmp.rename(final)
         fsync_dir(directory)

@@ -546,3 +546,55 @@ def test_a_dcp_data_file_copied_in_from_another_sharded_checkpoint_is_refused_na
     del meta["sha256"]  # a checkpoint written before the checksums: its sizes alone are checked, as then
     (newer / sharded_checkpoint.META).write_text(json.dumps(meta))
     assert sharded_checkpoint.latest(tmp_path) is not None
+
+
+def _two_ranks_check_a_checkpoint(rank: int, store_path: str, directory: str, out: str) -> None:
+    """One of 2 gloo ranks: a sharded checkpoint saved, its files' sha256 read by each rank at save and at
+    ``latest()``, then a file damaged; what each rank read and raised in ``out``-<rank>.json."""
+    import json
+
+    from learner import checkpoint, sharded_checkpoint
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        read: list[str] = []
+        real = sharded_checkpoint.sha256_file
+        sharded_checkpoint.sha256_file = lambda p: read.append(Path(p).name) or real(p)  # type: ignore[func-returns-value]
+        path = sharded_checkpoint.save(Path(directory), {"model": {f"w{rank}": torch.full((64,), float(rank))}},
+                                       {}, {"samples_trained": 1, "world_size": 2}, rank)
+        at_save, read[:] = list(read), []
+        assert sharded_checkpoint.latest(Path(directory)) is not None
+        at_restore = list(read)
+        dist.barrier()
+        if rank == 0:
+            damaged = path / "__1_0.distcp"
+            damaged.write_bytes(bytes(damaged.stat().st_size))
+        dist.barrier()
+        try:
+            sharded_checkpoint.latest(Path(directory))
+            refused = ""
+        except checkpoint.CheckpointError as exc:
+            refused = str(exc)
+        Path(f"{out}-{rank}.json").write_text(json.dumps({"save": at_save, "restore": at_restore,
+                                                          "refused": refused}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_read_a_sharded_checkpoint_once_between_them_to_check_its_sha256_and_both_refuse_a_damaged_file(
+        tmp_path: Path) -> None:
+    """Every rank hashed every DCP data file at each restore (and rank 0 alone all of them at save, the others
+    waiting): N ranks read the checkpoint N times. Each rank now reads its share, and every rank still refuses a
+    file another rank found damaged."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_ranks_check_a_checkpoint, args=(str(tmp_path / "store"), str(tmp_path / "ckpt"),
+                                                  str(tmp_path / "out")), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in (0, 1)]
+    files = {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    for when in ("save", "restore"):
+        assert sorted(got[0][when] + got[1][when]) == sorted(files)  # each file read once, by one rank
+    for rank in (0, 1):
+        assert "__1_0.distcp (its sha256 is not the one recorded at save" in got[rank]["refused"]
