@@ -104,7 +104,7 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     ``counts.all_days_available()`` when the caller has it (one walk of the keyspace for every kind and event), else
     ``kind``/``event``'s days are asked for.
 
-    Only members that are a stable hash's text with a positive finite count on each day of the window are ranked
+    Only members that are a stable hash's text with a positive finite count in each key of the window are ranked
     (:func:`member_hashes`, :func:`_is_count`; the others are left out, with a warning and their count: a day's
     negative count summed with positive ones silently lowered a member's rank): k ids are chosen whenever k valid ones
     have counts, however many refused ones rank above them. Left out only after the cut, each refused member cost the
@@ -122,7 +122,7 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     while True:
         rows = counts.top(kind, event, day=day, days=days, k=ask)
         valid = {m: c for m, c in rows if _is_hash_text(m) and _is_count(c)}
-        each = counts.day_counts(kind, event, list(valid), day, days) if days > 1 else {}  # a sum hides a day's -8
+        each = counts.day_counts(kind, event, list(valid), day, days)  # a sum hides a day's (or a layout's) -8
         top = [(m, c) for m, c in valid.items() if all(_is_count(d) for d in each.get(m, ()))][:k]
         if len(top) >= k or len(rows) < ask:
             break

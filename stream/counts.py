@@ -619,13 +619,15 @@ class DailyCounts:
 
     def day_counts(self, kind: str, event: str, members: Sequence[str], day: str, days: int = 1,
                    ) -> dict[str, list[float]]:
-        """Each of ``members``' counts on the days of :meth:`top`'s window that counted it (one pipelined round
-        trip): what :meth:`top`'s sum hides (a negative count one day lowers it, written by another client)."""
+        """Each of ``members``' counts in the keys of :meth:`top`'s window that counted it (one pipelined round
+        trip): what :meth:`top`'s sum hides (a negative count one day lowers it, written by another client). Empty when
+        the window is one key (its count is the sum); a one-day window on a single node is two while the day's key of
+        the layout before hash tags lives, and their sum hid a -8 there."""
         _check_kind_event(kind, event)
         _check_positive_int("days", days)
         found: dict[str, list[float]] = {}
         keys = self._window_keys(kind, event, day, days)
-        if not keys or not members:
+        if len(keys) < 2 or not members:
             return found
         pipe = self.client.pipeline(transaction=False)
         for key in keys:

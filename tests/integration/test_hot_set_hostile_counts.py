@@ -118,3 +118,16 @@ def test_a_negative_day_count_summed_with_positive_ones_leaves_the_member_out_wi
     assert [r["hash"] for r in hs.stats["top_items"]] == ["456", "789", "999"]
     assert hs.stats["item_count_covered"] == 9.0
     assert "not a positive finite count" in caplog.text
+
+
+def test_a_negative_count_in_the_layout_before_hash_tags_is_not_hidden_by_a_one_day_window(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A one-day window on a single node reads the day's key and, while it lives, the same day's key of the layout
+    before hash tags, summed: 10 in one and -8 in the other ranked "123" at 2. The per-day check ran only for
+    days > 1, so it was ranked; it is refused as in a longer window."""
+    counts = _items(redis_client, prefix, {"123": 10, "456": 5})
+    redis_client.zadd(f"{prefix}:counts:item:impression:{DAY}", {"123": -8, "789": 3, "999": 1})
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        top, day = hot_set.top_ids(counts, "item", "impression", days=1, k=10)
+    assert (top, day) == ([("456", 5.0), ("789", 3.0), ("999", 1.0)], DAY)
+    assert "not a positive finite count" in caplog.text
