@@ -122,7 +122,8 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     while True:
         rows = counts.top(kind, event, day=day, days=days, k=ask)
         valid = {m: c for m, c in rows if _is_hash_text(m) and _is_count(c)}
-        each = counts.day_counts(kind, event, list(valid), day, days)  # a sum hides a day's (or a layout's) -8
+        # a sum hides a day's (or a layout's) -8; a key with no count <= 0 hides nothing (an inf makes the sum inf)
+        each = counts.day_counts(kind, event, list(valid), day, days, at_most=0.0)
         top = [(m, c) for m, c in valid.items() if all(_is_count(d) for d in each.get(m, ()))][:k]
         if len(top) >= k or len(rows) < ask:
             break

@@ -618,21 +618,28 @@ class DailyCounts:
         return self._sorted_sets(keys)
 
     def day_counts(self, kind: str, event: str, members: Sequence[str], day: str, days: int = 1,
-                   ) -> dict[str, list[float]]:
-        """Each of ``members``' counts in the keys of :meth:`top`'s window that counted it (one pipelined round
-        trip): what :meth:`top`'s sum hides (a negative count one day lowers it, written by another client). Empty when
-        the window is one key (its count is the sum); a one-day window on a single node is two while the day's key of
-        the layout before hash tags lives, and their sum hid a -8 there."""
+                   at_most: float | None = None) -> dict[str, list[float]]:
+        """Each of ``members``' counts in the keys of :meth:`top`'s window that counted it: what :meth:`top`'s sum
+        hides (a negative count one day lowers it, written by another client). Empty when the window is one key (its
+        count is the sum); a one-day window on a single node is two while the day's key of the layout before hash tags
+        lives, and their sum hid a -8 there. ``at_most``: only the keys that hold a count at or below it, found first by
+        one ZCOUNT per key (one round trip); the members' scores (ZMSCORE) are then read from those keys alone, so a
+        window with no such count (the joiner and serving write none) sends no member at all."""
         _check_kind_event(kind, event)
         _check_positive_int("days", days)
         found: dict[str, list[float]] = {}
         keys = self._window_keys(kind, event, day, days)
         if len(keys) < 2 or not members:
             return found
+        if at_most is not None:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.zcount(key, "-inf", at_most)
+            keys = [key for key, n in zip(keys, pipe.execute(), strict=True) if n]
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.zmscore(key, list(members))
-        for scores in pipe.execute():
+        for scores in pipe.execute() if keys else ():
             for member, score in zip(members, scores, strict=True):
                 if score is not None:
                     found.setdefault(member, []).append(float(score))

@@ -42,7 +42,7 @@ class RankedCounts:
         return self.rows[:k]
 
     def day_counts(self, kind: str, event: str, members: list[str], day: str, days: int = 1,
-                   ) -> dict[str, list[float]]:
+                   at_most: float | None = None) -> dict[str, list[float]]:
         return {}  # one key: its counts are top's
 
 
