@@ -624,7 +624,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if rs.embedding_store is EmbeddingStore.LAYERED:
             stage = "embedding_store"
             t0 = time.monotonic()
-            written = _store_rows(rs, rds, new)
+            written = _store_rows(rs, rds, new, stop)
             stored = new.version
             timed(stage, t0)
             log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
@@ -768,20 +768,22 @@ def _owner(rs: RefreshSettings) -> str:
     return str(Path(rs.publish_root).resolve())
 
 
-def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) -> dict[str, Any]:
+def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel, stop: StopSignals) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
-    (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published."""
+    (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published. A stop signal
+    while the rows of a failed write are deleted lets the deletion finish (``stop``): raised inside it, it left them
+    in Redis and replaced the failure."""
     client = _redis(rds, rs)
     try:
         _delete_abandoned(client, rds, _owner(rs))
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs))
-    except redis.RedisError as exc:
+    except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
+        stop.hold("while the refresh deletes the rows of its failed write: the run ends as that failure")
         _delete_unfinished(client, rds, model.version)
-        raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
-                           "keeps serving") from exc
-    except BaseException:  # any failure, and a stop (RefreshTerminated): the rows written so far go
-        _delete_unfinished(client, rds, model.version)
+        if isinstance(exc, redis.RedisError):
+            raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
+                               "keeps serving") from exc
         raise
     finally:
         client.close()

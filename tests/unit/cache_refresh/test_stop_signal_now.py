@@ -12,6 +12,7 @@ during the publish (the run finishes) is tested with a real subprocess in tests/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import time
 from collections.abc import Iterator
@@ -153,3 +154,47 @@ def test_a_stop_signal_while_refresh_now_takes_the_lock_ends_it_as_a_failed_run_
     assert 'refresh_failed{stage="lock"}' in caplog.text
     assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_the_layered_write_cleans_up_after_a_redis_error_keeps_that_error_and_deletes_every_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        sig: signal.Signals) -> None:
+    """The layered write fails with a Redis error (OOM) and the stop comes while _store_rows deletes the rows written
+    so far: the stop was raised inside that deletion, which only caught Exception, so half the rows stayed in Redis
+    (no meta: never served, never pruned) with no line naming them, and the alert said the signal, not the OOM."""
+    import redis
+
+    from cache_refresh.settings import EmbeddingStore
+    from serving import embedding_store
+
+    root, ckpts = _live_and_newer(tmp_path)
+    rows = {f"p:emb:x:{i}" for i in range(3)}
+
+    class Client:
+        def close(self) -> None:
+            pass
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    def delete_version(client: Any, prefix: str, version: str) -> int:
+        n = 0
+        while rows:
+            rows.pop()
+            n += 1
+            if n == 1:
+                signal.raise_signal(sig)  # the operator's stop, while the failed write's rows are being deleted
+        return n
+
+    monkeypatch.setattr(job, "_redis", lambda rds, rs: Client())
+    monkeypatch.setattr(embedding_store, "unfinished_versions", lambda *a, **k: set())
+    monkeypatch.setattr(embedding_store, "write_version", oom)
+    monkeypatch.setattr(embedding_store, "delete_version", delete_version)
+    rs = dataclasses.replace(_now_settings(root, ckpts), embedding_store=EmbeddingStore.LAYERED)
+    with caplog.at_level("WARNING", logger="streamrec.refresh"), pytest.raises(job.RefreshError) as err:
+        job.run_now(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0", prefix="p"))
+    assert err.value.stage == "embedding_store" and "OOM" in str(err.value), str(err.value)
+    assert rows == set()  # every row of the failed write deleted
+    assert sig.name in caplog.text  # the signal is said, not hidden
+    assert A.current_version(root) == "v001"
