@@ -673,12 +673,15 @@ def _close_dead(producer: Producer) -> None:
     """Close a producer a fatal error made unusable, without waiting: it can deliver nothing more, and ``close()``
     alone waits for what it holds (up to its delivery timeout). Dropped unclosed, its librdkafka threads and queues
     lived on while anything (a traceback) referred to it."""
-    try:
-        producer.purge(in_queue=True, in_flight=True)
-        producer.flush(0)  # the purged messages' reports: failed, into the report the renewal drops
-        producer.close()
-    except (KafkaException, RuntimeError) as exc:  # closed already, or librdkafka refusing: nothing more to free
-        log.debug("closing a producer after its fatal error: %s", exc)
+    steps: tuple[Callable[[], object], ...] = (
+        lambda: producer.purge(in_queue=True, in_flight=True),
+        lambda: producer.flush(0),  # the purged messages' reports: failed, into the report the renewal drops
+        producer.close)
+    for step in steps:  # each alone: a purge librdkafka refuses must not leave the producer unclosed
+        try:
+            step()
+        except (KafkaException, RuntimeError) as exc:  # closed already, or librdkafka refusing
+            log.debug("closing a producer after its fatal error: %s", exc)
 
 
 def _is_fatal(err: KafkaError) -> bool:

@@ -154,3 +154,23 @@ def test_a_renewed_producer_closes_the_old_one_bounded_and_counts_nothing_it_hel
     assert producer.flush().acked == {"t": 1}  # e alone: no failure of b or c carried over
     assert producer.acked_total == {"t": 2}
     assert [m.value() for m in FakeClient.made[-1].delivered] == [b"e"]
+
+
+def test_a_dead_producer_whose_purge_librdkafka_refuses_is_still_closed(producer: AckedProducer) -> None:
+    """The old producer's purge, flush and close are each tried alone: a purge that raises (librdkafka refusing a
+    producer in its fatal state) skipped the close, and the client this renewal was meant to free was kept."""
+    producer.send("t", b"a")
+    producer.flush()
+    old = FakeClient.made[-1]
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        old.calls.append(("purge", "refused"))
+        raise KafkaException(KafkaError(KafkaError._FATAL, "purge refused", fatal=True))
+
+    old.purge = refused  # type: ignore[method-assign]
+    old.dead = True
+    with pytest.raises(KafkaException):
+        producer.send("t", b"b")
+    assert [name for name, _ in old.calls[-3:]] == ["purge", "flush", "close"]
+    producer.send("t", b"c")
+    assert producer.flush().acked == {"t": 1}
