@@ -183,6 +183,9 @@ def _password(settings: RedisSettings) -> str:
             # not "password_file: ..." - stream.secrets.redact masks the word after a "password...:" key
             raise ConfigError(f"[redis] cannot read the password_file {path}: "
                               f"{getattr(exc, 'strerror', None) or exc}") from None
+        if not secret_text(text):  # an unfilled secret file: not "no password", which is leaving password_file out
+            raise ConfigError(f"[redis] the password_file {path} is empty: put the password in it, or leave "
+                              "password_file out when there is none")
         return Secret(secret_text(text)).reveal()  # registered for redact() on the way
     if settings.password_env:
         raise ConfigError(f"[redis] password_env names {settings.password_env}, which gave no password (it is empty, "

@@ -153,6 +153,8 @@ def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
                 raise ValueError("expected a finite number")
             return value
         if tp is Secret:
+            if str(raw) and not secret_text(str(raw)):  # "\n" read as no secret would log in as the default user
+                raise ValueError("only a line ending: give the secret, or leave it out when there is none")
             return Secret(secret_text(str(raw)))
         if tp is str:
             return ("true" if raw else "false") if isinstance(raw, bool) else str(raw)  # TOML true: librdkafka's "true"

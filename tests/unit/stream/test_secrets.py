@@ -129,6 +129,28 @@ def test_a_secret_from_a_variable_loses_its_trailing_line_ending_as_one_from_a_f
     direct = build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD": f" p w {ending}"})
     assert from_file == from_var.password.reveal() == direct.password.reveal() == " p w "
 
+@pytest.mark.parametrize("how", ["variable", "file key", "redis password_file"])
+def test_a_secret_of_only_a_line_ending_is_refused_not_read_as_no_secret(tmp_path: Path, how: str) -> None:
+    """Once line endings were stripped, ``STREAMREC_REDIS_PASSWORD=$'\n'`` (or a password file holding only a newline,
+    read by the Redis client itself) became "no password" and logged in as the default user; ``password_env`` and
+    ``*_file`` already refused an empty secret. Every way now refuses it, naming where it came from."""
+    from stream.config import RedisSettings
+    from stream.errors import ConfigError
+    from stream.redis_client import _password as password
+
+    f = tmp_path / "pw"
+    f.write_text("\r\n")
+    if how == "variable":
+        with pytest.raises(SettingsError, match="STREAMREC_CREDS_PASSWORD.*only a line ending"):
+            build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD": "\n"})
+    elif how == "file key":
+        with pytest.raises(SettingsError, match="password.*only a line ending"):
+            build(_Creds, "creds", {"creds": {"password": "\r\n"}}, {})
+    else:
+        with pytest.raises(ConfigError, match="password_file .* is empty"):
+            password(RedisSettings(password_file=str(f)))
+
+
 def test_the_names_of_secret_files_and_variables_are_not_masked() -> None:
     text = "[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password=abc123"
     want = f"[redis] password_file: cannot read /run/secrets/redis; sasl_password_env=KAFKA_PW, password={MASK}"
