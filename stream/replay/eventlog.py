@@ -18,7 +18,14 @@ Reading
     ``1.#IND``, ``-1.#IND``, ``1.#QNAN``, ``-1.#QNAN``; in any case, spaces around ignored; R's ``write.csv`` writes
     ``NA``) are missing: not clicked / no click time, as that inference read them. A text column with ISO-8601
     cells and no numbers is read as times whatever the numeric unit (as that inference did), each other cell a
-    rejected row. Empty CSV cells of feature columns are missing values. A mapped column name that appears twice
+    rejected row. A feature (context) cell is read alone too, by the rule Arrow's inference applies to a column of
+    that one cell, so a clean int64, double or bool column keeps its values and hashes: empty or a null token (as
+    above) is missing; an integer as Python writes it (``42``, ``-3``, within int64) is an int, a decimal number
+    (``1.50``, ``2.0``, ``1e3``) a float, ``true``/``True``/``TRUE`` (``false`` alike) a bool, anything else its text
+    as written (``007``, ``+5``, ``inf``, ``12:00``, ``2020-01-01T10:00:00``); numbers and booleans trimmed. So
+    ``N/A`` is missing beside ``a`` as beside ``1``; ``1`` beside ``2.5`` is 1, not 1.0. pandas' ``None`` and ``<NA>``
+    are values, not null tokens, in every column (``to_csv`` writes a missing value as an empty cell; ``none`` is a
+    plausible category). A mapped column name that appears twice
     in the file is refused (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
     delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
     (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
@@ -398,8 +405,11 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
     # reason said "missing" (or showed null) instead of what the cell held; each cell is parsed in _times/_dense.
     # The clicked column too, so that a cell means the same whatever its neighbours (see _clicked). In the clicked
     # and click-time columns NA/null/nan still mean missing (_MISSING_WORDS), as the inference read them.
+    # Feature columns as bytes (a cell that is not UTF-8 dead-letters its row): each cell is read alone in
+    # _feature_cells, not by what Arrow inferred from its neighbours (`N/A` missing beside `1`, a value beside `a`).
     text_cols = {c: pa.string() for c in (cols.user, cols.item, cols.impression_id, cols.time, cols.click_time,
                                           cols.clicked, *cols.dense) if c is not None}
+    text_cols.update({c: pa.binary() for c in cols.features if c not in text_cols})
     convert = pcsv.ConvertOptions(include_columns=wanted, column_types=text_cols)
     if limit is not None:
         # Streaming stops early, but it infers types from the first block only: if a later block
@@ -875,9 +885,11 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
         big = _ints(arr)[1] if pa.types.is_integer(t) else none
         return arr, [_Check(big, field, column, "an integer in the signed 64-bit range")], False
     if _is_text(t):
-        if csv:  # an empty CSV cell is a missing value
-            arr = pc.if_else(pc.equal(arr, ""), pa.scalar(None, t), arr)
         long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
+        if csv:  # each cell alone: missing, an integer, a float, a boolean or its text
+            arr, text, huge = _feature_cells(arr)
+            long &= text
+            utf8.append(_Check(huge, field, column, "a finite number"))
         return arr, [*utf8, _Check(long, field, column, f"a string of at most {MAX_STR_ID_LEN} chars")], False
     if pa.types.is_floating(t):
         f = pc.fill_null(arr.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
@@ -912,6 +924,59 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
         return arr, checks, values.null_count > 0
     raise EventLogError(f"feature column {column!r} has type {t}; context values must be strings, integers, "
                         f"floats, booleans or lists of strings/integers (set with {FLAGS['features']})")
+
+
+_FEATURE_INT_RE = r"^-?(0|[1-9][0-9]{0,18})$"  # an integer as Python writes it (within int64: checked apart)
+_FEATURE_BOOLS = ("true", "True", "TRUE", "false", "False", "FALSE")  # Arrow's true_values/false_values less 1/0
+_INT, _FLOAT, _BOOL, _TEXT = 0, 1, 2, 3
+
+
+def _feature_cells(arr: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """A CSV feature column (text) -> ``(values, text (N,) bool, not finite (N,) bool)``, each cell read alone, by the
+    rule Arrow's type inference applied to a column of that one cell, so that a clean int64, double or bool column
+    keeps the values (and hashes) the inference gave: missing (empty or a null token, :func:`_missing_words`); an
+    integer as Python writes it (``42``, ``-3``, within int64) is an int; a decimal number (``1.50``, ``2.0``, ``1e3``)
+    a float; ``true``/``True``/``TRUE`` (false alike) a bool; anything else (``007``, ``+5``, ``inf``, ``12:00``) its
+    text as written. Numbers and booleans are trimmed. One kind of cell: a typed array; mixed: a dense union."""
+    n = len(arr)
+    s = pc.utf8_trim_whitespace(arr)
+    missing = _missing_words(arr)
+    kind = np.full(n, _TEXT, np.int8)
+    digits = pc.utf8_ltrim(s, characters="-")
+    fits = _np_bool(pc.or_(pc.less(pc.utf8_length(digits), 19), pc.less_equal(digits, str(MAX_ID))))
+    kind[_matches(s, _FLOAT_RE) & _matches(s, "[.eE]")] = _FLOAT
+    kind[_matches(s, _FEATURE_INT_RE) & fits] = _INT
+    kind[_np_bool(pc.is_in(s, pa.array(_FEATURE_BOOLS)))] = _BOOL
+    kind[missing] = _TEXT
+    null = pa.array(missing)
+    typed = {_INT: pa.int64(), _FLOAT: pa.float64(), _BOOL: pa.bool_()}
+
+    def values(k: int, cells: pa.Array) -> pa.Array:
+        if k == _TEXT:
+            return cells
+        if k == _BOOL:
+            return pc.equal(pc.utf8_lower(cells), "true")  # null stays null
+        return pc.cast(cells, typed[k])
+
+    kinds = np.unique(kind[~missing])
+    if len(kinds) <= 1:
+        k = int(kinds[0]) if len(kinds) else _TEXT
+        cells = pc.if_else(null, pa.scalar(None, pa.string()), arr if k == _TEXT else s)
+        out = values(k, cells)
+        huge = ~np.isfinite(_floats(out)) & ~missing if k == _FLOAT else np.zeros(n, bool)
+        return out, np.full(n, k == _TEXT) & ~missing, huge
+    offsets = np.zeros(n, np.int32)
+    children = []
+    for k in (_INT, _FLOAT, _BOOL, _TEXT):
+        at = np.flatnonzero(kind == k)
+        offsets[at] = np.arange(len(at), dtype=np.int32)
+        children.append(values(k, pc.if_else(null, pa.scalar(None, pa.string()), arr if k == _TEXT else s)
+                               .take(pa.array(at))))
+    with np.errstate(invalid="ignore"):
+        huge = np.zeros(n, bool)
+        huge[kind == _FLOAT] = ~np.isfinite(_floats(children[_FLOAT]))
+    return (pa.UnionArray.from_dense(pa.array(kind), pa.array(offsets), children), (kind == _TEXT) & ~missing,
+            huge)
 
 
 def _dense(arr: pa.Array, column: str) -> tuple[np.ndarray, list[_Check]]:
@@ -956,8 +1021,11 @@ def _json_rows(table: pa.Table, csv: bool) -> list[dict[str, Any]]:
             col = col.cast(f.type.value_type)
         if pa.types.is_temporal(col.type):
             col = col.cast(pa.string())
-        if csv and _is_text(col.type):
-            col = pc.if_else(pc.equal(col, ""), pa.scalar(None, col.type), col)
+        if csv and _is_binary(col.type):  # feature columns are read as bytes: text unless a cell is not UTF-8
+            with contextlib.suppress(pa.ArrowInvalid):
+                col = col.cast(pa.string())
+        if csv and (_is_text(col.type) or _is_binary(col.type)):
+            col = pc.if_else(pc.equal(pc.binary_length(col), 0), pa.scalar(None, col.type), col)
         table = table.set_column(i, f.name, col)
     rows = table.to_pylist()
     for f in table.schema:  # JSON has no NaN or inf (orjson writes null, a missing value): text, as a CSV cell has
@@ -1146,7 +1214,7 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
         # drop missing values (and missing list entries), touching only the rows that have them
         for name in feat.column_names:
             column = feat.column(name)
-            if column.null_count:
+            if column.null_count or pa.types.is_union(column.type):  # a union has no validity bitmap of its own
                 for i in np.flatnonzero(_nulls(_plain(column))).tolist():
                     del dicts[i][name]
         for name in list_nulls:

@@ -12,6 +12,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
+from stream.features import hash_context
 from stream.replay import eventlog
 from stream.replay.config import ClickDelay, DelayKind
 from stream.replay.eventlog import ColumnMap, load_eventlog
@@ -276,3 +277,54 @@ def test_a_non_finite_parquet_float_is_rejected_with_the_reason_and_value_of_the
     parquet, csv = seen
     assert parquet == csv
     assert all("missing" not in reason for _, _, reason, _ in parquet[2])
+
+
+# -- 8: a CSV feature (context) cell means the same whatever the rest of its column holds ---------------------------
+def _contexts(tmp_path: Path, name: str, cells: list[str]) -> list[dict]:
+    """The context of each row of a one-feature CSV whose ``cat`` column holds ``cells`` (every row accepted)."""
+    path = write_csv(tmp_path / f"{name}.csv", "user_id,item_id,ts,clicked,cat",
+                     [f"{k},{k},{T0_MS + k},0,{c}" for k, c in enumerate(cells)])
+    t = load_eventlog(path, ColumnMap(features=("cat",)), FIXED, seed=0)
+    assert not t.raw, [str(r.error) for r in t.raw]
+    (part,) = t.context
+    return [part.dicts[i] for i in part.index.tolist()]
+
+
+# cell -> its meaning alone in a column: missing (None) or the typed value (its type is part of the meaning)
+FEATURE_CELLS = {"1": 1, "-3": -3, "N/A": None, "NA": None, " null ": None, "#N/A": None, "": None, "1.50": 1.5,
+                 "2.0": 2.0, "1e3": 1000.0, "true": True, "FALSE": False, "007": "007", "+5": "+5", "inf": "inf",
+                 "0x10": "0x10", "word": "word", "12:00": "12:00", "2020-01-01T10:00:00": "2020-01-01T10:00:00",
+                 "99999999999999999999": "99999999999999999999", "None": "None", "<NA>": "<NA>"}
+NEIGHBOURS = ["7", "2.5", "true", "word"]  # an int, a float, a boolean and a word column
+
+
+def test_a_feature_cell_means_the_same_in_a_numeric_looking_column_and_in_a_word_column(tmp_path: Path) -> None:
+    for k, (cell, meaning) in enumerate(FEATURE_CELLS.items()):
+        for j, neighbour in enumerate(NEIGHBOURS):
+            ctx = _contexts(tmp_path, f"f{k}_{j}", [cell, neighbour])[0]
+            got = ctx.get("cat")
+            assert (type(got), got) == (type(meaning), meaning), (cell, neighbour, ctx)
+            if meaning is not None:
+                assert hash_context(ctx) == hash_context({"cat": meaning})
+
+
+def test_a_clean_numeric_or_boolean_feature_column_hashes_as_arrows_inference_read_it(tmp_path: Path) -> None:
+    """What existing models learned: a column Arrow typed whole (int64, double, bool) keeps each value's hash."""
+    for name, cells, arrow_type in [("ints", ["1", "42", "-3", "0", "", "NA"], pa.int64()),
+                                    ("floats", ["0.5", "2.25", "1.50", "1e3", "2.0", "-0.0", "N/A"], pa.float64()),
+                                    ("bools", ["true", "false", "True", "FALSE", ""], pa.bool_())]:
+        got = _contexts(tmp_path, name, cells)
+        path = tmp_path / f"{name}.csv"
+        inferred = pcsv.read_csv(path).column("cat")
+        assert inferred.type == arrow_type
+        want = [{} if v is None else {"cat": v} for v in inferred.to_pylist()]
+        assert [hash_context(c) for c in got] == [hash_context(c) for c in want], name
+
+
+@pytest.mark.parametrize("neighbour", NEIGHBOURS)
+def test_a_feature_cell_past_a_float_is_rejected_reporting_its_text_in_any_column(tmp_path: Path,
+                                                                                 neighbour: str) -> None:
+    path = write_csv(tmp_path / "big.csv", "user_id,item_id,ts,clicked,cat",
+                     [f"1,1,{T0_MS},0,1e400", f"2,2,{T0_MS + 1},0,{neighbour}"])
+    (raw,) = load_eventlog(path, ColumnMap(features=("cat",)), FIXED, seed=0).raw
+    assert (raw.error.field, raw.error.value, orjson.loads(raw.value)["cat"]) == ("context.cat", "1e400", "1e400")
