@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -130,14 +131,22 @@ def lost_parts(path: Path, meta: dict[str, Any]) -> list[str]:
     in; a checkpoint written before the checksums: sizes only): every rank's ``rank-<r>.pt``, ``.metadata`` and
     every DCP data file it names. Empty: every part is there (a rank's missing ``rank-<r>.pt`` or DCP shard ended
     the restore and ``--unshard`` in a FileNotFoundError or EOFError). Collective under a process group: each rank
-    reads its share of the files (:func:`_digests`)."""
+    reads its share of the files (:func:`_digests`). A ``sha256`` entry that is not a mapping of this checkpoint's
+    files to sha256 hex strings (hand-edited, another tool's) is a damaged ``meta.json``, named with the reason
+    (:func:`_bad_sums`): it raised a TypeError or ValueError, or read a file it named outside the checkpoint."""
     lost = [f"rank-{r}.pt" for r in range(int(meta.get("world_size", 0))) if not (path / f"rank-{r}.pt").is_file()]
-    sums, check = dict(meta.get("sha256") or {}), []
+    sums, check = meta.get("sha256"), []
     try:
         ends = _data_ends(path)
     except Exception as exc:  # noqa: BLE001 - missing, torn or foreign: named, whatever the unpickler raised
         ends, sums = {}, {}
         lost.append(f".metadata ({type(exc).__name__})")
+    if sums is None:  # (absent: written before the checksums)
+        sums = {}
+    if (bad := _bad_sums(sums, {".metadata", *ends})) is not None:
+        lost.append(f"{META} (its sha256 entry {bad}: not a mapping of file -> sha256 hex; hand-edited or written "
+                    "by another tool)")
+        sums = {}
     for name in sorted({*ends, *sums}):
         f = path / name
         if not f.is_file():
@@ -150,6 +159,21 @@ def lost_parts(path: Path, meta: dict[str, Any]) -> list[str]:
     return lost + [f"{n} ({got[n]})" if got[n].startswith("unreadable") else
                    f"{n} (its sha256 is not the one recorded at save: another checkpoint's file?)"
                    for n in check if got[n] != sums[n]]
+
+
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _bad_sums(sums: Any, files: set[str]) -> str | None:
+    """What is wrong with a meta's ``sha256`` entry (``files``: the checkpoint's files it may name); None: sound."""
+    if not isinstance(sums, dict):
+        return f"is a {type(sums).__name__}"
+    for name, digest in sums.items():
+        if name not in files:
+            return f"names {str(name)[:80]!r}, no file of this checkpoint"
+        if not (isinstance(digest, str) and _HEX.fullmatch(digest)):
+            return f"gives {name} {str(digest)[:80]!r}, not 64 hex digits"
+    return None
 
 
 def dense_opt_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:

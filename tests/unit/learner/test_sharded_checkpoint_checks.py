@@ -1,0 +1,63 @@
+"""learner/sharded_checkpoint.py: what the checks of a sharded checkpoint's parts read, and a ``meta.json`` whose
+recorded checksums are not a mapping of file -> sha256 hex (hand-edited, written by another tool)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from learner import checkpoint, sharded_checkpoint
+
+
+def _save(directory: Path, step: int) -> Path:
+    """A one-process sharded checkpoint (no process group: DCP writes ``__0_0.distcp`` and ``.metadata``)."""
+    return sharded_checkpoint.save(directory, {"model": {"w": torch.full((8,), float(step))}}, {"step": step},
+                                   {"samples_trained": step, "world_size": 1}, 0)
+
+
+def _with_sums(path: Path, sums: Any) -> None:
+    meta = json.loads((path / sharded_checkpoint.META).read_text())
+    meta["sha256"] = sums
+    (path / sharded_checkpoint.META).write_text(json.dumps(meta))
+
+
+WRONG_SHAPES: dict[str, Any] = {
+    "list": [".metadata", "__0_0.distcp"],
+    "list_of_pairs": [["__0_0.distcp", "0" * 64]],  # dict() of it would have made a mapping
+    "string": "ab",  # dict("ab") raised ValueError
+    "number": 5,
+    "empty_list": [],  # (falsy: was read as no checksums at all)
+    "zero": 0,
+    "mapping_to_numbers": {".metadata": 5, "__0_0.distcp": 6},
+    "mapping_to_lists": {".metadata": ["0" * 64]},
+    "short_hex": {".metadata": "abc"},
+    "long_hex": {".metadata": "0" * 65},
+    "not_hex": {".metadata": "z" * 64},
+    "outside_file": {"/etc/hostname": "0" * 64},  # not one of the checkpoint's files: never read
+}
+
+
+@pytest.mark.parametrize("shape", sorted(WRONG_SHAPES))
+def test_recorded_checksums_of_the_wrong_shape_are_a_damaged_meta_named_with_the_reason(
+        tmp_path: Path, shape: str) -> None:
+    _save(tmp_path, 100)
+    newer = _save(tmp_path, 200)
+    _with_sums(newer, WRONG_SHAPES[shape])
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        sharded_checkpoint.latest(tmp_path)
+    text = str(refused.value)
+    assert str(newer) in text and "meta.json (its sha256 entry" in text and "the one before it" in text
+    with pytest.raises(checkpoint.CheckpointError, match=r"meta\.json \(its sha256 entry"):
+        sharded_checkpoint.unshard(tmp_path, tmp_path / "single")
+
+
+def test_recorded_checksums_that_are_sound_still_load_and_none_at_all_is_a_checkpoint_from_before_them(
+        tmp_path: Path) -> None:
+    path = _save(tmp_path, 100)
+    assert sharded_checkpoint.latest(tmp_path) is not None
+    _with_sums(path, None)  # written before the checksums: sizes only
+    assert sharded_checkpoint.latest(tmp_path) is not None
