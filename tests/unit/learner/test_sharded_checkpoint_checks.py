@@ -61,3 +61,31 @@ def test_recorded_checksums_that_are_sound_still_load_and_none_at_all_is_a_check
     assert sharded_checkpoint.latest(tmp_path) is not None
     _with_sums(path, None)  # written before the checksums: sizes only
     assert sharded_checkpoint.latest(tmp_path) is not None
+
+
+def test_train_status_checks_a_sharded_checkpoint_by_sizes_without_reading_its_data_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--status`` hashed every data file of the newest sharded checkpoint (about 1 s per 800 MiB) to print its
+    metadata; restore and ``--unshard`` still check every sha256."""
+    from streamrec.cli import main
+
+    path = _save(tmp_path, 100)
+    hashed: list[str] = []
+    real = sharded_checkpoint.sha256_file
+    monkeypatch.setattr(sharded_checkpoint, "sha256_file",
+                        lambda p: hashed.append(Path(p).name) or real(p))  # type: ignore[func-returns-value]
+    assert main(["train", "--status", "--json", "--checkpoint-dir", str(tmp_path)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert hashed == []
+    assert status["samples_trained"] == 100 and status["path"] == str(path)
+    assert status["checksums"].startswith("not verified")
+    assert main(["train", "--status", "--checkpoint-dir", str(tmp_path)]) == 0
+    assert "checksums: not verified" in capsys.readouterr().out and hashed == []
+
+    assert sharded_checkpoint.latest(tmp_path) is not None  # a restore's check: every file hashed
+    assert sorted(hashed) == [".metadata", "__0_0.distcp"]
+    hashed.clear()
+    with open(path / "__0_0.distcp", "r+b") as fh:  # --status still sees a torn part, by its size
+        fh.truncate(10)
+    assert main(["train", "--status", "--checkpoint-dir", str(tmp_path)]) != 0
+    assert "__0_0.distcp (10 of its" in capsys.readouterr().err and hashed == []
