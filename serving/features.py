@@ -134,9 +134,9 @@ class FeatureEncoder:
                 self._check_names(f"{where}items[{i}].", c, {})
             per_item = [hash_context(c) for c in req.item_context]
         f_count = self.num_fields
-        user_values: dict[int, np.ndarray] = {}  # the user row's bags by field
+        user_values: dict[int, np.ndarray] = {}  # the user row's bags by field, hashed (mapped once all are counted)
         user_lengths = np.zeros(f_count, np.int64)  # (F,)
-        cand_values: list[np.ndarray] = []  # the candidates' bags, field-major
+        cand_values: list[tuple[int, np.ndarray]] = []  # (field, hashed bags), field-major: mapped as user_values
         cand_lengths = np.zeros((f_count, b), np.int64)  # (F, B); a field of the user row: all 0
         history_field = -1
         expanded = spent + b  # the call's values looked up per candidate: the items, then context sent per item
@@ -150,7 +150,7 @@ class FeatureEncoder:
                 hashed = hash_ids(req.items)  # (B,) ids as check_id accepts them (serving/request.py)
                 if observe is not None:
                     observe("item", hashed)
-                cand_values.append(m.map_rows(f, hashed))  # (B,)
+                cand_values.append((f, hashed))  # (B,)
                 cand_lengths[f] = 1
                 continue
             if src == "ctx" and per_item is not None and any(name in c for c in per_item):
@@ -163,7 +163,7 @@ class FeatureEncoder:
                                     f" ('context.{name}' is sent per item, so every candidate carries a '{name}' "
                                     f"of its own or the shared one, {len(own)} values)")
                 flat = np.fromiter(chain.from_iterable(bags), np.int64, int(lens.sum()))
-                cand_values.append(m.map_rows(f, flat))
+                cand_values.append((f, flat))
                 cand_lengths[f] = lens
                 continue
             if src == "user":
@@ -175,7 +175,7 @@ class FeatureEncoder:
             else:
                 one = _EMPTY
             if len(one):  # (L,): the same bag for every candidate, once in the user row
-                user_values[f] = m.map_rows(f, one)
+                user_values[f] = one
                 user_lengths[f] = len(one)
         shared_values, widest = self._shared_values(req, user_lengths)
         if shared_values and expanded + shared_values > max_values:
@@ -187,9 +187,10 @@ class FeatureEncoder:
             if observe is not None:
                 observe("item", one)
             if len(one):
-                user_values[history_field] = m.map_rows(history_field, one)
+                user_values[history_field] = one
                 user_lengths[history_field] = len(one)
-        parts = [user_values[f] for f in sorted(user_values)] + cand_values
+        # every bound checked: only now are rows looked up (a refused request looks up none)
+        parts = [m.map_rows(f, h) for f, h in chain(sorted(user_values.items()), cand_values)]
         flat_values = np.concatenate(parts) if parts else _EMPTY
         offsets = np.zeros(f_count * (b + 1) + 1, np.int64)  # (F + F*B + 1,)
         np.cumsum(user_lengths, out=offsets[1:f_count + 1])

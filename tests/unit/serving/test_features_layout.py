@@ -5,11 +5,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from learner.features import FeatureConfig, FieldSpec
 from learner.scorer import to_candidate_rows
 from serving.features import FeatureEncoder
-from serving.request import parse_request
+from serving.request import RequestError, parse_request
 from stream.features import hash_value
 
 CFG = FeatureConfig(
@@ -70,3 +71,20 @@ def test_an_absent_single_valued_context_feature_is_one_missing_row_in_the_user_
     values, offsets, _ = encoder().encode(req, [])
     assert [len(x) for x in bags(values, offsets[: F + 1])] == [1, 0, 0, 1, 0]  # device absent: MISSING, shared
     assert len(values) == 1 + 1 + 2
+
+
+def test_a_shared_context_past_max_values_is_refused_before_any_row_is_looked_up() -> None:
+    # 2 candidates + a shared list of 50 values under a bound of 20: refused (422) before map_rows is called once; it
+    # used to map the user row's bags (the 50 values among them) first and count them after.
+    enc = encoder()
+    looked_up: list[int] = []
+    map_rows = enc.mapper.map_rows
+    spy = SimpleNamespace(feature_config=CFG, map_rows=lambda f, h: looked_up.append(len(h)) or map_rows(f, h))
+    req = parse_request({"user_id": 7, "items": [1, 2], "context": {"device": "ios",
+                                                                    "genres": [f"g{i}" for i in range(50)]}}, 1000)
+    with pytest.raises(RequestError) as refused:
+        enc.encode(req, HISTORY, max_values=20, mapper=spy)  # type: ignore[arg-type]
+    assert refused.value.status == 422 and "'context.genres'" in str(refused.value), refused.value
+    assert looked_up == []
+    enc.encode(req, HISTORY, max_values=53, mapper=spy)  # type: ignore[arg-type]  # 2 + device + 50 genres: at the bound
+    assert sorted(looked_up) == [1, 1, 2, 20, 50]  # user, device, items, history, genres
