@@ -25,7 +25,9 @@ before Redis's reply came) keeps what it did not write, per day and kind, counte
 try at the next flush, ahead of the lookups made since and apart from them: a write whose reply was lost may have run,
 and its retry under the same write id counts it once (``stream/counts.py``, "Retries"); merged with newer lookups it
 could not be retried safely. What the second try does not write is dropped (``reason="redis"``), and so is what is
-kept when :meth:`LookupCounts.stop`'s last flush fails. Failures are counted
+kept when :meth:`LookupCounts.stop`'s last flush fails, or what waits when stop makes none (the last flush failed less
+than ``RECENT_FAILURE_S`` ago: Redis is not asked again, so a frozen Redis holds a shutdown one timeout at most).
+Failures are counted
 (``streamrec_serving_lookup_count_flushes_total{outcome="error"}``), logged once per outage (not per flush), and
 never reach a client: counts are a ranking signal, and a few seconds of them lost cost nothing a request would notice.
 """
@@ -49,6 +51,7 @@ KINDS = ("user", "item")
 EVENT = "lookup"
 STOP_TIMEOUT_S = 30.0  # LookupCounts.stop's bound on the wait for its flush thread
 TRIES = 2  # flushes a day and kind's lookups are tried in (module docstring): the one they were made for, one retry
+RECENT_FAILURE_S = 30.0  # a flush that failed this recently: stop() takes Redis as still down (no last flush)
 
 
 @dataclass
@@ -92,7 +95,7 @@ class LookupCounts:
         self._closed = False  # stopped: a lookup added now would never be flushed, so it is dropped and counted
         self._abandoned: threading.Thread | None = None  # a flush thread stop() gave up waiting for (stuck)
         self._failing = False  # the last flush failed: the next failure is not logged again
-        self._failures = 0  # flushes that failed (stop() makes no round trip after one that failed while stopping)
+        self._failed_at = 0.0  # time.monotonic() when the last failed flush gave up (stop() skips its flush after one)
         self.flushed = 0  # lookups written to Redis
         self.dropped = 0  # lookups not counted (buffer full, flush failed)
 
@@ -164,7 +167,7 @@ class LookupCounts:
                 lost += write.lookups
         with self._lock:
             self._kept, self._kept_n = keep, sum(w.lookups for w in keep)
-            self._failures += 1
+            self._failed_at = time.monotonic()
         if lost:
             self._drop("redis", lost)
         self._outcome("error")
@@ -202,12 +205,12 @@ class LookupCounts:
         skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped").
 
         Redis is waited on once at most (the counts client's timeout, ``serving/service.py``): the last flush is one
-        round trip, and none is made when a flush in progress as stop began failed (Redis down or frozen: its
-        retry would wait out the timeout again); what it kept is then dropped and counted ("redis")."""
+        round trip, and none is made when the last flush failed, less than ``RECENT_FAILURE_S`` ago (one in progress
+        as stop began, or one just before it: Redis down or frozen, its retry would wait out the timeout again); what
+        waits is then dropped and counted ("redis"). A failure older than that says little of Redis now: the last
+        flush is made."""
         if self._abandoned is not None and self._abandoned.is_alive():
             return  # stopped before without its flush thread: a flush now would wait on the lock that thread holds
-        with self._lock:
-            failures = self._failures
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
@@ -226,13 +229,15 @@ class LookupCounts:
                 return
         with self._lock:
             self._closed = True  # from here on nothing is appended: the flush below takes the last of them
-            failed = self._failures > failures
-        if failed:
-            with self._flush_lock, self._lock:
+        with self._flush_lock, self._lock:
+            ago = time.monotonic() - self._failed_at
+            down = self._failing and ago < RECENT_FAILURE_S
+            if down:
                 lost = self._n + self._kept_n
                 self._pending, self._n, self._kept, self._kept_n = {}, 0, [], 0
-            log.warning("lookup counts: Redis did not answer the flush under way as serving stopped; no last flush "
-                        "(it would wait out the timeout again), %d lookups not counted", lost)
+        if down:
+            log.warning("lookup counts: the last flush to Redis failed %.1f s before serving stopped; no last flush "
+                        "(it would wait out the timeout again), %d lookups not counted", ago, lost)
             if lost:
                 self._drop("redis", lost)
             return

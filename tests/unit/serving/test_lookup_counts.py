@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import redis
 
-from serving.lookup_counts import LookupCounts
+from serving.lookup_counts import RECENT_FAILURE_S, LookupCounts
 from serving.metrics import ServingMetrics
 from stream.counts import DAY_S
 
@@ -279,3 +279,32 @@ def test_stop_during_a_flush_that_then_fails_does_not_wait_on_redis_again() -> N
     assert not stopper.is_alive() and lc._thread is None
     assert len(fake.failed_ids) == 1, fake.failed_ids  # no second round trip to the Redis that just timed out
     assert (lc.flushed, lc.dropped) == (0, 3)
+
+
+def test_stop_just_after_a_failed_flush_does_not_wait_on_redis_again() -> None:
+    # The thread's flush timed out against a frozen Redis just before stop began: stop flushed again (the kept write
+    # and the lookups since) and waited out a second full timeout.
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, flush_s=3600).start()  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(4, dtype=np.int64))
+    assert lc.flush() == 0  # the flush just before stop: fails, keeps its write for a retry
+    lc.add("item", np.array([9], np.int64))
+    lc.stop()
+    assert len(fake.failed_ids) == 1, fake.failed_ids  # no second round trip to the Redis that just failed
+    assert (lc.flushed, lc.dropped) == (0, 5) and lc._thread is None
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 5
+
+
+def test_stop_long_after_a_failed_flush_makes_its_last_flush() -> None:
+    # A failure older than RECENT_FAILURE_S says nothing of Redis now: stop still writes what waits (Redis is back).
+    fake = FakeCounts()
+    lc = LookupCounts(fake, flush_s=3600).start()  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.arange(4, dtype=np.int64))
+    assert lc.flush() == 0
+    lc._failed_at -= RECENT_FAILURE_S  # as if it failed that long ago
+    fake.down = False
+    lc.add("item", np.array([9], np.int64))
+    lc.stop()
+    assert (lc.flushed, lc.dropped) == (5, 0) and len(fake.failed_ids) == 1
