@@ -204,11 +204,11 @@ class LookupCounts:
         (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last flush is
         skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped").
 
-        Redis is waited on once at most (the counts client's timeout, ``serving/service.py``): the last flush is one
-        round trip, and none is made when the last flush failed, less than ``RECENT_FAILURE_S`` ago (one in progress
-        as stop began, or one just before it: Redis down or frozen, its retry would wait out the timeout again); what
-        waits is then dropped and counted ("redis"). A failure older than that says little of Redis now: the last
-        flush is made."""
+        Redis is waited on once at most (the counts client's timeout, ``[serve] lookup_counts_timeout_s``): the last
+        flush is one round trip, and none is made when the last flush failed, less than ``RECENT_FAILURE_S`` ago (one
+        in progress as stop began, or one just before it: Redis down or frozen, its retry would wait out the timeout
+        again); what waits is then dropped and counted ("redis"). A failure older than that says little of Redis now:
+        the last flush is made."""
         if self._abandoned is not None and self._abandoned.is_alive():
             return  # stopped before without its flush thread: a flush now would wait on the lock that thread holds
         self._stop.set()

@@ -97,8 +97,8 @@ class ScoringService:
         if redis_settings is not None and settings.lookup_counts:
             # Its own client: a flush of many ids may take longer than the request path's timeout; no retries
             # (a failed flush is dropped and counted, the next one comes flush_s later).
-            counts = DailyCounts(connect(redis_settings, timeout_s=2.0, retries=0), prefix=redis_settings.prefix,
-                                 ttl_days=redis_settings.counts_ttl_days)
+            client = connect(redis_settings, timeout_s=settings.lookup_counts_timeout_s, retries=0)
+            counts = DailyCounts(client, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
             self.lookups = LookupCounts(counts, self.metrics, flush_s=settings.lookup_counts_flush_s,
                                         flush_ids=settings.lookup_counts_flush_ids,
                                         max_pending=settings.lookup_counts_max_pending)

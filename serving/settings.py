@@ -83,6 +83,9 @@ class ServeSettings:
     lookup_counts_flush_s: float = 5.0
     lookup_counts_flush_ids: int = 200_000
     lookup_counts_max_pending: int = 2_000_000  # int64 each: 16 MB at most
+    # Each flush's Redis timeout (the counts client's, no retries), stop's last flush included: a frozen Redis holds
+    # a shutdown this long at most (serving/lookup_counts.py). > 0 and at most a day, as every [serve] duration.
+    lookup_counts_timeout_s: float = 2.0
 
     # -- the layered deployment (serving/embedding_store.py) --
     # in_process: cold rows from the artifact's memory-mapped file; layered: from Redis ([redis] url, the rows the

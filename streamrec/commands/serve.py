@@ -41,9 +41,9 @@ def add_parser(sub: Any) -> None:
         "embedding_store = in_process | "
         "layered (cold rows from Redis, written by `streamrec refresh` with [refresh] embedding_store = layered), "
         "embedding_cache_rows, embedding_store_timeout_s, embedding_store_retry_after_s, embedding_store_cluster, "
-        "embedding_store_write_deltas); "
-        "Redis from "
-        "[redis] / STREAMREC_REDIS_URL.")
+        "embedding_store_write_deltas, lookup_counts, lookup_counts_flush_s, lookup_counts_flush_ids, "
+        "lookup_counts_max_pending, lookup_counts_timeout_s: each flush's Redis timeout, the last one at shutdown "
+        "included); Redis from [redis] / STREAMREC_REDIS_URL.")
     d = functools.partial(default_help, ServeSettings, "serve")  # d(key): "default: [serve] key, else <built-in>"
     p.add_argument("--host", help=f"address to bind ({d('host')}: loopback only)")
     p.add_argument("--port", type=int, help=f"port ({d('port')}; 0 picks a free one)")

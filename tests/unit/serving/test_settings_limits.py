@@ -3,12 +3,17 @@ the value and the bound, instead of failing later on a thread or a request."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from serving.service import ScoringService
 from serving.settings import ServeSettings
+from stream.config import RedisSettings
 from stream.errors import ConfigError
 
-DURATIONS = ["lookup_counts_flush_s", "embedding_store_retry_after_s", "embedding_store_timeout_s"]
+DURATIONS = ["lookup_counts_flush_s", "lookup_counts_timeout_s", "embedding_store_retry_after_s",
+             "embedding_store_timeout_s"]
 
 
 @pytest.mark.parametrize("name", DURATIONS)
@@ -30,3 +35,15 @@ def test_nan_and_zero_durations_are_refused(name: str) -> None:
 def test_sane_values_are_kept() -> None:
     s = ServeSettings(lookup_counts_flush_s=86_400, embedding_store_retry_after_s=0.5, embedding_store_timeout_s=0.01)
     assert s.lookup_counts_flush_s == 86_400 and s.embedding_store_timeout_s == 0.01
+
+
+def test_the_lookup_counts_client_times_out_after_lookup_counts_timeout_s(tmp_path: Path) -> None:
+    # It was 2 s whatever the settings (serving/service.py): the bound on each flush, stop's last one included.
+    settings = ServeSettings(port=0, publish_root=tmp_path, lookup_counts_timeout_s=0.25)
+    svc = ScoringService(settings, RedisSettings(url="redis://127.0.0.1:9/0"))  # connects lazily: nothing listens
+    try:
+        assert svc.lookups is not None
+        assert svc.lookups.counts.client.connection_pool.connection_kwargs["socket_timeout"] == 0.25
+        assert ServeSettings().lookup_counts_timeout_s == 2.0  # the default is the value it replaced
+    finally:
+        svc.stop(grace_s=0.0)
