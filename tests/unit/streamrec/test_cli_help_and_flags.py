@@ -3,6 +3,8 @@ config file (``--reuse-port`` was store_true only), and every command's ``--conf
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from serving.settings import ServeSettings
@@ -24,3 +26,12 @@ def test_every_commands_config_help_names_every_section(capsys: pytest.CaptureFi
             main([name, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert all(f"[{s}]" in text for s in SECTIONS), name
+
+
+def test_serve_help_names_every_serve_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    # max_request_values and signing_key_file were in no line of `streamrec serve --help`
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    unnamed = [f.name for f in fields(ServeSettings) if f.name not in text]
+    assert unnamed == []
