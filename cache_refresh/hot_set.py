@@ -70,17 +70,20 @@ class RedisUnavailable(StreamrecError):
 
 def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float,
                  sleep: Callable[[float], None] = time.sleep) -> T:
-    """``fn()``, retried on Redis connection/timeouts errors: waits backoff_s, 2*backoff_s, ..."""
+    """``fn()``, retried on Redis connection/timeouts errors: waits backoff_s, 2*backoff_s, ...
+
+    The wait is outside the ``except``: a refresh's stop signal during it raises there (``job.StopSignals`` keeps a
+    stop pending while an exception is in flight, as a failure's cleanup; this is no failure yet)."""
     last: Exception | None = None
     for i in range(max(1, attempts)):
         try:
             return fn()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             last = exc
-            if i + 1 < attempts:
-                wait = backoff_s * (2 ** i)
-                log.warning("%s: Redis error (%s); attempt %d/%d, retrying in %.1fs", what, exc, i + 1, attempts, wait)
-                sleep(wait)
+        if i + 1 < attempts:
+            wait = backoff_s * (2 ** i)
+            log.warning("%s: Redis error (%s); attempt %d/%d, retrying in %.1fs", what, last, i + 1, attempts, wait)
+            sleep(wait)
     raise RedisUnavailable(f"{what}: Redis unreachable after {attempts} attempt(s): {last}")
 
 

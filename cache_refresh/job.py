@@ -85,6 +85,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -336,19 +337,34 @@ class StopSignals:
     atomic and short, and after it the run has published; a failure raised there would report a publish as failed),
     begins to handle a failure (the failure is the run's outcome, alerted and counted: a stop raised in its handler
     replaced it) or is skipped; from then on, and for any later signal, it is logged with the reason given to
-    :meth:`hold` and the run finishes as it is."""
+    :meth:`hold` and the run finishes as it is.
+
+    A stop never replaces an exception in flight: one that comes while the run (or anything it calls, in any package)
+    is in an ``except``, a ``finally`` or an ``__exit__`` with an exception (``sys.exc_info()`` in the handler) is
+    logged and kept pending instead of raised. Raised there, it replaced a failure on its way out (Redis down at the
+    hot set, the stop in the client's ``close()``): the alert said "stopped by SIGTERM", not the reason, and the
+    cleanup was cut short (build_artifact's removal of its staged directory). The failure then ends the run as itself;
+    a run that got past the exception (a best-effort ``except``) stops at the end of its stage (:meth:`check`),
+    before any publish."""
 
     def __init__(self) -> None:
         self.got: list[int] = []
         self._armed = False
         self._held: str | None = None
+        self._pending = False
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.got.append(signum)
         if self._armed and len(self.got) == 1:
             self._armed = False
-            raise self._terminated()
-        if self._held is not None or len(self.got) > 1:
+            failing = sys.exc_info()[1]
+            if failing is None:
+                raise self._terminated()
+            self._pending = True
+            log.warning("%s while the refresh handles %s: the stop does not replace it (the run ends as that failure; "
+                        "if it goes on, it stops at the end of its stage)", signal.Signals(signum).name,
+                        type(failing).__name__)
+        elif self._held is not None or len(self.got) > 1:
             log.warning("%s %s", signal.Signals(signum).name, self._held or "again: the run is already stopping")
 
     def _terminated(self) -> RefreshTerminated:
@@ -360,6 +376,13 @@ class StopSignals:
         if self.got:
             raise self._terminated()
         self._armed = True
+
+    def check(self) -> None:
+        """The end of a stage, and before the publish: a stop kept pending (it came while an exception was in flight,
+        which the run got past) raises now; nothing once the run is held."""
+        if self._pending and self._held is None:
+            self._pending = False
+            raise self._terminated()
 
     def hold(self, why: str) -> None:
         """From here on a stop lets the run finish, logged with ``why``."""
@@ -528,8 +551,9 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     root = Path(rs.publish_root)
     unpinned: artifact.Pin | None = None
 
-    def timed(name: str, t0: float) -> None:
+    def timed(name: str, t0: float) -> None:  # a stage ended: a stop kept pending raises here (StopSignals.check)
         timings[name] = round(time.monotonic() - t0, 3)
+        stop.check()
 
     try:
         stage = "lock"
@@ -624,7 +648,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if rs.embedding_store is EmbeddingStore.LAYERED:
             stage = "embedding_store"
             t0 = time.monotonic()
-            written = _store_rows(rs, rds, new, stop)
+            written = _store_rows(rs, rds, new)
             stored = new.version
             timed(stage, t0)
             log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
@@ -634,6 +658,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
+        stop.check()
         stop.hold("during the refresh's publish: the run finishes")
         try:
             path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
@@ -768,18 +793,17 @@ def _owner(rs: RefreshSettings) -> str:
     return str(Path(rs.publish_root).resolve())
 
 
-def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel, stop: StopSignals) -> dict[str, Any]:
+def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
     (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published. A stop signal
-    while the rows of a failed write are deleted lets the deletion finish (``stop``): raised inside it, it left them
-    in Redis and replaced the failure."""
+    while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
+    exception is in flight): raised inside it, it left them in Redis and replaced the failure."""
     client = _redis(rds, rs)
     try:
         _delete_abandoned(client, rds, _owner(rs))
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs))
     except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
-        stop.hold("while the refresh deletes the rows of its failed write: the run ends as that failure")
         _delete_unfinished(client, rds, model.version)
         if isinstance(exc, redis.RedisError):
             raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "

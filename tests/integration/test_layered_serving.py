@@ -600,7 +600,7 @@ def test_a_failed_write_of_a_versions_rows_leaves_no_rows_behind(stack: LocalSta
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
     monkeypatch.setattr(job, "_redis", lambda rds, rs: MetaRefused(redis.Redis.from_url(stack.redis_url)))
     with pytest.raises(job.RefreshError, match="embedding_store"):
-        job._store_rows(rs, rds, model, job.StopSignals())
+        job._store_rows(rs, rds, model)
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:w1:*"))
 
 
@@ -725,8 +725,7 @@ def test_a_table_beyond_float16_fails_the_layered_write_and_leaves_no_rows(
     rs = RefreshSettings(publish_root=tmp_path, embedding_store=EmbeddingStore.LAYERED,
                          embedding_store_dtype=RowDtype.FLOAT16)
     with pytest.raises(ValueError, match="beyond float16"):
-        job._store_rows(rs, RedisSettings(url=stack.redis_url, prefix=prefix), ScoringModel.load(path),
-                        job.StopSignals())
+        job._store_rows(rs, RedisSettings(url=stack.redis_url, prefix=prefix), ScoringModel.load(path))
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:h1:*"))
 
 

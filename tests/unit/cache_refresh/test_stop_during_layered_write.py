@@ -51,6 +51,6 @@ def test_a_stop_during_the_layered_write_deletes_the_rows_written_so_far(monkeyp
     monkeypatch.setattr(embedding_store, "write_version", write_then_stopped)
     monkeypatch.setattr(embedding_store, "delete_version", delete_version)
     with pytest.raises(job.RefreshTerminated):
-        job._store_rows(RefreshSettings(), RedisSettings(prefix="p"), _Model(), job.StopSignals())  # type: ignore[arg-type]
+        job._store_rows(RefreshSettings(), RedisSettings(prefix="p"), _Model())  # type: ignore[arg-type]
     assert client.keys == set()  # nothing of the unpublished version is left behind
     assert client.closed

@@ -198,3 +198,138 @@ def test_a_stop_signal_while_the_layered_write_cleans_up_after_a_redis_error_kee
     assert rows == set()  # every row of the failed write deleted
     assert sig.name in caplog.text  # the signal is said, not hidden
     assert A.current_version(root) == "v001"
+
+
+def _signalled_close(client: Any, sig: signal.Signals, closed: list[str], name: str) -> Any:
+    """``client`` whose close() first delivers ``sig`` (the operator's stop, landing in the run's cleanup)."""
+    close = client.close
+
+    def signalled() -> None:
+        if not closed:
+            closed.append(name)
+            signal.raise_signal(sig)
+        close()
+
+    client.close = signalled
+    return client
+
+
+@pytest.mark.parametrize("site", ["hot set client close", "pinger close", "build cleanup"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_in_a_cleanup_of_a_failing_refresh_now_stage_keeps_that_failure_alerted_and_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        sig: signal.Signals, site: str) -> None:
+    """A stage fails (Redis down at the hot set, refused credentials at its PING, a full disk in the build) and the
+    stop lands in the cleanup that runs on the way out (the clients' close() in ``finally``, build_artifact's removal
+    of what it staged). Before, the stop raised there replaced the failure: the run failed at the same stage, alerted
+    and counted, but the alert said "stopped by SIGTERM" instead of the reason, and the build's cleanup was cut
+    short, leaving its staged directory."""
+    import errno
+
+    from stream.redis_client import RedisAuthError
+
+    root, ckpts = _live_and_newer(tmp_path)
+    rs = RefreshSettings(checkpoint_dir=ckpts, publish_root=root, holdout_messages=0, alerts_topic="",
+                         redis_attempts=1, redis_backoff_s=0.01, redis_timeout_s=0.5, format="eager")
+    closed: list[str] = []
+    stage, reason = "hot_set", "unreachable"
+    if site == "hot set client close":
+        redis_client = job._redis
+        monkeypatch.setattr(job, "_redis", lambda rds, s: _signalled_close(redis_client(rds, s), sig, closed, site))
+    elif site == "pinger close":
+        connect = job.connect
+
+        def signalled_connect(*args: Any, **kwargs: Any) -> Any:
+            client = connect(*args, **kwargs)
+            return _signalled_close(client, sig, closed, site) if kwargs.get("retries") == 0 else client
+
+        def refused(client: Any, rds: Any, reachable: bool = True) -> bool:
+            raise RedisAuthError("redis refused the credentials (WRONGPASS)")
+
+        monkeypatch.setattr(job, "connect", signalled_connect)
+        monkeypatch.setattr(job, "verify", refused)
+        reason = "WRONGPASS"
+    else:
+        rs = _now_settings(root, ckpts)  # no Redis: the run reaches the build
+        stage, reason = "build", "No space left on device"
+        write_synced, rmtree = A.write_synced, A.shutil.rmtree
+
+        def full(path: Path, write: Any) -> None:
+            if path.name == A.COLD_FILE:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            write_synced(path, write)
+
+        def signalled_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+            if not closed:
+                closed.append(site)
+                signal.raise_signal(sig)
+            rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(A, "write_synced", full)
+        monkeypatch.setattr(A.shutil, "rmtree", signalled_rmtree)
+    failed = RUNS.labels("failed", stage)
+    before = failed._value.get()
+    with caplog.at_level("WARNING", logger="streamrec.refresh"), pytest.raises(job.RefreshError) as err:
+        job.run_now(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    assert closed and closed[0] == site  # the stop came where the test says
+    assert err.value.stage == stage and reason in str(err.value), str(err.value)
+    assert failed._value.get() == before + 1
+    assert f'refresh_failed{{stage="{stage}"}}' in caplog.text
+    alerted = [r.getMessage() for r in caplog.records if "refresh_failed" in r.getMessage()]
+    assert alerted and all(reason in m and "stopped by" not in m for m in alerted), alerted
+    assert sig.name in caplog.text  # the signal is said, not hidden
+    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert not any((root / A.STAGING).glob("*"))  # nothing staged left: the cleanup was not cut short
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_kept_pending_in_a_best_effort_except_still_ends_refresh_now_before_it_publishes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals) -> None:
+    """The stop lands while an exception is handled and then swallowed (a best-effort ``except``, here the live
+    version's source read): it is not raised there (it would replace a failure in flight), and the run, which got
+    past the exception, must still stop at the end of its stage instead of going on to publish."""
+    root, ckpts = _live_and_newer(tmp_path)
+    live_source = job._live_source
+
+    def swallowing(path: Path) -> Any:
+        try:
+            raise A.ArtifactError("the live manifest is torn")
+        except A.ArtifactError:
+            signal.raise_signal(sig)  # the operator's stop, inside a best-effort except
+        return live_source(path)
+
+    monkeypatch.setattr(job, "_live_source", swallowing)
+    failed = RUNS.labels("failed", "checkpoint")
+    before = failed._value.get()
+    with pytest.raises(job.RefreshError) as err:
+        job.run_now(_now_settings(root, ckpts), KafkaSettings(),
+                    RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    assert err.value.stage == "checkpoint" and f"stopped by {sig.name}" in str(err.value), str(err.value)
+    assert failed._value.get() == before + 1
+    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+
+
+def test_a_stop_signal_during_a_redis_retry_backoff_stops_the_run_at_once_not_after_the_retries() -> None:
+    """A stop while the hot set waits between Redis retries is no failure's cleanup (the run is still trying): it must
+    raise there, not be kept pending (StopSignals keeps a stop pending while an exception is in flight) and so wait
+    out every remaining attempt."""
+    import redis
+
+    from cache_refresh import hot_set
+
+    calls: list[int] = []
+
+    def down() -> None:
+        calls.append(1)
+        raise redis.ConnectionError("Connection refused")
+
+    stop = job.StopSignals()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        stop.arm()
+        with pytest.raises(job.RefreshTerminated):
+            hot_set.with_retries("days with counts", down, attempts=4, backoff_s=0.01,
+                                 sleep=lambda s: signal.raise_signal(signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == [1]
