@@ -676,22 +676,24 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timed(stage, t0)
     except (Exception, RefreshTerminated) as exc:  # (a stop is no Exception: nothing on the way may swallow it)
         stop.hold("while the refresh handles its failure: the run ends as that failure, alerted and counted")
+        if isinstance(exc, RefreshError):
+            err = exc
+        elif isinstance(exc, OSError):
+            err = RefreshError(stage, f"{describe_os_error(exc)} (publish root {root}); nothing was published, the "
+                               "live artifact keeps serving; fix the file system and run `streamrec refresh --now`")
+        elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError, RefreshTerminated)):
+            err = RefreshError(stage, str(exc))
+        else:
+            err = RefreshError(stage, f"{type(exc).__name__}: {exc}")
+        # Alerted before the cleanups (a Redis timeout each against the Redis that may have failed the run): a scheduler
+        # stopped meanwhile abandons the run after its stop grace, and the alert then was "shutdown" alone.
+        alerts.fire(err.stage, str(err), ALERT_RULE)
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
         if stored is not None:
             _discard_stored(rs, rds, stored, "not published")
-        if isinstance(exc, RefreshError):
-            alerts.fire(exc.stage, str(exc), ALERT_RULE)
+        if err is exc:
             raise
-        if isinstance(exc, OSError):
-            msg = (f"{describe_os_error(exc)} (publish root {root}); nothing was published, the live "
-                   "artifact keeps serving; fix the file system and run `streamrec refresh --now`")
-        elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError, RefreshTerminated)):
-            msg = str(exc)
-        else:
-            msg = f"{type(exc).__name__}: {exc}"
-        err = RefreshError(stage, msg)
-        alerts.fire(err.stage, str(err), ALERT_RULE)
         raise err from exc
 
     # Published: CURRENT names the new version. Nothing below may turn that into a failure: each step is contained

@@ -308,8 +308,9 @@ def _wait_for_run(guard: threading.Lock, again: Callable[[], bool], stop_grace_s
            f"it did not finish within the stop grace of {stop_grace_s:g} s")
     message = (f"the refresh scheduler was stopped (SIGTERM/SIGINT) during a refresh run and {why}: the run is "
                "abandoned and the process exits without it. A publish is atomic: CURRENT names the previous version or "
-               "the new one (`streamrec refresh --status`); the run's own outcome alert is not sent. Run `streamrec "
-               "refresh --now` to refresh before the next scheduled run")
+               "the new one (`streamrec refresh --status`); the run's own outcome alert is not sent unless it had "
+               "failed already (a refresh_failed alert of its stage, before this one). Run `streamrec refresh --now` "
+               "to refresh before the next scheduled run")
     log.error("%s (exit %d)", message, EXIT_ABANDONED)
     if alerts is not None:
         alerts.fire("shutdown", message, FAILED_RULE)

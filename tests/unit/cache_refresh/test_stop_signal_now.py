@@ -333,3 +333,35 @@ def test_a_stop_signal_during_a_redis_retry_backoff_stops_the_run_at_once_not_af
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert calls == [1]
+
+
+def test_a_failed_scheduled_run_is_alerted_before_its_cleanups_so_an_abandoning_stop_cannot_drop_that_alert(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler (``streamrec refresh``) waits STOP_GRACE_S for the run in progress at SIGTERM, then abandons it
+    (os._exit) with a generic ``refresh_failed{stage="shutdown"}`` alert. A run that had already failed but was still
+    in its failure cleanups then (deleting the layered rows it wrote, each Redis command up to redis_timeout_s against
+    the Redis that failed it) never alerted its failure: the alert came after the cleanups. The operator saw
+    "shutdown", not the reason. The failure's alert must be queued before the cleanups begin."""
+    from cache_refresh.settings import EmbeddingStore
+
+    root, ckpts = _live_and_newer(tmp_path)
+    fired: list[str] = []
+
+    class Alerts:
+        def fire(self, stage: str, message: str, rule: str, **kwargs: Any) -> None:
+            fired.append(f"{rule}{{stage={stage}}}: {message}")
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise A.ArtifactError("cannot hold PUBLISHING for the publish: No space left on device")
+
+    alerted_at_cleanup: list[list[str]] = []
+    monkeypatch.setattr(job, "_store_rows", lambda rs, rds, model: {"stored": 1, "dtype": "float32"})
+    monkeypatch.setattr(job, "publish", full)  # fails after the rows were written
+    monkeypatch.setattr(job, "_discard_stored", lambda *a, **k: alerted_at_cleanup.append(list(fired)))
+    rs = dataclasses.replace(_now_settings(root, ckpts), embedding_store=EmbeddingStore.LAYERED)
+    with pytest.raises(job.RefreshError):
+        job.run_once(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"), respect_pin=True,
+                     alerts=Alerts())  # type: ignore[arg-type]
+    assert alerted_at_cleanup, "the failure handler did not clean up the stored rows"
+    assert any("refresh_failed{stage=publish}" in a and "No space" in a for a in alerted_at_cleanup[0]), \
+        alerted_at_cleanup
