@@ -95,7 +95,7 @@ def _join(kafka: KafkaSettings, redis_url: str, app_id: str, driver: str, backpr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("driver", ["kafka", "faust"])
+@pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=pytest.mark.slow)])  # (faust: -m slow)
 def test_without_backpressure_clicks_ahead_of_their_impressions_overflow(driver: str, kafka: KafkaSettings, stack,
                                                                          group_id: str) -> None:
     _publish_hostile(kafka, SYN)
@@ -126,7 +126,7 @@ def test_with_backpressure_every_impression_has_exactly_its_label(driver: str, k
     assert summary["click_coverage"] == pytest.approx(sum(want.labels.values()) / stream.n_clicks, abs=1e-6)
 
 
-@pytest.mark.parametrize("driver", ["kafka", "faust"])
+@pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=pytest.mark.slow)])  # (faust: -m slow)
 def test_a_burst_of_orphan_clicks_past_the_cap_neither_stops_the_join_nor_costs_a_real_click(
         driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
     # Three caps' worth of clicks on impressions that never come, at one event time, halfway through each click

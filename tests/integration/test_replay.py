@@ -64,9 +64,9 @@ def test_ml100k_counts_order_and_copartitioning(kafka: KafkaSettings) -> None:
 
 def test_ml1m_cli_publishes_exact_counts(kafka: KafkaSettings, group_id: str, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """The CLI path over ML-1M's earliest 300 k ratings (the whole set takes 97 s here and is `make demo`'s):
+    """The CLI path over ML-1M's earliest 100 k ratings (the whole set takes 97 s here and is `make demo`'s):
     one impression per rating, one click per rating >= 4, none dead-lettered, every one readable from the broker."""
-    limit = 300_000
+    limit = 100_000
     tables = read_movielens("ml-1m")
     assert len(tables.ratings()) == 1_000_209  # the packaged data set, whole
     ratings = tables.ratings()[np.argsort(tables.ts_ms(), kind="stable")[:limit]]  # the replay's order and limit
@@ -78,7 +78,7 @@ def test_ml1m_cli_publishes_exact_counts(kafka: KafkaSettings, group_id: str, mo
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["impressions"], out["clicks"], out["dead_lettered"]) == (limit, want_clicks, 0)
-    assert 100_000 < want_clicks < limit  # the count means something
+    assert limit // 3 < want_clicks < limit  # the count means something
     decoders = {kafka.impressions_topic: decode_impression, kafka.clicks_topic: decode_click}
     with EventReader(kafka, group_id, decoders) as reader:
         reader.read_to_end()

@@ -55,15 +55,26 @@ def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers
     assert "Feature coverage" in page_of(tmp_path, report.Inputs(rec))
 
 
-@pytest.mark.parametrize("t", ["NaN", "Infinity", "-Infinity", "1e13", "-1e13", "-1"])
-def test_a_record_whose_time_is_not_finite_negative_or_past_year_9999_is_an_unreadable_line(
-        tmp_path: Path, t: str) -> None:
-    bad = scrape(1001.0, ["streamrec_learner_samples_total", {}, 9]).replace('"t": 1001.0', f'"t": {t}')
-    rules = json.dumps({"kind": "rules", "t": 0, "states": {"auc_low": "firing"}}).replace('"t": 0', f'"t": {t}')
-    path = write_log(tmp_path, bad, rules, scrape(1002.0, ["streamrec_learner_samples_total", {}, 5]))
+BAD_TIMES = ["NaN", "Infinity", "-Infinity", "1e13", "-1e13", "-1"]
+
+
+def test_a_record_whose_time_is_not_finite_negative_or_past_year_9999_is_an_unreadable_line(tmp_path: Path) -> None:
+    """Each bad time in a scrape and in a rules record: every one an unreadable line, none moving the run's span
+    (one report drawn for all of them: drawing is the slow part)."""
+    bad = []
+    for t in BAD_TIMES:
+        bad.append(scrape(1001.0, ["streamrec_learner_samples_total", {}, 9]).replace('"t": 1001.0', f'"t": {t}'))
+        rules = json.dumps({"kind": "rules", "t": 0, "states": {"auc_low": "firing"}})
+        bad.append(rules.replace('"t": 0', f'"t": {t}'))
+    path = write_log(tmp_path, *bad, scrape(1002.0, ["streamrec_learner_samples_total", {}, 5]))
     rec = report.read_run_log(path)
-    assert rec.bad_lines == 2 and (rec.t0, rec.t_end) == (1000.0, 1002.0)
-    assert "2 unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
+    assert rec.bad_lines == 2 * len(BAD_TIMES) and (rec.t0, rec.t_end) == (1000.0, 1002.0)
+    assert f"{2 * len(BAD_TIMES)} unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
+    for t in BAD_TIMES:  # and each alone, read without drawing
+        alone = write_log(tmp_path, scrape(1001.0, ["streamrec_learner_samples_total", {}, 9]).replace(
+            '"t": 1001.0', f'"t": {t}'), scrape(1002.0, ["streamrec_learner_samples_total", {}, 5]))
+        one = report.read_run_log(alone)
+        assert one.bad_lines == 1 and (one.t0, one.t_end) == (1000.0, 1002.0), t
 
 
 def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_parsed_as_math(
