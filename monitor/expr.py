@@ -34,15 +34,21 @@ tests/unit/monitor/test_fuzz_rules.py).
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
-import re._constants as sre
-import re._parser as sre_parse
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from stream.errors import StreamrecError
+
+# the regex parser's modules (for _repeat_in_repeat): private names since Python 3.11, deprecated aliases before
+_NEW_RE = sys.version_info >= (3, 11)
+sre: Any = importlib.import_module("re._constants" if _NEW_RE else "sre_constants")
+sre_parse: Any = importlib.import_module("re._parser" if _NEW_RE else "sre_parse")
+_ATOMIC = tuple(getattr(sre, name) for name in ("ATOMIC_GROUP", "POSSESSIVE_REPEAT") if hasattr(sre, name))
 
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: a hashable label set
 MAX_DEPTH = 64  # levels of nesting an expression may have; alert rules need a handful
@@ -376,7 +382,7 @@ def _repeat_in_repeat(regex: str) -> str:
                 todo.append((av[1].data, inside))
             elif op is sre.GROUPREF_EXISTS:
                 todo.extend((b.data, inside) for b in av[1:] if b is not None)
-            elif op in (sre.ATOMIC_GROUP, sre.POSSESSIVE_REPEAT):
+            elif op in _ATOMIC:  # (Python 3.11+ only)
                 todo.append(((av if op is sre.ATOMIC_GROUP else av[2]).data, inside))
     return ""
 
