@@ -34,9 +34,9 @@ Reading
 
 Context and dense
     One context dict per row from the ``features`` columns, missing values left out (and missing
-    entries of list columns). Strings, integers, floats, booleans and lists of strings/integers pass
-    as they are; timestamp, date, decimal and binary values pass as text. ``dense`` columns become
-    float64 arrays (numbers, booleans, or numeric text).
+    entries of list columns; a float NaN is missing, as the CSV cell ``nan`` is). Strings, integers,
+    floats, booleans and lists of strings/integers pass as they are; timestamp, date, decimal and
+    binary values pass as text. ``dense`` columns become float64 arrays (numbers, booleans, or numeric text).
 
 ``limit``
     The first ``limit`` rows of the file (rejected rows included), in file order; the publisher
@@ -891,7 +891,8 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
             long &= text
             utf8.append(_Check(huge, field, column, "a finite number"))
         return arr, [*utf8, _Check(long, field, column, f"a string of at most {MAX_STR_ID_LEN} chars")], False
-    if pa.types.is_floating(t):
+    if pa.types.is_floating(t):  # NaN is missing, as the CSV cell `nan` is (a null token); inf is rejected
+        arr = pc.if_else(pc.is_nan(arr), pa.scalar(None, arr.type), arr)
         f = pc.fill_null(arr.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
         return arr, [_Check(~np.isfinite(f), field, column, "a finite number")], False
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):

@@ -327,9 +327,9 @@ REJECTED = [
     Case("dense value 2**64", "price", DENSE_BOUND),
     Case("dense value FLOAT32_MAX", "price", FLOAT32_MAX),
     Case("dense value 1e39 in CSV text", "price", "1e39", event_value=1e39, fmt="csv"),
-    # context: over-long string, non-finite float, integer past int64, too long a list, a too-long entry
+    # context: over-long string, infinite float, integer past int64, too long a list, a too-long entry (a NaN float is
+    # missing, as the CSV cell `nan` is: tests/unit/stream/test_eventlog_cells.py)
     Case("over-long context string", "dev", "d" * (LONG + 1)),
-    Case("NaN context float", "x", math.nan),
     Case("inf context float", "x", math.inf),
     Case("context integer past int64", "n", MAX_ID + 1, arrow_type=pa.uint64()),
     Case("context list over max_list_len", "tags", ["t"] * (DEFAULT_LIMITS.max_list_len + 1)),

@@ -279,6 +279,21 @@ def test_a_non_finite_parquet_float_is_rejected_with_the_reason_and_value_of_the
     assert all("missing" not in reason for _, _, reason, _ in parquet[2])
 
 
+def test_a_nan_parquet_float_feature_is_missing_as_the_same_csv_cell_nan_is(tmp_path: Path) -> None:
+    table = pa.table({"user_id": [1, 2], "item_id": [1, 2], "ts": [T0_MS, T0_MS + 1], "clicked": [0, 1],
+                      "cat": [0.5, float("nan")]})
+    pq.write_table(table, tmp_path / "log.parquet")
+    pcsv.write_csv(table, tmp_path / "log.csv")  # the NaN cell is written as `nan`
+    seen = []
+    for name in ("log.parquet", "log.csv"):
+        t = load_eventlog(tmp_path / name, ColumnMap(features=("cat",)), FIXED, seed=0)
+        (part,) = t.context
+        seen.append(([part.dicts[i] for i in part.index.tolist()], t.user_id.tolist(), [str(r.error) for r in t.raw]))
+    parquet, csv = seen
+    assert csv == ([{"cat": 0.5}, {}], [1, 2], [])
+    assert parquet == csv
+
+
 # -- 8: a CSV feature (context) cell means the same whatever the rest of its column holds ---------------------------
 def _contexts(tmp_path: Path, name: str, cells: list[str]) -> list[dict]:
     """The context of each row of a one-feature CSV whose ``cat`` column holds ``cells`` (every row accepted)."""
