@@ -382,6 +382,8 @@ class Learner:
         self.trainer.dense_clip.load_state_dict(ckpt.get("dense_clip"))  # the clip's norms: no fresh window to pass
         assert self.mapper is not None
         self.mapper.load_state_dict(ckpt.get("id_maps", {}))
+        if self.deltas is not None:  # the first delta (with the maps) resends every admitted id's row: deltas.py
+            self.deltas.mark(self.mapper.owned_rows())
         self.quality.load_state_dict(ckpt)
         self.id_metrics.load_state_dict(ckpt.get("id_metrics", {}))  # the bucket share, published before a batch
         if ckpt.get("base_rate_bias"):  # the model's bias followed the click rate (and may still: unless done)

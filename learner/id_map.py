@@ -564,6 +564,10 @@ class IdMap:
         """Local rows of the field: buckets + own rows."""
         return self.num_buckets + self.capacity
 
+    def owned_rows(self) -> np.ndarray:
+        """(K,) int64 local rows (``lookup``'s numbering) of the admitted ids: the rows a restart sends again."""
+        return np.flatnonzero(self._row_key >= 0) + self.num_buckets
+
     def stats(self) -> dict[str, float]:
         c = self.counters
         live = self.capacity - self._free_top

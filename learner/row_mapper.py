@@ -171,6 +171,12 @@ class RowMapper:
     def state_dict(self) -> dict[str, Any]:
         return {name: m.state_dict() for name, m in self.maps.items()}
 
+    def owned_rows(self) -> torch.Tensor:
+        """(K,) int64 global rows of every admitted id (``DeltaWriter.restored``)."""
+        firsts = {owner: first for _, owner, first, own in self._slots if own}
+        return torch.from_numpy(np.concatenate([firsts[n] + m.owned_rows() for n, m in self.maps.items()]
+                                               or [np.zeros(0, np.int64)]))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != set(self.maps):
             raise ValueError(f"id maps in the checkpoint are for {sorted(state)}, this config has {sorted(self.maps)}")

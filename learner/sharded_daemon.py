@@ -306,6 +306,8 @@ class ShardedLearner:
         assert self.ids is not None
         if self.ids.active:  # every rank's parts, whatever the world size that wrote them (collective)
             self.ids.load_state_dict(states, self.dmp)
+            if self.deltas is not None:  # the first delta (with the maps) resends every admitted id's row: deltas.py
+                self.deltas.mark(self.ids.owned_rows())
         if states[0].get("base_rate_bias"):  # rank 0's copy; every rank's is the same
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(states[0]["base_rate_bias"])

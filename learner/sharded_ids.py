@@ -442,6 +442,12 @@ class ShardedRowMapper:
     def capacities(self) -> dict[str, int]:
         return {n: f.spec.capacity for n, f in self.fields.items()}
 
+    def owned_rows(self) -> torch.Tensor:
+        """(K,) int64 global rows of the ids admitted in this rank's shares (``DeltaWriter.restored``)."""
+        return torch.from_numpy(np.concatenate(
+            [f.own0 - f.spec.num_buckets + f.mine.start + f.map.owned_rows()
+             for f in self.fields.values() if f.map is not None and f.mine is not None] or [np.zeros(0, np.int64)]))
+
     def load_state_dict(self, states: Sequence[Mapping[str, Any]], dmp: Any) -> None:
         """Collective: this rank's shares from every rank's checkpoint state (``states``, rank order), whatever the
         world size or plan that wrote them (module docstring); the rows that must change rank move."""

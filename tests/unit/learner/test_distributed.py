@@ -477,6 +477,60 @@ def test_a_sharded_delta_without_the_id_maps_holds_back_the_rows_given_to_other_
         learner.close()
 
 
+def test_the_first_sharded_delta_after_a_restart_resends_every_admitted_ids_row_with_the_maps(
+        one_rank_group: None, tmp_path: Path) -> None:
+    """A restart rolls the id maps back to its checkpoint's: ids 101, 102 on the two own rows again, while serving
+    holds those rows' vectors of 201, 202 from the deltas after the checkpoint. The first delta after the restart
+    carried the checkpoint's maps but only the rows the replay touched, so serving gave 101 (or 102) the vector of
+    the id its row had gone to. (The single process: tests/unit/learner/test_restart_id_maps.py.)"""
+    from learner.config import LearnerSettings
+    from learner.deltas import list_deltas, load_delta
+    from learner.sharded_daemon import ShardedLearner
+    from stream.config import KafkaSettings
+    from stream.samples import SampleBatch
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         id_capacity=2, admit_after=1, deltas_every_s=1.0, deltas_dir=tmp_path / "deltas",
+                         deltas_id_maps_every_s=0.0)
+    cfg = default_config({}, buckets=16, ctx_buckets=8, embedding_dim=4, id_capacity=2, admit_after=1)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+
+    def train(learner: ShardedLearner, users: list[int], start: int) -> torch.Tensor:
+        n = len(users)
+        kept = to_tensors(SampleBatch.from_columns(
+            impression_id=[f"i{start}-{k}" for k in range(n)], ts=np.full(n, start * 1000, np.int64),
+            label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=np.array(users),
+            item_id=np.ones(n, np.int64), history=[[] for _ in range(n)], context={}), cfg)
+        learner._map_ids(kept)
+        learner.deltas.mark(kept.values)  # type: ignore[union-attr]
+        learner.trainer.test_then_train(kept, n)  # type: ignore[union-attr]
+        return kept.values[:n]  # (n,) the users' rows (user_id is the first field)
+
+    first = ShardedLearner(kafka, ls, RankContext())
+    try:
+        first._build(cfg)
+        old_rows = train(first, [101, 102], 0)
+        assert (old_rows >= 16).all()
+        first.save()
+        for k in range(3):  # two new users take both rows; a delta with the maps tells serving
+            new_rows = train(first, [201, 202], 10 + k)
+        assert set(new_rows.tolist()) == set(old_rows.tolist())
+        first._write_delta()
+    finally:
+        first.close()
+    again = ShardedLearner(kafka, ls, RankContext())
+    try:
+        assert again._restore()
+        train(again, [101], 20)  # the replay, up to the first delta: 102's row is not touched
+        again._write_delta()
+        [*_, before, (_, _, path)] = list_deltas(tmp_path / "deltas")
+        newest = load_delta(path)
+        assert newest.seq == before[0] + 1 and newest.id_maps is not None
+        assert set(old_rows.tolist()) <= set(newest.rows.tolist())  # 101's and 102's restored vectors, resent
+    finally:
+        again.close()
+
+
 def test_a_failed_sharded_delta_with_the_id_maps_leaves_them_due_and_the_held_rows_held(
         one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's writer reset the maps' clock before its write, so a delta with the maps that failed (a full disk)

@@ -1,0 +1,97 @@
+"""A restart rolls the id maps back to its checkpoint's, while serving holds the rows the deltas after that checkpoint
+gave to other ids: the first delta after a restart must leave serving no id on another id's vector (the reverse of
+``DeltaWriter.hold``). The sharded writer's restart is checked in tests/unit/learner/test_distributed.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from learner import checkpoint as ck
+from learner.artifact import build_artifact
+from learner.batch import to_tensors
+from learner.config import Amp, Device, LearnerSettings
+from learner.daemon import Learner
+from learner.deltas import list_deltas, load_delta
+from learner.features import FeatureConfig, FieldSpec
+from serving.model import ScoringModel
+from stream.config import KafkaSettings
+from stream.samples import SampleBatch
+
+B = 8
+CFG = FeatureConfig((FieldSpec("user_id", "single", B, capacity=2, admit_after=1),
+                     FieldSpec("item_id", "single", 30),
+                     FieldSpec("history", "sequence", 1, shares="item_id"),
+                     FieldSpec("ctx.device", "single", 5)), dense=("price",), embedding_dim=4)
+
+
+def samples(users: list[int], start: int) -> SampleBatch:
+    n = len(users)
+    rng = np.random.default_rng(start)
+    return SampleBatch.from_columns(
+        impression_id=[f"s{start + k}" for k in range(n)], ts=np.arange(start, start + n) * 1000,
+        label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=np.array(users),
+        item_id=rng.integers(0, 30, n), history=[[] for _ in range(n)],
+        context={"device": rng.integers(0, 5, n)}, dense={"price": rng.random(n).astype(np.float32)})
+
+
+def test_after_a_restart_no_id_is_served_the_vector_its_row_got_after_the_checkpoint(tmp_path: Path) -> None:
+    """Checkpoint N maps ids 101 and 102 to the two own rows; the deltas after it give both rows to ids 201 and 202
+    (with the maps) and serving applies them. A restart from N replays the samples after it: its first delta
+    carries N's maps (101 and 102 on those rows again) but not the rows (the replay has not reached the evictions),
+    so serving answered 101 with the vector 201 or 202 was trained to."""
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=B, ctx_buckets=5, embedding_dim=4,
+                         id_capacity=2, admit_after=1, device=Device.CPU, amp=Amp.OFF, deltas_every_s=3600.0,
+                         deltas_dir=tmp_path / "deltas", deltas_id_maps_every_s=0.0)  # (by hand below, with maps)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted
+    before, after = [samples([101, 102] * 8, 0)], [samples([103] * 8, 16), samples([201, 202] * 8, 24)]
+    # (103 takes the row of 101 or 102; then 201 and 202 take both rows)
+    first = Learner(kafka, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        assert first.trainer is not None and first.deltas is not None and first.mapper is not None
+        for b in before:
+            first._train(to_tensors(b, CFG))
+        first.save()  # checkpoint N
+        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None
+        old_rows = first.mapper.rows(0, np.array([101, 102]))
+        assert (old_rows >= B).all()  # own rows
+        for b in after:
+            first._train(to_tensors(b, CFG))
+        assert (first.mapper.rows(0, np.array([101, 102])) < B).all()  # evicted: their rows went to 201 and 202
+        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # with the maps
+    finally:
+        first.close()
+
+    checkpoint_n = ck.load_latest(tmp_path / "ck")
+    assert checkpoint_n is not None
+    served = ScoringModel.load(build_artifact(checkpoint_n, tmp_path / "serving", np.zeros(0, np.int64)))
+
+    def apply_all() -> None:
+        for _, _, path in list_deltas(tmp_path / "deltas"):
+            d = load_delta(path)
+            if d.seq > served.delta_seq:
+                served.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, d.id_maps, d.samples_trained)
+
+    apply_all()
+    assert sorted(served.map_rows(0, np.array([201, 202])).tolist()) == sorted(old_rows.tolist())
+
+    second = Learner(kafka, ls)
+    try:
+        assert second._restore() and second.trainer is not None and second.deltas is not None
+        assert second.mapper is not None
+        second._train(to_tensors(after[0], CFG))  # the replay, up to the first delta after the restart
+        assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
+        apply_all()
+        weight = second.trainer.model.state_dict()["sparse.bag.weight"]
+        users = np.array([101, 102, 103, 201, 202])
+        assert served.map_rows(0, users).tolist() == second.mapper.rows(0, users).tolist()
+        for user, row in zip(users.tolist(), second.mapper.rows(0, users).tolist(), strict=True):
+            if row < B:
+                continue  # a bucket: shared, nobody's own vector
+            given, _ = served._given(served._live, np.array([row]))
+            assert torch.allclose(torch.from_numpy(given[0]), weight[row].float()), (user, row)
+    finally:
+        second.close()
