@@ -84,7 +84,7 @@ def latest(directory: Path, verify: bool = True) -> tuple[Path, dict[str, Any]] 
     done = list_complete(directory)
     if not done:
         return None
-    meta = json.loads((done[-1] / META).read_text())
+    meta = _read_meta(done[-1], directory)
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
         raise checkpoint.CheckpointError(f"sharded checkpoint {done[-1]} has format {meta['format_version']}, this "
                                          f"streamrec reads up to {FORMAT_VERSION}: upgrade streamrec")
@@ -95,6 +95,22 @@ def latest(directory: Path, verify: bool = True) -> tuple[Path, dict[str, Any]] 
             f"its files were lost or damaged after it was written; move it out of {directory} to resume from (or "
             "unshard) the one before it")
     return done[-1], meta
+
+
+def _read_meta(path: Path, directory: Path) -> dict[str, Any]:
+    """``path``'s ``meta.json``: a JSON object, else a CheckpointError naming the reason (torn, not JSON, another
+    shape: a raw JSONDecodeError or AttributeError ended the restore, ``--unshard`` and ``train --status``)."""
+    try:
+        meta = json.loads((path / META).read_bytes())
+    except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError: both ValueErrors)
+        reason = f"is not JSON ({type(exc).__name__}: {str(exc)[:120]})"
+    else:
+        if isinstance(meta, dict):
+            return meta
+        reason = f"holds a {type(meta).__name__}, not a JSON object"
+    raise checkpoint.CheckpointError(
+        f"sharded checkpoint {path}: its {META} {reason}: it was torn or edited after it was written; move it out of "
+        f"{directory} to resume from (or unshard) the one before it")
 
 
 def _data_ends(path: Path) -> dict[str, int]:

@@ -89,3 +89,25 @@ def test_train_status_checks_a_sharded_checkpoint_by_sizes_without_reading_its_d
         fh.truncate(10)
     assert main(["train", "--status", "--checkpoint-dir", str(tmp_path)]) != 0
     assert "__0_0.distcp (10 of its" in capsys.readouterr().err and hashed == []
+
+
+@pytest.mark.parametrize(("text", "reason"), [("[1, 2]", "holds a list, not a JSON object"),
+                                              ("{torn", "is not JSON")])
+def test_a_meta_json_that_is_not_a_json_object_is_a_damaged_checkpoint_named_with_the_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, reason: str) -> None:
+    """``[1, 2]`` in meta.json raised a raw AttributeError (``list.get``) and ``{torn`` a raw JSONDecodeError from
+    ``latest()``: the restore, ``--unshard`` and ``train --status`` each ended in a traceback."""
+    from streamrec.cli import main
+
+    _save(tmp_path, 100)
+    newer = _save(tmp_path, 200)
+    (newer / sharded_checkpoint.META).write_text(text)
+    for refused in (lambda: sharded_checkpoint.latest(tmp_path),
+                    lambda: sharded_checkpoint.unshard(tmp_path, tmp_path / "single")):
+        with pytest.raises(checkpoint.CheckpointError) as caught:
+            refused()
+        said = str(caught.value)
+        assert str(newer) in said and f"meta.json {reason}" in said and "the one before it" in said
+    assert main(["train", "--status", "--checkpoint-dir", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert f"meta.json {reason}" in err and "Traceback" not in err
