@@ -1154,8 +1154,7 @@ class AiohttpServer:
         if status == 204:
             r = web.Response(status=204, headers=headers)
         else:
-            r = web.Response(status=status, body=out, content_type=ctype.split(";")[0],
-                             charset="utf-8" if "charset" in ctype else None, headers=headers)
+            r = web.Response(status=status, body=out, headers={**headers, "Content-Type": ctype})  # (as the app says)
         proto: Any = request.protocol
         if close or self._draining or (proto.peer_eof and not proto._messages):  # (the client's last request)
             r.force_close()  # "Connection: close"

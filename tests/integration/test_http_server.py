@@ -30,7 +30,7 @@ from typing import BinaryIO, cast
 import pytest
 
 from learner.config import Device
-from serving.app import ScoringApp
+from serving.app import PROMETHEUS, ScoringApp
 from serving.http_server import AiohttpServer, Server, ThreadedServer, make_server
 from serving.metrics import ServingMetrics
 from serving.settings import ServeSettings
@@ -765,6 +765,16 @@ def test_both_servers_read_a_request_target_alike(server: Server, target: str, s
         assert got == status, body
         if named is not None:
             assert json.loads(body)["error"].startswith(f"no endpoint {named}; ")
+
+
+def test_metrics_says_the_prometheus_text_format_version_on_both_servers(server: Server) -> None:
+    """``/metrics`` is ``text/plain; version=0.0.4; charset=utf-8`` (the exposition format's content type): aiohttp
+    answered ``text/plain; charset=utf-8``, dropping the version, a HEAD and a GET alike."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", "/metrics") + request("HEAD", "/metrics"))
+        for head in (False, True):
+            status, headers, _ = read_response(f, head=head)
+            assert (status, headers["content-type"]) == (200, PROMETHEUS)
 
 
 def test_an_absolute_form_target_reaches_its_endpoint_with_its_body_and_allow_header(server: Server) -> None:
