@@ -68,7 +68,8 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   and the connection closed (on aiohttp llhttp's "Invalid HTTP version" is made the ``505``, and ``HTTP/2.0`` and
   ``0.9``, which llhttp takes, are refused before the body is read, with an ``HTTP/1.1`` status line).
 * request targets: an absolute-form one (``http://host/healthz``, RFC 9112 3.2.2) names its path; any other is
-  routed as sent, never normalised (``//healthz`` is a 404 naming ``//healthz``, on both servers).
+  routed as sent, never normalised (``//healthz`` is a 404 naming ``//healthz``, on both servers); one of no RFC 9112
+  3.2 form (``healthz``, ``?a``, ``*`` but on OPTIONS, ``*?a``) is a ``400`` and the connection closed, on both.
 * a request's header lines are at most 64 KiB together (and a chunked body's trailer, on the threading server;
   aiohttp's parser bounds a trailer by its own limits): past it a ``431``, at once, not at the deadline. Each line
   is at most 65536 bytes and a block 100 lines on the threading server, 8190 bytes and 128 lines on aiohttp.
@@ -143,6 +144,7 @@ def _late(timeout_s: float) -> str:
 
 
 _ABSOLUTE_FORM = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # an absolute-form target's start (a target but /, * and these: 400)
 
 
 def _origin_form(target: str) -> str:
@@ -615,6 +617,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(400, f"Bad request syntax ({requestline!r})")
             return False
         command, path = words[:2]
+        if not (path.startswith("/") or _SCHEME.match(path) or (path == "*" and command == "OPTIONS")):
+            self.send_error(400, f"malformed request: request target {path[:200]!r} is none of /path, "
+                                 "http://host/path and * (OPTIONS only): RFC 9112 3.2")
+            return False
         self.command, self.path = command, _origin_form(path)  # (not the stdlib's "//" to "/": nothing redirects)
         try:
             lines = _read_header_lines(self.rfile)

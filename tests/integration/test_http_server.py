@@ -767,6 +767,22 @@ def test_both_servers_read_a_request_target_alike(server: Server, target: str, s
             assert json.loads(body)["error"].startswith(f"no endpoint {named}; ")
 
 
+@pytest.mark.parametrize(("method", "target"), [
+    ("GET", "*"), ("HEAD", "*"), ("POST", "*"), ("OPTIONS", "*?a"), ("OPTIONS", "*x"), ("GET", "*x"),
+    ("GET", "healthz"), ("GET", "?a"),
+])
+def test_a_request_target_of_no_rfc_9112_form_is_a_400_and_the_connection_closed(server: Server, method: str,
+                                                                                  target: str) -> None:
+    """A target is origin-form (``/path``), absolute-form (``http://host/path``) or, for OPTIONS alone, exactly ``*``
+    (RFC 9112 3.2): aiohttp's parser refused the others (400, closed) where the threading server routed them (a 404
+    on a kept connection, and ``OPTIONS *?a`` a 204 as if it were ``*``)."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request(method, target) + SMUGGLED)
+        status, headers, _ = read_response(f)  # (a HEAD's too: the request is refused before its method is taken)
+        assert (status, headers["content-type"]) == (400, "application/json")
+        assert closed_by_server(s, f)
+
+
 def test_metrics_says_the_prometheus_text_format_version_on_both_servers(server: Server) -> None:
     """``/metrics`` is ``text/plain; version=0.0.4; charset=utf-8`` (the exposition format's content type): aiohttp
     answered ``text/plain; charset=utf-8``, dropping the version, a HEAD and a GET alike."""
