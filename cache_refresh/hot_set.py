@@ -69,8 +69,9 @@ class RedisUnavailable(StreamrecError):
 
 
 def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float,
-                 sleep: Callable[[float], None] = time.sleep) -> T:
-    """``fn()``, retried on Redis connection/timeouts errors: waits backoff_s, 2*backoff_s, ...
+                 sleep: Callable[[float], None] = time.sleep, on_retry: Callable[[str], None] | None = None) -> T:
+    """``fn()``, retried on Redis connection/timeouts errors: waits backoff_s, 2*backoff_s, ...; ``on_retry`` gets each
+    retry's warning (``job.RunProgress``: what a scheduler stopped meanwhile says when it abandons the run).
 
     The wait is outside the ``except``: a refresh's stop signal during it raises there (``job.StopSignals`` keeps a
     stop pending while an exception is in flight, as a failure's cleanup; this is no failure yet)."""
@@ -82,7 +83,10 @@ def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float
             last = exc
         if i + 1 < attempts:
             wait = backoff_s * (2 ** i)
-            log.warning("%s: Redis error (%s); attempt %d/%d, retrying in %.1fs", what, last, i + 1, attempts, wait)
+            warning = f"{what}: Redis error ({last}); attempt {i + 1}/{attempts}, retrying in {wait:.1f}s"
+            log.warning("%s", warning)
+            if on_retry is not None:
+                on_retry(warning)
             sleep(wait)
     raise RedisUnavailable(f"{what}: Redis unreachable after {attempts} attempt(s): {last}")
 
@@ -230,7 +234,8 @@ def ranked_ids(counts: DailyCounts, kind: str, event: str, fallback: str, days: 
 def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig, days: int, hot_items: int,
             hot_users: int, event: str = "lookup", small_field_rows: int = 0, attempts: int = 5,
             backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
-            mapper: RowMapper | None = None, show: int = SHOW, fallback: str = "impression") -> HotSet:
+            mapper: RowMapper | None = None, show: int = SHOW, fallback: str = "impression",
+            on_retry: Callable[[str], None] | None = None) -> HotSet:
     """The hot rows of ``cfg``'s table from the last ``days`` days of ``event`` counts, filled by ``fallback``'s (see
     the module docstring), with stats for the manifest (the hottest ``show`` items and users by raw id under
     ``top_items``/``top_users``; ``{kind}s_from_fallback``: how many ids the fallback ranking added;
@@ -239,7 +244,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
     parts, stats = [], {"days": days, "event": event, "fallback_event": fallback}
     # every kind's and event's days from one walk of the keyspace (DailyCounts.all_days_available), not one per read
     available = with_retries("days with counts", counts.all_days_available, attempts, backoff_s,
-                             sleep) if hot_items > 0 or hot_users > 0 else {}
+                             sleep, on_retry) if hot_items > 0 or hot_users > 0 else {}
     for kind, k in (("item", hot_items), ("user", hot_users)):
         stale = stale_day(counts, kind, event, fallback, available) if k > 0 else None
         if stale is not None:
@@ -248,7 +253,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
                         STALE_DAYS, fallback, kind, fallback)
         top, day, filled = with_retries(
             f"top {kind}s", functools.partial(ranked_ids, counts, kind, fallback if stale else event, fallback, days,
-                                              k, available), attempts, backoff_s, sleep)
+                                              k, available), attempts, backoff_s, sleep, on_retry)
         stats[f"{kind}s_from_fallback"] = len(top) if stale else filled
         stats[f"{kind}_stale_day"] = stale
         rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)
@@ -259,7 +264,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
         stats[f"{kind}_count_covered"] = float(sum(c for _, c in top))
         stats[f"top_{kind}s"] = with_retries(
             f"names of the top {kind}s", functools.partial(named_rows, counts, kind, top[:show], day, days),
-            attempts, backoff_s, sleep)
+            attempts, backoff_s, sleep, on_retry)
     small = small_field_rows_of(cfg, small_field_rows)
     stats["small_field_rows"] = int(len(small))
     rows = np.unique(np.concatenate([*parts, small]))

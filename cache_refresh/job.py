@@ -389,6 +389,28 @@ class StopSignals:
         self._armed, self._held = False, why
 
 
+class RunProgress:
+    """Where the scheduled run in progress is: its stage and the last error it saw (a Redis retry's warning, or the
+    failure it is cleaning up after), written by the run's thread, read by the scheduler's when a stop abandons the
+    run (``scheduler.run_forever``'s ``where``). Its abandonment alert said "shutdown" alone: a run held up by a Redis
+    outage (5 attempts of up to redis_timeout_s each, with backoff: ~32 s by default) said nothing of Redis."""
+
+    def __init__(self) -> None:
+        self.stage: str | None = None  # None: no run in progress
+        self.error: str | None = None
+
+    def enter(self, stage: str) -> str:
+        """The run begins ``stage`` (returned); errors seen in the stage before are forgotten."""
+        self.stage, self.error = stage, None
+        return stage
+
+    def saw(self, error: str) -> None:
+        self.error = error
+
+    def where(self) -> tuple[str | None, str | None]:
+        return self.stage, self.error
+
+
 def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False) -> dict[str, Any]:
     """``streamrec refresh --now``: :func:`run_once` (over a rollback pin) in the main thread, with SIGTERM/SIGINT
     ending the run the way a failed run ends: the staged artifact (and layered rows) removed, nothing published, an
@@ -407,7 +429,8 @@ def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
              respect_pin: bool = False, allow_older: bool = False,
-             alerts: RefreshAlerts | None = None, stop: StopSignals | None = None) -> dict[str, Any]:
+             alerts: RefreshAlerts | None = None, stop: StopSignals | None = None,
+             progress: RunProgress | None = None) -> dict[str, Any]:
     """Run one refresh; returns its summary. Raises :class:`RefreshError` (and alerts) on any failure.
 
     ``respect_pin=False`` (``streamrec refresh --now``, an operator) publishes over a rollback pin and
@@ -420,18 +443,20 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     ``alerts``: the scheduler's, which outlives the run (an alert Kafka did not take is retried until it does);
     None: the run opens its own and closes it before returning, draining what Kafka has not acknowledged yet
     (``cache_refresh/alerts.py``). ``stop``: :func:`run_now`'s signal handler (None: signals are not the run's).
+    ``progress``: the scheduler's :class:`RunProgress`, kept up to date by the run.
     """
     if alerts is None:
         own = RefreshAlerts(kafka, rs.alerts_topic)
         try:
-            return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own, stop)
+            return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own, stop, progress)
         finally:
             own.close()
     t0 = time.monotonic()
     restore_last_success(Path(rs.publish_root))  # a publish by another process (an operator's --now) counts too
     try:
         with contextlib.ExitStack() as held:  # the publish root's lock, taken by the run's first stage
-            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts, held, stop or StopSignals())
+            summary = _run_locked(rs, kafka, rds, sleep, respect_pin, allow_older, alerts, held, stop or StopSignals(),
+                                  progress or RunProgress())
     except RefreshError as exc:
         metrics.observe(None, time.monotonic() - t0, exc.stage)
         raise
@@ -458,14 +483,18 @@ def skipped(alerts: RefreshAlerts, root: Path, why: str, stage: str, holder: str
 
 
 def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings,
-                  alerts: RefreshAlerts | None = None) -> dict[str, Any] | None:
+                  alerts: RefreshAlerts | None = None, progress: RunProgress | None = None) -> dict[str, Any] | None:
     """One run of the schedule: respects a rollback pin; failures are logged and alerted (through ``alerts``, the
     scheduler's, which keeps retrying what Kafka did not take), never raised (the schedule goes on, the live
-    artifact keeps serving). Returns the summary, None after a failure."""
+    artifact keeps serving). Returns the summary, None after a failure. ``progress``: the scheduler's view of the run.
+    """
     try:
-        return run_once(rs, kafka, rds, respect_pin=True, alerts=alerts)
+        return run_once(rs, kafka, rds, respect_pin=True, alerts=alerts, progress=progress)
     except RefreshError:
         return None  # logged and alerted by run_once
+    finally:
+        if progress is not None:
+            progress.stage = progress.error = None
 
 
 def _live_source(root: Path) -> tuple[str, dict[str, Any]] | None:
@@ -540,7 +569,7 @@ def _refuse_older_than_live(live: tuple[str, dict[str, Any]] | None, ckpt: ckpt_
 
 def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any,
                 respect_pin: bool, allow_older: bool, alerts: RefreshAlerts, held: contextlib.ExitStack,
-                stop: StopSignals) -> dict[str, Any]:
+                stop: StopSignals, progress: RunProgress) -> dict[str, Any]:
     """One run; its first stage (``lock``) enters the publish root's lock into ``held``, for the caller to release.
     Every failure, a stop signal's too, leaves through the one ``except`` below: alerted, and counted by run_once."""
     stage = "start"
@@ -556,7 +585,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         stop.check()
 
     try:
-        stage = "lock"
+        stage = progress.enter("lock")
         stop.arm()
         try:
             held.enter_context(refresh_lock(root))
@@ -564,18 +593,19 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             stop.hold("while the refresh is skipped: it ends as skipped")
             return skipped(alerts, root, str(busy), "lock", holder=busy.holder)
 
-        stage = "signing"  # not "signing_key": "signing_key: <text>" reads as a secret to the log redactor
+        # not "signing_key": "signing_key: <text>" reads as a secret to the log redactor
+        stage = progress.enter("signing")
         try:
             key = load_signing_key(rs.signing_key_file)
         except ConfigError as exc:
             raise RefreshError(stage, f"[refresh] {exc}; nothing was built or published") from exc
 
-        stage = "cleanup"  # lists the publish root: its first reader
+        stage = progress.enter("cleanup")  # lists the publish root: its first reader
         cleaned = clean_leftovers(root)
         if cleaned:
             log.info("removed what killed refreshes left in %s: %s", root, ", ".join(cleaned))
 
-        stage = "checkpoint"
+        stage = progress.enter("checkpoint")
         t0 = time.monotonic()
         problems: list[tuple[Path, str]] = []
         # One policy for every bad newest file (torn, foreign, a newer format, diverged, another shape): skipped and
@@ -600,7 +630,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timed(stage, t0)
         log.info("refresh: checkpoint %s (%s samples trained)", ckpt["path"], ckpt["meta"].get("samples_trained"))
 
-        stage = "hot_set"
+        stage = progress.enter("hot_set")
         t0 = time.monotonic()
         client = _redis(rds, rs)
         try:
@@ -615,7 +645,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                                  event=rs.count_event, fallback=rs.fallback_event,
                                  small_field_rows=rs.small_field_rows,
                                  attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep,
-                                 mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")))
+                                 mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")), on_retry=progress.saw)
         except RedisAuthError as exc:
             raise RefreshError(stage, f"{exc}; the live artifact is untouched") from exc
         except hot_set.RedisUnavailable as exc:
@@ -627,13 +657,13 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         log.info("refresh: hot set of %d rows; hottest items %s; hottest users %s", len(hs.rows),
                  hot_set.describe_top(hs.stats["top_items"]), hot_set.describe_top(hs.stats["top_users"]))
 
-        stage = "build"
+        stage = progress.enter("build")
         t0 = time.monotonic()
         staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats, signing_key=key)
         timed(stage, t0)
         log.info("refresh: built %s", staged)
 
-        stage = "validate"
+        stage = progress.enter("validate")
         t0 = time.monotonic()
         new = ScoringModel.load(staged, signing_key=key)
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
@@ -646,7 +676,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         log.info("refresh: %s validated", new.version)
 
         if rs.embedding_store is EmbeddingStore.LAYERED:
-            stage = "embedding_store"
+            stage = progress.enter("embedding_store")
             t0 = time.monotonic()
             written = _store_rows(rs, rds, new)
             stored = new.version
@@ -654,7 +684,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
                      written["dtype"])
 
-        stage = "publish"
+        stage = progress.enter("publish")
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
@@ -685,6 +715,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             err = RefreshError(stage, str(exc))
         else:
             err = RefreshError(stage, f"{type(exc).__name__}: {exc}")
+        progress.saw(f"the run failed (its refresh_failed alert is sent) and is cleaning up: {err}")
         # Alerted before the cleanups (a Redis timeout each against the Redis that may have failed the run): a scheduler
         # stopped meanwhile abandons the run after its stop grace, and the alert then was "shutdown" alone.
         alerts.fire(err.stage, str(err), ALERT_RULE)
@@ -699,6 +730,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     # Published: CURRENT names the new version. Nothing below may turn that into a failure: each step is contained
     # (_AfterPublish) and what went wrong is a refresh_degraded warning of a published run.
     after = _AfterPublish(path.name)
+    progress.enter("after_publish")  # CURRENT names the new version
     if unpinned is not None:
         pinned = (f"the rollback pin of {unpinned.version} (rolled back from {unpinned.rolled_back_from})"
                   if unpinned.version is not None else f"an unreadable rollback pin ({unpinned.problem})")

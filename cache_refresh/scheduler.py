@@ -35,6 +35,7 @@ from apscheduler.triggers.cron import CronTrigger
 
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
 from stream.errors import ConfigError
+from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
 
@@ -235,7 +236,8 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
 def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
                 last_success: dt.datetime | None, on_skip: Callable[[str], Any] | None = None,
                 alerts: RefreshAlerts | None = None, stop_grace_s: float = STOP_GRACE_S,
-                hard_exit: Callable[[int], Any] = os._exit) -> None:
+                hard_exit: Callable[[int], Any] = os._exit,
+                where: Callable[[], tuple[str | None, str | None]] | None = None) -> None:
     """Run the scheduler of :func:`build_scheduler` (on a thread of its own) until SIGTERM/SIGINT to this (main)
     thread.
 
@@ -250,7 +252,8 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
     ``shutdown`` saying so, ``alerts`` closed (drained for its ``close_timeout_s``), and the process exits with
     :data:`EXIT_ABANDONED` through ``hard_exit`` (``os._exit``: the run's worker thread is no daemon, an ordinary exit
     would wait for it, unbounded). Abandoning is safe for the publish root: a publish is atomic and the next run
-    removes what this one left (``publish.clean_leftovers``).
+    removes what this one left (``publish.clean_leftovers``). ``where`` (``job.RunProgress.where``): the stage the run
+    is in and the last error it saw (a Redis retry's), named in that alert (and its ``run_stage`` label).
     """
     guard, stopping = threading.Lock(), threading.Event()
     sched = build_scheduler(job, schedule, timezone, grace_s, last_success, on_skip=on_skip, guard=guard,
@@ -281,14 +284,15 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
                 with contextlib.suppress(SchedulerNotRunningError):
                     sched.shutdown(wait=False)
             loop.join(0.2)
-        _wait_for_run(guard, lambda: len(signals) > 1, stop_grace_s, alerts, hard_exit)
+        _wait_for_run(guard, lambda: len(signals) > 1, stop_grace_s, alerts, hard_exit, where)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
 def _wait_for_run(guard: threading.Lock, again: Callable[[], bool], stop_grace_s: float,
-                  alerts: RefreshAlerts | None, hard_exit: Callable[[int], Any]) -> None:
+                  alerts: RefreshAlerts | None, hard_exit: Callable[[int], Any],
+                  where: Callable[[], tuple[str | None, str | None]] | None = None) -> None:
     """At shutdown: wait up to ``stop_grace_s`` for the run in progress (the holder of ``guard``); abandon it after
     (:func:`run_forever`). Returns holding ``guard``: no run starts after this."""
     if guard.acquire(blocking=False):
@@ -306,14 +310,16 @@ def _wait_for_run(guard: threading.Lock, again: Callable[[], bool], stop_grace_s
             return
     why = ("a second stop signal came" if again() else
            f"it did not finish within the stop grace of {stop_grace_s:g} s")
-    message = (f"the refresh scheduler was stopped (SIGTERM/SIGINT) during a refresh run and {why}: the run is "
+    stage, error = where() if where is not None else (None, None)
+    at = (f" at stage {stage} (last error it saw: {redact(error)[:500] if error else 'none'})" if stage else "")
+    message = (f"the refresh scheduler was stopped (SIGTERM/SIGINT) during a refresh run{at} and {why}: the run is "
                "abandoned and the process exits without it. A publish is atomic: CURRENT names the previous version or "
                "the new one (`streamrec refresh --status`); the run's own outcome alert is not sent unless it had "
                "failed already (a refresh_failed alert of its stage, before this one). Run `streamrec refresh --now` "
                "to refresh before the next scheduled run")
     log.error("%s (exit %d)", message, EXIT_ABANDONED)
     if alerts is not None:
-        alerts.fire("shutdown", message, FAILED_RULE)
+        alerts.fire("shutdown", message, FAILED_RULE, labels={"run_stage": stage} if stage else None)
         alerts.close()
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):

@@ -90,10 +90,10 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from cache_refresh.scheduler import run_forever
 
     # one for the process: an alert the broker did not take is retried until it does (cache_refresh/alerts.py)
-    alerts = RefreshAlerts(kafka, rs.alerts_topic)
+    alerts, progress = RefreshAlerts(kafka, rs.alerts_topic), job.RunProgress()  # progress: for an abandoning stop
 
     def scheduled() -> None:
-        job.scheduled_run(rs, kafka, rds, alerts)  # respects a rollback pin; failures are logged and alerted
+        job.scheduled_run(rs, kafka, rds, alerts, progress)  # respects a rollback pin; failures are logged and alerted
 
     def skip(why: str) -> None:
         job.skipped(alerts, Path(rs.publish_root), why, "scheduler")
@@ -105,7 +105,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     try:
-        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success, on_skip=skip, alerts=alerts)
+        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success, on_skip=skip, alerts=alerts,
+                    where=progress.where)
     finally:
         alerts.close()  # delivers what is still queued, for close_timeout_s; reports the rest
     return EXIT_OK

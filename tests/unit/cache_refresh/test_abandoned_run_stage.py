@@ -1,0 +1,58 @@
+"""A scheduled run abandoned at SIGTERM (cache_refresh/scheduler.py run_forever: the stop grace ran out) while it was
+still retrying an unreachable Redis at the hot set. The abandonment alert said ``refresh_failed{stage="shutdown"}``
+and nothing else: not the stage the run was in, not the Redis error it was retrying (5 attempts, up to ~32 s by
+default, longer than the stop grace). It must name both (``job.RunProgress``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from cache_refresh import job
+from cache_refresh.alerts import FAILED_RULE
+from cache_refresh.scheduler import run_forever
+from cache_refresh.settings import RefreshSettings
+from stream.config import KafkaSettings, RedisSettings
+from streamrec.stack import free_port
+from tests.unit.cache_refresh.test_stop_during_run import Exited, ListedAlerts, ListSink, hard_exit
+from tests.unit.cache_refresh.test_stop_signal_now import save
+
+
+def test_a_run_abandoned_while_retrying_redis_names_its_stage_and_the_redis_error_in_the_shutdown_alert(
+        tmp_path: Path) -> None:
+    save(tmp_path / "ckpt", 100)
+    rs = RefreshSettings(checkpoint_dir=tmp_path / "ckpt", publish_root=tmp_path / "serving", holdout_messages=0,
+                         alerts_topic="", redis_attempts=5, redis_backoff_s=0.5, redis_timeout_s=0.5, format="eager")
+    port = free_port()  # nothing listens: connection refused, retried
+    sink, release = ListSink(), threading.Event()
+    alerts, progress = ListedAlerts(sink), job.RunProgress()
+
+    def backoff(seconds: float) -> None:  # the first retry's wait: the operator stops the scheduler now
+        if not release.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            release.wait(30)
+
+    def scheduled() -> None:  # streamrec refresh's scheduled job, with the retry wait above
+        try:
+            job.run_once(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{port}/0"), sleep=backoff,
+                         respect_pin=True, alerts=alerts, progress=progress)
+        except job.RefreshError:
+            pass
+        finished.set()
+
+    finished = threading.Event()
+    try:
+        with pytest.raises(Exited):
+            run_forever(scheduled, "* * * * *", "UTC", 3600, None, alerts=alerts, stop_grace_s=0.3,
+                        hard_exit=hard_exit, where=progress.where)
+    finally:
+        release.set()
+    assert finished.wait(30)  # the abandoned run's thread ends (in production the process exits under it)
+    assert [(a.rule, a.labels) for a in sink.sent] == [(FAILED_RULE, {"stage": "shutdown", "run_stage": "hot_set"})]
+    message = sink.sent[0].message
+    assert "at stage hot_set" in message, message
+    assert "days with counts: Redis error" in message and f"127.0.0.1:{port}" in message, message
