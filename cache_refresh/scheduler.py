@@ -43,7 +43,8 @@ log = logging.getLogger("streamrec.refresh")
 # Kubernetes' default terminationGracePeriodSeconds (30 s), leaving time to drain the alerts (close_timeout_s). A run
 # builds for longer than this at scale: a stop during it is then abandoned, alerted and exits EXIT_ABANDONED.
 STOP_GRACE_S = 20.0
-EXIT_ABANDONED = 1  # streamrec.commands.common.EXIT_FAILED: the process edge's code for a failed run
+EXIT_FAILED = 1  # streamrec.commands.common.EXIT_FAILED: the process edge's code for a failed run
+EXIT_ABANDONED = EXIT_FAILED  # a run abandoned at a stop
 
 
 _CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # crontab's 0..6 (and 7: Sunday again)
@@ -237,12 +238,14 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
                 last_success: dt.datetime | None, on_skip: Callable[[str], Any] | None = None,
                 alerts: RefreshAlerts | None = None, stop_grace_s: float = STOP_GRACE_S,
                 hard_exit: Callable[[int], Any] = os._exit,
-                where: Callable[[], tuple[str | None, str | None]] | None = None) -> None:
+                where: Callable[[], tuple[str | None, str | None]] | None = None) -> int:
     """Run the scheduler of :func:`build_scheduler` (on a thread of its own) until SIGTERM/SIGINT to this (main)
     thread.
 
     ``job`` handles its own failures (logs and alerts); an exception escaping it is logged by
-    APScheduler and the schedule continues.
+    APScheduler and the schedule continues. The scheduler's own thread dying (an exception in APScheduler's loop)
+    ends it as a failure: an error line, a ``refresh_failed`` alert at stage ``scheduler``, returns :data:`EXIT_FAILED`
+    (it returned as after a stop, and the process exited 0, never to refresh again). Returns 0 after a stop.
 
     Stopping: the signal stops the schedule (no run starts after it), and this returns once a run in progress has
     finished, so that its own alert (failed, pinned, degraded) is queued on ``alerts`` before the caller closes them.
@@ -266,13 +269,17 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
         signals.append(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    died: list[str] = []
     try:
         def scheduling() -> None:
             try:
                 sched.start()
-            except JobLookupError:  # APScheduler 3 races its shutdown from another thread: a pass over the due jobs
-                if not stopping.is_set():  # in progress then finds its one-off job (the catch-up run) gone; harmless
-                    raise
+            except JobLookupError as exc:  # APScheduler 3 races its shutdown from another thread: a pass over the due
+                if not stopping.is_set():  # jobs in progress then finds its one-off job (the catch-up run) gone
+                    died.append(f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - reported by run_forever: an alert and a failed exit
+                log.error("the refresh scheduler's thread died", exc_info=True)
+                died.append(f"{type(exc).__name__}: {exc}")
 
         loop = threading.Thread(target=scheduling, name="refresh-scheduler", daemon=True)
         loop.start()
@@ -284,7 +291,20 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
                 with contextlib.suppress(SchedulerNotRunningError):
                     sched.shutdown(wait=False)
             loop.join(0.2)
+        with contextlib.suppress(SchedulerNotRunningError):  # its thread died: the executor's workers outlived it
+            sched.shutdown(wait=False)
+        if not signals and not died:  # start() returned by itself
+            died.append("the scheduler stopped without a stop signal")
         _wait_for_run(guard, lambda: len(signals) > 1, stop_grace_s, alerts, hard_exit, where)
+        if signals:
+            return 0
+        message = (f"the refresh scheduler's thread died ({redact(died[0])[:500]}): no refresh runs from this process "
+                   "any more; it exits so that its supervisor restarts it (a run missed meanwhile runs on start within "
+                   "misfire_grace_s). Run `streamrec refresh --now` to refresh before")
+        log.error("%s (exit %d)", message, EXIT_FAILED)
+        if alerts is not None:
+            alerts.fire("scheduler", message, FAILED_RULE)
+        return EXIT_FAILED
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

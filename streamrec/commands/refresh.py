@@ -104,12 +104,11 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
         start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
-    try:
-        run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success, on_skip=skip, alerts=alerts,
-                    where=progress.where)
+    try:  # 0 after a stop, EXIT_FAILED when the scheduler's thread died (logged and alerted)
+        return run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success, on_skip=skip,
+                           alerts=alerts, where=progress.where)
     finally:
         alerts.close()  # delivers what is still queued, for close_timeout_s; reports the rest
-    return EXIT_OK
 
 
 def add_parser(sub: Any) -> None:
