@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Severity, SinkSettings
 from stream.config import KafkaSettings
@@ -67,7 +68,21 @@ class RefreshAlerts:
         """Wait until every alert queued so far is delivered (or dropped); False if that takes longer."""
         return self._kafka.wait_idle(timeout_s) if self._kafka is not None else True
 
-    def close(self, timeout_s: float | None = None) -> int:
+    def close(self, timeout_s: float | None = None, abort: Callable[[], str | None] | None = None) -> int:
         """Deliver what is queued for at most ``timeout_s`` (default ``close_timeout_s``), then stop; returns how many
-        alerts were left undelivered (counted and logged by the queue)."""
-        return self._kafka.close(timeout_s) if self._kafka is not None else 0
+        alerts were left undelivered (counted and logged by the queue). ``abort`` (polled every 0.2 s) naming a reason
+        (a second stop signal: ``scheduler.run_forever``) ends the drain at once, with a log line saying so."""
+        if self._kafka is None:
+            return 0
+        queue = self._kafka
+        deadline = time.monotonic() + (queue.close_timeout_s if timeout_s is None else timeout_s)
+        queue.begin_close(deadline)
+        while abort is not None and (left := deadline - time.monotonic()) > 0:
+            if (why := abort()) is not None:
+                log.warning("%s during the alert drain at shutdown: the drain ends now; the alerts still undelivered "
+                            "are dropped", why)
+                queue.begin_close(time.monotonic())
+                break
+            if queue.wait_idle(min(left, 0.2)):
+                break
+        return queue.finish_close()

@@ -254,9 +254,11 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
     signal ends it at once. A run still going then is abandoned: an error line, a ``refresh_failed`` alert at stage
     ``shutdown`` saying so, ``alerts`` closed (drained for its ``close_timeout_s``), and the process exits with
     :data:`EXIT_ABANDONED` through ``hard_exit`` (``os._exit``: the run's worker thread is no daemon, an ordinary exit
-    would wait for it, unbounded). Abandoning is safe for the publish root: a publish is atomic and the next run
-    removes what this one left (``publish.clean_leftovers``). ``where`` (``job.RunProgress.where``): the stage the run
-    is in and the last error it saw (a Redis retry's), named in that alert (and its ``run_stage`` label).
+    would wait for it, unbounded). Before it returns ``alerts`` are closed, drained for their ``close_timeout_s``
+    under this function's handlers: a further signal ends the drain with a log line (it was a KeyboardInterrupt
+    traceback once the default handlers were back). Abandoning is safe for the publish root: a publish is atomic and
+    the next run removes what this one left (``publish.clean_leftovers``). ``where`` (``job.RunProgress.where``): the
+    stage the run is in and the last error it saw (a Redis retry's), named in that alert (and its ``run_stage`` label).
     """
     guard, stopping = threading.Lock(), threading.Event()
     sched = build_scheduler(job, schedule, timezone, grace_s, last_success, on_skip=on_skip, guard=guard,
@@ -295,7 +297,7 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
             sched.shutdown(wait=False)
         if not signals and not died:  # start() returned by itself
             died.append("the scheduler stopped without a stop signal")
-        _wait_for_run(guard, lambda: len(signals) > 1, stop_grace_s, alerts, hard_exit, where)
+        _wait_for_run(guard, signals, stop_grace_s, alerts, hard_exit, where)
         if signals:
             return 0
         message = (f"the refresh scheduler's thread died ({redact(died[0])[:500]}): no refresh runs from this process "
@@ -306,15 +308,27 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
             alerts.fire("scheduler", message, FAILED_RULE)
         return EXIT_FAILED
     finally:
+        if alerts is not None:  # drained under this handler: a signal more ends the drain (a traceback, before)
+            _drain(alerts, signals)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _wait_for_run(guard: threading.Lock, again: Callable[[], bool], stop_grace_s: float,
+def _drain(alerts: RefreshAlerts, signals: list[int]) -> int:
+    """``alerts.close()`` at shutdown, ended early by a stop signal beyond those that came before it."""
+    seen = len(signals)
+    return alerts.close(abort=lambda: signal.Signals(signals[seen]).name if len(signals) > seen else None)
+
+
+def _wait_for_run(guard: threading.Lock, signals: list[int], stop_grace_s: float,
                   alerts: RefreshAlerts | None, hard_exit: Callable[[int], Any],
                   where: Callable[[], tuple[str | None, str | None]] | None = None) -> None:
     """At shutdown: wait up to ``stop_grace_s`` for the run in progress (the holder of ``guard``); abandon it after
-    (:func:`run_forever`). Returns holding ``guard``: no run starts after this."""
+    (:func:`run_forever`). Returns holding ``guard``: no run starts after this. A second signal ends the wait."""
+
+    def again() -> bool:
+        return len(signals) > 1
+
     if guard.acquire(blocking=False):
         log.info("refresh scheduler stopped (no run in progress)")
         return
@@ -340,7 +354,7 @@ def _wait_for_run(guard: threading.Lock, again: Callable[[], bool], stop_grace_s
     log.error("%s (exit %d)", message, EXIT_ABANDONED)
     if alerts is not None:
         alerts.fire("shutdown", message, FAILED_RULE, labels={"run_stage": stage} if stage else None)
-        alerts.close()
+        _drain(alerts, signals)
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()

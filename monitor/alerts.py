@@ -753,9 +753,10 @@ class QueuedSink:
     def begin_close(self, deadline: float) -> None:
         """Start draining: the worker delivers what is queued until ``deadline`` (``time.monotonic()``).
         A sink backing off after failures is tried again at once: its next retry may be due only after
-        the deadline (up to ``retry_backoff_max_s`` away), and the sink may well answer again by now."""
+        the deadline (up to ``retry_backoff_max_s`` away), and the sink may well answer again by now.
+        A later call with an earlier deadline brings the drain's end forward (a stop signal cutting it short)."""
         with self._cond:
-            if self._close_deadline is None:
+            if self._close_deadline is None or deadline < self._close_deadline:
                 self._close_deadline = deadline
                 self._retry_at = min(self._retry_at, time.monotonic())
             self._cond.notify_all()

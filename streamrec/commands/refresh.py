@@ -108,7 +108,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         return run_forever(scheduled, rs.schedule, rs.timezone, rs.misfire_grace_s, last_success, on_skip=skip,
                            alerts=alerts, where=progress.where)
     finally:
-        alerts.close()  # delivers what is still queued, for close_timeout_s; reports the rest
+        alerts.close()  # run_forever drained them (close_timeout_s; a second signal ends it): a no-op then
 
 
 def add_parser(sub: Any) -> None:
