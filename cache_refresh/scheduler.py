@@ -39,10 +39,12 @@ from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
 
-# How long a stop (SIGTERM/SIGINT) waits for the refresh run in progress before abandoning it (run_forever). Within
-# Kubernetes' default terminationGracePeriodSeconds (30 s), leaving time to drain the alerts (close_timeout_s). A run
-# builds for longer than this at scale: a stop during it is then abandoned, alerted and exits EXIT_ABANDONED.
-STOP_GRACE_S = 20.0
+# How long a stop (SIGTERM/SIGINT) waits for the refresh run in progress before abandoning it (run_forever). With the
+# alert drain after it (close_timeout_s 10 s, + 0.5 s join grace) a stop takes at most ~25 s: within Kubernetes'
+# default terminationGracePeriodSeconds and compose's stop_grace_period (30 s) with a margin (20 s + 10 s was the whole
+# 30 s: a SIGKILL could cut the drain). A run builds for longer than this at scale: a stop during it is then abandoned,
+# alerted and exits EXIT_ABANDONED.
+STOP_GRACE_S = 14.0
 EXIT_FAILED = 1  # streamrec.commands.common.EXIT_FAILED: the process edge's code for a failed run
 EXIT_ABANDONED = EXIT_FAILED  # a run abandoned at a stop
 
