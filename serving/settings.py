@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from learner.config import Device
+from serving.lookup_counts import STOP_TIMEOUT_S
 from stream.config import Choice, check_counts, check_durations, check_ports
+from stream.errors import ConfigError
 
 MAX_DURATION_S = 86_400.0  # the longest period or timeout a [serve] duration may name
 
@@ -84,7 +86,8 @@ class ServeSettings:
     lookup_counts_flush_ids: int = 200_000
     lookup_counts_max_pending: int = 2_000_000  # int64 each: 16 MB at most
     # Each flush's Redis timeout (the counts client's, no retries), stop's last flush included: a frozen Redis holds
-    # a shutdown this long at most (serving/lookup_counts.py). > 0 and at most a day, as every [serve] duration.
+    # a shutdown this long at most (serving/lookup_counts.py). > 0 and at most STOP_TIMEOUT_S (30 s, stop's bound on
+    # its flush thread): the last flush runs on the stopping thread, and a day-long one held a shutdown a day.
     lookup_counts_timeout_s: float = 2.0
 
     # -- the layered deployment (serving/embedding_store.py) --
@@ -109,6 +112,10 @@ class ServeSettings:
         # core (poll_s), an infinite flush period kills the flush thread at its first wait (OverflowError), an
         # infinite retry-after never asks Redis again after one failure, an infinite timeout waits for ever
         check_durations("serve", self, max_s=MAX_DURATION_S)
+        if self.lookup_counts_timeout_s > STOP_TIMEOUT_S:
+            raise ConfigError(f"[serve] lookup_counts_timeout_s must be a finite number of seconds > 0 and <= "
+                              f"{STOP_TIMEOUT_S:g} (a shutdown waits it out on a frozen Redis), got "
+                              f"{self.lookup_counts_timeout_s!r}")
         check_ports("serve", self)
         # every count and limit >= 1 (threads 0 was bumped to 1, max_candidates 0 refused every request); 0 means:
         # max_active no bound, embedding_cache_rows no LRU (every non-hot row from Redis). The counts that size memory

@@ -47,3 +47,14 @@ def test_the_lookup_counts_client_times_out_after_lookup_counts_timeout_s(tmp_pa
         assert ServeSettings().lookup_counts_timeout_s == 2.0  # the default is the value it replaced
     finally:
         svc.stop(grace_s=0.0)
+
+
+@pytest.mark.parametrize("value", [31.0, 3_600.0, 86_400.0])
+def test_a_lookup_counts_timeout_past_the_stop_timeout_is_refused(value: float) -> None:
+    # stop()'s last flush runs on the stopping thread, bounded only by this timeout: a day-long one held a shutdown
+    # (SIGTERM to `streamrec serve`) a day on a frozen Redis, past stop's 30 s bound on its flush thread.
+    from serving.lookup_counts import STOP_TIMEOUT_S
+
+    with pytest.raises(ConfigError, match=rf"lookup_counts_timeout_s .*<= {STOP_TIMEOUT_S:g}.*{value:g}"):
+        ServeSettings(lookup_counts_timeout_s=value)
+    assert ServeSettings(lookup_counts_timeout_s=STOP_TIMEOUT_S).lookup_counts_timeout_s == STOP_TIMEOUT_S
