@@ -18,9 +18,11 @@ Reading
     ``1.#IND``, ``-1.#IND``, ``1.#QNAN``, ``-1.#QNAN``; in any case, spaces around ignored; R's ``write.csv`` writes
     ``NA``) are missing: not clicked / no click time, as that inference read them. A text column with ISO-8601
     cells and no numbers is read as times whatever the numeric unit (as that inference did), each other cell a
-    rejected row. A feature (context) cell is read alone too, by the rule Arrow's inference applies to a column of
-    that one cell, so a clean int64, double or bool column keeps its values and hashes: empty or a null token (as
-    above) is missing; an integer as Python writes it (``42``, ``-3``, within int64) is an int, a decimal number
+    rejected row. A feature (context) cell is read alone too, close to the rule Arrow's inference applies to a column
+    of that one cell, so a clean column of canonical integers, decimals or booleans keeps its values and hashes
+    (zero-padded integers such as ``007`` are text now: Arrow read 7; ``Infinity`` and integers past int64 are text,
+    Arrow read floats): empty or a null token (as above) is missing; an integer as Python writes it (``42``, ``-3``,
+    within int64) is an int, a decimal number
     (``1.50``, ``2.0``, ``1e3``) a float, ``true``/``True``/``TRUE`` (``false`` alike) a bool, anything else its text
     as written (``007``, ``+5``, ``inf``, ``12:00``, ``2020-01-01T10:00:00``); numbers and booleans trimmed. So
     ``N/A`` is missing beside ``a`` as beside ``1``; ``1`` beside ``2.5`` is 1, not 1.0. pandas' ``None`` and ``<NA>``
@@ -934,8 +936,9 @@ _INT, _FLOAT, _BOOL, _TEXT = 0, 1, 2, 3
 
 def _feature_cells(arr: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     """A CSV feature column (text) -> ``(values, text (N,) bool, not finite (N,) bool)``, each cell read alone, by the
-    rule Arrow's type inference applied to a column of that one cell, so that a clean int64, double or bool column
-    keeps the values (and hashes) the inference gave: missing (empty or a null token, :func:`_missing_words`); an
+    rule Arrow's type inference applied to a column of that one cell (the exceptions are in the module docstring), so
+    that a clean column of canonical integers, decimals or booleans keeps the values (and hashes) the inference gave:
+    missing (empty or a null token, :func:`_missing_words`); an
     integer as Python writes it (``42``, ``-3``, within int64) is an int; a decimal number (``1.50``, ``2.0``, ``1e3``)
     a float; ``true``/``True``/``TRUE`` (false alike) a bool; anything else (``007``, ``+5``, ``inf``, ``12:00``) its
     text as written. Numbers and booleans are trimmed. One kind of cell: a typed array; mixed: a dense union."""
