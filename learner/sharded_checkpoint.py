@@ -71,8 +71,8 @@ def describe_newest(directory: Path) -> str | None:
     if not done:
         return None
     try:
-        ranks = f" by {int(json.loads((done[-1] / META).read_text())['world_size'])} ranks"
-    except (OSError, ValueError, KeyError, TypeError):
+        ranks = f" by {_read_meta(done[-1], directory)['world_size']} ranks"
+    except (OSError, checkpoint.CheckpointError):
         ranks = ""
     return f"newest {done[-1].name}, written{ranks} under torchrun"
 
@@ -85,7 +85,7 @@ def latest(directory: Path, verify: bool = True) -> tuple[Path, dict[str, Any]] 
     if not done:
         return None
     meta = _read_meta(done[-1], directory)
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+    if meta.get("format_version", 0) > FORMAT_VERSION:
         raise checkpoint.CheckpointError(f"sharded checkpoint {done[-1]} has format {meta['format_version']}, this "
                                          f"streamrec reads up to {FORMAT_VERSION}: upgrade streamrec")
     lost = lost_parts(done[-1], meta, verify)
@@ -98,19 +98,39 @@ def latest(directory: Path, verify: bool = True) -> tuple[Path, dict[str, Any]] 
 
 
 def _read_meta(path: Path, directory: Path) -> dict[str, Any]:
-    """``path``'s ``meta.json``: a JSON object, else a CheckpointError naming the reason (torn, not JSON, another
-    shape: a raw JSONDecodeError or AttributeError ended the restore, ``--unshard`` and ``train --status``)."""
+    """``path``'s ``meta.json``: a JSON object whose fields :func:`_bad_field` passes, else a CheckpointError naming
+    the reason (torn, not JSON, another shape, a field's: a raw JSONDecodeError, AttributeError, ValueError or
+    KeyError ended the restore, ``--unshard`` and ``train --status``)."""
     try:
         meta = json.loads((path / META).read_bytes())
     except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError: both ValueErrors)
-        reason = f"is not JSON ({type(exc).__name__}: {str(exc)[:120]})"
+        reason = f" is not JSON ({type(exc).__name__}: {str(exc)[:120]})"
     else:
-        if isinstance(meta, dict):
+        if not isinstance(meta, dict):
+            reason = f" holds a {type(meta).__name__}, not a JSON object"
+        elif (bad := _bad_field(meta)) is None:
             return meta
-        reason = f"holds a {type(meta).__name__}, not a JSON object"
+        else:
+            reason = f"'s {bad}"
     raise checkpoint.CheckpointError(
-        f"sharded checkpoint {path}: its {META} {reason}: it was torn or edited after it was written; move it out of "
+        f"sharded checkpoint {path}: its {META}{reason}: it was torn or edited after it was written; move it out of "
         f"{directory} to resume from (or unshard) the one before it")
+
+
+_FIELDS = {"world_size": (1, True), "samples_trained": (0, True), "format_version": (0, False)}  # (least, required)
+
+
+def _bad_field(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of a ``meta.json`` that :func:`latest` and :func:`lost_parts` read (an integer
+    of at least its least value; ``format_version`` may be absent: read as 0); None: sound. (Its ``sha256`` entry:
+    :func:`_bad_sums`.)"""
+    for name, (least, required) in _FIELDS.items():
+        if name not in meta:
+            if required:
+                return f'"{name}" is missing'
+        elif type(meta[name]) is not int or meta[name] < least:  # (a bool is no count)
+            return f'"{name}" is {str(meta[name])[:80]!r}, not an integer of at least {least}'
+    return None
 
 
 def _data_ends(path: Path) -> dict[str, int]:

@@ -111,3 +111,43 @@ def test_a_meta_json_that_is_not_a_json_object_is_a_damaged_checkpoint_named_wit
     assert main(["train", "--status", "--checkpoint-dir", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert f"meta.json {reason}" in err and "Traceback" not in err
+
+
+MISTYPED_FIELDS: dict[str, tuple[str, Any]] = {  # id -> (field, value; ... is the key left out)
+    "world_size_text": ("world_size", "two"), "world_size_negative": ("world_size", -1),
+    "world_size_zero": ("world_size", 0), "world_size_bool": ("world_size", True),
+    "world_size_float": ("world_size", 2.5), "world_size_missing": ("world_size", ...),
+    "format_version_text": ("format_version", "x"), "format_version_bool": ("format_version", True),
+    "format_version_negative": ("format_version", -1),
+    "samples_trained_text": ("samples_trained", "many"), "samples_trained_missing": ("samples_trained", ...),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISTYPED_FIELDS))
+def test_a_meta_json_field_of_the_wrong_type_or_missing_is_a_damaged_checkpoint_named_with_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    """``"world_size": "two"`` raised a raw ValueError from ``lost_parts``, ``"format_version": "x"`` one from
+    ``latest()``, ``true`` passed as 1 rank, a negative or missing world_size checked no rank's file (and the restore
+    then ended in a KeyError): each is a damaged ``meta.json`` that names the field, through ``latest()``,
+    ``--unshard`` and ``train --status``."""
+    from streamrec.cli import main
+
+    field, value = MISTYPED_FIELDS[case]
+    _save(tmp_path, 100)
+    newer = _save(tmp_path, 200)
+    meta = json.loads((newer / sharded_checkpoint.META).read_text())
+    if value is ...:
+        del meta[field]
+    else:
+        meta[field] = value
+    (newer / sharded_checkpoint.META).write_text(json.dumps(meta))
+    for refused in (lambda: sharded_checkpoint.latest(tmp_path),
+                    lambda: sharded_checkpoint.unshard(tmp_path, tmp_path / "single")):
+        with pytest.raises(checkpoint.CheckpointError) as caught:
+            refused()
+        said = str(caught.value)
+        assert str(newer) in said and f'meta.json\'s "{field}"' in said and "the one before it" in said
+    assert main(["train", "--status", "--checkpoint-dir", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert f'meta.json\'s "{field}"' in err and "Traceback" not in err
+    assert "by 1 ranks" not in (sharded_checkpoint.describe_newest(tmp_path) or "")
