@@ -14,12 +14,12 @@ while the broker was down (the holdout read fails with it) raised a critical ale
 
 Lifetimes: the scheduler (``streamrec refresh``) keeps one :class:`RefreshAlerts` for the whole process, so an alert
 raised while the broker is down arrives when it is back, however long after; :meth:`close` at shutdown drains for
-``close_timeout_s``, after the run in progress has finished (``scheduler.run_forever`` waits for it, within a stop
-grace; a run abandoned after that is itself a ``refresh_failed`` alert at stage ``shutdown``), so that run's alert
-is delivered too, not dropped as "closed". A one-shot run (``--now``, or ``run_once`` without one) opens its own
-and closes it before it returns, draining for up to ``close_timeout_s`` (the 10 s one attempt had); what is still
-undelivered then is counted (``..._dropped_total{reason="closed"}``) and logged with the alerts' rules, and the run's
-exit code says the rest.
+``close_timeout_s`` (10 s, ``SinkSettings``' default: the refresh reads no ``[sinks]`` section), after the run in
+progress has finished (``scheduler.run_forever`` waits for it, within a stop grace; a run abandoned after that is itself
+a ``refresh_failed`` alert at stage ``shutdown``), so that run's alert is delivered too, not dropped as "closed". A
+one-shot run (``--now``, or ``run_once`` without one) opens its own and closes it before it returns, draining for up to
+``close_timeout_s`` (the 10 s one attempt had); what is still undelivered then is counted
+(``..._dropped_total{reason="closed"}``) and logged with the alerts' rules, and the run's exit code says the rest.
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ class RefreshAlerts:
     def __init__(self, kafka: KafkaSettings, topic: str, settings: SinkSettings | None = None) -> None:
         self.settings = settings or SinkSettings(kafka_topic=topic or None)
         self._log = LogSink(log)
-        self._kafka = (QueuedSink(KafkaSink(kafka, topic, timeout_s=self.settings.kafka_timeout_s), self.settings)
-                       if topic else None)
+        advice = (f"the refresh's alert drain at exit is {self.settings.close_timeout_s:g} s (not a setting); each "
+                  "alert was logged when raised")  # ([sinks] is the monitor's section)
+        self._kafka = (QueuedSink(KafkaSink(kafka, topic, timeout_s=self.settings.kafka_timeout_s), self.settings,
+                                  advice) if topic else None)
 
     def fire(self, stage: str, message: str, rule: str, severity: str = "critical",
              labels: dict[str, str] | None = None) -> Alert:

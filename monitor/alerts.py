@@ -688,8 +688,11 @@ class QueuedSink:
 
     JOIN_GRACE_S = 0.5  # close() waits this much beyond its deadline for an attempt cut off at it to return
 
-    def __init__(self, sink: AlertSink, settings: SinkSettings = SinkSettings()) -> None:
-        self.sink, self.name = sink, sink.name
+    def __init__(self, sink: AlertSink, settings: SinkSettings = SinkSettings(),
+                 close_advice: str = "raise close_timeout_s in [sinks] to wait longer") -> None:
+        """``close_advice``: what the close's log line tells the operator when alerts were left undelivered by a
+        sink that never failed (the owner's setting, or why there is none)."""
+        self.sink, self.name, self.close_advice = sink, sink.name, close_advice
         self.queue_size = max(1, settings.queue_size)
         self.close_timeout_s = settings.close_timeout_s
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
@@ -781,7 +784,7 @@ class QueuedSink:
         if left:
             self._drop(left, "closed", "the close deadline passed before they were delivered")
             log.error("alert sink %s closed with %d alert(s) undelivered (%s)", self.name, len(left),
-                      "raise close_timeout_s in [sinks] to wait longer" if self.stats.failed == 0 else
+                      self.close_advice if self.stats.failed == 0 else
                       "the sink kept failing; see the errors above")
         return len(left)
 
