@@ -16,7 +16,8 @@ Lifetimes: the scheduler (``streamrec refresh``) keeps one :class:`RefreshAlerts
 raised while the broker is down arrives when it is back, however long after; :meth:`close` at shutdown drains for
 ``close_timeout_s`` (10 s, ``SinkSettings``' default: the refresh reads no ``[sinks]`` section), after the run in
 progress has finished (``scheduler.run_forever`` waits for it, within a stop grace; a run abandoned after that is itself
-a ``refresh_failed`` alert at stage ``shutdown``), so that run's alert is delivered too, not dropped as "closed". A
+a ``refresh_failed`` alert at stage ``shutdown``, its ``run_stage`` label and message naming the stage it was in
+and its last error), so that run's alert is delivered too, not dropped as "closed". A
 one-shot run (``--now``, or ``run_once`` without one) opens its own and closes it before it returns, draining for up to
 ``close_timeout_s`` (the 10 s one attempt had); what is still undelivered then is counted
 (``..._dropped_total{reason="closed"}``) and logged with the alerts' rules, and the run's exit code says the rest.
