@@ -34,20 +34,22 @@ tests/unit/monitor/test_fuzz_rules.py).
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stream.errors import StreamrecError
 
-# the regex parser's modules (for _repeat_in_repeat): private names since Python 3.11, deprecated aliases before
-_NEW_RE = sys.version_info >= (3, 11)
-sre: Any = importlib.import_module("re._constants" if _NEW_RE else "sre_constants")
-sre_parse: Any = importlib.import_module("re._parser" if _NEW_RE else "sre_parse")
+try:  # the regex parser's modules (for _repeat_in_repeat): private names since Python 3.11, deprecated aliases before
+    import re._constants as _sre_constants  # type: ignore[import-not-found,unused-ignore]
+    import re._parser as _sre_parser  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _sre_constants  # type: ignore[no-redef,unused-ignore]
+    import sre_parse as _sre_parser  # type: ignore[no-redef,unused-ignore]
+sre: Any = _sre_constants
+sre_parse: Any = _sre_parser
 _ATOMIC = tuple(getattr(sre, name) for name in ("ATOMIC_GROUP", "POSSESSIVE_REPEAT") if hasattr(sre, name))
 
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: a hashable label set

@@ -717,7 +717,7 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     # the same through the scheduler command: the cron job is the pin-respecting run
     import cache_refresh.scheduler as scheduler
 
-    monkeypatch.setattr(scheduler, "run_forever", lambda fn, *a, **kw: fn())
+    monkeypatch.setattr(scheduler, "run_forever", lambda fn, *a, **kw: (fn(), 0)[1])  # (returns the exit code)
     cfg_flags = [*rf.flags(), "--config", str(_config(tmp_path / "c.toml", rf))]
     assert main(["refresh", *cfg_flags]) == 0
     assert artifact.current_version(rf.root) == v1 and artifact.list_versions(rf.root) == [v1, v2]
