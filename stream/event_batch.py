@@ -6,7 +6,7 @@ what :func:`~stream.events.decode_impression` / :func:`~stream.events.decode_cli
 
 1. each message is parsed (``orjson.loads``, one C call each);
 2. a block of rows is checked column by column, each check one C-level pass over a column (``set(map(type,
-   col))``, ``min``/``max`` of lengths and integers, ``math.isfinite`` over floats, one NumPy comparison for the
+   col))``, ``min``/``max`` of lengths and integers, a magnitude bound over floats, one NumPy comparison for the
    broker-timestamp bound, list equality of the message keys with the ids' UTF-8) that accepts only what the
    per-event rules accept;
 3. a block that fails a check is halved until the rows that fail are alone; those rows (and only those) go
@@ -14,13 +14,15 @@ what :func:`~stream.events.decode_impression` / :func:`~stream.events.decode_cli
    too strict for: a ``schema_version`` of ``1.0``, say). Good rows never pay for a bad neighbour beyond
    a few halvings.
 
+A float of magnitude >= 2**63 in a context or dense value (maybe an integer literal orjson could not hold, which
+:mod:`stream.events` tells apart by the text) fails the fast checks: such a row takes the per-event decoder.
+
 Duplicate keys: as in :mod:`stream.events`, a row whose text holds no more ``":`` than its parsed objects hold
 keys cannot repeat a key; the rest (a string value holding a colon) take the per-event duplicate-key check.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from itertools import chain, compress, repeat
 from operator import eq, is_, itemgetter, or_
@@ -49,6 +51,7 @@ _IMPRESSION_REQUIRED = frozenset({"schema_version", "impression_id", "ts", "user
 _CLICK_KEYS = frozenset({"schema_version", "impression_id", "ts"})
 _MIN_BLOCK = 4  # a failing block this small goes row by row
 _INT64_MIN = -(2**63)
+_BIG = 2.0**63  # a float this large may be an integer literal past int64 (stream.events decides, from the text)
 _NONE = type(None)
 _SV, _ID, _TS = itemgetter("schema_version"), itemgetter("impression_id"), itemgetter("ts")
 _USER, _ITEM = itemgetter("user_id"), itemgetter("item_id")
@@ -153,7 +156,7 @@ def _values(values: list, limits: EventLimits) -> None:
     by_type = {t: values for t in types} if len(types) == 1 else _by_type(values, types)
     _lengths_in(by_type.get(str, []), 0, limits.max_str_len)
     _ints_in(by_type.get(int, []), _INT64_MIN, MAX_ID)
-    _check(all(map(math.isfinite, by_type.get(float, []))))
+    _check(all(map(_BIG.__gt__, map(abs, by_type.get(float, [])))))  # finite, and surely a float literal
     lists = by_type.get(list, [])
     if lists:
         _check(max(map(len, lists)) <= limits.max_list_len)
@@ -172,11 +175,15 @@ def _by_type(values: list, types: set[type]) -> dict[type, list[Any]]:
 
 
 def _dense_values(objs: list[dict]) -> None:
-    """``stream.events.check_dense``'s rule: numbers (not booleans) with ``|x| < DENSE_BOUND``."""
+    """``stream.events.check_dense``'s rule: numbers (not booleans) with ``|x| < DENSE_BOUND``; a float of magnitude
+    >= 2**63 (an integer literal orjson could not hold?) is left to the per-event decoder."""
     values = list(chain.from_iterable(map(dict.values, objs)))
     _check(set(map(type, values)) <= {int, float})
     if values:
-        _check(bool(np.all(np.abs(np.array(values, dtype=np.float64)) < DENSE_BOUND)))
+        size = np.abs(np.array(values, dtype=np.float64))
+        _check(bool(np.all(size < DENSE_BOUND)))
+        big = np.flatnonzero(size >= _BIG).tolist()
+        _check(not big or float not in set(map(type, map(values.__getitem__, big))))
 
 
 def _or_empty(col: list[dict | None]) -> list[dict]:

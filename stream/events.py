@@ -22,6 +22,12 @@ Unknown fields and duplicate keys are rejected: add fields in a new schema versi
 string and list lengths and how far ``ts`` may lead the message's broker timestamp are bounded by
 :class:`~stream.limits.EventLimits`.
 
+Integers are read as written: an integer literal outside int64 (whatever its size: orjson reads one within 64 bits
+unsigned as an int and one beyond as a float) is rejected in an id, ``ts``, ``schema_version`` and a context value,
+and shown as written in the reason; in ``dense`` it is a number like any other (kept exact, the ``|x|`` bound
+applies). Only a message whose parsed values hold a float of magnitude >= 2**63 is parsed again, with the
+standard library (exact integers), to tell an integer literal from a float one (``1e19`` stays a float).
+
 :func:`decode_impression` / :func:`decode_click` raise :class:`~stream.errors.ValidationError`
 (field, value, expected) or :class:`~stream.errors.BadMessage` (not JSON); callers dead-letter those.
 """
@@ -100,6 +106,14 @@ _CLICK_FIELDS = frozenset({"schema_version", "impression_id", "ts"})
 _KEY_END = re.compile(rb'(?<!\\)(?:\\\\)*"\s*:')
 
 
+_BIG = 2.0**63  # a float this large may be an integer literal orjson could not hold
+
+
+class _Inexact(Exception):
+    """A checked value is a float of magnitude >= 2**63, maybe an integer literal orjson read as a float: the caller
+    parses the text again with exact integers (never leaves this module)."""
+
+
 def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
     if raw is None:
         raise BadMessage("message has no value (tombstone)", kind="empty")
@@ -112,11 +126,32 @@ def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
         raise BadMessage(f"not valid JSON: {clip(str(exc), 160)}", kind="bad_json") from None
     if not isinstance(obj, dict):
         raise BadMessage(f"expected a JSON object, got {type(obj).__name__}", kind="bad_json")
+    return obj
+
+
+def _version(obj: dict[str, Any]) -> None:
     version = obj.get("schema_version")
     # type first: a list or an object is unhashable, so ``in`` a frozenset would raise TypeError
     if isinstance(version, bool) or not isinstance(version, int | float) or version not in SUPPORTED_VERSIONS:
         raise ValidationError("schema_version", version, f"one of {sorted(SUPPORTED_VERSIONS)}")
-    return obj
+
+
+def _exactly(raw: bytes | None, obj: dict[str, Any], build: Any, *args: Any) -> Any:
+    """``build(obj, False, *args)``; where that meets a float of magnitude >= 2**63 (:class:`_Inexact`, or a
+    :class:`ValidationError` whose value is or lists one), ``build`` of ``raw`` parsed again keeping integers exact,
+    so an integer literal past int64 is rejected (or, in ``dense``, kept) as written. Costs nothing otherwise."""
+    try:
+        return build(obj, False, *args)
+    except (ValidationError, _Inexact) as exc:
+        v = getattr(exc, "value", None)
+        if isinstance(exc, ValidationError) and not (type(v) is float and abs(v) >= _BIG or type(v) is list and any(
+                type(x) is float and abs(x) >= _BIG for x in v)):
+            raise
+    try:
+        exact = json.loads(raw)  # type: ignore[arg-type]  # not None: orjson parsed it
+    except (ValueError, RecursionError):  # orjson took it; deeper than the stdlib parser goes: floats stay floats
+        exact = obj
+    return build(exact, True, *args)
 
 
 def _no_space_after_quote(raw: bytes) -> bool:
@@ -237,7 +272,7 @@ def _scalar_ok(v: Any, max_str: int) -> bool:
     if t is int:
         return -(2**63) <= v <= MAX_ID
     if t is float:
-        return math.isfinite(v)
+        return -_BIG < v < _BIG  # finite, and not maybe an integer literal past int64 (check_context looks closer)
     return t is bool
 
 
@@ -264,8 +299,11 @@ def _check_keys(value: dict, field: str, max_keys: int, limits: EventLimits) -> 
             raise ValidationError(f"{field} key", k, f"a non-empty name of at most {limits.max_key_len} chars")
 
 
-def check_context(value: Any, field: str = "context", limits: EventLimits = DEFAULT_LIMITS) -> dict[str, ContextValue]:
-    """A context object (events, and serving requests: ``field`` names it in the error)."""
+def check_context(value: Any, field: str = "context", limits: EventLimits = DEFAULT_LIMITS,
+                  exact: bool = True) -> dict[str, ContextValue]:
+    """A context object (events, and serving requests: ``field`` names it in the error). ``exact=False``: ``value``
+    is orjson's, whose float of magnitude >= 2**63 may be an integer literal past int64: such a float raises
+    :class:`_Inexact` (the event decoders parse the text again)."""
     if value is None:
         return {}
     if type(value) is not dict:
@@ -277,6 +315,10 @@ def check_context(value: Any, field: str = "context", limits: EventLimits = DEFA
                 raise ValidationError(f"{field}.{k}", v, f"a list of at most {limits.max_list_len} strings/integers "
                                       f"(strings of at most {limits.max_str_len} chars)")
         elif not _scalar_ok(v, limits.max_str_len):
+            if type(v) is float and math.isfinite(v):
+                if exact:
+                    continue
+                raise _Inexact
             raise ValidationError(f"{field}.{k}", v, f"a string (<= {limits.max_str_len} chars), 64-bit integer, "
                                   "finite float, boolean or list")
     return value
@@ -285,14 +327,18 @@ def check_context(value: Any, field: str = "context", limits: EventLimits = DEFA
 DENSE_RULE = "a finite number with |x| < 2**64 (~1.8e19; dense features must be scaled)"
 
 
-def check_dense(value: Any, field: str = "dense", limits: EventLimits = DEFAULT_LIMITS) -> dict[str, float]:
-    """A dense-features object: name -> number, ``|x| < DENSE_BOUND`` (~2**64: the bound of every stage)."""
+def check_dense(value: Any, field: str = "dense", limits: EventLimits = DEFAULT_LIMITS,
+                exact: bool = True) -> dict[str, float]:
+    """A dense-features object: name -> number, ``|x| < DENSE_BOUND`` (~2**64: the bound of every stage).
+    ``exact=False``: as in :func:`check_context` (a float of magnitude >= 2**63 raises :class:`_Inexact`)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ValidationError(field, value, "an object of feature name -> finite number")
     _check_keys(value, field, limits.max_dense_keys, limits)
     for k, v in value.items():
+        if not exact and type(v) is float and not -_BIG < v < _BIG and math.isfinite(v):
+            raise _Inexact
         if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) < DENSE_BOUND:
             raise ValidationError(f"{field}.{k}", v, DENSE_RULE)
     return value
@@ -310,21 +356,31 @@ def check_key(key: bytes | None, impression_id: str) -> None:
                          kind="key_mismatch")
 
 
+def _impression(obj: dict[str, Any], exact: bool, limits: EventLimits, broker_ts_ms: int | None) -> Impression:
+    _version(obj)
+    _check_fields(obj, _IMPRESSION_FIELDS, ("impression_id", "ts", "user_id", "item_id"))
+    return Impression(
+        impression_id=_impression_id(obj["impression_id"], limits),
+        ts=_ts(obj["ts"], broker_ts_ms, limits),
+        user_id=check_id("user_id", obj["user_id"], limits),
+        item_id=check_id("item_id", obj["item_id"], limits),
+        context=check_context(obj.get("context"), limits=limits, exact=exact),
+        dense=check_dense(obj.get("dense"), limits=limits, exact=exact),
+    )
+
+
+def _click(obj: dict[str, Any], exact: bool, limits: EventLimits, broker_ts_ms: int | None) -> Click:
+    _version(obj)
+    _check_fields(obj, _CLICK_FIELDS, ("impression_id", "ts"))
+    return Click(_impression_id(obj["impression_id"], limits), _ts(obj["ts"], broker_ts_ms, limits))
+
+
 def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
                       broker_ts_ms: int | None = None, key: bytes | None = None) -> Impression:
     """One ``impressions`` message. ``broker_ts_ms``: the message's timestamp, which bounds how far in the
     future ``ts`` may be (``limits.future_ts_s``); ``None`` skips that check. ``key``: the message's key, checked
     last (:func:`check_key`)."""
-    obj = _load(raw, limits)
-    _check_fields(obj, _IMPRESSION_FIELDS, ("impression_id", "ts", "user_id", "item_id"))
-    imp = Impression(
-        impression_id=_impression_id(obj["impression_id"], limits),
-        ts=_ts(obj["ts"], broker_ts_ms, limits),
-        user_id=check_id("user_id", obj["user_id"], limits),
-        item_id=check_id("item_id", obj["item_id"], limits),
-        context=check_context(obj.get("context"), limits=limits),
-        dense=check_dense(obj.get("dense"), limits=limits),
-    )
+    imp: Impression = _exactly(raw, obj := _load(raw, limits), _impression, limits, broker_ts_ms)
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
     check_key(key, imp.impression_id)
     return imp
@@ -332,9 +388,7 @@ def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
 
 def decode_click(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS, broker_ts_ms: int | None = None,
                  key: bytes | None = None) -> Click:
-    obj = _load(raw, limits)
-    _check_fields(obj, _CLICK_FIELDS, ("impression_id", "ts"))
-    click = Click(impression_id=_impression_id(obj["impression_id"], limits), ts=_ts(obj["ts"], broker_ts_ms, limits))
+    click: Click = _exactly(raw, obj := _load(raw, limits), _click, limits, broker_ts_ms)
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
     check_key(key, click.impression_id)
     return click

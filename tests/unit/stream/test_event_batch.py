@@ -61,6 +61,16 @@ def test_a_block_of_any_messages_decodes_like_each_message_alone(rows: list, lim
     b'{"schema_version":1,"impression_id":"x:y","ts":5,"user_id":"a:b","item_id":2}',  # colons, no duplicate
     b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":2,"context":{"":1}}',
     b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":2,"dense":{"' + b"k" * 65 + b'":1}}',
+    # integer literals past int64 (orjson reads those beyond 64 bits unsigned as floats) and float literals as large
+    *(b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":2,' + field + b"}" for field in (
+        b'"context":{"a":-9223372036854775809}', b'"context":{"a":18446744073709551616}',
+        b'"context":{"a":9223372036854775808}', b'"context":{"a":[1,18446744073709551616]}',
+        b'"context":{"a":1e19}', b'"dense":{"p":-9223372036854775809}', b'"dense":{"p":18446744073709551616}',
+        b'"dense":{"p":1e19}')),
+    b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":18446744073709551616,"item_id":2}',
+    b'{"schema_version":1,"impression_id":"x","ts":5,"user_id":1,"item_id":-9223372036854775809}',
+    b'{"schema_version":1,"impression_id":"x","ts":18446744073709551616,"user_id":1,"item_id":2}',
+    b'{"schema_version":18446744073709551616,"impression_id":"x","ts":5,"user_id":1,"item_id":2}',
 ])
 def test_one_bad_row_among_many_good_ones_gets_its_own_verdict_and_the_rest_decode(bad: bytes | None) -> None:
     values = [imp(i) for i in range(300)]
@@ -84,6 +94,16 @@ def test_a_context_value_of_the_same_keys_as_every_other_row_gets_its_own_verdic
     # every row's context has the same keys, so the block's contexts are checked column by column
     values = [imp(i) for i in range(300)]
     values[137] = imp(137, context=context)
+    got = decode_events(values, [None] * 300, False, DEFAULT_LIMITS)
+    same(got, one_by_one(values, [None] * 300, False, DEFAULT_LIMITS))
+    assert sum(isinstance(g, Impression) for g in got) >= 299
+
+
+@pytest.mark.parametrize("literal", [b"-9223372036854775809", b"18446744073709551616", b"1e19",
+                                     b"[18446744073709551616]"])
+def test_a_context_literal_past_int64_in_a_column_gets_the_per_event_verdict(literal: bytes) -> None:
+    values = [imp(i) for i in range(300)]
+    values[137] = imp(137, context={"device": "ios", "hour": "X", "tags": [1]}).replace(b'"X"', literal)
     got = decode_events(values, [None] * 300, False, DEFAULT_LIMITS)
     same(got, one_by_one(values, [None] * 300, False, DEFAULT_LIMITS))
     assert sum(isinstance(g, Impression) for g in got) >= 299

@@ -153,3 +153,45 @@ def test_a_dense_value_the_learner_refuses_is_refused_per_event_by_every_decoder
     assert SampleBatch.decode(samples(edge)) is not None
     with pytest.raises(BadMessage, match="2\\*\\*64"):
         SampleBatch.decode(samples(price))
+
+
+@pytest.mark.parametrize("literal", [2**63, -(2**63) - 1, 2**64, -(2**64), 10**30])
+@pytest.mark.parametrize("where", ["scalar", "list"])
+def test_a_context_integer_past_int64_is_rejected_whatever_its_size_or_sign(literal: int, where: str) -> None:
+    """orjson reads an integer literal within 64 bits unsigned as an int and one beyond as a float: 2**63 was rejected
+    (an int past int64) while -(2**63)-1 and 2**64 were accepted as floats (hashed as floats, and 2**64 and 2**64+1
+    the same value). One rule: every integer literal outside int64 is rejected."""
+    value = literal if where == "scalar" else [1, literal]
+    with pytest.raises(ValidationError) as info:
+        decode_impression(enc({**GOOD, "context": {"a": value}}))
+    assert info.value.field == "context.a"
+
+
+@pytest.mark.parametrize("literal", ["1e19", "-9223372036854775809.0", "1.8446744073709552e+19"])
+def test_a_context_float_literal_past_int64_is_still_a_float(literal: str) -> None:
+    raw = enc({**GOOD, "context": {"a": "X"}}).replace(b'"X"', literal.encode())
+    assert decode_impression(raw).context["a"] == float(literal)
+
+
+def test_a_dense_integer_literal_past_int64_keeps_its_exact_value() -> None:
+    """Dense values are numbers (|x| < 2**64): an integer literal below -(2**63) is one, kept as written (an int, as
+    one up to 2**64 - 1 is), not orjson's float of it."""
+    imp = decode_impression(enc({**GOOD, "dense": {"p": -(2**63) - 1, "q": 2**64 - 2**40}}))
+    assert imp.dense == {"p": -(2**63) - 1, "q": 2**64 - 2**40}
+    assert type(imp.dense["p"]) is int
+
+
+@pytest.mark.parametrize("field", ["user_id", "item_id", "ts", "schema_version", "context", "dense"])
+@pytest.mark.parametrize("literal", [2**64, -(2**63) - 1, 10**30])
+def test_a_rejected_integer_literal_past_int64_is_shown_as_written(field: str, literal: int) -> None:
+    """orjson reads an integer literal beyond 64 bits unsigned as a float: a user_id of 2**64 was rejected, its reason
+    showing 1.8446744073709552e+19."""
+    if field == "dense":
+        literal *= 2**64  # past the dense bound
+    value = {"context": {"a": [literal]}, "dense": {"p": literal}}.get(field, literal)
+    with pytest.raises(ValidationError) as info:
+        decode_impression(enc({**GOOD, field: value}))
+    assert str(literal)[:18] in str(info.value) and "e+" not in str(info.value)  # (a long one clipped as written)
+    if field in ("ts", "schema_version"):
+        with pytest.raises(ValidationError, match=str(literal)):
+            decode_click(enc({"schema_version": 1, "impression_id": "i1", "ts": 5, field: literal}))
