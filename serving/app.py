@@ -49,7 +49,7 @@ import torch
 from serving.history import HistoryReader
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
-from serving.request import RequestError, ScoreRequest, decode_json, openapi, parse_batch, parse_request
+from serving.request import RequestError, ScoreRequest, openapi, read_batch, read_request
 from serving.settings import ServeSettings
 from serving.swap import LiveModel, ModelHolder
 from stream.errors import clip
@@ -282,7 +282,7 @@ class ScoringApp:
         return RequestError(503, f"{what}; this server cannot answer until a sound model is published: retry later")
 
     def _score(self, body: bytes) -> Response:
-        req = parse_request(decode_json(body), self.s.max_candidates)
+        req = read_request(body, self.s.max_candidates)
         live = self._live()  # read once: this request finishes on this model whatever swaps meanwhile
         # The history read goes out now and is collected when the encoder reaches it, last (serving/history.py):
         # Redis answers while the candidates are encoded. Collected in every case, so no answer stays unread on a
@@ -294,7 +294,7 @@ class ScoringApp:
             collect()
 
     def _score_batch(self, body: bytes) -> Response:
-        reqs = parse_batch(decode_json(body), self.s.max_candidates, self.s.max_batch)
+        reqs = read_batch(body, self.s.max_candidates, self.s.max_batch)
         live = self._live()
         collect = self.history_reader.start([hash_value(r.user_id) for r in reqs])  # one read for all, as _score
         try:

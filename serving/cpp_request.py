@@ -35,7 +35,7 @@ import torch
 
 from serving.features import FeatureEncoder
 from serving.model import ScoringModel
-from serving.request import decode_json, parse_request
+from serving.request import parse_request, read_request
 from stream.errors import ConfigError, clip
 from stream.features import hash_value
 from stream.files import read_regular, write_atomic
@@ -51,8 +51,7 @@ def encode_request(model: ScoringModel, body: bytes | dict[str, Any], history: S
     """``(values, offsets, dense)`` for one request, as ``ScoringApp._run`` computes them.
 
     ``history``: the user's clicked items' hashes, oldest first (what ``stream.history.UserHistory`` reads)."""
-    obj = decode_json(body) if isinstance(body, bytes) else body
-    req = parse_request(obj, max_candidates)
+    req = read_request(body, max_candidates) if isinstance(body, bytes) else parse_request(body, max_candidates)
     return FeatureEncoder(model).encode(req, list(history))
 
 

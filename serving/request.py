@@ -15,7 +15,9 @@ hashed by the same code (``stream/features.py``) into the same features the mode
 ``POST /v1/score:batch``: ``{"requests": [<score request>, ...]}``.
 
 Every violation raises :class:`RequestError` carrying the HTTP status and a message that names the
-field, the value and what was expected.
+field, the value and what was expected. Integers are read as written, as the event decoders read them
+(:func:`stream.events.exactly`): an integer literal outside int64 is a 422 in an id or a context value, shown as
+written (orjson reads one past 2**64 - 1 as a float); in ``dense`` it is kept exact.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from stream.events import (
     check_dense,
     check_id,
     count_keys,
+    exactly,
     reject_duplicate_keys,
 )
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
@@ -67,27 +70,12 @@ class ScoreRequest:
     where: str = ""
 
 
-def _invalid(field: str, value: Any, expected: str) -> RequestError:
-    return RequestError(422, ValidationError(field, value, expected).reason)  # the events' message format
-
-
-def _id(field: str, value: Any) -> Id:
+def _refused(parse: Any, *args: Any) -> Any:
+    """``parse(*args)``, a :class:`~stream.errors.BadMessage` of the events' checks (a ValidationError, too many
+    keys) answered as a 422 with the events' message: the checks raise it (not a RequestError) so that
+    :func:`~stream.events.exactly` sees a float that may be an integer literal past int64."""
     try:
-        return check_id(field, value)
-    except BadMessage as exc:  # ValidationError, or a limit the events enforce (stream/limits.py)
-        raise RequestError(422, exc.reason) from None
-
-
-def _context(field: str, value: Any) -> dict[str, ContextValue]:
-    try:
-        return check_context(value, field)  # the events' own rules: serving accepts what the joiner accepts
-    except BadMessage as exc:  # ValidationError, or too many keys (a BadMessage of its own kind)
-        raise RequestError(422, exc.reason) from None
-
-
-def _dense(field: str, value: Any) -> dict[str, float]:
-    try:
-        return check_dense(value, field)
+        return parse(*args)
     except BadMessage as exc:
         raise RequestError(422, exc.reason) from None
 
@@ -100,8 +88,8 @@ def _unknown(field: str, obj: dict[str, Any], allowed: frozenset[str]) -> None:
         raise RequestError(422, f"unknown field {where!r}; allowed: {', '.join(sorted(allowed))}")
 
 
-def _items(where: str, items_raw: list[Any]) -> tuple[list[Id], list[dict[str, ContextValue]] | None,
-                                                      list[dict[str, float]] | None]:
+def _items(where: str, items_raw: list[Any], exact: bool = True) -> tuple[
+        list[Id], list[dict[str, ContextValue]] | None, list[dict[str, float]] | None]:
     """The candidates one by one: ids, and the per-item context and dense overrides (None where no item has any)."""
     items: list[Id] = []
     item_context: list[dict[str, ContextValue]] | None = None
@@ -109,27 +97,37 @@ def _items(where: str, items_raw: list[Any]) -> tuple[list[Id], list[dict[str, C
     for i, it in enumerate(items_raw):
         t = type(it)
         if t is str or t is int:
-            items.append(_id(f"{where}items[{i}]", it))
+            items.append(check_id(f"{where}items[{i}]", it))
             continue
         if t is not dict:
-            raise _invalid(f"{where}items[{i}]", it, "an item id or an object {item_id, context, dense}")
+            raise ValidationError(f"{where}items[{i}]", it, "an item id or an object {item_id, context, dense}")
         _unknown(f"{where}items[{i}]", it, _ITEM_FIELDS)
         if "item_id" not in it:
             raise RequestError(422, f"field {f'{where}items[{i}].item_id'!r} is required")
-        items.append(_id(f"{where}items[{i}].item_id", it["item_id"]))
+        items.append(check_id(f"{where}items[{i}].item_id", it["item_id"]))
         if "context" in it:
             if item_context is None:
                 item_context = [{} for _ in items_raw]
-            item_context[i] = _context(f"{where}items[{i}].context", it["context"])
+            item_context[i] = check_context(it["context"], f"{where}items[{i}].context", exact=exact)
         if "dense" in it:
             if item_dense is None:
                 item_dense = [{} for _ in items_raw]
-            item_dense[i] = _dense(f"{where}items[{i}].dense", it["dense"])
+            item_dense[i] = check_dense(it["dense"], f"{where}items[{i}].dense", exact=exact)
     return items, item_context, item_dense
 
 
 def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreRequest:
-    """A decoded JSON value -> :class:`ScoreRequest`, or :class:`RequestError` (422)."""
+    """A decoded JSON value (integers exact: a Python value, ``json.loads``'s) -> :class:`ScoreRequest`, or
+    :class:`RequestError` (422). A body: :func:`read_request`."""
+    return _refused(_request, obj, True, max_candidates, where)
+
+
+def read_request(body: bytes, max_candidates: int) -> ScoreRequest:
+    """``POST /v1/score``'s body -> :class:`ScoreRequest`, integers read as written; :class:`RequestError`."""
+    return _refused(exactly, body, decode_json(body), _request, max_candidates, "")
+
+
+def _request(obj: Any, exact: bool, max_candidates: int, where: str) -> ScoreRequest:
     if type(obj) is not dict:
         raise RequestError(422, f"{where.rstrip('.') or 'body'}: expected a JSON object {{user_id, items, context}}, "
                            f"got {type(obj).__name__}")
@@ -137,10 +135,10 @@ def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreReques
     for name in ("user_id", "items"):
         if name not in obj:
             raise RequestError(422, f"field {where + name!r} is required")
-    user = _id(where + "user_id", obj["user_id"])
+    user = check_id(where + "user_id", obj["user_id"])
     items_raw = obj["items"]
     if type(items_raw) is not list:
-        raise _invalid(where + "items", items_raw, "a list of item ids or {item_id, context, dense} objects")
+        raise ValidationError(where + "items", items_raw, "a list of item ids or {item_id, context, dense} objects")
     if not items_raw:
         raise RequestError(422, f"field {where + 'items'!r}: empty; send at least one candidate")
     if len(items_raw) > max_candidates:
@@ -149,9 +147,9 @@ def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreReques
     if all_ids(items_raw):  # bare ids only, each valid as it is (the common request): no call per candidate
         items, item_context, item_dense = list(items_raw), None, None
     else:
-        items, item_context, item_dense = _items(where, items_raw)
-    return ScoreRequest(user, items, _context(where + "context", obj.get("context")),
-                        _dense(where + "dense", obj.get("dense")), item_context, item_dense, where)
+        items, item_context, item_dense = _items(where, items_raw, exact)
+    return ScoreRequest(user, items, check_context(obj.get("context"), where + "context", exact=exact),
+                        check_dense(obj.get("dense"), where + "dense", exact=exact), item_context, item_dense, where)
 
 
 def decode_json(body: bytes) -> Any:
@@ -173,16 +171,21 @@ def decode_json(body: bytes) -> Any:
     return obj
 
 
-def parse_batch(obj: Any, max_candidates: int, max_batch: int) -> list[ScoreRequest]:
+def read_batch(body: bytes, max_candidates: int, max_batch: int) -> list[ScoreRequest]:
+    """``POST /v1/score:batch``'s body, as :func:`read_request` reads one request's."""
+    return _refused(exactly, body, decode_json(body), _batch, max_candidates, max_batch)
+
+
+def _batch(obj: Any, exact: bool, max_candidates: int, max_batch: int) -> list[ScoreRequest]:
     if type(obj) is not dict:
         raise RequestError(422, f"body: expected a JSON object {{requests: [...]}}, got {type(obj).__name__}")
     _unknown("", obj, frozenset({"requests"}))
     reqs = obj.get("requests")
     if type(reqs) is not list or not reqs:
-        raise _invalid("requests", reqs, "a non-empty list of score requests")
+        raise ValidationError("requests", reqs, "a non-empty list of score requests")
     if len(reqs) > max_batch:
         raise RequestError(422, f"field 'requests': {len(reqs)} requests, at most {max_batch} per batch call")
-    return [parse_request(r, max_candidates, where=f"requests[{i}].") for i, r in enumerate(reqs)]
+    return [_request(r, exact, max_candidates, f"requests[{i}].") for i, r in enumerate(reqs)]
 
 
 # -- OpenAPI ---------------------------------------------------------------------------------------
@@ -195,10 +198,10 @@ def _id_schema(description: str) -> dict[str, Any]:
 _LIMITS = DEFAULT_LIMITS
 _INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
 _STR = {"type": "string", "maxLength": _LIMITS.max_str_len}
-# anyOf, not oneOf: an integer is a number too, and oneOf would then forbid it. The JSON decoder (orjson)
-# reads integers up to 2**64 - 1 as integers and larger ones as floats; an integer context value must fit
-# int64 (stream/events.py), so exactly the integers in [2**63, 2**64 - 1] are refused: the `not` says so.
-_NUMBER = {"type": "number", "not": {"type": "integer", "minimum": 2**63, "maximum": 2**64 - 1}}
+# anyOf, not oneOf: an integer is a number too, and oneOf would then forbid it. An integer literal must fit int64
+# whatever its size (read as written, stream/events.py), any finite float literal is a value: the `not` says so
+# (OpenAPI 3.0's JSON Schema: an integer is a number written without a fraction or an exponent).
+_NUMBER = {"type": "number", "not": {"type": "integer"}}
 _CONTEXT_VALUE = {"anyOf": [_STR, _INT64, _NUMBER, {"type": "boolean"},
                             {"type": "array", "maxItems": MAX_LIST_LEN, "items": {"anyOf": [_STR, _INT64]}}]}
 _DENSE_VALUE = {"type": "number", "minimum": -DENSE_BOUND, "exclusiveMinimum": True,

@@ -110,8 +110,8 @@ _BIG = 2.0**63  # a float this large may be an integer literal orjson could not 
 
 
 class _Inexact(Exception):
-    """A checked value is a float of magnitude >= 2**63, maybe an integer literal orjson read as a float: the caller
-    parses the text again with exact integers (never leaves this module)."""
+    """A checked value is a float of magnitude >= 2**63, maybe an integer literal orjson read as a float:
+    :func:`exactly` parses the text again with exact integers (it catches every one raised under it)."""
 
 
 def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
@@ -136,10 +136,12 @@ def _version(obj: dict[str, Any]) -> None:
         raise ValidationError("schema_version", version, f"one of {sorted(SUPPORTED_VERSIONS)}")
 
 
-def _exactly(raw: bytes | None, obj: dict[str, Any], build: Any, *args: Any) -> Any:
+def exactly(raw: bytes | None, obj: Any, build: Any, *args: Any) -> Any:
     """``build(obj, False, *args)``; where that meets a float of magnitude >= 2**63 (:class:`_Inexact`, or a
     :class:`ValidationError` whose value is or lists one), ``build`` of ``raw`` parsed again keeping integers exact,
-    so an integer literal past int64 is rejected (or, in ``dense``, kept) as written. Costs nothing otherwise."""
+    so an integer literal past int64 is rejected (or, in ``dense``, kept) as written. Costs nothing otherwise.
+    ``obj``: ``orjson.loads(raw)``; ``build(obj, exact, *args)`` passes ``exact`` to :func:`check_context` and
+    :func:`check_dense` and raises :class:`ValidationError` (the event decoders; serving's request parser too)."""
     try:
         return build(obj, False, *args)
     except (ValidationError, _Inexact) as exc:
@@ -303,7 +305,7 @@ def check_context(value: Any, field: str = "context", limits: EventLimits = DEFA
                   exact: bool = True) -> dict[str, ContextValue]:
     """A context object (events, and serving requests: ``field`` names it in the error). ``exact=False``: ``value``
     is orjson's, whose float of magnitude >= 2**63 may be an integer literal past int64: such a float raises
-    :class:`_Inexact` (the event decoders parse the text again)."""
+    :class:`_Inexact` (:func:`exactly` parses the text again)."""
     if value is None:
         return {}
     if type(value) is not dict:
@@ -380,7 +382,7 @@ def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
     """One ``impressions`` message. ``broker_ts_ms``: the message's timestamp, which bounds how far in the
     future ``ts`` may be (``limits.future_ts_s``); ``None`` skips that check. ``key``: the message's key, checked
     last (:func:`check_key`)."""
-    imp: Impression = _exactly(raw, obj := _load(raw, limits), _impression, limits, broker_ts_ms)
+    imp: Impression = exactly(raw, obj := _load(raw, limits), _impression, limits, broker_ts_ms)
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
     check_key(key, imp.impression_id)
     return imp
@@ -388,7 +390,7 @@ def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
 
 def decode_click(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS, broker_ts_ms: int | None = None,
                  key: bytes | None = None) -> Click:
-    click: Click = _exactly(raw, obj := _load(raw, limits), _click, limits, broker_ts_ms)
+    click: Click = exactly(raw, obj := _load(raw, limits), _click, limits, broker_ts_ms)
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]
     check_key(key, click.impression_id)
     return click
