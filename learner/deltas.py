@@ -64,7 +64,18 @@ admitted id's row (``RowMapper.owned_rows``; on N ranks each rank its shares', `
 first delta after it carries the maps (they are due at a writer's start), so serving gets the maps together with every
 row they give an id: no id is left on a row that holds another id's vector (the reverse of :meth:`DeltaWriter.hold`).
 Its size: (8 + 4 (D + 1)) bytes per admitted id on top of the maps: measured, 117 MB per million admitted ids at
-D = 16 (the maps alone 41 MB), so about 1.2 GB for 10 M, under the reader's 4 GiB limit (:data:`MAX_BYTES`) to ~35 M.
+D = 16 (the maps alone 41 MB), so about 1.2 GB for 10 M; past the reader's limit it goes out in parts (below).
+
+Parts: the reader refuses unread a file over :data:`MAX_BYTES` (the one limit, read by writer and reader alike) and
+skips it for good, so a delta that would be larger (the resend above at ~35 M ids, or any long interval's rows) is
+written as several, seq after seq, each within it, all with the same ``samples_trained`` (an artifact holds all or
+none of them) and the dense weights. Serving applies a delta's maps and rows at once, so neither order of plain parts
+is safe: the maps first put ids on rows still holding the vectors other ids left there, the rows first give the ids
+serving's old maps put there the new ids' vectors. So the first part carries the maps with no id admitted
+(``id_map.without_admitted``: every id on its bucket, a shared vector that is nobody's own), the parts after it rows
+only, and the last the real maps with the last rows: no id reads an own row between the first part and the last,
+and when it does again every row the maps give it has arrived. (Admitted ids score on their buckets meanwhile; a
+part whose write fails leaves serving there until the retry, which sends the rows still marked and the maps.)
 
 Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
 where it lies (a file that is a symlink resolving outside its directory is refused unread), checksum,
@@ -97,7 +108,8 @@ from prometheus_client import Counter as PCounter
 from torch import nn
 
 from learner import checkpoint as ckpt_io
-from learner.tensorpack import PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
+from learner.id_map import without_admitted
+from learner.tensorpack import ALIGN, PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
 from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, fsync_dir, open_regular, read_regular, write_atomic
@@ -514,14 +526,56 @@ class DeltaWriter:
         A write that fails (a full disk, the directory gone) is survived, as a checkpoint's is: logged, counted
         (``failed``, ``streamrec_learner_delta_write_failures_total``), nothing is half-visible (the file is written
         aside and renamed), the marks and the pending list stay, and the next due time tries again with the same
-        seq (serving sees no gap), and the maps with it when it carried them; None is returned. Training goes on."""
+        seq (serving sees no gap), and the maps with it when it carried them; None is returned. Training goes on.
+        A delta past the reader's :data:`MAX_BYTES` goes out in parts (module docstring "Parts"); the last one's
+        path is returned."""
+        if id_maps is None and self.id_maps_source is not None and self.maps_due():
+            id_maps = self.id_maps_source()
+        bounds = self._parts(rows, vectors, dense_state, samples_trained, id_maps)
+        path = None
+        for i, (lo, hi) in enumerate(bounds):
+            last = i == len(bounds) - 1
+            maps = id_maps if last or id_maps is None or i else {n: without_admitted(m) for n, m in id_maps.items()}
+            if (path := self._write_one(rows[lo:hi], vectors[lo:hi], dense_state, samples_trained,
+                                        None if not last and i else maps, last and id_maps is not None)) is None:
+                return None
+        return path
+
+    def _parts(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor],
+               samples_trained: int, id_maps: dict[str, Any] | None) -> list[tuple[int, int]]:
+        """``[lo, hi)`` of the rows of each part, every one within :data:`MAX_BYTES` (module docstring "Parts")."""
+        def size(n: int, maps: dict[str, Any] | None) -> int:  # the file bytes with n rows (+ header digits)
+            payload = {"seq": self.seq + 1, "samples_trained": int(samples_trained), "created": time.time(),
+                       "lineage": self.lineage, "rows": rows[:0], "vectors": vectors[:0], "dense_state": dense_state}
+            return len(encode_delta({**payload, **({"id_maps": maps} if maps is not None else {})}, self.key)) + (
+                n * (rows.element_size() + vectors[:1].numel() * vectors.element_size()) + 2 * ALIGN + 64)
+
+        if size(len(rows), id_maps) <= MAX_BYTES:
+            return [(0, len(rows))]
+        empty = {n: without_admitted(m) for n, m in id_maps.items()} if id_maps is not None else None
+        fixed = [size(0, m) for m in (empty, None, id_maps)]  # first part, middle parts, last part
+        row_bytes = size(1, None) - fixed[1]
+        caps = [(MAX_BYTES - f) // row_bytes for f in fixed]
+        if min(caps) < 1:
+            log.error("a delta's id maps and dense weights alone come near the reader's %d-byte limit: written as "
+                      "one delta, which serving refuses; lower id_capacity or raise the limit", MAX_BYTES)
+            return [(0, len(rows))]
+        bounds: list[tuple[int, int]] = []
+        lo = 0
+        while len(rows) - lo > caps[2]:
+            step = min(caps[0] if not bounds else caps[1], len(rows) - lo - caps[2])  # (the last part full)
+            bounds.append((lo, lo + step))
+            lo += step
+        return [*bounds, (lo, len(rows))]
+
+    def _write_one(self, rows: torch.Tensor, vectors: torch.Tensor, dense_state: dict[str, torch.Tensor],
+                   samples_trained: int, id_maps: dict[str, Any] | None, full_maps: bool) -> Path | None:
+        """One delta file (:meth:`write_rows`); ``full_maps``: ``id_maps`` are the learner's (not a part's first)."""
         seq = self.seq + 1
         self._reserve(seq)
         payload: dict[str, Any] = {"seq": seq, "samples_trained": int(samples_trained), "created": time.time(),
                                    "lineage": self.lineage, "rows": rows, "vectors": vectors,
                                    "dense_state": dense_state}
-        if id_maps is None and self.id_maps_source is not None and self.maps_due():
-            id_maps = self.id_maps_source()
         if id_maps is not None:
             payload["id_maps"] = id_maps
         data = encode_delta(payload, self.key)
@@ -536,7 +590,7 @@ class DeltaWriter:
                       "with the next delta", seq, self.directory, exc)
             return None
         self.seq = seq
-        if id_maps is not None:  # (only now: after a failed write the maps stay due, the retry carries them)
+        if full_maps:  # (only now: after a failed write the maps stay due, the retry carries them)
             self.held.zero_()
             self._last_maps = self.clock()
         self.touched[rows.to(self.touched.device)] = False  # the rows held back stay marked (and listed) for later

@@ -212,6 +212,15 @@ class _Table:
         return out, (np.concatenate(claimed) if claimed else np.empty(0, dtype=np.int64))
 
 
+def without_admitted(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An :meth:`IdMap.state_dict` with no id admitted (every key on its bucket, every own row free), the rest as it
+    was: the maps a delta sent in parts carries first, so no id reads an own row until the last part's maps
+    (``learner/deltas.py``, "Parts")."""
+    capacity = len(state["row_key"])
+    return {**state, "row_key": torch.full((capacity,), EMPTY, dtype=torch.int64),
+            "row_seen": torch.zeros_like(state["row_seen"]), "free": torch.arange(capacity - 1, -1, -1)}
+
+
 def first_seen_of(state: Mapping[str, Any], gen: str) -> np.ndarray:
     """(K,) float64: the first-seen event times of a state's ``gen`` ("cur" or "prev") candidates, NaN (unknown) in a
     state written before they were kept."""
