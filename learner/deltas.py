@@ -211,6 +211,23 @@ def encode_delta(payload: dict[str, Any], key: SigningKey | None = None) -> byte
     return pack({"kind": KIND, "format": FORMAT, **payload}, key)
 
 
+def _rough_bytes(obj: Any) -> int:
+    """An upper bound of what ``obj`` (tensors, arrays, and containers of them) adds to a delta file: its data, plus
+    room for each leaf's header and alignment. Lets :meth:`DeltaWriter._parts` skip encoding a delta twice to measure
+    it: only one this bound puts near :data:`MAX_BYTES` is measured exactly."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size() + 512
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes) + 512
+    if isinstance(obj, dict):
+        return sum(_rough_bytes(k) + _rough_bytes(v) for k, v in obj.items()) + 64
+    if isinstance(obj, (list, tuple)):
+        return sum(_rough_bytes(v) for v in obj) + 64
+    if isinstance(obj, (str, bytes)):
+        return 6 * len(obj) + 64  # (JSON writes a char in at most 6 bytes: \\uXXXX)
+    return 64
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -550,7 +567,8 @@ class DeltaWriter:
             return len(encode_delta({**payload, **({"id_maps": maps} if maps is not None else {})}, self.key)) + (
                 n * (rows.element_size() + vectors[:1].numel() * vectors.element_size()) + 2 * ALIGN + 64)
 
-        if size(len(rows), id_maps) <= MAX_BYTES:
+        rough = _rough_bytes([rows, vectors, dense_state, id_maps])  # an upper bound without encoding (cheap)
+        if rough <= MAX_BYTES or size(len(rows), id_maps) <= MAX_BYTES:
             return [(0, len(rows))]
         empty = {n: without_admitted(m) for n, m in id_maps.items()} if id_maps is not None else None
         fixed = [size(0, m) for m in (empty, None, id_maps)]  # first part, middle parts, last part

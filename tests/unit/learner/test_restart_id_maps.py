@@ -161,3 +161,30 @@ def test_a_resend_past_the_readers_byte_limit_goes_out_in_parts_that_serving_rea
         assert served.map_rows(0, users).tolist() == second.mapper.rows(0, users).tolist()
     finally:
         second.close()
+
+
+def test_a_delta_under_the_byte_limit_is_encoded_once_its_size_bounded_without_encoding(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split needs a delta's size; encoding every delta twice to learn it (the maps are ~41 MB per million ids)
+    doubled the writer's work. A cheap upper bound (``_rough_bytes``) spares it below the limit: the resend after a
+    restart, the largest delta there is, is encoded once, and the bound is above its real size."""
+    ls = _settings(tmp_path)
+    _first_run(tmp_path)
+    second = Learner(KAFKA, ls)
+    try:
+        assert second._restore() and second.trainer is not None and second.deltas is not None
+        assert second.mapper is not None
+        second._train(to_tensors(AFTER[0], CFG))
+        resent = second.deltas.touched.nonzero().squeeze(1)  # (R,)
+        weight = second.trainer.model.state_dict()["sparse.bag.weight"]  # (num_rows, D + 1)
+        tree = [resent, weight[resent].float(), dense_weights(second.trainer.model), second.mapper.state_dict()]
+        size = len(encode_delta({"seq": 1, "samples_trained": 0, "created": 0.0, "lineage": None, "rows": tree[0],
+                                 "vectors": tree[1], "dense_state": tree[2], "id_maps": tree[3]}))
+        assert size <= deltas_mod._rough_bytes(tree) < 2 * size + 65536
+        encoded: list[int] = []
+        monkeypatch.setattr(deltas_mod, "encode_delta",
+                            lambda *a, **kw: encoded.append(1) or encode_delta(*a, **kw))
+        assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
+        assert len(encoded) == 1
+    finally:
+        second.close()
