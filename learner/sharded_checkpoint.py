@@ -77,10 +77,11 @@ def describe_newest(directory: Path) -> str | None:
     return f"newest {done[-1].name}, written{ranks} under torchrun"
 
 
-def latest(directory: Path, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
+def latest(directory: Path, verify: bool = True, restore: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """(path, meta) of the newest complete sharded checkpoint, None when there is none. Collective under a process
     group (every rank calls it: :func:`lost_parts`). ``verify=False`` (``streamrec train --status``): every part's
-    presence and size checked, no data file read (its sha256 costs about 1 s per 800 MiB)."""
+    presence and size checked, no data file read (its sha256 costs about 1 s per 800 MiB). ``restore`` (the ranks'
+    restore, :func:`unshard`): every field they read present too (:func:`_bad_field`)."""
     done = list_complete(directory)
     if not done:
         return None
@@ -94,6 +95,8 @@ def latest(directory: Path, verify: bool = True) -> tuple[Path, dict[str, Any]] 
             f"sharded checkpoint {done[-1]} (written by {meta.get('world_size')} ranks) lacks {', '.join(lost)}: "
             f"its files were lost or damaged after it was written; move it out of {directory} to resume from (or "
             "unshard) the one before it")
+    if restore and (missing := [n for n in RESTORED if n not in meta]):
+        raise _damaged(done[-1], directory, f'\'s "{missing[0]}" is missing')
     return done[-1], meta
 
 
@@ -112,25 +115,65 @@ def _read_meta(path: Path, directory: Path) -> dict[str, Any]:
             return meta
         else:
             reason = f"'s {bad}"
-    raise checkpoint.CheckpointError(
+    raise _damaged(path, directory, reason)
+
+
+def _damaged(path: Path, directory: Path, reason: str) -> checkpoint.CheckpointError:
+    return checkpoint.CheckpointError(
         f"sharded checkpoint {path}: its {META}{reason}: it was torn or edited after it was written; move it out of "
         f"{directory} to resume from (or unshard) the one before it")
 
 
-_FIELDS = {"world_size": (1, True), "samples_trained": (0, True), "format_version": (0, False)}  # (least, required)
+_FIELDS = {"world_size": (1, True), "samples_trained": (0, True), "format_version": (0, False),  # (least, required)
+           "steps": (0, False), "duplicates": (0, False), "metrics_window": (1, False), "delta_seq": (0, False)}
+# What the ranks' restore and unshard read besides: every sharded checkpoint ever written records each
+# (`git log -p learner/sharded_daemon.py`); `train --status` and the part checks print or need none of them.
+RESTORED = ("steps", "offsets", "partition_rows", "duplicates", "feature_config", "model", "shape", "topic", "lineage")
 
 
 def _bad_field(meta: dict[str, Any]) -> str | None:
-    """What is wrong with the fields of a ``meta.json`` that :func:`latest` and :func:`lost_parts` read (an integer
-    of at least its least value; ``format_version`` may be absent: read as 0); None: sound. (Its ``sha256`` entry:
-    :func:`_bad_sums`.)"""
+    """What is wrong with the fields of a ``meta.json`` (an integer of at least its least value; ``format_version``
+    absent: read as 0; ``delta_seq`` may be null; partition -> integer maps; a feature config and model settings that
+    build); None: sound. Those of :data:`RESTORED` may be absent here (:func:`latest`'s ``restore`` requires them);
+    ``sha256``: :func:`_bad_sums`. A mistyped one ended the restore and ``--unshard`` in a raw KeyError, TypeError or
+    ValueError deep inside them."""
     for name, (least, required) in _FIELDS.items():
         if name not in meta:
             if required:
                 return f'"{name}" is missing'
-        elif type(meta[name]) is not int or meta[name] < least:  # (a bool is no count)
-            return f'"{name}" is {str(meta[name])[:80]!r}, not an integer of at least {least}'
+        elif not (type(meta[name]) is int and meta[name] >= least) and not (name == "delta_seq" and meta[name] is None):
+            return f'"{name}" is {str(meta[name])[:80]!r}, not an integer of at least {least}'  # (a bool is no count)
+    for name in ("offsets", "partition_rows"):
+        v = meta.get(name, {})
+        if not (isinstance(v, dict) and all(re.fullmatch("[0-9]+", p) and type(n) is int and n >= 0
+                                            for p, n in v.items())):
+            return f'"{name}" is {str(v)[:80]!r}, not a map of partition -> integer of at least 0'
+    for name, kind in (("shape", dict), ("topic", str), ("lineage", str)):
+        if name in meta and not isinstance(meta[name], kind):
+            return f'"{name}" is {str(meta[name])[:80]!r}, not a {"JSON object" if kind is dict else "string"}'
+    return _bad_configs(meta)
+
+
+def _bad_configs(meta: dict[str, Any]) -> str | None:
+    """Why ``meta``'s feature config or model settings do not build what the restore and unshard build from them;
+    None: they do (or are absent)."""
+    for name, build in (("feature_config", FeatureConfig.from_dict), ("model", _model_settings)):
+        try:
+            if name in meta:
+                build(meta[name])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return f'"{name}" is {str(meta[name])[:80]!r} ({type(exc).__name__}: {str(exc)[:120]})'
     return None
+
+
+def _model_settings(ms: dict[str, Any]) -> None:
+    """Raises what :func:`unshard` would on ``meta["model"]`` (the ranks' restore takes today's settings)."""
+    from learner.config import ModelConfig
+
+    ModelConfig.from_meta(ms)
+    for key in ("lr_sparse", "lr_dense", "dropout", "boost", "boost_half_life", "initial_accumulator"):
+        float(ms[key] if key.startswith("lr_") else ms.get(key, 0.0))
+    int(ms.get("seed", 0))
 
 
 def _data_ends(path: Path) -> dict[str, int]:
@@ -333,7 +376,7 @@ def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> 
         raise checkpoint.CheckpointError(f"{dst} holds sharded checkpoints (dcp-*): unshard into another directory, "
                                          "one for single-process checkpoints")
     checkpoint.check_directory(Path(dst), setting)
-    found = latest(src)
+    found = latest(src, restore=True)
     if found is None:
         raise checkpoint.CheckpointError(f"no complete sharded checkpoint (dcp-*/meta.json) in {src}")
     path, meta = found

@@ -269,7 +269,7 @@ class ShardedLearner:
                 "dense_opt": dense_opt_state(self.trainer.dense_opt, {id(p): n for n, p in self._dense})}
 
     def _restore(self) -> bool:
-        found = sharded_checkpoint.latest(self.ls.checkpoint_dir)
+        found = sharded_checkpoint.latest(self.ls.checkpoint_dir, restore=True)
         if found is None:
             single = checkpoint.list_checkpoints(Path(self.ls.checkpoint_dir))
             if single:  # a fresh model would train again, from offset 0, what that one was trained on

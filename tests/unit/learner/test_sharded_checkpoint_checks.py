@@ -120,7 +120,62 @@ MISTYPED_FIELDS: dict[str, tuple[str, Any]] = {  # id -> (field, value; ... is t
     "format_version_text": ("format_version", "x"), "format_version_bool": ("format_version", True),
     "format_version_negative": ("format_version", -1),
     "samples_trained_text": ("samples_trained", "many"), "samples_trained_missing": ("samples_trained", ...),
+    # what the restore and --unshard read besides (a raw ValueError, TypeError or AttributeError deep inside them)
+    "steps_text": ("steps", "7"), "steps_negative": ("steps", -1), "duplicates_float": ("duplicates", 1.5),
+    "metrics_window_text": ("metrics_window", "big"), "offsets_list": ("offsets", [5]),
+    "offsets_text_offset": ("offsets", {"0": "x"}), "offsets_negative_partition": ("offsets", {"-1": 5}),
+    "offsets_negative": ("offsets", {"0": -2}), "partition_rows_text": ("partition_rows", "all"),
+    "partition_rows_float": ("partition_rows", {"0": 2.5}), "feature_config_list": ("feature_config", [1]),
+    "feature_config_no_fields": ("feature_config", {"embedding_dim": 8}),
+    "feature_config_bad_field": ("feature_config", {"fields": [{"name": "u", "num_buckets": "9"}], "embedding_dim": 8}),
+    "model_text": ("model", "deepfm"), "model_no_rates": ("model", {"mlp": "8"}),
+    "model_text_rate": ("model", {"mlp": "8", "lr_sparse": "fast", "lr_dense": 0.1}),
+    "model_bad_mlp": ("model", {"mlp": "wide", "lr_sparse": 0.1, "lr_dense": 0.1}),
+    "shape_list": ("shape", ["mlp"]), "topic_number": ("topic", 5), "lineage_number": ("lineage", 5),
+    "delta_seq_text": ("delta_seq", "3"),
 }
+
+SOUND = {"steps": 3, "offsets": {"0": 10, "1": 0}, "partition_rows": {"0": 10}, "duplicates": 0, "metrics_window": 100,
+         "model": {"mlp": "8", "lr_sparse": 0.05, "lr_dense": 0.001, "dropout": 0.0}, "shape": {"mlp": "8"},
+         "topic": "samples", "lineage": "abc", "delta_seq": None}
+
+
+def _sound_meta() -> dict[str, Any]:
+    from learner.features import default_config
+
+    return {**SOUND, "feature_config": default_config({"city": "single"}, buckets=10, ctx_buckets=4,
+                                                      embedding_dim=4).to_dict()}
+
+
+def _edit_meta(path: Path, **fields: Any) -> None:
+    meta = json.loads((path / sharded_checkpoint.META).read_text())
+    meta.update(fields)
+    (path / sharded_checkpoint.META).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("field", sorted([*SOUND, "feature_config"]))
+def test_a_field_the_restore_reads_missing_is_a_damaged_checkpoint_at_restore_and_unshard_not_a_key_error(
+        tmp_path: Path, field: str) -> None:
+    """Every sharded checkpoint ever written records these (``git log -p learner/sharded_daemon.py``; ``delta_seq``
+    and ``metrics_window`` may be absent: read as null and the default); one left out of a hand-edited meta.json
+    ended ``--unshard`` (and the ranks' restore) in a raw KeyError. ``train --status`` prints what there is."""
+    _save(tmp_path, 100)
+    newer = _save(tmp_path, 200)
+    _edit_meta(newer, **_sound_meta())
+    assert sharded_checkpoint.latest(tmp_path, restore=True) is not None  # sound: passes
+    raw = json.loads((newer / sharded_checkpoint.META).read_text())
+    del raw[field]
+    (newer / sharded_checkpoint.META).write_text(json.dumps(raw))
+    if field in ("delta_seq", "metrics_window"):  # optional: a checkpoint from before them
+        assert sharded_checkpoint.latest(tmp_path, restore=True) is not None
+        return
+    assert sharded_checkpoint.latest(tmp_path) is not None  # --status and the part checks: what there is
+    for refused in (lambda: sharded_checkpoint.latest(tmp_path, restore=True),
+                    lambda: sharded_checkpoint.unshard(tmp_path, tmp_path / "single")):
+        with pytest.raises(checkpoint.CheckpointError) as caught:
+            refused()
+        said = str(caught.value)
+        assert str(newer) in said and f'meta.json\'s "{field}" is missing' in said and "the one before it" in said
 
 
 @pytest.mark.parametrize("case", sorted(MISTYPED_FIELDS))
