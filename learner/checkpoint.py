@@ -124,15 +124,24 @@ class Checkpoint(Mapping[str, Any]):
 
     @property
     def samples_trained(self) -> int:
-        return int(self.meta["samples_trained"])
+        return count(self.meta, "samples_trained")
+
+    @property
+    def steps(self) -> int:
+        return count(self.meta, "steps")
+
+    @property
+    def duplicates(self) -> int:
+        return count(self.meta, "duplicates")
 
     @property
     def offsets(self) -> dict[int, int]:
         """Samples partition -> offset of the next message to train."""
-        out = {int(p): int(o) for p, o in self.meta.get("offsets", {}).items()}
-        if any(p < 0 or o < 0 for p, o in out.items()):  # librdkafka reads -1 as the end, -2 as the start
-            raise ValueError(f"checkpoint {self.path} has a negative partition or offset: {out}")
-        return out
+        return partition_counts(self.meta, "offsets")  # (librdkafka reads -1 as the end, -2 as the start)
+
+    @property
+    def partition_rows(self) -> dict[int, int]:
+        return partition_counts(self.meta, "partition_rows")
 
     # -- the stored layout, as a read-only mapping ------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
@@ -147,6 +156,26 @@ class Checkpoint(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return 2 + len(self.state)
+
+
+def count(meta: Mapping[str, Any], name: str, least: int = 0) -> int:
+    """``meta[name]``, an integer (no bool, no fraction, no text) of at least ``least``; else a ValueError naming the
+    field (KeyError: absent). A checkpoint's counts are read through it: ``"samples_trained": "many"`` was resumed
+    as the text (a TypeError at the first step trained), ``64.5`` or ``true`` as a number."""
+    v = meta[name]
+    if type(v) is not int or v < least:
+        raise ValueError(f'"{name}" is {str(v)[:80]!r}, not an integer of at least {least}')
+    return v
+
+
+def partition_counts(meta: Mapping[str, Any], name: str) -> dict[int, int]:
+    """``meta[name]`` (absent: empty) as partition -> count, every key a partition number's decimal text and every
+    value a :func:`count`; else a ValueError naming the field (``{"0": 1.5}`` was resumed at offset 1)."""
+    v = meta.get(name, {})
+    if not (isinstance(v, dict) and all(isinstance(p, str) and re.fullmatch("[0-9]+", p) and type(n) is int and n >= 0
+                                        for p, n in v.items())):
+        raise ValueError(f'"{name}" is {str(v)[:80]!r}, not a map of partition -> integer of at least 0')
+    return {int(p): n for p, n in v.items()}
 
 
 def _shape_of_v1(meta: Mapping[str, Any]) -> dict[str, Any]:

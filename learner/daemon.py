@@ -372,11 +372,10 @@ class Learner:
             for group in opt.param_groups:  # a restored optimizer keeps its state but takes today's rate
                 group["lr"] = lr
         self.trainer.metrics.load_state_dict(ckpt["metrics"])
-        self.trainer.samples, self.trainer.steps = meta["samples_trained"], meta["steps"]
+        self.trainer.samples, self.trainer.steps = ckpt.samples_trained, ckpt.steps
         self.offsets = ckpt.offsets
         self.bias = None
-        self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
-        self.duplicates = int(meta["duplicates"])
+        self.partition_rows, self.duplicates = Counter(ckpt.partition_rows), ckpt.duplicates
         self.recent.load(ckpt["recent_ids"])
         self._clock.load(ckpt.get("event_clock"))  # id ages go on from where they were, not from one new row
         self.trainer.dense_clip.load_state_dict(ckpt.get("dense_clip"))  # the clip's norms: no fresh window to pass

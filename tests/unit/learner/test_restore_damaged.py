@@ -38,9 +38,22 @@ def _negative_offset(raw: dict[str, Any]) -> None:
     raw["meta"]["offsets"] = {"0": -1}  # librdkafka's OFFSET_END: every sample of partition 0 skipped
 
 
+def _meta_field(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda raw: raw["meta"].__setitem__(name, value)
+
+
 DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "other_shape": _other_shape, "missing_tensor": _missing_tensor,
-    "meta_without_samples_trained": _meta_without_samples, "negative_offset": _negative_offset}
+    "meta_without_samples_trained": _meta_without_samples, "negative_offset": _negative_offset,
+    # resumed with the text as its count (a TypeError at the first step trained, long after the restore), or a
+    # fraction, a truth value or a negative count silently taken as a number
+    "samples_trained_text": _meta_field("samples_trained", "many"), "samples_trained_float": _meta_field(
+        "samples_trained", 64.5), "samples_trained_negative": _meta_field("samples_trained", -1),
+    "steps_text": _meta_field("steps", "7"), "steps_bool": _meta_field("steps", True),
+    "offset_fraction": _meta_field("offsets", {"0": 1.5}), "offset_bool": _meta_field("offsets", {"0": True}),
+    "offset_text": _meta_field("offsets", {"0": "x"}), "offsets_list": _meta_field("offsets", [5]),
+    "partition_rows_fraction": _meta_field("partition_rows", {"0": 2.5}),
+    "duplicates_text": _meta_field("duplicates", "none")}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
