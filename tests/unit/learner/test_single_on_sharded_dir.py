@@ -19,7 +19,8 @@ from stream.errors import ConfigError
 
 def _sharded(directory: Path, name: str, world_size: int) -> None:
     (directory / name).mkdir(parents=True)
-    (directory / name / sharded_checkpoint.META).write_text(json.dumps({"world_size": world_size}))
+    meta = {"world_size": world_size, "samples_trained": 800}  # (both required: sharded_checkpoint._bad_field)
+    (directory / name / sharded_checkpoint.META).write_text(json.dumps(meta))
 
 
 def test_a_single_process_learner_refuses_a_directory_of_sharded_checkpoints_and_says_how_to_go_on(
