@@ -169,9 +169,11 @@ def count(meta: Mapping[str, Any], name: str, least: int = 0) -> int:
 
 
 def partition_counts(meta: Mapping[str, Any], name: str) -> dict[int, int]:
-    """``meta[name]`` (absent: empty) as partition -> count, every key a partition number's decimal text and every
-    value a :func:`count`; else a ValueError naming the field (``{"0": 1.5}`` was resumed at offset 1)."""
-    v = meta.get(name, {})
+    """``meta[name]`` as partition -> count, every key a partition number's decimal text and every value a
+    :func:`count`; else a ValueError naming the field (``{"0": 1.5}`` was resumed at offset 1); KeyError: absent
+    (every checkpoint records both maps: no offsets read as none started every partition at 0, and each retained
+    sample was trained again)."""
+    v = meta[name]
     if not (isinstance(v, dict) and all(isinstance(p, str) and re.fullmatch("[0-9]+", p) and type(n) is int and n >= 0
                                         for p, n in v.items())):
         raise ValueError(f'"{name}" is {str(v)[:80]!r}, not a map of partition -> integer of at least 0')

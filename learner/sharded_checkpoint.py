@@ -144,7 +144,7 @@ def _bad_field(meta: dict[str, Any]) -> str | None:
                     return f'"{name}" is missing'
             elif not (name == "delta_seq" and meta[name] is None):
                 checkpoint.count(meta, name, least)
-        for name in ("offsets", "partition_rows"):
+        for name in (n for n in ("offsets", "partition_rows") if n in meta):
             checkpoint.partition_counts(meta, name)
     except ValueError as exc:
         return str(exc)

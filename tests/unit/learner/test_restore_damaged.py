@@ -53,7 +53,9 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "offset_fraction": _meta_field("offsets", {"0": 1.5}), "offset_bool": _meta_field("offsets", {"0": True}),
     "offset_text": _meta_field("offsets", {"0": "x"}), "offsets_list": _meta_field("offsets", [5]),
     "partition_rows_fraction": _meta_field("partition_rows", {"0": 2.5}),
-    "duplicates_text": _meta_field("duplicates", "none")}
+    "duplicates_text": _meta_field("duplicates", "none"),
+    # read as no offsets: every partition started at 0, each retained sample trained a second time
+    "offsets_missing": lambda raw: raw["meta"].pop("offsets")}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
