@@ -558,18 +558,21 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadFraming as exc:
             self._send(exc.status, "application/json", _error_body(exc.message), close=True)
             return
-        with self.app.admission(self.path) as refused:  # a slot of max_in_flight from the body's end to the answer
+        # a slot of max_in_flight from the body's end until the answer is ready, released before it is written: a
+        # client that has its answer and sends the next request at once found its own answered request's slot still
+        # held (a 503 under load); what an answer being written holds is bounded by max_connections
+        with self.app.admission(self.path) as refused:
             if refused is not None:
-                self._send(*refused)  # (its body was read: the connection goes on)
-                return
-            method = self.command
-            active = self.server.active
-            if active is None:
-                resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+                resp = refused  # (its body was read: the connection goes on)
             else:
-                with active:
+                method = self.command
+                active = self.server.active
+                if active is None:
                     resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
-            self._send(*resp)
+                else:
+                    with active:
+                        resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+        self._send(*resp)
 
     def handle_expect_100(self) -> bool:
         """``Expect: 100-continue``: the ``100 Continue`` goes out when the body is about to be read, so a request

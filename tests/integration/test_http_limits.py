@@ -619,3 +619,28 @@ def test_reuse_port_lets_a_second_server_share_the_port_and_both_answer(kind: st
             second.stop(0.5)
     finally:
         first.stop(0.5)
+
+
+def test_an_answered_requests_slot_is_free_when_its_client_sends_the_next(make: Make,
+                                                                        clients: Callable[..., Client],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With max_in_flight = 1, a client that has its answer and sends its next request at once (on another
+    connection) is not refused as overloaded by its own answered request: the threading server wrote the answer
+    while it still held the slot, so the next request could find it taken (a 503 under load; made certain here by a
+    slot released 0.3 s late)."""
+    srv, app = make(max_in_flight=1, request_timeout_s=5)
+    admission = app.admission
+
+    @contextmanager
+    def late_release(path: str) -> Iterator[Any]:
+        with admission(path) as refused:
+            yield refused
+            if refused is None:
+                time.sleep(0.3)  # (the slot is still held here)
+
+    monkeypatch.setattr(app, "admission", late_release)
+    for _ in range(3):  # each on a connection of its own (a connection's next request waits for its thread anyway)
+        c = clients(srv)
+        c.send(request("POST", "/v1/score", EMPTY_ITEMS))
+        status, _, body = c.response(timeout_s=5.0)
+        assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
