@@ -482,7 +482,7 @@ class Learner:
                 cfg = infer_feature_config(self.kafka, ls, timeout_s=min(PROBE_S, wait))
                 waited.tick()
             if cfg is None:
-                return self.summary(reason="no samples arrived")
+                return self.summary(reason="signal" if self._stop else "no samples arrived")
             self._build(cfg, self._model_settings())
             self.bias = BaseRateBias(prior_rate=ls.prior_click_rate) if ls.init_bias else None
             if self.bias is not None:

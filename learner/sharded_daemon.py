@@ -421,7 +421,7 @@ class ShardedLearner:
         if not self._restore():
             cfg = self._fresh_config()
             if cfg is None:
-                return self.summary(reason="no samples arrived")
+                return self.summary(reason="signal" if self._stop else "no samples arrived")
             self._build(cfg)
             if ls.init_bias:  # every rank the same value, after DDP copied rank 0's parameters
                 self.bias = BaseRateBias(prior_rate=ls.prior_click_rate)

@@ -27,7 +27,9 @@ from learner.trainer import Trainer
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
+from streamrec.stack import free_port
 from tests.bounded_teardown import Reaper
+from tests.monitoring_io import metric, scrape
 
 if TYPE_CHECKING:
     from learner.config import LearnerSettings
@@ -292,12 +294,17 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
                STREAMREC_LEARNER_CHECKPOINT_EVERY_S="3600", STREAMREC_LEARNER_GROUP_ID=f"l-{kafka.samples_topic}",
                STREAMREC_LEARNER_DELTAS_DIR=str(tmp_path / "deltas"), STREAMREC_LEARNER_DELTAS_EVERY_S="3600")
     ckpt = tmp_path / "ckpt"
+    port = free_port()
+    env["STREAMREC_LEARNER_METRICS_PORT"] = str(port)
     proc = reaper.add(subprocess.Popen(train_cmd(ckpt), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True))  # no idle exit: it runs for good unless stopped
     assert proc.stderr is not None
     while "training on" not in proc.stderr.readline():  # started (the daemon runs forever without a bound)
         assert proc.poll() is None, "the learner died at start"
-    time.sleep(2.0)
+    deadline = time.monotonic() + 120  # until it has trained (a fixed 2 s sleep: under load it had not, yet)
+    while not (metric(scrape(f"http://127.0.0.1:{port}/metrics"), "streamrec_learner_samples_total") or 0) > 0:
+        assert proc.poll() is None and time.monotonic() < deadline, "the learner trained nothing"
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]

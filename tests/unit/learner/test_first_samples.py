@@ -80,3 +80,21 @@ def test_a_stall_between_probes_counts_as_one_probe_against_exit_when_idle(monke
     clock.t += daemon.PROBE_S  # then two ordinary empty probes reach the limit
     clock.t += 0.3
     assert waited.tick() >= 10.0
+
+
+def test_a_learner_stopped_by_a_signal_before_its_first_samples_says_signal_not_no_samples(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """SIGTERM while a fresh learner waits for its first samples ended its run "no samples arrived": the operator's
+    stop read as an empty topic."""
+    learner = daemon.Learner(KafkaSettings(), LearnerSettings(checkpoint_dir=tmp_path / "ckpt"))
+
+    def stopped_in_the_probe(*args: Any, **kwargs: Any) -> None:
+        learner._stop = True  # (what the SIGTERM handler sets)
+        return None
+
+    monkeypatch.setattr(daemon, "infer_feature_config", stopped_in_the_probe)
+    monkeypatch.setattr(daemon.signal, "signal", lambda *a: None)
+    try:
+        assert learner.run()["reason"] == "signal"
+    finally:
+        learner.close()
