@@ -5,6 +5,7 @@ gave to other ids: the first delta after a restart must leave serving no id on a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -81,6 +82,25 @@ def _apply(served: ScoringModel, path: Path) -> None:
     served.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, d.id_maps, d.samples_trained)
 
 
+def _restarted_resend(ls: LearnerSettings) -> tuple[Learner, torch.Tensor, torch.Tensor, list[Any]]:
+    """A learner restored from the first run's checkpoint that trained one batch: it, the rows its next delta resends
+    (R,), its table (num_rows, D + 1), and that delta's tree [rows, vectors, dense weights, id maps]."""
+    second = Learner(KAFKA, ls)
+    assert second._restore() and second.trainer is not None and second.deltas is not None
+    assert second.mapper is not None
+    second._train(to_tensors(AFTER[0], CFG))
+    resent = second.deltas.touched.nonzero().squeeze(1)  # (R,)
+    weight = second.trainer.model.state_dict()["sparse.bag.weight"]  # (num_rows, D + 1)
+    return second, resent, weight, [resent, weight[resent].float(), dense_weights(second.trainer.model),
+                                    second.mapper.state_dict()]
+
+
+def _encoded_size(tree: list[Any]) -> int:
+    rows, vectors, dense_state, id_maps = tree
+    return len(encode_delta({"seq": 1, "samples_trained": 0, "created": 0.0, "lineage": None, "rows": rows,
+                             "vectors": vectors, "dense_state": dense_state, "id_maps": id_maps}))
+
+
 def test_after_a_restart_no_id_is_served_the_vector_its_row_got_after_the_checkpoint(tmp_path: Path) -> None:
     """Checkpoint N maps ids 101 and 102 to the two own rows; the deltas after it give both rows to ids 201 and 202
     (with the maps) and serving applies them. A restart from N replays the samples after it: its first delta
@@ -130,17 +150,9 @@ def test_a_resend_past_the_readers_byte_limit_goes_out_in_parts_that_serving_rea
         _apply(served, path)
     written_before = {p for _, _, p in list_deltas(tmp_path / "deltas")}
 
-    second = Learner(KAFKA, ls)
+    second, resent, weight, tree = _restarted_resend(ls)
     try:
-        assert second._restore() and second.trainer is not None and second.deltas is not None
-        assert second.mapper is not None
-        second._train(to_tensors(AFTER[0], CFG))
-        resent = second.deltas.touched.nonzero().squeeze(1)  # (R,)
-        weight = second.trainer.model.state_dict()["sparse.bag.weight"]  # (num_rows, D + 1)
-        one_part = len(encode_delta({"seq": 1, "samples_trained": 0, "created": 0.0, "lineage": None,
-                                     "rows": resent, "vectors": weight[resent].float(),
-                                     "dense_state": dense_weights(second.trainer.model),
-                                     "id_maps": second.mapper.state_dict()}))
+        one_part = _encoded_size(tree)
         monkeypatch.setattr(deltas_mod, "MAX_BYTES", one_part - 5 * 28)  # 5 rows (8 + 4 (D + 1) bytes) too many
         assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
         parts = [p for _, _, p in list_deltas(tmp_path / "deltas") if p not in written_before]
@@ -170,16 +182,9 @@ def test_a_delta_under_the_byte_limit_is_encoded_once_its_size_bounded_without_e
     restart, the largest delta there is, is encoded once, and the bound is above its real size."""
     ls = _settings(tmp_path)
     _first_run(tmp_path)
-    second = Learner(KAFKA, ls)
+    second, _, _, tree = _restarted_resend(ls)
     try:
-        assert second._restore() and second.trainer is not None and second.deltas is not None
-        assert second.mapper is not None
-        second._train(to_tensors(AFTER[0], CFG))
-        resent = second.deltas.touched.nonzero().squeeze(1)  # (R,)
-        weight = second.trainer.model.state_dict()["sparse.bag.weight"]  # (num_rows, D + 1)
-        tree = [resent, weight[resent].float(), dense_weights(second.trainer.model), second.mapper.state_dict()]
-        size = len(encode_delta({"seq": 1, "samples_trained": 0, "created": 0.0, "lineage": None, "rows": tree[0],
-                                 "vectors": tree[1], "dense_state": tree[2], "id_maps": tree[3]}))
+        size = _encoded_size(tree)
         assert size <= deltas_mod._rough_bytes(tree) < 2 * size + 65536
         encoded: list[int] = []
         monkeypatch.setattr(deltas_mod, "encode_delta",
