@@ -20,11 +20,13 @@ Reading
     cells and no numbers is read as times whatever the numeric unit (as that inference did), each other cell a
     rejected row. A feature (context) cell is read alone too, close to the rule Arrow's inference applies to a column
     of that one cell, so a clean column of canonical integers, decimals or booleans keeps its values and hashes
-    (zero-padded integers such as ``007`` are text now: Arrow read 7; ``Infinity`` and integers past int64 are text,
-    Arrow read floats): empty or a null token (as above) is missing; an integer as Python writes it (``42``, ``-3``,
+    (zero-padded integers such as ``007`` are text now: Arrow read 7; integers past int64 are text, Arrow read
+    floats): empty or a null token (as above) is missing; an integer as Python writes it (``42``, ``-3``,
     within int64) is an int, a decimal number
-    (``1.50``, ``2.0``, ``1e3``) a float, ``true``/``True``/``TRUE`` (``false`` alike) a bool, anything else its text
-    as written (``007``, ``+5``, ``inf``, ``12:00``, ``2020-01-01T10:00:00``); numbers and booleans trimmed. So
+    (``1.50``, ``2.0``, ``1e3``) a float, ``true``/``True``/``TRUE`` (``false`` alike) a bool, an infinity
+    (``inf``, ``-Inf``, ``Infinity``, any case) or a number past a float (``1e400``) the rejected row a Parquet float
+    inf is, anything else its text as written (``007``, ``+5``, ``12:00``, ``2020-01-01T10:00:00``); numbers and
+    booleans trimmed. So
     ``N/A`` is missing beside ``a`` as beside ``1``; ``1`` beside ``2.5`` is 1, not 1.0. pandas' ``None`` and ``<NA>``
     are values, not null tokens, in every column (``to_csv`` writes a missing value as an empty cell; ``none`` is a
     plausible category). A mapped column name that appears twice
@@ -930,6 +932,7 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
 
 
 _FEATURE_INT_RE = r"^-?(0|[1-9][0-9]{0,18})$"  # an integer as Python writes it (within int64: checked apart)
+_INF_RE = r"(?i)^[+-]?inf(inity)?$"  # what Arrow reads as an infinite float: `inf`, `-Inf` (R), `Infinity` (Java, JS)
 _FEATURE_BOOLS = ("true", "True", "TRUE", "false", "False", "FALSE")  # Arrow's true_values/false_values less 1/0
 _INT, _FLOAT, _BOOL, _TEXT = 0, 1, 2, 3
 
@@ -940,15 +943,17 @@ def _feature_cells(arr: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     that a clean column of canonical integers, decimals or booleans keeps the values (and hashes) the inference gave:
     missing (empty or a null token, :func:`_missing_words`); an
     integer as Python writes it (``42``, ``-3``, within int64) is an int; a decimal number (``1.50``, ``2.0``, ``1e3``)
-    a float; ``true``/``True``/``TRUE`` (false alike) a bool; anything else (``007``, ``+5``, ``inf``, ``12:00``) its
-    text as written. Numbers and booleans are trimmed. One kind of cell: a typed array; mixed: a dense union."""
+    a float, and an infinity (``inf``, ``-Inf``, ``Infinity``) an infinite float (flagged not finite, as a Parquet
+    float inf is rejected); ``true``/``True``/``TRUE`` (false alike) a bool; anything else (``007``, ``+5``,
+    ``12:00``) its text as written. Numbers and booleans are trimmed. One kind of cell: a typed array; mixed: a dense
+    union."""
     n = len(arr)
     s = pc.utf8_trim_whitespace(arr)
     missing = _missing_words(arr)
     kind = np.full(n, _TEXT, np.int8)
     digits = pc.utf8_ltrim(s, characters="-")
     fits = _np_bool(pc.or_(pc.less(pc.utf8_length(digits), 19), pc.less_equal(digits, str(MAX_ID))))
-    kind[_matches(s, _FLOAT_RE) & _matches(s, "[.eE]")] = _FLOAT
+    kind[(_matches(s, _FLOAT_RE) & _matches(s, "[.eE]")) | _matches(s, _INF_RE)] = _FLOAT  # inf: rejected below
     kind[_matches(s, _FEATURE_INT_RE) & fits] = _INT
     kind[_np_bool(pc.is_in(s, pa.array(_FEATURE_BOOLS)))] = _BOOL
     kind[missing] = _TEXT

@@ -307,7 +307,7 @@ def _contexts(tmp_path: Path, name: str, cells: list[str]) -> list[dict]:
 
 # cell -> its meaning alone in a column: missing (None) or the typed value (its type is part of the meaning)
 FEATURE_CELLS = {"1": 1, "-3": -3, "N/A": None, "NA": None, " null ": None, "#N/A": None, "": None, "1.50": 1.5,
-                 "2.0": 2.0, "1e3": 1000.0, "true": True, "FALSE": False, "007": "007", "+5": "+5", "inf": "inf",
+                 "2.0": 2.0, "1e3": 1000.0, "true": True, "FALSE": False, "007": "007", "+5": "+5",
                  "0x10": "0x10", "word": "word", "12:00": "12:00", "2020-01-01T10:00:00": "2020-01-01T10:00:00",
                  "99999999999999999999": "99999999999999999999", "None": "None", "<NA>": "<NA>"}
 NEIGHBOURS = ["7", "2.5", "true", "word"]  # an int, a float, a boolean and a word column
@@ -336,10 +336,11 @@ def test_a_clean_numeric_or_boolean_feature_column_hashes_as_arrows_inference_re
         assert [hash_context(c) for c in got] == [hash_context(c) for c in want], name
 
 
+@pytest.mark.parametrize("cell", ["1e400", "inf", "-Inf", "Infinity"])  # an infinite float, as a Parquet float inf
 @pytest.mark.parametrize("neighbour", NEIGHBOURS)
-def test_a_feature_cell_past_a_float_is_rejected_reporting_its_text_in_any_column(tmp_path: Path,
-                                                                                 neighbour: str) -> None:
+def test_a_feature_cell_past_a_float_is_rejected_reporting_its_text_in_any_column(tmp_path: Path, neighbour: str,
+                                                                                 cell: str) -> None:
     path = write_csv(tmp_path / "big.csv", "user_id,item_id,ts,clicked,cat",
-                     [f"1,1,{T0_MS},0,1e400", f"2,2,{T0_MS + 1},0,{neighbour}"])
+                     [f"1,1,{T0_MS},0,{cell}", f"2,2,{T0_MS + 1},0,{neighbour}"])
     (raw,) = load_eventlog(path, ColumnMap(features=("cat",)), FIXED, seed=0).raw
-    assert (raw.error.field, raw.error.value, orjson.loads(raw.value)["cat"]) == ("context.cat", "1e400", "1e400")
+    assert (raw.error.field, raw.error.value, orjson.loads(raw.value)["cat"]) == ("context.cat", cell, cell)

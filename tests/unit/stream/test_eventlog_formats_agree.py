@@ -1,0 +1,70 @@
+"""The same events written as CSV and as Parquet replay the same (stream/replay/eventlog.py): the same ids, times,
+clicks and feature hashes, and the same rows rejected for the same reasons. Each test writes one typed table both
+ways (the CSV as Arrow's writer writes it, or as R's ``write.csv`` does where that is the point) and compares what
+the loader makes of the two files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+from stream.features import hash_context
+from stream.ids import stable_hash
+from stream.replay.config import ClickDelay, DelayKind
+from stream.replay.eventlog import ColumnMap, load_eventlog
+from stream.replay.table import EventTable
+
+FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)
+T0_MS = 978_300_760_000  # 2000-12-31T22:12:40Z
+
+
+def replayed(t: EventTable) -> dict[str, Any]:
+    """What a replay publishes and dead-letters, in terms that do not depend on the file format."""
+    contexts: list[dict[str, Any]] = [{} for _ in range(len(t.ts))]
+    for part in t.context:
+        for i, d in zip(part.index.tolist(), part.dicts, strict=True):
+            contexts[i] = d
+    return {
+        "users": [stable_hash(u) for u in t.user_id.tolist()],
+        "items": [stable_hash(i) for i in t.item_id.tolist()],
+        "ts": t.ts.tolist(),
+        "context": contexts,
+        "context_hashes": [hash_context(c) for c in contexts],
+        "clicks": t.click_impression_id.tolist(),
+        "rejected": [(r.error.field, r.error.expected) for r in t.raw],
+    }
+
+
+def both_ways(tmp_path: Path, table: pa.Table, cols: ColumnMap, csv_text: str | None = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``table`` written as ``log.parquet`` and as ``log.csv`` (Arrow's CSV writer unless ``csv_text`` is given),
+    each loaded with ``cols``: ``(parquet, csv)``."""
+    pq.write_table(table, tmp_path / "log.parquet")
+    if csv_text is None:
+        pcsv.write_csv(table, tmp_path / "log.csv")
+    else:
+        (tmp_path / "log.csv").write_text(csv_text)
+    return tuple(replayed(load_eventlog(tmp_path / name, cols, FIXED, seed=0))  # type: ignore[return-value]
+                 for name in ("log.parquet", "log.csv"))
+
+
+def events(n: int, **columns: pa.Array) -> pa.Table:
+    """``n`` valid rows (users 1..n, item 7, clicked 0) with ``columns`` added or replacing theirs."""
+    return pa.table({"user_id": pa.array(range(1, n + 1), pa.int64()), "item_id": pa.array([7] * n, pa.int64()),
+                     "ts": pa.array([T0_MS + k for k in range(n)], pa.int64()),
+                     "clicked": pa.array([0] * n, pa.int64()), **columns})
+
+
+def test_an_infinite_float_feature_is_rejected_in_parquet_and_as_the_csv_cell_inf(tmp_path: Path) -> None:
+    table = events(3, score=pa.array([0.5, float("inf"), float("-inf")], pa.float64()))
+    parquet, csv = both_ways(tmp_path, table, ColumnMap(features=("score",)))  # Arrow writes inf and -inf
+    assert parquet["rejected"] == [("context.score", "a finite number (column 'score', row 1 counting from 0)"),
+                                   ("context.score", "a finite number (column 'score', row 2 counting from 0)")]
+    assert csv == parquet
+    for name in ("log.parquet", "log.csv"):  # each reported as written: 'inf', '-inf'
+        t = load_eventlog(tmp_path / name, ColumnMap(features=("score",)), FIXED, seed=0)
+        assert [r.error.value for r in t.raw] == ["inf", "-inf"]
