@@ -11,7 +11,9 @@ Reading
     not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
     :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there, and a canonical
     integer past int64 (``9223372036854775808``) is out of range in any column, its row rejected as a Parquet uint64
-    one is (it made its column string ids, so the row was published). The time,
+    one is (it made its column string ids, so the row was published). An empty cell or a null token (below; spaces
+    around ignored) in an id column (user, item, impression id) is a missing id, as a Parquet null is: the row is
+    rejected, its cell reported as written (``NA`` was the user ``"NA"``; a Parquet string ``"NA"`` still is). The time,
     click-time, clicked and dense columns are read as text as well and each cell parsed on its own. In the time and
     dense columns only an empty cell is missing, and a rejected row's reason shows what its cell held (``nan``,
     ``inf``, ``NA``), which Arrow's type inference read as a missing value or a float. In the clicked and click-time
@@ -591,8 +593,8 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
     if _is_binary(t):
         arr, utf8 = _to_text(arr, field, column)
         t = pa.string()
-    if _is_text(t):
-        missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
+    if _is_text(t):  # in a CSV a null token is the missing id a Parquet null is
+        missing = _missing_words(arr) if csv else _nulls(arr) | _np_bool(pc.equal(arr, ""))
         too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
         checks = [*utf8, _Check(missing, field, column, _ID_EXPECTED),
                   _Check(too_long, field, column, f"a string id of at most {MAX_STR_ID_LEN} chars")]
@@ -625,9 +627,9 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
                         f"(set the column with {FLAGS['user' if field == 'user_id' else 'item']})")
 
 
-def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int
+def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int, csv: bool
                     ) -> tuple[list[str], list[str], list[_Check]]:
-    """``(impression ids, ids for rejected rows' keys, checks)``."""
+    """``(impression ids, ids for rejected rows' keys, checks)``; in a CSV a null token is missing (:func:`_ids`)."""
     generated = [f"{stem}-{i:09d}" for i in range(n)]
     if arr is None or column is None:
         return generated, generated, []
@@ -640,7 +642,7 @@ def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int
     elif not _is_text(t):
         raise EventLogError(f"impression id column {column!r} has type {t}; it must hold strings or integers "
                             f"(set with {FLAGS['impression_id']})")
-    missing = _nulls(arr) | _np_bool(pc.equal(arr, ""))
+    missing = _missing_words(arr) if csv else _nulls(arr) | _np_bool(pc.equal(arr, ""))
     too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
     ids = arr.to_pylist()
     bad = missing | too_long  # (cells that are not UTF-8 are missing now: their rows get generated keys too)
@@ -1146,7 +1148,7 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     col = {name: _plain(table.column(name)) for name in table.column_names}
     checks: list[_Check] = []
 
-    imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n)
+    imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n, csv)
     checks += c
     unit = cols.time_unit or "ms"
     ts, ts_status, ts_number = _times(col[cols.time], unit, cols.time, FLAGS["time"])

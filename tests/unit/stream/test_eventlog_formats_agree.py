@@ -83,3 +83,17 @@ def test_an_integer_id_past_int64_rejects_its_row_in_parquet_and_in_csv_leaving_
     assert csv == parquet
     t = load_eventlog(tmp_path / "log.csv", ColumnMap(), FIXED, seed=0)
     assert t.user_id.tolist() == [1] and t.item_id.tolist() == [5]  # integer ids, as in a clean column
+
+
+def test_a_null_token_in_a_csv_id_column_is_the_missing_id_a_parquet_null_is(tmp_path: Path) -> None:
+    table = events(4, rid=pa.array(["r0", "r1", "r2", None]), user_id=pa.array(["a", None, "b", "c"]),
+                   item_id=pa.array([5, 6, None, 8], pa.int64()))
+    # as R's write.csv writes a missing value: NA (any null token, any case, as in the other columns)
+    csv_text = ("rid,user_id,item_id,ts,clicked\n"
+                + "\n".join([f"r0,a,5,{T0_MS},0", f"r1,NA,6,{T0_MS + 1},0", f"r2,b, null ,{T0_MS + 2},0",
+                             f"N/A,c,8,{T0_MS + 3},0"]) + "\n")
+    parquet, csv = both_ways(tmp_path, table, ColumnMap(impression_id="rid"), csv_text)
+    assert [field for field, _ in parquet["rejected"]] == ["user_id", "item_id", "impression_id"]
+    assert csv == parquet
+    t = load_eventlog(tmp_path / "log.csv", ColumnMap(impression_id="rid"), FIXED, seed=0)
+    assert [r.error.value for r in t.raw] == ["NA", " null ", "N/A"]  # reported as written
