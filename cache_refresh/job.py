@@ -378,8 +378,9 @@ class StopSignals:
         self._armed = True
 
     def check(self) -> None:
-        """The end of a stage, and before the publish: a stop kept pending (it came while an exception was in flight,
-        which the run got past) raises now; nothing once the run is held."""
+        """The end of each stage (where the next begins: ``_run_locked``'s ``begin``) and before the publish: a stop
+        kept pending (it came while an exception was in flight, which the run got past) raises now, named with that
+        stage; nothing once the run is held."""
         if self._pending and self._held is None:
             self._pending = False
             raise self._terminated()
@@ -580,9 +581,12 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     root = Path(rs.publish_root)
     unpinned: artifact.Pin | None = None
 
-    def timed(name: str, t0: float) -> None:  # a stage ended: a stop kept pending raises here (StopSignals.check)
+    def timed(name: str, t0: float) -> None:
         timings[name] = round(time.monotonic() - t0, 3)
+
+    def begin(name: str) -> str:  # the stage before ends: a stop kept pending raises here, named with it (check)
         stop.check()
+        return progress.enter(name)
 
     try:
         stage = progress.enter("lock")
@@ -594,18 +598,18 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             return skipped(alerts, root, str(busy), "lock", holder=busy.holder)
 
         # not "signing_key": "signing_key: <text>" reads as a secret to the log redactor
-        stage = progress.enter("signing")
+        stage = begin("signing")
         try:
             key = load_signing_key(rs.signing_key_file)
         except ConfigError as exc:
             raise RefreshError(stage, f"[refresh] {exc}; nothing was built or published") from exc
 
-        stage = progress.enter("cleanup")  # lists the publish root: its first reader
+        stage = begin("cleanup")  # lists the publish root: its first reader
         cleaned = clean_leftovers(root)
         if cleaned:
             log.info("removed what killed refreshes left in %s: %s", root, ", ".join(cleaned))
 
-        stage = progress.enter("checkpoint")
+        stage = begin("checkpoint")
         t0 = time.monotonic()
         problems: list[tuple[Path, str]] = []
         # One policy for every bad newest file (torn, foreign, a newer format, diverged, another shape): skipped and
@@ -630,7 +634,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         timed(stage, t0)
         log.info("refresh: checkpoint %s (%s samples trained)", ckpt["path"], ckpt["meta"].get("samples_trained"))
 
-        stage = progress.enter("hot_set")
+        stage = begin("hot_set")
         t0 = time.monotonic()
         client = _redis(rds, rs)
         try:
@@ -657,13 +661,13 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         log.info("refresh: hot set of %d rows; hottest items %s; hottest users %s", len(hs.rows),
                  hot_set.describe_top(hs.stats["top_items"]), hot_set.describe_top(hs.stats["top_users"]))
 
-        stage = progress.enter("build")
+        stage = begin("build")
         t0 = time.monotonic()
         staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats, signing_key=key)
         timed(stage, t0)
         log.info("refresh: built %s", staged)
 
-        stage = progress.enter("validate")
+        stage = begin("validate")
         t0 = time.monotonic()
         new = ScoringModel.load(staged, signing_key=key)
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
@@ -676,7 +680,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         log.info("refresh: %s validated", new.version)
 
         if rs.embedding_store is EmbeddingStore.LAYERED:
-            stage = progress.enter("embedding_store")
+            stage = begin("embedding_store")
             t0 = time.monotonic()
             written = _store_rows(rs, rds, new)
             stored = new.version
@@ -684,7 +688,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
                      written["dtype"])
 
-        stage = progress.enter("publish")
+        stage = begin("publish")
         t0 = time.monotonic()
         pin = artifact.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
