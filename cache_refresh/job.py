@@ -378,10 +378,11 @@ class StopSignals:
         self._armed = True
 
     def check(self) -> None:
-        """The end of each stage (where the next begins: ``_run_locked``'s ``begin``) and before the publish: a stop
-        kept pending (it came while an exception was in flight, which the run got past) raises now, named with that
-        stage; nothing once the run is held."""
-        if self._pending and self._held is None:
+        """The end of each stage (where the next begins: ``_run_locked``'s ``begin``), between the units of a long
+        stage (each older checkpoint loaded, each holdout poll) and before the publish: a stop kept pending (it came
+        while an exception was in flight, which the run got past) raises now, named with that stage; nothing once the
+        run is held, nor while an exception is in flight (called there, it stays pending: it never replaces one)."""
+        if self._pending and self._held is None and sys.exc_info()[1] is None:
             self._pending = False
             raise self._terminated()
 
@@ -616,7 +617,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         # reported, the newest one that loads and passes the artifact checks used (bounded by the live version's
         # samples below); the run alerts when it published from behind skipped ones.
         configs: dict[Path, FeatureConfig] = {}
-        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir), safe=True, problems=problems,
+        ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir), safe=True, problems=problems, between=stop.check,
                                    accept=lambda c: configs.__setitem__(c.path, artifact.check_checkpoint(c)))
         if ckpt is None and problems:
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir} loads and passes the checks: "
@@ -672,7 +673,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         new = ScoringModel.load(staged, signing_key=key)
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
         live, live_problem = _live_model(root, key)
-        batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s)
+        batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s, between=stop.check)
         quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop)
         if live_problem is not None and batches:
             quality["skipped"] = quality["unchecked"] = f"the live artifact does not load ({live_problem})"

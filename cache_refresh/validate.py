@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -105,8 +105,10 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
     return result
 
 
-def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[SampleBatch]:
+def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float,
+                 between: Callable[[], object] | None = None) -> list[SampleBatch]:
     """The last ~``messages`` messages of the samples topic, spread over its partitions (oldest first).
+    ``between`` (the run's stop check, ``job.StopSignals.check``) is called after the watermarks and each poll.
 
     The end of a partition is found from partition-EOF events, not the high watermark, which the local
     broker under-reports by up to one record batch (environment.md); so a little more may be read.
@@ -116,6 +118,8 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[
     marks = watermarks(kafka, kafka.samples_topic, timeout_s)
     if not marks:
         return []
+    if between is not None:
+        between()
     per = max(1, math.ceil(messages / len(marks)))
     start = {p: max(low, high - per) for p, (low, high) in marks.items() if high > low}
     got: dict[int, list[SampleBatch]] = {p: [] for p in start}
@@ -127,7 +131,7 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float) -> list[
             pass
 
     try:
-        read_to_end(kafka, kafka.samples_topic, keep, start=start, timeout_s=timeout_s)
+        read_to_end(kafka, kafka.samples_topic, keep, start=start, timeout_s=timeout_s, between=between)
     except TimeoutError as exc:  # a holdout is a sample: validate on what arrived in time
         log.warning("holdout: %s; validating on the %d messages read", exc, sum(map(len, got.values())))
     return [b for p in sorted(got) for b in got[p][-per:]]

@@ -473,7 +473,8 @@ _NOT_DAMAGE = (MemoryError, torch.OutOfMemoryError)
 
 def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, str]] | None = None,
                 accept: Callable[[Checkpoint], object] | None = None,
-                check: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
+                check: Callable[[Checkpoint], object] | None = None,
+                between: Callable[[], object] | None = None) -> Checkpoint | None:
     """The newest checkpoint that loads (safely: :func:`load`); a corrupt or foreign newest one is reported and
     the previous one used.
 
@@ -491,10 +492,15 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
     A listed file that is gone when it is opened was pruned by a learner saving meanwhile (``save`` keeps the last
     ``keep``), so newer ones exist: that is no damaged file (not in ``problems``); the directory is listed again and
     the newest file not tried yet is read. Falling back to the older files instead found them pruned too (the
-    refresh failed "no checkpoint loads") or published from behind newer ones with a degraded alert."""
+    refresh failed "no checkpoint loads") or published from behind newer ones with a degraded alert.
+
+    ``between`` (the refresh's stop check) is called before each file after the first is read, outside any
+    ``except``: what it raises ends the walk (a stop need not wait while every older checkpoint is read)."""
     tried: set[Path] = set()
     pending = list(reversed(list_checkpoints(directory)))
     while pending:
+        if tried and between is not None:
+            between()
         path = pending.pop(0)
         tried.add(path)
         try:

@@ -800,7 +800,7 @@ def watermarks(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> dic
 
 def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], None], *,
                 start: Mapping[int, int] | None = None, timeout_s: float | None = 60.0, stall_s: float | None = None,
-                batch: int = 10_000) -> list[int]:
+                batch: int = 10_000, between: Callable[[], object] | None = None) -> list[int]:
     """Read partitions of ``topic`` to their end, handing every record to ``handle``; returns the partitions read.
 
     The one read-to-the-end loop (state restore, the refresh's holdout, test and bench readers). ``start``
@@ -813,7 +813,8 @@ def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], No
     and no end came for ``stall_s``: a reader of a topic others keep writing to needs the first (it may never see
     every partition at its end at once), a restore of a log only its reader writes the second (a large log takes as
     long as it takes, a broker that stops answering does not). An exception from ``handle`` propagates (the consumer
-    is closed).
+    is closed); so does one from ``between``, called after each poll (the refresh's stop check: a stop need not wait
+    for the end of the read).
     """
     c = new_consumer(kafka, f"{kafka.client_id}-reader-{uuid.uuid4().hex[:8]}", **{"fetch.wait.max.ms": 20})
     try:
@@ -845,6 +846,8 @@ def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], No
                 handle(m)
             if got:  # (after handling them: time in ``handle`` is not the broker's stall)
                 progress = time.monotonic()
+            if between is not None:
+                between()
         return present
     finally:
         c.close()
