@@ -32,3 +32,43 @@ def test_a_scheduler_thread_that_dies_is_a_failed_exit_with_an_error_line_and_a_
     assert "RuntimeError: injected: the job store is corrupt" in sink.sent[0].message
     assert any("RuntimeError: injected" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
     assert ran == []
+
+
+def test_a_run_abandoned_because_the_scheduler_thread_died_says_so_not_that_a_signal_stopped_it(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler's thread dies while a run is going; the run outlasts the wait for it and is abandoned. Before,
+    that abandonment said "the refresh scheduler was stopped (SIGTERM/SIGINT)", although no signal came."""
+    import threading
+
+    from cache_refresh.scheduler import EXIT_ABANDONED
+    from tests.unit.cache_refresh.test_stop_during_run import Exited
+
+    running, release = threading.Event(), threading.Event()
+    process_jobs = BlockingScheduler._process_jobs
+
+    def dies_during_the_run(self: BlockingScheduler) -> float | None:
+        wait = process_jobs(self)  # submits the catch-up run to the executor
+        if running.wait(10):
+            raise RuntimeError("injected: the job store is corrupt")
+        return wait
+
+    def run() -> None:
+        running.set()
+        release.wait(30)
+
+    monkeypatch.setattr(BlockingScheduler, "_process_jobs", dies_during_the_run)
+    sink = ListSink()
+    alerts = ListedAlerts(sink)
+    try:
+        with caplog.at_level(logging.ERROR, logger="streamrec.refresh"), pytest.raises(Exited) as exited:
+            run_forever(run, "* * * * *", "UTC", 3600, None, alerts=alerts, stop_grace_s=0.3, hard_exit=hard_exit,
+                        where=lambda: ("hot_set", None))
+    finally:
+        release.set()
+    assert exited.value.code == EXIT_ABANDONED
+    assert len(sink.sent) == 1 and sink.sent[0].rule == FAILED_RULE, sink.sent
+    message = sink.sent[0].message
+    assert "thread died" in message and "RuntimeError: injected: the job store is corrupt" in message, message
+    assert "SIGTERM" not in message and "stop signal" not in message, message
+    assert sink.sent[0].labels == {"stage": "scheduler", "run_stage": "hot_set"}, sink.sent[0].labels
+    assert "at stage hot_set" in message, message
