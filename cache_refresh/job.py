@@ -290,8 +290,10 @@ def _redis(rds: RedisSettings, rs: RefreshSettings) -> Any:
     return connect(rds.clustered(rs.embedding_store_cluster), timeout_s=rs.redis_timeout_s)
 
 
-def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep) -> int | None:
-    """PUBLISH the new version to serving (best effort, retried); serving also polls CURRENT. Returns how many
+def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep,
+           on_retry: Callable[[str], None] | None = None) -> int | None:
+    """PUBLISH the new version to serving (best effort, retried; ``on_retry``: each retry's warning, the run's
+    :class:`RunProgress`); serving also polls CURRENT. Returns how many
     subscribers received it (Redis's answer to PUBLISH; 0: no serving process listens on the channel, e.g. another
     [redis] prefix or notify_channel), None when it could not be sent. The summaries say ``notified`` only for a
     message someone received (it said true for 0 receivers) and give ``notify_receivers``."""
@@ -304,7 +306,7 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
     try:
         receivers = int(hot_set.with_retries("notify serving",
                                              lambda: client.publish(notify_channel(rs, rds), message),
-                                             rs.redis_attempts, rs.redis_backoff_s, sleep))
+                                             rs.redis_attempts, rs.redis_backoff_s, sleep, on_retry))
     except (hot_set.RedisUnavailable, redis.RedisError) as exc:  # NOPERM on the channel is a ResponseError
         log.warning("published %s but could not notify serving (%s); serving will find it by polling", version,
                     describe(exc, rds) if isinstance(exc, redis.RedisError) else exc)
@@ -392,10 +394,11 @@ class StopSignals:
 
 
 class RunProgress:
-    """Where the scheduled run in progress is: its stage and the last error it saw (a Redis retry's warning, or the
-    failure it is cleaning up after), written by the run's thread, read by the scheduler's when a stop abandons the
-    run (``scheduler.run_forever``'s ``where``). Its abandonment alert said "shutdown" alone: a run held up by a Redis
-    outage (5 attempts of up to redis_timeout_s each, with backoff: ~32 s by default) said nothing of Redis."""
+    """Where the scheduled run in progress is: its stage and the last error it saw (a Redis retry's warning, at the
+    hot set or notifying serving after the publish, or the failure it is cleaning up after), written by the run's
+    thread, read by the scheduler's when a stop abandons the run (``scheduler.run_forever``'s ``where``). Its
+    abandonment alert said "shutdown" alone: a run held up by a Redis outage (5 attempts of up to redis_timeout_s
+    each, with backoff: ~32 s by default) said nothing of Redis."""
 
     def __init__(self) -> None:
         self.stage: str | None = None  # None: no run in progress
@@ -751,7 +754,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         rs, path.name, ckpt, problems, quality, hs.stats.get("items", 0) + hs.stats.get("users", 0)), no_warnings)
     t0 = time.monotonic()
     no_receivers: int | None = None
-    receivers = after.step("notify", lambda: notify(rs, rds, path.name, path, sleep), no_receivers)
+    receivers = after.step("notify", lambda: notify(rs, rds, path.name, path, sleep, progress.saw), no_receivers)
     timed("notify", t0)
     # The manifest publish() verified is the one the validated model was loaded from (the rename moves the same
     # files): nothing is read from the publish root again, so nothing there can fail a run that has published.

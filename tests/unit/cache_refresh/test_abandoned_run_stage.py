@@ -56,3 +56,22 @@ def test_a_run_abandoned_while_retrying_redis_names_its_stage_and_the_redis_erro
     message = sink.sent[0].message
     assert "at stage hot_set" in message, message
     assert "days with counts: Redis error" in message and f"127.0.0.1:{port}" in message, message
+
+
+def test_the_run_progress_records_the_redis_retries_of_notifying_serving_after_the_publish(tmp_path: Path) -> None:
+    """A run retrying Redis to notify serving after its publish (Redis down) and abandoned then said "last error it
+    saw: none": notify's retries were not recorded in the RunProgress the abandonment alert reads."""
+    import dataclasses
+
+    from tests.unit.cache_refresh.test_stop_signal_now import _live_and_newer, _now_settings
+
+    root, ckpts = _live_and_newer(tmp_path)
+    rs = dataclasses.replace(_now_settings(root, ckpts), redis_attempts=2, redis_backoff_s=0.01)
+    progress = job.RunProgress()
+    during_backoff: list[tuple[str | None, str | None]] = []
+    summary = job.run_once(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"),
+                           sleep=lambda s: during_backoff.append(progress.where()), progress=progress)
+    assert summary["published"] and summary["notified"] is False
+    assert during_backoff, "notify did not retry"
+    stage, error = during_backoff[-1]
+    assert stage == "after_publish" and error is not None and "notify serving: Redis error" in error, (stage, error)
