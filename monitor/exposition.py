@@ -9,9 +9,11 @@ name a metric (and a type: counter, gauge, histogram, summary, untyped). A label
 
 :func:`parse` refuses everything else with an :class:`ExpositionError` naming the line, as Prometheus does,
 rather than read a value out of a line that does not say one (``m 1 2 3`` was read as 1, ``m{a="\\q"} 1`` as
-the label value ``\\q``). A line ending ``\\r\\n`` is refused too, saying so: Prometheus' lexer reads ``1\\r``
-as the value and fails, its maintainers declined ``\\r`` (prometheus/common#132) and OpenMetrics forbids it, so an
-answer the monitor read would be one the Prometheus beside it drops. UTF-8 quoted metric names (``{"my.metric"}``)
+the label value ``\\q``). A sample or blank line ending ``\\r\\n`` is refused too, saying so: Prometheus' lexer
+reads ``1\\r`` as the value and fails, its maintainers declined ``\\r`` (prometheus/common#132) and OpenMetrics
+forbids it, so an answer the monitor read would be one the Prometheus beside it drops. A comment runs to the ``\\n``
+in that lexer, so a ``\\r`` ending a comment or a HELP line is read (as text), and one ending a TYPE line is refused
+(Prometheus: invalid metric type ``"gauge\\r"``). UTF-8 quoted metric names (``{"my.metric"}``)
 are not read: no streamrec process writes them.
 
 One compiled regular expression per line (and one per label set): the monitor parses every source every
@@ -38,7 +40,7 @@ _SAMPLE = re.compile(
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}
-_META = re.compile(r"#[ \t]+(HELP|TYPE)(?:[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:[ \t]+(?P<text>.*))?)?[ \t]*")
+_META = re.compile(r"#[ \t]+(HELP|TYPE)(?:[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*))?(?P<rest>.*)")
 _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
 
 
@@ -69,18 +71,16 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
     for number, line in enumerate(text.split("\n"), 1):
         m = sample(line)
         if m is None:
-            if line.endswith("\r"):
-                raise ExpositionError(f"line {number} ends with \\r\\n (a Windows line end, from the exporter or a "
-                                      "proxy): the text format ends lines with \\n only, and Prometheus refuses this "
-                                      "answer too; have the source write \\n line ends")
             stripped = line.lstrip(" \t")
-            if not stripped:
-                continue  # a blank line
-            if stripped[0] == "#":
+            if stripped[:1] == "#":  # a comment runs to the \n: a \r before it is text (Prometheus' lexer: [^\n]*)
                 name = _comment(stripped, number, line)
                 if name is not None and declared is not None:
                     declared.add(name)
                 continue
+            if line.endswith("\r"):
+                raise _crlf(number)
+            if not stripped:
+                continue  # a blank line
             raise ExpositionError(f"line {number}: not a sample (metric_name [{{labels}}] value [timestamp]): "
                                   f"{_shown(line)}")
         name, block, token, ts = m.group("name", "labels", "value", "ts")
@@ -106,19 +106,30 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
     return out
 
 
+def _crlf(number: int) -> ExpositionError:
+    return ExpositionError(f"line {number} ends with \\r\\n (a Windows line end, from the exporter or a proxy): the "
+                           "text format ends lines with \\n only, and Prometheus refuses this answer too; have the "
+                           "source write \\n line ends")
+
+
 def _comment(stripped: str, number: int, line: str) -> str | None:
     """A ``#`` line: HELP and TYPE must name a metric (TYPE also a type), which is returned; any other comment is
-    ignored (None)."""
+    ignored (None). As Prometheus' scrape parser reads them (model/textparse/promlex.l): the text of a HELP or TYPE
+    line is what follows the one character after the name, up to the \\n (a \\r included), "" where only blanks
+    follow; a TYPE's text must be a type exactly (``gauge`` with a blank or \\r after it is not)."""
     if not re.match(r"#[ \t]+(HELP|TYPE)\b", stripped):
         return None
-    m = _META.fullmatch(stripped)
-    kind = stripped.split(None, 2)[1]
-    if m is None or m.group("name") is None:
+    m = _META.match(stripped)
+    assert m is not None
+    kind, name, rest = m.group(1, "name", "rest")
+    if name is None:
         raise ExpositionError(f"line {number}: # {kind} without a metric name: {_shown(line)}")
-    if kind == "TYPE" and (m.group("text") or "").strip() not in _TYPES:
-        raise ExpositionError(f"line {number}: # TYPE of {m.group('name')} is not one of "
-                              f"{', '.join(sorted(_TYPES))}: {_shown(line)}")
-    return m.group("name")
+    if kind == "TYPE" and (rest[1:] if rest.strip(" \t") else "") not in _TYPES:
+        if line.endswith("\r"):  # Prometheus: invalid metric type "gauge\r"
+            raise _crlf(number)
+        raise ExpositionError(f"line {number}: # TYPE of {name} is not one of {', '.join(sorted(_TYPES))}: "
+                              f"{_shown(line)}")
+    return name
 
 
 # the sample names of a family: a counter's <name>_total and _created, a histogram's _bucket, _sum and _count ...

@@ -12,6 +12,7 @@ import pytest
 
 from monitor.alerts import QueuedSink
 from monitor.engine import Monitor, Scraper, Snapshot, evaluate_once
+from monitor.exposition import ExpositionError, parse
 from monitor.rules import loads_rules
 from tests.monitoring_io import NullSink
 
@@ -35,6 +36,7 @@ def values(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     ('streamrec_x{1a="b"} 1\n', 1),  # not a label name
     ("# TYPE streamrec_x gaugey\nstreamrec_x 1\n", 1),  # not a metric type
     ("# HELP\n", 1),  # HELP without a metric name
+    ("# TYPE streamrec_x gauge \nstreamrec_x 1\n", 1),  # Prometheus: invalid metric type "gauge " (was read as gauge)
 ])
 def test_a_malformed_line_fails_the_scrape_naming_its_line(text: str, line: int) -> None:
     snap = Snapshot()
@@ -156,6 +158,29 @@ def test_a_crlf_line_end_is_refused_as_prometheus_refuses_it_saying_so(text: str
     # refuses the same answers, but says why instead of "not a sample"
     with pytest.raises(ValueError, match=r"ends with \\r\\n .*Windows.*\\n only"):
         Snapshot().add_text("learner", text)
+
+
+def test_a_comment_line_ending_in_cr_is_read_as_prometheus_reads_it() -> None:
+    # Prometheus' scrape parser (model/textparse/promlex.l) reads a comment, and a HELP line's text, up to the \n
+    # ("[^\n]*"): a \r before it is part of the comment or the help text, not an error. The monitor refused these
+    # answers ("ends with \r\n"), so a scrape Prometheus read was a failed scrape here.
+    text = ("# HELP streamrec_x A help text.\r\n"  # help text "A help text.\r"
+            "# HELP streamrec_y\r\n"  # help text "" (the character after the name is dropped, as Prometheus does)
+            "# any other comment\r\n"
+            "#\r\n"
+            "streamrec_x 1\n")
+    declared: set[str] = set()
+    assert parse(text, declared) == [("streamrec_x", (), 1.0, None)]
+    assert declared == {"streamrec_x", "streamrec_y"}
+
+
+@pytest.mark.parametrize("text", [
+    "# TYPE streamrec_x gauge\r\n",  # Prometheus: invalid metric type "gauge\r"
+    "# TYPE streamrec_x\r\n",  # invalid metric type ""
+])
+def test_a_type_line_ending_in_cr_is_refused_as_prometheus_refuses_it_saying_why(text: str) -> None:
+    with pytest.raises(ExpositionError, match=r"line 1 ends with \\r\\n .*Windows.*\\n only"):
+        parse(text)
 
 
 # -- the staleness horizon of a timestamped sample --------------------------------------------------------
