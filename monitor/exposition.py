@@ -40,7 +40,7 @@ _SAMPLE = re.compile(
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}
-_META = re.compile(r"#[ \t]+(HELP|TYPE)(?:[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*))?(?P<rest>.*)")
+_META = re.compile(r"#[ \t]+(HELP|TYPE)[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)?(?P<rest>.*)")
 _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
 
 
@@ -114,13 +114,13 @@ def _crlf(number: int) -> ExpositionError:
 
 def _comment(stripped: str, number: int, line: str) -> str | None:
     """A ``#`` line: HELP and TYPE must name a metric (TYPE also a type), which is returned; any other comment is
-    ignored (None). As Prometheus' scrape parser reads them (model/textparse/promlex.l): the text of a HELP or TYPE
-    line is what follows the one character after the name, up to the \\n (a \\r included), "" where only blanks
-    follow; a TYPE's text must be a type exactly (``gauge`` with a blank or \\r after it is not)."""
-    if not re.match(r"#[ \t]+(HELP|TYPE)\b", stripped):
-        return None
+    ignored (None). As Prometheus' scrape parser reads them (model/textparse/promlex.l): the keyword is ``HELP`` or
+    ``TYPE`` and a blank (``# HELP`` alone is a comment); the text is what follows the one character after the
+    name, up to the \\n (a \\r included), "" where only blanks follow; a TYPE's text must be a type exactly
+    (``gauge`` with a blank or \\r after it is not)."""
     m = _META.match(stripped)
-    assert m is not None
+    if m is None:
+        return None
     kind, name, rest = m.group(1, "name", "rest")
     if name is None:
         raise ExpositionError(f"line {number}: # {kind} without a metric name: {_shown(line)}")

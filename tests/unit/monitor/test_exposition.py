@@ -35,7 +35,8 @@ def values(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     ('streamrec_x{a=b} 1\n', 1),  # label value not quoted
     ('streamrec_x{1a="b"} 1\n', 1),  # not a label name
     ("# TYPE streamrec_x gaugey\nstreamrec_x 1\n", 1),  # not a metric type
-    ("# HELP\n", 1),  # HELP without a metric name
+    ("# HELP #\n", 1),  # HELP without a metric name (Prometheus: expected metric name after HELP)
+    ("# TYPE \n", 1),  # TYPE, a blank, and no metric name
     ("# TYPE streamrec_x gauge \nstreamrec_x 1\n", 1),  # Prometheus: invalid metric type "gauge " (was read as gauge)
 ])
 def test_a_malformed_line_fails_the_scrape_naming_its_line(text: str, line: int) -> None:
@@ -172,6 +173,14 @@ def test_a_comment_line_ending_in_cr_is_read_as_prometheus_reads_it() -> None:
     declared: set[str] = set()
     assert parse(text, declared) == [("streamrec_x", (), 1.0, None)]
     assert declared == {"streamrec_x", "streamrec_y"}
+
+
+@pytest.mark.parametrize("text", ["# HELP\n", "# TYPE\n", "# HELP\r\n", "#\tTYPE\r\n", "# HELP:x y\n"])
+def test_help_or_type_without_a_blank_after_it_is_a_plain_comment_as_prometheus_reads_it(text: str) -> None:
+    # Prometheus' lexer takes "HELP[\t ]+" / "TYPE[\t ]+" as the keyword and anything else as a comment; the monitor
+    # refused these lines ("# HELP without a metric name"), failing a scrape Prometheus reads
+    declared: set[str] = set()
+    assert parse(text + "streamrec_x 1\n", declared) == [("streamrec_x", (), 1.0, None)] and declared == set()
 
 
 @pytest.mark.parametrize("text", [
