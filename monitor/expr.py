@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from stream.errors import StreamrecError
 
-try:  # the regex parser's modules (for _repeat_in_repeat): private names since Python 3.11, deprecated aliases before
+try:  # the regex parser's modules (for _slow_regex): private names since Python 3.11, deprecated aliases before
     import re._constants as _sre_constants  # type: ignore[import-not-found,unused-ignore]
     import re._parser as _sre_parser  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # pragma: no cover - Python 3.10
@@ -357,16 +357,71 @@ def _tokenize(src: str) -> list[_Tok]:
 
 
 _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
+_ANYTHING = None  # a first-character set too large to list (., \\d, [^x], a back reference, ...): overlaps every other
 
 
-def _repeat_in_repeat(regex: str) -> str:
-    """Why ``regex`` (one ``re`` compiles) is refused, or "": a repeat of variable count (``+ * ? {m,n}``) inside a
-    repeat that may run more than once, ``(a+)+b``, ``(x|a*)*``, backtracks in time exponential in the length of a
-    value that almost matches (Python's ``re`` has no timeout, the label value comes from a scrape, and the loop
-    evaluates every rule every interval; Prometheus' RE2 is linear). Refused when the rules load: rewrite ``(a+)+b``
-    as ``a+b``; possessive repeats (``a++``) do not backtrack and are kept. Conservative: an unambiguous nesting such
-    as ``[a-z]+(\\.[a-z]+)*`` is refused too, and an ambiguous alternation without nesting, ``(a|a)*b``, is not."""
-    todo = [(sre_parse.parse(regex).data, False)]  # (items, inside a repeat that may run more than once)
+def _first(items: Any, fold: bool) -> tuple[set[int] | None, bool]:
+    """The characters a match of ``items`` (parsed regex) may begin with (None: any), and whether it may be empty.
+    Over-approximated, never under: lookarounds and anchors consume nothing; unknown constructs may begin with anything
+    and be empty."""
+    chars: set[int] | None = set()
+    for op, av in items:
+        if op is sre.LITERAL:
+            got: set[int] | None
+            got, empty = {av}, False
+        elif op is sre.IN:
+            got, empty = set(), False
+            for kind, x in av:
+                if kind is sre.LITERAL:
+                    got.add(x)
+                elif kind is sre.RANGE and x[1] - x[0] < 4096:
+                    got.update(range(x[0], x[1] + 1))
+                else:  # NEGATE, CATEGORY (\d, \w ...), a wide range
+                    got = _ANYTHING
+                    break
+        elif op is sre.BRANCH:
+            got, empty = set(), False
+            for b in av[1]:
+                bc, be = _first(b.data, fold)
+                got = None if got is None or bc is None else got | bc
+                empty = empty or be
+        elif op is sre.SUBPATTERN:
+            got, empty = _first(av[3].data, fold)
+        elif op in _REPEATS or op is getattr(sre, "POSSESSIVE_REPEAT", None):
+            got, empty = _first(av[2].data, fold)
+            empty = empty or av[0] == 0
+        elif op is getattr(sre, "ATOMIC_GROUP", None):
+            got, empty = _first(av.data, fold)
+        elif op in (sre.AT, sre.ASSERT, sre.ASSERT_NOT):
+            got, empty = set(), True
+        else:  # ., NOT_LITERAL, a back reference, a conditional group ...
+            got, empty = _ANYTHING, True
+        if got is None or chars is None:
+            chars = None
+        else:
+            chars |= {f for c in got for f in (c, ord(chr(c).lower()[0]), ord(chr(c).upper()[0]))} if fold else got
+        if not empty:
+            return chars, False
+    return chars, True
+
+
+def _slow_regex(regex: str) -> str:
+    """Why ``regex`` (one ``re`` compiles) is refused, or "". Two shapes backtrack in time exponential in the length of
+    a value that almost matches, under a repeat that may run more than once (Python's ``re`` has no timeout, the label
+    value comes from a scrape, and the loop evaluates every rule every interval; Prometheus' RE2 is linear):
+
+    * a repeat of variable count (``+ * ? {m,n}``) inside it, ``(a+)+b``, ``(x|a*)*``: rewrite ``(a+)+b`` as ``a+b``;
+    * an alternation whose branches may begin with the same character, or one of which may match nothing, ``(a|aa)+b``,
+      ``(a|a)*c``, ``(.|a)*b``, ``(ab|)+``: the repeat can split one run of characters among the branches in
+      exponentially many ways. ``(get|post)+``, ``(ab|cd)*``, ``(a|b)+`` (a character class) begin apart and load.
+
+    Refused when the rules load. Possessive repeats (``a++``, ``(a|aa)++``) do not backtrack and are kept.
+    Conservative: an unambiguous nesting such as ``[a-z]+(\\.[a-z]+)*`` is refused too, and so is ``(x|xz)+``
+    (branches that share a first character, though xz never splits a run of x); the check looks at first characters
+    only, case-folded anywhere ``(?i)`` is set."""
+    parsed = sre_parse.parse(regex)
+    fold = bool(parsed.state.flags & re.IGNORECASE) or re.search(r"\(\?[a-zA-Z-]*i", regex) is not None  # (?i:x)
+    todo = [(parsed.data, False)]  # (items, inside a repeat that may run more than once)
     while todo:
         items, inside = todo.pop()
         for op, av in items:
@@ -377,6 +432,11 @@ def _repeat_in_repeat(regex: str) -> str:
                             "length in Python's re: write it without the nesting (a+b)")
                 todo.append((sub.data, inside or hi > 1))
             elif op is sre.BRANCH:
+                if inside and _overlapping(av[1], fold):
+                    return ("an alternation under a repeat whose branches may begin with the same character or match "
+                            "nothing, such as (a|aa)+b or (a|a)*c, takes time exponential in the label value's length "
+                            "in Python's re: make the branches begin apart ((a|aa)+b is a+b) or the repeat possessive "
+                            "((a|aa)++b)")
                 todo.extend((b.data, inside) for b in av[1])
             elif op is sre.SUBPATTERN:
                 todo.append((av[3].data, inside))
@@ -387,6 +447,17 @@ def _repeat_in_repeat(regex: str) -> str:
             elif op in _ATOMIC:  # (Python 3.11+ only)
                 todo.append(((av if op is sre.ATOMIC_GROUP else av[2]).data, inside))
     return ""
+
+
+def _overlapping(branches: Any, fold: bool) -> bool:
+    """Whether two of ``branches`` may begin with the same character, or one may match nothing."""
+    seen: set[int] = set()
+    for b in branches:
+        chars, empty = _first(b.data, fold)
+        if empty or chars is None or seen & chars:
+            return True
+        seen |= chars
+    return False
 
 
 def _clip(text: str, limit: int = 60) -> str:
@@ -563,7 +634,7 @@ class _Parser:
                 if op in ("=~", "!~"):
                     try:
                         re.compile(value)
-                        why = _repeat_in_repeat(value)
+                        why = _slow_regex(value)
                     except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}, (((...)))
                         why = f"{exc or type(exc).__name__}"
                     if why:
