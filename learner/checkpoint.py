@@ -180,6 +180,31 @@ def partition_counts(meta: Mapping[str, Any], name: str) -> dict[int, int]:
     return {int(p): n for p, n in v.items()}
 
 
+# The meta fields the restores compare or carry on besides the counts, and the JSON type each must have, for both
+# readers (this one and learner/sharded_checkpoint.py); absent is allowed here. Mistyped, a check was skipped:
+# ``"topic": 5`` resumed another topic's checkpoint (check_topic compares a string only), ``"lineage": {}`` continued
+# the directory's lineage instead of the checkpoint's, ``"shape": []`` compared no shaping setting.
+TYPED_FIELDS: dict[str, type] = {"shape": dict, "topic": str, "lineage": str}
+
+
+def mistyped(meta: Mapping[str, Any]) -> str | None:
+    """Which of ``meta``'s :data:`TYPED_FIELDS` has another type, with its value; None: none."""
+    for name, kind in TYPED_FIELDS.items():
+        if name in meta and not isinstance(meta[name], kind):
+            return f'"{name}" is {str(meta[name])[:80]!r}, not a {"JSON object" if kind is dict else "string"}'
+    return None
+
+
+def _opened(path: Path, raw: dict[str, Any]) -> Checkpoint:
+    """``raw`` (loaded from ``path``) upgraded (:func:`upgrade`'s CheckpointError) as a :class:`Checkpoint`; a
+    ValueError when a field of its meta is :func:`mistyped` (a damaged file: the previous checkpoint is used)."""
+    raw = upgrade(raw, path)
+    ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+    if (bad := mistyped(ckpt.meta)) is not None:
+        raise ValueError(f"checkpoint {path} is damaged: its meta's {bad}")
+    return ckpt
+
+
 def _shape_of_v1(meta: Mapping[str, Any]) -> dict[str, Any]:
     """The shaping settings a version-1 checkpoint implies, from its feature config and model settings."""
     out: dict[str, Any] = {"mlp": ModelConfig(parse_mlp(meta["model"]["mlp"])).mlp_text,
@@ -487,7 +512,8 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
     tensor of another shape, a missing key, a negative offset) is skipped as damaged; a ``StreamrecError`` (other
     shaping settings, another topic: the operator's to decide) is raised, and so is an ``OSError`` (the check reads
     and writes the directory's ``LINEAGE``, not the file). Out of memory (``_NOT_DAMAGE``) is no damaged file on any
-    path: it is raised, and the previous checkpoint is not used.
+    path: it is raised, and the previous checkpoint is not used. A meta whose shaping settings, topic or lineage
+    has another type (:func:`mistyped`) is a damaged file on every path (skipped, in ``problems``).
 
     A listed file that is gone when it is opened was pruned by a learner saving meanwhile (``save`` keeps the last
     ``keep``), so newer ones exist: that is no damaged file (not in ``problems``); the directory is listed again and
@@ -515,8 +541,13 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             _skip(path, "is unreadable", exc, problems)
             continue
         if accept is None:
-            raw = upgrade(raw, path)
-            ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+            try:
+                ckpt = _opened(path, raw)
+            except CheckpointError:
+                raise
+            except ValueError as exc:  # a mistyped meta: damaged
+                _skip(path, "is damaged", exc, problems)
+                continue
             try:
                 if check is not None:
                     check(ckpt)
@@ -527,8 +558,7 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
                 continue
             return ckpt
         try:
-            raw = upgrade(raw, path)
-            ckpt = Checkpoint(path, raw["meta"], {k: v for k, v in raw.items() if k not in ("meta", "path")})
+            ckpt = _opened(path, raw)
             accept(ckpt)
         except _NOT_DAMAGE:
             raise

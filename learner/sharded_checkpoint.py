@@ -148,10 +148,7 @@ def _bad_field(meta: dict[str, Any]) -> str | None:
             checkpoint.partition_counts(meta, name)
     except ValueError as exc:
         return str(exc)
-    for name, kind in (("shape", dict), ("topic", str), ("lineage", str)):
-        if name in meta and not isinstance(meta[name], kind):
-            return f'"{name}" is {str(meta[name])[:80]!r}, not a {"JSON object" if kind is dict else "string"}'
-    return _bad_configs(meta)
+    return checkpoint.mistyped(meta) or _bad_configs(meta)
 
 
 def _bad_configs(meta: dict[str, Any]) -> str | None:

@@ -55,7 +55,12 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "partition_rows_fraction": _meta_field("partition_rows", {"0": 2.5}),
     "duplicates_text": _meta_field("duplicates", "none"),
     # read as no offsets: every partition started at 0, each retained sample trained a second time
-    "offsets_missing": lambda raw: raw["meta"].pop("offsets")}
+    "offsets_missing": lambda raw: raw["meta"].pop("offsets"),
+    # resumed, with the check that refuses another topic's checkpoint skipped (it compares a string only), or the
+    # directory's lineage continued instead of the checkpoint's; a list for the shaping settings read as none
+    "topic_number": _meta_field("topic", 5), "topic_list": _meta_field("topic", ["a"]),
+    "lineage_object": _meta_field("lineage", {}), "lineage_number": _meta_field("lineage", 5),
+    "shape_empty_list": _meta_field("shape", [])}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
