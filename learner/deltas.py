@@ -25,8 +25,14 @@ rejected like every bad delta). A reader without a key reads signed and unsigned
                                       id_maps_every_s: ids admitted after the artifact get their own rows
 
 Values are absolute, not increments: applying deltas in ``seq`` order over any model that is at least as
-old as the first one gives the learner's current rows, and a delta written before an artifact's source
-checkpoint (``samples_trained`` not greater) is already in that artifact and is skipped by name. A delta
+old as the first one gives the learner's current rows. A delta at or below the seq an artifact's source checkpoint
+records (``delta_seq``) is in that artifact or of a training that checkpoint abandoned, and is skipped by name; one
+above it was written after the checkpoint and applies whatever its ``samples_trained``. Only for an artifact that
+records no seq (and applied no delta yet) does ``samples_trained`` decide (not greater than its source's: in it).
+Deciding by samples alone skipped every delta of a learner that fell back past a damaged newest checkpoint whose
+artifact serving ran (its counts start below that checkpoint's), the resend below with them: serving kept the rows
+and ids of a training the learner no longer had. Such a learner (its restore went back past newer checkpoint files)
+resends every row with its first delta (:meth:`DeltaWriter.resend_all`), so serving ends on its state. A delta
 of another lineage (a learner restarted from scratch, another learner's directory) never applies to an
 artifact whose manifest names a different lineage; when either side has none (files written before
 lineages existed, a writer built without one), ``samples_trained`` alone decides.
@@ -437,6 +443,15 @@ class DeltaWriter:
         self.touched[fresh] = True
         self._append_pending(fresh)
 
+    def resend_all(self, why: str) -> None:
+        """Mark every row, so the next delta carries the whole table (in parts past :data:`MAX_BYTES`) with the dense
+        weights and the id maps: the learner's restore went back past newer checkpoints (``why`` names them), whose
+        artifact serving may run with their deltas applied; the restart's usual resend (every admitted id's row)
+        left the other rows they changed at their values there (module docstring)."""
+        log.warning("%s: the next delta resends all %d rows, so serving, which may run an artifact of them, ends on "
+                    "this training's state", why, len(self.touched))
+        self.mark(torch.arange(len(self.touched), device=self.touched.device))
+
     def hold(self, rows: np.ndarray) -> None:
         """Rows (global, (R,) int64) the id maps just handed to another id (evicted, admitted). Serving maps ids with
         the maps of the last delta that carried them: a delta without maps that sent such a row served the id that
@@ -750,9 +765,10 @@ class DeltaReader:
 
     def newer(self, after_seq: int, after_samples: int, lineage: str | None = None,
               applied_samples: int | None = None) -> Iterator[Delta]:
-        """Checked deltas with ``seq > after_seq`` and ``samples_trained > after_samples``, oldest first, of
-        ``lineage`` (when both it and the delta have one). The ones at or below ``after_samples`` are
-        already in the model's source checkpoint: skipped by name, never read.
+        """Checked deltas with ``seq > after_seq``, oldest first, of ``lineage`` (when both it and the delta have
+        one); with ``after_seq`` 0 (the model's place in the numbering not known, or re-based below) only those with
+        ``samples_trained > after_samples``: the others are already in the model's source checkpoint. Skipped by
+        name, never read (module docstring: a learner's count goes back when its restore does).
 
         ``after_seq``: the last delta the model holds (a fresh artifact's: the seq its source checkpoint includes,
         ``source.delta_seq``, or 0 when it does not say); deltas missing between it and the first one listed after
@@ -794,7 +810,7 @@ class DeltaReader:
                 log.warning("deltas %d..%d were pruned before serving read them; their rows wait for the next "
                             "artifact", expected, seq - 1)
             expected = seq + 1
-            if samples <= after_samples:
+            if samples <= after_samples and after_seq == 0:
                 continue
             fp = _fingerprint(path)
             if fp is None or fp in self._bad or fp in self._unfit:

@@ -1,0 +1,75 @@
+"""A restart that falls back past a damaged newest checkpoint (N+1) onto the one before it (N), while serving already
+runs the artifact refreshed from N+1: serving must end up serving the restarted learner's state, not a mix of it and
+the abandoned training's (tests/unit/learner/test_restart_id_maps.py: the restart resend's id maps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cache_refresh.publish import publish
+from learner import checkpoint as ck
+from learner.artifact import build_artifact
+from learner.batch import to_tensors
+from learner.daemon import Learner
+from serving.metrics import ServingMetrics
+from serving.model import ScoringModel
+from serving.swap import ModelHolder, ModelUpdater
+from tests.unit.learner.test_restart_id_maps import AFTER, CFG, KAFKA, _settings, samples
+
+
+def _served_equals_learner(served: ScoringModel, learner: Learner) -> None:
+    """Every row of the table and every id's row as ``learner`` holds them."""
+    assert learner.trainer is not None and learner.mapper is not None
+    weight = learner.trainer.model.state_dict()["sparse.bag.weight"]  # (num_rows, D + 1)
+    given, _ = served._given(served._live, np.arange(CFG.num_rows))  # (num_rows, D + 1)
+    differ = np.flatnonzero(~np.isclose(given, weight.float().numpy()).all(axis=1))
+    assert differ.tolist() == []
+    users = np.array([101, 102, 103, 201, 202])
+    assert served.map_rows(0, users).tolist() == learner.mapper.rows(0, users).tolist()
+
+
+def test_serving_on_the_artifact_of_a_checkpoint_the_restart_fell_back_past_ends_on_the_restarted_state(
+        tmp_path: Path) -> None:
+    """Checkpoint N (16 samples), N+1 (24) and a delta after it (40, the id maps giving 101's and 102's rows to 201
+    and 202); serving runs the artifact of N+1 with that delta. N+1 is damaged on disk, the learner restarts from N
+    and trains other samples than the first run did after N (the first run's were past the topic's retention, say):
+    its deltas (24 and 40 samples) were skipped by name up to 24 samples, the restart's resend of every admitted
+    row with it, so serving kept rows and ids of a training the learner no longer has."""
+    ls = _settings(tmp_path)
+    first = Learner(KAFKA, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        assert first.trainer is not None and first.deltas is not None
+        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
+        first.save()  # N
+        first._train(to_tensors(AFTER[0], CFG))
+        first.save()  # N+1
+        first._train(to_tensors(AFTER[1], CFG))
+        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None
+    finally:
+        first.close()
+    older, newest = ck.list_checkpoints(tmp_path / "ck")
+    root = tmp_path / "serving"
+    source = ck.load_latest(tmp_path / "ck")
+    assert source is not None and source.path == newest and source.samples_trained == 24
+    publish(root, build_artifact(source, root, np.zeros(0, np.int64), version="v1"), keep=3)
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, tmp_path / "deltas")
+    updater.check_now()
+    served = holder.model()
+    assert served is not None and served.delta_samples == 40
+
+    newest.write_bytes(newest.read_bytes()[:100])  # damaged: the restart falls back to N
+    second = Learner(KAFKA, ls)
+    try:
+        assert second._restore() and second.trainer is not None and second.deltas is not None
+        assert second.trainer.samples == 16
+        for users, start in (([104, 105] * 4, 100), ([106] * 16, 200)):  # 24, then 40 samples: neither the first's
+            second._train(to_tensors(samples(users, start), CFG))
+            assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
+            updater.check_now()
+            _served_equals_learner(served, second)
+    finally:
+        second.close()
