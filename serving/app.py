@@ -22,7 +22,8 @@ failing it: a ranking degraded for one request beats an error page. Those are ne
 
 HTTP semantics both servers share: ``OPTIONS <path>`` is a 204 whose ``Allow`` names the path's methods
 (``OPTIONS *``: every method); ``HEAD`` is ``GET`` without the body (the server drops it); a method the path
-does not take is a 405 with ``Allow`` (:meth:`ScoringApp.headers`); every 503 carries ``Retry-After: 1``.
+does not take is a 405 with ``Allow`` (:meth:`ScoringApp.headers`), a method outside :data:`KNOWN_METHODS` a 501 on
+every path (methods are case-sensitive, RFC 9110 9.1: ``get`` and ``BREW`` alike); every 503 carries ``Retry-After: 1``.
 :meth:`ScoringApp.admission` bounds the requests in flight (``max_in_flight``): the server holds a slot from the
 end of a request's body to its answer (a body being read holds none: ``serving/http_server.py``), and one more
 request is a 503 at once, except the probes (``/healthz``,
@@ -63,6 +64,9 @@ JSON = "application/json"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 Response = tuple[int, str, bytes]
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # never refused by the in-flight limit
+# The methods the server recognises (RFC 9110 9.3, and PATCH): one a path does not take is a 405 with Allow; any other
+# token is a 501 Not Implemented (RFC 9110 15.6.2), whatever the path
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
 def _json(status: int, obj: Any) -> Response:
@@ -163,6 +167,9 @@ class ScoringApp:
         try:
             if route is None and method == "OPTIONS" and (path in self._paths or path == "*"):
                 resp = (204, JSON, b"")  # the Allow header says it (headers())
+            elif route is None and method not in KNOWN_METHODS:
+                resp = _error(501, f"method {clip(method, 40)!r} is not implemented (methods are case-sensitive, RFC "
+                                   f"9110 9.1); this service answers {self.allow('*')}")
             elif route is None:
                 if path in self._paths:
                     allowed = sorted(meth for meth, p in self._routes if p == path)

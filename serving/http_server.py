@@ -52,8 +52,10 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   A chunk whose declared size takes the body past ``max_body_bytes`` is a ``413`` from its size line, before its
   data is waited for, on both servers (on aiohttp, :class:`_ChunkSizes` reads the sizes that llhttp keeps to itself).
   aiohttp's own parser (llhttp) refuses these before our code runs; its answer is turned into the same JSON
-  ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. Where the two differ:
-  a method outside llhttp's list (``BREW``) is a ``400`` on aiohttp, a ``405`` on the threading server; a
+  ``{"error": "malformed request: ..."}``, logged at debug level without a traceback. A method outside llhttp's list
+  (``BREW``, ``get``: methods are case-sensitive) is answered by the app, a ``501`` as on the threading server
+  (:func:`_refused_method`; the connection is closed after it on aiohttp only), a method that is no token a ``400`` on
+  both. Where the two differ: a
   ``Transfer-Encoding`` other than ``chunked`` is a ``501`` on the threading server (RFC 9112 6.1), a ``400``
   on aiohttp, which takes ``gzip, chunked`` as chunked; an HTTP/1.1 request without ``Host`` is a ``400`` on
   aiohttp only; aiohttp answers its parser's errors with an ``HTTP/1.0`` status line. llhttp also refuses (a ``400``,
@@ -86,6 +88,7 @@ no-op.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import email.utils
 import functools
@@ -461,9 +464,9 @@ def _parse_header_lines(lines: list[bytes], message_class: type[http.client.HTTP
 class _Handler(BaseHTTPRequestHandler):
     """Every method and every framing error answers JSON (``{"error": ...}``), never the stdlib's HTML.
 
-    Any request method reaches :meth:`ScoringApp.handle` (a method the path does not take is its 405 with
-    ``Allow``; the stdlib alone would answer 501 HTML for TRACE, PATCH, ...). ``HEAD`` is ``GET`` without
-    the body, ``OPTIONS`` a 204 with ``Allow``. A body is read by ``Content-Length`` or
+    Any request method that is a token reaches :meth:`ScoringApp.handle` (a known method the path does not take is
+    its 405 with ``Allow``, an unknown one its 501; the stdlib alone would answer 501 HTML for TRACE, PATCH, ...).
+    ``HEAD`` is ``GET`` without the body, ``OPTIONS`` a 204 with ``Allow``. A body is read by ``Content-Length`` or
     ``Transfer-Encoding: chunked``, bounded by ``max_body_bytes``; framing that is ambiguous or malformed is a
     400 and the connection is closed (the next request's start is unknown). The wait for a request's first
     byte is bounded by ``keepalive_timeout_s`` (``request_timeout_s`` for a new connection's first request), its
@@ -620,6 +623,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(400, f"Bad request syntax ({requestline!r})")
             return False
         command, path = words[:2]
+        if not _TOKEN.fullmatch(command):  # (a token that is no method the app knows: its 501)
+            self.send_error(400, f"malformed request: method {command[:40]!r} is not a token (RFC 9110 9.1)")
+            return False
         if not (path.startswith("/") or _SCHEME.match(path) or (path == "*" and command == "OPTIONS")):
             self.send_error(400, f"malformed request: request target {path[:200]!r} is none of /path, "
                                  "http://host/path and * (OPTIONS only): RFC 9112 3.2")
@@ -913,17 +919,32 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+def _refused_method(exc: Exception) -> str | None:
+    """The method of a request line llhttp refused as no method of its list (a ``BadHttpMethod``: ``get``, ``BREW``),
+    when it is a token (RFC 9110 9.1): the app answers it (a 501). None for anything else (a 400): a method with a
+    byte that is no token character, TLS bytes. llhttp's message quotes the line it was reading (a bytes repr)."""
+    try:
+        line = ast.literal_eval(str(getattr(exc, "message", "")).split("\n")[2].strip())
+    except (IndexError, ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if type(line) is not bytes:
+        return None
+    method = line.split(b" ", 1)[0].decode("latin-1")
+    return method if _TOKEN.fullmatch(method) else None
+
+
 @functools.cache
 def _aiohttp_protocol() -> type:
     """aiohttp's connection handler (``RequestHandler``, one per connection) with the request deadline and JSON
     errors; built on first use so the threading server never imports aiohttp. It reads a few of aiohttp's
     private attributes (``_loop``, ``_messages``, ``_waiter``, ``_request_in_progress``: tested with 3.14)."""
     from aiohttp import web
-    from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
+    from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError
     from aiohttp.web_protocol import RequestHandler
 
     class _Protocol(RequestHandler):  # type: ignore[misc]
         request_timeout_s = 10.0
+        app: ScoringApp | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -1108,6 +1129,13 @@ def _aiohttp_protocol() -> type:
             """aiohttp's answer to a request it could not parse (or a handler that raised), as our JSON, and logged
             without a traceback for a bad request (a bug, a 500, keeps it). llhttp's "Invalid HTTP version" (a
             well-formed version it does not take, ``HTTP/1.2``) is a 505, as on the threading server, not a 400."""
+            method = _refused_method(exc) if isinstance(exc, BadHttpMethod) else None
+            if method is not None and self.app is not None:  # outside llhttp's list: the app's 501, as on threading
+                log.debug("%s for %s: %s", method, getattr(request, "remote", "?"), exc)
+                status, _, body = self.app.handle(method, "", b"")
+                resp = web.Response(status=status, body=body, content_type="application/json")
+                resp.force_close()  # (llhttp reads no further on this connection)
+                return resp
             if isinstance(exc, BadStatusLine) and exc.message.startswith("Bad status line:\n  Invalid HTTP version:"):
                 log.debug("505 for %s: %s", getattr(request, "remote", "?"), exc.message)
                 text, status = _unsupported_version(""), 505
@@ -1266,7 +1294,7 @@ class AiohttpServer:
             if self._draining or len(manager.connections) >= s.max_connections:
                 return _Refuse(_too_many_connections(s.max_connections))
             p = protocol(manager, loop=loop, **kwargs)
-            p.request_timeout_s, p.max_body_bytes = s.request_timeout_s, s.max_body_bytes
+            p.request_timeout_s, p.max_body_bytes, p.app = s.request_timeout_s, s.max_body_bytes, self.app
             return p  # type: ignore[no-any-return]
 
         self._aserver = await loop.create_server(connection, sock=self._sock, backlog=128)

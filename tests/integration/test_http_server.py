@@ -377,6 +377,29 @@ def test_a_405_names_the_allowed_methods_in_the_allow_header(server: Server) -> 
         assert (status, headers["allow"]) == (405, "OPTIONS, POST")
 
 
+@pytest.mark.parametrize(("method", "target", "status"), [
+    ("get", "/healthz", 501), ("post", "/v1/score", 501), ("Get", "/healthz", 501), ("BREW", "/healthz", 501),
+    ("BREW", "/nowhere", 501), ("GETX", "/healthz", 501), ("PROPFIND", "/healthz", 501),
+    ("PUT", "/healthz", 405), ("DELETE", "/v1/score", 405), ("G@T", "/healthz", 400)])
+def test_a_method_is_case_sensitive_an_unknown_one_a_501_and_a_known_one_the_path_lacks_a_405(
+        server: Server, method: str, target: str, status: int, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """RFC 9110 9.1: methods are case-sensitive (``get`` is not ``GET``); a method the server does not recognise is a
+    501 (15.6.2), one it knows that the path does not take a 405 with ``Allow`` (15.5.6), a method that is no token a
+    400: the same on both servers. The threading server answered 405 to ``get`` and ``BREW``, aiohttp (llhttp) 400."""
+    body = b"{}" if method.lower() in ("post", "put") else b""
+    with caplog.at_level(logging.DEBUG, logger="streamrec.serve"), connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request(method, target, body))
+        got, headers, out = read_response(f)
+    assert (got, headers["content-type"]) == (status, "application/json"), out
+    error = json.loads(out)["error"]
+    if status == 501:
+        assert f"{method!r} is not implemented" in error and "case-sensitive" in error and "allow" not in headers
+    elif status == 405:
+        assert "method not allowed" in error and headers["allow"] in ("GET, HEAD, OPTIONS", "OPTIONS, POST")
+    quiet(caplog, capfd)
+
+
 def test_stop_lets_the_request_in_flight_finish_then_refuses_new_connections(kind: str, app: ScoringApp) -> None:
     started, release_s = threading.Event(), 0.8
 
