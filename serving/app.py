@@ -244,19 +244,23 @@ class ScoringApp:
     def _run(self, live: LiveModel, reqs: list[ScoreRequest],
              collect: Callable[[], list[list[int]]]) -> list[dict[str, Any]]:
         """The answers to ``reqs`` (one call's: ``/v1/score``'s one, a batch's all) on ``live``; ``collect()[i]`` is
-        request i's history. Every request is encoded before any is scored: one the encoder refuses (a 422: a feature
-        this model lacks, ``max_request_values``) refuses the call before a forward pass runs, a candidate is counted
+        request i's history. Every request is checked before any row is looked up: one the encoder refuses (a 422: a
+        feature this model lacks, ``max_request_values``) refuses the call before an id is mapped to a row
+        (``streamrec_serving_id_lookups_total``), a forward pass runs, a candidate is counted
         (``streamrec_serving_candidates_total``: items scored) or a lookup is reported for the hot set
         (``serving/lookup_counts.py``: rows of answers given, not of refused calls a client may repeat)."""
         seen: list[tuple[str, np.ndarray]] = []  # the lookups, reported once every request is scored
         observe = None if self._observe is None else (lambda kind, hashed: seen.append((kind, hashed)))
-        pin = live.model.pinned()  # one snapshot: ids mapped to rows and those rows scored with the same id maps
-        encoded, spent = [], 0  # max_request_values holds for the call: a batch's requests share it
-        for i, r in enumerate(reqs):
-            one = live.encoder.encode(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
-                                      self.s.max_request_values, pin, spent)
+        # one snapshot, taken before the history read (a delta may land meanwhile): ids mapped to rows and those rows
+        # scored with the same id maps
+        pin = live.model.pinned()
+        checked, spent = [], 0  # max_request_values holds for the call: a batch's requests share it
+        for i, r in enumerate(reqs):  # every request checked before any row is looked up: a refused call has none
+            one = live.encoder.check(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
+                                     self.s.max_request_values, spent)
             spent += live.encoder.request_values(r, one[1])
-            encoded.append(one)
+            checked.append(one)
+        encoded = [live.encoder.rows(one, pin) for one in checked]
         out = []
         for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)
             scores = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets),

@@ -47,6 +47,9 @@ class RowMapper(Protocol):
 
 
 _EMPTY = np.zeros(0, np.int64)
+# A request checked and hashed, its rows not looked up yet (FeatureEncoder.check): (field, hashed values) bags in the
+# order they are mapped, offsets (F + F*B + 1,), dense (B, Dd)
+Checked = tuple[list[tuple[int, np.ndarray]], np.ndarray, np.ndarray]
 MAX_REQUEST_VALUES = ServeSettings.max_request_values  # the default bound of encode()
 
 
@@ -105,7 +108,16 @@ class FeatureEncoder:
                max_values: int = MAX_REQUEST_VALUES, mapper: RowMapper | None = None, spent: int = 0
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values (N,), offsets (F + F*B + 1,), dense (B, Dd))`` for the request's ``B`` candidates, in the user-row
-        layout (module docstring): the user's bags once, the candidates' after them.
+        layout (module docstring): the user's bags once, the candidates' after them. :meth:`check` then :meth:`rows`:
+        a call of several requests (a batch) checks them all before it looks up any row (a refused call has none)."""
+        return self.rows(self.check(req, history, observe, max_values, spent), mapper)
+
+    def check(self, req: ScoreRequest, history: list[int] | Callable[[], list[int]],
+              observe: Callable[[str, np.ndarray], None] | None = None,
+              max_values: int = MAX_REQUEST_VALUES, spent: int = 0) -> Checked:
+        """The request checked against this model (a 422: a feature it lacks, ``max_values``) and hashed, no row looked
+        up yet: ``(bags, offsets (F + F*B + 1,), dense (B, Dd))``, ``bags`` the hashed ``(field, values)`` in the
+        order :meth:`rows` maps them.
 
         ``history``: the user's clicked items' hashes, oldest first (``stream.history.UserHistory``), or a callable
         that returns them: called once, after every other field is encoded (serving's Redis read is in flight
@@ -119,14 +131,11 @@ class FeatureEncoder:
         each one without its own: 1,000 candidates x a shared list of 1,024 values is a million lookups from a 20 KB
         body.
         ``spent``: the values the call's earlier requests look up (:meth:`request_values`): the bound is
-        per HTTP call, a batch's requests together (checked per request, ``max_batch`` multiplied it).
-        ``mapper``: what maps ids to rows for this request, the encoder's own by default; serving passes the model
-        snapshot it then scores with (``serving.model.PinnedModel``), of the same feature config."""
+        per HTTP call, a batch's requests together (checked per request, ``max_batch`` multiplied it)."""
         where = req.where
         self._check_names(where, req.context, req.dense)
         b = len(req.items)
         dense = self._dense(req, b)  # first: it refuses unknown dense names (422) before any lookup is observed
-        m = self.mapper if mapper is None else mapper
         shared = hash_context(req.context)
         per_item = None
         if req.item_context is not None:
@@ -189,14 +198,20 @@ class FeatureEncoder:
             if len(one):
                 user_values[history_field] = one
                 user_lengths[history_field] = len(one)
-        # every bound checked: only now are rows looked up (a refused request looks up none)
-        parts = [m.map_rows(f, h) for f, h in chain(sorted(user_values.items()), cand_values)]
-        flat_values = np.concatenate(parts) if parts else _EMPTY
         offsets = np.zeros(f_count * (b + 1) + 1, np.int64)  # (F + F*B + 1,)
         np.cumsum(user_lengths, out=offsets[1:f_count + 1])
         np.cumsum(cand_lengths.ravel(), out=offsets[f_count + 1:])
         offsets[f_count + 1:] += offsets[f_count]
-        return flat_values, offsets, dense
+        return [*sorted(user_values.items()), *cand_values], offsets, dense
+
+    def rows(self, checked: Checked, mapper: RowMapper | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`check`'s request with its rows looked up: ``(values (N,), offsets, dense)``. ``mapper``: what maps ids
+        to rows, the encoder's own by default; serving passes the model snapshot it then scores with
+        (``serving.model.PinnedModel``), of the same feature config."""
+        bags, offsets, dense = checked
+        m = self.mapper if mapper is None else mapper
+        parts = [m.map_rows(f, h) for f, h in bags]
+        return (np.concatenate(parts) if parts else _EMPTY), offsets, dense
 
     def _shared_values(self, req: ScoreRequest, user_lengths: np.ndarray) -> tuple[int, str]:
         """(values, longest name) of the context ``req`` shares (``req.context``) in the user row (``user_lengths``

@@ -369,6 +369,34 @@ def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(publishe
     assert lookups.flush() == 6  # 2 users and 4 items, reported once answered
 
 
+def test_a_batch_refused_for_its_last_request_looks_up_no_rows_and_records_no_lookup_counts(
+        published: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first request is valid, the last one names a feature the model lacks (or takes the call past
+    # max_request_values): the first one's ids were mapped to rows (ScoringModel.map_rows, which counts them in
+    # streamrec_serving_id_lookups_total) before the last was refused. A refused call has no side effects: every
+    # request is checked before any row is looked up.
+    counts = FakeCounts()
+    lookups = LookupCounts(counts)  # type: ignore[arg-type]
+    app = make_app(published, lookups=lookups, max_request_values=10)
+    model = app.holder.live.model  # type: ignore[union-attr]
+    mapped: list[int] = []
+    map_rows = model.map_rows
+
+    def spy(field_index: int, hashed: np.ndarray, live: Any = None) -> np.ndarray:
+        mapped.append(len(hashed))
+        return map_rows(field_index, hashed, live)
+
+    monkeypatch.setattr(model, "map_rows", spy)
+    refused = [{"user_id": "b", "items": [4], "context": {"zz": 1}}, {"user_id": "b", "items": [4], "dense": {"zz": 1}},
+               {"user_id": "b", "items": [4, 5], "context": {"genres": [f"g{i}" for i in range(6)]}}]  # 3 + 2 + 6 > 10
+    for last in refused:
+        got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, last]})
+        assert got == 422 and "requests[1]" in out["error"], out
+    assert mapped == [] and lookups.flush() == 0 and counts.calls == []
+    got, _, out = call(app, "POST", "/v1/score:batch", {"requests": [SIMPLE, {"user_id": "b", "items": [4]}]})
+    assert got == 200 and sum(mapped) > 0 and lookups.flush() == 6  # (the spy sees the rows of an answered call)
+
+
 def test_non_finite_scores_are_a_503_counted_and_logged_once_never_a_200_with_nulls(
         published: Path, learner: TinyLearner, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
