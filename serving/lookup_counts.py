@@ -76,13 +76,14 @@ class LookupCounts:
 
     def __init__(self, counts: DailyCounts, metrics: ServingMetrics | None = None, flush_s: float = 5.0,
                  flush_ids: int = 200_000, max_pending: int = 2_000_000,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, flush_timeout_s: float | None = None) -> None:
         if not 0 < flush_s <= DAY_S or flush_ids < 1 or max_pending < 1:  # (an infinite wait raises OverflowError)
             raise ValueError(f"LookupCounts: flush_s must be in (0, {DAY_S}] and flush_ids, max_pending >= 1, got "
                              f"{flush_s!r}, {flush_ids!r}, {max_pending!r}")
         self.counts, self.metrics = counts, metrics
         self.flush_s, self.flush_ids, self.max_pending = float(flush_s), int(flush_ids), int(max_pending)
         self.clock = clock
+        self.flush_timeout_s = flush_timeout_s  # stop()'s wait on its last flush ([serve] lookup_counts_timeout_s)
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, str], list[np.ndarray]] = {}  # (day, kind) -> hashed ids, (n,) int64 each
         self._n = 0  # lookups waiting in _pending
@@ -159,9 +160,10 @@ class LookupCounts:
         """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush, unless this was
         its last try; counted and logged (once per outage)."""
         keep, lost = [], 0
+        closed = self._closed  # stop()'s last flush: none comes after it
         for write in unwritten:
             write.tries += 1
-            if write.tries < TRIES:
+            if write.tries < TRIES and not closed:
                 keep.append(write)
             else:
                 lost += write.lookups
@@ -204,8 +206,11 @@ class LookupCounts:
         (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last flush is
         skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped").
 
-        Redis is waited on once at most (the counts client's timeout, ``[serve] lookup_counts_timeout_s``): the last
-        flush is one round trip, and none is made when the last flush failed, less than ``RECENT_FAILURE_S`` ago (one
+        Redis is waited on once at most: the last flush is waited for ``flush_timeout_s`` at most (``[serve]
+        lookup_counts_timeout_s``, the counts client's timeout), the whole flush, where the client's timeouts bound each
+        step of it (a connect, each recv: a Redis trickling its reply held it ~7 times as long); past it stop returns
+        and the flush, left running, counts what it writes or drops. None is made when the last flush failed, less
+        than ``RECENT_FAILURE_S`` ago (one
         in progress as stop began, or one just before it: Redis down or frozen, its retry would wait out the timeout
         again); what waits is then dropped and counted ("redis"). A failure older than that says little of Redis now:
         the last flush is made."""
@@ -241,7 +246,14 @@ class LookupCounts:
             if lost:
                 self._drop("redis", lost)
             return
-        self.flush()
+        last = threading.Thread(target=self.flush, name="lookup-counts-last", daemon=True)
+        last.start()
+        last.join(self.flush_timeout_s)  # once for the whole flush: the client's timeouts bound each step of it only
+        if last.is_alive():
+            self._abandoned = last  # what it writes is counted when it ends: flushed, or dropped ("redis")
+            log.warning("lookup counts: the last flush to Redis did not finish within %g s "
+                        "(lookup_counts_timeout_s); serving stops without waiting for it", self.flush_timeout_s)
+            return
         with self._flush_lock, self._lock:  # the last flush failed: what it kept has no next flush
             kept, self._kept, self._kept_n = self._kept_n, [], 0
         if kept:

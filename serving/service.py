@@ -101,7 +101,8 @@ class ScoringService:
             counts = DailyCounts(client, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
             self.lookups = LookupCounts(counts, self.metrics, flush_s=settings.lookup_counts_flush_s,
                                         flush_ids=settings.lookup_counts_flush_ids,
-                                        max_pending=settings.lookup_counts_max_pending)
+                                        max_pending=settings.lookup_counts_max_pending,
+                                        flush_timeout_s=settings.lookup_counts_timeout_s)
         self.app = ScoringApp(settings, self.holder, self.metrics, history,
                               history_len=redis_settings.history_len if redis_settings else 50, version=version,
                               lookups=self.lookups)

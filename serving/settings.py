@@ -87,7 +87,7 @@ class ServeSettings:
     lookup_counts_max_pending: int = 2_000_000  # int64 each: 16 MB at most
     # Each flush's Redis timeout (the counts client's, no retries), stop's last flush included: a frozen Redis holds
     # a shutdown this long at most (serving/lookup_counts.py). > 0 and at most STOP_TIMEOUT_S (30 s, stop's bound on
-    # its flush thread): the last flush runs on the stopping thread, and a day-long one held a shutdown a day.
+    # its flush thread). Stop waits on its last flush this long in all (the client's timeouts bound each step only).
     lookup_counts_timeout_s: float = 2.0
 
     # -- the layered deployment (serving/embedding_store.py) --

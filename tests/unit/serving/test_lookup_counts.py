@@ -308,3 +308,39 @@ def test_stop_long_after_a_failed_flush_makes_its_last_flush() -> None:
     lc.add("item", np.array([9], np.int64))
     lc.stop()
     assert (lc.flushed, lc.dropped) == (5, 0) and len(fake.failed_ids) == 1
+
+
+def test_stop_waits_on_its_last_flush_for_flush_timeout_s_once_however_long_redis_holds_the_write() -> None:
+    # The last flush was bounded only by the client's timeouts, each per step: a connect, then every recv (a Redis
+    # that trickles its reply a byte at a time within the timeout held `streamrec serve`'s exit 6.7x
+    # lookup_counts_timeout_s, measured), and every write of the flush (a kind, a day) its own round trip.
+    class HeldCounts(FakeCounts):
+        """Each write is held (an unreachable or trickling Redis) until released, then fails as a timeout would."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.release, self.done = threading.Event(), threading.Event(), threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            self.entered.set()
+            try:
+                self.release.wait(10)  # (the fake Redis's own socket timeout: an unbounded stop returns after it)
+                raise redis.TimeoutError("Timeout reading from redis")
+            finally:
+                self.done.set()
+
+    fake, metrics = HeldCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, flush_s=3600, flush_timeout_s=0.05).start()  # type: ignore[arg-type]
+    lc.add("item", np.array([1, 2], np.int64))
+    lc.add("user", np.array([3], np.int64))
+    try:
+        lc.stop()
+        assert fake.entered.is_set() and not fake.done.is_set()  # returned while Redis still held the write
+    finally:
+        fake.release.set()
+    abandoned = lc._abandoned
+    assert abandoned is not None and abandoned.name == "lookup-counts-last"
+    abandoned.join(10)
+    assert not abandoned.is_alive() and len(fake.failed_ids) == 0 and lc.flushed == 0
+    assert lc.dropped == 3  # what it was writing, counted once it failed: no flush comes after the last
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 3
