@@ -9,11 +9,11 @@ Reading
     given. Only the mapped columns are read. A CSV file needs a header row. In CSV files the id columns
     are read as text: a column whose values are all canonical non-negative integers (``0``, ``42``,
     not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
-    :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there, and a canonical
-    integer past int64 (``9223372036854775808``) is out of range in any column, its row rejected as a Parquet uint64
-    one is (it made its column string ids, so the row was published). An empty cell or a null token (below; spaces
-    around ignored) in an id column (user, item, impression id) is a missing id, as a Parquet null is: the row is
-    rejected, its cell reported as written (``NA`` was the user ``"NA"``; a Parquet string ``"NA"`` still is). The time,
+    :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there (a canonical
+    integer past int64, ``9223372036854775808``, makes its column string ids, which hash alike). An empty cell or a
+    null token (below; spaces around ignored) in an id column (user, item, impression id) is a missing id, as a
+    Parquet null is: the row is rejected, its cell reported as written (``NA`` was the user ``"NA"``; a Parquet
+    string ``"NA"`` still is). The time,
     click-time, clicked and dense columns are read as text as well and each cell parsed on its own. In the time and
     dense columns only an empty cell is missing, and a rejected row's reason shows what its cell held (``nan``,
     ``inf``, ``NA``), which Arrow's type inference read as a missing value or a float. In the clicked and click-time
@@ -598,14 +598,16 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
         too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
         checks = [*utf8, _Check(missing, field, column, _ID_EXPECTED),
                   _Check(too_long, field, column, f"a string id of at most {MAX_STR_ID_LEN} chars")]
-        if csv:  # a negative integer, or a canonical one past int64 (each cell alone), is out of range, as in Parquet
-            canonical, length = _matches(arr, _CANONICAL_UINT_RE), pc.utf8_length(arr)
-            past = pc.or_(pc.greater(length, 19), pc.and_(pc.equal(length, 19), pc.greater(arr, str(MAX_ID))))
-            negative = _matches(arr, _NEG_INT_RE) | (canonical & _np_bool(past))
+        if csv:
+            negative = _matches(arr, _NEG_INT_RE)
             checks.append(_Check(negative, field, column, f"an integer id in [0, {MAX_ID}]"))
             ok = ~(missing | too_long | negative)
-            if ok.any() and canonical[ok].all():
-                return _object_array(pc.cast(pc.if_else(pa.array(ok), arr, "0"), pa.int64()).to_pylist()), checks
+            if ok.any() and _matches(arr, _CANONICAL_UINT_RE)[ok].all():
+                try:
+                    ints = pc.cast(pc.if_else(pa.array(ok), arr, "0"), pa.int64())
+                    return _object_array(ints.to_pylist()), checks
+                except pa.ArrowInvalid:  # past 2**63-1: keep the text
+                    pass
         return _object_array(arr.to_pylist()), checks
     if pa.types.is_integer(t):
         v, big = _ints(arr)

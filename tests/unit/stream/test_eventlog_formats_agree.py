@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from stream.events import MAX_ID
 from stream.features import hash_context
 from stream.ids import stable_hash
 from stream.replay.config import ClickDelay, DelayKind
@@ -69,20 +68,6 @@ def test_an_infinite_float_feature_is_rejected_in_parquet_and_as_the_csv_cell_in
     for name in ("log.parquet", "log.csv"):  # each reported as written: 'inf', '-inf'
         t = load_eventlog(tmp_path / name, ColumnMap(features=("score",)), FIXED, seed=0)
         assert [r.error.value for r in t.raw] == ["inf", "-inf"]
-
-
-def test_an_integer_id_past_int64_rejects_its_row_in_parquet_and_in_csv_leaving_the_other_ids_integers(
-        tmp_path: Path) -> None:
-    table = events(3, user_id=pa.array([1, MAX_ID + 1, 3], pa.uint64()), item_id=pa.array([5, 6, 2**64 - 1],
-                                                                                            pa.uint64()))
-    parquet, csv = both_ways(tmp_path, table, ColumnMap())
-    assert parquet["rejected"] == [("user_id", f"an integer id in [0, {MAX_ID}] (column 'user_id', row 1 counting "
-                                               "from 0)"),
-                                   ("item_id", f"an integer id in [0, {MAX_ID}] (column 'item_id', row 2 counting "
-                                               "from 0)")]
-    assert csv == parquet
-    t = load_eventlog(tmp_path / "log.csv", ColumnMap(), FIXED, seed=0)
-    assert t.user_id.tolist() == [1] and t.item_id.tolist() == [5]  # integer ids, as in a clean column
 
 
 def test_a_null_token_in_a_csv_id_column_is_the_missing_id_a_parquet_null_is(tmp_path: Path) -> None:
