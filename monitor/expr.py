@@ -399,7 +399,8 @@ def _first(items: Any, fold: bool) -> tuple[set[int] | None, bool]:
         if got is None or chars is None:
             chars = None
         else:
-            chars |= {f for c in got for f in (c, ord(chr(c).lower()[0]), ord(chr(c).upper()[0]))} if fold else got
+            chars |= {ord(f[0]) for c in map(chr, got)
+                                           for f in (c, c.lower(), c.upper(), c.casefold())} if fold else got
         if not empty:
             return chars, False
     return chars, True
@@ -418,7 +419,7 @@ def _slow_regex(regex: str) -> str:
     Refused when the rules load. Possessive repeats (``a++``, ``(a|aa)++``) do not backtrack and are kept.
     Conservative: an unambiguous nesting such as ``[a-z]+(\\.[a-z]+)*`` is refused too, and so is ``(x|xz)+``
     (branches that share a first character, though xz never splits a run of x); the check looks at first characters
-    only, case-folded anywhere ``(?i)`` is set."""
+    only, case-folded (lower, upper and casefold: (?i) takes U+03D1 for U+03F4) anywhere ``(?i)`` is set."""
     parsed = sre_parse.parse(regex)
     fold = bool(parsed.state.flags & re.IGNORECASE) or re.search(r"\(\?[a-zA-Z-]*i", regex) is not None  # (?i:x)
     todo = [(parsed.data, False)]  # (items, inside a repeat that may run more than once)

@@ -44,3 +44,11 @@ def test_a_repeat_over_an_alternation_whose_branches_overlap_is_refused_naming_t
                                    "(a|aa)++b"])
 def test_a_repeat_over_an_alternation_whose_branches_begin_apart_loads(regex: str) -> None:
     assert loads_rules(rule(regex)).rules[0].name == "slow"
+
+
+def test_branches_that_match_each_other_only_under_case_folding_are_refused_under_a_repeat() -> None:
+    # Under (?i) Python's re takes the theta symbol U+03D1 and U+03F4 for each other, though neither is the other's
+    # lower() or upper() (both casefold to U+03B8): (?i)(U+03D1|U+03F4 U+03D1)+z splits a run of U+03D1 among its
+    # branches as (a|aa)+b splits a run of a.
+    with pytest.raises(RulesError, match=r"alternation.*repeat"):
+        loads_rules(rule("(?i)(\u03d1|\u03f4\u03d1)+z"))
