@@ -350,6 +350,8 @@ class Learner:
         passed = [p.name for p in checkpoint.list_checkpoints(self.ls.checkpoint_dir) if p.name > ckpt.path.name]
         if passed and self.deltas is not None:  # (each was reported with why it did not load)
             self.deltas.resend_all(f"resumed from {ckpt.path.name}, behind {', '.join(passed)}, which do not load")
+        if self.deltas is not None:
+            self.deltas.abandon_after(ckpt.meta.get("delta_seq"))
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
                  self.offsets)
         return True

@@ -42,7 +42,9 @@ replaced (a new volume, an operator's ``rm``) while the checkpoints stay: before
 writer records it in ``<checkpoint_dir>/DELTA_SEQ`` (beside ``LINEAGE``; :data:`SEQ_FILE`), and a writer starts
 after the larger of that and the directory's largest file. Serving, which skips every delta at or below the seq it
 applied, would otherwise skip a restarted numbering without a word; it also notices a stream that went backwards
-anyway (a learner from before this file, another directory) and re-bases (:meth:`DeltaReader.newer`).
+anyway (a learner from before this file, another directory) and re-bases (:meth:`DeltaReader.newer`). A restored
+learner removes the deltas numbered past its checkpoint's ``delta_seq`` (:meth:`DeltaWriter.abandon_after`): they are
+of the training the restore threw away, and an artifact of a later checkpoint mistook them for such a restart.
 
 Writing: the file goes to a temporary name, is fsynced, renamed into place, and the directory fsynced,
 so a reader never sees half of one; the last ``keep`` are kept (a reader that falls further behind than
@@ -451,6 +453,22 @@ class DeltaWriter:
         log.warning("%s: the next delta resends all %d rows, so serving, which may run an artifact of them, ends on "
                     "this training's state", why, len(self.touched))
         self.mark(torch.arange(len(self.touched), device=self.touched.device))
+
+    def abandon_after(self, seq: int | None) -> None:
+        """Remove the deltas numbered past ``seq``, the ``delta_seq`` of the checkpoint the learner resumed from (None:
+        not known, nothing removed): written after it by the training the restore threw away, a dead branch. Left in
+        the directory, an artifact of a later checkpoint (its ``delta_seq`` past them, its count below theirs) took
+        them for a restarted numbering, counted a rewind and applied them (:meth:`DeltaReader.newer`). This writer's
+        numbering stays past them (a seq is never used twice); a reader that had not read them counts them pruned."""
+        if seq is None:
+            return
+        dead = [p for s, _, p in list_deltas(self.directory) if s > seq]
+        for p in dead:
+            p.unlink(missing_ok=True)
+        if dead:
+            log.warning("removed deltas %s..%s of the training after the checkpoint resumed from (delta seq %d): "
+                        "serving never applies them; this learner's deltas go on at seq %d", dead[0].name,
+                        dead[-1].name, seq, self.seq + 1)
 
     def hold(self, rows: np.ndarray) -> None:
         """Rows (global, (R,) int64) the id maps just handed to another id (evicted, admitted). Serving maps ids with

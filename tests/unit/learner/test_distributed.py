@@ -523,9 +523,9 @@ def test_the_first_sharded_delta_after_a_restart_resends_every_admitted_ids_row_
         assert again._restore()
         train(again, [101], 20)  # the replay, up to the first delta: 102's row is not touched
         again._write_delta()
-        [*_, before, (_, _, path)] = list_deltas(tmp_path / "deltas")
+        [(_, _, path)] = list_deltas(tmp_path / "deltas")  # (the first run's delta, after the checkpoint: removed)
         newest = load_delta(path)
-        assert newest.seq == before[0] + 1 and newest.id_maps is not None
+        assert newest.seq == 2 and newest.id_maps is not None  # (numbered past the removed one)
         assert set(old_rows.tolist()) <= set(newest.rows.tolist())  # 101's and 102's restored vectors, resent
     finally:
         again.close()
@@ -652,3 +652,52 @@ def test_two_ranks_read_a_sharded_checkpoint_once_between_them_to_check_its_sha2
         assert sorted(got[0][when] + got[1][when]) == sorted(files)  # each file read once, by one rank
     for rank in (0, 1):
         assert "__1_0.distcp (its sha256 is not the one recorded at save" in got[rank]["refused"]
+
+
+def test_an_artifact_of_a_restarted_sharded_learners_checkpoint_applies_no_delta_of_the_run_it_abandoned(
+        one_rank_group: None, tmp_path: Path) -> None:
+    """The sharded learner writes delta 1 (8 samples) after its checkpoint (2) and dies; the restart writes delta 2
+    (3 samples) and a checkpoint: an artifact of it took delta 1 for a restarted numbering (a rewind) and applied it.
+    (The single process: tests/unit/learner/test_fallback_restart_deltas.py.)"""
+    from learner import checkpoint, sharded_checkpoint
+    from learner.config import LearnerSettings
+    from learner.deltas import DeltaReader
+    from learner.sharded_daemon import ShardedLearner
+    from stream.config import KafkaSettings
+    from stream.samples import SampleBatch
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         deltas_every_s=1.0, deltas_dir=tmp_path / "deltas")
+    cfg = default_config({}, buckets=16, ctx_buckets=8, embedding_dim=4)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+
+    def train(learner: ShardedLearner, n: int, start: int) -> None:
+        kept = to_tensors(SampleBatch.from_columns(
+            impression_id=[f"i{start}-{k}" for k in range(n)], ts=np.full(n, start * 1000, np.int64),
+            label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=np.arange(n) + start,
+            item_id=np.ones(n, np.int64), history=[[] for _ in range(n)], context={}), cfg)
+        learner.deltas.mark(kept.values)  # type: ignore[union-attr]
+        learner.trainer.test_then_train(kept, n)  # type: ignore[union-attr]
+
+    first = ShardedLearner(kafka, ls, RankContext())
+    try:
+        first._build(cfg)
+        train(first, 2, 0)
+        first.save()
+        train(first, 6, 10)
+        first._write_delta()  # seq 1, 8 samples: no checkpoint holds it
+    finally:
+        first.close()
+    again = ShardedLearner(kafka, ls, RankContext())
+    try:
+        assert again._restore()
+        train(again, 1, 20)
+        again._write_delta()  # seq 2, 3 samples
+        again.save()
+    finally:
+        again.close()
+    found = sharded_checkpoint.latest(tmp_path / "ckpt")
+    assert found is not None and found[1]["samples_trained"] == 3 and found[1]["delta_seq"] == 2
+    reader = DeltaReader(tmp_path / "deltas")
+    applied = [d.seq for d in reader.newer(2, 3, checkpoint.lineage(tmp_path / "ckpt"), applied_samples=0)]
+    assert (applied, reader.rewinds) == ([], 0)

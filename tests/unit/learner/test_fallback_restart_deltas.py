@@ -13,6 +13,7 @@ from learner import checkpoint as ck
 from learner.artifact import build_artifact
 from learner.batch import to_tensors
 from learner.daemon import Learner
+from learner.deltas import DeltaReader
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
@@ -73,3 +74,36 @@ def test_serving_on_the_artifact_of_a_checkpoint_the_restart_fell_back_past_ends
             _served_equals_learner(served, second)
     finally:
         second.close()
+
+
+def test_an_artifact_of_the_restarted_learners_checkpoint_applies_no_delta_of_the_run_it_abandoned(
+        tmp_path: Path) -> None:
+    """Checkpoint N (16 samples, no delta yet); the first run trains on to 40 samples, writes delta 1 and dies before
+    its next checkpoint. The restart from N writes delta 2 at 24 samples and checkpoint M (24, delta_seq 2). An
+    artifact of M: delta 1 (seq below M's, trained past it) was taken for a restarted numbering (a rewind), and the
+    re-base on samples applied it, rows of a training no checkpoint holds."""
+    ls = _settings(tmp_path)
+    first = Learner(KAFKA, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        assert first.trainer is not None and first.deltas is not None
+        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
+        first.save()  # N
+        for b in AFTER:
+            first._train(to_tensors(b, CFG))
+        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # seq 1, 40 samples
+    finally:
+        first.close()
+    second = Learner(KAFKA, ls)
+    try:
+        assert second._restore() and second.trainer is not None and second.deltas is not None
+        second._train(to_tensors(samples([104, 105] * 4, 100), CFG))
+        assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None  # seq 2, 24 samples
+        second.save()  # M
+    finally:
+        second.close()
+    m = ck.load_latest(tmp_path / "ck")
+    assert m is not None and m.samples_trained == 24 and m.meta["delta_seq"] == 2
+    reader = DeltaReader(tmp_path / "deltas")
+    applied = [d.seq for d in reader.newer(2, 24, m.meta["lineage"], applied_samples=0)]
+    assert (applied, reader.rewinds) == ([], 0)
