@@ -405,7 +405,31 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     for old in older[:max(0, len(older) - (keep - 1))]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
+    for old in sorted(directory.glob(f"{_PREFIX}*.pt{DAMAGED}"))[:-keep]:  # set aside (:func:`set_aside`)
+        old.unlink(missing_ok=True)
+        old.with_name(old.name.replace(f".pt{DAMAGED}", f".json{DAMAGED}")).unlink(missing_ok=True)
     return path
+
+
+DAMAGED = ".damaged"  # the suffix of a checkpoint the learner's restore fell back past (:func:`set_aside`)
+
+
+def set_aside(paths: list[Path]) -> None:
+    """Rename each checkpoint (and its sidecar) the learner's restore fell back past to ``<name>.damaged``: kept for
+    forensics, never listed or loaded again, the oldest pruned past ``keep`` by :func:`save`. Left in place, named
+    after every later checkpoint (so never pruned), it made every later restart a fallback past it, each resending
+    the whole table to serving. A rename that fails is logged: that file is refused again at the next restart."""
+    for path in paths:
+        for p in (path, path.with_suffix(".json")):
+            try:
+                p.rename(p.with_name(p.name + DAMAGED))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot set %s aside (%s); the next restart refuses it again", p, exc)
+                continue
+        log.warning("checkpoint %s did not load: set aside as %s (never loaded, kept for forensics)", path.name,
+                    path.name + DAMAGED)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -583,6 +607,9 @@ def restore_latest(directory: Path, check: Callable[[Checkpoint], object] | None
     must not silently start a new model over a directory of unreadable or foreign files)."""
     problems: list[tuple[Path, str]] = []
     ckpt = load_latest(directory, safe=True, problems=problems, check=check)
+    if ckpt is None and not problems:  # only checkpoints set aside (:func:`set_aside`): as refused now
+        problems = [(p, "set aside by an earlier restart: it did not load")
+                    for p in sorted(Path(directory).glob(f"{_PREFIX}*.pt{DAMAGED}"))]
     if ckpt is None and problems:
         raise CheckpointError(f"no checkpoint in {directory} loads: "
                               + "; ".join(f"{p}: {why}" for p, why in problems)

@@ -347,9 +347,12 @@ class Learner:
         ckpt = checkpoint.restore_latest(self.ls.checkpoint_dir, check=self._load)
         if ckpt is None:
             return False
-        passed = [p.name for p in checkpoint.list_checkpoints(self.ls.checkpoint_dir) if p.name > ckpt.path.name]
+        passed = [p for p in checkpoint.list_checkpoints(self.ls.checkpoint_dir) if p.name > ckpt.path.name]
         if passed and self.deltas is not None:  # (each was reported with why it did not load)
-            self.deltas.resend_all(f"resumed from {ckpt.path.name}, behind {', '.join(passed)}, which do not load")
+            self.deltas.resend_all(f"resumed from {ckpt.path.name}, behind "
+                                   f"{', '.join(p.name for p in passed)}, which do not load")
+            self.deltas.sync()  # the resend survives a restart that no longer falls back (pending list)
+        checkpoint.set_aside(passed)
         if self.deltas is not None:
             self.deltas.abandon_after(ckpt.meta.get("delta_seq"))
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,

@@ -107,3 +107,35 @@ def test_an_artifact_of_the_restarted_learners_checkpoint_applies_no_delta_of_th
     reader = DeltaReader(tmp_path / "deltas")
     applied = [d.seq for d in reader.newer(2, 24, m.meta["lineage"], applied_samples=0)]
     assert (applied, reader.rewinds) == ([], 0)
+
+
+def test_a_checkpoint_the_restore_fell_back_past_is_set_aside_so_only_the_first_restart_resends_every_row(
+        tmp_path: Path) -> None:
+    """N (16 samples) and a damaged N+1 (24): the restart falls back to N and resends every row. N+1 stayed in the
+    directory (pruning keeps files named after the newest), so every later restart fell back past it again and
+    resent the whole table (~760 MB at 10 M rows). It is renamed ``.damaged``, kept, and never listed again."""
+    ls = _settings(tmp_path)
+    first = Learner(KAFKA, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
+        first.save()  # N
+        first._train(to_tensors(AFTER[0], CFG))
+        first.save()  # N+1
+    finally:
+        first.close()
+    newest = ck.list_checkpoints(tmp_path / "ck")[-1]
+    damaged = newest.read_bytes()[:100]
+    newest.write_bytes(damaged)
+    for restart in range(2):
+        learner = Learner(KAFKA, ls)
+        try:
+            assert learner._restore() and learner.trainer is not None and learner.deltas is not None
+            assert learner.trainer.samples == 16
+            resent = int(learner.deltas.touched.sum())
+            assert (resent == CFG.num_rows) == (restart == 0)
+            assert learner.deltas.write(learner.trainer.model, learner.trainer.samples) is not None
+        finally:
+            learner.close()
+    assert newest not in ck.list_checkpoints(tmp_path / "ck")
+    assert newest.with_name(newest.name + ".damaged").read_bytes() == damaged
