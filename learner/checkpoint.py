@@ -192,6 +192,8 @@ def mistyped(meta: Mapping[str, Any]) -> str | None:
     for name, kind in TYPED_FIELDS.items():
         if name in meta and not isinstance(meta[name], kind):
             return f'"{name}" is {str(meta[name])[:80]!r}, not a {"JSON object" if kind is dict else "string"}'
+    if "lineage" in meta and not _LINEAGE_RE.fullmatch(meta["lineage"]):  # ("abc": the directory's continued)
+        return f'"lineage" is {str(meta["lineage"])[:80]!r}, not a lineage id (32 hex digits, as every save writes)'
     return None
 
 

@@ -24,7 +24,7 @@ from streamrec.cli import main
 from streamrec.stack import free_port
 from tests.unit.learner.test_artifact import make_checkpoint
 
-LINEAGE = "lineage-a"
+LINEAGE = "a" * 32
 
 
 def save(directory: Path, samples: int, lineage: str = LINEAGE) -> Path:
@@ -76,7 +76,7 @@ def test_same_or_more_samples_or_another_lineage_pass_the_check(setup) -> None:
     assert stage_of(rs, kafka, rds).stage == "hot_set"
     p.unlink()
     p.with_suffix(".json").unlink()
-    save(rs.checkpoint_dir, 100, lineage="lineage-b")  # a learner started afresh: its count starts again
+    save(rs.checkpoint_dir, 100, lineage="b" * 32)  # a learner started afresh: its count starts again
     assert stage_of(rs, kafka, rds).stage == "hot_set"
 
 

@@ -37,7 +37,7 @@ from tests.unit.learner.test_artifact import make_checkpoint
 def save(directory: Path, samples: int) -> Path:
     ck = make_checkpoint()
     path = checkpoint.save(directory, {"model": ck["model"]}, {**ck["meta"], "samples_trained": samples,
-                                                                "lineage": "l"}, keep=10)
+                                                                "lineage": "1" * 32}, keep=10)
     time.sleep(0.002)  # names carry ms
     return path
 
@@ -47,7 +47,7 @@ def test_a_stop_signal_inside_a_best_effort_except_block_still_ends_refresh_now_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals) -> None:
     root, ckpts = tmp_path / "serving", tmp_path / "ckpt"
     live = make_checkpoint()
-    live["meta"] = {**live["meta"], "samples_trained": 512, "lineage": "l"}
+    live["meta"] = {**live["meta"], "samples_trained": 512, "lineage": "1" * 32}
     publish(root, build_artifact(live, root, np.zeros(0), format="eager", version="v001"), keep=3)
     save(ckpts, 600)
     newest = save(ckpts, 1024)
@@ -85,7 +85,7 @@ def _now_settings(root: Path, ckpts: Path) -> RefreshSettings:
 def _live_and_newer(tmp_path: Path) -> tuple[Path, Path]:
     root, ckpts = tmp_path / "serving", tmp_path / "ckpt"
     live = make_checkpoint()
-    live["meta"] = {**live["meta"], "samples_trained": 512, "lineage": "l"}
+    live["meta"] = {**live["meta"], "samples_trained": 512, "lineage": "1" * 32}
     publish(root, build_artifact(live, root, np.zeros(0), format="eager", version="v001"), keep=3)
     save(ckpts, 1024)
     return root, ckpts

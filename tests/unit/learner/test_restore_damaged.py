@@ -60,6 +60,7 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     # directory's lineage continued instead of the checkpoint's; a list for the shaping settings read as none
     "topic_number": _meta_field("topic", 5), "topic_list": _meta_field("topic", ["a"]),
     "lineage_object": _meta_field("lineage", {}), "lineage_number": _meta_field("lineage", 5),
+    "lineage_not_an_id": _meta_field("lineage", "abc"),  # the directory's lineage continued in silence
     "shape_empty_list": _meta_field("shape", [])}
 
 

@@ -132,12 +132,13 @@ MISTYPED_FIELDS: dict[str, tuple[str, Any]] = {  # id -> (field, value; ... is t
     "model_text_rate": ("model", {"mlp": "8", "lr_sparse": "fast", "lr_dense": 0.1}),
     "model_bad_mlp": ("model", {"mlp": "wide", "lr_sparse": 0.1, "lr_dense": 0.1}),
     "shape_list": ("shape", ["mlp"]), "topic_number": ("topic", 5), "lineage_number": ("lineage", 5),
+    "lineage_not_an_id": ("lineage", "abc"),
     "delta_seq_text": ("delta_seq", "3"),
 }
 
 SOUND = {"steps": 3, "offsets": {"0": 10, "1": 0}, "partition_rows": {"0": 10}, "duplicates": 0, "metrics_window": 100,
          "model": {"mlp": "8", "lr_sparse": 0.05, "lr_dense": 0.001, "dropout": 0.0}, "shape": {"mlp": "8"},
-         "topic": "samples", "lineage": "abc", "delta_seq": None}
+         "topic": "samples", "lineage": "0123456789abcdef0123456789abcdef", "delta_seq": None}
 
 
 def _sound_meta() -> dict[str, Any]:
