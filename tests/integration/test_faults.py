@@ -161,7 +161,13 @@ def run_until_done(cmd: list[str], env: dict[str, str], attempts: int = 6, timeo
     raise AssertionError(f"still failing after {attempts} runs: {out.stderr[-3000:]}")
 
 
-@pytest.mark.parametrize("driver", ["kafka", "faust"])
+# The faust variants of this test and of the rebalance test below run under -m slow (`make faults`): ~30-40 s each in
+# CI, where the kafka variants, the faust SIGKILL test and tests/integration/test_faust_delivery.py keep the faust
+# driver's restart and commit paths covered.
+FAUST_SLOW = pytest.param("faust", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("driver", ["kafka", FAUST_SLOW])
 def test_redis_restart_during_joining_loses_nothing(driver: str, kafka: KafkaSettings, own_redis: Service,
                                                     group_id: str, reaper: Reaper) -> None:
     s = SyntheticSettings(impressions=20_000, users=5000, items=1000, impressions_per_s=50.0,
@@ -382,7 +388,7 @@ def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(
     assert rows == Counter(produced) and summary["samples_trained"] == sum(produced.values())
 
 
-@pytest.mark.parametrize("driver", ["kafka", "faust"])
+@pytest.mark.parametrize("driver", ["kafka", FAUST_SLOW])
 def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(driver: str, kafka: KafkaSettings,
                                                                               stack, group_id: str,
                                                                               reaper: Reaper) -> None:
