@@ -3,18 +3,19 @@
 https://prometheus.io/docs/instrumenting/exposition_formats/ : one sample per line,
 ``metric_name [ "{" label_name "=" '"' label_value '"' { "," ... } [ "," ] "}" ] value [ timestamp ]``, blanks and
 tabs between the tokens; ``#`` lines are comments, of which ``# HELP name text`` and ``# TYPE name type`` must
-name a metric (and a type: counter, gauge, histogram, summary, untyped). A label value escapes only ``\\\\``,
-``\\"`` and ``\\n``; the value is a float as Go's ParseFloat reads it (``NaN``, ``+Inf``, ``-Inf`` included; no
-``_``, no hex); the timestamp is whole milliseconds since the epoch.
+name a metric (and a type: counter, gauge, histogram, summary, untyped). A label value unescapes ``\\\\``,
+``\\"`` and ``\\n`` and keeps any other backslash pair as written (``\\q`` is those two characters, as the
+Prometheus server reads it: promparse.go's lvalReplacer; expfmt's TextParser refuses it); the value is a float as
+Go's ParseFloat reads it (``NaN``, ``+Inf``, ``-Inf`` included; no ``_``, no hex); the timestamp is whole
+milliseconds since the epoch.
 
 :func:`parse` refuses everything else with an :class:`ExpositionError` naming the line, as Prometheus does,
-rather than read a value out of a line that does not say one (``m 1 2 3`` was read as 1, ``m{a="\\q"} 1`` as
-the label value ``\\q``). A sample or blank line ending ``\\r\\n`` is refused too, saying so: Prometheus' lexer
-reads ``1\\r`` as the value and fails, its maintainers declined ``\\r`` (prometheus/common#132) and OpenMetrics
-forbids it, so an answer the monitor read would be one the Prometheus beside it drops. A comment runs to the ``\\n``
-in that lexer, so a ``\\r`` ending a comment or a HELP line is read (as text), and one ending a TYPE line is refused
-(Prometheus: invalid metric type ``"gauge\\r"``). UTF-8 quoted metric names (``{"my.metric"}``)
-are not read: no streamrec process writes them.
+rather than read a value out of a line that does not say one (``m 1 2 3`` was read as 1). A sample or blank line
+ending ``\\r\\n`` is refused too, saying so: Prometheus' lexer reads ``1\\r`` as the value and fails, its
+maintainers declined ``\\r`` (prometheus/common#132) and OpenMetrics forbids it, so an answer the monitor read
+would be one the Prometheus beside it drops. A comment runs to the ``\\n`` in that lexer, so a ``\\r`` ending a
+comment or a HELP line is read (as text), and one ending a TYPE line is refused (Prometheus: invalid metric type
+``"gauge\\r"``). UTF-8 quoted metric names (``{"my.metric"}``) are not read: no streamrec process writes them.
 
 One compiled regular expression per line (and one per label set): the monitor parses every source every
 interval, and on a learner-sized answer (1,000 lines) this is 3 to 4 times as fast as ``prometheus_client``'s
@@ -30,7 +31,7 @@ from stream.errors import StreamrecError
 Labels = tuple[tuple[str, str], ...]  # sorted by name (``monitor.expr.labels_of``)
 Sample = tuple[str, Labels, float, int | None]  # name, labels, value, timestamp (ms) or None
 
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\[\\"n])*"'
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\[^\n])*"'
 # No two blank runs meet without a token between them: one run of blanks split two ways was tried every way before a
 # garbled line failed, quadratic in its length (a 16 MiB line stalled the loop for days).
 _SAMPLE = re.compile(
@@ -39,7 +40,7 @@ _SAMPLE = re.compile(
     r"(?P<value>[^\s{}]+)(?:[ \t]+(?P<ts>-?[0-9]+))?[ \t]*")
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
-_UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}
+_UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}  # any other pair is kept as written (\q is \q)
 _META = re.compile(r"#[ \t]+(HELP|TYPE)[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)?(?P<rest>.*)")
 _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
 
@@ -50,6 +51,10 @@ class ExpositionError(StreamrecError, ValueError):
 
 def _shown(line: str) -> str:
     return repr(line if len(line) <= 80 else line[:77] + "...")
+
+
+def _unescaped(e: re.Match[str]) -> str:
+    return _UNESCAPED.get(e.group(1), e.group(0))
 
 
 def _value(token: str) -> float:
@@ -88,7 +93,7 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
         if block:
             found = pairs(block)
             for k, v in found:
-                labels[k] = _ESCAPE.sub(lambda e: _UNESCAPED[e.group(1)], v) if "\\" in v else v
+                labels[k] = _ESCAPE.sub(_unescaped, v) if "\\" in v else v
             if len(labels) < len(found):
                 raise ExpositionError(f"line {number}: a label name given twice: {_shown(line)}")
         key = tuple(sorted(labels.items())) if labels else ()
