@@ -15,7 +15,9 @@ ending ``\\r\\n`` is refused too, saying so: Prometheus' lexer reads ``1\\r`` as
 maintainers declined ``\\r`` (prometheus/common#132) and OpenMetrics forbids it, so an answer the monitor read
 would be one the Prometheus beside it drops. A comment runs to the ``\\n`` in that lexer, so a ``\\r`` ending a
 comment or a HELP line is read (as text), and one ending a TYPE line is refused (Prometheus: invalid metric type
-``"gauge\\r"``). UTF-8 quoted metric names (``{"my.metric"}``) are not read: no streamrec process writes them.
+``"gauge\\r"``). Quoted (UTF-8) metric and label names, which Prometheus 3 reads (``{"my.metric", le="1"} 3``,
+``# HELP "my.metric" text``, ``m{"my.label"="x"} 1``), are refused saying so: the monitor watches streamrec's own
+metrics, whose names are plain, and its rules can name no other.
 
 One compiled regular expression per line (and one per label set): the monitor parses every source every
 interval, and on a learner-sized answer (1,000 lines) this is 3 to 4 times as fast as ``prometheus_client``'s
@@ -31,13 +33,16 @@ from stream.errors import StreamrecError
 Labels = tuple[tuple[str, str], ...]  # sorted by name (``monitor.expr.labels_of``)
 Sample = tuple[str, Labels, float, int | None]  # name, labels, value, timestamp (ms) or None
 
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\[^\n])*"'
+_QSTRING = r'"(?:[^"\\\n]|\\[^\n])*"'  # a quoted label value, or a UTF-8 name as Prometheus 3 writes one
+_LABEL = rf'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*{_QSTRING}'
 # No two blank runs meet without a token between them: one run of blanks split two ways was tried every way before a
 # garbled line failed, quadratic in its length (a 16 MiB line stalled the loop for days).
 _SAMPLE = re.compile(
     r"[ \t]*(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
     rf"(?:[ \t]*\{{[ \t]*(?P<labels>{_LABEL}(?:[ \t]*,[ \t]*{_LABEL})*[ \t]*(?:,[ \t]*)?)?\}}[ \t]*|[ \t]+)"
     r"(?P<value>[^\s{}]+)(?:[ \t]+(?P<ts>-?[0-9]+))?[ \t]*")
+# a quoted string where a line names its metric or a label: {"my.metric"} 1, m{a="b","my.label"="c"} 1
+_QUOTED = re.compile(rf'[ \t]*(?:[a-zA-Z_:][a-zA-Z0-9_:]*[ \t]*)?\{{(?:[ \t]*{_LABEL}[ \t]*,)*[ \t]*(?P<q>{_QSTRING})')
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}  # any other pair is kept as written (\q is \q)
@@ -86,6 +91,10 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
                 raise _crlf(number)
             if not stripped:
                 continue  # a blank line
+            quoted = _QUOTED.match(line)
+            if quoted is not None:
+                after = line[quoted.end():].lstrip(" \t")[:1]  # a quoted label name has its = after it
+                raise _quoted(number, "label" if after == "=" else "metric", quoted.group("q"), line)
             raise ExpositionError(f"line {number}: not a sample (metric_name [{{labels}}] value [timestamp]): "
                                   f"{_shown(line)}")
         name, block, token, ts = m.group("name", "labels", "value", "ts")
@@ -117,6 +126,13 @@ def _crlf(number: int) -> ExpositionError:
                            "source write \\n line ends")
 
 
+def _quoted(number: int, what: str, name: str, line: str) -> ExpositionError:
+    return ExpositionError(f"line {number}: a quoted {what} name {_shown(name)[1:-1]}: the monitor does not read "
+                           "quoted (UTF-8) names, which Prometheus 3 reads; it watches streamrec's own metrics, whose "
+                           "names are plain (unquoted, as text format 0.0.4 has them); have the source export plain "
+                           "names: " + _shown(line))
+
+
 def _comment(stripped: str, number: int, line: str) -> str | None:
     """A ``#`` line: HELP and TYPE must name a metric (TYPE also a type), which is returned; any other comment is
     ignored (None). As Prometheus' scrape parser reads them (model/textparse/promlex.l): the keyword is ``HELP`` or
@@ -127,6 +143,8 @@ def _comment(stripped: str, number: int, line: str) -> str | None:
     if m is None:
         return None
     kind, name, rest = m.group(1, "name", "rest")
+    if name is None and (quoted := re.match(_QSTRING, rest)) is not None:
+        raise _quoted(number, "metric", quoted.group(), line)
     if name is None:
         raise ExpositionError(f"line {number}: # {kind} without a metric name: {_shown(line)}")
     if kind == "TYPE" and (rest[1:] if rest.strip(" \t") else "") not in _TYPES:

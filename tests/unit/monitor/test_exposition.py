@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -185,6 +186,21 @@ def test_a_label_value_escape_is_read_as_the_prometheus_server_reads_it(value: s
     # \", \\ and \n (promparse.go lvalReplacer), keeping any other pair as written; the monitor refused \q,
     # failing a scrape the server reads (expfmt's TextParser refuses it, but the monitor matches the server)
     assert parse(f'streamrec_x{{a="{value}"}} 1\n') == [("streamrec_x", (("a", read),), 1.0, None)]
+
+
+@pytest.mark.parametrize(("text", "name"), [
+    ('{"my.metric", le="1"} 3\n', '"my.metric"'),  # a quoted metric name inside the braces (Prometheus 3)
+    ('{"my.metric"} 3\n', '"my.metric"'),
+    ('streamrec_x{a="b", "my.label"="c"} 1\n', '"my.label"'),  # a quoted label name
+    ('# HELP "my.metric" A help text.\n', '"my.metric"'),
+    ('# TYPE "my.metric" gauge\n', '"my.metric"'),
+])
+def test_a_quoted_utf8_name_is_refused_saying_the_monitor_reads_plain_names_only(text: str, name: str) -> None:
+    # Prometheus 3 reads quoted UTF-8 metric and label names; the monitor watches streamrec's own metrics, whose
+    # names are plain, and refuses them: it said "not a sample" or "# HELP without a metric name", which sent the
+    # operator looking for a garbled line rather than an exporter writing UTF-8 names
+    with pytest.raises(ExpositionError, match=rf"line 1: .*quoted.*{re.escape(name)}.*plain"):
+        parse(text)
 
 
 @pytest.mark.parametrize("text", ["# HELP\n", "# TYPE\n", "# HELP\r\n", "#\tTYPE\r\n", "# HELP:x y\n"])
