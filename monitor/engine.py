@@ -164,13 +164,20 @@ class Snapshot:
 
 
 def _whole(text: str) -> str:
-    """``text`` if it is a whole exposition; :class:`ValueError` if it was cut off. The text format ends every line
-    with a newline (Prometheus refuses the last line without one), and an answer without a Content-Length ends where
-    the connection does: a target that died while writing ``streamrec_lag 12345`` gave ``streamrec_lag 12``, parsed,
-    and one that died after its headers gave an empty answer, read as a healthy source with no series."""
+    """``text`` if it is a whole exposition; :class:`ValueError` naming the last line if it was cut off. An answer
+    without a Content-Length ends where the connection does: a target that died while writing ``streamrec_lag 12345``
+    gave ``streamrec_lag 12``, parsed, and one that died after its headers gave an empty answer, read as a healthy
+    source with no series. The text format ends every line with a newline, so a last line without one is taken for
+    such a cut. This is the monitor's own guard: the Prometheus server reads that line (promparse.go appends a
+    newline to the answer; expfmt's TextParser refuses it, "unexpected end of input stream")."""
+    if not text:
+        raise ValueError("the answer was cut off: it is empty")
     if not text.endswith("\n"):
-        raise ValueError("the answer was cut off: " + ("it is empty" if not text else
-                                                         "its last line does not end with a newline"))
+        last = text[text.rfind("\n") + 1:]
+        shown = repr(last if len(last) <= 80 else last[:77] + "...")
+        number = text.count("\n") + 1  # every newline ends a line before the last
+        raise ValueError(f"the answer was cut off: its last line, line {number} ({shown}), does not end with a "
+                         "newline (a target that died while writing it)")
     return text
 
 
