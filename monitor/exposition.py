@@ -18,6 +18,9 @@ comment or a HELP line is read (as text), and one ending a TYPE line is refused 
 ``"gauge\\r"``). Quoted (UTF-8) metric and label names, which Prometheus 3 reads (``{"my.metric", le="1"} 3``,
 ``# HELP "my.metric" text``, ``m{"my.label"="x"} 1``), are refused saying so: the monitor watches streamrec's own
 metrics, whose names are plain, and its rules can name no other.
+Where expfmt's TextParser and the server differ the monitor reads as the server does: a HELP text's escapes are
+not checked (``\\x`` is text), and a second HELP or TYPE of a family, or a TYPE after its samples, is read (the
+server's scrape cache keeps the last; expfmt refuses them).
 
 One compiled regular expression per line (and one per label set): the monitor parses every source every
 interval, and on a learner-sized answer (1,000 lines) this is 3 to 4 times as fast as ``prometheus_client``'s

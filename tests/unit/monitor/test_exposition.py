@@ -188,6 +188,21 @@ def test_a_label_value_escape_is_read_as_the_prometheus_server_reads_it(value: s
     assert parse(f'streamrec_x{{a="{value}"}} 1\n') == [("streamrec_x", (("a", read),), 1.0, None)]
 
 
+@pytest.mark.parametrize("text", [
+    "# HELP streamrec_x One.\n# HELP streamrec_x Two.\nstreamrec_x 1\n",  # a second HELP for the family
+    "# TYPE streamrec_x gauge\n# TYPE streamrec_x counter\nstreamrec_x 1\n",  # a second TYPE
+    "streamrec_x 1\n# TYPE streamrec_x gauge\n",  # a TYPE after the family's samples
+    "# HELP streamrec_x A bad \\x escape and a \\\" kept.\nstreamrec_x 1\n",  # a HELP escape other than \\ and \n
+])
+def test_metadata_lines_the_prometheus_server_reads_are_read(text: str) -> None:
+    # the server's parser is stateless per line (promparse.go) and its scrape cache keeps the last HELP and TYPE of a
+    # family (scrape.go setHelp/setType); its helpReplacer unescapes only \\ and \n, keeping \x as written. expfmt's
+    # TextParser refuses all four ("second HELP line", "second TYPE line ... or TYPE reported after samples",
+    # "invalid escape sequence"); the monitor follows the server and reads the samples
+    declared: set[str] = set()
+    assert parse(text, declared) == [("streamrec_x", (), 1.0, None)] and declared == {"streamrec_x"}
+
+
 @pytest.mark.parametrize(("text", "name"), [
     ('{"my.metric", le="1"} 3\n', '"my.metric"'),  # a quoted metric name inside the braces (Prometheus 3)
     ('{"my.metric"} 3\n', '"my.metric"'),
