@@ -108,14 +108,15 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
 def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float,
                  between: Callable[[], object] | None = None) -> list[SampleBatch]:
     """The last ~``messages`` messages of the samples topic, spread over its partitions (oldest first).
-    ``between`` (the run's stop check, ``job.StopSignals.check``) is called after the watermarks and each poll.
+    ``between`` (the run's stop check, ``job.StopSignals.check``) is called between the tries of the watermarks'
+    requests, after them and after each poll.
 
     The end of a partition is found from partition-EOF events, not the high watermark, which the local
     broker under-reports by up to one record batch (environment.md); so a little more may be read.
     """
     if messages <= 0:
         return []
-    marks = watermarks(kafka, kafka.samples_topic, timeout_s)
+    marks = watermarks(kafka, kafka.samples_topic, timeout_s, between)
     if not marks:
         return []
     if between is not None:

@@ -784,16 +784,51 @@ def new_consumer(kafka: KafkaSettings, group_id: str, **extra: Any) -> Consumer:
     return Consumer(consumer_config(kafka, group_id, **extra))
 
 
-def watermarks(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> dict[int, tuple[int, int]]:
+# A broker call a reader's stop check must not wait behind (``between`` of watermarks, read_to_end): asked in tries of
+# at most this long, the check between them. librdkafka's metadata and offset requests ran out their whole timeout
+# (10 s, holdout_timeout_s) with the broker down before the refresh saw a stop it had kept pending.
+BROKER_TRY_S = 0.5
+# what such a request raises when it ran out of time: _TRANSPORT (metadata) and _ALL_BROKERS_DOWN (offsets) with the
+# broker down, _TIMED_OUT with it slow
+_RAN_OUT = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN})
+
+
+def _in_tries(call: Callable[[float], Any], timeout_s: float, between: Callable[[], object] | None) -> Any:
+    """``call(timeout)`` bounded by ``timeout_s`` in all; with ``between``, asked in tries of at most
+    :data:`BROKER_TRY_S` with ``between()`` after each that ran out (outside the ``except``: the refresh's stop check
+    keeps a stop pending while an exception is in flight), the last try's error raised once ``timeout_s`` is spent."""
+    if between is None:
+        return call(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return call(max(0.0, min(BROKER_TRY_S, left)))
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if not isinstance(err, KafkaError) or err.code() not in _RAN_OUT or left <= BROKER_TRY_S:
+                raise
+        between()
+
+
+def watermarks(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0,
+               between: Callable[[], object] | None = None) -> dict[int, tuple[int, int]]:
     """``{partition: (low, high)}`` of ``topic``; empty when the topic does not exist. The local broker's
     high watermark may lag by one record batch (:func:`resume_offsets`): read to the end with
-    :func:`read_to_end`, not to ``high``."""
+    :func:`read_to_end`, not to ``high``. Each request is bounded by ``timeout_s``; ``between`` (a stop check) is
+    called between its tries (:func:`_in_tries`) and between partitions."""
     c = new_consumer(kafka, f"{kafka.client_id}-watermarks-{uuid.uuid4().hex[:8]}")
     try:
-        md = c.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        md = _in_tries(lambda t: c.list_topics(topic, timeout=t), timeout_s, between).topics.get(topic)
         if md is None or md.error is not None:
             return {}
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s) for p in sorted(md.partitions)}
+        marks: dict[int, tuple[int, int]] = {}
+        for p in sorted(md.partitions):
+            if between is not None and marks:
+                between()
+            tp = TopicPartition(topic, p)
+            marks[p] = _in_tries(lambda t: c.get_watermark_offsets(tp, timeout=t), timeout_s, between)  # noqa: B023 - called in this iteration
+        return marks
     finally:
         c.close()
 
@@ -813,12 +848,13 @@ def read_to_end(kafka: KafkaSettings, topic: str, handle: Callable[[Message], No
     and no end came for ``stall_s``: a reader of a topic others keep writing to needs the first (it may never see
     every partition at its end at once), a restore of a log only its reader writes the second (a large log takes as
     long as it takes, a broker that stops answering does not). An exception from ``handle`` propagates (the consumer
-    is closed); so does one from ``between``, called after each poll (the refresh's stop check: a stop need not wait
-    for the end of the read).
+    is closed); so does one from ``between``, called after each poll and between the tries of the metadata request
+    (:func:`_in_tries`; the refresh's stop check: a stop need not wait for the end of the read).
     """
     c = new_consumer(kafka, f"{kafka.client_id}-reader-{uuid.uuid4().hex[:8]}", **{"fetch.wait.max.ms": 20})
     try:
-        md = c.list_topics(topic, timeout=min(10.0, timeout_s or 10.0, stall_s or 10.0)).topics.get(topic)
+        md = _in_tries(lambda t: c.list_topics(topic, timeout=t), min(10.0, timeout_s or 10.0, stall_s or 10.0),
+                       between).topics.get(topic)
         if md is None or md.error is not None:
             return []
         wanted = {p: OFFSET_BEGINNING for p in md.partitions} if start is None else dict(start)
