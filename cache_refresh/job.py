@@ -381,7 +381,8 @@ class StopSignals:
 
     def check(self) -> None:
         """The end of each stage (where the next begins: ``_run_locked``'s ``begin``), between the units of a long
-        stage (each older checkpoint loaded, each holdout poll) and before the publish: a stop kept pending (it came
+        stage (each older checkpoint loaded, each file the build writes or hashes, each holdout poll and try of a
+        broker request) and before the publish: a stop kept pending (it came
         while an exception was in flight, which the run got past) raises now, named with that stage; nothing once the
         run is held, nor while an exception is in flight (called there, it stays pending: it never replaces one)."""
         if self._pending and self._held is None and sys.exc_info()[1] is None:
@@ -667,7 +668,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
         stage = begin("build")
         t0 = time.monotonic()
-        staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats, signing_key=key)
+        staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats, signing_key=key,
+                                         between=stop.check)
         timed(stage, t0)
         log.info("refresh: built %s", staged)
 

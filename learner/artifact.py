@@ -65,7 +65,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -455,14 +455,17 @@ def _check_dense_state(where: str, cfg: FeatureConfig, ms: Mapping[str, Any],
 
 def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
                    hot_stats: dict[str, Any] | None = None, version: str | None = None,
-                   signing_key: SigningKey | None = None) -> Path:
+                   signing_key: SigningKey | None = None, between: Callable[[], object] | None = None) -> Path:
     """Stage a complete artifact for ``checkpoint`` under the publish root ``out_dir``; returns the staged dir.
 
     ``hot_rows`` (int64, any order, duplicates allowed) are global rows of the fused table placed in the
     scorer. The staged directory (``out_dir/.staging/<version>-<pid>``) is complete and fsynced when this
     returns; ``cache_refresh.publish.publish`` makes it a version. On error nothing is left behind. With
-    ``signing_key`` the manifest carries its ``signature`` (module docstring).
+    ``signing_key`` the manifest carries its ``signature`` (module docstring). ``between`` (a caller's stop check)
+    is called between the units of the build (the scorer saved, each file written, each file hashed): what it raises
+    ends the build, its staged directory removed.
     """
+    between = between or (lambda: None)
     if format not in FORMATS:
         raise ArtifactError(f"unknown artifact format {format!r}; expected one of {', '.join(FORMATS)}")
     t0 = time.monotonic()
@@ -485,6 +488,7 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     scorer = Scorer(spec, hot_ids, hot_vectors)
     scorer.load_state_dict({**_dense_state(state), "hot_ids": hot_ids, "hot_vectors": hot_vectors})
     scorer.eval()
+    between()
 
     version = version or new_version_name(root=root)  # after every version already in root
     if not is_version_name(version):
@@ -494,7 +498,9 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     try:
         scorer_file = SCORER_FILES[format]
         save_scorer(scorer, format, staged / scorer_file, spec, cfg)
+        between()
         write_synced(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
+        between()
         names = [scorer_file, *SCORER_EXTRA_FILES.get(format, ()), COLD_FILE]
         if checkpoint.get("id_maps"):  # dynamic ids: serving maps raw ids to the rows the learner used
             if format in PICKLE_FREE_FORMATS:  # nothing of a safetensors (or onnx) artifact is a pickle
@@ -506,8 +512,10 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
                 names.append(ID_MAPS_FILE)
         files = {}
         for name in names:
+            between()
             p = staged / name
             files[name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        between()
         h = len(hot_ids) - 1
         manifest = {
             "artifact_format_version": ARTIFACT_FORMAT_VERSION,
