@@ -381,10 +381,10 @@ class StopSignals:
 
     def check(self) -> None:
         """The end of each stage (where the next begins: ``_run_locked``'s ``begin``), between the units of a long
-        stage (each older checkpoint loaded, each file the build writes or hashes, each holdout poll and try of a
-        broker request) and before the publish: a stop kept pending (it came
-        while an exception was in flight, which the run got past) raises now, named with that stage; nothing once the
-        run is held, nor while an exception is in flight (called there, it stays pending: it never replaces one)."""
+        stage (each older checkpoint loaded, each file the build writes or hashes, the staged artifact loaded and each
+        probe scoring, each holdout poll and try of a broker request) and before the publish: a stop kept pending (it
+        came while an exception was in flight, which the run got past) raises now, named with that stage; nothing once
+        the run is held, nor while an exception is in flight (called there, it stays pending: it never replaces one)."""
         if self._pending and self._held is None and sys.exc_info()[1] is None:
             self._pending = False
             raise self._terminated()
@@ -676,7 +676,9 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         stage = begin("validate")
         t0 = time.monotonic()
         new = ScoringModel.load(staged, signing_key=key)
-        probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows)
+        stop.check()
+        probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows,
+                               between=stop.check)
         live, live_problem = _live_model(root, key)
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s, between=stop.check)
         quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop)

@@ -77,17 +77,24 @@ def probe_inputs(cfg: FeatureConfig, b: int, seed: int = 0, hot_rows: np.ndarray
 
 
 def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tolerance: float,
-          hot_rows: np.ndarray | None = None, seed: int = 0) -> dict[str, Any]:
-    """Compare the artifact's probabilities with the learner's fp32 eager ones; raise beyond ``tolerance``."""
+          hot_rows: np.ndarray | None = None, seed: int = 0, between: Callable[[], object] | None = None,
+          ) -> dict[str, Any]:
+    """Compare the artifact's probabilities with the learner's fp32 eager ones; raise beyond ``tolerance``.
+    ``between`` (the run's stop check) is called after each unit: the learner's model rebuilt, each scoring."""
+    between = between or (lambda: None)
     values, offsets, dense = probe_inputs(model.feature_config, samples, seed, hot_rows)
     reference = eager_model(checkpoint)
+    between()
     with torch.no_grad():
         want = torch.sigmoid(reference(values, offsets, dense))  # (B,)
+        between()
         # For the record: how far the learner's own bf16-autocast forward is from fp32 serving.
         reference.autocast_dtype = torch.bfloat16
         bf16 = torch.sigmoid(reference(values, offsets, dense).float())  # (B,)
+        between()
     int8 = model.format in REDUCED_PRECISION_FORMATS
     got = model.score(values, offsets, dense, fp32=int8).cpu()  # (B,); INT8: its fp32 path must be exact
+    between()
     diff = float((got - want).abs().max()) if samples else 0.0
     result = {"samples": samples, "max_abs_diff": diff, "tolerance": tolerance,
               "learner_bf16_max_abs_diff": float((bf16 - want).abs().max()) if samples else 0.0}

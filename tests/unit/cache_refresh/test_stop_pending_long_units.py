@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cache_refresh import job
+from cache_refresh import job, validate
 from learner import artifact as A
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
@@ -58,3 +58,72 @@ def test_a_stop_kept_pending_while_the_scorer_is_saved_ends_the_build_before_the
     assert after_stop == []  # no file written or hashed after the stop
     assert not any((root / A.STAGING).iterdir())  # the staged directory is removed
     assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+
+
+def test_a_stop_kept_pending_while_the_staged_artifact_loads_ends_the_validate_stage_before_the_probe_scores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the validate stage went on to rebuild the learner's model from the checkpoint, score the probe with it
+    (fp32 and bf16) and with the artifact, and load the live artifact, before its first stop check (the holdout)."""
+    root, ckpts = _live_and_newer(tmp_path)
+    load = job.ScoringModel.load
+    eager_model = validate.eager_model
+    after_stop: list[str] = []
+    stopped: list[bool] = []
+
+    def swallowing_load(path: Path, *args: Any, **kwargs: Any) -> Any:
+        model = load(path, *args, **kwargs)
+        if not stopped:
+            stopped.append(True)
+            _stop_inside_a_swallowed_error()
+            score = model.score
+
+            def counted_score(*a: Any, **k: Any) -> Any:
+                after_stop.append("artifact scores the probe")
+                return score(*a, **k)
+
+            model.score = counted_score
+        return model
+
+    def counted_eager_model(*args: Any, **kwargs: Any) -> Any:
+        after_stop.append("learner's model rebuilt")
+        return eager_model(*args, **kwargs)
+
+    def counted_live_model(*args: Any, **kwargs: Any) -> Any:
+        after_stop.append("live artifact loaded")
+        return None, None
+
+    monkeypatch.setattr(job.ScoringModel, "load", staticmethod(swallowing_load))
+    monkeypatch.setattr(validate, "eager_model", counted_eager_model)
+    monkeypatch.setattr(job, "_live_model", counted_live_model)
+    err = _run(root, ckpts)
+    assert stopped and err.stage == "validate" and "stopped by SIGTERM" in str(err), str(err)
+    assert after_stop == []
+    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+
+
+def test_a_stop_checked_in_the_probe_ends_it_before_its_next_scoring() -> None:
+    """The probe's units (the learner's model rebuilt, its fp32 and bf16 scores, the artifact's scores, an INT8
+    artifact's own) each see the stop check after the one before."""
+    from tests.unit.learner.test_artifact import make_checkpoint
+
+    class Stopped(Exception):
+        pass
+
+    ckpt = make_checkpoint()
+    calls: list[int] = []
+
+    class Model:
+        feature_config = A.check_checkpoint(ckpt)
+        format = "eager"
+
+        def score(self, *a: Any, **k: Any) -> Any:
+            raise AssertionError("the artifact scored the probe after the stop")
+
+    def stop_at_third_check() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stopped
+
+    with pytest.raises(Stopped):
+        validate.probe(Model(), ckpt, 64, 1e-5, between=stop_at_third_check)  # type: ignore[arg-type]
+    assert len(calls) == 3
