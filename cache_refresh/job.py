@@ -396,7 +396,8 @@ class StopSignals:
 
 class RunProgress:
     """Where the scheduled run in progress is: its stage and the last error it saw (a Redis retry's warning, at the
-    hot set or notifying serving after the publish, or the failure it is cleaning up after), written by the run's
+    hot set or notifying serving after the publish, a layered run's embedding store cleanup's error, before its write
+    or after its publish, or the failure it is cleaning up after), written by the run's
     thread, read by the scheduler's when a stop abandons the run (``scheduler.run_forever``'s ``where``). Its
     abandonment alert said "shutdown" alone: a run held up by a Redis outage (5 attempts of up to redis_timeout_s
     each, with backoff: ~32 s by default) said nothing of Redis."""
@@ -690,7 +691,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if rs.embedding_store is EmbeddingStore.LAYERED:
             stage = begin("embedding_store")
             t0 = time.monotonic()
-            written = _store_rows(rs, rds, new)
+            written = _store_rows(rs, rds, new, progress.saw)
             stored = new.version
             timed(stage, t0)
             log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
@@ -708,7 +709,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
             if stored is not None:
-                _discard_stored(rs, rds, stored, "held by the rollback pin")
+                _discard_stored(rs, rds, stored, "held by the rollback pin", progress.saw)
             return _pin_held(alerts, root, new.version, held, {
                 "checkpoint": ckpt["path"], "samples_trained": ckpt["meta"].get("samples_trained"),
                 "probe": probe, "holdout": quality, "cleaned": cleaned,
@@ -752,7 +753,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                 if switch is not None else None)
     recorded = after.step("record", lambda: _record_success(root, path.name, switched), False)
     if rs.embedding_store is EmbeddingStore.LAYERED:
-        after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous), None)
+        after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous, progress.saw), None)
     no_warnings: list[tuple[str, str]] = []
     found = after.step("warnings", lambda: _published_warnings(
         rs, path.name, ckpt, problems, quality, hs.stats.get("items", 0) + hs.stats.get("users", 0)), no_warnings)
@@ -839,14 +840,16 @@ def _owner(rs: RefreshSettings) -> str:
     return str(Path(rs.publish_root).resolve())
 
 
-def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) -> dict[str, Any]:
+def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
+                on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
     (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published. A stop signal
     while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
-    exception is in flight): raised inside it, it left them in Redis and replaced the failure."""
+    exception is in flight): raised inside it, it left them in Redis and replaced the failure. ``on_error``: the
+    error of the best-effort cleanup before the write (:func:`_cleanup_failed`)."""
     client = _redis(rds, rs)
     try:
-        _delete_abandoned(client, rds, _owner(rs))
+        _delete_abandoned(client, rds, _owner(rs), on_error)
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs))
     except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
@@ -859,54 +862,68 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel) ->
         client.close()
 
 
-def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str = "whose write failed") -> None:
+def _cleanup_failed(message: str, on_error: Callable[[str], None] | None) -> None:
+    """A best-effort Redis cleanup's error: logged, and given to ``on_error`` (the run's ``RunProgress.saw``: these
+    steps and the ones after them wait up to redis_timeout_s a command on that Redis, and a run a stop abandoned
+    there said "last error it saw: none"). None in a failed run's cleanup: its failure stays what it saw."""
+    log.warning("%s", message)
+    if on_error is not None:
+        on_error(message)
+
+
+def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str = "whose write failed",
+                       on_error: Callable[[str], None] | None = None) -> None:
     """Best effort: delete the rows a failed write left. Rows without ``meta`` are never served, and never pruned
     either (pruning finds a version by its meta), so without this each failed run would leak a table into Redis."""
     try:
         n = embedding_store.delete_version(client, rds.prefix, version)
         log.info("refresh: deleted %d embedding store keys of %s, %s", n, version, why)
     except Exception as exc:  # noqa: BLE001 - Redis is failing anyway: say what is left behind
-        log.warning("refresh: could not delete the rows of %s, %s (%s); delete the keys %s* by hand (they are never "
-                    "served)", version, why, exc, embedding_store.version_prefix(rds.prefix, version))
+        _cleanup_failed(f"refresh: could not delete the rows of {version}, {why} ({exc}); delete the keys "
+                        f"{embedding_store.version_prefix(rds.prefix, version)}* by hand (they are never served)",
+                        on_error)
 
 
-def _delete_abandoned(client: Any, rds: RedisSettings, owner: str) -> None:
+def _delete_abandoned(client: Any, rds: RedisSettings, owner: str,
+                      on_error: Callable[[str], None] | None = None) -> None:
     """Best effort, before this run writes its rows: delete the rows of this publish root's versions that a killed run
     began to write and never finished (``embedding_store.unfinished_versions``: a writer marker, no meta). Their
     writer is gone: this run holds the publish root's lock, so no other refresh of this root is writing. Without this
     they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run."""
     try:
         for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner)):
-            _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished")
+            _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished", on_error)
     except Exception as exc:  # noqa: BLE001 - not this run's rows: nothing here may fail it
-        log.warning("refresh: could not look for rows killed refreshes left in the embedding store (%s); the next "
-                    "layered run looks again", exc)
+        _cleanup_failed(f"refresh: could not look for rows killed refreshes left in the embedding store ({exc}); the "
+                        "next layered run looks again", on_error)
 
 
-def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: str) -> None:
+def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: str,
+                    on_error: Callable[[str], None] | None = None) -> None:
     """Best effort: delete the rows this run wrote for ``version`` when it did not publish it (a scheduled run held by
     a rollback pin, a publish that failed). No ranker ever loads such a version; its rows were otherwise left in
     Redis, a whole table each night a pin lasted, until a later run published and pruned them."""
     try:
         client = _redis(rds, rs)
     except Exception as exc:  # noqa: BLE001 - nothing here may mask the run's own outcome
-        log.warning("refresh: could not delete the rows of %s, %s (%s); the next publish prunes them", version, why,
-                    exc)
+        _cleanup_failed(f"refresh: could not delete the rows of {version}, {why} ({exc}); the next publish prunes "
+                        "them", on_error)
         return
     try:
-        _delete_unfinished(client, rds, version, why)
+        _delete_unfinished(client, rds, version, why, on_error)
     finally:
         client.close()
 
 
-def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous: str | None) -> None:
+def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous: str | None,
+                  on_error: Callable[[str], None] | None = None) -> None:
     """Delete the embedding store's rows of this publish root's versions that it no longer holds (pruned; best
     effort: logged). Versions another publish root wrote under the same prefix are left alone.
 
     ``previous`` (the version CURRENT named before this publish) keeps its rows even when ``keep_versions``
     pruned its files: rankers serve it until they have loaded the new version, and a ranker whose rows were
     deleted under it would serve hash-bucket fallbacks (and fire ``embedding_store_errors``) meanwhile. The
-    next refresh deletes them."""
+    next refresh deletes them. ``on_error``: its error (:func:`_cleanup_failed`)."""
     try:
         client = _redis(rds, rs)
         try:
@@ -917,8 +934,8 @@ def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous:
         finally:
             client.close()
     except Exception as exc:  # noqa: BLE001 - published already: nothing here may fail the run
-        log.warning("refresh: could not delete pruned versions' rows from the embedding store (%s); the next "
-                    "refresh tries again", exc)
+        _cleanup_failed(f"refresh: could not delete pruned versions' rows from the embedding store ({exc}); the "
+                        "next refresh tries again", on_error)
 
 
 def _current_name(root: Path) -> str | None:

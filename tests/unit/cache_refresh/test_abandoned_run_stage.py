@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,39 @@ def test_the_run_progress_records_the_redis_retries_of_notifying_serving_after_t
     assert during_backoff, "notify did not retry"
     stage, error = during_backoff[-1]
     assert stage == "after_publish" and error is not None and "notify serving: Redis error" in error, (stage, error)
+
+
+@pytest.mark.parametrize("cleanup", ["rows a killed run left", "pruned versions' rows"])
+def test_the_run_progress_records_the_redis_errors_of_the_embedding_store_cleanups(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cleanup: str) -> None:
+    """The layered run's best-effort cleanups (the rows a killed run left, before this run writes its own; the pruned
+    versions' rows, after its publish) only logged the Redis error they met: a run abandoned in the step after (the
+    rows' write, notifying serving), each up to redis_timeout_s per command against that Redis, said "last error it
+    saw: none". Redis here is a closed port: both cleanups fail to connect."""
+    import dataclasses
+
+    from serving import embedding_store
+    from serving.settings import EmbeddingStore
+    from tests.unit.cache_refresh.test_stop_signal_now import _live_and_newer, _now_settings
+
+    root, ckpts = _live_and_newer(tmp_path)
+    rs = dataclasses.replace(_now_settings(root, ckpts), embedding_store=EmbeddingStore.LAYERED)
+    progress = job.RunProgress()
+    seen: dict[str, tuple[str | None, str | None]] = {}
+
+    def writes(*args: Any, **kwargs: Any) -> dict[str, Any]:  # the next step after the killed run's rows' cleanup
+        seen["rows a killed run left"] = progress.where()
+        return {"stored": 0, "dtype": "float32"}
+
+    def notifies(*args: Any, **kwargs: Any) -> None:  # the next step after the prune
+        seen["pruned versions' rows"] = progress.where()
+        return None
+
+    monkeypatch.setattr(embedding_store, "write_version", writes)
+    monkeypatch.setattr(job, "notify", notifies)
+    summary = job.run_once(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"),
+                           progress=progress)
+    assert summary["published"]
+    stage, error = seen[cleanup]
+    assert stage == ("embedding_store" if cleanup == "rows a killed run left" else "after_publish"), stage
+    assert error is not None and "Error 111" in error and cleanup.split()[0] in error, error
