@@ -247,9 +247,10 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
     ``job`` handles its own failures (logs and alerts); an exception escaping it is logged by
     APScheduler and the schedule continues. The scheduler's own thread dying (an exception in APScheduler's loop)
     ends it as a failure: an error line, a ``refresh_failed`` alert at stage ``scheduler``, returns :data:`EXIT_FAILED`
-    (it returned as after a stop, and the process exited 0, never to refresh again). A run in progress then is waited
-    for as at a stop (a signal ends the wait); one abandoned is that alert, saying the thread died (its exception) and
-    the run's stage, not a signal, and exits :data:`EXIT_ABANDONED`. Returns 0 after a stop.
+    (it returned as after a stop, and the process exited 0, never to refresh again), also when a signal came in the
+    same look (the death wins). A run in progress then is waited for as at a stop (a signal more ends the wait); one
+    abandoned is that alert, saying the thread died (its exception) and the run's stage, not a signal, and exits
+    :data:`EXIT_ABANDONED`. Returns 0 after a stop.
 
     Stopping: the signal stops the schedule (no run starts after it), and this returns once a run in progress has
     finished, so that its own alert (failed, pinned, degraded) is queued on ``alerts`` before the caller closes them.
@@ -301,8 +302,10 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
             sched.shutdown(wait=False)
         if not signals and not died:  # start() returned by itself
             died.append("the scheduler stopped without a stop signal")
-        _wait_for_run(guard, signals, stop_grace_s, alerts, hard_exit, where, died=None if signals else died[0])
-        if signals:
+        # The thread's death wins over a signal seen in the same look (both within the 0.2 s above): it was a stop,
+        # exit 0 and no alert, the death only in APScheduler's log line
+        _wait_for_run(guard, signals, stop_grace_s, alerts, hard_exit, where, died=died[0] if died else None)
+        if not died:
             return 0
         message = (f"the refresh scheduler's thread died ({redact(died[0])[:500]}): no refresh runs from this process "
                    "any more; it exits so that its supervisor restarts it (a run missed meanwhile runs on start within "
@@ -329,18 +332,20 @@ def _wait_for_run(guard: threading.Lock, signals: list[int], stop_grace_s: float
                   where: Callable[[], tuple[str | None, str | None]] | None = None, died: str | None = None) -> None:
     """At shutdown: wait up to ``stop_grace_s`` for the run in progress (the holder of ``guard``); abandon it after
     (:func:`run_forever`). Returns holding ``guard``: no run starts after this. A second signal ends the wait.
-    ``died``: the shutdown is the scheduler's thread dying of that exception, not a signal (the first signal ends the
-    wait; the abandonment says the thread died and is alerted at stage ``scheduler``)."""
+    ``died``: the shutdown is the scheduler's thread dying of that exception, whether or not a signal came with it
+    (the first signal ends the wait, or the second when one came with the death; the abandonment says the thread died
+    and is alerted at stage ``scheduler``)."""
+    before = 1 if signals else 0  # the stop (or the signal that came with the death); one more ends the wait
 
     def again() -> bool:
-        return len(signals) > (0 if died else 1)
+        return len(signals) > before
 
     if guard.acquire(blocking=False):
         log.info("refresh scheduler stopped (no run in progress)")
         return
     log.warning("%s: waiting up to %g s (the stop grace) for the refresh run in progress to finish; a%s SIGTERM/SIGINT "
                 "stops at once", "the scheduler's thread died" if died else "stopping", stop_grace_s,
-                "" if died else " second")
+                " second" if before else "")
     deadline = time.monotonic() + stop_grace_s
     while not again():
         left = deadline - time.monotonic()
@@ -349,7 +354,7 @@ def _wait_for_run(guard: threading.Lock, signals: list[int], stop_grace_s: float
         if guard.acquire(timeout=min(left, 0.2)):  # in slices: a second signal is seen within 0.2 s
             log.info("refresh scheduler stopped after the run in progress finished")
             return
-    why = (("a stop signal came" if died else "a second stop signal came") if again() else
+    why = (("a second stop signal came" if before else "a stop signal came") if again() else
            f"it did not finish within the stop grace of {stop_grace_s:g} s")
     stage, error = where() if where is not None else (None, None)
     at = (f" at stage {stage} (last error it saw: {redact(error)[:500] if error else 'none'})" if stage else "")

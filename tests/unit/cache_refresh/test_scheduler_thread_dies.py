@@ -6,6 +6,10 @@ refresh again looked like a clean shutdown to its supervisor, with no alert. It 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+from typing import Any
 
 import pytest
 from apscheduler.schedulers.blocking import BlockingScheduler
@@ -72,3 +76,59 @@ def test_a_run_abandoned_because_the_scheduler_thread_died_says_so_not_that_a_si
     assert "SIGTERM" not in message and "stop signal" not in message, message
     assert sink.sent[0].labels == {"stage": "scheduler", "run_stage": "hot_set"}, sink.sent[0].labels
     assert "at stage hot_set" in message, message
+
+
+def _dies_after_a_signal(process_jobs: Any, running: threading.Event | None = None) -> Any:
+    """APScheduler's pass over the due jobs: (after submitting the catch-up run, once it runs) a SIGTERM comes to the
+    process and then the thread dies, before the main thread's next look: both are there when it looks."""
+
+    def dies(self: BlockingScheduler) -> float | None:
+        if running is not None:
+            process_jobs(self)
+            running.wait(10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise RuntimeError("injected: the job store is corrupt")
+
+    return dies
+
+
+def test_a_scheduler_thread_that_dies_as_a_stop_signal_comes_is_still_a_failed_exit_with_a_scheduler_alert(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a signal seen in the same look as the thread's death made it a plain stop: exit 0, no alert, the
+    death only in APScheduler's log line."""
+    monkeypatch.setattr(BlockingScheduler, "_process_jobs", _dies_after_a_signal(BlockingScheduler._process_jobs))
+    sink = ListSink()
+    alerts = ListedAlerts(sink)
+    code = run_forever(lambda: None, "0 3 * * *", "UTC", 3600, None, alerts=alerts, hard_exit=hard_exit)
+    alerts.close()
+    assert code == EXIT_FAILED != 0
+    assert [(a.rule, a.labels["stage"]) for a in sink.sent] == [(FAILED_RULE, "scheduler")], sink.sent
+    assert "thread died (RuntimeError: injected: the job store is corrupt)" in sink.sent[0].message
+
+
+def test_a_run_abandoned_as_the_scheduler_thread_dies_and_a_stop_signal_comes_says_the_thread_died(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the abandonment said "the refresh scheduler was stopped (SIGTERM/SIGINT)", at stage shutdown."""
+    from cache_refresh.scheduler import EXIT_ABANDONED
+    from tests.unit.cache_refresh.test_stop_during_run import Exited
+
+    running, release = threading.Event(), threading.Event()
+
+    def run() -> None:
+        running.set()
+        release.wait(30)
+
+    monkeypatch.setattr(BlockingScheduler, "_process_jobs",
+                        _dies_after_a_signal(BlockingScheduler._process_jobs, running))
+    sink = ListSink()
+    alerts = ListedAlerts(sink)
+    try:
+        with pytest.raises(Exited) as exited:
+            run_forever(run, "* * * * *", "UTC", 3600, None, alerts=alerts, stop_grace_s=0.3, hard_exit=hard_exit,
+                        where=lambda: ("build", None))
+    finally:
+        release.set()
+    assert exited.value.code == EXIT_ABANDONED
+    assert len(sink.sent) == 1 and sink.sent[0].labels == {"stage": "scheduler", "run_stage": "build"}, sink.sent
+    message = sink.sent[0].message
+    assert "thread died (RuntimeError: injected" in message and "stopped (SIGTERM/SIGINT)" not in message, message
