@@ -354,7 +354,7 @@ class Learner:
             self.deltas.sync()  # the resend survives a restart that no longer falls back (pending list)
         checkpoint.set_aside(passed)
         if self.deltas is not None:
-            self.deltas.abandon_after(ckpt.meta.get("delta_seq"))
+            self.deltas.abandon_after(ckpt.meta.get("delta_seq"), ckpt.samples_trained)
         log.info("resumed from %s: %d samples trained, offsets %s", ckpt.path, ckpt.samples_trained,
                  self.offsets)
         return True

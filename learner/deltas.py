@@ -44,7 +44,8 @@ after the larger of that and the directory's largest file. Serving, which skips 
 applied, would otherwise skip a restarted numbering without a word; it also notices a stream that went backwards
 anyway (a learner from before this file, another directory) and re-bases (:meth:`DeltaReader.newer`). A restored
 learner removes the deltas numbered past its checkpoint's ``delta_seq`` (:meth:`DeltaWriter.abandon_after`): they are
-of the training the restore threw away, and an artifact of a later checkpoint mistook them for such a restart.
+of the training the restore threw away, and an artifact of a later checkpoint mistook them for such a restart. The rows
+they carry are marked first, so its first delta sends them with its values (serving may have applied them).
 
 Writing: the file goes to a temporary name, is fsynced, renamed into place, and the directory fsynced,
 so a reader never sees half of one; the last ``keep`` are kept (a reader that falls further behind than
@@ -454,15 +455,34 @@ class DeltaWriter:
                     "this training's state", why, len(self.touched))
         self.mark(torch.arange(len(self.touched), device=self.touched.device))
 
-    def abandon_after(self, seq: int | None) -> None:
+    def abandon_after(self, seq: int | None, samples_trained: int | None = None) -> None:
         """Remove the deltas numbered past ``seq``, the ``delta_seq`` of the checkpoint the learner resumed from (None:
         not known, nothing removed): written after it by the training the restore threw away, a dead branch. Left in
         the directory, an artifact of a later checkpoint (its ``delta_seq`` past them, its count below theirs) took
         them for a restarted numbering, counted a rewind and applied them (:meth:`DeltaReader.newer`). This writer's
-        numbering stays past them (a seq is never used twice); a reader that had not read them counts them pruned."""
+        numbering stays past them (a seq is never used twice); a reader that had not read them counts them pruned.
+
+        Serving may have applied them: the rows they carry are marked first (and the pending list synced before any
+        file goes), so the next delta sends each with this learner's value. The restart's usual resend (admitted ids'
+        rows, the pending list) left the item and bucket rows only they touched at the dead training's values in
+        serving until the next artifact. One that cannot be read: every row is resent (:meth:`resend_all`). One at
+        the checkpoint's own ``samples_trained`` (an earlier restart's first delta, nothing trained since) holds the
+        checkpoint's values, this learner's: not read (a fallback's resend of every row is not resent again)."""
         if seq is None:
             return
-        dead = [p for s, _, p in list_deltas(self.directory) if s > seq]
+        found = [(p, n) for s, n, p in list_deltas(self.directory) if s > seq]
+        dead = [p for p, _ in found]
+        for p in (p for p, n in found if n != samples_trained):
+            if bool(self.touched.all()):
+                break
+            try:
+                self.mark(load_delta(p).rows)
+            except FileNotFoundError:
+                continue
+            except (DeltaError, OSError) as exc:
+                self.resend_all(f"delta {p.name} of the abandoned training cannot be read ({exc})")
+        if dead:
+            self.sync()
         for p in dead:
             p.unlink(missing_ok=True)
         if dead:

@@ -290,7 +290,7 @@ class ShardedLearner:
             checkpoint.continue_lineage(self.ls.checkpoint_dir, meta, path)  # before the delta writer reads it
         self._build(FeatureConfig.from_dict(meta["feature_config"]))
         if self.deltas is not None and self.deltas.writer is not None:  # (rank 0) a dead branch: learner/deltas.py
-            self.deltas.writer.abandon_after(meta.get("delta_seq"))
+            self.deltas.writer.abandon_after(meta.get("delta_seq"), int(meta["samples_trained"]))
         assert self.trainer is not None
         app = self._app_state()
         if "updates" in app["table_state"] and not sharded_checkpoint.holds(path, "table_state.updates"):

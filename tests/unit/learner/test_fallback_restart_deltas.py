@@ -139,3 +139,43 @@ def test_a_checkpoint_the_restore_fell_back_past_is_set_aside_so_only_the_first_
             learner.close()
     assert newest not in ck.list_checkpoints(tmp_path / "ck")
     assert newest.with_name(newest.name + ".damaged").read_bytes() == damaged
+
+
+def test_serving_that_applied_a_dead_runs_deltas_ends_on_the_restarted_state_row_for_row(tmp_path: Path) -> None:
+    """Checkpoint N (16 samples, no newer checkpoint file); the first run trains on to 40 samples, writes delta 1
+    (serving, on N's artifact, applies it) and dies. The restart from N trains other samples (the first run's were
+    past retention, say) and resends admitted ids' rows and the pending list only: the item and bucket rows only the
+    dead delta touched kept its values in serving until the next artifact."""
+    ls = _settings(tmp_path)
+    first = Learner(KAFKA, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        assert first.trainer is not None and first.deltas is not None
+        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
+        first.save()  # N
+        for b in AFTER:
+            first._train(to_tensors(b, CFG))
+        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # seq 1, 40 samples
+    finally:
+        first.close()
+    root = tmp_path / "serving"
+    source = ck.load_latest(tmp_path / "ck")
+    assert source is not None and source.samples_trained == 16
+    publish(root, build_artifact(source, root, np.zeros(0, np.int64), version="v1"), keep=3)
+    holder = ModelHolder()
+    updater = ModelUpdater(holder, ServingMetrics(holder.model), root, tmp_path / "deltas")
+    updater.check_now()
+    served = holder.model()
+    assert served is not None and served.delta_seq == 1
+
+    second = Learner(KAFKA, ls)
+    try:
+        assert second._restore() and second.trainer is not None and second.deltas is not None
+        assert second.trainer.samples == 16
+        second._train(to_tensors(samples([104, 105] * 4, 100), CFG))  # not the first run's samples
+        assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
+        updater.check_now()
+        assert served.delta_seq == 2
+        _served_equals_learner(served, second)
+    finally:
+        second.close()

@@ -153,7 +153,10 @@ def test_a_resend_past_the_readers_byte_limit_goes_out_in_parts_that_serving_rea
     second, resent, weight, tree = _restarted_resend(ls)
     try:
         one_part = _encoded_size(tree)
-        monkeypatch.setattr(deltas_mod, "MAX_BYTES", one_part - 5 * 28)  # 5 rows (8 + 4 (D + 1) bytes) too many
+        for too_many in range(1, len(resent)):  # rows (8 + 4 (D + 1) bytes each) over the limit: the first part
+            monkeypatch.setattr(deltas_mod, "MAX_BYTES", one_part - too_many * 28)  # one row (owned rows lowest)
+            if second.deltas._parts(*tree[:3], second.trainer.samples, tree[3])[0] == (0, 1):
+                break
         assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
         parts = [p for _, _, p in list_deltas(tmp_path / "deltas") if p not in written_before]
         assert len(parts) >= 2
