@@ -45,7 +45,9 @@ applied, would otherwise skip a restarted numbering without a word; it also noti
 anyway (a learner from before this file, another directory) and re-bases (:meth:`DeltaReader.newer`). A restored
 learner removes the deltas numbered past its checkpoint's ``delta_seq`` (:meth:`DeltaWriter.abandon_after`): they are
 of the training the restore threw away, and an artifact of a later checkpoint mistook them for such a restart. The rows
-they carry are marked first, so its first delta sends them with its values (serving may have applied them).
+they carry are marked first, so its first delta sends them with its values (serving may have applied them), and the
+range is recorded in the deltas directory's :data:`ABANDONED` before any goes: a reader missing them lost nothing and
+counts no gap (:func:`read_abandoned`).
 
 Writing: the file goes to a temporary name, is fsynced, renamed into place, and the directory fsynced,
 so a reader never sees half of one; the last ``keep`` are kept (a reader that falls further behind than
@@ -137,6 +139,8 @@ _LEGACY_SUFFIX = ".pt"  # format 1
 _NAME = re.compile(r"delta-(\d{1,18})-(\d{1,18})")
 PENDING = "pending-rows.i64"  # rows marked since the last delta, int64 little-endian (a restarted writer's)
 SEQ_FILE = "DELTA_SEQ"  # in the checkpoint directory: the largest seq its lineage's writers took (ASCII integer)
+ABANDONED = "abandoned-seqs"  # the seqs restarts removed as a dead branch: "<first> <last> <lineage>" a line (ASCII)
+_ABANDONED_KEEP = 64  # ranges kept in it (one per restart that removed any)
 _REMEMBER = 1024  # gap ranges and rewind positions a reader remembers having counted
 MAX_BYTES = 4 << 30  # a delta file larger than this is refused unread
 
@@ -189,6 +193,36 @@ def _max_seq(directory: Path) -> int:
     seqs += [parsed[0] for p in directory.glob(f"{_PREFIX}*{_LEGACY_SUFFIX}")
              if (parsed := _parse_name(p, _LEGACY_SUFFIX)) is not None]
     return max(seqs, default=0)
+
+
+def _read_abandoned(path: Path) -> list[tuple[int, int, str]]:
+    """``(first, last, lineage)`` of every range in an :data:`ABANDONED` file; [] when there is none or it cannot be
+    read (logged; malformed lines are left out)."""
+    try:
+        text = read_regular(path, MAX_STATE_FILE_BYTES, "an abandoned-deltas record").decode("ascii")
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as exc:
+        log.error("cannot read %s (%s): deltas removed as a dead branch count as pruned", path, exc)
+        return []
+    return [(int(a), int(b), lin) for a, b, lin in (ln.split() for ln in text.splitlines() if len(ln.split()) == 3)
+            if a.isdigit() and b.isdigit()]
+
+
+def read_abandoned(directory: Path, lineage: str | None) -> list[tuple[int, int]]:
+    """The seq ranges ``(first, last)`` a restart of ``lineage`` (None: any) removed from ``directory`` as a dead branch
+    (:meth:`DeltaWriter.abandon_after`): missing to a reader, but not pruned unread (their rows went out again)."""
+    return [(a, b) for a, b, lin in _read_abandoned(Path(directory) / ABANDONED) if lineage in (None, lin)]
+
+
+def _covered(first: int, last: int, ranges: list[tuple[int, int]]) -> int:
+    """How many seqs of ``first..last`` the ranges ``(a, b)`` (inclusive) hold."""
+    n, upto = 0, first - 1
+    for a, b in sorted(ranges):
+        a, b = max(a, upto + 1), min(b, last)
+        if a <= b:
+            n, upto = n + b - a + 1, b
+    return n
 
 
 def read_seq_file(path: Path | None) -> int:
@@ -483,12 +517,25 @@ class DeltaWriter:
                 self.resend_all(f"delta {p.name} of the abandoned training cannot be read ({exc})")
         if dead:
             self.sync()
+        if self.seq > seq:  # (seqs reserved and never written too: no reader ever gets them)
+            self._record_abandoned(seq + 1, self.seq)
         for p in dead:
             p.unlink(missing_ok=True)
         if dead:
             log.warning("removed deltas %s..%s of the training after the checkpoint resumed from (delta seq %d): "
                         "serving never applies them; this learner's deltas go on at seq %d", dead[0].name,
                         dead[-1].name, seq, self.seq + 1)
+
+    def _record_abandoned(self, first: int, last: int) -> None:
+        """Add ``first..last`` to :data:`ABANDONED` (the last :data:`_ABANDONED_KEEP` ranges kept). A record that
+        cannot be written is logged: a reader that missed them then counts them as a gap."""
+        path = self.directory / ABANDONED
+        lines = [f"{a} {b} {lin}" for a, b, lin in _read_abandoned(path)] + [f"{first} {last} {self.lineage}"]
+        try:
+            write_atomic(path, ("\n".join(lines[-_ABANDONED_KEEP:]) + "\n").encode())
+        except OSError as exc:
+            log.warning("cannot record the abandoned deltas %d..%d in %s (%s): a serving process that had not read "
+                        "them counts them as pruned", first, last, path, exc)
 
     def hold(self, rows: np.ndarray) -> None:
         """Rows (global, (R,) int64) the id maps just handed to another id (evicted, admitted). Serving maps ids with
@@ -844,9 +891,12 @@ class DeltaReader:
                 if len(self._gapped) > _REMEMBER:
                     self._gapped.clear()
                 self._gapped.add((expected, seq))
-                self.gaps += seq - expected
-                log.warning("deltas %d..%d were pruned before serving read them; their rows wait for the next "
-                            "artifact", expected, seq - 1)
+                # (less those a restart removed as a dead branch: their rows went out again, nothing was lost)
+                gone = seq - expected - _covered(expected, seq - 1, read_abandoned(self.directory, lineage))
+                self.gaps += gone
+                if gone:
+                    log.warning("%d of deltas %d..%d were pruned before serving read them; their rows wait for the "
+                                "next artifact", gone, expected, seq - 1)
             expected = seq + 1
             if samples <= after_samples and after_seq == 0:
                 continue

@@ -13,7 +13,7 @@ from learner import checkpoint as ck
 from learner.artifact import build_artifact
 from learner.batch import to_tensors
 from learner.daemon import Learner
-from learner.deltas import DeltaReader
+from learner.deltas import ABANDONED, DeltaReader, delta_path, list_deltas
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
@@ -179,3 +179,51 @@ def test_serving_that_applied_a_dead_runs_deltas_ends_on_the_restarted_state_row
         _served_equals_learner(served, second)
     finally:
         second.close()
+
+
+def _restart_after_a_dead_branch(tmp_path: Path) -> tuple[Path, str]:
+    """Delta 1 (16 samples), checkpoint N (delta_seq 1); the first run writes deltas 2 and 3 (24, 40) and dies; the
+    restart from N removes them and writes delta 4. The deltas directory and N's lineage."""
+    ls = _settings(tmp_path)
+    first = Learner(KAFKA, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        assert first.trainer is not None and first.deltas is not None
+        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
+        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # seq 1
+        first.save()  # N
+        for b in AFTER:
+            first._train(to_tensors(b, CFG))
+            assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # seq 2, 3
+    finally:
+        first.close()
+    second = Learner(KAFKA, ls)
+    try:
+        assert second._restore() and second.trainer is not None and second.deltas is not None
+        second._train(to_tensors(samples([104, 105] * 4, 100), CFG))
+        assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None  # seq 4
+    finally:
+        second.close()
+    return tmp_path / "deltas", ck.lineage(tmp_path / "ck")
+
+
+def test_deltas_a_restart_removed_as_a_dead_branch_are_no_gap_for_an_artifact_of_its_checkpoint(
+        tmp_path: Path) -> None:
+    """Serving loads N's artifact (delta_seq 1) after the restart: deltas 2 and 3 are missing before 4, removed as a
+    dead branch (their rows are in 4), not pruned unread; they were counted as a gap (the gaps metric, its alert)."""
+    directory, lineage = _restart_after_a_dead_branch(tmp_path)
+    assert [s for s, _, _ in list_deltas(directory)] == [1, 4]
+    reader = DeltaReader(directory)
+    assert [d.seq for d in reader.newer(1, 16, lineage, applied_samples=0)] == [4]
+    assert reader.gaps == 0
+
+
+def test_a_gap_counts_the_missing_seqs_no_restart_of_its_lineage_abandoned(tmp_path: Path) -> None:
+    """Deltas 1 and 6 listed, 3..4 recorded abandoned by this lineage's restart, 5 by another lineage's: a reader at
+    seq 1 counts 2 and 5 (pruned unread), not 3 and 4."""
+    for seq in (1, 6):
+        delta_path(tmp_path, seq, seq).write_bytes(b"")  # (unreadable: rejected after the gap is counted)
+    (tmp_path / ABANDONED).write_text(f"3 4 {'a' * 32}\n5 5 {'b' * 32}\n")
+    reader = DeltaReader(tmp_path, on_reject=lambda path, why: None)
+    assert list(reader.newer(1, 1, "a" * 32)) == []
+    assert reader.gaps == 2
