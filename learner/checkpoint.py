@@ -414,13 +414,16 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
 
 
 DAMAGED = ".damaged"  # the suffix of a checkpoint the learner's restore fell back past (:func:`set_aside`)
+REFUSED = ".refused"  # beside a checkpoint set aside that could not be renamed: it is not listed (:func:`set_aside`)
 
 
 def set_aside(paths: list[Path]) -> None:
     """Rename each checkpoint (and its sidecar) the learner's restore fell back past to ``<name>.damaged``: kept for
     forensics, never listed or loaded again, the oldest pruned past ``keep`` by :func:`save`. Left in place, named
     after every later checkpoint (so never pruned), it made every later restart a fallback past it, each resending
-    the whole table to serving. A rename that fails is logged: that file is refused again at the next restart."""
+    the whole table to serving. A checkpoint that cannot be renamed (EPERM: another owner's file in a sticky
+    directory) gets a ``<name>.refused`` file beside it instead, and :func:`list_checkpoints` passes it over; only
+    when that cannot be written either is it refused again at the next restart (logged)."""
     for path in paths:
         for p in (path, path.with_suffix(".json")):
             try:
@@ -428,17 +431,26 @@ def set_aside(paths: list[Path]) -> None:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                log.warning("cannot set %s aside (%s); the next restart refuses it again", p, exc)
-                continue
+                if p != path:  # (a sidecar: read only for a listed checkpoint)
+                    continue
+                try:
+                    write_atomic(p.with_name(p.name + REFUSED), f"did not load; cannot be renamed: {exc}\n".encode())
+                except OSError as exc2:
+                    log.error("cannot set %s aside (%s) nor mark it refused (%s): the next restart falls back past "
+                              "it again and resends every row; move it away", p, exc, exc2)
+                    continue
+                log.error("cannot rename %s aside (%s): marked %s, never listed again; move both away", p, exc,
+                          p.name + REFUSED)
         log.warning("checkpoint %s did not load: set aside as %s (never loaded, kept for forensics)", path.name,
                     path.name + DAMAGED)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first (not those set aside: :func:`set_aside`)."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.glob(f"{_PREFIX}*.pt") if not p.name.startswith("."))
+    return sorted(p for p in directory.glob(f"{_PREFIX}*.pt")
+                  if not p.name.startswith(".") and not p.with_name(p.name + REFUSED).exists())
 
 
 def _numpy_globals() -> list[Any]:
@@ -611,7 +623,8 @@ def restore_latest(directory: Path, check: Callable[[Checkpoint], object] | None
     ckpt = load_latest(directory, safe=True, problems=problems, check=check)
     if ckpt is None and not problems:  # only checkpoints set aside (:func:`set_aside`): as refused now
         problems = [(p, "set aside by an earlier restart: it did not load")
-                    for p in sorted(Path(directory).glob(f"{_PREFIX}*.pt{DAMAGED}"))]
+                    for p in sorted([*Path(directory).glob(f"{_PREFIX}*.pt{DAMAGED}"),
+                                     *Path(directory).glob(f"{_PREFIX}*.pt{REFUSED}")])]
     if ckpt is None and problems:
         raise CheckpointError(f"no checkpoint in {directory} loads: "
                               + "; ".join(f"{p}: {why}" for p, why in problems)
