@@ -862,16 +862,21 @@ class DeltaReader:
 
         A stream that went backwards (the directory's latest seq below ``after_seq``, or a delta at or below it that
         was trained past ``applied_samples``: the numbering restarted, so those seqs were never applied) would be
-        skipped forever; instead it is counted in :attr:`rewinds`, logged once per position, and the model is
-        re-based on ``samples_trained``: every delta newer than ``after_samples`` comes, in seq order, as for a
-        model that holds none (values are absolute, so the result is the learner's current rows)."""
+        skipped forever (a latest seq below it is no rewind when a restart of ``lineage`` recorded every seq after it
+        up to ``after_seq`` abandoned, :func:`read_abandoned`: the restart has written nothing newer yet); instead it
+        is counted in :attr:`rewinds`, logged once per position, and the model is re-based on ``samples_trained``:
+        every delta newer than ``after_samples`` comes, in seq order, as for a model that holds none (values are
+        absolute, so the result is the learner's current rows)."""
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
         held = after_samples if applied_samples is None else max(after_samples, applied_samples)
         latest = found[-1][0] if found else 0
         passed = applied_samples is not None and any(s <= after_seq and n > held for s, n, _ in found)
-        if after_seq > 0 and found and (latest < after_seq or passed):
+        # (not when a restart of the lineage removed every seq past the latest: nothing newer yet)
+        behind = latest < after_seq and _covered(latest + 1, after_seq, read_abandoned(self.directory, lineage)) < (
+            after_seq - latest)
+        if after_seq > 0 and found and (behind or passed):
             if (after_seq, held) not in self._rewound:
                 if len(self._rewound) > _REMEMBER:
                     self._rewound.clear()

@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from cache_refresh.publish import publish
 from learner import checkpoint as ck
 from learner.artifact import build_artifact
 from learner.batch import to_tensors
 from learner.daemon import Learner
-from learner.deltas import ABANDONED, DeltaReader, delta_path, list_deltas
+from learner.deltas import ABANDONED, DeltaReader, DeltaWriter, delta_path, list_deltas
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
@@ -227,3 +228,24 @@ def test_a_gap_counts_the_missing_seqs_no_restart_of_its_lineage_abandoned(tmp_p
     reader = DeltaReader(tmp_path, on_reject=lambda path, why: None)
     assert list(reader.newer(1, 1, "a" * 32)) == []
     assert reader.gaps == 2
+
+
+def _write(writer: DeltaWriter, rows: list[int], samples: int) -> None:
+    """One delta of ``rows`` (their vectors: the samples count) with a one-weight dense part."""
+    r = torch.tensor(rows, dtype=torch.int64)
+    assert writer.write_rows(r, torch.full((len(rows), 3), float(samples)), {"w": torch.zeros(1)}, samples)
+
+
+def test_no_rewind_while_the_models_seqs_past_the_latest_were_all_abandoned_by_a_restart(tmp_path: Path) -> None:
+    """Delta 1 (16 samples) is checkpoint N's; serving applied the dead run's 2 and 3 (seq 3, 40 samples); the restart
+    from N removed them (recorded abandoned) and has not written 4 yet. newer(3, ...) saw latest seq 1 below 3: logged
+    "numbering restarted" and counted a rewind, where there is simply nothing newer yet."""
+    lineage = "a" * 32
+    first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
+        _write(first, rows, count)
+    DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage).abandon_after(1, 16)
+    assert [s for s, _, _ in list_deltas(tmp_path)] == [1]
+    reader = DeltaReader(tmp_path)
+    assert (list(reader.newer(3, 16, lineage, applied_samples=40)), reader.rewinds) == ([], 0)
+    assert (list(reader.newer(3, 16, "b" * 32, applied_samples=40)), reader.rewinds) == ([], 1)  # not its restart's
