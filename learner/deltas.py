@@ -499,13 +499,19 @@ class DeltaWriter:
         Serving may have applied them: the rows they carry are marked first (and the pending list synced before any
         file goes), so the next delta sends each with this learner's value. The restart's usual resend (admitted ids'
         rows, the pending list) left the item and bucket rows only they touched at the dead training's values in
-        serving until the next artifact. One that cannot be read: every row is resent (:meth:`resend_all`). One at
-        the checkpoint's own ``samples_trained`` (an earlier restart's first delta, nothing trained since) holds the
-        checkpoint's values, this learner's: not read (a fallback's resend of every row is not resent again)."""
+        serving until the next artifact. One that cannot be read, or pruned by the dead run itself (``keep``: its
+        deltas on disk start after a hole no restart recorded abandoned): every row is resent (:meth:`resend_all`).
+        One at the checkpoint's own ``samples_trained`` (an earlier restart's first delta, nothing trained since) holds
+        the checkpoint's values, this learner's: not read (a fallback's resend of every row is not resent again)."""
         if seq is None:
             return
-        found = [(p, n) for s, n, p in list_deltas(self.directory) if s > seq]
-        dead = [p for p, _ in found]
+        listed = [(s, n, p) for s, n, p in list_deltas(self.directory) if s > seq]
+        found, dead = [(p, n) for _, n, p in listed], [p for _, _, p in listed]
+        first = listed[0][0] if listed else seq + 1  # (a hole before it no earlier restart recorded: pruned unread)
+        gone = first - 1 - seq
+        if gone > 0 and _covered(seq + 1, first - 1, read_abandoned(self.directory, self.lineage)) < gone:
+            self.resend_all(f"deltas {seq + 1}..{first - 1} of the abandoned training (after the checkpoint's delta "
+                            f"seq {seq}) were pruned before this restart (deltas_keep) and cannot be read")
         for p in (p for p, n in found if n != samples_trained):
             if bool(self.touched.all()):
                 break

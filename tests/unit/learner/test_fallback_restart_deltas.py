@@ -249,3 +249,42 @@ def test_no_rewind_while_the_models_seqs_past_the_latest_were_all_abandoned_by_a
     reader = DeltaReader(tmp_path)
     assert (list(reader.newer(3, 16, lineage, applied_samples=40)), reader.rewinds) == ([], 0)
     assert (list(reader.newer(3, 16, "b" * 32, applied_samples=40)), reader.rewinds) == ([], 1)  # not its restart's
+
+
+def _dead_run(directory: Path, keep: int) -> DeltaWriter:
+    """Delta 1 (16 samples, checkpoint N's delta_seq); the dead run writes 2, 3, 4 (rows 2, 3, 4) with ``keep``; the
+    restart's writer, after ``abandon_after(1, 16)``."""
+    first = DeltaWriter(directory, num_rows=8, every_s=1.0, keep=keep, lineage="a" * 32)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 32), ([4], 40)):
+        _write(first, rows, count)
+    restart = DeltaWriter(directory, num_rows=8, every_s=1.0, keep=keep, lineage="a" * 32)
+    restart.abandon_after(1, 16)
+    return restart
+
+
+def test_a_restart_resends_every_row_when_the_dead_run_pruned_some_of_its_own_deltas(tmp_path: Path) -> None:
+    """keep 2: the dead run pruned its own delta 2 (row 2) before it died; serving may have applied it, and the
+    restart, reading only 3 and 4, resent rows 3 and 4: row 2 kept the dead training's value in serving."""
+    restart = _dead_run(tmp_path, keep=2)
+    assert bool(restart.touched.all())
+
+
+def test_a_restart_resends_only_the_dead_deltas_rows_when_all_of_them_are_on_disk(tmp_path: Path) -> None:
+    """keep 3: deltas 2..4 all there (only 1, the checkpoint's, pruned): their rows, not the whole table."""
+    restart = _dead_run(tmp_path, keep=3)
+    assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3, 4]
+
+
+def test_a_restart_does_not_resend_every_row_for_a_hole_an_earlier_restart_recorded_abandoned(tmp_path: Path) -> None:
+    """Deltas 2 and 3 (rows 2, 3) removed by an earlier restart from N (recorded abandoned; their rows pending), which
+    wrote 4 and 5 (rows 5, 6) and died: the hole 2..3 before 4 lost nothing, so no resend of the whole table."""
+    first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage="a" * 32)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 32)):
+        _write(first, rows, count)
+    earlier = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage="a" * 32)
+    earlier.abandon_after(1, 16)
+    _write(earlier, [5], 24)
+    _write(earlier, [6], 32)
+    restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage="a" * 32)
+    restart.abandon_after(1, 16)
+    assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3, 5, 6]
