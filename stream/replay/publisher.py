@@ -8,10 +8,11 @@
 - Rows a source rejected go to ``<topic>.dlq`` with their reason; deliberately malformed messages
   (synthetic ``malformed_share``) go to the real topic for consumers to dead-letter.
 - Pacing: ``rate`` (events per wall-clock second) or ``speed`` (event time / wall time), else as
-  fast as the producer takes them. Every message is acknowledged before the summary is printed. Event time is
-  counted from the first event in the order with a usable time (a source's row rejected for its time has ts 0 and
-  goes out at once); a paced replay that would take over a year of wall clock (``MAX_PACED_S``: a tiny rate or
-  speed, or times decades apart) is a :class:`~stream.errors.ConfigError` before anything is sent.
+  fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error or
+  Ctrl-C stops flushes what it sent, and logs (stderr) the events acknowledged per topic and those not.
+  Event time is counted from the first event in the order with a usable time (a source's row rejected for its time
+  has ts 0 and goes out at once); a paced replay that would take over a year of wall clock (``MAX_PACED_S``: a tiny
+  rate or speed, or times decades apart) is a :class:`~stream.errors.ConfigError` before anything is sent.
 - The message values are built column-wise, a chunk of the order at a time (``stream/replay/encoding.py``:
   byte for byte what ``stream/events.py`` encodes); unpaced, a chunk goes out in a loop that calls only
   ``produce``, and counts, polls and progress are per chunk.
@@ -28,6 +29,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -53,6 +55,8 @@ from stream.kafka import (
 from stream.metrics import EVENTS
 from stream.replay.encoding import EventEncoder, to_bytes
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
+
+log = logging.getLogger("streamrec.replay")
 
 _RAW = 2  # kind code of raw messages in the merged order
 
@@ -209,58 +213,62 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     pacer = Pacer(rate, speed, origin)  # its clock starts with the first event
     counters = {IMPRESSION: EVENTS.labels("replay", imp_topic), CLICK: EVENTS.labels("replay", click_topic)}
     reported = 0
-    for start in range(0, len(kinds), CHUNK):
-        stop = min(start + CHUNK, len(kinds))
-        k, i = kinds[start:stop], indexes[start:stop]
-        is_imp, is_click, is_raw_c = k == IMPRESSION, k == CLICK, k == _RAW
-        dead_c = dead[start:stop]
-        values_l, over = _chunk_values(encoder, raw, k, i, room)
-        topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
-        if over is not None:
-            raise _over_limit(topics_l[over], keys_l[over], len(values_l[over] or b""), limits[topics_l[over]])
-        if paced:
-            ts_l = [table.ts[j] if kind == IMPRESSION else table.click_ts[j] if kind == CLICK else raw[j].ts
-                    for kind, j in zip(k.tolist(), i.tolist(), strict=True)]
-            dead_l, kinds_l = dead_c.tolist(), k.tolist()
-            for j in range(stop - start):
-                n = start + j
-                if dead_l[j]:
-                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
-                else:
+    try:
+        for start in range(0, len(kinds), CHUNK):
+            stop = min(start + CHUNK, len(kinds))
+            k, i = kinds[start:stop], indexes[start:stop]
+            is_imp, is_click, is_raw_c = k == IMPRESSION, k == CLICK, k == _RAW
+            dead_c = dead[start:stop]
+            values_l, over = _chunk_values(encoder, raw, k, i, room)
+            topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
+            if over is not None:
+                raise _over_limit(topics_l[over], keys_l[over], len(values_l[over] or b""), limits[topics_l[over]])
+            if paced:
+                ts_l = [table.ts[j] if kind == IMPRESSION else table.click_ts[j] if kind == CLICK else raw[j].ts
+                        for kind, j in zip(k.tolist(), i.tolist(), strict=True)]
+                dead_l, kinds_l = dead_c.tolist(), k.tolist()
+                for j in range(stop - start):
+                    n = start + j
+                    if dead_l[j]:
+                        dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
+                    else:
+                        with _refused(limits):
+                            producer.send(topics_l[j], values_l[j], keys_l[j])
+                    _count(summary, kinds_l[j], dead_l[j])
+                    if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
+                        counters[kinds_l[j]].inc()
+                    if n % 5000 == 0:
+                        producer.poll()
+                        if progress is not None and n:
+                            progress(n - reported)
+                            reported = n
+                    pacer.wait(n + 1, ts_l[j])
+                continue
+            # Unpaced: runs between dead-lettered raw messages go out in the produce-only loop.
+            cut = 0
+            for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
+                if j > cut:
                     with _refused(limits):
-                        producer.send(topics_l[j], values_l[j], keys_l[j])
-                _count(summary, kinds_l[j], dead_l[j])
-                if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
-                    counters[kinds_l[j]].inc()
-                if n % 5000 == 0:
-                    producer.poll()
-                    if progress is not None and n:
-                        progress(n - reported)
-                        reported = n
-                pacer.wait(n + 1, ts_l[j])
-            continue
-        # Unpaced: runs between dead-lettered raw messages go out in the produce-only loop.
-        cut = 0
-        for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
-            if j > cut:
-                with _refused(limits):
-                    producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
-            if j < stop - start:
-                dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
-            cut = j + 1
-        summary.impressions += int(np.count_nonzero(is_imp))
-        summary.clicks += int(np.count_nonzero(is_click))
-        _count_events(imp_topic, click_topic, is_imp, is_click)
-        n_dead = int(np.count_nonzero(dead_c))
-        summary.dead_lettered += n_dead
-        summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
-        producer.poll()
-        if progress is not None:
-            progress(stop - reported)
-            reported = stop
+                        producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
+                if j < stop - start:
+                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
+                cut = j + 1
+            summary.impressions += int(np.count_nonzero(is_imp))
+            summary.clicks += int(np.count_nonzero(is_click))
+            _count_events(imp_topic, click_topic, is_imp, is_click)
+            n_dead = int(np.count_nonzero(dead_c))
+            summary.dead_lettered += n_dead
+            summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
+            producer.poll()
+            if progress is not None:
+                progress(stop - reported)
+                reported = stop
 
-    with _refused(limits):
-        report = producer.flush()
+        with _refused(limits):
+            report = producer.flush()
+    except BaseException as exc:  # an error, Ctrl-C: what went out is flushed and counted (module docstring)
+        _stopped(exc, producer, len(kinds))
+        raise
     summary.elapsed_s = time.monotonic() - t0
     total = summary.impressions + summary.clicks + summary.malformed_published + summary.dead_lettered
     if progress is not None:
@@ -268,6 +276,24 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     summary.events_per_s = total / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
     summary.acked = dict(sorted(report.acked.items()))
     return summary
+
+
+STOP_FLUSH_S = 30.0  # how long a replay stopped by an error waits for what it sent (none after Ctrl-C)
+
+
+def _stopped(exc: BaseException, producer: AckedProducer, total: int) -> None:
+    """A replay that ``exc`` stopped part way: flush what it sent (it was lost with the producer, and the chunks
+    before an error were said to be sent), and log the events acknowledged per topic and of
+    those not sent or not acknowledged (a lower bound of the acknowledged after Ctrl-C, which waits for nothing)."""
+    timeout = 0.0 if isinstance(exc, KeyboardInterrupt) else STOP_FLUSH_S
+    failed = ""
+    try:
+        producer.flush(timeout)
+    except Exception as flush_exc:  # noqa: BLE001 - the note says it; exc is what goes on
+        failed = f" (its flush: {flush_exc})"
+    acked = dict(sorted(producer.acked_total.items()))
+    log.error("[replay] stopped (%s) after sending part of its %d events: acknowledged per topic %s; %d events not "
+              "sent or not acknowledged%s", type(exc).__name__, total, acked, total - sum(acked.values()), failed)
 
 
 def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click: np.ndarray) -> None:

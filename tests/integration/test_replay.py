@@ -262,3 +262,34 @@ def test_a_replay_message_the_broker_refuses_as_too_large_exits_2_naming_the_top
     assert re.search(rf"{re.escape(kafka.impressions_topic)} was refused by the broker as too large.*sized under "
                      rf"100000 bytes, the limit learned for it \(topic max\.message\.bytes\).*--entity-name "
                      rf"{re.escape(kafka.impressions_topic)}", err)
+
+
+def test_an_encoder_failure_mid_replay_delivers_the_chunks_sent_before_it_and_says_how_many(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An exception from the encoder in the second chunk (a bug, a table it cannot encode) left the first chunk's
+    4096 events produced but never flushed: the error escaped with the producer unflushed, so what it still held was
+    lost when it was destroyed, and nothing said how many events had gone out. Now the replay flushes what it sent
+    before the error goes on, and logs the events acknowledged per topic and those not sent."""
+    from stream.replay.encoding import EventEncoder
+
+    table = build_synthetic(SyntheticSettings(impressions=6000, base_ctr=0.0001, duplicate_click_share=0,
+                                              orphan_click_share=0), ClickDelay(), seed=3)
+    real, calls = EventEncoder.impressions, [0]
+
+    def failing(self: EventEncoder, rows: np.ndarray) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise ValueError("cannot encode this chunk")
+        return real(self, rows)
+
+    monkeypatch.setattr(EventEncoder, "impressions", failing)
+    with pytest.raises(ValueError, match="cannot encode this chunk"):
+        publish(table, kafka, "synthetic", linger_ms=5000)  # the first chunk waits in the producer
+    notes = caplog.text
+    imps = read_topic(kafka, kafka.impressions_topic)
+    clicks = read_topic(kafka, kafka.clicks_topic)
+    assert len(imps) + len(clicks) == publisher_module.CHUNK  # the whole first chunk, nothing of the second
+    counts = {kafka.clicks_topic: len(clicks), kafka.impressions_topic: len(imps)}
+    assert f"acknowledged per topic {({t: n for t, n in sorted(counts.items()) if n})}" in notes
+    unsent = table.n_impressions + table.n_clicks - publisher_module.CHUNK
+    assert f"{unsent} events not sent or not acknowledged" in notes
