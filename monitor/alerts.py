@@ -545,7 +545,10 @@ def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
 
 
 def get_text(url: str, deadline: float, max_bytes: int) -> str:
-    """``GET`` ``url`` and return its body as text (UTF-8, undecodable bytes replaced).
+    """``GET`` ``url`` and return its body as text: UTF-8, each undecodable byte kept as a lone surrogate
+    (``surrogateescape``, U+DC80..U+DCFF), so :func:`monitor.exposition.parse` refuses it where Prometheus does (a
+    label value, HELP text) and reads past it where Prometheus does (a comment); ``errors="replace"`` read a
+    Latin-1 ``K\\xf6ln`` as ``K\\ufffdln``.
 
     Promise, as :func:`post_json`: returns or raises by ``deadline`` (``time.monotonic()`` seconds),
     whatever the peer does (a server that accepts and never answers, or trickles its answer, raises
@@ -565,7 +568,7 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
         body = resp.read(max_bytes + 1)
         if len(body) > max_bytes:
             raise ValueError(f"the answer is larger than {max_bytes} bytes; not read further")
-        return body.decode("utf-8", "replace")
+        return body.decode("utf-8", "surrogateescape")
     finally:
         conn.close()
 

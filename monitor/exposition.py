@@ -18,6 +18,10 @@ comment or a HELP line is read (as text), and one ending a TYPE line is refused 
 ``"gauge\\r"``). Quoted (UTF-8) metric and label names, which Prometheus 3 reads (``{"my.metric", le="1"} 3``,
 ``# HELP "my.metric" text``, ``m{"my.label"="x"} 1``), are refused saying so: the monitor watches streamrec's own
 metrics, whose names are plain, and its rules can name no other.
+Bytes that are not UTF-8 reach the parser as lone surrogates (:func:`monitor.alerts.get_text`) and are refused
+where the server refuses them, naming the line: in a label value (promparse.go: invalid UTF-8 label value) and in
+HELP text (not a valid utf8 string; that text starts one *byte* after the name, as the server slices it, so
+``# HELP mé x`` is refused and ``# HELP m\\xffx`` read); a comment may hold them, as there.
 Where expfmt's TextParser and the server differ the monitor reads as the server does: a HELP text's escapes are
 not checked (``\\x`` is text), and a second HELP or TYPE of a family, or a TYPE after its samples, is read (the
 server's scrape cache keeps the last; expfmt refuses them).
@@ -50,6 +54,7 @@ _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}  # any other pair is kept as written (\q is \q)
 _META = re.compile(r"#[ \t]+(HELP|TYPE)[ \t]+(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)?(?P<rest>.*)")
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as surrogateescape keeps it
 _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
 
 
@@ -81,6 +86,7 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
     out: list[Sample] = []
     seen: dict[tuple[str, Labels], int] = {}  # series -> its line
     append, sample, pairs = out.append, _SAMPLE.fullmatch, _PAIR.findall
+    invalid = _NOT_UTF8.search(text) is not None  # any byte get_text could not decode: look for it per label
     for number, line in enumerate(text.split("\n"), 1):
         m = sample(line)
         if m is None:
@@ -105,6 +111,8 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
         if block:
             found = pairs(block)
             for k, v in found:
+                if invalid and _NOT_UTF8.search(v):
+                    raise _not_utf8(number, f"the value of label {k}", line)
                 labels[k] = _ESCAPE.sub(_unescaped, v) if "\\" in v else v
             if len(labels) < len(found):
                 raise ExpositionError(f"line {number}: a label name given twice: {_shown(line)}")
@@ -129,6 +137,12 @@ def _crlf(number: int) -> ExpositionError:
                            "source write \\n line ends")
 
 
+def _not_utf8(number: int, what: str, line: str) -> ExpositionError:
+    shown = line.encode("utf-8", "surrogateescape")
+    return ExpositionError(f"line {number}: {what} is not valid UTF-8, and Prometheus refuses this answer too; have "
+                           f"the source export UTF-8 text: {shown if len(shown) <= 80 else shown[:77] + b'...'!r}")
+
+
 def _quoted(number: int, what: str, name: str, line: str) -> ExpositionError:
     return ExpositionError(f"line {number}: a quoted {what} name {_shown(name)[1:-1]}: the monitor does not read "
                            "quoted (UTF-8) names, which Prometheus 3 reads; it watches streamrec's own metrics, whose "
@@ -150,6 +164,11 @@ def _comment(stripped: str, number: int, line: str) -> str | None:
         raise _quoted(number, "metric", quoted.group(), line)
     if name is None:
         raise ExpositionError(f"line {number}: # {kind} without a metric name: {_shown(line)}")
+    if kind == "HELP" and not rest.isascii():
+        try:  # the server's text: the bytes after the one byte after the name
+            rest.encode("utf-8", "surrogateescape")[1:].decode("utf-8")
+        except UnicodeDecodeError:
+            raise _not_utf8(number, f"the HELP text of {name}", line) from None
     if kind == "TYPE" and (rest[1:] if rest.strip(" \t") else "") not in _TYPES:
         if line.endswith("\r"):  # Prometheus: invalid metric type "gauge\r"
             raise _crlf(number)

@@ -588,6 +588,18 @@ def test_an_answer_larger_than_scrape_max_bytes_is_a_failed_scrape(target: Calla
     assert snap.metrics == {}
 
 
+def test_a_label_value_that_is_not_utf8_fails_the_scrape_not_read_as_a_replacement_character(
+        target: Callable[..., Target]) -> None:
+    def latin1(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        _headers(h)
+        h.wfile.write(b'streamrec_x{city="K\xf6ln"} 1\n')  # Latin-1: Prometheus refuses, invalid UTF-8 label value
+
+    t = target(latin1)
+    snap = Scraper({"bad": t.url}, timeout_s=10).scrape()
+    assert snap.errors["bad"].startswith(f"{t.url}: line 1: ") and "not valid UTF-8" in snap.errors["bad"]
+    assert snap.metrics == {}  # was read as city="K\ufffdln"
+
+
 def test_a_scrape_target_answering_in_chunks_or_with_an_error_status(target: Callable[..., Target]) -> None:
     def chunked(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
         h.protocol_version = "HTTP/1.1"

@@ -318,3 +318,31 @@ def test_a_metric_whose_samples_are_all_stale_is_not_warned_of_as_exported_by_no
     # the source exports streamrec_lag, stamped 400 s ago: the rule has no data, and the stale warning says why; the
     # unexported-metric warning also said "no source has exported" it ("a misspelt metric?"), which is false
     assert not [m for m in _once_stamped(monkeypatch, caplog, 400) if "no source has exported" in m]
+
+
+# -- bytes that are not UTF-8 (the scraper hands the parser undecodable bytes as \udc80-\udcff) ------------
+def _scraped(answer: bytes) -> str:
+    return answer.decode("utf-8", "surrogateescape")  # what monitor.alerts.get_text returns
+
+
+@pytest.mark.parametrize(("answer", "line"), [
+    (b'streamrec_x{a="\xff"} 1\n', 1),  # promparse.go: invalid UTF-8 label value (was read as a="\ufffd")
+    (b'streamrec_y 1\nstreamrec_x{a="ok",b="caf\xc3"} 1\n', 2),  # a UTF-8 sequence cut short
+    (b'streamrec_x{a="\xed\xa0\x80"} 1\n', 1),  # an encoded surrogate: Go's utf8.Valid refuses it too
+    (b"# HELP streamrec_x a help text \xff\nstreamrec_x 1\n", 1),  # help text is not a valid utf8 string
+    # the server's help text starts one *byte* after the name: the rest of a two-byte character is not UTF-8
+    (b"# HELP streamrec_x\xc3\xa9 text\n", 1),
+])
+def test_a_label_value_or_help_text_that_is_not_utf8_fails_the_scrape_naming_its_line(answer: bytes,
+                                                                                        line: int) -> None:
+    snap = Snapshot()
+    with pytest.raises(ValueError, match=rf"^line {line}: .*not valid UTF-8"):
+        snap.add_text("learner", _scraped(answer))
+    assert snap.metrics == {} and snap.raw.get("learner", []) == []
+
+
+def test_bytes_that_are_not_utf8_in_a_plain_comment_are_read_past_as_prometheus_reads_them() -> None:
+    answer = (b"# a comment with \xff in it\n"  # promparse.go checks only HELP text and label values
+              b"# HELP streamrec_x\xfftext\n"  # its help text is "text": the one byte after the name is dropped
+              b'# HELP streamrec_y caf\xc3\xa9\nstreamrec_y{a="caf\xc3\xa9"} 2\n')
+    assert parse(_scraped(answer)) == [("streamrec_y", (("a", "caf\u00e9"),), 2.0, None)]
