@@ -18,6 +18,9 @@ comment or a HELP line is read (as text), and one ending a TYPE line is refused 
 ``"gauge\\r"``). Quoted (UTF-8) metric and label names, which Prometheus 3 reads (``{"my.metric", le="1"} 3``,
 ``# HELP "my.metric" text``, ``m{"my.label"="x"} 1``), are refused saying so: the monitor watches streamrec's own
 metrics, whose names are plain, and its rules can name no other.
+A raw newline inside a quoted label value is refused, saying so: promlex.l reads it as part of the value (its
+label value is ``"(\\\\.|[^\\\\"])*"``), expfmt refuses it, and the monitor splits the answer into lines first (the
+README says why).
 Bytes that are not UTF-8 reach the parser as lone surrogates (:func:`monitor.alerts.get_text`) and are refused
 where the server refuses them, naming the line: in a label value (promparse.go: invalid UTF-8 label value) and in
 HELP text (not a valid utf8 string; that text starts one *byte* after the name, as the server slices it, so
@@ -50,6 +53,9 @@ _SAMPLE = re.compile(
     r"(?P<value>[^\s{}]+)(?:[ \t]+(?P<ts>-?[0-9]+))?[ \t]*")
 # a quoted string where a line names its metric or a label: {"my.metric"} 1, m{a="b","my.label"="c"} 1
 _QUOTED = re.compile(rf'[ \t]*(?:[a-zA-Z_:][a-zA-Z0-9_:]*[ \t]*)?\{{(?:[ \t]*{_LABEL}[ \t]*,)*[ \t]*(?P<q>{_QSTRING})')
+# a sample line that ends inside a quoted label value: the value went on past a raw newline
+_OPEN_VALUE = re.compile(rf'[ \t]*[a-zA-Z_:][a-zA-Z0-9_:]*[ \t]*\{{(?:[ \t]*{_LABEL}[ \t]*,)*[ \t]*'
+                         r'(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"(?:[^"\\\n]|\\[^\n])*')
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}  # any other pair is kept as written (\q is \q)
@@ -104,6 +110,11 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
             if quoted is not None:
                 after = line[quoted.end():].lstrip(" \t")[:1]  # a quoted label name has its = after it
                 raise _quoted(number, "label" if after == "=" else "metric", quoted.group("q"), line)
+            if (unclosed := _OPEN_VALUE.fullmatch(line)) is not None:
+                raise ExpositionError(f"line {number}: a raw newline inside the quoted value of label "
+                                      f"{unclosed.group('label')}: the Prometheus server reads it as part of the "
+                                      "value, the monitor reads an answer line by line and refuses it (README: "
+                                      "Scraping and time); have the source escape it as \\n: " + _shown(line))
             raise ExpositionError(f"line {number}: not a sample (metric_name [{{labels}}] value [timestamp]): "
                                   f"{_shown(line)}")
         name, block, token, ts = m.group("name", "labels", "value", "ts")

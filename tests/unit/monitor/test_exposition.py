@@ -346,3 +346,13 @@ def test_bytes_that_are_not_utf8_in_a_plain_comment_are_read_past_as_prometheus_
               b"# HELP streamrec_x\xfftext\n"  # its help text is "text": the one byte after the name is dropped
               b'# HELP streamrec_y caf\xc3\xa9\nstreamrec_y{a="caf\xc3\xa9"} 2\n')
     assert parse(_scraped(answer)) == [("streamrec_y", (("a", "caf\u00e9"),), 2.0, None)]
+
+
+# -- a raw newline inside a quoted label value ---------------------------------------------------------------
+def test_a_raw_newline_inside_a_label_value_is_refused_saying_why_the_monitor_differs_from_prometheus() -> None:
+    # promlex.l's label value is "(\\.|[^\\"])*": a raw newline is part of it, and the server reads a="x\ny".
+    # The monitor splits lines on \n first, so it refuses this (as expfmt's TextParser does), and says so.
+    snap = Snapshot()
+    with pytest.raises(ValueError, match=r"^line 2: .*raw newline inside the quoted value of label a\b.*README"):
+        snap.add_text("learner", 'streamrec_y 1\nstreamrec_x{a="x\ny"} 1\n')
+    assert snap.metrics == {}
