@@ -43,7 +43,8 @@ from stream.errors import StreamrecError
 Labels = tuple[tuple[str, str], ...]  # sorted by name (``monitor.expr.labels_of``)
 Sample = tuple[str, Labels, float, int | None]  # name, labels, value, timestamp (ms) or None
 
-_QSTRING = r'"(?:[^"\\\n]|\\[^\n])*"'  # a quoted label value, or a UTF-8 name as Prometheus 3 writes one
+# a quoted label value, or a UTF-8 name as Prometheus 3 writes one; no NUL byte (promlex.l.go ends the token there)
+_QSTRING = r'"(?:[^"\\\n\x00]|\\[^\n\x00])*"'
 _LABEL = rf'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*{_QSTRING}'
 # No two blank runs meet without a token between them: one run of blanks split two ways was tried every way before a
 # garbled line failed, quadratic in its length (a 16 MiB line stalled the loop for days).
@@ -55,7 +56,7 @@ _SAMPLE = re.compile(
 _QUOTED = re.compile(rf'[ \t]*(?:[a-zA-Z_:][a-zA-Z0-9_:]*[ \t]*)?\{{(?:[ \t]*{_LABEL}[ \t]*,)*[ \t]*(?P<q>{_QSTRING})')
 # a sample line that ends inside a quoted label value: the value went on past a raw newline
 _OPEN_VALUE = re.compile(rf'[ \t]*[a-zA-Z_:][a-zA-Z0-9_:]*[ \t]*\{{(?:[ \t]*{_LABEL}[ \t]*,)*[ \t]*'
-                         r'(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"(?:[^"\\\n]|\\[^\n])*')
+                         r'(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"(?:[^"\\\n\x00]|\\[^\n\x00])*')
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}  # any other pair is kept as written (\q is \q)

@@ -356,3 +356,12 @@ def test_a_raw_newline_inside_a_label_value_is_refused_saying_why_the_monitor_di
     with pytest.raises(ValueError, match=r"^line 2: .*raw newline inside the quoted value of label a\b.*README"):
         snap.add_text("learner", 'streamrec_y 1\nstreamrec_x{a="x\ny"} 1\n')
     assert snap.metrics == {}
+
+
+@pytest.mark.parametrize("text", ['streamrec_x{a="x\x00y"} 1\n', 'streamrec_x{a="x\\\x00"} 1\n'])
+def test_a_nul_byte_in_a_label_value_fails_the_scrape_as_prometheus_refuses_it(text: str) -> None:
+    # promlex.l.go's label value takes any byte from \x01 (and after a backslash any but \n): \x00 ends the token
+    snap = Snapshot()
+    with pytest.raises(ValueError, match=r"^line 1: "):
+        snap.add_text("learner", text)
+    assert snap.metrics == {}  # was read as a="x\x00y"
