@@ -381,10 +381,10 @@ class StopSignals:
 
     def check(self) -> None:
         """The end of each stage (where the next begins: ``_run_locked``'s ``begin``), between the units of a long
-        stage (each older checkpoint loaded, each file the build writes or hashes, the staged artifact loaded and each
-        probe scoring, each holdout poll and try of a broker request) and before the publish: a stop kept pending (it
-        came while an exception was in flight, which the run got past) raises now, named with that stage; nothing once
-        the run is held, nor while an exception is in flight (called there, it stays pending: it never replaces one)."""
+        stage (each older checkpoint loaded, each file the build writes or hashes, the staged artifact loaded, each
+        probe scoring, holdout poll, holdout batch scored and try of a broker request) and before the publish: a stop
+        kept pending (it came while an exception was in flight, which the run got past) raises now, named with that
+        stage; nothing once the run is held, nor while an exception is in flight (called there, it stays pending)."""
         if self._pending and self._held is None and sys.exc_info()[1] is None:
             self._pending = False
             raise self._terminated()
@@ -682,7 +682,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                                between=stop.check)
         live, live_problem = _live_model(root, key)
         batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s, between=stop.check)
-        quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop)
+        quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop, between=stop.check)
         if live_problem is not None and batches:
             quality["skipped"] = quality["unchecked"] = f"the live artifact does not load ({live_problem})"
         timed(stage, t0)

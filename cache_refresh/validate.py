@@ -145,8 +145,10 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float,
     return [b for p in sorted(got) for b in got[p][-per:]]
 
 
-def quality(model: ScoringModel, batches: list[SampleBatch], fp32: bool = False) -> dict[str, Any]:
-    """AUC and logloss of ``model`` on the samples of ``batches`` (``fp32``: an INT8 artifact's fp32 path)."""
+def quality(model: ScoringModel, batches: list[SampleBatch], fp32: bool = False,
+            between: Callable[[], object] = lambda: None) -> dict[str, Any]:
+    """AUC and logloss of ``model`` on the samples of ``batches`` (``fp32``: an INT8 artifact's fp32 path);
+    ``between`` (the run's stop check) is called after each batch scored."""
     probs, labels, ids, kinds = [], [], [], []
     for batch in batches:
         tb = to_tensors(batch, model.feature_config)
@@ -156,6 +158,7 @@ def quality(model: ScoringModel, batches: list[SampleBatch], fp32: bool = False)
             labels.append(tb.labels.numpy())
             ids.append(tb.impression_ids)
             kinds.append(batch.kinds)
+        between()
     if not probs:
         return {"samples": 0, "auc": float("nan"), "logloss": float("nan")}
     # one row per impression with the label it ends with (fake_negative / es_dfm emit a clicked one twice)
@@ -172,9 +175,11 @@ def _unmeasured(fmt: str, why: str) -> str:
 
 
 def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBatch],
-            max_auc_drop: float, max_int8_auc_drop: float = DEFAULT_MAX_INT8_AUC_DROP) -> dict[str, Any]:
+            max_auc_drop: float, max_int8_auc_drop: float = DEFAULT_MAX_INT8_AUC_DROP,
+            between: Callable[[], object] = lambda: None) -> dict[str, Any]:
     """Quality of the new artifact vs the live one on recent samples; raise if worse beyond the bound. An INT8
-    artifact also against its own fp32 path: raise when INT8 costs more than ``max_int8_auc_drop`` of AUC."""
+    artifact also against its own fp32 path: raise when INT8 costs more than ``max_int8_auc_drop`` of AUC.
+    ``between`` (the run's stop check) is called after each batch each model scores."""
     reduced = new.format in REDUCED_PRECISION_FORMATS
     if not batches:
         # With a live artifact that is a publish the gate did not check ("unchecked": a refresh_degraded warning,
@@ -185,10 +190,10 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
                                  "[kafka] samples_topic, or no message of it decodes as samples)"}
                    if live is not None else {}),
                 **({"unmeasured": _unmeasured(new.format, "no samples in the topic")} if reduced else {})}
-    mine = quality(new, batches)
+    mine = quality(new, batches, between=between)
     out: dict[str, Any] = {"new": mine, "max_auc_drop": max_auc_drop}
     if reduced:
-        ref = quality(new, batches, fp32=True)
+        ref = quality(new, batches, fp32=True, between=between)
         cost = ref["auc"] - mine["auc"]
         out["int8"] = {"fp32": ref, "auc_cost": cost, "logloss_cost": mine["logloss"] - ref["logloss"],
                        "max_int8_auc_drop": max_int8_auc_drop}
@@ -207,7 +212,7 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
         # a live model this run cannot compare with: published, but alerted (job._published_warnings)
         out["skipped"] = out["unchecked"] = f"live artifact {live.version} has another feature config"
         return out
-    theirs = quality(live, batches)
+    theirs = quality(live, batches, between=between)
     out["live"] = {**theirs, "version": live.version}
     if math.isnan(mine["auc"]) or math.isnan(theirs["auc"]):
         out["skipped"] = out["unchecked"] = (f"AUC undefined on the {mine['samples']} holdout samples (one class "
