@@ -80,7 +80,8 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
           hot_rows: np.ndarray | None = None, seed: int = 0, between: Callable[[], object] | None = None,
           ) -> dict[str, Any]:
     """Compare the artifact's probabilities with the learner's fp32 eager ones; raise beyond ``tolerance``.
-    ``between`` (the run's stop check) is called after each unit: the learner's model rebuilt, each scoring."""
+    ``between`` (the run's stop check) is called after each unit: the learner's model rebuilt, each scoring (an
+    INT8 artifact's own last: the run loads the live artifact next)."""
     between = between or (lambda: None)
     values, offsets, dense = probe_inputs(model.feature_config, samples, seed, hot_rows)
     reference = eager_model(checkpoint)
@@ -100,6 +101,7 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
               "learner_bf16_max_abs_diff": float((bf16 - want).abs().max()) if samples else 0.0}
     if int8:
         q = model.score(values, offsets, dense).cpu()
+        between()
         result["int8_max_abs_diff"] = q_diff = float((q - want).abs().max()) if samples else 0.0
         if not q_diff <= INT8_PROBE_BOUND:
             raise ValidationFailed(f"probe: the {model.format} scorer's scores differ from the learner's eager "

@@ -62,3 +62,29 @@ def test_a_stop_checked_in_the_holdout_ends_it_after_the_batch_being_scored(
         validate.holdout(_Model("new", scored, fmt), _Model("live", scored), [_BATCH] * 3,  # type: ignore[arg-type]
                          0.01, between=stop_at_fourth_check)
     assert scored == ["new"] * 3 + (["new fp32"] if fmt == "onnx_int8" else ["live"])  # one check after each batch
+
+
+def test_a_stop_checked_after_the_int8_probe_scoring_ends_the_probe_before_the_live_artifact_loads() -> None:
+    """Before, the probe's last check came after the artifact's fp32 path scored it: an INT8 artifact then scored the
+    probe again, and the run went on to load the live artifact, with no check in between."""
+    from learner import artifact as A
+    from tests.unit.learner.test_artifact import make_checkpoint
+
+    ckpt = make_checkpoint()
+    scored: list[str] = []
+
+    class Int8(_Model):
+        def score(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool = False,
+                  ) -> torch.Tensor:
+            scored.append("fp32" if fp32 else "int8")
+            return torch.full((dense.shape[0],), 0.5)
+
+    def stop_once_int8_scored() -> None:
+        if "int8" in scored:
+            raise Stopped
+
+    model = Int8("new", scored, "onnx_int8")
+    model.feature_config = A.check_checkpoint(ckpt)
+    with pytest.raises(Stopped):
+        validate.probe(model, ckpt, 16, 1e-5, between=stop_once_int8_scored)  # type: ignore[arg-type]
+    assert scored == ["fp32", "int8"]
