@@ -691,7 +691,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         if rs.embedding_store is EmbeddingStore.LAYERED:
             stage = begin("embedding_store")
             t0 = time.monotonic()
-            written = _store_rows(rs, rds, new, progress.saw)
+            written = _store_rows(rs, rds, new, progress.saw, between=stop.check)
             stored = new.version
             timed(stage, t0)
             log.info("refresh: %d rows of %s written to the embedding store (%s)", written["stored"], new.version,
@@ -841,9 +841,11 @@ def _owner(rs: RefreshSettings) -> str:
 
 
 def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
-                on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
+                on_error: Callable[[str], None] | None = None, between: Callable[[], object] = lambda: None,
+                ) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
-    (serving/embedding_store.py), ``meta`` last. A failure fails the stage: nothing is published. A stop signal
+    (serving/embedding_store.py), ``meta`` last, ``between`` (the run's stop check) after each chunk of rows: a stop
+    raised there deletes the rows written, as a failure does (nothing is published). A stop signal
     while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
     exception is in flight): raised inside it, it left them in Redis and replaced the failure. ``on_error``: the
     error of the best-effort cleanup before the write (:func:`_cleanup_failed`)."""
@@ -851,7 +853,7 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     try:
         _delete_abandoned(client, rds, _owner(rs), on_error)
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
-                                             rs.embedding_store_dtype, owner=_owner(rs))
+                                             rs.embedding_store_dtype, owner=_owner(rs), between=between)
     except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
         _delete_unfinished(client, rds, model.version)
         if isinstance(exc, redis.RedisError):

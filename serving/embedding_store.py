@@ -237,7 +237,8 @@ def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: n
 
 # -- writing and deleting a version (the refresh) ----------------------------------------------------------------
 def write_version(client: Any, prefix: str, version: str, table: np.ndarray, rows: np.ndarray, dtype: RowDtype,
-                  chunk: int = _WRITE_CHUNK, owner: str = "") -> dict[str, Any]:
+                  chunk: int = _WRITE_CHUNK, owner: str = "", between: Callable[[], object] = lambda: None,
+                  ) -> dict[str, Any]:
     """Write ``table[rows]`` ((N, D + 1) table, rows (M,) int64) as one key per row, then ``meta`` last.
 
     ``owner`` (the refresh: its publish root) is recorded in ``meta``; a refresh prunes only its own versions, so
@@ -246,7 +247,9 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
     names, which pruning (by meta) would never find; :func:`unfinished_versions` finds them by the marker.
 
     ``client`` is a ``redis.Redis`` or ``RedisCluster`` (``mset_nonatomic`` there: keys of many slots). Redis
-    errors propagate (the refresh fails its stage and publishes nothing). Returns the meta written."""
+    errors propagate (the refresh fails its stage and publishes nothing). ``between`` (the refresh's stop check) is
+    called after each chunk: what it raises ends the write before ``meta``, as a Redis error does. Returns the meta
+    written."""
     rows = np.asarray(rows, dtype=np.int64)
     client.set(writer_key(prefix, version), json.dumps({"owner": owner}))  # before any row: a killed write is found
     key = tag_key(version, dtype)  # every value tagged (ROW_CHECK): serving refuses one of another version or row
@@ -254,6 +257,7 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
     for start in range(0, len(rows), chunk):
         part = rows[start:start + chunk]
         mset(dict(zip(row_keys(prefix, version, part), encode_rows(table[part], dtype, part, key), strict=True)))
+        between()
     meta = {"version": version, "rows": int(table.shape[0]), "dim": int(table.shape[1]), "dtype": str(dtype),
             "stored": int(len(rows)), "owner": owner, "row_check": ROW_CHECK}
     client.set(meta_key(prefix, version), json.dumps(meta, sort_keys=True))
