@@ -250,7 +250,8 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
     (it returned as after a stop, and the process exited 0, never to refresh again), also when a signal came in the
     same look (the death wins). A run in progress then is waited for as at a stop (a signal more ends the wait); one
     abandoned is that alert, saying the thread died (its exception) and the run's stage, not a signal, and exits
-    :data:`EXIT_ABANDONED`. Returns 0 after a stop.
+    :data:`EXIT_ABANDONED`. Returns 0 after a stop, also when the thread raises once the stop has begun the
+    scheduler's shutdown (APScheduler failing in it): that is a warning, not a death.
 
     Stopping: the signal stops the schedule (no run starts after it), and this returns once a run in progress has
     finished, so that its own alert (failed, pinned, degraded) is queued on ``alerts`` before the caller closes them.
@@ -285,6 +286,10 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
                 if not stopping.is_set():  # jobs in progress then finds its one-off job (the catch-up run) gone
                     died.append(f"{type(exc).__name__}: {exc}")
             except Exception as exc:  # noqa: BLE001 - reported by run_forever: an alert and a failed exit
+                if stopping.is_set():  # raised by the shutdown of a stop: the stop is the outcome (exit 0)
+                    log.warning("the refresh scheduler failed in its shutdown after the stop (%s: %s)",
+                                type(exc).__name__, exc, exc_info=True)
+                    return
                 log.error("the refresh scheduler's thread died", exc_info=True)
                 died.append(f"{type(exc).__name__}: {exc}")
 

@@ -132,3 +132,32 @@ def test_a_run_abandoned_as_the_scheduler_thread_dies_and_a_stop_signal_comes_sa
     assert len(sink.sent) == 1 and sink.sent[0].labels == {"stage": "scheduler", "run_stage": "build"}, sink.sent
     message = sink.sent[0].message
     assert "thread died (RuntimeError: injected" in message and "stopped (SIGTERM/SIGINT)" not in message, message
+
+
+def test_an_exception_of_the_scheduler_thread_after_a_stop_began_its_shutdown_is_a_warning_and_a_clean_stop(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM comes; the main thread shuts the scheduler down, and only then does the scheduler's thread raise
+    (APScheduler failing in its own shutdown). Before, any exception but JobLookupError counted as the thread's death:
+    exit 1 and a refresh_failed alert at stage scheduler for a genuine stop."""
+    shut = threading.Event()
+    shutdown = BlockingScheduler.shutdown
+
+    def noted_shutdown(self: BlockingScheduler, *a: Any, **k: Any) -> None:
+        shutdown(self, *a, **k)
+        shut.set()
+
+    def fails_in_its_shutdown(self: BlockingScheduler) -> float | None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert shut.wait(10)  # the main thread has begun the shutdown: the stop came first
+        raise RuntimeError("injected: the executor failed while shutting down")
+
+    monkeypatch.setattr(BlockingScheduler, "shutdown", noted_shutdown)
+    monkeypatch.setattr(BlockingScheduler, "_process_jobs", fails_in_its_shutdown)
+    sink = ListSink()
+    alerts = ListedAlerts(sink)
+    with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
+        code = run_forever(lambda: None, "0 3 * * *", "UTC", 3600, None, alerts=alerts, hard_exit=hard_exit)
+    alerts.close()
+    assert code == 0 and sink.sent == [], sink.sent
+    [warning] = [r for r in caplog.records if "RuntimeError: injected: the executor failed" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
