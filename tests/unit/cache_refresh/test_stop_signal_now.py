@@ -355,7 +355,7 @@ def test_a_failed_scheduled_run_is_alerted_before_its_cleanups_so_an_abandoning_
         raise A.ArtifactError("cannot hold PUBLISHING for the publish: No space left on device")
 
     alerted_at_cleanup: list[list[str]] = []
-    monkeypatch.setattr(job, "_store_rows", lambda rs, rds, model, on_error=None: {"stored": 1, "dtype": "float32"})
+    monkeypatch.setattr(job, "_store_rows", lambda rs, rds, model, *args, **kwargs: {"stored": 1, "dtype": "float32"})
     monkeypatch.setattr(job, "publish", full)  # fails after the rows were written
     monkeypatch.setattr(job, "_discard_stored", lambda *a, **k: alerted_at_cleanup.append(list(fired)))
     rs = dataclasses.replace(_now_settings(root, ckpts), embedding_store=EmbeddingStore.LAYERED)
