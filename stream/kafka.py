@@ -796,18 +796,21 @@ _RAN_OUT = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._
 def _in_tries(call: Callable[[float], Any], timeout_s: float, between: Callable[[], object] | None) -> Any:
     """``call(timeout)`` bounded by ``timeout_s`` in all; with ``between``, asked in tries of at most
     :data:`BROKER_TRY_S` with ``between()`` after each that ran out (outside the ``except``: the refresh's stop check
-    keeps a stop pending while an exception is in flight), the last try's error raised once ``timeout_s`` is spent."""
+    keeps a stop pending while an exception is in flight), the last try's error raised once ``timeout_s`` is spent.
+    After a ``_TIMED_OUT`` (the broker is up, its answer slower than a try) the next try has all the time left: a
+    re-asked request starts again, so a broker answering in 0.8 s timed out every 0.5 s try, and the call failed."""
     if between is None:
         return call(timeout_s)
-    deadline = time.monotonic() + timeout_s
+    deadline, slow = time.monotonic() + timeout_s, False
     while True:
         left = deadline - time.monotonic()
         try:
-            return call(max(0.0, min(BROKER_TRY_S, left)))
+            return call(max(0.0, left if slow else min(BROKER_TRY_S, left)))
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
-            if not isinstance(err, KafkaError) or err.code() not in _RAN_OUT or left <= BROKER_TRY_S:
+            if not isinstance(err, KafkaError) or err.code() not in _RAN_OUT or left <= BROKER_TRY_S or slow:
                 raise
+            slow = err.code() == KafkaError._TIMED_OUT
         between()
 
 

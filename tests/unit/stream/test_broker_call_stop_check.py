@@ -138,3 +138,37 @@ def test_the_holdout_read_passes_its_stop_check_to_the_watermarks(
     with pytest.raises(Stopped):
         validate.read_holdout(KafkaSettings(), 100, 30.0, between=_stop_at_first_check)
     assert broker.timeouts == [("metadata", kafka.BROKER_TRY_S)]
+
+
+class SlowBroker(UnansweredBroker):
+    """A broker that answers every request, after ``rtt`` seconds (on the fake clock): a try shorter than that times
+    out as librdkafka's does with the broker up but slow (``_TIMED_OUT``), and its answer is lost with it."""
+
+    def __init__(self, clock: Clock, rtt: float) -> None:
+        super().__init__(clock, metadata_answers=True)
+        self.rtt = rtt
+
+    def _wait(self, timeout: float) -> None:
+        self.clock.now += min(timeout, self.rtt)
+        if timeout < self.rtt:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+    def list_topics(self, topic: str, timeout: float) -> Any:
+        self._wait(timeout)
+        return super().list_topics(topic, timeout)
+
+    def get_watermark_offsets(self, tp: Any, timeout: float) -> tuple[int, int]:
+        self.timeouts.append(("offsets", timeout))
+        self._wait(timeout)
+        return (0, 5)
+
+
+def test_a_broker_slower_than_a_short_try_still_answers_within_the_whole_timeout_when_no_stop_comes(
+        monkeypatch: pytest.MonkeyPatch, clock: Clock) -> None:
+    """Each short try re-asked a request the slow broker had not answered yet: with every answer taking 0.8 s, every
+    0.5 s try timed out and watermarks() failed with _TIMED_OUT after its 10 s, where one request answered in 0.8 s."""
+    broker = SlowBroker(clock, rtt=0.8)
+    monkeypatch.setattr(kafka, "new_consumer", lambda *a, **k: broker)
+    start = clock.now
+    assert kafka.watermarks(KafkaSettings(), "samples", 10.0, between=lambda: None) == {p: (0, 5) for p in range(3)}
+    assert clock.now - start < 10.0
