@@ -202,9 +202,11 @@ class LookupCounts:
         """Stop the flush thread and flush what is left (once); lookups added after this are dropped ("stopped": a
         request still running past the shutdown grace).
 
-        The wait for the flush thread is bounded by ``timeout_s``: a flush stuck on Redis must not hang the shutdown
-        (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last flush is
-        skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted ("stopped").
+        The wait for the flush thread is bounded by ``timeout_s`` and by ``flush_timeout_s`` (a flush in progress as
+        stop begins: a Redis trickling its reply held it ``timeout_s``, 30 s): a flush stuck on Redis must not hang the
+        shutdown (every ``ScoringService`` exit comes here). Past it the error is logged naming the thread, the last
+        flush is skipped (the stuck flush holds the flush lock) and what waits for it is dropped and counted
+        ("stopped").
 
         Redis is waited on once at most: the last flush is waited for ``flush_timeout_s`` at most (``[serve]
         lookup_counts_timeout_s``, the counts client's timeout), the whole flush, where the client's timeouts bound each
@@ -220,7 +222,9 @@ class LookupCounts:
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(timeout_s)
+            # a flush in progress as stop begins is waited for as the last flush is: flush_timeout_s, once
+            waited = timeout_s if self.flush_timeout_s is None else min(timeout_s, self.flush_timeout_s)
+            thread.join(waited)
             if thread.is_alive():
                 self._abandoned = thread
                 with self._lock:
@@ -228,7 +232,7 @@ class LookupCounts:
                     waiting, self._pending, self._n = self._n, {}, 0
                 log.error("lookup counts: the flush thread %r did not stop within %g s (a flush stuck on Redis?); "
                           "stopped without the last flush, %d lookups waiting for it not counted", thread.name,
-                          timeout_s, waiting)
+                          waited, waiting)
                 if waiting:
                     self._drop("stopped", waiting)
                 return
@@ -246,13 +250,16 @@ class LookupCounts:
             if lost:
                 self._drop("redis", lost)
             return
+        with self._lock:
+            writing = self._n + self._kept_n  # what the last flush takes
         last = threading.Thread(target=self.flush, name="lookup-counts-last", daemon=True)
         last.start()
         last.join(self.flush_timeout_s)  # once for the whole flush: the client's timeouts bound each step of it only
         if last.is_alive():
             self._abandoned = last  # what it writes is counted when it ends: flushed, or dropped ("redis")
             log.warning("lookup counts: the last flush to Redis did not finish within %g s "
-                        "(lookup_counts_timeout_s); serving stops without waiting for it", self.flush_timeout_s)
+                        "(lookup_counts_timeout_s); serving stops without waiting for it: its %d lookups are counted "
+                        "when it ends, and lost uncounted if the process exits first", self.flush_timeout_s, writing)
             return
         with self._flush_lock, self._lock:  # the last flush failed: what it kept has no next flush
             kept, self._kept, self._kept_n = self._kept_n, [], 0

@@ -5,6 +5,7 @@ last flush at stop."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -344,3 +345,58 @@ def test_stop_waits_on_its_last_flush_for_flush_timeout_s_once_however_long_redi
     assert not abandoned.is_alive() and len(fake.failed_ids) == 0 and lc.flushed == 0
     assert lc.dropped == 3  # what it was writing, counted once it failed: no flush comes after the last
     assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 3
+
+
+def test_stop_waits_on_a_flush_in_progress_for_flush_timeout_s_not_its_thirty_second_bound(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A flush of the flush thread already under way as stop() began was waited for STOP_TIMEOUT_S (30 s): a Redis
+    # trickling its reply held `streamrec serve`'s exit that long, where the last flush is held lookup_counts_timeout_s.
+    class HeldCounts(FakeCounts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            self.entered.set()
+            self.release.wait(10)
+            raise redis.TimeoutError("Timeout reading from redis")
+
+    fake = HeldCounts()
+    lc = LookupCounts(fake, ServingMetrics(lambda: None), flush_s=0.01, flush_timeout_s=0.05).start()  # type: ignore[arg-type]
+    lc.add("item", np.array([1, 2], np.int64))
+    assert fake.entered.wait(10)  # the flush thread is writing, held by Redis
+    try:
+        with caplog.at_level(logging.ERROR, logger="streamrec.serve"):
+            lc.stop()
+        assert not fake.release.is_set()  # stop returned while Redis still held the write
+        assert "did not stop within 0.05 s" in caplog.text
+    finally:
+        fake.release.set()
+        if lc._abandoned is not None:
+            lc._abandoned.join(10)
+
+
+def test_stop_that_leaves_its_last_flush_running_says_how_many_lookups_it_holds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The warning named no number: a `streamrec serve` that exits right after lost those lookups without a record.
+    class HeldCounts(FakeCounts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            self.release.wait(10)
+            raise redis.TimeoutError("Timeout reading from redis")
+
+    fake = HeldCounts()
+    lc = LookupCounts(fake, ServingMetrics(lambda: None), flush_s=3600, flush_timeout_s=0.05).start()  # type: ignore[arg-type]
+    lc.add("item", np.array([1, 2], np.int64))
+    lc.add("user", np.array([3], np.int64))
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.serve"):
+            lc.stop()
+        assert "its 3 lookups are counted when it ends, and lost uncounted if the process exits first" in caplog.text
+    finally:
+        fake.release.set()
+        if lc._abandoned is not None:
+            lc._abandoned.join(10)
