@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -303,7 +304,14 @@ class KafkaSampleDataset(IterableDataset):
                         and idle.idle_s >= self.exit_when_idle_s):
                     return
         finally:
-            consumer.close()
+            failing = sys.exc_info()[1]  # what ends the reading, if an error does: a failing close must not hide it
+            try:
+                consumer.close()
+            except Exception as exc:
+                if failing is None:
+                    raise
+                log.warning("closing the consumer of partitions %s failed too (%s: %s) as %s ended the reading", parts,
+                            type(exc).__name__, exc, type(failing).__name__)
             dlq = None  # every dead letter was flushed when sent; the producer goes with this iteration
 
     def _emit(self, pending: list[TensorBatch]) -> TensorBatch:

@@ -303,3 +303,38 @@ def test_a_slow_training_step_at_every_heartbeat_still_lets_an_idle_run_end(monk
     polls is over the stall bound, and the run must still end, not poll for ever."""
     trained, _ = idle_run(monkeypatch, stall_at=0, stall_s=0.0, step_s=3.0)
     assert trained == [(0, k) for k in range(6)]
+
+
+def test_a_consumer_close_that_fails_as_an_error_ends_the_reading_does_not_hide_that_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The finally's close() replaced the error in flight: a fatal consume error surfaced as close's RuntimeError, and
+    # the daemon classified the wrong failure.
+    class Failing(Consumer):
+        def consume(self, n: int, timeout: float) -> list[Msg]:
+            raise kd.KafkaException(kd.KafkaError(kd.KafkaError._FATAL, "fenced", fatal=True))
+
+        def close(self) -> None:
+            raise RuntimeError("Consumer closed")
+
+    consumer = Failing({0: [sample(0)]})
+    monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
+    monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: True)
+    monkeypatch.setattr(kd, "DeadLetters", DeadLetters)
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {0: 0}, exit_when_idle_s=0.05)
+    with caplog.at_level(logging.WARNING, logger=kd.log.name), pytest.raises(kd.KafkaException, match="fenced"):
+        list(ds)
+    assert "closing the consumer of partitions" in caplog.text and "Consumer closed" in caplog.text
+
+
+def test_a_consumer_close_that_fails_after_a_clean_end_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Failing(Consumer):
+        def close(self) -> None:
+            raise RuntimeError("Consumer closed")
+
+    consumer = Failing({0: [sample(0)]})
+    monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
+    monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: c.pos[p] < 1)
+    monkeypatch.setattr(kd, "DeadLetters", DeadLetters)
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {0: 0}, exit_when_idle_s=0.05)
+    with pytest.raises(RuntimeError, match="Consumer closed"):
+        list(ds)
