@@ -188,8 +188,11 @@ def list_deltas(directory: Path) -> list[tuple[int, int, Path]]:
 
 
 def _max_seq(directory: Path) -> int:
-    """The largest seq among current and format-1 files (a restarted or upgraded writer continues after it)."""
-    seqs = [s for s, _, _ in list_deltas(directory)]
+    """The largest seq among current and format-1 files and the ranges restarts removed (:data:`ABANDONED`): a
+    restarted or upgraded writer continues after it. Without the ranges, a second restart before the first one's
+    first delta numbered the removed seqs again when ``DELTA_SEQ`` could not be written (a full checkpoint volume):
+    serving, past them, skipped the new ones."""
+    seqs = [s for s, _, _ in list_deltas(directory)] + [b for _, b, _ in _read_abandoned(directory / ABANDONED)]
     seqs += [parsed[0] for p in directory.glob(f"{_PREFIX}*{_LEGACY_SUFFIX}")
              if (parsed := _parse_name(p, _LEGACY_SUFFIX)) is not None]
     return max(seqs, default=0)

@@ -288,3 +288,22 @@ def test_a_restart_does_not_resend_every_row_for_a_hole_an_earlier_restart_recor
     restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage="a" * 32)
     restart.abandon_after(1, 16)
     assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3, 5, 6]
+
+
+def test_a_second_quick_restart_numbers_past_the_seqs_the_first_abandoned_when_delta_seq_could_not_be_recorded(
+        tmp_path: Path) -> None:
+    """The checkpoint volume is full (DELTA_SEQ cannot be written). Serving applied the dead run's deltas 2 and 3;
+    the restart from N (delta_seq 1) removed them and died before its first delta; the second restart numbered its
+    deltas 2 and 3 again (the directory's largest seq was 1): serving, at seq 3, skipped both (the resend of the dead
+    rows with them) and kept the dead training's values."""
+    lineage, seq_file = "a" * 32, tmp_path / "full-volume" / "DELTA_SEQ"  # (its directory missing: every write fails)
+    deltas = tmp_path / "deltas"
+    first = DeltaWriter(deltas, num_rows=8, every_s=1.0, lineage=lineage, seq_file=seq_file)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
+        _write(first, rows, count)
+    DeltaWriter(deltas, num_rows=8, every_s=1.0, lineage=lineage, seq_file=seq_file).abandon_after(1, 16)
+    second = DeltaWriter(deltas, num_rows=8, every_s=1.0, lineage=lineage, seq_file=seq_file)
+    second.abandon_after(1, 16)
+    _write(second, [5], 24)
+    reader = DeltaReader(deltas)
+    assert [d.seq for d in reader.newer(3, 16, lineage, applied_samples=40)] == [4]
