@@ -537,9 +537,14 @@ class DeltaWriter:
 
     def _record_abandoned(self, first: int, last: int) -> None:
         """Add ``first..last`` to :data:`ABANDONED` (the last :data:`_ABANDONED_KEEP` ranges kept). A record that
-        cannot be written is logged: a reader that missed them then counts them as a gap."""
+        cannot be written is logged: a reader that missed them then counts them as a gap. A range the lineage's lines
+        already hold is not added again: each restart of a crash loop added it, and 64 of them pushed out every older
+        range (a reader then counted those seqs as pruned unread)."""
         path = self.directory / ABANDONED
-        lines = [f"{a} {b} {lin}" for a, b, lin in _read_abandoned(path)] + [f"{first} {last} {self.lineage}"]
+        had = _read_abandoned(path)
+        if _covered(first, last, [(a, b) for a, b, lin in had if lin == str(self.lineage)]) == last - first + 1:
+            return
+        lines = [f"{a} {b} {lin}" for a, b, lin in had] + [f"{first} {last} {self.lineage}"]
         try:
             write_atomic(path, ("\n".join(lines[-_ABANDONED_KEEP:]) + "\n").encode())
         except OSError as exc:

@@ -307,3 +307,23 @@ def test_a_second_quick_restart_numbers_past_the_seqs_the_first_abandoned_when_d
     _write(second, [5], 24)
     reader = DeltaReader(deltas)
     assert [d.seq for d in reader.newer(3, 16, lineage, applied_samples=40)] == [4]
+
+
+def test_a_crash_loop_of_restarts_from_one_checkpoint_keeps_the_ranges_earlier_restarts_abandoned(
+        tmp_path: Path) -> None:
+    """Delta 1 is N's; the restart from N removed the dead 2..3 and wrote 4 (checkpoint M: delta_seq 4) and 5, then
+    died; every restart from M since (a crash loop before the first delta) recorded 5..5 once more: after 64 of them
+    the file held only those lines, and a serving process loading N's artifact counted 2..3 as pruned unread."""
+    lineage = "a" * 32
+    first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
+        _write(first, rows, count)
+    restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+    restart.abandon_after(1, 16)
+    _write(restart, [4], 24)  # seq 4: checkpoint M
+    _write(restart, [5], 32)  # seq 5: dies
+    for _ in range(70):
+        DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage).abandon_after(4, 24)
+    reader = DeltaReader(tmp_path)
+    assert [d.seq for d in reader.newer(1, 16, lineage, applied_samples=0)] == [4]
+    assert reader.gaps == 0
