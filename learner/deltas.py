@@ -528,8 +528,13 @@ class DeltaWriter:
             self.sync()
         if self.seq > seq:  # (seqs reserved and never written too: no reader ever gets them)
             self._record_abandoned(seq + 1, self.seq)
-        for p in dead:
-            p.unlink(missing_ok=True)
+        for p in list(dead):
+            try:  # (EPERM, EROFS: logged; raised, the learner did not start, for a side output)
+                p.unlink(missing_ok=True)
+            except OSError as exc:
+                dead.remove(p)
+                log.error("cannot remove %s of the training the restore threw away (%s): an artifact of a later "
+                          "checkpoint may apply it; remove it by hand", p, exc)
         if dead:
             log.warning("removed deltas %s..%s of the training after the checkpoint resumed from (delta seq %d): "
                         "serving never applies them; this learner's deltas go on at seq %d", dead[0].name,

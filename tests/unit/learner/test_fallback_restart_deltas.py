@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from cache_refresh.publish import publish
@@ -327,3 +328,26 @@ def test_a_crash_loop_of_restarts_from_one_checkpoint_keeps_the_ranges_earlier_r
     reader = DeltaReader(tmp_path)
     assert [d.seq for d in reader.newer(1, 16, lineage, applied_samples=0)] == [4]
     assert reader.gaps == 0
+
+
+def test_a_restart_whose_dead_deltas_cannot_be_removed_still_starts_and_resends_their_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deltas directory refuses removals (EPERM: a sticky directory whose files another user owns; EROFS): the
+    restart's abandon_after raised the PermissionError out of the restore, and the learner did not start (a raw
+    traceback; the sharded rank 0 left the other ranks waiting in their next collective), for a side output."""
+    lineage = "a" * 32
+    first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
+        _write(first, rows, count)
+    real = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self.name.startswith("delta-"):
+            raise PermissionError(1, "Operation not permitted", str(self))
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+    restart.abandon_after(1, 16)
+    assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3]
+    assert restart.seq == 3
