@@ -885,10 +885,13 @@ class DeltaReader:
         up to ``after_seq`` abandoned, :func:`read_abandoned`: the restart has written nothing newer yet); instead it
         is counted in :attr:`rewinds`, logged once per position, and the model is re-based on ``samples_trained``:
         every delta newer than ``after_samples`` comes, in seq order, as for a model that holds none (values are
-        absolute, so the result is the learner's current rows)."""
+        absolute, so the result is the learner's current rows). A delta whose seq a restart of ``lineage`` recorded
+        abandoned is never read: a dead branch the restart could not remove (a directory refusing removals)."""
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
+        if found and (dead := read_abandoned(self.directory, lineage)):  # a dead branch a restart could not remove
+            found = [f for f in found if not _covered(f[0], f[0], dead)]
         held = after_samples if applied_samples is None else max(after_samples, applied_samples)
         latest = found[-1][0] if found else 0
         passed = applied_samples is not None and any(s <= after_seq and n > held for s, n, _ in found)

@@ -351,3 +351,31 @@ def test_a_restart_whose_dead_deltas_cannot_be_removed_still_starts_and_resends_
     restart.abandon_after(1, 16)
     assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3]
     assert restart.seq == 3
+
+
+def test_a_dead_delta_the_restart_could_not_remove_is_never_applied_to_a_later_artifact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart could not remove the dead run's deltas 2 and 3 (a directory refusing removals) but recorded them
+    abandoned; an artifact of a later checkpoint (delta_seq 5, 24 samples: its seq past them, its count below the dead
+    delta 3's 40) took them for a restarted numbering, counted a rewind and applied the dead training's rows."""
+    lineage = "a" * 32
+    first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+    for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
+        _write(first, rows, count)
+    real = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self.name.startswith("delta-"):
+            raise PermissionError(1, "Operation not permitted", str(self))
+        real(self, missing_ok=missing_ok)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "unlink", refuse)
+        restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
+        restart.abandon_after(1, 16)
+    _write(restart, [2, 3], 20)  # seq 4
+    _write(restart, [5], 24)  # seq 5: checkpoint M's delta_seq
+    assert [s for s, _, _ in list_deltas(tmp_path)] == [1, 2, 3, 4, 5]  # the dead 2 and 3 still there
+    reader = DeltaReader(tmp_path)
+    assert (list(reader.newer(5, 24, lineage, applied_samples=24)), reader.rewinds, reader.gaps) == ([], 0, 0)
+    assert [d.seq for d in reader.newer(1, 16, lineage)] == [4, 5]  # an artifact of N: the restart's deltas only
