@@ -69,14 +69,18 @@ class RedisUnavailable(StreamrecError):
 
 
 def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float,
-                 sleep: Callable[[float], None] = time.sleep, on_retry: Callable[[str], None] | None = None) -> T:
+                 sleep: Callable[[float], None] = time.sleep, on_retry: Callable[[str], None] | None = None,
+                 between: Callable[[], object] = lambda: None) -> T:
     """``fn()``, retried on Redis connection/timeouts errors: waits backoff_s, 2*backoff_s, ...; ``on_retry`` gets each
     retry's warning (``job.RunProgress``: what a scheduler stopped meanwhile says when it abandons the run).
 
     The wait is outside the ``except``: a refresh's stop signal during it raises there (``job.StopSignals`` keeps a
-    stop pending while an exception is in flight, as a failure's cleanup; this is no failure yet)."""
+    stop pending while an exception is in flight, as a failure's cleanup; this is no failure yet). ``between`` (the
+    run's stop check) is called before each attempt and each wait, outside the ``except``: a stop kept pending (it came
+    while redis-py or this ``except`` handled the error) raises there, not after every wait (~0.5, 1, 2, 4 s)."""
     last: Exception | None = None
     for i in range(max(1, attempts)):
+        between()
         try:
             return fn()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
@@ -87,6 +91,7 @@ def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float
             log.warning("%s", warning)
             if on_retry is not None:
                 on_retry(warning)
+            between()
             sleep(wait)
     raise RedisUnavailable(f"{what}: Redis unreachable after {attempts} attempt(s): {last}")
 
@@ -106,10 +111,10 @@ class HotSet:
 
 
 def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, available: Days | None = None,
-            ) -> tuple[list[tuple[str, float]], str | None]:
+            between: Callable[[], object] = lambda: None) -> tuple[list[tuple[str, float]], str | None]:
     """Top-k (member, count) over ``days`` days ending at the latest day with counts; and that day. ``available``:
     ``counts.all_days_available()`` when the caller has it (one walk of the keyspace for every kind and event), else
-    ``kind``/``event``'s days are asked for.
+    ``kind``/``event``'s days are asked for. ``between`` (the refresh's stop check) comes before each read.
 
     Only members that are a stable hash's text with a positive finite count in each key of the window are ranked
     (:func:`member_hashes`, :func:`_is_count`; the others are left out, with a warning and their count: a day's
@@ -127,9 +132,11 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     day = have[-1]
     ask = k
     while True:
+        between()
         rows = counts.top(kind, event, day=day, days=days, k=ask)
         valid = {m: c for m, c in rows if _is_hash_text(m) and _is_count(c)}
         # a sum hides a day's (or a layout's) -8; a key with no count <= 0 hides nothing (an inf makes the sum inf)
+        between()
         each = counts.day_counts(kind, event, list(valid), day, days, at_most=0.0)
         top = [(m, c) for m, c in valid.items() if all(_is_count(d) for d in each.get(m, ()))][:k]
         if len(top) >= k or len(rows) < ask:
@@ -218,15 +225,16 @@ def stale_day(counts: DailyCounts, kind: str, event: str, fallback: str, availab
 
 
 def ranked_ids(counts: DailyCounts, kind: str, event: str, fallback: str, days: int, k: int,
-               available: Days | None = None) -> tuple[list[tuple[str, float]], str | None, int]:
+               available: Days | None = None, between: Callable[[], object] = lambda: None,
+               ) -> tuple[list[tuple[str, float]], str | None, int]:
     """Top-k (member, count) by ``event``, filled up to k by ``fallback``'s top ids not already in (their counts are
     ``fallback``'s); the day the window ends (``event``'s, else ``fallback``'s) and how many came from ``fallback``.
-    ``available``: as for :func:`top_ids`."""
-    top, day = top_ids(counts, kind, event, days, k, available)
+    ``available``, ``between``: as for :func:`top_ids`."""
+    top, day = top_ids(counts, kind, event, days, k, available, between)
     if len(top) >= k or fallback == event:
         return top, day, 0
     seen = {m for m, _ in top}
-    more, fb_day = top_ids(counts, kind, fallback, days, k, available)
+    more, fb_day = top_ids(counts, kind, fallback, days, k, available, between)
     fill = [(m, c) for m, c in more if m not in seen][: k - len(top)]
     return top + fill, day if day is not None else fb_day, len(fill)
 
@@ -235,16 +243,17 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
             hot_users: int, event: str = "lookup", small_field_rows: int = 0, attempts: int = 5,
             backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
             mapper: RowMapper | None = None, show: int = SHOW, fallback: str = "impression",
-            on_retry: Callable[[str], None] | None = None) -> HotSet:
+            on_retry: Callable[[str], None] | None = None, between: Callable[[], object] = lambda: None) -> HotSet:
     """The hot rows of ``cfg``'s table from the last ``days`` days of ``event`` counts, filled by ``fallback``'s (see
     the module docstring), with stats for the manifest (the hottest ``show`` items and users by raw id under
     ``top_items``/``top_users``; ``{kind}s_from_fallback``: how many ids the fallback ranking added;
-    ``{kind}_stale_day``: ``event``'s latest day where it was too old to rank by, else None)."""
+    ``{kind}_stale_day``: ``event``'s latest day where it was too old to rank by, else None). ``between`` (the
+    refresh's stop check): before each Redis read and each retry's wait (:func:`with_retries`, :func:`top_ids`)."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event, "fallback_event": fallback}
     # every kind's and event's days from one walk of the keyspace (DailyCounts.all_days_available), not one per read
     available = with_retries("days with counts", counts.all_days_available, attempts, backoff_s,
-                             sleep, on_retry) if hot_items > 0 or hot_users > 0 else {}
+                             sleep, on_retry, between) if hot_items > 0 or hot_users > 0 else {}
     for kind, k in (("item", hot_items), ("user", hot_users)):
         stale = stale_day(counts, kind, event, fallback, available) if k > 0 else None
         if stale is not None:
@@ -253,7 +262,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
                         STALE_DAYS, fallback, kind, fallback)
         top, day, filled = with_retries(
             f"top {kind}s", functools.partial(ranked_ids, counts, kind, fallback if stale else event, fallback, days,
-                                              k, available), attempts, backoff_s, sleep, on_retry)
+                                              k, available, between), attempts, backoff_s, sleep, on_retry, between)
         stats[f"{kind}s_from_fallback"] = len(top) if stale else filled
         stats[f"{kind}_stale_day"] = stale
         rows = hot_rows(cfg, kind, [m for m, _ in top], mapper)
@@ -264,7 +273,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
         stats[f"{kind}_count_covered"] = float(sum(c for _, c in top))
         stats[f"top_{kind}s"] = with_retries(
             f"names of the top {kind}s", functools.partial(named_rows, counts, kind, top[:show], day, days),
-            attempts, backoff_s, sleep, on_retry)
+            attempts, backoff_s, sleep, on_retry, between)
     small = small_field_rows_of(cfg, small_field_rows)
     stats["small_field_rows"] = int(len(small))
     rows = np.unique(np.concatenate([*parts, small]))

@@ -655,7 +655,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                                  event=rs.count_event, fallback=rs.fallback_event,
                                  small_field_rows=rs.small_field_rows,
                                  attempts=rs.redis_attempts, backoff_s=rs.redis_backoff_s, sleep=sleep,
-                                 mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")), on_retry=progress.saw)
+                                 mapper=RowMapper.from_state(cfg, ckpt.get("id_maps")), on_retry=progress.saw,
+                                 between=stop.check)
         except RedisAuthError as exc:
             raise RefreshError(stage, f"{exc}; the live artifact is untouched") from exc
         except hot_set.RedisUnavailable as exc:
