@@ -852,7 +852,7 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     error of the best-effort cleanup before the write (:func:`_cleanup_failed`)."""
     client = _redis(rds, rs)
     try:
-        _delete_abandoned(client, rds, _owner(rs), on_error)
+        _delete_abandoned(client, rds, _owner(rs), on_error, between)
         return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                              rs.embedding_store_dtype, owner=_owner(rs), between=between)
     except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
@@ -887,15 +887,17 @@ def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str =
                         on_error)
 
 
-def _delete_abandoned(client: Any, rds: RedisSettings, owner: str,
-                      on_error: Callable[[str], None] | None = None) -> None:
+def _delete_abandoned(client: Any, rds: RedisSettings, owner: str, on_error: Callable[[str], None] | None = None,
+                      between: Callable[[], object] = lambda: None) -> None:
     """Best effort, before this run writes its rows: delete the rows of this publish root's versions that a killed run
     began to write and never finished (``embedding_store.unfinished_versions``: a writer marker, no meta). Their
     writer is gone: this run holds the publish root's lock, so no other refresh of this root is writing. Without this
-    they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run."""
+    they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run. ``between`` (the
+    run's stop check) after each version's delete, which stays whole: a stop ends the cleanup between versions."""
     try:
         for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner)):
             _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished", on_error)
+            between()
     except Exception as exc:  # noqa: BLE001 - not this run's rows: nothing here may fail it
         _cleanup_failed(f"refresh: could not look for rows killed refreshes left in the embedding store ({exc}); the "
                         "next layered run looks again", on_error)

@@ -15,7 +15,9 @@ import pytest
 import redis
 
 from cache_refresh import hot_set, job
+from cache_refresh.settings import RefreshSettings
 from learner.features import default_config
+from serving import embedding_store
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
 from tests.unit.cache_refresh.test_stop_pending_stage_end import _stop_inside_a_swallowed_error
@@ -140,3 +142,46 @@ def test_a_stop_kept_pending_in_any_hot_set_read_ends_compute_before_the_next_re
     with pytest.raises(job.RefreshTerminated):
         _compute(armed.check)
     assert _Counts.reads == READS[:at]
+
+
+class _Markers:
+    """A Redis holding the writer markers of versions killed runs left, each delete counted."""
+
+    def __init__(self, versions: list[str]) -> None:
+        self.left = set(versions)
+        self.deleted: list[str] = []
+        self.written: list[str] = []
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stop_kept_pending_while_a_killed_runs_version_is_deleted_ends_the_cleanup_before_the_next_version(
+        monkeypatch: pytest.MonkeyPatch, armed: job.StopSignals) -> None:
+    """Before, _delete_abandoned deleted every version killed runs left (a table each) with no stop check between
+    them; the pending stop was raised only after the last one (in the write's first chunk)."""
+    client = _Markers(["v001", "v002", "v003"])
+
+    def delete_version(c: _Markers, prefix: str, version: str) -> int:
+        c.deleted.append(version)
+        c.left.discard(version)
+        if len(c.deleted) == 1:
+            _stop_inside_a_swallowed_error()  # the stop lands in a best-effort except of the delete
+        return 1
+
+    monkeypatch.setattr(job, "_redis", lambda rds, rs: client)
+    monkeypatch.setattr(embedding_store, "unfinished_versions", lambda c, prefix, owner: set(c.left))
+    monkeypatch.setattr(embedding_store, "delete_version", delete_version)
+    monkeypatch.setattr(embedding_store, "write_version", lambda c, prefix, version, *a, **k: c.written.append(version))
+
+    class Model:
+        version, table = "v004", None
+
+        def non_hot_rows(self) -> Any:
+            return []
+
+    with pytest.raises(job.RefreshTerminated):
+        job._store_rows(RefreshSettings(), RedisSettings(prefix="p"), Model(),  # type: ignore[arg-type]
+                        between=armed.check)
+    assert client.deleted == ["v001", "v004"]  # the version being deleted finished; then only this run's own (none)
+    assert client.written == []
