@@ -444,6 +444,7 @@ class DeltaWriter:
         self._last = clock()
         self.written = 0
         self.failed = 0  # writes that failed (OSError): survived, retried at the next due time
+        self._unprunable: set[Path] = set()  # deltas a prune could not remove (each logged once)
         # the learner's id maps (RowMapper.state_dict), sent with a delta at most every id_maps_every_s
         self.id_maps_source: Callable[[], dict[str, Any]] | None = None
         self.id_maps_every_s = id_maps_every_s
@@ -738,8 +739,7 @@ class DeltaWriter:
             log.warning("cannot remove %s (%s)", self.pending_path, exc)
         self._append_pending(self.touched.nonzero().squeeze(1))
         self.written += 1
-        for _, _, old in list_deltas(self.directory)[:-self.keep]:
-            old.unlink(missing_ok=True)
+        self._prune()
         if self.notify is not None:
             try:
                 self.notify(self.seq)
@@ -747,6 +747,20 @@ class DeltaWriter:
                 log.warning("delta %d written but not announced (%s); serving picks it up when it polls", self.seq, exc)
         return path
 
+    def _prune(self) -> None:
+        """Remove the deltas past the newest ``keep``. One that cannot be removed (EPERM, EROFS) is logged once (while
+        it stays) and left: raised, it left ``write_rows`` (``after_step``) and stopped training, for a side output,
+        though the delta just written was durable. A reader only reads more files meanwhile."""
+        listed = [p for _, _, p in list_deltas(self.directory)]  # (oldest first)
+        self._unprunable &= set(listed)  # (gone since: forgotten)
+        for old in listed[:-self.keep]:
+            try:
+                old.unlink(missing_ok=True)
+            except OSError as exc:
+                if old not in self._unprunable:
+                    self._unprunable.add(old)
+                    log.error("cannot prune %s (%s): the deltas directory keeps more than deltas_keep files until it "
+                              "can be removed; training goes on", old, exc)
 
     def _reserve(self, seq: int) -> None:
         """Record ``seq`` in the seq file before any delta carries it (module docstring "Numbering"). A record that
