@@ -425,6 +425,7 @@ def set_aside(paths: list[Path]) -> None:
     directory) gets a ``<name>.refused`` file beside it instead, and :func:`list_checkpoints` passes it over; only
     when that cannot be written either is it refused again at the next restart (logged)."""
     for path in paths:
+        done: str | None = path.name + DAMAGED  # what it was set aside as (logged); None: neither
         for p in (path, path.with_suffix(".json")):
             try:
                 p.rename(p.with_name(p.name + DAMAGED))
@@ -433,16 +434,18 @@ def set_aside(paths: list[Path]) -> None:
             except OSError as exc:
                 if p != path:  # (a sidecar: read only for a listed checkpoint)
                     continue
+                done = p.name + REFUSED
                 try:
-                    write_atomic(p.with_name(p.name + REFUSED), f"did not load; cannot be renamed: {exc}\n".encode())
+                    write_atomic(p.with_name(done), f"did not load; cannot be renamed: {exc}\n".encode())
                 except OSError as exc2:
+                    done = None
                     log.error("cannot set %s aside (%s) nor mark it refused (%s): the next restart falls back past "
                               "it again and resends every row; move it away", p, exc, exc2)
                     continue
-                log.error("cannot rename %s aside (%s): marked %s, never listed again; move both away", p, exc,
-                          p.name + REFUSED)
-        log.warning("checkpoint %s did not load: set aside as %s (never loaded, kept for forensics)", path.name,
-                    path.name + DAMAGED)
+                log.error("cannot rename %s aside (%s): marked %s, never listed again; move both away", p, exc, done)
+        if done is not None:
+            log.warning("checkpoint %s did not load: set aside (%s; never loaded, kept for forensics)", path.name,
+                        done)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

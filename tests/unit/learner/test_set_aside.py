@@ -3,6 +3,7 @@ cannot be renamed, and the ones set aside are pruned by count."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,43 @@ def test_save_keeps_the_newest_keep_checkpoints_set_aside_with_their_sidecars(tm
     ck.save(tmp_path, {"model": {}}, {"samples_trained": 5}, keep=2)
     left = sorted(p.name for p in tmp_path.glob(f"*{ck.DAMAGED}"))
     assert left == [p.name + ck.DAMAGED for p in aside[1:] for p in (p.with_suffix(".json"), p)]
+
+
+def _refuse_renames_of(monkeypatch: pytest.MonkeyPatch, refused: set[Path]) -> None:
+    real = Path.rename
+
+    def refuse(self: Path, target: Path | str) -> Path:
+        if self in refused:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse)
+
+
+def test_set_aside_logs_a_refused_marker_not_a_rename_it_did_not_make(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The rename fails and a .refused marker is written: the log still said "set aside as <name>.damaged", sending
+    an operator to look for a file that does not exist."""
+    bad = tmp_path / "ckpt-000000000000024-2.pt"
+    bad.write_bytes(b"x")
+    _refuse_renames_of(monkeypatch, {bad})
+    with caplog.at_level(logging.WARNING, logger=ck.log.name):
+        ck.set_aside([bad])
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert bad.name + ck.DAMAGED not in said and bad.name + ck.REFUSED in said
+
+
+def test_set_aside_that_could_neither_rename_nor_mark_does_not_log_it_set_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    bad = tmp_path / "ckpt-000000000000024-2.pt"
+    bad.write_bytes(b"x")
+    _refuse_renames_of(monkeypatch, {bad})
+
+    def full(path: Path, data: object) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(ck, "write_atomic", full)
+    with caplog.at_level(logging.WARNING, logger=ck.log.name):
+        ck.set_aside([bad])
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "set aside as" not in said and "nor mark it refused" in said
