@@ -407,10 +407,25 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     for old in older[:max(0, len(older) - (keep - 1))]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
-    for old in sorted(directory.glob(f"{_PREFIX}*.pt{DAMAGED}"))[:-keep]:  # set aside (:func:`set_aside`)
-        old.unlink(missing_ok=True)
-        old.with_name(old.name.replace(f".pt{DAMAGED}", f".json{DAMAGED}")).unlink(missing_ok=True)
+    _prune_aside(directory, keep)
     return path
+
+
+def _prune_aside(directory: Path, keep: int) -> None:
+    """Remove the checkpoints :func:`set_aside` renamed ``.damaged`` or marked ``.refused`` but the newest ``keep``
+    of them all, with their sidecars (either name) and markers. A refused one's marker goes only once its checkpoint
+    is gone (else it is listed again); one that cannot be removed (EPERM: why it was refused) is logged and kept.
+    Refused ones were never pruned: each restart that fell back past one left a whole checkpoint behind for good."""
+    aside = {p.name[: -len(DAMAGED)]: p for p in directory.glob(f"{_PREFIX}*.pt{DAMAGED}")}
+    aside.update({p.name[: -len(REFUSED)]: p for p in directory.glob(f"{_PREFIX}*.pt{REFUSED}")})
+    for name in sorted(aside)[:-keep]:
+        pt, sidecar = directory / name, directory / f"{name[:-3]}.json"
+        try:
+            for p in (pt, pt.with_name(name + DAMAGED), sidecar, sidecar.with_name(sidecar.name + DAMAGED),
+                      pt.with_name(name + REFUSED)):
+                p.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot prune %s, set aside (%s); move it away", aside[name], exc)
 
 
 DAMAGED = ".damaged"  # the suffix of a checkpoint the learner's restore fell back past (:func:`set_aside`)
@@ -422,8 +437,9 @@ def set_aside(paths: list[Path]) -> None:
     forensics, never listed or loaded again, the oldest pruned past ``keep`` by :func:`save`. Left in place, named
     after every later checkpoint (so never pruned), it made every later restart a fallback past it, each resending
     the whole table to serving. A checkpoint that cannot be renamed (EPERM: another owner's file in a sticky
-    directory) gets a ``<name>.refused`` file beside it instead, and :func:`list_checkpoints` passes it over; only
-    when that cannot be written either is it refused again at the next restart (logged)."""
+    directory) gets a ``<name>.refused`` file beside it instead (pruned like a renamed one), and
+    :func:`list_checkpoints` passes it over; only when that cannot be written either is it refused again at the next
+    restart (logged)."""
     for path in paths:
         done: str | None = path.name + DAMAGED  # what it was set aside as (logged); None: neither
         for p in (path, path.with_suffix(".json")):

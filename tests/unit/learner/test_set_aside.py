@@ -79,3 +79,40 @@ def test_set_aside_that_could_neither_rename_nor_mark_does_not_log_it_set_aside(
         ck.set_aside([bad])
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "set aside as" not in said and "nor mark it refused" in said
+
+
+def test_save_keeps_the_newest_keep_refused_checkpoints_with_their_sidecars_and_markers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints that got a .refused marker (their rename refused) were never pruned, nor their .json sidecars nor
+    the markers: each restart that fell back past one left a whole checkpoint's size behind for good. Pruned with the
+    ones set aside (the newest ``keep`` of both kept), the checkpoint first and its marker only once it is gone."""
+    pts = [tmp_path / f"ckpt-{n:015d}-{n}.pt" for n in (100, 200, 300, 400)]
+    for p in pts:
+        p.write_bytes(b"x")
+        p.with_suffix(".json").write_text("{}")
+    _refuse_renames_of(monkeypatch, {pts[0], pts[0].with_suffix(".json"), pts[2], pts[2].with_suffix(".json")})
+    ck.set_aside(pts)  # 100 and 300 refused, 200 and 400 renamed .damaged
+    ck.save(tmp_path, {"model": {}}, {"samples_trained": 5}, keep=2)
+    left = sorted(p.name for p in tmp_path.glob("ckpt-*") if not p.name.startswith("ckpt-000000000000005-"))
+    assert left == sorted([pts[2].name, pts[2].with_suffix(".json").name, pts[2].name + ck.REFUSED,
+                           pts[3].name + ck.DAMAGED, pts[3].with_suffix(".json").name + ck.DAMAGED])
+
+
+def test_a_refused_checkpoint_that_cannot_be_pruned_keeps_its_marker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pts = [tmp_path / f"ckpt-{n:015d}-{n}.pt" for n in (100, 200)]
+    for p in pts:
+        p.write_bytes(b"x")
+    _refuse_renames_of(monkeypatch, set(pts))
+    ck.set_aside(pts)
+    real = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == pts[0]:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    ck.save(tmp_path, {"model": {}}, {"samples_trained": 5}, keep=1)
+    assert pts[0].exists() and pts[0].with_name(pts[0].name + ck.REFUSED).exists()
+    assert ck.list_checkpoints(tmp_path) == list(tmp_path.glob("ckpt-000000000000005-*.pt"))
