@@ -504,7 +504,9 @@ class DeltaWriter:
         file goes), so the next delta sends each with this learner's value. The restart's usual resend (admitted ids'
         rows, the pending list) left the item and bucket rows only they touched at the dead training's values in
         serving until the next artifact. One that cannot be read, or pruned by the dead run itself (``keep``: its
-        deltas on disk start after a hole no restart recorded abandoned): every row is resent (:meth:`resend_all`).
+        deltas on disk start after a hole no restart recorded abandoned), or gone with the directory (emptied or
+        replaced: ``DELTA_SEQ`` says seqs past the checkpoint's were taken, neither a file nor a record here says which
+        rows they carried): every row is resent (:meth:`resend_all`).
         One at the checkpoint's own ``samples_trained`` (an earlier restart's first delta, nothing trained since) holds
         the checkpoint's values, this learner's: not read (a fallback's resend of every row is not resent again)."""
         if seq is None:
@@ -516,6 +518,13 @@ class DeltaWriter:
         if gone > 0 and _covered(seq + 1, first - 1, read_abandoned(self.directory, self.lineage)) < gone:
             self.resend_all(f"deltas {seq + 1}..{first - 1} of the abandoned training (after the checkpoint's delta "
                             f"seq {seq}) were pruned before this restart (deltas_keep) and cannot be read")
+        # Seqs this lineage took past the checkpoint (DELTA_SEQ) with no file or abandoned record here: the directory
+        # was emptied or replaced, and serving may have applied them. One is no sign: the last seq reserved may never
+        # have been written (a crash, a failed write), unless the directory lost even the checkpoint's own seq.
+        untraced = self.seq - max(on_disk := _max_seq(self.directory), seq)
+        if (untraced > 1 or (untraced > 0 and on_disk < seq)) and not bool(self.touched.all()):
+            self.resend_all(f"deltas {seq + 1}..{self.seq} of the abandoned training (after the checkpoint's delta seq "
+                            f"{seq}) are not in {self.directory} (emptied or replaced) and cannot be read")
         for p in (p for p, n in found if n != samples_trained):
             if bool(self.touched.all()):
                 break

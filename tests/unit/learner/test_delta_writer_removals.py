@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.deltas import DeltaWriter, list_deltas
+from learner import deltas
+from learner.deltas import SEQ_FILE, SUFFIX, DeltaReader, DeltaWriter, list_deltas
 
 
 def _write(writer: DeltaWriter, rows: list[int], samples: int) -> Path | None:
@@ -43,3 +44,58 @@ def test_a_prune_the_directory_refuses_is_logged_once_per_file_and_the_delta_jus
     assert [s for s, _, _ in list_deltas(tmp_path)] == [1, 2, 3]
     refused = [r.getMessage() for r in caplog.records if "cannot prune" in r.getMessage()]
     assert len(refused) == 2 and "000000000001-" in refused[0] and "000000000002-" in refused[1]  # not 1 again
+
+
+LINEAGE = "a" * 32
+
+
+def _writer(tmp_path: Path) -> DeltaWriter:
+    (tmp_path / "ck").mkdir(exist_ok=True)
+    return DeltaWriter(tmp_path / "deltas", num_rows=8, every_s=1.0, lineage=LINEAGE,
+                       seq_file=tmp_path / "ck" / SEQ_FILE)
+
+
+def _dead_run(tmp_path: Path) -> None:
+    """Delta 1 (16 samples: checkpoint N's delta_seq), then the dead run's 2 and 3 (rows 2, 3; 24 and 40 samples)."""
+    first = _writer(tmp_path)
+    for rows, samples in (([0, 1], 16), ([2], 24), ([3], 40)):
+        assert _write(first, rows, samples) is not None
+
+
+def test_a_restart_after_the_deltas_directory_was_emptied_resends_every_row(tmp_path: Path) -> None:
+    """Every delta file removed (a new volume, an operator's rm), the checkpoints and DELTA_SEQ kept: the restart from
+    N (delta_seq 1) marked no row and recorded 2..3 abandoned, so serving at seq 3 (it applied the dead 2 and 3) counted
+    no gap and no rewind and kept the dead training's rows 2 and 3 until the next artifact."""
+    _dead_run(tmp_path)
+    for _, _, p in list_deltas(tmp_path / "deltas"):
+        p.unlink()
+    restart = _writer(tmp_path)
+    restart.abandon_after(1, 16)
+    assert bool(restart.touched.all())
+    assert _write(restart, restart.touched.nonzero().squeeze(1).tolist(), 20) is not None  # seq 4
+    reader = DeltaReader(tmp_path / "deltas")
+    got = list(reader.newer(3, 16, LINEAGE, applied_samples=40))
+    assert [d.seq for d in got] == [4] and sorted(got[0].rows.tolist()) == list(range(8))
+
+
+def test_a_restart_after_a_restart_that_reserved_a_seq_it_never_wrote_does_not_resend_every_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first restart from N removed 2..3 (recorded abandoned, rows 2 and 3 pending), recorded seq 4 in DELTA_SEQ
+    and died before delta 4 was written: seq 4 reached no reader, so the next restart resends rows 2 and 3 only."""
+    _dead_run(tmp_path)
+    first_restart = _writer(tmp_path)
+    first_restart.abandon_after(1, 16)
+    real = deltas.write_atomic
+
+    def no_delta(path: Path, data: bytes) -> None:
+        if path.name.endswith(SUFFIX):
+            raise OSError(28, "No space left on device", str(path))
+        real(path, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(deltas, "write_atomic", no_delta)
+        assert _write(first_restart, [5], 20) is None
+    assert (tmp_path / "ck" / SEQ_FILE).read_text() == "4"
+    restart = _writer(tmp_path)
+    restart.abandon_after(1, 16)
+    assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3]
