@@ -405,8 +405,11 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     write_atomic(directory / f"{name}.json", json.dumps(meta, default=str).encode())
     older = [p for p in list_checkpoints(directory) if p.name < path.name]
     for old in older[:max(0, len(older) - (keep - 1))]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".json").unlink(missing_ok=True)
+        try:  # (EPERM, EROFS: logged; raised, a durable checkpoint counted as failed)
+            old.unlink(missing_ok=True)
+            old.with_suffix(".json").unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot prune %s (%s); move it away", old, exc)
     _prune_aside(directory, keep)
     return path
 

@@ -116,3 +116,20 @@ def test_a_refused_checkpoint_that_cannot_be_pruned_keeps_its_marker(
     ck.save(tmp_path, {"model": {}}, {"samples_trained": 5}, keep=1)
     assert pts[0].exists() and pts[0].with_name(pts[0].name + ck.REFUSED).exists()
     assert ck.list_checkpoints(tmp_path) == list(tmp_path.glob("ckpt-000000000000005-*.pt"))
+
+
+def test_a_save_whose_prune_of_an_older_checkpoint_is_refused_still_returns_its_durable_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep 1, removing the older checkpoint refused (EPERM): save raised the PermissionError after the new checkpoint
+    was durable (the daemon counted a failed checkpoint and committed no group offsets)."""
+    first = ck.save(tmp_path, {"model": {}}, {"samples_trained": 5}, keep=1)
+    real = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == first:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    second = ck.save(tmp_path, {"model": {}}, {"samples_trained": 9}, keep=1)
+    assert ck.list_checkpoints(tmp_path) == [first, second]
