@@ -735,6 +735,8 @@ class DeltaWriter:
             DELTA_WRITE_FAILURES.inc()
             log.error("delta %d could not be written to %s (%s); training goes on, the rows stay marked and go out "
                       "with the next delta", seq, self.directory, exc)
+            if path.exists():  # in place, not known durable (the directory's fsync failed): its seq is taken
+                self.seq = seq  # (a retry under it left two deltas of one seq: a reader skipped the second for good)
             return None
         self.seq = seq
         if full_maps:  # (only now: after a failed write the maps stay due, the retry carries them)

@@ -99,3 +99,26 @@ def test_a_restart_after_a_restart_that_reserved_a_seq_it_never_wrote_does_not_r
     restart = _writer(tmp_path)
     restart.abandon_after(1, 16)
     assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3]
+
+
+def test_a_delta_in_place_whose_directory_fsync_failed_keeps_its_seq_so_the_next_delta_takes_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory's fsync failed (EIO) after the delta was renamed into place: the write counted as failed and the
+    seq did not advance, so the retry wrote a second delta of seq 1 ([(1, 16), (1, 24)]), which a reader that had
+    applied the first skipped for good."""
+    import stream.files
+
+    real, calls = stream.files.fsync_dir, []
+
+    def fails_once(path: Path) -> None:
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(stream.files, "fsync_dir", fails_once)
+    writer = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage="a" * 32)
+    assert _write(writer, [0, 1], 16) is None  # counted failed: the rows stay marked
+    assert _write(writer, [2], 24) is not None
+    assert [(s, n) for s, n, _ in list_deltas(tmp_path)] == [(1, 16), (2, 24)]
+    assert [d.seq for d in DeltaReader(tmp_path).newer(1, 16, "a" * 32)] == [2]
