@@ -14,11 +14,13 @@ from cache_refresh.publish import publish
 from learner import checkpoint as ck
 from learner.artifact import build_artifact
 from learner.batch import to_tensors
+from learner.config import LearnerSettings
 from learner.daemon import Learner
 from learner.deltas import ABANDONED, DeltaReader, DeltaWriter, delta_path, list_deltas
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
+from tests.unit.learner.test_delta_writer_removals import _refuse_delta_unlinks
 from tests.unit.learner.test_restart_id_maps import AFTER, CFG, KAFKA, _settings, samples
 
 
@@ -78,12 +80,9 @@ def test_serving_on_the_artifact_of_a_checkpoint_the_restart_fell_back_past_ends
         second.close()
 
 
-def test_an_artifact_of_the_restarted_learners_checkpoint_applies_no_delta_of_the_run_it_abandoned(
-        tmp_path: Path) -> None:
-    """Checkpoint N (16 samples, no delta yet); the first run trains on to 40 samples, writes delta 1 and dies before
-    its next checkpoint. The restart from N writes delta 2 at 24 samples and checkpoint M (24, delta_seq 2). An
-    artifact of M: delta 1 (seq below M's, trained past it) was taken for a restarted numbering (a rewind), and the
-    re-base on samples applied it, rows of a training no checkpoint holds."""
+def _dead_run_after_n(tmp_path: Path) -> LearnerSettings:
+    """Checkpoint N (16 samples, no delta yet), then a run that trains on to 40 samples, writes delta 1 and dies before
+    its next checkpoint; the learner's settings."""
     ls = _settings(tmp_path)
     first = Learner(KAFKA, ls)
     try:
@@ -96,6 +95,16 @@ def test_an_artifact_of_the_restarted_learners_checkpoint_applies_no_delta_of_th
         assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # seq 1, 40 samples
     finally:
         first.close()
+    return ls
+
+
+def test_an_artifact_of_the_restarted_learners_checkpoint_applies_no_delta_of_the_run_it_abandoned(
+        tmp_path: Path) -> None:
+    """Checkpoint N (16 samples, no delta yet); the first run trains on to 40 samples, writes delta 1 and dies before
+    its next checkpoint. The restart from N writes delta 2 at 24 samples and checkpoint M (24, delta_seq 2). An
+    artifact of M: delta 1 (seq below M's, trained past it) was taken for a restarted numbering (a rewind), and the
+    re-base on samples applied it, rows of a training no checkpoint holds."""
+    ls = _dead_run_after_n(tmp_path)
     second = Learner(KAFKA, ls)
     try:
         assert second._restore() and second.trainer is not None and second.deltas is not None
@@ -148,18 +157,7 @@ def test_serving_that_applied_a_dead_runs_deltas_ends_on_the_restarted_state_row
     (serving, on N's artifact, applies it) and dies. The restart from N trains other samples (the first run's were
     past retention, say) and resends admitted ids' rows and the pending list only: the item and bucket rows only the
     dead delta touched kept its values in serving until the next artifact."""
-    ls = _settings(tmp_path)
-    first = Learner(KAFKA, ls)
-    try:
-        first._build(CFG, first._model_settings())
-        assert first.trainer is not None and first.deltas is not None
-        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
-        first.save()  # N
-        for b in AFTER:
-            first._train(to_tensors(b, CFG))
-        assert first.deltas.write(first.trainer.model, first.trainer.samples) is not None  # seq 1, 40 samples
-    finally:
-        first.close()
+    ls = _dead_run_after_n(tmp_path)
     root = tmp_path / "serving"
     source = ck.load_latest(tmp_path / "ck")
     assert source is not None and source.samples_trained == 16
@@ -339,14 +337,7 @@ def test_a_restart_whose_dead_deltas_cannot_be_removed_still_starts_and_resends_
     first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
     for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
         _write(first, rows, count)
-    real = Path.unlink
-
-    def refuse(self: Path, missing_ok: bool = False) -> None:
-        if self.name.startswith("delta-"):
-            raise PermissionError(1, "Operation not permitted", str(self))
-        real(self, missing_ok=missing_ok)
-
-    monkeypatch.setattr(Path, "unlink", refuse)
+    _refuse_delta_unlinks(monkeypatch)
     restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
     restart.abandon_after(1, 16)
     assert restart.touched.nonzero().squeeze(1).tolist() == [2, 3]
@@ -362,15 +353,8 @@ def test_a_dead_delta_the_restart_could_not_remove_is_never_applied_to_a_later_a
     first = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
     for rows, count in (([0, 1], 16), ([2], 24), ([3], 40)):
         _write(first, rows, count)
-    real = Path.unlink
-
-    def refuse(self: Path, missing_ok: bool = False) -> None:
-        if self.name.startswith("delta-"):
-            raise PermissionError(1, "Operation not permitted", str(self))
-        real(self, missing_ok=missing_ok)
-
     with monkeypatch.context() as m:
-        m.setattr(Path, "unlink", refuse)
+        _refuse_delta_unlinks(m)
         restart = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, lineage=lineage)
         restart.abandon_after(1, 16)
     _write(restart, [2, 3], 20)  # seq 4
