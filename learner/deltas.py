@@ -862,6 +862,7 @@ class DeltaReader:
         self.rewinds = 0  # times the directory's numbering went back behind a model's seq (newer re-based)
         self._gapped: set[tuple[int, int]] = set()  # missing ranges (first, next present) already counted
         self._rewound: set[tuple[int, int]] = set()  # positions (seq, samples) a rewind was already counted at
+        self._vanished: set[int] = set()  # seqs counted as gaps when pruned between listing and reading
         self.bad = 0  # unreadable files skipped
         self.on_reject, self.on_skip = on_reject, on_skip
         self._bad: set[tuple[str, int, int]] = set()
@@ -887,6 +888,18 @@ class DeltaReader:
 
     def forget_unfit(self) -> None:
         self._unfit.clear()
+
+    def _vanish(self, seq: int, after_seq: int, lineage: str | None) -> None:
+        """Delta ``seq`` was listed and is gone before it was read: pruned unread, a gap like one never listed (counted
+        once, here, and not again when a later round finds it missing), unless a restart of ``lineage`` removed it as a
+        dead branch (:func:`read_abandoned`). As for every gap, only past a known place (``after_seq`` > 0)."""
+        if after_seq == 0 or seq in self._vanished or _covered(seq, seq, read_abandoned(self.directory, lineage)):
+            return
+        if len(self._vanished) > _REMEMBER:
+            self._vanished.clear()
+        self._vanished.add(seq)
+        self.gaps += 1
+        log.warning("delta %d was pruned before serving read it; its rows wait for the next artifact", seq)
 
     def latest_seq(self) -> int:
         found = list_deltas(self.directory)
@@ -943,8 +956,10 @@ class DeltaReader:
                 if len(self._gapped) > _REMEMBER:
                     self._gapped.clear()
                 self._gapped.add((expected, seq))
-                # (less those a restart removed as a dead branch: their rows went out again, nothing was lost)
-                gone = seq - expected - _covered(expected, seq - 1, read_abandoned(self.directory, lineage))
+                # (less those a restart removed as a dead branch: their rows went out again, nothing was lost; and
+                # those counted already when they vanished after a listing)
+                gone = seq - expected - _covered(expected, seq - 1, read_abandoned(self.directory, lineage)
+                                                 + [(v, v) for v in self._vanished])
                 self.gaps += gone
                 if gone:
                     log.warning("%d of deltas %d..%d were pruned before serving read them; their rows wait for the "
@@ -953,12 +968,16 @@ class DeltaReader:
             if samples <= after_samples and after_seq == 0:
                 continue
             fp = _fingerprint(path)
-            if fp is None or fp in self._bad or fp in self._unfit:
+            if fp is None:
+                self._vanish(seq, after_seq, lineage)
+                continue
+            if fp in self._bad or fp in self._unfit:
                 continue
             try:
                 d = load_delta(path, self.key)
             except FileNotFoundError:
-                continue  # pruned between listing and reading
+                self._vanish(seq, after_seq, lineage)
+                continue
             except (DeltaError, OSError) as exc:  # damaged, malformed, or unreadable (permissions, I/O)
                 self.mark_bad(path, str(exc))
                 continue

@@ -1,0 +1,77 @@
+"""Deltas that change under serving's reader (``learner/deltas.py`` ``DeltaReader.newer``): a file pruned between the
+listing and the read, a writer's temp file, a damaged file at a final name. Pure files in a tmp dir, no broker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from learner.deltas import ABANDONED, DeltaReader, delta_path, encode_delta, list_deltas
+from stream.files import write_atomic
+
+DIM = 4
+
+
+def _write(directory: Path, seq: int, samples: int | None = None, lineage: str | None = None) -> Path:
+    samples = 10 * seq if samples is None else samples
+    payload = {"seq": seq, "samples_trained": samples, "created": 1.0, "lineage": lineage,
+               "rows": torch.tensor([seq], dtype=torch.int64), "vectors": torch.full((1, DIM + 1), float(seq)),
+               "dense_state": {"bias": torch.zeros(1)}}
+    path = delta_path(directory, seq, samples)
+    write_atomic(path, encode_delta(payload))
+    return path
+
+
+def test_a_delta_pruned_between_listing_and_reading_counts_as_a_gap(tmp_path: Path) -> None:
+    for seq in (2, 3, 4):
+        _write(tmp_path, seq)
+    reader = DeltaReader(tmp_path)
+    it = reader.newer(1, 10)
+    assert next(it).seq == 2
+    delta_path(tmp_path, 3, 30).unlink()  # the writer prunes it after the reader listed it
+    assert [d.seq for d in it] == [4]
+    assert reader.gaps == 1
+    # the next round (the model now at 4) counts it no second time
+    assert list(reader.newer(4, 40)) == [] and reader.gaps == 1
+
+
+def test_a_delta_pruned_unread_and_the_last_listed_counts_one_gap_not_two(tmp_path: Path) -> None:
+    for seq in (2, 3):
+        _write(tmp_path, seq)
+    reader = DeltaReader(tmp_path)
+    it = reader.newer(1, 10)
+    assert next(it).seq == 2
+    delta_path(tmp_path, 3, 30).unlink()
+    assert list(it) == [] and reader.gaps == 1
+    for seq in (5, 6):  # the model at 2: the next round sees 3 and 4 missing before 5 (3 counted already)
+        _write(tmp_path, seq)
+    assert [d.seq for d in reader.newer(2, 20)] == [5, 6]
+    assert reader.gaps == 2
+
+
+def test_a_delta_a_restart_removed_as_a_dead_branch_between_listing_and_reading_is_no_gap(tmp_path: Path) -> None:
+    for seq in (2, 3):
+        _write(tmp_path, seq, lineage="L")
+    reader = DeltaReader(tmp_path)
+    it = reader.newer(1, 10, "L")
+    assert next(it).seq == 2
+    (tmp_path / ABANDONED).write_text("3 3 L\n")  # abandon_after records the range, then removes the file
+    delta_path(tmp_path, 3, 30).unlink()
+    assert list(it) == [] and reader.gaps == 0
+
+
+def test_a_writers_temp_file_is_never_listed(tmp_path: Path) -> None:
+    final = delta_path(tmp_path, 1, 10)
+    (tmp_path / f".{final.name}.tmp-123-456").write_bytes(b"half a delta")  # a killed writer's leftover
+    assert list_deltas(tmp_path) == []
+
+
+def test_a_truncated_delta_at_its_final_name_is_rejected_and_the_next_still_applies(tmp_path: Path) -> None:
+    p2 = _write(tmp_path, 2)
+    _write(tmp_path, 3)
+    p2.write_bytes(p2.read_bytes()[:-7])  # cut by something that is not write_atomic
+    rejected: list[Path] = []
+    reader = DeltaReader(tmp_path, on_reject=lambda p, _r: rejected.append(p))
+    assert [d.seq for d in reader.newer(1, 10)] == [3]
+    assert rejected == [p2] and reader.gaps == 0
