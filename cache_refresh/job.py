@@ -849,18 +849,20 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     raised there deletes the rows written, as a failure does (nothing is published). A stop signal
     while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
     exception is in flight): raised inside it, it left them in Redis and replaced the failure. ``on_error``: the
-    error of the best-effort cleanup before the write (:func:`_cleanup_failed`)."""
+    error of the best-effort cleanup before the write (:func:`_cleanup_failed`). Only a write that began (its writer
+    marker's SET sent) is deleted: a stop in that cleanup, before it, cost a SCAN of the keyspace for nothing."""
     client = _redis(rds, rs)
     try:
         _delete_abandoned(client, rds, _owner(rs), on_error, between)
-        return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
-                                             rs.embedding_store_dtype, owner=_owner(rs), between=between)
-    except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
-        _delete_unfinished(client, rds, model.version)
-        if isinstance(exc, redis.RedisError):
-            raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live artifact "
-                               "keeps serving") from exc
-        raise
+        try:
+            return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
+                                                 rs.embedding_store_dtype, owner=_owner(rs), between=between)
+        except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
+            _delete_unfinished(client, rds, model.version)
+            if isinstance(exc, redis.RedisError):
+                raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live "
+                                   "artifact keeps serving") from exc
+            raise
     finally:
         client.close()
 
