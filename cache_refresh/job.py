@@ -850,7 +850,8 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
     exception is in flight): raised inside it, it left them in Redis and replaced the failure. ``on_error``: the
     error of the best-effort cleanup before the write (:func:`_cleanup_failed`). Only a write that began (its writer
-    marker's SET sent) is deleted: a stop in that cleanup, before it, cost a SCAN of the keyspace for nothing."""
+    marker's SET sent, and not refused: :func:`_may_hold`) is deleted: a stop in that cleanup, before it, or a refused
+    marker, cost a SCAN of the keyspace for nothing."""
     client = _redis(rds, rs)
     try:
         _delete_abandoned(client, rds, _owner(rs), on_error, between)
@@ -858,13 +859,25 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
             return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                                  rs.embedding_store_dtype, owner=_owner(rs), between=between)
         except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
-            _delete_unfinished(client, rds, model.version)
+            if _may_hold(client, rds, model.version, exc):
+                _delete_unfinished(client, rds, model.version)
             if isinstance(exc, redis.RedisError):
                 raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live "
                                    "artifact keeps serving") from exc
             raise
     finally:
         client.close()
+
+
+def _may_hold(client: Any, rds: RedisSettings, version: str, exc: BaseException) -> bool:
+    """Whether Redis may hold keys of ``version`` after its write raised ``exc``. After a Redis error reply (OOM at
+    maxmemory, NOPERM) every command sent before it was applied, and no row is written before the writer marker: no
+    marker, nothing of it. Else (the connection lost, a timeout, any other error), or not known: it may."""
+    try:
+        return not isinstance(exc, redis.ResponseError) or bool(
+            client.exists(embedding_store.writer_key(rds.prefix, version)))
+    except Exception:  # noqa: BLE001 - not known: the delete decides
+        return True
 
 
 def _cleanup_failed(message: str, on_error: Callable[[str], None] | None) -> None:

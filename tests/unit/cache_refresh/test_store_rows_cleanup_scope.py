@@ -36,6 +36,9 @@ class _Counted(_DictRedis):
         self.scans.append(match)
         return super().scan_iter(match, count)
 
+    def exists(self, *keys: str) -> int:
+        return sum(k in self.data for k in keys)
+
 
 class _Model:
     version, table = "v004", np.zeros((N, 3), np.float32)
@@ -101,4 +104,40 @@ def test_a_write_whose_writer_marker_command_failed_still_deletes_that_version(
     with pytest.raises(job.RefreshError):
         job._store_rows(rs, RedisSettings(prefix=PREFIX), _Model())  # type: ignore[arg-type]
     assert client.data == {}  # v004's marker deleted
+    assert len(_own_scans(client)) == 1
+
+
+def test_a_writer_marker_refused_by_redis_sends_no_delete_of_the_never_written_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis answered the marker's SET with an error (OOM at maxmemory, NOPERM): it applied nothing, and no row is
+    written after a refused marker, so nothing of the version is there. Before, the cleanup SCANned the keyspace for
+    its rows (minutes on a large store, every run while the ACL or the memory limit lasts)."""
+    client, rs = _with_killed_runs_version(monkeypatch)
+    plain_set = client.set
+
+    def refuse_v004(key: str, value: Any) -> None:
+        if "v004" in key:
+            raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+        plain_set(key, value)
+
+    monkeypatch.setattr(client, "set", refuse_v004)
+    with pytest.raises(job.RefreshError, match="OOM"):
+        job._store_rows(rs, RedisSettings(prefix=PREFIX), _Model())  # type: ignore[arg-type]
+    assert client.msets == 0 and client.data == {}
+    assert _own_scans(client) == []
+
+
+def test_a_chunk_refused_by_redis_after_the_marker_still_deletes_that_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    client, rs = _with_killed_runs_version(monkeypatch)
+    plain_mset = client.mset
+
+    def second_refused(mapping: dict[str, Any]) -> None:
+        if client.msets == 1:
+            raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+        plain_mset(mapping)
+
+    monkeypatch.setattr(client, "mset", second_refused)
+    with pytest.raises(job.RefreshError, match="OOM"):
+        job._store_rows(rs, RedisSettings(prefix=PREFIX), _Model())  # type: ignore[arg-type]
+    assert client.msets == 1 and client.data == {}  # the first chunk and the marker deleted
     assert len(_own_scans(client)) == 1
