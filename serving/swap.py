@@ -331,6 +331,9 @@ class ModelUpdater:
         except Exception as exc:  # noqa: BLE001 - the deltas directory failing must not keep the new artifact out
             log.error("deltas could not be applied to %s before it went live (%s); it serves without them",
                       model.version, exc)
+        if self._stop.is_set():  # stopped while its deltas were applied: not caught up, it does not go live
+            log.info("artifact %s not swapped in: serving is stopping", model.version)
+            return
         self.holder.live = new
         self.holder.problem = None
         self.metrics.swaps.inc()
@@ -368,6 +371,8 @@ class ModelUpdater:
         m = live.model
         after = m.delta_seq or m.source_delta_seq or 0  # a fresh model starts where its source checkpoint was
         for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples):
+            if self._stop.is_set():  # a backlog ends at stop (each delta goes live whole: nothing half-applied)
+                break
             try:
                 m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
                               samples_trained=d.samples_trained, created=d.created)
