@@ -928,14 +928,14 @@ class DeltaReader:
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
-        if found and (dead := read_abandoned(self.directory, lineage)):  # a dead branch a restart could not remove
+        dead = read_abandoned(self.directory, lineage) if found else []  # the ranges a restart of lineage abandoned
+        if dead:  # a dead branch a restart could not remove is never read
             found = [f for f in found if not _covered(f[0], f[0], dead)]
         held = after_samples if applied_samples is None else max(after_samples, applied_samples)
         latest = found[-1][0] if found else 0
         passed = applied_samples is not None and any(s <= after_seq and n > held for s, n, _ in found)
         # (not when a restart of the lineage removed every seq past the latest: nothing newer yet)
-        behind = latest < after_seq and _covered(latest + 1, after_seq, read_abandoned(self.directory, lineage)) < (
-            after_seq - latest)
+        behind = latest < after_seq and _covered(latest + 1, after_seq, dead) < after_seq - latest
         if after_seq > 0 and found and (behind or passed):
             if (after_seq, held) not in self._rewound:
                 if len(self._rewound) > _REMEMBER:
@@ -958,8 +958,7 @@ class DeltaReader:
                 self._gapped.add((expected, seq))
                 # (less those a restart removed as a dead branch: their rows went out again, nothing was lost; and
                 # those counted already when they vanished after a listing)
-                gone = seq - expected - _covered(expected, seq - 1, read_abandoned(self.directory, lineage)
-                                                 + [(v, v) for v in self._vanished])
+                gone = seq - expected - _covered(expected, seq - 1, dead + [(v, v) for v in self._vanished])
                 self.gaps += gone
                 if gone:
                     log.warning("%d of deltas %d..%d were pruned before serving read them; their rows wait for the "
