@@ -147,6 +147,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                                "driver's batch delivery replaces or reads (stream/joiner/faust_delivery.py; tested "
                                "on 0.15.3): install faust-streaming 0.15.x or run `streamrec join --driver kafka`")
         self._carry: list[Record] = []  # fetched past the last batch's max_records: the start of the next one
+        self._carried: set[tuple[str, int]] = set()  # the (topic, partition)s of the records in ``_carry``
         self._carry_generation = 0  # the group generation in which they were fetched
         self._resumed: set[TP] = set()  # partitions whose start this generation was checked (:meth:`_resume_safely`)
         self._resumed_generation = -1
@@ -208,7 +209,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
         their way over the network, which they travel while ``process`` runs (waiting out the window for them cost
         ~10% on bench/joiner.py)."""
         d = self.delivery
-        batch, self._carry = self._carry, []
+        batch = self._carry
+        self._set_carry([])
         generation = self._carry_generation if batch else self.app.consumer_generation_id
         if batch and (not self.flow_active or self.app.consumer_generation_id != generation):
             raise _Dropped(batch)  # the last batch's commit awaited: a rebalance may have come since the fetch
@@ -239,7 +241,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
             elif (batch and short) or (not batch and self._kept):
                 break
         if len(batch) > d.max_records:
-            self._carry, self._carry_generation = batch[d.max_records:], generation
+            self._set_carry(batch[d.max_records:])
+            self._carry_generation = generation
             del batch[d.max_records:]
         return batch
 
@@ -351,15 +354,28 @@ class BatchConsumer(faust_aiokafka.Consumer):
 
     def _has_backlog(self) -> bool:
         """Whether an active partition has more to read than faust's fetcher handed on (its tracked high water)."""
-        for tp in self._get_active_partitions():
-            try:
-                high = self.highwater(tp)
-            except Exception:  # noqa: BLE001 - unknown (not fetched yet): no backlog known
-                continue
-            read = self._read_offset[tp]
-            if high is not None and high > 0 and (read is None or read + 1 < high):
-                return True
-        return False
+        return any(map(self.has_more, self._get_active_partitions()))
+
+    def has_more(self, tp: TP) -> bool:
+        """Whether ``tp`` has records ``process`` has not been given yet: fetched past the last batch's room (the carry,
+        which faust's read offset counts as read), or past the read offset by the high water faust's fetcher last saw.
+        Unknown (not fetched yet, an error): no, so that no input is held back on a guess (backpressure reads it:
+        ``worker._behind``; it once said a partition whose last records were in the carry had nothing more, and its
+        held impressions went out ahead of those clicks)."""
+        if (tp[0], tp[1]) in self._carried:
+            return True
+        try:
+            high = self.highwater(tp)
+        except Exception:  # noqa: BLE001 - unknown (not fetched yet)
+            return False
+        if high is None or high <= 0:
+            return False
+        read = self._read_offset.get(tp)
+        return read is None or read + 1 < high
+
+    def _set_carry(self, records: list[Record]) -> None:
+        self._carry = records
+        self._carried = {key for key, _ in groupby(records, _TOPIC_PARTITION)}
 
     async def _drop(self, first: dict[TP, int], records: int) -> None:
         """Drop the ``records`` in hand, unprocessed, and seek back to the committed offsets (module docstring); a
@@ -371,7 +387,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
             self.log.info("dropping %d record(s) in hand and %d kept, unprocessed (the flow stopped or the generation "
                           "moved on); seeking back to the committed offsets", records,
                           sum(map(len, self._kept.values())))
-        self._carry = []
+        self._set_carry([])
         self._kept = {}
         self.delivery.dropped(None)
         self.delivery.in_hand(0)

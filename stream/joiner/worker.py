@@ -263,18 +263,9 @@ class FaustJoinWorker:
         return self.pauses.holds_back(kind, partition, waiting, self._behind)
 
     def _behind(self, kind: str, partition: int) -> bool:
-        """Whether ``kind``'s input of ``partition`` has more to read (faust's tracked high water and read offset)."""
-        tp = TP(self._topic(kind), partition)
-        consumer = self.app.consumer
-        try:
-            high = consumer.highwater(tp)
-        except Exception:  # unknown: never hold an input back on a guess (the cap's overflow still bounds memory)
-            return False
-        if high is None or high <= 0:
-            return False
-        # faust's own record of the last offset its fetcher handed to the stream (faust.transport.consumer)
-        read = getattr(consumer, "_read_offset", {}).get(tp)
-        return read is None or read + 1 < high
+        """Whether ``kind``'s input of ``partition`` has more to read: records the batches have not brought yet
+        (``BatchConsumer.has_more``; unknown: no, and the cap's overflow still bounds memory)."""
+        return cast(BatchConsumer, self.app.consumer).has_more(TP(self._topic(kind), partition))
 
     def _apply_gate(self) -> None:
         self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)
