@@ -93,7 +93,9 @@ where it lies (a file that is a symlink resolving outside its directory is refus
 signature (with a key), structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
 vectors (R, D + 1) float32, dense weights floating and every value finite. A file that fails is a
 :class:`DeltaError`, rejected once (remembered by path, size and mtime), reported through ``on_reject``
-and skipped: the deltas after it still apply. What a skipped delta carried is lost until a later delta
+and skipped: the deltas after it still apply. A read that fails for want of a resource of the reading process
+(:data:`TRANSIENT_ERRNOS`, ``MemoryError``) says nothing of the file: it ends the round there and is retried on the
+next (:data:`TRANSIENT_TRIES`). What a skipped delta carried is lost until a later delta
 touches the same rows again (dense weights: the very next delta, since each carries them whole) or the
 next full artifact arrives. Whether a delta fits a particular model (row range, dimensions, dense names
 and shapes) is checked by ``ScoringModel.apply_delta`` before it changes anything.
@@ -102,6 +104,7 @@ and shapes) is checked by ``ScoringModel.apply_delta`` before it changes anythin
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -143,6 +146,16 @@ ABANDONED = "abandoned-seqs"  # the seqs restarts removed as a dead branch: "<fi
 _ABANDONED_KEEP = 64  # ranges kept in it (one per restart that removed any)
 _REMEMBER = 1024  # gap ranges and rewind positions a reader remembers having counted
 MAX_BYTES = 4 << 30  # a delta file larger than this is refused unread
+# A read failing with these (or MemoryError) is the reading process short of descriptors, memory or buffers, not the
+# file at fault: the delta is retried (DeltaReader.newer). Permission, I/O and format errors reject it at once.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR,
+                              errno.ENOBUFS})
+# Consecutive rounds one version of a delta file may fail transiently before it is rejected as unreadable. A count of
+# rounds, not a time: each retry holds every later delta back for a round (values are absolute and apply in seq order),
+# so the bound is on how many rounds of freshness one file may cost. Serving's rounds are at most poll_s (0.5 s) apart
+# (sooner when a delta is announced), so its retries span up to about a second; a shortage that outlasts them is given
+# up on as a bad file is (its rows wait for a later delta touching them or the next artifact).
+TRANSIENT_TRIES = 3
 
 
 class DeltaError(StreamrecError, ValueError):
@@ -844,14 +857,20 @@ def _fingerprint(path: Path) -> tuple[str, int, int] | None:
     return (str(path), st.st_size, st.st_mtime_ns)
 
 
+def _transient(exc: BaseException) -> bool:
+    """Whether ``exc``, raised reading a delta, is this process short of a resource (not the file at fault)."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
+
+
 class DeltaReader:
     """Serving's side: the deltas a model has not seen yet, in order, each checked before it is yielded.
 
     ``on_reject(path, reason)`` hears of every file rejected (once per file version), ``on_skip(path,
     reason)`` of every delta passed over on purpose (another lineage). Rejections of unreadable files are
-    remembered for good; :meth:`mark_unfit` remembers a delta that did not fit the live model only until
-    :meth:`forget_unfit` (called when another artifact is swapped in: it may fit that one). With ``key``
-    (serving's signing key) only deltas signed with it are yielded; the others are rejected.
+    remembered for good (a read failing for want of a resource of this process is first retried, :attr:`retries`,
+    up to :data:`TRANSIENT_TRIES` rounds in a row); :meth:`mark_unfit` remembers a delta that did not fit the live
+    model only until :meth:`forget_unfit` (called when another artifact is swapped in: it may fit that one). With
+    ``key`` (serving's signing key) only deltas signed with it are yielded; the others are rejected.
     """
 
     def __init__(self, directory: Path, on_reject: Callable[[Path, str], None] | None = None,
@@ -867,6 +886,8 @@ class DeltaReader:
         self.on_reject, self.on_skip = on_reject, on_skip
         self._bad: set[tuple[str, int, int]] = set()
         self._unfit: set[tuple[str, int, int]] = set()
+        self.retries = 0  # reads of a delta that failed transiently and were left for the next round
+        self._failing: dict[tuple[str, int, int], int] = {}  # file version -> its consecutive transient failures
 
     def mark_bad(self, path: Path, reason: str = "could not be applied") -> None:
         """Never yield this version of ``path`` again."""
@@ -879,6 +900,19 @@ class DeltaReader:
             self.on_reject(path, reason)
         else:
             log.error("delta %s rejected, skipped (the deltas after it still apply): %s", path.name, reason)
+
+    def _retry_later(self, fp: tuple[str, int, int], path: Path, exc: BaseException) -> bool:
+        """Whether the read of ``path`` (version ``fp``) that raised ``exc`` is left for the next round: a transient
+        failure (``MemoryError``, an errno of :data:`TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES` in a row."""
+        tries = self._failing.pop(fp, 0) + 1
+        if not _transient(exc) or tries >= TRANSIENT_TRIES:
+            return False
+        self._failing[fp] = tries
+        self.retries += 1
+        log.warning("delta %s could not be read (%s: %s), this process is short of a resource; no later delta applies "
+                    "before it, it is retried next round (try %d of %d)", path.name, type(exc).__name__, exc, tries,
+                    TRANSIENT_TRIES)
+        return True
 
     def mark_unfit(self, path: Path) -> None:
         """Do not yield this version of ``path`` again until :meth:`forget_unfit`."""
@@ -928,6 +962,7 @@ class DeltaReader:
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
+        self._failing = {fp: n for fp, n in self._failing.items() if fp[0] in live}
         dead = read_abandoned(self.directory, lineage) if found else []  # the ranges a restart of lineage abandoned
         if dead:  # a dead branch a restart could not remove is never read
             found = [f for f in found if not _covered(f[0], f[0], dead)]
@@ -977,12 +1012,14 @@ class DeltaReader:
             except FileNotFoundError:
                 self._vanish(seq, after_seq, lineage)
                 continue
-            except (DeltaError, OSError) as exc:  # damaged, malformed, or unreadable (permissions, I/O)
-                self.mark_bad(path, str(exc))
+            except (DeltaError, OSError, MemoryError, ValueError, RecursionError) as exc:
+                if self._retry_later(fp, path, exc):  # this process short of a resource: the round ends here
+                    return
+                # damaged, malformed, or unreadable (permissions, I/O): one file must not stop the updates after it
+                self.mark_bad(path, (str(exc) if isinstance(exc, (DeltaError, OSError)) else f"{type(exc).__name__}: "
+                                     f"{exc}") + (f" ({TRANSIENT_TRIES} reads in a row)" if _transient(exc) else ""))
                 continue
-            except (MemoryError, ValueError, RecursionError) as exc:  # one file must not stop the updates after it
-                self.mark_bad(path, f"{type(exc).__name__}: {exc}")
-                continue
+            self._failing.pop(fp, None)
             if lineage is not None and d.lineage is not None and d.lineage != lineage:
                 self._unfit.add(fp)
                 if self.on_skip is not None:
