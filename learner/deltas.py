@@ -879,7 +879,7 @@ class DeltaReader:
         self.key = key
         self.gaps = 0  # deltas pruned before this reader got to them
         self.rewinds = 0  # times the directory's numbering went back behind a model's seq (newer re-based)
-        self._gapped: set[tuple[int, int]] = set()  # missing ranges (first, next present) already counted
+        self._gapped: list[tuple[int, int]] = []  # missing seqs (first, last) already counted
         self._rewound: set[tuple[int, int]] = set()  # positions (seq, samples) a rewind was already counted at
         self._vanished: set[int] = set()  # seqs counted as gaps when pruned between listing and reading
         self.bad = 0  # unreadable files skipped
@@ -987,15 +987,17 @@ class DeltaReader:
         for seq, samples, path in found:
             if seq <= after_seq:
                 continue
-            if seq > expected and after_seq > 0 and (expected, seq) not in self._gapped:
-                if len(self._gapped) > _REMEMBER:
-                    self._gapped.clear()
-                self._gapped.add((expected, seq))
+            if seq > expected and after_seq > 0:
                 # (less those a restart removed as a dead branch: their rows went out again, nothing was lost; and
-                # those counted already when they vanished after a listing)
-                gone = seq - expected - _covered(expected, seq - 1, dead + [(v, v) for v in self._vanished])
-                self.gaps += gone
+                # those counted already: when they vanished after a listing, or in a round that saw the same hole
+                # end at another delta, one since pruned)
+                gone = seq - expected - _covered(expected, seq - 1,
+                                                 dead + self._gapped + [(v, v) for v in self._vanished])
                 if gone:
+                    if len(self._gapped) > _REMEMBER:
+                        self._gapped.clear()
+                    self._gapped.append((expected, seq - 1))
+                    self.gaps += gone
                     log.warning("%d of deltas %d..%d were pruned before serving read them; their rows wait for the "
                                 "next artifact", gone, expected, seq - 1)
             expected = seq + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from learner.deltas import ABANDONED, DeltaReader, delta_path, encode_delta, list_deltas
@@ -75,3 +76,25 @@ def test_a_truncated_delta_at_its_final_name_is_rejected_and_the_next_still_appl
     reader = DeltaReader(tmp_path, on_reject=lambda p, _r: rejected.append(p))
     assert [d.seq for d in reader.newer(1, 10)] == [3]
     assert rejected == [p2] and reader.gaps == 0
+
+
+def test_a_hole_seen_again_with_another_delta_after_it_counts_each_missing_seq_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from learner import deltas
+
+    p4 = _write(tmp_path, 4)
+    real = deltas.list_deltas
+
+    def listing_then_prune(directory: Path) -> list[tuple[int, int, Path]]:
+        found = real(directory)
+        p4.unlink(missing_ok=True)  # the writer prunes 4 after the reader listed it
+        return found
+
+    monkeypatch.setattr(deltas, "list_deltas", listing_then_prune)
+    reader = DeltaReader(tmp_path)
+    assert list(reader.newer(1, 10)) == []  # the model at 1: 2 and 3 missing before 4, then 4 gone unread
+    assert reader.gaps == 3
+    monkeypatch.setattr(deltas, "list_deltas", real)
+    _write(tmp_path, 5)  # the same hole, now before 5: only 4 is new to it, and it was counted when it vanished
+    assert [d.seq for d in reader.newer(1, 10)] == [5]
+    assert reader.gaps == 3
