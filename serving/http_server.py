@@ -961,6 +961,7 @@ def _aiohttp_protocol() -> type:
             self.body_refused = False  # a chunk declared past max_body_bytes: the rest of the connection is unread
             self.write_stall: asyncio.TimerHandle | None = None  # answers not read by the client: its deadline
             self.peer_eof = False  # the client shut its sending side: answer what it sent, then close
+            self.open_body: Any = None  # the body stream of the last request queued, while its body is arriving
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -1007,13 +1008,30 @@ def _aiohttp_protocol() -> type:
             messages = self._messages
             queued = len(messages)
             super().data_received(data)
-            if (len(messages) > queued and body_end < len(data) and self.chunks is None
-                    and getattr(messages[-1][0], "chunked", False)):  # (an _ErrInfo has none)
-                self._follow_chunks(data, body_end)
+            if len(messages) > queued:
+                self._body_error(messages[-1])
+                if (body_end < len(data) and self.chunks is None
+                        and getattr(messages[-1][0], "chunked", False)):  # (an _ErrInfo has none)
+                    self._follow_chunks(data, body_end)
             if self.head_open and self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ a line)
                 log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
                 self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
                 self.force_close()
+
+        def _body_error(self, last: tuple[Any, Any]) -> None:
+            """``last``, the request (or parse error) just queued: a parse error while the body of a request queued by
+            an earlier read is still open (a malformed chunk-size line, ``zz``) is that body's error, raised to its
+            handler's read (a 400 at once, as on the threading server). aiohttp queued it as a request of its own, and
+            the handler, its body never ended, waited until ``request_timeout_s`` (a 408)."""
+            msg, payload = last
+            exc = getattr(msg, "exc", None)  # (aiohttp's _ErrInfo: llhttp's error; a request has none)
+            if exc is None:
+                self.open_body = None if payload.is_eof() else payload
+                return
+            if self.open_body is not None and not self.open_body.is_eof():
+                lines = str(getattr(exc, "message", exc)).strip().splitlines() or ["unreadable"]
+                self.open_body.set_exception(_BadFraming(400, f"malformed request body: {lines[0].rstrip(': ')}"))
+            self.open_body = None
 
         def _follow_chunks(self, data: bytes, start: int) -> None:
             """A request just parsed from ``data[start:]`` whose chunked body is still arriving: find where the body

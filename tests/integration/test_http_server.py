@@ -42,8 +42,9 @@ EMPTY_ITEMS = b'{"user_id": 1, "items": []}'  # a 422 whose message proves the w
 EMPTY_ITEMS_ERROR = "field 'items': empty; send at least one candidate"
 
 
-def new_app(tmp_path: Path) -> ScoringApp:
-    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=MAX_BODY)
+def new_app(tmp_path: Path, **settings: float) -> ScoringApp:
+    ss = ServeSettings(port=0, publish_root=tmp_path / "nothing-published", device=Device.CPU, max_body_bytes=MAX_BODY,
+                       **settings)
     holder = ModelHolder()
     return ScoringApp(ss, holder, ServingMetrics(holder.model), None)
 
@@ -850,3 +851,27 @@ def test_stop_logs_the_connection_threads_still_running_after_its_bounded_join(
         release.set()
         s.close()
         srv.stop()
+
+
+def test_a_malformed_chunk_size_line_after_a_head_read_earlier_is_a_400_at_once(kind: str, tmp_path: Path) -> None:
+    """The chunked request's head in one write, a bad size line (``zz``) in a later one: a 400 at once and the
+    connection closed. On aiohttp llhttp's error went to the queue of requests, the body's reader never heard of it and
+    the handler waited for the rest of the body until request_timeout_s (a 408). request_timeout_s is 600 s here, the
+    client's wait 5 s."""
+    app = new_app(tmp_path, request_timeout_s=600.0)
+    srv = make_server(kind, app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        with connect(srv) as s, s.makefile("rb") as f:
+            s.sendall(CHUNKED)
+            deadline = time.monotonic() + 10
+            while not _request_started(srv):  # (the head is read: the bad line comes in a read of its own)
+                assert time.monotonic() < deadline, "the server never read the request's head"
+                time.sleep(0.01)
+            s.sendall(b"zz\r\n{}\r\n0\r\n\r\n")
+            s.settimeout(5)
+            status, headers, body = read_response(f)
+            assert status == 400 and headers["content-type"] == "application/json", body
+            assert closed_by_server(s, f)
+    finally:
+        srv.stop(0.5)
