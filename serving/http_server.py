@@ -1001,10 +1001,10 @@ def _aiohttp_protocol() -> type:
                 if self.chunks.over:
                     self._refuse_chunks(self.chunks_payload)
                     return
-                if body_end < 0 or self.chunks.lost:
-                    body_end = len(data)
-                if body_end < len(data) or self.chunks.lost:
+                if body_end >= 0 or self.chunks.lost:  # its end (however near the read's end), or lost: done
                     self.chunks = self.chunks_payload = None
+                if body_end < 0:
+                    body_end = len(data)
             messages = self._messages
             queued = len(messages)
             super().data_received(data)

@@ -456,6 +456,9 @@ OVER = {  # name -> the pieces a client sends (a pause between them), declaring 
     "second chunk past the rest": [CHUNKED_HEAD + b"3e0\r\n" + b" " * 992 + b"\r\n", b"9\r\nxx"],
     "behind a pipelined request": [request("GET", "/healthz") + CHUNKED_HEAD + b"fffffffffffffff\r\nxx"],
     "behind a chunked request": [CHUNKED_HEAD + chunked(EMPTY_ITEMS, 5) + CHUNKED_HEAD + b"7fffffff\r\n"],
+    # (the first body ends exactly at a read's end: its sizes' follower, done, was kept, and the next body unfollowed)
+    "behind a chunked request that ended a read": [CHUNKED_HEAD, chunked(EMPTY_ITEMS, 5),
+                                                   CHUNKED_HEAD + b"7fffffff\r\n"],
 }
 
 
