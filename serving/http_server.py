@@ -64,7 +64,12 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   server), a request line split by a tab or holding a control character or a byte past ASCII in its target (taken
   by the threading server: a 404 for an unknown path), and a request pipelined behind an ``HTTP/2.0`` or ``0.9`` one
   (a ``400`` for both, not the ``505``); it takes ``RTSP/1.0`` and ``ICE/1.0`` as versions (a ``400`` on the
-  threading server).
+  threading server). Requests pipelined in one read before a malformed one are answered first, then the error, on
+  both; on aiohttp not those behind 32 others (40 ``GET`` and a ``BREW`` in one write: 33 200s, then the 501): while
+  aiohttp's queue of 32 is full llhttp holds the read's rest back and parses it in one feed as the queue drains, and
+  aiohttp answers the error in place of every request that one feed parsed. A method outside llhttp's list right
+  behind a body in the same read is a ``400`` on aiohttp, not the ``501`` (llhttp's message quotes the body's end
+  with it).
 * versions: ``HTTP/1.1`` and ``HTTP/1.0`` are served; another well-formed one (``HTTP/1.2``, ``HTTP/2.0``, ``HTTP/0.9``)
   or none (HTTP/0.9's request line, ``GET /``) is a ``505``, a malformed one (``HTTP/01.1``, ``http/1.1``) a ``400``,
   and the connection closed (on aiohttp llhttp's "Invalid HTTP version" is made the ``505``, and ``HTTP/2.0`` and
@@ -933,14 +938,28 @@ def _refused_method(exc: Exception) -> str | None:
     return method if _TOKEN.fullmatch(method) else None
 
 
+# aiohttp's private RequestHandler attributes _Protocol (and AiohttpServer) use, looked for when the server is built
+_AIOHTTP_INTERNALS = ("_loop", "_messages", "_waiter", "_request_in_progress", "_parser", "_force_close",
+                      "_max_msg_queue_size")
+
+
 @functools.cache
 def _aiohttp_protocol() -> type:
     """aiohttp's connection handler (``RequestHandler``, one per connection) with the request deadline and JSON
-    errors; built on first use so the threading server never imports aiohttp. It reads a few of aiohttp's
-    private attributes (``_loop``, ``_messages``, ``_waiter``, ``_request_in_progress``: tested with 3.14)."""
+    errors; built on first use (the server's construction) so the threading server never imports aiohttp. It reads a
+    few of aiohttp's private attributes, :data:`_AIOHTTP_INTERNALS` (tested with 3.14): an aiohttp without one of them
+    fails here, when the server is built, not on some request."""
     from aiohttp import web
     from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError
     from aiohttp.web_protocol import RequestHandler
+
+    missing = [name for name in _AIOHTTP_INTERNALS if not hasattr(RequestHandler, name)]
+    if missing:
+        import aiohttp
+
+        raise RuntimeError(f"aiohttp {aiohttp.__version__}'s RequestHandler lacks {', '.join(missing)}, which the "
+                           "aiohttp server relies on (tested with 3.14): use [serve] server = \"threading\", or an "
+                           "aiohttp 3.14")
 
     class _Protocol(RequestHandler):  # type: ignore[misc]
         request_timeout_s = 10.0
@@ -961,6 +980,7 @@ def _aiohttp_protocol() -> type:
             self.body_refused = False  # a chunk declared past max_body_bytes: the rest of the connection is unread
             self.write_stall: asyncio.TimerHandle | None = None  # answers not read by the client: its deadline
             self.peer_eof = False  # the client shut its sending side: answer what it sent, then close
+            self.feed_tail = b""  # the last 3 bytes received (a CRLFCRLF split across two reads)
             self.open_body: Any = None  # the body stream of the last request queued, while its body is arriving
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -984,23 +1004,64 @@ def _aiohttp_protocol() -> type:
                 if self.first_request is not None:
                     self.first_request.cancel()
                     self.first_request = None
+            first = -2  # where the first CRLFCRLF in data starts (-1: none; -2: not looked for yet)
             # A request's head is counted until its blank line has come by (not by aiohttp's state: between the
             # parser's queueing of a request and its handler's start, body bytes looked like head bytes, and a body
             # of ~72 KiB sent in pieces was answered 431)
             if self.head_open:
-                seen = self.head_tail + data
-                end = seen.find(b"\r\n\r\n", 1 if seen.startswith(b"\r\n") else 0)
+                if self.head_tail or data[:1] in (b"\r", b"\n"):
+                    seen = self.head_tail + data
+                    end = seen.find(b"\r\n\r\n", 1 if seen.startswith(b"\r\n") else 0)
+                else:  # (seen is data: its find is the pieces' first one too)
+                    seen, end = data, data.find(b"\r\n\r\n")
+                    first = end
                 if end >= 0 or self._messages:
                     self.head_open, self.head_bytes, self.head_tail = False, 0, b""
                 else:
                     self.head_bytes += len(data)
                     self.head_tail = seen[-3:]
-            body_end = 0  # where in data a chunked body followed from an earlier read ends
+            # Fed to llhttp in pieces, each ending just past a CRLFCRLF (the last: the rest), each piece's requests
+            # queued before the next is fed: aiohttp queues a parse error in place of every request parsed from the
+            # same feed, so a valid request pipelined in one write before a bad one got no answer (the threading server
+            # answers both). llhttp is a streaming parser: the pieces parse exactly as the whole, and a request's head
+            # ends nowhere but just past a CRLFCRLF (the feed that completes a head ends there: nothing after it in that
+            # feed can erase it). Not past aiohttp's queue (the module docstring). One request per read: one find, one
+            # feed (one with its body in the read: two of each, the head and the body).
+            tail = self.feed_tail
+            self.feed_tail = data[-3:] if len(data) >= 3 else (tail + data)[-3:]
+            n, pos, end = len(data), 0, -1
+            if tail and data[:1] in (b"\r", b"\n"):  # a CRLFCRLF begun in the previous read, ending in this one
+                i = (tail + data[:3]).find(b"\r\n\r\n")
+                end = i + 4 - len(tail) if 0 <= i < len(tail) else -1
+            if end < 0:
+                if first == -2:
+                    first = data.find(b"\r\n\r\n")
+                end = first + 4 if first >= 0 else -1
+            while 0 <= end < n:
+                if not self._feed(data[pos:end]):
+                    return
+                pos = end
+                if len(self._messages) >= self._max_msg_queue_size:  # aiohttp's queue is full (llhttp holds the
+                    break  # rest, parsed as it drains): the rest in one feed, not a request more per piece
+                end = data.find(b"\r\n\r\n", pos)
+                end = end + 4 if end >= 0 else -1
+            if not self._feed(data[pos:] if pos else data):
+                return
+            if self.head_open and self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ a line)
+                log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
+                self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
+                self.force_close()
+
+        def _feed(self, data: bytes) -> bool:
+            """Give llhttp ``data`` (a piece of a read), the sizes of an open chunked body read
+            before it takes them (and followed into a chunked body that opens in it); False: the connection reads no
+            further (a chunk declared past ``max_body_bytes``)."""
+            body_end = 0  # where in data a chunked body followed from an earlier piece ends
             if self.chunks is not None:  # its sizes are read before llhttp takes the bytes
                 body_end = self.chunks.feed(data)
                 if self.chunks.over:
                     self._refuse_chunks(self.chunks_payload)
-                    return
+                    return False
                 if body_end >= 0 or self.chunks.lost:  # its end (however near the read's end), or lost: done
                     self.chunks = self.chunks_payload = None
                 if body_end < 0:
@@ -1013,10 +1074,7 @@ def _aiohttp_protocol() -> type:
                 if (body_end < len(data) and self.chunks is None
                         and getattr(messages[-1][0], "chunked", False)):  # (an _ErrInfo has none)
                     self._follow_chunks(data, body_end)
-            if self.head_open and self.head_bytes > _MAX_HEAD + 8192 and self.transport is not None:  # (+ a line)
-                log.debug("request head past %s bytes and not complete: 431", _MAX_HEAD)
-                self.transport.write(_raw_response(431, _HEAD_TOO_LARGE))
-                self.force_close()
+            return True
 
         def _body_error(self, last: tuple[Any, Any]) -> None:
             """``last``, the request (or parse error) just queued: a parse error while the body of a request queued by
@@ -1179,6 +1237,7 @@ class AiohttpServer:
     thread; scoring runs inline on the loop (no executor hop)."""
 
     def __init__(self, app: ScoringApp, host: str, port: int) -> None:
+        _aiohttp_protocol()  # (an aiohttp without the internals it reads fails here)
         self.app, self.host = app, host
         self.port = port
         self._loop = asyncio.new_event_loop()

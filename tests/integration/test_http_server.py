@@ -875,3 +875,44 @@ def test_a_malformed_chunk_size_line_after_a_head_read_earlier_is_a_400_at_once(
             assert closed_by_server(s, f)
     finally:
         srv.stop(0.5)
+
+
+BREW = request("BREW", "/healthz")  # a method outside llhttp's list: aiohttp's parser raises on it (the app's 501)
+
+
+BAD_HEADER = request("GET", "/healthz", headers={"X-Note": "a\x01b"})  # a control character: a 400 on both servers
+
+
+@pytest.mark.parametrize(("first", "bad"), [(request("GET", "/healthz"), BREW),
+                                            (request("POST", "/v1/score", EMPTY_ITEMS), BAD_HEADER)],
+                         ids=["get-then-unknown-method", "post-with-body-then-bad-header"])
+def test_a_request_pipelined_in_one_write_before_a_refused_one_is_answered_first(server: Server, first: bytes,
+                                                                                  bad: bytes) -> None:
+    """Both in one ``sendall``: the first is answered (200, or the 422 naming its body), then the refused one (501 for
+    the unknown method; 400 for the control character, and the connection closed). aiohttp's
+    ``RequestHandler.data_received`` put the parse error of the second in place of every request parsed from the same
+    read: the first got no answer, only the error."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(first + bad)
+        status, _, body = read_response(f)
+        assert status == (200 if first.startswith(b"GET") else 422), body
+        status, _, body = read_response(f)
+        assert status == (501 if bad is BREW else 400), body
+        assert bad is BREW or closed_by_server(s, f)  # (a 501 keeps the connection on the threading server)
+
+
+def test_a_request_whose_head_end_spans_two_reads_is_answered_before_the_refused_one_behind_it(
+        server: Server) -> None:
+    """The first request's blank line split across two writes (its last LF opens the second, with the refused request
+    behind it): the first is still answered before the 501."""
+    first = request("GET", "/healthz")
+    with connect(server) as s, s.makefile("rb") as f:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(first[:-1])
+        deadline = time.monotonic() + 10
+        while not _request_started(server):  # (the server has read the first write)
+            assert time.monotonic() < deadline, "the server never read the request's first bytes"
+            time.sleep(0.01)
+        s.sendall(first[-1:] + BREW)
+        assert read_response(f)[0] == 200
+        assert read_response(f)[0] == 501

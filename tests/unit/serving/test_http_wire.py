@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import serving.http_server as http_server
 from serving.http_server import _ChunkSizes, _Handler, _HeadTooLarge, _parse_headers
 
 PLAIN = [
@@ -184,3 +185,14 @@ def test_chunk_sizes_follow_a_body_read_in_any_pieces_to_its_end_and_refuse_one_
 def test_a_line_that_is_no_chunk_size_leaves_the_chunk_sizes_lost_not_over(line: bytes) -> None:
     sizes = _ChunkSizes(10)
     assert sizes.feed(line + b"ffffffffff\r\n") == -1 and sizes.lost and not sizes.over
+
+
+def test_an_aiohttp_without_an_internal_the_server_reads_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The aiohttp private attributes the server reads are looked for when it is built, not on some request."""
+    monkeypatch.setattr(http_server, "_AIOHTTP_INTERNALS", (*http_server._AIOHTTP_INTERNALS, "_moved_away"))
+    http_server._aiohttp_protocol.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="RequestHandler lacks _moved_away"):
+            http_server.AiohttpServer(SimpleNamespace(), "127.0.0.1", 0)  # type: ignore[arg-type]
+    finally:
+        http_server._aiohttp_protocol.cache_clear()
