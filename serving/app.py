@@ -21,8 +21,9 @@ counted (``streamrec_serving_history_malformed_total``, ``..._history_unavailabl
 failing it: a ranking degraded for one request beats an error page. Those are never a 500.
 
 HTTP semantics both servers share: ``OPTIONS <path>`` is a 204 whose ``Allow`` names the path's methods
-(``OPTIONS *``: every method); ``HEAD`` is ``GET`` without the body (the server drops it); a method the path
-does not take is a 405 with ``Allow`` (:meth:`ScoringApp.headers`), a method outside :data:`KNOWN_METHODS` a 501 on
+(``OPTIONS *``: every method); ``HEAD`` is ``GET`` without the body (:meth:`ScoringApp.handle` answers it as GET, a
+405 naming HEAD where the path has no GET; the server drops the body); a method the path does not take is a 405 with
+``Allow`` (:meth:`ScoringApp.headers`), a method outside :data:`KNOWN_METHODS` a 501 on
 every path (methods are case-sensitive, RFC 9110 9.1: ``get`` and ``BREW`` alike); every 503 carries ``Retry-After: 1``.
 :meth:`ScoringApp.admission` bounds the requests in flight (``max_in_flight``): the server holds a slot from the
 end of a request's body to its answer (a body being read holds none: ``serving/http_server.py``), and one more
@@ -159,7 +160,7 @@ class ScoringApp:
     def handle(self, method: str, path: str, body: bytes) -> Response:
         t0 = time.perf_counter()
         path = path.split("?", 1)[0]
-        route = self._routes.get((method, path))
+        route = self._routes.get(("GET" if method == "HEAD" else method, path))  # (a 405 still names HEAD)
         m = self.metrics
         with self._count_lock:
             self.in_flight += 1

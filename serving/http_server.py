@@ -573,13 +573,12 @@ class _Handler(BaseHTTPRequestHandler):
             if refused is not None:
                 resp = refused  # (its body was read: the connection goes on)
             else:
-                method = self.command
                 active = self.server.active
                 if active is None:
-                    resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+                    resp = self.app.handle(self.command, self.path, body)
                 else:
                     with active:
-                        resp = self.app.handle("GET" if method == "HEAD" else method, self.path, body)
+                        resp = self.app.handle(self.command, self.path, body)
         self._send(*resp)
 
     def handle_expect_100(self) -> bool:
@@ -1354,8 +1353,7 @@ class AiohttpServer:
         with self.app.admission(target) as refused:  # a slot of max_in_flight from the body's end to the answer
             if refused is not None:
                 return await self._reply(request, refused)  # (its body was read: the connection goes on)
-            method = "GET" if request.method == "HEAD" else request.method  # aiohttp drops HEAD's body itself
-            return await self._reply(request, self.app.handle(method, target, body))
+            return await self._reply(request, self.app.handle(request.method, target, body))  # (HEAD: no body sent)
 
     async def _start(self) -> None:
         from aiohttp import web

@@ -916,3 +916,16 @@ def test_a_request_whose_head_end_spans_two_reads_is_answered_before_the_refused
         s.sendall(first[-1:] + BREW)
         assert read_response(f)[0] == 200
         assert read_response(f)[0] == 501
+
+
+def test_a_405_to_head_names_head_not_get(server: Server) -> None:
+    """``HEAD /v1/score`` (a POST-only path): a 405 with the path's Allow whose message names the method sent. Both
+    servers handed the app GET for a HEAD, so the message said ``GET /v1/score``, a request the client never sent. A
+    HEAD answer has no body: its Content-Length is the message's length, GET's message with HEAD in its place."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("HEAD", "/v1/score") + request("GET", "/v1/score"))
+        status, head_headers, _ = read_response(f, head=True)
+        assert (status, head_headers["allow"]) == (405, "OPTIONS, POST")
+        status, headers, body = read_response(f)
+        assert (status, headers["allow"]) == (405, "OPTIONS, POST") and body.startswith(b'{"error":"GET /v1/score:')
+        assert int(head_headers["content-length"]) == len(body.replace(b'"GET /v1/score', b'"HEAD /v1/score'))
