@@ -358,10 +358,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
 
     def has_more(self, tp: TP) -> bool:
         """Whether ``tp`` has records ``process`` has not been given yet: fetched past the last batch's room (the carry,
-        which faust's read offset counts as read), or past the read offset by the high water faust's fetcher last saw.
-        Unknown (not fetched yet, an error): no, so that no input is held back on a guess (backpressure reads it:
-        ``worker._behind``; it once said a partition whose last records were in the carry had nothing more, and its
-        held impressions went out ahead of those clicks)."""
+        which faust's read offset counts as read), or past the read offset (right after a seek the offset sought, the
+        next to read: ``_sought``) by the high water faust's fetcher last saw. Unknown (not fetched yet, an error): no,
+        so that no input is held back on a guess (backpressure reads it: ``worker._behind``; it once said a partition
+        whose last records were in the carry, or that was sought to its last record, had nothing more)."""
         if (tp[0], tp[1]) in self._carried:
             return True
         try:
@@ -370,8 +370,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
             return False
         if high is None or high <= 0:
             return False
-        read = self._read_offset.get(tp)
-        return read is None or read + 1 < high
+        read, sought = self._read_offset.get(tp), self._sought.get(tp)
+        return read is None or (read + 1 if sought is None else sought) < high
 
     def _set_carry(self, records: list[Record]) -> None:
         self._carry = records

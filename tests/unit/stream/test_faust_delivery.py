@@ -223,7 +223,8 @@ def test_a_partition_whose_last_records_wait_in_the_carry_still_has_more_to_read
             raise KeyError(tp)  # not fetched yet
         return highs[tp]
 
-    fake = SimpleNamespace(highwater=highwater, _read_offset={clicks: 39, imps: 5}, _carry=[], _carried=set())
+    fake = SimpleNamespace(highwater=highwater, _read_offset={clicks: 39, imps: 5}, _sought={}, _carry=[],
+                           _carried=set())
     has_more = BatchConsumer.has_more
     assert not has_more(fake, clicks)  # type: ignore[arg-type]  # fetched to its high water, nothing carried
     assert has_more(fake, imps)  # type: ignore[arg-type]  # 6..9 not fetched yet
@@ -232,3 +233,21 @@ def test_a_partition_whose_last_records_wait_in_the_carry_still_has_more_to_read
     assert has_more(fake, clicks)  # type: ignore[arg-type]  # its last three wait for the next batch
     BatchConsumer._set_carry(fake, [])  # type: ignore[arg-type]  # taken into the next batch
     assert not has_more(fake, clicks)  # type: ignore[arg-type]
+
+
+def test_a_partition_sought_to_its_last_record_still_has_that_record_to_read() -> None:
+    """Right after a seek (a rebalance's or a dropped hand's seek to the committed offsets) faust's read offset is the
+    offset sought, the next to read, not the last read: a partition sought to its last record has that record to read,
+    or backpressure releases the other input to its end ahead of it (``worker._behind``)."""
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    imps = TP("impressions", 2)
+    fake = SimpleNamespace(highwater=lambda tp: 1224, _read_offset={imps: 1223}, _sought={imps: 1223}, _carried=set())
+    has_more = BatchConsumer.has_more
+    assert has_more(fake, imps)  # type: ignore[arg-type]  # 1223 sought, not read yet
+    fake._sought = {}  # read: the read offset is the last offset read
+    assert not has_more(fake, imps)  # type: ignore[arg-type]
+    fake._sought = {imps: 1224}  # _resume_safely's re-read of an applied record: owed from past the high water
+    assert not has_more(fake, imps)  # type: ignore[arg-type]
