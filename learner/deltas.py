@@ -881,7 +881,9 @@ class DeltaReader:
         self.rewinds = 0  # times the directory's numbering went back behind a model's seq (newer re-based)
         self._gapped: list[tuple[int, int]] = []  # missing seqs (first, last) already counted
         self._rewound: set[tuple[int, int]] = set()  # positions (seq, samples) a rewind was already counted at
-        self._vanished: set[int] = set()  # seqs counted as gaps when pruned between listing and reading
+        # seqs never (again) counted as gaps: those this reader got to (rejected, passed over: their loss is told
+        # through on_reject/on_skip) and those counted when pruned between listing and reading; the newest _REMEMBER
+        self._settled: set[int] = set()
         self.bad = 0  # unreadable files skipped
         self.on_reject, self.on_skip = on_reject, on_skip
         self._bad: set[tuple[str, int, int]] = set()
@@ -896,6 +898,7 @@ class DeltaReader:
             return
         self.bad += 1
         self._bad.add(fp)
+        self._settle(path)
         if self.on_reject is not None:
             self.on_reject(path, reason)
         else:
@@ -919,6 +922,7 @@ class DeltaReader:
         fp = _fingerprint(path)
         if fp is not None:
             self._unfit.add(fp)
+            self._settle(path)
 
     def forget_unfit(self) -> None:
         self._unfit.clear()
@@ -927,13 +931,20 @@ class DeltaReader:
         """Delta ``seq`` was listed and is gone before it was read: pruned unread, a gap like one never listed (counted
         once, here, and not again when a later round finds it missing), unless a restart of ``lineage`` removed it as a
         dead branch (:func:`read_abandoned`). As for every gap, only past a known place (``after_seq`` > 0)."""
-        if after_seq == 0 or seq in self._vanished or _covered(seq, seq, read_abandoned(self.directory, lineage)):
+        if after_seq == 0 or seq in self._settled or _covered(seq, seq, read_abandoned(self.directory, lineage)):
             return
-        if len(self._vanished) > _REMEMBER:
-            self._vanished.clear()
-        self._vanished.add(seq)
+        self._settle(seq)
         self.gaps += 1
         log.warning("delta %d was pruned before serving read it; its rows wait for the next artifact", seq)
+
+    def _settle(self, delta: Path | int) -> None:
+        """Never count the seq of ``delta`` (a delta file or its seq) as a gap; the newest :data:`_REMEMBER` kept."""
+        parsed = (delta, 0) if isinstance(delta, int) else _parse_name(delta, SUFFIX)
+        if parsed is None:
+            return
+        self._settled.add(parsed[0])
+        if len(self._settled) > _REMEMBER:
+            self._settled.discard(min(self._settled))
 
     def latest_seq(self) -> int:
         found = list_deltas(self.directory)
@@ -990,9 +1001,9 @@ class DeltaReader:
             if seq > expected and after_seq > 0:
                 # (less those a restart removed as a dead branch: their rows went out again, nothing was lost; and
                 # those counted already: when they vanished after a listing, or in a round that saw the same hole
-                # end at another delta, one since pruned)
+                # end at another delta, one since pruned; and those this reader got to: not pruned unread)
                 gone = seq - expected - _covered(expected, seq - 1,
-                                                 dead + self._gapped + [(v, v) for v in self._vanished])
+                                                 dead + self._gapped + [(v, v) for v in self._settled])
                 if gone:
                     if len(self._gapped) > _REMEMBER:
                         self._gapped.clear()
@@ -1024,6 +1035,7 @@ class DeltaReader:
             self._failing.pop(fp, None)
             if lineage is not None and d.lineage is not None and d.lineage != lineage:
                 self._unfit.add(fp)
+                self._settle(seq)
                 if self.on_skip is not None:
                     self.on_skip(path, f"lineage {d.lineage} is not the live artifact's {lineage}")
                 continue

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.deltas import ABANDONED, DeltaReader, delta_path, encode_delta, list_deltas
+from learner.deltas import _REMEMBER, ABANDONED, DeltaReader, delta_path, encode_delta, list_deltas
 from stream.files import write_atomic
 
 DIM = 4
@@ -98,3 +98,69 @@ def test_a_hole_seen_again_with_another_delta_after_it_counts_each_missing_seq_o
     _write(tmp_path, 5)  # the same hole, now before 5: only 4 is new to it, and it was counted when it vanished
     assert [d.seq for d in reader.newer(1, 10)] == [5]
     assert reader.gaps == 3
+
+
+def test_a_rejected_delta_pruned_later_is_no_gap(tmp_path: Path) -> None:
+    p2 = _write(tmp_path, 2)
+    p2.write_bytes(p2.read_bytes()[:-7])  # truncated: rejected, its loss counted in bad
+    reader = DeltaReader(tmp_path, on_reject=lambda _p, _r: None)
+    assert list(reader.newer(1, 10)) == [] and (reader.bad, reader.gaps) == (1, 0)
+    p2.unlink()  # pruned, and a later delta written: the model is still at 1
+    _write(tmp_path, 3)
+    assert [d.seq for d in reader.newer(1, 10)] == [3]
+    assert (reader.bad, reader.gaps) == (1, 0)
+
+
+def test_a_rejected_delta_pruned_between_a_later_listing_and_its_read_is_no_gap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from learner import deltas
+
+    p2 = _write(tmp_path, 2)
+    p2.write_bytes(p2.read_bytes()[:-7])
+    reader = DeltaReader(tmp_path, on_reject=lambda _p, _r: None)
+    assert list(reader.newer(1, 10)) == [] and reader.bad == 1
+    real = deltas.list_deltas
+
+    def listing_then_prune(directory: Path) -> list[tuple[int, int, Path]]:
+        found = real(directory)
+        p2.unlink(missing_ok=True)  # pruned after this round listed it
+        return found
+
+    monkeypatch.setattr(deltas, "list_deltas", listing_then_prune)
+    assert list(reader.newer(1, 10)) == []
+    assert reader.gaps == 0
+
+
+def test_a_delta_of_another_lineage_skipped_then_pruned_is_no_gap(tmp_path: Path) -> None:
+    p2 = _write(tmp_path, 2, lineage="other")
+    skipped: list[Path] = []
+    reader = DeltaReader(tmp_path, on_skip=lambda p, _r: skipped.append(p))
+    assert list(reader.newer(1, 10, "L")) == [] and skipped == [p2]
+    p2.unlink()
+    _write(tmp_path, 3, lineage="L")
+    assert [d.seq for d in reader.newer(1, 10, "L")] == [3]
+    assert reader.gaps == 0
+
+
+def test_a_delta_marked_unfit_then_pruned_is_no_gap(tmp_path: Path) -> None:
+    p2 = _write(tmp_path, 2)
+    reader = DeltaReader(tmp_path)
+    for d in reader.newer(1, 10):  # serving's apply_delta refused it: the model stays at 1
+        reader.mark_unfit(d.path)
+    p2.unlink()
+    _write(tmp_path, 3)
+    assert [d.seq for d in reader.newer(1, 10)] == [3]
+    assert reader.gaps == 0
+
+
+def test_a_reader_remembers_the_newest_deltas_it_got_to_within_its_bound(tmp_path: Path) -> None:
+    reader = DeltaReader(tmp_path)
+    last = 2 + _REMEMBER + 10
+    for seq in range(2, last + 1):  # more than it keeps: every one refused by the model, which stays behind them
+        reader.mark_unfit(_write(tmp_path, seq))
+    for seq in range(2, last + 1):
+        delta_path(tmp_path, seq, 10 * seq).unlink()
+    _write(tmp_path, last + 2)  # last + 1 was never written nor read: the one gap
+    assert [d.seq for d in reader.newer(last - 5, 10)] == [last + 2]
+    assert reader.gaps == 1
+    assert len(reader._settled) <= _REMEMBER
