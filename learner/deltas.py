@@ -988,6 +988,8 @@ class DeltaReader:
                     self._rewound.clear()
                 self._rewound.add((after_seq, held))
                 self.rewinds += 1
+                self._settled.clear()  # (seqs of the numbering that went back: the new one's same seqs are others)
+                self._gapped.clear()
                 log.warning("the deltas in %s went backwards (latest seq %d, trained to %d samples) behind this "
                             "model's seq %d (trained to %d): the learner's numbering restarted (its deltas directory "
                             "was emptied or replaced); re-basing on samples_trained: every delta past %d samples "

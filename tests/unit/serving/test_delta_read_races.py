@@ -164,3 +164,24 @@ def test_a_reader_remembers_the_newest_deltas_it_got_to_within_its_bound(tmp_pat
     assert [d.seq for d in reader.newer(last - 5, 10)] == [last + 2]
     assert reader.gaps == 1
     assert len(reader._settled) <= _REMEMBER
+
+
+@pytest.mark.parametrize("old_two", ["rejected", "pruned unread"])
+def test_after_the_numbering_restarts_a_seq_of_the_old_numbering_does_not_hide_the_new_one_pruned_unread(
+        tmp_path: Path, old_two: str) -> None:
+    p2 = _write(tmp_path, 2)
+    if old_two == "rejected":
+        p2.write_bytes(p2.read_bytes()[:-7])
+    else:
+        p2.unlink()
+    _write(tmp_path, 3)
+    reader = DeltaReader(tmp_path, on_reject=lambda _p, _r: None)
+    assert [d.seq for d in reader.newer(1, 10, applied_samples=0)] == [3]  # the model at 3 (30 samples)
+    gaps = reader.gaps
+    for p in tmp_path.glob("delta-*"):
+        p.unlink()
+    _write(tmp_path, 1, samples=100)  # the numbering restarted (a learner from before DELTA_SEQ, another directory)
+    assert [d.seq for d in reader.newer(3, 10, applied_samples=30)] == [1] and reader.rewinds == 1
+    _write(tmp_path, 3, samples=120)  # the new 2 was written and pruned before serving read it
+    assert [d.seq for d in reader.newer(1, 10, applied_samples=100)] == [3]
+    assert reader.gaps == gaps + 1
