@@ -86,6 +86,11 @@ def _server_state(exc: redis.ResponseError) -> bool:
     return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text))
 
 
+# After an infrastructure failure (:func:`is_infrastructure`) a join driver rewinds to its committed offsets and waits
+# before reading again: the first wait, and the longest (doubling in between; back to the first after a good batch).
+RECOVERY_BACKOFF_S = (1.0, 30.0)
+
+
 def is_infrastructure(exc: BaseException) -> bool:
     """True for failures of what a message travels through, not of the message itself.
 

@@ -115,6 +115,9 @@ class BatchDelivery:
     # Told that what ``process`` keeps of these (topic, partition)s (None: of all) must be dropped: the hand was dropped
     # and the partitions sought back to their committed offsets, or they were revoked; either way it is read again.
     dropped: Callable[[set[tuple[str, int]] | None], None] = lambda _partitions: None
+    # Seconds to wait before the next fetch, asked after each batch (a failed batch's backoff: the infrastructure is
+    # away); 0: none.
+    wait_s: Callable[[], float] = lambda: 0.0
 
 
 class _Dropped(Exception):
@@ -184,6 +187,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     self.diag.unset_flag(CONSUMER_FETCHING)
                 if batch or self._kept:  # nothing new: what is kept is offered again (the other input may have come)
                     await self._deliver(batch)
+                    if (wait := self.delivery.wait_s()) > 0:
+                        await self.sleep(wait)  # (mode's: ends early when the consumer stops)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
                 self.log.info("Broker stopped consumer, shutting down...")

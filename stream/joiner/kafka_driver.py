@@ -53,7 +53,7 @@ from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
 from stream.kafka import consumer_config, has_more, heartbeat_interval_s, resume_offsets
 from stream.retention import Gaps
-from stream.strikes import is_infrastructure
+from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 
 log = logging.getLogger("streamrec.join")
 
@@ -63,7 +63,6 @@ _POLL_S = 0.05  # one poll of _fetch: how long a batch in hand waits for the con
 # its default, 1 s, left a replay's worker waiting on empty polls once it had drained a click partition's queue while
 # the impressions were paused for their held records (ML-1M: 82 empty polls, 1.9 s of a 34 s span; none at 20 ms).
 _FETCH_QUEUE_BACKOFF_MS = 20
-_BACKOFF_S = (1.0, 30.0)  # after an infrastructure failure: the first wait, and the longest (doubling in between)
 _STALL_S = 2.0  # a round (fetch, batch, gate) longer than batch_within_s by this much was a stall, not idleness (run())
 
 
@@ -93,7 +92,7 @@ class KafkaJoinWorker:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self._stop = False
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
-        self._backoff_s = _BACKOFF_S[0]
+        self._backoff_s = RECOVERY_BACKOFF_S[0]
         self.recoveries = 0
         self.assign_retries = 0  # start positions of assigned partitions asked again (_start_positions)
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
@@ -173,7 +172,7 @@ class KafkaJoinWorker:
         librdkafka's own threads keep the group's heartbeats going, and if the group moves on meanwhile (a member
         that waits past ``max.poll.interval.ms`` is dropped from it), the revocation that follows comes as usual
         once this returns. A failure that is no infrastructure's (a bug) is raised as before."""
-        backoff = _BACKOFF_S[0]
+        backoff = RECOVERY_BACKOFF_S[0]
         while True:
             try:
                 return resume_offsets(consumer, partitions, "joiner")
@@ -191,7 +190,7 @@ class KafkaJoinWorker:
                 log.warning("stopping before the start positions of %s could be read: they are left unread",
                             sorted((tp.topic, tp.partition) for tp in partitions))
                 return None
-            backoff = min(_BACKOFF_S[1], backoff * 2)
+            backoff = min(RECOVERY_BACKOFF_S[1], backoff * 2)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -286,7 +285,7 @@ class KafkaJoinWorker:
         if done or held != self._held:
             self._idle.reset()
         self._held = held
-        self._backoff_s = _BACKOFF_S[0]
+        self._backoff_s = RECOVERY_BACKOFF_S[0]
         return True
 
     def _holds_back(self, kind: str, partition: int) -> bool:
@@ -335,7 +334,7 @@ class KafkaJoinWorker:
         self.gate.release()  # the rewind starts both inputs afresh
         self._sync_pauses()
         self._wait(self._backoff_s)
-        self._backoff_s = min(_BACKOFF_S[1], self._backoff_s * 2)
+        self._backoff_s = min(RECOVERY_BACKOFF_S[1], self._backoff_s * 2)
         try:
             assigned = self.consumer.assignment()
             self.gaps.forget((tp.topic, tp.partition) for tp in assigned)  # where a failed seek leaves them: unknown

@@ -20,9 +20,16 @@ start there at the first fetch of a generation (``faust_delivery.BatchConsumer._
 they had applied. A worker does not exit idle during a rebalance: partitions of a member that died come with it.
 
 An exception in a batch must not let faust acknowledge it, and no faust path may commit it afterwards (faust's
-error handling commits what was acknowledged; its agents acknowledge a crashed batch): the process exits at once
-with status 1 (``os._exit``) from inside the batch call, before the consumer acknowledges anything of it, for its
-supervisor to restart it. The pipeline has given the batch's messages their strikes (``stream/strikes.py``).
+error handling commits what was acknowledged; its agents acknowledge a crashed batch). A failure of the
+infrastructure (``stream.strikes.is_infrastructure``: Redis or the broker unreachable, timed out, loading) is
+recovered in the process, as the kafka driver does: nothing of the batch is reported processed, the join state and
+every held record are dropped, faust's consumer drops the hand and seeks back to the committed offsets
+(``faust_delivery``: records it did not keep), and it waits (``RECOVERY_BACKOFF_S``, doubling up to 30 s, back to 1 s
+after a good batch) before it fetches again; the state is restored from the state log with the next batch. Before,
+the process exited on a brief Redis outage and relied on a supervisor to start it again. Any other exception exits
+the process at once with status 1 (``os._exit``) from inside the batch call, before the consumer acknowledges
+anything of it, for its supervisor to restart it; the pipeline has given the batch's messages their strikes
+(``stream/strikes.py``).
 
 Backpressure (``backpressure.py``), as in the kafka driver: event time is kept aligned by the hold. The records of a
 partition past its event-time frontier (``backpressure.hold_limits``, with ``max_input_drift_s``: one fetch can bring
@@ -70,13 +77,14 @@ import faust
 from faust.types import TP
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
-from stream.errors import ConfigError
+from stream.errors import ConfigError, clip
 from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
 from stream.kafka import heartbeat_interval_s
+from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 from stream.tls import client_context
 
 log = logging.getLogger("streamrec.join")
@@ -156,6 +164,9 @@ class FaustJoinWorker:
         self.pauses = InputPauses(self.gate, js.batch_max)  # what the consumer has paused: the gate's and the hold's
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._join_held = False  # set by the idle check: the next batch joins what is held, whatever the frontier
+        self.recoveries = 0  # infrastructure failures recovered from (_recover)
+        self._backoff_s = RECOVERY_BACKOFF_S[0]  # the next recovery's wait
+        self._wait = 0.0  # the wait owed before the next fetch
         self.worker: faust.Worker | None = None
         # faust writes its table and app-id files under datadir (default: "<app-id>-data" in the working
         # directory, one per test run). The memory store keeps no state there, so a private temporary directory,
@@ -184,7 +195,7 @@ class FaustJoinWorker:
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
                                    within_s=self.js.batch_within_s, short_polls=lambda: bool(self.pauses.paused),
                                    in_hand=self._in_hand, held=lambda: self.pipeline.held_counts,
-                                   dropped=self._drop_held))
+                                   dropped=self._drop_held, wait_s=self._wait_s))
         # Subscribed through faust's Conductor as an agent's topic would be; delivered in batches by faust_delivery.
         app.topics.add(app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw"))
         app.timer(_IDLE_TICK_S)(self._idle_check)
@@ -195,7 +206,8 @@ class FaustJoinWorker:
 
     def _process(self, records: list[Record]) -> Processed:
         """One batch, called by faust's consumer (faust_delivery.py), which acknowledges what this returns as
-        processed once it returned; on an exception the process exits here, before anything is acknowledged."""
+        processed once it returned; on an infrastructure failure nothing (:meth:`_recover`), on any other exception
+        the process exits here, before anything is acknowledged."""
         self._busy = True
         held_before = self.pipeline.held_counts
         behind = self._holds_back if self._hold and not self._join_held else None
@@ -207,14 +219,40 @@ class FaustJoinWorker:
                 self.pipeline.restore(missing)
             self.pipeline.process_new(records, behind)  # what it holds back it keeps, and faust does not acknowledge
             processed = self.pipeline.processed
-        except BaseException as exc:  # a ConfigError (a message over a topic's limit) exits 2, as the CLI's do
-            self._die("a batch failed", 2 if isinstance(exc, ConfigError) else 1)
+        except Exception as exc:
+            if isinstance(exc, ConfigError) or not is_infrastructure(exc):  # (a ConfigError: a message over a topic's
+                self._die("a batch failed", 2 if isinstance(exc, ConfigError) else 1)  # limit; exits 2 as the CLI's)
+            self._recover(exc)
+            return {}
+        except BaseException:
+            self._die("a batch failed", 1)
         finally:
             self._busy = False
+        self._backoff_s = RECOVERY_BACKOFF_S[0]
         if records or processed or self.pipeline.held_counts != held_before:  # not an offer of what is held alone
             self._idle.reset()
         self._apply_gate()
         return processed
+
+    def _recover(self, exc: Exception) -> None:
+        """Back to the last durable point after an infrastructure failure (module docstring): the join state and what
+        is held dropped, the gate's pauses released; faust's consumer, given nothing processed and nothing held, drops
+        the hand and seeks back to the committed offsets, then waits :meth:`_wait_s` before it fetches again."""
+        log.warning("infrastructure failure (%s: %s); reading again from the committed offsets in %.0f s",
+                    type(exc).__name__, clip(str(exc)), self._backoff_s)
+        self.recoveries += 1
+        self.pipeline.drop_held(set(self.pipeline.held_counts))  # never acknowledged: the seek reads them again
+        self.pipeline.forget(set(self.pipeline.engines))  # restored from the state log with the next batch
+        self.gate.release()
+        self._sync_pauses()
+        self._wait = self._backoff_s
+        self._backoff_s = min(RECOVERY_BACKOFF_S[1], self._backoff_s * 2)
+        self._idle.reset()  # a rewind is not idleness: what follows must be read again before an idle exit
+
+    def _wait_s(self) -> float:
+        """How long faust's consumer waits before its next fetch (after a recovery: the backoff), once."""
+        wait, self._wait = self._wait, 0.0
+        return wait
 
     def _drop_held(self, partitions: set[tuple[str, int]] | None) -> None:
         """faust's consumer dropped what the pipeline holds of ``partitions`` (None: all): it is read again."""

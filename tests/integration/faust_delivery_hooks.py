@@ -11,7 +11,8 @@ per event to the file named by ``STREAMREC_TEST_DELIVERY_LOG``:
   broker, ``ahead`` naming the partitions whose committed offset lies past the records the returned batches
   processed (``JoinPipeline.processed``: offsets running ahead of the state; records held back are not processed).
 
-With ``STREAMREC_TEST_FAIL_BATCH=n`` the n-th ``process_new`` call raises instead (an unexpected failure in a batch).
+With ``STREAMREC_TEST_FAIL_BATCH=n`` the n-th ``process_new`` call raises instead (an unexpected failure in a batch;
+with ``STREAMREC_TEST_FAIL_KIND=redis``, Redis refusing the connection: an infrastructure failure).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+import redis
 from faust.events import Event
 
 from stream.joiner import faust_delivery
@@ -28,6 +30,7 @@ from stream.joiner.pipeline import JoinPipeline, Record
 
 _LOG = open(os.environ["STREAMREC_TEST_DELIVERY_LOG"], "a", buffering=1)  # noqa: SIM115 - lives with the process
 _FAIL_AT = int(os.environ.get("STREAMREC_TEST_FAIL_BATCH", "0"))
+_FAIL_KIND = os.environ.get("STREAMREC_TEST_FAIL_KIND", "")
 _process_new = JoinPipeline.process_new
 _commit = faust_delivery.BatchConsumer._commit
 _event_init = Event.__init__
@@ -55,6 +58,8 @@ def _probed_process_new(self, records: list[Record], behind=None):  # noqa: ANN0
         span[0], span[1] = min(span[0], r.offset), max(span[1], r.offset)
     _write({"batch": _batches, "size": len(records), "tps": tps, "events": _events})
     if _batches == _FAIL_AT:
+        if _FAIL_KIND == "redis":
+            raise redis.ConnectionError(f"injected outage in batch {_batches}: Connection refused.")
         raise RuntimeError(f"injected fault in batch {_batches}")
     _process_new(self, records, behind)
     for (topic, partition), end in self.processed.items():

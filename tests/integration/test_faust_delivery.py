@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
@@ -16,18 +17,18 @@ from stream.config import KafkaSettings
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
-from tests.integration.test_joiner import join_env
+from tests.integration.test_joiner import expected_join, join_env, read_samples
 
 BATCH_MAX = 500
 SYN = SyntheticSettings(impressions=2500, users=2000, items=300, impressions_per_s=20.0, attribution_window_s=600.0,
                         malformed_share=0.0)
 
 
-def _run(kafka: KafkaSettings, redis_url: str, group_id: str, log: Path, fail_batch: int = 0
+def _run(kafka: KafkaSettings, redis_url: str, group_id: str, log: Path, fail_batch: int = 0, fail_kind: str = ""
          ) -> subprocess.CompletedProcess:
     env = join_env(kafka, redis_url, group_id)
     env.update({"STREAMREC_JOINER_BATCH_MAX": str(BATCH_MAX), "STREAMREC_TEST_DELIVERY_LOG": str(log),
-                "STREAMREC_TEST_FAIL_BATCH": str(fail_batch)})
+                "STREAMREC_TEST_FAIL_BATCH": str(fail_batch), "STREAMREC_TEST_FAIL_KIND": fail_kind})
     cmd = [sys.executable, "-m", "tests.integration.faust_delivery_hooks", "join", "--app-id", group_id, "--driver",
            "faust", "--window-s", "600", "--lateness-s", "0", "--exit-when-idle", "4", "--drain", "--json"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -90,6 +91,30 @@ def test_faust_commits_nothing_of_a_batch_that_failed_and_exits_with_status_1(
         assert committed.get(tp, 0) <= first, f"{tp}: committed {committed.get(tp)} is past the failed batch's start"
     for c in (e["commit"] for e in entries if "commit" in e):
         assert all(off <= failed["tps"].get(tp, [off])[0] for tp, off in c.items()), c
+
+
+def test_faust_reads_a_batch_that_failed_for_want_of_redis_again_in_the_process_and_joins_every_impression(
+        kafka: KafkaSettings, stack, group_id: str, tmp_path: Path) -> None:
+    # An infrastructure failure is recovered in the process (stream/joiner/worker.py), as the kafka driver does: nothing
+    # of the batch is acknowledged or committed, the hand is read again from the committed offsets after the backoff.
+    table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=33)
+    publish(table, kafka, "synthetic")
+    log = tmp_path / "delivery.jsonl"
+    out = _run(kafka, stack.redis_url, group_id, log, fail_batch=3, fail_kind="redis")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "infrastructure failure" in out.stderr and "injected outage in batch 3" in out.stderr
+    entries = _entries(log)
+    failed = next(e for e in entries if e.get("batch") == 3)
+    assert {"returned": 3} not in entries  # it raised
+    assert [c["ahead"] for c in entries if c.get("ahead")] == []  # no commit ran ahead of what was processed
+    later = [e for e in entries if e.get("batch", 0) > 3]
+    for tp, (first, last) in failed["tps"].items():  # every record of the failed batch was delivered again
+        seen = [e["tps"][tp] for e in later if tp in e.get("tps", {})]
+        assert any(a <= first for a, _ in seen) and any(b >= last for _, b in seen), (tp, first, last, seen)
+    want = expected_join(table, 600_000)
+    rows = read_samples(kafka)
+    assert Counter(r[0] for r in rows) == Counter(list(want.labels))  # every impression exactly once
+    assert {r[0]: r[1] for r in rows} == want.labels
 
 
 def test_faust_never_commits_records_the_join_holds_back_before_it_joins_them(

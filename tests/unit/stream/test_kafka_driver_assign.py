@@ -34,7 +34,7 @@ class Consumer:
 
 @pytest.fixture
 def worker(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(kafka_driver, "_BACKOFF_S", (0.001, 0.004))
+    monkeypatch.setattr(kafka_driver, "RECOVERY_BACKOFF_S", (0.001, 0.004))
     w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
     yield w
     w.consumer.close()

@@ -1,0 +1,80 @@
+"""The faust join driver recovers from an infrastructure failure in the process, as the kafka driver does
+(stream/joiner/worker.py, module docstring): a batch that fails because Redis or the broker is away reports nothing
+processed and drops the join state and what is held (faust's consumer then drops the hand and seeks back to the
+committed offsets: tests/unit/stream/test_faust_delivery.py), and the consumer waits a doubling backoff before it
+fetches again; any other failure still ends the process before anything is acknowledged. Against real Redis:
+tests/integration/test_faults.py (the Redis restart, ``-m slow`` for faust)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from stream.joiner.worker import FaustJoinWorker
+from stream.strikes import RECOVERY_BACKOFF_S
+
+
+class _Died(Exception):
+    pass
+
+
+def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple[FaustJoinWorker, SimpleNamespace]:
+    """A worker over a fake pipeline whose next batches raise what ``fail`` holds, in turn (then succeed)."""
+    from stream.config import KafkaSettings
+    from stream.joiner.config import JoinerSettings
+
+    monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(consumer=SimpleNamespace()))
+    monkeypatch.setattr(FaustJoinWorker, "_die", staticmethod(lambda what, status=1: (_ for _ in ()).throw(
+        _Died(status))))
+    calls: dict[str, list] = {"forget": [], "drop_held": []}
+
+    def process_new(records: list, behind: object) -> None:
+        if fail:
+            raise fail.pop(0)
+        pipeline.processed = {("impressions", 0): 10}
+
+    pipeline = SimpleNamespace(
+        held_counts={("clicks", 0): 3}, engines={0: object(), 1: object()}, processed={}, restore=lambda _p: None,
+        process_new=process_new, waiting=lambda: {}, input_times=lambda: {}, held_per_input=lambda: {},
+        forget=calls["forget"].append, drop_held=calls["drop_held"].append)
+    w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings())  # type: ignore[arg-type]
+    shutil.rmtree(w._datadir)
+    w._assigned = {0, 1}
+    w._behind = lambda kind, partition: False  # type: ignore[method-assign]
+    return w, SimpleNamespace(**calls)
+
+
+def test_a_batch_failing_for_want_of_redis_reports_nothing_processed_drops_the_state_and_backs_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    down = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    w, calls = _worker(monkeypatch, [down, redis.TimeoutError("Timeout reading from socket")])
+    assert w._process([]) == {}  # nothing acknowledged: the consumer seeks back to the committed offsets
+    assert calls.forget == [{0, 1}] and calls.drop_held == [{("clicks", 0)}]  # restored from the state log next
+    assert (w.recoveries, w._wait_s(), w._wait_s()) == (1, RECOVERY_BACKOFF_S[0], 0.0)  # one wait, once
+    assert w._process([]) == {}
+    assert (w.recoveries, w._wait_s()) == (2, 2 * RECOVERY_BACKOFF_S[0])  # doubling
+    assert w._process([]) == {("impressions", 0): 10}  # Redis is back
+    assert w._wait_s() == 0.0 and w._backoff_s == RECOVERY_BACKOFF_S[0]  # and the next failure waits 1 s again
+
+
+def test_the_backoff_stops_doubling_at_its_longest(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, _ = _worker(monkeypatch, [redis.ConnectionError("refused") for _ in range(8)])
+    waits = []
+    for _ in range(8):
+        w._process([])
+        waits.append(w._wait_s())
+    assert waits == [min(RECOVERY_BACKOFF_S[1], RECOVERY_BACKOFF_S[0] * 2 ** i) for i in range(8)]
+    assert max(waits) == RECOVERY_BACKOFF_S[1]
+
+
+@pytest.mark.parametrize("exc", [ValueError("a bug"), redis.ResponseError("WRONGTYPE Operation against a key")],
+                         ids=["bug", "message_fault"])
+def test_a_batch_failing_for_any_other_reason_still_ends_the_process_unacknowledged(
+        monkeypatch: pytest.MonkeyPatch, exc: Exception) -> None:
+    w, calls = _worker(monkeypatch, [exc])
+    with pytest.raises(_Died):
+        w._process([])
+    assert w.recoveries == 0 and calls.forget == []
