@@ -890,6 +890,7 @@ class DeltaReader:
         self._unfit: set[tuple[str, int, int]] = set()
         self.retries = 0  # reads of a delta that failed transiently and were left for the next round
         self._failing: dict[tuple[str, int, int], int] = {}  # file version -> its consecutive transient failures
+        self.retrying: Path | None = None  # the delta the last round ended at, read again next round (None: none)
 
     def mark_bad(self, path: Path, reason: str = "could not be applied") -> None:
         """Never yield this version of ``path`` again."""
@@ -970,6 +971,7 @@ class DeltaReader:
         every delta newer than ``after_samples`` comes, in seq order, as for a model that holds none (values are
         absolute, so the result is the learner's current rows). A delta whose seq a restart of ``lineage`` recorded
         abandoned is never read: a dead branch the restart could not remove (a directory refusing removals)."""
+        self.retrying = None
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
@@ -1029,6 +1031,7 @@ class DeltaReader:
                 continue
             except (DeltaError, OSError, MemoryError, ValueError, RecursionError) as exc:
                 if self._retry_later(fp, path, exc):  # this process short of a resource: the round ends here
+                    self.retrying = path
                     return
                 # damaged, malformed, or unreadable (permissions, I/O): one file must not stop the updates after it
                 self.mark_bad(path, (str(exc) if isinstance(exc, (DeltaError, OSError)) else f"{type(exc).__name__}: "

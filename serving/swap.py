@@ -28,6 +28,9 @@ Failing closed, once:
   ones still apply. "Later" is in ``seq`` order: deltas are absolute, so rows only the skipped delta
   carried keep their older value until a later delta touches them again or the next artifact arrives,
   and the dense weights are restored by the very next delta (each carries them whole).
+  A delta whose read failed for want of a resource of this process is read again next round
+  (``learner.deltas.TRANSIENT_TRIES``): a new artifact waits for it (reloaded next round) rather than go live
+  staler than the model it replaces.
 * **Signatures** (``[serve] signing_key_file``, read once at start, passed here as ``signing_key``). An
   artifact whose manifest is unsigned or whose signature does not match, and a delta that is not signed
   with the key, are rejected like every bad artifact or delta (counted, remembered, the live model keeps
@@ -326,13 +329,19 @@ class ModelUpdater:
         new = _live_model(model)
         if self.deltas is not None:
             self.deltas.forget_unfit()  # a delta that did not fit the old model may fit this one
+        held = None
         try:
-            self._apply_deltas(new)  # before it answers: a swap never makes scores staler than the deltas
+            held = self._apply_deltas(new)  # before it answers: a swap never makes scores staler than the deltas
         except Exception as exc:  # noqa: BLE001 - the deltas directory failing must not keep the new artifact out
             log.error("deltas could not be applied to %s before it went live (%s); it serves without them",
                       model.version, exc)
         if self._stop.is_set():  # stopped while its deltas were applied: not caught up, it does not go live
             log.info("artifact %s not swapped in: serving is stopping", model.version)
+            return
+        if held is not None:  # a delta's read is retried next round (DeltaReader.retrying): not caught up either
+            log.warning("artifact %s not swapped in yet: delta %s could not be read now and is retried next round; "
+                        "the model serving keeps answering (it is not staler than the deltas)", model.version,
+                        held.name)
             return
         self.holder.live = new
         self.holder.problem = None
@@ -364,9 +373,11 @@ class ModelUpdater:
         self.metrics.deltas_paused.set(1.0 if reason else 0.0)
         return reason
 
-    def _apply_deltas(self, live: LiveModel) -> None:
+    def _apply_deltas(self, live: LiveModel) -> Path | None:
+        """Apply the deltas ``live`` lacks; the delta a read shortage ended the round at (retried next round), or
+        None."""
         if self.deltas is None or self._paused(live) is not None:
-            return
+            return None
         gaps, rewinds = self.deltas.gaps, self.deltas.rewinds
         m = live.model
         after = m.delta_seq or m.source_delta_seq or 0  # a fresh model starts where its source checkpoint was
@@ -385,6 +396,7 @@ class ModelUpdater:
             self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
         if self.deltas.rewinds > rewinds:
             self.metrics.delta_rewinds.inc(self.deltas.rewinds - rewinds)
+        return self.deltas.retrying
 
     def status(self) -> dict[str, Any]:
         m = self.holder.model()

@@ -28,6 +28,7 @@ class Model:
 
 class Deltas:
     gaps = rewinds = 0
+    retrying = None
 
     def newer(self, after: int, *a: Any, **k: Any) -> Any:
         for seq in range(after + 1, after + 6):  # a backlog of five

@@ -1,0 +1,85 @@
+"""A new artifact goes live only caught up with the deltas (serving/swap.py ``ModelUpdater._maybe_swap``), also when
+the delta reader ends a round early to retry a delta whose read hit a passing shortage of serving's process
+(``learner/deltas.py`` ``TRANSIENT_TRIES``). A fake model (the updater's side alone), real delta files, the shortage
+injected into the loader the reader calls."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from learner import deltas
+from learner.deltas import TRANSIENT_TRIES, DeltaReader, delta_path, encode_delta
+from serving.metrics import ServingMetrics
+from serving.swap import LiveModel, ModelHolder, ModelUpdater
+from stream.files import write_atomic
+
+
+class Model:
+    """What the updater reads of a ScoringModel."""
+
+    delta_samples, source_samples, source_delta_seq, lineage = 0, 0, 0, None
+    hot_lookups = cold_lookups = 0
+    format = "torchscript"
+    id_lookups: dict[tuple[str, str], int] = {}
+
+    def __init__(self, version: str, version_dir: Path) -> None:
+        self.version, self.version_dir, self.delta_seq = version, version_dir, 0
+        self.applied: list[int] = []
+
+    def apply_delta(self, rows: Any, vectors: Any, dense: Any, seq: int, **kw: Any) -> None:
+        self.applied.append(seq)
+        self.delta_seq, self.delta_samples = seq, kw["samples_trained"]
+
+
+def _write(directory: Path, seq: int) -> None:
+    write_atomic(delta_path(directory, seq, 10 * seq), encode_delta(
+        {"seq": seq, "samples_trained": 10 * seq, "created": 1.0, "rows": torch.tensor([seq], dtype=torch.int64),
+         "vectors": torch.full((1, 5), float(seq)), "dense_state": {"bias": torch.zeros(1)}}))
+
+
+def test_an_artifact_whose_delta_read_is_retried_goes_live_only_caught_up(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The live model holds deltas 1..3; the new artifact v2 (trained to none of them) had its read of delta 1 fail
+    # with EMFILE: the round ended there and v2 went live without deltas 1..3, scores staler than the model it
+    # replaced until a round read delta 1 (the live model's own round right after failed too).
+    ddir, root = tmp_path / "deltas", tmp_path / "root"
+    ddir.mkdir()
+    for seq in (1, 2, 3):
+        _write(ddir, seq)
+    holder = ModelHolder()
+    u = ModelUpdater(holder, ServingMetrics(holder.model), root, ddir, device="cpu")
+    old = Model("v1", tmp_path / "v1")
+    holder.live = LiveModel(old, None, 0)  # type: ignore[arg-type]
+    u._apply_deltas(holder.live)
+    assert old.applied == [1, 2, 3]
+    (tmp_path / "v2").mkdir()
+    loaded: list[Model] = []
+
+    def load(path: Path, device: str) -> Model:
+        loaded.append(Model("v2", path))
+        return loaded[-1]
+
+    real, fails = deltas.load_delta, [2]
+
+    def load_delta(p: Path, key: object = None) -> deltas.Delta:
+        if p.name.startswith("delta-000000000001") and fails[0] > 0:
+            fails[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(p, key)  # type: ignore[arg-type]
+
+    assert delta_path(ddir, 1, 10).name.startswith("delta-000000000001")
+    monkeypatch.setattr(deltas, "load_delta", load_delta)
+    monkeypatch.setattr("serving.swap.current_version", lambda r: "v2")
+    monkeypatch.setattr("serving.swap.version_path", lambda r, name: tmp_path / name)
+    monkeypatch.setattr("serving.swap._live_model", lambda m: LiveModel(m, None, 0))
+    u._load = load  # type: ignore[method-assign,assignment]
+    for _ in range(3):  # delta 1's read fails in two rounds, then reads
+        u.check_now()
+        assert holder.live.model.delta_seq == 3  # never behind the deltas the replaced model held
+    assert holder.live.model is loaded[-1] and loaded[-1].applied == [1, 2, 3]
+    assert isinstance(u.deltas, DeltaReader) and u.deltas.retries == 2 and TRANSIENT_TRIES > 2
