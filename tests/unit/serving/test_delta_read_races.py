@@ -185,3 +185,20 @@ def test_after_the_numbering_restarts_a_seq_of_the_old_numbering_does_not_hide_t
     _write(tmp_path, 3, samples=120)  # the new 2 was written and pruned before serving read it
     assert [d.seq for d in reader.newer(1, 10, applied_samples=100)] == [3]
     assert reader.gaps == gaps + 1
+
+
+def test_a_hole_after_the_numbering_restarted_counts_though_the_old_numbering_had_one_at_those_seqs(
+        tmp_path: Path) -> None:
+    # The model at 1 sees only 11 (2..10 pruned: 9 gaps); the learner's directory is then replaced (its numbering
+    # restarts: 1, 2), serving re-bases on them (a rewind), and 3 and 4 of the new numbering are pruned unread before
+    # 5: two more gaps. The counted holes were remembered as seqs of the old numbering, so 3..4 looked counted already.
+    _write(tmp_path, 11, 110)
+    reader = DeltaReader(tmp_path)
+    assert [d.seq for d in reader.newer(1, 10)] == [11] and reader.gaps == 9
+    delta_path(tmp_path, 11, 110).unlink()
+    for seq in (1, 2):
+        _write(tmp_path, seq, 200 + 10 * (seq - 1))
+    assert [d.seq for d in reader.newer(11, 10, applied_samples=110)] == [1, 2] and reader.rewinds == 1
+    _write(tmp_path, 5, 240)
+    assert [d.seq for d in reader.newer(2, 10, applied_samples=210)] == [5]
+    assert reader.gaps == 9 + 2
