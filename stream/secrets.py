@@ -34,9 +34,10 @@ _pattern: re.Pattern[str] | None = None
 
 # The whole userinfo of a URL: everything from ``scheme://`` to the LAST ``@`` of the same token (greedy), as
 # ``urlsplit`` takes ``netloc.rpartition('@')``. It may hold ``@``, ``/``, ``:``, ``%`` (an unencoded password
-# makes the URL unparseable, and the error quoting it must still not leak it). Whitespace, quotes and angle
-# brackets end a token. A URL with no ``@`` is left as it is.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+._-]*://)(?P<userinfo>[^\s'\"<>`]*)@")
+# makes the URL unparseable, and the error quoting it must still not leak it). Only whitespace ends a token: a
+# password may hold a quote (``'`` unencoded, RFC 3986) or ``"<>`` (urlsplit and redis-py take them), and a stop
+# there showed it whole. A URL with no ``@`` is left as it is.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+._-]*://)(?P<userinfo>\S*)@")
 _KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|passphrase|secret|token|api[_-]?key|signing[_-]?key|"
                         r"key[._-]?pem|sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
 # librdkafka's sensitive properties include a private key given inline (``ssl.key.pem``,

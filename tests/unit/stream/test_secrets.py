@@ -309,3 +309,17 @@ def test_whitespace_around_a_redis_url_is_dropped_not_refused(url: str) -> None:
     from stream.config import RedisSettings
 
     assert RedisSettings(url=url).url == "redis://h:1/0"
+
+
+@pytest.mark.parametrize("password", ["pa'ss9Q", 'pa"ss9Q', "pa`ss9Q", "pa<ss9Q", "pa>ss9Q", "a'b\"c9Q"])
+def test_a_url_password_holding_a_quote_or_angle_bracket_is_masked_whole(password: str) -> None:
+    # "'" is a sub-delim RFC 3986 allows unencoded in a password (urlsplit and redis-py take the others too): the
+    # userinfo match stopped at it, and the repr and every error line quoting the url showed the whole password
+    from stream.config import RedisSettings
+    from stream.errors import ConfigError
+
+    url = f"redis://:{password}@h:1/3"
+    assert "ss9Q" not in repr(RedisSettings(url=url)) and "redis://***@h:1/3" in repr(RedisSettings(url=url))
+    with pytest.raises(ConfigError) as exc:
+        RedisSettings(url=url, cluster=True)
+    assert "ss9Q" not in str(exc.value) and "9Q" not in redact(f"url {url!r} and {url}"), str(exc.value)
