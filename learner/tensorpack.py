@@ -52,7 +52,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -63,7 +65,7 @@ import torch
 
 from stream.errors import BadMessage, ConfigError, StreamrecError
 from stream.events import count_keys, reject_duplicate_keys
-from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular_stat
 from stream.secrets import register
 
 MAGIC = b"SRPACK\x00\x01"  # container format 1: unsigned
@@ -82,6 +84,7 @@ _TORCH_OF = {name: dtype for dtype, name in _TORCH.items()}
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 ALIGN = 64  # file offset of the data and of every tensor in it, a multiple of this (pack pads)
 _NATIVE = sys.byteorder == "little"  # tensors are stored little-endian: views only where that is native
+log = logging.getLogger(__name__)
 
 
 class PackError(StreamrecError, ValueError):
@@ -142,7 +145,9 @@ class SigningKey:
 def load_signing_key(path: Path | str | None) -> SigningKey | None:
     """The key in ``path`` (``signing_key_file``; None: no key). A trailing newline is dropped, as for every
     secret file. ConfigError naming the file when it cannot be read or is shorter than 16 bytes, and for an
-    empty path (a missing secret path must not turn signing off: None is how to say "no key")."""
+    empty path (a missing secret path must not turn signing off: None is how to say "no key"). A key file other
+    users can read or write (mode bits o+r, o+w, g+w) is loaded with a warning (refusing it would stop every process
+    on a secret volume mounted 0644, Kubernetes' default); one only its group reads is the way to share it."""
     if path is None:
         return None
     if str(path).strip() == "":
@@ -150,10 +155,19 @@ def load_signing_key(path: Path | str | None) -> SigningKey | None:
                           "without a signing key")
     p = Path(path)
     try:  # a FIFO or a device in place of the key would hang the process or read without end: refused unread
-        raw = read_regular(p, MAX_SETTINGS_FILE_BYTES)
+        raw, st = read_regular_stat(p, MAX_SETTINGS_FILE_BYTES)
     except OSError as exc:
         raise ConfigError(f"signing_key_file {p}: cannot read it ({exc.strerror or exc}); mount the key file or "
                           "unset signing_key_file") from None
+    risks = [why for bits, why in ((stat.S_IROTH, "every local user can read it (and sign deltas and manifests "
+                                                   "serving accepts)"),
+                                   (stat.S_IWOTH | stat.S_IWGRP, "users other than its owner can write it (and "
+                                                                 "choose the key a restarted process trusts)"))
+             if st.st_mode & bits]
+    if risks:  # loaded all the same: a secret volume mounted 0644 must still start
+        log.warning("signing_key_file %s has mode %04o: %s; chmod 600 (640 or 440 to share it with a group of "
+                    "services), or mount the secret with defaultMode 0400", p, stat.S_IMODE(st.st_mode),
+                    " and ".join(risks))
     raw = raw.rstrip(b"\r\n")
     if len(raw) < MIN_KEY_BYTES:
         raise ConfigError(f"signing_key_file {p}: {len(raw)} bytes, a signing key needs at least {MIN_KEY_BYTES} "

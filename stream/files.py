@@ -159,13 +159,20 @@ def read_regular(path: Path | str, limit: int, what: str = "a settings or secret
     :func:`open_regular`, so a FIFO, a device (``/dev/zero``, a tty) or a directory is refused unread rather than
     hanging the process or reading without end (:class:`NotRegularFile`); a larger file is :class:`FileTooLarge`
     after ``limit + 1`` bytes. Both are OSErrors whose message says what the file is, as ``open``'s errors are."""
+    return read_regular_stat(path, limit, what)[0]
+
+
+def read_regular_stat(path: Path | str, limit: int, what: str = "a settings or secret file") -> tuple[bytes,
+                                                                                                     os.stat_result]:
+    """:func:`read_regular`, with the ``fstat`` of the file it read (a secret file's permissions: no second look by
+    name, which may find another file)."""
     chunks: list[bytes] = []
     size = 0
-    with open_regular(Path(path)) as (fh, _):
+    with open_regular(Path(path)) as (fh, st):
         while size <= limit:
             chunk = fh.read(limit + 1 - size)
             if not chunk:
-                return b"".join(chunks)
+                return b"".join(chunks), st
             chunks.append(chunk)
             size += len(chunk)
     raise FileTooLarge(f"{path} holds more than {limit} bytes: too large for {what} (is it the right file?)")

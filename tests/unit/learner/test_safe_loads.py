@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,23 @@ def test_a_safetensors_manifest_listing_a_pickled_id_maps_file_is_refused(tmp_pa
     m["files"][A.ID_MAPS_FILE] = m["files"].pop(A.ID_MAPS_PACK)
     with pytest.raises(A.ArtifactError, match="a pickle, in a safetensors artifact"):
         A.decode_manifest(json.dumps(m).encode())
+
+
+@pytest.mark.parametrize("mode, warned", [(0o600, False), (0o400, False), (0o640, False), (0o440, False),
+                                          (0o644, True), (0o604, True), (0o620, True), (0o602, True)])
+def test_a_signing_key_file_other_users_can_read_or_a_group_can_write_is_loaded_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, warned: bool) -> None:
+    # Any local user who reads the key can sign deltas and manifests serving accepts; one who writes it chooses the
+    # key a restarted process trusts. Refusing would break secret volumes mounted 0644 (Kubernetes' default mode),
+    # so it is loaded, with a warning naming the file, its mode and the fix; a group that only reads it is silent.
+    f = tmp_path / "key"
+    f.write_text("k3y-material-for-tests-0123456789\n")
+    f.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="learner.tensorpack"):
+        assert load_signing_key(f) is not None
+    lines = [r.getMessage() for r in caplog.records if r.name == "learner.tensorpack"]
+    assert bool(lines) is warned, lines
+    if warned:
+        assert str(f) in lines[0] and oct(mode)[2:] in lines[0] and "chmod 600" in lines[0]
+        assert "k3y-material" not in lines[0] and redact(lines[0]) == lines[0]  # the log filter leaves it whole
+        assert ("every local user can read it" in lines[0]) is bool(mode & 0o004)
