@@ -219,7 +219,7 @@ class Scraper:
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
                     else f"{exc}" or type(exc).__name__
-                snap.errors[name] = f"{url}: {why}"
+                snap.errors[name] = redact(f"{url}: {why}")  # (run log, status, log: a url's password as ***)
                 SCRAPE_ERRORS.labels(name).inc()
         return snap
 

@@ -129,6 +129,34 @@ threshold = 0
     assert "hunter2-secret" not in text
 
 
+
+def test_a_failed_scrape_of_a_source_with_a_password_writes_it_as_stars(tmp_path: Path) -> None:
+    """A scrape error was ``f"{url}: {why}"`` with the url as written: a source's ``user:password@`` reached the run
+    log's ``scrape_error`` records (a file that outlives the process, read by ``streamrec report``) and the monitor's
+    status in clear, although its start record masked it."""
+    logs = tmp_path / "logs"
+    url = "http://scraper:hunter2-secret@127.0.0.1:1/metrics"  # port 1: refused at once
+    rules = f"""
+[sources]
+learner = "{url}"
+[run_log]
+path = "{logs}/run.jsonl"
+[[rule]]
+name = "hot"
+expr = "m"
+op = ">"
+threshold = 0
+"""
+    scraper = Scraper({"learner": url}, timeout_s=2.0)
+    mon, _ = monitor(rules, scraper.scrape, Clocks())
+    try:
+        mon.step()
+    finally:
+        mon.close(5)
+    text = (logs / "run.jsonl").read_text()
+    assert '"kind":"scrape_error"' in text and "127.0.0.1:1/metrics" in text
+    assert "hunter2-secret" not in text
+
 def test_a_run_log_that_cannot_be_opened_is_a_settings_error(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     rules = tmp_path / "rules.toml"
