@@ -73,7 +73,7 @@ from prometheus_client import Gauge
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
 from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
-from stream.secrets import redacted_repr
+from stream.secrets import redact, redacted_repr
 
 log = logging.getLogger("streamrec.alerts")
 
@@ -174,6 +174,9 @@ class Alert:
     def __post_init__(self) -> None:
         if not self.fingerprint:
             object.__setattr__(self, "fingerprint", alert_fingerprint(self.rule, self.kind, self.labels))
+        # scrubbed where every alert is made, for every sink (the log's filter covered the log copy only: a refresh
+        # failure's message quoting an exception went to Kafka and webhooks as it was)
+        object.__setattr__(self, "message", redact(self.message))
 
     @property
     def key(self) -> bytes:

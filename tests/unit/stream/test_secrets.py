@@ -323,3 +323,18 @@ def test_a_url_password_holding_a_quote_or_angle_bracket_is_masked_whole(passwor
     with pytest.raises(ConfigError) as exc:
         RedisSettings(url=url, cluster=True)
     assert "ss9Q" not in str(exc.value) and "9Q" not in redact(f"url {url!r} and {url}"), str(exc.value)
+
+
+def test_an_alert_sent_to_any_sink_carries_no_secret_its_message_quoted() -> None:
+    # a refresh failure's message quotes the exception (cache_refresh/job.py): the log's filter scrubbed the log copy
+    # only, and the Kafka or webhook payload went out as written
+    from cache_refresh.alerts import RefreshAlerts
+    from stream.config import KafkaSettings
+
+    register("alert-borne-secret-77")
+    alert = RefreshAlerts(KafkaSettings(), topic="").fire(
+        "holdout", "ConnectionError: redis://svc:s3cr%40t@redis-1:6379/0 refused (token alert-borne-secret-77)",
+        "refresh_failed")
+    payload = alert.to_json().decode()
+    assert "s3cr" not in payload and "alert-borne-secret-77" not in payload
+    assert f"redis://{MASK}@redis-1:6379/0 refused" in alert.message
