@@ -49,6 +49,7 @@ batch to several queued sinks.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import enum
 import hashlib
@@ -73,7 +74,7 @@ from prometheus_client import Gauge
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError
 from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
-from stream.secrets import redact, redacted_repr
+from stream.secrets import hide_url_path, redact, redacted_repr
 
 log = logging.getLogger("streamrec.alerts")
 
@@ -255,7 +256,13 @@ class SinkSettings:
     retry_backoff_max_s: float = 30.0  # ... up to this
     close_timeout_s: float = 10.0  # at shutdown, keep delivering queued alerts this long, then report the rest
 
-    __repr__ = redacted_repr  # the webhook_url's user-info (https://user:token@host): never shown
+    def __repr__(self) -> str:
+        """The webhook as its scheme and host only (its user-info, path and query may be its token: Slack's are in the
+        path; ``stream.secrets.hide_url_path``), the rest through ``redacted_repr``."""
+        shown = copy.copy(self)
+        if self.webhook_url:
+            object.__setattr__(shown, "webhook_url", hide_url_path(self.webhook_url))
+        return redacted_repr(shown)
 
 
 class SinkError(StreamrecError):
@@ -602,8 +609,9 @@ class WebhookSink:
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         problem = check_http_url(url)
         if problem:
-            raise ValueError(f"webhook URL {url!r}: {problem}; e.g. http://alertmanager:9093/hook")
+            raise ValueError(f"webhook URL {hide_url_path(url)!r}: {problem}; e.g. http://alertmanager:9093/hook")
         self.url, self.timeout_s = url, timeout_s
+        self.shown = hide_url_path(url)  # in messages: a Slack-style URL's path is its token
         self.delivered = 0
 
     def send(self, alerts: Sequence[Alert], deadline: float | None = None) -> None:
@@ -628,10 +636,10 @@ class WebhookSink:
                     why.append(f"{a.rule} ({a.state.value}): {error}")
                     continue
             # the receiver is down or overloaded: stop here, the rest stay queued in order
-            raise SinkError(f"webhook {self.url}: {len(alerts) - i} of {len(alerts)} alert(s) not delivered: "
+            raise SinkError(f"webhook {self.shown}: {len(alerts) - i} of {len(alerts)} alert(s) not delivered: "
                             f"{error}", undelivered=alerts[i:], rejected=rejected)
         if rejected:
-            raise SinkError(f"webhook {self.url} refused {len(rejected)} alert(s), which are dropped (the "
+            raise SinkError(f"webhook {self.shown} refused {len(rejected)} alert(s), which are dropped (the "
                             f"receiver rejects the request itself; check webhook_url): {'; '.join(why)}",
                             undelivered=[], rejected=rejected)
 

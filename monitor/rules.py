@@ -76,6 +76,7 @@ from monitor.alerts import Severity, SinkSettings, check_http_url
 from monitor.expr import ExprError, Node, longest_range, parse
 from stream.errors import ConfigError
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
+from stream.secrets import hide_url_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -329,7 +330,7 @@ def _sinks(where: _Where, raw: Any) -> SinkSettings:
         if key in raw:
             kw[key] = _string(where, ctx, key, raw[key]) or None
     if kw.get("webhook_url") and (problem := check_http_url(kw["webhook_url"])):
-        raise where.error(ctx, f'field "webhook_url": {problem}, got {_shown(kw["webhook_url"])}; e.g. '
+        raise where.error(ctx, f'field "webhook_url": {problem}, got {_shown(hide_url_path(kw["webhook_url"]))}; e.g. '
                           '"http://alertmanager:9093/hook"')
     if kw.get("kafka_topic") and not _KAFKA_TOPIC.fullmatch(kw["kafka_topic"]):
         raise where.error(ctx, 'field "kafka_topic": expected a Kafka topic name (1 to 249 of letters, digits, '

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import re
 import threading
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,6 +94,19 @@ def register(value: str) -> None:
             return
         _known.add(value)
         _pattern = re.compile("|".join(re.escape(v) for v in sorted(_known, key=len, reverse=True)))
+
+
+def hide_url_path(url: str) -> str:
+    """``url`` as a webhook's is shown: its scheme and host, its user-info, path and query as ``***``. A receiver's
+    path or query is often its credential (Slack's ``/services/T.../B.../<token>``, ``?token=...``), which
+    :func:`redact` cannot tell from a path."""
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+    except ValueError:
+        return MASK
+    user, at, host = parts.netloc.rpartition("@")
+    return (f"{parts.scheme}://{MASK + '@' if at else ''}{host}"
+            f"{'/' + MASK if parts.path.strip('/') or parts.query or parts.fragment else ''}")
 
 
 def redact(text: str) -> str:

@@ -338,3 +338,29 @@ def test_an_alert_sent_to_any_sink_carries_no_secret_its_message_quoted() -> Non
     payload = alert.to_json().decode()
     assert "s3cr" not in payload and "alert-borne-secret-77" not in payload
     assert f"redis://{MASK}@redis-1:6379/0 refused" in alert.message
+
+
+def test_a_webhook_urls_path_and_query_are_never_shown_its_token_may_be_there(tmp_path: Path) -> None:
+    # Slack-style incoming webhooks carry their token in the path, others in the query: a failed delivery's error, the
+    # settings' repr and a rules file's error once showed it whole (redact masks only a URL's user-info)
+    from monitor.alerts import Alert, AlertState, Severity, SinkError, SinkSettings, WebhookSink
+    from monitor.rules import load_rules
+    from stream.errors import ConfigError
+    from stream.secrets import hide_url_path
+
+    token = "T0KEN-xoxb-9f8e7d6c"
+    url = f"http://u:pw@127.0.0.1:1/services/T1/B2/{token}?sig={token}"
+    assert hide_url_path(url) == f"http://{MASK}@127.0.0.1:1/{MASK}"
+    assert hide_url_path("http://alertmanager:9093/") == "http://alertmanager:9093"
+    sink = WebhookSink(url, timeout_s=2.0)
+    alert = Alert(rule="r", source="s", severity=Severity.WARNING, state=AlertState.FIRING, value=1.0, threshold=0.0,
+                  message="m", ts=0)
+    with pytest.raises(SinkError) as err:  # nothing listens on port 1: refused
+        sink.send([alert])
+    assert token not in str(err.value) and "127.0.0.1:1" in str(err.value)
+    assert token not in repr(SinkSettings(webhook_url=url))
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'[sinks]\nwebhook_url = "ftp://hooks.example/services/{token}"\n')
+    with pytest.raises(ConfigError) as bad:
+        load_rules(rules)
+    assert token not in str(bad.value) and "webhook_url" in str(bad.value)
