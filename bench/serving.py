@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cache_refresh.publish import publish  # noqa: E402
-from learner.artifact import SCORER_FILES, build_artifact, read_current  # noqa: E402
+from learner.artifact import SCORER_FILES, build_artifact, open_artifact, read_current  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
 from learner.scorer import ScorerSpec  # noqa: E402
@@ -430,6 +430,10 @@ def load_times(version_dir: Path, repeats: int = 3) -> dict[str, float]:
     manifest = json.loads((version_dir / "manifest.json").read_text())
     fmt, spec = manifest["format"], ScorerSpec.from_dict(manifest["scorer"])
 
+    def _load_scorer_only(version_dir: Path, fmt: str, spec: ScorerSpec) -> None:
+        with open_artifact(version_dir, digests=False) as files:
+            load_scorer(fmt, files, spec, "cpu")
+
     def best(fn: Any) -> float:
         times = []
         for _ in range(repeats + 1):
@@ -440,7 +444,7 @@ def load_times(version_dir: Path, repeats: int = 3) -> dict[str, float]:
 
     return {"verified_s": best(lambda: ScoringModel.load(version_dir)),
             "unverified_s": best(lambda: ScoringModel.load(version_dir, verify_files=False)),
-            "scorer_s": best(lambda: load_scorer(fmt, version_dir / SCORER_FILES[fmt], spec, "cpu")),
+            "scorer_s": best(lambda: _load_scorer_only(version_dir, fmt, spec)),
             "scorer_bytes": float((version_dir / SCORER_FILES[fmt]).stat().st_size)}
 
 

@@ -29,8 +29,9 @@ Layout under a publish root::
                                          learner.tensorpack: such an artifact unpickles nothing
     <root>/.staging/<version>-<pid>/     an artifact being built; never read by serving
 
-Every file serving reads is listed in the manifest's ``files`` and checked (size, sha256) before any of
-them is opened to load (:func:`verify`, ``serving.model.ScoringModel.load``).
+Every file serving reads is listed in the manifest's ``files``, opened once and checked (regular file, one
+link, size, sha256) on the open file, and loaded from that same open file (:func:`open_artifact`,
+``serving.model.ScoringModel.load``): a file renamed over a listed one after its check is never what is loaded.
 
 Signatures: with a signing key (``signing_key_file``: :func:`learner.tensorpack.load_signing_key`) the
 manifest carries ``signature``, the hex HMAC-SHA256 of :func:`canonical_manifest` (the manifest without
@@ -45,7 +46,8 @@ version names (:func:`is_version_name`: letters, digits, ``. _ -``, no path sepa
 a dot, so never ``..``); manifest file names likewise. A version directory must resolve (symlinks
 followed) to a directory inside ``<root>/versions``, and every artifact file (the manifest included) to a
 file inside its version directory: a symlink leaving them is an ArtifactError (:func:`version_path`,
-:func:`read_current`, :func:`verify`), and :func:`list_versions` leaves such entries out.
+:func:`read_current`, :func:`verify`), and :func:`list_versions` leaves such entries out; the files the manifest
+lists are opened without following a symlink at all (:func:`open_artifact`).
 
 Errors: :class:`ArtifactError` for every artifact that cannot be used (missing, truncated or altered
 files; a manifest that is not UTF-8, not JSON, repeats a key, not an object, lacks a key or has a key of the
@@ -57,6 +59,7 @@ names the file, what was wrong and what to do. No other exception escapes :func:
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import logging
 import math
@@ -68,7 +71,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -97,11 +100,11 @@ from stream.events import count_keys, reject_duplicate_keys
 from stream.files import fsync_dir, open_regular, sha256_file, write_synced
 
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST",
-           "PIN", "SCORER_FILES", "SIGNATURE", "STAGING", "VERSIONS", "ArtifactError", "Pin", "build_artifact",
-           "canonical_manifest", "check_checkpoint", "check_paths", "check_signature", "current_version",
-           "decode_manifest", "eager_model", "feature_config_from", "is_version_name", "list_versions",
-           "new_version_name", "pin_holding", "read_current", "read_id_maps", "read_manifest", "read_pin", "verify",
-           "version_path", "versions_dir"]
+           "PIN", "SCORER_FILES", "SIGNATURE", "STAGING", "VERSIONS", "ArtifactError", "ArtifactFiles", "Pin",
+           "build_artifact", "canonical_manifest", "check_checkpoint", "check_signature", "current_version",
+           "decode_manifest", "eager_model", "feature_config_from", "is_version_name", "list_versions", "map_table",
+           "new_version_name", "open_artifact", "pin_holding", "read_current", "read_id_maps", "read_manifest",
+           "read_pin", "verify", "version_path", "versions_dir"]
 
 ARTIFACT_FORMAT_VERSION = 1
 COLD_FILE = "cold_rows.npy"
@@ -727,87 +730,171 @@ def read_manifest(version_dir: Path, signing_key: SigningKey | None = None) -> d
     return decode_manifest(raw, path, signing_key)
 
 
-def _check_regular(path: Path) -> None:
-    """ArtifactError when ``path`` exists and is not a regular file (a FIFO, a device, a directory, a socket): every
-    loader (``np.load`` of the cold rows, ``torch.jit.load``, onnxruntime, the id maps) opens listed files with a
-    blocking open, and a FIFO put in a publish directory hung serving's swap (or its start) for good, ``/dev/zero``
-    was read without end. A hard link (``st_nlink > 1``) is refused too: another path can change the file after its
-    sha256 check, before its load (the refresh writes every file afresh; copy a publish root, never ``cp -al``). A
-    missing file is left to the caller's own message."""
+class ArtifactFiles:
+    """The files a manifest lists, each opened once (:func:`open_artifact`): ``files[name]`` is that open file, at its
+    start, the one its checks (and digest) were made on, so what is loaded from it is what was verified. Close it (a
+    ``with`` block) once loaded: a memory map of one (:func:`map_table`) stays valid."""
+
+    def __init__(self, version_dir: Path, manifest: dict[str, Any], opened: dict[str, BinaryIO]) -> None:
+        self.version_dir, self.manifest, self._opened = version_dir, manifest, opened
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._opened
+
+    def __getitem__(self, name: str) -> BinaryIO:
+        fh = self._opened[name]
+        fh.seek(0)
+        return fh
+
+    def path(self, name: str) -> Path:
+        """Where ``name`` was opened (for messages: the file loaded is the open one, never this path again)."""
+        return self.version_dir / name
+
+    def close(self) -> None:
+        for fh in self._opened.values():
+            fh.close()
+
+    def __enter__(self) -> ArtifactFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_REPUBLISH = "republish with `streamrec refresh --now` or roll back"
+
+
+def _open_dir(version_dir: Path) -> int:
+    """A descriptor of ``version_dir``, checked to be the directory its path resolves to inside the directory holding
+    it (:func:`_resolve_inside`), so the files opened relative to it are entries of that directory."""
     try:
-        st = path.stat()
-    except FileNotFoundError:
-        return
+        fd = os.open(version_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise ArtifactError(f"{path} cannot be read ({exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused unread; "
-                            "republish with `streamrec refresh --now` or roll back")
-    if st.st_nlink > 1:
-        raise ArtifactError(f"{path} is a hard link ({st.st_nlink} names): another path could change it after its "
-                            "check, before it is loaded; refused unread. Copy a publish root, never hard-link it; "
-                            "republish with `streamrec refresh --now` or roll back")
+        raise ArtifactError(f"{version_dir} cannot be opened as a version directory ({exc})") from None
+    try:
+        target = _resolve_inside(version_dir, version_dir.parent, f"a version directory must lie in "
+                                                                  f"{version_dir.parent}")
+        st, here = os.fstat(fd), os.stat(target)
+        if (st.st_dev, st.st_ino) != (here.st_dev, here.st_ino):
+            raise ArtifactError(f"{version_dir} was replaced while it was opened: refused; {_REPUBLISH}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def check_paths(version_dir: Path, manifest: Mapping[str, Any]) -> None:
-    """ArtifactError when the version directory or a file the manifest lists is a symlink (or a path) resolving
-    outside where it belongs (module docstring), or is not a regular file (:func:`_check_regular`). :func:`verify`
-    does this too; this is the check alone, for a load that skips the digests."""
-    version_dir = _check_version_dir(version_dir)
-    for name in manifest["files"]:
-        _resolve_inside(version_dir / name, version_dir, "artifact files must be files of their version directory")
-        _check_regular(version_dir / name)
+def _open_listed(dir_fd: int, path: Path, want: Mapping[str, Any], digest: bool) -> BinaryIO:
+    """``path`` (a listed file) opened once relative to its directory's descriptor, not following a symlink, and
+    checked on that descriptor: a regular file (a FIFO hung every loader's blocking open; ``/dev/zero`` was read
+    without end), not a hard link (another path could change it after its check, before its load: the refresh writes
+    every file afresh; copy a publish root, never ``cp -al``), and with ``digest`` the manifest's size and sha256
+    read from it."""
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing (listed in the manifest): the artifact is incomplete") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ArtifactError(f"{path} is a symlink: artifact files are read only as plain files of their "
+                                f"version directory; refused unread; {_REPUBLISH}") from None
+        raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
+    fh = open(fd, "rb", closefd=True)  # noqa: SIM115 - the caller's (ArtifactFiles) to close
+    fh.raw.name = str(path)  # type: ignore[attr-defined]  # (its name in loaders' messages: the path, not the fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused unread; "
+                                f"{_REPUBLISH}")
+        if st.st_nlink > 1:
+            raise ArtifactError(f"{path} is a hard link ({st.st_nlink} names): another path could change it after "
+                                "its check, before it is loaded; refused unread. Copy a publish root, never "
+                                f"hard-link it; {_REPUBLISH}")
+        os.set_blocking(fd, True)
+        if digest:
+            if st.st_size != want["bytes"]:
+                raise ArtifactError(f"{path} has {st.st_size} bytes, the manifest says {want['bytes']}: the file is "
+                                    f"truncated or was replaced; {_REPUBLISH}")
+            try:
+                got = sha256_file(fh)
+            except OSError as exc:
+                raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
+            if got != want["sha256"]:
+                raise ArtifactError(f"{path}: sha256 {got[:16]}... does not match the manifest's "
+                                    f"{want['sha256'][:16]}...: the file is corrupt; {_REPUBLISH}")
+    except BaseException:
+        fh.close()
+        raise
+    return fh
 
 
-def verify(version_dir: Path, manifest: dict[str, Any] | None = None,
-           signing_key: SigningKey | None = None) -> dict[str, Any]:
-    """Check every file's size and sha256 against the manifest (read and, with ``signing_key``, its signature
-    checked first when not given); returns the manifest. ArtifactError for a file that is missing, of another
-    size or digest, or a symlink resolving outside the version directory."""
+def open_artifact(version_dir: Path, manifest: dict[str, Any] | None = None, signing_key: SigningKey | None = None,
+                  digests: bool = True) -> ArtifactFiles:
+    """Every file ``manifest`` lists (read, with ``signing_key`` its signature checked first, when not given), each
+    opened once and checked on the open file (:func:`_open_listed`; with ``digests`` its size and sha256 too), as
+    :class:`ArtifactFiles`: the loader reads those open files, so a file renamed over a listed one after its check is
+    never what is loaded. ArtifactError for a version directory or a file that is a symlink or a path resolving outside
+    where it belongs (module docstring; a symlink inside the version directory is refused too: every file is opened
+    without following one), missing, not a regular file, a hard link, or (``digests``) of another size or digest."""
     version_dir = _check_version_dir(version_dir)
     if manifest is None:  # (the one-argument call without a key: tests wrap read_manifest)
         manifest = read_manifest(version_dir) if signing_key is None else read_manifest(version_dir, signing_key)
     elif signing_key is not None:
         check_signature(manifest, signing_key, version_dir / MANIFEST)
-    for name, want in manifest["files"].items():
-        p = version_dir / name
-        _resolve_inside(p, version_dir, "artifact files must be files of their version directory")
-        _check_regular(p)
-        if not p.is_file():
-            raise ArtifactError(f"{p} is missing (listed in the manifest): the artifact is incomplete")
-        try:
-            size = p.stat().st_size
-        except OSError as exc:
-            raise ArtifactError(f"{p} cannot be read ({exc})") from None
-        if size != want["bytes"]:
-            raise ArtifactError(f"{p} has {size} bytes, the manifest says {want['bytes']}: the file is truncated "
-                                "or was replaced; republish with `streamrec refresh --now` or roll back")
-        try:
-            digest = sha256_file(p)
-        except OSError as exc:
-            raise ArtifactError(f"{p} cannot be read ({exc}); check the publish root's permissions") from None
-        if digest != want["sha256"]:
-            raise ArtifactError(f"{p}: sha256 {digest[:16]}... does not match the manifest's {want['sha256'][:16]}...: "
-                                "the file is corrupt; republish with `streamrec refresh --now` or roll back")
-    return manifest
+    dir_fd = _open_dir(version_dir)
+    opened: dict[str, BinaryIO] = {}
+    try:
+        for name, want in manifest["files"].items():
+            path = version_dir / name
+            _resolve_inside(path, version_dir, "artifact files must be files of their version directory")
+            opened[name] = _open_listed(dir_fd, path, want, digests)
+    except BaseException:
+        for fh in opened.values():
+            fh.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    return ArtifactFiles(version_dir, manifest, opened)
 
 
-def read_id_maps(version_dir: Path, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+def verify(version_dir: Path, manifest: dict[str, Any] | None = None,
+           signing_key: SigningKey | None = None) -> dict[str, Any]:
+    """Check every file's size and sha256 against the manifest (read and, with ``signing_key``, its signature
+    checked first when not given); returns the manifest. ArtifactError as :func:`open_artifact` (which a loader
+    calls instead, to load the files it checked)."""
+    with open_artifact(version_dir, manifest, signing_key) as files:
+        return files.manifest
+
+
+def map_table(fh: BinaryIO) -> np.memmap:
+    """The ``.npy`` table in the open file ``fh`` (``COLD_FILE``), memory-mapped read-only from that file (not copied,
+    not opened again by path). ValueError for a file that is not an ``.npy`` of plain values (no pickles)."""
+    fh.seek(0)
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+    else:
+        raise ValueError(f".npy format version {version}, expected 1.0 or 2.0")
+    if dtype.hasobject:
+        raise ValueError(f"an .npy of {dtype} holds Python objects (pickles): refused")
+    return np.memmap(fh, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=fh.tell())
+
+
+def read_id_maps(files: ArtifactFiles) -> dict[str, Any] | None:
     """The id maps the manifest lists (``id_maps.pack``: a tensorpack, nothing unpickled; ``id_maps.pt``: a
-    weights-only ``torch.load``), or None when it lists none. Call it after :func:`verify`. ArtifactError
-    when the file does not load or holds no object."""
-    version_dir = Path(version_dir)
-    files = manifest["files"]
+    weights-only ``torch.load``), read from the files :func:`open_artifact` opened (and checked), or None when it
+    lists none. ArtifactError when the file does not load or holds no object."""
     if ID_MAPS_PACK in files:
-        path = version_dir / ID_MAPS_PACK
+        path = files.path(ID_MAPS_PACK)
         try:
-            state = unpack(path.read_bytes())
+            state = unpack(files[ID_MAPS_PACK].read())
         except (PackError, OSError) as exc:
             raise ArtifactError(f"{path}: cannot load the id maps ({exc})") from None
     elif ID_MAPS_FILE in files:
-        path = version_dir / ID_MAPS_FILE
+        path = files.path(ID_MAPS_FILE)
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(files[ID_MAPS_FILE], map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - unpickling errors, torn zips, I/O: a bad artifact
             raise ArtifactError(f"{path}: cannot load the id maps ({type(exc).__name__}: {str(exc)[:300]})") from None
     else:

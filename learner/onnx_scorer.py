@@ -390,16 +390,17 @@ def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
     return [path.name, STATE_FILE]
 
 
-def load(path: Path, spec: ScorerSpec, device: str, int8: bool = False) -> OnnxScorer:
-    """The scorer of an ``onnx`` artifact: ``path`` (the graph) and its sibling :data:`STATE_FILE` (nothing is
-    unpickled). OnnxUnavailable without onnxruntime; ValueError for a graph that does not take the inputs of the
-    manifest's input layout (3: :class:`RequestHead`'s; 2: :class:`DenseHead`'s)."""
+def load(graph: bytes, state_bytes: bytes, path: Path, spec: ScorerSpec, device: str,
+         int8: bool = False) -> OnnxScorer:
+    """The scorer of an ``onnx`` artifact from the bytes of ``path`` (the graph) and of its sibling
+    :data:`STATE_FILE` (``state_bytes``; nothing is unpickled), as the loader read them from the files it checked
+    (``learner.scorer_files.load_scorer``). OnnxUnavailable without onnxruntime; ValueError for a graph that does not
+    take the inputs of the manifest's input layout (3: :class:`RequestHead`'s; 2: :class:`DenseHead`'s)."""
     import safetensors.torch
 
-    _ort()  # the clear error first, before anything is read
-    state = safetensors.torch.load_file(str(path.parent / STATE_FILE), device="cpu")
-    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], Path(path).read_bytes(), int8=int8,
-                         device=device)
+    _ort()  # the clear error first, before anything is decoded
+    state = safetensors.torch.load(state_bytes)
+    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], graph, int8=int8, device=device)
     if scorer.pools != (spec.input_layout == POOLING_GRAPH_LAYOUT):
         raise ValueError(f"{path}: the manifest says scorer input layout {spec.input_layout} but the graph takes "
                          f"{', '.join(i.name for i in scorer._box.value.get_inputs())}")

@@ -12,13 +12,14 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
 
 from learner.features import FeatureConfig
-from learner.scorer import FORMATS, Bf16Scorer, Scorer, ScorerSpec
+from learner.scorer import FORMATS, SCORER_FILES, Bf16Scorer, Scorer, ScorerSpec
 from stream.files import write_synced
 
 
@@ -79,28 +80,43 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
         raise ValueError(f"unknown artifact format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 
-def load_scorer(fmt: str, path: Path, spec: ScorerSpec, device: str) -> nn.Module:
+class OpenFiles(Protocol):
+    """An artifact's listed files, opened once and checked (``learner.artifact.ArtifactFiles``): ``files[name]`` is
+    the open file at its start, ``files.path(name)`` where it was opened (for messages only)."""
+
+    def __getitem__(self, name: str) -> BinaryIO: ...
+
+    def path(self, name: str) -> Path: ...
+
+
+def load_scorer(fmt: str, files: OpenFiles, spec: ScorerSpec, device: str) -> nn.Module:
+    """The scorer of a ``fmt`` artifact, read from ``files`` (``SCORER_FILES[fmt]`` and the format's
+    ``SCORER_EXTRA_FILES``): the very files that were checked, never opened again by path."""
+    name = SCORER_FILES.get(fmt)
+    if name is None:
+        raise ValueError(f"unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")
+    path = files.path(name)
     if fmt in ("onnx", "onnx_int8"):
         from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
 
-        return onnx_scorer.load(path, spec, device, int8=fmt == "onnx_int8")
+        return onnx_scorer.load(files[name].read(), files[onnx_scorer.STATE_FILE].read(), path, spec, device,
+                                int8=fmt == "onnx_int8")
     if fmt == "torchscript":
         with _quiet_torchscript():
-            return torch.jit.load(str(path), map_location=device).eval()
+            return torch.jit.load(files[name], map_location=device).eval()
     if fmt == "export":
-        return torch.export.load(str(path)).module().to(device)
-    if fmt in ("eager", "safetensors", "safetensors_bf16"):
-        if fmt == "eager":
-            state = torch.load(path, map_location=device, weights_only=True)
-        else:  # a JSON header and raw bytes: nothing is unpickled
-            import safetensors.torch  # only these formats need it
+        return torch.export.load(files[name]).module().to(device)
+    # eager, safetensors, safetensors_bf16
+    if fmt == "eager":
+        state = torch.load(files[name], map_location=device, weights_only=True)
+    else:  # a JSON header and raw bytes: nothing is unpickled
+        import safetensors.torch  # only these formats need it
 
-            state = safetensors.torch.load_file(str(path), device="cpu")
-        cls = Bf16Scorer if fmt == "safetensors_bf16" else Scorer
-        scorer = cls(spec, state["hot_ids"], state["hot_vectors"])
-        scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
-        scorer = scorer.to(device).eval()
-        if isinstance(scorer, Bf16Scorer):
-            scorer.rebuild_session()  # the MLP's bf16 copy, on the device
-        return scorer
-    raise ValueError(f"{path}: unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")
+        state = safetensors.torch.load(files[name].read())
+    cls = Bf16Scorer if fmt == "safetensors_bf16" else Scorer
+    scorer = cls(spec, state["hot_ids"], state["hot_vectors"])
+    scorer.load_state_dict(state)  # strict: every name and shape of the spec's Scorer
+    scorer = scorer.to(device).eval()
+    if isinstance(scorer, Bf16Scorer):
+        scorer.rebuild_session()  # the MLP's bf16 copy, on the device
+    return scorer

@@ -35,13 +35,11 @@ from torch import nn
 from learner.artifact import (
     COLD_FILE,
     MANIFEST,
-    SCORER_FILES,
     VERSIONS,
     ArtifactError,
-    check_paths,
+    map_table,
+    open_artifact,
     read_id_maps,
-    read_manifest,
-    verify,
 )
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
@@ -145,7 +143,7 @@ class ScoringModel:
     """
 
     def __init__(self, version_dir: Path, manifest: dict[str, Any], scorer: nn.Module, cold: np.ndarray,
-                 device: str, store: RedisEmbeddingStore | None = None) -> None:
+                 device: str, id_maps: dict[str, Any] | None, store: RedisEmbeddingStore | None = None) -> None:
         self.version_dir = Path(version_dir)
         self.manifest = manifest
         self.version: str = manifest["version"]
@@ -164,7 +162,6 @@ class ScoringModel:
             hot_ids = _export_hot_ids(scorer)
         self._hot_ids = hot_ids.cpu().numpy()  # (H + 1,) sorted, last = sentinel
         self._blocks = self.feature_config.blocks
-        id_maps = read_id_maps(self.version_dir, manifest)  # a file the manifest lists (and verify checked)
         try:
             mapper = RowMapper.from_state(self.feature_config, id_maps)
         except Exception as exc:  # noqa: BLE001 - id maps that do not fit the feature config: a bad artifact
@@ -213,35 +210,34 @@ class ScoringModel:
         manifest naming another version than its directory under ``versions/``, the files (missing, altered,
         or symlinks leaving the version directory), the cold rows' dtype and shape, the scorer, the id maps,
         rows or dense weights past a delta's bounds (:meth:`_check_bounds`), and (``smoke``) one probe scored to a
-        finite probability. Order: manifest, signature, every listed file's size and sha256, and only then are files
-        opened to load, and only files the manifest lists.
+        finite probability. Order: manifest, signature, every listed file opened once and checked on the open file
+        (its size and sha256 unless ``verify_files=False`` without a key), and only then loaded, from those same open
+        files (``learner.artifact.open_artifact``): a file renamed over a listed one after its check is never loaded.
         """
         version_dir = Path(version_dir)
-        if signing_key is not None:  # a key: always every file, after the manifest's signature
-            manifest = verify(version_dir, signing_key=signing_key)
-        elif verify_files:
-            manifest = verify(version_dir)  # reads (and checks) the manifest first
-        else:
-            manifest = read_manifest(version_dir)
-            check_paths(version_dir, manifest)  # no digests, but no file from outside the version either
-        if version_dir.parent.name == VERSIONS and manifest["version"] != version_dir.name:
-            raise ArtifactError(f"{version_dir / MANIFEST}: names version {manifest['version']!r} but lies in "
-                                f"{version_dir.name!r}: the directory was renamed or copied; publish it with "
-                                "`streamrec refresh --now` instead")
-        fmt = manifest["format"]
-        cfg = FeatureConfig.from_dict(manifest["feature_config"])
-        spec = ScorerSpec.from_dict(manifest["scorer"])
-        try:
-            cold = np.load(version_dir / COLD_FILE, mmap_mode="r", allow_pickle=False)
-            if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
-                raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
-                                    f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
-            scorer = load_scorer(fmt, version_dir / SCORER_FILES[fmt], spec, device)
-            model = cls(version_dir, manifest, scorer, cold, device, store=store)
-        except ArtifactError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad artifact
-            raise ArtifactError(f"{version_dir}: cannot load the artifact ({type(exc).__name__}: {exc})") from exc
+        # a key: always every file's digest, after the manifest's signature; else digests unless verify_files=False
+        # (no digests, but no file from outside the version either)
+        with (open_artifact(version_dir, signing_key=signing_key) if signing_key is not None
+              else open_artifact(version_dir, digests=verify_files)) as files:
+            manifest = files.manifest
+            if version_dir.parent.name == VERSIONS and manifest["version"] != version_dir.name:
+                raise ArtifactError(f"{version_dir / MANIFEST}: names version {manifest['version']!r} but lies in "
+                                    f"{version_dir.name!r}: the directory was renamed or copied; publish it with "
+                                    "`streamrec refresh --now` instead")
+            fmt = manifest["format"]
+            cfg = FeatureConfig.from_dict(manifest["feature_config"])
+            spec = ScorerSpec.from_dict(manifest["scorer"])
+            try:
+                cold = map_table(files[COLD_FILE])
+                if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
+                    raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
+                                        f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
+                scorer = load_scorer(fmt, files, spec, device)
+                model = cls(version_dir, manifest, scorer, cold, device, read_id_maps(files), store=store)
+            except ArtifactError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad artifact
+                raise ArtifactError(f"{version_dir}: cannot load the artifact ({type(exc).__name__}: {exc})") from exc
         model._check_bounds()
         if smoke:
             model._smoke_test()

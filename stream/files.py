@@ -193,13 +193,20 @@ def read_tail(path: Path, limit: int) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in chunks (artifacts hold tables of gigabytes); a FIFO or a device is
-    :class:`NotRegularFile`, refused unread (:func:`open_regular`)."""
+def sha256_file(source: Path | BinaryIO) -> str:
+    """The hex sha256 of a file, read in chunks (artifacts hold tables of gigabytes): a path (a FIFO or a device is
+    :class:`NotRegularFile`, refused unread: :func:`open_regular`), or a file already open, hashed from its start and
+    left at its start (a reader that loads the very bytes it hashed: ``learner.artifact.open_artifact``)."""
     h = hashlib.sha256()
-    with open_regular(Path(path)) as (fh, _):
-        while chunk := fh.read(_HASH_CHUNK):
-            h.update(chunk)
+    if isinstance(source, (str, os.PathLike)):
+        with open_regular(Path(source)) as (fh, _):
+            while chunk := fh.read(_HASH_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+    source.seek(0)
+    while chunk := source.read(_HASH_CHUNK):
+        h.update(chunk)
+    source.seek(0)
     return h.hexdigest()
 
 

@@ -163,9 +163,10 @@ def test_a_malformed_manifest_is_rejected_once_and_serving_starts_not_ready(root
     damage_manifest(publish_version(TinyLearner(), root, "v001"), MANIFEST_DAMAGE[case])
     reads: list[Path] = []
     verifies: list[Path] = []
-    real_read, real_verify = A.read_manifest, A.verify
+    real_read, real_open = A.read_manifest, A.open_artifact
     monkeypatch.setattr(A, "read_manifest", lambda d: reads.append(Path(d)) or real_read(d))
-    monkeypatch.setattr(serving_model, "verify", lambda d, m=None: verifies.append(Path(d)) or real_verify(d, m))
+    monkeypatch.setattr(serving_model, "open_artifact",  # the load's verification (digests from the files it loads)
+                        lambda d, *a, **k: verifies.append(Path(d)) or real_open(d, *a, **k))
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), None) as svc:
         for _ in range(25):  # 25 polls
             svc.updater.check_now()
@@ -189,7 +190,8 @@ def test_a_malformed_newer_manifest_keeps_the_previous_model_serving_and_is_hash
         damage_manifest(publish_version(learner, root, "v002"), MANIFEST_DAMAGE["bytes_a_string"])
         hashed: list[Path] = []
         real = sha256_file
-        monkeypatch.setattr(A, "sha256_file", lambda p: hashed.append(p) or real(p))
+        # (serving hashes the files it opened to load: their names are their paths)
+        monkeypatch.setattr(A, "sha256_file", lambda p: hashed.append(Path(getattr(p, "name", p))) or real(p))
         for _ in range(25):
             svc.updater.check_now()
         assert score(svc)[1] == before and readyz(svc) == 200

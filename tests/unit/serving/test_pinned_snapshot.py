@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.artifact import read_id_maps
+from learner.artifact import open_artifact, read_id_maps
 from learner.config import Device
 from serving.app import ScoringApp
 from serving.metrics import ServingMetrics
@@ -38,7 +38,8 @@ def _own_user(model: ScoringModel) -> tuple[int, int]:
 
 def _moved_row_delta(model: ScoringModel, user: int, newcomer: str) -> dict[str, Any]:
     """A delta that evicts ``user`` and gives its row to ``newcomer``, with a vector far from the old one."""
-    id_maps = read_id_maps(model.version_dir, model.manifest)
+    with open_artifact(model.version_dir) as files:
+        id_maps = read_id_maps(files)
     assert id_maps is not None
     state = id_maps["user_id"]
     keys = state["row_key"].clone()
