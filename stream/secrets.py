@@ -100,11 +100,17 @@ def hide_url_path(url: str) -> str:
     """``url`` as a webhook's is shown: its scheme and host, its user-info, path and query as ``***``. A receiver's
     path or query is often its credential (Slack's ``/services/T.../B.../<token>``, ``?token=...``), which
     :func:`redact` cannot tell from a path."""
+    # the user-info as redact takes it (to the last "@" of its token: a password may hold "/?#", where urlsplit's netloc
+    # ends), in the URL urlsplit reads (tab and line breaks dropped); an "@" still past the netloc may end a password
+    # holding whitespace too: then no host is shown
+    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", re.sub(r"[\t\r\n]", "", url.strip()))
     try:
-        parts = urllib.parse.urlsplit(url.strip())
+        parts = urllib.parse.urlsplit(text)
     except ValueError:
         return MASK
     user, at, host = parts.netloc.rpartition("@")
+    if "@" in text.partition("://")[2].replace(parts.netloc, "", 1):
+        at, host = "", MASK
     return (f"{parts.scheme}://{MASK + '@' if at else ''}{host}"
             f"{'/' + MASK if parts.path.strip('/') or parts.query or parts.fragment else ''}")
 

@@ -364,3 +364,21 @@ def test_a_webhook_urls_path_and_query_are_never_shown_its_token_may_be_there(tm
     with pytest.raises(ConfigError) as bad:
         load_rules(rules)
     assert token not in str(bad.value) and "webhook_url" in str(bad.value)
+
+
+@pytest.mark.parametrize("url", [
+    "http://usr9:pq7/ssW0rd@alerts.example/services/T1",  # '/' unencoded in the password: urlsplit's netloc ends there
+    "http://usr9:pq7?ssW0rd@alerts.example/x",
+    "http://usr9:pq7#ssW0rd@alerts.example/x",
+    "http://usr9:pq7\t/ssW0rd@alerts.example/x",  # urlsplit drops the tab: the same URL
+    "http://usr9:pq7/ss W0rd@alerts.example/x",  # a space after the '/': redact's token ends there
+])
+def test_a_webhook_url_whose_password_holds_a_path_character_shows_none_of_it(url: str) -> None:
+    # hide_url_path took the user-info from urlsplit's netloc, which ends at the first '/', '?' or '#': the password's
+    # head was shown as the host ('http://usr9:pq7/***'), where redact (and the repr before) masked it whole
+    from monitor.alerts import SinkSettings
+    from stream.secrets import hide_url_path
+
+    for shown in (hide_url_path(url), repr(SinkSettings(webhook_url=url))):
+        assert "usr9" not in shown and "pq7" not in shown, shown
+    assert hide_url_path("http://usr9:pq7/ssW0rd@alerts.example/x") == f"http://{MASK}@alerts.example/{MASK}"
