@@ -71,6 +71,7 @@ import signal
 import ssl
 import sys
 import tempfile
+import time
 from typing import Any, NoReturn, cast
 
 import faust
@@ -167,6 +168,7 @@ class FaustJoinWorker:
         self.recoveries = 0  # infrastructure failures recovered from (_recover)
         self._backoff_s = RECOVERY_BACKOFF_S[0]  # the next recovery's wait
         self._wait = 0.0  # the wait owed before the next fetch
+        self._waited_until = 0.0  # (time.monotonic) when the wait the consumer took ends
         self.worker: faust.Worker | None = None
         # faust writes its table and app-id files under datadir (default: "<app-id>-data" in the working
         # directory, one per test run). The memory store keeps no state there, so a private temporary directory,
@@ -252,6 +254,8 @@ class FaustJoinWorker:
     def _wait_s(self) -> float:
         """How long faust's consumer waits before its next fetch (after a recovery: the backoff), once."""
         wait, self._wait = self._wait, 0.0
+        if wait > 0:
+            self._waited_until = time.monotonic() + wait
         return wait
 
     def _drop_held(self, partitions: set[tuple[str, int]] | None) -> None:
@@ -330,6 +334,9 @@ class FaustJoinWorker:
         still did (idleness restarted at 0)."""
         idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
         limit = self.js.exit_when_idle_s
+        if self._wait or time.monotonic() < self._waited_until:  # a recovery's wait, owed or under way, is no idleness
+            self._idle.reset()  # (the rewound records are read only after it: idleness counts from its end)
+            return
         if limit is None or self._stopping or self._busy or self._records_in_hand or idle_s < limit:
             return
         if self.pipeline.held_counts:  # never end a run with records held: the next batch joins them all

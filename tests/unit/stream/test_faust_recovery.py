@@ -78,3 +78,32 @@ def test_a_batch_failing_for_any_other_reason_still_ends_the_process_unacknowled
     with pytest.raises(_Died):
         w._process([])
     assert w.recoveries == 0 and calls.forget == []
+
+
+def test_a_run_that_exits_when_idle_does_not_end_during_a_recoverys_wait_but_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the recovery reset the idle clock and faust's consumer then slept the backoff while the idle timer kept ticking:
+    # with exit_when_idle_s under the wait the run ended (drained, committed) before the rewound records were read
+    # again, their pending impressions drained as label-0 samples (the kafka driver counts idleness from the wait's end)
+    import asyncio
+    import time
+
+    from stream.joiner.config import JoinerSettings
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    w, _ = _worker(monkeypatch, [redis.ConnectionError("refused")])
+    w.js = JoinerSettings(exit_when_idle_s=0.5)
+    w.pipeline.held_counts = {}
+
+    def ticks(seconds: float) -> bool:  # the idle timer's ticks over ``seconds``: whether the run ended
+        for _ in range(int(seconds / 0.25)):
+            clock[0] += 0.25
+            asyncio.run(w._idle_check())
+        return w._stopping
+
+    assert w._process([]) == {}
+    assert not ticks(0.75)  # the failed batch returned, its wait not taken yet by the consumer
+    wait = w._wait_s()  # the consumer sleeps it now
+    assert wait == RECOVERY_BACKOFF_S[0] and not ticks(wait)
+    assert ticks(0.75)  # nothing came after the wait: idle, the run ends
