@@ -89,7 +89,8 @@ and when it does again every row the maps give it has arrived. (Admitted ids sco
 part whose write fails leaves serving there until the retry, which sends the rows still marked and the maps.)
 
 Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
-where it lies (a file that is a symlink resolving outside its directory is refused unread), checksum,
+where it lies (a file that is a symlink resolving outside its directory is refused unread; the file is opened once,
+in its directory, without following a symlink, and checked and read from that descriptor), checksum,
 signature (with a key), structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
 vectors (R, D + 1) float32, dense weights floating and every value finite. A file that fails is a
 :class:`DeltaError`, rejected once (remembered by path, size and mtime), reported through ``on_reject``
@@ -126,7 +127,7 @@ from learner.id_map import without_admitted
 from learner.tensorpack import ALIGN, PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, fsync_dir, open_regular, read_regular, write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, fsync_dir, open_regular, read_regular, write_atomic
 from stream.secrets import Secret
 
 log = logging.getLogger("streamrec.deltas")
@@ -381,13 +382,37 @@ def _describe(v: Any) -> str:
     return f"a {type(v).__name__}"
 
 
-def _check_inside(path: Path) -> None:
-    """DeltaError when ``path`` is a symlink (or lies under one) resolving outside its own directory."""
-    directory = path.parent.resolve()
-    target = path.resolve()
+def _check_inside(path: Path) -> Path:
+    """What ``path`` resolves to; DeltaError when it is a symlink (or lies under one) resolving outside its own
+    directory, or a symlink loop."""
+    try:
+        directory = path.parent.resolve()
+        target = path.resolve()
+    except RuntimeError as exc:  # a symlink loop (pathlib's resolve)
+        raise DeltaError(f"delta {path}: {exc}; refused unread") from None
     if target.parent != directory:
         raise DeltaError(f"delta {path}: resolves to {target}, outside the deltas directory {directory} (a symlink): "
                          "refused unread; deltas are plain files written there by the learner")
+    return target
+
+
+def _open_inside(path: Path) -> int:
+    """``path`` opened for reading (a descriptor) as an entry of its own directory, never through a symlink: a
+    symlink found there (one to a file of the same directory, or one swapped in since :func:`_check_inside`) is
+    checked again and what it resolves to opened by name in the directory, not followed. What is opened is an entry
+    of the deltas directory whatever changes meanwhile (a check by path then an open that follows symlinks read a
+    file outside it when a symlink was swapped in between). Opened without blocking: a FIFO cannot hang it."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            return os.open(path.name, flags, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # (ELOOP: the entry is a symlink)
+                raise
+        return os.open(_check_inside(path).name, flags, dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 def load_delta(path: Path, key: SigningKey | None = None) -> Delta:
@@ -395,26 +420,20 @@ def load_delta(path: Path, key: SigningKey | None = None) -> Delta:
     (with ``key``: also when it is not signed with it). A file that vanished (pruned) raises
     ``FileNotFoundError``."""
     path = Path(path)
-    try:
-        _check_inside(path)
-    except RuntimeError as exc:  # a symlink loop (pathlib's resolve)
-        raise DeltaError(f"delta {path}: {exc}; refused unread") from None
-    st = path.stat()
-    if not stat.S_ISREG(st.st_mode):  # a FIFO named like a delta blocked the reading thread for good
-        raise DeltaError(f"delta {path}: not a regular file (mode {stat.filemode(st.st_mode)}); refused unread")
-    if st.st_size > MAX_BYTES:
-        raise DeltaError(f"delta {path}: {st.st_size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
-    try:
-        with open_regular(path) as (fh, _):  # (a FIFO put there since the stat cannot hang it)
-            # One writable buffer of the file's size, read into in place: the tensors decoded are views of it
-            # (learner/tensorpack.py), so a delta takes about its size in memory (it took ~3.7x with read + copies).
-            # One byte more than the stat said: a file that grew meanwhile is noticed, not cut.
-            buf = np.empty(st.st_size + 1, dtype=np.uint8).data  # (a writable memoryview, not zero-filled)
-            n = 0
-            while n < len(buf) and (got := fh.readinto(buf[n:])):
-                n += got
-    except NotRegularFile:  # swapped for another kind of file since the stat
-        raise DeltaError(f"delta {path}: not a regular file; refused unread") from None
+    _check_inside(path)
+    with os.fdopen(_open_inside(path), "rb", buffering=0) as fh:  # opened once; checked and read from the descriptor
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):  # a FIFO named like a delta blocked the reading thread for good
+            raise DeltaError(f"delta {path}: not a regular file (mode {stat.filemode(st.st_mode)}); refused unread")
+        if st.st_size > MAX_BYTES:
+            raise DeltaError(f"delta {path}: {st.st_size} bytes, more than the {MAX_BYTES}-byte limit; refused unread")
+        # One writable buffer of the file's size, read into in place: the tensors decoded are views of it
+        # (learner/tensorpack.py), so a delta takes about its size in memory (it took ~3.7x with read + copies).
+        # One byte more than the fstat said: a file that grew meanwhile is noticed, not cut.
+        buf = np.empty(st.st_size + 1, dtype=np.uint8).data  # (a writable memoryview, not zero-filled)
+        n = 0
+        while n < len(buf) and (got := fh.readinto(buf[n:])):
+            n += got
     if n > st.st_size:
         raise DeltaError(f"delta {path}: grew while it was read (a writer is not renaming its files into place); "
                          "refused")

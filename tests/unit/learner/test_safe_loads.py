@@ -277,6 +277,37 @@ def test_a_delta_symlinked_outside_the_deltas_directory_is_refused_unread(tmp_pa
     assert load_delta(link).seq == 1
 
 
+def test_a_delta_swapped_for_a_symlink_outside_after_its_check_is_refused_unread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inside-the-directory check was by path and the open after it followed symlinks: a delta replaced by a
+    symlink to a file outside the directory between the two was read (serving applied bytes from elsewhere). The file
+    is now opened once without following a symlink, and what a symlink there resolves to is checked again."""
+    import learner.deltas as deltas_mod
+
+    model, _, _ = trained()
+    outside = _write_delta(tmp_path / "elsewhere", None, trained(seed=1)[0])  # (named alike: it would pass)
+    deltas = tmp_path / "deltas"
+    path = _write_delta(deltas, None, model)
+    check = deltas_mod._check_inside
+    swapped: list[Path] = []
+
+    def check_then_swap(p: Path) -> Any:
+        result = check(p)
+        if not swapped:  # right after the check: the delta becomes a symlink out of the directory
+            p.unlink()
+            p.symlink_to(outside)
+            swapped.append(p)
+        return result
+
+    monkeypatch.setattr(deltas_mod, "_check_inside", check_then_swap)
+    read: list[int] = []
+    decode = deltas_mod.decode_delta
+    monkeypatch.setattr(deltas_mod, "decode_delta", lambda data, *a: read.append(len(data)) or decode(data, *a))
+    with pytest.raises(DeltaError, match="outside the deltas directory"):
+        load_delta(path)
+    assert swapped == [path] and read == []
+
+
 # -- the safetensors artifact --------------------------------------------------------------------------
 def test_a_safetensors_artifact_loads_and_scores_without_unpickling_anything(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
