@@ -28,7 +28,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 TMP_MARK = ".tmp-"  # in the name of every temp file write_atomic leaves when its process is killed
 _TMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
@@ -151,6 +151,38 @@ MAX_STATE_FILE_BYTES = 16 << 20
 
 class FileTooLarge(OSError):
     """:func:`read_regular` found more than its bound in the file."""
+
+
+class ReadAt(io.RawIOBase):
+    """A read-only view of the open file ``fd`` with a position of its own (``os.preadv``): readers of one open file
+    that must not move each other. Two file objects of one descriptor (or a ``dup``) share its offset: a reader whose
+    background read-ahead outlives it (pyarrow's streaming CSV reader with threads) moved the next reader's position,
+    which then took a data row of the middle of the file for the header. The descriptor stays the caller's."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd, self._pos = fd, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = os.preadv(self._fd, [buffer], self._pos)
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: os.fstat(self._fd).st_size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def read_regular(path: Path | str, limit: int, what: str = "a settings or secret file") -> bytes:

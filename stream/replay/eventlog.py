@@ -105,7 +105,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import time
 from collections import Counter
@@ -125,7 +124,7 @@ import pyarrow.parquet as pq
 
 from stream.errors import ConfigError, ValidationError
 from stream.events import DENSE_RULE, MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS, SCHEMA_VERSION
-from stream.files import NotRegularFile, describe_os_error, open_regular
+from stream.files import NotRegularFile, ReadAt, describe_os_error, open_regular
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
 from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
@@ -244,18 +243,18 @@ def _open_log(path: Path) -> Iterator[io.FileIO]:
 @contextlib.contextmanager
 def _stream(fh: io.FileIO, codec: str | None) -> Iterator[Any]:
     """``fh`` from its start, for one Arrow read (decompressed with ``codec``): the open file, not its name, so what
-    :func:`_open_log` checked is what is read. A compressed stream gets its own descriptor, which Arrow closes."""
-    fh.seek(0)
+    :func:`_open_log` checked is what is read; each read through a view with its own position
+    (:class:`~stream.files.ReadAt`), so that a previous read's background read-ahead, which may outlive its reader,
+    cannot move it (sharing ``fh``'s offset, a read under load started mid-file and found no header)."""
+    view = ReadAt(fh.fileno())
     if codec is None:
-        yield fh
+        yield view
         return
-    dup = os.fdopen(os.dup(fh.fileno()), "rb", buffering=0)  # shares fh's offset (0)
-    stream = pa.CompressedInputStream(dup, codec)
+    stream = pa.CompressedInputStream(view, codec)
     try:
         yield stream
     finally:
         stream.close()
-        dup.close()
 
 
 def _delimiter(path_ext: str, given: str | None) -> str:
