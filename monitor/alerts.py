@@ -588,8 +588,9 @@ def check_http_url(url: str) -> str | None:
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
-    except ValueError as exc:
-        return str(exc)
+    except ValueError as exc:  # its detail quotes the netloc's parts: not where a user-info (a password) is among them
+        return (str(exc) if "@" not in url else "its host or port cannot be read (in a user:password@, a '/', '?', "
+                "'#' or '@' must be percent-encoded)")
     if parts.scheme not in ("http", "https"):
         return "expected an http:// or https:// URL"
     if not parts.hostname:

@@ -382,3 +382,14 @@ def test_a_webhook_url_whose_password_holds_a_path_character_shows_none_of_it(ur
     for shown in (hide_url_path(url), repr(SinkSettings(webhook_url=url))):
         assert "usr9" not in shown and "pq7" not in shown, shown
     assert hide_url_path("http://usr9:pq7/ssW0rd@alerts.example/x") == f"http://{MASK}@alerts.example/{MASK}"
+
+
+def test_a_webhook_or_source_url_that_cannot_be_parsed_quotes_no_part_of_its_password() -> None:
+    # urlsplit's "Port could not be cast to integer value as 'pq7'" quoted the start of a password holding a '/'
+    from monitor.alerts import WebhookSink, check_http_url
+
+    url = "http://usr9:pq7/ssW0rd@alerts.example/x"
+    with pytest.raises(ValueError) as err:
+        WebhookSink(url)
+    assert "pq7" not in str(err.value) and "ssW0rd" not in str(err.value) and "percent-encoded" in str(err.value)
+    assert "could not be cast" in (check_http_url("http://host:abc/x") or "")  # no user-info: the library's detail
