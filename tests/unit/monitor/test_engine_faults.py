@@ -104,38 +104,9 @@ threshold = 0
         mon.close(5)
 
 
-def test_the_run_log_writes_a_sources_password_as_stars(tmp_path: Path) -> None:
-    """The run log's start record held each source's url as written: a ``user:password@`` in one reached the file
-    (which outlives the process and is read by ``streamrec report``) in clear, where logs and summaries redact it."""
+def _run_log_of_one_step(tmp_path: Path, url: str, scrape: Callable[[], Snapshot]) -> str:
+    """The run log a monitor with the one source ``url`` writes in one step, scraping with ``scrape``."""
     logs = tmp_path / "logs"
-    rules = f"""
-[sources]
-learner = "http://scraper:hunter2-secret@127.0.0.1:9/metrics"
-[run_log]
-path = "{logs}/run.jsonl"
-[[rule]]
-name = "hot"
-expr = "m"
-op = ">"
-threshold = 0
-"""
-    mon, _ = monitor(rules, lambda: Snapshot.from_texts({"learner": "m 0\n"}), Clocks())
-    try:
-        mon.step()
-    finally:
-        mon.close(5)
-    text = (logs / "run.jsonl").read_text()
-    assert '"kind":"start"' in text and "127.0.0.1:9/metrics" in text
-    assert "hunter2-secret" not in text
-
-
-
-def test_a_failed_scrape_of_a_source_with_a_password_writes_it_as_stars(tmp_path: Path) -> None:
-    """A scrape error was ``f"{url}: {why}"`` with the url as written: a source's ``user:password@`` reached the run
-    log's ``scrape_error`` records (a file that outlives the process, read by ``streamrec report``) and the monitor's
-    status in clear, although its start record masked it."""
-    logs = tmp_path / "logs"
-    url = "http://scraper:hunter2-secret@127.0.0.1:1/metrics"  # port 1: refused at once
     rules = f"""
 [sources]
 learner = "{url}"
@@ -147,15 +118,32 @@ expr = "m"
 op = ">"
 threshold = 0
 """
-    scraper = Scraper({"learner": url}, timeout_s=2.0)
-    mon, _ = monitor(rules, scraper.scrape, Clocks())
+    mon, _ = monitor(rules, scrape, Clocks())
     try:
         mon.step()
     finally:
         mon.close(5)
-    text = (logs / "run.jsonl").read_text()
+    return (logs / "run.jsonl").read_text()
+
+
+def test_the_run_log_writes_a_sources_password_as_stars(tmp_path: Path) -> None:
+    """The run log's start record held each source's url as written: a ``user:password@`` in one reached the file
+    (which outlives the process and is read by ``streamrec report``) in clear, where logs and summaries redact it."""
+    text = _run_log_of_one_step(tmp_path, "http://scraper:hunter2-secret@127.0.0.1:9/metrics",
+                                lambda: Snapshot.from_texts({"learner": "m 0\n"}))
+    assert '"kind":"start"' in text and "127.0.0.1:9/metrics" in text
+    assert "hunter2-secret" not in text
+
+
+def test_a_failed_scrape_of_a_source_with_a_password_writes_it_as_stars(tmp_path: Path) -> None:
+    """A scrape error was ``f"{url}: {why}"`` with the url as written: a source's ``user:password@`` reached the run
+    log's ``scrape_error`` records (a file that outlives the process, read by ``streamrec report``) and the monitor's
+    status in clear, although its start record masked it."""
+    url = "http://scraper:hunter2-secret@127.0.0.1:1/metrics"  # port 1: refused at once
+    text = _run_log_of_one_step(tmp_path, url, Scraper({"learner": url}, timeout_s=2.0).scrape)
     assert '"kind":"scrape_error"' in text and "127.0.0.1:1/metrics" in text
     assert "hunter2-secret" not in text
+
 
 def test_a_run_log_that_cannot_be_opened_is_a_settings_error(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
