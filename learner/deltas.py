@@ -402,8 +402,8 @@ def _open_inside(path: Path) -> int:
     checked again and what it resolves to opened by name in the directory, not followed. What is opened is an entry
     of the deltas directory whatever changes meanwhile (a check by path then an open that follows symlinks read a
     file outside it when a symlink was swapped in between). Opened without blocking: a FIFO cannot hang it."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # (as learner.artifact's listed files)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
             return os.open(path.name, flags, dir_fd=dfd)
