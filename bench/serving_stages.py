@@ -126,7 +126,10 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
         HistoryReader._finish = _timed(times, "history", HistoryReader._finish, record)  # type: ignore[method-assign]
     else:  # a checkout from before (run this script there to compare)
         A._histories = _timed(times, "history", A._histories, record)  # type: ignore[method-assign]
-    app_mod.parse_request = _timed(times, "json_in", app_mod.parse_request, record)
+    if hasattr(app_mod, "read_request"):  # JSON decode + validation in one call (bytes in)
+        app_mod.read_request = _timed(times, "json_in", app_mod.read_request, record)
+    else:  # a checkout from before: json.loads in the app, then the checks
+        app_mod.parse_request = _timed(times, "json_in", app_mod.parse_request, record)
     FeatureEncoder.encode = _timed(times, "encode", FeatureEncoder.encode, record)  # type: ignore[method-assign]
     if mode == "noop":
         ScoringModel.score_request = lambda self, v, o, dense, fp32=False: torch.zeros(dense.shape[0])  # type: ignore
