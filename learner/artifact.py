@@ -97,7 +97,7 @@ from learner.scorer_files import save_scorer
 from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.errors import BadMessage, StreamrecError
 from stream.events import count_keys, reject_duplicate_keys
-from stream.files import fsync_dir, open_regular, sha256_file, write_synced
+from stream.files import fsync_dir, open_entry, open_regular, sha256_file, write_synced
 
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST",
            "PIN", "SCORER_FILES", "SIGNATURE", "STAGING", "VERSIONS", "ArtifactError", "ArtifactFiles", "Pin",
@@ -790,7 +790,7 @@ def _open_listed(dir_fd: int, path: Path, want: Mapping[str, Any], digest: bool)
     every file afresh; copy a publish root, never ``cp -al``), and with ``digest`` the manifest's size and sha256
     read from it."""
     try:
-        fd = os.open(path.name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = open_entry(dir_fd, path.name)
     except FileNotFoundError:
         raise ArtifactError(f"{path} is missing (listed in the manifest): the artifact is incomplete") from None
     except OSError as exc:

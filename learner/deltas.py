@@ -127,7 +127,7 @@ from learner.id_map import without_admitted
 from learner.tensorpack import ALIGN, PackError, SignatureError, SigningKey, is_signed, load_signing_key, pack, unpack
 from stream.config import RedisSettings
 from stream.errors import StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, fsync_dir, open_regular, read_regular, write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, fsync_dir, open_entry, open_regular, read_regular, write_atomic
 from stream.secrets import Secret
 
 log = logging.getLogger("streamrec.deltas")
@@ -402,15 +402,14 @@ def _open_inside(path: Path) -> int:
     checked again and what it resolves to opened by name in the directory, not followed. What is opened is an entry
     of the deltas directory whatever changes meanwhile (a check by path then an open that follows symlinks read a
     file outside it when a symlink was swapped in between). Opened without blocking: a FIFO cannot hang it."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # (as learner.artifact's listed files)
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
-            return os.open(path.name, flags, dir_fd=dfd)
+            return open_entry(dfd, path.name)
         except OSError as exc:
             if exc.errno != errno.ELOOP:  # (ELOOP: the entry is a symlink)
                 raise
-        return os.open(_check_inside(path).name, flags, dir_fd=dfd)
+        return open_entry(dfd, _check_inside(path).name)
     finally:
         os.close(dfd)
 

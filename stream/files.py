@@ -105,6 +105,16 @@ def temp_of(path: Path) -> tuple[str, int] | None:
     return (m["name"], int(m["pid"])) if m else None
 
 
+def open_entry(dir_fd: int, name: str) -> int:
+    """Entry ``name`` of the directory open as ``dir_fd``, opened for reading (a descriptor): never through a symlink
+    (``OSError`` ``ELOOP`` when the entry is one), without blocking (a FIFO cannot hang it: check ``fstat`` for a
+    regular file before reading), close-on-exec (a process the reader spawns does not inherit it). Relative to the
+    directory's descriptor, what is opened is an entry of that directory whatever is renamed meanwhile: the one open a
+    file checked and then read must go through (a check by path and an open that follows symlinks can read a file
+    swapped in between)."""
+    return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
 class NotRegularFile(OSError):
     """:func:`open_regular` found something else than a regular file (a FIFO, a device, a directory, a socket)."""
 
