@@ -908,6 +908,7 @@ class DeltaReader:
         self._unfit: set[tuple[str, int, int]] = set()
         self.retries = 0  # reads of a delta that failed transiently and were left for the next round
         self._failing: dict[tuple[str, int, int], int] = {}  # file version -> its consecutive transient failures
+        self._failed_now: set[tuple[str, int, int]] = set()  # versions failing transiently in this round
         self.retrying: Path | None = None  # the delta the last round ended at, read again next round (None: none)
 
     def mark_bad(self, path: Path, reason: str = "could not be applied") -> None:
@@ -925,11 +926,15 @@ class DeltaReader:
 
     def _retry_later(self, fp: tuple[str, int, int], path: Path, exc: BaseException) -> bool:
         """Whether the read of ``path`` (version ``fp``) that raised ``exc`` is left for the next round: a transient
-        failure (``MemoryError``, an errno of :data:`TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES` in a row."""
+        failure (``MemoryError``, an errno of :data:`TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES` rounds in a
+        row. A read again in the same round (:meth:`newer` with ``same_round``) counts no further try."""
+        if fp in self._failed_now and _transient(exc):
+            return True
         tries = self._failing.pop(fp, 0) + 1
         if not _transient(exc) or tries >= TRANSIENT_TRIES:
             return False
         self._failing[fp] = tries
+        self._failed_now.add(fp)
         self.retries += 1
         log.warning("delta %s could not be read (%s: %s), this process is short of a resource; no later delta applies "
                     "before it, it is retried next round (try %d of %d)", path.name, type(exc).__name__, exc, tries,
@@ -970,7 +975,7 @@ class DeltaReader:
         return found[-1][0] if found else 0
 
     def newer(self, after_seq: int, after_samples: int, lineage: str | None = None,
-              applied_samples: int | None = None) -> Iterator[Delta]:
+              applied_samples: int | None = None, same_round: bool = False) -> Iterator[Delta]:
         """Checked deltas with ``seq > after_seq``, oldest first, of ``lineage`` (when both it and the delta have
         one); with ``after_seq`` 0 (the model's place in the numbering not known, or re-based below) only those with
         ``samples_trained > after_samples``: the others are already in the model's source checkpoint. Skipped by
@@ -988,8 +993,14 @@ class DeltaReader:
         is counted in :attr:`rewinds`, logged once per position, and the model is re-based on ``samples_trained``:
         every delta newer than ``after_samples`` comes, in seq order, as for a model that holds none (values are
         absolute, so the result is the learner's current rows). A delta whose seq a restart of ``lineage`` recorded
-        abandoned is never read: a dead branch the restart could not remove (a directory refusing removals)."""
+        abandoned is never read: a dead branch the restart could not remove (a directory refusing removals).
+
+        ``same_round``: this call is part of the previous one's round (serving reads the deltas for a new artifact,
+        then for the live model, in one check): a delta whose read failed transiently in that round and fails so again
+        counts no second try of its :data:`TRANSIENT_TRIES`, which are rounds."""
         self.retrying = None
+        if not same_round:
+            self._failed_now = set()
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone

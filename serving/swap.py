@@ -154,6 +154,7 @@ class ModelUpdater:
         self._pause_reason: str | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._read_deltas = False  # whether this check_now read the deltas already (one round of their retries)
         self._lock = threading.Lock()  # check_now may be called from tests while the thread runs
         self._threads: list[threading.Thread] = []
         self.last_error: str | None = None
@@ -220,6 +221,7 @@ class ModelUpdater:
     def check_now(self) -> None:
         """Swap in a new current artifact if there is one, then apply newer deltas. Idempotent."""
         with self._lock:
+            self._read_deltas = False  # (this check's first read of the deltas begins its round)
             self._maybe_swap()
             live = self.holder.live
             if live is not None:
@@ -378,10 +380,13 @@ class ModelUpdater:
         None."""
         if self.deltas is None or self._paused(live) is not None:
             return None
-        gaps, rewinds = self.deltas.gaps, self.deltas.rewinds
+        gaps, rewinds, retries = self.deltas.gaps, self.deltas.rewinds, self.deltas.retries
         m = live.model
         after = m.delta_seq or m.source_delta_seq or 0  # a fresh model starts where its source checkpoint was
-        for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples):
+        # (a check reads them for a new artifact, then for the live model: one round of a failing read's retries)
+        same_round, self._read_deltas = self._read_deltas, True
+        for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples,
+                                   same_round=same_round):
             if self._stop.is_set():  # a backlog ends at stop (each delta goes live whole: nothing half-applied)
                 break
             try:
@@ -396,6 +401,8 @@ class ModelUpdater:
             self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
         if self.deltas.rewinds > rewinds:
             self.metrics.delta_rewinds.inc(self.deltas.rewinds - rewinds)
+        if self.deltas.retries > retries:
+            self.metrics.delta_retries.inc(self.deltas.retries - retries)
         return self.deltas.retrying
 
     def status(self) -> dict[str, Any]:

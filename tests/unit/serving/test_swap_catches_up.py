@@ -83,3 +83,49 @@ def test_an_artifact_whose_delta_read_is_retried_goes_live_only_caught_up(tmp_pa
         assert holder.live.model.delta_seq == 3  # never behind the deltas the replaced model held
     assert holder.live.model is loaded[-1] and loaded[-1].applied == [1, 2, 3]
     assert isinstance(u.deltas, DeltaReader) and u.deltas.retries == 2 and TRANSIENT_TRIES > 2
+
+
+def test_a_check_that_reads_a_failing_delta_for_the_new_artifact_and_the_live_model_spends_one_try(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The live model holds delta 1; the new artifact v2 holds none. Delta 2's read fails with EMFILE in every read of
+    # the first two checks: each check reads it twice (for v2, then for the live model). Each read counted a try, so
+    # the third read (the second check) rejected delta 2 for good after two rounds although TRANSIENT_TRIES is
+    # rounds: its rows were lost until the next artifact. Now a check is one round: delta 2 applies in the third.
+    ddir, root = tmp_path / "deltas", tmp_path / "root"
+    ddir.mkdir()
+    for seq in (1, 2, 3):
+        _write(ddir, seq)
+    holder = ModelHolder()
+    u = ModelUpdater(holder, ServingMetrics(holder.model), root, ddir, device="cpu")
+    old = Model("v1", tmp_path / "v1")
+    old.delta_seq, old.delta_samples = 1, 10
+    holder.live = LiveModel(old, None, 0)  # type: ignore[arg-type]
+    (tmp_path / "v2").mkdir()
+    loaded: list[Model] = []
+
+    def load(path: Path, device: str) -> Model:
+        loaded.append(Model("v2", path))
+        return loaded[-1]
+
+    real, reads = deltas.load_delta, []
+
+    def load_delta(p: Path, key: object = None) -> deltas.Delta:
+        if p.name.startswith("delta-000000000002"):
+            reads.append(p.name)
+            if len(reads) <= 4:
+                raise OSError(errno.EMFILE, "Too many open files")
+        return real(p, key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(deltas, "load_delta", load_delta)
+    monkeypatch.setattr("serving.swap.current_version", lambda r: "v2")
+    monkeypatch.setattr("serving.swap.version_path", lambda r, name: tmp_path / name)
+    monkeypatch.setattr("serving.swap._live_model", lambda m: LiveModel(m, None, 0))
+    u._load = load  # type: ignore[method-assign,assignment]
+    assert TRANSIENT_TRIES == 3
+    for _ in range(2):
+        u.check_now()
+        assert holder.live.model is old and old.applied == []  # nothing past delta 2 applies before it
+    assert len(reads) == 4 and u.deltas is not None and u.deltas.bad == 0
+    assert u.metrics.delta_retries._value.get() == 2  # one per round
+    u.check_now()
+    assert holder.live.model is loaded[-1] and loaded[-1].applied == [1, 2, 3]

@@ -27,7 +27,7 @@ class Model:
 
 
 class Deltas:
-    gaps = rewinds = 0
+    gaps = rewinds = retries = 0
     retrying = None
 
     def newer(self, after: int, *a: Any, **k: Any) -> Any:
