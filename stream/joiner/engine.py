@@ -160,6 +160,11 @@ class StateChunk:
     # Each input's event time after this batch: a restored partition continues from it instead of waiting
     # for both inputs again (the clicks before the restart are not delivered again).
     topic_max: tuple[int | None, int | None] = (None, None)
+    # Each input's ``watermark_quorum`` largest event times after this batch (ascending; fewer before that many):
+    # a restore continues the quorum from them exactly. Without them (a chunk written before they were kept) it takes
+    # ``topic_max`` k times, which holds the watermark back until k newer times come: a click late before the restart
+    # could join after it.
+    topic_top: tuple[list[int], list[int]] = ([], [])
 
 
 @dataclass
@@ -349,7 +354,8 @@ class PartitionJoin:
         if events or drain:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
             out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
-                                   max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]))
+                                   max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]),
+                                   (list(self._top[0]), list(self._top[1])))
             heapq.heappush(self._chunks, (retire_at, seq))
             self.next_seq, self.newest_seq = seq + 1, seq
         out.retired = self._retire()
@@ -487,7 +493,9 @@ class PartitionJoin:
         """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
         self = cls(partition, cfg)
         final_order: list[tuple[int, str]] = []  # (ts, id) of the evicted impressions, as _finalize_all keeps them
+        tops: tuple[list[int], list[int]] = ([], [])  # the newest chunk's quorum per input (it only ever grows)
         for c in sorted(chunks, key=lambda c: c.seq):
+            tops = (c.topic_top[0] or tops[0], c.topic_top[1] or tops[1])
             for p in c.added:
                 self.pending[p.impression_id] = p
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
@@ -527,9 +535,9 @@ class PartitionJoin:
             self.next_seq = max(self.next_seq, c.seq + 1)
             self.newest_seq = max(self.newest_seq, c.seq)
         self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
-        for kind, t in enumerate(self.topic_max):  # the k largest times are at least the restored one
-            if t is not None:
-                self._top[kind] = [t] * cfg.watermark_quorum
+        k = cfg.watermark_quorum
+        for kind, t in enumerate(self.topic_max):  # the k largest times as kept, else at least the restored time
+            self._top[kind] = sorted(tops[kind])[-k:] if t is None or len(tops[kind]) >= k else [t] * k
         for imp_id in [i for i, t in self.waiting.items() if not t]:
             del self.waiting[imp_id]
         # Waiting clicks whose impression was added in a later chunk were joined there or are late.

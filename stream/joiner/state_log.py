@@ -147,6 +147,7 @@ def _encode(c: StateChunk, items: range, bounds: list[int]) -> bytes:
         "evicted": share(2, c.evicted),
         "unwaited": share(3, c.unwaited),
         "topic_max": c.topic_max,
+        "topic_top": c.topic_top,
     })
     # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply_all), and under
     # fake_negative every added impression has had one attached already (on ML-1M, 400 of each row's ~560 bytes).
@@ -232,7 +233,8 @@ def _chunk(parts: list[tuple[dict[str, Any], bytes]]) -> StateChunk:
     return StateChunk(head["seq"], added, list(map(tuple, joined_lists("joined"))),
                       list(map(tuple, joined_lists("waiting"))), head["max_ts"], tuple(head["offsets"]),
                       head["max_ref_ts"], list(joined_lists("evicted")), list(map(tuple, joined_lists("unwaited"))),
-                      tuple(head.get("topic_max", (None, None))))
+                      tuple(head.get("topic_max", (None, None))),
+                      tuple(list(map(int, t)) for t in head.get("topic_top", ([], []))))  # type: ignore[arg-type]
 
 
 def decode_chunk(raws: list[bytes]) -> StateChunk:

@@ -115,10 +115,10 @@ def random_stream(seed: int, n: int = 300) -> list[tuple[list[Impression], list[
     return batches
 
 
-def run(policy: str, batches, restore_at: int | None = None) -> list[tuple[str, int, int]]:
+def run(policy: str, batches, restore_at: int | None = None, base: JoinConfig = BASE) -> list[tuple[str, int, int]]:
     """Every sample of ``batches`` then a drain; with ``restore_at``, the partition is rebuilt from its state log
     (encoded and decoded, retired chunks dropped) before that batch."""
-    c = cfg(policy)
+    c = dataclasses.replace(base, policy=policy)
     j, o, emitted, log = PartitionJoin(0, c), [-1, -1], [], {}
     for k, (imps, clicks) in enumerate(batches):
         if k == restore_at:
@@ -181,3 +181,18 @@ def test_final_view_keeps_each_impressions_first_sample_with_the_label_it_ends_w
     keep, final = final_view(ids, labels, kinds)
     assert keep.tolist() == [True, True, True, False, True]
     assert final[keep].tolist() == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_restore_keeps_each_inputs_quorum_so_a_click_late_before_the_restart_stays_late(policy: str) -> None:
+    # quorum 2: the inputs' times are their 2nd largest. After batch 1 the impressions' top two are (500, 1500) and the
+    # clicks' (600, 1400); batch 2 moves both to 1100, so "a" (window closes at 1000) expires, and its click at 900 in
+    # batch 3 is late. A restore before batch 2 that took each input's top two as (500, 500) and (600, 600) kept the
+    # watermark at 500: "a" was still open and its late click made it a positive.
+    base = dataclasses.replace(BASE, watermark_quorum=2)
+    batches = [([imp("a", 0), imp("b", 500), imp("c", 1500)], [Click("x", 600), Click("y", 1400)]),
+               ([imp("d", 1100)], [Click("z", 1100)]), ([], [Click("a", 900)]), ([], [])]
+    whole = run(policy, batches, base=base)
+    assert final_view(whole)["a"] == 0
+    for at in (1, 2):
+        assert sorted(run(policy, batches, restore_at=at, base=base)) == sorted(whole), at
