@@ -496,13 +496,10 @@ class PartitionJoin:
         tops: tuple[list[int], list[int]] = ([], [])  # the newest chunk's quorum per input (it only ever grows)
         for c in sorted(chunks, key=lambda c: c.seq):
             tops = (c.topic_top[0] or tops[0], c.topic_top[1] or tops[1])
-            for p in c.added:
+            for p in c.added:  # an id pending from an earlier chunk was closed and forgotten before it came again
                 self.pending[p.impression_id] = p
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
                 p.observed = cfg.policy == "fake_negative"
-            self._expiry.add(_timers(c.added, cfg.window_ms))
-            if cfg.policy == "es_dfm":
-                self._elapsed.add(_timers(c.added, cfg.elapsed_ms))
             for imp_id, cts in c.joined:
                 if imp_id in self.pending:
                     self.pending[imp_id].click_ts = cts
@@ -535,6 +532,10 @@ class PartitionJoin:
             self.next_seq = max(self.next_seq, c.seq + 1)
             self.newest_seq = max(self.newest_seq, c.seq)
         self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
+        # Timers of the impressions still held only: one of an id's first coming would close its second at once.
+        self._expiry.add(_timers(list(self.pending.values()), cfg.window_ms))
+        if cfg.policy == "es_dfm":
+            self._elapsed.add(_timers(list(self.pending.values()), cfg.elapsed_ms))
         k = cfg.watermark_quorum
         for kind, t in enumerate(self.topic_max):  # the k largest times as kept, else at least the restored time
             self._top[kind] = sorted(tops[kind])[-k:] if t is None or len(tops[kind]) >= k else [t] * k

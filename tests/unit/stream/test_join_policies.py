@@ -196,3 +196,15 @@ def test_a_restore_keeps_each_inputs_quorum_so_a_click_late_before_the_restart_s
     assert final_view(whole)["a"] == 0
     for at in (1, 2):
         assert sorted(run(policy, batches, restore_at=at, base=base)) == sorted(whole), at
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_restore_keeps_an_impression_whose_id_came_again_after_the_first_was_forgotten(policy: str) -> None:
+    # "a"@0 closes at 1000 and is forgotten at 6000 (window + late retention); "a" again @6500 is a new impression,
+    # clicked @7000. The chunk that added the first "a" is still live (it also added "b"@3000): a restore replayed
+    # the first one's expiry timer (1000) onto the second, which closed at once as a negative, and its click was lost.
+    batches = [([imp("a", 0), imp("b", 3000)], [Click("z", 3000)]), ([imp("c", 6000)], [Click("y", 6000)]),
+               ([imp("a", 6500)], [Click("x", 6500)]), ([], [Click("a", 7000)]), ([], [])]
+    whole = run(policy, batches)
+    assert sorted(whole).count(("a", 1, DELAYED_POSITIVE if policy in ("fake_negative", "es_dfm") else FINAL)) == 1
+    assert sorted(run(policy, batches, restore_at=3)) == sorted(whole)
