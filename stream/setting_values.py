@@ -99,6 +99,9 @@ def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
     """``raw`` as a value of type ``tp``; ``secret``: ``raw`` is a credential (also any :class:`Secret` field and
     any table entry whose key names one), never quoted in an error."""
     secret = secret or tp is Secret
+    if isinstance(raw, str) and "\x00" in raw:  # TOML's "\u0000": no path, name, address or secret holds one (the OS,
+        # librdkafka and Redis end the text there or raise "embedded null byte" when it is used, a traceback)
+        raise _cannot(where, raw, "holds a NUL character (\\u0000), which no setting can hold", secret)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, getattr(types, "UnionType", None)):

@@ -180,3 +180,19 @@ def test_a_value_its_settings_class_refuses_names_the_variable_file_or_flag_it_c
     with pytest.raises(SettingsError, match=source) as err:
         build(cls, section, file_data, environ, overrides)
     assert "\n" not in str(err.value)
+
+
+def test_a_nul_character_in_any_text_setting_is_refused_naming_the_setting() -> None:
+    # TOML's "\u0000" escape: a path setting holding it ended `streamrec train` in os.mkdir's "ValueError: embedded
+    # null byte" traceback, and a *_password_file one in the settings loader's open()
+    from cache_refresh.settings import RefreshSettings
+    from learner.config import LearnerSettings
+    from stream.config import RedisSettings
+
+    cases = [(LearnerSettings, "learner", "checkpoint_dir"), (RedisSettings, "redis", "password_file"),
+             (KafkaSettings, "kafka", "clicks_topic"), (RefreshSettings, "refresh", "schedule")]
+    for cls, section, key in cases:
+        with pytest.raises(SettingsError, match=rf"\[{section}\]\.{key}: .*NUL"):
+            build(cls, section, {section: {key: "a\x00b"}}, {})
+    with pytest.raises(SettingsError, match=r"\[kafka\]\.extra\.client\.rack: .*NUL"):
+        build(KafkaSettings, "kafka", {"kafka": {"extra": {"client.rack": "a\x00b"}}}, {})
