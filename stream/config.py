@@ -247,6 +247,14 @@ class KafkaSettings:
             for b, tb in list(streams.items())[i + 1:]:
                 if ta == tb:
                     raise ConfigError(f"[kafka] {a} and {b} are both {ta!r}: each names its own topic")
+        # Each stream's dead letters go to <topic><dlq_suffix>: one that is a stream topic itself (dlq_suffix = "", or
+        # clicks_topic = "impressions.dlq") took the dead letters as that stream's messages, a bad one read again
+        for a, ta in streams.items():
+            for b, tb in streams.items():
+                if self.dlq_topic(ta) == tb:
+                    raise ConfigError(f"[kafka] {a}'s dead-letter topic {self.dlq_topic(ta)!r} ({a} + dlq_suffix "
+                                      f"{self.dlq_suffix!r}) is the {b}: each stream's dead letters need a topic of "
+                                      "their own (dlq_suffix: a non-empty suffix, default '.dlq')")
         # librdkafka refuses a session timeout above its max.poll.interval.ms (300000 unless [kafka.extra] sets it;
         # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
         poll = self.extra.get("max.poll.interval.ms", "300000").strip()

@@ -196,3 +196,14 @@ def test_a_nul_character_in_any_text_setting_is_refused_naming_the_setting() -> 
             build(cls, section, {section: {key: "a\x00b"}}, {})
     with pytest.raises(SettingsError, match=r"\[kafka\]\.extra\.client\.rack: .*NUL"):
         build(KafkaSettings, "kafka", {"kafka": {"extra": {"client.rack": "a\x00b"}}}, {})
+
+
+@pytest.mark.parametrize("table", [{"dlq_suffix": ""}, {"clicks_topic": "impressions.dlq"},
+                                   {"samples_topic": "x", "dlq_suffix": "", "impressions_topic": "y"},
+                                   {"impressions_topic": "a", "clicks_topic": "a.dlq.dlq", "dlq_suffix": ".dlq.dlq"}])
+def test_a_dead_letter_topic_that_is_one_of_the_streams_is_refused(table: dict[str, str]) -> None:
+    # dlq_suffix = "" made impressions' dead-letter topic impressions itself: a bad message was written back onto the
+    # topic it was read from (read again, dead-lettered again); clicks_topic = "impressions.dlq" took impressions'
+    # dead letters as clicks
+    with pytest.raises(SettingsError, match=r"dead-letter"):
+        build(KafkaSettings, "kafka", {"kafka": table}, {})
