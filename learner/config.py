@@ -123,9 +123,15 @@ def _layer_width(x: Any) -> int:
     return int(x)
 
 
+# Bounds of the MLP no model reaches (a 16,384-wide layer after another holds 1 GiB of fp32 weights): past them, widths
+# were a traceback once the model was built after the first samples (2**64: torch's "Overflow when unpacking long
+# long"; 2**40: a 440 TB allocation)
+MAX_MLP_WIDTH, MAX_MLP_LAYERS = 16_384, 64
+
+
 def parse_mlp(value: Any) -> tuple[int, ...]:
     """The MLP's hidden layer sizes from ``"400,400,400"`` (a setting, an older checkpoint's meta), a
-    list or a tuple: the one parser of the ``mlp`` setting. ValueError for anything but sizes >= 1."""
+    list or a tuple: the one parser of the ``mlp`` setting. ValueError unless at most 64 sizes in 1..16,384."""
     if isinstance(value, (list, tuple)):
         parts = list(value)
     elif isinstance(value, str):
@@ -138,6 +144,9 @@ def parse_mlp(value: Any) -> tuple[int, ...]:
         raise ValueError(f"mlp: expected comma-separated layer widths like 400,400,400, got {value!r}") from None
     if any(x < 1 for x in sizes):
         raise ValueError(f"mlp: layer sizes must be >= 1, got {value!r}")
+    if len(sizes) > MAX_MLP_LAYERS or any(x > MAX_MLP_WIDTH for x in sizes):
+        raise ValueError(f"mlp: at most {MAX_MLP_LAYERS} layers of at most {MAX_MLP_WIDTH} units each, got "
+                         f"{len(sizes)} layers, the widest {max(sizes)}")
     return sizes
 
 
@@ -219,7 +228,7 @@ class LearnerSettings:
     # Platt scaling of the served logit, fitted online on the held-out predictions (learner/calibration.py)
     online_calibration: bool = True
     ctx_buckets: int = 10_000  # rows per context field; at most 1,000,000,000
-    mlp: tuple[int, ...] = (400, 400, 400)  # hidden layer sizes; "400,400,400" in a file or the environment
+    mlp: tuple[int, ...] = (400, 400, 400)  # hidden layer sizes; "400,400,400" in a file or the environment (MAX_MLP_*)
     dropout: float = 0.0
     lr_sparse: float = 0.05
     lr_dense: float = 0.001

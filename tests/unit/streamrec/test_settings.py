@@ -207,3 +207,15 @@ def test_a_dead_letter_topic_that_is_one_of_the_streams_is_refused(table: dict[s
     # dead letters as clicks
     with pytest.raises(SettingsError, match=r"dead-letter"):
         build(KafkaSettings, "kafka", {"kafka": table}, {})
+
+
+@pytest.mark.parametrize("mlp", [str(2**64), "400,1099511627776", [8] * 65])
+def test_an_mlp_too_wide_or_too_deep_to_build_is_refused_naming_the_setting(mlp: object) -> None:
+    # each width was only checked >= 1: 2**64 passed and torch's nn.Linear failed once the first samples had been read
+    # ("Overflow when unpacking long long"), 2**40 asked the allocator for 440 TB (RuntimeError), both tracebacks
+    from learner.config import LearnerSettings
+
+    with pytest.raises(SettingsError, match=r"mlp: at most .*set by environment STREAMREC_LEARNER_MLP"):
+        build(LearnerSettings, "learner", {}, {"STREAMREC_LEARNER_MLP": ",".join(map(str, mlp)) if isinstance(
+            mlp, list) else str(mlp)})
+    assert build(LearnerSettings, "learner", {}, {"STREAMREC_LEARNER_MLP": "16384," * 63 + "16384"}).mlp[0] == 16384
