@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stream.config import check_counts
+from stream.config import DURATION_CAP_S, check_counts
 from stream.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -57,9 +57,13 @@ class EventLimits:
     def __post_init__(self) -> None:
         # every max_* >= 1; a message at most librdkafka's 1e9 bytes (the rest: stream.config.MAX_COUNT)
         check_counts("limits", self, at_most={"max_message_bytes": 1_000_000_000})
-        ahead = self.future_ts_s  # finite: an infinite bound overflows future_ts_ms on every event with a broker time
-        if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not (math.isfinite(ahead) and ahead >= 0):
-            raise ConfigError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0")
+        # finite and at most ten years (DURATION_CAP_S, every duration's): an infinite bound, or 1e306 s (1e309 ms is
+        # inf), overflowed future_ts_ms on every event with a broker time
+        ahead = self.future_ts_s
+        if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not (
+                math.isfinite(ahead) and 0 <= ahead <= DURATION_CAP_S):
+            raise ConfigError(f"[limits] future_ts_s: got {ahead!r}, expected a finite number of seconds >= 0 and <= "
+                              f"{DURATION_CAP_S:g} (ten years)")
 
     @property
     def future_ts_ms(self) -> int:
