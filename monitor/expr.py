@@ -135,11 +135,14 @@ class Selector(Node):
         return {lb: p for lb, p in store.instant(self.metric).items() if self.select(lb)}
 
 
+def counter_rise(prev: float, cur: float) -> float:
+    """What a counter counted from ``prev`` to ``cur``: a drop is a reset (its process restarted from 0, as
+    Prometheus reads it), so it counted ``cur``. The monitor's ``increase()`` and the report's averages."""
+    return cur - prev if cur >= prev else cur
+
+
 def _increase(samples: Sequence[tuple[float, float]]) -> float:
-    total = 0.0
-    for (_, prev), (_, cur) in zip(samples, samples[1:], strict=False):
-        total += cur - prev if cur >= prev else cur  # a drop is a counter reset: it restarted from 0
-    return total
+    return sum((counter_rise(prev, cur) for (_, prev), (_, cur) in zip(samples, samples[1:], strict=False)), 0.0)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from monitor.cli_text import FOLLOW_TAIL_BYTES
+from monitor.expr import counter_rise
 from stream.errors import StreamrecError
 from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular, read_tail
 
@@ -278,15 +279,18 @@ def rate(s: Series) -> Series:
 
 
 def average_rate(s: Series) -> float | None:
-    """The counter's increase from its first to its last nonzero-increase scrape, per second."""
-    ts, vs = s
-    if len(ts) < 2:
+    """The counter's increase from its first to its last nonzero-increase scrape, per second; a drop is a restart
+    from 0 (:func:`monitor.expr.counter_rise`: a restarted learner's counter), never a loss. NaN samples are skipped."""
+    pts = [(t, v) for t, v in zip(*s, strict=True) if not math.isnan(v)]
+    if len(pts) < 2:
         return None
-    moving = [i for i in range(1, len(ts)) if vs[i] > vs[i - 1]]
+    ts = [t for t, _ in pts]
+    rises = [counter_rise(prev, cur) for (_, prev), (_, cur) in zip(pts, pts[1:], strict=False)]
+    moving = [i for i, r in enumerate(rises, 1) if r > 0]
     if not moving:
         return 0.0
     a, b = moving[0] - 1, moving[-1]
-    return (vs[b] - vs[a]) / (ts[b] - ts[a]) if ts[b] > ts[a] else None
+    return sum(rises[a:b]) / (ts[b] - ts[a]) if ts[b] > ts[a] else None
 
 
 def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:

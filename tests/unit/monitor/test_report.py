@@ -332,3 +332,10 @@ def test_report_follow_help_says_the_first_pass_reads_the_tail() -> None:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     text = " ".join(sub.choices["report"].format_help().split())  # type: ignore[index]
     assert f"like tail -f, it starts from the last {FOLLOW_TAIL_BYTES >> 20} MiB of the run log" in text
+
+
+def test_average_rate_counts_a_counter_reset_as_a_restart_from_zero_not_a_loss() -> None:
+    # the learner trains 100/s, is restarted at t=3 (its counter starts again from 0) and trains on
+    assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
+    # a restart whose first scrape still reads 0 moves nothing; the next rise does
+    assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 0, 100])) == pytest.approx(75.0)
