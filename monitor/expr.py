@@ -7,7 +7,8 @@ Grammar (no ``eval``: a tokenizer and a recursive-descent parser build a tree of
     unary     := '-' unary | primary
     primary   := NUMBER | '(' expr ')' | call | aggregate | selector
     selector  := METRIC ['{' matcher (',' matcher)* '}']          instant vector
-    matcher   := LABEL ('=' | '!=' | '=~' | '!~') "STRING"         regexes match the whole value
+    matcher   := LABEL ('=' | '!=' | '=~' | '!~') "STRING"         regexes match the whole value; STRING's
+                 escapes are Go's, as in PromQL (:func:`_unquote`: a regex's backslash is written doubled)
     call      := ('rate' | 'increase' | 'delta') '(' selector '[' DURATION ']' ')'
                | 'abs' '(' expr ')'
     aggregate := ('sum' | 'max' | 'min' | 'avg' | 'count') [grouping] '(' expr ')' [grouping]
@@ -464,6 +465,43 @@ def _overlapping(branches: Any, fold: bool) -> bool:
     return False
 
 
+# Go's escapes in a double-quoted string (strconv.Unquote, which PromQL reads a matcher's value with): a byte (\x,
+# octal), a code point (\u, \U) or one of these; any other backslash is an error there, and here
+_GO_ESCAPE = re.compile(r'\\(?:([abfnrtv\\"])|x([0-9a-fA-F]{2})|([0-3][0-7]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))')
+_GO_SIMPLE = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\", '"': '"'}
+
+
+def _unquote(body: str, pos: int) -> str:
+    """The value of the PromQL string whose text between the quotes is ``body`` (at column ``pos`` + 1), as Go's
+    strconv.Unquote reads it; :class:`ExprError` for an escape it refuses (``\\.``, ``\\d``: a regex's backslash is
+    written doubled, ``"10\\\\.0"``; one was dropped, so ``=~"10\\.0\\.0\\.1"`` matched ``10a0b0c1``) or bytes that
+    are not UTF-8 (a label value is UTF-8 text)."""
+    out, i = bytearray(), 0
+    while (j := body.find("\\", i)) >= 0:
+        out += body[i:j].encode("utf-8", "surrogatepass")
+        m = _GO_ESCAPE.match(body, j)
+        if m is None:
+            raise ExprError(f"unknown escape sequence {_clip(body[j:j + 2])!r} in a quoted string at column "
+                            f"{pos + 2 + j}: write a backslash as \\\\ (a regex's \\. is \"\\\\.\")")
+        simple, hex2, octal, u4, u8 = m.groups()
+        if simple is not None:
+            out += _GO_SIMPLE[simple].encode()
+        elif hex2 is not None or octal is not None:
+            out.append(int(hex2, 16) if hex2 is not None else int(octal, 8))
+        else:
+            code = int(u4 or u8, 16)
+            if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+                raise ExprError(f"escape sequence {m.group()!r} at column {pos + 2 + j} is not a Unicode character")
+            out += chr(code).encode()
+        i = m.end()
+    out += body[i:].encode("utf-8", "surrogatepass")
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ExprError(f"the quoted string at column {pos + 1} is not UTF-8 text once its \\x or octal escapes are "
+                        "read (a label value is UTF-8)") from None
+
+
 def _clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -634,7 +672,7 @@ class _Parser:
                 self.i += 1
                 if self.tok.kind != "string":
                     raise self._fail('a quoted label value such as "user_id"')
-                value = re.sub(r"\\(.)", r"\1", self.tok.text[1:-1])
+                value = _unquote(self.tok.text[1:-1], self.tok.pos)
                 if op in ("=~", "!~"):
                     try:
                         re.compile(value)

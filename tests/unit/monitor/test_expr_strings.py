@@ -1,0 +1,45 @@
+"""A label matcher's value is a PromQL double-quoted string, unescaped as Prometheus does (Go's strconv.Unquote):
+``\\\\``, ``\\"``, ``\\n`` and Go's other escapes are characters, an unknown escape (``\\.``, ``\\d``) is an error
+naming it, never a backslash silently dropped (``=~"10\\.0\\.0\\.1"`` matched ``10a0b0c1``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from monitor.engine import MetricHistory, Snapshot
+from monitor.expr import ExprError, parse
+from monitor.rules import RulesError, loads_rules
+
+SCRAPE = 'm{ip="10a0b0c1"} 1\nm{ip="10.0.0.1"} 2\nm{msg="a\\nb"} 3\nm{msg="tab\there \\"q\\" \\\\ é"} 4\n'
+
+
+def values(expr: str) -> list[float]:
+    store = MetricHistory(0)
+    store.record(Snapshot.from_texts({"s": SCRAPE}), 0.0)
+    got = parse(expr).eval(store)
+    assert isinstance(got, dict)
+    return sorted(p.value for p in got.values())
+
+
+def test_a_doubled_backslash_in_a_regex_matcher_is_one_backslash_of_the_regex() -> None:
+    assert values(r'm{ip=~"10\\.0\\.0\\.1"}') == [2.0]
+
+
+@pytest.mark.parametrize("expr", [r'm{ip=~"10\.0\.0\.1"}', r'm{ip=~"\d+"}', r'm{ip="\q"}', r'm{ip="\x4"}',
+                                  r'm{ip="\400"}', r'm{ip="\ud800"}', r'm{ip="\xff"}', r"m{ip='x'}"])
+def test_an_escape_promql_does_not_know_is_an_error_not_a_dropped_backslash(expr: str) -> None:
+    with pytest.raises(ExprError):
+        parse(expr)
+
+
+def test_an_unknown_escape_in_a_rules_file_is_refused_naming_the_rule() -> None:
+    text = "[[rule]]\nname = \"ip\"\nexpr = 'm{ip=~\"10\\.0\\.0\\.1\"}'\nop = \">\"\nthreshold = 0\n"
+    with pytest.raises(RulesError, match=r'rule "ip".*escape'):
+        loads_rules(text)
+
+
+def test_go_escapes_match_the_label_values_they_stand_for() -> None:
+    assert values(r'm{msg="a\nb"}') == [3.0]  # the exposition's \n is a newline; so is PromQL's
+    assert values(r'm{msg="tab\there \"q\" \\ \u00e9"}') == [4.0]
+    assert values(r'm{msg="tab\x09here \042q\042 \\ \xc3\xa9"}') == [4.0]  # hex and octal bytes, UTF-8 é
+    assert values(r'm{msg="tab\there \"q\" \\ \U000000e9"}') == [4.0]
