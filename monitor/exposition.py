@@ -78,8 +78,9 @@ def _unescaped(e: re.Match[str]) -> str:
 
 
 def _value(token: str) -> float:
-    """``token`` as Go's ParseFloat reads it: Python's float() also takes ``1_000``, which Go refuses."""
-    if "_" in token:
+    """``token`` as Go's ParseFloat reads it: Python's float() also takes ``1_000``, any Unicode decimal digit
+    (``١`` is 1.0) and a signed NaN (``+NaN``), which Go refuses."""
+    if "_" in token or not token.isascii() or (token[0] in "+-" and token[1:].lower() == "nan"):
         raise ValueError(token)
     return float(token)
 

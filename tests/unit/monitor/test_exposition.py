@@ -365,3 +365,13 @@ def test_a_nul_byte_in_a_label_value_fails_the_scrape_as_prometheus_refuses_it(t
     with pytest.raises(ValueError, match=r"^line 1: "):
         snap.add_text("learner", text)
     assert snap.metrics == {}  # was read as a="x\x00y"
+
+
+@pytest.mark.parametrize("value", ["١", "１", "𝟏", "1٠", "+NaN", "-nan"])
+def test_a_value_go_does_not_read_fails_the_scrape_though_python_float_reads_it(value: str) -> None:
+    # Python's float() reads any Unicode decimal digit ("١" is 1.0) and a signed NaN; Go's ParseFloat, and so the
+    # Prometheus server, refuses them: the scrape was read with a value Prometheus never sees
+    snap = Snapshot()
+    with pytest.raises(ValueError, match=r"\bline 2\b.*not a number"):
+        snap.add_text("learner", f"streamrec_y 1\nstreamrec_x {value}\n")
+    assert snap.metrics == {}
