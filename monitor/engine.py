@@ -70,6 +70,7 @@ from monitor.alerts import (
     AlertState,
     FanOut,
     QueuedSink,
+    Severity,
     alert_fingerprint,
     decode_value,
     encode_value,
@@ -393,6 +394,9 @@ class RuleEngine:
         self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
         # the resolved alerts of the last evaluation, each with its series as firing() writes it
         self.resolved: list[tuple[Alert, dict[str, Any]]] = []
+        # restored firing records of rules no longer in the rules file (renamed, removed): resolved at the next
+        # evaluation, as restore() could not give them a rule
+        self.retired: list[dict[str, Any]] = []
 
     def evaluate(self, snap: Snapshot, now: float, wall: float | None = None) -> list[Alert]:
         """One evaluation at ``now`` (seconds on the clock durations are measured on; :class:`Monitor` uses
@@ -409,6 +413,7 @@ class RuleEngine:
         for rule in self.rules:
             EVALUATIONS.labels(rule.name).inc()
             alerts.extend(self._evaluate_rule(rule, now))
+        alerts.extend(self._resolve_retired(now))
         for a in alerts:
             ALERTS.labels(a.rule, a.state.value).inc()
         return alerts
@@ -438,6 +443,28 @@ class RuleEngine:
             if st.state is State.INACTIVE and p is None:
                 del states[lb]  # the series is gone: forget it
         out.extend(self._absence(rule, bool(series), now))
+        return out
+
+    def _resolve_retired(self, now: float) -> list[Alert]:
+        """The resolved alert of each restored record whose rule is no longer in the rules file: with the identity
+        (fingerprint), labels and severity its firing alert had, so the receiver does not show it firing for ever.
+        A record written before ``severity`` was kept resolves as a warning (its fingerprint, what receivers match
+        on, is exact either way)."""
+        out = []
+        for rec in self.retired:
+            lb, absent = labels_of(rec["labels"]), rec.get("absent") is True
+            st = SeriesState(State.RESOLVED, now, None, frozenset(rec.get("sources", ())))
+            alert = Alert(rule=rec["rule"], source=",".join(sorted(st.sources)),
+                          severity=Severity(rec.get("severity", Severity.WARNING.value)), state=AlertState.RESOLVED,
+                          value=None, threshold=decode_value(rec.get("threshold")),
+                          message=f"{rec['rule']}: the rule is no longer in the rules file: its alert, firing when the "
+                                  "monitor stopped, is resolved", ts=int(round((now + self.wall_offset) * 1000)),
+                          labels=alert_labels(rec.get("rule_labels", {}), lb),
+                          kind=AlertKind.ABSENT if absent else AlertKind.SERIES,
+                          fingerprint=self._fingerprint(rec["rule"], lb, absent))
+            self.resolved.append((alert, rec))
+            out.append(alert)
+        self.retired = []
         return out
 
     def _unknown(self, st: SeriesState, now: float) -> bool:
@@ -527,24 +554,30 @@ class RuleEngine:
         """A firing series for the state file; an absence alert is marked ``"absent": true`` (its labels are
         only what the sinks see: a series of the rule may have the same). ``fingerprint`` is its alerts' (written
         for whoever reads the file; restore computes it again from the rule, ``absent`` and the labels)."""
+        rule = self.by_name[name]  # what a resolve needs once the rule is gone (_resolve_retired)
         return {"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
                 "value": encode_value(st.value), "sources": sorted(st.sources), **({"absent": True} if absent else {}),
-                "fingerprint": self._fingerprint(name, lb, absent)}
+                "fingerprint": self._fingerprint(name, lb, absent), "severity": rule.severity.value,
+                "threshold": encode_value(rule.threshold), "rule_labels": dict(rule.labels)}
 
     def firing(self) -> list[dict[str, Any]]:
         """The firing series, as :meth:`restore` reads them back (``since`` in wall-clock seconds)."""
         return ([self._record(name, lb, st)
                  for name, states in self.states.items() for lb, st in states.items() if st.state is State.FIRING]
                 + [self._record(name, ABSENT_LABELS, st, absent=True)
-                   for name, st in self.absent.items() if st.state is State.FIRING])
+                   for name, st in self.absent.items() if st.state is State.FIRING]
+                + [dict(rec) for rec in self.retired])  # not resolved yet: kept for the next start
 
     def restore(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
         """Mark the series of ``records`` (from :meth:`firing`, before a restart) firing again; records of
-        rules no longer in the file are skipped. Returns how many were restored."""
+        rules no longer in the file (renamed, removed) are resolved at the next evaluation (they were skipped, and
+        their alerts stayed firing at the receivers for ever). Returns how many were restored."""
         restored = 0
         for rec in records:
             rule = self.by_name.get(rec["rule"])
             if rule is None:
+                self.retired.append(dict(rec))
+                restored += 1
                 continue
             since = min(now, now - (wall - float(rec["since"])))
             st = SeriesState(State.FIRING, since, decode_value(rec.get("value")), frozenset(rec.get("sources", ())),
@@ -775,7 +808,13 @@ class FiringStateFile:
                 and (r.get("value") is None or r["value"] in ("NaN", "+Inf", "-Inf")
                      or FiringStateFile._number(r["value"], finite=False))
                 and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", []))
-                and isinstance(r.get("absent", False), bool) and isinstance(r.get("fingerprint", ""), str))
+                and isinstance(r.get("absent", False), bool) and isinstance(r.get("fingerprint", ""), str)
+                and isinstance(sev := r.get("severity", Severity.WARNING.value), str)
+                and sev in {s.value for s in Severity}
+                and (r.get("threshold") is None or r["threshold"] in ("NaN", "+Inf", "-Inf")
+                     or FiringStateFile._number(r["threshold"], finite=False))
+                and isinstance(r.get("rule_labels", {}), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in r.get("rule_labels", {}).items()))
 
     @staticmethod
     def _number(v: Any, finite: bool) -> bool:

@@ -345,6 +345,33 @@ def test_a_restart_resolves_an_alert_that_cleared_while_the_monitor_was_down(tmp
         mon.close(5)
 
 
+def test_an_alert_firing_when_its_rule_is_renamed_or_removed_is_resolved_after_the_restart(tmp_path: Path) -> None:
+    clocks = Clocks()
+    rules = restart_rules(tmp_path / "state.json").replace('expr = "share"', 'expr = "share"\nseverity = "critical"'
+                                                          '\nlabels = { team = "ranking" }')
+    mon, sink = monitor(rules, shares(['share{field="user_id"} 0.9\nlag 3\n'] * 21), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    [fired] = sink.got
+    mon.close(5)
+    clocks.tick(30)
+    renamed = rules.replace('name = "cold_start_share"', 'name = "new_user_share"')  # a deploy renames the rule
+    mon, sink = monitor(renamed, shares(['share{field="user_id"} 0.9\nlag 3\n'] * 3), clocks)
+    try:
+        # the old monitor skipped the old rule's record: the receiver showed its alert firing for ever
+        [resolved] = [a for a in mon.step() if a.rule == "cold_start_share"]
+        assert (resolved.state, resolved.fingerprint, resolved.severity, resolved.labels, resolved.kind) == (
+            AlertState.RESOLVED, fired.fingerprint, Severity.CRITICAL, fired.labels, fired.kind)
+        assert "no longer in the rules file" in resolved.message
+        assert delivered(mon, sink) == [("cold_start_share", "resolved")]
+        clocks.tick(15)
+        assert [a.rule for a in mon.step()] == []  # once, not every evaluation
+    finally:
+        mon.close(5)
+    assert [r["rule"] for r in json.loads((tmp_path / "state.json").read_text())["firing"]] == []  # delivered
+
+
 def test_a_restart_announces_what_still_fires_at_once_and_only_once(tmp_path: Path) -> None:
     clocks = Clocks()
     mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.9\n"] * 21), clocks)
