@@ -446,20 +446,21 @@ class RuleEngine:
         return out
 
     def _resolve_retired(self, now: float) -> list[Alert]:
-        """The resolved alert of each restored record whose rule is no longer in the rules file: with the identity
-        (fingerprint), labels and severity its firing alert had, so the receiver does not show it firing for ever.
-        A record written before ``severity`` was kept resolves as a warning (its fingerprint, what receivers match
-        on, is exact either way)."""
+        """The resolved alert of each restored record whose rule is no longer in the rules file (or, an absence alert,
+        no longer has ``absent_for_s``): with the identity (fingerprint), labels and severity its firing alert had, so
+        the receiver does not show it firing for ever. A record written before ``severity`` was kept resolves with
+        its rule's, or as a warning where the rule is gone (its fingerprint, what receivers match on, is exact)."""
         out = []
         for rec in self.retired:
-            lb, absent = labels_of(rec["labels"]), rec.get("absent") is True
-            st = SeriesState(State.RESOLVED, now, None, frozenset(rec.get("sources", ())))
-            alert = Alert(rule=rec["rule"], source=",".join(sorted(st.sources)),
-                          severity=Severity(rec.get("severity", Severity.WARNING.value)), state=AlertState.RESOLVED,
-                          value=None, threshold=decode_value(rec.get("threshold")),
-                          message=f"{rec['rule']}: the rule is no longer in the rules file: its alert, firing when the "
-                                  "monitor stopped, is resolved", ts=int(round((now + self.wall_offset) * 1000)),
-                          labels=alert_labels(rec.get("rule_labels", {}), lb),
+            lb, absent, rule = labels_of(rec["labels"]), rec.get("absent") is True, self.by_name.get(rec["rule"])
+            sources = sorted(rec.get("sources", ()))
+            why = "the rule is no longer in the rules file" if rule is None else "the rule no longer has absent_for_s"
+            alert = Alert(rule=rec["rule"], source=",".join(sources),
+                          severity=Severity(rec.get("severity", (rule.severity if rule else Severity.WARNING).value)),
+                          state=AlertState.RESOLVED, value=None, threshold=decode_value(rec.get("threshold")),
+                          message=f"{rec['rule']}: {why}: its alert, firing when the monitor stopped, is resolved",
+                          ts=int(round((now + self.wall_offset) * 1000)),
+                          labels=alert_labels(rec.get("rule_labels", dict(rule.labels) if rule else {}), lb),
                           kind=AlertKind.ABSENT if absent else AlertKind.SERIES,
                           fingerprint=self._fingerprint(rec["rule"], lb, absent))
             self.resolved.append((alert, rec))
@@ -571,7 +572,8 @@ class RuleEngine:
     def restore(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
         """Mark the series of ``records`` (from :meth:`firing`, before a restart) firing again; records of
         rules no longer in the file (renamed, removed) are resolved at the next evaluation (they were skipped, and
-        their alerts stayed firing at the receivers for ever). Returns how many were restored."""
+        their alerts stayed firing at the receivers for ever), and so is the absence alert of a rule that no longer
+        has ``absent_for_s``. Returns how many were restored."""
         restored = 0
         for rec in records:
             rule = self.by_name.get(rec["rule"])
@@ -583,7 +585,9 @@ class RuleEngine:
             st = SeriesState(State.FIRING, since, decode_value(rec.get("value")), frozenset(rec.get("sources", ())),
                              restored=True)
             if rec.get("absent") is True:
-                if rule.absent_for_s is None:
+                if rule.absent_for_s is None:  # its absent_for_s removed: nothing watches that alert any more
+                    self.retired.append(dict(rec))
+                    restored += 1
                     continue
                 self.no_data_since[rule.name] = now - rule.absent_for_s  # absent still, until data comes
                 self.absent[rule.name] = st

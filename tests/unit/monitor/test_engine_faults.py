@@ -372,6 +372,27 @@ def test_an_alert_firing_when_its_rule_is_renamed_or_removed_is_resolved_after_t
     assert [r["rule"] for r in json.loads((tmp_path / "state.json").read_text())["firing"]] == []  # delivered
 
 
+def test_an_absence_alert_firing_when_its_rules_absent_for_s_is_removed_is_resolved_after_the_restart(
+        tmp_path: Path) -> None:
+    clocks = Clocks()
+    mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.1\n"] * 6), clocks)
+    for _ in range(6):  # no lag for 75 s: learner_lag's absence alert fires
+        mon.step()
+        clocks.tick(15)
+    [fired] = sink.got
+    assert (fired.rule, fired.kind.value) == ("learner_lag", "absent")
+    mon.close(5)
+    without = restart_rules(tmp_path / "state.json").replace("absent_for_s = 60\n", "")
+    mon, sink = monitor(without, shares(["share 0.1\n"] * 3), clocks)
+    try:
+        [resolved] = mon.step()  # it was skipped: the absence alert stayed firing at the receivers
+        assert (resolved.rule, resolved.state, resolved.fingerprint, resolved.kind) == (
+            "learner_lag", AlertState.RESOLVED, fired.fingerprint, fired.kind)
+        assert "absent_for_s" in resolved.message
+    finally:
+        mon.close(5)
+
+
 def test_a_restart_announces_what_still_fires_at_once_and_only_once(tmp_path: Path) -> None:
     clocks = Clocks()
     mon, sink = monitor(restart_rules(tmp_path / "state.json"), shares(["share 0.9\n"] * 21), clocks)
