@@ -245,8 +245,10 @@ def _key(labels: Mapping[str, str], by: Sequence[str]) -> str:
 def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
            agg: str = "sum", source: str | None = None) -> dict[str, Series]:
     """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
-    labels); ``where`` keeps the samples whose labels equal those given. Every source unless ``source``."""
-    out: dict[str, dict[float, float]] = {}
+    labels); ``where`` keeps the samples whose labels equal those given. Every source unless ``source``; a value
+    more than one source exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other
+    times, were interleaved into one curve: two learner ranks' counters read as a sawtooth)."""
+    out: dict[tuple[str, str], dict[float, float]] = {}
     for src, scrapes in rec.scrapes.items():
         if source is not None and src != source:
             continue
@@ -261,8 +263,18 @@ def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str
                 else:
                     acc[k] = max(acc[k], v) if agg == "max" else acc[k] + v
             for k, v in acc.items():
-                out.setdefault(k, {})[t] = v
-    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(out.items())}
+                out.setdefault((src, k), {})[t] = v
+    sources_of: dict[str, int] = {}
+    for _, k in out:
+        sources_of[k] = sources_of.get(k, 0) + 1
+    named: dict[str, dict[float, float]] = {k: d for (_, k), d in out.items() if sources_of[k] == 1}
+    for (src, k), d in out.items():
+        if sources_of[k] > 1:
+            key = f"{k} ({src})".lstrip()
+            while key in named:  # a label value that reads like it: never merge two curves
+                key += f" ({src})"
+            named[key] = d
+    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(named.items())}
 
 
 def rate(s: Series) -> Series:

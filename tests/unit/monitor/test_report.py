@@ -339,3 +339,16 @@ def test_average_rate_counts_a_counter_reset_as_a_restart_from_zero_not_a_loss()
     assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
     # a restart whose first scrape still reads 0 moves nothing; the next rise does
     assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 0, 100])) == pytest.approx(75.0)
+
+
+def test_a_series_two_sources_export_is_one_curve_per_source_not_their_scrapes_interleaved() -> None:
+    # two learner ranks without a rank label: 1000/s and 10/s; interleaved, the rates read 2000, 3980, 5960/s
+    rec = report.Recording()
+    for i in range(4):
+        rec.add({"kind": "scrape", "t": 1e9 + i, "source": "rank0",
+                 "samples": [["streamrec_learner_samples_total", {}, 1000 * i]]})
+        rec.add({"kind": "scrape", "t": 1e9 + i + 0.5, "source": "rank1",
+                 "samples": [["streamrec_learner_samples_total", {}, 10 * i]]})
+    curves = report.series(rec, "streamrec_learner_samples_total")
+    assert {k: report.rate(s)[1] for k, s in curves.items()} == {"(rank0)": [1000.0] * 3, "(rank1)": [10.0] * 3}
+    assert list(report.series(rec, "streamrec_learner_samples_total", source="rank1")) == [""]  # one source: as was
