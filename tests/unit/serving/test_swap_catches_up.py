@@ -42,21 +42,21 @@ def _write(directory: Path, seq: int) -> None:
          "vectors": torch.full((1, 5), float(seq)), "dense_state": {"bias": torch.zeros(1)}}))
 
 
-def test_an_artifact_whose_delta_read_is_retried_goes_live_only_caught_up(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # The live model holds deltas 1..3; the new artifact v2 (trained to none of them) had its read of delta 1 fail
-    # with EMFILE: the round ended there and v2 went live without deltas 1..3, scores staler than the model it
-    # replaced until a round read delta 1 (the live model's own round right after failed too).
-    ddir, root = tmp_path / "deltas", tmp_path / "root"
+
+def _updater_with_v2_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live_seq: int,
+                             fail: Any) -> tuple[ModelUpdater, ModelHolder, Model, list[Model]]:
+    """An updater over deltas 1..3 serving ``v1`` (holding deltas up to ``live_seq``), with ``v2`` (trained to no
+    delta) current; ``fail(name)``, called before each delta read, raises to make it fail. Returns the updater, its
+    holder, v1 and v2's loads."""
+    ddir = tmp_path / "deltas"
     ddir.mkdir()
     for seq in (1, 2, 3):
         _write(ddir, seq)
     holder = ModelHolder()
-    u = ModelUpdater(holder, ServingMetrics(holder.model), root, ddir, device="cpu")
+    u = ModelUpdater(holder, ServingMetrics(holder.model), tmp_path / "root", ddir, device="cpu")
     old = Model("v1", tmp_path / "v1")
+    old.delta_seq, old.delta_samples = live_seq, 10 * live_seq  # (as _write's deltas 1..live_seq applied leave it)
     holder.live = LiveModel(old, None, 0)  # type: ignore[arg-type]
-    u._apply_deltas(holder.live)
-    assert old.applied == [1, 2, 3]
     (tmp_path / "v2").mkdir()
     loaded: list[Model] = []
 
@@ -64,20 +64,34 @@ def test_an_artifact_whose_delta_read_is_retried_goes_live_only_caught_up(tmp_pa
         loaded.append(Model("v2", path))
         return loaded[-1]
 
-    real, fails = deltas.load_delta, [2]
+    real = deltas.load_delta
 
     def load_delta(p: Path, key: object = None) -> deltas.Delta:
-        if p.name.startswith("delta-000000000001") and fails[0] > 0:
-            fails[0] -= 1
-            raise OSError(errno.EMFILE, "Too many open files")
+        fail(p.name)
         return real(p, key)  # type: ignore[arg-type]
 
-    assert delta_path(ddir, 1, 10).name.startswith("delta-000000000001")
     monkeypatch.setattr(deltas, "load_delta", load_delta)
     monkeypatch.setattr("serving.swap.current_version", lambda r: "v2")
     monkeypatch.setattr("serving.swap.version_path", lambda r, name: tmp_path / name)
     monkeypatch.setattr("serving.swap._live_model", lambda m: LiveModel(m, None, 0))
     u._load = load  # type: ignore[method-assign,assignment]
+    return u, holder, old, loaded
+
+
+def test_an_artifact_whose_delta_read_is_retried_goes_live_only_caught_up(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The live model holds deltas 1..3; the new artifact v2 (trained to none of them) had its read of delta 1 fail
+    # with EMFILE: the round ended there and v2 went live without deltas 1..3, scores staler than the model it
+    # replaced until a round read delta 1 (the live model's own round right after failed too).
+    fails = [2]
+
+    def fail(name: str) -> None:
+        if name.startswith("delta-000000000001") and fails[0] > 0:
+            fails[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    assert delta_path(tmp_path, 1, 10).name.startswith("delta-000000000001")
+    u, holder, old, loaded = _updater_with_v2_waiting(tmp_path, monkeypatch, 3, fail)
     for _ in range(3):  # delta 1's read fails in two rounds, then reads
         u.check_now()
         assert holder.live.model.delta_seq == 3  # never behind the deltas the replaced model held
@@ -91,36 +105,15 @@ def test_a_check_that_reads_a_failing_delta_for_the_new_artifact_and_the_live_mo
     # the first two checks: each check reads it twice (for v2, then for the live model). Each read counted a try, so
     # the third read (the second check) rejected delta 2 for good after two rounds although TRANSIENT_TRIES is
     # rounds: its rows were lost until the next artifact. Now a check is one round: delta 2 applies in the third.
-    ddir, root = tmp_path / "deltas", tmp_path / "root"
-    ddir.mkdir()
-    for seq in (1, 2, 3):
-        _write(ddir, seq)
-    holder = ModelHolder()
-    u = ModelUpdater(holder, ServingMetrics(holder.model), root, ddir, device="cpu")
-    old = Model("v1", tmp_path / "v1")
-    old.delta_seq, old.delta_samples = 1, 10
-    holder.live = LiveModel(old, None, 0)  # type: ignore[arg-type]
-    (tmp_path / "v2").mkdir()
-    loaded: list[Model] = []
+    reads: list[str] = []
 
-    def load(path: Path, device: str) -> Model:
-        loaded.append(Model("v2", path))
-        return loaded[-1]
-
-    real, reads = deltas.load_delta, []
-
-    def load_delta(p: Path, key: object = None) -> deltas.Delta:
-        if p.name.startswith("delta-000000000002"):
-            reads.append(p.name)
+    def fail(name: str) -> None:
+        if name.startswith("delta-000000000002"):
+            reads.append(name)
             if len(reads) <= 4:
                 raise OSError(errno.EMFILE, "Too many open files")
-        return real(p, key)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(deltas, "load_delta", load_delta)
-    monkeypatch.setattr("serving.swap.current_version", lambda r: "v2")
-    monkeypatch.setattr("serving.swap.version_path", lambda r, name: tmp_path / name)
-    monkeypatch.setattr("serving.swap._live_model", lambda m: LiveModel(m, None, 0))
-    u._load = load  # type: ignore[method-assign,assignment]
+    u, holder, old, loaded = _updater_with_v2_waiting(tmp_path, monkeypatch, 1, fail)
     assert TRANSIENT_TRIES == 3
     for _ in range(2):
         u.check_now()
