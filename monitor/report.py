@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from monitor.cli_text import FOLLOW_TAIL_BYTES
 from monitor.expr import counter_rise
@@ -44,6 +44,7 @@ from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, rea
 
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
+_T = TypeVar("_T")
 
 
 class ReportError(ValueError):
@@ -264,17 +265,23 @@ def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str
                     acc[k] = max(acc[k], v) if agg == "max" else acc[k] + v
             for k, v in acc.items():
                 out.setdefault((src, k), {})[t] = v
+    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(per_source(out).items())}
+
+
+def per_source(out: Mapping[tuple[str, str], _T]) -> dict[str, _T]:
+    """Curves keyed ``(source, key)`` named as every report curve is: a key one source exported keeps its name, a
+    key more than one source exported is one curve per source, ``"<key> (<source>)"`` (:func:`series`)."""
     sources_of: dict[str, int] = {}
     for _, k in out:
         sources_of[k] = sources_of.get(k, 0) + 1
-    named: dict[str, dict[float, float]] = {k: d for (_, k), d in out.items() if sources_of[k] == 1}
+    named: dict[str, _T] = {k: d for (_, k), d in out.items() if sources_of[k] == 1}
     for (src, k), d in out.items():
         if sources_of[k] > 1:
             key = f"{k} ({src})".lstrip()
             while key in named:  # a label value that reads like it: never merge two curves
                 key += f" ({src})"
             named[key] = d
-    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(named.items())}
+    return named
 
 
 def rate(s: Series) -> Series:
@@ -323,7 +330,8 @@ def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
 
 def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[str, Series]]:
     """Per value of label ``by``: the mean (increase of _sum over increase of _count), p50 and p90 of the
-    observations made between consecutive scrapes."""
+    observations made between consecutive scrapes; a value more than one source exported is one curve per source
+    (:func:`per_source`), never one source's buckets differenced against another's."""
     sums = series(rec, f"{name}_sum", by=(by,))
     counts = series(rec, f"{name}_count", by=(by,))
     out: dict[str, dict[str, Series]] = {}
@@ -340,14 +348,14 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
                 mean[0].append(b)
                 mean[1].append((sd[b] - sd[a]) / dc)
         out[k] = {"mean": mean}
-    # buckets: per scrape, per label value, le -> cumulative count
-    per: dict[str, dict[float, dict[float, float]]] = {}
-    for scrapes in rec.scrapes.values():
+    # buckets: per source and label value, per scrape, le -> cumulative count; named as series() names curves
+    per: dict[tuple[str, str], dict[float, dict[float, float]]] = {}
+    for src, scrapes in rec.scrapes.items():
         for t, samples in scrapes:
             for n, lb, v in samples:
                 if n == f"{name}_bucket" and "le" in lb:
-                    per.setdefault(_key(lb, (by,)), {}).setdefault(t, {})[_value(_le(lb["le"]))] = v
-    for k, by_t in per.items():
+                    per.setdefault((src, _key(lb, (by,))), {}).setdefault(t, {})[_value(_le(lb["le"]))] = v
+    for k, by_t in per_source(per).items():
         ts = sorted(by_t)
         qs: dict[str, Series] = {"p50": ([], []), "p90": ([], [])}
         for a, b in zip(ts, ts[1:], strict=False):

@@ -352,3 +352,25 @@ def test_a_series_two_sources_export_is_one_curve_per_source_not_their_scrapes_i
     curves = report.series(rec, "streamrec_learner_samples_total")
     assert {k: report.rate(s)[1] for k, s in curves.items()} == {"(rank0)": [1000.0] * 3, "(rank1)": [10.0] * 3}
     assert list(report.series(rec, "streamrec_learner_samples_total", source="rank1")) == [""]  # one source: as was
+
+
+def test_histogram_quantiles_of_two_sources_are_one_curve_per_source_not_their_buckets_interleaved() -> None:
+    # two learner ranks without a rank label, scraped half a second apart: rank0 observes 10 steps of norm
+    # in (0, 0.1] per second, rank1 10 steps in (1, 10]; merged, each "interval" differences one rank's
+    # cumulative buckets against the other's and its p50/p90 describe neither
+    rec = report.Recording()
+    name = "streamrec_learner_grad_norm"
+    for i in range(4):
+        for src, dt_s, counts in (("rank0", 0.0, (10 * i, 10 * i, 10 * i)), ("rank1", 0.5, (0, 0, 10 * i))):
+            samples = [[f"{name}_bucket", {"part": "dense", "le": le}, c]
+                       for le, c in zip(("0.1", "1", "10"), counts, strict=True)]
+            samples += [[f"{name}_bucket", {"part": "dense", "le": "+Inf"}, counts[-1]],
+                        [f"{name}_sum", {"part": "dense"}, (0.05 if src == "rank0" else 5.5) * counts[-1]],
+                        [f"{name}_count", {"part": "dense"}, counts[-1]]]
+            rec.add({"kind": "scrape", "t": 1e9 + i + dt_s, "source": src, "samples": samples})
+    h = report.histogram_over_time(rec, name, "part")
+    assert set(h) == {"dense (rank0)", "dense (rank1)"}
+    assert h["dense (rank0)"]["mean"][1] == pytest.approx([0.05] * 3)
+    assert h["dense (rank0)"]["p50"][1] == pytest.approx([0.05] * 3)
+    assert h["dense (rank1)"]["mean"][1] == pytest.approx([5.5] * 3)
+    assert h["dense (rank1)"]["p90"][1] == pytest.approx([9.1] * 3)
