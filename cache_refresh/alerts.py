@@ -50,8 +50,16 @@ class RefreshAlerts:
 
     def fire(self, stage: str, message: str, rule: str, severity: str = "critical",
              labels: dict[str, str] | None = None) -> Alert:
-        """Log a firing alert now and queue it for the Kafka topic (returns at once); returns the alert."""
-        alert = Alert(rule=rule, source="refresh", severity=Severity(severity), state=AlertState.FIRING, value=None,
+        """Log a firing alert now and queue it for the Kafka topic (returns at once); returns the alert. A
+        ``severity`` that is not a :class:`~monitor.alerts.Severity` value is logged and the alert goes as critical
+        (this method's default: an alert is never lost nor made quieter by a caller's typo)."""
+        try:
+            level = Severity(severity)
+        except ValueError:
+            log.error("alert %s: unknown severity %r (known: %s); sent as critical", rule, severity,
+                      ", ".join(s.value for s in Severity))
+            level = Severity.CRITICAL
+        alert = Alert(rule=rule, source="refresh", severity=level, state=AlertState.FIRING, value=None,
                       threshold=None, message=message, ts=int(time.time() * 1000),
                       labels={"stage": stage, **(labels or {})})
         try:
