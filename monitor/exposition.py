@@ -6,8 +6,8 @@ tabs between the tokens; ``#`` lines are comments, of which ``# HELP name text``
 name a metric (and a type: counter, gauge, histogram, summary, untyped). A label value unescapes ``\\\\``,
 ``\\"`` and ``\\n`` and keeps any other backslash pair as written (``\\q`` is those two characters, as the
 Prometheus server reads it: promparse.go's lvalReplacer; expfmt's TextParser refuses it); the value is a float as
-Go's ParseFloat reads it (``NaN``, ``+Inf``, ``-Inf`` included; no ``_``, no hex); the timestamp is whole
-milliseconds since the epoch.
+the Prometheus server reads it (``NaN``, ``+Inf``, ``-Inf`` included; no ``_``, no hex: see :func:`_value`); the
+timestamp is whole milliseconds since the epoch.
 
 :func:`parse` refuses everything else with an :class:`ExpositionError` naming the line, as Prometheus does,
 rather than read a value out of a line that does not say one (``m 1 2 3`` was read as 1). A sample or blank line
@@ -78,8 +78,12 @@ def _unescaped(e: re.Match[str]) -> str:
 
 
 def _value(token: str) -> float:
-    """``token`` as Go's ParseFloat reads it: Python's float() also takes ``1_000``, any Unicode decimal digit
-    (``١`` is 1.0) and a signed NaN (``+NaN``), which Go refuses."""
+    """``token`` as the Prometheus server reads a sample value: its text parser (promparse.go's ``parseFloat``,
+    "keep to pre-Go 1.13 float formats") refuses any value with a ``p``, ``P`` or ``_`` and hands the rest to Go's
+    ParseFloat. So no hex float is read: Go's ParseFloat alone reads ``0x1p3`` as 8, but a
+    hex float needs its ``p`` exponent in Go (``0x10`` is a syntax error), and the ``p`` is refused first; Python's
+    float() refuses hex too. Python's float() also takes ``1_000``, any Unicode decimal digit (``١`` is 1.0) and a
+    signed NaN (``+NaN``), which Prometheus (and, for the last two, Go) refuses."""
     if "_" in token or not token.isascii() or (token[0] in "+-" and token[1:].lower() == "nan"):
         raise ValueError(token)
     return float(token)

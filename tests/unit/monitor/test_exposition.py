@@ -29,6 +29,8 @@ def values(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     ('streamrec_x{a="b",a="c"} 1\n', 1),  # one label twice
     ("streamrec_x 1 1.5\n", 1),  # a timestamp is whole milliseconds
     ("streamrec_x 1_000\n", 1),  # not a Go float
+    ("streamrec_x 0x1p3\n", 1),  # Go's ParseFloat reads 8, Prometheus refuses the p before it (promparse.go)
+    ("streamrec_x 0x10\n", 1),  # a hex float without its p exponent: Go's ParseFloat refuses it
     ("streamrec_x 1\r\n", 1),  # a carriage return is not whitespace here
     ("streamrec_x\n", 1),  # no value
     ('streamrec_x{a="b"\n', 1),  # labels not closed
