@@ -40,7 +40,8 @@ slow or dead sink never delays rule evaluation nor the other sinks; alerts an at
 stay queued (in order) and are retried with exponential backoff. An alert leaves a queue only when
 delivered, or dropped for one of three reasons, each counted (``streamrec_monitor_sink_dropped_total``)
 and logged: ``overflow`` (more than ``queue_size`` waiting: the oldest go), ``rejected`` (the sink
-refused the alert itself, e.g. HTTP 400: retrying cannot help) and ``closed`` (still queued when
+refused the alert itself, e.g. HTTP 400, or Kafka's MSG_SIZE_TOO_LARGE or TOPIC_AUTHORIZATION_FAILED, at
+produce() or at delivery: :data:`REFUSED_FOR_GOOD`; retrying cannot help) and ``closed`` (still queued when
 :meth:`QueuedSink.close` ran out of time). Delivery is at least once: an attempt cut off at its
 deadline may have reached the receiver, and the alert is sent again. :class:`FanOut` hands every
 batch to several queued sinks.
@@ -324,6 +325,18 @@ def _left(deadline: float, what: str) -> float:
     return left
 
 
+# librdkafka error codes (KafkaError.code(), from produce() or a delivery report) that refuse one alert for good:
+# too large for the broker or topic (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE), a record the broker will not
+# take (INVALID_RECORD), or a producer not allowed to write the topic (TOPIC_/CLUSTER_AUTHORIZATION_FAILED, an
+# operator's ACL, like the webhook's HTTP 403). Retrying cannot help, and the alert would block every one behind
+# it: it is dropped ("rejected": counted and logged). Every other error is retried, the non-retriable ones
+# included: a timed-out message (_MSG_TIMED_OUT, a broker that is down) is not retriable() yet transient, and a
+# fatal() error is cured by the fresh producer every failed attempt gets. An unknown topic (UNKNOWN_TOPIC_OR_PART,
+# retriable in Kafka's table; _UNKNOWN_TOPIC) is retried too: topic metadata that has not propagated yet.
+REFUSED_FOR_GOOD = frozenset({10, 18, 87, 29, 31})  # MSG_SIZE_TOO_LARGE, RECORD_LIST_TOO_LARGE, INVALID_RECORD,
+# TOPIC_AUTHORIZATION_FAILED, CLUSTER_AUTHORIZATION_FAILED (checked against confluent_kafka.KafkaError in the tests)
+
+
 class KafkaSink:
     """Alerts to a Kafka topic: key = rule name, value = the alert's JSON; an attempt succeeds when the
     broker acknowledged every alert of the batch.
@@ -397,23 +410,30 @@ class KafkaSink:
         if self._producer is None:
             self._producer = self._new_producer()
         errors: dict[int, str | None] = {}  # index -> None (acknowledged) or the error
+        refused: dict[int, str] = {}  # index -> why Kafka refuses that alert for good
 
         def report(i: int, err: Any, _msg: Any) -> None:
-            errors[i] = None if err is None else err.str()
+            if err is not None and err.code() in REFUSED_FOR_GOOD:
+                refused[i] = err.str()
+            errors[i] = None if err is None or i in refused else err.str()
 
-        rejected: list[Alert] = []
         try:
             for i, a in enumerate(alerts):
-                if not self._produce(a, partial(report, i)):
-                    rejected.append(a)
+                why = self._produce(a, partial(report, i))
+                if why is not None:
+                    refused[i] = why
                     errors[i] = None  # not undelivered: refused (counted and logged by the queue)
             self._producer.flush(max(0.0, end - time.monotonic()))
         except BufferError:
             pass  # the producer's local queue is full: whatever was not acknowledged is retried below
+        except Exception:  # e.g. _FATAL from produce(): this producer is done; the next attempt makes a new one
+            self._discard_producer()
+            raise
+        rejected = [alerts[i] for i in sorted(refused)]
         undelivered = [a for i, a in enumerate(alerts) if errors.get(i, "not acknowledged") is not None]
         if rejected and not undelivered:
-            raise SinkError(f"Kafka topic {self.topic!r}: {len(rejected)} alert(s) too large for a message even with "
-                            "their labels and message cut short", undelivered=[], rejected=rejected)
+            raise SinkError(f"Kafka topic {self.topic!r}: {len(rejected)} alert(s) refused for good: "
+                            f"{refused[min(refused)]}", undelivered=[], rejected=rejected)
         if undelivered:
             self._discard_producer()
             errs = [e for _, e in sorted(errors.items()) if e is not None]
@@ -422,20 +442,23 @@ class KafkaSink:
                             f"{len(alerts)} alert(s) not acknowledged ({first}). Is the broker up (`streamrec "
                             "stack status`)?", undelivered=undelivered, rejected=rejected)
 
-    def _produce(self, a: Alert, on_delivery: Any) -> bool:
+    def _produce(self, a: Alert, on_delivery: Any) -> str | None:
         """Produce ``a``; one over the message size goes :meth:`Alert.shortened` (produce() refused it at once
-        with MSG_SIZE_TOO_LARGE, the attempt failed, and the alert and every one behind it stayed queued for good);
-        False when even that is too large."""
+        with MSG_SIZE_TOO_LARGE, the attempt failed, and the alert and every one behind it stayed queued for good).
+        Returns why Kafka refuses the alert for good (:data:`REFUSED_FOR_GOOD`; too large even shortened), or None."""
         from confluent_kafka import KafkaError, KafkaException
 
         for candidate in (a, a.shortened()):
             try:
                 self._producer.produce(self.topic, candidate.to_json(), a.key, on_delivery=on_delivery)
-                return True
+                return None
             except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                code = exc.args[0].code()
+                if code != KafkaError.MSG_SIZE_TOO_LARGE and code in REFUSED_FOR_GOOD:
+                    return str(exc.args[0].str())
+                if code != KafkaError.MSG_SIZE_TOO_LARGE:
                     raise
-        return False
+        return "too large for a message even with its labels and message cut short"
 
     def close(self) -> None:
         self._discard_producer()  # every attempt waited for its acknowledgements: nothing is outstanding
