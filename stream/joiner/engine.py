@@ -510,6 +510,8 @@ class PartitionJoin:
             for imp_id, cts in c.waiting:
                 self.waiting.setdefault(imp_id, []).append(cts)
                 heapq.heappush(self._waiting_heap, (cts, imp_id))
+            for p in c.added:  # its coming took every click waiting for it, this chunk's too: joined there or late
+                self.waiting.pop(p.impression_id, None)
             for imp_id in c.evicted:  # expired early: its sample was emitted with that chunk
                 gone = self.pending.pop(imp_id, None)
                 if gone is not None:
@@ -540,9 +542,6 @@ class PartitionJoin:
         for kind, t in enumerate(self.topic_max):  # the k largest times as kept, else at least the restored time
             self._top[kind] = sorted(tops[kind])[-k:] if t is None or len(tops[kind]) >= k else [t] * k
         for imp_id in [i for i, t in self.waiting.items() if not t]:
-            del self.waiting[imp_id]
-        # Waiting clicks whose impression was added in a later chunk were joined there or are late.
-        for imp_id in [i for i in self.waiting if i in self.pending]:
             del self.waiting[imp_id]
         # Everything the stored watermark already expired was emitted before the state was written.
         self._expire(BatchResult())

@@ -208,3 +208,16 @@ def test_a_restore_keeps_an_impression_whose_id_came_again_after_the_first_was_f
     whole = run(policy, batches)
     assert sorted(whole).count(("a", 1, DELAYED_POSITIVE if policy in ("fake_negative", "es_dfm") else FINAL)) == 1
     assert sorted(run(policy, batches, restore_at=3)) == sorted(whole)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_restore_keeps_a_click_waiting_for_an_id_that_comes_again_after_the_first_was_forgotten(policy: str) -> None:
+    # "a"@0 is forgotten at 6000 (window + late retention) while the chunk that added it stays live ("b"@3000). A click
+    # for "a" @6500 then waits for its impression, which comes @6400 in the next batch and joins it. A restore before
+    # that batch held the forgotten "a" as pending, took the waiting click for one "joined there or late", dropped it,
+    # and the second "a" ended a negative.
+    batches = [([imp("a", 0), imp("b", 3000)], [Click("z", 3000)]), ([imp("c", 6000)], [Click("y", 6000)]),
+               ([], [Click("a", 6500)]), ([imp("a", 6400)], [Click("x", 6400)]), ([], [])]
+    whole = run(policy, batches)
+    assert final_view(whole)["a"] == 1
+    assert sorted(run(policy, batches, restore_at=3)) == sorted(whole)
