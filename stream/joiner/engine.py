@@ -539,8 +539,9 @@ class PartitionJoin:
         if cfg.policy == "es_dfm":
             self._elapsed.add(_timers(list(self.pending.values()), cfg.elapsed_ms))
         k = cfg.watermark_quorum
-        for kind, t in enumerate(self.topic_max):  # the k largest times as kept, else at least the restored time
-            self._top[kind] = sorted(tops[kind])[-k:] if t is None or len(tops[kind]) >= k else [t] * k
+        for kind, t in enumerate(self.topic_max):  # the k largest times as kept, each at least the restored time (a
+            top = sorted(tops[kind])[-k:]  # newer chunk of the old code's kept none: the quorum kept is older than it)
+            self._top[kind] = top if t is None else [max(x, t) for x in [t] * (k - len(top)) + top]
         for imp_id in [i for i, t in self.waiting.items() if not t]:
             del self.waiting[imp_id]
         # Everything the stored watermark already expired was emitted before the state was written.

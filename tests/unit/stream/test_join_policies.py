@@ -221,3 +221,18 @@ def test_a_restore_keeps_a_click_waiting_for_an_id_that_comes_again_after_the_fi
     whole = run(policy, batches)
     assert final_view(whole)["a"] == 1
     assert sorted(run(policy, batches, restore_at=3)) == sorted(whole)
+
+
+def test_a_restore_from_a_new_chunk_then_an_old_codes_chunk_keeps_each_input_at_least_at_its_restored_time() -> None:
+    # A rolling upgrade: a new owner wrote chunk 0 (its quorum kept), an old one chunk 1 (no topic_top; the impressions
+    # at 5000). The restore took chunk 0's quorum (0, 100) as the impressions' time though chunk 1 had moved it to 5000:
+    # reached() (backpressure's measure) said 0, below the restored time, where an uninterrupted run says 5000.
+    c = dataclasses.replace(BASE, watermark_quorum=2)
+    j = PartitionJoin(0, c)
+    first = j.apply([(0, imp("a", 0)), (1, imp("b", 100))], []).chunk
+    second = j.apply([(2, imp("c", 5000)), (3, imp("d", 6000))], []).chunk
+    assert first is not None and second is not None and j.reached(0, []) == 5000
+    old = dataclasses.replace(second, topic_top=([], []))
+    restored = PartitionJoin.restore(0, c, [decode_chunk(encode_chunk(ch)) for ch in (first, old)])
+    assert restored.topic_max[0] == 5000 and restored.reached(0, []) == 5000
+    assert restored.within(0, [7000], 4000) == 0  # both held times are past 4000: one more passes it
