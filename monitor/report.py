@@ -297,19 +297,23 @@ def rate(s: Series) -> Series:
     return out_t, out_v
 
 
-def average_rate(s: Series) -> float | None:
-    """The counter's increase from its first to its last nonzero-increase scrape, per second; a drop is a restart
-    from 0 (:func:`monitor.expr.counter_rise`: a restarted learner's counter), never a loss. NaN samples are skipped."""
-    pts = [(t, v) for t, v in zip(*s, strict=True) if not math.isnan(v)]
-    if len(pts) < 2:
-        return None
-    ts = [t for t, _ in pts]
-    rises = [counter_rise(prev, cur) for (_, prev), (_, cur) in zip(pts, pts[1:], strict=False)]
-    moving = [i for i, r in enumerate(rises, 1) if r > 0]
-    if not moving:
-        return 0.0
-    a, b = moving[0] - 1, moving[-1]
-    return sum(rises[a:b]) / (ts[b] - ts[a]) if ts[b] > ts[a] else None
+def average_rate(*curves: Series) -> float | None:
+    """A counter's increase from its first to its last nonzero-increase scrape, per second; over several ``curves``
+    (one per source: :func:`series` draws the ranks that export it apart), what they all counted from the first such
+    scrape of any to the last of any. A drop is a restart from 0 (:func:`monitor.expr.counter_rise`: a restarted
+    learner's counter), never a loss. NaN samples are skipped."""
+    counted, spans = 0.0, list[float]()  # what every curve counted; the first and last moving scrape of each
+    for s in curves:
+        pts = [(t, v) for t, v in zip(*s, strict=True) if not math.isnan(v)]
+        rises = [counter_rise(prev, cur) for (_, prev), (_, cur) in zip(pts, pts[1:], strict=False)]
+        moving = [i for i, r in enumerate(rises, 1) if r > 0]
+        if moving:
+            a, b = moving[0] - 1, moving[-1]
+            counted += sum(rises[a:b])
+            spans += [pts[a][0], pts[b][0]]
+    if not spans:
+        return 0.0 if any(sum(not math.isnan(v) for v in s[1]) >= 2 for s in curves) else None
+    return counted / (max(spans) - min(spans)) if max(spans) > min(spans) else None
 
 
 def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
@@ -616,7 +620,7 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     for stage in ("replay", "join"):
         if (v := _number(inp.summaries.get(stage, {}).get("events_per_s"))) is not None:
             avg[f"{stage}\n(events/s, summary)"] = v
-    if (r := average_rate(learner.get("", ([], [])))) is not None:
+    if (r := average_rate(*learner.values())) is not None:
         avg["train\n(samples/s, counter)"] = r
     fig, (a1, a2, a3, a4) = p.figure(4, 1, height=2.6)
     sec.points = p.lines(a1, joiner, "per second", "Joiner: events read and samples written per second")

@@ -374,3 +374,22 @@ def test_histogram_quantiles_of_two_sources_are_one_curve_per_source_not_their_b
     assert h["dense (rank0)"]["p50"][1] == pytest.approx([0.05] * 3)
     assert h["dense (rank1)"]["mean"][1] == pytest.approx([5.5] * 3)
     assert h["dense (rank1)"]["p90"][1] == pytest.approx([9.1] * 3)
+
+
+def test_the_learners_average_throughput_counts_every_rank_when_two_sources_export_the_counter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    # two learner ranks without a rank label, 1000/s and 10/s over the same 3 s: 3030 samples, 1010/s. Drawn as one
+    # curve per source, the counter had no "" curve any more and the average bar was left out of the report.
+    rec = report.Recording()
+    for i in range(4):
+        rec.add({"kind": "scrape", "t": 1e9 + i, "source": "rank0",
+                 "samples": [["streamrec_learner_samples_total", {}, 1000 * i]]})
+        rec.add({"kind": "scrape", "t": 1e9 + i, "source": "rank1",
+                 "samples": [["streamrec_learner_samples_total", {}, 10 * i]]})
+    drawn: dict[str, float] = {}
+    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    report.s_throughput(report.Plotter(1e9, 3.0), report.Inputs(rec))
+    assert drawn == {"train\n(samples/s, counter)": pytest.approx(1010.0)}
+    # one source: its own average, as before
+    assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
