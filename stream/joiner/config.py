@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stream.config import Choice, check_counts, check_durations, check_ports
+from stream.config import Choice, KafkaSettings, check_counts, check_durations, check_ports
 from stream.errors import ConfigError
 
 
@@ -94,3 +94,17 @@ class JoinerSettings:
         if self.emission is EmissionPolicy.ES_DFM and not 0 <= self.elapsed_s <= self.attribution_window_s:
             raise ConfigError(f"[joiner] elapsed_s must be between 0 and attribution_window_s "
                               f"({self.attribution_window_s:g}), got {self.elapsed_s!r}")
+
+
+def check_late_clicks_topic(kafka: KafkaSettings, late: str) -> None:
+    """Refuse a ``late_clicks_topic`` that is one of the streams' topics or their dead-letter topics, or whose own
+    dead-letter topic is a stream's (as ``KafkaSettings`` refuses among the streams): "clicks" wrote each late click
+    back onto the clicks topic, read again and late again for ever. Checked when the joiner starts, the one place
+    that knows both sections."""
+    for name in ("impressions_topic", "clicks_topic", "samples_topic"):
+        topic = getattr(kafka, name)
+        for ours, theirs in ((late, topic), (late, kafka.dlq_topic(topic)), (kafka.dlq_topic(late), topic)):
+            if ours == theirs:
+                raise ConfigError(f"[joiner] late_clicks_topic {late!r}: the late clicks (dead letters: {late!r} + "
+                                  f"dlq_suffix) would share {theirs!r} with [kafka] {name} {topic!r} (dead letters: "
+                                  f"{topic!r} + dlq_suffix): give the late clicks a topic of their own")

@@ -77,7 +77,7 @@ from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner import metrics as m
 from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, click_room, hold_limits, input_of
-from stream.joiner.config import JoinerSettings
+from stream.joiner.config import JoinerSettings, check_late_clicks_topic
 from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Pending, Sample
@@ -351,6 +351,7 @@ class JoinPipeline:
 
     def __init__(self, kafka: KafkaSettings, redis_settings: RedisSettings, js: JoinerSettings,
                  limits: EventLimits = DEFAULT_LIMITS) -> None:
+        check_late_clicks_topic(kafka, js.late_clicks_topic)
         self.kafka, self.js, self.limits = kafka, js, limits
         self.cfg = JoinConfig(
             window_ms=int(js.attribution_window_s * 1000), lateness_ms=int(js.allowed_lateness_s * 1000),
