@@ -12,7 +12,7 @@ from pathlib import Path
 
 from learner.config import ArtifactFormat
 from serving.settings import EmbeddingStore, RowDtype
-from stream.config import Choice, check_counts, check_durations, check_ports
+from stream.config import Choice, check_counts, check_durations, check_ports, check_topic
 from stream.errors import ConfigError
 
 
@@ -125,6 +125,8 @@ class RefreshSettings:
                               f"got {self.misfire_grace_s!r}: a run is not caught up later than that (APScheduler's "
                               "own misfire check overflows on much larger ones)")
         check_ports("refresh", self)
+        if self.alerts_topic:  # "" = log only
+            check_topic("[refresh] alerts_topic", self.alerts_topic)
         # days, keep_versions, probe_samples, redis_attempts >= 1; 0 means: hot_items / hot_users none of that kind
         # hot (top_ids(k=0) is empty), small_field_rows only the counted ids, holdout_messages no quality check
         # hot set sizes past a billion rows and days past 10 years are typos (the rest: stream.config.MAX_COUNT)

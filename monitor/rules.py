@@ -74,6 +74,7 @@ from typing import Any
 
 from monitor.alerts import Severity, SinkSettings, check_http_url
 from monitor.expr import ExprError, Node, longest_range, parse
+from stream.config import TOPIC_RULE, topic_problem
 from stream.errors import ConfigError
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import hide_url_path
@@ -200,7 +201,6 @@ _REMOVED_SINK_KEYS = {
                        "(queue_size bounds how many wait)",
     "webhook_backoff_s": "the backoff is now the same for every sink; rename it retry_backoff_s",
 }
-_KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
 
@@ -332,9 +332,8 @@ def _sinks(where: _Where, raw: Any) -> SinkSettings:
     if kw.get("webhook_url") and (problem := check_http_url(kw["webhook_url"])):
         raise where.error(ctx, f'field "webhook_url": {problem}, got {_shown(hide_url_path(kw["webhook_url"]))}; e.g. '
                           '"http://alertmanager:9093/hook"')
-    if kw.get("kafka_topic") and not _KAFKA_TOPIC.fullmatch(kw["kafka_topic"]):
-        raise where.error(ctx, 'field "kafka_topic": expected a Kafka topic name (1 to 249 of letters, digits, '
-                          f'. _ -), got {_shown(kw["kafka_topic"])}')
+    if kw.get("kafka_topic") and (problem := topic_problem(kw["kafka_topic"])):
+        raise where.error(ctx, f'field "kafka_topic": {_shown(kw["kafka_topic"])} {problem}; {TOPIC_RULE}')
     for key in ("kafka_timeout_s", "webhook_timeout_s", "retry_backoff_s", "retry_backoff_max_s"):
         if key in raw:
             kw[key] = _number(where, ctx, key, raw[key], positive=True)

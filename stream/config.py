@@ -114,6 +114,45 @@ def check_bootstrap_servers(servers: str) -> None:
                               f"{shown(servers)}")
 
 
+# Kafka's rule for a topic name (the broker's Topic.validate): 1 to 249 characters, each an ASCII letter or digit, '.',
+# '_' or '-', and not "." or "..". The one definition: every setting that names a topic (or a part of one) is checked
+# by it where its settings are built, and monitor/rules.py checks its [sinks] kafka_topic by it.
+MAX_TOPIC_CHARS = 249
+TOPIC_RULE = "a Kafka topic name is 1 to 249 of letters, digits, '.', '_' and '-', and not '.' or '..'"
+_TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]*")
+
+
+def topic_problem(name: object) -> str | None:
+    """None when ``name`` is a legal Kafka topic name, else what is wrong with it (a phrase: "is empty", ...)."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not text"
+    if not name:
+        return "is empty"
+    if name in (".", ".."):
+        return f"is {name!r}"
+    if len(name) > MAX_TOPIC_CHARS:
+        return f"is {len(name)} characters long, more than {MAX_TOPIC_CHARS}"
+    if not _TOPIC_CHARS.fullmatch(name):
+        return f"holds {shown(''.join(dict.fromkeys(c for c in name if not _TOPIC_CHARS.fullmatch(c))))}"
+    return None
+
+
+def check_topic(setting: str, name: object) -> None:
+    """A :class:`ConfigError` naming ``setting`` unless ``name`` is a legal Kafka topic name (:func:`topic_problem`):
+    the broker refuses a topic by any other name."""
+    if problem := topic_problem(name):
+        raise ConfigError(f"{setting}: {shown(name)} {problem}; {TOPIC_RULE}")
+
+
+def check_group_id(setting: str, group: object) -> None:
+    """A consumer group id as librdkafka takes it: text that is not empty once its ASCII whitespace is stripped, and
+    without NUL (which ends it there). librdkafka takes "" (or " ", "\\n") as no group id at all, and confluent-kafka
+    then aborted the whole process (an assertion in Consumer_init); any other text is a group id to Kafka."""
+    if not isinstance(group, str) or not group.strip(" \t\n\v\f\r") or "\0" in group:
+        raise ConfigError(f"{setting}: got {shown(group)}, expected a consumer group id: non-empty text, not only "
+                          "spaces, without NUL")
+
+
 class Choice(str, enum.Enum):
     """A setting with a fixed set of values (a driver, a device, a format): a ``str`` that prints as its value.
 
@@ -238,6 +277,8 @@ class KafkaSettings:
                                   "gives this property (the faust driver reads only that one): set it there, and "
                                   "leave it out of [kafka.extra]")
         check_bootstrap_servers(self.bootstrap_servers)
+        for name in ("impressions_topic", "clicks_topic", "samples_topic"):
+            check_topic(f"[kafka] {name}", getattr(self, name))
         # One topic for two of the pipeline's streams: each reader validates a topic as one kind of record (the audit
         # dead-lettered every impression as an invalid click and committed past it; the joiner would join a topic with
         # itself). Checked here, for every command.
@@ -255,6 +296,7 @@ class KafkaSettings:
                     raise ConfigError(f"[kafka] {a}'s dead-letter topic {self.dlq_topic(ta)!r} ({a} + dlq_suffix "
                                       f"{self.dlq_suffix!r}) is the {b}: each stream's dead letters need a topic of "
                                       "their own (dlq_suffix: a non-empty suffix, default '.dlq')")
+            self.check_dead_letter_topic(f"[kafka] {a}", ta)
         # librdkafka refuses a session timeout above its max.poll.interval.ms (300000 unless [kafka.extra] sets it;
         # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
         poll = self.extra.get("max.poll.interval.ms", "300000").strip()
@@ -302,6 +344,13 @@ class KafkaSettings:
 
     def dlq_topic(self, topic: str) -> str:
         return topic + self.dlq_suffix
+
+    def check_dead_letter_topic(self, setting: str, topic: str) -> None:
+        """A :class:`ConfigError` unless ``topic``'s dead-letter topic (``topic`` + ``dlq_suffix``) is a legal topic
+        name too (a suffix with another character, or a topic name within 249 characters that the suffix takes past)."""
+        if problem := topic_problem(self.dlq_topic(topic)):
+            raise ConfigError(f"{setting} + [kafka] dlq_suffix: the dead-letter topic {shown(self.dlq_topic(topic))} "
+                              f"{problem}; {TOPIC_RULE} (change the topic or dlq_suffix)")
 
 
 @dataclass(frozen=True)

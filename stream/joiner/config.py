@@ -4,8 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stream.config import Choice, KafkaSettings, check_counts, check_durations, check_ports
-from stream.errors import ConfigError
+from stream.config import (
+    TOPIC_RULE,
+    Choice,
+    KafkaSettings,
+    check_counts,
+    check_durations,
+    check_group_id,
+    check_ports,
+    check_topic,
+    topic_problem,
+)
+from stream.errors import ConfigError, shown
+
+
+def state_topic(app_id: str) -> str:
+    """The joiner's compacted state log (``stream/joiner/state_log.py``): named after its app id."""
+    return f"{app_id}-join-state"
 
 
 class Driver(Choice):
@@ -84,6 +99,11 @@ class JoinerSettings:
         # Python's automatic collector)
         check_durations("joiner", self, zero_ok=("gc_every_s", "elapsed_s", "allowed_lateness_s", "late_retention_s"))
         check_ports("joiner", self)
+        check_group_id("[joiner] app_id", self.app_id)  # the consumer group of both drivers
+        if problem := topic_problem(state_topic(self.app_id)):
+            raise ConfigError(f"[joiner] app_id: {shown(self.app_id)} names the state topic "
+                              f"{shown(state_topic(self.app_id))}, which {problem}; {TOPIC_RULE}")
+        check_topic("[joiner] late_clicks_topic", self.late_clicks_topic)
         # every count >= 1, none has a meaning at 0 (batch_max 0: the kafka driver returned empty batches for ever);
         # batch_max at most confluent-kafka's consume() limit, a samples message at most librdkafka's
         # message.max.bytes (the producer's is this plus 64 KiB), the memory caps at a billion events (the rest:
@@ -99,8 +119,9 @@ class JoinerSettings:
 def check_late_clicks_topic(kafka: KafkaSettings, late: str) -> None:
     """Refuse a ``late_clicks_topic`` that is one of the streams' topics or their dead-letter topics, or whose own
     dead-letter topic is a stream's (as ``KafkaSettings`` refuses among the streams): "clicks" wrote each late click
-    back onto the clicks topic, read again and late again for ever. Checked when the joiner starts, the one place
-    that knows both sections."""
+    back onto the clicks topic, read again and late again for ever; or whose dead-letter topic is no legal topic
+    name. Checked when the joiner starts, before anything connects: the one place that knows both sections."""
+    kafka.check_dead_letter_topic("[joiner] late_clicks_topic", late)
     for name in ("impressions_topic", "clicks_topic", "samples_topic"):
         topic = getattr(kafka, name)
         for ours, theirs in ((late, topic), (late, kafka.dlq_topic(topic)), (kafka.dlq_topic(late), topic)):

@@ -62,6 +62,7 @@ from confluent_kafka import OFFSET_BEGINNING, Message
 
 from stream.config import KafkaSettings
 from stream.errors import StreamError, clip, shown
+from stream.joiner.config import state_topic as state_topic  # (defined with app_id, which names it)
 from stream.joiner.context_block import Column, ContextBlock
 from stream.joiner.engine import Pending, StateChunk
 from stream.joiner.sample_rows import encode_bounded, state_batch
@@ -69,10 +70,6 @@ from stream.kafka import read_to_end
 from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
 
 log = logging.getLogger("streamrec.join")
-
-
-def state_topic(app_id: str) -> str:
-    return f"{app_id}-join-state"
 
 
 MAX_RECORD_BYTES = 900_000
