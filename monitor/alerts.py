@@ -62,6 +62,7 @@ import math
 import socket
 import threading
 import time
+import unicodedata
 import urllib.parse
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -608,6 +609,10 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
 
 def check_http_url(url: str) -> str | None:
     """None when ``url`` is a usable http(s) URL (a webhook, a scrape source), else what is wrong with it."""
+    odd = dict.fromkeys(c for c in url if c.isspace() or unicodedata.category(c) == "Cc")  # urlsplit drops some
+    if odd:  # (each escaped: the message must not carry a NUL or a line break to the terminal or the log)
+        return (f"holds a control character or space ({', '.join(json.dumps(c) for c in odd)}; a space is %20 in a "
+                "URL)")
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535

@@ -356,12 +356,12 @@ def _sources(where: _Where, raw: Any) -> dict[str, str]:
     if not isinstance(raw, dict):
         raise where.error("", f"[sources]: expected a table of name = URL, got {_shown(raw)}")
     for k, v in raw.items():
+        shown = _shown(hide_url_path(v) if isinstance(v, str) and "@" in v else v)  # a user-info: its password hidden
         if not isinstance(v, str) or not re.match(r"https?://", v):
             raise where.error("[sources]: ", f'field "{k}": expected an http:// or https:// URL of a Prometheus '
-                              f"/metrics endpoint, got {_shown(v)}")
+                              f"/metrics endpoint, got {shown}")
         if problem := check_http_url(v):
-            raise where.error("[sources]: ", f'field "{k}": {problem}, got {_shown(v)}; e.g. '
-                              '"http://127.0.0.1:9102/metrics"')
+            raise where.error("[sources]: ", f'field "{k}": {problem}, got {shown}; e.g. "http://127.0.0.1:9102/metrics"')
     return dict(raw)
 
 
