@@ -83,6 +83,14 @@ class ReplaySettings:
         return ClickDelay(self.click_delay_kind, self.click_delay_median_s, self.click_delay_sigma)
 
 
+# The synthetic generator's bounds (one definition: stream/replay/synthetic.py imports them). Returning users' and
+# items' ids are drawn below 2**62 (brand-new users' from it on); the planted model's latent_dim is one pass over every
+# impression per dimension (10**9 ran for ever); a year is the longest attribution window or new-user session.
+MAX_IDS = 2**62
+MAX_LATENT_DIM = 1024
+MAX_SPAN_S = 365 * 86_400.0
+
+
 @dataclass(frozen=True)
 class SyntheticSettings:
     """A deterministic synthetic feed with a planted click model (``--dataset synthetic``)."""
@@ -99,7 +107,7 @@ class SyntheticSettings:
     impressions_per_s: float = 200.0  # event-time arrival rate
     start_ts_ms: int = 1_700_000_000_000  # at most 253,402,300,799,999 (the last ms of year 9999)
     base_ctr: float = 0.1
-    latent_dim: int = 8  # at most 4,096
+    latent_dim: int = 8  # at most 1,024 (MAX_LATENT_DIM)
     signal: float = 1.5  # strength of the planted user x item interaction
     attribution_window_s: float = 1800.0
     late_click_share: float = 0.02  # share of clicks arriving after the attribution window
@@ -110,6 +118,22 @@ class SyntheticSettings:
     def __post_init__(self) -> None:
         check_durations("synthetic", self, zero_ok=("new_user_session_s",))
         # impressions, users, items, new_user_impressions, latent_dim >= 1; start_ts_ms >= 0 (the epoch); ids are
-        # drawn from 62 bits; start_ts_ms within year 9999 (datetime's last), latent_dim at most 4,096
+        # drawn from 62 bits; start_ts_ms within year 9999 (datetime's last), latent_dim at most MAX_LATENT_DIM
         check_counts("synthetic", self, zero_ok=("start_ts_ms",),
-                     at_most={"users": 2**62, "items": 2**62, "start_ts_ms": 253_402_300_799_999, "latent_dim": 4_096})
+                     at_most={"users": MAX_IDS, "items": MAX_IDS, "start_ts_ms": 253_402_300_799_999,
+                              "latent_dim": MAX_LATENT_DIM})
+        # The generator's bounds (stream/replay/synthetic.py relies on them): late clicks come up to twice the window
+        # after their impression (1e300 was a traceback, out of bounds for int64; 1e13 put clicks past 2100); an
+        # infinite signal made every click probability 0 or 1 (NaN at a zero dot product); shares are shares
+        shares = ("new_user_share", "late_click_share", "duplicate_click_share", "orphan_click_share")
+        bounds = {"new_user_session_s": (0, MAX_SPAN_S, "[]"), "attribution_window_s": (0, MAX_SPAN_S, "(]"),
+                  "base_ctr": (0, 1, "()"), "zipf_exponent": (0, math.inf, "[)"),
+                  "signal": (-math.inf, math.inf, "()"), **{n: (0, 1, "[]") for n in shares},
+                  "malformed_share": (0, 1, "[)")}
+        for name, (low, high, ends) in bounds.items():
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    and (low <= v if ends[0] == "[" else low < v) and (v <= high if ends[1] == "]" else v < high)):
+                within = (f"{'>' if ends[0] == '(' else '>='} 0 and at most {high:g} (a year)" if name.endswith("_s")
+                          else "a finite number" if math.isinf(low) else f"in {ends[0]}{low:g}, {high:g}{ends[1]}")
+                raise ConfigError(f"[synthetic] {name} must be {within}, got {v!r}")

@@ -42,7 +42,7 @@ import orjson
 
 from stream.errors import ConfigError
 from stream.events import MAX_TS_MS
-from stream.replay.config import ClickDelay, SyntheticSettings
+from stream.replay.config import MAX_IDS, ClickDelay, SyntheticSettings
 from stream.replay.table import CLICK, IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: ids of brand-new users are ``NEW_USER_BASE + k``; returning users' ids are below it.
-NEW_USER_BASE = 1 << 62
+NEW_USER_BASE = MAX_IDS
 DEVICES = ("ios", "android", "web")
 _DEVICE_CUM_SHARE = np.array([0.35, 0.80])  # ios 35 %, android 45 %, web 20 %
 _DEVICE_EFFECT = np.array([0.15, 0.0, -0.25])  # added to the logit
@@ -223,48 +223,11 @@ def oracle_probability(table: EventTable, s: SyntheticSettings, seed: int) -> np
 # building blocks
 
 
-MAX_LATENT_DIM = 1024  # the planted model's dimensions: far above any useful one (the default is 8)
-MAX_SPAN_S = 365 * 86_400.0  # the longest attribution window or new-user session
-
-
 def _check(s: SyntheticSettings, n: int) -> None:
-    """A :class:`ConfigError` (exit 2 at the CLI, one line) for settings the generator cannot use."""
-    def share(name: str, value: float, upper_open: bool = False) -> None:
-        ok = 0.0 <= value < 1.0 if upper_open else 0.0 <= value <= 1.0
-        if not ok:
-            raise ConfigError(f"[synthetic] {name} must be in [0, 1{')' if upper_open else ']'}, got {value}")
-
+    """A :class:`ConfigError` (exit 2 at the CLI, one line) for a run the generator cannot make: the settings' own
+    bounds are checked where they are built (``SyntheticSettings.__post_init__``)."""
     if n < 0:
         raise ConfigError(f"[synthetic] impressions/limit must be >= 0, got {n}")
-    if s.users < 1 or s.items < 1:
-        raise ConfigError(f"[synthetic] users and items must be >= 1, got users={s.users} items={s.items}")
-    if s.users > NEW_USER_BASE or s.items > NEW_USER_BASE:
-        raise ConfigError(f"[synthetic] users and items must be <= 2**62, got users={s.users} items={s.items}")
-    if not s.impressions_per_s > 0:
-        raise ConfigError(f"[synthetic] impressions_per_s must be > 0, got {s.impressions_per_s}")
-    if not 0.0 < s.base_ctr < 1.0:
-        raise ConfigError(f"[synthetic] base_ctr must be in (0, 1), got {s.base_ctr}")
-    if not 1 <= s.latent_dim <= MAX_LATENT_DIM:  # one pass over every impression per dimension: 10**9 ran for ever
-        raise ConfigError(f"[synthetic] latent_dim must be between 1 and {MAX_LATENT_DIM}, got {s.latent_dim}")
-    if not math.isfinite(s.signal):  # inf made every click probability 0 or 1 (NaN at a zero dot product), silently
-        raise ConfigError(f"[synthetic] signal must be a finite number, got {s.signal}")
-    if s.new_user_impressions < 1:
-        raise ConfigError(f"[synthetic] new_user_impressions must be >= 1, got {s.new_user_impressions}")
-    if not 0 <= s.new_user_session_s <= MAX_SPAN_S:
-        raise ConfigError(f"[synthetic] new_user_session_s must be between 0 and {MAX_SPAN_S:g} (a year), got "
-                          f"{s.new_user_session_s}")
-    # late clicks come up to twice the window after their impression: 1e300 was a traceback (out of bounds for int64),
-    # 1e13 clicks past the last event time an event may have (2100), published all the same
-    if not 0 < s.attribution_window_s <= MAX_SPAN_S:
-        raise ConfigError(f"[synthetic] attribution_window_s must be > 0 and at most {MAX_SPAN_S:g} (a year), got "
-                          f"{s.attribution_window_s}")
-    if not math.isfinite(s.zipf_exponent) or s.zipf_exponent < 0:
-        raise ConfigError(f"[synthetic] zipf_exponent must be finite and >= 0, got {s.zipf_exponent}")
-    share("new_user_share", s.new_user_share)
-    share("late_click_share", s.late_click_share)
-    share("duplicate_click_share", s.duplicate_click_share)
-    share("orphan_click_share", s.orphan_click_share)
-    share("malformed_share", s.malformed_share, upper_open=True)
 
 
 def _new_user_slots(rng: np.random.Generator, n: int, n_new: int, max_size: int = 5,

@@ -247,7 +247,7 @@ BOUNDS = [  # (class, setting, its documented upper bound)
     (ServeSettings, "embedding_cache_rows", 1_000_000_000),
     (RefreshSettings, "days", 3_650), (RefreshSettings, "hot_items", 1_000_000_000),
     (JoinerSettings, "max_pending_per_partition", 1_000_000_000),
-    (SyntheticSettings, "latent_dim", 4_096), (SyntheticSettings, "start_ts_ms", 253_402_300_799_999),
+    (SyntheticSettings, "latent_dim", 1_024), (SyntheticSettings, "start_ts_ms", 253_402_300_799_999),
     (EventLimits, "max_message_bytes", 1_000_000_000),
     (LearnerSettings, "max_samples", 10**12), (ReplaySettings, "limit", 10**12),  # the ceiling of every other count
 ]
