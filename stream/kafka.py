@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from stream.config import KafkaSettings, SaslMechanism
+from stream.config import KafkaSettings, SaslMechanism, check_group_id
 from stream.errors import ConfigError, DeliveryFailed, MessageLimitError, MessageTooLarge, StreamError, clip
 from stream.retention import account_for_retention
 from stream.tls import check_file
@@ -332,6 +332,7 @@ def heartbeat_interval_s(kafka: KafkaSettings) -> float:
 
 
 def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[str, Any]:
+    check_group_id("the consumer group (group.id)", group_id)  # librdkafka's "no group" aborted the process
     conf: dict[str, Any] = {
         "bootstrap.servers": kafka.bootstrap_servers,
         "client.id": kafka.client_id,

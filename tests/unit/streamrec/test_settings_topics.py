@@ -77,3 +77,14 @@ def test_a_joiner_app_id_must_name_a_legal_state_topic() -> None:
 def test_the_monitor_kafka_topic_uses_the_same_rule(name: str) -> None:
     with pytest.raises(ConfigError, match=r'"kafka_topic": .*Kafka topic name'):
         loads_rules(f'[sinks]\nkafka_topic = "{name}"\n')
+
+
+def test_audit_with_an_empty_group_is_exit_2_not_an_abort() -> None:
+    # `streamrec audit --group ""` aborted the process (SIGABRT, exit 134: confluent-kafka's Consumer_init assertion)
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "streamrec.cli", "audit", "--group", " ", "--bootstrap-servers",
+                          "127.0.0.1:9"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "consumer group id" in run.stderr
