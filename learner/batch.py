@@ -7,6 +7,7 @@ per field in Arrow, so values and offsets are concatenations, not gathers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,8 @@ class TensorBatch:
     kinds: np.ndarray | None = None
     # (B,) int64 the samples' label_delay_ms (a positive's click ts - impression ts); None: not read
     label_delay_ms: np.ndarray | None = None
+    # samples partition -> the newest joiner watermark its messages here carry (stream/samples.py, learner/served.py)
+    watermarks: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -48,7 +51,8 @@ class TensorBatch:
                            self.offsets.to(device, non_blocking=non_blocking),
                            self.dense.to(device, non_blocking=non_blocking),
                            self.labels.to(device, non_blocking=non_blocking),
-                           self.impression_ids, self.ts, self.positions, self.keys, self.kinds, self.label_delay_ms)
+                           self.impression_ids, self.ts, self.positions, self.keys, self.kinds, self.label_delay_ms,
+                           self.watermarks)
 
     def select(self, keep: np.ndarray) -> TensorBatch:
         """Rows where ``keep`` (bool (B,)) is set, e.g. after dropping duplicates."""
@@ -70,7 +74,7 @@ class TensorBatch:
                            self.impression_ids[k], self.ts[k], self.positions,
                            None if self.keys is None else self.keys[idx],
                            None if self.kinds is None else self.kinds[k],
-                           None if self.label_delay_ms is None else self.label_delay_ms[k])
+                           None if self.label_delay_ms is None else self.label_delay_ms[k], self.watermarks)
 
 
     def chunks(self, rows: int) -> list[TensorBatch]:
@@ -84,6 +88,7 @@ class TensorBatch:
             keep[start:start + rows] = True
             piece = self.select(keep)
             piece.positions = self.positions if start + rows >= b else []
+            piece.watermarks = self.watermarks if start + rows >= b else {}
             out.append(piece)
         return out
 
@@ -167,4 +172,14 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
                np.concatenate([np.zeros(len(tb), np.int8) if tb.kinds is None else tb.kinds for tb in parts])),
         label_delay_ms=(None if any(tb.label_delay_ms is None for tb in parts) else
                         np.concatenate([tb.label_delay_ms for tb in parts])),  # type: ignore[misc]
+        watermarks=_newest(tb.watermarks for tb in batches),
     )
+
+
+def _newest(watermarks: Iterable[dict[int, int]]) -> dict[int, int]:
+    """Per partition, the newest of ``watermarks`` (a partition's watermark never goes back)."""
+    out: dict[int, int] = {}
+    for wm in watermarks:
+        for part, t in wm.items():
+            out[part] = max(out.get(part, t), t)
+    return out

@@ -583,7 +583,7 @@ class Learner:
             if self.bias is not None:  # a new model: its bias follows the click rate until that is known
                 self.bias.update(self.trainer.model, labels, kept.kinds, kept.ts, kept.label_delay_ms)
             self.quality.record(kept.impression_ids, kept.ts, kept.kinds, labels, probs, cold, partitions,
-                                kept.label_delay_ms, now)
+                                kept.label_delay_ms, now, kept.watermarks)
             if self.trainer.dense_clip.clipped > clipped_before:
                 DENSE_CLIPPED.inc(self.trainer.dense_clip.clipped - clipped_before)
                 log.warning("clipped the dense gradient of %d step(s) to [learner] dense_grad_clip x its recent scale "

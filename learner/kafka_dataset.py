@@ -3,7 +3,8 @@
 Each Kafka message is one Arrow sample batch (``stream/samples.py``); messages are decoded and
 turned into tensors without per-row Python (``learner/batch.py``), then joined into training
 batches of about ``batch_rows`` rows. A message is never split: every yielded batch lists the
-``(partition, offset, rows)`` of the messages it holds, which is what checkpoints record.
+``(partition, offset, rows)`` of the messages it holds, which is what checkpoints record, and the newest joiner
+watermark each partition's messages in it carry (``TensorBatch.watermarks``, for ``learner/served.py``).
 
 Partitions and start offsets are explicit (the checkpoint's), not a consumer group's: the learner
 seeks to exactly where its model state stopped. With DataLoader workers, worker ``w`` of ``n`` reads
@@ -58,7 +59,7 @@ from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import has_more, new_consumer
 from stream.retention import Gaps, start_after_retention
-from stream.samples import MAX_LIST_VALUES, SampleBatch
+from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.train")
@@ -267,6 +268,8 @@ class KafkaSampleDataset(IterableDataset):
                             raise BadMessage(str(self.suspects[pos]), kind="poison")
                         sb = decoded if decoded is not None else read(m.value())
                         tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
+                        if (wm := watermark_of(m.headers())) is not None:  # the joiner's (learner/served.py)
+                            tb.watermarks = {part: wm}
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
                             f"cannot be turned into tensors: {type(exc).__name__}: {clip(str(exc))}",

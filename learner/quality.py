@@ -215,12 +215,13 @@ class TrainingQuality:
 
     def record(self, impression_ids: np.ndarray, ts: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray,
                probs: np.ndarray, cold: np.ndarray | None, partitions: np.ndarray | None,
-               label_delay_ms: np.ndarray | None, now_s: float) -> None:
+               label_delay_ms: np.ndarray | None, now_s: float, watermarks: Mapping[int, int] | None = None) -> None:
         """One trained batch's rows (all (B,)): ``probs`` predicted before they were learned; ``now_s`` the event
-        clock after them (``learner/event_clock.py``: one far-off timestamp cannot age every sample at once)."""
+        clock after them (``learner/event_clock.py``: one far-off timestamp cannot age every sample at once);
+        ``watermarks`` the joiner's per samples partition (``TensorBatch.watermarks``, ``learner/served.py``)."""
         if cold is not None:
             self._observe_cold(probs, labels, cold, ts, now_s)
-        self.served.record(impression_ids, ts, kinds, labels, probs, cold, partitions, label_delay_ms)
+        self.served.record(impression_ids, ts, kinds, labels, probs, cold, partitions, label_delay_ms, watermarks)
         if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:  # too few recent ones: NaN, no data
             SERVED_AUC.set(self.recent_metrics(self.served.all, now_s)[0])
             SERVED_COLD_AUC.set(self.recent_metrics(self.served.cold, now_s)[0])

@@ -10,15 +10,22 @@ between. ``streamrec evaluate --protocol delayed`` scores every impression at it
 policies alike.
 
 The label: a ``FINAL`` row's, an ``OBSERVED`` 1; an ``OBSERVED`` 0 waits for its ``DELAYED_POSITIVE`` (then 1)
-until its window has closed on the joiner's side (then 0). The daemon sees that through the clicks: each
-samples partition's *click clock* is the newest click time (``ts + label_delay_ms`` of a positive) it has
-delivered, and the joiner joins a partition's clicks in offset order, so once a partition's click clock
-passes ``ts + window`` no click of an impression at ``ts`` can still come. Passes, not reaches: the joiner's
-window is inclusive (a click exactly ``window`` after its impression labels it 1), and two clicks of the same
-millisecond may come in two batches. The rows' own event time is not
-that clock: reading a backlog, the joiner can put out a whole fetched batch of impressions (days of
-MovieLens' sparse years) before the clicks of the impressions just before it, and a clock of the newest
-impression time took 56,578 of the demo's delayed positives for negatives before they arrived
+until its window has closed on the joiner's side (then 0). The joiner says when: every samples message carries
+the watermark of the join partition it comes from (samples partition p is join partition p) after the batch that
+made it (``stream/samples.py``, ``WATERMARK_HEADER``; the earlier messages of a batch carry the watermark before
+it), passed here per partition by ``record(watermarks=...)``. The engine closes an impression when ``ts + window
+<= watermark`` and takes a click on a closed impression as late (``stream/joiner/engine.py``), so once a message
+says so, the impression's delayed positive, if it has one, came in that message or an earlier one of its
+partition. Nothing the daemon sees itself is that exact: the engine joins a batch's events in event time, takes
+clicks out of order within ``allowed_lateness``, and its watermark is a quorum that ignores one far-ahead event. The
+newest click time delivered (the *click clock*, this module's rule before the header) closed a window at 0 ms by a
+click at 1300 ms while the engine still joined the impression's own click at 900 ms, a batch later (lateness 500
+ms); and one impression an hour ahead, with its click, served every pending impression of its partition as a 0.
+Messages without the header (a joiner from before it) still close windows by their partition's
+click clock: the newest ``ts + label_delay_ms`` of a positive delivered, passed (not reached: the window is
+inclusive). The rows' own event time is neither: reading a backlog, the joiner can put out a whole fetched batch of
+impressions (days of MovieLens' sparse years) before the clicks of the impressions just before it, and a clock of
+the newest impression time took 56,578 of the demo's delayed positives for negatives before they arrived
 (``unmatched``). At most ``max_pending`` wait; beyond that the oldest are taken as 0 (counted in ``forced``).
 The pending ones are not in a checkpoint: after a restart their delayed positives find nothing (counted in
 ``unmatched``).
@@ -37,6 +44,7 @@ positives only. The times are checkpoint state (``window_ts``; a state saved bef
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -53,15 +61,18 @@ class ServedQuality:
         # partition -> impression id -> (ts, prob, cold), in arrival order (the joiner's impression order)
         self._pending: dict[int, OrderedDict[str, tuple[int, float, bool]]] = {}
         self._where: dict[str, int] = {}  # pending impression id -> its partition
-        self._clock: dict[int, int] = {}  # partition -> newest click time delivered (ms)
+        self._clock: dict[int, int] = {}  # partition -> windows closed where ts + window < this (ms)
+        self._marked: set[int] = set()  # partitions whose samples carry the joiner's watermark (no click clock)
         self.forced = 0
         self.unmatched = 0
 
     def record(self, impression_ids: np.ndarray, ts: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray,
                probs: np.ndarray, cold: np.ndarray | None, partitions: np.ndarray | None = None,
-               label_delay_ms: np.ndarray | None = None) -> None:
+               label_delay_ms: np.ndarray | None = None, watermarks: Mapping[int, int] | None = None) -> None:
         """One trained batch: its rows' predictions (made before training on them), the samples partition each
-        row came from (None: one partition) and its ``label_delay_ms`` (None: 0). Shapes ``(B,)``."""
+        row came from (None: one partition) and its ``label_delay_ms`` (None: 0). Shapes ``(B,)``. ``watermarks``:
+        samples partition -> the newest joiner watermark its messages in the batch carry (all of each message's
+        rows are in the batch); a partition without one goes by its click clock."""
         b = len(labels)
         kinds = np.zeros(b, np.int8) if kinds is None else kinds
         cold = np.zeros(b, bool) if cold is None else cold
@@ -89,12 +100,12 @@ class ServedQuality:
         if hit:
             self._resolve(np.array([x[0] for x in hit]), np.ones(len(hit)), np.array([x[1] for x in hit]),
                           np.array([x[2] for x in hit]))
-        clicked = labels > 0.5
-        if clicked.any():
-            click_ms = known[clicked]
-            for part in np.unique(parts[clicked]).tolist():
-                newest = int(click_ms[parts[clicked] == part].max())
-                self._clock[part] = max(self._clock.get(part, newest), newest)
+        self._marked.update(watermarks or ())
+        clicked = (labels > 0.5) & ~np.isin(parts, list(self._marked))  # click clocks: partitions without watermark
+        newest = {p: int(known[clicked][parts[clicked] == p].max()) for p in np.unique(parts[clicked]).tolist()}
+        newest.update({p: wm + 1 for p, wm in (watermarks or {}).items()})  # closes ts + window <= wm, as the engine
+        for part, t in newest.items():
+            self._clock[part] = max(self._clock.get(part, t), t)
         self._expire()
 
     def advance(self, now_ms: int) -> None:

@@ -632,7 +632,7 @@ class ShardedLearner:
         mine = {"ids": kept.impression_ids, "ts": kept.ts, "labels": kept.labels.numpy(), "probs": probs,
                 "logits": logits,
                 "kinds": kept.kinds if kept.kinds is not None else np.zeros(n, np.int8),  # None: all FINAL
-                "delay": kept.label_delay_ms, "partitions": partitions,
+                "delay": kept.label_delay_ms, "partitions": partitions, "watermarks": kept.watermarks,
                 "users": user_keys(kept, cfg) if n else np.zeros(0, np.int64)}
         parts = gather_objects(mine)  # on rank 0; None on the others
         if parts is None or not sum(len(p["labels"]) for p in parts):
@@ -650,7 +650,8 @@ class ShardedLearner:
         users = cat("users")
         now = self._clock.advance_s(ts)
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
-        self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay, now)
+        self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay, now,
+                            {k: v for p in parts for k, v in p.get("watermarks", {}).items()})  # one rank a partition
         if self.calibration is not None:  # fitted on held-out raw logits as their labels become final
             raw = cat("logits")
             assert raw is not None

@@ -29,6 +29,12 @@ learner turns columns into tensors without per-row Python: ``history`` gives Emb
   same impression again, label 1. An impression thus has one sample, or two with different kinds.
 
 Version 1 (no ``kind`` column) still decodes, every row :data:`FINAL`.
+
+Each message carries the header :data:`WATERMARK_HEADER`: the join watermark (``stream/joiner/engine.py``) of the
+partition whose samples it holds (samples partition p = join partition p), int64 big-endian ms, after the batch that
+made it on that batch's last message, before it on the others (:data:`NO_WATERMARK`: none yet). Every impression with
+``ts + window <= watermark`` is closed: its delayed positive, if any, is in that message or an earlier one of the
+partition (``learner/served.py`` waits for it by this; :func:`watermark_of` reads it).
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("history", pa.list_(pa.int64()), nullable=False),
 )
 KIND_FIELD = pa.field("kind", pa.int8(), nullable=False)
+WATERMARK_HEADER = "streamrec-watermark"
+NO_WATERMARK = -(1 << 63)  # the header's value before the join partition has a watermark: nothing closed yet
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC: the continuation marker and a zero length
 # Bounds on what one message may cost, checked before it is read. The joiner writes messages of at most
 # ``[joiner] max_sample_bytes`` (900 KB) and never compresses an Arrow body, so an uncompressed body decodes to
@@ -73,6 +81,18 @@ _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC: the continuat
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_LIST_VALUES = 1 << 20
 _METADATA = {b"streamrec.schema": SCHEMA_NAME, b"streamrec.schema_version": str(SCHEMA_VERSION).encode()}
+
+
+def watermark_header(watermark: int | None) -> tuple[str, bytes]:
+    """The :data:`WATERMARK_HEADER` of a samples message (module docstring); None: :data:`NO_WATERMARK`."""
+    return WATERMARK_HEADER, struct.pack(">q", NO_WATERMARK if watermark is None else watermark)
+
+
+def watermark_of(headers: Sequence[tuple[str, bytes | None]] | None) -> int | None:
+    """The watermark a samples message's headers carry (None: no such header, a joiner from before it, or not 8
+    bytes; the last of several)."""
+    found = [v for k, v in headers or () if k == WATERMARK_HEADER and v is not None and len(v) == 8]
+    return struct.unpack(">q", found[-1])[0] if found else None
 
 
 def final_view(impression_ids: np.ndarray, labels: np.ndarray, kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

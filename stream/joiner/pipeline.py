@@ -9,7 +9,9 @@ For each batch of raw records (both input topics, any partitions):
    once event time has passed its impression (at its click, or at window expiry), so the clicks
    before it have been seen even when a replay consumes the two topics far apart; the ``< ts``
    filter keeps its own and later clicks out;
-4. write samples (Arrow IPC) to ``samples`` partition p, late/orphan clicks to ``late_clicks``, counts
+4. write samples (Arrow IPC) to ``samples`` partition p, each message with p's join watermark in a header
+   (``stream/samples.py``: the batch's last message the watermark after it, the others the one before), late/orphan
+   clicks to ``late_clicks``, counts
    and joined clicks to Redis; wait until the broker acknowledged every message;
 5. write the batch's state chunks (``state_log.py``) and wait for their acknowledgement.
 
@@ -105,7 +107,7 @@ from stream.kafka import (
 )
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import connect, eviction_advice
-from stream.samples import DELAYED_POSITIVE
+from stream.samples import DELAYED_POSITIVE, watermark_header
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
 log = logging.getLogger("streamrec.join")
@@ -275,11 +277,13 @@ Groups = dict[tuple[str, int], tuple[list[Record], list[Event]]]  # (topic, part
 class _Step:
     """One partition's part of a batch between its join and its samples (``JoinPipeline._apply_all``)."""
 
-    __slots__ = ("batches", "histories", "partition", "res", "_read")
+    __slots__ = ("batches", "histories", "partition", "res", "watermarks", "_read")
 
     def __init__(self, partition: int, res: BatchResult,
-                 read: Callable[[], tuple[np.ndarray, np.ndarray]] | None) -> None:
+                 read: Callable[[], tuple[np.ndarray, np.ndarray]] | None,
+                 watermarks: tuple[int | None, int | None] = (None, None)) -> None:
         self.partition, self.res, self._read = partition, res, read
+        self.watermarks = watermarks  # the partition's join watermark before and after the batch (samples' headers)
         self.histories: tuple[np.ndarray, np.ndarray] | None = None
         self.batches: Callable[[tuple[np.ndarray, np.ndarray] | None], list[bytes]] = lambda _histories: []
 
@@ -847,6 +851,7 @@ class JoinPipeline:
         prev: _Step | None = None
         try:
             for partition, imps, clicks in batches:
+                before = self.engines[partition].watermark
                 res, chunk = self._join_partition(partition, imps, clicks, drain)
                 if chunk is not None:
                     encoded[partition] = chunk
@@ -854,7 +859,8 @@ class JoinPipeline:
                 if prev is not None:
                     prev.collect()  # answered before this partition's appends are sent
                 self._record_redis(res, imps)
-                last, prev = prev, _Step(partition, res, self._read_histories(res))
+                last, prev = prev, _Step(partition, res, self._read_histories(res),
+                                         (before, self.engines[partition].watermark))
                 t2 = time.monotonic()
                 stage["redis"] += t2 - t1
                 results[partition] = res
@@ -976,8 +982,10 @@ class JoinPipeline:
         partition, res = step.partition, step.res
         key = str(partition).encode()
         with self._sized():
-            for value in step.batches(step.histories):
-                self.producer.send(self.kafka.samples_topic, value, key, partition=partition)
+            values = step.batches(step.histories)  # the last carries the watermark after the batch (stream/samples.py)
+            for n, value in enumerate(values, 1):
+                header = watermark_header(step.watermarks[n == len(values)])
+                self.producer.send(self.kafka.samples_topic, value, key, [header], partition=partition)
             self.totals.stage_s["encode_samples"] += time.monotonic() - t0
             late, room = self.js.late_clicks_topic, self.late_click_bytes
             for u in res.unjoined:

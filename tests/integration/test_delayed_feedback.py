@@ -1,6 +1,7 @@
 """Delayed feedback end to end on a real broker: the learner trains an OBSERVED 0 and its later
 DELAYED_POSITIVE as two samples (while a redelivered message is still dropped), weights them, and pairs each
-impression's first prediction with its final label (served quality)."""
+impression's first prediction with its final label (served quality), its observed 0s closed by the joiner's
+watermark each samples message carries (``stream/samples.py``, ``WATERMARK_HEADER``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
-from stream.samples import DELAYED_POSITIVE, OBSERVED, SampleBatch
+from stream.samples import DELAYED_POSITIVE, OBSERVED, SampleBatch, watermark_header
 
 
 def batch(ids: list[int], labels: np.ndarray, kind: int, rng: np.random.Generator) -> SampleBatch:
@@ -41,10 +42,12 @@ def test_observed_and_delayed_positive_are_two_samples_and_served_quality_pairs_
         resent = resent or value
         if start >= per_msg:  # the clicks of the previous message's impressions come one message later
             late = [k for k in range(start - per_msg, start) if clicked[k]]
+            # every impression before ``start`` has its click out now: the watermark closes them (ts + 500 <= it)
             p.send(kafka.samples_topic, batch(late, np.ones(len(late)), DELAYED_POSITIVE, rng).encode(), "0",
-                   partition=0)
+                   [watermark_header(start - 1 + 500)], partition=0)
     late = [k for k in range(n - per_msg, n) if clicked[k]]
-    p.send(kafka.samples_topic, batch(late, np.ones(len(late)), DELAYED_POSITIVE, rng).encode(), "0", partition=0)
+    p.send(kafka.samples_topic, batch(late, np.ones(len(late)), DELAYED_POSITIVE, rng).encode(), "0",
+           [watermark_header(n - 1 + 500)], partition=0)
     p.send(kafka.samples_topic, resent, "0", partition=0)  # a redelivered message: all duplicates
     p.flush()
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
@@ -61,6 +64,6 @@ def test_observed_and_delayed_positive_are_two_samples_and_served_quality_pairs_
     assert summary["duplicates_dropped"] == per_msg  # a redelivered message still is
     served = summary["served"]
     assert served["unmatched"] == 0 and served["forced"] == 0
-    # every impression is served once: resolved, or still inside its window at the last event time
-    assert served["all"]["impressions"] + served["pending"] == n
-    assert served["pending"] <= 500 + 1
+    # every impression is served once, each resolved by the last message's watermark (by the newest click time, the
+    # last 500 impressions would still wait)
+    assert served["all"]["impressions"] == n and served["pending"] == 0

@@ -22,7 +22,7 @@ from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
-from stream.samples import SampleBatch
+from stream.samples import NO_WATERMARK, SampleBatch, watermark_of
 from tests.bounded_teardown import kill_and_reap
 from tests.kafka_io import read_topic
 
@@ -125,6 +125,16 @@ def test_every_impression_gets_one_sample_with_the_right_label(driver: str, kafk
     # late and orphan clicks are written down, not just counted
     late = read_topic(kafka, f"late-{kafka.samples_topic}")
     assert Counter(json.loads(r.value)["reason"] for r in late) == {"late": want.late, "orphan": want.orphan}
+    # each samples message carries its partition's join watermark, and no sample comes after a message whose watermark
+    # closed its impression (ts + window <= it): what served quality in the learner waits for (learner/served.py)
+    closed: dict[int, int] = {}  # partition -> the newest watermark of its messages so far
+    for rec in sorted(read_topic(kafka, kafka.samples_topic), key=lambda r: (r.partition, r.offset)):
+        wm = watermark_of(rec.headers)
+        assert wm is not None
+        assert min(SampleBatch.decode(rec.value).column("ts").tolist()) + WINDOW_S * 1000 > closed.get(
+            rec.partition, NO_WATERMARK)
+        closed[rec.partition] = max(closed.get(rec.partition, wm), wm)
+    assert closed and min(closed.values()) > NO_WATERMARK
 
 
 def test_history_is_as_of_impression_time_and_never_leaks_the_future(kafka: KafkaSettings, stack,

@@ -38,3 +38,16 @@ def test_a_dead_lettered_messages_placeholder_keeps_every_rows_keys_and_label_de
             np.testing.assert_array_equal(joined.label_delay_ms, clean.label_delay_ms)
             assert torch.equal(joined.values, clean.values) and torch.equal(joined.offsets, clean.offsets)
             assert joined.positions == [p for t in parts for p in t.positions]
+
+
+def test_a_batch_keeps_each_partitions_newest_joiner_watermark_through_concat_select_and_chunks() -> None:
+    """The joiner's watermark of each message (learner/served.py closes observed 0s by it) goes with the batch: the
+    newest per partition, on the last chunk only (with the positions), and through a dedup's select."""
+    a, b, c = (to_tensors(_part(s), DYNAMIC, [(p, s, 4)]) for s, p in ((0, 0), (10, 0), (20, 1)))
+    a.watermarks, b.watermarks, c.watermarks = {0: 500}, {0: 900}, {1: 40}
+    joined = concat([a, to_tensors_empty(DYNAMIC, (0, 5, 0)), b, c], DYNAMIC.num_fields)
+    assert joined.watermarks == {0: 900, 1: 40}
+    keep = np.ones(len(joined), bool)
+    keep[0] = False
+    assert joined.select(keep).watermarks == {0: 900, 1: 40}
+    assert [piece.watermarks for piece in joined.chunks(5)] == [{}, {}, {0: 900, 1: 40}]
