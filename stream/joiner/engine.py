@@ -492,12 +492,14 @@ class PartitionJoin:
     def restore(cls, partition: int, cfg: JoinConfig, chunks: list[StateChunk]) -> PartitionJoin:
         """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
         self = cls(partition, cfg)
-        final_order: list[tuple[int, str]] = []  # (ts, id) of the evicted impressions, as _finalize_all keeps them
+        final_order: dict[str, int] = {}  # id -> ts of the evicted impressions, as _finalize_all keeps them
         tops: tuple[list[int], list[int]] = ([], [])  # the newest chunk's quorum per input (it only ever grows)
         for c in sorted(chunks, key=lambda c: c.seq):
             tops = (c.topic_top[0] or tops[0], c.topic_top[1] or tops[1])
-            for p in c.added:  # an id pending from an earlier chunk was closed and forgotten before it came again
+            for p in c.added:  # an id held from an earlier chunk was closed and forgotten before it came again
                 self.pending[p.impression_id] = p
+                self.finalized.pop(p.impression_id, None)  # so was an eviction of it: its forget time is not this one's
+                final_order.pop(p.impression_id, None)
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
                 p.observed = cfg.policy == "fake_negative"
             for imp_id, cts in c.joined:
@@ -517,7 +519,7 @@ class PartitionJoin:
                 if gone is not None:
                     p = gone
                     self.finalized[imp_id] = (p.ts, int(p.click_ts is not None))
-                    final_order.append((p.ts, imp_id))
+                    final_order[imp_id] = p.ts
             for imp_id, cts in c.unwaited:
                 times = self.waiting.get(imp_id)
                 if times and cts in times:
@@ -533,7 +535,7 @@ class PartitionJoin:
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
             self.newest_seq = max(self.newest_seq, c.seq)
-        self._final_order.add([t for t, _ in final_order], [i for _, i in final_order])
+        self._final_order.add(list(final_order.values()), list(final_order))
         # Timers of the impressions still held only: one of an id's first coming would close its second at once.
         self._expiry.add(_timers(list(self.pending.values()), cfg.window_ms))
         if cfg.policy == "es_dfm":

@@ -242,3 +242,22 @@ def test_a_click_before_its_impression_is_reported_as_such_also_once_the_impress
     assert sorted((u.impression_id, u.reason) for u in r.unjoined) == [("neg", "before_impression"),
                                                                        ("pos", "before_impression")]
     assert r.stats["before_impression_clicks"] == 2 and not r.stats["late_clicks"] and not r.stats["duplicate_clicks"]
+
+
+def test_a_restore_keeps_a_closed_impression_whose_id_was_evicted_and_forgotten_before_it_came_again() -> None:
+    # max_pending 1: "a"@0 is evicted by "b"@4000 and forgotten at once (0 + window + retention <= 4000); that chunk
+    # stays live for "b". "a" again @4500 closes at 5500 and is remembered until 10500. A restore replayed the first
+    # "a"'s forget time onto the second: it was forgotten, and a click before it came out orphan, not before_impression.
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=2000, watermark_quorum=1, max_pending=1)
+    j, f, chunks = PartitionJoin(0, cfg), Feed(), {}
+    for imps, clicks in (([imp("a", 0), imp("b", 4000)], [Click("z", 4000)]), ([imp("a", 4500)], []),
+                         ([imp("c", 6000)], [Click("y", 6000)])):
+        r = j.apply(f.imps(*imps), f.clicks(*clicks))
+        chunks[r.chunk.seq] = r.chunk
+        for seq in r.retired:
+            del chunks[seq]
+    assert j.finalized["a"] == (4500, 0) and 0 in chunks  # the first "a"'s chunk is live
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks.values()])
+    assert back.finalized == j.finalized
+    clicks = f.clicks(Click("a", 4400), Click("x", 6500))
+    assert [(u.impression_id, u.reason) for u in back.apply([], clicks).unjoined] == [("a", "before_impression")]
