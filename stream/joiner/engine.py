@@ -496,8 +496,12 @@ class PartitionJoin:
         tops: tuple[list[int], list[int]] = ([], [])  # the newest chunk's quorum per input (it only ever grows)
         for c in sorted(chunks, key=lambda c: c.seq):
             tops = (c.topic_top[0] or tops[0], c.topic_top[1] or tops[1])
+            for imp_id, cts in c.waiting:  # before the impressions: a click waits only for one added later
+                self.waiting.setdefault(imp_id, []).append(cts)
+                heapq.heappush(self._waiting_heap, (cts, imp_id))
             for p in c.added:  # an id held from an earlier chunk was closed and forgotten before it came again
                 self.pending[p.impression_id] = p
+                self.waiting.pop(p.impression_id, None)  # its waiting clicks were applied to it (joined or unjoined)
                 self.finalized.pop(p.impression_id, None)  # so was an eviction of it: its forget time is not this one's
                 final_order.pop(p.impression_id, None)
                 # fake_negative emits at once; es_dfm's timer is replayed by the _expire below
@@ -509,11 +513,6 @@ class PartitionJoin:
                 times = self.waiting.get(imp_id)
                 if times and cts in times:
                     times.remove(cts)
-            for imp_id, cts in c.waiting:
-                self.waiting.setdefault(imp_id, []).append(cts)
-                heapq.heappush(self._waiting_heap, (cts, imp_id))
-            for p in c.added:  # its coming took every click waiting for it, this chunk's too: joined there or late
-                self.waiting.pop(p.impression_id, None)
             for imp_id in c.evicted:  # expired early: its sample was emitted with that chunk
                 gone = self.pending.pop(imp_id, None)
                 if gone is not None:

@@ -261,3 +261,19 @@ def test_a_restore_keeps_a_closed_impression_whose_id_was_evicted_and_forgotten_
     assert back.finalized == j.finalized
     clicks = f.clicks(Click("a", 4400), Click("x", 6500))
     assert [(u.impression_id, u.reason) for u in back.apply([], clicks).unjoined] == [("a", "before_impression")]
+
+
+def test_a_restore_keeps_a_click_waiting_for_an_id_whose_earlier_impression_was_closed_and_forgotten() -> None:
+    # "a"@0 closes and is forgotten at once (event time 5000 > 0 + window + retention); its chunk stays live for "b".
+    # A click on "a" @6000 then waits for a new "a". A restore found the first "a" among the chunks' impressions and
+    # dropped the waiting click as if that impression had taken it: the new "a"@5800 ended a negative, not a positive.
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=2000, watermark_quorum=1)
+    j, f, chunks = PartitionJoin(0, cfg), Feed(), {}
+    for imps, clicks in (([imp("a", 0), imp("b", 5000)], [Click("z", 5000)]), ([], [Click("a", 6000)])):
+        r = j.apply(f.imps(*imps), f.clicks(*clicks))
+        chunks[r.chunk.seq] = r.chunk
+    assert j.waiting == {"a": [6000]} and "a" not in j.finalized
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks.values()])
+    assert back.waiting == j.waiting
+    samples = back.apply(f.imps(imp("a", 5800)), []).samples
+    assert [(s.pending.impression_id, s.label) for s in samples] == [("a", 1)]

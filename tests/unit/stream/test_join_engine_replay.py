@@ -172,7 +172,7 @@ def restored_differences(policy: str, capped: bool, seed: int) -> list[tuple[int
     return diffs
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_restore_before_any_batch_of_a_capped_stream_gives_the_engine_state_of_the_run_straight_through(
-        policy: str) -> None:
-    assert restored_differences(policy, True, 2) == []
+@pytest.mark.parametrize(("policy", "capped", "seed"), [(p, True, 2) for p in POLICIES] + [("wait", False, 2)])
+def test_a_restore_before_any_batch_of_a_random_stream_gives_the_engine_state_of_the_run_straight_through(
+        policy: str, capped: bool, seed: int) -> None:
+    assert restored_differences(policy, capped, seed) == []
