@@ -310,7 +310,9 @@ class PartitionJoin:
                     emit(Sample(ev, 0, 0, OBSERVED))  # type: ignore[arg-type]
                 added.append(ev)  # type: ignore[arg-type]
                 if imp_id in waiting_clicks:
-                    for cts in sorted(waiting_clicks.pop(imp_id)):
+                    took = sorted(waiting_clicks.pop(imp_id))
+                    max_ref = max(max_ref, took[-1])  # outlive the chunks they waited in: a restore must see them go
+                    for cts in took:
                         click(ev, cts)  # type: ignore[arg-type]
             else:
                 imp_id, cts = ev.impression_id, ts

@@ -7,7 +7,7 @@ from collections import Counter
 
 from stream.events import Click, Impression
 from stream.features import hash_value
-from stream.joiner.engine import JoinConfig, PartitionJoin
+from stream.joiner.engine import JoinConfig, PartitionJoin, Unjoined
 from stream.joiner.state_log import decode_chunk, encode_chunk
 
 W = 1000  # window ms
@@ -277,3 +277,22 @@ def test_a_restore_keeps_a_click_waiting_for_an_id_whose_earlier_impression_was_
     assert back.waiting == j.waiting
     samples = back.apply(f.imps(imp("a", 5800)), []).samples
     assert [(s.pending.impression_id, s.label) for s in samples] == [("a", 1)]
+
+
+def test_a_restore_does_not_bring_back_a_waiting_click_its_impression_took_in_a_chunk_retired_since() -> None:
+    # A click on "a" @10000 waits (its chunk lives until 10000 + window + retention); "a"@100 comes and takes it (late).
+    # That chunk referred to 100 only and retired at event time 5000: a restore found the click still waiting, and
+    # reported it a second time, as an orphan, once event time passed 10000.
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=2000, watermark_quorum=1)
+    j, f, chunks = PartitionJoin(0, cfg), Feed(), {}
+    for imps, clicks in (([imp("b", 0)], [Click("z", 0)]), ([], [Click("a", 10_000)]), ([imp("a", 100)], []),
+                         ([imp("c", 5000)], [Click("y", 5000)])):
+        r = j.apply(f.imps(*imps), f.clicks(*clicks))
+        chunks[r.chunk.seq] = r.chunk
+        for seq in r.retired:
+            del chunks[seq]
+    assert not j.waiting and 1 in chunks  # the click's chunk is live
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks.values()])
+    assert back.waiting == j.waiting
+    imps, clicks = f.imps(imp("d", 11_000)), f.clicks(Click("w", 11_000))
+    assert back.apply(imps, clicks).unjoined == j.apply(imps, clicks).unjoined == [Unjoined("w", 11_000, "orphan")]
