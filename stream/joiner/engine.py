@@ -253,7 +253,7 @@ class PartitionJoin:
         impressions alone drive event time.
         """
         out = BatchResult()
-        seq = self.next_seq
+        seq, max_ts = self.next_seq, self.max_ts  # (a batch with no new event may still move event time: clicks_idle)
         added: list[Pending] = []
         joined: list[tuple[str, int]] = []
         waiting: list[tuple[str, int]] = []
@@ -353,7 +353,7 @@ class PartitionJoin:
             last = max(held + ([] if self.max_ts is None else [self.max_ts]))
             self.max_ts = last + self.cfg.window_ms + self.cfg.lateness_ms
         self._expire(out)
-        if events or drain:
+        if events or drain or self.max_ts != max_ts:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
             out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
                                    max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]),

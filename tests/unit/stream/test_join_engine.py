@@ -296,3 +296,20 @@ def test_a_restore_does_not_bring_back_a_waiting_click_its_impression_took_in_a_
     assert back.waiting == j.waiting
     imps, clicks = f.imps(imp("d", 11_000)), f.clicks(Click("w", 11_000))
     assert back.apply(imps, clicks).unjoined == j.apply(imps, clicks).unjoined == [Unjoined("w", 11_000, "orphan")]
+
+
+def test_a_batch_that_only_moves_event_time_writes_a_chunk_so_a_restore_does_not_emit_its_samples_again() -> None:
+    # The clicks go quiet: a batch with no new event but clicks_idle moves event time to the impressions' 5000 and
+    # closes "a"@0 (its negative goes out). It wrote no chunk, so a restore went back to event time 100 and "a"'s
+    # negative went out a second time when event time came past it again.
+    cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=2000, watermark_quorum=1)
+    j, f, chunks = PartitionJoin(0, cfg), Feed(), {}
+    for imps, clicks, idle in (([imp("a", 0), imp("b", 5000)], [Click("z", 100)], False), ([], [], True)):
+        r = j.apply(f.imps(*imps), f.clicks(*clicks), clicks_idle=idle)
+        if r.chunk is not None:
+            chunks[r.chunk.seq] = r.chunk
+    assert [s.pending.impression_id for s in r.samples] == ["a"] and j.max_ts == 5000
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks.values()])
+    assert back.max_ts == j.max_ts and set(back.pending) == set(j.pending) == {"b"}
+    clicks = f.clicks(Click("y", 7000))
+    assert [s.pending.impression_id for s in back.apply([], clicks).samples] == []  # "a" was out already

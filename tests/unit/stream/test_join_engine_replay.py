@@ -174,7 +174,7 @@ def restored_differences(policy: str, capped: bool, seed: int) -> list[tuple[int
     return diffs
 
 
-EVERY_BATCH = [(p, True, 2) for p in POLICIES] + [("wait", False, 2), ("wait", False, 4)]  # (policy, capped, seed)
+EVERY_BATCH = [(p, True, 2) for p in POLICIES] + [("wait", False, s) for s in (2, 4, 6)]  # (policy, capped, seed)
 
 
 @pytest.mark.parametrize(("policy", "capped", "seed"), EVERY_BATCH)
