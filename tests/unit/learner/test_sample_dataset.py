@@ -39,6 +39,9 @@ class Msg:
     def key(self) -> None:
         return None
 
+    def headers(self) -> None:  # (confluent-kafka's: None for a message without headers)
+        return None
+
 
 HOLE = b"no record at this offset"  # a transaction's control record, a compacted-away record: a gap, nothing deleted
 
