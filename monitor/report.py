@@ -335,7 +335,9 @@ def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
 def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[str, Series]]:
     """Per value of label ``by``: the mean (increase of _sum over increase of _count), p50 and p90 of the
     observations made between consecutive scrapes; a value more than one source exported is one curve per source
-    (:func:`per_source`), never one source's buckets differenced against another's."""
+    (:func:`per_source`), never one source's buckets differenced against another's. A source's series of one value
+    with other labels besides (a rank label) are summed, buckets as _sum and _count (one overwrote the other); a
+    drop is a counter reset (:func:`~monitor.expr.counter_rise`: a restarted process), not negative observations."""
     sums = series(rec, f"{name}_sum", by=(by,))
     counts = series(rec, f"{name}_count", by=(by,))
     out: dict[str, dict[str, Series]] = {}
@@ -347,10 +349,10 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
         ts = sorted(set(sd) & set(cd))
         mean: Series = ([], [])
         for a, b in zip(ts, ts[1:], strict=False):
-            dc = cd[b] - cd[a]
+            dc = counter_rise(cd[a], cd[b])
             if dc > 0:
                 mean[0].append(b)
-                mean[1].append((sd[b] - sd[a]) / dc)
+                mean[1].append((sd[b] if cd[b] < cd[a] else sd[b] - sd[a]) / dc)  # (a reset: all since it)
         out[k] = {"mean": mean}
     # buckets: per source and label value, per scrape, le -> cumulative count; named as series() names curves
     per: dict[tuple[str, str], dict[float, dict[float, float]]] = {}
@@ -358,13 +360,16 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
         for t, samples in scrapes:
             for n, lb, v in samples:
                 if n == f"{name}_bucket" and "le" in lb:
-                    per.setdefault((src, _key(lb, (by,))), {}).setdefault(t, {})[_value(_le(lb["le"]))] = v
+                    at = per.setdefault((src, _key(lb, (by,))), {}).setdefault(t, {})
+                    le = _value(_le(lb["le"]))
+                    at[le] = at.get(le, 0.0) + v  # (summed over the labels besides ``by`` and le)
     for k, by_t in per_source(per).items():
         ts = sorted(by_t)
         qs: dict[str, Series] = {"p50": ([], []), "p90": ([], [])}
         for a, b in zip(ts, ts[1:], strict=False):
             les = sorted(set(by_t[a]) & set(by_t[b]))
-            delta = [(le, by_t[b][le] - by_t[a][le]) for le in les]
+            reset = any(by_t[b][le] < by_t[a][le] for le in les)  # a restart: every bucket counts from 0 again
+            delta = [(le, by_t[b][le] if reset else by_t[b][le] - by_t[a][le]) for le in les]
             if delta and delta[-1][1] > 0:
                 for label, q in (("p50", 0.5), ("p90", 0.9)):
                     qs[label][0].append(b)

@@ -7,6 +7,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -393,3 +394,42 @@ def test_the_learners_average_throughput_counts_every_rank_when_two_sources_expo
     assert drawn == {"train\n(samples/s, counter)": pytest.approx(1010.0)}
     # one source: its own average, as before
     assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
+
+
+def _histogram_scrape(name: str, part: str, counts: tuple[float, float, float], total: float,
+                      extra: dict[str, str] | None = None) -> list[list[Any]]:
+    """One scrape's samples of histogram ``name`` (buckets le 0.1, 1, 10, +Inf) for ``part`` and ``extra`` labels."""
+    lb = {"part": part, **(extra or {})}
+    return ([[f"{name}_bucket", {**lb, "le": le}, c] for le, c in zip(("0.1", "1", "10"), counts, strict=True)]
+            + [[f"{name}_bucket", {**lb, "le": "+Inf"}, counts[-1]], [f"{name}_sum", lb, total],
+               [f"{name}_count", lb, counts[-1]]])
+
+
+def test_histogram_series_of_one_source_that_differ_in_another_label_are_summed_bucket_by_bucket() -> None:
+    # one source exports the dense part per rank: rank 0 observes 10 steps in (0, 0.1] per second, rank 1 10 in
+    # (1, 10]. Their _sum and _count were summed but each rank's buckets overwrote the other's in the same scrape: the
+    # quantiles described rank 1 alone (p50 5.5) while the mean described both
+    rec = report.Recording()
+    name = "streamrec_learner_grad_norm"
+    for i in range(4):
+        samples = (_histogram_scrape(name, "dense", (10 * i, 10 * i, 10 * i), 0.05 * 10 * i, {"rank": "0"})
+                   + _histogram_scrape(name, "dense", (0, 0, 10 * i), 5.5 * 10 * i, {"rank": "1"}))
+        rec.add({"kind": "scrape", "t": 1e9 + i, "source": "learner", "samples": samples})
+    h = report.histogram_over_time(rec, name, "part")
+    assert h["dense"]["mean"][1] == pytest.approx([2.775] * 3)
+    assert h["dense"]["p50"][1] == pytest.approx([0.1] * 3)  # half the 20 observations are at most 0.1
+    assert h["dense"]["p90"][1] == pytest.approx([8.2] * 3)
+
+
+def test_a_histogram_reset_between_scrapes_counts_the_observations_since_the_restart() -> None:
+    # a learner restarted between the second and third scrape: its buckets went from (20, 20, 20) to (10, 10, 10):
+    # differenced, the interval had -10 observations in every bucket and no quantile; the mean skipped it
+    rec = report.Recording()
+    name = "streamrec_learner_grad_norm"
+    for i, (c, total) in enumerate([(0, 0.0), (10, 0.5), (20, 1.0), (10, 0.5)]):
+        rec.add({"kind": "scrape", "t": 1e9 + i, "source": "learner",
+                 "samples": _histogram_scrape(name, "dense", (c, c, c), total)})
+    h = report.histogram_over_time(rec, name, "part")
+    assert h["dense"]["mean"] == ([1e9 + 1, 1e9 + 2, 1e9 + 3], pytest.approx([0.05] * 3))
+    assert h["dense"]["p50"][0] == [1e9 + 1, 1e9 + 2, 1e9 + 3]
+    assert h["dense"]["p50"][1] == pytest.approx([0.05] * 3)
