@@ -475,7 +475,10 @@ def _unquote(body: str, pos: int) -> str:
     """The value of the PromQL string whose text between the quotes is ``body`` (at column ``pos`` + 1), as Go's
     strconv.Unquote reads it; :class:`ExprError` for an escape it refuses (``\\.``, ``\\d``: a regex's backslash is
     written doubled, ``"10\\\\.0"``; one was dropped, so ``=~"10\\.0\\.0\\.1"`` matched ``10a0b0c1``) or bytes that
-    are not UTF-8 (a label value is UTF-8 text)."""
+    are not UTF-8 (a label value is UTF-8 text), or a raw line break (PromQL's lexer ends the string there:
+    "unterminated quoted string"; Go's Unquote refuses it too)."""
+    if "\n" in body:
+        raise ExprError(f"unterminated quoted string at column {pos + 1}: a line break inside it (write \\n)")
     out, i = bytearray(), 0
     while (j := body.find("\\", i)) >= 0:
         out += body[i:j].encode("utf-8", "surrogatepass")

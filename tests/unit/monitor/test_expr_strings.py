@@ -43,3 +43,10 @@ def test_go_escapes_match_the_label_values_they_stand_for() -> None:
     assert values(r'm{msg="tab\there \"q\" \\ \u00e9"}') == [4.0]
     assert values(r'm{msg="tab\x09here \042q\042 \\ \xc3\xa9"}') == [4.0]  # hex and octal bytes, UTF-8 é
     assert values(r'm{msg="tab\there \"q\" \\ \U000000e9"}') == [4.0]
+
+
+def test_a_raw_line_break_inside_a_quoted_value_is_an_unterminated_string_as_in_promql() -> None:
+    # PromQL's lexer ends a quoted string at a line break ("unterminated quoted string"); it was read as "a\nb"
+    with pytest.raises(ExprError, match="unterminated quoted string"):
+        parse('m{msg="a\nb"}')
+    assert values('m{msg="a\\nb"}') == [3.0]  # the escape is the way to write it
