@@ -438,8 +438,30 @@ def test_delivery_settings_have_safe_defaults_and_are_validated() -> None:
         ("webhook_retries = 3", 'field "webhook_retries" is no longer used: undelivered alerts now stay queued'),
         ("webhook_backoff_s = 1", 'field "webhook_backoff_s" is no longer used'),
         ('webhook_url = "http://:80/x"', 'field "webhook_url": the URL names no host'),
-        ('kafka_topic = "bad topic"', 'field "kafka_topic": expected a Kafka topic name'),
+        ('kafka_topic = "bad topic"', 'field "kafka_topic": "bad topic" holds \' \'; a Kafka topic name is 1 to 249'),
     ]:
         with pytest.raises(RulesError, match="^alert rules file r.toml: \\[sinks\\]: ") as info:
             loads_rules(f"[sinks]\n{text}\n", "r.toml")
         assert expected in str(info.value), (text, str(info.value))
+
+
+def test_an_alerts_topic_deleted_while_the_monitor_runs_is_created_again_and_the_alerts_delivered(
+        stack, kafka: KafkaSettings) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from stream.kafka import admin_config
+
+    topic = f"alerts-{uuid.uuid4().hex[:10]}"
+    sink = QueuedSink(KafkaSink(kafka, topic, timeout_s=5), FAST)
+    try:
+        sink.send([alert(1)])
+        assert sink.wait_idle(60) and sink.stats.delivered == 1
+        admin = AdminClient(admin_config(kafka))
+        for fut in admin.delete_topics([topic], operation_timeout=10).values():
+            fut.result(15)
+        sink.send([alert(2)])
+        # the sink checked the topic once, at its first attempt: with the topic gone, every attempt failed on it
+        assert sink.wait_idle(60) and sink.stats.delivered == 2
+    finally:
+        sink.close(5)
+    assert [Alert.from_json(r.value).message for r in read_topic(kafka, topic)] == ["alert 2"]
