@@ -343,9 +343,11 @@ class KafkaSink:
     broker acknowledged every alert of the batch.
 
     Everything an attempt does is bounded by its deadline: the topic check (and creation, with one
-    partition, if missing), producing and waiting for acknowledgements. Alerts not acknowledged by the
-    deadline are purged from the producer and reported undelivered, and the next attempt starts with a
-    fresh producer (an alert purged while in flight may still land: at least once).
+    partition, if missing), producing and waiting for acknowledgements. The topic is checked before every attempt,
+    not once: alerts are few, and after the topic was deleted while the monitor ran the next alerts were acknowledged
+    by the local broker and never readable (a broker without auto-creation fails every attempt instead). Alerts not
+    acknowledged by the deadline are purged from the producer and reported undelivered, and the next attempt starts
+    with a fresh producer (an alert purged while in flight may still land: at least once).
     """
 
     name = "kafka"
@@ -354,7 +356,6 @@ class KafkaSink:
     def __init__(self, kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> None:
         self.kafka, self.topic, self.timeout_s = kafka, topic, timeout_s
         self._producer: Any = None
-        self._topic_ready = False
 
     def _ensure_topic(self, deadline: float) -> None:
         from confluent_kafka import KafkaError, KafkaException
@@ -381,7 +382,6 @@ class KafkaSink:
             raise SinkError(f"Kafka topic {self.topic!r} at {self.kafka.bootstrap_servers}: not ready within "
                             f"kafka_timeout_s={self.timeout_s:g}s: {exc}. Is the broker up (`streamrec stack "
                             "status`)?") from None
-        self._topic_ready = True
 
     def _new_producer(self) -> Any:
         from confluent_kafka import Producer
@@ -406,8 +406,7 @@ class KafkaSink:
             check_access(self.kafka, timeout_s=max(0.1, min(ACCESS_CHECK_S, end - time.monotonic())))
         except KafkaAccessError as exc:
             raise SinkError(str(exc), undelivered=list(alerts)) from None
-        if not self._topic_ready:
-            self._ensure_topic(end)
+        self._ensure_topic(end)  # (every attempt: the class docstring)
         if self._producer is None:
             self._producer = self._new_producer()
         errors: dict[int, str | None] = {}  # index -> None (acknowledged) or the error
