@@ -313,3 +313,14 @@ def test_a_batch_that_only_moves_event_time_writes_a_chunk_so_a_restore_does_not
     assert back.max_ts == j.max_ts and set(back.pending) == set(j.pending) == {"b"}
     clicks = f.clicks(Click("y", 7000))
     assert [s.pending.impression_id for s in back.apply([], clicks).samples] == []  # "a" was out already
+
+
+def test_batches_that_move_nothing_write_no_chunk_so_an_idle_stream_does_not_grow_the_state_log() -> None:
+    # A chunk is written when event time moved with no new event (the click input went idle), once: later batches
+    # with nothing new, idle or not, move nothing and must write nothing (one chunk a poll grew the log for ever).
+    j, f = PartitionJoin(0, CFG), Feed()
+    assert j.apply(f.imps(imp("a", 0), imp("b", 5000)), f.clicks(Click("z", 100))).chunk is not None
+    assert j.apply([], [], clicks_idle=True).chunk is not None and j.max_ts == 5000
+    written = [j.apply([], [], clicks_idle=idle).chunk for idle in (True, True, False, True)]
+    redelivered = j.apply(f.imps(), [(0, Click("z", 100))], clicks_idle=True)
+    assert written == [None] * 4 and redelivered.chunk is None and j.max_ts == 5000
