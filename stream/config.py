@@ -43,7 +43,7 @@ def check_durations(section: str, settings: Any, *, zero_ok: Collection[str] = (
               and (value >= 0 if low is not None else value > 0) and value <= max_s)
         if not ok:
             bound = ">= 0" if low is not None else "> 0"
-            unit = "of seconds " if name.endswith("_s") else ""
+            unit = "of seconds " if name.endswith("_s") and not name.endswith("_per_s") else ""  # (a rate: per s)
             past = isinstance(value, (int, float)) and not isinstance(value, bool) and value > max_s  # (inf too)
             cap = f" and <= {max_s:g}" if past else ""
             raise ConfigError(f"[{section}] {name} must be a finite number {unit}{bound}{cap}, got {value!r}")

@@ -39,3 +39,11 @@ def test_settings_at_the_bounds_build_and_the_generator_takes_them() -> None:
         "zipf_exponent": 0.0, "late_click_share": 1.0, "duplicate_click_share": 0.0, "orphan_click_share": 1.0,
         "malformed_share": 0.99, "attribution_window_s": YEAR_S, "new_user_session_s": YEAR_S}}, {})
     assert len(build_synthetic(s, ClickDelay(), 1).impression_id) >= 5
+
+
+def test_a_rate_past_its_bound_is_refused_as_a_rate_not_as_seconds() -> None:
+    # impressions_per_s ends in "_s": the duration check called it "a finite number of seconds"
+    with pytest.raises(ConfigError) as info:
+        SyntheticSettings(impressions_per_s=1e9)
+    assert "[synthetic] impressions_per_s must be a finite number > 0" in str(info.value)
+    assert "seconds" not in str(info.value)
