@@ -18,7 +18,9 @@ For each batch of raw records (both input topics, any partitions):
 The driver acknowledges / commits the input offsets only after :meth:`JoinPipeline.process`
 returns, so committed offsets never run ahead of durable state, and the state never claims a sample
 that is not durable. A crash between 4 and 5 re-emits that batch's samples: duplicates carry the
-same impression id, and the learner drops them.
+same impression id, and the learner drops them. Their labels are the first run's unless the re-run's batch holds
+more of the input: a click later than ``allowed_lateness`` that the first run took as late may then join (its
+delayed positive is new to the learner), or the reverse; no broker transactions tie a batch's cut to its output.
 
 Failures (``stream/strikes.py``): an unexpected exception in a batch gives each of its messages a
 strike and propagates (the driver stops without committing); a message with strikes is processed

@@ -33,10 +33,12 @@ chunk in a fenced range (the stale writer's next seqs) is left out of every rest
 finds it. The claim keeps the last ``FENCED_KEEP`` ranges, so a writer stalled over many owners is still fenced off.
 A batch that reads its partition again (``pipeline.JoinPipeline._reload``) is no new owner: it writes no claim and its
 chunks keep their numbers; one that finds its next seq used or fenced off by another owner fails, unwritten.
-Not fenced: the stale writer's samples (duplicates of the batch the new owner does again, with the same labels: both
-join the same input from the same state) and its tombstones (those retire chunks whose impressions it emitted), and a
-member that stalls between reading the log and writing its claim (a claim of its own, later, would drop the newer
-owner's ranges). A joiner older than the claim cannot read a log that has one (a ``StateLogError`` naming the key).
+Not fenced: the stale writer's samples (duplicates of the batch the new owner does again, both joining the same
+input from the same state: the same labels unless the two cut the input into batches at other places, where a click
+later than ``allowed_lateness`` one took as late the other may join, or the reverse) and its tombstones (those
+retire chunks whose impressions it emitted), and a member that stalls between reading the log and writing its claim
+(a claim of its own, later, would drop the newer owner's ranges). A joiner older than the claim cannot read a log
+that has one (a ``StateLogError`` naming the key).
 
 The record goes to the same partition number as the input partition it describes, and is written
 after the batch's samples are acknowledged and before the batch's input offsets are acknowledged
