@@ -127,6 +127,8 @@ class RowMapper:
                    sparse_opt: torch.optim.Optimizer | None) -> None:
         weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]
         reset = np.concatenate([res.evicted_rows, res.admitted_rows])
+        if reset.size:  # the id that left a row takes its gradient still waiting for the step (accumulation) along
+            drop_pending_grad(weight, torch.from_numpy(first + reset).to(weight.device))
         if reset.size and sparse_opt is not None:
             # Both sparse optimizers of learner.optim have it; one without would silently hand the evicted id's
             # optimizer state to the new one, so it is refused instead.
@@ -182,6 +184,22 @@ class RowMapper:
             raise ValueError(f"id maps in the checkpoint are for {sorted(state)}, this config has {sorted(self.maps)}")
         for name, m in self.maps.items():
             m.load_state_dict(state[name])
+
+
+@torch.no_grad()
+def drop_pending_grad(weight: torch.Tensor, rows: torch.Tensor) -> None:
+    """Forget the gradient ``rows`` (R,) int64 of ``weight`` hold while it waits for the optimizer step (gradient
+    accumulation over micro-batches): rows handed to another id. Applied at the step, it moved the new id's fresh row
+    by the gradient the id that left it had learned in the step's earlier micro-batches."""
+    grad = weight.grad
+    if grad is None or not len(rows):
+        return
+    if not grad.is_sparse:
+        grad[rows] = 0
+        return
+    grad = grad.coalesce()  # (what the step does first) one entry per row; values() is a view of it
+    grad.values()[torch.isin(grad.indices()[0], rows)] = 0
+    weight.grad = grad
 
 
 def known_delays(delays: np.ndarray) -> np.ndarray:

@@ -346,3 +346,39 @@ def test_an_id_evicted_after_the_artifact_is_not_served_the_vector_of_the_id_its
         mapper.rows(0, np.array([evicted, 201, 202])).tolist()
     got, want = scores([evicted, 201, 202])
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def _row_after_accumulated_step(first_label: int) -> torch.Tensor:
+    """One own user row, two micro-batches per step: user 1 trains the row, then user 2 takes it (LRU) before the
+    step. Returns the row after the step."""
+    cfg = FeatureConfig((FieldSpec("user_id", "single", 1, capacity=1, admit_after=1),), embedding_dim=2)
+    model = DeepFM(cfg, mlp=(2,), seed=0, autocast_dtype=None)
+    sparse, dense = make_optimizers(model, 0.5, 0.0)
+    trainer = Trainer(model, sparse, dense, accumulation=2)
+    mapper = RowMapper(cfg)
+    first = SampleBatch.from_columns(impression_id=["a"], ts=np.array([0]), label=np.array([first_label]),
+                                     label_delay_ms=np.zeros(1), user_id=np.array([1]), item_id=np.array([0]),
+                                     history=[[]], context={})
+    tb = to_tensors(first, cfg)
+    mapper.apply(tb, now=1.0, model=model, sparse_opt=sparse)
+    trainer.test_then_train(tb)  # micro-batch 1 of 2: user 1's gradient waits for the step
+    second = SampleBatch.from_columns(impression_id=["b"], ts=np.array([1000]), label=np.array([1]),
+                                      label_delay_ms=np.zeros(1), user_id=np.array([2]), item_id=np.array([0]),
+                                      history=[[]], context={})
+    tb2 = to_tensors(second, cfg)
+    st = mapper.apply(tb2, now=2.0, model=model, sparse_opt=sparse)
+    assert st.evicted == {"user_id": 1} and st.admitted == {"user_id": 1}
+    row = int(tb2.values[0])
+    assert row == int(tb.values[0])  # user 2 got user 1's row
+    start = model.sparse.bag.weight[row].detach().clone()  # its bucket's vector
+    trainer.test_then_train(tb2)  # micro-batch 2: the step
+    assert trainer.steps == 1
+    after = model.sparse.bag.weight[row].detach().clone()
+    assert not torch.equal(after, start)  # user 2's own gradient was applied
+    return after
+
+
+def test_a_row_handed_to_a_new_id_between_accumulated_micro_batches_does_not_get_the_old_ids_pending_gradient() -> None:
+    # The new id's row starts as its bucket's vector with fresh optimizer state; what it learns in the step must
+    # come from its own samples only, whatever the id that left the row learned in the step's earlier micro-batch.
+    assert torch.equal(_row_after_accumulated_step(0), _row_after_accumulated_step(1))
