@@ -296,10 +296,17 @@ class ColdTracker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """From :meth:`state_dict`. A state of another capacity (``cold_tracker_capacity`` changed across a restart)
         keeps its most recently seen warm users up to this capacity and, of each candidate generation, the users
-        closest to warm up to this one's size; one of another ``k`` is a ValueError (the id map's)."""
+        closest to warm up to this one's size. One of another ``k`` (``cold_k`` changed: no shape setting) is not
+        loaded: the tracker starts over (logged), every user cold again for its next ``k`` impressions; refused, it
+        made every checkpoint fail to load as if damaged."""
         if self._seen is None or not state:
             return
         written = dict(state["config"])
+        if written.get("admit_after") != self._seen.admit_after:  # another k: its counts mean another threshold
+            log.warning("the checkpoint's cold tracker counted to cold_k = %s, [learner] cold_k is %d now: it starts "
+                        "over, every user cold again for its next %d impressions", written.get("admit_after", 1) - 1,
+                        self.k, self.k)
+            return
         if written.get("capacity") == self._seen.capacity:
             self._seen.load_state_dict(state)
             return

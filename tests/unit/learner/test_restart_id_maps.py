@@ -4,6 +4,7 @@ gave to other ids: the first delta after a restart must leave serving no id on a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -194,5 +195,29 @@ def test_a_delta_under_the_byte_limit_is_encoded_once_its_size_bounded_without_e
                             lambda *a, **kw: encoded.append(1) or encode_delta(*a, **kw))
         assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
         assert len(encoded) == 1
+    finally:
+        second.close()
+
+
+def test_a_restart_with_another_cold_k_resumes_from_its_newest_checkpoint(tmp_path: Path) -> None:
+    # cold_k is no shape setting (README "Restore contract": it may change across a restart). The checkpoint's cold
+    # tracker, counting to the old cold_k, made every checkpoint fail to load as if damaged: the learner did not
+    # start (or went back to an older checkpoint that happened to load).
+    ls = dataclasses.replace(_settings(tmp_path), cold_tracker_capacity=64)  # (cold_k 10)
+    first = Learner(KAFKA, ls)
+    try:
+        first._build(CFG, first._model_settings())
+        assert first.trainer is not None
+        first._train(to_tensors(samples([101, 102] * 8, 0), CFG))
+        first.save()
+    finally:
+        first.close()
+    second = Learner(KAFKA, dataclasses.replace(ls, cold_k=3))
+    try:
+        assert second._restore() and second.trainer is not None
+        assert second.trainer.samples == 16
+        assert second.quality.cold.k == 3
+        # the tracker starts over: every user counts as cold again for its next cold_k impressions
+        assert second.quality.cold_of(np.array([101, 101, 101, 101]), 1.0, None).tolist() == [True] * 3 + [False]
     finally:
         second.close()
