@@ -646,13 +646,20 @@ class IdMap:
         for table, gen in ((self._cur, "cur"), (self._prev, "prev")):
             table.clear()
             keys = np.asarray(candidates[f"{gen}_keys"], dtype=np.int64)
+            counts = np.asarray(candidates[f"{gen}_counts"], dtype=np.int64)
+            # More keys than a generation holds filled its table, and the insert probed for a free slot for ever
+            if (keys.ndim != 1 or keys.size > self.max_candidates or counts.shape != keys.shape
+                    or (keys.size and (keys.min() < 0 or np.unique(keys).size != keys.size))):
+                raise ValueError(f"IdMap state {gen}_keys {keys.shape} / {gen}_counts {counts.shape}: a generation "
+                                 f"holds at most {self.max_candidates} distinct keys >= 0, one count each: the state "
+                                 "is malformed")
             if keys.size:
                 first = first_seen_of(candidates, gen)
                 if first.shape != keys.shape:
                     raise ValueError(f"IdMap state {gen}_first_seen has shape {first.shape}, its {gen}_keys "
                                      f"{keys.shape}: the state is malformed")
                 slots = table.insert(keys)
-                table.set_vals(slots, np.asarray(candidates[f"{gen}_counts"], dtype=np.int64))
+                table.set_vals(slots, counts)
                 table.first_seen[slots] = first
         self._last_sweep = last_sweep
         self.counters = _Counters(**counters)

@@ -220,6 +220,25 @@ def test_a_state_whose_rows_are_not_one_per_row_is_refused_not_spread_over_every
         b.load_state_dict(state)
 
 
+@pytest.mark.parametrize("gen", ["cur", "prev"])
+def test_a_state_with_more_candidates_than_a_generation_holds_is_refused_not_loaded_for_ever(gen: str) -> None:
+    """A candidate generation's table has room for ``max_candidates`` keys: a state (a malformed delta's or
+    checkpoint's id map) listing more filled it, and the insert probed for a free slot for ever (serving's delta
+    thread, a learner's restore hung). Too many keys, repeated or negative keys, or counts not one per key are a
+    ValueError naming the generation."""
+    m = IdMap(capacity=4, num_buckets=2)
+    n = m.max_candidates + 1
+    for keys, counts in ((np.arange(n), np.ones(n)), (np.arange(100), np.ones(100)),  # (100 > its 16 slots: hung)
+                         (np.array([5, 5]), np.ones(2)), (np.array([-3]), np.ones(1)),
+                         (np.arange(2), np.ones(1))):
+        state = m.state_dict()
+        state[f"{gen}_keys"] = torch.from_numpy(keys.astype(np.int64))
+        state[f"{gen}_counts"] = torch.from_numpy(counts.astype(np.int64))
+        state[f"{gen}_first_seen"] = torch.zeros(len(keys), dtype=torch.float64)
+        with pytest.raises(ValueError, match=f"{gen}_"):
+            IdMap(capacity=4, num_buckets=2).load_state_dict(state)
+
+
 def test_memory_is_bounded_whatever_the_churn() -> None:
     m = IdMap(capacity=1000, num_buckets=50, admit_after=2)
     nbytes = m.nbytes()
