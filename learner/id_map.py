@@ -630,10 +630,14 @@ class IdMap:
             if name in state and tuple(state[name].shape) != have.shape:
                 raise ValueError(f"IdMap state {name!r} has shape {tuple(state[name].shape)}, this map's is "
                                  f"{have.shape}: the state is malformed")
+        free = state["free"].numpy()  # the rows handed out next: exactly the rows no key owns (a live one went to
+        if not np.array_equal(np.sort(free), np.flatnonzero(state["row_key"].numpy() < 0)):  # two keys at once)
+            raise ValueError(f"IdMap state 'free' lists {free.size} rows that are not exactly the "
+                             f"{int((state['row_key'] < 0).sum())} rows without a key: the state is malformed")
         self._row_key[:] = state["row_key"].numpy()
         self._row_seen[:] = state["row_seen"].numpy()
         self.buckets.seen[:] = state["bucket_seen"].numpy() if "bucket_seen" in state else -np.inf
-        self._load_rest(state["free"].numpy(), state, float(state["last_sweep"]), state["counters"])
+        self._load_rest(free, state, float(state["last_sweep"]), state["counters"])
 
     def _load_rest(self, free: np.ndarray, candidates: Mapping[str, Any], last_sweep: float,
                    counters: Mapping[str, int]) -> None:

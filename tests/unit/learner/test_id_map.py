@@ -220,6 +220,19 @@ def test_a_state_whose_rows_are_not_one_per_row_is_refused_not_spread_over_every
         b.load_state_dict(state)
 
 
+@pytest.mark.parametrize("free", [[3, 0], [3, 3], [3], [3, 2, 9]])
+def test_a_state_whose_free_rows_are_not_exactly_its_unowned_rows_is_refused(free: list[int]) -> None:
+    """The free stack is what the map hands out next: a malformed state's stack naming a live row (key 10's) gave
+    that row to a new key while the table still sent key 10 there, two ids on one row in silence; one naming a row
+    twice, or missing a free row, or past the table, is as malformed. A ValueError, the state not loaded."""
+    m = IdMap(capacity=4, num_buckets=2)
+    m.lookup(np.array([10, 11]), 1.0)  # rows 0 and 1
+    state = m.state_dict()
+    state["free"] = torch.tensor(free)
+    with pytest.raises(ValueError, match="free"):
+        IdMap(capacity=4, num_buckets=2).load_state_dict(state)
+
+
 @pytest.mark.parametrize("gen", ["cur", "prev"])
 def test_a_state_with_more_candidates_than_a_generation_holds_is_refused_not_loaded_for_ever(gen: str) -> None:
     """A candidate generation's table has room for ``max_candidates`` keys: a state (a malformed delta's or
