@@ -630,6 +630,9 @@ class IdMap:
             if name in state and tuple(state[name].shape) != have.shape:
                 raise ValueError(f"IdMap state {name!r} has shape {tuple(state[name].shape)}, this map's is "
                                  f"{have.shape}: the state is malformed")
+        live = state["row_key"].numpy()[state["row_key"].numpy() >= 0]  # one row per key: a key on two rows leaked
+        if np.unique(live).size != live.size:  # one (the table finds one of them) and miscounted the live keys
+            raise ValueError("IdMap state 'row_key' gives a key more than one row: the state is malformed")
         free = state["free"].numpy()  # the rows handed out next: exactly the rows no key owns (a live one went to
         if not np.array_equal(np.sort(free), np.flatnonzero(state["row_key"].numpy() < 0)):  # two keys at once)
             raise ValueError(f"IdMap state 'free' lists {free.size} rows that are not exactly the "

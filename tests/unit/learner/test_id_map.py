@@ -498,3 +498,14 @@ def test_a_restored_map_evicts_the_same_tied_least_recently_seen_rows_as_an_unin
     assert want.evicted_rows.size == going.evict_chunk
     assert sorted(got.evicted_rows.tolist()) == sorted(want.evicted_rows.tolist())
     assert got.rows.tolist() == want.rows.tolist()
+
+
+def test_a_state_that_gives_one_key_two_rows_is_refused() -> None:
+    """A malformed state with key 10 on rows 0 and 1 loaded: the table found one of them, the other was leaked (never
+    freed, never looked up) and the map counted more live keys than it held. A ValueError, the state not loaded."""
+    m = IdMap(capacity=4, num_buckets=2)
+    m.lookup(np.array([10, 11]), 1.0)  # rows 0 and 1
+    state = m.state_dict()
+    state["row_key"] = torch.tensor([10, 10, -1, -1])
+    with pytest.raises(ValueError, match="row_key"):
+        IdMap(capacity=4, num_buckets=2).load_state_dict(state)
