@@ -77,12 +77,35 @@ def crontab_weekdays(field: str) -> str:
     return ",".join(out)
 
 
+class CrontabTrigger(CronTrigger):
+    """A ``CronTrigger`` that, as crontab (cronie, Vixie cron), fires a fixed-time job once on the night the clocks go
+    back: when the minute and the hour fields both name fixed values (``30 2``, not ``*/15 2`` or ``30 *``), the second
+    instant of a repeated wall time is no fire time. APScheduler fired ``30 2 * * *`` at 02:30 CEST and again at 02:30
+    CET: two nightly refreshes. A wildcard job fires at every instant, as crontab's does."""
+
+    __slots__ = ("fixed",)
+
+    def get_next_fire_time(self, previous_fire_time: dt.datetime | None, now: dt.datetime) -> dt.datetime | None:
+        t = super().get_next_fire_time(previous_fire_time, now)
+        while t is not None and getattr(self, "fixed", False) and _second_instant(t):
+            t = super().get_next_fire_time(None, (t.astimezone(dt.timezone.utc) + dt.timedelta(microseconds=1))
+                                           .astimezone(self.timezone))
+        return t
+
+
+def _second_instant(t: dt.datetime) -> bool:
+    """Whether ``t`` is the later of the two instants of a wall time that happens twice (the clocks went back)."""
+    first, second = t.replace(fold=0), t.replace(fold=1)
+    return first.astimezone(dt.timezone.utc) < second.astimezone(dt.timezone.utc) == t.astimezone(dt.timezone.utc)
+
+
 def make_trigger(schedule: str, timezone: str) -> CronTrigger:
     """A cron trigger; ValueError with the offending value on a bad expression or time zone.
 
     The expression means what it means to crontab: the weekday field counts from Sunday (:func:`crontab_weekdays`),
     and one that restricts both the day of the month and the weekday is refused: crontab fires when either matches,
-    APScheduler 3 only when both do (a day of the 1st that is a Monday, for ``0 3 1 * 1``)."""
+    APScheduler 3 only when both do (a day of the 1st that is a Monday, for ``0 3 1 * 1``); a fixed-time one fires once
+    on the night the clocks go back (:class:`CrontabTrigger`)."""
     try:
         tz = ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
@@ -92,10 +115,11 @@ def make_trigger(schedule: str, timezone: str) -> CronTrigger:
     day, weekday = (fields[2], fields[4]) if len(fields) == 5 else ("*", "*")
     try:
         crontab = " ".join([*fields[:4], crontab_weekdays(weekday)]) if len(fields) == 5 else schedule
-        trigger = CronTrigger.from_crontab(crontab, timezone=tz)
+        trigger = CrontabTrigger.from_crontab(crontab, timezone=tz)
     except ValueError as exc:
         raise ValueError(f"schedule {schedule!r} is not a 5-field crontab expression "
                          f"('minute hour day month weekday', e.g. '0 3 * * *'): {exc}") from None
+    trigger.fixed = len(fields) == 5 and not fields[0].startswith("*") and not fields[1].startswith("*")
     if not day.startswith("*") and not weekday.startswith("*"):
         raise ValueError(f"schedule {schedule!r} restricts both the day of the month ({day!r}) and the weekday "
                          f"({weekday!r}): crontab runs on the days either matches, this scheduler only on days both "
