@@ -171,14 +171,16 @@ def describe_top(rows: list[dict[str, Any]]) -> str:
                      for r in rows) or "none"
 
 
-_HASH_TEXT = re.compile(r"[0-9]{1,19}")  # a stable hash's text (stream/ids.py: below 2**63), ASCII digits only
+# a stable hash's text as the joiner and serving write it (str of an int below 2**63): ASCII digits, no leading zero
+# ("007" and "7" were one row ranked as two ids: the hot set held a row fewer than its budget)
+_HASH_TEXT = re.compile(r"0|[1-9][0-9]{0,18}")
 _HASH_MAX = (1 << 63) - 1
 
 
 def member_hashes(members: list[str]) -> tuple[np.ndarray, int]:
     """The members that are a stable hash's text, as int64 (in order); and how many are not. Anything with write
-    access to Redis can add a member: one that is not (``"-3"``, ``"u1"``, ``"99999999999999999999"``, an int64
-    overflow, ``"²"``, which ``str.isdigit`` takes and ``int`` refuses) is left out, never a failed refresh."""
+    access to Redis can add a member: one that is not (``"-3"``, ``"u1"``, ``"007"``, ``"99999999999999999999"``, an
+    int64 overflow, ``"²"``, which ``str.isdigit`` takes and ``int`` refuses) is left out, never a failed refresh."""
     hashed = [int(m) for m in members if _is_hash_text(m)]
     return np.array(hashed, dtype=np.int64), len(members) - len(hashed)
 

@@ -64,3 +64,13 @@ def test_a_head_of_rejected_members_is_read_past_in_logarithmically_many_reads()
     top, _ = top_ids(counts, "item", "impression", 1, 2)  # type: ignore[arg-type]
     assert [m for m, _ in top] == ["5", "7"]
     assert len(counts.asked) <= 15 and counts.asked[-1] <= 2 * len(counts.rows)
+
+
+def test_a_hash_text_with_leading_zeros_is_no_stable_hash_and_takes_no_place_of_another_id() -> None:
+    # the joiner and serving write str(int): "007" is another client's; taken as 7, it and "7" were one row counted
+    # as two ids, and the hot set held k - 1 distinct rows
+    hashed, skipped = member_hashes(["7", "007", "00", "0"])
+    assert hashed.tolist() == [7, 0] and skipped == 2
+    counts = RankedCounts([("7", 100.0), ("007", 90.0), ("9", 80.0), ("11", 70.0)])
+    top, _ = top_ids(counts, "item", "impression", 1, 3)  # type: ignore[arg-type]
+    assert [m for m, _ in top] == ["7", "9", "11"]
