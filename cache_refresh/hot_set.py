@@ -62,6 +62,8 @@ T = TypeVar("T")
 KIND_FIELDS = {"item": "item_id", "user": "user_id"}
 STALE_DAYS = 1  # count_event's latest day this many days behind fallback_event's, and more: not ranked by
 SHOW = 10  # hottest ids of each kind listed by raw id in the stats
+# a name longer than this is no raw id shown (the joiner's raw ids: max_str_len, default 256): its row shows the hash
+NAME_MAX_CHARS = 4096
 
 
 class RedisUnavailable(StreamrecError):
@@ -153,7 +155,8 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
 def named_rows(counts: DailyCounts, kind: str, top: list[tuple[str, float]], day: str | None, days: int,
                ) -> list[dict[str, Any]]:
     """``top`` (member, count) as rows for operators: ``{"name": raw id, "count"}``, or ``{"name": None, "hash":
-    member, "count"}`` where no name is known (see ``DailyCounts.names``)."""
+    member, "count"}`` where no name is known (see ``DailyCounts.names``) or the name is longer than
+    :data:`NAME_MAX_CHARS` (the manifest holds these rows, and a manifest has at most 16 MB)."""
     if not top or day is None:
         return []
     try:
@@ -161,6 +164,11 @@ def named_rows(counts: DailyCounts, kind: str, top: list[tuple[str, float]], day
     except redis.ResponseError as exc:  # a names key of another type (any client can write one): shown by hash
         log.warning("hot set: the names of the top %ss cannot be read (%s); they are shown by hash", kind, exc)
         names = {}
+    long = [m for m, n in names.items() if len(n) > NAME_MAX_CHARS]
+    if long:  # 20 names of 1 MB made the manifest too large to load: "corrupt", every run failed at validate
+        log.warning("hot set: %d of the top %ss have a name longer than %d characters (written by a client other than "
+                    "the joiner?); shown by hash", len(long), kind, NAME_MAX_CHARS)
+        names = {m: n for m, n in names.items() if len(n) <= NAME_MAX_CHARS}
     return [{"name": names[m], "count": int(c)} if m in names else {"name": None, "hash": m, "count": int(c)}
             for m, c in top]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_refresh.hot_set import hot_rows, member_hashes, ranked_ids, top_ids
+from cache_refresh.hot_set import NAME_MAX_CHARS, hot_rows, member_hashes, named_rows, ranked_ids, top_ids
 from learner.features import default_config
 
 HOSTILE = ["99999999999999999999", "9223372036854775808", "\u00b2", "\u0661\u0662", "-3", "+4", " 5", "u1", "", "1e3"]
@@ -74,3 +74,26 @@ def test_a_hash_text_with_leading_zeros_is_no_stable_hash_and_takes_no_place_of_
     counts = RankedCounts([("7", 100.0), ("007", 90.0), ("9", 80.0), ("11", 70.0)])
     top, _ = top_ids(counts, "item", "impression", 1, 3)  # type: ignore[arg-type]
     assert [m for m, _ in top] == ["7", "9", "11"]
+
+
+class NamedCounts:
+    """A ``DailyCounts`` stand-in for ``named_rows``: ``names`` as Redis holds them."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self._names = names
+
+    def names(self, kind: str, members: list[str], day: str, days: int = 1) -> dict[str, str]:
+        return {m: self._names[m] for m in members if m in self._names}
+
+
+def test_a_name_too_long_for_a_raw_id_is_shown_by_hash_and_keeps_the_manifest_loadable(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # a 1 MB name (HSET by another client) of each top id went into the manifest's hot_set: 20 of them were more than
+    # a manifest's 16 MB, the staged artifact "is corrupt" and every nightly run failed at stage validate
+    huge = "x" * (1 << 20)
+    counts = NamedCounts({"5": huge, "7": "item-7"})
+    rows = named_rows(counts, "item", [("5", 9.0), ("7", 8.0)], "20000101", 1)  # type: ignore[arg-type]
+    assert rows == [{"name": None, "hash": "5", "count": 9}, {"name": "item-7", "count": 8}]
+    assert "longer than" in caplog.text
+    ok = "y" * NAME_MAX_CHARS  # the longest name shown as it is
+    assert named_rows(NamedCounts({"5": ok}), "item", [("5", 1.0)], "20000101", 1)[0]["name"] == ok  # type: ignore[arg-type]
