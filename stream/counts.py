@@ -174,13 +174,14 @@ def _parse_day(day: str) -> dt.date:
 
 
 def _is_date(day: str) -> bool:
-    """Whether ``day`` (8 ASCII digits) is a calendar date: a key of ``20001399`` (any client can write one) is no day,
-    which ``top`` would refuse as the hot set's latest."""
+    """Whether ``day`` (8 ASCII digits) is a calendar date from the epoch on: a key of ``20001399`` (any client can
+    write one) is no day, which ``top`` would refuse as the hot set's latest; nor is one before 1970, which no writer
+    here makes (``record`` refuses times before the epoch): as the latest day, ``00010101``'s window failed the hot set
+    (OverflowError) and ``09991231``'s read nothing (``strftime`` drops the year's leading zeros)."""
     try:
-        dt.datetime.strptime(day, "%Y%m%d")
+        return dt.datetime.strptime(day, "%Y%m%d").date() >= _EPOCH
     except ValueError:
         return False
-    return True
 
 
 def _check_kind_event(kind: str, event: str) -> None:

@@ -1,0 +1,52 @@
+"""Which keys under ``{prefix}:counts:`` are days (``stream/counts.py``, ``DailyCounts.all_days_available``): a key of
+a day before 1970 is no streamrec write (``record`` refuses times before the epoch, ``add_counts`` counts by the wall
+clock), so any client wrote it. As "the latest day" of a kind and event it failed the nightly hot set with
+``OverflowError: date value out of range`` (a window of days back from 0001-01-01), or, before the year 1000, made it
+read nothing (``strftime`` writes the year without its leading zeros, so the window named keys that do not exist).
+No Redis: the keyspace walk is a stand-in's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cache_refresh import hot_set
+from learner.features import default_config
+from stream.counts import DailyCounts
+
+
+class Keyspace:
+    """The two reads ``all_days_available`` makes: SCAN and a pipeline of TYPE; every key a sorted set."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.typed: list[str] = []
+
+    def scan_iter(self, match: str, count: int) -> list[bytes]:
+        return [k.encode() for k in self.keys]
+
+    def pipeline(self, transaction: bool = True) -> Keyspace:
+        return self
+
+    def type(self, key: str) -> None:
+        self.typed.append(key)
+
+    def execute(self) -> list[bytes]:
+        out, self.typed = [b"zset"] * len(self.typed), []
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"no further Redis read expected, got {name}")
+
+
+def test_a_day_before_the_epoch_is_no_day_of_the_counts() -> None:
+    keys = ["p:counts:{item}:lookup:00010101", "p:counts:{item}:impression:09991231",
+            "p:counts:{user}:impression:19691231", "p:counts:{user}:impression:19700101"]
+    counts = DailyCounts(Keyspace(keys), prefix="p")  # type: ignore[arg-type]
+    assert counts.all_days_available() == {("user", "impression"): ["19700101"]}
+
+
+def test_the_hot_set_over_only_a_hostile_ancient_day_is_empty_not_a_failed_refresh() -> None:
+    cfg = default_config({}, buckets=1000)
+    hs = hot_set.compute(Keyspace(["p:counts:{item}:lookup:00010101"]), "p", 8, cfg, days=7,  # type: ignore[arg-type]
+                         hot_items=10, hot_users=0, event="lookup", fallback="lookup", small_field_rows=0, attempts=1)
+    assert len(hs.rows) == 0 and hs.stats["item_last_day"] is None
