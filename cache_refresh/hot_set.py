@@ -124,8 +124,8 @@ def top_ids(counts: DailyCounts, kind: str, event: str, days: int, k: int, avail
     have counts, however many refused ones rank above them. Left out only after the cut, each refused member cost the
     hot set a place. The common case (none refused) is one read of k; otherwise the read is asked again for at least
     twice as many (never fewer than k plus those refused), so a head of R refused members costs about log2(R / k) reads
-    (each merges the days again: ZUNIONSTORE), and the loop ends once a read returns fewer rows than asked (every member
-    read)."""
+    (each ranks the days' sum again: ``DailyCounts.top``), and the loop ends once a read returns fewer rows than asked
+    (every member read)."""
     if k <= 0:
         return [], None
     have = _days(counts, kind, event, available)

@@ -8,9 +8,9 @@ Key layout (one sorted set per kind, event and UTC day of the *event* time)::
     {prefix}:counts:{{kind}}:{event}:{YYYYMMDD}    member = id, score = count
 
 The braces are literal: ``{item}`` / ``{user}`` is the key's Redis Cluster hash tag, so all of one kind's keys
-(every event, every day, its names and :meth:`DailyCounts.top`'s temporary key) hash to one slot. That is what lets
+(every event, every day and its names) hash to one slot. That is what lets
 one :meth:`DailyCounts.record` call write several days in one MULTI/EXEC, the counting script touch the counts and
-the names key together and ``top`` merge several days with ZUNIONSTORE on a Redis Cluster (``[redis] cluster``), as
+the names key together and ``top`` pipeline its reads of several days on a Redis Cluster (``[redis] cluster``), as
 on a single node; it also puts each kind's counts on one cluster node (history, a key per user, spreads over all of
 them). Keys still begin with ``{prefix}:`` (the ACLs of a secured deployment grant ``~{prefix}:*``).
 
@@ -121,10 +121,10 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import re
 import secrets
 import time
-import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -144,7 +144,7 @@ _DAY_RE = re.compile(r"\d{8}")
 # before hash tags, module docstring)
 _COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<legacy>" + "|".join(KINDS) + r")):"
                             r"(?P<event>" + "|".join(EVENTS) + r"):(?P<day>[0-9]{8})")
-_TMP_TTL_S = 60  # safety net only: the temporary union key is deleted in the same transaction
+_TOP_PAGE = 10_000  # the most members DailyCounts.top reads from one key in one command (a window of several days)
 log = logging.getLogger("streamrec.counts")
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
 
@@ -199,6 +199,12 @@ def _check_positive_int(name: str, value: object) -> None:
 def _text(value: bytes | str) -> str:
     """A member or a name as read: bytes that are no UTF-8 (any client can write them) replaced, never a failed read."""
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _kth_largest(values: Mapping[Any, float], k: int) -> float:
+    """The ``k``-th largest of ``values``' values (1 <= k <= len(values))."""
+    arr = np.fromiter(values.values(), np.float64, len(values))
+    return float(np.partition(arr, len(arr) - k)[len(arr) - k])
 
 
 def _glob_escape(text: str) -> str:
@@ -555,7 +561,7 @@ class DailyCounts:
         SCAN walks the whole keyspace whatever its MATCH (history has a key per user, the embedding store a key per
         row): a walk per kind and event (and, on a single node, another for the layout before hash tags) made the
         nightly hot set walk it up to 16 times. One ``{prefix}:counts:*`` walk finds both layouts; the markers
-        (``...:w:...``) and ``top``'s temporary keys are not days. A cluster client's SCAN goes to every primary."""
+        (``...:w:...``) are not days. A cluster client's SCAN goes to every primary."""
         base = f"{self.prefix}:counts:"
         legacy = self._legacy()
         last = day_of(int((time.time() + self.future_s) * 1000))
@@ -596,16 +602,59 @@ class DailyCounts:
         if len(keys) == 1:
             rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)  # type: ignore[assignment]
         else:
-            # Merge on the server and send back only k rows; MULTI/EXEC so the temporary key never
-            # outlives the call (the short TTL is a safety net). The kind's hash tag keeps it in the days' slot.
-            tmp = f"{self.prefix}:counts:{{{kind}}}:tmp:{uuid.uuid4().hex}"
-            pipe = self.client.pipeline(transaction=True)
-            pipe.zunionstore(tmp, keys, aggregate="SUM")
-            pipe.expire(tmp, _TMP_TTL_S)
-            pipe.zrevrange(tmp, 0, int(k) - 1, withscores=True)
-            pipe.delete(tmp)
-            rows = pipe.execute()[2]
+            rows = self._top_of_sum(keys, int(k))
         return [(_text(member), float(score)) for member, score in rows]
+
+    def _top_of_sum(self, keys: list[str], k: int) -> list[tuple[bytes, float]]:
+        """The ``k`` members with the highest sum of their scores in ``keys``, ranked as ZUNIONSTORE (SUM) and
+        ZREVRANGE rank them: sum descending, equal sums by member descending; a sum turning NaN (an inf and a -inf,
+        another client's) is 0 from there, adding in key order (Redis's order of the days may differ: another sum).
+
+        Read in pages (Fagin's threshold algorithm): each round reads the next ``page`` members of every key by score;
+        a member new to it gets its score in every other key from what was read of that key (a key read to its end, in
+        one page for the days of a small data set, has no more) or by ZMSCORE, so its sum is exact. A member not read
+        yet scores at most the last score read in a key it is in (0 where it is not): once the k-th sum is above those
+        bounds summed, no unread member can rank. No command asks for more than ``page`` members per key of the window.
+        The union on the server read every member of every day in one command: 7 days of 300,000 members outlasted
+        ``redis_timeout_s`` (the hot set failed as "Redis unreachable") and blocked Redis for every other client
+        meanwhile. Not one snapshot: a count written between two rounds may be read in one and not the other."""
+        page = min(max(2 * k, 1000), _TOP_PAGE)
+        read: list[dict[bytes, float]] = [{} for _ in keys]  # every (member, score) read of each key
+        sums: dict[bytes, float] = {}
+        bound = [math.inf] * len(keys)  # the last score read of each key: no unread member of it scores more
+        done = [False] * len(keys)  # every member of the key read
+        depth = 0
+        while True:
+            live = [i for i, d in enumerate(done) if not d]
+            pipe = self.client.pipeline(transaction=False)
+            for i in live:
+                pipe.zrevrange(keys[i], depth, depth + page - 1, withscores=True)
+            fresh: dict[bytes, None] = {}
+            for i, rows in zip(live, pipe.execute(), strict=True):
+                done[i] = len(rows) < page
+                if rows:
+                    bound[i] = float(rows[-1][1])
+                read[i].update((m, float(score)) for m, score in rows)
+                fresh.update((m, None) for m, _ in rows if m not in sums)
+            depth += page
+            new = list(fresh)
+            asked = [(i, [m for m in new if m not in read[i]]) for i in range(len(keys)) if not done[i]]
+            asked = [(i, members) for i, members in asked if members]
+            pipe = self.client.pipeline(transaction=False)
+            for i, members in asked:
+                pipe.zmscore(keys[i], cast("list[str]", members))  # the members as read: bytes, sent as they are
+            for (i, members), scores in zip(asked, pipe.execute() if asked else (), strict=True):
+                read[i].update((m, float(score)) for m, score in zip(members, scores, strict=True) if score is not None)
+            for m in new:
+                total = 0.0
+                for got in read:
+                    if m in got:
+                        total += got[m]
+                        total = 0.0 if math.isnan(total) else total  # as Redis's union
+                sums[m] = total
+            unread = sum(max(b, 0.0) for b, d in zip(bound, done, strict=True) if not d)
+            if all(done) or (len(sums) >= k and _kth_largest(sums, k) > unread):
+                return sorted(sums.items(), key=lambda r: (r[1], r[0]), reverse=True)[:k]
 
     def _window_keys(self, kind: str, event: str, day: str, days: int) -> list[str]:
         """The sorted sets of ``kind``/``event`` counts of the ``days`` days ending at ``day``."""
