@@ -336,45 +336,45 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
     """Per value of label ``by``: the mean (increase of _sum over increase of _count), p50 and p90 of the
     observations made between consecutive scrapes; a value more than one source exported is one curve per source
     (:func:`per_source`), never one source's buckets differenced against another's. A source's series of one value
-    with other labels besides (a rank label) are summed, buckets as _sum and _count (one overwrote the other); a
-    drop is a counter reset (:func:`~monitor.expr.counter_rise`: a restarted process), not negative observations."""
-    sums = series(rec, f"{name}_sum", by=(by,))
-    counts = series(rec, f"{name}_count", by=(by,))
-    out: dict[str, dict[str, Series]] = {}
-    for k, cnt in counts.items():
-        s = sums.get(k)
-        if s is None:
-            continue
-        sd, cd = dict(zip(*s, strict=True)), dict(zip(*cnt, strict=True))
-        ts = sorted(set(sd) & set(cd))
-        mean: Series = ([], [])
-        for a, b in zip(ts, ts[1:], strict=False):
-            dc = counter_rise(cd[a], cd[b])
-            if dc > 0:
-                mean[0].append(b)
-                mean[1].append((sd[b] if cd[b] < cd[a] else sd[b] - sd[a]) / dc)  # (a reset: all since it)
-        out[k] = {"mean": mean}
-    # buckets: per source and label value, per scrape, le -> cumulative count; named as series() names curves
-    per: dict[tuple[str, str], dict[float, dict[float, float]]] = {}
+    with other labels besides (a rank label) are differenced each on its own, then summed, as Prometheus's
+    ``sum(increase(...))``: a drop of a series' count or bucket is its reset (a restarted process), which counted
+    what it has now (:func:`~monitor.expr.counter_rise`). Summed first, one rank's reset read as every rank's (their
+    whole history counted again), or was hidden by another's rise; a series absent from either scrape adds nothing."""
+    # per source and label value, per scrape, per series (its labels but le): le or "sum"/"count" -> value
+    per: dict[tuple[str, str], dict[float, dict[tuple[tuple[str, str], ...], dict[float | str, float]]]] = {}
+    fields = {f"{name}_sum": "sum", f"{name}_count": "count"}
     for src, scrapes in rec.scrapes.items():
         for t, samples in scrapes:
             for n, lb, v in samples:
+                field: float | str | None = fields.get(n)
                 if n == f"{name}_bucket" and "le" in lb:
-                    at = per.setdefault((src, _key(lb, (by,))), {}).setdefault(t, {})
-                    le = _value(_le(lb["le"]))
-                    at[le] = at.get(le, 0.0) + v  # (summed over the labels besides ``by`` and le)
+                    field = _value(_le(lb["le"]))
+                if field is not None:
+                    one = tuple(sorted((a, b) for a, b in lb.items() if a != "le"))
+                    per.setdefault((src, _key(lb, (by,))), {}).setdefault(t, {}).setdefault(one, {})[field] = v
+    out: dict[str, dict[str, Series]] = {}
     for k, by_t in per_source(per).items():
         ts = sorted(by_t)
-        qs: dict[str, Series] = {"p50": ([], []), "p90": ([], [])}
+        curves: dict[str, Series] = {}
         for a, b in zip(ts, ts[1:], strict=False):
-            les = sorted(set(by_t[a]) & set(by_t[b]))
-            reset = any(by_t[b][le] < by_t[a][le] for le in les)  # a restart: every bucket counts from 0 again
-            delta = [(le, by_t[b][le] if reset else by_t[b][le] - by_t[a][le]) for le in les]
+            rise: dict[float | str, float] = {}  # what the interval added, summed over the series
+            for one in by_t[a].keys() & by_t[b].keys():
+                va, vb = by_t[a][one], by_t[b][one]
+                both = va.keys() & vb.keys()
+                reset = any(vb[f] < va[f] for f in both if f != "sum")  # (a _sum may fall: negative observations)
+                for f in both:
+                    rise[f] = rise.get(f, 0.0) + (vb[f] if reset else vb[f] - va[f])
+            if rise.get("count", 0.0) > 0 and "sum" in rise:
+                curves.setdefault("mean", ([], []))[0].append(b)
+                curves["mean"][1].append(rise["sum"] / rise["count"])
+            delta = sorted((f, r) for f, r in rise.items() if isinstance(f, float))
             if delta and delta[-1][1] > 0:
                 for label, q in (("p50", 0.5), ("p90", 0.9)):
-                    qs[label][0].append(b)
-                    qs[label][1].append(quantile(delta, q))
-        out.setdefault(k, {}).update(qs)
+                    curves.setdefault(label, ([], []))[0].append(b)
+                    curves[label][1].append(quantile(delta, q))
+        has = {f for at in by_t.values() for one in at.values() for f in one}
+        out[k] = {**({"mean": ([], [])} if {"sum", "count"} <= has else {}),
+                  **({"p50": ([], []), "p90": ([], [])} if any(isinstance(f, float) for f in has) else {}), **curves}
     return out
 
 

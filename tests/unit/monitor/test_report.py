@@ -433,3 +433,19 @@ def test_a_histogram_reset_between_scrapes_counts_the_observations_since_the_res
     assert h["dense"]["mean"] == ([1e9 + 1, 1e9 + 2, 1e9 + 3], pytest.approx([0.05] * 3))
     assert h["dense"]["p50"][0] == [1e9 + 1, 1e9 + 2, 1e9 + 3]
     assert h["dense"]["p50"][1] == pytest.approx([0.05] * 3)
+
+
+def test_a_histogram_reset_of_one_series_counts_the_others_rise_and_its_observations_since_the_restart() -> None:
+    # one source, two ranks: rank 0 observes 10 steps at 0.05 per scrape; rank 1 10 at 5.5, then restarts and has 5
+    # since. Summed first, the drop of the sum (40 -> 35) read as a reset of both: 35 observations, rank 0's whole
+    # history counted again (mean 29 / 35); a reset is per series, as Prometheus's sum(increase(...)) reads it
+    rec = report.Recording()
+    name = "streamrec_learner_grad_norm"
+    for i, (c0, c1) in enumerate([(0, 0), (10, 10), (20, 20), (30, 5)]):
+        samples = (_histogram_scrape(name, "dense", (c0, c0, c0), 0.05 * c0, {"rank": "0"})
+                   + _histogram_scrape(name, "dense", (0, 0, c1), 5.5 * c1, {"rank": "1"}))
+        rec.add({"kind": "scrape", "t": 1e9 + i, "source": "learner", "samples": samples})
+    h = report.histogram_over_time(rec, name, "part")
+    assert h["dense"]["mean"] == ([1e9 + 1, 1e9 + 2, 1e9 + 3], pytest.approx([2.775, 2.775, 28 / 15]))
+    assert h["dense"]["p50"][1] == pytest.approx([0.1, 0.1, 0.075])  # 15 observations, 10 of them at most 0.1
+    assert h["dense"]["p90"][1] == pytest.approx([8.2, 8.2, 7.3])
