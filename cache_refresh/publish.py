@@ -18,9 +18,11 @@ processes, trash, temp files); serving never reads any of them. From its move un
 the version, a publish also holds :data:`PUBLISHING` (naming the version): ``streamrec refresh --status`` shows that
 version as ``publishing``, not as never current (:func:`unfinished`), and a killed publish's as never current again.
 
-Rollback and the pin: :func:`rollback` goes only to a version that was current before: one the history names (a
+Rollback and the pin: :func:`rollback` goes to the version live just before the current one, by the history (a
 version a killed publish moved into ``versions/`` without making it current is complete and verifies, and was chosen
-by its name), or one that predates the history (a root written before it was kept: chosen by name, as before). It
+by its name), then to those that predate the history (a root written before it was kept: chosen by name, as before),
+never to a version a rollback went back from (the history's rollback records name it, ``from``; before, a rollback
+after a rollback and a publish went to the version the operator had rolled back from). It
 verifies the older version, writes ``<root>/PINNED`` (JSON
 ``{"version", "rolled_back_from", "at"}``) and then points ``CURRENT`` at it. While ``PINNED`` names the
 live version, serving applies no learner deltas to it: the learner kept training past the newer
@@ -326,15 +328,18 @@ def _set_current(root: Path, version: str) -> None:
 
 class History:
     """:data:`HISTORY`: ``versions``, what ``CURRENT`` has named (oldest first); ``began``, what it named when the
-    history began (None: nothing was current then, so every version that ever was is in ``versions``)."""
+    history began (None: nothing was current then, so every version that ever was is in ``versions``);
+    ``rolled_back_from``, the versions a rollback in it went back from (never a rollback target again)."""
 
-    def __init__(self, versions: list[str], began: str | None) -> None:
-        self.versions, self.began = versions, began
+    def __init__(self, versions: list[str], began: str | None, rolled_back_from: frozenset[str] = frozenset()) -> None:
+        self.versions, self.began, self.rolled_back_from = versions, began, rolled_back_from
 
 
 def read_history(root: Path) -> History | None:
     """The history of ``CURRENT`` (:data:`HISTORY`, JSON ``{"began": <version> | null, "versions": [{"version",
-    "at", "how"}, ...]}``); None for a root without the file (written only by refreshes before it was kept).
+    "at", "how", "from"}, ...]}``; ``how`` is ``publish``, ``rollback`` or ``was current``, ``from`` what a rollback
+    went back from); None for a root without the file (written only by refreshes before it was kept).
+    A ``rollback`` record without ``from`` (written before it was) went back from the record before it.
     ArtifactError naming the file when it cannot be read or is malformed: a rollback then refuses rather than
     guess."""
     path = Path(root) / HISTORY
@@ -353,20 +358,24 @@ def read_history(root: Path) -> History | None:
             raise ValueError(f"began is {began!r}, not a version name or null")
         if not isinstance(entries, list) or not all(
                 isinstance(e, dict) and isinstance(e.get("version"), str) and is_version_name(e["version"])
+                and (e.get("from") is None or (isinstance(e["from"], str) and is_version_name(e["from"])))
                 for e in entries):
             raise ValueError('versions is not a list of {"version": <name>, ...} records')
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ArtifactError(f"{path} does not hold the history of CURRENT ({exc}); remove it to roll back by the "
                             "version names alone (as before the history was kept)") from None
-    return History([e["version"] for e in entries], began)
+    rejected = {e.get("from") or (entries[i - 1]["version"] if i else None)
+                for i, e in enumerate(entries) if e.get("how") == "rollback"}
+    return History([e["version"] for e in entries], began, frozenset(v for v in rejected if v is not None))
 
 
 def _record_current(root: Path, version: str, previous: str | None, how: str) -> None:
     """Add to :data:`HISTORY` that ``version`` is current now (called after ``CURRENT`` was written, never before:
     a crash in between leaves the version out, never in without having been current). ``previous``, what ``CURRENT``
-    named before, is added first when the history lacks it (a crash between an earlier ``CURRENT`` write and its
-    record): it was current. A new history (a root written before it was kept) begins at ``previous``. Best effort:
-    a failure is logged (the publish or rollback has happened)."""
+    named before, is added first when the history does not end with it (a crash between an earlier ``CURRENT`` write
+    and its record): it was current. A rollback's record names ``previous`` as ``from``. A new history (a root written
+    before it was kept) begins at ``previous``. The last :data:`_HISTORY_MAX` records are kept. Best effort: a failure
+    is logged (the publish or rollback has happened)."""
     path = Path(root) / HISTORY
     try:
         try:
@@ -378,9 +387,10 @@ def _record_current(root: Path, version: str, previous: str | None, how: str) ->
         entries: list[dict[str, object]] = []
         if old is not None:
             entries = json.loads(read_regular(path, MAX_STATE_FILE_BYTES, "the history of CURRENT"))["versions"]
-        if previous is not None and previous not in history.versions:
+        if previous is not None and history.versions[-1:] != [previous]:
             entries.append({"version": previous, "at": None, "how": "was current"})
-        entries.append({"version": version, "at": time.time(), "how": how})
+        entries.append({"version": version, "at": time.time(), "how": how}
+                       | ({"from": previous} if how == "rollback" else {}))
         write_atomic(path, json.dumps({"began": history.began, "versions": entries[-_HISTORY_MAX:]}).encode())
     except (OSError, ValueError) as exc:
         log.warning("%s is current; recording that in %s failed (%s): the next publish records it as the previous "
@@ -416,16 +426,17 @@ def _prune(root: Path, keep: int) -> list[str]:
         else:
             log.warning("version directory %s has no %s (half-written, or not a refresh's): not counted toward "
                         "keep_versions, left as it is", versions_dir(root) / name, MANIFEST)
-    # A version that never was current (a killed publish's, :func:`unfinished`) is no rollback target, so it does not
-    # count toward ``keep``: it pushed the only version a rollback could go to out. It is pruned as before, once it is
-    # not among the last ``keep`` of all (``--status`` names it until then). One a publish running now moved in is
-    # neither counted nor pruned.
+    # A version that never was current (a killed publish's, :func:`unfinished`) or was rolled back from is no rollback
+    # target, so it does not count toward ``keep``: it pushed the only version a rollback could go to out. It is pruned
+    # as before, once it is not among the last ``keep`` of all (``--status`` names it until then). One a publish running
+    # now moved in is neither counted nor pruned.
     try:
         never, running = unfinished(root)
+        history = read_history(root)
     except ArtifactError as exc:
         log.warning("%s; every complete version counts toward keep_versions", exc)
-        never, running = None, None
-    orphans = set(never or ())
+        never, running, history = None, None, None
+    orphans = set(never or ()) | (history.rolled_back_from if history is not None else set())
     targets = [v for v in complete if v not in orphans and v != running]
     for name in sorted(set(targets[:-keep]) | {v for v in complete[:-keep] if v in orphans}):
         if name not in protected:
@@ -534,8 +545,9 @@ def _describe(exc: Exception) -> str:
 def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
     """Make the version before the current one current again and pin it; returns its name.
 
-    "Before" is by name among the versions that were current (:func:`_were_current`): a version that never was is
-    skipped (logged), and none left is an ArtifactError saying so; an unreadable :data:`HISTORY` is one naming it.
+    "Before" is the version live just before the current one by :data:`HISTORY` (:func:`_rollback_targets`), never
+    one a rollback went back from (the operator rejected it) nor one that never was current (both skipped, logged);
+    none left is an ArtifactError saying so; an unreadable :data:`HISTORY` is one naming it.
 
     Holds :func:`refresh_lock` throughout (not waiting: while a refresh runs on ``root`` this is an
     ArtifactError naming its pid, and nothing changes), so no publish can prune the target or clear the
@@ -563,21 +575,18 @@ def rollback(root: Path, signing_key: SigningKey | None = None) -> str:
 def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     versions = [v for v in list_versions(root) if is_version_name(v)]
     current = current_version(root)
-    older = [v for v in versions if current is None or v < current]
-    if not older and current is None:  # then no version at all: older holds every one
+    if not versions:
         raise ArtifactError(f"nothing to roll back to: no version is published in {versions_dir(root)}")
+    older, never, rejected = _rollback_targets(root, versions, current)
     if not older:
-        raise ArtifactError(f"no version older than {current!r} in {versions_dir(root)} to roll back to "
-                            f"(published: {versions or 'none'})")
-    older, never = _were_current(root, older)
-    if not older:
+        why = ([f"{', '.join(never)} never was, by {root / HISTORY}: moved into versions/ by a publish that did not "
+                "make it current"] if never else []) + [f"{', '.join(rejected)} was rolled back from"] * bool(rejected)
         raise ArtifactError(f"cannot roll back: no version older than {current} in {versions_dir(root)} was ever "
-                            f"current ({', '.join(never)} never was, by {root / HISTORY}: moved into versions/ by a "
-                            f"publish that did not make it current); CURRENT still names {current}")
+                            f"current ({'; '.join(why) or f'published: {versions}'}); CURRENT still names {current}")
     # The newest older version that verifies; a half-written or damaged one (a foreign copy, a killed manual
     # restore, a version not signed with the key) is skipped with its reason, not a dead end for the rollback.
     skipped: list[str] = []
-    for target in reversed(older):
+    for target in older:
         try:
             verify(versions_dir(root) / target, signing_key=signing_key)
             break
@@ -608,26 +617,36 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
     return target
 
 
-def _were_current(root: Path, older: list[str]) -> tuple[list[str], list[str]]:
-    """``older`` split into the versions a rollback may go to (oldest first) and those that never were current.
+def _rollback_targets(root: Path, versions: list[str],
+                      current: str | None) -> tuple[list[str], list[str], list[str]]:
+    """The versions of ``versions`` a rollback from ``current`` may go to, the first choice first; those skipped as
+    never current; those skipped as rolled back from.
 
-    A version was current when :data:`HISTORY` names it. One it does not name was moved into ``versions/`` by a
-    publish that never made it current (killed between the rename and the ``CURRENT`` write, or a version taken back
-    out half-way): never a rollback target. Versions up to the one ``CURRENT`` named when the history began, and
-    every version of a root without the file (written before it was kept), predate it: judged as before, by their
-    names alone (logged)."""
-    never = never_current(root, older)
-    if never is None:
+    By :data:`HISTORY`: the versions ``CURRENT`` named before, the one live just before ``current`` first, then the
+    versions up to the one current when the history began (they predate it), newest name first. A version a rollback
+    went back from (``rolled_back_from``, bounded with the history) is never a target: the operator rejected it. One
+    the history does not name was moved into ``versions/`` by a publish that never made it current (killed between the
+    rename and the ``CURRENT`` write, or a version taken back out half-way): never a target either. A root without the
+    file (written before it was kept) goes by name alone (logged): the versions older than ``current``, newest
+    first."""
+    others = [v for v in versions if v != current]
+    history = read_history(root)
+    if history is None:
         log.warning("rollback: %s has no %s (written before the history of CURRENT was kept): the version to roll "
                     "back to is chosen by name alone", root, HISTORY)
-        return older, []
+        return [v for v in reversed(others) if current is None or v < current], [], []
+    never = never_current(root, others) or []
     for v in never:
         log.warning("rollback: skipping %s, which was never current (not in %s)", v, root / HISTORY)
-    return [v for v in older if v not in never], never
+    rejected = [v for v in others if v in history.rolled_back_from]
+    began = history.began
+    live = list(dict.fromkeys(reversed(history.versions))) + [v for v in reversed(others) if began and v <= began]
+    present = set(others) - set(never) - history.rolled_back_from
+    return list(dict.fromkeys(v for v in live if v in present)), never, rejected
 
 
 def never_current(root: Path, versions: list[str]) -> list[str] | None:
-    """Those of ``versions`` that :data:`HISTORY` shows never were current (:func:`_were_current`); None for a root
+    """Those of ``versions`` that :data:`HISTORY` shows never were current (:func:`_rollback_targets`); None for a root
     without the history (nothing known). Versions up to the one current when the history began predate it: not
     named. ArtifactError when the history cannot be read."""
     history = read_history(root)

@@ -24,9 +24,10 @@ def test_a_version_that_never_was_current_does_not_push_the_rollback_target_out(
     # `--rollback` refused ("no version older than v003 was ever current")
     assert A.list_versions(tmp_path) == ["v001", "v002", "v003"]  # v002 is among the last 2 of all: --status names it
     assert rollback(tmp_path) == "v001"
-    put(tmp_path, ckpt, "v004", keep=2)  # an operator's publish over the pin: v003 and v004 are the two kept
-    assert A.list_versions(tmp_path) == ["v003", "v004"]  # v002, not among the last 2 of all, is pruned as before
-    assert rollback(tmp_path) == "v003"
+    put(tmp_path, ckpt, "v004", keep=2)  # an operator's publish over the pin: v001 and v004 are the two counted
+    # v002, not among the last 2 of all, is pruned as before; v003, rolled back from, no rollback target, is not counted
+    assert A.list_versions(tmp_path) == ["v001", "v003", "v004"]
+    assert rollback(tmp_path) == "v001"  # live just before v004 (before: v003, the version rolled back from)
 
 
 def test_a_prune_that_raises_after_the_switch_leaves_the_publish_done(

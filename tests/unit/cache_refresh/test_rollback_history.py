@@ -57,17 +57,17 @@ def test_rollback_refuses_when_no_older_version_was_ever_current(
 
 def test_a_root_written_before_the_history_rolls_back_by_name_and_begins_one(
         tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    put(tmp_path, ckpt, "v001")
-    put(tmp_path, ckpt, "v002")
+    for v in ("v001", "v002", "v003"):
+        put(tmp_path, ckpt, v)
     (tmp_path / HISTORY).unlink()  # as a refresh before the history wrote it
-    assert rollback(tmp_path) == "v001"  # as before
+    assert rollback(tmp_path) == "v002"  # as before
     history = json.loads((tmp_path / HISTORY).read_text())
-    assert history["began"] == "v002" and [e["version"] for e in history["versions"]] == ["v002", "v001"]
+    assert history["began"] == "v003" and [e["version"] for e in history["versions"]] == ["v003", "v002"]
     # a later publish killed before CURRENT, then a publish: rollback skips the killed one, still reaches older ones
-    killed_before_current(tmp_path, ckpt, "v003", monkeypatch)
-    put(tmp_path, ckpt, "v004")
-    assert rollback(tmp_path) == "v002"  # current when the history began; v003 never was
-    assert rollback(tmp_path) == "v001"
+    killed_before_current(tmp_path, ckpt, "v004", monkeypatch)
+    put(tmp_path, ckpt, "v005")
+    assert rollback(tmp_path) == "v002"  # live before v005; v004 never was current, v003 was rolled back from
+    assert rollback(tmp_path) == "v001"  # predates the history, by name
 
 
 def test_status_names_the_versions_that_never_were_current(
