@@ -257,7 +257,9 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
     """The hot rows of ``cfg``'s table from the last ``days`` days of ``event`` counts, filled by ``fallback``'s (see
     the module docstring), with stats for the manifest (the hottest ``show`` items and users by raw id under
     ``top_items``/``top_users``; ``{kind}s_from_fallback``: how many ids the fallback ranking added;
-    ``{kind}_stale_day``: ``event``'s latest day where it was too old to rank by, else None). ``between`` (the
+    ``{kind}_stale_day``: ``event``'s latest day where it was too old to rank by, else None;
+    ``{kind}_count_covered``: the exact sum of the counts as integers, as the rows show them: counts near 1e308 of
+    another client summed to ``Infinity`` as floats, which strict JSON readers refuse). ``between`` (the
     refresh's stop check): before each Redis read and each retry's wait (:func:`with_retries`, :func:`top_ids`)."""
     counts = DailyCounts(client, prefix=prefix, ttl_days=ttl_days)
     parts, stats = [], {"days": days, "event": event, "fallback_event": fallback}
@@ -280,7 +282,7 @@ def compute(client: redis.Redis, prefix: str, ttl_days: int, cfg: FeatureConfig,
         stats[f"{kind}s"] = len(top)
         stats[f"{kind}_rows"] = int(len(np.unique(rows)))
         stats[f"{kind}_last_day"] = day
-        stats[f"{kind}_count_covered"] = float(sum(c for _, c in top))
+        stats[f"{kind}_count_covered"] = sum(int(c) for _, c in top)  # exact: floats near 1e308 summed to inf
         stats[f"top_{kind}s"] = with_retries(
             f"names of the top {kind}s", functools.partial(named_rows, counts, kind, top[:show], day, days),
             attempts, backoff_s, sleep, on_retry, between)

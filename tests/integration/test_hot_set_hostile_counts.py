@@ -4,6 +4,7 @@ real Redis of the session stack."""
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -148,3 +149,13 @@ def test_a_window_with_no_count_at_or_below_zero_sends_no_member_to_redis_for_th
     hs = _hot_items(redis_client, prefix)
     assert [r["hash"] for r in hs.stats["top_items"]] == ["123", "456", "789"]
     assert zmscores() == before
+
+
+def test_counts_whose_sum_passes_float_max_cover_their_exact_sum_in_strict_json(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """Two counts of 1e308 (another client's) summed to ``Infinity`` in ``item_count_covered``: the manifest and the
+    summary were not JSON a strict reader (jq) takes. The sum is exact, an integer, at any size."""
+    _items(redis_client, prefix, {"1": 1e308, "2": 1e308})
+    hs = _hot_items(redis_client, prefix)
+    assert hs.stats["item_count_covered"] == 2 * int(1e308)
+    json.dumps(hs.stats, allow_nan=False)
