@@ -107,7 +107,7 @@ from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, read_regular, write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, finite_json, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, connect, describe, verify
 from stream.secrets import redact
 
@@ -279,7 +279,7 @@ def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> No
     data = read_last_run(root)
     data["pin_held"] = {"at": when, "at_utc": _utc(when), "built": built, "pinned": pin.version,
                         "rolled_back_from": pin.rolled_back_from, "problem": pin.problem}
-    write_atomic(Path(root) / LAST_RUN, json.dumps(data).encode())
+    write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())  # a NaN read back
 
 
 # -- the job -------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ from learner.scorer_files import save_scorer
 from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.errors import BadMessage, StreamrecError
 from stream.events import count_keys, reject_duplicate_keys
-from stream.files import fsync_dir, open_entry, open_regular, sha256_file, write_synced
+from stream.files import finite_json, fsync_dir, open_entry, open_regular, sha256_file, write_synced
 
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST",
            "PIN", "SCORER_FILES", "SIGNATURE", "STAGING", "VERSIONS", "ArtifactError", "ArtifactFiles", "Pin",
@@ -538,7 +538,8 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
             "files": files,
             "build_seconds": round(time.monotonic() - t0, 3),
         }
-        text = json.dumps(manifest, indent=2, sort_keys=True)
+        manifest = finite_json(manifest)  # strict JSON: a checkpoint's NaN AUC is null
+        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
         if signing_key is not None:  # sign what a reader parses back (JSON turns int keys into strings, ...)
             manifest = json.loads(text)
             manifest[SIGNATURE] = signing_key.sign(canonical_manifest(manifest))

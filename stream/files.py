@@ -14,6 +14,7 @@ helpers, so "a crash leaves the old file or the new one, never half of one" is i
 And the one way a file another process left (a delta, ``CURRENT``, a manifest) is opened where a reading thread must
 never hang: :func:`open_regular` (a FIFO put in its place blocked the reader for good, ``/dev/zero`` never ended),
 and :func:`read_regular` on it, the one way a settings or secret file a path names is read (bounded in size).
+What such a file holds as JSON is strict JSON: :func:`finite_json` (a manifest, ``last_run.json``, a summary).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import math
 import os
 import re
 import stat
@@ -52,6 +54,20 @@ def write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf, -inf) as None, so ``json.dumps(allow_nan=False)`` takes it: the
+    ``NaN`` and ``Infinity`` json.dumps writes by default are no JSON, and jq and other strict readers refuse the
+    whole file (an AUC undefined on one class, a learner metric that overflowed). Dicts, lists and tuples (as lists)
+    are walked; every other value is kept as it is."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stream.config import KafkaSettings
+from stream.files import finite_json
 from stream.secrets import install_log_redaction, redact_obj
 from streamrec.settings import SECTIONS, Sources, read_config_file
 
@@ -72,9 +73,9 @@ def seconds(text: str) -> float:
 
 def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
     """Print a command's summary, human-readable or as one JSON object; credentials scrubbed either way."""
-    summary = redact_obj(summary)
-    if args.json:
-        print(json.dumps(summary, default=str, sort_keys=True))
+    summary = finite_json(redact_obj(summary))
+    if args.json:  # strict JSON (finite_json: NaN and inf as null)
+        print(json.dumps(summary, default=str, sort_keys=True, allow_nan=False))
     else:
         print(human(summary))
 
@@ -90,8 +91,7 @@ def kv_lines(d: dict[str, Any], indent: str = "  ") -> str:
     lines = []
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            lines.append(f"{indent}{k}:")
-            lines.append(kv_lines(v, indent + "  "))
+            lines += [f"{indent}{k}:", kv_lines(v, indent + "  ")]
         else:
             lines.append(f"{indent}{k}: {v if v != {} else 'none'}")
     return "\n".join(lines)
