@@ -234,19 +234,22 @@ def restore_last_success(root: Path) -> dt.datetime | None:
     (``last_run.json`` missing or unreadable: a fresh state dir, a deleted file, a new container with the publish root
     mounted) the gauge is set from the live version's publish time (:func:`live_published_at`); it stays 0 only when
     nothing is live (with a staleness alert on it, that alert fired at once although a version was serving). Returns
-    the record alone (the scheduler's catch-up at start counts recorded runs, ``scheduler.missed_run``). A record in
-    the future (beyond :data:`MAX_CLOCK_SKEW_S`) is no record (:func:`read_last_success`): the gauge then comes from
-    the live version, and the catch-up counts no success."""
+    the latest recorded run, for the scheduler's catch-up at start (``scheduler.missed_run``): the last success, or a
+    later scheduled run that ran without publishing (failed or held by the pin, :func:`read_last_ran`: it was not
+    missed; before, only a publish counted and a restart ran it again). A record in the future (beyond
+    :data:`MAX_CLOCK_SKEW_S`) is no record (:func:`read_last_success`): the gauge then comes from the live version,
+    and the catch-up counts no success."""
     when = read_last_success(root)
+    ran = read_last_ran(root)
     if when is not None:
         metrics.restore_last_success(when.timestamp())
-        return when
+        return max(when, ran) if ran is not None else when
     published = live_published_at(root)
     if published is not None:
         log.info("no usable %s in %s; the last success is the live version's publish time, %s", LAST_RUN, root,
                  _utc(published))
         metrics.restore_last_success(published)
-    return when
+    return ran
 
 
 def read_last_run(root: Path) -> dict[str, Any]:
@@ -275,11 +278,34 @@ def write_last_success(root: Path, when: float, version: str,
 
 def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> None:
     """A scheduled run that did not publish because of a rollback pin: added to the record, which keeps
-    the last success (the catch-up at start counts publishes only)."""
+    the last success (and the catch-up at start counts the run as ran: :func:`_record_ran`)."""
     data = read_last_run(root)
     data["pin_held"] = {"at": when, "at_utc": _utc(when), "built": built, "pinned": pin.version,
                         "rolled_back_from": pin.rolled_back_from, "problem": pin.problem}
     write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())  # a NaN read back
+
+
+def _record_ran(root: Path, began: float) -> None:
+    """``last_ran``: when a scheduled run that did not publish (failed, or held by the pin) began; best effort."""
+    data = read_last_run(root)
+    data["last_ran"], data["last_ran_utc"] = began, _utc(began)
+    try:
+        write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())
+    except OSError as exc:
+        log.warning("could not record the run in %s (%s); a restart within misfire_grace_s runs it again",
+                    Path(root) / LAST_RUN, describe_os_error(exc))
+
+
+def read_last_ran(root: Path, now: float | None = None) -> dt.datetime | None:
+    """``last_ran`` of ``last_run.json`` (:func:`_record_ran`); None when none is recorded or it is not a usable time
+    (a number, finite, not in the future beyond :data:`MAX_CLOCK_SKEW_S`)."""
+    when = read_last_run(root).get("last_ran")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or _in_future(when, now):
+        return None
+    try:
+        return dt.datetime.fromtimestamp(when, tz=dt.timezone.utc)
+    except (OverflowError, ValueError, OSError):  # (NaN, out of range)
+        return None
 
 
 # -- the job -------------------------------------------------------------------------------------
@@ -494,12 +520,19 @@ def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings,
     """One run of the schedule: respects a rollback pin; failures are logged and alerted (through ``alerts``, the
     scheduler's, which keeps retrying what Kafka did not take), never raised (the schedule goes on, the live
     artifact keeps serving). Returns the summary, None after a failure. ``progress``: the scheduler's view of the run.
+    A run that failed or was held by the pin is recorded as ``last_ran`` (when it began) in ``last_run.json``: the
+    catch-up at start counts it as ran for its fire time (:func:`restore_last_success`), so a restart within the grace
+    does not run it again and repeat its alert.
     """
+    began, summary = time.time(), None
     try:
-        return run_once(rs, kafka, rds, respect_pin=True, alerts=alerts, progress=progress)
+        summary = run_once(rs, kafka, rds, respect_pin=True, alerts=alerts, progress=progress)
+        return summary
     except RefreshError:
         return None  # logged and alerted by run_once
     finally:
+        if summary is None or summary.get("pin_held"):  # it ran: failed or held (a skipped run did not)
+            _record_ran(Path(rs.publish_root), began)
         if progress is not None:
             progress.stage = progress.error = None
 

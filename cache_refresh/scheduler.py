@@ -5,7 +5,8 @@ executor, a suspended VM); with ``coalesce`` several late runs collapse into one
 about a run that was due while the process was *down*, because this scheduler keeps its jobs in
 memory. So the last successful run is persisted (``<publish_root>/last_run.json``) and compared on
 start with the latest scheduled fire time: if that fire time lies within the grace period and no
-run succeeded since, the refresh runs at once (:func:`missed_run`, a pure function).
+run succeeded since, nor ran since without publishing (failed, or held by a rollback pin: ``last_ran``,
+``job.restore_last_success``), the refresh runs at once (:func:`missed_run`, a pure function).
 
 A stop (SIGTERM/SIGINT) ends the schedule and waits for the run in progress, for at most :data:`STOP_GRACE_S`, so
 that its alert is queued before the alerts are closed; a run still going then is abandoned with an error line, a
@@ -253,7 +254,7 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
     now = now or dt.datetime.now(tz)
     missed = missed_run(trigger, now, last_success, grace_s)
     if missed is not None:
-        log.warning("the run due at %s was missed (no success since); running it now", missed.isoformat())
+        log.warning("the run due at %s was missed (no run since); running it now", missed.isoformat())
         sched.add_job(guarded, "date", run_date=now, id="refresh-missed", name="missed cache refresh",
                       misfire_grace_time=grace_s)
     log.info("refresh scheduled '%s' (%s); next run %s", schedule, timezone, trigger.get_next_fire_time(None, now))
