@@ -82,16 +82,42 @@ class CrontabTrigger(CronTrigger):
     """A ``CronTrigger`` that, as crontab (cronie, Vixie cron), fires a fixed-time job once on the night the clocks go
     back: when the minute and the hour fields both name fixed values (``30 2``, not ``*/15 2`` or ``30 *``), the second
     instant of a repeated wall time is no fire time. APScheduler fired ``30 2 * * *`` at 02:30 CEST and again at 02:30
-    CET: two nightly refreshes. A wildcard job fires at every instant, as crontab's does."""
+    CET: two nightly refreshes. On the night the clocks go forward, such a job whose wall time is skipped fires once at
+    the change (03:00 for ``30 2`` in Europe/Berlin), as crontab runs it "immediately" (APScheduler: 03:30). A wildcard
+    job fires at every instant, as crontab's does."""
 
     __slots__ = ("fixed",)
 
     def get_next_fire_time(self, previous_fire_time: dt.datetime | None, now: dt.datetime) -> dt.datetime | None:
         t = super().get_next_fire_time(previous_fire_time, now)
-        while t is not None and getattr(self, "fixed", False) and _second_instant(t):
+        while t is not None and getattr(self, "fixed", False):
+            if _skipped(t):  # in the hour the clocks skip: crontab runs it once, at the change (APScheduler: 03:30)
+                change = _gap_end(t)
+                if change.astimezone(dt.timezone.utc) >= now.astimezone(dt.timezone.utc):
+                    return change
+            elif not _second_instant(t):
+                return t
             t = super().get_next_fire_time(None, (t.astimezone(dt.timezone.utc) + dt.timedelta(microseconds=1))
                                            .astimezone(self.timezone))
         return t
+
+
+def _skipped(t: dt.datetime) -> bool:
+    """Whether ``t``'s wall time does not exist (the clocks went forward over it): read as an instant and back, it
+    is another wall time."""
+    return t.astimezone(dt.timezone.utc).astimezone(t.tzinfo).replace(tzinfo=None) != t.replace(tzinfo=None)
+
+
+def _gap_end(t: dt.datetime) -> dt.datetime:
+    """The instant the clocks went forward over ``t``'s (skipped) wall time: the first second with the offset after
+    the change, found between ``t`` read with the offset after it (``fold=1``, the earlier instant) and before it."""
+    utc = dt.timezone.utc
+    lo, hi = int(t.replace(fold=1).astimezone(utc).timestamp()), int(t.replace(fold=0).astimezone(utc).timestamp())
+    after = dt.datetime.fromtimestamp(hi, t.tzinfo).utcoffset()
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if dt.datetime.fromtimestamp(mid, t.tzinfo).utcoffset() == after else (mid, hi)
+    return dt.datetime.fromtimestamp(hi, t.tzinfo)
 
 
 def _second_instant(t: dt.datetime) -> bool:
