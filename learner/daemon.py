@@ -610,7 +610,7 @@ class Learner:
         if self.deltas is not None:  # also on idle heartbeats, so the last rows trained go out
             self.deltas.after_step(self.trainer, kept.values)
         for p, off, rows in batch.positions:
-            self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
+            self.offsets[p] = off + 1  # the last: a partition made again starts over
             self.partition_rows[p] += rows
 
     def _publish_health(self) -> None:

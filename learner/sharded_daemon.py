@@ -499,7 +499,7 @@ class ShardedLearner:
             settled = keys
             if batch is not None:
                 for p, off, n in batch.positions:
-                    self.offsets[p] = max(self.offsets.get(p, 0), off + 1)
+                    self.offsets[p] = off + 1  # the last: a partition made again starts over
                     self.partition_rows[p] += n
                 since_ckpt += len(batch)
             if len(kept):
