@@ -193,6 +193,7 @@ class KafkaSampleDataset(IterableDataset):
         # record is no gap (a false loss of every record before it, the review found)
         gaps = Gaps(consumer, "learner")
         gaps.expect(tp for tp in starts if tp.partition not in unknown)
+        beyond = {tp.partition: tp.offset for tp in starts if tp.partition not in self.unsaved and tp.offset > 0}
         passed: dict[tuple[int, int], int] = {}  # (partition, offset) of a message after a loss -> its last offset
         # Records a partition starts past (lost, or before a fresh partition's first record) count as passed: a
         # zero-row batch at the last of them, so the next checkpoint starts past them and a restart before new records
@@ -246,6 +247,10 @@ class KafkaSampleDataset(IterableDataset):
                     got = (m.partition(), m.offset())  # set on every consumed message (the stubs say Optional)
                     if m.error() is None and (gone := gaps.message(topic, *got)) is not None:  # type: ignore[arg-type]
                         passed[got] = gone.low - 1  # type: ignore[index]
+                    if m.error() is None:
+                        beyond.pop(got[0], None)  # type: ignore[arg-type]
+                if beyond and _start_over_past_end(consumer, topic, beyond):
+                    idle.reset()  # a start again: the idle clock too
                 msgs = ordered(fetched)
                 idle.tick()
                 for m, decoded in msgs:
@@ -456,6 +461,34 @@ def _first_held(consumer: Consumer, starts: list[TopicPartition]) -> tuple[list[
             unknown.add(tp.partition)
         out.append(TopicPartition(tp.topic, tp.partition, max(tp.offset, low)))
     return out, unknown
+
+
+def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int]) -> bool:
+    """Partitions (``beyond``: partition -> saved start, none of its messages read yet) whose end, as the first fetch
+    response said it (the true end on Tansu too, ``stream.kafka.has_more``), is below their saved start: the topic was
+    deleted and created again since the checkpoint (its offsets started over), and the learner goes on from the new
+    partition's first record, as librdkafka's reset on Apache Kafka does. Tansu answered such a fetch with nothing and
+    no error: the learner waited at the saved offset in silence, and the new records below it were never trained. A
+    new topic already past the saved offset cannot be told by offsets (not covered). A log truncated under the
+    learner (data lost on the broker) is taken the same way: its records before the end are trained again. Returns
+    whether a partition started over."""
+    again = False
+    for p, start in list(beyond.items()):
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
+        if high < 0:  # no fetch response yet
+            continue
+        if high < start:
+            log.error("learner: %s partition %d ends at offset %d, before the checkpoint's offset %d: the topic was "
+                      "deleted and created again (its offsets started over). Training its records from offset %d",
+                      topic, p, high, start, max(low, 0))
+            try:
+                consumer.seek(TopicPartition(topic, p, max(low, 0)))
+            except KafkaException as exc:
+                log.warning("learner: cannot seek %s partition %d to its start yet (%s); trying again", topic, p, exc)
+                continue
+            again = True
+        del beyond[p]
+    return again
 
 
 def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int] | None) -> TensorBatch:

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from confluent_kafka.admin import AdminClient
 from torch.utils.data import DataLoader
 
 import learner.kafka_dataset as kd
@@ -24,7 +25,7 @@ from learner.batch import TensorBatch
 from learner.kafka_dataset import KafkaSampleDataset
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka import AckedProducer, admin_config, ensure_topics
 from stream.samples import SampleBatch
 from tests.integration.test_learner import CFG, sample_batch
 from tests.kafka_io import read_topic
@@ -261,3 +262,25 @@ def test_a_backlog_of_several_partitions_is_handed_on_in_event_time_order(topic:
     firsts = [int(b.ts[0]) for b in data_batches(read_all(ds)) if len(b)]
     assert sorted(firsts) == [1000 * b for b in range(blocks)]  # every message once, merged or not
     assert (firsts == sorted(firsts)) is merge
+
+
+def test_a_saved_start_past_the_end_of_a_topic_made_again_reads_the_new_topic_from_its_first_record(
+        kafka: KafkaSettings, caplog: pytest.LogCaptureFixture) -> None:
+    """The samples topic deleted and created again since the checkpoint (its offsets start over): the broker (Tansu)
+    answered the fetch at the saved offset 5 with nothing, no error, so the learner waited there in silence and the
+    new topic's offsets 0-4 were never trained."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    rng = np.random.default_rng(8)
+    produce(kafka, [(0, good(rng, 4, f"old{k}"), b"k") for k in range(5)])
+    admin = AdminClient(admin_config(kafka))
+    for fut in admin.delete_topics([kafka.samples_topic], operation_timeout=10).values():
+        fut.result()
+    deadline = time.monotonic() + 10
+    while kafka.samples_topic in admin.list_topics(timeout=5).topics and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    produce(kafka, [(0, good(rng, 4, f"new{k}"), b"k") for k in range(3)])
+    out = data_batches(read_all(KafkaSampleDataset(kafka, CFG, {0: 5}, batch_rows=8, exit_when_idle_s=IDLE_S)))
+    assert rows_by_position(out) == {(0, k): [f"new{k}-{i}" for i in range(4)] for k in range(3)}
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "offset 5" in r.getMessage()]
+    assert len(said) == 1 and "partition 0" in said[0]
