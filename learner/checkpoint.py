@@ -49,9 +49,12 @@ A file of a newer version than this streamrec reads is a :class:`CheckpointError
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import logging
+import os
 import re
 import tempfile
 import time
@@ -86,6 +89,7 @@ log = logging.getLogger("streamrec.checkpoint")
 FORMAT_VERSION = 3
 _PREFIX = "ckpt-"
 LINEAGE = "LINEAGE"
+LOCK = "LOCK"  # held (flock) by the learner training into the directory: :func:`hold_directory`
 _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -266,6 +270,56 @@ def check_directory(directory: Path, setting: str) -> None:
     except OSError as exc:
         raise ConfigError(f"{setting} {directory} is no directory this process can write into "
                           f"({describe_os_error(exc)}): name one it can write, or fix its permissions") from None
+
+
+def hold_directory(directory: Path) -> int | None:
+    """Take ``<directory>/LOCK`` for the learner that trains into it: an exclusive ``flock`` held while the returned
+    descriptor is open (the kernel releases it when the process ends, however it ends), the holder's pid written in
+    it. A :class:`ConfigError` naming the directory and that pid when another process holds it: two learners on one
+    directory each numbered their serving deltas from their own counter, so two different models' deltas took one seq
+    (serving applied one and skipped the other for good), and each pruned the other's checkpoints. A filesystem that
+    cannot lock (ENOLCK, EOPNOTSUPP): a WARNING that a second learner is not detected there, and None."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "not known"
+        os.close(fd)
+        raise ConfigError(f"[learner] checkpoint_dir {directory} is in use by another learner (pid {holder}, holding "
+                          f"{LOCK}): stop it first, or give this one its own checkpoint_dir") from None
+    except OSError as exc:
+        os.close(fd)
+        log.warning("cannot lock %s (%s): a second learner on this directory is not detected", directory,
+                    describe_os_error(exc))
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD.add(fd)
+    return fd
+
+
+# The lock descriptors this process holds. A forked child (a DataLoader worker) closes its copies: holding one, it
+# kept the lock for the seconds it outlives a SIGKILLed learner, and the learner's restart was refused meanwhile.
+_HELD: set[int] = set()
+
+
+def _drop_held_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_held_in_child)
+
+
+def release_directory(fd: int | None) -> None:
+    """Give back what :func:`hold_directory` took (None: nothing)."""
+    if fd is not None:
+        _HELD.discard(fd)
+        os.close(fd)
 
 
 def _read_lineage(path: Path) -> str:

@@ -291,6 +291,7 @@ class Learner:
         self.coverage: FieldCoverage | None = None  # built with the model (it needs the feature config)
         self.positive_rate = PositiveRate(ls.metrics_window)
         self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
+        self._lock: int | None = None  # the checkpoint directory's LOCK while run() trains (checkpoint.hold_directory)
         self._shape = shape_of(ls)  # what a checkpoint records and a restore compares
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
 
@@ -482,6 +483,7 @@ class Learner:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         ls = self.ls
+        self._lock = checkpoint.hold_directory(Path(ls.checkpoint_dir))  # one learner a directory; closed by close()
         if not self._restore():
             wait = ls.exit_when_idle_s if ls.exit_when_idle_s is not None else float("inf")
             cfg = None
@@ -672,3 +674,5 @@ class Learner:
 
     def close(self) -> None:
         self._group.close()
+        checkpoint.release_directory(self._lock)
+        self._lock = None

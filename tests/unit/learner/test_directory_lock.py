@@ -1,0 +1,74 @@
+"""Two learners training into one checkpoint directory (a second replica, a rolling update that starts the new
+learner before the old one stops): each numbers its serving deltas from its own counter, so two different models'
+deltas took one seq (serving applies one of them and skips the other for good), and each pruned the other's
+checkpoints. The second is refused at its start while the first holds ``<checkpoint_dir>/LOCK``."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from learner import daemon
+from learner.config import LearnerSettings
+from stream.config import KafkaSettings
+from stream.errors import ConfigError
+
+
+def fresh_learner(monkeypatch: pytest.MonkeyPatch, ckpt: Path) -> daemon.Learner:
+    """A learner whose run finds no samples (ends at once) and installs no signal handlers."""
+    monkeypatch.setattr(daemon, "infer_feature_config", lambda *a, **k: None)
+    monkeypatch.setattr(daemon.signal, "signal", lambda *a: None)
+    return daemon.Learner(KafkaSettings(bootstrap_servers="127.0.0.1:9"),
+                          LearnerSettings(checkpoint_dir=ckpt, exit_when_idle_s=0.01))
+
+
+def test_a_second_learner_on_a_checkpoint_directory_in_use_is_refused_naming_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    fd = os.open(ckpt / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)  # what the running learner holds
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, b"4242\n")
+    second = fresh_learner(monkeypatch, ckpt)
+    try:
+        with pytest.raises(ConfigError, match=rf"{ckpt}.*in use by another learner \(pid 4242,"):
+            second.run()
+    finally:
+        second.close()
+    os.close(fd)  # the first stopped (or died: the kernel releases the lock with the process)
+    third = fresh_learner(monkeypatch, ckpt)
+    try:
+        summary: dict[str, Any] = third.run()
+        assert summary["reason"] == "no samples arrived"
+    finally:
+        third.close()
+
+
+def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path: Path) -> None:
+    """A DataLoader worker (forked) outlives a SIGKILLed learner by seconds: holding the lock's descriptor, it had the
+    restarted learner refused meanwhile."""
+    from learner import checkpoint
+
+    fd = checkpoint.hold_directory(tmp_path)
+    read, write = os.pipe()
+    started_r, started_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: says it runs (its fork handlers ran), then lives on (as a worker does) until told
+        os.close(write)
+        os.write(started_w, b"1")
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    os.close(started_w)
+    try:
+        assert os.read(started_r, 1) == b"1"
+        os.close(started_r)
+        checkpoint.release_directory(fd)  # the learner is gone; its worker is not
+        checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # the restart takes the lock
+    finally:
+        os.close(write)
+        os.waitpid(child, 0)
