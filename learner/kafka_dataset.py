@@ -245,9 +245,11 @@ class KafkaSampleDataset(IterableDataset):
                 fetched = consumer.consume(256, POLL_S)
                 for m in fetched:  # checked as fetched, not after the merge: the first offset is asked the sooner
                     got = (m.partition(), m.offset())  # set on every consumed message (the stubs say Optional)
-                    if m.error() is None and (gone := gaps.message(topic, *got)) is not None:  # type: ignore[arg-type]
+                    if m.error() is not None:
+                        continue
+                    if (gone := gaps.message(topic, *got)) is not None:  # type: ignore[arg-type]
                         passed[got] = gone.low - 1  # type: ignore[index]
-                    if m.error() is None:
+                    if beyond:  # (a saved partition's first message: it did not start over)
                         beyond.pop(got[0], None)  # type: ignore[arg-type]
                 if beyond and _start_over_past_end(consumer, topic, beyond):
                     idle.reset()  # a start again: the idle clock too

@@ -102,7 +102,8 @@ class ServedQuality:
                           np.array([x[2] for x in hit]))
         self._marked.update(watermarks or ())
         clicked = (labels > 0.5) & ~np.isin(parts, list(self._marked))  # click clocks: partitions without watermark
-        newest = {p: int(known[clicked][parts[clicked] == p].max()) for p in np.unique(parts[clicked]).tolist()}
+        click_ms, click_parts = known[clicked], parts[clicked]
+        newest = {p: int(click_ms[click_parts == p].max()) for p in np.unique(click_parts).tolist()}
         newest.update({p: wm + 1 for p, wm in (watermarks or {}).items()})  # closes ts + window <= wm, as the engine
         for part, t in newest.items():
             self._clock[part] = max(self._clock.get(part, t), t)
