@@ -14,15 +14,16 @@ import learner.kafka_dataset as kd
 from learner.features import FeatureConfig, FieldSpec
 from stream.config import KafkaSettings
 from stream.metrics import INPUT_LOST
-from stream.samples import SampleBatch
+from stream.samples import WATERMARK_HEADER, SampleBatch, watermark_header
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),
                      FieldSpec("history", "sequence", 40, shares="item_id")), embedding_dim=4)
 
 
 class Msg:
-    def __init__(self, part: int, off: int, value: bytes | None) -> None:
-        self._p, self._o, self._v = part, off, value
+    def __init__(self, part: int, off: int, value: bytes | None, headers: list[tuple[str, bytes | None]] | None = None,
+                 ) -> None:
+        self._p, self._o, self._v, self._h = part, off, value, headers
 
     def error(self) -> None:
         return None
@@ -39,8 +40,8 @@ class Msg:
     def key(self) -> None:
         return None
 
-    def headers(self) -> None:  # (confluent-kafka's: None for a message without headers)
-        return None
+    def headers(self) -> list[tuple[str, bytes | None]] | None:  # (confluent-kafka's: None without headers)
+        return self._h
 
 
 HOLE = b"no record at this offset"  # a transaction's control record, a compacted-away record: a gap, nothing deleted
@@ -71,8 +72,9 @@ class Consumer:
                         break  # this fetch ends here: the next one gets OFFSET_OUT_OF_RANGE
                     self.low[p] = self.pos[p] = self.jumps.pop(p)[1]
                     continue
-                if self.parts[p][self.pos[p]] is not HOLE:
-                    out.append(Msg(p, self.pos[p], self.parts[p][self.pos[p]]))
+                entry = self.parts[p][self.pos[p]]  # a value, or (value, headers)
+                if entry is not HOLE:
+                    out.append(Msg(p, self.pos[p], *entry) if isinstance(entry, tuple) else Msg(p, self.pos[p], entry))
                 self.pos[p] += 1
         if not out:
             time.sleep(0.01)
@@ -225,6 +227,26 @@ def test_a_message_with_a_row_past_future_ts_s_is_dead_lettered_and_its_neighbou
                      dead[0][3])
     trained = sorted((p, o) for b in batches for p, o, rows in b.positions if rows)
     assert trained == [(0, 0), (0, 2), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_message_with_a_malformed_watermark_header_is_dead_lettered_with_its_reason(
+        monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
+    """The joiner writes one 8-byte ``streamrec-watermark`` header on every samples message. One of another length,
+    without a value, or two that disagree was taken for no header at all, in silence (not dead-lettered, counted or
+    logged): the partition's batch went by the click clock, which closes windows the joiner still has open."""
+    malformed: list[list[tuple[str, bytes | None]]] = [
+        [(WATERMARK_HEADER, b"\x00" * 7)], [(WATERMARK_HEADER, None)],
+        [watermark_header(1000), watermark_header(2000)]]
+    parts: dict[int, list[Any]] = {0: [(sample(0), [watermark_header(500)])]
+                                   + [(sample(1 + k), h) for k, h in enumerate(malformed)]
+                                   + [(sample(9), [watermark_header(900)])]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge)
+    assert [(p, o, kind) for p, o, kind, _ in dead] == [(0, 1, "bad_header"), (0, 2, "bad_header"),
+                                                        (0, 3, "bad_header")]
+    assert "7 bytes" in dead[0][3] and "no value" in dead[1][3] and "2 streamrec-watermark headers" in dead[2][3]
+    trained = [([pos for pos in b.positions if pos[2]], b.watermarks) for b in batches if len(b)]
+    assert trained == [([(0, 0, 1)], {0: 500}), ([(0, 4, 1)], {0: 900})]
 
 
 @pytest.mark.parametrize("merge", [False, True])

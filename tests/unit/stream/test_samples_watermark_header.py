@@ -4,7 +4,10 @@ message of the same batch must not find its impression closed already)."""
 
 from __future__ import annotations
 
+import pytest
+
 from stream.config import KafkaSettings
+from stream.errors import BadMessage
 from stream.events import Click, Impression
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
@@ -55,4 +58,7 @@ def test_the_watermark_header_reads_back_and_its_absence_is_none() -> None:
     for wm in (None, -5, 0, 1 << 40):
         assert watermark_of([("other", b"x"), watermark_header(wm)]) == (NO_WATERMARK if wm is None else wm)
     assert watermark_of(None) is None and watermark_of([("other", b"12345678")]) is None
-    assert watermark_of([(WATERMARK_HEADER, b"short")]) is None
+    for bad in ([(WATERMARK_HEADER, b"short")], [(WATERMARK_HEADER, None)], [watermark_header(1), watermark_header(1)]):
+        with pytest.raises(BadMessage) as err:  # the joiner writes one of 8 bytes: anything else is dead-lettered
+            watermark_of(bad)
+        assert err.value.kind == "bad_header"
