@@ -91,14 +91,21 @@ def watermark_header(watermark: int | None) -> tuple[str, bytes]:
 def watermark_of(headers: Sequence[tuple[str, bytes | None]] | None) -> int | None:
     """The watermark a samples message's headers carry (None: no such header, a joiner from before it). Raises
     :class:`BadMessage` (``bad_header``) for what the joiner never writes: one without a value or not of 8 bytes,
-    or several (taken for no header, they sent the partition back to the click clock, ``learner/served.py``)."""
+    or several (taken for no header, they sent the partition back to the click clock, ``learner/served.py``); and
+    (``bad_value``) one past :data:`MAX_TS_MS`."""
     found = [v for k, v in headers or () if k == WATERMARK_HEADER]
     if len(found) > 1:
         raise BadMessage(f"{len(found)} {WATERMARK_HEADER} headers: the joiner writes one", kind="bad_header")
     if found and (found[0] is None or len(found[0]) != 8):
         got = "no value" if found[0] is None else f"{len(found[0])} bytes"
         raise BadMessage(f"a {WATERMARK_HEADER} header of {got}, expected 8 (int64 big-endian ms)", kind="bad_header")
-    return struct.unpack(">q", found[0])[0] if found else None
+    if not found:
+        return None
+    wm = int(struct.unpack(">q", found[0])[0])
+    if wm > MAX_TS_MS:  # the joiner's watermark is an event time it took: one past them all closed all for ever
+        raise BadMessage(f"a {WATERMARK_HEADER} header of {wm} ms, past {MAX_TS_MS} (no event time is)",
+                         kind="bad_value")
+    return wm
 
 
 def final_view(impression_ids: np.ndarray, labels: np.ndarray, kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

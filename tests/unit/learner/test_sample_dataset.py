@@ -250,6 +250,26 @@ def test_a_message_with_a_malformed_watermark_header_is_dead_lettered_with_its_r
 
 
 @pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize(("ahead_ms", "kind", "reason"), [
+    ((1 << 63) - 1, "bad_value", "past 4102444800000"),  # int64 max: no joiner's event time, whatever the clock
+    (2 * 3_600_000, "future_ts", r"7\d\d\d s ahead of the learner's clock, over \[learner\] future_ts_s=3600")])
+def test_a_watermark_header_ahead_of_any_event_time_the_joiner_takes_is_dead_lettered(
+        monkeypatch: pytest.MonkeyPatch, merge: bool, ahead_ms: int, kind: str, reason: str) -> None:
+    """A watermark closes every impression of its partition with ``ts + window <= watermark``, and a partition's
+    watermark never goes back (learner/served.py): one header of int64 max served every impression of the partition,
+    pending and to come, as a 0 at once, their delayed positives counted unmatched, for the rest of the run. The
+    joiner's watermark is an event time it took (``[limits] future_ts_s``): one further ahead is a forgery or a bug."""
+    now = int(time.time() * 1000)
+    wm = ahead_ms if ahead_ms > now else now + ahead_ms
+    parts: dict[int, list[Any]] = {0: [(sample(0), [watermark_header(500)]), (sample(1), [watermark_header(wm)]),
+                                       (sample(2), [watermark_header(900)])]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, future_ts_s=3600.0)
+    assert [(p, o, k) for p, o, k, _ in dead] == [(0, 1, kind)]
+    assert re.search(reason, dead[0][3]) and "streamrec-watermark" in dead[0][3]
+    trained = [([pos for pos in b.positions if pos[2]], b.watermarks) for b in batches if len(b)]
+    assert trained == [([(0, 0, 1)], {0: 500}), ([(0, 2, 1)], {0: 900})]
+
+@pytest.mark.parametrize("merge", [False, True])
 def test_a_message_with_a_label_delay_over_the_attribution_window_is_dead_lettered(
         monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
     """The joiner writes no delay over its window; one of 10^12 ms moved the calibration clock (ts + delay) decades
