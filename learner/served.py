@@ -62,7 +62,6 @@ class ServedQuality:
         self._pending: dict[int, OrderedDict[str, tuple[int, float, bool]]] = {}
         self._where: dict[str, int] = {}  # pending impression id -> its partition
         self._clock: dict[int, int] = {}  # partition -> windows closed where ts + window < this (ms)
-        self._marked: set[int] = set()  # partitions whose samples carry the joiner's watermark (no click clock)
         self.forced = 0
         self.unmatched = 0
 
@@ -72,7 +71,7 @@ class ServedQuality:
         """One trained batch: its rows' predictions (made before training on them), the samples partition each
         row came from (None: one partition) and its ``label_delay_ms`` (None: 0). Shapes ``(B,)``. ``watermarks``:
         samples partition -> the newest joiner watermark its messages in the batch carry (all of each message's
-        rows are in the batch); a partition without one goes by its click clock."""
+        rows are in the batch); a partition without one in this batch goes by its click clock."""
         b = len(labels)
         kinds = np.zeros(b, np.int8) if kinds is None else kinds
         cold = np.zeros(b, bool) if cold is None else cold
@@ -100,8 +99,9 @@ class ServedQuality:
         if hit:
             self._resolve(np.array([x[0] for x in hit]), np.ones(len(hit)), np.array([x[1] for x in hit]),
                           np.array([x[2] for x in hit]))
-        self._marked.update(watermarks or ())
-        clicked = (labels > 0.5) & ~np.isin(parts, list(self._marked))  # click clocks: partitions without watermark
+        # click clocks: the partitions whose messages here carry no watermark (an older joiner's), in this batch: a
+        # partition marked for good took no click clock after a rollback to such a joiner, and never closed again
+        clicked = (labels > 0.5) & ~np.isin(parts, list(watermarks or ()))
         click_ms, click_parts = known[clicked], parts[clicked]
         newest = {p: int(click_ms[click_parts == p].max()) for p in np.unique(click_parts).tolist()}
         newest.update({p: wm + 1 for p, wm in (watermarks or {}).items()})  # closes ts + window <= wm, as the engine

@@ -127,3 +127,18 @@ def test_a_partition_with_the_watermark_ignores_its_click_clock_and_closes_at_th
     s.record(np.zeros(0, object), np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0, np.float32), np.zeros(0),
              None, np.zeros(0, np.int64), watermarks={0: 1000})
     assert s.pending == 1  # a (0 + 1000 <= 1000) closed, b waits
+
+
+def test_messages_without_the_watermark_after_ones_with_it_close_by_the_click_clock_again() -> None:
+    """A joiner rolled back to a version without the header (or a partition moved to an older worker in a rolling
+    upgrade): the partition's messages carried the watermark once, then none. Marked for good, the partition took no
+    click clock any more: its observed 0s never closed (here b's window closed by the click at 5010 and stayed
+    pending), up to ``max_pending``, where the oldest went as 0s, their clicks still to come."""
+    s = ServedQuality(window_ms=1000)
+    s.record(np.array(["a"], object), np.array([0]), np.array([1], np.int8), np.zeros(1, np.float32),
+             np.array([0.9]), None, np.zeros(1, np.int64), np.zeros(1, np.int64), watermarks={0: NO_WATERMARK})
+    assert s.pending == 1  # the new joiner: nothing closed yet
+    s.record(np.array(["b", "c"], object), np.array([1, 5000]), np.array([1, 1], np.int8),
+             np.array([0.0, 1.0], np.float32), np.array([0.1, 0.8]), None, np.zeros(2, np.int64),
+             np.array([0, 10]))  # the older joiner: no header; c's click at 5010 closes a's and b's windows
+    assert s.pending == 0 and s.all.count == 3
