@@ -96,12 +96,13 @@ def watermark_of(headers: Sequence[tuple[str, bytes | None]] | None) -> int | No
     found = [v for k, v in headers or () if k == WATERMARK_HEADER]
     if len(found) > 1:
         raise BadMessage(f"{len(found)} {WATERMARK_HEADER} headers: the joiner writes one", kind="bad_header")
-    if found and (found[0] is None or len(found[0]) != 8):
-        got = "no value" if found[0] is None else f"{len(found[0])} bytes"
-        raise BadMessage(f"a {WATERMARK_HEADER} header of {got}, expected 8 (int64 big-endian ms)", kind="bad_header")
     if not found:
         return None
-    wm = int(struct.unpack(">q", found[0])[0])
+    value = found[0]
+    if value is None or len(value) != 8:
+        got = "no value" if value is None else f"{len(value)} bytes"
+        raise BadMessage(f"a {WATERMARK_HEADER} header of {got}, expected 8 (int64 big-endian ms)", kind="bad_header")
+    wm = int(struct.unpack(">q", value)[0])
     if wm > MAX_TS_MS:  # the joiner's watermark is an event time it took: one past them all closed all for ever
         raise BadMessage(f"a {WATERMARK_HEADER} header of {wm} ms, past {MAX_TS_MS} (no event time is)",
                          kind="bad_value")
