@@ -197,6 +197,48 @@ def _split(raw: bytes) -> tuple[dict[str, Any], bytes]:
     return header, raw[8 + n:]
 
 
+def _int64(v: Any) -> bool:
+    return type(v) is int and -(1 << 63) <= v < 1 << 63  # (not a bool; the engine keeps times and offsets in int64s)
+
+
+def _pair(v: Any, ok: Callable[[Any], bool]) -> bool:
+    return type(v) is list and len(v) == 2 and all(map(ok, v))
+
+
+def _clicks(v: Any) -> bool:
+    return type(v) is list and all(type(c) is list and len(c) == 2 and type(c[0]) is str and _int64(c[1]) for c in v)
+
+
+_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # name -> (what it must be, the check); fields added since
+    "offsets": ("[impressions, clicks] offsets", lambda v: _pair(v, _int64)),
+    "max_ts": ("an integer or null", lambda v: v is None or _int64(v)),
+    "max_ref_ts": ("an integer", _int64),
+    "joined": ("a list of [impression id, click time]", _clicks),
+    "waiting": ("a list of [impression id, click time]", _clicks),
+    "unwaited": ("a list of [impression id, click time]", _clicks),
+    "evicted": ("a list of impression ids", lambda v: type(v) is list and all(type(i) is str for i in v)),
+    "topic_max": ("[impressions, clicks] times (integers or null)",
+                  lambda v: _pair(v, lambda t: t is None or _int64(t))),
+    "topic_top": ("[impressions, clicks] lists of integer times",
+                  lambda v: _pair(v, lambda t: type(t) is list and all(map(_int64, t)))),
+    "parts": ("a count of at least 1", lambda v: type(v) is int and v >= 1),
+    "write": ("a string", lambda v: type(v) is str),
+}
+_OPTIONAL = {"joined", "waiting", "unwaited", "evicted", "topic_max", "topic_top", "parts", "write"}  # (older writers)
+
+
+def _check(header: dict[str, Any], seq: int) -> None:
+    """Raise ValueError naming the first field of a part's header that is not as :func:`encode_chunk` writes it: a
+    restore that took it (``"12"`` as ``topic_top``, a string as a list of clicks) rebuilt another state, or failed
+    later naming no record."""
+    if header.get("seq") != seq or not _int64(header.get("seq")):
+        raise ValueError(f"header field 'seq' must be its key's seq {seq}, got {clip(repr(header.get('seq')), 100)}")
+    for name, (want, ok) in _FIELDS.items():
+        if name in header or name not in _OPTIONAL:
+            if not ok(header.get(name)):
+                raise ValueError(f"header field {name!r} must be {want}, got {clip(repr(header.get(name)), 100)}")
+
+
 def _decode_added(body: bytes, seq: int) -> list[Pending]:
     if not body:
         return []
@@ -238,7 +280,10 @@ def _chunk(parts: list[tuple[dict[str, Any], bytes]]) -> StateChunk:
 
 def decode_chunk(raws: list[bytes]) -> StateChunk:
     """Join the parts of one chunk (part 0 first)."""
-    return _chunk([_split(raw) for raw in raws])
+    parts = [_split(raw) for raw in raws]
+    for header, _ in parts:
+        _check(header, parts[0][0].get("seq"))  # type: ignore[arg-type]
+    return _chunk(parts)
 
 
 class PartitionLog(NamedTuple):
@@ -291,7 +336,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
         by_seq: dict[int, dict[int, tuple[dict[str, Any], bytes]]] = {}
         where: dict[int, int] = {}  # seq -> offset of a record of it, for an error about the chunk
         fenced: Fenced = []
-        raw_parts: dict[int, list[tuple[int, bytes]]] = {}  # seq -> (part, value): read once the claim is known
+        raw_parts: dict[int, list[tuple[int, bytes, int]]] = {}  # seq -> (part, value, offset): read after the claim
         for key, (offset, value) in records.items():
             try:
                 if key == claim_key(p):
@@ -299,23 +344,24 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
                     continue
                 _, seq_text, part_text = key.decode().split(":")
                 seq, part = int(seq_text), int(part_text)
-                raw_parts.setdefault(seq, []).append((part, value))
+                raw_parts.setdefault(seq, []).append((part, value, offset))
             except Exception as exc:  # noqa: BLE001 - whatever the damage, it is named with the record
                 raise _unreadable(topic, p, key, offset, exc) from exc
             where[seq] = offset
         fenced_out: dict[int, list[int]] = {}
         for seq, values in raw_parts.items():
             if any(lo <= seq <= hi for lo, hi in fenced):  # a stale owner's, written after the partition moved on
-                fenced_out[seq] = sorted(part for part, _ in values)
+                fenced_out[seq] = sorted(part for part, _, _ in values)
                 log.warning("state log %s partition %d: chunk %d is in a range fenced off by a later owner (it was "
                             "written by a member that had lost the partition: a stall past its session); left out "
                             "of the restore and removed", topic, p, seq)
                 continue
-            for part, value in values:
+            for part, value, offset in values:
                 try:
-                    by_seq.setdefault(seq, {})[part] = _split(value)
+                    by_seq.setdefault(seq, {})[part] = header_body = _split(value)
+                    _check(header_body[0], seq)
                 except Exception as exc:  # noqa: BLE001
-                    raise _unreadable(topic, p, chunk_key(p, seq, part), where[seq], exc) from exc
+                    raise _unreadable(topic, p, chunk_key(p, seq, part), offset, exc) from exc
         chunks: list[StateChunk] = []
         incomplete: dict[int, list[int]] = {}
         for seq, parts in by_seq.items():

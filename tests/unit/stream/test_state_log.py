@@ -4,12 +4,25 @@ when a restore takes its parts as the chunk."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import orjson
+import pytest
 
+from stream.config import KafkaSettings
+from stream.joiner import state_log
 from stream.joiner.engine import Pending, StateChunk
 from stream.joiner.sample_rows import state_batch
-from stream.joiner.state_log import _split, _whole, decode_chunk, encode_chunk
+from stream.joiner.state_log import (
+    PartitionLog,
+    StateLogError,
+    _split,
+    _whole,
+    decode_chunk,
+    encode_chunk,
+    encode_claim,
+    load_chunks,
+)
 
 
 def pending(i: int, history: list[int]) -> Pending:
@@ -85,3 +98,81 @@ def test_a_chunk_whose_parts_are_not_all_there_is_left_out() -> None:
     assert _whole({**dict(enumerate(parts)), 1: stale[1]})[0] is None  # a part of another write of the seq
     whole = _whole({**dict(enumerate(parts)), n: stale[1]})[0]  # a part past this write's count: not in it
     assert whole is not None and len(whole) == n
+
+
+# -- what a restore reads of the log (load_chunks over the records a read of the topic returns) ------------------------
+class _Record:
+    def __init__(self, offset: int, key: bytes, value: bytes | None) -> None:
+        self._offset, self._key, self._value = offset, key, value
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+
+def _load(monkeypatch: pytest.MonkeyPatch, records: list[tuple[bytes, bytes | None]]) -> PartitionLog:
+    """Partition 0 of a state log holding ``records`` (key, value), in offset order."""
+    def read(_kafka: object, _topic: str, apply: Callable[[_Record], None], **_: object) -> None:
+        for offset, (key, value) in enumerate(records):
+            apply(_Record(offset, key, value))
+
+    monkeypatch.setattr(state_log, "read_to_end", read)
+    return load_chunks(KafkaSettings(), "app-join-state", [0])[0]
+
+
+_HEADER = {"seq": 0, "joined": [["a", 5]], "waiting": [["b", 6]], "max_ts": 1_000, "offsets": [5, 7],
+           "max_ref_ts": 1_000, "evicted": ["c"], "unwaited": [["d", 8]], "topic_max": [1_000, 900],
+           "topic_top": [[990, 1_000], [900, 950]], "parts": 1, "write": "0a1b2c3d"}
+
+
+def _raw(header: bytes) -> bytes:
+    return b"SRJ1" + len(header).to_bytes(4, "big") + header
+
+
+def test_a_well_formed_header_loads_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    (chunk,) = _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps(_HEADER)))]).chunks
+    assert chunk == StateChunk(0, [], [("a", 5)], [("b", 6)], 1_000, (5, 7), 1_000, ["c"], [("d", 8)], (1_000, 900),
+                               ([990, 1_000], [900, 950]))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("topic_top", "12"),  # was read as ([1], [2])
+    ("topic_top", [[1_000]]),  # one input's: the restore failed on an IndexError naming no record
+    ("topic_top", [[1_000], [900], [5]]),
+    ("topic_top", [[1.5], [900]]),  # was cut to 1
+    ("topic_top", [[True], [900]]),
+    ("topic_max", [1_000]),
+    ("topic_max", ["1000", None]),
+    ("offsets", [5]),
+    ("offsets", "57"),
+    ("max_ts", "1000"),
+    ("max_ref_ts", None),
+    ("seq", 9),  # not the key's: retired under a key it does not have
+    ("joined", ["ab"]),  # was read as the click ("a", "b")
+    ("joined", [["a"]]),
+    ("waiting", [["b", "6"]]),
+    ("unwaited", [[7, 8]]),
+    ("evicted", [5]),
+    ("parts", True),  # was taken as 1 part
+    ("parts", 0),
+    ("parts", "1"),
+    ("write", 5),
+])
+def test_a_header_field_of_the_wrong_shape_is_refused_naming_the_record(
+        monkeypatch: pytest.MonkeyPatch, field: str, value: object) -> None:
+    with pytest.raises(StateLogError, match=rf"app-join-state partition 0: the record b'0:0:0' \(offset 1\b.*{field}"):
+        _load(monkeypatch, [(b"0:claim", encode_claim([])), (b"0:0:0", _raw(orjson.dumps({**_HEADER, field: value})))])
+
+
+def test_a_time_outside_int64_is_refused_naming_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    header = orjson.dumps(_HEADER).replace(b"[990,1000]", b"[990,18446744073709551615]")  # the engine's times are int64
+    with pytest.raises(StateLogError, match=r"b'0:0:0' \(offset 0\b.*topic_top"):
+        _load(monkeypatch, [(b"0:0:0", _raw(header))])
