@@ -344,6 +344,8 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
                     continue
                 _, seq_text, part_text = key.decode().split(":")
                 seq, part = int(seq_text), int(part_text)
+                if min(seq, part) < 0 or key != chunk_key(p, seq, part):  # ("5:0:0", "0:00:0": two keys, one part)
+                    raise ValueError(f"not a chunk key of partition {p} (\"{p}:<seq>:<part>\", plain decimals)")
                 raw_parts.setdefault(seq, []).append((part, value, offset))
             except Exception as exc:  # noqa: BLE001 - whatever the damage, it is named with the record
                 raise _unreadable(topic, p, key, offset, exc) from exc

@@ -4,6 +4,7 @@ when a restore takes its parts as the chunk."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import orjson
@@ -176,3 +177,18 @@ def test_a_time_outside_int64_is_refused_naming_the_record(monkeypatch: pytest.M
     header = orjson.dumps(_HEADER).replace(b"[990,1000]", b"[990,18446744073709551615]")  # the engine's times are int64
     with pytest.raises(StateLogError, match=r"b'0:0:0' \(offset 0\b.*topic_top"):
         _load(monkeypatch, [(b"0:0:0", _raw(header))])
+
+
+@pytest.mark.parametrize("key", [
+    b"5:0:0",  # another partition's key in partition 0: was taken as partition 0's chunk 0
+    b"0:00:0",  # a second key for chunk 0 part 0, which its tombstone never removes
+    b"0:0_0:0",
+    b"0:+0:0",
+    b"0: 0:0",
+    b"0:-1:0",  # (its header's seq -1 too)
+    b"0:0:-1",
+])
+def test_a_chunk_key_not_written_by_this_partitions_joiner_is_refused_naming_it(
+        monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
+    with pytest.raises(StateLogError, match=rf"partition 0: the record {re.escape(repr(key))} \(offset 0\b"):
+        _load(monkeypatch, [(key, _raw(orjson.dumps({**_HEADER, "seq": -1 if key == b"0:-1:0" else 0})))])
