@@ -306,11 +306,11 @@ def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
     n, write = head[0].get("parts"), head[0].get("write")
     if n is None:  # written before parts were counted: whatever is there
         return [parts[i] for i in sorted(parts)], ""
-    mine = [parts.get(i) for i in range(n)]
-    if any(part is None or part[0].get("write") != write for part in mine):
-        have = sorted(i for i in range(n) if (part := parts.get(i)) is not None and part[0].get("write") == write)
-        return None, f"parts {have} of {n} are in the log: the process stopped while writing it"
-    return mine, ""  # type: ignore[return-value]
+    # Of the parts there (never counted up to ``n``: a head naming 2**62 parts made a list that long)
+    have = sorted(i for i, part in parts.items() if i < n and part[0].get("write") == write)
+    if len(have) < n:
+        return None, f"parts {clip(repr(have), 200)} of {n} are in the log: the process stopped while writing it"
+    return [parts[i] for i in have], ""
 
 
 def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
