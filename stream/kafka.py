@@ -384,7 +384,8 @@ def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int |
 def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:
     """Create ``topic`` with ``cleanup.policy=compact``; on an existing topic, check the policy and set it
     if it is not compact (a state log that is never compacted grows for ever and a restore reads its
-    whole retention). Raises :class:`StreamError` when the broker refuses the change."""
+    whole retention), ``compact,delete`` included (retention deleted live records: a chunk still holding
+    impressions, an idle partition's newest one, a claim). Raises :class:`StreamError` when the broker refuses."""
     admin = AdminClient(admin_config(kafka))
     if topic not in admin.list_topics(timeout=10).topics:
         new = NewTopic(topic, num_partitions=partitions or kafka.partitions,
@@ -399,7 +400,7 @@ def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = 
     resource = ConfigResource(ResourceType.TOPIC, topic)
     configs = next(iter(admin.describe_configs([resource]).values())).result()
     entry = configs.get("cleanup.policy")
-    if entry is not None and "compact" in str(entry.value).split(","):
+    if entry is not None and entry.value == "compact":
         return
     log.warning("topic %s has cleanup.policy=%s; setting it to compact (it holds keyed state)", topic,
                 entry.value if entry is not None else "(default delete)")

@@ -322,3 +322,20 @@ def test_the_join_state_topic_is_created_compacted_and_an_existing_one_is_made_c
     assert policy(state_topic(old)) != "compact"
     JoinPipeline(kafka, rs, JoinerSettings(app_id=old)).close()
     assert policy(state_topic(old)) == "compact"
+
+
+def test_a_join_state_topic_compacted_and_deleted_by_retention_is_made_compacted_only(kafka: KafkaSettings) -> None:
+    """cleanup.policy=compact,delete passed the check (it holds "compact"): retention then deletes live chunks (an
+    impression's chunk, an idle partition's newest chunk with its offsets, the claim that fences a stale owner) once
+    they are retention.ms old, and a restore without them loses their impressions and the fencing."""
+    from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+
+    from stream.kafka import admin_config, ensure_compacted
+
+    admin = AdminClient(admin_config(kafka))
+    topic = f"{kafka.client_id}-join-state"
+    for fut in admin.create_topics([NewTopic(topic, 1, 1, config={"cleanup.policy": "compact,delete"})]).values():
+        fut.result()
+    ensure_compacted(kafka, topic)
+    configs = next(iter(admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)]).values())).result()
+    assert configs["cleanup.policy"].value == "compact"
