@@ -89,6 +89,7 @@ def chunk_key(partition: int, seq: int, part: int = 0) -> bytes:
 
 FENCE_SPAN = 1 << 16  # seqs fenced off past the log's highest at each claim: far more than a stale writer's batches
 FENCED_KEEP = 64  # fenced ranges a claim keeps (one per owner change)
+_SEQ_MAX = (1 << 63) - 1  # a chunk's seq is an int64 (the header check, _check)
 Fenced = list[tuple[int, int]]  # inclusive seq ranges no chunk may come from, oldest first
 
 
@@ -378,8 +379,12 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
                 log.warning("state log %s partition %d: chunk %d is incomplete (%s); left out of the restore (a "
                             "chunk being written was not committed and its batch is read again; one being retired "
                             "no longer mattered)", topic, p, seq, why)
-        out[p] = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete, fenced,
-                              fenced_out, max(raw_parts, default=-1))
+        out[p] = plog = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete,
+                                     fenced, fenced_out, max(raw_parts, default=-1))
+        if (top := claimed_top(plog)) > _SEQ_MAX - FENCE_SPAN - 1:  # a new owner's first chunk would be past int64
+            key = claim_key(p) if top > plog.top else chunk_key(p, top)
+            raise _unreadable(topic, p, key, records[key][0] if key in records else where[top], ValueError(
+                f"seq {top} leaves a new owner no int64 seq for its chunks (past {top} + {FENCE_SPAN})"))
     return out
 
 

@@ -15,6 +15,7 @@ from stream.joiner import state_log
 from stream.joiner.engine import Pending, StateChunk
 from stream.joiner.sample_rows import state_batch
 from stream.joiner.state_log import (
+    FENCE_SPAN,
     PartitionLog,
     StateLogError,
     _split,
@@ -23,6 +24,7 @@ from stream.joiner.state_log import (
     encode_chunk,
     encode_claim,
     load_chunks,
+    next_claim,
 )
 
 
@@ -201,3 +203,22 @@ def test_a_part_claiming_a_huge_part_count_is_left_out_as_incomplete_without_cou
     plog = _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps({**_HEADER, "parts": 1 << 62}))),
                                (b"0:1:0", _raw(orjson.dumps({**_HEADER, "seq": 1})))])
     assert [c.seq for c in plog.chunks] == [1] and plog.incomplete == {0: [0]}
+
+
+def test_a_claim_past_int64_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # was read, and the new owner's claim (its range past it) failed to encode: a TypeError naming no record, at every
+    # restore
+    with pytest.raises(StateLogError, match=r"the record b'0:claim' \(offset 0\b"):
+        _load(monkeypatch, [(b"0:claim", b'{"fenced":[[0,18446744073709551606]]}')])
+
+
+def test_a_claim_leaving_a_new_owner_no_int64_seq_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the new owner numbered its chunks from 2**63 + 65527: each was refused by the next restore, naming that chunk
+    with pytest.raises(StateLogError, match=r"the record b'0:claim' \(offset 1\b"):
+        _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps(_HEADER))),
+                            (b"0:claim", b'{"fenced":[[1,9223372036854775798]]}')])
+    top = f"{(1 << 63) - 1 - FENCE_SPAN}".encode()  # a chunk as high: a claim past it would not be int64
+    with pytest.raises(StateLogError, match=rf"the record b'0:{top.decode()}:0' \(offset 0\b"):
+        _load(monkeypatch, [(b"0:%s:0" % top, _raw(orjson.dumps({**_HEADER, "seq": int(top)})))])
+    plog = _load(monkeypatch, [(b"0:claim", b'{"fenced":[[0,%d]]}' % ((1 << 63) - 2 - FENCE_SPAN))])
+    assert next_claim(plog)[1] == (1 << 63) - 1  # the highest a claim can leave: its owner's first chunk an int64
