@@ -15,6 +15,7 @@ import pyarrow as pa
 import torch
 
 from learner.features import FeatureConfig
+from stream.features import MISSING
 from stream.samples import DENSE_PREFIX, SampleBatch
 
 
@@ -104,18 +105,23 @@ def _field_values(batch: SampleBatch, col: str) -> tuple[np.ndarray, np.ndarray]
 
 def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int, int, int]] | None = None,
                ) -> TensorBatch:
-    """One Arrow sample batch -> a TensorBatch. Missing columns are empty bags (zero embeddings)."""
+    """One Arrow sample batch -> a TensorBatch. A column missing from the message is an absent feature in every row,
+    as serving encodes one (``serving/features.py``): a single-valued field's :data:`~stream.features.MISSING` row,
+    a list-valued field's empty bag (a zero embedding); the message's other rows do not change what a row gets."""
     b = len(batch)
     names = set(batch.batch.schema.names)
     all_values, all_keys, all_lengths = [], [], []
     for spec, (first, rows) in zip(cfg.fields, cfg.blocks, strict=True):
         if spec.name in names:
             v, lengths = _field_values(batch, spec.name)
-            all_values.append(first + np.remainder(v, rows))  # hashed ids are >= 0: remainder is the bucket
-            all_keys.append(v)
-            all_lengths.append(lengths)
+        elif spec.kind == "single":
+            v, lengths = np.full(b, MISSING, np.int64), np.ones(b, np.int64)
         else:
             all_lengths.append(np.zeros(b, np.int64))
+            continue
+        all_values.append(first + np.remainder(v, rows))  # hashed ids are >= 0: remainder is the bucket
+        all_keys.append(v)
+        all_lengths.append(lengths)
     values = np.concatenate(all_values) if all_values else np.zeros(0, np.int64)
     keys = (np.concatenate(all_keys) if all_keys else np.zeros(0, np.int64)) if cfg.dynamic else None
     lengths = np.concatenate(all_lengths)  # (F * B,)

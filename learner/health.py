@@ -11,8 +11,8 @@ publishes them, at most once a second; ``monitor/default_rules.toml`` alerts on 
   :class:`UpdateNorms` the L2 norm of what a step changed, sampled (a zero learning rate or a frozen table
   leaves the gradients as they were but changes nothing);
 * feature coverage: :class:`FieldCoverage`, per field the share of recent samples carrying it (a single-valued
-  categorical carries ``stream.features.MISSING`` when absent, a list is empty, a dense feature is 0, a column
-  that stopped arriving is an empty bag);
+  categorical carries ``stream.features.MISSING`` when absent, also when its column stopped arriving, a list is
+  empty, a dense feature is 0);
 * label balance: :class:`PositiveRate`, the share of positives among the last ``window`` samples trained.
 """
 

@@ -206,7 +206,7 @@ def test_gradient_norms_cost_little_per_step() -> None:
 def coverage_batch(cfg: FeatureConfig, users: list[int], devices: list[int] | None, hist: list[int],
                    keys: bool) -> TensorBatch:
     """One batch of ``cfg`` (user_id, history, ctx.device) with raw hashed values; ``devices=None``: the column
-    did not arrive (empty bags, as ``to_tensors`` builds them)."""
+    did not arrive (empty bags; ``to_tensors`` gives a single-valued field MISSING rows then, also not carried)."""
     b = len(users)
     blocks = cfg.blocks
     raw = [np.array(users), np.arange(sum(hist)) + 1, np.array(devices or [], dtype=np.int64)]
