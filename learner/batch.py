@@ -103,17 +103,30 @@ def _field_values(batch: SampleBatch, col: str) -> tuple[np.ndarray, np.ndarray]
     return values.astype(np.int64, copy=False), np.diff(offsets).astype(np.int64)
 
 
+def _without_missing(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A list-valued field's ``(values (N_f,), lengths (B,))`` without its MISSING values: an absent row (MISSING in
+    a column of scalars) becomes an empty bag."""
+    absent = values == MISSING  # (N_f,)
+    if not absent.any():
+        return values, lengths
+    row = np.repeat(np.arange(len(lengths)), lengths)  # (N_f,) each value's row
+    return values[~absent], lengths - np.bincount(row[absent], minlength=len(lengths))
+
+
 def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int, int, int]] | None = None,
                ) -> TensorBatch:
-    """One Arrow sample batch -> a TensorBatch. A column missing from the message is an absent feature in every row,
-    as serving encodes one (``serving/features.py``): a single-valued field's :data:`~stream.features.MISSING` row,
-    a list-valued field's empty bag (a zero embedding); the message's other rows do not change what a row gets."""
+    """One Arrow sample batch -> a TensorBatch. An absent feature is what serving encodes (``serving/features.py``)
+    whatever the message's other rows hold: a single-valued field's :data:`~stream.features.MISSING` row, a
+    list-valued field's empty bag (a zero embedding). Absent: the column missing from the message, or a row's
+    MISSING (the joiner's value for a row without the key in a column other rows have, ``sample_rows.py``)."""
     b = len(batch)
     names = set(batch.batch.schema.names)
     all_values, all_keys, all_lengths = [], [], []
     for spec, (first, rows) in zip(cfg.fields, cfg.blocks, strict=True):
         if spec.name in names:
             v, lengths = _field_values(batch, spec.name)
+            if spec.kind != "single":
+                v, lengths = _without_missing(v, lengths)
         elif spec.kind == "single":
             v, lengths = np.full(b, MISSING, np.int64), np.ones(b, np.int64)
         else:

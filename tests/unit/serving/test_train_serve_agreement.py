@@ -107,3 +107,12 @@ def test_a_single_valued_context_feature_absent_from_a_whole_samples_message_tra
     assert t_bags == s_bags
     with_other, _ = trained([as_event(7, 8, None, None), as_event(7, 9, {"device": "ios"}, None)], [])
     assert sample_of(with_other, 0, 2) == t_bags  # the same sample trains alike whatever shares its message
+
+
+def test_a_list_valued_feature_absent_from_a_row_of_a_column_of_scalars_trains_as_the_empty_bag() -> None:
+    """A multi-valued field sent as a scalar by one event (``"genres": "Drama"``, one genre) and absent from the next
+    event of the same message: the joiner writes a column of scalars, the absent row MISSING, which training pooled as
+    the MISSING row; serving gives an absent list-valued feature an empty bag."""
+    t_bags, _ = trained([as_event(7, 8, {"genres": "Drama"}, None), as_event(7, 9, None, None)], [])
+    s_bags, _ = served(as_request(7, 9, None, None), [])
+    assert sample_of(t_bags, 1, 2) == s_bags
