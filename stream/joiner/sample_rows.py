@@ -19,11 +19,11 @@ _IMPRESSION_ID, _TS, _USER, _ITEM, _CONTEXT = (  # of a Pending
 
 
 def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
-    """Columns from samples. Context keys are the union over rows: a missing categorical is
-    :data:`MISSING`, a missing list ``[]``, a missing dense value 0.0; a key that is a list in any
-    row is a list column. One pass over the rows' contexts fills every column (or, when they are rows of
-    ``ContextBlock``s of one signature, each column is gathered from the blocks). ``history=False``: every row's
-    history column is empty."""
+    """Columns from samples. Context keys are the union over rows: a row without a key has :data:`MISSING`
+    (``[MISSING]`` in a list column, while a ``[]`` sent stays empty: the learner reads MISSING as absent, by the
+    field's kind, ``learner/batch.py``), a missing dense value 0.0; a key that is a list in any row is a list column.
+    One pass over the rows' contexts fills every column (or, when they are rows of ``ContextBlock``s of one
+    signature, each column is gathered from the blocks). ``history=False``: every row's history column is empty."""
     return _batch([s.pending for s in rows], _labels(rows), history)
 
 
@@ -73,8 +73,8 @@ def _batch(ps: list[Pending], labels: Labels | None, history: bool) -> SampleBat
             dcol[i] = x
     context: dict[str, object] = {}
     for k, col in ctx.items():
-        if k in list_keys:  # a list column: scalars become one-element lists, absent ones empty
-            context[k] = [v if type(v) is list else ([] if v is MISSING else [v]) for v in col]
+        if k in list_keys:  # a list column: scalars become one-element lists, absent ones [MISSING]
+            context[k] = [v if type(v) is list else [v] for v in col]
         else:
             context[k] = np.array(col, np.int64)
     return SampleBatch.from_columns(

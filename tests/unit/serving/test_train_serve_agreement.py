@@ -116,3 +116,14 @@ def test_a_list_valued_feature_absent_from_a_row_of_a_column_of_scalars_trains_a
     t_bags, _ = trained([as_event(7, 8, {"genres": "Drama"}, None), as_event(7, 9, None, None)], [])
     s_bags, _ = served(as_request(7, 9, None, None), [])
     assert sample_of(t_bags, 1, 2) == s_bags
+
+
+def test_a_single_valued_feature_absent_from_a_row_of_a_list_column_trains_on_the_missing_row() -> None:
+    """A single-valued field sent as a list by one event (``"device": ["ios"]``) and absent from the next event of the
+    same message: the joiner writes a list column, the absent row an empty list, which training pooled as a zero
+    vector; serving gives an absent single-valued feature its MISSING row (as training does beside scalars)."""
+    t_bags, _ = trained([as_event(7, 8, {"device": ["ios"]}, None), as_event(7, 9, None, None)], [])
+    s_bags, _ = served(as_request(7, 9, None, None), [])
+    assert sample_of(t_bags, 1, 2) == s_bags
+    sent_empty, _ = trained([as_event(7, 8, {"device": ["ios"]}, None), as_event(7, 9, {"device": []}, None)], [])
+    assert sample_of(sent_empty, 1, 2) == served(as_request(7, 9, {"device": []}, None), [])[0]  # [] sent: empty
