@@ -41,7 +41,7 @@ from stream.events import (
     exactly,
     reject_duplicate_keys,
 )
-from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
+from stream.limits import DEFAULT_LIMITS, DENSE_MAX_LITERAL
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
 _ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
@@ -204,8 +204,7 @@ _STR = {"type": "string", "maxLength": _LIMITS.max_str_len}
 _NUMBER = {"type": "number", "not": {"type": "integer"}}
 _CONTEXT_VALUE = {"anyOf": [_STR, _INT64, _NUMBER, {"type": "boolean"},
                             {"type": "array", "maxItems": MAX_LIST_LEN, "items": {"anyOf": [_STR, _INT64]}}]}
-_DENSE_VALUE = {"type": "number", "minimum": -DENSE_BOUND, "exclusiveMinimum": True,
-                "maximum": DENSE_BOUND, "exclusiveMaximum": True}
+_DENSE_VALUE = {"type": "number", "minimum": -DENSE_MAX_LITERAL, "maximum": DENSE_MAX_LITERAL}
 
 
 def _features(kind: str, value: dict[str, Any], names: Any, max_keys: int, description: str) -> dict[str, Any]:

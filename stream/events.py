@@ -341,7 +341,11 @@ def check_dense(value: Any, field: str = "dense", limits: EventLimits = DEFAULT_
     for k, v in value.items():
         if not exact and type(v) is float and not -_BIG < v < _BIG and math.isfinite(v):
             raise _Inexact
-        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) < DENSE_BOUND:
+        # abs(float(v)): every stage reads an integer through float64 (orjson, numpy), which may round it up to the
+        # bound (2**64 - 2**39 - 1 becomes 2**64 - 2**39, then 2**64 as float32); abs(v) first: float() of a huge
+        # integer overflows
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (abs(v) < DENSE_BOUND and
+                                                                         abs(float(v)) < DENSE_BOUND):
             raise ValidationError(f"{field}.{k}", v, DENSE_RULE)
     return value
 

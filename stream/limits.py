@@ -40,6 +40,9 @@ MAX_ABS_DENSE = float(2**64)  # on the float32 value the model reads (stream/sam
 # ... and on a number before it becomes float32 (events, event logs, requests): below this it rounds to below
 # MAX_ABS_DENSE (float32's spacing just under 2**64 is 2**40; from half of it below, a number rounds up to 2**64)
 DENSE_BOUND = MAX_ABS_DENSE - float(2**39)
+# An integer is read through float64, which rounds 2**64 - 2**39 - 2**10 and above up to DENSE_BOUND: the largest
+# number literal accepted whatever its form (any literal up to it reads as a float below DENSE_BOUND).
+DENSE_MAX_LITERAL = 2**64 - 2**39 - 2**10 - 1
 
 
 @dataclass(frozen=True)

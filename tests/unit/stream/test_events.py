@@ -195,3 +195,27 @@ def test_a_rejected_integer_literal_past_int64_is_shown_as_written(field: str, l
     if field in ("ts", "schema_version"):
         with pytest.raises(ValidationError, match=str(literal)):
             decode_click(enc({"schema_version": 1, "impression_id": "i1", "ts": 5, field: literal}))
+
+
+@pytest.mark.parametrize("literal", [2**64 - 2**39 - 1, -(2**64 - 2**39 - 2**10)])
+def test_a_dense_integer_literal_that_becomes_2_64_as_float32_is_refused_by_events_and_requests(literal: int) -> None:
+    """An integer literal below DENSE_BOUND that rounds to it as a float (every stage reads it through float64, then
+    float32: 2**64 - 2**39 - 1 becomes 2**64) was accepted by the event decoder and the scoring request, so its
+    samples message was refused whole by the learner's decode and serving fed the model 2**64. The largest integer
+    that stays below is still accepted, and its samples decode."""
+    from serving.request import RequestError, read_request
+    from stream.event_batch import decode_events
+    from stream.samples import SampleBatch
+
+    raw = b'{"schema_version": 1, "impression_id": "i", "ts": 1000, "user_id": 1, "item_id": 2, "dense": {"price": %d}}'
+    with pytest.raises(BadMessage, match=r"dense\.price.*2\*\*64"):
+        decode_impression(raw % literal)
+    assert isinstance(decode_events([raw % literal] * 8, [None] * 8, clicks=False)[0], BadMessage)
+    with pytest.raises(RequestError, match=r"dense\.price"):
+        read_request(b'{"user_id": 1, "items": [2], "dense": {"price": %d}}' % literal, 10)
+    edge = (2**64 - 2**39 - 2**10 - 1) * (1 if literal > 0 else -1)
+    price = decode_impression(raw % edge).dense["price"]
+    assert read_request(b'{"user_id": 1, "items": [2], "dense": {"price": %d}}' % edge, 10).dense["price"] == price
+    SampleBatch.decode(SampleBatch.from_columns(impression_id=["i"], ts=[1_000], label=[0], label_delay_ms=[0],
+                                                user_id=[1], item_id=[2], history=[[]], dense={"price": [price]}
+                                                ).encode())
