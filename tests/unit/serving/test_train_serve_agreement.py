@@ -17,7 +17,8 @@ from learner.features import FeatureConfig, FieldSpec
 from learner.scorer import to_candidate_rows
 from serving.features import FeatureEncoder
 from serving.request import read_request
-from stream.events import decode_impression
+from stream.event_batch import decode_events
+from stream.events import Impression
 from stream.features import hash_column, hash_context, hash_value
 from stream.joiner.context_block import hashed_rows
 from stream.joiner.engine import Pending, Sample
@@ -39,8 +40,11 @@ def _bags(values: np.ndarray, offsets: np.ndarray) -> Bags:
 
 def trained(events: list[dict[str, Any]], history: list[int]) -> tuple[Bags, np.ndarray]:
     """The events joined into one samples message, as the learner reads it: (F*B bags, field-major; dense (B, Dd))."""
-    imps = [decode_impression(orjson.dumps({"schema_version": 1, "impression_id": f"i{n}", "ts": 1_000, **e}))
+    raws = [orjson.dumps({"schema_version": 1, "impression_id": f"i{n}", "ts": 1_000, **e})
             for n, e in enumerate(events)]
+    decoded = decode_events(raws, [None] * len(raws), clicks=False)  # the joiner's decode
+    imps = [i for i in decoded if isinstance(i, Impression)]
+    assert len(imps) == len(raws), decoded
     users = hash_column([i.user_id for i in imps]).tolist()
     items = hash_column([i.item_id for i in imps]).tolist()
     contexts = hashed_rows([i.context for i in imps], hash_context)
@@ -127,3 +131,22 @@ def test_a_single_valued_feature_absent_from_a_row_of_a_list_column_trains_on_th
     assert sample_of(t_bags, 1, 2) == s_bags
     sent_empty, _ = trained([as_event(7, 8, {"device": ["ios"]}, None), as_event(7, 9, {"device": []}, None)], [])
     assert sample_of(sent_empty, 1, 2) == served(as_request(7, 9, {"device": []}, None), [])[0]  # [] sent: empty
+
+
+def test_a_request_with_per_item_context_and_dense_agrees_with_one_event_per_candidate() -> None:
+    """Per-item context and dense override the shared ones (a scalar for a list field, a list for a single field, an
+    empty list); the candidates train as the events that carry the merged values, also when the message's rows differ
+    in column types, and every row as it would alone."""
+    req = {"user_id": "u", "context": {"device": "ios", "genres": ["a", "b"]}, "dense": {"price": 2.5},
+           "items": [{"item_id": 8, "context": {"genres": "c"}}, 9,
+                     {"item_id": 10, "context": {"device": ["x", "y"]}, "dense": {"price": -1}},
+                     {"item_id": 11, "context": {"genres": []}}]}
+    events = [as_event("u", 8, {"device": "ios", "genres": "c"}, {"price": 2.5}),
+              as_event("u", 9, {"device": "ios", "genres": ["a", "b"]}, {"price": 2.5}),
+              as_event("u", 10, {"device": ["x", "y"], "genres": ["a", "b"]}, {"price": -1}),
+              as_event("u", 11, {"device": "ios", "genres": []}, {"price": 2.5})]
+    t_bags, t_dense = trained(events, HISTORY)
+    s_bags, s_dense = served(req, HISTORY)
+    assert t_bags == s_bags and t_dense.tobytes() == s_dense.tobytes()
+    for i, event in enumerate(events):
+        assert sample_of(t_bags, i, len(events)) == trained([event], HISTORY)[0]
