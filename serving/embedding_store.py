@@ -82,6 +82,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
+from redis.exceptions import ResponseError
 
 from learner.artifact import ArtifactError
 from serving.settings import RowDtype
@@ -265,10 +266,30 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
 
 
 def read_meta(client: Any, prefix: str, version: str) -> dict[str, Any] | None:
-    """A version's meta (None: never completely written). Redis errors propagate; one that is not JSON is a
-    ValueError (:func:`decode_meta`)."""
+    """A version's meta (None: never completely written). Redis errors propagate; one that is not JSON, or a key of
+    another Redis type, is a ValueError (:func:`decode_meta`, :func:`get_value`)."""
     key = meta_key(prefix, version)
-    return decode_meta(key, client.get(key))
+    return decode_meta(key, get_value(client, key))
+
+
+def get_value(client: Any, key: str) -> bytes | None:
+    """``GET key``; a ValueError naming the key when it holds another Redis type (a hash, a list: WRONGTYPE): Redis
+    answered, and the key is not one a refresh writes (not a Redis that is down). Other Redis errors propagate."""
+    try:
+        return cast("bytes | None", client.get(key))
+    except ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise
+        raise ValueError(f"{key} is a Redis {_type_name(client, key)}, not a value a refresh writes; delete it and "
+                         "republish with `streamrec refresh --now`") from None
+
+
+def _type_name(client: Any, key: str) -> str:
+    try:
+        kind = client.type(key)
+    except Exception:  # noqa: BLE001 - only for the message
+        return "key of another type"
+    return kind.decode() if isinstance(kind, bytes) else str(kind)
 
 
 def decode_meta(key: str, raw: bytes | None) -> dict[str, Any] | None:
@@ -311,10 +332,10 @@ def unfinished_versions(client: Any, prefix: str, owner: str) -> set[str]:
         k = key.decode() if isinstance(key, bytes) else key
         version = k[len(start):-len(end)]
         try:
-            marker = json.loads(client.get(k) or b"null")
-        except (ValueError, UnicodeDecodeError):  # not JSON: not a marker this code wrote, so not this owner's
+            marker = json.loads(get_value(client, k) or b"null")
+        except ValueError:  # not JSON (UnicodeDecodeError is one), or not a string: not a marker this code wrote
             continue
-        if isinstance(marker, dict) and marker.get("owner") == owner and client.get(meta_key(prefix, version)) is None:
+        if isinstance(marker, dict) and marker.get("owner") == owner and not client.exists(meta_key(prefix, version)):
             out.add(version)
     return out
 
@@ -473,7 +494,9 @@ class RedisEmbeddingStore:
         Redis that is down, which would load the version and serve all its non-hot rows from fallback rows)."""
         key = meta_key(self.prefix, version)
         try:
-            raw = self.client.get(key)
+            raw = get_value(self.client, key)  # a key of another type: ValueError, Redis answered
+        except ValueError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any Redis or socket failure: serve on fallback rows
             self.failed(f"reading {key}", exc)
             return None

@@ -574,6 +574,37 @@ def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_ow
     assert stored_versions(redis_client, prefix) == {"junk", "list"}  # not ours: left alone
 
 
+def test_a_meta_key_of_another_redis_type_is_refused_at_load_not_taken_for_redis_down(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    # GET of a hash is a WRONGTYPE error: Redis answered, the meta is not one a refresh writes. Read as Redis down,
+    # the version loaded and was swapped in serving every non-hot row from fallback rows, for as long as the key stayed.
+    path = publish_version(tmp_path, redis_client, prefix)
+    redis_client.delete(f"{prefix}:emb:v1:meta")
+    redis_client.hset(f"{prefix}:emb:v1:meta", "rows", str(CFG.num_rows))
+    assert_load_refused(stack, prefix, path, f"{prefix}:emb:v1:meta is a Redis hash")
+
+
+def test_keys_of_another_redis_type_under_the_prefix_stop_neither_pruning_nor_the_cleanup_of_killed_writes(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    # Another writer's (or a hand-set) meta or writer marker of another type under the shared prefix raised WRONGTYPE
+    # out of the listing: the refresh then deleted none of its own pruned or abandoned versions' rows, each run.
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from serving.embedding_store import stored_versions, unfinished_versions, writer_key
+
+    rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
+    rds = RedisSettings(url=stack.redis_url, prefix=prefix)
+    write_version(redis_client, prefix, "old", np.zeros((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32,
+                  owner=job._owner(rs))
+    redis_client.hset(f"{prefix}:emb:hash:meta", "a", "b")
+    redis_client.rpush(writer_key(prefix, "list"), "x")
+    redis_client.hset(writer_key(prefix, "hash"), "a", "b")  # a writer marker beside the hash meta
+    job._prune_stored(rs, rds, tmp_path / "serving", None)
+    assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
+    assert stored_versions(redis_client, prefix) == {"hash"}  # not ours: left alone
+    assert unfinished_versions(redis_client, prefix, job._owner(rs)) == set()
+
+
 def test_a_failed_write_of_a_versions_rows_leaves_no_rows_behind(stack: LocalStack, redis_client: redis.Redis,
                                                                 prefix: str, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
