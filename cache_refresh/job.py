@@ -892,8 +892,11 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
             return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                                  rs.embedding_store_dtype, owner=_owner(rs), between=between)
         except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
-            if _may_hold(client, rds, model.version, exc):
-                _delete_unfinished(client, rds, model.version)
+            if not isinstance(exc, embedding_store.VersionTaken) and _may_hold(client, rds, model.version, exc):
+                _delete_unfinished(client, rds, model.version)  # (not another writer's rows: nothing was written)
+            if isinstance(exc, embedding_store.VersionTaken):
+                raise RefreshError("embedding_store", f"{exc}; nothing was published, the live artifact keeps "
+                                   "serving") from exc
             if isinstance(exc, redis.RedisError):
                 raise RefreshError("embedding_store", f"{describe(exc, rds)}; nothing was published, the live "
                                    "artifact keeps serving") from exc

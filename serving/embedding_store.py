@@ -252,7 +252,7 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
     called after each chunk: what it raises ends the write before ``meta``, as a Redis error does. Returns the meta
     written."""
     rows = np.asarray(rows, dtype=np.int64)
-    client.set(writer_key(prefix, version), json.dumps({"owner": owner}))  # before any row: a killed write is found
+    _claim(client, prefix, version, owner)  # the writer marker, before any row: a killed write is found
     key = tag_key(version, dtype)  # every value tagged (ROW_CHECK): serving refuses one of another version or row
     mset = getattr(client, "mset_nonatomic", None) or client.mset
     for start in range(0, len(rows), chunk):
@@ -263,6 +263,35 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
             "stored": int(len(rows)), "owner": owner, "row_check": ROW_CHECK}
     client.set(meta_key(prefix, version), json.dumps(meta, sort_keys=True))
     return meta
+
+
+class VersionTaken(ValueError):
+    """:func:`write_version` refused, before writing anything: the store holds the version under another owner."""
+
+
+def _claim(client: Any, prefix: str, version: str, owner: str) -> None:
+    """Make ``owner`` the writer of ``version`` (its marker, set only where none is: ``SET NX``), or raise
+    :class:`VersionTaken` when its meta or marker names another owner (or is not one this code writes). Keys carry the
+    version, not the owner: two publish roots sharing a prefix that named a version alike (in the same millisecond)
+    wrote their rows over each other's, and one root's rankers served the other's rows, every tag matching."""
+    def taken(what: str) -> VersionTaken:
+        return VersionTaken(f"version {version} is in the embedding store already, {what}, not {owner!r}: nothing "
+                            "was written; the next refresh names another version")
+    try:
+        meta = read_meta(client, prefix, version)  # a version written before the markers has a meta only
+    except ValueError as exc:
+        raise taken(f"its meta not one a refresh writes ({exc})") from None
+    if meta is not None and (not isinstance(meta, dict) or meta.get("owner", "") != owner):
+        raise taken(f"written by {meta.get('owner', '') if isinstance(meta, dict) else meta!r}")
+    key = writer_key(prefix, version)
+    if client.set(key, json.dumps({"owner": owner}), nx=True):
+        return
+    try:
+        held = json.loads(get_value(client, key) or b"null")
+    except ValueError:  # not JSON, or not a string
+        held = None
+    if not isinstance(held, dict) or held.get("owner") != owner:
+        raise taken(f"its writer marker {held!r}")
 
 
 def read_meta(client: Any, prefix: str, version: str) -> dict[str, Any] | None:

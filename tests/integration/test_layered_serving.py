@@ -605,6 +605,34 @@ def test_keys_of_another_redis_type_under_the_prefix_stop_neither_pruning_nor_th
     assert unfinished_versions(redis_client, prefix, job._owner(rs)) == set()
 
 
+def test_a_version_name_another_publish_root_holds_in_the_store_is_refused_and_its_rows_are_left_alone(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    # Two publish roots may share a prefix; a version name both chose (their refreshes named it in the same
+    # millisecond) made the second write its rows over the first's: the first root's rankers served the second's rows
+    # (every tag matched: it names the version, not the root) with no error, and the second root's pruning then deleted
+    # them under the first's rankers.
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+
+    path = publish_version(tmp_path / "a", redis_client, prefix)  # root a's v1, written without an owner
+    other = ScoringModel.load(publish(tmp_path / "b", build_artifact(checkpoint(seed=1), tmp_path / "b", HOT,
+                                                                     version="v1"), keep=10))
+    before = {k: redis_client.get(k) for k in redis_client.scan_iter(match=f"{prefix}:emb:v1:*")}
+    rs = RefreshSettings(publish_root=tmp_path / "b", embedding_store=EmbeddingStore.LAYERED)
+    with pytest.raises(job.RefreshError, match="v1 is in the embedding store already"):
+        job._store_rows(rs, RedisSettings(url=stack.redis_url, prefix=prefix), other)
+    assert {k: redis_client.get(k) for k in redis_client.scan_iter(match=f"{prefix}:emb:v1:*")} == before
+    store = store_of(stack, prefix)
+    try:  # root a's rankers still serve root a's rows
+        req = request(ADMITTED_USERS[3], ADMITTED_ITEMS[:20])
+        assert torch.equal(score(ScoringModel.load(path, store=store), req), score(ScoringModel.load(path), req))
+    finally:
+        store.client.close()
+    # a root writing over a version of its own (a rerun) is not refused
+    write_version(redis_client, prefix, "w", np.zeros((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32, owner="o")
+    write_version(redis_client, prefix, "w", np.ones((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32, owner="o")
+
+
 def test_a_failed_write_of_a_versions_rows_leaves_no_rows_behind(stack: LocalStack, redis_client: redis.Redis,
                                                                 prefix: str, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1039,10 +1067,10 @@ def test_rows_a_killed_layered_refresh_left_without_meta_are_deleted_by_the_next
         def __getattr__(self, name: str) -> Any:
             return getattr(self.client, name)
 
-        def set(self, key: str, value: Any) -> Any:
+        def set(self, key: str, value: Any, **kw: Any) -> Any:
             if key.endswith(":meta"):
                 raise Killed
-            return self.client.set(key, value)
+            return self.client.set(key, value, **kw)
 
     table = np.ones((50, 5), np.float32)
     for version, owner in (("killed", job._owner(rs)), ("elsewhere", "/another/publish/root")):

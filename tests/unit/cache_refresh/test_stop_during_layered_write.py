@@ -63,8 +63,11 @@ class _DictRedis:
         self.data: dict[str, Any] = {}
         self.msets = 0
 
-    def set(self, key: str, value: Any) -> None:
+    def set(self, key: str, value: Any, nx: bool = False) -> bool | None:
+        if nx and key in self.data:
+            return None
         self.data[key] = value
+        return True
 
     def get(self, key: str) -> Any:
         return self.data.get(key)

@@ -95,8 +95,8 @@ def test_a_write_whose_writer_marker_command_failed_still_deletes_that_version(
     client, rs = _with_killed_runs_version(monkeypatch)
     plain_set = client.set
 
-    def set_then_time_out(key: str, value: Any) -> None:
-        plain_set(key, value)
+    def set_then_time_out(key: str, value: Any, **kw: Any) -> None:
+        plain_set(key, value, **kw)
         if "v004" in key:
             raise redis.TimeoutError("Timeout reading from socket")
 
@@ -115,10 +115,10 @@ def test_a_writer_marker_refused_by_redis_sends_no_delete_of_the_never_written_v
     client, rs = _with_killed_runs_version(monkeypatch)
     plain_set = client.set
 
-    def refuse_v004(key: str, value: Any) -> None:
+    def refuse_v004(key: str, value: Any, **kw: Any) -> None:
         if "v004" in key:
             raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
-        plain_set(key, value)
+        plain_set(key, value, **kw)
 
     monkeypatch.setattr(client, "set", refuse_v004)
     with pytest.raises(job.RefreshError, match="OOM"):
