@@ -381,6 +381,13 @@ def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int |
         time.sleep(0.05)
 
 
+def partition_counts(kafka: KafkaSettings, topics: Iterable[str]) -> dict[str, int]:
+    """How many partitions each of ``topics`` has now (0: it does not exist), from one metadata request."""
+    admin = AdminClient(admin_config(kafka))
+    md = admin.list_topics(timeout=10).topics
+    return {t: len(md[t].partitions) if t in md and md[t].error is None else 0 for t in topics}
+
+
 def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:
     """Create ``topic`` with ``cleanup.policy=compact``; on an existing topic, check the policy and set it
     if it is not compact (a state log that is never compacted grows for ever and a restore reads its

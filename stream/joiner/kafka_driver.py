@@ -150,6 +150,8 @@ class KafkaJoinWorker:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
+        # partitions added to the inputs: the topics must still agree, or the worker stops (ConfigError, exit 2)
+        self.pipeline.layout.assigned(tp.partition for tp in partitions)
         positions = self._start_positions(consumer, partitions)
         if positions is None:  # told to stop while the broker could not say: assigned, never read (run() ends)
             consumer.assign(partitions)

@@ -86,6 +86,7 @@ from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Pending, Sample
 from stream.joiner.gc_pacing import GcPacing
+from stream.joiner.partitions import Layout, ensure_layout
 from stream.joiner.sample_rows import batches_later
 from stream.joiner.state_log import (
     MAX_RECORD_BYTES,
@@ -99,7 +100,6 @@ from stream.joiner.state_log import (
 )
 from stream.kafka import (
     AckedProducer,
-    ensure_compacted,
     ensure_topics,
     message_limits,
     new_consumer,
@@ -422,9 +422,10 @@ class JoinPipeline:
         self._batch_records: dict[int, list[Record]] = {}
         dlq_topics = [kafka.dlq_topic(t) for t in (kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
                                                    js.late_clicks_topic)]
-        ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic,
-                              js.late_clicks_topic, *dlq_topics])
-        ensure_compacted(kafka, self.state_topic)
+        # The inputs co-partitioned, the outputs written by partition number as many (stream/joiner/partitions.py)
+        outputs = [kafka.samples_topic, js.late_clicks_topic]
+        self.layout = Layout(kafka, outputs, self.state_topic, ensure_layout(kafka, outputs, self.state_topic))
+        ensure_topics(kafka, dlq_topics)
         # What each topic this worker writes to takes (module docstring, "Message size"), and the bounds its samples
         # messages, state parts and late clicks are cut to or checked against; the dead letters' are DeadLetters'.
         self.message_limits = message_limits(kafka, [kafka.samples_topic, self.state_topic, js.late_clicks_topic,

@@ -279,6 +279,10 @@ class FaustJoinWorker:
         os._exit(status)
 
     async def _on_assigned(self, sender: Any, assigned: set, **kwargs: Any) -> None:
+        try:  # partitions added to the inputs: the topics must still agree (stream/joiner/partitions.py)
+            self.pipeline.layout.assigned(tp.partition for tp in assigned)
+        except ConfigError as exc:
+            self._die(f"the topics' partitions no longer agree: {exc}", 2)  # exits 2 as the CLI's ConfigError
         self._idle.reset()  # idleness counts from when there is something to read
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
         self.pauses.resize(len(self._assigned))

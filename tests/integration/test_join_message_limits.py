@@ -95,9 +95,9 @@ def test_a_topic_max_message_bytes_read_by_describe_configs_bounds_what_the_join
     with MSG_SIZE_TOO_LARGE, which the joiner took for an outage and retried for ever): the joiner reads the limit
     with DescribeConfigs and writes under it. (Tansu answers DescribeConfigs but does not enforce the limit: the
     records' sizes show what Kafka would have refused.)"""
-    create(kafka, NewTopic(state_topic(settings.app_id), 1, 1, config={"cleanup.policy": "compact",
+    create(kafka, NewTopic(state_topic(settings.app_id), kafka.partitions, 1, config={"cleanup.policy": "compact",
                                                                      "max.message.bytes": str(LIMIT)}),
-           NewTopic(kafka.samples_topic, 1, 1, config={"max.message.bytes": str(LIMIT)}))
+           NewTopic(kafka.samples_topic, kafka.partitions, 1, config={"max.message.bytes": str(LIMIT)}))
     p = make(kafka)
     assert p.message_limits[kafka.samples_topic] == MessageLimit(LIMIT, "topic max.message.bytes")
     p.process(tagged(kafka, 600))
@@ -114,7 +114,7 @@ def create(kafka: KafkaSettings, *topics: NewTopic) -> None:
 
 def test_one_sample_over_the_samples_topic_limit_is_dead_lettered_with_the_limit_in_its_reason(
         kafka: KafkaSettings, make) -> None:
-    create(kafka, NewTopic(kafka.samples_topic, 1, 1, config={"max.message.bytes": "8000"}))
+    create(kafka, NewTopic(kafka.samples_topic, kafka.partitions, 1, config={"max.message.bytes": "8000"}))
     p = make(kafka)
     big = imp(kafka, 0, 0, "big", T0, tags=[f"tag{i}" for i in range(1000)])  # ~9 kB of int64s in its sample
     p.process([big, imp(kafka, 0, 1, "small", T0 + 1), click(kafka, 0, 0, "big", T0 + 2),
@@ -262,7 +262,7 @@ def test_a_late_click_over_the_late_clicks_topic_limit_is_dead_lettered_not_writ
     an orphan click on a 3000-character id made a 6 kB late-click record, written as it was (its topic's limit was not
     learned). Now it goes to ``late_clicks.dlq`` (``too_large``, the limit in the reason); the short one beside it to
     ``late_clicks``."""
-    create(kafka, NewTopic(settings.late_clicks_topic, 1, 1, config={"max.message.bytes": "6144"}))
+    create(kafka, NewTopic(settings.late_clicks_topic, kafka.partitions, 1, config={"max.message.bytes": "6144"}))
     p = make(kafka, EventLimits(max_str_len=4000))
     long_id = "x" * 3000
     p.process([imp(kafka, 0, 0, "a", T0), click(kafka, 0, 0, long_id, T0 + 1), click(kafka, 0, 1, "ghost", T0 + 2)])

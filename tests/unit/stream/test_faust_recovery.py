@@ -107,3 +107,22 @@ def test_a_run_that_exits_when_idle_does_not_end_during_a_recoverys_wait_but_aft
     wait = w._wait_s()  # the consumer sleeps it now
     assert wait == RECOVERY_BACKOFF_S[0] and not ticks(wait)
     assert ticks(0.75)  # nothing came after the wait: idle, the run ends
+
+
+def test_a_rebalance_bringing_partitions_the_topics_disagree_on_stops_the_worker_with_status_2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from faust.types import TP
+
+    from stream.errors import ConfigError
+
+    w, _ = _worker(monkeypatch, [])
+
+    def assigned(partitions: object) -> None:
+        raise ConfigError("topic impressions has 8 partitions and topic clicks has 4")
+
+    w.pipeline.layout = SimpleNamespace(assigned=assigned)  # type: ignore[attr-defined]
+    with pytest.raises(_Died) as died:
+        asyncio.run(w._on_assigned(None, {TP("impressions", 7)}))
+    assert died.value.args == (2,)

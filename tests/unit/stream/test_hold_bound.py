@@ -16,6 +16,7 @@ from stream.joiner.backpressure import (
     InputPauses,
     hold_bounds,
 )
+from tests.joiner_stubs import assigning_pipeline
 
 
 def test_an_input_is_paused_at_the_high_mark_and_stays_paused_until_the_low_mark() -> None:
@@ -95,7 +96,7 @@ def test_the_kafka_worker_sizes_its_hold_for_each_assignment() -> None:
             self.assigned = partitions
 
     kafka, js = KafkaSettings(bootstrap_servers="127.0.0.1:1"), JoinerSettings()
-    worker = KafkaJoinWorker(None, kafka, js)  # type: ignore[arg-type]  # the pipeline is not used here
+    worker = KafkaJoinWorker(assigning_pipeline(), kafka, js)  # type: ignore[arg-type]  # only the layout is used
     try:
         def assign(n: int) -> int:
             worker._assigned.clear()  # as a revocation leaves it

@@ -14,6 +14,7 @@ from stream.joiner import kafka_driver
 from stream.joiner.config import JoinerSettings
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.joiner.metrics import ASSIGN_RETRIES
+from tests.joiner_stubs import assigning_pipeline
 
 PARTITIONS = [TopicPartition("impressions", 0), TopicPartition("clicks", 0)]
 
@@ -35,7 +36,7 @@ class Consumer:
 @pytest.fixture
 def worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(kafka_driver, "RECOVERY_BACKOFF_S", (0.001, 0.004))
-    w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
+    w = KafkaJoinWorker(assigning_pipeline(), KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
     yield w
     w.consumer.close()
 
@@ -82,3 +83,17 @@ def test_a_bug_in_the_assignment_is_not_retried(worker: Any, monkeypatch: pytest
     with pytest.raises(TypeError):
         worker._on_assign(Consumer(), PARTITIONS)
     assert worker.assign_retries == 0
+
+
+def test_a_rebalance_bringing_partitions_the_topics_disagree_on_stops_the_worker_before_reading_them(
+        worker: Any) -> None:
+    from stream.errors import ConfigError
+
+    def assigned(partitions: object) -> None:
+        raise ConfigError("topic impressions has 8 partitions and topic clicks has 4")
+
+    worker.pipeline.layout.assigned = assigned
+    consumer = Consumer()
+    with pytest.raises(ConfigError, match="has 8 partitions"):  # out of consume(), run() and the CLI: exit 2
+        worker._on_assign(consumer, [TopicPartition("impressions", 7)])
+    assert consumer.assigned == []

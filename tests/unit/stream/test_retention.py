@@ -18,6 +18,7 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.metrics import INPUT_LOST
 from stream.retention import Lost, account_for_retention, start_after_retention
+from tests.joiner_stubs import assigning_pipeline
 
 
 class Consumer:
@@ -123,7 +124,7 @@ def test_the_event_reader_starts_past_what_retention_deleted_and_counts_it_under
 
 def test_the_kafka_drivers_assignment_starts_past_what_retention_deleted_and_counts_it(
         caplog: pytest.LogCaptureFixture) -> None:
-    w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
+    w = KafkaJoinWorker(assigning_pipeline(), KafkaSettings(bootstrap_servers="127.0.0.1:9"), JoinerSettings())  # type: ignore[arg-type]
     try:
         topic = w.kafka.impressions_topic
         before = lost("joiner", topic)
@@ -491,7 +492,7 @@ def test_the_kafka_drivers_fetch_past_records_deleted_while_it_runs_logs_and_cou
 
     from stream.joiner import kafka_driver
 
-    w = KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
+    w = KafkaJoinWorker(assigning_pipeline(), KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
                         JoinerSettings(batch_max=4, batch_within_s=0.01))
     w.consumer.close()
     imps, clicks = w.kafka.impressions_topic, w.kafka.clicks_topic
@@ -505,7 +506,7 @@ def test_the_kafka_drivers_fetch_past_records_deleted_while_it_runs_logs_and_cou
     monkeypatch.setattr(kafka_driver, "resume_offsets", lambda consumer, tps, reader: [
         TopicPartition(tp.topic, tp.partition, {imps: 10, clicks: 5}[tp.topic]) for tp in tps])
     processed: list[tuple[str, int]] = []
-    w.pipeline = SimpleNamespace(  # type: ignore[assignment]
+    w.pipeline = assigning_pipeline(
         totals=SimpleNamespace(stage_s={"fetch": 0.0, "commit": 0.0}), engines={0: None}, processed={},
         held_counts={}, restore=lambda _p: None,
         process_new=lambda records, behind: processed.extend((r.topic, r.offset) for r in records))
