@@ -10,13 +10,13 @@ and the impression as a 0: wrong labels, not an error (measured: impressions in 
 clicks and state topics, so those need at least as many partitions (with fewer, every batch of a partition past
 them failed the producer with "Unknown partition" and was retried for ever).
 
-At start (:func:`ensure_layout`) the inputs are made if missing, their counts compared, and the outputs made with
-the inputs' count if missing; any disagreement is a :class:`~stream.errors.ConfigError` (exit 2) naming the topics,
-their counts and the fix. Partitions added to the inputs while the joiner runs come to it in a rebalance:
-:meth:`Layout.assigned` checks again when a partition number past the known count is assigned, and stops the worker
-the same way if the topics disagree. If they agree, it goes on and warns: keys written before the change stay in
-their old partitions, so a click of an impression published before it may land elsewhere (an orphan). Add
-partitions to both inputs before their producers write to them, and to the outputs first.
+At start (:func:`ensure_layout`) the inputs are made if missing (one with the other's count), their counts compared,
+and the outputs made with the inputs' count if missing; any disagreement is a :class:`~stream.errors.ConfigError`
+(exit 2) naming the topics, their counts and the fix. Partitions added to the inputs while the joiner runs come to
+it in a rebalance: :meth:`Layout.assigned` checks again when a partition number past the known count is assigned,
+and stops the worker the same way if the topics disagree. If they agree, it goes on and warns: keys written before
+the change stay in their old partitions, so a click of an impression published before it may land elsewhere (an
+orphan). Add partitions to both inputs before their producers write to them, and to the outputs first.
 """
 
 from __future__ import annotations
@@ -51,13 +51,24 @@ def check_layout(counts: Mapping[str, int], impressions: str, clicks: str, outpu
     return n_imp
 
 
+def ensure_inputs(kafka: KafkaSettings,
+                  counts: Callable[[KafkaSettings, list[str]], dict[str, int]] = partition_counts) -> int:
+    """Make the impressions and clicks topics where missing, one with the other's partition count where that one
+    exists (``[kafka] partitions`` where neither does), and check they agree (:func:`check_layout`): their count.
+    The replay calls it before it writes: events published into topics that disagree are joined wrong for good (a
+    partition added later does not move them)."""
+    imp, clk = kafka.impressions_topic, kafka.clicks_topic
+    have = {t: n for t, n in counts(kafka, [imp, clk]).items() if n}
+    ensure_topics(kafka, [imp, clk], partitions=next(iter(have.values()), None))
+    return check_layout(counts(kafka, [imp, clk]), imp, clk, ())
+
+
 def ensure_layout(kafka: KafkaSettings, outputs: Collection[str], state_topic: str,
                   counts: Callable[[KafkaSettings, list[str]], dict[str, int]] = partition_counts) -> int:
-    """Make the inputs if missing, then ``outputs`` (plain) and ``state_topic`` (compacted) with the inputs' count if
-    missing, and check the layout (:func:`check_layout`): the inputs' partition count."""
+    """Make the inputs if missing (:func:`ensure_inputs`), then ``outputs`` (plain) and ``state_topic`` (compacted)
+    with the inputs' count if missing, and check the layout (:func:`check_layout`): the inputs' partition count."""
     imp, clk = kafka.impressions_topic, kafka.clicks_topic
-    ensure_topics(kafka, [imp, clk])
-    n = check_layout(counts(kafka, [imp, clk]), imp, clk, ())
+    n = ensure_inputs(kafka, counts)
     ensure_topics(kafka, outputs, partitions=n)
     ensure_compacted(kafka, state_topic, partitions=n)
     return check_layout(counts(kafka, [imp, clk, *outputs, state_topic]), imp, clk, [*outputs, state_topic])
