@@ -26,9 +26,12 @@ click clock: the newest ``ts + label_delay_ms`` of a positive delivered, passed 
 inclusive). The rows' own event time is neither: reading a backlog, the joiner can put out a whole fetched batch of
 impressions (days of MovieLens' sparse years) before the clicks of the impressions just before it, and a clock of
 the newest impression time took 56,578 of the demo's delayed positives for negatives before they arrived
-(``unmatched``). At most ``max_pending`` wait; beyond that the oldest are taken as 0 (counted in ``forced``).
-The pending ones are not in a checkpoint: after a restart their delayed positives find nothing (counted in
-``unmatched``).
+(``unmatched``). At most ``max_pending`` wait (all partitions together); beyond that the oldest of the fullest
+partition are taken as 0 (counted in ``forced``). The pending ones (id, time, prediction, cold flag, in arrival order
+per partition) and each partition's clock are checkpoint state (``pending``, ``clock``), so an impression pending at a
+checkpoint is still scored after a restart, its delayed positive matched; a state saved before them loads with none
+pending (their delayed positives count as ``unmatched``, as they did). In the sharded daemon rank 0 holds every
+partition's (``learner/sharded_daemon.py``), so a restore on another world size has them all on rank 0 again.
 
 AUC, logloss and NE (logloss over the entropy of the base rate) over everything served and over cold users'
 impressions, cumulative, with a sliding window (``learner.progressive.ProgressiveMetrics``). The windows are timed
@@ -158,10 +161,39 @@ class ServedQuality:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """``pending``: the partitions in the order they came (every one, empty or not: it breaks :meth:`_expire`'s
+        ties), each one's count, and the impressions of all, partition after partition, in arrival order; the
+        arrays only when one is pending (an empty array pickles as bytes, which safe loads refuse). ``clock``:
+        ``[partition, ms]`` pairs (plain ints: a watermark of int64 max closes at one past it)."""
+        rows = [(i, *v) for q in self._pending.values() for i, v in q.items()]
+        pending: dict[str, Any] = {"partitions": list(self._pending), "sizes": [len(q) for q in self._pending.values()]}
+        if rows:
+            pending.update(ids=[r[0] for r in rows], ts=np.array([r[1] for r in rows], np.int64),
+                           probs=np.array([r[2] for r in rows], np.float64), cold=np.array([r[3] for r in rows], bool))
         return {"all": self.all.state_dict(), "cold": self.cold.state_dict(), "forced": self.forced,
-                "unmatched": self.unmatched}
+                "unmatched": self.unmatched, "pending": pending, "clock": [[p, t] for p, t in self._clock.items()]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """A state of :meth:`state_dict`; one saved before ``pending`` and ``clock`` starts with none. A state that
+        does not add up (counts against ids, an id twice) is a ValueError: a damaged checkpoint."""
         self.all.load_state_dict(d["all"])
         self.cold.load_state_dict(d["cold"])
         self.forced, self.unmatched = int(d.get("forced", 0)), int(d.get("unmatched", 0))
+        p = d.get("pending", {"partitions": [], "sizes": []})
+        parts, sizes = [int(x) for x in p["partitions"]], [int(n) for n in p["sizes"]]
+        ids = [str(i) for i in p.get("ids", [])]
+        cols = [np.asarray(p[k]).reshape(-1).tolist() for k in ("ts", "probs", "cold")] if ids else [[], [], []]
+        if len(parts) != len(sizes) or min(sizes, default=0) < 0 or sum(sizes) != len(ids) or \
+                any(len(c) != len(ids) for c in cols) or len(set(ids)) != len(ids) or len(set(parts)) != len(parts):
+            raise ValueError(f"served quality state: {len(parts)} partitions, sizes {sum(sizes)} in all, {len(ids)} "
+                             f"ids ({len(set(ids))} distinct), columns of {[len(c) for c in cols]}: it does not add up")
+        rows = iter(zip(ids, *cols, strict=True))
+        self._pending, self._where = {}, {}
+        for part, n in zip(parts, sizes, strict=True):
+            queue = self._pending[part] = OrderedDict()
+            for _ in range(n):
+                i, t, prob, c = next(rows)
+                queue[i] = (int(t), float(prob), bool(c))
+                self._where[i] = part
+        self._clock = {int(part): int(t) for part, t in d.get("clock", [])}
+        self._expire()  # (a no-op for a state this class saved: it expired all it could before)

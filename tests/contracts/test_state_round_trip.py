@@ -11,7 +11,8 @@ and ``load_latest(safe=True)`` (``torch.load(weights_only=True)``, what the refr
 Parts with a state dict: ``IdMap`` and ``FieldIdMaps`` (learner/id_map.py), ``RowMapper`` (learner/row_mapper.py,
 restored with ``from_state``), ``ColdTracker``, ``ProgressiveMetrics`` (learner/progressive.py), the model with
 each sparse optimizer (learner/optim.py: rowwise_adagrad, rowwise_adagrad with boost, sparse_adam; the dense
-Adam comes along) and ``RecentIds`` (the duplicate filter, learner/daemon.py). Parts whose state is their store:
+Adam comes along), ``RecentIds`` (the duplicate filter, learner/daemon.py), ``BaseRateBias``, ``OnlineCalibration``
+and ``ServedQuality`` (learner/served.py: its pending impressions and clocks too). Parts whose state is their store:
 ``DeltaWriter`` (learner/deltas.py: its directory), ``Strikes`` over ``FileStrikes`` and ``RedisStrikes``.
 
 Each part's driven outputs must also differ from a fresh part's (``test_..._depend_on_the_state``): otherwise
@@ -45,6 +46,7 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
 from learner.row_mapper import ColdTracker, RowMapper, user_keys
+from learner.served import ServedQuality
 from learner.trainer import Trainer
 from stream.samples import SampleBatch
 from stream.strikes import FileStrikes, RedisStrikes, Strikes
@@ -307,6 +309,28 @@ def _load_calibration(state: Any) -> OnlineCalibration:
     return c
 
 
+def _served() -> ServedQuality:
+    return ServedQuality(window_ms=3000, max_pending=150)
+
+
+def _served_step(q: ServedQuality, s: int) -> Any:
+    """Step ``s`` of :func:`_delayed_rows` served from two partitions: partition 0 closes windows by the joiner's
+    watermark, partition 1 by its click clock; 150 pending at most (some forced). Impressions wait 3 s, their clicks
+    come a step later: a state that lost the pending ones counts those clicks unmatched."""
+    ids, kinds, labels, ts, delays = _delayed_rows(s)
+    probs = np.random.default_rng(300 + s).random(len(ids))
+    parts = np.array([int(i.rsplit("_", 1)[1]) % 2 for i in ids.tolist()], np.int64)
+    cold = np.arange(len(ids)) % 3 == 0
+    q.record(ids, ts, kinds, labels, probs, cold, parts, delays, watermarks={0: s * 1000 - 2500})
+    return q.summary(), q.state_dict()
+
+
+def _load_served(state: Any) -> ServedQuality:
+    q = _served()
+    q.load_state_dict(state)
+    return q
+
+
 def _training_part(name: str, boost: float = 0.0) -> Part:
     make = _training(name, boost)
     return Part(make, _training_step, _training_save, _training_load(make))
@@ -330,6 +354,7 @@ PARTS: dict[str, Part] = {
                            BaseRateBias.state_dict, _load_bias),
     "online_calibration": Part(lambda: OnlineCalibration(maturity_s=2.0, prior_rows=10.0), _calibration_step,
                                OnlineCalibration.state_dict, _load_calibration),
+    "served_quality": Part(_served, _served_step, ServedQuality.state_dict, _load_served),
 }
 # Parts that break the contract today (bugs found by it; the owners of those files have the reproduction).
 KNOWN_BREAKS: dict[str, str] = {}
