@@ -80,10 +80,9 @@ class ServedQuality:
         cold = np.zeros(b, bool) if cold is None else cold
         parts = np.zeros(b, np.int64) if partitions is None else np.asarray(partitions, np.int64)
         known = np.asarray(ts, np.int64) + (0 if label_delay_ms is None else np.asarray(label_delay_ms, np.int64))
-        ok = np.isfinite(probs)
-        final = ok & ((kinds == FINAL) | ((kinds == OBSERVED) & (labels > 0.5)))
+        final = (kinds == FINAL) | ((kinds == OBSERVED) & (labels > 0.5))
         self._resolve(probs[final], labels[final], cold[final], known[final])
-        wait = ok & (kinds == OBSERVED) & (labels <= 0.5)
+        wait = (kinds == OBSERVED) & (labels <= 0.5)  # a non-finite prediction too: its click is its own, not unmatched
         for i, t, prob, c, part in zip(impression_ids[wait].tolist(), ts[wait].tolist(), probs[wait].tolist(),
                                        cold[wait].tolist(), parts[wait].tolist(), strict=True):
             if i in self._where:  # the same id again (past the daemon's dedup window, or on another partition):
@@ -141,7 +140,10 @@ class ServedQuality:
                           np.array([x[2] for x in expired]), np.array([x[0] + self.window_ms for x in expired]))
 
     def _resolve(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray, known_ms: np.ndarray) -> None:
-        """Served predictions with their final labels, ``known_ms`` the event time each label became known."""
+        """Served predictions with their final labels, ``known_ms`` the event time each label became known. A
+        non-finite prediction (NaN, inf) is left out: it ranks nothing and has no logloss."""
+        ok = np.isfinite(probs)
+        probs, labels, cold, known_ms = probs[ok], labels[ok], cold[ok], known_ms[ok]
         if len(probs):
             self.all.update(probs, labels, known_ms)
             if cold.any():

@@ -68,3 +68,16 @@ def test_a_served_state_whose_pending_impressions_do_not_add_up_is_refused() -> 
     state["pending"]["sizes"] = [3]
     with pytest.raises(ValueError, match="does not add up"):
         ServedQuality(window_ms=1000).load_state_dict(state)
+
+
+def test_the_delayed_positive_of_an_impression_served_a_nan_is_matched_not_counted_unmatched() -> None:
+    """An observed 0 predicted NaN (a model gone non-finite for a batch) is never scored, but its click is its own,
+    not a click whose impression was lost: ``unmatched`` stays 0, and nothing non-finite reaches the metrics."""
+    q = ServedQuality(window_ms=1000)
+    q.record(np.array(["a", "b"], object), np.array([0, 0]), np.full(2, OBSERVED, np.int8), np.zeros(2, np.float32),
+             np.array([np.nan, 0.3]), None)
+    q.record(np.array(["a"], object), np.array([0]), np.array([DELAYED_POSITIVE], np.int8), np.ones(1, np.float32),
+             np.array([0.5]), None, label_delay_ms=np.array([400]))
+    q.advance(2000)
+    assert q.unmatched == 0 and q.pending == 0
+    assert q.all.count == 1 and np.isfinite(q.all.logloss)  # b only
