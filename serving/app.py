@@ -37,6 +37,7 @@ rejected and the previous one keeps serving (the body's ``problem`` says so).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -212,7 +213,10 @@ class ScoringApp:
         if doc and cached_for is encoder:
             return doc
         names = (encoder.context_names, encoder.dense_names) if encoder is not None else (None, None)
-        doc = orjson.dumps(openapi(self.s.max_candidates, self.s.max_batch, self._version, *names))
+        # the standard library's encoder: the dense bounds are integers past int64 (stream.limits.DENSE_MAX_LITERAL),
+        # which orjson refuses ("Integer exceeds 64-bit range": the document was a 500)
+        doc = json.dumps(openapi(self.s.max_candidates, self.s.max_batch, self._version, *names),
+                         separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
         self._openapi = (encoder, doc)
         return doc
 
