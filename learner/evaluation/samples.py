@@ -14,7 +14,8 @@ Feature sets:
               the movie's release year and its genres (multi-valued, mean-pooled).
 ``default``   those plus user id, item id and the user's history: the items the user rated >= 4
               strictly before this rating's timestamp, newest last, at most 50 (as of time: a rating
-              never sees itself, a rating of the same second, or the future). The history shares the
+              never sees itself, a rating of the same second, or the future; an item rated >= 4 twice at one
+              time is there once, as in the joiner's history). The history shares the
               item id rows of the embedding table.
 
 History, offline and in the joiner. The joiner (``stream/joiner/pipeline.py``, ``stream/history.py``)
@@ -62,7 +63,9 @@ def history_as_of(user: np.ndarray, item: np.ndarray, ts: np.ndarray, positive: 
                   max_len: int = 50, rows: np.ndarray | None = None,
                   delay_ms: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Each row's history: the items of the same user's positive rows that entered the history strictly
-    before the row's timestamp, oldest first, the last ``max_len`` of them. A positive at ``ts`` enters
+    before the row's timestamp, oldest first, the last ``max_len`` of them; positives of one user on one item at
+    one time are one entry (the joiner's history is a click time and an item, ``stream/history.py``, so it reads
+    such clicks as one). A positive at ``ts`` enters
     at ``ts + delay_ms`` (0: at once; > 0: the way a click delay makes it enter the joiner's history
     later). Returns ``(flat items, offsets)`` for ``rows`` (default: every row, in input order).
 
@@ -75,6 +78,13 @@ def history_as_of(user: np.ndarray, item: np.ndarray, ts: np.ndarray, positive: 
     users, code = np.unique(user, return_inverse=True)
     code = code.reshape(-1)  # (N,) dense user codes into users (U,)
     pos_rows = np.flatnonzero(positive)  # (P,)
+    if len(pos_rows) > 1:  # one entry per (user, time, item), the first: the joiner's history keeps one such click
+        _, item_code = np.unique(item[pos_rows], return_inverse=True)
+        keys = (item_code.reshape(-1), ts[pos_rows], code[pos_rows])
+        by = np.lexsort((pos_rows, *keys))
+        repeat = np.zeros(len(by), bool)
+        repeat[1:] = np.logical_and.reduce([k[by][1:] == k[by][:-1] for k in keys])
+        pos_rows = np.sort(pos_rows[by][~repeat])
     n_pos = len(pos_rows)
     # Merged events: [0, P) entries, [P, P + N) look-ups; by user, time, look-up before entry, input order.
     is_entry = np.concatenate([np.ones(n_pos, bool), np.zeros(n, bool)])  # (P + N,)

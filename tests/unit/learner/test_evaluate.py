@@ -130,6 +130,8 @@ def test_history_matches_brute_force_on_random_frames() -> None:
         for k in range(n):
             earlier = [j for j in np.lexsort((np.arange(n), ts))
                        if user[j] == user[k] and ts[j] + delay < ts[k] and pos[j]]
+            firsts = {(ts[j], item[j]): j for j in reversed(earlier)}  # one entry per (time, item): the first
+            earlier = [j for j in earlier if firsts[(ts[j], item[j])] == j]
             assert flat[offsets[k]:offsets[k + 1]].tolist() == item[earlier][-7:].tolist()
 
 
