@@ -16,7 +16,9 @@ therefore never trust list order: they sort by click time and filter by it. :met
 returns only clicks strictly before the given time -- the rule that keeps the future (including the
 impression's own click, whose time is after the impression) out of training features. As-of reads
 are exact as long as the list still holds the clicks before that time, i.e. when fewer than
-``max_len`` newer clicks of the user were appended since (true for a joiner reading in event order).
+``max_len`` newer clicks of the user were appended since. A joiner reading in event order can still append more:
+it reads a sample's history when the sample goes out (up to a window after its impression), and a user may click
+more than that in between (README, "the samples topic": on ML-1M's bursts, up to 6.8% of the impressions).
 """
 
 from __future__ import annotations
