@@ -171,10 +171,13 @@ def _recent_key(key: str | tuple[str] | list[str]) -> str | tuple[str]:
 
 
 def _present(batch: SampleBatch, column: str) -> int:
-    """Rows of ``batch`` that carry ``column`` (a missing categorical is MISSING, a list empty, a dense 0)."""
+    """Rows of ``batch`` that carry ``column`` (a missing categorical is MISSING, a list empty or ``[MISSING]``: the
+    joiner's for a row without the key, ``stream/joiner/sample_rows.py``; a dense 0)."""
     col = batch.batch.column(column)
-    if pa.types.is_list(col.type):
-        return int((np.diff(col.offsets.to_numpy()) > 0).sum())
+    if pa.types.is_list(col.type):  # a row with a value other than MISSING
+        values, offsets = batch.lists(column)
+        kept = np.concatenate([[0], np.cumsum(values != MISSING)])  # (N + 1,) values kept before each
+        return int((kept[offsets[1:]] > kept[offsets[:-1]]).sum())
     return int((col.to_numpy(zero_copy_only=False) != (0.0 if column.startswith(DENSE_PREFIX) else MISSING)).sum())
 
 
