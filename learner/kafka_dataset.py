@@ -275,7 +275,7 @@ class KafkaSampleDataset(IterableDataset):
                             raise BadMessage(str(self.suspects[pos]), kind="poison")
                         sb = decoded if decoded is not None else read(m.value())
                         tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
-                        if (wm := read_watermark(m.headers(), self.future_ts_s)) is not None:  # learner/served.py
+                        if (wm := read_watermark(m.headers(), self.future_ts_s, self.max_label_delay_s)) is not None:
                             tb.watermarks = {part: wm}
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
@@ -442,17 +442,22 @@ def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_
     return sb
 
 
-def read_watermark(headers: list[tuple[str, bytes | None]] | None, future_ts_s: float | None = None) -> int | None:
+def read_watermark(headers: list[tuple[str, bytes | None]] | None, future_ts_s: float | None = None,
+                   window_s: float | None = None) -> int | None:
     """``watermark_of`` the message's headers, and the bound that needs the learner's clock: a watermark leading it by
-    more than ``future_ts_s`` (None: no bound) is none the joiner wrote (its watermark is an event time it took, within
-    its own ``future_ts_s`` of its clock); one would close every impression of its partition, for good
-    (``learner/served.py``: a partition's watermark never goes back). Raises :class:`BadMessage` (``future_ts``)."""
-    wm = watermark_of(headers)
+    more than ``future_ts_s`` (None: no bound) + ``window_s`` (the attribution window, ``max_label_delay_s``; None: 0)
+    is none the joiner wrote (its watermark is an event time it took, within its own ``future_ts_s`` of its clock, or
+    at a drain that time + the window, ``stream/joiner/engine.py``); one would close every impression of its
+    partition, for good (``learner/served.py``: a partition's watermark never goes back). Raises :class:`BadMessage`
+    (``future_ts``)."""
+    window_ms = int(window_s * 1000) if window_s is not None else 0
+    wm = watermark_of(headers, window_ms)
     if wm is not None and future_ts_s is not None:
         now = int(time.time() * 1000)
-        if wm - now > future_ts_s * 1000:
+        if wm - now > future_ts_s * 1000 + window_ms:
             raise BadMessage(f"a streamrec-watermark header {(wm - now) / 1000:.0f} s ahead of the learner's clock, "
-                             f"over [learner] future_ts_s={future_ts_s:g}", kind="future_ts")
+                             f"over [learner] future_ts_s={future_ts_s:g} + attribution_window_s={window_ms / 1000:g}",
+                             kind="future_ts")
     return wm
 
 

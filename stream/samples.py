@@ -88,11 +88,12 @@ def watermark_header(watermark: int | None) -> tuple[str, bytes]:
     return WATERMARK_HEADER, struct.pack(">q", NO_WATERMARK if watermark is None else watermark)
 
 
-def watermark_of(headers: Sequence[tuple[str, bytes | None]] | None) -> int | None:
+def watermark_of(headers: Sequence[tuple[str, bytes | None]] | None, window_ms: int = 0) -> int | None:
     """The watermark a samples message's headers carry (None: no such header, a joiner from before it). Raises
     :class:`BadMessage` (``bad_header``) for what the joiner never writes: one without a value or not of 8 bytes,
     or several (taken for no header, they sent the partition back to the click clock, ``learner/served.py``); and
-    (``bad_value``) one past :data:`MAX_TS_MS`."""
+    (``bad_value``) one past :data:`MAX_TS_MS` + ``window_ms`` (the attribution window: a drain's watermark is its
+    newest event time + the window, ``stream/joiner/engine.py``)."""
     found = [v for k, v in headers or () if k == WATERMARK_HEADER]
     if len(found) > 1:
         raise BadMessage(f"{len(found)} {WATERMARK_HEADER} headers: the joiner writes one", kind="bad_header")
@@ -103,9 +104,9 @@ def watermark_of(headers: Sequence[tuple[str, bytes | None]] | None) -> int | No
         got = "no value" if value is None else f"{len(value)} bytes"
         raise BadMessage(f"a {WATERMARK_HEADER} header of {got}, expected 8 (int64 big-endian ms)", kind="bad_header")
     wm = int(struct.unpack(">q", value)[0])
-    if wm > MAX_TS_MS:  # the joiner's watermark is an event time it took: one past them all closed all for ever
-        raise BadMessage(f"a {WATERMARK_HEADER} header of {wm} ms, past {MAX_TS_MS} (no event time is)",
-                         kind="bad_value")
+    if wm > MAX_TS_MS + window_ms:  # past every event time the joiner takes (+ a drain's window): closes all for ever
+        raise BadMessage(f"a {WATERMARK_HEADER} header of {wm} ms, past {MAX_TS_MS + window_ms} (no event time is, "
+                         f"+ {window_ms} ms of attribution window)", kind="bad_value")
     return wm
 
 

@@ -383,3 +383,24 @@ def test_a_consumer_close_that_fails_after_a_clean_end_is_raised(monkeypatch: py
     ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {0: 0}, exit_when_idle_s=0.05)
     with pytest.raises(RuntimeError, match="Consumer closed"):
         list(ds)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_the_watermark_a_drain_writes_a_window_past_its_newest_event_is_taken_not_dead_lettered(
+        monkeypatch: pytest.MonkeyPatch, merge: bool) -> None:
+    """At exit (``drain_at_exit``) the engine moves event time past every window: the last samples message, with every
+    pending impression as a 0, carries the watermark newest event + window (stream/joiner/engine.py). Events of now
+    under a 2-hour window made it 7,200 s ahead of the clock: dead-lettered as ``future_ts`` at ``future_ts_s=3600``,
+    the drain's samples never trained. The bound is ``future_ts_s`` + the window (``max_label_delay_s``)."""
+    from stream.events import Impression
+    from stream.joiner.engine import JoinConfig, PartitionJoin
+
+    engine = PartitionJoin(0, JoinConfig(window_ms=7_200_000))
+    now = int(time.time() * 1000)
+    engine.apply([(0, Impression(impression_id="i0", ts=now, user_id="u", item_id="i"))], [])
+    engine.apply([], [], drain=True)
+    assert engine.watermark is not None and engine.watermark - now >= 7_200_000
+    parts: dict[int, list[Any]] = {0: [(sample(0, ts=[now]), [watermark_header(engine.watermark)])]}
+    batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, future_ts_s=3600.0, max_label_delay_s=7200.0)
+    assert dead == []
+    assert [b.watermarks for b in batches if len(b)] == [{0: engine.watermark}]
