@@ -287,9 +287,13 @@ def _claim(client: Any, prefix: str, version: str, owner: str) -> None:
     if client.set(key, json.dumps({"owner": owner}), nx=True):
         return
     try:
-        held = json.loads(get_value(client, key) or b"null")
-    except ValueError:  # not JSON, or not a string
-        held = None
+        raw = get_value(client, key)  # a key of another type: a ValueError naming it
+    except ValueError as exc:
+        raise taken(f"its writer marker not one a refresh writes ({exc})") from None
+    try:
+        held = json.loads(raw or b"null")
+    except ValueError:  # not JSON (UnicodeDecodeError is one): the value, as it is
+        held = raw[:80]  # type: ignore[index]
     if not isinstance(held, dict) or held.get("owner") != owner:
         raise taken(f"its writer marker {held!r}")
 

@@ -277,3 +277,40 @@ def test_a_meta_that_is_not_json_is_refused_like_one_that_does_not_fit_not_taken
     with pytest.raises(ValueError, match="p:emb:v:meta is not a meta"):
         LayeredRows(store, "v", table, [], None)
     assert store.available
+
+
+class MarkerClient(FakeClient):
+    """GET/SET NX over a dict; a key in ``hashes`` is a Redis hash (GET: WRONGTYPE, as Redis answers)."""
+
+    def __init__(self, values: dict[str, bytes], hashes: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__(values)
+        self.hashes = hashes
+
+    def get(self, key: str) -> bytes | None:
+        if key in self.hashes:
+            raise redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+        return super().get(key)
+
+    def set(self, key: str, value: Any, nx: bool = False) -> bool:
+        if nx and (key in self.values or key in self.hashes):
+            return False
+        self.values[key] = value
+        return True
+
+    def type(self, key: str) -> bytes:
+        return b"hash" if key in self.hashes else b"string"
+
+
+@pytest.mark.parametrize(("values", "hashes", "said"), [
+    ({"p:emb:v:writer": b"{not json"}, set(), r"its writer marker b'\{not json'"),
+    ({}, {"p:emb:v:writer"}, "p:emb:v:writer is a Redis hash")])
+def test_a_writer_marker_a_refresh_never_writes_is_refused_naming_what_it_holds(
+        values: dict[str, bytes], hashes: set[str], said: str) -> None:
+    """A version's writer marker that is not JSON, or a key of another type, was said to be "its writer marker None":
+    the error named neither the value nor the key's type."""
+    from serving.embedding_store import VersionTaken, write_version
+
+    client = MarkerClient(dict(values), hashes)
+    with pytest.raises(VersionTaken, match=said):
+        write_version(client, "p", "v", np.zeros((2, 4), np.float32), np.arange(2), RowDtype.FLOAT32, owner="o")
+    assert set(client.values) == set(values)  # nothing written
