@@ -75,3 +75,20 @@ def test_partitions_added_to_every_topic_are_taken_with_a_warning_about_the_keys
     assert "6 partitions now (4 at start)" in caplog.text and "orphan" in caplog.text
     layout.assigned([5, 0])  # known now: not asked again
     assert counts.asked == 1
+
+
+def test_a_missing_input_is_made_with_the_other_inputs_count_not_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stream.joiner import partitions
+
+    broker = {IMP: 8}  # the operator made impressions with 8 partitions; clicks' producers have not started yet
+
+    def ensure_topics(kafka: KafkaSettings, topics: list[str], partitions: int | None = None) -> None:
+        broker.update({t: partitions or kafka.partitions for t in topics if t not in broker})
+
+    monkeypatch.setattr(partitions, "ensure_topics", ensure_topics)
+    monkeypatch.setattr(partitions, "ensure_compacted", lambda kafka, t, partitions=None: ensure_topics(
+        kafka, [t], partitions))
+    kafka = KafkaSettings(impressions_topic=IMP, clicks_topic=CLK, samples_topic=SAMPLES, partitions=4)
+    assert partitions.ensure_layout(kafka, [SAMPLES, LATE], STATE,
+                                    lambda _, topics: {t: broker.get(t, 0) for t in topics}) == 8
+    assert broker == {IMP: 8, CLK: 8, SAMPLES: 8, LATE: 8, STATE: 8}
