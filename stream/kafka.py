@@ -382,10 +382,12 @@ def ensure_topics(kafka: KafkaSettings, topics: Iterable[str], partitions: int |
 
 
 def partition_counts(kafka: KafkaSettings, topics: Iterable[str]) -> dict[str, int]:
-    """How many partitions each of ``topics`` has now (0: it does not exist), from one metadata request."""
+    """How many partitions each of ``topics`` has now (0: it does not exist), from one metadata request. A topic
+    whose metadata carries an error (a leader not available yet, just after its creation) counts the partitions
+    listed: its count is known all the same, and 0 would refuse a layout that holds."""
     admin = AdminClient(admin_config(kafka))
     md = admin.list_topics(timeout=10).topics
-    return {t: len(md[t].partitions) if t in md and md[t].error is None else 0 for t in topics}
+    return {t: len(md[t].partitions) if t in md else 0 for t in topics}
 
 
 def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:
