@@ -16,7 +16,20 @@ it. Headers:
 ``dlq.key_truncated_from``    only where the key alone left no room under that limit: its size
                               (the record then holds as many of its first bytes as fit beside
                               the value, which is kept whole wherever it fits alone)
+``dlq.headers_dropped``       only where the source message's own headers did not fit: how many
+``dlq.original_headers``      always the last header: how many of the record's first headers
+                              are the source message's own (0 when it had none, or they were dropped)
 ============================  ==============================================================
+
+The source message's own headers (a samples message's ``streamrec-watermark``, an application's tracing or schema
+ids) come first, unchanged and in their order, and ours follow them, as Kafka Connect's dead-letter queue adds its
+``__connect.errors.*`` headers after the original ones: replaying ``headers[:n]`` (``n`` the last header's value;
+:attr:`DeadLetter.original_headers`) with the key and value to the source topic sends the message that was sent. A
+source header may bear one of our names (a producer's ``dlq.reason``): :meth:`DeadLetter.from_headers` reads ours only
+after the first ``n``, never a source one. The source headers are kept whole or dropped whole: kept where the record
+fits with them, our headers and the whole key and value under the topic's limit (each header sized with its name,
+value and 10 bytes of length framing); otherwise dropped, counted in ``dlq.headers_dropped``, and the key and value
+sized as if there had been none (the event's bytes matter more to whoever fixes it than the headers).
 
 Size: a dead-letter topic's limit is learned like the joiner's other topics' (``stream.kafka.message_limits``: the
 topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller), given by the
@@ -39,6 +52,7 @@ from stream.config import KafkaSettings
 from stream.errors import BadMessage, ConfigError, MessageTooLarge
 from stream.kafka import (
     AckedProducer,
+    Headers,
     MessageLimit,
     message_limits,
     raise_limit,
@@ -51,9 +65,12 @@ TRUNCATED_BYTES = 65_536
 REASON_BYTES = 2048  # the most a dlq.reason header takes (a reason may quote its input)
 _KIND_BYTES = 64
 _TOPIC_BYTES = 249  # Kafka's longest topic name
-# The most the headers take: reason, kind, source topic, their names, partition and offset (20 digits each), the two
-# truncation headers; what is left of a record under its limit is the key's and the value's.
-HEADER_BYTES = REASON_BYTES + _KIND_BYTES + _TOPIC_BYTES + 6 * 32 + 4 * 20
+# The most our headers take: reason, kind, source topic, the eight names, partition, offset, the two truncations and
+# the two header counts (20 digits each); what is left of a record under its limit is the key's, the value's and the
+# source headers' (these only where they fit beside the rest: module docstring).
+HEADER_BYTES = REASON_BYTES + _KIND_BYTES + _TOPIC_BYTES + 8 * 32 + 6 * 20
+_HEADER_FRAMING = 10  # a record header's two length varints at their largest
+OriginalHeaders = Headers
 MIN_DLQ_BYTES = HEADER_BYTES + 1024  # usable bytes (stream.kafka.usable_bytes) a dead-letter topic must leave
 
 
@@ -81,16 +98,28 @@ class DeadLetter:
     source_topic: str
     source_partition: int
     source_offset: int
+    original_headers: tuple[tuple[str, bytes | None], ...] = ()  # the source message's, to replay with it
+    headers_dropped: int = 0  # how many source headers did not fit (then original_headers is empty)
+    value_truncated_from: int | None = None
+    key_truncated_from: int | None = None
 
     @classmethod
-    def from_headers(cls, headers: list[tuple[str, bytes]] | None) -> DeadLetter:
-        h = {k: v.decode() for k, v in headers or []}
+    def from_headers(cls, headers: OriginalHeaders | None) -> DeadLetter:
+        """A dead letter's own headers read after its source message's (module docstring); one written before the
+        source headers were kept (no ``dlq.original_headers``) holds ours only."""
+        hs = list(headers or [])
+        n = int(hs[-1][1] or b"0") if hs and hs[-1][0] == "dlq.original_headers" else 0
+        h = {k: (v or b"").decode("utf-8", "replace") for k, v in hs[n:]}
         return cls(
             reason=h["dlq.reason"],
             kind=h["dlq.kind"],
             source_topic=h["dlq.source.topic"],
             source_partition=int(h["dlq.source.partition"]),
             source_offset=int(h["dlq.source.offset"]),
+            original_headers=tuple(hs[:n]),
+            headers_dropped=int(h.get("dlq.headers_dropped", 0)),
+            value_truncated_from=int(h["dlq.value_truncated_from"]) if "dlq.value_truncated_from" in h else None,
+            key_truncated_from=int(h["dlq.key_truncated_from"]) if "dlq.key_truncated_from" in h else None,
         )
 
 
@@ -125,9 +154,11 @@ class DeadLetters:
         return got
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | None, error: BadMessage,
-             partition: int = -1, offset: int = -1) -> None:
+             partition: int = -1, offset: int = -1, headers: OriginalHeaders | None = None) -> None:
+        """``headers``: the source message's own, kept in front of ours where they fit (module docstring)."""
         dlq_topic = self._kafka.dlq_topic(topic)
-        headers = [
+        original = list(headers or ())
+        ours = [
             ("dlq.reason", _bounded(error.reason, REASON_BYTES)),
             ("dlq.kind", _bounded(error.kind, _KIND_BYTES)),
             ("dlq.source.topic", _bounded(topic, _TOPIC_BYTES)),
@@ -135,24 +166,32 @@ class DeadLetters:
             ("dlq.source.offset", str(offset).encode()),
         ]
         raw_key = key.encode("utf-8", "replace") if isinstance(key, str) else key
-        room = usable_bytes(self.limit(dlq_topic).bytes) - sum(len(k) + len(v) for k, v in headers)
+        room = usable_bytes(self.limit(dlq_topic).bytes) - sum(len(k) + len(v) for k, v in ours)
+        count = ("dlq.original_headers", str(len(original)).encode())
+        original_bytes = sum(len(k.encode("utf-8", "surrogatepass")) + len(v or b"") + _HEADER_FRAMING
+                             for k, v in original)
+        if original and original_bytes + len(count[0]) + len(count[1]) + len(raw_key or b"") + len(value or b"") > room:
+            ours.append(("dlq.headers_dropped", count[1]))
+            room -= len(ours[-1][0]) + len(ours[-1][1])
+            count, original, original_bytes = ("dlq.original_headers", b"0"), [], 0
+        room -= len(count[0]) + len(count[1]) + original_bytes
         key_cut = ("dlq.key_truncated_from", str(len(raw_key or b"")).encode())
         if len(raw_key or b"") + len(value or b"") > room and len(value or b"") <= room - sum(map(len, key_cut)):
             # The value (the event itself) fits once the key is cut: keep it whole, cut only the key.
-            headers.append(key_cut)
+            ours.append(key_cut)
             raw_key = (raw_key or b"")[:room - sum(map(len, key_cut)) - len(value or b"")]
         elif len(raw_key or b"") + len(value or b"") > room:
             # Keep what fits and say how much there was: the reason and the source offset still point to it.
             cut = ("dlq.value_truncated_from", str(len(value or b"")).encode())
-            headers.append(cut)
+            ours.append(cut)
             room -= len(cut[0]) + len(cut[1])
             if raw_key is not None and len(raw_key) > room:  # (MIN_DLQ_BYTES leaves room > 0 after every header)
                 cut = ("dlq.key_truncated_from", str(len(raw_key)).encode())
-                headers.append(cut)
+                ours.append(cut)
                 room -= len(cut[0]) + len(cut[1])
                 raw_key = raw_key[:room]
             value = (value or b"")[:max(0, min(TRUNCATED_BYTES, room - len(raw_key or b"")))]
-        self._producer.send(dlq_topic, value, raw_key, headers=headers)
+        self._producer.send(dlq_topic, value, raw_key, headers=[*original, *ours, count])
         self.counts[(topic, error.kind)] += 1
         DLQ_MESSAGES.labels(topic, error.kind).inc()
 

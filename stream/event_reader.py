@@ -21,7 +21,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException,
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
-from stream.kafka import new_consumer, resume_offsets
+from stream.kafka import Headers, new_consumer, resume_offsets
 from stream.metrics import EVENTS
 
 # decoder(value, broker_ts_ms=message timestamp or None, key=message key or None); raises BadMessage for a bad message
@@ -115,7 +115,8 @@ class EventReader:
                 event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else None,
                                               key=msg.key())
             except BadMessage as exc:
-                self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset)
+                self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset,
+                               cast(Headers | None, msg.headers()))  # a list of (str, bytes | None), consumed
                 self._pending[(topic, partition)] = offset + 1
                 continue
             # Another exception propagates: this message is not marked read, so no commit can skip it.

@@ -26,7 +26,7 @@ from stream.errors import ConfigError, DeliveryFailed, MessageLimitError, Messag
 from stream.retention import account_for_retention
 from stream.tls import check_file
 
-Headers = Sequence[tuple[str, bytes]]
+Headers = Sequence[tuple[str, bytes | None]]  # a header value may be null
 log = logging.getLogger("streamrec.kafka")
 
 

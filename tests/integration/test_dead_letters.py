@@ -266,3 +266,21 @@ def test_a_dead_letter_the_broker_refuses_as_too_large_is_a_configuration_error_
     with pytest.raises(MessageLimitError, match=rf"{topic} was refused by the broker as too large.*sized under "
                                                 rf"100000 bytes.*--entity-name {topic}"):
         dlq.flush()
+
+
+def test_a_dead_letter_keeps_the_source_message_headers_as_kafka_stored_them(kafka: KafkaSettings,
+                                                                              group_id: str) -> None:
+    """A malformed impression with its producer's headers (a tracing id, a forged ``dlq.reason``, a null value): the
+    event reader's dead letter had only our ``dlq.*`` headers, so replaying it after a fix sent another message. The
+    broker now holds the original headers first, in order, then ours; the parser reads ours, not the forged one."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic])
+    original = [("trace-id", b"t-1"), ("dlq.reason", b"forged"), ("empty", None)]
+    p = AckedProducer(kafka)
+    p.send(kafka.impressions_topic, b"{not json", "bad", headers=original)  # type: ignore[arg-type]
+    p.flush()
+    with EventReader(kafka, group_id, _decoders(kafka)) as reader:
+        reader.read_to_end()
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
+    assert rec.headers[:3] == original and (rec.key, rec.value) == (b"bad", b"{not json")
+    letter = DeadLetter.from_headers(rec.headers)
+    assert letter.kind == "bad_json" and letter.reason != "forged" and letter.original_headers == tuple(original)

@@ -49,3 +49,67 @@ def test_a_value_and_key_that_fit_are_sent_untouched() -> None:
     [(_, sent_value, sent_key, headers)] = producer.sent
     assert (sent_key, sent_value) == (b"\xff\xfe-not-utf8", b"\x00bad")
     assert not {"dlq.value_truncated_from", "dlq.key_truncated_from"} & dict(headers).keys()
+
+
+def _record_bytes(key: bytes | None, value: bytes | None, headers: list) -> int:
+    """A record's key, value and headers, each header with its two length varints at their largest (5 bytes)."""
+    return len(key or b"") + len(value or b"") + sum(len(k.encode()) + len(v or b"") + 10 for k, v in headers)
+
+
+def test_the_original_headers_are_kept_in_front_of_ours_and_read_back_apart_from_a_forged_dlq_reason() -> None:
+    """The source message's headers (a tracing id, a ``dlq.reason`` and ``dlq.value_truncated_from`` its producer
+    forged, a null one) were dropped: a dead letter replayed to its topic was not the message sent. They are kept, in
+    order and in front of ours, and the parser takes our reason and truncation, not the forged ones."""
+    from stream.dlq import DeadLetter
+
+    dlq, producer, kafka = _dead_letters()
+    original = [("trace-id", b"abc"), ("dlq.reason", b"forged"), ("dlq.value_truncated_from", b"7"), ("n", None)]
+    dlq.send(kafka.impressions_topic, b"k", b"{bad", BadMessage("not valid JSON", kind="bad_json"), 0, 9,
+             headers=original)
+    [(_, sent_value, sent_key, headers)] = producer.sent
+    assert (sent_key, sent_value) == (b"k", b"{bad") and headers[:len(original)] == original
+    letter = DeadLetter.from_headers(headers)
+    assert (letter.reason, letter.kind, letter.source_offset) == ("not valid JSON", "bad_json", 9)
+    assert letter.value_truncated_from is None and letter.headers_dropped == 0
+    assert letter.original_headers == tuple(original)
+
+
+def test_original_headers_too_large_for_the_dead_letter_topic_are_dropped_whole_and_counted() -> None:
+    """900 kB of original headers (a topic of 8000 bytes): they must not make the dead letter refused. They are
+    dropped whole (``dlq.headers_dropped: 3``), the key and value kept as before, the record under the limit."""
+    from stream.dlq import DeadLetter
+
+    dlq, producer, kafka = _dead_letters()
+    original = [("a", b"x" * 300_000), ("b", b"y" * 300_000), ("c", b"z" * 300_000)]
+    dlq.send(kafka.impressions_topic, b"k", b"{bad", BadMessage("r", kind="bad_json"), 0, 9, headers=original)
+    [(_, sent_value, sent_key, headers)] = producer.sent
+    assert (sent_key, sent_value) == (b"k", b"{bad")
+    letter = DeadLetter.from_headers(headers)
+    assert letter.headers_dropped == 3 and letter.original_headers == ()
+    assert _record_bytes(sent_key, sent_value, headers) <= usable_bytes(LIMIT)
+
+
+def test_original_headers_that_fit_only_without_the_whole_value_are_dropped_and_the_value_kept_as_before() -> None:
+    """Headers of 2 kB beside a 5 kB value under an 8000-byte topic: the value (the event) keeps its room."""
+    from stream.dlq import DeadLetter
+
+    dlq, producer, kafka = _dead_letters()
+    value = b"v" * 5000
+    dlq.send(kafka.impressions_topic, b"k", value, BadMessage("r", kind="bad_json"), 0, 9,
+             headers=[("h", b"x" * 2000)])
+    [(_, sent_value, sent_key, headers)] = producer.sent
+    assert sent_value == value and DeadLetter.from_headers(headers).headers_dropped == 1
+    assert _record_bytes(sent_key, sent_value, headers) <= usable_bytes(LIMIT)
+
+
+def test_a_dead_letter_of_many_tiny_original_headers_counts_their_framing() -> None:
+    """700 empty headers: 700 one-byte names and up to 10 framing bytes each, 7.7 kB, over what an 8000-byte topic
+    leaves: counted, so dropped (summing names and values alone, 700 bytes, would have kept them)."""
+    from stream.dlq import DeadLetter
+
+    dlq, producer, kafka = _dead_letters()
+    dlq.send(kafka.impressions_topic, b"k", b"v" * 100, BadMessage("r", kind="bad_json"), 0, 9,
+             headers=[("h", b"")] * 700)
+    [(_, sent_value, sent_key, headers)] = producer.sent
+    assert DeadLetter.from_headers(headers).headers_dropped == 700
+    assert _record_bytes(sent_key, sent_value, headers) <= usable_bytes(LIMIT)
