@@ -46,6 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from functools import partial
+from typing import cast
 
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -57,7 +58,7 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
-from stream.kafka import has_more, new_consumer
+from stream.kafka import Headers, has_more, new_consumer
 from stream.retention import Gaps, start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
@@ -283,7 +284,7 @@ class KafkaSampleDataset(IterableDataset):
                             kind="undecodable")
                         if dlq is None:
                             dlq = DeadLetters(self.kafka)
-                        dlq.send(topic, m.key(), m.value(), bad, *pos)
+                        dlq.send(topic, m.key(), m.value(), bad, *pos, cast(Headers | None, m.headers()))
                         dlq.flush()
                         tb = to_tensors_empty(self.cfg, (*pos, 0))
                         suspect = False

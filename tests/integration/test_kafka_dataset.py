@@ -221,6 +221,23 @@ def test_suspects_are_yielded_alone_and_a_poisoned_one_is_dead_lettered(topic: K
     assert SampleBatch.decode(rec.value).impression_ids == ["o4-0", "o4-1", "o4-2"]  # untouched, replayable
 
 
+def test_a_dead_lettered_samples_message_keeps_its_watermark_header(topic: KafkaSettings) -> None:
+    """A poisoned samples message (the joiner's, with its ``streamrec-watermark`` header and a tracing header) went to
+    ``samples.dlq`` without them: replayed after a fix, its partition's watermark was lost. Both are kept now."""
+    from stream.samples import watermark_header
+
+    rng = np.random.default_rng(7)
+    original = [watermark_header(1_700_000_000_000), ("trace-id", b"t-9")]
+    producer = AckedProducer(topic)
+    producer.send(topic.samples_topic, good(rng, 2, "p"), b"p", original, partition=0)
+    producer.flush()
+    data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0}, exit_when_idle_s=IDLE_S,
+                                             suspects={(0, 0): "injected fault: training failed twice"})))
+    [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.original_headers) == (b"p", "poison", tuple(original))
+
+
 def test_an_idle_input_yields_empty_heartbeats_and_ends_after_exit_when_idle_s(topic: KafkaSettings) -> None:
     idle_s = 2.6
     t0 = time.monotonic()
