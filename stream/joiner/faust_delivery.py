@@ -85,7 +85,7 @@ Processed = Mapping[tuple[str, int], int]
 
 _TOPIC_PARTITION = attrgetter("topic", "partition")  # of a Record
 _OFFSET = attrgetter("offset")  # of a Record or a fetched aiokafka record
-_KEY, _VALUE = attrgetter("key"), attrgetter("value")  # of a fetched aiokafka record
+_KEY, _VALUE, _HEADERS = attrgetter("key"), attrgetter("value"), attrgetter("headers")  # of a fetched aiokafka record
 _SHORT_POLL_S = 0.05  # one fetch in a backlog or while an input is paused: how long a batch in hand waits for more
 _IDLE_POLL_S = 1.0  # one fetch with nothing in hand (faust's own getmany timeout)
 _READER = "joiner"  # whose input lost to retention is logged and counted (stream.retention), as the kafka driver's
@@ -432,7 +432,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 self._jumps.extend((key, start, end) for start, end in _jumps(expected, recs))
             topic, partition = tp
             out.extend(records_of(repeat(topic, len(recs)), repeat(partition, len(recs)), map(_OFFSET, recs),
-                                  map(_KEY, recs), map(_VALUE, recs), [r.timestamp or None for r in recs]))
+                                  map(_KEY, recs), map(_VALUE, recs), [r.timestamp or None for r in recs],
+                                  map(_HEADERS, recs)))
             if self.app.topics.acks_enabled_for(topic):
                 for start, end in _gaps(read, recs[0].offset, recs[-1].offset, len(recs), recs):
                     self._add_gap_now(tp, start, end)

@@ -84,7 +84,8 @@ def _records(msgs: list[Message], gaps: Gaps | None = None) -> list[Record]:
         map(Message.offset, msgs))
     if gaps is not None:
         gaps.batch(topics, partitions, offsets)  # type: ignore[arg-type]
-    return records_of(topics, partitions, offsets, map(Message.key, msgs), map(Message.value, msgs), stamps)
+    return records_of(topics, partitions, offsets, map(Message.key, msgs), map(Message.value, msgs), stamps,
+                      map(Message.headers, msgs))
 
 
 class KafkaJoinWorker:

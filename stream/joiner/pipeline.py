@@ -100,6 +100,7 @@ from stream.joiner.state_log import (
 )
 from stream.kafka import (
     AckedProducer,
+    Headers,
     ensure_topics,
     message_limits,
     new_consumer,
@@ -202,10 +203,11 @@ class Record(NamedTuple):
     key: bytes | None
     value: bytes | None
     timestamp: int | None = None  # the message's broker timestamp (ms), which bounds how far ahead ts may be
+    headers: Headers | None = None  # the message's Kafka headers, which its dead letter keeps (stream/dlq.py)
 
 
 def records_of(*columns: Iterable[Any]) -> list[Record]:
-    """Records from their six columns (topic, partition, offset, key, value, timestamp), each built in C: a
+    """Records from their seven columns (topic, partition, offset, key, value, timestamp, headers), each built in C: a
     NamedTuple's own ``__new__`` is Python code (~0.3 us a record), ``tuple.__new__`` over the zipped fields is not."""
     return list(map(_NEW_RECORD, zip(*columns, strict=True)))
 
@@ -780,7 +782,7 @@ class JoinPipeline:
                 continue
             for r, event in zip(recs, events, strict=True):
                 if isinstance(event, BadMessage):
-                    self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset)
+                    self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset, r.headers)
                     self.totals.counts["dead_lettered"] += 1
                 else:
                     into.append((r.offset, event))  # type: ignore[arg-type]
@@ -920,7 +922,7 @@ class JoinPipeline:
                 f"{self.state_bytes} a record of {self.state_topic} may be (its limit {limit.bytes} bytes, "
                 f"{limit.source}); not joined (clicks on it are reported as orphans): lower the [limits] on context "
                 f"size or {raise_limit(self.state_topic, limit)}", kind="too_large")
-            self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset)
+            self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset, r.headers)
             self.totals.counts["dead_lettered"] += 1
             self.totals.counts["state_too_large"] += 1
         return [pair for pair in imps if pair[0] not in gone]

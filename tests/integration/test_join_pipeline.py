@@ -209,6 +209,36 @@ def test_forget_drops_a_partition_and_the_next_batch_restores_it_from_the_state_
     assert len(sample_rows(kafka)) == 1  # y was labelled before the restart: no second sample for it
 
 
+def test_a_malformed_event_the_kafka_driver_reads_is_dead_lettered_with_its_kafka_headers(
+        kafka: KafkaSettings, make) -> None:
+    """A malformed impression and click produced with headers (a tracing id, a forged ``dlq.reason``): the joiner's
+    records had no headers, so its dead letters dropped them. The kafka driver's records carry them and the dead
+    letters keep them in front of ours."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from stream.joiner.kafka_driver import _records
+    from stream.kafka import AckedProducer, consumer_config
+
+    original = [("trace-id", b"t-1"), ("dlq.reason", b"forged")]
+    producer = AckedProducer(kafka)
+    for topic in (kafka.impressions_topic, kafka.clicks_topic):
+        producer.send(topic, b"{not json", b"bad", original, partition=0)
+    producer.flush()
+    consumer = Consumer(consumer_config(kafka, f"{uuid.uuid4().hex}", **{"enable.partition.eof": False}))
+    consumer.assign([TopicPartition(t, 0, 0) for t in (kafka.impressions_topic, kafka.clicks_topic)])
+    msgs: list = []
+    try:
+        while len(msgs) < 2:
+            msgs += [m for m in consumer.consume(10, 0.5) if m.error() is None]
+    finally:
+        consumer.close()
+    make().process(_records(msgs))
+    for topic in (kafka.impressions_topic, kafka.clicks_topic):
+        [rec] = read_topic(kafka, kafka.dlq_topic(topic))
+        dl = DeadLetter.from_headers(rec.headers)
+        assert (dl.kind, dl.original_headers) == ("bad_json", tuple(original)) and rec.headers[:2] == original
+
+
 def test_a_sample_too_large_for_one_message_is_dead_lettered_not_a_producer_error(kafka: KafkaSettings,
                                                                                   make) -> None:
     p = make(max_sample_bytes=4_000)

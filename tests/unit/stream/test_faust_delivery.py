@@ -251,3 +251,21 @@ def test_a_partition_sought_to_its_last_record_still_has_that_record_to_read() -
     assert not has_more(fake, imps)  # type: ignore[arg-type]
     fake._sought = {imps: 1224}  # _resume_safely's re-read of an applied record: owed from past the high water
     assert not has_more(fake, imps)  # type: ignore[arg-type]
+
+
+def test_the_faust_driver_hands_the_pipeline_each_record_with_its_kafka_headers() -> None:
+    """aiokafka's records carry their headers; the faust driver's pipeline records did not, so a malformed event's
+    dead letter could not keep them (stream/dlq.py)."""
+    from collections import defaultdict
+
+    from aiokafka.structs import ConsumerRecord
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    headers = [("trace-id", b"t-1")]
+    rec = ConsumerRecord("impressions", 0, 5, 1000, 0, b"k", b"{bad", None, 4, 1, headers)
+    fake = SimpleNamespace(_read_offset=defaultdict(lambda: None), _sought={}, _jumps=[],
+                           app=SimpleNamespace(monitor=None, topics=SimpleNamespace(acks_enabled_for=lambda t: False)))
+    [out] = BatchConsumer._records(fake, {TP("impressions", 0): [rec]})  # type: ignore[arg-type]
+    assert (out.offset, out.key, out.value, out.headers) == (5, b"k", b"{bad", headers)
