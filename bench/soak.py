@@ -71,6 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stream.config import KafkaSettings  # noqa: E402
+from stream.dlq import DeadLetter  # noqa: E402
 from streamrec.stack import LocalStack, StackSettings, free_port  # noqa: E402
 
 JOIN_GROUP = "soak-joiner"
@@ -280,9 +281,11 @@ class Tail:
                             rows = 0
                         self.sample_rows[p] = self.sample_rows.get(p, 0) + rows
                     elif t.endswith(k.dlq_suffix):
-                        h = {hk: (hv or b"").decode(errors="replace") for hk, hv in (m.headers() or [])}
-                        src = (h.get("dlq.source.topic", "?"), int(h.get("dlq.source.partition", -1) or -1),
-                               int(h.get("dlq.source.offset", -1) or -1))
+                        try:  # ours after the source message's own headers (stream/dlq.py)
+                            d = DeadLetter.from_headers(m.headers())
+                            src = (d.source_topic, d.source_partition, d.source_offset)
+                        except (KeyError, ValueError):  # not a dead letter this code wrote
+                            src = ("?", -1, -1)
                         self.dlq_sources.setdefault(t, set()).add(src)
 
     def snapshot(self) -> dict[str, Any]:
