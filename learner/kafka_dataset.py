@@ -376,6 +376,13 @@ class EventTimeMerge:
         else:
             self._ready.append((m, sb))
 
+    def add_partition(self, part: int) -> None:
+        """Merge ``part`` too from now on (a partition added to the topic while the learner reads; one the merge has
+        already: nothing). Its idle clock starts now: since the merge's start, it would count as quiet at once."""
+        if part not in self.buffers:
+            self.buffers[part] = deque()
+            self.last_seen[part] = None if self._started is None else self._clock.tick()
+
     def empty(self) -> bool:
         return not self._ready and not any(self.buffers.values())
 

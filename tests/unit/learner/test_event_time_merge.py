@@ -163,3 +163,29 @@ def test_a_stall_is_no_quiet_time_and_a_partition_with_more_to_read_still_holds_
         out = merge.take(all_behind)
     # 1 was last seen 0.2 s before the stall, which counted as one poll of 0.2 s: 1.6 s of polls were left
     assert first_ts(out) == [10] and 7 <= polls <= 9
+
+
+def test_a_partition_added_while_merging_is_merged_in_event_time_and_holds_the_others_back(monkeypatch) -> None:
+    """A samples partition added while the learner reads (``add_partition``) is merged like the ones it started with.
+    Unknown to the merge, its messages went on at once, unordered, and it held nobody back: the others ran ahead of
+    its older samples. Its idle clock starts when it is added, not with the merge's first message long before (which
+    would have made it quiet, holding nobody back, before its first fetch came)."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    merge = EventTimeMerge([0], idle_s=2.0)
+    merge.add(msg(0, 10))
+    assert first_ts(merge.take(all_behind)) == [10]
+    clock[0] += 60.0  # a minute of polls later (each well under a stall)
+    for _ in range(300):
+        merge.take(lambda p: False)
+        clock[0] += 0.2
+    merge.add(msg(0, 20))
+    merge.add(msg(0, 30))
+    merge.add_partition(1)
+    assert merge.take(all_behind) == []  # 1 has more to read and nothing buffered: its next message may be older
+    merge.add(msg(1, 5))
+    merge.add(msg(1, 25))
+    assert first_ts(merge.take(all_behind)) == [5, 20, 25]  # then 1 is empty again: wait
+    assert first_ts(merge.take(lambda p: p == 0)) == [30]
+    merge.add_partition(1)  # added again (a second report of the same growth): nothing changes
+    assert merge.empty() and set(merge.buffers) == {0, 1}
