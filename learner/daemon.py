@@ -501,7 +501,8 @@ class Learner:
             if self.bias is not None:
                 assert self.trainer is not None
                 self.bias.start(self.trainer.model)
-        unsaved = [p for p in self._partitions() if p not in self.offsets]  # no checkpoint offset: start at 0
+        listed = self._partitions()
+        unsaved = [p for p in listed if p not in self.offsets]  # no checkpoint offset: start at 0
         for p in unsaved:
             self.offsets[p] = 0
         assert self.trainer is not None and self.cfg is not None
@@ -512,7 +513,8 @@ class Learner:
         # Pinned by the DataLoader (in the main process: memory a worker pins does not survive the hand-over).
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
                                      suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s,
-                                     max_label_delay_s=ls.attribution_window_s, unsaved=unsaved)
+                                     max_label_delay_s=ls.attribution_window_s, unsaved=unsaved,
+                                     listed=listed)
         if ls.num_workers:
             gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,

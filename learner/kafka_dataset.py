@@ -8,9 +8,11 @@ watermark each partition's messages in it carry (``TensorBatch.watermarks``, for
 
 Partitions and start offsets are explicit (the checkpoint's), not a consumer group's: the learner
 seeks to exactly where its model state stopped. With DataLoader workers, worker ``w`` of ``n`` reads
-the partitions ``p`` with ``p % n == w``. A message that cannot be decoded or turned into tensors
-(whatever the exception) goes to ``samples.dlq`` with the reason, and its offset still counts as
-consumed, so it is never retried in a loop. ``suspects`` are messages that were in a batch whose
+the partitions ``p`` with ``p % n == w``. Given the topic's partitions as the daemon listed them (``listed``), a reader
+asks for them again every ``PARTITION_CHECK_S`` and reads a partition added since that it owns by the same rule (its
+rank's, ``shard``, then its worker's) from its first record, as a partition without a saved offset. A message that
+cannot be decoded or turned into tensors (whatever the exception) goes to ``samples.dlq`` with the reason, and its
+offset still counts as consumed, so it is never retried in a loop. ``suspects`` are messages that were in a batch whose
 training failed (``stream/strikes.py``): each is yielded as a batch of its own, and one with a
 poison reason is dead-lettered instead.
 
@@ -53,6 +55,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from torch.utils.data import IterableDataset, get_worker_info
 
 from learner.batch import TensorBatch, concat, to_tensors
+from learner.distributed import partitions_of
 from learner.features import FeatureConfig
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
@@ -90,6 +93,9 @@ def not_the_batch(exc: BaseException) -> bool:
 
 _orphan_watch: threading.Thread | None = None  # one per DataLoader worker process
 
+# The reader asks for the samples topic's partitions this often (one metadata request), to read those added while it
+# runs; not at every poll
+PARTITION_CHECK_S = 15.0
 POLL_S = 0.2  # one poll of the consumer waits at most this long for samples
 # A gap between two polls longer than this was a stall, not idleness: it counts as one poll (below)
 STALL_S = POLL_S + 2.0
@@ -143,8 +149,14 @@ class KafkaSampleDataset(IterableDataset):
                  exit_when_idle_s: float | None = None, pin_memory: bool = False,
                  suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True,
                  future_ts_s: float | None = 3600.0, max_label_delay_s: float | None = None,
-                 unsaved: Collection[int] = ()) -> None:
+                 unsaved: Collection[int] = (), listed: Collection[int] | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
+        # The topic's partitions when ``start`` was chosen (the daemon's listing), and this reader's rank of the
+        # learner's world size: a partition the topic gains later that this reader owns (rank, then DataLoader
+        # worker, the rule ``start`` was split by) is read too, from its first record (None: ``start``'s only)
+        self.listed = None if listed is None else frozenset(listed)
+        self.shard = shard
         # partitions whose start is no saved offset (a fresh learner, a partition new to its checkpoint): starting
         # below what retention left of them loses nothing this learner was owed, so it is not said or counted
         self.unsaved = frozenset(unsaved)
@@ -160,22 +172,37 @@ class KafkaSampleDataset(IterableDataset):
         # memory, each message may hold up to MAX_LIST_VALUES list values (stream/samples.py) in one row
         self.max_values = 2 * MAX_LIST_VALUES
 
+    def _owns(self, p: int) -> bool:
+        """Whether partition ``p`` is this reader's: its rank's (``learner.distributed.partitions_of``), then, in a
+        DataLoader worker ``w`` of ``n``, ``p % n == w``."""
+        info = get_worker_info()
+        return bool(partitions_of([p], *self.shard)) and (info is None or p % info.num_workers == info.id)
+
     def _my_partitions(self) -> list[int]:
         info = get_worker_info()
-        parts = sorted(self.start)
-        if info is None:
-            return parts
-        mine = [p for p in parts if p % info.num_workers == info.id]
-        log.info("DataLoader worker %d of %d reads samples partitions %s", info.id, info.num_workers, mine)
+        mine = [p for p in sorted(self.start) if self._owns(p)]
+        if info is not None:
+            log.info("DataLoader worker %d of %d reads samples partitions %s", info.id, info.num_workers, mine)
         return mine
+
+    def _added(self, consumer: Consumer, known: set[int]) -> list[int]:
+        """The partitions of the samples topic, past ``known``, that this reader owns: one metadata request."""
+        topic = self.kafka.samples_topic
+        try:
+            found = consumer.list_topics(topic, timeout=2).topics[topic].partitions
+        except (KafkaException, KeyError) as exc:  # the broker away: asked again at the next check
+            log.debug("learner: cannot list the partitions of %s (%s); asking again later", topic, exc)
+            return []
+        return sorted(p for p in found if p not in known and self._owns(p))
 
     def __iter__(self) -> Iterator[TensorBatch]:
         if get_worker_info() is not None and multiprocessing.parent_process() is not None:  # a worker process
             _exit_with_parent()
             _outlive_one_sigterm()
         parts = self._my_partitions()
-        if not parts:
+        if not parts and self.listed is None:
             return
+        known = set(self.listed or ()) | set(self.start)  # partitions the topic had, and those added since
         topic = self.kafka.samples_topic
         consumer = new_consumer(self.kafka, f"{self.kafka.client_id}-samples-reader", **{
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
@@ -233,9 +260,28 @@ class KafkaSampleDataset(IterableDataset):
         # otherwise wait for new samples for ever (torch's own liveness check runs only between batches), an orphan
         # holding its partitions' consumer.
         parent = os.getppid() if get_worker_info() is not None else None
+        next_check = time.monotonic() + PARTITION_CHECK_S
         try:
             yield from skipped
             while True:
+                if self.listed is not None and time.monotonic() >= next_check:
+                    added = self._added(consumer, known)
+                    next_check = time.monotonic() + PARTITION_CHECK_S
+                    if added:  # started as a partition without a saved offset is (above), merged as the others
+                        known.update(added)
+                        parts = sorted(set(parts) | set(added))
+                        held, lost_unknown = _first_held(consumer, [TopicPartition(topic, p, 0) for p in added])
+                        consumer.incremental_assign(held)
+                        gaps.expect(tp for tp in held if tp.partition not in lost_unknown)
+                        pending += [to_tensors_empty(self.cfg, (tp.partition, tp.offset - 1, 0)) for tp in held
+                                    if tp.offset > 0]
+                        if merge is None and self.merge and len(parts) > 1:
+                            merge = EventTimeMerge(parts, read=read)
+                        elif merge is not None:
+                            for p in added:
+                                merge.add_partition(p)
+                        log.info("learner: samples partition(s) %s added to %s while it reads: reading them from "
+                                 "their first record (now %s)", added, topic, parts)
                 if parent is not None and os.getppid() != parent:
                     log.warning("the training process is gone: DataLoader worker for partitions %s stops", parts)
                     consumer.close()  # leave the group now, not after a session timeout

@@ -430,7 +430,8 @@ class ShardedLearner:
                 assert self.model is not None
                 self.bias.start(self.model)
         assert self.trainer is not None and self.cfg is not None
-        unsaved = [p for p in self._partitions() if p not in self.offsets]  # no checkpoint offset: start at 0
+        listed = self._partitions()
+        unsaved = [p for p in listed if p not in self.offsets]  # no checkpoint offset: start at 0
         for p in unsaved:
             self.offsets[p] = 0
         mine = partitions_of(list(self.offsets), self.ctx.rank, self.ctx.world_size)
@@ -445,7 +446,7 @@ class ShardedLearner:
                                      max(ls.batch_rows, step_rows),
                                      ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions,
                                      future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s,
-                                     unsaved=unsaved)
+                                     unsaved=unsaved, listed=listed, shard=(self.ctx.rank, self.ctx.world_size))
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,8 @@ class DeadLetters:
 
     def __init__(self, kafka: KafkaSettings) -> None: ...
 
-    def send(self, topic: str, key: Any, value: Any, error: Any, partition: int = -1, offset: int = -1) -> None:
+    def send(self, topic: str, key: Any, value: Any, error: Any, partition: int = -1, offset: int = -1,
+             headers: Any = None) -> None:
         DeadLetters.sent.append((partition, offset, error.kind, error.reason))
 
     def flush(self) -> None: ...
@@ -404,3 +406,94 @@ def test_the_watermark_a_drain_writes_a_window_past_its_newest_event_is_taken_no
     batches, dead = read(monkeypatch, parts, batch_rows=1, merge=merge, future_ts_s=3600.0, max_label_delay_s=7200.0)
     assert dead == []
     assert [b.watermarks for b in batches if len(b)] == [{0: engine.watermark}]
+
+
+class GrowingConsumer(Consumer):
+    """The learner's consumer of a samples topic that grows while it reads (an operator adds partitions: the local
+    broker cannot, it has no CreatePartitions): the partitions of ``later`` exist, with their records, from the fake
+    clock's ``at`` on. Each poll takes 0.05 s, one with nothing its timeout. Counts the metadata requests."""
+
+    def __init__(self, clock: Clock, parts: dict[int, list[bytes | None]], later: dict[int, list[bytes | None]],
+                 at: float, low: dict[int, int] | None = None) -> None:
+        super().__init__(dict(parts), low)
+        self.clock, self.later, self.at, self.metadata_requests = clock, later, at, 0
+        self.parts.update(later)
+        self.assigned: list[list[tuple[int, int]]] = []
+
+    def list_topics(self, topic: str, timeout: float | None = None) -> Any:
+        self.metadata_requests += 1
+        parts = set(self.parts) - (set(self.later) if self.clock.t < self.at else set())
+        return SimpleNamespace(topics={topic: SimpleNamespace(partitions=dict.fromkeys(parts), error=None)})
+
+    def assign(self, tps: list[Any]) -> None:
+        self.pos = {}
+        super().assign(tps)
+        self.assigned.append([(tp.partition, tp.offset) for tp in tps])
+
+    def incremental_assign(self, tps: list[Any]) -> None:
+        assert not {tp.partition for tp in tps} & set(self.pos), "assigned twice"
+        super().assign(tps)
+        self.assigned.append([(tp.partition, tp.offset) for tp in tps])
+
+    def consume(self, n: int, timeout: float) -> list[Msg]:
+        out = [Msg(p, o, self.parts[p][o]) for p in sorted(self.pos) for o in range(self.pos[p], len(self.parts[p]))]
+        for m in out[:n]:
+            self.pos[m.partition()] = m.offset() + 1
+        self.clock.t += 0.05 if out else timeout
+        return out[:n]
+
+
+def grow_run(monkeypatch: pytest.MonkeyPatch, parts: dict[int, list[bytes | None]],
+             later: dict[int, list[bytes | None]], low: dict[int, int] | None = None, **kw: Any,
+             ) -> tuple[list[tuple[int, int, int]], GrowingConsumer]:
+    """Every position a dataset reading ``parts`` (the whole topic when it was listed, ``listed``) hands on, until 60 s
+    idle on a fake clock, while ``later`` is added to the topic at 40 s; and its consumer."""
+    clock = Clock()
+    monkeypatch.setattr(kd.time, "monotonic", clock)
+    consumer = GrowingConsumer(clock, parts, later, at=40.0, low=low)
+    monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
+    monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: c.pos[p] < len(c.parts[p]))
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, kw.pop("start", {p: 0 for p in parts}), exit_when_idle_s=60.0,
+                               listed=kw.pop("listed", list(parts)), unsaved=kw.pop("unsaved", list(parts)), **kw)
+    positions = [pos for b in ds for pos in b.positions]
+    return positions, consumer
+
+
+@pytest.mark.parametrize("before", [1, 2], ids=["one-partition-unmerged", "two-partitions-merged"])
+def test_a_samples_partition_added_while_the_learner_reads_is_read_from_its_first_record_held(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, before: int) -> None:
+    """A partition added to the samples topic while the learner ran was read only after a restart: its samples
+    waited, silently. Now the reader asks for the topic's partitions every PARTITION_CHECK_S (not at every poll),
+    assigns a new one at its first record held (a record before it deleted already passes as a zero-row batch, as
+    for a partition without a saved offset at the start), merges it in event time and says so once."""
+    parts = {p: [sample(10 * p + k) for k in range(3)] for p in range(before)}
+    new = before
+    caplog.set_level(logging.INFO, logger="streamrec.train")
+    lost_before = INPUT_LOST.labels("learner", KafkaSettings().samples_topic)._value.get()
+    positions, consumer = grow_run(monkeypatch, parts, {new: [sample(100 + k) for k in range(4)]}, low={new: 1})
+    assert [pos for pos in positions if pos[0] == new] == [(new, 0, 0), (new, 1, 1), (new, 2, 1), (new, 3, 1)]
+    assert sorted(pos for pos in positions if pos[0] != new and pos[2]) == [(p, k, 1) for p in parts for k in range(3)]
+    assert consumer.assigned[-1] == [(new, 1)]  # added to what it reads, at its first record held
+    assert 1 <= consumer.metadata_requests <= consumer.clock.t / kd.PARTITION_CHECK_S + 1
+    said = [r for r in caplog.records if r.levelno == logging.INFO and "added" in r.getMessage()]
+    assert len(said) == 1 and f"[{new}]" in said[0].getMessage()
+    assert INPUT_LOST.labels("learner", KafkaSettings().samples_topic)._value.get() == lost_before  # nothing owed
+
+
+def test_a_reader_given_no_partition_list_reads_only_its_start_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    positions, consumer = grow_run(monkeypatch, {0: [sample(0)]}, {1: [sample(1)]}, listed=None)
+    assert {p for p, _, _ in positions} == {0} and consumer.metadata_requests == 0
+
+
+def test_a_partition_added_while_the_learner_reads_goes_to_its_rank_then_its_dataloader_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same ownership as at the start: rank r of N reads the partitions p % N == r (learner/distributed.py), its
+    DataLoader worker w of n those of them with p % n == w. Rank 1 of 2, worker 0 of 3, over a topic of 2 partitions
+    grown to 6: it starts with none of its own (partition 1 is worker 1's) and still watches, then reads 3 (1, 5:
+    other workers; 0, 2, 4: rank 0)."""
+    monkeypatch.setattr(kd, "get_worker_info", lambda: SimpleNamespace(num_workers=3, id=0))
+    later = {p: [sample(10 * p)] for p in range(2, 6)}
+    positions, consumer = grow_run(monkeypatch, {1: [sample(1)]}, later, start={1: 0}, listed=[0, 1], unsaved=[1],
+                                   shard=(1, 2))
+    assert {p for p, _, _ in positions} == {3}
+    assert consumer.assigned == [[], [(3, 0)]]
