@@ -438,7 +438,7 @@ class ShardedLearner:
         log.info("rank %d of %d reads samples partitions %s", self.ctx.rank, self.ctx.world_size, mine)
         topic = self.kafka.samples_topic
         # poison strikes: one file per partition, written by the rank reading it (stream/strikes.py)
-        strikes = Strikes(PartitionFileStrikes(ls.checkpoint_dir, mine), ls.poison_after)
+        strikes = Strikes(store := PartitionFileStrikes(ls.checkpoint_dir, mine), ls.poison_after)
         settle_strikes(strikes, {(topic, p): self.offsets[p] for p in mine})
         suspects = {(p, o): strikes.poisoned(key) for key in strikes.counts for t, p, o in [key] if t == topic}
         step_rows = rows_per_step(ls)  # accumulation included
@@ -466,6 +466,7 @@ class ShardedLearner:
                 batch = next(loader, None)
                 ended = batch is None
                 if batch is not None:
+                    store.hold(p for p, _, _ in batch.positions)  # a partition added while it reads: its strikes
                     held = self._admit(batch, empty)
             batch, kept = None, empty
             partitions: np.ndarray | None = np.zeros(0, np.int64)  # (B',) samples partition of each kept row

@@ -280,7 +280,17 @@ class PartitionFileStrikes:
     hands a partition, and its file, to another rank."""
 
     def __init__(self, directory: Path, partitions: Iterable[int]) -> None:
-        self.files = {p: FileStrikes(Path(directory) / f"strikes-{p}.json") for p in partitions}
+        self.directory = Path(directory)
+        self.files = {p: FileStrikes(self.directory / f"strikes-{p}.json") for p in partitions}
+
+    def hold(self, partitions: Iterable[int]) -> None:
+        """Hold ``partitions`` too (one already held: nothing): samples partitions added to the topic while the rank
+        reads. What a file of one holds already (left by another reader) stays in it; it is no strike here before the
+        next start loads it (a new partition's messages have none)."""
+        for p in partitions:
+            if p not in self.files:
+                self.files[p] = FileStrikes(self.directory / f"strikes-{p}.json")
+                self.files[p].load()
 
     def load(self) -> dict[Key, tuple[int, str]]:
         out: dict[Key, tuple[int, str]] = {}

@@ -701,3 +701,38 @@ def test_an_artifact_of_a_restarted_sharded_learners_checkpoint_applies_no_delta
     reader = DeltaReader(tmp_path / "deltas")
     applied = [d.seq for d in reader.newer(2, 3, checkpoint.lineage(tmp_path / "ckpt"), applied_samples=0)]
     assert (applied, reader.rewinds) == ([], 0)
+
+
+def test_a_failing_round_strikes_the_messages_of_a_partition_added_while_the_rank_reads(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's strikes store held the partitions it read at its start: a round that failed with a message of a
+    samples partition added since (read without a restart) stopped with "strikes for partitions [1], which this
+    store does not hold" in place of the round's own error, and that message's strike was lost."""
+    import learner.sharded_daemon as sd
+    from learner.config import LearnerSettings
+    from stream.config import KafkaSettings
+    from stream.strikes import PartitionFileStrikes, Strikes
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4)
+    cfg = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4)
+    batch = to_tensors(sample_batch(np.random.default_rng(0), 4), cfg, [(1, 3, 4)])  # partition 1: added
+
+    class Dataset(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield batch
+
+    def bad_row(*a: object) -> None:
+        raise ValueError("a bad row")
+
+    monkeypatch.setattr(sd, "KafkaSampleDataset", lambda *a, **k: Dataset())
+    monkeypatch.setattr(sd.ShardedLearner, "_partitions", lambda self: [0])  # the topic at the start
+    monkeypatch.setattr(sd.ShardedLearner, "_fresh_config", lambda self: cfg)
+    monkeypatch.setattr(sd.ShardedLearner, "_after_round", bad_row)
+    learner = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext())
+    try:
+        with pytest.raises(ValueError, match="a bad row"):
+            learner.run()
+    finally:
+        learner.close()
+    topic = KafkaSettings().samples_topic
+    assert set(Strikes(PartitionFileStrikes(ls.checkpoint_dir, [1]), limit=3).counts) == {(topic, 1, 3)}
