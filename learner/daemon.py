@@ -71,7 +71,8 @@ from stream.errors import ConfigError
 from stream.features import MISSING
 from stream.files import describe_os_error
 from stream.idle_clock import IdleClock
-from stream.kafka import ensure_topics, new_consumer
+from stream.joiner.partitions import ensure_samples
+from stream.kafka import new_consumer
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, settle_strikes
 
@@ -478,7 +479,7 @@ class Learner:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _partitions(self) -> list[int]:
-        ensure_topics(self.kafka, [self.kafka.samples_topic])
+        ensure_samples(self.kafka)  # the inputs' partition count (stream/joiner/partitions.py)
         md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
         return sorted(md.partitions)
 

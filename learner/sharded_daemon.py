@@ -116,7 +116,8 @@ from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.files import write_atomic
-from stream.kafka import ensure_topics, new_consumer
+from stream.joiner.partitions import ensure_samples
+from stream.kafka import new_consumer
 from stream.samples import DELAYED_POSITIVE
 from stream.strikes import PartitionFileStrikes, Strikes, settle_strikes
 
@@ -392,7 +393,7 @@ class ShardedLearner:
     def _partitions(self) -> list[int]:
         parts = None
         if self.ctx.rank == 0:
-            ensure_topics(self.kafka, [self.kafka.samples_topic])
+            ensure_samples(self.kafka)  # the inputs' partition count (stream/joiner/partitions.py)
             assert self._group is not None
             md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
             parts = sorted(md.partitions)

@@ -63,6 +63,15 @@ def ensure_inputs(kafka: KafkaSettings,
     return check_layout(counts(kafka, [imp, clk]), imp, clk, ())
 
 
+def ensure_samples(kafka: KafkaSettings,
+                   counts: Callable[[KafkaSettings, list[str]], dict[str, int]] = partition_counts) -> None:
+    """Make the samples topic where missing with the inputs' partition count (the larger where they disagree; ``[kafka]
+    partitions`` where neither exists): what a learner started before the joiner calls. It made it with ``[kafka]
+    partitions``, and beside inputs of 8 the joiner then refused a samples topic of 4 (exit 2)."""
+    have = [n for n in counts(kafka, [kafka.impressions_topic, kafka.clicks_topic]).values() if n]
+    ensure_topics(kafka, [kafka.samples_topic], partitions=max(have, default=None))
+
+
 def ensure_layout(kafka: KafkaSettings, outputs: Collection[str], state_topic: str,
                   counts: Callable[[KafkaSettings, list[str]], dict[str, int]] = partition_counts) -> int:
     """Make the inputs if missing (:func:`ensure_inputs`), then ``outputs`` (plain) and ``state_topic`` (compacted)

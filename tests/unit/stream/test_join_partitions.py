@@ -92,3 +92,17 @@ def test_a_missing_input_is_made_with_the_other_inputs_count_not_the_default(mon
     assert partitions.ensure_layout(kafka, [SAMPLES, LATE], STATE,
                                     lambda _, topics: {t: broker.get(t, 0) for t in topics}) == 8
     assert broker == {IMP: 8, CLK: 8, SAMPLES: 8, LATE: 8, STATE: 8}
+
+
+@pytest.mark.parametrize(("inputs", "made_with"), [({IMP: 8, CLK: 8}, 8), ({IMP: 6}, 6), ({}, None)])
+def test_a_learner_started_first_makes_the_samples_topic_with_the_inputs_count(
+        monkeypatch: pytest.MonkeyPatch, inputs: dict[str, int], made_with: int | None) -> None:
+    """It made it with [kafka] partitions (4): beside inputs of 8 the joiner then refused it (exit 2)."""
+    from stream.joiner import partitions
+
+    made: list[tuple[list[str], int | None]] = []
+    monkeypatch.setattr(partitions, "ensure_topics", lambda kafka, topics, partitions=None: made.append(
+        (list(topics), partitions)))
+    kafka = KafkaSettings(impressions_topic=IMP, clicks_topic=CLK, samples_topic=SAMPLES, partitions=4)
+    partitions.ensure_samples(kafka, lambda _, topics: {t: inputs.get(t, 0) for t in topics})
+    assert made == [([SAMPLES], made_with)]  # None: ensure_topics' default, [kafka] partitions
