@@ -10,10 +10,12 @@
 #     kafka_server_jaas.conf   the SCRAM login module for the SASL_SSL listener (holds no secret)
 #   kafka_password         the SCRAM-SHA-512 password of the streamrec Kafka user (the kafka_password secret;
 #                          the `topics` init service creates the user with it)
+#   redis_password         the Redis password (the redis_password secret: redis-server's requirepass, and
+#                          STREAMREC_REDIS_PASSWORD_FILE of every streamrec service)
 #
 # Usage (from anywhere):
 #   compose/make-certs.sh            create what is missing; existing files are kept (safe to re-run)
-#   compose/make-certs.sh --force    regenerate everything: new CA, broker certificate and Kafka password
+#   compose/make-certs.sh --force    regenerate everything: new CA, broker certificate, Kafka and Redis passwords
 #                                    (then recreate every container: docker compose ... up -d --force-recreate)
 # Environment: CERT_DAYS (validity, default 825), KAFKA_HOSTNAME (broker name in the certificate, default kafka).
 #
@@ -30,7 +32,7 @@ force=0
 case "${1:-}" in
   --force) force=1 ;;
   "") ;;
-  -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
+  -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
   *) echo "usage: $0 [--force]" >&2; exit 2 ;;
 esac
 command -v openssl >/dev/null || { echo "make-certs.sh: openssl not found" >&2; exit 1; }
@@ -40,7 +42,7 @@ mkdir -p "$out/broker"
 chmod 700 "$out"
 chmod 755 "$out/broker"
 if [[ $force == 1 ]]; then
-  rm -f "$out/ca.crt" "$out/ca.key" "$out/ca.srl" "$out/kafka_password" "$out/broker/"*
+  rm -f "$out/ca.crt" "$out/ca.key" "$out/ca.srl" "$out/kafka_password" "$out/redis_password" "$out/broker/"*
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -90,5 +92,10 @@ if [[ ! -s $out/kafka_password ]]; then
   echo "make-certs.sh: new Kafka SASL password in $out/kafka_password"
 fi
 
-chmod 644 "$out/broker/"* "$out/kafka_password" "$out/ca.crt"
+if [[ ! -s $out/redis_password ]]; then
+  secret > "$out/redis_password"
+  echo "make-certs.sh: new Redis password in $out/redis_password"
+fi
+
+chmod 644 "$out/broker/"* "$out/kafka_password" "$out/redis_password" "$out/ca.crt"
 echo "make-certs.sh: secrets ready in $out"

@@ -205,6 +205,6 @@ def test_compose_publishes_only_on_loopback_and_has_no_default_passwords() -> No
     grafana = services["grafana"]["environment"]
     assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
     assert "requirepass" in " ".join(services["redis"]["command"])
-    assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
+    assert "requirepass $$(cat /run/secrets/redis_password)" in " ".join(services["redis"]["command"])
     kafka = services["kafka"]["environment"]
     assert "PLAINTEXT://:" not in kafka["KAFKA_LISTENERS"] and "SASL_SSL://" in kafka["KAFKA_LISTENERS"]
