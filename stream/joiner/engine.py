@@ -6,9 +6,13 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
 - An impression waits for its click for ``window`` ms. The first click with
   ``0 <= click.ts - imp.ts <= window`` makes a positive sample at once (label delay = click.ts -
   imp.ts). Further clicks on it are duplicates: counted, no second sample.
-- ``watermark = min(impression time, click time) seen on the partition - allowed lateness``: the
+- ``watermark = min(impression time, click time) seen on the partition - allowed lateness - 1``: the
   two topics are consumed independently, so event time is only as far as the slower one (as with
-  Flink's multi-input watermarks). An input's time is the ``watermark_quorum``-th largest event
+  Flink's multi-input watermarks). The watermark is the newest time that has passed: an event exactly the
+  allowed lateness behind its input's time (with none: a tie with it) is still in order, so it is 1 ms
+  short of that (Flink's ``BoundedOutOfOrdernessWatermarks`` subtracts the same 1 ms): at ``time - lateness`` a
+  click at its impression's ``ts + window`` read a batch later was late, and a click at its impression's time read
+  a batch before it an orphan, though both were in order. An input's time is the ``watermark_quorum``-th largest event
   time seen on it, not the largest: event time is steered by the bulk of the partition, never by
   one event (a client with a wrong clock would otherwise expire every pending impression at once).
   Until both inputs have been seen, event time
@@ -152,7 +156,7 @@ class StateChunk:
     added: list[Pending]
     joined: list[tuple[str, int]]  # (impression_id, click_ts)
     waiting: list[tuple[str, int]]  # clicks whose impression was not seen yet
-    max_ts: int | None  # the watermark's event time after this batch (watermark = max_ts - lateness)
+    max_ts: int | None  # the watermark's event time after this batch (watermark = max_ts - lateness - 1)
     offsets: tuple[int, int]  # last applied (impressions, clicks) offset
     max_ref_ts: int  # latest event time this chunk refers to; it retires after that + window + retention
     evicted: list[str] = field(default_factory=list)  # impressions expired early by the max_pending cap
@@ -207,7 +211,7 @@ class PartitionJoin:
     # -- the batch step ------------------------------------------------------------------------
     @property
     def watermark(self) -> int | None:
-        return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms
+        return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms - 1  # (module docstring)
 
     def oldest_pending_ts(self) -> int | None:
         """Event time of the oldest impression still inside its window (None: none is)."""
@@ -351,7 +355,7 @@ class PartitionJoin:
             # End of input: move event time past every window, and record that in the chunk. (Also when
             # event time never started: a partition restored with impressions but no click seen since.)
             last = max(held + ([] if self.max_ts is None else [self.max_ts]))
-            self.max_ts = last + self.cfg.window_ms + self.cfg.lateness_ms
+            self.max_ts = last + self.cfg.window_ms + self.cfg.lateness_ms + 1  # the watermark: last + window
         self._expire(out)
         if events or drain or self.max_ts != max_ts:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1

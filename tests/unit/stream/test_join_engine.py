@@ -61,7 +61,9 @@ def test_no_click_gives_a_negative_at_expiry_and_late_clicks_are_reported() -> N
     j2.apply(f2.imps(imp("a", 100)), [], clicks_idle=True)  # the driver says clicks are quiet
     r = j2.apply(f2.imps(imp("b", 1099)), [], clicks_idle=True)
     assert r.samples == []  # 100 + 1000 > 1099: still inside the window
-    r = j2.apply(f2.imps(imp("c", 1100)), [], clicks_idle=True)
+    r = j2.apply(f2.imps(imp("b2", 1100)), [], clicks_idle=True)
+    assert r.samples == []  # a click at 1100, in order, could still come: the window is inclusive
+    r = j2.apply(f2.imps(imp("c", 1101)), [], clicks_idle=True)
     assert [(s.pending.impression_id, s.label, s.label_delay_ms) for s in r.samples] == [("a", 0, W)]
     j, f = j2, f2
     r = j.apply([], f.clicks(Click("a", 1150)))  # after expiry -> late
@@ -76,7 +78,7 @@ def test_clicks_may_arrive_before_their_impression_and_orphans_expire() -> None:
     assert r.samples == [] and set(j.waiting) == {"a", "ghost"}
     r = j.apply(f.imps(imp("a", 200)), [])
     assert [(s.pending.impression_id, s.label) for s in r.samples] == [("a", 1)]
-    r = j.apply(f.imps(imp("z", 400)), [])  # watermark 400 > 310: the ghost's impression never came
+    r = j.apply(f.imps(imp("z", 400)), f.clicks(Click("y", 400)))  # watermark 399 > 310: the ghost's never came
     assert [(u.impression_id, u.reason) for u in r.unjoined] == [("ghost", "orphan")]
 
 
@@ -269,7 +271,7 @@ def test_a_restore_keeps_a_click_waiting_for_an_id_whose_earlier_impression_was_
     # dropped the waiting click as if that impression had taken it: the new "a"@5800 ended a negative, not a positive.
     cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=2000, watermark_quorum=1)
     j, f, chunks = PartitionJoin(0, cfg), Feed(), {}
-    for imps, clicks in (([imp("a", 0), imp("b", 5000)], [Click("z", 5000)]), ([], [Click("a", 6000)])):
+    for imps, clicks in (([imp("a", 0), imp("b", 5000)], [Click("z", 4000)]), ([], [Click("a", 6000)])):
         r = j.apply(f.imps(*imps), f.clicks(*clicks))
         chunks[r.chunk.seq] = r.chunk
     assert j.waiting == {"a": [6000]} and "a" not in j.finalized
@@ -286,7 +288,7 @@ def test_a_restore_does_not_bring_back_a_waiting_click_its_impression_took_in_a_
     cfg = JoinConfig(window_ms=W, lateness_ms=0, late_retention_ms=2000, watermark_quorum=1)
     j, f, chunks = PartitionJoin(0, cfg), Feed(), {}
     for imps, clicks in (([imp("b", 0)], [Click("z", 0)]), ([], [Click("a", 10_000)]), ([imp("a", 100)], []),
-                         ([imp("c", 5000)], [Click("y", 5000)])):
+                         ([imp("c", 5000)], [Click("y", 4000)])):
         r = j.apply(f.imps(*imps), f.clicks(*clicks))
         chunks[r.chunk.seq] = r.chunk
         for seq in r.retired:
@@ -294,7 +296,7 @@ def test_a_restore_does_not_bring_back_a_waiting_click_its_impression_took_in_a_
     assert not j.waiting and 1 in chunks  # the click's chunk is live
     back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks.values()])
     assert back.waiting == j.waiting
-    imps, clicks = f.imps(imp("d", 11_000)), f.clicks(Click("w", 11_000))
+    imps, clicks = f.imps(imp("d", 11_001)), f.clicks(Click("w", 11_000), Click("v", 11_001))
     assert back.apply(imps, clicks).unjoined == j.apply(imps, clicks).unjoined == [Unjoined("w", 11_000, "orphan")]
 
 

@@ -200,10 +200,10 @@ def test_a_restore_keeps_each_inputs_quorum_so_a_click_late_before_the_restart_s
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_restore_keeps_an_impression_whose_id_came_again_after_the_first_was_forgotten(policy: str) -> None:
-    # "a"@0 closes at 1000 and is forgotten at 6000 (window + late retention); "a" again @6500 is a new impression,
+    # "a"@0 closes past 1000 and is forgotten past 6000 (window + late retention); "a" again @6500 is a new impression,
     # clicked @7000. The chunk that added the first "a" is still live (it also added "b"@3000): a restore replayed
     # the first one's expiry timer (1000) onto the second, which closed at once as a negative, and its click was lost.
-    batches = [([imp("a", 0), imp("b", 3000)], [Click("z", 3000)]), ([imp("c", 6000)], [Click("y", 6000)]),
+    batches = [([imp("a", 0), imp("b", 3000)], [Click("z", 3000)]), ([imp("c", 6001)], [Click("y", 6001)]),
                ([imp("a", 6500)], [Click("x", 6500)]), ([], [Click("a", 7000)]), ([], [])]
     whole = run(policy, batches)
     assert sorted(whole).count(("a", 1, DELAYED_POSITIVE if policy in ("fake_negative", "es_dfm") else FINAL)) == 1
@@ -212,11 +212,11 @@ def test_a_restore_keeps_an_impression_whose_id_came_again_after_the_first_was_f
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_restore_keeps_a_click_waiting_for_an_id_that_comes_again_after_the_first_was_forgotten(policy: str) -> None:
-    # "a"@0 is forgotten at 6000 (window + late retention) while the chunk that added it stays live ("b"@3000). A click
-    # for "a" @6500 then waits for its impression, which comes @6400 in the next batch and joins it. A restore before
-    # that batch held the forgotten "a" as pending, took the waiting click for one "joined there or late", dropped it,
-    # and the second "a" ended a negative.
-    batches = [([imp("a", 0), imp("b", 3000)], [Click("z", 3000)]), ([imp("c", 6000)], [Click("y", 6000)]),
+    # "a"@0 is forgotten past 6000 (window + late retention) while the chunk that added it stays live ("b"@3000). A
+    # click for "a" @6500 then waits for its impression, which comes @6400 in the next batch and joins it. A restore
+    # before that batch held the forgotten "a" as pending, took the waiting click for one "joined there or late",
+    # dropped it, and the second "a" ended a negative.
+    batches = [([imp("a", 0), imp("b", 3000)], [Click("z", 3000)]), ([imp("c", 6001)], [Click("y", 6001)]),
                ([], [Click("a", 6500)]), ([imp("a", 6400)], [Click("x", 6400)]), ([], [])]
     whole = run(policy, batches)
     assert final_view(whole)["a"] == 1

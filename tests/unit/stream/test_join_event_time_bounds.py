@@ -1,0 +1,62 @@
+"""The join engine at the edges of event time: an event at exactly an input's time, or exactly its allowed lateness
+behind it, is in order, so its label must not depend on which batch it is read in."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream.events import Click
+from stream.joiner.engine import JoinConfig, PartitionJoin
+from stream.samples import OBSERVED
+from tests.unit.stream.test_join_engine import Feed, imp
+
+W = 1000
+
+
+def _cfg(lateness_ms: int, **kw: object) -> JoinConfig:
+    return JoinConfig(window_ms=W, lateness_ms=lateness_ms, late_retention_ms=5000, watermark_quorum=1, **kw)  # type: ignore[arg-type]
+
+
+def _labels(samples: list) -> list[tuple[str, int, int]]:
+    return [(s.pending.impression_id, s.label, s.kind) for s in samples]
+
+
+@pytest.mark.parametrize("lateness_ms", [0, 5])
+def test_a_click_read_a_batch_before_its_impression_at_the_same_time_joins_when_both_are_within_the_lateness(
+        lateness_ms: int) -> None:
+    """Both inputs stand at 100 + lateness; a click at 100 and its impression at 100 are each exactly the lateness
+    behind their input's time (with no lateness: at it, ties). The click came a batch first and was given up as an
+    orphan at watermark 100, and the impression then closed as a negative."""
+    j, f = PartitionJoin(0, _cfg(lateness_ms)), Feed()
+    r1 = j.apply(f.imps(imp("b", 100 + lateness_ms)), f.clicks(Click("a", 100), Click("b", 100 + lateness_ms)))
+    r2 = j.apply(f.imps(imp("a", 100)), [])
+    r3 = j.apply([], [], drain=True)
+    assert not r1.unjoined + r2.unjoined + r3.unjoined
+    assert sorted(_labels(r1.samples + r2.samples + r3.samples)) == [("a", 1, 0), ("b", 1, 0)]
+
+
+@pytest.mark.parametrize("lateness_ms", [0, 5])
+@pytest.mark.parametrize("one_batch", [True, False])
+def test_a_click_at_exactly_the_window_end_joins_whichever_batch_it_is_read_in(lateness_ms: int,
+                                                                               one_batch: bool) -> None:
+    """A click at ts + window is inside the window (``0 <= delay <= window``). Read in the batch that moved both inputs
+    to ts + window + lateness it joined; read a batch later, in order all the same, it was ``late``."""
+    j, f = PartitionJoin(0, _cfg(lateness_ms)), Feed()
+    now = 100 + W + lateness_ms
+    first = [Click("b", now)] + ([Click("a", 100 + W)] if one_batch else [])
+    r1 = j.apply(f.imps(imp("a", 100), imp("b", now)), f.clicks(*first))
+    r2 = j.apply([], [] if one_batch else f.clicks(Click("a", 100 + W)))
+    assert not r1.unjoined + r2.unjoined
+    assert sorted(_labels(r1.samples + r2.samples)) == [("a", 1, 0), ("b", 1, 0)]
+
+
+@pytest.mark.parametrize("one_batch", [True, False])
+def test_an_es_dfm_click_at_exactly_the_elapsed_time_is_an_observed_positive_whichever_batch_it_is_read_in(
+        one_batch: bool) -> None:
+    """es_dfm: a click by ``ts + elapsed`` makes an OBSERVED 1. Read a batch after the one that moved event time to
+    exactly ts + elapsed, the impression had gone out as an OBSERVED 0 and the click became a delayed positive."""
+    j, f = PartitionJoin(0, _cfg(0, policy="es_dfm", elapsed_ms=300)), Feed()
+    first = [Click("b", 400)] + ([Click("a", 400)] if one_batch else [])
+    r1 = j.apply(f.imps(imp("a", 100), imp("b", 400)), f.clicks(*first))
+    r2 = j.apply([], [] if one_batch else f.clicks(Click("a", 400)))
+    assert [s for s in _labels(r1.samples + r2.samples) if s[0] == "a"] == [("a", 1, OBSERVED)]
