@@ -60,3 +60,18 @@ def test_an_es_dfm_click_at_exactly_the_elapsed_time_is_an_observed_positive_whi
     r1 = j.apply(f.imps(imp("a", 100), imp("b", 400)), f.clicks(*first))
     r2 = j.apply([], [] if one_batch else f.clicks(Click("a", 400)))
     assert [s for s in _labels(r1.samples + r2.samples) if s[0] == "a"] == [("a", 1, OBSERVED)]
+
+
+def test_a_far_past_impression_closes_in_its_batch_a_negative_unless_its_click_shares_the_batch() -> None:
+    """README, "Far-future and far-past events": a producer writing seconds where milliseconds are expected (1.7e9)
+    is applied, not dead-lettered; its impression closes at the end of the batch it comes in."""
+    base = 1_700_000_000_000
+    feeds = []
+    for together in (True, False):
+        j, f = PartitionJoin(0, JoinConfig()), Feed()  # the defaults: quorum 16, 30 min window
+        j.apply(f.imps(*(imp(f"i{k}", base + k) for k in range(16))), f.clicks(*(Click(f"i{k}", base + k)
+                                                                                for k in range(16))))
+        first = j.apply(f.imps(imp("s", 1_700_000_000)), f.clicks(Click("s", 1_700_000_005)) if together else [])
+        second = j.apply([], [] if together else f.clicks(Click("s", 1_700_000_005)))
+        feeds.append((_labels(first.samples + second.samples), [u.reason for u in first.unjoined + second.unjoined]))
+    assert feeds == [([("s", 1, 0)], []), ([("s", 0, 0)], ["orphan"])]
