@@ -234,9 +234,9 @@ def _ts(value: Any, broker_ts_ms: int | None, limits: EventLimits) -> int:
         raise ValidationError("ts", value, f"an integer of milliseconds since the epoch in [0, {MAX_TS_MS}]")
     if broker_ts_ms is not None and broker_ts_ms > 0 and value > broker_ts_ms + limits.future_ts_ms:
         raise BadMessage(
-            f"field 'ts': {value} is {(value - broker_ts_ms) / 1000:.0f} s ahead of the message's broker timestamp "
-            f"{broker_ts_ms}; at most {limits.future_ts_s:g} s is allowed ([limits] future_ts_s): the producer's "
-            "clock or time unit is wrong", kind="future_ts")
+            f"field 'ts': {value} is {value - broker_ts_ms} ms ahead of the message's broker timestamp "
+            f"{broker_ts_ms}; at most {limits.future_ts_ms} ms ({limits.future_ts_s:g} s) is allowed ([limits] "
+            "future_ts_s): the producer's clock or time unit is wrong", kind="future_ts")
     return value
 
 

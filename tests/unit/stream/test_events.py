@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from stream.errors import BadMessage, ValidationError
 from stream.events import MAX_ID, Click, Impression, all_ids, check_id, decode_click, decode_impression
-from stream.limits import DENSE_BOUND
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
 
 GOOD = {"schema_version": 1, "impression_id": "i1", "ts": 1_700_000_000_000, "user_id": "u1", "item_id": 7,
         "context": {"device": "ios", "genres": ["a", "b"], "pos": 3, "score": 0.5}, "dense": {"price": 1.5}}
@@ -219,3 +219,12 @@ def test_a_dense_integer_literal_that_becomes_2_64_as_float32_is_refused_by_even
     SampleBatch.decode(SampleBatch.from_columns(impression_id=["i"], ts=[1_000], label=[0], label_delay_ms=[0],
                                                 user_id=[1], item_id=[2], history=[[]], dense={"price": [price]}
                                                 ).encode())
+
+
+def test_a_future_ts_reason_states_the_lead_exactly_not_rounded_to_the_limit() -> None:
+    """1 ms over a 3600 s limit read "3600 s ahead ...; at most 3600 s is allowed": the reason stated no breach."""
+    broker = 1_765_000_000_000
+    raw = b'{"schema_version": 1, "impression_id": "a", "ts": %d}' % (broker + 3_600_001)
+    with pytest.raises(BadMessage) as err:
+        decode_click(raw, DEFAULT_LIMITS, broker)
+    assert err.value.kind == "future_ts" and "3600001 ms ahead" in str(err.value) and "3600000 ms" in str(err.value)
