@@ -207,6 +207,7 @@ class KafkaJoinWorker:
                 t0 = time.monotonic()
                 msgs = self._fetch()
                 self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
+                self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
                 records = _records(msgs, self.gaps)
                 idle = not records
                 if records or self._held:

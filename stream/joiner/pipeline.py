@@ -79,6 +79,7 @@ from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
 from stream.history import UserHistory
+from stream.idle_clock import IdleClock
 from stream.joiner import metrics as m
 from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, click_room, hold_limits, input_of
 from stream.joiner.config import JoinerSettings, check_late_clicks_topic
@@ -400,7 +401,13 @@ class JoinPipeline:
         self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
         self._flushing: tuple[Future[None], list[CountsWrite]] | None = None
         self._failed_write: CountsWrite | None = None
-        self._last_click: dict[int, float] = {}  # partition -> wall time a click (or the partition) was last seen
+        self._last_click: dict[int, float] = {}  # partition -> awake time a click (or the partition) was last seen
+        # The time this process ran, stalls left out (stream/idle_clock.py): click_idle_s counts on it. On the wall
+        # clock a stall (SIGSTOP, a long GC pause, a paused VM) counted as click idleness, and the first batch after it
+        # that brought impressions only closed windows whose clicks were written meanwhile, unread yet (they went late).
+        # A gap between two ticks over a driver round (batch_within_s + 2 s) counts nothing; the drivers tick it every
+        # round, so a click input quiet while the process runs still becomes idle.
+        self.awake = IdleClock(js.batch_within_s + 2.0, 0.0)
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
         # alone would advance event time past clicks that are merely unread.
         self.clicks_held: set[int] = set()
@@ -948,13 +955,13 @@ class JoinPipeline:
         :class:`StateTooLarge`, which failed the batch and left the impression to the strikes, ``poison_after``
         restarts later."""
         eng = self.engines[partition]
-        now = time.monotonic()
+        t0, now = time.monotonic(), self.awake.tick()
         if clicks or partition not in self._last_click or partition in self.clicks_held:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
         imp_from = eng.offsets[0]
         res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
-        self.totals.stage_s["join"] += time.monotonic() - now
+        self.totals.stage_s["join"] += time.monotonic() - t0
         parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
         while over:  # again only where a later copy of a record taken out (same id and time) took its place
             imps = self._state_too_large(partition, imps, imp_from, over)

@@ -337,6 +337,7 @@ class FaustJoinWorker:
         partitions' new owner had joined already (the frozen-joiner fault test). With a limit under a heartbeat it
         still did (idleness restarted at 0)."""
         idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
+        self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
         limit = self.js.exit_when_idle_s
         if self._wait or time.monotonic() < self._waited_until:  # a recovery's wait, owed or under way, is no idleness
             self._idle.reset()  # (the rewound records are read only after it: idleness counts from its end)

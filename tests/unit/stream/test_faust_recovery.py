@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from stream.idle_clock import IdleClock
 from stream.joiner.worker import FaustJoinWorker
 from stream.strikes import RECOVERY_BACKOFF_S
 
@@ -39,7 +40,7 @@ def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple
     pipeline = SimpleNamespace(
         held_counts={("clicks", 0): 3}, engines={0: object(), 1: object()}, processed={}, restore=lambda _p: None,
         process_new=process_new, waiting=lambda: {}, input_times=lambda: {}, held_per_input=lambda: {},
-        forget=calls["forget"].append, drop_held=calls["drop_held"].append)
+        forget=calls["forget"].append, drop_held=calls["drop_held"].append, awake=IdleClock(1.0, 0.0))
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings())  # type: ignore[arg-type]
     shutil.rmtree(w._datadir)
     w._assigned = {0, 1}

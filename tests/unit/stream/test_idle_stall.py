@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stream.idle_clock import IdleClock
 from stream.joiner.worker import FaustJoinWorker
 
 HEARTBEAT_S = 1.0  # the default 6 s session's heartbeat interval (stream.kafka.heartbeat_interval_s)
@@ -39,7 +40,8 @@ def idle_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, drained: list[flo
 
     monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(
         consumer=SimpleNamespace(commit=commit)))
-    pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None, drain=lambda: drained.append(clock.t))
+    pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None, drain=lambda: drained.append(clock.t),
+                               awake=IdleClock(1.0, 0.0))
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings(exit_when_idle_s=limit,  # type: ignore[arg-type]
                                                                   drain_at_exit=True))
     shutil.rmtree(w._datadir)
@@ -113,7 +115,7 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
                                      JoinerSettings(exit_when_idle_s=limit, drain_at_exit=True))
     w.consumer.close()
     w.consumer = StalledConsumer(clock, stall_s=stall_s)  # type: ignore[assignment]
-    w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}),  # type: ignore[assignment]
+    w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}), awake=IdleClock(1.0, 0.0),  # type: ignore[assignment]
                                  restore=lambda _p: None, drain=lambda: drained.append(clock.t))
     monkeypatch.setattr(w, "_apply_gate", gate)
     monkeypatch.setattr(w, "_commit", lambda: None)

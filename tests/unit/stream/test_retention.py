@@ -14,6 +14,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicP
 
 from stream import event_reader, kafka
 from stream.config import KafkaSettings
+from stream.idle_clock import IdleClock
 from stream.joiner.config import JoinerSettings
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.metrics import INPUT_LOST
@@ -508,7 +509,7 @@ def test_the_kafka_drivers_fetch_past_records_deleted_while_it_runs_logs_and_cou
     processed: list[tuple[str, int]] = []
     w.pipeline = assigning_pipeline(
         totals=SimpleNamespace(stage_s={"fetch": 0.0, "commit": 0.0}), engines={0: None}, processed={},
-        held_counts={}, restore=lambda _p: None,
+        held_counts={}, restore=lambda _p: None, awake=IdleClock(1.0, 0.0),
         process_new=lambda records, behind: processed.extend((r.topic, r.offset) for r in records))
     monkeypatch.setattr(w, "_apply_gate", set)
     before = lost("joiner", imps), lost("joiner", clicks)
