@@ -14,7 +14,9 @@ setting                       default  bounds
 ``max_str_len``               256      characters of a string id or context value
 ``max_list_len``              1024     elements of a context list
 ``future_ts_s``               3600     how far ``ts`` may be ahead of the message's broker
-                                       timestamp (the wall clock where there is none)
+                                       timestamp (no bound where there is none: a message
+                                       format before timestamps; every client since Kafka
+                                       0.10 stamps each message, librdkafka with its clock)
 ============================  =======  ===========================================================
 
 Dense values must be finite *as float32* (the learner's dtype): ``1e39`` is finite in JSON and inf in
