@@ -59,6 +59,7 @@ from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
 from learner.kafka_dataset import KafkaSampleDataset, not_the_batch
+from learner.lag import publish_lag
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
@@ -86,7 +87,6 @@ EVENT_TIME = Gauge("streamrec_learner_event_time_seconds", "Event time (Unix sec
                    "how far training trails the stream).")
 SAMPLES = PCounter("streamrec_learner_samples_total", "Samples trained.")
 DUPLICATES = PCounter("streamrec_learner_duplicates_total", "Duplicate samples dropped.")
-LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
 CALIBRATION_SCALE = Gauge("streamrec_learner_calibration_scale", "Platt scale a of the served logit a * z + b "
                           "(learner/calibration.py; 1 = served as the model says, below 1 = shrunk).")
 CALIBRATION_SHIFT = Gauge("streamrec_learner_calibration_shift", "Platt shift b of the served logit a * z + b.")
@@ -469,13 +469,8 @@ class Learner:
                         len(keys), describe_os_error(exc))
 
     def _update_lag(self) -> None:
-        for p, o in self.offsets.items():
-            try:
-                _, high = self._group.get_watermark_offsets(TopicPartition(self.kafka.samples_topic, p), timeout=2)
-            except Exception:  # noqa: BLE001 - lag is best effort
-                continue
-            # A broker that reports the last batch's start as its high watermark under-counts by < 1 batch.
-            LAG.labels(str(p)).set(max(0, high - o))
+        """Every partition's lag (learner/lag.py), those not trained from yet too."""
+        publish_lag(self._group, self.kafka.samples_topic, self.offsets)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _partitions(self) -> list[int]:

@@ -1,6 +1,6 @@
 """The packaged ``learner_trains_nothing`` rule (``monitor/default_rules.toml``) over the learner's own
-``streamrec_learner_samples_total`` and ``streamrec_learner_lag_samples`` (``learner/daemon.py``), read as
-``streamrec monitor`` reads them: this process's Prometheus text scraped once a minute."""
+``streamrec_learner_samples_total`` and ``streamrec_learner_lag_samples`` (``learner/daemon.py``,
+``learner/lag.py``), read as ``streamrec monitor`` reads them: this process's Prometheus text scraped once a minute."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from learner.daemon import LAG, SAMPLES
+from learner.daemon import SAMPLES
+from learner.lag import LAG
 from monitor.alerts import AlertState
 from tests.unit.learner.test_cold_start_metrics import default_rule, scraped
 
