@@ -8,7 +8,8 @@ partitions (``learner/distributed.py``: partition p to rank p % N), all ranks st
             delta round:      learner/sharded_deltas.py (every rank's touched rows from their shards, one delta
                               written by rank 0 with learner/deltas.py's writer), when deltas_every_s > 0
             checkpoint round: learner/sharded_checkpoint.save (DCP + every partition's offset), then rank 0
-                              commits the group offsets (lag dashboards only)
+                              commits the group offsets (lag dashboards only) and every rank sets the lag
+                              of its own partitions (learner/lag.py) on its own /metrics
 
 Exactly once, as in the single-process daemon: a checkpoint holds the model and, for every samples partition,
 the offset of the next message to train, written by all ranks at one step boundary; a restart (torchrun's
@@ -103,6 +104,7 @@ from learner.distributed import (
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
 from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
+from learner.lag import publish_lag
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
 from learner.quality import IdMetrics, TrainingQuality
@@ -225,7 +227,8 @@ class ShardedLearner:
         self._base_samples = 0  # samples trained by all ranks before this run (rank 0 counts them)
         self._base_steps = 0
         self._shape = shape_of(ls)
-        self._group = new_consumer(kafka, ls.group_id) if ctx.rank == 0 else None  # commits only, for lag
+        # rank 0 commits the group offsets (lag dashboards); every rank asks its partitions' watermarks (learner/lag.py)
+        self._group = new_consumer(kafka, ls.group_id)
         self._handlers: dict[int, Any] = {}  # the signal handlers run() replaced, put back by close()
 
     # -- model and state ---------------------------------------------------------------------------
@@ -381,12 +384,13 @@ class ShardedLearner:
             self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
         path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
                                        keep=self.ls.keep_checkpoints)
-        if self._group is not None and offsets:  # after the checkpoint is durable; lag dashboards only
+        if rank == 0 and offsets:  # after the checkpoint is durable; lag dashboards only
             try:
                 self._group.commit(offsets=[TopicPartition(self.kafka.samples_topic, p, o)
                                             for p, o in offsets.items()], asynchronous=False)
             except KafkaException as exc:
                 log.warning("could not commit the group offsets (lag dashboards lag): %s", exc)
+        publish_lag(self._group, self.kafka.samples_topic, self.offsets, (rank, world))  # its own partitions' lag
         return path
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -394,7 +398,6 @@ class ShardedLearner:
         parts = None
         if self.ctx.rank == 0:
             ensure_samples(self.kafka)  # the inputs' partition count (stream/joiner/partitions.py)
-            assert self._group is not None
             md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
             parts = sorted(md.partitions)
         return list(broadcast_object(parts))
@@ -714,8 +717,7 @@ class ShardedLearner:
         for sig, handler in self._handlers.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
         self._handlers.clear()
-        if self._group is not None:
-            self._group.close()
+        self._group.close()
 
 
 

@@ -95,3 +95,50 @@ def test_a_partition_with_a_backlog_and_nothing_trained_reports_its_lag(tmp_path
         learner.close()
     assert lag_series() == {"0": 3.0, "1": 7.0}
 
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_sharded_learner_reports_the_lag_of_its_partitions_those_added_and_untrained_too(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun no partition reported lag: the sharded daemon never set the gauge, so learner_lag and the
+    dashboard's lag panel were blind. Through its run: partition 0's message at offset 5 trained (records 0-8), and
+    partition 1 (records 2-6) added to the topic after the start, nothing of it trained."""
+    import numpy as np
+    import torch
+
+    import learner.sharded_daemon as sd
+    from learner.batch import to_tensors
+    from learner.distributed import RankContext
+    from learner.features import default_config
+    from tests.integration.test_learner import sample_batch
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4)
+    cfg = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4)
+    batch = to_tensors(sample_batch(np.random.default_rng(0), 4), cfg, [(0, 5, 4)])
+
+    class Dataset(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield batch
+
+    monkeypatch.setattr(sd, "KafkaSampleDataset", lambda *a, **k: Dataset())
+    monkeypatch.setattr(sd.ShardedLearner, "_partitions", lambda self: [0])  # the topic at the start
+    monkeypatch.setattr(sd.ShardedLearner, "_fresh_config", lambda self: cfg)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+    learner = sd.ShardedLearner(kafka, ls, RankContext())
+    try:
+        assert learner._group is not None
+        learner._group.close()
+        learner._group = Watermarks(kafka.samples_topic, {0: (0, 9), 1: (2, 7)})  # type: ignore[assignment]
+        assert learner.run()["offsets"] == {"0": 6}
+    finally:
+        learner.close()
+    assert lag_series() == {"0": 3.0, "1": 5.0}
