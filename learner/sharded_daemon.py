@@ -81,6 +81,7 @@ from learner.daemon import (
     AUC,
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
+    DUPLICATES,
     LOGLOSS,
     PROBE_S,
     SAMPLES,
@@ -546,7 +547,9 @@ class ShardedLearner:
         if not len(batch):
             return batch, empty, np.zeros(0, np.int64)
         keep = self.recent.filter(batch.impression_ids, batch.kinds)
-        self.duplicates += int((~keep).sum())
+        dups = int((~keep).sum())
+        self.duplicates += dups
+        DUPLICATES.inc(dups)  # this rank's: summed over the ranks, the job's (as the summary's duplicates_dropped)
         per_message = [rows for _, _, rows in batch.positions]
         partitions = (np.repeat([p for p, _, _ in batch.positions], per_message)[keep]
                       if sum(per_message) == len(batch) else None)

@@ -1,0 +1,92 @@
+"""The single-process daemon's metrics that the sharded learner exports too (README, "Running on N ranks"), through
+the sharded daemon's run on one gloo rank with a dataset fake: each rank's own events on its own ``/metrics``
+(summed over the ranks, the job's), and the job's decisions every rank makes alike on rank 0 only (counted once)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from confluent_kafka import KafkaException
+from prometheus_client import REGISTRY
+
+from learner.batch import TensorBatch, to_tensors
+from learner.config import LearnerSettings
+from learner.distributed import RankContext
+from learner.features import default_config
+from stream.config import KafkaSettings
+from tests.integration.test_learner import sample_batch
+
+CFG = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def value(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+class NoBroker:
+    """The rank's consumer (commits, lag: tests/unit/learner/test_lag.py) without a broker to wait for."""
+
+    def commit(self, offsets: Any = None, asynchronous: bool = True) -> None:
+        pass
+
+    def list_topics(self, topic: str, timeout: float = -1) -> Any:
+        raise KafkaException("no broker in this test")
+
+    def close(self) -> None:
+        pass
+
+
+def run_sharded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batches: list[TensorBatch],
+                **settings: Any) -> dict[str, Any]:
+    """One rank's run of the sharded daemon over ``batches`` (partition 0 of the topic), its summary."""
+    import learner.sharded_daemon as sd
+
+    class Dataset(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from batches
+
+    monkeypatch.setattr(sd, "KafkaSampleDataset", lambda *a, **k: Dataset())
+    monkeypatch.setattr(sd.ShardedLearner, "_partitions", lambda self: [0])
+    monkeypatch.setattr(sd.ShardedLearner, "_fresh_config", lambda self: CFG)
+    monkeypatch.setattr(sd, "new_consumer", lambda *a, **k: NoBroker())
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         **settings)
+    learner = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext())
+    try:
+        return learner.run()
+    finally:
+        learner.close()
+
+
+def counted(names: list[str], run: Callable[[], Any]) -> list[float]:
+    before = [value(n) for n in names]
+    run()
+    return [value(n) - b for n, b in zip(names, before, strict=True)]
+
+
+def test_the_sharded_learner_counts_the_duplicate_samples_it_drops(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same 4 samples in two messages (a joiner's retry): the second's 4 rows are dropped, and the duplicates
+    alert rule and panel read streamrec_learner_duplicates_total, which the sharded daemon never counted."""
+    sb = sample_batch(np.random.default_rng(0), 4)
+    batches = [to_tensors(sb, CFG, [(0, 5, 4)]), to_tensors(sb, CFG, [(0, 6, 4)])]
+    summaries: list[dict[str, Any]] = []
+    got = counted(["streamrec_learner_duplicates_total"],
+                  lambda: summaries.append(run_sharded(tmp_path, monkeypatch, batches)))
+    assert got == [4.0] and summaries[0]["duplicates_dropped"] == 4
