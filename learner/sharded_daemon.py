@@ -81,8 +81,10 @@ from learner.daemon import (
     AUC,
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
+    DENSE_CLIPPED,
     DUPLICATES,
     LOGLOSS,
+    NAN_LOSSES,
     PROBE_S,
     SAMPLES,
     RecentIds,
@@ -492,12 +494,14 @@ class ShardedLearner:
                 if self.deltas is not None and len(kept):
                     self.deltas.mark(kept.values)
                 probs, logits = [], []
+                counts = self.trainer.nan_losses, self.trainer.dense_clip.clipped
                 for i, rows in enumerate(rnd.steps):  # every rank runs every step, padded to its size
                     chunk = chunks[i] if i < len(chunks) else empty
                     probs.append(self.trainer.test_then_train(chunk, rows))  # (len(chunk),) as served
                     logits.append(self.trainer.last_logits)  # (len(chunk),) raw
                     if self.bias is not None and not self.bias.done:  # (the same on every rank)
                         self._follow_base_rate(chunk)
+                self._count_steps(*counts)
                 self._after_round(kept, np.concatenate(probs) if probs else np.zeros(0),
                                   np.concatenate(logits) if logits else np.zeros(0), partitions)
             except Exception as exc:
@@ -589,6 +593,23 @@ class ShardedLearner:
             log.error("rank %d: the round failed on another rank (%s) with this rank's %d message(s) in it; each "
                       "gets a strike", self.ctx.rank, elsewhere, len(keys))
             strikes.failed(keys, RoundFailed(elsewhere))
+
+    def _count_steps(self, nan_before: int, clipped_before: int) -> None:
+        """The round's steps skipped for a non-finite loss and dense gradients clipped, counted by rank 0 only: every
+        rank decides both alike (learner/sharded_trainer.py), so each is one step of the job, as one process counts."""
+        assert self.trainer is not None
+        nan, clipped = self.trainer.nan_losses - nan_before, self.trainer.dense_clip.clipped - clipped_before
+        if self.ctx.rank != 0:
+            return
+        if clipped:
+            DENSE_CLIPPED.inc(clipped)
+            log.warning("clipped the dense gradient of %d step(s) to [learner] dense_grad_clip x its recent scale "
+                        "(%d so far): a batch with out-of-scale dense values?", clipped,
+                        self.trainer.dense_clip.clipped)
+        if nan:
+            NAN_LOSSES.inc(nan)
+            log.warning("skipped %d step(s) with a non-finite loss on some rank (%d so far)", nan,
+                        self.trainer.nan_losses)
 
     def _write_delta(self) -> None:
         """Collective: one serving delta of the rows every rank touched since the last one."""

@@ -90,3 +90,24 @@ def test_the_sharded_learner_counts_the_duplicate_samples_it_drops(
     got = counted(["streamrec_learner_duplicates_total"],
                   lambda: summaries.append(run_sharded(tmp_path, monkeypatch, batches)))
     assert got == [4.0] and summaries[0]["duplicates_dropped"] == 4
+
+
+def test_the_sharded_learner_counts_its_skipped_and_clipped_steps_once_on_rank_0(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank skips a step whose loss is not finite on some rank and clips the same all-reduced dense gradient
+    (learner/sharded_trainer.py): the nan_losses and dense_clipped alert rules read the single process's counters,
+    which the sharded daemon never incremented. Here every step is counted as one of each by the trainer."""
+    from learner.sharded_trainer import ShardedTrainer
+
+    step = ShardedTrainer.test_then_train
+
+    def counting(self: ShardedTrainer, batch: TensorBatch, rows: int) -> np.ndarray:
+        self.nan_losses += 1
+        self.dense_clip.clipped += 1
+        return step(self, batch, rows)
+
+    monkeypatch.setattr(ShardedTrainer, "test_then_train", counting)
+    batches = [to_tensors(sample_batch(np.random.default_rng(k), 4, start=4 * k), CFG, [(0, k, 4)]) for k in range(3)]
+    got = counted(["streamrec_learner_nan_losses_total", "streamrec_learner_dense_clipped_steps_total"],
+                  lambda: run_sharded(tmp_path, monkeypatch, batches, step_rows=2))
+    assert got == [6.0, 6.0]  # 3 rounds of 2 steps of 2 rows
