@@ -81,6 +81,7 @@ from learner.daemon import (
     AUC,
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
+    CHECKPOINT_S,
     DENSE_CLIPPED,
     DUPLICATES,
     LOGLOSS,
@@ -353,6 +354,7 @@ class ShardedLearner:
     def save(self) -> Path:
         """Collective: a checkpoint of every rank's state at this step boundary."""
         assert self.trainer is not None and self.cfg is not None
+        t0 = time.monotonic()
         world, rank = self.ctx.world_size, self.ctx.rank
         gathered = all_gather_objects((self.offsets, dict(self.partition_rows), self.samples_trained(),
                                        self.duplicates))
@@ -393,6 +395,7 @@ class ShardedLearner:
                                             for p, o in offsets.items()], asynchronous=False)
             except KafkaException as exc:
                 log.warning("could not commit the group offsets (lag dashboards lag): %s", exc)
+        CHECKPOINT_S.set(time.monotonic() - t0)  # this rank's wait for the collective checkpoint, its part written
         publish_lag(self._group, self.kafka.samples_topic, self.offsets, (rank, world))  # its own partitions' lag
         return path
 

@@ -111,3 +111,13 @@ def test_the_sharded_learner_counts_its_skipped_and_clipped_steps_once_on_rank_0
     got = counted(["streamrec_learner_nan_losses_total", "streamrec_learner_dense_clipped_steps_total"],
                   lambda: run_sharded(tmp_path, monkeypatch, batches, step_rows=2))
     assert got == [6.0, 6.0]  # 3 rounds of 2 steps of 2 rows
+
+
+def test_the_sharded_learner_says_how_long_its_last_checkpoint_took(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """streamrec_learner_checkpoint_seconds (the dashboard's checkpoint panel) was set by one process only."""
+    from learner.daemon import CHECKPOINT_S
+
+    CHECKPOINT_S.set(-1.0)  # no value of this run
+    run_sharded(tmp_path, monkeypatch, [to_tensors(sample_batch(np.random.default_rng(0), 4), CFG, [(0, 0, 4)])])
+    assert value("streamrec_learner_checkpoint_seconds") > 0
