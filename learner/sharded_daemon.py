@@ -84,8 +84,10 @@ from learner.daemon import (
     CHECKPOINT_S,
     DENSE_CLIPPED,
     DUPLICATES,
+    EVENT_TIME,
     LOGLOSS,
     NAN_LOSSES,
+    POSITIVE_RATE,
     PROBE_S,
     SAMPLES,
     RecentIds,
@@ -107,6 +109,7 @@ from learner.distributed import (
 )
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
+from learner.health import PositiveRate
 from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
@@ -225,6 +228,8 @@ class ShardedLearner:
                                        ls.quality_recent_s, ls.quality_min_samples, ls.cold_tracker_capacity)
         self.id_metrics = IdMetrics(ls.metrics_window)  # rank 0's, over every rank's lookups
         self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
+        self._event_newest = 0.0  # rank 0's: the newest event time (s) of every rank's rows trained
+        self.positive_rate = PositiveRate(ls.metrics_window)  # rank 0's, over every rank's rows
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
         self.calibration = OnlineCalibration() if ls.online_calibration and ctx.rank == 0 else None
         self.dmp: Any = None
@@ -682,6 +687,10 @@ class ShardedLearner:
         assert probs_all is not None and ids is not None
         users = cat("users")
         now = self._clock.advance_s(ts)
+        self._event_newest = max(self._event_newest, now)  # the single process's gauges, over every rank's rows
+        EVENT_TIME.set(self._event_newest)
+        self.positive_rate.observe(labels)
+        POSITIVE_RATE.set(self.positive_rate.rate)
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
         self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay, now,
                             {k: v for p in parts for k, v in p.get("watermarks", {}).items()})  # one rank a partition

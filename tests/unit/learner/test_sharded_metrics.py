@@ -121,3 +121,21 @@ def test_the_sharded_learner_says_how_long_its_last_checkpoint_took(
     CHECKPOINT_S.set(-1.0)  # no value of this run
     run_sharded(tmp_path, monkeypatch, [to_tensors(sample_batch(np.random.default_rng(0), 4), CFG, [(0, 0, 4)])])
     assert value("streamrec_learner_checkpoint_seconds") > 0
+
+
+def test_the_sharded_learner_publishes_the_event_time_and_positive_rate_of_every_ranks_samples_on_rank_0(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """streamrec_learner_event_time_seconds and streamrec_learner_window_positive_rate (panels; the positive-rate
+    alert rules) were the single process's only. Rank 0 gathers every rank's rows each round (quality metrics): the
+    newest event time (as its event clock takes it) and the share of positives among the last metrics_window."""
+    from learner.daemon import EVENT_TIME, POSITIVE_RATE
+
+    EVENT_TIME.set(-1.0)
+    POSITIVE_RATE.set(-1.0)
+    t0 = 1_700_000_000_000  # ms
+    sbs = [sample_batch(np.random.default_rng(k), 4, start=t0 + 4 * k) for k in range(3)]
+    run_sharded(tmp_path, monkeypatch, [to_tensors(sb, CFG, [(0, k, 4)]) for k, sb in enumerate(sbs)],
+                metrics_window=8)
+    assert abs(value("streamrec_learner_event_time_seconds") - (t0 + 11) / 1000) < 0.01
+    last_8 = np.concatenate([sb.column("label") for sb in sbs[1:]])
+    assert value("streamrec_learner_window_positive_rate") == pytest.approx(float((last_8 > 0.5).mean()))
