@@ -120,6 +120,17 @@ POSITIVE_RATE = Gauge("streamrec_learner_window_positive_rate", "Share of positi
                       "metrics_window samples trained (NaN until 1000 arrived); compare streamrec_join_samples_total.")
 
 
+def publish_memory(memory: MemoryMonitor) -> None:
+    """The process's memory now and its growth (learner/health.py): both daemons, each rank its own, at most 1/s."""
+    mem = memory.sample()
+    RSS.set(mem["rss"])
+    for kind in ("allocated", "reserved"):
+        if f"cuda_{kind}" in mem:
+            CUDA_MEMORY.labels(kind).set(mem[f"cuda_{kind}"])
+    for name, rate in memory.growth_per_hour().items():
+        MEMORY_GROWTH.labels(name).set(rate)
+
+
 class RecentIds:
     """The last ``capacity`` samples seen: drops duplicate samples (joiner retries). A sample is its impression
     id and whether it is a delayed positive (``stream/samples.py``: an impression may have an ``OBSERVED`` 0
@@ -618,13 +629,7 @@ class Learner:
 
     def _publish_health(self) -> None:
         """Memory, gradient and update norms, coverage and the positive rate (learner/health.py); at most 1/s."""
-        mem = self.memory.sample()
-        RSS.set(mem["rss"])
-        for kind in ("allocated", "reserved"):
-            if f"cuda_{kind}" in mem:
-                CUDA_MEMORY.labels(kind).set(mem[f"cuda_{kind}"])
-        for name, rate in self.memory.growth_per_hour().items():
-            MEMORY_GROWTH.labels(name).set(rate)
+        publish_memory(self.memory)
         if self.trainer is not None:
             steps, blocks = self.trainer.grad_norms.drain()
             dense, table = GRAD_NORM.labels("dense"), GRAD_NORM.labels("embedding")

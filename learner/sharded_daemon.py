@@ -93,6 +93,7 @@ from learner.daemon import (
     RecentIds,
     first_samples_clock,
     infer_feature_config,
+    publish_memory,
 )
 from learner.delayed import BaseRateBias
 from learner.distributed import (
@@ -109,7 +110,7 @@ from learner.distributed import (
 )
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
-from learner.health import PositiveRate
+from learner.health import MemoryMonitor, PositiveRate
 from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
@@ -230,6 +231,8 @@ class ShardedLearner:
         self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
         self._event_newest = 0.0  # rank 0's: the newest event time (s) of every rank's rows trained
         self.positive_rate = PositiveRate(ls.metrics_window)  # rank 0's, over every rank's rows
+        self.memory = MemoryMonitor(self.device)  # this rank's
+        self._memory_published = 0.0
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
         self.calibration = OnlineCalibration() if ls.online_calibration and ctx.rank == 0 else None
         self.dmp: Any = None
@@ -525,6 +528,9 @@ class ShardedLearner:
                 SAMPLES.inc(len(kept))
                 AUC.set(self.trainer.metrics.auc)
                 LOGLOSS.set(self.trainer.metrics.logloss)
+            if time.monotonic() - self._memory_published >= 1.0:  # this rank's, at most 1/s, idle rounds too
+                publish_memory(self.memory)
+                self._memory_published = time.monotonic()
             if rnd.stop is not None:
                 reason = rnd.stop
                 break

@@ -139,3 +139,17 @@ def test_the_sharded_learner_publishes_the_event_time_and_positive_rate_of_every
     assert abs(value("streamrec_learner_event_time_seconds") - (t0 + 11) / 1000) < 0.01
     last_8 = np.concatenate([sb.column("label") for sb in sbs[1:]])
     assert value("streamrec_learner_window_positive_rate") == pytest.approx(float((last_8 > 0.5).mean()))
+
+
+def test_each_rank_of_the_sharded_learner_publishes_its_memory(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """streamrec_learner_rss_bytes and ..._memory_growth_bytes_per_hour (panels; the memory_growth alert rule) were
+    the single process's only: every rank holds its own share of the table, and its own memory may grow."""
+    from learner.daemon import MEMORY_GROWTH, RSS
+
+    RSS.set(-1.0)
+    MEMORY_GROWTH.clear()
+    run_sharded(tmp_path, monkeypatch, [to_tensors(sample_batch(np.random.default_rng(0), 4), CFG, [(0, 0, 4)])])
+    assert value("streamrec_learner_rss_bytes") > 0
+    growth = REGISTRY.get_sample_value("streamrec_learner_memory_growth_bytes_per_hour", {"memory": "rss"})
+    assert growth is not None and np.isnan(growth)  # NaN for the first 5 minutes, as in one process
