@@ -141,7 +141,7 @@ def _encode(c: StateChunk, items: range, bounds: list[int]) -> bytes:
         "seq": c.seq,
         "joined": share(0, c.joined),
         "waiting": share(1, c.waiting),
-        "max_ts": c.max_ts,
+        "max_ts": None if c.max_ts is None else c.max_ts - 1,  # the watermark + lateness (``_chunk``)
         "offsets": c.offsets,
         "max_ref_ts": c.max_ref_ts,
         "evicted": share(2, c.evicted),
@@ -272,8 +272,13 @@ def _chunk(parts: list[tuple[dict[str, Any], bytes]]) -> StateChunk:
     def joined_lists(name: str) -> list[Any]:
         return [item for header, _ in parts for item in header.get(name, ())]
 
+    # The header's max_ts is the watermark + lateness, as every joiner wrote it: the engine's is 1 ms more since its
+    # watermark became max_ts - lateness - 1. Read as the engine's, a chunk of the joiner before (a rolling upgrade)
+    # restored a watermark 1 ms short of what it had closed, which then went out twice; and that joiner, reading ours,
+    # took 1 ms more as closed than we had closed, which it never sent.
+    max_ts = None if head["max_ts"] is None else head["max_ts"] + 1
     return StateChunk(head["seq"], added, list(map(tuple, joined_lists("joined"))),
-                      list(map(tuple, joined_lists("waiting"))), head["max_ts"], tuple(head["offsets"]),
+                      list(map(tuple, joined_lists("waiting"))), max_ts, tuple(head["offsets"]),
                       head["max_ref_ts"], list(joined_lists("evicted")), list(map(tuple, joined_lists("unwaited"))),
                       tuple(head.get("topic_max", (None, None))),
                       tuple(list(map(int, t)) for t in head.get("topic_top", ([], []))))  # type: ignore[arg-type]

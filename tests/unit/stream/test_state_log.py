@@ -11,8 +11,9 @@ import orjson
 import pytest
 
 from stream.config import KafkaSettings
+from stream.events import Click
 from stream.joiner import state_log
-from stream.joiner.engine import Pending, StateChunk
+from stream.joiner.engine import JoinConfig, PartitionJoin, Pending, StateChunk
 from stream.joiner.sample_rows import state_batch
 from stream.joiner.state_log import (
     FENCE_SPAN,
@@ -26,6 +27,7 @@ from stream.joiner.state_log import (
     load_chunks,
     next_claim,
 )
+from tests.unit.stream.test_join_engine import Feed, imp
 
 
 def pending(i: int, history: list[int]) -> Pending:
@@ -79,10 +81,10 @@ def test_each_part_says_how_many_parts_its_chunk_has_and_which_write_it_is() -> 
 
 
 def test_a_chunk_written_before_parts_were_counted_still_decodes() -> None:
-    # the previous format: every list in part 0's header, no "parts" nor "write"
+    # the previous format: every list in part 0's header, no "parts" nor "write" (its max_ts the watermark + lateness)
     chunk = StateChunk(3, [pending(i, []) for i in range(4)], [("imp-1", 1_700_000_000_500)], [("w", 9)],
                        1_700_000_000_000, (5, 7), 1_700_000_000_003, ["e"], [("u", 8)], (1, 2))
-    header = orjson.dumps({"seq": 3, "joined": chunk.joined, "waiting": chunk.waiting, "max_ts": chunk.max_ts,
+    header = orjson.dumps({"seq": 3, "joined": chunk.joined, "waiting": chunk.waiting, "max_ts": chunk.max_ts - 1,
                            "offsets": chunk.offsets, "max_ref_ts": chunk.max_ref_ts, "evicted": chunk.evicted,
                            "unwaited": chunk.unwaited, "topic_max": chunk.topic_max})
     body = state_batch(chunk.added).encode()
@@ -141,8 +143,9 @@ def _raw(header: bytes) -> bytes:
 
 
 def test_a_well_formed_header_loads_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (the header's max_ts is the watermark + lateness; the engine's 1 ms more: watermark = max_ts - lateness - 1)
     (chunk,) = _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps(_HEADER)))]).chunks
-    assert chunk == StateChunk(0, [], [("a", 5)], [("b", 6)], 1_000, (5, 7), 1_000, ["c"], [("d", 8)], (1_000, 900),
+    assert chunk == StateChunk(0, [], [("a", 5)], [("b", 6)], 1_001, (5, 7), 1_000, ["c"], [("d", 8)], (1_000, 900),
                                ([990, 1_000], [900, 950]))
 
 
@@ -222,3 +225,45 @@ def test_a_claim_leaving_a_new_owner_no_int64_seq_is_refused_naming_it(monkeypat
         _load(monkeypatch, [(b"0:%s:0" % top, _raw(orjson.dumps({**_HEADER, "seq": int(top)})))])
     plog = _load(monkeypatch, [(b"0:claim", b'{"fenced":[[0,%d]]}' % ((1 << 63) - 2 - FENCE_SPAN))])
     assert next_claim(plog)[1] == (1 << 63) - 1  # the highest a claim can leave: its owner's first chunk an int64
+
+
+def _old_joiner_chunk(lateness_ms: int) -> list[bytes]:
+    """The chunk the joiner before the 1 ms watermark (d910cad) wrote for a batch that added impression "a" at 100 and
+    moved both inputs (quorum 1, window 1000) to 1100 + lateness: its watermark ``max_ts - lateness`` = 1100 closed
+    "a" (ts + window = 1100) and sent its negative in that batch, and gave the click "z" at 1100 up as an orphan."""
+    a = Pending("a", 100, 11, 22, {"age": 25}, {}, 0)
+    now = 1100 + lateness_ms
+    header = orjson.dumps({"seq": 0, "joined": [], "waiting": [["z", 1100]], "max_ts": now, "offsets": [1, 0],
+                           "max_ref_ts": 1100, "evicted": [], "unwaited": [], "topic_max": [now, now],
+                           "topic_top": [[now], [now]], "parts": 1, "write": "0a1b2c3d"})
+    return [_raw(header) + state_batch([a]).encode()]
+
+
+@pytest.mark.parametrize("lateness_ms", [0, 5])
+def test_a_chunk_of_the_joiner_before_the_1ms_watermark_restores_its_watermark_so_nothing_is_emitted_twice(
+        lateness_ms: int) -> None:
+    """A rolling upgrade: the new joiner restores the old one's chunk. Read with the new watermark rule (max_ts -
+    lateness - 1) the restored watermark stood 1 ms short of where the old joiner had closed: "a" was pending again and
+    went out a second time (a second negative at the drain), and the click "z" it had reported an orphan was reported
+    again."""
+    cfg = JoinConfig(window_ms=1000, lateness_ms=lateness_ms, late_retention_ms=5000, watermark_quorum=1)
+    eng = PartitionJoin.restore(0, cfg, [decode_chunk(_old_joiner_chunk(lateness_ms))])
+    drained = eng.apply([], [], drain=True)
+    assert [s.pending.impression_id for s in drained.samples] == [] and drained.unjoined == []
+    assert PartitionJoin.restore(0, cfg, [decode_chunk(_old_joiner_chunk(lateness_ms))]).watermark == 1100
+
+
+@pytest.mark.parametrize("lateness_ms", [0, 5])
+def test_a_chunk_states_the_watermark_as_the_joiner_before_the_1ms_watermark_reads_it(lateness_ms: int) -> None:
+    """The other side of a rolling upgrade: a joiner not yet upgraded restores the new one's chunk and takes the
+    header's ``max_ts - lateness`` as its watermark, expiring what it passed as already emitted. One past the new
+    watermark lost every impression and waiting click exactly at it (the new joiner had not closed them; the old one
+    never would)."""
+    cfg = JoinConfig(window_ms=1000, lateness_ms=lateness_ms, late_retention_ms=5000, watermark_quorum=1)
+    eng, f = PartitionJoin(0, cfg), Feed()
+    res = eng.apply(f.imps(imp("a", 100 - 1), imp("b", 1100 + lateness_ms)), f.clicks(Click("b", 1100 + lateness_ms)))
+    assert eng.watermark == 1099 and "a" not in eng.pending  # "a" (ts + window = 1099) closed in this batch
+    assert res.chunk is not None
+    (raw,) = encode_chunk(res.chunk)
+    header, _ = _split(raw)
+    assert header["max_ts"] - lateness_ms == eng.watermark
