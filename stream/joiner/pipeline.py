@@ -207,6 +207,16 @@ class Record(NamedTuple):
     headers: Headers | None = None  # the message's Kafka headers, which its dead letter keeps (stream/dlq.py)
 
 
+def awake_clock(js: JoinerSettings) -> IdleClock:
+    """The time the joiner ran, stalls left out (``stream/idle_clock.py``): ``click_idle_s`` counts on it. On the wall
+    clock a stall (SIGSTOP, a long GC pause, a paused VM) counted as click idleness, and the first batch after it that
+    brought impressions only closed windows whose clicks were written meanwhile, unread yet (they went late). The
+    drivers tick it every round; a gap between two ticks over a driver round (``batch_within_s`` + 2 s) counts as one
+    such round, no more, so a click input quiet while the process runs still becomes idle, also where every round is
+    that slow (a backlog's big batches, a slow broker or Redis; counted as nothing, such rounds never made it idle)."""
+    return IdleClock(js.batch_within_s + 2.0, js.batch_within_s + 2.0)
+
+
 def records_of(*columns: Iterable[Any]) -> list[Record]:
     """Records from their seven columns (topic, partition, offset, key, value, timestamp, headers), each built in C: a
     NamedTuple's own ``__new__`` is Python code (~0.3 us a record), ``tuple.__new__`` over the zipped fields is not."""
@@ -402,12 +412,7 @@ class JoinPipeline:
         self._flushing: tuple[Future[None], list[CountsWrite]] | None = None
         self._failed_write: CountsWrite | None = None
         self._last_click: dict[int, float] = {}  # partition -> awake time a click (or the partition) was last seen
-        # The time this process ran, stalls left out (stream/idle_clock.py): click_idle_s counts on it. On the wall
-        # clock a stall (SIGSTOP, a long GC pause, a paused VM) counted as click idleness, and the first batch after it
-        # that brought impressions only closed windows whose clicks were written meanwhile, unread yet (they went late).
-        # A gap between two ticks over a driver round (batch_within_s + 2 s) counts nothing; the drivers tick it every
-        # round, so a click input quiet while the process runs still becomes idle.
-        self.awake = IdleClock(js.batch_within_s + 2.0, 0.0)
+        self.awake = awake_clock(js)  # the time this process ran, stalls left out: click_idle_s counts on it
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
         # alone would advance event time past clicks that are merely unread.
         self.clicks_held: set[int] = set()

@@ -9,10 +9,9 @@ import pytest
 from stream.config import KafkaSettings
 from stream.errors import BadMessage
 from stream.events import Click, Impression
-from stream.idle_clock import IdleClock
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
-from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.pipeline import JoinPipeline, JoinTotals, awake_clock
 from stream.samples import NO_WATERMARK, WATERMARK_HEADER, SampleBatch, watermark_header, watermark_of
 
 KAFKA = KafkaSettings()
@@ -33,7 +32,7 @@ def _pipeline() -> tuple[JoinPipeline, Sent]:
     p.engines = {3: PartitionJoin(3, JoinConfig(window_ms=1000, lateness_ms=0, watermark_quorum=1,
                                                 policy="fake_negative"))}
     p.totals, p._last_click, p.clicks_held, p.message_limits = JoinTotals(), {}, set(), {}
-    p.awake = IdleClock(p.js.batch_within_s + 2.0, 0.0)
+    p.awake = awake_clock(p.js)
     p.sample_bytes = p.state_bytes = p.late_click_bytes = 1 << 20
     p.producer = sent = Sent()
     p._record_redis = lambda res, imps: None  # type: ignore[method-assign]
