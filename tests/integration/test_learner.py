@@ -41,8 +41,9 @@ CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "s
 
 
 def sample_batch(rng: np.random.Generator, n: int, start: int = 0, prefix: str = "i") -> SampleBatch:
-    hist = [rng.integers(0, 1000, rng.integers(0, 4)).tolist() for _ in range(n)]
-    genres = [rng.integers(0, 100, rng.integers(1, 3)).tolist() for _ in range(n)]
+    # list values from 1: 0 is stream.features.MISSING, an absent value that a list field's bag leaves out
+    hist = [rng.integers(1, 1000, rng.integers(0, 4)).tolist() for _ in range(n)]
+    genres = [rng.integers(1, 100, rng.integers(1, 3)).tolist() for _ in range(n)]
     users = rng.integers(0, 1000, n)
     items = rng.integers(0, 1000, n)
     label = ((users + items) % 3 == 0).astype(np.int8)  # learnable
