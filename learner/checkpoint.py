@@ -351,8 +351,9 @@ def lineage(directory: Path) -> str:
     return new
 
 
-class _WriteErrors:
-    """A binary file that remembers the first ``OSError`` its writes raised (torch.save swallows it: below)."""
+class WriteErrors:
+    """A binary file that remembers the first ``OSError`` its writes raised (torch.save swallows it: below); the
+    rest of the file's methods are the file's (DCP's writer: ``learner/sharded_checkpoint.py``)."""
 
     def __init__(self, fh: BinaryIO) -> None:
         self.fh = fh
@@ -369,6 +370,9 @@ class _WriteErrors:
     def flush(self) -> None:
         self.fh.flush()
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fh, name)
+
 
 def torch_save(obj: object, fh: BinaryIO) -> None:
     """``torch.save(obj, fh)``, raising the ``OSError`` of a write that failed as itself.
@@ -378,7 +382,7 @@ def torch_save(obj: object, fh: BinaryIO) -> None:
     survives on an ``OSError`` (a full disk is retried at the next interval), then stopped it, and every restart
     stopped again at its first checkpoint while the disk stayed full. Here the write's own error (ENOSPC, EDQUOT,
     EFBIG, EIO) is raised instead, from torch's."""
-    out = _WriteErrors(fh)
+    out = WriteErrors(fh)
     try:
         torch.save(obj, out)  # type: ignore[arg-type]  # a file-like with write and flush is all it needs
     except OSError:

@@ -37,15 +37,20 @@ import logging
 import re
 import shutil
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from learner import checkpoint
-from learner.distributed import all_gather_objects, barrier, broadcast_object
+from learner.distributed import all_gather_objects, broadcast_object
 from learner.features import FeatureConfig
 from learner.progressive import ProgressiveMetrics
 from stream.files import fsync_dir, sha256_file, write_atomic
@@ -269,33 +274,105 @@ def dense_opt_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[s
     return out
 
 
+class _RecordedWrites(FileSystem):
+    """DCP's file system, remembering each file's first failed write (``checkpoint.WriteErrors``): torch's zip writer
+    may turn a full disk into its own ``RuntimeError`` (``checkpoint.torch_save``), which :func:`_own_failure` gives
+    back as the write's ``OSError``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: list[checkpoint.WriteErrors] = []
+
+    @contextmanager
+    def create_stream(self, path: str | PathLike[str], mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as fh:
+            if "r" in mode:
+                yield fh
+            else:
+                self.files.append(rec := checkpoint.WriteErrors(fh))  # type: ignore[arg-type]
+                yield rec
+
+
+def _own_failure(exc: BaseException, rank: int, fs: _RecordedWrites | None = None) -> BaseException | None:
+    """This rank's own error in ``exc`` (a DCP ``CheckpointException`` names every failed rank's, the same on every
+    rank: None when this rank's part succeeded), a write's ``OSError`` that torch raised as its own error as that
+    ``OSError``."""
+    if isinstance(exc, CheckpointException):
+        own = exc.failures.get(rank)
+        if own is None:
+            return None
+        exc = own[0]
+    written = next((f.error for f in fs.files if f.error is not None), None) if fs is not None else None
+    return written if written is not None and not isinstance(exc, OSError) else exc
+
+
+def _agree(error: BaseException | None, rank: int, tmp: Path) -> None:
+    """Collective, at each stage of :func:`save` where a rank wrote on its own: every rank learns whether any rank's
+    write failed, so every rank goes on (or stops) together and none waits in a collective for a rank that left. A
+    failure on any rank: rank 0 removes the ``.tmp-`` directory (never complete: it has no ``meta.json``) and every
+    rank raises the same error: an ``OSError`` (the first failed rank's errno; the daemon skips the checkpoint and
+    tries again at the next interval) when every failure was one, else a RuntimeError (the job stops)."""
+    told = all_gather_objects(None if error is None else
+                              (isinstance(error, OSError), getattr(error, "errno", None),
+                               getattr(error, "filename", None), f"{type(error).__name__}: {str(error)[:300]}"))
+    failed = [(r, t) for r, t in enumerate(told) if t is not None]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    what = "; ".join(f"rank {r}: {t[3]}" for r, t in failed)
+    if all(t[0] for _, t in failed):
+        raise OSError(failed[0][1][1], f"sharded checkpoint {tmp.name[5:]} not written ({what})",
+                      failed[0][1][2]) from error
+    raise RuntimeError(f"sharded checkpoint {tmp.name[5:]} failed ({what})") from error
+
+
 def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any],
          rank: int, keep: int = 3) -> Path:
     """Collective: every rank calls it at the same step boundary with its ``app_state`` (DCP: tensors and
-    ShardedTensors) and ``rank_state``; ``meta`` is rank 0's (the agreed, gathered values). Returns the path."""
+    ShardedTensors) and ``rank_state``; ``meta`` is rank 0's (the agreed, gathered values). Returns the path.
+
+    A write that fails on any rank (a full disk, a read-only directory) fails the checkpoint on EVERY rank, with the
+    same ``OSError`` (:func:`_agree`), before any rank treats it as done; the previous checkpoint stays the newest.
+    A failure of another kind is a RuntimeError on every rank. (It was raised on the rank that failed only, as torch's
+    ``CheckpointException``, a BaseException, from DCP's write, and the other ranks waited in a barrier.)"""
     directory = Path(directory)
     name = broadcast_object(f"{PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}" if rank == 0
                             else None)
     tmp, final = directory / f".tmp-{name}", directory / name
+    error: BaseException | None = None
     if rank == 0:
         for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-    barrier()
-    dcp.save(app_state, checkpoint_id=str(tmp))
-    rank_state = {**rank_state, "checkpoint": name}  # which checkpoint it is part of (rank_states checks it)
-    write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
-    barrier()  # every rank's shards and own state are durable
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = exc
+    _agree(error, rank, tmp)
+    fs = _RecordedWrites()
+    writer = dcp.FileSystemWriter(str(tmp))
+    writer.fs = fs
+    try:
+        dcp.save(app_state, checkpoint_id=str(tmp), storage_writer=writer)  # its errors: on every rank alike
+        rank_state = {**rank_state, "checkpoint": name}  # which checkpoint it is part of (rank_states checks it)
+        write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
+    except (Exception, CheckpointException) as exc:
+        error = _own_failure(exc, rank, fs)
+    _agree(error, rank, tmp)  # every rank's shards and own state are durable
     sums = checksums(tmp)  # (each rank reads its share)
     if rank == 0:
         meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
                 "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": sums}
-        write_atomic(tmp / META, json.dumps(meta, default=str).encode())
-        tmp.rename(final)
-        fsync_dir(directory)
-        for old in list_complete(directory)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
+        try:
+            write_atomic(tmp / META, json.dumps(meta, default=str).encode())
+            tmp.rename(final)
+            fsync_dir(directory)  # (failed after the rename: a complete checkpoint, whose offsets match its model)
+        except OSError as exc:
+            error = exc
+        else:
+            for old in list_complete(directory)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _agree(error, rank, tmp)
     return final
 
 

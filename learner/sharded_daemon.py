@@ -81,6 +81,7 @@ from learner.daemon import (
     AUC,
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
+    CHECKPOINT_FAILURES,
     CHECKPOINT_S,
     DENSE_CLIPPED,
     DUPLICATES,
@@ -125,7 +126,7 @@ from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, sha
 from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
-from stream.files import write_atomic
+from stream.files import describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer
 from stream.samples import DELAYED_POSITIVE
@@ -407,6 +408,20 @@ class ShardedLearner:
         publish_lag(self._group, self.kafka.samples_topic, self.offsets, (rank, world))  # its own partitions' lag
         return path
 
+    def _try_save(self) -> bool:
+        """Collective: a periodic checkpoint, as one process's ``Learner._try_save``: one that a full or read-only disk
+        failed on any rank fails on every rank alike (``sharded_checkpoint.save``), so every rank goes on training,
+        none commits offsets or sets the lag, and the next interval tries again; rank 0 counts it once."""
+        try:
+            self.save()
+            return True
+        except OSError as exc:
+            if self.ctx.rank == 0:
+                CHECKPOINT_FAILURES.inc()
+                log.error("checkpoint to %s failed (%s); every rank trains on from memory, next try in %.0f s",
+                          self.ls.checkpoint_dir, describe_os_error(exc), self.ls.checkpoint_every_s)
+            return False
+
     # -- the loop ----------------------------------------------------------------------------------
     def _partitions(self) -> list[int]:
         parts = None
@@ -539,9 +554,10 @@ class ShardedLearner:
                     self._write_delta()
                     settled = self._settle(strikes, settled)
                 if rnd.checkpoint:
-                    self.save()
+                    if self._try_save():
+                        since_ckpt = 0
                     settled = self._settle(strikes, settled)
-                    last_ckpt, since_ckpt = time.monotonic(), 0
+                    last_ckpt = time.monotonic()
             except Exception as exc:
                 self._strike_round(strikes, settled, exc, own=False)
                 raise

@@ -736,3 +736,61 @@ def test_a_failing_round_strikes_the_messages_of_a_partition_added_while_the_ran
         learner.close()
     topic = KafkaSettings().samples_topic
     assert set(Strikes(PartitionFileStrikes(ls.checkpoint_dir, [1]), limit=3).counts) == {(topic, 1, 3)}
+
+
+def _two_ranks_one_full_disk(rank: int, world: int, directory: str, out: str) -> None:
+    """One of 2 gloo ranks: a checkpoint, then one whose rank-1.pt write fails on rank 1 (its disk full), then one
+    more; what each rank's second save raised and the newest complete checkpoint after each in ``out``-<rank>.json."""
+    import errno
+    import json
+
+    from learner import sharded_checkpoint
+
+    def save(samples: int) -> Path:
+        return sharded_checkpoint.save(Path(directory), {"model": {f"w{rank}": torch.full((8,), float(samples))}},
+                                       {}, {"samples_trained": samples, "world_size": world}, rank)
+
+    first = save(100)
+    real = sharded_checkpoint.write_atomic
+
+    def full(path: Path, data: object) -> None:
+        if rank == 1 and path.name == "rank-1.pt":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)  # type: ignore[arg-type]
+
+    sharded_checkpoint.write_atomic = full  # type: ignore[assignment]
+    try:
+        save(200)
+        raised = ""
+    except OSError as exc:
+        raised = f"{exc.errno} {exc}"
+    finally:
+        sharded_checkpoint.write_atomic = real
+    dist.barrier()
+    newest_after_failure = sharded_checkpoint.latest(Path(directory))[0].name  # type: ignore[index]
+    tmp_left = sorted(p.name for p in Path(directory).glob(".tmp-*"))
+    third = save(300)
+    Path(f"{out}-{rank}.json").write_text(json.dumps({
+        "first": first.name, "raised": raised, "newest_after_failure": newest_after_failure, "tmp_left": tmp_left,
+        "third": third.name, "newest": sharded_checkpoint.latest(Path(directory))[0].name}))  # type: ignore[index]
+
+
+def test_a_checkpoint_one_ranks_full_disk_fails_fails_on_every_rank_with_its_oserror_and_the_previous_stays_newest(
+        tmp_path: Path) -> None:
+    """Rank 1 could not write its own state: it raised alone while rank 0 waited in the barrier for it (then failed
+    on the peer's exit, a job stopped for a full disk). Every rank now raises the same OSError (the daemon's
+    _try_save skips the checkpoint on every rank alike), the half-written one is removed and never complete, the
+    previous one stays newest, and the next checkpoint is written by both."""
+    import errno
+    import json
+
+    from tests.unit.learner.gloo_ranks import run_gloo_ranks
+
+    assert run_gloo_ranks(2, str(tmp_path / "store"), _two_ranks_one_full_disk,
+                          lambda r: (str(tmp_path / "ckpt"), str(tmp_path / "out"))) == [0, 0]
+    got = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in (0, 1)]
+    for g in got:
+        assert g["raised"].startswith(f"{errno.ENOSPC} ") and "rank 1: OSError" in g["raised"]
+        assert g["newest_after_failure"] == g["first"] and g["tmp_left"] == []
+        assert g["newest"] == g["third"] and g["third"].startswith("dcp-000000000000300-")
+    assert got[0]["first"] == got[1]["first"] and got[0]["third"] == got[1]["third"]
