@@ -501,10 +501,10 @@ def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> 
              "id_maps": whole_maps(cfg, states)}  # every rank's parts as one map per field (learner/sharded_ids.py)
     if states and states[0].get("delayed_weights"):
         state["delayed_weights"] = states[0]["delayed_weights"]
-    # rank 0's alone (learner/sharded_daemon.py): the quality metrics, the id maps' bucket share and calibration, and
-    # the base-rate bias (every rank's equal)
+    # rank 0's alone (learner/sharded_daemon.py): the quality metrics, the id maps' bucket share and calibration, the
+    # base-rate bias (every rank's equal) and the event clock of every rank's rows
     for key in ("cold_users", "cold_metrics", "warm_metrics", "served", "id_metrics", "base_rate_bias",
-                "calibration"):
+                "calibration", "event_clock"):
         if states and states[0].get(key):
             state[key] = states[0][key]
     plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",

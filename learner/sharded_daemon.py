@@ -229,7 +229,7 @@ class ShardedLearner:
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s,  # rank 0's
                                        ls.quality_recent_s, ls.quality_min_samples, ls.cold_tracker_capacity)
         self.id_metrics = IdMetrics(ls.metrics_window)  # rank 0's, over every rank's lookups
-        self._clock = EventClock()  # rank 0's: the held-out rows' event time (learner/event_clock.py)
+        self._clock = EventClock()  # rank 0's: every rank's rows' event time (learner/event_clock.py), checkpointed
         self._event_newest = 0.0  # rank 0's: the newest event time (s) of every rank's rows trained
         self.positive_rate = PositiveRate(ls.metrics_window)  # rank 0's, over every rank's rows
         self.memory = MemoryMonitor(self.device)  # this rank's
@@ -333,6 +333,7 @@ class ShardedLearner:
         self.trainer.dense_clip.load_state_dict(states[0].get("dense_clip"))  # every rank's is the same
         if self.ctx.rank == 0:  # rank 0 tracks them, whatever the world size
             self.quality.load_state_dict(states[0])
+            self._clock.load(states[0].get("event_clock"))  # (a checkpoint from before it: a fresh clock, as then)
             self.id_metrics.load_state_dict(states[0].get("id_metrics", {}))  # published before the first round
             if self.calibration is not None and states[0].get("calibration"):
                 self.calibration.load_state_dict(states[0]["calibration"])
@@ -394,6 +395,7 @@ class ShardedLearner:
             rank_state["id_metrics"] = self.id_metrics.state_dict()  # every rank's lookups: whatever the world size
             rank_state["calibration"] = self.calibration.state_dict() if self.calibration is not None else {}
             rank_state["base_rate_bias"] = self.bias.state_dict() if self.bias is not None else {}
+            rank_state["event_clock"] = self._clock.state()  # as one process's checkpoint holds its clock
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
             self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
         path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,

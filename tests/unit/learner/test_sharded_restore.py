@@ -1,0 +1,81 @@
+"""What a sharded checkpoint carries across a restart besides the model, compared with one process's
+(``learner/daemon.py`` ``save``/``_load``): one gloo rank saves, a new learner restores (``_restore``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from learner.batch import TensorBatch, to_tensors
+from learner.config import LearnerSettings
+from learner.distributed import RankContext
+from stream.config import KafkaSettings
+from tests.integration.test_learner import sample_batch
+from tests.unit.learner.test_sharded_metrics import CFG, NoBroker, one_rank_group  # noqa: F401 - the fixture
+
+T0 = 1_700_000_000_000  # ms
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # a world of one gloo rank
+
+
+def learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> Any:
+    import learner.sharded_daemon as sd
+
+    monkeypatch.setattr(sd, "new_consumer", lambda *a, **k: NoBroker())
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         **settings)
+    return sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext())
+
+
+def a_round(lr: Any, batch: TensorBatch) -> None:
+    """One round of one rank as ``run`` trains it: test-then-train, then the round's quality metrics on rank 0."""
+    probs = lr.trainer.test_then_train(batch, len(batch))
+    lr._after_round(batch, probs, lr.trainer.last_logits, None)
+
+
+def rows(n: int, start: int, k: int = 0) -> TensorBatch:
+    return to_tensors(sample_batch(np.random.default_rng(k), n, start=start), CFG, [(0, k, n)])
+
+
+def test_a_restarted_sharded_learner_goes_on_with_its_event_clock_so_one_late_row_does_not_move_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's event clock (the 16th largest time of every rank's rows: the cold users' sightings, the quality
+    windows' recent_s) was not in the sharded checkpoint: after a restart it started fresh, and the first round of a
+    few rows, one of them stamped a day ahead (a client's wrong clock), moved it by a day, where one process (which
+    restores its clock) and the run without a restart keep it."""
+    first = learner(tmp_path, monkeypatch)
+    try:
+        first._build(CFG)
+        a_round(first, rows(64, T0))
+        first.save()
+        before = first._clock.now_ms
+    finally:
+        first.close()
+    again = learner(tmp_path, monkeypatch)
+    try:
+        assert again._restore()
+        assert again._clock.now_ms == before == T0 + 64 - 16
+        a_round(again, rows(1, T0 + 86_400_000, k=1))
+        assert again._clock.now_ms == T0 + 64 - 15  # one row moved it one row on (a fresh clock: by a day)
+    finally:
+        again.close()
+
+
+def test_unshard_gives_the_single_process_checkpoint_the_ranks_event_clock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single-process learner resumed from ``--unshard``'s checkpoint started with a fresh clock (it restores
+    ``event_clock``, which the unsharded checkpoint lacked)."""
+    from learner import checkpoint, sharded_checkpoint
+
+    first = learner(tmp_path, monkeypatch)
+    try:
+        first._build(CFG)
+        a_round(first, rows(64, T0))
+        first.save()
+        state = first._clock.state()
+    finally:
+        first.close()
+    out = sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single")
+    assert checkpoint.load(out)["event_clock"] == state
