@@ -88,6 +88,12 @@ class DelayedFeedbackWeights:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.positives, self.delayed = int(d.get("positives", 0)), int(d.get("delayed", 0))
 
+    @staticmethod
+    def merged(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The :meth:`state_dict` of counters over disjoint rows (the ranks' own rows) as one: the counts of one
+        counter over all of them."""
+        return {k: sum(int(d.get(k, 0)) for d in states) for k in ("positives", "delayed")}
+
 
 class BaseRateBias:
     """A fresh model's intercept, held at the click rate until that rate is known; training owns it after.

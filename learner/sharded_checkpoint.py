@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from learner import checkpoint
+from learner.delayed import DelayedFeedbackWeights
 from learner.distributed import all_gather_objects, broadcast_object
 from learner.features import FeatureConfig
 from learner.progressive import ProgressiveMetrics
@@ -499,12 +500,12 @@ def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> 
     state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
              "metrics": metrics.state_dict(), "recent_ids": recent,
              "id_maps": whole_maps(cfg, states)}  # every rank's parts as one map per field (learner/sharded_ids.py)
-    if states and states[0].get("delayed_weights"):
-        state["delayed_weights"] = states[0]["delayed_weights"]
+    # each rank counted its own rows' delayed feedback: one process over all of them counts their sum
+    state["delayed_weights"] = DelayedFeedbackWeights.merged([s.get("delayed_weights") or {} for s in states])
     # rank 0's alone (learner/sharded_daemon.py): the quality metrics, the id maps' bucket share and calibration, the
-    # base-rate bias (every rank's equal) and the event clock of every rank's rows
+    # base-rate bias and the dense gradient clip's history (every rank's equal), the event clock of every rank's rows
     for key in ("cold_users", "cold_metrics", "warm_metrics", "served", "id_metrics", "base_rate_bias",
-                "calibration", "event_clock"):
+                "calibration", "event_clock", "dense_clip"):
         if states and states[0].get(key):
             state[key] = states[0][key]
     plain = {k: meta[k] for k in ("samples_trained", "steps", "offsets", "partition_rows", "duplicates",

@@ -96,7 +96,7 @@ from learner.daemon import (
     infer_feature_config,
     publish_memory,
 )
-from learner.delayed import BaseRateBias
+from learner.delayed import BaseRateBias, DelayedFeedbackWeights
 from learner.distributed import (
     LockStep,
     RankContext,
@@ -343,7 +343,10 @@ class ShardedLearner:
             self.trainer.metrics.load_state_dict(mine["metrics"])
             self.recent.load(mine.get("recent_ids", []))
             self.duplicates = int(mine.get("duplicates", 0))
-        else:  # resharded: rank 0 carries everybody's metrics, every rank every recent id
+            self.trainer.delayed.load_state_dict(mine.get("delayed_weights") or {})
+        else:  # resharded: rank 0 carries everybody's metrics, every rank every recent id and all rows' delayed counts
+            self.trainer.delayed.load_state_dict(DelayedFeedbackWeights.merged(
+                [s.get("delayed_weights") or {} for s in states]))
             if self.ctx.rank == 0:
                 self.trainer.metrics = merged_metrics(states, self.ls.metrics_window)
                 self.duplicates = int(meta["duplicates"])

@@ -375,3 +375,17 @@ def test_a_click_exactly_a_window_after_its_impression_is_served_as_a_click_as_t
              np.array([0.1]), None, partitions=np.array([0]))
     s.advance(2000)  # every window ending by then has closed: c's (at 2000) too
     assert s.pending == 0 and s.all.count == 3
+
+
+def test_delayed_feedback_counts_of_disjoint_rows_merge_into_those_of_one_counter_over_all_of_them() -> None:
+    """What a restore on another number of ranks and --unshard give (each rank counted its own rows)."""
+    rng = np.random.default_rng(0)
+    kinds = rng.choice(np.array([FINAL, OBSERVED, DELAYED_POSITIVE], np.int8), 300)
+    labels = (rng.random(300) < 0.3).astype(np.float32)
+    labels[kinds == DELAYED_POSITIVE] = 1.0
+    one, parts = DelayedFeedbackWeights(), [DelayedFeedbackWeights() for _ in range(3)]
+    one.observe(kinds, labels)
+    for r, part in enumerate(parts):
+        part.observe(kinds[r::3], labels[r::3])
+    assert DelayedFeedbackWeights.merged([p.state_dict() for p in parts]) == one.state_dict()
+    assert one.state_dict()["delayed"] > 0

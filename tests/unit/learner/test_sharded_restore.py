@@ -79,3 +79,32 @@ def test_unshard_gives_the_single_process_checkpoint_the_ranks_event_clock(
         first.close()
     out = sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single")
     assert checkpoint.load(out)["event_clock"] == state
+
+
+def test_a_restarted_sharded_learner_gets_its_delayed_feedback_counts_back_and_unshard_gives_all_ranks_and_the_clip(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's delayed-feedback counts (the late-click share its importance weights use) were written into its
+    rank-<r>.pt but never read back: a restart weighted with the prior's share again, where one process restores its
+    counts. And --unshard's checkpoint lacked the dense gradient clip's history (one process restores it: "no fresh
+    window to pass") and took rank 0's counts alone, not those of all rows."""
+    from learner import checkpoint, sharded_checkpoint
+
+    first = learner(tmp_path, monkeypatch)
+    try:
+        first._build(CFG)
+        for k in range(3):
+            a_round(first, rows(16, T0 + 16 * k, k))
+        first.trainer.delayed.load_state_dict({"positives": 40, "delayed": 10})
+        first.save()
+        clip = first.trainer.dense_clip.state_dict()
+        assert clip["norms"]  # (3 steps' norms)
+    finally:
+        first.close()
+    again = learner(tmp_path, monkeypatch)
+    try:
+        assert again._restore()
+        assert again.trainer.delayed.state_dict() == {"positives": 40, "delayed": 10}
+    finally:
+        again.close()
+    single = checkpoint.load(sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single"))
+    assert single["delayed_weights"] == {"positives": 40, "delayed": 10} and single["dense_clip"] == clip
