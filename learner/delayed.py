@@ -94,6 +94,15 @@ class DelayedFeedbackWeights:
         counter over all of them."""
         return {k: sum(int(d.get(k, 0)) for d in states) for k in ("positives", "delayed")}
 
+    @staticmethod
+    def share(states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+        """Rank ``rank``'s part of the :meth:`merged` counts on ``world_size`` ranks (a restore on another number of
+        ranks): each count split as evenly as integers allow, so the ranks' parts sum to the merged counts exactly
+        (every rank given the whole sum, N ranks' next checkpoint held N times it) and each rank's late share is the
+        merged one up to rounding."""
+        return {k: n // world_size + (rank < n % world_size)
+                for k, n in DelayedFeedbackWeights.merged(states).items()}
+
 
 class BaseRateBias:
     """A fresh model's intercept, held at the click rate until that rate is known; training owns it after.

@@ -344,9 +344,9 @@ class ShardedLearner:
             self.recent.load(mine.get("recent_ids", []))
             self.duplicates = int(mine.get("duplicates", 0))
             self.trainer.delayed.load_state_dict(mine.get("delayed_weights") or {})
-        else:  # resharded: rank 0 carries everybody's metrics, every rank every recent id and all rows' delayed counts
-            self.trainer.delayed.load_state_dict(DelayedFeedbackWeights.merged(
-                [s.get("delayed_weights") or {} for s in states]))
+        else:  # resharded: rank 0 carries everybody's metrics, every rank every recent id and its share of the counts
+            self.trainer.delayed.load_state_dict(DelayedFeedbackWeights.share(
+                [s.get("delayed_weights") or {} for s in states], self.ctx.rank, self.ctx.world_size))
             if self.ctx.rank == 0:
                 self.trainer.metrics = merged_metrics(states, self.ls.metrics_window)
                 self.duplicates = int(meta["duplicates"])

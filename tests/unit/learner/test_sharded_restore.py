@@ -108,3 +108,55 @@ def test_a_restarted_sharded_learner_gets_its_delayed_feedback_counts_back_and_u
         again.close()
     single = checkpoint.load(sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single"))
     assert single["delayed_weights"] == {"positives": 40, "delayed": 10} and single["dense_clip"] == clip
+
+
+def _two_ranks_restore_and_save(rank: int, store_path: str, directory: str, out: str) -> None:
+    """One of 2 gloo ranks: restores the checkpoint in ``directory`` (written by 1 rank), saves it again, and writes
+    its delayed-feedback counts to ``out``-<rank>.json."""
+    import json
+
+    import torch.distributed as dist
+
+    import learner.sharded_daemon as sd
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        sd.new_consumer = lambda *a, **k: NoBroker()  # type: ignore[assignment]  # (a process of its own)
+        ls = LearnerSettings(checkpoint_dir=Path(directory), mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4)
+        lr = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank, 2))
+        try:
+            assert lr._restore()
+            lr.save()
+            Path(f"{out}-{rank}.json").write_text(json.dumps(lr.trainer.delayed.state_dict()))
+        finally:
+            lr.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_delayed_feedback_counts_restored_on_more_ranks_are_shared_out_not_copied_to_each_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On another world size every rank restored the sum of all ranks' counts: 2 ranks restoring one rank's
+    (40 positives, 10 delayed) each held (40, 10), and their next checkpoint's --unshard (and any later restore on
+    another world size) summed them to (80, 20): the job's counts doubled at each such restart."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from learner import checkpoint, sharded_checkpoint
+
+    first = learner(tmp_path, monkeypatch)
+    try:
+        first._build(CFG)
+        a_round(first, rows(16, T0))
+        first.trainer.delayed.load_state_dict({"positives": 40, "delayed": 10})
+        first.save()
+    finally:
+        first.close()
+    mp.spawn(_two_ranks_restore_and_save, args=(str(tmp_path / "store2"), str(tmp_path / "ckpt"),
+                                                str(tmp_path / "out")), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in (0, 1)]
+    assert {k: got[0][k] + got[1][k] for k in ("positives", "delayed")} == {"positives": 40, "delayed": 10}
+    assert got[0] == {"positives": 20, "delayed": 5}  # each rank its share: the prior weighs as much against it
+    single = checkpoint.load(sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single"))
+    assert single["delayed_weights"] == {"positives": 40, "delayed": 10}
