@@ -205,7 +205,12 @@ def checksums(path: Path) -> dict[str, str]:
     """Collective: the sha256 of ``.metadata`` and of every DCP data file it names, by name (:func:`_digests`):
     rank 0 records them in ``meta.json`` at save (every rank's shards are durable by then), :func:`lost_parts`
     checks them."""
-    return _digests(path, [".metadata", *sorted(_data_ends(path))])
+    return _digests(path, _summed(path))
+
+
+def _summed(path: Path) -> list[str]:
+    """The files :func:`checksums` hashes: ``.metadata`` and every DCP data file it names (not collective)."""
+    return [".metadata", *sorted(_data_ends(path))]
 
 
 def lost_parts(path: Path, meta: dict[str, Any], verify: bool = True) -> list[str]:
@@ -357,10 +362,11 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
         dcp.save(app_state, checkpoint_id=str(tmp), storage_writer=writer)  # its errors: on every rank alike
         rank_state = {**rank_state, "checkpoint": name}  # which checkpoint it is part of (rank_states checks it)
         write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
+        names = _summed(tmp)  # read before the agreement: a rank that cannot raised alone, outside every collective
     except (Exception, CheckpointException) as exc:
         error = _own_failure(exc, rank, fs)
     _agree(error, rank, tmp)  # every rank's shards and own state are durable
-    sums = checksums(tmp)  # (each rank reads its share)
+    sums = _digests(tmp, names)  # checksums (each rank reads its share)
     if rank == 0:
         meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
                 "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": sums}

@@ -794,3 +794,60 @@ def test_a_checkpoint_one_ranks_full_disk_fails_fails_on_every_rank_with_its_ose
         assert g["newest_after_failure"] == g["first"] and g["tmp_left"] == []
         assert g["newest"] == g["third"] and g["third"].startswith("dcp-000000000000300-")
     assert got[0]["first"] == got[1]["first"] and got[0]["third"] == got[1]["third"]
+
+
+def _two_ranks_one_unreadable_metadata(rank: int, world: int, directory: str, out: str) -> None:
+    """One of 2 gloo ranks: a checkpoint, then one whose ``.metadata`` rank 1 cannot read back for the checksums (EIO),
+    then one more; what each rank's second save raised and what it left in ``out``-<rank>.json."""
+    import errno
+    import json
+
+    from learner import sharded_checkpoint
+
+    def save(samples: int) -> Path:
+        return sharded_checkpoint.save(Path(directory), {"model": {f"w{rank}": torch.full((8,), float(samples))}},
+                                       {}, {"samples_trained": samples, "world_size": world}, rank)
+
+    first = save(100)
+    real = sharded_checkpoint._data_ends
+
+    def unreadable(path: Path) -> dict[str, int]:
+        if rank == 1:
+            raise OSError(errno.EIO, "Input/output error", str(path / ".metadata"))
+        return real(path)
+
+    sharded_checkpoint._data_ends = unreadable  # type: ignore[assignment]
+    try:
+        save(200)
+        raised = ""
+    except OSError as exc:
+        raised = f"{exc.errno} {exc}"
+    finally:
+        sharded_checkpoint._data_ends = real
+    dist.barrier()
+    newest_after_failure = sharded_checkpoint.latest(Path(directory))[0].name  # type: ignore[index]
+    tmp_left = sorted(p.name for p in Path(directory).glob(".tmp-*"))
+    third = save(300)
+    Path(f"{out}-{rank}.json").write_text(json.dumps({
+        "first": first.name, "raised": raised, "newest_after_failure": newest_after_failure, "tmp_left": tmp_left,
+        "third": third.name}))
+
+
+def test_a_checkpoint_whose_metadata_one_rank_cannot_read_back_fails_on_every_rank_not_on_that_rank_alone(
+        tmp_path: Path) -> None:
+    """The checksums' stage read ``.metadata`` on each rank before its all-gather, outside the agreed stages: rank 1's
+    read error (EIO on its mount) left save on rank 1 alone (an OSError the daemon's _try_save skips: it trained on)
+    while rank 0 waited in the checksums' all-gather, which the next collective of rank 1 then answered. Every rank
+    now raises the same OSError, nothing half-written is left and the next checkpoint is written by both."""
+    import errno
+    import json
+
+    from tests.unit.learner.gloo_ranks import run_gloo_ranks
+
+    assert run_gloo_ranks(2, str(tmp_path / "store"), _two_ranks_one_unreadable_metadata,
+                          lambda r: (str(tmp_path / "ckpt"), str(tmp_path / "out")), timeout_s=60) == [0, 0]
+    got = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in (0, 1)]
+    for g in got:
+        assert g["raised"].startswith(f"{errno.EIO} ") and "rank 1: OSError" in g["raised"]
+        assert g["newest_after_failure"] == g["first"] and g["tmp_left"] == []
+        assert g["third"].startswith("dcp-000000000000300-")
