@@ -232,6 +232,8 @@ class ShardedLearner:
         self._clock = EventClock()  # rank 0's: every rank's rows' event time (learner/event_clock.py), checkpointed
         self._event_newest = 0.0  # rank 0's: the newest event time (s) of every rank's rows trained
         self.positive_rate = PositiveRate(ls.metrics_window)  # rank 0's, over every rank's rows
+        for rank0s in (EVENT_TIME, POSITIVE_RATE) if ctx.rank != 0 else ():  # no value on the others' /metrics (a 0
+            rank0s.set(float("nan"))  # positive rate fired one_class_labels): NaN, as PositiveRate before its window
         self.memory = MemoryMonitor(self.device)  # this rank's
         self._memory_published = 0.0
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round

@@ -198,3 +198,24 @@ def test_a_sharded_periodic_checkpoint_on_a_full_disk_is_counted_and_retried_whi
     found = sharded_checkpoint.latest(tmp_path / "ckpt")
     assert found is not None and found[1]["samples_trained"] == 12 and found[1]["offsets"] == {"0": 3}
     assert not list((tmp_path / "ckpt").glob(".tmp-*"))  # the failed one's part is not left behind
+
+
+def test_a_sharded_rank_other_than_0_exports_no_positive_rate_or_event_time_that_fires_an_alert(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 alone sets streamrec_learner_window_positive_rate and ..._event_time_seconds, but every rank serves
+    its /metrics and the README says to scrape every rank: rank 1 exported both gauges' initial 0, a positive rate of
+    0 on which the critical one_class_labels rule (abs(rate - 0.5) >= 0.5) fires, and an event time of 1970. The other
+    ranks now export NaN (no value: a rule never fires on it, a panel shows a gap)."""
+    import math
+
+    import learner.sharded_daemon as sd
+    from learner.daemon import EVENT_TIME, POSITIVE_RATE
+
+    EVENT_TIME.set(0.0)  # a fresh process's values
+    POSITIVE_RATE.set(0.0)
+    monkeypatch.setattr(sd, "new_consumer", lambda *a, **k: NoBroker())
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4)
+    learner = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank=1, world_size=2))
+    learner.close()
+    assert math.isnan(value("streamrec_learner_window_positive_rate"))
+    assert math.isnan(value("streamrec_learner_event_time_seconds"))
