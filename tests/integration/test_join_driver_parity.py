@@ -1,0 +1,86 @@
+"""The joiner's two drivers against the real broker and Redis on the same input: the same samples (labels and
+times), the same late and orphan clicks, the same closing watermark per partition, and the same dead letters, each
+with its source message's Kafka headers (confluent-kafka's ``Message.headers()`` for ``--driver kafka``: a list, None
+for none; aiokafka's ``record.headers`` for ``--driver faust``: a tuple, () for none)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from collections import Counter
+
+from stream.config import KafkaSettings
+from stream.dlq import DeadLetter
+from stream.kafka import AckedProducer
+from stream.replay.config import ClickDelay, SyntheticSettings
+from stream.replay.publisher import publish
+from stream.replay.synthetic import build_synthetic
+from stream.samples import SampleBatch, watermark_of
+from tests.integration.test_joiner import WINDOW_S, join_cmd, join_env
+from tests.kafka_io import read_topic
+
+SYN = SyntheticSettings(impressions=300, users=100, items=40, impressions_per_s=20.0, base_ctr=0.3,
+                        attribution_window_s=WINDOW_S, late_click_share=0.05, duplicate_click_share=0.05,
+                        orphan_click_share=0.03, malformed_share=0.02)
+# Malformed events with headers of every shape: a null value, an empty one, a name twice (order kept), one of our
+# names forged.
+HEADERS = [("trace-id", b"t-1"), ("nil", None), ("empty", b""), ("dup", b"1"), ("dup", b"2"),
+           ("dlq.reason", b"forged")]
+
+
+def _outputs(kafka: KafkaSettings, stack, app_id: str, driver: str) -> dict:
+    out = subprocess.run(join_cmd(app_id, driver), env=join_env(kafka, stack.redis_url, app_id), capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples: dict[str, tuple[int, int]] = {}
+    closing: dict[int, int] = {}  # partition -> the newest watermark its samples messages carry
+    for rec in read_topic(kafka, kafka.samples_topic):
+        b = SampleBatch.decode(rec.value)
+        # (not its history: the clicks of other partitions a sample's history holds depend on how the partitions
+        # were interleaved in batches, README "history")
+        samples.update(zip(b.impression_ids, zip(b.column("label").tolist(), b.column("ts").tolist(), strict=True),
+                           strict=True))
+        wm = watermark_of(rec.headers)
+        assert wm is not None
+        closing[rec.partition] = max(closing.get(rec.partition, wm), wm)
+    late = Counter(tuple(sorted(json.loads(r.value or b"").items()))
+                   for r in read_topic(kafka, f"late-{kafka.samples_topic}"))
+    dead = {}
+    for kind, topic in (("impressions", kafka.impressions_topic), ("clicks", kafka.clicks_topic)):
+        letters = []
+        for r in read_topic(kafka, kafka.dlq_topic(topic)):
+            dl = DeadLetter.from_headers(r.headers)
+            # (a keyless event's partition is the producer's random pick: where it went is no driver's doing)
+            letters.append((dl.kind, r.key, r.value, dl.original_headers,
+                            [h for h in r.headers if not h[0].startswith("dlq.source.")]))
+        dead[kind] = sorted(letters, key=repr)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"samples": samples, "closing": closing, "late": late, "dead": dead,
+            "counts": {k: summary[k] for k in ("samples", "positives", "late_clicks", "orphan_clicks",
+                                               "duplicate_clicks", "dead_lettered")}}
+
+
+def test_both_drivers_give_the_same_samples_late_clicks_watermarks_and_dead_letters_with_headers(
+        kafka: KafkaSettings, stack, group_id: str) -> None:
+    table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=11)
+    runs = {}
+    for driver in ("kafka", "faust"):
+        k = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}-{driver}",
+                                clicks_topic=f"{kafka.clicks_topic}-{driver}",
+                                samples_topic=f"{kafka.samples_topic}-{driver}")
+        publish(table, k, "synthetic")
+        producer = AckedProducer(k)
+        producer.send(k.impressions_topic, b"{not json", b"bad-imp", HEADERS)
+        producer.send(k.clicks_topic, b"{not json", b"bad-click", HEADERS)
+        producer.send(k.clicks_topic, b'{"impression_id": 5}', b"no-headers")  # no headers at all
+        producer.flush()
+        runs[driver] = _outputs(k, stack, f"{group_id}-{driver}", driver)
+    ours, faust = runs["kafka"], runs["faust"]
+    assert len(ours["samples"]) == SYN.impressions and ours["counts"]["dead_lettered"] > 3
+    for part in ("counts", "samples", "late", "closing"):
+        assert faust[part] == ours[part], part
+    assert faust["dead"] == ours["dead"]
+    for kind, key in (("impressions", b"bad-imp"), ("clicks", b"bad-click"), ("clicks", b"no-headers")):
+        [letter] = [d for d in ours["dead"][kind] if d[1] == key]
+        assert list(letter[3]) == (HEADERS if key != b"no-headers" else [])
