@@ -350,7 +350,8 @@ class PartitionJoin:
         # The chunk that records an eviction must outlive the chunk that added the impression / click.
         max_ref = max([max_ref, *(self.finalized[i][0] for i in evicted), *(t for _, t in unwaited)])
         self._advance_event_time(clicks_idle)
-        held = [p.ts for p in self.pending.values()] + [ts for ts, _ in self._waiting_heap] if drain else []
+        # (the clicks still waiting: the heap keeps a click its impression took since until its time passes)
+        held = [p.ts for p in self.pending.values()] + [t for ts in self.waiting.values() for t in ts] if drain else []
         if drain and (self.max_ts is not None or held):
             # End of input: move event time past every window, and record that in the chunk. (Also when
             # event time never started: a partition restored with impressions but no click seen since.)
