@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,10 @@ def _two_ranks_restore_and_save(rank: int, store_path: str, directory: str, out:
             lr.close()
     finally:
         dist.destroy_process_group()
+    # Its result is written: leave without C++ teardown. Under the CI's load one such rank aborted once ("terminate
+    # called without an active exception", the rank SIGABRT README's Status row on #15 notes), where is not known: at
+    # the teardown, this leaves it out; before its result is written, the test still fails (nothing to read).
+    os._exit(0)
 
 
 def test_delayed_feedback_counts_restored_on_more_ranks_are_shared_out_not_copied_to_each_rank(
