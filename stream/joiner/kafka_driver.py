@@ -28,9 +28,9 @@ A failure of the infrastructure (the broker or Redis unreachable, a delivery not
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
 every assigned partition back to its committed offset, waits (1 s, doubling up to 30 s) and goes
 on; the state log restores what was durable, and what was not is done again. So a Redis or broker
-restart needs no human. A rebalance during such a failure is ridden out too: the start positions of assigned partitions
-(the group's committed offsets) are asked again, with the same backoff, until the broker answers or the worker is told
-to stop (``_start_positions``; counted in ``streamrec_join_assign_retries_total``).
+restart needs no human. A rebalance during such a failure is ridden out too: the partition layout check and the start
+positions of assigned partitions (the group's committed offsets) are asked again, with the same backoff, until the
+broker answers or the worker is told to stop (``_start_positions``; counted in ``streamrec_join_assign_retries_total``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class KafkaJoinWorker:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
         self._backoff_s = RECOVERY_BACKOFF_S[0]
         self.recoveries = 0
-        self.assign_retries = 0  # start positions of assigned partitions asked again (_start_positions)
+        self.assign_retries = 0  # layout or start positions of assigned partitions asked again (_start_positions)
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
@@ -151,8 +151,6 @@ class KafkaJoinWorker:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
-        # partitions added to the inputs: the topics must still agree, or the worker stops (ConfigError, exit 2)
-        self.pipeline.layout.assigned(tp.partition for tp in partitions)
         positions = self._start_positions(consumer, partitions)
         if positions is None:  # told to stop while the broker could not say: assigned, never read (run() ends)
             consumer.assign(partitions)
@@ -168,7 +166,9 @@ class KafkaJoinWorker:
         """``resume_offsets`` of the assigned ``partitions``, asked again (1 s, doubling up to 30 s) while the broker
         cannot answer (its committed offsets or watermarks timed out, the coordinator away); None when the worker is
         told to stop meanwhile. An exception out of this rebalance callback used to stop the process (exit 1, its
-        supervisor restarting it) at every broker hiccup during a rebalance.
+        supervisor restarting it) at every broker hiccup during a rebalance. The partition layout is checked first, in
+        the same loop (``Layout.assigned``: partitions added to the inputs, an admin metadata request): topics that
+        disagree stop the worker (its ConfigError, exit 2), a broker that cannot say is asked again the same way.
 
         Waiting here, inside librdkafka's callback, is safe: the callback runs on this thread, within ``consume()``,
         so nothing is fetched or processed meanwhile and nothing is committed for partitions not assigned yet;
@@ -178,14 +178,15 @@ class KafkaJoinWorker:
         backoff = RECOVERY_BACKOFF_S[0]
         while True:
             try:
+                self.pipeline.layout.assigned(tp.partition for tp in partitions)  # no request once it has passed
                 return resume_offsets(consumer, partitions, "joiner")
             except Exception as exc:
                 if not is_infrastructure(exc):
                     raise
                 self.assign_retries += 1
                 ASSIGN_RETRIES.inc()
-                log.warning("could not read the start positions of assigned partitions %s (%s: %s); asking again "
-                            "in %.1f s (they are not read until then)",
+                log.warning("could not read the partition layout or start positions of assigned partitions %s (%s: "
+                            "%s); asking again in %.1f s (they are not read until then)",
                             sorted((tp.topic, tp.partition) for tp in partitions), type(exc).__name__,
                             clip(str(exc)), backoff)
             self._wait(backoff)

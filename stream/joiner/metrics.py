@@ -32,9 +32,9 @@ HELD = Gauge("streamrec_join_held_records", "Records read but held back past the
              "(either driver's hold, stream/joiner/backpressure.py), by input, over the worker's partitions: memory "
              "the worker holds until the other input catches up.", ["input"])
 
-ASSIGN_RETRIES = PCounter("streamrec_join_assign_retries_total", "Times the kafka driver could not read the start "
-                          "positions (the group's committed offsets) of partitions assigned to it and asked again: the "
-                          "broker unreachable or slow during a rebalance.")
+ASSIGN_RETRIES = PCounter("streamrec_join_assign_retries_total", "Times the kafka driver could not read the partition "
+                          "layout or the start positions (the group's committed offsets) of partitions assigned to it "
+                          "and asked again: the broker unreachable or slow during a rebalance.")
 
 
 def held(counts: dict[str, int]) -> None:

@@ -93,7 +93,9 @@ class Layout:
         self.partitions = partitions
 
     def assigned(self, partitions: Iterable[int]) -> None:
-        """Check a rebalance's ``partitions`` (either input's); :class:`ConfigError` if the topics disagree now."""
+        """Check a rebalance's ``partitions`` (either input's); :class:`ConfigError` if the topics disagree now, the
+        metadata request's error (a KafkaException) if the broker cannot say: the kafka driver asks again, the faust
+        driver exits 1 (their module docstrings). Nothing changes until a check passes."""
         top = max(partitions, default=-1)
         if top < self.partitions:
             return

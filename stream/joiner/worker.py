@@ -29,7 +29,12 @@ after a good batch) before it fetches again; the state is restored from the stat
 the process exited on a brief Redis outage and relied on a supervisor to start it again. Any other exception exits
 the process at once with status 1 (``os._exit``) from inside the batch call, before the consumer acknowledges
 anything of it, for its supervisor to restart it; the pipeline has given the batch's messages their strikes
-(``stream/strikes.py``).
+(``stream/strikes.py``). A rebalance whose partition layout check (``partitions.Layout.assigned``, an admin metadata
+request) fails exits too, before anything of the assignment is read: status 2 where the topics disagree, 1 where the
+broker could not answer (or anything else), for the supervisor to restart it and check again. It is not retried
+in the process as the kafka driver does: the check is a blocking request on faust's event loop, which also runs
+aiokafka's heartbeats, and faust's rebalance waits on the signal handler; an exception out of it was faust's crash,
+with a traceback and an exit status of faust's choosing.
 
 Backpressure (``backpressure.py``), as in the kafka driver: event time is kept aligned by the hold. The records of a
 partition past its event-time frontier (``backpressure.hold_limits``, with ``max_input_drift_s``: one fetch can bring
@@ -283,6 +288,9 @@ class FaustJoinWorker:
             self.pipeline.layout.assigned(tp.partition for tp in assigned)
         except ConfigError as exc:
             self._die(f"the topics' partitions no longer agree: {exc}", 2)  # exits 2 as the CLI's ConfigError
+        except Exception as exc:  # the broker could not say (its metadata request timed out), or a bug: no retry here
+            self._die(f"the partition layout of assigned partitions could not be checked ({type(exc).__name__}: "
+                      f"{clip(str(exc))}); restart to check it again", 1)  # (module docstring)
         self._idle.reset()  # idleness counts from when there is something to read
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
         self.pauses.resize(len(self._assigned))

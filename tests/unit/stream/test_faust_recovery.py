@@ -127,3 +127,22 @@ def test_a_rebalance_bringing_partitions_the_topics_disagree_on_stops_the_worker
     with pytest.raises(_Died) as died:
         asyncio.run(w._on_assigned(None, {TP("impressions", 7)}))
     assert died.value.args == (2,)
+
+
+def test_a_rebalance_whose_layout_check_the_broker_cannot_answer_stops_the_worker_with_status_1(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the check's admin metadata request timing out raised out of faust's signal handler (a traceback, faust's crash)
+    import asyncio
+
+    from confluent_kafka import KafkaError, KafkaException
+    from faust.types import TP
+
+    w, _ = _worker(monkeypatch, [])
+
+    def assigned(partitions: object) -> None:
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "list_topics(): timed out"))
+
+    w.pipeline.layout = SimpleNamespace(assigned=assigned)  # type: ignore[attr-defined]
+    with pytest.raises(_Died) as died:
+        asyncio.run(w._on_assigned(None, {TP("impressions", 7)}))
+    assert died.value.args == (1,) and w._assigned == {0, 1}  # (the fixture's): nothing of the assignment taken

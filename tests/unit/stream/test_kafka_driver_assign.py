@@ -97,3 +97,22 @@ def test_a_rebalance_bringing_partitions_the_topics_disagree_on_stops_the_worker
     with pytest.raises(ConfigError, match="has 8 partitions"):  # out of consume(), run() and the CLI: exit 2
         worker._on_assign(consumer, [TopicPartition("impressions", 7)])
     assert consumer.assigned == []
+
+
+def test_a_layout_check_the_broker_cannot_answer_is_asked_again_with_the_start_positions(
+        worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the partition-count check of a partition past the known count is an admin metadata request: a timeout there
+    # propagated out of the callback and stopped the worker (exit 1), where the start positions are asked again
+    checks: list[list[int]] = []
+
+    def assigned(partitions: Any) -> None:
+        checks.append(list(partitions))
+        if len(checks) <= 2:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "list_topics(): timed out"))
+
+    worker.pipeline.layout.assigned = assigned
+    monkeypatch.setattr(kafka_driver, "resume_offsets", _timing_out(0))
+    consumer = Consumer()
+    worker._on_assign(consumer, [TopicPartition("impressions", 7), TopicPartition("clicks", 7)])
+    assert checks == [[7, 7]] * 3 and worker.assign_retries == 2
+    assert consumer.assigned == [("impressions", 7, 42), ("clicks", 7, 42)] and worker._assigned == {7}
