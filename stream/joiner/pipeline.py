@@ -26,10 +26,10 @@ Failures (``stream/strikes.py``): an unexpected exception in a batch gives each 
 strike and propagates (the driver stops without committing); a message with strikes is processed
 alone, and after ``poison_after`` failures in a row it is dead-lettered (kind ``poison``); a suspect loses its
 strikes when the :meth:`~JoinPipeline.process` call that joined or dead-lettered it returns, not before. A sample
-too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``) instead of failing the
-producer. Redis degraded: the batch fails and is retried from the last commit (history is part of
-what a batch makes durable); no strikes are given for it. Day counts are not: they are aggregated for
-``counts_flush_s`` and written by a writer thread while the batches go on (a crash loses at most that
+too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``, with the watermark header of its batch's
+messages before the last) instead of failing the producer. Redis degraded: the batch fails and is retried from the
+last commit (history is part of what a batch makes durable); no strikes are given for it. Day counts are not: they are
+aggregated for ``counts_flush_s`` and written by a writer thread while the batches go on (a crash loses at most that
 much counting); a failed write fails the batch that finds it, and its counts stay for the next flush, which retries
 it as it was under its write id before writing what came since: a write whose reply was lost after Redis ran it is
 counted once (``stream/counts.py``, "Retries"; :meth:`JoinPipeline._finish_flush`).
@@ -882,7 +882,7 @@ class JoinPipeline:
                 stage["redis"] += t2 - t1
                 results[partition] = res
                 prev.batches = batches_later(res.samples, self.js.sample_flush_rows, self.sample_bytes,
-                                             oversized=partial(self._too_large, partition=partition))
+                                             oversized=partial(self._too_large, partition=partition, watermark=before))
                 stage["encode_samples"] += time.monotonic() - t2
                 if last is not None:
                     self._emit(last)
@@ -1027,8 +1027,10 @@ class JoinPipeline:
         self.dead_letters.send(late, impression_id, value, err, partition)
         self.totals.counts["late_clicks_too_large"] += 1
 
-    def _too_large(self, rows: list[Sample], value: bytes, partition: int) -> None:
-        """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error."""
+    def _too_large(self, rows: list[Sample], value: bytes, partition: int, watermark: int | None) -> None:
+        """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error. Its dead
+        letter carries the watermark header of the batch's messages before the last (``watermark``: the partition's
+        before the batch), so a replay of it to the samples topic reads as one of them, not as from an older joiner."""
         limit = self.message_limits[self.kafka.samples_topic]
         bound = self.js.max_sample_bytes
         over = (f"max_sample_bytes={bound} ([joiner])" if self.sample_bytes == bound
@@ -1037,7 +1039,8 @@ class JoinPipeline:
         err = BadMessage(f"the sample of impression {shown(rows[0].pending.impression_id)} is {len(value)} bytes "
                          f"encoded, over {over}; lower the [limits] on context size or raise both limits together",
                          kind="too_large")
-        self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition)
+        self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition,
+                               headers=[watermark_header(watermark)])
         self.totals.counts["samples_too_large"] += 1
 
     def _commit_state(self, done: tuple[dict[int, BatchResult], dict[int, list[bytes]]]) -> None:

@@ -29,7 +29,7 @@ from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, Record
-from stream.samples import SampleBatch
+from stream.samples import SampleBatch, watermark_of
 from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic
 
@@ -243,10 +243,16 @@ def test_a_sample_too_large_for_one_message_is_dead_lettered_not_a_producer_erro
                                                                                   make) -> None:
     p = make(max_sample_bytes=4_000)
     tags = [f"tag{i}" for i in range(1000)]  # 1000 hashed int64s: over 8 kB encoded
-    p.process([imp(kafka, 0, 0, "big", T0, tags=tags), imp(kafka, 0, 1, "small", T0 + 1, tags=["t"])])
+    p.process([imp(kafka, 0, 0, "early", T0 - 1), click(kafka, 0, 0, "early", T0 - 1)])  # both inputs: a watermark
+    before = p.engines[0].watermark  # the watermark before the batch that makes the big sample
+    assert before is not None
+    p.process([imp(kafka, 0, 1, "big", T0, tags=tags), imp(kafka, 0, 2, "small", T0 + 1, tags=["t"])])
     p.drain()
-    assert [r.impression_id for r in sample_rows(kafka)] == ["small"]
+    assert [r.impression_id for r in sample_rows(kafka)] == ["early", "small"]
     [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
+    # a replay to the samples topic reads as a message of its batch (not the last): the watermark before the batch;
+    # without the header it read as from a joiner before the header (watermark_of: None)
+    assert watermark_of(rec.headers) == before
     dl = DeadLetter.from_headers(rec.headers)
     assert (rec.key, dl.kind, dl.source_topic, dl.source_partition) == (b"big", "too_large", kafka.samples_topic, 0)
     assert "over max_sample_bytes=4000" in dl.reason
