@@ -197,6 +197,28 @@ def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int) ->
                               f"rank {r}'s {d}" for r, d in elsewhere) + " is not that directory")
 
 
+def hold_checkpoint_dir(ls: LearnerSettings, rank: int) -> int | None:
+    """Collective, every rank at start, before any checkpoint is read: rank 0 takes ``<checkpoint_dir>/LOCK``
+    (:func:`learner.checkpoint.hold_directory`, the single-process learner's lock, so a job and a single-process
+    learner exclude each other too), and one broadcast tells every rank whether it did: if not, the same ConfigError
+    on every rank, naming the holder (none waits in a collective for a rank 0 that stopped). Two jobs on one directory
+    numbered their serving deltas from their own counters and pruned each other's checkpoints. Rank 0's descriptor
+    (None on the others) for :func:`learner.checkpoint.release_directory`; forked DataLoader workers do not keep it."""
+    fd, refused = None, None
+    if rank == 0:
+        try:
+            fd = checkpoint.hold_directory(Path(ls.checkpoint_dir))
+        except ConfigError as exc:
+            refused = str(exc)
+        except OSError as exc:  # the LOCK file cannot be opened there (a directory, no permission)
+            refused = (f"[learner] checkpoint_dir {ls.checkpoint_dir}: rank 0 cannot take its {checkpoint.LOCK} "
+                       f"({describe_os_error(exc)}): fix the directory's permissions, or name another")
+    refused = broadcast_object(refused)
+    if refused is not None:
+        raise ConfigError(refused)
+    return fd
+
+
 def rows_per_step(ls: LearnerSettings) -> int:
     """Rows of one optimizer step on a rank: ``step_rows * accumulation``. The table's optimizer runs inside the
     backward (fbgemm's fused row-wise Adagrad), so no gradient waits for the next micro-batch: ``accumulation``
@@ -827,13 +849,17 @@ def clear_chained_frames(exc: BaseException) -> None:
 
 def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
            redis: RedisSettings | None) -> dict[str, Any]:
-    """The learner's run; nothing of the learner outlives this call (run_ranks)."""
-    check_same_settings(kafka, ls, ctx.rank)
-    learner = ShardedLearner(kafka, ls, ctx, redis=redis)
-    if ctx.rank == 0:
-        print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
-              f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
+    """The learner's run; nothing of the learner outlives this call (run_ranks), nor rank 0's directory lock."""
+    lock = hold_checkpoint_dir(ls, ctx.rank)
     try:
-        return learner.run()
+        check_same_settings(kafka, ls, ctx.rank)
+        learner = ShardedLearner(kafka, ls, ctx, redis=redis)
+        if ctx.rank == 0:
+            print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
+                  f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
+        try:
+            return learner.run()
+        finally:
+            learner.close()
     finally:
-        learner.close()
+        checkpoint.release_directory(lock)

@@ -303,12 +303,12 @@ def test_two_ranks_train_a_suspect_alone_share_a_failed_round_and_any_ranks_stop
 
 
 def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
-    """One of 2 gloo ranks (``gloo_rank``): check_same_settings on settings as each rank's host would give them;
-    what each call raised in ``out``."""
+    """One of 2 gloo ranks (``gloo_rank``): check_same_settings on settings as each rank's host would give them, and
+    hold_checkpoint_dir on a directory in use; what each call raised in ``out``."""
     import json
 
     from learner.config import LearnerSettings
-    from learner.sharded_daemon import check_same_settings
+    from learner.sharded_daemon import check_same_settings, hold_checkpoint_dir
     from stream.config import KafkaSettings
 
     ckpt, kafka = Path(tmp) / "ckpt", KafkaSettings(samples_topic="samples")
@@ -329,22 +329,36 @@ def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
             got[name] = None
         except ConfigError as exc:
             got[name] = str(exc)
+    try:  # the test holds ckpt's LOCK, as a running learner does
+        hold_checkpoint_dir(LearnerSettings(checkpoint_dir=ckpt), rank)
+        got["locked"] = None
+    except ConfigError as exc:
+        got["locked"] = str(exc)
     Path(out).write_text(json.dumps(got))
 
 
-def test_ranks_started_with_different_settings_or_checkpoint_directories_all_stop_at_start_naming_the_difference(
+def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_stop_at_start_naming_why(
         tmp_path: Path) -> None:
+    import fcntl
     import json
+    import os
 
     from tests.unit.learner.gloo_ranks import run_gloo_ranks
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "mount").symlink_to(tmp_path / "ckpt")  # another host's mount point of the same directory
+    lock = os.open(tmp_path / "ckpt" / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)  # another job's rank 0, or a learner
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(lock, b"4242\n")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    assert run_gloo_ranks(2, str(tmp_path / "store"), _settings_of_each_rank,
-                          lambda r: (str(tmp_path), outs[r])) == [0, 0]
+    try:
+        assert run_gloo_ranks(2, str(tmp_path / "store"), _settings_of_each_rank,
+                              lambda r: (str(tmp_path), outs[r])) == [0, 0]
+    finally:
+        os.close(lock)
     for out in outs:  # every rank decides the same: none is left waiting in a collective
         got = json.loads(Path(out).read_text())
+        assert f"{tmp_path / 'ckpt'} is in use by another learner (pid 4242, holding LOCK)" in got["locked"]
         assert got["same"] is None
         assert "step_rows: rank 0 100, rank 1 50" in got["step_rows"]
         assert "lr_dense: rank 0 0.001, rank 1 0.01" in got["lr_dense"]
