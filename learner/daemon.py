@@ -679,6 +679,10 @@ class Learner:
         }
 
     def close(self) -> None:
-        self._group.close()
-        checkpoint.release_directory(self._lock)
-        self._lock = None
+        """Close the group consumer and release the directory's LOCK, the release whatever the close raises (the
+        process may go on: a test harness, an embedding application, and the next learner there was refused)."""
+        lock, self._lock = self._lock, None
+        try:
+            self._group.close()
+        finally:
+            checkpoint.release_directory(lock)

@@ -72,3 +72,21 @@ def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path: Path) -> No
     finally:
         os.close(write)
         os.waitpid(child, 0)
+
+
+def test_a_learner_whose_consumer_fails_to_close_still_releases_the_directory_lock(tmp_path: Path) -> None:
+    """close() closed the group consumer first: when that raised, the LOCK stayed held for the rest of the process (a
+    test harness or an embedding application that goes on), and the next learner on the directory was refused."""
+    from learner import checkpoint
+
+    class FailingConsumer:
+        def close(self) -> None:
+            raise RuntimeError("the consumer failed to close")
+
+    learner = daemon.Learner.__new__(daemon.Learner)
+    learner._group = FailingConsumer()  # type: ignore[assignment]
+    learner._lock = checkpoint.hold_directory(tmp_path)
+    with pytest.raises(RuntimeError, match="the consumer failed to close"):
+        learner.close()
+    assert learner._lock is None
+    checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # the next learner takes the lock
