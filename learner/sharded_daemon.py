@@ -101,7 +101,6 @@ from learner.distributed import (
     LockStep,
     RankContext,
     all_gather_objects,
-    barrier,
     broadcast_object,
     gather_objects,
     is_peer_failure,
@@ -180,11 +179,17 @@ def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int) ->
                               f"{k}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals))
                               for k, vals in differ.items()))
     token = broadcast_object(uuid.uuid4().hex if rank == 0 else None)
-    group_file = Path(ls.checkpoint_dir) / GROUP_FILE
-    if rank == 0:
-        group_file.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(group_file, token.encode())
-    barrier()
+    group_file, refused = Path(ls.checkpoint_dir) / GROUP_FILE, None
+    if rank == 0:  # its failure (a full disk, a read-only directory) goes to every rank: none waits for a rank 0 gone
+        try:
+            group_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(group_file, token.encode())
+        except OSError as exc:
+            refused = (f"[learner] checkpoint_dir {ls.checkpoint_dir}: rank 0 cannot write its {GROUP_FILE} "
+                       f"({describe_os_error(exc)}): free space there, fix its permissions, or name another")
+    refused = broadcast_object(refused)  # after rank 0's write: the others read the token only after it
+    if refused is not None:
+        raise ConfigError(refused)
     try:
         seen = group_file.read_text() == token
     except OSError:

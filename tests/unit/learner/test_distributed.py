@@ -305,6 +305,7 @@ def test_two_ranks_train_a_suspect_alone_share_a_failed_round_and_any_ranks_stop
 def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
     """One of 2 gloo ranks (``gloo_rank``): check_same_settings on settings as each rank's host would give them, and
     hold_checkpoint_dir on a directory in use; what each call raised in ``out``."""
+    import errno
     import json
 
     from learner.config import LearnerSettings
@@ -329,6 +330,19 @@ def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
             got[name] = None
         except ConfigError as exc:
             got[name] = str(exc)
+    from learner import sharded_daemon
+
+    def full(path: Path, data: object) -> None:  # rank 0's disk is full when it writes the .group token
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    real, sharded_daemon.write_atomic = sharded_daemon.write_atomic, full if rank == 0 else sharded_daemon.write_atomic
+    try:
+        check_same_settings(kafka, LearnerSettings(checkpoint_dir=ckpt, step_rows=100), rank)
+        got["full"] = None
+    except ConfigError as exc:
+        got["full"] = str(exc)
+    finally:
+        sharded_daemon.write_atomic = real
     try:  # the test holds ckpt's LOCK, as a running learner does
         hold_checkpoint_dir(LearnerSettings(checkpoint_dir=ckpt), rank)
         got["locked"] = None
@@ -364,6 +378,10 @@ def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_
         assert "lr_dense: rank 0 0.001, rank 1 0.01" in got["lr_dense"]
         assert (f"rank 0 writes {tmp_path / 'ckpt'} but rank 1's {tmp_path / 'elsewhere'} is not that directory"
                 in got["checkpoint_dir"])
+        # rank 0 could not write the .group token (a full disk): every rank stops with its error, none waits for it
+        assert got["full"] == json.loads(Path(outs[0]).read_text())["full"]
+        assert (f"{tmp_path / 'ckpt'}: rank 0 cannot write its .group (the file system is full (no space left on "
+                "device)" in got["full"])
 
 
 def test_ranks_on_a_directory_of_single_process_checkpoints_refuse_to_start_a_fresh_model_there(
