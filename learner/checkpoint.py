@@ -294,8 +294,12 @@ def hold_directory(directory: Path) -> int | None:
         log.warning("cannot lock %s (%s): a second learner on this directory is not detected", directory,
                     describe_os_error(exc))
         return None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the pid, for the refusal's message; a failure (a full disk) must not leave the lock held
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
     _HELD.add(fd)
     return fd
 

@@ -90,3 +90,20 @@ def test_a_learner_whose_consumer_fails_to_close_still_releases_the_directory_lo
         learner.close()
     assert learner._lock is None
     checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # the next learner takes the lock
+
+
+def test_a_lock_whose_pid_cannot_be_written_is_not_left_held(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """hold_directory took the flock, then wrote its pid: a full disk failing that write raised with the descriptor
+    open and the lock held for the rest of the process, so the learner's next try was refused as 'in use'."""
+    import errno
+
+    from learner import checkpoint
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.os, "pwrite", full)
+        with pytest.raises(OSError, match="No space left on device"):
+            checkpoint.hold_directory(tmp_path)
+    checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # the next try takes the lock
