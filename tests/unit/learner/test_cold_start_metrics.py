@@ -4,7 +4,6 @@ operator's alert does, not only what a gauge holds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -126,17 +125,6 @@ def _learner_with_dynamic_ids(tmp_path: Path, daemon: str, **settings: Any) -> A
         learner._build(cfg)
     return learner
 
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    """A gloo group of one rank in this process: the sharded learner's collectives (checkpoint, id maps) run."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("daemon", ["one process", "rank 0 of N"])

@@ -64,14 +64,6 @@ def test_torchruns_other_variables_with_nonsense_are_a_config_error_not_a_traceb
         RankContext.from_env({"WORLD_SIZE": "2", "RANK": "0", **env})
 
 
-@pytest.fixture
-def one_rank_group(tmp_path: Path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_torchrec_fused_rowwise_adagrad_makes_the_single_process_update(one_rank_group: None) -> None:
     from learner.sharded_model import ShardedDeepFM, feature_names, shard, table_weight

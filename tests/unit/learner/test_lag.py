@@ -96,16 +96,6 @@ def test_a_partition_with_a_backlog_and_nothing_trained_reports_its_lag(tmp_path
     assert lag_series() == {"0": 3.0, "1": 7.0}
 
 
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_the_sharded_learner_reports_the_lag_of_its_partitions_those_added_and_untrained_too(
         one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

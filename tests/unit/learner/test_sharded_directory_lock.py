@@ -18,7 +18,7 @@ from learner.config import LearnerSettings
 from learner.distributed import RankContext
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
-from tests.unit.learner.test_sharded_metrics import NoBroker, one_rank_group  # noqa: F401 (a fixture)
+from tests.unit.learner.test_sharded_metrics import NoBroker
 
 
 def train(monkeypatch: pytest.MonkeyPatch, ckpt: Path, run: Any) -> dict[str, Any]:

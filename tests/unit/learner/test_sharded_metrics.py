@@ -24,16 +24,6 @@ from tests.integration.test_learner import sample_batch
 CFG = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def value(name: str) -> float:
     return REGISTRY.get_sample_value(name) or 0.0

@@ -15,7 +15,7 @@ from learner.config import LearnerSettings
 from learner.distributed import RankContext
 from stream.config import KafkaSettings
 from tests.integration.test_learner import sample_batch
-from tests.unit.learner.test_sharded_metrics import CFG, NoBroker, one_rank_group  # noqa: F401 - the fixture
+from tests.unit.learner.test_sharded_metrics import CFG, NoBroker
 
 T0 = 1_700_000_000_000  # ms
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # a world of one gloo rank
