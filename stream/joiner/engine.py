@@ -352,11 +352,13 @@ class PartitionJoin:
         self._advance_event_time(clicks_idle)
         # (the clicks still waiting: the heap keeps a click its impression took since until its time passes)
         held = [p.ts for p in self.pending.values()] + [t for ts in self.waiting.values() for t in ts] if drain else []
-        if drain and (self.max_ts is not None or held):
-            # End of input: move event time past every window, and record that in the chunk. (Also when
-            # event time never started: a partition restored with impressions but no click seen since.)
-            last = max(held + ([] if self.max_ts is None else [self.max_ts]))
-            self.max_ts = last + self.cfg.window_ms + self.cfg.lateness_ms + 1  # the watermark: last + window
+        if drain and held:
+            # End of input: move event time past every window still open, and record that in the chunk (also when
+            # event time never started: a partition restored with impressions but no click seen since). Past what
+            # is held only: from the partition's time, a drain holding nothing (a re-run on a drained partition)
+            # moved it a window further at each run.
+            through = max(held) + self.cfg.window_ms + self.cfg.lateness_ms + 1  # the watermark: max(held) + window
+            self.max_ts = through if self.max_ts is None else max(self.max_ts, through)
         self._expire(out)
         if events or drain or self.max_ts != max_ts:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1

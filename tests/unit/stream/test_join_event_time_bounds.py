@@ -92,3 +92,31 @@ def test_a_drains_watermark_is_the_same_whichever_batch_a_click_before_its_impre
     r.append(j.apply([], [], drain=True))
     assert sorted(_labels([s for x in r for s in x.samples])) == [("a", 1, 0), ("b", 0, 0)]
     assert j.watermark == 100 + W
+
+
+@pytest.mark.parametrize("lateness_ms", [0, 5])
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_second_drain_with_nothing_held_leaves_event_time_where_the_first_put_it(lateness_ms: int,
+                                                                                  restart: bool) -> None:
+    """A drain moves event time past what is still held. A second drain (a re-run of ``streamrec join`` with
+    ``exit_when_idle`` on a drained partition, restored from its chunks) held nothing and still moved it a window
+    further, from the first drain's time: each re-run stacked a window (and lateness) onto the partition's time, and
+    the samples' watermark header could then pass the learner's bound (``future_ts_s`` + the window)."""
+    from stream.joiner.state_log import decode_chunk, encode_chunk
+    cfg = _cfg(lateness_ms)
+    j, f = PartitionJoin(0, cfg), Feed()
+    joined = j.apply(f.imps(imp("a", 100), imp("b", 150)), f.clicks(Click("a", 300)))
+    first = j.apply([], [], drain=True)
+    chunks = [joined.chunk, first.chunk]
+    assert sorted(_labels(joined.samples + first.samples)) == [("a", 1, 0), ("b", 0, 0)]
+    assert j.watermark == 150 + W
+    if restart:
+        j = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in chunks if c is not None])
+        assert j.watermark == 150 + W
+    again = j.apply([], [], drain=True)
+    assert again.samples == [] and again.unjoined == []
+    assert j.watermark == 150 + W  # was 150 + 2 * W + lateness + 1
+    later = j.apply(f.imps(imp("c", 150 + 3 * W)), [])  # a later input moves it on as before
+    drained = j.apply([], [], drain=True)
+    assert [s.pending.impression_id for s in later.samples + drained.samples] == ["c"]
+    assert j.watermark == 150 + 4 * W
