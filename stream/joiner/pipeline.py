@@ -455,7 +455,17 @@ class JoinPipeline:
         self.dead_letters = DeadLetters(kafka, self.producer, {t: self.message_limits[t] for t in dlq_topics})
 
     def close(self) -> None:
+        """The last flush of the day counts, then Redis and the writer closed. A write in flight that failed on an
+        outage gets the one retry a next flush would give it (under its write id, with the counts buffered since);
+        only a failure of that last flush is raised (it used to lose both at the first, with every batch durable)."""
         try:
+            try:
+                self._finish_flush()
+            except Exception as exc:
+                if not is_infrastructure(exc):
+                    raise
+                log.warning("a day counts write failed (%s: %s); retried with the last flush", type(exc).__name__,
+                            clip(str(exc)))
             self.flush_counts()
             self.redis.close()
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -114,3 +115,32 @@ def test_a_write_behind_a_failed_retry_was_never_sent_and_goes_back_to_the_buffe
         p._counts_writer.shutdown(wait=True)
     assert [c[2] for c in counts.calls] == [[1], [2, 3]]
     assert counts.ids[0] == counts.failed_ids[0] != counts.ids[1]
+
+
+def test_close_retries_a_write_that_failed_in_flight_and_writes_the_counts_buffered_since() -> None:
+    """SIGTERM after a background write failed on a Redis blip: close() is the last flush, so the failed write gets the
+    retry a next flush would give it (under its write id) and the counts buffered since are written too; it used to
+    raise the in-flight failure at once and lose both (exit 1 with every batch's state durable)."""
+    counts = FakeCounts(fail=1)
+    p = pipeline_with(counts)
+    p.redis = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    p.gc = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    buffer(p, [1], [10], "a")
+    p._start_flush()  # in flight: fails
+    p._flushing[0].exception()  # type: ignore[index]  # (waits for it)
+    buffer(p, [2], [20], "b")  # a later batch's counts
+    p.close()
+    assert [c[2] for c in counts.calls] == [[1], [2]]
+    assert counts.ids[0] == counts.failed_ids[0] != counts.ids[1]
+
+
+def test_close_still_raises_when_the_last_flush_fails_too() -> None:
+    counts = FakeCounts(fail=2)
+    p = pipeline_with(counts)
+    p.redis = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    p.gc = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    buffer(p, [1], [10], "a")
+    p._start_flush()
+    with pytest.raises(redis.ConnectionError):
+        p.close()
+    assert counts.calls == [] and counts.failed_ids[0] == counts.failed_ids[1]
