@@ -29,12 +29,12 @@ strikes when the :meth:`~JoinPipeline.process` call that joined or dead-lettered
 too large for one Kafka message goes to ``samples.dlq`` (kind ``too_large``, with the watermark header of its batch's
 messages before the last) instead of failing the producer. Redis degraded: the batch fails and is retried from the
 last commit (history is part of what a batch makes durable); no strikes are given for it. Day counts are not: they are
-aggregated for ``counts_flush_s`` and written by a writer thread while the batches go on (a crash loses at most that
-much counting); a failed write fails the batch that finds it, and its counts stay for the next flush, which retries
-it as it was under its write id before writing what came since: a write whose reply was lost after Redis ran it is
-counted once (``stream/counts.py``, "Retries"; :meth:`JoinPipeline._finish_flush`).
-A batch's own counts join that buffer only once its state is durable: a failed batch is done again, and
-is counted once.
+aggregated for ``counts_flush_s`` and written by a writer thread while the batches go on (a SIGKILL loses at most that
+much counting; a batch's exception in either driver writes them before the exit); a failed write fails the batch
+that finds it, and its counts stay for the next flush, which retries it as it was under its write id before writing
+what came since: a write whose reply was lost after Redis ran it is counted once (``stream/counts.py``, "Retries";
+:meth:`JoinPipeline._finish_flush`). A batch's own counts join that buffer only once its state is durable: a failed
+batch is done again, and is counted once.
 
 Message size: at start the pipeline learns what each topic it writes to takes (``stream.kafka.message_limits``: the
 topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller): samples, state,

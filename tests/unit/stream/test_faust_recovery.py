@@ -30,7 +30,7 @@ def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple
     monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(consumer=SimpleNamespace()))
     monkeypatch.setattr(FaustJoinWorker, "_die", staticmethod(lambda what, status=1: (_ for _ in ()).throw(
         _Died(status))))
-    calls: dict[str, list] = {"forget": [], "drop_held": []}
+    calls: dict[str, list] = {"forget": [], "drop_held": [], "close": []}
 
     def process_new(records: list, behind: object) -> None:
         if fail:
@@ -40,7 +40,8 @@ def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple
     pipeline = SimpleNamespace(
         held_counts={("clicks", 0): 3}, engines={0: object(), 1: object()}, processed={}, restore=lambda _p: None,
         process_new=process_new, waiting=lambda: {}, input_times=lambda: {}, held_per_input=lambda: {},
-        forget=calls["forget"].append, drop_held=calls["drop_held"].append, awake=IdleClock(1.0, 0.0))
+        forget=calls["forget"].append, drop_held=calls["drop_held"].append, awake=IdleClock(1.0, 0.0),
+        close=lambda: calls["close"].append(True))
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings())  # type: ignore[arg-type]
     shutil.rmtree(w._datadir)
     w._assigned = {0, 1}
@@ -79,6 +80,20 @@ def test_a_batch_failing_for_any_other_reason_still_ends_the_process_unacknowled
     with pytest.raises(_Died):
         w._process([])
     assert w.recoveries == 0 and calls.forget == []
+    # the day counts of the batches already durable written first (the pipeline's close), as the kafka driver does
+    assert calls.close == [True]
+
+
+def test_a_crash_exit_goes_on_when_the_day_counts_cannot_be_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, calls = _worker(monkeypatch, [ValueError("a bug")])
+
+    def close() -> None:
+        raise redis.ConnectionError("Connection refused")
+
+    w.pipeline.close = close  # type: ignore[method-assign]
+    with pytest.raises(_Died) as died:
+        w._process([])
+    assert died.value.args == (1,)
 
 
 def test_a_run_that_exits_when_idle_does_not_end_during_a_recoverys_wait_but_after_it(
