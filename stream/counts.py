@@ -62,12 +62,12 @@ it writes, in the kind's hash slot::
 
     {prefix}:counts:{{kind}}:w:{event}:{YYYYMMDD}    field = {write id}:{part} (part: add_counts's chunk, 0: record)
 
-A script call that finds its marker writes nothing; one that does not writes its counts and names, then sets the
-marker (last: a call that fails part way, a key of the wrong type, sets none and its retry fails as loudly). So a call
-again with the same write id and the same counts counts each day once, whether the first ran, did not, or ran only some
-of its days (an error inside one script call: Redis does not roll back the other calls of the EXEC, and their markers
-are set). A marker per script call, not per write: the first day of an EXEC does not make the later days skip, and a
-resend of the same EXEC (redis-py's own retries, on a cluster too) counts once as well. The markers are never days to
+A script call that finds its marker writes nothing; one that does not writes its counts and names, then sets the marker
+(last; a key of the wrong type refuses the call before its first write: nothing written, no marker). So a call again
+with the same write id and the same counts counts each day once, whether the first ran, did not, or ran only some of its
+days (an error inside one script call: Redis does not roll back the other calls of the EXEC, and their markers are set).
+A marker per script call, not per write: the first day of an EXEC does not make the later days skip, and a resend of the
+same EXEC (redis-py's own retries, on a cluster too) counts once as well. The markers are never days to
 :meth:`DailyCounts.days_available` (its SCAN skips them).
 
 However late a retry comes, it is recognised: the markers hash gets the counts key's expiry in the same script call,
@@ -96,8 +96,9 @@ counts retry a failed day and kind once, at the next flush (``serving/lookup_cou
 
 Cost per script call (per day and kind/event; per chunk for ``add_counts``): the marker, ~30 bytes sent, three
 commands inside the script (HEXISTS, HSET, EXPIREAT: ~5 us of server time against ~5 us per member counted), and
-deleting it in the kind's next write (one HDEL). What remains: the retry of a script call that failed after part of
-its writes (the counts written, then the names key found of the wrong type) counts them twice.
+deleting it in the kind's next write (one HDEL). A script call refused for a key of another type (another client's)
+writes nothing: it reads each key it writes before its first write (the counts were once written before the names key
+was found a string, without the marker, and its retry counted them twice).
 
 Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_ts_s``) ahead of
 the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
@@ -267,8 +268,9 @@ def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
 # KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day, KEYS[3] = the markers of the counts key
 # (a hash); ARGV = expire-at (unix s), this call's marker (a field of KEYS[3]), the number n of (count, member) pairs,
 # those pairs, then (member, name) pairs. The names and markers keys get the counts key's expiry. A marker found means
-# this very call ran before (a retry after its reply was lost): nothing is written again. The marker is set last, so a
-# call that fails part way (a key of the wrong type) sets none and its retry fails as loudly. Returns whether the names
+# this very call ran before (a retry after its reply was lost): nothing is written again. Every key it writes is read
+# first (ZSCORE, HEXISTS: WRONGTYPE for a key of another type), so a call refused writes nothing; the marker is set
+# last. Returns whether the names
 # key existed before the call. With an empty marker it is a forget call: ARGV[4..] are markers of writes the caller
 # knows succeeded (never retried), deleted from KEYS[3] (KEYS[1], KEYS[2] unused): a cleanup, which a
 # markers key of the wrong type must not turn into every later write failing.
@@ -282,6 +284,8 @@ end
 local had = redis.call('EXISTS', KEYS[2])
 if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then return had end
 local last = 3 + 2 * tonumber(ARGV[3])
+redis.call('ZSCORE', KEYS[1], '')
+if #ARGV > last then redis.call('HEXISTS', KEYS[2], '') end
 for i = 4, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[1], ARGV[1])
 for i = last + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end

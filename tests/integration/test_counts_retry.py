@@ -399,3 +399,21 @@ def test_a_day_counts_key_holding_another_type_stops_the_joiner_with_a_config_er
     finally:
         p._counts_writer.shutdown(wait=True)
     assert not is_infrastructure(info.value)  # the worker stops (exit 2); the pipeline gives ConfigErrors no strikes
+
+
+def test_a_record_refused_for_a_names_key_of_another_type_writes_no_count_so_its_retry_counts_once(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """The names key of the day holds a string (another client's): the script call failed at its HSETNX after its
+    ZINCRBYs had run, without its marker, so the write, retried under its id once the key was deleted, counted the
+    day twice. Every key's type is checked before the first write: refused, the call writes nothing."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    day = day_of(now_ms)
+    redis_client.set(counts.names_key("item", day), "someone else's")
+    write_id = new_write_id()
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        counts.record("item", "impression", [1, 2], [now_ms] * 2, names={1: "a", 2: "b"}, write_id=write_id)
+    assert not redis_client.exists(counts.key("item", "impression", day))  # refused whole: nothing counted
+    redis_client.delete(counts.names_key("item", day))
+    counts.record("item", "impression", [1, 2], [now_ms] * 2, names={1: "a", 2: "b"}, write_id=write_id)
+    assert scores(redis_client, counts.key("item", "impression", day)) == {"1": 1.0, "2": 1.0}
