@@ -185,6 +185,12 @@ def _is_date(day: str) -> bool:
         return False
 
 
+def _days_back(end: dt.date, days: int) -> int:
+    """How many of the ``days`` days ending at ``end`` are from 1970 on: the days of a window that can hold counts
+    (:func:`_is_date`). ``--days 1000000`` reached back before the year 1 (``OverflowError``, a traceback)."""
+    return max(0, min(days, (end - _EPOCH).days + 1))
+
+
 def _check_kind_event(kind: str, event: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"argument 'kind': got {kind!r}, expected one of {', '.join(KINDS)}")
@@ -663,7 +669,7 @@ class DailyCounts:
     def _window_keys(self, kind: str, event: str, day: str, days: int) -> list[str]:
         """The sorted sets of ``kind``/``event`` counts of the ``days`` days ending at ``day``."""
         end = _parse_day(day)
-        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(int(days))]
+        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(_days_back(end, int(days)))]
         keys = [self._key(kind, event, d) for d in window]
         if self._legacy():  # the layout before hash tags, while its keys live (module docstring)
             old = [self._legacy_key(kind, event, d) for d in window]
@@ -727,11 +733,12 @@ class DailyCounts:
         end = _parse_day(day)
         missing = list(dict.fromkeys(members))
         found: dict[str, str] = {}
-        for first in range(0, int(days) + 1, _NAMES_DAYS_PER_TRIP):
+        n = _days_back(end, int(days) + 1)
+        for first in range(0, n, _NAMES_DAYS_PER_TRIP):
             if not missing:
                 break
             keys = []  # newest day first; on a day, the layout before hash tags last (module docstring)
-            for i in range(first, min(first + _NAMES_DAYS_PER_TRIP, int(days) + 1)):
+            for i in range(first, min(first + _NAMES_DAYS_PER_TRIP, n)):
                 day_i = (end - dt.timedelta(days=i)).strftime("%Y%m%d")
                 keys.append(self._names_key(kind, day_i))
                 if self._legacy():

@@ -50,3 +50,41 @@ def test_the_hot_set_over_only_a_hostile_ancient_day_is_empty_not_a_failed_refre
     hs = hot_set.compute(Keyspace(["p:counts:{item}:lookup:00010101"]), "p", 8, cfg, days=7,  # type: ignore[arg-type]
                          hot_items=10, hot_users=0, event="lookup", fallback="lookup", small_field_rows=0, attempts=1)
     assert len(hs.rows) == 0 and hs.stats["item_last_day"] is None
+
+
+class EmptyRedis:
+    """A Redis with no key: what the window reads (EXISTS, TYPE, ZREVRANGE, HMGET) answer as Redis would."""
+
+    def __init__(self) -> None:
+        self.queued: list[Any] = []
+
+    def pipeline(self, transaction: bool = True) -> EmptyRedis:
+        return self
+
+    def exists(self, *keys: str) -> int:
+        return 0
+
+    def type(self, key: str) -> None:
+        self.queued.append(b"none")
+
+    def zrevrange(self, key: str, start: int, end: int, withscores: bool = False) -> None:
+        self.queued.append([])
+
+    def hmget(self, key: str, fields: list[str]) -> None:
+        self.queued.append([None] * len(fields))
+
+    def execute(self) -> list[Any]:
+        out, self.queued = self.queued, []
+        return out
+
+
+def test_a_window_reaching_back_before_the_epoch_reads_the_days_from_1970_on_not_an_overflow() -> None:
+    """``streamrec counts top --days 1000000`` (or ``--day 00010101 --days 2``) failed with ``OverflowError: date value
+    out of range``, a traceback where a bad --days is a usage error: the window's days before 1970 hold no counts
+    (nothing writes one), so they are not read."""
+    counts = DailyCounts(EmptyRedis(), prefix="p")  # type: ignore[arg-type]
+    assert counts.top("item", "impression", day="20261205", days=1_000_000, k=3) == []
+    assert counts.top("item", "impression", day="00010101", days=2, k=3) == []
+    assert counts.names("item", ["1"], day="20261205", days=1_000_000) == {}
+    assert counts.names("item", ["1"], day="00010101", days=2) == {}
+    assert counts.day_counts("item", "impression", ["1"], day="00010101", days=2) == {}
