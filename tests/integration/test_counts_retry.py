@@ -417,3 +417,19 @@ def test_a_record_refused_for_a_names_key_of_another_type_writes_no_count_so_its
     redis_client.delete(counts.names_key("item", day))
     counts.record("item", "impression", [1, 2], [now_ms] * 2, names={1: "a", 2: "b"}, write_id=write_id)
     assert scores(redis_client, counts.key("item", "impression", day)) == {"1": 1.0, "2": 1.0}
+
+
+def test_a_write_without_names_leaves_the_names_keys_expiry_to_the_writer_of_the_names(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """Serving's lookup counts (add_counts, no names, its own ``counts_ttl_days``) set the expiry of the joiner's names
+    key of the day too: with a shorter TTL than the joiner's the names went before the counts they name (shown by
+    hash), with a longer one they outlived them. A call that writes no names leaves that key's expiry alone."""
+    joiner, serving = DailyCounts(redis_client, prefix=prefix, ttl_days=8), DailyCounts(redis_client, prefix=prefix,
+                                                                                          ttl_days=2)
+    now_ms = int(time.time() * 1000)
+    day = day_of(now_ms)
+    joiner.record("item", "impression", [1, 2], [now_ms] * 2, names={1: "a", 2: "b"})
+    names_key, lookups_key = joiner.names_key("item", day), serving.key("item", "lookup", day)
+    serving.add_counts("item", "lookup", np.array([1, 2], np.int64), np.array([5, 3], np.int64), int(now_ms // DAY_MS))
+    # (this Redis has no EXPIRETIME: the TTLs, 6 days apart, say whose expiry each key has)
+    assert redis_client.ttl(names_key) - redis_client.ttl(lookups_key) > 5 * DAY_S  # was equal: serving's
