@@ -31,8 +31,8 @@ def add_parser(sub: Any) -> None:
                        "where no name is known (counted before names were kept, or by a writer that passed none).")
     p.add_argument("action", choices=["top"])
     p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
-    p.add_argument("--event", default="impression", choices=["impression", "click"],
-                   help="which events to count (default: %(default)s)")
+    p.add_argument("--event", default="impression", choices=["impression", "click", "lookup"],
+                   help="which events (lookup: serving's row lookups, which rank the hot set; default: %(default)s)")
     p.add_argument("--day", metavar="YYYYMMDD", help="last UTC day of the window (default: the latest day "
                    "with counts for --kind/--event)")
     p.add_argument("--days", type=int, default=1, help="number of consecutive days summed (default: %(default)s)")

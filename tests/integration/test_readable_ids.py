@@ -306,3 +306,19 @@ def test_counts_top_escapes_unprintable_raw_ids(
                                 "--kind", "user", "--event", "click")
     assert summary["top"] == [{"id": str(ids[0]), "name": "two\nlines", "count": 1.0}]
     assert human.splitlines()[1].split() == ["1.", "'two\\nlines'", "1"]
+
+
+def test_counts_top_reads_servings_lookup_counts_which_rank_the_hot_set(
+        stack, redis_client: redis.Redis, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hot set ranks by serving's row lookups by default; ``--event lookup`` was refused by the command's
+    choices (impression, click), so what ranks it could not be read from the CLI."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    ids, names = hashed(["looked-up", "seen"])
+    t = ms(2001, 5, 1, 12)
+    counts.record("item", "impression", ids, [t, t], names=names)  # the joiner's names
+    counts.add_counts("item", "lookup", np.array(ids, np.int64), np.array([40, 2], np.int64),
+                      t // 86_400_000)  # (the day index)
+    summary, human = counts_top(capsys, redis_config(tmp_path / "c.toml", stack.redis_url, prefix), "--kind", "item",
+                                "--event", "lookup")
+    assert [(r["name"], r["count"]) for r in summary["top"]] == [("looked-up", 40.0), ("seen", 2.0)]
+    assert summary["event"] == "lookup" and "by lookups" in human.splitlines()[0]
