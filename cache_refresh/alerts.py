@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Severity, SinkSettings
+from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Severity, SinkSettings, drain
 from stream.config import KafkaSettings
 
 log = logging.getLogger("streamrec.refresh")
@@ -86,14 +86,4 @@ class RefreshAlerts:
         if self._kafka is None:
             return 0
         queue = self._kafka
-        deadline = time.monotonic() + (queue.close_timeout_s if timeout_s is None else timeout_s)
-        queue.begin_close(deadline)
-        while abort is not None and (left := deadline - time.monotonic()) > 0:
-            if (why := abort()) is not None:
-                log.warning("%s during the alert drain at shutdown: the drain ends now; the alerts still undelivered "
-                            "are dropped", why)
-                queue.begin_close(time.monotonic())
-                break
-            if queue.wait_idle(min(left, 0.2)):
-                break
-        return queue.finish_close()
+        return drain([queue], time.monotonic() + (queue.close_timeout_s if timeout_s is None else timeout_s), abort)

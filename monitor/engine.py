@@ -52,6 +52,7 @@ import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -73,6 +74,7 @@ from monitor.alerts import (
     Severity,
     alert_fingerprint,
     decode_value,
+    drain,
     encode_value,
     get_text,
 )
@@ -983,6 +985,29 @@ class Monitor:
                 log.exception("monitor evaluation failed; trying again in %.3gs", interval)
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
+    def run_until_signalled(self) -> int:
+        """:meth:`run` until SIGTERM or SIGINT, then :meth:`close` under the same handlers: a further signal ends the
+        drain (with the default handlers back, a second SIGTERM during the drain killed the process: no summary, no
+        last state-file save). Returns the count of alerts left undelivered; the previous handlers are put back."""
+        stop, signals = threading.Event(), []
+
+        def note(signum: int, _frame: Any) -> None:
+            signals.append(signum)
+            stop.set()
+
+        previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            try:
+                self.run(stop)
+            finally:
+                seen = len(signals)
+                undelivered = self.close(abort=lambda: signal.Signals(signals[-1]).name if len(signals) > seen
+                                         else None)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return undelivered
+
     def _forget_delivered(self) -> bool:
         """Drop from :attr:`_resolving` the resolved alerts no sink still waits to deliver; whether any went."""
         waiting = {id(a) for a in self.sink.waiting()}
@@ -1001,11 +1026,16 @@ class Monitor:
                 records.append(rec)
         return records
 
-    def close(self, timeout_s: float | None = None) -> int:
+    def close(self, timeout_s: float | None = None, abort: Callable[[], str | None] | None = None) -> int:
         """Deliver the queued alerts for at most ``timeout_s`` (default ``close_timeout_s`` of
-        ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own)."""
+        ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own). ``abort``
+        naming a reason ends the drain at once (:func:`monitor.alerts.drain`: a further stop signal); the state file
+        is saved either way, keeping the undelivered resolves firing."""
         try:
-            return self.sink.close(timeout_s)
+            if isinstance(self.sink, FanOut):
+                return self.sink.close(timeout_s, abort)
+            return drain([self.sink], time.monotonic() + (self.sink.close_timeout_s if timeout_s is None
+                                                          else timeout_s), abort)
         finally:
             if self.state_file is not None:
                 self._forget_delivered()  # after close: the alerts it left undelivered

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -103,18 +101,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     except BaseException:  # a run log that cannot be opened, say: stop the sinks' workers, then report it
         sink.close(0)
         raise
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     where = ", ".join(n.name for n in sink.sinks) or "no sink"
     print(f"monitoring {len(config.rules)} rule(s) from {config.origin} every {config.interval_s:g}s, "
           f"alerts to {where}" + (f" (topic {config.sinks.kafka_topic} at {kafka.bootstrap_servers})" if kafka
                                   else ""), file=sys.stderr)
-    try:
-        monitor.run(stop)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        undelivered = monitor.close()  # drains the sink queues for at most close_timeout_s
+    undelivered = monitor.run_until_signalled()  # then drains the sink queues for at most close_timeout_s
     summary = monitor.summary()
     summary["sink_failures"] = dict(sink.failures)
     summary["undelivered"] = undelivered

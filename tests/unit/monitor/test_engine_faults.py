@@ -7,7 +7,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -519,6 +521,40 @@ def test_a_resolved_alert_left_queued_at_shutdown_is_resolved_again_after_the_re
         assert mon.step() == [] and firing_in(state) == []
     finally:
         mon.close(5)
+
+
+def test_a_second_stop_signal_ends_the_drain_and_the_state_file_is_still_saved(tmp_path: Path) -> None:
+    """SIGTERM stops the monitor, which then drains its queued alerts for up to close_timeout_s; a second SIGTERM
+    during that drain (an impatient operator, a supervisor) killed the process: the default handlers were back, so no
+    summary and no last save of the state file. The second signal now ends the drain; the resolve still queued is
+    kept firing in the state file (resolved again after the restart) and the previous handlers are put back."""
+    state, clocks = tmp_path / "state.json", Clocks()
+    mon, sink = monitor(restart_rules(state), shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    assert delivered(mon, sink) == [("cold_start_share", "firing")]
+    sink.fail = 10**6  # the webhook goes down
+    assert [(a.rule, a.state.value) for a in mon.step()] == [("cold_start_share", "resolved")]
+    queue = mon.sink
+    assert isinstance(queue, QueuedSink)
+
+    def signal_twice() -> None:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop
+        while queue._close_deadline is None:  # the drain has begun (its deadline: close_timeout_s, 10 s away)
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)  # the second one
+
+    before = signal.getsignal(signal.SIGTERM)
+    sender = threading.Thread(target=signal_twice)
+    sender.start()
+    try:
+        assert mon.run_until_signalled() == 1  # the resolve, undelivered
+    finally:
+        sender.join()
+    assert firing_in(state) == ["cold_start_share"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_state_file_keeps_a_resolved_series_until_its_alert_is_delivered(tmp_path: Path) -> None:
