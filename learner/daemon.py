@@ -37,6 +37,7 @@ import math
 import signal
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,21 @@ PROBE_S = 5.0  # one probe for the first samples (infer_feature_config) waits th
 PROBE_POLL_S = 0.5
 
 
+def take_stop_signals(handlers: dict[int, Any], on_signal: Callable[[int, Any], None]) -> None:
+    """SIGTERM and SIGINT to ``on_signal``; ``handlers`` keeps the ones replaced (the first: a second run keeps them),
+    for :func:`put_back_signals` at the daemon's close."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handlers.setdefault(sig, signal.signal(sig, on_signal))
+
+
+def put_back_signals(handlers: dict[int, Any]) -> None:
+    """The handlers :func:`take_stop_signals` replaced, put back (and forgotten). Left installed, the bound method kept
+    the closed learner (its model, its tables) alive and a later SIGTERM went to it, not to the process's own."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+    handlers.clear()
+
+
 def first_samples_clock() -> IdleClock:
     """How long a fresh learner has waited for its first samples (``exit_when_idle_s`` bounds it), one tick a probe.
     A stall is no waiting: it counted, and a learner stopped past its limit before any sample came woke to end its run
@@ -307,6 +323,7 @@ class Learner:
         self.positive_rate = PositiveRate(ls.metrics_window)
         self._group = new_consumer(kafka, ls.group_id)  # commits only, for lag dashboards
         self._lock: int | None = None  # the checkpoint directory's LOCK while run() trains (checkpoint.hold_directory)
+        self._handlers: dict[int, Any] = {}  # the signal handlers run() replaced, put back by close()
         self._shape = shape_of(ls)  # what a checkpoint records and a restore compares
         self.strikes = Strikes(FileStrikes(Path(ls.checkpoint_dir) / "strikes.json"), ls.poison_after)
 
@@ -490,8 +507,7 @@ class Learner:
         return sorted(md.partitions)
 
     def run(self) -> dict[str, Any]:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        take_stop_signals(self._handlers, self._on_signal)
         ls = self.ls
         self._lock = checkpoint.hold_directory(Path(ls.checkpoint_dir))  # one learner a directory; closed by close()
         if not self._restore():
@@ -679,10 +695,12 @@ class Learner:
         }
 
     def close(self) -> None:
-        """Close the group consumer and release the directory's LOCK, the release whatever the close raises (the
-        process may go on: a test harness, an embedding application, and the next learner there was refused)."""
+        """Put back the signal handlers run() replaced, close the group consumer and release the directory's LOCK, the
+        release whatever the close raises (the process may go on: a test harness, an embedding application, and the
+        next learner there was refused)."""
         lock, self._lock = self._lock, None
         try:
+            put_back_signals(self._handlers)
             self._group.close()
         finally:
             checkpoint.release_directory(lock)

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import signal
 import sys
 import time
 import traceback
@@ -95,6 +94,8 @@ from learner.daemon import (
     first_samples_clock,
     infer_feature_config,
     publish_memory,
+    put_back_signals,
+    take_stop_signals,
 )
 from learner.delayed import BaseRateBias, DelayedFeedbackWeights
 from learner.distributed import (
@@ -484,8 +485,7 @@ class ShardedLearner:
                 return None
 
     def run(self) -> dict[str, Any]:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._handlers.setdefault(sig, signal.signal(sig, self._on_signal))
+        take_stop_signals(self._handlers, self._on_signal)
         ls = self.ls
         if not self._restore():
             cfg = self._fresh_config()
@@ -806,9 +806,7 @@ class ShardedLearner:
     def close(self) -> None:
         # the handlers are bound methods: left installed they would keep this learner, its model and so the
         # process group alive past destroy_process_group (run_ranks)
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
-        self._handlers.clear()
+        put_back_signals(self._handlers)
         self._group.close()
 
 

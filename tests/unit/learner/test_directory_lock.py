@@ -48,6 +48,29 @@ def test_a_second_learner_on_a_checkpoint_directory_in_use_is_refused_naming_it(
         third.close()
 
 
+def test_close_puts_back_the_signal_handlers_run_replaced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """run() takes SIGTERM and SIGINT for its stop; close() left them installed (the sharded learner put them back):
+    the closed learner stayed alive through the bound method, and a later SIGTERM to the process (a test harness, an
+    embedding application) went to it rather than to the handler the process had before."""
+    import signal
+
+    monkeypatch.setattr(daemon, "infer_feature_config", lambda *a, **k: None)
+    ours = lambda *_: None  # noqa: E731 - the process's own handler
+    before = {sig: signal.signal(sig, ours) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        learner = daemon.Learner(KafkaSettings(bootstrap_servers="127.0.0.1:9"),
+                                 LearnerSettings(checkpoint_dir=tmp_path, exit_when_idle_s=0.01))
+        try:
+            assert learner.run()["reason"] == "no samples arrived"
+            assert signal.getsignal(signal.SIGTERM) == learner._on_signal  # taken while it runs
+        finally:
+            learner.close()
+        assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is ours
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path: Path) -> None:
     """A DataLoader worker (forked) outlives a SIGKILLed learner by seconds: holding the lock's descriptor, it had the
     restarted learner refused meanwhile."""
@@ -85,7 +108,7 @@ def test_a_learner_whose_consumer_fails_to_close_still_releases_the_directory_lo
 
     learner = daemon.Learner.__new__(daemon.Learner)
     learner._group = FailingConsumer()  # type: ignore[assignment]
-    learner._lock = checkpoint.hold_directory(tmp_path)
+    learner._lock, learner._handlers = checkpoint.hold_directory(tmp_path), {}
     with pytest.raises(RuntimeError, match="the consumer failed to close"):
         learner.close()
     assert learner._lock is None
