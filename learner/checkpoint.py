@@ -278,10 +278,15 @@ def hold_directory(directory: Path) -> int | None:
     it. A :class:`ConfigError` naming the directory and that pid when another process holds it: two learners on one
     directory each numbered their serving deltas from their own counter, so two different models' deltas took one seq
     (serving applied one and skipped the other for good), and each pruned the other's checkpoints. A filesystem that
-    cannot lock (ENOLCK, EOPNOTSUPP): a WARNING that a second learner is not detected there, and None."""
+    cannot lock (ENOLCK, EOPNOTSUPP): a WARNING that a second learner is not detected there, and None; one where
+    the LOCK cannot be opened at all: a :class:`ConfigError` naming it."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:  # a directory or LOCK that cannot be opened (LOCK a directory or a link, no permission, a read-only mount):
+        directory.mkdir(parents=True, exist_ok=True)  # the operator's to mend, exit 2 naming it (a traceback, exit 1)
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"[learner] checkpoint_dir {directory}: cannot open its {LOCK} ({describe_os_error(exc)}); "
+                          "the learner needs the directory writable, with LOCK a regular file or absent") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

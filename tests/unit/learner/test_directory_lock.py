@@ -130,3 +130,22 @@ def test_a_lock_whose_pid_cannot_be_written_is_not_left_held(monkeypatch: pytest
         with pytest.raises(OSError, match="No space left on device"):
             checkpoint.hold_directory(tmp_path)
     checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # the next try takes the lock
+
+
+@pytest.mark.parametrize("what", ["lock_is_a_directory", "lock_is_a_link", "dir_is_a_file"])
+def test_a_lock_that_cannot_be_opened_is_a_settings_error_naming_it(tmp_path: Path, what: str) -> None:
+    """An OSError opening ``<checkpoint_dir>/LOCK`` (a directory there, a symlink, a checkpoint_dir that is a file)
+    escaped as a traceback and exit 1; it is the operator's to mend: a ConfigError (exit 2) naming the path."""
+    from learner import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    if what == "dir_is_a_file":
+        ckpt.write_text("not a directory")
+    else:
+        ckpt.mkdir()
+        if what == "lock_is_a_directory":
+            (ckpt / "LOCK").mkdir()
+        else:
+            (ckpt / "LOCK").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=rf"checkpoint_dir {ckpt}: cannot open its LOCK"):
+        checkpoint.hold_directory(ckpt)
