@@ -292,7 +292,7 @@ def _claim(client: Any, prefix: str, version: str, owner: str) -> None:
         raise taken(f"its writer marker not one a refresh writes ({exc})") from None
     try:
         held = json.loads(raw or b"null")
-    except ValueError:  # not JSON (UnicodeDecodeError is one): the value, as it is
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is one), or nested past the parser: as it is
         held = raw[:80]  # type: ignore[index]
     if not isinstance(held, dict) or held.get("owner") != owner:
         raise taken(f"its writer marker {held!r}")
@@ -332,7 +332,7 @@ def decode_meta(key: str, raw: bytes | None) -> dict[str, Any] | None:
         return None
     try:
         return json.loads(raw)
-    except ValueError as exc:  # (UnicodeDecodeError is one)
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is one; RecursionError: "[[[[..." too deep)
         raise ValueError(f"{key} is not a meta a refresh writes ({type(exc).__name__}: {exc}; {raw[:80]!r}); "
                          "republish with `streamrec refresh --now`") from None
 

@@ -6,11 +6,14 @@ tests/integration/test_layered_serving.py; the fake client here only raises or a
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from serving.embedding_store import (
     LayeredRows,
@@ -314,3 +317,48 @@ def test_a_writer_marker_a_refresh_never_writes_is_refused_naming_what_it_holds(
     with pytest.raises(VersionTaken, match=said):
         write_version(client, "p", "v", np.zeros((2, 4), np.float32), np.arange(2), RowDtype.FLOAT32, owner="o")
     assert set(client.values) == set(values)  # nothing written
+
+
+# Any bytes in a version's meta or writer marker (Redis answered with them): the meta opens the version or is a
+# ValueError, the marker is a VersionTaken; never another exception. Structured: each field of a good meta replaced
+# by every JSON type.
+_GOOD_META = {"rows": 10, "dim": 3, "dtype": "float32"}
+_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                            lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids,
+                                                                                      max_size=3), max_leaves=6)
+_meta_bytes = st.one_of(
+    st.binary(max_size=100),
+    _json_values.map(lambda v: json.dumps(v).encode()),
+    st.builds(lambda k, v: json.dumps({**_GOOD_META, k: v}).encode(), st.sampled_from([*_GOOD_META, "row_check"]),
+              _json_values))
+
+
+@example(b"[" * 100_000)  # deeper than the json module recurses: RecursionError escaped the ValueError promise
+@example(b'{"rows":' * 100_000)
+@given(_meta_bytes)
+@settings(max_examples=100, deadline=None)
+def test_any_meta_bytes_open_the_version_or_are_a_value_error(meta: bytes) -> None:
+    table = np.zeros((10, 3), np.float32)
+    store, client = _store(table, lambda: 0.0)
+    client.values["p:emb:v:meta"] = meta
+    try:
+        LayeredRows(store, "v", table, [], None)
+    except ValueError as exc:
+        assert str(exc).strip()
+    assert store.available
+
+
+@example(b"[" * 100_000)
+@given(_meta_bytes)
+@settings(max_examples=50, deadline=None)
+def test_any_meta_or_writer_marker_bytes_of_another_writer_are_version_taken(value: bytes) -> None:
+    from serving.embedding_store import VersionTaken, write_version
+
+    try:  # a meta of JSON null reads as no meta (read_meta): the version is then free, not taken
+        keys = ["p:emb:v:writer"] + (["p:emb:v:meta"] if json.loads(value) is not None else [])
+    except (ValueError, RecursionError):
+        keys = ["p:emb:v:writer", "p:emb:v:meta"]
+    for key in keys:
+        client = MarkerClient({key: value})
+        with pytest.raises(VersionTaken):
+            write_version(client, "p", "v", np.zeros((2, 4), np.float32), np.arange(2), RowDtype.FLOAT32, owner="o")
