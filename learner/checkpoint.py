@@ -732,7 +732,7 @@ def latest_meta(directory: Path) -> dict[str, Any] | None:
             meta = json.loads(read_regular(side, MAX_STATE_FILE_BYTES, "a checkpoint's metadata"))
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        except (OSError, ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError: ValueErrors)
             log.warning("the metadata of %s cannot be read (%s: %s); reporting an older checkpoint", path.name,
                         type(exc).__name__, exc)
             continue

@@ -4,10 +4,13 @@ newer ones refused, damaged newest files skipped, and a safe load that runs no c
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from learner import checkpoint as ck
 from learner.config import LearnerSettings, ModelConfig, SparseOptimizer, shape_of
@@ -43,7 +46,8 @@ def test_a_saved_checkpoint_loads_typed_and_keeps_the_stored_layout(tmp_path: Pa
     assert ck.latest_meta(tmp_path)["path"] == str(path)
 
 
-@pytest.mark.parametrize("damage", [b"{not json", b"\xff\xfe", b"[1, 2]"])
+@pytest.mark.parametrize("damage", [b"{not json", b"\xff\xfe", b"[1, 2]", b"[" * 100_000],  # (deeper than json goes)
+                         ids=["not-json", "not-utf8", "not-an-object", "nested-too-deep"])
 def test_latest_meta_passes_over_a_damaged_newest_sidecar_to_the_next_older_one(tmp_path: Path, damage: bytes,
                                                                                caplog: pytest.LogCaptureFixture
                                                                                ) -> None:
@@ -57,6 +61,17 @@ def test_latest_meta_passes_over_a_damaged_newest_sidecar_to_the_next_older_one(
     assert newer.name in caplog.text
     older.with_suffix(".json").write_bytes(damage)
     assert ck.latest_meta(tmp_path) is None
+
+
+@given(st.one_of(st.binary(max_size=200), st.text(max_size=50).map(str.encode),
+                 st.sampled_from([b"[" * 5000, b'{"a":' * 5000, b"1" * 5000, b"{}", b"null"])))
+@settings(max_examples=50, deadline=None, database=None)
+def test_any_sidecar_bytes_are_a_meta_object_or_passed_over(damage: bytes) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        newest = ck.save(Path(d), state(), meta())
+        newest.with_suffix(".json").write_bytes(damage)
+        got = ck.latest_meta(Path(d))
+        assert got is None or (isinstance(got, dict) and got["path"] == str(newest))
 
 
 def test_a_version_1_checkpoint_is_upgraded_with_the_shaping_settings_it_implies(tmp_path: Path) -> None:
