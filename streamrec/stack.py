@@ -200,7 +200,7 @@ class LocalStack:
             log.warning("%s is not a pid file this stack wrote; taken as none", path)
         except FileNotFoundError:
             pass
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." deeper than json goes
             log.warning("%s: cannot read it (%s); taken as no pid file", path, exc)
         return None
 

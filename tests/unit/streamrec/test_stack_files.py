@@ -41,3 +41,12 @@ def test_a_service_log_that_is_a_fifo_is_a_stack_error_naming_it_and_nothing_sta
     finally:
         os.close(reader)
     assert not (tmp_path / "redis.pid.json").exists()
+
+
+@pytest.mark.parametrize("content", [b"[" * 5000, b'{"pid":' * 5000, b"\xff", b"1" * 5000, b""],
+                         ids=["nested-array", "nested-object", "not-utf8", "huge-int", "empty"])
+def test_a_pid_file_that_is_not_json_a_stack_wrote_is_taken_as_none(tmp_path: Path, content: bytes) -> None:
+    """``[[[[...`` deeper than json recurses raised RecursionError out of ``stack up``, ``down`` and ``status``."""
+    stack = LocalStack(StackSettings(state_dir=tmp_path))
+    (tmp_path / "redis.pid.json").write_bytes(content)
+    assert stack._read_pid("redis") is None
