@@ -366,7 +366,7 @@ def unfinished_versions(client: Any, prefix: str, owner: str) -> set[str]:
         version = k[len(start):-len(end)]
         try:
             marker = json.loads(get_value(client, k) or b"null")
-        except ValueError:  # not JSON (UnicodeDecodeError is one), or not a string: not a marker this code wrote
+        except (ValueError, RecursionError):  # not JSON (or "[[[[..." too deep), not a string: not a marker of ours
             continue
         if isinstance(marker, dict) and marker.get("owner") == owner and not client.exists(meta_key(prefix, version)):
             out.add(version)

@@ -362,3 +362,28 @@ def test_any_meta_or_writer_marker_bytes_of_another_writer_are_version_taken(val
         client = MarkerClient({key: value})
         with pytest.raises(VersionTaken):
             write_version(client, "p", "v", np.zeros((2, 4), np.float32), np.arange(2), RowDtype.FLOAT32, owner="o")
+
+
+class ScanClient(MarkerClient):
+    """MarkerClient with SCAN (every key: the glob is the caller's concern) and EXISTS."""
+
+    def scan_iter(self, match: str, count: int) -> list[str]:
+        return list(self.values)
+
+    def exists(self, key: str) -> int:
+        return int(key in self.values)
+
+
+@example(b"[" * 100_000)  # deeper than json recurses: RecursionError escaped the refresh's cleanup
+@given(_meta_bytes)
+@settings(max_examples=50, deadline=None)
+def test_any_writer_marker_bytes_are_an_unfinished_version_only_when_they_name_the_owner(value: bytes) -> None:
+    from serving.embedding_store import unfinished_versions
+
+    client = ScanClient({"p:emb:v:writer": value, "p:emb:w:writer": json.dumps({"owner": "o"}).encode()})
+    try:
+        ours = json.loads(value or b"null")
+    except (ValueError, RecursionError):
+        ours = None
+    mine = isinstance(ours, dict) and ours.get("owner") == "o"
+    assert unfinished_versions(client, "p", "o") == {"w"} | ({"v"} if mine else set())
