@@ -44,12 +44,13 @@ it is no fault of the message (no strikes) nor an outage (no retry, which would 
 
 from __future__ import annotations
 
+import re
 from collections import Counter as Tally
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stream.config import KafkaSettings
-from stream.errors import BadMessage, ConfigError, MessageTooLarge
+from stream.errors import BadMessage, ConfigError, MessageTooLarge, clip
 from stream.kafka import (
     AckedProducer,
     Headers,
@@ -106,20 +107,37 @@ class DeadLetter:
     @classmethod
     def from_headers(cls, headers: OriginalHeaders | None) -> DeadLetter:
         """A dead letter's own headers read after its source message's (module docstring); one written before the
-        source headers were kept (no ``dlq.original_headers``) holds ours only."""
+        source headers were kept (no ``dlq.original_headers``) holds ours only. A dead-letter topic takes records from
+        any producer: headers :class:`DeadLetters` did not write (one of ours missing, a number that is not a plain
+        decimal, a source-header count past the headers there) are a ValueError saying which."""
         hs = list(headers or [])
-        n = int(hs[-1][1] or b"0") if hs and hs[-1][0] == "dlq.original_headers" else 0
+
+        def number(name: str, raw: bytes | str | None, lo: int = -1, hi: int = 2**63 - 1) -> int:
+            text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+            if text is None or not re.fullmatch(r"-?[0-9]{1,19}", text) or not lo <= int(text) <= hi:
+                raise ValueError(f"not a dead letter's headers: {name} is {clip(repr(text), 40)}, expected an integer "
+                                 f"from {lo} to {hi}")
+            return int(text)
+
+        counted = bool(hs) and hs[-1][0] == "dlq.original_headers"
+        n = number("dlq.original_headers", hs[-1][1], 0, len(hs) - 1) if counted else 0
         h = {k: (v or b"").decode("utf-8", "replace") for k, v in hs[n:]}
+        missing = [k for k in ("dlq.reason", "dlq.kind", "dlq.source.topic", "dlq.source.partition",
+                               "dlq.source.offset") if k not in h]
+        if missing:
+            raise ValueError(f"not a dead letter's headers: no {', '.join(missing)} after the {n} source headers")
         return cls(
             reason=h["dlq.reason"],
             kind=h["dlq.kind"],
             source_topic=h["dlq.source.topic"],
-            source_partition=int(h["dlq.source.partition"]),
-            source_offset=int(h["dlq.source.offset"]),
+            source_partition=number("dlq.source.partition", h["dlq.source.partition"]),
+            source_offset=number("dlq.source.offset", h["dlq.source.offset"]),
             original_headers=tuple(hs[:n]),
-            headers_dropped=int(h.get("dlq.headers_dropped", 0)),
-            value_truncated_from=int(h["dlq.value_truncated_from"]) if "dlq.value_truncated_from" in h else None,
-            key_truncated_from=int(h["dlq.key_truncated_from"]) if "dlq.key_truncated_from" in h else None,
+            headers_dropped=number("dlq.headers_dropped", h.get("dlq.headers_dropped", "0"), 0),
+            value_truncated_from=(number("dlq.value_truncated_from", h["dlq.value_truncated_from"], 0)
+                                  if "dlq.value_truncated_from" in h else None),
+            key_truncated_from=(number("dlq.key_truncated_from", h["dlq.key_truncated_from"], 0)
+                                if "dlq.key_truncated_from" in h else None),
         )
 
 
