@@ -62,8 +62,9 @@ import orjson
 import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Message
 
-from stream.config import KafkaSettings
+from stream.config import DURATION_CAP_S, KafkaSettings
 from stream.errors import StreamError, clip, shown
+from stream.events import MAX_TS_MS
 from stream.joiner.config import state_topic as state_topic  # (defined with app_id, which names it)
 from stream.joiner.context_block import Column, ContextBlock
 from stream.joiner.engine import Pending, StateChunk
@@ -202,26 +203,41 @@ def _int64(v: Any) -> bool:
     return type(v) is int and -(1 << 63) <= v < 1 << 63  # (not a bool; the engine keeps times and offsets in int64s)
 
 
+# The times a joiner writes: an event's (stream/events.py: [0, MAX_TS_MS]), and the event time a drain moves past them
+# (at most a window and the lateness later, each at most DURATION_CAP_S; the header's max_ts is 1 ms short, -1 before
+# any event). Any int64 was taken: a forged max_ts or click time of int64 max restored, the drain then wrote a chunk
+# past int64, and the next restore refused the joiner's own record (the partition blocked until a human came).
+_LAST_CLOCK_MS = MAX_TS_MS + 2 * int(DURATION_CAP_S * 1000) + 1
+
+
+def _event_ts(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= MAX_TS_MS
+
+
+def _clock_ts(v: Any) -> bool:
+    return type(v) is int and -1 <= v <= _LAST_CLOCK_MS
+
+
 def _pair(v: Any, ok: Callable[[Any], bool]) -> bool:
     return type(v) is list and len(v) == 2 and all(map(ok, v))
 
 
 def _clicks(v: Any) -> bool:
-    return type(v) is list and all(type(c) is list and len(c) == 2 and type(c[0]) is str and _int64(c[1]) for c in v)
+    return type(v) is list and all(type(c) is list and len(c) == 2 and type(c[0]) is str and _event_ts(c[1]) for c in v)
 
 
 _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # name -> (what it must be, the check); fields added since
     "offsets": ("[impressions, clicks] offsets", lambda v: _pair(v, _int64)),
-    "max_ts": ("an integer or null", lambda v: v is None or _int64(v)),
-    "max_ref_ts": ("an integer", _int64),
-    "joined": ("a list of [impression id, click time]", _clicks),
-    "waiting": ("a list of [impression id, click time]", _clicks),
-    "unwaited": ("a list of [impression id, click time]", _clicks),
+    "max_ts": (f"a time in [-1, {_LAST_CLOCK_MS}] or null", lambda v: v is None or _clock_ts(v)),
+    "max_ref_ts": (f"a time in [-1, {_LAST_CLOCK_MS}]", _clock_ts),
+    "joined": (f"a list of [impression id, click time in [0, {MAX_TS_MS}]]", _clicks),
+    "waiting": (f"a list of [impression id, click time in [0, {MAX_TS_MS}]]", _clicks),
+    "unwaited": (f"a list of [impression id, click time in [0, {MAX_TS_MS}]]", _clicks),
     "evicted": ("a list of impression ids", lambda v: type(v) is list and all(type(i) is str for i in v)),
-    "topic_max": ("[impressions, clicks] times (integers or null)",
-                  lambda v: _pair(v, lambda t: t is None or _int64(t))),
-    "topic_top": ("[impressions, clicks] lists of integer times",
-                  lambda v: _pair(v, lambda t: type(t) is list and all(map(_int64, t)))),
+    "topic_max": (f"[impressions, clicks] times in [0, {MAX_TS_MS}] or null",
+                  lambda v: _pair(v, lambda t: t is None or _event_ts(t))),
+    "topic_top": (f"[impressions, clicks] lists of times in [0, {MAX_TS_MS}]",
+                  lambda v: _pair(v, lambda t: type(t) is list and all(map(_event_ts, t)))),
     "parts": ("a count of at least 1", lambda v: type(v) is int and v >= 1),
     "write": ("a string", lambda v: type(v) is str),
 }

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import orjson
 import pytest
 
-from stream.config import KafkaSettings
-from stream.events import Click
+from stream.config import DURATION_CAP_S, KafkaSettings
+from stream.events import MAX_TS_MS, Click, Impression
 from stream.joiner import state_log
 from stream.joiner.engine import JoinConfig, PartitionJoin, Pending, StateChunk
 from stream.joiner.sample_rows import state_batch
@@ -178,6 +178,38 @@ def test_a_header_field_of_the_wrong_shape_is_refused_naming_the_record(
         _load(monkeypatch, [(b"0:claim", encode_claim([])), (b"0:0:0", _raw(orjson.dumps({**_HEADER, field: value})))])
 
 
+@pytest.mark.parametrize("field, value", [
+    ("max_ts", (1 << 63) - 1),  # restored; the drain then wrote a chunk past int64 that the next restore refused
+    ("max_ts", -2),
+    ("max_ref_ts", (1 << 63) - 1),
+    ("waiting", [["b", (1 << 63) - 1]]),  # a click waiting at int64 max: the drain moved time past it, past int64
+    ("joined", [["a", MAX_TS_MS + 1]]),
+    ("unwaited", [["d", -1]]),
+    ("topic_max", [MAX_TS_MS + 1, None]),
+    ("topic_top", [[990, 1 << 62], [900]]),
+])
+def test_a_time_no_joiner_writes_is_refused_naming_the_record(
+        monkeypatch: pytest.MonkeyPatch, field: str, value: object) -> None:
+    """Any int64 was taken as a time: a forged ``max_ts`` or click time near int64 max restored, the drain moved event
+    time past it (a window and the lateness on), and the chunk it wrote past int64 was then refused at the next
+    restore as the joiner's own record: the partition blocked. Event times are in [0, MAX_TS_MS] (events.py), the
+    event time a drain reaches at most two duration caps later."""
+    with pytest.raises(StateLogError, match=rf"b'0:0:0' \(offset 0\b.*{field}"):
+        _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps({**_HEADER, field: value})))])
+
+
+def test_a_drain_at_the_last_event_time_with_the_longest_window_restores() -> None:
+    """The bound is exact for what a joiner writes: an impression at MAX_TS_MS drained with the longest window and
+    lateness the settings allow restores from the chunk it wrote."""
+    cap_ms = int(DURATION_CAP_S * 1000)
+    cfg = JoinConfig(window_ms=cap_ms, lateness_ms=cap_ms, late_retention_ms=5000, watermark_quorum=1)
+    eng = PartitionJoin(0, cfg)
+    first = eng.apply([(1, Impression("i", MAX_TS_MS, "u", 1, {}))], [(1, Click("i", MAX_TS_MS))])
+    drained = eng.apply([], [], drain=True)
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(encode_chunk(c)) for c in (first.chunk, drained.chunk)])
+    assert back.watermark == eng.watermark == MAX_TS_MS + cap_ms
+
+
 def test_a_time_outside_int64_is_refused_naming_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
     header = orjson.dumps(_HEADER).replace(b"[990,1000]", b"[990,18446744073709551615]")  # the engine's times are int64
     with pytest.raises(StateLogError, match=r"b'0:0:0' \(offset 0\b.*topic_top"):
@@ -267,3 +299,4 @@ def test_a_chunk_states_the_watermark_as_the_joiner_before_the_1ms_watermark_rea
     (raw,) = encode_chunk(res.chunk)
     header, _ = _split(raw)
     assert header["max_ts"] - lateness_ms == eng.watermark
+
