@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             if day is None:
                 available = counts.days_available(args.kind, args.event)
                 day = available[-1] if available else None
-            rows = [] if day is None else counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)
+            rows = counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)  # checks --days, --k
             names = counts.names(args.kind, [m for m, _ in rows], day=day, days=args.days) if rows else {}
         except ValueError as exc:  # a bad --day/--days/--k: a usage error, exit 2
             raise SettingsError(str(exc)) from None

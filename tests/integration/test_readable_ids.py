@@ -98,6 +98,16 @@ def test_counts_top_prints_raw_ids_and_the_hash_only_where_no_name_is_known(
     assert "1 of 4 shown by hash: no name recorded" in lines[-1]
 
 
+@pytest.mark.parametrize("bad", [["--k", "0"], ["--k", "-1"], ["--days", "0"]])
+def test_counts_top_refuses_a_k_or_days_below_1_also_where_redis_holds_no_counts(
+        stack, prefix: str, tmp_path: Path, bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # with no counts under the prefix, `counts top --k 0` printed "no item impression counts" and exited 0: the
+    # check of --k/--days ran only once a day with counts was found
+    cfg = redis_config(tmp_path / "c.toml", stack.redis_url, prefix)
+    assert main(["counts", "top", "--kind", "item", "--config", str(cfg), *bad]) == 2
+    assert f"argument {bad[0][2:]!r}" in capsys.readouterr().err
+
+
 def test_a_click_after_midnight_is_named_from_its_impression_the_day_before(
         redis_client: redis.Redis, prefix: str) -> None:
     counts = DailyCounts(redis_client, prefix=prefix)
