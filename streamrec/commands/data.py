@@ -20,7 +20,7 @@ def add_parser(sub: Any) -> None:
                        "settings of its own; a --config file or STREAMREC_* variable it cannot use (missing, "
                        "unreadable, invalid) is still an error (exit 2), as in every other command.")
     p.add_argument("action", choices=["install", "status"])
-    p.add_argument("names", nargs="*", help="data sets (default: all)")
+    p.add_argument("names", nargs="*", default=[], help="data sets (default: all)")
     add_common(p)
     p.set_defaults(func=run)
 

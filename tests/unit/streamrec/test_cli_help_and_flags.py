@@ -35,3 +35,12 @@ def test_serve_help_names_every_serve_setting(capsys: pytest.CaptureFixture[str]
     text = " ".join(capsys.readouterr().out.split())
     unnamed = [f.name for f in fields(ServeSettings) if f.name not in text]
     assert unnamed == []
+
+
+def test_data_without_an_action_names_only_the_action_as_required(capsys: pytest.CaptureFixture[str]) -> None:
+    # `streamrec data` said "the following arguments are required: action, names", but names are optional
+    # (default: all): argparse makes a nargs="*" positional without a default required
+    with pytest.raises(SystemExit) as exc:
+        main(["data"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: action")
