@@ -4,8 +4,8 @@
 
 The request carries what the joiner put on that user's samples: the user's attributes as context and,
 per candidate movie, its release year and genres (serving keeps no item store). Candidates are the
-user's own first rated movies plus popular ones. Prints one line per candidate, and the model version
-and delta sequence number that answered.
+user's own first rated movies, then popular ones, then the data set's most rated ones. Prints one line per
+candidate, and the model version and delta sequence number that answered.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from typing import Any
 
 
@@ -30,7 +31,9 @@ def build_request(dataset: str, user: str, k: int) -> dict[str, Any]:
              if u == user][: max(1, k // 2)]
     popular = [i for i in ("American Beauty (1999)", "Star Wars: Episode IV - A New Hope (1977)",
                            "Jurassic Park (1993)", "Fargo (1996)", "Toy Story (1995)", "Heat (1995)") if i in items]
-    candidates = list(dict.fromkeys(rated + popular))[:k]
+    # then the data set's most rated items, so there are k on either data set (ml-100k's ids are numbers, not titles)
+    most_rated = Counter(tables.item_ids.to_pylist()).most_common(k + len(rated) + len(popular))
+    candidates = list(dict.fromkeys(rated + popular + [i for i, _ in most_rated]))[:k]
     return {"user_id": user, "context": users[user],
             "items": [{"item_id": i, "context": items.get(i, {})} for i in candidates]}
 
