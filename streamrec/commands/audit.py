@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> None:
                        "in headers, commit, and print counts per topic and partition. Running it again "
                        "continues where it stopped.")
     p.add_argument("--group", default="streamrec-audit", help="consumer group (offsets committed after the DLQ "
-                   "is acknowledged)")
+                   "is acknowledged; default: %(default)s)")
     p.add_argument("--idle-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="fail if nothing arrives for this long (default: 30)")
     add_kafka_flag(p)

@@ -44,3 +44,17 @@ def test_data_without_an_action_names_only_the_action_as_required(capsys: pytest
         main(["data"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: action")
+
+
+def test_every_flag_with_a_built_in_value_names_it_in_its_help() -> None:
+    # `streamrec audit --help` did not say that --group defaults to streamrec-audit (the group whose committed
+    # offsets a first run starts from)
+    import argparse
+
+    silent = (argparse._HelpAction, argparse._SubParsersAction, argparse._StoreTrueAction,
+              argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    unnamed = [f"{name} {a.option_strings or a.dest}" for name, parser in sub.choices.items() for a in parser._actions
+               if not isinstance(a, silent) and a.default not in (None, False, "", [], argparse.SUPPRESS)
+               and "default" not in (a.help or "")]
+    assert unnamed == []
