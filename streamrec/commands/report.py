@@ -25,8 +25,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--run-dir", metavar="DIR", help="a make demo run: DIR/run-log.jsonl, DIR/*.json summaries, "
                    "DIR/serving (publish root), DIR/deltas; the report goes to DIR/report.html")
     p.add_argument("--run-log", metavar="FILE", help="the monitor's run log (its rotated FILE.1 ... are read too)")
-    p.add_argument("--summary", action="append", default=[], metavar="FILE",
-                   help="a stage's --json summary (replay, join, train, refresh, monitor; repeatable)")
+    p.add_argument("--summary", action="extend", nargs="+", default=[], metavar="FILE",
+                   help="stages' --json summaries (replay, join, train, refresh, monitor; repeatable)")
     p.add_argument("--publish-root", metavar="DIR", help="refresh's publish root, for last_run.json (DIR/serving with "
                    f"--run-dir, else {default_help(RefreshSettings, 'refresh', 'publish_root')})")
     p.add_argument("--deltas-dir", metavar="DIR", help="the learner's deltas directory (DIR/deltas with --run-dir, "

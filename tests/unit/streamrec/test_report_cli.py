@@ -101,3 +101,13 @@ def test_config_is_read_a_missing_one_is_an_error_and_its_publish_root_and_delta
     monkeypatch.setenv("STREAMREC_LEARNER_DELTAS_DIR", str(tmp_path / "elsewhere"))
     assert fresh_points() < with_delta and "v-from-config" not in out.read_text()
 
+
+
+def test_summary_takes_several_files_after_one_flag_as_readme_writes_it() -> None:
+    # README: `streamrec report --run-log FILE --summary F... --out report.html`; `--summary join.json train.json`
+    # was "unrecognized arguments: train.json" (the flag took one file, repeated)
+    from streamrec.cli import build_parser
+
+    args = build_parser().parse_args(["report", "--run-log", "r.jsonl", "--summary", "join.json", "train.json",
+                                      "--summary", "refresh.json", "--out", "report.html"])
+    assert args.summary == ["join.json", "train.json", "refresh.json"]
