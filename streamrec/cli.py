@@ -1,16 +1,16 @@
 """The ``streamrec`` command line: one console script, one subcommand per job (``streamrec/commands/``).
 
-Settings come from defaults < ``--config FILE`` (TOML) < ``STREAMREC_<SECTION>_<KEY>`` environment
-variables < flags; each subcommand builds the typed settings of the components it runs, here at the
-process edge, and hands them down. Summaries print human-readable, or as one JSON object with
-``--json`` (progress bars and logs go to stderr, so ``--json`` output can be piped). Every error of the
-exception tree (``stream/errors.py``) ends as one line on stderr: exit 2 for a configuration mistake,
-1 for a failure.
+Each subcommand builds the typed settings of what it runs, here at the process edge (defaults < ``--config FILE`` <
+``STREAMREC_<SECTION>_<KEY>`` < flags), and hands them down. Summaries print human-readable, or as one JSON object with
+``--json`` (progress bars and logs go to stderr, so ``--json`` output can be piped). Every error of the exception tree
+(``stream/errors.py``) ends as one line on stderr: exit 2 for a configuration mistake, 1 for a failure (also a stdout
+whose reader left early, as ``| head`` does: no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,7 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stream.secrets import redact
 
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader that left (`--json | head -c 100`) raises here, not at exit (status 120)
+        return code
+    except BrokenPipeError:  # no traceback; Python's flush at exit writes the rest to /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     except (StreamrecError, KafkaException, TimeoutError) as exc:
         from stream.kafka import describe_error  # a broker that cannot be reached: which one, and the setting
 

@@ -10,8 +10,7 @@ Every component gets one frozen dataclass. Values come from, in increasing prece
 4. command-line flags.
 
 Nothing below the CLI reads ``os.environ``; components receive the dataclass they need. Only commands
-import this module.
-"""
+import this module."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ def build(
     flag: ``flag_names[key]`` where the flag is not ``--<key with dashes>`` (``--window-s`` for
     ``attribution_window_s``).
     Unknown keys in the file's section or in ``STREAMREC_<SECTION>_*`` are errors, so a typo
-    never silently falls back to a default.
-    """
+    never silently falls back to a default."""
     assert dataclasses.is_dataclass(cls)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}

@@ -8,8 +8,7 @@ pid file it wrote *and* whose command line still matches, so a recycled pid is n
 The broker keeps its data in memory (``memory://``): ``down`` loses the topics.
 
 Used by ``streamrec stack up|down|status``, by ``make demo`` and by the pytest session fixtures
-(on free ports, in a temporary state directory).
-"""
+(on free ports, in a temporary state directory)."""
 
 from __future__ import annotations
 

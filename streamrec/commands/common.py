@@ -73,11 +73,9 @@ def seconds(text: str) -> float:
 
 def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
     """Print a command's summary, human-readable or as one JSON object; credentials scrubbed either way."""
-    summary = redact_obj(summary)
-    if args.json:  # strict JSON (finite_json: NaN and inf as null; the human text keeps "nan")
-        print(json.dumps(finite_json(summary), default=str, sort_keys=True, allow_nan=False))
-    else:
-        print(human(summary))
+    summary = redact_obj(summary)  # --json: strict JSON (finite_json: NaN and inf as null; the human text keeps "nan")
+    print(json.dumps(finite_json(summary), default=str, sort_keys=True, allow_nan=False) if args.json
+          else human(summary))
 
 
 def setup_logging(level: str) -> None:

@@ -58,3 +58,23 @@ def test_every_flag_with_a_built_in_value_names_it_in_its_help() -> None:
                if not isinstance(a, silent) and a.default not in (None, False, "", [], argparse.SUPPRESS)
                and "default" not in (a.help or "")]
     assert unnamed == []
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_a_stdout_whose_reader_left_is_exit_1_without_a_traceback(unbuffered: str) -> None:
+    # `streamrec stack status --json | head -c 100`: a traceback ending in BrokenPipeError (PYTHONUNBUFFERED=1), or
+    # "Exception ignored ... BrokenPipeError" and exit status 120 from Python's flush at exit (buffered stdout)
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | (
+        {"PYTHONUNBUFFERED": unbuffered} if unbuffered else {})
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the summary is written
+    try:
+        proc = subprocess.run([sys.executable, "-m", "streamrec.cli", "stack", "status", "--json"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (1, "")
