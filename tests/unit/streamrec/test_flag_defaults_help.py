@@ -17,7 +17,7 @@ from streamrec.settings import _section_keys
 NO_SETTING = {
     "replay": {"--user-col", "--item-col", "--time-col", "--time-unit", "--impression-id-col", "--clicked-col",
                "--csv-delimiter"},
-    "audit": {"--idle-timeout"},
+    "audit": {"--idle-timeout", "--group"},
     "counts": {"--event", "--day", "--days", "--k"},
     "evaluate": {"--dataset", "--capacity", "--buckets", "--admit-after", "--boost", "--cold-k", "--init",
                  "--user-bucket-half-life-s", "--new-user-impressions", "--new-user-session-s", "--features", "--seed"},
