@@ -56,10 +56,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--protocol", choices=["autoint", "online", "delayed"],
                    help="autoint: offline 8:1:1 split, test AUC/logloss; online: one test-then-train pass in "
                    "event time, progressive AUC/logloss")
-    p.add_argument("--features", default="default", choices=["paper", "default"],
+    p.add_argument("--features", choices=["paper", "default"],
                    help="paper: AutoInt's 7 fields, no ids (gender, age, occupation, zip, request time, release "
                    "year, genres); default: those plus user id, item id and the user's items rated >= 4 "
-                   "strictly before the rating, last 50 (default: %(default)s)")
+                   "strictly before the rating, last 50 (default: default)")
     p.add_argument("--history-delay-s", type=float,
                    help="default features: a rating >= 4 enters its user's history only S seconds after it, as a "
                    f"click delay makes it enter the joiner's history later ({_d('history_delay_s', '0')}: at once; "
@@ -103,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from learner.evaluation.protocols import describe, evaluate
     from stream.replay.movielens import DATASETS
 
+    # the flags only one of the two modes reads: given to the other, a usage error (they were ignored without a word)
+    other = ("features history_delay_s epochs syn_impressions syn_base_ctr" if args.cold_start else "variants capacity "
+             "buckets admit_after boost cold_k init user_bucket_half_life_s new_user_impressions new_user_session_s")
+    if given := [f"--{d.replace('_', '-')}" for d in other.split() if getattr(args, d) is not None]:
+        raise SettingsError(f"{', '.join(given)}: not read {'with' if args.cold_start else 'without'} --cold-start")
     if args.cold_start:
         return _evaluate_cold_start(args)
     if args.protocol is None:
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                      init_bias=args.init_bias, syn_impressions=args.syn_impressions,
                      syn_base_ctr=args.syn_base_ctr)
     try:
-        summary = evaluate(args.dataset, args.protocol, args.features, args.seed, epochs=args.epochs,
+        summary = evaluate(args.dataset, args.protocol, args.features or "default", args.seed, epochs=args.epochs,
                            config=over.to_config(), limit=args.limit, log=not args.quiet)
     except ValueError as exc:  # a bad override (--mlp 4x4, [evaluate] request_time = "day"): usage error, exit 2
         raise SettingsError(str(exc)) from None

@@ -78,3 +78,17 @@ def test_a_stdout_whose_reader_left_is_exit_1_without_a_traceback(unbuffered: st
     finally:
         os.close(write_end)
     assert (proc.returncode, proc.stderr) == (1, "")
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--cold-start", "--features", "paper"], "--features"),  # the cold-start comparison never read it
+    (["--cold-start", "--history-delay-s", "60", "--epochs", "3"], "--history-delay-s, --epochs"),
+    (["--protocol", "online", "--capacity", "5"], "--capacity"),  # nor the protocols the cold-start settings
+    (["--protocol", "autoint", "--variants", "zero"], "--variants"),
+])
+def test_evaluate_refuses_a_flag_the_chosen_mode_does_not_read(argv: list[str], named: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``evaluate --cold-start --features paper`` ran the cold-start comparison on its own features and said nothing
+    of the flag: a result the user took for the paper features'. A flag only the other mode reads is exit 2."""
+    assert main(["evaluate", *argv]) == 2
+    assert f"{named}: not read" in capsys.readouterr().err
