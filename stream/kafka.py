@@ -345,6 +345,10 @@ def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[s
         # The local broker reports wrong high watermarks; the end of a partition is detected from
         # partition-EOF events instead (see environment.md).
         "enable.partition.eof": True,
+        # An application producing in transactions: what it aborted never reaches a consumer (librdkafka's default,
+        # stated: the faust driver's aiokafka reads uncommitted unless told, stream/joiner/faust_delivery.py). The
+        # local broker does not honour aborts (environment.md).
+        "isolation.level": "read_committed",
     }
     return _client(kafka, conf, extra)
 

@@ -68,6 +68,7 @@ from itertools import groupby, repeat
 from operator import attrgetter
 from typing import Any, cast
 
+from aiokafka import __version__ as aiokafka_version
 from confluent_kafka import TopicPartition
 from faust import __version__ as faust_version
 from faust.transport.consumer import CONSUMER_FETCHING
@@ -168,6 +169,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
     @property
     def delivery(self) -> BatchDelivery:
         return cast(BatchTransport, self.transport).delivery
+
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return _CommittedReads(self, loop=self.loop, beacon=self.beacon)
 
     async def _drain_messages(self, fetcher: ServiceT) -> None:
         """The Fetcher's loop: batches instead of faust's per-message callback; faust's stop conditions and error
@@ -534,6 +538,21 @@ def _gaps(read: int | None, first: int, last: int, n: int, recs: list[Any]) -> l
             out.append((read + 1, r.offset))
         read = r.offset
     return out
+
+
+class _CommittedReads(faust_aiokafka.AIOKafkaConsumerThread):
+    """faust's consumer thread, its aiokafka consumer reading committed records only. faust asks aiokafka for
+    ``read_uncommitted`` unless it runs exactly-once itself: an application producing impressions or clicks in
+    transactions had what it aborted joined into samples by this driver (the kafka driver, librdkafka, reads committed
+    ones: ``stream.kafka.consumer_config``). Set before the consumer starts (aiokafka's fetcher reads it then)."""
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        if getattr(consumer, "_isolation_level", None) not in ("read_uncommitted", "read_committed"):
+            raise RuntimeError(f"aiokafka {aiokafka_version} keeps its isolation level elsewhere: the faust join "
+                               "driver cannot make it read committed records only (stream/joiner/faust_delivery.py)")
+        consumer._isolation_level = "read_committed"
+        return consumer
 
 
 class BatchTransport(faust_aiokafka.Transport):
