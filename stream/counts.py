@@ -27,10 +27,14 @@ Names (the raw ids behind the hashes, for operators: ``streamrec counts top``, t
 
 A caller that knows the raw ids passes them to :meth:`DailyCounts.record` (``names``); the same script call
 that counts a member on a day also sets its name there (HSETNX: the first name stays) and gives the key the
-counts key's expiry; a call with no names (serving's lookup counts, under their own TTL) leaves it alone. So a
-day's names are bounded exactly like its counts (one field per member counted that day, impression or click, of
-that kind) and no name outlives the last-written named counts key of its kind and day. The raw id text is the
-text ``stable_hash`` hashes: ``123`` and ``"123"`` are both ``123``.
+counts key's expiry where that is later than its own; every call does, names or none (a click, ids named already,
+serving's lookups under their own TTL), and none moves it earlier. So a day's names are bounded exactly like its
+counts (one field per member counted that day, impression or click, of that kind) and live as long as every counts key
+of their kind and day written since they were first set (one written only before, a day's lookups all flushed before
+the joiner named any of its ids, may outlive them): the names key set by the names' write alone went before the counts
+of a later nameless write (a day older than yesterday lives ``ttl_days`` after its last write), the last write's
+expiry (serving's shorter TTL) before the joiner's. The raw id text is the text ``stable_hash`` hashes: ``123`` and
+``"123"`` are both ``123``.
 Readers (:meth:`DailyCounts.names`) look a member up in the days they read and, for a click counted just
 after midnight whose impression (and so its name) came the day before, one day earlier; a member with no
 name found (counted before names were kept, or by a caller that passed none) is shown by its hash.
@@ -274,8 +278,8 @@ def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
 
 # KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day, KEYS[3] = the markers of the counts key
 # (a hash); ARGV = expire-at (unix s), this call's marker (a field of KEYS[3]), the number n of (count, member) pairs,
-# those pairs, then (member, name) pairs. The markers key gets the counts key's expiry, the names key only from a call
-# that writes names (serving's lookups, with their own TTL, set the joiner's names key's). A marker found means
+# those pairs, then (member, name) pairs. The markers key gets the counts key's expiry, the names key (a hash: another
+# type is not touched) the counts key's where that is later (PTTL: EXPIREAT ... GT is Redis 7). A marker found means
 # this very call ran before (a retry after its reply was lost): nothing is written again. Every key it writes is read
 # first (ZSCORE, HEXISTS: WRONGTYPE for a key of another type), so a call refused writes nothing; the marker is set
 # last. Returns whether the names
@@ -297,7 +301,9 @@ if #ARGV > last then redis.call('HEXISTS', KEYS[2], '') end
 for i = 4, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIREAT', KEYS[1], ARGV[1])
 for i = last + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
-if #ARGV > last then redis.call('EXPIREAT', KEYS[2], ARGV[1]) end
+local left = redis.call('PTTL', KEYS[2])
+if (left == -1 or (left >= 0 and left < redis.call('PTTL', KEYS[1])))
+    and (#ARGV > last or redis.call('TYPE', KEYS[2]).ok == 'hash') then redis.call('EXPIREAT', KEYS[2], ARGV[1]) end
 redis.call('HSET', KEYS[3], ARGV[2], 1)
 redis.call('EXPIREAT', KEYS[3], ARGV[1])
 return had

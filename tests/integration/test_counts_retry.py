@@ -433,3 +433,30 @@ def test_a_write_without_names_leaves_the_names_keys_expiry_to_the_writer_of_the
     serving.add_counts("item", "lookup", np.array([1, 2], np.int64), np.array([5, 3], np.int64), int(now_ms // DAY_MS))
     # (this Redis has no EXPIRETIME: the TTLs, 6 days apart, say whose expiry each key has)
     assert redis_client.ttl(names_key) - redis_client.ttl(lookups_key) > 5 * DAY_S  # was equal: serving's
+
+
+def test_a_write_without_names_never_leaves_the_names_key_to_expire_before_its_counts(
+        redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A day older than yesterday (a replay of old data; yesterday after midnight) expires ``ttl_days`` after its last
+    write. The joiner's later writes of that day carry no names (a click, or impressions of ids this process named
+    already): the counts keys moved on, the names key kept the first write's expiry and went a day before the counts
+    it names (shown by hash). Serving's lookups under a longer TTL: the names went before the lookup counts that
+    ``counts top --event lookup`` names with them. Serving's shorter TTL still does not cut the names short."""
+    joiner = DailyCounts(redis_client, prefix=prefix, ttl_days=8)
+    old_ms = 946_684_800_000  # 2000-01-01 (MovieLens' years)
+    day = day_of(old_ms)
+    real = time.time
+    monkeypatch.setattr(counts_module.time, "time", lambda: real() - DAY_S)  # the first write, a day ago
+    joiner.record("item", "impression", [1, 2], [old_ms] * 2, names={1: "a", 2: "b"})
+    monkeypatch.setattr(counts_module.time, "time", real)
+    joiner.record("item", "impression", [1], [old_ms], names={1: "a"})  # named already: no names sent
+    joiner.record("item", "click", [2], [old_ms])
+    names_key = joiner.names_key("item", day)
+    for event in ("impression", "click"):
+        assert redis_client.ttl(names_key) >= redis_client.ttl(joiner.key("item", event, day)) - 1, event
+    shorter = DailyCounts(redis_client, prefix=prefix, ttl_days=2)
+    shorter.add_counts("item", "lookup", np.array([1], np.int64), np.array([3], np.int64), old_ms // DAY_MS)
+    assert redis_client.ttl(names_key) > 7 * DAY_S  # not serving's 2 days
+    longer = DailyCounts(redis_client, prefix=prefix, ttl_days=30)
+    longer.add_counts("item", "lookup", np.array([1], np.int64), np.array([3], np.int64), old_ms // DAY_MS)
+    assert redis_client.ttl(names_key) >= redis_client.ttl(longer.key("item", "lookup", day)) - 1
