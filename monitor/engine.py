@@ -1000,7 +1000,7 @@ class Monitor:
             try:
                 self.run(stop)
             finally:
-                seen = len(signals)
+                seen = min(len(signals), 1)  # the stop's; a second one before the drain began ends it too
                 undelivered = self.close(abort=lambda: signal.Signals(signals[-1]).name if len(signals) > seen
                                          else None)
         finally:

@@ -232,7 +232,7 @@ threshold = 0
     clocks = Clocks()
     mon, sink = monitor(rules, scrape, clocks)
     try:
-        with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+        with caplog.at_level(logging.WARNING, logger="streamrec.alerts"):
             for _ in range(12):
                 mon.step()
                 clocks.tick(15)
@@ -555,6 +555,34 @@ def test_a_second_stop_signal_ends_the_drain_and_the_state_file_is_still_saved(t
         sender.join()
     assert firing_in(state) == ["cold_start_share"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_stop_signal_while_the_last_evaluation_runs_ends_the_drain_too(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's second SIGTERM that comes before the drain begins (the evaluation in hand still querying its
+    sources, which may take their timeouts) was counted as the stop itself: the drain then ran its whole
+    close_timeout_s and a third signal was needed. Every signal past the first ends the drain."""
+    state, clocks = tmp_path / "state.json", Clocks()
+    rules = restart_rules(state) + "[sinks]\nclose_timeout_s = 3\n"
+    mon, sink = monitor(rules, shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    assert delivered(mon, sink) == [("cold_start_share", "firing")]
+    sink.fail = 10**6  # the webhook goes down
+    step = mon.step
+
+    def step_signalled_twice() -> list[Alert]:
+        out = step()  # the resolve, queued
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop
+        os.kill(os.getpid(), signal.SIGTERM)  # the second one, this evaluation still in hand
+        return out
+
+    monkeypatch.setattr(mon, "step", step_signalled_twice)
+    with caplog.at_level(logging.WARNING, logger="streamrec.alerts"):
+        assert mon.run_until_signalled() == 1  # the resolve, undelivered
+    assert "SIGTERM during the alert drain at shutdown: the drain ends now" in caplog.text
+    assert firing_in(state) == ["cold_start_share"]
 
 
 def test_the_state_file_keeps_a_resolved_series_until_its_alert_is_delivered(tmp_path: Path) -> None:
