@@ -279,10 +279,11 @@ class FaustJoinWorker:
     def _close_pipeline(self) -> None:
         """Before a crash exit: the day counts of the batches already durable written (the failed batch's were never
         added), as the kafka driver's ``finally`` does; lost here until now (``os._exit`` skips every ``finally``).
-        A failure to write them is logged, never raised: the exit goes on with the batch's own error."""
+        A failure to write them is logged, never raised (a KeyboardInterrupt out of the wait neither): the exit goes on
+        with the batch's own error."""
         try:
             self.pipeline.close()
-        except Exception as exc:  # noqa: BLE001 - the crash's own error decides the exit
+        except BaseException as exc:  # noqa: BLE001 - the crash's own error decides the exit
             log.warning("the day counts could not be written before exiting (%s: %s)", type(exc).__name__,
                         clip(str(exc)))
 

@@ -96,6 +96,23 @@ def test_a_crash_exit_goes_on_when_the_day_counts_cannot_be_written(monkeypatch:
     assert died.value.args == (1,)
 
 
+@pytest.mark.parametrize("stopped_by", [KeyboardInterrupt, SystemExit])
+def test_a_crash_exit_goes_on_when_the_last_counts_flush_is_interrupted(monkeypatch: pytest.MonkeyPatch,
+                                                                     stopped_by: type[BaseException]) -> None:
+    """The flush before the exit blocks on Redis; a KeyboardInterrupt (a second Ctrl-C where Python's own handler is
+    in place) or a SystemExit out of it escaped past os._exit: the batch's exception gone, and faust, not the
+    worker, deciding what happens to the batch in hand."""
+    w, calls = _worker(monkeypatch, [ValueError("a bug")])
+
+    def close() -> None:
+        raise stopped_by()
+
+    w.pipeline.close = close  # type: ignore[method-assign]
+    with pytest.raises(_Died) as died:
+        w._process([])
+    assert died.value.args == (1,)
+
+
 def test_a_run_that_exits_when_idle_does_not_end_during_a_recoverys_wait_but_after_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the recovery reset the idle clock and faust's consumer then slept the backoff while the idle timer kept ticking:
