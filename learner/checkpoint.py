@@ -56,6 +56,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -284,6 +285,9 @@ def hold_directory(directory: Path) -> int | None:
     try:  # a directory or LOCK that cannot be opened (LOCK a directory or a link, no permission, a read-only mount):
         directory.mkdir(parents=True, exist_ok=True)  # the operator's to mend, exit 2 naming it (a traceback, exit 1)
         fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO opens (O_NONBLOCK); its pid write failed, EINVAL
+            os.close(fd)
+            raise OSError("not a regular file")
     except OSError as exc:
         raise ConfigError(f"[learner] checkpoint_dir {directory}: cannot open its {LOCK} ({describe_os_error(exc)}); "
                           "the learner needs the directory writable, with LOCK a regular file or absent") from None

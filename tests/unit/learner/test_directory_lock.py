@@ -149,3 +149,15 @@ def test_a_lock_that_cannot_be_opened_is_a_settings_error_naming_it(tmp_path: Pa
             (ckpt / "LOCK").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(ConfigError, match=rf"checkpoint_dir {ckpt}: cannot open its LOCK"):
         checkpoint.hold_directory(ckpt)
+
+
+def test_a_lock_that_is_no_regular_file_is_a_settings_error_naming_it(tmp_path: Path) -> None:
+    """A FIFO at ``<checkpoint_dir>/LOCK`` opens (O_NONBLOCK) and takes the flock; writing the pid into it then failed
+    (ftruncate: EINVAL) as a traceback and exit 1, where a directory or a link there is a ConfigError naming it."""
+    from learner import checkpoint
+
+    os.mkfifo(tmp_path / "LOCK")
+    with pytest.raises(ConfigError, match=rf"checkpoint_dir {tmp_path}: cannot open its LOCK \(OSError: not a regular"):
+        checkpoint.hold_directory(tmp_path)
+    (tmp_path / "LOCK").unlink()
+    checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # no descriptor left holding it
