@@ -247,7 +247,12 @@ _OPTIONAL = {"joined", "waiting", "unwaited", "evicted", "topic_max", "topic_top
 def _check(header: dict[str, Any], seq: int) -> None:
     """Raise ValueError naming the first field of a part's header that is not as :func:`encode_chunk` writes it: a
     restore that took it (``"12"`` as ``topic_top``, a string as a list of clicks) rebuilt another state, or failed
-    later naming no record."""
+    later naming no record. A field this version does not know (a newer joiner's) is refused too: it is state the
+    restore would drop in silence (joiners before ``parts`` took a chunk's part 0 alone as the whole chunk)."""
+    unknown = sorted(k for k in header if k != "seq" and k not in _FIELDS)
+    if unknown:
+        raise ValueError(f"header field {clip(repr(unknown[0]), 100)} is unknown to this version: a newer streamrec "
+                         "joiner wrote it (state this one cannot restore)")
     if header.get("seq") != seq or not _int64(header.get("seq")):
         raise ValueError(f"header field 'seq' must be its key's seq {seq}, got {clip(repr(header.get('seq')), 100)}")
     for name, (want, ok) in _FIELDS.items():

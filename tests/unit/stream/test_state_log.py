@@ -300,3 +300,14 @@ def test_a_chunk_states_the_watermark_as_the_joiner_before_the_1ms_watermark_rea
     header, _ = _split(raw)
     assert header["max_ts"] - lateness_ms == eng.watermark
 
+
+
+def test_a_header_field_of_a_newer_joiner_is_refused_naming_it_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rollback (or an older member of a rolling upgrade) reading a chunk written by a newer joiner: a header field
+    this version does not know is state it cannot restore. Taken without it, the restore rebuilt another state in
+    silence (as older joiners did with ``parts``: a chunk restored from part 0 alone claimed its whole batch); refused,
+    the record is named and the operator told to run the version that wrote it."""
+    with pytest.raises(StateLogError, match=r"b'0:0:0' \(offset 0\b.*'held'.*newer"):
+        _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps({**_HEADER, "held": [["e", 7]]})))])
+    with pytest.raises(ValueError, match=r"'held'"):
+        decode_chunk([_raw(orjson.dumps({**_HEADER, "held": [["e", 7]]}))])
