@@ -70,7 +70,7 @@ from stream.joiner.context_block import Column, ContextBlock
 from stream.joiner.engine import Pending, StateChunk
 from stream.joiner.sample_rows import encode_bounded, state_batch
 from stream.kafka import read_to_end
-from stream.samples import CTX_PREFIX, DENSE_PREFIX, SampleBatch
+from stream.samples import BASE_FIELDS, CTX_PREFIX, DENSE_PREFIX, KIND_FIELD, SampleBatch
 
 log = logging.getLogger("streamrec.join")
 
@@ -265,6 +265,10 @@ def _decode_added(body: bytes, seq: int) -> list[Pending]:
     if not body:
         return []
     b = SampleBatch.decode(body)
+    known = {f.name for f in (*BASE_FIELDS, KIND_FIELD)}
+    if unknown := [n for n in b.batch.schema.names if n not in known and not n.startswith((CTX_PREFIX, DENSE_PREFIX))]:
+        raise ValueError(f"the added impressions' column {clip(repr(unknown[0]), 100)} is unknown to this version: a "
+                         "newer streamrec joiner wrote it (state this one cannot restore)")
     ctx: dict[str, Column] = {}
     for name in b.context_names:
         col = b.batch.column(CTX_PREFIX + name)

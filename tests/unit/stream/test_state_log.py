@@ -311,3 +311,17 @@ def test_a_header_field_of_a_newer_joiner_is_refused_naming_it_not_dropped(monke
         _load(monkeypatch, [(b"0:0:0", _raw(orjson.dumps({**_HEADER, "held": [["e", 7]]})))])
     with pytest.raises(ValueError, match=r"'held'"):
         decode_chunk([_raw(orjson.dumps({**_HEADER, "held": [["e", 7]]}))])
+
+
+def test_a_column_of_a_newer_joiner_in_a_chunks_impressions_is_refused_naming_it_not_dropped() -> None:
+    """The chunk's added impressions (an Arrow sample batch) with a column this version neither writes nor reads: a
+    newer joiner's per-impression state, which the restore dropped in silence."""
+    import pyarrow as pa
+
+    batch = state_batch([pending(i, []) for i in range(2)]).batch
+    newer = batch.append_column(pa.field("emitted", pa.int8(), nullable=False), pa.array([1, 0], pa.int8()))
+    body = b"".join((newer.schema.serialize(), newer.serialize(), b"\xff\xff\xff\xff\x00\x00\x00\x00"))
+    header = orjson.dumps({**_HEADER, "joined": [], "waiting": [], "evicted": [], "unwaited": []})
+    assert len(decode_chunk([_raw(header) + state_batch([pending(i, []) for i in range(2)]).encode()]).added) == 2
+    with pytest.raises(ValueError, match=r"'emitted'.*newer"):
+        decode_chunk([_raw(header) + body])
