@@ -276,6 +276,11 @@ def check_signature(manifest: Mapping[str, Any], key: SigningKey, where: str | P
                             f"or signed with another key; refused before any other file was opened; {fix}")
 
 
+_REBUILD = "rebuild it with `streamrec refresh --now`"
+# (a refresh of the newer streamrec builds the same again: the reader is what is behind)
+_NEWER = "a newer streamrec built it: upgrade serving to it (serving before the refresh job; README, Upgrades)"
+
+
 def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
                     signing_key: SigningKey | None = None) -> dict[str, Any]:
     """The manifest in ``raw`` (the bytes of ``manifest.json``), every key this code reads checked.
@@ -310,7 +315,7 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
     afv = m.get("artifact_format_version")
     if not _int(afv) or afv != ARTIFACT_FORMAT_VERSION:
         raise ArtifactError(f"{where}: artifact format {_show(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
-                            "rebuild it with `streamrec refresh --now`")
+                            f"{_NEWER if isinstance(afv, int) and afv > ARTIFACT_FORMAT_VERSION else _REBUILD}")
     missing = [k for k in ("version", "created", "created_utc", "format", "source", "feature_config", "model",
                            "scorer", "hot_set", "files") if k not in m]
     if missing:
@@ -338,7 +343,8 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
     layout = sc.get("input_layout", CANDIDATE_ROWS_LAYOUT)  # absent: a scorer from before the user-row layout
     if not _int(layout) or layout not in SCORER_LAYOUTS:
         raise ArtifactError(f"{where}: scorer input_layout {_show(layout)}, this streamrec reads "
-                            f"{', '.join(map(str, SCORER_LAYOUTS))}; rebuild it with `streamrec refresh --now`")
+                            f"{', '.join(map(str, SCORER_LAYOUTS))}; "
+                            f"{_NEWER if isinstance(layout, int) and layout > max(SCORER_LAYOUTS) else _REBUILD}")
     if layout == POOLING_GRAPH_LAYOUT and fmt not in ONNX_FORMATS:
         raise bad(f"scorer input_layout {layout} (a pooling ONNX graph) with format {fmt!r}")
     if (sc["num_fields"], sc["dim"], sc["num_dense"]) != (cfg.num_fields, cfg.embedding_dim, len(cfg.dense)):

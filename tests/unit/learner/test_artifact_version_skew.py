@@ -1,0 +1,46 @@
+"""A serving artifact written by a newer streamrec, read by this one (a rolling upgrade that ran the refresh first, a
+rollback of serving): refused when its manifest is read, with an error that says to upgrade serving, not to rebuild
+it (a `refresh --now` of the newer refresh job builds the same again)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from learner import artifact as A
+from learner.artifact import ArtifactError, build_artifact, decode_manifest
+from tests.unit.learner.test_artifact import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    staged = build_artifact(make_checkpoint(), tmp_path_factory.mktemp("a"), np.arange(10), format="safetensors")
+    return json.loads((Path(staged) / A.MANIFEST).read_text())
+
+
+def test_this_streamrecs_manifest_reads(manifest: dict[str, Any]) -> None:
+    assert decode_manifest(json.dumps(manifest).encode())["version"] == manifest["version"]
+
+
+@pytest.mark.parametrize("change", [
+    {"artifact_format_version": A.ARTIFACT_FORMAT_VERSION + 1},
+    {"scorer": {"input_layout": max(A.SCORER_LAYOUTS) + 1}},
+])
+def test_a_newer_streamrecs_manifest_is_refused_saying_to_upgrade_serving(
+        manifest: dict[str, Any], change: dict[str, Any]) -> None:
+    newer = {**manifest, **{k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()}}
+    with pytest.raises(ArtifactError, match=r"newer streamrec.*upgrade serving") as err:
+        decode_manifest(json.dumps(newer).encode())
+    assert "rebuild it" not in str(err.value)
+
+
+@pytest.mark.parametrize("change", [{"artifact_format_version": 0}, {"scorer": {"input_layout": 0}}])
+def test_a_manifest_version_no_streamrec_writes_is_still_refused_as_one_to_rebuild(
+        manifest: dict[str, Any], change: dict[str, Any]) -> None:
+    older = {**manifest, **{k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()}}
+    with pytest.raises(ArtifactError, match=r"refresh --now"):
+        decode_manifest(json.dumps(older).encode())
