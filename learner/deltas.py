@@ -323,8 +323,11 @@ def decode_delta(raw: bytes | bytearray | memoryview, path: Path, key: SigningKe
     kind, fmt = tree.get("kind"), tree.get("format")
     # Compared only as a string and an integer: a tensor there would answer ``!=`` with a tensor (no bool).
     if not (isinstance(kind, str) and kind == KIND and isinstance(fmt, int) and fmt == FORMAT):
+        newer = isinstance(kind, str) and kind == KIND and isinstance(fmt, int) and fmt > FORMAT
         raise DeltaError(f"{where}: kind {str(tree.get('kind'))[:40]!r} format {str(tree.get('format'))[:20]}, "
-                         f"this streamrec reads kind {KIND!r} format {FORMAT}")
+                         f"this streamrec reads kind {KIND!r} format {FORMAT}"
+                         + ("; a newer streamrec learner wrote it: upgrade serving to it (serving before the learner)"
+                            if newer else ""))
     missing = {"seq", "samples_trained", "created", "rows", "vectors", "dense_state"} - set(tree)
     if missing:
         raise DeltaError(f"{where}: missing {', '.join(sorted(missing))}; the writer is not this streamrec's")

@@ -21,3 +21,11 @@ def test_a_kind_or_format_other_than_this_streamrecs_is_a_delta_error(kind: Any,
     raw = tensorpack.pack({"kind": kind, "format": fmt})
     with pytest.raises(DeltaError, match="this streamrec reads kind"):
         decode_delta(raw, Path("d.delta"))
+
+
+def test_a_delta_of_a_newer_format_is_refused_saying_to_upgrade_serving() -> None:
+    """A newer learner's delta read by this serving (a rolling upgrade that reached the learner first): refused, and
+    the error says what to do about it."""
+    raw = tensorpack.pack({"kind": KIND, "format": FORMAT + 1})
+    with pytest.raises(DeltaError, match=rf"format {FORMAT + 1}, this streamrec reads .*newer.*upgrade serving"):
+        decode_delta(raw, Path("d.delta"))
