@@ -216,7 +216,7 @@ def hold_checkpoint_dir(ls: LearnerSettings, rank: int) -> int | None:
             fd = checkpoint.hold_directory(Path(ls.checkpoint_dir))
         except ConfigError as exc:
             refused = str(exc)
-        except OSError as exc:  # the LOCK file cannot be opened there (a directory, no permission)
+        except OSError as exc:  # its pid cannot be written (a full disk; one it cannot open is a ConfigError)
             refused = (f"[learner] checkpoint_dir {ls.checkpoint_dir}: rank 0 cannot take its {checkpoint.LOCK} "
                        f"({describe_os_error(exc)}): fix the directory's permissions, or name another")
     refused = broadcast_object(refused)
