@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from prometheus_client import Counter as PCounter
 
@@ -84,7 +84,7 @@ from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point, Window, labels_of, metrics_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings, check_interval
 from stream.errors import ConfigError
-from stream.files import MAX_STATE_FILE_BYTES, open_append_regular, read_regular, write_atomic
+from stream.files import MAX_STATE_FILE_BYTES, open_append_regular, open_regular, read_regular, write_atomic
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.monitor")
@@ -688,10 +688,24 @@ class RunLog:
         self._failing = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open_append_regular(self.path)  # closed by close()
+            self._file = self._open()  # closed by close()
         except OSError as exc:  # at start: a settings mistake (exit 2), not a traceback (a FIFO: a hang)
             raise ConfigError(f"[run_log] path {self.path}: cannot open it for appending: "
                               f"{exc.strerror or exc}") from None
+
+    def _open(self) -> TextIO:
+        """``path`` opened for appending, its last line ended first where it was cut (a monitor killed mid-write):
+        the next record was glued to the cut one, and both were one unreadable line (a restart's ``start`` record
+        lost)."""
+        f = open_append_regular(self.path)
+        try:
+            with open_regular(self.path) as (raw, st):
+                if st.st_size and raw.seek(st.st_size - 1) >= 0 and raw.read(1) != b"\n":
+                    f.write("\n")
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def start(self, sources: Mapping[str, str], interval_s: float, rules: Sequence[Rule]) -> None:
         # The sources as logs show them: a user:password in a url is written as *** (the file outlives the process
@@ -734,7 +748,7 @@ class RunLog:
     def _reopen(self) -> None:
         """Open ``path`` (making its directory) and start it with the ``start`` line."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open_append_regular(self.path)  # a FIFO put there since the start cannot hang the monitor
+        self._file = self._open()  # a FIFO put there since the start cannot hang the monitor
         if self._start:
             self._file.write(json.dumps({**self._start, "t": self.clock()}, separators=(",", ":")) + "\n")
 

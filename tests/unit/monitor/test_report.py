@@ -449,3 +449,18 @@ def test_a_histogram_reset_of_one_series_counts_the_others_rise_and_its_observat
     assert h["dense"]["mean"] == ([1e9 + 1, 1e9 + 2, 1e9 + 3], pytest.approx([2.775, 2.775, 28 / 15]))
     assert h["dense"]["p50"][1] == pytest.approx([0.1, 0.1, 0.075])  # 15 observations, 10 of them at most 0.1
     assert h["dense"]["p90"][1] == pytest.approx([8.2, 8.2, 7.3])
+
+
+def test_a_monitor_restarted_after_being_killed_mid_line_starts_its_records_on_a_line_of_their_own(
+        tmp_path: Path) -> None:
+    path = tmp_path / "run-log.jsonl"
+    path.write_text('{"kind":"start","t":999,"sources":{},"interval_s":1,"rules":[]}\n'
+                    '{"kind":"scrape","t":999.5,"source":"learner","samples":[["streamrec_learner_sam')  # SIGKILLed
+    log = RunLog(RunLogSettings(path=path), clock=lambda: 1000.0)
+    log.start({}, 1.0, [])
+    log.write({"kind": "scrape", "t": 1001.0, "source": "learner", "samples": [["streamrec_learner_samples_total", {},
+                                                                                  5]]})
+    log.close()
+    rec = report.read_run_log(path)
+    assert [s["t"] for s in rec.starts] == [999, 1000.0]  # the restart's start record was glued to the cut line
+    assert rec.bad_lines == 1 and report.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0], [5.0])
