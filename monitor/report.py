@@ -413,14 +413,22 @@ class Section:
     facts: list[str] = field(default_factory=list)  # numbers from the summaries, shown under the plot
 
 
+# The largest value drawn: matplotlib cannot lay out an axis near the float maximum (a constant 1e308 raised "arange:
+# cannot compute length", 1.7e308 in a bar "Axis limits cannot be NaN or Inf"); beyond it a value is left out and its
+# section says how many (:attr:`Plotter.beyond`). No metric comes near it: such a value is a process's garbage.
+PLOT_MAX = 1e300
+
+
 class Plotter:
-    """The figures of one report, on one time axis: wall-clock time since ``t0``, in s or min."""
+    """The figures of one report, on one time axis: wall-clock time since ``t0``, in s or min. :attr:`beyond` counts
+    the values left out for being beyond :data:`PLOT_MAX`."""
 
     def __init__(self, t0: float, span_s: float, phases: Mapping[str, tuple[float, float]] | None = None) -> None:
         self.plt = _pyplot()
         self.t0, self.span_s = t0, max(span_s, 1.0)
         self.scale, self.unit = (60.0, "min") if span_s > 900 else (1.0, "s")
         self.phases = dict(phases or {})  # source -> (first, last) scrape that answered: when the stage ran
+        self.beyond = 0
 
     @property
     def xlabel(self) -> str:
@@ -450,12 +458,14 @@ class Plotter:
         for label, (ts, vs) in curves.items():
             if not ts:
                 continue
-            ys = [v / scale for v in vs]
+            ys = [v / scale if not abs(v / scale) > PLOT_MAX else math.nan for v in vs]  # NaN: not drawn
+            left_out = sum(abs(v / scale) > PLOT_MAX for v in vs)
+            self.beyond += left_out
             if step:
                 ax.step(self.x(ts), ys, where="post", label=label)
             else:
                 ax.plot(self.x(ts), ys, marker=marker, markersize=3, linewidth=1.2, label=label)
-            n += len(ts)
+            n += len(ts) - left_out
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -470,7 +480,9 @@ class Plotter:
         return n
 
     def bars(self, ax: Any, values: Mapping[str, float], ylabel: str, title: str, fmt: str = "{:,.0f}") -> int:
-        names, vals = list(values), [values[k] for k in values]
+        names = [k for k, v in values.items() if not abs(v) > PLOT_MAX]
+        self.beyond += len(values) - len(names)
+        vals = [values[k] for k in names]
         ax.bar(names, vals, color="tab:blue")
         for i, v in enumerate(vals):
             ax.text(i, v, fmt.format(v), ha="center", va="bottom", fontsize=8)
@@ -559,7 +571,8 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> in
     n = 0
     right = ax.twinx()
     for i, (label, (ts, vs)) in enumerate(curves.items()):
-        pts = [(d, v) for t, v in zip(ts, vs, strict=True) if (d := _date(clock.get(t, 0))) is not None]
+        pts = [(d, v) for t, v in zip(ts, vs, strict=True)  # a value beyond PLOT_MAX: counted over wall time
+               if (d := _date(clock.get(t, 0))) is not None and not abs(v) > PLOT_MAX]
         if not pts:
             continue
         on = right if "NE" in label else ax
@@ -964,7 +977,17 @@ def build_sections(inp: Inputs) -> list[Section]:
     phases = {src: (sc[0][0], sc[-1][0]) for src, sc in inp.rec.scrapes.items() if sc}
     p = Plotter(t0, span, phases)
     with p.plt.rc_context({"text.parse_math": False}):  # a label "$\foo{$" (event data) is text, not mathtext
-        return [f(p, inp) for f in SECTIONS]
+        return [_beyond(p, f, inp) for f in SECTIONS]
+
+
+def _beyond(p: Plotter, f: Callable[[Plotter, Inputs], Section], inp: Inputs) -> Section:
+    """Section ``f``, saying how many of its values were beyond :data:`PLOT_MAX` and so not drawn."""
+    before = p.beyond
+    sec = f(p, inp)
+    if p.beyond > before:
+        sec.missing.append(f"{p.beyond - before} recorded value(s) beyond ±{PLOT_MAX:g} not drawn (no axis can "
+                           "show them)")
+    return sec
 
 
 def render_html(inp: Inputs, sections: Sequence[Section], title: str = "streamrec run report") -> str:

@@ -134,3 +134,22 @@ def test_a_file_beside_the_run_log_with_a_non_ascii_digit_suffix_is_not_a_rotati
     path = write_log(tmp_path)
     (tmp_path / "run-log.jsonl.\u00b2").write_text("{}\n")
     assert report.read_run_log(path).files == [str(path)]
+
+
+def test_values_near_the_largest_float_are_left_out_of_the_plots_and_counted_not_a_traceback(tmp_path: Path) -> None:
+    """matplotlib cannot lay out an axis near the float maximum (a constant 1e308 raised "arange: cannot compute
+    length"): a value beyond report.PLOT_MAX is not drawn, and its section says how many were left out."""
+    lag, ne, samples = "streamrec_learner_lag_samples", "streamrec_learner_served_ne", "streamrec_learner_samples_total"
+    clock = "streamrec_learner_event_time_seconds"
+    path = write_log(tmp_path, *(scrape(1001.0 + i, [lag, {}, v], [ne, {}, v], [samples, {}, s], [clock, {}, 1.7e9 + i])
+                                 for i, (v, s) in enumerate([(1e308, 1.7e308), (1e308, 5), (report.PLOT_MAX, 1e308)])))
+    (tmp_path / "replay.json").write_text(json.dumps({"dataset": "x", "acked": 1, "events_per_s": 1.7e308}))
+    inp = report.Inputs(report.read_run_log(path), report.read_summaries([tmp_path / "replay.json"]))
+    sections = {s.id: s for s in report.write_report(inp, tmp_path / "report.html")}
+    assert sections["lag"].points == 1 and any("2 recorded value(s) beyond" in m for m in sections["lag"].missing)
+    assert sections["served-quality"].points == 1 + 1  # the 1e300 over wall time and over event time
+    # the rate 5 -> 1e308 per second, the replay's bar and the learner's average (1e308 over 2 s)
+    assert sections["throughput"].points == 0 and any("3 recorded value(s) beyond" in m
+                                                      for m in sections["throughput"].missing)
+    assert sections["freshness"].points == 1 and any("2 recorded value(s) beyond" in m  # samples trained
+                                                     for m in sections["freshness"].missing)
