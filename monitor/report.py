@@ -250,22 +250,52 @@ def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str
     more than one source exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other
     times, were interleaved into one curve: two learner ranks' counters read as a sawtooth)."""
     out: dict[tuple[str, str], dict[float, float]] = {}
+    for src, t, k, _, v in _grouped(rec, name, by, where, agg, source):
+        out.setdefault((src, k), {})[t] = v
+    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(per_source(out).items())}
+
+
+def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, str] | None, agg: str,
+             source: str | None) -> Iterator[tuple[str, float, str, frozenset[tuple[tuple[str, str], ...]], float]]:
+    """Per source, scrape and value of the ``by`` labels: the label sets of ``name`` there and their sum (or max)."""
     for src, scrapes in rec.scrapes.items():
         if source is not None and src != source:
             continue
         for t, samples in scrapes:
-            acc: dict[str, float] = {}
+            acc: dict[str, tuple[set[tuple[tuple[str, str], ...]], float]] = {}
             for n, lb, v in samples:
                 if n != name or (where and any(lb.get(k) != val for k, val in where.items())):
                     continue
-                k = _key(lb, by)
+                k, one = _key(lb, by), tuple(sorted(lb.items()))
                 if k not in acc:
-                    acc[k] = v
+                    acc[k] = ({one}, v)
                 else:
-                    acc[k] = max(acc[k], v) if agg == "max" else acc[k] + v
-            for k, v in acc.items():
-                out.setdefault((src, k), {})[t] = v
-    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(per_source(out).items())}
+                    acc[k][0].add(one)
+                    acc[k] = (acc[k][0], max(acc[k][1], v) if agg == "max" else acc[k][1] + v)
+            for k, (sets, v) in acc.items():
+                yield src, t, k, frozenset(sets), v
+
+
+def counter_rates(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None
+                  ) -> dict[str, Series]:
+    """:func:`rate` of the counter ``name`` summed per value of the ``by`` labels (curves named as :func:`series`
+    names them), with no point between two scrapes whose label sets differ: a series missing from one scrape (a
+    sample the monitor left out as stale) and back in the next made the sum drop and then rise by its whole count."""
+    out: dict[tuple[str, str], list[tuple[float, frozenset[tuple[tuple[str, str], ...]], float]]] = {}
+    for src, t, k, sets, v in _grouped(rec, name, by, where, "sum", None):
+        out.setdefault((src, k), []).append((t, sets, v))
+    curves: dict[str, Series] = {}
+    for k, pts in sorted(per_source(out).items()):
+        pts.sort(key=lambda x: x[0])
+        ts: list[float] = []
+        vs: list[float] = []
+        for (ta, sa, va), (tb, sb, vb) in zip(pts, pts[1:], strict=False):
+            if sa == sb:
+                one_t, one_v = rate(([ta, tb], [va, vb]))
+                ts += one_t
+                vs += one_v
+        curves[k] = (ts, vs)
+    return curves
 
 
 def per_source(out: Mapping[tuple[str, str], _T]) -> dict[str, _T]:
@@ -525,10 +555,6 @@ def _set(curves: Mapping[str, Series]) -> dict[str, Series]:
     return out
 
 
-def _rates(curves: Mapping[str, Series]) -> dict[str, Series]:
-    return {k: rate(s) for k, s in curves.items()}
-
-
 def _named(curves: Mapping[str, Series], name: str) -> dict[str, Series]:
     return {(f"{name} {k}" if k else name): s for k, s in curves.items()}
 
@@ -629,11 +655,11 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     rec = inp.rec
     join_samples = series(rec, "streamrec_join_samples_total")
     learner = series(rec, "streamrec_learner_samples_total")
-    joiner = {**_named(_rates(series(rec, "streamrec_events_total", where={"stage": "join"})), "events read/s"),
-              **_named(_rates(join_samples), "samples written/s")}
-    trained = _named(_rates(learner), "samples trained/s")
-    served = {**_named(_rates(series(rec, "streamrec_serving_requests_total")), "requests/s"),
-              **_named(_rates(series(rec, "streamrec_serving_candidates_total")), "candidates scored/s")}
+    joiner = {**_named(counter_rates(rec, "streamrec_events_total", where={"stage": "join"}), "events read/s"),
+              **_named(counter_rates(rec, "streamrec_join_samples_total"), "samples written/s")}
+    trained = _named(counter_rates(rec, "streamrec_learner_samples_total"), "samples trained/s")
+    served = {**_named(counter_rates(rec, "streamrec_serving_requests_total"), "requests/s"),
+              **_named(counter_rates(rec, "streamrec_serving_candidates_total"), "candidates scored/s")}
     avg: dict[str, float] = {}
     for stage in ("replay", "join"):
         if (v := _number(inp.summaries.get(stage, {}).get("events_per_s"))) is not None:
@@ -755,7 +781,7 @@ def s_hot(p: Plotter, inp: Inputs) -> Section:
     rec = inp.rec
     hit = _named(series(rec, "streamrec_serving_hot_cache_hit_rate"), "hit rate")
     tiers = {k + " rows/s": s
-             for k, s in _rates(series(rec, "streamrec_serving_embedding_lookups_total", by=("tier",))).items()}
+             for k, s in counter_rates(rec, "streamrec_serving_embedding_lookups_total", by=("tier",)).items()}
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, hit, "share of row reads (0-1)", "Hot-set hit rate since serving started (serving)",
                          ylim=(0, 1.05))

@@ -153,3 +153,18 @@ def test_values_near_the_largest_float_are_left_out_of_the_plots_and_counted_not
                                                       for m in sections["throughput"].missing)
     assert sections["freshness"].points == 1 and any("2 recorded value(s) beyond" in m  # samples trained
                                                      for m in sections["freshness"].missing)
+
+
+def test_a_counters_rate_over_labels_gives_no_point_where_a_series_left_out_of_one_scrape_comes_back() -> None:
+    """The clicks series missing from the middle scrape (a sample the monitor left out as stale) made the sum of the
+    topics drop then rise by the whole clicks count: 520 events/s where the joiner read 15 (10 + 5)."""
+    events = "streamrec_events_total"
+    rec = report.Recording()
+    for t, counts in ((100.0, {"impressions": 1000, "clicks": 500}), (101.0, {"impressions": 1010}),
+                      (102.0, {"impressions": 1020, "clicks": 510}), (103.0, {"impressions": 1030, "clicks": 515})):
+        rec.add({"kind": "scrape", "t": t, "source": "joiner",
+                 "samples": [[events, {"stage": "join", "topic": k}, v] for k, v in counts.items()]})
+    assert report.counter_rates(rec, events, where={"stage": "join"}) == {"": ([103.0], [15.0])}
+    by_topic = report.counter_rates(rec, events, by=("topic",))
+    assert by_topic == {"clicks": ([102.0, 103.0], [5.0, 5.0]),  # 10 over the 2 s between its scrapes, then 5
+                        "impressions": ([101.0, 102.0, 103.0], [10.0, 10.0, 10.0])}
