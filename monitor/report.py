@@ -483,7 +483,7 @@ class Plotter:
     def lines(self, ax: Any, curves: Mapping[str, Series], ylabel: str, title: str, *, logy: bool = False,
               scale: float = 1.0, step: bool = False, marker: str = ".",
               ylim: tuple[float, float] | None = None, empty: str = "not recorded") -> int:
-        n = 0
+        n, drawn = 0, []
         self.timeline(ax)
         for label, (ts, vs) in curves.items():
             if not ts:
@@ -492,9 +492,9 @@ class Plotter:
             left_out = sum(abs(v / scale) > PLOT_MAX for v in vs)
             self.beyond += left_out
             if step:
-                ax.step(self.x(ts), ys, where="post", label=label)
+                drawn += ax.step(self.x(ts), ys, where="post", label=label)
             else:
-                ax.plot(self.x(ts), ys, marker=marker, markersize=3, linewidth=1.2, label=label)
+                drawn += ax.plot(self.x(ts), ys, marker=marker, markersize=3, linewidth=1.2, label=label)
             n += len(ts) - left_out
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
@@ -506,7 +506,7 @@ class Plotter:
         if n == 0:
             ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color="gray")
         elif len(curves) > 1 or any(curves):
-            ax.legend(fontsize=8, loc="best")
+            _legend(ax, drawn)
         return n
 
     def bars(self, ax: Any, values: Mapping[str, float], ylabel: str, title: str, fmt: str = "{:,.0f}") -> int:
@@ -589,12 +589,19 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+def _legend(ax: Any, drawn: Sequence[Any]) -> None:
+    """A legend naming every curve ``drawn`` with a label: handed over explicitly, since matplotlib leaves an artist
+    labelled "_..." (a DLQ topic "_schemas", a field "_hour") out of the legend it finds itself."""
+    named = [h for h in drawn if h.get_label()]
+    ax.legend(named, [h.get_label() for h in named], fontsize=8, loc="best")
+
+
 def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> int:
     """``curves`` (values at scrape times) against the learner's event time at the same scrapes; NE on a second
     axis. Returns the points drawn."""
     clock = dict(zip(*next(iter(series(rec, "streamrec_learner_event_time_seconds").values()), ([], [])),
                      strict=True))
-    n = 0
+    n, drawn = 0, []
     right = ax.twinx()
     for i, (label, (ts, vs)) in enumerate(curves.items()):
         pts = [(d, v) for t, v in zip(ts, vs, strict=True)  # a value beyond PLOT_MAX: counted over wall time
@@ -602,8 +609,8 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> in
         if not pts:
             continue
         on = right if "NE" in label else ax
-        on.plot([x for x, _ in pts], [y for _, y in pts], marker=".", markersize=3, linewidth=1.2, label=label,
-                color=f"C{i}")
+        drawn += on.plot([x for x, _ in pts], [y for _, y in pts], marker=".", markersize=3, linewidth=1.2,
+                         label=label, color=f"C{i}")
         n += len(pts)
     ax.set_title("Served AUC (left) and NE (right) over event time (learner)", fontsize=10)
     ax.set_xlabel("event time of the newest sample trained (UTC)")
@@ -614,8 +621,7 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> in
         ax.text(0.5, 0.5, "not recorded: streamrec_learner_event_time_seconds", ha="center", va="center",
                 transform=ax.transAxes, color="gray")
     else:
-        handles = [h for a in (ax, right) for h in a.get_legend_handles_labels()[0]]
-        ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="best")
+        _legend(ax, drawn)
         ax.tick_params(axis="x", labelrotation=15)
     return n
 

@@ -168,3 +168,20 @@ def test_a_counters_rate_over_labels_gives_no_point_where_a_series_left_out_of_o
     by_topic = report.counter_rates(rec, events, by=("topic",))
     assert by_topic == {"clicks": ([102.0, 103.0], [5.0, 5.0]),  # 10 over the 2 s between its scrapes, then 5
                         "impressions": ([101.0, 102.0, 103.0], [10.0, 10.0, 10.0])}
+
+
+def test_a_curve_whose_label_value_starts_with_an_underscore_is_named_in_the_legend() -> None:
+    """matplotlib leaves an artist labelled "_..." out of a legend: a DLQ curve of topic "_schemas" or a field named
+    "_hour" was drawn with nothing saying which it was."""
+    p = report.Plotter(1000.0, 10.0)
+    fig, (ax, ev) = p.figure(2, 1)
+    curves = {"_schemas/bad_json": ([1001.0, 1002.0], [1.0, 2.0]), "impressions/bad_json": ([1001.0], [3.0])}
+    assert p.lines(ax, curves, "messages", "dead letters") == 3
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(curves)
+    rec = report.Recording()
+    for t in (1001.0, 1002.0):
+        rec.add({"kind": "scrape", "t": t, "source": "learner",
+                 "samples": [["streamrec_learner_event_time_seconds", {}, 1.7e9 + t]]})
+    assert report.event_time_plot(ev, rec, {"_auc": ([1001.0, 1002.0], [0.7, 0.8])}) == 2
+    assert [t.get_text() for t in ev.get_legend().get_texts()] == ["_auc"]
+    p.plt.close(fig)
