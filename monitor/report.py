@@ -40,7 +40,7 @@ from typing import IO, Any, TypeVar
 from monitor.cli_text import FOLLOW_TAIL_BYTES
 from monitor.expr import counter_rise
 from stream.errors import StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular, read_tail
+from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular, read_tail, write_atomic
 
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
@@ -1086,13 +1086,7 @@ def write_report(inp: Inputs, out: str | Path) -> list[Section]:
         raise ReportError(f"{out} is a directory: give a file to write, such as {out / 'report.html'}")
     sections = build_sections(inp)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        tmp.write_text(render_html(inp, sections), encoding="utf-8")
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a half-written or unplaceable report is not left behind
-        raise
+    write_atomic(out, render_html(inp, sections).encode("utf-8"))  # nothing half-written is left behind
     return sections
 
 

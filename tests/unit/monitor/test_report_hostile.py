@@ -185,3 +185,16 @@ def test_a_curve_whose_label_value_starts_with_an_underscore_is_named_in_the_leg
     assert report.event_time_plot(ev, rec, {"_auc": ([1001.0, 1002.0], [0.7, 0.8])}) == 2
     assert [t.get_text() for t in ev.get_legend().get_texts()] == ["_auc"]
     p.plt.close(fig)
+
+
+def test_a_file_or_symlink_at_the_reports_temporary_name_is_neither_written_through_nor_removed(
+        tmp_path: Path) -> None:
+    """The report was written to the fixed name <out>.tmp: a symlink there was followed (its target overwritten
+    with the page) and a file of that name deleted on failure; it is written as every atomic file is
+    (stream.files.write_atomic)."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (tmp_path / "report.html.tmp").symlink_to(precious)
+    page = page_of(tmp_path, report.Inputs(report.read_run_log(write_log(tmp_path))))
+    assert precious.read_text() == "keep me" and "streamrec run report" in page
+    assert not (tmp_path / "report.html").is_symlink()
