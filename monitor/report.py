@@ -159,7 +159,7 @@ def read_run_log(path: str | Path) -> Recording:
         with open_regular(p) as (raw, _), io.TextIOWrapper(io.BufferedReader(raw), "utf-8", "replace") as f:
             for line in f:
                 try:
-                    obj = json.loads(line)
+                    obj = _record(line)
                 except (ValueError, RecursionError):  # a line cut by a crash, say; "[[[[..." nested too deeply
                     rec.bad_lines += 1
                     continue
@@ -171,6 +171,19 @@ def read_run_log(path: str | Path) -> Recording:
         sc.sort(key=lambda x: x[0])
     rec.identify_alerts()
     return rec
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _record(line: str) -> Any:
+    """One line of JSON (a run-log record, a summary, last_run.json) parsed; a ValueError where it is not JSON, or holds
+    a lone surrogate escape ("\\ud800"): no UTF-8 text holds one (the monitor refuses a label that is not UTF-8), and it
+    crashed the alerts' fingerprints and the page's encoding."""
+    obj = json.loads(line)
+    if _SURROGATE_ESCAPE.search(line):  # a candidate (or an escaped backslash before "ud8..."): checked exactly
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError is a ValueError
+    return obj
 
 
 STAGE_KEYS = {"replay": ("dataset", "acked"), "join": ("group", "driver"), "train": ("samples_trained", "served"),
@@ -199,7 +212,7 @@ def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
         obj = None
         for line in reversed(text.splitlines()):
             try:
-                obj = json.loads(line)
+                obj = _record(line)
                 break
             except (ValueError, RecursionError):
                 continue
@@ -216,7 +229,7 @@ def read_last_run(root: str | Path) -> dict[str, Any]:
     """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/job.py); ``{}`` when absent or not a
     regular file of at most :data:`~stream.files.MAX_STATE_FILE_BYTES`."""
     try:
-        data = json.loads(read_regular(Path(root) / "last_run.json", MAX_STATE_FILE_BYTES, "a last-run record"))
+        data = _record(read_regular(Path(root) / "last_run.json", MAX_STATE_FILE_BYTES, "a last-run record").decode())
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -1231,7 +1244,7 @@ def follow_process(path: str | Path, source: str, pid: int | None, out: IO[str])
 def _scrapes_of(lines: Iterable[str], source: str) -> Iterator[tuple[float, list[Sample]]]:
     for line in lines:
         try:
-            rec = json.loads(line)
+            rec = _record(line)
         except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict) and rec.get("kind") == "scrape" and rec.get("source") == source:

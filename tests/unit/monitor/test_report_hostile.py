@@ -198,3 +198,21 @@ def test_a_file_or_symlink_at_the_reports_temporary_name_is_neither_written_thro
     page = page_of(tmp_path, report.Inputs(report.read_run_log(write_log(tmp_path))))
     assert precious.read_text() == "keep me" and "streamrec run report" in page
     assert not (tmp_path / "report.html").is_symlink()
+
+
+def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_traceback(tmp_path: Path) -> None:
+    r"""JSON may escape a lone surrogate ("\ud800"), which no UTF-8 text holds (the monitor refuses a label that is not
+    UTF-8): in an alert's rule it crashed the reading (its fingerprint), in a source name the page's encoding."""
+    path = write_log(tmp_path, scrape(1001.0, ["streamrec_learner_field_coverage", {"field": "a"}, 0.5]).replace(
+        '"learner"', '"learner\\ud800"'),
+                     json.dumps({"kind": "alert", "t": 1002.0, "alert": {"rule": "r\ud800", "state": "firing"}}),
+                     json.dumps({"kind": "rules", "t": 1002.0, "states": {"r": "firing\udfff"}}),
+                     '{"kind": "rules", "t": 1003.0, "states": {"r": "\\\\ud800 firing"}}')  # an escaped backslash
+    rec = report.read_run_log(path)
+    assert rec.bad_lines == 3 and not rec.scrapes and not rec.alerts
+    assert rec.rule_states == [(1003.0, {"r": "\\ud800 firing"})]
+    assert "3 unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
+    (tmp_path / "replay.json").write_text('{"dataset": "x", "acked": 1}\n{"dataset": "\\udcff", "acked": 2}\n')
+    assert report.read_summaries([tmp_path / "replay.json"]) == {"replay": {"dataset": "x", "acked": 1}}
+    (tmp_path / "last_run.json").write_text('{"version": "v\\ud800"}')
+    assert report.read_last_run(tmp_path) == {}
