@@ -460,11 +460,15 @@ class Section:
 # cannot compute length", 1.7e308 in a bar "Axis limits cannot be NaN or Inf"); beyond it a value is left out and its
 # section says how many (:attr:`Plotter.beyond`). No metric comes near it: such a value is a process's garbage.
 PLOT_MAX = 1e300
+# A log axis draws positive values from 1/LOG_MAX to LOG_MAX: its ticks go a stride of decades (up to the whole span)
+# beyond the data, and a tick past the float range (1e280 beside 1 put one at 10^350 = inf) raised "cannot convert
+# float infinity to integer"; 200 decades plus a stride of at most 200 stay inside it.
+LOG_MAX = 1e100
 
 
 class Plotter:
     """The figures of one report, on one time axis: wall-clock time since ``t0``, in s or min. :attr:`beyond` counts
-    the values left out for being beyond :data:`PLOT_MAX`."""
+    the values left out for being beyond what an axis can show (:func:`_unplottable`)."""
 
     def __init__(self, t0: float, span_s: float, phases: Mapping[str, tuple[float, float]] | None = None) -> None:
         self.plt = _pyplot()
@@ -501,8 +505,9 @@ class Plotter:
         for label, (ts, vs) in curves.items():
             if not ts:
                 continue
-            ys = [v / scale if not abs(v / scale) > PLOT_MAX else math.nan for v in vs]  # NaN: not drawn
-            left_out = sum(abs(v / scale) > PLOT_MAX for v in vs)
+            out = [_unplottable(v / scale, logy) for v in vs]
+            ys = [math.nan if o else v / scale for v, o in zip(vs, out, strict=True)]  # NaN: not drawn
+            left_out = sum(out)
             self.beyond += left_out
             if step:
                 drawn += ax.step(self.x(ts), ys, where="post", label=label)
@@ -523,7 +528,7 @@ class Plotter:
         return n
 
     def bars(self, ax: Any, values: Mapping[str, float], ylabel: str, title: str, fmt: str = "{:,.0f}") -> int:
-        names = [k for k, v in values.items() if not abs(v) > PLOT_MAX]
+        names = [k for k, v in values.items() if not _unplottable(v)]
         self.beyond += len(values) - len(names)
         vals = [values[k] for k in names]
         ax.bar(names, vals, color="tab:blue")
@@ -602,6 +607,12 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+def _unplottable(v: float, logy: bool = False) -> bool:
+    """Beyond what an axis can show: ±:data:`PLOT_MAX`, or on a log axis a positive value outside 1/:data:`LOG_MAX`
+    to :data:`LOG_MAX` (a value of 0 or less is not drawn on one either way)."""
+    return abs(v) > PLOT_MAX or (logy and (v > LOG_MAX or 0 < v < 1 / LOG_MAX))
+
+
 def _legend(ax: Any, drawn: Sequence[Any]) -> None:
     """A legend naming every curve ``drawn`` with a label: handed over explicitly, since matplotlib leaves an artist
     labelled "_..." (a DLQ topic "_schemas", a field "_hour") out of the legend it finds itself."""
@@ -618,7 +629,7 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> in
     right = ax.twinx()
     for i, (label, (ts, vs)) in enumerate(curves.items()):
         pts = [(d, v) for t, v in zip(ts, vs, strict=True)  # a value beyond PLOT_MAX: counted over wall time
-               if (d := _date(clock.get(t, 0))) is not None and not abs(v) > PLOT_MAX]
+               if (d := _date(clock.get(t, 0))) is not None and not _unplottable(v)]
         if not pts:
             continue
         on = right if "NE" in label else ax
@@ -1030,8 +1041,8 @@ def _beyond(p: Plotter, f: Callable[[Plotter, Inputs], Section], inp: Inputs) ->
     before = p.beyond
     sec = f(p, inp)
     if p.beyond > before:
-        sec.missing.append(f"{p.beyond - before} recorded value(s) beyond ±{PLOT_MAX:g} not drawn (no axis can "
-                           "show them)")
+        sec.missing.append(f"{p.beyond - before} recorded value(s) beyond ±{PLOT_MAX:g} (1/{LOG_MAX:g} to "
+                           f"{LOG_MAX:g} on a log axis) not drawn (no axis can show them)")
     return sec
 
 

@@ -216,3 +216,16 @@ def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_tr
     assert report.read_summaries([tmp_path / "replay.json"]) == {"replay": {"dataset": "x", "acked": 1}}
     (tmp_path / "last_run.json").write_text('{"version": "v\\ud800"}')
     assert report.read_last_run(tmp_path) == {}
+
+
+def test_values_a_log_axis_cannot_tick_are_left_out_of_the_gradient_plots_and_counted_not_a_traceback(
+        tmp_path: Path) -> None:
+    """On a log axis matplotlib places ticks a stride of decades beyond the data: an update norm of 1e280 beside 1
+    put one at 10^350 = inf ("cannot convert float infinity to integer"). A log axis draws 1e-100 to 1e100."""
+    upd = "streamrec_learner_update_norm"
+    path = write_log(tmp_path, *(scrape(1001.0 + i, [upd, {"part": "dense"}, v])
+                                 for i, v in enumerate([1e280, 1.0, 1e100, 1e-100, 1e-101])))
+    sections = {s.id: s for s in report.write_report(report.Inputs(report.read_run_log(path)),
+                                                     tmp_path / "report.html")}
+    assert sections["gradient-norms"].points == 3
+    assert any("2 recorded value(s)" in m and "not drawn" in m for m in sections["gradient-norms"].missing)
