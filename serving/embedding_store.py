@@ -82,7 +82,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
-from redis.exceptions import ResponseError
+from redis.exceptions import ClusterError, ResponseError
 
 from learner.artifact import ArtifactError
 from serving.settings import RowDtype
@@ -252,7 +252,7 @@ def write_version(client: Any, prefix: str, version: str, table: np.ndarray, row
     called after each chunk: what it raises ends the write before ``meta``, as a Redis error does. Returns the meta
     written."""
     rows = np.asarray(rows, dtype=np.int64)
-    _claim(client, prefix, version, owner)  # the writer marker, before any row: a killed write is found
+    _claim(client, prefix, version, owner, int(table.shape[0]))  # the writer marker, before any row
     key = tag_key(version, dtype)  # every value tagged (ROW_CHECK): serving refuses one of another version or row
     mset = getattr(client, "mset_nonatomic", None) or client.mset
     for start in range(0, len(rows), chunk):
@@ -269,11 +269,12 @@ class VersionTaken(ValueError):
     """:func:`write_version` refused, before writing anything: the store holds the version under another owner."""
 
 
-def _claim(client: Any, prefix: str, version: str, owner: str) -> None:
+def _claim(client: Any, prefix: str, version: str, owner: str, rows: int) -> None:
     """Make ``owner`` the writer of ``version`` (its marker, set only where none is: ``SET NX``), or raise
     :class:`VersionTaken` when its meta or marker names another owner (or is not one this code writes). Keys carry the
     version, not the owner: two publish roots sharing a prefix that named a version alike (in the same millisecond)
-    wrote their rows over each other's, and one root's rankers served the other's rows, every tag matching."""
+    wrote their rows over each other's, and one root's rankers served the other's rows, every tag matching. The marker
+    also holds the table's ``rows``: what :func:`delete_version` deletes by name once the meta is gone."""
     def taken(what: str) -> VersionTaken:
         return VersionTaken(f"version {version} is in the embedding store already, {what}, not {owner!r}: nothing "
                             "was written; the next refresh names another version")
@@ -284,7 +285,7 @@ def _claim(client: Any, prefix: str, version: str, owner: str) -> None:
     if meta is not None and (not isinstance(meta, dict) or meta.get("owner", "") != owner):
         raise taken(f"written by {meta.get('owner', '') if isinstance(meta, dict) else meta!r}")
     key = writer_key(prefix, version)
-    if client.set(key, json.dumps({"owner": owner}), nx=True):
+    if client.set(key, json.dumps({"owner": owner, "rows": rows}), nx=True):
         return
     try:
         raw = get_value(client, key)  # a key of another type: a ValueError naming it
@@ -376,8 +377,22 @@ def unfinished_versions(client: Any, prefix: str, owner: str) -> set[str]:
 def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) -> int:
     """Delete a version's keys, ``meta`` first (so a half-deleted version is never served), then its rows and its
     delta overlay, and its writer marker last (a delete killed half-way is then an unfinished version, found again);
-    returns how many."""
+    returns how many.
+
+    On a single node the rows are found by SCAN. On a Redis Cluster they are deleted by name, every row and overlay key
+    of rows ``0 .. rows - 1`` (``rows``: the table's, from the meta or the writer marker), ``UNLINK`` per hash slot:
+    a SCAN walks each primary on its own, and a key a resharding moved meanwhile from a node not walked yet to one
+    walked already was never seen, and stayed for good (neither meta nor marker left to find it by). Only a version
+    whose meta and marker name no ``rows`` (a marker of a write before markers held them, its meta deleted) is found
+    by SCAN there too."""
+    rows = _stored_rows(client, prefix, version) if hasattr(client, "mget_nonatomic") else None
     n = int(client.delete(meta_key(prefix, version)))
+    if rows is not None:
+        step = max(batch, _DELETE_CHUNK)  # rows per call: several keys per slot, or UNLINK per slot is one per key
+        for start in range(0, rows, step):
+            part = np.arange(start, min(rows, start + step), dtype=np.int64)
+            n += _unlink_named(client, row_keys(prefix, version, part) + overlay_keys(prefix, version, part))
+        return n + int(client.delete(writer_key(prefix, version)))
     keys: list[Any] = []
     for key in client.scan_iter(match=glob_literal(version_prefix(prefix, version)) + "[rd]:*", count=1000):
         keys.append(key)
@@ -387,6 +402,33 @@ def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) 
     if keys:
         n += _unlink(client, keys)
     return n + int(client.delete(writer_key(prefix, version)))
+
+
+_DELETE_CHUNK = 100_000  # rows deleted by name per call on a cluster: ~12 keys per hash slot per UNLINK
+
+
+def _stored_rows(client: Any, prefix: str, version: str) -> int | None:
+    """The table rows a version's meta (else its writer marker) names; None where neither does."""
+    for key in (meta_key(prefix, version), writer_key(prefix, version)):
+        try:
+            held = json.loads(get_value(client, key) or b"null")
+        except (ValueError, RecursionError):  # another type, not JSON: not one this code wrote
+            continue
+        rows = held.get("rows") if isinstance(held, dict) else None
+        if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0:
+            return rows
+    return None
+
+
+def _unlink_named(client: Any, keys: list[str]) -> int:
+    """UNLINK ``keys`` on a cluster: one command per hash slot; a slot a resharding has split between two nodes
+    refuses a command on several of its keys (TRYAGAIN, then redis-py's ``ClusterError``), so the keys go again one
+    per command, each followed to its node (ASK). UNLINK again of a key gone is a no-op, so the count may fall short
+    of the keys deleted by the first try only."""
+    try:
+        return int(client.unlink(*keys))
+    except (ResponseError, ClusterError):
+        return _unlink(client, keys)
 
 
 def _unlink(client: Any, keys: list[Any]) -> int:

@@ -138,6 +138,37 @@ class ClusterNodes:
                 self.start(k, wait_ok=False)
         self.wait_ok()
 
+    def begin_move(self, slot: int, src: int, dst: int, keys: int = 0) -> None:
+        """Start moving hash ``slot`` from node ``src`` to node ``dst`` as a resharding does (``redis-cli --cluster
+        reshard``): ``dst`` IMPORTING, ``src`` MIGRATING, then ``keys`` of its keys MIGRATEd. Until
+        :meth:`finish_move`, a key of the slot is on either node: ``src`` answers ASK for one it no longer has, and a
+        command on several of the slot's keys that are not all on one node is refused with TRYAGAIN."""
+        with contextlib.closing(self._admin(src)) as s, contextlib.closing(self._admin(dst)) as d:
+            d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", _node_id(s))
+            s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", _node_id(d))
+            if keys:
+                self._migrate(s, dst, s.execute_command("CLUSTER GETKEYSINSLOT", slot, keys))
+
+    def finish_move(self, slot: int, src: int, dst: int) -> None:
+        """Move the rest of ``slot``'s keys (:meth:`begin_move`) and make ``dst`` its owner on every node (the clients'
+        next command on it there is answered MOVED)."""
+        with contextlib.closing(self._admin(src)) as s, contextlib.closing(self._admin(dst)) as d:
+            while keys := s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
+                self._migrate(s, dst, keys)
+            owner = _node_id(d)
+        for k in range(PRIMARIES):
+            with contextlib.closing(self._admin(k)) as c:
+                c.execute_command("CLUSTER SETSLOT", slot, "NODE", owner)
+
+    def move(self, slot: int, src: int, dst: int) -> None:
+        """:meth:`begin_move` and :meth:`finish_move`: the whole slot with its keys."""
+        self.begin_move(slot, src, dst)
+        self.finish_move(slot, src, dst)
+
+    def _migrate(self, src: redis.Redis, dst: int, keys: list[bytes]) -> None:
+        if keys:
+            src.execute_command("MIGRATE", "127.0.0.1", self.ports[dst], "", 0, 5000, "KEYS", *keys)
+
     def index_of(self, key: str | bytes) -> int:
         """The node owning ``key``'s hash slot (the split :meth:`form` made)."""
         return key_slot(key.encode() if isinstance(key, str) else key) // (SLOTS // PRIMARIES + 1)
@@ -159,3 +190,8 @@ def redis_cluster(directory: Path) -> Iterator[ClusterNodes]:
         yield nodes
     finally:
         nodes.close()
+
+
+def _node_id(client: redis.Redis) -> str:
+    got = client.execute_command("CLUSTER MYID")
+    return got.decode() if isinstance(got, bytes) else str(got)

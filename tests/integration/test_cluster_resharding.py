@@ -1,0 +1,76 @@
+"""A real Redis Cluster resharding under streamrec's commands (tests/redis_cluster.py: ``ClusterNodes.begin_move`` /
+``finish_move`` move a hash slot between primaries as ``redis-cli --cluster reshard`` does): keys that change nodes
+while a command runs are followed (MOVED, ASK) or refused (TRYAGAIN), never lost or left behind."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from redis.crc import key_slot
+
+from serving import embedding_store
+from serving.settings import RowDtype
+from stream.config import RedisSettings
+from stream.redis_client import connect
+from tests.redis_cluster import SLOTS, ClusterNodes
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"r{uuid.uuid4().hex[:10]}"
+
+
+def keys_left(client: Any) -> int:
+    return sum(n.redis_connection.dbsize() for n in client.get_primaries())
+
+
+def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_any_node(
+        cluster_nodes: ClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # delete_version found a version's rows by SCAN, one walk per primary: the keys a resharding moved from a node not
+    # yet walked to one walked already were never seen, and were left with neither meta nor writer marker, so no prune
+    # or cleanup ever found them again (10,000 rows, 200 slots moved mid-delete: ~30 keys left on the cluster).
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
+    try:
+        n_rows = 10_000
+        table = np.zeros((n_rows, 3), np.float32)  # (N, D + 1)
+        embedding_store.write_version(client, prefix, "v1", table, np.arange(n_rows), RowDtype.FLOAT32,
+                                     owner="root")
+        client.mset_nonatomic(dict.fromkeys(embedding_store.overlay_keys(prefix, "v1", np.arange(0, n_rows, 7)), b"x"))
+        share = SLOTS // 3 + 1
+        # one slot of node 2 half-moved to node 0 for the whole delete: a command on several of its keys gets TRYAGAIN
+        per_slot = Counter(key_slot(k.encode()) for k in embedding_store.row_keys(prefix, "v1", np.arange(n_rows)))
+        split = next(s for s, n in per_slot.items() if n >= 2 and s >= 2 * share)  # (hundreds to choose from)
+        cluster_nodes.begin_move(split, 2, 0, keys=1)
+        moved: list[int] = []
+
+        def reshard() -> None:  # node 1's first 200 slots to node 0, once, while the delete runs
+            if not moved:
+                moved.extend(range(share, share + 200))
+                for s in moved:
+                    cluster_nodes.move(s, 1, 0)
+
+        real_scan, real_unlink = client.scan_iter, client.unlink
+
+        def scan_iter(**kwargs: Any) -> Iterator[Any]:
+            for i, key in enumerate(real_scan(**kwargs)):
+                if i == 1:  # every primary answered the walk's first SCAN
+                    reshard()
+                yield key
+
+        def unlink(*keys: Any) -> int:  # the rows' first UNLINK
+            reshard()
+            return int(real_unlink(*keys))
+
+        monkeypatch.setattr(client, "scan_iter", scan_iter)
+        monkeypatch.setattr(client, "unlink", unlink)
+        embedding_store.delete_version(client, prefix, "v1", batch=5_000)
+        assert moved
+        cluster_nodes.finish_move(split, 2, 0)
+        assert keys_left(client) == 0
+    finally:
+        client.close()
