@@ -4,6 +4,7 @@ while a command runs are followed (MOVED, ASK) or refused (TRYAGAIN), never lost
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -11,12 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 from redis.crc import key_slot
 
 from serving import embedding_store
 from serving.settings import RowDtype
 from stream.config import RedisSettings
+from stream.counts import DailyCounts, day_of, new_write_id
+from stream.history import UserHistory
 from stream.redis_client import connect
+from stream.strikes import is_infrastructure
 from tests.redis_cluster import SLOTS, ClusterNodes
 
 
@@ -72,5 +77,45 @@ def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_an
         assert moved
         cluster_nodes.finish_move(split, 2, 0)
         assert keys_left(client) == 0
+    finally:
+        client.close()
+
+
+def test_history_and_counts_on_a_slot_a_resharding_splits_or_moved_fail_as_outages_and_count_once_when_retried(
+        cluster_nodes: ClusterNodes, prefix: str) -> None:
+    # README "Counts and history on Redis Cluster", Resharding: never a wrong answer, a failure the callers retry
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
+    try:
+        history = UserHistory(client, prefix=prefix, max_len=8)
+        by_slot: dict[int, list[int]] = {}
+        for u in range(100_000):
+            users = by_slot.setdefault(key_slot(history.key(u).encode()), [])
+            users.append(u)
+            if len(users) == 2:
+                break
+        slot, (a, b) = next((s, us) for s, us in by_slot.items() if len(us) == 2)
+        history.append_many([a, b], [11, 12], [100, 100])
+        src = cluster_nodes.index_of(history.key(a))
+        cluster_nodes.begin_move(slot, src, (src + 1) % 3, keys=1)  # a's or b's list on the other node now
+        with pytest.raises(redis.RedisError) as refused:  # TRYAGAIN until redis-py's redirections run out
+            history.as_of([a, b], [1000, 1000])
+        assert is_infrastructure(refused.value)
+        assert history.as_of([a], [1000]) == [[11]] and history.as_of([b], [1000]) == [[12]]  # one key: ASK
+        cluster_nodes.finish_move(slot, src, (src + 1) % 3)
+        assert history.as_of([a, b], [1000, 1000]) == [[11], [12]]
+
+        counts = DailyCounts(client, prefix=prefix)
+        now = int(time.time() * 1000)
+        counts.record("item", "impression", [1], [now])
+        key = counts.key("item", "impression", day_of(now))
+        src = cluster_nodes.index_of(key)
+        cluster_nodes.move(key_slot(key.encode()), src, (src + 1) % 3)
+        write = new_write_id()
+        try:  # MOVED: the MULTI/EXEC ran nothing (redis-py learns the slot's new node from it)
+            counts.record("item", "impression", [1], [now], write_id=write)
+        except redis.RedisError as exc:
+            assert is_infrastructure(exc)
+            counts.record("item", "impression", [1], [now], write_id=write)  # the retry, as the joiner's
+        assert counts.top("item", k=5) == [("1", 2.0)]
     finally:
         client.close()
