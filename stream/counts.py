@@ -136,9 +136,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
+from redis.crc import key_slot
 
 from stream.errors import clip
-from stream.redis_client import Client, is_cluster, run_script
+from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script
 
 KINDS = ("item", "user")
 EVENTS = ("impression", "click", "lookup")
@@ -150,6 +151,8 @@ _DAY_RE = re.compile(r"\d{8}")
 # before hash tags, module docstring)
 _COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<legacy>" + "|".join(KINDS) + r")):"
                             r"(?P<event>" + "|".join(EVENTS) + r"):(?P<day>[0-9]{8})")
+_SLOT_TRIES = 20  # DailyCounts._slot_keys: tries while a resharding moves a kind's slot (~10 s of waits in all)
+_SLOT_KEYS_MAX = 1_000_000  # keys listed from a kind's slot (a day has 7 of each kind; other prefixes share it)
 _TOP_PAGE = 10_000  # the most members DailyCounts.top reads from one key in one command (a window of several days)
 log = logging.getLogger("streamrec.counts")
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
@@ -567,8 +570,9 @@ class DailyCounts:
 
     # -- reads ------------------------------------------------------------------------------------
     def days_available(self, kind: str, event: str) -> list[str]:
-        """The days (``YYYYMMDD``, ascending) that have a sorted-set key for ``kind``/``event`` (SCAN, then TYPE), up to
-        the day of now + ``future_s``: a key of a later day was written by a wrong clock. One walk of the keyspace
+        """The days (``YYYYMMDD``, ascending) that have a sorted-set key for ``kind``/``event`` (SCAN, on a cluster the
+        kind's hash slot listed; then TYPE), up to the day of now + ``future_s``: a key of a later day was written by a
+        wrong clock. One walk of the keyspace
         (:meth:`all_days_available`): a reader of several kinds or events asks that once instead."""
         _check_kind_event(kind, event)
         return self.all_days_available().get((kind, event), [])
@@ -579,12 +583,16 @@ class DailyCounts:
         SCAN walks the whole keyspace whatever its MATCH (history has a key per user, the embedding store a key per
         row): a walk per kind and event (and, on a single node, another for the layout before hash tags) made the
         nightly hot set walk it up to 16 times. One ``{prefix}:counts:*`` walk finds both layouts; the markers
-        (``...:w:...``) are not days. A cluster client's SCAN goes to every primary."""
+        (``...:w:...``) are not days. On a cluster no SCAN: each kind's keys are listed from its one hash slot
+        (:meth:`_slot_keys`), where a SCAN of every primary missed the keys a resharding moved meanwhile from a
+        primary not walked yet to one walked already (days missing, the latest too: a hot set a day old)."""
         base = f"{self.prefix}:counts:"
         legacy = self._legacy()
         last = day_of(int((time.time() + self.future_s) * 1000))
         found: dict[str, tuple[tuple[str, str], str]] = {}  # key -> ((kind, event), day)
-        for raw in self.client.scan_iter(match=_glob_escape(base) + "*", count=1000):
+        keys = ([k for kind in KINDS for k in self._slot_keys(kind)] if is_cluster(self.client)
+                else self.client.scan_iter(match=_glob_escape(base) + "*", count=1000))
+        for raw in keys:
             # a key that is no UTF-8 (any client can write one under the prefix) is no day, never a failed read
             text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
             m = _COUNTS_KEY_RE.fullmatch(text[len(base):])
@@ -712,6 +720,34 @@ class DailyCounts:
                 if score is not None:
                     found.setdefault(member, []).append(float(score))
         return found
+
+    def _slot_keys(self, kind: str) -> list[Any]:
+        """Every key in ``kind``'s hash slot on a cluster (every prefix's: the caller filters), as one node held them at
+        one instant: ``CLUSTER GETKEYSINSLOT`` with ``CLUSTER NODES`` in one MULTI/EXEC on the node the client routes
+        the slot to, taken only when that node owns the slot and is not migrating it (no other node then holds a key
+        of it). While a resharding moves the slot it is asked again, after a command on the slot (MOVED teaches the
+        client the new owner); a slot still moving after ``_SLOT_TRIES`` raises :class:`ClusterUnavailable`, which the
+        callers retry as an outage."""
+        key = self._key(kind, EVENTS[0], "19700101")  # any key of the kind's slot
+        slot = key_slot(key.encode())
+        cluster: Any = self.client  # a RedisCluster (or LazyClient of one): is_cluster
+        for attempt in range(_SLOT_TRIES):
+            if attempt:
+                time.sleep(0.05 * attempt)
+            cluster.exists(key)  # follows MOVED: the client's map then names the slot's owner
+            pipe = cluster.get_node_from_key(key).redis_connection.pipeline(transaction=True)
+            pipe.execute_command("CLUSTER GETKEYSINSLOT", slot, _SLOT_KEYS_MAX)
+            pipe.execute_command("CLUSTER NODES")
+            keys, view = pipe.execute()
+            me = next(v for v in view.values() if "myself" in v["flags"])
+            owns = any(int(r[0]) <= slot <= int(r[-1]) for r in me["slots"])
+            if owns and not any(int(m["slot"]) == slot for m in me["migrations"]):
+                if len(keys) >= _SLOT_KEYS_MAX:
+                    raise ValueError(f"hash slot {slot} of the {kind} counts holds {len(keys)}+ keys; at most "
+                                     f"{_SLOT_KEYS_MAX - 1} are listed")
+                return list(keys)
+        raise ClusterUnavailable(f"the hash slot {slot} of the {kind} counts kept moving between nodes (a resharding) "
+                                 f"over {_SLOT_TRIES} tries; its days are read again at the next try")
 
     def _sorted_sets(self, keys: list[str]) -> list[str]:
         """``keys`` less those holding another type than a sorted set (any client can write a list or a string under

@@ -18,7 +18,7 @@ from redis.crc import key_slot
 from serving import embedding_store
 from serving.settings import RowDtype
 from stream.config import RedisSettings
-from stream.counts import DailyCounts, day_of, new_write_id
+from stream.counts import DAY_MS, DailyCounts, day_of, new_write_id
 from stream.history import UserHistory
 from stream.redis_client import connect
 from stream.strikes import is_infrastructure
@@ -117,5 +117,52 @@ def test_history_and_counts_on_a_slot_a_resharding_splits_or_moved_fail_as_outag
             assert is_infrastructure(exc)
             counts.record("item", "impression", [1], [now], write_id=write)  # the retry, as the joiner's
         assert counts.top("item", k=5) == [("1", 2.0)]
+    finally:
+        client.close()
+
+
+def test_the_days_of_a_kinds_counts_are_all_found_while_a_resharding_moves_its_slot(
+        cluster_nodes: ClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # days_available walked every primary with SCAN: the day keys a resharding moved from a primary not walked yet to
+    # one walked already were not found (200 days, 40,000 other keys, the item slot's keys moved mid-walk: 13-18
+    # days missing each try; in a probe once the latest, which the hot set takes as its window's last day)
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
+    try:
+        client.mset_nonatomic({f"{prefix}:other:{i}": b"x" for i in range(40_000)})  # a SCAN of several rounds
+        counts = DailyCounts(client, prefix=prefix, ttl_days=400)
+        now = int(time.time() * 1000)
+        counts.record("item", "impression", [1] * 200, [now - d * DAY_MS for d in range(200)])
+        want = counts.days_available("item", "impression")
+        assert len(want) == 200
+        key = counts.key("item", "impression", want[-1])
+        slot, src = key_slot(key.encode()), cluster_nodes.index_of(key)
+        cluster_nodes.begin_move(slot, src, (src + 1) % 3)  # the move begun: no key moved yet
+        finished: list[bool] = []
+
+        def finish() -> None:
+            if not finished:
+                finished.append(True)
+                cluster_nodes.finish_move(slot, src, (src + 1) % 3)
+
+        real_scan, real_exists = client.scan_iter, client.exists
+
+        def scan_iter(**kwargs: Any) -> Iterator[Any]:
+            for i, k in enumerate(real_scan(**kwargs)):
+                if i == 1:  # every primary answered the walk's first SCAN
+                    finish()
+                yield k
+
+        asked: list[Any] = []
+
+        def exists(*keys: Any) -> int:  # a command on the slot: its second finds the move finished
+            if asked:
+                finish()
+            asked.append(keys)
+            return int(real_exists(*keys))
+
+        monkeypatch.setattr(client, "scan_iter", scan_iter)
+        monkeypatch.setattr(client, "exists", exists)
+        assert counts.days_available("item", "impression") == want
+        assert finished
     finally:
         client.close()
