@@ -415,9 +415,14 @@ def _stored_rows(client: Any, prefix: str, version: str) -> int | None:
         except (ValueError, RecursionError):  # another type, not JSON: not one this code wrote
             continue
         rows = held.get("rows") if isinstance(held, dict) else None
-        if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0:
+        if isinstance(rows, int) and not isinstance(rows, bool) and 0 <= rows <= _NAMED_ROWS_MAX:
             return rows
     return None
+
+
+# The most rows deleted by name (a table of more is found by SCAN): a meta or marker another client wrote with rows
+# 10**12 had the delete name keys for days.
+_NAMED_ROWS_MAX = 1 << 31
 
 
 def _unlink_named(client: Any, keys: list[str]) -> int:

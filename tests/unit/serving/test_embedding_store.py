@@ -387,3 +387,15 @@ def test_any_writer_marker_bytes_are_an_unfinished_version_only_when_they_name_t
         ours = None
     mine = isinstance(ours, dict) and ours.get("owner") == "o"
     assert unfinished_versions(client, "p", "o") == {"w"} | ({"v"} if mine else set())
+
+
+def test_a_row_count_no_table_has_is_not_deleted_by_name() -> None:
+    """On a cluster a version's keys are deleted by name, rows 0 .. rows - 1 of its meta (else its writer marker): a
+    meta another client wrote with ``rows`` 10**12 had the delete name keys for days. Past the bound the keys are found
+    by SCAN instead; a count a table can have is taken."""
+    from serving.embedding_store import _stored_rows, meta_key, writer_key
+
+    huge = FakeClient({meta_key("p", "v1"): json.dumps({"rows": 10**12}).encode()})
+    assert _stored_rows(huge, "p", "v1") is None
+    fine = FakeClient({meta_key("p", "v1"): b"[]", writer_key("p", "v1"): json.dumps({"rows": 5_000_000}).encode()})
+    assert _stored_rows(fine, "p", "v1") == 5_000_000
