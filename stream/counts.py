@@ -136,6 +136,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
+import redis
 from redis.crc import key_slot
 
 from stream.errors import clip
@@ -327,6 +328,7 @@ class DailyCounts:
         self.prefix = prefix
         self.ttl_days = int(ttl_days)
         self.future_s = float(future_s)
+        self._scan_warned = False  # (_cluster_keys: the fallback to SCAN logged once)
         self.future_dropped = 0  # events not counted: their time was too far ahead of the wall clock
         # (kind, event, write id) -> the cut-off (ms) its first attempt dropped events beyond, for a write that failed
         # (its retry keeps it); removed when the write succeeds. Bounded by _CUTOFFS_MAX, the oldest forgotten first.
@@ -590,8 +592,8 @@ class DailyCounts:
         legacy = self._legacy()
         last = day_of(int((time.time() + self.future_s) * 1000))
         found: dict[str, tuple[tuple[str, str], str]] = {}  # key -> ((kind, event), day)
-        keys = ([k for kind in KINDS for k in self._slot_keys(kind)] if is_cluster(self.client)
-                else self.client.scan_iter(match=_glob_escape(base) + "*", count=1000))
+        listed = self._cluster_keys() if is_cluster(self.client) else None
+        keys = listed if listed is not None else self.client.scan_iter(match=_glob_escape(base) + "*", count=1000)
         for raw in keys:
             # a key that is no UTF-8 (any client can write one under the prefix) is no day, never a failed read
             text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
@@ -720,6 +722,19 @@ class DailyCounts:
                 if score is not None:
                     found.setdefault(member, []).append(float(score))
         return found
+
+    def _cluster_keys(self) -> list[Any] | None:
+        """Every kind's keys by :meth:`_slot_keys`; None where the cluster refuses ``CLUSTER GETKEYSINSLOT`` or
+        ``CLUSTER NODES`` (an ACL user without them, a managed service that hides them): then a SCAN of every primary,
+        which may miss a day a resharding moves meanwhile (logged once)."""
+        try:
+            return [k for kind in KINDS for k in self._slot_keys(kind)]
+        except redis.ResponseError as exc:
+            if not self._scan_warned:
+                self._scan_warned = True
+                log.warning("the counts' hash slots cannot be listed (%s): days are found by SCAN, which misses a day "
+                            "a resharding moves meanwhile", clip(str(exc)))
+            return None
 
     def _slot_keys(self, kind: str) -> list[Any]:
         """Every key in ``kind``'s hash slot on a cluster (every prefix's: the caller filters), as one node held them at

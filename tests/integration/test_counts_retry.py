@@ -460,3 +460,23 @@ def test_a_write_without_names_never_leaves_the_names_key_to_expire_before_its_c
     longer = DailyCounts(redis_client, prefix=prefix, ttl_days=30)
     longer.add_counts("item", "lookup", np.array([1], np.int64), np.array([3], np.int64), old_ms // DAY_MS)
     assert redis_client.ttl(names_key) >= redis_client.ttl(longer.key("item", "lookup", day)) - 1
+
+
+def test_a_cluster_that_refuses_to_list_a_slot_finds_the_days_by_scan(
+        redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """On a cluster the days are listed from each kind's hash slot (CLUSTER GETKEYSINSLOT, CLUSTER NODES); an ACL user
+    without those commands, or a managed service that hides them, failed every read of the days (the hot set, counts
+    top). It falls back to the SCAN of every primary, with a warning."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    counts.record("item", "impression", [1], [now_ms])
+
+    def refused(_self: DailyCounts, _kind: str) -> list:
+        raise redis.ResponseError("NOPERM User streamrec has no permissions to run the 'cluster|getkeysinslot' command")
+
+    monkeypatch.setattr(counts_module, "is_cluster", lambda _client: True)
+    monkeypatch.setattr(DailyCounts, "_slot_keys", refused)
+    assert counts.days_available("item", "impression") == [day_of(now_ms)]
+    assert counts.days_available("item", "impression") == [day_of(now_ms)]
+    assert sum("cannot be listed" in r.message for r in caplog.records) == 1  # logged once
