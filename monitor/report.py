@@ -13,7 +13,11 @@ coverage, memory, hot set and hit rate, freshness, dead letters, alerts. A secti
 run log says so ("not recorded", naming the metrics and who exports them) instead of drawing an empty plot.
 
 The time axis of every plot is **wall-clock time** since the run log began: the learner exports no event time,
-so "over event time" is only as good as the order the samples arrived in (event-time order in a replay).
+so "over event time" is only as good as the order the samples arrived in (event-time order in a replay). Each
+source's scrapes are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where
+the wall clock stepped back (``t`` below the scrape's before, :func:`epochs`): no rate, increase, histogram interval or
+average spans two, and a plot draws each as a segment of its own. A step forward cannot be detected: the interval
+across it is read as if the monitor had paused.
 
 Also :func:`follow`: a progress line per scrape of one source while a stage runs (``make demo``).
 
@@ -71,7 +75,8 @@ MAX_T = dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc).timestamp()  # the las
 
 @dataclass
 class Recording:
-    """A run log read back: per source its scrapes in time order, the rules' states, the alerts."""
+    """A run log read back: per source its scrapes in the order the monitor wrote them (:func:`epochs`), the rules'
+    states, the alerts."""
 
     scrapes: dict[str, list[tuple[float, list[Sample]]]] = field(default_factory=dict)
     errors: list[tuple[float, str, str]] = field(default_factory=list)
@@ -83,12 +88,12 @@ class Recording:
 
     @property
     def t0(self) -> float | None:
-        ts = [s["t"] for s in self.starts] + [t for sc in self.scrapes.values() for t, _ in sc[:1]]
+        ts = [s["t"] for s in self.starts] + [t for sc in self.scrapes.values() for t, _ in sc]
         return min(ts) if ts else None
 
     @property
     def t_end(self) -> float | None:
-        ts = [sc[-1][0] for sc in self.scrapes.values() if sc] + [t for t, _ in self.rule_states[-1:]]
+        ts = [t for sc in self.scrapes.values() for t, _ in sc] + [t for t, _ in self.rule_states]
         return max(ts) if ts else None
 
     def add(self, rec: Mapping[str, Any]) -> None:
@@ -167,8 +172,6 @@ def read_run_log(path: str | Path) -> Recording:
                     rec.add(obj)
                 else:
                     rec.bad_lines += 1
-    for sc in rec.scrapes.values():
-        sc.sort(key=lambda x: x[0])
     rec.identify_alerts()
     return rec
 
@@ -256,25 +259,55 @@ def _key(labels: Mapping[str, str], by: Sequence[str]) -> str:
     return "/".join(labels.get(k, "") for k in by)
 
 
+def epochs(scrapes: Iterable[tuple[float, _T]]) -> Iterator[tuple[int, float, _T]]:
+    """One source's scrapes, in the order the monitor wrote them, each with its epoch: a new one starts wherever ``t``
+    drops below the scrape's before (the wall clock stepped back: NTP, a restored VM). Each epoch is read as a stretch
+    of time of its own: no rate, increase, histogram interval or average spans two (sorted by ``t``, the scrapes from
+    before and after a step were interleaved: 10/s read as 40/s). A step forward cannot be told from a monitor that
+    paused: the interval across it is read at face value."""
+    epoch, prev = 0, -math.inf
+    for t, x in scrapes:
+        epoch, prev = epoch + (t < prev), t
+        yield epoch, t, x
+
+
+def series_epochs(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
+                  agg: str = "sum", source: str | None = None) -> dict[str, list[Series]]:
+    """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
+    labels), one Series per :func:`epochs` of its source that holds it; ``where`` keeps the samples whose labels equal
+    those given; of two scrapes at one time, the later. Every source unless ``source``; a value more than one source
+    exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other times, were
+    interleaved into one curve: two learner ranks' counters read as a sawtooth)."""
+    out: dict[tuple[str, str], list[tuple[int, list[float], list[float]]]] = {}
+    for src, e, t, k, _, v in _grouped(rec, name, by, where, agg, source):
+        eps = out.setdefault((src, k), [])
+        if not eps or eps[-1][0] != e:
+            eps.append((e, [], []))
+        _, ts, vs = eps[-1]
+        if ts and ts[-1] == t:
+            vs[-1] = v
+        else:
+            ts.append(t)
+            vs.append(v)
+    return {k: [(ts, vs) for _, ts, vs in eps] for k, eps in sorted(per_source(out).items())}
+
+
 def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
            agg: str = "sum", source: str | None = None) -> dict[str, Series]:
-    """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
-    labels); ``where`` keeps the samples whose labels equal those given. Every source unless ``source``; a value
-    more than one source exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other
-    times, were interleaved into one curve: two learner ranks' counters read as a sawtooth)."""
-    out: dict[tuple[str, str], dict[float, float]] = {}
-    for src, t, k, _, v in _grouped(rec, name, by, where, agg, source):
-        out.setdefault((src, k), {})[t] = v
-    return {k: (sorted(d), [d[t] for t in sorted(d)]) for k, d in sorted(per_source(out).items())}
+    """:func:`series_epochs` with each curve's epochs one after the other (``t`` drops where one starts): for plots
+    and gauges; a rate or an average is taken per epoch (:func:`counter_rates`, :func:`average_rate`)."""
+    return {k: ([t for ts, _ in eps for t in ts], [v for _, vs in eps for v in vs])
+            for k, eps in series_epochs(rec, name, by, where, agg, source).items()}
 
 
-def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, str] | None, agg: str,
-             source: str | None) -> Iterator[tuple[str, float, str, frozenset[tuple[tuple[str, str], ...]], float]]:
-    """Per source, scrape and value of the ``by`` labels: the label sets of ``name`` there and their sum (or max)."""
+def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, str] | None, agg: str, source: str | None
+             ) -> Iterator[tuple[str, int, float, str, frozenset[tuple[tuple[str, str], ...]], float]]:
+    """Per source, scrape (with its epoch) and value of the ``by`` labels: the label sets of ``name`` there and their
+    sum (or max)."""
     for src, scrapes in rec.scrapes.items():
         if source is not None and src != source:
             continue
-        for t, samples in scrapes:
+        for e, t, samples in epochs(scrapes):
             acc: dict[str, tuple[set[tuple[tuple[str, str], ...]], float]] = {}
             for n, lb, v in samples:
                 if n != name or (where and any(lb.get(k) != val for k, val in where.items())):
@@ -286,24 +319,24 @@ def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, s
                     acc[k][0].add(one)
                     acc[k] = (acc[k][0], max(acc[k][1], v) if agg == "max" else acc[k][1] + v)
             for k, (sets, v) in acc.items():
-                yield src, t, k, frozenset(sets), v
+                yield src, e, t, k, frozenset(sets), v
 
 
 def counter_rates(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None
                   ) -> dict[str, Series]:
     """:func:`rate` of the counter ``name`` summed per value of the ``by`` labels (curves named as :func:`series`
     names them), with no point between two scrapes whose label sets differ: a series missing from one scrape (a
-    sample the monitor left out as stale) and back in the next made the sum drop and then rise by its whole count."""
-    out: dict[tuple[str, str], list[tuple[float, frozenset[tuple[tuple[str, str], ...]], float]]] = {}
-    for src, t, k, sets, v in _grouped(rec, name, by, where, "sum", None):
-        out.setdefault((src, k), []).append((t, sets, v))
+    sample the monitor left out as stale) and back in the next made the sum drop and then rise by its whole count;
+    nor between two :func:`epochs`."""
+    out: dict[tuple[str, str], list[tuple[int, float, frozenset[tuple[tuple[str, str], ...]], float]]] = {}
+    for src, e, t, k, sets, v in _grouped(rec, name, by, where, "sum", None):
+        out.setdefault((src, k), []).append((e, t, sets, v))
     curves: dict[str, Series] = {}
     for k, pts in sorted(per_source(out).items()):
-        pts.sort(key=lambda x: x[0])
         ts: list[float] = []
         vs: list[float] = []
-        for (ta, sa, va), (tb, sb, vb) in zip(pts, pts[1:], strict=False):
-            if sa == sb:
+        for (ea, ta, sa, va), (eb, tb, sb, vb) in zip(pts, pts[1:], strict=False):
+            if sa == sb and ea == eb:
                 one_t, one_v = rate(([ta, tb], [va, vb]))
                 ts += one_t
                 vs += one_v
@@ -340,23 +373,37 @@ def rate(s: Series) -> Series:
     return out_t, out_v
 
 
-def average_rate(*curves: Series) -> float | None:
+def average_rate(*curves: Series | list[Series]) -> float | None:
     """A counter's increase from its first to its last nonzero-increase scrape, per second; over several ``curves``
     (one per source: :func:`series` draws the ranks that export it apart), what they all counted from the first such
     scrape of any to the last of any. A drop is a restart from 0 (:func:`monitor.expr.counter_rise`: a restarted
-    learner's counter), never a loss. NaN samples are skipped."""
-    counted, spans = 0.0, list[float]()  # what every curve counted; the first and last moving scrape of each
-    for s in curves:
-        pts = [(t, v) for t, v in zip(*s, strict=True) if not math.isnan(v)]
-        rises = [counter_rise(prev, cur) for (_, prev), (_, cur) in zip(pts, pts[1:], strict=False)]
-        moving = [i for i, r in enumerate(rises, 1) if r > 0]
-        if moving:
-            a, b = moving[0] - 1, moving[-1]
-            counted += sum(rises[a:b])
-            spans += [pts[a][0], pts[b][0]]
-    if not spans:
-        return 0.0 if any(sum(not math.isnan(v) for v in s[1]) >= 2 for s in curves) else None
-    return counted / (max(spans) - min(spans)) if max(spans) > min(spans) else None
+    learner's counter), never a loss. NaN samples are skipped. A curve may be its source's :func:`epochs`
+    (:func:`series_epochs`): each counts from its first to its last nonzero-increase scrape, and the source's average is
+    what they counted over the sum of their times; sources of which any has more than one epoch are on no one time
+    line, and their averages are summed (ranks train side by side)."""
+    stretches = [c if isinstance(c, list) else [c] for c in curves]
+    per: list[tuple[float, float, float, float]] = []  # per source: counted, its time, first and last moving scrape
+    two = False  # some epoch has two samples: a counter that stood still reads 0
+    for eps in stretches:
+        counted, spans = 0.0, list[tuple[float, float]]()
+        for s in eps:
+            pts = [(t, v) for t, v in zip(*s, strict=True) if not math.isnan(v)]
+            two |= len(pts) >= 2
+            rises = [counter_rise(prev, cur) for (_, prev), (_, cur) in zip(pts, pts[1:], strict=False)]
+            moving = [i for i, r in enumerate(rises, 1) if r > 0]
+            if moving:
+                a, b = moving[0] - 1, moving[-1]
+                counted += sum(rises[a:b])
+                spans.append((pts[a][0], pts[b][0]))
+        if spans:
+            per.append((counted, sum(b - a for a, b in spans), spans[0][0], spans[-1][1]))
+    if not per:
+        return 0.0 if two else None
+    if any(len(eps) > 1 for eps in stretches):
+        rates = [c / time_s for c, time_s, _, _ in per if time_s > 0]
+        return sum(rates) if rates else None
+    first, last = min(p[2] for p in per), max(p[3] for p in per)
+    return sum(p[0] for p in per) / (last - first) if last > first else None
 
 
 def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
@@ -382,27 +429,33 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
     with other labels besides (a rank label) are differenced each on its own, then summed, as Prometheus's
     ``sum(increase(...))``: a drop of a series' count or bucket is its reset (a restarted process), which counted
     what it has now (:func:`~monitor.expr.counter_rise`). Summed first, one rank's reset read as every rank's (their
-    whole history counted again), or was hidden by another's rise; a series absent from either scrape adds nothing."""
-    # per source and label value, per scrape, per series (its labels but le): le or "sum"/"count" -> value
-    per: dict[tuple[str, str], dict[float, dict[tuple[tuple[str, str], ...], dict[float | str, float]]]] = {}
+    whole history counted again), or was hidden by another's rise; a series absent from either scrape adds nothing.
+    No interval spans two :func:`epochs`."""
+    # per source and label value, per scrape (epoch, t), per series (its labels but le): le or "sum"/"count" -> value
+    per: dict[tuple[str, str], list[tuple[int, float, dict[tuple[tuple[str, str], ...], dict[float | str, float]]]]]
+    per = {}
     fields = {f"{name}_sum": "sum", f"{name}_count": "count"}
     for src, scrapes in rec.scrapes.items():
-        for t, samples in scrapes:
+        for e, t, samples in epochs(scrapes):
             for n, lb, v in samples:
                 field: float | str | None = fields.get(n)
                 if n == f"{name}_bucket" and "le" in lb:
                     field = _value(_le(lb["le"]))
                 if field is not None:
                     one = tuple(sorted((a, b) for a, b in lb.items() if a != "le"))
-                    per.setdefault((src, _key(lb, (by,))), {}).setdefault(t, {}).setdefault(one, {})[field] = v
+                    at = per.setdefault((src, _key(lb, (by,))), [])
+                    if not at or at[-1][:2] != (e, t):  # two scrapes at one time: one point, as before
+                        at.append((e, t, {}))
+                    at[-1][2].setdefault(one, {})[field] = v
     out: dict[str, dict[str, Series]] = {}
-    for k, by_t in per_source(per).items():
-        ts = sorted(by_t)
+    for k, pts in per_source(per).items():
         curves: dict[str, Series] = {}
-        for a, b in zip(ts, ts[1:], strict=False):
+        for (ea, _, at_a), (eb, b, at_b) in zip(pts, pts[1:], strict=False):
+            if ea != eb:
+                continue
             rise: dict[float | str, float] = {}  # what the interval added, summed over the series
-            for one in by_t[a].keys() & by_t[b].keys():
-                va, vb = by_t[a][one], by_t[b][one]
+            for one in at_a.keys() & at_b.keys():
+                va, vb = at_a[one], at_b[one]
                 both = va.keys() & vb.keys()
                 reset = any(vb[f] < va[f] for f in both if f != "sum")  # (a _sum may fall: negative observations)
                 for f in both:
@@ -415,7 +468,7 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
                 for label, q in (("p50", 0.5), ("p90", 0.9)):
                     curves.setdefault(label, ([], []))[0].append(b)
                     curves[label][1].append(quantile(delta, q))
-        has = {f for at in by_t.values() for one in at.values() for f in one}
+        has = {f for _, _, at in pts for one in at.values() for f in one}
         out[k] = {**({"mean": ([], [])} if {"sum", "count"} <= has else {}),
                   **({"p50": ([], []), "p90": ([], [])} if any(isinstance(f, float) for f in has) else {}), **curves}
     return out
@@ -509,10 +562,14 @@ class Plotter:
             ys = [math.nan if o else v / scale for v, o in zip(vs, out, strict=True)]  # NaN: not drawn
             left_out = sum(out)
             self.beyond += left_out
+            xs = self.x(ts)
+            for i in reversed([i for i in range(1, len(ts)) if ts[i] < ts[i - 1]]):  # epochs(): a segment each
+                xs.insert(i, math.nan)
+                ys.insert(i, math.nan)
             if step:
-                drawn += ax.step(self.x(ts), ys, where="post", label=label)
+                drawn += ax.step(xs, ys, where="post", label=label)
             else:
-                drawn += ax.plot(self.x(ts), ys, marker=marker, markersize=3, linewidth=1.2, label=label)
+                drawn += ax.plot(xs, ys, marker=marker, markersize=3, linewidth=1.2, label=label)
             n += len(ts) - left_out
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
@@ -694,7 +751,7 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     for stage in ("replay", "join"):
         if (v := _number(inp.summaries.get(stage, {}).get("events_per_s"))) is not None:
             avg[f"{stage}\n(events/s, summary)"] = v
-    if (r := average_rate(*learner.values())) is not None:
+    if (r := average_rate(*series_epochs(rec, "streamrec_learner_samples_total").values())) is not None:
         avg["train\n(samples/s, counter)"] = r
     fig, (a1, a2, a3, a4) = p.figure(4, 1, height=2.6)
     sec.points = p.lines(a1, joiner, "per second", "Joiner: events read and samples written per second")
@@ -1030,7 +1087,7 @@ def _number(v: Any) -> float | None:
 def build_sections(inp: Inputs) -> list[Section]:
     t0 = inp.rec.t0 if inp.rec.t0 is not None else time.time()
     span = (inp.rec.t_end or t0) - t0
-    phases = {src: (sc[0][0], sc[-1][0]) for src, sc in inp.rec.scrapes.items() if sc}
+    phases = {src: (min(t for t, _ in sc), max(t for t, _ in sc)) for src, sc in inp.rec.scrapes.items() if sc}
     p = Plotter(t0, span, phases)
     with p.plt.rc_context({"text.parse_math": False}):  # a label "$\foo{$" (event data) is text, not mathtext
         return [_beyond(p, f, inp) for f in SECTIONS]
@@ -1202,7 +1259,7 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
         *lines, tail = tail.split("\n")
         for line in _scrapes_of(lines, source):
             t, samples = line
-            recent = [r for r in recent if r[0] >= t - 10.0]
+            recent = [r for r in recent if r[0] >= t - 10.0] if not recent or t >= recent[-1][0] else []  # epochs()
             last = f"{source}: {progress_line(samples, recent[0] if recent else None, t)}"
             recent.append((t, samples))
             seen += 1

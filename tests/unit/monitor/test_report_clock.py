@@ -1,0 +1,113 @@
+"""``streamrec report`` over a run log whose wall clock stepped backwards (an NTP correction, a VM restored): each
+source's records are read in the order the monitor wrote them, in epochs split where ``t`` drops, and no rate,
+histogram interval or average spans two epochs (monitor/report.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from monitor import report
+
+SAMPLES = "streamrec_learner_samples_total"
+GRAD = "streamrec_learner_grad_norm"
+STEPPED = (100.0, 110.0, 105.0, 115.0)  # the clock steps back 5 s after t=110: truly 10 s between scrapes
+
+
+def scrape(t: float, *samples: list[Any]) -> str:
+    return json.dumps({"kind": "scrape", "t": t, "source": "learner", "samples": list(samples)})
+
+
+def start(t: float) -> str:
+    return json.dumps({"kind": "start", "t": t, "sources": {"learner": "http://127.0.0.1:1/metrics"},
+                       "interval_s": 10, "rules": []})
+
+
+def write(path: Path, *lines: str) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def counted(values: tuple[float, ...]) -> list[str]:
+    return [scrape(t, [SAMPLES, {}, v]) for t, v in zip(STEPPED, values, strict=True)]
+
+
+def test_a_clock_stepping_back_between_scrapes_gives_the_learners_true_rate_and_average(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 samples/s all along; sorted by t the scrapes read 0, 200, 100, 300 at t=100, 105, 110, 115: 40/s at t=105
+    # and 115 (200 -> 100 read as a restart), and the average bar 33.3/s (500 counted over 15 s)
+    rec = report.read_run_log(write(tmp_path / "run-log.jsonl", start(99.0), *counted((0, 100, 200, 300))))
+    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
+    pytest.importorskip("matplotlib")
+    drawn: dict[str, float] = {}
+    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    p = report.Plotter(99.0, 16.0)
+    report.s_throughput(p, report.Inputs(rec))
+    assert drawn == {"train\n(samples/s, counter)": pytest.approx(10.0)}
+    fig, (ax,) = p.figure()
+    p.lines(ax, report.series(rec, SAMPLES), "samples", "")  # over wall time: one segment per epoch
+    xs = list(ax.get_lines()[0].get_xdata())
+    p.plt.close(fig)
+    assert xs[:2] == [1.0, 11.0] and math.isnan(xs[2]) and xs[3:] == [6.0, 16.0]
+
+
+def test_a_clock_step_is_an_epoch_boundary_even_where_the_counter_is_missing_from_the_scrape_after_it(
+        tmp_path: Path) -> None:
+    # the scrape at t=105 (after the step) lacks the counter: its series alone reads 100, 110, 115 with no drop,
+    # yet 110 -> 115 spans the step (truly 20 s): no rate there, and nothing to average after the step
+    lines = [scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
+             scrape(105.0, ["streamrec_learner_lag_samples", {}, 1]), scrape(115.0, [SAMPLES, {}, 300])]
+    rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
+    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
+    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+
+
+def test_a_clock_stepping_back_between_two_rotated_files_is_an_epoch_boundary(tmp_path: Path) -> None:
+    log = tmp_path / "run-log.jsonl"
+    old = counted((0, 100, 200, 300))
+    write(log.with_name("run-log.jsonl.1"), start(99.0), *old[:2])
+    write(log, start(111.0), *old[2:])
+    rec = report.read_run_log(log)
+    assert rec.files == [str(log.with_name("run-log.jsonl.1")), str(log)]
+    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
+    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+
+
+def test_a_clock_stepping_back_between_scrapes_gives_the_histogram_of_each_interval_it_recorded(
+        tmp_path: Path) -> None:
+    # 10 steps of norm 0.05 from t=100 to 110, then (after the step back) 10 of norm 5.5 from t=105 to 115; sorted
+    # by t, the intervals 100 -> 105 -> 110 -> 115 mixed both and one of them read as a reset
+    def hist(counts: tuple[float, float, float], total: float) -> list[list[Any]]:
+        lb = {"part": "dense"}
+        return ([[f"{GRAD}_bucket", {**lb, "le": le}, c] for le, c in zip(("0.1", "1", "10"), counts, strict=True)]
+                + [[f"{GRAD}_bucket", {**lb, "le": "+Inf"}, counts[-1]], [f"{GRAD}_sum", lb, total],
+                   [f"{GRAD}_count", lb, counts[-1]]])
+
+    cumulative = ((0, 0, 0), 0.0), ((10, 10, 10), 0.5), ((10, 10, 20), 55.5), ((10, 10, 30), 110.5)
+    lines = [scrape(t, *hist(c, s)) for t, (c, s) in zip(STEPPED, cumulative, strict=True)]
+    h = report.histogram_over_time(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines)), GRAD, "part")
+    assert h["dense"]["mean"] == ([110.0, 115.0], [pytest.approx(0.05), pytest.approx(5.5)])
+    assert h["dense"]["p50"] == ([110.0, 115.0], [pytest.approx(0.05), pytest.approx(5.5)])
+
+
+def test_the_progress_line_after_a_clock_step_back_reads_the_rate_since_the_step(tmp_path: Path) -> None:
+    class Out(list[str]):
+        def write(self, s: str) -> None:
+            self.append(s)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    out = Out()
+    path = write(tmp_path / "run-log.jsonl", *counted((0, 100, 200, 300)))
+    assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 4  # type: ignore[arg-type]
+    # the line at t=115 read 40/s: its rate was taken from the scrape at t=110, before the step
+    assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
+                   "learner: 200 samples trained\n", "learner: 300 samples trained (10/s)\n"]
