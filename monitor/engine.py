@@ -699,9 +699,14 @@ class RunLog:
         lost)."""
         f = open_append_regular(self.path)
         try:
-            with open_regular(self.path) as (raw, st):
-                if st.st_size and raw.seek(st.st_size - 1) >= 0 and raw.read(1) != b"\n":
-                    f.write("\n")
+            mine = os.fstat(f.fileno())
+            try:  # the file the append goes to (one renamed away meanwhile, or not readable: left as it is)
+                with open_regular(self.path) as (raw, st):
+                    if ((st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) and st.st_size
+                            and raw.seek(st.st_size - 1) >= 0 and raw.read(1) != b"\n"):
+                        f.write("\n")
+            except OSError as exc:  # (a log the monitor may write but not read ran before; a rotation's rename)
+                log.debug("run log %s: its last line not checked (%s)", self.path, exc)
         except BaseException:
             f.close()
             raise

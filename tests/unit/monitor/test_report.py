@@ -464,3 +464,24 @@ def test_a_monitor_restarted_after_being_killed_mid_line_starts_its_records_on_a
     rec = report.read_run_log(path)
     assert [s["t"] for s in rec.starts] == [999, 1000.0]  # the restart's start record was glued to the cut line
     assert rec.bad_lines == 1 and report.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0], [5.0])
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError(2, "renamed away by a rotation"), PermissionError(13, "no read")])
+def test_a_run_log_whose_last_line_cannot_be_checked_still_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                error: OSError) -> None:
+    """The check for a cut last line opens the path a second time, to read: a log renamed between the two opens (an
+    outside rotation) or one the monitor may write but not read stopped the monitor at start (exit 2); it ran before
+    the check existed. The check is skipped then, and the records are appended."""
+    from monitor import engine as engine_mod
+
+    path = tmp_path / "run-log.jsonl"
+    path.write_text('{"kind":"start","t":999,"sources":{},"interval_s":1,"rules":[]}\n')
+
+    def refused(_path: Path) -> None:
+        raise error
+
+    monkeypatch.setattr(engine_mod, "open_regular", refused)
+    log = RunLog(RunLogSettings(path=path), clock=lambda: 1000.0)
+    log.start({}, 1.0, [])
+    log.close()
+    assert [json.loads(line)["t"] for line in path.read_text().splitlines()] == [999, 1000.0]
