@@ -278,7 +278,8 @@ def check_signature(manifest: Mapping[str, Any], key: SigningKey, where: str | P
 
 _REBUILD = "rebuild it with `streamrec refresh --now`"
 # (a refresh of the newer streamrec builds the same again: the reader is what is behind)
-_NEWER = "a newer streamrec built it: upgrade serving to it (serving before the refresh job; README, Upgrades)"
+_NEWER = ("a newer streamrec built it: upgrade the streamrec reading it (serving, or a refresh job rolled back behind "
+          "the live artifact) to it; upgrade serving before the refresh job (README, Upgrades)")
 
 
 def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
