@@ -13,11 +13,11 @@ coverage, memory, hot set and hit rate, freshness, dead letters, alerts. A secti
 run log says so ("not recorded", naming the metrics and who exports them) instead of drawing an empty plot.
 
 The time axis of every plot is **wall-clock time** since the run log began: the learner exports no event time,
-so "over event time" is only as good as the order the samples arrived in (event-time order in a replay). Each
-source's scrapes are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where
-the wall clock stepped back (``t`` below the scrape's before, :func:`epochs`): no rate, increase, histogram interval or
-average spans two, and a plot draws each as a segment of its own. A step forward cannot be detected: the interval
-across it is read as if the monitor had paused.
+so "over event time" is only as good as the order the samples arrived in (event-time order in a replay). The
+records are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where the wall
+clock stepped back (``t`` below the record's before, whatever either record is: :attr:`Recording.epoch`): no rate,
+increase, histogram interval or average spans two, and a plot breaks a curve where its ``t`` drops. A step forward
+cannot be detected: the interval across it is read as if the monitor had paused.
 
 Also :func:`follow`: a progress line per scrape of one source while a stage runs (``make demo``).
 
@@ -75,25 +75,31 @@ MAX_T = dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc).timestamp()  # the las
 
 @dataclass
 class Recording:
-    """A run log read back: per source its scrapes in the order the monitor wrote them (:func:`epochs`), the rules'
-    states, the alerts."""
+    """A run log read back: per source its scrapes ``(t, samples, epoch)`` in the order the monitor wrote them, the
+    rules' states, the alerts. :attr:`epoch` counts the wall clock's steps back over every record read but ``start``
+    (a scrape, a failed one, the rules' states, an alert): a step while a source did not answer split its scrapes
+    nowhere (110 -> 115 read as 5 s where 35 had passed). A ``start`` line is left out: one that begins a rotated
+    file is stamped at the rotation, after the ``now`` of the record written right after it (:class:`RunLog
+    <monitor.engine.RunLog>`)."""
 
-    scrapes: dict[str, list[tuple[float, list[Sample]]]] = field(default_factory=dict)
+    scrapes: dict[str, list[tuple[float, list[Sample], int]]] = field(default_factory=dict)
     errors: list[tuple[float, str, str]] = field(default_factory=list)
     rule_states: list[tuple[float, dict[str, str]]] = field(default_factory=list)
     alerts: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     bad_lines: int = 0
+    epoch: int = 0  # of the last record read
+    last_t: float = -math.inf  # its t
 
     @property
     def t0(self) -> float | None:
-        ts = [s["t"] for s in self.starts] + [t for sc in self.scrapes.values() for t, _ in sc]
+        ts = [s["t"] for s in self.starts] + [t for sc in self.scrapes.values() for t, _, _ in sc]
         return min(ts) if ts else None
 
     @property
     def t_end(self) -> float | None:
-        ts = [t for sc in self.scrapes.values() for t, _ in sc] + [t for t, _ in self.rule_states]
+        ts = [t for sc in self.scrapes.values() for t, _, _ in sc] + [t for t, _ in self.rule_states]
         return max(ts) if ts else None
 
     def add(self, rec: Mapping[str, Any]) -> None:
@@ -101,11 +107,13 @@ class Recording:
         if not isinstance(t, int | float) or not 0 <= t <= MAX_T:  # NaN, Infinity, 1e13: no date to show
             self.bad_lines += 1
             return
+        if kind in ("scrape", "scrape_error", "rules", "alert"):
+            self.epoch, self.last_t = self.epoch + (t < self.last_t), t
         if kind == "scrape" and isinstance(rec.get("samples"), list):
             samples = [(str(s[0]), dict(s[1]), _value(s[2])) for s in rec["samples"]  # labels are strings: others
                        if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)  # broke every series()
                        and all(isinstance(v, str) for v in s[1].values())]
-            self.scrapes.setdefault(str(rec.get("source")), []).append((float(t), samples))
+            self.scrapes.setdefault(str(rec.get("source")), []).append((float(t), samples, self.epoch))
         elif kind == "scrape_error":
             self.errors.append((float(t), str(rec.get("source")), str(rec.get("error"))))
         elif kind == "rules" and isinstance(rec.get("states"), dict):
@@ -259,15 +267,13 @@ def _key(labels: Mapping[str, str], by: Sequence[str]) -> str:
     return "/".join(labels.get(k, "") for k in by)
 
 
-def epochs(scrapes: Iterable[tuple[float, _T]]) -> Iterator[tuple[int, float, _T]]:
+def epochs(scrapes: Iterable[tuple[float, _T, int]]) -> Iterator[tuple[int, float, _T]]:
     """One source's scrapes, in the order the monitor wrote them, each with its epoch: a new one starts wherever ``t``
-    drops below the scrape's before (the wall clock stepped back: NTP, a restored VM). Each epoch is read as a stretch
-    of time of its own: no rate, increase, histogram interval or average spans two (sorted by ``t``, the scrapes from
-    before and after a step were interleaved: 10/s read as 40/s). A step forward cannot be told from a monitor that
-    paused: the interval across it is read at face value."""
-    epoch, prev = 0, -math.inf
-    for t, x in scrapes:
-        epoch, prev = epoch + (t < prev), t
+    drops below the record's before, of any kind (the wall clock stepped back: NTP, a restored VM;
+    :class:`Recording`). Each epoch is read as a stretch of time of its own: no rate, increase, histogram interval or
+    average spans two (sorted by ``t``, the scrapes from before and after a step were interleaved: 10/s read as 40/s).
+    A step forward cannot be told from a monitor that paused: the interval across it is read at face value."""
+    for t, x, epoch in scrapes:
         yield epoch, t, x
 
 
@@ -947,7 +953,7 @@ def _min_over(rec: Recording, name: str) -> Series:
     zeros (a partition not seen yet)."""
     out: dict[float, float] = {}
     for scrapes in rec.scrapes.values():
-        for t, samples in scrapes:
+        for t, samples, _ in scrapes:
             vals = [v for n, _, v in samples if n == name and v > 0 and math.isfinite(v)]
             if vals:
                 out[t] = min(vals)
@@ -1087,7 +1093,7 @@ def _number(v: Any) -> float | None:
 def build_sections(inp: Inputs) -> list[Section]:
     t0 = inp.rec.t0 if inp.rec.t0 is not None else time.time()
     span = (inp.rec.t_end or t0) - t0
-    phases = {src: (min(t for t, _ in sc), max(t for t, _ in sc)) for src, sc in inp.rec.scrapes.items() if sc}
+    phases = {src: (min(t for t, _, _ in sc), max(t for t, _, _ in sc)) for src, sc in inp.rec.scrapes.items() if sc}
     p = Plotter(t0, span, phases)
     with p.plt.rc_context({"text.parse_math": False}):  # a label "$\foo{$" (event data) is text, not mathtext
         return [_beyond(p, f, inp) for f in SECTIONS]
@@ -1319,4 +1325,4 @@ def _scrapes_of(lines: Iterable[str], source: str) -> Iterator[tuple[float, list
             r = Recording()
             r.add(rec)
             for scrapes in r.scrapes.values():
-                yield from scrapes
+                yield from ((t, samples) for t, samples, _ in scrapes)

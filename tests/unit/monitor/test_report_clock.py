@@ -111,3 +111,34 @@ def test_the_progress_line_after_a_clock_step_back_reads_the_rate_since_the_step
     # the line at t=115 read 40/s: its rate was taken from the scrape at t=110, before the step
     assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
                    "learner: 200 samples trained\n", "learner: 300 samples trained (10/s)\n"]
+
+
+def record(kind: str, t: float, **fields: Any) -> str:
+    return json.dumps({"kind": kind, "t": t, **fields})
+
+
+@pytest.mark.parametrize("between", [
+    [record("scrape_error", t, source="learner", error="connection refused") for t in (90.0, 100.0, 110.0)],
+    [record("rules", 95.0, states={}), record("alert", 96.0, alert={"rule": "r", "state": "firing"})],
+], ids=["failed-scrapes", "rules-and-alert"])
+def test_a_clock_step_seen_only_in_the_monitors_other_records_is_an_epoch_boundary(
+        tmp_path: Path, between: list[str]) -> None:
+    # 10/s all along; the clock steps back 20 s after t=110 while the learner does not answer (or between two of its
+    # scrapes, seen only by the rules): split on its own scrapes alone, 110 -> 115 read 350 samples in 5 s, 70/s
+    lines = [scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]), *between,
+             scrape(115.0, [SAMPLES, {}, 450])]
+    rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
+    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
+    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+
+
+def test_the_start_line_of_a_rotated_file_stamped_after_the_record_that_follows_it_is_no_epoch_boundary(
+        tmp_path: Path) -> None:
+    # RunLog stamps a rotation's start line with the clock at the rotation, after the `now` of the scrape that
+    # rotated the file and is written right after it: no step back, and the rate at t=110 is kept
+    log = tmp_path / "run-log.jsonl"
+    write(log.with_name("run-log.jsonl.1"), start(99.0), scrape(100.0, [SAMPLES, {}, 0]))
+    write(log, start(110.2), scrape(110.0, [SAMPLES, {}, 100]), scrape(120.0, [SAMPLES, {}, 200]))
+    rec = report.read_run_log(log)
+    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 120.0], [10.0, 10.0])}
+    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
