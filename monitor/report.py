@@ -920,8 +920,10 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
     if wm_dates:
         ts = [t for t, _ in wm_dates]
         p.timeline(a3)
-        a3.plot(p.x(ts), [d for _, d in wm_dates], marker=".",
-                markersize=3, label="joiner watermark (oldest partition)")
+        cuts = [0, *(i for i in range(1, len(ts)) if ts[i] < ts[i - 1]), len(ts)]  # epochs(): a segment each
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            a3.plot(p.x(ts[a:b]), [d for _, d in wm_dates[a:b]], marker=".", markersize=3, color="C0",
+                    label="" if i else "joiner watermark (oldest partition)")
         a3.set_title("Event time reached by the joiner (UTC) vs wall time", fontsize=10)
         a3.set_ylabel("event time (UTC)")
         a3.grid(True, alpha=0.3)
@@ -950,14 +952,15 @@ def _finite(s: Series) -> Series:
 
 def _min_over(rec: Recording, name: str) -> Series:
     """The smallest value over every label set at each scrape (a watermark: the slowest partition), ignoring
-    zeros (a partition not seen yet)."""
-    out: dict[float, float] = {}
+    zeros (a partition not seen yet); its :func:`epochs` one after the other (``t`` drops where one starts: keyed by
+    ``t`` alone, a scrape after a step back overwrote the one at that time before it)."""
+    out: dict[tuple[int, float], float] = {}
     for scrapes in rec.scrapes.values():
-        for t, samples, _ in scrapes:
+        for e, t, samples in epochs(scrapes):
             vals = [v for n, _, v in samples if n == name and v > 0 and math.isfinite(v)]
             if vals:
-                out[t] = min(vals)
-    return sorted(out), [out[t] for t in sorted(out)]
+                out[e, t] = min(vals)
+    return [t for _, t in sorted(out)], [out[k] for k in sorted(out)]
 
 
 def s_dlq(p: Plotter, inp: Inputs) -> Section:

@@ -142,3 +142,13 @@ def test_the_start_line_of_a_rotated_file_stamped_after_the_record_that_follows_
     rec = report.read_run_log(log)
     assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 120.0], [10.0, 10.0])}
     assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+
+
+def test_the_joiner_watermark_keeps_every_scrape_of_each_epoch_in_the_order_written(tmp_path: Path) -> None:
+    # keyed by t, the scrape at t=100 after the step overwrote the one at t=100 before it: the 5000 point was lost and
+    # 7000 drawn before 6000
+    wm = "streamrec_join_watermark_ms"
+    lines = [json.dumps({"kind": "scrape", "t": t, "source": "joiner", "samples": [[wm, {"partition": "0"}, v]]})
+             for t, v in ((100.0, 5000), (110.0, 6000), (100.0, 7000))]
+    rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
+    assert report._min_over(rec, wm) == ([100.0, 110.0, 100.0], [5000.0, 6000.0, 7000.0])
