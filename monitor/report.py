@@ -48,6 +48,7 @@ from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, rea
 
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
+Numbered = list[tuple[int, Series]]  # a curve's epochs, each with its number (Recording.epoch): series_numbered()
 _T = TypeVar("_T")
 
 
@@ -279,11 +280,19 @@ def epochs(scrapes: Iterable[tuple[float, _T, int]]) -> Iterator[tuple[int, floa
 
 def series_epochs(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
                   agg: str = "sum", source: str | None = None) -> dict[str, list[Series]]:
+    """:func:`series_numbered` without the epochs' numbers."""
+    return {k: [s for _, s in eps] for k, eps in series_numbered(rec, name, by, where, agg, source).items()}
+
+
+def series_numbered(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
+                    agg: str = "sum", source: str | None = None) -> dict[str, Numbered]:
     """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
     labels), one Series per :func:`epochs` of its source that holds it; ``where`` keeps the samples whose labels equal
     those given; of two scrapes at one time, the later. Every source unless ``source``; a value more than one source
     exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other times, were
-    interleaved into one curve: two learner ranks' counters read as a sawtooth)."""
+    interleaved into one curve: two learner ranks' counters read as a sawtooth). Each Series comes with its epoch's
+    number: a scrape is the (epoch, t) of its monitor cycle, the same at every source; ``t`` alone is not, once the
+    clock stepped back."""
     out: dict[tuple[str, str], list[tuple[int, list[float], list[float]]]] = {}
     for src, e, t, k, _, v in _grouped(rec, name, by, where, agg, source):
         eps = out.setdefault((src, k), [])
@@ -295,15 +304,19 @@ def series_epochs(rec: Recording, name: str, by: Sequence[str] = (), where: Mapp
         else:
             ts.append(t)
             vs.append(v)
-    return {k: [(ts, vs) for _, ts, vs in eps] for k, eps in sorted(per_source(out).items())}
+    return {k: [(e, (ts, vs)) for e, ts, vs in eps] for k, eps in sorted(per_source(out).items())}
 
 
 def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
            agg: str = "sum", source: str | None = None) -> dict[str, Series]:
     """:func:`series_epochs` with each curve's epochs one after the other (``t`` drops where one starts): for plots
     and gauges; a rate or an average is taken per epoch (:func:`counter_rates`, :func:`average_rate`)."""
-    return {k: ([t for ts, _ in eps for t in ts], [v for _, vs in eps for v in vs])
-            for k, eps in series_epochs(rec, name, by, where, agg, source).items()}
+    return {k: _flat(eps) for k, eps in series_numbered(rec, name, by, where, agg, source).items()}
+
+
+def _flat(eps: Numbered) -> Series:
+    """A curve's epochs one after the other."""
+    return [t for _, (ts, _) in eps for t in ts], [v for _, (_, vs) in eps for v in vs]
 
 
 def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, str] | None, agg: str, source: str | None
@@ -627,16 +640,27 @@ def _missing(names: Iterable[str], who: str) -> str:
 
 def _set(curves: Mapping[str, Series]) -> dict[str, Series]:
     """A gauge reads 0 until its process first sets it (an AUC before any sample): points before the first
-    nonzero value are left out."""
+    nonzero value are left out (:func:`_set_numbered`)."""
+    return {k: _flat(eps) for k, eps in _set_numbered({k: [(0, s)] for k, s in curves.items()}).items()}
+
+
+def _set_numbered(curves: Mapping[str, Numbered]) -> dict[str, Numbered]:
+    """:func:`_set` over each curve's epochs: the points before its first nonzero value in any epoch are left out, and
+    a curve with none."""
     out = {}
-    for k, (ts, vs) in curves.items():
-        first = next((i for i, v in enumerate(vs) if v != 0), len(vs))
-        if first < len(vs):
-            out[k] = (ts[first:], vs[first:])
+    for k, eps in curves.items():
+        skip = next((i for i, v in enumerate(_flat(eps)[1]) if v != 0), None)
+        if skip is None:
+            continue
+        out[k] = kept = Numbered()
+        for e, (ts, vs) in eps:
+            if skip < len(ts):
+                kept.append((e, (ts[skip:], vs[skip:])))
+            skip = max(0, skip - len(ts))
     return out
 
 
-def _named(curves: Mapping[str, Series], name: str) -> dict[str, Series]:
+def _named(curves: Mapping[str, _T], name: str) -> dict[str, _T]:
     return {(f"{name} {k}" if k else name): s for k, s in curves.items()}
 
 
@@ -649,16 +673,18 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
                   "(bottom) over event time: each scrape's values against streamrec_learner_event_time_seconds, the "
                   "event time of the newest sample trained at that scrape.")
     rec = inp.rec
-    auc = _set({**_named(series(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
-                **_named(series(rec, "streamrec_learner_window_auc"), "progressive AUC (window, trained samples)")})
-    ne = _set(_named(series(rec, "streamrec_learner_served_ne"), "served NE (window)"))
+    auc_n = _set_numbered({**_named(series_numbered(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
+                           **_named(series_numbered(rec, "streamrec_learner_window_auc"),
+                                    "progressive AUC (window, trained samples)")})
+    ne_n = _set_numbered(_named(series_numbered(rec, "streamrec_learner_served_ne"), "served NE (window)"))
+    auc, ne = ({k: _flat(eps) for k, eps in c.items()} for c in (auc_n, ne_n))
     fig, (a1, a2, a3) = p.figure(3, 1)
     sec.points = p.lines(a1, auc, "AUC", "Served AUC over time (learner)") + p.lines(
         a2, ne, "NE (logloss / base-rate entropy)", "Served normalized entropy over time (learner)")
     if ne:
         a2.axhline(1.0, color="red", linestyle=":", linewidth=1, label="1 = no better than the base rate")
         a2.legend(fontsize=8, loc="best")
-    sec.points += event_time_plot(a3, rec, {**auc, **ne})
+    sec.points += event_time_plot(a3, rec, {**auc_n, **ne_n})
     sec.png = p.png(fig)
     if not auc and not ne:
         sec.missing.append(_missing(["streamrec_learner_served_auc", "streamrec_learner_served_ne"],
@@ -683,16 +709,20 @@ def _legend(ax: Any, drawn: Sequence[Any]) -> None:
     ax.legend(named, [h.get_label() for h in named], fontsize=8, loc="best")
 
 
-def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series]) -> int:
+def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series | Numbered]) -> int:
     """``curves`` (values at scrape times) against the learner's event time at the same scrapes; NE on a second
-    axis. Returns the points drawn."""
-    clock = dict(zip(*next(iter(series(rec, "streamrec_learner_event_time_seconds").values()), ([], [])),
-                     strict=True))
+    axis. A curve is its epochs numbered (:func:`series_numbered`), each value matched to the event time of its own
+    scrape by epoch and ``t`` (by ``t`` alone, a value scraped before the clock stepped back was drawn at the event
+    time scraped at that ``t`` after it); or a Series of a recording without a step (all epoch 0). Returns the points
+    drawn."""
+    clock = {(e, t): v for e, (ts, vs) in next(iter(series_numbered(rec, "streamrec_learner_event_time_seconds")
+                                                    .values()), []) for t, v in zip(ts, vs, strict=True)}
     n, drawn = 0, []
     right = ax.twinx()
-    for i, (label, (ts, vs)) in enumerate(curves.items()):
-        pts = [(d, v) for t, v in zip(ts, vs, strict=True)  # a value beyond PLOT_MAX: counted over wall time
-               if (d := _date(clock.get(t, 0))) is not None and not _unplottable(v)]
+    for i, (label, curve) in enumerate(curves.items()):
+        pts = [(d, v) for e, (ts, vs) in ([(0, curve)] if isinstance(curve, tuple) else curve)
+               for t, v in zip(ts, vs, strict=True)  # a value beyond PLOT_MAX: counted over wall time
+               if (d := _date(clock.get((e, t), 0))) is not None and not _unplottable(v)]
         if not pts:
             continue
         on = right if "NE" in label else ax

@@ -152,3 +152,29 @@ def test_the_joiner_watermark_keeps_every_scrape_of_each_epoch_in_the_order_writ
              for t, v in ((100.0, 5000), (110.0, 6000), (100.0, 7000))]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
     assert report._min_over(rec, wm) == ([100.0, 110.0, 100.0], [5000.0, 6000.0, 7000.0])
+
+
+def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_its_own_scrape() -> None:
+    # matched by t alone, the AUC 0.7 scraped at t=100 before the step was drawn at E3, the event time of the scrape at
+    # t=100 after it
+    pytest.importorskip("matplotlib")
+    e1, e2, e3 = 978_300_000.0, 978_303_600.0, 978_307_200.0
+    rec = report.Recording()
+    for t, event_s, auc in ((100.0, e1, 0.7), (110.0, e2, None), (100.0, e3, 0.9)):
+        samples = [["streamrec_learner_event_time_seconds", {}, event_s]]
+        rec.add({"kind": "scrape", "t": t, "source": "learner",
+                 "samples": samples + ([["streamrec_learner_served_auc", {}, auc]] if auc else [])})
+    p = report.Plotter(90.0, 30.0)
+    drawn: list[tuple[list[float], list[float]]] = []
+
+    def png(fig: Any) -> bytes:
+        import matplotlib.dates as mdates
+
+        drawn.extend(([mdates.num2date(x).timestamp() for x in line.get_xdata(orig=False)], list(line.get_ydata()))
+                     for line in fig.axes[2].get_lines())
+        p.plt.close(fig)
+        return b""
+
+    p.png = png  # type: ignore[method-assign]
+    report.s_quality(p, report.Inputs(rec))
+    assert drawn == [([e1, e3], [0.7, 0.9])]
