@@ -1266,6 +1266,7 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
     # scraped once a second would otherwise read 0/s between two of its updates
     tail = ""
     appeared = said_waiting = False
+    steps, epoch = Recording(), 0  # the clock's steps back over every record read (epochs()); the epoch of recent
     while True:
         running = alive()
         try:
@@ -1296,9 +1297,8 @@ def follow(path: str | Path, source: str, alive: Callable[[], bool], out: IO[str
                 said_waiting = True
         tail += chunk
         *lines, tail = tail.split("\n")
-        for line in _scrapes_of(lines, source):
-            t, samples = line
-            recent = [r for r in recent if r[0] >= t - 10.0] if not recent or t >= recent[-1][0] else []  # epochs()
+        for e, t, samples in _scrapes_of(lines, source, steps):
+            recent, epoch = [r for r in recent if r[0] >= t - 10.0] if e == epoch else [], e
             last = f"{source}: {progress_line(samples, recent[0] if recent else None, t)}"
             recent.append((t, samples))
             seen += 1
@@ -1348,14 +1348,19 @@ def follow_process(path: str | Path, source: str, pid: int | None, out: IO[str])
     return follow(path, source, alive, out)
 
 
-def _scrapes_of(lines: Iterable[str], source: str) -> Iterator[tuple[float, list[Sample]]]:
+def _scrapes_of(lines: Iterable[str], source: str, steps: Recording | None = None
+                ) -> Iterator[tuple[int, float, list[Sample]]]:
+    """The scrapes of ``source`` in ``lines`` with their :func:`epochs`, counted over every record as a
+    :class:`Recording` counts them (a step back seen only in failed scrapes read 350 samples in 5 s as 70/s where 35 s
+    had passed); ``steps`` keeps the count from one call to the next, and nothing else."""
+    steps = Recording() if steps is None else steps
     for line in lines:
         try:
             rec = _record(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(rec, dict) and rec.get("kind") == "scrape" and rec.get("source") == source:
-            r = Recording()
+        if isinstance(rec, dict):
+            r = Recording(epoch=steps.epoch, last_t=steps.last_t)
             r.add(rec)
-            for scrapes in r.scrapes.values():
-                yield from ((t, samples) for t, samples, _ in scrapes)
+            steps.epoch, steps.last_t = r.epoch, r.last_t
+            yield from epochs(r.scrapes.get(source, []))

@@ -178,3 +178,25 @@ def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_it
     p.png = png  # type: ignore[method-assign]
     report.s_quality(p, report.Inputs(rec))
     assert drawn == [([e1, e3], [0.7, 0.9])]
+
+
+def test_the_progress_line_after_a_clock_step_seen_only_in_failed_scrapes_reads_no_rate_across_it(
+        tmp_path: Path) -> None:
+    class Out(list[str]):
+        def write(self, s: str) -> None:
+            self.append(s)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    errors = [record("scrape_error", t, source="learner", error="connection refused") for t in (90.0, 100.0, 110.0)]
+    path = write(tmp_path / "run-log.jsonl", scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
+                 *errors, scrape(115.0, [SAMPLES, {}, 450]))
+    out = Out()
+    assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 3  # type: ignore[arg-type]
+    # the line at t=115 read 70/s: 350 samples over 5 s, where 35 s had passed
+    assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
+                   "learner: 450 samples trained\n"]
