@@ -33,7 +33,8 @@ def test_this_streamrecs_manifest_reads(manifest: dict[str, Any]) -> None:
 def test_a_newer_streamrecs_manifest_is_refused_saying_to_upgrade_serving(
         manifest: dict[str, Any], change: dict[str, Any]) -> None:
     newer = {**manifest, **{k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()}}
-    with pytest.raises(ArtifactError, match=r"newer streamrec built it: upgrade the streamrec reading it \(serving, or a refresh job") as err:
+    said = r"newer streamrec built it: upgrade the streamrec reading it \(serving, or a refresh job"
+    with pytest.raises(ArtifactError, match=said) as err:
         decode_manifest(json.dumps(newer).encode())
     assert "rebuild it" not in str(err.value)
 
