@@ -981,15 +981,16 @@ def _finite(s: Series) -> Series:
 
 
 def _min_over(rec: Recording, name: str) -> Series:
-    """The smallest value over every label set at each scrape (a watermark: the slowest partition), ignoring
-    zeros (a partition not seen yet); its :func:`epochs` one after the other (``t`` drops where one starts: keyed by
-    ``t`` alone, a scrape after a step back overwrote the one at that time before it)."""
+    """The smallest value over every label set and every source at each scrape (a watermark: the slowest partition,
+    whichever joiner holds it; the monitor scrapes its sources at one time), ignoring zeros (a partition not seen
+    yet); its :func:`epochs` one after the other (``t`` drops where one starts: keyed by ``t`` alone, a scrape after a
+    step back overwrote the one at that time before it). Two joiners of one group were read as the last source's."""
     out: dict[tuple[int, float], float] = {}
     for scrapes in rec.scrapes.values():
         for e, t, samples in epochs(scrapes):
             vals = [v for n, _, v in samples if n == name and v > 0 and math.isfinite(v)]
             if vals:
-                out[e, t] = min(vals)
+                out[e, t] = min(vals + ([out[e, t]] if (e, t) in out else []))
     return [t for _, t in sorted(out)], [out[k] for k in sorted(out)]
 
 

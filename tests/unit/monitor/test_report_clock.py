@@ -154,6 +154,16 @@ def test_the_joiner_watermark_keeps_every_scrape_of_each_epoch_in_the_order_writ
     assert report._min_over(rec, wm) == ([100.0, 110.0, 100.0], [5000.0, 6000.0, 7000.0])
 
 
+def test_the_joiner_watermark_is_the_slowest_partition_over_every_joiner_source(tmp_path: Path) -> None:
+    # two joiners of one consumer group, each with its partitions, scraped at one time: the freshness plot took the
+    # last source's watermark (9000), not the slowest partition's (5000)
+    wm = "streamrec_join_watermark_ms"
+    lines = [json.dumps({"kind": "scrape", "t": 100.0, "source": source, "samples": [[wm, {"partition": p}, v]]})
+             for source, p, v in (("joiner-a", "0", 5000), ("joiner-b", "1", 9000))]
+    rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
+    assert report._min_over(rec, wm) == ([100.0], [5000.0])
+
+
 def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_its_own_scrape() -> None:
     # matched by t alone, the AUC 0.7 scraped at t=100 before the step was drawn at E3, the event time of the scrape at
     # t=100 after it
