@@ -14,7 +14,7 @@
 
 A row is read, in order, from: the scorer's hot set, the delta overrides, the local bucket rows, the LRU, Redis.
 Every row a request needs from Redis is asked for in ONE round trip (``MGET``; with ``embedding_store_cluster``
-redis-py's ``mget_nonatomic``, one pipelined round trip per cluster node holding any of them), deduplicated; past
+one MGET per hash slot, pipelined: one round trip per cluster node holding any of them), deduplicated; past
 ``_FETCH_CHUNK`` keys, as pipelined MGETs of that many (still one round trip: one huge MGET outlasts the timeout).
 
 **Key layout: one key per row**, under a per-version prefix. ``MGET`` of N keys is one command, one round trip and
@@ -82,7 +82,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
-from redis.exceptions import ClusterError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from learner.artifact import ArtifactError
 from serving.settings import RowDtype
@@ -621,9 +622,12 @@ class RedisEmbeddingStore:
 
     def _mget(self, keys: list[str]) -> list[Any]:
         """The values of ``keys`` in one round trip: one MGET, or pipelined MGETs of at most ``fetch_chunk`` keys
-        (:data:`_FETCH_CHUNK`). A cluster's ``mget_nonatomic`` already sends one MGET per hash slot."""
+        (:data:`_FETCH_CHUNK`). On a cluster, one MGET per hash slot, pipelined (one round trip per node); a slot a
+        resharding has split between two nodes refuses an MGET of several of its keys (TRYAGAIN, redis-py's
+        ``ClusterError`` once its redirections run out), so those keys go again one GET each, pipelined, each followed
+        to its node (ASK). Only a failure of those, or any other failure, fails the round trip."""
         if self.cluster:
-            return list(self.client.mget_nonatomic(keys))
+            return self._mget_by_slot(keys)
         n = self.fetch_chunk
         if len(keys) <= n:
             return list(self.client.mget(keys))
@@ -631,6 +635,27 @@ class RedisEmbeddingStore:
         for start in range(0, len(keys), n):
             pipe.mget(keys[start:start + n])
         return [v for part in pipe.execute() for v in part]
+
+    def _mget_by_slot(self, keys: list[str]) -> list[Any]:
+        slots: dict[int, list[int]] = {}  # hash slot -> positions of its keys
+        for i, k in enumerate(keys):
+            slots.setdefault(key_slot(k.encode()), []).append(i)
+        pipe, out, split = self.client.pipeline(), [None] * len(keys), []
+        for idx in slots.values():
+            pipe.execute_command("MGET", *[keys[i] for i in idx])
+        for idx, got in zip(slots.values(), pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(got, (ClusterError, TryAgainError)):  # the slot is split mid-move
+                split += idx
+            elif isinstance(got, Exception):
+                raise got
+            else:  # (a short answer: ValueError)
+                for i, v in zip(idx, got, strict=True):
+                    out[i] = v
+        for i in split:
+            pipe.get(keys[i])
+        for i, v in zip(split, pipe.execute() if split else [], strict=True):
+            out[i] = v
+        return out
 
     def bad_rows(self, keys: list[str], missing: np.ndarray, malformed: np.ndarray, dim: int,
                  dtype: RowDtype) -> None:

@@ -23,6 +23,7 @@ from stream.history import UserHistory
 from stream.redis_client import connect
 from stream.strikes import is_infrastructure
 from tests.redis_cluster import SLOTS, ClusterNodes
+from tests.redis_cluster import redis_cluster as start_cluster
 
 
 @pytest.fixture
@@ -166,3 +167,38 @@ def test_the_days_of_a_kinds_counts_are_all_found_while_a_resharding_moves_its_s
         assert finished
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def moving_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNodes]:
+    """One cluster for the tests below, each moving slots of its own (its own prefix: keys of other slots)."""
+    with start_cluster(tmp_path_factory.mktemp("moving")) as nodes:
+        yield nodes
+
+
+def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_not_fallbacks(
+        moving_cluster: ClusterNodes, prefix: str) -> None:
+    # a multi-key MGET on a slot split between two nodes mid-move is refused (TRYAGAIN, redis-py's ClusterError once
+    # its redirections run out): the whole round trip failed and every request's misses fell back for retry_after_s
+    client = connect(RedisSettings(url=moving_cluster.url, prefix=prefix, cluster=True), timeout_s=1.0, retries=0)
+    try:
+        n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
+        table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
+        keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
+        per_slot: dict[int, list[int]] = {}
+        for row, k in enumerate(keys):
+            per_slot.setdefault(key_slot(k.encode()), []).append(row)
+        slot = next(s for s, rs in per_slot.items() if len(rs) >= 2)
+        rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
+        meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        src = moving_cluster.index_of(keys[per_slot[slot][0]])
+        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
+        store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True)
+        key = embedding_store.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
+        got, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32, key)
+        assert not bad.any() and store.available and store.last_error is None
+        np.testing.assert_array_equal(got, table[rows])
+        moving_cluster.finish_move(slot, src, (src + 1) % 3)
+    finally:
+        client.close()
+
