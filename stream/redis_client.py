@@ -45,10 +45,12 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterPipeline, ClusterPubSub, RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     ClusterDownError,
     CrossSlotTransactionError,
+    ExecAbortError,
     InvalidPipelineStack,
     NoPermissionError,
     NoScriptError,
@@ -257,7 +259,9 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     pipeline sends one batch per node. redis-py's cluster pipeline sends EVALSHA without loading the script, so it
     is loaded on every primary (SCRIPT LOAD) before the first use, and the calls a node refused with NOSCRIPT (its
     script cache flushed, a restart or a failover since) are sent once more after loading it again: a NOSCRIPT
-    call ran nothing, and in a transaction (one slot, one node, one script) every call of it was refused alike."""
+    call ran nothing, and in a transaction (one slot, one node, one script) every call of it was refused alike. A
+    transaction refused with MOVED or ASK before its EXEC ran (a slot moved since redis-py last asked) is sent once
+    more at once (:func:`_send`)."""
     if not calls:
         return []
     if len(calls) == 1 and not transaction:
@@ -274,11 +278,7 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for attempt in range(2):
-        pipe = client.pipeline(transaction=transaction)
-        for i in todo:
-            keys, args = calls[i]
-            script(keys=list(keys), args=list(args), client=pipe)
-        got = pipe.execute(raise_on_error=False)
+        got = _send(client, script, [calls[i] for i in todo], transaction)
         for i, result in zip(todo, got, strict=True):
             results[i] = result
         todo = [i for i, result in zip(todo, got, strict=True) if isinstance(result, NoScriptError)]
@@ -292,6 +292,24 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
                 raise result
             raise err from result
     return results
+
+
+def _send(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], transaction: bool,
+          ) -> list[Any]:
+    """One pipeline of ``calls`` on a cluster, sent once more at once where a transaction's commands were refused with
+    MOVED or ASK as they were queued (the slot moved, or is moving, since redis-py last learnt its owner): Redis then
+    aborted the EXEC (EXECABORT, redis-py raising the redirection in handling it) and ran none of it, and redis-py has
+    patched its slot map from the redirection. The calls are the same, so are their write ids and markers."""
+    for again in (True, False):
+        pipe = client.pipeline(transaction=transaction)
+        for keys, args in calls:
+            script(keys=list(keys), args=list(args), client=pipe)
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except AskError as exc:  # MovedError is one
+            if not (again and transaction and isinstance(exc.__context__, ExecAbortError)):
+                raise
+    raise AssertionError("unreachable: the second try returns or raises")
 
 
 def is_cluster(client: object) -> bool:

@@ -202,3 +202,21 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
     finally:
         client.close()
 
+
+def test_the_first_counts_write_after_its_kinds_slot_moved_succeeds_at_once_and_counts_once(
+        moving_cluster: ClusterNodes, prefix: str) -> None:
+    # the MULTI/EXEC went to the slot's old node, which refused its commands with MOVED (EXECABORT: nothing ran) and
+    # the write failed: the joiner rewound its whole batch and waited >= 1 s, serving's lookup counts logged a failed
+    # flush. It is sent again once, at once, under the same write id.
+    client = connect(RedisSettings(url=moving_cluster.url, prefix=prefix, cluster=True), timeout_s=5.0)
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        now = int(time.time() * 1000)
+        counts.record("user", "click", [7], [now])
+        key = counts.key("user", "click", day_of(now))
+        src = moving_cluster.index_of(key)
+        moving_cluster.move(key_slot(key.encode()), src, (src + 1) % 3)
+        counts.record("user", "click", [7, 8], [now, now], write_id=new_write_id())
+        assert counts.top("user", k=5, event="click") == [("7", 2.0), ("8", 1.0)]
+    finally:
+        client.close()
