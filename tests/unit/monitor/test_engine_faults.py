@@ -500,14 +500,20 @@ def firing_in(state: Path) -> list[str]:
     return [r["rule"] for r in json.loads(state.read_text())["firing"]]
 
 
-def test_a_resolved_alert_left_queued_at_shutdown_is_resolved_again_after_the_restart(tmp_path: Path) -> None:
-    state, clocks = tmp_path / "state.json", Clocks()
-    mon, sink = monitor(restart_rules(state), shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
+def firing_then_webhook_down(rules: str, clocks: Clocks) -> tuple[Monitor, ListSink]:
+    """A monitor whose cold_start_share alert fired (delivered), its sink then failing every attempt."""
+    mon, sink = monitor(rules, shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
     for _ in range(21):
         mon.step()
         clocks.tick(15)
     assert delivered(mon, sink) == [("cold_start_share", "firing")]
-    sink.fail = 10**6  # the webhook goes down just as the burst of new users ends
+    sink.fail = 10**6  # the webhook goes down
+    return mon, sink
+
+
+def test_a_resolved_alert_left_queued_at_shutdown_is_resolved_again_after_the_restart(tmp_path: Path) -> None:
+    state, clocks = tmp_path / "state.json", Clocks()
+    mon, sink = firing_then_webhook_down(restart_rules(state), clocks)  # just as the burst of new users ends
     assert [(a.rule, a.state.value) for a in mon.step()] == [("cold_start_share", "resolved")]
     assert mon.close(0.2) == 1  # SIGTERM: the resolved alert is still queued
     assert firing_in(state) == ["cold_start_share"]  # was []: the receiver would show it firing for ever
@@ -529,12 +535,7 @@ def test_a_second_stop_signal_ends_the_drain_and_the_state_file_is_still_saved(t
     summary and no last save of the state file. The second signal now ends the drain; the resolve still queued is
     kept firing in the state file (resolved again after the restart) and the previous handlers are put back."""
     state, clocks = tmp_path / "state.json", Clocks()
-    mon, sink = monitor(restart_rules(state), shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
-    for _ in range(21):
-        mon.step()
-        clocks.tick(15)
-    assert delivered(mon, sink) == [("cold_start_share", "firing")]
-    sink.fail = 10**6  # the webhook goes down
+    mon, _sink = firing_then_webhook_down(restart_rules(state), clocks)
     assert [(a.rule, a.state.value) for a in mon.step()] == [("cold_start_share", "resolved")]
     queue = mon.sink
     assert isinstance(queue, QueuedSink)
@@ -564,12 +565,7 @@ def test_a_second_stop_signal_while_the_last_evaluation_runs_ends_the_drain_too(
     close_timeout_s and a third signal was needed. Every signal past the first ends the drain."""
     state, clocks = tmp_path / "state.json", Clocks()
     rules = restart_rules(state) + "[sinks]\nclose_timeout_s = 3\n"
-    mon, sink = monitor(rules, shares(["share 0.9\nlag 3\n"] * 21 + ["share 0.1\nlag 3\n"]), clocks)
-    for _ in range(21):
-        mon.step()
-        clocks.tick(15)
-    assert delivered(mon, sink) == [("cold_start_share", "firing")]
-    sink.fail = 10**6  # the webhook goes down
+    mon, sink = firing_then_webhook_down(rules, clocks)
     step = mon.step
 
     def step_signalled_twice() -> list[Alert]:
