@@ -278,12 +278,6 @@ def epochs(scrapes: Iterable[tuple[float, _T, int]]) -> Iterator[tuple[int, floa
         yield epoch, t, x
 
 
-def series_epochs(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
-                  agg: str = "sum", source: str | None = None) -> dict[str, list[Series]]:
-    """:func:`series_numbered` without the epochs' numbers."""
-    return {k: [s for _, s in eps] for k, eps in series_numbered(rec, name, by, where, agg, source).items()}
-
-
 def series_numbered(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
                     agg: str = "sum", source: str | None = None) -> dict[str, Numbered]:
     """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
@@ -309,7 +303,7 @@ def series_numbered(rec: Recording, name: str, by: Sequence[str] = (), where: Ma
 
 def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
            agg: str = "sum", source: str | None = None) -> dict[str, Series]:
-    """:func:`series_epochs` with each curve's epochs one after the other (``t`` drops where one starts): for plots
+    """:func:`series_numbered` with each curve's epochs one after the other (``t`` drops where one starts): for plots
     and gauges; a rate or an average is taken per epoch (:func:`counter_rates`, :func:`average_rate`)."""
     return {k: _flat(eps) for k, eps in series_numbered(rec, name, by, where, agg, source).items()}
 
@@ -392,37 +386,30 @@ def rate(s: Series) -> Series:
     return out_t, out_v
 
 
-def average_rate(*curves: Series | list[Series]) -> float | None:
+def average_rate(*curves: Series | Numbered) -> float | None:
     """A counter's increase from its first to its last nonzero-increase scrape, per second; over several ``curves``
     (one per source: :func:`series` draws the ranks that export it apart), what they all counted from the first such
     scrape of any to the last of any. A drop is a restart from 0 (:func:`monitor.expr.counter_rise`: a restarted
-    learner's counter), never a loss. NaN samples are skipped. A curve may be its source's :func:`epochs`
-    (:func:`series_epochs`): each counts from its first to its last nonzero-increase scrape, and the source's average is
-    what they counted over the sum of their times; sources of which any has more than one epoch are on no one time
-    line, and their averages are summed (ranks train side by side)."""
-    stretches = [c if isinstance(c, list) else [c] for c in curves]
-    per: list[tuple[float, float, float, float]] = []  # per source: counted, its time, first and last moving scrape
+    learner's counter), never a loss. NaN samples are skipped. A curve may be its source's epochs numbered
+    (:func:`series_numbered`): within each epoch, what every source counted from the first such scrape of any to the
+    last of any, as above; the average is all that over the sum of the epochs' times (the epochs follow one another;
+    no time spans two: a source seen only before a step back and one only after it were read on one time line)."""
+    per: dict[int, list[float]] = {}  # per epoch: what every curve counted; the first and last moving scrape of any
     two = False  # some epoch has two samples: a counter that stood still reads 0
-    for eps in stretches:
-        counted, spans = 0.0, list[tuple[float, float]]()
-        for s in eps:
+    for c in curves:
+        for e, s in ([(0, c)] if isinstance(c, tuple) else c):
             pts = [(t, v) for t, v in zip(*s, strict=True) if not math.isnan(v)]
             two |= len(pts) >= 2
             rises = [counter_rise(prev, cur) for (_, prev), (_, cur) in zip(pts, pts[1:], strict=False)]
             moving = [i for i, r in enumerate(rises, 1) if r > 0]
             if moving:
                 a, b = moving[0] - 1, moving[-1]
-                counted += sum(rises[a:b])
-                spans.append((pts[a][0], pts[b][0]))
-        if spans:
-            per.append((counted, sum(b - a for a, b in spans), spans[0][0], spans[-1][1]))
+                got = per.setdefault(e, [0.0, math.inf, -math.inf])
+                got[0], got[1], got[2] = got[0] + sum(rises[a:b]), min(got[1], pts[a][0]), max(got[2], pts[b][0])
     if not per:
         return 0.0 if two else None
-    if any(len(eps) > 1 for eps in stretches):
-        rates = [c / time_s for c, time_s, _, _ in per if time_s > 0]
-        return sum(rates) if rates else None
-    first, last = min(p[2] for p in per), max(p[3] for p in per)
-    return sum(p[0] for p in per) / (last - first) if last > first else None
+    time_s = sum(last - first for _, first, last in per.values())
+    return sum(counted for counted, _, _ in per.values()) / time_s if time_s > 0 else None
 
 
 def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
@@ -787,7 +774,7 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     for stage in ("replay", "join"):
         if (v := _number(inp.summaries.get(stage, {}).get("events_per_s"))) is not None:
             avg[f"{stage}\n(events/s, summary)"] = v
-    if (r := average_rate(*series_epochs(rec, "streamrec_learner_samples_total").values())) is not None:
+    if (r := average_rate(*series_numbered(rec, "streamrec_learner_samples_total").values())) is not None:
         avg["train\n(samples/s, counter)"] = r
     fig, (a1, a2, a3, a4) = p.figure(4, 1, height=2.6)
     sec.points = p.lines(a1, joiner, "per second", "Joiner: events read and samples written per second")

@@ -63,7 +63,7 @@ def test_a_clock_step_is_an_epoch_boundary_even_where_the_counter_is_missing_fro
              scrape(105.0, ["streamrec_learner_lag_samples", {}, 1]), scrape(115.0, [SAMPLES, {}, 300])]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
     assert report.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
-    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_a_clock_stepping_back_between_two_rotated_files_is_an_epoch_boundary(tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_a_clock_stepping_back_between_two_rotated_files_is_an_epoch_boundary(tm
     rec = report.read_run_log(log)
     assert rec.files == [str(log.with_name("run-log.jsonl.1")), str(log)]
     assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
-    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_a_clock_stepping_back_between_scrapes_gives_the_histogram_of_each_interval_it_recorded(
@@ -129,7 +129,7 @@ def test_a_clock_step_seen_only_in_the_monitors_other_records_is_an_epoch_bounda
              scrape(115.0, [SAMPLES, {}, 450])]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
     assert report.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
-    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_the_start_line_of_a_rotated_file_stamped_after_the_record_that_follows_it_is_no_epoch_boundary(
@@ -141,7 +141,7 @@ def test_the_start_line_of_a_rotated_file_stamped_after_the_record_that_follows_
     write(log, start(110.2), scrape(110.0, [SAMPLES, {}, 100]), scrape(120.0, [SAMPLES, {}, 200]))
     rec = report.read_run_log(log)
     assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 120.0], [10.0, 10.0])}
-    assert report.average_rate(*report.series_epochs(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_the_joiner_watermark_keeps_every_scrape_of_each_epoch_in_the_order_written(tmp_path: Path) -> None:
@@ -210,3 +210,36 @@ def test_the_progress_line_after_a_clock_step_seen_only_in_failed_scrapes_reads_
     # the line at t=115 read 70/s: 350 samples over 5 s, where 35 s had passed
     assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
                    "learner: 450 samples trained\n"]
+
+
+def test_the_average_bar_over_two_ranks_on_either_side_of_a_clock_step_spans_no_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 trains 1000 samples from t=1000 to 1100; the clock steps back 600 s; rank 1 then trains 1000 from t=500
+    # to 600: 2000 samples over the 200 s they were seen training, 10/s. Each rank alone has one epoch, so the two
+    # were put on one time line: 2000 over 1100 - 500, 3.3/s
+    lines = [json.dumps({"kind": "scrape", "t": t, "source": src, "samples": [[SAMPLES, {}, v]]})
+             for src, t, v in (("rank0", 1000.0, 0), ("rank0", 1100.0, 1000), ("rank1", 500.0, 0),
+                               ("rank1", 600.0, 1000))]
+    rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
+    pytest.importorskip("matplotlib")
+    drawn: dict[str, float] = {}
+    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    report.s_throughput(report.Plotter(500.0, 600.0), report.Inputs(rec))
+    assert drawn == {"train\n(samples/s, counter)": pytest.approx(10.0)}
+
+
+def test_the_average_bar_of_ranks_side_by_side_before_a_clock_step_is_what_it_reads_without_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 trains 1000 samples from t=1000 to 1100, rank 1 1000 from 1050 to 1100: 2000 in 100 s, 20/s, as the bar
+    # reads without a step. After a step back both train 10/s from t=500 to 600 (2000 more): 4000 in 200 s, 20/s.
+    # Each rank's own average summed: 2000 in 200 s and 2000 in 150 s, 23.3/s
+    pts = [("rank0", 1000.0, 0), ("rank1", 1050.0, 0), ("rank0", 1100.0, 1000), ("rank1", 1100.0, 1000),
+           ("rank0", 500.0, 1000), ("rank1", 500.0, 1000), ("rank0", 600.0, 2000), ("rank1", 600.0, 2000)]
+    lines = [json.dumps({"kind": "scrape", "t": t, "source": src, "samples": [[SAMPLES, {}, v]]}) for src, t, v in pts]
+    pytest.importorskip("matplotlib")
+    drawn: dict[str, float] = {}
+    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    for n in (4, 8):  # before the step, and all of it
+        report.s_throughput(report.Plotter(500.0, 600.0),
+                            report.Inputs(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines[:n]))))
+        assert drawn == {"train\n(samples/s, counter)": pytest.approx(20.0)}, n
