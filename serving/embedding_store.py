@@ -641,8 +641,9 @@ class RedisEmbeddingStore:
         for i, k in enumerate(keys):
             slots.setdefault(key_slot(k.encode()), []).append(i)
         pipe, out, split = self.client.pipeline(), [None] * len(keys), []
-        for idx in slots.values():
-            pipe.execute_command("MGET", *[keys[i] for i in idx])
+        node_of = self.client.nodes_manager.get_node_from_slot
+        for slot, idx in slots.items():  # sent to the slot's node, as mget_nonatomic: not split by slot again (~1 ms)
+            pipe.execute_command("MGET", *[keys[i] for i in idx], target_nodes=[node_of(slot)])
         for idx, got in zip(slots.values(), pipe.execute(raise_on_error=False), strict=True):
             if isinstance(got, (ClusterError, TryAgainError)):  # the slot is split mid-move
                 split += idx
