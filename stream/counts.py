@@ -138,6 +138,7 @@ from typing import Any, cast
 import numpy as np
 import redis
 from redis.crc import key_slot
+from redis.exceptions import NoPermissionError
 
 from stream.errors import clip
 from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script
@@ -729,7 +730,9 @@ class DailyCounts:
         which may miss a day a resharding moves meanwhile (logged once)."""
         try:
             return [k for kind in KINDS for k in self._slot_keys(kind)]
-        except redis.ResponseError as exc:
+        except redis.ResponseError as exc:  # refused (NOPERM, a command renamed away), not a cluster down: an outage
+            if not str(exc).startswith(("NOPERM", "ERR unknown")) and not isinstance(exc, NoPermissionError):
+                raise
             if not self._scan_warned:
                 self._scan_warned = True
                 log.warning("the counts' hash slots cannot be listed (%s): days are found by SCAN, which misses a day "

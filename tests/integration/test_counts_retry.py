@@ -480,3 +480,20 @@ def test_a_cluster_that_refuses_to_list_a_slot_finds_the_days_by_scan(
     assert counts.days_available("item", "impression") == [day_of(now_ms)]
     assert counts.days_available("item", "impression") == [day_of(now_ms)]
     assert sum("cannot be listed" in r.message for r in caplog.records) == 1  # logged once
+
+
+def test_a_cluster_down_while_listing_a_slot_is_an_outage_not_a_fallback_to_scan(
+        redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Only a refusal of the slot-listing commands falls back to SCAN: a cluster that is down (CLUSTERDOWN, a
+    ResponseError too) was logged as "cannot be listed" and scanned; it is the outage the callers retry."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+
+    def down(_self: DailyCounts, _kind: str) -> list:
+        raise redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down")
+
+    monkeypatch.setattr(counts_module, "is_cluster", lambda _client: True)
+    monkeypatch.setattr(DailyCounts, "_slot_keys", down)
+    with pytest.raises(redis.exceptions.ClusterDownError):
+        counts.days_available("item", "impression")
+    assert not any("cannot be listed" in r.message for r in caplog.records)
