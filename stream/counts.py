@@ -26,15 +26,12 @@ Names (the raw ids behind the hashes, for operators: ``streamrec counts top``, t
     {prefix}:names:{{kind}}:{YYYYMMDD}             hash field = member, value = raw id text
 
 A caller that knows the raw ids passes them to :meth:`DailyCounts.record` (``names``); the same script call
-that counts a member on a day also sets its name there (HSETNX: the first name stays) and gives the key the
-counts key's expiry where that is later than its own; every call does, names or none (a click, ids named already,
-serving's lookups under their own TTL), and none moves it earlier. So a day's names are bounded exactly like its
-counts (one field per member counted that day, impression or click, of that kind) and live as long as every counts key
-of their kind and day written since they were first set (one written only before, a day's lookups all flushed before
-the joiner named any of its ids, may outlive them): the names key set by the names' write alone went before the counts
-of a later nameless write (a day older than yesterday lives ``ttl_days`` after its last write), the last write's
-expiry (serving's shorter TTL) before the joiner's. The raw id text is the text ``stable_hash`` hashes: ``123`` and
-``"123"`` are both ``123``.
+that counts a member on a day also sets its name there (HSETNX: the first name stays). Every script call, with names
+or none (a click, ids named already, serving's lookups under their own TTL), extends the names key's expiry to its
+counts key's where that is later, never earlier. So a day's names are bounded exactly like its counts (one field per
+member counted that day, impression or click, of that kind) and live as long as every counts key of their kind and day
+written since they were first set (lookup counts all written before the joiner first named an id that day may outlive
+them). The raw id text is the text ``stable_hash`` hashes: ``123`` and ``"123"`` are both ``123``.
 Readers (:meth:`DailyCounts.names`) look a member up in the days they read and, for a click counted just
 after midnight whose impression (and so its name) came the day before, one day earlier; a member with no
 name found (counted before names were kept, or by a caller that passed none) is shown by its hash.
@@ -287,10 +284,9 @@ def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
 # type is not touched) the counts key's where that is later (PTTL: EXPIREAT ... GT is Redis 7). A marker found means
 # this very call ran before (a retry after its reply was lost): nothing is written again. Every key it writes is read
 # first (ZSCORE, HEXISTS: WRONGTYPE for a key of another type), so a call refused writes nothing; the marker is set
-# last. Returns whether the names
-# key existed before the call. With an empty marker it is a forget call: ARGV[4..] are markers of writes the caller
-# knows succeeded (never retried), deleted from KEYS[3] (KEYS[1], KEYS[2] unused): a cleanup, which a
-# markers key of the wrong type must not turn into every later write failing.
+# last. Returns whether the names key existed before the call. With an empty marker it is a forget call: ARGV[4..]
+# are markers of writes the caller knows succeeded (never retried), deleted from KEYS[3] (KEYS[1], KEYS[2] unused): a
+# cleanup, which a markers key of the wrong type must not turn into every later write failing.
 _ZINCR_MANY = """
 if ARGV[2] == '' then
   if redis.call('TYPE', KEYS[3]).ok == 'hash' then
