@@ -16,8 +16,9 @@ The time axis of every plot is **wall-clock time** since the run log began: the 
 so "over event time" is only as good as the order the samples arrived in (event-time order in a replay). The
 records are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where the wall
 clock stepped back (``t`` below the record's before, whatever either record is: :attr:`Recording.epoch`): no rate,
-increase, histogram interval or average spans two, and a plot breaks a curve where its ``t`` drops. A step forward
-cannot be detected: the interval across it is read as if the monitor had paused.
+increase, histogram interval or average spans two, and a plot breaks a metric's curve at each of its epochs (a rate's or
+a quantile's where its ``t`` drops: :func:`_segments`). A step forward cannot be detected: the interval across it is
+read as if the monitor had paused.
 
 Also :func:`follow`: a progress line per scrape of one source while a stage runs (``make demo``).
 
@@ -49,6 +50,7 @@ from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, rea
 Sample = tuple[str, dict[str, str], float]
 Series = tuple[list[float], list[float]]  # (t, value), t in unix seconds
 Numbered = list[tuple[int, Series]]  # a curve's epochs, each with its number (Recording.epoch): series_numbered()
+Curve = Series | Numbered  # a curve drawn: numbered, it breaks at every epoch; a Series, where its t drops
 _T = TypeVar("_T")
 
 
@@ -487,8 +489,8 @@ def _le(le: str) -> float | str:
         return le
 
 
-def has_points(s: Mapping[str, Series]) -> int:
-    return sum(len(ts) for ts, _ in s.values())
+def has_points(s: Mapping[str, Curve]) -> int:
+    return sum(len(ts) for c in s.values() for ts, _ in _segments(c))
 
 
 # -- plots --------------------------------------------------------------------------------------------------
@@ -556,27 +558,28 @@ class Plotter:
             ax.axvspan(x0, x1, color=f"C{i % 10}", alpha=0.07, linewidth=0)
             ax.text(x0, 1.0, f" {source}", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="gray")
 
-    def lines(self, ax: Any, curves: Mapping[str, Series], ylabel: str, title: str, *, logy: bool = False,
+    def lines(self, ax: Any, curves: Mapping[str, Curve], ylabel: str, title: str, *, logy: bool = False,
               scale: float = 1.0, step: bool = False, marker: str = ".",
               ylim: tuple[float, float] | None = None, empty: str = "not recorded") -> int:
         n, drawn = 0, []
         self.timeline(ax)
-        for label, (ts, vs) in curves.items():
-            if not ts:
+        for label, curve in curves.items():
+            xs: list[float] = []
+            ys: list[float] = []
+            left_out, segments = 0, _segments(curve)
+            for ts, vs in segments:  # NaN between two: not drawn, nor joined
+                out = [_unplottable(v / scale, logy) for v in vs]
+                left_out += sum(out)
+                xs += [math.nan] * bool(xs) + self.x(ts)
+                ys += [math.nan] * bool(ys) + [math.nan if o else v / scale for v, o in zip(vs, out, strict=True)]
+            if not xs:
                 continue
-            out = [_unplottable(v / scale, logy) for v in vs]
-            ys = [math.nan if o else v / scale for v, o in zip(vs, out, strict=True)]  # NaN: not drawn
-            left_out = sum(out)
             self.beyond += left_out
-            xs = self.x(ts)
-            for i in reversed([i for i in range(1, len(ts)) if ts[i] < ts[i - 1]]):  # epochs(): a segment each
-                xs.insert(i, math.nan)
-                ys.insert(i, math.nan)
             if step:
                 drawn += ax.step(xs, ys, where="post", label=label)
             else:
                 drawn += ax.plot(xs, ys, marker=marker, markersize=3, linewidth=1.2, label=label)
-            n += len(ts) - left_out
+            n += sum(len(ts) for ts, _ in segments) - left_out
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -625,15 +628,9 @@ def _missing(names: Iterable[str], who: str) -> str:
     return f"not recorded: {', '.join(names)} (exported by {who}) is not in the run log"
 
 
-def _set(curves: Mapping[str, Series]) -> dict[str, Series]:
-    """A gauge reads 0 until its process first sets it (an AUC before any sample): points before the first
-    nonzero value are left out (:func:`_set_numbered`)."""
-    return {k: _flat(eps) for k, eps in _set_numbered({k: [(0, s)] for k, s in curves.items()}).items()}
-
-
 def _set_numbered(curves: Mapping[str, Numbered]) -> dict[str, Numbered]:
-    """:func:`_set` over each curve's epochs: the points before its first nonzero value in any epoch are left out, and
-    a curve with none."""
+    """A gauge reads 0 until its process first sets it (an AUC before any sample): over each curve's epochs, the points
+    before its first nonzero value in any epoch are left out, and a curve with none."""
     out = {}
     for k, eps in curves.items():
         skip = next((i for i, v in enumerate(_flat(eps)[1]) if v != 0), None)
@@ -660,18 +657,17 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
                   "(bottom) over event time: each scrape's values against streamrec_learner_event_time_seconds, the "
                   "event time of the newest sample trained at that scrape.")
     rec = inp.rec
-    auc_n = _set_numbered({**_named(series_numbered(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
-                           **_named(series_numbered(rec, "streamrec_learner_window_auc"),
-                                    "progressive AUC (window, trained samples)")})
-    ne_n = _set_numbered(_named(series_numbered(rec, "streamrec_learner_served_ne"), "served NE (window)"))
-    auc, ne = ({k: _flat(eps) for k, eps in c.items()} for c in (auc_n, ne_n))
+    auc = _set_numbered({**_named(series_numbered(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
+                         **_named(series_numbered(rec, "streamrec_learner_window_auc"),
+                                  "progressive AUC (window, trained samples)")})
+    ne = _set_numbered(_named(series_numbered(rec, "streamrec_learner_served_ne"), "served NE (window)"))
     fig, (a1, a2, a3) = p.figure(3, 1)
     sec.points = p.lines(a1, auc, "AUC", "Served AUC over time (learner)") + p.lines(
         a2, ne, "NE (logloss / base-rate entropy)", "Served normalized entropy over time (learner)")
     if ne:
         a2.axhline(1.0, color="red", linestyle=":", linewidth=1, label="1 = no better than the base rate")
         a2.legend(fontsize=8, loc="best")
-    sec.points += event_time_plot(a3, rec, {**auc_n, **ne_n})
+    sec.points += event_time_plot(a3, rec, {**auc, **ne})
     sec.png = p.png(fig)
     if not auc and not ne:
         sec.missing.append(_missing(["streamrec_learner_served_auc", "streamrec_learner_served_ne"],
@@ -737,10 +733,10 @@ def s_cold(p: Plotter, inp: Inputs) -> Section:
                   "impressions (streamrec_learner_served_cold_auc); below, the share of id lookups answered by a "
                   "shared hash bucket (ids not admitted yet), per field (streamrec_learner_bucket_share).")
     rec = inp.rec
-    auc = _set({**_named(series(rec, "streamrec_learner_cold_auc"), "cold users"),
-                **_named(series(rec, "streamrec_learner_warm_auc"), "warm users"),
-                **_named(series(rec, "streamrec_learner_served_cold_auc"), "cold users, served")})
-    share = series(rec, "streamrec_learner_bucket_share", by=("field",))
+    auc = _set_numbered({**_named(series_numbered(rec, "streamrec_learner_cold_auc"), "cold users"),
+                         **_named(series_numbered(rec, "streamrec_learner_warm_auc"), "warm users"),
+                         **_named(series_numbered(rec, "streamrec_learner_served_cold_auc"), "cold users, served")})
+    share = series_numbered(rec, "streamrec_learner_bucket_share", by=("field",))
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, auc, "AUC", "Window AUC, cold vs warm users (learner)")
     p.lines(a2, share, "share of lookups (0-1)", "Lookups served by hash buckets, per field (learner)")
@@ -804,9 +800,9 @@ def s_lag(p: Plotter, inp: Inputs) -> Section:
                   "impressions waiting for their attribution window to close (streamrec_join_pending_impressions) "
                   "and its input partitions paused for backpressure (streamrec_join_input_paused).")
     rec = inp.rec
-    lag = _named(series(rec, "streamrec_learner_lag_samples"), "learner: messages behind")
-    pending = _named(series(rec, "streamrec_join_pending_impressions"), "joiner: pending impressions")
-    paused = _named(series(rec, "streamrec_join_input_paused"), "joiner: partitions paused")
+    lag = _named(series_numbered(rec, "streamrec_learner_lag_samples"), "learner: messages behind")
+    pending = _named(series_numbered(rec, "streamrec_join_pending_impressions"), "joiner: pending impressions")
+    paused = _named(series_numbered(rec, "streamrec_join_input_paused"), "joiner: partitions paused")
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, lag, "messages", "Learner lag behind the samples topic")
     sec.points += p.lines(a2, {**pending, **paused}, "impressions / partitions", "Joiner backlog")
@@ -828,7 +824,7 @@ def s_grad(p: Plotter, inp: Inputs) -> Section:
     rec = inp.rec
     hist = histogram_over_time(rec, "streamrec_learner_grad_norm", "part")
     curves = {f"{k} {stat}": s for k, stats in hist.items() for stat, s in stats.items()}
-    upd = series(rec, "streamrec_learner_update_norm", by=("part",))
+    upd = series_numbered(rec, "streamrec_learner_update_norm", by=("part",))
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, curves, "L2 norm (log)", "Gradient L2 norm per step (learner)", logy=True)
     sec.points += p.lines(a2, {k: s for k, s in upd.items()}, "L2 norm (log)",
@@ -847,8 +843,8 @@ def s_coverage(p: Plotter, inp: Inputs) -> Section:
                   "whose upstream broke drops to 0). Below: per dynamic-id field, the share of its own rows in use "
                   "(streamrec_learner_id_occupancy).")
     rec = inp.rec
-    cov = {k: s for k, s in series(rec, "streamrec_learner_field_coverage", by=("field",)).items()}
-    occ = {k: s for k, s in series(rec, "streamrec_learner_id_occupancy", by=("field",)).items()}
+    cov = series_numbered(rec, "streamrec_learner_field_coverage", by=("field",))
+    occ = series_numbered(rec, "streamrec_learner_id_occupancy", by=("field",))
     fig, (a1, a2) = p.figure(2, 1, height=3.6)
     sec.points = p.lines(a1, cov, "share of samples (0-1)", "Samples carrying each field (learner)",
                          ylim=(0, 1.05))
@@ -866,10 +862,10 @@ def s_memory(p: Plotter, inp: Inputs) -> Section:
                   "(streamrec_learner_memory_growth_bytes_per_hour, least-squares slope over 10 minutes; NaN, "
                   "so not drawn, for the first 5).")
     rec = inp.rec
-    mem = _set({**_named(series(rec, "streamrec_learner_rss_bytes"), "learner RSS"),
-                **_named(series(rec, "streamrec_learner_cuda_memory_bytes", by=("kind",)), "CUDA")})
-    growth = {k: _finite(s) for k, s in
-              series(rec, "streamrec_learner_memory_growth_bytes_per_hour", by=("memory",)).items()}
+    mem = _set_numbered({**_named(series_numbered(rec, "streamrec_learner_rss_bytes"), "learner RSS"),
+                         **_named(series_numbered(rec, "streamrec_learner_cuda_memory_bytes", by=("kind",)), "CUDA")})
+    growth = {k: [(e, _finite(s)) for e, s in eps] for k, eps in
+              series_numbered(rec, "streamrec_learner_memory_growth_bytes_per_hour", by=("memory",)).items()}
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, mem, "MiB", "Learner memory", scale=2**20)
     p.lines(a2, growth, "MiB per hour", "Learner memory growth rate", scale=2**20,
@@ -889,7 +885,7 @@ def s_hot(p: Plotter, inp: Inputs) -> Section:
                   "(streamrec_serving_hot_cache_hit_rate), and the reads per second by tier "
                   "(streamrec_serving_embedding_lookups_total). The hot set's size is the refresh summary's.")
     rec = inp.rec
-    hit = _named(series(rec, "streamrec_serving_hot_cache_hit_rate"), "hit rate")
+    hit = _named(series_numbered(rec, "streamrec_serving_hot_cache_hit_rate"), "hit rate")
     tiers = {k + " rows/s": s
              for k, s in counter_rates(rec, "streamrec_serving_embedding_lookups_total", by=("tier",)).items()}
     fig, (a1, a2) = p.figure(2, 1)
@@ -916,11 +912,12 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
                   "its artifact). Bottom: the joiner's event-time watermark (streamrec_join_watermark_ms, oldest "
                   "partition) against wall time.")
     rec = inp.rec
-    learner = _named(series(rec, "streamrec_learner_samples_total"), "learner: samples trained")
-    deltas: dict[str, Series] = {}
+    learner: dict[str, Curve] = {**_named(series_numbered(rec, "streamrec_learner_samples_total"),
+                                          "learner: samples trained")}
+    deltas: dict[str, Curve] = {}
     if inp.deltas:
         deltas["deltas written: samples trained"] = ([d[0] for d in inp.deltas], [float(d[2]) for d in inp.deltas])
-    seq = _named(series(rec, "streamrec_serving_delta_seq"), "serving: delta seq applied")
+    seq = _named(series_numbered(rec, "streamrec_serving_delta_seq"), "serving: delta seq applied")
     wm = series(rec, "streamrec_join_watermark_ms")
     wm_min = {k: s for k, s in {"joiner watermark": _min_over(rec, "streamrec_join_watermark_ms")}.items() if s[0]}
     wm_dates = [(t, d) for t, v in zip(*wm_min.get("joiner watermark", ([], [])), strict=True)
@@ -962,6 +959,17 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+def _segments(curve: Curve) -> list[Series]:
+    """The stretches of a curve drawn as one line each: its epochs (:func:`series_numbered`), or of a Series (a rate, a
+    quantile, the deltas' files) the stretches between the points where ``t`` drops (:func:`epochs` one after the
+    other: a step back seen only in the monitor's other records is not among them)."""
+    if not isinstance(curve, tuple):
+        return [s for _, s in curve if s[0]]
+    ts, vs = curve
+    cuts = [0, *(i for i in range(1, len(ts)) if ts[i] < ts[i - 1]), len(ts)]
+    return [(ts[a:b], vs[a:b]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
 def _finite(s: Series) -> Series:
     keep = [i for i, v in enumerate(s[1]) if math.isfinite(v)]
     return [s[0][i] for i in keep], [s[1][i] for i in keep]
@@ -988,7 +996,7 @@ def s_dlq(p: Plotter, inp: Inputs) -> Section:
                   "totals of the batch stages' summaries (replay: dead-lettered at the source and malformed "
                   "published; join: dead-lettered).")
     rec = inp.rec
-    dlq = series(rec, "streamrec_dlq_messages_total", by=("topic", "kind"))
+    dlq = series_numbered(rec, "streamrec_dlq_messages_total", by=("topic", "kind"))
     totals: dict[str, float] = {}
     for stage, key, bar in (("replay", "dead_lettered", "replay: dead-lettered\nat source"),
                             ("replay", "malformed_published", "replay: malformed\npublished"),

@@ -243,3 +243,26 @@ def test_the_average_bar_of_ranks_side_by_side_before_a_clock_step_is_what_it_re
         report.s_throughput(report.Plotter(500.0, 600.0),
                             report.Inputs(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines[:n]))))
         assert drawn == {"train\n(samples/s, counter)": pytest.approx(20.0)}, n
+
+
+def test_a_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_failed_scrapes() -> None:
+    # the learner's count at t=100 and 110, then failed scrapes at t=90, 100, 110 (the clock stepped back 20 s), then
+    # 450 at t=115: its own t never drops, and the freshness plot drew one line from t=110 to 115 across the step
+    pytest.importorskip("matplotlib")
+    rec = report.Recording()
+    for line in (scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
+                 *(record("scrape_error", t, source="learner", error="refused") for t in (90.0, 100.0, 110.0)),
+                 scrape(115.0, [SAMPLES, {}, 450])):
+        rec.add(json.loads(line))
+    p = report.Plotter(90.0, 30.0)
+    drawn: list[list[float]] = []
+
+    def png(fig: Any) -> bytes:
+        drawn.extend(list(line.get_xdata()) for line in fig.axes[0].get_lines())
+        p.plt.close(fig)
+        return b""
+
+    p.png = png  # type: ignore[method-assign]
+    report.s_fresh(p, report.Inputs(rec))
+    (xs,) = drawn
+    assert xs[:2] == [10.0, 20.0] and math.isnan(xs[2]) and xs[3:] == [25.0]
