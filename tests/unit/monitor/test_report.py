@@ -48,6 +48,19 @@ def learner_text(samples: int, auc: float, grad_counts: tuple[int, int, int], gr
             "process_cpu_seconds_total 12\n")
 
 
+class Printed(list[str]):
+    """What :func:`report.follow` printed, a string per write: an output that is no terminal."""
+
+    def write(self, s: str) -> None:
+        self.append(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
 class Nothing:
     name, timeout_s, batch_max = "nothing", 1.0, 100
 
@@ -180,17 +193,7 @@ def test_summaries_are_told_apart_and_bad_ones_named(tmp_path: Path) -> None:
 def test_progress_lines_follow_one_source(tmp_path: Path) -> None:
     path = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0), learner_text(500, 0.7, (0, 0, 0), 0)])
 
-    class Out(list[str]):
-        def write(self, s: str) -> None:
-            self.append(s)
-
-        def flush(self) -> None:
-            pass
-
-        def isatty(self) -> bool:
-            return False
-
-    out = Out()
+    out = Printed()
     assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 2  # type: ignore[arg-type]
     assert out[-1] == "learner: 500 samples trained (500/s), 7 messages behind, served AUC 0.7000\n"
 
@@ -308,17 +311,7 @@ def test_follow_starts_from_the_tail_of_a_large_run_log_then_follows_what_is_app
                 f.write(scrape(500))
         return len(calls) < 2
 
-    class Out(list[str]):
-        def write(self, s: str) -> None:
-            self.append(s)
-
-        def flush(self) -> None:
-            pass
-
-        def isatty(self) -> bool:
-            return False
-
-    out = Out()
+    out = Printed()
     seen = report.follow(path, "learner", alive, out, every_s=0, print_every_s=0,  # type: ignore[arg-type]
                          tail_bytes=tail_bytes)
     printed = [int(line.split()[1].replace(",", "")) // 1000 for line in out]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from monitor import report
+from tests.unit.monitor.test_report import Printed
 
 SAMPLES = "streamrec_learner_samples_total"
 GRAD = "streamrec_learner_grad_norm"
@@ -95,17 +96,7 @@ def test_a_clock_stepping_back_between_scrapes_gives_the_histogram_of_each_inter
 
 
 def test_the_progress_line_after_a_clock_step_back_reads_the_rate_since_the_step(tmp_path: Path) -> None:
-    class Out(list[str]):
-        def write(self, s: str) -> None:
-            self.append(s)
-
-        def flush(self) -> None:
-            pass
-
-        def isatty(self) -> bool:
-            return False
-
-    out = Out()
+    out = Printed()
     path = write(tmp_path / "run-log.jsonl", *counted((0, 100, 200, 300)))
     assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 4  # type: ignore[arg-type]
     # the line at t=115 read 40/s: its rate was taken from the scrape at t=110, before the step
@@ -192,20 +183,10 @@ def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_it
 
 def test_the_progress_line_after_a_clock_step_seen_only_in_failed_scrapes_reads_no_rate_across_it(
         tmp_path: Path) -> None:
-    class Out(list[str]):
-        def write(self, s: str) -> None:
-            self.append(s)
-
-        def flush(self) -> None:
-            pass
-
-        def isatty(self) -> bool:
-            return False
-
     errors = [record("scrape_error", t, source="learner", error="connection refused") for t in (90.0, 100.0, 110.0)]
     path = write(tmp_path / "run-log.jsonl", scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
                  *errors, scrape(115.0, [SAMPLES, {}, 450]))
-    out = Out()
+    out = Printed()
     assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 3  # type: ignore[arg-type]
     # the line at t=115 read 70/s: 350 samples over 5 s, where 35 s had passed
     assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
