@@ -283,8 +283,8 @@ def _claim(client: Any, prefix: str, version: str, owner: str, rows: int) -> Non
         meta = read_meta(client, prefix, version)  # a version written before the markers has a meta only
     except ValueError as exc:
         raise taken(f"its meta not one a refresh writes ({exc})") from None
-    if meta is not None and (not isinstance(meta, dict) or meta.get("owner", "") != owner):
-        raise taken(f"written by {meta.get('owner', '') if isinstance(meta, dict) else meta!r}")
+    if meta is not None and meta.get("owner", "") != owner:
+        raise taken(f"written by {meta.get('owner', '')}")
     key = writer_key(prefix, version)
     if client.set(key, json.dumps({"owner": owner, "rows": rows}), nx=True):
         return
@@ -328,15 +328,20 @@ def _type_name(client: Any, key: str) -> str:
 
 
 def decode_meta(key: str, raw: bytes | None) -> dict[str, Any] | None:
-    """The meta stored at ``key`` from its raw value (None: none); a ValueError naming the key for a value that is
-    not JSON or not UTF-8: not written by a refresh."""
+    """The meta stored at ``key`` from its raw value (None: no such key); a ValueError naming the key for a value that
+    is not JSON, not UTF-8, or JSON but no object (``null`` included: the key exists, so the meta is damaged, not
+    absent; read as absent, a refresh wrote over it and serving said the version was not stored): not written by a
+    refresh."""
     if raw is None:
         return None
     try:
-        return json.loads(raw)
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise ValueError(f"JSON {type(meta).__name__}, not an object")
     except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is one; RecursionError: "[[[[..." too deep)
         raise ValueError(f"{key} is not a meta a refresh writes ({type(exc).__name__}: {exc}; {raw[:80]!r}); "
                          "republish with `streamrec refresh --now`") from None
+    return meta
 
 
 def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[str]:
@@ -349,9 +354,9 @@ def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[s
         if owner is not None:
             try:
                 meta = read_meta(client, prefix, version)
-            except ValueError:  # not JSON: not a meta this code wrote, so not this owner's
+            except ValueError:  # not a JSON object: not a meta this code wrote, so not this owner's
                 continue
-            if not isinstance(meta, dict) or meta.get("owner", "") != owner:
+            if meta is None or meta.get("owner", "") != owner:  # None: deleted since the scan
                 continue
         out.add(version)
     return out

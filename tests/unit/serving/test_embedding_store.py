@@ -304,6 +304,24 @@ class MarkerClient(FakeClient):
         return b"hash" if key in self.hashes else b"string"
 
 
+@pytest.mark.parametrize("meta", [b"null", b"[]", b"3", b'"rows"', b"true"])
+def test_a_meta_key_holding_json_that_is_no_object_is_damaged_not_absent(meta: bytes) -> None:
+    """A meta key of JSON ``null`` read as no meta: ``write_version`` wrote over the key as if the version were free,
+    and ``open()`` said the version was not stored although its key exists. Any non-object is refused alike."""
+    from serving.embedding_store import VersionNotStored, VersionTaken, write_version
+
+    table = np.zeros((10, 3), np.float32)
+    store, client = _store(table, lambda: 0.0)
+    client.values["p:emb:v:meta"] = meta
+    with pytest.raises(ValueError, match="p:emb:v:meta is not a meta") as exc:
+        LayeredRows(store, "v", table, [], None)
+    assert not isinstance(exc.value, VersionNotStored) and store.available
+    marker = MarkerClient({"p:emb:v:meta": meta})
+    with pytest.raises(VersionTaken, match="its meta not one a refresh writes"):
+        write_version(marker, "p", "v", np.zeros((2, 4), np.float32), np.arange(2), RowDtype.FLOAT32, owner="o")
+    assert marker.values == {"p:emb:v:meta": meta}  # nothing written
+
+
 @pytest.mark.parametrize(("values", "hashes", "said"), [
     ({"p:emb:v:writer": b"{not json"}, set(), r"its writer marker b'\{not json'"),
     ({}, {"p:emb:v:writer"}, "p:emb:v:writer is a Redis hash")])
@@ -354,11 +372,7 @@ def test_any_meta_bytes_open_the_version_or_are_a_value_error(meta: bytes) -> No
 def test_any_meta_or_writer_marker_bytes_of_another_writer_are_version_taken(value: bytes) -> None:
     from serving.embedding_store import VersionTaken, write_version
 
-    try:  # a meta of JSON null reads as no meta (read_meta): the version is then free, not taken
-        keys = ["p:emb:v:writer"] + (["p:emb:v:meta"] if json.loads(value) is not None else [])
-    except (ValueError, RecursionError):
-        keys = ["p:emb:v:writer", "p:emb:v:meta"]
-    for key in keys:
+    for key in ["p:emb:v:writer", "p:emb:v:meta"]:  # a meta of JSON null too: the key exists, so it is damaged
         client = MarkerClient({key: value})
         with pytest.raises(VersionTaken):
             write_version(client, "p", "v", np.zeros((2, 4), np.float32), np.arange(2), RowDtype.FLOAT32, owner="o")
