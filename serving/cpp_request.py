@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from tokenize import TokenError
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,8 @@ from stream.errors import ConfigError, clip
 from stream.features import hash_value
 from stream.files import read_regular, write_atomic
 
-FILES = ("values.npy", "offsets.npy", "dense.npy")
+LAYOUT = {"values.npy": ("<i8", 1), "offsets.npy": ("<i8", 1), "dense.npy": ("<f4", 2)}  # dtype, dimensions
+FILES = tuple(LAYOUT)
 MAX_REQUEST_FILE_BYTES = 64 << 20  # the request file: far above any body serving accepts (max_body_bytes)
 # One of FILES: a request's row tensors (1000 candidates x a few hundred rows, int64) are far under this.
 MAX_INPUT_FILE_BYTES = 256 << 20
@@ -74,20 +77,29 @@ def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(values, offsets, dense)`` as :func:`write_inputs` wrote them into ``in_dir``.
 
     Each file is read with :func:`stream.files.read_regular` (at most ``MAX_INPUT_FILE_BYTES``): a FIFO in its place
-    hung the reader for good, ``/dev/zero`` read without end. That, a missing or unreadable file, or one that is no
-    .npy array (a pickle included) is a :class:`ConfigError` naming the file."""
+    hung the reader for good, ``/dev/zero`` read without end. That, a missing or unreadable file, or one that is not
+    what :func:`write_inputs` writes (.npy format 1.0, C-order, its :data:`LAYOUT` dtype and dimensions, its data
+    exactly the size its header says; not a pickle, not an .npz) is a :class:`ConfigError` naming the file. The header
+    is checked before any array is made: a float64 or big-endian file decoded as other numbers, and an empty file,
+    or a header cut short or nested past the parser, escaped as EOFError, tokenize.TokenError or RecursionError."""
     arrays = []
-    for name in FILES:
+    for name, (dtype, ndim) in LAYOUT.items():
         path = Path(in_dir) / name
         try:
-            arr = np.load(io.BytesIO(read_regular(path, MAX_INPUT_FILE_BYTES, "a request's .npy input")),
-                          allow_pickle=False)
-        except (OSError, ValueError) as exc:
+            data = read_regular(path, MAX_INPUT_FILE_BYTES, "a request's .npy input")
+            buf = io.BytesIO(data)
+            if np.lib.format.read_magic(buf) != (1, 0):
+                raise ValueError("not .npy format 1.0")
+            shape, fortran, dt = np.lib.format.read_array_header_1_0(buf)
+            if dt != np.dtype(dtype) or fortran or len(shape) != ndim:
+                raise ValueError(f"a {'Fortran' if fortran else 'C'}-order {dt.str} array of shape {shape}, not "
+                                 f"a C-order {dtype} array of {ndim} dimension(s)")
+            if math.prod(shape) * dt.itemsize != len(data) - buf.tell():
+                raise ValueError(f"{len(data) - buf.tell()} bytes of data for shape {shape}")
+            arrays.append(np.load(io.BytesIO(data), allow_pickle=False))
+        except (OSError, ValueError, EOFError, SyntaxError, TokenError, RecursionError) as exc:
             raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) cannot be read: {clip(str(exc), 300)}"
                               ) from None
-        if not isinstance(arr, np.ndarray):  # an .npz archive loads as one
-            raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) is no .npy array (an .npz archive?)")
-        arrays.append(arr)
     values, offsets, dense = arrays
     return values, offsets, dense
 

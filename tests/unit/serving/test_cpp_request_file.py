@@ -4,12 +4,15 @@ here is fed a request by a writer thread (``tests.fifos``), so the old code read
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from serving import cpp_request
 from stream.errors import ConfigError
@@ -83,3 +86,65 @@ def test_an_input_written_over_a_fifo_replaces_it_rather_than_waiting_for_a_read
         os.close(reader)
     assert stat.S_ISREG((req / "values.npy").lstat().st_mode)
     assert cpp_request.read_inputs(req)[0].tolist() == [0, 1, 2, 3]
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _header(text: str) -> bytes:
+    """A .npy 1.0 file of just this header text (padded as np.save pads), no data."""
+    n = len(text) + 1
+    pad = -(10 + n) % 64
+    return b"\x93NUMPY\x01\x00" + (n + pad).to_bytes(2, "little") + text.encode() + b" " * pad + b"\n"
+
+
+_GOOD_VALUES = _npy(np.arange(4, dtype="<i8"))
+
+
+@pytest.mark.parametrize(("name", "data"), [
+    ("values.npy", b""),  # EOFError escaped
+    ("values.npy", _header("{'descr': '<i8', 'fortran_order': False, 'shape': (4")),  # tokenize.TokenError escaped
+    ("values.npy", _header("-" * 5000 + "1")),  # RecursionError escaped
+    ("values.npy", _GOOD_VALUES[:-1]),  # truncated data
+    ("values.npy", _GOOD_VALUES + b"\0" * 8),  # more data than the header says
+    ("values.npy", _npy(np.arange(4.0))),  # float64 read as the rows
+    ("values.npy", _npy(np.arange(4, dtype=">i8"))),  # big-endian: the C++ reader maps little-endian
+    ("values.npy", _npy(np.arange(4, dtype=np.int32))),
+    ("values.npy", _npy(np.zeros((2, 2), np.int64))),  # 2-D rows
+    ("offsets.npy", _npy(np.int64(3))),  # 0-D
+    ("dense.npy", _npy(np.zeros(3, np.float32))),  # 1-D dense
+    ("dense.npy", _npy(np.asfortranarray(np.zeros((3, 2), np.float32)))),  # Fortran order
+    ("dense.npy", _npy(np.zeros((1, 3), np.float64))),
+    ("values.npy", _header("{'descr': '|O', 'fortran_order': False, 'shape': (1,)}") + b"\0" * 8),  # object
+])
+def test_an_input_of_another_layout_or_cut_short_is_a_config_error_naming_it(
+        tmp_path: Path, name: str, data: bytes) -> None:
+    """Each file must be what write_inputs writes (C-order little-endian int64 (N,), int64 (F + F * B + 1,), float32
+    (B, Dd), its data exactly the header's size): other files decoded as something else, or escaped as EOFError,
+    tokenize.TokenError or RecursionError."""
+    req = inputs(tmp_path / "req")
+    (req / name).write_bytes(data)
+    with pytest.raises(ConfigError, match=rf"request input .*{name} \(REQUEST_DIR/{name}\)"):
+        cpp_request.read_inputs(req)
+
+
+@given(st.sampled_from(cpp_request.FILES), st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda cut: _GOOD_VALUES[:cut], st.integers(0, len(_GOOD_VALUES))),
+    st.builds(lambda at, byte: _GOOD_VALUES[:at] + bytes([byte]) + _GOOD_VALUES[at + 1:],
+              st.integers(0, len(_GOOD_VALUES) - 1), st.integers(0, 255))))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_input_bytes_read_as_the_written_layout_or_are_a_config_error(tmp_path: Path, name: str,
+                                                                          data: bytes) -> None:
+    req = inputs(tmp_path / "req")
+    (req / name).write_bytes(data)
+    try:
+        arrays = cpp_request.read_inputs(req)
+    except ConfigError as exc:
+        assert f"REQUEST_DIR/{name}" in str(exc)
+        return
+    for arr, (dtype, ndim) in zip(arrays, cpp_request.LAYOUT.values(), strict=True):
+        assert arr.dtype == np.dtype(dtype) and arr.ndim == ndim and arr.flags.c_contiguous
