@@ -74,7 +74,7 @@ from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
 from stream.config import KafkaSettings
-from stream.errors import StreamrecError
+from stream.errors import StreamrecError, clip
 from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
 from stream.secrets import hide_url_path, redact, redacted_repr
 
@@ -206,18 +206,58 @@ class Alert:
     @classmethod
     def from_json(cls, data: bytes | str, rule_labels: Mapping[str, str] | None = None) -> Alert:
         """An alert as a sink sent it; one an older writer sent without ``kind`` and ``fingerprint`` gets those the
-        monitor now gives it (:func:`legacy_identity`; ``rule_labels`` are its rule's labels, when known)."""
-        d = json.loads(data)
-        labels = dict(d.get("labels") or {})
-        kind = AlertKind(d["kind"]) if d.get("kind") else None
-        if d.get("fingerprint"):
-            kind, fingerprint = kind or AlertKind.SERIES, str(d["fingerprint"])
+        monitor now gives it (:func:`legacy_identity`; ``rule_labels`` are its rule's labels, when known).
+
+        Any other record is a ValueError saying what is wrong: not JSON (or not UTF-8), nested past the parser, not an
+        object, a missing key, or a field of another type or value than the module docstring's (``ts`` an integer,
+        ``value`` and ``threshold`` a number, null or one of its three strings, ``labels`` strings to strings).
+        ``kind`` and ``fingerprint`` may be missing, null or empty (an older writer)."""
+        try:
+            d = json.loads(data)
+        except RecursionError:
+            raise ValueError("alert record nested too deep for the JSON parser") from None
+        except ValueError as exc:  # UnicodeDecodeError is one
+            raise ValueError(f"alert record is not JSON ({exc})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"alert record is not a JSON object but {type(d).__name__}")
+
+        def get(key: str, ok: Callable[[Any], bool], what: str, optional: bool = False) -> Any:
+            if key not in d and not optional:
+                raise ValueError(f"alert record is missing {key!r}")
+            v = d.get(key)
+            if not (ok(v) or optional and v in (None, "")):
+                shown = clip(repr(v), 80) if v is None or type(v) in (str, int, float, bool) else type(v).__name__
+                raise ValueError(f"alert record's {key!r} is not {what}: {shown}")
+            return v
+
+        def member(e: type[enum.Enum]) -> Callable[[Any], bool]:
+            return lambda v: isinstance(v, str) and v in {m.value for m in e}
+
+        def number(v: Any) -> bool:
+            if type(v) is int:
+                try:
+                    float(v)
+                except OverflowError:  # a JSON integer past a float's range
+                    return False
+            return v is None or isinstance(v, str) and v in ("NaN", "+Inf", "-Inf") or type(v) in (int, float)
+
+        labels = get("labels", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                     "an object of strings", optional=True) or {}
+        kind_ = get("kind", member(AlertKind), "series or absent", optional=True)
+        kind = AlertKind(kind_) if kind_ else None
+        rule = get("rule", lambda v: isinstance(v, str), "a string")
+        if fp := get("fingerprint", lambda v: isinstance(v, str), "a string", optional=True):
+            kind, fingerprint = kind or AlertKind.SERIES, fp
         else:
-            kind, fingerprint = legacy_identity(d["rule"], labels, rule_labels, kind)
-        return cls(rule=d["rule"], source=d["source"], severity=Severity(d["severity"]),
-                   state=AlertState(d["state"]), value=decode_value(d["value"]),
-                   threshold=decode_value(d["threshold"]), message=d["message"], ts=int(d["ts"]),
-                   labels=labels, kind=kind, fingerprint=fingerprint)
+            kind, fingerprint = legacy_identity(rule, labels, rule_labels, kind)
+        return cls(rule=rule, source=get("source", lambda v: isinstance(v, str), "a string"),
+                   severity=Severity(get("severity", member(Severity), "a severity")),
+                   state=AlertState(get("state", member(AlertState), "firing or resolved")),
+                   value=decode_value(get("value", number, "a number, null, NaN, +Inf or -Inf")),
+                   threshold=decode_value(get("threshold", number, "a number, null, NaN, +Inf or -Inf")),
+                   message=get("message", lambda v: isinstance(v, str), "a string"),
+                   ts=get("ts", lambda v: type(v) is int, "an integer (milliseconds)"), labels=labels, kind=kind,
+                   fingerprint=fingerprint)
 
     def shortened(self, limit: int = 1024) -> Alert:
         """This alert with its message and each label name and value cut to ``limit`` characters (saying how long
