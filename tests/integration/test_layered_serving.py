@@ -506,10 +506,11 @@ def test_a_delta_applied_before_the_version_meta_was_read_writes_rows_in_the_ver
         store.client.close()
 
 
-@pytest.mark.parametrize("garbage", [b'"not a dict"', b"[1, 2]", json.dumps(
-    {"rows": CFG.num_rows, "dim": CFG.embedding_dim + 1, "dtype": ["float32"]}).encode()])
+@pytest.mark.parametrize(("garbage", "said"), [
+    (b'"not a dict"', "is not a meta a refresh writes"), (b"[1, 2]", "is not a meta a refresh writes"),
+    (json.dumps({"rows": CFG.num_rows, "dim": CFG.embedding_dim + 1, "dtype": ["float32"]}).encode(), "fit")])
 def test_a_garbage_meta_read_after_load_falls_back_instead_of_failing_the_request(
-        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path, garbage: bytes) -> None:
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path, garbage: bytes, said: str) -> None:
     path = publish_version(tmp_path, redis_client, prefix)
     clock = Clock()
     store, real = store_down_at_load(stack, prefix, clock)
@@ -521,7 +522,7 @@ def test_a_garbage_meta_read_after_load_falls_back_instead_of_failing_the_reques
         redis_client.set(f"{prefix}:emb:v1:meta", garbage)
         scores = score(layered, request(ADMITTED_USERS[2], ADMITTED_ITEMS[:30]))  # no exception: fallback rows
         assert bool(torch.isfinite(scores).all())
-        assert store.last_error is not None and "fit" in store.last_error
+        assert store.last_error is not None and said in store.last_error
         assert len(layered.layered.cache) == 0  # type: ignore[union-attr]
     finally:
         store.client.close()
@@ -530,8 +531,8 @@ def test_a_garbage_meta_read_after_load_falls_back_instead_of_failing_the_reques
 def test_a_garbage_meta_at_load_is_an_artifact_error_naming_it(stack: LocalStack, redis_client: redis.Redis,
                                                                prefix: str, tmp_path: Path) -> None:
     path = publish_version(tmp_path, redis_client, prefix)
-    redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")
-    assert_load_refused(stack, prefix, path, "do not fit the artifact")
+    redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")  # JSON, no meta object (decode_meta)
+    assert_load_refused(stack, prefix, path, r"emb:v1:meta is not a meta a refresh writes \(ValueError: JSON list")
 
 
 def test_non_finite_rows_in_redis_are_not_served_nor_cached(stack: LocalStack, redis_client: redis.Redis,
@@ -948,14 +949,14 @@ def test_an_artifact_refused_for_another_reason_is_not_tried_again_until_its_fil
         stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
     root = tmp_path / "serving"
     publish_version(root, redis_client, prefix)
-    redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")  # rows that do not fit: refused, and not retried
+    redis_client.set(f"{prefix}:emb:v1:meta", b"[1, 2]")  # no meta a refresh writes: refused, and not retried
     metrics = ServingMetrics(lambda: None)
     store = store_of(stack, prefix, metrics=metrics)
     clock, calls = Clock(), []  # type: ignore[var-annotated]
     try:
         updater = updater_of(root, store, metrics, clock, calls)
         updater.check_now()
-        assert updater.holder.live is None and "do not fit" in (updater.holder.problem or "")
+        assert updater.holder.live is None and "is not a meta a refresh writes" in (updater.holder.problem or "")
         for t in (600.0, 6000.0, 60000.0):
             clock.now = t
             updater.check_now()
