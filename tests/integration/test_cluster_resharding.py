@@ -4,6 +4,7 @@ while a command runs are followed (MOVED, ASK) or refused (TRYAGAIN), never lost
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import Counter
@@ -31,6 +32,16 @@ def prefix() -> str:
     return f"r{uuid.uuid4().hex[:10]}"
 
 
+@contextlib.contextmanager
+def cluster_client(nodes: ClusterNodes, prefix: str, **kw: Any) -> Iterator[Any]:
+    """A streamrec cluster client of ``nodes`` (``connect``'s keywords), closed after the block."""
+    client = connect(RedisSettings(url=nodes.url, prefix=prefix, cluster=True), **kw)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 def keys_left(client: Any) -> int:
     return sum(n.redis_connection.dbsize() for n in client.get_primaries())
 
@@ -40,8 +51,7 @@ def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_an
     # delete_version found a version's rows by SCAN, one walk per primary: the keys a resharding moved from a node not
     # yet walked to one walked already were never seen, and were left with neither meta nor writer marker, so no prune
     # or cleanup ever found them again (10,000 rows, 200 slots moved mid-delete: ~30 keys left on the cluster).
-    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
-    try:
+    with cluster_client(cluster_nodes, prefix, timeout_s=5.0) as client:
         n_rows = 10_000
         table = np.zeros((n_rows, 3), np.float32)  # (N, D + 1)
         embedding_store.write_version(client, prefix, "v1", table, np.arange(n_rows), RowDtype.FLOAT32,
@@ -78,15 +88,12 @@ def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_an
         assert moved
         cluster_nodes.finish_move(split, 2, 0)
         assert keys_left(client) == 0
-    finally:
-        client.close()
 
 
 def test_history_and_counts_on_a_slot_a_resharding_splits_or_moved_fail_as_outages_and_count_once_when_retried(
         cluster_nodes: ClusterNodes, prefix: str) -> None:
     # README "Counts and history on Redis Cluster", Resharding: never a wrong answer, a failure the callers retry
-    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
-    try:
+    with cluster_client(cluster_nodes, prefix, timeout_s=5.0) as client:
         history = UserHistory(client, prefix=prefix, max_len=8)
         by_slot: dict[int, list[int]] = {}
         for u in range(100_000):
@@ -118,8 +125,6 @@ def test_history_and_counts_on_a_slot_a_resharding_splits_or_moved_fail_as_outag
             assert is_infrastructure(exc)
             counts.record("item", "impression", [1], [now], write_id=write)  # the retry, as the joiner's
         assert counts.top("item", k=5) == [("1", 2.0)]
-    finally:
-        client.close()
 
 
 def test_the_days_of_a_kinds_counts_are_all_found_while_a_resharding_moves_its_slot(
@@ -127,8 +132,7 @@ def test_the_days_of_a_kinds_counts_are_all_found_while_a_resharding_moves_its_s
     # days_available walked every primary with SCAN: the day keys a resharding moved from a primary not walked yet to
     # one walked already were not found (200 days, 40,000 other keys, the item slot's keys moved mid-walk: 13-18
     # days missing each try; in a probe once the latest, which the hot set takes as its window's last day)
-    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
-    try:
+    with cluster_client(cluster_nodes, prefix, timeout_s=5.0) as client:
         client.mset_nonatomic({f"{prefix}:other:{i}": b"x" for i in range(40_000)})  # a SCAN of several rounds
         counts = DailyCounts(client, prefix=prefix, ttl_days=400)
         now = int(time.time() * 1000)
@@ -165,8 +169,6 @@ def test_the_days_of_a_kinds_counts_are_all_found_while_a_resharding_moves_its_s
         monkeypatch.setattr(client, "exists", exists)
         assert counts.days_available("item", "impression") == want
         assert finished
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +182,7 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
         moving_cluster: ClusterNodes, prefix: str) -> None:
     # a multi-key MGET on a slot split between two nodes mid-move is refused (TRYAGAIN, redis-py's ClusterError once
     # its redirections run out): the whole round trip failed and every request's misses fell back for retry_after_s
-    client = connect(RedisSettings(url=moving_cluster.url, prefix=prefix, cluster=True), timeout_s=1.0, retries=0)
-    try:
+    with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
         n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
         table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
         keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
@@ -199,16 +200,13 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
         assert not bad.any() and store.available and store.last_error is None
         np.testing.assert_array_equal(got, table[rows])
         moving_cluster.finish_move(slot, src, (src + 1) % 3)
-    finally:
-        client.close()
 
 
 def test_a_cluster_row_read_routes_each_slots_mget_itself_as_mget_nonatomic_does(
         moving_cluster: ClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # the store's per-slot MGETs named no node: redis-py found every key's slot again to route each (MGET is split by
     # slot client-side), about 1 ms more than mget_nonatomic for a request of 300 rows. Same values, same order
-    client = connect(RedisSettings(url=moving_cluster.url, prefix=prefix, cluster=True), timeout_s=5.0)
-    try:
+    with cluster_client(moving_cluster, prefix, timeout_s=5.0) as client:
         keys = list(embedding_store.row_keys(prefix, "v1", np.arange(300)))
         client.mset_nonatomic({k: k.encode() for k in keys[::2]})  # every other row missing
         keys += keys[:10]  # (a duplicate reads the same)
@@ -221,8 +219,6 @@ def test_a_cluster_row_read_routes_each_slots_mget_itself_as_mget_nonatomic_does
         client.mget_nonatomic(keys)
         assert found == []  # as mget_nonatomic: each slot's MGET is sent to its node, no key's slot found again
         assert store._mget([]) == []
-    finally:
-        client.close()
 
 
 def test_the_first_counts_write_after_its_kinds_slot_moved_succeeds_at_once_and_counts_once(
@@ -230,8 +226,7 @@ def test_the_first_counts_write_after_its_kinds_slot_moved_succeeds_at_once_and_
     # the MULTI/EXEC went to the slot's old node, which refused its commands with MOVED (EXECABORT: nothing ran) and
     # the write failed: the joiner rewound its whole batch and waited >= 1 s, serving's lookup counts logged a failed
     # flush. It is sent again once, at once, under the same write id.
-    client = connect(RedisSettings(url=moving_cluster.url, prefix=prefix, cluster=True), timeout_s=5.0)
-    try:
+    with cluster_client(moving_cluster, prefix, timeout_s=5.0) as client:
         counts = DailyCounts(client, prefix=prefix)
         now = int(time.time() * 1000)
         counts.record("user", "click", [7], [now])
@@ -240,5 +235,3 @@ def test_the_first_counts_write_after_its_kinds_slot_moved_succeeds_at_once_and_
         moving_cluster.move(key_slot(key.encode()), src, (src + 1) % 3)
         counts.record("user", "click", [7, 8], [now, now], write_id=new_write_id())
         assert counts.top("user", k=5, event="click") == [("7", 2.0), ("8", 1.0)]
-    finally:
-        client.close()
