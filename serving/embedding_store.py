@@ -593,7 +593,7 @@ class RedisEmbeddingStore:
                              "\"layered\" (and the same [redis] url and "
                              "prefix as serving), or serve with [serve] embedding_store = \"in_process\"")
         dtypes = {d.value for d in RowDtype}
-        if (not isinstance(meta, dict) or meta.get("rows") != num_rows or meta.get("dim") != dim
+        if (meta.get("rows") != num_rows or meta.get("dim") != dim  # (decode_meta: an object)
                 or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in dtypes
                 or meta.get("row_check") not in (None, ROW_CHECK)):  # None: written before the tags, untagged
             raise ValueError(f"the embedding store's rows of version {version} do not fit the artifact ({num_rows} "
