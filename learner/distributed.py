@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from stream.errors import ConfigError
 
@@ -101,6 +103,38 @@ class RankContext:
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+RANK_LABEL = "rank"  # the label every series of a rank's /metrics carries under torchrun (WORLD_SIZE > 1)
+
+
+class RankLabelled:
+    """A collector: every sample of ``registry`` with the label ``rank="<rank>"`` added. Each rank exports its own
+    samples, lag and memory under the same names; without a label of their own the ranks' series were the same series
+    to a scraper, and the monitor (first source wins) and Prometheus (one job, several instances) could not tell a
+    rank that stopped training, or blew up its memory, from the others."""
+
+    def __init__(self, rank: int, registry: CollectorRegistry = REGISTRY) -> None:
+        self.rank, self.registry = str(rank), registry
+
+    def collect(self) -> list[Metric]:
+        out = []
+        for family in self.registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                labelled.add_sample(s.name, {**s.labels, RANK_LABEL: self.rank}, s.value, s.timestamp, s.exemplar)
+            out.append(labelled)
+        return out
+
+
+def metrics_registry(ctx: RankContext) -> CollectorRegistry:
+    """What a learner's /metrics serves: the process's registry, its series labelled with the rank where there are
+    several ranks (one process keeps its series as they were: its rules and alerts' identities unchanged)."""
+    if not ctx.distributed:
+        return REGISTRY
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RankLabelled(ctx.rank))
+    return registry
 
 
 def partitions_of(partitions: list[int], rank: int, world_size: int) -> list[int]:

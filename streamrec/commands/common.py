@@ -45,15 +45,16 @@ def tcp_port(text: str) -> int:
     return value
 
 
-def start_metrics(port: int, host: str, setting: str) -> None:
-    """Serve Prometheus /metrics on ``host:port``; a failed bind (in use, a host that does not resolve, a port out
-    of range) is one error line naming ``setting`` and the address (stream.errors.bind_error), not a traceback."""
+def start_metrics(port: int, host: str, setting: str, registry: Any = None) -> None:
+    """Serve Prometheus /metrics (of ``registry``, default the process's) on ``host:port``; a failed bind (in use,
+    a host that does not resolve, a port out of range) is one error line naming ``setting`` and the address
+    (stream.errors.bind_error), not a traceback."""
     from prometheus_client import start_http_server
 
     from stream.errors import bind_error
 
     try:
-        start_http_server(port, addr=host)
+        start_http_server(port, addr=host, **({} if registry is None else {"registry": registry}))
     except (OSError, OverflowError) as exc:
         raise bind_error(exc, setting, host, port) from None
 

@@ -114,10 +114,11 @@ def run(args: argparse.Namespace) -> int:
     # torchrun's environment, read here at the edge: WORLD_SIZE > 1 is the distributed mode
     ctx = RankContext.from_env(os.environ, ls.device.resolve(torch.cuda.is_available()))
     if ls.metrics_port is not None:
+        from learner.distributed import metrics_registry
         from streamrec.commands.common import start_metrics
 
         start_metrics(ls.metrics_port + ctx.local_rank, ls.metrics_host,  # one port per rank of a host
-                      "[learner] metrics_port / metrics_host (--metrics-port / --metrics-host)")
+                      "[learner] metrics_port / metrics_host (--metrics-port / --metrics-host)", metrics_registry(ctx))
 
     # Keep freed memory instead of returning it to the OS between steps (page faults cost 20-45% of a
     # bf16 step here, environment.md); only takes effect for this process's children, so set it early.
