@@ -815,9 +815,14 @@ class FiringStateFile:
             log.error("state file %s: cannot read it (%s); alerts firing before this start will not resolve",
                       self.path, exc)
             return []
+        version = data.get("version", 1) if isinstance(data, dict) else 1
+        if type(version) is not int or not 1 <= version <= self.VERSION:  # true == 1; a newer writer's records
+            log.error("state file %s: version %.40r, not one this monitor reads (1 to %d); alerts firing before this "
+                      "start may not resolve", self.path, version, self.VERSION)
+            return []
         firing = data.get("firing") if isinstance(data, dict) else None
         good = [r for r in firing if self._valid(r)] if isinstance(firing, list) else []
-        if isinstance(data, dict) and data.get("version", 1) == 1:
+        if version == 1:
             good = [{**r, "absent": True} if r["labels"] == dict(ABSENT_LABELS) else r for r in good]
         if not isinstance(firing, list) or len(good) < len(firing):
             log.error("state file %s: %s; alerts firing before this start may not resolve", self.path,
