@@ -52,6 +52,7 @@ from redis.exceptions import (
     CrossSlotTransactionError,
     ExecAbortError,
     InvalidPipelineStack,
+    MovedError,
     NoPermissionError,
     NoScriptError,
     RedisClusterException,
@@ -260,8 +261,8 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     is loaded on every primary (SCRIPT LOAD) before the first use, and the calls a node refused with NOSCRIPT (its
     script cache flushed, a restart or a failover since) are sent once more after loading it again: a NOSCRIPT
     call ran nothing, and in a transaction (one slot, one node, one script) every call of it was refused alike. A
-    transaction refused with MOVED or ASK before its EXEC ran (a slot moved since redis-py last asked) is sent once
-    more at once (:func:`_send`)."""
+    transaction refused with MOVED or ASK before its EXEC ran (a slot moved since redis-py last asked, or is moving) is
+    sent once more at once, after ASK to the node it names with ASKING (:func:`_send`)."""
     if not calls:
         return []
     if len(calls) == 1 and not transaction:
@@ -309,7 +310,36 @@ def _send(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequenc
         except AskError as exc:  # MovedError is one
             if not (again and transaction and isinstance(exc.__context__, ExecAbortError)):
                 raise
+            if not isinstance(exc, MovedError):
+                return _send_asking(client, script, calls, exc)
     raise AssertionError("unreachable: the second try returns or raises")
+
+
+def _send_asking(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], ask: AskError,
+                 ) -> list[Any]:
+    """``calls`` as one MULTI/EXEC on the node an ASK named (the slot is migrating there and the source no longer has
+    the keys), ASKING first: what :func:`_send` sends where a transaction was refused with ASK.
+
+    Sent again as it was, it went to that node without ASKING (redis-py points the slot at it on an ASK), which
+    answered MOVED back: every counts write to the slot failed until the migration ended. ASK allows the next command
+    only, but the ASKING flag holds through a MULTI until its EXEC, so ASKING goes before the MULTI (queued inside it,
+    it would allow nothing). Where the node lacks some of the keys (the slot's keys split between the two nodes) it
+    refuses them with TRYAGAIN as they are queued and the EXEC runs nothing: that error is raised, an outage the caller
+    retries under the same write id."""
+    node = client.get_node(host=ask.host, port=ask.port)
+    if node is None:  # a node redis-py does not know: nothing ran anywhere, the ASK is the failure
+        raise ask
+    pipe = client.get_redis_connection(node).pipeline(transaction=False)  # (not redis-py's MULTI: ASKING precedes it)
+    pipe.execute_command("ASKING")
+    pipe.execute_command("MULTI")
+    for keys, args in calls:
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    pipe.execute_command("EXEC")
+    replies = pipe.execute(raise_on_error=False)  # ASKING, MULTI, one QUEUED (or a refusal) per call, EXEC's results
+    done = replies[-1]
+    if isinstance(done, Exception):  # EXECABORT: a call was refused as it was queued, and nothing ran
+        raise next((r for r in replies[:-1] if isinstance(r, Exception)), done)
+    return list(done)
 
 
 def is_cluster(client: object) -> bool:

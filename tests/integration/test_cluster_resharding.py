@@ -235,3 +235,39 @@ def test_the_first_counts_write_after_its_kinds_slot_moved_succeeds_at_once_and_
         moving_cluster.move(key_slot(key.encode()), src, (src + 1) % 3)
         counts.record("user", "click", [7, 8], [now, now], write_id=new_write_id())
         assert counts.top("user", k=5, event="click") == [("7", 2.0), ("8", 1.0)]
+
+
+def test_a_counts_write_to_a_slot_migrating_with_its_keys_moved_succeeds_once_on_the_importing_node(
+        cluster_nodes: ClusterNodes, prefix: str) -> None:
+    # the source answered ASK to the MULTI/EXEC's commands; the one retry went to the importing node without ASKING,
+    # which answered MOVED back: every counts write to the kind's slot failed until the migration ended
+    with cluster_client(cluster_nodes, prefix, timeout_s=5.0) as client:
+        counts = DailyCounts(client, prefix=prefix)
+        now = int(time.time() * 1000)
+        counts.record("user", "click", [7], [now], names={7: "u7"})  # the counts, names and markers keys
+        key = counts.key("user", "click", day_of(now))
+        slot, src = key_slot(key.encode()), cluster_nodes.index_of(key)
+        cluster_nodes.begin_move(slot, src, (src + 1) % 3, keys=100)  # all of the slot's keys on the target now
+        counts.record("user", "click", [7, 8], [now, now], names={8: "u8"}, write_id=new_write_id())
+        cluster_nodes.finish_move(slot, src, (src + 1) % 3)
+        assert counts.top("user", k=5, event="click") == [("7", 2.0), ("8", 1.0)]
+        assert counts.names("user", ["7", "8"], day_of(now)) == {"7": "u7", "8": "u8"}
+
+
+def test_a_counts_write_to_a_slot_whose_keys_a_migration_split_fails_as_an_outage_and_counts_once_when_retried(
+        cluster_nodes: ClusterNodes, prefix: str) -> None:
+    # some of the script's keys on each node: the importing node, asked with ASKING, refuses them (TRYAGAIN)
+    with cluster_client(cluster_nodes, prefix, timeout_s=5.0) as client:
+        counts = DailyCounts(client, prefix=prefix)
+        now = int(time.time() * 1000)
+        counts.record("user", "click", [7], [now], names={7: "u7"})
+        key = counts.key("user", "click", day_of(now))
+        slot, src = key_slot(key.encode()), cluster_nodes.index_of(key)
+        cluster_nodes.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its three keys on the target
+        write = new_write_id()
+        with pytest.raises(redis.RedisError) as refused:
+            counts.record("user", "click", [7, 8], [now, now], write_id=write)
+        assert is_infrastructure(refused.value)
+        cluster_nodes.finish_move(slot, src, (src + 1) % 3)
+        counts.record("user", "click", [7, 8], [now, now], write_id=write)  # the retry, as the joiner's
+        assert counts.top("user", k=5, event="click") == [("7", 2.0), ("8", 1.0)]
