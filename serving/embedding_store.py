@@ -82,8 +82,9 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
+from redis.cluster import PipelineCommand
 from redis.crc import key_slot
-from redis.exceptions import ClusterError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ClusterError, ResponseError, TryAgainError
 
 from learner.artifact import ArtifactError
 from serving.settings import RowDtype
@@ -539,8 +540,11 @@ class RedisEmbeddingStore:
     def __init__(self, client: Any, prefix: str, *, cache_rows: int = 200_000, retry_after_s: float = 1.0,
                  write_deltas: bool = False, metrics: Any = None,
                  clock: Callable[[], float] = time.monotonic, cluster: bool | None = None,
-                 fetch_chunk: int = _FETCH_CHUNK) -> None:
+                 fetch_chunk: int = _FETCH_CHUNK, timeout_s: float | None = None) -> None:
         self.client, self.prefix = client, prefix
+        # a fetch's deadline (embedding_store_timeout_s, on ``clock``): a cluster's slot split mid-move is read again
+        # key by key only before it; None: no deadline
+        self.timeout_s = timeout_s
         self.fetch_chunk = max(1, int(fetch_chunk))  # keys per MGET (:data:`_FETCH_CHUNK`)
         self.cache_rows, self.retry_after_s, self.write_deltas = int(cache_rows), float(retry_after_s), write_deltas
         self.metrics = metrics  # serving.metrics.ServingMetrics (its embedding_* metrics), or None
@@ -609,8 +613,10 @@ class RedisEmbeddingStore:
             raise StoreUnavailable(self.last_error or "embedding store unavailable")
         keys = row_keys(self.prefix, version, rows)
         t0 = time.perf_counter()
+        deadline = float("inf") if self.timeout_s is None else self._clock() + self.timeout_s
+        late = np.zeros(len(keys), dtype=bool)  # (M,) rows a split slot held, not read by the deadline
         try:
-            values = self._mget(keys)
+            values = self._mget(keys, deadline, late)
             if len(values) != len(keys):
                 raise ValueError(f"{len(values)} answers to an MGET of {len(keys)} keys")
         except Exception as exc:  # noqa: BLE001 - refused, timed out, a broken answer: fallback rows
@@ -620,19 +626,40 @@ class RedisEmbeddingStore:
             if self.metrics is not None:
                 self.metrics.embedding_store_fetch_seconds.observe(time.perf_counter() - t0)
         out, missing, malformed = decode_answer(values, dim, dtype, rows, key)
+        missing &= ~late
         bad = missing | malformed
         if bad.any():
             self.bad_rows(keys, missing, malformed, dim, dtype)
-        return out, bad
+        if late.any():
+            self.late_rows(keys, late)
+        return out, bad | late
 
-    def _mget(self, keys: list[str]) -> list[Any]:
+    def late_rows(self, keys: list[str], late: np.ndarray) -> None:
+        """Count a fetch that gave up rows at its deadline (a slot split mid-resharding, not read again in time):
+        they fall back (counted by the caller in ``..._fallback_rows_total``), uncached; Redis stays in use (the
+        split ends with the move). Counted in ``..._errors_total`` once per fetch; logged at most once per
+        ``retry_after_s``."""
+        self.last_error = (f"{int(late.sum())} of {len(keys)} rows were in a hash slot a resharding has split between "
+                           f"two nodes and were not read within embedding_store_timeout_s ({self.timeout_s} s), e.g. "
+                           f"{keys[int(np.flatnonzero(late)[0])]}")[:300]
+        if self.metrics is not None:
+            self.metrics.embedding_store_errors.inc()
+        now = self._clock()
+        if now >= self._quiet_until:
+            self._quiet_until = now + self.retry_after_s
+            log.warning("embedding store: %s; those rows use fallback rows until the move ends", self.last_error)
+
+    def _mget(self, keys: list[str], deadline: float = float("inf"), late: np.ndarray | None = None) -> list[Any]:
         """The values of ``keys`` in one round trip: one MGET, or pipelined MGETs of at most ``fetch_chunk`` keys
-        (:data:`_FETCH_CHUNK`). On a cluster, one MGET per hash slot, pipelined (one round trip per node); a slot a
-        resharding has split between two nodes refuses an MGET of several of its keys (TRYAGAIN, redis-py's
-        ``ClusterError`` once its redirections run out), so those keys go again one GET each, pipelined, each followed
-        to its node (ASK). Only a failure of those, or any other failure, fails the round trip."""
+        (:data:`_FETCH_CHUNK`). On a cluster, one MGET per hash slot, pipelined (one round trip per node), redirections
+        not followed; a slot a resharding has split between two nodes refuses an MGET of several of its keys (ASK, then
+        TRYAGAIN from the importing node), so before ``deadline`` (on the store's clock) those keys go again one GET
+        each, pipelined, each followed to its node (ASK); after it they are left None and marked in ``late`` (M,).
+        redis-py, left to follow the MGET, tried it 16 times, sleeping 50 ms between the last TRYAGAINs: ~0.1 s for
+        a request whose embedding_store_timeout_s is 0.05. Only a failure of the GETs, or any other failure, fails
+        the round trip."""
         if self.cluster:
-            return self._mget_by_slot(keys)
+            return self._mget_by_slot(keys, deadline, np.zeros(len(keys), dtype=bool) if late is None else late)
         n = self.fetch_chunk
         if len(keys) <= n:
             return list(self.client.mget(keys))
@@ -641,22 +668,28 @@ class RedisEmbeddingStore:
             pipe.mget(keys[start:start + n])
         return [v for part in pipe.execute() for v in part]
 
-    def _mget_by_slot(self, keys: list[str]) -> list[Any]:
+    def _mget_by_slot(self, keys: list[str], deadline: float, late: np.ndarray) -> list[Any]:
         slots: dict[int, list[int]] = {}  # hash slot -> positions of its keys
         for i, k in enumerate(keys):
             slots.setdefault(key_slot(k.encode()), []).append(i)
         pipe, out, split = self.client.pipeline(), [None] * len(keys), []
         node_of = self.client.nodes_manager.get_node_from_slot
-        for slot, idx in slots.items():  # sent to the slot's node, as mget_nonatomic: not split by slot again (~1 ms)
-            pipe.execute_command("MGET", *[keys[i] for i in idx], target_nodes=[node_of(slot)])
-        for idx, got in zip(slots.values(), pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(got, (ClusterError, TryAgainError)):  # the slot is split mid-move
+        # sent to the slot's node, as mget_nonatomic: not split by slot again (~1 ms); a redirection is answered, not
+        # followed (:meth:`_mget`)
+        stack = [PipelineCommand(("MGET", *[keys[i] for i in idx]), {"target_nodes": [node_of(slot)]}, n)
+                 for n, (slot, idx) in enumerate(slots.items())]
+        answers = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
+        for idx, got in zip(slots.values(), answers, strict=True):
+            if isinstance(got, (AskError, ClusterError, TryAgainError)):  # the slot is split mid-move (or moved)
                 split += idx
             elif isinstance(got, Exception):
                 raise got
             else:  # (a short answer: ValueError)
                 for i, v in zip(idx, got, strict=True):
                     out[i] = v
+        if split and self._clock() >= deadline:  # no time left to read them again: they fall back
+            late[split] = True
+            split = []
         for i in split:
             pipe.get(keys[i])
         for i, v in zip(split, pipe.execute() if split else [], strict=True):

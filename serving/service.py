@@ -55,7 +55,7 @@ def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | No
     t = settings.embedding_store_timeout_s
     rs = redis_settings
     client = connect(rs, timeout_s=t, retries=0)
-    return RedisEmbeddingStore(client, redis_settings.prefix, cache_rows=settings.embedding_cache_rows,
+    return RedisEmbeddingStore(client, redis_settings.prefix, cache_rows=settings.embedding_cache_rows, timeout_s=t,
                                retry_after_s=settings.embedding_store_retry_after_s,
                                write_deltas=settings.embedding_store_write_deltas, metrics=metrics,
                                cluster=rs.cluster)

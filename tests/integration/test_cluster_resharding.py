@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+import redis.cluster
 from redis.crc import key_slot
 
 from serving import embedding_store
+from serving.metrics import ServingMetrics
 from serving.settings import RowDtype
 from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts, day_of, new_write_id
@@ -199,6 +201,41 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
         got, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32, key)
         assert not bad.any() and store.available and store.last_error is None
         np.testing.assert_array_equal(got, table[rows])
+        moving_cluster.finish_move(slot, src, (src + 1) % 3)
+
+
+def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_redis_py_sleeping_on_tryagain(
+        moving_cluster: ClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # redis-py followed the split slot's MGET itself: ASK, TRYAGAIN, ... 16 tries, sleeping 50 ms before each of the
+    # last TRYAGAINs (measured: ~0.10 s, two sleeps, for a request whose embedding_store_timeout_s is 0.05 s)
+    with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
+        n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
+        table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
+        keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
+        per_slot: dict[int, list[int]] = {}
+        for row, k in enumerate(keys):
+            per_slot.setdefault(key_slot(k.encode()), []).append(row)
+        slot = next(s for s, rs in per_slot.items() if len(rs) >= 2)
+        rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
+        embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        src = moving_cluster.index_of(keys[per_slot[slot][0]])
+        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
+        sleeps: list[float] = []
+        monkeypatch.setattr(redis.cluster.time, "sleep", sleeps.append)
+        ticks = iter(range(10**6))  # a clock a second later at every reading: past any deadline once it is set
+        metrics = ServingMetrics(lambda: None)
+        store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True, timeout_s=0.05,
+                                                    clock=lambda: float(next(ticks)), metrics=metrics)
+        layered = embedding_store.LayeredRows(store, "v1", np.zeros((n_rows, 3), np.float32), [], None)
+        started = time.perf_counter()
+        got, failed = layered.gather(rows)
+        print(f"gather took {time.perf_counter() - started:.3f} s")  # a diagnostic, not asserted
+        assert sleeps == []
+        split = np.isin(rows, per_slot[slot])
+        np.testing.assert_array_equal(failed, split)  # those fall back (model.py counts them), the rest read
+        np.testing.assert_array_equal(got[~split], table[rows[~split]])
+        assert store.available and metrics.embedding_store_errors._value.get() == 1
+        assert not any(r in layered.cache for r in rows[split])  # not cached: read from Redis once the move ends
         moving_cluster.finish_move(slot, src, (src + 1) % 3)
 
 
