@@ -30,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from tokenize import TokenError
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -81,7 +81,8 @@ def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     what :func:`write_inputs` writes (.npy format 1.0, C-order, its :data:`LAYOUT` dtype and dimensions, its data
     exactly the size its header says; not a pickle, not an .npz) is a :class:`ConfigError` naming the file. The header
     is checked before any array is made: a float64 or big-endian file decoded as other numbers, and an empty file,
-    or a header cut short or nested past the parser, escaped as EOFError, tokenize.TokenError or RecursionError."""
+    or a header cut short or nested past the parser, escaped as EOFError, tokenize.TokenError or RecursionError.
+    Then the three must be one request's (:func:`_check_fit`)."""
     arrays = []
     for name, (dtype, ndim) in LAYOUT.items():
         path = Path(in_dir) / name
@@ -101,7 +102,31 @@ def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) cannot be read: {clip(str(exc), 300)}"
                               ) from None
     values, offsets, dense = arrays
+    _check_fit(in_dir, values, offsets, dense)
     return values, offsets, dense
+
+
+def _check_fit(in_dir: Path, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> None:
+    """Refuse three files that are each well formed but not one request (files of two requests, or hand-edited ones):
+    offsets past the values or running backwards crashed the scorer (Python or C++), and offsets of F fields read
+    against B candidates of another request scored rows as the wrong fields, silently. A :class:`ConfigError` names
+    the files that disagree and how."""
+    b = dense.shape[0]  # candidates: dense (B, Dd), offsets (F + F * B + 1,)
+    if len(offsets) == 0 or offsets[0] != 0 or bool(np.any(np.diff(offsets) < 0)):
+        _misfit(in_dir, ("offsets.npy",), "offsets must start at 0 and never decrease (bag starts)")
+    if offsets[-1] != len(values):
+        _misfit(in_dir, ("offsets.npy", "values.npy"),
+                f"the last offset is {offsets[-1]}, not the {len(values)} values")
+    bags = len(offsets) - 1
+    if b == 0 or bags == 0 or bags % (b + 1):
+        _misfit(in_dir, ("offsets.npy", "dense.npy"), f"{bags} bags are not F fields (F >= 1) for the user row and "
+                                                      f"each of the {b} candidates (F + F * B bags, B >= 1)")
+
+
+def _misfit(in_dir: Path, names: tuple[str, ...], why: str) -> NoReturn:
+    files = " and ".join(f"{Path(in_dir) / name} (REQUEST_DIR/{name})" for name in names)
+    raise ConfigError(f"request input{'s' if len(names) > 1 else ''} {files} do not fit: {why}; write all three files "
+                      "from one request (write_inputs)")
 
 
 def python_scores(model: ScoringModel, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> np.ndarray:

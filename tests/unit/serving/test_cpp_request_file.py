@@ -148,3 +148,32 @@ def test_any_input_bytes_read_as_the_written_layout_or_are_a_config_error(tmp_pa
         return
     for arr, (dtype, ndim) in zip(arrays, cpp_request.LAYOUT.values(), strict=True):
         assert arr.dtype == np.dtype(dtype) and arr.ndim == ndim and arr.flags.c_contiguous
+
+
+@pytest.mark.parametrize(("values", "offsets", "dense", "names", "why"), [
+    (np.arange(4), np.array([0, 2, 5]), np.zeros((1, 3)), ["offsets", "values"], "last offset is 5, not the 4"),
+    (np.arange(4), np.array([0, 2, 3]), np.zeros((1, 3)), ["offsets", "values"], "last offset is 3, not the 4"),
+    (np.arange(4), np.array([0, 3, 2, 4]), np.zeros((1, 3)), ["offsets"], "never decrease"),
+    (np.arange(4), np.array([1, 2, 4]), np.zeros((1, 3)), ["offsets"], "start at 0"),
+    (np.arange(4), np.array([], np.int64), np.zeros((1, 3)), ["offsets"], "start at 0"),
+    (np.arange(4), np.array([0, 1, 2, 4]), np.zeros((1, 3)), ["offsets", "dense"], "3 bags .* 1 candidates"),
+    (np.arange(4), np.array([0, 2, 4]), np.zeros((2, 3)), ["offsets", "dense"], "2 bags .* 2 candidates"),
+    (np.arange(4), np.array([0, 4]), np.zeros((0, 3)), ["offsets", "dense"], "1 bags .* 0 candidates"),
+    (np.arange(0), np.array([0]), np.zeros((1, 3)), ["offsets", "dense"], "0 bags"),
+])
+def test_inputs_that_do_not_fit_each_other_are_a_config_error_naming_the_files_and_the_misfit(
+        tmp_path: Path, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray, names: list[str],
+        why: str) -> None:
+    """Each file well formed, the three not one request's: offsets past the values crashed the scorer, offsets of
+    another field count or another candidate count scored rows as the wrong fields without a word."""
+    req = cpp_request.write_inputs(tmp_path / "req", values, offsets, dense)
+    files = r" and ".join(rf"{req}/{n}\.npy \(REQUEST_DIR/{n}\.npy\)" for n in names)
+    with pytest.raises(ConfigError, match=rf"request inputs? {files} do not fit: .*{why}"):
+        cpp_request.read_inputs(req)
+
+
+def test_inputs_of_several_fields_and_candidates_that_fit_read_back(tmp_path: Path) -> None:
+    """F = 2 fields, B = 2 candidates: 2 + 2 * 2 bags, some of them empty."""
+    offsets = np.array([0, 1, 1, 3, 3, 4, 6])
+    req = cpp_request.write_inputs(tmp_path / "req", np.arange(6), offsets, np.zeros((2, 1), np.float32))
+    assert cpp_request.read_inputs(req)[1].tolist() == offsets.tolist()
