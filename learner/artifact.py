@@ -288,9 +288,10 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
 
     Raises :class:`ArtifactError` naming the problem for any other bytes: not UTF-8, not JSON, a key repeated in
     one object at any depth (readers disagree on which one counts), not an object, (with ``signing_key``)
-    unsigned or a signature that does not match, checked first, another ``artifact_format_version``, a missing
-    key, a key of the wrong type or value, a file name with a path in it, a feature config or scorer spec that
-    does not hold together. Extra keys are allowed (newer writers may add some).
+    unsigned or a signature that does not match, checked first, another ``artifact_format_version``, a ``format``
+    name this version does not know (a newer streamrec's: the error says to upgrade the reader), a missing key, a
+    key of the wrong type or value, a file name with a path in it, a feature config or scorer spec that does not
+    hold together. Extra keys are allowed (newer writers may add some).
     """
     where = str(where)
 
@@ -327,6 +328,8 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
         raise bad(f"created {_show(m['created'])} / created_utc {_show(m['created_utc'])}: expected a unix time "
                   "and a string")
     fmt = m["format"]
+    if isinstance(fmt, str) and fmt not in FORMATS and _NAME_RE.fullmatch(fmt):  # a format added after this version
+        raise ArtifactError(f"{where}: format {fmt!r} is not one this streamrec reads ({', '.join(FORMATS)}); {_NEWER}")
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise bad(f"format is {_show(fmt)}, expected one of {', '.join(FORMATS)}")
     for key in ("model", "hot_set"):

@@ -13,6 +13,7 @@ import pytest
 
 from learner import artifact as A
 from learner.artifact import ArtifactError, build_artifact, decode_manifest
+from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import make_checkpoint
 
 
@@ -45,3 +46,22 @@ def test_a_manifest_version_no_streamrec_writes_is_still_refused_as_one_to_rebui
     older = {**manifest, **{k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()}}
     with pytest.raises(ArtifactError, match=r"refresh --now"):
         decode_manifest(json.dumps(older).encode())
+
+
+def test_a_scorer_format_added_by_a_newer_streamrec_is_refused_at_load_saying_to_upgrade_not_corrupt(
+        tmp_path: Path) -> None:
+    """A format name this version does not know read as "corrupt or not this streamrec's; republish": the newer
+    refresh job republishes the same format, so the message must point at the reader."""
+    staged = Path(build_artifact(make_checkpoint(), tmp_path, np.arange(10), format="safetensors"))
+    m = json.loads((staged / A.MANIFEST).read_text())
+    (staged / A.MANIFEST).write_text(json.dumps({**m, "format": "safetensors_fp8"}))
+    with pytest.raises(ArtifactError, match=r"format 'safetensors_fp8' is not one this streamrec reads \(.*\); a "
+                                            r"newer streamrec built it: upgrade the streamrec reading it") as err:
+        ScoringModel.load(staged)
+    assert "corrupt" not in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", [3, "", "../scorer", "x" * 200])
+def test_a_format_that_is_no_format_name_still_reads_as_corrupt(manifest: dict[str, Any], fmt: Any) -> None:
+    with pytest.raises(ArtifactError, match=r"format is .*, expected one of .*corrupt"):
+        decode_manifest(json.dumps({**manifest, "format": fmt}).encode())
