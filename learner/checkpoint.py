@@ -75,6 +75,7 @@ from stream.errors import ConfigError, StreamrecError
 from stream.files import (
     MAX_STATE_FILE_BYTES,
     FileTooLarge,
+    NotDurable,
     NotRegularFile,
     describe_os_error,
     leftover_writer_alive,
@@ -463,17 +464,31 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     Pruning keeps this checkpoint and the ``keep - 1`` newest ones before it. Files named after it (a higher sample
     count) are neither pruned nor counted: they are the ones the learner's restore could not load (a damaged or
     foreign newest file, reported then) or another writer's. Counted, they took the place of good ones, and with
-    ``keep = 1`` every checkpoint the learner wrote was deleted as soon as it was written, in silence."""
+    ``keep = 1`` every checkpoint the learner wrote was deleted as soon as it was written, in silence.
+
+    :class:`stream.files.NotDurable` (raised after both files are written, before any pruning): the checkpoint is in
+    place and a restart reads it, but the directory's fsync after a rename failed, so a power loss may undo it. Nothing
+    is pruned then (the older ones are what such a loss leaves); the caller treats it as written, not as failed."""
     if keep < 1:  # list[:-0] is empty: nothing would ever be pruned
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
     directory.mkdir(parents=True, exist_ok=True)
     remove_torn(directory)
-    meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
-            "lineage": meta.get("lineage") or lineage(directory)}
+    try:
+        meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
+                "lineage": meta.get("lineage") or lineage(directory)}
+    except NotDurable as exc:  # LINEAGE's, before any checkpoint file: a failed checkpoint, not one written
+        raise OSError(exc.errno, str(exc)) from exc
     name = f"{_PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}"
     path = directory / f"{name}.pt"
-    write_atomic(path, lambda fh: torch_save({"meta": meta, **state}, fh))  # a failed write: its OSError
-    write_atomic(directory / f"{name}.json", json.dumps(meta, default=str).encode())
+    unsure = None
+    for target, data in ((path, lambda fh: torch_save({"meta": meta, **state}, fh)),  # a failed write: its OSError
+                         (directory / f"{name}.json", json.dumps(meta, default=str).encode())):
+        try:
+            write_atomic(target, data)
+        except NotDurable as exc:  # in place (a restart reads it), its rename not known durable: go on, then say so
+            unsure = unsure or exc
+    if unsure is not None:  # keep the older ones: a power loss may undo this one's rename, not their removal
+        raise unsure
     older = [p for p in list_checkpoints(directory) if p.name < path.name]
     for old in older[:max(0, len(older) - (keep - 1))]:
         try:  # (EPERM, EROFS: logged; raised, a durable checkpoint counted as failed)

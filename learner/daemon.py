@@ -71,7 +71,7 @@ from learner.trainer import Trainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.features import MISSING
-from stream.files import describe_os_error
+from stream.files import NotDurable, describe_os_error
 from stream.idle_clock import IdleClock
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer
@@ -460,10 +460,16 @@ class Learner:
                  "base_rate_bias": self.bias.state_dict() if self.bias is not None else {}}
         if self.deltas is not None:  # rows trained before this checkpoint and in no delta yet: durably listed
             self.deltas.sync()  # (learner/deltas.py "Pending rows"); what is trained after it is trained again
-        checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
+        try:
+            checkpoint.save(self.ls.checkpoint_dir, state, meta, keep=self.ls.keep_checkpoints)
+            durable = True
+        except NotDurable as exc:  # written (and read at restart): not a failed checkpoint, retried and counted as one
+            durable = False
+            log.warning("checkpoint written, but not known durable: %s; a restart reads it, a power loss may undo it "
+                        "(older checkpoints kept, group offsets not committed until one is durable)", exc)
         # Only now, after the checkpoint is durable: the group offsets, for lag dashboards only (the learner
         # never reads them back), so a broker that is away just delays them to the next checkpoint.
-        if self.offsets:
+        if self.offsets and durable:
             topic = self.kafka.samples_topic
             try:
                 self._group.commit(offsets=[TopicPartition(topic, p, o) for p, o in self.offsets.items()],

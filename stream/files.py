@@ -74,7 +74,8 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None
     """Replace ``path`` with ``data`` (bytes, or a function writing to the open file) atomically and durably.
 
     On failure ``path`` is as it was and the temp file is removed (a process killed in between leaves
-    it, named with its pid, for a cleanup).
+    it, named with its pid, for a cleanup); except :class:`NotDurable`: the new file is in place, only the
+    directory's fsync after the rename failed.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
@@ -91,7 +92,18 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    try:
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise NotDurable(exc.errno, f"{path} is in place, but the fsync of its directory failed ({exc.strerror}): "
+                                    "whether the rename survives a power loss is unknown") from exc
+
+
+class NotDurable(OSError):
+    """:func:`write_atomic` renamed the new file into place, but the directory's fsync after it failed: readers (and
+    a restart) see the new file now; a power loss may still undo the rename. An OSError, so a caller that treats any
+    failed write alike goes on doing so; one for which "in place" matters (a checkpoint, read at restart) tells it
+    apart from a write that left the old file."""
 
 
 def process_exists(pid: int) -> bool:

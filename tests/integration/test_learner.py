@@ -370,6 +370,60 @@ def built_learner(kafka: KafkaSettings, ls: LearnerSettings) -> Learner:
     return learner
 
 
+def test_a_checkpoint_in_place_whose_directory_fsync_failed_counts_as_written_and_commits_no_offsets(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory's fsync failed (EIO) after the rename: the checkpoint a restart reads was reported failed
+    (counted in checkpoint_failures_total, "failed" logged, and at exit the learner stopped with status 1). Now it
+    counts as written, and the group offsets (committed only after a durable checkpoint) wait for the next one."""
+    import errno
+    import stat
+
+    from confluent_kafka import TopicPartition
+    from prometheus_client import REGISTRY
+
+    from learner import checkpoint
+    from learner.config import LearnerSettings
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
+                         embedding_dim=4, group_id=f"g-{kafka.samples_topic}", keep_checkpoints=1)
+    learner = built_learner(kafka, ls)
+    failures = "streamrec_learner_checkpoint_failures_total"
+    before = REGISTRY.get_sample_value(failures) or 0.0
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    def committed() -> int:
+        tp = TopicPartition(kafka.samples_topic, 0)
+        return learner._group.committed([tp], timeout=10)[0].offset
+
+    def saved_offsets() -> list[dict[str, int]]:
+        return [checkpoint.load(p)["meta"]["offsets"] for p in checkpoint.list_checkpoints(ls.checkpoint_dir)]
+
+    try:
+        learner.offsets = {0: 1}
+        learner.save()  # durable (and the directory's LINEAGE made)
+        assert committed() == 1
+        with monkeypatch.context() as m:
+            m.setattr(os, "fsync", fsync)
+            learner.offsets = {0: 3}
+            assert learner._try_save()
+            learner.offsets = {0: 5}
+            learner.save()  # the one at exit: no OSError either
+        assert (REGISTRY.get_sample_value(failures) or 0.0) == before
+        assert saved_offsets() == [{"0": 1}, {"0": 3}, {"0": 5}]  # keep_checkpoints = 1: none pruned meanwhile
+        assert committed() == 1
+        learner.offsets = {0: 6}
+        learner.save()  # durable: committed, and pruned to keep_checkpoints
+        assert committed() == 6 and saved_offsets() == [{"0": 6}]
+    finally:
+        learner.close()
+
+
 def test_a_restore_with_other_model_shaping_settings_names_each_field_and_rates_come_from_the_settings(
         kafka: KafkaSettings, tmp_path: Path) -> None:
     import dataclasses

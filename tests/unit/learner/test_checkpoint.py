@@ -298,3 +298,47 @@ def test_a_newest_checkpoint_with_non_finite_weights_or_optimizer_state_is_refus
     first.unlink()
     with pytest.raises(ck.CheckpointError, match="non-finite"):
         ck.restore_latest(tmp_path)
+
+
+def _directory_fsync_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.fsync of a directory's descriptor fails (EIO); a file's goes through."""
+    import errno
+    import os
+    import stat
+
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_checkpoint_whose_directory_fsync_fails_after_the_rename_is_in_place_not_known_durable_and_prunes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rename was done, so a restart reads the new checkpoint; the save raised the directory fsync's OSError before
+    the sidecar, as a failed write. Now both files are written, NotDurable (an OSError) says so, and the older ones are
+    kept whatever ``keep`` says: a power loss may undo the new one's rename."""
+    from stream.files import NotDurable
+
+    older = [ck.save(tmp_path, state(), meta(i), keep=1) for i in (1, 2)]
+    _directory_fsync_fails(monkeypatch)
+    with pytest.raises(NotDurable, match=r"is in place, but the fsync of its directory failed"):
+        ck.save(tmp_path, state(), meta(3), keep=1)
+    listed = ck.list_checkpoints(tmp_path)
+    assert listed[:-1] == older[1:] and len(listed) == 2  # the one before it kept
+    got = ck.load_latest(tmp_path)
+    assert got is not None and got.samples_trained == 3 and ck.latest_meta(tmp_path)["path"] == str(listed[-1])
+
+
+def test_a_first_checkpoint_whose_lineage_files_directory_fsync_fails_is_a_failed_write_not_one_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LINEAGE file is written before the checkpoint: its NotDurable must not pass for the checkpoint's."""
+    from stream.files import NotDurable
+
+    _directory_fsync_fails(monkeypatch)
+    with pytest.raises(OSError, match=r"LINEAGE is in place") as err:
+        ck.save(tmp_path, state(), meta(1))
+    assert not isinstance(err.value, NotDurable) and ck.list_checkpoints(tmp_path) == []
