@@ -92,3 +92,16 @@ def test_evaluate_refuses_a_flag_the_chosen_mode_does_not_read(argv: list[str], 
     of the flag: a result the user took for the paper features'. A flag only the other mode reads is exit 2."""
     assert main(["evaluate", *argv]) == 2
     assert f"{named}: not read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["join", "train", "serve", "report"])
+def test_an_unknown_flag_of_a_subcommand_is_its_usage_error_naming_it(name: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse reported a subcommand's unknown flag from the top parser: "streamrec: error:" and its usage, where
+    every other usage error of the subcommand says "streamrec <command>: error:" with the subcommand's usage."""
+    with pytest.raises(SystemExit) as exc:
+        main([name, "--bogus", "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: streamrec {name} ")
+    assert err.splitlines()[-1] == f"streamrec {name}: error: unrecognized arguments: --bogus x"
