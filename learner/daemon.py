@@ -121,6 +121,27 @@ POSITIVE_RATE = Gauge("streamrec_learner_window_positive_rate", "Share of positi
                       "metrics_window samples trained (NaN until 1000 arrived); compare streamrec_join_samples_total.")
 
 
+def observe_grad_norms(steps: list[tuple[float, float]], blocks: list[dict[str, float]]) -> None:
+    """``GradNorms.drain``'s (dense, embedding) norms of each step and per-field norms of each sampled step into
+    their histograms (both daemons); a step the scaler skipped (inf) or one not measured (NaN) is not observed."""
+    dense, table = GRAD_NORM.labels("dense"), GRAD_NORM.labels("embedding")
+    for d, e in steps:
+        if math.isfinite(d):  # an inf or a NaN would poison the sums
+            dense.observe(d)
+        if math.isfinite(e):
+            table.observe(e)
+    for per_field in blocks:
+        for name, v in per_field.items():
+            if math.isfinite(v):
+                FIELD_GRAD_NORM.labels(name).observe(v)
+
+
+def publish_coverage(coverage: FieldCoverage) -> None:
+    """Each field's share of the recent samples carrying it (both daemons; on N ranks rank 0's, of every rank's)."""
+    for name, share in coverage.shares().items():
+        COVERAGE.labels(name).set(share)
+
+
 def publish_memory(memory: MemoryMonitor) -> None:
     """The process's memory now and its growth (learner/health.py): both daemons, each rank its own, at most 1/s."""
     mem = memory.sample()
@@ -653,22 +674,11 @@ class Learner:
         """Memory, gradient and update norms, coverage and the positive rate (learner/health.py); at most 1/s."""
         publish_memory(self.memory)
         if self.trainer is not None:
-            steps, blocks = self.trainer.grad_norms.drain()
-            dense, table = GRAD_NORM.labels("dense"), GRAD_NORM.labels("embedding")
-            for d, e in steps:
-                if math.isfinite(d):  # a step the scaler skipped (inf) or a NaN would poison the sums
-                    dense.observe(d)
-                if math.isfinite(e):
-                    table.observe(e)
-            for per_field in blocks:
-                for name, v in per_field.items():
-                    if math.isfinite(v):
-                        FIELD_GRAD_NORM.labels(name).observe(v)
+            observe_grad_norms(*self.trainer.grad_norms.drain())
             for part, v in self.trainer.update_norms.drain().items():
                 UPDATE_NORM.labels(part).set(v)
         if self.coverage is not None:
-            for name, share in self.coverage.shares().items():
-                COVERAGE.labels(name).set(share)
+            publish_coverage(self.coverage)
         POSITIVE_RATE.set(self.positive_rate.rate)
 
     def _observe_ids(self, st: MapStats) -> None:

@@ -155,15 +155,18 @@ class GradNorms:
             parts = torch.zeros(len(self.field_names), dtype=torch.float32, device=sq.device).index_add_(0, block, sq)
             self._blocks = parts if self._blocks is None else self._blocks + parts
 
-    def end_step(self, dense_norms: Sequence[torch.Tensor] = ()) -> None:
+    def end_step(self, dense_norms: Sequence[torch.Tensor] = (), table_measured: bool = True) -> None:
         """Close a step with the norms of its dense gradients, one per tensor (``torch._foreach_norm``; none: 0;
         combined at :meth:`drain`, not here). A step whose table got no gradient (a frozen table, a batch without
-        lookups) has an embedding norm of 0."""
+        lookups) has an embedding norm of 0; one whose table gradient was not measured (``table_measured=False``:
+        the sharded trainer measures it on sampled steps only) NaN, which the daemons do not observe."""
         device = (dense_norms[0].device if dense_norms else
                   self._table[0].device if self._table else torch.device("cpu"))
         if self._zero is None or self._zero.device != device:
             self._zero = torch.zeros((), dtype=torch.float32, device=device)
-        if len(self._table) == 1:
+        if not table_measured:
+            table = torch.full((), float("nan"), device=device)
+        elif len(self._table) == 1:
             table = self._table[0]
         else:  # none (0), or several backwards in one step (accumulation: never on the fused path)
             table = torch.linalg.vector_norm(torch.stack(self._table)) if self._table else self._zero
@@ -189,6 +192,19 @@ class GradNorms:
                       for b in torch.stack([t.cpu() for t in self.pending_blocks]).tolist()]
             self.pending_blocks.clear()
         return steps, blocks
+
+
+def combine_rank_norms(per_rank: Sequence[tuple[list[tuple[float, float]], list[dict[str, float]]]],
+                       ) -> tuple[list[tuple[float, float]], list[dict[str, float]]]:
+    """One model's :meth:`GradNorms.drain` from every rank's, drained after the same steps (the sharded ranks step
+    in lock-step): the dense norm is rank 0's (DDP's all-reduce left every rank the same dense gradient), the
+    table's and each field block's ``sqrt(sum over ranks of norm^2)`` (each rank measured the rows of its own shard,
+    and the shards are disjoint)."""
+    steps = [(d, math.sqrt(sum(s[i][1] ** 2 for s, _ in per_rank)))
+             for i, (d, _) in enumerate(per_rank[0][0])]
+    blocks = [{f: math.sqrt(sum(b[i][f] ** 2 for _, b in per_rank)) for f in first}
+              for i, first in enumerate(per_rank[0][1])]
+    return steps, blocks
 
 
 class UpdateNorms:
@@ -304,10 +320,13 @@ class FieldCoverage:
         return out
 
     def observe(self, tb: TensorBatch) -> None:
-        n = len(tb)
+        self.add(len(tb), self.counts(tb))
+
+    def add(self, n: int, c: np.ndarray) -> None:
+        """``n`` samples of which ``c`` (fields + dense,) carried each field (:meth:`counts`; the sharded daemon's
+        rank 0 adds every rank's counts of a round)."""
         if n == 0:
             return
-        c = self.counts(tb)
         self._parts.append((n, c))
         self._n += n
         self._present += c

@@ -90,9 +90,12 @@ from learner.daemon import (
     POSITIVE_RATE,
     PROBE_S,
     SAMPLES,
+    WINDOW_AUC,
     RecentIds,
     first_samples_clock,
     infer_feature_config,
+    observe_grad_norms,
+    publish_coverage,
     publish_memory,
     put_back_signals,
     take_stop_signals,
@@ -111,7 +114,7 @@ from learner.distributed import (
 )
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
-from learner.health import MemoryMonitor, PositiveRate
+from learner.health import FieldCoverage, GradNorms, MemoryMonitor, PositiveRate, combine_rank_norms
 from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
@@ -260,8 +263,15 @@ class ShardedLearner:
         self._clock = EventClock()  # rank 0's: every rank's rows' event time (learner/event_clock.py), checkpointed
         self._event_newest = 0.0  # rank 0's: the newest event time (s) of every rank's rows trained
         self.positive_rate = PositiveRate(ls.metrics_window)  # rank 0's, over every rank's rows
-        for rank0s in (EVENT_TIME, POSITIVE_RATE) if ctx.rank != 0 else ():  # no value on the others' /metrics (a 0
-            rank0s.set(float("nan"))  # positive rate fired one_class_labels): NaN, as PositiveRate before its window
+        # rank 0's, over every rank's rows (_record_round): the window AUC and the coverage (built with the model)
+        self.window: ProgressiveMetrics | None = None
+        self.coverage: FieldCoverage | None = None  # every rank counts its rows with it; rank 0 adds them up
+        self._coverage_counts = np.zeros(0, np.int64)  # (fields + dense,) this round's kept rows carrying each
+        self._sampled_drained = 0  # the trainer's sampled steps when its gradient norms were last drained
+        self._health_published = 0.0
+        # no value on the others' /metrics (a 0 positive rate fired one_class_labels): NaN, as PositiveRate before its
+        for rank0s in (EVENT_TIME, POSITIVE_RATE, WINDOW_AUC) if ctx.rank != 0 else ():  # window
+            rank0s.set(float("nan"))
         self.memory = MemoryMonitor(self.device)  # this rank's
         self._memory_published = 0.0
         # the served logit's calibration: fitted on rank 0 only, its (a, b) sent to every rank each round
@@ -301,6 +311,9 @@ class ShardedLearner:
             dense_opt = torch.optim.Adam([p for _, p in self._dense], lr=ls.lr_dense)
         self.trainer = ShardedTrainer(self.dmp, dense_opt, feature_names(cfg), self.device,
                                       ProgressiveMetrics(window=ls.metrics_window), ls.dense_grad_clip)
+        self.trainer.grad_norms = GradNorms.of(model)  # the field blocks of the table's rows
+        self.coverage = FieldCoverage(cfg, max(1, ls.metrics_window // 10))
+        self.window = ProgressiveMetrics(window=ls.metrics_window)
         if ls.boost > 0:  # fbgemm has none: applied around its fused update (learner/sharded_boost.py)
             self.trainer.boost = ShardedBoost(self.dmp, ls.boost, ls.boost_half_life)
             self.ids.counts = self.trainer.boost.counts
@@ -365,6 +378,7 @@ class ShardedLearner:
             self.quality.load_state_dict(states[0])
             self._clock.load(states[0].get("event_clock"))  # (a checkpoint from before it: a fresh clock, as then)
             self.id_metrics.load_state_dict(states[0].get("id_metrics", {}))  # published before the first round
+            self.window = merged_metrics(states, self.ls.metrics_window)  # every rank's window, whatever the world
             if self.calibration is not None and states[0].get("calibration"):
                 self.calibration.load_state_dict(states[0]["calibration"])
         self._share_calibration()
@@ -548,6 +562,8 @@ class ShardedLearner:
                 settled = self._settle(strikes, settled)
                 if held is not None and rnd.turn in (None, self.ctx.rank):  # else: held for a later round
                     (batch, kept, partitions), held, keys = held, None, held_keys
+                assert self.coverage is not None
+                self._coverage_counts = self.coverage.counts(kept)  # before the ids are mapped (it reads MISSING)
                 if self.ids is not None and self.ids.active:  # collective: every rank, every round
                     self._map_ids(kept)
                 chunks = kept.chunks(step_rows) if len(kept) else []
@@ -580,8 +596,11 @@ class ShardedLearner:
             if time.monotonic() - self._memory_published >= 1.0:  # this rank's, at most 1/s, idle rounds too
                 publish_memory(self.memory)
                 self._memory_published = time.monotonic()
+            if time.monotonic() - self._health_published >= 1.0:  # rank 0's, at most 1/s (it sorts the window)
+                self._publish_health()
             if rnd.stop is not None:
                 reason = rnd.stop
+                self._publish_health()  # the last round's
                 break
             try:
                 if rnd.delta:
@@ -723,13 +742,22 @@ class ShardedLearner:
         cfg = self.cfg
         assert cfg is not None
         n = len(kept)
-        mine = {"ids": kept.impression_ids, "ts": kept.ts, "labels": kept.labels.numpy(), "probs": probs,
-                "logits": logits,
+        mine: dict[str, Any] = {"ids": kept.impression_ids, "ts": kept.ts, "labels": kept.labels.numpy(),
+                "probs": probs, "logits": logits,
                 "kinds": kept.kinds if kept.kinds is not None else np.zeros(n, np.int8),  # None: all FINAL
                 "delay": kept.label_delay_ms, "partitions": partitions, "watermarks": kept.watermarks,
                 "users": user_keys(kept, cfg) if n else np.zeros(0, np.int64)}
+        mine["coverage"] = self._coverage_counts
+        assert self.trainer is not None
+        if self.trainer.sampled_steps != self._sampled_drained:  # a sampled step this round: on every rank alike
+            self._sampled_drained = self.trainer.sampled_steps
+            mine["grad_norms"] = self.trainer.grad_norms.drain()  # every step's since the last drain
         parts = gather_objects(mine)  # on rank 0; None on the others
-        if parts is None or not sum(len(p["labels"]) for p in parts):
+        if parts is None:
+            return
+        if "grad_norms" in parts[0]:  # the whole model's steps: rank 0's dense part, the ranks' shards combined
+            observe_grad_norms(*combine_rank_norms([p["grad_norms"] for p in parts]))
+        if not sum(len(p["labels"]) for p in parts):
             return
 
         def cat(key: str) -> np.ndarray | None:  # (sum B'_r,) in rank order; None if any rank lacks it
@@ -747,6 +775,9 @@ class ShardedLearner:
         EVENT_TIME.set(self._event_newest)
         self.positive_rate.observe(labels)
         POSITIVE_RATE.set(self.positive_rate.rate)
+        assert self.window is not None and self.coverage is not None
+        self.window.update(probs_all, labels)
+        self.coverage.add(len(labels), sum(p["coverage"] for p in parts))
         cold = self.quality.cold_of(users, now, None if kinds_or_none is None else kinds != DELAYED_POSITIVE)
         self.quality.record(ids, ts, kinds_or_none, labels, probs_all, cold, cat("partitions"), delay, now,
                             {k: v for p in parts for k, v in p.get("watermarks", {}).items()})  # one rank a partition
@@ -754,6 +785,14 @@ class ShardedLearner:
             raw = cat("logits")
             assert raw is not None
             self.calibration.observe(ids, kinds_or_none, labels, raw, ts, delay)
+
+    def _publish_health(self) -> None:
+        """Rank 0: the window AUC and the field coverage of every rank's rows (kept by :meth:`_record_round`)."""
+        self._health_published = time.monotonic()
+        if self.ctx.rank != 0 or self.window is None or self.coverage is None:
+            return
+        WINDOW_AUC.set(self.window.window_metrics()[0])
+        publish_coverage(self.coverage)
 
     def _map_ids(self, kept: TensorBatch) -> None:
         """Collective, every rank every round: ``kept``'s ids mapped to rows (``ShardedRowMapper.apply``); the rows

@@ -15,9 +15,21 @@ distributed daemon fits on rank 0 and sends to every rank each round) the predic
 the calibrated ones, what is served; ``last_logits`` keeps the raw ones for the fit. With ``boost``
 (``learner/sharded_boost.py``) young rows' steps are boosted after the fused update. Not here: fp16 loss scaling
 (gradient accumulation is a larger step: ``learner.sharded_daemon.rows_per_step``).
+
+Gradient norms (``grad_norms``, ``learner/health.py``'s ``GradNorms``, drained by the daemon): the dense norm of
+every step, of the all-reduced gradient (the same on every rank, before clipping, as one process's). fbgemm applies
+the table's gradient inside the backward and keeps none, so the table's is read from what its row-wise Adagrad
+added to each row's sum, ``|g_row|^2 / W`` (``learner/sharded_model.py``): on a sampled step (at most one a
+``sample_every_s``, the ranks agreeing in the step's existing all-reduce of its loss being finite) each rank copies
+its shard's sums before the backward and gives the growth, as one column ``sqrt(W * growth)`` per touched row, to
+``GradNorms`` (the table's norm and its per-field split); the daemon combines the ranks' shards. Other steps'
+table norm is NaN (not measured, not observed). Exact up to the float32 sums' rounding of the growth.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 import numpy as np
 import torch
@@ -29,9 +41,10 @@ from learner.batch import TensorBatch
 from learner.calibration import calibrated
 from learner.delayed import DelayedFeedbackWeights
 from learner.grad_clip import AdaptiveClip
+from learner.health import GradNorms
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_boost import ShardedBoost
-from learner.sharded_model import padded_inputs
+from learner.sharded_model import fused_state, local_pieces, padded_inputs, table_weight
 from learner.trainer import MAX_DENSE_GRAD_NORM
 
 
@@ -50,6 +63,10 @@ class ShardedTrainer:
         self.calibration: torch.Tensor | None = None  # (2,) served (a, b); None: raw logits served
         self.last_logits = np.zeros(0, np.float32)  # (B,) raw logits of the last call's real rows
         self.boost: ShardedBoost | None = None  # the boost of young rows (learner/sharded_boost.py), if on
+        self.grad_norms = GradNorms()  # per step (module docstring); the daemon gives it the field blocks
+        self.sample_every_s = 1.0  # the table's gradient norm of one step this often, at most
+        self.sampled_steps = 0  # steps whose table gradient was measured
+        self._sampled_at = -math.inf
 
     def test_then_train(self, batch: TensorBatch, rows: int) -> np.ndarray:
         """Predict ``batch``'s rows (recorded in ``metrics``), then learn; ``rows`` >= len(batch) is the step's
@@ -72,13 +89,16 @@ class ShardedTrainer:
         per_row = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")  # (rows,)
         loss = (per_row * weight).sum() / max(b, 1)
         local = float(loss.item())
-        finite = torch.tensor([1 if np.isfinite(local) else 0], dtype=torch.int64)
+        wants_sample = time.monotonic() - self._sampled_at >= self.sample_every_s
+        # (finite, not sampled): the minimum over ranks skips the step if any loss is not finite, samples if any wants
+        agreed = torch.tensor([1 if np.isfinite(local) else 0, 0 if wants_sample else 1], dtype=torch.int64)
         if dist.is_initialized():
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         self.last_loss = local
-        if not bool(finite.item()):  # some rank's loss is not finite: every rank skips this step's update
+        if not bool(agreed[0].item()):  # some rank's loss is not finite: every rank skips this step's update
             self.nan_losses += 1
             return probs
+        sums_before = self._table_sums() if not agreed[1].item() else None  # sampled: the shard's Adagrad sums
         if b:
             self.metrics.update(probs, batch.labels.numpy())
         if self.boost is not None:  # collective: every rank's step rows; a copy of the touched rows held here
@@ -86,9 +106,14 @@ class ShardedTrainer:
         loss.backward()  # the table's rows are updated in here (fused); the dense grads are all-reduced
         if self.boost is not None:
             self.boost.after()
+        if sums_before is not None:
+            self._measure_table(sums_before)
         grads = [p.grad for g in self.dense_opt.param_groups for p in g["params"] if p.grad is not None]
+        dense_norms = torch._foreach_norm(grads) if grads else []  # one per tensor (grad_norms combines them)
+        self.grad_norms.end_step(dense_norms, table_measured=sums_before is not None)
+        self.grad_norms.sample_blocks = False
         if grads:  # all-reduced: every rank decides alike (a gradient that would make Adam's state inf for good)
-            total = float(torch.linalg.vector_norm(torch.stack(list(torch._foreach_norm(grads)))))
+            total = float(torch.linalg.vector_norm(torch.stack(list(dense_norms))))
             if not np.isfinite(total) or total >= MAX_DENSE_GRAD_NORM:
                 self.dense_opt.zero_grad(set_to_none=True)
                 self.overflow_steps += 1
@@ -99,3 +124,20 @@ class ShardedTrainer:
         self.samples += b
         self.steps += 1
         return probs
+
+    def _table_sums(self) -> list[tuple[int, torch.Tensor]]:
+        """(first row, a copy of its row-wise Adagrad sums (R,)) of each local shard of the table."""
+        self._sampled_at = time.monotonic()
+        self.sampled_steps += 1
+        self.grad_norms.sample_blocks = True
+        return [(start, t.clone()) for start, t in local_pieces(fused_state(self.model)["momentum1"])]
+
+    def _measure_table(self, before: list[tuple[int, torch.Tensor]]) -> None:
+        """This rank's shard's gradient of the step, from its sums' growth ``|g_row|^2 / W``, into ``grad_norms``."""
+        width = next(t.shape[1] for _, t in local_pieces(table_weight(self.model)))  # W
+        after = dict(local_pieces(fused_state(self.model)["momentum1"]))
+        for start, sums in before:
+            growth = after[start] - sums  # (R,)
+            touched = growth.nonzero().flatten()  # (U,) local rows
+            norms = (growth[touched].float().clamp(min=0) * width).sqrt()  # (U,) each row's gradient norm
+            self.grad_norms.embedding(touched + start, norms.unsqueeze(1))  # (U,), (U, 1)

@@ -1,0 +1,172 @@
+"""The learner's health metrics on N ranks (``learner/health.py`` through ``learner/sharded_trainer.py`` and
+``learner/sharded_daemon.py``), on 1 and 2 spawned gloo ranks: the gradient norms of the whole model's step (the
+ranks' shards combined) equal one process's autograd gradient of the same loss, and a 2-rank job's rank 0 exports
+the window AUC, the field coverage and the gradient-norm histograms of every rank's rows and steps."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from learner.batch import TensorBatch, to_tensors
+from learner.features import default_config
+from learner.health import FieldCoverage, combine_rank_norms, field_blocks
+from learner.model import DeepFM
+from tests.integration.test_learner import sample_batch
+from tests.unit.learner.gloo_ranks import run_gloo_ranks
+
+CFG = default_config({"genres": "multi"}, buckets=300, ctx_buckets=50, embedding_dim=8)
+STEPS, ROWS = 2, 64
+
+
+def batch(step: int) -> TensorBatch:
+    return to_tensors(sample_batch(np.random.default_rng(step), ROWS), CFG)
+
+
+def plain_model() -> DeepFM:
+    return DeepFM(CFG, mlp=(16,), seed=1, autocast_dtype=None)
+
+
+def trainer_rank(rank: int, world: int, out: str) -> None:
+    """One rank's steps (run by ``gloo_rank``) with every step's table gradient measured; its drained norms in
+    ``out``. Learning rates 0: the model stays the one the reference differentiates (the Adagrad sums still grow)."""
+    from learner.health import GradNorms
+    from learner.progressive import ProgressiveMetrics
+    from learner.sharded_model import ShardedDeepFM, feature_names, local_pieces, shard, table_weight
+    from learner.sharded_trainer import ShardedTrainer
+
+    plain = plain_model()
+    sharded = ShardedDeepFM(CFG, (16,), 0.0, 1, None, table_device=torch.device("meta"))
+    dmp = shard(sharded, world, torch.device("cpu"), 0.0, 1e-8, 0.0, seed=1)
+    d = CFG.embedding_dim
+    with torch.no_grad():
+        for start, rows in local_pieces(table_weight(dmp)):
+            rows.zero_()
+            rows[:, :d + 1] = plain.sparse.bag.weight[start:start + rows.shape[0]]
+        for name, p in sharded.named_parameters():
+            if not name.startswith("sparse."):
+                p.copy_(plain.get_parameter(name))
+    trainer = ShardedTrainer(dmp, torch.optim.SGD([p for n, p in sharded.named_parameters()
+                                                   if not n.startswith("sparse.")], lr=0.0),
+                             feature_names(CFG), torch.device("cpu"), ProgressiveMetrics())
+    trainer.grad_norms, trainer.sample_every_s = GradNorms.of(sharded), 0.0
+    for step in range(STEPS):
+        b = batch(step)
+        half = np.arange(len(b)) % world == rank  # rank r trains rows r, r + world, ...
+        trainer.test_then_train(b.select(half), int(half.sum()))
+    Path(out).write_bytes(pickle.dumps(trainer.grad_norms.drain()))
+
+
+def reference_norms(world: int) -> list[tuple[float, float, dict[str, float]]]:
+    """(dense, table, {field: norm}) of each step, by autograd in one process: the ranks' average of their
+    mean-loss gradients, for the dense part (DDP) and the table alike (TorchRec's comm ops divide the table's
+    gradient by the world size, ``torchrec.distributed.comm_ops.GRADIENT_DIVISION``)."""
+    names, starts = field_blocks(CFG)
+    ends = starts[1:] + [CFG.num_rows]
+    out = []
+    for step in range(STEPS):
+        model = plain_model()
+        b = batch(step)
+        parts = [b.select(np.arange(len(b)) % world == r) for r in range(world)]
+        table = model.sparse.bag.weight
+        loss = sum(F.binary_cross_entropy_with_logits(model(p.values, p.offsets, p.dense), p.labels)
+                   for p in parts) / world
+        dense = [p for n, p in model.named_parameters() if not n.startswith("sparse.")]
+        g_table, *g_dense = torch.autograd.grad(loss, [table, *dense])
+        g_table = (g_table.to_dense() if g_table.is_sparse else g_table).double()
+        out.append((math.sqrt(sum(float(g.double().square().sum()) for g in g_dense)), float(g_table.norm()),
+                    {n: float(g_table[s:e].norm()) for n, s, e in zip(names, starts, ends, strict=True)}))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_ranks_gradient_norms_combined_are_one_processs_gradient_norms_of_the_same_step(
+        world: int, tmp_path: Path) -> None:
+    """The dense norm is the all-reduced gradient's (rank 0's); the table's and each field's come from every
+    rank's shard (fbgemm's row-wise Adagrad sums' growth), combined as sqrt(sum of squares)."""
+    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(world)]
+    assert run_gloo_ranks(world, str(tmp_path / "store"), trainer_rank, lambda r: (outs[r],)) == [0] * world
+    steps, blocks = combine_rank_norms([pickle.loads(Path(o).read_bytes()) for o in outs])
+    want = reference_norms(world)
+    assert len(steps) == len(blocks) == STEPS
+    for (dense, table), per_field, (w_dense, w_table, w_fields) in zip(steps, blocks, want, strict=True):
+        assert dense == pytest.approx(w_dense, rel=1e-4)
+        assert table == pytest.approx(w_table, rel=1e-3) and w_table > 0
+        assert per_field == pytest.approx(w_fields, rel=1e-3, abs=1e-9)
+
+
+DAEMON_CFG = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4)
+HEALTH = ["streamrec_learner_window_auc", "streamrec_learner_grad_norm_count", "streamrec_learner_grad_norm_sum",
+          "streamrec_learner_field_grad_norm_count", "streamrec_learner_field_coverage"]
+
+
+def rank_batches(rank: int) -> list[TensorBatch]:
+    """Rank ``rank``'s messages of its partition ``rank``: 3 of 8 samples, ids apart from the other rank's."""
+    return [to_tensors(sample_batch(np.random.default_rng(10 * rank + k), 8, start=100 * rank + 8 * k,
+                                    prefix=f"r{rank}-"), DAEMON_CFG, [(rank, k, 8)]) for k in range(3)]
+
+
+def daemon_rank(rank: int, world: int, directory: str, out: str) -> None:
+    """One rank of the sharded daemon's run over :func:`rank_batches` (Kafka faked as tests/unit/learner/
+    test_sharded_metrics.py does); its summary and its /metrics' health samples in ``out``."""
+    from prometheus_client import REGISTRY
+
+    import learner.sharded_daemon as sd
+    from learner.config import LearnerSettings
+    from learner.distributed import RankContext
+    from stream.config import KafkaSettings
+    from tests.unit.learner.test_sharded_metrics import NoBroker
+
+    batches = rank_batches(rank)
+
+    class Dataset(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from batches
+
+    sd.KafkaSampleDataset = lambda *a, **k: Dataset()  # type: ignore[assignment,misc]
+    sd.ShardedLearner._partitions = lambda self: list(range(world))  # type: ignore[method-assign]
+    sd.ShardedLearner._fresh_config = lambda self: DAEMON_CFG  # type: ignore[method-assign]
+    sd.new_consumer = lambda *a, **k: NoBroker()  # type: ignore[assignment]
+    ls = LearnerSettings(checkpoint_dir=Path(directory), mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         step_rows=4)
+    learner = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank, world))
+    try:
+        summary = learner.run()
+    finally:
+        learner.close()
+    samples = {(m.name + s.name.removeprefix(m.name), tuple(sorted(s.labels.items()))): s.value
+               for m in REGISTRY.collect() for s in m.samples if s.name in HEALTH}
+    Path(out).write_bytes(pickle.dumps((summary, samples)))
+
+
+def test_two_ranks_export_the_window_auc_coverage_and_gradient_norms_of_every_ranks_rows_on_rank_0(
+        tmp_path: Path) -> None:
+    """The sharded daemon exported none of them (the feature_stopped_arriving and gradients_vanished rules saw
+    nothing on N ranks). Rank 0: the window AUC of both ranks' predictions (the summary's, which merges the ranks'
+    windows), each field's coverage over both ranks' rows (one process's FieldCoverage over all of them), the
+    histograms of the sampled steps; rank 1: a NaN window AUC and none of the others."""
+    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(2)]
+    assert run_gloo_ranks(2, str(tmp_path / "store"), daemon_rank,
+                          lambda r: (str(tmp_path / "ckpt"), outs[r])) == [0, 0]
+    (summary, got), (_, other) = (pickle.loads(Path(o).read_bytes()) for o in outs)
+    assert summary["samples_trained"] == 48
+    window_auc = got[("streamrec_learner_window_auc", ())]
+    assert math.isfinite(window_auc) and window_auc == pytest.approx(summary["metrics"]["window_auc"], abs=1e-12)
+    coverage = FieldCoverage(DAEMON_CFG, 100_000 // 10)  # metrics_window's default / 10, as the daemons keep it
+    for b in rank_batches(0) + rank_batches(1):
+        coverage.observe(b)
+    want = coverage.shares()
+    assert want["history"] < 1.0  # some samples carry no history: a share the ranks must add up, not copy
+    assert {f: got[("streamrec_learner_field_coverage", (("field", f),))] for f in want} == pytest.approx(want)
+    for part in ("dense", "embedding"):  # the first step is sampled, drained in its round
+        assert got[("streamrec_learner_grad_norm_count", (("part", part),))] >= 1
+        assert got[("streamrec_learner_grad_norm_sum", (("part", part),))] > 0
+    assert got[("streamrec_learner_field_grad_norm_count", (("field", "item_id"),))] >= 1
+    assert math.isnan(other[("streamrec_learner_window_auc", ())])
+    assert not any(name != "streamrec_learner_window_auc" and v for (name, _), v in other.items())
