@@ -4,8 +4,10 @@ Every rank calls :meth:`ShardedTrainer.test_then_train` once per step of a round
 ``LockStep``), with its chunk of the round's rows (maybe none) padded to the step's size: the sharded lookup
 and DDP's gradient all-reduce are collectives every rank must enter. The loss is the mean over the rank's real
 rows (padding has weight 0; a rank without rows contributes a zero loss, still through the whole graph, so its
-DDP hooks fire); DDP averages the dense gradients over the ranks, and the table's rows get the sum of every
-rank's gradient for them, applied by the fused row-wise Adagrad in the backward.
+DDP hooks fire); DDP averages the dense gradients over the ranks, and the table's rows get every rank's gradient
+for them averaged over the ranks too (TorchRec's comm ops divide by the world size,
+``torchrec.distributed.comm_ops.GRADIENT_DIVISION``; measured: tests/unit/learner/test_sharded_health.py), applied
+by the fused row-wise Adagrad in the backward.
 
 As in ``learner/trainer.py``: one forward serves both halves (its outputs are recorded as progressive
 validation before the backward learns from them), a non-finite loss skips the update on every rank together
