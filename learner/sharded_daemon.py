@@ -747,8 +747,10 @@ class ShardedLearner:
                 "kinds": kept.kinds if kept.kinds is not None else np.zeros(n, np.int8),  # None: all FINAL
                 "delay": kept.label_delay_ms, "partitions": partitions, "watermarks": kept.watermarks,
                 "users": user_keys(kept, cfg) if n else np.zeros(0, np.int64)}
-        mine["coverage"] = self._coverage_counts
-        assert self.trainer is not None
+        assert self.trainer is not None and self.coverage is not None
+        # counted by run() before the ids were mapped (it reads MISSING); else (a round given directly) now
+        mine["coverage"] = self._coverage_counts if len(self._coverage_counts) else self.coverage.counts(kept)
+        self._coverage_counts = np.zeros(0, np.int64)  # this round's, used once
         if self.trainer.sampled_steps != self._sampled_drained:  # a sampled step this round: on every rank alike
             self._sampled_drained = self.trainer.sampled_steps
             mine["grad_norms"] = self.trainer.grad_norms.drain()  # every step's since the last drain
