@@ -170,3 +170,21 @@ def test_two_ranks_export_the_window_auc_coverage_and_gradient_norms_of_every_ra
     assert got[("streamrec_learner_field_grad_norm_count", (("field", "item_id"),))] >= 1
     assert math.isnan(other[("streamrec_learner_window_auc", ())])
     assert not any(name != "streamrec_learner_window_auc" and v for (name, _), v in other.items())
+
+
+def test_a_restarted_sharded_learner_exports_the_window_auc_of_the_samples_before_the_restart(
+        one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's window of every rank's predictions comes back from the checkpoint's (merged) windows, as one process's
+    window does: a restart with nothing new to train exports the window AUC it had, not NaN."""
+    from prometheus_client import REGISTRY
+
+    from learner.daemon import WINDOW_AUC
+    from tests.unit.learner.test_sharded_metrics import CFG as ONE_RANK_CFG
+    from tests.unit.learner.test_sharded_metrics import run_sharded
+
+    batches = [to_tensors(sample_batch(np.random.default_rng(k), 8, start=8 * k), ONE_RANK_CFG, [(0, k, 8)])
+               for k in range(3)]
+    before = run_sharded(tmp_path, monkeypatch, batches)["metrics"]["window_auc"]
+    WINDOW_AUC.set(-1.0)
+    run_sharded(tmp_path, monkeypatch, [])
+    assert math.isfinite(before) and REGISTRY.get_sample_value("streamrec_learner_window_auc") == pytest.approx(before)
