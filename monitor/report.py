@@ -94,6 +94,7 @@ class Recording:
     bad_lines: int = 0
     epoch: int = 0  # of the last record read
     last_t: float = -math.inf  # its t
+    _shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # _sample(): one copy each
 
     @property
     def t0(self) -> float | None:
@@ -113,8 +114,8 @@ class Recording:
         if kind in ("scrape", "scrape_error", "rules", "alert"):
             self.epoch, self.last_t = self.epoch + (t < self.last_t), t
         if kind == "scrape" and isinstance(rec.get("samples"), list):
-            samples = [(str(s[0]), dict(s[1]), _value(s[2])) for s in rec["samples"]  # labels are strings: others
-                       if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)  # broke every series()
+            samples = [self._sample(s) for s in rec["samples"]  # labels are strings: others broke every series()
+                       if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)
                        and all(isinstance(v, str) for v in s[1].values())]
             self.scrapes.setdefault(str(rec.get("source")), []).append((float(t), samples, self.epoch))
         elif kind == "scrape_error":
@@ -127,6 +128,14 @@ class Recording:
             self.starts.append(dict(rec))
         else:
             self.bad_lines += 1
+
+    def _sample(self, s: list[Any]) -> Sample:
+        """One recorded sample, its name and label set shared with every scrape that recorded the same: a run log
+        repeats them in every scrape, and a copy of each per sample (a dict and its strings) made a 27 MiB log cost
+        ~6x its size in memory (``python bench/report_memory.py``). The label dicts are read, never changed."""
+        name, labels = str(s[0]), tuple(s[1].items())
+        name = self._shared.setdefault(name, name)
+        return name, self._shared.setdefault(labels, dict(labels)), _value(s[2])
 
     def identify_alerts(self) -> None:
         """Give every alert its ``kind`` and ``fingerprint`` as the monitor now does: an older monitor wrote alerts

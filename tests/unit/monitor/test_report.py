@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -478,3 +479,24 @@ def test_a_run_log_whose_last_line_cannot_be_checked_still_starts(tmp_path: Path
     log.start({}, 1.0, [])
     log.close()
     assert [json.loads(line)["t"] for line in path.read_text().splitlines()] == [999, 1000.0]
+
+
+def test_a_run_log_is_read_with_one_copy_of_each_name_and_label_set_and_every_sample_as_written(
+        tmp_path: Path) -> None:
+    # a dict and strings per sample made a 27 MiB run log cost ~6x its size (bench/report_memory.py); shared, every
+    # scrape must still read back exactly as parsed, so every figure drawn from it is what it was
+    rng = random.Random(0)
+    lines = [{"kind": "scrape", "t": 100.0 + 10 * (i % 7), "source": src,
+              "samples": [["streamrec_learner_lag_samples", {"partition": str(p)}, rng.randrange(9)] for p in range(3)]
+              + [["streamrec_learner_served_auc", {}, rng.random()], ["streamrec_x", {"a": "1", "b": "2"}, "NaN"],
+                 ["streamrec_x", {"b": "2", "a": "1"}, 1e400 if i == 3 else -1]]}
+             for i in range(20) for src in ("learner", "rank1")]
+    path = tmp_path / "run-log.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rec = report.read_run_log(path)
+    parsed = [[(str(n), dict(lb), report._value(v)) for n, lb, v in json.loads(json.dumps(line))["samples"]]
+              for line in lines]
+    assert [s for src in ("learner", "rank1") for _, s, _ in rec.scrapes[src]] == parsed[0::2] + parsed[1::2]
+    assert [list(lb) for n, lb, _ in rec.scrapes["learner"][0][1] if n == "streamrec_x"] == [["a", "b"], ["b", "a"]]
+    first, *others = [s for sc in rec.scrapes.values() for _, s, _ in sc]
+    assert all(a[0] is b[0] and a[1] is b[1] for other in others for a, b in zip(first, other, strict=True))
