@@ -16,9 +16,9 @@ The time axis of every plot is **wall-clock time** since the run log began: the 
 so "over event time" is only as good as the order the samples arrived in (event-time order in a replay). The
 records are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where the wall
 clock stepped back (``t`` below the record's before, whatever either record is: :attr:`Recording.epoch`): no rate,
-increase, histogram interval or average spans two, and a plot breaks a metric's curve at each of its epochs (a rate's or
-a quantile's where its ``t`` drops: :func:`_segments`). A step forward cannot be detected: the interval across it is
-read as if the monitor had paused.
+increase, histogram interval or average spans two, and every curve drawn over wall time (a metric, a rate, a quantile,
+the joiner's watermark) breaks at each epoch (:func:`_point`, :func:`_segments`). A step forward cannot be detected:
+the interval across it is read as if the monitor had paused.
 
 Also :func:`follow`: a progress line per scrape of one source while a stage runs (``make demo``).
 
@@ -298,18 +298,23 @@ def series_numbered(rec: Recording, name: str, by: Sequence[str] = (), where: Ma
     interleaved into one curve: two learner ranks' counters read as a sawtooth). Each Series comes with its epoch's
     number: a scrape is the (epoch, t) of its monitor cycle, the same at every source; ``t`` alone is not, once the
     clock stepped back."""
-    out: dict[tuple[str, str], list[tuple[int, list[float], list[float]]]] = {}
+    out: dict[tuple[str, str], Numbered] = {}
     for src, e, t, k, _, v in _grouped(rec, name, by, where, agg, source):
         eps = out.setdefault((src, k), [])
-        if not eps or eps[-1][0] != e:
-            eps.append((e, [], []))
-        _, ts, vs = eps[-1]
-        if ts and ts[-1] == t:
-            vs[-1] = v
+        if eps and eps[-1][0] == e and eps[-1][1][0][-1] == t:
+            eps[-1][1][1][-1] = v
         else:
-            ts.append(t)
-            vs.append(v)
-    return {k: [(e, (ts, vs)) for e, ts, vs in eps] for k, eps in sorted(per_source(out).items())}
+            _point(eps, e, t, v)
+    return dict(sorted(per_source(out).items()))
+
+
+def _point(eps: Numbered, e: int, t: float, v: float) -> None:
+    """``(t, v)`` appended to a curve's epochs, in epoch ``e`` (a new one where the last is another): every curve drawn
+    over wall time is kept numbered so, and breaks at each epoch (:func:`_segments`)."""
+    if not eps or eps[-1][0] != e:
+        eps.append((e, ([], [])))
+    eps[-1][1][0].append(t)
+    eps[-1][1][1].append(v)
 
 
 def series(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None,
@@ -346,26 +351,30 @@ def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, s
                 yield src, e, t, k, frozenset(sets), v
 
 
-def counter_rates(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None
-                  ) -> dict[str, Series]:
+def counter_rates_numbered(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None
+                           ) -> dict[str, Numbered]:
     """:func:`rate` of the counter ``name`` summed per value of the ``by`` labels (curves named as :func:`series`
     names them), with no point between two scrapes whose label sets differ: a series missing from one scrape (a
     sample the monitor left out as stale) and back in the next made the sum drop and then rise by its whole count;
-    nor between two :func:`epochs`."""
+    nor between two :func:`epochs`. Each point in the epoch of its interval, for plots: flat, a rate before a step
+    back seen only in other records and one after it were drawn as one line across it."""
     out: dict[tuple[str, str], list[tuple[int, float, frozenset[tuple[tuple[str, str], ...]], float]]] = {}
     for src, e, t, k, sets, v in _grouped(rec, name, by, where, "sum", None):
         out.setdefault((src, k), []).append((e, t, sets, v))
-    curves: dict[str, Series] = {}
+    curves: dict[str, Numbered] = {}
     for k, pts in sorted(per_source(out).items()):
-        ts: list[float] = []
-        vs: list[float] = []
+        curves[k] = eps = Numbered()
         for (ea, ta, sa, va), (eb, tb, sb, vb) in zip(pts, pts[1:], strict=False):
             if sa == sb and ea == eb:
-                one_t, one_v = rate(([ta, tb], [va, vb]))
-                ts += one_t
-                vs += one_v
-        curves[k] = (ts, vs)
+                for t, r in zip(*rate(([ta, tb], [va, vb])), strict=True):
+                    _point(eps, eb, t, r)
     return curves
+
+
+def counter_rates(rec: Recording, name: str, by: Sequence[str] = (), where: Mapping[str, str] | None = None
+                  ) -> dict[str, Series]:
+    """:func:`counter_rates_numbered` with each curve's epochs one after the other."""
+    return {k: _flat(eps) for k, eps in counter_rates_numbered(rec, name, by, where).items()}
 
 
 def per_source(out: Mapping[tuple[str, str], _T]) -> dict[str, _T]:
@@ -440,6 +449,11 @@ def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
 
 
 def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[str, Series]]:
+    """:func:`histogram_numbered` with each curve's epochs one after the other."""
+    return {k: {stat: _flat(c) for stat, c in stats.items()} for k, stats in histogram_numbered(rec, name, by).items()}
+
+
+def histogram_numbered(rec: Recording, name: str, by: str) -> dict[str, dict[str, Numbered]]:
     """Per value of label ``by``: the mean (increase of _sum over increase of _count), p50 and p90 of the
     observations made between consecutive scrapes; a value more than one source exported is one curve per source
     (:func:`per_source`), never one source's buckets differenced against another's. A source's series of one value
@@ -447,7 +461,7 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
     ``sum(increase(...))``: a drop of a series' count or bucket is its reset (a restarted process), which counted
     what it has now (:func:`~monitor.expr.counter_rise`). Summed first, one rank's reset read as every rank's (their
     whole history counted again), or was hidden by another's rise; a series absent from either scrape adds nothing.
-    No interval spans two :func:`epochs`."""
+    No interval spans two :func:`epochs`; each point is in the epoch of its interval (:func:`_point`)."""
     # per source and label value, per scrape (epoch, t), per series (its labels but le): le or "sum"/"count" -> value
     per: dict[tuple[str, str], list[tuple[int, float, dict[tuple[tuple[str, str], ...], dict[float | str, float]]]]]
     per = {}
@@ -464,9 +478,9 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
                     if not at or at[-1][:2] != (e, t):  # two scrapes at one time: one point, as before
                         at.append((e, t, {}))
                     at[-1][2].setdefault(one, {})[field] = v
-    out: dict[str, dict[str, Series]] = {}
+    out: dict[str, dict[str, Numbered]] = {}
     for k, pts in per_source(per).items():
-        curves: dict[str, Series] = {}
+        curves: dict[str, Numbered] = {}
         for (ea, _, at_a), (eb, b, at_b) in zip(pts, pts[1:], strict=False):
             if ea != eb:
                 continue
@@ -478,16 +492,14 @@ def histogram_over_time(rec: Recording, name: str, by: str) -> dict[str, dict[st
                 for f in both:
                     rise[f] = rise.get(f, 0.0) + (vb[f] if reset else vb[f] - va[f])
             if rise.get("count", 0.0) > 0 and "sum" in rise:
-                curves.setdefault("mean", ([], []))[0].append(b)
-                curves["mean"][1].append(rise["sum"] / rise["count"])
+                _point(curves.setdefault("mean", []), eb, b, rise["sum"] / rise["count"])
             delta = sorted((f, r) for f, r in rise.items() if isinstance(f, float))
             if delta and delta[-1][1] > 0:
                 for label, q in (("p50", 0.5), ("p90", 0.9)):
-                    curves.setdefault(label, ([], []))[0].append(b)
-                    curves[label][1].append(quantile(delta, q))
+                    _point(curves.setdefault(label, []), eb, b, quantile(delta, q))
         has = {f for _, _, at in pts for one in at.values() for f in one}
-        out[k] = {**({"mean": ([], [])} if {"sum", "count"} <= has else {}),
-                  **({"p50": ([], []), "p90": ([], [])} if any(isinstance(f, float) for f in has) else {}), **curves}
+        out[k] = {**({"mean": []} if {"sum", "count"} <= has else {}),
+                  **({"p50": [], "p90": []} if any(isinstance(f, float) for f in has) else {}), **curves}
     return out
 
 
@@ -770,11 +782,12 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     rec = inp.rec
     join_samples = series(rec, "streamrec_join_samples_total")
     learner = series(rec, "streamrec_learner_samples_total")
-    joiner = {**_named(counter_rates(rec, "streamrec_events_total", where={"stage": "join"}), "events read/s"),
-              **_named(counter_rates(rec, "streamrec_join_samples_total"), "samples written/s")}
-    trained = _named(counter_rates(rec, "streamrec_learner_samples_total"), "samples trained/s")
-    served = {**_named(counter_rates(rec, "streamrec_serving_requests_total"), "requests/s"),
-              **_named(counter_rates(rec, "streamrec_serving_candidates_total"), "candidates scored/s")}
+    rates = counter_rates_numbered
+    joiner = {**_named(rates(rec, "streamrec_events_total", where={"stage": "join"}), "events read/s"),
+              **_named(rates(rec, "streamrec_join_samples_total"), "samples written/s")}
+    trained = _named(rates(rec, "streamrec_learner_samples_total"), "samples trained/s")
+    served = {**_named(rates(rec, "streamrec_serving_requests_total"), "requests/s"),
+              **_named(rates(rec, "streamrec_serving_candidates_total"), "candidates scored/s")}
     avg: dict[str, float] = {}
     for stage in ("replay", "join"):
         if (v := _number(inp.summaries.get(stage, {}).get("events_per_s"))) is not None:
@@ -831,7 +844,7 @@ def s_grad(p: Plotter, inp: Inputs) -> Section:
                   "histogram_quantile). Below: the L2 norm of what one sampled step changed "
                   "(streamrec_learner_update_norm; 0 = the model no longer changes).")
     rec = inp.rec
-    hist = histogram_over_time(rec, "streamrec_learner_grad_norm", "part")
+    hist = histogram_numbered(rec, "streamrec_learner_grad_norm", "part")
     curves = {f"{k} {stat}": s for k, stats in hist.items() for stat, s in stats.items()}
     upd = series_numbered(rec, "streamrec_learner_update_norm", by=("part",))
     fig, (a1, a2) = p.figure(2, 1)
@@ -896,7 +909,7 @@ def s_hot(p: Plotter, inp: Inputs) -> Section:
     rec = inp.rec
     hit = _named(series_numbered(rec, "streamrec_serving_hot_cache_hit_rate"), "hit rate")
     tiers = {k + " rows/s": s
-             for k, s in counter_rates(rec, "streamrec_serving_embedding_lookups_total", by=("tier",)).items()}
+             for k, s in counter_rates_numbered(rec, "streamrec_serving_embedding_lookups_total", by=("tier",)).items()}
     fig, (a1, a2) = p.figure(2, 1)
     sec.points = p.lines(a1, hit, "share of row reads (0-1)", "Hot-set hit rate since serving started (serving)",
                          ylim=(0, 1.05))
@@ -928,9 +941,9 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
         deltas["deltas written: samples trained"] = ([d[0] for d in inp.deltas], [float(d[2]) for d in inp.deltas])
     seq = _named(series_numbered(rec, "streamrec_serving_delta_seq"), "serving: delta seq applied")
     wm = series(rec, "streamrec_join_watermark_ms")
-    wm_min = {k: s for k, s in {"joiner watermark": _min_over(rec, "streamrec_join_watermark_ms")}.items() if s[0]}
-    wm_dates = [(t, d) for t, v in zip(*wm_min.get("joiner watermark", ([], [])), strict=True)
-                if (d := _date(v / 1000)) is not None]
+    wm_dates = [[(t, d) for t, v in zip(*s, strict=True) if (d := _date(v / 1000)) is not None]
+                for _, s in _min_numbered(rec, "streamrec_join_watermark_ms")]  # a segment per epoch
+    wm_dates = [seg for seg in wm_dates if seg]
     fig, (a1, a2, a3) = p.figure(3, 1, height=2.8)
     sec.points = p.lines(a1, {**learner, **deltas}, "samples", "Samples trained: learner and its deltas",
                          step=True)
@@ -941,17 +954,15 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
                 va="top", color="green")
     sec.points += p.lines(a2, seq, "delta seq", "Last delta applied by serving", step=True)
     if wm_dates:
-        ts = [t for t, _ in wm_dates]
         p.timeline(a3)
-        cuts = [0, *(i for i in range(1, len(ts)) if ts[i] < ts[i - 1]), len(ts)]  # epochs(): a segment each
-        for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
-            a3.plot(p.x(ts[a:b]), [d for _, d in wm_dates[a:b]], marker=".", markersize=3, color="C0",
+        for i, seg in enumerate(wm_dates):
+            a3.plot(p.x([t for t, _ in seg]), [d for _, d in seg], marker=".", markersize=3, color="C0",
                     label="" if i else "joiner watermark (oldest partition)")
         a3.set_title("Event time reached by the joiner (UTC) vs wall time", fontsize=10)
         a3.set_ylabel("event time (UTC)")
         a3.grid(True, alpha=0.3)
         a3.legend(fontsize=8)
-        sec.points += len(ts)
+        sec.points += sum(len(seg) for seg in wm_dates)
     else:
         p.lines(a3, {}, "event time", "Event time reached by the joiner")
     sec.png = p.png(fig)
@@ -969,9 +980,9 @@ def s_fresh(p: Plotter, inp: Inputs) -> Section:
 
 
 def _segments(curve: Curve) -> list[Series]:
-    """The stretches of a curve drawn as one line each: its epochs (:func:`series_numbered`), or of a Series (a rate, a
-    quantile, the deltas' files) the stretches between the points where ``t`` drops (:func:`epochs` one after the
-    other: a step back seen only in the monitor's other records is not among them)."""
+    """The stretches of a curve drawn as one line each: its epochs (every curve read from the run log is numbered:
+    :func:`_point`), or of a Series (the deltas' files, which have no epochs) the stretches between the points where
+    ``t`` drops."""
     if not isinstance(curve, tuple):
         return [s for _, s in curve if s[0]]
     ts, vs = curve
@@ -984,18 +995,26 @@ def _finite(s: Series) -> Series:
     return [s[0][i] for i in keep], [s[1][i] for i in keep]
 
 
-def _min_over(rec: Recording, name: str) -> Series:
+def _min_numbered(rec: Recording, name: str) -> Numbered:
     """The smallest value over every label set and every source at each scrape (a watermark: the slowest partition,
     whichever joiner holds it; the monitor scrapes its sources at one time), ignoring zeros (a partition not seen
-    yet); its :func:`epochs` one after the other (``t`` drops where one starts: keyed by ``t`` alone, a scrape after a
-    step back overwrote the one at that time before it). Two joiners of one group were read as the last source's."""
+    yet), in its :func:`epochs` (keyed by ``t`` alone, a scrape after a step back overwrote the one at that time
+    before it). Two joiners of one group were read as the last source's."""
     out: dict[tuple[int, float], float] = {}
     for scrapes in rec.scrapes.values():
         for e, t, samples in epochs(scrapes):
             vals = [v for n, _, v in samples if n == name and v > 0 and math.isfinite(v)]
             if vals:
                 out[e, t] = min(vals + ([out[e, t]] if (e, t) in out else []))
-    return [t for _, t in sorted(out)], [out[k] for k in sorted(out)]
+    eps = Numbered()
+    for e, t in sorted(out):
+        _point(eps, e, t, out[e, t])
+    return eps
+
+
+def _min_over(rec: Recording, name: str) -> Series:
+    """:func:`_min_numbered` with its epochs one after the other."""
+    return _flat(_min_numbered(rec, name))
 
 
 def s_dlq(p: Plotter, inp: Inputs) -> Section:

@@ -247,3 +247,58 @@ def test_a_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_failed_scrap
     report.s_fresh(p, report.Inputs(rec))
     (xs,) = drawn
     assert xs[:2] == [10.0, 20.0] and math.isnan(xs[2]) and xs[3:] == [25.0]
+
+
+def _broken_at_the_step(ax: Any) -> list[list[float]]:
+    """The stretches drawn as one line on ``ax`` (a line is cut by NaN), by x."""
+    out: list[list[float]] = []
+    for line in ax.get_lines():
+        out.append([])
+        for x in line.get_xdata():
+            if math.isnan(x):
+                out.append([])
+            else:
+                out[-1].append(float(x))
+    return [seg for seg in out if seg]
+
+
+HIDDEN_STEP = {  # a clock step back after t=110 that no curve's own t shows: 110 -> (95) -> 115
+    "another-source": [json.dumps({"kind": "scrape", "t": 95.0, "source": "other", "samples": []})],
+    "another-record-kind": [record("rules", 95.0, states={})],
+}
+
+
+@pytest.mark.parametrize("between", HIDDEN_STEP.values(), ids=HIDDEN_STEP.keys())
+@pytest.mark.parametrize(("section", "axis"), [(report.s_throughput, 1), (report.s_hot, 1), (report.s_grad, 0),
+                                               (report.s_fresh, 2)],
+                         ids=["learner-rate", "rows-read-per-tier", "gradient-quantiles", "joiner-watermark"])
+def test_every_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_another_source_or_record_kind(
+        section: Any, axis: int, between: list[str]) -> None:
+    # rates, quantiles and the watermark were kept flat and cut only where their own t drops: the point at t=110
+    # (before the step) and the ones at t=125, 135 (after it) were drawn as one line across it
+    pytest.importorskip("matplotlib")
+
+    def samples(i: int) -> list[list[Any]]:
+        grad = [[f"{GRAD}_bucket", {"part": "dense", "le": le}, 10 * i] for le in ("1", "+Inf")]
+        return [[SAMPLES, {}, 100 * i], *grad, [f"{GRAD}_sum", {"part": "dense"}, 2.0 * i],
+                [f"{GRAD}_count", {"part": "dense"}, 10 * i],
+                ["streamrec_serving_embedding_lookups_total", {"tier": "hot"}, 50 * i],
+                ["streamrec_join_watermark_ms", {"partition": "0"}, 978_300_000_000 + 1000 * i]]
+
+    rec = report.Recording()
+    before = [scrape(t, *samples(i)) for i, t in enumerate((100.0, 110.0))]
+    after = [scrape(t, *samples(i)) for i, t in enumerate((115.0, 125.0, 135.0), start=2)]
+    for line in (*before, *between, *after):
+        rec.add(json.loads(line))
+    p = report.Plotter(90.0, 50.0)
+    drawn: list[list[float]] = []
+
+    def png(fig: Any) -> bytes:
+        drawn.extend(_broken_at_the_step(fig.axes[axis]))
+        p.plt.close(fig)
+        return b""
+
+    p.png = png  # type: ignore[method-assign]
+    section(p, report.Inputs(rec))
+    assert drawn and any(min(seg) >= 25.0 for seg in drawn)  # something drawn after the step (x = t - 90)
+    assert not any(min(seg) <= 20.0 and max(seg) >= 25.0 for seg in drawn), drawn
