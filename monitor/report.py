@@ -676,7 +676,7 @@ def s_quality(p: Plotter, inp: Inputs) -> Section:
                   "quality_recent_s; NE >= 1 is no better than predicting the click rate), with the learner's "
                   "test-then-train streamrec_learner_window_auc for reference, first over wall-clock time, then "
                   "(bottom) over event time: each scrape's values against streamrec_learner_event_time_seconds, the "
-                  "event time of the newest sample trained at that scrape.")
+                  "event time of the newest sample trained at that scrape (the slowest learner's, with several).")
     rec = inp.rec
     auc = _set_numbered({**_named(series_numbered(rec, "streamrec_learner_served_auc"), "served AUC (window)"),
                          **_named(series_numbered(rec, "streamrec_learner_window_auc"),
@@ -714,13 +714,15 @@ def _legend(ax: Any, drawn: Sequence[Any]) -> None:
 
 
 def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series | Numbered]) -> int:
-    """``curves`` (values at scrape times) against the learner's event time at the same scrapes; NE on a second
-    axis. A curve is its epochs numbered (:func:`series_numbered`), each value matched to the event time of its own
-    scrape by epoch and ``t`` (by ``t`` alone, a value scraped before the clock stepped back was drawn at the event
+    """``curves`` (values at scrape times) against the learners' event time at the same scrapes: the slowest learner
+    source's (the oldest event time any of them had trained up to, zeros left out: a rank not started; the monitor
+    scrapes every source at one time), so that N ranks all count, where the first source's alone was read; NE on a
+    second axis. A curve is its epochs numbered (:func:`series_numbered`), each value matched to the event time of its
+    own scrape by epoch and ``t`` (by ``t`` alone, a value scraped before the clock stepped back was drawn at the event
     time scraped at that ``t`` after it); or a Series of a recording without a step (all epoch 0). Returns the points
     drawn."""
-    clock = {(e, t): v for e, (ts, vs) in next(iter(series_numbered(rec, "streamrec_learner_event_time_seconds")
-                                                    .values()), []) for t, v in zip(ts, vs, strict=True)}
+    clock = {(e, t): v for e, (ts, vs) in _min_numbered(rec, "streamrec_learner_event_time_seconds")
+             for t, v in zip(ts, vs, strict=True)}
     n, drawn = 0, []
     right = ax.twinx()
     for i, (label, curve) in enumerate(curves.items()):
@@ -733,8 +735,8 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series | Numbe
         drawn += on.plot([x for x, _ in pts], [y for _, y in pts], marker=".", markersize=3, linewidth=1.2,
                          label=label, color=f"C{i}")
         n += len(pts)
-    ax.set_title("Served AUC (left) and NE (right) over event time (learner)", fontsize=10)
-    ax.set_xlabel("event time of the newest sample trained (UTC)")
+    ax.set_title("Served AUC (left) and NE (right) over event time (slowest learner)", fontsize=10)
+    ax.set_xlabel("event time of the newest sample trained, slowest learner (UTC)")
     ax.set_ylabel("AUC")
     right.set_ylabel("NE")
     ax.grid(True, alpha=0.3)

@@ -500,3 +500,26 @@ def test_a_run_log_is_read_with_one_copy_of_each_name_and_label_set_and_every_sa
     assert [list(lb) for n, lb, _ in rec.scrapes["learner"][0][1] if n == "streamrec_x"] == [["a", "b"], ["b", "a"]]
     first, *others = [s for sc in rec.scrapes.values() for _, s, _ in sc]
     assert all(a[0] is b[0] and a[1] is b[1] for other in others for a, b in zip(first, other, strict=True))
+
+
+def test_served_quality_over_event_time_reads_the_slowest_of_several_learner_sources() -> None:
+    # two ranks: rank0 trains ahead of rank1, and rank0 exports no event time at the second scrape; the plot read
+    # rank0's event time alone (rank1 never counted, the second scrape not drawn)
+    e0 = 978_300_000.0
+    rec = report.Recording()
+    for t, ev0, ev1 in ((100.0, e0 + 7200, e0 + 3600), (110.0, None, e0 + 5400), (120.0, e0 + 9000, e0 + 10800)):
+        for src, ev in (("rank0", ev0), ("rank1", ev1)):
+            samples = [["streamrec_learner_served_auc", {}, 0.7]]
+            samples += [] if ev is None else [["streamrec_learner_event_time_seconds", {}, ev]]
+            rec.add({"kind": "scrape", "t": t, "source": src, "samples": samples})
+    p = report.Plotter(90.0, 30.0)
+    fig, (ax,) = p.figure(1, 1)
+    curves = report.series_numbered(rec, "streamrec_learner_served_auc")
+    assert report.event_time_plot(ax, rec, curves) == 6
+    import matplotlib.dates as mdates
+
+    for line in ax.get_lines():
+        assert [mdates.num2date(x).timestamp() for x in line.get_xdata(orig=False)] == [e0 + 3600, e0 + 5400,
+                                                                                        e0 + 9000]
+    assert "slowest learner" in ax.get_title() and "slowest learner" in ax.get_xlabel()
+    p.plt.close(fig)
