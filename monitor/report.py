@@ -293,18 +293,16 @@ def series_numbered(rec: Recording, name: str, by: Sequence[str] = (), where: Ma
                     agg: str = "sum", source: str | None = None) -> dict[str, Numbered]:
     """Per value of the ``by`` labels, the metric ``name`` at each scrape (``agg`` = sum or max over the other
     labels), one Series per :func:`epochs` of its source that holds it; ``where`` keeps the samples whose labels equal
-    those given; of two scrapes at one time, the later. Every source unless ``source``; a value more than one source
-    exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other times, were
+    those given; of two scrapes of a source at one time (a clock that stood still for a cycle, or stepped back to the
+    very time), both, in the order written: each is a value the process exported, and keyed by ``t`` (as the curves
+    were before :func:`epochs`) a gauge's first was lost unseen. Every source unless ``source``; a value more than
+    one source exported is one curve per source, keyed ``"<value> (<source>)"`` (their scrapes, at other times, were
     interleaved into one curve: two learner ranks' counters read as a sawtooth). Each Series comes with its epoch's
     number: a scrape is the (epoch, t) of its monitor cycle, the same at every source; ``t`` alone is not, once the
     clock stepped back."""
     out: dict[tuple[str, str], Numbered] = {}
     for src, e, t, k, _, v in _grouped(rec, name, by, where, agg, source):
-        eps = out.setdefault((src, k), [])
-        if eps and eps[-1][0] == e and eps[-1][1][0][-1] == t:
-            eps[-1][1][1][-1] = v
-        else:
-            _point(eps, e, t, v)
+        _point(out.setdefault((src, k), []), e, t, v)
     return dict(sorted(per_source(out).items()))
 
 
@@ -475,7 +473,7 @@ def histogram_numbered(rec: Recording, name: str, by: str) -> dict[str, dict[str
                 if field is not None:
                     one = tuple(sorted((a, b) for a, b in lb.items() if a != "le"))
                     at = per.setdefault((src, _key(lb, (by,))), [])
-                    if not at or at[-1][:2] != (e, t):  # two scrapes at one time: one point, as before
+                    if not at or at[-1][:2] != (e, t):  # two scrapes at one time: one, the later (no count lost)
                         at.append((e, t, {}))
                     at[-1][2].setdefault(one, {})[field] = v
     out: dict[str, dict[str, Numbered]] = {}

@@ -523,3 +523,18 @@ def test_served_quality_over_event_time_reads_the_slowest_of_several_learner_sou
                                                                                         e0 + 9000]
     assert "slowest learner" in ax.get_title() and "slowest learner" in ax.get_xlabel()
     p.plt.close(fig)
+
+
+def test_two_scrapes_of_a_source_at_one_time_are_both_drawn_in_the_order_written() -> None:
+    # a clock that stood still for a cycle: the AUC 0.6 scraped first at t=110 was dropped for the 0.8 after it
+    pytest.importorskip("matplotlib")
+    rec = report.Recording()
+    for t, auc in ((100.0, 0.7), (110.0, 0.6), (110.0, 0.8), (120.0, 0.75)):
+        rec.add({"kind": "scrape", "t": t, "source": "learner", "samples": [["streamrec_learner_served_auc", {}, auc]]})
+    assert report.series(rec, "streamrec_learner_served_auc") == {"": ([100.0, 110.0, 110.0, 120.0],
+                                                                       [0.7, 0.6, 0.8, 0.75])}
+    p = report.Plotter(100.0, 20.0)
+    fig, (ax,) = p.figure(1, 1)
+    assert p.lines(ax, report.series_numbered(rec, "streamrec_learner_served_auc"), "AUC", "") == 4
+    assert list(ax.get_lines()[0].get_ydata()) == [0.7, 0.6, 0.8, 0.75]
+    p.plt.close(fig)
