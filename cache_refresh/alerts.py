@@ -9,6 +9,14 @@ doubling to ``retry_backoff_max_s``), in order, until the broker takes them; eac
 (``streamrec_monitor_sink_failures_total{sink="kafka"}``, ``..._delivered_total``, ``..._dropped_total``, served on
 the scheduler's ``[refresh] metrics_port``).
 
+Resolution: a publish resolves what earlier runs fired. With :meth:`RefreshAlerts.record_in` (every run calls it with
+its publish root) each alert fired is also appended to ``<publish_root>/``:data:`FIRING` (one JSON line: rule, severity,
+labels, so the same fingerprint), whichever process fired it (a scheduled run, an operator's ``--now``, a scheduler
+abandoning a run at shutdown); the next run that publishes sends one ``resolved`` record per fingerprint in it
+(:meth:`RefreshAlerts.resolve_firing`) and starts the file afresh. That is the monitor's contract on the alerts topic
+(every firing is followed by one resolved, ``monitor/alerts.py``); before, a refresh sent firing records only, and a
+consumer grouping by fingerprint showed a failure of months ago as firing, through every good run since.
+
 Before, the refresh made one Kafka attempt per alert and, when it failed, wrote one error line: a refresh that failed
 while the broker was down (the holdout read fails with it) raised a critical alert nobody but the log saw.
 
@@ -25,16 +33,23 @@ one-shot run (``--now``, or ``run_once`` without one) opens its own and closes i
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Severity, SinkSettings, drain
 from stream.config import KafkaSettings
+from stream.files import TMP_MARK, describe_os_error, open_regular
 
 log = logging.getLogger("streamrec.refresh")
 
 FAILED_RULE = "refresh_failed"  # a run that failed, or was abandoned at shutdown (job.ALERT_RULE, scheduler.py)
+FIRING = "refresh_firing.jsonl"  # in the publish root: the alerts fired since the last publish (module docstring)
+_LINE_MAX = 64 << 10  # a line of FIRING longer than this is no record the refresh wrote (skipped in pieces)
 
 
 class RefreshAlerts:
@@ -47,6 +62,11 @@ class RefreshAlerts:
                   "alert was logged when raised")  # ([sinks] is the monitor's section)
         self._kafka = (QueuedSink(KafkaSink(kafka, topic, timeout_s=self.settings.kafka_timeout_s), self.settings,
                                   advice) if topic else None)
+        self._firing: Path | None = None  # record_in
+
+    def record_in(self, root: Path) -> None:
+        """From here on each alert fired is also recorded in ``root``'s :data:`FIRING`, for a publish to resolve."""
+        self._firing = Path(root) / FIRING
 
     def fire(self, stage: str, message: str, rule: str, severity: str = "critical",
              labels: dict[str, str] | None = None) -> Alert:
@@ -62,13 +82,84 @@ class RefreshAlerts:
         alert = Alert(rule=rule, source="refresh", severity=level, state=AlertState.FIRING, value=None,
                       threshold=None, message=message, ts=int(time.time() * 1000),
                       labels={"stage": stage, **(labels or {})})
+        self._send(alert)
+        if self._firing is not None:
+            self._remember(self._firing, alert)
+        return alert
+
+    def _send(self, alert: Alert) -> None:
+        """To the log now, and queued for Kafka (never raises)."""
         try:
             self._log.send([alert])
         except Exception as exc:  # noqa: BLE001 - a logging handler failing must not mask the refresh's error
-            log.error("could not log the %s alert: %s", rule, exc)
+            log.error("could not log the %s alert: %s", alert.rule, exc)
         if self._kafka is not None:
             self._kafka.send([alert])
-        return alert
+
+    @staticmethod
+    def _remember(path: Path, alert: Alert) -> None:
+        """Append ``alert``'s identity to :data:`FIRING` (one ``O_APPEND`` write: lines of processes firing at once do
+        not mix); an error is logged (the alert is sent all the same, only never resolved)."""
+        line = json.dumps({"rule": alert.rule, "severity": alert.severity.value, "labels": dict(alert.labels)}) + "\n"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("could not record the %s alert in %s (%s): a publish will not resolve it", alert.rule, path,
+                        describe_os_error(exc))
+
+    def resolve_firing(self, version: str) -> int:
+        """Send one ``resolved`` record for each alert (fingerprint) recorded in :data:`FIRING` (:meth:`record_in`)
+        since the last publish, ``version`` being the publish that resolves them, and start that record afresh; returns
+        how many. The record is first renamed aside (a temp name ``publish.clean_leftovers`` removes): an alert
+        fired meanwhile by another process goes to a new file, for the next publish. Never raises: what cannot be read
+        is logged and left unresolved."""
+        if self._firing is None:
+            return 0
+        taken = self._firing.with_name(f".{FIRING}{TMP_MARK}{os.getpid()}-0")
+        try:
+            os.rename(self._firing, taken)
+        except FileNotFoundError:
+            return 0  # nothing fired since the last publish
+        except OSError as exc:
+            log.warning("cannot take %s to resolve its alerts (%s); they stay firing", self._firing,
+                        describe_os_error(exc))
+            return 0
+        resolved: dict[str, Alert] = {}
+        try:
+            with open_regular(taken) as (fh, _):
+                # line by line, each bounded: a schedule failing every minute for months appends far more than a state
+                # file holds, but few fingerprints
+                reader, seen = io.BufferedReader(fh), set()
+                for line in iter(lambda: reader.readline(_LINE_MAX), b""):
+                    if line in seen:  # the same alert again (each line is one record: a few kinds)
+                        continue
+                    seen.add(line)
+                    alert = self._resolved(line, version)
+                    if alert is not None:
+                        resolved.setdefault(alert.fingerprint, alert)
+        except OSError as exc:
+            log.warning("cannot read %s to resolve its alerts (%s); they stay firing", taken, describe_os_error(exc))
+        finally:
+            taken.unlink(missing_ok=True)
+        for alert in resolved.values():
+            self._send(alert)
+        return len(resolved)
+
+    def _resolved(self, line: bytes, version: str) -> Alert | None:
+        """The resolved record of one line of :data:`FIRING`; None (logged) for a line that is no alert record."""
+        try:
+            rec = json.loads(line)
+            return Alert(rule=str(rec["rule"]), source="refresh", severity=Severity(rec["severity"]),
+                         state=AlertState.RESOLVED, value=None, threshold=None,
+                         message=f"resolved: the refresh published {version}", ts=int(time.time() * 1000),
+                         labels={str(k): str(v) for k, v in dict(rec["labels"]).items()})
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            log.warning("%s: a line that is no alert record is skipped (%s)", self._firing, str(exc)[:200])
+            return None
 
     @property
     def pending(self) -> int:

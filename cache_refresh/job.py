@@ -73,8 +73,9 @@ The alert is a ``monitor.alerts.Alert``, sent through the monitor's own sinks (t
 through a retrying queue: ``cache_refresh/alerts.py``; a broker down at alert time delays the alert, it does not
 lose it while the scheduler runs) with the monitor's record shape: ``{"rule": "refresh_failed", "source":
 "refresh", "severity": "critical", "state": "firing", "value": null, "threshold": null, "message", "ts" (ms),
-"labels": {"stage"}, "kind": "series", "fingerprint"}``, keyed by the rule name. A refresh raises no "resolved"
-record: the next successful refresh (``last_run.json``) is the resolution.
+"labels": {"stage"}, "kind": "series", "fingerprint"}``, keyed by the rule name. The next run that
+publishes sends the "resolved" record of each alert fired since the last publish, whichever process on the publish
+root fired it (``RefreshAlerts.resolve_firing``, ``cache_refresh/alerts.py``).
 """
 
 from __future__ import annotations
@@ -485,6 +486,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
         finally:
             own.close()
     t0 = time.monotonic()
+    alerts.record_in(Path(rs.publish_root))  # what it fires, a later publish resolves (cache_refresh/alerts.py)
     restore_last_success(Path(rs.publish_root))  # a publish by another process (an operator's --now) counts too
     try:
         with contextlib.ExitStack() as held:  # the publish root's lock, taken by the run's first stage
@@ -783,6 +785,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                   if unpinned.version is not None else f"an unreadable rollback pin ({unpinned.problem})")
         log.warning("published %s over %s: an operator's run ends the rollback; serving applies learner deltas "
                     "again", path.name, pinned)
+    after.step("resolve", lambda: alerts.resolve_firing(path.name), 0)  # before this run's own warnings fire
     switched = (after.step("lineage", lambda: _warn_lineage_switched(alerts, path.name, switch), None)
                 if switch is not None else None)
     recorded = after.step("record", lambda: _record_success(root, path.name, switched), False)

@@ -252,3 +252,27 @@ def test_publishes_of_the_same_training_run_raise_no_lineage_alert(env: Any) -> 
     assert [a for a in alerts.fired if a.rule == job.LINEAGE_RULE] == []
     assert lineage_switches() == before
     assert job.read_last_run(rs.publish_root)["lineage_switched"] is None
+
+
+def test_a_publish_resolves_once_each_alert_that_earlier_runs_fired(env: Any, tmp_path: Path) -> None:
+    """A run fails (no checkpoint: ``refresh_failed`` at stage ``checkpoint``), in another process than the one that
+    publishes next (a scheduled run, then an operator's ``--now``). The publish sends one ``resolved`` record with the
+    failure's fingerprint (the monitor's contract: every firing is followed by one resolved); the publish after it
+    resolves nothing again. Before, a refresh sent firing records only: the failure stayed firing in every consumer
+    of the alerts topic for ever, good runs or not."""
+    rs, kafka, rds = env
+    failing = RecordedAlerts()
+    with pytest.raises(job.RefreshError, match="at checkpoint"):
+        job.run_once(dataclasses.replace(rs, checkpoint_dir=tmp_path / "none"), kafka, rds, alerts=failing)
+    [fired] = failing.fired
+    assert fired.state.value == "firing"
+
+    publishing = RecordedAlerts()
+    assert job.run_once(rs, kafka, rds, alerts=publishing)["published"] is True
+    resolved = [a for a in publishing.fired if a.state.value == "resolved"]
+    assert [(a.rule, a.fingerprint, dict(a.labels)) for a in resolved] == [
+        (fired.rule, fired.fingerprint, dict(fired.labels))]
+
+    again = RecordedAlerts()
+    assert job.run_once(rs, kafka, rds, alerts=again)["published"] is True
+    assert [a for a in again.fired if a.state.value == "resolved"] == []

@@ -351,6 +351,9 @@ def test_a_failed_scheduled_run_is_alerted_before_its_cleanups_so_an_abandoning_
         def fire(self, stage: str, message: str, rule: str, **kwargs: Any) -> None:
             fired.append(f"{rule}{{stage={stage}}}: {message}")
 
+        def record_in(self, root: Path) -> None:
+            pass
+
     def full(*args: Any, **kwargs: Any) -> Any:
         raise A.ArtifactError("cannot hold PUBLISHING for the publish: No space left on device")
 

@@ -1,0 +1,42 @@
+"""A publish resolves what earlier runs fired (cache_refresh/alerts.py ``RefreshAlerts.resolve_firing``): one resolved
+record per fingerprint, however many times it fired; the record started afresh. The end-to-end case (a failed run,
+then a publish of another process) is tests/integration/test_refresh_outcomes.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cache_refresh.alerts import FIRING
+from tests.unit.cache_refresh.test_overlap import RecordedAlerts
+
+
+def test_an_alert_fired_every_minute_for_months_resolves_once_with_the_others(tmp_path: Path) -> None:
+    """More lines than a state file may hold (16 MB: a per-minute schedule failing for ~3 months), a line of
+    something else and a line longer than any record: each fingerprint resolved once, the rest skipped."""
+    line = json.dumps({"rule": "refresh_failed", "severity": "critical", "labels": {"stage": "hot_set"}}) + "\n"
+    with open(tmp_path / FIRING, "w") as f:
+        f.write(line * (17_000_000 // len(line) + 1))
+        f.write("not json\n" + "x" * 200_000 + "\n")
+        f.write(json.dumps({"rule": "refresh_pinned", "severity": "warning", "labels": {"stage": "publish"}}) + "\n")
+    alerts = RecordedAlerts()
+    alerts.record_in(tmp_path)
+    assert alerts.resolve_firing("v2") == 2
+    assert sorted((a.rule, a.state.value, a.severity.value, dict(a.labels)) for a in alerts.fired) == [
+        ("refresh_failed", "resolved", "critical", {"stage": "hot_set"}),
+        ("refresh_pinned", "resolved", "warning", {"stage": "publish"})]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # taken: the next publish resolves nothing again
+    assert alerts.resolve_firing("v3") == 0
+
+
+def test_an_alert_fired_after_the_record_was_taken_waits_for_the_next_publish(tmp_path: Path) -> None:
+    """Fired alerts are appended; one fired once a publish has resolved the record is resolved by the next."""
+    alerts = RecordedAlerts()
+    alerts.record_in(tmp_path)
+    first = alerts.fire("checkpoint", "no checkpoint", "refresh_failed")
+    assert alerts.resolve_firing("v1") == 1
+    later = alerts.fire("lock", "another run", "refresh_skipped", severity="warning")
+    assert alerts.resolve_firing("v2") == 1
+    assert [(a.fingerprint, a.state.value) for a in alerts.fired] == [
+        (first.fingerprint, "firing"), (first.fingerprint, "resolved"),
+        (later.fingerprint, "firing"), (later.fingerprint, "resolved")]
