@@ -28,7 +28,10 @@ here ``p_dp(x) = p(y=1|x) * S``, where ``S`` is the share of clicks that come af
 the stream itself (delayed positives over all positives, with a prior of ``prior_late_share`` worth
 ``prior_weight`` positives). That assumes the click delay does not depend on ``x``, which holds for the replay's
 delay model and is the approximation to revisit if real delays depend on the item. ``S = 1`` is exactly FNW;
-``S = 0`` (no click ever comes late) gives weights of 1.
+``S = 0`` (no click ever comes late) gives weights of 1. Where the ``OBSERVED`` 0s went out at once (their
+``label_delay_ms`` is the elapsed time: 0 under ``fake_negative``) every click comes after its observation and ``S`` is
+1 by construction, not counted: the prior (0.5, worth 20 clicks) held the first batches' weights halfway between FNW's
+and none (a delayed positive at ``p = 0.5`` weighed 1.26 instead of 1.5) until hundreds of clicks had come.
 
 The prediction in the weights is capped at ``max_p`` (0.95). FNW's ``w-`` vanishes as ``p -> 1``: once a model
 predicts 1 everywhere (one step of 256 delayed positives on the demo's ML-1M stream did it), its observed zeros
@@ -46,7 +49,7 @@ import numpy as np
 import torch
 
 from learner.event_clock import EventClock, FirstTime
-from stream.samples import DELAYED_POSITIVE, FINAL
+from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
 class DelayedFeedbackWeights:
@@ -57,18 +60,26 @@ class DelayedFeedbackWeights:
         self.max_p = max_p  # the prediction in the weights is capped here (module docstring)
         self.positives = 0  # positives seen among OBSERVED and DELAYED_POSITIVE rows ...
         self.delayed = 0  # ... and how many of them came as DELAYED_POSITIVE
+        self.elapsed_ms: int | None = None  # the longest wait of an OBSERVED 0 seen (its label_delay_ms); None: none
 
     @property
     def late_share(self) -> float:
-        """S: the estimated share of clicks that arrive after the elapsed time."""
+        """S: the estimated share of clicks that arrive after the elapsed time (1 when that is 0: module docstring)."""
+        if self.elapsed_ms == 0:
+            return 1.0
         return ((self.delayed + self.prior_late_share * self.prior_weight)
                 / (self.positives + self.prior_weight))
 
-    def observe(self, kinds: np.ndarray, labels: np.ndarray) -> None:
-        """Count the positives of a batch (before its weights are computed: the estimate is causal)."""
+    def observe(self, kinds: np.ndarray, labels: np.ndarray, label_delay_ms: np.ndarray | None = None) -> None:
+        """Count the positives of a batch (before its weights are computed: the estimate is causal), and the elapsed
+        time of its ``OBSERVED`` 0s (shapes ``(B,)``; ``label_delay_ms`` None: not read, the share is counted)."""
         corrected = kinds != FINAL
         self.positives += int((labels[corrected] > 0.5).sum())
         self.delayed += int((kinds == DELAYED_POSITIVE).sum())
+        waited = (kinds == OBSERVED) & (labels <= 0.5)
+        if label_delay_ms is not None and waited.any():
+            longest = int(np.asarray(label_delay_ms, np.int64)[waited].max())
+            self.elapsed_ms = longest if self.elapsed_ms is None else max(self.elapsed_ms, longest)
 
     def weights(self, kinds: np.ndarray, labels: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
         """``(B,)`` float32 weights, or None when every row is FINAL (no correction: plain mean loss)."""
@@ -83,24 +94,29 @@ class DelayedFeedbackWeights:
         return torch.where(kind_t == FINAL, torch.ones_like(w), w)  # (B,)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"positives": self.positives, "delayed": self.delayed}
+        """The counts, and ``elapsed_ms`` once an ``OBSERVED`` 0 was seen (a state without it counts the share)."""
+        elapsed = {} if self.elapsed_ms is None else {"elapsed_ms": self.elapsed_ms}
+        return {"positives": self.positives, "delayed": self.delayed, **elapsed}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.positives, self.delayed = int(d.get("positives", 0)), int(d.get("delayed", 0))
+        self.elapsed_ms = None if d.get("elapsed_ms") is None else int(d["elapsed_ms"])
 
     @staticmethod
     def merged(states: list[dict[str, Any]]) -> dict[str, Any]:
         """The :meth:`state_dict` of counters over disjoint rows (the ranks' own rows) as one: the counts of one
-        counter over all of them."""
-        return {k: sum(int(d.get(k, 0)) for d in states) for k in ("positives", "delayed")}
+        counter over all of them (the longest elapsed time of any)."""
+        out = {k: sum(int(d.get(k, 0)) for d in states) for k in ("positives", "delayed")}
+        waits = [int(d["elapsed_ms"]) for d in states if d.get("elapsed_ms") is not None]
+        return {**out, "elapsed_ms": max(waits)} if waits else out
 
     @staticmethod
     def share(states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
         """Rank ``rank``'s part of the :meth:`merged` counts on ``world_size`` ranks (a restore on another number of
         ranks): each count split as evenly as integers allow, so the ranks' parts sum to the merged counts exactly
         (every rank given the whole sum, N ranks' next checkpoint held N times it) and each rank's late share is the
-        merged one up to rounding."""
-        return {k: n // world_size + (rank < n % world_size)
+        merged one up to rounding; the elapsed time is each rank's whole)."""
+        return {k: n if k == "elapsed_ms" else n // world_size + (rank < n % world_size)
                 for k, n in DelayedFeedbackWeights.merged(states).items()}
 
 

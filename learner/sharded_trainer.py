@@ -84,7 +84,7 @@ class ShardedTrainer:
         probs = served[:b].cpu().numpy()
         weight = mask
         if batch.kinds is not None and b:
-            self.delayed.observe(batch.kinds, batch.labels.numpy())
+            self.delayed.observe(batch.kinds, batch.labels.numpy(), batch.label_delay_ms)
             w = self.delayed.weights(batch.kinds, labels[:b], p_t[:b])
             if w is not None:
                 weight = torch.cat([w.to(mask.dtype), mask[b:]])

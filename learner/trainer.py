@@ -126,7 +126,7 @@ class Trainer:
         probs = served.cpu().numpy()
         weight = None
         if batch.kinds is not None:
-            self.delayed.observe(batch.kinds, batch.labels.numpy())
+            self.delayed.observe(batch.kinds, batch.labels.numpy(), batch.label_delay_ms)
             weight = self.delayed.weights(batch.kinds, b.labels, p_t)
         if weight is None:
             loss = F.binary_cross_entropy_with_logits(logits.float(), b.labels)

@@ -389,3 +389,32 @@ def test_delayed_feedback_counts_of_disjoint_rows_merge_into_those_of_one_counte
         part.observe(kinds[r::3], labels[r::3])
     assert DelayedFeedbackWeights.merged([p.state_dict() for p in parts]) == one.state_dict()
     assert one.state_dict()["delayed"] > 0
+
+
+def test_under_fake_negative_the_first_batch_already_gets_ktena_weights_not_the_priors() -> None:
+    """fake_negative's observed 0s go out at once (label_delay_ms 0): every click is a delayed one, S = 1 exactly.
+    Counted with the prior (0.5, worth 20 clicks), the first batch's S was 11/21 and a delayed positive at p = 0.5
+    weighed 1.26 instead of FNW's 1.5."""
+    w = DelayedFeedbackWeights()
+    kinds = np.array([OBSERVED, OBSERVED, OBSERVED, DELAYED_POSITIVE], np.int8)
+    labels = np.array([0, 0, 0, 1], np.float32)
+    w.observe(kinds, labels, np.array([0, 0, 0, 4000], np.int64))  # (B,) label_delay_ms: the fake 0s at once
+    assert w.late_share == 1.0
+    out = w.weights(kinds, torch.from_numpy(labels), torch.full((4,), 0.5))
+    assert out is not None
+    np.testing.assert_allclose(out.numpy(), [0.75, 0.75, 0.75, 1.5], rtol=1e-6)  # (1 - p)(1 + p), 1 + p
+
+
+def test_under_es_dfm_the_late_share_is_still_counted_and_the_elapsed_time_survives_a_restore() -> None:
+    w = DelayedFeedbackWeights(prior_late_share=0.5, prior_weight=2)
+    kinds = np.array([OBSERVED, OBSERVED, DELAYED_POSITIVE], np.int8)
+    w.observe(kinds, np.array([1, 0, 1], np.float32), np.array([9000, 60_000, 90_000], np.int64))
+    assert w.late_share == pytest.approx((1 + 1) / (2 + 2))  # es_dfm's observed 0s waited 60 s: counted
+    fake = DelayedFeedbackWeights()
+    fake.observe(kinds[1:], np.array([0, 1], np.float32), np.array([0, 5000], np.int64))
+    again = DelayedFeedbackWeights()
+    again.load_state_dict(fake.state_dict())
+    assert again.late_share == 1.0
+    merged = DelayedFeedbackWeights.merged([w.state_dict(), fake.state_dict(), {"positives": 3, "delayed": 1}])
+    assert merged == {"positives": 6, "delayed": 3, "elapsed_ms": 60_000}  # the longest wait seen: not FNW
+    assert DelayedFeedbackWeights.share([fake.state_dict()] * 2, 1, 3)["elapsed_ms"] == 0  # not split
