@@ -12,8 +12,8 @@ was killed is removed by the next save (:func:`remove_torn`).
 Lineage: every checkpoint's meta carries ``lineage``, a random id kept in ``<directory>/LINEAGE`` and
 created with the directory's first checkpoint (or its first delta writer, ``learner/deltas.py``). A
 learner that resumes from the directory continues the lineage of the checkpoint it resumes from
-(:func:`continue_lineage`: one of another lineage makes the directory's ``LINEAGE`` its own); one started
-in an empty directory begins a new one. The refresh copies it into the artifact's manifest and serving
+(:func:`continue_lineage`: one of another lineage makes the directory's ``LINEAGE`` its own); one that resumes
+no checkpoint begins a new one (:func:`begin_lineage`), even where an earlier training's ``LINEAGE`` is left. The refresh copies it into the artifact's manifest and serving
 applies a delta only to an artifact of the delta's own lineage: rows and dense weights of two different
 trainings never mix. Beside it, ``<directory>/DELTA_SEQ`` records the largest delta seq the lineage's
 writers took (``learner/deltas.py`` "Numbering"), so none is used twice when the deltas directory is emptied.
@@ -359,9 +359,18 @@ def lineage(directory: Path) -> str:
     if text:
         log.error("%s holds %r, not a lineage id; starting a new lineage (serving applies this learner's deltas "
                   "only to artifacts refreshed from now on)", path, text[:40])
+    return begin_lineage(directory)
+
+
+def begin_lineage(directory: Path) -> str:
+    """A new lineage id, made the directory's ``LINEAGE`` (durably): a learner that resumes no checkpoint trains a new
+    model, whatever ``LINEAGE`` an earlier training left there (its checkpoints moved away). Kept, it numbered the new
+    model's deltas past that training's ``DELTA_SEQ`` under its lineage, and serving applied an untrained model's rows
+    and dense weights to that training's artifact."""
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     new = uuid.uuid4().hex
-    write_atomic(path, new.encode())
+    write_atomic(directory / LINEAGE, new.encode())
     return new
 
 

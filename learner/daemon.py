@@ -399,7 +399,8 @@ class Learner:
         refuse_sharded(Path(self.ls.checkpoint_dir))
         # weights-only (a foreign file runs nothing); one that does not fit its own model is skipped as damaged
         ckpt = checkpoint.restore_latest(self.ls.checkpoint_dir, check=self._load)
-        if ckpt is None:
+        if ckpt is None:  # a new model: never of a lineage an earlier training left here (its deltas' artifacts)
+            checkpoint.begin_lineage(Path(self.ls.checkpoint_dir))
             return False
         passed = [p for p in checkpoint.list_checkpoints(self.ls.checkpoint_dir) if p.name > ckpt.path.name]
         if passed and self.deltas is not None:  # (each was reported with why it did not load)

@@ -339,6 +339,8 @@ class ShardedLearner:
                                   "here would train every retained sample again while `streamrec train --status` and "
                                   "`streamrec refresh` kept reading the old checkpoint. Run the ranks with another "
                                   "--checkpoint-dir to start a sharded model, or go on training in one process")
+            if self.ctx.rank == 0:  # a new model: never of a lineage an earlier training left here
+                checkpoint.begin_lineage(Path(self.ls.checkpoint_dir))
             return False
         path, meta = found
         recorded = meta.get("shape", {})

@@ -381,13 +381,18 @@ def test_ranks_on_a_directory_of_single_process_checkpoints_refuse_to_start_a_fr
     from learner import sharded_daemon
     from learner.config import LearnerSettings
 
+    from learner import checkpoint
+    from learner.distributed import RankContext
+
     (tmp_path / "ckpt-000000000000800-1.pt").write_bytes(b"a single-process checkpoint")
     learner = sharded_daemon.ShardedLearner.__new__(sharded_daemon.ShardedLearner)
-    learner.ls = LearnerSettings(checkpoint_dir=tmp_path)  # (no collective runs before the refusal)
+    learner.ls, learner.ctx = LearnerSettings(checkpoint_dir=tmp_path), RankContext()  # (no collective runs)
     with pytest.raises(ConfigError, match="holds single-process checkpoints .newest ckpt-000000000000800-1.pt"):
         learner._restore()
     learner.ls = LearnerSettings(checkpoint_dir=tmp_path / "empty")
+    left = checkpoint.lineage(tmp_path / "empty")  # an earlier training's LINEAGE, its checkpoints moved away
     assert learner._restore() is False  # a fresh directory: a fresh sharded model
+    assert checkpoint.lineage(tmp_path / "empty") != left  # of a new lineage: its deltas never reach that artifact
 
 
 def test_unshard_refuses_a_directory_of_sharded_checkpoints_as_its_destination(tmp_path: Path) -> None:
