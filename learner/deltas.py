@@ -913,6 +913,7 @@ class DeltaReader:
         self._failing: dict[tuple[str, int, int], int] = {}  # file version -> its consecutive transient failures
         self._failed_now: set[tuple[str, int, int]] = set()  # versions failing transiently in this round
         self.retrying: Path | None = None  # the delta the last round ended at, read again next round (None: none)
+        self._lineages: dict[tuple[str, int, int], str | None] = {}  # file version -> the lineage read in it
 
     def mark_bad(self, path: Path, reason: str = "could not be applied") -> None:
         """Never yield this version of ``path`` again."""
@@ -973,6 +974,23 @@ class DeltaReader:
         if len(self._settled) > _REMEMBER:
             self._settled.discard(min(self._settled))
 
+    def _foreign(self, path: Path, lineage: str | None) -> bool:
+        """Whether delta ``path`` is of another lineage than ``lineage`` (both known): an earlier training's delta
+        left in the directory, which says nothing of this lineage's numbering. Read (whole, checked) once per file
+        version, only for a delta :meth:`newer` would otherwise take for a rewind; one that cannot be read is not
+        known foreign. Without it a new lineage's model (numbered after the earlier training's deltas, trained to
+        fewer samples) counted a rewind at every round and applied its own deltas again each time."""
+        fp = _fingerprint(path)
+        if lineage is None or fp is None:
+            return False
+        if fp not in self._lineages:
+            try:
+                self._lineages[fp] = load_delta(path, self.key).lineage
+            except (DeltaError, OSError, MemoryError, ValueError, RecursionError):
+                return False
+        theirs = self._lineages[fp]
+        return theirs is not None and theirs != lineage
+
     def latest_seq(self) -> int:
         found = list_deltas(self.directory)
         return found[-1][0] if found else 0
@@ -990,7 +1008,8 @@ class DeltaReader:
         largest ``samples_trained`` the model holds (None: not known, the second rewind test below is not made).
 
         A stream that went backwards (the directory's latest seq below ``after_seq``, or a delta at or below it that
-        was trained past ``applied_samples``: the numbering restarted, so those seqs were never applied) would be
+        was trained past ``applied_samples`` and is not of another lineage, :meth:`_foreign`: the numbering
+        restarted, so those seqs were never applied) would be
         skipped forever (a latest seq below it is no rewind when a restart of ``lineage`` recorded every seq after it
         up to ``after_seq`` abandoned, :func:`read_abandoned`: the restart has written nothing newer yet); instead it
         is counted in :attr:`rewinds`, logged once per position, and the model is re-based on ``samples_trained``:
@@ -1008,12 +1027,14 @@ class DeltaReader:
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
         self._failing = {fp: n for fp, n in self._failing.items() if fp[0] in live}
+        self._lineages = {fp: lin for fp, lin in self._lineages.items() if fp[0] in live}
         dead = read_abandoned(self.directory, lineage) if found else []  # the ranges a restart of lineage abandoned
         if dead:  # a dead branch a restart could not remove is never read
             found = [f for f in found if not _covered(f[0], f[0], dead)]
         held = after_samples if applied_samples is None else max(after_samples, applied_samples)
         latest = found[-1][0] if found else 0
-        passed = applied_samples is not None and any(s <= after_seq and n > held for s, n, _ in found)
+        passed = applied_samples is not None and any(s <= after_seq and n > held and not self._foreign(p, lineage)
+                                                     for s, n, p in found)
         # (not when a restart of the lineage removed every seq past the latest: nothing newer yet)
         behind = latest < after_seq and _covered(latest + 1, after_seq, dead) < after_seq - latest
         if after_seq > 0 and found and (behind or passed):
@@ -1070,6 +1091,7 @@ class DeltaReader:
                                      f"{exc}") + (f" ({TRANSIENT_TRIES} reads in a row)" if _transient(exc) else ""))
                 continue
             self._failing.pop(fp, None)
+            self._lineages[fp] = d.lineage
             if lineage is not None and d.lineage is not None and d.lineage != lineage:
                 self._unfit.add(fp)
                 self._settle(seq)
