@@ -13,10 +13,11 @@ Lineage: every checkpoint's meta carries ``lineage``, a random id kept in ``<dir
 created with the directory's first checkpoint (or its first delta writer, ``learner/deltas.py``). A
 learner that resumes from the directory continues the lineage of the checkpoint it resumes from
 (:func:`continue_lineage`: one of another lineage makes the directory's ``LINEAGE`` its own); one that resumes
-no checkpoint begins a new one (:func:`begin_lineage`), even where an earlier training's ``LINEAGE`` is left. The refresh copies it into the artifact's manifest and serving
-applies a delta only to an artifact of the delta's own lineage: rows and dense weights of two different
-trainings never mix. Beside it, ``<directory>/DELTA_SEQ`` records the largest delta seq the lineage's
-writers took (``learner/deltas.py`` "Numbering"), so none is used twice when the deltas directory is emptied.
+no checkpoint begins a new one (:func:`begin_lineage`), even where an earlier training's ``LINEAGE`` is left. The
+refresh copies it into the artifact's manifest and serving applies a delta only to an artifact of the delta's own
+lineage: rows and dense weights of two different trainings never mix. Beside it, ``<directory>/DELTA_SEQ``
+records the largest delta seq the lineage's writers took (``learner/deltas.py`` "Numbering"), so none is used twice
+when the deltas directory is emptied.
 
 Loading: every load (the learner's resume, :func:`restore_latest`, as much as the refresh's
 :func:`load_latest`) unpickles nothing but tensors, numpy arrays and plain containers

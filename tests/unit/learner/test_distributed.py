@@ -378,10 +378,8 @@ def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_
 
 def test_ranks_on_a_directory_of_single_process_checkpoints_refuse_to_start_a_fresh_model_there(
         tmp_path: Path) -> None:
-    from learner import sharded_daemon
+    from learner import checkpoint, sharded_daemon
     from learner.config import LearnerSettings
-
-    from learner import checkpoint
     from learner.distributed import RankContext
 
     (tmp_path / "ckpt-000000000000800-1.pt").write_bytes(b"a single-process checkpoint")

@@ -22,10 +22,10 @@ from tests.unit.learner.test_restart_id_maps import CFG, KAFKA, _settings, sampl
 
 def test_a_new_model_started_where_checkpoints_were_moved_away_never_changes_the_earlier_trainings_artifact(
         tmp_path: Path) -> None:
-    """The first training writes delta 1 and checkpoints (16 samples) and serving runs its artifact. Its checkpoints are moved away and a
-    learner starts a new model there: it took the directory's LINEAGE (the first training's), numbered its deltas
-    past DELTA_SEQ, and serving applied an untrained model's rows and dense weights to the first training's
-    artifact."""
+    """The first training writes delta 1 and checkpoints (16 samples), and serving runs its artifact. Its checkpoints
+    are moved away and a learner starts a new model there: it took the directory's LINEAGE (the first training's),
+    numbered its deltas past DELTA_SEQ, and serving applied an untrained model's rows and dense weights to the first
+    training's artifact."""
     ls = _settings(tmp_path)
     first = Learner(KAFKA, ls)
     try:
