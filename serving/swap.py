@@ -38,9 +38,9 @@ Failing closed, once:
 * **Paths.** ``CURRENT`` must hold a version name, and the version it names must resolve to a directory
   inside ``<root>/versions``; artifact files and delta files that are symlinks leaving their directory are
   refused (``learner/artifact.py``, ``learner/deltas.py``).
-* **Lineage.** A delta applies only if it is newer than the live artifact's source checkpoint
-  (``samples_trained``) and of its lineage (when both carry one); others are skipped and counted
-  (``streamrec_serving_deltas_skipped_total{reason="lineage"}``).
+* **Lineage.** A delta applies only if it is newer than the live artifact's source checkpoint (numbered
+  past its ``delta_seq``; by ``samples_trained`` for a source that records none) and of its lineage (when
+  both carry one); others are skipped and counted (``streamrec_serving_deltas_skipped_total{reason="lineage"}``).
 * **Rollback.** While ``<root>/PINNED`` names the live version (``streamrec refresh --rollback``; see
   ``learner/artifact.py``), no deltas are applied: they were all written by the learner that trained
   past the newer artifact, so applying them would bring the rolled-back model back.
