@@ -10,10 +10,12 @@ doubling to ``retry_backoff_max_s``), in order, until the broker takes them; eac
 the scheduler's ``[refresh] metrics_port``).
 
 Resolution: a publish resolves what earlier runs fired. With :meth:`RefreshAlerts.record_in` (every run calls it with
-its publish root) each alert fired is also appended to ``<publish_root>/``:data:`FIRING` (one JSON line: rule, severity,
-labels, so the same fingerprint), whichever process fired it (a scheduled run, an operator's ``--now``, a scheduler
-abandoning a run at shutdown); the next run that publishes sends one ``resolved`` record per fingerprint in it
-(:meth:`RefreshAlerts.resolve_firing`) and starts the file afresh. That is the monitor's contract on the alerts topic
+its publish root; the scheduler's and a one-shot run's are built with it, ``publish_root``, so an alert fired before
+any run is recorded too) each alert fired is also appended to ``<publish_root>/``:data:`FIRING` (one JSON line: rule,
+severity, labels, so the same fingerprint), whichever process fired it (a scheduled run, an operator's ``--now``, a
+scheduler abandoning a run at shutdown, its thread dying; the root is created if no run has yet); the next run that
+publishes sends one ``resolved`` record per fingerprint in it (:meth:`RefreshAlerts.resolve_firing`) and starts the
+file afresh. That is the monitor's contract on the alerts topic
 (every firing is followed by one resolved, ``monitor/alerts.py``); before, a refresh sent firing records only, and a
 consumer grouping by fingerprint showed a failure of months ago as firing, through every good run since.
 
@@ -53,9 +55,12 @@ _LINE_MAX = 64 << 10  # a line of FIRING longer than this is no record the refre
 
 
 class RefreshAlerts:
-    """The refresh's alert sinks (module docstring). ``topic`` empty: the log only. Never raises."""
+    """The refresh's alert sinks (module docstring). ``topic`` empty: the log only. ``publish_root``: recorded in from
+    the start (:meth:`record_in`), so that an alert fired before any run (the scheduler's thread dying before its first
+    run, a ``shutdown`` abandonment) is resolved by a later publish too. Never raises."""
 
-    def __init__(self, kafka: KafkaSettings, topic: str, settings: SinkSettings | None = None) -> None:
+    def __init__(self, kafka: KafkaSettings, topic: str, settings: SinkSettings | None = None, *,
+                 publish_root: Path | None = None) -> None:
         self.settings = settings or SinkSettings(kafka_topic=topic or None)
         self._log = LogSink(log)
         advice = (f"the refresh's alert drain at exit is {self.settings.close_timeout_s:g} s (not a setting); each "
@@ -63,6 +68,8 @@ class RefreshAlerts:
         self._kafka = (QueuedSink(KafkaSink(kafka, topic, timeout_s=self.settings.kafka_timeout_s), self.settings,
                                   advice) if topic else None)
         self._firing: Path | None = None  # record_in
+        if publish_root is not None:
+            self.record_in(publish_root)
 
     def record_in(self, root: Path) -> None:
         """From here on each alert fired is also recorded in ``root``'s :data:`FIRING`, for a publish to resolve."""
@@ -102,6 +109,7 @@ class RefreshAlerts:
         not mix); an error is logged (the alert is sent all the same, only never resolved)."""
         line = json.dumps({"rule": alert.rule, "severity": alert.severity.value, "labels": dict(alert.labels)}) + "\n"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # no run has made the publish root yet
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             try:
                 os.write(fd, line.encode())

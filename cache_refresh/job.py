@@ -480,7 +480,7 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
     ``progress``: the scheduler's :class:`RunProgress`, kept up to date by the run.
     """
     if alerts is None:
-        own = RefreshAlerts(kafka, rs.alerts_topic)
+        own = RefreshAlerts(kafka, rs.alerts_topic, publish_root=Path(rs.publish_root))
         try:
             return run_once(rs, kafka, rds, sleep, respect_pin, allow_older, own, stop, progress)
         finally:

@@ -89,8 +89,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from cache_refresh.alerts import RefreshAlerts
     from cache_refresh.scheduler import run_forever
 
-    # one for the process: an alert the broker did not take is retried until it does (cache_refresh/alerts.py)
-    alerts, progress = RefreshAlerts(kafka, rs.alerts_topic), job.RunProgress()  # progress: for an abandoning stop
+    # one for the process: an alert is retried until the broker takes it, and recorded for a publish to resolve from
+    # the start, so one fired before any run is too (cache_refresh/alerts.py); progress: for an abandoning stop
+    alerts, progress = RefreshAlerts(kafka, rs.alerts_topic, publish_root=Path(rs.publish_root)), job.RunProgress()
 
     def scheduled() -> None:
         job.scheduled_run(rs, kafka, rds, alerts, progress)  # respects a rollback pin; failures are logged and alerted
