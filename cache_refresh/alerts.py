@@ -14,8 +14,8 @@ its publish root; the scheduler's and a one-shot run's are built with it, ``publ
 any run is recorded too) each alert fired is also appended to ``<publish_root>/``:data:`FIRING` (one JSON line: rule,
 severity, labels, so the same fingerprint), whichever process fired it (a scheduled run, an operator's ``--now``, a
 scheduler abandoning a run at shutdown, its thread dying; the root is created if no run has yet); the next run that
-publishes sends one ``resolved`` record per fingerprint in it (:meth:`RefreshAlerts.resolve_firing`) and starts the
-file afresh. That is the monitor's contract on the alerts topic
+publishes sends one ``resolved`` record per fingerprint in it (:meth:`RefreshAlerts.resolve_firing`; those of a
+publish killed while resolving, too) and starts the file afresh. That is the monitor's contract on the alerts topic
 (every firing is followed by one resolved, ``monitor/alerts.py``); before, a refresh sent firing records only, and a
 consumer grouping by fingerprint showed a failure of months ago as firing, through every good run since.
 
@@ -45,12 +45,13 @@ from pathlib import Path
 
 from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Severity, SinkSettings, drain
 from stream.config import KafkaSettings
-from stream.files import TMP_MARK, describe_os_error, open_regular
+from stream.files import describe_os_error, leftover_writer_alive, open_regular
 
 log = logging.getLogger("streamrec.refresh")
 
 FAILED_RULE = "refresh_failed"  # a run that failed, or was abandoned at shutdown (job.ALERT_RULE, scheduler.py)
 FIRING = "refresh_firing.jsonl"  # in the publish root: the alerts fired since the last publish (module docstring)
+TAKEN = f".{FIRING}.taken-"  # + <pid>-<ns>: FIRING renamed aside by a publish resolving it (resolve_firing)
 _LINE_MAX = 64 << 10  # a line of FIRING longer than this is no record the refresh wrote (skipped in pieces)
 
 
@@ -122,23 +123,57 @@ class RefreshAlerts:
     def resolve_firing(self, version: str) -> int:
         """Send one ``resolved`` record for each alert (fingerprint) recorded in :data:`FIRING` (:meth:`record_in`)
         since the last publish, ``version`` being the publish that resolves them, and start that record afresh; returns
-        how many. The record is first renamed aside (a temp name ``publish.clean_leftovers`` removes): an alert
-        fired meanwhile by another process goes to a new file, for the next publish. Never raises: what cannot be read
-        is logged and left unresolved."""
+        how many. Call it holding the publish root's ``refresh_lock`` (the publish does).
+
+        The record is first renamed aside (:data:`TAKEN`): an alert fired meanwhile by another process goes to a new
+        file, for the next publish. The aside is removed only once its resolved records are queued, and the asides of
+        processes killed before that (their pid gone) are resolved with this one: every alert fired is resolved at
+        least once, twice only after such a kill. Before, the aside had a temp name, and ``publish.clean_leftovers``
+        removed a killed process's, with the alerts it held never resolved. Never raises: what cannot be read is logged
+        and left unresolved."""
         if self._firing is None:
             return 0
-        taken = self._firing.with_name(f".{FIRING}{TMP_MARK}{os.getpid()}-0")
+        taken = self._dead_asides()  # before this one's: each there is of a process killed in this method
+        mine = self._firing.with_name(f"{TAKEN}{os.getpid()}-{time.time_ns()}")  # unique: a same-pid dead one's stays
         try:
-            os.rename(self._firing, taken)
+            os.rename(self._firing, mine)
+            taken.append(mine)
         except FileNotFoundError:
-            return 0  # nothing fired since the last publish
+            pass  # nothing fired since the last publish
         except OSError as exc:
             log.warning("cannot take %s to resolve its alerts (%s); they stay firing", self._firing,
                         describe_os_error(exc))
-            return 0
         resolved: dict[str, Alert] = {}
+        for path in taken:
+            self._read_aside(path, version, resolved)
+        for alert in resolved.values():
+            self._send(alert)
+        for path in taken:  # after the sends: a process killed before this leaves them for the next publish
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot remove %s (%s): the next publish resolves its alerts again", path,
+                            describe_os_error(exc))
+        return len(resolved)
+
+    def _dead_asides(self) -> list[Path]:
+        """The :data:`TAKEN` asides of processes gone (this process's pid included: an earlier process's, as
+        ``stream.files.leftover_writer_alive`` says), killed in :meth:`resolve_firing` before removing them."""
+        assert self._firing is not None
         try:
-            with open_regular(taken) as (fh, _):
+            found = sorted(p for p in self._firing.parent.iterdir() if p.name.startswith(TAKEN))
+        except OSError as exc:
+            log.warning("cannot list %s for the alerts of a killed publish (%s); they stay firing",
+                        self._firing.parent, describe_os_error(exc))
+            return []
+        owners = ((p, p.name[len(TAKEN):].split("-")[0]) for p in found)  # (path, its pid as written)
+        return [p for p, pid in owners if pid.isdigit() and not leftover_writer_alive(int(pid))]
+
+    def _read_aside(self, path: Path, version: str, resolved: dict[str, Alert]) -> None:
+        """Add to ``resolved`` (by fingerprint) the resolved record of each alert in ``path``, a :data:`FIRING` taken
+        aside; what cannot be read is logged."""
+        try:
+            with open_regular(path) as (fh, _):
                 # line by line, each bounded: a schedule failing every minute for months appends far more than a state
                 # file holds, but few fingerprints
                 reader, seen = io.BufferedReader(fh), set()
@@ -150,12 +185,7 @@ class RefreshAlerts:
                     if alert is not None:
                         resolved.setdefault(alert.fingerprint, alert)
         except OSError as exc:
-            log.warning("cannot read %s to resolve its alerts (%s); they stay firing", taken, describe_os_error(exc))
-        finally:
-            taken.unlink(missing_ok=True)
-        for alert in resolved.values():
-            self._send(alert)
-        return len(resolved)
+            log.warning("cannot read %s to resolve its alerts (%s); they stay firing", path, describe_os_error(exc))
 
     def _resolved(self, line: bytes, version: str) -> Alert | None:
         """The resolved record of one line of :data:`FIRING`; None (logged) for a line that is no alert record."""

@@ -5,9 +5,12 @@ then a publish of another process) is tests/integration/test_refresh_outcomes.py
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from cache_refresh.alerts import FIRING
+from cache_refresh.publish import clean_leftovers
 from tests.unit.cache_refresh.test_overlap import RecordedAlerts
 
 
@@ -40,3 +43,35 @@ def test_an_alert_fired_after_the_record_was_taken_waits_for_the_next_publish(tm
     assert [(a.fingerprint, a.state.value) for a in alerts.fired] == [
         (first.fingerprint, "firing"), (first.fingerprint, "resolved"),
         (later.fingerprint, "firing"), (later.fingerprint, "resolved")]
+
+
+KILLED_WHILE_RESOLVING = """
+import os, sys
+from pathlib import Path
+from stream.config import KafkaSettings
+from cache_refresh.alerts import RefreshAlerts
+alerts = RefreshAlerts(KafkaSettings(), "", publish_root=Path(sys.argv[1]))
+alerts.fire("checkpoint", "no checkpoint", "refresh_failed")
+RefreshAlerts._send = lambda self, alert: os._exit(9)  # killed once FIRING is aside, before a resolved record is sent
+alerts.resolve_firing("v1")
+"""
+
+
+def test_alerts_of_a_publish_killed_while_resolving_them_are_resolved_by_the_next_publish(tmp_path: Path) -> None:
+    """A process killed between renaming FIRING aside and sending the resolved records: the aside had a temp name,
+    removed by the next run's ``clean_leftovers``, and its alerts stayed firing for ever. Now the next publish resolves
+    them (with what fired since), once: the publish after it resolves nothing."""
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_RESOLVING, str(tmp_path)], check=False,
+                            cwd=Path(__file__).resolve().parents[3])
+    assert killed.returncode == 9
+    assert not (tmp_path / FIRING).exists()  # taken aside by the killed publish
+    assert clean_leftovers(tmp_path) == []  # the next run's first stage: the aside is no leftover of a temp write
+    alerts = RecordedAlerts()
+    alerts.record_in(tmp_path)
+    later = alerts.fire("lock", "another run", "refresh_skipped", severity="warning")
+    assert alerts.resolve_firing("v2") == 2
+    assert sorted((a.rule, a.state.value, a.labels["stage"]) for a in alerts.fired[1:]) == [
+        ("refresh_failed", "resolved", "checkpoint"), ("refresh_skipped", "resolved", "lock")]
+    assert later.fingerprint in {a.fingerprint for a in alerts.fired[1:]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert alerts.resolve_firing("v3") == 0
