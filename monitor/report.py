@@ -17,8 +17,8 @@ so "over event time" is only as good as the order the samples arrived in (event-
 records are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where the wall
 clock stepped back (``t`` below the record's before, whatever either record is: :attr:`Recording.epoch`): no rate,
 increase, histogram interval or average spans two, and every curve drawn over wall time (a metric, a rate, a quantile,
-the joiner's watermark) breaks at each epoch (:func:`_point`, :func:`_segments`). A step forward cannot be detected:
-the interval across it is read as if the monitor had paused.
+the joiner's watermark, a rule's state bars) breaks at each epoch (:func:`_point`, :func:`_segments`). A step forward
+cannot be detected: the interval across it is read as if the monitor had paused.
 
 Also :func:`follow`: a progress line per scrape of one source while a stage runs (``make demo``).
 
@@ -79,15 +79,15 @@ MAX_T = dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc).timestamp()  # the las
 @dataclass
 class Recording:
     """A run log read back: per source its scrapes ``(t, samples, epoch)`` in the order the monitor wrote them, the
-    rules' states, the alerts. :attr:`epoch` counts the wall clock's steps back over every record read but ``start``
-    (a scrape, a failed one, the rules' states, an alert): a step while a source did not answer split its scrapes
-    nowhere (110 -> 115 read as 5 s where 35 had passed). A ``start`` line is left out: one that begins a rotated
-    file is stamped at the rotation, after the ``now`` of the record written right after it (:class:`RunLog
-    <monitor.engine.RunLog>`)."""
+    rules' states ``(t, states, epoch)``, the alerts. :attr:`epoch` counts the wall clock's steps back over every
+    record read but ``start`` (a scrape, a failed one, the rules' states, an alert): a step while a source did not
+    answer split its scrapes nowhere (110 -> 115 read as 5 s where 35 had passed). A ``start`` line is left out: one
+    that begins a rotated file is stamped at the rotation, after the ``now`` of the record written right after it
+    (:class:`RunLog <monitor.engine.RunLog>`)."""
 
     scrapes: dict[str, list[tuple[float, list[Sample], int]]] = field(default_factory=dict)
     errors: list[tuple[float, str, str]] = field(default_factory=list)
-    rule_states: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+    rule_states: list[tuple[float, dict[str, str], int]] = field(default_factory=list)
     alerts: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -103,7 +103,7 @@ class Recording:
 
     @property
     def t_end(self) -> float | None:
-        ts = [t for sc in self.scrapes.values() for t, _, _ in sc] + [t for t, _ in self.rule_states]
+        ts = [t for sc in self.scrapes.values() for t, _, _ in sc] + [t for t, _, _ in self.rule_states]
         return max(ts) if ts else None
 
     def add(self, rec: Mapping[str, Any]) -> None:
@@ -121,7 +121,7 @@ class Recording:
         elif kind == "scrape_error":
             self.errors.append((float(t), str(rec.get("source")), str(rec.get("error"))))
         elif kind == "rules" and isinstance(rec.get("states"), dict):
-            self.rule_states.append((float(t), {str(k): str(v) for k, v in rec["states"].items()}))
+            self.rule_states.append((float(t), {str(k): str(v) for k, v in rec["states"].items()}, self.epoch))
         elif kind == "alert" and isinstance(rec.get("alert"), dict):
             self.alerts.append((float(t), rec["alert"]))
         elif kind == "start":
@@ -1059,12 +1059,12 @@ def s_alerts(p: Plotter, inp: Inputs) -> Section:
                   "inactive, pending, firing), and each alert it sent (firing x, resolved o). Alerts written to "
                   "the alerts topic by other processes (a failed refresh) are not in the run log.")
     rec = inp.rec
-    rules = sorted({r for _, st in rec.rule_states for r in st} | {str(a.get("rule")) for _, a in rec.alerts})
+    rules = sorted({r for _, st, _ in rec.rule_states for r in st} | {str(a.get("rule")) for _, a in rec.alerts})
     fig, (ax,) = p.figure(1, 1, height=max(2.5, 0.32 * len(rules) + 1.2))
     ys = {r: i for i, r in enumerate(rules)}
-    ts_all = [t for t, _ in rec.rule_states]
-    for i, (t, st) in enumerate(rec.rule_states):
-        t_next = ts_all[i + 1] if i + 1 < len(ts_all) else t
+    evals = list(epochs(rec.rule_states))  # (epoch, t, states), in the order the monitor wrote them
+    for (e, t, st), (e_next, t_next, _) in zip(evals, evals[1:] + evals[-1:], strict=True):
+        t_next = t_next if e_next == e else t  # a bar ends at its epoch's last evaluation, as every curve breaks there
         for r, state in st.items():
             color = _STATE_COLOR.get(state, "lightgray")
             x0, x1 = p.x([t, t_next])

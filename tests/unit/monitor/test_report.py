@@ -105,7 +105,7 @@ def test_the_run_log_records_each_scrape_rule_state_and_alert(tmp_path: Path) ->
     assert report.series(rec, "streamrec_learner_lag_samples")[""][1] == [7.0] * 4  # summed over partitions
     assert set(report.series(rec, "streamrec_learner_lag_samples", by=("partition",))) == {"0", "1"}
     assert math.isnan(report.series(rec, "streamrec_learner_served_ne")[""][1][0])
-    assert [st["auc_low"] for _, st in rec.rule_states] == ["firing", "firing", "resolved", "inactive"]
+    assert [st["auc_low"] for _, st, _ in rec.rule_states] == ["firing", "firing", "resolved", "inactive"]
 
 
 def test_the_run_log_rotates_and_is_read_back_whole(tmp_path: Path) -> None:

@@ -302,3 +302,37 @@ def test_every_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_another_
     section(p, report.Inputs(rec))
     assert drawn and any(min(seg) >= 25.0 for seg in drawn)  # something drawn after the step (x = t - 90)
     assert not any(min(seg) <= 20.0 and max(seg) >= 25.0 for seg in drawn), drawn
+
+
+def _bars(ax: Any) -> list[tuple[float, float]]:
+    """The rule-state bars drawn on ``ax`` (broken_barh), each as its (start, end) x."""
+    spans = [(float(v[:, 0].min()), float(v[:, 0].max())) for c in ax.collections for v in
+             (path.vertices for path in c.get_paths())]
+    return sorted(spans)
+
+
+@pytest.mark.parametrize("between", [
+    HIDDEN_STEP["another-source"], [record("scrape_error", 95.0, source="learner", error="connection refused")],
+], ids=["another-source", "failed-scrape"])
+def test_a_rules_state_bar_ends_at_its_epochs_last_evaluation_across_a_clock_step_the_rules_do_not_show(
+        monkeypatch: pytest.MonkeyPatch, between: list[str]) -> None:
+    # the state at t=110 was drawn to the next evaluation's t=115, across the step back after it (20 s truly passed):
+    # bars were cut only where the rules' own t drops (a negative width, clamped); like every other curve, they now
+    # break at each epoch
+    rec = report.Recording()
+    evaluations = [record("rules", t, states={"auc_low": state})
+                   for t, state in ((100.0, "pending"), (110.0, "firing"), (115.0, "firing"), (125.0, "inactive"))]
+    for line in (*evaluations[:2], *between, *evaluations[2:]):
+        rec.add(json.loads(line))
+    p = report.Plotter(90.0, 50.0)
+    drawn: list[tuple[float, float]] = []
+
+    def png(fig: Any) -> bytes:
+        drawn.extend(_bars(fig.axes[0]))
+        p.plt.close(fig)
+        return b""
+
+    monkeypatch.setattr(p, "png", png)
+    report.s_alerts(p, report.Inputs(rec))
+    # x = seconds since t0=90; an epoch's last evaluation draws as a bar of no width (as the run log's last one did)
+    assert drawn == [pytest.approx(span) for span in [(10.0, 20.0), (20.0, 20.0), (25.0, 35.0), (35.0, 35.0)]]

@@ -210,7 +210,7 @@ def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_tr
                      '{"kind": "rules", "t": 1003.0, "states": {"r": "\\\\ud800 firing"}}')  # an escaped backslash
     rec = report.read_run_log(path)
     assert rec.bad_lines == 3 and not rec.scrapes and not rec.alerts
-    assert rec.rule_states == [(1003.0, {"r": "\\ud800 firing"})]
+    assert rec.rule_states == [(1003.0, {"r": "\\ud800 firing"}, 0)]
     assert "3 unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
     (tmp_path / "replay.json").write_text('{"dataset": "x", "acked": 1}\n{"dataset": "\\udcff", "acked": 2}\n')
     assert report.read_summaries([tmp_path / "replay.json"]) == {"replay": {"dataset": "x", "acked": 1}}
