@@ -331,6 +331,9 @@ def heartbeat_interval_s(kafka: KafkaSettings) -> float:
     return max(0.5, kafka.session_timeout_ms / 6000)
 
 
+RECEIVE_MAX_BYTES = 2_147_483_647  # librdkafka's receive.message.max.bytes cap (a Kafka record's size is an int32)
+
+
 def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[str, Any]:
     check_group_id("the consumer group (group.id)", group_id)  # librdkafka's "no group" aborted the process
     conf: dict[str, Any] = {
@@ -349,6 +352,12 @@ def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[s
         # stated: the faust driver's aiokafka reads uncommitted unless told, stream/joiner/faust_delivery.py). The
         # local broker does not honour aborts (environment.md).
         "isolation.level": "read_committed",
+        # Any record a broker holds can be fetched: it hands over a partition's first record whatever its size
+        # (KIP-74), and a fetch response over librdkafka's default 100 MB limit was dropped and fetched again for ever
+        # (librdkafka's FAIL log line the only word): a reader stalled at a record a producer sent with a raised
+        # message.max.bytes, and nothing before it in the same response was read either. Buffers are sized per
+        # response, so the cap costs nothing until such a record comes.
+        "receive.message.max.bytes": RECEIVE_MAX_BYTES,
     }
     return _client(kafka, conf, extra)
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from torch.utils.data import DataLoader
 
@@ -25,7 +26,7 @@ from learner.batch import TensorBatch
 from learner.kafka_dataset import KafkaSampleDataset
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
-from stream.kafka import AckedProducer, admin_config, ensure_topics
+from stream.kafka import AckedProducer, admin_config, ensure_topics, producer_config
 from stream.samples import SampleBatch
 from tests.integration.test_learner import CFG, sample_batch
 from tests.kafka_io import read_topic
@@ -301,3 +302,22 @@ def test_a_saved_start_past_the_end_of_a_topic_made_again_reads_the_new_topic_fr
     assert rows_by_position(out) == {(0, k): [f"new{k}-{i}" for i in range(4)] for k in range(3)}
     said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "offset 5" in r.getMessage()]
     assert len(said) == 1 and "partition 0" in said[0]
+
+
+def test_a_record_over_librdkafkas_default_receive_limit_is_read_and_dead_lettered_not_stalled_on(
+        kafka: KafkaSettings) -> None:
+    """A record of 105 MB (a producer and topic with a raised message.max.bytes): the fetch response that held it was
+    over librdkafka's default receive.message.max.bytes (100 MB), dropped and fetched again for ever, so the reader
+    stalled at it (librdkafka's FAIL log line the only word) and the good message before it in the same response was
+    never trained either."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    rng = np.random.default_rng(9)
+    producer = Producer(producer_config(kafka, **{"message.max.bytes": 200_000_000, "compression.type": "none"}))
+    for value in (good(rng, 3, "before"), rng.bytes(105_000_000), good(rng, 3, "after")):
+        producer.produce(kafka.samples_topic, value, b"k", partition=0)
+    assert producer.flush(60) == 0
+    out = data_batches(read_all(KafkaSampleDataset(kafka, CFG, {0: 0}, batch_rows=8, exit_when_idle_s=IDLE_S)))
+    assert positions(out) == [(0, 0, 3), (0, 1, 0), (0, 2, 3)]
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (dl.source_offset, dl.value_truncated_from) == (1, 105_000_000)
