@@ -34,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # the subcommand's parser says it, as for its other usage errors: "streamrec: error:" named none
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # the command's parser says it (its usage), as its other errors; flags before the command: the top's
+        early = (given := list(sys.argv[1:] if argv is None else argv))[:given.index(args.command)]
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        (parser if early else sub).error(f"unrecognized arguments: {' '.join(early or extra)}")
     from confluent_kafka import KafkaException
 
     from stream.errors import ConfigError, StreamrecError

@@ -105,3 +105,16 @@ def test_an_unknown_flag_of_a_subcommand_is_its_usage_error_naming_it(name: str,
     err = capsys.readouterr().err
     assert err.startswith(f"usage: streamrec {name} ")
     assert err.splitlines()[-1] == f"streamrec {name}: error: unrecognized arguments: --bogus x"
+
+
+def test_a_subcommands_flag_given_before_the_subcommand_is_the_top_parsers_error_not_blamed_on_the_subcommand(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``streamrec --json train``: train reads --json, the top parser does not. Every unknown argument was reported as
+    the subcommand's ("streamrec train: error: unrecognized arguments: --json"), telling the user that train has no
+    --json; it is the top parser's (as before that change)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--json", "train", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: streamrec [-h] COMMAND")
+    assert err.splitlines()[-1] == "streamrec: error: unrecognized arguments: --json"
