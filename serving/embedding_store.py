@@ -632,18 +632,18 @@ class RedisEmbeddingStore:
             self.bad_rows(keys, missing, malformed, dim, dtype)
         if late.any():
             self.late_rows(keys, late)
+        if self.metrics is not None and (bad.any() or late.any()):  # one round trip, one error, whatever fell back
+            self.metrics.embedding_store_errors.inc()
         return out, bad | late
 
     def late_rows(self, keys: list[str], late: np.ndarray) -> None:
         """Count a fetch that gave up rows at its deadline (a slot split mid-resharding, not read again in time):
         they fall back (counted by the caller in ``..._fallback_rows_total``), uncached; Redis stays in use (the
-        split ends with the move). Counted in ``..._errors_total`` once per fetch; logged at most once per
-        ``retry_after_s``."""
+        split ends with the move). Counted in ``..._errors_total`` by :meth:`fetch`, once per fetch (bad rows in it
+        too); logged at most once per ``retry_after_s``."""
         self.last_error = (f"{int(late.sum())} of {len(keys)} rows were in a hash slot a resharding has split between "
                            f"two nodes and were not read within embedding_store_timeout_s ({self.timeout_s} s), e.g. "
                            f"{keys[int(np.flatnonzero(late)[0])]}")[:300]
-        if self.metrics is not None:
-            self.metrics.embedding_store_errors.inc()
         now = self._clock()
         if now >= self._quiet_until:
             self._quiet_until = now + self.retry_after_s
@@ -700,15 +700,15 @@ class RedisEmbeddingStore:
                  dtype: RowDtype) -> None:
         """Count a round trip that answered but not with every row: its bad rows fall back, each alone; Redis stays
         in use (no retry-after window: one deleted or damaged key must not cost every request its rows). Counted in
-        ``..._errors_total`` once per round trip (the ``embedding_store_errors`` alert fires, as for a Redis that is
-        down) and row by row in ``..._bad_rows_total{reason}``; logged at most once per ``retry_after_s``."""
+        ``..._errors_total`` once per round trip, by :meth:`fetch` (the ``embedding_store_errors`` alert fires, as for
+        a Redis that is down), and row by row in ``..._bad_rows_total{reason}``; logged at most once per
+        ``retry_after_s``."""
         n_missing, n_malformed = int(missing.sum()), int(malformed.sum())
         example = keys[int(np.flatnonzero(missing | malformed)[0])]
         self.last_error = (f"of {len(keys)} rows, {n_missing} are missing (deleted or evicted keys: maxmemory?) and "
                            f"{n_malformed} malformed (not {dim} {dtype} values: of another length, or non-finite; "
                            f"not written by a refresh), e.g. {example}")[:300]
         if self.metrics is not None:
-            self.metrics.embedding_store_errors.inc()
             self.metrics.embedding_store_bad_rows.labels("missing").inc(n_missing)
             self.metrics.embedding_store_bad_rows.labels("malformed").inc(n_malformed)
         now = self._clock()

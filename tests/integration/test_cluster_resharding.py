@@ -239,6 +239,34 @@ def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_r
         moving_cluster.finish_move(slot, src, (src + 1) % 3)
 
 
+def test_a_fetch_with_rows_late_at_a_split_slot_and_a_missing_row_is_one_error_of_one_round_trip(
+        moving_cluster: ClusterNodes, prefix: str) -> None:
+    # late rows (a split slot past the deadline) and a missing key in one fetch each counted an error: one round trip
+    # read as two in errors_total ("failed round trips, round trips with bad rows"; late_rows: "once per fetch")
+    with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
+        n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
+        table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
+        keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
+        per_slot: dict[int, list[int]] = {}
+        for row, k in enumerate(keys):
+            per_slot.setdefault(key_slot(k.encode()), []).append(row)
+        slot = next(s for s, rs in per_slot.items() if len(rs) >= 2)
+        gone = next(r for r in range(0, n_rows, 701) if r not in per_slot[slot])  # its key deleted: missing
+        rows = np.array(per_slot[slot] + [gone], np.int64)
+        embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        client.delete(keys[gone])
+        src = moving_cluster.index_of(keys[per_slot[slot][0]])
+        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
+        ticks = iter(range(10**6))  # a clock a second later at every reading: past any deadline once it is set
+        metrics = ServingMetrics(lambda: None)
+        store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True, timeout_s=0.05,
+                                                    clock=lambda: float(next(ticks)), metrics=metrics)
+        _, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32)
+        assert bad.all()  # the split slot's rows late, the other missing: all fall back
+        assert metrics.embedding_store_errors._value.get() == 1
+        moving_cluster.finish_move(slot, src, (src + 1) % 3)
+
+
 def test_a_cluster_row_read_routes_each_slots_mget_itself_as_mget_nonatomic_does(
         moving_cluster: ClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # the store's per-slot MGETs named no node: redis-py found every key's slot again to route each (MGET is split by
