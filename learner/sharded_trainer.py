@@ -25,7 +25,10 @@ added to each row's sum, ``|g_row|^2 / W`` (``learner/sharded_model.py``): on a 
 ``sample_every_s``, the ranks agreeing in the step's existing all-reduce of its loss being finite) each rank copies
 its shard's sums before the backward and gives the growth, as one column ``sqrt(W * growth)`` per touched row, to
 ``GradNorms`` (the table's norm and its per-field split); the daemon combines the ranks' shards. Other steps'
-table norm is NaN (not measured, not observed). Exact up to the float32 sums' rounding of the growth.
+table norm is NaN (not measured, not observed). Exact up to the float32 sums' rounding of the growth, which
+is all of it for a row whose sum is ~2^24 times its step's ``|g|^2 / W`` (updated at nearly every step for ~16 M
+steps: a context field's rows): such a row reads 0, so a busy field's norm fades on long runs (fbgemm keeps no
+gradient, and the weights' change would need a copy of the touched rows).
 """
 
 from __future__ import annotations
