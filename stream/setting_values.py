@@ -46,18 +46,40 @@ def read_toml(path: Path, what: str, given: str) -> dict[str, Any]:
         raise SettingsError(f"{what} {path} is not valid TOML: arrays or tables nested too deeply") from None
 
 
+def _secret_ways(hints: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """The three ways each :class:`~stream.secrets.Secret` field ``x`` may be given: ``x``, ``x_file``, ``x_env``."""
+    return [(name, f"{name}_file", f"{name}_env") for name, tp in hints.items() if tp is Secret]
+
+
+def overlay_layer(values: dict[str, Any], layer: Mapping[str, Any], hints: Mapping[str, Any],
+                  origin: dict[str, str]) -> dict[str, Any]:
+    """``values`` (what earlier sources gave) updated with ``layer`` (one later source's), where a secret the layer
+    gives in any of its ways replaces the earlier sources' secret in every way: the environment's
+    ``STREAMREC_REDIS_PASSWORD`` over the file's ``password_file`` (which was read and used, the variable ignored).
+    The replaced ways leave ``origin`` too."""
+    values = dict(values)
+    for ways in _secret_ways(hints):
+        if any(way in layer for way in ways):
+            for way in ways:
+                if way not in layer:
+                    values.pop(way, None)
+                    origin.pop(way, None)
+    values.update(layer)
+    return values
+
+
 def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
                      environ: Mapping[str, str]) -> None:
     """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``
-    (the name of an environment variable), when the dataclass has those fields and one is set, each read by
-    :func:`~stream.secrets.secret_text` (trailing line endings dropped). An empty file is an error (a secret that
-    was never filled in), as is a variable that is not set or is empty."""
-    for name, tp in hints.items():
-        if tp is not Secret:
-            continue
+    (the name of an environment variable), when the dataclass has those fields and one is set (two ways at once are an
+    error), each read by :func:`~stream.secrets.secret_text` (trailing line endings dropped). An empty file is an
+    error (a secret that was never filled in), as is a variable that is not set or is empty."""
+    for ways in _secret_ways(hints):
+        given = [way for way in ways if values.get(way)]  # (one source's: overlay_layer keeps the latest source's)
+        if len(given) > 1:  # the file's content won over the value beside it, silently
+            raise SettingsError(f"[{section}] {' and '.join(given)} are both set: give the secret one way")
+        name = ways[0]
         path, var = values.get(f"{name}_file"), values.get(f"{name}_env")
-        if path and var:
-            raise SettingsError(f"[{section}] {name}_file and {name}_env are both set: give the secret one way")
         if path:
             try:  # a FIFO or a device in place of a mounted secret would hang the process: refused unread
                 text = read_regular(Path(path), MAX_SETTINGS_FILE_BYTES).decode("utf-8")
@@ -188,6 +210,17 @@ def construct(cls: Callable[..., Any], values: Mapping[str, Any], origin: Mappin
         text = str(exc)
         named = [where for key, where in origin.items() if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", text)]
         raise SettingsError(text + (f" (set by {'; '.join(named)})" if named else "")) from None
+
+
+def check_file_sections(data: Mapping[str, Any], sections: Sequence[str], what: str) -> None:
+    """Refuse a table of a settings file (``what``: "config file streamrec.toml") that is no section: a typo
+    (``[kafak]``) that every command would otherwise ignore silently, its settings left at their defaults."""
+    unknown = [key for key in data if key not in sections]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sections, n=1)
+        hint = f"; did you mean [{close[0]}]?" if close else ""
+        raise SettingsError(f"{what}: unknown section [{unknown[0]}]{hint} (known sections: "
+                            f"{', '.join(f'[{s}]' for s in sections)})")
 
 
 def check_environment_sections(environ: Mapping[str, str], prefix: str, sections: Sequence[str],

@@ -15,7 +15,6 @@ import this module."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import typing
 from collections.abc import Mapping
@@ -55,12 +54,7 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
                             "--config out")
     p = Path(path)
     data = read_toml(p, "config file", "given with --config")
-    unknown = [key for key in data if key not in SECTIONS]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], SECTIONS, n=1)
-        hint = f"; did you mean [{close[0]}]?" if close else ""
-        raise SettingsError(f"config file {p}: unknown section [{unknown[0]}]{hint} (known sections: "
-                            f"{', '.join(f'[{s}]' for s in SECTIONS)})")
+    setting_values.check_file_sections(data, SECTIONS, f"config file {p}")
     return data
 
 
@@ -108,7 +102,7 @@ def build(
         where = f"config file [{section}].{key}"
         values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
 
-    prefix = f"{ENV_PREFIX}{section.upper()}_"
+    prefix, layer = f"{ENV_PREFIX}{section.upper()}_", {}
     for env_key, raw in (environ if environ is not None else os.environ).items():
         if not env_key.startswith(prefix):
             continue
@@ -119,7 +113,8 @@ def build(
                 f"known: {', '.join(prefix + n.upper() for n in sorted(names))}"
             )
         where = f"environment {env_key}"
-        values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
+        layer[key], origin[key] = coerce_field(key, hints[key], raw, where), where
+    values, layer = setting_values.overlay_layer(values, layer, hints, origin), {}  # its secret replaces the file's
 
     for key, raw in (overrides or {}).items():
         if raw is None:
@@ -127,7 +122,8 @@ def build(
         if key not in names:
             raise SettingsError(f"internal: {key!r} is not a [{section}] setting")
         flag = (flag_names or {}).get(key) or f"--{key.replace('_', '-')}"
-        values[key], origin[key] = coerce_field(key, hints[key], raw, flag), flag
+        layer[key], origin[key] = coerce_field(key, hints[key], raw, flag), flag
+    values = setting_values.overlay_layer(values, layer, hints, origin)
     resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
     return setting_values.construct(cls, values, origin)  # the class's own checks: one error type, naming sources
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stream.config import KafkaSettings
+from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import MASK, RedactingFilter, Secret, redact, redact_obj, register
 from streamrec.settings import SettingsError, build
 
@@ -393,3 +393,31 @@ def test_a_webhook_or_source_url_that_cannot_be_parsed_quotes_no_part_of_its_pas
         WebhookSink(url)
     assert "pq7" not in str(err.value) and "ssW0rd" not in str(err.value) and "percent-encoded" in str(err.value)
     assert "could not be cast" in (check_http_url("http://host:abc/x") or "")  # no user-info: the library's detail
+
+
+def test_a_secret_given_by_a_later_source_replaces_the_one_an_earlier_source_gave_whichever_way(
+        tmp_path: Path) -> None:
+    """defaults < file < environment holds for a secret as a whole: ``STREAMREC_REDIS_PASSWORD`` over a file's
+    ``password_file`` (the file's secret was used, silently, the variable ignored), and a variable's ``password_env``
+    over a file's ``password_file`` (refused as "both set", though each source gave it one way)."""
+    f = tmp_path / "pw"
+    f.write_text("from-file-pw\n")
+    table = {"redis": {"password_file": str(f)}}
+    got = build(RedisSettings, "redis", table, {"STREAMREC_REDIS_PASSWORD": "from-env-pw"})
+    assert got.password.reveal() == "from-env-pw" and got.password_file is None
+    got = build(RedisSettings, "redis", table, {"STREAMREC_REDIS_PASSWORD_ENV": "PW", "PW": "named-var-pw"})
+    assert got.password.reveal() == "named-var-pw"
+    got = build(RedisSettings, "redis", {"redis": {"password": "inline-pw"}}, {"STREAMREC_REDIS_PASSWORD_FILE": str(f)})
+    assert got.password.reveal() == "from-file-pw"
+
+
+def test_a_secret_given_two_ways_by_one_source_is_refused_not_one_of_them_picked(tmp_path: Path) -> None:
+    """``password`` and ``password_file`` in one file: the file's content won silently, the value written beside it
+    ignored; as ``password_file`` with ``password_env``, give it one way."""
+    f = tmp_path / "pw"
+    f.write_text("from-file-pw\n")
+    with pytest.raises(SettingsError, match=r"\[redis\] password and password_file are both set"):
+        build(RedisSettings, "redis", {"redis": {"password": "inline-pw", "password_file": str(f)}}, {})
+    with pytest.raises(SettingsError, match=r"\[kafka\] sasl_password and sasl_password_env are both set"):
+        build(KafkaSettings, "kafka", {}, {"STREAMREC_KAFKA_SASL_PASSWORD": "inline-pw",
+                                           "STREAMREC_KAFKA_SASL_PASSWORD_ENV": "PW", "PW": "x"})
