@@ -146,14 +146,17 @@ def names_credential(key: str) -> bool:
 
 def redact_obj(obj: Any) -> Any:
     """A copy of a summary (dicts, lists, strings, numbers) safe to print: strings through :func:`redact`,
-    values under credential-named keys masked, :class:`Secret` values masked."""
+    values under credential-named keys masked, a webhook's URL (under a key naming one) as its scheme and host
+    (:func:`hide_url_path`: its path may be its token), :class:`Secret` values masked."""
     if isinstance(obj, Secret):
         return str(obj)
     if isinstance(obj, str):
         return redact(obj)
     if isinstance(obj, Mapping):
         return {k: (MASK if isinstance(k, str) and names_credential(k) and v not in (None, "", {}, [])
-                    and not isinstance(v, (bool, int, float)) else redact_obj(v)) for k, v in obj.items()}
+                    and not isinstance(v, (bool, int, float)) else
+                    hide_url_path(v) if isinstance(k, str) and "webhook" in k.lower() and isinstance(v, str) and v
+                    else redact_obj(v)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact_obj(v) for v in obj]
     if isinstance(obj, BaseException):

@@ -125,3 +125,19 @@ def test_a_source_flag_with_a_url_the_rules_file_would_refuse_is_exit_2_at_start
     # the same URL in [sources] is exit 2
     assert main(["monitor", "--check", "--source", f"learner={url}"]) == 2
     assert f"--source 'learner={url}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "text"])
+def test_check_shows_the_webhook_as_its_scheme_and_host_only(
+        json_flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Slack-style webhook's path is its token: ``--check --json`` printed the whole URL in ``sinks``, where
+    errors, logs and the sinks' repr show only its scheme and host (``stream.secrets.hide_url_path``)."""
+    r = tmp_path / "rules.toml"
+    r.write_text('[sources]\nlearner = "http://127.0.0.1:1/metrics"\n'
+                 + RULE.replace('kafka_topic = "alerts"', 'webhook_url = "https://hooks.slack.com/services/T0/B0/'
+                                'Tok3nXyz"'))
+    assert main(["monitor", "--rules", str(r), "--check", *json_flag]) == 0
+    out = capsys.readouterr().out
+    assert "Tok3nXyz" not in out and "/services/" not in out
+    if json_flag:
+        assert json.loads(out)["sinks"]["webhook_url"] == "https://hooks.slack.com/***"
