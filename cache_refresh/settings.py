@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from learner.config import ArtifactFormat
 from serving.settings import EmbeddingStore, RowDtype
@@ -43,6 +44,10 @@ MAX_MISFIRE_GRACE_S = 366 * 86400
 
 @dataclass(frozen=True)
 class RefreshSettings:
+    # Settings the learner's section owns, used when [refresh] does not give its own (stream.setting_values.inherited):
+    # the README's one-file example set [learner] checkpoint_dir only, and the refresh read .streamrec/checkpoints
+    INHERITS: ClassVar[dict[str, tuple[tuple[str, str], ...]]] = {
+        "checkpoint_dir": (("learner", "checkpoint_dir"),), "signing_key_file": (("learner", "signing_key_file"),)}
     checkpoint_dir: Path = Path(".streamrec/checkpoints")  # the learner's (LearnerSettings.checkpoint_dir)
     publish_root: Path = Path(".streamrec/serving")  # versions/, CURRENT, last_run.json
     # hot set: top-K of the Redis per-day counts summed over the last `days` days

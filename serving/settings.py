@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from learner.config import Device
 from serving.lookup_counts import STOP_TIMEOUT_S
@@ -40,6 +41,11 @@ class ServerKind(Choice):
 
 @dataclass(frozen=True)
 class ServeSettings:
+    # Where the refresh publishes and the learner writes deltas, and the key both sign with, when [serve] does not say
+    # (stream.setting_values.inherited): one file set them for those commands, and serving watched its own defaults
+    INHERITS: ClassVar[dict[str, tuple[tuple[str, str], ...]]] = {
+        "publish_root": (("refresh", "publish_root"),), "deltas_dir": (("learner", "deltas_dir"),),
+        "signing_key_file": (("refresh", "signing_key_file"), ("learner", "signing_key_file"))}
     host: str = "127.0.0.1"  # loopback by default: expose deliberately (0.0.0.0) behind a proxy
     port: int = 8080
     publish_root: Path = Path(".streamrec/serving")  # <root>/CURRENT -> <root>/versions/<version>/

@@ -68,6 +68,29 @@ def overlay_layer(values: dict[str, Any], layer: Mapping[str, Any], hints: Mappi
     return values
 
 
+def inherited(cls: type, file_data: Mapping[str, Any], environ: Mapping[str, str], prefix: str,
+              hints: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The values (and their origins) of ``cls``'s settings that another command's section owns (``cls.INHERITS``:
+    key -> the ``(section, key)`` settings it falls back to, first given wins), from the file or the environment
+    (``<prefix><SECTION>_<KEY>``; the environment first, as in :func:`streamrec.settings.build`). A command's own
+    setting (file, environment or flag) replaces them. Why: one file configures every command, and the refresh read
+    its own default checkpoint directory while ``[learner] checkpoint_dir`` named where the learner writes."""
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, owners in getattr(cls, "INHERITS", {}).items():
+        for section, owner_key in owners:
+            var, table = f"{prefix}{section.upper()}_{owner_key.upper()}", file_data.get(section, {})
+            if var in environ:
+                raw, where = environ[var], f"environment {var}"
+            elif isinstance(table, Mapping) and owner_key in table:
+                raw, where = table[owner_key], f"config file [{section}].{owner_key}"
+            else:
+                continue
+            values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
+            break
+    return values, origin
+
+
 def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict[str, Any],
                      environ: Mapping[str, str]) -> None:
     """Fill each :class:`~stream.secrets.Secret` field ``x`` from ``x_file`` (a mounted secret) or ``x_env``

@@ -88,8 +88,8 @@ def build(
     assert dataclasses.is_dataclass(cls)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    origin: dict[str, str] = {}  # key -> where its value came from, for the class's own errors (construct)
+    environ = environ if environ is not None else os.environ  # origin: key -> where its value came from (construct)
+    values, origin = setting_values.inherited(cls, file_data or {}, environ, ENV_PREFIX, hints)  # cls.INHERITS
 
     table = (file_data or {}).get(section, {})
     if not isinstance(table, Mapping):
@@ -103,7 +103,7 @@ def build(
         values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
 
     prefix, layer = f"{ENV_PREFIX}{section.upper()}_", {}
-    for env_key, raw in (environ if environ is not None else os.environ).items():
+    for env_key, raw in environ.items():
         if not env_key.startswith(prefix):
             continue
         key = env_key[len(prefix) :].lower()
@@ -124,7 +124,7 @@ def build(
         flag = (flag_names or {}).get(key) or f"--{key.replace('_', '-')}"
         layer[key], origin[key] = coerce_field(key, hints[key], raw, flag), flag
     values = setting_values.overlay_layer(values, layer, hints, origin)
-    resolve_secrets(cls, section, hints, values, environ if environ is not None else os.environ)
+    resolve_secrets(cls, section, hints, values, environ)
     return setting_values.construct(cls, values, origin)  # the class's own checks: one error type, naming sources
 
 

@@ -98,12 +98,14 @@ def kv_lines(d: dict[str, Any], indent: str = "  ") -> str:
 
 def default_help(cls: Any, section: str, key: str, builtin: str | None = None) -> str:
     """The ``default: ...`` of a flag's help where the flag overrides ``[section] key``: the effective default is that
-    setting (--config, STREAMREC_<SECTION>_<KEY>), else the built-in value (the field's default, or ``builtin``)."""
+    setting (--config, STREAMREC_<SECTION>_<KEY>), else the settings of other sections it inherits (``cls.INHERITS``),
+    else the built-in value (the field's default, or ``builtin``)."""
     if builtin is None:
         value = next(f.default for f in dataclasses.fields(cls) if f.name == key)
         value = value.value if isinstance(value, enum.Enum) else value
         builtin = f"{value:g}" if isinstance(value, float) else str(value)
-    return f"default: [{section}] {key}, else {builtin}"
+    owners = "".join(f"[{s}] {k}, else " for s, k in getattr(cls, "INHERITS", {}).get(key, ()))  # another command's
+    return f"default: [{section}] {key}, else {owners}{builtin}"
 
 
 def sources(args: argparse.Namespace) -> Sources:
