@@ -209,6 +209,9 @@ def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
         if tp is Path:
             if not str(raw).strip():  # Path("") is ".": checkpoints or artifacts would land in the working directory
                 raise ValueError("an empty path is not a path: give one, or leave the setting out for its default")
+            if str(raw) != str(raw).strip():  # "dir\n" (a variable filled from a file) is another directory than "dir"
+                raise ValueError("it has a space or a line ending around it (a variable filled from a file?): remove "
+                                 "it")
             return Path(str(raw))
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             try:

@@ -70,3 +70,19 @@ def test_the_cli_refuses_an_empty_path_flag_with_exit_2(tmp_path: Path, capsys: 
     assert main(["stack", "status", "--state-dir", ""]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("streamrec stack: error: --state-dir: ") and "empty path" in err[0]
+
+
+@pytest.mark.parametrize("raw", ["/var/lib/streamrec/checkpoints\n", " /var/lib/streamrec/checkpoints",
+                                 "/var/lib/streamrec/checkpoints\r\n", "/var/lib/streamrec/checkpoints\t"])
+@pytest.mark.parametrize("cls, section, key", [
+    (LearnerSettings, "learner", "checkpoint_dir"), (RefreshSettings, "refresh", "checkpoint_dir"),
+    (ServeSettings, "serve", "signing_key_file"), (KafkaSettings, "kafka", "ssl_ca_location"),
+])
+def test_a_path_with_whitespace_around_it_is_an_error_not_another_directory(
+        cls: type, section: str, key: str, raw: str) -> None:
+    """A variable filled from a file (a Kubernetes ConfigMap key) ends in a line ending: the learner wrote its
+    checkpoints into "checkpoints\\n", a directory beside the one the refresh read, and found none there on restart."""
+    for kw in ({"environ": {f"STREAMREC_{section.upper()}_{key.upper()}": raw}},
+               {"file_data": {section: {key: raw}}, "environ": {}}, {"overrides": {key: raw}, "environ": {}}):
+        with pytest.raises(SettingsError, match=rf"(?i){key.replace('_', '[-_]')}.*space or a line ending around it"):
+            build(cls, section, **kw)  # type: ignore[arg-type]
