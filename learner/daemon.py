@@ -98,6 +98,9 @@ DENSE_CLIPPED = PCounter("streamrec_learner_dense_clipped_steps_total",
 CHECKPOINT_S = Gauge("streamrec_learner_checkpoint_seconds", "Time the last checkpoint took.")
 CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
                                "Checkpoints that could not be written (disk full, read-only); retried.")
+CHECKPOINT_NOT_DURABLE = PCounter("streamrec_learner_checkpoints_not_durable_total",
+                                  "Checkpoints written into place whose directory fsync then failed: read at restart, "
+                                  "not known to survive a power loss; none older is pruned until one is durable.")
 # Health (learner/health.py): memory, gradients, feature coverage, label balance; published at most once a second.
 RSS = Gauge("streamrec_learner_rss_bytes", "Resident set size of the learner process (bytes).")
 CUDA_MEMORY = Gauge("streamrec_learner_cuda_memory_bytes", "Device memory of the learner's CUDA device (bytes): "
@@ -487,6 +490,7 @@ class Learner:
             durable = True
         except NotDurable as exc:  # written (and read at restart): not a failed checkpoint, retried and counted as one
             durable = False
+            CHECKPOINT_NOT_DURABLE.inc()  # nothing pruned meanwhile: rising for long, the directory fills
             log.warning("checkpoint written, but not known durable: %s; a restart reads it, a power loss may undo it "
                         "(older checkpoints kept, group offsets not committed until one is durable)", exc)
         # Only now, after the checkpoint is durable: the group offsets, for lag dashboards only (the learner

@@ -388,8 +388,8 @@ def test_a_checkpoint_in_place_whose_directory_fsync_failed_counts_as_written_an
     ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, id_capacity=10,
                          embedding_dim=4, group_id=f"g-{kafka.samples_topic}", keep_checkpoints=1)
     learner = built_learner(kafka, ls)
-    failures = "streamrec_learner_checkpoint_failures_total"
-    before = REGISTRY.get_sample_value(failures) or 0.0
+    failures, unsure = "streamrec_learner_checkpoint_failures_total", "streamrec_learner_checkpoints_not_durable_total"
+    before, unsure_before = (REGISTRY.get_sample_value(n) or 0.0 for n in (failures, unsure))
     real = os.fsync
 
     def fsync(fd: int) -> None:
@@ -415,6 +415,7 @@ def test_a_checkpoint_in_place_whose_directory_fsync_failed_counts_as_written_an
             learner.offsets = {0: 5}
             learner.save()  # the one at exit: no OSError either
         assert (REGISTRY.get_sample_value(failures) or 0.0) == before
+        assert (REGISTRY.get_sample_value(unsure) or 0.0) == unsure_before + 2  # counted: the directory fills
         assert saved_offsets() == [{"0": 1}, {"0": 3}, {"0": 5}]  # keep_checkpoints = 1: none pruned meanwhile
         assert committed() == 1
         learner.offsets = {0: 6}
