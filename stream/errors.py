@@ -6,6 +6,7 @@
     ├── ConfigError (ValueError)     a configuration that cannot be used: names the source and the fix; exit 2
     │   ├── streamrec.settings.SettingsError       settings files, environment, flags
     │   ├── MessageLimitError        a topic refused a message under the size limit learned for it
+    │   ├── DeliveryRefused          the broker denied this client's writes to a topic (authorization)
     │   ├── stream.replay.eventlog.EventLogError   an event log mapped wrongly
     │   ├── learner.config.CheckpointMismatch      settings that would change a checkpoint's model shape
     │   └── monitor.rules.RulesError               an alert rules file
@@ -133,6 +134,16 @@ class MessageLimitError(ConfigError):
     """A topic refused a message as too large although it was sized under the limit learned for that topic: the
     broker's or the topic's limit is lower than what was read (or was lowered since). A configuration to fix, not a
     message's fault (no strikes) nor an outage (no retry)."""
+
+
+class DeliveryRefused(ConfigError):
+    """The broker denied this client's writes to a topic (an ACL without WRITE on it, or without IDEMPOTENT_WRITE on
+    the cluster): a configuration to fix, not a message's fault (no strikes) nor an outage (no retry: sending again
+    is denied again, for ever). ``topic``: the topic denied, when known."""
+
+    def __init__(self, text: str, topic: str | None = None) -> None:
+        super().__init__(text)
+        self.topic = topic
 
 
 class BadMessage(StreamError):

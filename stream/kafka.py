@@ -22,7 +22,15 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from stream.config import KafkaSettings, SaslMechanism, check_group_id
-from stream.errors import ConfigError, DeliveryFailed, MessageLimitError, MessageTooLarge, StreamError, clip
+from stream.errors import (
+    ConfigError,
+    DeliveryFailed,
+    DeliveryRefused,
+    MessageLimitError,
+    MessageTooLarge,
+    StreamError,
+    clip,
+)
 from stream.retention import account_for_retention
 from stream.tls import check_file
 
@@ -507,6 +515,22 @@ def refused_as_too_large(exc: MessageTooLarge, limit: MessageLimit | None) -> Me
         f"topics --entity-name {topic} --add-config max.message.bytes=1048588) and the broker's message.max.bytes")
 
 
+# Refusals of a write that sending it again cannot change: the principal lacks WRITE on the topic, or IDEMPOTENT_WRITE
+# on the cluster (the idempotent producer's InitProducerId, a fatal error)
+_DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED})
+
+
+def _denied_writes(err: KafkaError, topic: str | None, who: str) -> DeliveryRefused:
+    """The :class:`DeliveryRefused` for ``err`` (one of :data:`_DENIED`) on a write to ``topic`` by ``who``
+    (``_who``): names the topic, the principal and the ACL to grant."""
+    where = f"topic {topic}" if topic else "its topics"
+    return DeliveryRefused(
+        f"the broker denied {who} writes to {where} ({err.str()}); sending again is denied again: grant the principal "
+        f"WRITE and DESCRIBE on {where} (kafka-acls.sh --add --allow-principal User:NAME --operation Write "
+        f"--operation Describe --topic {topic or 'TOPIC'}) and IDEMPOTENT_WRITE on the cluster (the producers are "
+        "idempotent), then restart", topic=topic)
+
+
 @dataclass
 class DeliveryReport:
     acked: dict[str, int] = field(default_factory=dict)  # topic -> messages acknowledged
@@ -531,7 +555,10 @@ class AckedProducer:
     ``flush`` raises :class:`DeliveryFailed` if any message failed since the previous ``flush``, or
     :class:`MessageTooLarge` when one of them was refused as too large (MSG_SIZE_TOO_LARGE: over the topic's
     ``max.message.bytes`` or the broker's ``message.max.bytes``): sending it again cannot succeed, so it is no outage
-    to retry (a :class:`DeliveryFailed` is, ``stream.strikes.is_infrastructure``).
+    to retry (a :class:`DeliveryFailed` is, ``stream.strikes.is_infrastructure``). A write the broker denies by
+    authorization (TOPIC_/CLUSTER_AUTHORIZATION_FAILED: in a delivery report, at ``produce`` once librdkafka marked the
+    topic refused, or as the idempotent producer's fatal error) is :class:`DeliveryRefused`, a ConfigError, for the
+    same reason: it was a DeliveryFailed, and the joiner rewound and was denied again for ever ("Is the broker up?").
     """
 
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
@@ -541,12 +568,14 @@ class AckedProducer:
         self._fatal: KafkaError | None = None  # a fatal error the callbacks just served reported (_renew_if_fatal)
         self._producer = self._client()
         self._bootstrap = kafka.bootstrap_servers
+        self._who = _who(kafka)
         # the largest message produce() takes (librdkafka refuses bigger ones at once), and the setting that says it
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_BYTES))
         self.max_message_setting = ("[kafka.extra] message.max.bytes" if "message.max.bytes" in kafka.extra
                                     else "the producer's message.max.bytes")
         # the first delivery refused as too large since the last flush: (what, its topic)
         self._too_large: tuple[str, str] | None = None
+        self._denied: DeliveryRefused | None = None  # the first delivery denied by authorization since the last flush
         self._sent: dict[str, int] = {}
         self._failed: dict[str, int] = {}
         self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
@@ -568,6 +597,8 @@ class AckedProducer:
         if self._fatal is not None:
             err = self._fatal
             self._renew()
+            if err.code() in _DENIED:
+                raise _denied_writes(err, None, self._who)
             raise KafkaException(err)
 
     def _on_error(self, err: KafkaError | None, msg: Any) -> None:
@@ -578,6 +609,8 @@ class AckedProducer:
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and self._too_large is None:
             self._too_large = (f"a message of {len(msg.value() or b'') + len(msg.key() or b'')} bytes for {topic} was "
                                f"refused by the broker as too large ({err.str()})", topic)
+        if err.code() in _DENIED and self._denied is None:
+            self._denied = _denied_writes(err, topic, self._who)
         self._failed[topic] = self._failed.get(topic, 0) + 1
         self.report.failed += 1
         if self.report.first_error is None:
@@ -631,6 +664,8 @@ class AckedProducer:
                     raise MessageTooLarge(
                         f"a message of {len(value or b'') + len(key or b'')} bytes for {topic} is over "
                         f"{self.max_message_setting} ({self.max_message_bytes})", topic=topic) from None
+                if exc.args and exc.args[0].code() in _DENIED:
+                    raise _denied_writes(exc.args[0], topic, self._who) from None
                 if exc.args and _is_fatal(exc.args[0]):
                     self._renew()
                 raise
@@ -642,7 +677,7 @@ class AckedProducer:
             self._acked_before[t] = self._acked_before.get(t, 0) + n
         _close_dead(self._producer)  # first: its purged messages' reports land in the report dropped below
         self._producer, self._fatal = self._client(), None
-        self.report, self._too_large = DeliveryReport(), None
+        self.report, self._too_large, self._denied = DeliveryReport(), None, None
         self._sent.clear()
         self._failed.clear()
 
@@ -655,6 +690,8 @@ class AckedProducer:
         if self._fatal is not None:
             err = self._fatal
             self._renew()  # what it held since the last flush is not claimed; the next send goes to a new producer
+            if err.code() in _DENIED:
+                raise _denied_writes(err, None, self._who)
             raise DeliveryFailed(f"the producer for {self._bootstrap} had a fatal error ({err.str()}); the messages "
                                  "sent since the last flush were not acknowledged, and a new producer replaced it")
         self.report.acked = {t: n - self._failed.get(t, 0) for t, n in self._sent.items()}
@@ -674,6 +711,9 @@ class AckedProducer:
             self._failed.clear()
             self._sent.clear()
             (too_large, too_large_topic), self._too_large = self._too_large or (None, None), None
+            denied, self._denied = self._denied, None
+            if denied is not None:
+                raise denied
             if too_large is not None:
                 raise MessageTooLarge(f"{too_large}; {failed} message(s) failed", topic=too_large_topic)
             raise DeliveryFailed(

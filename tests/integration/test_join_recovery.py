@@ -1,7 +1,7 @@
 """The joiner off its happy path, against the session's broker and Redis: a state chunk half written when the process
 stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
 deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
-commit that fails. Each test failed before its fix (the docstrings say how), but the dead letter's.
+commit that fails, a write the broker denies by authorization. Each test failed before its fix (the docstrings say how), but the dead letter's.
 
 The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
 """
@@ -23,7 +23,7 @@ from confluent_kafka.admin import AdminClient
 import stream.joiner.pipeline as pipeline_module
 from stream.config import KafkaSettings
 from stream.counts import DailyCounts
-from stream.errors import PartitionLost
+from stream.errors import ConfigError, PartitionLost
 from stream.features import hash_value
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_key, encode_chunk, state_topic
@@ -540,3 +540,67 @@ def test_messages_a_run_gave_the_producer_a_fatal_error_replaced_are_not_claimed
     assert p.flush().acked.get(topic, 0) == 0
     assert p.acked_total.get(topic, 0) == 0
     assert read_topic(kafka, topic) == []
+
+
+
+class Denied:
+    """What librdkafka's delivery report carries for a record the broker refused to this client (no WRITE ACL)."""
+
+    def __init__(self, topic: str, value: bytes | None) -> None:
+        self._topic, self._value = topic, value
+
+    def topic(self) -> str:
+        return self._topic
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def key(self) -> bytes:
+        return b"0"
+
+
+class DeniedProducer(FatalProducer):
+    """A librdkafka producer whose metadata marked ``topic`` refused to it (TOPIC_AUTHORIZATION_FAILED): every produce
+    to it fails at once with that error; the others go through."""
+
+    def __init__(self, producer: Any, topic: str) -> None:
+        super().__init__(producer)
+        self.topic = topic
+
+    def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+        if topic == self.topic:
+            raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+        self.producer.produce(topic, *args, **kwargs)
+
+
+@pytest.mark.parametrize("when", ["delivery", "produce"])
+def test_writes_the_broker_denies_by_authorization_stop_the_kafka_driver_naming_the_topic_not_rewinding_for_ever(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """An ACL without WRITE on the samples topic: librdkafka fails the records with TOPIC_AUTHORIZATION_FAILED (in
+    their delivery reports, then at every ``produce`` to the topic, its metadata marked refused). Sending them again
+    cannot succeed, yet it was a DeliveryFailed (or a KafkaException), an outage to the worker: it rewound and was
+    refused again, for ever, each time told "Is the broker up?". Now a DeliveryRefused (a ConfigError: exit 2) names
+    the topic and the fix; nothing is committed, no strikes are given. (The Tansu broker has no ACLs: its refusal is
+    what librdkafka reports, given here to the real producer.)"""
+    p = make()
+    w = worker(p, kafka)
+    monkeypatch.setattr(w, "_wait", lambda seconds: None)  # the backoff's sleep, were it to rewind
+    if when == "produce":
+        p.producer._producer = DeniedProducer(p.producer._producer, kafka.samples_topic)  # type: ignore[assignment]
+    else:
+        send = p.producer.send
+
+        def denied_by_the_broker(topic: str, value: bytes | None, *args: Any, **kwargs: Any) -> None:
+            send(topic, value, *args, **kwargs)
+            if topic == kafka.samples_topic:
+                p.producer._on_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), Denied(topic, value))
+
+        monkeypatch.setattr(p.producer, "send", denied_by_the_broker)
+    batch = [imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + 1), click(kafka, 0, 0, "a", T0 + 2)]
+    try:
+        with pytest.raises(ConfigError, match=rf"{kafka.samples_topic}.*[Aa]uthorization.*WRITE") as got:
+            w._process(batch, None)
+        assert "\n" not in str(got.value) and "Is the broker up" not in str(got.value)
+        assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
+    finally:
+        w.consumer.close()
