@@ -573,11 +573,12 @@ class DeniedProducer(FatalProducer):
         self.producer.produce(topic, *args, **kwargs)
 
 
-@pytest.mark.parametrize("when", ["delivery", "produce"])
+@pytest.mark.parametrize("when", ["delivery", "produce", "fatal"])
 def test_writes_the_broker_denies_by_authorization_stop_the_kafka_driver_naming_the_topic_not_rewinding_for_ever(
         kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
     """An ACL without WRITE on the samples topic: librdkafka fails the records with TOPIC_AUTHORIZATION_FAILED (in
-    their delivery reports, then at every ``produce`` to the topic, its metadata marked refused). Sending them again
+    their delivery reports, then at every ``produce`` to the topic, its metadata marked refused); one without
+    IDEMPOTENT_WRITE on the cluster: the idempotent producer's fatal CLUSTER_AUTHORIZATION_FAILED. Sending them again
     cannot succeed, yet it was a DeliveryFailed (or a KafkaException), an outage to the worker: it rewound and was
     refused again, for ever, each time told "Is the broker up?". Now a DeliveryRefused (a ConfigError: exit 2) names
     the topic and the fix; nothing is committed, no strikes are given. (The Tansu broker has no ACLs: its refusal is
@@ -592,13 +593,16 @@ def test_writes_the_broker_denies_by_authorization_stop_the_kafka_driver_naming_
 
         def denied_by_the_broker(topic: str, value: bytes | None, *args: Any, **kwargs: Any) -> None:
             send(topic, value, *args, **kwargs)
-            if topic == kafka.samples_topic:
+            if topic == kafka.samples_topic and when == "fatal":
+                p.producer._on_fatal(KafkaError(KafkaError.CLUSTER_AUTHORIZATION_FAILED, fatal=True))
+            elif topic == kafka.samples_topic:
                 p.producer._on_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), Denied(topic, value))
 
         monkeypatch.setattr(p.producer, "send", denied_by_the_broker)
     batch = [imp(kafka, 0, 0, "a", T0), imp(kafka, 0, 1, "b", T0 + 1), click(kafka, 0, 0, "a", T0 + 2)]
     try:
-        with pytest.raises(ConfigError, match=rf"{kafka.samples_topic}.*[Aa]uthorization.*WRITE") as got:
+        named = "its topics" if when == "fatal" else kafka.samples_topic
+        with pytest.raises(ConfigError, match=rf"{named} \(.*[Aa]uthorization.*WRITE") as got:
             w._process(batch, None)
         assert "\n" not in str(got.value) and "Is the broker up" not in str(got.value)
         assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
