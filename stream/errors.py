@@ -14,6 +14,7 @@
     ├── StreamError                  stream/: a real failure, the process should stop or retry
     │   ├── DatasetMissing           a packaged data set is not installed (the message says how)
     │   ├── DeliveryFailed           the broker did not acknowledge produced messages
+    │   │   └── PartitionMissing     one was for a partition its topic does not have (fewer than expected)
     │   ├── MessageTooLarge          a message over the producer's message.max.bytes (never sent)
     │   ├── PartitionLost            another member took over a partition this one held (a stall): batch unwritten
     │   ├── joiner.state_log.StateLogError       a join-state record that cannot be read (restore stops)
@@ -113,6 +114,16 @@ class DatasetMissing(StreamError):
 
 class DeliveryFailed(StreamError):
     """Messages were not acknowledged by the broker."""
+
+
+class PartitionMissing(DeliveryFailed):
+    """A message written to a partition its topic does not have: the topic has fewer partitions than its writer
+    expects (created again with fewer while it ran?). A DeliveryFailed to a caller that cannot tell more; the joiner
+    checks its partition layout again (``stream/joiner/partitions.py``). ``topic``: where it was going."""
+
+    def __init__(self, text: str, topic: str | None = None) -> None:
+        super().__init__(text)
+        self.topic = topic
 
 
 class PartitionLost(StreamError):

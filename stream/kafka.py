@@ -28,6 +28,7 @@ from stream.errors import (
     DeliveryRefused,
     MessageLimitError,
     MessageTooLarge,
+    PartitionMissing,
     StreamError,
     clip,
 )
@@ -559,6 +560,8 @@ class AckedProducer:
     authorization (TOPIC_/CLUSTER_AUTHORIZATION_FAILED: in a delivery report, at ``produce`` once librdkafka marked the
     topic refused, or as the idempotent producer's fatal error) is :class:`DeliveryRefused`, a ConfigError, for the
     same reason: it was a DeliveryFailed, and the joiner rewound and was denied again for ever ("Is the broker up?").
+    A message for a partition its topic does not have (_UNKNOWN_PARTITION, at ``produce`` or in its report) is
+    :class:`PartitionMissing`, a DeliveryFailed that names the topic: the joiner checks its layout on it.
     """
 
     def __init__(self, kafka: KafkaSettings, **extra: Any) -> None:
@@ -576,6 +579,7 @@ class AckedProducer:
         # the first delivery refused as too large since the last flush: (what, its topic)
         self._too_large: tuple[str, str] | None = None
         self._denied: DeliveryRefused | None = None  # the first delivery denied by authorization since the last flush
+        self._missing: str | None = None  # the topic of the first message for a partition it lacks, since the flush
         self._sent: dict[str, int] = {}
         self._failed: dict[str, int] = {}
         self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
@@ -609,6 +613,8 @@ class AckedProducer:
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and self._too_large is None:
             self._too_large = (f"a message of {len(msg.value() or b'') + len(msg.key() or b'')} bytes for {topic} was "
                                f"refused by the broker as too large ({err.str()})", topic)
+        if err.code() == KafkaError._UNKNOWN_PARTITION and self._missing is None:
+            self._missing = topic
         if err.code() in _DENIED and self._denied is None:
             self._denied = _denied_writes(err, topic, self._who)
         self._failed[topic] = self._failed.get(topic, 0) + 1
@@ -666,6 +672,9 @@ class AckedProducer:
                         f"{self.max_message_setting} ({self.max_message_bytes})", topic=topic) from None
                 if exc.args and exc.args[0].code() in _DENIED:
                     raise _denied_writes(exc.args[0], topic, self._who) from None
+                if exc.args and exc.args[0].code() == KafkaError._UNKNOWN_PARTITION:
+                    raise PartitionMissing(f"{topic} has no partition {kwargs.get('partition')} "
+                                           f"({exc.args[0].str()})", topic=topic) from None
                 if exc.args and _is_fatal(exc.args[0]):
                     self._renew()
                 raise
@@ -677,7 +686,7 @@ class AckedProducer:
             self._acked_before[t] = self._acked_before.get(t, 0) + n
         _close_dead(self._producer)  # first: its purged messages' reports land in the report dropped below
         self._producer, self._fatal = self._client(), None
-        self.report, self._too_large, self._denied = DeliveryReport(), None, None
+        self.report, self._too_large, self._denied, self._missing = DeliveryReport(), None, None, None
         self._sent.clear()
         self._failed.clear()
 
@@ -712,10 +721,14 @@ class AckedProducer:
             self._sent.clear()
             (too_large, too_large_topic), self._too_large = self._too_large or (None, None), None
             denied, self._denied = self._denied, None
+            missing, self._missing = self._missing, None
             if denied is not None:
                 raise denied
             if too_large is not None:
                 raise MessageTooLarge(f"{too_large}; {failed} message(s) failed", topic=too_large_topic)
+            if missing is not None:
+                raise PartitionMissing(f"{failed} message(s) were not acknowledged by {self._bootstrap}; first error: "
+                                       f"{first} (a partition {missing} does not have)", topic=missing)
             raise DeliveryFailed(
                 f"{failed} message(s) were not acknowledged by {self._bootstrap}; "
                 f"first error: {first}. Is the broker up (`streamrec stack status`)?"

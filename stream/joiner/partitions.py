@@ -99,9 +99,16 @@ class Layout:
         top = max(partitions, default=-1)
         if top < self.partitions:
             return
-        imp, clk, outputs = self.kafka.impressions_topic, self.kafka.clicks_topic, [*self.outputs, self.state_topic]
-        n = check_layout(self._counts(self.kafka, [imp, clk, *outputs]), imp, clk, outputs)
+        n = self.check()
         log.warning("the input topics have %d partitions now (%d at start): events keyed before the change stay in "
                     "their partitions, so a click of an impression published before it may land in another partition "
                     "and be reported as an orphan", n, self.partitions)
         self.partitions = n
+
+    def check(self) -> int:
+        """:func:`check_layout` of the topics as they are now (one metadata request): the inputs' count, or its
+        ConfigError. Also where a write found a partition missing from an output (``JoinPipeline._sized``): an output
+        deleted and created again with fewer partitions while the joiner ran, which the checks at start and at an
+        assignment do not see (every batch of a partition past it was retried for ever)."""
+        imp, clk, outputs = self.kafka.impressions_topic, self.kafka.clicks_topic, [*self.outputs, self.state_topic]
+        return check_layout(self._counts(self.kafka, [imp, clk, *outputs]), imp, clk, outputs)

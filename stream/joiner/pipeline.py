@@ -74,7 +74,16 @@ from confluent_kafka import KafkaException, TopicPartition
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts, new_write_id
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, ConfigError, MessageTooLarge, PartitionLost, StreamError, clip, shown
+from stream.errors import (
+    BadMessage,
+    ConfigError,
+    MessageTooLarge,
+    PartitionLost,
+    PartitionMissing,
+    StreamError,
+    clip,
+    shown,
+)
 from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
 from stream.features import hash_value
@@ -952,11 +961,16 @@ class JoinPipeline:
     @contextmanager
     def _sized(self) -> Iterator[None]:
         """Sends and flushes of a batch's outputs: a message refused as too large is a :class:`MessageLimitError`
-        (module docstring, "Message size"): every topic the joiner writes to is sized under its learned limit."""
+        (module docstring, "Message size"): every topic the joiner writes to is sized under its learned limit. A
+        message for a partition its topic does not have is the layout's ConfigError where the topics disagree now
+        (``Layout.check``: an output created again with fewer partitions), else the outage it was (a rewind)."""
         try:
             yield
         except MessageTooLarge as exc:
             raise refused_as_too_large(exc, self.message_limits.get(exc.topic or "")) from None
+        except PartitionMissing:
+            self.layout.check()
+            raise
 
     def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
                         drain: bool) -> tuple[BatchResult, list[bytes] | None]:

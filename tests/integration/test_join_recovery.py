@@ -1,7 +1,8 @@
 """The joiner off its happy path, against the session's broker and Redis: a state chunk half written when the process
 stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
 deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
-commit that fails, a write the broker denies by authorization. Each test failed before its fix (the docstrings say how), but the dead letter's.
+commit that fails, a write the broker denies by authorization, a samples topic created again with fewer partitions.
+Each test failed before its fix (the docstrings say how), but the dead letter's.
 
 The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, NewTopic
 
 import stream.joiner.pipeline as pipeline_module
 from stream.config import KafkaSettings
@@ -605,6 +606,32 @@ def test_writes_the_broker_denies_by_authorization_stop_the_kafka_driver_naming_
         with pytest.raises(ConfigError, match=rf"{named} \(.*[Aa]uthorization.*WRITE") as got:
             w._process(batch, None)
         assert "\n" not in str(got.value) and "Is the broker up" not in str(got.value)
+        assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
+    finally:
+        w.consumer.close()
+
+
+def test_a_samples_topic_created_again_with_fewer_partitions_while_the_joiner_runs_stops_it_naming_the_layout(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The samples topic deleted under a running joiner and created again with fewer partitions (by hand, or by a
+    broker's auto-creation at its default count): the layout was checked at start only, and every batch of a partition
+    past the new count failed the producer with "Unknown partition", a DeliveryFailed, an outage to the worker: it
+    rewound, for ever, told "Is the broker up?". Now the layout is checked again there and its ConfigError (exit 2)
+    names the topics, their counts and the fix; nothing is committed, no strikes are given."""
+    p = make()
+    w = worker(p, kafka)
+    w._assigned = {1}
+    monkeypatch.setattr(w, "_wait", lambda seconds: None)  # the backoff's sleep, were it to rewind
+    admin = AdminClient(admin_config(kafka))
+    for fut in admin.delete_topics([kafka.samples_topic]).values():
+        fut.result()
+    for fut in admin.create_topics([NewTopic(kafka.samples_topic, 1, 1)]).values():
+        fut.result()
+    # the producer learns the new count, as librdkafka does at its metadata refresh (topic.metadata.refresh.interval.ms)
+    p.producer._producer.list_topics(kafka.samples_topic, timeout=10)
+    try:
+        with pytest.raises(ConfigError, match=rf"{kafka.samples_topic} has 1: add partitions"):
+            w._process([imp(kafka, 1, 0, "a", T0), click(kafka, 1, 0, "a", T0 + 1)], None)
         assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
     finally:
         w.consumer.close()
