@@ -186,6 +186,14 @@ _VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")  # a well-formed HTTP-version (RFC 9
 _MAX_LINE, _MAX_HEADERS = 65536, 100  # the stdlib's limits on a header line (bytes) and on a block's lines
 _MAX_HEAD = 65536  # bytes of a request's header lines, line ends included (and of a chunked body's trailer): 431
 _HEAD_TOO_LARGE = f"request header fields too large: the header block is over {_MAX_HEAD} bytes"
+_OWS = " \t"  # HTTP's whitespace (RFC 9110 5.6.3); str.split() and str.strip() also take \x1c-\x1f, \x85, \xa0
+
+
+def _words(requestline: str) -> list[str]:
+    """A request line's words, split on SP and HTAB (RFC 9112 3): not ``str.split()``, whose whitespace (the line is
+    read as ISO-8859-1) includes NBSP, NEL and FS to US, so ``GET /metrics\xa0 HTTP/1.1``, whose path a front proxy
+    reads as ``/metrics\xa0`` (and lets through where it refuses ``/metrics``), was served as ``/metrics``."""
+    return [w for w in requestline.replace("\t", " ").split(" ") if w]
 
 
 class _BadFraming(Exception):
@@ -607,7 +615,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
         self.requestline = requestline
-        words = requestline.split()
+        words = _words(requestline)
         if not words:
             return False
         if len(words) >= 3:  # enough to determine the protocol version

@@ -929,3 +929,26 @@ def test_a_405_to_head_names_head_not_get(server: Server) -> None:
         status, headers, body = read_response(f)
         assert (status, headers["allow"]) == (405, "OPTIONS, POST") and body.startswith(b'{"error":"GET /v1/score:')
         assert int(head_headers["content-length"]) == len(body.replace(b'"GET /v1/score', b'"HEAD /v1/score'))
+
+
+# Bytes Python's str.split() and str.strip() take for whitespace (the wire is read as ISO-8859-1) that HTTP does not
+# (RFC 9110 5.6.3: SP and HTAB): FS to US, NEL, NBSP
+NOT_HTTP_WHITESPACE = [b"\x1c", b"\x1f", b"\x85", b"\xa0"]
+
+
+@pytest.mark.parametrize("ws", NOT_HTTP_WHITESPACE)
+def test_a_request_line_is_split_on_sp_and_htab_only_so_no_other_byte_ends_its_path(server: Server,
+                                                                                     ws: bytes) -> None:
+    """``GET /metrics\\xa0 HTTP/1.1`` names the path ``/metrics\\xa0``, which a front proxy that refuses ``/metrics``
+    lets through: the threading server split the request line with ``str.split()`` and served it as ``/metrics`` (and
+    ``GET /metrics\\x85HTTP/1.1`` too, and ``GET\\x1c/healthz``). It is refused (aiohttp: a 400) or a 404 naming the path
+    as sent, never the endpoint."""
+    lines = [b"GET /metrics" + ws + b" HTTP/1.1", b"GET /metrics" + ws + b"HTTP/1.1", b"GET" + ws + b"/metrics HTTP/1.1"]
+    for line in lines:
+        with connect(server) as s, s.makefile("rb") as f:
+            s.sendall(line + b"\r\nHost: x\r\n\r\n")
+            status, headers, body = read_response(f)
+            assert status in (400, 404, 505), (line, status, body[:80])
+            assert headers["content-type"] == "application/json", line
+            if status == 404:
+                assert json.loads(body)["error"].startswith(f"no endpoint /metrics{ws.decode('latin-1')};"), line
