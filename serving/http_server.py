@@ -43,10 +43,12 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   lines, the end of each chunk's data, its trailer: a bare LF or CR is a ``400``, RFC 9112 7.1), chunk extensions
   free of control characters but HTAB, at most 64 + 1 per KiB of ``max_body_bytes`` chunks (4160 at 4 MiB: chunks
   of 1 KiB or more never meet it; past it a ``400``), not both ``Content-Length`` and ``Transfer-Encoding``, no
-  whitespace before a header's colon, no obsolete line folding (a header line starting with whitespace, RFC 9112
-  5.2), no control character in a header (or trailer) line but HTAB (a NUL, DEL, a CR not before LF: RFC 9110 5.5;
-  bytes past ASCII are taken); any such error is answered JSON and the connection closed (the next request's start
-  is unknown).
+  whitespace before a header's colon (HTTP's whitespace is SP and HTAB: a request line is split, and the members of
+  ``Transfer-Encoding``, ``Content-Encoding`` and ``Connection`` trimmed, on those alone, not on all that Python's
+  ``str.split()`` takes, NBSP and NEL included: ``chunked\xa0`` is no ``chunked``), no obsolete line folding (a
+  header line starting with whitespace, RFC 9112 5.2), no control character in a header (or trailer) line but HTAB
+  (a NUL, DEL, a CR not before LF: RFC 9110 5.5; bytes past ASCII are taken); any such error is answered JSON and
+  the connection closed (the next request's start is unknown).
   A body with a ``Content-Encoding`` other than ``identity`` is a ``415`` before it is read (aiohttp's
   ``auto_decompress`` is off: the body is JSON as sent, on both servers).
   A chunk whose declared size takes the body past ``max_body_bytes`` is a ``413`` from its size line, before its
@@ -194,6 +196,14 @@ def _words(requestline: str) -> list[str]:
     read as ISO-8859-1) includes NBSP, NEL and FS to US, so ``GET /metrics\xa0 HTTP/1.1``, whose path a front proxy
     reads as ``/metrics\xa0`` (and lets through where it refuses ``/metrics``), was served as ``/metrics``."""
     return [w for w in requestline.replace("\t", " ").split(" ") if w]
+
+
+def _members(values: list[str]) -> list[str]:
+    """The members of a list-valued header (``Transfer-Encoding``, ``Content-Encoding``, ``Connection``; RFC 9110
+    5.6.1), lower-cased and trimmed of SP and HTAB only: ``str.strip()`` also trimmed NBSP and NEL, so
+    ``Transfer-Encoding: chunked\xa0``, no ``chunked`` to a front proxy (which frames the body otherwise), was read
+    as a chunked body on the threading server (llhttp refuses it)."""
+    return [m.strip(_OWS).lower() for v in values for m in v.split(",")]
 
 
 class _BadFraming(Exception):
@@ -384,8 +394,7 @@ def _check_content_coding(values: list[str]) -> None:
     (and br, zstd where installed) before our limit saw the bytes, so the same request was scored there and refused
     as "not valid UTF-8" JSON on the threading server; a coding aiohttp lacks was its 400 telling the client to
     install a package."""
-    codings = [c.strip().lower() for v in values for c in v.split(",")]
-    if any(c != "identity" for c in codings):
+    if any(c != "identity" for c in _members(values)):
         shown = ", ".join(values)[:60]
         raise _BadFraming(415, f"Content-Encoding {shown!r} is not supported: send the JSON body uncompressed")
 
@@ -658,7 +667,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._field_error = _field_lines_error(lines)  # refused by _framing
         connection = self.headers.get_all("Connection")
         if connection:  # a list of options (RFC 9110 7.6.1), any case: "close" wins
-            options = {o.strip().lower() for v in connection for o in v.split(",")}
+            options = set(_members(connection))
             if "close" in options:
                 self.close_connection = True
             elif "keep-alive" in options:
@@ -703,7 +712,7 @@ class _Handler(BaseHTTPRequestHandler):
         if te:
             if cl:
                 raise _BadFraming(400, "both Transfer-Encoding and Content-Length: the body's framing is ambiguous")
-            if [c.strip().lower() for v in te for c in v.split(",")] != ["chunked"]:
+            if _members(te) != ["chunked"]:
                 raise _BadFraming(501, f"Transfer-Encoding {', '.join(te)[:60]!r} is not supported: "
                                        "send chunked or a Content-Length")
             if self.request_version == "HTTP/1.0":

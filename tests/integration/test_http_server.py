@@ -941,9 +941,10 @@ def test_a_request_line_is_split_on_sp_and_htab_only_so_no_other_byte_ends_its_p
                                                                                      ws: bytes) -> None:
     """``GET /metrics\\xa0 HTTP/1.1`` names the path ``/metrics\\xa0``, which a front proxy that refuses ``/metrics``
     lets through: the threading server split the request line with ``str.split()`` and served it as ``/metrics`` (and
-    ``GET /metrics\\x85HTTP/1.1`` too, and ``GET\\x1c/healthz``). It is refused (aiohttp: a 400) or a 404 naming the path
-    as sent, never the endpoint."""
-    lines = [b"GET /metrics" + ws + b" HTTP/1.1", b"GET /metrics" + ws + b"HTTP/1.1", b"GET" + ws + b"/metrics HTTP/1.1"]
+    ``GET /metrics\\x85HTTP/1.1`` too, and ``GET\\x1c/healthz``). It is refused (aiohttp: a 400) or a 404 naming the
+    path as sent, never the endpoint."""
+    lines = [b"GET /metrics" + ws + b" HTTP/1.1", b"GET /metrics" + ws + b"HTTP/1.1",
+             b"GET" + ws + b"/metrics HTTP/1.1"]
     for line in lines:
         with connect(server) as s, s.makefile("rb") as f:
             s.sendall(line + b"\r\nHost: x\r\n\r\n")
@@ -952,3 +953,37 @@ def test_a_request_line_is_split_on_sp_and_htab_only_so_no_other_byte_ends_its_p
             assert headers["content-type"] == "application/json", line
             if status == 404:
                 assert json.loads(body)["error"].startswith(f"no endpoint /metrics{ws.decode('latin-1')};"), line
+
+
+@pytest.mark.parametrize("ws", NOT_HTTP_WHITESPACE[2:])  # (FS to US: control characters, refused as such already)
+def test_a_transfer_coding_padded_with_bytes_other_than_sp_and_htab_is_not_chunked(server: Server, kind: str,
+                                                                                    ws: bytes) -> None:
+    """``Transfer-Encoding: chunked\\xa0`` (or ``\\x85chunked``) is no ``chunked`` (RFC 9110 5.6.1: a list's members
+    are trimmed of SP and HTAB only): a front proxy that reads it so frames the body otherwise, and the threading
+    server, which trimmed it with ``str.strip()``, read a chunked body (a desync). Refused, the connection closed, on
+    both servers; on the threading server SP and HTAB around it still make it ``chunked`` (llhttp refuses those)."""
+    for value in (b"chunked" + ws, ws + b"chunked"):
+        with connect(server) as s, s.makefile("rb") as f:
+            s.sendall(CHUNKED.replace(b"chunked", value) + b"2\r\n{}\r\n0\r\n\r\n" + SMUGGLED)
+            status, headers, body = read_response(f)
+            assert status in (400, 501), (value, status, body[:80])
+            assert headers["content-type"] == "application/json"
+            assert closed_by_server(s, f), value  # the request behind it is not answered
+    if kind != "threading":
+        return
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(CHUNKED.replace(b"chunked", b" \tchunked\t ") + b"2\r\n{}\r\n0\r\n\r\n" + SMUGGLED)
+        assert read_response(f)[0] == 422
+        assert read_response(f)[0] == 200
+
+
+@pytest.mark.parametrize("ws", NOT_HTTP_WHITESPACE[2:])
+def test_a_content_coding_padded_with_bytes_other_than_sp_and_htab_is_a_415_on_both_servers(server: Server,
+                                                                                           ws: bytes) -> None:
+    """``Content-Encoding: identity\\xa0`` names no coding this service reads: aiohttp answered 415, the threading
+    server (``str.strip()``) took it for ``identity`` and read the body."""
+    body = b"{}"
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("POST", "/v1/score", body).replace(b"Host: x\r\n",
+                                                             b"Host: x\r\nContent-Encoding: identity" + ws + b"\r\n"))
+        assert read_response(f)[0] == 415
