@@ -191,7 +191,13 @@ def partition_counts(meta: Mapping[str, Any], name: str) -> dict[int, int]:
 # readers (this one and learner/sharded_checkpoint.py); absent is allowed here. Mistyped, a check was skipped:
 # ``"topic": 5`` resumed another topic's checkpoint (check_topic compares a string only), ``"lineage": {}`` continued
 # the directory's lineage instead of the checkpoint's, ``"shape": []`` compared no shaping setting.
-TYPED_FIELDS: dict[str, type] = {"shape": dict, "topic": str, "lineage": str}
+TYPED_FIELDS: dict[str, type] = {"shape": dict, "topic": str, "lineage": str, "topic_id": str, "cluster_id": str}
+TOPIC_IDENTITY = ("topic_id", "cluster_id")  # which samples topic the offsets are of (:func:`same_topic`)
+
+
+def topic_recorded(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The :data:`TOPIC_IDENTITY` fields ``meta`` records (none: a checkpoint written before they were)."""
+    return {k: meta[k] for k in TOPIC_IDENTITY if k in meta}
 
 
 def mistyped(meta: Mapping[str, Any]) -> str | None:
@@ -202,6 +208,23 @@ def mistyped(meta: Mapping[str, Any]) -> str | None:
     if "lineage" in meta and not _LINEAGE_RE.fullmatch(meta["lineage"]):  # ("abc": the directory's continued)
         return f'"lineage" is {str(meta["lineage"])[:80]!r}, not a lineage id (32 hex digits, as every save writes)'
     return None
+
+
+def same_topic(recorded: Mapping[str, Any], now: Mapping[str, str], topic: str) -> bool:
+    """Whether the checkpoint's offsets are of ``topic`` as it is now: ``recorded`` (:func:`topic_recorded`) against
+    ``now`` (``stream.kafka.topic_identity``, what a save records): False, said as an ERROR naming both ids, when both
+    give a topic id and they differ. The topic was deleted and created again since, or the broker is another
+    cluster's: resuming at the saved offsets of a new topic already written past them skipped every record below them
+    without a word (a shorter one is told by its end: ``learner.kafka_dataset._start_over_past_end``). A checkpoint
+    written before topic ids were recorded, or a broker that gives none, passes (resumed as before)."""
+    was, new = recorded.get("topic_id"), now.get("topic_id")
+    if not was or not new or was == new:
+        return True
+    log.error("the checkpoint was trained from samples topic %r with topic id %s (cluster %s), and %r now has topic id "
+              "%s (cluster %s): the topic was deleted and created again, or this is another cluster, and the "
+              "checkpoint's offsets are not of it. Training every partition from its first record", topic, was,
+              recorded.get("cluster_id", "unknown"), topic, new, now.get("cluster_id", "unknown"))
+    return False
 
 
 def _opened(path: Path, raw: dict[str, Any]) -> Checkpoint:

@@ -74,7 +74,7 @@ from stream.features import MISSING
 from stream.files import NotDurable, describe_os_error
 from stream.idle_clock import IdleClock
 from stream.joiner.partitions import ensure_samples
-from stream.kafka import new_consumer
+from stream.kafka import new_consumer, topic_identity
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, settle_strikes
 
@@ -101,6 +101,10 @@ CHECKPOINT_FAILURES = PCounter("streamrec_learner_checkpoint_failures_total",
 CHECKPOINT_NOT_DURABLE = PCounter("streamrec_learner_checkpoints_not_durable_total",
                                   "Checkpoints written into place whose directory fsync then failed: read at restart, "
                                   "not known to survive a power loss; none older is pruned until one is durable.")
+TOPIC_CHANGED = PCounter("streamrec_learner_topic_changed_total",
+                         "Restores whose checkpoint's samples topic had another topic id than the topic of its name "
+                         "now (deleted and created again, another cluster): every partition trained from its first "
+                         "record.")
 # Health (learner/health.py): memory, gradients, feature coverage, label balance; published at most once a second.
 RSS = Gauge("streamrec_learner_rss_bytes", "Resident set size of the learner process (bytes).")
 CUDA_MEMORY = Gauge("streamrec_learner_cuda_memory_bytes", "Device memory of the learner's CUDA device (bytes): "
@@ -360,6 +364,7 @@ class Learner:
         self.partition_rows: Counter[int] = Counter()  # rows trained (or dropped as duplicates) per partition
         self.duplicates = 0
         self.offsets: dict[int, int] = {}
+        self.topic_ids: dict[str, str] = {}  # which samples topic the offsets are of (checkpoint.TOPIC_IDENTITY)
         self.recent = RecentIds(ls.dedup_window)
         self._clock = EventClock()
         self.quality = TrainingQuality(ls.cold_k, ls.metrics_window, ls.attribution_window_s, ls.quality_recent_s,
@@ -439,7 +444,7 @@ class Learner:
                 group["lr"] = lr
         self.trainer.metrics.load_state_dict(ckpt["metrics"])
         self.trainer.samples, self.trainer.steps = ckpt.samples_trained, ckpt.steps
-        self.offsets = ckpt.offsets
+        self.offsets, self.topic_ids = ckpt.offsets, checkpoint.topic_recorded(meta)
         self.bias = None
         self.partition_rows, self.duplicates = Counter(ckpt.partition_rows), ckpt.duplicates
         self.recent.load(ckpt["recent_ids"])
@@ -472,7 +477,7 @@ class Learner:
             "samples_trained": tr.samples, "steps": tr.steps, "offsets": {str(p): o for p, o in self.offsets.items()},
             "partition_rows": {str(p): n for p, n in self.partition_rows.items()}, "duplicates": self.duplicates,
             "feature_config": self.cfg.to_dict(), "model": self._model_settings(), "shape": self._shape,
-            "metrics": tr.metrics.summary(), "topic": self.kafka.samples_topic,
+            "metrics": tr.metrics.summary(), "topic": self.kafka.samples_topic, **self.topic_ids,
             "delta_seq": self.deltas.seq if self.deltas is not None else None,  # the deltas it includes
         }
         state = {"model": tr.model.state_dict(), "sparse_opt": tr.sparse_opt.state_dict(),
@@ -538,6 +543,21 @@ class Learner:
         md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
         return sorted(md.partitions)
 
+    def _check_topic_ids(self) -> None:
+        """The checkpoint's offsets dropped (every partition read from its first record, ``KafkaSampleDataset``'s
+        ``unsaved``) when they are of another topic of the samples topic's name (:func:`checkpoint.same_topic`); the
+        ids the broker gives now are what the next checkpoints record. Asked once, at the start: a topic made again
+        under the running learner would otherwise get its id recorded with the old topic's offsets, the silent skip
+        this prevents (kept, the old id has a restart train the new topic again from its start: said, counted)."""
+        now = topic_identity(self.kafka, self.kafka.samples_topic)
+        if not checkpoint.same_topic(self.topic_ids, now, self.kafka.samples_topic):
+            TOPIC_CHANGED.inc()
+            self.offsets = {}
+            # strikes name messages by offset too: the old topic's would send the new one's alone or dead-letter them
+            self._clear_strikes([k for k in self.strikes.counts if k[0] == self.kafka.samples_topic])
+        if "topic_id" in now:  # a broker that says none keeps the recorded id
+            self.topic_ids = now
+
     def run(self) -> dict[str, Any]:
         take_stop_signals(self._handlers, self._on_signal)
         ls = self.ls
@@ -557,6 +577,7 @@ class Learner:
                 assert self.trainer is not None
                 self.bias.start(self.trainer.model)
         listed = self._partitions()
+        self._check_topic_ids()
         unsaved = [p for p in listed if p not in self.offsets]  # no checkpoint offset: start at 0
         for p in unsaved:
             self.offsets[p] = 0

@@ -18,7 +18,16 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicCollection,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from stream.config import KafkaSettings, SaslMechanism, check_group_id
@@ -410,6 +419,26 @@ def partition_counts(kafka: KafkaSettings, topics: Iterable[str]) -> dict[str, i
     admin = AdminClient(admin_config(kafka))
     md = admin.list_topics(timeout=10).topics
     return {t: len(md[t].partitions) if t in md else 0 for t in topics}
+
+
+def topic_identity(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) -> dict[str, str]:
+    """``{"topic_id": ..., "cluster_id": ...}`` of ``topic`` as the broker names them now (the topic id as Kafka's tools
+    print it), for a checkpoint to record which topic its offsets are of: a topic deleted and created again, or another
+    cluster's of the same name, has another topic id. An id the broker does not give (none, or the all-zero Uuid of a
+    broker without topic ids) is left out, and so is everything when the broker cannot be asked (logged): the caller
+    then cannot tell one topic from another of its name, and goes on as before topic ids were recorded."""
+    try:
+        admin = AdminClient(admin_config(kafka))
+        cluster = admin.list_topics(timeout=timeout_s).cluster_id
+        tid = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic].result().topic_id
+    except KafkaException as exc:
+        log.warning("could not read the id of topic %s (%s): a topic made again under its name goes untold",
+                    topic, clip(str(exc)))
+        return {}
+    out = {"cluster_id": cluster} if cluster else {}
+    if tid is not None and (tid.get_most_significant_bits() or tid.get_least_significant_bits()):
+        out["topic_id"] = str(tid)
+    return out
 
 
 def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:

@@ -590,3 +590,71 @@ def test_the_daemon_calibrates_what_it_serves_from_matured_impressions_and_keeps
     saved = checkpoint.load_latest(ckpt)
     assert saved is not None
     np.testing.assert_allclose(saved["model"]["calibration"].numpy(), [second["a"], second["b"]], rtol=1e-6)
+
+
+def make_again(kafka: KafkaSettings, topic: str, partitions: int) -> None:
+    """Delete ``topic`` and create it again (new offsets from 0, a new topic id) with ``partitions`` partitions."""
+    from confluent_kafka.admin import AdminClient
+
+    from stream.kafka import admin_config
+
+    admin = AdminClient(admin_config(kafka))
+    for fut in admin.delete_topics([topic], operation_timeout=10).values():
+        fut.result()
+    deadline = time.monotonic() + 10
+    while topic in admin.list_topics(timeout=5).topics and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ensure_topics(kafka, [topic], partitions=partitions)
+
+
+def test_a_samples_topic_made_again_and_written_past_the_checkpoints_offsets_is_trained_from_its_first_record(
+        kafka: KafkaSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint recorded only the topic's name with its offsets (3 a partition): the topic deleted, created
+    again and written to offset 5 before the restart, the learner resumed at offset 3 of the new topic, and its
+    records 0-2 of each partition were never trained, without a word. Now the checkpoint records the topic id, and a
+    restore against another id trains every partition from its first record, said as an ERROR naming both ids."""
+    from prometheus_client import REGISTRY
+
+    from learner import checkpoint
+    from learner.config import Device, LearnerSettings
+    from learner.daemon import Learner
+    from stream.kafka import topic_identity
+
+    topic, rows = kafka.samples_topic, 10
+    ensure_topics(kafka, [topic], partitions=2)
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, embedding_dim=4,
+                         device=Device.CPU, amp=False, deltas_every_s=0.0, exit_when_idle_s=1.5,
+                         group_id=f"g-{topic}")
+    rng = np.random.default_rng(11)
+
+    def write(messages: int, prefix: str) -> None:
+        producer = AckedProducer(kafka)
+        for k in range(messages):
+            for part in range(2):
+                producer.send(topic, sample_batch(rng, rows, start=1000 * k, prefix=f"{prefix}{part}-").encode(),
+                              b"k", partition=part)
+        producer.flush()
+
+    def train() -> dict:
+        learner = Learner(kafka, ls)
+        try:
+            return learner.run()
+        finally:
+            learner.close()
+
+    write(3, "old")
+    first = train()
+    assert first["offsets"] == {"0": 3, "1": 3} and first["samples_trained"] == 2 * 3 * rows
+    old_id = checkpoint.load_latest(ls.checkpoint_dir).meta["topic_id"]
+    make_again(kafka, topic, partitions=2)
+    write(5, "new")
+    new_id = topic_identity(kafka, topic)["topic_id"]
+    changed = "streamrec_learner_topic_changed_total"
+    before = REGISTRY.get_sample_value(changed) or 0.0
+    second = train()
+    assert second["offsets"] == {"0": 5, "1": 5}
+    assert second["samples_trained"] - first["samples_trained"] == 2 * 5 * rows  # every new record, once
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and new_id in r.getMessage()]
+    assert len(said) == 1 and old_id in said[0] and old_id != new_id
+    assert (REGISTRY.get_sample_value(changed) or 0.0) == before + 1
+    assert checkpoint.load_latest(ls.checkpoint_dir).meta["topic_id"] == new_id  # what the next restart compares
