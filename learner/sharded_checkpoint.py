@@ -518,6 +518,7 @@ def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> 
                                   "feature_config", "model", "shape", "topic", "lineage")}
     plain["metrics"] = metrics.summary()
     plain["delta_seq"] = meta.get("delta_seq")  # (absent from sharded checkpoints written before it)
+    plain.update(checkpoint.topic_recorded(meta))  # which samples topic the offsets are of
     plain["resharded_from"] = {"path": str(path), "world_size": int(meta["world_size"])}
     out = checkpoint.save(Path(dst), state, plain, keep=keep)
     log.info("unsharded %s (%d ranks) into %s", path, meta["world_size"], out)

@@ -90,6 +90,7 @@ from learner.daemon import (
     POSITIVE_RATE,
     PROBE_S,
     SAMPLES,
+    TOPIC_CHANGED,
     WINDOW_AUC,
     RecentIds,
     first_samples_clock,
@@ -131,7 +132,7 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.files import describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
-from stream.kafka import new_consumer
+from stream.kafka import new_consumer, topic_identity
 from stream.samples import DELAYED_POSITIVE
 from stream.strikes import PartitionFileStrikes, Strikes, settle_strikes
 
@@ -250,6 +251,8 @@ class ShardedLearner:
         self.device = torch.device(dev, ctx.local_rank) if dev == "cuda" else torch.device(dev)
         self._stop = False
         self.offsets: dict[int, int] = {}
+        self.topic_ids: dict[str, str] = {}  # which samples topic the offsets are of (checkpoint.TOPIC_IDENTITY)
+        self._topic_changed = False  # the checkpoint's offsets were another topic's (_partitions)
         self.partition_rows: Counter[int] = Counter()
         self.duplicates = 0
         self.recent = RecentIds(ls.dedup_window)
@@ -401,6 +404,7 @@ class ShardedLearner:
             self._base_samples = int(meta["samples_trained"])
         self._base_steps = int(meta["steps"])
         self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
+        self.topic_ids = checkpoint.topic_recorded(meta)
         self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
         log.info("rank %d resumed from %s (%d ranks wrote it): %d samples trained, offsets %s", self.ctx.rank, path,
                  meta["world_size"], meta["samples_trained"], self.offsets)
@@ -431,7 +435,7 @@ class ShardedLearner:
                 "duplicates": sum(g[3] for g in gathered), "world_size": world,
                 "feature_config": self.cfg.to_dict(), "model": self._model_settings(), "shape": self._shape,
                 "metrics": metrics.summary(), "metrics_window": self.ls.metrics_window,
-                "topic": self.kafka.samples_topic,
+                "topic": self.kafka.samples_topic, **self.topic_ids,
                 "delta_seq": self.deltas.writer.seq if self.deltas is not None and self.deltas.writer else None}
         rank_state = {"metrics": self.trainer.metrics.state_dict(), "recent_ids": self.recent.state(),
                       "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict(),
@@ -475,12 +479,25 @@ class ShardedLearner:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _partitions(self) -> list[int]:
-        parts = None
+        """Collective: the samples topic's partitions as rank 0 lists them at the start. Rank 0 also asks the topic's
+        ids (``stream.kafka.topic_identity``) and whether the checkpoint's offsets are of this topic
+        (:func:`checkpoint.same_topic`, said and counted once), and every rank takes its answer: on each, the offsets
+        dropped for another topic's (``run``), the ids the next checkpoints record (the broker giving none: the
+        checkpoint's kept). Asked once, as the single-process learner does (``Learner._check_topic_ids``)."""
+        found = None
         if self.ctx.rank == 0:
             ensure_samples(self.kafka)  # the inputs' partition count (stream/joiner/partitions.py)
             md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
-            parts = sorted(md.partitions)
-        return list(broadcast_object(parts))
+            now = topic_identity(self.kafka, self.kafka.samples_topic)
+            same = checkpoint.same_topic(self.topic_ids, now, self.kafka.samples_topic)
+            if not same:
+                TOPIC_CHANGED.inc()
+            found = (sorted(md.partitions), now, same)
+        parts, now, same = broadcast_object(found)
+        self._topic_changed = not same
+        if "topic_id" in now:
+            self.topic_ids = now
+        return list(parts)
 
     def _fresh_config(self) -> FeatureConfig | None:
         """Rank 0 infers the config from the first samples and sends it; the others wait in rounds of about 5 s
@@ -514,6 +531,8 @@ class ShardedLearner:
                 self.bias.start(self.model)
         assert self.trainer is not None and self.cfg is not None
         listed = self._partitions()
+        if self._topic_changed:  # every partition from its first record
+            self.offsets = {}
         unsaved = [p for p in listed if p not in self.offsets]  # no checkpoint offset: start at 0
         for p in unsaved:
             self.offsets[p] = 0
@@ -522,6 +541,8 @@ class ShardedLearner:
         topic = self.kafka.samples_topic
         # poison strikes: one file per partition, written by the rank reading it (stream/strikes.py)
         strikes = Strikes(store := PartitionFileStrikes(ls.checkpoint_dir, mine), ls.poison_after)
+        if self._topic_changed:  # strikes name messages by offset too: the old topic's are none of the new one's
+            strikes.succeeded([k for k in strikes.counts if k[0] == topic])
         settle_strikes(strikes, {(topic, p): self.offsets[p] for p in mine})
         suspects = {(p, o): strikes.poisoned(key) for key in strikes.counts for t, p, o in [key] if t == topic}
         step_rows = rows_per_step(ls)  # accumulation included

@@ -486,3 +486,33 @@ def test_a_poison_message_on_one_rank_is_dead_lettered_after_poison_after_restar
     for p in range(PARTITIONS):  # cleared once dead-lettered; no innocent message kept a strike
         f = ckpt / f"strikes-{p}.json"
         assert not f.exists() or not json.loads(f.read_text()), (p, f.read_text())
+
+
+def test_two_ranks_restored_onto_a_samples_topic_made_again_past_their_offsets_train_it_from_its_first_record(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """The sharded checkpoint recorded only the topic's name with its offsets (2 a partition): the topic deleted,
+    created again and written to offset 5 before the restart, the ranks resumed at offset 2 of the new topic, and
+    its records 0-1 of each partition were never trained. Now rank 0 compares the checkpoint's topic id with the
+    topic's, says it once, and every rank trains its partitions from their first record."""
+    from stream.kafka import topic_identity
+    from tests.integration.test_learner import make_again
+
+    produce(kafka, messages=2 * PARTITIONS)
+    ckpt = tmp_path / "ckpt"
+    first = subprocess.run(torchrun(2, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    old_id = meta["topic_id"]
+    assert meta["offsets"] == {str(p): 2 for p in range(PARTITIONS)}
+    make_again(kafka, kafka.samples_topic, PARTITIONS)
+    rows = produce(kafka, messages=5 * PARTITIONS, first=2 * PARTITIONS)  # impression ids apart from the first's
+    new_id = topic_identity(kafka, kafka.samples_topic)["topic_id"]
+    second = subprocess.run(torchrun(2, ckpt), env=env_for(kafka), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert meta["offsets"] == {str(p): 5 for p in range(PARTITIONS)} and meta["topic_id"] == new_id != old_id
+    trained = last_json(second.stdout)["samples_trained"] - last_json(first.stdout)["samples_trained"]
+    assert trained == sum(rows.values())  # every record of the new topic, once
+    said = [line for line in second.stderr.splitlines() if "ERROR" in line and new_id in line]
+    assert len(said) == 1 and old_id in said[0]
+    assert unshard(ckpt, tmp_path / "single", env_for(kafka)).meta["topic_id"] == new_id  # its restore compares it
