@@ -29,6 +29,7 @@ from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.bounded_teardown import Reaper
+from tests.kafka_io import make_again
 from tests.monitoring_io import metric, scrape
 
 if TYPE_CHECKING:
@@ -590,21 +591,6 @@ def test_the_daemon_calibrates_what_it_serves_from_matured_impressions_and_keeps
     saved = checkpoint.load_latest(ckpt)
     assert saved is not None
     np.testing.assert_allclose(saved["model"]["calibration"].numpy(), [second["a"], second["b"]], rtol=1e-6)
-
-
-def make_again(kafka: KafkaSettings, topic: str, partitions: int) -> None:
-    """Delete ``topic`` and create it again (new offsets from 0, a new topic id) with ``partitions`` partitions."""
-    from confluent_kafka.admin import AdminClient
-
-    from stream.kafka import admin_config
-
-    admin = AdminClient(admin_config(kafka))
-    for fut in admin.delete_topics([topic], operation_timeout=10).values():
-        fut.result()
-    deadline = time.monotonic() + 10
-    while topic in admin.list_topics(timeout=5).topics and time.monotonic() < deadline:
-        time.sleep(0.1)
-    ensure_topics(kafka, [topic], partitions=partitions)
 
 
 def test_a_samples_topic_made_again_and_written_past_the_checkpoints_offsets_is_trained_from_its_first_record(
