@@ -169,6 +169,10 @@ class StateChunk:
     # ``topic_max`` k times, which holds the watermark back until k newer times come: a click late before the restart
     # could join after it.
     topic_top: tuple[list[int], list[int]] = ([], [])
+    # Which (impressions, clicks) topics ``offsets`` are of, by topic id (``stream.kafka.topic_identity``; None: a
+    # chunk written before ids were kept, or a broker that gives none): a restore onto a topic of that name made again
+    # drops the old topic's offset instead of skipping the new one's records below it (``pipeline.JoinPipeline``).
+    topic_ids: tuple[str | None, str | None] = (None, None)
 
 
 @dataclass
@@ -204,6 +208,7 @@ class PartitionJoin:
         self.topic_max: list[int | None] = [None, None]  # event time per input topic (k-th largest seen)
         self._top: list[list[int]] = [[], []]  # per input: min-heap of the k largest event times
         self.offsets = [_NO_OFFSET, _NO_OFFSET]
+        self.topic_ids: list[str | None] = [None, None]  # the input topics ``offsets`` are of (StateChunk.topic_ids)
         self.next_seq = 0
         self.newest_seq = -1  # the newest chunk's seq (the next one's may be further on: ``continue_at``)
         self._chunks: list[tuple[int, int]] = []  # heap of (retire_at event time, seq)
@@ -364,7 +369,7 @@ class PartitionJoin:
             retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
             out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
                                    max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]),
-                                   (list(self._top[0]), list(self._top[1])))
+                                   (list(self._top[0]), list(self._top[1])), (self.topic_ids[0], self.topic_ids[1]))
             heapq.heappush(self._chunks, (retire_at, seq))
             self.next_seq, self.newest_seq = seq + 1, seq
         out.retired = self._retire()
@@ -539,6 +544,7 @@ class PartitionJoin:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = t if prev is None else max(prev, t)
             self.offsets = [max(self.offsets[0], c.offsets[0]), max(self.offsets[1], c.offsets[1])]
+            self.topic_ids = [new or was for new, was in zip(c.topic_ids, self.topic_ids, strict=True)]
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))
             self.next_seq = max(self.next_seq, c.seq + 1)
@@ -557,6 +563,15 @@ class PartitionJoin:
         # Everything the stored watermark already expired was emitted before the state was written.
         self._expire(BatchResult())
         return self
+
+    def start_over(self, kind: int, topic_id: str) -> None:
+        """Read input ``kind`` (0 impressions, 1 clicks) from its first record: its topic is ``topic_id`` now, not the
+        one the restored offset is of (made again under its name). Only the offset goes: the pending impressions,
+        waiting clicks and event times are keyed by impression id and event time, not by the old topic's offsets, so
+        a click of the new clicks topic still joins its impression of the old impressions topic (dropping them lost
+        their samples, in silence: a new impressions topic does not hold them again)."""
+        self.offsets[kind] = _NO_OFFSET
+        self.topic_ids[kind] = topic_id
 
     def continue_at(self, seq: int) -> None:
         """Number this partition's next chunk ``seq`` (past every one in the log): a new owner's chunks start past

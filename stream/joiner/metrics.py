@@ -36,6 +36,10 @@ ASSIGN_RETRIES = PCounter("streamrec_join_assign_retries_total", "Times the kafk
                           "layout or the start positions (the group's committed offsets) of partitions assigned to it "
                           "and asked again: the broker unreachable or slow during a rebalance.")
 
+TOPIC_CHANGED = PCounter("streamrec_join_topic_changed_total", "Partitions restored whose state log's offsets were of "
+                         "another input topic of that name (another topic id: deleted and created again, another "
+                         "cluster): that input read from its first record, by input.", ["input"])
+
 
 def held(counts: dict[str, int]) -> None:
     """The held records per input (absent: none)."""

@@ -116,6 +116,7 @@ from stream.kafka import (
     new_consumer,
     raise_limit,
     refused_as_too_large,
+    topic_identity,
     usable_bytes,
 )
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -497,6 +498,9 @@ class JoinPipeline:
         t0 = time.monotonic()
         empty: list[int] = []
         restored: dict[int, PartitionJoin] = {}
+        # which input topics the restored offsets must be of (_follow_topics): asked once per restore, as few as they
+        now = [topic_identity(self.kafka, t).get("topic_id") for t in (self.kafka.impressions_topic,
+                                                                       self.kafka.clicks_topic)]
         for partition, plog in load_chunks(self.kafka, self.state_topic, missing).items():
             chunks, parts, incomplete = plog.chunks, plog.parts, plog.incomplete
             start = (reloaded or {}).get(partition)
@@ -513,6 +517,7 @@ class JoinPipeline:
                 for part in numbers:
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
+            self._follow_topics(eng, now)
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
             # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
             if start is None:
@@ -530,6 +535,25 @@ class JoinPipeline:
         if empty and say_lost:
             self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0
+
+    def _follow_topics(self, eng: PartitionJoin, now: list[str | None]) -> None:
+        """Each input of ``eng`` read from its first record where its restored offsets are of another topic than the
+        one of that name ``now`` (ids as ``stream.kafka.topic_identity`` gives them): deleted and created again since
+        (or another cluster), its records up to the old offset were skipped as redelivered, in silence. Said as an
+        ERROR naming both ids and counted; a chunk without an id (written before) or a broker that gives none keeps
+        the offsets. The ids now are what the partition's next chunks record."""
+        for kind, (was, new) in enumerate(zip(eng.topic_ids, now, strict=True)):
+            if was and new and was != new:
+                topic = (self.kafka.impressions_topic, self.kafka.clicks_topic)[kind]
+                log.error("partition %d: the state log %s holds offsets (up to %d) of %s topic %r with topic id %s, "
+                          "and %r now has topic id %s: it was deleted and created again (or this is another cluster). "
+                          "Reading it from its first record; the join state (pending impressions, waiting clicks) is "
+                          "kept, keyed by impression id", eng.partition, self.state_topic, eng.offsets[kind],
+                          (IMPRESSIONS, CLICKS)[kind], topic, was, topic, new)
+                m.TOPIC_CHANGED.labels((IMPRESSIONS, CLICKS)[kind]).inc()
+                eng.start_over(kind, new)
+            elif new:
+                eng.topic_ids[kind] = new
 
     def _committed(self, partitions: list[int]) -> dict[tuple[str, int], int]:
         """The group's committed offsets of both inputs of ``partitions`` (none where it has none); empty when the

@@ -44,6 +44,8 @@ The record goes to the same partition number as the input partition it describes
 after the batch's samples are acknowledged and before the batch's input offsets are acknowledged
 to faust: committed offsets never run ahead of durable state. Events between the committed offset
 and the chunk's offsets are skipped on redelivery (the chunk stores the last applied offsets).
+Those offsets are of the input topics the chunk names by topic id (``topic_ids``, where the broker gives ids): a
+restore onto a topic of that name made again reads it from its first record (``pipeline.JoinPipeline._follow_topics``).
 
 This replaces a faust Table keyed by impression id: faust sends one changelog record per Table
 write (25-35% of the join time here) and routes it by the *current* event, which batches of
@@ -149,6 +151,8 @@ def _encode(c: StateChunk, items: range, bounds: list[int]) -> bytes:
         "unwaited": share(3, c.unwaited),
         "topic_max": c.topic_max,
         "topic_top": c.topic_top,
+        # Only where the broker gave an id: without one the chunk is as before, and a joiner rolled back reads it
+        **({"topic_ids": c.topic_ids} if any(c.topic_ids) else {}),
     })
     # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply_all), and under
     # fake_negative every added impression has had one attached already (on ML-1M, 400 of each row's ~560 bytes).
@@ -238,10 +242,13 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # name -> (what it mu
                   lambda v: _pair(v, lambda t: t is None or _event_ts(t))),
     "topic_top": (f"[impressions, clicks] lists of times in [0, {MAX_TS_MS}]",
                   lambda v: _pair(v, lambda t: type(t) is list and all(map(_event_ts, t)))),
+    "topic_ids": ("[impressions, clicks] topic ids (strings) or null",
+                  lambda v: _pair(v, lambda t: t is None or type(t) is str)),
     "parts": ("a count of at least 1", lambda v: type(v) is int and v >= 1),
     "write": ("a string", lambda v: type(v) is str),
 }
-_OPTIONAL = {"joined", "waiting", "unwaited", "evicted", "topic_max", "topic_top", "parts", "write"}  # (older writers)
+_OPTIONAL = {"joined", "waiting", "unwaited", "evicted", "topic_max", "topic_top", "topic_ids", "parts",  # (older
+             "write"}  # writers; and topic_ids where the broker gives no id)
 
 
 def _check(header: dict[str, Any], seq: int) -> None:
@@ -306,7 +313,8 @@ def _chunk(parts: list[tuple[dict[str, Any], bytes]]) -> StateChunk:
                       list(map(tuple, joined_lists("waiting"))), max_ts, tuple(head["offsets"]),
                       head["max_ref_ts"], list(joined_lists("evicted")), list(map(tuple, joined_lists("unwaited"))),
                       tuple(head.get("topic_max", (None, None))),
-                      tuple(list(map(int, t)) for t in head.get("topic_top", ([], []))))  # type: ignore[arg-type]
+                      tuple(list(map(int, t)) for t in head.get("topic_top", ([], []))),  # type: ignore[arg-type]
+                      tuple(head.get("topic_ids", (None, None))))  # type: ignore[arg-type]
 
 
 def decode_chunk(raws: list[bytes]) -> StateChunk:

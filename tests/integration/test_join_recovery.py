@@ -28,10 +28,10 @@ from stream.errors import ConfigError, PartitionLost
 from stream.features import hash_value
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_key, encode_chunk, state_topic
-from stream.kafka import AckedProducer, admin_config, consumer_config
+from stream.kafka import AckedProducer, admin_config, consumer_config, ensure_topics, topic_identity
 from stream.strikes import STRIKES_TTL_S
 from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
-from tests.kafka_io import read_topic
+from tests.kafka_io import make_again, read_topic
 
 
 class Stopped(BaseException):
@@ -635,3 +635,45 @@ def test_a_samples_topic_created_again_with_fewer_partitions_while_the_joiner_ru
         assert w.recoveries == 0 and w.consumer.commits == [] and p.strikes.counts == {}
     finally:
         w.consumer.close()
+
+def test_an_impressions_topic_made_again_and_written_past_the_state_logs_offsets_is_joined_from_its_first_record(
+        kafka: KafkaSettings, make, caplog: pytest.LogCaptureFixture) -> None:
+    """The state log kept the impressions' applied offset (4) of partition 0, not which topic it was of: the topic
+    deleted, made again and written to offset 7, a restart skipped the new topic's records 0-4 as redelivered, in
+    silence. Now the chunk records the topic id, and a restore onto another id reads that input from its first record,
+    said as an ERROR naming both ids and counted; the pending impressions of the old topic are kept."""
+    from prometheus_client import REGISTRY
+
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
+
+    def write(ids: list[str]) -> list[Any]:
+        producer = AckedProducer(kafka)
+        for i, imp_id in enumerate(ids):
+            producer.send(kafka.impressions_topic, imp(kafka, 0, i, imp_id, T0 + i).value, imp_id.encode(), partition=0)
+        producer.flush()
+        held = [r for r in read_topic(kafka, kafka.impressions_topic) if r.partition == 0]
+        return [imp(kafka, 0, r.offset, r.key.decode(), T0 + r.offset) for r in held]  # what a driver passes
+
+    first = make()
+    first.process(write([f"old-{i}" for i in range(5)]))
+    old_id = topic_identity(kafka, kafka.impressions_topic)["topic_id"]
+    assert first.engines[0].offsets[0] == 4
+    make_again(kafka, kafka.impressions_topic, partitions=2)
+    new = [f"new-{i}" for i in range(8)]
+    records = write(new)
+    new_id = topic_identity(kafka, kafka.impressions_topic)["topic_id"]
+    changed = ("streamrec_join_topic_changed_total", {"input": "impressions"})
+    before = REGISTRY.get_sample_value(*changed) or 0.0
+    again = make()
+    again.process(records)
+    eng = again.engines[0]
+    assert set(eng.pending) == {f"old-{i}" for i in range(5)} | set(new)  # every new one joined, the old ones kept
+    assert eng.offsets[0] == 7 and eng.topic_ids[0] == new_id
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and new_id in r.getMessage()]
+    assert len(said) == 1 and old_id in said[0] and old_id != new_id
+    assert REGISTRY.get_sample_value(*changed) == before + 1
+    # the chunk written since records the new id: a restart resumes at offset 7 of it, without a word
+    caplog.clear()
+    third = make()
+    third.restore({0})
+    assert third.engines[0].offsets[0] == 7 and not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -93,6 +93,16 @@ def test_a_chunk_written_before_parts_were_counted_still_decodes() -> None:
     assert [p.impression_id for p in back.added] == [p.impression_id for p in chunk.added]
 
 
+def test_a_chunk_keeps_its_input_topics_ids_and_without_ids_is_written_as_before() -> None:
+    """The ids tell a restore which topics the offsets are of (pipeline._follow_topics); a broker that gives none
+    writes the chunk without the field, so a joiner from before it (which refuses a field it does not know) reads it."""
+    chunk = StateChunk(3, [pending(1, [])], [], [], 1_700_000_000_000, (5, 7), 1_700_000_000_001)
+    with_ids = dataclasses.replace(chunk, topic_ids=("imp-id", None))
+    assert decode_chunk(encode_chunk(with_ids)).topic_ids == ("imp-id", None)
+    header = state_log._split(encode_chunk(chunk)[0])[0]
+    assert "topic_ids" not in header and decode_chunk(encode_chunk(chunk)).topic_ids == (None, None)
+
+
 def test_a_chunk_whose_parts_are_not_all_there_is_left_out() -> None:
     parts = [_split(raw) for raw in encode_chunk(big_chunk(), max_bytes=100_000)]
     n = len(parts)
@@ -171,6 +181,8 @@ def test_a_well_formed_header_loads_as_written(monkeypatch: pytest.MonkeyPatch) 
     ("parts", 0),
     ("parts", "1"),
     ("write", 5),
+    ("topic_ids", ["a"]),
+    ("topic_ids", [5, None]),
 ])
 def test_a_header_field_of_the_wrong_shape_is_refused_naming_the_record(
         monkeypatch: pytest.MonkeyPatch, field: str, value: object) -> None:
