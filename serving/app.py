@@ -58,6 +58,7 @@ from serving.swap import LiveModel, ModelHolder
 from stream.errors import clip
 from stream.features import hash_value
 from stream.history import UserHistory
+from stream.limits import DEFAULT_LIMITS, EventLimits
 
 log = logging.getLogger("streamrec.serve")
 NONFINITE_LOG_EVERY_S = 10.0  # a model scoring NaN fails every request: one log line per this many seconds
@@ -82,8 +83,9 @@ def _error(status: int, message: str) -> Response:
 class ScoringApp:
     def __init__(self, settings: ServeSettings, holder: ModelHolder, metrics: ServingMetrics,
                  history: UserHistory | None, history_len: int = 50, version: str = "0",
-                 lookups: LookupCounts | None = None) -> None:
+                 lookups: LookupCounts | None = None, limits: EventLimits = DEFAULT_LIMITS) -> None:
         self.s, self.holder, self.metrics, self.history = settings, holder, metrics, history
+        self.limits = limits  # [limits]: the joiner's bounds on ids and context, so what it trained on is scored
         # Per-id row lookups, counted for the nightly hot set (serving/lookup_counts.py); None: not counted.
         self._observe = lookups.add if lookups is not None else None
         self.history_len = history_len
@@ -215,8 +217,8 @@ class ScoringApp:
         names = (encoder.context_names, encoder.dense_names) if encoder is not None else (None, None)
         # the standard library's encoder: the dense bounds are integers past int64 (stream.limits.DENSE_MAX_LITERAL),
         # which orjson refuses ("Integer exceeds 64-bit range": the document was a 500)
-        doc = json.dumps(openapi(self.s.max_candidates, self.s.max_batch, self._version, *names),
-                         separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        doc = json.dumps(openapi(self.s.max_candidates, self.s.max_batch, self._version, names[0], names[1],
+                                 self.limits), separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
         self._openapi = (encoder, doc)
         return doc
 
@@ -298,7 +300,7 @@ class ScoringApp:
         return RequestError(503, f"{what}; this server cannot answer until a sound model is published: retry later")
 
     def _score(self, body: bytes) -> Response:
-        req = read_request(body, self.s.max_candidates)
+        req = read_request(body, self.s.max_candidates, self.limits)
         live = self._live()  # read once: this request finishes on this model whatever swaps meanwhile
         # The history read goes out now and is collected when the encoder reaches it, last (serving/history.py):
         # Redis answers while the candidates are encoded. Collected in every case, so no answer stays unread on a
@@ -310,7 +312,7 @@ class ScoringApp:
             collect()
 
     def _score_batch(self, body: bytes) -> Response:
-        reqs = read_batch(body, self.s.max_candidates, self.s.max_batch)
+        reqs = read_batch(body, self.s.max_candidates, self.s.max_batch, self.limits)
         live = self._live()
         collect = self.history_reader.start([hash_value(r.user_id) for r in reqs])  # one read for all, as _score
         try:

@@ -29,8 +29,6 @@ import orjson
 
 from stream.errors import BadMessage, StreamrecError, ValidationError
 from stream.events import (
-    MAX_LIST_LEN,
-    MAX_STR_ID_LEN,
     ContextValue,
     Id,
     all_ids,
@@ -41,7 +39,7 @@ from stream.events import (
     exactly,
     reject_duplicate_keys,
 )
-from stream.limits import DEFAULT_LIMITS, DENSE_MAX_LITERAL
+from stream.limits import DEFAULT_LIMITS, DENSE_MAX_LITERAL, EventLimits
 
 _REQUEST_FIELDS = frozenset({"user_id", "items", "context", "dense"})
 _ITEM_FIELDS = frozenset({"item_id", "context", "dense"})
@@ -88,7 +86,7 @@ def _unknown(field: str, obj: dict[str, Any], allowed: frozenset[str]) -> None:
         raise RequestError(422, f"unknown field {where!r}; allowed: {', '.join(sorted(allowed))}")
 
 
-def _items(where: str, items_raw: list[Any], exact: bool = True) -> tuple[
+def _items(where: str, items_raw: list[Any], exact: bool = True, limits: EventLimits = DEFAULT_LIMITS) -> tuple[
         list[Id], list[dict[str, ContextValue]] | None, list[dict[str, float]] | None]:
     """The candidates one by one: ids, and the per-item context and dense overrides (None where no item has any)."""
     items: list[Id] = []
@@ -97,37 +95,40 @@ def _items(where: str, items_raw: list[Any], exact: bool = True) -> tuple[
     for i, it in enumerate(items_raw):
         t = type(it)
         if t is str or t is int:
-            items.append(check_id(f"{where}items[{i}]", it))
+            items.append(check_id(f"{where}items[{i}]", it, limits))
             continue
         if t is not dict:
             raise ValidationError(f"{where}items[{i}]", it, "an item id or an object {item_id, context, dense}")
         _unknown(f"{where}items[{i}]", it, _ITEM_FIELDS)
         if "item_id" not in it:
             raise RequestError(422, f"field {f'{where}items[{i}].item_id'!r} is required")
-        items.append(check_id(f"{where}items[{i}].item_id", it["item_id"]))
+        items.append(check_id(f"{where}items[{i}].item_id", it["item_id"], limits))
         if "context" in it:
             if item_context is None:
                 item_context = [{} for _ in items_raw]
-            item_context[i] = check_context(it["context"], f"{where}items[{i}].context", exact=exact)
+            item_context[i] = check_context(it["context"], f"{where}items[{i}].context", limits, exact)
         if "dense" in it:
             if item_dense is None:
                 item_dense = [{} for _ in items_raw]
-            item_dense[i] = check_dense(it["dense"], f"{where}items[{i}].dense", exact=exact)
+            item_dense[i] = check_dense(it["dense"], f"{where}items[{i}].dense", limits, exact)
     return items, item_context, item_dense
 
 
-def parse_request(obj: Any, max_candidates: int, where: str = "") -> ScoreRequest:
+def parse_request(obj: Any, max_candidates: int, where: str = "",
+                  limits: EventLimits = DEFAULT_LIMITS) -> ScoreRequest:
     """A decoded JSON value (integers exact: a Python value, ``json.loads``'s) -> :class:`ScoreRequest`, or
     :class:`RequestError` (422). A body: :func:`read_request`."""
-    return _refused(_request, obj, True, max_candidates, where)
+    return _refused(_request, obj, True, max_candidates, where, limits)
 
 
-def read_request(body: bytes, max_candidates: int) -> ScoreRequest:
-    """``POST /v1/score``'s body -> :class:`ScoreRequest`, integers read as written; :class:`RequestError`."""
-    return _refused(exactly, body, decode_json(body), _request, max_candidates, "")
+def read_request(body: bytes, max_candidates: int, limits: EventLimits = DEFAULT_LIMITS) -> ScoreRequest:
+    """``POST /v1/score``'s body -> :class:`ScoreRequest`, integers read as written; :class:`RequestError`. ``limits``:
+    the ``[limits]`` the joiner decodes events with, so an id or context value it trained on is one serving takes."""
+    return _refused(exactly, body, decode_json(body), _request, max_candidates, "", limits)
 
 
-def _request(obj: Any, exact: bool, max_candidates: int, where: str) -> ScoreRequest:
+def _request(obj: Any, exact: bool, max_candidates: int, where: str,
+             limits: EventLimits = DEFAULT_LIMITS) -> ScoreRequest:
     if type(obj) is not dict:
         raise RequestError(422, f"{where.rstrip('.') or 'body'}: expected a JSON object {{user_id, items, context}}, "
                            f"got {type(obj).__name__}")
@@ -135,7 +136,7 @@ def _request(obj: Any, exact: bool, max_candidates: int, where: str) -> ScoreReq
     for name in ("user_id", "items"):
         if name not in obj:
             raise RequestError(422, f"field {where + name!r} is required")
-    user = check_id(where + "user_id", obj["user_id"])
+    user = check_id(where + "user_id", obj["user_id"], limits)
     items_raw = obj["items"]
     if type(items_raw) is not list:
         raise ValidationError(where + "items", items_raw, "a list of item ids or {item_id, context, dense} objects")
@@ -144,12 +145,12 @@ def _request(obj: Any, exact: bool, max_candidates: int, where: str) -> ScoreReq
     if len(items_raw) > max_candidates:
         raise RequestError(422, f"field {where + 'items'!r}: {len(items_raw)} candidates, at most {max_candidates} "
                            "per request (split them, or raise [serve] max_candidates)")
-    if all_ids(items_raw):  # bare ids only, each valid as it is (the common request): no call per candidate
+    if all_ids(items_raw, limits):  # bare ids only, each valid as it is (the common request): no call per candidate
         items, item_context, item_dense = list(items_raw), None, None
     else:
-        items, item_context, item_dense = _items(where, items_raw, exact)
-    return ScoreRequest(user, items, check_context(obj.get("context"), where + "context", exact=exact),
-                        check_dense(obj.get("dense"), where + "dense", exact=exact), item_context, item_dense, where)
+        items, item_context, item_dense = _items(where, items_raw, exact, limits)
+    return ScoreRequest(user, items, check_context(obj.get("context"), where + "context", limits, exact),
+                        check_dense(obj.get("dense"), where + "dense", limits, exact), item_context, item_dense, where)
 
 
 def decode_json(body: bytes) -> Any:
@@ -171,12 +172,13 @@ def decode_json(body: bytes) -> Any:
     return obj
 
 
-def read_batch(body: bytes, max_candidates: int, max_batch: int) -> list[ScoreRequest]:
+def read_batch(body: bytes, max_candidates: int, max_batch: int,
+               limits: EventLimits = DEFAULT_LIMITS) -> list[ScoreRequest]:
     """``POST /v1/score:batch``'s body, as :func:`read_request` reads one request's."""
-    return _refused(exactly, body, decode_json(body), _batch, max_candidates, max_batch)
+    return _refused(exactly, body, decode_json(body), _batch, max_candidates, max_batch, limits)
 
 
-def _batch(obj: Any, exact: bool, max_candidates: int, max_batch: int) -> list[ScoreRequest]:
+def _batch(obj: Any, exact: bool, max_candidates: int, max_batch: int, limits: EventLimits) -> list[ScoreRequest]:
     if type(obj) is not dict:
         raise RequestError(422, f"body: expected a JSON object {{requests: [...]}}, got {type(obj).__name__}")
     _unknown("", obj, frozenset({"requests"}))
@@ -185,25 +187,29 @@ def _batch(obj: Any, exact: bool, max_candidates: int, max_batch: int) -> list[S
         raise ValidationError("requests", reqs, "a non-empty list of score requests")
     if len(reqs) > max_batch:
         raise RequestError(422, f"field 'requests': {len(reqs)} requests, at most {max_batch} per batch call")
-    return [_request(r, exact, max_candidates, f"requests[{i}].") for i, r in enumerate(reqs)]
+    return [_request(r, exact, max_candidates, f"requests[{i}].", limits) for i, r in enumerate(reqs)]
 
 
 # -- OpenAPI ---------------------------------------------------------------------------------------
-def _id_schema(description: str) -> dict[str, Any]:
+def _id_schema(description: str, limits: EventLimits) -> dict[str, Any]:
     return {"description": description, "oneOf": [
         {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-        {"type": "string", "minLength": 1, "maxLength": MAX_STR_ID_LEN}]}
+        {"type": "string", "minLength": 1, "maxLength": limits.max_str_len}]}
 
 
-_LIMITS = DEFAULT_LIMITS
 _INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
-_STR = {"type": "string", "maxLength": _LIMITS.max_str_len}
 # anyOf, not oneOf: an integer is a number too, and oneOf would then forbid it. An integer literal must fit int64
 # whatever its size (read as written, stream/events.py), any finite float literal is a value: the `not` says so
 # (OpenAPI 3.0's JSON Schema: an integer is a number written without a fraction or an exponent).
 _NUMBER = {"type": "number", "not": {"type": "integer"}}
-_CONTEXT_VALUE = {"anyOf": [_STR, _INT64, _NUMBER, {"type": "boolean"},
-                            {"type": "array", "maxItems": MAX_LIST_LEN, "items": {"anyOf": [_STR, _INT64]}}]}
+
+
+def _context_value(limits: EventLimits) -> dict[str, Any]:
+    text = {"type": "string", "maxLength": limits.max_str_len}
+    return {"anyOf": [text, _INT64, _NUMBER, {"type": "boolean"},
+                      {"type": "array", "maxItems": limits.max_list_len, "items": {"anyOf": [text, _INT64]}}]}
+
+
 _DENSE_VALUE = {"type": "number", "minimum": -DENSE_MAX_LITERAL, "maximum": DENSE_MAX_LITERAL}
 
 
@@ -222,25 +228,25 @@ def _features(kind: str, value: dict[str, Any], names: Any, max_keys: int, descr
     return out
 
 
-def _context_schema(names: Any) -> dict[str, Any]:
-    return _features("context", _CONTEXT_VALUE, names, _LIMITS.max_context_keys,
+def _context_schema(names: Any, limits: EventLimits) -> dict[str, Any]:
+    return _features("context", _context_value(limits), names, limits.max_context_keys,
                      "categorical features: name -> string, integer, float, boolean, or a list of strings/integers "
                      "(multi-valued, e.g. genres); hashed as in impression events; null or absent: none")
 
 
-def _dense_schema(names: Any) -> dict[str, Any]:
-    return _features("dense", _DENSE_VALUE, names, _LIMITS.max_dense_keys,
+def _dense_schema(names: Any, limits: EventLimits) -> dict[str, Any]:
+    return _features("dense", _DENSE_VALUE, names, limits.max_dense_keys,
                      "dense features: name -> number, |x| < 2**64 (absent ones are 0); null or absent: none")
 
 
 def openapi(max_candidates: int, max_batch: int, version: str, context_names: Any = None,
-            dense_names: Any = None) -> dict[str, Any]:
-    """The OpenAPI 3.0 document served at ``GET /openapi.json``.
+            dense_names: Any = None, limits: EventLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """The OpenAPI 3.0 document served at ``GET /openapi.json``, with the ``limits`` requests are checked against.
 
     With the live model's feature names (``context_names``, ``dense_names``) the request schema lists
     exactly those (any other name is a 422), so every request valid under the document is scored; without
     a model any name is allowed by the document."""
-    ctx, dense = _context_schema(context_names), _dense_schema(dense_names)
+    ctx, dense = _context_schema(context_names, limits), _dense_schema(dense_names, limits)
     error = {"description": "the request was refused; `error` says which field, what it held and what was expected",
              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     unavailable = {"description": "no model is loaded yet (no artifact published under the publish root), the "
@@ -282,13 +288,13 @@ def openapi(max_candidates: int, max_batch: int, version: str, context_names: An
             "ScoreRequest": {"type": "object", "additionalProperties": False, "required": ["user_id", "items"],
                              "properties": {
                                  "user_id": _id_schema("the user, as in impression events; unseen users fall back "
-                                                       "to their hash bucket"),
+                                                       "to their hash bucket", limits),
                                  "items": {"type": "array", "minItems": 1, "maxItems": max_candidates,
                                            "items": {"oneOf": [
-                                               _id_schema("a candidate item id"),
+                                               _id_schema("a candidate item id", limits),
                                                {"type": "object", "additionalProperties": False,
                                                 "required": ["item_id"],
-                                                "properties": {"item_id": _id_schema("a candidate item id"),
+                                                "properties": {"item_id": _id_schema("a candidate item id", limits),
                                                                "context": ctx, "dense": dense}}]}},
                                  "context": ctx, "dense": dense}},
             "ScoreResponse": {"type": "object", "properties": {

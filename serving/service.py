@@ -29,6 +29,7 @@ from stream.config import RedisSettings
 from stream.counts import DailyCounts
 from stream.errors import ConfigError
 from stream.history import UserHistory
+from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import RedisAuthError, connect, eviction_advice, latency_advice, verify
 
 log = logging.getLogger("streamrec.serve")
@@ -62,7 +63,8 @@ def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | No
 
 
 class ScoringService:
-    def __init__(self, settings: ServeSettings, redis_settings: RedisSettings | None, version: str = "0") -> None:
+    def __init__(self, settings: ServeSettings, redis_settings: RedisSettings | None, version: str = "0",
+                 limits: EventLimits = DEFAULT_LIMITS) -> None:
         self.s = settings
         self.device = resolve_device(settings.device)
         self.holder = ModelHolder()
@@ -105,7 +107,7 @@ class ScoringService:
                                         flush_timeout_s=settings.lookup_counts_timeout_s)
         self.app = ScoringApp(settings, self.holder, self.metrics, history,
                               history_len=redis_settings.history_len if redis_settings else 50, version=version,
-                              lookups=self.lookups)
+                              lookups=self.lookups, limits=limits)
         self.server: Server | None = None
 
     @property

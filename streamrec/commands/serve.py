@@ -86,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from serving.service import ScoringService
+    from stream.limits import EventLimits
     from streamrec.commands.common import EXIT_OK, sources
 
     src = sources(args)
@@ -107,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pkg_version = version("streamrec")
     except PackageNotFoundError:
         pkg_version = "0"
-    svc = ScoringService(ss, rs, version=pkg_version).start()
+    svc = ScoringService(ss, rs, version=pkg_version, limits=src.build(EventLimits, "limits")).start()
     try:
         m = svc.holder.model()
         print(f"serving on {svc.url} (model {m.version if m else 'none yet'} from {ss.publish_root}, "

@@ -27,6 +27,7 @@ from serving.settings import ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
 from stream.features import hash_value
 from stream.history import UserHistory
+from stream.limits import DEFAULT_LIMITS, EventLimits
 from streamrec.stack import free_port
 from tests.integration.test_serving import REQUEST, TOL, TinyLearner, publish_version
 from tests.integration.test_serving_faults import eager
@@ -49,13 +50,14 @@ class FakeHistory:
 
 
 def make_app(root: Path, history: Any = None, history_len: int = 50, lookups: LookupCounts | None = None,
-             deltas: Path | None = None, **settings: Any) -> ScoringApp:
+             deltas: Path | None = None, limits: EventLimits = DEFAULT_LIMITS, **settings: Any) -> ScoringApp:
     ss = ServeSettings(port=0, publish_root=root, device="cpu", max_candidates=MAX_CANDIDATES, max_batch=MAX_BATCH,
                        max_body_bytes=MAX_BODY, **settings)
     holder = ModelHolder()
     metrics = ServingMetrics(holder.model)
     ModelUpdater(holder, metrics, root, deltas, device="cpu").check_now()  # what ScoringService.start does first
-    return ScoringApp(ss, holder, metrics, history, history_len=history_len, version="9.9.9", lookups=lookups)
+    return ScoringApp(ss, holder, metrics, history, history_len=history_len, version="9.9.9", lookups=lookups,
+                      limits=limits)
 
 
 def call(app: ScoringApp, method: str, path: str, body: Any = b"") -> tuple[int, str, Any]:
@@ -173,6 +175,17 @@ def test_openapi_without_a_model_allows_any_feature_name(tmp_path: Path) -> None
     assert ctx.get("additionalProperties", True) is not False
 
 
+def test_openapi_states_the_limits_requests_are_checked_against(tmp_path: Path) -> None:
+    """The document said the built-in 256 characters and 1024 list entries whatever [limits] the server checked."""
+    limits = EventLimits(max_str_len=512, max_list_len=2048, max_context_keys=80)
+    request = json.loads(make_app(tmp_path, limits=limits).openapi_document())["components"]["schemas"]["ScoreRequest"]
+    user, ctx = request["properties"]["user_id"], request["properties"]["context"]
+    assert [s.get("maxLength") for s in user["oneOf"]] == [None, 512]
+    assert ctx["maxProperties"] == 80
+    text, *_, lists = ctx["additionalProperties"]["anyOf"]
+    assert (text["maxLength"], lists["maxItems"]) == (512, 2048)
+
+
 def test_scores_equal_the_learners_eager_model_with_the_users_history(published: Path, learner: TinyLearner) -> None:
     clicks = [hash_value(i) for i in (5, 6, 7)]
     history = FakeHistory({hash_value(REQUEST["user_id"]): clicks})
@@ -216,6 +229,20 @@ def test_a_malformed_request_is_a_json_4xx_naming_what_to_fix(published: Path, b
     app = make_app(published)
     got, ctype, out = call(app, "POST", "/v1/score", body)
     assert (got, ctype) == (status, JSON) and set(out) == {"error"} and words in out["error"], out
+
+
+def test_ids_as_long_as_the_configured_limits_allow_are_scored_not_refused(published: Path) -> None:
+    """[limits] max_str_len raised for the joiner (ids of 300 characters trained on) holds for serving too: it refused
+    every request of such a user or item with a 422, whatever the learner had learned for them."""
+    long_user, long_item = "u" * 300, "i" * 300
+    single = {"user_id": long_user, "items": [long_item, {"item_id": long_item}]}
+    default = make_app(published)
+    assert call(default, "POST", "/v1/score", single)[0] == 422  # past the default 256 characters
+    app = make_app(published, limits=EventLimits(max_str_len=512))
+    status, _, out = call(app, "POST", "/v1/score", single)
+    assert status == 200 and len(out["scores"]) == 2, out
+    status, _, out = call(app, "POST", "/v1/score:batch", {"requests": [single, SIMPLE]})
+    assert status == 200 and [len(r["scores"]) for r in out["results"]] == [2, 3], out
 
 
 def test_a_bug_while_scoring_costs_that_request_a_500_not_the_app(published: Path,

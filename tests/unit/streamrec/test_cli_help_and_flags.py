@@ -3,7 +3,10 @@ config file (``--reuse-port`` was store_true only), and every command's ``--conf
 
 from __future__ import annotations
 
+import signal
 from dataclasses import fields
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,3 +121,26 @@ def test_a_subcommands_flag_given_before_the_subcommand_is_the_top_parsers_error
     err = capsys.readouterr().err
     assert err.startswith("usage: streamrec [-h] COMMAND")
     assert err.splitlines()[-1] == "streamrec: error: unrecognized arguments: --json"
+
+
+class _Built(Exception):
+    """Raised by the stand-in service: ``streamrec serve`` got as far as building it."""
+
+
+def test_serve_checks_requests_against_the_limits_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scoring service gets ``[limits]`` (the joiner's bounds on ids and context), not the built-in defaults."""
+    import serving.service
+
+    got: dict[str, Any] = {}
+
+    def service(*args: Any, **kwargs: Any) -> None:
+        got.update(kwargs)
+        raise _Built
+
+    monkeypatch.setattr(serving.service, "ScoringService", service)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's SIGTERM/SIGINT handlers stay out of the session
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STREAMREC_LIMITS_MAX_STR_LEN", "512")
+    with pytest.raises(_Built):
+        main(["serve", "--no-redis", "--publish-root", str(tmp_path)])
+    assert got["limits"].max_str_len == 512
