@@ -37,6 +37,17 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   connection whose unread answers stay past asyncio's high-water mark for it is aborted.
   ``keepalive_timeout_s``: a connection that has served a request and is idle (no request started) is closed
   after it. Empty lines before a request line (RFC 9112 2.2) are skipped as idle time.
+* ``linger_s``, ``linger_bytes`` (lingering close, RFC 9112 9.6): an answer that closes the connection with its
+  request's rest maybe unread (a ``413``, ``415``, ``400``, ``431``, ``501`` or ``505`` from the headers, a ``503``
+  refused from them, a bad chunk) is followed by a half-close (``SHUT_WR``), then what the client still sends is read
+  and dropped until its EOF, ``linger_bytes`` (8 MiB) or ``linger_s`` (2 s), then the socket closed
+  (:func:`_linger`, ``_Protocol.linger``). Closed at once, a socket with input unread makes the kernel send a reset,
+  and a client still sending its body (``http.client``, ``requests``) got ``BrokenPipe`` or "connection reset", never
+  the answer that said why. A lingering connection holds one of ``max_connections`` (and, threading, its thread);
+  ``stop()`` closes it as idle. No linger where the request was read whole (``Connection: close``), after a ``408``
+  (a client too slow for its deadline gets no more time), for a connection over ``max_connections`` (its ``503`` is
+  written and closed at once: lingering would take the slot it was refused), and on aiohttp after llhttp's own
+  errors and the ``505`` (aiohttp closes those at once: a client still sending a body there may be reset).
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
   ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
   chunked sizes hexadecimal (leading zeros allowed too), every line of a chunked body ending in CRLF (its size
@@ -509,11 +520,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile = self._buffered
         self._expect_100 = False
         self._served = False  # a request began on this connection: its idle wait is keepalive_timeout_s from now on
+        self._unread = False  # the request being answered may have input left unread (its body): linger if closing
 
     def handle_one_request(self) -> None:
         s = self.app.s
         self.close_connection = True
         self.command, self.requestline, self.request_version, self._expect_100 = "", "", "HTTP/1.1", False
+        self._unread = False
         if self.server.draining:
             return
         # idle: wait for the next request; a new connection's first within request_timeout_s (an idle socket must not
@@ -529,10 +542,12 @@ class _Handler(BaseHTTPRequestHandler):
         # False: it began after stop() did (answered 503 "shutting down" once its head is in)
         self._before_stop = self.server.mark(self.connection, busy=True)
         self._served = True
+        self._unread = True  # until its body is read
         self._reader.deadline = time.monotonic() + s.request_timeout_s  # its headers and body, from its first byte
         try:
             self._one_request()
         except _Deadline:
+            self._unread = False  # a client too slow for its deadline gets no more time to send (no linger)
             try:
                 self._send(408, "application/json", _error_body(_late(s.request_timeout_s)), close=True)
             except OSError:
@@ -583,6 +598,7 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadFraming as exc:
             self._send(exc.status, "application/json", _error_body(exc.message), close=True)
             return
+        self._unread = False
         # a slot of max_in_flight from the body's end until the answer is ready, released before it is written: a
         # client that has its answer and sends the next request at once found its own answered request's slot still
         # held (a 503 under load); what an answer being written holds is bounded by max_connections
@@ -771,8 +787,49 @@ class _Handler(BaseHTTPRequestHandler):
             if self.rfile.read(2) != b"\r\n":  # (a bare LF was taken)
                 raise _BadFraming(400, "chunk data not followed by CRLF")
 
+    def finish(self) -> None:
+        """After the last answer: a connection closed with its request's rest maybe unread lingers (:func:`_linger`)
+        on this thread, so a lingering client holds one of ``max_connections`` (and ``stop()`` shuts it as idle)."""
+        super().finish()
+        if self._unread and self.close_connection:
+            s = self.app.s
+            log.debug("lingering close ended: %s", _linger(self.connection, s.linger_s, s.linger_bytes))
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - access logs off (use /metrics)
         pass
+
+
+def _linger(sock: socket.socket, seconds: float, budget: int) -> str:
+    """Lingering close (RFC 9112 9.6) of a connection whose answer is sent but whose request may be partly unread (a
+    413 from its headers, the body still arriving): closing a socket with unread input makes the kernel send a reset,
+    and a client still sending its body (``http.client``, ``requests``) got ``BrokenPipe`` or "connection reset"
+    instead of the answer that said why. So: half-close (the answer, then our FIN), read and drop what the client
+    still sends until its EOF, ``budget`` bytes or ``seconds`` (nginx's ``lingering_time``, Apache's 2 s), whichever
+    comes first; past the bound the close resets a client that is still sending. Why it ended: ``"eof"``,
+    ``"bytes"``, ``"time"`` or ``"error"`` (``stop()`` shuts the socket: an EOF)."""
+    if budget <= 0:
+        return "bytes"
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        return "error"
+    deadline = time.monotonic() + seconds
+    buf = bytearray(65536)
+    while budget > 0:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "time"
+        try:
+            sock.settimeout(left)
+            n = sock.recv_into(buf, min(len(buf), budget))
+        except TimeoutError:
+            return "time"
+        except OSError:
+            return "error"
+        if not n:
+            return "eof"
+        budget -= n
+    return "bytes"
 
 
 def _shut(sock: socket.socket) -> None:
@@ -998,6 +1055,8 @@ def _aiohttp_protocol() -> type:
             self.peer_eof = False  # the client shut its sending side: answer what it sent, then close
             self.feed_tail = b""  # the last 3 bytes received (a CRLFCRLF split across two reads)
             self.open_body: Any = None  # the body stream of the last request queued, while its body is arriving
+            self.linger_left: int | None = None  # lingering (linger): the bytes it may still drop; None: not lingering
+            self.linger_end: asyncio.TimerHandle | None = None  # its time bound
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -1012,6 +1071,12 @@ def _aiohttp_protocol() -> type:
                 self.force_close()
 
         def data_received(self, data: bytes) -> None:
+            if self.linger_left is not None:  # lingering: dropped, up to its byte bound
+                self.linger_left -= len(data)
+                if self.linger_left < 0:
+                    log.debug("lingering close ended: bytes")
+                    self.force_close()  # (the rest unread: the client, still sending, is reset)
+                return
             if self.body_refused:
                 return  # its handler answers 413 and closes
             if self.deadline is None and data.lstrip(b"\r\n"):  # (empty lines before a request: idle time)
@@ -1143,6 +1208,33 @@ def _aiohttp_protocol() -> type:
             self.chunks = self.chunks_payload = None
             self.body_refused = True
 
+        def linger(self, seconds: float, budget: int) -> None:
+            """Close after an answer with the request's rest maybe unread, lingering (:func:`_linger`, the threading
+            server's): half-close once the answer is flushed, drop what the client still sends until its EOF,
+            ``budget`` bytes or ``seconds``. The connection stays one of ``max_connections`` meanwhile, and
+            ``stop()`` closes it (not busy). aiohttp's own lingering (``lingering_time``) reads the body through the
+            parser, without a half-close or a byte bound, and only when the connection is kept."""
+            transport = self.transport
+            if transport is None or budget <= 0 or not transport.can_write_eof():
+                self.force_close()
+                return
+            self._force_close = True  # aiohttp's loop ends, leaving the transport to the linger (force_close closes it)
+            if self._waiter is not None:
+                self._waiter.cancel()
+            for timer in (self.watchdog, self.first_request):
+                if timer is not None:
+                    timer.cancel()
+            self.watchdog = self.first_request = self.deadline = None
+            self.linger_left = budget
+            self.linger_end = self._loop.call_later(seconds, self._on_linger_end)
+            transport.write_eof()  # (asyncio: the FIN once the answer is flushed)
+            transport.resume_reading()  # (a body's flow control may have paused it)
+
+        def _on_linger_end(self) -> None:
+            self.linger_end = None
+            log.debug("lingering close ended: time")
+            self.force_close()
+
         def body_read(self) -> None:
             """The request's body is in: its deadline no longer applies (the next request's starts with its bytes)."""
             if self.watchdog is not None:
@@ -1167,6 +1259,9 @@ def _aiohttp_protocol() -> type:
             then the connection is closed (the last answer says ``Connection: close``), as on the threading server.
             aiohttp closed the connection at once, answering none of them. A request cut short by the EOF, or an
             idle connection, is closed at once, as before."""
+            if self.linger_left is not None:
+                log.debug("lingering close ended: eof")
+                return None  # (the transport closes)
             if self._parser is None or self._force_close:
                 return None
             try:
@@ -1205,6 +1300,9 @@ def _aiohttp_protocol() -> type:
                 self.force_close()
 
         def connection_lost(self, exc: BaseException | None) -> None:
+            if self.linger_end is not None:
+                self.linger_end.cancel()
+                self.linger_end = None
             if self.write_stall is not None:
                 self.write_stall.cancel()
                 self.write_stall = None
@@ -1288,13 +1386,16 @@ class AiohttpServer:
         proto: Any = request.protocol
         if close or self._draining or (proto.peer_eof and not proto._messages):  # (the client's last request)
             r.force_close()  # "Connection: close"
-        if close:  # the body is not read: answer now and close, rather than read (linger over) the rest of it
+        if close:  # the body is not read: answer now, then a lingering close (its bounds, not the body's length)
             try:
                 await r.prepare(request)
                 await r.write_eof()
             except ConnectionError:
                 pass
-            request.protocol.force_close()
+            if status == 408:  # a client too slow for its deadline gets no more time to send
+                proto.force_close()
+            else:
+                proto.linger(self.app.s.linger_s, self.app.s.linger_bytes)
         return r
 
     async def _read_body(self, request: web.BaseRequest, limit: int) -> bytes:

@@ -77,6 +77,11 @@ class ServeSettings:
     request_timeout_s: float = 10.0
     # A keep-alive connection with no request started is closed after this many idle seconds.
     keepalive_timeout_s: float = 30.0
+    # Lingering close (RFC 9112 9.6): an answer that closes the connection with the request's rest unread (a 413, a
+    # 503 or a 400 from the headers) half-closes, then reads and drops up to linger_bytes for up to linger_s, so the
+    # client reads the answer, not a reset (nginx lingering_time, Apache's 2 s); 0 bytes: close at once.
+    linger_s: float = 2.0
+    linger_bytes: int = 8 << 20
     # Requests scored at once by the threading server (the others wait for a turn); 0: no bound. 1 suits the ONNX
     # formats on a few cores (less GIL contention); TorchScript does better unbounded (serving/http_server.py).
     max_active: int = 0
@@ -126,5 +131,5 @@ class ServeSettings:
         # every count and limit >= 1 (threads 0 was bumped to 1, max_candidates 0 refused every request); 0 means:
         # max_active no bound, embedding_cache_rows no LRU (every non-hot row from Redis). The counts that size memory
         # or threads have bounds no deployment reaches (the rest: stream.config.MAX_COUNT)
-        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows"),
+        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows", "linger_bytes"),
                      at_most={"threads": 1_024, "max_body_bytes": 1 << 30, "embedding_cache_rows": 1_000_000_000})

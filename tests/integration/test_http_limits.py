@@ -522,6 +522,75 @@ def test_chunked_bodies_of_exactly_max_body_bytes_pipelined_in_any_pieces_are_al
     assert c.response(timeout_s=20.0)[0] == 413
 
 
+# -- lingering close ------------------------------------------------------------------------------------------------
+BIG = 5_000_000  # a body far past a socket's buffers: the client is still sending it when the answer comes
+
+
+def post_big(srv: Server) -> tuple[int, bytes]:
+    """A 5 MB ``POST`` sent as ``http.client`` sends it: the whole body before the answer is read."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=20)
+    try:
+        conn.request("POST", "/v1/score", body=b" " * BIG, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_client_still_sending_a_refused_body_reads_the_413_not_a_reset(make: Make) -> None:
+    """Closing with the body unread used to reset the connection: http.client got BrokenPipe (threading) or
+    ConnectionReset (aiohttp) instead of the 413. The lingering close drops the rest, so the answer is read."""
+    srv, _ = make(max_body_bytes=1000)
+    status, body = post_big(srv)
+    assert status == 413 and "exceeds 1000" in json.loads(body)["error"]
+
+
+def test_a_client_still_sending_a_body_refused_over_max_in_flight_reads_the_503(make: Make) -> None:
+    srv, app = make(max_body_bytes=8 << 20, max_in_flight=1)
+    with every_slot_taken(app):
+        status, body = post_big(srv)
+    assert status == 503 and "max_in_flight" in json.loads(body)["error"]
+
+
+def send_until_cut(c: Client, piece: bytes, most: int, pace_s: float = 0.0) -> bool:
+    """Send ``piece`` up to ``most`` times; True: the server cut the connection (reset) before that."""
+    try:
+        for _ in range(most):
+            c.send(piece)
+            if pace_s:
+                time.sleep(pace_s)  # (a trickle's pace, not a wait for an outcome)
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    return False
+
+
+def test_a_client_that_keeps_sending_is_cut_at_linger_bytes(make: Make, clients: Callable[..., Client]) -> None:
+    """linger_s of an hour: only the byte bound can end the linger; 256 MiB sent without a reset fails the test."""
+    srv, _ = make(max_body_bytes=1000, linger_bytes=64 << 10, linger_s=3600)
+    c = clients(srv, timeout_s=20.0)
+    c.send(request("POST", "/v1/score", headers={"Content-Length": str(10**12)}))
+    assert send_until_cut(c, b" " * (64 << 10), most=4096)
+
+
+def test_a_client_that_trickles_for_ever_is_cut_at_linger_s(make: Make, clients: Callable[..., Client]) -> None:
+    """64 bytes every 50 ms, ~38 KB at most: far under linger_bytes (8 MiB), so only the time bound can end it."""
+    srv, _ = make(max_body_bytes=1000, linger_s=0.2)
+    c = clients(srv, timeout_s=20.0)
+    c.send(request("POST", "/v1/score", headers={"Content-Length": str(10**12)}))
+    assert send_until_cut(c, b" " * 64, most=600, pace_s=0.05)
+
+
+def test_a_connection_closed_with_its_request_read_does_not_linger(make: Make, clients: Callable[..., Client]) -> None:
+    """Nothing left unread (Connection: close, its body read): closed, not lingered over. A linger half-closes too (the
+    client reads EOF either way), but drops what comes next for linger_s (an hour here): a closed socket resets it."""
+    srv, _ = make(linger_s=3600)
+    c = clients(srv)
+    c.send(request("POST", "/v1/score", EMPTY_ITEMS, headers={"Connection": "close"}))
+    assert c.response()[0] == 422
+    assert c.closed(within_s=10.0)
+    assert send_until_cut(c, b" ", most=1000, pace_s=0.01)
+
+
 # -- stop under load ------------------------------------------------------------------------------------------------
 def test_stop_during_a_flood_closes_every_connection_within_its_grace(kind: str, tmp_path: Path,
                                                                     clients: Callable[..., Client]) -> None:
