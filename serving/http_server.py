@@ -46,8 +46,9 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   the answer that said why. A lingering connection holds one of ``max_connections`` (and, threading, its thread);
   ``stop()`` closes it as idle. No linger where the request was read whole (``Connection: close``), after a ``408``
   (a client too slow for its deadline gets no more time), for a connection over ``max_connections`` (its ``503`` is
-  written and closed at once: lingering would take the slot it was refused), and on aiohttp after llhttp's own
-  errors and the ``505`` (aiohttp closes those at once: a client still sending a body there may be reset).
+  written and closed at once: lingering would take the slot it was refused), and on aiohttp after the ``505`` for an
+  ``HTTP/2.0`` or ``0.9`` request line (written raw, closed at once). aiohttp's answers to llhttp's errors
+  (``_Protocol.handle_error``) linger too, where aiohttp closed at once.
 * framing: ``Content-Length`` must be one non-negative decimal integer (several headers, a sign, a list:
   ``400``; over ``max_body_bytes``: ``413`` before the body is read; leading zeros, however many, are allowed),
   chunked sizes hexadecimal (leading zeros allowed too), every line of a chunked body ending in CRLF (its size
@@ -1057,6 +1058,7 @@ def _aiohttp_protocol() -> type:
             self.open_body: Any = None  # the body stream of the last request queued, while its body is arriving
             self.linger_left: int | None = None  # lingering (linger): the bytes it may still drop; None: not lingering
             self.linger_end: asyncio.TimerHandle | None = None  # its time bound
+            self.linger_after = False  # handle_error's answer (llhttp refused the request): linger once it is written
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -1230,6 +1232,15 @@ def _aiohttp_protocol() -> type:
             transport.write_eof()  # (asyncio: the FIN once the answer is flushed)
             transport.resume_reading()  # (a body's flow control may have paused it)
 
+        async def finish_response(self, request: Any, resp: Any, start_time: float | None) -> Any:
+            """aiohttp's writing of an answer; after :meth:`handle_error`'s (llhttp refused the request, whose rest is
+            unread) a lingering close, where aiohttp closed at once."""
+            out = await super().finish_response(request, resp, start_time)
+            if self.linger_after and self.app is not None:
+                self.linger_after = False
+                self.linger(self.app.s.linger_s, self.app.s.linger_bytes)
+            return out
+
         def _on_linger_end(self) -> None:
             self.linger_end = None
             log.debug("lingering close ended: time")
@@ -1325,6 +1336,7 @@ def _aiohttp_protocol() -> type:
                 status, _, body = self.app.handle(method, "", b"")
                 resp = web.Response(status=status, body=body, content_type="application/json")
                 resp.force_close()  # (llhttp reads no further on this connection)
+                self.linger_after = True
                 return resp
             if isinstance(exc, BadStatusLine) and exc.message.startswith("Bad status line:\n  Invalid HTTP version:"):
                 log.debug("505 for %s: %s", getattr(request, "remote", "?"), exc.message)
@@ -1339,6 +1351,7 @@ def _aiohttp_protocol() -> type:
                           exc if isinstance(exc, HttpProcessingError) else text)
             if request.writer.output_size > 0:
                 raise ConnectionError("answer already under way: cannot send the error one")
+            self.linger_after = status < 500 or status == 505  # llhttp refused it, its rest unread (a 500: closed)
             resp = web.Response(status=status, body=_error_body(text), content_type="application/json")
             resp.force_close()
             return resp

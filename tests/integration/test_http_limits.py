@@ -526,11 +526,11 @@ def test_chunked_bodies_of_exactly_max_body_bytes_pipelined_in_any_pieces_are_al
 BIG = 5_000_000  # a body far past a socket's buffers: the client is still sending it when the answer comes
 
 
-def post_big(srv: Server) -> tuple[int, bytes]:
+def post_big(srv: Server, **headers: str) -> tuple[int, bytes]:
     """A 5 MB ``POST`` sent as ``http.client`` sends it: the whole body before the answer is read."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=20)
     try:
-        conn.request("POST", "/v1/score", body=b" " * BIG, headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/score", body=b" " * BIG, headers={"Content-Type": "application/json", **headers})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -550,6 +550,14 @@ def test_a_client_still_sending_a_body_refused_over_max_in_flight_reads_the_503(
     with every_slot_taken(app):
         status, body = post_big(srv)
     assert status == 503 and "max_in_flight" in json.loads(body)["error"]
+
+
+def test_a_client_still_sending_a_body_with_bad_framing_reads_the_400(make: Make) -> None:
+    """Both Content-Length and Transfer-Encoding: refused by the threading server's framing check, by llhttp on
+    aiohttp (aiohttp's error answer, which closed at once, lingers too)."""
+    srv, _ = make(max_body_bytes=8 << 20)
+    status, body = post_big(srv, **{"Content-Length": str(BIG), "Transfer-Encoding": "chunked"})
+    assert status == 400 and "error" in json.loads(body)
 
 
 def send_until_cut(c: Client, piece: bytes, most: int, pace_s: float = 0.0) -> bool:
