@@ -39,7 +39,8 @@ Delivery. A sink (:class:`LogSink`, :class:`KafkaSink`, :class:`WebhookSink`) ma
 slow or dead sink never delays rule evaluation nor the other sinks; alerts an attempt did not deliver
 stay queued (in order) and are retried with exponential backoff. An alert leaves a queue only when
 delivered, or dropped for one of three reasons, each counted (``streamrec_monitor_sink_dropped_total``)
-and logged: ``overflow`` (more than ``queue_size`` waiting: the oldest go), ``rejected`` (the sink
+and logged: ``overflow`` (more than ``queue_size`` waiting: first the alerts a later one of the same fingerprint
+supersedes, then the oldest; :meth:`QueuedSink._trim`), ``rejected`` (the sink
 refused the alert itself, e.g. HTTP 400, or Kafka's MSG_SIZE_TOO_LARGE or TOPIC_AUTHORIZATION_FAILED, at
 produce() or at delivery: :data:`REFUSED_FOR_GOOD`; retrying cannot help) and ``closed`` (still queued when
 :meth:`QueuedSink.close` ran out of time). Delivery is at least once: an attempt cut off at its
@@ -88,7 +89,7 @@ SINK_RETRIES = PCounter("streamrec_monitor_sink_retries_total",
                         "Delivery attempts that retried alerts an earlier attempt failed to deliver, by sink.",
                         ["sink"])
 SINK_DROPPED = PCounter("streamrec_monitor_sink_dropped_total",
-                        "Alerts given up on, by sink and reason: overflow (queue full, the oldest are dropped), "
+                        "Alerts given up on, by sink and reason: overflow (queue full: superseded, then the oldest dropped), "
                         "rejected (the sink refused the alert itself), closed (undelivered at shutdown).",
                         ["sink", "reason"])
 SINK_QUEUE = Gauge("streamrec_monitor_sink_queue_depth",
@@ -293,7 +294,7 @@ class SinkSettings:
     kafka_timeout_s: float = 10.0  # one attempt (topic check, produce, acknowledgement) ends within this, in total
     webhook_url: str | None = None  # POST one JSON alert per request
     webhook_timeout_s: float = 5.0  # one POST (connect, send, the answer's status and headers), in total
-    queue_size: int = 1000  # alerts waiting per sink; beyond it the oldest are dropped (counted and logged)
+    queue_size: int = 1000  # alerts waiting per sink; beyond it superseded, then oldest dropped (counted, logged)
     retry_backoff_s: float = 0.5  # wait after a failed attempt; doubles with each failure in a row ...
     retry_backoff_max_s: float = 30.0  # ... up to this
     close_timeout_s: float = 10.0  # at shutdown, keep delivering queued alerts this long, then report the rest
@@ -761,7 +762,8 @@ class QueuedSink:
     * Alerts an attempt did not deliver go back to the head of the queue, in order, and are retried
       after :class:`Backoff` (``retry_backoff_s`` doubling to ``retry_backoff_max_s``), until delivered.
       Alerts are delivered in the order they were queued, at least once.
-    * At most ``queue_size`` alerts wait (plus the batch being sent); beyond that the oldest are dropped.
+    * At most ``queue_size`` alerts wait (plus the batch being sent); beyond that the superseded, then the oldest
+      are dropped (:meth:`_trim`).
       Every alert dropped (overflow, rejected by the sink, closed) is counted and logged.
     * :meth:`close` keeps delivering until the queue is empty or its deadline (trying at once, whatever
       the backoff, then backing off as before), then reports (log and return value) how many alerts
@@ -965,8 +967,27 @@ class QueuedSink:
 
     # -- both
     def _trim(self) -> list[Alert]:
-        """Drop the oldest queued alerts beyond ``queue_size`` (hold the lock); returns them."""
-        dropped = [self._queue.popleft() for _ in range(max(0, len(self._queue) - self.queue_size))]
+        """Drop queued alerts beyond ``queue_size`` (hold the lock); returns them. Superseded ones go first, oldest
+        first: an alert with a later one of the same fingerprint queued behind it (a receiver's last word on that
+        alert is the later one either way); then the oldest. Dropping the oldest alone dropped, under a sink down for
+        hours and one flapping rule, a resolved whose firing was delivered before the outage: that alert stayed firing
+        at the receiver for ever (and out of the state file, which keeps only the resolves still queued)."""
+        excess = len(self._queue) - self.queue_size
+        if excess <= 0:
+            self._set_depth()
+            return []
+        seen: set[str] = set()
+        superseded: set[int] = set()  # queue positions
+        for i in range(len(self._queue) - 1, -1, -1):
+            fp = self._queue[i].fingerprint
+            if fp in seen:
+                superseded.add(i)
+            seen.add(fp)
+        victims = sorted(superseded)[:excess]
+        victims += [i for i in range(len(self._queue)) if i not in superseded][:excess - len(victims)]
+        gone = set(victims)
+        dropped = [a for i, a in enumerate(self._queue) if i in gone]
+        self._queue = deque(a for i, a in enumerate(self._queue) if i not in gone)
         self._set_depth()
         return dropped
 

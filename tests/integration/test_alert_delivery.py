@@ -330,6 +330,29 @@ def test_an_overflowing_queue_drops_the_oldest_counts_and_logs_them(caplog) -> N
     assert sink.close(1) == 0
 
 
+def test_an_overflow_drops_a_flapping_rules_superseded_alerts_not_a_resolved_whose_firing_was_delivered() -> None:
+    """A sink down while one rule flaps: the queue fills with that rule's firing/resolved pairs. Dropping the oldest
+    dropped the resolved of an alert whose firing went out before the outage, and the receiver showed it firing for
+    ever; the flapping series' earlier records are superseded by its later ones and go first."""
+    def of(rule: str, state: AlertState, i: int) -> Alert:
+        return Alert(rule=rule, source="learner", severity=Severity.WARNING, state=state, value=0.9, threshold=0.5,
+                     message=f"{rule} {i}", ts=1_700_000_000_000 + i, labels={})
+
+    blocked = ListSink(block=True)
+    sink = QueuedSink(blocked, SinkSettings(queue_size=3))
+    sink.send([of("steady", AlertState.FIRING, 0)])
+    assert blocked.entered.wait(5)  # its firing is being delivered; the sink then stays down a while
+    sink.send([of("steady", AlertState.RESOLVED, 1)])
+    for i in range(2, 12):
+        sink.send([of("flapping", AlertState.FIRING if i % 2 == 0 else AlertState.RESOLVED, i)])
+    assert sink.stats.dropped == {"overflow": 8}
+    blocked.release.set()
+    assert sink.wait_idle(5)
+    got = [(a.rule, a.state.value) for a in blocked.got]
+    assert got == [("steady", "firing"), ("steady", "resolved"), ("flapping", "firing"), ("flapping", "resolved")]
+    assert sink.close(1) == 0
+
+
 # -- close -------------------------------------------------------------------------------------------
 def test_close_reports_the_alerts_it_could_not_deliver(caplog) -> None:
     sink = QueuedSink(WebhookSink(f"http://127.0.0.1:{closed_port()}/hook", timeout_s=1), FAST)
