@@ -53,6 +53,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import email.utils
 import enum
 import hashlib
 import http.client
@@ -312,14 +313,16 @@ class SinkError(StreamrecError):
     """One delivery attempt did not deliver every alert of its batch.
 
     ``undelivered``: the alerts to try again (None: every alert of the batch not in ``rejected``);
-    ``rejected``: alerts the sink refused for good (retrying cannot help; they are dropped and logged).
+    ``rejected``: alerts the sink refused for good (retrying cannot help; they are dropped and logged);
+    ``retry_after_s``: how long the receiver asked to be left alone (HTTP ``Retry-After``), or None.
     """
 
     def __init__(self, message: str, undelivered: Sequence[Alert] | None = None,
-                 rejected: Sequence[Alert] = ()) -> None:
+                 rejected: Sequence[Alert] = (), retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.undelivered = None if undelivered is None else list(undelivered)
         self.rejected = list(rejected)
+        self.retry_after_s = retry_after_s
 
 
 class AlertSink(Protocol):
@@ -592,8 +595,24 @@ def _auth_headers(url: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(user.encode()).decode("ascii")}
 
 
-def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
-    """``POST`` ``body`` to ``url``; returns (status, reason, the first bytes of an error answer's body).
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds an HTTP ``Retry-After`` header asks for: delay-seconds or an HTTP-date (RFC 9110 10.2.3), never
+    negative; None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():  # ("²".isdigit(), and a Latin-1 header may carry it)
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - time.time()) if when.tzinfo is not None else None
+
+
+def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes, float | None]:
+    """``POST`` ``body`` to ``url``; returns (status, reason, the first bytes of an error answer's body, the seconds
+    its ``Retry-After`` asks for or None).
 
     Promise: returns or raises by ``deadline`` (``time.monotonic()`` seconds), whatever the peer does:
     connecting, sending and every read of the answer get only the time left, so a server that accepts
@@ -613,7 +632,7 @@ def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
                 detail = resp.read(300)
             except (OSError, http.client.HTTPException):
                 pass
-        return resp.status, resp.reason, detail
+        return resp.status, resp.reason, detail, retry_after_s(resp.getheader("Retry-After"))
     finally:
         conn.close()
 
@@ -669,8 +688,9 @@ def check_http_url(url: str) -> str | None:
 class WebhookSink:
     """``POST`` each alert as a JSON body to ``url``, one request per alert, every request ended by the
     attempt's deadline (:func:`post_json`). 2xx: delivered. Timeouts, connection errors, 408, 429 and
-    5xx: undelivered (retried by the queue). Any other answer (4xx, 3xx): the request itself is
-    refused, so the alert is *rejected* (retrying the same request cannot help)."""
+    5xx: undelivered (retried by the queue, not before the answer's ``Retry-After``: :class:`QueuedSink`). Any other
+    answer (4xx, 3xx): the request itself is refused, so the alert is *rejected* (retrying the same request cannot
+    help)."""
 
     name = "webhook"
     batch_max = 1
@@ -688,8 +708,9 @@ class WebhookSink:
         rejected: list[Alert] = []
         why: list[str] = []
         for i, a in enumerate(alerts):
+            wait = None
             try:
-                status, reason, detail = post_json(self.url, a.to_json(), end)
+                status, reason, detail, wait = post_json(self.url, a.to_json(), end)
             except TimeoutError:
                 error = (f"no answer within the attempt's deadline (webhook_timeout_s={self.timeout_s:g}s, "
                          "connect + send + answer)")
@@ -706,7 +727,7 @@ class WebhookSink:
                     continue
             # the receiver is down or overloaded: stop here, the rest stay queued in order
             raise SinkError(f"webhook {self.shown}: {len(alerts) - i} of {len(alerts)} alert(s) not delivered: "
-                            f"{error}", undelivered=alerts[i:], rejected=rejected)
+                            f"{error}", undelivered=alerts[i:], rejected=rejected, retry_after_s=wait)
         if rejected:
             raise SinkError(f"webhook {self.shown} refused {len(rejected)} alert(s), which are dropped (the "
                             f"receiver rejects the request itself; check webhook_url): {'; '.join(why)}",
@@ -760,7 +781,10 @@ class QueuedSink:
     * Every attempt (``sink.send`` of up to ``sink.batch_max`` alerts) has a total deadline of
       ``sink.timeout_s``; one that starts while :meth:`close` drains ends by close's deadline.
     * Alerts an attempt did not deliver go back to the head of the queue, in order, and are retried
-      after :class:`Backoff` (``retry_backoff_s`` doubling to ``retry_backoff_max_s``), until delivered.
+      after :class:`Backoff` (``retry_backoff_s`` doubling to ``retry_backoff_max_s``), until delivered; a
+      receiver's ``Retry-After`` (429, 503) lengthens the wait to what it asks, up to ``retry_backoff_max_s`` (a
+      receiver asking for a day does not park the alerts that long). It was ignored: a throttled receiver got
+      the next request 0.5 s later, and more 429s.
       Alerts are delivered in the order they were queued, at least once.
     * At most ``queue_size`` alerts wait (plus the batch being sent); beyond that the superseded, then the oldest
       are dropped (:meth:`_trim`).
@@ -940,6 +964,8 @@ class QueuedSink:
             if undelivered:
                 self._failures_in_row += 1
                 wait = self.backoff.delay(self._failures_in_row)
+                if isinstance(exc, SinkError) and exc.retry_after_s is not None:  # the receiver's word, within ours
+                    wait = max(wait, min(exc.retry_after_s, self.backoff.max_s))
                 self._retry_at = time.monotonic() + wait
             else:  # everything delivered (or refused for good): the sink answers again
                 recovered, self._failures_in_row = self._failures_in_row, 0

@@ -14,6 +14,7 @@ proves "did not wait" with an Event the server holds instead of a clock.
 
 from __future__ import annotations
 
+import email.utils
 import json
 import socket
 import threading
@@ -36,6 +37,7 @@ from monitor.alerts import (
     SinkSettings,
     WebhookSink,
     build_sinks,
+    retry_after_s,
 )
 from monitor.engine import Monitor, Snapshot
 from monitor.rules import RulesError, loads_rules
@@ -64,11 +66,15 @@ class HookServer:
       later ones are answered at once;
     * ``trickle``: the answer goes out one byte per ``trickle_s``;
     * ``flaky``: 500 for the first ``fail_first`` requests, then 200;
-    * ``reject``: 400 for every request.
+    * ``reject``: 400 for every request;
+    * ``throttle``: 429 with ``Retry-After: <retry_after>`` for the first ``fail_first`` requests, then 200.
+
+    :attr:`arrived` holds each request's ``time.monotonic()``.
     """
 
-    def __init__(self, mode: str = "ok", fail_first: int = 0, trickle_s: float = 0.5) -> None:
-        self.mode, self.fail_first, self.trickle_s = mode, fail_first, trickle_s
+    def __init__(self, mode: str = "ok", fail_first: int = 0, trickle_s: float = 0.5, retry_after: str = "1") -> None:
+        self.mode, self.fail_first, self.trickle_s, self.retry_after = mode, fail_first, trickle_s, retry_after
+        self.arrived: list[float] = []
         self.posts: list[dict] = []
         self.requests = 0
         self.entered, self.release, self.stopped = threading.Event(), threading.Event(), threading.Event()
@@ -83,6 +89,7 @@ class HookServer:
                 with srv.lock:
                     srv.requests += 1
                     n = srv.requests
+                    srv.arrived.append(time.monotonic())
                 srv.entered.set()
                 if srv.mode == "hang" and n == 1:
                     srv.release.wait(60)
@@ -90,6 +97,9 @@ class HookServer:
                     self.trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
                     self.close_connection = True  # cut short by close(): hang up, so neither side waits on
                     return  # a keep-alive connection (the client until its deadline, this thread for a request)
+                if srv.mode == "throttle" and n <= srv.fail_first:
+                    self.answer(429, {"Retry-After": srv.retry_after})
+                    return
                 if (srv.mode == "flaky" and n <= srv.fail_first) or srv.mode == "reject":
                     self.answer(500 if srv.mode == "flaky" else 400)
                     return
@@ -97,8 +107,10 @@ class HookServer:
                     srv.posts.append(body)
                 self.answer(200)
 
-            def answer(self, status: int) -> None:
+            def answer(self, status: int, headers: dict[str, str] | None = None) -> None:
                 self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", "0")
                 self.send_header("Connection", "close")
                 self.end_headers()
@@ -295,6 +307,33 @@ def test_retries_back_off_exponentially(hook_server) -> None:
     # waits 0.1 + 0.2 + 0.2 + 0.2 (capped) between the five attempts
     assert time.monotonic() - started >= 0.7 and server.requests == 5 and len(server.posts) == 1
     sink.close(1)
+
+
+def test_a_throttling_webhooks_retry_after_is_waited_for_up_to_the_backoff_maximum(hook_server) -> None:
+    """A 429 with ``Retry-After: 1`` got its retry 0.01 s later (the backoff alone): more requests to a receiver
+    that asked for a pause. Now the wait is what it asks, within ``retry_backoff_max_s``."""
+    server = hook_server("throttle", fail_first=1, retry_after="1")
+    with pytest.raises(SinkError) as info:
+        WebhookSink(server.url, timeout_s=2).send([alert()])
+    assert info.value.retry_after_s == 1.0 and info.value.undelivered == [alert()]
+    server.requests, server.arrived = 0, []
+    sink = QueuedSink(WebhookSink(server.url, timeout_s=2), SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=5))
+    sink.send([alert()])
+    assert sink.wait_idle(10) and len(server.posts) == 1
+    assert server.arrived[1] - server.arrived[0] >= 1.0  # waited as asked, not 0.01 s
+    sink.close(1)
+    capped = hook_server("throttle", fail_first=1, retry_after="86400")  # a day: not more than retry_backoff_max_s
+    sink = QueuedSink(WebhookSink(capped.url, timeout_s=2), SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=0.2))
+    sink.send([alert()])
+    assert sink.wait_idle(10) and len(capped.posts) == 1
+    sink.close(1)
+
+
+def test_retry_after_reads_seconds_and_http_dates_and_nothing_else() -> None:
+    assert (retry_after_s("120"), retry_after_s(" 0 "), retry_after_s(None)) == (120.0, 0.0, None)
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date past: at once
+    assert 3500 < retry_after_s(email.utils.formatdate(time.time() + 3600, usegmt=True)) <= 3600
+    assert [retry_after_s(v) for v in ("-5", "1.5", "soon", "\xb2", "")] == [None] * 5
 
 
 def test_an_alert_the_webhook_refuses_is_dropped_counted_and_logged(hook_server, caplog) -> None:

@@ -786,7 +786,7 @@ def test_a_webhooks_refusal_reason_is_kept_when_it_hangs_up_after_answering(targ
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/hook"
-        assert post_json(url, b"{}", time.monotonic() + 10) == (400, "Bad Request", b"unknown field: labels")
+        assert post_json(url, b"{}", time.monotonic() + 10) == (400, "Bad Request", b"unknown field: labels", None)
     finally:
         server.shutdown()
         server.server_close()
