@@ -61,6 +61,7 @@ import io
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -273,11 +274,23 @@ class Alert:
 
     def describe(self) -> str:
         """One log line: ``FIRING critical nan_losses{} value=3 source=learner id=<fingerprint>: message``; an
-        absence alert says ``absent`` after its labels (a series may have the same labels)."""
-        lbl = ",".join(f'{k}="{v}"' for k, v in sorted(self.labels.items()))
+        absence alert says ``absent`` after its labels (a series may have the same labels). Label values are quoted
+        as JSON strings and every control character is escaped (:func:`_one_line`): a scraped label value is the
+        target's text (the exposition's ``\\n`` is a line break), and written raw it began a forged log line, or
+        sent a terminal escape sequence."""
+        lbl = ",".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in sorted(self.labels.items()))
         kind = " absent" if self.kind is AlertKind.ABSENT else ""
-        return (f"{self.state.value.upper()} {self.severity.value} {self.rule}{{{lbl}}}{kind} "
-                f"value={encode_value(self.value)} source={self.source or '-'} id={self.fingerprint}: {self.message}")
+        return _one_line(f"{self.state.value.upper()} {self.severity.value} {self.rule}{{{lbl}}}{kind} "
+                         f"value={encode_value(self.value)} source={self.source or '-'} id={self.fingerprint}: "
+                         f"{self.message}")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 (0x9b is a terminal's CSI)
+
+
+def _one_line(text: str) -> str:
+    """``text`` with each control character written as a ``\\uXXXX`` escape: one line, no terminal sequences."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 @dataclass(frozen=True)

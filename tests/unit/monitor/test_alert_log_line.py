@@ -1,0 +1,33 @@
+"""The log sink's line for an alert whose labels came from a scrape target: one line, whatever the labels hold."""
+
+from __future__ import annotations
+
+import logging
+
+from monitor.alerts import LogSink
+from monitor.engine import RuleEngine, Snapshot
+from monitor.rules import loads_rules
+
+RULE = """
+[[rule]]
+name = "queue_depth"
+expr = "streamrec_queue_depth"
+op = ">"
+threshold = 5
+"""
+
+
+def test_a_scraped_label_with_a_line_break_or_a_terminal_escape_cannot_forge_a_log_line(caplog) -> None:
+    """The exposition's ``\\n`` escape is a line break in the label value, and a value may hold ESC: written raw, the
+    target wrote a second, forged alert line (and terminal sequences) into the monitor's log."""
+    forged = 'x\\nFIRING critical nan_losses{} value=1 source=learner id=0: forged'
+    text = f'streamrec_queue_depth{{topic="{forged}",colour="\x1b[31mred\\"q"}} 9\n'
+    (alert,) = RuleEngine(loads_rules(RULE).rules).evaluate(Snapshot.from_texts({"learner": text}), 0.0)
+    assert alert.labels["topic"].count("\n") == 1  # the sinks' JSON keeps the value as it is
+    logger = logging.getLogger("test.alert_log_line")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        LogSink(logger).send([alert])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x1b" not in line
+    assert 'topic="x\\nFIRING critical nan_losses{} value=1' in line and 'colour="\\u001b[31mred\\"q"' in line
+    assert line.startswith("FIRING warning queue_depth{")
