@@ -134,9 +134,11 @@ class AlertKind(str, enum.Enum):
 
 def alert_fingerprint(rule: str, kind: AlertKind, labels: Mapping[str, str]) -> str:
     """An alert's identity (module docstring): 16 hex digits of a SHA-256 over the rule, the kind and the series'
-    own labels, written as one JSON array (strings quoted and escaped, so no two inputs write the same text)."""
+    own labels, written as one JSON array (strings quoted and escaped, so no two inputs write the same text). A lone
+    surrogate (JSON's ``"\\udc80"``, which another writer's record may hold) is encoded as it is (``surrogatepass``):
+    plain UTF-8 raised UnicodeEncodeError for it, out of :meth:`Alert.from_json` and every Alert made with it."""
     canon = json.dumps([rule, kind.value, sorted(labels.items())], ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+    return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 LEGACY_ABSENT_LABELS = {"absent": "true"}  # an absence alert's own labels, as an older writer showed them
@@ -285,11 +287,13 @@ class Alert:
                          f"{self.message}")
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 (0x9b is a terminal's CSI)
+# C0, DEL and C1 (0x9b is a terminal's CSI), and lone surrogates (a log stream cannot encode them)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def _one_line(text: str) -> str:
-    """``text`` with each control character written as a ``\\uXXXX`` escape: one line, no terminal sequences."""
+    """``text`` with each control character (and lone surrogate) written as a ``\\uXXXX`` escape: one line, no
+    terminal sequences, encodable."""
     return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 

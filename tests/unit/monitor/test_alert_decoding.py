@@ -81,3 +81,15 @@ def test_any_record_decodes_to_a_well_typed_alert_or_is_a_value_error(data: byte
     assert (a.threshold is None or type(a.threshold) is float)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in a.labels.items())
     assert Alert.from_json(a.to_json()).to_json() == a.to_json()  # writes back as itself (NaN != NaN: the bytes)
+
+
+def test_a_record_whose_labels_hold_a_lone_surrogate_decodes_with_a_fingerprint_of_its_own() -> None:
+    """``"\\udc80"`` is valid JSON for a lone surrogate: an older writer's record (no fingerprint) holding one raised
+    UnicodeEncodeError computing its fingerprint, and so did every Alert made with such a label."""
+    lone = {k: v for k, v in _GOOD.items() if k not in ("kind", "fingerprint")}
+    a = Alert.from_json(json.dumps({**lone, "labels": {"a": "\udc80"}}))
+    b = Alert.from_json(json.dumps({**lone, "labels": {"a": "\udc81"}}))
+    assert a.labels == {"a": "\udc80"} and len(a.fingerprint) == 16 and a.fingerprint != b.fingerprint
+    assert Alert.from_json(a.to_json()) == a  # and it round-trips through what the sinks send
+    assert 'a="\\udc80"' in a.describe() and a.describe().encode()  # the log sink's line can be written
+    assert Alert.from_json(json.dumps(lone)).fingerprint == _GOOD["fingerprint"]  # other fingerprints unchanged
