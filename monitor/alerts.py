@@ -704,13 +704,14 @@ def check_http_url(url: str) -> str | None:
 
 class WebhookSink:
     """``POST`` each alert as a JSON body to ``url``, one request per alert, every request ended by the
-    attempt's deadline (:func:`post_json`). 2xx: delivered. Timeouts, connection errors, 408, 429 and
+    attempt's deadline (:func:`post_json`), shortened where too large (:meth:`_post`). 2xx: delivered. Timeouts, connection errors, 408, 429 and
     5xx: undelivered (retried by the queue, not before the answer's ``Retry-After``: :class:`QueuedSink`). Any other
     answer (4xx, 3xx): the request itself is refused, so the alert is *rejected* (retrying the same request cannot
     help)."""
 
     name = "webhook"
     batch_max = 1
+    MAX_BODY = 1 << 20  # bytes; a longer alert goes shortened (Kafka's default message size, a receiver's likely limit)
 
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         problem = check_http_url(url)
@@ -727,7 +728,7 @@ class WebhookSink:
         for i, a in enumerate(alerts):
             wait = None
             try:
-                status, reason, detail, wait = post_json(self.url, a.to_json(), end)
+                status, reason, detail, wait = self._post(a, end)
             except TimeoutError:
                 error = (f"no answer within the attempt's deadline (webhook_timeout_s={self.timeout_s:g}s, "
                          "connect + send + answer)")
@@ -749,6 +750,19 @@ class WebhookSink:
             raise SinkError(f"webhook {self.shown} refused {len(rejected)} alert(s), which are dropped (the "
                             f"receiver rejects the request itself; check webhook_url): {'; '.join(why)}",
                             undelivered=[], rejected=rejected)
+
+    def _post(self, a: Alert, end: float) -> tuple[int, str, bytes, float | None]:
+        """POST ``a``; one longer than :attr:`MAX_BODY`, or refused with 413 (too large), goes
+        :meth:`Alert.shortened`, its fingerprint kept, as the Kafka sink sends one over the message size. Sent whole,
+        a scraped label value of megabytes made the alert rejected (413), or failed every attempt for ever where the
+        receiver hung up mid-body (a broken pipe, retried) and held every alert behind it."""
+        body = a.to_json()
+        if len(body) > self.MAX_BODY:
+            body = a.shortened().to_json()
+        answer = post_json(self.url, body, end)
+        if answer[0] == 413 and (short := a.shortened().to_json()) != body:
+            answer = post_json(self.url, short, end)
+        return answer
 
     def close(self) -> None:
         pass

@@ -14,6 +14,7 @@ proves "did not wait" with an Event the server holds instead of a clock.
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import json
 import socket
@@ -67,13 +68,16 @@ class HookServer:
     * ``trickle``: the answer goes out one byte per ``trickle_s``;
     * ``flaky``: 500 for the first ``fail_first`` requests, then 200;
     * ``reject``: 400 for every request;
-    * ``throttle``: 429 with ``Retry-After: <retry_after>`` for the first ``fail_first`` requests, then 200.
+    * ``throttle``: 429 with ``Retry-After: <retry_after>`` for the first ``fail_first`` requests, then 200;
+    * ``limit``: 413 for a body over ``max_body`` bytes (read whole first), else 200.
 
     :attr:`arrived` holds each request's ``time.monotonic()``.
     """
 
-    def __init__(self, mode: str = "ok", fail_first: int = 0, trickle_s: float = 0.5, retry_after: str = "1") -> None:
+    def __init__(self, mode: str = "ok", fail_first: int = 0, trickle_s: float = 0.5, retry_after: str = "1",
+                 max_body: int = 1 << 16) -> None:
         self.mode, self.fail_first, self.trickle_s, self.retry_after = mode, fail_first, trickle_s, retry_after
+        self.max_body = max_body
         self.arrived: list[float] = []
         self.posts: list[dict] = []
         self.requests = 0
@@ -85,7 +89,8 @@ class HookServer:
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                size = int(self.headers["Content-Length"])
+                body = json.loads(self.rfile.read(size))
                 with srv.lock:
                     srv.requests += 1
                     n = srv.requests
@@ -97,6 +102,9 @@ class HookServer:
                     self.trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
                     self.close_connection = True  # cut short by close(): hang up, so neither side waits on
                     return  # a keep-alive connection (the client until its deadline, this thread for a request)
+                if srv.mode == "limit" and size > srv.max_body:
+                    self.answer(413)
+                    return
                 if srv.mode == "throttle" and n <= srv.fail_first:
                     self.answer(429, {"Retry-After": srv.retry_after})
                     return
@@ -334,6 +342,24 @@ def test_retry_after_reads_seconds_and_http_dates_and_nothing_else() -> None:
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date past: at once
     assert 3500 < retry_after_s(email.utils.formatdate(time.time() + 3600, usegmt=True)) <= 3600
     assert [retry_after_s(v) for v in ("-5", "1.5", "soon", "\xb2", "")] == [None] * 5
+
+
+def test_an_alert_too_large_for_the_webhook_goes_shortened_with_its_fingerprint(hook_server) -> None:
+    """A scraped label value of 200 KB: the receiver's 413 dropped the alert ("rejected"), firing and resolved alike.
+    It goes shortened instead (same fingerprint), as to Kafka; one over MAX_BODY goes shortened at once."""
+    big = dataclasses.replace(alert(1), labels={"field": "user_id", "path": "x" * 200_000})
+    server = hook_server("limit", max_body=1 << 16)
+    sink = QueuedSink(WebhookSink(server.url, timeout_s=5), FAST)
+    sink.send([big, dataclasses.replace(big, state=AlertState.RESOLVED)])
+    assert sink.wait_idle(10) and not sink.stats.dropped
+    assert [(p["state"], p["fingerprint"]) for p in server.posts] == [("firing", big.fingerprint),
+                                                                      ("resolved", big.fingerprint)]
+    assert server.posts[0]["labels"]["path"].endswith("... (200000 characters)") and server.requests == 4
+    sink.close(1)
+    huge = dataclasses.replace(big, labels={"path": "x" * (WebhookSink.MAX_BODY + 1)})
+    plain = hook_server("ok")
+    WebhookSink(plain.url, timeout_s=5).send([huge])
+    assert plain.posts[0]["labels"]["path"].endswith("characters)") and plain.requests == 1
 
 
 def test_an_alert_the_webhook_refuses_is_dropped_counted_and_logged(hook_server, caplog) -> None:
