@@ -91,8 +91,8 @@ SINK_RETRIES = PCounter("streamrec_monitor_sink_retries_total",
                         "Delivery attempts that retried alerts an earlier attempt failed to deliver, by sink.",
                         ["sink"])
 SINK_DROPPED = PCounter("streamrec_monitor_sink_dropped_total",
-                        "Alerts given up on, by sink and reason: overflow (queue full: superseded, then the oldest dropped), "
-                        "rejected (the sink refused the alert itself), closed (undelivered at shutdown).",
+                        "Alerts given up on, by sink and reason: overflow (queue full: superseded, then the oldest "
+                        "dropped), rejected (the sink refused the alert itself), closed (undelivered at shutdown).",
                         ["sink", "reason"])
 SINK_QUEUE = Gauge("streamrec_monitor_sink_queue_depth",
                    "Alerts waiting for delivery (queued or being sent), by sink.", ["sink"])
@@ -704,10 +704,10 @@ def check_http_url(url: str) -> str | None:
 
 class WebhookSink:
     """``POST`` each alert as a JSON body to ``url``, one request per alert, every request ended by the
-    attempt's deadline (:func:`post_json`), shortened where too large (:meth:`_post`). 2xx: delivered. Timeouts, connection errors, 408, 429 and
-    5xx: undelivered (retried by the queue, not before the answer's ``Retry-After``: :class:`QueuedSink`). Any other
-    answer (4xx, 3xx): the request itself is refused, so the alert is *rejected* (retrying the same request cannot
-    help)."""
+    attempt's deadline (:func:`post_json`), shortened where too large (:meth:`_post`). 2xx: delivered.
+    Timeouts, connection errors, 408, 429 and 5xx: undelivered (retried by the queue, not before the answer's
+    ``Retry-After``: :class:`QueuedSink`). Any other answer (4xx, 3xx): the request itself is refused, so the alert is
+    *rejected* (retrying the same request cannot help)."""
 
     name = "webhook"
     batch_max = 1
