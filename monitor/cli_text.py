@@ -50,6 +50,7 @@ rules file (TOML):
   description = "New users mostly served by hash buckets"
   labels = { team = "ranking" }         # optional
   absent_for_s = 600                    # optional: fire when expr has no data this long
+  keep_firing_for_s = 300               # optional: resolve only after not holding this long (flapping)
 
 expressions: metric names, label selectors {l="v", l!="v", l=~"re", l!~"re"}, numbers, + - * /,
   parentheses, sum/max/min/avg/count [by (l, ...)] (expr), rate/increase/delta(metric[60s]), abs(expr).

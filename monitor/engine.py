@@ -15,7 +15,9 @@ Three parts, each usable alone:
           +----not cond-----+                          (pending again if cond) +
 
   It returns one ``firing`` alert on entering firing and one ``resolved`` alert on leaving it. A
-  ``for_s`` of 0 fires on the first evaluation where the condition holds. "No data" (the metric is
+  ``for_s`` of 0 fires on the first evaluation where the condition holds. A rule's ``keep_firing_for_s`` delays
+  "not cond" out of firing until the condition has not held that long (no data alike): a rule flapping at every
+  evaluation is one firing alert, not a firing and a resolved per flap. "No data" (the metric is
   missing from every source, or a series disappears) is not a true condition: pending series go back
   to inactive and firing ones resolve. A series missing because a source it comes from failed this
   scrape is *unknown* instead, for up to ``hold_s`` (``scrape_error_hold_s`` of the rules file) since
@@ -242,6 +244,7 @@ class SeriesState:
     value: float | None = None
     sources: frozenset[str] = frozenset()
     restored: bool = False  # firing as restored after a restart: announced again if it still holds
+    held: float = -math.inf  # when the condition last held (keep_firing_for_s counts from there)
 
 
 @dataclass(frozen=True)
@@ -483,6 +486,7 @@ class RuleEngine:
             st.state, st.since = State.INACTIVE, now
         restored, st.restored = st.restored, False
         if holds:
+            st.held = now
             if st.state is State.INACTIVE:
                 st.state, st.since = State.PENDING, now
             if st.state is State.PENDING and now - st.since >= rule.for_s:
@@ -493,6 +497,8 @@ class RuleEngine:
             return None
         if st.state is State.PENDING:
             st.state, st.since = State.INACTIVE, now
+        elif st.state is State.FIRING and now - st.held < rule.keep_firing_for_s:
+            return None  # a flap: keeps firing until the condition has not held for keep_firing_for_s
         elif st.state is State.FIRING:
             st.state, st.since = State.RESOLVED, now
             return self._alert(rule, lb, st, AlertState.RESOLVED, now)

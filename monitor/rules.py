@@ -47,6 +47,7 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     description = "Most user lookups fall back to hash buckets"
     labels = { team = "ranking" }       # optional, added to the alert's labels
     absent_for_s = 600                  # optional: fire when expr has had no data this long
+    keep_firing_for_s = 300             # optional: a firing series resolves only after not holding this long
 
 NaN: comparisons with NaN are false (IEEE, as in Prometheus), so a ``>`` rule never fires on a NaN
 value (an AUC without both classes yet is NaN and must not page anyone). To alert on NaN, use
@@ -144,6 +145,9 @@ class Rule:
     description: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     absent_for_s: float | None = None
+    # a firing series resolves only once its condition has not held for this long (Prometheus' keep_firing_for): a
+    # rule flapping at every evaluation sent a firing and a resolved per flap, an alert storm at every receiver
+    keep_firing_for_s: float = 0.0
     tree: Node | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -190,7 +194,8 @@ class RulesConfig:
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
-_RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s")
+_RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s",
+              "keep_firing_for_s")
 _TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "sample_max_age_s", "state_path",
              "history_max_series", "sources", "sinks", "run_log", "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
@@ -296,6 +301,7 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
     for_s = _number(where, ctx, "for_s", raw.get("for_s", 0), minimum=0)
     absent = raw.get("absent_for_s")
     absent_for_s = None if absent is None else _number(where, ctx, "absent_for_s", absent, minimum=0)
+    keep_firing_for_s = _number(where, ctx, "keep_firing_for_s", raw.get("keep_firing_for_s", 0), minimum=0)
     sev = raw.get("severity", Severity.WARNING.value)
     try:
         severity = Severity(sev)
@@ -308,7 +314,8 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
         raise where.error(ctx, f'field "labels": expected a table of strings, e.g. {{ team = "ranking" }}, '
                           f"got {_shown(labels)}")
     return Rule(name=name, expr=expr, op=op, threshold=threshold, for_s=for_s, severity=severity,
-                description=description, labels=dict(labels), absent_for_s=absent_for_s, tree=tree)
+                description=description, labels=dict(labels), absent_for_s=absent_for_s,
+                keep_firing_for_s=keep_firing_for_s, tree=tree)
 
 
 def _sinks(where: _Where, raw: Any) -> SinkSettings:

@@ -1,0 +1,49 @@
+"""A rule whose condition flaps at every evaluation: ``keep_firing_for_s`` keeps it one firing alert, not a storm."""
+
+from __future__ import annotations
+
+import pytest
+
+from monitor.engine import RuleEngine, Snapshot, State
+from monitor.rules import RulesError, loads_rules
+
+RULE = """
+[[rule]]
+name = "lag"
+expr = "streamrec_lag"
+op = ">"
+threshold = 5
+"""
+
+
+def scrape(value: float | None) -> Snapshot:
+    return Snapshot.from_texts({"learner": "" if value is None else f"streamrec_lag {value}\n"})
+
+
+def states(engine: RuleEngine, values: list[float | None], step_s: float = 10.0) -> list[str]:
+    """The alerts of one evaluation per value, ``step_s`` apart, as "firing"/"resolved" strings."""
+    return [a.state.value for i, v in enumerate(values) for a in engine.evaluate(scrape(v), i * step_s)]
+
+
+def test_a_rule_flapping_at_every_evaluation_sends_one_firing_then_one_resolved_with_keep_firing_for() -> None:
+    flaps = [9.0, 1.0] * 10
+    storm = RuleEngine(loads_rules(RULE).rules)
+    assert states(storm, flaps) == ["firing", "resolved"] * 10  # without it: two alerts per flap
+    engine = RuleEngine(loads_rules(RULE + "keep_firing_for_s = 30\n").rules)
+    assert states(engine, flaps) == ["firing"]
+    # it resolves once the condition has not held for 30 s (the last hold at t=180: resolved at t=210), the series
+    # gone or not
+    assert [a.state.value for t in (200.0, 210.0) for a in engine.evaluate(scrape(None), t)] == ["resolved"]
+
+
+def test_keep_firing_for_neither_fires_early_nor_keeps_a_pending_series() -> None:
+    engine = RuleEngine(loads_rules(RULE + "for_s = 20\nkeep_firing_for_s = 30\n").rules)
+    assert states(engine, [9.0, 1.0, 9.0, 9.0, 9.0]) == ["firing"]  # pending reset by the 1.0; fires at t=40
+    assert engine.states["lag"][()].state is State.FIRING
+
+
+def test_keep_firing_for_is_a_number_of_seconds_not_below_zero() -> None:
+    with pytest.raises(RulesError, match="keep_firing_for_s"):
+        loads_rules(RULE + "keep_firing_for_s = -1\n")
+    with pytest.raises(RulesError, match="keep_firing_for_s"):
+        loads_rules(RULE + 'keep_firing_for_s = "5m"\n')
