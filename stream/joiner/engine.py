@@ -148,6 +148,15 @@ class JoinedClick(NamedTuple):  # immutable, one per joined click: a NamedTuple 
     click_ts: int
 
 
+def _fold_offset(offset: int, topic_id: str | None, chunk_offset: int, chunk_topic_id: str | None) -> int:
+    """The restored offset of one input after a chunk (folded in seq order): the larger one of the same topic, but the
+    chunk's own where it names another topic id than the chunks before it (the topic made again: ``start_over``), as
+    the old topic's larger offset would skip the new topic's records below it as redelivered."""
+    if topic_id and chunk_topic_id and topic_id != chunk_topic_id:
+        return chunk_offset
+    return max(offset, chunk_offset)
+
+
 @dataclass
 class StateChunk:
     """What one batch changed; folding every live chunk in order rebuilds the partition's state."""
@@ -543,7 +552,8 @@ class PartitionJoin:
                 if t is not None:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = t if prev is None else max(prev, t)
-            self.offsets = [max(self.offsets[0], c.offsets[0]), max(self.offsets[1], c.offsets[1])]
+            self.offsets = [_fold_offset(self.offsets[k], self.topic_ids[k], c.offsets[k], c.topic_ids[k])
+                            for k in (0, 1)]
             self.topic_ids = [new or was for new, was in zip(c.topic_ids, self.topic_ids, strict=True)]
             retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
             heapq.heappush(self._chunks, (retire_at, c.seq))

@@ -7,7 +7,7 @@ from collections import Counter
 
 from stream.events import Click, Impression
 from stream.features import hash_value
-from stream.joiner.engine import JoinConfig, PartitionJoin, Unjoined
+from stream.joiner.engine import _NO_OFFSET, JoinConfig, PartitionJoin, StateChunk, Unjoined
 from stream.joiner.state_log import decode_chunk, encode_chunk
 
 W = 1000  # window ms
@@ -326,3 +326,16 @@ def test_batches_that_move_nothing_write_no_chunk_so_an_idle_stream_does_not_gro
     written = [j.apply([], [], clicks_idle=idle).chunk for idle in (True, True, False, True)]
     redelivered = j.apply(f.imps(), [(0, Click("z", 100))], clicks_idle=True)
     assert written == [None] * 4 and redelivered.chunk is None and j.max_ts == 5000
+
+
+def test_a_restore_takes_the_offsets_of_the_newest_chunks_topic_not_a_larger_one_of_a_topic_made_again() -> None:
+    """After a restore onto an input topic made again (``start_over``), the log holds older chunks with the old
+    topic's offsets beside newer ones with the new topic's smaller offsets; the next restore must resume at the new
+    topic's offset: the max over both skipped the new topic's records up to the old offset as redelivered, in silence
+    (both ids equal by then, so ``pipeline._follow_topics`` saw no change)."""
+    old = StateChunk(1, [], [], [], 1000, (900, 400), 1000, topic_ids=("old", "clicks-id"))
+    new = StateChunk(2, [], [], [], 1000, (_NO_OFFSET, 410), 1000, topic_ids=("new", "clicks-id"))
+    back = PartitionJoin.restore(0, CFG, [new, old])  # any order
+    assert back.offsets == [_NO_OFFSET, 410] and back.topic_ids == ["new", "clicks-id"]
+    later = dataclasses.replace(new, seq=3, offsets=(50, 420))
+    assert PartitionJoin.restore(0, CFG, [old, later, new]).offsets == [50, 420]
