@@ -427,17 +427,32 @@ def topic_identity(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) ->
     cluster's of the same name, has another topic id. An id the broker does not give (none, or the all-zero Uuid of a
     broker without topic ids) is left out, and so is everything when the broker cannot be asked (logged): the caller
     then cannot tell one topic from another of its name, and goes on as before topic ids were recorded."""
+    return topic_identities(kafka, [topic], timeout_s)[topic]
+
+
+def topic_identities(kafka: KafkaSettings, topics: Sequence[str], timeout_s: float = 10.0) -> dict[str, dict[str, str]]:
+    """:func:`topic_identity` of each of ``topics`` from one admin client and one DescribeTopics (the joiner asks for
+    both inputs at every restore: a client and two round trips per topic doubled its wait on a slow broker). A topic
+    the broker cannot describe (absent, denied) gets the cluster id only, logged; the others keep theirs."""
+    out: dict[str, dict[str, str]] = {t: {} for t in topics}
     try:
         admin = AdminClient(admin_config(kafka))
         cluster = admin.list_topics(timeout=timeout_s).cluster_id
-        tid = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic].result().topic_id
+        futures = admin.describe_topics(TopicCollection(list(topics)), request_timeout=timeout_s)
     except KafkaException as exc:
-        log.warning("could not read the id of topic %s (%s): a topic made again under its name goes untold",
-                    topic, clip(str(exc)))
-        return {}
-    out = {"cluster_id": cluster} if cluster else {}
-    if tid is not None and (tid.get_most_significant_bits() or tid.get_least_significant_bits()):
-        out["topic_id"] = str(tid)
+        log.warning("could not read the ids of topics %s (%s): a topic made again under its name goes untold",
+                    ", ".join(topics), clip(str(exc)))
+        return out
+    for topic in topics:
+        out[topic] = {"cluster_id": cluster} if cluster else {}
+        try:
+            tid = futures[topic].result().topic_id
+        except KafkaException as exc:
+            log.warning("could not read the id of topic %s (%s): a topic made again under its name goes untold",
+                        topic, clip(str(exc)))
+            continue
+        if tid is not None and (tid.get_most_significant_bits() or tid.get_least_significant_bits()):
+            out[topic]["topic_id"] = str(tid)
     return out
 
 

@@ -116,7 +116,7 @@ from stream.kafka import (
     new_consumer,
     raise_limit,
     refused_as_too_large,
-    topic_identity,
+    topic_identities,
     usable_bytes,
 )
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -498,9 +498,10 @@ class JoinPipeline:
         t0 = time.monotonic()
         empty: list[int] = []
         restored: dict[int, PartitionJoin] = {}
-        # which input topics the restored offsets must be of (_follow_topics): asked once per restore, as few as they
-        now = [topic_identity(self.kafka, t).get("topic_id") for t in (self.kafka.impressions_topic,
-                                                                       self.kafka.clicks_topic)]
+        # which input topics the restored offsets must be of (_follow_topics): asked once per restore
+        inputs = (self.kafka.impressions_topic, self.kafka.clicks_topic)
+        ids = topic_identities(self.kafka, inputs)  # one admin client, one round trip for both
+        now = [ids[t].get("topic_id") for t in inputs]
         for partition, plog in load_chunks(self.kafka, self.state_topic, missing).items():
             chunks, parts, incomplete = plog.chunks, plog.parts, plog.incomplete
             start = (reloaded or {}).get(partition)

@@ -677,3 +677,21 @@ def test_an_impressions_topic_made_again_and_written_past_the_state_logs_offsets
     third = make()
     third.restore({0})
     assert third.engines[0].offsets[0] == 7 and not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_restore_asks_the_broker_for_both_inputs_topic_ids_with_one_admin_client(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every restore (each assignment, and a partition read again mid-batch) asks which topics the inputs are now:
+    one admin client and one metadata round trip per input made two clients, each listing every topic of the cluster
+    for a cluster id the joiner does not use; with the broker slow that was up to 4 x 10 s before the first batch."""
+    import stream.kafka as kafka_module
+
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
+    p = make()
+    made: list[object] = []
+    real = kafka_module.AdminClient
+    monkeypatch.setattr(kafka_module, "AdminClient", lambda conf: made.append(conf) or real(conf))
+    p.restore({0, 1})
+    assert len(made) == 1
+    ids = [topic_identity(kafka, t)["topic_id"] for t in (kafka.impressions_topic, kafka.clicks_topic)]
+    assert p.engines[0].topic_ids == ids and p.engines[1].topic_ids == ids
