@@ -84,21 +84,22 @@ Rejected rows
     ``field`` is the event field (``impression_id``, ``ts``, ``user_id``, ``item_id``,
     ``context.<col>``, ``dense.<col>``) or ``clicked`` / ``click_ts``; the first failing one in that
     order is reported, and ``expected`` ends with the column and the row (counting data rows from 0).
-    Reasons: a missing or empty id, a negative integer id, an id over 256 chars or over 2**63-1; a
-    missing/unparseable time or one outside [1970-01-01, 2100-01-01) (or, under the default unit, before
-    1973-03-03: epoch seconds among milliseconds); a dense value that is missing
-    or not finite; a context value the schema rejects (non-finite float, string over 256 chars, list
-    over 1024 entries); an unparseable clicked value; a click time that is unparseable, out of range
-    or before the impression. A row whose every value passes but whose event, as the publisher encodes
-    it, is over ``[limits] max_message_bytes`` (long context lists, say) is rejected last, with field
-    ``message``, kind ``too_large`` and its size in bytes as the value (no column is named).
+    Reasons: a missing or empty id, a negative integer id, an id over ``max_str_len`` chars (256 by
+    default) or over 2**63-1; a missing/unparseable time or one outside [1970-01-01, 2100-01-01) (or, under
+    the default unit, before 1973-03-03: epoch seconds among milliseconds); a dense value that is missing
+    or not finite; a context value the schema rejects (non-finite float, string over ``max_str_len``
+    chars, list over ``max_list_len`` entries); an unparseable clicked value; a click time that is
+    unparseable, out of range or before the impression. A row whose every value passes but whose event,
+    as the publisher encodes it, is over ``[limits] max_message_bytes`` (long context lists, say) is
+    rejected last, with field ``message``, kind ``too_large`` and its size in bytes as the value (no column is named).
     ``impressions + rejected_rows == rows_read``.
 
 Column types that can never be valid (a bool id column, a struct feature) are configuration
 mistakes and raise :class:`EventLogError` (a ``ValueError``), as do a missing column, an unknown
 file format, and a mapping that breaks the limits on every event: more ``features`` columns than
 ``max_context_keys`` or ``dense`` columns than ``max_dense_keys``, or one whose name (the event's
-key) is over ``max_key_len`` chars. The limits checked are the defaults (``DEFAULT_LIMITS``).
+key) is over ``max_key_len`` chars. The limits checked are ``load_eventlog``'s ``limits``: the command's ``[limits]``,
+the joiner's, so an import publishes what the joiner accepts and dead-letters at the source what it would refuse.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from stream.errors import ConfigError, ValidationError
-from stream.events import DENSE_RULE, MAX_ID, MAX_LIST_LEN, MAX_STR_ID_LEN, MAX_TS_MS, SCHEMA_VERSION
+from stream.events import DENSE_RULE, MAX_ID, MAX_TS_MS, SCHEMA_VERSION
 from stream.files import NotRegularFile, ReadAt, describe_os_error, open_regular
-from stream.limits import DEFAULT_LIMITS, DENSE_BOUND
+from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, EventLimits
 from stream.replay.config import ClickDelay
 from stream.replay.table import IMPRESSION, ContextPart, EventTable, RawMessage, draw_click_delays_ms
 from stream.samples import DENSE_PREFIX
@@ -579,24 +580,23 @@ def _object_array(values: list[Any]) -> np.ndarray:
     return out
 
 
-_ID_EXPECTED = f"a non-negative 64-bit integer or a non-empty string (<= {MAX_STR_ID_LEN} chars)"
-
-
-def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray, list[_Check]]:
-    """An id column -> ``(object array of int/str, checks)``; integer columns stay Python ints."""
+def _ids(arr: pa.Array, field: str, column: str, csv: bool, max_len: int) -> tuple[np.ndarray, list[_Check]]:
+    """An id column -> ``(object array of int/str, checks)``; integer columns stay Python ints. ``max_len``:
+    ``[limits] max_str_len``."""
     t = arr.type
     n = len(arr)
+    id_expected = f"a non-negative 64-bit integer or a non-empty string (<= {max_len} chars)"
     if pa.types.is_null(t):
-        return _object_array([None] * n), [_Check(np.ones(n, bool), field, column, _ID_EXPECTED)]
+        return _object_array([None] * n), [_Check(np.ones(n, bool), field, column, id_expected)]
     utf8: list[_Check] = []  # cells that are not UTF-8 text, when the column holds bytes
     if _is_binary(t):
         arr, utf8 = _to_text(arr, field, column)
         t = pa.string()
     if _is_text(t):  # in a CSV a null token is the missing id a Parquet null is
         missing = _missing_words(arr) if csv else _nulls(arr) | _np_bool(pc.equal(arr, ""))
-        too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
-        checks = [*utf8, _Check(missing, field, column, _ID_EXPECTED),
-                  _Check(too_long, field, column, f"a string id of at most {MAX_STR_ID_LEN} chars")]
+        too_long = _np_bool(pc.greater(pc.utf8_length(arr), max_len))
+        checks = [*utf8, _Check(missing, field, column, id_expected),
+                  _Check(too_long, field, column, f"a string id of at most {max_len} chars ([limits] max_str_len)")]
         if csv:
             negative = _matches(arr, _NEG_INT_RE)
             checks.append(_Check(negative, field, column, f"an integer id in [0, {MAX_ID}]"))
@@ -612,7 +612,7 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
         v, big = _ints(arr)
         missing = _nulls(arr)
         return _object_array(v.tolist()), [
-            _Check(missing, field, column, _ID_EXPECTED),
+            _Check(missing, field, column, id_expected),
             _Check((v < 0) | big, field, column, f"an integer id in [0, {MAX_ID}]"),
         ]
     if pa.types.is_floating(t):  # e.g. pandas int columns with gaps; whole numbers only
@@ -621,16 +621,17 @@ def _ids(arr: pa.Array, field: str, column: str, csv: bool) -> tuple[np.ndarray,
         whole = np.isfinite(v) & (v >= 0) & (v < 2.0**63) & (np.floor(v) == v)
         ints = np.where(whole, v, 0).astype(np.int64)
         return _object_array(ints.tolist()), [
-            _Check(missing, field, column, _ID_EXPECTED),
+            _Check(missing, field, column, id_expected),
             _Check(~whole & ~missing, field, column, f"an integer id in [0, {MAX_ID}]"),
         ]
     raise EventLogError(f"{field} column {column!r} has type {t}; ids must be integers or strings "
                         f"(set the column with {FLAGS['user' if field == 'user_id' else 'item']})")
 
 
-def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int, csv: bool
+def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int, csv: bool, max_len: int
                     ) -> tuple[list[str], list[str], list[_Check]]:
-    """``(impression ids, ids for rejected rows' keys, checks)``; in a CSV a null token is missing (:func:`_ids`)."""
+    """``(impression ids, ids for rejected rows' keys, checks)``; in a CSV a null token is missing (:func:`_ids`).
+    ``max_len``: ``[limits] max_str_len``."""
     generated = [f"{stem}-{i:09d}" for i in range(n)]
     if arr is None or column is None:
         return generated, generated, []
@@ -644,11 +645,11 @@ def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int,
         raise EventLogError(f"impression id column {column!r} has type {t}; it must hold strings or integers "
                             f"(set with {FLAGS['impression_id']})")
     missing = _missing_words(arr) if csv else _nulls(arr) | _np_bool(pc.equal(arr, ""))
-    too_long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
+    too_long = _np_bool(pc.greater(pc.utf8_length(arr), max_len))
     ids = arr.to_pylist()
     bad = missing | too_long  # (cells that are not UTF-8 are missing now: their rows get generated keys too)
     keys = [g if b else v for v, g, b in zip(ids, generated, bad.tolist(), strict=True)]
-    expected = f"a non-empty string of at most {MAX_STR_ID_LEN} chars"
+    expected = f"a non-empty string of at most {max_len} chars ([limits] max_str_len)"
     return ids, keys, [*utf8, _Check(missing, "impression_id", column, expected),
                        _Check(too_long, "impression_id", column, expected)]
 
@@ -876,8 +877,10 @@ def _clicked(arr: pa.Array, column: str) -> tuple[np.ndarray, np.ndarray]:
                         f"true/false/1/0/yes/no (set with {FLAGS['clicked']}, '' for no clicks)")
 
 
-def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, list[_Check], bool]:
-    """A context column -> ``(array for to_pylist, checks, lists may hold nulls)``."""
+def _prepare_feature(arr: pa.Array, column: str, csv: bool, limits: EventLimits
+                     ) -> tuple[pa.Array, list[_Check], bool]:
+    """A context column -> ``(array for to_pylist, checks, lists may hold nulls)``, strings and lists checked against
+    ``limits`` (``max_str_len``, ``max_list_len``) as the joiner's decoder checks them."""
     field = f"context.{column}"
     t = arr.type
     n = len(arr)
@@ -892,12 +895,13 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
         big = _ints(arr)[1] if pa.types.is_integer(t) else none
         return arr, [_Check(big, field, column, "an integer in the signed 64-bit range")], False
     if _is_text(t):
-        long = _np_bool(pc.greater(pc.utf8_length(arr), MAX_STR_ID_LEN))
+        long = _np_bool(pc.greater(pc.utf8_length(arr), limits.max_str_len))
         if csv:  # each cell alone: missing, an integer, a float, a boolean or its text
             arr, text, huge = _feature_cells(arr)
             long &= text
             utf8.append(_Check(huge, field, column, "a finite number"))
-        return arr, [*utf8, _Check(long, field, column, f"a string of at most {MAX_STR_ID_LEN} chars")], False
+        return arr, [*utf8, _Check(long, field, column, f"a string of at most {limits.max_str_len} chars "
+                                                        "([limits] max_str_len)")], False
     if pa.types.is_floating(t):  # NaN is missing, as the CSV cell `nan` is (a null token); inf is rejected
         arr = pc.if_else(pc.is_nan(arr), pa.scalar(None, arr.type), arr)
         f = pc.fill_null(arr.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
@@ -917,18 +921,19 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool) -> tuple[pa.Array, l
             arr = arr.cast(pa.list_(vt_new))
         except pa.ArrowInvalid:
             raise EventLogError(f"feature column {column!r}: list values are not UTF-8 text") from None
-        too_many = _np_bool(pc.greater(pc.list_value_length(arr), MAX_LIST_LEN))
+        too_many = _np_bool(pc.greater(pc.list_value_length(arr), limits.max_list_len))
         values = pc.list_flatten(arr)
         parents = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False), np.int64)
         if pa.types.is_integer(vt_new):
             bad_value = _ints(values)[1]
         else:
-            bad_value = _np_bool(pc.greater(pc.utf8_length(values), MAX_STR_ID_LEN))
+            bad_value = _np_bool(pc.greater(pc.utf8_length(values), limits.max_str_len))
         bad_entry = np.zeros(n, bool)
         bad_entry[parents[bad_value]] = True
-        checks = [_Check(too_many, field, column, f"a list of at most {MAX_LIST_LEN} strings/integers"),
-                  _Check(bad_entry, field, column, f"list entries of at most {MAX_STR_ID_LEN} chars and "
-                         f"in the signed 64-bit range")]
+        checks = [_Check(too_many, field, column, f"a list of at most {limits.max_list_len} strings/integers "
+                         "([limits] max_list_len)"),
+                  _Check(bad_entry, field, column, f"list entries of at most {limits.max_str_len} chars "
+                         "([limits] max_str_len) and in the signed 64-bit range")]
         return arr, checks, values.null_count > 0
     raise EventLogError(f"feature column {column!r} has type {t}; context values must be strings, integers, "
                         f"floats, booleans or lists of strings/integers (set with {FLAGS['features']})")
@@ -1049,11 +1054,10 @@ def _json_rows(table: pa.Table, csv: bool) -> list[dict[str, Any]]:
 
 
 # -- limits on the event as a whole ----------------------------------------------------------------
-def _check_event_keys(cols: ColumnMap) -> None:
+def _check_event_keys(cols: ColumnMap, limits: EventLimits) -> None:
     """The feature and dense column names become the event's context and dense keys: a mapping with more
     of them than ``[limits]`` allows, or a name over ``max_key_len``, makes every row an event the decoder
     rejects, so it is refused as a configuration mistake."""
-    limits = DEFAULT_LIMITS
     for role, field, max_keys in (("features", "context", limits.max_context_keys),
                                   ("dense", "dense", limits.max_dense_keys)):
         names = list(dict.fromkeys(getattr(cols, role)))
@@ -1068,25 +1072,28 @@ def _check_event_keys(cols: ColumnMap) -> None:
                                     "([limits] max_key_len): rename the column")
 
 
-# JSON of an impression without its context (``ids`` strings at most MAX_STR_ID_LEN chars, each escaped
+# JSON of an impression without its context (ids: strings of at most max_str_len chars, each char escaped
 # to at most 6 bytes) and with one dense value (float64, at most 24 chars as orjson writes it) per key:
 _EVENT_BASE_BYTES = len(b'{"schema_version":1,"impression_id":"","ts":,"user_id":"","item_id":""'
                         b',"context":,"dense":{}}')
-_ID_BYTES = 6 * MAX_STR_ID_LEN
+_ESCAPED_CHAR_BYTES = 6
+_INT_ID_BYTES = len(str(MAX_ID))
 _TS_BYTES = len(str(MAX_TS_MS))
 _DENSE_VALUE_BYTES = 24
 
 
 def _oversized(imp_ids: np.ndarray, users: np.ndarray, items: np.ndarray, ts: np.ndarray,
-               dicts: list[dict[str, Any]] | None, dense: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+               dicts: list[dict[str, Any]] | None, dense: dict[str, np.ndarray], limits: EventLimits
+               ) -> tuple[np.ndarray, np.ndarray]:
     """``(over (N,) bool, size (N,) int64)`` of the accepted rows (columns of N rows each, ``dicts`` their
     context or None without feature columns): which events, encoded as the publisher
     encodes them (``stream/replay/publisher.py``), are over ``max_message_bytes``; ``size`` is exact where
     ``over``. A bound (the context's exact JSON + the most the other fields can take) clears most rows
     with one ``orjson.dumps`` of the context dict; only rows the bound does not clear are encoded whole."""
     n = len(imp_ids)
-    limit = DEFAULT_LIMITS.max_message_bytes
-    rest = (_EVENT_BASE_BYTES + 3 * _ID_BYTES + _TS_BYTES
+    limit = limits.max_message_bytes
+    id_bytes = max(_ESCAPED_CHAR_BYTES * limits.max_str_len, _INT_ID_BYTES)  # a short max_str_len: int ids are longer
+    rest = (_EVENT_BASE_BYTES + 3 * id_bytes + _TS_BYTES
             + sum(len(orjson.dumps(name)) + 2 + _DENSE_VALUE_BYTES for name in dense))
     size = np.full(n, rest, np.int64)
     if dicts is not None:
@@ -1107,13 +1114,15 @@ def _oversized(imp_ids: np.ndarray, users: np.ndarray, items: np.ndarray, ts: np
 
 # -- the source -----------------------------------------------------------------------------------
 def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed: int,
-                  limit: int | None = None, csv_delimiter: str | None = None) -> EventTable:
+                  limit: int | None = None, csv_delimiter: str | None = None,
+                  limits: EventLimits = DEFAULT_LIMITS) -> EventTable:
     """Read an event log (one impression per row) into an :class:`EventTable`.
 
     ``limit``: read only the first ``limit`` rows of the file (file order, rejected rows included);
     the publisher sorts them by event time. ``csv_delimiter`` overrides the one implied by the
-    extension (tab for ``.tsv``, else comma). ``stats``: ``file``, ``format``, ``rows_read``,
-    ``rejected_rows``, ``rejected_by_field`` (field -> rows), ``clicked_rows`` (clicks produced),
+    extension (tab for ``.tsv``, else comma). ``limits``: the joiner's (the command's ``[limits]``): a row
+    it would dead-letter is rejected here, and one it accepts is published. ``stats``: ``file``, ``format``,
+    ``rows_read``, ``rejected_rows``, ``rejected_by_field`` (field -> rows), ``clicked_rows`` (clicks produced),
     ``duplicate_impression_ids`` (accepted rows reusing an earlier row's mapped impression id).
 
     Raises :class:`EventLogError` (a ``ValueError``) for an unknown format, a missing file or
@@ -1130,7 +1139,7 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
     for role, col in cols.roles():
         if not col:
             raise EventLogError(f"{FLAGS[role]} names no column (got an empty name)")
-    _check_event_keys(cols)
+    _check_event_keys(cols, limits)
     fmt, stem = detect_format(path)
     wanted = list(dict.fromkeys(col for _, col in cols.roles()))
     with _open_log(path) as fh:
@@ -1140,16 +1149,17 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
             ext = path.name.lower()
             ext = ext[: len(ext) - len(next((e for e in _COMPRESSED_EXT if ext.endswith(e)), ""))]
             table = _read_csv(path, fh, Path(ext).suffix, cols, wanted, limit, csv_delimiter)
-    return _build(table, cols, delay, seed, path, fmt, stem[:200], csv=fmt == "csv")
+    return _build(table, cols, delay, seed, path, fmt, stem[:200], csv=fmt == "csv", limits=limits)
 
 
 def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path: Path, fmt: str,
-           stem: str, csv: bool) -> EventTable:
+           stem: str, csv: bool, limits: EventLimits) -> EventTable:
     n = table.num_rows
     col = {name: _plain(table.column(name)) for name in table.column_names}
     checks: list[_Check] = []
 
-    imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n, csv)
+    imp_ids, keys, c = _impression_ids(col.get(cols.impression_id or ""), cols.impression_id, stem, n, csv,
+                                       limits.max_str_len)
     checks += c
     unit = cols.time_unit or "ms"
     ts, ts_status, ts_number = _times(col[cols.time], unit, cols.time, FLAGS["time"])
@@ -1159,19 +1169,19 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     checks += _time_checks(ts_status, ts_number, "ts", cols.time, unit)
     # The producer stamps messages with the wall clock: a row further ahead than the joiner would accept
     # is dead-lettered here already (same bound, same kind).
-    ahead = (ts_status == _OK) & (ts > int(time.time() * 1000) + DEFAULT_LIMITS.future_ts_ms)
-    checks.append(_Check(ahead, "ts", cols.time, f"an event time at most {DEFAULT_LIMITS.future_ts_s:g} s ahead of "
-                         "the wall clock at import (is --time-unit right?)", kind="future_ts"))
-    users, c = _ids(col[cols.user], "user_id", cols.user, csv)
+    ahead = (ts_status == _OK) & (ts > int(time.time() * 1000) + limits.future_ts_ms)
+    checks.append(_Check(ahead, "ts", cols.time, f"an event time at most {limits.future_ts_s:g} s ahead of "
+                         "the wall clock at import (is --time-unit right? [limits] future_ts_s)", kind="future_ts"))
+    users, c = _ids(col[cols.user], "user_id", cols.user, csv, limits.max_str_len)
     checks += c
-    items, c = _ids(col[cols.item], "item_id", cols.item, csv)
+    items, c = _ids(col[cols.item], "item_id", cols.item, csv, limits.max_str_len)
     checks += c
 
     features = list(dict.fromkeys(cols.features))
     prepared: dict[str, pa.Array] = {}
     list_nulls: list[str] = []
     for name in features:
-        arr, c, has_nulls = _prepare_feature(col[name], name, csv)
+        arr, c, has_nulls = _prepare_feature(col[name], name, csv, limits)
         prepared[name] = arr
         checks += c
         if has_nulls:
@@ -1237,9 +1247,9 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     # the limit on the event as a whole, checked last: only an event whose every field is valid has a size
     good_idx = np.flatnonzero(good)
     over, size = _oversized(_object_array(imp_ids)[good], users[good], items[good], ts[good], dicts,
-                            {name: v[good] for name, v in dense.items()})
+                            {name: v[good] for name, v in dense.items()}, limits)
     if over.any():
-        limit = DEFAULT_LIMITS.max_message_bytes
+        limit = limits.max_message_bytes
         sizes = np.zeros(n, np.int64)
         sizes[good_idx[over]] = size[over]
         checks.append(_Check(sizes > 0, "message", "", f"an impression event of at most {limit} bytes as JSON "

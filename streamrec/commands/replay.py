@@ -133,12 +133,12 @@ def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
             f"--dataset {rs.dataset!r} is neither a packaged data set ({', '.join(sorted(DATASETS))}), "
             f"'synthetic', nor an existing Parquet/CSV file"
         )
+    from stream.limits import EventLimits
     from stream.replay.eventlog import ColumnMap, load_eventlog
 
-    cols = ColumnMap(
-        user=args.user_col, item=args.item_col, time=args.time_col, time_unit=args.time_unit,
-        impression_id=args.impression_id_col, clicked=args.clicked_col or None, click_time=args.click_time_col,
-        features=tuple(c for c in (args.feature_cols or "").split(",") if c),
-        dense=tuple(c for c in (args.dense_cols or "").split(",") if c),
-    )
-    return load_eventlog(path, cols, rs.click_delay, rs.seed, rs.limit, csv_delimiter=args.csv_delimiter)
+    cols = ColumnMap(user=args.user_col, item=args.item_col, time=args.time_col, time_unit=args.time_unit,
+                     impression_id=args.impression_id_col, clicked=args.clicked_col or None,
+                     click_time=args.click_time_col, features=tuple(filter(None, (args.feature_cols or "").split(","))),
+                     dense=tuple(filter(None, (args.dense_cols or "").split(","))))  # (empty names dropped)
+    return load_eventlog(path, cols, rs.click_delay, rs.seed, rs.limit, csv_delimiter=args.csv_delimiter,
+                         limits=src.build(EventLimits, "limits"))  # the joiner's: it publishes what the joiner takes

@@ -144,3 +144,25 @@ def test_serve_checks_requests_against_the_limits_section(tmp_path: Path, monkey
     with pytest.raises(_Built):
         main(["serve", "--no-redis", "--publish-root", str(tmp_path)])
     assert got["limits"].max_str_len == 512
+
+
+def test_replay_of_an_event_log_checks_rows_against_the_limits_section(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``streamrec replay --dataset FILE`` checks rows against ``[limits]`` (the joiner's), not the built-in defaults:
+    with max_str_len raised to 512 a 300-char user id is published, not dead-lettered at the source."""
+    import stream.replay.publisher
+
+    got: dict[str, Any] = {}
+
+    def publish(table: Any, *args: Any, **kwargs: Any) -> None:
+        got["table"] = table
+        raise _Built
+
+    monkeypatch.setattr(stream.replay.publisher, "publish", publish)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "log.csv").write_text(f"user_id,item_id,ts\n{'u' * 300},7,1000\n")
+    monkeypatch.setenv("STREAMREC_LIMITS_MAX_STR_LEN", "512")
+    with pytest.raises(_Built):
+        main(["replay", "--dataset", str(tmp_path / "log.csv"), "--time-unit", "ms", "--clicked-col", "",
+              "--no-progress"])
+    assert got["table"].n_impressions == 1 and got["table"].stats["rejected_rows"] == 0
