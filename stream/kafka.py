@@ -349,7 +349,10 @@ def heartbeat_interval_s(kafka: KafkaSettings) -> float:
     return max(0.5, kafka.session_timeout_ms / 6000)
 
 
-RECEIVE_MAX_BYTES = 2_147_483_647  # librdkafka's receive.message.max.bytes cap (a Kafka record's size is an int32)
+# receive.message.max.bytes: 256 MiB, 2.5x librdkafka's default. Not its 2 GiB cap: librdkafka allocates the frame
+# size a connection announces, so a bootstrap pointed at another protocol's port took its first bytes for one (a
+# TLS alert 336 MiB, "-ERR" 759 MB, "HTTP" 1.2 GB) where this bound refuses it as an invalid frame
+RECEIVE_MAX_BYTES = 256 << 20
 
 
 def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[str, Any]:
@@ -370,11 +373,11 @@ def consumer_config(kafka: KafkaSettings, group_id: str, **extra: Any) -> dict[s
         # stated: the faust driver's aiokafka reads uncommitted unless told, stream/joiner/faust_delivery.py). The
         # local broker does not honour aborts (environment.md).
         "isolation.level": "read_committed",
-        # Any record a broker holds can be fetched: it hands over a partition's first record whatever its size
-        # (KIP-74), and a fetch response over librdkafka's default 100 MB limit was dropped and fetched again for ever
-        # (librdkafka's FAIL log line the only word): a reader stalled at a record a producer sent with a raised
-        # message.max.bytes, and nothing before it in the same response was read either. Buffers are sized per
-        # response, so the cap costs nothing until such a record comes.
+        # A record up to RECEIVE_MAX_BYTES can be fetched: the broker hands over a partition's first record whatever
+        # its size (KIP-74), and a fetch response over librdkafka's default 100 MB limit was dropped and fetched again
+        # for ever (librdkafka's FAIL log line the only word): a reader stalled at a record a producer sent with a
+        # raised message.max.bytes, and nothing before it in the same response was read either (one over 256 MiB
+        # still does: README). Buffers are sized per response, so the bound costs nothing until such a record comes.
         "receive.message.max.bytes": RECEIVE_MAX_BYTES,
     }
     return _client(kafka, conf, extra)
