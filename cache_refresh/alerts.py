@@ -144,8 +144,7 @@ class RefreshAlerts:
             log.warning("cannot take %s to resolve its alerts (%s); they stay firing", self._firing,
                         describe_os_error(exc))
         resolved: dict[str, Alert] = {}
-        for path in taken:
-            self._read_aside(path, version, resolved)
+        taken = [path for path in taken if self._read_aside(path, version, resolved)]  # one unread stays, for the next
         for alert in resolved.values():
             self._send(alert)
         for path in taken:  # after the sends: a process killed before this leaves them for the next publish
@@ -169,9 +168,10 @@ class RefreshAlerts:
         owners = ((p, p.name[len(TAKEN):].split("-")[0]) for p in found)  # (path, its pid as written)
         return [p for p, pid in owners if pid.isdigit() and not leftover_writer_alive(int(pid))]
 
-    def _read_aside(self, path: Path, version: str, resolved: dict[str, Alert]) -> None:
+    def _read_aside(self, path: Path, version: str, resolved: dict[str, Alert]) -> bool:
         """Add to ``resolved`` (by fingerprint) the resolved record of each alert in ``path``, a :data:`FIRING` taken
-        aside; what cannot be read is logged."""
+        aside; whether it was read to its end. What cannot be read is logged and kept (an aside of this process's pid
+        is a dead one's to the next publish, :meth:`_dead_asides`): removed unread, its alerts were never resolved."""
         try:
             with open_regular(path) as (fh, _):
                 # line by line, each bounded: a schedule failing every minute for months appends far more than a state
@@ -185,7 +185,10 @@ class RefreshAlerts:
                     if alert is not None:
                         resolved.setdefault(alert.fingerprint, alert)
         except OSError as exc:
-            log.warning("cannot read %s to resolve its alerts (%s); they stay firing", path, describe_os_error(exc))
+            log.warning("cannot read %s to resolve its alerts (%s); they stay firing until a publish can", path,
+                        describe_os_error(exc))
+            return False
+        return True
 
     def _resolved(self, line: bytes, version: str) -> Alert | None:
         """The resolved record of one line of :data:`FIRING`; None (logged) for a line that is no alert record."""

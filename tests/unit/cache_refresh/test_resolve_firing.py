@@ -75,3 +75,27 @@ def test_alerts_of_a_publish_killed_while_resolving_them_are_resolved_by_the_nex
     assert later.fingerprint in {a.fingerprint for a in alerts.fired[1:]}
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert alerts.resolve_firing("v3") == 0
+
+
+def test_a_record_that_cannot_be_read_is_kept_and_resolved_by_a_later_publish(tmp_path: Path, monkeypatch) -> None:
+    """A read error (EIO) on the record taken aside: its alerts stay firing, and the record stays for the next
+    publish to resolve (it was removed unread, its alerts never resolved)."""
+    import errno
+
+    import cache_refresh.alerts as mod
+
+    alerts = RecordedAlerts()
+    alerts.record_in(tmp_path)
+    alerts.fire("checkpoint", "no checkpoint", "refresh_failed")
+    real = mod.open_regular
+
+    def failing(path: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(mod, "open_regular", failing)
+    assert alerts.resolve_firing("v1") == 0
+    assert [p.name for p in tmp_path.iterdir() if p.name != FIRING]  # the aside, kept
+    monkeypatch.setattr(mod, "open_regular", real)
+    assert alerts.resolve_firing("v2") == 1
+    assert [a.state.value for a in alerts.fired] == ["firing", "resolved"]
+    assert list(tmp_path.iterdir()) == []
