@@ -367,7 +367,7 @@ def _content_length(values: list[str], limit: int) -> int:
         shown = ", ".join(v[:20] for v in values)[:80]
         raise _BadFraming(400, f"{len(values)} Content-Length headers ({shown}): the body's framing is ambiguous")
     raw = values[0]
-    digits = raw.strip(" \t")
+    digits = raw.strip(_OWS)
     if not (digits.isascii() and digits.isdigit()):  # int() alone takes "-1", "+5", "1_0"
         raise _BadFraming(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
     digits = digits.lstrip("0") or "0"
@@ -491,7 +491,7 @@ def _parse_header_lines(lines: list[bytes], message_class: type[http.client.HTTP
         name, sep, value = line[:len(line) - end].partition(":")
         if not end or not sep or "\r" in value or not _TOKEN.fullmatch(name):
             return http.client.parse_headers(io.BytesIO(b"".join(lines)), _class=message_class)
-        msg[name] = value.lstrip(" \t")
+        msg[name] = value.lstrip(_OWS)
     return msg
 
 
