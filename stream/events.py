@@ -49,8 +49,6 @@ SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 
 MAX_ID = 2**63 - 1
-MAX_STR_ID_LEN = DEFAULT_LIMITS.max_str_len
-MAX_LIST_LEN = DEFAULT_LIMITS.max_list_len
 # 2100-01-01T00:00:00Z in ms: anything later is a unit mistake (microseconds, nanoseconds).
 MAX_TS_MS = 4_102_444_800_000
 

@@ -24,8 +24,9 @@ from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.request import parse_request
-from stream.events import MAX_ID, MAX_STR_ID_LEN
+from stream.events import MAX_ID
 from stream.features import hash_value
+from stream.limits import DEFAULT_LIMITS
 from tests.unit.learner.test_row_mapper import CFG, B, batch
 
 
@@ -61,7 +62,7 @@ def test_unknown_users_and_items_in_every_form_get_their_bucket_row_a_valid_scor
     metrics = ServingMetrics(lambda: served)
     encoder = FeatureEncoder(served)
     # brand-new users: the largest int id, a long unicode string, a number sent as text and as a number (one id)
-    unknown_users = [MAX_ID, "ü" * MAX_STR_ID_LEN, "1000001", 1000001, "\u0000x", " 7"]
+    unknown_users = [MAX_ID, "ü" * DEFAULT_LIMITS.max_str_len, "1000001", 1000001, "\u0000x", " 7"]
     unknown_items = [MAX_ID, "新しい", 99999]
     for user in unknown_users:
         req = parse_request({"user_id": user, "items": [*unknown_items, 3]}, max_candidates=100)
