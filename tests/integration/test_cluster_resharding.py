@@ -173,6 +173,18 @@ def test_the_days_of_a_kinds_counts_are_all_found_while_a_resharding_moves_its_s
         assert finished
 
 
+def rows_sharing_a_slot(prefix: str) -> tuple[int, np.ndarray, list[str], dict[int, list[int]], int]:
+    """A table of more rows than hash slots (N, D + 1), its version v1 keys, the rows of each slot, and a slot holding
+    at least two of them (the one a test splits between two nodes mid-move)."""
+    n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
+    table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
+    keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
+    per_slot: dict[int, list[int]] = {}
+    for row, k in enumerate(keys):
+        per_slot.setdefault(key_slot(k.encode()), []).append(row)
+    return n_rows, table, keys, per_slot, next(s for s, rs in per_slot.items() if len(rs) >= 2)
+
+
 @pytest.fixture(scope="module")
 def moving_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNodes]:
     """One cluster for the tests below, each moving slots of its own (its own prefix: keys of other slots)."""
@@ -185,13 +197,7 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
     # a multi-key MGET on a slot split between two nodes mid-move is refused (TRYAGAIN, redis-py's ClusterError once
     # its redirections run out): the whole round trip failed and every request's misses fell back for retry_after_s
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
-        n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
-        table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
-        keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
-        per_slot: dict[int, list[int]] = {}
-        for row, k in enumerate(keys):
-            per_slot.setdefault(key_slot(k.encode()), []).append(row)
-        slot = next(s for s, rs in per_slot.items() if len(rs) >= 2)
+        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
         rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
         meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
@@ -209,13 +215,7 @@ def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_r
     # redis-py followed the split slot's MGET itself: ASK, TRYAGAIN, ... 16 tries, sleeping 50 ms before each of the
     # last TRYAGAINs (measured: ~0.10 s, two sleeps, for a request whose embedding_store_timeout_s is 0.05 s)
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
-        n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
-        table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
-        keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
-        per_slot: dict[int, list[int]] = {}
-        for row, k in enumerate(keys):
-            per_slot.setdefault(key_slot(k.encode()), []).append(row)
-        slot = next(s for s, rs in per_slot.items() if len(rs) >= 2)
+        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
         rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
         embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
@@ -244,13 +244,7 @@ def test_a_fetch_with_rows_late_at_a_split_slot_and_a_missing_row_is_one_error_o
     # late rows (a split slot past the deadline) and a missing key in one fetch each counted an error: one round trip
     # read as two in errors_total ("failed round trips, round trips with bad rows"; late_rows: "once per fetch")
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
-        n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
-        table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
-        keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
-        per_slot: dict[int, list[int]] = {}
-        for row, k in enumerate(keys):
-            per_slot.setdefault(key_slot(k.encode()), []).append(row)
-        slot = next(s for s, rs in per_slot.items() if len(rs) >= 2)
+        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
         gone = next(r for r in range(0, n_rows, 701) if r not in per_slot[slot])  # its key deleted: missing
         rows = np.array(per_slot[slot] + [gone], np.int64)
         embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)

@@ -17,20 +17,11 @@ import torch.nn.functional as F
 from learner.batch import TensorBatch, to_tensors
 from learner.features import default_config
 from learner.health import FieldCoverage, combine_rank_norms, field_blocks
-from learner.model import DeepFM
 from tests.integration.test_learner import sample_batch
 from tests.unit.learner.gloo_ranks import run_gloo_ranks
+from tests.unit.learner.test_sharded_boost import CFG, batch, plain_model  # one model and batches for sharded tests
 
-CFG = default_config({"genres": "multi"}, buckets=300, ctx_buckets=50, embedding_dim=8)
-STEPS, ROWS = 2, 64
-
-
-def batch(step: int) -> TensorBatch:
-    return to_tensors(sample_batch(np.random.default_rng(step), ROWS), CFG)
-
-
-def plain_model() -> DeepFM:
-    return DeepFM(CFG, mlp=(16,), seed=1, autocast_dtype=None)
+STEPS = 2
 
 
 def trainer_rank(rank: int, world: int, out: str) -> None:
