@@ -37,11 +37,11 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from learner.delayed import DelayedFeedbackWeights
 from learner.distributed import all_gather_objects, broadcast_object
 from learner.features import FeatureConfig
 from learner.progressive import ProgressiveMetrics
-from stream.files import fsync_dir, sha256_file, write_atomic
+from stream.files import NotDurable, fsync_dir, sha256_file, write_atomic
 
 log = logging.getLogger("streamrec.checkpoint")
 
@@ -341,12 +341,17 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     A write that fails on any rank (a full disk, a read-only directory) fails the checkpoint on EVERY rank, with the
     same ``OSError`` (:func:`_agree`), before any rank treats it as done; the previous checkpoint stays the newest.
     A failure of another kind is a RuntimeError on every rank. (It was raised on the rank that failed only, as torch's
-    ``CheckpointException``, a BaseException, from DCP's write, and the other ranks waited in a barrier.)"""
+    ``CheckpointException``, a BaseException, from DCP's write, and the other ranks waited in a barrier.)
+
+    A directory's fsync after a rename failing on any rank (``rank-<r>.pt``, ``meta.json``, the checkpoint's own) is
+    :class:`NotDurable` on every rank once the checkpoint is in place (:func:`_say_unsure`): written, and read at
+    restart, but not known to survive a power loss; nothing is pruned (as one process's ``checkpoint.save``)."""
     directory = Path(directory)
     name = broadcast_object(f"{PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}" if rank == 0
                             else None)
     tmp, final = directory / f".tmp-{name}", directory / name
     error: BaseException | None = None
+    unsure: NotDurable | None = None  # this rank's write in place whose directory's fsync failed
     if rank == 0:
         for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
             shutil.rmtree(stale, ignore_errors=True)
@@ -361,7 +366,7 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     try:
         dcp.save(app_state, checkpoint_id=str(tmp), storage_writer=writer)  # its errors: on every rank alike
         rank_state = {**rank_state, "checkpoint": name}  # which checkpoint it is part of (rank_states checks it)
-        write_atomic(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
+        unsure = _written(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
         names = _summed(tmp)  # read before the agreement: a rank that cannot raised alone, outside every collective
     except (Exception, CheckpointException) as exc:
         error = _own_failure(exc, rank, fs)
@@ -371,16 +376,43 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
         meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
                 "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": sums}
         try:
-            write_atomic(tmp / META, json.dumps(meta, default=str).encode())
+            unsure = _written(tmp / META, json.dumps(meta, default=str).encode()) or unsure
             tmp.rename(final)
-            fsync_dir(directory)  # (failed after the rename: a complete checkpoint, whose offsets match its model)
         except OSError as exc:
             error = exc
         else:
-            for old in list_complete(directory)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            try:
+                fsync_dir(directory)
+            except OSError as exc:  # a complete checkpoint, whose offsets match its model: in place, not durable
+                unsure = NotDurable(exc.errno, f"{final} is in place, but the fsync of its directory failed "
+                                               f"({exc.strerror}): whether the rename survives a power loss is unknown")
     _agree(error, rank, tmp)
+    _say_unsure(unsure, final)
+    if rank == 0:  # (after the agreement: not while a power loss may undo this one's rename)
+        for old in list_complete(directory)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _written(path: Path, data: bytes | Callable[[BinaryIO], object]) -> NotDurable | None:
+    """:func:`write_atomic` of a part of a checkpoint; its :class:`NotDurable` returned, not raised: the part is in
+    place, so the checkpoint goes on (and :func:`_say_unsure` says so at its end)."""
+    try:
+        write_atomic(path, data)
+    except NotDurable as exc:
+        return exc
+    return None
+
+
+def _say_unsure(unsure: NotDurable | None, final: Path) -> None:
+    """Collective, once the checkpoint ``final`` is in place: a :class:`NotDurable` (``filename``: ``final``) on every
+    rank when any rank's write had one, so every rank counts it written and none commits offsets for it."""
+    told = all_gather_objects(None if unsure is None else f"{unsure.strerror or unsure}"[:300])
+    failed = [(r, t) for r, t in enumerate(told) if t is not None]
+    if failed:
+        raise NotDurable(unsure.errno if unsure is not None else None,
+                         f"sharded checkpoint {final.name} not known durable ("
+                         + "; ".join(f"rank {r}: {t}" for r, t in failed) + ")", str(final)) from unsure
 
 
 def load(path: Path, app_state: dict[str, Any]) -> None:

@@ -81,6 +81,7 @@ from learner.daemon import (
     CALIBRATION_SCALE,
     CALIBRATION_SHIFT,
     CHECKPOINT_FAILURES,
+    CHECKPOINT_NOT_DURABLE,
     CHECKPOINT_S,
     DENSE_CLIPPED,
     DUPLICATES,
@@ -130,7 +131,7 @@ from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, sha
 from learner.sharded_trainer import ShardedTrainer
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
-from stream.files import describe_os_error, write_atomic
+from stream.files import NotDurable, describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer, topic_identity
 from stream.samples import DELAYED_POSITIVE
@@ -451,9 +452,16 @@ class ShardedLearner:
             rank_state["event_clock"] = self._clock.state()  # as one process's checkpoint holds its clock
         if self.deltas is not None:  # every rank's rows trained before this checkpoint and in no delta yet:
             self.deltas.sync()  # durably in rank 0's pending list (learner/deltas.py "Pending rows")
-        path = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
-                                       keep=self.ls.keep_checkpoints)
-        if rank == 0 and offsets:  # after the checkpoint is durable; lag dashboards only
+        try:
+            path, durable = sharded_checkpoint.save(self.ls.checkpoint_dir, self._app_state(), rank_state, meta, rank,
+                                                    keep=self.ls.keep_checkpoints), True
+        except NotDurable as exc:  # in place (read at restart), on every rank alike: written, not a failed checkpoint
+            path, durable = Path(str(exc.filename)), False
+            if rank == 0:  # counted once, as one process's Learner.save counts it
+                CHECKPOINT_NOT_DURABLE.inc()
+                log.warning("checkpoint written, but not known durable: %s; a restart reads it, a power loss may undo "
+                            "it (older checkpoints kept, group offsets not committed until one is durable)", exc)
+        if rank == 0 and offsets and durable:  # after the checkpoint is durable; lag dashboards only
             try:
                 self._group.commit(offsets=[TopicPartition(self.kafka.samples_topic, p, o)
                                             for p, o in offsets.items()], asynchronous=False)

@@ -18,6 +18,7 @@ from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import RowWiseAdagrad
 from learner.progressive import ProgressiveMetrics
+from stream.config import KafkaSettings
 from stream.errors import ConfigError
 from tests.integration.test_learner import sample_batch
 
@@ -821,6 +822,68 @@ def test_a_checkpoint_one_ranks_full_disk_fails_fails_on_every_rank_with_its_ose
         assert g["newest_after_failure"] == g["first"] and g["tmp_left"] == []
         assert g["newest"] == g["third"] and g["third"].startswith("dcp-000000000000300-")
     assert got[0]["first"] == got[1]["first"] and got[0]["third"] == got[1]["third"]
+
+
+def test_a_sharded_checkpoint_in_place_whose_directory_fsync_failed_counts_as_written_and_commits_no_offsets(
+        one_rank_group: None, kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint directory's fsync failed (EIO) after rank 0 renamed the checkpoint into place: it was reported
+    failed on every rank (checkpoint_failures_total, "failed" logged) and pruned by the next one, though a restart
+    reads it. Now, as one process's (tests/integration/test_learner.py): written, counted as not durable, nothing
+    pruned, and the group offsets wait for a durable one."""
+    import errno
+    import json
+    import os
+    import stat
+
+    from confluent_kafka import TopicPartition
+    from prometheus_client import REGISTRY
+
+    from learner import sharded_checkpoint
+    from learner.config import LearnerSettings
+    from learner.sharded_daemon import ShardedLearner
+    from stream.kafka import ensure_topics
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         group_id=f"g-{kafka.samples_topic}", keep_checkpoints=1)
+    failures, unsure = "streamrec_learner_checkpoint_failures_total", "streamrec_learner_checkpoints_not_durable_total"
+    before, unsure_before = (REGISTRY.get_sample_value(n) or 0.0 for n in (failures, unsure))
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    learner = ShardedLearner(kafka, ls, RankContext())
+
+    def committed() -> int:
+        return learner._group.committed([TopicPartition(kafka.samples_topic, 0)], timeout=10)[0].offset
+
+    def saved_offsets() -> list[dict[str, int]]:
+        return [json.loads((p / sharded_checkpoint.META).read_text())["offsets"]
+                for p in sharded_checkpoint.list_complete(ls.checkpoint_dir)]
+
+    try:
+        learner._build(default_config({}, buckets=16, ctx_buckets=8, embedding_dim=4))
+        learner.offsets = {0: 1}
+        learner.save()  # durable (and the directory's LINEAGE made)
+        assert committed() == 1
+        with monkeypatch.context() as m:
+            m.setattr(os, "fsync", fsync)
+            learner.offsets = {0: 3}
+            assert learner._try_save()
+            learner.offsets = {0: 5}
+            assert learner.save().is_dir()  # the one at exit: no OSError either
+        assert (REGISTRY.get_sample_value(failures) or 0.0) == before
+        assert (REGISTRY.get_sample_value(unsure) or 0.0) == unsure_before + 2  # counted: the directory fills
+        assert saved_offsets() == [{"0": 1}, {"0": 3}, {"0": 5}]  # keep_checkpoints = 1: none pruned meanwhile
+        assert committed() == 1
+        learner.offsets = {0: 6}
+        learner.save()  # durable: committed, and pruned to keep_checkpoints
+        assert committed() == 6 and saved_offsets() == [{"0": 6}]
+    finally:
+        learner.close()
 
 
 def _two_ranks_one_unreadable_metadata(rank: int, world: int, directory: str, out: str) -> None:
