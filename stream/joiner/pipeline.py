@@ -409,6 +409,8 @@ class JoinPipeline:
         self.gc = GcPacing(js.gc_every_s)
         self.state_topic = state_topic(js.app_id)
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
+        # (partition, input) -> (topic id in the state log, id now): a change _follow_topics said (once per change)
+        self._followed: dict[tuple[int, int], tuple[str, str]] = {}
         self._counts_buffer: Counts = {}
         self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
         # The batch in progress's counts and raw ids: added to the buffers above once its state is durable, so a
@@ -542,19 +544,27 @@ class JoinPipeline:
         one of that name ``now`` (ids as ``stream.kafka.topic_identity`` gives them): deleted and created again since
         (or another cluster), its records up to the old offset were skipped as redelivered, in silence. Said as an
         ERROR naming both ids and counted; a chunk without an id (written before) or a broker that gives none keeps
-        the offsets. The ids now are what the partition's next chunks record."""
+        the offsets. The ids now are what the partition's next chunks record. A change this pipeline said already is
+        followed in silence: a reload (:meth:`_reload`) before the partition's first new chunk finds the old id again
+        (it was said and counted once more)."""
         for kind, (was, new) in enumerate(zip(eng.topic_ids, now, strict=True)):
             if was and new and was != new:
-                topic = (self.kafka.impressions_topic, self.kafka.clicks_topic)[kind]
-                log.error("partition %d: the state log %s holds offsets (up to %d) of %s topic %r with topic id %s, "
-                          "and %r now has topic id %s: it was deleted and created again (or this is another cluster). "
-                          "Reading it from its first record; the join state (pending impressions, waiting clicks) is "
-                          "kept, keyed by impression id", eng.partition, self.state_topic, eng.offsets[kind],
-                          (IMPRESSIONS, CLICKS)[kind], topic, was, topic, new)
-                m.TOPIC_CHANGED.labels((IMPRESSIONS, CLICKS)[kind]).inc()
+                if self._followed.get((eng.partition, kind)) != (was, new):
+                    self._say_topic_changed(eng, kind, was, new)
                 eng.start_over(kind, new)
             elif new:
                 eng.topic_ids[kind] = new
+
+    def _say_topic_changed(self, eng: PartitionJoin, kind: int, was: str, new: str) -> None:
+        """The ERROR and the count of :meth:`_follow_topics` for input ``kind`` of ``eng``, remembered as said."""
+        self._followed[eng.partition, kind] = (was, new)
+        topic = (self.kafka.impressions_topic, self.kafka.clicks_topic)[kind]
+        log.error("partition %d: the state log %s holds offsets (up to %d) of %s topic %r with topic id %s, "
+                  "and %r now has topic id %s: it was deleted and created again (or this is another cluster). "
+                  "Reading it from its first record; the join state (pending impressions, waiting clicks) is "
+                  "kept, keyed by impression id", eng.partition, self.state_topic, eng.offsets[kind],
+                  (IMPRESSIONS, CLICKS)[kind], topic, was, topic, new)
+        m.TOPIC_CHANGED.labels((IMPRESSIONS, CLICKS)[kind]).inc()
 
     def _committed(self, partitions: list[int]) -> dict[tuple[str, int], int]:
         """The group's committed offsets of both inputs of ``partitions`` (none where it has none); empty when the

@@ -679,6 +679,34 @@ def test_an_impressions_topic_made_again_and_written_past_the_state_logs_offsets
     assert third.engines[0].offsets[0] == 7 and not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+def test_a_topic_change_reloaded_for_an_impression_over_the_state_limit_is_said_and_counted_once(
+        kafka: KafkaSettings, make, caplog: pytest.LogCaptureFixture) -> None:
+    """The impressions topic made again: the first batch's restore says the change (ERROR, counted) and reads it from
+    its first record. An impression of that batch over the state topic's limit reloads the partition from the state
+    log (``_reload``), whose chunks still hold the old topic's id until the first new chunk: the reload said and
+    counted the same change again."""
+    from prometheus_client import REGISTRY
+
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
+    first = make()
+    first.process([imp(kafka, 0, i, f"old-{i}", T0 + i) for i in range(3)])
+    make_again(kafka, kafka.impressions_topic, partitions=2)
+    records = [imp(kafka, 0, 0, "new-0", T0), imp(kafka, 0, 1, "big", T0 + 1, tags=[f"t{i}" for i in range(1000)])]
+    producer = AckedProducer(kafka)
+    for r in records:
+        producer.send(kafka.impressions_topic, r.value, r.key, partition=0)
+    producer.flush()
+    changed = ("streamrec_join_topic_changed_total", {"input": "impressions"})
+    before = REGISTRY.get_sample_value(*changed) or 0.0
+    again = make()
+    again.state_bytes = 8000  # one impression's state over what a record may be: the partition is reloaded
+    again.process(records)
+    assert set(again.engines[0].pending) == {"old-0", "old-1", "old-2", "new-0"}  # big: dead-lettered
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "created again" in r.getMessage()]
+    assert len(said) == 1
+    assert REGISTRY.get_sample_value(*changed) == before + 1
+
+
 def test_a_restore_asks_the_broker_for_both_inputs_topic_ids_with_one_admin_client(
         kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every restore (each assignment, and a partition read again mid-batch) asks which topics the inputs are now:
