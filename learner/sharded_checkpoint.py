@@ -373,9 +373,9 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     _agree(error, rank, tmp)  # every rank's shards and own state are durable
     sums = _digests(tmp, names)  # checksums (each rank reads its share)
     if rank == 0:
-        meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
-                "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": sums}
-        try:
+        try:  # (LINEAGE's write too: raised on rank 0 alone, the other ranks waited in the agreement below for ever)
+            meta = {**meta, "format_version": FORMAT_VERSION, "created": time.time(),
+                    "lineage": meta.get("lineage") or checkpoint.lineage(directory), "sha256": sums}
             unsure = _written(tmp / META, json.dumps(meta, default=str).encode()) or unsure
             tmp.rename(final)
         except OSError as exc:

@@ -886,6 +886,48 @@ def test_a_sharded_checkpoint_in_place_whose_directory_fsync_failed_counts_as_wr
         learner.close()
 
 
+def test_a_first_sharded_checkpoint_whose_lineage_files_directory_fsync_fails_is_a_failed_checkpoint_on_every_rank(
+        one_rank_group: None, kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory's first checkpoint creates LINEAGE (rank 0, after the shards' agreement): its fsync failing
+    raised on rank 0 alone, outside the agreement (the other ranks waited in it for ever; one rank took it for a
+    checkpoint written, named after LINEAGE). Now a failed checkpoint on every rank, as one process's."""
+    import errno
+    import os
+    import stat
+
+    from prometheus_client import REGISTRY
+
+    from learner import sharded_checkpoint
+    from learner.config import LearnerSettings
+    from learner.sharded_daemon import ShardedLearner
+    from stream.kafka import ensure_topics
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         group_id=f"g-{kafka.samples_topic}")
+    failures, unsure = "streamrec_learner_checkpoint_failures_total", "streamrec_learner_checkpoints_not_durable_total"
+    before, unsure_before = (REGISTRY.get_sample_value(n) or 0.0 for n in (failures, unsure))
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    learner = ShardedLearner(kafka, ls, RankContext())
+    try:
+        learner._build(default_config({}, buckets=16, ctx_buckets=8, embedding_dim=4))
+        learner.offsets = {0: 1}
+        with monkeypatch.context() as m:
+            m.setattr(os, "fsync", fsync)
+            assert not learner._try_save()
+        assert (REGISTRY.get_sample_value(failures) or 0.0) == before + 1
+        assert (REGISTRY.get_sample_value(unsure) or 0.0) == unsure_before
+        assert sharded_checkpoint.list_complete(ls.checkpoint_dir) == []
+    finally:
+        learner.close()
+
+
 def _two_ranks_one_unreadable_metadata(rank: int, world: int, directory: str, out: str) -> None:
     """One of 2 gloo ranks: a checkpoint, then one whose ``.metadata`` rank 1 cannot read back for the checksums (EIO),
     then one more; what each rank's second save raised and what it left in ``out``-<rank>.json."""
