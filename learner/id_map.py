@@ -47,6 +47,11 @@ O(capacity) merge. No per-id Python anywhere; Python loops run over probe rounds
 Memory (``nbytes()``, allocated once): 16 B per main slot, 2 x 24 B per candidate slot, 32 B per own row,
 4 B of scratch per slot: 207 MiB for capacity 1 M (4 M main slots, 2 x 2 M candidate slots). Not
 thread-safe: one learner thread owns a map.
+
+Lookups only (``lookups_only=True``, serving): a map that only answers ``lookup(train=False)`` needs the main table
+and the own rows, not the candidates (their state is still checked, then dropped) nor the scratch: 95 MiB instead of
+207 at capacity 1 M. Serving builds one per dynamic field for every delta that carries the maps, beside the live one
+(measured in bench/README.md, "Delta memory").
 """
 
 from __future__ import annotations
@@ -322,7 +327,7 @@ class IdMap:
 
     def __init__(self, capacity: int, num_buckets: int, admit_after: int = 1, ttl_s: float | None = None,
                  init: str = "bucket", candidates: int | None = None,
-                 bucket_half_life_s: float | None = None) -> None:
+                 bucket_half_life_s: float | None = None, lookups_only: bool = False) -> None:
         if capacity < 1 or num_buckets < 1:
             raise ValueError(f"IdMap needs capacity >= 1 and num_buckets >= 1, got {capacity}, {num_buckets}")
         if init not in ("bucket", "zero"):
@@ -352,9 +357,10 @@ class IdMap:
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack; pops row 0 first
         self._free_top = self.capacity
         self._chunk = max(1, self.candidates // 4)  # keys per counting step: bounds the candidate load
-        slots = int((self.candidates + self._chunk) / MAX_LOAD)
+        self.lookups_only = lookups_only  # no candidates kept: lookup(train=False) only (module docstring)
+        slots = 1 if lookups_only else int((self.candidates + self._chunk) / MAX_LOAD)
         self._cur, self._prev = _Candidates(slots), _Candidates(slots)
-        self._scratch = np.empty(max(self._main.size, self._cur.size), dtype=np.int32)
+        self._scratch = np.empty(0 if lookups_only else max(self._main.size, self._cur.size), dtype=np.int32)
         self._last_sweep = -float("inf")
         self.counters = _Counters()
         self._rng = np.random.default_rng(0)  # LRU threshold samples only: rows evicted do not depend on it
@@ -368,6 +374,9 @@ class IdMap:
         if flat.size and flat.min() < 0:
             raise ValueError("IdMap keys must be hashed ids >= 0 (stream.ids.stable_hash / stream.features.hash_ids); "
                              f"got {int(flat.min())}")
+        if train and self.lookups_only:
+            raise ValueError("IdMap built with lookups_only=True keeps no candidates and cannot train: look up with "
+                             "train=False, or build the map without lookups_only")
         evicted: list[np.ndarray] = []
         if train and now - self._last_sweep >= self.sweep_interval_s:
             evicted.append(self._evict_expired(now))
@@ -601,6 +610,9 @@ class IdMap:
         """Config, own rows, free list and live candidates (key, count, first-seen event time) as CPU tensors
         (torch.save, weights_only ok). The first-seen times are optional keys of the same version (a reader
         without them ignores them; :meth:`load_state_dict` reads a state without them as unknown times)."""
+        if self.lookups_only:
+            raise ValueError("IdMap built with lookups_only=True dropped its candidates: its state would lose them; "
+                             "save the map it was loaded from instead")
         def live(t: _Candidates) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             s = t.live_slots()
             return torch.from_numpy(t.keys_at(s)), torch.from_numpy(t.vals_at(s)), torch.from_numpy(t.first_seen[s])
@@ -665,6 +677,8 @@ class IdMap:
                 if first.shape != keys.shape:
                     raise ValueError(f"IdMap state {gen}_first_seen has shape {first.shape}, its {gen}_keys "
                                      f"{keys.shape}: the state is malformed")
+                if self.lookups_only:  # checked like any state (a malformed one is refused alike), not kept
+                    continue
                 slots = table.insert(keys)
                 table.set_vals(slots, counts)
                 table.first_seen[slots] = first

@@ -51,19 +51,19 @@ class MapStats:
     reassigned: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
-def id_map_of(spec: FieldSpec, capacity: int | None = None, decay: bool = True) -> IdMap:
+def id_map_of(spec: FieldSpec, capacity: int | None = None, decay: bool = True, lookups_only: bool = False) -> IdMap:
     """The id map a dynamic field's spec asks for; ``capacity``: a part of its own rows (the distributed mode's
     shard of the map, with candidates in proportion), ``decay=False``: without the buckets' decay clock (kept
-    apart there)."""
+    apart there), ``lookups_only``: for read-only lookups (serving; ``IdMap``)."""
     cap = spec.capacity if capacity is None else capacity
     return IdMap(cap, spec.num_buckets, admit_after=spec.admit_after, ttl_s=spec.ttl_s, init=spec.init,
-                 bucket_half_life_s=spec.bucket_half_life_s if decay else None)
+                 bucket_half_life_s=spec.bucket_half_life_s if decay else None, lookups_only=lookups_only)
 
 
 class RowMapper:
-    def __init__(self, cfg: FeatureConfig) -> None:
+    def __init__(self, cfg: FeatureConfig, lookups_only: bool = False) -> None:
         self.cfg = cfg
-        self.maps: dict[str, IdMap] = {f.name: id_map_of(f) for f in dynamic_fields(cfg)}
+        self.maps: dict[str, IdMap] = {f.name: id_map_of(f, lookups_only=lookups_only) for f in dynamic_fields(cfg)}
         self._slots = mapped_slots(cfg)
         # (first row, bucket rows, owner's name) per field, for rows(): serving maps ~6 fields per request
         self._plain = [(*cfg.blocks[i], cfg.owner(f).name) for i, f in enumerate(cfg.fields)]
@@ -160,9 +160,10 @@ class RowMapper:
         return first + id_map.lookup(hashed, 0.0, train=False).rows
 
     @classmethod
-    def from_state(cls, cfg: FeatureConfig, state: dict[str, Any] | None) -> RowMapper:
-        """The mapper of a checkpoint (``ckpt["id_maps"]``; None or {} for a static config)."""
-        mapper = cls(cfg)
+    def from_state(cls, cfg: FeatureConfig, state: dict[str, Any] | None, lookups_only: bool = False) -> RowMapper:
+        """The mapper of a checkpoint (``ckpt["id_maps"]``; None or {} for a static config). ``lookups_only``: one that
+        only maps ids (``train=False``): serving's, built for every delta with maps, at under half the memory."""
+        mapper = cls(cfg, lookups_only)
         if mapper.maps or state:
             mapper.load_state_dict(state or {})
         return mapper

@@ -163,7 +163,7 @@ class ScoringModel:
         self._hot_ids = hot_ids.cpu().numpy()  # (H + 1,) sorted, last = sentinel
         self._blocks = self.feature_config.blocks
         try:
-            mapper = RowMapper.from_state(self.feature_config, id_maps)
+            mapper = RowMapper.from_state(self.feature_config, id_maps, lookups_only=True)
         except Exception as exc:  # noqa: BLE001 - id maps that do not fit the feature config: a bad artifact
             raise ArtifactError(f"{self.version_dir}: the id maps do not fit the feature config "
                                 f"({type(exc).__name__}: {exc})") from exc
@@ -325,7 +325,7 @@ class ScoringModel:
 
     def _mapper_from(self, state: Any) -> RowMapper:
         try:
-            return RowMapper.from_state(self.feature_config, state)
+            return RowMapper.from_state(self.feature_config, state, lookups_only=True)
         except Exception as exc:  # noqa: BLE001 - any malformed id map state is a misfit
             raise ValueError(f"id maps do not fit model {self.version}: {type(exc).__name__}: {exc}") from exc
 

@@ -233,12 +233,15 @@ def test_a_state_whose_free_rows_are_not_exactly_its_unowned_rows_is_refused(fre
         IdMap(capacity=4, num_buckets=2).load_state_dict(state)
 
 
+@pytest.mark.parametrize("lookups_only", [False, True])
 @pytest.mark.parametrize("gen", ["cur", "prev"])
-def test_a_state_with_more_candidates_than_a_generation_holds_is_refused_not_loaded_for_ever(gen: str) -> None:
+def test_a_state_with_more_candidates_than_a_generation_holds_is_refused_not_loaded_for_ever(
+        gen: str, lookups_only: bool) -> None:
     """A candidate generation's table has room for ``max_candidates`` keys: a state (a malformed delta's or
     checkpoint's id map) listing more filled it, and the insert probed for a free slot for ever (serving's delta
     thread, a learner's restore hung). Too many keys, repeated or negative keys, or counts not one per key are a
-    ValueError naming the generation."""
+    ValueError naming the generation; also for a map that drops its candidates (serving's: a delta it refused
+    before it still refuses)."""
     m = IdMap(capacity=4, num_buckets=2)
     n = m.max_candidates + 1
     for keys, counts in ((np.arange(n), np.ones(n)), (np.arange(100), np.ones(100)),  # (100 > its 16 slots: hung)
@@ -249,7 +252,34 @@ def test_a_state_with_more_candidates_than_a_generation_holds_is_refused_not_loa
         state[f"{gen}_counts"] = torch.from_numpy(counts.astype(np.int64))
         state[f"{gen}_first_seen"] = torch.zeros(len(keys), dtype=torch.float64)
         with pytest.raises(ValueError, match=f"{gen}_"):
-            IdMap(capacity=4, num_buckets=2).load_state_dict(state)
+            IdMap(capacity=4, num_buckets=2, lookups_only=lookups_only).load_state_dict(state)
+
+
+def test_a_lookups_only_map_maps_every_key_like_the_full_map_in_under_half_its_memory() -> None:
+    """Serving built a full map (207 MiB at capacity 1 M: candidates, scratch) for every delta carrying the maps, beside
+    the live one, and only ever looked keys up. Its lookups-only map gives every key the same row and counts."""
+    full = IdMap(capacity=4096, num_buckets=101, admit_after=2, ttl_s=50.0)
+    stream = zipf_stream(3, 60_000, 20_000)
+    for t, keys in enumerate(np.split(stream, 6)):
+        full.lookup(keys, now=float(t))
+    state = full.state_dict()
+    lite = IdMap(capacity=4096, num_buckets=101, admit_after=2, ttl_s=50.0, lookups_only=True)
+    lite.load_state_dict(state)
+    probe = np.append(np.unique(stream), np.int64(2**62))  # admitted, candidates (seen once), never seen
+    want, got = full.lookup(probe, 0.0, train=False), lite.lookup(probe, 0.0, train=False)
+    assert np.array_equal(got.rows, want.rows)
+    assert (got.bucket_lookups, got.own_lookups) == (want.bucket_lookups, want.own_lookups)
+    assert 0 < want.own_lookups < probe.size
+    assert lite.nbytes() < 0.5 * full.nbytes()
+
+
+def test_a_lookups_only_map_refuses_to_train_or_to_save_the_candidates_it_dropped() -> None:
+    """Trained, it would admit nothing it had counted; saved, its state would lose every candidate's count."""
+    m = IdMap(capacity=40, num_buckets=7, lookups_only=True)
+    with pytest.raises(ValueError, match="lookups_only.*train=False"):
+        m.lookup(np.arange(3, dtype=np.int64), now=1.0)
+    with pytest.raises(ValueError, match="lookups_only.*candidates"):
+        m.state_dict()
 
 
 def test_memory_is_bounded_whatever_the_churn() -> None:
