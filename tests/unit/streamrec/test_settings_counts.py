@@ -38,7 +38,7 @@ CLASSES: dict[type, tuple[str, set[str]]] = {
     ReplaySettings: ("replay", {"limit", "seed", "linger_ms"}),
     SyntheticSettings: ("synthetic", {"start_ts_ms"}),
     LearnerSettings: ("learner", {"id_capacity", "cold_k", "dedup_window", "num_workers", "max_fields", "seed"}),
-    ServeSettings: ("serve", {"max_active", "embedding_cache_rows"}),
+    ServeSettings: ("serve", {"max_active", "embedding_cache_rows", "linger_bytes"}),
     RefreshSettings: ("refresh", {"hot_items", "hot_users", "small_field_rows", "holdout_messages"}),
     StackSettings: ("stack", set()),
     EventLimits: ("limits", set()),
