@@ -29,6 +29,7 @@ from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.bounded_teardown import Reaper
+from tests.fsync_faults import failing_directory_fsync
 from tests.kafka_io import make_again
 from tests.monitoring_io import metric, scrape
 
@@ -376,8 +377,6 @@ def test_a_checkpoint_in_place_whose_directory_fsync_failed_counts_as_written_an
     """The directory's fsync failed (EIO) after the rename: the checkpoint a restart reads was reported failed
     (counted in checkpoint_failures_total, "failed" logged, and at exit the learner stopped with status 1). Now it
     counts as written, and the group offsets (committed only after a durable checkpoint) wait for the next one."""
-    import errno
-    import stat
 
     from confluent_kafka import TopicPartition
     from prometheus_client import REGISTRY
@@ -391,12 +390,7 @@ def test_a_checkpoint_in_place_whose_directory_fsync_failed_counts_as_written_an
     learner = built_learner(kafka, ls)
     failures, unsure = "streamrec_learner_checkpoint_failures_total", "streamrec_learner_checkpoints_not_durable_total"
     before, unsure_before = (REGISTRY.get_sample_value(n) or 0.0 for n in (failures, unsure))
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
+    fsync = failing_directory_fsync()  # a directory's fsync fails (EIO)
 
     def committed() -> int:
         tp = TopicPartition(kafka.samples_topic, 0)

@@ -16,6 +16,7 @@ from learner import checkpoint as ck
 from learner.config import LearnerSettings, ModelConfig, SparseOptimizer, shape_of
 from learner.features import default_config
 from stream.errors import StreamrecError
+from tests.fsync_faults import failing_directory_fsync
 
 LS = LearnerSettings(mlp="8,4", buckets=50, ctx_buckets=20, id_capacity=10, embedding_dim=4)
 CFG = default_config({"genres": "multi"}, buckets=LS.buckets, ctx_buckets=LS.ctx_buckets, embedding_dim=4,
@@ -302,16 +303,9 @@ def test_a_newest_checkpoint_with_non_finite_weights_or_optimizer_state_is_refus
 
 def _directory_fsync_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """os.fsync of a directory's descriptor fails (EIO); a file's goes through."""
-    import errno
     import os
-    import stat
 
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
+    fsync = failing_directory_fsync()  # a directory's fsync fails (EIO)
 
     monkeypatch.setattr(os, "fsync", fsync)
 

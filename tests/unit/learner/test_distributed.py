@@ -20,6 +20,7 @@ from learner.optim import RowWiseAdagrad
 from learner.progressive import ProgressiveMetrics
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
+from tests.fsync_faults import failing_directory_fsync
 from tests.integration.test_learner import sample_batch
 
 
@@ -830,10 +831,8 @@ def test_a_sharded_checkpoint_in_place_whose_directory_fsync_failed_counts_as_wr
     failed on every rank (checkpoint_failures_total, "failed" logged) and pruned by the next one, though a restart
     reads it. Now, as one process's (tests/integration/test_learner.py): written, counted as not durable, nothing
     pruned, and the group offsets wait for a durable one."""
-    import errno
     import json
     import os
-    import stat
 
     from confluent_kafka import TopicPartition
     from prometheus_client import REGISTRY
@@ -848,12 +847,7 @@ def test_a_sharded_checkpoint_in_place_whose_directory_fsync_failed_counts_as_wr
                          group_id=f"g-{kafka.samples_topic}", keep_checkpoints=1)
     failures, unsure = "streamrec_learner_checkpoint_failures_total", "streamrec_learner_checkpoints_not_durable_total"
     before, unsure_before = (REGISTRY.get_sample_value(n) or 0.0 for n in (failures, unsure))
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
+    fsync = failing_directory_fsync()  # a directory's fsync fails (EIO)
 
     learner = ShardedLearner(kafka, ls, RankContext())
 
@@ -891,9 +885,7 @@ def test_a_first_sharded_checkpoint_whose_lineage_files_directory_fsync_fails_is
     """The directory's first checkpoint creates LINEAGE (rank 0, after the shards' agreement): its fsync failing
     raised on rank 0 alone, outside the agreement (the other ranks waited in it for ever; one rank took it for a
     checkpoint written, named after LINEAGE). Now a failed checkpoint on every rank, as one process's."""
-    import errno
     import os
-    import stat
 
     from prometheus_client import REGISTRY
 
@@ -907,12 +899,7 @@ def test_a_first_sharded_checkpoint_whose_lineage_files_directory_fsync_fails_is
                          group_id=f"g-{kafka.samples_topic}")
     failures, unsure = "streamrec_learner_checkpoint_failures_total", "streamrec_learner_checkpoints_not_durable_total"
     before, unsure_before = (REGISTRY.get_sample_value(n) or 0.0 for n in (failures, unsure))
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
+    fsync = failing_directory_fsync()  # a directory's fsync fails (EIO)
 
     learner = ShardedLearner(kafka, ls, RankContext())
     try:
