@@ -830,11 +830,19 @@ def _weak_callbacks(ref: weakref.ReferenceType[AckedProducer]) -> dict[str, Call
 
 
 def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = False) -> bool:
+    """Whether ``partition`` of ``topic`` has records past what ``consumer`` has handed out (:func:`fetched_more`).
+    Unknown (no fetch yet, an error) counts as ``unknown``: no by default, since callers use it to hold other inputs
+    back (``stream/alignment.py``) and a guess must not stall them; a caller with its own timeout for an input that
+    sends nothing (the learner's merge, ``idle_s``; the joiner's hold, ``backpressure.Unfetched``) may count it as
+    yes."""
+    more = fetched_more(consumer, topic, partition)
+    return unknown if more is None else more
+
+
+def fetched_more(consumer: Consumer, topic: str, partition: int) -> bool | None:
     """Whether ``partition`` of ``topic`` has records past what ``consumer`` has handed out, by the high watermark
-    its fetcher last saw (no broker round trip). Unknown (no fetch yet, an error) counts as ``unknown``: no by
-    default, since callers use it to hold other inputs back (``stream/alignment.py``) and a guess must not stall
-    them; a caller with its own timeout for an input that sends nothing (the learner's merge, ``idle_s``) may
-    count it as yes. The cached high watermark is the one fetch responses carry, the partition's true end on the local
+    its fetcher last saw (no broker round trip); None while that is unknown (not fetched since the assignment, an
+    error). The cached high watermark is the one fetch responses carry, the partition's true end on the local
     broker too (measured: 60 after three record batches of 20, where its ListOffsets answer, ``cached=False``, says 41:
     the start of the last record batch + 1)."""
     tp = TopicPartition(topic, partition)
@@ -842,9 +850,9 @@ def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = Fal
         _, high = consumer.get_watermark_offsets(tp, cached=True)
         position = consumer.position([tp])[0].offset
     except KafkaException:
-        return unknown
+        return None
     if high < 0:  # not fetched yet
-        return unknown
+        return None
     if high == 0:  # empty
         return False
     return position < 0 or position < high

@@ -34,7 +34,8 @@ only once nothing more can come to take them.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter as PCounter
@@ -64,6 +65,39 @@ def input_of(kafka: KafkaSettings, topic: str) -> str:
 
 Behind = Callable[[str, int], bool]  # whether (input, partition) has more to read
 HOLD_ALL = -sys.maxsize  # the limit of an input whose other input has more to read but has not been read yet
+
+
+UNFETCHED_GRACE_S = 10.0  # the longest an input not fetched yet since its assignment counts as having more to read
+
+
+@dataclass
+class Unfetched:
+    """Whether an input whose end is not known yet has more to read (the drivers' ``behind``): yes, for up to
+    ``grace_s`` from when it was first asked about in its assignment; then no.
+
+    A driver knows an input's end from the high watermark its fetcher last saw (``stream.kafka.fetched_more``), and
+    right after an assignment one input's first fetch can come a round or more before the other's (each waits for its
+    own start position; under load, seconds). Counted as "nothing more" then, the input fetched first was joined
+    whole: a fresh worker on a backlog sent out every impression of its first batches as an observed 0 minutes (of
+    event time) ahead of the delayed positives of the clicks still on their way, what :func:`hold_limits` exists to
+    prevent. Counted as "more" for good, an input whose fetch keeps failing would hold the other back for ever; so it
+    counts as more only for ``grace_s``, time enough for a first fetch, and stalls nothing past it."""
+
+    grace_s: float = UNFETCHED_GRACE_S
+    clock: Callable[[], float] = time.monotonic
+    since: dict[Key, float] = field(default_factory=dict)  # when each input was first found unknown
+
+    def behind(self, key: Key, more: bool | None) -> bool:
+        """Whether input ``key`` has more to read, given what its fetcher says (``more``; None: unknown)."""
+        if more is not None:
+            return more
+        now = self.clock()
+        return now - self.since.setdefault(key, now) < self.grace_s
+
+    def forget(self, partitions: Iterable[int]) -> None:
+        """Start the grace afresh for the inputs of ``partitions`` (assigned or revoked)."""
+        gone = set(partitions)
+        self.since = {k: t for k, t in self.since.items() if k[1] not in gone}
 
 
 def hold_limits(reached: Mapping[Key, int | None], behind: Behind, drift_ms: int) -> dict[Key, int]:

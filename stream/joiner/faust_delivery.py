@@ -366,18 +366,25 @@ class BatchConsumer(faust_aiokafka.Consumer):
         return any(map(self.has_more, self._get_active_partitions()))
 
     def has_more(self, tp: TP) -> bool:
+        """:meth:`fetched_more`, unknown counted as no."""
+        return bool(self.fetched_more(tp))
+
+    def fetched_more(self, tp: TP) -> bool | None:
         """Whether ``tp`` has records ``process`` has not been given yet: fetched past the last batch's room (the carry,
         which faust's read offset counts as read), or past the read offset (right after a seek the offset sought, the
-        next to read: ``_sought``) by the high water faust's fetcher last saw. Unknown (not fetched yet, an error): no,
-        so that no input is held back on a guess (backpressure reads it: ``worker._behind``; it once said a partition
-        whose last records were in the carry, or that was sought to its last record, had nothing more)."""
+        next to read: ``_sought``) by the high water faust's fetcher last saw. None while that is unknown (not fetched
+        yet, an error): backpressure counts it as more for a while (``worker._behind``, ``backpressure.Unfetched``; it
+        once said a partition whose last records were in the carry, or that was sought to its last record, had
+        nothing more)."""
         if (tp[0], tp[1]) in self._carried:
             return True
         try:
             high = self.highwater(tp)
         except Exception:  # noqa: BLE001 - unknown (not fetched yet)
-            return False
-        if high is None or high <= 0:
+            return None
+        if high is None or high < 0:
+            return None
+        if high == 0:
             return False
         read, sought = self._read_offset.get(tp), self._sought.get(tp)
         return read is None or (read + 1 if sought is None else sought) < high

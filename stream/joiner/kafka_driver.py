@@ -47,11 +47,11 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 from stream.config import KafkaSettings
 from stream.errors import clip
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, topic_of
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, Unfetched, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
-from stream.kafka import consumer_config, has_more, heartbeat_interval_s, resume_offsets
+from stream.kafka import consumer_config, fetched_more, heartbeat_interval_s, resume_offsets
 from stream.retention import Gaps
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 
@@ -108,6 +108,7 @@ class KafkaJoinWorker:
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
         self.pauses = InputPauses(self.gate, js.batch_max)  # what the consumer has paused: the gate's and the hold's
+        self.unfetched = Unfetched()  # an input not fetched yet since its assignment: behind, for a while
         self.consumer = Consumer(consumer_config(
             kafka, js.app_id, **{"partition.assignment.strategy": "range", "enable.partition.eof": False,
                                  "fetch.max.bytes": 16 * 1024 * 1024,
@@ -139,6 +140,7 @@ class KafkaJoinWorker:
         for tp in revoked:  # not committed now: never later, by a member that no longer owns them
             self._offsets.pop(tp, None)
         self._assigned -= {tp.partition for tp in partitions}
+        self.unfetched.forget(tp.partition for tp in partitions)
         self.gaps.forget(revoked)
         self.pipeline.drop_held(revoked)  # the next owner reads them
         self._held = sum(self.pipeline.held_counts.values())
@@ -159,6 +161,7 @@ class KafkaJoinWorker:
         consumer.assign(positions)
         self.gaps.expect(positions)
         self._assigned |= {tp.partition for tp in partitions}
+        self.unfetched.forget(tp.partition for tp in partitions)
         self.pauses.resize(len(self._assigned))
         self._idle.reset()
 
@@ -302,7 +305,9 @@ class KafkaJoinWorker:
         return topic_of(self.kafka, kind)
 
     def _behind(self, kind: str, partition: int) -> bool:
-        return has_more(self.consumer, self._topic(kind), partition)
+        """Whether ``kind`` of ``partition`` has more to read: past what the consumer handed out, by the high watermark
+        its fetcher saw; not fetched yet since the assignment: yes, for a while (``Unfetched``)."""
+        return self.unfetched.behind((kind, partition), fetched_more(self.consumer, self._topic(kind), partition))
 
     def _apply_gate(self) -> set[Key]:
         """Pause and resume inputs as the gate says; returns the ones resumed."""

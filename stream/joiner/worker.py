@@ -85,7 +85,7 @@ from faust.types import TP
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError, clip
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, topic_of
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
@@ -168,6 +168,7 @@ class FaustJoinWorker:
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
         self.pauses = InputPauses(self.gate, js.batch_max)  # what the consumer has paused: the gate's and the hold's
+        self.unfetched = Unfetched()  # an input not fetched yet since its assignment: behind, for a while
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._join_held = False  # set by the idle check: the next batch joins what is held, whatever the frontier
         self.recoveries = 0  # infrastructure failures recovered from (_recover)
@@ -306,6 +307,7 @@ class FaustJoinWorker:
                       f"{clip(str(exc))}); restart to check it again", 1)  # (module docstring)
         self._idle.reset()  # idleness counts from when there is something to read
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
+        self.unfetched.forget(tp.partition for tp in assigned)
         self.pauses.resize(len(self._assigned))
 
     async def _on_revoked(self, sender: Any, revoked: set, **kwargs: Any) -> None:
@@ -317,6 +319,7 @@ class FaustJoinWorker:
         self.pipeline.forget(gone)  # their held records too: unacknowledged, the next owner reads them
         cast(BatchConsumer, self.app.consumer).forget_kept({TP(tp.topic, tp.partition) for tp in revoked})
         self._assigned -= {tp.partition for tp in revoked}
+        self.unfetched.forget(tp.partition for tp in revoked)
         # faust keeps its paused set across a rebalance (a re-assigned partition stays paused): resume them
         self.gate.release(gone)
         self._sync_pauses()
@@ -331,8 +334,9 @@ class FaustJoinWorker:
 
     def _behind(self, kind: str, partition: int) -> bool:
         """Whether ``kind``'s input of ``partition`` has more to read: records the batches have not brought yet
-        (``BatchConsumer.has_more``; unknown: no, and the cap's overflow still bounds memory)."""
-        return cast(BatchConsumer, self.app.consumer).has_more(TP(self._topic(kind), partition))
+        (``BatchConsumer.fetched_more``; not fetched yet since the assignment: yes, for a while: ``Unfetched``)."""
+        more = cast(BatchConsumer, self.app.consumer).fetched_more(TP(self._topic(kind), partition))
+        return self.unfetched.behind((kind, partition), more)
 
     def _apply_gate(self) -> None:
         self.gate.update(self.pipeline.waiting(), self.pipeline.input_times(), self._behind)

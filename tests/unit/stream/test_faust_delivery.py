@@ -225,14 +225,14 @@ def test_a_partition_whose_last_records_wait_in_the_carry_still_has_more_to_read
 
     fake = SimpleNamespace(highwater=highwater, _read_offset={clicks: 39, imps: 5}, _sought={}, _carry=[],
                            _carried=set())
-    has_more = BatchConsumer.has_more
-    assert not has_more(fake, clicks)  # type: ignore[arg-type]  # fetched to its high water, nothing carried
-    assert has_more(fake, imps)  # type: ignore[arg-type]  # 6..9 not fetched yet
-    assert not has_more(fake, unfetched)  # type: ignore[arg-type]  # unknown: not held back on a guess
+    more = BatchConsumer.fetched_more
+    assert more(fake, clicks) is False  # type: ignore[arg-type]  # fetched to its high water, nothing carried
+    assert more(fake, imps) is True  # type: ignore[arg-type]  # 6..9 not fetched yet
+    assert more(fake, unfetched) is None  # type: ignore[arg-type]  # unknown: backpressure.Unfetched decides
     BatchConsumer._set_carry(fake, [Record("clicks", 0, o, None, b"") for o in (37, 38, 39)])  # type: ignore[arg-type]
-    assert has_more(fake, clicks)  # type: ignore[arg-type]  # its last three wait for the next batch
+    assert more(fake, clicks) is True  # type: ignore[arg-type]  # its last three wait for the next batch
     BatchConsumer._set_carry(fake, [])  # type: ignore[arg-type]  # taken into the next batch
-    assert not has_more(fake, clicks)  # type: ignore[arg-type]
+    assert more(fake, clicks) is False  # type: ignore[arg-type]
 
 
 def test_a_partition_sought_to_its_last_record_still_has_that_record_to_read() -> None:
@@ -245,12 +245,30 @@ def test_a_partition_sought_to_its_last_record_still_has_that_record_to_read() -
 
     imps = TP("impressions", 2)
     fake = SimpleNamespace(highwater=lambda tp: 1224, _read_offset={imps: 1223}, _sought={imps: 1223}, _carried=set())
-    has_more = BatchConsumer.has_more
-    assert has_more(fake, imps)  # type: ignore[arg-type]  # 1223 sought, not read yet
+    more = BatchConsumer.fetched_more
+    assert more(fake, imps) is True  # type: ignore[arg-type]  # 1223 sought, not read yet
     fake._sought = {}  # read: the read offset is the last offset read
-    assert not has_more(fake, imps)  # type: ignore[arg-type]
+    assert more(fake, imps) is False  # type: ignore[arg-type]
     fake._sought = {imps: 1224}  # _resume_safely's re-read of an applied record: owed from past the high water
-    assert not has_more(fake, imps)  # type: ignore[arg-type]
+    assert more(fake, imps) is False  # type: ignore[arg-type]
+
+
+def test_the_faust_worker_counts_an_input_not_fetched_since_its_assignment_as_behind_for_a_while() -> None:
+    """As the kafka driver (tests/integration/test_backpressure.py): an input whose end faust's fetcher has not seen
+    yet holds the other back for ``UNFETCHED_GRACE_S``, not for good; one it has seen is believed."""
+    from faust.types import TP
+
+    from stream.joiner.backpressure import CLICKS, IMPRESSIONS, UNFETCHED_GRACE_S, Unfetched
+    from stream.joiner.worker import FaustJoinWorker
+
+    ends = {TP("impressions", 0): False, TP("clicks", 0): None}
+    now = [0.0]
+    fake = SimpleNamespace(app=SimpleNamespace(consumer=SimpleNamespace(fetched_more=ends.__getitem__)),
+                           unfetched=Unfetched(clock=lambda: now[0]), _topic=lambda kind: kind)
+    assert FaustJoinWorker._behind(fake, CLICKS, 0)  # type: ignore[arg-type]
+    assert not FaustJoinWorker._behind(fake, IMPRESSIONS, 0)  # type: ignore[arg-type]
+    now[0] = UNFETCHED_GRACE_S
+    assert not FaustJoinWorker._behind(fake, CLICKS, 0)  # type: ignore[arg-type]
 
 
 def test_the_faust_driver_hands_the_pipeline_each_record_with_its_kafka_headers() -> None:
