@@ -89,7 +89,8 @@ Rejected rows
     the default unit, before 1973-03-03: epoch seconds among milliseconds); a dense value that is missing
     or not finite; a context value the schema rejects (non-finite float, string over ``max_str_len``
     chars, list over ``max_list_len`` entries); an unparseable clicked value; a click time that is
-    unparseable, out of range or before the impression. A row whose every value passes but whose event,
+    unparseable, out of range, before the impression or over ``future_ts_s`` ahead of the wall clock (kind
+    ``future_ts``, as the joiner dead-letters it). A row whose every value passes but whose event,
     as the publisher encodes it, is over ``[limits] max_message_bytes`` (long context lists, say) is
     rejected last, with field ``message``, kind ``too_large`` and its size in bytes as the value (no column is named).
     ``impressions + rejected_rows == rows_read``.
@@ -1169,7 +1170,8 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     checks += _time_checks(ts_status, ts_number, "ts", cols.time, unit)
     # The producer stamps messages with the wall clock: a row further ahead than the joiner would accept
     # is dead-lettered here already (same bound, same kind).
-    ahead = (ts_status == _OK) & (ts > int(time.time() * 1000) + limits.future_ts_ms)
+    latest_ms = int(time.time() * 1000) + limits.future_ts_ms  # the last time the joiner takes from a message sent now
+    ahead = (ts_status == _OK) & (ts > latest_ms)
     checks.append(_Check(ahead, "ts", cols.time, f"an event time at most {limits.future_ts_s:g} s ahead of "
                          "the wall clock at import (is --time-unit right? [limits] future_ts_s)", kind="future_ts"))
     users, c = _ids(col[cols.user], "user_id", cols.user, csv, limits.max_str_len)
@@ -1215,6 +1217,11 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
         before = from_column & (ct_status == _OK) & (ts_status == _OK) & (ct < ts)
         checks.append(_Check(before, "click_ts", cols.click_time,
                              "a click time at or after the impression's time"))
+        # the clicks decoder bounds a click's ts by its broker time as it does an impression's (a click a year ahead
+        # went out and the joiner dead-lettered it, its row's impression published as unclicked)
+        checks.append(_Check(from_column & (ct_status == _OK) & (ct > latest_ms), "click_ts", cols.click_time,
+                             f"a click time at most {limits.future_ts_s:g} s ahead of the wall clock at import "
+                             "([limits] future_ts_s)", kind="future_ts"))
         click_ts[from_column] = ct[from_column]
     drawn = clicked & ~from_column
     if drawn.any():

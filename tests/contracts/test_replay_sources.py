@@ -459,3 +459,23 @@ def test_the_eventlog_never_publishes_a_row_whose_event_breaks_the_limits(tmp_pa
         return  # refusing the mapping (a configuration mistake) is fine too
     check_event_table(Loaded(t, t.n_impressions, 0, 1, None))  # today: the decoder rejects the accepted row
     assert t.n_impressions == 0 and len(t.raw) == 1
+
+
+def test_a_click_time_ahead_of_the_wall_clock_is_rejected_at_the_source_as_the_joiner_rejects_it(
+        tmp_path: Path) -> None:
+    """A click-time column's value past the wall clock + future_ts_s: the clicks decoder (given the broker time the
+    producer stamps) dead-letters that click, so the loader must not publish it (it published it, and the joiner
+    dead-lettered every such click while the row's impression went out as unclicked)."""
+    now = int(time.time() * 1000)
+    ahead = now + int(DEFAULT_LIMITS.future_ts_ms * 1.5)
+    path = tmp_path / "clicks.parquet"
+    pq.write_table(pa.table({"rid": ["r-0", "r-1"], "user_id": [1, 2], "item_id": [3, 4], "ts": [now - 1000, now - 1000],
+                             "clicked": [1, 1], "cts": [now - 500, ahead]}), path)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", impression_id="rid", click_time="cts"), DELAY, seed=0)
+    with pytest.raises(BadMessage) as caught:
+        decode_click(orjson.dumps({"schema_version": SCHEMA_VERSION, "impression_id": "r-1", "ts": ahead}),
+                     broker_ts_ms=now)
+    assert caught.value.kind == "future_ts"
+    assert t.click_impression_id.tolist() == ["r-0"] and t.impression_id.tolist() == ["r-0"]
+    assert [(r.key, r.error.field, r.error.kind) for r in t.raw if r.error is not None] == [
+        (b"r-1", "click_ts", "future_ts")]
