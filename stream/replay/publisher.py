@@ -8,8 +8,10 @@
 - Rows a source rejected go to ``<topic>.dlq`` with their reason; deliberately malformed messages
   (synthetic ``malformed_share``) go to the real topic for consumers to dead-letter.
 - Pacing: ``rate`` (events per wall-clock second) or ``speed`` (event time / wall time), else as
-  fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error or
-  Ctrl-C stops flushes what it sent, and logs (stderr) the events acknowledged per topic and those not.
+  fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error,
+  Ctrl-C or SIGTERM stops flushes what it sent, and logs (stderr) the events acknowledged per topic and those not. A
+  SIGTERM (a process manager's stop) during :func:`publish` in the main thread raises :class:`Terminated` where the
+  replay is, so it stops as an error does (flushing for up to ``STOP_FLUSH_S``), and exits 143.
   Event time is counted from the first event in the order with a usable time (a source's row rejected for its time
   has ts 0 and goes out at once); a paced replay that would take over a year of wall clock (``MAX_PACED_S``: a tiny
   rate or speed, or times decades apart) is a :class:`~stream.errors.ConfigError` before anything is sent.
@@ -30,7 +32,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -167,7 +171,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
 
     ``progress(n)`` is called every few thousand events with the number sent since the last call.
     Raises ``DeliveryFailed`` if any message was not acknowledged, and :class:`~stream.errors.MessageLimitError` for
-    a message over its topic's limit or refused as too large (module docstring, "Message size").
+    a message over its topic's limit or refused as too large (module docstring, "Message size"), and :class:`Terminated`
+    for a SIGTERM in the main thread (what was sent is flushed and counted first).
 
     Events are encoded column-wise (:class:`~stream.replay.encoding.EventEncoder`) a chunk of the replay
     order at a time; unpaced, a chunk goes out in a loop that only calls ``produce``, and the counts,
@@ -215,6 +220,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     pacer = Pacer(rate, speed, origin)  # its clock starts with the first event
     counters = {IMPRESSION: EVENTS.labels("replay", imp_topic), CLICK: EVENTS.labels("replay", click_topic)}
     reported = 0
+    restore_sigterm = _raise_on_sigterm()
     try:
         for start in range(0, len(kinds), CHUNK):
             stop = min(start + CHUNK, len(kinds))
@@ -268,9 +274,11 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
 
         with _refused(limits):
             report = producer.flush()
-    except BaseException as exc:  # an error, Ctrl-C: what went out is flushed and counted (module docstring)
+    except BaseException as exc:  # an error, Ctrl-C, SIGTERM: what went out is flushed and counted (module docstring)
         _stopped(exc, producer, len(kinds))
         raise
+    finally:
+        restore_sigterm()
     summary.elapsed_s = time.monotonic() - t0
     total = summary.impressions + summary.clicks + summary.malformed_published + summary.dead_lettered
     if progress is not None:
@@ -280,7 +288,34 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     return summary
 
 
-STOP_FLUSH_S = 30.0  # how long a replay stopped by an error waits for what it sent (none after Ctrl-C)
+STOP_FLUSH_S = 30.0  # how long a replay stopped by an error or SIGTERM waits for what it sent (none after Ctrl-C)
+
+
+class Terminated(SystemExit):
+    """A SIGTERM stopped :func:`publish` part way (module docstring): what was sent was flushed and counted. A
+    ``SystemExit`` with the status a shell gives a process SIGTERM ended (143): ``except Exception`` does not take it
+    for a failure to handle, and ``streamrec replay`` exits with it."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _raise_on_sigterm() -> Callable[[], None]:
+    """Make a SIGTERM raise :class:`Terminated` where the replay is (by default it ended the process at once: what
+    the producer held was lost and nothing said how much went out); returns the function that puts the previous
+    handler back. Only the main thread may set a handler: elsewhere, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: one set in C
+
+    return restore
 
 
 def _stopped(exc: BaseException, producer: AckedProducer, total: int) -> None:

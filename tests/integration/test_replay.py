@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -293,3 +294,37 @@ def test_an_encoder_failure_mid_replay_delivers_the_chunks_sent_before_it_and_sa
     assert f"acknowledged per topic {({t: n for t, n in sorted(counts.items()) if n})}" in notes
     unsent = table.n_impressions + table.n_clicks - publisher_module.CHUNK
     assert f"{unsent} events not sent or not acknowledged" in notes
+
+
+def test_a_sigterm_mid_replay_delivers_what_was_sent_says_how_many_and_exits_143(kafka: KafkaSettings,
+                                                                                 tmp_path: Path) -> None:
+    """A paced replay stopped by SIGTERM (a process manager's stop: systemd, docker, kubernetes) died at once: the
+    events it had produced (counted as replayed on /metrics) were lost with the producer, which a 5 s linger still
+    held, and nothing said how many went out. Now it stops as an error stops it: what was sent is flushed, the
+    events acknowledged per topic are logged, and the exit status is a SIGTERM's (128 + 15)."""
+    cfg = _replay_config(tmp_path, kafka)
+    cfg.write_text(cfg.read_text() + "linger_ms = 5000\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(cfg), "--dataset",
+                             "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    series = f'streamrec_events_total{{stage="replay",topic="{kafka.impressions_topic}"}}'
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:  # until some events went out (well within 5 s)
+            if (metric(scrape(f"http://127.0.0.1:{port}/metrics"), series) or 0) > 0:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the replay ended before it was stopped"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 128 + signal.SIGTERM, (rc, err)
+    imps, clicks = read_topic(kafka, kafka.impressions_topic), read_topic(kafka, kafka.clicks_topic)
+    assert imps, err  # what was sent before the signal is delivered, not lost with the producer
+    counts = {t: n for t, n in sorted({kafka.clicks_topic: len(clicks), kafka.impressions_topic: len(imps)}.items())
+              if n}
+    assert f"acknowledged per topic {counts}" in err, err
