@@ -469,7 +469,7 @@ def test_a_click_time_ahead_of_the_wall_clock_is_rejected_at_the_source_as_the_j
     now = int(time.time() * 1000)
     ahead = now + int(DEFAULT_LIMITS.future_ts_ms * 1.5)
     path = tmp_path / "clicks.parquet"
-    pq.write_table(pa.table({"rid": ["r-0", "r-1"], "user_id": [1, 2], "item_id": [3, 4], "ts": [now - 1000, now - 1000],
+    pq.write_table(pa.table({"rid": ["r-0", "r-1"], "user_id": [1, 2], "item_id": [3, 4], "ts": [now - 1000] * 2,
                              "clicked": [1, 1], "cts": [now - 500, ahead]}), path)
     t = load_eventlog(path, ColumnMap(time_unit="ms", impression_id="rid", click_time="cts"), DELAY, seed=0)
     with pytest.raises(BadMessage) as caught:
