@@ -72,8 +72,9 @@ Clicks
     missing (a CSV cell: the same missing cells), else at ``ts`` + a delay drawn with ``draw_click_delays_ms`` from
     ``np.random.Generator(np.random.PCG64(seed))``. One delay is drawn per row read (row ``i`` uses
     draw ``i``), so a row's delay does not depend on which other rows were clicked or rejected, and
-    ``limit`` keeps the delays of the rows it keeps. With ``clicked=None`` and ``click_time`` set, a
-    row is clicked when its click time is present.
+    ``limit`` keeps the delays of the rows it keeps. A drawn click time is cut at the wall clock at import +
+    ``future_ts_s`` (the latest the joiner takes from a message sent then). With ``clicked=None`` and ``click_time``
+    set, a row is clicked when its click time is present.
 
 Rejected rows
     A row the event schema (``stream/events.py``) would not accept is not published as an
@@ -1227,7 +1228,9 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
     if drawn.any():
         rng = np.random.Generator(np.random.PCG64(seed))
         delays = draw_click_delays_ms(delay, n, rng)  # one per row read: row i's delay is draw i
-        click_ts[drawn] = np.minimum(ts[drawn] + delays[drawn], MAX_TS_MS)
+        # cut at the last time the joiner takes from a message sent now (a recent impression's long delay was a
+        # click it dead-letters as future_ts)
+        click_ts[drawn] = np.minimum(ts[drawn] + delays[drawn], min(MAX_TS_MS, latest_ms))
 
     # which rule each row breaks first
     first = np.full(n, -1, dtype=np.int64)

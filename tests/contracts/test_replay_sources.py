@@ -479,3 +479,20 @@ def test_a_click_time_ahead_of_the_wall_clock_is_rejected_at_the_source_as_the_j
     assert t.click_impression_id.tolist() == ["r-0"] and t.impression_id.tolist() == ["r-0"]
     assert [(r.key, r.error.field, r.error.kind) for r in t.raw if r.error is not None] == [
         (b"r-1", "click_ts", "future_ts")]
+
+
+def test_a_drawn_click_of_a_recent_impression_is_one_the_joiner_accepts_from_a_message_sent_now(
+        tmp_path: Path) -> None:
+    """A clicked row of a recent impression without a click time draws its click's delay: a delay past the wall
+    clock + future_ts_s (here a fixed two days) made a click the clicks decoder dead-letters as future_ts, given the
+    broker time the producer stamps at import. The drawn time is cut at that bound, as it is at MAX_TS_MS."""
+    now = int(time.time() * 1000)
+    path = tmp_path / "recent.parquet"
+    pq.write_table(pa.table({"rid": ["r-0"], "user_id": [1], "item_id": [2], "ts": [now - 1000], "clicked": [1]}), path)
+    two_days = ClickDelay(DelayKind.FIXED, median_s=2 * 86_400.0)
+    t = load_eventlog(path, ColumnMap(time_unit="ms", impression_id="rid"), two_days, seed=0)
+    assert t.click_impression_id.tolist() == ["r-0"] and t.raw == []
+    sent = int(time.time() * 1000)  # the broker time of a click sent after the import
+    click = decode_click(orjson.dumps({"schema_version": SCHEMA_VERSION, "impression_id": "r-0",
+                                       "ts": int(t.click_ts[0])}), broker_ts_ms=sent)
+    assert t.ts[0] <= click.ts <= sent + DEFAULT_LIMITS.future_ts_ms
