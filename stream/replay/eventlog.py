@@ -962,7 +962,9 @@ def _feature_cells(arr: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     missing = _missing_words(arr)
     kind = np.full(n, _TEXT, np.int8)
     digits = pc.utf8_ltrim(s, characters="-")
-    fits = _np_bool(pc.or_(pc.less(pc.utf8_length(digits), 19), pc.less_equal(digits, str(MAX_ID))))
+    # within int64: -2**63 too (the digits' bound alone made it text, where a Parquet int64 holds it as an integer)
+    fits = _np_bool(pc.or_(pc.or_(pc.less(pc.utf8_length(digits), 19), pc.less_equal(digits, str(MAX_ID))),
+                           pc.equal(s, str(-MAX_ID - 1))))
     kind[(_matches(s, _FLOAT_RE) & _matches(s, "[.eE]")) | _matches(s, _INF_RE)] = _FLOAT  # inf: rejected below
     kind[_matches(s, _FEATURE_INT_RE) & fits] = _INT
     kind[_np_bool(pc.is_in(s, pa.array(_FEATURE_BOOLS)))] = _BOOL

@@ -82,3 +82,12 @@ def test_a_null_token_in_a_csv_id_column_is_the_missing_id_a_parquet_null_is(tmp
     assert csv == parquet
     t = load_eventlog(tmp_path / "log.csv", ColumnMap(impression_id="rid"), FIXED, seed=0)
     assert [r.error.value for r in t.raw] == ["NA", " null ", "N/A"]  # reported as written
+
+
+def test_the_int64_bounds_as_feature_cells_are_the_integers_parquet_holds(tmp_path: Path) -> None:
+    """-2**63 is within int64 as 2**63-1 is: the CSV cell ``-9223372036854775808`` was the text (another hash) where
+    the same Parquet int64 value is the integer."""
+    table = events(3, big=pa.array([-(2**63), 2**63 - 1, -5], pa.int64()))
+    parquet, csv = both_ways(tmp_path, table, ColumnMap(features=("big",)))
+    assert [c["big"] for c in parquet["context"]] == [-(2**63), 2**63 - 1, -5]
+    assert csv == parquet
