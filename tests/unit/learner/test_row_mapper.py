@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -383,3 +384,39 @@ def test_a_row_handed_to_a_new_id_between_accumulated_micro_batches_does_not_get
     # The new id's row starts as its bucket's vector with fresh optimizer state; what it learns in the step must
     # come from its own samples only, whatever the id that left the row learned in the step's earlier micro-batch.
     assert torch.equal(_row_after_accumulated_step(0), _row_after_accumulated_step(1))
+
+
+def test_ids_equal_as_text_share_one_own_row_and_ids_that_differ_in_bytes_do_not_in_learner_and_serving(
+        tmp_path: Path) -> None:
+    """Raw ids hashed by the joiner (``hash_column``) and admitted by the learner, then sent in scoring requests:
+    ``7`` and ``"7"`` are one id (one own row); ``"007"``, ``" 7"``, ``"7 "`` and the NFD spelling of ``"Café"`` are
+    ids of their own (stable_hash hashes the text as sent, no normalisation), and serving maps every one of them to
+    the row the learner gave it, or to its bucket when it was never admitted."""
+    from serving.features import FeatureEncoder
+    from serving.request import read_request
+    from stream.features import hash_column, hash_value
+
+    cfg = FeatureConfig((FieldSpec("user_id", "single", 3, capacity=20, admit_after=2),
+                         FieldSpec("item_id", "single", 5)), embedding_dim=4)
+    model = DeepFM(cfg, mlp=(8,), seed=4, autocast_dtype=None)
+    sparse, dense = make_optimizers(model, 0.1, 0.01)
+    mapper, trainer = RowMapper(cfg), Trainer(model, sparse, dense)
+    cafe_nfc, cafe_nfd = "Caf\u00e9", "Cafe\u0301"
+    trained = [7, "7", "007", " 7", "7 ", cafe_nfc, cafe_nfc, cafe_nfd]  # 7 twice (as int and text): admitted
+    users = hash_column(trained)  # (U,) the joiner's hashing of a column of mixed ints and strings
+    tb = to_tensors(batch(users.tolist(), [1] * len(trained), [[]] * len(trained)), cfg)
+    mapper.apply(tb, now=1.0, model=model, sparse_opt=sparse)
+    trainer.test_then_train(tb)
+    rows = mapper.rows(0, users).tolist()  # (U,)
+    assert rows[0] == rows[1] >= 3 and rows[5] == rows[6] >= 3  # seen twice: own rows (7 and "7" one id)
+    for i in (2, 3, 4, 7):  # seen once: still on their buckets, and not 7's id
+        assert rows[i] < 3 and hash_value(trained[i]) != hash_value(7)
+    ckpt = {"meta": {"feature_config": cfg.to_dict(), "samples_trained": trainer.samples, "offsets": {},
+                     "model": {"mlp": "8", "dropout": 0.0, "amp": False, "seed": 4}},
+            "model": model.state_dict(), "id_maps": mapper.state_dict(), "path": "/ckpt/z.pt"}
+    served = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(4), format="torchscript"))
+    encoder = FeatureEncoder(served)
+    for user in [*trained, 12345]:  # and a brand-new user: its bucket
+        body = orjson.dumps({"user_id": user, "items": [1]})
+        values, _, _ = encoder.encode(read_request(body, 10), [])
+        assert int(values[0]) == int(mapper.rows(0, hash_column([user]))[0]), user
