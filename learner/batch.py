@@ -29,8 +29,9 @@ class TensorBatch:
     ts: np.ndarray  # (B,) int64, impression event time
     # (partition, offset, rows) of every Kafka message the rows came from, in order
     positions: list[tuple[int, int, int]] = field(default_factory=list)
-    # (N,) int64 hashed values behind ``values``, kept only when the config has dynamic fields: the
-    # RowMapper (learner/row_mapper.py) turns them into rows; until then ``values`` holds the buckets
+    # (N,) int64 hashed values behind ``values``, kept when the config is ``keyed``: the RowMapper
+    # (learner/row_mapper.py) turns dynamic fields' into rows (until then ``values`` holds the buckets), the cold
+    # tracker counts the users'
     keys: np.ndarray | None = None
     # (B,) int8 stream.samples kind of each row (FINAL / OBSERVED / DELAYED_POSITIVE); None: all FINAL
     kinds: np.ndarray | None = None
@@ -136,7 +137,7 @@ def to_tensors(batch: SampleBatch, cfg: FeatureConfig, positions: list[tuple[int
         all_keys.append(v)
         all_lengths.append(lengths)
     values = np.concatenate(all_values) if all_values else np.zeros(0, np.int64)
-    keys = (np.concatenate(all_keys) if all_keys else np.zeros(0, np.int64)) if cfg.dynamic else None
+    keys = (np.concatenate(all_keys) if all_keys else np.zeros(0, np.int64)) if cfg.keyed else None
     lengths = np.concatenate(all_lengths)  # (F * B,)
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -87,6 +87,13 @@ class FeatureConfig:
         return any(f.capacity > 0 for f in self.fields)
 
     @property
+    def keyed(self) -> bool:
+        """Whether batches keep the hashed values behind their rows (``TensorBatch.keys``): dynamic fields are mapped
+        to rows from them, and the cold tracker counts users by their hashed ids, hash buckets only too (without
+        them a learner with ``id_capacity = 0`` counted no user cold or warm: cold and warm AUC NaN for good)."""
+        return self.dynamic or any(f.name == "user_id" for f in self.fields)
+
+    @property
     def blocks(self) -> list[tuple[int, int]]:
         """``(first row, bucket rows)`` of every field's block in the fused table, in field order: a hashed
         value goes to ``first + value mod bucket rows`` (for a dynamic field: while it is not admitted)."""

@@ -282,8 +282,8 @@ class UpdateNorms:
 class FieldCoverage:
     """Per field, the share of the last ``window`` samples that carry it (``observe`` each batch before its ids
     are mapped to rows). A single-valued categorical carries ``MISSING`` when absent: read from the batch's
-    hashed ``keys`` when it has them (a dynamic config), else from its row, ``first + MISSING mod buckets``
-    (a present value hashing to that bucket counts as missing: 1 in ``buckets``).
+    hashed ``keys`` when it has them (``FeatureConfig.keyed``: a user id or dynamic fields), else from its row,
+    ``first + MISSING mod buckets`` (a present value hashing to that bucket counts as missing: 1 in ``buckets``).
 
     :meth:`shares` lists only the fields some sample has carried since this process started: a field that never
     arrived (``history`` is in every model, and a stream without histories has none) has not *stopped* arriving.

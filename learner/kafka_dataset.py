@@ -574,4 +574,4 @@ def to_tensors_empty(cfg: FeatureConfig, pos: tuple[int, int, int] | None) -> Te
     return TensorBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                        torch.zeros((0, len(cfg.dense))), torch.zeros(0), np.zeros(0, object),
                        np.zeros(0, np.int64), [pos] if pos is not None else [],
-                       keys=np.zeros(0, np.int64) if cfg.dynamic else None, label_delay_ms=np.zeros(0, np.int64))
+                       keys=np.zeros(0, np.int64) if cfg.keyed else None, label_delay_ms=np.zeros(0, np.int64))

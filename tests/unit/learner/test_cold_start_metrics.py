@@ -436,3 +436,33 @@ def test_the_time_to_admission_histogram_counts_each_admission_as_observe_would(
         delays.sum())
     TIME_TO_ADMISSION.observe("item_id", np.empty(0))  # nothing admitted: no observation
     assert sample("streamrec_learner_id_time_to_admission_seconds_count", {"field": "item_id"}) == 0
+
+
+def test_a_learner_with_hash_buckets_only_still_tells_cold_users_from_warm_ones(tmp_path: Path) -> None:
+    """``id_capacity = 0`` (no own rows, hash buckets only: a documented setting) keeps ``cold_k``: a user's first
+    ``cold_k`` impressions are cold whatever the id rows. The batches of such a static config carried no hashed ids
+    (``TensorBatch.keys``), so the learner found no users, counted none cold and none warm, and the cold and warm AUC
+    (and the ``cold_user_auc_gap`` alert on them) stayed NaN for good, in silence."""
+    from learner.batch import to_tensors
+    from learner.config import Device, LearnerSettings
+    from learner.daemon import Learner
+    from learner.features import default_config
+    from stream.config import KafkaSettings
+    from stream.samples import SampleBatch
+
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ck", mlp=(8,), buckets=16, ctx_buckets=5, embedding_dim=4,
+                         id_capacity=0, cold_k=2, device=Device.CPU, amp=False)
+    cfg = default_config({}, buckets=ls.buckets, embedding_dim=ls.embedding_dim, id_capacity=ls.id_capacity)
+    assert not cfg.dynamic
+    learner = Learner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls)  # never contacted
+    try:
+        learner._build(cfg, learner._model_settings())
+        users = np.repeat(np.arange(10), 4)  # (40,) each user's first 2 impressions cold, the next 2 warm
+        n = len(users)
+        sb = SampleBatch.from_columns(impression_id=[f"i{k}" for k in range(n)], ts=np.arange(n) * 1000,
+                                      label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=users,
+                                      item_id=np.arange(n) % 7, history=[[] for _ in range(n)], context={})
+        learner._train(to_tensors(sb, cfg))
+        assert learner.quality.cold_metrics.count == 20 and learner.quality.warm_metrics.count == 20
+    finally:
+        learner.close()
