@@ -220,6 +220,7 @@ class TrainingQuality:
         clock after them (``learner/event_clock.py``: one far-off timestamp cannot age every sample at once);
         ``watermarks`` the joiner's per samples partition (``TensorBatch.watermarks``, ``learner/served.py``)."""
         if cold is not None:
+            cold = self.served.impressions_cold(impression_ids, kinds, cold)  # a click: its impression's
             self._observe_cold(probs, labels, cold, ts, now_s)
         self.served.record(impression_ids, ts, kinds, labels, probs, cold, partitions, label_delay_ms, watermarks)
         if time.monotonic() - self._served_published >= _PUBLISH_EVERY_S:  # too few recent ones: NaN, no data

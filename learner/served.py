@@ -111,6 +111,23 @@ class ServedQuality:
             self._clock[part] = max(self._clock.get(part, t), t)
         self._expire()
 
+    def impressions_cold(self, impression_ids: np.ndarray, kinds: np.ndarray | None, cold: np.ndarray) -> np.ndarray:
+        """(B,) ``cold`` with each delayed positive's flag its impression's (pending here, or an observed row of the
+        same batch), call before :meth:`record`: a click read the user's state when it came, after the user's later
+        impressions, and a new user's first clicks counted warm. A click whose impression is not known keeps it."""
+        late = np.flatnonzero(kinds == DELAYED_POSITIVE) if kinds is not None else np.empty(0, np.int64)
+        if not late.size:
+            return cold
+        observed = np.flatnonzero(kinds == OBSERVED)
+        in_batch = dict(zip(impression_ids[observed].tolist(), cold[observed].tolist(), strict=True))
+        out = cold.copy()
+        for j, i in zip(late.tolist(), impression_ids[late].tolist(), strict=True):
+            part = self._where.get(i)
+            c = self._pending[part][i][2] if part is not None else in_batch.get(i)
+            if c is not None:
+                out[j] = c
+        return out
+
     def advance(self, now_ms: int) -> None:
         """Every partition's window has closed up to event time ``now_ms`` (the end of a stream, a test)."""
         for part in self._pending:  # no click at or before now_ms can still come: a clock just past it

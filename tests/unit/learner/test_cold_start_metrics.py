@@ -466,3 +466,28 @@ def test_a_learner_with_hash_buckets_only_still_tells_cold_users_from_warm_ones(
         assert learner.quality.cold_metrics.count == 20 and learner.quality.warm_metrics.count == 20
     finally:
         learner.close()
+
+
+def test_a_click_that_comes_after_the_users_next_impressions_counts_with_its_impressions_cold_or_warm() -> None:
+    """The cold and warm windows hold every trained sample, a delayed positive (``fake_negative``'s click after its
+    impression's observed 0) too, cold when its impression was among the user's first ``cold_k``. It read the user's
+    state at the click instead: a new user's session (impressions seconds apart, the click minutes later) had the
+    click of its first impression counted warm, moving cold users' positives into the warm window."""
+    from stream.samples import DELAYED_POSITIVE, OBSERVED
+
+    q = TrainingQuality(cold_k=2, metrics_window=1000, attribution_window_s=1800.0, recent_s=3600.0, min_recent=1,
+                        cold_capacity=100)
+    t0 = 1_700_000_000_000
+
+    def train(ids: list[str], kinds: list[int], labels: list[float]) -> None:
+        n = len(ids)
+        k = np.array(kinds, np.int8)
+        ts = np.full(n, t0)
+        cold = q.cold_of(np.full(n, 5, np.int64), t0 / 1000, k != DELAYED_POSITIVE)
+        q.record(np.array(ids, object), ts, k, np.array(labels), np.full(n, 0.5), cold, None, np.zeros(n, np.int64),
+                 now_s=t0 / 1000)
+
+    train(["a"], [OBSERVED], [0.0])  # user 5's first impression: cold
+    train(["b", "c"], [OBSERVED, OBSERVED], [0.0, 0.0])  # its second (cold) and third (warm)
+    train(["a", "d", "c"], [DELAYED_POSITIVE, OBSERVED, DELAYED_POSITIVE], [1.0, 0.0, 1.0])  # clicks of a (cold), c
+    assert (q.cold_metrics.count, q.warm_metrics.count) == (3, 3)  # a, b, a's click | c, d, c's click
