@@ -318,9 +318,15 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
                 keep_firing_for_s=keep_firing_for_s, tree=tree)
 
 
+def _shown_webhook(v: Any) -> str:
+    """A value that may hold a webhook URL as a message shows it: a string as its scheme and host (its path may be its
+    token: ``stream.secrets.hide_url_path``), anything else by its type only (an array of URLs quoted them whole)."""
+    return _shown(hide_url_path(v)) if isinstance(v, str) else f"a value of type {type(v).__name__}"
+
+
 def _sinks(where: _Where, raw: Any) -> SinkSettings:
     if not isinstance(raw, dict):
-        raise where.error("", f"[sinks]: expected a table, got {_shown(raw)}")
+        raise where.error("", f"[sinks]: expected a table, got {_shown_webhook(raw)}")
     ctx = "[sinks]: "
     unknown = sorted(set(raw) - set(_SINK_KEYS))
     for key in unknown:
@@ -333,6 +339,8 @@ def _sinks(where: _Where, raw: Any) -> SinkSettings:
         if not isinstance(raw["log"], bool):
             raise where.error(ctx, f'field "log": expected true or false, got {_shown(raw["log"])}')
         kw["log"] = raw["log"]
+    if "webhook_url" in raw and not isinstance(raw["webhook_url"], str):
+        raise where.error(ctx, f'field "webhook_url": expected a string, got {_shown_webhook(raw["webhook_url"])}')
     for key in ("kafka_topic", "webhook_url"):
         if key in raw:
             kw[key] = _string(where, ctx, key, raw[key]) or None

@@ -421,3 +421,22 @@ def test_a_secret_given_two_ways_by_one_source_is_refused_not_one_of_them_picked
     with pytest.raises(SettingsError, match=r"\[kafka\] sasl_password and sasl_password_env are both set"):
         build(KafkaSettings, "kafka", {}, {"STREAMREC_KAFKA_SASL_PASSWORD": "inline-pw",
                                            "STREAMREC_KAFKA_SASL_PASSWORD_ENV": "PW", "PW": "x"})
+
+
+@pytest.mark.parametrize("text", [
+    '[sinks]\nwebhook_url = ["https://hooks.example/services/T1/B2/{token}"]\n',  # several webhooks wanted: an array
+    'sinks = "https://hooks.example/services/T1/B2/{token}"\n',  # the URL where the [sinks] table belongs
+    '[sinks]\nwebhook_url = {{ url = "https://hooks.example/services/T1/B2/{token}" }}\n',
+])
+def test_a_rules_file_whose_webhook_url_is_no_string_quotes_no_part_of_its_token(tmp_path: Path, text: str) -> None:
+    # the error quoted the value whole: a Slack-style token (in the path, which redact cannot tell from a path) reached
+    # the `error:` line on stderr, and the logs of a monitor that reloads its rules
+    from monitor.rules import load_rules
+    from stream.errors import ConfigError
+
+    token = "T0KEN-xoxb-5a4b3c2d"
+    rules = tmp_path / "rules.toml"
+    rules.write_text(text.format(token=token))
+    with pytest.raises(ConfigError) as bad:
+        load_rules(rules)
+    assert token not in str(bad.value) and "sinks" in str(bad.value), str(bad.value)
