@@ -392,12 +392,18 @@ class FaustJoinWorker:
             # The path a SIGTERM takes: stop the worker's services, then leave the run loop.
             self.worker._schedule_shutdown(signal.SIGTERM)
 
-    def run(self) -> int:
-        """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set."""
+    def _faust_worker(self) -> faust.Worker:
+        """The faust worker :meth:`run` executes, at the root logger's level, logging through the CLI's handlers as they
+        are (``override_logging=False``): faust's own set-up at start replaced them with handlers of its own, without
+        ``stream.secrets.RedactingFilter``, and every line logged after the start went out unscrubbed."""
         level = logging.getLevelName(logging.getLogger().level).lower()
         # stdout=stderr: faust's spinner and banner must not mix into a --json summary on stdout.
-        self.worker = faust.Worker(self.app, loglevel="warn" if level == "warning" else level, quiet=True,
-                                   redirect_stdouts=False, stdout=sys.stderr)
+        return faust.Worker(self.app, loglevel="warn" if level == "warning" else level, quiet=True,
+                            redirect_stdouts=False, stdout=sys.stderr, override_logging=False)
+
+    def run(self) -> int:
+        """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set."""
+        self.worker = self._faust_worker()
         try:
             self.worker.execute_from_commandline()
         except SystemExit as exc:
