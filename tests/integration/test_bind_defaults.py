@@ -11,6 +11,7 @@ it, and shuts it down again (the autouse thread-leak guard checks that)."""
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 import threading
 import urllib.error
@@ -208,3 +209,20 @@ def test_compose_publishes_only_on_loopback_and_has_no_default_passwords() -> No
     assert "requirepass $$(cat /run/secrets/redis_password)" in " ".join(services["redis"]["command"])
     kafka = services["kafka"]["environment"]
     assert "PLAINTEXT://:" not in kafka["KAFKA_LISTENERS"] and "SASL_SSL://" in kafka["KAFKA_LISTENERS"]
+
+
+def test_compose_hands_no_secret_to_a_program_as_an_argument() -> None:
+    # The topics init passed the SCRAM password to kafka-configs.sh as `--add-config "...password=$(cat ...)"`: a
+    # command line is world-readable on the host (`ps`) while the JVM runs, and kafka-configs.sh prints its arguments in
+    # the error it exits with ("Error while executing config command with args '...'"), into `docker compose logs`.
+    import yaml
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    as_argument = re.compile(r"--[\w.-]+[ =][^\n]*\$\$\(cat /run/secrets/")  # an option whose value reads a secret
+    for name, svc in services.items():
+        texts = [*(svc.get("command") or []), *(svc.get("entrypoint") or []),
+                 *((svc.get("healthcheck") or {}).get("test") or [])]
+        for text in texts if not isinstance(texts, str) else [texts]:
+            for line in str(text).splitlines():
+                assert not as_argument.search(line), f"{name} passes a secret on a command line: {line.strip()}"
+    assert "--add-config-file" in " ".join(services["topics"]["command"])
