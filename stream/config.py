@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from stream.errors import ConfigError, shown
-from stream.secrets import Secret, redact, redacted_repr
+from stream.secrets import MASK, Secret, redact, redacted_repr
 
 C = TypeVar("C", bound="Choice")
 
@@ -109,9 +109,17 @@ def check_bootstrap_servers(servers: str) -> None:
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not (bare.strip() and "/" not in bare and "@" not in bare and not any(c.isspace() for c in bare)
                 and port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
-            raise ConfigError(f"[kafka] bootstrap_servers: {shown(entry.strip())} is not host:port (a host, a port "
-                              f"1-65535); give comma-separated entries like \"kafka-1:9092,kafka-2:9092\", got "
-                              f"{shown(servers)}")
+            userinfo = ("; a user:password@ has no place here: give them as [kafka] sasl_username and "
+                        "sasl_password_file" if "@" in str(servers) else "")
+            raise ConfigError(f"[kafka] bootstrap_servers: {_shown_servers(entry.strip())} is not host:port (a host, a "
+                              f"port 1-65535); give comma-separated entries like \"kafka-1:9092,kafka-2:9092\", got "
+                              f"{_shown_servers(str(servers))}{userinfo}")
+
+
+def _shown_servers(text: str) -> str:
+    """``text`` for a message, up to its last ``@`` masked: a ``user:password@`` written into it, as into a URL but
+    without the scheme :func:`~stream.secrets.redact` needs to see a URL, was quoted whole."""
+    return shown(MASK + text[text.rindex("@"):] if "@" in text else text)
 
 
 # Kafka's rule for a topic name (the broker's Topic.validate): 1 to 249 characters, each an ASCII letter or digit, '.',

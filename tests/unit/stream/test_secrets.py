@@ -440,3 +440,15 @@ def test_a_rules_file_whose_webhook_url_is_no_string_quotes_no_part_of_its_token
     with pytest.raises(ConfigError) as bad:
         load_rules(rules)
     assert token not in str(bad.value) and "sinks" in str(bad.value), str(bad.value)
+
+
+def test_a_user_and_password_written_into_bootstrap_servers_are_not_quoted_in_its_error() -> None:
+    # bootstrap_servers takes no user-info; one written there as into a URL but without a scheme (which redact needs to
+    # see a URL) was quoted whole, twice, in the `error:` line
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError) as bad:
+        KafkaSettings(bootstrap_servers="alice:pw-b00tstrap-7@broker-1:9092,broker-2:9092")
+    text = redact(str(bad.value))  # as the CLI prints it
+    assert "pw-b00tstrap-7" not in text and "alice" not in text, text
+    assert "broker-1:9092" in text and "sasl_username" in text, text
