@@ -16,13 +16,13 @@ Failing closed, once:
 * **Artifacts.** A ``CURRENT`` that names no valid version, or a version that fails to load for any
   reason (malformed manifest, checksum, scorer, ...), is rejected ONCE: logged as an error, counted in
   ``streamrec_serving_rejected_total{kind="artifact"}`` (and ``..._swap_rejected_total``), and remembered by
-  its path and the size, mtime and inode of its files, so it is not read or hashed again at every poll;
-  it is tried again only when those change (a republish, a repaired file). The live model keeps serving;
-  with none yet, ``/readyz`` and ``/v1/score`` answer 503 with the reason, and the process stays up. One
-  exception: a version the layered mode's embedding store lacks the rows of (``VersionNotStored``: no meta
-  in Redis yet, or any more) is not the artifact's fault, and is tried again after 5 s, doubling up to every
-  300 s (``STORE_RETRY_S``, ``streamrec_serving_artifact_store_retries_total``) until it loads or fails for
-  another reason, which is then a rejection like any other (not retried).
+  its path and the size, mtime, ctime and inode of its files, so it is not read or hashed again at every poll;
+  it is tried again only when those change (a republish, a repaired file: ctime is what a ``chmod`` changes).
+  The live model keeps serving; with none yet, ``/readyz`` and ``/v1/score`` answer 503 with the reason, and the
+  process stays up. One exception: a version the layered mode's embedding store lacks the rows of
+  (``VersionNotStored``: no meta in Redis yet, or any more) is not the artifact's fault, and is tried again
+  after 5 s, doubling up to every 300 s (``STORE_RETRY_S``, ``streamrec_serving_artifact_store_retries_total``)
+  until it loads or fails for another reason, which is then a rejection like any other (not retried).
 * **Deltas.** A damaged or malformed delta (``learner.deltas.DeltaError``) or one that does not fit the
   live model is rejected once (``streamrec_serving_rejected_total{kind="delta"}``) and skipped; the later
   ones still apply. "Later" is in ``seq`` order: deltas are absolute, so rows only the skipped delta
@@ -109,11 +109,13 @@ def _live_model(model: ScoringModel) -> LiveModel:
 
 
 def _stat_key(path: Path) -> tuple[Any, ...]:
+    """What changes when ``path`` is rewritten or repaired: its ctime too, since a ``chmod`` that lets serving read a
+    file it was refused changes nothing else."""
     try:
         st = path.stat()
     except OSError:
         return ("missing",)
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def _dir_fingerprint(path: Path) -> tuple[Any, ...]:

@@ -1,0 +1,64 @@
+"""A new artifact whose load fails for a reason that is not the artifact's (a file serving may not read until an
+operator fixes its mode) is not refused for good
+(``serving/swap.py`` "Failing closed, once"): it is tried again when that passes, and the model serving keeps
+answering meanwhile. Real artifacts (``cache_refresh.publish``), the fault injected where the loader opens a file."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_refresh.publish import publish
+from learner import artifact as A
+from learner.artifact import build_artifact
+from serving.metrics import ServingMetrics
+from serving.swap import ModelHolder, ModelUpdater
+from tests.unit.learner.test_artifact import make_checkpoint
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _published(root: Path, seed: int) -> Path:
+    return publish(root, build_artifact(make_checkpoint(seed=seed), root, np.arange(10)), keep=5)
+
+
+def _updater(root: Path, clock: Clock | None = None) -> tuple[ModelUpdater, ModelHolder]:
+    holder = ModelHolder()
+    return ModelUpdater(holder, ServingMetrics(holder.model), root, None, clock=clock or Clock()), holder
+
+
+def test_an_artifact_file_serving_could_not_read_is_loaded_once_its_mode_is_repaired(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A listed file published with mode 000 is refused ("cannot be read (Permission denied); check the publish
+    # root's permissions"); chmod repairs it but changes neither its size, mtime nor inode: the rejection was
+    # remembered by those, and the repaired artifact never loaded. (The tests run as root, whom modes do not stop:
+    # the open fails as it does for serving's user while the file has no read bit.)
+    root = tmp_path / "serving"
+    v1 = _published(root, 0)
+    real = A.open_entry
+
+    def open_entry(dir_fd: int, name: str) -> int:
+        if not os.stat(name, dir_fd=dir_fd).st_mode & 0o444:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(dir_fd, name)
+
+    monkeypatch.setattr(A, "open_entry", open_entry)
+    victim = v1 / A.COLD_FILE
+    victim.chmod(0)
+    u, holder = _updater(root)
+    u.check_now()
+    assert holder.live is None and holder.problem is not None and "Permission denied" in holder.problem
+    victim.chmod(0o644)
+    u.check_now()
+    assert holder.live is not None and holder.live.model.version == v1.name
+
