@@ -878,7 +878,7 @@ def _fingerprint(path: Path) -> tuple[str, int, int] | None:
     return (str(path), st.st_size, st.st_mtime_ns)
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
     """Whether ``exc``, raised reading a delta, is this process short of a resource (not the file at fault)."""
     return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
 
@@ -932,10 +932,10 @@ class DeltaReader:
         """Whether the read of ``path`` (version ``fp``) that raised ``exc`` is left for the next round: a transient
         failure (``MemoryError``, an errno of :data:`TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES` rounds in a
         row. A read again in the same round (:meth:`newer` with ``same_round``) counts no further try."""
-        if fp in self._failed_now and _transient(exc):
+        if fp in self._failed_now and transient(exc):
             return True
         tries = self._failing.pop(fp, 0) + 1
-        if not _transient(exc) or tries >= TRANSIENT_TRIES:
+        if not transient(exc) or tries >= TRANSIENT_TRIES:
             return False
         self._failing[fp] = tries
         self._failed_now.add(fp)
@@ -1088,7 +1088,7 @@ class DeltaReader:
                     return
                 # damaged, malformed, or unreadable (permissions, I/O): one file must not stop the updates after it
                 self.mark_bad(path, (str(exc) if isinstance(exc, (DeltaError, OSError)) else f"{type(exc).__name__}: "
-                                     f"{exc}") + (f" ({TRANSIENT_TRIES} reads in a row)" if _transient(exc) else ""))
+                                     f"{exc}") + (f" ({TRANSIENT_TRIES} reads in a row)" if transient(exc) else ""))
                 continue
             self._failing.pop(fp, None)
             self._lineages[fp] = d.lineage

@@ -22,7 +22,9 @@ Failing closed, once:
   process stays up. One exception: a version the layered mode's embedding store lacks the rows of
   (``VersionNotStored``: no meta in Redis yet, or any more) is not the artifact's fault, and is tried again
   after 5 s, doubling up to every 300 s (``STORE_RETRY_S``, ``streamrec_serving_artifact_store_retries_total``)
-  until it loads or fails for another reason, which is then a rejection like any other (not retried).
+  until it loads or fails for another reason, which is then a rejection like any other (not retried). Nor is a
+  load that failed for want of a resource of this process (descriptors, memory: ``learner.deltas.transient``, in
+  the failure's chain of causes), tried again at the same cadence (not counted as a store retry).
 * **Deltas.** A damaged or malformed delta (``learner.deltas.DeltaError``) or one that does not fit the
   live model is rejected once (``streamrec_serving_rejected_total{kind="delta"}``) and skipped; the later
   ones still apply. "Later" is in ``seq`` order: deltas are absolute, so rows only the skipped delta
@@ -62,7 +64,7 @@ from typing import Any
 import redis
 
 from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
-from learner.deltas import DeltaReader
+from learner.deltas import DeltaReader, transient
 from learner.tensorpack import SigningKey
 from serving.embedding_store import VersionNotStored
 from serving.features import FeatureEncoder
@@ -118,6 +120,20 @@ def _stat_key(path: Path) -> tuple[Any, ...]:
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
+def _short_of_resources(exc: BaseException) -> bool:
+    """Whether ``exc`` or any exception in its chain of causes is this process short of a resource (descriptors,
+    memory: :func:`learner.deltas.transient`): the artifact loader wraps those in an ``ArtifactError`` (a file that
+    "cannot be read"), which is not the artifact's fault."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if transient(cur):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def _dir_fingerprint(path: Path) -> tuple[Any, ...]:
     """What changes when a version directory or any file in it is rewritten (cheap: stat calls only)."""
     try:
@@ -151,7 +167,8 @@ class ModelUpdater:
             lambda p, d: ScoringModel.load(p, device=d, signing_key=signing_key))
         self._rejected: dict[tuple[Any, ...], str] = {}  # fingerprint -> reason, insertion-ordered
         self._rejected_deltas: dict[tuple[Any, ...], None] = {}  # delta file versions counted, insertion-ordered
-        self._store_retry: dict[tuple[Any, ...], tuple[float, int]] = {}  # VersionNotStored key -> (due, tries)
+        # key of a load tried again later (VersionNotStored, a resource short) -> (due, tries, VersionNotStored?)
+        self._store_retry: dict[tuple[Any, ...], tuple[float, int, bool]] = {}
         self._clock = clock
         self._pause_reason: str | None = None
         self._wake = threading.Event()
@@ -245,22 +262,24 @@ class ModelUpdater:
         self.holder.problem = reason
         log.error("artifact rejected, %s keeps serving (%s): %s",
                   live.model.version if live else "no model (/readyz 503)",
-                  "tried again while the embedding store lacks its rows" if key in self._store_retry
+                  "tried again later: not its files' fault" if key in self._store_retry
                   else "not retried until its files change", reason)
 
-    def _reject_load(self, key: tuple[Any, ...], exc: ArtifactError) -> None:
+    def _reject_load(self, key: tuple[Any, ...], exc: ArtifactError, short: bool = False) -> None:
         """A version that failed to load: rejected once (:meth:`_reject`); one the embedding store lacked the rows of
-        (:class:`VersionNotStored`) is also tried again at a bounded cadence, since the rows may come (a refresh
-        still writing them, Redis refilled). A retry that fails for another reason is a rejection of its own."""
+        (:class:`VersionNotStored`), or whose load found this process ``short`` of descriptors or memory, is also
+        tried again at a bounded cadence, since the rows may come (a refresh still writing them, Redis refilled) and
+        the resources come back. A retry that fails for another reason is a rejection of its own."""
         retry = self._store_retry.pop(key, None)
-        if not isinstance(exc, VersionNotStored):
+        store = isinstance(exc, VersionNotStored)
+        if not (store or short):
             if retry is not None:  # the rows came, something else is wrong: say it, and retry no more
                 self._rejected.pop(key, None)
             self._reject(key, str(exc))
             return
         tries = retry[1] + 1 if retry is not None else 1
         delay = min(STORE_RETRY_S[0] * 2 ** (tries - 1), STORE_RETRY_S[1])
-        self._store_retry[key] = (self._clock() + delay, tries)
+        self._store_retry[key] = (self._clock() + delay, tries, store)
         while len(self._store_retry) > _REMEMBER:
             self._store_retry.pop(next(iter(self._store_retry)))
         self._reject(key, f"{exc} (tried again in {delay:.0f}s)")
@@ -269,11 +288,12 @@ class ModelUpdater:
             log.warning("%s; tried again in %.0fs", exc, delay)
 
     def _store_retry_due(self, key: tuple[Any, ...]) -> bool:
-        """A rejected version whose store retry is due: counted, and loaded again."""
+        """A rejected version whose retry is due: loaded again (counted when it is a store retry)."""
         retry = self._store_retry.get(key)
         if retry is None or self._clock() < retry[0]:
             return False
-        self.metrics.artifact_store_retries.inc()
+        if retry[2]:
+            self.metrics.artifact_store_retries.inc()
         return True
 
     def _delta_rejected(self, path: Path, reason: str) -> None:
@@ -326,7 +346,8 @@ class ModelUpdater:
         try:
             model = self._load(path, self.device)
         except Exception as exc:  # noqa: BLE001 - ArtifactError, or anything a custom loader raises: rejected once
-            self._reject_load(key, exc if isinstance(exc, ArtifactError) else ArtifactError(f"{path}: {exc}"))
+            self._reject_load(key, exc if isinstance(exc, ArtifactError) else ArtifactError(f"{path}: {exc}"),
+                              short=_short_of_resources(exc))
             return
         self._rejected.pop(key, None)  # loaded after a retry: a later swap back to it loads it at once
         self._store_retry.pop(key, None)

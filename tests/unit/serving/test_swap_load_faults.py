@@ -1,5 +1,5 @@
-"""A new artifact whose load fails for a reason that is not the artifact's (a file serving may not read until an
-operator fixes its mode) is not refused for good
+"""A new artifact whose load fails for a reason that is not the artifact's (serving's process short of descriptors or
+memory; a file serving may not read until an operator fixes its mode) is not refused for good
 (``serving/swap.py`` "Failing closed, once"): it is tried again when that passes, and the model serving keeps
 answering meanwhile. Real artifacts (``cache_refresh.publish``), the fault injected where the loader opens a file."""
 
@@ -16,7 +16,7 @@ from cache_refresh.publish import publish
 from learner import artifact as A
 from learner.artifact import build_artifact
 from serving.metrics import ServingMetrics
-from serving.swap import ModelHolder, ModelUpdater
+from serving.swap import STORE_RETRY_S, ModelHolder, ModelUpdater
 from tests.unit.learner.test_artifact import make_checkpoint
 
 
@@ -35,6 +35,35 @@ def _published(root: Path, seed: int) -> Path:
 def _updater(root: Path, clock: Clock | None = None) -> tuple[ModelUpdater, ModelHolder]:
     holder = ModelHolder()
     return ModelUpdater(holder, ServingMetrics(holder.model), root, None, clock=clock or Clock()), holder
+
+
+def test_an_artifact_whose_load_ran_out_of_descriptors_is_loaded_again_once_they_are_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # EMFILE (a request storm holding every descriptor) at one file's open: the artifact was rejected and remembered
+    # by its files, which never change, so serving stayed on the old model (or on none, 503) until the next publish.
+    root = tmp_path / "serving"
+    _published(root, 0)
+    clock = Clock()
+    u, holder = _updater(root, clock)
+    u.check_now()
+    old = holder.live
+    v2 = _published(root, 1)
+    real, short = A.open_entry, [True]
+
+    def open_entry(dir_fd: int, name: str) -> int:
+        if short[0]:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(dir_fd, name)
+
+    monkeypatch.setattr(A, "open_entry", open_entry)
+    u.check_now()
+    assert holder.live is old  # the model serving keeps answering meanwhile
+    short[0] = False
+    clock.now += STORE_RETRY_S[0]
+    u.check_now()
+    assert holder.live is not None and holder.live.model.version == v2.name
+    assert holder.problem is None
+    assert u.metrics.artifact_store_retries._value.get() == 0  # (no embedding store was asked)
 
 
 def test_an_artifact_file_serving_could_not_read_is_loaded_once_its_mode_is_repaired(
