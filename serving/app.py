@@ -97,7 +97,9 @@ class ScoringApp:
         self._count_lock = threading.Lock()
         self._nonfinite_logged = -float("inf")  # monotonic time of the last "non-finite scores" log line
         self._version = version
-        self._openapi: tuple[Any, bytes] = (None, b"")  # (the encoder it describes, the document)
+        # (the feature names it describes, the document): names, not the encoder, which holds its model (a model
+        # swapped out stayed referenced until the next /openapi.json)
+        self._openapi: tuple[Any, bytes] = (None, b"")
         self._routes = {
             ("POST", "/v1/score"): self._score,
             ("POST", "/v1/score:batch"): self._score_batch,
@@ -208,18 +210,18 @@ class ScoringApp:
     # -- endpoints --------------------------------------------------------------------------------
     def openapi_document(self) -> bytes:
         """``/openapi.json``: the live model's feature names in the request schema (any name without a model);
-        rebuilt only when the live model's encoder changes (a swap)."""
+        rebuilt only when those names change (a swap to a model of other features)."""
         live = self.holder.live
         encoder = live.encoder if live is not None else None
-        cached_for, doc = self._openapi
-        if doc and cached_for is encoder:
-            return doc
         names = (encoder.context_names, encoder.dense_names) if encoder is not None else (None, None)
+        cached_for, doc = self._openapi
+        if doc and cached_for == names:
+            return doc
         # the standard library's encoder: the dense bounds are integers past int64 (stream.limits.DENSE_MAX_LITERAL),
         # which orjson refuses ("Integer exceeds 64-bit range": the document was a 500)
         doc = json.dumps(openapi(self.s.max_candidates, self.s.max_batch, self._version, names[0], names[1],
                                  self.limits), separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-        self._openapi = (encoder, doc)
+        self._openapi = (names, doc)
         return doc
 
     def _live(self) -> LiveModel:

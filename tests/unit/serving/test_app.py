@@ -10,7 +10,9 @@ The model is wired as ``serving/service.py`` wires it: ModelHolder + ModelUpdate
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,22 @@ def test_readyz_and_openapi_describe_the_live_model(published: Path) -> None:
     assert props["items"]["maxItems"] == MAX_CANDIDATES
     assert set(doc["paths"]) == {"/v1/score", "/v1/score:batch", "/healthz", "/readyz", "/metrics", "/openapi.json"}
     assert app.openapi_document() is app.openapi_document()  # built once per live model, not per request
+
+
+def test_a_model_swapped_out_is_freed_though_openapi_json_described_it(tmp_path: Path, learner: TinyLearner) -> None:
+    # /openapi.json cached its document with the encoder it described, and the encoder holds its model: the model
+    # swapped out (its scorer, hot rows, memory-mapped table) stayed referenced until the next /openapi.json.
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v001")
+    app = make_app(root)
+    assert call(app, "GET", "/openapi.json")[0] == 200 and call(app, "POST", "/v1/score", SIMPLE)[0] == 200
+    assert app.holder.live is not None
+    old = weakref.ref(app.holder.live.model)
+    publish_version(learner, root, "v002")
+    ModelUpdater(app.holder, app.metrics, root, None, device="cpu").check_now()
+    assert call(app, "POST", "/v1/score", SIMPLE)[2]["model_version"] == "v002"
+    gc.collect()
+    assert old() is None, "the swapped-out model is still referenced"
 
 
 def test_openapi_without_a_model_allows_any_feature_name(tmp_path: Path) -> None:
