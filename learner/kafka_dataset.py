@@ -48,7 +48,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from functools import partial
-from typing import cast
 
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -61,7 +60,7 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
-from stream.kafka import Headers, has_more, new_consumer
+from stream.kafka import Headers, has_more, headers_of, new_consumer
 from stream.retention import Gaps, start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
@@ -317,12 +316,14 @@ class KafkaSampleDataset(IterableDataset):
                         # at a start): a checkpoint that holds it and not this message starts past them
                         pending.append(to_tensors_empty(self.cfg, (part, last_lost, 0)))
                     suspect = pos in self.suspects
+                    headers: Headers | None = None  # read once (stream.kafka.headers_of), kept in a dead letter
                     try:
+                        headers = headers_of(m)
                         if suspect and self.suspects[pos] is not None:
                             raise BadMessage(str(self.suspects[pos]), kind="poison")
                         sb = decoded if decoded is not None else read(m.value())
                         tb = to_tensors(sb, self.cfg, [(*pos, len(sb))])
-                        if (wm := read_watermark(m.headers(), self.future_ts_s, self.max_label_delay_s)) is not None:
+                        if (wm := read_watermark(headers, self.future_ts_s, self.max_label_delay_s)) is not None:
                             tb.watermarks = {part: wm}
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
@@ -330,7 +331,7 @@ class KafkaSampleDataset(IterableDataset):
                             kind="undecodable")
                         if dlq is None:
                             dlq = DeadLetters(self.kafka)
-                        dlq.send(topic, m.key(), m.value(), bad, *pos, cast(Headers | None, m.headers()))
+                        dlq.send(topic, m.key(), m.value(), bad, *pos, headers)
                         dlq.flush()
                         tb = to_tensors_empty(self.cfg, (*pos, 0))
                         suspect = False
@@ -496,7 +497,7 @@ def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_
     return sb
 
 
-def read_watermark(headers: list[tuple[str, bytes | None]] | None, future_ts_s: float | None = None,
+def read_watermark(headers: Headers | None, future_ts_s: float | None = None,
                    window_s: float | None = None) -> int | None:
     """``watermark_of`` the message's headers, and the bound that needs the learner's clock: a watermark leading it by
     more than ``future_ts_s`` (None: no bound) + ``window_s`` (the attribution window, ``max_label_delay_s``; None: 0)

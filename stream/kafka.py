@@ -6,6 +6,7 @@ comes from idempotent producing, waiting for acknowledgements, and offsets store
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import re
@@ -32,6 +33,7 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from stream.config import KafkaSettings, SaslMechanism, check_group_id
 from stream.errors import (
+    BadMessage,
     ConfigError,
     DeliveryFailed,
     DeliveryRefused,
@@ -827,6 +829,22 @@ def _weak_callbacks(ref: weakref.ReferenceType[AckedProducer]) -> dict[str, Call
             producer._on_fatal(err)
 
     return {"on_delivery": on_delivery, "error_cb": error_cb}
+
+
+def headers_of(msg: Message) -> Headers | None:
+    """A consumed message's headers. Raises :class:`BadMessage` (``bad_header``) for a header key that is not UTF-8
+    (Kafka's keys are bytes; another producer may write any). confluent-kafka (2.16) then builds a (key, value) pair
+    with an empty key slot and says so by a SystemError, or not at all (seen after other reads in the same process);
+    it keeps the broken list for the message's next ``headers()``, and reading the empty slot segfaults. So this is
+    called once per message, and finds an empty slot without reading it: ``gc.get_referents`` skips it."""
+    try:
+        headers = msg.headers()
+        broken = any(len(gc.get_referents(pair)) != len(pair) for pair in headers or ())
+    except (SystemError, UnicodeDecodeError):
+        broken = True
+    if broken:
+        raise BadMessage("a header key that is not UTF-8 (the message's headers are not kept)", kind="bad_header")
+    return headers  # type: ignore[return-value]  # consumed: a list of (str, bytes | None)
 
 
 def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = False) -> bool:

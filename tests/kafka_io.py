@@ -37,3 +37,44 @@ def make_again(kafka: KafkaSettings, topic: str, partitions: int) -> None:
     while topic in admin.list_topics(timeout=5).topics and time.monotonic() < deadline:
         time.sleep(0.1)
     ensure_topics(kafka, [topic], partitions=partitions)
+
+
+class _RawHeaderKey(str):
+    """A header key that aiokafka's pure-Python record builder writes as these bytes (``encode`` is all it calls)."""
+
+    def __new__(cls, raw: bytes) -> _RawHeaderKey:
+        key = super().__new__(cls, raw.decode("latin-1"))
+        key.raw = raw
+        return key
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:  # noqa: ARG002 - str's signature
+        return self.raw
+
+
+def produce_raw_header_key(kafka: KafkaSettings, topic: str, partition: int, key: bytes, value: bytes,
+                           header_key: bytes) -> None:
+    """One record whose header key is ``header_key`` as bytes (not UTF-8, as another producer may write): neither
+    confluent-kafka nor aiokafka's compiled builder will write one, so aiokafka's pure-Python builder does."""
+    import asyncio
+
+    import aiokafka.producer.message_accumulator as accumulator
+    import aiokafka.producer.producer as aio_producer
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
+
+    builders = accumulator.DefaultRecordBatchBuilder, aio_producer.DefaultRecordBatchBuilder
+    accumulator.DefaultRecordBatchBuilder = aio_producer.DefaultRecordBatchBuilder = _DefaultRecordBatchBuilderPy
+
+    async def send() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topic, value, key=key, partition=partition,
+                                         headers=[(_RawHeaderKey(header_key), b"1")])
+        finally:
+            await producer.stop()
+
+    try:
+        asyncio.run(send())
+    finally:
+        accumulator.DefaultRecordBatchBuilder, aio_producer.DefaultRecordBatchBuilder = builders

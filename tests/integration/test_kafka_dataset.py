@@ -29,7 +29,7 @@ from stream.dlq import DeadLetter
 from stream.kafka import AckedProducer, admin_config, ensure_topics, producer_config
 from stream.samples import SampleBatch
 from tests.integration.test_learner import CFG, sample_batch
-from tests.kafka_io import read_topic
+from tests.kafka_io import produce_raw_header_key, read_topic
 
 PARTITIONS = 3
 IDLE_S = 1.0  # exit_when_idle_s of the bounded reads below
@@ -237,6 +237,25 @@ def test_a_dead_lettered_samples_message_keeps_its_watermark_header(topic: Kafka
     [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
     dl = DeadLetter.from_headers(rec.headers)
     assert (rec.key, dl.kind, dl.original_headers) == (b"p", "poison", tuple(original))
+
+
+def test_a_header_key_that_is_not_utf8_dead_letters_its_message_and_the_next_ones_still_come(
+        topic: KafkaSettings) -> None:
+    """Another producer's header key that is not UTF-8 (Kafka keys are bytes on the wire): confluent-kafka's
+    ``Message.headers()`` raises SystemError for it, which the reader met twice, reading the watermark and then again
+    while dead-lettering the message, and the second ended the learner (and every restart, at the same offset)."""
+    rng = np.random.default_rng(8)
+    produce(topic, [(0, good(rng, 2, "a"), b"a")])
+    produce_raw_header_key(topic, topic.samples_topic, 0, b"hostile", good(rng, 2, "h"), b"\xff\xfewm")
+    produce(topic, [(0, good(rng, 2, "b"), b"b")])
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0}, exit_when_idle_s=IDLE_S)))
+    assert sorted(positions(out)) == [(0, 0, 2), (0, 1, 0), (0, 2, 2)]  # consumed once, not trained
+    assert sorted(i for b in out for i in b.impression_ids.tolist()) == ["a-0", "a-1", "b-0", "b-1"]
+    [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.source_offset) == (b"hostile", "bad_header", 1)
+    assert "not UTF-8" in dl.reason
+    assert SampleBatch.decode(rec.value).impression_ids == ["h-0", "h-1"]  # the value untouched, replayable
 
 
 def test_an_idle_input_yields_empty_heartbeats_and_ends_after_exit_when_idle_s(topic: KafkaSettings) -> None:
