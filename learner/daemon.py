@@ -59,7 +59,7 @@ from learner.deltas import DeltaWriter
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
-from learner.kafka_dataset import KafkaSampleDataset, not_the_batch
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, read_samples, read_watermark
 from learner.lag import publish_lag
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
@@ -74,7 +74,7 @@ from stream.features import MISSING
 from stream.files import NotDurable, describe_os_error
 from stream.idle_clock import IdleClock
 from stream.joiner.partitions import ensure_samples
-from stream.kafka import new_consumer, topic_identity
+from stream.kafka import headers_of, new_consumer, topic_identity
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, settle_strikes
 
@@ -302,7 +302,9 @@ def first_samples_clock() -> IdleClock:
 def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: float) -> FeatureConfig | None:
     """The config of a fresh learner, from the first ``probe_rows`` samples (None: no data yet).
 
-    Waits for up to ``timeout_s`` for that many rows, then decides on what arrived (at least one message)."""
+    Waits for up to ``timeout_s`` for that many rows, then decides on what arrived (at least one message). Only
+    messages the reader would train count (``KafkaSampleDataset``'s bounds): one it dead-letters, at the head of the
+    topic, gave the model its fields for good."""
     c = new_consumer(kafka, f"{ls.group_id}-probe")
     batches: list[SampleBatch] = []
     try:
@@ -315,7 +317,8 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
             for m in msgs:
                 if m.error() is None:
                     try:
-                        batches.append(SampleBatch.decode(m.value()))
+                        read_watermark(headers_of(m), ls.future_ts_s, ls.attribution_window_s)
+                        batches.append(read_samples(m.value(), ls.future_ts_s, ls.attribution_window_s))
                     except Exception:  # noqa: BLE001 - a bad message: the dataset will dead-letter it
                         continue
             if batches and not msgs:

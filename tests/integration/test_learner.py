@@ -638,3 +638,30 @@ def test_a_samples_topic_made_again_and_written_past_the_checkpoints_offsets_is_
     assert len(said) == 1 and old_id in said[0] and old_id != new_id
     assert (REGISTRY.get_sample_value(changed) or 0.0) == before + 1
     assert checkpoint.load_latest(ls.checkpoint_dir).meta["topic_id"] == new_id  # what the next restart compares
+
+
+def test_a_fresh_learner_infers_its_fields_only_from_samples_it_would_train(kafka: KafkaSettings) -> None:
+    """The first probe_rows samples decide a fresh learner's fields for good. The probe took every message that
+    decodes, also one the reader dead-letters (here rows a year ahead of the clock, ``future_ts``): one such message
+    at the head of the topic gave the model its context fields and none of the samples it then trained on."""
+    from learner.config import LearnerSettings
+    from learner.daemon import infer_feature_config
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    ls = LearnerSettings(probe_rows=256)
+    now = int(time.time() * 1000)
+
+    def rows(n: int, ts: int, field: str) -> bytes:
+        z = np.zeros(n, np.int64)
+        return SampleBatch.from_columns(impression_id=[f"{field}{k}" for k in range(n)], ts=z + ts, label=z,
+                                        label_delay_ms=z, user_id=z + 1, item_id=z + 2, history=[[]] * n,
+                                        context={field: z + 3}).encode()
+
+    producer = AckedProducer(kafka)
+    producer.send(kafka.samples_topic, rows(ls.probe_rows, now + 365 * 86_400_000, "evil"), b"ahead")
+    producer.send(kafka.samples_topic, rows(64, now, "dev"), b"good")
+    producer.flush()
+    cfg = infer_feature_config(kafka, ls, timeout_s=30.0)
+    assert cfg is not None
+    names = [f.name for f in cfg.fields]
+    assert "ctx.dev" in names and "ctx.evil" not in names
