@@ -833,10 +833,11 @@ def _weak_callbacks(ref: weakref.ReferenceType[AckedProducer]) -> dict[str, Call
 
 def headers_of(msg: Message) -> Headers | None:
     """A consumed message's headers. Raises :class:`BadMessage` (``bad_header``) for a header key that is not UTF-8
-    (Kafka's keys are bytes; another producer may write any). confluent-kafka (2.16) then builds a (key, value) pair
-    with an empty key slot and says so by a SystemError, or not at all (seen after other reads in the same process);
-    it keeps the broken list for the message's next ``headers()``, and reading the empty slot segfaults. So this is
-    called once per message, and finds an empty slot without reading it: ``gc.get_referents`` skips it."""
+    (Kafka's keys are bytes; another producer may write any). confluent-kafka (2.16) then returns a (key, value) pair
+    with an empty key slot and its UnicodeDecodeError still set: CPython raises a SystemError, the UnicodeDecodeError
+    at a later call, or (a specialised call site, no check) nothing. It keeps the broken list for the message's next
+    ``headers()``, and reading the empty slot segfaults. So this is called once per message, and finds an empty slot
+    without reading it: ``gc.get_referents`` skips it."""
     try:
         headers = msg.headers()
         broken = any(len(gc.get_referents(pair)) != len(pair) for pair in headers or ())
