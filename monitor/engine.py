@@ -192,6 +192,8 @@ class Scraper:
     def __init__(self, sources: Mapping[str, str], timeout_s: float = 5.0, stale_after_s: float = STALE_AFTER_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.sources, self.timeout_s = dict(sources), timeout_s
+        for name in self.sources:  # exported at 0 from the start: a series that appears at 1 is no increase()
+            SCRAPE_ERRORS.labels(name)
         # a sample stamped before the scrape began by more than this is no data (Snapshot.add_text)
         self.stale_after_s, self.clock = stale_after_s, clock
 

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from monitor import engine as engine_mod
 from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, WebhookSink, post_json
@@ -696,6 +697,21 @@ def test_sources_are_scraped_at_once_so_one_that_hangs_does_not_add_its_timeout_
     finally:
         a.close()
         b.close()
+
+
+def test_a_sources_scrape_errors_are_exported_as_0_before_its_first_failure_so_increase_counts_that_one(
+        target: Callable[..., Target]) -> None:
+    def down(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        h.send_error(500)
+
+    t = target(down)
+    errors = {"source": "rv_first_failure"}
+    scraper = Scraper({"rv_first_failure": t.url}, timeout_s=5)
+    # exported from the start: a series that appears at 1 is no increase() to Prometheus, so the first failure
+    # (and a source that failed once only) went unseen by any rule on the monitor's own metrics
+    assert REGISTRY.get_sample_value("streamrec_monitor_scrape_errors_total", errors) == 0
+    assert scraper.scrape().errors
+    assert REGISTRY.get_sample_value("streamrec_monitor_scrape_errors_total", errors) == 1
 
 
 def test_an_answer_larger_than_scrape_max_bytes_is_a_failed_scrape(target: Callable[..., Target],
