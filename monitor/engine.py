@@ -388,6 +388,8 @@ class RuleEngine:
         self.by_name = {r.name: r for r in self.rules}
         self.hold_s = hold_s  # how long a series whose source fails to scrape keeps its state
         self.failing_since: dict[str, float] = {}  # source -> when its scrapes began failing
+        self.scrape_errors: dict[str, str] = {}  # source -> why its last scrape failed (the alerts' text says it)
+        self.data_sources: dict[str, frozenset[str]] = {}  # rule -> the sources of its last data (absence text)
         # a little more than the longest range, so a range of 60 s still sees a sample 60 s old; only the metrics
         # a range is read over (every other is read from the latest scrape alone)
         ranged = set().union(*(ranged_metrics(r.tree) for r in self.rules if r.tree is not None))
@@ -413,6 +415,7 @@ class RuleEngine:
             self.failing_since.setdefault(source, now)
         for source in set(self.failing_since) - set(snap.errors):
             del self.failing_since[source]
+        self.scrape_errors = dict(snap.errors)
         self.history.record(snap, now)
         self.evaluations += 1
         self.resolved = []
@@ -449,6 +452,8 @@ class RuleEngine:
                 out.append(alert)
             if st.state is State.INACTIVE and p is None:
                 del states[lb]  # the series is gone: forget it
+        if series:
+            self.data_sources[rule.name] = frozenset().union(*(p.sources for p in series.values()))
         out.extend(self._absence(rule, bool(series), now))
         return out
 
@@ -534,15 +539,16 @@ class RuleEngine:
         what = rule.description or rule.name
         if absent:
             since = self.no_data_since[rule.name]
-            msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s" if state is AlertState.FIRING and since
-                   is not None else f"{what}: {rule.expr} has data again")
+            why = self._failing(self.data_sources.get(rule.name) or self.scrape_errors, now)
+            msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s{why}" if state is AlertState.FIRING
+                   and since is not None else f"{what}: {rule.expr} has data again")
             value = None
         elif state is AlertState.FIRING:
             held = f" for {rule.for_s:g}s" if rule.for_s else ""
             msg = f"{what}: {rule.condition} held{held} (value {_fmt(st.value)})"
             value = st.value
         else:
-            now_is = "no data" if st.value is None else f"value {_fmt(st.value)}"
+            now_is = "no data" + self._failing(st.sources, now) if st.value is None else f"value {_fmt(st.value)}"
             msg = f"{what}: {rule.condition} no longer holds ({now_is})"
             value = st.value
         alert = Alert(rule=rule.name, source=",".join(sorted(st.sources)), severity=rule.severity, state=state,
@@ -553,6 +559,16 @@ class RuleEngine:
         if state is AlertState.RESOLVED:
             self.resolved.append((alert, self._record(rule.name, lb, st, absent)))
         return alert
+
+    def _failing(self, sources: Iterable[str], now: float) -> str:
+        """Why an alert has no data where a source it reads fails to scrape: ``: source learner failing to scrape
+        for 60s (<why>)`` (``; `` between two), "" where none does; an absence alert names the sources of its rule's
+        last data, or every failing source where it has had none since the start. Without it a dead target resolved
+        its alerts as "no longer holds (no data)" and fired absence alerts as "no data", as if what they watch had
+        recovered or stopped being exported."""
+        failing = [f"source {s} failing to scrape for {now - self.failing_since.get(s, now):.0f}s "
+                   f"({self.scrape_errors[s]})" for s in sorted(sources) if s in self.scrape_errors]
+        return ": " + "; ".join(failing) if failing else ""
 
     @staticmethod
     def _fingerprint(name: str, lb: Labels, absent: bool) -> str:

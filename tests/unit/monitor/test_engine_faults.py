@@ -303,6 +303,29 @@ def test_one_failed_scrape_does_not_resolve_a_firing_alert_but_a_dead_source_doe
         mon.close(5)
 
 
+def test_an_alert_a_dead_source_resolves_or_fires_as_absent_says_the_source_fails_to_scrape() -> None:
+    rules = SHARE_RULE + "absent_for_s = 120\n"
+    clocks = Clocks()
+    mon, sink = monitor(rules, flapping(lambda n: n > 22), clocks)
+    try:
+        for _ in range(22):  # fires at 300 s, then from 330 s the learner's scrapes time out for good
+            mon.step()
+            clocks.tick(15)
+        assert delivered(mon, sink) == [("cold_start_share", "firing")]
+        sent = []
+        for _ in range(9):
+            sent += mon.step()
+            clocks.tick(15)
+        why = "source learner failing to scrape for {}s (no answer within scrape_timeout_s=5s)"
+        # it said "no longer holds (no data)" and "no data for share for 120s", as if the share had dropped or the
+        # learner had stopped exporting it, with the learner down
+        assert [(a.state.value, a.kind.value, a.message) for a in sent] == [
+            ("resolved", "series", f"cold_start_share: share > 0.5 no longer holds (no data: {why.format(60)})"),
+            ("firing", "absent", f"cold_start_share: no data for share for 120s: {why.format(120)}")]
+    finally:
+        mon.close(5)
+
+
 # -- restarts ------------------------------------------------------------------------------------------
 def restart_rules(state: Path) -> str:
     return f"""
