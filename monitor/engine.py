@@ -288,6 +288,8 @@ class MetricHistory:
         self.keep_s, self.metrics, self.max_series = keep_s, metrics, max_series
         self.samples: dict[str, dict[Labels, deque[tuple[float, float]]]] = {}
         self.sources: dict[tuple[str, Labels], frozenset[str]] = {}
+        # the history of another source's series of the same name and labels, set aside while this one's is read
+        self.aside: dict[tuple[str, Labels, frozenset[str]], deque[tuple[float, float]]] = {}
         self.over: set[str] = set()  # metrics over max_series at the last scrape (logged once while they are)
         self.now = 0.0
         self.snapshot = Snapshot()
@@ -303,11 +305,15 @@ class MetricHistory:
                 continue
             per = self.samples.setdefault(metric, {})
             for lb, p in series.items():
-                if self.sources.get((metric, lb), p.sources) != p.sources:
+                if (old := self.sources.get((metric, lb), p.sources)) != p.sources:
                     # another process's series of the same name and labels (two sources export it and the
-                    # first failed this scrape): its counter is not this one's, so its history starts over
-                    # rather than read as a reset or a rise (a false increase())
-                    per.pop(lb, None)
+                    # first failed this scrape): its counter is not this one's, so it reads its own history,
+                    # not the other's (a reset or a rise: a false increase()); the other's is set aside, not
+                    # dropped, so the first source's next answer still has its rate (it had none: resolved)
+                    if (q := per.pop(lb, None)) is not None:
+                        self.aside[(metric, lb, old)] = q
+                    if (q := self.aside.pop((metric, lb, p.sources), None)) is not None:
+                        per[lb] = q
                 q = per.get(lb)
                 if q is None:
                     if len(per) >= self.max_series:
@@ -339,6 +345,12 @@ class MetricHistory:
                     self.sources.pop((metric, lb), None)
             if not per:
                 del self.samples[metric]
+        for key in list(self.aside):
+            q = self.aside[key]
+            while q and q[0][0] < horizon:
+                q.popleft()
+            if not q:
+                del self.aside[key]
 
     # MetricStore
     def instant(self, metric: str) -> Mapping[Labels, Point]:

@@ -245,6 +245,40 @@ threshold = 0
         mon.close(5)
 
 
+def test_one_failed_scrape_of_the_first_of_two_sources_exporting_a_series_does_not_resolve_its_increase() -> None:
+    rules = """
+scrape_error_hold_s = 60
+[[rule]]
+name = "dense_clipped"
+expr = "increase(clipped_total[5m])"
+op = ">"
+threshold = 0
+"""
+    n = [0]
+
+    def scrape() -> Snapshot:  # a's counter rises every scrape, b's never; a fails its 7th scrape only
+        n[0] += 1
+        snap = Snapshot()
+        if n[0] == 7:
+            snap.errors["a"] = "timed out"
+        else:
+            snap.add_text("a", f"clipped_total {100 + n[0]}\n")
+        snap.add_text("b", "clipped_total 40\n")
+        return snap
+
+    clocks = Clocks()
+    mon, sink = monitor(rules, scrape, clocks)
+    try:
+        for _ in range(12):
+            mon.step()
+            clocks.tick(15)
+        # a's history was dropped when b's value stood in, so a's next answer had no increase (no data) and the
+        # alert resolved, then fired again a scrape later
+        assert delivered(mon, sink) == [("dense_clipped", "firing")]
+    finally:
+        mon.close(5)
+
+
 # -- a source that fails now and then --------------------------------------------------------------
 SHARE_RULE = """
 scrape_error_hold_s = 60
