@@ -125,6 +125,8 @@ class Snapshot:
     # metric names the sources declared (# HELP / # TYPE) or exported stale, samples or not: a labelled counter before
     # its first count
     declared: set[str] = field(default_factory=set)
+    # (metric, labels) -> the timestamp (ms) of the sample used, where it had one: the rates' history keeps it in order
+    stamps: dict[tuple[str, Labels], int] = field(default_factory=dict)
 
     def add_text(self, source: str, text: str, now_s: float | None = None,
                  stale_after_s: float = STALE_AFTER_S, ahead_s: float = CLOCK_SKEW_S) -> None:
@@ -159,6 +161,8 @@ class Snapshot:
             first = series.setdefault(lb, Point(value, frozenset((source,))))
             if source not in first.sources:
                 self.duplicates.setdefault((name, lb), [*first.sources]).append(source)
+            elif ts is not None:
+                self.stamps[(name, lb)] = ts
 
     @classmethod
     def from_texts(cls, texts: Mapping[str, str]) -> Snapshot:
@@ -290,6 +294,7 @@ class MetricHistory:
         self.sources: dict[tuple[str, Labels], frozenset[str]] = {}
         # the history of another source's series of the same name and labels, set aside while this one's is read
         self.aside: dict[tuple[str, Labels, frozenset[str]], deque[tuple[float, float]]] = {}
+        self.stamps: dict[tuple[str, Labels], int] = {}  # the timestamp (ms) of the last stamped sample kept
         self.over: set[str] = set()  # metrics over max_series at the last scrape (logged once while they are)
         self.now = 0.0
         self.snapshot = Snapshot()
@@ -314,6 +319,13 @@ class MetricHistory:
                         self.aside[(metric, lb, old)] = q
                     if (q := self.aside.pop((metric, lb, p.sources), None)) is not None:
                         per[lb] = q
+                    self.stamps.pop((metric, lb), None)  # another source's clock
+                stamp = snap.stamps.get((metric, lb))
+                if stamp is not None and stamp < self.stamps.get((metric, lb), stamp):
+                    # stamped before the last sample kept (two /federate replicas behind one URL, answering in turn):
+                    # an older value, not the next one; read as the next, a counter's older value was a reset and
+                    # its whole value an increase() (Prometheus drops such a sample: out of order)
+                    continue
                 q = per.get(lb)
                 if q is None:
                     if len(per) >= self.max_series:
@@ -322,6 +334,8 @@ class MetricHistory:
                     q = per[lb] = deque()
                 q.append((now, p.value))
                 self.sources[(metric, lb)] = p.sources
+                if stamp is not None:
+                    self.stamps[(metric, lb)] = stamp
             if not per:
                 del self.samples[metric]
         for metric, n in over.items():
@@ -343,6 +357,7 @@ class MetricHistory:
                 if not q:
                     del per[lb]
                     self.sources.pop((metric, lb), None)
+                    self.stamps.pop((metric, lb), None)
             if not per:
                 del self.samples[metric]
         for key in list(self.aside):

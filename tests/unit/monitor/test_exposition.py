@@ -12,7 +12,7 @@ import time
 import pytest
 
 from monitor.alerts import QueuedSink
-from monitor.engine import Monitor, Scraper, Snapshot, evaluate_once
+from monitor.engine import Monitor, RuleEngine, Scraper, Snapshot, evaluate_once
 from monitor.exposition import ExpositionError, parse
 from monitor.rules import loads_rules
 from tests.monitoring_io import NullSink
@@ -293,6 +293,19 @@ def test_a_sample_stamped_beyond_the_clock_skew_tolerated_in_the_future_is_no_da
     assert "streamrec_lag" not in snap.metrics
     assert snap.stale["federate"][0] == 1 and "60s in the future" in snap.stale["federate"][1]
     assert _scrape_stamped(monkeypatch, -3).metrics["streamrec_lag"][()].value == 9.0
+
+
+def test_a_sample_stamped_before_the_last_one_read_of_its_series_is_no_counter_reset() -> None:
+    # two federating Prometheus replicas behind one URL answer in turn, each with the counter as it last scraped it:
+    # the second answer is an older sample (49, stamped 5 s before the 50). Read as the next one it was a reset, an
+    # increase() of 49 and a critical alert; Prometheus drops such a sample (out of order)
+    engine = RuleEngine.of(loads_rules('[[rule]]\nname = "nan_losses"\nexpr = "increase(nan_total[5m])"\n'
+                                       'op = ">"\nthreshold = 0\n'))
+    now, stamp = 1_800_000_000.0, 1_799_999_970_000
+    for i, (value, ms) in enumerate([(50, stamp), (49, stamp - 5000), (50, stamp + 15000), (50, stamp + 30000)]):
+        snap = Snapshot()
+        snap.add_text("federate", f"nan_total {value} {ms}\n", now_s=now + 15 * i)
+        assert engine.evaluate(snap, 15.0 * i) == []
 
 
 def _once_stamped(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, age_s: float) -> list[str]:
