@@ -24,12 +24,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
-from learner.distributed import all_gather_objects
-from learner.sharded_model import fused_state, local_pieces, table_weight
+from learner.sharded_model import TouchedRows, fused_state, local_pieces, touched_rows
 
 
 class ShardedBoost:
@@ -45,18 +43,14 @@ class ShardedBoost:
         with warnings.catch_warnings():  # the table and its sums are ShardedTensors too (TorchRec's DMP): the same
             warnings.simplefilter("ignore", FutureWarning)  # type, not torch's advice to move to DTensor
             self.counts = init_from_local_shards(shards, sums.size(0))  # (num_rows,) int32: updates per row
-        self._touched: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._touched: TouchedRows = []
 
-    def before(self, values: torch.Tensor) -> None:
+    def before(self, values: torch.Tensor) -> TouchedRows:
         """Collective, every rank every step, before the backward: ``values`` (N,) the rows this rank's step looks
-        up. Keeps a copy of the touched rows this rank holds."""
-        mine = torch.unique(values).cpu().numpy() if len(values) else np.zeros(0, np.int64)  # (U,)
-        touched = np.unique(np.concatenate(all_gather_objects(mine)))  # (T,) every rank's step rows
-        self._touched = []
-        for start, rows in local_pieces(table_weight(self.dmp)):  # rows: (R, W) this rank's shard
-            sel = touched[(touched >= start) & (touched < start + rows.shape[0])] - start
-            idx = torch.from_numpy(sel).to(rows.device)
-            self._touched.append((start, rows, idx, rows[idx].clone()))  # (t, W) before the update
+        up. Keeps a copy of the touched rows this rank holds (:func:`touched_rows`), and returns it (the trainer's
+        update norm reads the same copy)."""
+        self._touched = touched_rows(self.dmp, values)
+        return self._touched
 
     @torch.no_grad()
     def after(self) -> None:

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
@@ -45,6 +46,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.types import ShardingType
 
 from learner.batch import TensorBatch
+from learner.distributed import all_gather_objects
 from learner.features import FeatureConfig
 from learner.model import DenseArch, FMInteraction
 
@@ -188,6 +190,25 @@ def row_ranges(sharded: Any) -> list[tuple[int, int, int]]:
         lo = int(md.shard_offsets[0])
         out.append((int(md.placement.rank()), lo, lo + int(md.shard_sizes[0])))
     return sorted(out, key=lambda r: r[1])
+
+
+# (first global row, this rank's rows (R, W) (a view), local indices of the step's rows among them (t,), their copy
+# (t, W) from before the step)
+TouchedRows = list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def touched_rows(dmp: DistributedModelParallel, values: torch.Tensor) -> TouchedRows:
+    """Collective, before a step's backward: every rank's step rows (an all-gather of each rank's ``values`` (N,),
+    the rows its step looks up), and of those this rank holds, a copy as they are before the update (the boost's
+    ``w0``, the update norm's "before"). Costs the step's rows, not the table."""
+    mine = torch.unique(values).cpu().numpy() if len(values) else np.zeros(0, np.int64)  # (U,)
+    touched = np.unique(np.concatenate(all_gather_objects(mine)))  # (T,) every rank's step rows
+    out = []
+    for start, rows in local_pieces(table_weight(dmp)):  # rows: (R, W) this rank's shard
+        sel = touched[(touched >= start) & (touched < start + rows.shape[0])] - start
+        idx = torch.from_numpy(sel).to(rows.device)
+        out.append((start, rows, idx, rows[idx].clone()))  # (t, W) before the update
+    return out
 
 
 def fused_state(dmp: DistributedModelParallel) -> dict[str, Any]:
