@@ -207,6 +207,16 @@ def combine_rank_norms(per_rank: Sequence[tuple[list[tuple[float, float]], list[
     return steps, blocks
 
 
+def combine_rank_updates(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One model's :meth:`UpdateNorms.drain` from every rank's, of the same sampled step: the dense change is rank
+    0's (DDP's replicas moved alike), the table's ``sqrt(sum over ranks of norm^2)`` (each rank measured its own
+    shard's rows, and the shards are disjoint)."""
+    out = {k: v for k, v in per_rank[0].items() if k == "dense"}
+    if all("embedding" in r for r in per_rank):
+        out["embedding"] = math.sqrt(sum(r["embedding"] ** 2 for r in per_rank))
+    return out
+
+
 class UpdateNorms:
     """The L2 norm of what one optimizer step changed, dense and embedding, sampled every ``every_s`` seconds
     (a copy of the dense weights and a gather of the touched rows, once per sample; nothing between)."""
@@ -225,13 +235,19 @@ class UpdateNorms:
     def start(self) -> bool:
         """Whether the step about to run is sampled (and so its changes are recorded)."""
         now = self.clock()
-        self.sampling = now - self._last >= self.every_s
-        if self.sampling:
+        self.sampling = False
+        if now - self._last >= self.every_s:
             self._last = now
-            self._rows = self._rows_before = None
-            self._dense_before = None
-            self._table_done = False
+            self.begin()
         return self.sampling
+
+    def begin(self) -> None:
+        """Sample the step about to run, whatever the clock (the sharded trainer: on the steps its ranks agreed to
+        sample, ``learner/sharded_trainer.py``)."""
+        self.sampling = True
+        self._rows = self._rows_before = None
+        self._dense_before = None
+        self._table_done = False
 
     def rows_before(self, weight: torch.Tensor, rows: torch.Tensor) -> None:
         """The table's ``rows`` (U,) as they are before this step updates them."""
@@ -244,13 +260,21 @@ class UpdateNorms:
         """The change of the rows given to :meth:`rows_before` (none: the table did not change, 0)."""
         if not self.sampling:
             return
-        self._table_done = True
         if self._rows is None or self._rows_before is None:
-            self._latest_t["embedding"] = torch.zeros((), device=weight.device)
+            self.rows_changed([])
         else:
-            change = weight.detach().index_select(0, self._rows) - self._rows_before
-            self._latest_t["embedding"] = torch.linalg.vector_norm(change.float())
+            self.rows_changed([(weight, self._rows, self._rows_before)])
         self._rows = self._rows_before = None
+
+    def rows_changed(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """The table's change of this step, from pieces (weight (R, W) now, rows (U,) of it, those rows before the
+        step (U, W)): one process's table is one piece, a sharded rank's each local shard of it (none: 0)."""
+        if not self.sampling:
+            return
+        self._table_done = True
+        sq = [(w.detach().index_select(0, rows).float() - before.float()).square().sum()
+              for w, rows, before in pieces]  # () each
+        self._latest_t["embedding"] = torch.stack(sq).sum().sqrt() if sq else torch.zeros(())
 
     def dense_before(self, params: Sequence[torch.Tensor]) -> None:
         if self.sampling:

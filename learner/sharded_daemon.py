@@ -92,6 +92,7 @@ from learner.daemon import (
     PROBE_S,
     SAMPLES,
     TOPIC_CHANGED,
+    UPDATE_NORM,
     WINDOW_AUC,
     RecentIds,
     first_samples_clock,
@@ -116,7 +117,14 @@ from learner.distributed import (
 )
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig
-from learner.health import FieldCoverage, GradNorms, MemoryMonitor, PositiveRate, combine_rank_norms
+from learner.health import (
+    FieldCoverage,
+    GradNorms,
+    MemoryMonitor,
+    PositiveRate,
+    combine_rank_norms,
+    combine_rank_updates,
+)
 from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
@@ -785,11 +793,14 @@ class ShardedLearner:
         if self.trainer.sampled_steps != self._sampled_drained:  # a sampled step this round: on every rank alike
             self._sampled_drained = self.trainer.sampled_steps
             mine["grad_norms"] = self.trainer.grad_norms.drain()  # every step's since the last drain
+            mine["update_norms"] = self.trainer.update_norms.drain()  # the last sampled step's change
         parts = gather_objects(mine)  # on rank 0; None on the others
         if parts is None:
             return
         if "grad_norms" in parts[0]:  # the whole model's steps: rank 0's dense part, the ranks' shards combined
             observe_grad_norms(*combine_rank_norms([p["grad_norms"] for p in parts]))
+            for part, v in combine_rank_updates([p["update_norms"] for p in parts]).items():
+                UPDATE_NORM.labels(part).set(v)
         if not sum(len(p["labels"]) for p in parts):
             return
 

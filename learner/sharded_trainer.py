@@ -29,6 +29,14 @@ table norm is NaN (not measured, not observed). Exact up to the float32 sums' ro
 is all of it for a row whose sum is ~2^24 times its step's ``|g|^2 / W`` (updated at nearly every step for ~16 M
 steps: a context field's rows): such a row reads 0, so a busy field's norm fades on long runs (fbgemm keeps no
 gradient, and the weights' change would need a copy of the touched rows).
+
+Update norms (``update_norms``, ``learner/health.py``'s ``UpdateNorms``, drained by the daemon on the rounds with a
+sampled step): on the same sampled steps, what the step changed. The embedding part: before the backward, every
+rank's step rows are all-gathered and this rank's copy of those it holds kept (``learner/sharded_model.py``
+``touched_rows``, the boost's own copy when it is on: one collective and one copy either way); after the backward
+and the boost, the change of those rows (this rank's shard: the daemon combines the ranks' as sqrt(sum of
+squares)). The dense part: a copy of the dense parameters before ``dense_opt.step()``, the norm of their change
+after it (DDP's replicas: the same on every rank). Other steps copy nothing.
 """
 
 from __future__ import annotations
@@ -46,10 +54,10 @@ from learner.batch import TensorBatch
 from learner.calibration import calibrated
 from learner.delayed import DelayedFeedbackWeights
 from learner.grad_clip import AdaptiveClip
-from learner.health import GradNorms
+from learner.health import GradNorms, UpdateNorms
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_boost import ShardedBoost
-from learner.sharded_model import fused_state, local_pieces, padded_inputs, table_weight
+from learner.sharded_model import TouchedRows, fused_state, local_pieces, padded_inputs, table_weight, touched_rows
 from learner.trainer import MAX_DENSE_GRAD_NORM
 
 
@@ -71,6 +79,7 @@ class ShardedTrainer:
         self.grad_norms = GradNorms()  # per step (module docstring); the daemon gives it the field blocks
         self.sample_every_s = 1.0  # the table's gradient norm of one step this often, at most
         self.sampled_steps = 0  # steps whose table gradient was measured
+        self.update_norms = UpdateNorms()  # driven by the sampled steps (module docstring), not by its own clock
         self._sampled_at = -math.inf
 
     def test_then_train(self, batch: TensorBatch, rows: int) -> np.ndarray:
@@ -106,13 +115,13 @@ class ShardedTrainer:
         sums_before = self._table_sums() if not agreed[1].item() else None  # sampled: the shard's Adagrad sums
         if b:
             self.metrics.update(probs, batch.labels.numpy())
-        if self.boost is not None:  # collective: every rank's step rows; a copy of the touched rows held here
-            self.boost.before(batch.values)
+        touched = self._touched_before(batch.values, sampled=sums_before is not None)
         loss.backward()  # the table's rows are updated in here (fused); the dense grads are all-reduced
         if self.boost is not None:
             self.boost.after()
         if sums_before is not None:
             self._measure_table(sums_before)
+            self.update_norms.rows_changed([(rows, idx, w0) for _, rows, idx, w0 in touched])  # boosted: after it
         grads = [p.grad for g in self.dense_opt.param_groups for p in g["params"] if p.grad is not None]
         dense_norms = torch._foreach_norm(grads) if grads else []  # one per tensor (grad_norms combines them)
         self.grad_norms.end_step(dense_norms, table_measured=sums_before is not None)
@@ -124,11 +133,28 @@ class ShardedTrainer:
                 self.overflow_steps += 1
             else:
                 self.dense_clip.clip_(grads, total)  # learner/grad_clip.py
+        params = [p for g in self.dense_opt.param_groups for p in g["params"]]
+        self.update_norms.dense_before(params)  # sampled steps only: a copy of the dense part
         self.dense_opt.step()
+        self.update_norms.dense_after(params)
+        self.update_norms.sampling = False
         self.dense_opt.zero_grad(set_to_none=True)
         self.samples += b
         self.steps += 1
         return probs
+
+    def _touched_before(self, values: torch.Tensor, sampled: bool) -> TouchedRows:
+        """Collective with the boost or on a sampled step (every rank alike): the step's rows this rank holds and
+        their copy before the update (the boost's own copy when it is on); else none (nothing copied)."""
+        if self.boost is not None:
+            touched = self.boost.before(values)
+        elif sampled:
+            touched = touched_rows(self.model, values)
+        else:
+            return []
+        if sampled:
+            self.update_norms.begin()
+        return touched
 
     def _table_sums(self) -> list[tuple[int, torch.Tensor]]:
         """(first row, a copy of its row-wise Adagrad sums (R,)) of each local shard of the table."""

@@ -16,17 +16,17 @@ import torch.nn.functional as F
 
 from learner.batch import TensorBatch, to_tensors
 from learner.features import default_config
-from learner.health import FieldCoverage, combine_rank_norms, field_blocks
+from learner.health import FieldCoverage, combine_rank_norms, combine_rank_updates, field_blocks
 from tests.integration.test_learner import sample_batch
 from tests.unit.learner.gloo_ranks import run_gloo_ranks
-from tests.unit.learner.test_sharded_boost import CFG, batch, plain_model  # one model and batches for sharded tests
+from tests.unit.learner.test_sharded_boost import BOOST, CFG, HALF_LIFE, LR, batch, plain_model
 
 STEPS = 2
 
 
-def trainer_rank(rank: int, world: int, out: str) -> None:
-    """One rank's steps (run by ``gloo_rank``) with every step's table gradient measured; its drained norms in
-    ``out``. Learning rates 0: the model stays the one the reference differentiates (the Adagrad sums still grow)."""
+def plain_trainer(world: int, lr: float, dense_lr: float):  # type: ignore[no-untyped-def]
+    """A rank's ``ShardedTrainer`` of :func:`plain_model`'s weights (table row-wise Adagrad at ``lr``, dense SGD at
+    ``dense_lr``), every step sampled; collective (the DMP's planning)."""
     from learner.health import GradNorms
     from learner.progressive import ProgressiveMetrics
     from learner.sharded_model import ShardedDeepFM, feature_names, local_pieces, shard, table_weight
@@ -34,7 +34,7 @@ def trainer_rank(rank: int, world: int, out: str) -> None:
 
     plain = plain_model()
     sharded = ShardedDeepFM(CFG, (16,), 0.0, 1, None, table_device=torch.device("meta"))
-    dmp = shard(sharded, world, torch.device("cpu"), 0.0, 1e-8, 0.0, seed=1)
+    dmp = shard(sharded, world, torch.device("cpu"), lr, 1e-8, 0.0, seed=1)
     d = CFG.embedding_dim
     with torch.no_grad():
         for start, rows in local_pieces(table_weight(dmp)):
@@ -44,9 +44,16 @@ def trainer_rank(rank: int, world: int, out: str) -> None:
             if not name.startswith("sparse."):
                 p.copy_(plain.get_parameter(name))
     trainer = ShardedTrainer(dmp, torch.optim.SGD([p for n, p in sharded.named_parameters()
-                                                   if not n.startswith("sparse.")], lr=0.0),
+                                                   if not n.startswith("sparse.")], lr=dense_lr),
                              feature_names(CFG), torch.device("cpu"), ProgressiveMetrics())
     trainer.grad_norms, trainer.sample_every_s = GradNorms.of(sharded), 0.0
+    return trainer
+
+
+def trainer_rank(rank: int, world: int, out: str) -> None:
+    """One rank's steps (run by ``gloo_rank``) with every step's table gradient measured; its drained norms in
+    ``out``. Learning rates 0: the model stays the one the reference differentiates (the Adagrad sums still grow)."""
+    trainer = plain_trainer(world, 0.0, 0.0)
     for step in range(STEPS):
         b = batch(step)
         half = np.arange(len(b)) % world == rank  # rank r trains rows r, r + world, ...
@@ -92,9 +99,61 @@ def test_the_ranks_gradient_norms_combined_are_one_processs_gradient_norms_of_th
         assert per_field == pytest.approx(w_fields, rel=1e-3, abs=1e-9)
 
 
+def update_rank(rank: int, world: int, lr: float, boost: bool, out: str) -> None:
+    """One rank's steps (run by ``gloo_rank``), each sampled: per step the trainer's update norms and a direct
+    measure, the squared change of this rank's whole shard (a full copy before and after) and the norm of the dense
+    parameters' change (a full copy), in ``out``."""
+    from learner.sharded_boost import ShardedBoost
+    from learner.sharded_model import local_pieces, table_weight
+
+    trainer = plain_trainer(world, lr, dense_lr=lr)
+    if boost:
+        trainer.boost = ShardedBoost(trainer.model, BOOST, HALF_LIFE)
+    dense = [p for g in trainer.dense_opt.param_groups for p in g["params"]]
+    got = []
+    for step in range(STEPS):
+        b = batch(step)
+        half = np.arange(len(b)) % world == rank
+        shard0 = [t.clone() for _, t in local_pieces(table_weight(trainer.model))]  # (R, W) each
+        dense0 = [p.detach().clone() for p in dense]
+        trainer.test_then_train(b.select(half), int(half.sum()))
+        shard_sq = sum(float((t.double() - t0.double()).square().sum())
+                       for (_, t), t0 in zip(local_pieces(table_weight(trainer.model)), shard0, strict=True))
+        dense_norm = math.sqrt(sum(float((p.detach().double() - p0.double()).square().sum())
+                                   for p, p0 in zip(dense, dense0, strict=True)))
+        got.append((trainer.update_norms.drain(), shard_sq, dense_norm))
+    Path(out).write_bytes(pickle.dumps(got))
+
+
+def rank_updates(tmp_path: Path, lr: float, boost: bool) -> list[tuple[dict[str, float], float, float]]:
+    """Per step on 2 ranks: (the ranks' update norms combined, the table's direct norm, the dense one)."""
+    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(2)]
+    assert run_gloo_ranks(2, str(tmp_path / "store"), update_rank, lambda r: (lr, boost, outs[r])) == [0, 0]
+    per_rank = [pickle.loads(Path(o).read_bytes()) for o in outs]
+    return [(combine_rank_updates([r[i][0] for r in per_rank]), math.sqrt(sum(r[i][1] for r in per_rank)),
+             per_rank[0][i][2]) for i in range(STEPS)]
+
+
+@pytest.mark.parametrize("boost", [False, True])
+def test_the_ranks_update_norms_combined_are_the_whole_models_change_of_the_step(boost: bool, tmp_path: Path) -> None:
+    """The sharded learner exported no update norm (model_not_learning never fired on N ranks). The embedding part
+    is what the step changed in every rank's shard (the boost's part too, applied after the fused update), the
+    dense part what the dense step changed, each equal to a full copy's change."""
+    for got, w_table, w_dense in rank_updates(tmp_path, LR, boost):
+        assert w_table > 0 and w_dense > 0
+        assert got == pytest.approx({"dense": w_dense, "embedding": w_table}, rel=1e-5)
+
+
+def test_a_zero_learning_rate_reads_an_embedding_update_norm_of_0_on_two_ranks(tmp_path: Path) -> None:
+    """What model_not_learning watches: nothing changes, though the gradients are as large as ever."""
+    for got, w_table, w_dense in rank_updates(tmp_path, 0.0, boost=True):
+        assert got == {"dense": 0.0, "embedding": 0.0} and w_table == w_dense == 0.0
+
+
 DAEMON_CFG = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4)
 HEALTH = ["streamrec_learner_window_auc", "streamrec_learner_grad_norm_count", "streamrec_learner_grad_norm_sum",
-          "streamrec_learner_field_grad_norm_count", "streamrec_learner_field_coverage"]
+          "streamrec_learner_field_grad_norm_count", "streamrec_learner_field_coverage",
+          "streamrec_learner_update_norm"]
 
 
 def rank_batches(rank: int) -> list[TensorBatch]:
@@ -159,6 +218,8 @@ def test_two_ranks_export_the_window_auc_coverage_and_gradient_norms_of_every_ra
         assert got[("streamrec_learner_grad_norm_count", (("part", part),))] >= 1
         assert got[("streamrec_learner_grad_norm_sum", (("part", part),))] > 0
     assert got[("streamrec_learner_field_grad_norm_count", (("field", "item_id"),))] >= 1
+    for part in ("dense", "embedding"):  # the sampled step's change, both ranks' shards (model_not_learning)
+        assert got[("streamrec_learner_update_norm", (("part", part),))] > 0
     assert math.isnan(other[("streamrec_learner_window_auc", ())])
     assert not any(name != "streamrec_learner_window_auc" and v for (name, _), v in other.items())
 
