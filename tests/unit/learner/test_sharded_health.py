@@ -1,7 +1,8 @@
 """The learner's health metrics on N ranks (``learner/health.py`` through ``learner/sharded_trainer.py`` and
 ``learner/sharded_daemon.py``), on 1 and 2 spawned gloo ranks: the gradient norms of the whole model's step (the
-ranks' shards combined) equal one process's autograd gradient of the same loss, and a 2-rank job's rank 0 exports
-the window AUC, the field coverage and the gradient-norm histograms of every rank's rows and steps."""
+ranks' shards combined) equal one process's autograd gradient of the same loss, the update norms a full copy's
+change, and a 2-rank job's rank 0 exports the window AUC, the field coverage, the gradient-norm histograms and the
+update norms of every rank's rows and steps."""
 
 from __future__ import annotations
 
