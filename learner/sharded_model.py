@@ -21,7 +21,7 @@ columns never get a gradient, so fbgemm's sum is ``c = (D + 1) / W`` times ours.
 fbgemm ``lr * sqrt(c)``, ``eps * sqrt(c)`` and a starting sum of ``initial_accumulator * c``, which makes every
 update equal (``lr' g / (sqrt(c s) + eps') = lr g / (sqrt(s) + eps)``), and checkpoints store the state divided
 by ``c`` (``learner/sharded_checkpoint.py``), the single-process optimizer's ``sum``. The boost of young rows
-(``boost > 0``) has no fbgemm counterpart and is refused in the distributed mode.
+(``boost > 0``) has no fbgemm counterpart: ``learner/sharded_boost.py`` applies it around the fused update.
 
 Shapes: B samples (padded to the round's step size on every rank), F fields, D embedding dim, W padded width,
 Dd dense features.
