@@ -594,6 +594,8 @@ class DailyCounts:
         for raw in keys:
             # a key that is no UTF-8 (any client can write one under the prefix) is no day, never a failed read
             text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            if not text.startswith(base):  # a cluster's slot holds every prefix's keys of the kind (_slot_keys)
+                continue
             m = _COUNTS_KEY_RE.fullmatch(text[len(base):])
             if m is None or (m["legacy"] is not None and not legacy) or m["day"] > last or not _is_date(m["day"]):
                 continue

@@ -301,3 +301,22 @@ def test_the_hot_set_of_a_cluster_with_every_node_down_fails_as_redis_unavailabl
         assert len(waits) == 4 and "RedisClusterUnreachableError" in str(err.value)
     finally:
         client.close()
+
+
+def test_days_on_a_cluster_are_only_this_prefixs_not_those_of_another_prefix_of_the_same_length(
+        clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    # Every prefix's counts of a kind share its {item}/{user} hash slot, which the cluster read lists whole: a second
+    # deployment on the same cluster (prefix of the same length, e.g. prod1/prod2) must not add its days to this one's.
+    cluster, _ = clients
+    other = f"d{prefix[1:]}"
+    assert len(other) == len(prefix) and other != prefix
+    mine, theirs = DailyCounts(cluster, prefix=prefix), DailyCounts(cluster, prefix=other)
+    try:
+        mine.record("item", "impression", [1], [ms(2001, 3, 1)])
+        theirs.record("item", "impression", [2], [ms(2001, 3, 5)])
+        theirs.add_counts("user", "lookup", np.array([3]), np.array([1]), ms(2001, 3, 6) // DAY_MS)
+        assert mine.all_days_available() == {("item", "impression"): ["20010301"]}
+        assert mine.top("item") == [("1", 1.0)]
+    finally:
+        for key in cluster.scan_iter(match=f"{other}:*"):
+            cluster.delete(key)
