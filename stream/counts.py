@@ -460,7 +460,7 @@ class DailyCounts:
         for (d, member), n in counts.items():
             args.setdefault(d, []).extend((n, member if text else str(member)))
         days = {d: _day_str(d) for d in args}
-        named, skipped = self._names_to_send(kind, days, counts, names, text) if names else ({}, set())
+        named = self._names_to_send(kind, days, counts, names, text) if names else {}
         calls = [([self._key(kind, event, days[d]), self._names_key(kind, days[d]),
                    self._markers_key(kind, event, days[d])],
                   [self.expire_at(d, now), f"{write_id}:0", len(pairs) // 2, *pairs, *named.get(d, ())])
@@ -472,8 +472,16 @@ class DailyCounts:
                 self._forget_named(self._names_key(kind, days[d]))
             raise
         for d, had in zip(args, had_names, strict=True):
-            if not had and d in skipped:  # names skipped as written, but their key was gone (deleted, evicted)
-                self._forget_named(self._names_key(kind, days[d]))
+            # the key was gone (deleted, evicted, a restart): of the names remembered for it, only those sent now are
+            # in it. Forgotten also when none of the others was counted now: this call made the key again, and the
+            # next found it and skipped them as named, for the rest of the day
+            if not had:
+                key = self._names_key(kind, days[d])
+                self._forget_named(key)
+                sent = named.get(d, [])[0::2]  # (member, name) pairs: the members
+                if sent:
+                    self._named[key] = set(sent)
+                    self._named_total += len(sent)
 
     def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
                    chunk: int = 10_000, write_id: str | None = None) -> None:
@@ -530,19 +538,16 @@ class DailyCounts:
         return results[len(forget):]
 
     def _names_to_send(self, kind: str, days: dict[int, str], counts: Counter[tuple[int, int | str]],
-                       names: Mapping[Any, int | str], text: bool) -> tuple[dict[int, list[str]], set[int]]:
+                       names: Mapping[Any, int | str], text: bool) -> dict[int, list[str]]:
         """Per day, the (member, raw id text) pairs of the members counted that have a name in ``names`` and were
-        not named by this object before (``self._named``; those sent now are marked as named); and the days on
-        which some member was skipped as named before."""
+        not named by this object before (``self._named``; those sent now are marked as named)."""
         by_text = _names_by_text(names) if text else None
         written = {d: self._named.setdefault(self._names_key(kind, day), set()) for d, day in days.items()}
         out: dict[int, list[str]] = {}
-        skipped: set[int] = set()
         for d, member in counts:
             done = written[d]
             m = str(member)
             if m in done:
-                skipped.add(d)
                 continue
             if by_text is not None:
                 raw = by_text.get(m)
@@ -562,7 +567,7 @@ class DailyCounts:
         if self._named_total > _NAMED_MAX:
             self._named.clear()
             self._named_total = 0
-        return out, skipped
+        return out
 
     def _forget_named(self, key: str) -> None:
         self._named_total -= len(self._named.pop(key, ()))

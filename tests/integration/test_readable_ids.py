@@ -232,6 +232,21 @@ def test_a_name_is_sent_once_and_again_after_its_key_is_lost_or_a_write_failed(
     assert redis_client.hget(key, str(ids[0])) == b"c"
 
 
+def test_names_lost_with_their_key_are_written_again_even_when_the_first_write_after_counts_other_ids(
+        redis_client: redis.Redis, prefix: str) -> None:
+    # The names key of a day is lost (evicted, a Redis restarted without persistence) and the next write of that day
+    # counts other ids: it makes the key again, so the write after it finds the key and must not take the ids named
+    # before the loss as still named (their names were gone for the rest of the day).
+    counts = DailyCounts(redis_client, prefix=prefix)
+    t = ms(2004, 4, 5)
+    ids, names = hashed(["a", "b"])
+    counts.record("item", "impression", ids[:1], [t], names=names)
+    redis_client.delete(counts.names_key("item", "20040405"))
+    counts.record("item", "impression", ids[1:], [t], names=names)  # "b" only: makes the key again
+    counts.record("item", "impression", ids, [t, t], names=names)
+    assert counts.names("item", [str(i) for i in ids], day="20040405") == {str(i): raw for i, raw in names.items()}
+
+
 def test_bad_names_name_the_value(redis_client: redis.Redis, prefix: str) -> None:
     counts = DailyCounts(redis_client, prefix=prefix)
     t = ms(2000, 1, 1)
