@@ -34,6 +34,9 @@ Three parts, each usable alone:
   first evaluation is announced firing again (at least once: the alert may not have been delivered before the
   restart), and one that no longer holds resolves, as if the monitor had never stopped. A series whose
   resolved alert a sink has not delivered yet stays in that file as firing, so a restart resolves it again.
+  :meth:`RuleEngine.pending` and :meth:`RuleEngine.restore_pending` carry the pending series over too, as
+  Prometheus' ``ALERTS_FOR_STATE`` does: the time held before the restart counts towards ``for_s``, the outage
+  does not, and a restored series fires no sooner than ``for_grace_period_s`` after the start.
   Durations (``for_s``, ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read
   from, which :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a
   pending rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
@@ -407,13 +410,15 @@ class RuleEngine:
     @classmethod
     def of(cls, config: RulesConfig) -> RuleEngine:
         """The engine of a rules file's rules and settings (``streamrec monitor`` and ``--once`` alike)."""
-        return cls(config.rules, config.history_s, config.scrape_error_hold_s, config.history_max_series)
+        return cls(config.rules, config.history_s, config.scrape_error_hold_s, config.history_max_series,
+                   config.for_grace_period_s)
 
     def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0,
-                 history_max_series: int = HISTORY_MAX_SERIES) -> None:
+                 history_max_series: int = HISTORY_MAX_SERIES, grace_s: float = 0.0) -> None:
         self.rules = list(rules)
         self.by_name = {r.name: r for r in self.rules}
         self.hold_s = hold_s  # how long a series whose source fails to scrape keeps its state
+        self.grace_s = grace_s  # a pending series restored at start fires no sooner than this after it
         self.failing_since: dict[str, float] = {}  # source -> when its scrapes began failing
         self.scrape_errors: dict[str, str] = {}  # source -> why its last scrape failed (the alerts' text says it)
         self.data_sources: dict[str, frozenset[str]] = {}  # rule -> the sources of its last data (absence text)
@@ -649,6 +654,48 @@ class RuleEngine:
             restored += 1
         return restored
 
+    def pending(self) -> list[dict[str, Any]]:
+        """The pending series, as :meth:`restore_pending` reads them back: ``since`` (the condition first held)
+        and ``held`` (it last held) in wall-clock seconds, and the rule's ``condition`` they held under."""
+        return [{"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
+                 "held": st.held + self.wall_offset, "value": encode_value(st.value), "sources": sorted(st.sources),
+                 "condition": self.by_name[name].condition, "fingerprint": self._fingerprint(name, lb, False)}
+                for name, states in self.states.items() for lb, st in states.items() if st.state is State.PENDING]
+
+    def restore_pending(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
+        """Mark the series of ``records`` (from :meth:`pending`, before a restart) pending again, their ``for_s``
+        counting on from the time they had held, as Prometheus restores ``ALERTS_FOR_STATE``: the time the monitor
+        was down is not counted (nothing saw the condition then), and a restored series fires no sooner than
+        :attr:`grace_s` after this start (the rates' history starts empty; a short outage of the monitor must not
+        fire every rule at once). A record is skipped (its series starts over, as without a state file) where its
+        rule is gone or has another condition, its series is restored firing, or :meth:`_pending_since` finds
+        nothing to save. Returns how many were restored."""
+        restored = 0
+        for rec in records:
+            rule = self.by_name.get(rec["rule"])
+            lb = labels_of(rec["labels"])
+            if rule is None or rec.get("condition") != rule.condition or lb in self.states[rule.name]:
+                continue
+            since = self._pending_since(rule, float(rec["since"]), float(rec["held"]), now, wall)
+            if since is not None:
+                self.states[rule.name][lb] = SeriesState(State.PENDING, since, decode_value(rec.get("value")),
+                                                         frozenset(rec.get("sources", ())))
+                restored += 1
+        return restored
+
+    def _pending_since(self, rule: Rule, since: float, held: float, now: float, wall: float) -> float | None:
+        """The ``since`` (on the engine's clock, ``now``) of a series restored pending that had held from wall time
+        ``since`` to ``held`` before the restart; None where restoring it cannot fire it sooner than a fresh
+        ``for_s`` would (a ``for_s`` shorter than the grace period), or where the monitor has not seen the series
+        for longer than the rule's ``for_s`` (an outage longer than the whole hold: what the condition did meanwhile
+        is anyone's guess, and a fresh ``for_s`` delays the alert by no more than the outage already did), or the
+        times are out of order (a wall clock stepped back across the restart)."""
+        spent, down = held - since, wall - held
+        if not (0.0 <= spent and 0.0 <= down <= rule.for_s):
+            return None
+        remaining = max(rule.for_s - spent, self.grace_s)
+        return None if remaining >= rule.for_s else now - (rule.for_s - remaining)
+
     def status(self) -> list[SeriesStatus]:
         rows = []
         for rule in self.rules:
@@ -848,7 +895,14 @@ class FiringStateFile:
     version 1 file is an absence alert, and is read as one). A record's ``labels`` are the series' own (without
     the rule's labels) and its ``fingerprint`` that of its alerts, for a reader of the file to match them; it was
     added to version 2 later, and is not read back: restore computes it from the rule, ``absent`` and the labels,
-    so a file written before it was added restores the same identities."""
+    so a file written before it was added restores the same identities.
+
+    ``pending`` (:meth:`RuleEngine.pending`) was also added to version 2 later, the pending series, so a monitor
+    restarted more often than a rule's ``for_s`` (a crash loop, frequent deploys) still fires it
+    (:meth:`RuleEngine.restore_pending`): the file is then rewritten after every evaluation while a series is pending
+    (``held``, when each last held, moves on). Not a version 3: a file without it (an older monitor's) is read
+    as having none, in silence, and an older monitor reading a newer file ignores it and keeps its firing records,
+    where an unknown version would have dropped them."""
 
     VERSION = 2
 
@@ -858,19 +912,24 @@ class FiringStateFile:
         self.failing = False  # the last write failed: write again at the next evaluation
 
     def load(self) -> list[dict[str, Any]]:
+        """The firing records (:meth:`read`'s first part)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The firing and the pending records; none of either where the file is not one this monitor reads."""
         try:
             data = json.loads(read_regular(self.path, MAX_STATE_FILE_BYTES, "a firing-state file"))
         except FileNotFoundError:
-            return []
+            return [], []
         except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply ("[[[[...")
             log.error("state file %s: cannot read it (%s); alerts firing before this start will not resolve",
                       self.path, exc)
-            return []
+            return [], []
         version = data.get("version", 1) if isinstance(data, dict) else 1
         if type(version) is not int or not 1 <= version <= self.VERSION:  # true == 1; a newer writer's records
             log.error("state file %s: version %.40r, not one this monitor reads (1 to %d); alerts firing before this "
                       "start may not resolve", self.path, version, self.VERSION)
-            return []
+            return [], []
         firing = data.get("firing") if isinstance(data, dict) else None
         good = [r for r in firing if self._valid(r)] if isinstance(firing, list) else []
         if version == 1:
@@ -879,6 +938,18 @@ class FiringStateFile:
             log.error("state file %s: %s; alerts firing before this start may not resolve", self.path,
                       "not a firing-state file" if not isinstance(firing, list)
                       else f"{len(firing) - len(good)} malformed record(s) skipped")
+        return good, self._pending(data) if isinstance(data, dict) else []
+
+    def _pending(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The valid pending records of ``data``; a malformed one is logged as a warning and skipped (its series
+        only waits a full ``for_s`` again)."""
+        pending = data.get("pending", [])
+        good = [r for r in pending if self._valid(r) and self._number(r.get("held"), finite=True)
+                and r.get("absent", False) is False and isinstance(r.get("condition"), str)] \
+            if isinstance(pending, list) else []
+        if not isinstance(pending, list) or len(good) < len(pending):
+            log.warning("state file %s: %s pending record(s) malformed, skipped: their rules' for_s starts over",
+                        self.path, len(pending) - len(good) if isinstance(pending, list) else "all")
         return good
 
     @staticmethod
@@ -909,8 +980,9 @@ class FiringStateFile:
         except OverflowError:
             return False
 
-    def save(self, firing: Sequence[Mapping[str, Any]]) -> None:
-        data = json.dumps({"version": self.VERSION, "firing": list(firing)}, allow_nan=False).encode()
+    def save(self, firing: Sequence[Mapping[str, Any]], pending: Sequence[Mapping[str, Any]] = ()) -> None:
+        data = json.dumps({"version": self.VERSION, "firing": list(firing), "pending": list(pending)},
+                          allow_nan=False).encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, data)
@@ -1002,10 +1074,16 @@ class Monitor:
         self._resolving: list[tuple[Alert, dict[str, Any]]] = []
         if config.state_path is not None:
             self.state_file = FiringStateFile(config.state_path)
-            n = self.engine.restore(self.state_file.load(), self.monotonic(), self.clock())
+            firing, pending = self.state_file.read()
+            n = self.engine.restore(firing, self.monotonic(), self.clock())
             if n:
                 log.info("restored %d firing alert(s) from %s: each is sent again if it still holds, resolved "
                          "if not", n, config.state_path)
+            if n := self.engine.restore_pending(pending, self.monotonic(), self.clock()):
+                log.info("restored %d pending series from %s: each fires once its condition has held for_s in all "
+                         "(not sooner than for_grace_period_s=%gs from now)", n, config.state_path,
+                         config.for_grace_period_s)
+        self._saved_pending = False  # the last save held pending series: the next one must (they move on or go)
         self.run_log: RunLog | None = None
         if config.run_log.path is not None:
             self.run_log = RunLog(config.run_log, clock)
@@ -1040,8 +1118,8 @@ class Monitor:
         if self.state_file is not None:
             self._resolving.extend(self.engine.resolved)
             delivered = self._forget_delivered()
-            if alerts or delivered or self.state_file.failing:
-                self.state_file.save(self._firing_records())
+            if alerts or delivered or self.state_file.failing or self._saved_pending or self.engine.pending():
+                self._save_state()
         for a in alerts:
             self.sent[a.state.value] += 1
         if self.run_log is not None:
@@ -1090,6 +1168,12 @@ class Monitor:
         gone, self._resolving = len(kept) < len(self._resolving), kept
         return gone
 
+    def _save_state(self) -> None:
+        assert self.state_file is not None
+        pending = self.engine.pending()
+        self.state_file.save(self._firing_records(), pending)
+        self._saved_pending = bool(pending)
+
     def _firing_records(self) -> list[dict[str, Any]]:
         """What the state file keeps: the firing series, and the series whose resolved alert a sink has not
         delivered yet (written as still firing, so that a restart resolves them again instead of never)."""
@@ -1114,7 +1198,7 @@ class Monitor:
         finally:
             if self.state_file is not None:
                 self._forget_delivered()  # after close: the alerts it left undelivered
-                self.state_file.save(self._firing_records())
+                self._save_state()
             if self.run_log is not None:
                 self.run_log.close()
 

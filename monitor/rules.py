@@ -12,7 +12,10 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
                                         # time) older than this is no data (default 300: Prometheus' lookback)
 
     state_path = "monitor-state.json"   # optional: the firing alerts, kept over a restart (resolved if they
-                                        # cleared meanwhile, announced again if they still hold)
+                                        # cleared meanwhile, announced again if they still hold), and the
+                                        # pending ones (their for_s goes on counting from where it stopped)
+    for_grace_period_s = 600            # a pending series restored at start fires no sooner than this after
+                                        # the start (default 600: Prometheus' --rules.alert.for-grace-period)
     history_max_series = 2000           # label sets one metric keeps for rate()/increase()/delta(); a new one
                                         # past it gets no history (counted, logged) (default 2000)
 
@@ -181,6 +184,7 @@ class RulesConfig:
     run_log: RunLogSettings = RunLogSettings()
     scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
     state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
+    for_grace_period_s: float = 600.0  # a restored pending series fires no sooner after a start (RuleEngine)
     history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
     sample_max_age_s: float = 300.0  # a timestamped sample older than this is no data (monitor.engine.Snapshot)
 
@@ -197,7 +201,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s",
               "keep_firing_for_s")
 _TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "sample_max_age_s", "state_path",
-             "history_max_series", "sources", "sinks", "run_log", "rule")
+             "for_grace_period_s", "history_max_series", "sources", "sinks", "run_log", "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
@@ -440,6 +444,8 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         scrape_error_hold_s=_number(where, "", "scrape_error_hold_s", data.get("scrape_error_hold_s", 60.0),
                                     minimum=0),
         state_path=_state_path(where, data.get("state_path", "")),
+        for_grace_period_s=_number(where, "", "for_grace_period_s", data.get("for_grace_period_s", 600.0),
+                                   minimum=0),
         sample_max_age_s=_number(where, "", "sample_max_age_s", data.get("sample_max_age_s", 300.0), positive=True),
         history_max_series=_count(where, "history_max_series", data.get("history_max_series", HISTORY_MAX_SERIES)),
     )
