@@ -14,8 +14,8 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     state_path = "monitor-state.json"   # optional: the firing alerts, kept over a restart (resolved if they
                                         # cleared meanwhile, announced again if they still hold), and the
                                         # pending ones (their for_s goes on counting from where it stopped)
-    for_grace_period_s = 600            # a pending series restored at start fires no sooner than this after
-                                        # the start (default 600: Prometheus' --rules.alert.for-grace-period)
+    for_grace_period_s = 60             # a pending series restored at start fires no sooner than this after
+                                        # the start (default 60: four evaluations of fresh scrapes)
     history_max_series = 2000           # label sets one metric keeps for rate()/increase()/delta(); a new one
                                         # past it gets no history (counted, logged) (default 2000)
 
@@ -184,7 +184,7 @@ class RulesConfig:
     run_log: RunLogSettings = RunLogSettings()
     scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
     state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
-    for_grace_period_s: float = 600.0  # a restored pending series fires no sooner after a start (RuleEngine)
+    for_grace_period_s: float = 60.0  # a restored pending series fires no sooner after a start (RuleEngine)
     history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
     sample_max_age_s: float = 300.0  # a timestamped sample older than this is no data (monitor.engine.Snapshot)
 
@@ -444,7 +444,7 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
         scrape_error_hold_s=_number(where, "", "scrape_error_hold_s", data.get("scrape_error_hold_s", 60.0),
                                     minimum=0),
         state_path=_state_path(where, data.get("state_path", "")),
-        for_grace_period_s=_number(where, "", "for_grace_period_s", data.get("for_grace_period_s", 600.0),
+        for_grace_period_s=_number(where, "", "for_grace_period_s", data.get("for_grace_period_s", 60.0),
                                    minimum=0),
         sample_max_age_s=_number(where, "", "sample_max_age_s", data.get("sample_max_age_s", 300.0), positive=True),
         history_max_series=_count(where, "history_max_series", data.get("history_max_series", HISTORY_MAX_SERIES)),
