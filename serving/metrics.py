@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,43 +74,81 @@ LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005,
                    0.1, 0.25, 1.0)
 
 
+class LookupTally:
+    """One model's embedding and id lookup counts, kept apart from the model: the collector goes on reading a
+    swapped-out model's tally (requests still running on it add to it) without keeping the model alive.
+
+    The request path adds under :attr:`lock` (an attribute increment); every count only grows once the model is
+    live, which is what keeps the exported counters monotonic across swaps (:class:`_LookupCollector`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.hot = 0
+        self.cold = 0
+        self.ids: dict[str, list[int]] = {}  # owner field -> [bucket, all] ids mapped (the model's map_rows)
+
+    def id_lookups(self) -> dict[tuple[str, str], int]:
+        """(owner field, "own" | "bucket") -> ids mapped so far (only fields that mapped one)."""
+        with self.lock:
+            counts = {name: tuple(c) for name, c in self.ids.items() if c[1]}
+        return {key: n for name, (bucket, total) in counts.items()
+                for key, n in (((name, "bucket"), bucket), ((name, "own"), total - bucket))}
+
+    def add(self, other: LookupTally) -> None:
+        """Fold ``other``'s counts into this one (``other`` no longer counting: its model is freed)."""
+        hot, cold, ids = other.hot, other.cold, {name: list(c) for name, c in other.ids.items()}
+        with self.lock:
+            self.hot, self.cold = self.hot + hot, self.cold + cold
+            for name, (bucket, total) in ids.items():
+                mine = self.ids.setdefault(name, [0, 0])
+                mine[0], mine[1] = mine[0] + bucket, mine[1] + total
+
+
 class _LookupCollector:
-    """Hot/cold lookups: retired models' totals plus the live model's counters, read at scrape time."""
+    """Hot/cold and id lookups since start: the distinct tallies of the live model and every retired one, summed at
+    scrape time.
+
+    A retired model's tally stays summed after the swap (requests in flight on it still count), and retiring it
+    BEFORE the swap (serving/swap.py) means no scrape sees it in neither place: a scrape reads the live model first,
+    so one that finds the new model finds the old one retired, and one that finds the old model live and retired
+    counts it once (tallies are told apart by identity). Tallies of retired models since freed (nothing can add to
+    them any more) are folded into one at the next retire, so they do not pile up over swaps."""
 
     def __init__(self, live: Callable[[], Any]) -> None:
         self.live = live
-        self.retired_hot = 0
-        self.retired_cold = 0
-        self.retired_ids: dict[tuple[str, str], int] = {}  # (field, row kind) -> ids mapped by retired models
+        self._freed = LookupTally()  # retired models since freed, folded
+        self._retired: list[tuple[LookupTally, weakref.ref[Any]]] = []  # (tally, its model) of retired models
         self._lock = threading.Lock()
 
     def retire(self, model: Any) -> None:
+        """Keep counting ``model``'s lookups once it stops being live; call it before the swap that replaces it."""
         with self._lock:
-            self.retired_hot += model.hot_lookups
-            self.retired_cold += model.cold_lookups
-            for key, n in dict(model.id_lookups).items():
-                self.retired_ids[key] = self.retired_ids.get(key, 0) + n
+            if all(t is not model.tally for t, _ in self._retired):
+                self._retired.append((model.tally, weakref.ref(model)))
+            alive = []
+            for t, ref in self._retired:  # one pass: a model freed meanwhile is either folded or kept
+                if ref() is None:
+                    self._freed.add(t)
+                else:
+                    alive.append((t, ref))
+            self._retired = alive
 
-    def id_totals(self) -> dict[tuple[str, str], int]:
-        """(field, "own" | "bucket") -> ids mapped since start: retired models' plus the live one's."""
-        m = self.live()
-        with self._lock:
-            out = dict(self.retired_ids)
-        if m is not None:
-            for key, n in dict(m.id_lookups).items():
-                out[key] = out.get(key, 0) + n
-        return out
-
-    def totals(self) -> tuple[int, int]:
-        m = self.live()
-        with self._lock:
-            hot, cold = self.retired_hot, self.retired_cold
-        if m is not None:
-            hot, cold = hot + m.hot_lookups, cold + m.cold_lookups
-        return hot, cold
+    def snapshot(self) -> tuple[int, int, dict[tuple[str, str], int]]:
+        """(hot, cold, (field, "own" | "bucket") -> ids mapped) since start: the freed, retired and live tallies."""
+        m = self.live()  # first, and held while summing: see the class docstring
+        with self._lock:  # (a retire folding a tally while it is summed would count it twice)
+            tallies = [self._freed, *(t for t, _ in self._retired)]
+            if m is not None and all(t is not m.tally for t in tallies):
+                tallies.append(m.tally)
+            hot, cold, ids = 0, 0, dict[tuple[str, str], int]()
+            for t in tallies:
+                hot, cold = hot + t.hot, cold + t.cold
+                for key, n in t.id_lookups().items():
+                    ids[key] = ids.get(key, 0) + n
+        return hot, cold, ids
 
     def collect(self) -> Iterator[Metric]:
-        hot, cold = self.totals()
+        hot, cold, id_totals = self.snapshot()
         c = CounterMetricFamily("streamrec_serving_embedding_lookups", "Embedding rows read, by tier: hot (the "
                                 "artifact's hot set, fast memory) or cold (memory-mapped file; layered mode: LRU "
                                 "and Redis).", labels=["tier"])
@@ -120,7 +159,7 @@ class _LookupCollector:
                                   "history's items as item_id) mapped to rows, by row: own (admitted) or bucket (the "
                                   "hash-bucket fallback of an id the live id maps do not know).",
                                   labels=["field", "row"])
-        for (name, kind), n in sorted(self.id_totals().items()):
+        for (name, kind), n in sorted(id_totals.items()):
             ids.add_metric([name, kind], n)
         yield ids
         yield GaugeMetricFamily("streamrec_serving_hot_cache_hit_rate", "Share of embedding row reads served by "

@@ -22,7 +22,6 @@ refresh --now`` republishes them in the new layout.
 from __future__ import annotations
 
 import copy
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from learner.scorer import (
 from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
 from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNotStored
+from serving.metrics import LookupTally
 
 # The largest |value| a delta's row may hold: a bag pools up to 1,024 rows (events' list limit) and the FM squares the
 # sum over fields; float32 overflows past ~1.8e19 squared. 1e12 leaves 1e7 of headroom there and is far beyond any
@@ -180,19 +180,17 @@ class ScoringModel:
                 raise VersionNotStored(f"{self.version_dir}: {exc}") from exc
             except ValueError as exc:  # Redis answered: this version's rows do not fit
                 raise ArtifactError(f"{self.version_dir}: {exc}") from exc
-        self._count_lock = threading.Lock()
-        self.hot_lookups = 0
-        self.cold_lookups = 0
-        # Ids of dynamic fields (user_id, item_id; history counts as item_id, whose rows it reads) mapped by
-        # map_rows, per owner field: [bucket, all] (bucket: the hash-bucket fallback of an id the artifact's id maps
-        # do not know, a brand-new user or item; the rest have their own rows). streamrec_serving_id_lookups_total.
-        self._id_counts: dict[str, list[int]] = {}
+        # hot/cold rows read and ids of dynamic fields (user_id, item_id; history counts as item_id, whose rows it
+        # reads) mapped by map_rows, per owner field: [bucket, all] (bucket: the hash-bucket fallback of an id the
+        # artifact's id maps do not know, a brand-new user or item; the rest have their own rows). Apart from the
+        # model, so serving's metrics count them after a swap without keeping the model alive.
+        self.tally = LookupTally()
         # field index -> (end of its owner's bucket rows: a row below it is a bucket, the owner's [bucket, all] counts)
         self._bucket_rows: dict[int, tuple[int, list[int]]] = {}
         for i, (f, (first, _)) in enumerate(zip(self.feature_config.fields, self._blocks, strict=True)):
             owner = self.feature_config.owner(f)
             if owner.capacity > 0:
-                self._bucket_rows[i] = (first + owner.num_buckets, self._id_counts.setdefault(owner.name, [0, 0]))
+                self._bucket_rows[i] = (first + owner.num_buckets, self.tally.ids.setdefault(owner.name, [0, 0]))
 
     @classmethod
     def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
@@ -282,7 +280,7 @@ class ScoringModel:
             raise ArtifactError(f"{self.version_dir}: the scorer does not score a probe ({type(exc).__name__}: "
                                 f"{str(exc)[:300]}); republish with `streamrec refresh --now`") from exc
         finally:
-            self.hot_lookups = self.cold_lookups = 0
+            self.tally.hot = self.tally.cold = 0  # (the probe is no request; not live yet, no one reads the tally)
         if not ok:
             raise ArtifactError(f"{self.version_dir}: the scorer answered {p.tolist()} for a probe of {b} samples, "
                                 "expected finite probabilities; republish with `streamrec refresh --now`")
@@ -310,7 +308,7 @@ class ScoringModel:
         if dynamic is not None:
             end, counts = dynamic
             fallback = int(np.count_nonzero(rows < end))  # not admitted: served its hash bucket
-            with self._count_lock:
+            with self.tally.lock:
                 counts[0] += fallback
                 counts[1] += len(rows)
         return rows
@@ -318,10 +316,15 @@ class ScoringModel:
     @property
     def id_lookups(self) -> dict[tuple[str, str], int]:
         """(owner field, "own" | "bucket") -> ids :meth:`map_rows` mapped so far (only fields that mapped one)."""
-        with self._count_lock:
-            counts = {name: tuple(c) for name, c in self._id_counts.items() if c[1]}
-        return {key: n for name, (bucket, total) in counts.items()
-                for key, n in (((name, "bucket"), bucket), ((name, "own"), total - bucket))}
+        return self.tally.id_lookups()
+
+    @property
+    def hot_lookups(self) -> int:
+        return self.tally.hot
+
+    @property
+    def cold_lookups(self) -> int:
+        return self.tally.cold
 
     def _mapper_from(self, state: Any) -> RowMapper:
         try:
@@ -419,9 +422,10 @@ class ScoringModel:
             else:
                 given[cold_idx] = self._layered_given(live, self._layered, values[cold_idx])
         n_cold = len(cold_idx)
-        with self._count_lock:
-            self.cold_lookups += n_cold
-            self.hot_lookups += n - n_cold
+        tally = self.tally
+        with tally.lock:
+            tally.cold += n_cold
+            tally.hot += n - n_cold
         return pos, given, mask
 
     @staticmethod

@@ -14,7 +14,7 @@ import torch
 
 from learner import deltas
 from learner.deltas import TRANSIENT_TRIES, DeltaReader, delta_path, encode_delta
-from serving.metrics import ServingMetrics
+from serving.metrics import LookupTally, ServingMetrics
 from serving.swap import LiveModel, ModelHolder, ModelUpdater
 from stream.files import write_atomic
 
@@ -23,12 +23,11 @@ class Model:
     """What the updater reads of a ScoringModel."""
 
     delta_samples, source_samples, source_delta_seq, lineage = 0, 0, 0, None
-    hot_lookups = cold_lookups = 0
     format = "torchscript"
-    id_lookups: dict[tuple[str, str], int] = {}
 
     def __init__(self, version: str, version_dir: Path) -> None:
         self.version, self.version_dir, self.delta_seq = version, version_dir, 0
+        self.tally = LookupTally()
         self.applied: list[int] = []
 
     def apply_delta(self, rows: Any, vectors: Any, dense: Any, seq: int, **kw: Any) -> None:
