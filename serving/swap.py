@@ -368,11 +368,11 @@ class ModelUpdater:
                         "the model serving keeps answering (it is not staler than the deltas)", model.version,
                         held.name)
             return
+        if live is not None:  # before the swap: a scrape between the two finds the old model's lookups somewhere
+            self.metrics.lookups.retire(live.model)
         self.holder.live = new
         self.holder.problem = None
         self.metrics.swaps.inc()
-        if live is not None:
-            self.metrics.lookups.retire(live.model)
         log.info("serving artifact %s (%s, delta %d) after %.2fs; was %s", model.version, model.format,
                  model.delta_seq, time.monotonic() - t0, live.model.version if live else "nothing")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,18 +37,62 @@ def score_on(live: LiveModel) -> None:
     live.model.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
 
 
+class ScrapedHolder(ModelHolder):
+    """A holder whose ``on_swap`` runs as a new model is assigned, before the assignment: a scrape at that moment."""
+
+    on_swap: Any = None
+
+    @property  # type: ignore[override]
+    def live(self) -> LiveModel | None:
+        return self._live
+
+    @live.setter
+    def live(self, new: LiveModel | None) -> None:
+        if self.on_swap is not None:
+            self.on_swap()
+        self._live = new
+
+
 def publish_next(root: Path) -> None:
     """Publish a new version (users 0..39 and items 0..29 admitted, the other ids on their hash buckets)."""
     publish(root, trained_artifact(root), keep=30)
 
 
-def serving(root: Path) -> tuple[ModelHolder, ServingMetrics, ModelUpdater]:
+def serving(root: Path) -> tuple[ScrapedHolder, ServingMetrics, ModelUpdater]:
     publish_next(root)
-    holder = ModelHolder()
+    holder = ScrapedHolder()
     metrics = ServingMetrics(holder.model)
     updater = ModelUpdater(holder, metrics, root, None, device="cpu")
     updater.check_now()
     return holder, metrics, updater
+
+
+def test_a_scrape_in_the_middle_of_a_swap_never_reads_a_lookup_counter_lower_than_the_scrape_before(
+        tmp_path: Path) -> None:
+    """The swap assigned the new model and then retired the old one: a scrape between the two found the old model's
+    counts neither live nor retired, and every lookup counter dropped to the new model's zero."""
+    holder, metrics, updater = serving(tmp_path)
+    old = holder.live
+    assert old is not None
+    for _ in range(3):
+        score_on(old)
+    scrapes = [lookup_totals(metrics)]
+    holder.on_swap = lambda: scrapes.append(lookup_totals(metrics))  # as the new model is assigned
+    retire = metrics.lookups.retire
+
+    def scrape_then_retire(model: Any) -> None:  # as the old model is retired
+        scrapes.append(lookup_totals(metrics))
+        retire(model)
+
+    metrics.lookups.retire = scrape_then_retire  # type: ignore[method-assign]
+    publish_next(tmp_path)
+    updater.check_now()
+    scrapes.append(lookup_totals(metrics))
+    assert holder.live is not None and holder.live is not old and len(scrapes) == 4
+    assert scrapes[0][("streamrec_serving_embedding_lookups_total", "hot")] > 0
+    for before, after in zip(scrapes, scrapes[1:], strict=False):
+        assert all(after.get(key, 0.0) >= n for key, n in before.items()), (before, after)
+    assert scrapes[-1] == scrapes[0]  # no lookup since: every count kept, none counted twice
 
 
 def test_lookups_made_on_the_old_model_after_the_swap_are_counted(tmp_path: Path) -> None:
