@@ -11,6 +11,13 @@ any of the batch's users (on a single node, one script call for the whole batch,
 LPUSH and LTRIM the list to ``max_len`` in the same pipeline, so a list keeps the ``max_len`` most
 recently *appended* clicks.
 
+Expiry (``[redis] history_ttl_days``, ``ttl_days`` here): each append also sets its key to expire ``ttl_days`` from
+*now* (EXPIRE in the same script), a sliding expiry: an active user's list never expires, one idle that long is
+dropped and starts cold again, so Redis holds the lists of the users seen in the last ``ttl_days`` only, not of every
+user ever seen. Now is Redis's wall clock, never the clicks' event time: a replay of years-old data must not write
+lists that are expired already. ``ttl_days = 0``: never expire (each append PERSISTs its key, so a deployment that
+turns expiry off keeps the lists it had).
+
 Clicks may be appended out of click-time order (late clicks, several joiner partitions). Readers
 therefore never trust list order: they sort by click time and filter by it. :meth:`UserHistory.as_of`
 returns only clicks strictly before the given time -- the rule that keeps the future (including the
@@ -33,6 +40,7 @@ import numpy as np
 import redis
 from redis.crc import key_slot
 
+from stream.counts import DAY_S
 from stream.metrics import HISTORY_MALFORMED
 from stream.redis_client import Client, is_cluster, run_script
 
@@ -242,14 +250,17 @@ def _as_of_flat(users: list[int], times: list[int], distinct: list[int], lists: 
 class UserHistory:
     """Users' recent clicks (see the module docstring for keys and the as-of rule)."""
 
-    def __init__(self, client: Client, prefix: str = "streamrec", max_len: int = 50) -> None:
+    def __init__(self, client: Client, prefix: str = "streamrec", max_len: int = 50, ttl_days: int = 30) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
             raise ValueError(f"argument 'max_len': got {max_len!r}, expected an integer >= 1")
+        if isinstance(ttl_days, bool) or not isinstance(ttl_days, (int, np.integer)) or not 0 <= ttl_days <= 3_650:
+            raise ValueError(f"argument 'ttl_days': got {ttl_days!r}, expected an integer 0-3650 (0: never expire)")
         self.client = client
         self.prefix = prefix
         self.max_len = int(max_len)
+        self.ttl_days = int(ttl_days)
         self._lrange_many: Any = None  # registered on first use
         self._append_many: Any = None
 
@@ -265,8 +276,10 @@ class UserHistory:
         """Append one click per element, in the given order; one Redis round trip for the batch.
 
         Per distinct user: one LPUSH with that user's entries in the given order (the same as one
-        LPUSH per entry), then one LTRIM to ``max_len``; all in one script call (``_APPEND_MANY``). A key that
-        is not a list fails its own append only: the others are made, then ``redis.ResponseError`` is raised.
+        LPUSH per entry), then one LTRIM to ``max_len`` and one EXPIRE to ``ttl_days`` from now, wall clock (PERSIST
+        where ``ttl_days`` is 0; module docstring); all in one script call (``_APPEND_MANY``). A key that is not a list
+        fails its own append only (it is not trimmed, and its expiry is left as it was): the others are made, then
+        ``redis.ResponseError`` is raised.
         """
         users = _as_ints("user_hashes", user_hashes)
         items = _as_ints("item_hashes", item_hashes)
@@ -279,7 +292,7 @@ class UserHistory:
             by_user.setdefault(u, []).append(f"{ts}:{item}")
         calls = []
         for group in self._by_slot(list(by_user)):
-            args: list[int | str] = [self.max_len]
+            args: list[int | str] = [self.max_len, self.ttl_days * DAY_S]
             for u in group:
                 args.append(len(by_user[u]))
                 args.extend(by_user[u])
@@ -301,18 +314,22 @@ class UserHistory:
             groups.setdefault(key_slot(self.key(u).encode()), []).append(u)
         return list(groups.values())
 
-    # A batch's appends as one script: per key (KEYS) its count of entries and the entries (ARGV, after max_len), one
-    # LPUSH of them (in slices: Lua's unpack has a stack limit) and one LTRIM. A redis-py pipeline spent ~5 us packing
-    # each of its two commands per user: for 3,400 clicks of ~2,800 users 28.9 ms a batch against 10.4 ms (the same
-    # lists). pcall: an error on one key (not a list) leaves the others' appends made, as a pipeline did.
+    # A batch's appends as one script: per key (KEYS) its count of entries and the entries (ARGV, after max_len and
+    # the expiry in seconds), one LPUSH of them (in slices: Lua's unpack has a stack limit), one LTRIM and one EXPIRE
+    # (PERSIST for 0). A redis-py pipeline spent ~5 us packing each of its two commands per user: for 3,400 clicks of
+    # ~2,800 users 28.9 ms a batch against 10.4 ms (the same lists). pcall: an error on one key (not a list) leaves
+    # the others' appends made, as a pipeline did; a key whose first LPUSH failed (not a list: not ours) is neither
+    # trimmed nor given an expiry, one that a later slice failed on (out of memory) is, as the entries pushed are.
     _APPEND_MANY = (
-        "local max_len, at, errors = tonumber(ARGV[1]), 2, {} "
+        "local max_len, ttl, at, errors = tonumber(ARGV[1]), tonumber(ARGV[2]), 3, {} "
         "for _, k in ipairs(KEYS) do "
-        "local n = tonumber(ARGV[at]) "
+        "local n, ok = tonumber(ARGV[at]), true "
         "for j = at + 1, at + n, 4000 do "
         "local r = redis.pcall('LPUSH', k, unpack(ARGV, j, math.min(j + 3999, at + n))) "
-        "if type(r) == 'table' and r['err'] then errors[#errors + 1] = r['err'] break end end "
-        "redis.pcall('LTRIM', k, 0, max_len - 1) at = at + n + 1 end "
+        "if type(r) == 'table' and r['err'] then errors[#errors + 1] = r['err'] ok = j > at + 1 break end end "
+        "if ok then redis.pcall('LTRIM', k, 0, max_len - 1) "
+        "if ttl > 0 then redis.pcall('EXPIRE', k, ttl) else redis.pcall('PERSIST', k) end end "
+        "at = at + n + 1 end "
         "return errors"
     )
 

@@ -213,6 +213,72 @@ def test_history_is_bounded_and_newest_last(redis_client: redis.Redis, prefix: s
     assert hist.as_of([1, 1], [t + 100, t + 5]) == [[13, 14, 15], [13, 14]]
 
 
+# The slack a history's TTL may have run down between the append and the TTL read (a slow, shared CI machine).
+TTL_SLACK_S = 60
+
+
+def assert_expires_in(client: redis.Redis, key: str, ttl_s: int) -> None:
+    """``key`` expires within (ttl_s - TTL_SLACK_S, ttl_s] seconds from now."""
+    got = client.ttl(key)
+    assert ttl_s - TTL_SLACK_S < got <= ttl_s, (key, got, ttl_s)
+
+
+def test_an_append_expires_the_history_ttl_days_from_now_not_from_its_event_time(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """Every user's list used to be kept for ever (TTL -1): Redis grew with every user ever seen. Clicks of 2000 (a
+    replay) still live ttl_days from now: the expiry is wall clock."""
+    hist = UserHistory(redis_client, prefix=prefix, ttl_days=2)
+    t = ms(2000, 1, 1)
+    hist.append_many([1, 2, 1], [10, 20, 11], [t, t + 1, t + 2])
+    for user in (1, 2):
+        assert_expires_in(redis_client, hist.key(user), 2 * DAY_S)
+    assert hist.recent(1) == [10, 11]
+    UserHistory(redis_client, prefix=prefix).append_many([3], [30], [t])  # the default: 30 days, as the setting's
+    assert_expires_in(redis_client, hist.key(3), 30 * DAY_S)
+
+
+def test_a_later_append_slides_the_expiry_forward_so_an_active_user_keeps_the_history(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    hist = UserHistory(redis_client, prefix=prefix, ttl_days=2)
+    hist.append_many([1, 2], [10, 20], [1, 2])
+    redis_client.expire(hist.key(1), 100)  # as if the user had been idle for almost two days
+    redis_client.expire(hist.key(2), 100)
+    hist.append_many([1], [11], [3])  # user 1 clicks again; user 2 stays idle
+    assert_expires_in(redis_client, hist.key(1), 2 * DAY_S)
+    assert 0 < redis_client.ttl(hist.key(2)) <= 100
+    assert hist.recent(1) == [10, 11]
+
+
+def test_history_ttl_days_0_never_expires_a_history_and_persists_one_that_had_an_expiry(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    UserHistory(redis_client, prefix=prefix, ttl_days=7).append_many([2], [20], [1])  # written under a TTL before
+    hist = UserHistory(redis_client, prefix=prefix, ttl_days=0)
+    hist.append_many([1, 2], [10, 21], [1, 2])
+    assert redis_client.ttl(hist.key(1)) == -1
+    assert redis_client.ttl(hist.key(2)) == -1  # expiry turned off: the lists it appends to are kept
+    assert hist.recent(2) == [20, 21]
+
+
+def test_a_key_that_is_not_a_list_is_not_given_an_expiry_by_a_failed_append(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    hist = UserHistory(redis_client, prefix=prefix, ttl_days=2)
+    redis_client.set(hist.key(2), "not a list")  # someone else's key: its expiry is not ours to set
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        hist.append_many([1, 2], [10, 20], [1, 2])
+    assert redis_client.ttl(hist.key(2)) == -1
+    assert_expires_in(redis_client, hist.key(1), 2 * DAY_S)
+
+
+@pytest.mark.parametrize("ttl_days", [-1, 3_651, True, 1.5])
+def test_a_history_ttl_out_of_range_is_refused_naming_the_argument(redis_client: redis.Redis, ttl_days: object) -> None:
+    with pytest.raises(ValueError, match="'ttl_days'.*0-3650"):
+        UserHistory(redis_client, ttl_days=ttl_days)  # type: ignore[arg-type]
+
+
 def test_appends_and_reads_are_one_command_each_for_every_user(
     redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

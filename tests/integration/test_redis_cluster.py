@@ -142,6 +142,20 @@ def test_history_on_a_cluster_equals_a_single_nodes_and_spreads_users_over_the_n
     assert on_cluster.recent(5000) == [2]
 
 
+def test_history_appends_on_a_cluster_expire_every_users_list_ttl_days_from_now(
+        clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    """The script call of each hash slot sets its own keys' expiry, as on a single node (used to be none: -1)."""
+    cluster, _ = clients
+    hist = UserHistory(cluster, prefix=prefix, max_len=8, ttl_days=2)
+    users = list(range(300))
+    hist.append_many(users, [u + 1 for u in users], [ms(2000, 1, 1)] * len(users))
+    assert len({node_of(cluster, hist.key(u)) for u in users}) == 3  # several slots on every node
+    ttls = [cluster.ttl(hist.key(u)) for u in users]
+    assert all(2 * 86_400 - 60 < t <= 2 * 86_400 for t in ttls), sorted(set(ttls))[:5]
+    UserHistory(cluster, prefix=prefix, max_len=8, ttl_days=0).append_many(users, users, [1] * len(users))
+    assert {cluster.ttl(hist.key(u)) for u in users} == {-1}
+
+
 def test_strikes_on_a_cluster_round_trip(clients: tuple[Any, redis.Redis], prefix: str) -> None:
     cluster, _ = clients
     store = RedisStrikes(cluster, f"{prefix}:strikes:g")
