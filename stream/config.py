@@ -387,6 +387,7 @@ class RedisSettings:
     prefix: str = "streamrec"  # every key streamrec writes starts with this
     counts_ttl_days: int = 8  # per-day count keys live this long; at most 3,650 (10 years)
     history_len: int = 50  # recent clicked items kept per user; at most 10,000 (serving reads them per request)
+    history_ttl_days: int = 30  # a user's click history expires this long after its last append; 0 = never; <= 3,650
     username: str = ""  # ACL user ("" = the default user)
     password: Secret = Secret("")  # prefer password_file; the value itself is discouraged in a shared file
     password_file: Path | None = None
@@ -421,8 +422,9 @@ class RedisSettings:
         if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
             raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "
                               "redis://host:port/<db> with <db> an integer (nothing: db 0)")
-        # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history)
-        check_counts("redis", self, at_most={"counts_ttl_days": 3_650, "history_len": 10_000})
+        # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history); history_ttl_days 0: never expire
+        check_counts("redis", self, zero_ok=("history_ttl_days",),
+                     at_most={"counts_ttl_days": 3_650, "history_len": 10_000, "history_ttl_days": 3_650})
         self._check_prefix()
         if (self.password or self.password_file is not None) and parts.password:
             raise ConfigError("[redis] password (or password_file / password_env) is set and url carries a password "

@@ -401,7 +401,8 @@ class JoinPipeline:
                                   future_s=limits.future_ts_s)
         # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
         # impression still finds the clicks before it when the user clicked more in between.
-        self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
+        self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len,
+                                   ttl_days=redis_settings.history_ttl_days)
         self.producer = AckedProducer(kafka, **{"linger.ms": 5, "message.max.bytes": max(js.max_sample_bytes + 65_536,
                                                                                       1_000_000)})
         self.engines: dict[int, PartitionJoin] = {}

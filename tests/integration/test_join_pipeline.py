@@ -133,6 +133,18 @@ def test_a_batch_of_impressions_and_clicks_gives_one_labelled_sample_per_impress
     assert s["process_s"] > 0 and {"decode", "join", "redis", "flush"} <= set(s["stage_s"])
 
 
+def test_the_joiners_history_appends_expire_after_redis_history_ttl_days(
+        kafka: KafkaSettings, stack, redis_client: redis.Redis, prefix: str, settings: JoinerSettings) -> None:
+    """``[redis] history_ttl_days`` reaches the joiner's history writer (``streamrec join`` builds this pipeline)."""
+    p = JoinPipeline(kafka, RedisSettings(url=stack.redis_url, prefix=prefix, history_ttl_days=3), settings)
+    try:
+        p.process([imp(kafka, 0, 0, "a", T0, user="u1", item="i1"), click(kafka, 0, 0, "a", T0 + 500)])
+    finally:
+        p.close()
+    ttl = redis_client.ttl(UserHistory(redis_client, prefix=prefix).key(hash_value("u1")))
+    assert 3 * 86_400 - 60 < ttl <= 3 * 86_400
+
+
 def test_late_and_orphan_clicks_are_written_to_late_clicks_with_their_reason(kafka: KafkaSettings, make,
                                                                              settings: JoinerSettings) -> None:
     p = make()

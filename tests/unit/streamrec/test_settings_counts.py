@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # class -> (section, the counts where 0 is documented as meaningful). Every other count must be >= 1.
 CLASSES: dict[type, tuple[str, set[str]]] = {
     KafkaSettings: ("kafka", set()),
-    RedisSettings: ("redis", set()),
+    RedisSettings: ("redis", {"history_ttl_days"}),
     JoinerSettings: ("joiner", set()),
     ReplaySettings: ("replay", {"limit", "seed", "linger_ms"}),
     SyntheticSettings: ("synthetic", {"start_ts_ms"}),
@@ -127,6 +127,7 @@ def test_a_count_from_the_environment_is_one_settings_error() -> None:
                                              r"\(set by config file \[learner\]\.keep_checkpoints\)$"):
         build(LearnerSettings, "learner", file_data={"learner": {"keep_checkpoints": 0}})
     assert build(RefreshSettings, "refresh", environ={"STREAMREC_REFRESH_HOLDOUT_MESSAGES": "0"}).holdout_messages == 0
+    assert build(RedisSettings, "redis", environ={"STREAMREC_REDIS_HISTORY_TTL_DAYS": "0"}).history_ttl_days == 0
 
 
 def test_check_counts_refuses_a_zero_ok_name_that_is_no_count() -> None:
@@ -239,6 +240,7 @@ def test_every_count_has_an_upper_bound_and_the_error_names_its_source(cls: Any,
 BOUNDS = [  # (class, setting, its documented upper bound)
     (KafkaSettings, "partitions", 100_000), (KafkaSettings, "replication_factor", 1_000),
     (RedisSettings, "counts_ttl_days", 3_650), (RedisSettings, "history_len", 10_000),
+    (RedisSettings, "history_ttl_days", 3_650),
     (LearnerSettings, "embedding_dim", 4_096), (LearnerSettings, "buckets", 1_000_000_000),
     (LearnerSettings, "ctx_buckets", 1_000_000_000), (LearnerSettings, "id_capacity", 1_000_000_000),
     (LearnerSettings, "batch_rows", 10_000_000), (LearnerSettings, "max_fields", 4_096),
