@@ -477,7 +477,8 @@ def eviction_advice(client: Any, settings: RedisSettings, holds: str) -> str | N
     no limit, nothing is evicted), or Redis will not say (``CONFIG`` hidden or denied, as managed services do; down).
 
     Every policy but ``noeviction`` evicts: ``allkeys-*`` any key, ``volatile-*`` those with a TTL, which the day
-    counts, user histories and strikes all have. Under ``noeviction`` a write at the limit fails with an OOM error,
+    counts and strikes have, user histories too unless ``[redis] history_ttl_days`` is 0 (the layered embedding
+    store's rows have none). Under ``noeviction`` a write at the limit fails with an OOM error,
     which the callers retry and report (the joiner's batch fails and is redone); an evicted key is never reported: a
     count that restarts from 0, a user with no history, a poison message's strikes forgotten. On a Redis Cluster the
     first node that evicts is named."""
