@@ -90,6 +90,8 @@ class CrontabTrigger(CronTrigger):
 
     def get_next_fire_time(self, previous_fire_time: dt.datetime | None, now: dt.datetime) -> dt.datetime | None:
         t = super().get_next_fire_time(previous_fire_time, now)
+        if t is not None and not getattr(self, "fixed", False) and _skipped(t):  # from _increment_field_value: the
+            return t.astimezone(dt.timezone.utc).astimezone(self.timezone)  # same instant, as a wall time that exists
         while t is not None and getattr(self, "fixed", False):
             if _skipped(t):  # in the hour the clocks skip: crontab runs it once, at the change (APScheduler: 03:30)
                 change = _gap_end(t)
@@ -100,6 +102,21 @@ class CrontabTrigger(CronTrigger):
             t = super().get_next_fire_time(None, (t.astimezone(dt.timezone.utc) + dt.timedelta(microseconds=1))
                                            .astimezone(self.timezone))
         return t
+
+    def _increment_field_value(self, dateval: dt.datetime, fieldnum: int) -> tuple[dt.datetime, int]:
+        """APScheduler's step to the next value of a field, never past the wall time it steps to.
+
+        APScheduler adds the wall-time difference to the UTC instant: across the clocks going forward that lands late
+        in wall time (midnight "next day" from 00:00 CET on 2026-03-29 in Europe/Berlin was 01:00 CEST on the 30th), so
+        a ``0 0 * * *`` job skipped the day after the change. The wall time it meant is taken instead (one the clocks
+        skip, a change at midnight, is then handled as any skipped time); a landing earlier in wall time (the clocks
+        went back: the repeated hour comes again) is kept, and the fields are checked again from it."""
+        stepped, fieldnum = super()._increment_field_value(dateval, fieldnum)
+        utc = dt.timezone.utc
+        meant = dateval.replace(tzinfo=None) + (stepped.astimezone(utc) - dateval.astimezone(utc))
+        if stepped.replace(tzinfo=None) > meant:
+            return meant.replace(tzinfo=self.timezone), fieldnum
+        return stepped, fieldnum
 
 
 def _skipped(t: dt.datetime) -> bool:
