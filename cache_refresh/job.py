@@ -503,8 +503,9 @@ def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, slee
 def skipped(alerts: RefreshAlerts, root: Path, why: str, stage: str, holder: str | None = None) -> dict[str, Any]:
     """A run that did nothing because another was going: logged, alerted as ``refresh_skipped`` (a warning: the other
     run publishes, or fails and alerts itself), counted ``streamrec_refresh_runs_total{outcome="skipped", stage}``.
-    ``stage``: ``lock`` (another process's run holds the publish root: a ``--now`` and the scheduled run overlapping)
-    or ``scheduler`` (this scheduler's previous run has not ended when the next is due). Returns the summary
+    ``stage``: ``lock`` (another process's run holds the publish root: a ``--now`` and the scheduled run overlapping),
+    ``scheduler`` (this scheduler's previous run has not ended when the next is due) or ``missed`` (the schedule's fire
+    time passed more than ``misfire_grace_s`` ago: the machine asleep, a suspended VM). Returns the summary
     (``published: false``, ``skipped``); ``streamrec refresh --now`` exits 3 with it.
 
     Before, an overlap at the lock was a failure: a critical ``refresh_failed`` at stage ``lock`` (and ``--now`` exit 1)

@@ -18,8 +18,9 @@ log = logging.getLogger("streamrec.refresh")
 
 RUNS = Counter("streamrec_refresh_runs_total", "Refresh runs by outcome: published, held (validated, not published "
                "over a rollback pin), skipped (did nothing because another run was going: stage lock, another "
-               "process's run held the publish root; stage scheduler, this scheduler's previous run had not ended) "
-               "or failed (by stage; published nothing, the live artifact kept serving).",
+               "process's run held the publish root; stage scheduler, this scheduler's previous run had not ended; "
+               "stage missed, its fire time passed more than misfire_grace_s ago, the machine asleep) or failed (by "
+               "stage; published nothing, the live artifact kept serving).",
                ["outcome", "stage"])
 DEGRADED = Counter("streamrec_refresh_degraded_total", "Warnings of runs that published (each also a "
                    "refresh_degraded alert), by stage: the quality gate skipped, newer checkpoints skipped, an empty "

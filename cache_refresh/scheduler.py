@@ -234,15 +234,17 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
 
 def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
                     last_success: dt.datetime | None, now: dt.datetime | None = None,
-                    on_skip: Callable[[str], Any] | None = None, guard: threading.Lock | None = None,
+                    on_skip: Callable[[str, str], Any] | None = None, guard: threading.Lock | None = None,
                     stopping: threading.Event | None = None) -> BlockingScheduler:
     """The scheduler (not started): ``job`` on the cron schedule, plus a one-off run now if one was missed.
 
     Runs never overlap: a run due while the previous one is still going is skipped, in one place (the guard below;
     APScheduler's ``max_instances`` is 2 so that it never skips a run itself, silently but for a log line), and
-    ``on_skip(why)`` reports it (``streamrec refresh``: ``job.skipped``, counted and a warning alert). Late runs
-    within ``grace_s`` still run and several late runs coalesce into one; a run later than that (the machine asleep
-    past it) does not run, and is reported through ``on_skip`` too, never only in APScheduler's log.
+    ``on_skip(why, "scheduler")`` reports it (``streamrec refresh``: ``job.skipped``, counted and a warning alert).
+    Late runs within ``grace_s`` still run and several late runs coalesce into one; a run later than that (the machine
+    asleep past it) does not run, and is reported through ``on_skip(why, "missed")``, never only in APScheduler's log:
+    a stage of its own (it was ``scheduler``, so the metric and the alert told a machine asleep from a run lasting
+    longer than the schedule's period by the message alone).
 
     ``guard``: the lock a run holds while it runs (:func:`run_forever` waits on it at shutdown); ``stopping``: once
     set, a run due then does not start (logged, not reported as a skip: the process is stopping).
@@ -265,7 +267,7 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
             if on_skip is None:
                 log.warning("%s", why)
             else:
-                on_skip(why)
+                on_skip(why, "scheduler")
             return
         try:
             if stop.is_set():
@@ -291,7 +293,7 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
         if on_skip is None:
             log.warning("%s", why)
         else:
-            on_skip(why)
+            on_skip(why, "missed")
 
     sched.add_listener(report_missed, EVENT_JOB_MISSED)
     now = now or dt.datetime.now(tz)
@@ -305,7 +307,7 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
 
 
 def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
-                last_success: dt.datetime | None, on_skip: Callable[[str], Any] | None = None,
+                last_success: dt.datetime | None, on_skip: Callable[[str, str], Any] | None = None,
                 alerts: RefreshAlerts | None = None, stop_grace_s: float = STOP_GRACE_S,
                 hard_exit: Callable[[int], Any] = os._exit,
                 where: Callable[[], tuple[str | None, str | None]] | None = None) -> int:

@@ -96,8 +96,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     def scheduled() -> None:
         job.scheduled_run(rs, kafka, rds, alerts, progress)  # respects a rollback pin; failures are logged and alerted
 
-    def skip(why: str) -> None:
-        job.skipped(alerts, Path(rs.publish_root), why, "scheduler")
+    def skip(why: str, stage: str) -> None:  # stage: scheduler (its previous run still going) or missed
+        job.skipped(alerts, Path(rs.publish_root), why, stage)
 
     last_success = job.restore_last_success(Path(rs.publish_root))  # the gauge too, before the first scrape
     if rs.metrics_port is not None:

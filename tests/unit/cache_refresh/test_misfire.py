@@ -15,10 +15,12 @@ from cache_refresh.scheduler import build_scheduler
 def test_a_run_missed_by_more_than_the_grace_is_reported_as_a_skip_not_only_logged() -> None:
     ran: list[bool] = []
     reported: list[str] = []
+    stages: list[str] = []
     got = threading.Event()
 
-    def on_skip(why: str) -> None:
+    def on_skip(why: str, stage: str) -> None:
         reported.append(why)
+        stages.append(stage)
         got.set()
 
     # the daily fire time 12 hours from now: none falls between the missed run set below (5 hours ago) and now, which
@@ -43,3 +45,5 @@ def test_a_run_missed_by_more_than_the_grace_is_reported_as_a_skip_not_only_logg
     assert len(reported) == 1
     assert f"the run due at {due.isoformat()}" in reported[0]
     assert "misfire_grace_s (60 s)" in reported[0] and "streamrec refresh --now" in reported[0]
+    # its own stage, not the overlap's ("scheduler": the previous run still going), which the metric and alert named
+    assert stages == ["missed"]

@@ -73,9 +73,10 @@ def test_a_scheduled_run_due_while_the_previous_still_runs_is_reported_as_skippe
         started.set()
         release.wait(30)
 
-    reported: list[str] = []
+    reported: list[tuple[str, str]] = []
     now = dt.datetime(2026, 1, 10, 3, 30, tzinfo=dt.timezone.utc)
-    sched = build_scheduler(slow_run, "0 3 * * *", "UTC", 3600, None, now=now, on_skip=reported.append)
+    sched = build_scheduler(slow_run, "0 3 * * *", "UTC", 3600, None, now=now,
+                            on_skip=lambda why, stage: reported.append((why, stage)))
     guarded = {j.id: j.func for j in sched.get_jobs()}
     first = threading.Thread(target=guarded["refresh-missed"])
     first.start()
@@ -85,7 +86,8 @@ def test_a_scheduled_run_due_while_the_previous_still_runs_is_reported_as_skippe
     finally:
         release.set()
         first.join()
-    assert reported == ["this scheduler's previous refresh is still running; the run due now is skipped"]
+    assert reported == [("this scheduler's previous refresh is still running; the run due now is skipped",
+                         "scheduler")]
 
 
 def test_the_schedulers_skip_is_counted_and_alerted_as_a_warning(tmp_path: Path) -> None:
