@@ -111,10 +111,10 @@ class CrontabTrigger(CronTrigger):
         a ``0 0 * * *`` job skipped the day after the change. The wall time it meant is taken instead (one the clocks
         skip, a change at midnight, is then handled as any skipped time); a landing earlier in wall time (the clocks
         went back: the repeated hour comes again) is kept, and the fields are checked again from it."""
+        # the same step in UTC, which has no clock changes: the wall time meant (its fields are read as wall times)
+        meant = super()._increment_field_value(dateval.replace(tzinfo=dt.timezone.utc), fieldnum)[0]
         stepped, fieldnum = super()._increment_field_value(dateval, fieldnum)
-        utc = dt.timezone.utc
-        meant = dateval.replace(tzinfo=None) + (stepped.astimezone(utc) - dateval.astimezone(utc))
-        if stepped.replace(tzinfo=None) > meant:
+        if stepped.replace(tzinfo=None) > meant.replace(tzinfo=None):
             return meant.replace(tzinfo=self.timezone), fieldnum
         return stepped, fieldnum
 
