@@ -40,18 +40,18 @@ import signal
 import time
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from stream.config import KafkaSettings
-from stream.errors import clip
+from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, Unfetched, topic_of
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
-from stream.kafka import consumer_config, fetched_more, heartbeat_interval_s, resume_offsets
+from stream.kafka import Headers, consumer_config, fetched_more, headers_of, heartbeat_interval_s, resume_offsets
 from stream.retention import Gaps
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 
@@ -85,7 +85,28 @@ def _records(msgs: list[Message], gaps: Gaps | None = None) -> list[Record]:
     if gaps is not None:
         gaps.batch(topics, partitions, offsets)  # type: ignore[arg-type]
     return records_of(topics, partitions, offsets, map(Message.key, msgs), map(Message.value, msgs), stamps,
-                      map(Message.headers, msgs))
+                      _headers(msgs))
+
+
+def _headers(msgs: list[Message]) -> list[Headers | BadMessage | None]:
+    """Each message's headers, or why they cannot be read (``stream.kafka.headers_of``: a header key that is not
+    UTF-8, which another producer may write), for the pipeline to dead-letter it. One C-level pass where no message has
+    headers (the usual case); only those with headers are checked one by one, and all of them after confluent-kafka
+    raised for one (its ``headers()`` returns the list it built the first time, a broken one unread)."""
+    try:
+        headers = cast(list[Headers | BadMessage | None], list(map(Message.headers, msgs)))  # consumed: (str, bytes)
+    except (SystemError, UnicodeDecodeError):
+        return list(map(_headers_or_why, msgs))
+    if any(headers):
+        return [h if h is None else _headers_or_why(m) for m, h in zip(msgs, headers, strict=True)]
+    return headers
+
+
+def _headers_or_why(msg: Message) -> Headers | BadMessage | None:
+    try:
+        return headers_of(msg)
+    except BadMessage as exc:
+        return exc
 
 
 class KafkaJoinWorker:

@@ -170,6 +170,7 @@ _PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a
 _LABEL, _KIND = attrgetter("label"), attrgetter("kind")  # of a Sample
 _TOPIC, _OFFSET, _KEY, _VALUE, _STAMP = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
 _TOPIC_PARTITION = itemgetter(0, 1)  # of a Record
+_HEADERS = itemgetter(6)  # of a Record
 Event = Impression | Click | BadMessage  # a record's event, or why it is bad
 
 
@@ -214,7 +215,9 @@ class Record(NamedTuple):
     key: bytes | None
     value: bytes | None
     timestamp: int | None = None  # the message's broker timestamp (ms), which bounds how far ahead ts may be
-    headers: Headers | None = None  # the message's Kafka headers, which its dead letter keeps (stream/dlq.py)
+    # the message's Kafka headers, which its dead letter keeps (stream/dlq.py), or why they could not be read
+    # (``stream.kafka.headers_of``: a header key that is not UTF-8): the record is dead-lettered with that, without them
+    headers: Headers | BadMessage | None = None
 
 
 def awake_clock(js: JoinerSettings) -> IdleClock:
@@ -234,6 +237,11 @@ def records_of(*columns: Iterable[Any]) -> list[Record]:
 
 
 _NEW_RECORD = partial(tuple.__new__, Record)
+
+
+def _kept_headers(r: Record) -> Headers | None:
+    """The headers ``r``'s dead letter keeps: none where they could not be read."""
+    return None if isinstance(r.headers, BadMessage) else r.headers
 
 
 class Held:
@@ -837,7 +845,12 @@ class JoinPipeline:
         imps: dict[int, list[tuple[int, Impression]]] = defaultdict(list)
         clicks: dict[int, list[tuple[int, Click]]] = defaultdict(list)
         self._batch_records = {}
-        self._held_groups_add(records, self._decode_all(records))
+        decoded = self._decode_all(records)
+        # rare: headers that could not be read (a C-level pass; a second one only where records have headers)
+        if any(map(_HEADERS, records)) and any(map(isinstance, map(_HEADERS, records), repeat(BadMessage))):
+            decoded = [h if isinstance(h, BadMessage) else e
+                       for e, h in zip(decoded, map(_HEADERS, records), strict=True)]
+        self._held_groups_add(records, decoded)
         for (topic, partition), (recs, events) in self._take(behind, only).items():
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
@@ -849,7 +862,7 @@ class JoinPipeline:
                 continue
             for r, event in zip(recs, events, strict=True):
                 if isinstance(event, BadMessage):
-                    self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset, r.headers)
+                    self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset, _kept_headers(r))
                     self.totals.counts["dead_lettered"] += 1
                 else:
                     into.append((r.offset, event))  # type: ignore[arg-type]
@@ -989,7 +1002,7 @@ class JoinPipeline:
                 f"{self.state_bytes} a record of {self.state_topic} may be (its limit {limit.bytes} bytes, "
                 f"{limit.source}); not joined (clicks on it are reported as orphans): lower the [limits] on context "
                 f"size or {raise_limit(self.state_topic, limit)}", kind="too_large")
-            self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset, r.headers)
+            self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset, _kept_headers(r))
             self.totals.counts["dead_lettered"] += 1
             self.totals.counts["state_too_large"] += 1
         return [pair for pair in imps if pair[0] not in gone]

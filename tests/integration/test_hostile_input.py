@@ -20,13 +20,14 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from stream.config import KafkaSettings
+from stream.kafka import AckedProducer, ensure_topics
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 from stream.samples import SampleBatch
 from tests.integration.test_joiner import expected_join, join_env
-from tests.kafka_io import read_topic
+from tests.kafka_io import produce_raw_header_key, read_topic
 
 WINDOW_S = 60.0
 PARTITIONS = 4
@@ -213,3 +214,38 @@ def test_a_message_that_keeps_failing_the_join_is_dead_lettered_after_poison_aft
     assert set(i for i, _ in rows) == set(want.labels), "an impression of a failed batch was lost"
     assert {i: label for i, label in rows} == want.labels
     assert not redis.Redis.from_url(stack.redis_url).hgetall(f"{group_id}:strikes:{group_id}")  # cleared
+
+
+@pytest.mark.parametrize("driver", ["kafka"])
+def test_an_impression_and_a_click_with_a_header_key_not_utf8_are_dead_lettered_once_and_the_others_join(
+        driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
+    """Another producer's header key that is not UTF-8: confluent-kafka's ``Message.headers()`` raised SystemError for
+    it in the kafka driver's batch decode (or handed back a pair whose read segfaults), and the worker failed the same
+    batch at every restart. Each is dead-lettered as ``bad_header`` without its headers; its neighbours join."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=PARTITIONS)
+    ts = 1_700_000_000_000
+    a, hostile, b = (key_on(0, stem) for stem in ("hdr-a", "hdr-hostile", "hdr-b"))
+    p = AckedProducer(kafka)
+    p.send(kafka.impressions_topic, orjson.dumps(_imp(a, ts)), a, partition=0)
+    p.flush()
+    produce_raw_header_key(kafka, kafka.impressions_topic, 0, hostile.encode(), orjson.dumps(_imp(hostile, ts)),
+                           b"\xff\xfeimp")
+    p.send(kafka.impressions_topic, orjson.dumps(_imp(b, ts + 1)), b, partition=0, headers=[("trace", b"t")])
+    click = orjson.dumps({"schema_version": 1, "impression_id": a, "ts": ts + 5_000})
+    produce_raw_header_key(kafka, kafka.clicks_topic, 0, a.encode(), click, b"\xc3(click")
+    p.send(kafka.clicks_topic, click, a, partition=0)
+    p.flush()
+    env = join_env(kafka, stack.redis_url, group_id)
+    for run in range(2):  # the second run finds everything committed: nothing joined or dead-lettered again
+        out = subprocess.run(join_cmd(group_id, driver), env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads(out.stdout.strip().splitlines()[-1])["dead_lettered"] == (2 if run == 0 else 0)
+    assert sorted(sample_rows(kafka)) == sorted([(a, 1), (b, 0)])
+    for topic, key, value in ((kafka.impressions_topic, hostile, orjson.dumps(_imp(hostile, ts))),
+                              (kafka.clicks_topic, a, click)):
+        [rec] = read_topic(kafka, kafka.dlq_topic(topic))
+        assert (rec.key, rec.value) == (key.encode(), value)  # replayable as it came
+        assert all(k.startswith("dlq.") for k, _ in rec.headers)  # its own headers not kept
+        assert dict(rec.headers)["dlq.kind"] == b"bad_header" and b"not UTF-8" in dict(rec.headers)["dlq.reason"]
+    done = committed(kafka, group_id)
+    assert (done[(kafka.impressions_topic, 0)], done[(kafka.clicks_topic, 0)]) == (3, 2)
