@@ -21,7 +21,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException,
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
-from stream.kafka import Headers, new_consumer, resume_offsets
+from stream.kafka import Headers, headers_of, new_consumer, resume_offsets
 from stream.metrics import EVENTS
 
 # decoder(value, broker_ts_ms=message timestamp or None, key=message key or None); raises BadMessage for a bad message
@@ -111,12 +111,13 @@ class EventReader:
             self.seen += 1
             self._at_eof.discard((topic, partition))
             kind, ts = msg.timestamp()
+            headers: Headers | None = None  # read once: a header key that is not UTF-8 is bad_header, as in the joiner
             try:
+                headers = headers_of(msg)
                 event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else None,
                                               key=msg.key())
             except BadMessage as exc:
-                self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset,
-                               cast(Headers | None, msg.headers()))  # a list of (str, bytes | None), consumed
+                self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset, headers)
                 self._pending[(topic, partition)] = offset + 1
                 continue
             # Another exception propagates: this message is not marked read, so no commit can skip it.

@@ -15,7 +15,7 @@ from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.cli import main
-from tests.kafka_io import read_topic
+from tests.kafka_io import produce_raw_header_key, read_topic
 
 POISON = [
     (b"{not json", "bad_json", None),
@@ -284,3 +284,29 @@ def test_a_dead_letter_keeps_the_source_message_headers_as_kafka_stored_them(kaf
     assert rec.headers[:3] == original and (rec.key, rec.value) == (b"bad", b"{not json")
     letter = DeadLetter.from_headers(rec.headers)
     assert letter.kind == "bad_json" and letter.reason != "forged" and letter.original_headers == tuple(original)
+
+
+def test_the_reader_dead_letters_a_message_whose_header_key_is_not_utf8_without_its_headers(kafka: KafkaSettings,
+                                                                                            group_id: str) -> None:
+    """Another producer's header key that is not UTF-8, on a valid click and on malformed JSON: the reader passed the
+    click as valid (the joiner dead-letters it: ``bad_header``), and dead-lettering the malformed one read
+    confluent-kafka's broken headers, a SystemError or a segfault at every run of ``streamrec audit``."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=1)
+    p = AckedProducer(kafka)
+    p.send(kafka.impressions_topic, Impression("a", 1000, "u", 1).encode(), "a")
+    p.flush()
+    produce_raw_header_key(kafka, kafka.impressions_topic, 0, b"bad", b"{not json", b"\xff\xfe")
+    produce_raw_header_key(kafka, kafka.clicks_topic, 0, b"a", Click("a", 2000).encode(), b"\xc3(")
+    p.send(kafka.impressions_topic, Impression("b", 1000, "u", 1).encode(), "b", headers=[("trace", b"t")])
+    p.flush()
+    with EventReader(kafka, group_id, _decoders(kafka)) as reader:
+        reader.read_to_end()
+        assert reader.valid == {kafka.impressions_topic: 2} and reader.dead_letters.total == 2
+    for topic, value in ((kafka.impressions_topic, b"{not json"), (kafka.clicks_topic, Click("a", 2000).encode())):
+        [rec] = read_topic(kafka, kafka.dlq_topic(topic))
+        letter = DeadLetter.from_headers(rec.headers)
+        assert rec.value == value and letter.kind == "bad_header" and "not UTF-8" in letter.reason
+        assert letter.original_headers == ()  # not kept: they cannot be read
+    with EventReader(kafka, group_id, _decoders(kafka)) as again:  # committed past them: not dead-lettered twice
+        again.read_to_end()
+        assert again.seen == 0
