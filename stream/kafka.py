@@ -844,8 +844,13 @@ def headers_of(msg: Message) -> Headers | None:
     except (SystemError, UnicodeDecodeError):
         broken = True
     if broken:
-        raise BadMessage("a header key that is not UTF-8 (the message's headers are not kept)", kind="bad_header")
+        raise header_key_not_utf8()
     return headers  # type: ignore[return-value]  # consumed: a list of (str, bytes | None)
+
+
+def header_key_not_utf8() -> BadMessage:
+    """Why a message whose header key is not UTF-8 is dead-lettered (its headers cannot be read, so none are kept)."""
+    return BadMessage("a header key that is not UTF-8 (the message's headers are not kept)", kind="bad_header")
 
 
 def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = False) -> bool:

@@ -78,6 +78,7 @@ from faust.types.tuples import ack_lock
 from mode import ServiceT
 from mode.utils.futures import notify
 
+from stream.joiner.header_keys import checked, read_leniently
 from stream.joiner.pipeline import Record, records_of
 from stream.retention import account_for_retention, lost_in_gap, not_checked, past_said
 
@@ -444,7 +445,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
             topic, partition = tp
             out.extend(records_of(repeat(topic, len(recs)), repeat(partition, len(recs)), map(_OFFSET, recs),
                                   map(_KEY, recs), map(_VALUE, recs), [r.timestamp or None for r in recs],
-                                  map(_HEADERS, recs)))
+                                  _headers(recs)))
             if self.app.topics.acks_enabled_for(topic):
                 for start, end in _gaps(read, recs[0].offset, recs[-1].offset, len(recs), recs):
                     self._add_gap_now(tp, start, end)
@@ -519,6 +520,13 @@ class BatchConsumer(faust_aiokafka.Consumer):
             gap.merge_overlaps()
 
 
+def _headers(recs: list[Any]) -> list[Any]:
+    """The fetched records' headers (``()`` where none: one C-level pass), a record's ``bad_header`` BadMessage where a
+    key is not UTF-8 (``header_keys``); only records with headers are checked one by one."""
+    headers = list(map(_HEADERS, recs))
+    return [h and checked(h) for h in headers] if any(headers) else headers
+
+
 def _jumps(expected: int, recs: list[Any]) -> list[tuple[int, int]]:
     """The jumps in ``recs`` (offsets ascending) from ``expected``, the offset expected first: (the first offset
     missing, the next record's offset) each; O(1) where they are contiguous (the usual case)."""
@@ -577,3 +585,4 @@ def install(app: AppT, delivery: BatchDelivery) -> None:
     if getattr(app, "_consumer", None) is not None:
         raise RuntimeError("install() must come before the app's consumer is created")
     app.transport = BatchTransport(app, delivery)
+    read_leniently()  # a header key that is not UTF-8 raised out of every fetch of its record (header_keys.py)

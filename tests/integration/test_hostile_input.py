@@ -216,7 +216,7 @@ def test_a_message_that_keeps_failing_the_join_is_dead_lettered_after_poison_aft
     assert not redis.Redis.from_url(stack.redis_url).hgetall(f"{group_id}:strikes:{group_id}")  # cleared
 
 
-@pytest.mark.parametrize("driver", ["kafka"])
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_an_impression_and_a_click_with_a_header_key_not_utf8_are_dead_lettered_once_and_the_others_join(
         driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
     """Another producer's header key that is not UTF-8: confluent-kafka's ``Message.headers()`` raised SystemError for
