@@ -37,6 +37,8 @@ Three parts, each usable alone:
   :meth:`RuleEngine.pending` and :meth:`RuleEngine.restore_pending` carry the pending series over too, as
   Prometheus' ``ALERTS_FOR_STATE`` does: the time held before the restart counts towards ``for_s``, the outage
   does not, and a restored series fires no sooner than ``for_grace_period_s`` after the start.
+  :meth:`RuleEngine.no_data` and :meth:`RuleEngine.restore_no_data` do the same for the absence timers
+  (``absent_for_s``).
   Durations (``for_s``, ``absent_for_s``, the ranges of ``rate()``) are measured on the clock ``now`` is read
   from, which :class:`Monitor` makes ``time.monotonic()``: a step of the wall clock (NTP) neither fires a
   pending rule early nor empties the rates' history; the wall clock only stamps the alerts (``ts``).
@@ -431,6 +433,7 @@ class RuleEngine:
         # equal (under ABSENT_LABELS a series with the label absent="true" resolved or silenced that alert)
         self.absent: dict[str, SeriesState] = {}
         self.no_data_since: dict[str, float | None] = {r.name: None for r in self.rules}
+        self.no_data_held: dict[str, float] = {}  # rule -> the last evaluation without data (what no_data() saves)
         self.evaluations = 0
         self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
         # the resolved alerts of the last evaluation, each with its series as firing() writes it
@@ -548,6 +551,8 @@ class RuleEngine:
             self.no_data_since[rule.name] = None
         elif self.no_data_since[rule.name] is None:
             self.no_data_since[rule.name] = now
+        if not has_data:
+            self.no_data_held[rule.name] = now
         if rule.absent_for_s is None:
             return []
         st = self.absent.setdefault(rule.name, SeriesState(since=now))
@@ -668,7 +673,7 @@ class RuleEngine:
         was down is not counted (nothing saw the condition then), and a restored series fires no sooner than
         :attr:`grace_s` after this start (the rates' history starts empty; a short outage of the monitor must not
         fire every rule at once). A record is skipped (its series starts over, as without a state file) where its
-        rule is gone or has another condition, its series is restored firing, or :meth:`_pending_since` finds
+        rule is gone or has another condition, its series is restored firing, or :meth:`_restored_since` finds
         nothing to save. Returns how many were restored."""
         restored = 0
         for rec in records:
@@ -676,25 +681,56 @@ class RuleEngine:
             lb = labels_of(rec["labels"])
             if rule is None or rec.get("condition") != rule.condition or lb in self.states[rule.name]:
                 continue
-            since = self._pending_since(rule, float(rec["since"]), float(rec["held"]), now, wall)
+            since = self._restored_since(rule.for_s, float(rec["since"]), float(rec["held"]), now, wall)
             if since is not None:
                 self.states[rule.name][lb] = SeriesState(State.PENDING, since, decode_value(rec.get("value")),
                                                          frozenset(rec.get("sources", ())))
                 restored += 1
         return restored
 
-    def _pending_since(self, rule: Rule, since: float, held: float, now: float, wall: float) -> float | None:
-        """The ``since`` (on the engine's clock, ``now``) of a series restored pending that had held from wall time
-        ``since`` to ``held`` before the restart; None where restoring it cannot fire it sooner than a fresh
-        ``for_s`` would (a ``for_s`` shorter than the grace period), or where the monitor has not seen the series
-        for longer than the rule's ``for_s`` (an outage longer than the whole hold: what the condition did meanwhile
-        is anyone's guess, and a fresh ``for_s`` delays the alert by no more than the outage already did), or the
-        times are out of order (a wall clock stepped back across the restart)."""
+    def no_data(self) -> list[dict[str, Any]]:
+        """The absence timers still running (a rule with ``absent_for_s`` without data, its absence alert not firing
+        yet), as :meth:`restore_no_data` reads them back: ``since`` (the first evaluation without data) and ``held``
+        (the last) in wall-clock seconds, and the rule's ``expr`` they ran under."""
+        return [{"rule": rule.name, "expr": rule.expr, "since": since + self.wall_offset,
+                 "held": self.no_data_held[rule.name] + self.wall_offset}
+                for rule in self.rules if rule.absent_for_s is not None
+                and (since := self.no_data_since[rule.name]) is not None
+                and (rule.name not in self.absent or self.absent[rule.name].state is not State.FIRING)]
+
+    def restore_no_data(self, records: Sequence[Mapping[str, Any]], now: float, wall: float) -> int:
+        """Start the absence timers of ``records`` (from :meth:`no_data`, before a restart) where they stopped, as
+        :meth:`restore_pending` does the pending series: the time without data before the restart counts towards
+        ``absent_for_s``, the time the monitor was down does not, and the alert fires no sooner than :attr:`grace_s`
+        after this start. Without it a monitor restarted more often than ``absent_for_s`` (a crash loop) never sent
+        the absence alert, however long the data had been missing. A record is skipped (its timer starts over) where
+        its rule is gone, has another ``expr`` or no ``absent_for_s``, its absence alert is restored firing, or
+        :meth:`_restored_since` finds nothing to save. Returns how many were restored."""
+        restored = 0
+        for rec in records:
+            rule = self.by_name.get(rec["rule"])
+            if (rule is None or rule.absent_for_s is None or rec["expr"] != rule.expr
+                    or self.no_data_since[rule.name] is not None):
+                continue
+            since = self._restored_since(rule.absent_for_s, float(rec["since"]), float(rec["held"]), now, wall)
+            if since is not None:
+                self.no_data_since[rule.name], self.no_data_held[rule.name] = since, since
+                restored += 1
+        return restored
+
+    def _restored_since(self, for_s: float, since: float, held: float, now: float, wall: float) -> float | None:
+        """The ``since`` (on the engine's clock, ``now``) of a timer of ``for_s`` (a pending series' ``for_s``, an
+        absence timer's ``absent_for_s``) restored after it had held from wall time ``since`` to ``held`` before the
+        restart; None where restoring it cannot fire it sooner than a fresh ``for_s`` would (a ``for_s`` shorter
+        than the grace period), or where the monitor has not seen it hold for longer than ``for_s`` (an outage
+        longer than the whole hold: what the condition did meanwhile is anyone's guess, and a fresh ``for_s`` delays
+        the alert by no more than the outage already did), or the times are out of order (a wall clock stepped back
+        across the restart)."""
         spent, down = held - since, wall - held
-        if not (0.0 <= spent and 0.0 <= down <= rule.for_s):
+        if not (0.0 <= spent and 0.0 <= down <= for_s):
             return None
-        remaining = max(rule.for_s - spent, self.grace_s)
-        return None if remaining >= rule.for_s else now - (rule.for_s - remaining)
+        remaining = max(for_s - spent, self.grace_s)
+        return None if remaining >= for_s else now - (for_s - remaining)
 
     def status(self) -> list[SeriesStatus]:
         rows = []
@@ -902,7 +938,9 @@ class FiringStateFile:
     (:meth:`RuleEngine.restore_pending`): the file is then rewritten after every evaluation while a series is pending
     (``held``, when each last held, moves on). Not a version 3: a file without it (an older monitor's) is read
     as having none, in silence, and an older monitor reading a newer file ignores it and keeps its firing records,
-    where an unknown version would have dropped them."""
+    where an unknown version would have dropped them. ``no_data`` (:meth:`RuleEngine.no_data`), the absence timers
+    still running, was added the same way and for the same reason (``absent_for_s``,
+    :meth:`RuleEngine.restore_no_data`)."""
 
     VERSION = 2
 
@@ -915,21 +953,22 @@ class FiringStateFile:
         """The firing records (:meth:`read`'s first part)."""
         return self.read()[0]
 
-    def read(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The firing and the pending records; none of either where the file is not one this monitor reads."""
+    def read(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+        """The firing and the pending records and the absence timers; none of any where the file is not one this
+        monitor reads."""
         try:
             data = json.loads(read_regular(self.path, MAX_STATE_FILE_BYTES, "a firing-state file"))
         except FileNotFoundError:
-            return [], []
+            return [], [], []
         except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply ("[[[[...")
             log.error("state file %s: cannot read it (%s); alerts firing before this start will not resolve",
                       self.path, exc)
-            return [], []
+            return [], [], []
         version = data.get("version", 1) if isinstance(data, dict) else 1
         if type(version) is not int or not 1 <= version <= self.VERSION:  # true == 1; a newer writer's records
             log.error("state file %s: version %.40r, not one this monitor reads (1 to %d); alerts firing before this "
                       "start may not resolve", self.path, version, self.VERSION)
-            return [], []
+            return [], [], []
         firing = data.get("firing") if isinstance(data, dict) else None
         good = [r for r in firing if self._valid(r)] if isinstance(firing, list) else []
         if version == 1:
@@ -938,7 +977,9 @@ class FiringStateFile:
             log.error("state file %s: %s; alerts firing before this start may not resolve", self.path,
                       "not a firing-state file" if not isinstance(firing, list)
                       else f"{len(firing) - len(good)} malformed record(s) skipped")
-        return good, self._pending(data) if isinstance(data, dict) else []
+        if not isinstance(data, dict):
+            return good, [], []
+        return good, self._pending(data), self._no_data(data)
 
     def _pending(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """The valid pending records of ``data``; a malformed one is logged as a warning and skipped (its series
@@ -950,6 +991,18 @@ class FiringStateFile:
         if not isinstance(pending, list) or len(good) < len(pending):
             log.warning("state file %s: %s pending record(s) malformed, skipped: their rules' for_s starts over",
                         self.path, len(pending) - len(good) if isinstance(pending, list) else "all")
+        return good
+
+    def _no_data(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The valid absence timers of ``data``; a malformed one is logged as a warning and skipped (its rule only
+        waits a full ``absent_for_s`` again)."""
+        timers = data.get("no_data", [])
+        good = [r for r in timers if isinstance(r, dict) and isinstance(r.get("rule"), str)
+                and isinstance(r.get("expr"), str) and self._number(r.get("since"), finite=True)
+                and self._number(r.get("held"), finite=True)] if isinstance(timers, list) else []
+        if not isinstance(timers, list) or len(good) < len(timers):
+            log.warning("state file %s: %s absence timer(s) malformed, skipped: their rules' absent_for_s starts over",
+                        self.path, len(timers) - len(good) if isinstance(timers, list) else "all")
         return good
 
     @staticmethod
@@ -980,9 +1033,10 @@ class FiringStateFile:
         except OverflowError:
             return False
 
-    def save(self, firing: Sequence[Mapping[str, Any]], pending: Sequence[Mapping[str, Any]] = ()) -> None:
-        data = json.dumps({"version": self.VERSION, "firing": list(firing), "pending": list(pending)},
-                          allow_nan=False).encode()
+    def save(self, firing: Sequence[Mapping[str, Any]], pending: Sequence[Mapping[str, Any]] = (),
+             no_data: Sequence[Mapping[str, Any]] = ()) -> None:
+        data = json.dumps({"version": self.VERSION, "firing": list(firing), "pending": list(pending),
+                           "no_data": list(no_data)}, allow_nan=False).encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, data)
@@ -1074,7 +1128,7 @@ class Monitor:
         self._resolving: list[tuple[Alert, dict[str, Any]]] = []
         if config.state_path is not None:
             self.state_file = FiringStateFile(config.state_path)
-            firing, pending = self.state_file.read()
+            firing, pending, no_data = self.state_file.read()
             n = self.engine.restore(firing, self.monotonic(), self.clock())
             if n:
                 log.info("restored %d firing alert(s) from %s: each is sent again if it still holds, resolved "
@@ -1083,7 +1137,12 @@ class Monitor:
                 log.info("restored %d pending series from %s: each fires once its condition has held for_s in all "
                          "(not sooner than for_grace_period_s=%gs from now)", n, config.state_path,
                          config.for_grace_period_s)
-        self._saved_pending = False  # the last save held pending series: the next one must (they move on or go)
+            if n := self.engine.restore_no_data(no_data, self.monotonic(), self.clock()):
+                log.info("restored %d absence timer(s) from %s: each fires once its rule has had no data for "
+                         "absent_for_s in all (not sooner than for_grace_period_s=%gs from now)", n,
+                         config.state_path, config.for_grace_period_s)
+        # the last save held pending series or absence timers: the next one must (they move on or go)
+        self._saved_pending = False
         self.run_log: RunLog | None = None
         if config.run_log.path is not None:
             self.run_log = RunLog(config.run_log, clock)
@@ -1118,7 +1177,8 @@ class Monitor:
         if self.state_file is not None:
             self._resolving.extend(self.engine.resolved)
             delivered = self._forget_delivered()
-            if alerts or delivered or self.state_file.failing or self._saved_pending or self.engine.pending():
+            if (alerts or delivered or self.state_file.failing or self._saved_pending or self.engine.pending()
+                    or self.engine.no_data()):
                 self._save_state()
         for a in alerts:
             self.sent[a.state.value] += 1
@@ -1170,9 +1230,9 @@ class Monitor:
 
     def _save_state(self) -> None:
         assert self.state_file is not None
-        pending = self.engine.pending()
-        self.state_file.save(self._firing_records(), pending)
-        self._saved_pending = bool(pending)
+        pending, no_data = self.engine.pending(), self.engine.no_data()
+        self.state_file.save(self._firing_records(), pending, no_data)
+        self._saved_pending = bool(pending or no_data)
 
     def _firing_records(self) -> list[dict[str, Any]]:
         """What the state file keeps: the firing series, and the series whose resolved alert a sink has not

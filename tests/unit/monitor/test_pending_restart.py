@@ -101,7 +101,7 @@ def test_a_state_file_written_before_pending_was_kept_reads_as_none_in_silence(
     record = {"rule": "r", "labels": {}, "since": 1.0, "value": 2.0}
     path.write_text(json.dumps({"version": 2, "firing": [record]}))
     with caplog.at_level(logging.DEBUG, logger="streamrec.monitor"):
-        assert FiringStateFile(path).read() == ([record], [])
+        assert FiringStateFile(path).read() == ([record], [], [])
     assert caplog.records == []
 
 
@@ -110,5 +110,5 @@ def test_a_malformed_pending_record_is_skipped_with_a_warning_and_the_firing_one
     path = tmp_path / "state.json"
     record = {"rule": "r", "labels": {}, "since": 1.0, "value": 2.0}
     path.write_text(json.dumps({"version": 2, "firing": [record], "pending": [{**record, "condition": "x > 1"}]}))
-    assert FiringStateFile(path).read() == ([record], [])  # no "held"
+    assert FiringStateFile(path).read() == ([record], [], [])  # no "held"
     assert "1 pending record(s) malformed" in caplog.text
