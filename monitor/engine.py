@@ -637,6 +637,7 @@ class RuleEngine:
         rules no longer in the file (renamed, removed) are resolved at the next evaluation (they were skipped, and
         their alerts stayed firing at the receivers for ever), and so is the absence alert of a rule that no longer
         has ``absent_for_s``. Returns how many were restored."""
+        self.wall_offset = wall - now  # a save before the first evaluation (a stop at once) writes wall times too
         restored = 0
         for rec in records:
             rule = self.by_name.get(rec["rule"])
@@ -675,6 +676,7 @@ class RuleEngine:
         fire every rule at once). A record is skipped (its series starts over, as without a state file) where its
         rule is gone or has another condition, its series is restored firing, or :meth:`_restored_since` finds
         nothing to save. Returns how many were restored."""
+        self.wall_offset = wall - now  # a save before the first evaluation (a stop at once) writes wall times too
         restored = 0
         for rec in records:
             rule = self.by_name.get(rec["rule"])
@@ -683,8 +685,10 @@ class RuleEngine:
                 continue
             since = self._restored_since(rule.for_s, float(rec["since"]), float(rec["held"]), now, wall)
             if since is not None:
+                # held "now": the outage is cut out of its time, so a save before it holds again (a stop, its
+                # source failing) keeps what it had held; -inf, the default, made that save raise (JSON has no -inf)
                 self.states[rule.name][lb] = SeriesState(State.PENDING, since, decode_value(rec.get("value")),
-                                                         frozenset(rec.get("sources", ())))
+                                                         frozenset(rec.get("sources", ())), held=now)
                 restored += 1
         return restored
 
@@ -706,6 +710,7 @@ class RuleEngine:
         the absence alert, however long the data had been missing. A record is skipped (its timer starts over) where
         its rule is gone, has another ``expr`` or no ``absent_for_s``, its absence alert is restored firing, or
         :meth:`_restored_since` finds nothing to save. Returns how many were restored."""
+        self.wall_offset = wall - now  # a save before the first evaluation (a stop at once) writes wall times too
         restored = 0
         for rec in records:
             rule = self.by_name.get(rec["rule"])
@@ -714,7 +719,7 @@ class RuleEngine:
                 continue
             since = self._restored_since(rule.absent_for_s, float(rec["since"]), float(rec["held"]), now, wall)
             if since is not None:
-                self.no_data_since[rule.name], self.no_data_held[rule.name] = since, since
+                self.no_data_since[rule.name], self.no_data_held[rule.name] = since, now  # the outage cut out
                 restored += 1
         return restored
 

@@ -141,3 +141,10 @@ def test_a_malformed_absence_timer_is_skipped_with_a_warning_and_the_good_ones_k
     path.write_text(json.dumps({"version": 2, "firing": [], "no_data": [timer, {**timer, "held": "soon"}]}))
     assert FiringStateFile(path).read() == ([], [], [timer])
     assert "1 absence timer(s) malformed" in caplog.text
+
+
+def test_a_monitor_stopped_before_its_first_evaluation_keeps_its_restored_absence_timer(tmp_path: Path) -> None:
+    # the save before any evaluation wrote the timer on the monotonic clock as wall time: the next start dropped it
+    mon, _ = absent_then_restarted(tmp_path, clocks := Clocks(), 10, 15, [])
+    mon, _ = restart(mon, tmp_path, clocks, 0, [NO_DATA] * 30)
+    assert first_absence_alert(mon, clocks, 30)[0] == 165

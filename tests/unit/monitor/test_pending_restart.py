@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from monitor.alerts import AlertState
-from monitor.engine import FiringStateFile, Monitor
+from monitor.engine import FiringStateFile, Monitor, Snapshot
 from tests.unit.monitor.test_engine_faults import Clocks, ListSink, monitor, shares
 
 STEP_S = 15
@@ -112,3 +112,24 @@ def test_a_malformed_pending_record_is_skipped_with_a_warning_and_the_firing_one
     path.write_text(json.dumps({"version": 2, "firing": [record], "pending": [{**record, "condition": "x > 1"}]}))
     assert FiringStateFile(path).read() == ([record], [], [])  # no "held"
     assert "1 pending record(s) malformed" in caplog.text
+
+
+def test_a_monitor_stopped_before_its_first_evaluation_keeps_its_restored_pending_series(tmp_path: Path) -> None:
+    # a crash loop that stops a process before it evaluates: close raised ValueError (the restored series' "held"
+    # was -inf) and, that fixed, wrote times on the monotonic clock as wall times (the next start dropped them)
+    mon, _ = held_then_restarted(tmp_path, clocks := Clocks(), 10, 15, [])
+    mon.close(5)
+    clocks.mono = 3.0
+    mon, _ = monitor(rules(tmp_path / "state.json"), shares(["share 0.9\n"] * 30), clocks)
+    assert first_alert_after(mon, clocks, 30) == 165
+
+
+def test_a_restored_pending_series_whose_source_fails_at_the_first_evaluation_is_saved_and_still_fires(
+        tmp_path: Path) -> None:
+    # unknown (its source failing for less than scrape_error_hold_s) at the first evaluation: every step raised
+    # ValueError at the save until the source answered again
+    mon, _ = held_then_restarted(tmp_path, clocks := Clocks(), 10, 30, [])
+    answers = iter([Snapshot(errors={"learner": "connection refused"})] + [Snapshot.from_texts(
+        {"learner": "share 0.9\n"}) for _ in range(30)])
+    mon.scrape = lambda: next(answers)
+    assert first_alert_after(mon, clocks, 30) == 165
