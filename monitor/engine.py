@@ -100,6 +100,9 @@ ALERTS = PCounter("streamrec_monitor_alerts_total", "Alerts sent, by rule and st
                   ["rule", "state"])
 EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluations, by rule.", ["rule"])
 SCRAPE_ERRORS = PCounter("streamrec_monitor_scrape_errors_total", "Failed scrapes, by source.", ["source"])
+STALE_SAMPLES = PCounter("streamrec_monitor_stale_samples_total",
+                         "Scraped samples read as no data, stamped older than sample_max_age_s or too far ahead of "
+                         "the monitor's clock, by source.", ["source"])
 HISTORY_DROPPED = PCounter("streamrec_monitor_history_series_dropped_total",
                            "Scraped series kept out of the rates' history (the metric had history_max_series "
                            "already), by metric: rate()/increase()/delta() give them no data.", ["metric"])
@@ -203,6 +206,7 @@ class Scraper:
         self.sources, self.timeout_s = dict(sources), timeout_s
         for name in self.sources:  # exported at 0 from the start: a series that appears at 1 is no increase()
             SCRAPE_ERRORS.labels(name)
+            STALE_SAMPLES.labels(name)
         # a sample stamped before the scrape began by more than this is no data (Snapshot.add_text)
         self.stale_after_s, self.clock = stale_after_s, clock
 
@@ -232,6 +236,7 @@ class Scraper:
             try:
                 snap.add_text(name, _whole(answers[name].result()), started, self.stale_after_s,
                               self.timeout_s + CLOCK_SKEW_S)  # the answer may be stamped up to timeout_s after start
+                STALE_SAMPLES.labels(name).inc(snap.stale.get(name, (0, ""))[0])
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
                     else f"{exc}" or type(exc).__name__
@@ -423,6 +428,7 @@ class RuleEngine:
         self.grace_s = grace_s  # a pending series restored at start fires no sooner than this after it
         self.failing_since: dict[str, float] = {}  # source -> when its scrapes began failing
         self.scrape_errors: dict[str, str] = {}  # source -> why its last scrape failed (the alerts' text says it)
+        self.stale: set[str] = set()  # the sources of stale samples (no data) at the last scrape (the alerts' text)
         self.data_sources: dict[str, frozenset[str]] = {}  # rule -> the sources of its last data (absence text)
         # a little more than the longest range, so a range of 60 s still sees a sample 60 s old; only the metrics
         # a range is read over (every other is read from the latest scrape alone)
@@ -451,6 +457,7 @@ class RuleEngine:
         for source in set(self.failing_since) - set(snap.errors):
             del self.failing_since[source]
         self.scrape_errors = dict(snap.errors)
+        self.stale = set(snap.stale)
         self.history.record(snap, now)
         self.evaluations += 1
         self.resolved = []
@@ -576,7 +583,7 @@ class RuleEngine:
         what = rule.description or rule.name
         if absent:
             since = self.no_data_since[rule.name]
-            why = self._failing(self.data_sources.get(rule.name) or self.scrape_errors, now)
+            why = self._failing(self.data_sources.get(rule.name) or {*self.scrape_errors, *self.stale}, now)
             msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s{why}" if state is AlertState.FIRING
                    and since is not None else f"{what}: {rule.expr} has data again")
             value = None
@@ -599,13 +606,17 @@ class RuleEngine:
 
     def _failing(self, sources: Iterable[str], now: float) -> str:
         """Why an alert has no data where a source it reads fails to scrape: ``: source learner failing to scrape
-        for 60s (<why>)`` (``; `` between two), "" where none does; an absence alert names the sources of its rule's
-        last data, or every failing source where it has had none since the start. Without it a dead target resolved
-        its alerts as "no longer holds (no data)" and fired absence alerts as "no data", as if what they watch had
-        recovered or stopped being exported."""
+        for 60s (<why>)`` (``; `` between two), or exported stale samples at the last scrape: `` (stale samples from
+        source learner)`` (the log names one); "" where none does; an absence alert
+        names the sources of its rule's last data, or every failing or stale source where it has had none since the
+        start. Without it a dead target (or one exporting what it saw long ago) resolved its alerts as "no longer
+        holds (no data)" and fired absence alerts as "no data", as if what they watch had recovered or stopped being
+        exported."""
+        shown = sorted(sources)
         failing = [f"source {s} failing to scrape for {now - self.failing_since.get(s, now):.0f}s "
-                   f"({self.scrape_errors[s]})" for s in sorted(sources) if s in self.scrape_errors]
-        return ": " + "; ".join(failing) if failing else ""
+                   f"({self.scrape_errors[s]})" for s in shown if s in self.scrape_errors]
+        stale = "".join(f" (stale samples from source {s})" for s in shown if s in self.stale)
+        return (": " + "; ".join(failing) if failing else "") + stale
 
     @staticmethod
     def _fingerprint(name: str, lb: Labels, absent: bool) -> str:

@@ -10,6 +10,7 @@ import re
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from monitor.alerts import QueuedSink
 from monitor.engine import Monitor, RuleEngine, Scraper, Snapshot, evaluate_once
@@ -106,6 +107,44 @@ def test_the_monitor_reads_stale_samples_as_no_data_and_says_so_once(
         assert mon.scrape_errors == {}  # the source answered: stale samples are no data, not a failed scrape
     finally:
         mon.close(0)
+
+
+def test_a_sources_stale_samples_are_counted_from_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    # only logged before: no rule on the monitor's own metrics could see a target exporting what it saw long ago
+    wall = 1_800_000_000.0
+    monkeypatch.setattr(Scraper, "fetch", lambda self, url: f"streamrec_x 5 {int((wall - 600) * 1000)}\n"
+                        f"streamrec_y 7 {int((wall - 600) * 1000)}\nstreamrec_z 1\n")
+    source = {"source": "rv_stale_counted"}
+    scraper = Scraper({"rv_stale_counted": "http://127.0.0.1:1/m"}, stale_after_s=300, clock=lambda: wall)
+    assert REGISTRY.get_sample_value("streamrec_monitor_stale_samples_total", source) == 0
+    scraper.scrape()
+    assert REGISTRY.get_sample_value("streamrec_monitor_stale_samples_total", source) == 2
+
+
+def stale_text(engine: RuleEngine, texts: list[str], wall: float = 1_800_000_000.0) -> list[str]:
+    """The messages of ``engine``'s alerts over one evaluation (15 s apart) per text of source learner."""
+    said = []
+    for i, text in enumerate(texts):
+        snap = Snapshot()
+        snap.add_text("learner", text, now_s=wall + 15 * i, stale_after_s=300)
+        said += [a.message for a in engine.evaluate(snap, 15.0 * i, wall + 15 * i)]
+    return said
+
+
+def test_an_alert_resolved_for_want_of_data_says_its_source_exported_stale_samples() -> None:
+    rules = loads_rules('[[rule]]\nname = "lag"\nexpr = "streamrec_lag"\nop = ">"\nthreshold = 0\n').rules
+    old = int((1_800_000_000.0 - 600) * 1000)
+    said = stale_text(RuleEngine(rules), ["streamrec_lag 9\n", f"streamrec_lag 9 {old}\n"])
+    assert said == ["lag: streamrec_lag > 0 held (value 9)",
+                    "lag: streamrec_lag > 0 no longer holds (no data (stale samples from source learner))"]
+
+
+def test_an_absence_alert_says_its_source_exported_stale_samples() -> None:
+    rules = loads_rules('[[rule]]\nname = "lag"\nexpr = "streamrec_lag"\nop = ">"\nthreshold = 0\n'
+                        "absent_for_s = 15\n").rules
+    old = int((1_800_000_000.0 - 600) * 1000)
+    said = stale_text(RuleEngine(rules), [f"streamrec_lag 9 {old}\n"] * 2)
+    assert said == ["lag: no data for streamrec_lag for 15s (stale samples from source learner)"]
 
 
 # -- one series, one line -----------------------------------------------------------------------------
