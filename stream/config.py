@@ -109,16 +109,18 @@ def check_bootstrap_servers(servers: str) -> None:
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not (bare.strip() and "/" not in bare and "@" not in bare and not any(c.isspace() for c in bare)
                 and port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
-            userinfo = ("; a user:password@ has no place here: give them as [kafka] sasl_username and "
-                        "sasl_password_file" if "@" in str(servers) else "")
-            raise ConfigError(f"[kafka] bootstrap_servers: {_shown_servers(entry.strip())} is not host:port (a host, a "
-                              f"port 1-65535); give comma-separated entries like \"kafka-1:9092,kafka-2:9092\", got "
-                              f"{_shown_servers(str(servers))}{userinfo}")
+            at = "@" in str(servers)  # a password may hold a comma: then no entry is quoted, the one before it leaks
+            userinfo = "; a user:password@ has no place here: give them as [kafka] sasl_username and " \
+                       "sasl_password_file" if at else ""
+            raise ConfigError(f"[kafka] bootstrap_servers: {'an entry' if at else shown(entry.strip())} is not "
+                              f"host:port (a host, a port 1-65535); give comma-separated entries like "
+                              f"\"kafka-1:9092,kafka-2:9092\", got {_shown_servers(str(servers))}{userinfo}")
 
 
 def _shown_servers(text: str) -> str:
     """``text`` for a message, up to its last ``@`` masked: a ``user:password@`` written into it, as into a URL but
-    without the scheme :func:`~stream.secrets.redact` needs to see a URL, was quoted whole."""
+    without the scheme :func:`~stream.secrets.redact` needs to see a URL, was quoted whole (an entry of it is not
+    quoted apart: a comma in the password split it, and the entry before the comma was quoted whole)."""
     return shown(MASK + text[text.rindex("@"):] if "@" in text else text)
 
 

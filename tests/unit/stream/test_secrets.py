@@ -452,3 +452,14 @@ def test_a_user_and_password_written_into_bootstrap_servers_are_not_quoted_in_it
     text = redact(str(bad.value))  # as the CLI prints it
     assert "pw-b00tstrap-7" not in text and "alice" not in text, text
     assert "broker-1:9092" in text and "sasl_username" in text, text
+
+
+def test_a_password_with_a_comma_written_into_bootstrap_servers_is_not_quoted_in_part() -> None:
+    # the comma split the password across two entries: the first, "alice:pw-b00t", was quoted as the bad entry
+    from stream.errors import ConfigError
+
+    with pytest.raises(ConfigError) as bad:
+        KafkaSettings(bootstrap_servers="alice:pw-b00t,strap-7@broker-1:9092")
+    text = redact(str(bad.value))  # as the CLI prints it
+    assert "b00t" not in text and "alice" not in text, text
+    assert "broker-1:9092" in text and "sasl_username" in text, text
