@@ -863,12 +863,17 @@ def has_more(consumer: Consumer, topic: str, partition: int, unknown: bool = Fal
     return unknown if more is None else more
 
 
-def fetched_more(consumer: Consumer, topic: str, partition: int) -> bool | None:
+def fetched_more(consumer: Consumer, topic: str, partition: int, start: int | None = None) -> bool | None:
     """Whether ``partition`` of ``topic`` has records past what ``consumer`` has handed out, by the high watermark
     its fetcher last saw (no broker round trip); None while that is unknown (not fetched since the assignment, an
     error). The cached high watermark is the one fetch responses carry, the partition's true end on the local
     broker too (measured: 60 after three record batches of 20, where its ListOffsets answer, ``cached=False``, says 41:
-    the start of the last record batch + 1)."""
+    the start of the last record batch + 1).
+
+    librdkafka's position is unknown until a record of the assignment is handed out, so a partition assigned at its end
+    read as "more" for as long as nothing came (the joiner's hold kept the other input back for good after a rebalance
+    or restart). ``start``, the offset the caller assigned or sought it at (``stream.retention.Gaps.next``), stands in
+    for that position; without it an unknown position still counts as more."""
     tp = TopicPartition(topic, partition)
     try:
         _, high = consumer.get_watermark_offsets(tp, cached=True)
@@ -879,6 +884,8 @@ def fetched_more(consumer: Consumer, topic: str, partition: int) -> bool | None:
         return None
     if high == 0:  # empty
         return False
+    if position < 0 and start is not None and start >= 0:
+        position = start
     return position < 0 or position < high
 
 

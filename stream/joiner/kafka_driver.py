@@ -327,8 +327,11 @@ class KafkaJoinWorker:
 
     def _behind(self, kind: str, partition: int) -> bool:
         """Whether ``kind`` of ``partition`` has more to read: past what the consumer handed out, by the high watermark
-        its fetcher saw; not fetched yet since the assignment: yes, for a while (``Unfetched``)."""
-        return self.unfetched.behind((kind, partition), fetched_more(self.consumer, self._topic(kind), partition))
+        its fetcher saw, from where it was assigned while nothing came since (``Gaps.next``); not fetched yet since the
+        assignment: yes, for a while (``Unfetched``)."""
+        topic = self._topic(kind)
+        more = fetched_more(self.consumer, topic, partition, self.gaps.next.get((topic, partition)))
+        return self.unfetched.behind((kind, partition), more)
 
     def _apply_gate(self) -> set[Key]:
         """Pause and resume inputs as the gate says; returns the ones resumed."""

@@ -349,6 +349,47 @@ def test_records_in_hand_when_their_partition_is_revoked_are_not_joined_by_the_k
         polled.consumer.close()
 
 
+def test_an_input_assigned_at_its_end_holds_the_other_back_no_longer_than_the_unfetched_grace(
+        kafka: KafkaSettings, make) -> None:
+    """A worker given a partition whose clicks the group had read to their end (a rebalance, a restart): librdkafka's
+    position stays unknown until a record is handed out, and ``fetched_more`` took an unknown position under a known
+    high watermark for "more to read", for as long as no click came. The hold then kept every impression past the
+    clicks' time + drift back, and the gate's grace for an input not fetched yet (``backpressure.Unfetched``) never
+    applied. Now the driver's start offset (``Gaps``: where it assigned or sought the partition) stands in for the
+    position: clicks at their end have nothing more, and the impressions are joined."""
+    from stream.joiner.backpressure import CLICKS, Unfetched
+    from stream.joiner.kafka_driver import _records
+
+    producer = AckedProducer(kafka)
+    make()  # creates the topics
+    for r in (imp(kafka, 0, 0, "x", T0), click(kafka, 0, 0, "x", T0 + 50)):
+        producer.send(r.topic, r.value, r.key, partition=r.partition)
+        producer.flush()  # one record batch each: the local broker's high watermark is the committed offset
+    first = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(first, kafka, first.js).run() == 0  # read to their end and committed
+    late = [imp(kafka, 0, 1 + i, f"late-{i}", T0 + 600_000 + i) for i in range(3)]  # past the clicks' time + drift
+    for r in late:
+        producer.send(r.topic, r.value, r.key, partition=r.partition)
+        producer.flush()
+    p = make()
+    w = KafkaJoinWorker(p, kafka, p.js)
+    w.unfetched = Unfetched(grace_s=0.0)  # the grace for an input not fetched yet: over at once
+    w.consumer.subscribe([kafka.impressions_topic, kafka.clicks_topic], on_assign=w._on_assign,
+                         on_revoke=w._on_revoke)
+    clicks = TopicPartition(kafka.clicks_topic, 0)
+    try:
+        read = 0
+        while read < len(late) or w.consumer.get_watermark_offsets(clicks, cached=True)[1] < 0:
+            records = _records(w._fetch())
+            read += len(records)
+            assert w._process(records, w._holds_back)
+        assert not w._behind(CLICKS, 0)  # the clicks were assigned at their end
+        assert w._process([], w._holds_back)
+        assert p.held_counts == {} and {f"late-{i}" for i in range(3)} <= set(p.engines[0].pending)
+    finally:
+        w.consumer.close()
+
+
 def test_a_drain_at_exit_expires_the_impressions_of_an_assigned_partition_that_brought_no_record(
         kafka: KafkaSettings, make) -> None:
     """A worker restarted with ``--drain`` over input that an earlier run had read to its end (committed at the end,
