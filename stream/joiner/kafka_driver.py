@@ -6,7 +6,7 @@ Same semantics as the faust driver: a consumer group over ``impressions`` and ``
 range assignor (partition p of both topics goes to the same member, the topics being
 co-partitioned), batches of ``batch_max`` messages, and offsets committed only after
 :meth:`JoinPipeline.process` made the batch's outputs and state durable. Revoked partitions are
-forgotten after a final commit of what was processed; assigned ones are restored from the state log
+forgotten after a final commit of what was processed, lost ones (the member dropped) without it; assigned ones are restored from the state log
 on first use. An exception in a batch stops the worker: its offsets are never committed, not even
 by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
 see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
@@ -156,6 +156,13 @@ class KafkaJoinWorker:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit()
+        self._on_lost(consumer, partitions)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Partitions taken away without a revocation (the member dropped from the group: a batch past
+        ``max.poll.interval.ms``, a session timed out): forgotten as revoked ones, but nothing is committed, they have
+        another owner already. The revocation path's commit, made here as a member of no generation, was taken by the
+        local broker over the new owner's assignment and moved the group's offsets to where the dropped member got."""
         revoked = {(tp.topic, tp.partition) for tp in partitions}
         self._revoked |= revoked
         for tp in revoked:  # not committed now: never later, by a member that no longer owns them
@@ -224,7 +231,7 @@ class KafkaJoinWorker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.consumer.subscribe([self.kafka.impressions_topic, self.kafka.clicks_topic],
-                                on_assign=self._on_assign, on_revoke=self._on_revoke)
+                                on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
         self._idle.reset()
         limit = self.js.exit_when_idle_s
         try:

@@ -390,6 +390,56 @@ def test_an_input_assigned_at_its_end_holds_the_other_back_no_longer_than_the_un
         w.consumer.close()
 
 
+def test_a_member_dropped_for_a_slow_batch_does_not_commit_the_partitions_it_lost(kafka: KafkaSettings, make) -> None:
+    """A batch that outlasts ``max.poll.interval.ms`` gets its member dropped from the group; its partitions go to
+    another member, which reads them from the committed offsets, and the batch's own commit is refused (unknown
+    member). librdkafka then tells the worker its partitions were lost, and the revocation callback committed what it
+    kept of them, as a member of no generation: the local broker takes such a commit even over another member's
+    assignment (seen: a dropped member's commit set the group's offset back from the new owner's 15 to 4), and the
+    group's offsets moved to where the dropped member got, past records whose state the new owner had fenced off (its
+    claim). Lost partitions are forgotten uncommitted now (``on_lost``)."""
+    import dataclasses
+
+    from stream.joiner.kafka_driver import _records
+
+    slow = dataclasses.replace(kafka, extra={**kafka.extra, "max.poll.interval.ms": str(kafka.session_timeout_ms)})
+    producer = AckedProducer(kafka)
+    p = make()
+
+    def send(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            r = imp(kafka, 0, i, f"imp-{i}", T0 + i)
+            producer.send(r.topic, r.value, r.key, partition=r.partition)
+        producer.flush()
+
+    send(0, 3)
+    w = KafkaJoinWorker(p, slow, p.js)
+    w.consumer = polled = FailingCommits(w.consumer, 0)  # type: ignore[assignment]
+    w.consumer.subscribe([kafka.impressions_topic, kafka.clicks_topic], on_assign=w._on_assign,
+                         on_revoke=w._on_revoke, on_lost=w._on_lost)
+    try:
+        done = 0
+        while done < 3:
+            records = _records(w._fetch(), w.gaps)
+            done += len(records)
+            assert w._process(records, None)
+        assert p._committed([0]) == {(kafka.impressions_topic, 0): 3}
+        send(3, 3)
+        slow_batch: list[Any] = []
+        while len(slow_batch) < 3:
+            slow_batch += _records(w._fetch(), w.gaps)
+        time.sleep(kafka.session_timeout_ms / 1000 + 2)  # the slow batch: past max.poll.interval.ms, which drops it
+        assert w._process(slow_batch, None)  # done and durable; its commit refused: the member is unknown
+        assert w._offsets == {(kafka.impressions_topic, 0): 6}  # kept for the next commit
+        before = len(polled.commits)
+        w._fetch()  # the worker learns that its partitions were lost
+        assert w._offsets == {}
+        assert polled.commits[before:] == [], "lost partitions committed"
+        assert p._committed([0]) == {(kafka.impressions_topic, 0): 3}
+    finally:
+        polled.consumer.close()
+
+
 def test_a_drain_at_exit_expires_the_impressions_of_an_assigned_partition_that_brought_no_record(
         kafka: KafkaSettings, make) -> None:
     """A worker restarted with ``--drain`` over input that an earlier run had read to its end (committed at the end,
