@@ -6,8 +6,8 @@ Same semantics as the faust driver: a consumer group over ``impressions`` and ``
 range assignor (partition p of both topics goes to the same member, the topics being
 co-partitioned), batches of ``batch_max`` messages, and offsets committed only after
 :meth:`JoinPipeline.process` made the batch's outputs and state durable. Revoked partitions are
-forgotten after a final commit of what was processed, lost ones (the member dropped) without it; assigned ones are restored from the state log
-on first use. An exception in a batch stops the worker: its offsets are never committed, not even
+forgotten after a final commit of what was processed, lost ones (the member dropped) without it;
+assigned ones are restored from the state log on first use. An exception in a batch stops the worker: its offsets are never committed, not even
 by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
 see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
 
