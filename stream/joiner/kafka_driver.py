@@ -7,9 +7,9 @@ range assignor (partition p of both topics goes to the same member, the topics b
 co-partitioned), batches of ``batch_max`` messages, and offsets committed only after
 :meth:`JoinPipeline.process` made the batch's outputs and state durable. Revoked partitions are
 forgotten after a final commit of what was processed, lost ones (the member dropped) without it;
-assigned ones are restored from the state log on first use. An exception in a batch stops the worker: its offsets are never committed, not even
-by the revocation that ``close()`` triggers in ``finally`` (the batch's messages got their strikes,
-see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
+assigned ones are restored from the state log on first use. An exception in a batch stops the worker: its
+offsets are never committed, not even by the revocation that ``close()`` triggers in ``finally`` (the batch's
+messages got their strikes, see ``stream/strikes.py``; the process exits non-zero for its supervisor to restart it).
 
 Event time is kept aligned by the hold: the records of a partition past its event-time frontier
 (``backpressure.hold_limits``: one fetch can bring an input months ahead of the other) are held back, kept in
