@@ -763,7 +763,8 @@ class LayeredRows:
         self.set_id_maps(id_maps)
 
     def set_id_maps(self, id_maps: dict[str, Any] | None) -> None:
-        """Own row -> hashed id of every dynamic field (the id maps' ``row_key``), for the bucket fallback."""
+        """Own row -> hashed id of every dynamic field (the id maps' ``row_key``), for the bucket fallback: the
+        artifact's (a delta's travel in the model's snapshot with the maps they come from, :meth:`fallback_rows`)."""
         self.use_row_keys(self.row_keys_of(id_maps))
 
     def row_keys_of(self, id_maps: dict[str, Any] | None) -> list[np.ndarray]:
@@ -805,12 +806,14 @@ class LayeredRows:
         local = (block >= 0) & (rows < self._local_end[bs])
         return np.where(local, self._local_start[bs] + rows - self._local_first[bs], -1)
 
-    def fallback_rows(self, rows: np.ndarray) -> np.ndarray:
+    def fallback_rows(self, rows: np.ndarray, keys: list[np.ndarray] | None = None) -> np.ndarray:
         """The row to serve instead of each of ``rows`` (M,) when the store cannot give it: an admitted id's own
-        row -> its bucket row; -1 for every other row (zeros)."""
+        row -> its bucket row; -1 for every other row (zeros). ``keys``: the :meth:`row_keys_of` of the id maps the
+        rows were mapped with (a request's snapshot, ``serving.model._Live``; not the newest delta's, whose maps may
+        have given an evicted id's row to another), the artifact's by default."""
         block = self._block_of(rows)
         out = np.full(len(rows), -1, dtype=np.int64)
-        keys_of = self._row_keys
+        keys_of = self._row_keys if keys is None else keys
         for b in np.unique(block[block >= 0]).tolist():
             first, nb, _, _ = self._blocks[b]
             sel = np.flatnonzero(block == b)

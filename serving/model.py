@@ -111,14 +111,17 @@ class _Live:
     mapper: RowMapper
     delta_samples: int = 0  # the largest samples_trained among the deltas applied (0: none)
     delta_created: float = 0.0  # when the newest delta applied was written (unix time; 0: none)
+    # the layered mode's fallback keys of ``mapper`` (LayeredRows.row_keys_of; None: the artifact's): with the id maps,
+    # or an id a delta evicted mid-request fell back to its row's new owner's bucket
+    row_keys: list[np.ndarray] | None = None
 
 
 class PinnedModel:
     """One snapshot of a :class:`ScoringModel` for one call (``ScoringModel.pinned``): its ids are mapped to rows
     (``map_rows``, the encoder's) and those rows scored (``score_request``) with the same id maps, overrides and
     scorer. Read apart, a delta applied between the two could give the row an id was mapped to a new id (the old one
-    evicted) and the request scored the stranger's vector. Not closed in the layered mode for a row the snapshot does
-    not override: it is read from Redis (or the LRU), which holds the newest vector once the delta has written it."""
+    evicted) and the request scored the stranger's vector. In the layered mode a row the snapshot does not override
+    is the artifact's (Redis holds no delta rows), and one Redis cannot give falls back by the snapshot's row keys."""
 
     def __init__(self, model: ScoringModel, live: _Live) -> None:
         self.model, self._live = model, live
@@ -446,7 +449,7 @@ class ScoringModel:
         uniq, inverse = np.unique(rows, return_inverse=True)  # (U,), (M,)
         vec, failed = layered.gather(uniq)  # (U, D + 1), (U,)
         if failed.any():
-            fb = layered.fallback_rows(uniq[failed])  # (F,) bucket row or -1
+            fb = layered.fallback_rows(uniq[failed], live.row_keys)  # (F,) bucket row or -1
             has = fb >= 0
             over, over_vec = self._overrides(live, fb[has])
             local, local_vec = layered.local(fb[has])
@@ -548,10 +551,9 @@ class ScoringModel:
         self._live = _Live(scorer, uniq, np.ascontiguousarray(vecs[keep]), int(seq),
                            mapper if mapper is not None else live.mapper,  # with the rows it points at
                            max(live.delta_samples, int(samples_trained or 0)),
-                           max(live.delta_created, float(created or 0.0)))
+                           max(live.delta_created, float(created or 0.0)),
+                           row_keys if row_keys is not None else live.row_keys)  # with the mapper they come from
         if self._layered is not None:  # the LRU forgets the delta's rows; Redis gets the non-hot ones
-            if row_keys is not None:
-                self._layered.use_row_keys(row_keys)
             self._layered.on_delta(r, vec, self._hot_ids[np.searchsorted(self._hot_ids, r)] == r)
 
     def _with_dense(self, scorer: nn.Module, dense_state: dict[str, torch.Tensor]) -> nn.Module:

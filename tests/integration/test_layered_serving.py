@@ -907,6 +907,46 @@ def test_a_delta_whose_id_map_has_one_key_for_every_row_is_refused_whole_and_eve
         store.client.close()
 
 
+def evicted_for_a_stranger(victim: str) -> tuple[dict[str, Any], str]:
+    """The checkpoint's id maps after ``victim`` was evicted and its own row given to a new user whose hash bucket is
+    another one (the capacity of 40 filled, ``victim`` the least recently seen): (id maps, the new user)."""
+    mapper = RowMapper.from_state(CFG, checkpoint()["id_maps"])
+    users = mapper.maps["user_id"]
+    others = [hash_value(u) for u in ADMITTED_USERS if u != victim]
+    users.lookup(np.array(others + [hash_value(f"filler{k}") for k in range(10)]), 1.0, train=True)  # full now
+    stranger = next(s for s in (f"stranger{k}" for k in range(100))
+                    if hash_value(s) % 8 != hash_value(victim) % 8)
+    users.lookup(np.array([hash_value(stranger)]), 2.0, train=True)  # evicts the victim, seen last at 0.0
+    return mapper.state_dict(), stranger
+
+
+def test_a_delta_landing_mid_request_leaves_an_evicted_ids_fallback_on_its_own_bucket_not_the_new_owners(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    """A request maps ids with one snapshot (``pinned``); a delta landing before its rows are gathered gave an
+    evicted user's own row to a stranger. The request still scores the evicted user, so a row of it that Redis
+    cannot give (here: its key evicted) falls back to the evicted user's bucket, as the snapshot says, not the
+    stranger's (the newest delta's row keys)."""
+    path = publish_version(tmp_path, redis_client, prefix)
+    store = store_of(stack, prefix)
+    try:
+        model = ScoringModel.load(path, store=store)
+        victim = ADMITTED_USERS[0]
+        row = int(model.map_rows(0, np.array([hash_value(victim)]))[0])
+        redis_client.delete(row_keys(prefix, "v1", np.array([row]))[0])  # maxmemory evicted it: it falls back
+        maps, stranger = evicted_for_a_stranger(victim)
+        enc = FeatureEncoder(model)
+        pin = model.pinned()
+        values, offsets, dense = enc.rows(enc.check(parse_request(request(victim, [1, 2]), 100), []), pin)
+        before = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+        model.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, CFG.embedding_dim + 1), None, 1,
+                          id_maps=maps)  # lands between the request's id mapping and its gather
+        assert int(model.map_rows(0, np.array([hash_value(stranger)]))[0]) == row  # the victim's row is the stranger's
+        raced = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense))
+        assert torch.equal(raced, before)
+    finally:
+        store.client.close()
+
+
 # -- an artifact refused because Redis lacked its rows is tried again, at a bounded cadence ----------------------
 def updater_of(root: Path, store: RedisEmbeddingStore, metrics: ServingMetrics, clock: Clock,
                calls: list[Path]) -> Any:
