@@ -870,6 +870,8 @@ class LayeredRows:
     def _check(self) -> None:
         if self._checked:
             return
+        if not self.store.available:  # inside the retry-after window: not asked, as fetch (one failure per window)
+            raise StoreUnavailable(self.store.last_error or "embedding store unavailable")
         meta = self.store.open(self.version, self.num_rows, self.dim)  # ValueError: the version is not there
         if meta is None:
             raise StoreUnavailable(self.store.last_error or "")

@@ -947,6 +947,29 @@ def test_a_delta_landing_mid_request_leaves_an_evicted_ids_fallback_on_its_own_b
         store.client.close()
 
 
+def test_a_store_down_at_load_is_asked_once_per_retry_after_window_not_once_per_request(
+        prefix: str, tmp_path: Path) -> None:
+    """A version loaded while Redis was down reads its meta before its first fetch; inside the retry-after window
+    opened by the failed read at load, requests skip Redis (one failed round trip per window: module docstring), as
+    they do once the meta was read, instead of each paying a round trip (a timeout each, for a Redis that hangs)."""
+    root = tmp_path / "serving"
+    path = publish(root, build_artifact(checkpoint(), root, HOT, version="v1"), keep=10)
+    metrics = ServingMetrics(lambda: None)
+    nobody = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    store = RedisEmbeddingStore(redis.Redis.from_url(nobody, socket_timeout=1.0), prefix, retry_after_s=3600.0,
+                                metrics=metrics)
+    try:
+        model = ScoringModel.load(path, store=store)  # the meta's read fails: counted, the window opens
+        assert _sample(metrics.render().decode(), "streamrec_serving_embedding_store_errors_total") == 1
+        for user in ADMITTED_USERS[:3]:  # their own rows are cold: each request misses
+            assert bool(torch.isfinite(score(model, request(user, [1, 2]))).all())
+        text = metrics.render().decode()
+        assert _sample(text, "streamrec_serving_embedding_store_errors_total") == 1
+        assert _sample(text, 'streamrec_serving_embedding_store_fallback_rows_total{kind="bucket"}') >= 3
+    finally:
+        store.client.close()
+
+
 # -- an artifact refused because Redis lacked its rows is tried again, at a bounded cadence ----------------------
 def updater_of(root: Path, store: RedisEmbeddingStore, metrics: ServingMetrics, clock: Clock,
                calls: list[Path]) -> Any:
