@@ -891,7 +891,8 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     marker, cost a SCAN of the keyspace for nothing."""
     client = _redis(rds, rs)
     try:
-        _delete_abandoned(client, rds, _owner(rs), on_error, between)
+        _delete_abandoned(client, rds, _owner(rs), on_error, between,
+                          published=set(artifact.list_versions(Path(rs.publish_root))))
         try:
             return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                                  rs.embedding_store_dtype, owner=_owner(rs), between=between)
@@ -943,14 +944,18 @@ def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str =
 
 
 def _delete_abandoned(client: Any, rds: RedisSettings, owner: str, on_error: Callable[[str], None] | None = None,
-                      between: Callable[[], object] = lambda: None) -> None:
+                      between: Callable[[], object] = lambda: None, published: frozenset[str] | set[str] = frozenset(),
+                      ) -> None:
     """Best effort, before this run writes its rows: delete the rows of this publish root's versions that a killed run
     began to write and never finished (``embedding_store.unfinished_versions``: a writer marker, no meta). Their
     writer is gone: this run holds the publish root's lock, so no other refresh of this root is writing. Without this
     they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run. ``between`` (the
-    run's stop check) after each version's delete, which stays whole: a stop ends the cleanup between versions."""
+    run's stop check) after each version's delete, which stays whole: a stop ends the cleanup between versions.
+    ``published``: the versions the publish root holds, never deleted here: a marker and no meta there is a published
+    version whose meta Redis evicted (read once, at load: allkeys-lru evicts it first), which rankers may serve; once
+    its files are pruned it is deleted here like any other."""
     try:
-        for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner)):
+        for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner) - published):
             _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished", on_error)
             between()
     except Exception as exc:  # noqa: BLE001 - not this run's rows: nothing here may fail it

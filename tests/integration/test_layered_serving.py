@@ -1168,3 +1168,29 @@ def test_glob_characters_in_a_prefix_or_a_version_delete_and_list_only_their_own
     assert delete_version(redis_client, theirs, "*") == 5  # the version literally named "*": not v1
     assert len(list(redis_client.scan_iter(match=f"{theirs}:emb:v1:r:*"))) == 3
     assert redis_client.get(f"{theirs}:emb:v1:meta") is not None
+
+
+def test_the_live_versions_rows_are_not_deleted_as_a_killed_write_when_its_meta_was_evicted(
+        stack: LocalStack, kafka: Any, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    """A version's meta is read once, at load: under maxmemory (allkeys-lru) it is the first key Redis evicts. Its
+    writer marker and no meta made the published, live version look like a killed write, and the next run deleted all
+    its rows before writing its own (rankers serve it until they load the new version: fallback rows meanwhile). A
+    version the publish root holds is left to pruning."""
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+    from learner import checkpoint as ckpt_io
+
+    ck = checkpoint()
+    meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_io.save(ckpt_dir, {"model": ck["model"], "id_maps": ck["id_maps"], "recent_ids": []}, meta)
+    rs = RefreshSettings(checkpoint_dir=ckpt_dir, publish_root=tmp_path / "serving", holdout_messages=0,
+                         small_field_rows=100, keep_versions=3, redis_attempts=1, alerts_topic="",
+                         embedding_store=EmbeddingStore.LAYERED)
+    live = job.run_once(rs, kafka, RedisSettings(url=stack.redis_url, prefix=prefix))["version"]
+    rows = len(list(redis_client.scan_iter(match=f"{prefix}:emb:{live}:r:*")))
+    assert rows > 0
+    redis_client.delete(f"{prefix}:emb:{live}:meta")  # evicted
+    newer = job.run_once(rs, kafka, RedisSettings(url=stack.redis_url, prefix=prefix))["version"]
+    assert newer != live
+    assert len(list(redis_client.scan_iter(match=f"{prefix}:emb:{live}:r:*"))) == rows
