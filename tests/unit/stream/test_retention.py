@@ -462,7 +462,7 @@ class RunConsumer(Marks):
         self.worker, self.batches = worker, batches
         self.on_assign: Any = None
 
-    def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None) -> None:
+    def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None, on_lost: Any = None) -> None:
         self.on_assign = on_assign
 
     def assign(self, tps: list[TopicPartition]) -> None: ...
