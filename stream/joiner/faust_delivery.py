@@ -48,6 +48,9 @@ batches ``process`` returned from.
   offset sought) are noted, and only then the broker is asked for the partitions' low watermarks: what they are past
   is said and counted (``stream.retention.lost_in_gap``, as the kafka driver's ``Gaps``), and not again at the next
   seek to the committed offsets. A rebalance while it was asked drops the hand, as at any fetch.
+* A member dropped from the group for a batch past ``broker_max_poll_interval`` (faust's, 1000 s): the batch's commit
+  goes out as a member of no generation, which the broker refuses (UnknownMemberId); the revocation drops what it
+  holds, and faust's answer to it counts as a poll (``_CommittedReads.on_partitions_revoked``) for aiokafka to rejoin.
 * A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
   drops such records without a seek, so they were not read again until the next rebalance.
 
@@ -567,7 +570,20 @@ class _CommittedReads(faust_aiokafka.AIOKafkaConsumerThread):
             raise RuntimeError(f"aiokafka {aiokafka_version} keeps its isolation level elsewhere: the faust join "
                                "driver cannot make it read committed records only (stream/joiner/faust_delivery.py)")
         consumer._isolation_level = "read_committed"
+        if not hasattr(getattr(consumer, "_subscription", None), "fetch_context"):
+            raise RuntimeError(f"aiokafka {aiokafka_version} keeps its poll clock elsewhere: the faust join driver "
+                               "cannot rejoin after a slow batch (stream/joiner/faust_delivery.py)")
         return consumer
+
+    async def on_partitions_revoked(self, revoked: set[TP]) -> None:
+        """faust's revocation, then a poll as far as aiokafka's ``max_poll_interval`` goes: the main loop answered it,
+        so the slow batch that kept it (and the fetcher) away is over. A member dropped for a batch past
+        ``broker_max_poll_interval`` is told its partitions are revoked, and aiokafka rejoins only once its fetcher
+        polls again, while faust polls only once a rejoin resumed its flow: the worker sat with no partitions until it
+        exited idle (status 0, its input unread, not one sample out) or for good."""
+        await super().on_partitions_revoked(revoked)
+        with self._ensure_consumer()._subscription.fetch_context():
+            pass
 
 
 class BatchTransport(faust_aiokafka.Transport):

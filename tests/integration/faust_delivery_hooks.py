@@ -7,12 +7,14 @@ per event to the file named by ``STREAMREC_TEST_DELIVERY_LOG``:
   ``JoinPipeline.process_new`` call starts (``events``: faust ``Event`` objects created so far; size 0: the driver
   offers what the pipeline holds again);
 * ``{"returned": n}`` when it returned;
-* ``{"commit": {"topic:partition": offset}, "ahead": [...]}`` for every offset commit faust sends to the
-  broker, ``ahead`` naming the partitions whose committed offset lies past the records the returned batches
-  processed (``JoinPipeline.processed``: offsets running ahead of the state; records held back are not processed).
+* ``{"commit": {"topic:partition": offset}, "ahead": [...], "generation": g}`` for every offset commit faust sends to
+  the broker, ``ahead`` naming the partitions whose committed offset lies past the records the returned batches
+  processed (``JoinPipeline.processed``: offsets running ahead of the state; records held back are not processed),
+  ``generation`` the group generation aiokafka holds as it goes out (-1: the member was dropped from the group).
 
 With ``STREAMREC_TEST_FAIL_BATCH=n`` the n-th ``process_new`` call raises instead (an unexpected failure in a batch;
-with ``STREAMREC_TEST_FAIL_KIND=redis``, Redis refusing the connection: an infrastructure failure).
+with ``STREAMREC_TEST_FAIL_KIND=redis``, Redis refusing the connection: an infrastructure failure). With
+``STREAMREC_TEST_SLOW_BATCH=n`` the n-th call first sleeps ``STREAMREC_TEST_SLOW_S`` seconds (a slow batch).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import redis
@@ -31,6 +34,8 @@ from stream.joiner.pipeline import JoinPipeline, Record
 _LOG = open(os.environ["STREAMREC_TEST_DELIVERY_LOG"], "a", buffering=1)  # noqa: SIM115 - lives with the process
 _FAIL_AT = int(os.environ.get("STREAMREC_TEST_FAIL_BATCH", "0"))
 _FAIL_KIND = os.environ.get("STREAMREC_TEST_FAIL_KIND", "")
+_SLOW_AT = int(os.environ.get("STREAMREC_TEST_SLOW_BATCH", "0"))
+_SLOW_S = float(os.environ.get("STREAMREC_TEST_SLOW_S", "0"))
 _process_new = JoinPipeline.process_new
 _commit = faust_delivery.BatchConsumer._commit
 _event_init = Event.__init__
@@ -61,6 +66,8 @@ def _probed_process_new(self, records: list[Record], behind=None):  # noqa: ANN0
         if _FAIL_KIND == "redis":
             raise redis.ConnectionError(f"injected outage in batch {_batches}: Connection refused.")
         raise RuntimeError(f"injected fault in batch {_batches}")
+    if _batches == _SLOW_AT:
+        time.sleep(_SLOW_S)  # the slow batch itself: past the consumer's max poll interval
     _process_new(self, records, behind)
     for (topic, partition), end in self.processed.items():
         tp = f"{topic}:{partition}"
@@ -71,8 +78,13 @@ def _probed_process_new(self, records: list[Record], behind=None):  # noqa: ANN0
 async def _probed_commit(self, offsets):  # noqa: ANN001, ANN202 - a patch
     committed = {f"{tp.topic}:{tp.partition}": off for tp, off in offsets.items()}
     ahead = sorted(tp for tp, off in committed.items() if off > _returned.get(tp, 0))
-    _write({"commit": committed, "ahead": ahead})
+    _write({"commit": committed, "ahead": ahead, "generation": _generation(self)})
     return await _commit(self, offsets)
+
+
+def _generation(consumer) -> int:  # noqa: ANN001 - a probe
+    """The group generation aiokafka's coordinator holds now (-1: a member of none, dropped from the group)."""
+    return consumer._thread._ensure_consumer()._coordinator.generation
 
 
 Event.__init__ = _counting_event_init  # type: ignore[method-assign]

@@ -24,11 +24,12 @@ SYN = SyntheticSettings(impressions=2500, users=2000, items=300, impressions_per
                         malformed_share=0.0)
 
 
-def _run(kafka: KafkaSettings, redis_url: str, group_id: str, log: Path, fail_batch: int = 0, fail_kind: str = ""
-         ) -> subprocess.CompletedProcess:
+def _run(kafka: KafkaSettings, redis_url: str, group_id: str, log: Path, fail_batch: int = 0, fail_kind: str = "",
+         faust_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = join_env(kafka, redis_url, group_id)
     env.update({"STREAMREC_JOINER_BATCH_MAX": str(BATCH_MAX), "STREAMREC_TEST_DELIVERY_LOG": str(log),
-                "STREAMREC_TEST_FAIL_BATCH": str(fail_batch), "STREAMREC_TEST_FAIL_KIND": fail_kind})
+                "STREAMREC_TEST_FAIL_BATCH": str(fail_batch), "STREAMREC_TEST_FAIL_KIND": fail_kind,
+                **(faust_env or {})})
     cmd = [sys.executable, "-m", "tests.integration.faust_delivery_hooks", "join", "--app-id", group_id, "--driver",
            "faust", "--window-s", "600", "--lateness-s", "0", "--exit-when-idle", "4", "--drain", "--json"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -166,3 +167,35 @@ def test_faust_drain_at_exit_expires_the_impressions_of_an_assigned_partition_th
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert sorted((r[0], r[1]) for r in read_samples(kafka)) == [(f"imp-{i}", 0) for i in range(3)]
+
+
+
+def test_faust_rejoins_after_a_slow_batch_got_it_dropped_from_the_group_and_joins_every_impression(
+        kafka: KafkaSettings, stack, group_id: str, tmp_path: Path) -> None:
+    """A batch past faust's ``broker_max_poll_interval`` (1000 s unless set; its env name shrinks it here) gets the
+    member dropped from the group. Its commit after the batch goes out as a member of no generation and the broker
+    refuses it; the revocation drops what it holds. aiokafka rejoins only once its fetcher polls again, and faust polls
+    only once a rejoin resumed its flow: the worker sat with no partitions and exited idle with status 0, not one of
+    the 2500 impressions out as a sample. faust's answer to the revocation now counts as a poll
+    (``faust_delivery._CommittedReads``)."""
+    table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=35)
+    publish(table, kafka, "synthetic")
+    log = tmp_path / "delivery.jsonl"
+    poll_s = kafka.session_timeout_ms / 1000
+    out = _run(kafka, stack.redis_url, group_id, log, faust_env={
+        "BROKER_MAX_POLL_INTERVAL": str(poll_s), "BROKER_COMMIT_EVERY": "1",  # faust's settings, by their env names
+        "STREAMREC_TEST_SLOW_BATCH": "2", "STREAMREC_TEST_SLOW_S": str(poll_s + 3)})  # the slow batch itself
+    assert out.returncode == 0, out.stderr[-3000:]
+    entries = _entries(log)
+    after_slow = next(e for e in entries[entries.index({"returned": 2}):] if "commit" in e)
+    assert after_slow["generation"] == -1  # dropped: the batch's commit went out as a member of no generation
+    assert [c["ahead"] for c in entries if c.get("ahead")] == []
+    want = expected_join(table, 600_000)
+    rows = read_samples(kafka)
+    assert Counter(r[0] for r in rows) == Counter(list(want.labels))  # every impression exactly once
+    assert {r[0]: r[1] for r in rows} == want.labels
+    ends: dict[str, int] = {}
+    for b in (e for e in entries if e.get("size")):
+        for tp, (_, last) in b["tps"].items():
+            ends[tp] = max(ends.get(tp, 0), last + 1)
+    assert _committed(kafka, group_id) == ends  # the refused commit moved nothing; the rejoined member committed all
