@@ -51,7 +51,15 @@ from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, Unfe
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
-from stream.kafka import Headers, consumer_config, fetched_more, headers_of, heartbeat_interval_s, resume_offsets
+from stream.kafka import (
+    Headers,
+    consumer_config,
+    fetched_more,
+    headers_of,
+    headers_whole,
+    heartbeat_interval_s,
+    resume_offsets,
+)
 from stream.retention import Gaps
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 
@@ -91,13 +99,14 @@ def _records(msgs: list[Message], gaps: Gaps | None = None) -> list[Record]:
 def _headers(msgs: list[Message]) -> list[Headers | BadMessage | None]:
     """Each message's headers, or why they cannot be read (``stream.kafka.headers_of``: a header key that is not
     UTF-8, which another producer may write), for the pipeline to dead-letter it. One C-level pass where no message has
-    headers (the usual case); only those with headers are checked one by one, and all of them after confluent-kafka
-    raised for one (its ``headers()`` returns the list it built the first time, a broken one unread)."""
+    headers (the usual case), and one more over all their pairs where some have (``headers_whole``); only where that
+    finds a broken pair are those with headers checked one by one, and all of them after confluent-kafka raised for one
+    (its ``headers()`` returns the list it built the first time, a broken one unread)."""
     try:
         headers = cast(list[Headers | BadMessage | None], list(map(Message.headers, msgs)))  # consumed: (str, bytes)
     except (SystemError, UnicodeDecodeError):
         return list(map(_headers_or_why, msgs))
-    if any(headers):
+    if any(headers) and not headers_whole(cast(list[Headers | None], headers)):
         return [h if h is None else _headers_or_why(m) for m, h in zip(msgs, headers, strict=True)]
     return headers
 
