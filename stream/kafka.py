@@ -882,16 +882,19 @@ def fetched_more(consumer: Consumer, topic: str, partition: int, start: int | No
     librdkafka's position is unknown until a record of the assignment is handed out, so a partition assigned at its end
     read as "more" for as long as nothing came (the joiner's hold kept the other input back for good after a rebalance
     or restart). ``start``, the offset the caller assigned or sought it at (``stream.retention.Gaps.next``), stands in
-    for that position; without it an unknown position still counts as more."""
+    for that position; without it (a logical start: a group's first assignment starts at the beginning) an unknown
+    position still counts as more, unless the partition holds no record at all: its low watermark (the log start
+    offset fetch responses carry) equal to its high one, as after retention or DeleteRecords removed every record (a
+    new group's hold kept the other input back for good there, the partition having nothing to hand out)."""
     tp = TopicPartition(topic, partition)
     try:
-        _, high = consumer.get_watermark_offsets(tp, cached=True)
+        low, high = consumer.get_watermark_offsets(tp, cached=True)
         position = consumer.position([tp])[0].offset
     except KafkaException:
         return None
     if high < 0:  # not fetched yet
         return None
-    if high == 0:  # empty
+    if high == 0 or high == low:  # empty: never written, or every record deleted
         return False
     if position < 0 and start is not None and start >= 0:
         position = start
