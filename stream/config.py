@@ -212,6 +212,10 @@ class SaslMechanism(Choice):
     OAUTHBEARER = "OAUTHBEARER"
 
 
+# librdkafka's max.poll.interval.ms unless [kafka.extra] sets it: the kafka driver's, and the faust driver's too
+# (faust's own default is 1000 s; stream/joiner/worker.py maps the property onto it)
+MAX_POLL_INTERVAL_MS = 300_000
+
 # librdkafka properties a [kafka] setting gives (stream.kafka applies [kafka.extra] last, over them): refused in extra
 _OWNED_PROPERTIES = {"bootstrap.servers": "bootstrap_servers", "security.protocol": "security_protocol",
                      "sasl.mechanism": "sasl_mechanism", "sasl.mechanisms": "sasl_mechanism",
@@ -309,7 +313,7 @@ class KafkaSettings:
             self.check_dead_letter_topic(f"[kafka] {a}", ta)
         # librdkafka refuses a session timeout above its max.poll.interval.ms (300000 unless [kafka.extra] sets it;
         # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
-        poll = self.extra.get("max.poll.interval.ms", "300000").strip()
+        poll = self.extra.get("max.poll.interval.ms", str(MAX_POLL_INTERVAL_MS)).strip()
         cap = min(int(poll), 3_600_000) if poll.isascii() and poll.isdigit() and len(poll) < 10 else 3_600_000
         check_counts("kafka", self, at_most={"session_timeout_ms": cap, "partitions": 100_000,
                                              "replication_factor": 1_000})  # partitions, replication_factor >= 1

@@ -48,9 +48,10 @@ batches ``process`` returned from.
   offset sought) are noted, and only then the broker is asked for the partitions' low watermarks: what they are past
   is said and counted (``stream.retention.lost_in_gap``, as the kafka driver's ``Gaps``), and not again at the next
   seek to the committed offsets. A rebalance while it was asked drops the hand, as at any fetch.
-* A member dropped from the group for a batch past ``broker_max_poll_interval`` (faust's, 1000 s): the batch's commit
-  goes out as a member of no generation, which the broker refuses (UnknownMemberId); the revocation drops what it
-  holds, and faust's answer to it counts as a poll (``_CommittedReads.on_partitions_revoked``) for aiokafka to rejoin.
+* A member dropped from the group for a batch past ``broker_max_poll_interval`` (``[kafka.extra]
+  max.poll.interval.ms``, 300 s unless set): the batch's commit goes out as a member of no generation, which the
+  broker refuses (UnknownMemberId); the revocation drops what it holds, and faust's answer to it counts as a poll
+  (``_CommittedReads.on_partitions_revoked``) for aiokafka to rejoin.
 * A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
   drops such records without a seek, so they were not read again until the next rebalance.
 

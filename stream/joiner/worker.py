@@ -61,9 +61,10 @@ Security: the ``[kafka]`` security settings reach faust (aiokafka underneath) as
   the faust driver refuses it (a ConfigError naming ``--driver kafka``, which supports it).
 * ``[kafka.extra]``: those are librdkafka properties. Two are mapped onto the TLS context
   (``ssl.endpoint.identification.algorithm = none``: no host-name check; ``enable.ssl.certificate.verification
-  = false``: no verification at all), and ``max.partition.fetch.bytes`` onto faust's ``consumer_max_fetch_size``
-  (the same limit: what one fetch brings of a partition; 8 MB when unset); every other key is ignored by faust, with
-  a warning naming it.
+  = false``: no verification at all), ``max.partition.fetch.bytes`` onto faust's ``consumer_max_fetch_size``
+  (the same limit: what one fetch brings of a partition; 8 MB when unset), and ``max.poll.interval.ms`` onto faust's
+  ``broker_max_poll_interval`` (seconds; librdkafka's 300 s when unset, the kafka driver's, not faust's 1000 s);
+  every other key is ignored by faust, with a warning naming it.
 * GSSAPI (Kerberos) is not offered by streamrec's settings at all.
 """
 
@@ -82,7 +83,7 @@ from typing import Any, NoReturn, cast
 import faust
 from faust.types import TP
 
-from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
+from stream.config import MAX_POLL_INTERVAL_MS, KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError, clip
 from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, topic_of
@@ -99,25 +100,38 @@ _IDLE_TICK_S = 0.25  # how often the idle check runs
 _STALL_S = 2.0  # a gap between two idle checks longer than this is a stall, not idleness (FaustJoinWorker._idle_check)
 
 # librdkafka properties of [kafka.extra] that the faust driver maps: onto the TLS context (broker_credentials), and
-# onto faust's per-partition fetch size (_fetch_bytes).
+# onto faust's per-partition fetch size (_fetch_bytes) and its poll interval (_max_poll_interval_s).
 _FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification",
-                       "max.partition.fetch.bytes")
+                       "max.partition.fetch.bytes", "max.poll.interval.ms")
 _FETCH_BYTES = 8 * 1024 * 1024  # faust's consumer_max_fetch_size (aiokafka's max_partition_fetch_bytes) when unset
 
 
-def _fetch_bytes(kafka: KafkaSettings) -> int:
-    """``[kafka.extra] max.partition.fetch.bytes`` as faust's ``consumer_max_fetch_size``: the most one fetch brings of
-    a partition (librdkafka's property of the same meaning, which the kafka driver gets as it is)."""
-    raw = kafka.extra.get("max.partition.fetch.bytes")
+def _extra_count(kafka: KafkaSettings, key: str, default: int, unit: str) -> int:
+    """A positive whole number from ``[kafka.extra]`` (``default`` when unset) for a faust setting of the same meaning:
+    librdkafka refuses a bad one when the kafka driver's client is built, so the faust driver refuses it too."""
+    raw = kafka.extra.get(key)
     if raw is None:
-        return _FETCH_BYTES
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
-        raise ConfigError(f"[kafka.extra] max.partition.fetch.bytes: {raw!r} is not a positive number of bytes")
+        raise ConfigError(f"[kafka.extra] {key}: {raw!r} is not a positive number of {unit}")
     return value
+
+
+def _fetch_bytes(kafka: KafkaSettings) -> int:
+    """``[kafka.extra] max.partition.fetch.bytes`` as faust's ``consumer_max_fetch_size``: the most one fetch brings of
+    a partition (librdkafka's property of the same meaning, which the kafka driver gets as it is)."""
+    return _extra_count(kafka, "max.partition.fetch.bytes", _FETCH_BYTES, "bytes")
+
+
+def _max_poll_interval_s(kafka: KafkaSettings) -> float:
+    """``[kafka.extra] max.poll.interval.ms`` as faust's ``broker_max_poll_interval`` (seconds): how long a batch may
+    keep the member from polling before the group drops it and hands its partitions on. Unset, librdkafka's default
+    (the kafka driver's), not faust's own 1000 s: both drivers give a stuck member up after the same time."""
+    return _extra_count(kafka, "max.poll.interval.ms", MAX_POLL_INTERVAL_MS, "milliseconds") / 1000
 
 
 def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
@@ -194,6 +208,7 @@ class FaustJoinWorker:
             topic_replication_factor=k.replication_factor,
             broker_session_timeout=k.session_timeout_ms / 1000,
             broker_heartbeat_interval=heartbeat_interval_s(k),
+            broker_max_poll_interval=_max_poll_interval_s(k),
             consumer_auto_offset_reset="earliest",
             broker_max_poll_records=self.js.batch_max,
             consumer_max_fetch_size=_fetch_bytes(k),

@@ -172,12 +172,12 @@ def test_faust_drain_at_exit_expires_the_impressions_of_an_assigned_partition_th
 
 def test_faust_rejoins_after_a_slow_batch_got_it_dropped_from_the_group_and_joins_every_impression(
         kafka: KafkaSettings, stack, group_id: str, tmp_path: Path) -> None:
-    """A batch past faust's ``broker_max_poll_interval`` (1000 s unless set; its env name shrinks it here) gets the
-    member dropped from the group. Its commit after the batch goes out as a member of no generation and the broker
-    refuses it; the revocation drops what it holds. aiokafka rejoins only once its fetcher polls again, and faust polls
-    only once a rejoin resumed its flow: the worker sat with no partitions and exited idle with status 0, not one of
-    the 2500 impressions out as a sample. faust's answer to the revocation now counts as a poll
-    (``faust_delivery._CommittedReads``)."""
+    """A batch past faust's ``broker_max_poll_interval`` (``max.poll.interval.ms``, 300 s unless set; faust's env
+    name, which wins over it, shrinks it here) gets the member dropped from the group. Its commit after the batch
+    goes out as a member of no generation and the broker refuses it; the revocation drops what it holds. aiokafka
+    rejoins only once its fetcher polls again, and faust polls only once a rejoin resumed its flow: the worker sat
+    with no partitions and exited idle with status 0, not one of the 2500 impressions out as a sample. faust's answer
+    to the revocation now counts as a poll (``faust_delivery._CommittedReads``)."""
     table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=35)
     publish(table, kafka, "synthetic")
     log = tmp_path / "delivery.jsonl"

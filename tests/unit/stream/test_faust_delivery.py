@@ -287,3 +287,49 @@ def test_the_faust_driver_hands_the_pipeline_each_record_with_its_kafka_headers(
                            app=SimpleNamespace(monitor=None, topics=SimpleNamespace(acks_enabled_for=lambda t: False)))
     [out] = BatchConsumer._records(fake, {TP("impressions", 0): [rec]})  # type: ignore[arg-type]
     assert (out.offset, out.key, out.value, out.headers) == (5, b"k", b"{bad", headers)
+
+
+def _faust_consumer_timeouts(kafka: object) -> dict[str, int]:
+    """What the faust driver's aiokafka consumer is built with (faust's settings as the worker maps them), in ms."""
+    import asyncio
+    import shutil
+
+    from stream.idle_clock import IdleClock
+    from stream.joiner.config import JoinerSettings
+    from stream.joiner.worker import FaustJoinWorker
+
+    async def build() -> dict[str, int]:
+        pipeline = SimpleNamespace(held_counts={}, engines={}, processed={}, awake=IdleClock(1.0, 0.0))
+        worker = FaustJoinWorker(pipeline, kafka, JoinerSettings())  # type: ignore[arg-type]
+        try:
+            thread = worker.app.consumer._new_consumer_thread()  # type: ignore[attr-defined]
+            c = thread._create_worker_consumer(worker.app.transport)
+            return {"max.poll.interval.ms": c._max_poll_interval_ms, "session.timeout.ms": c._session_timeout_ms,
+                    "heartbeat.interval.ms": c._heartbeat_interval_ms}
+        finally:
+            shutil.rmtree(worker._datadir, ignore_errors=True)
+
+    return asyncio.run(build())
+
+
+def test_the_faust_driver_drops_a_slow_member_after_librdkafkas_poll_interval_as_the_kafka_driver_does() -> None:
+    """``[kafka.extra] max.poll.interval.ms`` was one of the properties faust ignored, so a batch could keep the faust
+    driver's member from polling for faust's own 1000 s where the kafka driver's is dropped (and its partitions
+    handed on) after librdkafka's 300 s or the configured value. Session and heartbeat match too."""
+    import pytest
+
+    from stream.config import KafkaSettings
+    from stream.errors import ConfigError
+    from stream.joiner.worker import _max_poll_interval_s
+    from stream.kafka import consumer_config
+
+    for kafka, poll_ms in ((KafkaSettings(bootstrap_servers="127.0.0.1:9"), 300_000),  # unset: librdkafka's default
+                           (KafkaSettings(bootstrap_servers="127.0.0.1:9", session_timeout_ms=10_000,
+                                          extra={"max.poll.interval.ms": "45000"}), 45_000)):
+        librdkafka = consumer_config(kafka, "g")
+        assert _faust_consumer_timeouts(kafka) == {
+            "max.poll.interval.ms": poll_ms, "session.timeout.ms": librdkafka["session.timeout.ms"],
+            "heartbeat.interval.ms": pytest.approx(librdkafka["heartbeat.interval.ms"], abs=1)}
+    for bad in ("5m", "-1"):  # ("0": KafkaSettings refuses it already, as a session timeout over it)
+        with pytest.raises(ConfigError, match="max.poll.interval.ms"):
+            _max_poll_interval_s(KafkaSettings(extra={"max.poll.interval.ms": bad}))
