@@ -104,6 +104,7 @@ _STALL_S = 2.0  # a gap between two idle checks longer than this is a stall, not
 _FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification",
                        "max.partition.fetch.bytes", "max.poll.interval.ms")
 _FETCH_BYTES = 8 * 1024 * 1024  # faust's consumer_max_fetch_size (aiokafka's max_partition_fetch_bytes) when unset
+_REQUEST_TIMEOUT_S = 90.0  # faust's broker_request_timeout, unless the session is longer (_request_timeout_s)
 
 
 def _extra_count(kafka: KafkaSettings, key: str, default: int, unit: str) -> int:
@@ -132,6 +133,13 @@ def _max_poll_interval_s(kafka: KafkaSettings) -> float:
     keep the member from polling before the group drops it and hands its partitions on. Unset, librdkafka's default
     (the kafka driver's), not faust's own 1000 s: both drivers give a stuck member up after the same time."""
     return _extra_count(kafka, "max.poll.interval.ms", MAX_POLL_INTERVAL_MS, "milliseconds") / 1000
+
+
+def _request_timeout_s(kafka: KafkaSettings) -> float:
+    """faust's ``broker_request_timeout``: its own 90 s, or the session where that is longer. faust refuses a session
+    over its request timeout when the consumer starts, so a ``session_timeout_ms`` the settings allow (up to the poll
+    interval) and the kafka driver runs with stopped the faust driver there."""
+    return max(_REQUEST_TIMEOUT_S, kafka.session_timeout_ms / 1000)
 
 
 def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
@@ -207,6 +215,7 @@ class FaustJoinWorker:
             topic_partitions=k.partitions,
             topic_replication_factor=k.replication_factor,
             broker_session_timeout=k.session_timeout_ms / 1000,
+            broker_request_timeout=_request_timeout_s(k),
             broker_heartbeat_interval=heartbeat_interval_s(k),
             broker_max_poll_interval=_max_poll_interval_s(k),
             consumer_auto_offset_reset="earliest",

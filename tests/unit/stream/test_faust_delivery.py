@@ -305,7 +305,7 @@ def _faust_consumer_timeouts(kafka: object) -> dict[str, int]:
             thread = worker.app.consumer._new_consumer_thread()  # type: ignore[attr-defined]
             c = thread._create_worker_consumer(worker.app.transport)
             return {"max.poll.interval.ms": c._max_poll_interval_ms, "session.timeout.ms": c._session_timeout_ms,
-                    "heartbeat.interval.ms": c._heartbeat_interval_ms}
+                    "heartbeat.interval.ms": c._heartbeat_interval_ms, "request.timeout.ms": c._request_timeout_ms}
         finally:
             shutil.rmtree(worker._datadir, ignore_errors=True)
 
@@ -329,7 +329,19 @@ def test_the_faust_driver_drops_a_slow_member_after_librdkafkas_poll_interval_as
         librdkafka = consumer_config(kafka, "g")
         assert _faust_consumer_timeouts(kafka) == {
             "max.poll.interval.ms": poll_ms, "session.timeout.ms": librdkafka["session.timeout.ms"],
-            "heartbeat.interval.ms": pytest.approx(librdkafka["heartbeat.interval.ms"], abs=1)}
+            "heartbeat.interval.ms": pytest.approx(librdkafka["heartbeat.interval.ms"], abs=1),
+            "request.timeout.ms": 90_000}  # faust's own
     for bad in ("5m", "-1"):  # ("0": KafkaSettings refuses it already, as a session timeout over it)
         with pytest.raises(ConfigError, match="max.poll.interval.ms"):
             _max_poll_interval_s(KafkaSettings(extra={"max.poll.interval.ms": bad}))
+
+
+def test_the_faust_driver_takes_a_session_over_faust_s_request_timeout_as_the_kafka_driver_does() -> None:
+    """A ``session_timeout_ms`` over 90 s (the settings allow up to the poll interval, 300 s by default) stopped the
+    faust driver at its consumer's start with faust's ImproperlyConfigured (the session over its 90 s
+    ``broker_request_timeout``) where the kafka driver ran: the request timeout now grows to the session."""
+    from stream.config import KafkaSettings
+
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9", session_timeout_ms=120_000)
+    got = _faust_consumer_timeouts(kafka)
+    assert got["session.timeout.ms"] == 120_000 and got["request.timeout.ms"] >= 120_000
