@@ -221,7 +221,9 @@ _OWNED_PROPERTIES = {"bootstrap.servers": "bootstrap_servers", "security.protoco
                      "sasl.mechanism": "sasl_mechanism", "sasl.mechanisms": "sasl_mechanism",
                      "sasl.username": "sasl_username", "sasl.password": "sasl_password",
                      "ssl.ca.location": "ssl_ca_location", "ssl.certificate.location": "ssl_certificate_location",
-                     "ssl.key.location": "ssl_key_location", "ssl.key.password": "ssl_key_password"}
+                     "ssl.key.location": "ssl_key_location", "ssl.key.password": "ssl_key_password",
+                     # both drivers' session, and its heartbeat (a sixth of it: stream.kafka.heartbeat_interval_s)
+                     "session.timeout.ms": "session_timeout_ms", "heartbeat.interval.ms": "session_timeout_ms"}
 
 
 @dataclass(frozen=True)

@@ -345,3 +345,17 @@ def test_the_faust_driver_takes_a_session_over_faust_s_request_timeout_as_the_ka
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9", session_timeout_ms=120_000)
     got = _faust_consumer_timeouts(kafka)
     assert got["session.timeout.ms"] == 120_000 and got["request.timeout.ms"] >= 120_000
+
+
+def test_a_session_or_heartbeat_in_kafka_extra_is_refused_for_session_timeout_ms_as_both_drivers_read_that() -> None:
+    """``[kafka.extra] session.timeout.ms`` / ``heartbeat.interval.ms`` overrode the kafka driver's session (extra is
+    applied last) while the faust driver, ignoring them, kept ``session_timeout_ms``: two sessions for one setting,
+    and both drivers' after-a-stall wait (two heartbeats of ``session_timeout_ms``) wrong for the kafka driver."""
+    import pytest
+
+    from stream.config import KafkaSettings
+    from stream.errors import ConfigError
+
+    for key in ("session.timeout.ms", "heartbeat.interval.ms"):
+        with pytest.raises(ConfigError, match=rf"\[kafka.extra\] {key}: the setting \[kafka\] session_timeout_ms"):
+            KafkaSettings(extra={key: "20000"})
