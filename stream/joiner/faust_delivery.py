@@ -73,6 +73,7 @@ from operator import attrgetter
 from typing import Any, cast
 
 from aiokafka import __version__ as aiokafka_version
+from aiokafka.consumer.subscription_state import Assignment, TopicPartitionState
 from confluent_kafka import TopicPartition
 from faust import __version__ as faust_version
 from faust.transport.consumer import CONSUMER_FETCHING
@@ -98,7 +99,7 @@ _READER = "joiner"  # whose input lost to retention is logged and counted (strea
 # What BatchConsumer uses of faust's Consumer beyond its public interface (faust-streaming 0.15.3, the version
 # pyproject.toml allows): a faust that moved any of it fails at start, not in a batch.
 _FAUST_INTERNALS = ("_drain_messages", "_wait_next_records", "_get_active_partitions", "_add_gap", "_committed_offset",
-                    "_acked", "_acked_index", "_read_offset", "_n_acked", "_waiting_for_ack")
+                    "_acked", "_acked_index", "_read_offset", "_n_acked", "_waiting_for_ack", "_thread")
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         next to read: ``_sought``) by the high water faust's fetcher last saw. None while that is unknown (not fetched
         yet, an error): backpressure counts it as more for a while (``worker._behind``, ``backpressure.Unfetched``; it
         once said a partition whose last records were in the carry, or that was sought to its last record, had
-        nothing more)."""
+        nothing more). Nothing read or sought yet (a new group's first assignment, started at the beginning): aiokafka's
+        fetch position stands in for the read offset once it is known, or a partition whose every record was deleted
+        (retention, DeleteRecords: the log start, where it starts, is the high water) read as more for good and the
+        hold kept the other input back (as the kafka driver's ``stream.kafka.fetched_more`` once did)."""
         if (tp[0], tp[1]) in self._carried:
             return True
         try:
@@ -392,7 +396,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         if high == 0:
             return False
         read, sought = self._read_offset.get(tp), self._sought.get(tp)
-        return read is None or (read + 1 if sought is None else sought) < high
+        if read is None:
+            position = _fetch_position(self._thread._ensure_consumer(), tp)
+            return position is None or position < high
+        return (read + 1 if sought is None else sought) < high
 
     def _set_carry(self, records: list[Record]) -> None:
         self._carry = records
@@ -524,6 +531,15 @@ class BatchConsumer(faust_aiokafka.Consumer):
             gap.merge_overlaps()
 
 
+def _fetch_position(consumer: Any, tp: TP) -> int | None:
+    """The offset aiokafka's ``consumer`` fetches next of ``tp``, as its ``position`` answers it but without waiting:
+    None while it is not known (its committed offset or reset not looked up yet) or ``tp`` is not assigned. Where
+    aiokafka keeps it is checked at start (``_CommittedReads``)."""
+    assignment = getattr(consumer._subscription.subscription, "assignment", None)  # no subscription: None
+    state = assignment.state_value(tp) if assignment is not None else None
+    return state.position if state is not None and state.has_valid_position else None
+
+
 def _headers(recs: list[Any]) -> list[Any]:
     """The fetched records' headers (``()`` where none: one C-level pass), a record's ``bad_header`` BadMessage where a
     key is not UTF-8 (``header_keys``); only records with headers are checked one by one."""
@@ -574,6 +590,11 @@ class _CommittedReads(faust_aiokafka.AIOKafkaConsumerThread):
         if not hasattr(getattr(consumer, "_subscription", None), "fetch_context"):
             raise RuntimeError(f"aiokafka {aiokafka_version} keeps its poll clock elsewhere: the faust join driver "
                                "cannot rejoin after a slow batch (stream/joiner/faust_delivery.py)")
+        if not (hasattr(Assignment, "state_value") and hasattr(TopicPartitionState, "has_valid_position")
+                and hasattr(TopicPartitionState, "position")):
+            raise RuntimeError(f"aiokafka {aiokafka_version} keeps its fetch positions elsewhere: the faust join "
+                               "driver cannot tell a partition whose records were all deleted has nothing to read "
+                               "(stream/joiner/faust_delivery.py)")
         return consumer
 
     async def on_partitions_revoked(self, revoked: set[TP]) -> None:

@@ -253,6 +253,39 @@ def test_a_partition_sought_to_its_last_record_still_has_that_record_to_read() -
     assert more(fake, imps) is False  # type: ignore[arg-type]
 
 
+def test_a_partition_whose_every_record_was_deleted_has_nothing_more_for_a_new_group() -> None:
+    """A new group's first assignment starts at the log start (nothing read, nothing sought): where retention or
+    DeleteRecords removed every record that is the high water, no record ever comes, and "more to read" held the other
+    input back for good. aiokafka's fetch position (its real assignment state, reset as its fetcher resets it) stands
+    in for the read offset; before it is known the partition still counts as more."""
+    import asyncio
+
+    from aiokafka.consumer.fetcher import OffsetResetStrategy
+    from aiokafka.consumer.subscription_state import SubscriptionState
+    from aiokafka.structs import TopicPartition as AioTP
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    emptied, unread = TP("clicks", 0), TP("clicks", 1)
+
+    async def answers() -> list[bool | None]:
+        subscription = SubscriptionState()
+        subscription.assign_from_user({AioTP(*emptied), AioTP(*unread)})
+        aiokafka = SimpleNamespace(_subscription=subscription)
+        fake = SimpleNamespace(highwater=lambda tp: 5, _read_offset={}, _sought={}, _carried=set(),
+                               _thread=SimpleNamespace(_ensure_consumer=lambda: aiokafka))
+        more = BatchConsumer.fetched_more
+        out = [more(fake, emptied)]  # type: ignore[arg-type]  # position not looked up yet: more
+        for tp, low in ((emptied, 5), (unread, 2)):  # no committed offset: auto_offset_reset earliest, to the log start
+            state = subscription.subscription.assignment.state_value(AioTP(*tp))
+            state.await_reset(OffsetResetStrategy.EARLIEST)
+            state.reset_to(low)
+        return [*out, more(fake, emptied), more(fake, unread)]  # type: ignore[arg-type]
+
+    assert asyncio.run(answers()) == [True, False, True]  # the emptied partition was True for good
+
+
 def test_the_faust_worker_counts_an_input_not_fetched_since_its_assignment_as_behind_for_a_while() -> None:
     """As the kafka driver (tests/integration/test_backpressure.py): an input whose end faust's fetcher has not seen
     yet holds the other back for ``UNFETCHED_GRACE_S``, not for good; one it has seen is believed."""
