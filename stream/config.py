@@ -315,10 +315,11 @@ class KafkaSettings:
             self.check_dead_letter_topic(f"[kafka] {a}", ta)
         # librdkafka refuses a session timeout above its max.poll.interval.ms (300000 unless [kafka.extra] sets it;
         # at most 3600000) with a bare _INVALID_ARG when the first consumer is built
-        poll = self.extra.get("max.poll.interval.ms", str(MAX_POLL_INTERVAL_MS)).strip()
-        cap = min(int(poll), 3_600_000) if poll.isascii() and poll.isdigit() and len(poll) < 10 else 3_600_000
-        check_counts("kafka", self, at_most={"session_timeout_ms": cap, "partitions": 100_000,
-                                             "replication_factor": 1_000})  # partitions, replication_factor >= 1
+        poll = self.extra.get("max.poll.interval.ms")
+        check_counts("kafka", self, at_most={"session_timeout_ms": MAX_POLL_INTERVAL_MS if poll is None else 3_600_000,
+                                             "partitions": 100_000, "replication_factor": 1_000})
+        if poll is not None:
+            self._check_poll_interval(poll.strip())
         from stream.secrets import names_credential, register
 
         for k, v in self.extra.items():  # sasl.oauthbearer.client.secret, ssl.key.pem ...: scrubbed from all output
@@ -357,6 +358,16 @@ class KafkaSettings:
             if tls:
                 raise ConfigError(f"[kafka] {', '.join(tls)} set but security_protocol = {protocol}: TLS settings "
                                   "are used only with SSL or SASL_SSL")
+
+    def _check_poll_interval(self, poll: str) -> None:
+        """``[kafka.extra] max.poll.interval.ms`` (``poll``) below ``session_timeout_ms``: the poll interval is what is
+        out of range (it was reported as ``session_timeout_ms`` past a bound of 0 for ``max.poll.interval.ms = 0``). A
+        value that is no number is left to librdkafka, which names it when the first client is built."""
+        if poll.isascii() and poll.isdigit() and int(poll) < self.session_timeout_ms:
+            raise ConfigError(f"[kafka.extra] max.poll.interval.ms = {poll} is out of range: it must be at least "
+                              f"[kafka] session_timeout_ms ({self.session_timeout_ms}), as librdkafka keeps a "
+                              "consumer's session within the time it may go between polls; raise "
+                              f"max.poll.interval.ms to {self.session_timeout_ms} or more, or lower session_timeout_ms")
 
     def dlq_topic(self, topic: str) -> str:
         return topic + self.dlq_suffix

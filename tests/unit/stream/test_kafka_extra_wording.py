@@ -1,5 +1,6 @@
 """A ``[kafka.extra]`` property librdkafka rejects was reported as "a security setting cannot be used"; it is
-named as an extra property now. A security setting librdkafka rejects keeps its wording."""
+named as an extra property now. A security setting librdkafka rejects keeps its wording. A poll interval below the
+session names the poll interval as the setting out of range."""
 
 from __future__ import annotations
 
@@ -48,3 +49,15 @@ def test_an_extra_property_that_a_kafka_setting_owns_is_refused_at_start(prop: s
         KafkaSettings(security_protocol=SecurityProtocol.SASL_SSL, sasl_username="u", sasl_password="pw-123456",
                       extra={prop: value})
     assert "other-pw" not in str(err.value)
+
+
+@pytest.mark.parametrize("poll", ["0", "5999"])
+def test_a_poll_interval_below_the_session_is_named_as_the_setting_out_of_range(poll: str) -> None:
+    # was "[kafka] session_timeout_ms must be an integer >= 1 and <= 0, got 6000": the session named, not the extra
+    with pytest.raises(ConfigError) as info:
+        KafkaSettings(session_timeout_ms=6000, extra={"max.poll.interval.ms": poll})
+    msg = str(info.value)
+    assert msg.startswith(f"[kafka.extra] max.poll.interval.ms = {poll} is out of range: it must be at least "
+                          "[kafka] session_timeout_ms (6000)")
+    assert "session within the time it may go between polls" in msg  # why
+    KafkaSettings(session_timeout_ms=6000, extra={"max.poll.interval.ms": "6000"})  # equal: accepted
