@@ -89,6 +89,7 @@ from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.exposition import families_of
 from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point, Window, labels_of, metrics_of, ranged_metrics
+from monitor.report import utc_text
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig, RunLogSettings, check_interval
 from stream.errors import ConfigError
 from stream.files import MAX_STATE_FILE_BYTES, open_append_regular, open_regular, read_regular, write_atomic
@@ -246,6 +247,43 @@ class Scraper:
 
 
 # -- rule state -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outages:
+    """The monitor's outages inside one run of a rule without data: restoring an absence timer or a firing absence
+    alert cuts the time the monitor was down out of the time counted (nothing watched the source then), so the
+    alert's "no data for 300s" is the time seen, and the source may have been silent for longer. The text says so,
+    with the times: a restored alert that said "no data for 300s" after a ten-minute outage hid those ten minutes."""
+
+    down_s: float = 0.0  # the time cut out, over every restart of the run
+    restarts: int = 0
+    last_from: float = 0.0  # the last outage: its last evaluation without data and the restart (wall-clock seconds)
+    last_to: float = 0.0
+
+    @classmethod
+    def of(cls, rec: Mapping[str, Any]) -> Outages:
+        """The outages a state-file record carries (:meth:`as_record`; none in a record written before they were)."""
+        if not rec.get("restarts"):
+            return cls()
+        return cls(float(rec["down_s"]), int(rec["restarts"]), float(rec["down_from"]), float(rec["down_to"]))
+
+    def then(self, held: float, wall: float) -> Outages:
+        """These and one more outage, from ``held`` (the last evaluation without data) to the restart at ``wall``."""
+        return Outages(self.down_s + max(0.0, wall - held), self.restarts + 1, held, wall)
+
+    def as_record(self) -> dict[str, Any]:
+        return {} if not self.restarts else {"down_s": self.down_s, "restarts": self.restarts,
+                                             "down_from": self.last_from, "down_to": self.last_to}
+
+    def text(self) -> str:
+        """`` (not counting the 615s the monitor did not watch it across a restart: from its last evaluation at
+        2026-12-06 13:00:00 UTC to the restart at 2026-12-06 13:10:15 UTC)``; "" for none."""
+        if not self.restarts:
+            return ""
+        across = f"{self.restarts} restarts, the last" if self.restarts > 1 else "a restart:"
+        return (f" (not counting the {self.down_s:.0f}s the monitor did not watch it across {across} from its last "
+                f"evaluation at {utc_text(self.last_from)} to the restart at {utc_text(self.last_to)})")
+
+
 class State(str, enum.Enum):
     INACTIVE = "inactive"
     PENDING = "pending"
@@ -440,6 +478,9 @@ class RuleEngine:
         self.absent: dict[str, SeriesState] = {}
         self.no_data_since: dict[str, float | None] = {r.name: None for r in self.rules}
         self.no_data_held: dict[str, float] = {}  # rule -> the last evaluation without data (what no_data() saves)
+        # rule -> the monitor's outages cut out of its time without data by restarts (restore_no_data, restore): the
+        # absence text says them, as what it counts is not how long the source has been silent
+        self.no_data_down: dict[str, Outages] = {}
         self.evaluations = 0
         self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
         # the resolved alerts of the last evaluation, each with its series as firing() writes it
@@ -556,6 +597,7 @@ class RuleEngine:
     def _absence(self, rule: Rule, has_data: bool, now: float) -> list[Alert]:
         if has_data:
             self.no_data_since[rule.name] = None
+            self.no_data_down.pop(rule.name, None)
         elif self.no_data_since[rule.name] is None:
             self.no_data_since[rule.name] = now
         if not has_data:
@@ -584,8 +626,9 @@ class RuleEngine:
         if absent:
             since = self.no_data_since[rule.name]
             why = self._failing(self.data_sources.get(rule.name) or {*self.scrape_errors, *self.stale}, now)
-            msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s{why}" if state is AlertState.FIRING
-                   and since is not None else f"{what}: {rule.expr} has data again")
+            down = self.no_data_down.get(rule.name, Outages()).text()
+            msg = (f"{what}: no data for {rule.expr} for {now - since:.0f}s{down}{why}"
+                   if state is AlertState.FIRING and since is not None else f"{what}: {rule.expr} has data again")
             value = None
         elif state is AlertState.FIRING:
             held = f" for {rule.for_s:g}s" if rule.for_s else ""
@@ -630,8 +673,10 @@ class RuleEngine:
         only what the sinks see: a series of the rule may have the same). ``fingerprint`` is its alerts' (written
         for whoever reads the file; restore computes it again from the rule, ``absent`` and the labels)."""
         rule = self.by_name[name]  # what a resolve needs once the rule is gone (_resolve_retired)
+        counted = self._no_data_counted(name) if absent and st.state is State.FIRING else {}
         return {"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
                 "value": encode_value(st.value), "sources": sorted(st.sources), **({"absent": True} if absent else {}),
+                **counted,
                 "fingerprint": self._fingerprint(name, lb, absent), "severity": rule.severity.value,
                 "threshold": encode_value(rule.threshold), "rule_labels": dict(rule.labels)}
 
@@ -664,7 +709,11 @@ class RuleEngine:
                     self.retired.append(dict(rec))
                     restored += 1
                     continue
-                self.no_data_since[rule.name] = now - rule.absent_for_s  # absent still, until data comes
+                # absent still, until data comes; for the text, the time it had counted and the outage it did not
+                counted = max(float(rec.get("counted_s", rule.absent_for_s)), rule.absent_for_s)
+                self.no_data_since[rule.name] = now - counted
+                if "held" in rec:
+                    self.no_data_down[rule.name] = Outages.of(rec).then(float(rec["held"]), wall)
                 self.absent[rule.name] = st
             else:
                 self.states[rule.name][labels_of(rec["labels"])] = st
@@ -708,7 +757,8 @@ class RuleEngine:
         yet), as :meth:`restore_no_data` reads them back: ``since`` (the first evaluation without data) and ``held``
         (the last) in wall-clock seconds, and the rule's ``expr`` they ran under."""
         return [{"rule": rule.name, "expr": rule.expr, "since": since + self.wall_offset,
-                 "held": self.no_data_held[rule.name] + self.wall_offset}
+                 "held": self.no_data_held[rule.name] + self.wall_offset,
+                 **self.no_data_down.get(rule.name, Outages()).as_record()}
                 for rule in self.rules if rule.absent_for_s is not None
                 and (since := self.no_data_since[rule.name]) is not None
                 and (rule.name not in self.absent or self.absent[rule.name].state is not State.FIRING)]
@@ -731,8 +781,20 @@ class RuleEngine:
             since = self._restored_since(rule.absent_for_s, float(rec["since"]), float(rec["held"]), now, wall)
             if since is not None:
                 self.no_data_since[rule.name], self.no_data_held[rule.name] = since, now  # the outage cut out
+                self.no_data_down[rule.name] = Outages.of(rec).then(float(rec["held"]), wall)  # ...and said
                 restored += 1
         return restored
+
+    def _no_data_counted(self, name: str) -> dict[str, Any]:
+        """What a firing absence alert's record keeps for :meth:`restore` to say how long its rule has had no data:
+        ``held`` (the last evaluation without data, wall-clock seconds), ``counted_s`` (the time without data counted
+        until then) and the outages cut out of it (:class:`Outages`); none where its timer is not running."""
+        since = self.no_data_since[name]
+        if since is None or name not in self.no_data_held:
+            return {}
+        held = self.no_data_held[name]
+        return {"held": held + self.wall_offset, "counted_s": held - since,
+                **self.no_data_down.get(name, Outages()).as_record()}
 
     def _restored_since(self, for_s: float, since: float, held: float, now: float, wall: float) -> float | None:
         """The ``since`` (on the engine's clock, ``now``) of a timer of ``for_s`` (a pending series' ``for_s``, an
@@ -1015,7 +1077,7 @@ class FiringStateFile:
         timers = data.get("no_data", [])
         good = [r for r in timers if isinstance(r, dict) and isinstance(r.get("rule"), str)
                 and isinstance(r.get("expr"), str) and self._number(r.get("since"), finite=True)
-                and self._number(r.get("held"), finite=True)] if isinstance(timers, list) else []
+                and self._number(r.get("held"), finite=True) and self._outages(r)] if isinstance(timers, list) else []
         if not isinstance(timers, list) or len(good) < len(timers):
             log.warning("state file %s: %s absence timer(s) malformed, skipped: their rules' absent_for_s starts over",
                         self.path, len(timers) - len(good) if isinstance(timers, list) else "all")
@@ -1034,8 +1096,19 @@ class FiringStateFile:
                 and sev in {s.value for s in Severity}
                 and (r.get("threshold") is None or r["threshold"] in ("NaN", "+Inf", "-Inf")
                      or FiringStateFile._number(r["threshold"], finite=False))
-                and isinstance(r.get("rule_labels", {}), dict)
+                and isinstance(r.get("rule_labels", {}), dict) and FiringStateFile._outages(r)
+                and all(FiringStateFile._number(r[k], finite=True) for k in ("held", "counted_s") if k in r)
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in r.get("rule_labels", {}).items()))
+
+    @staticmethod
+    def _outages(r: Mapping[str, Any]) -> bool:
+        """Whether the outages of a record (:meth:`Outages.as_record`) are none or whole: a count of restarts and
+        finite times."""
+        if "restarts" not in r:
+            return True
+        n = r["restarts"]
+        return (type(n) is int and n >= 1
+                and all(FiringStateFile._number(r.get(k), finite=True) for k in ("down_s", "down_from", "down_to")))
 
     @staticmethod
     def _number(v: Any, finite: bool) -> bool:

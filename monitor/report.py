@@ -1101,7 +1101,7 @@ def alert_line(t: float, a: Mapping[str, Any]) -> str:
     This is text: the page escapes it (labels come from the scraped processes)."""
     labels = lb if isinstance(lb := a.get("labels"), dict) else {}
     lbl = ",".join(f"{k}={json.dumps(str(v), ensure_ascii=False)}" for k, v in sorted(labels.items()))
-    return (f"{_utc(t)} {a.get('state')} {a.get('severity')} {a.get('rule')}{{{lbl}}} {a.get('kind', 'series')} "
+    return (f"{utc_text(t)} {a.get('state')} {a.get('severity')} {a.get('rule')}{{{lbl}}} {a.get('kind', 'series')} "
             f"id={a.get('fingerprint', '-')}: {a.get('message')}")
 
 
@@ -1120,7 +1120,8 @@ def _date(t: float) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc) if 0 < t <= MAX_T else None
 
 
-def _utc(t: float) -> str:
+def utc_text(t: float) -> str:
+    """Unix seconds as the page and the alerts' text show a time: ``2026-12-06 13:23:16 UTC``."""
     return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
@@ -1171,11 +1172,11 @@ def render_html(inp: Inputs, sections: Sequence[Section], title: str = "streamre
     t0, t1 = rec.t0, rec.t_end
     head = [f"<h1>{esc(title)}</h1>"]
     if t0 is not None and t1 is not None:
-        head.append(f"<p>Recorded by the monitor from {_utc(t0)} to {_utc(t1)} ({t1 - t0:,.0f} s of wall-clock "
+        head.append(f"<p>Recorded by the monitor from {utc_text(t0)} to {utc_text(t1)} ({t1 - t0:,.0f} s of wall-clock "
                     f"time), sources: {esc(', '.join(sorted(rec.scrapes)) or 'none')}; "
                     f"{sum(len(s) for s in rec.scrapes.values()):,} scrapes, {len(rec.errors):,} failed "
                     f"(a stage not running yet or any more). Every x axis is wall-clock time since "
-                    f"{_utc(t0)}.</p>")
+                    f"{utc_text(t0)}.</p>")
     sq = served_quality(inp.summaries)
     if sq and sq.get("impressions"):
         head.append(f"<p class=big>Served quality ({fmt_num(sq['impressions'], ',')} impressions, train summary): "
@@ -1197,7 +1198,7 @@ def render_html(inp: Inputs, sections: Sequence[Section], title: str = "streamre
                     f"{f'<ul>{facts}</ul>' if facts else ''}</section>")
     foot = (f"<footer>Run log: {esc(', '.join(rec.files))}"
             f"{f'; {rec.bad_lines} unreadable line(s) skipped' if rec.bad_lines else ''}. "
-            f"Written {_utc(time.time())} by streamrec report.</footer>")
+            f"Written {utc_text(time.time())} by streamrec report.</footer>")
     style = ("body{font-family:sans-serif;max-width:1000px;margin:auto;padding:1em;color:#222}"
              "img{max-width:100%;border:1px solid #ddd}.what{color:#444;font-size:90%}.missing{color:#a60}"
              ".big{font-size:120%}table{border-collapse:collapse;font-size:85%}td{border:1px solid #ddd;"

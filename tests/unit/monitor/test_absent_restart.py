@@ -68,10 +68,63 @@ def first_absence_alert(mon: Monitor, clocks: Clocks, evaluations: int) -> tuple
 
 def test_a_restart_in_the_middle_of_absent_for_s_fires_when_the_time_without_data_in_all_reaches_it(
         tmp_path: Path) -> None:
-    # no data for 135 s (10 evaluations) before the restart: 165 s more after it, not another 300; the 30 s the
-    # monitor was down are not counted, in the delay nor in the text
+    # no data for 135 s (10 evaluations) before the restart: 165 s more after it, not another 300; the 45 s from the
+    # last evaluation to the restart are not counted in the delay
     mon, _ = absent_then_restarted(tmp_path, clocks := Clocks(), 10, 30, [NO_DATA] * 30)
-    assert first_absence_alert(mon, clocks, 30) == (165, "cold_start_share: no data for share for 300s")
+    assert first_absence_alert(mon, clocks, 30)[0] == 165
+
+
+def test_a_restored_absence_timers_alert_says_the_time_it_counted_and_the_outage_it_did_not(tmp_path: Path) -> None:
+    # it said "no data for share for 300s": the source had been silent for 345 s, 45 s of them unwatched
+    mon, _ = absent_then_restarted(tmp_path, clocks := Clocks(), 10, 30, [NO_DATA] * 30)
+    assert first_absence_alert(mon, clocks, 30)[1] == (
+        "cold_start_share: no data for share for 300s (not counting the 45s the monitor did not watch it across a "
+        "restart: from its last evaluation at 1970-01-12 13:48:55 UTC to the restart at 1970-01-12 13:49:40 UTC)")
+
+
+def test_the_outages_of_two_restarts_add_up_in_the_absence_text(tmp_path: Path) -> None:
+    mon, _ = absent_then_restarted(tmp_path, clocks := Clocks(), 10, 30, [NO_DATA] * 2)
+    for _ in range(2):
+        assert mon.step() == []
+        clocks.tick(STEP_S)
+    mon, _ = restart(mon, tmp_path, clocks, 5, [NO_DATA] * 30)
+    _, text = first_absence_alert(mon, clocks, 30)
+    assert text == ("cold_start_share: no data for share for 300s (not counting the 65s the monitor did not "
+                           "watch it across 2 restarts, the last from its last evaluation at 1970-01-12 13:49:55 UTC "
+                           "to the restart at 1970-01-12 13:50:15 UTC)")
+
+
+def test_data_after_a_restart_forgets_the_outage_the_next_absence_text_would_name(tmp_path: Path) -> None:
+    mon, _ = absent_then_restarted(tmp_path, clocks := Clocks(), 10, 30, ["share 0.1\n"] + [NO_DATA] * 30)
+    assert first_absence_alert(mon, clocks, 31)[1] == "cold_start_share: no data for share for 300s"
+
+
+def test_a_restored_firing_absence_alert_says_the_time_counted_before_the_restart_and_the_outage(
+        tmp_path: Path) -> None:
+    # it said "no data for share for 300s" again at the restart, after 600 s without data and a 10-minute outage
+    mon, _ = monitor(rules(tmp_path / "state.json"), shares([NO_DATA] * 41), clocks := Clocks())
+    fired = []
+    for _ in range(41):
+        fired += [a.state for a in mon.step()]
+        clocks.tick(STEP_S)
+    assert fired == [AlertState.FIRING]
+    mon, _ = restart(mon, tmp_path, clocks, 600, [NO_DATA])
+    try:
+        assert [a.message for a in mon.step()] == [
+            "cold_start_share: no data for share for 600s (not counting the 615s the monitor did not watch it across "
+            "a restart: from its last evaluation at 1970-01-12 13:56:40 UTC to the restart at 1970-01-12 14:06:55 UTC)"]
+    finally:
+        mon.close(5)
+
+
+def test_malformed_outages_make_an_absence_timer_malformed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "state.json"
+    timer = {"rule": "r", "expr": "share", "since": 1.0, "held": 2.0, "down_s": 5.0, "restarts": 1,
+             "down_from": 2.0, "down_to": 7.0}
+    path.write_text(json.dumps({"version": 2, "firing": [], "no_data": [timer, {**timer, "restarts": True},
+                                                                        {**timer, "down_to": None}]}))
+    assert FiringStateFile(path).read() == ([], [], [timer])
+    assert "2 absence timer(s) malformed" in caplog.text
 
 
 def test_a_monitor_restarted_more_often_than_absent_for_s_still_sends_the_absence_alert(tmp_path: Path) -> None:
