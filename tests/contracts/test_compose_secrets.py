@@ -74,3 +74,23 @@ def test_redis_reads_its_password_from_the_same_secret_file() -> None:
     assert path in " ".join(redis["healthcheck"]["test"]), "the healthcheck's redis-cli does not log in with the secret"
     source = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["secrets"][app_secret]["file"]
     assert Path(source).name in (COMPOSE / "make-certs.sh").read_text(), f"make-certs.sh never writes {source}"
+
+
+def test_grafana_reads_its_admin_password_from_a_secret_not_its_environment() -> None:
+    # GF_SECURITY_ADMIN_PASSWORD held it in the container's environment, for anyone with `docker inspect`
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    grafana = compose["services"]["grafana"]
+    env = {k: _interpolated(v) for k, v in grafana["environment"].items()}
+    assert not [k for k in env if re.search(r"PASSWORD$", k)], f"grafana gets a password in its environment: {env}"
+    secret = _secret_paths(grafana).get(env.get("GF_SECURITY_ADMIN_PASSWORD__FILE", ""))
+    assert secret is not None, "GF_SECURITY_ADMIN_PASSWORD__FILE is no docker secret grafana mounts"
+    assert compose["secrets"][secret] == {"environment": "GRAFANA_ADMIN_PASSWORD"}, (
+        f"the {secret} secret is not GRAFANA_ADMIN_PASSWORD of compose/.env")
+
+
+def test_the_grafana_admin_password_stays_required_with_no_default() -> None:
+    # an environment secret whose variable is unset fails only when grafana's container is created; an empty one
+    # passes: the file keeps the `:?` interpolation, which stops `up` and `config` first
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    required = [v for v in compose.values() if isinstance(v, str) and v.startswith("${GRAFANA_ADMIN_PASSWORD:?")]
+    assert required == ["${GRAFANA_ADMIN_PASSWORD:?set GRAFANA_ADMIN_PASSWORD in compose/.env}"]
