@@ -1018,7 +1018,10 @@ class FiringStateFile:
     as having none, in silence, and an older monitor reading a newer file ignores it and keeps its firing records,
     where an unknown version would have dropped them. ``no_data`` (:meth:`RuleEngine.no_data`), the absence timers
     still running, was added the same way and for the same reason (``absent_for_s``,
-    :meth:`RuleEngine.restore_no_data`)."""
+    :meth:`RuleEngine.restore_no_data`). The timers and the firing absence alerts' records also carry, where a restart
+    cut the monitor's outage out of their time, ``down_s``/``restarts``/``down_from``/``down_to`` (:class:`Outages`),
+    and a firing absence alert's record ``held`` and ``counted_s``, so the restored alert's text says what it counted
+    and what it did not; a record without them (an older monitor's) restores as before."""
 
     VERSION = 2
 
