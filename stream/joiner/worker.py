@@ -63,8 +63,12 @@ Security: the ``[kafka]`` security settings reach faust (aiokafka underneath) as
   (``ssl.endpoint.identification.algorithm = none``: no host-name check; ``enable.ssl.certificate.verification
   = false``: no verification at all), ``max.partition.fetch.bytes`` onto faust's ``consumer_max_fetch_size``
   (the same limit: what one fetch brings of a partition; 8 MB when unset), and ``max.poll.interval.ms`` onto faust's
-  ``broker_max_poll_interval`` (seconds; librdkafka's 300 s when unset, the kafka driver's, not faust's 1000 s);
-  every other key is ignored by faust, with a warning naming it.
+  ``broker_max_poll_interval`` (seconds; librdkafka's 300 s when unset, the kafka driver's, not faust's 1000 s)
+  and onto faust's ``broker_rebalance_timeout`` too: librdkafka sends the poll interval as its JoinGroup rebalance
+  timeout (as the Java client does), how long the broker waits for a member busy with a batch to rejoin before it
+  drops it from the new generation; under faust's own 60 s a batch of a minute or more during a rebalance cost the
+  faust driver its member where the kafka driver's stayed. Every other key is ignored by faust, with a warning
+  naming it.
 * GSSAPI (Kerberos) is not offered by streamrec's settings at all.
 """
 
@@ -100,7 +104,8 @@ _IDLE_TICK_S = 0.25  # how often the idle check runs
 _STALL_S = 2.0  # a gap between two idle checks longer than this is a stall, not idleness (FaustJoinWorker._idle_check)
 
 # librdkafka properties of [kafka.extra] that the faust driver maps: onto the TLS context (broker_credentials), and
-# onto faust's per-partition fetch size (_fetch_bytes) and its poll interval (_max_poll_interval_s).
+# onto faust's per-partition fetch size (_fetch_bytes) and its poll interval and rebalance timeout
+# (_max_poll_interval_s).
 _FAUST_MAPPED_EXTRA = ("ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification",
                        "max.partition.fetch.bytes", "max.poll.interval.ms")
 _FETCH_BYTES = 8 * 1024 * 1024  # faust's consumer_max_fetch_size (aiokafka's max_partition_fetch_bytes) when unset
@@ -131,7 +136,8 @@ def _fetch_bytes(kafka: KafkaSettings) -> int:
 def _max_poll_interval_s(kafka: KafkaSettings) -> float:
     """``[kafka.extra] max.poll.interval.ms`` as faust's ``broker_max_poll_interval`` (seconds): how long a batch may
     keep the member from polling before the group drops it and hands its partitions on. Unset, librdkafka's default
-    (the kafka driver's), not faust's own 1000 s: both drivers give a stuck member up after the same time."""
+    (the kafka driver's), not faust's own 1000 s: both drivers give a stuck member up after the same time. It is
+    the rebalance timeout too (module docstring), as librdkafka's JoinGroup has it."""
     return _extra_count(kafka, "max.poll.interval.ms", MAX_POLL_INTERVAL_MS, "milliseconds") / 1000
 
 
@@ -218,6 +224,7 @@ class FaustJoinWorker:
             broker_request_timeout=_request_timeout_s(k),
             broker_heartbeat_interval=heartbeat_interval_s(k),
             broker_max_poll_interval=_max_poll_interval_s(k),
+            broker_rebalance_timeout=_max_poll_interval_s(k),  # librdkafka's JoinGroup rebalance timeout (docstring)
             consumer_auto_offset_reset="earliest",
             broker_max_poll_records=self.js.batch_max,
             consumer_max_fetch_size=_fetch_bytes(k),

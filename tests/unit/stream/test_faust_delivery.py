@@ -338,7 +338,8 @@ def _faust_consumer_timeouts(kafka: object) -> dict[str, int]:
             thread = worker.app.consumer._new_consumer_thread()  # type: ignore[attr-defined]
             c = thread._create_worker_consumer(worker.app.transport)
             return {"max.poll.interval.ms": c._max_poll_interval_ms, "session.timeout.ms": c._session_timeout_ms,
-                    "heartbeat.interval.ms": c._heartbeat_interval_ms, "request.timeout.ms": c._request_timeout_ms}
+                    "heartbeat.interval.ms": c._heartbeat_interval_ms, "request.timeout.ms": c._request_timeout_ms,
+                    "rebalance.timeout.ms": c._rebalance_timeout_ms}  # what aiokafka's JoinGroup carries
         finally:
             shutil.rmtree(worker._datadir, ignore_errors=True)
 
@@ -363,10 +364,25 @@ def test_the_faust_driver_drops_a_slow_member_after_librdkafkas_poll_interval_as
         assert _faust_consumer_timeouts(kafka) == {
             "max.poll.interval.ms": poll_ms, "session.timeout.ms": librdkafka["session.timeout.ms"],
             "heartbeat.interval.ms": pytest.approx(librdkafka["heartbeat.interval.ms"], abs=1),
-            "request.timeout.ms": 90_000}  # faust's own
+            "request.timeout.ms": 90_000,  # faust's own
+            "rebalance.timeout.ms": poll_ms}
     for bad in ("5m", "-1"):  # ("0": KafkaSettings refuses it already, as a session timeout over it)
         with pytest.raises(ConfigError, match="max.poll.interval.ms"):
             _max_poll_interval_s(KafkaSettings(extra={"max.poll.interval.ms": bad}))
+
+
+def test_a_member_busy_with_a_batch_during_a_rebalance_gets_the_poll_interval_to_rejoin_in_both_drivers() -> None:
+    """librdkafka sends ``max.poll.interval.ms`` as its JoinGroup rebalance timeout (how long the broker waits for a
+    member to rejoin before it drops it from the new generation); the faust driver's aiokafka consumer sent faust's
+    own 60 s, so a batch of a minute or more during a rebalance got the faust driver's member dropped (its partitions
+    handed on, its batch's commit refused) where the kafka driver's, given 300 s or the configured interval, stayed."""
+    from stream.config import MAX_POLL_INTERVAL_MS, KafkaSettings
+    from stream.kafka import consumer_config
+
+    for kafka in (KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # unset: librdkafka's 300 s, not faust's 60 s
+                  KafkaSettings(bootstrap_servers="127.0.0.1:9", extra={"max.poll.interval.ms": "600000"})):
+        poll_ms = consumer_config(kafka, "g").get("max.poll.interval.ms", MAX_POLL_INTERVAL_MS)
+        assert _faust_consumer_timeouts(kafka)["rebalance.timeout.ms"] == int(poll_ms)
 
 
 def test_the_faust_driver_takes_a_session_over_faust_s_request_timeout_as_the_kafka_driver_does() -> None:
