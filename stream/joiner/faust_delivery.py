@@ -579,10 +579,21 @@ class _CommittedReads(faust_aiokafka.AIOKafkaConsumerThread):
     """faust's consumer thread, its aiokafka consumer reading committed records only. faust asks aiokafka for
     ``read_uncommitted`` unless it runs exactly-once itself: an application producing impressions or clicks in
     transactions had what it aborted joined into samples by this driver (the kafka driver, librdkafka, reads committed
-    ones: ``stream.kafka.consumer_config``). Set before the consumer starts (aiokafka's fetcher reads it then)."""
+    ones: ``stream.kafka.consumer_config``). Set before the consumer starts (aiokafka's fetcher reads it then).
+
+    Its assignor is faust's co-partitioning one (``app.assignor``: partition p of both inputs to one member, as the
+    kafka driver's range assignor does) whatever ``table_standby_replicas`` says: faust falls back to aiokafka's
+    round robin for an app with no standby replicas and no tables, which with ``TABLE_STANDBY_REPLICAS=0`` in the
+    environment (faust's env names win over the worker's settings) gave impressions p and clicks p to different
+    members unless the member count divided the partition count: their clicks joined as orphans, impressions as 0s."""
 
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
+        if not hasattr(consumer, "_partition_assignment_strategy"):
+            raise RuntimeError(f"aiokafka {aiokafka_version} keeps its assignors elsewhere: the faust join driver "
+                               "cannot give partition p of both inputs to one member (stream/joiner/faust_delivery.py)")
+        self._assignor = self.app.assignor
+        consumer._partition_assignment_strategy = [self._assignor]  # aiokafka's coordinator reads it at start
         if getattr(consumer, "_isolation_level", None) not in ("read_uncommitted", "read_committed"):
             raise RuntimeError(f"aiokafka {aiokafka_version} keeps its isolation level elsewhere: the faust join "
                                "driver cannot make it read committed records only (stream/joiner/faust_delivery.py)")

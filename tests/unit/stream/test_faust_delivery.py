@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -383,6 +384,46 @@ def test_a_member_busy_with_a_batch_during_a_rebalance_gets_the_poll_interval_to
                   KafkaSettings(bootstrap_servers="127.0.0.1:9", extra={"max.poll.interval.ms": "600000"})):
         poll_ms = consumer_config(kafka, "g").get("max.poll.interval.ms", MAX_POLL_INTERVAL_MS)
         assert _faust_consumer_timeouts(kafka)["rebalance.timeout.ms"] == int(poll_ms)
+
+
+def test_the_faust_driver_gives_partition_p_of_both_inputs_to_one_member_without_standby_replicas(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """faust builds its aiokafka consumer with aiokafka's round-robin assignor when an app has no standby replicas and
+    no tables; ``TABLE_STANDBY_REPLICAS=0`` (faust's env name, which wins over the worker's settings) so split
+    impressions p and clicks p between members (the kafka driver: librdkafka's range assignor keeps them together).
+    The assignors the consumer is built with assign 4 partitions of both inputs to 3 members here."""
+    import asyncio
+    import shutil
+
+    from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+
+    from stream.config import KafkaSettings
+    from stream.idle_clock import IdleClock
+    from stream.joiner.config import JoinerSettings
+    from stream.joiner.worker import FaustJoinWorker
+
+    monkeypatch.setenv("TABLE_STANDBY_REPLICAS", "0")
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+    topics = [kafka.impressions_topic, kafka.clicks_topic]
+
+    async def assignments() -> dict[str, dict[str, list[int]]]:
+        pipeline = SimpleNamespace(held_counts={}, engines={}, processed={}, awake=IdleClock(1.0, 0.0))
+        worker = FaustJoinWorker(pipeline, kafka, JoinerSettings())  # type: ignore[arg-type]
+        try:
+            assert worker.app.conf.table_standby_replicas == 0  # the env reached faust
+            thread = worker.app.consumer._new_consumer_thread()  # type: ignore[attr-defined]
+            [assignor] = thread._create_worker_consumer(worker.app.transport)._partition_assignment_strategy
+            meta = assignor.metadata(set(topics))
+            members = {f"m{i}": ConsumerProtocolMemberMetadata(meta.version, topics, meta.user_data) for i in range(3)}
+            got = assignor.assign(SimpleNamespace(partitions_for_topic=lambda _t: set(range(4))), members)
+            return {m: dict(a.assignment) for m, a in got.items()}
+        finally:
+            shutil.rmtree(worker._datadir, ignore_errors=True)
+
+    got = asyncio.run(assignments())
+    assert sorted(p for a in got.values() for p in a[kafka.impressions_topic]) == [0, 1, 2, 3]
+    for a in got.values():
+        assert sorted(a[kafka.impressions_topic]) == sorted(a[kafka.clicks_topic])  # co-partitioned
 
 
 def test_the_faust_driver_takes_a_session_over_faust_s_request_timeout_as_the_kafka_driver_does() -> None:
