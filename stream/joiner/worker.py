@@ -224,6 +224,7 @@ class FaustJoinWorker:
             broker_request_timeout=_request_timeout_s(k),
             broker_heartbeat_interval=heartbeat_interval_s(k),
             broker_max_poll_interval=_max_poll_interval_s(k),
+            broker_client_id=k.client_id,  # [kafka] client_id, as the kafka driver (broker quotas, logs)
             broker_rebalance_timeout=_max_poll_interval_s(k),  # librdkafka's JoinGroup rebalance timeout (docstring)
             consumer_auto_offset_reset="earliest",
             broker_max_poll_records=self.js.batch_max,

@@ -340,7 +340,8 @@ def _faust_consumer_timeouts(kafka: object) -> dict[str, int]:
             c = thread._create_worker_consumer(worker.app.transport)
             return {"max.poll.interval.ms": c._max_poll_interval_ms, "session.timeout.ms": c._session_timeout_ms,
                     "heartbeat.interval.ms": c._heartbeat_interval_ms, "request.timeout.ms": c._request_timeout_ms,
-                    "rebalance.timeout.ms": c._rebalance_timeout_ms}  # what aiokafka's JoinGroup carries
+                    "rebalance.timeout.ms": c._rebalance_timeout_ms,  # what aiokafka's JoinGroup carries
+                    "client.id": c._client._client_id}
         finally:
             shutil.rmtree(worker._datadir, ignore_errors=True)
 
@@ -366,7 +367,7 @@ def test_the_faust_driver_drops_a_slow_member_after_librdkafkas_poll_interval_as
             "max.poll.interval.ms": poll_ms, "session.timeout.ms": librdkafka["session.timeout.ms"],
             "heartbeat.interval.ms": pytest.approx(librdkafka["heartbeat.interval.ms"], abs=1),
             "request.timeout.ms": 90_000,  # faust's own
-            "rebalance.timeout.ms": poll_ms}
+            "rebalance.timeout.ms": poll_ms, "client.id": kafka.client_id}
     for bad in ("5m", "-1"):  # ("0": KafkaSettings refuses it already, as a session timeout over it)
         with pytest.raises(ConfigError, match="max.poll.interval.ms"):
             _max_poll_interval_s(KafkaSettings(extra={"max.poll.interval.ms": bad}))
@@ -384,6 +385,15 @@ def test_a_member_busy_with_a_batch_during_a_rebalance_gets_the_poll_interval_to
                   KafkaSettings(bootstrap_servers="127.0.0.1:9", extra={"max.poll.interval.ms": "600000"})):
         poll_ms = consumer_config(kafka, "g").get("max.poll.interval.ms", MAX_POLL_INTERVAL_MS)
         assert _faust_consumer_timeouts(kafka)["rebalance.timeout.ms"] == int(poll_ms)
+
+
+def test_the_faust_driver_names_itself_to_the_broker_by_the_kafka_client_id_as_the_kafka_driver_does() -> None:
+    """faust sent ``faust-<version>`` as its client id whatever ``[kafka] client_id`` said: a broker's quotas and
+    request logs keyed by client id saw the faust driver as another application than the kafka driver."""
+    from stream.config import KafkaSettings
+
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9", client_id="ranking-joiner")
+    assert _faust_consumer_timeouts(kafka)["client.id"] == "ranking-joiner"
 
 
 def test_the_faust_driver_gives_partition_p_of_both_inputs_to_one_member_without_standby_replicas(
