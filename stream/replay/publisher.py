@@ -11,7 +11,8 @@
   fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error,
   Ctrl-C or SIGTERM stops flushes what it sent, and logs (stderr) the events acknowledged per topic and those not. A
   SIGTERM (a process manager's stop) during :func:`publish` in the main thread raises :class:`Terminated` where the
-  replay is, so it stops as an error does (flushing for up to ``STOP_FLUSH_S``), and exits 143.
+  replay is, so it stops as an error does (flushing for up to ``STOP_FLUSH_S``), and exits 143. A SIGTERM during
+  that flush (a process manager's second stop) cuts it short: the events acknowledged so far are logged all the same.
   Event time is counted from the first event in the order with a usable time (a source's row rejected for its time
   has ts 0 and goes out at once); a paced replay that would take over a year of wall clock (``MAX_PACED_S``: a tiny
   rate or speed, or times decades apart) is a :class:`~stream.errors.ConfigError` before anything is sent.
@@ -321,11 +322,26 @@ def _raise_on_sigterm() -> Callable[[], None]:
 def _stopped(exc: BaseException, producer: AckedProducer, total: int) -> None:
     """A replay that ``exc`` stopped part way: flush what it sent (it was lost with the producer, and the chunks
     before an error were said to be sent), and log the events acknowledged per topic and of
-    those not sent or not acknowledged (a lower bound of the acknowledged after Ctrl-C, which waits for nothing)."""
+    those not sent or not acknowledged (a lower bound of the acknowledged after Ctrl-C, which waits for nothing).
+
+    A SIGTERM while it waits (a second one, or a process manager's stop after an error) cuts the wait short: its
+    :class:`Terminated` was raised out of the flush and ended the process with neither the counts nor ``exc``'s
+    status (a traceback instead). Now the reports already in are counted (a lower bound, as after Ctrl-C), the line is
+    logged, later SIGTERMs are ignored until :func:`publish` restores the handler, and ``exc`` goes on (exit 143)."""
     timeout = 0.0 if isinstance(exc, KeyboardInterrupt) else STOP_FLUSH_S
     failed = ""
-    try:
+    try:  # the notice inside: a SIGTERM right after it is one during the flush
+        if timeout:
+            log.warning("[replay] stopping (%s): waiting up to %.0f s for what was sent to be acknowledged; a SIGTERM "
+                        "stops waiting", type(exc).__name__, timeout)
         producer.flush(timeout)
+    except Terminated:  # raised only in the main thread, where the handler may be set
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a third one must not lose the count either
+        failed = " (its flush cut short by a SIGTERM)"
+        try:
+            producer.flush(0)  # the reports already in: counted, the rest as unacknowledged
+        except Exception:  # noqa: BLE001 - messages still unanswered: what acked_total then claims is a lower bound
+            pass
     except Exception as flush_exc:  # noqa: BLE001 - the note says it; exc is what goes on
         failed = f" (its flush: {flush_exc})"
     acked = dict(sorted(producer.acked_total.items()))

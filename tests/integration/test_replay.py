@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,7 +34,8 @@ from stream.replay.movielens import CLICK_MIN_RATING, load_movielens, read_movie
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from streamrec.cli import main
-from streamrec.stack import free_port
+from streamrec.stack import free_port, tansu_binary
+from tests.integration.test_faults import Service
 from tests.kafka_io import read_topic
 from tests.monitoring_io import metric, scrape
 
@@ -328,3 +330,51 @@ def test_a_sigterm_mid_replay_delivers_what_was_sent_says_how_many_and_exits_143
     counts = {t: n for t, n in sorted({kafka.clicks_topic: len(clicks), kafka.impressions_topic: len(imps)}.items())
               if n}
     assert f"acknowledged per topic {counts}" in err, err
+
+
+def test_a_second_sigterm_cuts_the_stop_flush_short_and_still_logs_the_acknowledged_counts_and_exits_143(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """The first SIGTERM flushes what was sent for up to 30 s; a second one (a process manager that stops again, or
+    an operator who will not wait) was raised out of that flush: the counts were never logged. Here the replay's own
+    broker is frozen (SIGSTOP) before the first SIGTERM, so the flush waits; the second SIGTERM, sent once the replay
+    says it is waiting, ends it with the per-topic line (a lower bound) and a SIGTERM's status."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                      "--storage-engine", "memory://tansu/"], port)
+    broker.start()
+    own = dataclasses.replace(kafka, bootstrap_servers=f"127.0.0.1:{port}")
+    metrics_port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(_replay_config(
+        tmp_path, own)), "--dataset", "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port",
+        str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    series = f'streamrec_events_total{{stage="replay",topic="{own.impressions_topic}"}}'
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:  # until some events went out
+            if (metric(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), series) or 0) > 0:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the replay ended before it was stopped"
+        assert broker.proc is not None and proc.stderr is not None
+        broker.proc.send_signal(signal.SIGSTOP)  # nothing sent from now on is acknowledged: the stop's flush waits
+        proc.send_signal(signal.SIGTERM)
+        for line in proc.stderr:  # until it says it waits
+            lines.append(line)
+            if "stopping (Terminated): waiting up to" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        rc = proc.wait(timeout=60)
+        err = "".join(lines) + proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if broker.proc is not None:
+            broker.proc.send_signal(signal.SIGCONT)
+        broker.stop()
+    assert rc == 128 + signal.SIGTERM, (rc, err)
+    assert "Traceback" not in err, err
+    assert re.search(r"\[replay\] stopped \(Terminated\) after sending part of its \d+ events: acknowledged per "
+                     r"topic \{.*\}; \d+ events not sent or not acknowledged \(its flush cut short by a SIGTERM\)",
+                     err), err
