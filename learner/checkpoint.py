@@ -476,6 +476,10 @@ def remove_torn(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return removed
     for path in directory.iterdir():
+        if path.name.startswith(_PREFIX) and path.suffix == ".json" and not path.with_suffix(".pt").exists():
+            with contextlib.suppress(OSError):  # a sidecar whose checkpoint was never written (:func:`save`)
+                path.unlink()
+            continue
         temp = temp_of(path)
         if temp is None or not temp[0].startswith(_PREFIX) or leftover_writer_alive(temp[1]):
             continue
@@ -499,6 +503,12 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     foreign newest file, reported then) or another writer's. Counted, they took the place of good ones, and with
     ``keep = 1`` every checkpoint the learner wrote was deleted as soon as it was written, in silence.
 
+    The sidecar is written first, the ``.pt`` last: the ``.pt``'s rename is the save (a restart loads the newest
+    ``.pt``, meta and all). Written after it, a sidecar that failed (a full disk) left the ``.pt`` in place: the save
+    counted as failed (exit 1 at exit) while the restart resumed from it, and ``--status`` reported the older
+    checkpoint (its sidecar) as the one a restart reads. Now a failed save leaves no ``.pt``: the previous pair is what
+    both read.
+
     :class:`stream.files.NotDurable` (raised after both files are written, before any pruning): the checkpoint is in
     place and a restart reads it, but the directory's fsync after a rename failed, so a power loss may undo it. Nothing
     is pruned then (the older ones are what such a loss leaves); the caller treats it as written, not as failed."""
@@ -512,14 +522,19 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     except NotDurable as exc:  # LINEAGE's, before any checkpoint file: a failed checkpoint, not one written
         raise OSError(exc.errno, str(exc)) from exc
     name = f"{_PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}"
-    path = directory / f"{name}.pt"
+    path, sidecar = directory / f"{name}.pt", directory / f"{name}.json"
     unsure = None
-    for target, data in ((path, lambda fh: torch_save({"meta": meta, **state}, fh)),  # a failed write: its OSError
-                         (directory / f"{name}.json", json.dumps(meta, default=str).encode())):
+    for target, data in ((sidecar, json.dumps(meta, default=str).encode()),  # the .pt last: its rename is the save
+                         (path, lambda fh: torch_save({"meta": meta, **state}, fh))):  # a failed write: its OSError
         try:
             write_atomic(target, data)
         except NotDurable as exc:  # in place (a restart reads it), its rename not known durable: go on, then say so
             unsure = unsure or exc
+        except BaseException:
+            if target == path:  # a sidecar without its checkpoint is never read (:func:`latest_meta`); removed
+                with contextlib.suppress(OSError):  # (else by the next save's :func:`remove_torn`)
+                    sidecar.unlink(missing_ok=True)
+            raise
     if unsure is not None:  # keep the older ones: a power loss may undo this one's rename, not their removal
         raise unsure
     older = [p for p in list_checkpoints(directory) if p.name < path.name]

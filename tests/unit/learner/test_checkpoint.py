@@ -3,6 +3,7 @@ newer ones refused, damaged newest files skipped, and a safe load that runs no c
 
 from __future__ import annotations
 
+import errno
 import json
 import tempfile
 from pathlib import Path
@@ -191,6 +192,34 @@ def test_a_checkpoint_that_fills_the_disk_raises_its_os_error_not_torchs_runtime
     assert out.stdout.strip() == "OSError EFBIG", out.stdout + out.stderr[-2000:]
     assert ck.list_checkpoints(tmp_path) == [first]
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("fails", [".json", ".pt"])
+def test_a_save_whose_second_file_fails_leaves_the_previous_pair_for_both_the_restart_and_the_status(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """The ``.pt`` was written first, its sidecar second: a sidecar that failed (ENOSPC) left the new ``.pt`` in
+    place, so the save raised (exit 1 at the learner's exit) while a restart resumed from it, and ``--status`` (the
+    sidecars) named the older checkpoint. Whichever file fails now, the save raises and leaves nothing of itself: the
+    restart and the status both read the previous checkpoint, and the next save succeeds with no orphan left."""
+    first = ck.save(tmp_path, state(), meta(100))
+    real = ck.write_atomic
+
+    def full_disk(target: Path, data: object) -> None:
+        if target.suffix == fails:
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        real(target, data)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:
+        m.setattr(ck, "write_atomic", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            ck.save(tmp_path, state(), meta(200))
+    restored = ck.restore_latest(tmp_path)
+    assert restored is not None and (restored.path, restored.samples_trained) == (first, 100)
+    status = ck.latest_meta(tmp_path)
+    assert status is not None and (status["path"], status["samples_trained"]) == (str(first), 100)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == sorted([first.name, first.with_suffix(".json").name])
+    later = ck.save(tmp_path, state(), meta(300))
+    assert ck.list_checkpoints(tmp_path) == [first, later] and later.with_suffix(".json").exists()
 
 
 def test_a_bit_flipped_inside_the_newest_checkpoints_weights_fails_its_crc_and_the_previous_one_is_used(
