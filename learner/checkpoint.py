@@ -51,6 +51,7 @@ A file of a newer version than this streamrec reads is a :class:`CheckpointError
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import io
 import json
@@ -98,6 +99,21 @@ _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
 
 class CheckpointError(StreamrecError):
     """A checkpoint file this streamrec cannot use (a newer format, not a checkpoint); names file and fix."""
+
+
+class ExitCheckpointFailed(StreamrecError):
+    """The checkpoint at a learner's exit could not be written (a full disk, a read-only or vanished directory): one
+    line naming the path and the errno (:func:`exit_save_failed`), exit 1 at the CLI instead of a traceback. The
+    ``OSError`` is its ``__cause__``."""
+
+
+def exit_save_failed(directory: Path, exc: OSError) -> ExitCheckpointFailed:
+    """The error of an exit checkpoint that raised ``exc``: what a restart resumes from, and the fix."""
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return ExitCheckpointFailed(
+        f"the checkpoint at exit could not be written to {directory}: {describe_os_error(exc)} [errno {code}]; a "
+        "restart resumes from the newest checkpoint written before and trains what came after it again. Free space "
+        "or fix the directory, then restart")
 
 
 @dataclass(frozen=True)

@@ -630,7 +630,10 @@ class Learner:
                 self.deltas.write(self.trainer.model, self.trainer.samples)
             except OSError as exc:  # the pending list keeps the rows: the first delta after a restart sends them
                 log.warning("the last delta could not be written at exit (%s); it goes out after a restart", exc)
-        self.save()
+        try:  # not optional (module docstring): it fails the run, in one line naming the path and the errno
+            self.save()
+        except OSError as exc:
+            raise checkpoint.exit_save_failed(Path(ls.checkpoint_dir), exc) from exc
         return self.summary(reason=reason)
 
     def _train(self, batch: TensorBatch) -> None:

@@ -1,6 +1,6 @@
 """The checkpoint at exit failing (a full disk): the learner stops with an error, commits no group offset past its
 last durable checkpoint, and a restart trains exactly what that checkpoint had not (README "Runs": "the one at exit
-must succeed (else exit 1 ...)")."""
+must succeed (else exit 1 ...)"); ``streamrec train`` says so in one line naming the path and the errno."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from learner.config import LearnerSettings
 from learner.daemon import Learner
 from stream.config import KafkaSettings
 from stream.kafka import ensure_topics
+from streamrec.cli import main
 from tests.integration.test_learner import produce_samples
 
 
@@ -37,12 +38,13 @@ def test_a_full_disk_at_the_exit_checkpoint_stops_with_its_error_commits_nothing
     try:
         with monkeypatch.context() as m:
             m.setattr(checkpoint, "save", first_only)
-            with pytest.raises(OSError, match="No space"):
+            with pytest.raises(checkpoint.ExitCheckpointFailed, match=r"\[errno ENOSPC\]") as failed:
                 learner.run()  # the periodic failures survived, the one at exit raised (exit 1 at the CLI)
         committed = {tp.partition: tp.offset for tp in learner._group.committed(
             [TopicPartition(kafka.samples_topic, p) for p in range(4)], timeout=10)}
     finally:
         learner.close()
+    assert str(ls.checkpoint_dir) in str(failed.value) and isinstance(failed.value.__cause__, OSError)
     assert len(saves) >= 2 and learner.trainer is not None and learner.trainer.samples == sum(produced.values())
     durable = checkpoint.load_latest(ls.checkpoint_dir)
     assert durable is not None and durable.samples_trained == saves[0] < sum(produced.values())
@@ -55,3 +57,29 @@ def test_a_full_disk_at_the_exit_checkpoint_stops_with_its_error_commits_nothing
     # the restart trains what the durable checkpoint had not, once: every row trained once in all
     assert summary["samples_trained"] == sum(produced.values())
     assert {int(p): n for p, n in summary["partition_rows"].items()} == produced
+
+
+def test_a_full_disk_at_the_exit_checkpoint_is_one_line_naming_the_path_and_errno_from_streamrec_train(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """The OSError of the exit checkpoint (ENOSPC) left ``streamrec train`` as a Python traceback; it is now one
+    ``streamrec train: error:`` line naming the checkpoint directory and the errno, exit 1."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=4)
+    produce_samples(kafka, 4, 20, 0.0)
+    ckpt = tmp_path / "ckpt"
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\n'
+                   f'samples_topic = "{kafka.samples_topic}"\n'
+                   f'[learner]\ncheckpoint_dir = "{ckpt}"\nmlp = "16"\nbuckets = 500\nctx_buckets = 50\n'
+                   f'embedding_dim = 4\ngroup_id = "g-{kafka.samples_topic}"\nbatch_rows = 20\n')
+
+    def full_disk(directory: Path, state: dict, meta: dict, keep: int = 3) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "ckpt-x.pt"))
+
+    monkeypatch.setattr(checkpoint, "save", full_disk)
+    rc = main(["train", "--config", str(cfg), "--exit-when-idle", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "Traceback" not in err, err
+    line = next(ln for ln in err.splitlines() if ln.startswith("streamrec train: error:"))
+    assert str(ckpt) in line and "[errno ENOSPC]" in line and "the file system is full" in line, line
